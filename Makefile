@@ -1,0 +1,33 @@
+# Both targets build .venv with Python >= 3.12 on a fresh machine, install staronnx into it,
+# then run the demo / the tests.
+VENV   := .venv
+PYTHON := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+
+.PHONY: demo test venv clean
+
+demo: $(STAMP)
+	$(VENV)/bin/staronnx demo
+
+test: $(STAMP)
+	$(PYTHON) -m pytest -q
+
+venv: $(STAMP)
+
+# pyenv's python3.12 shim exists but fails when 3.12 is not the selected version, so every
+# candidate is tried for real before it is used.
+$(PYTHON):
+	@py=""; for c in python3.12 python3.13 $$HOME/.pyenv/versions/3.12*/bin/python3.12 \
+	    $$HOME/.pyenv/versions/3.13*/bin/python3.13 /usr/bin/python3.12 /usr/local/bin/python3.12; do \
+	  if $$c -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then py=$$c; break; fi; \
+	done; \
+	if [ -z "$$py" ]; then echo "staronnx needs Python >= 3.12 (python3.12 not found)" >&2; exit 1; fi; \
+	echo "creating $(VENV) with $$py"; $$py -m venv $(VENV)
+
+$(STAMP): $(PYTHON) pyproject.toml
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

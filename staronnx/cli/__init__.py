@@ -1,0 +1,53 @@
+"""The ``staronnx`` command line.
+
+Each command group lives in its own module and registers itself on :data:`app`; this module
+only assembles them and turns :class:`~staronnx.errors.StaronnxError` into one clear line and
+exit code 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from staronnx.errors import StaronnxError
+
+app = typer.Typer(
+    name="staronnx",
+    help="Run ONNX models on every processor of a server at once.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Modules under staronnx.cli that define commands; each exposes register(app).
+_COMMAND_MODULES = [
+    "partition_cmds",
+    "demo_cmd",
+]
+
+for _name in _COMMAND_MODULES:
+    importlib.import_module(f"staronnx.cli.{_name}").register(app)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app, mapping user errors to exit code 2 with a one-line message."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except StaronnxError as exc:
+        print(f"staronnx: error: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    except typer.Exit as exc:  # pragma: no cover - typer control flow
+        raise SystemExit(exc.exit_code) from None
+    except typer.Abort:
+        print("staronnx: aborted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as exc:
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        raise

@@ -1,0 +1,34 @@
+"""Errors a user can act on.
+
+Every failure that stems from what the user gave us (a file, a shape, a share, a flag) is a
+:class:`StaronnxError`. The CLI turns these into one line naming the cause and exit code 2, so
+scripts can tell "you asked for something impossible" from "staronnx crashed".
+"""
+
+from __future__ import annotations
+
+
+class StaronnxError(Exception):
+    """Base of all errors caused by user input or environment, never by a staronnx bug."""
+
+    exit_code: int = 2
+
+
+class ModelError(StaronnxError, ValueError):
+    """The ONNX model cannot be read, is not ONNX, or cannot be used as given."""
+
+
+class PartitionError(StaronnxError, ValueError):
+    """The partition request is impossible (bad shares, too many parts, ...)."""
+
+
+class PlanError(StaronnxError, ValueError):
+    """A plan folder is missing, incomplete, or does not match what it claims."""
+
+
+class InputError(StaronnxError, ValueError):
+    """A feed does not match a signature: wrong name, dtype, rank or fixed dimension."""
+
+
+class DeviceError(StaronnxError, RuntimeError):
+    """A requested device or execution provider is not available on this machine."""
