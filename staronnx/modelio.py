@@ -1,0 +1,213 @@
+"""Reading ONNX models the way every staronnx command needs them.
+
+A user hands us a path (or a ModelProto); before anything else we want one clear error for a
+missing, truncated or non-ONNX file, the model's content hash (plans record it so a plan can be
+matched to its source), and unique node names (the ORT profiler and the partitioner identify
+nodes by name). Models over 2 GB keep their weights in external files; everything here works
+on them without serialising the whole model into one protobuf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from staronnx.errors import ModelError
+
+#: protobuf cannot serialise a message over 2 GiB; stay clear of the limit.
+PROTOBUF_LIMIT = 2**31 - 2**24
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for partitioning, with where it came from."""
+
+    model: onnx.ModelProto
+    path: Path | None
+    sha256: str
+
+    @property
+    def graph(self) -> onnx.GraphProto:
+        return self.model.graph
+
+
+def file_sha256(path: Path, extra: list[Path] | None = None) -> str:
+    """Content hash of a model file (and its external data files), streamed to bound memory."""
+    digest = hashlib.sha256()
+    for p in [path, *(extra or [])]:
+        with open(p, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _external_files(model: onnx.ModelProto, base: Path) -> list[Path]:
+    """External data files a model refers to, in a stable order."""
+    names: set[str] = set()
+    for tensor in _all_initializers(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location":
+                    names.add(entry.value)
+    return [base / n for n in sorted(names)]
+
+
+def _all_initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    return list(model.graph.initializer)
+
+
+def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> LoadedModel:
+    """Load and validate a model; raise :class:`ModelError` naming the cause when it is unusable."""
+    if isinstance(model_or_path, onnx.ModelProto):
+        model = onnx.ModelProto()
+        model.CopyFrom(model_or_path)
+        digest = hashlib.sha256(_stripped_bytes(model)).hexdigest()
+        path = None
+    else:
+        path = Path(model_or_path)
+        if not path.exists():
+            raise ModelError(f"model file not found: {path}")
+        if path.is_dir():
+            raise ModelError(f"model path is a directory, not an ONNX file: {path}")
+        if path.stat().st_size == 0:
+            raise ModelError(f"model file is empty: {path}")
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:  # protobuf raises DecodeError, but be broad: any parse failure
+            raise ModelError(
+                f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}"
+            ) from None
+        externals = _external_files(model, path.parent)
+        missing = [p for p in externals if not p.exists()]
+        if missing:
+            raise ModelError(f"{path}: external data file missing: {missing[0]}")
+        try:
+            onnx.load_external_data_for_model(model, str(path.parent))
+        except Exception as exc:
+            raise ModelError(f"{path}: cannot read external data: {exc}") from None
+        digest = file_sha256(path, externals)
+    _check(model, path)
+    name_nodes(model.graph)
+    return LoadedModel(model=model, path=path, sha256=digest)
+
+
+def _stripped_bytes(model: onnx.ModelProto) -> bytes:
+    """Serialisable bytes of a model, large weights replaced by their digests (for hashing)."""
+    if model_nbytes(model) < PROTOBUF_LIMIT:
+        return model.SerializeToString(deterministic=True)
+    stripped = strip_weights(model)
+    digest = hashlib.sha256(stripped.SerializeToString(deterministic=True))
+    for t in model.graph.initializer:
+        digest.update(t.raw_data)
+    return digest.digest()
+
+
+def _check(model: onnx.ModelProto, path: Path | None) -> None:
+    graph = model.graph
+    where = str(path) if path else "model"
+    if not model.HasField("graph") or (len(graph.node) == 0 and len(graph.output) == 0):
+        raise ModelError(f"{where} has no graph (empty or not an ONNX model)")
+    init_names = {t.name for t in graph.initializer}
+    real_inputs = [i for i in graph.input if i.name not in init_names]
+    if not real_inputs:
+        raise ModelError(f"{where} has no inputs: nothing to feed, nothing to partition")
+    if len(graph.output) == 0:
+        raise ModelError(f"{where} has no outputs")
+    if len(graph.node) == 0:
+        raise ModelError(f"{where} has no nodes")
+    try:
+        if model_nbytes(model) < PROTOBUF_LIMIT:
+            onnx.checker.check_model(model)
+        elif path is not None:
+            onnx.checker.check_model(str(path))  # reads external data by path, no 2 GB limit
+    except onnx.checker.ValidationError as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise ModelError(f"{where} fails the ONNX checker: {first}") from None
+
+
+def name_nodes(graph: onnx.GraphProto) -> None:
+    """Give every top-level node a unique, non-empty name (in place).
+
+    ORT's profiler reports per-node times by name and plans list nodes by name, so an empty or
+    duplicated name would silently merge two nodes' costs.
+    """
+    seen: set[str] = set()
+    for i, node in enumerate(graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        while name in seen:
+            name = f"{name}_{i}"
+        node.name = name
+        seen.add(name)
+
+
+def model_nbytes(model: onnx.ModelProto) -> int:
+    """Approximate serialised size, dominated by weights, without serialising."""
+    total = 0
+    for t in model.graph.initializer:
+        total += len(t.raw_data) if t.raw_data else tensor_nbytes(t)
+    for node in model.graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.TENSOR:
+                total += len(attr.t.raw_data) if attr.t.raw_data else tensor_nbytes(attr.t)
+    return total + 1_000_000
+
+
+def tensor_nbytes(t: onnx.TensorProto) -> int:
+    """Bytes a tensor's values take, from its dims and type."""
+    count = int(np.prod(t.dims)) if len(t.dims) else 1
+    return count * dtype_itemsize(t.data_type)
+
+
+def dtype_itemsize(elem_type: int) -> int:
+    """Bytes per element of an ONNX element type (strings count as 8, an estimate)."""
+    if elem_type == onnx.TensorProto.STRING:
+        return 8
+    try:
+        return int(np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
+    except Exception:
+        return 4
+
+
+def strip_weights(model: onnx.ModelProto, threshold: int = 1024) -> onnx.ModelProto:
+    """A copy of the model whose large initializers point to no data.
+
+    Shape inference and the checker only need initializer dims and types, and this keeps them
+    working on models over the 2 GB protobuf limit. The copy is never run or saved.
+    """
+    stripped = onnx.ModelProto()
+    stripped.CopyFrom(model)  # an in-memory copy: no serialisation, so no 2 GB limit
+    for t in stripped.graph.initializer:
+        large = bool(t.raw_data) and len(t.raw_data) > threshold
+        if large or t.data_location == onnx.TensorProto.EXTERNAL:
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            del t.external_data[:]
+            t.external_data.add(key="location", value="__staronnx_stripped__")
+            t.external_data.add(key="length", value=str(tensor_nbytes(t)))
+    return stripped
+
+
+def save_model(model: onnx.ModelProto, path: Path) -> None:
+    """Save a model, moving weights to an external file when it would exceed protobuf's limit."""
+    if model_nbytes(model) >= PROTOBUF_LIMIT:
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
+    else:
+        onnx.save_model(model, str(path))
+
+
+def initializer_array(t: onnx.TensorProto) -> np.ndarray:
+    """An initializer's values as numpy (used to size Gather tables for integer feeds)."""
+    return numpy_helper.to_array(t)

@@ -1,0 +1,181 @@
+"""``staronnx.partition()``: a model in, a k-part acyclic plan out.
+
+The steps are the ones DESIGN.md lists: check the request, load and shape-infer the model,
+measure node costs on the target device, cut (METIS + acyclic repair, or the linear baseline),
+export the parts atomically.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import onnx
+
+from staronnx.errors import PartitionError
+from staronnx.modelio import load_model
+from staronnx.partition.acyclic import CutModel, Refiner, make_acyclic, score
+from staronnx.partition.costs import NodeCosts, estimated_costs, profile_costs
+from staronnx.partition.export import write_plan
+from staronnx.partition.graph import ModelGraph, build_graph
+from staronnx.partition.linear import linear_ranks
+from staronnx.partition.metis import metis_parts
+from staronnx.plan import Plan, check_output_dir
+
+#: A method maps (graph, costs, targets, seed, tolerance) to a part index per vertex such that
+#: every edge goes from a part to the same or a later one.
+Method = Callable[[ModelGraph, np.ndarray, np.ndarray, int, float], np.ndarray]
+
+
+def _metis(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed: int, tol: float) -> np.ndarray:
+    """Best acyclic plan over a few METIS seeds (METIS's result varies a lot with the seed)."""
+    cm = CutModel.from_graph(graph, costs)
+    best, best_score = None, math.inf
+    for trial in range(4):
+        parts = metis_parts(graph, costs, targets, seed + trial)
+        ranks = make_acyclic(cm, parts, targets, tol=tol, seed=seed + trial)
+        s = score(cm, ranks, targets, tol)
+        if s < best_score:
+            best, best_score = ranks, s
+    assert best is not None
+    return best
+
+
+def _linear(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed: int, tol: float) -> np.ndarray:
+    return linear_ranks(costs, targets)
+
+
+METHODS: dict[str, Method] = {"metis": _metis, "linear": _linear}
+
+
+def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> list[float]:
+    """Target cost share per part, in execution order; equal shares when only k is given."""
+    if shares is not None and parts is not None:
+        if isinstance(shares, str):
+            shares = [float(s) for s in shares.split(",")]
+        if len(shares) != parts:
+            raise PartitionError(f"--shares lists {len(shares)} parts but --parts is {parts}")
+    if shares is None:
+        if parts is None:
+            parts = 2
+        if parts < 1:
+            raise PartitionError(f"--parts must be at least 1, got {parts}")
+        return [1.0 / parts] * parts
+    if isinstance(shares, str):
+        try:
+            shares = [float(s) for s in shares.split(",") if s.strip()]
+        except ValueError:
+            raise PartitionError(f"--shares must be comma-separated numbers, got {shares!r}") from None
+    values = [float(s) for s in shares]
+    if not values:
+        raise PartitionError("--shares is empty")
+    if any(not math.isfinite(s) or s <= 0 for s in values):
+        raise PartitionError(f"every share must be positive, got {values}")
+    if abs(sum(values) - 1.0) > 1e-6:
+        raise PartitionError(f"shares must sum to 1 (within 1e-6), got {values} summing to {sum(values):.6g}")
+    return values
+
+
+def parse_input_shapes(items: Sequence[str] | dict[str, Sequence[int]] | None) -> dict[str, list[int]]:
+    """``NAME=1x3x224x224`` strings (or a dict) into name -> dims."""
+    if not items:
+        return {}
+    if isinstance(items, dict):
+        return {k: [int(d) for d in v] for k, v in items.items()}
+    shapes: dict[str, list[int]] = {}
+    for item in items:
+        name, sep, dims = item.rpartition("=")
+        try:
+            values = [int(d) for d in dims.lower().split("x")]
+        except ValueError:
+            values = []
+        if not sep or not name or not values or any(d <= 0 for d in values):
+            raise PartitionError(f"--input-shape expects NAME=D1xD2x..., got {item!r}")
+        shapes[name] = values
+    return shapes
+
+
+def partition(
+    model_or_path: onnx.ModelProto | str | os.PathLike[str],
+    shares: Sequence[float] | str | None = None,
+    *,
+    parts: int | None = None,
+    output_dir: str | os.PathLike[str] | None = None,
+    method: str = "metis",
+    device: str = "cpu",
+    input_shapes: Sequence[str] | dict[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    costs: str = "profile",
+    profile_batch: int = 8,
+    profile_runs: int = 5,
+    tolerance: float = 0.02,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Cut a model into weighted parts that run in sequence with the whole model's outputs.
+
+    ``shares`` are the target cost shares per part in execution order (e.g. ``[0.85, 0.15]``);
+    alternatively ``parts=k`` asks for k equal shares. Costs are measured on ``device`` with
+    ORT's profiler (``costs="estimate"`` uses FLOP/byte estimates only). Without
+    ``output_dir`` the plan is written to a new temporary folder.
+    """
+    say = progress or (lambda _msg: None)
+    targets = np.array(parse_shares(shares, parts))
+    if method not in METHODS:
+        raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if costs not in ("profile", "estimate"):
+        raise PartitionError(f"unknown cost source {costs!r}; use 'profile' or 'estimate'")
+    if not 0 < tolerance < 1:
+        raise PartitionError(f"tolerance must be in (0, 1), got {tolerance}")
+    shapes = parse_input_shapes(input_shapes)
+    if output_dir is None:
+        out = Path(tempfile.mkdtemp(prefix="staronnx-plan-"))
+    else:
+        out = Path(output_dir)
+        check_output_dir(out, force)
+    if device == "cuda":
+        from staronnx.ortutil import providers_for
+
+        providers_for("cuda")  # fail before any work when CUDA is absent
+
+    say("loading model")
+    loaded = load_model(model_or_path)
+    graph = build_graph(loaded, shapes)
+    k = len(targets)
+    if k > len(graph):
+        raise PartitionError(
+            f"cannot cut {len(graph)} node(s) into {k} parts: k must not exceed the node count"
+        )
+    if costs == "profile":
+        say(f"profiling {len(graph)} nodes on {device} (batch {profile_batch}, {profile_runs} runs)")
+        node_costs: NodeCosts = profile_costs(
+            graph, device=device, batch=profile_batch, runs=profile_runs, input_shapes=shapes, seed=seed
+        )
+    else:
+        node_costs = estimated_costs(graph, batch=profile_batch)
+    say(f"cutting into {k} parts with {method}")
+    ranks = METHODS[method](graph, node_costs.micros, targets, seed, tolerance)
+    cm = CutModel.from_graph(graph, node_costs.micros)
+    if not cm.is_monotone(ranks) or len(set(ranks.tolist())) != k:
+        raise PartitionError(f"method {method!r} produced an invalid cut (a bug: please report)")
+    settings = {
+        "method": method,
+        "shares": [float(t) for t in targets],
+        "parts": k,
+        "device": device,
+        "seed": seed,
+        "costs": costs,
+        "profile_batch": profile_batch,
+        "profile_runs": profile_runs,
+        "tolerance": tolerance,
+        "input_shapes": {n: list(d) for n, d in shapes.items()},
+    }
+    say(f"exporting {k} parts to {out}")
+    return write_plan(graph, ranks, node_costs, list(targets), settings, out)
+
+
+__all__ = ["partition", "METHODS", "parse_shares", "parse_input_shapes", "Refiner"]

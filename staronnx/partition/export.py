@@ -1,0 +1,230 @@
+"""Turning a ranked vertex assignment into standalone part models and a plan folder.
+
+Each part is a checker-valid ONNX model: its own nodes in topological order, copies of the
+initializers and Constant nodes it reads, inputs for the model inputs and crossing tensors it
+reads (batch dimensions symbolic), outputs for what other parts or the caller read. The folder
+is written under a temporary name and renamed into place, so an interrupted run leaves no half
+plan behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from staronnx.errors import PartitionError
+from staronnx.feeds import integer_ranges
+from staronnx.modelio import file_sha256, save_model
+from staronnx.partition.costs import NodeCosts
+from staronnx.partition.graph import ModelGraph
+from staronnx.plan import PartSpec, Plan, TensorSpec, publish_dir
+
+
+def _value_info(graph: ModelGraph, name: str) -> onnx.ValueInfoProto:
+    info = graph.tensors.get(name)
+    if info is None or not info.elem_type:
+        raise PartitionError(f"cannot export tensor {name!r}: its element type is unknown")
+    return helper.make_tensor_value_info(name, info.elem_type, info.sym_shape)
+
+
+def _part_model(
+    graph: ModelGraph, members: list[int], inputs: list[str], outputs: list[str], index: int
+) -> onnx.ModelProto:
+    src = graph.model
+    needed = {t for v in members for t in graph.node_inputs[v]}
+    consts = [graph.const_nodes[t] for t in graph.const_nodes if t in needed]
+    inits = [graph.initializers[t] for t in graph.initializers if t in needed]
+    g = helper.make_graph(
+        nodes=[*consts, *(graph.nodes[v] for v in members)],
+        name=f"{src.graph.name or 'model'}_part{index}",
+        inputs=[_value_info(graph, t) for t in inputs],
+        outputs=[_value_info(graph, t) for t in outputs],
+        initializer=inits,
+    )
+    model = helper.make_model(
+        g, opset_imports=list(src.opset_import), producer_name="staronnx", ir_version=src.ir_version
+    )
+    model.functions.extend(src.functions)
+    return model
+
+
+def build_plan_layout(
+    graph: ModelGraph, ranks: np.ndarray
+) -> tuple[list[list[int]], list[list[str]], list[list[str]]]:
+    """Members, inputs and outputs of each part, in deterministic order."""
+    k = int(ranks.max()) + 1
+    members = [[v for v in range(len(graph)) if ranks[v] == r] for r in range(k)]
+    model_inputs = [i.name for i in graph.inputs]
+    model_outputs = set(graph.outputs)
+    inputs: list[list[str]] = []
+    outputs: list[list[str]] = []
+    for r in range(k):
+        reads: list[str] = []
+        for v in members[r]:
+            for t in graph.node_inputs[v]:
+                if t in graph.producer and ranks[graph.producer[t]] == r:
+                    continue
+                if t in graph.initializers or t in graph.const_nodes:
+                    continue
+                reads.append(t)
+        reads = list(dict.fromkeys(reads))
+        inputs.append([t for t in model_inputs if t in reads] + [t for t in reads if t not in model_inputs])
+        outs: list[str] = []
+        for v in members[r]:
+            for t in graph.nodes[v].output:
+                if not t:
+                    continue
+                read_elsewhere = any(ranks[c] != r for c in graph.consumers.get(t, []))
+                if t in model_outputs or read_elsewhere:
+                    outs.append(t)
+        outputs.append(outs)
+    return members, inputs, outputs
+
+
+def write_plan(
+    graph: ModelGraph,
+    ranks: np.ndarray,
+    costs: NodeCosts,
+    targets: list[float],
+    settings: dict[str, Any],
+    directory: Path,
+) -> Plan:
+    """Export every part and plan.json into ``directory`` atomically; return the loaded Plan."""
+    members, inputs, outputs = build_plan_layout(graph, ranks)
+    k = len(members)
+    directory = Path(directory).absolute()
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        total = float(costs.micros.sum()) or 1.0
+        parts: list[PartSpec] = []
+        for r in range(k):
+            model = _part_model(graph, members[r], inputs[r], outputs[r], r)
+            path = staging / f"part{r}.onnx"
+            save_model(model, path)
+            try:
+                onnx.checker.check_model(str(path))
+            except onnx.checker.ValidationError as exc:
+                raise PartitionError(f"part {r} fails the ONNX checker: {exc}") from None
+            extra = [staging / (path.name + ".data")] if (staging / (path.name + ".data")).exists() else []
+            cost = float(costs.micros[members[r]].sum())
+            parts.append(
+                PartSpec(
+                    index=r,
+                    file=path.name,
+                    inputs=inputs[r],
+                    outputs=outputs[r],
+                    nodes=len(members[r]),
+                    op_counts=dict(Counter(graph.nodes[v].op_type for v in members[r]).most_common()),
+                    cost_us=round(cost, 3),
+                    share=round(cost / total, 6),
+                    target_share=float(targets[r]),
+                    sha256=file_sha256(path, extra),
+                )
+            )
+        plan = Plan(
+            root=directory,
+            parts=parts,
+            inputs=_input_specs(graph, inputs),
+            outputs=_output_specs(graph, outputs),
+            crossing=_crossing_specs(graph, inputs, outputs),
+            cut_bytes_per_sample=0,
+            source={
+                "path": str(graph.loaded.path) if graph.loaded.path else None,
+                "sha256": graph.loaded.sha256,
+                "nodes": len(graph.model.graph.node),
+                "opset": {o.domain or "ai.onnx": o.version for o in graph.model.opset_import},
+            },
+            settings=settings,
+            cost_source=costs.source,
+        )
+        plan.cut_bytes_per_sample = sum(
+            t.bytes_per_sample * len(t.consumers) for t in plan.crossing
+        )
+        plan.hash = plan.compute_hash()
+        plan.write_json(staging)
+        _fsync_dir(staging)
+        publish_dir(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return Plan.load(directory)
+
+
+def _fsync_dir(path: Path) -> None:
+    for child in path.iterdir():
+        with open(child, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _input_specs(graph: ModelGraph, part_inputs: list[list[str]]) -> list[TensorSpec]:
+    ranges = integer_ranges(graph.model)
+    specs = []
+    for spec in graph.inputs:
+        info = graph.tensors.get(spec.name)
+        specs.append(
+            TensorSpec(
+                name=spec.name,
+                dtype=spec.dtype,
+                shape=list(spec.shape),
+                bytes_per_sample=info.bytes_per_sample if info else 0,
+                batched=bool(info and info.batched),
+                producer=None,
+                consumers=[r for r, ins in enumerate(part_inputs) if spec.name in ins],
+                value_range=list(ranges[spec.name]) if spec.name in ranges else None,
+            )
+        )
+    return specs
+
+
+def _output_specs(graph: ModelGraph, part_outputs: list[list[str]]) -> list[TensorSpec]:
+    specs = []
+    for name in graph.outputs:
+        info = graph.tensors[name]
+        producer = next(r for r, outs in enumerate(part_outputs) if name in outs)
+        specs.append(
+            TensorSpec(
+                name=name,
+                dtype=info.dtype,
+                shape=list(info.sym_shape or []),
+                bytes_per_sample=info.bytes_per_sample,
+                batched=info.batched,
+                producer=producer,
+                consumers=[],
+            )
+        )
+    return specs
+
+
+def _crossing_specs(
+    graph: ModelGraph, part_inputs: list[list[str]], part_outputs: list[list[str]]
+) -> list[TensorSpec]:
+    specs = []
+    model_inputs = {i.name for i in graph.inputs}
+    for r, outs in enumerate(part_outputs):
+        for name in outs:
+            consumers = [c for c, ins in enumerate(part_inputs) if name in ins and c != r]
+            if not consumers or name in model_inputs:
+                continue
+            info = graph.tensors[name]
+            specs.append(
+                TensorSpec(
+                    name=name,
+                    dtype=info.dtype,
+                    shape=list(info.sym_shape or []),
+                    bytes_per_sample=info.bytes_per_sample,
+                    batched=info.batched,
+                    producer=r,
+                    consumers=consumers,
+                )
+            )
+    return specs
+

@@ -1,0 +1,434 @@
+"""An ONNX model as the weighted DAG the partitioner cuts.
+
+Vertices are the model's top-level nodes (Constant nodes excepted: they are copied into every
+part that reads them, like initializers). Edges are tensors, weighted by bytes per sample.
+Control-flow nodes (If/Loop/Scan) are single vertices whose inputs include the outer-scope
+tensors their subgraphs read, so a cut can never separate a subgraph from its captures.
+
+Byte sizes come from ONNX shape inference run twice on concrete shapes (batch 1 and batch 2):
+the axes that double are the batch axes, which tells both the bytes per sample and which
+dimensions of a crossing tensor must stay symbolic in the exported parts.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnx
+from onnx import shape_inference
+
+from staronnx.errors import ModelError, PartitionError
+from staronnx.modelio import LoadedModel, dtype_itemsize, strip_weights
+
+CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
+
+
+@dataclass
+class TensorInfo:
+    """What the partitioner knows of one tensor."""
+
+    name: str
+    elem_type: int = 0
+    shape1: tuple[int, ...] | None = None  # concrete shape at batch 1
+    batch_axes: tuple[int, ...] = ()  # axes whose size is proportional to the batch
+    sym_shape: list[int | str | None] | None = None  # for exported part inputs/outputs
+
+    @property
+    def batched(self) -> bool:
+        return bool(self.batch_axes)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        """Bytes at batch 1 (for a tensor that does not scale with the batch: its full size)."""
+        if self.shape1 is None:
+            return 0
+        return int(np.prod(self.shape1, dtype=np.int64)) * dtype_itemsize(self.elem_type)
+
+    @property
+    def dtype(self) -> str:
+        if not self.elem_type:
+            return "unknown"
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.elem_type)).name
+
+
+@dataclass
+class InputSpec:
+    """A model input as users feed it: dims are ints or the names of dynamic dims."""
+
+    name: str
+    elem_type: int
+    shape: list[int | str | None]
+
+    @property
+    def dtype(self) -> str:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(self.elem_type)).name
+
+
+@dataclass
+class ModelGraph:
+    """The model's DAG of vertices and byte-weighted tensor edges."""
+
+    loaded: LoadedModel
+    nodes: list[onnx.NodeProto]  # vertices, in a topological order
+    node_inputs: list[list[str]]  # per vertex: distinct inputs, outer-scope captures included
+    const_nodes: dict[str, onnx.NodeProto]  # tensor name -> Constant node producing it
+    initializers: dict[str, onnx.TensorProto]
+    inputs: list[InputSpec]
+    outputs: list[str]
+    producer: dict[str, int]  # tensor -> vertex producing it
+    consumers: dict[str, list[int]]  # tensor -> vertices reading it
+    tensors: dict[str, TensorInfo]
+    batch_symbol: str = "batch"
+    preds: list[list[int]] = field(default_factory=list)
+    succs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def model(self) -> onnx.ModelProto:
+        return self.loaded.model
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+    def edges(self) -> list[tuple[int, int, int]]:
+        """Vertex-to-vertex edges (u, v, bytes), parallel tensors between a pair summed."""
+        weights: dict[tuple[int, int], int] = {}
+        for t, users in self.consumers.items():
+            u = self.producer.get(t)
+            if u is None:
+                continue
+            nbytes = self.tensors[t].bytes_per_sample if t in self.tensors else 0
+            for v in set(users):
+                if v != u:
+                    weights[(u, v)] = weights.get((u, v), 0) + nbytes
+        return [(u, v, w) for (u, v), w in sorted(weights.items())]
+
+    def crossing_candidates(self, v: int) -> list[str]:
+        """Tensors whose cut status may change when vertex v changes part."""
+        outs = [t for t in self.nodes[v].output if t and t in self.consumers]
+        ins = [t for t in self.node_inputs[v] if t in self.producer]
+        return outs + ins
+
+
+def subgraph_captures(node: onnx.NodeProto) -> list[str]:
+    """Outer-scope tensor names read by a node's subgraphs (recursively)."""
+    found: list[str] = []
+    for attr in node.attribute:
+        graphs = []
+        if attr.type == onnx.AttributeProto.GRAPH:
+            graphs = [attr.g]
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            graphs = list(attr.graphs)
+        for g in graphs:
+            found.extend(_graph_free_names(g))
+    return list(dict.fromkeys(found))
+
+
+def _graph_free_names(graph: onnx.GraphProto) -> list[str]:
+    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.name for t in graph.sparse_initializer}
+    free: list[str] = []
+    for node in graph.node:
+        for name in list(node.input) + subgraph_captures(node):
+            if name and name not in defined:
+                free.append(name)
+        defined.update(o for o in node.output if o)
+    for out in graph.output:
+        if out.name not in defined:
+            free.append(out.name)
+    return free
+
+
+def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
+    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    indeg = [0] * len(nodes)
+    succ: list[list[int]] = [[] for _ in nodes]
+    for v, ins in enumerate(inputs_of):
+        for u in {producer[t] for t in ins if t in producer and producer[t] != v}:
+            succ[u].append(v)
+            indeg[v] += 1
+    heap = [v for v in range(len(nodes)) if indeg[v] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        u = heapq.heappop(heap)
+        order.append(u)
+        for v in succ[u]:
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, v)
+    if len(order) != len(nodes):
+        raise ModelError("the model's graph has a cycle; ONNX graphs must be acyclic")
+    return order
+
+
+def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
+    """The inputs users feed (graph inputs that are not initializers)."""
+    init = {t.name for t in model.graph.initializer}
+    specs = []
+    for vi in model.graph.input:
+        if vi.name in init:
+            continue
+        tt = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type"):
+            raise ModelError(f"input {vi.name!r} is not a tensor; staronnx feeds tensors only")
+        shape: list[int | str | None] = []
+        if tt.HasField("shape"):
+            for d in tt.shape.dim:
+                if d.HasField("dim_value"):
+                    shape.append(int(d.dim_value))
+                else:
+                    shape.append(d.dim_param or None)
+        specs.append(InputSpec(vi.name, tt.elem_type, shape))
+    return specs
+
+
+def resolve_input_shapes(
+    inputs: list[InputSpec], batch: int, given: dict[str, list[int]] | None
+) -> dict[str, list[int]]:
+    """Concrete feed shapes at a batch size: axis 0 if dynamic is the batch, the rest from the user.
+
+    A dynamic dimension other than the batch has no safe default, so it must be given.
+    """
+    given = given or {}
+    unknown = set(given) - {i.name for i in inputs}
+    if unknown:
+        raise PartitionError(
+            f"--input-shape names unknown input(s) {sorted(unknown)}; "
+            f"the model's inputs are {[i.name for i in inputs]}"
+        )
+    shapes: dict[str, list[int]] = {}
+    for spec in inputs:
+        user = given.get(spec.name)
+        if user is not None:
+            if spec.shape and len(user) != len(spec.shape):
+                raise PartitionError(
+                    f"--input-shape {spec.name}: rank {len(user)} given, the model's input has "
+                    f"rank {len(spec.shape)} {spec.shape}"
+                )
+            dims = list(user)
+            for axis, d in enumerate(spec.shape):
+                if isinstance(d, int) and d != dims[axis]:
+                    raise PartitionError(
+                        f"--input-shape {spec.name}: axis {axis} is fixed to {d} in the model, "
+                        f"{dims[axis]} given"
+                    )
+            if spec.shape and not isinstance(spec.shape[0], int):
+                dims[0] = batch
+            shapes[spec.name] = dims
+            continue
+        dims = []
+        for axis, d in enumerate(spec.shape):
+            if isinstance(d, int):
+                dims.append(d)
+            elif axis == 0:
+                dims.append(batch)
+            else:
+                raise PartitionError(
+                    f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis {axis}; "
+                    f"give its size, e.g. --input-shape "
+                    f"{spec.name}={'x'.join(str(x) if isinstance(x, int) else '1' if i == 0 else 'N' for i, x in enumerate(spec.shape))}"
+                )
+        shapes[spec.name] = dims
+    return shapes
+
+
+def _infer(model: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> dict[str, tuple]:
+    """Run ONNX shape inference; return name -> (elem_type, dims) with None for unknown dims."""
+    m = strip_weights(model)
+    del m.graph.value_info[:]
+    if shapes is not None:
+        for vi in m.graph.input:
+            if vi.name in shapes:
+                tt = vi.type.tensor_type
+                tt.ClearField("shape")
+                for d in shapes[vi.name]:
+                    tt.shape.dim.add().dim_value = int(d)
+    try:
+        inferred = shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
+    except Exception:
+        inferred = m
+    out: dict[str, tuple] = {}
+    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(
+        inferred.graph.input
+    ):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        dims: list | None = None
+        if tt.HasField("shape"):
+            dims = []
+            for d in tt.shape.dim:
+                if d.HasField("dim_value"):
+                    dims.append(int(d.dim_value))
+                else:
+                    dims.append(d.dim_param or None)
+        out[vi.name] = (tt.elem_type, dims)
+    return out
+
+
+def _concrete(dims: list | None) -> tuple[int, ...] | None:
+    if dims is None or any(not isinstance(d, int) for d in dims):
+        return None
+    return tuple(dims)
+
+
+def build_graph(
+    loaded: LoadedModel, input_shapes: dict[str, list[int]] | None = None
+) -> ModelGraph:
+    """Turn a loaded model into the partitioner's DAG with byte-weighted edges."""
+    g = loaded.graph
+    initializers = {t.name: t for t in g.initializer}
+    const_nodes: dict[str, onnx.NodeProto] = {}
+    vertices: list[onnx.NodeProto] = []
+    for node in g.node:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+            const_nodes[node.output[0]] = node
+        else:
+            vertices.append(node)
+    if not vertices:
+        raise ModelError("the model has only Constant nodes: nothing to partition")
+    inputs = model_inputs(loaded.model)
+    input_names = {i.name for i in inputs}
+    node_inputs = []
+    for node in vertices:
+        names = [t for t in node.input if t]
+        if node.op_type in CONTROL_FLOW_OPS or any(
+            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
+        ):
+            names += subgraph_captures(node)
+        node_inputs.append(list(dict.fromkeys(names)))
+    order = _topological(vertices, node_inputs)
+    vertices = [vertices[i] for i in order]
+    node_inputs = [node_inputs[i] for i in order]
+
+    producer: dict[str, int] = {}
+    for v, node in enumerate(vertices):
+        for o in node.output:
+            if o:
+                producer[o] = v
+    consumers: dict[str, list[int]] = {}
+    for v, names in enumerate(node_inputs):
+        for t in names:
+            known = t in producer or t in initializers or t in const_nodes or t in input_names
+            if not known:
+                raise ModelError(f"node {vertices[v].name!r} reads {t!r}, which nothing produces")
+            consumers.setdefault(t, []).append(v)
+    outputs = [o.name for o in g.output]
+    for o in outputs:
+        if o not in producer:
+            raise ModelError(
+                f"output {o!r} is not computed by any node (it is an input, initializer or "
+                "constant); staronnx partitions computed outputs only"
+            )
+
+    batch_symbol = "batch"
+    for spec in inputs:
+        if spec.shape and isinstance(spec.shape[0], str):
+            batch_symbol = spec.shape[0]
+            break
+
+    tensors = _tensor_infos(loaded.model, inputs, input_shapes, producer, batch_symbol)
+    preds: list[set[int]] = [set() for _ in vertices]
+    succs: list[set[int]] = [set() for _ in vertices]
+    for t, users in consumers.items():
+        u = producer.get(t)
+        if u is None:
+            continue
+        for v in users:
+            if v != u:
+                preds[v].add(u)
+                succs[u].add(v)
+    return ModelGraph(
+        loaded=loaded,
+        nodes=vertices,
+        node_inputs=node_inputs,
+        const_nodes=const_nodes,
+        initializers=initializers,
+        inputs=inputs,
+        outputs=outputs,
+        producer=producer,
+        consumers=consumers,
+        tensors=tensors,
+        batch_symbol=batch_symbol,
+        preds=[sorted(p) for p in preds],
+        succs=[sorted(s) for s in succs],
+    )
+
+
+def _tensor_infos(
+    model: onnx.ModelProto,
+    inputs: list[InputSpec],
+    input_shapes: dict[str, list[int]] | None,
+    producer: dict[str, int],
+    batch_symbol: str,
+) -> dict[str, TensorInfo]:
+    shapes1 = resolve_input_shapes(inputs, 1, input_shapes)
+    shapes2 = resolve_input_shapes(inputs, 2, input_shapes)
+    symbolic = _infer(model, None)
+    at1 = _infer(model, shapes1)
+    at2 = _infer(model, shapes2)
+    names = list(producer) + [i.name for i in inputs]
+    missing = [n for n in names if _concrete(at1.get(n, (0, None))[1]) is None or not at1[n][0]]
+    if missing:
+        probed1, probed2 = _probe(model, missing, shapes1), _probe(model, missing, shapes2)
+        for n in missing:
+            if n in probed1:
+                at1[n] = probed1[n]
+            if n in probed2:
+                at2[n] = probed2[n]
+    infos: dict[str, TensorInfo] = {}
+    for name in names:
+        elem, dims1 = at1.get(name, (0, None))
+        _, dims2 = at2.get(name, (0, None))
+        s1, s2 = _concrete(dims1), _concrete(dims2)
+        batch_axes: tuple[int, ...] = ()
+        if s1 is not None and s2 is not None and len(s1) == len(s2):
+            batch_axes = tuple(i for i, (a, b) in enumerate(zip(s1, s2)) if b == 2 * a and a > 0)
+        sym_elem, sym_dims = symbolic.get(name, (elem, None))
+        sym: list[int | str | None] | None = None
+        rank = len(s1) if s1 is not None else (len(sym_dims) if sym_dims is not None else None)
+        if rank is not None:
+            sym = []
+            for axis in range(rank):
+                known = sym_dims[axis] if sym_dims is not None and axis < len(sym_dims) else None
+                if axis in batch_axes:
+                    # a dim that is exactly the batch shares its symbol; a merged one does not
+                    size = s1[axis] if s1 is not None else 1
+                    sym.append(batch_symbol if size == 1 else f"{batch_symbol}*{size}")
+                elif isinstance(known, int):
+                    sym.append(known)
+                else:
+                    sym.append(known if isinstance(known, str) else None)
+        infos[name] = TensorInfo(
+            name=name, elem_type=elem or sym_elem, shape1=s1, batch_axes=batch_axes, sym_shape=sym
+        )
+    return infos
+
+
+def _probe(
+    model: onnx.ModelProto, names: list[str], shapes: dict[str, list[int]]
+) -> dict[str, tuple]:
+    """Shapes shape inference could not tell, read off a real ORT run with them as outputs."""
+    from staronnx.feeds import random_feeds_for_shapes
+    from staronnx.ortutil import make_session
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    existing = {o.name for o in m.graph.output}
+    for n in names:
+        if n not in existing:
+            m.graph.output.add().name = n
+    try:
+        sess = make_session(m, optimize=False)
+        feeds = random_feeds_for_shapes(model_inputs(model), shapes, model=model)
+        values = sess.run(names, feeds)
+    except Exception:
+        return {}
+    out = {}
+    for n, val in zip(names, values):
+        if isinstance(val, np.ndarray):
+            out[n] = (onnx.helper.np_dtype_to_tensor_dtype(val.dtype), list(val.shape))
+    return out

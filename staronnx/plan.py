@@ -1,0 +1,271 @@
+"""Plans: a partitioned model on disk (``plan.json`` plus one ONNX file per part).
+
+A plan is what every later stage consumes (calibration, the runtime, the simulator), so it
+carries everything they need without the source model: each part's inputs and outputs, the
+tensors crossing between parts with their dtypes, symbolic shapes and bytes per sample, the
+target and achieved cost shares, and provenance (source hash, settings) so cached performance
+models can be matched to exactly this plan.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+
+from staronnx.errors import InputError, PlanError
+
+PLAN_FORMAT = "staronnx-plan"
+PLAN_VERSION = 1
+
+
+@dataclass
+class TensorSpec:
+    """A tensor fed to a part: a model input or one crossing from another part."""
+
+    name: str
+    dtype: str
+    shape: list[int | str | None]
+    bytes_per_sample: int = 0
+    batched: bool = True
+    producer: int | None = None  # part index; None for a model input
+    consumers: list[int] = field(default_factory=list)
+    value_range: list[int] | None = None  # [low, high) for integer model inputs
+
+
+@dataclass
+class PartSpec:
+    """One part: an ONNX file run as one task per batch."""
+
+    index: int
+    file: str
+    inputs: list[str]
+    outputs: list[str]
+    nodes: int
+    op_counts: dict[str, int]
+    cost_us: float
+    share: float
+    target_share: float
+    sha256: str = ""
+
+
+@dataclass
+class Plan:
+    """A partitioned model; parts are listed in an order where producers come first."""
+
+    root: Path
+    parts: list[PartSpec]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    crossing: list[TensorSpec]
+    cut_bytes_per_sample: int
+    source: dict[str, Any]
+    settings: dict[str, Any]
+    cost_source: str = ""
+    hash: str = ""
+    _sessions: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    # -- persistence ------------------------------------------------------------------------
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": PLAN_VERSION,
+            "hash": self.hash,
+            "source": self.source,
+            "settings": self.settings,
+            "cost_source": self.cost_source,
+            "shares": {
+                "target": [p.target_share for p in self.parts],
+                "achieved": [p.share for p in self.parts],
+            },
+            "cut_bytes_per_sample": self.cut_bytes_per_sample,
+            "inputs": [asdict(t) for t in self.inputs],
+            "outputs": [asdict(t) for t in self.outputs],
+            "crossing": [asdict(t) for t in self.crossing],
+            "parts": [asdict(p) for p in self.parts],
+        }
+
+    def compute_hash(self) -> str:
+        """Identity of what runs: source model, settings and the parts' bytes."""
+        digest = hashlib.sha256()
+        digest.update(str(self.source.get("sha256", "")).encode())
+        digest.update(json.dumps(self.settings, sort_keys=True).encode())
+        for p in self.parts:
+            digest.update(p.sha256.encode())
+        return digest.hexdigest()[:16]
+
+    def write_json(self, directory: Path) -> None:
+        atomic_write_text(directory / "plan.json", json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike[str]) -> "Plan":
+        """Read a plan folder, failing with :class:`PlanError` when anything is missing."""
+        root = Path(directory)
+        meta = root / "plan.json"
+        if not root.is_dir():
+            raise PlanError(f"plan folder not found: {root}")
+        if not meta.exists():
+            raise PlanError(f"{root} is not a plan folder (no plan.json)")
+        try:
+            data = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"{meta} is unreadable or not JSON: {exc}") from None
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"{meta} is not a staronnx plan (format {data.get('format')!r})")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(
+                f"{meta} has plan version {data.get('version')}, this staronnx reads "
+                f"version {PLAN_VERSION}; partition the model again"
+            )
+        try:
+            plan = cls(
+                root=root,
+                parts=[PartSpec(**p) for p in data["parts"]],
+                inputs=[TensorSpec(**t) for t in data["inputs"]],
+                outputs=[TensorSpec(**t) for t in data["outputs"]],
+                crossing=[TensorSpec(**t) for t in data["crossing"]],
+                cut_bytes_per_sample=int(data["cut_bytes_per_sample"]),
+                source=data["source"],
+                settings=data["settings"],
+                cost_source=data.get("cost_source", ""),
+                hash=data.get("hash", ""),
+            )
+        except (KeyError, TypeError) as exc:
+            raise PlanError(f"{meta} is incomplete or malformed: {exc}") from None
+        for part in plan.parts:
+            if not (root / part.file).exists():
+                raise PlanError(f"plan {root}: part file {part.file} is missing")
+        return plan
+
+    # -- structure --------------------------------------------------------------------------
+    @property
+    def k(self) -> int:
+        return len(self.parts)
+
+    def part_path(self, index: int) -> Path:
+        return self.root / self.parts[index].file
+
+    @property
+    def input_names(self) -> list[str]:
+        return [t.name for t in self.inputs]
+
+    @property
+    def output_names(self) -> list[str]:
+        return [t.name for t in self.outputs]
+
+    def tensor(self, name: str) -> TensorSpec:
+        for t in (*self.inputs, *self.crossing, *self.outputs):
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def producers(self) -> dict[str, int]:
+        """Which part produces each tensor a part or the caller reads."""
+        return {o: p.index for p in self.parts for o in p.outputs}
+
+    def dependencies(self) -> list[set[int]]:
+        """Per part, the parts whose outputs it reads (the plan's DAG)."""
+        prod = self.producers()
+        return [{prod[t] for t in p.inputs if t in prod} for p in self.parts]
+
+    # -- inputs -----------------------------------------------------------------------------
+    def check_feeds(self, feeds: Mapping[str, Any]) -> None:
+        """Reject feeds that cannot run, naming the input, what is expected and what was given.
+
+        Checked before any work starts, so a bad request never half-runs.
+        """
+        missing = [t.name for t in self.inputs if t.name not in feeds]
+        if missing:
+            raise InputError(f"missing input(s) {missing}; the plan's inputs are {self.input_names}")
+        unknown = [n for n in feeds if n not in self.input_names]
+        if unknown:
+            raise InputError(f"unknown input(s) {unknown}; the plan's inputs are {self.input_names}")
+        for spec in self.inputs:
+            value = feeds[spec.name]
+            if not isinstance(value, np.ndarray):
+                raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(value).__name__}")
+            if value.dtype.name != spec.dtype:
+                raise InputError(
+                    f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype.name}"
+                )
+            if len(spec.shape) != value.ndim:
+                raise InputError(
+                    f"input {spec.name!r}: expected rank {len(spec.shape)} {spec.shape}, "
+                    f"got shape {list(value.shape)}"
+                )
+            for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
+                if isinstance(want, int) and want != got:
+                    raise InputError(
+                        f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
+                        f"got shape {list(value.shape)}"
+                    )
+
+    # -- execution --------------------------------------------------------------------------
+    def session(self, index: int) -> Any:
+        """A cached CPU ORT session for a part (the reference path, not the runtime's)."""
+        if index not in self._sessions:
+            import onnxruntime as ort
+
+            self._sessions[index] = ort.InferenceSession(
+                str(self.part_path(index)), providers=["CPUExecutionProvider"]
+            )
+        return self._sessions[index]
+
+    def run_reference(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run the parts one after another on CPU ORT: the ground truth every engine must match."""
+        self.check_feeds(feeds)
+        values: dict[str, np.ndarray] = dict(feeds)
+        for part in self.parts:
+            sess = self.session(part.index)
+            outs = sess.run(part.outputs, {n: values[n] for n in part.inputs})
+            values.update(zip(part.outputs, outs))
+        return {name: values[name] for name in self.output_names}
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write a file so readers see the old or the new content, never half of it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def check_output_dir(directory: Path, force: bool) -> None:
+    """Refuse to clobber an existing plan unless asked, before any work is done."""
+    if directory.exists():
+        if not directory.is_dir():
+            raise PlanError(f"output path exists and is not a folder: {directory}")
+        if any(directory.iterdir()) and not force:
+            raise PlanError(
+                f"output folder {directory} exists and is not empty; use --force to replace it"
+            )
+
+
+def publish_dir(staging: Path, directory: Path) -> None:
+    """Move a finished staging folder into place; an old plan is replaced only at the end."""
+    directory = directory.absolute()
+    if directory.exists():
+        backup = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        os.rename(directory, backup)
+        try:
+            os.rename(staging, directory)
+        except BaseException:
+            os.rename(backup, directory)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.rename(staging, directory)
