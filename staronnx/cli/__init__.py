@@ -35,19 +35,10 @@ for _name in _COMMAND_MODULES:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, mapping user errors to exit code 2 with a one-line message."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="staronnx")
     except StaronnxError as exc:
         print(f"staronnx: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
-    except typer.Exit as exc:  # pragma: no cover - typer control flow
-        raise SystemExit(exc.exit_code) from None
-    except typer.Abort:
-        print("staronnx: aborted", file=sys.stderr)
+    except KeyboardInterrupt:
+        print("staronnx: interrupted", file=sys.stderr)
         raise SystemExit(130) from None
-    except Exception as exc:
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            raise SystemExit(exc.exit_code) from None
-        raise

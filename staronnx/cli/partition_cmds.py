@@ -1,7 +1,155 @@
-"""Placeholder, filled in below."""
+"""``staronnx partition`` and ``staronnx plan show|verify``."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
+from rich.console import Console
+from rich.table import Table
+
+from staronnx.errors import PartitionError
+from staronnx.plan import Plan
+
+console = Console()
+plan_app = typer.Typer(help="Inspect and check plans.", no_args_is_help=True)
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Costs(str, Enum):
+    profile = "profile"
+    estimate = "estimate"
+
+
+def _method_names() -> list[str]:
+    from staronnx.partition.api import METHODS
+
+    return list(METHODS)
+
+
+def partition_cmd(
+    model: Annotated[Path, typer.Argument(help="ONNX model file to cut.")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Plan folder to write.")],
+    shares: Annotated[
+        Optional[str],
+        typer.Option(help="Target cost share per part, in execution order, e.g. 0.85,0.15."),
+    ] = None,
+    parts: Annotated[Optional[int], typer.Option(help="Number of equal parts (instead of --shares).")] = None,
+    device: Annotated[Device, typer.Option(help="Device whose node costs weight the cut.")] = Device.cpu,
+    input_shape: Annotated[
+        Optional[list[str]],
+        typer.Option(help="NAME=D1xD2x... for inputs with dynamic non-batch dims (repeatable)."),
+    ] = None,
+    method: Annotated[str, typer.Option(help="Partitioner: metis or linear.")] = "metis",
+    seed: Annotated[int, typer.Option(help="Seed for METIS and random feeds.")] = 0,
+    costs: Annotated[Costs, typer.Option(help="profile (ORT profiler) or estimate (FLOPs).")] = Costs.profile,
+    profile_batch: Annotated[int, typer.Option(help="Batch size used while profiling.")] = 8,
+    profile_runs: Annotated[int, typer.Option(help="Profiled runs averaged (after one warm-up).")] = 5,
+    tolerance: Annotated[float, typer.Option(help="Allowed share deviation per part.")] = 0.02,
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing non-empty plan folder.")] = False,
+) -> None:
+    """Cut MODEL into weighted, acyclic parts and write them as a plan folder."""
+    from staronnx.partition.api import partition
+
+    if method not in _method_names():
+        raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
+    with console.status("partitioning") as status:
+        plan = partition(
+            model,
+            shares,
+            parts=parts,
+            output_dir=output,
+            method=method,
+            device=device.value,
+            input_shapes=input_shape or None,
+            seed=seed,
+            costs=costs.value,
+            profile_batch=profile_batch,
+            profile_runs=profile_runs,
+            tolerance=tolerance,
+            force=force,
+            progress=lambda msg: status.update(msg),
+        )
+    console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
+    print_plan(plan)
+
+
+def print_plan(plan: Plan) -> None:
+    """Parts, op counts, cost shares, crossing tensors and bytes, as tables."""
+    table = Table(title=f"plan {plan.root.name}  hash {plan.hash}")
+    for col in ("part", "nodes", "ops", "cost µs", "share", "target", "inputs", "outputs"):
+        table.add_column(col, justify="right" if col not in ("ops", "inputs", "outputs") else "left")
+    for p in plan.parts:
+        ops = ", ".join(f"{op}×{n}" for op, n in list(p.op_counts.items())[:5])
+        if len(p.op_counts) > 5:
+            ops += ", …"
+        table.add_row(
+            str(p.index), str(p.nodes), ops, f"{p.cost_us:,.0f}", f"{p.share:.3f}",
+            f"{p.target_share:.3f}", _names(p.inputs), _names(p.outputs),
+        )
+    console.print(table)
+    cross = Table(title=f"crossing tensors — {plan.cut_bytes_per_sample:,} bytes per sample cut")
+    for col in ("tensor", "dtype", "shape", "bytes/sample", "from", "to"):
+        cross.add_column(col)
+    for t in plan.crossing:
+        cross.add_row(
+            t.name, t.dtype, "x".join(str(d) for d in t.shape), f"{t.bytes_per_sample:,}",
+            str(t.producer), ",".join(map(str, t.consumers)),
+        )
+    console.print(cross)
+
+
+def _names(names: list[str], limit: int = 3) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit})" if len(names) > limit else "")
+
+
+@plan_app.command("show")
+def show_cmd(plandir: Annotated[Path, typer.Argument(help="Plan folder.")]) -> None:
+    """Show a plan's parts, op counts, cost shares, crossing tensors and bytes."""
+    print_plan(Plan.load(plandir))
+
+
+@plan_app.command("verify")
+def verify_cmd(
+    plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
+    model: Annotated[Path, typer.Option(help="The source ONNX model.")],
+    batch: Annotated[int, typer.Option(help="Batch size of the random inputs.")] = 1,
+    input_shape: Annotated[
+        Optional[list[str]], typer.Option(help="NAME=D1xD2x... for dynamic non-batch dims.")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+) -> None:
+    """Run MODEL and the chained parts on the same random inputs; exit 0 only when they agree."""
+    from staronnx.partition.api import parse_input_shapes
+    from staronnx.verify import RELATIVE_TOLERANCE, verify_plan
+
+    if batch < 1:
+        raise PartitionError(f"--batch must be at least 1, got {batch}")
+    plan = Plan.load(plandir)
+    report = verify_plan(plan, model, batch=batch, input_shapes=parse_input_shapes(input_shape), seed=seed)
+    table = Table(title=f"whole model vs {plan.k} chained parts, batch {batch}")
+    for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
+        table.add_column(col)
+    for o in report.outputs:
+        table.add_row(
+            o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",
+            "[green]OK[/]" if o.ok else "[red]MISMATCH[/]",
+        )
+    console.print(table)
+    if report.ok:
+        console.print(f"OK (tolerance {RELATIVE_TOLERANCE:g} relative to each output's scale)")
+    else:
+        console.print("MISMATCH")
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    app.command("partition")(partition_cmd)
+    app.add_typer(plan_app, name="plan")

@@ -120,8 +120,13 @@ def rankings(parts: np.ndarray, k: int, limit: int = 24, seed: int = 0) -> list[
 class Refiner:
     """Greedy boundary moves under the monotone-rank constraint (so the result stays acyclic)."""
 
-    def __init__(self, cm: CutModel, rank: np.ndarray, targets: np.ndarray, tol: float):
+    def __init__(
+        self, cm: CutModel, rank: np.ndarray, targets: np.ndarray, tol: float, greedy: str = "cut"
+    ):
+        """``greedy`` says which balancing move is taken first: the cheapest in cut bytes
+        ("cut"), or the one that fixes the most imbalance ("balance"); neither dominates."""
         self.cm = cm
+        self.greedy = greedy
         self.rank = [int(r) for r in rank]
         self.k = len(targets)
         self.total = float(cm.weights.sum()) or 1.0
@@ -207,7 +212,8 @@ class Refiner:
                     new_dev = self.deviation(self.moved_loads(v, r))
                     if new_dev >= dev - 1e-12:
                         continue
-                    key = (self.delta_cut(v, r), new_dev)
+                    dc = self.delta_cut(v, r)
+                    key = (dc, new_dev) if self.greedy == "cut" else (new_dev, dc)
                     if best is None or key < best[0]:
                         best = (key, v, r)
             if best is None:
@@ -291,10 +297,11 @@ def make_acyclic(
         if key in seen:
             continue
         seen.add(key)
-        refined = Refiner(cm, rank, targets, tol).run()
-        s = score(cm, refined, targets, tol)
-        if s < best_score:
-            best_rank, best_score = refined, s
+        for greedy in ("cut", "balance"):
+            refined = Refiner(cm, rank, targets, tol, greedy=greedy).run()
+            s = score(cm, refined, targets, tol)
+            if s < best_score:
+                best_rank, best_score = refined, s
         if len(seen) >= refine_best:
             break
     assert best_rank is not None
