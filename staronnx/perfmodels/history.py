@@ -1,0 +1,473 @@
+"""History-based performance models: measured execution times per input footprint.
+
+This follows StarPU's ``HISTORY_BASED`` models (``src/core/perfmodel/perfmodel_history.c``),
+so people who know StarPU can predict what the scheduler will do:
+
+* A **footprint** identifies "the same amount of work": the batch size plus a CRC-32 of the
+  input shapes. Samples with the same footprint are averaged together.
+* The **first sample** of a footprint is dropped: it usually pays for lazy initialisation
+  (allocator warm-up, cuDNN algorithm search) and would poison the mean.
+* Mean and standard deviation are kept online from ``sum``, ``sum2`` and ``n``; that makes two
+  models of the same footprint mergeable by plain addition.
+* A sample outside ``[mean/1.5, 1.5*mean]`` (``max_error`` = 50 %) is not averaged; it only
+  counts toward ``nerror``. When ``nerror >= n`` the entry is reset: the old mean was most
+  likely wrong (the machine changed, or the first samples were outliers), so we start over —
+  this is StarPU's cure for "poisoned" models.
+* Until an entry has ``calibrate_minimum`` (10, StarPU's ``STARPU_CALIBRATE_MINIMUM``)
+  accepted samples its prediction is NaN, which tells dmda the arch is *uncalibrated* and makes
+  it explore (STARPU_MODEL.md §1).
+
+Two deliberate differences from StarPU:
+
+* **Seconds, not microseconds.** Every time in this API is a float number of seconds, the unit
+  of :func:`time.perf_counter`, so callers never convert.
+* **Regression fallback within a run.** For a batch size without a calibrated entry,
+  :meth:`HistoryModel.predict` falls back to a ``t(n) = a*n**b + c`` fit over the calibrated
+  batch sizes of the same shape family. StarPU fits its non-linear model only when a model is
+  saved, so a run never benefits from its own samples; we refit lazily, on the next
+  prediction that needs the fit after the calibrated history changed. The fallback does not
+  make an entry calibrated: :meth:`HistoryModel.needs_samples` stays true, so the runtime keeps
+  measuring that size until its own history takes over.
+
+Models are thread-safe: workers record from their own threads while the scheduler predicts.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+import zlib
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple
+
+from staronnx.perfmodels.regression import MIN_SIZES, NLRegression, fit_nl_regression
+
+#: Accepted samples an entry needs before its mean is trusted (STARPU_CALIBRATE_MINIMUM).
+CALIBRATE_MINIMUM = 10
+#: Relative band around the mean outside which a sample is an outlier (STARPU_HISTORY_MAX_ERROR
+#: = 50 %, i.e. ``[mean/1.5, 1.5*mean]``).
+HISTORY_MAX_ERROR = 0.5
+
+ShapesLike = Sequence[Sequence[int]] | Mapping[str, Sequence[int]]
+
+
+class PerfModelFormatError(ValueError):
+    """A serialized performance model does not have the structure this version writes."""
+
+
+@dataclass(frozen=True, order=True)
+class Footprint:
+    """What makes two runs of a part "the same work": batch size and input-shape family.
+
+    ``shape_hash`` is a CRC-32 of every input's full shape in which a leading dimension equal
+    to the batch size is written as ``*``. So ``(batch, shape_hash)`` still determines the full
+    shapes, and all batch sizes of one input layout share a ``shape_hash`` — which is what the
+    batch-size regression groups on. CRC-32 (not :func:`hash`) keeps footprints identical
+    across processes and machines, so models saved by one run are found by the next.
+    """
+
+    batch: int
+    shape_hash: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch, int) or self.batch < 0:
+            raise ValueError(f"batch size must be a non-negative int, got {self.batch!r}")
+        if not isinstance(self.shape_hash, int) or not 0 <= self.shape_hash < 2**32:
+            raise ValueError(f"shape_hash must be a 32-bit unsigned int, got {self.shape_hash!r}")
+
+    @classmethod
+    def from_shapes(cls, shapes: ShapesLike, *, batch: int | None = None) -> Footprint:
+        """Footprint of a run whose inputs have ``shapes``.
+
+        ``shapes`` is a list of shapes (in input order) or a mapping input name -> shape (names
+        are sorted, so feed order does not matter). The batch size is ``batch`` or, when
+        omitted, the leading dimension of the first input.
+        """
+        if isinstance(shapes, Mapping):
+            named = [(str(k), tuple(operator.index(d) for d in v)) for k, v in shapes.items()]
+            first = named[0][1] if named else ()
+            ordered = sorted(named)
+        else:
+            ordered = [("", tuple(operator.index(d) for d in s)) for s in shapes]
+            first = ordered[0][1] if ordered else ()
+        if batch is None:
+            if not first:
+                raise ValueError("cannot infer the batch size from these shapes; pass batch=")
+            batch = first[0]
+        batch = operator.index(batch)
+        parts = []
+        for name, dims in ordered:
+            text = ",".join("*" if i == 0 and d == batch else str(d) for i, d in enumerate(dims))
+            parts.append(f"{name}[{text}]")
+        return cls(batch=batch, shape_hash=zlib.crc32(";".join(parts).encode("utf-8")))
+
+    def __str__(self) -> str:
+        return f"{self.batch}/{self.shape_hash:08x}"
+
+
+class SampleOutcome(Enum):
+    """What :meth:`HistoryModel.record` did with a sample (for logs, tests and counters)."""
+
+    DROPPED_FIRST = "dropped_first"  # created the entry; the sample itself is discarded
+    ACCEPTED = "accepted"  # averaged into the entry
+    OUTLIER = "outlier"  # outside the band; counted in nerror only
+    RESET = "reset"  # outlier that made nerror >= n: the entry was emptied
+
+
+@dataclass
+class HistoryEntry:
+    """Running statistics of one footprint. ``sum`` and ``sum2`` are in seconds, seconds²."""
+
+    n: int = 0
+    sum: float = 0.0
+    sum2: float = 0.0
+    nerror: int = 0
+
+    @property
+    def mean(self) -> float:
+        """Mean of the accepted samples, NaN when there are none."""
+        return self.sum / self.n if self.n else math.nan
+
+    @property
+    def stddev(self) -> float:
+        """Population standard deviation (StarPU's ``deviation``), NaN without samples."""
+        if not self.n:
+            return math.nan
+        return math.sqrt(abs(self.sum2 - self.sum * self.sum / self.n) / self.n)
+
+    def add(self, seconds: float, max_error: float = HISTORY_MAX_ERROR) -> SampleOutcome:
+        """Fold one sample in with StarPU's outlier and reset rules."""
+        if self.n:
+            bound = 1.0 + max_error
+            mean = self.sum / self.n
+            # Multiplications rather than StarPU's ratios: no division by a zero time.
+            if seconds > bound * mean or mean > bound * seconds:
+                self.nerror += 1
+                if self.nerror >= self.n:
+                    self.n, self.sum, self.sum2, self.nerror = 0, 0.0, 0.0, 0
+                    return SampleOutcome.RESET
+                return SampleOutcome.OUTLIER
+        self.n += 1
+        self.sum += seconds
+        self.sum2 += seconds * seconds
+        return SampleOutcome.ACCEPTED
+
+    def copy(self) -> HistoryEntry:
+        """An independent copy (entries are mutable)."""
+        return HistoryEntry(self.n, self.sum, self.sum2, self.nerror)
+
+
+class PendingSample(NamedTuple):
+    """A sample recorded in memory but not yet merged into the on-disk model.
+
+    ``seconds is None`` records that the entry was created (and its first sample dropped), so
+    that replaying on disk creates the entry without counting the warm-up sample.
+    """
+
+    footprint: Footprint
+    seconds: float | None
+
+
+@dataclass(frozen=True)
+class PerfRow:
+    """One line of a ``perfmodel show`` table: a footprint's statistics and its family's fit."""
+
+    part: int
+    arch: str
+    batch: int
+    shape_hash: str
+    n: int
+    mean: float
+    stddev: float
+    nerror: int
+    calibrated: bool
+    prediction: float
+    regression: NLRegression | None
+
+
+def _check_seconds(seconds: float) -> float:
+    value = float(seconds)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"a measured time must be finite seconds >= 0, got {seconds!r}")
+    return value
+
+
+class HistoryModel:
+    """Measured times of one plan part on one arch (e.g. ``"cpu"``, ``"cuda0"``), per footprint.
+
+    ``record`` folds a measurement in; ``predict`` answers the scheduler (NaN = uncalibrated);
+    ``needs_samples`` tells the runtime whether timing this run is worth it. Samples recorded
+    since the model was loaded are also kept in an *unsaved* journal, which
+    :class:`~staronnx.perfmodels.store.PerfModelStore` replays into the on-disk model under a
+    lock, so concurrent processes add up their samples instead of overwriting each other.
+    """
+
+    def __init__(
+        self,
+        part: int,
+        arch: str,
+        *,
+        calibrate_minimum: int = CALIBRATE_MINIMUM,
+        max_error: float = HISTORY_MAX_ERROR,
+        use_regression: bool = True,
+        min_regression_sizes: int = MIN_SIZES,
+    ) -> None:
+        if not isinstance(part, int) or part < 0:
+            raise ValueError(f"part must be a non-negative int, got {part!r}")
+        if not arch or not isinstance(arch, str):
+            raise ValueError(f"arch must be a non-empty string, got {arch!r}")
+        if calibrate_minimum < 1:
+            raise ValueError("calibrate_minimum must be >= 1")
+        if max_error <= 0:
+            raise ValueError("max_error must be > 0")
+        self.part = part
+        self.arch = arch
+        self.calibrate_minimum = int(calibrate_minimum)
+        self.max_error = float(max_error)
+        self.use_regression = use_regression
+        self.min_regression_sizes = int(min_regression_sizes)
+        self._entries: dict[Footprint, HistoryEntry] = {}
+        self._unsaved: list[PendingSample] = []
+        self._fits: dict[int, NLRegression | None] = {}
+        self._lock = threading.RLock()
+
+    # -- recording -------------------------------------------------------------------------
+
+    def record(self, footprint: Footprint, seconds: float) -> SampleOutcome:
+        """Fold in one measured execution time, in seconds, and journal it for saving."""
+        value = _check_seconds(seconds)
+        with self._lock:
+            created = footprint not in self._entries
+            outcome = self._apply(self._entries, footprint, value)
+            self._unsaved.append(PendingSample(footprint, None if created else value))
+            return outcome
+
+    def _apply(
+        self, entries: dict[Footprint, HistoryEntry], footprint: Footprint, seconds: float | None
+    ) -> SampleOutcome:
+        entry = entries.get(footprint)
+        if entry is None:
+            entries[footprint] = HistoryEntry()
+            return SampleOutcome.DROPPED_FIRST
+        if seconds is None:  # replayed "entry created" marker: nothing to add
+            return SampleOutcome.DROPPED_FIRST
+        outcome = entry.add(seconds, self.max_error)
+        if outcome is SampleOutcome.RESET or entry.n >= self.calibrate_minimum:
+            if entries is self._entries:
+                self._fits.pop(footprint.shape_hash, None)
+        return outcome
+
+    def replay(self, samples: Iterable[PendingSample]) -> None:
+        """Apply another model's journal to this one (the on-disk merge), without journaling."""
+        with self._lock:
+            for sample in samples:
+                seconds = None if sample.seconds is None else _check_seconds(sample.seconds)
+                self._apply(self._entries, sample.footprint, seconds)
+
+    def take_unsaved(self) -> list[PendingSample]:
+        """Hand over the journal of samples not yet saved, and clear it."""
+        with self._lock:
+            pending, self._unsaved = self._unsaved, []
+            return pending
+
+    def restore_unsaved(self, samples: Iterable[PendingSample]) -> None:
+        """Put a taken journal back in front (its save failed), so a later save retries it."""
+        with self._lock:
+            self._unsaved[:0] = list(samples)
+
+    def checkpoint(self) -> dict[str, Any]:
+        """:meth:`to_dict` and clear the journal in one step, for a full overwrite.
+
+        Doing both under the lock means a sample recorded concurrently is either in the saved
+        state or still in the journal, never both and never neither.
+        """
+        with self._lock:
+            self._unsaved = []
+            return self.to_dict()
+
+    @property
+    def unsaved_count(self) -> int:
+        """How many records are waiting to be merged into the store."""
+        return len(self._unsaved)
+
+    def sync_from(self, other: HistoryModel) -> None:
+        """Adopt ``other``'s entries (the merged on-disk state), keeping unsaved samples.
+
+        Samples recorded here after the journal was taken are re-applied on top, so a worker
+        recording while the store commits loses nothing.
+        """
+        with self._lock:
+            entries = {fp: e.copy() for fp, e in other.entries().items()}
+            for sample in self._unsaved:
+                self._apply(entries, sample.footprint, sample.seconds)
+            self._entries = entries
+            self._fits.clear()
+
+    # -- predicting ------------------------------------------------------------------------
+
+    def predict(self, footprint: Footprint) -> float:
+        """Expected seconds for a run with this footprint, NaN if uncalibrated.
+
+        The entry's mean once it has ``calibrate_minimum`` samples; otherwise the batch-size
+        regression of the footprint's shape family when one can be fitted; otherwise NaN.
+        """
+        with self._lock:
+            entry = self._entries.get(footprint)
+            if entry is not None and entry.n >= self.calibrate_minimum:
+                return entry.mean
+            fit = self.regression(footprint.shape_hash)
+            return fit.predict(footprint.batch) if fit is not None else math.nan
+
+    def needs_samples(self, footprint: Footprint) -> bool:
+        """Whether the runtime should time runs of this footprint (entry not yet calibrated)."""
+        with self._lock:
+            entry = self._entries.get(footprint)
+            return entry is None or entry.n < self.calibrate_minimum
+
+    def regression(self, shape_hash: int) -> NLRegression | None:
+        """The ``a*n**b + c`` fit over this family's calibrated batch sizes, refitted lazily.
+
+        ``None`` when regression is disabled or fewer than ``min_regression_sizes`` batch
+        sizes are calibrated.
+        """
+        if not self.use_regression:
+            return None
+        with self._lock:
+            if shape_hash not in self._fits:
+                points = [
+                    (fp.batch, e.mean)
+                    for fp, e in self._entries.items()
+                    if fp.shape_hash == shape_hash and e.n >= self.calibrate_minimum
+                ]
+                fit = None
+                if len(points) >= self.min_regression_sizes:
+                    xs, ys = zip(*points, strict=True)
+                    fit = fit_nl_regression(xs, ys, min_sizes=self.min_regression_sizes)
+                self._fits[shape_hash] = fit
+            return self._fits[shape_hash]
+
+    # -- inspection ------------------------------------------------------------------------
+
+    def entries(self) -> dict[Footprint, HistoryEntry]:
+        """A snapshot (copies) of all entries."""
+        with self._lock:
+            return {fp: e.copy() for fp, e in self._entries.items()}
+
+    def entry(self, footprint: Footprint) -> HistoryEntry | None:
+        """A copy of one entry, or ``None`` if the footprint was never recorded."""
+        with self._lock:
+            entry = self._entries.get(footprint)
+            return entry.copy() if entry is not None else None
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def rows(self) -> list[PerfRow]:
+        """Display rows, sorted by shape family then batch size."""
+        with self._lock:
+            rows = []
+            for fp in sorted(self._entries, key=lambda f: (f.shape_hash, f.batch)):
+                e = self._entries[fp]
+                rows.append(
+                    PerfRow(
+                        part=self.part,
+                        arch=self.arch,
+                        batch=fp.batch,
+                        shape_hash=f"{fp.shape_hash:08x}",
+                        n=e.n,
+                        mean=e.mean,
+                        stddev=e.stddev,
+                        nerror=e.nerror,
+                        calibrated=e.n >= self.calibrate_minimum,
+                        prediction=self.predict(fp),
+                        regression=self.regression(fp.shape_hash),
+                    )
+                )
+            return rows
+
+    # -- serialization ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form. ``mean``/``stddev``/``regressions`` are for humans; loading uses
+        only the sums, so a hand-edited mean cannot disagree with the statistics."""
+
+        def num(x: float) -> float | None:
+            return x if math.isfinite(x) else None
+
+        with self._lock:
+            entries = [
+                {
+                    "batch": fp.batch,
+                    "shape_hash": f"{fp.shape_hash:08x}",
+                    "n": e.n,
+                    "sum": e.sum,
+                    "sum2": e.sum2,
+                    "nerror": e.nerror,
+                    "mean": num(e.mean),
+                    "stddev": num(e.stddev),
+                }
+                for fp, e in sorted(
+                    self._entries.items(), key=lambda kv: (kv[0].shape_hash, kv[0].batch)
+                )
+            ]
+            families = sorted({fp.shape_hash for fp in self._entries})
+            regressions = []
+            for h in families:
+                fit = self.regression(h)
+                if fit is not None:
+                    regressions.append({"shape_hash": f"{h:08x}", **fit.to_dict()})
+            return {
+                "part": self.part,
+                "arch": self.arch,
+                "unit": "seconds",
+                "entries": entries,
+                "regressions": regressions,
+            }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], **options: Any) -> HistoryModel:
+        """Inverse of :meth:`to_dict`; raises :class:`PerfModelFormatError` on bad content.
+
+        ``options`` are the constructor's keyword options (calibrate_minimum, ...), which are
+        settings of the reader, not data of the file.
+        """
+        try:
+            if data.get("unit", "seconds") != "seconds":
+                raise PerfModelFormatError(f"unsupported time unit {data.get('unit')!r}")
+            part, arch = data["part"], data["arch"]
+            if isinstance(part, bool) or not isinstance(part, int) or not isinstance(arch, str):
+                raise PerfModelFormatError("part must be an int and arch a string")
+            model = cls(part, arch, **options)
+            for raw in data["entries"]:
+                fp = Footprint(_as_int(raw["batch"]), int(str(raw["shape_hash"]), 16))
+                entry = HistoryEntry(
+                    n=_as_int(raw["n"]),
+                    sum=_as_float(raw["sum"]),
+                    sum2=_as_float(raw["sum2"]),
+                    nerror=_as_int(raw["nerror"]),
+                )
+                if entry.n < 0 or entry.nerror < 0 or entry.sum < 0 or entry.sum2 < 0:
+                    raise PerfModelFormatError(f"negative statistics for footprint {fp}")
+                if fp in model._entries:
+                    raise PerfModelFormatError(f"footprint {fp} appears twice")
+                model._entries[fp] = entry
+            return model
+        except PerfModelFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise PerfModelFormatError(f"malformed history model: {exc!r}") from exc
+
+
+def _as_int(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PerfModelFormatError(f"expected an integer, got {value!r}")
+    return value
+
+
+def _as_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise PerfModelFormatError(f"expected a finite number, got {value!r}")
+    return float(value)

@@ -1,0 +1,252 @@
+"""Execution time as a function of batch size, fitted from history means.
+
+A history model only knows the batch sizes it has measured. Serving traffic forms batches of
+many sizes, and the scheduler needs a prediction for each one, so — like StarPU's
+``NL_REGRESSION_BASED`` models — we fit
+
+    t(n) = a * n**b + c        (a >= 0, c >= 0, b in [0.1, 3])
+
+over the calibrated (batch size, mean time) points of one input-shape family. ``c`` is the
+fixed cost of a run (kernel launches, session overhead), ``a * n**b`` the part that grows with
+the batch; ``b < 1`` is the usual sub-linear scaling of a device that is not yet saturated.
+
+Fitting needs no scipy: for a fixed ``b`` the model is linear in ``(a, c)``, which weighted
+least squares solves in closed form. ``b`` is chosen on a grid and refined by golden-section
+search on the profiled error (a "variable projection" fit). Errors are *relative*
+(weights ``1/y**2``): a 1 ms error on a 2 ms batch matters to the scheduler as much as a
+100 ms error on a 200 ms batch, and absolute least squares would sacrifice small batches.
+
+StarPU's linear model ``alpha * size**beta`` (``REGRESSION_BASED``) is provided as
+:func:`fit_power_law`, with StarPU's validity rules; the history model does not use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+#: Exponent search range for ``b``; beyond it the fit is extrapolating nonsense anyway.
+B_RANGE: tuple[float, float] = (0.1, 3.0)
+#: Fewest distinct batch sizes for a three-parameter fit to mean anything (with three it is
+#: exact, so it interpolates but cannot report a misfit).
+MIN_SIZES = 3
+_GRID_POINTS = 146  # 0.02 steps over B_RANGE
+_GOLDEN_ITERATIONS = 30  # shrinks the 0.04-wide bracket below 1e-7
+
+
+@dataclass(frozen=True)
+class NLRegression:
+    """A fitted ``t(n) = a * n**b + c`` (seconds), with its goodness of fit.
+
+    ``r2`` is the coefficient of determination on the points themselves, ``rel_rmse`` the root
+    mean square of the relative errors — the figure that tells how far off a prediction for a
+    measured size is likely to be.
+    """
+
+    a: float
+    b: float
+    c: float
+    r2: float
+    rel_rmse: float
+    npoints: int
+    min_batch: int
+    max_batch: int
+
+    def predict(self, batch: float) -> float:
+        """Predicted seconds for a batch of ``batch`` items (also for sizes never measured)."""
+        if batch <= 0:
+            return self.c
+        return self.a * float(batch) ** self.b + self.c
+
+    def to_dict(self) -> dict[str, float | int]:
+        """JSON-able form (for files and display; loading refits rather than trusting it)."""
+        return {
+            "a": self.a,
+            "b": self.b,
+            "c": self.c,
+            "r2": self.r2,
+            "rel_rmse": self.rel_rmse,
+            "npoints": self.npoints,
+            "min_batch": self.min_batch,
+            "max_batch": self.max_batch,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, float | int]) -> NLRegression:
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            a=float(data["a"]),
+            b=float(data["b"]),
+            c=float(data["c"]),
+            r2=float(data["r2"]),
+            rel_rmse=float(data["rel_rmse"]),
+            npoints=int(data["npoints"]),
+            min_batch=int(data["min_batch"]),
+            max_batch=int(data["max_batch"]),
+        )
+
+
+def _solve_ac(
+    u: np.ndarray, y: np.ndarray, w: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Best ``(a, c)`` with ``a, c >= 0`` for each row of ``u`` (shape ``(nb, npts)``).
+
+    Returns ``a``, ``c`` and the weighted squared error, all of shape ``(nb,)``. The
+    constrained optimum of a two-variable convex quadratic is either the free optimum or lies
+    on one of the two boundaries, so three closed forms cover it.
+    """
+    sw = w.sum()
+    su = (w * u).sum(axis=1)
+    sy = (w * y).sum()
+    suu = (w * u * u).sum(axis=1)
+    suy = (w * u * y).sum(axis=1)
+    det = sw * suu - su * su
+    safe = np.abs(det) > 1e-300
+    with np.errstate(divide="ignore", invalid="ignore"):
+        a_free = np.where(safe, (sw * suy - su * sy) / det, 0.0)
+        c_free = np.where(safe, (suu * sy - su * suy) / det, sy / sw)
+        a_only = np.where(suu > 0, suy / suu, 0.0)  # c = 0
+    c_only = np.full_like(su, sy / sw)  # a = 0
+
+    def err(a: np.ndarray, c: np.ndarray) -> np.ndarray:
+        r = a[:, None] * u + c[:, None] - y[None, :]
+        return (w[None, :] * r * r).sum(axis=1)
+
+    feasible = safe & (a_free >= 0) & (c_free >= 0)
+    a_only = np.maximum(a_only, 0.0)
+    cands = [
+        (np.where(feasible, a_free, 0.0), np.where(feasible, c_free, 0.0), feasible),
+        (a_only, np.zeros_like(a_only), np.ones_like(feasible)),
+        (np.zeros_like(c_only), c_only, np.ones_like(feasible)),
+    ]
+    best_a = np.zeros_like(su)
+    best_c = np.zeros_like(su)
+    best_e = np.full_like(su, np.inf)
+    for a, c, ok in cands:
+        e = np.where(ok, err(a, c), np.inf)
+        better = e < best_e
+        best_a = np.where(better, a, best_a)
+        best_c = np.where(better, c, best_c)
+        best_e = np.where(better, e, best_e)
+    return best_a, best_c, best_e
+
+
+def fit_nl_regression(
+    batches: Sequence[float],
+    seconds: Sequence[float],
+    *,
+    min_sizes: int = MIN_SIZES,
+    b_range: tuple[float, float] = B_RANGE,
+) -> NLRegression | None:
+    """Fit ``t(n) = a*n**b + c`` to (batch size, seconds) points by relative least squares.
+
+    Returns ``None`` when there are fewer than ``min_sizes`` distinct batch sizes: with fewer
+    points than parameters the curve is not determined, and a wrong curve would mislead the
+    scheduler more than an honest "uncalibrated".
+    """
+    x = np.asarray(batches, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError("batches and seconds must be 1-D sequences of equal length")
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    x, y = x[keep], y[keep]
+    if len(np.unique(x)) < max(min_sizes, 2):
+        return None
+    w = 1.0 / (y * y)
+    lnx = np.log(x)
+
+    def profile(bs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return _solve_ac(np.exp(bs[:, None] * lnx[None, :]), y, w)
+
+    lo, hi = b_range
+    grid = np.linspace(lo, hi, _GRID_POINTS)
+    _, _, errs = profile(grid)
+    k = int(np.argmin(errs))
+    # Golden-section refinement between the grid neighbours of the best grid point.
+    left, right = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
+    ratio = (math.sqrt(5.0) - 1.0) / 2.0
+    p = right - ratio * (right - left)
+    q = left + ratio * (right - left)
+    fp = float(profile(np.array([p]))[2][0])
+    fq = float(profile(np.array([q]))[2][0])
+    for _ in range(_GOLDEN_ITERATIONS):
+        if fp <= fq:
+            right, q, fq = q, p, fp
+            p = right - ratio * (right - left)
+            fp = float(profile(np.array([p]))[2][0])
+        else:
+            left, p, fp = p, q, fq
+            q = left + ratio * (right - left)
+            fq = float(profile(np.array([q]))[2][0])
+    candidates = np.array([grid[k], p, q])
+    a_s, c_s, e_s = profile(candidates)
+    j = int(np.argmin(e_s))
+    a, b, c = float(a_s[j]), float(candidates[j]), float(c_s[j])
+
+    pred = a * x**b + c
+    ss_res = float(((pred - y) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
+    rel_rmse = float(np.sqrt((((pred - y) / y) ** 2).mean()))
+    return NLRegression(
+        a=a,
+        b=b,
+        c=c,
+        r2=r2,
+        rel_rmse=rel_rmse,
+        npoints=int(len(x)),
+        min_batch=int(x.min()),
+        max_batch=int(x.max()),
+    )
+
+
+@dataclass(frozen=True)
+class PowerLaw:
+    """StarPU's linear-log model ``t(n) = alpha * n**beta``, trusted only near its data.
+
+    StarPU uses it only within ``[0.9*minx, 1.1*maxx]`` of the sizes it was fitted on and
+    returns NaN elsewhere, because a straight line in log-log space extrapolates badly.
+    """
+
+    alpha: float
+    beta: float
+    nsamples: int
+    min_batch: float
+    max_batch: float
+
+    def predict(self, batch: float) -> float:
+        """Predicted seconds, or NaN outside the trusted range (StarPU's rule)."""
+        if not 0.9 * self.min_batch <= batch <= 1.1 * self.max_batch:
+            return math.nan
+        return self.alpha * float(batch) ** self.beta
+
+
+def fit_power_law(
+    batches: Sequence[float], seconds: Sequence[float], *, min_samples: int = 10
+) -> PowerLaw | None:
+    """Least squares in log space over individual samples (StarPU's ``REGRESSION_BASED``).
+
+    Valid, as in StarPU, only with at least ``min_samples`` samples and ``minx < 0.9*maxx``
+    (otherwise the slope is noise); returns ``None`` when invalid.
+    """
+    x = np.asarray(batches, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    x, y = x[keep], y[keep]
+    if len(x) < min_samples or not x.min() < 0.9 * x.max():
+        return None
+    lx, ly = np.log(x), np.log(y)
+    n = len(x)
+    sx, sy, sxx, sxy = lx.sum(), ly.sum(), (lx * lx).sum(), (lx * ly).sum()
+    beta = float((n * sxy - sx * sy) / (n * sxx - sx * sx))
+    alpha = float(math.exp((sy - beta * sx) / n))
+    return PowerLaw(
+        alpha=alpha,
+        beta=beta,
+        nsamples=n,
+        min_batch=float(x.min()),
+        max_batch=float(x.max()),
+    )
