@@ -220,13 +220,26 @@ class Plan:
 
     def run_reference(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Run the parts one after another on CPU ORT: the ground truth every engine must match."""
+        values = self.reference_values(feeds)
+        return {name: values[name] for name in self.output_names}
+
+    def reference_values(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every tensor a part reads or writes, from a reference run.
+
+        Calibration feeds each part the real values its predecessors produce: random values
+        for a crossing tensor could be invalid (indices, masks) or take other code paths.
+        """
         self.check_feeds(feeds)
         values: dict[str, np.ndarray] = dict(feeds)
         for part in self.parts:
             sess = self.session(part.index)
             outs = sess.run(part.outputs, {n: values[n] for n in part.inputs})
             values.update(zip(part.outputs, outs))
-        return {name: values[name] for name in self.output_names}
+        return values
+
+    def part_feeds(self, index: int, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The subset of ``values`` that part ``index`` reads."""
+        return {n: values[n] for n in self.parts[index].inputs}
 
 
 def atomic_write_text(path: Path, text: str) -> None:
