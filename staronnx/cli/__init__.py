@@ -26,6 +26,7 @@ app = typer.Typer(
 _COMMAND_MODULES = [
     "partition_cmds",
     "demo_cmd",
+    "topology_cmd",
 ]
 
 for _name in _COMMAND_MODULES:

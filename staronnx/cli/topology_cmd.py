@@ -1,0 +1,94 @@
+"""``staronnx topology``: show the machine as hwloc sees it and the CPU groups a policy gives.
+
+Useful before a run (which cores will each CPU worker own? are some PUs disallowed?) and to
+try a policy on another machine's topology: ``--xml`` takes what ``lstopo server.xml`` wrote
+there, ``--synthetic`` a made-up one such as ``"pack:2 numa:2 core:8 pu:2"``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from staronnx.errors import StaronnxError
+from staronnx.workers.groups import DEFAULT_POLICY, CpuGroup, CpuGroups, make_groups
+from staronnx.workers.topology import Topology, format_pus
+
+
+def groups_table(groups: CpuGroups) -> Table:
+    """A rich table of the groups (and reserved cores) of a policy."""
+    table = Table(title=f"CPU groups for policy {groups.policy!r}")
+    for col in ("group", "name", "cores", "PUs", "first PU", "NUMA", "package", "ORT thread PUs"):
+        table.add_column(col)
+    for g in groups:
+        table.add_row(
+            str(g.id),
+            g.name,
+            str(g.n_cores),
+            format_pus(g.pus),
+            str(g.first_pu),
+            ",".join(map(str, g.numa_nodes)) or "-",
+            "-" if g.package is None else str(g.package),
+            g.ort_thread_affinities() and _zero_based(g) or "-",
+        )
+    if groups.reserved:
+        table.add_row(
+            "-", "reserved (GPU threads)", str(len(groups.reserved)),
+            format_pus(groups.reserved_pus), "-", "-", "-", "-",
+        )
+    return table
+
+
+def _zero_based(group: CpuGroup) -> str:
+    """The pool threads' PUs as OS indexes (ORT's own string is 1-based, confusing to read)."""
+    return "; ".join(format_pus(pus) for pus in group.core_pus[1:])
+
+
+def load_topology(synthetic: str | None, xml: Path | None) -> Topology:
+    """The topology the options ask for: synthetic, XML, or this system."""
+    if synthetic is not None and xml is not None:
+        raise StaronnxError("give either --synthetic or --xml, not both")
+    if synthetic is not None:
+        return Topology.from_synthetic(synthetic)
+    if xml is not None:
+        return Topology.from_xml(xml)
+    return Topology.from_system()
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``topology`` command to ``app``."""
+
+    @app.command("topology")
+    def topology(
+        synthetic: Annotated[
+            Optional[str],
+            typer.Option("--synthetic", help="hwloc synthetic description, e.g. 'pack:2 numa:2 core:8 pu:2'."),
+        ] = None,
+        xml: Annotated[
+            Optional[Path],
+            typer.Option("--xml", help="Topology XML written by 'lstopo FILE.xml' or --export-xml."),
+        ] = None,
+        groups: Annotated[
+            str,
+            typer.Option(
+                "--groups",
+                help="CPU group policy: numa, package, cores=N or '0-3;4-7', optionally ',reserve=N'.",
+            ),
+        ] = DEFAULT_POLICY,
+        export_xml: Annotated[
+            Optional[Path],
+            typer.Option("--export-xml", help="Also save the topology as hwloc XML to this file."),
+        ] = None,
+    ) -> None:
+        """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups."""
+        topo = load_topology(synthetic, xml)
+        cpu_groups = make_groups(topo, groups)
+        console = Console()
+        console.print(topo.rich_tree())
+        console.print(groups_table(cpu_groups))
+        if export_xml is not None:
+            console.print(f"topology written to {topo.export_xml(export_xml)}")

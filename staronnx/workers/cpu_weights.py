@@ -1,0 +1,209 @@
+"""One copy of each part's weights per NUMA node, however many CPU sessions use them.
+
+Every CPU group has its own ONNX Runtime session per part (its own thread pool, pinned to its
+cores), and a plain session keeps a private copy of the weights: N groups would cost N copies.
+What ONNX Runtime 1.31's Python API offers, measured on a MatMul with a 40 MiB weight (PSS, i.e.
+physical memory, growth for 1 -> 4 sessions; the first and last items through CpuWorker, see
+tests/test_cpu_worker.py, the others with bare sessions):
+
+- plain sessions: 48 -> 180 MiB; no other cost.
+- ``SessionOptions.add_initializer`` with one shared OrtValue: 47 -> 175 MiB, because MatMul
+  prepacks its weight and each session keeps its own prepacked copy.
+- ``add_initializer`` + ``session.disable_prepacking``: ~47 -> ~55 MiB, but MatMul runs 3x
+  slower at batch 4, +60 % at 32, +23 % at 128 (weights repacked on every call).
+- ``PrepackedWeightsContainer``: C/C++ API only, not exposed by the Python package.
+- **this module** (prepacked weights saved to an external data file that every session maps):
+  46 -> 47 MiB, at the same speed; costs one extra session build per part and NUMA node, and
+  disk space (the original and the prepacked weights).
+
+How it works: once per (part, NUMA node) a throw-away session optimises the part and writes it
+with ``session.save_external_prepacked_constant_initializers=1`` to a private cache folder; the
+weights (prepacked ones in the CPU kernels' own layout, plain ones as they are) land in a
+page-aligned external data file.  Every session then loads that optimised model, and ORT
+memory-maps the data file (a private copy-on-write mapping that is never written), so the
+kernel keeps **one** copy in the page cache, shared by every session of the process (and of
+other processes given the same ``root``).  The prepacked layout is what the kernels use, so
+nothing is slower.
+
+Caveats, measured or documented rather than guessed:
+
+- ``VmRSS`` counts a file page once per mapping, so it still grows ~4x for 4 sessions; PSS
+  (``/proc/self/smaps_rollup``) and ``RssAnon`` show the real, shared, footprint.
+  :func:`process_memory` reads all of them.
+- The optimised model is specific to this CPU and ORT version (NCHWc layouts, MLAS packing),
+  so the default cache is a private folder per process, deleted at exit.
+- NUMA: page-cache pages are allocated on the node of the thread that writes them, so the copy
+  is made by the worker thread itself, after pinning and memory binding, and there is one
+  copy per NUMA node (one on a 1-node machine).
+- When the optimised save fails (an operator ORT cannot serialise, a read-only disk), the
+  worker falls back to a plain session of the original file and says so.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+
+import onnxruntime as ort
+
+__all__ = ["SharedWeights", "default_shared_weights", "process_memory"]
+
+_MODEL = "model.onnx"
+_DATA = "model.onnx.data"
+
+
+def process_memory() -> dict[str, int]:
+    """This process's memory in bytes: ``rss`` (VmRSS), ``rss_anon``, ``rss_file``, ``pss``.
+
+    ``pss`` is the one to compare when pages are shared (mapped weights): each shared page is
+    divided among the mappings that use it.  psutil is not a dependency, so /proc is read
+    directly (Linux only; missing keys are 0 elsewhere).
+    """
+    out = {"rss": 0, "rss_anon": 0, "rss_file": 0, "pss": 0}
+    keys = {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file"}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] in keys:
+                    out[keys[parts[0]]] = int(parts[1]) * 1024
+        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
+            for line in f:
+                parts = line.split()
+                if parts and parts[0] == "Pss:":
+                    out["pss"] = int(parts[1]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+class SharedWeights:
+    """Cache of optimised parts whose weights live in a memory-mapped external data file.
+
+    ``root=None`` makes a private folder under ``$STARONNX_HOME/weights`` (default
+    ``~/.cache/staronnx/weights``; a disk, not a tmpfs, so the unused original weights in the
+    data file cost no RAM) that is removed when the process exits; folders left by processes
+    that died are removed the next time.  Thread-safe: two workers asking for the same part and
+    NUMA node get the same file, built once.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None, *, min_bytes: int = 1024) -> None:
+        self.min_bytes = min_bytes
+        self._owned = root is None
+        self._root_arg = Path(root) if root is not None else None
+        self._root: Path | None = None
+        self._lock = threading.Lock()
+        self._key_locks: dict[str, threading.Lock] = {}
+
+    @property
+    def root(self) -> Path:
+        """The cache folder (created on first use)."""
+        with self._lock:
+            if self._root is None:
+                self._root = self._make_root()
+            return self._root
+
+    def model_for(self, part: str | os.PathLike[str], numa: int | None) -> Path:
+        """Path of the optimised copy of ``part`` for NUMA node ``numa``, built if needed.
+
+        Call it from the thread that will use the weights (pinned, memory-bound), so that the
+        data file's pages are allocated on its NUMA node.  Raises whatever ORT raises when the
+        part cannot be optimised and saved; callers fall back to the original file.
+        """
+        src = Path(part).resolve()
+        st = src.stat()
+        ident = f"{src}|{st.st_size}|{st.st_mtime_ns}|{ort.__version__}"
+        key = hashlib.sha256(ident.encode()).hexdigest()[:16]
+        final = self.root / f"{src.stem}-{key}" / f"numa{'-' if numa is None else numa}"
+        with self._lock:
+            key_lock = self._key_locks.setdefault(str(final), threading.Lock())
+        with key_lock:
+            if (final / _MODEL).is_file():
+                return final / _MODEL
+            final.parent.mkdir(parents=True, exist_ok=True)
+            tmp = final.parent / f".tmp-{uuid.uuid4().hex}"
+            tmp.mkdir()
+            try:
+                self._optimise(src, tmp / _MODEL)
+                try:
+                    os.rename(tmp, final)  # atomic: another process may have won the race
+                except OSError:
+                    if not (final / _MODEL).is_file():
+                        raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            return final / _MODEL
+
+    def _optimise(self, src: Path, dst: Path) -> None:
+        so = ort.SessionOptions()
+        so.log_severity_level = 3  # ORT warns that the saved model is hardware specific: we know.
+        so.intra_op_num_threads = 1
+        so.optimized_model_filepath = str(dst)
+        so.add_session_config_entry("session.optimized_model_external_initializers_file_name", _DATA)
+        so.add_session_config_entry(
+            "session.optimized_model_external_initializers_min_size_in_bytes", str(self.min_bytes)
+        )
+        so.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
+        sess = ort.InferenceSession(str(src), so, providers=["CPUExecutionProvider"])
+        del sess
+        if not dst.is_file():
+            raise RuntimeError(f"ONNX Runtime did not write the optimised model {dst}")
+
+    def close(self) -> None:
+        """Remove the cache folder if this object created it (open sessions keep their maps)."""
+        with self._lock:
+            if self._owned and self._root is not None:
+                shutil.rmtree(self._root, ignore_errors=True)
+                self._root = None
+
+    def _make_root(self) -> Path:
+        if self._root_arg is not None:
+            self._root_arg.mkdir(parents=True, exist_ok=True)
+            return self._root_arg
+        home = Path(os.environ.get("STARONNX_HOME", Path.home() / ".cache" / "staronnx"))
+        base = home / "weights"
+        try:
+            base.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            base = Path(tempfile.gettempdir()) / "staronnx-weights"
+            base.mkdir(parents=True, exist_ok=True)
+        _remove_dead(base)
+        root = Path(tempfile.mkdtemp(prefix=f"pid{os.getpid()}-", dir=base))
+        atexit.register(self.close)
+        return root
+
+
+def _remove_dead(base: Path) -> None:
+    """Remove cache folders of processes that no longer exist (crashed, killed)."""
+    for d in base.glob("pid*-*"):
+        try:
+            pid = int(d.name[3:].split("-", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except OSError:
+            pass  # exists but not ours (EPERM): leave it
+
+
+_default: SharedWeights | None = None
+_default_lock = threading.Lock()
+
+
+def default_shared_weights() -> SharedWeights:
+    """The process-wide cache every CPU worker uses unless given its own."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = SharedWeights()
+        return _default
