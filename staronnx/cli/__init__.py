@@ -27,6 +27,7 @@ _COMMAND_MODULES = [
     "partition_cmds",
     "demo_cmd",
     "topology_cmd",
+    "perfmodel_cmds",
 ]
 
 for _name in _COMMAND_MODULES:

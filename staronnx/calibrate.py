@@ -1,0 +1,149 @@
+"""Filling the performance models of a plan by running its parts on the real workers.
+
+The scheduler places tasks from predictions, so before serving we run every part on every
+worker architecture at every batch size until StarPU's rules call the history calibrated
+(10 accepted samples after the dropped first one). Each part is fed the real tensors its
+predecessors produce (a reference run of the plan), never random crossing tensors. Workers run
+concurrently, as they will while serving; workers of the same architecture (CPU groups of the
+same size) feed one shared model, as StarPU's homogeneous CPU models do.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import Footprint, HistoryModel, PerfModelStore
+from staronnx.plan import Plan
+from staronnx.verify import random_plan_feeds
+from staronnx.workers.groups import make_groups
+from staronnx.workers.topology import Topology
+
+
+class Worker(Protocol):
+    """What calibration needs of a worker (CPU and CUDA workers both provide it)."""
+
+    name: str
+
+    def submit(self, part: int, feeds: dict[str, np.ndarray]): ...  # -> future with .seconds
+
+    def run(self, part: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self, timeout: float | None = None) -> None: ...
+
+
+def worker_arch(worker: object) -> str:
+    """The perf-model architecture of a worker: ``cpuN`` (N cores) or ``cudaD`` (device D)."""
+    group = getattr(worker, "group", None)
+    if group is not None:
+        return f"cpu{group.n_cores}"
+    device = getattr(worker, "device_id", None)
+    if device is not None:
+        return f"cuda{device}"
+    raise StaronnxError(f"unknown worker kind: {worker!r}")
+
+
+def footprint_of(feeds: dict[str, np.ndarray], batch: int) -> Footprint:
+    return Footprint.from_shapes({n: v.shape for n, v in feeds.items()}, batch=batch)
+
+
+@dataclass
+class CalibrationReport:
+    """What calibration measured: per (part, arch, batch) the samples taken and the mean."""
+
+    models: dict[tuple[int, str], HistoryModel] = field(default_factory=dict)
+    runs: dict[tuple[int, str, int], int] = field(default_factory=dict)
+    uncalibrated: list[tuple[int, str, int]] = field(default_factory=list)
+
+
+def start_workers(
+    plan: Plan, groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)
+) -> list[Worker]:
+    """CPU workers for the groups of this machine, plus CUDA stream workers if asked."""
+    from staronnx.workers.cpu import CpuWorker
+
+    parts = [plan.part_path(i) for i in range(plan.k)]
+    topology = Topology.from_system()
+    workers: list[Worker] = []
+    try:
+        if cuda_streams > 0:
+            from staronnx.workers.cuda import cuda_workers
+
+            workers.extend(cuda_workers(list(cuda_devices), cuda_streams, parts))
+        for group in make_groups(topology, groups):
+            workers.append(CpuWorker(group, parts, topology=topology).start())
+    except BaseException:
+        for w in workers:
+            w.close()
+        raise
+    return workers
+
+
+def calibrate(
+    plan: Plan,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+    *,
+    workers: Sequence[Worker],
+    store: PerfModelStore | None = None,
+    max_runs: int = 60,
+    seed: int = 0,
+    on_step: Callable[[str], None] | None = None,
+) -> CalibrationReport:
+    """Run every part on every worker at every batch size until its history is calibrated.
+
+    ``max_runs`` bounds the runs per (worker, part, batch) when measurements keep being
+    rejected as outliers (a noisy machine); those entries are reported as uncalibrated.
+    Samples are merged into ``store`` (atomically, under its lock) at the end.
+    """
+    store = store or PerfModelStore()
+    report = CalibrationReport()
+    lock = threading.Lock()
+    for w in workers:
+        for part in range(plan.k):
+            key = (part, worker_arch(w))
+            if key not in report.models:
+                report.models[key] = store.load(plan.hash, part, key[1])
+
+    def drive(worker: Worker, batch: int, values: dict[str, np.ndarray]) -> None:
+        arch = worker_arch(worker)
+        for part in range(plan.k):
+            feeds = plan.part_feeds(part, values)
+            model = report.models[(part, arch)]
+            fp = footprint_of(feeds, batch)
+            worker.run(part, feeds)  # warm-up: allocations, kernel selection
+            runs = 0
+            while model.needs_samples(fp) and runs < max_runs:
+                future = worker.submit(part, feeds)
+                future.result()
+                model.record(fp, future.seconds)
+                runs += 1
+            with lock:
+                k = (part, arch, batch)
+                report.runs[k] = report.runs.get(k, 0) + runs
+            if on_step:
+                on_step(f"{worker.name} part {part} batch {batch}: {runs} runs")
+
+    with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="calibrate") as pool:
+        for batch in batch_sizes:
+            values = plan.reference_values(random_plan_feeds(plan, batch, seed=seed))
+            for future in [pool.submit(drive, w, batch, values) for w in workers]:
+                future.result()
+    for (part, arch), model in report.models.items():
+        merged = store.commit(plan.hash, model)
+        report.models[(part, arch)] = merged
+        for batch in batch_sizes:
+            values_fp = [r for r in merged.rows() if r.batch == batch]
+            if not any(r.calibrated for r in values_fp):
+                report.uncalibrated.append((part, arch, batch))
+    return report
+
+
+def calibration_steps(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> int:
+    """Number of (worker, part, batch) steps, for a progress bar."""
+    return len(workers) * plan.k * len(batch_sizes)
+

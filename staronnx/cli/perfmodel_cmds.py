@@ -1,0 +1,117 @@
+"""``staronnx calibrate`` and ``staronnx perfmodel show``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from staronnx.errors import StaronnxError
+from staronnx.plan import Plan
+
+console = Console()
+perfmodel_app = typer.Typer(help="Inspect calibrated performance models.", no_args_is_help=True)
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise StaronnxError(f"--batch-sizes expects positive integers like 1,2,4,8, got {text!r}")
+    return sorted(set(sizes))
+
+
+def calibrate_cmd(
+    plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes to calibrate.")] = "1,2,4,8,16",
+    groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
+    cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    max_runs: Annotated[int, typer.Option(help="Cap on runs per (worker, part, batch).")] = 60,
+    seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+) -> None:
+    """Run every part on every worker at each batch size until its perf model is calibrated."""
+    from staronnx.calibrate import calibrate, calibration_steps, start_workers
+    from staronnx.perfmodels import PerfModelStore
+
+    plan = Plan.load(plandir)
+    sizes = _batch_sizes(batch_sizes)
+    store = PerfModelStore()
+    workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams)
+    try:
+        console.print(
+            f"calibrating plan {plan.hash} ({plan.k} parts) on "
+            f"{', '.join(w.name for w in workers)}; batch sizes {sizes}"
+        )
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console,
+        ) as progress:
+            task = progress.add_task("calibrating", total=calibration_steps(plan, workers, sizes))
+
+            def step(msg: str) -> None:
+                progress.update(task, advance=1, description=msg)
+
+            report = calibrate(plan, sizes, workers=workers, store=store, max_runs=max_runs,
+                               seed=seed, on_step=step)
+    finally:
+        for w in workers:
+            w.close()
+    console.print(f"models stored under {store.plan_dir(plan.hash)}")
+    _print_rows(store.rows(plan.hash), plan)
+    if report.uncalibrated:
+        console.print(
+            f"[yellow]not calibrated (too many outliers within {max_runs} runs):[/] "
+            + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated)
+        )
+
+
+def _fmt_ms(seconds: float) -> str:
+    return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.3f}"
+
+
+def _print_rows(rows, plan: Plan) -> None:
+    table = Table(title=f"perf models of plan {plan.hash} (times in ms)")
+    for col in ("part", "arch", "batch", "n", "mean", "stddev", "outliers", "regression a·n^b+c"):
+        table.add_column(col, justify="right" if col not in ("arch", "regression a·n^b+c") else "left")
+    for r in sorted(rows, key=lambda r: (r.part, r.arch, r.batch)):
+        reg = r.regression
+        fit = (f"{reg.a * 1e3:.3g}·n^{reg.b:.2f}+{reg.c * 1e3:.3g} (r²={reg.r2:.3f})"
+               if reg is not None else "-")
+        table.add_row(str(r.part), r.arch, str(r.batch), str(r.n), _fmt_ms(r.mean),
+                      _fmt_ms(r.stddev), str(r.nerror), fit)
+    console.print(table)
+
+
+@perfmodel_app.command("show")
+def show_cmd(
+    plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
+    plot: Annotated[Optional[Path], typer.Option(help="Also draw time vs batch size to this PNG.")] = None,
+) -> None:
+    """Table of every calibrated model of a plan: part, arch, batch, n, mean, stddev, regression."""
+    from staronnx.perfmodels import PerfModelStore
+
+    plan = Plan.load(plandir)
+    store = PerfModelStore()
+    rows = store.rows(plan.hash)
+    if not rows:
+        raise StaronnxError(
+            f"no perf models for plan {plan.hash} under {store.plan_dir(plan.hash)}; "
+            f"run `staronnx calibrate {plandir}` first"
+        )
+    _print_rows(rows, plan)
+    if plot is not None:
+        from staronnx.perfmodels.plot import plot_rows
+
+        console.print(f"plot written to {plot_rows(rows, plot, title=f'plan {plan.hash}')}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("calibrate")(calibrate_cmd)
+    app.add_typer(perfmodel_app, name="perfmodel")

@@ -1,0 +1,49 @@
+"""Drawing perf models: time versus batch size per part and architecture."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from staronnx.perfmodels.history import PerfRow
+
+
+def plot_rows(rows: Sequence[PerfRow], out: Path, title: str = "") -> Path:
+    """Measured means (with stddev bars) and the a*n^b+c fit, one line per (part, arch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[int, str], list[PerfRow]] = defaultdict(list)
+    for r in rows:
+        if r.n > 0:
+            series[(r.part, r.arch)].append(r)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (part, arch), pts in sorted(series.items()):
+        pts.sort(key=lambda r: r.batch)
+        xs = np.array([r.batch for r in pts])
+        ys = np.array([r.mean for r in pts]) * 1e3
+        err = np.array([r.stddev for r in pts]) * 1e3
+        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"part {part} / {arch}")
+        reg = pts[0].regression
+        if reg is not None and len(xs) > 1:
+            grid = np.linspace(xs.min(), xs.max(), 100)
+            ax.plot(grid, [reg.predict(x) * 1e3 for x in grid], "--", color=line[0].get_color(),
+                    alpha=0.6)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("time per task (ms)")
+    ax.set_title(title or "perf models: measured mean ± stddev, dashed: a·n^b + c fit")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
