@@ -1,0 +1,5 @@
+"""``python -m staronnx`` runs the CLI."""
+
+from staronnx.cli import main
+
+main()

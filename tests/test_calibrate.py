@@ -1,0 +1,76 @@
+"""Calibration on real workers fills StarPU-style history models; the CLI shows and plots them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.calibrate import calibrate, start_workers, worker_arch
+from staronnx.perfmodels import PerfModelStore
+from staronnx.zoo import inception
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("calib")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
+    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+
+
+def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    workers = start_workers(small_plan, groups="cores=1")
+    try:
+        report = calibrate(small_plan, [1, 3], workers=workers, store=store)
+        archs = {worker_arch(w) for w in workers}
+    finally:
+        for w in workers:
+            w.close()
+    assert archs == {"cpu1"}
+    assert not report.uncalibrated
+    rows = store.rows(small_plan.hash)
+    seen = {(r.part, r.arch, r.batch) for r in rows if r.n >= 10}
+    assert seen == {(p, "cpu1", b) for p in range(small_plan.k) for b in (1, 3)}
+    for r in rows:
+        assert r.mean > 0 and r.prediction == pytest.approx(r.mean)
+
+    # a second calibration finds the models calibrated and runs nothing more
+    workers = start_workers(small_plan, groups="cores=1")
+    try:
+        again = calibrate(small_plan, [1, 3], workers=workers, store=store)
+    finally:
+        for w in workers:
+            w.close()
+    assert sum(again.runs.values()) == 0
+
+
+def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
+    env = {"STARONNX_HOME": str(home), "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "staronnx", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_cli_calibrate_show_and_plot(small_plan, tmp_path):
+    home = tmp_path / "home"
+    shown = _cli("perfmodel", "show", str(small_plan.root), home=home)
+    assert shown.returncode == 2 and "staronnx calibrate" in shown.stderr
+    done = _cli("calibrate", str(small_plan.root), "--batch-sizes", "1,2", home=home)
+    assert done.returncode == 0, done.stderr
+    png = tmp_path / "pm.png"
+    shown = _cli("perfmodel", "show", str(small_plan.root), "--plot", str(png), home=home)
+    assert shown.returncode == 0, shown.stderr
+    lines = [ln for ln in shown.stdout.splitlines() if ln.startswith("│")]
+    parts_batches = {(ln.split("│")[1].strip(), ln.split("│")[3].strip()) for ln in lines}
+    assert {(str(p), str(b)) for p in range(small_plan.k) for b in (1, 2)} <= parts_batches
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_batch_sizes_is_a_clear_error(small_plan, tmp_path):
+    out = _cli("calibrate", str(small_plan.root), "--batch-sizes", "0,x", home=tmp_path)
+    assert out.returncode == 2 and "--batch-sizes" in out.stderr
