@@ -1,0 +1,135 @@
+"""The contract between scheduling policies and whatever executes tasks.
+
+Policies are pure: they never import ONNX Runtime and never look at a real clock. They see
+workers as :class:`WorkerInfo`, tasks as :class:`TaskView`, predictions through a
+:class:`Predictor`, and time through a :class:`Clock`. The native engine drives them with real
+threads and ``time.perf_counter``; the simulator drives the very same objects with a simulated
+clock and perf-model samples. All times are seconds.
+
+Call protocol (the engine serialises all calls to one policy under its own lock, so a policy
+needs no locking of its own):
+
+1. ``attach(workers, predictor, clock, dag)`` once, before any task.
+2. ``push(task)`` when a task becomes ready (all its input data produced). Returns the worker
+   it was placed on when the policy decides at push time (dm/dmda/... — the engine then
+   prefetches the task's inputs to that worker's memory node), or ``None`` when the task waits
+   in a shared queue (eager, ws before stealing).
+3. ``pop(worker_id)`` when a worker is idle: the next task it must run, or ``None``.
+4. ``on_start(worker_id, task, now)`` just before execution, ``on_done(worker_id, task,
+   measured, now)`` just after: the queue bookkeeping (StarPU's exp_start/exp_len/exp_end).
+5. ``remove_worker(worker_id)`` when a worker dies: returns the tasks queued on it, which the
+   engine pushes again.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence
+
+
+class Clock(Protocol):
+    def now(self) -> float:
+        """Seconds on a monotonic clock (real or simulated)."""
+        ...
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker as a policy sees it."""
+
+    id: int
+    name: str
+    arch: str  # perf-model architecture: "cpu<ncores>" or "cuda<device>"
+    kind: str  # "cpu" or "cuda"
+    memory_node: str  # "numa0", "cuda0", ...
+    ncores: int = 1
+
+    @property
+    def speedup(self) -> float:
+        """StarPU's relative speed of an architecture (CPU 0.5 per core, CUDA 13.33), used when
+        nothing is calibrated and by the random policy."""
+        return 13.33 if self.kind == "cuda" else 0.5 * self.ncores
+
+
+@dataclass(frozen=True)
+class DataView:
+    """One input of a task: a data handle, its size and where valid copies are."""
+
+    handle: int
+    name: str
+    nbytes: int
+    valid_on: frozenset[str]  # memory nodes holding a valid copy
+
+
+@dataclass
+class TaskView:
+    """A task as a policy sees it: one part applied to one batch."""
+
+    id: int
+    part: int
+    batch: int
+    request: int
+    inputs: Sequence[DataView] = ()
+    priority: float = 0.0  # higher runs first in priority-sorted queues (heft sets it)
+    submitted_at: float = 0.0
+    #: filled by dm/dmda-style policies when they place the task (for accounting and stats)
+    predicted: float = math.nan
+    transfer: float = 0.0
+    placed_on: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Predictor(Protocol):
+    """Perf-model predictions a policy may ask for."""
+
+    def exec_time(self, task: TaskView, worker: WorkerInfo) -> float:
+        """Predicted execution time of ``task`` on ``worker``'s arch: NaN when the model is not
+        calibrated yet, 0.0 when there is no model at all."""
+        ...
+
+    def transfer_time(self, task: TaskView, worker: WorkerInfo) -> float:
+        """Predicted time to bring the task's inputs to ``worker``'s memory node from their
+        cheapest valid copies (0 when all are already valid there)."""
+        ...
+
+
+class Policy(ABC):
+    """A scheduling policy; see the module docstring for the call protocol."""
+
+    name: str = "?"
+    #: True when push() decides the worker (the engine then prefetches the inputs)
+    places_at_push: bool = False
+
+    def attach(
+        self,
+        workers: Sequence[WorkerInfo],
+        predictor: Predictor,
+        clock: Clock,
+        dag: Sequence[Sequence[int]] = (),
+    ) -> None:
+        """Receive the workers, predictions, clock and the plan's DAG (successors per part)."""
+        self.workers = list(workers)
+        self.predictor = predictor
+        self.clock = clock
+        self.dag = [list(s) for s in dag]
+
+    @abstractmethod
+    def push(self, task: TaskView) -> int | None: ...
+
+    @abstractmethod
+    def pop(self, worker_id: int) -> TaskView | None: ...
+
+    def on_start(self, worker_id: int, task: TaskView, now: float) -> None:
+        """Bookkeeping when a worker starts a task (default: nothing)."""
+
+    def on_done(self, worker_id: int, task: TaskView, measured: float, now: float) -> None:
+        """Bookkeeping when a worker finished a task (default: nothing)."""
+
+    @abstractmethod
+    def remove_worker(self, worker_id: int) -> list[TaskView]: ...
+
+    @abstractmethod
+    def pending(self) -> int:
+        """Tasks pushed but not yet popped."""
