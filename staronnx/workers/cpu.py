@@ -285,6 +285,33 @@ class CpuWorker:
         self._put(("call", fn, fut))
         return fut.result()
 
+    def spawn(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Start ``fn()`` in the worker thread and return at once.
+
+        An engine runs its serving loop this way, so tasks execute on the pinned thread with no
+        extra thread hop; the loop calls :meth:`run_here` for each task and must return before
+        :meth:`close` can finish.
+        """
+        fut: Future[Any] = Future()
+        self._put(("call", fn, fut))
+        return fut
+
+    def run_here(self, part: int, feeds: Feeds) -> Outputs:
+        """Run a part in the calling thread, which must be this worker's own (see :meth:`spawn`).
+
+        Exceptions propagate to the caller (the engine fails that task's request only), with
+        the session-holding frames cleared as in the queued path.
+        """
+        if threading.get_native_id() != self.native_id:
+            raise RuntimeError(f"run_here called outside {self.name}'s thread")
+        try:
+            values = self._sessions[part].run(None, dict(feeds))
+        except BaseException as exc:
+            self.stats.failed += 1
+            traceback.clear_frames(exc.__traceback__)
+            raise
+        return dict(zip(self._outputs[part], values))
+
     def _put(self, item: tuple[Any, ...]) -> None:
         if self._thread is None:
             raise RuntimeError(f"{self.name} is not started; call start() first")

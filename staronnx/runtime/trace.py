@@ -1,0 +1,67 @@
+"""Chrome/Perfetto traces of what the engine did: one lane per worker, tasks, transfers, flows.
+
+Open the JSON in https://ui.perfetto.dev or chrome://tracing. Each task is a complete event
+("X") on its worker's lane; each dependency is a flow arrow from the producing task's end to
+the consuming task's start; transfers (when a worker reports them) are events on a
+"<worker> copies" lane. Events are kept in memory and written atomically at close.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from staronnx.plan import atomic_write_text
+
+
+class Tracer:
+    """Collects trace events; thread-safe; times are seconds from the engine's clock."""
+
+    def __init__(self, path: str | os.PathLike[str], origin: float) -> None:
+        self.path = Path(path)
+        self.origin = origin
+        self._events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._flow_ids = 0
+        self._pid = os.getpid()
+
+    def _us(self, t: float) -> float:
+        return round((t - self.origin) * 1e6, 3)
+
+    def lane(self, tid: int, name: str) -> None:
+        with self._lock:
+            self._events.append({"ph": "M", "name": "thread_name", "pid": self._pid, "tid": tid,
+                                 "args": {"name": name}})
+            self._events.append({"ph": "M", "name": "thread_sort_index", "pid": self._pid,
+                                 "tid": tid, "args": {"sort_index": tid}})
+
+    def task(self, tid: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append({"ph": "X", "name": name, "cat": "task", "pid": self._pid,
+                                 "tid": tid, "ts": self._us(start), "dur": self._us(end) - self._us(start),
+                                 "args": args})
+
+    def transfer(self, tid: int, name: str, start: float, end: float, nbytes: int) -> None:
+        with self._lock:
+            self._events.append({"ph": "X", "name": name, "cat": "transfer", "pid": self._pid,
+                                 "tid": tid, "ts": self._us(start), "dur": self._us(end) - self._us(start),
+                                 "args": {"bytes": nbytes}})
+
+    def flow(self, src_tid: int, src_time: float, dst_tid: int, dst_time: float, name: str) -> None:
+        """A dependency arrow from the end of one task to the start of another."""
+        with self._lock:
+            self._flow_ids += 1
+            fid = self._flow_ids
+            self._events.append({"ph": "s", "id": fid, "name": name, "cat": "dependency",
+                                 "pid": self._pid, "tid": src_tid, "ts": self._us(src_time)})
+            self._events.append({"ph": "f", "bp": "e", "id": fid, "name": name, "cat": "dependency",
+                                 "pid": self._pid, "tid": dst_tid, "ts": self._us(dst_time)})
+
+    def save(self) -> Path:
+        with self._lock:
+            data = {"traceEvents": list(self._events), "displayTimeUnit": "ms"}
+        atomic_write_text(self.path, json.dumps(data))
+        return self.path
