@@ -28,6 +28,7 @@ _COMMAND_MODULES = [
     "demo_cmd",
     "topology_cmd",
     "perfmodel_cmds",
+    "run_cmds",
 ]
 
 for _name in _COMMAND_MODULES:
