@@ -1,0 +1,28 @@
+"""Shared helpers of the ratio benchmarks: timing loops run side by side in one process."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[1]
+GOOGLENET = REPO.parent / "shared" / "models" / "googlenet.onnx"
+
+
+def rate(fn: Callable[[], int], seconds: float) -> float:
+    """Items per second of ``fn`` (which returns how many items it did), over ``seconds``."""
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        done += fn()
+    return done / (time.perf_counter() - start)
+
+
+def alternate(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    """Median of each measure over rounds taken in turn, so noise hits them alike."""
+    samples: dict[str, list[float]] = {k: [] for k in measures}
+    for _ in range(rounds):
+        for name, fn in measures.items():
+            samples[name].append(fn())
+    return {k: statistics.median(v) for k, v in samples.items()}
