@@ -14,6 +14,8 @@ from staronnx.errors import (
 )
 from staronnx.plan import Plan
 from staronnx.partition.api import partition  # noqa: E402  (shadows the subpackage name on purpose)
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.session import InferenceSession
 
 __version__ = "0.1.0"
 
@@ -27,6 +29,8 @@ __all__ = [
     "partition",
     "load_plan",
     "Plan",
+    "Runtime",
+    "InferenceSession",
     "StaronnxError",
     "ModelError",
     "PartitionError",
