@@ -1,0 +1,559 @@
+"""Memory nodes and the copies between them, measured.
+
+StarPU keeps a replica of each piece of data per *memory node* (host RAM per NUMA node, each
+GPU's memory) and predicts transfers with a bus model (STARPU_MODEL.md §2 "Bus", §3).  This
+module names the nodes the way :mod:`staronnx.perfmodels.bus` does (``numa0``, ``cuda1``),
+moves bytes between them, logs every copy as a :class:`CopyRecord` (size and measured
+duration: what the runtime's traces and perf models consume) and calibrates the bus with
+StarPU's recipe (32 tiny copies for latency, 32 copies of 32 MiB for bandwidth).
+
+Placement is best effort, because it depends on the machine:
+
+- host buffers are bound to their NUMA node with hwloc (``set_area_membind``) before their
+  pages are first touched; on a one-node machine, a topology that is not this system's, or a
+  node that does not exist, the buffer is ordinary memory and :attr:`HostAllocator.outcomes`
+  says why;
+- host<->GPU copies go through page-locked (pinned) staging buffers, because a copy from
+  pageable memory is synchronous and slower; the pinned buffer is allocated by a thread bound
+  to the host node's cores, so its pages land on that node.
+
+Nothing here needs a GPU until a ``cuda`` node is used; cuda-python is imported lazily.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import numpy as np
+
+from staronnx.perfmodels.bus import (
+    BANDWIDTH_BYTES,
+    LATENCY_BYTES,
+    REPEATS,
+    BusModel,
+    LinkCost,
+    calibrate_link,
+)
+
+if TYPE_CHECKING:
+    from staronnx.workers.cudart import Buffer, Runtime
+    from staronnx.workers.topology import Topology
+
+__all__ = [
+    "CopyLog",
+    "CopyRecord",
+    "CudaCopier",
+    "HostAllocator",
+    "MemoryNode",
+    "calibrate_bus",
+    "copy_host",
+    "memory_nodes",
+]
+
+log = logging.getLogger(__name__)
+
+NodeKind = Literal["host", "cuda"]
+_PREFIX = {"host": "numa", "cuda": "cuda"}
+_NAME_RE = re.compile(r"^(numa|cuda)(\d+)$")
+
+
+# ---------------------------------------------------------------------------- nodes
+@dataclass(frozen=True, order=True)
+class MemoryNode:
+    """A place where a tensor can live: host RAM of NUMA node ``index``, or GPU ``index``.
+
+    ``index`` is the NUMA node's OS index (what ``numactl`` shows) or the CUDA device ordinal.
+    """
+
+    kind: NodeKind
+    index: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in _PREFIX:
+            raise ValueError(f"memory node kind must be 'host' or 'cuda', got {self.kind!r}")
+        if not isinstance(self.index, int) or isinstance(self.index, bool) or self.index < 0:
+            raise ValueError(f"memory node index must be an int >= 0, got {self.index!r}")
+
+    @property
+    def name(self) -> str:
+        """``numa<i>`` or ``cuda<i>``: the names the bus model and traces use."""
+        return f"{_PREFIX[self.kind]}{self.index}"
+
+    @property
+    def is_host(self) -> bool:
+        return self.kind == "host"
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.kind == "cuda"
+
+    @classmethod
+    def parse(cls, name: str | MemoryNode) -> MemoryNode:
+        """``"numa1"`` -> ``MemoryNode("host", 1)``; a MemoryNode is returned unchanged."""
+        if isinstance(name, MemoryNode):
+            return name
+        m = _NAME_RE.match(name.strip()) if isinstance(name, str) else None
+        if not m:
+            raise ValueError(f"memory node names look like 'numa0' or 'cuda1', got {name!r}")
+        return cls("host" if m.group(1) == "numa" else "cuda", int(m.group(2)))
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def memory_nodes(topology: Topology | None, cuda_devices: Iterable[int] = ()) -> list[MemoryNode]:
+    """Every memory node of a machine: one per NUMA node of ``topology``, then one per GPU.
+
+    A topology without NUMA information (or ``None``) still has host memory: ``numa0``.
+    """
+    host = sorted({n.os_index for n in topology.numa_nodes}) if topology is not None else []
+    nodes = [MemoryNode("host", i) for i in (host or [0])]
+    devices = list(cuda_devices)
+    for d in devices:
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ValueError(f"CUDA device ids are ints >= 0, got {d!r}")
+    return nodes + [MemoryNode("cuda", d) for d in sorted(set(devices))]
+
+
+# ---------------------------------------------------------------------------- copy log
+@dataclass(frozen=True)
+class CopyRecord:
+    """One finished copy: node names, bytes moved, seconds it took (``start``: perf_counter)."""
+
+    src: str
+    dst: str
+    nbytes: int
+    seconds: float
+    start: float | None = None
+
+    @property
+    def bandwidth(self) -> float:
+        """Achieved bytes per second (inf for an instantaneous copy)."""
+        return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
+
+
+class CopyLog:
+    """A thread-safe, bounded log of :class:`CopyRecord` (the oldest records drop first)."""
+
+    def __init__(self, maxlen: int | None = 100_000) -> None:
+        self._records: deque[CopyRecord] = deque(maxlen=maxlen)
+        self._lock = threading.Lock()
+
+    def add(self, record: CopyRecord) -> CopyRecord:
+        with self._lock:
+            self._records.append(record)
+        return record
+
+    def records(self) -> list[CopyRecord]:
+        with self._lock:
+            return list(self._records)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._records.clear()
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def total_bytes(self, src: str | None = None, dst: str | None = None) -> int:
+        return sum(r.nbytes for r in self.records()
+                   if (src is None or r.src == src) and (dst is None or r.dst == dst))
+
+    def by_link(self) -> dict[tuple[str, str], tuple[int, int, float]]:
+        """``(src, dst) -> (copies, bytes, seconds)``: what a trace summary shows per link."""
+        out: dict[tuple[str, str], tuple[int, int, float]] = {}
+        for r in self.records():
+            n, b, s = out.get((r.src, r.dst), (0, 0, 0.0))
+            out[(r.src, r.dst)] = (n + 1, b + r.nbytes, s + r.seconds)
+        return out
+
+
+# ---------------------------------------------------------------------------- host memory
+def _system_topology() -> Topology | None:
+    try:
+        from staronnx.workers.topology import Topology
+
+        return Topology.from_system()
+    except Exception as exc:  # noqa: BLE001 - placement is best effort
+        log.debug("no hwloc topology of this system (%s); host buffers are not bound", exc)
+        return None
+
+
+class HostAllocator:
+    """Allocates host buffers on a given NUMA node, as far as this machine allows.
+
+    ``topology`` defaults to this system's (loaded on first use).  :attr:`outcomes` maps each
+    node name to what happened the last time ("bound", "skipped: ...", "failed: ...").
+    """
+
+    def __init__(self, topology: Topology | None = None) -> None:
+        self._topology = topology
+        self._loaded = topology is not None
+        self._lock = threading.Lock()
+        self.outcomes: dict[str, str] = {}
+
+    @property
+    def topology(self) -> Topology | None:
+        with self._lock:
+            if not self._loaded:
+                self._topology = _system_topology()
+                self._loaded = True
+            return self._topology
+
+    def empty(self, node: MemoryNode, nbytes: int) -> np.ndarray:
+        """A 1-D uint8 buffer of ``nbytes`` whose pages were first touched after binding."""
+        if not node.is_host:
+            raise ValueError(f"{node} is not host memory")
+        buf = np.empty(nbytes, dtype=np.uint8)
+        self.outcomes[node.name] = self._bind(buf, node)
+        buf.fill(0)  # first touch: the kernel places the pages now, under the binding
+        return buf
+
+    def _bind(self, buf: np.ndarray, node: MemoryNode) -> str:
+        topo = self.topology
+        if topo is None or topo.hw is None or not topo.is_this_system:
+            return "skipped: no hwloc topology of this system"
+        nodes = {n.os_index for n in topo.numa_nodes}
+        if len(nodes) <= 1:
+            return "skipped: one NUMA node"
+        if node.index not in nodes:
+            return f"skipped: this machine has no NUMA node {node.index}"
+        if buf.nbytes == 0:
+            return "skipped: empty buffer"
+        try:
+            from pyhwloc.bitmap import Bitmap
+            from pyhwloc.topology import MemBindFlags, MemBindPolicy
+
+            topo.hw.set_area_membind(
+                memoryview(buf),
+                Bitmap.from_sched_set({node.index}),
+                MemBindPolicy.BIND,
+                MemBindFlags.BYNODESET | MemBindFlags.MIGRATE,
+            )
+            return "bound"
+        except Exception as exc:  # noqa: BLE001 - best effort by design
+            return f"failed: {exc}"
+
+    def cpus_of(self, node: MemoryNode) -> list[int]:
+        """Allowed PUs closest to a host node (empty when unknown)."""
+        topo = self.topology
+        if topo is None or not topo.is_this_system:
+            return []
+        for numa in topo.numa_nodes:
+            if numa.os_index == node.index:
+                return [p for p in numa.pus if p in topo.allowed_pus]
+        return []
+
+
+def copy_host(
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_node: MemoryNode | str,
+    dst_node: MemoryNode | str,
+    log_to: CopyLog | None = None,
+) -> CopyRecord:
+    """Copy ``src`` into ``dst`` (same shape and dtype) and return the timed record."""
+    if src.shape != dst.shape or src.dtype != dst.dtype:
+        raise ValueError(f"cannot copy {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
+    start = time.perf_counter()
+    np.copyto(dst, src)
+    seconds = time.perf_counter() - start
+    rec = CopyRecord(str(src_node), str(dst_node), int(src.nbytes), seconds, start)
+    if log_to is not None:
+        log_to.add(rec)
+    return rec
+
+
+def _run_near[T](cpus: Sequence[int], fn: Callable[[], T]) -> T:
+    """Run ``fn`` in a helper thread bound to ``cpus`` (or here, when there are none).
+
+    Pinned memory is allocated and first touched by the allocating thread, so running the
+    allocation on the node's cores places its pages there, without touching the caller's
+    affinity.
+    """
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return fn()
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            try:
+                os.sched_setaffinity(0, set(cpus))
+            except OSError as exc:  # still run, just not placed
+                log.debug("cannot bind the helper thread to %s: %s", cpus, exc)
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            error.append(exc)
+
+    thread = threading.Thread(target=target, name="staronnx-near-node")
+    thread.start()
+    thread.join()
+    if error:
+        raise error[0]
+    return result[0]
+
+
+# ---------------------------------------------------------------------------- host <-> GPU
+class CudaCopier:
+    """Copies between host arrays and one GPU's buffers, through pinned staging, timed.
+
+    Owns one stream per direction (so an upload and a download can overlap) and one growable
+    pinned staging buffer per direction.  Each copy is issued asynchronously on its stream and
+    followed by an event the calling thread waits on; the returned :class:`CopyRecord` holds
+    the wall-clock time from the start of staging to the event, which is what a task waiting
+    for its input experiences.  Calls are serialised by a lock; any thread may call.
+    """
+
+    def __init__(
+        self,
+        device_id: int,
+        *,
+        runtime: Runtime | None = None,
+        host_node: MemoryNode | str = "numa0",
+        log_to: CopyLog | None = None,
+        allocator: HostAllocator | None = None,
+    ) -> None:
+        from staronnx.workers.cudart import CudaRuntime
+
+        self.device_id = device_id
+        self.node = MemoryNode("cuda", device_id)
+        self.host_node = MemoryNode.parse(host_node)
+        self.log = log_to
+        self.runtime: Runtime = runtime or CudaRuntime()
+        self._allocator = allocator or HostAllocator()
+        self._lock = threading.Lock()
+        self.runtime.set_device(device_id)
+        self._up = self.runtime.stream()
+        self._down = self.runtime.stream()
+        self._up_done = self.runtime.event(timing=False)
+        self._down_done = self.runtime.event(timing=False)
+        self._staging: dict[str, Buffer] = {}
+        self._closed = False
+
+    def _stage(self, direction: str, nbytes: int) -> Buffer:
+        buf = self._staging.get(direction)
+        if buf is None or buf.nbytes < nbytes:
+            if buf is not None:
+                buf.free()
+            size = max(nbytes, int(buf.nbytes * 1.5) if buf is not None else 0, 4096)
+            cpus = self._allocator.cpus_of(self.host_node)
+            buf = _run_near(cpus, lambda: self.runtime.pinned(size))
+            self._staging[direction] = buf
+        return buf
+
+    def to_device(self, src: np.ndarray, dst: Buffer) -> CopyRecord:
+        """Copy a host array into a device buffer and wait for it."""
+        src = np.ascontiguousarray(src)
+        if src.nbytes > dst.nbytes:
+            raise ValueError(f"{src.nbytes} B do not fit in a {dst.nbytes} B device buffer")
+        with self._lock:
+            self._check_open()
+            self.runtime.set_device(self.device_id)
+            start = time.perf_counter()
+            staging = self._stage("up", src.nbytes)
+            np.copyto(staging.view(src.dtype, src.shape), src)
+            self.runtime.copy_h2d(dst.ptr, staging.ptr, src.nbytes, self._up)
+            self._up_done.record(self._up)
+            self._up_done.synchronize()
+            seconds = time.perf_counter() - start
+        return self._record(self.host_node.name, self.node.name, src.nbytes, seconds, start)
+
+    def to_host(self, src: Buffer, dst: np.ndarray) -> CopyRecord:
+        """Copy the first ``dst.nbytes`` of a device buffer into a host array and wait."""
+        if not dst.flags.c_contiguous or not dst.flags.writeable:
+            raise ValueError("the destination must be a writable C-contiguous array")
+        if dst.nbytes > src.nbytes:
+            raise ValueError(f"a {src.nbytes} B device buffer cannot fill {dst.nbytes} B")
+        with self._lock:
+            self._check_open()
+            self.runtime.set_device(self.device_id)
+            start = time.perf_counter()
+            staging = self._stage("down", dst.nbytes)
+            self.runtime.copy_d2h(staging.ptr, src.ptr, dst.nbytes, self._down)
+            self._down_done.record(self._down)
+            self._down_done.synchronize()
+            np.copyto(dst, staging.view(dst.dtype, dst.shape))
+            seconds = time.perf_counter() - start
+        return self._record(self.node.name, self.host_node.name, dst.nbytes, seconds, start)
+
+    def pinned_to_device(self, src: Buffer, dst: Buffer, nbytes: int) -> float:
+        """Copy already-pinned bytes and wait; returns seconds (what bus calibration times)."""
+        with self._lock:
+            self._check_open()
+            self.runtime.set_device(self.device_id)
+            start = time.perf_counter()
+            self.runtime.copy_h2d(dst.ptr, src.ptr, nbytes, self._up)
+            self._up_done.record(self._up)
+            self._up_done.synchronize()
+            return time.perf_counter() - start
+
+    def device_to_pinned(self, src: Buffer, dst: Buffer, nbytes: int) -> float:
+        with self._lock:
+            self._check_open()
+            self.runtime.set_device(self.device_id)
+            start = time.perf_counter()
+            self.runtime.copy_d2h(dst.ptr, src.ptr, nbytes, self._down)
+            self._down_done.record(self._down)
+            self._down_done.synchronize()
+            return time.perf_counter() - start
+
+    def _record(self, src: str, dst: str, nbytes: int, seconds: float, start: float) -> CopyRecord:
+        rec = CopyRecord(src, dst, int(nbytes), seconds, start)
+        if self.log is not None:
+            self.log.add(rec)
+        return rec
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the copier of {self.node} is closed")
+
+    def close(self) -> None:
+        """Wait for pending copies and free the staging buffers, events and streams."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.runtime.set_device(self.device_id)
+            for stream in (self._up, self._down):
+                stream.synchronize()
+            for buf in self._staging.values():
+                buf.free()
+            self._staging.clear()
+            for ev in (self._up_done, self._down_done):
+                ev.destroy()
+            for stream in (self._up, self._down):
+                stream.destroy()
+
+    def __enter__(self) -> CudaCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------- calibration
+def calibrate_bus(
+    nodes: Sequence[MemoryNode | str],
+    *,
+    bandwidth_bytes: int = BANDWIDTH_BYTES,
+    latency_bytes: int = LATENCY_BYTES,
+    repeats: int = REPEATS,
+    topology: Topology | None = None,
+    runtime: Runtime | None = None,
+    model: BusModel | None = None,
+) -> BusModel:
+    """Measure latency and bandwidth of every directed link between ``nodes``.
+
+    StarPU's recipe (``perfmodel_bus.c``): ``repeats`` copies of ``latency_bytes`` give the
+    latency, ``repeats`` copies of ``bandwidth_bytes`` the bandwidth, through
+    :func:`staronnx.perfmodels.bus.calibrate_link` (one untimed copy first, medians).
+
+    - host -> host: numpy copies between buffers bound to each node;
+    - host <-> GPU: ``cudaMemcpyAsync`` between a pinned buffer placed on the host node and a
+      device buffer, waited on with an event;
+    - GPU -> GPU: ``cudaMemcpyPeerAsync`` (staged through the host when peer access is off,
+      which the measurement then reflects).
+
+    Returns ``model`` (a new :class:`BusModel` by default) with one entry per link.  A single
+    host node and no GPU gives an empty model, which predicts 0 like StarPU's.
+    """
+    parsed = list(dict.fromkeys(MemoryNode.parse(n) for n in nodes))
+    model = model if model is not None else BusModel()
+    allocator = HostAllocator(topology)
+    hosts = [n for n in parsed if n.is_host]
+    gpus = [n for n in parsed if n.is_cuda]
+
+    def measure(copy: Callable[[int], object]) -> LinkCost:
+        return calibrate_link(copy, bandwidth_bytes=bandwidth_bytes,
+                              latency_bytes=latency_bytes, repeats=repeats)
+
+    for src in hosts:
+        for dst in hosts:
+            if src != dst:
+                model.set(src.name, dst.name, _calibrate_host_pair(src, dst, allocator,
+                                                                   bandwidth_bytes, measure))
+    if gpus:
+        from staronnx.workers.cudart import CudaRuntime
+
+        rt: Runtime = runtime or CudaRuntime()
+        for gpu in gpus:
+            for host in hosts:
+                up, down = _calibrate_host_gpu(host, gpu, allocator, rt, bandwidth_bytes, measure)
+                model.set(host.name, gpu.name, up)
+                model.set(gpu.name, host.name, down)
+        for src in gpus:
+            for dst in gpus:
+                if src != dst:
+                    model.set(src.name, dst.name,
+                              _calibrate_peer(src, dst, rt, bandwidth_bytes, measure))
+    return model
+
+
+_Measure = Callable[[Callable[[int], object]], LinkCost]
+
+
+def _calibrate_host_pair(src: MemoryNode, dst: MemoryNode, allocator: HostAllocator,
+                         nbytes: int, measure: _Measure) -> LinkCost:
+    a = allocator.empty(src, nbytes)
+    b = allocator.empty(dst, nbytes)
+
+    def host_copy(n: int) -> None:
+        np.copyto(b[:n], a[:n])
+
+    # The destination's cores do the copy: a worker pulls its inputs.
+    return _run_near(allocator.cpus_of(dst), lambda: measure(host_copy))
+
+
+def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
+                        rt: Runtime, nbytes: int, measure: _Measure) -> tuple[LinkCost, LinkCost]:
+    """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory."""
+    copier = CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator)
+    try:
+        device = rt.device_buffer(nbytes)
+        pinned = _run_near(allocator.cpus_of(host), lambda: rt.pinned(nbytes))
+        try:
+            pinned.view(np.uint8, (nbytes,)).fill(1)
+            up = measure(lambda n: copier.pinned_to_device(pinned, device, n))
+            down = measure(lambda n: copier.device_to_pinned(device, pinned, n))
+            return up, down
+        finally:
+            pinned.free()
+            rt.set_device(gpu.index)
+            device.free()
+    finally:
+        copier.close()
+
+
+def _calibrate_peer(src: MemoryNode, dst: MemoryNode, rt: Runtime, nbytes: int,
+                    measure: _Measure) -> LinkCost:
+    rt.set_device(dst.index)
+    dst_buf = rt.device_buffer(nbytes)
+    rt.set_device(src.index)
+    src_buf = rt.device_buffer(nbytes)
+    stream = rt.stream()
+    done = rt.event(timing=False)
+    try:
+        def peer_copy(n: int) -> None:
+            rt.set_device(src.index)
+            rt.copy_peer(dst_buf.ptr, dst.index, src_buf.ptr, src.index, n, stream)
+            done.record(stream)
+            done.synchronize()
+
+        return measure(peer_copy)
+    finally:
+        rt.set_device(src.index)
+        stream.synchronize()
+        done.destroy()
+        stream.destroy()
+        src_buf.free()
+        rt.set_device(dst.index)
+        dst_buf.free()

@@ -1,0 +1,365 @@
+"""The CUDA worker (staronnx.workers.cuda).
+
+Three kinds of tests:
+
+- GPU tests (``needs_gpu``): skipped unless ONNX Runtime's CUDAExecutionProvider, cuda-python
+  and a GPU are all present; they check streams, results, concurrency, buffer reuse, teardown;
+- the constructor's error without a CUDA provider (runs anywhere);
+- the same pipeline driven by :class:`~staronnx.workers.cudart.HostRuntime` on ONNX Runtime's
+  CPU provider (runs anywhere): staging, buffer caching, output discovery, prefetch, errors,
+  teardown.  It checks the worker's logic, not CUDA's stream semantics.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from staronnx.errors import DeviceError, InputError
+from staronnx.workers.cuda import (
+    CudaWorker,
+    CudaWorkerFuture,
+    cuda_unavailable_reason,
+    cuda_workers,
+)
+from staronnx.workers.cudart import HostRuntime
+from staronnx.workers.memory import CopyLog
+
+pytestmark = pytest.mark.gpu
+
+REASON = cuda_unavailable_reason(0)
+needs_gpu = pytest.mark.skipif(
+    REASON is not None,
+    reason=f"needs a GPU with ONNX Runtime's CUDAExecutionProvider: {REASON}",
+)
+
+# TF32 would make GPU results differ from the CPU's by ~1e-3; compare exact fp32 kernels.
+STRICT_FP32 = {"use_tf32": "0"}
+
+
+# ---------------------------------------------------------------- models
+def _save(graph: onnx.GraphProto, path: Path) -> Path:
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.checker.check_model(model)
+    onnx.save(model, path)
+    return path
+
+
+def _matmul_model(path: Path) -> Path:
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]),
+         helper.make_node("Add", ["xw", "b"], ["xwb"]),
+         helper.make_node("Relu", ["xwb"], ["y"])],
+        "matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 8])],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")],
+    )
+    return _save(graph, path)
+
+
+def _conv_model(path: Path) -> Path:
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Relu", ["c"], ["y"]),
+         helper.make_node("GlobalAveragePool", ["y"], ["s"])],
+        "conv",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 3, 16, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 4, 16, 16]),
+         helper.make_tensor_value_info("s", TensorProto.FLOAT, ["N", 4, 1, 1])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    return _save(graph, path)
+
+
+def _nonzero_model(path: Path) -> Path:
+    """A data-dependent output shape: must never get a pre-allocated buffer."""
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonZero", ["r"], ["nz"])],
+        "nonzero",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 8])],
+        [helper.make_tensor_value_info("nz", TensorProto.INT64, [2, None])],
+    )
+    return _save(graph, path)
+
+
+INPUT_SHAPES = {0: (16,), 1: (3, 16, 16)}
+
+
+def make_feeds(part: int, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed * 1000 + batch * 10 + part)
+    return {"x": rng.standard_normal((batch, *INPUT_SHAPES[part])).astype(np.float32)}
+
+
+@pytest.fixture(scope="module")
+def parts(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    d = tmp_path_factory.mktemp("parts")
+    return [_matmul_model(d / "matmul.onnx"), _conv_model(d / "conv.onnx")]
+
+
+@pytest.fixture(scope="module")
+def reference(parts: list[Path]) -> list[ort.InferenceSession]:
+    return [ort.InferenceSession(str(p), providers=["CPUExecutionProvider"]) for p in parts]
+
+
+def expected(reference: list[ort.InferenceSession], part: int, feeds: dict) -> dict:
+    sess = reference[part]
+    return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+def assert_close(got: dict, want: dict, tol: float = 1e-4) -> None:
+    assert got.keys() == want.keys()
+    for name, ref in want.items():
+        assert got[name].shape == ref.shape and got[name].dtype == ref.dtype, name
+        scale = max(1.0, float(np.abs(ref).max(initial=0.0)))
+        assert float(np.abs(got[name] - ref).max(initial=0.0)) <= tol * scale, name
+
+
+def no_thread_named(name: str) -> bool:
+    return not any(t.name == name for t in threading.enumerate())
+
+
+# ---------------------------------------------------------------- runs anywhere
+def test_without_a_cuda_provider_construction_raises_device_error(
+    monkeypatch: pytest.MonkeyPatch, parts: list[Path]
+) -> None:
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(DeviceError) as err:
+        CudaWorker(0, 0, parts)
+    message = str(err.value)
+    assert "CUDAExecutionProvider" in message
+    assert "pip install 'staronnx[gpu]'" in message
+    with pytest.raises(DeviceError, match="CUDAExecutionProvider"):
+        cuda_workers([0], 2, parts)
+
+
+def test_bad_arguments_are_rejected_before_any_device_check(parts: list[Path]) -> None:
+    with pytest.raises(ValueError, match="cudnn_conv_algo_search"):
+        CudaWorker(0, 0, parts, cudnn_conv_algo_search="FAST")
+    with pytest.raises(ValueError, match="user_compute_stream"):
+        CudaWorker(0, 0, parts, provider_options={"user_compute_stream": "1"})
+    with pytest.raises(ValueError, match="streams_per_device"):
+        cuda_workers([0], 0, parts)
+
+
+# ---------------------------------------------------------------- host-runtime pipeline
+@pytest.fixture
+def host_worker(parts: list[Path]) -> Iterator[CudaWorker]:
+    worker = CudaWorker(0, 0, parts, runtime=HostRuntime()).start()
+    yield worker
+    worker.close()
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_host_pipeline_matches_cpu_ort(host_worker: CudaWorker, reference, batch: int) -> None:
+    for part in (0, 1):
+        for seed in range(3):  # first run discovers outputs, later ones use bound buffers
+            feeds = make_feeds(part, batch, seed)
+            assert_close(host_worker.run(part, feeds), expected(reference, part, feeds))
+
+
+def test_host_pipeline_reuses_buffers_per_batch_size(host_worker: CudaWorker) -> None:
+    host_worker.warmup([1, 4], make_feeds)
+    before = host_worker.buffer_stats()
+    for seed in range(10):
+        host_worker.run(0, make_feeds(0, 4, seed))
+        host_worker.run(1, make_feeds(1, 1, seed))
+    after = host_worker.buffer_stats()
+    for key in ("pinned_allocs", "device_allocs", "slots_created"):
+        assert after[key] == before[key], key
+
+
+def test_host_pipeline_prefetch_uses_a_second_buffer_set(parts, reference) -> None:
+    rt = HostRuntime()
+    with CudaWorker(0, 0, parts, runtime=rt) as worker:
+        feeds = [make_feeds(0, 2, s) for s in range(30)]
+        futs = [worker.submit(0, f) for f in feeds]
+        for f, fd in zip(futs, feeds):
+            assert_close(f.result(), expected(reference, 0, fd))
+        assert worker.buffer_stats()["slots_created"] <= 2
+    with CudaWorker(0, 0, parts, runtime=HostRuntime(), prefetch=False) as worker:
+        for f in [worker.submit(0, make_feeds(0, 2, s)) for s in range(10)]:
+            f.result()
+        assert worker.buffer_stats()["slots_created"] == 1
+
+
+def test_host_pipeline_data_dependent_outputs(tmp_path: Path) -> None:
+    path = _nonzero_model(tmp_path / "nz.onnx")
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(3)
+    with CudaWorker(0, 0, [path], runtime=HostRuntime()) as worker:
+        shapes = set()
+        for _ in range(6):
+            x = rng.standard_normal((5, 8)).astype(np.float32)
+            got = worker.run(0, {"x": x})["nz"]
+            np.testing.assert_array_equal(got, ref.run(None, {"x": x})[0])
+            shapes.add(got.shape)
+        assert len(shapes) > 1
+
+
+def test_host_pipeline_bad_feeds_fail_only_their_task(host_worker: CudaWorker, reference) -> None:
+    with pytest.raises(InputError, match="must be float32"):
+        host_worker.run(0, {"x": np.zeros((2, 16), np.float64)})
+    with pytest.raises(InputError, match="missing"):
+        host_worker.run(0, {"z": np.zeros((2, 16), np.float32)})
+    with pytest.raises(InputError, match="shape"):
+        host_worker.run(1, {"x": np.zeros((2, 3, 8, 8), np.float32)})
+    feeds = make_feeds(0, 3)
+    assert_close(host_worker.run(0, feeds), expected(reference, 0, feeds))
+    assert host_worker.stats.failed == 3 and host_worker.stats.done == 1
+
+
+def test_host_pipeline_timing_hook_and_copy_log(parts: list[Path]) -> None:
+    calls: list[tuple[int, int, float]] = []
+    log = CopyLog()
+    with CudaWorker(0, 0, parts, runtime=HostRuntime(), copy_log=log, host_node="numa1",
+                    on_done=lambda p, b, s: calls.append((p, b, s))) as worker:
+        worker.warmup([2], make_feeds)
+        # warm-up: no hook, but its copies are logged (2 parts x 2 repeats x 2 directions)
+        assert calls == [] and len(log) == 8
+        fut = worker.submit(1, make_feeds(1, 2))
+        fut.result()
+    assert isinstance(fut, CudaWorkerFuture)
+    assert calls == [(1, 2, fut.compute_seconds)]
+    assert fut.h2d_bytes == 2 * 3 * 16 * 16 * 4
+    assert fut.d2h_bytes == 2 * 4 * 16 * 16 * 4 + 2 * 4 * 4
+    assert fut.seconds is not None and fut.seconds >= 0
+    last = log.records()[-2:]
+    assert [(r.src, r.dst, r.nbytes) for r in last] == [
+        ("numa1", "cuda0", fut.h2d_bytes), ("cuda0", "numa1", fut.d2h_bytes)]
+
+
+def test_host_pipeline_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> None:
+    rt = HostRuntime()
+    worker = CudaWorker(0, 0, parts, runtime=rt).start()
+    worker.warmup([1, 4], make_feeds)
+    pending = [worker.submit(1, make_feeds(1, 4, s)) for s in range(20)]
+    assert rt.stats.live > 0
+    worker.close(cancel_pending=True)
+    assert all(f.done() for f in pending)
+    assert rt.stats.live == 0
+    assert rt.stats.pinned_bytes == 0 and rt.stats.device_bytes == 0
+    assert not worker.alive and no_thread_named(worker.name)
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(0, make_feeds(0, 1))
+    worker.close()  # idempotent
+
+
+def test_cuda_workers_names_and_counts(parts: list[Path]) -> None:
+    workers = cuda_workers([0, 1], 2, parts, runtime=HostRuntime())
+    assert [w.name for w in workers] == ["cuda0.s0", "cuda0.s1", "cuda1.s0", "cuda1.s1"]
+    assert [(w.device_id, w.stream_index) for w in workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(w.node.name == f"cuda{w.device_id}" for w in workers)
+
+
+# ---------------------------------------------------------------- on a GPU
+@pytest.fixture
+def gpu_worker(parts: list[Path]) -> Iterator[CudaWorker]:
+    worker = CudaWorker(0, 0, parts, cudnn_conv_algo_search="HEURISTIC",
+                        provider_options=STRICT_FP32).start()
+    yield worker
+    worker.close()
+
+
+@needs_gpu
+def test_sessions_compute_on_the_workers_own_stream(gpu_worker: CudaWorker) -> None:
+    assert gpu_worker.stream_handle  # a real, non-default stream
+    for part in range(gpu_worker.n_parts):
+        options = gpu_worker.provider_options(part)["CUDAExecutionProvider"]
+        assert options["user_compute_stream"] == str(gpu_worker.stream_handle)
+        assert options["device_id"] == "0"
+        assert options["cudnn_conv_algo_search"] == "HEURISTIC"
+        assert options["do_copy_in_default_stream"] == "0"
+
+
+@needs_gpu
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_results_equal_cpu_ort(gpu_worker: CudaWorker, reference, batch: int) -> None:
+    for part in (0, 1):
+        for seed in range(3):
+            feeds = make_feeds(part, batch, seed)
+            fut = gpu_worker.submit(part, feeds)
+            assert_close(fut.result(), expected(reference, part, feeds))
+            assert fut.compute_seconds is not None and fut.compute_seconds > 0
+            assert fut.h2d_seconds is not None and fut.d2h_seconds is not None
+
+
+@needs_gpu
+def test_gpu_warmup_then_timing_hook(parts: list[Path]) -> None:
+    calls: list[tuple[int, int, float]] = []
+    with CudaWorker(0, 0, parts, on_done=lambda p, b, s: calls.append((p, b, s))) as worker:
+        timings = worker.warmup([1, 4], make_feeds)
+        assert [(p, b) for p, b, _ in timings] == [(0, 1), (0, 4), (1, 1), (1, 4)]
+        assert all(s > 0 for _, _, s in timings) and calls == []
+        worker.run(1, make_feeds(1, 4))
+    assert len(calls) == 1 and calls[0][:2] == (1, 4) and calls[0][2] > 0
+
+
+@needs_gpu
+def test_two_workers_on_two_streams_run_concurrently_without_mixing(parts, reference) -> None:
+    a, b = cuda_workers([0], 2, parts, provider_options=STRICT_FP32)
+    with a, b:
+        assert a.stream_handle != b.stream_handle
+        a.warmup([8], make_feeds)
+        b.warmup([8], make_feeds)
+        jobs = []
+        for seed in range(24):
+            for worker, offset in ((a, 0), (b, 1000)):
+                feeds = make_feeds(1, 8, seed + offset)
+                jobs.append((worker, feeds, worker.submit(1, feeds)))
+        for worker, feeds, fut in jobs:
+            assert fut.worker == worker.name
+            assert_close(fut.result(), expected(reference, 1, feeds))
+        spans: dict[str, list[tuple[float, float]]] = {a.name: [], b.name: []}
+        for worker, _, fut in jobs:
+            assert fut.start is not None and fut.end is not None
+            spans[worker.name].append((fut.start, fut.end))
+        overlaps = sum(
+            1 for s0, e0 in spans[a.name] for s1, e1 in spans[b.name] if s0 < e1 and s1 < e0
+        )
+        assert overlaps > 0, "the two workers never had a task in flight at the same time"
+
+
+@needs_gpu
+def test_gpu_pinned_and_device_buffers_are_reused(gpu_worker: CudaWorker) -> None:
+    gpu_worker.warmup([4], make_feeds)
+    before = gpu_worker.buffer_stats()
+    for seed in range(10):
+        gpu_worker.run(0, make_feeds(0, 4, seed))
+        gpu_worker.run(1, make_feeds(1, 4, seed))
+    after = gpu_worker.buffer_stats()
+    for key in ("pinned_allocs", "device_allocs", "slots_created"):
+        assert after[key] == before[key], key
+    gpu_worker.run(0, make_feeds(0, 5))  # a new batch size gets its own buffers
+    assert gpu_worker.buffer_stats()["slots_created"] == before["slots_created"] + 1
+
+
+@needs_gpu
+def test_gpu_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> None:
+    worker = CudaWorker(0, 0, parts).start()
+    worker.warmup([1, 4], make_feeds)
+    futs = [worker.submit(1, make_feeds(1, 4, s)) for s in range(8)]
+    worker.close()
+    assert all(f.done() and not f.cancelled() for f in futs)
+    stats = worker.buffer_stats()
+    assert stats["pinned_allocs"] == stats["pinned_frees"] > 0
+    assert stats["device_allocs"] == stats["device_frees"] > 0
+    assert stats["pinned_bytes"] == 0 and stats["device_bytes"] == 0
+    deadline = time.monotonic() + 5
+    while not no_thread_named(worker.name) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not worker.alive and no_thread_named(worker.name)

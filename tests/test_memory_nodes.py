@@ -1,0 +1,186 @@
+"""Memory nodes, measured copies and bus calibration (staronnx.workers.memory).
+
+Host<->host copies and calibration run for real.  The host<->GPU code paths run with
+:class:`~staronnx.workers.cudart.HostRuntime` (host memory standing in for pinned and device
+buffers), which checks their bookkeeping, not CUDA itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from staronnx.perfmodels.bus import BusModel
+from staronnx.workers.cudart import HostRuntime
+from staronnx.workers.memory import (
+    CopyLog,
+    CopyRecord,
+    CudaCopier,
+    HostAllocator,
+    MemoryNode,
+    calibrate_bus,
+    copy_host,
+    memory_nodes,
+)
+from staronnx.workers.topology import Topology
+
+# Small calibrations: the tests check the plumbing, not this machine's bus.
+SMALL_BW, SMALL_REPEATS = 1 << 20, 4
+
+
+# ---------------------------------------------------------------- naming
+def test_nodes_are_named_like_the_bus_model() -> None:
+    assert MemoryNode("host", 0).name == "numa0"
+    assert MemoryNode("cuda", 3).name == "cuda3"
+    assert str(MemoryNode("host", 1)) == "numa1"
+    assert MemoryNode("host", 1).is_host and not MemoryNode("host", 1).is_cuda
+    assert MemoryNode("cuda", 0).is_cuda
+
+
+@pytest.mark.parametrize("name", ["numa0", "numa12", "cuda0", "cuda7"])
+def test_parse_round_trips(name: str) -> None:
+    assert MemoryNode.parse(name).name == name
+    node = MemoryNode.parse(name)
+    assert MemoryNode.parse(node) is node
+
+
+@pytest.mark.parametrize("bad", ["gpu0", "numa", "cuda-1", "NUMA0", "", "numa0x"])
+def test_parse_rejects_other_names(bad: str) -> None:
+    with pytest.raises(ValueError, match="numa0"):
+        MemoryNode.parse(bad)
+
+
+@pytest.mark.parametrize("kind,index", [("disk", 0), ("host", -1), ("cuda", 1.0), ("host", True)])
+def test_invalid_nodes_are_rejected(kind: str, index: object) -> None:
+    with pytest.raises(ValueError):
+        MemoryNode(kind, index)  # type: ignore[arg-type]
+
+
+def test_memory_nodes_lists_numa_nodes_then_gpus() -> None:
+    topo = Topology.from_synthetic("pack:2 numa:2 core:2 pu:1")
+    nodes = memory_nodes(topo, [1, 0])
+    assert [n.name for n in nodes] == ["numa0", "numa1", "numa2", "numa3", "cuda0", "cuda1"]
+
+
+def test_memory_nodes_without_numa_information_still_has_host_memory() -> None:
+    assert [n.name for n in memory_nodes(None)] == ["numa0"]
+    assert [n.name for n in memory_nodes(None, [0])] == ["numa0", "cuda0"]
+    with pytest.raises(ValueError, match="CUDA device ids"):
+        memory_nodes(None, [-1])
+
+
+def test_memory_nodes_of_this_system() -> None:
+    nodes = memory_nodes(Topology.from_system())
+    assert nodes and all(n.is_host for n in nodes)
+    assert nodes == sorted(nodes)
+
+
+# ---------------------------------------------------------------- host copies
+def test_host_copies_are_recorded_with_size_and_duration() -> None:
+    log = CopyLog()
+    src = np.arange(1 << 16, dtype=np.float32)
+    dst = np.empty_like(src)
+    rec = copy_host(src, dst, MemoryNode("host", 0), "numa1", log)
+    np.testing.assert_array_equal(dst, src)
+    assert rec == log.records()[0]
+    assert (rec.src, rec.dst, rec.nbytes) == ("numa0", "numa1", src.nbytes)
+    assert rec.seconds >= 0 and rec.start is not None
+    assert rec.bandwidth > 0
+
+    copy_host(dst[:10], src[:10].copy(), "numa1", "numa0", log)
+    assert len(log) == 2
+    assert log.total_bytes() == src.nbytes + 40
+    assert log.total_bytes(src="numa1") == 40
+    assert log.by_link()[("numa0", "numa1")][:2] == (1, src.nbytes)
+    log.clear()
+    assert len(log) == 0
+
+
+def test_host_copy_needs_matching_arrays() -> None:
+    with pytest.raises(ValueError, match="cannot copy"):
+        copy_host(np.zeros(4, np.float32), np.zeros(4, np.float64), "numa0", "numa0")
+
+
+def test_copy_log_is_bounded() -> None:
+    log = CopyLog(maxlen=3)
+    for i in range(5):
+        log.add(CopyRecord("numa0", "numa1", i, 1.0))
+    assert [r.nbytes for r in log.records()] == [2, 3, 4]
+
+
+def test_host_allocator_is_best_effort() -> None:
+    synthetic = HostAllocator(Topology.from_synthetic("pack:1 numa:2 core:2 pu:1"))
+    buf = synthetic.empty(MemoryNode("host", 1), 4096)
+    assert buf.nbytes == 4096 and buf.dtype == np.uint8 and not buf.any()
+    assert synthetic.outcomes["numa1"].startswith("skipped")
+
+    system = HostAllocator()
+    buf = system.empty(MemoryNode("host", 99), 100)  # no such node: still memory
+    assert buf.nbytes == 100
+    assert system.outcomes["numa99"].startswith(("skipped", "failed"))
+    with pytest.raises(ValueError, match="not host memory"):
+        system.empty(MemoryNode("cuda", 0), 8)
+
+
+# ---------------------------------------------------------------- bus calibration
+def test_calibrate_bus_between_host_nodes() -> None:
+    model = calibrate_bus([MemoryNode("host", 0), "numa1"],
+                          bandwidth_bytes=SMALL_BW, repeats=SMALL_REPEATS)
+    assert isinstance(model, BusModel)
+    assert sorted(str(link) for link in model.links) == ["numa0->numa1", "numa1->numa0"]
+    for cost in model.links.values():
+        assert cost.latency > 0
+        assert cost.bandwidth > 0
+    assert model.predict("numa0", "numa1", 1 << 20) > model.predict("numa0", "numa1", 1)
+
+
+def test_calibrate_bus_with_one_node_is_empty() -> None:
+    model = calibrate_bus(["numa0"], bandwidth_bytes=SMALL_BW, repeats=SMALL_REPEATS)
+    assert model.links == {}
+    assert model.predict("numa0", "numa1", 1 << 20) == 0.0
+
+
+def test_calibrate_bus_fills_a_given_model() -> None:
+    model = BusModel()
+    filled = calibrate_bus(["numa0", "numa1"], model=model,
+                           bandwidth_bytes=SMALL_BW, repeats=SMALL_REPEATS)
+    assert filled is model
+    assert len(model.links) == 2
+
+
+def test_calibrate_bus_gpu_links_with_a_host_runtime() -> None:
+    rt = HostRuntime()
+    nodes = ["numa0", "cuda0", "cuda1"]
+    model = calibrate_bus(nodes, runtime=rt, bandwidth_bytes=SMALL_BW, repeats=SMALL_REPEATS)
+    links = sorted(str(link) for link in model.links)
+    assert links == ["cuda0->cuda1", "cuda0->numa0", "cuda1->cuda0", "cuda1->numa0",
+                     "numa0->cuda0", "numa0->cuda1"]
+    assert all(c.bandwidth > 0 and c.latency >= 0 for c in model.links.values())
+    assert rt.stats.live == 0  # every pinned and device buffer was freed
+
+
+# ---------------------------------------------------------------- host <-> GPU copier
+def test_cuda_copier_round_trip_logs_both_directions() -> None:
+    rt = HostRuntime()
+    log = CopyLog()
+    data = np.random.default_rng(0).standard_normal((4, 33)).astype(np.float32)
+    with CudaCopier(0, runtime=rt, host_node="numa1", log_to=log) as copier:
+        dev = rt.device_buffer(data.nbytes)
+        up = copier.to_device(data, dev)
+        back = np.empty_like(data)
+        down = copier.to_host(dev, back)
+        np.testing.assert_array_equal(back, data)
+        assert (up.src, up.dst, up.nbytes) == ("numa1", "cuda0", data.nbytes)
+        assert (down.src, down.dst, down.nbytes) == ("cuda0", "numa1", data.nbytes)
+        assert up.seconds >= 0 and down.seconds >= 0
+        allocs = rt.stats.pinned_allocs
+        copier.to_device(data[:2], dev)  # smaller: the staging buffer is reused
+        assert rt.stats.pinned_allocs == allocs
+        with pytest.raises(ValueError, match="do not fit"):
+            copier.to_device(np.zeros(1000, np.float32), dev)
+        dev.free()
+    assert [(r.src, r.dst) for r in log.records()] == [
+        ("numa1", "cuda0"), ("cuda0", "numa1"), ("numa1", "cuda0")]
+    assert rt.stats.live == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        copier.to_device(data, rt.device_buffer(data.nbytes))
