@@ -487,6 +487,25 @@ class CudaWorker:
         self._put(("call", fn, fut))
         return fut.result()
 
+    def spawn(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Start ``fn()`` in the worker thread (an engine's serving loop) and return at once."""
+        fut: Future[Any] = Future()
+        self._put(("call", fn, fut))
+        return fut
+
+    def run_here(self, part: int, feeds: Feeds) -> Outputs:
+        """Run a part from inside this worker's thread (see :meth:`spawn`): stage, compute, copy
+        back, with the same stream/event ordering as queued tasks; errors propagate."""
+        if threading.get_native_id() != self.native_id:
+            raise RuntimeError(f"run_here called outside {self.name}'s thread")
+        if not 0 <= part < len(self.part_paths):
+            raise IndexError(f"{self.name} has parts 0..{len(self.part_paths) - 1}, not {part}")
+        fut = CudaWorkerFuture(part, _batch_of(feeds, self._parts[part].inputs), self.name)
+        task = _Task(part, feeds, fut, True)
+        if self._begin(task):
+            self._execute(task)
+        return fut.result()
+
     def _put(self, item: tuple[Any, ...]) -> None:
         if self._thread is None:
             raise RuntimeError(f"{self.name} is not started; call start() first")
