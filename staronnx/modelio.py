@@ -193,9 +193,14 @@ def strip_weights(model: onnx.ModelProto, threshold: int = 1024) -> onnx.ModelPr
     return stripped
 
 
+#: Parts above this size keep their weights in an external file: ORT can then map them, and
+#: no single protobuf comes near the 2 GB limit.
+EXTERNAL_DATA_THRESHOLD = 2**30
+
+
 def save_model(model: onnx.ModelProto, path: Path) -> None:
-    """Save a model, moving weights to an external file when it would exceed protobuf's limit."""
-    if model_nbytes(model) >= PROTOBUF_LIMIT:
+    """Save a model, moving weights to an external file when it is large (>= 1 GiB)."""
+    if model_nbytes(model) >= EXTERNAL_DATA_THRESHOLD:
         onnx.save_model(
             model,
             str(path),

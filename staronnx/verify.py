@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import onnx
@@ -99,6 +100,24 @@ def compare(name: str, ref: np.ndarray, got: np.ndarray) -> OutputCheck:
     return OutputCheck(name, tuple(ref.shape), 0.0 if equal else 1.0, 0.0 if equal else 1.0, equal)
 
 
+def _check_same_inputs(plan: Plan, session: Any) -> None:
+    """The model must take the plan's inputs (names, ranks, dtypes), or it is not its source."""
+    got = {i.name: i for i in session.get_inputs()}
+    for spec in plan.inputs:
+        arg = got.get(spec.name)
+        if arg is None:
+            raise PlanError(
+                f"the model has no input {spec.name!r} (it takes {sorted(got)}): "
+                "is this the plan's source model?"
+            )
+        want_type = f"tensor({'float' if spec.dtype == 'float32' else 'double' if spec.dtype == 'float64' else spec.dtype})"
+        if len(arg.shape) != len(spec.shape) or arg.type != want_type:
+            raise PlanError(
+                f"the model's input {spec.name!r} is {arg.type} of rank {len(arg.shape)}, the "
+                f"plan's is {spec.dtype} {spec.shape}: is this the plan's source model?"
+            )
+
+
 def verify_plan(
     plan: Plan,
     model: onnx.ModelProto | str | os.PathLike[str],
@@ -115,6 +134,7 @@ def verify_plan(
     missing = [n for n in plan.output_names if n not in names]
     if missing:
         raise PlanError(f"the model has no output(s) {missing}: is this the plan's source model?")
+    _check_same_inputs(plan, whole)
     reference = dict(zip(names, whole.run(names, feeds)))
     chained = plan.run_reference(feeds)
     checks = [compare(n, reference[n], chained[n]) for n in plan.output_names]

@@ -19,6 +19,7 @@ bytes once for each *other* part that reads it.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -302,8 +303,20 @@ def make_acyclic(
             s = score(cm, refined, targets, tol)
             if s < best_score:
                 best_rank, best_score = refined, s
-        if len(seen) >= refine_best:
+        # keep going past refine_best only while no candidate has every part non-empty
+        if len(seen) >= refine_best and math.isfinite(best_score):
             break
+    if not math.isfinite(best_score):
+        # METIS's parts collapse on tiny graphs: start from the cost-ordered linear split,
+        # which always gives every part a vertex when k <= n
+        from staronnx.partition.linear import linear_ranks
+
+        start = linear_ranks(cm.weights, np.asarray(targets, dtype=float))
+        for greedy in ("cut", "balance"):
+            refined = Refiner(cm, start, targets, tol, greedy=greedy).run()
+            s = score(cm, refined, targets, tol)
+            if s < best_score:
+                best_rank, best_score = refined, s
     assert best_rank is not None
     return best_rank
 

@@ -54,22 +54,19 @@ METHODS: dict[str, Method] = {"metis": _metis, "linear": _linear}
 
 def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> list[float]:
     """Target cost share per part, in execution order; equal shares when only k is given."""
-    if shares is not None and parts is not None:
-        if isinstance(shares, str):
-            shares = [float(s) for s in shares.split(",")]
-        if len(shares) != parts:
-            raise PartitionError(f"--shares lists {len(shares)} parts but --parts is {parts}")
+    if isinstance(shares, str):
+        try:
+            shares = [float(s) for s in shares.split(",") if s.strip()]
+        except ValueError:
+            raise PartitionError(f"--shares must be comma-separated numbers, got {shares!r}") from None
+    if shares is not None and parts is not None and len(shares) != parts:
+        raise PartitionError(f"--shares lists {len(shares)} parts but --parts is {parts}")
     if shares is None:
         if parts is None:
             parts = 2
         if parts < 1:
             raise PartitionError(f"--parts must be at least 1, got {parts}")
         return [1.0 / parts] * parts
-    if isinstance(shares, str):
-        try:
-            shares = [float(s) for s in shares.split(",") if s.strip()]
-        except ValueError:
-            raise PartitionError(f"--shares must be comma-separated numbers, got {shares!r}") from None
     values = [float(s) for s in shares]
     if not values:
         raise PartitionError("--shares is empty")

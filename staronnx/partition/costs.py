@@ -59,8 +59,7 @@ def estimate_node(graph: ModelGraph, v: int, batch: int) -> float:
         if info is not None:
             touched += info.bytes_per_sample * (batch if info.batched else 1)
         elif t in graph.initializers:
-            init = graph.initializers[t]
-            touched += int(np.prod(init.dims)) * 4
+            touched += int(np.prod(graph.initializers[t].dims)) * 4
     return max(flops / _ASSUMED_FLOPS, touched / _ASSUMED_BANDWIDTH, 1e-7)
 
 

@@ -42,12 +42,15 @@ def _part_model(
     needed = {t for v in members for t in graph.node_inputs[v]}
     consts = [graph.const_nodes[t] for t in graph.const_nodes if t in needed]
     inits = [graph.initializers[t] for t in graph.initializers if t in needed]
+    sparse = [i for i in inits if isinstance(i, onnx.SparseTensorProto)]
+    inits = [i for i in inits if not isinstance(i, onnx.SparseTensorProto)]
     g = helper.make_graph(
         nodes=[*consts, *(graph.nodes[v] for v in members)],
         name=f"{src.graph.name or 'model'}_part{index}",
         inputs=[_value_info(graph, t) for t in inputs],
         outputs=[_value_info(graph, t) for t in outputs],
         initializer=inits,
+        sparse_initializer=sparse,
     )
     model = helper.make_model(
         g, opset_imports=list(src.opset_import), producer_name="staronnx", ir_version=src.ir_version

@@ -74,7 +74,7 @@ class ModelGraph:
     nodes: list[onnx.NodeProto]  # vertices, in a topological order
     node_inputs: list[list[str]]  # per vertex: distinct inputs, outer-scope captures included
     const_nodes: dict[str, onnx.NodeProto]  # tensor name -> Constant node producing it
-    initializers: dict[str, onnx.TensorProto]
+    initializers: dict[str, onnx.TensorProto]  # dense and sparse (SparseTensorProto) weights
     inputs: list[InputSpec]
     outputs: list[str]
     producer: dict[str, int]  # tensor -> vertex producing it
@@ -280,7 +280,8 @@ def build_graph(
 ) -> ModelGraph:
     """Turn a loaded model into the partitioner's DAG with byte-weighted edges."""
     g = loaded.graph
-    initializers = {t.name: t for t in g.initializer}
+    initializers: dict = {t.name: t for t in g.initializer}
+    initializers.update({t.values.name: t for t in g.sparse_initializer})
     const_nodes: dict[str, onnx.NodeProto] = {}
     vertices: list[onnx.NodeProto] = []
     for node in g.node:
