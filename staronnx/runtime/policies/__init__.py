@@ -1,0 +1,91 @@
+"""StarPU's scheduling policies, in pure Python, behind :class:`staronnx.runtime.sched.Policy`.
+
+    policy = make_policy("dmdas", alpha=1.0, beta=1.0)
+
+===========  ==============================================================================
+eager        one central FIFO; idle workers take the head (``eager.py``)
+random       worker drawn with probability ∝ speedup, per-worker FIFO (``random.py``)
+ws           per-worker deques, push to the releasing worker, idle workers steal (``ws.py``)
+lws          ws with proximity-ordered victims (same memory node, same kind, rest)
+dm           minimum expected completion time, no data term (``dmda.py``)
+dmda         dm + transfer times in the end time and in the fitness
+dmdar        dmda + workers pop the first task whose inputs are already on their node
+dmdas        dmdar + priority-sorted queues (StarPU's recommended policy)
+heft         dmdas + upward-rank priorities over the plan's DAG (``heft.py``); note that
+             StarPU itself maps "heft" to dmda
+===========  ==============================================================================
+
+Policies never import ONNX Runtime and read time only through their clock, so the simulator
+drives the very same objects as the native engine.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+from staronnx.runtime.policies._common import PolicyError
+from staronnx.runtime.policies.dmda import DmdaPolicy, DmdarPolicy, DmdasPolicy, DmPolicy
+from staronnx.runtime.policies.eager import EagerPolicy
+from staronnx.runtime.policies.heft import HeftPolicy, upward_ranks
+from staronnx.runtime.policies.random import RandomPolicy
+from staronnx.runtime.policies.ws import LocalityWorkStealingPolicy, WorkStealingPolicy
+from staronnx.runtime.sched import Policy
+
+_REGISTRY: dict[str, Callable[..., Policy]] = {
+    "eager": EagerPolicy,
+    "random": RandomPolicy,
+    "ws": WorkStealingPolicy,
+    "lws": LocalityWorkStealingPolicy,
+    "dm": DmPolicy,
+    "dmda": DmdaPolicy,
+    "dmdar": DmdarPolicy,
+    "dmdas": DmdasPolicy,
+    "heft": HeftPolicy,
+}
+
+#: every policy name make_policy() accepts
+POLICIES: tuple[str, ...] = tuple(_REGISTRY)
+
+
+def policy_options(name: str) -> tuple[str, ...]:
+    """The keyword options policy ``name`` accepts (e.g. alpha, beta for the dmda family)."""
+    factory = _lookup(name)
+    params = inspect.signature(factory).parameters.values()
+    return tuple(p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+
+
+def make_policy(name: str, **options: Any) -> Policy:
+    """A fresh policy object by StarPU name; raises PolicyError for unknown names or options."""
+    factory = _lookup(name)
+    valid = policy_options(name)
+    bad = sorted(set(options) - set(valid))
+    if bad:
+        takes = f"accepts {', '.join(valid)}" if valid else "takes no options"
+        raise PolicyError(f"unknown option(s) {', '.join(bad)} for policy {name!r}; it {takes}")
+    return factory(**options)
+
+
+def _lookup(name: str) -> Callable[..., Policy]:
+    factory = _REGISTRY.get(name.lower()) if isinstance(name, str) else None
+    if factory is None:
+        raise PolicyError(f"unknown scheduling policy {name!r}; choose one of {', '.join(POLICIES)}")
+    return factory
+
+
+__all__ = [
+    "POLICIES",
+    "DmPolicy",
+    "DmdaPolicy",
+    "DmdarPolicy",
+    "DmdasPolicy",
+    "EagerPolicy",
+    "HeftPolicy",
+    "LocalityWorkStealingPolicy",
+    "PolicyError",
+    "RandomPolicy",
+    "WorkStealingPolicy",
+    "make_policy",
+    "policy_options",
+    "upward_ranks",
+]

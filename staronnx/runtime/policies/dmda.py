@@ -1,0 +1,308 @@
+"""dm, dmda, dmdar, dmdas: StarPU's "deque model" family
+(``src/sched_policies/deque_modeling_policy_data_aware.c``), reproduced decision for decision.
+
+Every worker has a queue record (:class:`QueueState`): ``exp_start`` (when its queued work is
+expected to start), ``exp_len`` (predicted work queued, transfers included), ``pipeline_len``
+(work popped but not finished), ``ntasks`` (queued) and ``pipeline_ntasks``.
+
+**Decision** at push, for each live worker *w* in worker order (StarPU's ids: accelerators
+first), with ``now`` the clock:
+
+- ``start = max(exp_start, now)``, ``prev = exp_len``;
+- ``L`` = predicted execution time, ``T`` = predicted transfer of inputs not valid on *w*'s
+  memory node (dm: none);
+- ``end_w = max(start + prev, now + T) + L``, ``best = min end_w``;
+- ``fitness_w = alpha·(end_w − best) + beta·T + gamma·E`` (dm: ``end_w − best``). We have no
+  energy model, so E = 0; the idle-power term ``gamma·idle_power·(end_w − max_end)/1e6`` is kept
+  for completeness (``max_end = max_w start + prev``; off with the default idle_power 0);
+- the first worker with the strictly smallest fitness wins, so ties go to the earlier worker.
+
+Note that T counts twice (inside ``end_w`` and as ``beta·T``): dmda favours data locality on
+purpose.
+
+**No usable model.** If any candidate predicts NaN (not calibrated) or exactly 0 (no model),
+the whole decision turns greedy: minimise ``(ntasks + pipeline_ntasks) / speedup``, and once a
+NaN candidate has been seen only NaN candidates can win (forced exploration so the missing
+model gets samples). Such a task is charged ``predicted = 0``.
+
+**Push** (``push_task_on_best_worker``): ``pipeline_ntasks += 1``; ``exp_start = max(exp_start,
+now)``; the part of the transfer not hidden behind the queue, ``T' = max(0, now + T −
+exp_end)`` (0 when ``now + T < exp_end``); ``exp_len += T' + L``. FIFO queue for dm, dmda and
+dmdar; sorted by priority (descending, FIFO among equals) for dmdas.
+
+**Pop**: dm and dmda take the head; dmdar and dmdas take the first *ready* task
+(:func:`pop_first_ready`). Then ``exp_len −= T'``, ``pipeline_len += T'``, ``exp_start = now +
+pipeline_len``. **on_start** (StarPU's pre-exec hook): T' leaves the pipeline, L moves from
+``exp_len`` to ``pipeline_len``, ``exp_start = now + pipeline_len``. **on_done** (post-exec
+hook): ``pipeline_len −= L``, ``pipeline_ntasks −= 1``, ``exp_start = max(now + pipeline_len,
+exp_start)``.
+
+StarPU quirk kept on purpose: ``pipeline_ntasks`` counts a task from push to completion, and
+``ntasks`` from push to pop, so in the greedy rule a queued task weighs 2 and a running one 1.
+
+Times are seconds (StarPU uses µs); alpha and beta are unitless so their defaults carry over,
+and gamma keeps StarPU's "µs per joule" meaning because the idle term divides by 1e6 in both.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from staronnx.runtime.policies._common import check_weight, insert_sorted, pop_first_ready
+from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+
+
+@dataclass
+class QueueState:
+    """StarPU's ``starpu_st_fifo_taskq`` for one worker: its queue and its predictions."""
+
+    exp_start: float
+    exp_len: float = 0.0
+    pipeline_len: float = 0.0
+    pipeline_ntasks: int = 0
+    tasks: deque[TaskView] = field(default_factory=deque)
+
+    @property
+    def ntasks(self) -> int:
+        """Tasks queued (pushed, not popped)."""
+        return len(self.tasks)
+
+    @property
+    def exp_end(self) -> float:
+        """When this worker is expected to be done with everything pushed to it."""
+        return self.exp_start + self.exp_len
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One worker as the decision saw it."""
+
+    worker: int
+    length: float  # L (NaN: uncalibrated, 0: no model)
+    transfer: float  # T (0 for dm)
+    end: float  # end_w (NaN when the decision went greedy before this worker)
+    ntasks_end: float  # (ntasks + pipeline_ntasks) / speedup
+    fitness: float = math.nan
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why a task went where it went; kept as ``policy.last_decision`` for tests and traces."""
+
+    task: int
+    worker: int
+    forced: bool  # True when no usable model turned the decision greedy
+    best_end: float
+    candidates: tuple[Candidate, ...]
+
+
+class DmdaPolicy(Policy):
+    """dmda: minimum expected completion time, data-aware, FIFO queues, head pop."""
+
+    name = "dmda"
+    places_at_push = True
+    #: count transfers (the "da" of dmda); dm does not
+    data_aware = True
+    #: keep each worker's queue sorted by priority (dmdas)
+    sorted_queue = False
+    #: pop the first ready task rather than the head (dmdar, dmdas)
+    ready_first = False
+
+    def __init__(
+        self,
+        alpha: float = 1.0,
+        beta: float = 1.0,
+        gamma: float = 1000.0,
+        idle_power: float = 0.0,
+    ) -> None:
+        self.alpha = check_weight("alpha", alpha)
+        self.beta = check_weight("beta", beta)
+        self.gamma = check_weight("gamma", gamma)
+        self.idle_power = check_weight("idle_power", idle_power)
+        self._order: list[WorkerInfo] = []
+        self._nodes: dict[int, str] = {}
+        self._queues: dict[int, QueueState] = {}
+        self.last_decision: Decision | None = None
+
+    def attach(
+        self,
+        workers: Sequence[WorkerInfo],
+        predictor: Predictor,
+        clock: Clock,
+        dag: Sequence[Sequence[int]] = (),
+    ) -> None:
+        super().attach(workers, predictor, clock, dag)
+        now = clock.now()
+        self._order = list(workers)
+        self._nodes = {w.id: w.memory_node for w in workers}
+        self._queues = {w.id: QueueState(exp_start=now) for w in workers}
+        self.last_decision = None
+
+    def queue(self, worker_id: int) -> QueueState:
+        """The bookkeeping of one live worker (read-only use, please)."""
+        return self._queues[worker_id]
+
+    # -- decision ---------------------------------------------------------------------------
+    def _transfer(self, task: TaskView, w: WorkerInfo) -> float:
+        if not self.data_aware:
+            return 0.0
+        t = self.predictor.transfer_time(task, w)
+        return t if math.isfinite(t) else 0.0  # StarPU: a NaN transfer prediction counts as 0
+
+    def decide(self, task: TaskView, now: float) -> Decision:
+        """Pick the worker for ``task`` without changing any state."""
+        if not self._order:
+            raise RuntimeError(f"{self.name} policy: no worker left to place a task on")
+        cands: list[Candidate] = []
+        calibrating = unknown = False
+        greedy: int | None = None
+        greedy_end = 0.0
+        best_end = math.inf
+        max_end = -math.inf
+        for w in self._order:
+            q = self._queues[w.id]
+            horizon = max(q.exp_start, now) + q.exp_len
+            max_end = max(max_end, horizon)
+            length = self.predictor.exec_time(task, w)
+            ntasks_end = (q.ntasks + q.pipeline_ntasks) / w.speedup
+            nan = math.isnan(length)
+            # StarPU's greedy candidate, always tracked: the least loaded worker, except that a
+            # first uncalibrated worker jumps the line and then only uncalibrated ones compete.
+            if (
+                greedy is None
+                or (not calibrating and (ntasks_end < greedy_end or nan))
+                or (calibrating and nan and ntasks_end < greedy_end)
+            ):
+                greedy, greedy_end = w.id, ntasks_end
+            calibrating = calibrating or nan
+            unknown = unknown or nan or length == 0.0
+            if unknown:
+                cands.append(Candidate(w.id, length, math.nan, math.nan, ntasks_end))
+                continue
+            transfer = self._transfer(task, w)
+            end = max(horizon, now + transfer) + length
+            best_end = min(best_end, end)
+            cands.append(Candidate(w.id, length, transfer, end, ntasks_end))
+        if unknown:
+            assert greedy is not None
+            return Decision(task.id, greedy, True, math.nan, tuple(cands))
+        scored = [
+            Candidate(c.worker, c.length, c.transfer, c.end, c.ntasks_end, self._fitness(c, best_end, max_end))
+            for c in cands
+        ]
+        chosen = scored[0]
+        for c in scored[1:]:
+            if c.fitness < chosen.fitness:  # strict: ties keep the earlier worker
+                chosen = c
+        return Decision(task.id, chosen.worker, False, best_end, tuple(scored))
+
+    def _fitness(self, c: Candidate, best_end: float, max_end: float) -> float:
+        if not self.data_aware:
+            return c.end - best_end
+        fit = self.alpha * (c.end - best_end) + self.beta * c.transfer  # + gamma * E, E = 0
+        if c.end > max_end and self.idle_power:
+            fit += self.gamma * self.idle_power * (c.end - max_end) / 1e6
+        return fit
+
+    # -- push -------------------------------------------------------------------------------
+    def push(self, task: TaskView) -> int | None:
+        now = self.clock.now()
+        decision = self.decide(task, now)
+        self.last_decision = decision
+        chosen = next(c for c in decision.candidates if c.worker == decision.worker)
+        if decision.forced:
+            length, transfer = 0.0, 0.0
+        else:
+            length, transfer = chosen.length, chosen.transfer
+        q = self._queues[decision.worker]
+        q.pipeline_ntasks += 1
+        q.exp_start = max(q.exp_start, now)
+        # the transfer overlaps the work already queued; only what sticks out costs time
+        hidden = now + transfer < q.exp_end
+        t_prime = 0.0 if hidden else now + transfer - q.exp_end
+        q.exp_len += t_prime + length
+        task.predicted = length
+        task.transfer = t_prime
+        task.placed_on = decision.worker
+        task.extra["transfer_estimate"] = transfer
+        task.extra["expected_end"] = math.nan if decision.forced else chosen.end
+        if self.sorted_queue:
+            insert_sorted(q.tasks, task)
+        else:
+            q.tasks.append(task)
+        return decision.worker
+
+    # -- pop and hooks ----------------------------------------------------------------------
+    def pop(self, worker_id: int) -> TaskView | None:
+        q = self._queues.get(worker_id)
+        if q is None:
+            return None
+        now = self.clock.now()
+        q.exp_start = max(now, q.exp_start)
+        if not q.tasks:
+            return None
+        if self.ready_first:
+            task = pop_first_ready(q.tasks, self._nodes[worker_id])
+            assert task is not None
+        else:
+            task = q.tasks.popleft()
+        # its transfer starts now: from predicted work to pipelined work
+        q.exp_len -= task.transfer
+        q.pipeline_len += task.transfer
+        q.exp_start = now + q.pipeline_len
+        return task
+
+    def on_start(self, worker_id: int, task: TaskView, now: float) -> None:
+        q = self._queues.get(worker_id)
+        if q is None:
+            return
+        q.pipeline_len -= task.transfer  # the transfer is over
+        q.exp_len -= task.predicted  # the computation starts: predicted -> pipelined
+        q.pipeline_len += task.predicted
+        q.exp_start = now + q.pipeline_len
+
+    def on_done(self, worker_id: int, task: TaskView, measured: float, now: float) -> None:
+        q = self._queues.get(worker_id)
+        if q is None:
+            return
+        q.pipeline_len -= task.predicted
+        q.pipeline_ntasks = max(0, q.pipeline_ntasks - 1)
+        q.exp_start = max(now + q.pipeline_len, q.exp_start)
+
+    # -- failures ---------------------------------------------------------------------------
+    def remove_worker(self, worker_id: int) -> list[TaskView]:
+        self._order = [w for w in self._order if w.id != worker_id]
+        q = self._queues.pop(worker_id, None)
+        return list(q.tasks) if q is not None else []
+
+    def pending(self) -> int:
+        return sum(q.ntasks for q in self._queues.values())
+
+
+class DmPolicy(DmdaPolicy):
+    """dm: like dmda but blind to data: no transfer term, in the end time nor the fitness.
+
+    Its fitness is ``end_w − best`` alone, so alpha, beta, gamma and idle_power are accepted
+    (one option set for the whole family) but have no effect, as in StarPU.
+    """
+
+    name = "dm"
+    data_aware = False
+
+
+class DmdarPolicy(DmdaPolicy):
+    """dmdar: dmda whose workers pop the first task with its inputs ready on their node."""
+
+    name = "dmdar"
+    ready_first = True
+
+
+class DmdasPolicy(DmdaPolicy):
+    """dmdas: dmda with priority-sorted queues and ready-first pops (StarPU's recommendation)."""
+
+    name = "dmdas"
+    sorted_queue = True
+    ready_first = True

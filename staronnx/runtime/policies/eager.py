@@ -1,0 +1,54 @@
+"""eager: one central FIFO shared by all workers (StarPU's ``eager_central_policy.c``).
+
+A worker that goes idle takes the oldest task it can run. StarPU's documentation says
+priorities go to the front; its code does not, and neither do we. Nothing is decided at push,
+so the engine does not prefetch (StarPU only prefetches single-architecture tasks here, and
+every part of a plan runs on every architecture).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+
+
+class EagerPolicy(Policy):
+    """Central FIFO: first come, first served by whichever worker asks first."""
+
+    name = "eager"
+    places_at_push = False
+
+    def __init__(self) -> None:
+        self._queue: deque[TaskView] = deque()
+        self._alive: set[int] = set()
+
+    def attach(
+        self,
+        workers: Sequence[WorkerInfo],
+        predictor: Predictor,
+        clock: Clock,
+        dag: Sequence[Sequence[int]] = (),
+    ) -> None:
+        super().attach(workers, predictor, clock, dag)
+        self._alive = {w.id for w in workers}
+
+    def push(self, task: TaskView) -> int | None:
+        self._queue.append(task)
+        return None
+
+    def pop(self, worker_id: int) -> TaskView | None:
+        # Every worker can run every part (each has a session per part), so "the first task
+        # it can run" is the head.
+        if worker_id not in self._alive or not self._queue:
+            return None
+        return self._queue.popleft()
+
+    def remove_worker(self, worker_id: int) -> list[TaskView]:
+        """Nothing is queued *on* a worker here; the dead one just stops popping."""
+        self._alive.discard(worker_id)
+        return []
+
+    def pending(self) -> int:
+        return len(self._queue)

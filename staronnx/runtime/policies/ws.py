@@ -1,0 +1,177 @@
+"""ws / lws: one priority deque per worker, idle workers steal (StarPU's
+``work_stealing_policy.c`` and ``prio_deque.c``).
+
+- **Push** goes to the worker that released the task (the one that just finished its
+  predecessor: the engine passes it as ``task.extra["releasing_worker"]``), so a chain of parts
+  stays where its data is; tasks with no releasing worker (a new request's first parts) go
+  round-robin, starting at the first worker.
+- **Own pop**: highest priority first, oldest first within a priority.
+- **Steal**: an idle worker whose deque is empty takes from the *back* of a victim's
+  highest-priority bucket (the newest task, least likely to have its data prefetched yet).
+  ``ws`` picks victims round-robin (per thief, resuming after the last victim); ``lws`` walks
+  a proximity list — workers on the same memory node first, then workers of the same kind,
+  then the rest — a cheap stand-in for StarPU's hwloc-distance list.
+
+Deviation: StarPU only robs a victim that is currently busy, because its drivers poll and an
+idle owner will take its own task a moment later. The native engine's workers sleep until a
+push or a completion wakes them, so a thief that skipped a queued-but-idle victim could sleep
+through the whole task; any non-empty victim is fair game here.
+
+Nothing is decided for good at push (a task may be stolen), so ``push`` returns ``None`` and
+the engine does not prefetch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+
+
+class PrioDeque:
+    """Tasks bucketed by priority, each bucket a FIFO deque."""
+
+    def __init__(self) -> None:
+        self._buckets: dict[float, deque[TaskView]] = {}
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def push_back(self, task: TaskView) -> None:
+        self._buckets.setdefault(task.priority, deque()).append(task)
+        self._n += 1
+
+    def _take(self, front: bool) -> TaskView | None:
+        if not self._n:
+            return None
+        prio = max(self._buckets)
+        bucket = self._buckets[prio]
+        task = bucket.popleft() if front else bucket.pop()
+        if not bucket:
+            del self._buckets[prio]
+        self._n -= 1
+        return task
+
+    def pop_front_highest(self) -> TaskView | None:
+        """The owner's pop: oldest task of the highest priority."""
+        return self._take(front=True)
+
+    def pop_back_highest(self) -> TaskView | None:
+        """A thief's pop: newest task of the highest priority."""
+        return self._take(front=False)
+
+    def drain(self) -> list[TaskView]:
+        """Everything, highest priority first, oldest first within a priority."""
+        out = [t for p in sorted(self._buckets, reverse=True) for t in self._buckets[p]]
+        self._buckets.clear()
+        self._n = 0
+        return out
+
+
+class WorkStealingPolicy(Policy):
+    """ws: per-worker deques, push to the releasing worker, round-robin victims."""
+
+    name = "ws"
+    places_at_push = False
+
+    def __init__(self) -> None:
+        self._order: list[WorkerInfo] = []
+        self._deques: dict[int, PrioDeque] = {}
+        self._last_push = -1
+        self._next_victim: dict[int, int] = {}
+
+    def attach(
+        self,
+        workers: Sequence[WorkerInfo],
+        predictor: Predictor,
+        clock: Clock,
+        dag: Sequence[Sequence[int]] = (),
+    ) -> None:
+        super().attach(workers, predictor, clock, dag)
+        self._order = list(workers)
+        self._deques = {w.id: PrioDeque() for w in workers}
+        self._last_push = -1
+        self._next_victim = {w.id: 0 for w in workers}
+
+    # -- push -------------------------------------------------------------------------------
+    def _round_robin(self) -> int:
+        if not self._order:
+            raise RuntimeError(f"{self.name} policy: no worker left to place a task on")
+        self._last_push = (self._last_push + 1) % len(self._order)
+        return self._order[self._last_push].id
+
+    def push(self, task: TaskView) -> int | None:
+        releasing = task.extra.get("releasing_worker")
+        wid = releasing if releasing in self._deques else self._round_robin()
+        self._deques[wid].push_back(task)
+        return None
+
+    # -- pop --------------------------------------------------------------------------------
+    def victims(self, thief: int) -> list[int]:
+        """Candidate victims in the order ``thief`` tries them (advances the round-robin)."""
+        ids = [w.id for w in self._order]
+        if not ids:
+            return []
+        start = self._next_victim.get(thief, 0) % len(ids)
+        return [i for i in ids[start:] + ids[:start] if i != thief]
+
+    def _stolen(self, thief: int, victim: int) -> None:
+        """Remember where the round-robin resumes (just after the victim robbed)."""
+        ids = [w.id for w in self._order]
+        self._next_victim[thief] = (ids.index(victim) + 1) % len(ids)
+
+    def pop(self, worker_id: int) -> TaskView | None:
+        own = self._deques.get(worker_id)
+        if own is None:
+            return None
+        task = own.pop_front_highest()
+        if task is not None:
+            return task
+        for victim in self.victims(worker_id):
+            task = self._deques[victim].pop_back_highest()
+            if task is not None:
+                self._stolen(worker_id, victim)
+                task.extra["stolen_from"] = victim
+                return task
+        return None
+
+    # -- failures ---------------------------------------------------------------------------
+    def remove_worker(self, worker_id: int) -> list[TaskView]:
+        dq = self._deques.pop(worker_id, None)
+        if worker_id in (w.id for w in self._order):
+            idx = next(i for i, w in enumerate(self._order) if w.id == worker_id)
+            del self._order[idx]
+            if self._last_push >= idx:
+                self._last_push -= 1
+        self._next_victim.pop(worker_id, None)
+        return dq.drain() if dq is not None else []
+
+    def pending(self) -> int:
+        return sum(len(d) for d in self._deques.values())
+
+
+class LocalityWorkStealingPolicy(WorkStealingPolicy):
+    """lws: like ws, but a thief tries victims by proximity (same memory node, same kind,
+    then the rest; each group in cyclic worker order after the thief)."""
+
+    name = "lws"
+
+    def victims(self, thief: int) -> list[int]:
+        ids = [w.id for w in self._order]
+        me = next((w for w in self._order if w.id == thief), None)
+        if me is None:
+            return []
+        pos = ids.index(thief)
+        cyclic = [self._order[(pos + k) % len(ids)] for k in range(1, len(ids))]
+
+        def distance(w: WorkerInfo) -> int:
+            if w.memory_node == me.memory_node:
+                return 0
+            return 1 if w.kind == me.kind else 2
+
+        return [w.id for w in sorted(cyclic, key=distance)]  # sorted() is stable
+
+    def _stolen(self, thief: int, victim: int) -> None:
+        """The proximity list is fixed; nothing to advance."""
