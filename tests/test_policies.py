@@ -298,7 +298,7 @@ def test_uncalibrated_arch_is_explored_greedily():
     for _ in range(4):
         t = task()
         placed.append(p.push(t))
-        assert t.predicted == 0.0 and t.transfer == 0.0
+        assert t.predicted == 0.0 and t.transfer == 0.0 and t.extra["forced"]
         assert p.last_decision.forced
     # the first NaN candidate beats the calibrated GPU; then NaN candidates share by
     # (ntasks + pipeline_ntasks) / speedup, ties to the first
@@ -332,6 +332,7 @@ def test_queue_bookkeeping_matches_hand_computation():
 
     p.push(a)  # end = max(0 + 0, 0 + 0.5) + 2; T' = 0.5 (nothing queued to hide it)
     assert (a.predicted, a.transfer, a.extra["expected_end"]) == pytest.approx((2.0, 0.5, 2.5))
+    assert a.placed_on == GPU.id and not a.extra["forced"]
     assert (q.exp_start, q.exp_len, q.exp_end, q.ntasks, q.pipeline_ntasks) == pytest.approx((0, 2.5, 2.5, 1, 1))
     p.push(b)  # end = max(2.5, 0.5) + 2; T' = 0 (hidden behind a)
     assert (b.transfer, b.extra["expected_end"]) == pytest.approx((0.0, 4.5))

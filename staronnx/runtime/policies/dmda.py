@@ -229,6 +229,7 @@ class DmdaPolicy(Policy):
         task.placed_on = decision.worker
         task.extra["transfer_estimate"] = transfer
         task.extra["expected_end"] = math.nan if decision.forced else chosen.end
+        task.extra["forced"] = decision.forced  # predicted=0 is a placeholder, not a model
         if self.sorted_queue:
             insert_sorted(q.tasks, task)
         else:
