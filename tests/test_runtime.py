@@ -1,0 +1,228 @@
+"""The native engine end to end: real ORT sessions on real pinned workers, every policy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from staronnx import InferenceSession, InputError, partition
+from staronnx.calibrate import start_workers
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.engine import EngineClosed
+from staronnx.runtime.policies import POLICIES
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.task import TaskError
+from staronnx.verify import random_plan_feeds
+from staronnx.zoo import inception
+
+
+@pytest.fixture(scope="module")
+def plan3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rt")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
+    p = partition(model, [0.5, 0.3, 0.2], output_dir=root / "plan", profile_runs=2)
+    p.source_model = model  # type: ignore[attr-defined]
+    return p
+
+
+@pytest.fixture
+def store(tmp_path):
+    return PerfModelStore(tmp_path / "home")
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_matches_reference(plan3, store, policy):
+    before = _threads()
+    feeds = [random_plan_feeds(plan3, b, seed=i) for i, b in enumerate([1, 3, 2, 4] * 5)]
+    with Runtime(plan3, policy=policy, cpu_groups="cores=1", store=store) as rt:
+        futures = [rt.submit(f) for f in feeds]
+        results = [f.result(timeout=60) for f in futures]
+        stats = rt.stats()
+    for f, r in zip(feeds, results):
+        ref = plan3.run_reference(f)
+        np.testing.assert_array_equal(r["logits"], ref["logits"])
+    assert stats["requests_done"] == len(feeds)
+    assert sum(row["tasks"] for row in stats["tasks"].values()) == len(feeds) * plan3.k
+    assert _threads() == before
+
+
+def test_thousand_requests_from_eight_threads(plan3, store):
+    feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(16)]
+    refs = [plan3.run_reference(f)["logits"] for f in feeds]
+    with Runtime(plan3, policy="heft", cpu_groups="cores=1", store=store) as rt:
+
+        def client(c: int) -> int:
+            ok = 0
+            for i in range(125):
+                j = (c * 125 + i) % len(feeds)
+                out = rt.submit(feeds[j]).result(timeout=120)
+                ok += bool(np.array_equal(out["logits"], refs[j]))
+            return ok
+
+        with ThreadPoolExecutor(8) as pool:
+            assert sum(pool.map(client, range(8))) == 1000
+        assert rt.stats()["requests_done"] == 1000
+
+
+def _fragile_model(path: Path) -> Path:
+    """Part 1's MatMul needs the dynamic dim d to be 8: other sizes fail inside ORT."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("Tanh", ["h"], ["h2"], name="tanh"),
+        helper.make_node("MatMul", ["h2", "w"], ["y"], name="mm"),
+    ]
+    g = helper.make_graph(nodes, "fragile",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "d"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_failing_task_fails_only_its_request(tmp_path, store):
+    model = _fragile_model(tmp_path / "fragile.onnx")
+    plan = partition(model, parts=2, method="linear", output_dir=tmp_path / "plan",
+                     input_shapes=["x=1x8"], costs="estimate")
+    good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
+    bad = {"x": np.ones((2, 5), np.float32)}
+    with Runtime(plan, policy="dmda", cpu_groups="cores=1", store=store) as rt:
+        futures = [rt.submit(bad if i % 3 == 0 else good) for i in range(30)]
+        for i, f in enumerate(futures):
+            if i % 3 == 0:
+                with pytest.raises(TaskError) as info:
+                    f.result(timeout=30)
+                assert info.value.__cause__ is not None  # ORT's own error
+            else:
+                np.testing.assert_allclose(f.result(timeout=30)["y"], plan.run_reference(good)["y"])
+        assert rt.stats()["requests_failed"] == 10
+        # and it keeps serving
+        np.testing.assert_allclose(rt.run(good)["y"], plan.run_reference(good)["y"])
+
+
+def test_bad_input_is_rejected_before_any_task(plan3, store):
+    with Runtime(plan3, policy="eager", cpu_groups="cores=1", store=store) as rt:
+        good = random_plan_feeds(plan3, 2)
+        with pytest.raises(ValueError, match="'x'.*float32.*float64"):
+            rt.submit({"x": good["x"].astype(np.float64)})
+        with pytest.raises(InputError, match="missing"):
+            rt.submit({})
+        with pytest.raises(InputError, match="axis 1 must be 3"):
+            rt.submit({"x": np.zeros((2, 4, 16, 16), np.float32)})
+        assert rt.stats()["requests_done"] == 0
+        rt.run(good)
+    with pytest.raises(EngineClosed):
+        rt.submit(good)
+
+
+class _Crash(BaseException):
+    """Not an Exception: kills the worker loop rather than failing one task."""
+
+
+def test_dead_worker_tasks_are_replaced(plan3, store):
+    workers = start_workers(plan3, groups="cores=1")
+    original = workers[0].run_here
+    calls = {"n": 0}
+
+    def flaky(part, feeds):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise _Crash("simulated worker crash")
+        return original(part, feeds)
+
+    workers[0].run_here = flaky
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(40)]
+    try:
+        with Runtime(plan3, policy="eager", workers=workers, store=store) as rt:
+            results = [f.result(timeout=60) for f in [rt.submit(x) for x in feeds]]
+            stats = rt.stats()
+    finally:
+        for w in workers:
+            w.close()
+    assert len(stats["dead_workers"]) == 1 and "crash" in stats["dead_workers"][0][1]
+    for f, r in zip(feeds, results):
+        np.testing.assert_array_equal(r["logits"], plan3.run_reference(f)["logits"])
+
+
+def test_map_keeps_order_and_bounds_in_flight(plan3, store):
+    feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(30)]
+    submitted = []
+
+    def stream():
+        for i, f in enumerate(feeds):
+            submitted.append(i)
+            yield f
+
+    with Runtime(plan3, policy="dmdas", cpu_groups="cores=1", store=store) as rt:
+        out = []
+        for r in rt.map(stream(), max_in_flight=4):
+            assert len(submitted) - len(out) <= 4 + 1
+            out.append(r)
+    for f, r in zip(feeds, out):
+        np.testing.assert_array_equal(r["logits"], plan3.run_reference(f)["logits"])
+
+
+def test_futures_are_awaitable(plan3, store):
+    feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(5)]
+    with Runtime(plan3, policy="ws", cpu_groups="cores=1", store=store) as rt:
+
+        async def main():
+            return await asyncio.gather(*(rt.submit(f) for f in feeds))
+
+        results = asyncio.run(main())
+    assert len(results) == 5 and all("logits" in r for r in results)
+
+
+def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path):
+    path = tmp_path / "trace.json"
+    with Runtime(plan3, policy="heft", cpu_groups="cores=1", trace=path, store=store) as rt:
+        for f in [rt.submit(random_plan_feeds(plan3, 2, seed=i)) for i in range(6)]:
+            f.result()
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    tasks = [e for e in events if e["ph"] == "X"]
+    flows = [e for e in events if e["ph"] in ("s", "f")]
+    assert len(lanes) == 2 and len(tasks) == 6 * plan3.k
+    deps = sum(len(d) for d in plan3.dependencies())
+    assert len(flows) == 2 * 6 * deps
+    from staronnx.runtime.gantt import plot_trace
+
+    png = plot_trace(path, tmp_path / "gantt.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_inference_session_facade_matches_onnxruntime(plan3, store):
+    model = plan3.source_model
+    ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(3).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    with InferenceSession(plan3.root, cpu_groups="cores=1", store=store) as sess:
+        assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
+        assert sess.get_inputs()[0].type == ref.get_inputs()[0].type
+        assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
+        (got,) = sess.run(None, {"x": x})
+    (want,) = ref.run(None, {"x": x})
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_serving_calibrates_models(plan3, tmp_path):
+    store = PerfModelStore(tmp_path / "h")
+    feeds = random_plan_feeds(plan3, 2)
+    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store) as rt:
+        for f in [rt.submit(feeds) for _ in range(60)]:
+            f.result()
+    rows = store.rows(plan3.hash)
+    assert {r.part for r in rows} == set(range(plan3.k))
+    assert all(r.n >= 1 for r in rows)
