@@ -16,7 +16,10 @@ from typing import Callable
 import numpy as np
 import onnx
 
+from staronnx.calibrate import calibrate, start_workers
 from staronnx.ortutil import make_session
+from staronnx.runtime.runtime import Runtime
+from staronnx.workers.topology import Topology
 from staronnx.partition.api import partition
 from staronnx.plan import Plan
 from staronnx.verify import VerifyReport, random_plan_feeds, verify_plan
@@ -37,6 +40,9 @@ class DemoResult:
     batches: int
     whole_seconds: float  # per batch, the whole model in one ORT session
     chained_seconds: float  # per batch, the parts in sequence
+    runtime_seconds: float  # per batch, through the runtime with batches in flight
+    groups: str
+    stats: dict
 
 
 def run_demo(
@@ -45,8 +51,10 @@ def run_demo(
     batch: int = 8,
     batches: int = 10,
     say: Callable[[str], None] = lambda _m: None,
+    groups: str | None = None,
 ) -> DemoResult:
-    """Build, partition, verify and run the demo model; return what happened."""
+    """Build, partition, verify, calibrate and serve the demo model; return what happened."""
+    groups = groups or default_demo_groups()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="staronnx-demo-"))
     root.mkdir(parents=True, exist_ok=True)
     model = inception_demo()
@@ -75,6 +83,22 @@ def run_demo(
     for _ in range(batches):
         plan.run_reference(feeds)
     t2 = time.perf_counter()
+
+    say(f"calibrating perf models at batch {batch} on CPU groups {groups!r}")
+    workers = start_workers(plan, groups=groups)
+    try:
+        calibrate(plan, [batch], workers=workers)
+    finally:
+        for w in workers:
+            w.close()
+    say(f"serving {batches} batches through the runtime (heft, groups {groups!r})")
+    with Runtime(plan, policy="heft", cpu_groups=groups) as rt:
+        rt.run(feeds)
+        t3 = time.perf_counter()
+        for fut in [rt.submit(feeds) for _ in range(batches)]:
+            fut.result()
+        t4 = time.perf_counter()
+        stats = rt.stats()
     return DemoResult(
         model_path=model_path,
         model_nodes=len(model.graph.node),
@@ -86,7 +110,19 @@ def run_demo(
         batches=batches,
         whole_seconds=(t1 - t0) / batches,
         chained_seconds=(t2 - t1) / batches,
+        runtime_seconds=(t4 - t3) / batches,
+        groups=groups,
+        stats=stats,
     )
+
+
+def default_demo_groups() -> str:
+    """One group per NUMA node; on a single-node machine, two halves so the parts pipeline."""
+    topo = Topology.from_system()
+    cores = len(topo.allowed_cores())
+    if len(topo.numa_nodes) > 1 or cores < 2:
+        return "numa"
+    return f"cores={(cores + 1) // 2}"
 
 
 def summary_lines(result: DemoResult) -> list[str]:
@@ -117,4 +153,17 @@ def summary_lines(result: DemoResult) -> list[str]:
         f"chained parts {per_sample_chain:.2f} ms/sample "
         f"({result.whole_seconds / result.chained_seconds:.2f}x of the whole model's throughput)"
     )
+    per_sample_rt = result.runtime_seconds / result.batch * 1e3
+    lines.append(
+        f"runtime (heft, groups {result.groups}): {per_sample_rt:.2f} ms/sample, "
+        f"{result.whole_seconds / result.runtime_seconds:.2f}x the whole model's throughput"
+    )
+    for key, row in result.stats["tasks"].items():
+        pred = row["predicted_ms"]
+        lines.append(
+            f"  {key}: {row['tasks']} tasks, measured {row['measured_ms']:.2f} ms"
+            + ("" if pred is None else f", predicted {pred:.2f} ms")
+        )
+    for name, row in result.stats["workers"].items():
+        lines.append(f"  worker {name}: {row['tasks']} tasks, busy {row['busy']:.0%}")
     return lines
