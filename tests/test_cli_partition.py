@@ -1,0 +1,357 @@
+"""Tests of ``staronnx partition`` and ``staronnx plan show|verify``.
+
+Most run the CLI in-process through :func:`staronnx.cli.main` (fast); one runs the installed
+``staronnx`` script in a subprocess. User errors must end with exit code 2, exactly one line
+``staronnx: error: ...`` on stderr that names the cause, and nothing written to disk.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from staronnx import zoo
+from staronnx.cli import main
+from staronnx.plan import Plan
+
+STARONNX = Path(sys.executable).parent / "staronnx"
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path
+
+
+def _tree(folder: Path) -> dict[str, bytes]:
+    """Every file under a folder with its bytes (to tell that nothing was written)."""
+    return {str(p.relative_to(folder)): (p.read_bytes() if p.is_file() else b"<dir>")
+            for p in sorted(folder.rglob("*"))}
+
+
+@pytest.fixture
+def chain_file(tmp_path) -> Path:
+    return _save(zoo.chain(), tmp_path / "chain.onnx")
+
+
+# --- the happy path --------------------------------------------------------------------------
+
+
+def test_partition_show_verify_in_a_subprocess(tmp_path):
+    model = _save(zoo.inception(), tmp_path / "inception.onnx")
+    plan_dir = tmp_path / "plan"
+
+    def run(*args):
+        return subprocess.run([str(STARONNX), *map(str, args)], capture_output=True, text=True,
+                              timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+    res = run("partition", model, "-o", plan_dir, "--shares", "0.7,0.3", "--profile-runs", "2")
+    assert res.returncode == 0, res.stderr
+    assert "wrote plan" in res.stdout and "2 parts" in res.stdout
+    plan = Plan.load(plan_dir)
+    assert [p.target_share for p in plan.parts] == [0.7, 0.3]
+    assert plan.cost_source.startswith("profiled on cpu")
+
+    res = run("plan", "show", plan_dir)
+    assert res.returncode == 0, res.stderr
+    assert plan.hash in res.stdout
+    assert f"{plan.cut_bytes_per_sample:,} bytes per sample cut" in res.stdout
+    for t in plan.crossing:
+        assert t.name in res.stdout
+
+    res = run("plan", "verify", plan_dir, "--model", model, "--batch", "3")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "OK" in res.stdout and "MISMATCH" not in res.stdout
+    assert res.stderr == ""
+
+
+def test_partition_show_verify_in_process(tmp_path, capsys, chain_file):
+    plan_dir = tmp_path / "plan"
+    code, out, err = cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "3",
+                         "--costs", "estimate", "--method", "linear")
+    assert code == 0, err
+    plan = Plan.load(plan_dir)
+    assert plan.k == 3 and plan.settings["method"] == "linear" and plan.settings["costs"] == "estimate"
+    code, out, err = cli(capsys, "plan", "show", plan_dir)
+    assert code == 0 and "crossing tensors" in out and plan.hash in out
+    for batch in ("1", "4"):
+        code, out, err = cli(capsys, "plan", "verify", plan_dir, "--model", chain_file, "--batch", batch)
+        assert code == 0, out + err
+        assert out.rstrip().splitlines()[-1].startswith("OK")
+
+
+def test_transformer_input_shape_through_the_cli(tmp_path, capsys):
+    model = _save(zoo.transformer_block(), tmp_path / "transformer.onnx")
+    plan_dir = tmp_path / "plan"
+    code, out, err = cli(capsys, "partition", model, "-o", plan_dir, "--parts", "2",
+                         "--input-shape", "x=1x6x64", "--costs", "estimate")
+    assert code == 0, err
+    assert Plan.load(plan_dir).settings["input_shapes"] == {"x": [1, 6, 64]}
+    # verify reads the recorded seq length, or takes another one
+    assert cli(capsys, "plan", "verify", plan_dir, "--model", model)[0] == 0
+    code, out, _ = cli(capsys, "plan", "verify", plan_dir, "--model", model, "--input-shape", "x=1x3x64")
+    assert code == 0 and "1x3x64" in out
+
+
+def test_force_replaces_an_existing_plan(tmp_path, capsys, chain_file):
+    plan_dir = tmp_path / "plan"
+    assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "3", "--costs", "estimate")[0] == 0
+    code, _, err = cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2",
+                       "--costs", "estimate", "--force")
+    assert code == 0, err
+    assert Plan.load(plan_dir).k == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chain.onnx", "plan"]
+
+
+# --- verify catches a wrong plan -------------------------------------------------------------
+
+
+def test_verify_reports_a_tampered_part(tmp_path, capsys, chain_file):
+    plan_dir = tmp_path / "plan"
+    assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2", "--costs", "estimate")[0] == 0
+    part = plan_dir / "part1.onnx"
+    tampered = onnx.load(str(part))
+    rng = np.random.default_rng(0)
+    for i, t in enumerate(tampered.graph.initializer):
+        values = numpy_helper.to_array(t)
+        noise = rng.standard_normal(values.shape).astype(values.dtype)
+        tampered.graph.initializer[i].CopyFrom(numpy_helper.from_array(noise, t.name))
+    onnx.save(tampered, str(part))
+    code, out, err = cli(capsys, "plan", "verify", plan_dir, "--model", chain_file)
+    assert code == 1
+    assert "MISMATCH" in out
+    assert out.rstrip().splitlines()[-1] == "MISMATCH"
+
+
+def test_verify_of_a_plan_with_a_missing_part_is_a_user_error(tmp_path, capsys, chain_file):
+    plan_dir = tmp_path / "plan"
+    assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2", "--costs", "estimate")[0] == 0
+    (plan_dir / "part1.onnx").unlink()
+    for args in (("plan", "verify", plan_dir, "--model", chain_file), ("plan", "show", plan_dir)):
+        code, out, err = cli(capsys, *args)
+        assert code == 2
+        assert err.strip().splitlines() == [err.strip()] and "part1.onnx" in err and "missing" in err
+
+
+@pytest.mark.parametrize("what", ["missing", "not-a-plan"])
+def test_show_and_verify_of_a_non_plan_folder(tmp_path, capsys, chain_file, what):
+    folder = tmp_path / "nothing"
+    if what == "not-a-plan":
+        folder.mkdir()
+    for args in (("plan", "show", folder), ("plan", "verify", folder, "--model", chain_file)):
+        code, out, err = cli(capsys, *args)
+        assert code == 2, err
+        assert err.startswith("staronnx: error: ") and len(err.strip().splitlines()) == 1
+        assert "plan" in err and str(folder) in err
+
+
+def test_verify_with_bad_batch_is_a_user_error(tmp_path, capsys, chain_file):
+    plan_dir = tmp_path / "plan"
+    assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2", "--costs", "estimate")[0] == 0
+    code, _, err = cli(capsys, "plan", "verify", plan_dir, "--model", chain_file, "--batch", "0")
+    assert code == 2 and "--batch" in err
+
+
+def test_verify_against_the_wrong_model_is_a_user_error(tmp_path, capsys, chain_file):
+    # the transformer also has input 'x' and output 'y', but x has rank 3
+    plan_dir = tmp_path / "plan"
+    assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2", "--costs", "estimate")[0] == 0
+    other = _save(zoo.transformer_block(), tmp_path / "transformer.onnx")
+    code, _, err = cli(capsys, "plan", "verify", plan_dir, "--model", other)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("staronnx: error: ")
+    assert "'x'" in lines[0] and "source model" in lines[0]
+
+
+def test_verify_against_a_model_with_other_input_names(tmp_path, capsys, chain_file):
+    plan_dir = tmp_path / "plan"
+    assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2", "--costs", "estimate")[0] == 0
+    renamed = zoo.chain()
+    renamed.graph.input[0].name = "inp"
+    renamed.graph.node[0].input[0] = "inp"
+    other = _save(renamed, tmp_path / "renamed.onnx")
+    code, _, err = cli(capsys, "plan", "verify", plan_dir, "--model", other)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "'x'" in err
+
+
+# --- user errors: exit 2, one line naming the cause, nothing written --------------------------
+
+
+def _no_input_model() -> onnx.ModelProto:
+    const = helper.make_node("Constant", [], ["c"], name="c",
+                             value=numpy_helper.from_array(np.ones(4, np.float32)))
+    graph = helper.make_graph(
+        [const, helper.make_node("Relu", ["c"], ["y"], name="relu")], "no_inputs", [],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+def _bad_model(kind: str, folder: Path) -> Path:
+    path = folder / f"{kind}.onnx"
+    if kind == "missing":
+        return path
+    if kind == "truncated":
+        data = zoo.chain().SerializeToString()
+        path.write_bytes(data[: len(data) // 2])
+    elif kind == "text":
+        path.write_text("this is not an ONNX model\n")
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "no-inputs":
+        _save(_no_input_model(), path)
+    else:
+        raise AssertionError(kind)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("kind", "says"),
+    [
+        ("missing", ["not found", "missing.onnx"]),
+        ("truncated", ["truncated.onnx", "not a valid ONNX model"]),
+        ("text", ["text.onnx", "not a valid ONNX model"]),
+        ("empty", ["empty.onnx", "empty"]),
+        ("no-inputs", ["no-inputs.onnx", "no inputs"]),
+    ],
+)
+def test_unusable_model_files(tmp_path, capsys, kind, says):
+    model = _bad_model(kind, tmp_path)
+    before = _tree(tmp_path)
+    code, out, err = cli(capsys, "partition", model, "-o", tmp_path / "plan", "--parts", "2")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: "), err
+    for word in says:
+        assert word in lines[0]
+    assert _tree(tmp_path) == before, "nothing may be written"
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--shares", "0.5,-0.5"], ["positive"]),
+        (["--shares", "0,1"], ["positive"]),
+        (["--shares", "0.5,0.4"], ["sum to 1", "0.9"]),
+        (["--shares", "0.6,0.6"], ["sum to 1"]),
+        (["--shares", "0.5,x"], ["comma-separated"]),
+        (["--shares", "0.5,0.5", "--parts", "3"], ["--parts is 3"]),
+        (["--parts", "100"], ["100 parts", "17 node"]),
+        (["--parts", "0"], ["at least 1"]),
+        (["--method", "random"], ["unknown method", "random"]),
+        (["--tolerance", "1.5"], ["tolerance"]),
+        (["--input-shape", "z=1x32"], ["unknown", "['z']"]),
+        (["--input-shape", "x=1x31"], ["axis 1 is fixed to 32"]),
+        (["--input-shape", "nonsense"], ["--input-shape expects", "nonsense"]),
+    ],
+    ids=lambda v: "_".join(v) if isinstance(v, list) else v,
+)
+def test_impossible_requests(tmp_path, capsys, chain_file, args, says):
+    before = _tree(tmp_path)
+    code, out, err = cli(capsys, "partition", chain_file, "-o", tmp_path / "plan", *args,
+                         "--costs", "estimate")
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: "), err
+    for word in says:
+        assert word in lines[0]
+    assert _tree(tmp_path) == before, "nothing may be written"
+
+
+def test_non_numeric_shares_with_parts(tmp_path, capsys, chain_file):
+    before = _tree(tmp_path)
+    code, _, err = cli(capsys, "partition", chain_file, "-o", tmp_path / "plan", "--shares", "a,b",
+                       "--parts", "2", "--costs", "estimate")
+    assert code == 2 and "comma-separated" in err and len(err.strip().splitlines()) == 1
+    assert _tree(tmp_path) == before
+
+
+def test_dynamic_dim_without_input_shape(tmp_path, capsys):
+    model = _save(zoo.transformer_block(), tmp_path / "transformer.onnx")
+    before = _tree(tmp_path)
+    code, out, err = cli(capsys, "partition", model, "-o", tmp_path / "plan", "--parts", "2",
+                         "--costs", "estimate")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: ")
+    assert "'seq'" in lines[0] and "--input-shape x=" in lines[0]
+    assert _tree(tmp_path) == before
+
+
+def test_existing_non_empty_output_folder_without_force(tmp_path, capsys, chain_file):
+    out_dir = tmp_path / "plan"
+    out_dir.mkdir()
+    (out_dir / "notes.txt").write_text("precious\n")
+    (out_dir / "sub").mkdir()
+    (out_dir / "sub" / "data.bin").write_bytes(b"\x00\x01")
+    before = _tree(tmp_path)
+    code, out, err = cli(capsys, "partition", chain_file, "-o", out_dir, "--parts", "2", "--costs", "estimate")
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--force" in lines[0] and str(out_dir) in lines[0]
+    assert _tree(tmp_path) == before, "the folder's content must be untouched"
+
+
+def test_output_path_that_is_a_file(tmp_path, capsys, chain_file):
+    target = tmp_path / "plan"
+    target.write_text("a file")
+    code, _, err = cli(capsys, "partition", chain_file, "-o", target, "--parts", "2", "--costs", "estimate")
+    assert code == 2 and "not a folder" in err
+    assert target.read_text() == "a file"
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" in __import__("onnxruntime").get_available_providers(),
+                    reason="CUDA is available here")
+def test_cuda_device_without_its_provider(tmp_path, capsys, chain_file):
+    before = _tree(tmp_path)
+    code, _, err = cli(capsys, "partition", chain_file, "-o", tmp_path / "plan", "--parts", "2",
+                       "--device", "cuda")
+    assert code == 2 and "CUDAExecutionProvider" in err and len(err.strip().splitlines()) == 1
+    assert _tree(tmp_path) == before
+
+
+# --- help ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("command", "mentions"),
+    [
+        (["partition"], ["--output", "--shares", "--parts", "--device", "--input-shape", "--method",
+                         "--costs", "--force"]),
+        (["plan"], ["show", "verify"]),
+        (["plan", "show"], ["plandir"]),
+        (["plan", "verify"], ["--model", "--batch", "--input-shape", "--seed"]),
+    ],
+    ids=["partition", "plan", "plan-show", "plan-verify"],
+)
+def test_help(capsys, monkeypatch, command, mentions):
+    monkeypatch.setenv("COLUMNS", "200")
+    code, out, err = cli(capsys, *command, "--help")
+    assert code == 0, err
+    assert "Usage" in out and f"staronnx {' '.join(command)}" in out
+    for word in mentions:
+        assert word in out, word
+
+
+def test_help_of_the_installed_script():
+    res = subprocess.run([str(STARONNX), "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0
+    assert "partition" in res.stdout and "plan" in res.stdout
