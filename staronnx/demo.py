@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 import onnx
 
 from staronnx.calibrate import calibrate, start_workers

@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np

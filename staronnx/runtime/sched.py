@@ -114,6 +114,11 @@ class Policy(ABC):
         self.predictor = predictor
         self.clock = clock
         self.dag = [list(s) for s in dag]
+        self.setup()
+
+    def setup(self) -> None:
+        """Build per-worker state once ``workers``, ``predictor``, ``clock`` and ``dag`` are
+        set (called by :meth:`attach`); policies with queues override this."""
 
     @abstractmethod
     def push(self, task: TaskView) -> int | None: ...

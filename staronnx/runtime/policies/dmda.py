@@ -49,10 +49,9 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from staronnx.runtime.policies._common import check_weight, insert_sorted, pop_first_ready
-from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 
 
 @dataclass
@@ -127,18 +126,11 @@ class DmdaPolicy(Policy):
         self._queues: dict[int, QueueState] = {}
         self.last_decision: Decision | None = None
 
-    def attach(
-        self,
-        workers: Sequence[WorkerInfo],
-        predictor: Predictor,
-        clock: Clock,
-        dag: Sequence[Sequence[int]] = (),
-    ) -> None:
-        super().attach(workers, predictor, clock, dag)
-        now = clock.now()
-        self._order = list(workers)
-        self._nodes = {w.id: w.memory_node for w in workers}
-        self._queues = {w.id: QueueState(exp_start=now) for w in workers}
+    def setup(self) -> None:
+        now = self.clock.now()
+        self._order = list(self.workers)
+        self._nodes = {w.id: w.memory_node for w in self.workers}
+        self._queues = {w.id: QueueState(exp_start=now) for w in self.workers}
         self.last_decision = None
 
     def queue(self, worker_id: int) -> QueueState:

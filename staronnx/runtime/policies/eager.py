@@ -9,9 +9,8 @@ every part of a plan runs on every architecture).
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
 
-from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.sched import Policy, TaskView
 
 
 class EagerPolicy(Policy):
@@ -24,15 +23,8 @@ class EagerPolicy(Policy):
         self._queue: deque[TaskView] = deque()
         self._alive: set[int] = set()
 
-    def attach(
-        self,
-        workers: Sequence[WorkerInfo],
-        predictor: Predictor,
-        clock: Clock,
-        dag: Sequence[Sequence[int]] = (),
-    ) -> None:
-        super().attach(workers, predictor, clock, dag)
-        self._alive = {w.id for w in workers}
+    def setup(self) -> None:
+        self._alive = {w.id for w in self.workers}
 
     def push(self, task: TaskView) -> int | None:
         self._queue.append(task)

@@ -31,7 +31,7 @@ from graphlib import TopologicalSorter
 from typing import Sequence
 
 from staronnx.runtime.policies.dmda import DmdasPolicy
-from staronnx.runtime.sched import Clock, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.sched import TaskView, WorkerInfo
 
 
 def upward_ranks(successors: Sequence[Sequence[int]], weights: Sequence[float]) -> list[float]:
@@ -66,14 +66,8 @@ class HeftPolicy(DmdasPolicy):
         self._ranks: dict[int, list[float]] = {}
         self._footprints: dict[tuple[int, int], object] = {}
 
-    def attach(
-        self,
-        workers: Sequence[WorkerInfo],
-        predictor: Predictor,
-        clock: Clock,
-        dag: Sequence[Sequence[int]] = (),
-    ) -> None:
-        super().attach(workers, predictor, clock, dag)
+    def setup(self) -> None:
+        super().setup()
         self._ranks = {}
         self._footprints = {}
 

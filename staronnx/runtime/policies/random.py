@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import random as _random
 from collections import deque
-from typing import Sequence
 
 from staronnx.runtime.policies._common import PolicyError, insert_sorted
-from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 
 
 class RandomPolicy(Policy):
@@ -31,16 +30,9 @@ class RandomPolicy(Policy):
         self._queues: dict[int, deque[TaskView]] = {}
         self._order: list[WorkerInfo] = []
 
-    def attach(
-        self,
-        workers: Sequence[WorkerInfo],
-        predictor: Predictor,
-        clock: Clock,
-        dag: Sequence[Sequence[int]] = (),
-    ) -> None:
-        super().attach(workers, predictor, clock, dag)
-        self._order = list(workers)
-        self._queues = {w.id: deque() for w in workers}
+    def setup(self) -> None:
+        self._order = list(self.workers)
+        self._queues = {w.id: deque() for w in self.workers}
 
     def choose(self) -> WorkerInfo:
         """Draw a worker with probability ∝ speedup (the last one absorbs rounding)."""

@@ -24,9 +24,8 @@ the engine does not prefetch.
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
 
-from staronnx.runtime.sched import Clock, Policy, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 
 
 class PrioDeque:
@@ -82,18 +81,11 @@ class WorkStealingPolicy(Policy):
         self._last_push = -1
         self._next_victim: dict[int, int] = {}
 
-    def attach(
-        self,
-        workers: Sequence[WorkerInfo],
-        predictor: Predictor,
-        clock: Clock,
-        dag: Sequence[Sequence[int]] = (),
-    ) -> None:
-        super().attach(workers, predictor, clock, dag)
-        self._order = list(workers)
-        self._deques = {w.id: PrioDeque() for w in workers}
+    def setup(self) -> None:
+        self._order = list(self.workers)
+        self._deques = {w.id: PrioDeque() for w in self.workers}
         self._last_push = -1
-        self._next_victim = {w.id: 0 for w in workers}
+        self._next_victim = {w.id: 0 for w in self.workers}
 
     # -- push -------------------------------------------------------------------------------
     def _round_robin(self) -> int:
