@@ -148,13 +148,12 @@ def name_nodes(graph: onnx.GraphProto) -> None:
 
 def model_nbytes(model: onnx.ModelProto) -> int:
     """Approximate serialised size, dominated by weights, without serialising."""
-    total = 0
-    for t in model.graph.initializer:
-        total += len(t.raw_data) if t.raw_data else tensor_nbytes(t)
+    # sized from dims: reading raw_data would copy every weight out of the protobuf
+    total = sum(tensor_nbytes(t) for t in model.graph.initializer)
     for node in model.graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.TENSOR:
-                total += len(attr.t.raw_data) if attr.t.raw_data else tensor_nbytes(attr.t)
+                total += tensor_nbytes(attr.t)
     return total + 1_000_000
 
 
@@ -183,7 +182,7 @@ def strip_weights(model: onnx.ModelProto, threshold: int = 1024) -> onnx.ModelPr
     stripped = onnx.ModelProto()
     stripped.CopyFrom(model)  # an in-memory copy: no serialisation, so no 2 GB limit
     for t in stripped.graph.initializer:
-        large = bool(t.raw_data) and len(t.raw_data) > threshold
+        large = tensor_nbytes(t) > threshold  # from dims: no copy of the weight's bytes
         if large or t.data_location == onnx.TensorProto.EXTERNAL:
             t.ClearField("raw_data")
             t.data_location = onnx.TensorProto.EXTERNAL

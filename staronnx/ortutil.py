@@ -14,6 +14,14 @@ from staronnx.errors import DeviceError
 from staronnx.modelio import PROTOBUF_LIMIT, model_nbytes, save_model
 
 
+_ORT_ELEMENT_NAMES = {"float32": "float", "float64": "double", "object": "string", "str": "string"}
+
+
+def ort_type_name(dtype: str) -> str:
+    """ORT's NodeArg.type for a numpy dtype name: float32 -> 'tensor(float)', ..."""
+    return f"tensor({_ORT_ELEMENT_NAMES.get(dtype, dtype)})"
+
+
 def providers_for(device: str) -> list[str]:
     """ORT providers for a device name, failing clearly when the device's provider is absent."""
     available = ort.get_available_providers()

@@ -17,7 +17,7 @@ import onnx
 from staronnx.errors import PlanError
 from staronnx.feeds import random_array
 from staronnx.modelio import load_model
-from staronnx.ortutil import make_session
+from staronnx.ortutil import make_session, ort_type_name
 from staronnx.plan import Plan
 
 RELATIVE_TOLERANCE = 1e-4
@@ -110,8 +110,7 @@ def _check_same_inputs(plan: Plan, session: Any) -> None:
                 f"the model has no input {spec.name!r} (it takes {sorted(got)}): "
                 "is this the plan's source model?"
             )
-        want_type = f"tensor({'float' if spec.dtype == 'float32' else 'double' if spec.dtype == 'float64' else spec.dtype})"
-        if len(arg.shape) != len(spec.shape) or arg.type != want_type:
+        if len(arg.shape) != len(spec.shape) or arg.type != ort_type_name(spec.dtype):
             raise PlanError(
                 f"the model's input {spec.name!r} is {arg.type} of rank {len(arg.shape)}, the "
                 f"plan's is {spec.dtype} {spec.shape}: is this the plan's source model?"

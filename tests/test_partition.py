@@ -900,11 +900,6 @@ def test_string_inputs_run_through_the_parts(tmp_path):
     np.testing.assert_allclose(got["y"], want["y"], rtol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, raises=PlanError, reason=(
-    "library bug: staronnx/verify.py:113 _check_same_inputs maps only float32/float64 to ORT "
-    "type names; a string input's plan dtype is numpy's 'object', so 'tensor(object)' != "
-    "'tensor(string)' and verify_plan rejects the plan's own source model with PlanError "
-    "\"the model's input 's' is tensor(string) of rank 1, the plan's is object ['batch']\""))
 def test_verify_accepts_the_source_model_with_a_string_input(tmp_path):
     model = _string_input_model()
     plan = staronnx.partition(model, parts=2, output_dir=tmp_path / "p", costs="estimate")

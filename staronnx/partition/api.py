@@ -126,6 +126,10 @@ def partition(
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if costs not in ("profile", "estimate"):
         raise PartitionError(f"unknown cost source {costs!r}; use 'profile' or 'estimate'")
+    if profile_batch < 1 or profile_runs < 1:
+        raise PartitionError(
+            f"--profile-batch and --profile-runs must be at least 1 (got {profile_batch}, {profile_runs})"
+        )
     if not 0 < tolerance < 1:
         raise PartitionError(f"tolerance must be in (0, 1), got {tolerance}")
     shapes = parse_input_shapes(input_shapes)

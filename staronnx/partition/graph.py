@@ -235,9 +235,11 @@ def resolve_input_shapes(
     return shapes
 
 
-def _infer(model: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> dict[str, tuple]:
-    """Run ONNX shape inference; return name -> (elem_type, dims) with None for unknown dims."""
-    m = strip_weights(model)
+def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> dict[str, tuple]:
+    """Run ONNX shape inference on a weight-stripped model (see ``strip_weights``); return
+    name -> (elem_type, dims) with None for unknown dims."""
+    m = onnx.ModelProto()
+    m.CopyFrom(stripped)
     del m.graph.value_info[:]
     if shapes is not None:
         for vi in m.graph.input:
@@ -368,9 +370,10 @@ def _tensor_infos(
 ) -> dict[str, TensorInfo]:
     shapes1 = resolve_input_shapes(inputs, 1, input_shapes)
     shapes2 = resolve_input_shapes(inputs, 2, input_shapes)
-    symbolic = _infer(model, None)
-    at1 = _infer(model, shapes1)
-    at2 = _infer(model, shapes2)
+    stripped = strip_weights(model)  # once: copying the weights three times costs seconds per GB
+    symbolic = _infer(stripped, None)
+    at1 = _infer(stripped, shapes1)
+    at2 = _infer(stripped, shapes2)
     names = list(producer) + [i.name for i in inputs]
     missing = [n for n in names if _concrete(at1.get(n, (0, None))[1]) is None or not at1[n][0]]
     if missing:

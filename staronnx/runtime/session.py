@@ -19,14 +19,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from staronnx.ortutil import ort_type_name
 from staronnx.plan import Plan, TensorSpec
 from staronnx.runtime.runtime import Runtime
 
-_ORT_TYPES = {
-    "float32": "tensor(float)", "float64": "tensor(double)", "float16": "tensor(float16)",
-    "int64": "tensor(int64)", "int32": "tensor(int32)", "int8": "tensor(int8)",
-    "uint8": "tensor(uint8)", "bool": "tensor(bool)",
-}
 
 
 @dataclass(frozen=True)
@@ -39,7 +35,7 @@ class NodeArg:
 
 
 def _arg(t: TensorSpec) -> NodeArg:
-    return NodeArg(t.name, _ORT_TYPES.get(t.dtype, f"tensor({t.dtype})"), list(t.shape))
+    return NodeArg(t.name, ort_type_name(t.dtype), list(t.shape))
 
 
 class InferenceSession:
