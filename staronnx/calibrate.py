@@ -147,3 +147,24 @@ def calibration_steps(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequen
     """Number of (worker, part, batch) steps, for a progress bar."""
     return len(workers) * plan.k * len(batch_sizes)
 
+
+
+def calibrate_bus_if_needed(
+    store: PerfModelStore, cuda_devices: Sequence[int] = (), force: bool = False
+) -> tuple[object, list[str]] | None:
+    """Measure this host's links (NUMA<->NUMA, host<->GPU) once, as StarPU does per host.
+
+    Returns (bus model, node names) when something was measured; None on a machine with a
+    single memory node (nothing to transfer) or when a stored model exists and ``force`` is off.
+    """
+    from staronnx.workers.memory import calibrate_bus, memory_nodes
+
+    topology = Topology.from_system()
+    nodes = memory_nodes(topology, cuda_devices)
+    if len(nodes) < 2:
+        return None
+    if not force and store.load_bus().links:
+        return None
+    bus = calibrate_bus(nodes, topology=topology)
+    store.save_bus(bus)
+    return bus, [n.name for n in nodes]

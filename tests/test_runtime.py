@@ -226,3 +226,38 @@ def test_serving_calibrates_models(plan3, tmp_path):
     rows = store.rows(plan3.hash)
     assert {r.part for r in rows} == set(range(plan3.k))
     assert all(r.n >= 1 for r in rows)
+
+
+def test_close_with_zero_timeout_cancels_what_is_left(plan3, store):
+    before = _threads()
+    rt = Runtime(plan3, policy="dmdas", cpu_groups="cores=1", store=store)
+    feeds = random_plan_feeds(plan3, 8)
+    futures = [rt.submit(feeds) for _ in range(200)]
+    rt.close(timeout=0)
+    done = [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+    cancelled = [f for f in futures if f.cancelled()]
+    assert all(f.done() for f in futures)
+    assert cancelled, "200 queued batches cannot all finish in zero seconds"
+    assert len(done) + len(cancelled) == 200
+    assert _threads() == before
+
+
+def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path):
+    import subprocess
+    import sys
+
+    trace = tmp_path / "t.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "staronnx", "run", str(plan3.root), "--batch", "2", "--requests",
+         "20", "--policy", "dmda", "--groups", "cores=1", "--trace", str(trace)],
+        capture_output=True, text=True, timeout=300,
+        env={"STARONNX_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert "samples/s" in out.stdout and "p99" in out.stdout
+    assert "part0/cpu1" in out.stdout and "placement" in out.stdout
+    assert json.loads(trace.read_text())["traceEvents"]
+    bad = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan3.root), "--policy", "nope"],
+                         capture_output=True, text=True, timeout=120,
+                         env={"STARONNX_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
+    assert bad.returncode == 2 and "nope" in bad.stderr and "heft" in bad.stderr

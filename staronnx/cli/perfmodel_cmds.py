@@ -35,9 +35,12 @@ def calibrate_cmd(
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     max_runs: Annotated[int, typer.Option(help="Cap on runs per (worker, part, batch).")] = 60,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+    bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
 ) -> None:
     """Run every part on every worker at each batch size until its perf model is calibrated."""
-    from staronnx.calibrate import calibrate, calibration_steps, start_workers
+    from staronnx.calibrate import (
+        calibrate, calibrate_bus_if_needed, calibration_steps, start_workers,
+    )
     from staronnx.perfmodels import PerfModelStore
 
     plan = Plan.load(plandir)
@@ -64,6 +67,14 @@ def calibrate_cmd(
         for w in workers:
             w.close()
     console.print(f"models stored under {store.plan_dir(plan.hash)}")
+    if bus:
+        with console.status("calibrating the bus"):
+            measured = calibrate_bus_if_needed(store, list(range(1)) if cuda_streams > 0 else [])
+        if measured is not None:
+            model, names = measured
+            console.print(f"bus model for {', '.join(names)} stored in {store.bus_path()}")
+        else:
+            console.print("bus: one memory node or already calibrated (nothing to measure)")
     _print_rows(store.rows(plan.hash), plan)
     if report.uncalibrated:
         console.print(
