@@ -18,8 +18,9 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from staronnx.errors import StaronnxError
-from staronnx.perfmodels import Footprint, HistoryModel, PerfModelStore
+from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
+from staronnx.runtime.predictor import task_footprint
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.groups import make_groups
 from staronnx.workers.topology import Topology
@@ -46,10 +47,6 @@ def worker_arch(worker: object) -> str:
     if device is not None:
         return f"cuda{device}"
     raise StaronnxError(f"unknown worker kind: {worker!r}")
-
-
-def footprint_of(feeds: dict[str, np.ndarray], batch: int) -> Footprint:
-    return Footprint.from_shapes({n: v.shape for n, v in feeds.items()}, batch=batch)
 
 
 @dataclass
@@ -114,7 +111,7 @@ def calibrate(
         for part in range(plan.k):
             feeds = plan.part_feeds(part, values)
             model = report.models[(part, arch)]
-            fp = footprint_of(feeds, batch)
+            fp = task_footprint(feeds, batch)  # the engine's footprint, so serving finds these
             worker.run(part, feeds)  # warm-up: allocations, kernel selection
             runs = 0
             while model.needs_samples(fp) and runs < max_runs:

@@ -7,6 +7,7 @@ entry still needs samples, as StarPU does when a model is not calibrated yet.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from typing import Mapping
@@ -18,8 +19,17 @@ from staronnx.runtime.sched import TaskView, WorkerInfo
 
 
 def task_footprint(feeds: Mapping[str, np.ndarray], batch: int) -> Footprint:
-    """The footprint of a part's inputs; calibration computes it the same way."""
-    return Footprint.from_shapes({n: v.shape for n, v in feeds.items()}, batch=batch)
+    """The footprint of a part's inputs; calibration computes it the same way.
+
+    Serving sees the same few shapes over and over, so footprints are cached by shape: the
+    CRC over the shapes is then paid once per shape, not once per task.
+    """
+    return _footprint(tuple((n, v.shape) for n, v in feeds.items()), batch)
+
+
+@functools.lru_cache(maxsize=4096)
+def _footprint(shapes: tuple[tuple[str, tuple[int, ...]], ...], batch: int) -> Footprint:
+    return Footprint.from_shapes(dict(shapes), batch=batch)
 
 
 class PerfPredictor:
