@@ -213,8 +213,12 @@ class Plan:
         if index not in self._sessions:
             import onnxruntime as ort
 
+            so = ort.SessionOptions()
+            # parts run one after another, each with its own intra-op pool on the same cores:
+            # a pool left spinning after its Run() would steal the cores from the next part
+            so.add_session_config_entry("session.force_spinning_stop", "1")
             self._sessions[index] = ort.InferenceSession(
-                str(self.part_path(index)), providers=["CPUExecutionProvider"]
+                str(self.part_path(index)), so, providers=["CPUExecutionProvider"]
             )
         return self._sessions[index]
 
