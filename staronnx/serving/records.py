@@ -1,0 +1,55 @@
+"""What a serving run (real or simulated) records, in one format both produce.
+
+The papers' metric and every percentile come from these records, so the live server and the
+discrete-event simulator must fill them the same way: times in seconds on one clock (the real
+``time.perf_counter`` or the simulator's), per request and per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestRecord:
+    """One single-sample request: when it arrived, which batch took it, when its result came."""
+
+    id: int
+    arrival: float  # when the request entered the queue (its scheduled arrival for open loop)
+    batch_id: int = -1  # -1 while queued; stays -1 if rejected
+    first_in_batch: bool = False  # the oldest request of its batch: the papers' latency
+    done: float | None = None  # result available to the caller; None if rejected or failed
+    rejected: bool = False  # refused by a full queue (OverloadError)
+    failed: bool = False  # its batch's task failed
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.done is None else self.done - self.arrival
+
+
+@dataclass
+class BatchRecord:
+    """One batch: formed from queued requests, run through the plan as one task per part."""
+
+    id: int
+    size: int
+    formed: float  # when the batcher closed it (full, or max delay reached)
+    done: float | None = None
+    request_ids: list[int] = field(default_factory=list)
+    #: (part, arch) -> count of this batch's tasks placed there (CPU share of each part)
+    placement: dict[str, str] = field(default_factory=dict)  # "part0" -> worker arch
+
+
+@dataclass
+class RunRecords:
+    """Everything one serving run produced, with its settings."""
+
+    requests: list[RequestRecord]
+    batches: list[BatchRecord]
+    offered_rate: float  # requests per second asked of the arrival process
+    batch_size: int
+    start: float  # clock time of the first scheduled arrival
+    end: float  # clock time when the run stopped (last result, or the deadline)
+    #: queue length sampled over time: (clock time, requests waiting)
+    queue_samples: list[tuple[float, int]] = field(default_factory=list)
+    settings: dict = field(default_factory=dict)
