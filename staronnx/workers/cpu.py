@@ -23,68 +23,35 @@ session).  Python threads suffice: ORT releases the GIL while it computes.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
-import queue
 import threading
 import time
 import traceback
-import weakref
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import onnxruntime as ort
 
-from staronnx.errors import DeviceError, ModelError
+from staronnx.errors import ModelError
+from staronnx.workers.base import (
+    Feeds,
+    OnDone,
+    Outputs,
+    Task,
+    ThreadWorker,
+    WorkerFuture,
+    WorkerStats,  # noqa: F401 - defined here before base.py; still importable from here
+    _batch_of,
+)
 from staronnx.workers.cpu_weights import SharedWeights, default_shared_weights
 from staronnx.workers.groups import CpuGroup
 from staronnx.workers.topology import Topology, format_pus
 
-__all__ = ["CpuWorker", "WorkerFuture", "OnDone"]
+__all__ = ["CpuWorker", "OnDone", "WorkerFuture"]
 
 log = logging.getLogger(__name__)
-
-Feeds = Mapping[str, np.ndarray]
-Outputs = dict[str, np.ndarray]
-#: ``on_done(part, batch, seconds)``: called in the worker thread after each successful task.
-OnDone = Callable[[int, int, float], None]
-
-
-class WorkerFuture(Future):  # type: ignore[type-arg]
-    """A Future of ``{output name: array}`` that also says when and where the task ran.
-
-    ``start``/``end`` are ``time.perf_counter()`` stamps taken around ``session.run`` (set
-    before the result, so done-callbacks can read them); ``seconds`` is their difference.
-    """
-
-    def __init__(self, part: int, batch: int, worker: str) -> None:
-        super().__init__()
-        self.part = part
-        self.batch = batch
-        self.worker = worker
-        self.start: float | None = None
-        self.end: float | None = None
-
-    @property
-    def seconds(self) -> float | None:
-        if self.start is None or self.end is None:
-            return None
-        return self.end - self.start
-
-
-@dataclass
-class WorkerStats:
-    """Counters a scheduler or a benchmark may read (updated by the worker thread only)."""
-
-    done: int = 0
-    failed: int = 0
-    busy_seconds: float = 0.0
 
 
 class _Claims:
@@ -108,33 +75,24 @@ class _Claims:
 
 
 _claims = _Claims()
-_live: weakref.WeakSet[CpuWorker] = weakref.WeakSet()
 
 
-@atexit.register
-def _close_all() -> None:
-    # Worker threads are daemons so a forgotten close() cannot hang the interpreter; closing
-    # them here still lets ORT free its pools before the process tears down.
-    for worker in list(_live):
-        try:
-            worker.close(timeout=5.0, cancel_pending=True)
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-
-
-_STOP = object()
-
-
-class CpuWorker:
+class CpuWorker(ThreadWorker):
     """Runs the parts of a plan on one CPU group.
 
     ``spin=None`` lets ORT's pool threads spin (lowest latency) unless another live worker
     already uses one of the group's PUs; ``True``/``False`` force it.  ``share_weights``
     uses :class:`~staronnx.workers.cpu_weights.SharedWeights` (``weights`` or the process-wide
     one); ``topology`` is only used for memory binding (default: this system's, loaded once).
+
+    The thread, queue, ``start``/``close``, ``call``/``spawn`` and the task bookkeeping are
+    :class:`~staronnx.workers.base.ThreadWorker`'s; this class pins, binds memory, builds the
+    sessions and runs them.  Its sessions are dropped in the worker thread at close, which
+    joins ORT's pool threads, so no thread is left behind.
     """
 
     kind = "cpu"
+    _log = log
 
     def __init__(
         self,
@@ -148,93 +106,41 @@ class CpuWorker:
         weights: SharedWeights | None = None,
         on_done: OnDone | None = None,
     ) -> None:
-        if not part_paths:
-            raise ModelError("a CPU worker needs at least one part (.onnx file)")
+        super().__init__(part_paths, name or f"cpu:{group.name}", on_done)
         self.group = group
-        self.part_paths = [Path(p) for p in part_paths]
-        self.name = name or f"cpu:{group.name}"
-        self.on_done = on_done
-        self.stats = WorkerStats()
         self.share_weights = share_weights
         #: per part: True when its weights come from the shared mapped copy.
         self.weights_shared: list[bool] = [False] * len(self.part_paths)
         #: what happened to memory binding ("bound to NUMA 1", "skipped: ...", "failed: ...").
         self.membind = "not started"
         self.spin: bool | None = spin
-        self.native_id: int | None = None
         self._spin_arg = spin
         self._topology = topology
         self._weights = weights
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self._closed = False
         self._claimed = False
         self._sessions: list[ort.InferenceSession] = []
         self._inputs: list[list[str]] = []
         self._outputs: list[list[str]] = []
-        self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float | None = None) -> CpuWorker:
-        """Start the thread and wait until every session is built; raise if one cannot be."""
+    # ------------------------------------------------------------------ lifecycle hooks
+    def _prepare_start(self) -> None:
+        # Spinning is decided before the sessions are built: it is a session option.
+        alone = _claims.claim(self.group.pus)
+        self._claimed = True
+        self.spin = alone if self._spin_arg is None else self._spin_arg
+
+    def _start_failure(self, err: BaseException) -> Exception:
+        return ModelError(f"{self.name} could not build its sessions: {err}")
+
+    def _release(self) -> None:
         with self._lock:
-            if self._thread is not None:
-                raise RuntimeError(f"{self.name} is already started")
-            if self._closed:
-                raise RuntimeError(f"{self.name} is closed")
-            for p in self.part_paths:
-                if not p.is_file():
-                    raise ModelError(f"part file {str(p)!r} does not exist")
-            alone = _claims.claim(self.group.pus)
-            self._claimed = True
-            self.spin = alone if self._spin_arg is None else self._spin_arg
-            self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-            _live.add(self)
-            self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"{self.name} did not finish loading its sessions in {timeout} s")
-        if self._error is not None:
-            self._thread.join()
-            with self._lock:
-                self._closed = True
-            self._release()
-            err = self._error
-            if isinstance(err, (ModelError, DeviceError)):
-                raise err
-            raise ModelError(f"{self.name} could not build its sessions: {err}") from err
-        return self
+            if self._claimed:
+                _claims.release(self.group.pus)
+                self._claimed = False
+        super()._release()
 
-    def close(self, timeout: float | None = None, cancel_pending: bool = False) -> None:
-        """Stop accepting tasks, finish (or cancel) the queued ones, join the thread.
-
-        Sessions are released inside the worker thread, which joins ORT's pool threads, so no
-        thread is left behind.  Raises TimeoutError if the thread is still running a task
-        after ``timeout`` seconds (it will still exit after that task).  Idempotent.
-        """
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-        thread = self._thread
-        if thread is None:
-            self._release()
-            return
-        if first:
-            if cancel_pending:
-                self._cancel_queued()
-            self._queue.put(_STOP)
-        thread.join(timeout)
-        if thread.is_alive():
-            raise TimeoutError(f"{self.name} is still running a task after {timeout} s")
-        self._cancel_queued()  # anything submitted in a race with close()
-        self._release()
-
-    def __enter__(self) -> CpuWorker:
-        return self.start() if self._thread is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _describe(self) -> str:
+        return self.group.describe()
 
     # ------------------------------------------------------------------ tasks
     def submit(self, part: int, feeds: Feeds) -> WorkerFuture:
@@ -242,17 +148,11 @@ class CpuWorker:
 
         A task that raises (bad shape, wrong dtype, missing input) fails its own future only.
         """
-        if self._thread is None:
-            raise RuntimeError(f"{self.name} is not started; call start() first")
-        if not 0 <= part < len(self.part_paths):
-            raise IndexError(f"{self.name} has parts 0..{len(self.part_paths) - 1}, not {part}")
+        self._check_started()
+        self._check_part(part)
         fut = WorkerFuture(part, _batch_of(feeds, self._inputs[part]), self.name)
-        self._put(("run", part, feeds, fut, True))
+        self._put(("run", Task(part, feeds, fut, True)))
         return fut
-
-    def run(self, part: int, feeds: Feeds) -> Outputs:
-        """Synchronous :meth:`submit` (still executed by the pinned worker thread)."""
-        return self.submit(part, feeds).result()
 
     def warmup(
         self,
@@ -265,36 +165,15 @@ class CpuWorker:
         ``make_feeds(part, batch)`` builds the feeds.  Warm-up runs don't call ``on_done`` nor
         count in :attr:`stats`.  Returns ``(part, batch, seconds)`` of the last repeat of each.
         """
-        timings = []
-        for part in range(len(self.part_paths)):
-            for b in batch_sizes:
-                for _ in range(max(1, repeats)):
-                    fut = WorkerFuture(part, b, self.name)
-                    self._put(("run", part, make_feeds(part, b), fut, False))
-                    fut.result()
-                timings.append((part, b, fut.seconds or 0.0))
-        return timings
+        return self._warmup(
+            batch_sizes, make_feeds, repeats,
+            lambda part, feeds, b: Task(part, feeds, WorkerFuture(part, b, self.name), False),
+            lambda fut: fut.seconds,
+        )
 
     def affinity(self) -> set[int]:
         """What ``os.sched_getaffinity(0)`` reports inside the worker thread."""
         return self.call(lambda: os.sched_getaffinity(0))
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` in the worker thread, between tasks, and return its result."""
-        fut: Future[Any] = Future()
-        self._put(("call", fn, fut))
-        return fut.result()
-
-    def spawn(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Start ``fn()`` in the worker thread and return at once.
-
-        An engine runs its serving loop this way, so tasks execute on the pinned thread with no
-        extra thread hop; the loop calls :meth:`run_here` for each task and must return before
-        :meth:`close` can finish.
-        """
-        fut: Future[Any] = Future()
-        self._put(("call", fn, fut))
-        return fut
 
     def run_here(self, part: int, feeds: Feeds) -> Outputs:
         """Run a part in the calling thread, which must be this worker's own (see :meth:`spawn`).
@@ -302,8 +181,7 @@ class CpuWorker:
         Exceptions propagate to the caller (the engine fails that task's request only), with
         the session-holding frames cleared as in the queued path.
         """
-        if threading.get_native_id() != self.native_id:
-            raise RuntimeError(f"run_here called outside {self.name}'s thread")
+        self._check_own_thread()
         try:
             values = self._sessions[part].run(None, dict(feeds))
         except BaseException as exc:
@@ -312,14 +190,6 @@ class CpuWorker:
             raise
         return dict(zip(self._outputs[part], values))
 
-    def _put(self, item: tuple[Any, ...]) -> None:
-        if self._thread is None:
-            raise RuntimeError(f"{self.name} is not started; call start() first")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.name} is closed; cannot accept new tasks")
-            self._queue.put(item)
-
     # ------------------------------------------------------------------ introspection
     def input_names(self, part: int) -> list[str]:
         return list(self._inputs[part])
@@ -327,50 +197,22 @@ class CpuWorker:
     def output_names(self, part: int) -> list[str]:
         return list(self._outputs[part])
 
-    @property
-    def n_parts(self) -> int:
-        return len(self.part_paths)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def __repr__(self) -> str:
-        state = "running" if self.alive else ("closed" if self._closed else "new")
-        return f"CpuWorker({self.name!r}, {self.group.describe()}, parts={self.n_parts}, {state})"
-
     # ------------------------------------------------------------------ worker thread
-    def _main(self) -> None:
-        try:
-            self.native_id = threading.get_native_id()
-            self._pin()
-            self.membind = _bind_memory(self._topology, self.group)
-            for i, path in enumerate(self.part_paths):
-                self._sessions.append(self._load(i, path))
-                self._inputs.append([x.name for x in self._sessions[-1].get_inputs()])
-                self._outputs.append([x.name for x in self._sessions[-1].get_outputs()])
-        except BaseException as exc:  # noqa: BLE001 - reported to start()
-            self._error = exc
-            self._sessions.clear()
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._serve()
-        finally:
-            # Dropping the sessions here joins ORT's pool threads before this thread ends.
-            self._sessions.clear()
+    def _setup_thread(self) -> None:
+        self._pin(self.group.first_pu)
+        self.membind = _bind_memory(self._topology, self.group)
+        for i, path in enumerate(self.part_paths):
+            self._sessions.append(self._load(i, path))
+            self._inputs.append([x.name for x in self._sessions[-1].get_inputs()])
+            self._outputs.append([x.name for x in self._sessions[-1].get_outputs()])
 
-    def _pin(self) -> None:
-        target = {self.group.first_pu}
-        try:
-            os.sched_setaffinity(0, target)
-        except (OSError, ValueError) as exc:
-            raise DeviceError(
-                f"{self.name} cannot run on PU {self.group.first_pu} ({exc}); this process may "
-                f"use PUs {format_pus(os.sched_getaffinity(os.getpid()))}. Build groups from "
-                "Topology.from_system(), not from a synthetic or XML topology."
-            ) from None
+    def _teardown(self) -> None:
+        # Dropping the sessions here joins ORT's pool threads before this thread ends.
+        self._sessions.clear()
+
+    def _pin_hint(self) -> str:
+        return (f"; this process may use PUs {format_pus(os.sched_getaffinity(os.getpid()))}. "
+                "Build groups from Topology.from_system(), not from a synthetic or XML topology.")
 
     def _load(self, index: int, path: Path) -> ort.InferenceSession:
         so = ort.SessionOptions()
@@ -399,84 +241,25 @@ class CpuWorker:
                 model = path
         try:
             return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             raise ModelError(f"ONNX Runtime cannot load part {index} ({path}): {exc}") from None
 
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            if item[0] == "call":
-                _, fn, fut = item
-                if fut.set_running_or_notify_cancel():
-                    try:
-                        fut.set_result(fn())
-                    except BaseException as exc:  # noqa: BLE001
-                        fut.set_exception(exc)
-                continue
-            _, part, feeds, fut, record = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            fut.start = time.perf_counter()
-            try:
-                values = self._sessions[part].run(None, dict(feeds))
-            except BaseException as exc:  # noqa: BLE001 - fails this task only
-                fut.end = time.perf_counter()
-                if record:
-                    self.stats.failed += 1
-                # The traceback's frames hold the ORT session (``self`` of its run wrapper):
-                # kept in the future they would keep the session, and its thread pool, alive
-                # after close().  ORT's message says what went wrong; the locals can go.
-                traceback.clear_frames(exc.__traceback__)
-                fut.set_exception(exc)
-                del exc
-                continue
-            fut.end = time.perf_counter()
-            seconds = fut.end - fut.start
-            if record:
-                self.stats.done += 1
-                self.stats.busy_seconds += seconds
-                if self.on_done is not None:
-                    try:
-                        self.on_done(part, fut.batch, seconds)
-                    except Exception:  # noqa: BLE001 - a broken hook must not fail the task
-                        log.exception("%s: on_done hook failed", self.name)
-            fut.set_result(dict(zip(self._outputs[part], values)))
-
-    def _cancel_queued(self) -> None:
-        stop_seen = False
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                stop_seen = True
-                continue
-            item[-2 if item[0] == "run" else -1].cancel()
-        if stop_seen:
-            self._queue.put(_STOP)
-
-    def _release(self) -> None:
-        with self._lock:
-            if self._claimed:
-                _claims.release(self.group.pus)
-                self._claimed = False
-        _live.discard(self)
+    def _run_task(self, task: Task) -> None:
+        fut = task.fut
+        if not fut.set_running_or_notify_cancel():
+            return
+        fut.start = time.perf_counter()
+        try:
+            values = self._sessions[task.part].run(None, dict(task.feeds))
+        except BaseException as exc:  # noqa: BLE001 - fails this task only
+            self._fail(task, exc)
+            return
+        fut.end = time.perf_counter()
+        self._record_done(task, fut.end - fut.start)
+        fut.set_result(dict(zip(self._outputs[task.part], values)))
 
 
 # ---------------------------------------------------------------------- helpers
-def _batch_of(feeds: Feeds, input_names: Sequence[str]) -> int:
-    """The batch size: leading dimension of the first model input present in the feeds."""
-    for name in list(input_names) + list(feeds):
-        arr = feeds.get(name)
-        if arr is not None:
-            shape = getattr(arr, "shape", ())
-            return int(shape[0]) if len(shape) else 1
-    return 0
-
-
 _system_topology: Topology | None = None
 _system_lock = threading.Lock()
 

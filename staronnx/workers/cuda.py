@@ -34,18 +34,12 @@ excludes input transfers, which the bus model accounts for, as in StarPU.
 
 from __future__ import annotations
 
-import atexit
 import gc
 import logging
 import os
-import queue
-import threading
 import time
-import traceback
 import weakref
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +48,22 @@ import numpy as np
 import onnxruntime as ort
 
 from staronnx.errors import DeviceError, InputError, ModelError
-from staronnx.workers.cpu import OnDone, WorkerFuture, WorkerStats
-from staronnx.workers.cudart import INSTALL_HINT, CudaError, CudaRuntime, Runtime, runtime_module
+from staronnx.workers.base import (
+    Feeds,
+    OnDone,
+    Outputs,
+    Task,
+    ThreadWorker,
+    WorkerFuture,
+    _batch_of,
+)
+from staronnx.workers.cudart import (
+    INSTALL_HINT,
+    CudaError,
+    CudaRuntime,
+    Runtime,
+    runtime_module,
+)
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 
 __all__ = [
@@ -72,9 +80,6 @@ CUDA_EP = "CUDAExecutionProvider"
 CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 #: Provider options the worker owns; letting callers override them would break the stream model.
 _RESERVED_OPTIONS = {"device_id", "user_compute_stream", "has_user_compute_stream"}
-
-Feeds = Mapping[str, np.ndarray]
-Outputs = dict[str, np.ndarray]
 
 #: ONNX Runtime type strings -> numpy dtypes the worker can stage and return.
 _ORT_TO_NUMPY: dict[str, np.dtype] = {
@@ -124,7 +129,7 @@ def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
 
 # ---------------------------------------------------------------------- futures, parts
 class CudaWorkerFuture(WorkerFuture):
-    """A :class:`~staronnx.workers.cpu.WorkerFuture` that also reports the task's transfers.
+    """A :class:`~staronnx.workers.base.WorkerFuture` that also reports the task's transfers.
 
     ``start``/``end`` are host ``perf_counter`` stamps from the start of the task's execution
     to its outputs being on the host; ``compute_seconds``, ``h2d_seconds`` and
@@ -269,32 +274,16 @@ class _SlotCache:
 
 
 @dataclass
-class _Task:
-    part: int
-    feeds: Feeds
+class _Task(Task):
+    """A :class:`~staronnx.workers.base.Task` with its staging state."""
+
     fut: CudaWorkerFuture
-    record: bool
     slot: _Slot | None = None
     dead: bool = False  # failed or cancelled while prefetched
 
 
-_STOP = object()
-_live: weakref.WeakSet[CudaWorker] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    # Threads are daemons so a forgotten close() cannot hang the interpreter; closing here
-    # still frees pinned memory and lets ORT release the device before CUDA tears down.
-    for worker in list(_live):
-        try:
-            worker.close(timeout=5.0, cancel_pending=True)
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
-
-
 # ---------------------------------------------------------------------- the worker
-class CudaWorker:
+class CudaWorker(ThreadWorker):
     """Runs the parts of a plan on one CUDA stream of one GPU.
 
     ``cudnn_conv_algo_search``: EXHAUSTIVE (ORT's default: best kernels, slow first run per
@@ -309,9 +298,17 @@ class CudaWorker:
     with host memory (how it is tested without a GPU).  Without one, the constructor raises
     :class:`DeviceError` when ONNX Runtime's CUDA provider, cuda-python or the device is
     missing.
+
+    The thread, queue, ``start``/``close``, ``call``/``spawn`` and the task bookkeeping are
+    :class:`~staronnx.workers.base.ThreadWorker`'s; this class sets up the device, streams and
+    sessions, stages and runs tasks, and tears it all down.  The worker's device is current in
+    its thread, so functions given to ``call``/``spawn`` run with it.  At close, in that
+    thread, streams are synchronised, bindings and sessions dropped, pinned and device buffers
+    freed, events and streams destroyed.
     """
 
     kind = "cuda"
+    _log = log
 
     def __init__(
         self,
@@ -344,24 +341,18 @@ class CudaWorker:
             if reason is not None:
                 raise DeviceError(reason)
             runtime = CudaRuntime()
+        super().__init__(part_paths, name or f"cuda{device_id}.s{stream_index}", on_done)
         self._runtime: Runtime = runtime
-        if not part_paths:
-            raise ModelError("a CUDA worker needs at least one part (.onnx file)")
         self.device_id = device_id
         self.stream_index = stream_index
-        self.part_paths = [Path(p) for p in part_paths]
         self.cudnn_conv_algo_search = cudnn_conv_algo_search
-        self.name = name or f"cuda{device_id}.s{stream_index}"
         self.node = MemoryNode("cuda", device_id)
         self.host_node = MemoryNode.parse(host_node)
         self.cpu = cpu
         self.prefetch = prefetch
         self.copy_log = copy_log
-        self.on_done = on_done
-        self.stats = WorkerStats()
         #: the compute stream's cudaStream_t value (set by start()).
         self.stream_handle: int | None = None
-        self.native_id: int | None = None
         self._extra_options = extra
         self._device_type = runtime.ort_device_type
         self._bind_device = device_id if self._device_type == "cuda" else 0
@@ -369,70 +360,14 @@ class CudaWorker:
         self._parts: list[_Part] = []
         self._streams: dict[str, Any] = {}
         self._run_options: ort.RunOptions | None = None
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()  # items: see _serve
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._broken: BaseException | None = None
-        self._closed = False
-        self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self, timeout: float | None = None) -> CudaWorker:
-        """Start the thread and wait until its streams and sessions exist; raise if not."""
-        with self._lock:
-            if self._thread is not None:
-                raise RuntimeError(f"{self.name} is already started")
-            if self._closed:
-                raise RuntimeError(f"{self.name} is closed")
-            for p in self.part_paths:
-                if not p.is_file():
-                    raise ModelError(f"part file {str(p)!r} does not exist")
-            self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
-            _live.add(self)
-            self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError(f"{self.name} did not finish loading its sessions in {timeout} s")
-        if self._error is not None:
-            self._thread.join()
-            with self._lock:
-                self._closed = True
-            _live.discard(self)
-            err = self._error
-            if isinstance(err, (ModelError, DeviceError)):
-                raise err
-            raise DeviceError(f"{self.name} could not start: {err}") from err
-        return self
+    # ------------------------------------------------------------------ lifecycle hooks
+    def _start_failure(self, err: BaseException) -> Exception:
+        return DeviceError(f"{self.name} could not start: {err}")
 
-    def close(self, timeout: float | None = None, cancel_pending: bool = False) -> None:
-        """Stop accepting tasks, finish (or cancel) queued ones, free every buffer, join.
-
-        Teardown happens in the worker thread (the CUDA objects belong to its device
-        context): streams are synchronised, bindings and sessions dropped, pinned and device
-        buffers freed, events and streams destroyed.  Idempotent.
-        """
-        with self._lock:
-            first = not self._closed
-            self._closed = True
-        thread = self._thread
-        if thread is None:
-            _live.discard(self)
-            return
-        if first:
-            if cancel_pending:
-                self._cancel_queued()
-            self._queue.put(_STOP)
-        thread.join(timeout)
-        if thread.is_alive():
-            raise TimeoutError(f"{self.name} is still running a task after {timeout} s")
-        self._cancel_queued()
-        _live.discard(self)
-
-    def __enter__(self) -> CudaWorker:
-        return self.start() if self._thread is None else self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _describe(self) -> str:
+        return f"device {self.device_id}"
 
     # ------------------------------------------------------------------ tasks
     def submit(self, part: int, feeds: Feeds) -> CudaWorkerFuture:
@@ -441,19 +376,11 @@ class CudaWorker:
         A task that fails (bad feed, ORT error) fails its own future only; a CUDA error
         breaks the worker (the context is unusable), and later tasks fail with it.
         """
-        if self._thread is None:
-            raise RuntimeError(f"{self.name} is not started; call start() first")
-        if self._closed:
-            raise RuntimeError(f"{self.name} is closed; cannot accept new tasks")
-        if not 0 <= part < len(self.part_paths):
-            raise IndexError(f"{self.name} has parts 0..{len(self.part_paths) - 1}, not {part}")
+        self._check_open()
+        self._check_part(part)
         fut = CudaWorkerFuture(part, _batch_of(feeds, self._parts[part].inputs), self.name)
         self._put(("run", _Task(part, feeds, fut, True)))
         return fut
-
-    def run(self, part: int, feeds: Feeds) -> Outputs:
-        """Synchronous :meth:`submit`."""
-        return self.submit(part, feeds).result()
 
     def warmup(
         self,
@@ -469,50 +396,22 @@ class CudaWorker:
         ``on_done`` nor count in :attr:`stats`.  Returns ``(part, batch, compute seconds)`` of
         the last repeat of each.
         """
-        timings = []
-        for part in range(len(self.part_paths)):
-            for b in batch_sizes:
-                fut = None
-                for _ in range(max(1, repeats)):
-                    fut = CudaWorkerFuture(part, b, self.name)
-                    self._put(("run", _Task(part, make_feeds(part, b), fut, False)))
-                    fut.result()
-                assert fut is not None
-                timings.append((part, b, fut.compute_seconds or 0.0))
-        return timings
-
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn()`` in the worker thread (its device is current there), between tasks."""
-        fut: Future[Any] = Future()
-        self._put(("call", fn, fut))
-        return fut.result()
-
-    def spawn(self, fn: Callable[[], Any]) -> Future[Any]:
-        """Start ``fn()`` in the worker thread (an engine's serving loop) and return at once."""
-        fut: Future[Any] = Future()
-        self._put(("call", fn, fut))
-        return fut
+        return self._warmup(
+            batch_sizes, make_feeds, repeats,
+            lambda part, feeds, b: _Task(part, feeds, CudaWorkerFuture(part, b, self.name), False),
+            lambda fut: fut.compute_seconds,
+        )
 
     def run_here(self, part: int, feeds: Feeds) -> Outputs:
         """Run a part from inside this worker's thread (see :meth:`spawn`): stage, compute, copy
         back, with the same stream/event ordering as queued tasks; errors propagate."""
-        if threading.get_native_id() != self.native_id:
-            raise RuntimeError(f"run_here called outside {self.name}'s thread")
-        if not 0 <= part < len(self.part_paths):
-            raise IndexError(f"{self.name} has parts 0..{len(self.part_paths) - 1}, not {part}")
+        self._check_own_thread()
+        self._check_part(part)
         fut = CudaWorkerFuture(part, _batch_of(feeds, self._parts[part].inputs), self.name)
         task = _Task(part, feeds, fut, True)
         if self._begin(task):
             self._execute(task)
         return fut.result()
-
-    def _put(self, item: tuple[Any, ...]) -> None:
-        if self._thread is None:
-            raise RuntimeError(f"{self.name} is not started; call start() first")
-        with self._lock:
-            if self._closed:
-                raise RuntimeError(f"{self.name} is closed; cannot accept new tasks")
-            self._queue.put(item)
 
     # ------------------------------------------------------------------ introspection
     def input_names(self, part: int) -> list[str]:
@@ -532,48 +431,21 @@ class CudaWorker:
         out["slots_created"] = self._slots.created
         return out
 
-    @property
-    def n_parts(self) -> int:
-        return len(self.part_paths)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def __repr__(self) -> str:
-        state = "running" if self.alive else ("closed" if self._closed else "new")
-        return f"CudaWorker({self.name!r}, device {self.device_id}, parts={self.n_parts}, {state})"
-
     # ------------------------------------------------------------------ worker thread
-    def _main(self) -> None:
-        try:
-            self.native_id = threading.get_native_id()
-            if self.cpu is not None:
-                try:
-                    os.sched_setaffinity(0, {self.cpu})
-                except (OSError, ValueError) as exc:
-                    raise DeviceError(f"{self.name} cannot run on PU {self.cpu} ({exc})") from None
-            rt = self._runtime
-            rt.set_device(self.device_id)
-            for key in ("compute", "h2d", "d2h"):
-                self._streams[key] = rt.stream(non_blocking=True)
-            self.stream_handle = self._streams["compute"].handle
-            self._run_options = ort.RunOptions()
-            # Errors reach the caller as exceptions; ORT printing them too (e.g. the expected
-            # failure that sends a slot back to ORT-allocated outputs) would be noise.
-            self._run_options.log_severity_level = 4
-            for i, path in enumerate(self.part_paths):
-                self._parts.append(_Part.of(self._load(i, path)))
-        except BaseException as exc:  # noqa: BLE001 - reported to start()
-            self._error = exc
-            self._teardown()
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            self._serve()
-        finally:
-            self._teardown()
+    def _setup_thread(self) -> None:
+        if self.cpu is not None:
+            self._pin(self.cpu)
+        rt = self._runtime
+        rt.set_device(self.device_id)
+        for key in ("compute", "h2d", "d2h"):
+            self._streams[key] = rt.stream(non_blocking=True)
+        self.stream_handle = self._streams["compute"].handle
+        self._run_options = ort.RunOptions()
+        # Errors reach the caller as exceptions; ORT printing them too (e.g. the expected
+        # failure that sends a slot back to ORT-allocated outputs) would be noise.
+        self._run_options.log_severity_level = 4
+        for i, path in enumerate(self.part_paths):
+            self._parts.append(_Part.of(self._load(i, path)))
 
     def _providers(self) -> list[Any]:
         if self._device_type != "cuda":
@@ -598,7 +470,7 @@ class CudaWorker:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             session = ort.InferenceSession(str(path), so, providers=self._providers())
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             text = str(exc)
             if any(w in text.lower() for w in ("cuda", "cudnn", "cublas")):
                 raise DeviceError(f"{self.name}: ONNX Runtime cannot start CUDA for part {index} "
@@ -613,37 +485,16 @@ class CudaWorker:
             )
         return session
 
-    # -- the serving loop
-    def _serve(self) -> None:
-        held: deque[Any] = deque()  # taken from the queue by the prefetch, in order
-        while True:
-            item = held.popleft() if held else self._queue.get()
-            if item is _STOP:
-                return
-            if item[0] == "call":
-                self._do_call(item[1], item[2])
-                continue
-            task: _Task = item[1]
-            if task.dead or (task.slot is None and not self._begin(task)):
-                continue
-            if self.prefetch and not held:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    nxt = None
-                if nxt is not None:
-                    held.append(nxt)
-                    if nxt is not _STOP and nxt[0] == "run" and not self._begin(nxt[1]):
-                        nxt[1].dead = True
-            self._execute(task)
-
-    @staticmethod
-    def _do_call(fn: Callable[[], Any], fut: Future[Any]) -> None:
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001
-                fut.set_exception(exc)
+    # -- serving
+    def _run_task(self, task: _Task) -> None:
+        """Stage the task (unless the prefetch did), stage the next one, then run this one."""
+        if task.dead or (task.slot is None and not self._begin(task)):
+            return
+        if self.prefetch and not self._held:
+            nxt = self._hold_next()
+            if nxt is not None and not self._begin(nxt):
+                nxt.dead = True
+        self._execute(task)
 
     def _begin(self, task: _Task) -> bool:
         """Mark the task running and stage its inputs; False when it is cancelled or failed."""
@@ -731,7 +582,7 @@ class CudaWorker:
             return
         ev = slot.events
         fut.d2h_bytes = sum(t.nbytes for t in slot.outputs or [])
-        fut.compute_seconds = ev["run_done"].seconds_since(ev["run_start"])
+        fut.compute_seconds = compute = ev["run_done"].seconds_since(ev["run_start"])
         fut.h2d_seconds = ev["h2d_done"].seconds_since(ev["h2d_start"])
         fut.d2h_seconds = ev["d2h_done"].seconds_since(ev["d2h_start"])
         self._slots.release(slot)
@@ -739,14 +590,7 @@ class CudaWorker:
             host, dev = self.host_node.name, self.node.name
             self.copy_log.add(CopyRecord(host, dev, fut.h2d_bytes, fut.h2d_seconds))
             self.copy_log.add(CopyRecord(dev, host, fut.d2h_bytes, fut.d2h_seconds))
-        if task.record:
-            self.stats.done += 1
-            self.stats.busy_seconds += fut.compute_seconds
-            if self.on_done is not None:
-                try:
-                    self.on_done(task.part, fut.batch, fut.compute_seconds)
-                except Exception:  # noqa: BLE001 - a broken hook must not fail the task
-                    log.exception("%s: on_done hook failed", self.name)
+        self._record_done(task, compute)
         fut.set_result(values)
 
     def _run_slot(self, slot: _Slot) -> Outputs:
@@ -831,31 +675,6 @@ class CudaWorker:
         if isinstance(exc, CudaError):
             self._broken = exc
 
-    def _fail(self, task: _Task, exc: BaseException) -> None:
-        task.fut.end = task.fut.end or time.perf_counter()
-        if task.record:
-            self.stats.failed += 1
-        # The traceback's frames hold the session (``self`` of ORT's run wrapper); kept in the
-        # future they would keep it, its arena and the stream it uses alive after close().
-        traceback.clear_frames(exc.__traceback__)
-        task.fut.set_exception(exc)
-
-    def _cancel_queued(self) -> None:
-        stop_seen = False
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is _STOP:
-                stop_seen = True
-            elif item[0] == "run":
-                item[1].fut.cancel()
-            else:  # ("call", fn, future)
-                item[-1].cancel()
-        if stop_seen:
-            self._queue.put(_STOP)
-
     def _teardown(self) -> None:
         """Free everything, in an order that never leaves ORT holding a destroyed stream."""
         for stream in self._streams.values():
@@ -887,16 +706,6 @@ class CudaWorker:
 
 
 # ---------------------------------------------------------------------- helpers
-def _batch_of(feeds: Feeds, input_names: Sequence[str]) -> int:
-    """The batch size: leading dimension of the first model input present in the feeds."""
-    for name in list(input_names) + list(feeds):
-        arr = feeds.get(name)
-        if arr is not None:
-            shape: tuple[int, ...] = tuple(getattr(arr, "shape", ()))
-            return int(shape[0]) if shape else 1
-    return 0
-
-
 def _check_feeds(part: _Part, index: int, feeds: Feeds) -> list[np.ndarray]:
     """The feeds as arrays in the session's input order, or an :class:`InputError`."""
     unknown = sorted(set(feeds) - set(part.inputs))
