@@ -1,0 +1,127 @@
+"""The open-loop load generator: requests arrive on schedule whatever the server is doing.
+
+A closed-loop client (send, wait, send) slows down with the server and so never sees its
+saturation; the papers, Triton's perf_analyzer and every serving benchmark worth its name inject
+at a fixed *offered* rate instead. Two details keep the schedule honest under load:
+
+- each request is due at an absolute time ``t0 + schedule[i]``: the generator sleeps *until*
+  that time, never "for one interval after the previous one", so a late submission (a GC
+  pause, a descheduled thread) does not push every later arrival back;
+- ``time.sleep`` overshoots by tens of microseconds or more, so the generator sleeps to
+  ~200 µs before the due time and busy-waits the rest.
+
+Each request is submitted with its *scheduled* time as its arrival, so time lost by a lagging
+generator counts as queueing delay rather than vanishing (no coordinated omission). The
+generator reports the offered rate, the rate of the drawn schedule, and the rate it actually
+achieved on the clock, with its lag behind the schedule, in ``records.settings["loadgen"]``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, wait
+from typing import Any
+
+import numpy as np
+
+from staronnx.serving.arrivals import ArrivalProcess
+from staronnx.serving.records import RunRecords
+from staronnx.serving.server import OverloadError, Server, ServerClosed
+
+#: the last stretch before a due time is busy-waited: sleep's wake-up jitter is about this size
+SPIN_S = 200e-6
+#: delay before the first arrival, so arrival 0 is not already late while the loop starts
+LEAD_S = 0.005
+
+
+def sleep_until(due: float, clock: Callable[[], float] = time.perf_counter, spin: float = SPIN_S) -> float:
+    """Sleep until ``clock() >= due`` (sleep, then busy-wait the last ``spin`` s); returns clock()."""
+    now = clock()
+    left = due - now
+    if left > spin:
+        time.sleep(left - spin)
+    now = clock()
+    while now < due:
+        now = clock()
+    return now
+
+
+def run_open_loop(
+    server: Server,
+    arrivals: ArrivalProcess,
+    make_sample: Callable[[int], Mapping[str, np.ndarray]],
+    *,
+    n: int | None = None,
+    duration: float | None = None,
+    drain_timeout: float = 60.0,
+    on_submit: Callable[[int, int], None] | None = None,
+) -> RunRecords:
+    """Offer ``arrivals`` to ``server`` for ``n`` requests or ``duration`` seconds; return the records.
+
+    ``make_sample(i)`` builds request ``i``'s sample; it runs *before* the wait for request
+    ``i``'s due time, so its cost comes out of idle time rather than delaying the arrival.
+    The generator never waits for a result while injecting. Rejected requests
+    (:class:`OverloadError`) are recorded as such and injection goes on. Returns once every
+    accepted request has its result, or after ``drain_timeout`` seconds (what is still
+    pending then has ``done=None`` in the records). ``on_submit(i, total)`` is called after
+    each submission (for progress bars; keep it cheap).
+    """
+    offsets = arrivals.schedule(n=n, duration=duration)
+    total = len(offsets)
+    clock = server.clock
+    futures: list[Future] = []  # type: ignore[type-arg]
+    submitted = np.empty(total, dtype=np.float64)
+    rejected = 0
+    count = 0
+    t0 = clock() + LEAD_S
+    for i in range(total):
+        sample = make_sample(i)
+        due = t0 + float(offsets[i])
+        submitted[i] = sleep_until(due, clock)
+        count = i + 1
+        try:
+            futures.append(server.submit(sample, arrival=due))
+        except OverloadError:
+            rejected += 1
+        except ServerClosed:
+            count = i
+            break
+        if on_submit is not None:
+            on_submit(i, total)
+    # in the papers' model the last requests would wait forever for a full batch: send them now
+    # (summarize() keeps such a partial batch out of latency figures)
+    server.flush()
+    _, pending = wait(futures, timeout=drain_timeout)
+    # end = the last result, or now when the drain timed out with requests still pending
+    records = server.records(since=t0, offered_rate=arrivals.rate, start=t0)
+    records.settings["arrivals"] = repr(arrivals)
+    records.settings["loadgen"] = generator_report(arrivals.rate, offsets[:count], submitted[:count] - t0)
+    records.settings["loadgen"].update(rejected=rejected, drained=not pending, pending=len(pending))
+    return records
+
+
+def generator_report(offered_rate: float, scheduled: np.ndarray, submitted: np.ndarray) -> dict[str, Any]:
+    """How well the generator kept its schedule (offsets from the same origin, in seconds).
+
+    ``achieved_arrival_rate`` is measured on the clock, from the first to the last actual
+    submission, so it compares directly with ``scheduled_rate`` (the drawn schedule's own
+    rate: for Poisson it differs from ``offered_rate`` by sampling noise, not by the
+    generator's fault).
+    """
+    m = len(submitted)
+    lag = submitted - scheduled if m else np.zeros(0)
+
+    def rate(times: np.ndarray) -> float:
+        span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
+        return (len(times) - 1) / span if span > 0 else float("nan")
+
+    return {
+        "offered_rate": float(offered_rate),
+        "scheduled_rate": rate(scheduled),
+        "achieved_arrival_rate": rate(submitted),
+        "submitted": m,
+        "lag_mean_s": float(lag.mean()) if m else float("nan"),
+        "lag_p99_s": float(np.percentile(lag, 99)) if m else float("nan"),
+        "lag_max_s": float(lag.max()) if m else float("nan"),
+    }

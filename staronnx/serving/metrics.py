@@ -1,0 +1,281 @@
+"""What a serving run achieved: pure functions over :class:`RunRecords`.
+
+The live server and the simulator fill the same records, so both are judged by the same code.
+Times are seconds on the records' clock.
+
+The measurement window runs from ``start + warmup`` to the last arrival: while load is
+offered. The drain after the last arrival is left out of rates (nothing arrives then, so it
+would dilute the throughput of a light load) but the requests that arrived in the window are
+all counted in latencies, however late they complete.
+
+- **Throughput**: samples completed inside the window, per second of window.
+- **The papers' latency**: for each batch, the latency of its *first* (oldest) request, which
+  is the largest of the batch when batches leave full; reported as the mean over batches, with
+  std, p95 and max as its spread.
+- **Per-request percentiles**: p50 ... p99.9 with numpy's default (linear) interpolation.
+- **Congestion**: the backlog (requests arrived but not finished, wherever they wait) keeps
+  growing over the last half of the window and is still large at its end (both by more than
+  two batches and by more than 5 % of the requests of that half), or the queue overflowed. The backlog is derived from
+  arrival and completion times rather than from the server's queue samples, so it also sees
+  work piling up inside the runtime and needs nothing the simulator might not record.
+- **Stability** (perf_analyzer's rule): the window is split in three; the point is stable when
+  each third's throughput and p50 latency are within 10 % of their mean over the three.
+
+In the papers' model (no ``max_delay``) a batch leaves only when full, so a smaller batch is
+the flush at the end of a run: its requests did not wait for the batch to fill, and their
+latencies would flatter the result. They count as completed but stay out of latency figures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+
+PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0, "p999": 99.9}
+#: perf_analyzer's default stability threshold and window count
+STABILITY_TOLERANCE = 0.10
+STABILITY_WINDOWS = 3
+#: congested when the backlog grows by more than this many batches over the last half ...
+CONGESTION_BATCHES = 2.0
+#: ... and by more than this fraction of the requests that arrived in that half
+CONGESTION_FRACTION = 0.05
+_GRID = 256
+
+NAN = float("nan")
+
+
+def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
+    """Everything a sweep point reports, from one run's records (see the module docstring)."""
+    w0, w1 = measurement_window(records, warmup)
+    span = w1 - w0
+    b = records.batch_size
+    in_window = [r for r in records.requests if w0 <= r.arrival <= w1]
+    accepted = [r for r in in_window if not r.rejected]
+    excluded = _flush_batches(records)
+    timed = [r for r in accepted if r.done is not None and r.batch_id not in excluded]
+    latencies = np.array([r.done - r.arrival for r in timed], dtype=np.float64)  # type: ignore[operator]
+    by_id = {r.id: r for r in records.requests}
+    firsts = _first_latencies(records.batches, by_id, w0, w1, excluded)
+    completions = np.array([r.done for r in records.requests if r.done is not None], dtype=np.float64)
+    out: dict[str, Any] = {
+        "offered_rate": float(records.offered_rate),
+        "arrival_rate": _rate(sorted(r.arrival for r in in_window)),
+        "achieved_arrival_rate": NAN,
+        "throughput": _count_in(completions, w0, w1) / span if span > 0 else NAN,
+        "batch_size": b,
+        "requests": len(in_window),
+        "completed": sum(r.done is not None for r in accepted),
+        "rejected": sum(r.rejected for r in in_window),
+        "failed": sum(r.failed for r in accepted),
+        "pending": sum(r.done is None and not r.failed for r in accepted),
+        "batches": len(firsts),
+    }
+    generator = records.settings.get("loadgen") or {}
+    out["achieved_arrival_rate"] = float(generator.get("achieved_arrival_rate", out["arrival_rate"]))
+    out.update(_stats("paper_latency", firsts, ("mean", "std", "p95", "max")))
+    out.update(_stats("latency", latencies, ("mean", *PERCENTILES, "max")))
+    share, placement = cpu_share(records.batches)
+    out["cpu_share"] = share  # None: the runtime recorded no placement; the sweep fills it
+    out["placement"] = placement
+    out.update(_queue_stats(records.queue_samples, w0, w1))
+    out.update(_congestion(records, w0, w1, out["rejected"]))
+    windows = stability_windows(records, w0, w1, excluded)
+    out["windows"] = windows
+    out["stable"] = is_stable(windows)
+    out["warmup_s"] = float(warmup)
+    out["measured_s"] = float(span)
+    return out
+
+
+# -- the window --------------------------------------------------------------------------------
+def measurement_window(records: RunRecords, warmup: float = 0.0) -> tuple[float, float]:
+    """(from, to) in clock time: ``start + warmup`` to the last arrival (``end`` if none later)."""
+    w0 = records.start + warmup
+    last = max((r.arrival for r in records.requests), default=records.end)
+    w1 = min(last, records.end) if last > w0 else records.end
+    return w0, max(w1, w0)
+
+
+def _flush_batches(records: RunRecords) -> set[int]:
+    """Ids of end-of-run partial batches (papers' model only; see the module docstring)."""
+    if records.settings.get("max_delay") is not None:
+        return set()
+    return {bt.id for bt in records.batches if bt.size < records.batch_size}
+
+
+def _first_latencies(
+    batches: Iterable[BatchRecord], by_id: dict[int, RequestRecord], w0: float, w1: float, excluded: set[int]
+) -> np.ndarray:
+    out = []
+    for bt in batches:
+        if bt.id in excluded:
+            continue
+        first = next((by_id[i] for i in bt.request_ids if i in by_id and by_id[i].first_in_batch), None)
+        if first is None or first.done is None or not (w0 <= first.arrival <= w1):
+            continue
+        out.append(first.done - first.arrival)
+    return np.array(out, dtype=np.float64)
+
+
+def _count_in(times: np.ndarray, t0: float, t1: float) -> int:
+    return int(np.count_nonzero((times >= t0) & (times <= t1)))
+
+
+def _rate(times: list[float]) -> float:
+    """Arrivals per second between the first and last of ``times``."""
+    if len(times) < 2 or times[-1] <= times[0]:
+        return NAN
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def _stats(prefix: str, values: np.ndarray, which: Iterable[str]) -> dict[str, float]:
+    out = {}
+    for key in which:
+        if values.size == 0:
+            out[f"{prefix}_{key}"] = NAN
+        elif key == "mean":
+            out[f"{prefix}_{key}"] = float(values.mean())
+        elif key == "std":
+            out[f"{prefix}_{key}"] = float(values.std())  # population std: the batches measured
+        elif key == "max":
+            out[f"{prefix}_{key}"] = float(values.max())
+        else:
+            out[f"{prefix}_{key}"] = float(np.percentile(values, PERCENTILES[key]))
+    return out
+
+
+# -- placement ---------------------------------------------------------------------------------
+def cpu_share(batches: Iterable[BatchRecord]) -> tuple[float | None, dict[str, dict[str, float]]]:
+    """Share of part-tasks run on a CPU arch, and per part the share of each arch.
+
+    (None, {}) when no batch recorded its placement: the live runtime does not report it per
+    batch yet, so a sweep derives it from ``Runtime.stats()`` instead.
+    """
+    per_part: dict[str, Counter[str]] = defaultdict(Counter)
+    for bt in batches:
+        for part, arch in bt.placement.items():
+            per_part[part][arch] += 1
+    if not per_part:
+        return None, {}
+    total = sum(sum(c.values()) for c in per_part.values())
+    on_cpu = sum(n for c in per_part.values() for arch, n in c.items() if arch.startswith("cpu"))
+    shares = {part: {arch: n / sum(c.values()) for arch, n in sorted(c.items())} for part, c in sorted(per_part.items())}
+    return on_cpu / total, shares
+
+
+# -- queue and congestion ------------------------------------------------------------------------
+def _queue_stats(samples: list[tuple[float, int]], w0: float, w1: float) -> dict[str, float]:
+    """Time-weighted mean and max of the server's queue length inside the window.
+
+    Each sample holds until the next one; the time before the first sample is not counted.
+    """
+    if not samples:
+        return {"queue_mean": NAN, "queue_max": NAN}
+    ordered = sorted(samples, key=lambda s: s[0])
+    times = np.array([t for t, _ in ordered], dtype=np.float64)
+    values = np.array([q for _, q in ordered], dtype=np.float64)
+    # the level at w0 is the last sample at or before it; samples inside the window follow
+    held = _step(times, values, np.array([w0]))[0]
+    inside = (times > w0) & (times <= w1)
+    t = np.concatenate([[w0] if np.isfinite(held) else [], times[inside], [w1]])
+    v = np.concatenate([[held] if np.isfinite(held) else [], values[inside]])
+    qmax = float(v.max()) if v.size else NAN
+    lengths = np.diff(t)
+    total = float(lengths.sum())
+    mean = float((v * lengths).sum() / total) if total > 0 else qmax
+    return {"queue_mean": mean, "queue_max": qmax}
+
+
+def _step(times: np.ndarray, values: np.ndarray, at: np.ndarray) -> np.ndarray:
+    """The sampled step function (each value held until the next sample), NaN before the first."""
+    idx = np.searchsorted(times, at, side="right") - 1
+    out = np.where(idx >= 0, values[np.clip(idx, 0, None)], np.nan)
+    return out.astype(np.float64)
+
+
+def backlog(records: RunRecords, at: np.ndarray) -> np.ndarray:
+    """Requests arrived and not yet finished at each time of ``at``, wherever they wait.
+
+    Rejected requests never entered; a failed request leaves when its batch ended (or is left
+    out if that is unknown).
+    """
+    batch_done = {bt.id: bt.done for bt in records.batches}
+    arrivals, exits = [], []
+    for r in records.requests:
+        if r.rejected:
+            continue
+        leave = r.done if r.done is not None else (batch_done.get(r.batch_id) if r.failed else math.inf)
+        if leave is None:
+            continue
+        arrivals.append(r.arrival)
+        exits.append(leave)
+    a = np.sort(np.array(arrivals, dtype=np.float64))
+    e = np.sort(np.array(exits, dtype=np.float64))
+    at = np.asarray(at, dtype=np.float64)
+    return (np.searchsorted(a, at, side="right") - np.searchsorted(e, at, side="right")).astype(np.float64)
+
+
+def _congestion(records: RunRecords, w0: float, w1: float, rejected: int) -> dict[str, Any]:
+    """Backlog growth over the window's last half (least-squares slope times its length)."""
+    mid = (w0 + w1) / 2
+    if w1 <= mid:
+        end = float(backlog(records, np.array([w1]))[0])
+        return {"backlog_end": end, "backlog_growth": NAN, "congested": rejected > 0}
+    grid = np.linspace(mid, w1, _GRID)
+    level = backlog(records, grid)
+    slope = float(np.polyfit(grid - mid, level, 1)[0])
+    growth = slope * (w1 - mid)
+    arrived = sum(mid <= r.arrival <= w1 and not r.rejected for r in records.requests)
+    threshold = max(CONGESTION_BATCHES * records.batch_size, CONGESTION_FRACTION * arrived)
+    # a transient burst that has drained by the end is not congestion: the backlog must still
+    # be there at the end, not only have sloped upwards somewhere in the last half
+    end = float(level[-1])
+    growing = growth > threshold and end > threshold
+    return {"backlog_end": end, "backlog_growth": growth, "congested": bool(rejected > 0 or growing)}
+
+
+# -- stability ---------------------------------------------------------------------------------
+def stability_windows(
+    records: RunRecords, w0: float, w1: float, excluded: set[int] | None = None, count: int = STABILITY_WINDOWS
+) -> list[dict[str, float]]:
+    """Throughput and p50 latency of each of ``count`` equal slices of the window."""
+    excluded = _flush_batches(records) if excluded is None else excluded
+    edges = np.linspace(w0, w1, count + 1)
+    completions = np.array([r.done for r in records.requests if r.done is not None], dtype=np.float64)
+    out = []
+    for lo, hi in itertools.pairwise(edges):
+        last = hi == edges[-1]
+        done = np.count_nonzero((completions >= lo) & ((completions <= hi) if last else (completions < hi)))
+        lat = [
+            r.done - r.arrival
+            for r in records.requests
+            if r.done is not None and r.batch_id not in excluded
+            and lo <= r.arrival and (r.arrival <= hi if last else r.arrival < hi)
+        ]
+        out.append({
+            "start": float(lo),
+            "end": float(hi),
+            "completed": int(done),
+            "throughput": done / (hi - lo) if hi > lo else NAN,
+            "latency_p50": float(np.percentile(lat, 50)) if lat else NAN,
+        })
+    return out
+
+
+def is_stable(windows: list[dict[str, float]], tolerance: float = STABILITY_TOLERANCE) -> bool:
+    """perf_analyzer's rule: every window within ``tolerance`` of the windows' mean, both metrics."""
+    for key in ("throughput", "latency_p50"):
+        values = np.array([w[key] for w in windows], dtype=np.float64)
+        if values.size == 0 or not np.isfinite(values).all():
+            return False
+        mean = values.mean()
+        if mean <= 0 or np.any(np.abs(values / mean - 1) > tolerance + 1e-12):
+            return False
+    return True
