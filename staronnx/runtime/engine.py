@@ -248,6 +248,7 @@ class NativeEngine:
                     err.__cause__ = error
                     resolve = (req.future, err, False)
             elif not req.failed:
+                req.future.placement[f"part{task.part}"] = st.info.arch
                 self._per_part_arch[(task.part, st.info.arch)].append(measured)
                 if math.isfinite(view.predicted):
                     self._predicted[(task.part, st.info.arch)].append(view.predicted)

@@ -29,6 +29,8 @@ class RequestFuture(Future):  # type: ignore[type-arg]
     def __init__(self, request_id: int) -> None:
         super().__init__()
         self.request_id = request_id
+        #: "part<k>" -> arch of the worker that ran it (serving reports CPU share from this)
+        self.placement: dict[str, str] = {}
 
     def __await__(self) -> Generator[Any, None, dict[str, np.ndarray]]:
         return asyncio.wrap_future(self).__await__()
