@@ -29,6 +29,7 @@ _COMMAND_MODULES = [
     "topology_cmd",
     "perfmodel_cmds",
     "run_cmds",
+    "simulate_cmd",
 ]
 
 for _name in _COMMAND_MODULES:

@@ -1,0 +1,269 @@
+"""An LP upper bound on the throughput a plan can sustain on a set of workers.
+
+Why: a sweep says what a policy achieved; only a bound says how much was left on the table.
+The fluid relaxation below ignores everything a real schedule pays for (DAG latency, queueing,
+indivisible tasks) except capacity, so no policy, simulated or live, can beat it in steady
+state: "achieved / bound" is the headline figure of a heterogeneous run.
+
+**Formulation** at batch size ``b``, with ``t[p][w]`` the mean seconds of part ``p`` on worker
+``w`` (from the perf models), ``R`` the batches per second and ``y[p][w]`` the batches per
+second of part ``p`` run on worker ``w`` (``y = x * R`` with ``x`` the fraction of part
+``p``'s work on ``w``: the product is what makes the problem linear)::
+
+    maximise R
+    sum_w y[p][w] = R                        every part of every batch runs somewhere
+    sum_p t[p][w] * y[p][w] <= 1             each worker computes at most 1 s per second
+
+**Transfers.** A tensor read on a memory node where it was not produced must be copied there,
+and the copy occupies the consumer's worker (the simulator charges it there, and the CUDA
+worker copies inside its task, as StarPU's policies assume). Who copies for whom is a product
+of placements, so the LP uses a relaxation that keeps it a bound: for each tensor ``T`` and
+memory node ``n``, ``u[T][n]`` batches/s of ``T`` are brought to ``n``, at least what the
+busiest consumer of ``T`` on ``n`` needs beyond what is produced there::
+
+    u[T][n] >= sum_{w on n} y[c][w] - sum_{w on n} y[producer(T)][w]    for each consumer c
+    sum_{w on n} sum_p t[p][w] * y[p][w] + sum_T cost(T, n) * u[T][n] <= |workers on n|
+
+with ``cost(T, n)`` the bus model's time from the cheapest other node. Model inputs are
+produced on the host node. A copy is paid once per node (a second consumer there finds it
+valid, as in the engine), and the per-node constraint sums the per-worker ones, so every
+schedule the simulator can run satisfies it: the bound stays an upper bound. With a single
+memory node every ``cost`` is 0, no transfer variable is made, and the LP is exact.
+
+Solved with HiGHS through :func:`scipy.optimize.linprog`; the result names the binding
+constraints (zero slack) and their shadow prices in samples/s per unit of capacity.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from scipy.optimize import linprog
+
+from staronnx.bench.simulator import SimMachine, build_machine
+from staronnx.errors import StaronnxError
+from staronnx.plan import Plan
+from staronnx.runtime.sched import WorkerInfo
+
+#: relative slack under which a constraint counts as binding
+TIGHT = 1e-7
+HOST_NODE = "numa0"
+
+
+class BoundError(StaronnxError, ValueError):
+    """The LP cannot be set up or solved as asked (no worker can run some part, ...)."""
+
+
+@dataclass(frozen=True)
+class FlowTensor:
+    """A tensor that moves between parts: its bytes per batch, producer and consumers.
+
+    ``producer`` is a part index, or ``None`` for a model input (valid on the host node).
+    """
+
+    name: str
+    nbytes: int
+    producer: int | None
+    consumers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Binding:
+    """A constraint with no slack at the optimum: what limits the throughput."""
+
+    name: str  # "worker cpu:numa0" or "node numa1 (compute + copies)"
+    kind: str  # "worker" or "node"
+    load: float  # seconds of work per second at the optimum (= its capacity)
+    capacity: float
+    shadow_price: float  # samples/s gained per extra second/second of this capacity
+
+
+@dataclass
+class Bound:
+    """The LP's answer: the bound, the fractional assignment that reaches it, what binds."""
+
+    throughput: float  # samples per second (= batches_per_s * batch_size)
+    batches_per_s: float
+    batch_size: int
+    #: (part, worker name) -> fraction of the part's batches run there (only > 0 entries)
+    assignment: dict[tuple[int, str], float]
+    binding: list[Binding]
+    #: worker name -> busy fraction at the optimum
+    utilization: dict[str, float]
+    #: (tensor, node) -> batches/s of that tensor copied to that node at the optimum
+    transfers: dict[tuple[str, str], float] = field(default_factory=dict)
+    workers: list[WorkerInfo] = field(default_factory=list)
+
+    def arch_share(self) -> dict[tuple[int, str], float]:
+        """(part, arch) -> fraction of the part's batches on that arch."""
+        arch = {w.name: w.arch for w in self.workers}
+        out: dict[tuple[int, str], float] = {}
+        for (p, name), x in self.assignment.items():
+            key = (p, arch.get(name, name))
+            out[key] = out.get(key, 0.0) + x
+        return dict(sorted(out.items()))
+
+
+def lp_bound(
+    times: Sequence[Sequence[float]],
+    batch_size: int,
+    workers: Sequence[WorkerInfo] | None = None,
+    *,
+    tensors: Sequence[FlowTensor] = (),
+    transfer: Callable[[str, str, int], float] | None = None,
+    host_node: str = HOST_NODE,
+) -> Bound:
+    """Solve the LP of the module docstring.
+
+    ``times[p][w]``: mean seconds of part ``p`` on worker ``w`` at this batch size (NaN or inf:
+    cannot run there). ``workers`` give names and memory nodes (default: ``w0, w1, ...`` on the
+    host node). ``transfer(src, dst, nbytes)`` prices a copy (e.g. ``BusModel.predict``); with
+    none, or a single memory node, transfers are free.
+    """
+    t = np.asarray(times, dtype=np.float64)
+    if t.ndim != 2 or t.size == 0:
+        raise BoundError("times must be a non-empty [parts][workers] table")
+    n_parts, n_workers = t.shape
+    if workers is None:
+        workers = [WorkerInfo(i, f"w{i}", "?", "cpu", host_node) for i in range(n_workers)]
+    if len(workers) != n_workers:
+        raise BoundError(f"{len(workers)} workers for a table of {n_workers} columns")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise BoundError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    usable = np.isfinite(t) & (t >= 0)
+    for p in range(n_parts):
+        if not usable[p].any():
+            raise BoundError(f"part {p} has no worker with a known time: the bound is 0")
+    if np.any(usable & (t == 0)):
+        raise BoundError("a part takes 0 s on some worker: the throughput is unbounded")
+
+    nodes = list(dict.fromkeys(w.memory_node for w in workers))
+    on_node = {n: [i for i, w in enumerate(workers) if w.memory_node == n] for n in nodes}
+    # transfer variables only where a copy costs something
+    flows: list[tuple[FlowTensor, str, float]] = []
+    if transfer is not None and len(nodes) > 1:
+        for tensor in tensors:
+            if tensor.nbytes <= 0 or not tensor.consumers:
+                continue
+            for n in nodes:
+                sources = [m for m in nodes if m != n] if tensor.producer is not None else (
+                    [host_node] if n != host_node else [])
+                costs = [transfer(m, n, tensor.nbytes) for m in sources]
+                costs = [c for c in costs if math.isfinite(c)]
+                cost = min(costs) if costs else 0.0
+                if cost > 0:
+                    flows.append((tensor, n, cost))
+
+    # variables: R, y[p][w] (row-major), u[flow]
+    n_y = n_parts * n_workers
+    n_vars = 1 + n_y + len(flows)
+
+    def y(p: int, w: int) -> int:
+        return 1 + p * n_workers + w
+
+    a_eq = np.zeros((n_parts, n_vars))
+    for p in range(n_parts):
+        a_eq[p, 0] = -1.0
+        for w in range(n_workers):
+            a_eq[p, y(p, w)] = 1.0
+    rows: list[np.ndarray] = []
+    rhs: list[float] = []
+    labels: list[tuple[str, str, float]] = []  # (name, kind, capacity) of capacity rows
+    for w, info in enumerate(workers):
+        row = np.zeros(n_vars)
+        for p in range(n_parts):
+            row[y(p, w)] = t[p, w] if usable[p, w] else 0.0
+        rows.append(row)
+        rhs.append(1.0)
+        labels.append((f"worker {info.name}", "worker", 1.0))
+    if flows:
+        for n in nodes:
+            mine = [(k, f) for k, f in enumerate(flows) if f[1] == n]
+            if not mine:
+                continue
+            row = np.zeros(n_vars)
+            for w in on_node[n]:
+                for p in range(n_parts):
+                    row[y(p, w)] = t[p, w] if usable[p, w] else 0.0
+            for k, (_, _, cost) in mine:
+                row[1 + n_y + k] = cost
+            rows.append(row)
+            rhs.append(float(len(on_node[n])))
+            labels.append((f"node {n} (compute + copies)", "node", float(len(on_node[n]))))
+    n_capacity = len(rows)
+    for k, (tensor, n, _) in enumerate(flows):
+        for c in dict.fromkeys(tensor.consumers):
+            row = np.zeros(n_vars)
+            for w in on_node[n]:
+                row[y(c, w)] = 1.0
+            if tensor.producer is not None:
+                for w in on_node[n]:
+                    row[y(tensor.producer, w)] -= 1.0
+            row[1 + n_y + k] = -1.0
+            rows.append(row)
+            rhs.append(0.0)
+
+    bounds = [(0.0, None)] + [
+        (0.0, None if usable[p, w] else 0.0) for p in range(n_parts) for w in range(n_workers)
+    ] + [(0.0, None)] * len(flows)
+    cost_vec = np.zeros(n_vars)
+    cost_vec[0] = -1.0
+    res = linprog(cost_vec, A_ub=np.array(rows), b_ub=np.array(rhs), A_eq=a_eq, b_eq=np.zeros(n_parts),
+                  bounds=bounds, method="highs")
+    if res.status != 0:
+        raise BoundError(f"the throughput LP failed: {res.message}")
+    x = res.x
+    r = float(x[0])
+    ub = np.array(rows) @ x
+    marginals = np.asarray(res.ineqlin.marginals)
+    binding = []
+    for i in range(n_capacity):
+        name, kind, cap = labels[i]
+        if cap - ub[i] <= TIGHT * max(cap, 1.0):
+            binding.append(Binding(name, kind, float(ub[i]), cap, float(-marginals[i] * batch_size)))
+    assignment = {
+        (p, workers[w].name): float(x[y(p, w)] / r)
+        for p in range(n_parts) for w in range(n_workers)
+        if r > 0 and x[y(p, w)] > TIGHT * r
+    }
+    utilization = {workers[w].name: float(ub[w]) for w in range(n_workers)}
+    transfers = {(f[0].name, f[1]): float(x[1 + n_y + k]) for k, f in enumerate(flows) if x[1 + n_y + k] > 0}
+    return Bound(
+        throughput=r * batch_size, batches_per_s=r, batch_size=batch_size, assignment=assignment,
+        binding=binding, utilization=utilization, transfers=transfers, workers=list(workers),
+    )
+
+
+def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:
+    """The tensors parts read (model inputs and crossing tensors), with bytes per batch."""
+    producers = plan.producers()
+    readers: dict[str, list[int]] = {}
+    for part in plan.parts:
+        for name in part.inputs:
+            readers.setdefault(name, []).append(part.index)
+    return [
+        FlowTensor(name, int(nbytes.get(name, 0)), producers.get(name), tuple(parts))
+        for name, parts in readers.items()
+    ]
+
+
+def machine_bound(machine: SimMachine, batch_size: int) -> Bound:
+    """The bound for a :class:`~staronnx.bench.simulator.SimMachine` (same workers, same
+    model means and bus as the simulator, so achieved / bound compares like with like)."""
+    times = machine.mean_times(batch_size)
+    profile = machine.profile(batch_size)
+    return lp_bound(
+        times, batch_size, machine.workers,
+        tensors=plan_tensors(machine.plan, profile.nbytes),
+        transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
+    )
+
+
+def plan_bound(plan: Plan, batch_size: int, **machine_options: Any) -> Bound:
+    """The bound for ``plan`` on the machine :func:`~staronnx.bench.simulator.build_machine`
+    builds from ``machine_options`` (groups, topology, cuda_streams, store, cuda_scale, ...)."""
+    return machine_bound(build_machine(plan, **machine_options), batch_size)

@@ -1,0 +1,859 @@
+"""A discrete-event simulator of serving a plan, driving the runtime's own policy objects.
+
+Why: a sweep over rates x batch sizes x policies x machines takes hours of real serving; the
+simulator answers the same what-if questions (more cores, more CUDA streams, another split,
+another policy) in seconds, from the calibrated perf models alone. It is only as good as its
+fidelity to the native engine, so it reuses everything the engine's decisions depend on:
+
+- **the same policies**: :func:`~staronnx.runtime.policies.make_policy` objects, attached with
+  the same worker list, DAG and predictor interface, called with the engine's protocol
+  (``push`` when a task becomes ready, ``pop`` when a worker is idle, ``on_start`` /
+  ``on_done`` around execution, the releasing worker in ``task.extra``), on a
+  :class:`~staronnx.bench.simclock.SimClock`;
+- **the same workers**: CPU groups from a topology and a grouping policy
+  (:func:`~staronnx.workers.groups.make_groups`), CUDA stream workers first, named, numbered
+  and given arch names ("cpu<ncores>", "cuda<dev>") and memory nodes as ``Runtime`` does;
+- **the same model entries**: footprints computed exactly like the engine does — a reference
+  run of the plan at each batch size, ``task_footprint(part feeds, batch)`` — so every lookup
+  hits the entry calibration filled;
+- **the same data model**: model inputs start valid on the host node (``numa0``), a part's
+  outputs are valid on the memory node of the worker that produced them, and a read adds the
+  reader's node; policies price transfers from these locations through the bus model.
+
+Execution times are drawn from the perf models: a normal with the entry's mean and standard
+deviation (times ``spread``), truncated to positive values; for a batch size with no
+calibrated entry, the batch-size regression's prediction with the family's median relative
+deviation; neither is an error raised before the run starts. A task also occupies its worker
+for the bus model's transfer time of inputs not valid on that worker's node (the CUDA worker
+copies inside the task, as StarPU's policies assume). With a single memory node this is 0.
+
+**What-if models.** A simulated arch with no models of its own can borrow another arch's,
+scaled (:class:`ArchSource`):
+
+- ``cpu_fallback`` (default on): a group size the store never saw (a synthetic 8-core NUMA
+  node when this machine calibrated ``cpu2``) uses the nearest calibrated ``cpu<m>`` with
+  times x m/n — ideal linear scaling in the core count, an *optimistic* guess, reported in
+  :attr:`SimMachine.notes`;
+- ``cuda_scale`` (a factor, or one per part): hypothetical CUDA streams run each part in that
+  factor times the time of the widest simulated CPU group (``0.1`` = ten times faster). It
+  takes precedence over stored ``cuda0`` models, so a what-if is never silently replaced by
+  measurements; without it, CUDA workers use the store's ``cuda<dev>`` models;
+- ``arch_sources``: any explicit mapping, which wins over both.
+
+Several streams on one GPU are independent workers here, each taking the cuda model's time:
+contention between streams is only as good as the calibration (run with the same number of
+streams). Transfers with no bus route (e.g. to a hypothetical GPU) cost 0, as in StarPU; pass
+``bus=`` to assume a link.
+
+**The front end** is the live one's: arrivals drawn by :mod:`staronnx.serving.arrivals` (the
+very schedule a live point with the same distribution, rate and seed gets), then the
+:class:`~staronnx.serving.server.Server`'s bounded queue (rejections when full), batcher and
+``max_inflight`` limit on batches handed to the runtime, and the load generator's flush after
+the last arrival. The in-flight limit matters: without it heft's priorities let the first
+parts of new batches overtake the last parts of old ones for as long as overload lasts.
+
+Output: :class:`~staronnx.serving.records.RunRecords` filled as the live server fills them
+(so :func:`staronnx.serving.metrics.summarize` judges both), plus placement counts per (part,
+arch) and busy fractions per worker (:class:`SimResult`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import re
+import statistics
+import threading
+import time
+from collections import defaultdict, deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from staronnx.bench.simclock import EventQueue, SimClock
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import BusModel, Footprint, PerfModelStore
+from staronnx.plan import Plan
+from staronnx.runtime.predictor import PerfPredictor, task_footprint
+from staronnx.runtime.sched import DataView, Policy, TaskView, WorkerInfo
+from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
+from staronnx.serving.metrics import summarize
+from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+from staronnx.workers.topology import Topology
+
+#: where model inputs live when a request arrives (the engine's ``HOST_NODE``)
+HOST_NODE = "numa0"
+
+
+class SimulationError(StaronnxError, ValueError):
+    """A simulation that cannot run as asked: bad settings, or no model for a part on an arch."""
+
+
+# ---------------------------------------------------------------------------- models
+@dataclass(frozen=True)
+class ArchSource:
+    """Where a simulated arch takes its times from: another arch's models, times a factor.
+
+    ``scale`` is one factor for every part or one per part (``scale[p]``).
+    """
+
+    arch: str
+    scale: float | tuple[float, ...] = 1.0
+
+    def factor(self, part: int) -> float:
+        if isinstance(self.scale, tuple):
+            return self.scale[part]
+        return self.scale
+
+    def times(self, other: float | Sequence[float], k: int) -> ArchSource:
+        """This source with its times further multiplied by ``other`` (one factor, or per part)."""
+        if isinstance(other, (int, float)) and not isinstance(self.scale, tuple):
+            return ArchSource(self.arch, self.scale * float(other))
+        mine = [self.factor(p) for p in range(k)]
+        theirs = [float(other)] * k if isinstance(other, (int, float)) else [float(x) for x in other]
+        return ArchSource(self.arch, tuple(a * b for a, b in zip(mine, theirs, strict=True)))
+
+    def describe(self) -> str:
+        if isinstance(self.scale, tuple):
+            return f"{self.arch} x ({', '.join(f'{s:g}' for s in self.scale)})"
+        return self.arch if self.scale == 1.0 else f"{self.arch} x {self.scale:g}"
+
+
+@dataclass(frozen=True)
+class PlanProfile:
+    """What the engine sees of one batch size: each part's footprint and every tensor's bytes."""
+
+    batch: int
+    footprints: tuple[Footprint, ...]
+    nbytes: Mapping[str, int]
+
+
+_PROFILES: dict[tuple[str, str, int], PlanProfile] = {}
+_PROFILES_LOCK = threading.Lock()
+
+
+def profile_plan(plan: Plan, batch: int) -> PlanProfile:
+    """Footprints and tensor sizes at ``batch``, computed exactly like the engine and calibration.
+
+    One reference run of the plan (ONNX Runtime, CPU) per batch size, cached per process, so a
+    sweep pays it once per size. Shapes, hence footprints, rarely depend on values; feeds are
+    drawn with calibration's seed anyway so data-dependent shapes agree too.
+    """
+    from staronnx.verify import random_plan_feeds
+
+    key = (str(plan.root), plan.hash, int(batch))
+    with _PROFILES_LOCK:
+        cached = _PROFILES.get(key)
+    if cached is not None:
+        return cached
+    values = plan.reference_values(random_plan_feeds(plan, batch, seed=0))
+    profile = PlanProfile(
+        batch=int(batch),
+        footprints=tuple(task_footprint(plan.part_feeds(p.index, values), batch) for p in plan.parts),
+        nbytes={name: int(v.nbytes) for name, v in values.items()},
+    )
+    with _PROFILES_LOCK:
+        _PROFILES[key] = profile
+    return profile
+
+
+class PerfTable:
+    """Execution times per (part, arch, footprint) from the store, through arch sources.
+
+    It is also the :class:`~staronnx.runtime.sched.Predictor` the policies get: predictions
+    are the perf models' (entry mean, else regression, else NaN), scaled like the samples,
+    and cached because nothing records into the models during a simulation.
+    """
+
+    def __init__(self, predictor: PerfPredictor, sources: Mapping[str, ArchSource] | None = None):
+        self.base = predictor
+        self.sources = dict(sources or {})
+        self._pred: dict[tuple[int, str, Footprint], float] = {}
+        self._dist: dict[tuple[int, str, Footprint], tuple[float, float]] = {}
+
+    @property
+    def bus(self) -> BusModel:
+        return self.base.bus
+
+    def source(self, arch: str) -> ArchSource:
+        return self.sources.get(arch) or ArchSource(arch)
+
+    def predict(self, part: int, arch: str, fp: Footprint) -> float:
+        """Predicted seconds, NaN when no model can say (what a policy would see)."""
+        key = (part, arch, fp)
+        value = self._pred.get(key)
+        if value is None:
+            src = self.source(arch)
+            value = self.base.model(part, src.arch).predict(fp) * src.factor(part)
+            self._pred[key] = value
+        return value
+
+    def distribution(self, part: int, arch: str, fp: Footprint) -> tuple[float, float]:
+        """(mean, stddev) in seconds of part ``part`` on ``arch``; SimulationError when unknown."""
+        key = (part, arch, fp)
+        dist = self._dist.get(key)
+        if dist is not None:
+            return dist
+        src = self.source(arch)
+        model = self.base.model(part, src.arch)
+        entry = model.entry(fp)
+        if entry is not None and entry.n >= model.calibrate_minimum:
+            mean, std = entry.mean, entry.stddev
+        else:
+            mean = model.predict(fp)  # the batch-size regression of the shape family
+            if not (math.isfinite(mean) and mean > 0):
+                via = "" if src.arch == arch else f" (taken from {src.describe()})"
+                raise SimulationError(
+                    f"no perf model for part {part} on {arch}{via} at batch {fp.batch}: "
+                    f"calibrate it (staronnx calibrate PLANDIR --batch-sizes ...{' --cuda-streams N' if src.arch.startswith('cuda') else ''}) "
+                    "or give a what-if source (cuda_scale / arch_sources)"
+                )
+            rel = [
+                e.stddev / e.mean
+                for f, e in model.entries().items()
+                if f.shape_hash == fp.shape_hash and e.n >= model.calibrate_minimum and e.mean > 0
+            ]
+            std = mean * statistics.median(rel) if rel else 0.0
+        factor = src.factor(part)
+        dist = (mean * factor, std * factor)
+        self._dist[key] = dist
+        return dist
+
+    # -- Predictor protocol (what policies call) ---------------------------------------------
+    def exec_time(self, task: TaskView, worker: WorkerInfo) -> float:
+        fp = task.extra.get("footprint")
+        if fp is None:
+            return 0.0
+        return self.predict(task.part, worker.arch, fp)
+
+    def transfer_time(self, task: TaskView, worker: WorkerInfo) -> float:
+        return self.base.transfer_time(task, worker)
+
+
+def resolve_sources(
+    stored: set[str],
+    archs: Sequence[str],
+    k: int,
+    *,
+    cuda_scale: float | Sequence[float] | None = None,
+    cpu_fallback: bool = True,
+    explicit: Mapping[str, ArchSource] | None = None,
+) -> tuple[dict[str, ArchSource], list[str]]:
+    """Decide where each simulated arch takes its times (see the module docstring), with notes."""
+    explicit = dict(explicit or {})
+    if cuda_scale is not None and not isinstance(cuda_scale, (int, float)):
+        cuda_scale = tuple(float(x) for x in cuda_scale)
+        if len(cuda_scale) != k:
+            raise SimulationError(f"cuda_scale has {len(cuda_scale)} factors for {k} parts")
+    for s in [cuda_scale] if isinstance(cuda_scale, (int, float)) else (cuda_scale or ()):
+        if not (math.isfinite(s) and s > 0):
+            raise SimulationError(f"cuda_scale factors must be finite and > 0, got {s!r}")
+    sources: dict[str, ArchSource] = {}
+    notes: list[str] = []
+    cpu_stored = sorted(int(a[3:]) for a in stored if re.fullmatch(r"cpu[0-9]+", a))
+    cpu_archs = [a for a in dict.fromkeys(archs) if a.startswith("cpu")]
+    for arch in cpu_archs:
+        if arch in explicit:
+            sources[arch] = explicit[arch]
+        elif arch not in stored and cpu_fallback and cpu_stored:
+            n = int(arch[3:])
+            m = min(cpu_stored, key=lambda m: (abs(math.log(m / n)), -m))
+            sources[arch] = ArchSource(f"cpu{m}", m / n)
+            notes.append(f"{arch}: no models; using cpu{m} x {m}/{n} (ideal scaling in cores)")
+    for arch in [a for a in dict.fromkeys(archs) if not a.startswith("cpu")]:
+        if arch in explicit:
+            sources[arch] = explicit[arch]
+        elif arch.startswith("cuda") and cuda_scale is not None:
+            if not cpu_archs:
+                raise SimulationError("cuda_scale needs at least one CPU worker to scale from")
+            widest = max(cpu_archs, key=lambda a: int(a[3:]))
+            base = sources.get(widest) or ArchSource(widest)
+            sources[arch] = base.times(cuda_scale, k)
+            notes.append(f"{arch}: what-if, {sources[arch].describe()}"
+                         + (" (stored cuda models ignored)" if arch in stored else ""))
+    return sources, notes
+
+
+# ---------------------------------------------------------------------------- the machine
+def sim_workers(
+    topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0, cuda_device: int = 0
+) -> list[WorkerInfo]:
+    """The workers ``Runtime`` would start on ``topology``, as policies see them.
+
+    Same order as :func:`~staronnx.calibrate.start_workers` (CUDA streams first, like StarPU's
+    worker ids, which decides dmda's ties), same names, archs and memory nodes as
+    ``Runtime``'s ``_worker_info``.
+    """
+    from staronnx.workers.groups import make_groups
+
+    if cuda_streams < 0:
+        raise SimulationError(f"cuda_streams must be >= 0, got {cuda_streams}")
+    topology = topology if topology is not None else Topology.from_system()
+    infos: list[WorkerInfo] = []
+    for s in range(cuda_streams):
+        dev = f"cuda{cuda_device}"
+        infos.append(WorkerInfo(len(infos), f"{dev}.s{s}", dev, "cuda", dev, 1))
+    for g in make_groups(topology, groups):
+        numa = g.numa if g.numa is not None else 0
+        infos.append(WorkerInfo(len(infos), f"cpu:{g.name}", f"cpu{g.n_cores}", "cpu", f"numa{numa}", g.n_cores))
+    return infos
+
+
+@dataclass
+class SimMachine:
+    """A plan on a (real or hypothetical) machine: workers and their time distributions.
+
+    Built once by :func:`build_machine` and reusable across many simulations and LP bounds
+    (a sweep), since loading models and profiling batch sizes is the slow part.
+    """
+
+    plan: Plan
+    workers: list[WorkerInfo]
+    table: PerfTable
+    notes: list[str] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def archs(self) -> list[str]:
+        return list(dict.fromkeys(w.arch for w in self.workers))
+
+    def profile(self, batch: int) -> PlanProfile:
+        return profile_plan(self.plan, batch)
+
+    def check(self, batch: int) -> PlanProfile:
+        """Profile ``batch`` and make sure every part has times on every arch (else raise)."""
+        prof = self.profile(batch)
+        for p in range(self.plan.k):
+            for arch in self.archs:
+                self.table.distribution(p, arch, prof.footprints[p])
+        return prof
+
+    def mean_times(self, batch: int) -> list[list[float]]:
+        """``times[p][w]``: mean seconds of part ``p`` on worker ``w`` at ``batch`` (for the LP)."""
+        prof = self.check(batch)
+        return [
+            [self.table.distribution(p, w.arch, prof.footprints[p])[0] for w in self.workers]
+            for p in range(self.plan.k)
+        ]
+
+
+def build_machine(
+    plan: Plan,
+    *,
+    groups: str = "numa",
+    topology: Topology | None = None,
+    cuda_streams: int = 0,
+    cuda_device: int = 0,
+    store: PerfModelStore | None = None,
+    cuda_scale: float | Sequence[float] | None = None,
+    cpu_fallback: bool = True,
+    arch_sources: Mapping[str, ArchSource] | None = None,
+    bus: BusModel | None = None,
+) -> SimMachine:
+    """Workers from ``topology`` (default: this machine) and ``groups``, plus ``cuda_streams``
+    hypothetical or real CUDA workers, with times from ``store`` (default: ``$STARONNX_HOME``).
+    """
+    store = store if store is not None else PerfModelStore()
+    workers = sim_workers(topology, groups, cuda_streams, cuda_device)
+    stored = {key.arch for key in store.list(plan.hash)}
+    sources, notes = resolve_sources(
+        stored, [w.arch for w in workers], plan.k,
+        cuda_scale=cuda_scale, cpu_fallback=cpu_fallback, explicit=arch_sources,
+    )
+    if not stored and not arch_sources:
+        raise SimulationError(
+            f"no perf models for plan {plan.hash} in {store.root} (host {store.host}); "
+            f"run `staronnx calibrate {plan.root}` first"
+        )
+    table = PerfTable(PerfPredictor(plan.hash, store, bus), sources)
+    settings = {
+        "groups": groups,
+        "topology": (topology.source if topology is not None else "system") or "system",
+        "cuda_streams": cuda_streams,
+        "cuda_scale": cuda_scale if not isinstance(cuda_scale, tuple) else list(cuda_scale),
+        "sources": {a: s.describe() for a, s in sources.items()},
+    }
+    return SimMachine(plan, workers, table, notes, settings)
+
+
+# ---------------------------------------------------------------------------- arrivals
+def arrival_schedule(
+    rate: float,
+    *,
+    duration: float | None = 10.0,
+    n_requests: int | None = None,
+    distribution: str = "constant",
+    seed: int = 0,
+) -> tuple[np.ndarray, str]:
+    """Arrival offsets (s, the first at 0) and a description of the process.
+
+    The live load generator's own processes (:mod:`staronnx.serving.arrivals`) draw the
+    schedule, so a simulated sweep point replays exactly the arrivals of the live one (same
+    distribution, rate and seed). ``n_requests`` wins over ``duration``.
+    """
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise SimulationError(f"rate must be > 0 requests/s, got {rate!r}")
+    if n_requests is None and (duration is None or not duration > 0):
+        raise SimulationError("give a duration > 0 or a number of requests")
+    if n_requests is not None and n_requests < 1:
+        raise SimulationError(f"n_requests must be >= 1, got {n_requests}")
+    if distribution not in DISTRIBUTIONS:
+        raise SimulationError(f"unknown distribution {distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
+    bounds = {"n": n_requests} if n_requests is not None else {"duration": duration}
+    process = make_arrivals(distribution, rate, seed)
+    return np.asarray(process.schedule(**bounds), dtype=np.float64), repr(process)
+
+
+# ---------------------------------------------------------------------------- the run
+@dataclass
+class _Task:
+    batch: _Batch
+    part: int
+    waiting: int
+    view: TaskView | None = None
+    ready_at: float = 0.0
+
+
+@dataclass
+class _Batch:
+    record: BatchRecord
+    profile: PlanProfile
+    valid: dict[str, set[str]]  # tensor -> memory nodes holding a valid copy
+    handle_base: int
+    parts_left: int
+    tasks: list[_Task] = field(default_factory=list)
+
+
+@dataclass
+class _WorkerState:
+    info: WorkerInfo
+    busy: bool = False
+    busy_time: float = 0.0
+    tasks: int = 0
+
+
+@dataclass
+class SimResult:
+    """What a simulation produced: the serving records and the runtime's statistics."""
+
+    records: RunRecords
+    placement: dict[tuple[int, str], int]  # (part, arch) -> tasks run there
+    busy: dict[str, float]  # worker name -> busy fraction of [start, end]
+    workers: list[WorkerInfo]
+    notes: list[str]
+    events: int
+    wall_seconds: float
+    mean_queue_wait: float  # seconds from a task being ready to its start, averaged
+
+    def share(self, part: int) -> dict[str, float]:
+        """Fraction of ``part``'s tasks run on each arch."""
+        counts = {a: n for (p, a), n in self.placement.items() if p == part}
+        total = sum(counts.values())
+        return {a: n / total for a, n in sorted(counts.items())} if total else {}
+
+    def metrics(self, warmup: float = 0.0) -> dict[str, Any]:
+        """Throughput, the papers' latency, percentiles, congestion (see :func:`summary`)."""
+        return summary(self.records, warmup)
+
+
+class _Simulation:
+    """One run: the server's batcher and the engine's bookkeeping, on simulated time.
+
+    The front end follows :class:`staronnx.serving.server.Server`: a request queue of at most
+    ``queue_capacity`` (an arrival finding it full is rejected), a batcher that hands at most
+    ``max_inflight`` batches to the runtime at once, forms a batch when ``b`` requests wait
+    (or the oldest has waited ``max_delay``), and samples the queue length at every accepted
+    arrival and every batch formed; after the last arrival it flushes, as the load generator
+    does, so the tail leaves as a partial batch (which the metrics leave out of latencies).
+    """
+
+    def __init__(
+        self,
+        machine: SimMachine,
+        policy: Policy,
+        batch_size: int,
+        arrivals: np.ndarray,
+        *,
+        seed: int,
+        spread: float,
+        max_delay: float | None,
+        queue_capacity: int | None,
+        max_inflight: int,
+        drain: bool,
+        charge_transfers: bool,
+    ) -> None:
+        self.m = machine
+        self.plan = machine.plan
+        self.policy = policy
+        self.b = batch_size
+        self.arrivals = arrivals
+        self.spread = spread
+        self.max_delay = max_delay
+        self.capacity = queue_capacity
+        self.max_inflight = max_inflight
+        self.drain = drain
+        self.charge_transfers = charge_transfers
+        self.clock = SimClock(float(arrivals[0]))
+        self.events = EventQueue()
+        self.rng = random.Random(f"staronnx-sim-{seed}")
+        self.workers = [_WorkerState(w) for w in machine.workers]
+        preds = self.plan.dependencies()
+        self.succs: list[list[int]] = [[] for _ in self.plan.parts]
+        for p, deps in enumerate(preds):
+            for d in sorted(deps):
+                self.succs[d].append(p)
+        self.npreds = [len(d) for d in preds]
+        names = [t.name for t in (*self.plan.inputs, *self.plan.crossing, *self.plan.outputs)]
+        names += [n for part in self.plan.parts for n in (*part.inputs, *part.outputs)]
+        self.tensor_index = {n: i for i, n in enumerate(dict.fromkeys(names))}
+        self.task_ids = itertools.count()
+        self.profiles: dict[int, PlanProfile] = {}  # batch size -> footprints and bytes
+        self.requests: list[RequestRecord] = []
+        self.batches: list[BatchRecord] = []
+        self.queue: deque[int] = deque()  # request ids waiting for a batch
+        self.inflight = 0
+        self.flush_left = 0
+        self.timer_due = math.nan
+        self.placement: dict[tuple[int, str], int] = defaultdict(int)
+        self.waits: list[float] = []
+        self.samples: list[tuple[float, int]] = []
+        self.notes: list[str] = []
+        self.n_events = 0
+        self.last_done = self.clock.t
+        self._dirty = False
+        self._first: int | None = None
+        policy.attach(machine.workers, machine.table, self.clock, self.succs)
+
+    # -- main loop ---------------------------------------------------------------------------
+    def run(self) -> None:
+        arrivals, n, i = self.arrivals, len(self.arrivals), 0
+        deadline = math.inf if self.drain else float(arrivals[-1])
+        while True:
+            ta = float(arrivals[i]) if i < n else math.inf
+            te = self.events.peek_time()
+            t = min(ta, te)
+            if t == math.inf or t > deadline:
+                break
+            self.clock.advance(t)
+            self.n_events += 1
+            if te <= ta:  # completions before arrivals at the same instant
+                _, kind, payload = self.events.pop()
+                if kind == "done":
+                    self._on_done(*payload)
+                else:
+                    self._batcher()
+            else:
+                self._on_arrival(i, t)
+                i += 1
+                if i == n:  # the load generator flushes after its last submission
+                    self.flush_left = len(self.queue)
+                    self._batcher()
+            if self._dirty:
+                self._dispatch()
+
+    # -- the server: queue and batcher -------------------------------------------------------
+    def _on_arrival(self, i: int, t: float) -> None:
+        rec = RequestRecord(id=i, arrival=t)
+        self.requests.append(rec)
+        if self.capacity is not None and len(self.queue) >= self.capacity:
+            rec.rejected = True
+            return
+        self.queue.append(i)
+        self.samples.append((t, len(self.queue)))
+        self._batcher()
+
+    def _batcher(self) -> None:
+        """Form every batch that may leave now (``Server._next_batch``), then arm the timer."""
+        t = self.clock.t
+        while self.queue and self.inflight < self.max_inflight:
+            if len(self.queue) >= self.b:
+                size = self.b
+            elif self.flush_left > 0:
+                size = min(self.b, self.flush_left)
+                if not self._runnable(size):
+                    self.notes.append(f"{len(self.queue)} request(s) left unserved at the end: "
+                                      f"no model for the flush batch of {size}")
+                    self.flush_left = 0
+                    break
+            elif self.max_delay is not None and self.requests[self.queue[0]].arrival + self.max_delay <= t:
+                size = self.b
+            else:
+                break
+            self._form_batch(min(size, len(self.queue)))
+        if self.max_delay is not None and self.queue and self.inflight < self.max_inflight:
+            due = self.requests[self.queue[0]].arrival + self.max_delay
+            if due > t and due != self.timer_due:
+                self.timer_due = due
+                self.events.push(due, "timeout")
+
+    def _runnable(self, size: int) -> bool:
+        try:
+            self.m.check(size)
+        except SimulationError:
+            return False
+        return True
+
+    def _form_batch(self, size: int) -> None:
+        t = self.clock.t
+        ids = [self.queue.popleft() for _ in range(size)]
+        self.flush_left = max(0, self.flush_left - size)
+        profile = self.profiles.get(size)
+        if profile is None:
+            profile = self.profiles[size] = self.m.check(size)
+        bid = len(self.batches)
+        record = BatchRecord(id=bid, size=size, formed=t, request_ids=ids)
+        self.batches.append(record)
+        for j, rid in enumerate(ids):  # the queue is in arrival order: the first is the oldest
+            self.requests[rid].batch_id = bid
+            self.requests[rid].first_in_batch = j == 0
+        self.inflight += 1
+        self.samples.append((t, len(self.queue)))
+        batch = _Batch(record, profile, {n: {HOST_NODE} for n in self.plan.input_names},
+                       bid * len(self.tensor_index), self.plan.k)
+        batch.tasks = [_Task(batch, p, self.npreds[p]) for p in range(self.plan.k)]
+        for task in batch.tasks:  # Runtime.submit: every part without predecessors is ready
+            if task.waiting == 0:
+                self._push(task, None)
+
+    # -- the engine: tasks -------------------------------------------------------------------
+    def _push(self, task: _Task, releasing: int | None) -> None:
+        """Build the TaskView as the engine does and hand it to the policy."""
+        batch, part = task.batch, self.plan.parts[task.part]
+        nbytes = batch.profile.nbytes
+        view = TaskView(
+            id=next(self.task_ids), part=task.part, batch=batch.record.size, request=batch.record.id,
+            inputs=[DataView(batch.handle_base + self.tensor_index[n], n, nbytes[n], frozenset(batch.valid[n]))
+                    for n in part.inputs],
+            submitted_at=batch.record.formed,
+        )
+        view.extra["footprint"] = batch.profile.footprints[task.part]
+        view.extra["task"] = task
+        if releasing is not None:
+            view.extra["releasing_worker"] = releasing
+        task.view = view
+        task.ready_at = self.clock.t
+        self.policy.push(view)
+        self._dirty = True
+
+    def _dispatch(self) -> None:
+        """Idle workers pop, the worker that just finished first (it is awake already)."""
+        self._dirty = False
+        first, self._first = self._first, None
+        order = self.workers if first is None else [self.workers[first]] + [
+            w for w in self.workers if w.info.id != first]
+        for st in order:
+            if st.busy:
+                continue
+            view = self.policy.pop(st.info.id)
+            if view is not None:
+                self._start(st, view)
+
+    def _start(self, st: _WorkerState, view: TaskView) -> None:
+        task: _Task = view.extra["task"]
+        now = self.clock.t
+        self.policy.on_start(st.info.id, view, now)
+        self.waits.append(now - task.ready_at)
+        fp = task.batch.profile.footprints[task.part]
+        mean, std = self.m.table.distribution(task.part, st.info.arch, fp)
+        seconds = self._draw(mean, std * self.spread)
+        if self.charge_transfers:
+            seconds += self._transfer(task, st.info.memory_node)
+        st.busy = True
+        self.events.push(now + seconds, "done", (st.info.id, task, seconds))
+
+    def _draw(self, mean: float, std: float) -> float:
+        """A normal sample truncated to > 0 (redrawn; the mean after 20 misses)."""
+        if std <= 0:
+            return mean
+        for _ in range(20):
+            x = self.rng.gauss(mean, std)
+            if x > 0:
+                return x
+        return mean
+
+    def _transfer(self, task: _Task, node: str) -> float:
+        """Bus time to bring the task's inputs to ``node`` from their cheapest valid copies
+        (the predictor's rule, on the copies valid now rather than at push)."""
+        total = 0.0
+        bus = self.m.table.bus
+        nbytes = task.batch.profile.nbytes
+        for name in self.plan.parts[task.part].inputs:
+            where = task.batch.valid[name]
+            size = nbytes[name]
+            if node in where or size == 0:
+                continue
+            costs = [c for c in (bus.predict(src, node, size) for src in where) if math.isfinite(c)]
+            total += min(costs) if costs else 0.0
+        return total
+
+    def _on_done(self, wid: int, task: _Task, seconds: float) -> None:
+        """The engine's completion: policy hook, data locations, successors, the request."""
+        st = self.workers[wid]
+        now = self.clock.t
+        st.busy = False
+        st.busy_time += seconds
+        st.tasks += 1
+        assert task.view is not None
+        self.policy.on_done(wid, task.view, seconds, now)
+        batch, part = task.batch, self.plan.parts[task.part]
+        node = st.info.memory_node
+        for name in part.outputs:
+            batch.valid[name] = {node}
+        for name in part.inputs:
+            batch.valid[name].add(node)
+        batch.record.placement[f"part{task.part}"] = st.info.arch
+        self.placement[(task.part, st.info.arch)] += 1
+        batch.parts_left -= 1
+        for s in self.succs[task.part]:
+            succ = batch.tasks[s]
+            succ.waiting -= 1
+            if succ.waiting == 0:
+                self._push(succ, wid)
+        self._dirty = True
+        self._first = wid
+        if batch.parts_left == 0:
+            batch.record.done = now
+            for rid in batch.record.request_ids:
+                self.requests[rid].done = now
+            self.inflight -= 1
+            self.last_done = now
+            self._batcher()
+
+
+def simulate(
+    plan: Plan | None = None,
+    *,
+    rate: float,
+    batch_size: int,
+    policy: str | Policy = "heft",
+    policy_options: Mapping[str, Any] | None = None,
+    groups: str = "numa",
+    topology: Topology | None = None,
+    cuda_streams: int = 0,
+    cuda_scale: float | Sequence[float] | None = None,
+    duration: float | None = 10.0,
+    n_requests: int | None = None,
+    arrivals: Sequence[float] | None = None,
+    distribution: str = "constant",
+    seed: int = 0,
+    store: PerfModelStore | None = None,
+    max_delay: float | None = None,
+    queue_capacity: int | None = 1024,
+    max_inflight: int | None = None,
+    spread: float = 1.0,
+    drain: bool = True,
+    charge_transfers: bool = True,
+    machine: SimMachine | None = None,
+) -> SimResult:
+    """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
+
+    ``machine`` (from :func:`build_machine`) replaces ``plan``, ``groups``, ``topology``,
+    ``cuda_streams``, ``cuda_scale`` and ``store`` when given, so a sweep builds it once.
+    Arrivals come from the live generator's processes (``distribution``, ``seed``) for
+    ``duration`` seconds or ``n_requests`` requests, or are replayed from ``arrivals``
+    (offsets in seconds, sorted). The front end is the live server's: ``queue_capacity``
+    (None: unbounded), ``max_inflight`` (None: the server's default, twice the workers, at
+    least 2), batches that leave when full or, with ``max_delay``, when the oldest request has
+    waited that long. With ``drain`` (default) the run goes on after the last arrival until
+    every accepted request is done, as the load generator waits for its futures. ``spread``
+    scales the models' standard deviations (0: every task takes its mean). Deterministic for a
+    given ``seed``.
+    """
+    t0 = time.perf_counter()
+    if machine is None:
+        if plan is None:
+            raise SimulationError("give a plan or a machine")
+        machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
+                                cuda_scale=cuda_scale, store=store)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise SimulationError(f"batch_size must be an int >= 1, got {batch_size!r}")
+    if max_delay is not None and not max_delay >= 0:
+        raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
+    if not (math.isfinite(spread) and spread >= 0):
+        raise SimulationError(f"spread must be >= 0, got {spread!r}")
+    if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else batch_size):
+        raise SimulationError(f"queue_capacity must be >= 1 and >= batch_size without max_delay, got {queue_capacity}")
+    inflight = max(2, 2 * len(machine.workers)) if max_inflight is None else int(max_inflight)
+    if inflight < 1:
+        raise SimulationError(f"max_inflight must be >= 1, got {max_inflight}")
+    if arrivals is not None:
+        times = np.asarray(arrivals, dtype=np.float64)
+        if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
+            raise SimulationError("arrivals must be a non-empty, sorted list of finite times")
+        process = f"replay({times.size} arrivals)"
+    else:
+        times, process = arrival_schedule(rate, duration=duration, n_requests=n_requests,
+                                          distribution=distribution, seed=seed)
+        if times.size == 0:
+            raise SimulationError("no arrival falls in the duration; lengthen it or raise the rate")
+    policy_obj = _make_policy(policy, policy_options, seed)
+    machine.check(batch_size)
+    sim = _Simulation(
+        machine, policy_obj, batch_size, times, seed=seed, spread=spread, max_delay=max_delay,
+        queue_capacity=queue_capacity, max_inflight=inflight, drain=drain,
+        charge_transfers=charge_transfers,
+    )
+    sim.run()
+    start = float(times[0])
+    outstanding = any(r.done is None and not r.rejected for r in sim.requests)
+    end = max(sim.last_done, float(times[-1])) if not outstanding else max(sim.clock.t, float(times[-1]))
+    elapsed = max(end - start, 1e-12)
+    settings = {
+        "engine": "simulator",
+        "policy": policy_obj.name,
+        "batch_size": batch_size,
+        "arrivals": process,
+        "distribution": distribution if arrivals is None else "replay",
+        "seed": seed,
+        "max_delay": max_delay,
+        "queue_capacity": queue_capacity,
+        "max_inflight": inflight,
+        "spread": spread,
+        "plan_hash": machine.plan.hash,
+        "workers": [w.name for w in machine.workers],
+        **machine.settings,
+    }
+    records = RunRecords(
+        requests=sim.requests, batches=sim.batches,
+        offered_rate=float(rate) if arrivals is None else _mean_rate(times),
+        batch_size=batch_size, start=start, end=end, queue_samples=sim.samples, settings=settings,
+    )
+    return SimResult(
+        records=records,
+        placement=dict(sorted(sim.placement.items())),
+        busy={st.info.name: st.busy_time / elapsed for st in sim.workers},
+        workers=list(machine.workers),
+        notes=list(machine.notes) + sim.notes,
+        events=sim.n_events,
+        wall_seconds=time.perf_counter() - t0,
+        mean_queue_wait=float(np.mean(sim.waits)) if sim.waits else 0.0,
+    )
+
+
+def _mean_rate(times: np.ndarray) -> float:
+    span = float(times[-1] - times[0]) if times.size > 1 else 0.0
+    return (times.size - 1) / span if span > 0 else 0.0
+
+
+def _make_policy(policy: str | Policy, options: Mapping[str, Any] | None, seed: int) -> Policy:
+    """A fresh policy object; the random policy gets the run's seed unless told otherwise."""
+    from staronnx.runtime.policies import make_policy, policy_options
+
+    if isinstance(policy, Policy):
+        if options:
+            raise SimulationError("policy_options only apply to a policy given by name")
+        return policy
+    opts = dict(options or {})
+    if "seed" in policy_options(policy) and "seed" not in opts:
+        opts["seed"] = seed
+    return make_policy(policy, **opts)
+
+
+# ---------------------------------------------------------------------------- metrics
+def summary(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
+    """The live runs' own metrics (:func:`staronnx.serving.metrics.summarize`): a simulated
+    point and a measured one are judged by the same code."""
+    return summarize(records, warmup=warmup)

@@ -1,0 +1,310 @@
+"""The discrete-event simulator: hand-made perf models on a small zoo plan, the real policies,
+the LP bound as the yardstick, and one check against a real calibration."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+
+import numpy as np
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.bench.bound import machine_bound
+from staronnx.bench.simulator import (
+    ArchSource,
+    SimulationError,
+    build_machine,
+    profile_plan,
+    simulate,
+)
+from staronnx.perfmodels import BusModel, HistoryModel, LinkCost, PerfModelStore
+from staronnx.plan import Plan
+from staronnx.runtime.policies import POLICIES
+from staronnx.workers.topology import Topology
+from staronnx.zoo import chain
+
+MS = 1e-3
+CPU4 = "pack:1 numa:1 core:4 pu:1"  # groups="numa": one 4-core worker, arch cpu4
+TWO_CORES = "pack:1 numa:1 core:2 pu:1"  # groups="cores=1": two workers, arch cpu1
+TWO_NODES = "pack:1 numa:2 core:1 pu:1"  # groups="numa": cpu1 on numa0 and on numa1
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory) -> Plan:
+    """A 2-part chain (part 1 reads part 0's output)."""
+    root = tmp_path_factory.mktemp("sim")
+    onnx.save(chain(depth=6, width=32), str(root / "chain.onnx"))
+    p = partition(root / "chain.onnx", [0.6, 0.4], output_dir=root / "plan", profile_runs=2)
+    assert p.dependencies() == [set(), {0}]
+    return p
+
+
+Times = Mapping[tuple[int, str], "float | Callable[[int], float]"]
+
+
+def write_models(store: PerfModelStore, plan: Plan, times: Times, batches=(1,), rel_std: float = 0.0) -> None:
+    """Calibrated history models: per (part, arch) ``times`` seconds (or ``times(batch)``) at
+    each batch size, with samples alternating mean*(1 +- rel_std) so the stddev is rel_std*mean."""
+    for (part, arch), t in times.items():
+        model = HistoryModel(part, arch)
+        for b in batches:
+            mean = t(b) if callable(t) else t
+            fp = profile_plan(plan, b).footprints[part]
+            model.record(fp, mean)  # the dropped first sample
+            for i in range(10):
+                model.record(fp, mean * (1 + rel_std * (1 if i % 2 else -1)))
+        store.save(plan.hash, model)
+
+
+def topo(description: str) -> Topology:
+    return Topology.from_synthetic(description)
+
+
+# -- latency and throughput against hand calculations -----------------------------------------
+def test_low_rate_latency_is_the_batch_fill_plus_the_part_times(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu4"): 4 * MS, (1, "cpu4"): 2 * MS}, batches=(4,))
+    res = simulate(plan, rate=100, batch_size=4, topology=topo(CPU4), store=store, duration=10)
+    m = res.metrics()
+    # the first request of a batch waits for 3 more (30 ms), then the chain runs (6 ms)
+    assert m["paper_latency_mean"] == pytest.approx(36 * MS, abs=1e-9)
+    assert m["latency_p50"] == pytest.approx(21 * MS, abs=1e-9)  # waits 30/20/10/0 ms + 6 ms
+    assert m["throughput"] == pytest.approx(100, rel=0.01)
+    assert not m["congested"] and m["rejected"] == 0 and m["completed"] == 1000
+    assert res.placement == {(0, "cpu4"): 250, (1, "cpu4"): 250}
+    assert res.busy["cpu:numa0"] == pytest.approx(250 * 6 * MS / 9.996, rel=1e-3)
+    # records filled as the live server fills them
+    recs = res.records
+    assert recs.start == 0.0 and recs.offered_rate == 100 and recs.batch_size == 4
+    assert len(recs.batches) == 250 and all(b.size == 4 for b in recs.batches)
+    for b in recs.batches:
+        firsts = [recs.requests[i].first_in_batch for i in b.request_ids]
+        assert firsts == [True, False, False, False]
+        assert b.placement == {"part0": "cpu4", "part1": "cpu4"}
+        assert b.done == pytest.approx(b.formed + 6 * MS)
+    assert recs.queue_samples and max(q for _, q in recs.queue_samples) <= 4
+    assert recs.settings["engine"] == "simulator" and recs.settings["policy"] == "heft"
+
+
+@pytest.mark.parametrize("policy", ["dmda", "heft", "eager"])
+def test_above_the_lp_bound_the_queue_grows_and_throughput_meets_the_bound(plan, tmp_path, policy):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu1"): 4 * MS, (1, "cpu1"): 2 * MS}, batches=(4,), rel_std=0.1)
+    machine = build_machine(plan, topology=topo(TWO_CORES), groups="cores=1", store=store)
+    bound = machine_bound(machine, 4)
+    assert bound.throughput == pytest.approx(2 * 4 / (6 * MS))  # two workers, 6 ms per batch
+    over = simulate(machine=machine, rate=1.5 * bound.throughput, batch_size=4, policy=policy)
+    m = over.metrics()
+    assert m["congested"]
+    assert m["throughput"] == pytest.approx(bound.throughput, rel=0.03)
+    under = simulate(machine=machine, rate=0.5 * bound.throughput, batch_size=4, policy=policy).metrics()
+    assert not under["congested"]
+    assert under["throughput"] == pytest.approx(0.5 * bound.throughput, rel=0.01)
+
+
+# -- the real policies on a CPU + (hypothetical) GPU machine ------------------------------------
+GPU_TIMES = {(0, "cuda0"): 1 * MS, (0, "cpu4"): 10 * MS, (1, "cuda0"): 1 * MS, (1, "cpu4"): 3 * MS}
+
+
+def test_heft_runs_both_parts_on_the_gpu_at_low_load_and_overflows_part1_under_load(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, GPU_TIMES)
+    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=1, store=store)
+    assert [w.arch for w in machine.workers] == ["cuda0", "cpu4"]  # accelerators first
+    low = simulate(machine=machine, rate=100, batch_size=1, policy="heft")
+    assert set(low.placement) == {(0, "cuda0"), (1, "cuda0")}
+    # 2 ms of GPU work per request every 1.6 ms: the GPU alone cannot keep up
+    busy = simulate(machine=machine, rate=625, batch_size=1, policy="heft")
+    assert busy.placement.get((0, "cpu4"), 0) == 0
+    assert busy.placement.get((1, "cpu4"), 0) >= 0.2 * 6250
+    m = busy.metrics()
+    assert not m["congested"] and m["throughput"] == pytest.approx(625, rel=0.01)
+    assert m["latency_p99"] < 15 * MS
+    # the LP: part 0 all on the GPU, part 1 split; 666.7 samples/s, both workers binding
+    bound = machine_bound(machine, 1)
+    assert bound.throughput == pytest.approx(2000 / 3)
+    assert bound.arch_share()[(0, "cuda0")] == pytest.approx(1.0)
+    over = simulate(machine=machine, rate=900, batch_size=1, policy="heft").metrics()
+    assert over["congested"]
+    assert over["throughput"] <= bound.throughput * 1.01
+    assert over["throughput"] >= bound.throughput * 0.85
+
+
+def test_cuda_scale_is_a_what_if_gpu_built_from_the_cpu_models(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {k: v for k, v in GPU_TIMES.items() if k[1] == "cpu4"})
+    with pytest.raises(SimulationError, match=r"cuda0.*calibrate"):
+        simulate(plan, rate=100, batch_size=1, topology=topo(CPU4), cuda_streams=1, store=store)
+    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=1, store=store, cuda_scale=(0.1, 1 / 3))
+    assert machine.table.source("cuda0") == ArchSource("cpu4", (0.1, 1 / 3))
+    assert any("what-if" in n for n in machine.notes)
+    res = simulate(machine=machine, rate=625, batch_size=1, policy="heft")
+    assert res.placement.get((0, "cpu4"), 0) == 0 and res.placement[(1, "cpu4")] > 0
+    assert machine_bound(machine, 1).throughput == pytest.approx(2000 / 3)
+
+
+def test_missing_cpu_group_sizes_borrow_the_nearest_calibrated_one(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu4"): 8 * MS, (1, "cpu4"): 4 * MS})
+    machine = build_machine(plan, topology=topo("pack:1 numa:2 core:8 pu:1"), store=store)
+    assert [w.arch for w in machine.workers] == ["cpu8", "cpu8"]
+    assert machine.table.source("cpu8") == ArchSource("cpu4", 0.5)
+    assert machine_bound(machine, 1).throughput == pytest.approx(2 / (6 * MS))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_serves_every_request(plan, tmp_path, policy):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, GPU_TIMES, rel_std=0.2)
+    res = simulate(plan, rate=500, batch_size=1, n_requests=400, topology=topo(CPU4), cuda_streams=1,
+                   store=store, policy=policy)
+    m = res.metrics()
+    assert m["completed"] == 400 and m["pending"] == 0
+    assert sum(res.placement.values()) == 800
+    assert all(b.done is not None and len(b.placement) == 2 for b in res.records.batches)
+
+
+def test_a_seed_determines_the_run(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, GPU_TIMES, rel_std=0.2)
+    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=1, store=store)
+
+    def run(seed: int, policy: str = "heft"):
+        res = simulate(machine=machine, rate=600, batch_size=1, duration=2, distribution="poisson",
+                       seed=seed, policy=policy)
+        recs = res.records
+        return ([(r.arrival, r.done, r.batch_id) for r in recs.requests],
+                [b.placement for b in recs.batches], res.placement)
+
+    assert run(1) == run(1)
+    assert run(1, "random") == run(1, "random")
+    assert run(1)[0] != run(2)[0]
+
+
+# -- models: regression, partial batches, transfers, errors ------------------------------------
+def test_a_batch_size_never_calibrated_uses_the_regression(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    linear = {(p, "cpu4"): (lambda b: b * MS) for p in (0, 1)}
+    write_models(store, plan, linear, batches=(1, 2, 4, 8), rel_std=0.1)
+    res = simulate(plan, rate=100, batch_size=3, topology=topo(CPU4), store=store, spread=0)
+    # 20 ms of batch fill, then 3 ms + 3 ms from the fit t(n) = 1 ms * n
+    assert res.metrics()["paper_latency_mean"] == pytest.approx(26 * MS, rel=0.01)
+    with pytest.raises(SimulationError, match="batch 32"):
+        store2 = PerfModelStore(tmp_path / "two")
+        write_models(store2, plan, linear, batches=(1, 2))  # too few sizes for a fit
+        simulate(plan, rate=100, batch_size=32, topology=topo(CPU4), store=store2)
+
+
+def test_max_delay_lets_partial_batches_leave(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(1, 2, 8))
+    res = simulate(plan, rate=100, batch_size=8, max_delay=5 * MS, topology=topo(CPU4), store=store,
+                   n_requests=50)
+    assert {b.size for b in res.records.batches} == {1}
+    arrival = {r.id: r.arrival for r in res.records.requests}
+    *timed, flushed = res.records.batches  # the generator flushes after its last request
+    assert all(b.formed == pytest.approx(arrival[b.request_ids[0]] + 5 * MS) for b in timed)
+    assert flushed.formed == arrival[flushed.request_ids[0]]
+    assert res.metrics()["latency_p50"] == pytest.approx(7 * MS)
+
+
+def test_transfers_between_memory_nodes_cost_time_and_lower_the_bound(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu1"): 4 * MS, (1, "cpu1"): 4 * MS})
+    free = build_machine(plan, topology=topo(TWO_NODES), store=store)
+    bus = BusModel()
+    bus.set("numa0", "numa1", LinkCost(latency=2 * MS, bandwidth=1e12))
+    bus.set("numa1", "numa0", LinkCost(latency=2 * MS, bandwidth=1e12))
+    costly = build_machine(plan, topology=topo(TWO_NODES), store=store, bus=bus)
+    assert machine_bound(free, 1).throughput == pytest.approx(2 / (8 * MS))
+    bound = machine_bound(costly, 1)
+    # numa1's worker pays a 2 ms copy of the input for each chain it runs: 8 + 2 ms
+    assert bound.throughput == pytest.approx(1 / (8 * MS) + 1 / (10 * MS))
+    for policy in ("dmda", "eager"):
+        m = simulate(machine=costly, rate=2 * bound.throughput, batch_size=1, policy=policy).metrics()
+        assert m["throughput"] <= bound.throughput * 1.01
+
+
+def test_bad_settings_are_clear_errors(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    with pytest.raises(SimulationError, match="staronnx calibrate"):
+        build_machine(plan, topology=topo(CPU4), store=store)
+    write_models(store, plan, {(0, "cpu4"): MS, (1, "cpu4"): MS})
+    machine = build_machine(plan, topology=topo(CPU4), store=store)
+    for kwargs, match in [
+        ({"rate": 0}, "rate"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"distribution": "bursty"}, "distribution"),
+        ({"spread": -1}, "spread"),
+        ({"max_delay": -1.0}, "max_delay"),
+    ]:
+        args = {"rate": 10.0, "batch_size": 1, **kwargs}
+        with pytest.raises(SimulationError, match=match):
+            simulate(machine=machine, **args)
+    with pytest.raises(SimulationError, match="batch 2"):  # no model at that size, no fit
+        simulate(machine=machine, rate=10, batch_size=2)
+
+
+def test_ten_seconds_at_500_requests_per_second_is_fast(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, GPU_TIMES, rel_std=0.1)
+    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=2, store=store)
+    simulate(machine=machine, rate=500, batch_size=1, duration=0.1)  # warm caches
+    res = simulate(machine=machine, rate=500, batch_size=1, duration=10.0)
+    assert res.metrics()["completed"] == 5000
+    assert res.wall_seconds < 5.0  # ~0.5 s on an idle core; generous for loaded CI machines
+
+
+# -- the CLI -----------------------------------------------------------------------------------
+def test_cli_simulate_prints_metrics_placement_and_bound(plan, tmp_path):
+    home = tmp_path / "home"
+    write_models(PerfModelStore(home), plan, {k: v for k, v in GPU_TIMES.items() if k[1] == "cpu4"})
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    out = subprocess.run(
+        [sys.executable, "-m", "staronnx", "simulate", str(plan.root), "--rate", "625", "--batch", "1",
+         "--synthetic", "pack:1 numa:1 core:4", "--cuda-streams", "1", "--cuda-scale", "0.1,0.3333333333",
+         "--duration", "2"],
+        check=False, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "throughput" in out.stdout and "papers' latency" in out.stdout
+    assert "LP bound 666.7 samples/s" in out.stdout
+    assert "cuda0" in out.stdout and "cpu4" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "staronnx", "simulate", str(plan.root), "--rate", "10",
+                          "--batch", "1", "--synthetic", "pack:1 numa:1 core:4", "--cuda-streams", "1"],
+                         check=False, capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "cuda0" in bad.stderr
+
+
+# -- against a real calibration ----------------------------------------------------------------
+def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(plan, tmp_path):
+    """Calibrate on this machine's cores, then the simulated saturated throughput must be what
+    the calibrated means predict: workers x batch / sum of part times (identical workers)."""
+    from staronnx.calibrate import calibrate, start_workers
+
+    store = PerfModelStore(tmp_path)
+    workers = start_workers(plan, groups="cores=1")
+    try:
+        report = calibrate(plan, [4], workers=workers, store=store)
+    finally:
+        for w in workers:
+            w.close()
+    assert not report.uncalibrated
+    machine = build_machine(plan, groups="cores=1", store=store)
+    assert len(machine.workers) == len(workers)
+    prof = profile_plan(plan, 4)
+    arch = machine.workers[0].arch
+    means = [store.load(plan.hash, p, arch).entry(prof.footprints[p]).mean for p in range(plan.k)]
+    predicted = len(workers) * 4 / sum(means)
+    bound = machine_bound(machine, 4)
+    assert bound.throughput == pytest.approx(predicted, rel=1e-6)
+    m = simulate(machine=machine, rate=2 * predicted, batch_size=4, n_requests=8000, policy="dmda").metrics()
+    assert m["congested"]
+    assert m["throughput"] == pytest.approx(predicted, rel=0.05)
+    assert math.isfinite(m["paper_latency_mean"]) and np.isfinite(m["latency_p99"])
+    assert machine.table.sources == {}  # real models, nothing borrowed
