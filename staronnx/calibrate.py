@@ -117,7 +117,8 @@ def calibrate(
             while model.needs_samples(fp) and runs < max_runs:
                 future = worker.submit(part, feeds)
                 future.result()
-                model.record(fp, future.seconds)
+                # kernel time only for CUDA workers: copies are the bus model's business
+                model.record(fp, getattr(future, "compute_seconds", None) or future.seconds)
                 runs += 1
             with lock:
                 k = (part, arch, batch)

@@ -221,7 +221,10 @@ class NativeEngine:
         if error is None:
             fp = view.extra["footprint"]
             if self.predictor.needs_samples(task.part, st.info.arch, fp):
-                self.predictor.record(task.part, st.info.arch, fp, measured)
+                # CUDA workers report kernel time without their copies, which the bus model
+                # prices; CPU workers' wall time is their compute time
+                compute = getattr(st.worker, "last_compute_seconds", None) if st.info.kind == "cuda" else None
+                self.predictor.record(task.part, st.info.arch, fp, compute or measured)
         if self.tracer is not None:
             self.tracer.task(
                 st.info.id, f"part{task.part}", start, end,
