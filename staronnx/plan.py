@@ -54,6 +54,10 @@ class PartSpec:
     share: float
     target_share: float
     sha256: str = ""
+    #: Where a placement method (comm-sd, duet, overseer, optimal, ort-static) put this part:
+    #: a CPU worker's name (``cpu:numa0.core0``) or ``cudaD``; None when the runtime's policy
+    #: decides (metis, linear). Plans written before this field load with None.
+    device: str | None = None
 
 
 @dataclass

@@ -23,12 +23,16 @@ from staronnx.partition.costs import NodeCosts, estimated_costs, profile_costs
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import ModelGraph, build_graph
 from staronnx.partition.linear import linear_ranks
+from staronnx.partition.methods.pipeline import PLACEMENT_METHODS, PlacementMethod
 from staronnx.partition.metis import metis_parts
 from staronnx.plan import Plan, check_output_dir
 
-#: A method maps (graph, costs, targets, seed, tolerance) to a part index per vertex such that
-#: every edge goes from a part to the same or a later one.
-Method = Callable[[ModelGraph, np.ndarray, np.ndarray, int, float], np.ndarray]
+#: A shares method maps (graph, costs, targets, seed, tolerance) to a part index per vertex such
+#: that every edge goes from a part to the same or a later one. A placement method
+#: (:class:`~staronnx.partition.methods.PlacementMethod`: comm-sd, duet, overseer, optimal,
+#: ort-static) decides a device per vertex from costs on every device and makes its own parts;
+#: ``partition()`` hands it the graph and records each part's device.
+Method = Callable[[ModelGraph, np.ndarray, np.ndarray, int, float], np.ndarray] | PlacementMethod
 
 
 def _metis(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed: int, tol: float) -> np.ndarray:
@@ -49,7 +53,7 @@ def _linear(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed: int
     return linear_ranks(costs, targets)
 
 
-METHODS: dict[str, Method] = {"metis": _metis, "linear": _linear}
+METHODS: dict[str, Method] = {"metis": _metis, "linear": _linear, **PLACEMENT_METHODS}
 
 
 def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> list[float]:
@@ -158,8 +162,20 @@ def partition(
         )
     else:
         node_costs = estimated_costs(graph, batch=profile_batch)
-    say(f"cutting into {k} parts with {method}")
-    ranks = METHODS[method](graph, node_costs.micros, targets, seed, tolerance)
+    chosen = METHODS[method]
+    placement = None
+    if isinstance(chosen, PlacementMethod):
+        # decides a device per node (CPU groups of this machine, plus the GPU for --device cuda)
+        # and its own number of parts; --shares/--parts do not apply
+        placement = chosen.place_graph(
+            graph, devices="+cuda" if device == "cuda" else None, costs=costs,
+            profile_batch=profile_batch, profile_runs=profile_runs, seed=seed, input_shapes=shapes, progress=say,
+        )
+        ranks, k, targets = placement.ranks, placement.k, np.array(placement.shares())
+        node_costs = placement.node_costs(profile_batch, profile_runs, costs)
+    else:
+        say(f"cutting into {k} parts with {method}")
+        ranks = chosen(graph, node_costs.micros, targets, seed, tolerance)
     cm = CutModel.from_graph(graph, node_costs.micros)
     if not cm.is_monotone(ranks) or len(set(ranks.tolist())) != k:
         raise PartitionError(f"method {method!r} produced an invalid cut (a bug: please report)")
@@ -174,9 +190,11 @@ def partition(
         "profile_runs": profile_runs,
         "tolerance": tolerance,
         "input_shapes": {n: list(d) for n, d in shapes.items()},
+        **({"placement": placement.settings()} if placement is not None else {}),
     }
     say(f"exporting {k} parts to {out}")
-    return write_plan(graph, ranks, node_costs, list(targets), settings, out)
+    plan = write_plan(graph, ranks, node_costs, list(targets), settings, out)
+    return placement.annotate(plan) if placement is not None else plan
 
 
 __all__ = ["partition", "METHODS", "parse_shares", "parse_input_shapes", "Refiner"]

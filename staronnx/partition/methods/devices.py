@@ -1,0 +1,230 @@
+"""Devices of this machine and each node's cost on each of them.
+
+On a CPU-only machine the "devices" are CPU groups (``cores=1`` on two cores gives two). Node
+costs per device come from ORT's profiler with ``intra_op_num_threads`` = the group's cores
+(groups of equal size share one profile), on CUDA from a CUDA session, or from the FLOP/byte
+estimate (``costs="estimate"``, divided by the group's cores). Identical groups cost the same,
+so what-if tables can replace any device's costs (``device_costs``):
+
+* a number: that device costs ``x`` times the reference costs (the first CPU device's);
+* a mapping ``{op_type: factor}`` with an optional ``"*"`` default (1.0): per-op factors,
+  e.g. a GPU ``{"Conv": 0.05, "MatMul": 0.05, "Gemm": 0.05, "*": 0.5}``;
+* an array of µs per node: costs at the profile batch, scaled linearly to other batches;
+* a callable ``f(batch, reference_us, graph) -> µs per node`` (e.g. the simulator's GPU model).
+
+A device listed in ``devices`` that this machine does not have (a GPU on a CPU box) needs an
+override, or profiling fails with the missing provider's name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from staronnx.errors import PartitionError
+from staronnx.feeds import random_feeds_for_shapes
+from staronnx.ortutil import make_session, providers_for
+from staronnx.partition.costs import _kernel_times, estimate_node
+from staronnx.partition.graph import ModelGraph, resolve_input_shapes
+from staronnx.partition.methods.model import Device
+
+CostOverride = float | Mapping[str, float] | Sequence[float] | np.ndarray | Callable[..., Any]
+
+
+def machine_devices(groups: str = "cores=1", cuda: bool | None = None) -> list[Device]:
+    """The CPU groups of a group policy (named like their workers), plus ``cuda0`` when asked
+    (``cuda=None``: when ORT has the CUDA provider)."""
+    from staronnx.workers.groups import make_groups
+    from staronnx.workers.topology import Topology
+
+    topology = Topology.from_system()
+    devices = []
+    for g in make_groups(topology, groups):
+        numa = g.numa if g.numa is not None else 0
+        devices.append(Device(f"cpu:{g.name}", "cpu", f"numa{numa}", g.n_cores))
+    if cuda is None:
+        cuda = "CUDAExecutionProvider" in ort.get_available_providers()
+    if cuda:
+        devices.append(Device("cuda0", "cuda", "cuda0", 1))
+    return devices
+
+
+def default_groups() -> str:
+    """CPU groups used as devices when none are given: one per NUMA node where there are
+    several, else the cores split in two halves (``cores=1`` on a two-core machine)."""
+    from staronnx.workers.topology import Topology
+
+    topology = Topology.from_system()
+    cores = topology.allowed_cores()
+    if len({c.numa for c in cores}) >= 2:
+        return "numa"
+    return f"cores={max(1, math.ceil(len(cores) / 2))}"
+
+
+def parse_devices(spec: str | Sequence[Device | str | Mapping[str, Any]] | None) -> list[Device]:
+    """Devices from a CPU group policy (``"cores=1"``, ``"numa"``; empty or None: see
+    :func:`default_groups`), optionally followed by ``+cuda`` (``"cores=1+cuda"``, ``"+cuda"``),
+    or a list of :class:`Device`, dicts, or names (``"cuda0"``, ``"cpu:g0"``)."""
+    if spec is None:
+        spec = ""
+    if isinstance(spec, str):
+        policy, plus, extra = spec.partition("+")
+        devices = machine_devices(policy or default_groups(), cuda=False)
+        if plus:
+            if extra != "cuda":
+                raise PartitionError(f"devices {spec!r}: only '+cuda' may follow the group policy")
+            devices.append(Device("cuda0", "cuda", "cuda0", 1))
+        return devices
+    out: list[Device] = []
+    for item in spec:
+        if isinstance(item, Device):
+            out.append(item)
+        elif isinstance(item, Mapping):
+            out.append(Device(**item))
+        elif isinstance(item, str):
+            kind = "cuda" if item.startswith("cuda") else "cpu"
+            out.append(Device(item, kind, item if kind == "cuda" else "numa0", 1))
+        else:
+            raise PartitionError(f"cannot read a device from {item!r}")
+    names = [d.name for d in out]
+    if len(set(names)) != len(names):
+        raise PartitionError(f"device names must be distinct, got {names}")
+    if len(out) < 1:
+        raise PartitionError("placement needs at least one device")
+    return out
+
+
+def profile_device(
+    graph: ModelGraph,
+    device: Device,
+    *,
+    batch: int,
+    runs: int,
+    input_shapes: dict[str, list[int]] | None = None,
+    seed: int = 0,
+) -> np.ndarray:
+    """µs per node on one device: ORT's profiler with the device's threads, optimisations off
+    (so ORT's nodes are the graph's), unreported nodes estimated at the measured ratio."""
+    providers = providers_for(device.kind)  # names the missing CUDA provider on a CPU box
+    shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
+    feeds = random_feeds_for_shapes(graph.inputs, shapes, model=graph.model, seed=seed)
+    estimates = np.array([estimate_node(graph, v, batch) for v in range(len(graph))]) * 1e6
+    micros = estimates.copy()
+    measured = np.zeros(len(graph), dtype=bool)
+    with tempfile.TemporaryDirectory(prefix="staronnx-place-profile-") as tmp:
+        so = ort.SessionOptions()
+        so.enable_profiling = True
+        so.profile_file_prefix = os.path.join(tmp, "profile")
+        so.log_severity_level = 3
+        if device.kind == "cpu":
+            so.intra_op_num_threads = max(int(device.cores), 1)
+            so.inter_op_num_threads = 1
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        try:
+            sess = make_session(graph.model, optimize=False, providers=providers, options=so)
+            for _ in range(runs + 2):
+                sess.run(None, feeds)
+            times = _kernel_times(Path(sess.end_profiling()))
+        except Exception:  # noqa: BLE001 - costs only steer placement: fall back to estimates
+            times = {}
+    index = {node.name: v for v, node in enumerate(graph.nodes)}
+    for name, durations in times.items():
+        v = index.get(name)
+        if v is None or len(durations) < 3:
+            continue
+        # two warm-up runs dropped; the median resists a preempted run on a busy machine
+        micros[v] = float(np.median(durations[2:]))
+        measured[v] = True
+    if measured.any() and not measured.all():
+        ratio = np.median(micros[measured] / np.maximum(estimates[measured], 1e-9))
+        micros[~measured] = estimates[~measured] * ratio
+    return np.maximum(micros, 1e-3)
+
+
+def apply_override(
+    override: CostOverride, reference: np.ndarray, graph: ModelGraph | None, batch: int, profile_batch: int
+) -> np.ndarray:
+    """One device's µs per node at ``batch`` from a what-if override (see the module doc)."""
+    n = len(reference)
+    if callable(override):
+        out = np.asarray(override(batch, reference, graph), dtype=float)
+    elif isinstance(override, (int, float)):
+        out = reference * float(override)
+    elif isinstance(override, Mapping):
+        if graph is None:
+            raise PartitionError("per-op-type cost factors need the model graph")
+        default = float(override.get("*", 1.0))
+        factors = np.array([float(override.get(node.op_type, default)) for node in graph.nodes])
+        out = reference * factors
+    else:
+        out = np.asarray(override, dtype=float) * (batch / profile_batch)
+    if out.shape != (n,) or not np.all(np.isfinite(out)) or np.any(out < 0):
+        raise PartitionError(f"a device cost override must give {n} finite, non-negative µs values")
+    return np.maximum(out, 1e-3)
+
+
+def cost_tables(
+    graph: ModelGraph,
+    devices: Sequence[Device],
+    batches: Sequence[int],
+    *,
+    source: str = "profile",
+    runs: int = 5,
+    profile_batch: int = 8,
+    input_shapes: dict[str, list[int]] | None = None,
+    seed: int = 0,
+    overrides: Mapping[str, CostOverride] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[int, np.ndarray]:
+    """Per batch, an (n, devices) array of µs per node."""
+    say = progress or (lambda _m: None)
+    overrides = dict(overrides or {})
+    unknown = set(overrides) - {d.name for d in devices}
+    if unknown:
+        raise PartitionError(
+            f"device_costs names unknown device(s) {sorted(unknown)}; devices are {[d.name for d in devices]}"
+        )
+    if source not in ("profile", "estimate"):
+        raise PartitionError(f"unknown cost source {source!r}; use 'profile' or 'estimate'")
+    tables: dict[int, np.ndarray] = {}
+    for b in batches:
+        cache: dict[tuple[str, int], np.ndarray] = {}
+
+        def measured(dev: Device, b: int = b, cache: dict = cache) -> np.ndarray:
+            key = (dev.kind, dev.cores)
+            if key not in cache:
+                if source == "estimate":
+                    if dev.kind != "cpu":
+                        raise PartitionError(
+                            f"no cost estimate for {dev.name} ({dev.kind}); give device_costs for it "
+                            "or profile (costs='profile') on a machine that has it"
+                        )
+                    est = np.array([estimate_node(graph, v, b) for v in range(len(graph))]) * 1e6
+                    cache[key] = np.maximum(est / max(dev.cores, 1), 1e-3)
+                else:
+                    say(f"profiling {len(graph)} nodes on {dev.name} ({dev.cores} thread(s), batch {b})")
+                    cache[key] = profile_device(
+                        graph, dev, batch=b, runs=runs, input_shapes=input_shapes, seed=seed
+                    )
+            return cache[key]
+
+        plain = [d for d in devices if d.name not in overrides]
+        ref_dev = next((d for d in devices if d.kind == "cpu" and d.name not in overrides), None)
+        if ref_dev is None:
+            ref_dev = next((d for d in devices if d.kind == "cpu"), None) or Device("cpu:ref", "cpu", "numa0", 1)
+        reference = measured(ref_dev)
+        cols = []
+        for dev in devices:
+            if dev.name in overrides:
+                cols.append(apply_override(overrides[dev.name], reference, graph, b, profile_batch))
+            else:
+                cols.append(measured(dev) if dev in plain else reference)
+        tables[b] = np.stack(cols, axis=1)
+    return tables

@@ -1,0 +1,541 @@
+"""The cost model every placement method shares: devices, per-node costs, transfers, schedules.
+
+A :class:`Problem` is what SIR+, DUET, OverSeer and the MILP reason about: ``n`` nodes in a
+topological order, the time of each node on each device (µs), the tensors between nodes
+(bytes), and a transfer time per ordered pair of devices, ``latency + bytes * per_byte`` (0 on
+the same device). It is the classic model of the papers:
+
+* a device runs one node at a time (SIR+'s no-overlap constraint);
+* a node starts once every predecessor has finished *and* its tensor has arrived (finish +
+  transfer time when the two sit on different devices); transfers overlap with computation
+  and with each other (no link contention, as in SIR+'s MILP);
+* the makespan is the finish of the last node.
+
+:func:`schedule` evaluates an assignment (a device per node) by list scheduling in a priority
+order (nodes are appended to their device's queue in that order and start as early as the
+model allows). For a fixed assignment, the minimum over all topological priority orders is the
+model's exact optimum (every semi-active schedule is a list schedule of some topological
+order), which is how the tests brute-force tiny graphs.
+
+Parts are what the runtime executes: :func:`group_parts` turns a device per node into parts
+whose quotient graph is a DAG (the acyclic ``rank`` the exporter wants) with every part on one
+device, and :meth:`Problem.quotient` gives the part-level problem whose schedule is the
+predicted makespan of the plan (each part pays a task overhead).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from staronnx.perfmodels.bus import BusModel, LinkCost
+
+# -- devices and transfers ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Device:
+    """Somewhere a node can run: a CPU group (``cores`` intra-op threads) or a GPU.
+
+    ``name`` is the runtime's worker name for a CPU group (``cpu:numa0.core0``) or ``cudaD``
+    for a GPU, so a part's recorded device maps to workers; ``memory`` is its memory node
+    (``numa0``, ``cuda0``) as the bus model names them.
+    """
+
+    name: str
+    kind: str = "cpu"  # "cpu" | "cuda"
+    memory: str = "numa0"
+    cores: int = 1
+
+    def to_dict(self) -> dict[str, object]:
+        return {"name": self.name, "kind": self.kind, "memory": self.memory, "cores": self.cores}
+
+
+#: Two CPU groups on one NUMA node share memory: the runtime copies nothing, but the consumer
+#: reads the tensor out of another core's caches and the engine hands the task over to another
+#: worker. A small fixed cost plus a cache-to-cache bandwidth; configurable (``same_node``).
+SAME_NODE_LINK = LinkCost(latency=30e-6, bandwidth=20e9)
+#: Memory nodes the bus model has no route between (not calibrated yet): a PCIe 3 x16-like
+#: link for host<->GPU, a QPI/UPI-like one between NUMA nodes. Configurable (``default_link``).
+DEFAULT_LINK = LinkCost(latency=10e-6, bandwidth=12e9)
+
+
+@dataclass
+class TransferModel:
+    """Seconds to move bytes between two devices.
+
+    Same device: 0. Same memory node, different devices (two CPU groups of one NUMA node):
+    ``same_node``. Different memory nodes: the bus model's prediction when it has a route
+    (calibrated with ``staronnx calibrate``), else ``default_link``.
+    """
+
+    bus: BusModel | None = None
+    same_node: LinkCost = SAME_NODE_LINK
+    default_link: LinkCost = DEFAULT_LINK
+
+    def link(self, src: Device, dst: Device) -> tuple[float, float]:
+        """(latency s, seconds per byte) of the ``src -> dst`` transfer."""
+        if src == dst:
+            return 0.0, 0.0
+        if src.memory == dst.memory:
+            return self.same_node.latency, 1.0 / self.same_node.bandwidth
+        if self.bus is not None and self.bus.has_route(src.memory, dst.memory):
+            # the bus model is affine in bytes: recover (latency, slope) from two points
+            lat = self.bus.predict(src.memory, dst.memory, 1)
+            big = self.bus.predict(src.memory, dst.memory, 1 << 30)
+            slope = max((big - lat) / ((1 << 30) - 1), 0.0)
+            return max(lat - slope, 0.0), slope
+        return self.default_link.latency, 1.0 / self.default_link.bandwidth
+
+    def matrices(self, devices: Sequence[Device]) -> tuple[np.ndarray, np.ndarray]:
+        """Latency (µs) and µs per byte for every ordered pair of devices."""
+        d = len(devices)
+        lat, per_byte = np.zeros((d, d)), np.zeros((d, d))
+        for i, a in enumerate(devices):
+            for j, b in enumerate(devices):
+                if i != j:
+                    s, slope = self.link(a, b)
+                    lat[i, j], per_byte[i, j] = s * 1e6, slope * 1e6
+        return lat, per_byte
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "same_node": {"latency_s": self.same_node.latency, "bandwidth": self.same_node.bandwidth},
+            "default_link": {"latency_s": self.default_link.latency, "bandwidth": self.default_link.bandwidth},
+            "bus": self.bus.to_dict()["links"] if self.bus is not None else [],
+        }
+
+
+# -- the problem ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Problem:
+    """Nodes (topological order), costs per device (µs), tensors (bytes), transfer times.
+
+    ``tensors`` are ``(producer, consumers, bytes)``; node-level edges sum the tensors
+    between a pair of nodes. ``lat`` and ``per_byte`` are (D, D) with a zero diagonal.
+    """
+
+    cost: np.ndarray  # (n, D) µs
+    tensors: list[tuple[int, list[int], float]]
+    lat: np.ndarray  # (D, D) µs
+    per_byte: np.ndarray  # (D, D) µs per byte
+    devices: list[str] = field(default_factory=list)
+    overhead: float = 0.0  # µs added to every node (a part's task overhead in quotients)
+
+    def __post_init__(self) -> None:
+        self.cost = np.asarray(self.cost, dtype=float)
+        if self.cost.ndim != 2:
+            raise ValueError("cost must be an (n, devices) array")
+        n, d = self.cost.shape
+        self.lat = np.asarray(self.lat, dtype=float).reshape(d, d)
+        self.per_byte = np.asarray(self.per_byte, dtype=float).reshape(d, d)
+        if not self.devices:
+            self.devices = [f"d{i}" for i in range(d)]
+        pair: dict[tuple[int, int], float] = {}
+        for u, users, nbytes in self.tensors:
+            for v in set(users):
+                if v == u:
+                    continue
+                if not 0 <= u < v < n:
+                    raise ValueError(f"edge {u}->{v}: nodes must be in topological order (u < v < n)")
+                pair[(u, v)] = pair.get((u, v), 0.0) + float(nbytes)
+        self.edges: list[tuple[int, int, float]] = [(u, v, b) for (u, v), b in sorted(pair.items())]
+        self.preds: list[list[int]] = [[] for _ in range(n)]
+        self.succs: list[list[int]] = [[] for _ in range(n)]
+        self.in_edges: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        self.out_edges: list[list[tuple[int, float]]] = [[] for _ in range(n)]
+        for u, v, b in self.edges:
+            self.preds[v].append(u)
+            self.succs[u].append(v)
+            self.in_edges[v].append((u, b))
+            self.out_edges[u].append((v, b))
+        # per edge, the (D, D) transfer time, as nested lists for fast scalar access
+        self._comm_tables: dict[tuple[int, int], list[list[float]]] = {}
+        self._static_order: list[int] | None = None
+
+    @classmethod
+    def from_edges(
+        cls,
+        cost: np.ndarray | Sequence[Sequence[float]],
+        edges: Sequence[tuple[int, int, float]],
+        lat: float | np.ndarray = 0.0,
+        per_byte: float | np.ndarray = 0.0,
+        devices: Sequence[str] = (),
+    ) -> Problem:
+        """A hand-built problem: scalar ``lat``/``per_byte`` apply to every pair of devices."""
+        cost = np.asarray(cost, dtype=float)
+        d = cost.shape[1]
+        off = 1.0 - np.eye(d)
+        lat_m = np.asarray(lat, dtype=float) * off if np.ndim(lat) == 0 else np.asarray(lat, dtype=float)
+        pb_m = (
+            np.asarray(per_byte, dtype=float) * off if np.ndim(per_byte) == 0 else np.asarray(per_byte, dtype=float)
+        )
+        return cls(cost, [(u, [v], b) for u, v, b in edges], lat_m, pb_m, list(devices))
+
+    @property
+    def n(self) -> int:
+        return int(self.cost.shape[0])
+
+    @property
+    def d(self) -> int:
+        return int(self.cost.shape[1])
+
+    def comm(self, nbytes: float, a: int, b: int) -> float:
+        """µs to move ``nbytes`` from device a to device b."""
+        if a == b:
+            return 0.0
+        return float(self.lat[a, b] + nbytes * self.per_byte[a, b])
+
+    def comm_table(self, nbytes: float) -> list[list[float]]:
+        key = (0, int(nbytes)) if float(nbytes).is_integer() else (1, hash(nbytes))
+        table = self._comm_tables.get(key)
+        if table is None:
+            m = self.lat + nbytes * self.per_byte
+            np.fill_diagonal(m, 0.0)
+            table = m.tolist()
+            self._comm_tables[key] = table
+        return table
+
+    def fastest(self) -> np.ndarray:
+        """Each node's fastest device (lowest index on ties)."""
+        return np.argmin(self.cost, axis=1).astype(np.int64)
+
+    def static_order(self) -> list[int]:
+        """A topological order by decreasing upward rank (HEFT's priority) with mean costs."""
+        if self._static_order is None:
+            mean_cost = self.cost.mean(axis=1) + self.overhead
+            d = self.d
+            mean_lat = float(self.lat.sum() / max(d * d - d, 1)) if d > 1 else 0.0
+            mean_pb = float(self.per_byte.sum() / max(d * d - d, 1)) if d > 1 else 0.0
+            rank = np.zeros(self.n)
+            for u in range(self.n - 1, -1, -1):
+                best = 0.0
+                for v, b in self.out_edges[u]:
+                    best = max(best, rank[v] + (mean_lat + b * mean_pb) * (d - 1) / max(d, 1))
+                rank[u] = mean_cost[u] + best
+            self._static_order = priority_topological(self.preds, self.succs, [-r for r in rank])
+        return self._static_order
+
+    def quotient(self, ranks: np.ndarray, overhead: float = 0.0) -> Problem:
+        """The part-level problem: part cost = sum of its nodes' costs, crossing tensors counted
+        once per consuming part, ``overhead`` µs per part (the task's fixed cost)."""
+        ranks = np.asarray(ranks, dtype=np.int64)
+        k = int(ranks.max()) + 1
+        cost = np.zeros((k, self.d))
+        np.add.at(cost, ranks, self.cost)
+        cost += overhead
+        tensors = []
+        for u, users, nbytes in self.tensors:
+            p = int(ranks[u])
+            parts = sorted({int(ranks[v]) for v in users} - {p})
+            if parts:
+                tensors.append((p, parts, nbytes))
+        return Problem(cost, tensors, self.lat.copy(), self.per_byte.copy(), list(self.devices), overhead)
+
+    def cut_bytes(self, assign: np.ndarray) -> float:
+        """Bytes crossing devices (a tensor counted once per other device reading it)."""
+        total = 0.0
+        for u, users, nbytes in self.tensors:
+            other = {int(assign[v]) for v in users} - {int(assign[u])}
+            total += nbytes * len(other)
+        return total
+
+
+def priority_topological(preds: list[list[int]], succs: list[list[int]], key: Sequence[float]) -> list[int]:
+    """Kahn's order taking the ready node with the smallest ``key`` (then smallest index)."""
+    n = len(preds)
+    indeg = [len(set(p)) for p in preds]
+    heap = [(key[v], v) for v in range(n) if indeg[v] == 0]
+    heapq.heapify(heap)
+    order: list[int] = []
+    while heap:
+        _, u = heapq.heappop(heap)
+        order.append(u)
+        for v in set(succs[u]):
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(heap, (key[v], v))
+    if len(order) != n:
+        raise ValueError("the graph has a cycle")
+    return order
+
+
+# -- schedules -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Schedule:
+    start: np.ndarray
+    finish: np.ndarray
+    makespan: float
+
+
+def schedule(problem: Problem, assign: Sequence[int] | np.ndarray, order: Sequence[int] | None = None) -> Schedule:
+    """List-schedule an assignment: nodes in ``order`` (default :meth:`Problem.static_order`)
+    are appended to their device's queue and start at max(device free, inputs arrived)."""
+    a = [int(x) for x in assign]
+    order = problem.static_order() if order is None else order
+    n = problem.n
+    cost = problem.cost.tolist()
+    start = [0.0] * n
+    finish = [0.0] * n
+    free = [0.0] * problem.d
+    for v in order:
+        dv = a[v]
+        ready = 0.0
+        for u, nbytes in problem.in_edges[v]:
+            du = a[u]
+            t = finish[u] if du == dv else finish[u] + problem.comm_table(nbytes)[du][dv]
+            ready = max(ready, t)
+        s = max(free[dv], ready)
+        start[v] = s
+        finish[v] = s + cost[v][dv]
+        free[dv] = finish[v]
+    return Schedule(np.array(start), np.array(finish), max(finish) if n else 0.0)
+
+
+def makespan(problem: Problem, assign: Sequence[int] | np.ndarray, order: Sequence[int] | None = None) -> float:
+    return schedule(problem, assign, order).makespan
+
+
+def best_makespan(problem: Problem, assign: Sequence[int] | np.ndarray, orders: Sequence[Sequence[int]] = ()) -> float:
+    """The least makespan over the static order, the plain topological order and ``orders``."""
+    candidates = [problem.static_order(), list(range(problem.n)), *orders]
+    return min(makespan(problem, assign, o) for o in candidates)
+
+
+def eft_assign(problem: Problem, order: Sequence[int] | None = None) -> np.ndarray:
+    """HEFT's placement: in priority order, each node on the device where it finishes first
+    (what the runtime's heft policy does with parts that carry no device)."""
+    order = problem.static_order() if order is None else order
+    n = problem.n
+    a = [0] * n
+    finish = [0.0] * n
+    free = [0.0] * problem.d
+    cost = problem.cost.tolist()
+    for v in order:
+        best = None
+        for dv in range(problem.d):
+            ready = 0.0
+            for u, nbytes in problem.in_edges[v]:
+                t = finish[u] + problem.comm_table(nbytes)[a[u]][dv]
+                ready = max(ready, t)
+            f = max(ready, free[dv]) + cost[v][dv]
+            if best is None or f < best[0] - 1e-9:
+                best = (f, dv)
+        assert best is not None
+        a[v] = best[1]
+        finish[v] = best[0]
+        free[best[1]] = best[0]
+    return np.array(a, dtype=np.int64)
+
+
+# -- from a device per node to parts ---------------------------------------------------------------
+
+
+def group_parts(
+    problem: Problem, assign: Sequence[int] | np.ndarray, overhead: float = 50.0, merge: bool = True
+) -> np.ndarray:
+    """Parts of one device each whose quotient is a DAG; returns a monotone rank per node.
+
+    A part is one task in the runtime: it starts when all its inputs exist and its outputs
+    appear when it ends, so grouping can cost parallelism. Two groupings are tried:
+
+    * SIR+'s rule, a sweep in a topological order that keeps consecutive nodes of one device
+      in one part: a node joins its device's newest part when none of its predecessors sits
+      in a later part, else opens a new one (among ready nodes, those that fit go first);
+    * the finest grouping that loses nothing: chains of one device (a node whose only
+      predecessor is the node before it on the chain, on the same device) form a part.
+
+    Each is then merged pairwise (parts of one device, where the quotient stays acyclic and
+    the predicted part-level makespan, with ``overhead`` µs per part, does not grow), so
+    fan-out graphs do not end up with a part per node; the better of the two is kept (lower
+    predicted makespan, then fewer parts).
+    """
+    a = np.asarray(assign, dtype=np.int64)
+    if problem.n == 0:
+        return np.zeros(0, dtype=np.int64)
+    best: tuple[float, int, np.ndarray] | None = None
+    for start in (_sweep_parts(problem, a), _chain_parts(problem, a)):
+        ranks = _renumber(problem, start)
+        if merge:
+            ranks = _renumber(problem, _merge_parts(problem, ranks, a, overhead))
+        value = predicted_makespan(problem, ranks, part_devices(ranks, a), overhead)
+        key = (round(value, 6), int(ranks.max()) + 1)
+        if best is None or key < best[:2]:
+            best = (key[0], key[1], ranks)
+    assert best is not None
+    return best[2]
+
+
+def _sweep_parts(problem: Problem, a: np.ndarray) -> np.ndarray:
+    n = problem.n
+    preds, succs = problem.preds, problem.succs
+    cluster = [-1] * n
+    open_part: dict[int, int] = {}  # device -> newest part
+    count = 0
+    indeg = [len(p) for p in preds]
+    ready = {v for v in range(n) if indeg[v] == 0}
+
+    def fits(v: int) -> bool:
+        p = open_part.get(int(a[v]))
+        return p is not None and all(cluster[u] <= p for u in preds[v])
+
+    while ready:
+        fitting = [v for v in ready if fits(v)]
+        if fitting:
+            v = min(fitting)
+            cluster[v] = open_part[int(a[v])]
+        else:
+            v = min(ready)
+            cluster[v] = count
+            open_part[int(a[v])] = count
+            count += 1
+        ready.discard(v)
+        for w in succs[v]:
+            indeg[w] -= 1
+            if indeg[w] == 0:
+                ready.add(w)
+    return np.array(cluster, dtype=np.int64)
+
+
+def _chain_parts(problem: Problem, a: np.ndarray) -> np.ndarray:
+    cluster = list(range(problem.n))
+    for v in range(problem.n):
+        if len(problem.preds[v]) == 1:
+            u = problem.preds[v][0]
+            if len(problem.succs[u]) == 1 and a[u] == a[v]:
+                cluster[v] = cluster[u]
+    return np.array(cluster, dtype=np.int64)
+
+
+def _renumber(problem: Problem, ranks: np.ndarray) -> np.ndarray:
+    """Contiguous ranks in a topological order of the quotient (ties: first node's index)."""
+    labels = sorted({int(r) for r in ranks})
+    index = {lab: i for i, lab in enumerate(labels)}
+    q = np.array([index[int(r)] for r in ranks], dtype=np.int64)
+    k = len(labels)
+    qp: list[set[int]] = [set() for _ in range(k)]
+    qs: list[set[int]] = [set() for _ in range(k)]
+    for u, v, _ in problem.edges:
+        if q[u] != q[v]:
+            qp[q[v]].add(int(q[u]))
+            qs[q[u]].add(int(q[v]))
+    first = [problem.n] * k
+    for v in range(problem.n - 1, -1, -1):
+        first[int(q[v])] = v
+    order = priority_topological([sorted(p) for p in qp], [sorted(s) for s in qs], first)
+    new = {p: i for i, p in enumerate(order)}
+    return np.array([new[int(r)] for r in q], dtype=np.int64)
+
+
+def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: float) -> np.ndarray:
+    """Greedy pairwise merges of parts of one device (ranks must be topological)."""
+    ranks = ranks.copy()
+    if int(ranks.max()) < 1:
+        return ranks
+
+    def quotient_succ(r: np.ndarray) -> tuple[list[int], dict[int, set[int]]]:
+        alive = sorted({int(x) for x in r})
+        succ: dict[int, set[int]] = {p: set() for p in alive}
+        for u, v, _ in problem.edges:
+            if r[u] != r[v]:
+                succ[int(r[u])].add(int(r[v]))
+        return alive, succ
+
+    def reach_sets(alive: list[int], succ: dict[int, set[int]]) -> dict[int, int]:
+        """Bitset of the parts reachable from each part (itself excluded)."""
+        pos = {p: i for i, p in enumerate(alive)}
+        preds: list[list[int]] = [[] for _ in alive]
+        for p in alive:
+            for s_ in succ[p]:
+                preds[pos[s_]].append(pos[p])
+        order = priority_topological(preds, [sorted(pos[s_] for s_ in succ[p]) for p in alive], list(range(len(alive))))
+        bits: dict[int, int] = {}
+        for i in reversed(order):
+            p = alive[i]
+            b = 0
+            for s_ in succ[p]:
+                b |= (1 << s_) | bits[s_]
+            bits[p] = b
+        return bits
+
+    device_of = {int(ranks[v]): int(a[v]) for v in range(problem.n)}
+
+    def predicted(r: np.ndarray) -> float:
+        rr = _renumber(problem, r)
+        return predicted_makespan(problem, rr, part_devices(rr, a), overhead)
+
+    current = predicted(ranks)
+    for _sweep in range(6):
+        merged_any = False
+        alive, succ = quotient_succ(ranks)
+        reach = reach_sets(alive, succ)
+        for p in alive:
+            if p not in reach:
+                continue  # merged away in this sweep
+            same = [q for q in reach if q != p and device_of[q] == device_of[p]]
+            # neighbours in the quotient first, then the nearest in rank
+            same.sort(key=lambda q: (0 if q in succ[p] or p in succ[q] else 1, abs(q - p), q))
+            for q in same[:8]:
+                if q not in reach or p not in reach:
+                    continue
+                # merging p and q is acyclic iff no path p -> x -> q (or q -> x -> p) via another part
+                if any((reach[x] >> q) & 1 for x in _bits(reach[p]) if x != q) or any(
+                    (reach[x] >> p) & 1 for x in _bits(reach[q]) if x != p
+                ):
+                    continue
+                keep, drop = min(p, q), max(p, q)
+                trial = np.where(ranks == drop, keep, ranks)
+                value = predicted(trial)
+                if value <= current + 1e-9:
+                    ranks, current, merged_any = trial, value, True
+                    alive, succ = quotient_succ(ranks)
+                    reach = reach_sets(alive, succ)
+                    if p not in reach:
+                        break
+        if not merged_any:
+            break
+    return ranks
+
+
+def _bits(x: int) -> list[int]:
+    out = []
+    while x:
+        low = x & -x
+        out.append(low.bit_length() - 1)
+        x ^= low
+    return out
+
+
+def part_devices(ranks: np.ndarray, assign: np.ndarray) -> list[int]:
+    """The device of each part (every node of a part shares it)."""
+    k = int(np.max(ranks)) + 1
+    out = [-1] * k
+    for v, r in enumerate(ranks):
+        if out[int(r)] == -1:
+            out[int(r)] = int(assign[v])
+        elif out[int(r)] != int(assign[v]):
+            raise ValueError(f"part {int(r)} mixes devices {out[int(r)]} and {int(assign[v])}")
+    return out
+
+
+def is_monotone(problem: Problem, ranks: np.ndarray) -> bool:
+    return all(ranks[u] <= ranks[v] for u, v, _ in problem.edges)
+
+
+def predicted_makespan(problem: Problem, ranks: np.ndarray, devices: Sequence[int] | None, overhead: float) -> float:
+    """The plan's predicted makespan: parts as tasks on their device (or HEFT's choice when
+    the plan leaves placement to the runtime)."""
+    q = problem.quotient(ranks, overhead)
+    dev = list(devices) if devices is not None else list(eft_assign(q))
+    return min(makespan(q, dev), makespan(q, dev, list(range(q.n))))
+
+
+INF = math.inf

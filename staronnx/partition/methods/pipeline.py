@@ -1,0 +1,432 @@
+"""From a model to a placed plan: costs per device, a device per node, parts, export.
+
+    from staronnx.partition.methods import place
+    plan = place("model.onnx", "comm-sd", output_dir="plan/", devices="cores=1",
+                 device_costs={"cpu:numa0.core1": 0.5}, options={"alpha_us": 100})
+
+Steps: (1) the devices (CPU groups of this machine, a GPU where present, or a given list) and
+every node's cost on each at batch 1 and 8 (profiled with the device's threads, estimated, or
+what-if tables); transfers from the bus model; (2) the method puts every node on a device
+from the costs at the decision batch (``batch``, default the profile batch); (3)
+:func:`~staronnx.partition.methods.model.group_parts` makes parts of one device each whose
+quotient is a DAG; (4) the plan is exported as every other plan, with each part's device
+(``PartSpec.device``) and the method's report — predicted makespan of the parts at batch 1
+and 8, node-level makespan, the method's own figures — under ``settings["placement"]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import onnx
+
+from staronnx.errors import DeviceError, PartitionError
+from staronnx.partition.costs import NodeCosts
+from staronnx.partition.graph import ModelGraph
+from staronnx.partition.methods.devices import CostOverride, cost_tables, parse_devices
+from staronnx.partition.methods.heuristics import Assignment, comm_sd, duet, overseer
+from staronnx.partition.methods.model import (
+    Device,
+    Problem,
+    TransferModel,
+    best_makespan,
+    group_parts,
+    is_monotone,
+    part_devices,
+    predicted_makespan,
+)
+from staronnx.plan import Plan
+
+#: Batches whose predicted makespan every placed plan reports.
+REPORT_BATCHES = (1, 8)
+#: Fixed cost of one part (one task through the runtime: queueing, dispatch, session call), µs.
+PART_OVERHEAD_US = 50.0
+
+
+@dataclass
+class PlacementContext:
+    """What a placement method sees: the graph, devices, per-batch problems and options."""
+
+    graph: ModelGraph | None
+    devices: list[Device]
+    problems: dict[int, Problem]
+    batch: int
+    transfer: TransferModel
+    seed: int = 0
+    options: dict[str, Any] = field(default_factory=dict)
+    input_shapes: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def problem(self) -> Problem:
+        return self.problems[self.batch]
+
+
+class PlacementMethod:
+    """A method that decides a device per node (as opposed to shares-based cuts).
+
+    Subclasses set ``name``, ``defaults`` (their options) and implement :meth:`assign`.
+    Instances are what ``METHODS`` holds for these names; :meth:`check` runs before any
+    profiling so impossible requests fail at once.
+    """
+
+    name = ""
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def check(self, devices: Sequence[Device], graph: ModelGraph | None, options: Mapping[str, Any]) -> None:
+        unknown = set(options) - set(self.defaults) - COMMON_OPTIONS
+        if unknown:
+            raise PartitionError(
+                f"method {self.name!r} has no option(s) {sorted(unknown)}; it takes "
+                f"{sorted(set(self.defaults) | COMMON_OPTIONS)}"
+            )
+
+    def assign(self, ctx: PlacementContext) -> Assignment:
+        raise NotImplementedError
+
+    def option(self, ctx: PlacementContext, key: str) -> Any:
+        return ctx.options.get(key, self.defaults[key])
+
+    def __repr__(self) -> str:
+        return f"<placement method {self.name}>"
+
+    # the partition() hook: see staronnx.partition.api
+    def place_graph(self, graph: ModelGraph, **kwargs: Any) -> Placement:
+        return place_graph(graph, self, **kwargs)
+
+
+#: Options every placement method takes (beyond its own).
+COMMON_OPTIONS = frozenset({"part_overhead_us", "merge"})
+
+
+class CommSD(PlacementMethod):
+    name = "comm-sd"
+    defaults: ClassVar[dict[str, Any]] = {"alpha_us": 100.0, "max_iterations": 50}
+
+    def assign(self, ctx: PlacementContext) -> Assignment:
+        return comm_sd(ctx.problem, float(self.option(ctx, "alpha_us")), int(self.option(ctx, "max_iterations")))
+
+
+class Duet(PlacementMethod):
+    name = "duet"
+    defaults: ClassVar[dict[str, Any]] = {"max_rounds": 100}
+
+    def assign(self, ctx: PlacementContext) -> Assignment:
+        return duet(ctx.problem, int(self.option(ctx, "max_rounds")))
+
+
+class OverSeer(PlacementMethod):
+    name = "overseer"
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def assign(self, ctx: PlacementContext) -> Assignment:
+        return overseer(ctx.problem)
+
+
+class Optimal(PlacementMethod):
+    name = "optimal"
+    defaults: ClassVar[dict[str, Any]] = {"time_limit_s": 30.0, "max_nodes": 60, "mip_gap": 1e-6}
+
+    def check(self, devices: Sequence[Device], graph: ModelGraph | None, options: Mapping[str, Any]) -> None:
+        super().check(devices, graph, options)
+        limit = int(options.get("max_nodes", self.defaults["max_nodes"]))
+        if graph is not None and len(graph) > limit:
+            raise PartitionError(
+                f"the optimal (MILP) placement is limited to {limit} nodes and this graph has "
+                f"{len(graph)}: its ordering variables grow as n^2; use comm-sd, duet or "
+                "overseer, or raise the max_nodes option"
+            )
+
+    def assign(self, ctx: PlacementContext) -> Assignment:
+        from staronnx.partition.methods.optimal import optimal
+
+        p = ctx.problem
+        warm = [comm_sd(p).devices, duet(p).devices, overseer(p).devices]
+        return optimal(
+            p,
+            time_limit=float(self.option(ctx, "time_limit_s")),
+            max_nodes=int(self.option(ctx, "max_nodes")),
+            mip_gap=float(self.option(ctx, "mip_gap")),
+            warm_starts=warm,
+        )
+
+
+class OrtStatic(PlacementMethod):
+    """ONNX Runtime's own static placement: CUDA takes every node it supports (within the
+    memory budget ``cuda_memory_limit_kb``, ORT's ``session.resource_cuda_partitioning_settings``),
+    the CPU provider the rest; read off ORT's profile (the provider of each node's kernel)."""
+
+    name = "ort-static"
+    defaults: ClassVar[dict[str, Any]] = {"cuda_memory_limit_kb": None}
+
+    def check(self, devices: Sequence[Device], graph: ModelGraph | None, options: Mapping[str, Any]) -> None:
+        super().check(devices, graph, options)
+        import onnxruntime as ort
+
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise DeviceError(
+                "method 'ort-static' is ONNX Runtime's own CPU/GPU placement and needs its "
+                "CUDAExecutionProvider, which this install lacks (available: "
+                f"{', '.join(ort.get_available_providers())}); run it on a machine with an NVIDIA "
+                "GPU and onnxruntime-gpu (staronnx[gpu]), or use comm-sd, duet, overseer or optimal"
+            )
+
+    def assign(self, ctx: PlacementContext) -> Assignment:
+        from staronnx.partition.methods.ortstatic import ort_static_devices
+
+        if ctx.graph is None:
+            raise PartitionError("ort-static needs the model graph")
+        return ort_static_devices(ctx.graph, ctx.devices, batch=ctx.batch, input_shapes=ctx.input_shapes,
+                                  seed=ctx.seed, memory_limit_kb=self.option(ctx, "cuda_memory_limit_kb"))
+
+
+PLACEMENT_METHODS: dict[str, PlacementMethod] = {
+    m.name: m for m in (CommSD(), Duet(), OverSeer(), Optimal(), OrtStatic())
+}
+
+
+# -- building problems -------------------------------------------------------------------------
+
+
+def graph_tensors(graph: ModelGraph, batch: int) -> list[tuple[int, list[int], float]]:
+    """(producer, consumers, bytes at ``batch``) of every tensor between two vertices."""
+    out = []
+    for t, users in graph.consumers.items():
+        u = graph.producer.get(t)
+        if u is None:
+            continue
+        others = sorted(set(users) - {u})
+        if not others:
+            continue
+        info = graph.tensors.get(t)
+        nbytes = 0.0
+        if info is not None:
+            nbytes = float(info.bytes_per_sample) * (batch if info.batched else 1)
+        out.append((u, others, nbytes))
+    return out
+
+
+def graph_problem(
+    graph: ModelGraph, devices: Sequence[Device], cost: np.ndarray, transfer: TransferModel, batch: int
+) -> Problem:
+    lat, per_byte = transfer.matrices(devices)
+    return Problem(cost, graph_tensors(graph, batch), lat, per_byte, [d.name for d in devices])
+
+
+def make_context(
+    graph: ModelGraph,
+    method: PlacementMethod,
+    *,
+    devices: str | Sequence[Device | str | Mapping[str, Any]] | None = None,
+    device_costs: Mapping[str, CostOverride] | None = None,
+    costs: str = "profile",
+    profile_batch: int = 8,
+    profile_runs: int = 5,
+    batch: int | None = None,
+    transfer: TransferModel | None = None,
+    seed: int = 0,
+    options: Mapping[str, Any] | None = None,
+    input_shapes: dict[str, list[int]] | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PlacementContext:
+    devs = parse_devices(devices)
+    options = dict(options or {})
+    method.check(devs, graph, options)
+    batch = int(batch or profile_batch)
+    batches = sorted(set(REPORT_BATCHES) | {batch})
+    tables = cost_tables(
+        graph, devs, batches, source=costs, runs=profile_runs, profile_batch=profile_batch,
+        input_shapes=input_shapes, seed=seed, overrides=device_costs, progress=progress,
+    )
+    transfer = transfer or TransferModel(bus=_stored_bus())
+    problems = {b: graph_problem(graph, devs, tables[b], transfer, b) for b in batches}
+    return PlacementContext(graph, devs, problems, batch, transfer, seed, options, dict(input_shapes or {}))
+
+
+def _stored_bus() -> Any:
+    """This host's calibrated bus model, if any (``staronnx calibrate`` writes it)."""
+    try:
+        from staronnx.perfmodels import PerfModelStore
+
+        bus = PerfModelStore().load_bus()
+        return bus if bus.links else None
+    except Exception:  # noqa: BLE001 - no store, no bus: default links
+        return None
+
+
+# -- placing -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Placement:
+    """A method's result: a device per node, parts, and its predictions."""
+
+    method: str
+    devices: list[Device]
+    node_devices: np.ndarray  # device index per node
+    ranks: np.ndarray  # part per node (monotone: the quotient is a DAG)
+    part_device: list[int]  # device index per part
+    predicted_us: dict[int, float]  # part-level makespan per batch (what runs)
+    node_level_us: dict[int, float]  # node-level makespan per batch (the method's model)
+    cut_bytes_per_sample: float
+    info: dict[str, Any]
+    batch: int
+    costs_at_batch: np.ndarray  # (n, D) at the decision batch
+
+    @property
+    def k(self) -> int:
+        return len(self.part_device)
+
+    def part_device_names(self) -> list[str]:
+        return [self.devices[d].name for d in self.part_device]
+
+    def node_costs(self, profile_batch: int, runs: int, source: str) -> NodeCosts:
+        """Each node's cost on its own device (so parts' cost shares reflect the placement)."""
+        micros = self.costs_at_batch[np.arange(len(self.node_devices)), self.node_devices]
+        measured = np.full(len(micros), source == "profile")
+        used = "+".join(d.name for i, d in enumerate(self.devices) if i in set(self.part_device))
+        return NodeCosts(micros=micros, measured=measured, device=used, batch=self.batch, runs=runs)
+
+    def shares(self) -> list[float]:
+        micros = self.costs_at_batch[np.arange(len(self.node_devices)), self.node_devices]
+        loads = np.bincount(self.ranks, weights=micros, minlength=self.k)
+        total = float(loads.sum()) or 1.0
+        return [float(x) / total for x in loads]
+
+    def settings(self) -> dict[str, Any]:
+        """JSON-able record for ``plan.settings["placement"]``."""
+        return {
+            "method": self.method,
+            "devices": [d.to_dict() for d in self.devices],
+            "part_devices": self.part_device_names(),
+            "decision_batch": self.batch,
+            "predicted_makespan_us": {str(b): round(v, 3) for b, v in self.predicted_us.items()},
+            "node_level_makespan_us": {str(b): round(v, 3) for b, v in self.node_level_us.items()},
+            "nodes_per_device": {
+                d.name: int(np.sum(self.node_devices == i)) for i, d in enumerate(self.devices)
+            },
+            "info": _jsonable(self.info),
+        }
+
+    def annotate(self, plan: Plan) -> Plan:
+        """Record each part's device in an exported plan (``PartSpec.device``)."""
+        names = self.part_device_names()
+        if len(names) != plan.k:
+            raise PartitionError(f"placement has {len(names)} parts but the plan {plan.k}")
+        for part, name in zip(plan.parts, names):
+            part.device = name
+        plan.write_json(plan.root)
+        return Plan.load(plan.root)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def place_context(method: PlacementMethod, ctx: PlacementContext) -> Placement:
+    """Run a method on a context and turn its device per node into parts."""
+    result = method.assign(ctx)
+    a = np.asarray(result.devices, dtype=np.int64)
+    p = ctx.problem
+    if a.shape != (p.n,) or (p.n and (a.min() < 0 or a.max() >= p.d)):
+        raise PartitionError(f"method {method.name!r} returned an invalid assignment (a bug: please report)")
+    overhead = float(ctx.options.get("part_overhead_us", PART_OVERHEAD_US))
+    ranks = group_parts(p, a, overhead=overhead, merge=bool(ctx.options.get("merge", True)))
+    if not is_monotone(p, ranks):
+        raise PartitionError(f"method {method.name!r}: parts form a cycle (a bug: please report)")
+    pdev = part_devices(ranks, a)
+    predicted = {b: predicted_makespan(q, ranks, pdev, overhead) for b, q in ctx.problems.items()}
+    node_level = {b: best_makespan(q, a, result.orders) for b, q in ctx.problems.items()}
+    cut = ctx.problems[1].cut_bytes(a) if 1 in ctx.problems else p.cut_bytes(a) / max(ctx.batch, 1)
+    return Placement(
+        method.name, ctx.devices, a, ranks, pdev,
+        {b: predicted[b] for b in REPORT_BATCHES if b in predicted},
+        {b: node_level[b] for b in REPORT_BATCHES if b in node_level},
+        cut, result.info, ctx.batch, p.cost,
+    )
+
+
+def place_graph(graph: ModelGraph, method: PlacementMethod | str, **kwargs: Any) -> Placement:
+    """Place a built graph (see :func:`make_context` for the keyword arguments)."""
+    m = PLACEMENT_METHODS[method] if isinstance(method, str) else method
+    ctx = make_context(graph, m, **kwargs)
+    return place_context(m, ctx)
+
+
+def place(
+    model_or_path: onnx.ModelProto | str | os.PathLike[str],
+    method: str,
+    *,
+    output_dir: str | os.PathLike[str] | None = None,
+    devices: str | Sequence[Device | str | Mapping[str, Any]] | None = None,
+    device_costs: Mapping[str, CostOverride] | None = None,
+    options: Mapping[str, Any] | None = None,
+    costs: str = "profile",
+    profile_batch: int = 8,
+    profile_runs: int = 5,
+    batch: int | None = None,
+    transfer: TransferModel | None = None,
+    input_shapes: Sequence[str] | dict[str, Sequence[int]] | None = None,
+    seed: int = 0,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """Place a model's nodes on devices with ``method`` and export the plan (parts with their
+    device, the method's predictions under ``settings["placement"]``)."""
+    from staronnx.modelio import load_model
+    from staronnx.partition.api import parse_input_shapes
+    from staronnx.partition.export import write_plan
+    from staronnx.partition.graph import build_graph
+    from staronnx.plan import check_output_dir
+
+    if method not in PLACEMENT_METHODS:
+        raise PartitionError(f"unknown placement method {method!r}; choose one of {', '.join(PLACEMENT_METHODS)}")
+    say = progress or (lambda _m: None)
+    shapes = parse_input_shapes(input_shapes)
+    if output_dir is None:
+        out = Path(tempfile.mkdtemp(prefix="staronnx-plan-"))
+    else:
+        out = Path(output_dir)
+        check_output_dir(out, force)
+    say("loading model")
+    graph = build_graph(load_model(model_or_path), shapes)
+    m = PLACEMENT_METHODS[method]
+    placement = place_graph(
+        graph, m, devices=devices, device_costs=device_costs, costs=costs, profile_batch=profile_batch,
+        profile_runs=profile_runs, batch=batch, transfer=transfer, seed=seed, options=options,
+        input_shapes=shapes, progress=say,
+    )
+    settings = {
+        "method": method,
+        "shares": placement.shares(),
+        "parts": placement.k,
+        "device": "placed",
+        "seed": seed,
+        "costs": costs,
+        "profile_batch": profile_batch,
+        "profile_runs": profile_runs,
+        "tolerance": None,
+        "input_shapes": {n: list(d) for n, d in shapes.items()},
+        "options": _jsonable(dict(options or {})),
+        "placement": placement.settings(),
+    }
+    say(f"exporting {placement.k} parts to {out}")
+    plan = write_plan(
+        graph, placement.ranks, placement.node_costs(profile_batch, profile_runs, costs),
+        placement.shares(), settings, out,
+    )
+    return placement.annotate(plan)
