@@ -30,6 +30,7 @@ _COMMAND_MODULES = [
     "perfmodel_cmds",
     "run_cmds",
     "simulate_cmd",
+    "sweep_cmds",
 ]
 
 for _name in _COMMAND_MODULES:

@@ -46,7 +46,9 @@ def partition_cmd(
         Optional[list[str]],
         typer.Option(help="NAME=D1xD2x... for inputs with dynamic non-batch dims (repeatable)."),
     ] = None,
-    method: Annotated[str, typer.Option(help="Partitioner: metis or linear.")] = "metis",
+    method: Annotated[str, typer.Option(
+        help="metis or linear (cut to --shares, placed dynamically), or a placement method that "
+             "also picks a device per part: comm-sd, duet, overseer, optimal, ort-static.")] = "metis",
     seed: Annotated[int, typer.Option(help="Seed for METIS and random feeds.")] = 0,
     costs: Annotated[Costs, typer.Option(help="profile (ORT profiler) or estimate (FLOPs).")] = Costs.profile,
     profile_batch: Annotated[int, typer.Option(help="Batch size used while profiling.")] = 8,

@@ -155,25 +155,26 @@ def partition(
         raise PartitionError(
             f"cannot cut {len(graph)} node(s) into {k} parts: k must not exceed the node count"
         )
-    if costs == "profile":
-        say(f"profiling {len(graph)} nodes on {device} (batch {profile_batch}, {profile_runs} runs)")
-        node_costs: NodeCosts = profile_costs(
-            graph, device=device, batch=profile_batch, runs=profile_runs, input_shapes=shapes, seed=seed
-        )
-    else:
-        node_costs = estimated_costs(graph, batch=profile_batch)
     chosen = METHODS[method]
     placement = None
     if isinstance(chosen, PlacementMethod):
         # decides a device per node (CPU groups of this machine, plus the GPU for --device cuda)
-        # and its own number of parts; --shares/--parts do not apply
+        # and its own number of parts; --shares/--parts do not apply. It profiles per device
+        # itself, so nothing is profiled here.
         placement = chosen.place_graph(
             graph, devices="+cuda" if device == "cuda" else None, costs=costs,
             profile_batch=profile_batch, profile_runs=profile_runs, seed=seed, input_shapes=shapes, progress=say,
         )
         ranks, k, targets = placement.ranks, placement.k, np.array(placement.shares())
-        node_costs = placement.node_costs(profile_batch, profile_runs, costs)
+        node_costs: NodeCosts = placement.node_costs(profile_batch, profile_runs, costs)
     else:
+        if costs == "profile":
+            say(f"profiling {len(graph)} nodes on {device} (batch {profile_batch}, {profile_runs} runs)")
+            node_costs = profile_costs(
+                graph, device=device, batch=profile_batch, runs=profile_runs, input_shapes=shapes, seed=seed
+            )
+        else:
+            node_costs = estimated_costs(graph, batch=profile_batch)
         say(f"cutting into {k} parts with {method}")
         ranks = chosen(graph, node_costs.micros, targets, seed, tolerance)
     cm = CutModel.from_graph(graph, node_costs.micros)

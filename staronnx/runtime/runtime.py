@@ -63,7 +63,19 @@ class Runtime:
         if engine not in ENGINES:
             raise StaronnxError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
         if engine == "starpu":
-            raise StaronnxError("the starpu engine is not available in this build yet; use engine='native'")
+            # StarPU's own workers, schedulers and perf models (staronnx.engines.starpu); the
+            # engine has the native one's submit/stats/close, so everything below is shared.
+            from staronnx.engines.starpu import StarpuEngine
+
+            if workers is not None:
+                raise StaronnxError("engine='starpu' starts its own StarPU workers; workers= is for engine='native'")
+            self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+            self.policy_name = policy
+            self._workers, self._own_workers = [], False
+            self._engine = StarpuEngine(self.plan, policy, cpu_groups, cuda_streams, trace, policy_options)
+            self._closed = False
+            self._close_lock = threading.Lock()
+            return
         self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         self.policy_name = policy
         policy_obj = make_policy(policy, **dict(policy_options or {}))  # fail before starting workers
