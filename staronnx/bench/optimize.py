@@ -1,0 +1,285 @@
+"""Pick the batch size for a rate: predict every candidate in simulation, verify the best live.
+
+    result = optimize_batch(plan, rate=300, batch_sizes=[1, 2, 4, 8, 16], groups="numa")
+    print(result.best, result.predicted_best)
+    for c in result.candidates:
+        print(c.batch_size, c.predicted_latency_ms, c.measured_latency_ms)
+
+**Objective.** Without an SLO: the batch size with the lowest papers' latency (mean over
+batches of the latency of each batch's first request) among those that sustain the rate
+(not congested). With an SLO (seconds, on that same latency): among the batch sizes that meet
+it at this rate, the one with the most throughput headroom (its LP throughput bound, the
+largest rate it could take), ties going to the lower latency; if none meets the SLO, the
+lowest latency, flagged ``slo_met=False``. When every candidate is congested, the one with
+the highest throughput.
+
+**Prediction.** The discrete-event simulator (:mod:`staronnx.bench.simulator`) serves the
+rate at every candidate from the calibrated perf models, with the runtime's own policy, in
+seconds of wall time; each run is long enough to hold ``min_batches`` batch fills.
+
+**Verification.** The simulator knows only what the perf models know (not the runtime's
+per-task overhead, not interference between workers), so the predicted best and its
+neighbours in the candidate list are measured live for a few seconds each on one shared
+runtime, exactly as a sweep measures a point. When the best measured sits at an edge of what
+was measured, the next candidate beyond it is measured too (a short hill-climb, at most
+``max_verify`` live points). The final choice is the best *measured* by the same objective,
+and every verified candidate carries both figures.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from staronnx.bench.sweep import (
+    _clean,
+    measure_point,
+    point_duration,
+    sample_pool,
+    warm_up,
+)
+from staronnx.errors import StaronnxError
+from staronnx.plan import Plan
+
+LATENCY = "paper_latency_mean"
+
+
+class OptimizeError(StaronnxError, ValueError):
+    """The optimizer cannot run as asked (no candidates, bad rate or SLO, no perf models)."""
+
+
+@dataclass
+class Candidate:
+    """One batch size: its simulated figures and, if verified, its measured ones (seconds)."""
+
+    batch_size: int
+    predicted: dict[str, Any]
+    measured: dict[str, Any] | None = None
+    bound: float | None = None  # LP throughput bound at this batch size (samples/s)
+
+    @staticmethod
+    def _ms(metrics: Mapping[str, Any] | None, key: str = LATENCY) -> float | None:
+        if not metrics:
+            return None
+        v = metrics.get(key)
+        return v * 1e3 if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+    @property
+    def predicted_latency_ms(self) -> float | None:
+        return self._ms(self.predicted)
+
+    @property
+    def measured_latency_ms(self) -> float | None:
+        return self._ms(self.measured)
+
+    @property
+    def latency_error(self) -> float | None:
+        """(predicted - measured) / measured of the papers' latency, when both exist."""
+        p, m = self.predicted_latency_ms, self.measured_latency_ms
+        return (p - m) / m if p is not None and m else None
+
+    def row(self) -> dict[str, Any]:
+        """A flat summary (latencies in ms) for tables and JSON."""
+        out: dict[str, Any] = {"batch_size": self.batch_size, "bound_throughput": self.bound}
+        for tag, m in (("predicted", self.predicted), ("measured", self.measured)):
+            out[f"{tag}_latency_ms"] = self._ms(m)
+            out[f"{tag}_latency_std_ms"] = self._ms(m, "paper_latency_std")
+            out[f"{tag}_p50_ms"] = self._ms(m, "latency_p50")
+            out[f"{tag}_p99_ms"] = self._ms(m, "latency_p99")
+            out[f"{tag}_throughput"] = None if not m else m.get("throughput")
+            out[f"{tag}_congested"] = None if not m else bool(m.get("congested"))
+        out["latency_error"] = self.latency_error
+        return out
+
+
+@dataclass
+class Optimization:
+    """The optimizer's answer."""
+
+    rate: float
+    slo: float | None
+    candidates: list[Candidate]
+    predicted_best: int
+    best: int  # the measured best among the verified (the predicted best without verification)
+    verified: list[int] = field(default_factory=list)
+    slo_met: bool | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def objective(self) -> str:
+        return ("lowest papers' latency" if self.slo is None
+                else f"most headroom with papers' latency <= {self.slo * 1e3:g} ms")
+
+    def candidate(self, batch_size: int) -> Candidate:
+        return next(c for c in self.candidates if c.batch_size == batch_size)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-safe (NaN -> None), latencies in ms."""
+        return _clean({
+            "rate": self.rate, "slo_ms": None if self.slo is None else self.slo * 1e3,
+            "objective": self.objective, "predicted_best": self.predicted_best, "best": self.best,
+            "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
+            "candidates": [c.row() for c in self.candidates],
+        })
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
+           bounds: Mapping[int, float | None] | None = None) -> tuple[int, bool | None]:
+    """The objective of the module docstring over ``{batch size: summarize() figures}``.
+
+    Returns (batch size, whether the SLO is met: None without an SLO).
+    """
+    if not metrics:
+        raise OptimizeError("no candidate to choose from")
+    bounds = bounds or {}
+    ok = {b: m for b, m in metrics.items() if not m.get("congested") and _finite(m.get(LATENCY))}
+    if not ok:  # everything congested: the most throughput, then the lowest latency
+        def key(b: int) -> tuple[float, float]:
+            thr = metrics[b].get("throughput")
+            lat = metrics[b].get(LATENCY)
+            return (-(thr if _finite(thr) else 0.0), lat if _finite(lat) else math.inf)
+        return min(metrics, key=key), (False if slo is not None else None)
+    fastest = min(ok, key=lambda b: (ok[b][LATENCY], b))
+    if slo is None:
+        return fastest, None
+    within = [b for b in ok if ok[b][LATENCY] <= slo]
+    if not within:
+        return fastest, False
+
+    def headroom(b: int) -> tuple[float, float]:
+        cap = bounds.get(b)
+        return (-(cap if _finite(cap) else 0.0), ok[b][LATENCY])
+
+    return min(within, key=headroom), True
+
+
+def optimize_batch(
+    plan: Plan | str | os.PathLike[str],
+    rate: float,
+    *,
+    slo: float | None = None,
+    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
+    policy: str = "heft",
+    groups: str = "numa",
+    cuda_streams: int = 0,
+    distribution: str = "constant",
+    store: Any = None,
+    sim_duration: float = 20.0,
+    verify: bool = True,
+    verify_duration: float = 3.0,
+    neighbours: int = 1,
+    max_verify: int = 4,
+    min_batches: int = 10,
+    seed: int = 0,
+    runtime: Any = None,
+    machine: Any = None,
+    progress: Callable[[str], None] | None = None,
+) -> Optimization:
+    """Choose ``b`` for ``rate`` requests/s (see the module docstring).
+
+    Args:
+        slo: papers' latency objective in seconds (None: minimize the latency).
+        batch_sizes: the candidates.
+        policy, groups, cuda_streams: the runtime's settings, simulated and measured alike.
+        sim_duration: seconds of simulated arrivals per candidate (stretched to
+            ``min_batches`` batch fills).
+        verify: measure the predicted best and its ``neighbours`` on each side live.
+        verify_duration: seconds per live measurement (stretched likewise).
+        max_verify: when the best measured candidate is at an edge of those measured, the next
+            one beyond it is measured too, up to this many live measurements in all.
+        runtime: an open runtime to measure on (it stays open); default: one started here.
+        machine: a :class:`~staronnx.bench.simulator.SimMachine` to reuse.
+        progress: called with a one-line message at each step.
+    """
+    try:
+        from staronnx.bench.bound import machine_bound
+        from staronnx.bench.simulator import build_machine, simulate
+    except ImportError as exc:  # pragma: no cover - the simulator ships with bench
+        raise OptimizeError(f"the optimizer needs staronnx.bench.simulator: {exc}") from None
+
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    if not (_finite(rate) and rate > 0):
+        raise OptimizeError(f"rate must be a positive number of requests/s, got {rate!r}")
+    if slo is not None and not (_finite(slo) and slo > 0):
+        raise OptimizeError(f"the latency SLO must be > 0 seconds, got {slo!r}")
+    sizes = sorted({int(b) for b in batch_sizes})
+    if not sizes or sizes[0] < 1:
+        raise OptimizeError(f"batch sizes must be integers >= 1, got {list(batch_sizes)}")
+    say = progress or (lambda msg: None)
+    notes: list[str] = []
+    if machine is None:
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
+    notes.extend(machine.notes)
+
+    candidates: list[Candidate] = []
+    for b in sizes:
+        length = point_duration(sim_duration, min(1.0, sim_duration / 5), b, rate, min_batches)
+        say(f"simulating batch {b} at {rate:g} req/s ({length:.1f} s of arrivals)")
+        try:
+            res = simulate(machine=machine, rate=rate, batch_size=b, policy=policy, duration=length,
+                           distribution=distribution, seed=seed)
+        except StaronnxError as exc:
+            notes.append(f"batch {b} left out: {exc}")
+            continue
+        predicted = res.metrics(warmup=min(1.0, length / 5))
+        try:
+            bound = machine_bound(machine, b).throughput
+        except StaronnxError:
+            bound = None
+        candidates.append(Candidate(b, dict(predicted), bound=bound))
+    if not candidates:
+        raise OptimizeError("no batch size could be simulated: " + "; ".join(notes))
+    bounds = {c.batch_size: c.bound for c in candidates}
+    predicted_best, slo_met = choose({c.batch_size: c.predicted for c in candidates}, slo, bounds)
+    result = Optimization(rate=float(rate), slo=slo, candidates=candidates, predicted_best=predicted_best,
+                          best=predicted_best, slo_met=slo_met, notes=notes)
+    if not verify:
+        return result
+
+    order = [c.batch_size for c in candidates]
+    at = order.index(predicted_best)
+    result.verified = order[max(0, at - neighbours): at + neighbours + 1]
+    own = runtime is None
+    if own:
+        from staronnx.runtime.runtime import Runtime
+
+        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store)
+    try:
+        samples = sample_pool(plan, seed=seed)
+
+        def measure(b: int) -> None:
+            warm_up(runtime, plan, [b], seed=seed)
+            length = point_duration(verify_duration, min(1.0, verify_duration / 5), b, rate, min_batches)
+            say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
+            summary, _ = measure_point(runtime, b, rate, samples, duration=length,
+                                       warmup=min(1.0, length / 5), distribution=distribution, seed=seed)
+            result.candidate(b).measured = dict(summary)
+
+        for b in result.verified:
+            measure(b)
+        # hill-climb: while the measured best sits at an edge of what was measured, with an
+        # unmeasured candidate beyond it, measure that one too (up to max_verify points)
+        while len(result.verified) < max(max_verify, len(result.verified)):
+            best, _ = choose({b: result.candidate(b).measured for b in result.verified}, slo, bounds)  # type: ignore[misc]
+            i = order.index(best)
+            lo, hi = order.index(result.verified[0]), order.index(result.verified[-1])
+            nxt = order[i - 1] if i == lo and i > 0 else order[i + 1] if i == hi and i + 1 < len(order) else None
+            if nxt is None:
+                break
+            measure(nxt)
+            result.verified = sorted([*result.verified, nxt])
+    finally:
+        if own:
+            runtime.close()
+    measured = {b: result.candidate(b).measured for b in result.verified}
+    result.best, result.slo_met = choose(measured, slo, bounds)  # type: ignore[arg-type]
+    if result.best != predicted_best:
+        result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
+    return result

@@ -1,0 +1,266 @@
+"""The papers' pictures from sweep results (PNG, matplotlib's Agg backend: no display needed).
+
+- :func:`figure_latency_throughput`: the papers' latency (first request of each batch, mean
+  with its std as error bars) against achieved throughput, one curve per batch size (their
+  Fig. 2a); congested points are drawn hollow.
+- :func:`figure_best_batch`: per offered rate, the batch size with the lowest papers' latency
+  among uncongested points, and that latency (their Fig. 2b).
+- :func:`figure_cpu_share`: share of part-tasks run on a CPU, per batch size, against the rate
+  (where the light part overflows to the CPU under load).
+- :func:`figure_compare`: several sweep folders (splits, policies, stream counts, a GPU-only
+  plan) overlaid: best latency per rate, and the throughput reached per rate.
+
+Each ``figure_*`` function returns ``(figure, series)`` with the labels of the curves drawn,
+so callers (and tests) can tell what went in; :func:`plot_results` and :func:`compare` write
+the PNGs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+from staronnx.bench.sweep import best_per_rate, load_results
+from staronnx.errors import StaronnxError
+
+Rows = Sequence[Mapping[str, Any]]
+LATENCY = "paper_latency_mean_ms"
+SPREAD = "paper_latency_std_ms"
+
+
+class PlotError(StaronnxError, ValueError):
+    """Nothing to draw (no rows, no rows with a latency), or inconsistent inputs."""
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else math.nan
+
+
+def _by_batch(rows: Rows) -> dict[int, list[Mapping[str, Any]]]:
+    out: dict[int, list[Mapping[str, Any]]] = {}
+    for r in sorted(rows, key=lambda r: (int(r["batch_size"]), float(r["offered_rate"]))):
+        out.setdefault(int(r["batch_size"]), []).append(r)
+    return out
+
+
+def _title(rows: Rows, what: str) -> str:
+    first = rows[0] if rows else {}
+    bits = [f"{first.get('policy')}" if first.get("policy") else "", f"groups {first.get('groups')}"
+            if first.get("groups") else "", f"{first.get('cuda_streams')} CUDA stream(s)"
+            if first.get("cuda_streams") else "", first.get("distribution") or ""]
+    extra = ", ".join(b for b in bits if b)
+    return f"{what}" + (f"\n({extra})" if extra else "")
+
+
+def _need(rows: Rows) -> None:
+    if not rows:
+        raise PlotError("no sweep rows to plot")
+
+
+# ---------------------------------------------------------------------------- figures
+def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str | None = SPREAD,
+                              log_y: bool = True) -> tuple[Figure, list[str]]:
+    """Papers' Fig. 2a: latency vs achieved throughput, one curve per batch size."""
+    _need(rows)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    series: list[str] = []
+    for b, pts in _by_batch(rows).items():
+        xs = [_num(r.get("throughput")) for r in pts]
+        ys = [_num(r.get(latency)) for r in pts]
+        es = [_num(r.get(spread)) if spread else math.nan for r in pts]
+        if not any(math.isfinite(y) for y in ys):
+            continue
+        label = f"b = {b}"
+        # asymmetric bars: on a log axis a std larger than the value would dive below zero
+        low = [0.0 if not (math.isfinite(e) and math.isfinite(y)) else min(e, 0.9 * y) for e, y in zip(es, ys, strict=True)]
+        high = [0.0 if not math.isfinite(e) else e for e in es]
+        line = ax.errorbar(xs, ys, yerr=None if spread is None else [low, high],
+                           marker="o", ms=4, capsize=2, label=label)
+        color = line[0].get_color()
+        hot = [(x, y) for x, y, r in zip(xs, ys, pts, strict=True) if r.get("congested")]
+        if hot:
+            ax.plot(*zip(*hot, strict=True), "o", ms=8, mfc="white", mec=color, zorder=3)
+        series.append(label)
+    if not series:
+        plt.close(fig)
+        raise PlotError(f"no row has a {latency!r} value to plot")
+    ax.set_xlabel("achieved throughput (samples/s)")
+    ax.set_ylabel("latency of the first request of a batch (ms)" if latency == LATENCY else latency)
+    if log_y:
+        ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(title="batch size (hollow: congested)", fontsize=8)
+    ax.set_title(_title(rows, "latency vs throughput per batch size"))
+    fig.tight_layout()
+    return fig, series
+
+
+def figure_best_batch(rows: Rows, *, latency: str = LATENCY) -> tuple[Figure, list[str]]:
+    """Papers' Fig. 2b: per offered rate, the best batch size (uncongested) and its latency."""
+    _need(rows)
+    best = best_per_rate(rows, latency)
+    if not best:
+        raise PlotError("every point is congested or has no latency: no best batch size to plot")
+    rates = list(best)
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    ax.plot(rates, [best[r][latency] for r in rates], "o-", color="C0", label="latency of the best b")
+    for r in rates:
+        ax.annotate(f"b={best[r]['batch_size']}", (r, best[r][latency]), textcoords="offset points",
+                    xytext=(0, 6), ha="center", fontsize=7)
+    ax.set_xlabel("offered rate (requests/s)")
+    ax.set_ylabel("latency of the first request of a batch (ms)", color="C0")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax2 = ax.twinx()
+    ax2.step(rates, [best[r]["batch_size"] for r in rates], where="mid", color="C1", label="best batch size")
+    ax2.set_ylabel("best batch size", color="C1")
+    sizes = sorted({int(r["batch_size"]) for r in rows})
+    ax2.set_yscale("log", base=2)
+    ax2.set_yticks(sizes, [str(s) for s in sizes])
+    ax2.set_ylim(min(sizes) / 1.5, max(sizes) * 1.5)
+    lines = ax.get_lines()[:1] + ax2.get_lines()[:1]
+    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
+    ax.set_title(_title(rows, "best batch size per rate"))
+    fig.tight_layout()
+    return fig, ["latency of the best b", "best batch size"]
+
+
+def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
+    """Share of part-tasks run on CPU workers vs offered rate, one curve per batch size."""
+    _need(rows)
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    series = []
+    for b, pts in _by_batch(rows).items():
+        xs = [float(r["offered_rate"]) for r in pts]
+        ys = [_num(r.get("cpu_share")) for r in pts]
+        if not any(math.isfinite(y) for y in ys):
+            continue
+        label = f"b = {b}"
+        ax.plot(xs, [100 * y for y in ys], "o-", ms=4, label=label)
+        series.append(label)
+    if not series:
+        plt.close(fig)
+        raise PlotError("no row records a CPU share (placement)")
+    ax.set_xlabel("offered rate (requests/s)")
+    ax.set_ylabel("part-tasks run on a CPU (%)")
+    ax.set_ylim(-3, 103)
+    ax.grid(True, alpha=0.3)
+    ax.legend(title="batch size", fontsize=8)
+    ax.set_title(_title(rows, "CPU share vs rate"))
+    fig.tight_layout()
+    return fig, series
+
+
+def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
+                   latency: str = LATENCY) -> tuple[Figure, list[str]]:
+    """Several sweeps overlaid: best latency per rate (left), throughput reached per rate (right)."""
+    if len(results) != len(labels):
+        raise PlotError(f"{len(results)} result sets but {len(labels)} labels")
+    if not results:
+        raise PlotError("nothing to compare")
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
+    series = []
+    for rows, label in zip(results, labels, strict=True):
+        best = best_per_rate(rows, latency)
+        color = None
+        if best:
+            (line,) = ax.plot(list(best), [v[latency] for v in best.values()], "o-", ms=4, label=label)
+            color = line.get_color()
+        top: dict[float, float] = {}
+        for r in rows:
+            rate, thr = float(r["offered_rate"]), _num(r.get("throughput"))
+            if math.isfinite(thr):
+                top[rate] = max(top.get(rate, 0.0), thr)
+        if top:
+            rates = sorted(top)
+            ax2.plot(rates, [top[x] for x in rates], "o-", ms=4, label=label, color=color)
+        if best or top:
+            series.append(label)
+    if not series:
+        plt.close(fig)
+        raise PlotError("no result set has anything to plot")
+    # the offered = achieved diagonal, up to a little above the best throughput reached
+    top_thr = max((_num(r.get("throughput")) for rows in results for r in rows
+                   if math.isfinite(_num(r.get("throughput")))), default=1.0)
+    lim = min(max((float(r["offered_rate"]) for rows in results for r in rows), default=1.0), 1.5 * top_thr)
+    ax2.plot([0, lim], [0, lim], ":", color="grey", lw=1, label="offered")
+    ax.set_xlabel("offered rate (requests/s)")
+    ax.set_ylabel("best latency of the first request of a batch (ms)")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("best batch size's latency per rate")
+    ax2.set_xlabel("offered rate (requests/s)")
+    ax2.set_ylabel("highest throughput over batch sizes (samples/s)")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    ax2.set_title("throughput reached per rate")
+    fig.tight_layout()
+    return fig, series
+
+
+# ---------------------------------------------------------------------------- files
+def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
+    """Write ``fig`` as a PNG (folders created) and close it."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fig.savefig(out, dpi=120, format="png")
+    finally:
+        plt.close(fig)
+    return out
+
+
+def _rows_of(source: str | os.PathLike[str] | Rows) -> list[Mapping[str, Any]]:
+    if isinstance(source, (str, os.PathLike)):
+        return list(load_results(source)["rows"])
+    return list(source)
+
+
+def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
+    """Draw the three sweep figures of a result folder (or rows) into ``out_dir``.
+
+    ``out_dir`` defaults to the result folder. Writes ``latency_throughput.png``,
+    ``best_batch.png`` and ``cpu_share.png``; a figure with nothing to show (every point
+    congested, no placement recorded) is left out rather than failing the others.
+    """
+    rows = _rows_of(source)
+    if out_dir is None:
+        if not isinstance(source, (str, os.PathLike)):
+            raise PlotError("give out_dir when plotting rows")
+        out_dir = source
+    out = Path(out_dir)
+    written = []
+    for name, build in (("latency_throughput.png", figure_latency_throughput),
+                        ("best_batch.png", figure_best_batch),
+                        ("cpu_share.png", figure_cpu_share)):
+        try:
+            fig, _ = build(rows)
+        except PlotError:
+            if name == "latency_throughput.png":
+                raise
+            continue
+        written.append(save(fig, out / name))
+    return written
+
+
+def compare(result_dirs: Sequence[str | os.PathLike[str]], labels: Sequence[str] | None = None,
+            out: str | os.PathLike[str] = "compare.png") -> Path:
+    """Overlay several sweep folders in one PNG (labels default to each sweep's label or folder)."""
+    if not result_dirs:
+        raise PlotError("give at least one result folder to compare")
+    docs = [load_results(d) for d in result_dirs]
+    if labels is None:
+        labels = [doc.get("settings", {}).get("label") or Path(d).name for doc, d in zip(docs, result_dirs, strict=True)]
+    fig, _ = figure_compare([doc["rows"] for doc in docs], list(labels))
+    return save(fig, out)

@@ -1,0 +1,269 @@
+"""``staronnx sweep``, ``staronnx sweep-plot`` and ``staronnx optimize-batch``.
+
+The commands are thin: the work is :func:`staronnx.bench.sweep.sweep`,
+:mod:`staronnx.bench.plots` and :func:`staronnx.bench.optimize.optimize_batch`;
+``scripts/sweep.py`` and ``scripts/optimize_batch.py`` run these same functions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from staronnx.errors import StaronnxError
+
+console = Console()
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None or (isinstance(v, float) and not math.isfinite(v)):
+        return "-"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, float):
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def _labels(text: str | None, count: int) -> list[str] | None:
+    if text is None:
+        return None
+    labels = [s.strip() for s in text.split(",")]
+    if len(labels) != count:
+        raise StaronnxError(f"--labels has {len(labels)} names for {count} result folder(s)")
+    return labels
+
+
+class _Bars:
+    """Rich progress bars driven by the sweep's :class:`~staronnx.bench.sweep.SweepEvent`."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.points: TaskID | None = None
+        self.requests: TaskID | None = None
+
+    def __call__(self, event: Any) -> None:
+        p = self.progress
+        if event.kind == "start":
+            self.points = p.add_task("sweep points", total=event.total)
+            self.requests = p.add_task("warming up", total=None)
+        elif event.kind == "warmup":
+            p.update(self.requests, description=f"warmed up batch {event.batch_size}")
+        elif event.kind == "point":
+            again = " (again, longer: unstable)" if event.attempt > 1 else ""
+            p.reset(self.requests, total=event.requests,
+                    description=f"b={event.batch_size} @ {event.rate:g} req/s{again}")
+        elif event.kind == "requests":
+            p.update(self.requests, completed=event.submitted, total=event.requests)
+        elif event.kind == "done":
+            row = event.row or {}
+            p.update(self.points, completed=event.index)
+            state = "[red]congested[/]" if row.get("congested") else (
+                "stable" if row.get("stable") else "[yellow]unstable[/]")
+            p.console.print(
+                f"b={row.get('batch_size')} @ {_fmt(row.get('offered_rate'), 0)} req/s: "
+                f"{_fmt(row.get('throughput'), 1)} samples/s, papers' latency "
+                f"{_fmt(row.get('paper_latency_mean_ms'))} ms (std {_fmt(row.get('paper_latency_std_ms'))}), "
+                f"p99 {_fmt(row.get('latency_p99_ms'))} ms, {state}"
+            )
+        elif event.kind == "skipped":
+            p.update(self.points, completed=event.index)
+            p.console.print(f"[dim]b={event.batch_size}: congested at {event.rate:g} req/s; skipping "
+                            f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
+        elif event.kind == "end":
+            p.update(self.points, completed=event.total)
+            p.update(self.requests, description="done", total=1, completed=1)
+
+
+def _summary_table(rows: list[dict[str, Any]]) -> Table:
+    table = Table(title="sweep (papers' latency: first request of each batch)")
+    cols = ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state")
+    for c in cols:
+        table.add_column(c, justify="left" if c == "state" else "right")
+    for r in rows:
+        state = "congested" if r.get("congested") else ("stable" if r.get("stable") else "unstable")
+        table.add_row(
+            str(r["batch_size"]), _fmt(r["offered_rate"], 0), _fmt(r.get("throughput"), 1),
+            _fmt(r.get("paper_latency_mean_ms")), _fmt(r.get("paper_latency_std_ms")),
+            _fmt(r.get("latency_p50_ms")), _fmt(r.get("latency_p99_ms")),
+            "-" if r.get("cpu_share") is None else f"{r['cpu_share']:.0%}",
+            "-" if r.get("achieved_over_bound") is None else f"{r['achieved_over_bound']:.0%}",
+            state,
+        )
+    return table
+
+
+def sweep_cmd(
+    plandir: Annotated[Path, typer.Argument(help="Plan folder (calibrate it first for predictions and the bound).")],
+    rates: Annotated[str, typer.Option(help="Offered rates, requests/s: start:stop:step (stop included) or a,b,c.")] = "50:800:50",
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes b (a batch leaves when full).")] = "1,2,4,8,16",
+    policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
+    groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
+    cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    distribution: Annotated[str, typer.Option(help="Arrivals: constant (the papers) or poisson.")] = "constant",
+    duration: Annotated[str, typer.Option(help="Arrivals per point: 10s, 500ms, 2m (longer for slow batch fills).")] = "10s",
+    warmup: Annotated[str | None, typer.Option(help="Start of each point left out of the figures (default min(1 s, duration/5)).")] = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for results.csv, results.json and the plots.")] = Path("results"),
+    compare: Annotated[list[Path] | None, typer.Option(help="Other sweep folders to overlay with this one (repeatable).")] = None,
+    labels: Annotated[str | None, typer.Option(help="Comparison labels, this sweep first, comma-separated.")] = None,
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw the PNG figures.")] = True,
+    queue_capacity: Annotated[int, typer.Option(help="Server queue capacity (an overflow marks congestion).")] = 1024,
+    min_batches: Annotated[int, typer.Option(help="Stretch a point to at least this many batch fills.")] = 10,
+    extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long.")] = True,
+    seed: Annotated[int, typer.Option(help="Seed of the inputs and of Poisson arrivals.")] = 0,
+    engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
+) -> None:
+    """Measure latency and throughput over rates x batch sizes on the live runtime; write CSV,
+    JSON and the papers' plots."""
+    from staronnx.bench.sweep import (
+        parse_batch_sizes,
+        parse_duration,
+        parse_rates,
+        sweep,
+    )
+    from staronnx.plan import Plan
+
+    rate_list = parse_rates(rates)
+    sizes = parse_batch_sizes(batch_sizes)
+    seconds = parse_duration(duration)
+    warm = None if warmup is None else (0.0 if warmup.strip() in ("0", "0s") else parse_duration(warmup))
+    extra = list(compare or [])
+    names = _labels(labels, 1 + len(extra))
+    for d in extra:
+        if not (d / "results.json").is_file():
+            raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
+    plan = Plan.load(plandir)
+    console.print(
+        f"sweeping plan {plan.hash} ({plan.k} parts) with {policy}, groups {groups}"
+        f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: {len(sizes)} batch size(s) x "
+        f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
+        highlight=False,
+    )
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=console, transient=False,
+    ) as progress:
+        rows = sweep(
+            plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
+            distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
+            progress=_Bars(progress), seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
+            extend=extend, engine=engine, label=names[0] if names else None,
+        )
+    console.print(_summary_table(rows))
+    console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
+    if plots and rows:
+        _draw(output, extra, names, output / "compare.png")
+
+
+def _draw(output: Path, extra: list[Path], names: list[str] | None, compare_png: Path) -> None:
+    from staronnx.bench.plots import PlotError, compare, plot_results
+
+    try:
+        for png in plot_results(output):
+            console.print(f"plot: {png}")
+    except PlotError as exc:
+        console.print(f"[yellow]no plots: {exc}[/]")
+    if extra:
+        console.print(f"plot: {compare([output, *extra], names, compare_png)}")
+
+
+def sweep_plot_cmd(
+    results: Annotated[list[Path], typer.Argument(help="Sweep folder(s); two or more are overlaid.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Comparison PNG (several folders) or folder for the figures (one).")] = None,
+    labels: Annotated[str | None, typer.Option(help="Comparison labels, comma-separated.")] = None,
+) -> None:
+    """Redraw a sweep folder's figures, or overlay several sweep folders in one plot."""
+    from staronnx.bench.plots import compare, plot_results
+
+    if len(results) == 1:
+        for png in plot_results(results[0], output):
+            console.print(f"plot: {png}")
+        return
+    out = output or Path("compare.png")
+    console.print(f"plot: {compare(results, _labels(labels, len(results)), out)}")
+
+
+def optimize_batch_cmd(
+    plandir: Annotated[Path, typer.Argument(help="Plan folder, calibrated (staronnx calibrate).")],
+    rate: Annotated[float, typer.Option(help="Offered load, single-sample requests per second.")],
+    slo_ms: Annotated[float | None, typer.Option(help="Papers'-latency objective in ms: maximize headroom under it.")] = None,
+    batch_sizes: Annotated[str, typer.Option(help="Candidate batch sizes.")] = "1,2,4,8,16",
+    policy: Annotated[str, typer.Option(help="Scheduling policy.")] = "heft",
+    groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
+    cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
+    verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Measure the predicted best and its neighbours live.")] = True,
+    sim_duration: Annotated[str, typer.Option(help="Simulated arrivals per candidate.")] = "20s",
+    verify_duration: Annotated[str, typer.Option(help="Live measurement per verified candidate.")] = "3s",
+    max_verify: Annotated[int, typer.Option(help="At most this many live measurements (hill-climb from the prediction).")] = 4,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the result as JSON here.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of arrivals, draws and inputs.")] = 0,
+) -> None:
+    """Choose the batch size for a rate: simulate every candidate from the perf models, then
+    verify the best ones live; print predicted vs measured."""
+    from staronnx.bench.optimize import optimize_batch
+    from staronnx.bench.sweep import parse_batch_sizes, parse_duration
+    from staronnx.plan import atomic_write_text
+
+    sizes = parse_batch_sizes(batch_sizes)
+    with console.status("optimizing") as status:
+        result = optimize_batch(
+            plandir, rate, slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
+            groups=groups, cuda_streams=cuda_streams, distribution=distribution, verify=verify,
+            sim_duration=parse_duration(sim_duration), verify_duration=parse_duration(verify_duration),
+            max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg),
+        )
+    table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")
+    for c in ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
+              "error", "LP bound", "note"):
+        table.add_column(c, justify="left" if c == "note" else "right")
+    for cand in result.candidates:
+        r = cand.row()
+        note = []
+        if cand.batch_size == result.predicted_best:
+            note.append("predicted best")
+        if verify and cand.batch_size == result.best:
+            note.append("[bold]chosen[/]")
+        if r["predicted_congested"]:
+            note.append("congested (sim)")
+        if r["measured_congested"]:
+            note.append("congested (live)")
+        table.add_row(
+            str(cand.batch_size), _fmt(r["predicted_latency_ms"]), _fmt(r["predicted_p99_ms"]),
+            _fmt(r["predicted_throughput"], 1), _fmt(r["measured_latency_ms"]), _fmt(r["measured_p99_ms"]),
+            _fmt(r["measured_throughput"], 1),
+            "-" if r["latency_error"] is None else f"{r['latency_error']:+.0%}",
+            _fmt(r["bound_throughput"], 0), ", ".join(note),
+        )
+    console.print(table)
+    chosen = result.candidate(result.best)
+    how = "measured" if verify else "predicted"
+    lat = chosen.measured_latency_ms if verify else chosen.predicted_latency_ms
+    slo = "" if result.slo_met is None else (" (meets the SLO)" if result.slo_met else " [yellow](SLO not met)[/]")
+    console.print(f"batch size {result.best}: {how} papers' latency {_fmt(lat)} ms{slo}")
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
+    if json_out is not None:
+        atomic_write_text(json_out, json.dumps(result.as_dict(), indent=1, default=str) + "\n")
+        console.print(f"written to {json_out}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("sweep")(sweep_cmd)
+    app.command("sweep-plot")(sweep_plot_cmd)
+    app.command("optimize-batch")(optimize_batch_cmd)

@@ -1,0 +1,124 @@
+"""The batch-size optimizer: its objective on hand-made figures, and a short predict-then-verify
+run on a tiny calibrated zoo plan (no timing-ratio assertions: live figures only exist)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.bench.optimize import OptimizeError, choose, optimize_batch
+from staronnx.calibrate import calibrate, start_workers
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.runtime import Runtime
+from staronnx.zoo import inception
+
+SIZES = [1, 2, 4]
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("optimize")
+    onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
+    return partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+
+
+@pytest.fixture(scope="module")
+def home(plan, tmp_path_factory):
+    root = tmp_path_factory.mktemp("home")
+    workers = start_workers(plan, groups="cores=1")
+    try:
+        calibrate(plan, SIZES, workers=workers, store=PerfModelStore(root))
+    finally:
+        for w in workers:
+            w.close()
+    return root
+
+
+def _m(latency_ms: float, *, congested: bool = False, throughput: float = 100.0) -> dict:
+    return {"paper_latency_mean": latency_ms / 1e3, "congested": congested, "throughput": throughput}
+
+
+# -- the objective -----------------------------------------------------------------------------
+def test_choose_lowest_latency_among_uncongested():
+    metrics = {1: _m(1.0, congested=True, throughput=60), 2: _m(5.0), 4: _m(3.0), 8: _m(9.0)}
+    assert choose(metrics) == (4, None)
+
+
+def test_choose_under_an_slo_takes_the_most_headroom():
+    metrics = {1: _m(2.0), 2: _m(4.0), 4: _m(8.0), 8: _m(30.0)}
+    bounds = {1: 500.0, 2: 900.0, 4: 1500.0, 8: 2500.0}
+    assert choose(metrics, slo=10e-3, bounds=bounds) == (4, True)  # 8 misses the SLO
+    assert choose(metrics, slo=3e-3, bounds=bounds) == (1, True)
+    assert choose(metrics, slo=1e-3, bounds=bounds) == (1, False)  # none meets it: fastest
+
+
+def test_choose_when_everything_is_congested_takes_the_most_throughput():
+    metrics = {1: _m(500, congested=True, throughput=300), 2: _m(400, congested=True, throughput=450)}
+    assert choose(metrics) == (2, None)
+    assert choose(metrics, slo=0.1) == (2, False)
+    with pytest.raises(OptimizeError):
+        choose({})
+
+
+# -- predict, then verify -----------------------------------------------------------------------
+def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, home):
+    store = PerfModelStore(home)
+    steps = []
+    with Runtime(plan, cpu_groups="cores=1", store=store) as rt:
+        res = optimize_batch(plan, 150, batch_sizes=SIZES, groups="cores=1", store=store, runtime=rt,
+                             sim_duration=2.0, verify_duration=0.5, min_batches=5, progress=steps.append)
+    assert [c.batch_size for c in res.candidates] == SIZES
+    assert res.predicted_best in SIZES and res.best in SIZES and res.best in res.verified
+    for c in res.candidates:
+        assert c.predicted_latency_ms is not None and c.predicted_latency_ms > 0
+        assert c.bound is not None and c.bound > 0
+    # the predicted best and its neighbour(s) were measured (more only by hill-climbing)
+    i = SIZES.index(res.predicted_best)
+    assert set(SIZES[max(0, i - 1): i + 2]) <= set(res.verified) and len(res.verified) <= 4
+    for b in res.verified:
+        c = res.candidate(b)
+        assert c.measured is not None and c.measured_latency_ms > 0
+        assert c.latency_error is not None
+    unmeasured = [c for c in res.candidates if c.batch_size not in res.verified]
+    assert all(c.measured is None for c in unmeasured)
+    assert any("simulating" in s for s in steps) and any("measuring" in s for s in steps)
+    doc = res.as_dict()
+    json.dumps(doc, allow_nan=False)
+    assert doc["best"] == res.best and len(doc["candidates"]) == len(SIZES)
+
+
+def test_optimizer_without_verification_trusts_the_simulator(plan, home):
+    res = optimize_batch(plan, 100, batch_sizes=SIZES, groups="cores=1", store=PerfModelStore(home),
+                         verify=False, sim_duration=2.0, slo=0.5)
+    assert res.verified == [] and res.best == res.predicted_best
+    assert res.slo_met is True and all(c.measured is None for c in res.candidates)
+
+
+def test_optimizer_errors(plan, tmp_path):
+    with pytest.raises(StaronnxError, match="calibrate"):
+        optimize_batch(plan, 100, batch_sizes=[1], groups="cores=1", store=PerfModelStore(tmp_path), verify=False)
+    with pytest.raises(OptimizeError, match="rate"):
+        optimize_batch(plan, 0, store=PerfModelStore(tmp_path))
+    with pytest.raises(OptimizeError, match="SLO"):
+        optimize_batch(plan, 10, slo=-1, store=PerfModelStore(tmp_path))
+
+
+def test_cli_optimize_batch(plan, home, tmp_path):
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    out = tmp_path / "opt.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "staronnx", "optimize-batch", str(plan.root), "--rate", "120", "--batch-sizes", "1,2,4",
+         "--groups", "cores=1", "--sim-duration", "2s", "--no-verify", "--json", str(out)],
+        check=False, capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "predicted best" in done.stdout and "batch size" in done.stdout
+    doc = json.loads(out.read_text())
+    assert doc["best"] in (1, 2, 4) and doc["verified"] == []

@@ -1,0 +1,288 @@
+"""Sweeps and plots: rows and files of a short live sweep on a tiny zoo plan, congestion
+stopping a batch size, progress events, the papers' figures and comparisons, the CLI.
+
+Points last half a second: these tests check what is written and when, never timing ratios."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.bench.plots import (
+    PlotError,
+    compare,
+    figure_best_batch,
+    figure_compare,
+    figure_cpu_share,
+    figure_latency_throughput,
+    plot_results,
+)
+from staronnx.bench.sweep import (
+    COLUMNS,
+    SweepError,
+    best_per_rate,
+    load_results,
+    load_rows,
+    parse_batch_sizes,
+    parse_duration,
+    parse_rates,
+    rows_csv,
+    sweep,
+    write_results,
+)
+from staronnx.calibrate import calibrate, start_workers
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.runtime import Runtime
+from staronnx.zoo import inception
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+# -- fixtures ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
+    return partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+
+
+@pytest.fixture(scope="module")
+def home(plan, tmp_path_factory):
+    """A store with the plan calibrated on cores=1 at batch 1 and 2 (for the LP bound)."""
+    root = tmp_path_factory.mktemp("home")
+    workers = start_workers(plan, groups="cores=1")
+    try:
+        calibrate(plan, [1, 2], workers=workers, store=PerfModelStore(root))
+    finally:
+        for w in workers:
+            w.close()
+    return root
+
+
+@pytest.fixture(scope="module")
+def runtime(plan, home):
+    with Runtime(plan, policy="heft", cpu_groups="cores=1", store=PerfModelStore(home)) as rt:
+        yield rt
+
+
+# -- parsing -----------------------------------------------------------------------------------
+def test_parse_rates_batch_sizes_and_durations():
+    assert parse_rates("50:200:50") == [50, 100, 150, 200]
+    assert parse_rates("300,100, 200") == [100, 200, 300]
+    assert parse_rates("10:30:10,25") == [10, 20, 25, 30]
+    assert parse_rates("0.5:1.5:0.5") == [0.5, 1.0, 1.5]
+    for bad in ("", "a", "100:50:10", "10:20:0", "0", "-5", "1:2:3:4"):
+        with pytest.raises(SweepError, match="--rates"):
+            parse_rates(bad)
+    assert parse_batch_sizes("8,1,2,2") == [1, 2, 8]
+    for bad in ("", "0", "x", "1,-2"):
+        with pytest.raises(SweepError, match="--batch-sizes"):
+            parse_batch_sizes(bad)
+    assert parse_duration("10s") == 10.0
+    assert parse_duration("500ms") == pytest.approx(0.5)
+    assert parse_duration("2m") == 120.0
+    assert parse_duration("1.5") == 1.5
+    assert parse_duration(3) == 3.0
+    for bad in ("", "10x", "-1s", "0"):
+        with pytest.raises(SweepError):
+            parse_duration(bad)
+
+
+# -- the sweep ---------------------------------------------------------------------------------
+def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, tmp_path):
+    events = []
+    out = tmp_path / "res"
+    rows = sweep(plan, [150, 100], [2, 1], groups="cores=1", duration=0.5, out_dir=out, runtime=runtime,
+                 store=PerfModelStore(home), progress=events.append, extend=False)
+    assert [(r["batch_size"], r["offered_rate"]) for r in rows] == [(1, 100), (1, 150), (2, 100), (2, 150)]
+    for r in rows:
+        assert set(COLUMNS) <= set(r)
+        assert not r["congested"] and r["rejected"] == 0
+        assert r["throughput"] > 0 and r["paper_latency_mean_ms"] > 0 and r["latency_p999_ms"] >= r["latency_p50_ms"]
+        assert r["cpu_share"] == 1.0  # CPU workers only
+        # every part ran somewhere, all on cpu1 workers (cores=1)
+        assert r["share_part0_cpu1"] == 1.0 and r["share_part1_cpu1"] == 1.0
+        assert r["bound_throughput"] > 0 and r["achieved_over_bound"] == pytest.approx(
+            r["throughput"] / r["bound_throughput"])
+        assert len(r["windows"]) == 3 and r["loadgen"]["submitted"] > 0
+        assert r["policy"] == "heft" and r["groups"] == "cores=1" and r["distribution"] == "constant"
+    with open(out / "results.csv") as f:
+        table = list(csv.DictReader(f))
+    assert len(table) == 4
+    assert list(table[0])[: len(COLUMNS)] == list(COLUMNS)
+    assert {"share_part0_cpu1", "share_part1_cpu1"} <= set(table[0])
+    assert table[0]["congested"] == "False" and float(table[0]["offered_rate"]) == 100
+    doc = load_results(out)
+    assert doc["format"] == "staronnx-sweep" and len(doc["rows"]) == 4 and doc["skipped"] == []
+    assert set(doc["bounds"]) == {"1", "2"} and doc["settings"]["batch_sizes"] == [1, 2]
+    json.dumps(doc, allow_nan=False)  # strict JSON: no NaN
+    assert not list(out.glob(".*.tmp"))  # atomic writes leave no temp files
+
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "start" and events[0].total == 4 and kinds[-1] == "end"
+    assert kinds.count("warmup") == 2 and kinds.count("point") == 4 and kinds.count("done") == 4
+    assert "requests" in kinds
+    done = [e for e in events if e.kind == "done"]
+    assert [e.index for e in done] == [1, 2, 3, 4] and done[-1].row is rows[-1]
+    last = [e for e in events if e.kind == "requests"][-1]
+    assert last.submitted == last.requests
+
+
+def test_congestion_stops_the_batch_size(plan, runtime, tmp_path):
+    events = []
+    rows = sweep(plan, [100, 20_000, 40_000], [1], groups="cores=1", duration=0.5, out_dir=tmp_path,
+                 runtime=runtime, progress=events.append, queue_capacity=32, bound=False, extend=False)
+    assert [r["offered_rate"] for r in rows] == [100, 20_000]  # 40k never measured
+    assert not rows[0]["congested"]
+    assert rows[1]["congested"] and rows[1]["rejected"] > 0
+    doc = load_results(tmp_path)
+    assert [(s["batch_size"], s["offered_rate"]) for s in doc["skipped"]] == [(1, 40_000)]
+    assert "congested at 20000" in doc["skipped"][0]["reason"]
+    skipped = [e for e in events if e.kind == "skipped"]
+    assert len(skipped) == 1 and skipped[0].skipped == [40_000] and skipped[0].index == 3
+    assert len(load_rows(tmp_path)) == 2
+
+
+def test_unstable_point_is_measured_again_longer(plan, runtime, tmp_path, monkeypatch):
+    import staronnx.bench.sweep as sw
+
+    real = sw.measure_point
+    calls = []
+
+    def flaky(*args, **kwargs):
+        summary, records = real(*args, **kwargs)
+        calls.append(kwargs["duration"])
+        if len(calls) == 1:
+            summary["stable"] = False  # as if the three windows disagreed
+        return summary, records
+
+    monkeypatch.setattr(sw, "measure_point", flaky)
+    rows = sweep(plan, [200], [1], duration=0.4, runtime=runtime, bound=False, out_dir=tmp_path)
+    assert calls == [pytest.approx(0.4), pytest.approx(0.8)]
+    assert rows[0]["extended"] and rows[0]["attempts"] == 2 and rows[0]["duration_s"] == pytest.approx(0.8)
+
+
+def test_sweep_checks_its_arguments(plan, runtime):
+    with pytest.raises(SweepError, match="distribution"):
+        sweep(plan, [10], [1], distribution="uniform", runtime=runtime)
+    with pytest.raises(SweepError, match="rates"):
+        sweep(plan, [-1], [1], runtime=runtime)
+    with pytest.raises(SweepError, match="warmup"):
+        sweep(plan, [10], [1], duration=1.0, warmup=2.0, runtime=runtime)
+
+
+# -- plots -------------------------------------------------------------------------------------
+def _row(b: int, rate: float, latency: float, *, congested: bool = False, share: float | None = 0.2) -> dict:
+    return {"batch_size": b, "offered_rate": rate, "throughput": rate * (0.6 if congested else 1.0),
+            "paper_latency_mean_ms": latency, "paper_latency_std_ms": latency / 10, "latency_p99_ms": latency * 1.5,
+            "cpu_share": share, "congested": congested, "stable": not congested, "policy": "heft", "groups": "numa"}
+
+
+def _rows() -> list[dict]:
+    # b=1 wins at low rates, b=4 at high ones; b=1 congests at 300
+    return [
+        _row(1, 100, 2.0), _row(1, 200, 3.0), _row(1, 300, 90.0, congested=True),
+        _row(4, 100, 30.0), _row(4, 200, 15.0), _row(4, 300, 12.0), _row(4, 400, 14.0, share=0.4),
+    ]
+
+
+def test_figures_have_one_series_per_batch_size():
+    fig, series = figure_latency_throughput(_rows())
+    assert series == ["b = 1", "b = 4"]
+    assert fig.axes[0].get_yscale() == "log"
+    fig, series = figure_cpu_share(_rows())
+    assert series == ["b = 1", "b = 4"] and len(fig.axes[0].lines) == 2
+    fig, series = figure_best_batch(_rows())
+    assert len(series) == 2
+    best = best_per_rate(_rows())
+    assert {r: v["batch_size"] for r, v in best.items()} == {100: 1, 200: 1, 300: 4, 400: 4}
+    with pytest.raises(PlotError):
+        figure_latency_throughput([])
+    with pytest.raises(PlotError, match="CPU share"):
+        figure_cpu_share([_row(1, 100, 2.0, share=None)])
+
+
+def test_plot_results_and_compare_write_pngs(tmp_path):
+    a, b = tmp_path / "split85", tmp_path / "split75"
+    write_results(a, _rows(), settings={"label": "85/15"})
+    write_results(b, [dict(r, paper_latency_mean_ms=r["paper_latency_mean_ms"] * 1.2) for r in _rows()[:4]])
+    pngs = plot_results(a)
+    assert sorted(p.name for p in pngs) == ["best_batch.png", "cpu_share.png", "latency_throughput.png"]
+    for p in pngs:
+        assert p.read_bytes()[:8] == PNG
+    out = compare([a, b], None, tmp_path / "cmp" / "compare.png")
+    assert out.read_bytes()[:8] == PNG
+    fig, series = figure_compare([load_rows(a), load_rows(b)], ["85/15", "split75"])
+    assert series == ["85/15", "split75"]
+    assert [ln.get_label() for ln in fig.axes[0].lines] == ["85/15", "split75"]
+    with pytest.raises(PlotError, match="labels"):
+        figure_compare([load_rows(a)], ["x", "y"])
+    # a folder without results is a clear error
+    with pytest.raises(SweepError, match="no sweep results"):
+        compare([tmp_path / "nothing"], None, tmp_path / "x.png")
+
+
+def test_csv_leaves_missing_values_empty():
+    text = rows_csv([{"batch_size": 1, "offered_rate": 10.0, "throughput": None, "share_part1_cpu1": 1.0,
+                      "share_part0_cpu1": 0.5}])
+    header, line = text.splitlines()
+    cols = header.split(",")
+    assert cols[: len(COLUMNS)] == list(COLUMNS) and cols[len(COLUMNS):] == ["share_part0_cpu1", "share_part1_cpu1"]
+    values = dict(zip(cols, line.split(","), strict=True))
+    assert values["throughput"] == "" and values["offered_rate"] == "10" and values["share_part0_cpu1"] == "0.5"
+
+
+# -- CLI ---------------------------------------------------------------------------------------
+def _cli(*args: str, home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "staronnx", *args], check=False, capture_output=True, text=True, env=env,
+                          timeout=timeout)
+
+
+def test_cli_help(tmp_path):
+    for cmd in ("sweep", "optimize-batch", "sweep-plot"):
+        out = _cli(cmd, "--help", home=tmp_path)
+        assert out.returncode == 0, out.stderr
+        assert "Usage" in out.stdout
+    assert "--batch-sizes" in _cli("sweep", "--help", home=tmp_path).stdout
+    assert "--slo-ms" in _cli("optimize-batch", "--help", home=tmp_path).stdout
+    script = Path(__file__).resolve().parents[1] / "scripts" / "sweep.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--rates" in out.stdout
+
+
+def test_cli_sweep_end_to_end(plan, home, tmp_path):
+    out = tmp_path / "res"
+    done = _cli("sweep", str(plan.root), "--rates", "100,200", "--batch-sizes", "1,2", "--groups", "cores=1",
+                "--duration", "400ms", "-o", str(out), home=home)
+    assert done.returncode == 0, done.stderr + done.stdout
+    with open(out / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == 4
+    for name in ("latency_throughput.png", "best_batch.png", "cpu_share.png"):
+        assert (out / name).read_bytes()[:8] == PNG
+    assert "papers' latency" in done.stdout
+    # a second folder overlaid with the first through --compare and through sweep-plot
+    again = _cli("sweep", str(plan.root), "--rates", "100", "--batch-sizes", "2", "--groups", "cores=1",
+                 "--duration", "300ms", "-o", str(tmp_path / "res2"), "--compare", str(out), "--labels", "new,old",
+                 home=home)
+    assert again.returncode == 0, again.stderr + again.stdout
+    assert (tmp_path / "res2" / "compare.png").read_bytes()[:8] == PNG
+    plotted = _cli("sweep-plot", str(out), str(tmp_path / "res2"), "-o", str(tmp_path / "both.png"), home=home)
+    assert plotted.returncode == 0, plotted.stderr
+    assert (tmp_path / "both.png").read_bytes()[:8] == PNG
+
+
+def test_cli_sweep_bad_arguments(plan, tmp_path):
+    bad = _cli("sweep", str(plan.root), "--rates", "fast", "-o", str(tmp_path / "x"), home=tmp_path)
+    assert bad.returncode == 2 and "--rates" in bad.stderr
+    bad = _cli("sweep", str(plan.root), "--rates", "10", "--compare", str(tmp_path / "none"),
+               "-o", str(tmp_path / "x"), home=tmp_path)
+    assert bad.returncode == 2 and "results.json" in bad.stderr
