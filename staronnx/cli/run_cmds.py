@@ -21,7 +21,7 @@ def run_cmd(
     plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
     batch: Annotated[int, typer.Option(help="Batch size of each request.")] = 1,
     requests: Annotated[int, typer.Option(help="Number of requests.")] = 100,
-    policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, dm, dmda, dmdas, heft).")] = "heft",
+    policy: Annotated[str, typer.Option(help="Scheduling policy: eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft, or static (a placement-method plan run as placed).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy.")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers per GPU.")] = 0,
     max_in_flight: Annotated[int, typer.Option(help="Requests queued at once.")] = 16,

@@ -78,7 +78,16 @@ class Runtime:
             return
         self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         self.policy_name = policy
-        policy_obj = make_policy(policy, **dict(policy_options or {}))  # fail before starting workers
+        options = dict(policy_options or {})
+        if policy == "static" and "devices" not in options:
+            devices = {p.index: p.device for p in self.plan.parts if getattr(p, "device", None)}
+            if len(devices) != self.plan.k:
+                raise StaronnxError(
+                    "policy 'static' needs a plan whose parts name their device (partition with "
+                    "--method comm-sd, duet, overseer or optimal)"
+                )
+            options["devices"] = devices
+        policy_obj = make_policy(policy, **options)  # fail before starting workers
         own = workers is None
         self._workers = list(workers) if workers is not None else start_workers(
             self.plan, groups=cpu_groups, cuda_streams=cuda_streams)

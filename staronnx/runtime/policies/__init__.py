@@ -13,6 +13,7 @@ dmdar        dmda + workers pop the first task whose inputs are already on their
 dmdas        dmdar + priority-sorted queues (StarPU's recommended policy)
 heft         dmdas + upward-rank priorities over the plan's DAG (``heft.py``); note that
              StarPU itself maps "heft" to dmda
+static       each part on the worker its plan's placement method chose (``static.py``)
 ===========  ==============================================================================
 
 Policies never import ONNX Runtime and read time only through their clock, so the simulator
@@ -29,6 +30,7 @@ from staronnx.runtime.policies.dmda import DmdaPolicy, DmdarPolicy, DmdasPolicy,
 from staronnx.runtime.policies.eager import EagerPolicy
 from staronnx.runtime.policies.heft import HeftPolicy, upward_ranks
 from staronnx.runtime.policies.random import RandomPolicy
+from staronnx.runtime.policies.static import StaticPolicy
 from staronnx.runtime.policies.ws import LocalityWorkStealingPolicy, WorkStealingPolicy
 from staronnx.runtime.sched import Policy
 
@@ -42,10 +44,12 @@ _REGISTRY: dict[str, Callable[..., Policy]] = {
     "dmdar": DmdarPolicy,
     "dmdas": DmdasPolicy,
     "heft": HeftPolicy,
+    "static": StaticPolicy,
 }
 
-#: every policy name make_policy() accepts
-POLICIES: tuple[str, ...] = tuple(_REGISTRY)
+#: the dynamic (StarPU) policies; make_policy() also accepts "static", which needs the plan's
+#: per-part devices (Runtime fills them in)
+POLICIES: tuple[str, ...] = tuple(n for n in _REGISTRY if n != "static")
 
 
 def policy_options(name: str) -> tuple[str, ...]:
@@ -84,6 +88,7 @@ __all__ = [
     "LocalityWorkStealingPolicy",
     "PolicyError",
     "RandomPolicy",
+    "StaticPolicy",
     "WorkStealingPolicy",
     "make_policy",
     "policy_options",

@@ -1,0 +1,64 @@
+"""Placement-method plans run as placed: the static policy pins each part to its device."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from staronnx.errors import StaronnxError
+from staronnx.partition.methods import place
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.policies import PolicyError, make_policy
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.sched import TaskView, WorkerInfo
+from staronnx.verify import random_plan_feeds
+from staronnx.zoo import wide_fanout
+from staronnx import partition
+
+
+class _Clock:
+    def now(self) -> float:
+        return 0.0
+
+
+def _workers() -> list[WorkerInfo]:
+    return [WorkerInfo(0, "a", "cpu1", "cpu", "numa0"), WorkerInfo(1, "b", "cpu1", "cpu", "numa0")]
+
+
+def test_static_policy_places_by_name_and_rejects_unknown_workers():
+    pol = make_policy("static", devices={0: "b", 1: "a"})
+    pol.attach(_workers(), predictor=None, clock=_Clock(), dag=[[1], []])  # type: ignore[arg-type]
+    assert pol.push(TaskView(id=1, part=0, batch=1, request=0)) == 1
+    assert pol.push(TaskView(id=2, part=1, batch=1, request=0)) == 0
+    assert pol.pop(0).id == 2 and pol.pop(1).id == 1 and pol.pop(0) is None
+    bad = make_policy("static", devices={0: "gpu9"})
+    with pytest.raises(PolicyError, match="gpu9"):
+        bad.attach(_workers(), predictor=None, clock=_Clock())  # type: ignore[arg-type]
+
+
+def test_a_duet_plan_runs_where_duet_placed_it(tmp_path):
+    model = tmp_path / "fan.onnx"
+    onnx.save(wide_fanout(branches=8), str(model))
+    plan = place(model, "duet", output_dir=tmp_path / "plan", devices="cores=1", costs="estimate",
+                 device_costs={"cpu:numa0.core1": 0.5})
+    devices = {p.index: p.device for p in plan.parts}
+    store = PerfModelStore(tmp_path / "home")
+    feeds = [random_plan_feeds(plan, 2, seed=i) for i in range(10)]
+    with Runtime(plan, policy="static", cpu_groups="cores=1", store=store) as rt:
+        names = {i: w.name for i, w in enumerate(rt.workers)}
+        results = [f.result(timeout=60) for f in [rt.submit(x) for x in feeds]]
+        stats = rt.stats()
+    for f, r in zip(feeds, results):
+        for name, value in plan.run_reference(f).items():
+            np.testing.assert_array_equal(r[name], value)
+    used = {n for n, row in stats["workers"].items() if row["tasks"]}
+    assert used == set(devices.values()) & set(names.values())
+
+
+def test_static_policy_needs_a_placed_plan(tmp_path):
+    model = tmp_path / "fan.onnx"
+    onnx.save(wide_fanout(branches=8), str(model))
+    plan = partition(model, parts=2, output_dir=tmp_path / "plan", costs="estimate")
+    with pytest.raises(StaronnxError, match="--method"):
+        Runtime(plan, policy="static", cpu_groups="cores=1", store=PerfModelStore(tmp_path / "h"))
