@@ -8,7 +8,8 @@ costs (profiled once per model on this machine's CPU groups, the two "devices" h
   linear: on the device HEFT picks), with transfers and a per-part overhead (the cost model of
   ``staronnx.partition.methods.model``);
 * measured latency at batch 1: one request at a time through
-  ``Runtime(plan, policy="heft", cpu_groups=GROUPS)`` (median);
+  ``Runtime(plan, policy=..., cpu_groups=GROUPS)`` (median): heft for metis and linear (placed
+  dynamically), ``static`` for the placement methods (each part on the device its method chose);
 * maximum sustainable throughput at batch 8: ``--in-flight`` requests kept in flight through
   the same runtime (samples/s);
 * part count and cut bytes per sample.
@@ -17,9 +18,8 @@ Plans are calibrated first (perf models at batch 1 and 8, in a private store). M
 alternate between methods round by round so machine noise hits them alike. A plain ORT session
 on all cores is the reference row. One table, plus a PNG plot (``--plot``).
 
-Note: the runtime's heft policy places parts dynamically; a placement method's per-part device
-(``PartSpec.device``) is recorded in the plan but not enforced by the runtime yet, so the
-measured figures show how heft runs each method's *cut*.
+A placement method's per-part device (``PartSpec.device``) is enforced by the ``static``
+policy, so its measured figures are the method's own placement, next to heft's dynamic one.
 
 Usage: python benchmarks/placement.py [MODEL.onnx ...] [--groups cores=1] [--seconds 2]
 """
@@ -163,7 +163,11 @@ def measure(rows: list[Row], model: Path, args: argparse.Namespace, store: PerfM
         finally:
             for w in workers:
                 w.close()
-    runtimes = {r.method: Runtime(r.plan, policy="heft", cpu_groups=args.groups, store=store) for r in live}
+    def policy_for(plan) -> str:
+        return "static" if all(getattr(p, "device", None) for p in plan.parts) else "heft"
+
+    runtimes = {r.method: Runtime(r.plan, policy=policy_for(r.plan), cpu_groups=args.groups, store=store)
+                for r in live}
     try:
         plan0 = live[0].plan
         f1 = random_plan_feeds(plan0, 1)
