@@ -1,0 +1,319 @@
+"""The starpu engine end to end: real StarPU (libstarpu) workers, schedulers and perf models.
+
+Skipped, with the reason, where StarPU is not installed (``apt-get install libstarpu-dev``),
+except the test that checks the error a user then gets.  StarPU's files go to a temporary
+STARPU_HOME per test module, never to the user's ~/.starpu.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from staronnx import InputError, partition
+from staronnx.errors import StaronnxError
+from staronnx.runtime.engine import EngineClosed
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.task import TaskError
+from staronnx.verify import random_plan_feeds
+from staronnx.zoo import inception
+
+GOOGLENET = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "googlenet.onnx"
+
+
+@pytest.fixture(scope="session")
+def starpu():
+    """The compiled binding, or a skip naming what is missing."""
+    from staronnx.engines.starpu import StarpuUnavailable, load_binding
+
+    try:
+        return load_binding()
+    except StarpuUnavailable as exc:
+        pytest.skip(f"StarPU is not usable here: {exc}")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def starpu_home(tmp_path_factory):
+    """StarPU's sampling files (bus, perf models) in a temporary folder for this module."""
+    home = tmp_path_factory.mktemp("starpu_home")
+    old = {k: os.environ.get(k) for k in ("STARPU_HOME", "STARPU_PERF_MODEL_DIR")}
+    os.environ["STARPU_HOME"] = str(home)
+    os.environ.pop("STARPU_PERF_MODEL_DIR", None)
+    yield home
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def plan3(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sp")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
+    return partition(model, [0.5, 0.3, 0.2], output_dir=root / "plan", profile_runs=2)
+
+
+def _threads() -> set[str]:
+    return {t.name for t in threading.enumerate()}
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+# ----------------------------------------------------------------------------- correctness
+@pytest.mark.parametrize("policy", ["dmda", "dmdas", "eager", "lws", "ws", "prio", "random", "heft"])
+def test_zoo_plan_matches_reference(starpu, plan3, policy):
+    feeds = [random_plan_feeds(plan3, b, seed=i) for i, b in enumerate([1, 3, 2, 4] * 5)]
+    refs = [plan3.run_reference(f)["logits"] for f in feeds]
+    before, before_os = _threads(), _os_threads()
+    with Runtime(plan3, policy=policy, cpu_groups="cores=1", engine="starpu") as rt:
+        results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
+        stats = rt.stats()
+    for r, ref in zip(results, refs):
+        np.testing.assert_array_equal(r["logits"], ref)
+    assert stats["engine"] == "starpu" and stats["policy"] == policy
+    assert stats["starpu_policy"] == ("dmdas" if policy == "heft" else policy)
+    assert stats["requests_done"] == len(feeds) and stats["requests_failed"] == 0
+    assert sum(row["tasks"] for row in stats["tasks"].values()) == len(feeds) * plan3.k
+    assert sum(w["tasks"] for w in stats["workers"].values()) == len(feeds) * plan3.k
+    assert _threads() == before and _os_threads() == before_os
+
+
+def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_path):
+    if not GOOGLENET.exists():
+        pytest.skip(f"{GOOGLENET} is not there")
+    plan = partition(GOOGLENET, [0.85, 0.15], output_dir=tmp_path / "plan", profile_runs=2)
+    assert plan.k == 2 and plan.crossing
+    feeds = [random_plan_feeds(plan, b, seed=i) for i, b in enumerate([1, 2, 1, 3])]
+    refs = [plan.run_reference(f)["logits"] for f in feeds]
+    for policy in ("dmda", "eager"):
+        with Runtime(plan, policy=policy, cpu_groups="cores=1", engine="starpu") as rt:
+            results = [f.result(timeout=120) for f in [rt.submit(f) for f in feeds]]
+            assert rt.stats()["starpu_policy"] == policy
+        for r, ref in zip(results, refs):
+            np.testing.assert_array_equal(r["logits"], ref)
+
+
+def test_500_concurrent_requests_all_correct(starpu, plan3):
+    feeds = [random_plan_feeds(plan3, 1 + i % 3, seed=i) for i in range(16)]
+    refs = [plan3.run_reference(f)["logits"] for f in feeds]
+    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+
+        def client(c: int) -> list[tuple[int, object]]:
+            return [((c * 125 + i) % 16, rt.submit(feeds[(c * 125 + i) % 16])) for i in range(125)]
+
+        with ThreadPoolExecutor(4) as pool:  # 500 requests in flight at once, from 4 threads
+            submitted = [x for chunk in pool.map(client, range(4)) for x in chunk]
+        ok = sum(bool(np.array_equal(f.result(timeout=120)["logits"], refs[j])) for j, f in submitted)
+        stats = rt.stats()
+    assert ok == 500
+    assert stats["requests_done"] == 500 and stats["in_flight"] == 0
+
+
+def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_path):
+    """More buffers than STARPU_NMAXBUFS (dyn_handles), and a crossing tensor of unknown shape
+    (NonZero's output) that travels on the Python side while its handle orders the tasks."""
+    _, lib, _ = starpu
+    width = lib.STARPU_NMAXBUFS + 4
+    consts = [numpy_helper.from_array(np.full((1,), i + 1, np.float32), f"c{i}") for i in range(width)]
+    nodes = [helper.make_node("Mul", ["x", f"c{i}"], [f"y{i}"], name=f"mul{i}") for i in range(width)]
+    nodes += [helper.make_node("Tanh", [f"y{i}"], [f"t{i}"], name=f"tanh{i}") for i in range(width)]
+    nodes.append(helper.make_node("Sum", [f"t{i}" for i in range(width)], ["s"], name="sum"))
+    g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                          [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["batch", 64])], consts)
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "w.onnx"))
+    wide = partition(tmp_path / "w.onnx", [0.5, 0.5], output_dir=tmp_path / "wplan",
+                     input_shapes=["x=1x64"], costs="estimate")
+    assert max(len(p.inputs) + len(p.outputs) for p in wide.parts) > lib.STARPU_NMAXBUFS
+
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("NonZero", ["r"], ["nz"], name="nonzero"),
+             helper.make_node("Cast", ["nz"], ["c"], to=TensorProto.FLOAT, name="cast"),
+             helper.make_node("ReduceSum", ["c"], ["s"], keepdims=0, name="sum")]
+    g = helper.make_graph(nodes, "nz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+                          [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "nz.onnx"))
+    nz = partition(tmp_path / "nz.onnx", parts=2, method="linear", output_dir=tmp_path / "nzplan",
+                   input_shapes=["x=1x8"], costs="estimate")
+    assert any(not all(isinstance(d, int) for d in t.shape[1:]) for t in nz.crossing)
+
+    for plan in (wide, nz):
+        feeds = [{"x": np.random.default_rng(i).standard_normal((1 + i % 3, plan.inputs[0].shape[1]))
+                  .astype(np.float32)} for i in range(24)]
+        with Runtime(plan, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+            results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
+        for f, r in zip(feeds, results):
+            np.testing.assert_array_equal(r["s"], plan.run_reference(f)["s"])
+
+
+# ----------------------------------------------------------------------------- failures
+def _fragile_model(path: Path) -> Path:
+    """Part 1's MatMul needs the dynamic dim d to be 8: other sizes fail inside ORT."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Relu", ["x"], ["h"], name="relu"),
+        helper.make_node("Tanh", ["h"], ["h2"], name="tanh"),
+        helper.make_node("MatMul", ["h2", "w"], ["y"], name="mm"),
+    ]
+    g = helper.make_graph(nodes, "fragile",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "d"])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+def test_failing_request_fails_only_itself(starpu, tmp_path):
+    model = _fragile_model(tmp_path / "fragile.onnx")
+    plan = partition(model, parts=2, method="linear", output_dir=tmp_path / "plan",
+                     input_shapes=["x=1x8"], costs="estimate")
+    good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
+    bad = {"x": np.ones((2, 5), np.float32)}
+    want = plan.run_reference(good)["y"]
+    with Runtime(plan, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+        futures = [rt.submit(bad if i % 3 == 0 else good) for i in range(30)]
+        for i, f in enumerate(futures):
+            if i % 3 == 0:
+                with pytest.raises(TaskError) as info:
+                    f.result(timeout=30)
+                assert info.value.__cause__ is not None  # ORT's own error
+                assert info.value.part == 1
+            else:
+                np.testing.assert_array_equal(f.result(timeout=30)["y"], want)
+        stats = rt.stats()
+        assert stats["requests_failed"] == 10 and stats["requests_done"] == 20
+        np.testing.assert_array_equal(rt.run(good)["y"], want)  # and it keeps serving
+
+
+def test_bad_input_is_rejected_before_any_task(starpu, plan3):
+    with Runtime(plan3, policy="eager", cpu_groups="cores=1", engine="starpu") as rt:
+        good = random_plan_feeds(plan3, 2)
+        with pytest.raises(ValueError, match="'x'.*float32.*float64"):
+            rt.submit({"x": good["x"].astype(np.float64)})
+        with pytest.raises(InputError, match="missing"):
+            rt.submit({})
+        assert rt.stats()["requests_done"] == 0
+        rt.run(good)
+    with pytest.raises(EngineClosed):
+        rt.submit(good)
+
+
+def test_close_with_zero_timeout_cancels_what_is_left(starpu, plan3):
+    before, before_os = _threads(), _os_threads()
+    rt = Runtime(plan3, policy="dmdas", cpu_groups="cores=1", engine="starpu")
+    feeds = random_plan_feeds(plan3, 8)
+    futures = [rt.submit(feeds) for _ in range(200)]
+    rt.close(timeout=0)
+    done = [f for f in futures if f.done() and not f.cancelled() and f.exception() is None]
+    cancelled = [f for f in futures if f.cancelled()]
+    assert all(f.done() for f in futures)
+    assert cancelled, "200 queued batches cannot all finish in zero seconds"
+    assert len(done) + len(cancelled) == 200
+    assert _threads() == before and _os_threads() == before_os
+    rt.close()  # idempotent
+
+
+def test_one_starpu_runtime_at_a_time(starpu, plan3):
+    feeds = random_plan_feeds(plan3, 1)
+    with Runtime(plan3, policy="eager", cpu_groups="cores=1", engine="starpu") as rt:
+        with pytest.raises(StaronnxError, match="already running"):
+            Runtime(plan3, policy="eager", cpu_groups="cores=1", engine="starpu")
+        rt.run(feeds)
+    with Runtime(plan3, policy="lws", cpu_groups="numa", engine="starpu") as rt2:  # fine once closed
+        np.testing.assert_array_equal(rt2.run(feeds)["logits"], plan3.run_reference(feeds)["logits"])
+
+
+def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
+    with pytest.raises(StaronnxError, match="unknown StarPU scheduling policy 'dmdaa'.*dmdas"):
+        Runtime(plan3, policy="dmdaa", engine="starpu")
+    with pytest.raises(StaronnxError, match="policy option.*alpha"):
+        Runtime(plan3, policy="dmda", engine="starpu", policy_options={"alhpa": 1})
+    with pytest.raises(StaronnxError, match="CPU codelets only"):
+        Runtime(plan3, engine="starpu", cuda_streams=1)
+    with Runtime(plan3, policy="dmda", engine="starpu", cpu_groups="cores=1",  # valid ones pass
+                 policy_options={"alpha": 1.0, "beta": 2.0}) as rt:
+        rt.run(random_plan_feeds(plan3, 1))
+
+
+# ----------------------------------------------------------------------------- API parity
+def test_map_futures_and_trace(starpu, plan3, tmp_path):
+    feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(12)]
+    trace = tmp_path / "trace.json"
+    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", engine="starpu", trace=trace) as rt:
+        out = list(rt.map(iter(feeds), max_in_flight=4))
+
+        async def main():
+            return await asyncio.gather(*(rt.submit(f) for f in feeds[:3]))
+
+        awaited = asyncio.run(main())
+    for f, r in zip(feeds, out):
+        np.testing.assert_array_equal(r["logits"], plan3.run_reference(f)["logits"])
+    assert len(awaited) == 3
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len([e for e in events if e["ph"] == "X"]) == 15 * plan3.k
+    assert len({e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}) == 2
+
+
+# ----------------------------------------------------------------------------- perf models
+def test_perfmodel_files_exist_and_starpu_lists_them(starpu, plan3, tmp_path, monkeypatch):
+    home = tmp_path / "sp_home"
+    monkeypatch.setenv("STARPU_HOME", str(home))
+    feeds = {b: random_plan_feeds(plan3, b) for b in (1, 2)}
+    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+        for f in [rt.submit(feeds[1 + i % 2]) for i in range(60)]:
+            f.result(timeout=60)
+        symbols = rt._engine.perfmodel_symbols
+        paths = rt._engine.perfmodel_paths()
+        stats = rt.stats()
+    assert len(symbols) == plan3.k
+    for symbol, path in zip(symbols, paths):
+        assert Path(path).exists(), path
+        assert Path(path).is_relative_to(home / ".starpu" / "sampling" / "codelets")
+        text = Path(path).read_text()
+        assert "# number of entries" in text or "footprint" in text or text.strip()
+    # 30 samples per (part, batch) on the same arch: StarPU predicts after 10 of them
+    assert any(row["predicted_ms"] for row in stats["tasks"].values()), stats["tasks"]
+    tool = shutil.which("starpu_perfmodel_display")
+    if tool is None:
+        pytest.skip("starpu_perfmodel_display (starpu-tools) is not installed")
+    env = dict(os.environ, STARPU_HOME=str(home))
+    listed = subprocess.run([tool, "-l"], capture_output=True, text=True, env=env, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    for symbol in symbols:
+        assert symbol in listed.stdout
+    shown = subprocess.run([tool, "-s", symbols[0]], capture_output=True, text=True, env=env, timeout=60)
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split() for line in shown.stdout.splitlines() if line and line[0] in "0123456789abcdef"]
+    assert {"1", "2"} <= {r[1] for r in rows if len(r) > 1}, shown.stdout  # size column = batch
+
+
+# ----------------------------------------------------------------------------- without StarPU
+def test_without_starpu_a_clear_error_and_import_staronnx_never_needs_it(plan3, tmp_path):
+    code = (
+        "import sys, staronnx\n"
+        "assert 'staronnx.engines.starpu' not in sys.modules and 'staronnx.engines' not in sys.modules\n"
+        "from staronnx.runtime.runtime import Runtime\n"
+        "from staronnx.errors import StaronnxError\n"
+        "try:\n"
+        f"    Runtime({str(plan3.root)!r}, engine='starpu')\n"
+        "except StaronnxError as exc:\n"
+        "    print('ERROR', exc)\n"
+    )
+    env = dict(os.environ, STARPU_PREFIX=str(tmp_path / "no-starpu"), STARONNX_HOME=str(tmp_path / "home"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ERROR") and "apt-get install libstarpu-dev" in out.stdout
