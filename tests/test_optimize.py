@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from staronnx import partition
-from staronnx.bench.optimize import OptimizeError, choose, optimize_batch
+from staronnx.bench.optimize import OptimizeError, choose, next_candidate, optimize_batch
 from staronnx.calibrate import calibrate, start_workers
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
@@ -65,6 +65,21 @@ def test_choose_when_everything_is_congested_takes_the_most_throughput():
     assert choose(metrics, slo=0.1) == (2, False)
     with pytest.raises(OptimizeError):
         choose({})
+
+
+def test_next_candidate_climbs_towards_the_best():
+    order = [1, 2, 4, 8]
+    # best at the low edge of what was measured: try the smaller neighbour
+    assert next_candidate(order, {2: _m(5.0), 4: _m(9.0)}) == 1
+    # best at the high edge: try the larger one
+    assert next_candidate(order, {1: _m(9.0), 2: _m(5.0)}) == 4
+    # best inside what was measured: confirmed
+    assert next_candidate(order, {1: _m(9.0), 2: _m(5.0), 4: _m(7.0)}) is None
+    # everything measured congested: more capacity, the next larger size
+    congested = {1: _m(900, congested=True, throughput=20), 2: _m(800, congested=True, throughput=25)}
+    assert next_candidate(order, congested) == 4
+    assert next_candidate(order, {**congested, 4: _m(700, congested=True), 8: _m(600, congested=True)}) is None
+    assert next_candidate(order, {}) is None
 
 
 # -- predict, then verify -----------------------------------------------------------------------

@@ -21,8 +21,9 @@ seconds of wall time; each run is long enough to hold ``min_batches`` batch fill
 per-task overhead, not interference between workers), so the predicted best and its
 neighbours in the candidate list are measured live for a few seconds each on one shared
 runtime, exactly as a sweep measures a point. When the best measured sits at an edge of what
-was measured, the next candidate beyond it is measured too (a short hill-climb, at most
-``max_verify`` live points). The final choice is the best *measured* by the same objective,
+was measured, the next candidate beyond it is measured too, and when even the best measured
+is congested, the next larger batch size (a short hill-climb, at most ``max_verify`` live
+points: :func:`next_candidate`). The final choice is the best *measured* by the same objective,
 and every verified candidate carries both figures.
 """
 
@@ -160,6 +161,30 @@ def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
     return min(within, key=headroom), True
 
 
+def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any]], slo: float | None = None,
+                   bounds: Mapping[int, float | None] | None = None) -> int | None:
+    """The next batch size to measure live, or None when the measured best is confirmed.
+
+    When even the best measured is congested, the rate needs more capacity: the next larger
+    unmeasured size (bigger batches cost less per sample). Otherwise, when the best sits at an
+    edge of the measured sizes, the unmeasured neighbour beyond that edge (a smaller size
+    lowers the batch-fill wait; a larger one may win at high load or give more headroom).
+    """
+    if not measured:
+        return None
+    best, _ = choose(measured, slo, bounds)
+    done = sorted(measured)
+    if measured[best].get("congested") or not _finite(measured[best].get(LATENCY)):
+        bigger = [b for b in order if b > done[-1]]
+        return bigger[0] if bigger else None
+    i = list(order).index(best)
+    if best == done[0] and i > 0 and order[i - 1] not in measured:
+        return order[i - 1]
+    if best == done[-1] and i + 1 < len(order) and order[i + 1] not in measured:
+        return order[i + 1]
+    return None
+
+
 def optimize_batch(
     plan: Plan | str | os.PathLike[str],
     rate: float,
@@ -192,8 +217,7 @@ def optimize_batch(
             ``min_batches`` batch fills).
         verify: measure the predicted best and its ``neighbours`` on each side live.
         verify_duration: seconds per live measurement (stretched likewise).
-        max_verify: when the best measured candidate is at an edge of those measured, the next
-            one beyond it is measured too, up to this many live measurements in all.
+        max_verify: at most this many live measurements in all (see :func:`next_candidate`).
         runtime: an open runtime to measure on (it stays open); default: one started here.
         machine: a :class:`~staronnx.bench.simulator.SimMachine` to reuse.
         progress: called with a one-line message at each step.
@@ -264,13 +288,10 @@ def optimize_batch(
 
         for b in result.verified:
             measure(b)
-        # hill-climb: while the measured best sits at an edge of what was measured, with an
-        # unmeasured candidate beyond it, measure that one too (up to max_verify points)
-        while len(result.verified) < max(max_verify, len(result.verified)):
-            best, _ = choose({b: result.candidate(b).measured for b in result.verified}, slo, bounds)  # type: ignore[misc]
-            i = order.index(best)
-            lo, hi = order.index(result.verified[0]), order.index(result.verified[-1])
-            nxt = order[i - 1] if i == lo and i > 0 else order[i + 1] if i == hi and i + 1 < len(order) else None
+        # hill-climb (up to max_verify live points): see next_candidate()
+        while len(result.verified) < max_verify:
+            measured = {b: result.candidate(b).measured for b in result.verified}
+            nxt = next_candidate(order, measured, slo, bounds)  # type: ignore[arg-type]
             if nxt is None:
                 break
             measure(nxt)
