@@ -13,7 +13,7 @@ started and closed within its round: StarPU allows one instance per process, and
 workers poll (Debian's StarPU is built with non-blocking drivers), so an open StarPU runtime
 would slow the native one down.  StarPU's files go to a temporary STARPU_HOME.
 
-Usage: python benchmarks/engines.py [--seconds 2] [--rounds 3] [--groups cores=1]
+Usage: python benchmarks/engines.py [--seconds 2] [--rounds 3] [--groups cores=N]
        [--policies eager,dmda] [--batch 4] [--skip-googlenet]
 """
 
@@ -104,7 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--groups", default="cores=1", help="CPU groups for both engines (default cores=1)")
+    ap.add_argument("--groups", default=None,
+                    help="CPU groups for both engines (default cores=1, or wider groups so that there "
+                         "are at most 4: Debian's StarPU has STARPU_MAXCPUS 4)")
     ap.add_argument("--policies", default="eager,dmda")
     ap.add_argument("--inflight", type=int, default=200)
     ap.add_argument("--model", type=Path, default=GOOGLENET)
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from staronnx.engines.starpu import load_binding
 
-        _, _, install = load_binding()
+        _, lib, install = load_binding()
     except Exception as exc:  # noqa: BLE001 - say why and stop
         print(f"the starpu engine is not usable here: {exc}", file=sys.stderr)
         return 2
@@ -123,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     store = PerfModelStore(tmp / "home")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     ncores = len(os.sched_getaffinity(0))
+    if args.groups is None:
+        args.groups = f"cores={max(1, -(-ncores // lib.STARPU_MAXCPUS))}"
     print(f"StarPU {install.version} ({install.source}); {ncores} cores; groups {args.groups!r}; "
           f"{args.rounds} rounds of {args.seconds:g} s, medians\n")
 

@@ -67,6 +67,22 @@ def plan3(tmp_path_factory):
     return partition(model, [0.5, 0.3, 0.2], output_dir=root / "plan", profile_runs=2)
 
 
+def _two_groups() -> str:
+    """Two one-core groups (the first two allowed cores), or one on a 1-core machine.
+
+    Debian's StarPU 1.3 caps CPU workers at STARPU_MAXCPUS = 4, so 'cores=1' would fail on a
+    big machine; two workers are what the scheduling tests need.
+    """
+    from staronnx.workers.topology import Topology
+
+    topo = Topology.from_system()
+    cores = topo.allowed_cores()[:2]
+    return ";".join(str(c.allowed_pus(topo.allowed_pus)[0]) for c in cores)
+
+
+GROUPS = _two_groups()
+
+
 def _threads() -> set[str]:
     return {t.name for t in threading.enumerate()}
 
@@ -81,7 +97,7 @@ def test_zoo_plan_matches_reference(starpu, plan3, policy):
     feeds = [random_plan_feeds(plan3, b, seed=i) for i, b in enumerate([1, 3, 2, 4] * 5)]
     refs = [plan3.run_reference(f)["logits"] for f in feeds]
     before, before_os = _threads(), _os_threads()
-    with Runtime(plan3, policy=policy, cpu_groups="cores=1", engine="starpu") as rt:
+    with Runtime(plan3, policy=policy, cpu_groups=GROUPS, engine="starpu") as rt:
         results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
         stats = rt.stats()
     for r, ref in zip(results, refs):
@@ -102,7 +118,7 @@ def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_p
     feeds = [random_plan_feeds(plan, b, seed=i) for i, b in enumerate([1, 2, 1, 3])]
     refs = [plan.run_reference(f)["logits"] for f in feeds]
     for policy in ("dmda", "eager"):
-        with Runtime(plan, policy=policy, cpu_groups="cores=1", engine="starpu") as rt:
+        with Runtime(plan, policy=policy, cpu_groups=GROUPS, engine="starpu") as rt:
             results = [f.result(timeout=120) for f in [rt.submit(f) for f in feeds]]
             assert rt.stats()["starpu_policy"] == policy
         for r, ref in zip(results, refs):
@@ -112,7 +128,7 @@ def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_p
 def test_500_concurrent_requests_all_correct(starpu, plan3):
     feeds = [random_plan_feeds(plan3, 1 + i % 3, seed=i) for i in range(16)]
     refs = [plan3.run_reference(f)["logits"] for f in feeds]
-    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+    with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
 
         def client(c: int) -> list[tuple[int, object]]:
             return [((c * 125 + i) % 16, rt.submit(feeds[(c * 125 + i) % 16])) for i in range(125)]
@@ -155,7 +171,7 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
     for plan in (wide, nz):
         feeds = [{"x": np.random.default_rng(i).standard_normal((1 + i % 3, plan.inputs[0].shape[1]))
                   .astype(np.float32)} for i in range(24)]
-        with Runtime(plan, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+        with Runtime(plan, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
             results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
         for f, r in zip(feeds, results):
             np.testing.assert_array_equal(r["s"], plan.run_reference(f)["s"])
@@ -184,7 +200,7 @@ def test_failing_request_fails_only_itself(starpu, tmp_path):
     good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
     bad = {"x": np.ones((2, 5), np.float32)}
     want = plan.run_reference(good)["y"]
-    with Runtime(plan, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+    with Runtime(plan, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
         futures = [rt.submit(bad if i % 3 == 0 else good) for i in range(30)]
         for i, f in enumerate(futures):
             if i % 3 == 0:
@@ -200,7 +216,7 @@ def test_failing_request_fails_only_itself(starpu, tmp_path):
 
 
 def test_bad_input_is_rejected_before_any_task(starpu, plan3):
-    with Runtime(plan3, policy="eager", cpu_groups="cores=1", engine="starpu") as rt:
+    with Runtime(plan3, policy="eager", cpu_groups=GROUPS, engine="starpu") as rt:
         good = random_plan_feeds(plan3, 2)
         with pytest.raises(ValueError, match="'x'.*float32.*float64"):
             rt.submit({"x": good["x"].astype(np.float64)})
@@ -214,7 +230,7 @@ def test_bad_input_is_rejected_before_any_task(starpu, plan3):
 
 def test_close_with_zero_timeout_cancels_what_is_left(starpu, plan3):
     before, before_os = _threads(), _os_threads()
-    rt = Runtime(plan3, policy="dmdas", cpu_groups="cores=1", engine="starpu")
+    rt = Runtime(plan3, policy="dmdas", cpu_groups=GROUPS, engine="starpu")
     feeds = random_plan_feeds(plan3, 8)
     futures = [rt.submit(feeds) for _ in range(200)]
     rt.close(timeout=0)
@@ -229,11 +245,12 @@ def test_close_with_zero_timeout_cancels_what_is_left(starpu, plan3):
 
 def test_one_starpu_runtime_at_a_time(starpu, plan3):
     feeds = random_plan_feeds(plan3, 1)
-    with Runtime(plan3, policy="eager", cpu_groups="cores=1", engine="starpu") as rt:
+    with Runtime(plan3, policy="eager", cpu_groups=GROUPS, engine="starpu") as rt:
         with pytest.raises(StaronnxError, match="already running"):
-            Runtime(plan3, policy="eager", cpu_groups="cores=1", engine="starpu")
+            Runtime(plan3, policy="eager", cpu_groups=GROUPS, engine="starpu")
         rt.run(feeds)
-    with Runtime(plan3, policy="lws", cpu_groups="numa", engine="starpu") as rt2:  # fine once closed
+    one = GROUPS.split(";")[0]
+    with Runtime(plan3, policy="lws", cpu_groups=one, engine="starpu") as rt2:  # fine once closed
         np.testing.assert_array_equal(rt2.run(feeds)["logits"], plan3.run_reference(feeds)["logits"])
 
 
@@ -244,7 +261,7 @@ def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
         Runtime(plan3, policy="dmda", engine="starpu", policy_options={"alhpa": 1})
     with pytest.raises(StaronnxError, match="CPU codelets only"):
         Runtime(plan3, engine="starpu", cuda_streams=1)
-    with Runtime(plan3, policy="dmda", engine="starpu", cpu_groups="cores=1",  # valid ones pass
+    with Runtime(plan3, policy="dmda", engine="starpu", cpu_groups=GROUPS,  # valid ones pass
                  policy_options={"alpha": 1.0, "beta": 2.0}) as rt:
         rt.run(random_plan_feeds(plan3, 1))
 
@@ -253,7 +270,7 @@ def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
 def test_map_futures_and_trace(starpu, plan3, tmp_path):
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(12)]
     trace = tmp_path / "trace.json"
-    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", engine="starpu", trace=trace) as rt:
+    with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu", trace=trace) as rt:
         out = list(rt.map(iter(feeds), max_in_flight=4))
 
         async def main():
@@ -265,7 +282,8 @@ def test_map_futures_and_trace(starpu, plan3, tmp_path):
     assert len(awaited) == 3
     events = json.loads(trace.read_text())["traceEvents"]
     assert len([e for e in events if e["ph"] == "X"]) == 15 * plan3.k
-    assert len({e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}) == 2
+    lanes = {e["tid"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert len(lanes) == len(GROUPS.split(";"))
 
 
 # ----------------------------------------------------------------------------- perf models
@@ -273,7 +291,7 @@ def test_perfmodel_files_exist_and_starpu_lists_them(starpu, plan3, tmp_path, mo
     home = tmp_path / "sp_home"
     monkeypatch.setenv("STARPU_HOME", str(home))
     feeds = {b: random_plan_feeds(plan3, b) for b in (1, 2)}
-    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", engine="starpu") as rt:
+    with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
         for f in [rt.submit(feeds[1 + i % 2]) for i in range(60)]:
             f.result(timeout=60)
         symbols = rt._engine.perfmodel_symbols

@@ -138,6 +138,7 @@ class _Worker:
     tasks: int = 0
     busy: float = 0.0
     membind: str = ""
+    native_id: int = -1
 
 
 # ----------------------------------------------------------------------------- the engine
@@ -258,6 +259,7 @@ class StarpuEngine:
         w = self._workers.get(wid)
         if w is None:
             return
+        w.native_id = threading.get_native_id()
         try:
             from staronnx.workers.cpu import _bind_memory
 
@@ -487,6 +489,9 @@ class StarpuEngine:
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
         """Drain for up to ``timeout`` s, cancel the rest, wait for StarPU, starpu_shutdown."""
+        if any(w.native_id == threading.get_native_id() for w in self._workers.values()):
+            raise RuntimeError("close() called from a StarPU worker (a future's done-callback?): "
+                               "StarPU cannot shut down from its own thread; close from another")
         with self._submit_lock:
             if self._closed:
                 return
