@@ -24,8 +24,8 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import onnx
@@ -33,7 +33,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, rate  # noqa: E402
+from _common import GOOGLENET, rate
+
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
@@ -142,8 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         ort_us = 1e6 / statistics.median(plain_rate(model, feeds, 1, args.seconds) for _ in range(args.rounds))
         for policy in policies:
             r = median_rounds(args.rounds, {
-                e: (lambda e=e: engine_rates(plan, e, policy, args.groups, feeds, args.seconds,
-                                             args.inflight, 20, store))
+                e: (lambda e=e, plan=plan, policy=policy: engine_rates(plan, e, policy, args.groups, feeds, args.seconds,
+                                                                    args.inflight, 20, store))
                 for e in ENGINES})
             for e in ENGINES:
                 sync_us, pipe_us = 1e6 / r[e]["sync"], 1e6 / r[e]["pipelined"]
@@ -158,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'policy':<8}{'native':>10}{'starpu':>10}{'starpu/native':>15}")
         for policy in policies:
             r = median_rounds(args.rounds, {
-                e: (lambda e=e: engine_rates(split, e, policy, args.groups, gfeeds, args.seconds * 2,
+                e: (lambda e=e, policy=policy: engine_rates(split, e, policy, args.groups, gfeeds, args.seconds * 2,
                                              min(args.inflight, 16), 24, store, sync=False))
                 for e in ENGINES})
             nat, sp = r["native"]["pipelined"] * args.batch, r["starpu"]["pipelined"] * args.batch

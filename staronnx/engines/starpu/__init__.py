@@ -7,7 +7,13 @@ compiles the cffi binding on first use (:mod:`._build`), raising :class:`StarpuU
 
 from __future__ import annotations
 
-from ._build import INSTALL_HINT, StarpuInstall, StarpuUnavailable, find_starpu, load_binding
+from ._build import (
+    INSTALL_HINT,
+    StarpuInstall,
+    StarpuUnavailable,
+    find_starpu,
+    load_binding,
+)
 from .engine import POLICY_ALIASES, StarpuEngine
 
 

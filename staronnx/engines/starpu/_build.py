@@ -83,8 +83,8 @@ def _pkg_config(name: str, env: dict[str, str] | None = None) -> StarpuInstall |
     if exe is None:
         return None
     try:
-        cflags = subprocess.run([exe, "--cflags", name], capture_output=True, text=True, env=env, timeout=30)
-        libs = subprocess.run([exe, "--libs", name], capture_output=True, text=True, env=env, timeout=30)
+        cflags = subprocess.run([exe, "--cflags", name], check=False, capture_output=True, text=True, env=env, timeout=30)
+        libs = subprocess.run([exe, "--libs", name], check=False, capture_output=True, text=True, env=env, timeout=30)
     except (OSError, subprocess.SubprocessError):
         return None
     if cflags.returncode or libs.returncode:
@@ -504,7 +504,7 @@ def _compile(install: StarpuInstall, cc: list[str], pyinc: str, modname: str, fo
             rpath = [f"-Wl,-rpath,{d}" for d in install.lib_dirs]
             cmd = [*cc, "-shared", "-fPIC", "-O2", "-w", f"-I{pyinc}", *install.cflags, str(c_file),
                    "-o", str(tmp / so_name), *install.libs, *rpath]
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
             if proc.returncode != 0:
                 raise StarpuUnavailable(
                     f"compiling the StarPU binding against {install.source} failed:\n"

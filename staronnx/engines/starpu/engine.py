@@ -53,10 +53,11 @@ import time
 import traceback
 import zlib
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -84,7 +85,7 @@ POLICY_ENV = {
 }
 
 _active_lock = threading.Lock()
-_active: "StarpuEngine | None" = None
+_active: StarpuEngine | None = None
 _externs_installed = False
 
 
@@ -160,7 +161,7 @@ class StarpuEngine:
         self.plan = plan
         self.policy = policy
         self._closed = True  # until started
-        ffi, lib, install = load_binding()
+        ffi, lib, _install = load_binding()
         self._ffi, self._lib = ffi, lib
         _install_externs(ffi)
         if cuda_streams:
@@ -705,4 +706,4 @@ def _close_at_exit() -> None:
         try:
             engine.close(timeout=5.0)
         except Exception:  # pragma: no cover - best effort at exit
-            pass
+            log.debug("closing the starpu engine at exit failed", exc_info=True)
