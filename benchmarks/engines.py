@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1. per-task overhead, tiny models
     feeds = {"x": np.ones((1, 16), np.float32)}
     print("per-task overhead (us per task, over plain ORT), tiny 16x16 MatMul model(s), batch 1")
-    print(f"{'plan':<22}{'policy':<8}{'engine':<8}{'sync us/req':>12}{'overhead':>10}"
+    print(f"{'plan':<24}{'policy':<8}{'engine':<8}{'sync us/req':>12}{'overhead':>10}"
           f"{'pipelined us/req':>18}{'overhead':>10}")
     for layers, parts in ((1, 1), (2, 2)):
         model = tiny_chain(tmp / f"tiny{layers}.onnx", layers)
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                 for e in ENGINES})
             for e in ENGINES:
                 sync_us, pipe_us = 1e6 / r[e]["sync"], 1e6 / r[e]["pipelined"]
-                print(f"{f'{plan.k} part(s), ORT {ort_us:.1f} us':<22}{policy:<8}{e:<8}{sync_us:>12.1f}"
+                print(f"{f'{plan.k} part(s), ORT {ort_us:.1f} us':<24}{policy:<8}{e:<8}{sync_us:>12.1f}"
                       f"{(sync_us - ort_us) / plan.k:>10.1f}{pipe_us:>18.1f}{(pipe_us - ort_us) / plan.k:>10.1f}")
     # 2. throughput, googlenet 2 parts
     if not args.skip_googlenet and args.model.exists():
