@@ -250,7 +250,7 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
 
         print(f"{r.model[:20]:20s} {r.method:13s} {r.parts:5d} {r.cut_bytes:12,d} {r.devices[:11]:>11s} "
               f"{f(r.pred_b1_ms)} {f(r.pred_b8_ms)} {f(r.lat_b1_ms)} {f(r.thr_b8, 9, 1)}  {r.note}")
-    print(f"(devices: CPU groups '{args.groups}'; runtime: heft on the same groups; in flight at "
+    print(f"(devices: CPU groups '{args.groups}'; runtime: heft for metis/linear, static (as placed) for the placement methods, on the same groups; in flight at "
           f"batch {args.batch}: {args.in_flight}; {args.rounds} alternating rounds of {args.seconds:g} s)")
 
 
