@@ -100,11 +100,15 @@ def profile_costs(
     runs: int = 5,
     input_shapes: dict[str, list[int]] | None = None,
     seed: int = 0,
+    threads: int | None = None,
 ) -> NodeCosts:
     """Measure every vertex's time with ORT's profiler on the target device.
 
-    Falls back to estimates (for the nodes it cannot time, or all of them if ORT cannot run
-    the model on this device), never to an exception: costs only steer the cut.
+    ``threads`` pins the intra-op pool size (a CPU group's cores, for per-device placement
+    costs); None lets ORT use the machine. Two warm-up runs are dropped and the median of the
+    rest kept, which resists a preempted run on a busy machine. Falls back to estimates (for
+    the nodes it cannot time, or all of them if ORT cannot run the model on this device),
+    never to an exception: costs only steer the cut.
     """
     providers = providers_for(device)
     shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
@@ -112,26 +116,29 @@ def profile_costs(
     estimates = np.array([estimate_node(graph, v, batch) for v in range(len(graph))]) * 1e6
     measured = np.zeros(len(graph), dtype=bool)
     micros = estimates.copy()
+    warmup = 2
     with tempfile.TemporaryDirectory(prefix="staronnx-profile-") as tmp:
         so = ort.SessionOptions()
         so.enable_profiling = True
         so.profile_file_prefix = os.path.join(tmp, "profile")
         so.log_severity_level = 3
+        if threads is not None:
+            so.intra_op_num_threads = max(int(threads), 1)
+            so.inter_op_num_threads = 1
+            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
             sess = make_session(graph.model, optimize=False, providers=providers, options=so)
-            for _ in range(runs + 1):
+            for _ in range(runs + warmup):
                 sess.run(None, feeds)
-            trace = Path(sess.end_profiling())
-            times = _kernel_times(trace)
-        except Exception:
+            times = _kernel_times(Path(sess.end_profiling()))
+        except Exception:  # noqa: BLE001 - costs only steer the cut: fall back to estimates
             times = {}
     index = {node.name: v for v, node in enumerate(graph.nodes)}
     for name, durations in times.items():
         v = index.get(name)
-        if v is None or len(durations) < 2:
+        if v is None or len(durations) <= warmup:
             continue
-        # the first run is the warm-up (allocations, kernel selection)
-        micros[v] = float(np.mean(durations[1:]))
+        micros[v] = float(np.median(durations[warmup:]))
         measured[v] = True
     if measured.any() and not measured.all():
         ratio = np.median(micros[measured] / np.maximum(estimates[measured], 1e-9))

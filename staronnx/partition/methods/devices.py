@@ -19,20 +19,15 @@ override, or profiling fails with the missing provider's name.
 from __future__ import annotations
 
 import math
-import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
 from staronnx.errors import PartitionError
-from staronnx.feeds import random_feeds_for_shapes
-from staronnx.ortutil import make_session, providers_for
-from staronnx.partition.costs import _kernel_times, estimate_node
-from staronnx.partition.graph import ModelGraph, resolve_input_shapes
+from staronnx.partition.costs import estimate_node, profile_costs
+from staronnx.partition.graph import ModelGraph
 from staronnx.partition.methods.model import Device
 
 CostOverride = float | Mapping[str, float] | Sequence[float] | np.ndarray | Callable[..., Any]
@@ -110,42 +105,11 @@ def profile_device(
     input_shapes: dict[str, list[int]] | None = None,
     seed: int = 0,
 ) -> np.ndarray:
-    """µs per node on one device: ORT's profiler with the device's threads, optimisations off
-    (so ORT's nodes are the graph's), unreported nodes estimated at the measured ratio."""
-    providers = providers_for(device.kind)  # names the missing CUDA provider on a CPU box
-    shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
-    feeds = random_feeds_for_shapes(graph.inputs, shapes, model=graph.model, seed=seed)
-    estimates = np.array([estimate_node(graph, v, batch) for v in range(len(graph))]) * 1e6
-    micros = estimates.copy()
-    measured = np.zeros(len(graph), dtype=bool)
-    with tempfile.TemporaryDirectory(prefix="staronnx-place-profile-") as tmp:
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tmp, "profile")
-        so.log_severity_level = 3
-        if device.kind == "cpu":
-            so.intra_op_num_threads = max(int(device.cores), 1)
-            so.inter_op_num_threads = 1
-            so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            sess = make_session(graph.model, optimize=False, providers=providers, options=so)
-            for _ in range(runs + 2):
-                sess.run(None, feeds)
-            times = _kernel_times(Path(sess.end_profiling()))
-        except Exception:  # noqa: BLE001 - costs only steer placement: fall back to estimates
-            times = {}
-    index = {node.name: v for v, node in enumerate(graph.nodes)}
-    for name, durations in times.items():
-        v = index.get(name)
-        if v is None or len(durations) < 3:
-            continue
-        # two warm-up runs dropped; the median resists a preempted run on a busy machine
-        micros[v] = float(np.median(durations[2:]))
-        measured[v] = True
-    if measured.any() and not measured.all():
-        ratio = np.median(micros[measured] / np.maximum(estimates[measured], 1e-9))
-        micros[~measured] = estimates[~measured] * ratio
-    return np.maximum(micros, 1e-3)
+    """µs per node on one device: ORT's profiler with the device's threads (the partitioner's
+    own profiling, see :func:`staronnx.partition.costs.profile_costs`)."""
+    threads = int(device.cores) if device.kind == "cpu" else None
+    return profile_costs(graph, device=device.kind, batch=batch, runs=runs,
+                         input_shapes=input_shapes, seed=seed, threads=threads).micros
 
 
 def apply_override(
