@@ -12,7 +12,6 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from staronnx import InferenceSession, InputError, partition
 from staronnx.calibrate import start_workers
@@ -22,6 +21,7 @@ from staronnx.runtime.policies import POLICIES
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
+from staronnx.zoo import fragile as zoo_fragile
 from staronnx.zoo import inception
 
 
@@ -79,17 +79,7 @@ def test_thousand_requests_from_eight_threads(plan3, store):
 
 
 def _fragile_model(path: Path) -> Path:
-    """Part 1's MatMul needs the dynamic dim d to be 8: other sizes fail inside ORT."""
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
-    nodes = [
-        helper.make_node("Relu", ["x"], ["h"], name="relu"),
-        helper.make_node("Tanh", ["h"], ["h2"], name="tanh"),
-        helper.make_node("MatMul", ["h2", "w"], ["y"], name="mm"),
-    ]
-    g = helper.make_graph(nodes, "fragile",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "d"])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [w])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    onnx.save(zoo_fragile(), str(path))
     return path
 
 

@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
 from staronnx import InputError, partition
 from staronnx.errors import StaronnxError
@@ -36,6 +35,7 @@ from staronnx.serving import (
     summarize,
 )
 from staronnx.verify import random_plan_feeds
+from staronnx.zoo import fragile as zoo_fragile
 from staronnx.zoo import inception
 
 
@@ -283,17 +283,7 @@ def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
 
 
 def _fragile_model(path: Path) -> Path:
-    """Part 1's MatMul needs the dynamic dim d to be 8: other sizes fail inside ORT."""
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
-    nodes = [
-        helper.make_node("Relu", ["x"], ["h"], name="relu"),
-        helper.make_node("Tanh", ["h"], ["h2"], name="tanh"),
-        helper.make_node("MatMul", ["h2", "w"], ["y"], name="mm"),
-    ]
-    g = helper.make_graph(nodes, "fragile",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "d"])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 4])], [w])
-    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    onnx.save(zoo_fragile(), str(path))
     return path
 
 
