@@ -409,7 +409,9 @@ def test_summary_of_hand_built_records():
     # queue: 1 on [0, 1), 0 on [1, 2), 1 on [2, 3) -> time-weighted mean 2/3 over [0, 3]
     assert s["queue_mean"] == pytest.approx(2 / 3) and s["queue_max"] == 1
     assert s["cpu_share"] is None and s["placement"] == {}
-    assert [w["completed"] for w in s["windows"]] == [0, 2, 0] and not s["stable"]
+    # two batches cannot fill three windows of at least two completions each: not stable
+    assert [w["batches"] for w in s["windows"]] == [1, 1, 0]
+    assert [w["completed"] for w in s["windows"]] == [2, 2, 0] and not s["stable"]
 
 
 def test_warmup_moves_the_window():
@@ -466,11 +468,25 @@ def test_healthy_run_is_stable_and_not_congested():
     assert len(s["windows"]) == 3
     for w in s["windows"]:
         assert w["throughput"] == pytest.approx(100, rel=0.05)
-        # per batch the latencies are 0.05 + (9, 8, ..., 0) * 10 ms: median 0.095 (a window's
-        # edge cuts a batch, which moves its median by up to half a step)
-        assert w["latency_p50"] == pytest.approx(0.095, abs=0.0051)
+        # per batch the latencies are 0.05 + (9, 8, ..., 0) * 10 ms: median 0.095, exactly,
+        # since windows hold whole batches
+        assert w["latency_p50"] == pytest.approx(0.095)
     assert s["paper_latency_mean"] == pytest.approx(0.14)
     assert s["paper_latency_std"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_slow_large_batches_are_stable_and_their_percentiles_whole():
+    # 10 req/s in batches of 4, served in 0.135 s: latencies 0.435, 0.335, 0.235, 0.135 in every
+    # batch. A 1.1 s warm-up starts the window mid-batch, and time slices of ~3.6 batches would
+    # hold 3 or 4 completions: neither may move the figures.
+    rec = _synthetic(10, 0.135, 120, 4)
+    s = summarize(rec, warmup=1.1)
+    assert s["latency_p50"] == pytest.approx(0.285)
+    assert s["paper_latency_mean"] == pytest.approx(0.435)
+    assert s["stable"] and not s["congested"]
+    for w in s["windows"]:
+        assert w["throughput"] == pytest.approx(10)
+        assert w["batches"] >= 9
 
 
 def test_stability_needs_the_three_windows_to_agree():

@@ -16,6 +16,8 @@ import onnx
 import pytest
 
 from staronnx import partition
+from staronnx.bench.fidelity import COLUMNS as SIM_COLUMNS
+from staronnx.bench.fidelity import COMPARED, fidelity_summary, relative_error
 from staronnx.bench.plots import (
     PlotError,
     compare,
@@ -230,6 +232,65 @@ def test_plot_results_and_compare_write_pngs(tmp_path):
         compare([tmp_path / "nothing"], None, tmp_path / "x.png")
 
 
+def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, home, runtime, tmp_path):
+    out = tmp_path / "sim"
+    rows = sweep(plan, [60, 120], [1, 2], groups="cores=1", duration=0.6, out_dir=out, runtime=runtime,
+                 store=PerfModelStore(home), extend=False, simulate=True)
+    assert len(rows) == 4
+    for r in rows:
+        assert set(SIM_COLUMNS) <= set(r)
+        # far below this tiny plan's capacity: the simulation serves what is offered, like the live run
+        assert not r["sim_congested"]
+        assert r["sim_throughput"] == pytest.approx(r["offered_rate"], rel=0.25)
+        assert r["err_throughput"] == pytest.approx(r["sim_throughput"] / r["throughput"] - 1)
+        assert r["err_latency_p50"] == pytest.approx(r["sim_latency_p50_ms"] / r["latency_p50_ms"] - 1)
+        assert r["sim_latency_p50_ms"] > 0
+        if r["batch_size"] == 2:  # the first request of a batch waits for the second: 1/rate at least
+            assert r["sim_paper_latency_mean_ms"] >= 1e3 / r["offered_rate"]
+    doc = load_results(out)
+    fid = doc["fidelity"]
+    assert fid["simulated_points"] == 4 and fid["throughput"]["points"] == 4
+    assert fid["latency_p50"]["points"] == fid["steady_points"]
+    with open(out / "results.csv") as f:
+        header = next(csv.reader(f))
+    assert header[len(COLUMNS): len(COLUMNS) + len(SIM_COLUMNS)] == list(SIM_COLUMNS)
+    pngs = plot_results(out)
+    assert "simulator.png" in {p.name for p in pngs}
+
+
+def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path):
+    out = tmp_path / "nosim"
+    rows = sweep(plan, [80], [1], groups="cores=1", duration=0.4, out_dir=out, runtime=runtime,
+                 store=PerfModelStore(tmp_path / "empty"), extend=False, simulate=True, bound=False)
+    assert "sim_throughput" not in rows[0]
+    assert any("no simulation" in n or "not simulated" in n for n in load_results(out)["notes"])
+
+
+def test_fidelity_summary_counts_latency_only_where_both_sides_are_steady():
+    rows = [
+        {"throughput": 100.0, "sim_throughput": 110.0, "latency_p50_ms": 10.0, "sim_latency_p50_ms": 9.0,
+         "paper_latency_mean_ms": 20.0, "sim_paper_latency_mean_ms": 20.0, "congested": False, "sim_congested": False},
+        {"throughput": 100.0, "sim_throughput": 80.0, "latency_p50_ms": 10.0, "sim_latency_p50_ms": 13.0,
+         "paper_latency_mean_ms": 20.0, "sim_paper_latency_mean_ms": 30.0, "congested": False, "sim_congested": False},
+        {"throughput": 50.0, "sim_throughput": 55.0, "latency_p50_ms": 900.0, "sim_latency_p50_ms": 100.0,
+         "paper_latency_mean_ms": 900.0, "sim_paper_latency_mean_ms": 100.0, "congested": True, "sim_congested": False},
+        {"throughput": 50.0, "latency_p50_ms": 5.0},  # not simulated
+    ]
+    for r in rows[:3]:
+        for sim_key, live_key, err_key in COMPARED:
+            r[err_key] = relative_error(r[sim_key], r[live_key])
+    f = fidelity_summary(rows)
+    assert f["simulated_points"] == 3 and f["steady_points"] == 2
+    assert f["throughput"]["points"] == 3
+    assert f["throughput"]["median_abs"] == pytest.approx(0.1) and f["throughput"]["max_abs"] == pytest.approx(0.2)
+    assert f["throughput"]["within_target"] == pytest.approx(2 / 3)
+    assert f["latency_p50"]["points"] == 2 and f["latency_p50"]["max_abs"] == pytest.approx(0.3)
+    assert f["latency_p50"]["within_target"] == pytest.approx(0.5)
+    assert f["congestion_agreement"] == pytest.approx(2 / 3)
+    assert relative_error(1.0, 0.0) is None and relative_error(None, 1.0) is None
+    assert relative_error(float("nan"), 1.0) is None
+
+
 def test_csv_leaves_missing_values_empty():
     text = rows_csv([{"batch_size": 1, "offered_rate": 10.0, "throughput": None, "share_part1_cpu1": 1.0,
                       "share_part0_cpu1": 0.5}])
@@ -269,6 +330,7 @@ def test_cli_sweep_end_to_end(plan, home, tmp_path):
     for name in ("latency_throughput.png", "best_batch.png", "cpu_share.png"):
         assert (out / name).read_bytes()[:8] == PNG
     assert "papers' latency" in done.stdout
+    assert "simulator vs measurement" not in done.stdout
     # a second folder overlaid with the first through --compare and through sweep-plot
     again = _cli("sweep", str(plan.root), "--rates", "100", "--batch-sizes", "2", "--groups", "cores=1",
                  "--duration", "300ms", "-o", str(tmp_path / "res2"), "--compare", str(out), "--labels", "new,old",
@@ -278,6 +340,15 @@ def test_cli_sweep_end_to_end(plan, home, tmp_path):
     plotted = _cli("sweep-plot", str(out), str(tmp_path / "res2"), "-o", str(tmp_path / "both.png"), home=home)
     assert plotted.returncode == 0, plotted.stderr
     assert (tmp_path / "both.png").read_bytes()[:8] == PNG
+
+
+def test_cli_sweep_simulate_prints_the_simulator_error(plan, home, tmp_path):
+    out = tmp_path / "simres"
+    done = _cli("sweep", str(plan.root), "--rates", "80", "--batch-sizes", "1", "--groups", "cores=1",
+                "--duration", "400ms", "--simulate", "-o", str(out), home=home)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "simulator vs measurement" in done.stdout and "median |error|" in done.stdout
+    assert (out / "simulator.png").read_bytes()[:8] == PNG
 
 
 def test_cli_sweep_bad_arguments(plan, tmp_path):

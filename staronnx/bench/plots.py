@@ -7,6 +7,8 @@
   among uncongested points, and that latency (their Fig. 2b).
 - :func:`figure_cpu_share`: share of part-tasks run on a CPU, per batch size, against the rate
   (where the light part overflows to the CPU under load).
+- :func:`figure_simulator`: for a sweep run with ``simulate``, measured (solid) and simulated
+  (dashed) throughput and p50 latency against the offered rate, per batch size.
 - :func:`figure_compare`: several sweep folders (splits, policies, stream counts, a GPU-only
   plan) overlaid: best latency per rate, and the throughput reached per rate.
 
@@ -161,6 +163,35 @@ def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
     return fig, series
 
 
+def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
+    """Simulated vs measured throughput and p50 latency per offered rate, one colour per batch size."""
+    _need(rows)
+    simulated = [r for r in rows if "sim_throughput" in r]
+    if not simulated:
+        raise PlotError("no simulated points (sweep with simulate=True / --simulate)")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    series: list[str] = []
+    for b, pts in _by_batch(simulated).items():
+        xs = [_num(r.get("offered_rate")) for r in pts]
+        line = left.plot(xs, [_num(r.get("throughput")) for r in pts], "o-", ms=4, label=f"b = {b} measured")[0]
+        color = line.get_color()
+        left.plot(xs, [_num(r.get("sim_throughput")) for r in pts], "x--", color=color, label=f"b = {b} simulated")
+        right.plot(xs, [_num(r.get("latency_p50_ms")) for r in pts], "o-", ms=4, color=color)
+        right.plot(xs, [_num(r.get("sim_latency_p50_ms")) for r in pts], "x--", color=color)
+        series.append(f"b = {b}")
+    left.set_xlabel("offered rate (requests/s)")
+    left.set_ylabel("throughput (samples/s)")
+    right.set_xlabel("offered rate (requests/s)")
+    right.set_ylabel("per-request p50 latency (ms)")
+    right.set_yscale("log")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+    left.legend(fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
+    fig.suptitle(_title(rows, "simulator vs measurement"))
+    fig.tight_layout()
+    return fig, series
+
+
 def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
                    latency: str = LATENCY) -> tuple[Figure, list[str]]:
     """Several sweeps overlaid: best latency per rate (left), throughput reached per rate (right)."""
@@ -228,10 +259,10 @@ def _rows_of(source: str | os.PathLike[str] | Rows) -> list[Mapping[str, Any]]:
 
 
 def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Draw the three sweep figures of a result folder (or rows) into ``out_dir``.
+    """Draw the sweep figures of a result folder (or rows) into ``out_dir``.
 
     ``out_dir`` defaults to the result folder. Writes ``latency_throughput.png``,
-    ``best_batch.png`` and ``cpu_share.png``; a figure with nothing to show (every point
+    ``best_batch.png``, ``cpu_share.png`` and, for a simulated sweep, ``simulator.png``; a figure with nothing to show (every point
     congested, no placement recorded) is left out rather than failing the others.
     """
     rows = _rows_of(source)
@@ -243,7 +274,8 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
     written = []
     for name, build in (("latency_throughput.png", figure_latency_throughput),
                         ("best_batch.png", figure_best_batch),
-                        ("cpu_share.png", figure_cpu_share)):
+                        ("cpu_share.png", figure_cpu_share),
+                        ("simulator.png", figure_simulator)):
         try:
             fig, _ = build(rows)
         except PlotError:

@@ -50,6 +50,8 @@ from typing import Any
 
 import numpy as np
 
+from staronnx.bench.fidelity import COLUMNS as SIM_COLUMNS
+from staronnx.bench.fidelity import fidelity_summary, simulate_row
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan, atomic_write_text
 from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
@@ -319,8 +321,10 @@ def share_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def rows_csv(rows: Sequence[Mapping[str, Any]]) -> str:
-    """CSV text: the fixed :data:`COLUMNS` then the share columns; empty cells for None."""
-    columns = [*COLUMNS, *share_columns(rows)]
+    """CSV text: the fixed :data:`COLUMNS`, the simulator's columns where a row has them, then
+    the share columns; empty cells for None."""
+    simulated = [c for c in SIM_COLUMNS if any(c in r for r in rows)]
+    columns = [*COLUMNS, *simulated, *share_columns(rows)]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()
@@ -339,7 +343,8 @@ def _csv_cell(v: Any) -> Any:
 
 def write_results(out_dir: str | os.PathLike[str], rows: Sequence[Mapping[str, Any]], *,
                   settings: Mapping[str, Any] | None = None, bounds: Mapping[Any, Any] | None = None,
-                  skipped: Sequence[Mapping[str, Any]] = (), notes: Sequence[str] = ()) -> tuple[Path, Path]:
+                  skipped: Sequence[Mapping[str, Any]] = (), notes: Sequence[str] = (),
+                  fidelity: Mapping[str, Any] | None = None) -> tuple[Path, Path]:
     """Write ``results.csv`` and ``results.json`` into ``out_dir``, each atomically."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -354,6 +359,8 @@ def write_results(out_dir: str | os.PathLike[str], rows: Sequence[Mapping[str, A
         "skipped": _clean(list(skipped)),
         "notes": list(notes),
     }
+    if fidelity is not None:
+        doc["fidelity"] = _clean(dict(fidelity))
     atomic_write_text(json_path, json.dumps(doc, indent=1, allow_nan=False) + "\n")
     return csv_path, json_path
 
@@ -409,6 +416,18 @@ def batch_bounds(plan: Plan, batch_sizes: Sequence[int], *, groups: str, cuda_st
     return out, notes
 
 
+def _sim_machine(plan: Plan, *, groups: str, cuda_streams: int, store: Any, notes: list[str]) -> Any:
+    """The simulated twin of the sweep's runtime, or None (with a note) where the plan has no
+    perf models to simulate from."""
+    from staronnx.bench.simulator import build_machine
+
+    try:
+        return build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
+    except StaronnxError as exc:
+        notes.append(f"no simulation: {exc}")
+        return None
+
+
 # ---------------------------------------------------------------------------- warm-up
 def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int = 3, seed: int = 0) -> None:
     """Run bursts of batches of every size through the runtime before measuring.
@@ -453,6 +472,7 @@ def sweep(
     engine: str = "native",
     runtime: Any = None,
     label: str | None = None,
+    simulate: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
@@ -474,6 +494,9 @@ def sweep(
         bound: record the LP throughput bound per batch size (needs calibrated models).
         runtime: an open runtime to use instead of starting one (it stays open).
         label: a name for this sweep in comparisons (default: the output folder's name).
+        simulate: also replay every measured point in the simulator from the perf models and
+            record prediction and relative error beside the measurement
+            (:mod:`staronnx.bench.fidelity`; ``results.json`` gets a ``fidelity`` summary).
     """
     from staronnx.serving.arrivals import DISTRIBUTIONS
 
@@ -500,7 +523,7 @@ def sweep(
         "warmup_s": warmup, "rates": rates, "batch_sizes": batch_sizes, "seed": seed,
         "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate,
     }
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -509,9 +532,12 @@ def sweep(
     if bound:
         bounds, notes = batch_bounds(plan, batch_sizes, groups=groups, cuda_streams=cuda_streams, store=store)
 
+    machine: Any = None
+
     def save() -> None:
         if out_dir is not None:
-            write_results(out_dir, rows, settings=settings, bounds=bounds, skipped=skipped, notes=notes)
+            write_results(out_dir, rows, settings=settings, bounds=bounds, skipped=skipped, notes=notes,
+                          fidelity=fidelity_summary(rows) if machine is not None else None)
 
     own = runtime is None
     if own:
@@ -526,6 +552,8 @@ def sweep(
         for b in batch_sizes:
             warm_up(runtime, plan, [b], seed=seed)
             notify(SweepEvent("warmup", 0, total, batch_size=b))
+        if simulate:
+            machine = _sim_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, notes=notes)
         samples = sample_pool(plan, seed=seed)
         index = 0
         for b in batch_sizes:
@@ -561,6 +589,13 @@ def sweep(
                 row["windows"] = _clean(summary.get("windows"))
                 row["loadgen"] = _clean(records.settings.get("loadgen"))
                 row["placement"] = _clean(summary.get("placement"))
+                if machine is not None:
+                    try:
+                        row.update(_clean(simulate_row(machine, row, policy=policy, distribution=distribution,
+                                                       seed=seed, queue_capacity=queue_capacity,
+                                                       warmup=warmup)))
+                    except StaronnxError as exc:
+                        notes.append(f"b={b} @ {rate:g} req/s not simulated: {exc}")
                 rows.append(row)
                 index += 1
                 save()

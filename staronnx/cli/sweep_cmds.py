@@ -90,6 +90,44 @@ class _Bars:
             p.update(self.requests, description="done", total=1, completed=1)
 
 
+def _print_fidelity(rows: list[dict[str, Any]]) -> None:
+    """Simulated vs measured, point by point, then the aggregate errors."""
+    from staronnx.bench.fidelity import fidelity_summary
+
+    simulated = [r for r in rows if "sim_throughput" in r]
+    if not simulated:
+        console.print("[yellow]no point could be simulated (calibrate the plan: staronnx calibrate)[/]")
+        return
+    table = Table(title="simulator vs measurement (error = simulated / measured - 1)")
+    for c in ("b", "offered", "thr. live", "thr. sim", "error", "p50 live", "p50 sim", "error",
+              "latency live", "latency sim", "error", "congested live/sim"):
+        table.add_column(c, justify="right")
+
+    def pct(v: Any) -> str:
+        return "-" if v is None else f"{v:+.1%}"
+
+    for r in simulated:
+        table.add_row(
+            str(r["batch_size"]), _fmt(r["offered_rate"], 0), _fmt(r.get("throughput"), 1),
+            _fmt(r.get("sim_throughput"), 1), pct(r.get("err_throughput")), _fmt(r.get("latency_p50_ms")),
+            _fmt(r.get("sim_latency_p50_ms")), pct(r.get("err_latency_p50")), _fmt(r.get("paper_latency_mean_ms")),
+            _fmt(r.get("sim_paper_latency_mean_ms")), pct(r.get("err_paper_latency")),
+            f"{_fmt(bool(r.get('congested')))}/{_fmt(bool(r.get('sim_congested')))}",
+        )
+    console.print(table)
+    f = fidelity_summary(rows)
+    for key, name in (("throughput", "throughput (all points)"), ("latency_p50", "p50 latency (steady points)"),
+                      ("paper_latency", "papers' latency (steady points)")):
+        st = f[key]
+        if not st["points"]:
+            continue
+        console.print(
+            f"{name}: median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}, "
+            f"{st['within_target']:.0%} of {st['points']} point(s) within {f['target']:.0%}", highlight=False)
+    if f["congestion_agreement"] is not None:
+        console.print(f"congestion called alike on {f['congestion_agreement']:.0%} of points", highlight=False)
+
+
 def _summary_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="sweep (papers' latency: first request of each batch)")
     cols = ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state")
@@ -127,6 +165,8 @@ def sweep_cmd(
     extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and of Poisson arrivals.")] = 0,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
+    simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
+        help="Also simulate every measured point from the perf models; report the simulator's error.")] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime; write CSV,
     JSON and the papers' plots."""
@@ -162,9 +202,11 @@ def sweep_cmd(
             plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
             distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
             progress=_Bars(progress), seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
-            extend=extend, engine=engine, label=names[0] if names else None,
+            extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
         )
     console.print(_summary_table(rows))
+    if simulate:
+        _print_fidelity(rows)
     console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
     if plots and rows:
         _draw(output, extra, names, output / "compare.png")

@@ -18,8 +18,13 @@ all counted in latencies, however late they complete.
   two batches and by more than 5 % of the requests of that half), or the queue overflowed. The backlog is derived from
   arrival and completion times rather than from the server's queue samples, so it also sees
   work piling up inside the runtime and needs nothing the simulator might not record.
-- **Stability** (perf_analyzer's rule): the window is split in three; the point is stable when
-  each third's throughput and p50 latency are within 10 % of their mean over the three.
+- **Stability** (perf_analyzer's rule): the window's batches are split in three consecutive
+  groups of equal count; the point is stable when each group's throughput and p50 latency are
+  within 10 % of their mean over the three (see :func:`stability_windows` for why batches and
+  not time slices).
+- **Whole batches**: latencies (the papers' and per request) come from the batches whose oldest
+  request arrived in the window, every request of such a batch included, so a window edge never
+  cuts a batch (see :func:`_window_batches`).
 
 In the papers' model (no ``max_delay``) a batch leaves only when full, so a smaller batch is
 the flush at the end of a run: its requests did not wait for the batch to fill, and their
@@ -59,10 +64,11 @@ def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
     in_window = [r for r in records.requests if w0 <= r.arrival <= w1]
     accepted = [r for r in in_window if not r.rejected]
     excluded = _flush_batches(records)
-    timed = [r for r in accepted if r.done is not None and r.batch_id not in excluded]
-    latencies = np.array([r.done - r.arrival for r in timed], dtype=np.float64)  # type: ignore[operator]
     by_id = {r.id: r for r in records.requests}
-    firsts = _first_latencies(records.batches, by_id, w0, w1, excluded)
+    measured = _window_batches(records.batches, by_id, w0, w1, excluded)
+    latencies = np.array([r.done - r.arrival for bt in measured for r in _members(bt, by_id)  # type: ignore[operator]
+                          if r.done is not None], dtype=np.float64)
+    firsts = _first_latencies(measured, by_id)
     completions = np.array([r.done for r in records.requests if r.done is not None], dtype=np.float64)
     out: dict[str, Any] = {
         "offered_rate": float(records.offered_rate),
@@ -110,15 +116,41 @@ def _flush_batches(records: RunRecords) -> set[int]:
     return {bt.id for bt in records.batches if bt.size < records.batch_size}
 
 
-def _first_latencies(
+def _members(bt: BatchRecord, by_id: dict[int, RequestRecord]) -> list[RequestRecord]:
+    return [by_id[i] for i in bt.request_ids if i in by_id]
+
+
+def _batch_start(bt: BatchRecord, by_id: dict[int, RequestRecord]) -> float:
+    """When the batch's oldest request arrived: the time a whole batch is filed under."""
+    members = _members(bt, by_id)
+    first = next((r for r in members if r.first_in_batch), None)
+    if first is not None:
+        return first.arrival
+    return min((r.arrival for r in members), default=math.inf)
+
+
+def _window_batches(
     batches: Iterable[BatchRecord], by_id: dict[int, RequestRecord], w0: float, w1: float, excluded: set[int]
-) -> np.ndarray:
+) -> list[BatchRecord]:
+    """The batches whose oldest request arrived in the window, in arrival order.
+
+    Latencies are taken over *whole* batches: with constant arrivals the requests of a batch
+    have latencies L, L - 1/rate, ..., L - (b-1)/rate, and a window edge that cuts a batch
+    would drop some of those steps and shift every percentile by up to a step (a sizeable
+    fraction of the latency at low rates and large b), differently in a live run and in its
+    simulation of the same schedule.
+    """
+    chosen = [(t, bt) for bt in batches if bt.id not in excluded
+              if w0 <= (t := _batch_start(bt, by_id)) <= w1]
+    chosen.sort(key=lambda x: x[0])
+    return [bt for _, bt in chosen]
+
+
+def _first_latencies(batches: Iterable[BatchRecord], by_id: dict[int, RequestRecord]) -> np.ndarray:
     out = []
     for bt in batches:
-        if bt.id in excluded:
-            continue
-        first = next((by_id[i] for i in bt.request_ids if i in by_id and by_id[i].first_in_batch), None)
-        if first is None or first.done is None or not (w0 <= first.arrival <= w1):
+        first = next((r for r in _members(bt, by_id) if r.first_in_batch), None)
+        if first is None or first.done is None:
             continue
         out.append(first.done - first.arrival)
     return np.array(out, dtype=np.float64)
@@ -245,25 +277,32 @@ def _congestion(records: RunRecords, w0: float, w1: float, rejected: int) -> dic
 def stability_windows(
     records: RunRecords, w0: float, w1: float, excluded: set[int] | None = None, count: int = STABILITY_WINDOWS
 ) -> list[dict[str, float]]:
-    """Throughput and p50 latency of each of ``count`` equal slices of the window."""
+    """Throughput and p50 latency of ``count`` consecutive windows of equally many batches.
+
+    perf_analyzer slices time; here the window's batches are sliced instead (in the order their
+    oldest requests arrived), because batches leave whole: a time slice of a slow, large-batch
+    point holds 3 or 4 batch completions depending only on where its edges fall, which reads as
+    a 30 % swing of a perfectly steady run. A slice's throughput is measured between its own
+    completions (samples after its first completion / time from its first to its last one), so
+    it does not depend on where the slices' edges are either; a slice with fewer than two
+    completed batches has no throughput (NaN: not stable).
+    """
     excluded = _flush_batches(records) if excluded is None else excluded
-    edges = np.linspace(w0, w1, count + 1)
-    completions = np.array([r.done for r in records.requests if r.done is not None], dtype=np.float64)
+    by_id = {r.id: r for r in records.requests}
+    measured = _window_batches(records.batches, by_id, w0, w1, excluded)
     out = []
-    for lo, hi in itertools.pairwise(edges):
-        last = hi == edges[-1]
-        done = np.count_nonzero((completions >= lo) & ((completions <= hi) if last else (completions < hi)))
-        lat = [
-            r.done - r.arrival
-            for r in records.requests
-            if r.done is not None and r.batch_id not in excluded
-            and lo <= r.arrival and (r.arrival <= hi if last else r.arrival < hi)
-        ]
+    for chunk in np.array_split(np.arange(len(measured)), count):
+        batches = [measured[i] for i in chunk]
+        members = [r for bt in batches for r in _members(bt, by_id)]
+        done = sorted((bt.done, bt.size) for bt in batches if bt.done is not None)
+        span = done[-1][0] - done[0][0] if len(done) >= 2 else 0.0
+        lat = [r.done - r.arrival for r in members if r.done is not None]
         out.append({
-            "start": float(lo),
-            "end": float(hi),
-            "completed": int(done),
-            "throughput": done / (hi - lo) if hi > lo else NAN,
+            "start": float(_batch_start(batches[0], by_id)) if batches else NAN,
+            "end": float(max(r.arrival for r in members)) if members else NAN,
+            "batches": len(batches),
+            "completed": int(sum(size for _, size in done)),
+            "throughput": sum(size for _, size in done[1:]) / span if span > 0 else NAN,
             "latency_p50": float(np.percentile(lat, 50)) if lat else NAN,
         })
     return out
