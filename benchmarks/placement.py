@@ -1,7 +1,7 @@
 """Every placement method of the field on one runtime, side by side.
 
 For each model and each method (metis and linear with 50/50 shares; comm-sd, duet, overseer,
-and optimal where the graph is small enough), one plan is cut from the *same* per-device node
+and optimal, exact over the nodes or over series chains / DUET phases on larger graphs), one plan is cut from the *same* per-device node
 costs (profiled once per model on this machine's CPU groups, the two "devices" here), then:
 
 * predicted makespan at batch 1 and 8: the plan's parts as tasks on their device (metis and
@@ -138,6 +138,8 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
             info = placement.info
             if method == "optimal":
                 row.note = f"{info['status']}, gap {info['gap']:.1%}"
+                if info.get("coarsened"):
+                    row.note += f", over {info['units']} {info['coarsened']}"
             elif method == "comm-sd":
                 row.note = f"{info['iterations']} sweeps" + ("" if info["converged"] else " (cap)")
             elif method == "duet":

@@ -26,6 +26,7 @@ from staronnx.partition.methods import (
     overseer,
     place,
 )
+from staronnx.partition.methods.coarsen import chain_units, coarsen
 from staronnx.partition.methods.model import is_monotone, part_devices
 from staronnx.partition.methods.optimal import optimal
 from staronnx.plan import Plan
@@ -212,6 +213,49 @@ def test_optimal_refuses_large_graphs_and_reports_the_gap_when_stopped() -> None
     assert makespan(p, result.devices, result.orders[0]) <= info["objective_us"] * (1 + 1e-6)
 
 
+def test_chain_units_contract_series_chains_only() -> None:
+    # 0 -> 1 -> 2 -> (3, 4); 3 -> 5; 4 -> 6 -> 7; (5, 7) -> 8 -> 9
+    edges = [(0, 1, 1.0), (1, 2, 1.0), (2, 3, 1.0), (2, 4, 1.0), (3, 5, 1.0), (4, 6, 1.0), (6, 7, 1.0),
+             (5, 8, 1.0), (7, 8, 1.0), (8, 9, 1.0)]
+    p = Problem.from_edges(np.ones((10, 2)), edges)
+    units = chain_units(p)
+    groups = [sorted(np.flatnonzero(units == u).tolist()) for u in range(int(units.max()) + 1)]
+    assert groups == [[0, 1, 2], [3, 5], [4, 6, 7], [8, 9]]
+    assert is_monotone(p, units)
+    c = coarsen(p, 4)
+    assert c is not None and c.level == "chains" and c.k == 4
+    assert c.problem.cost[:, 0].tolist() == [3.0, 2.0, 3.0, 2.0]
+    assert c.expand(np.array([0, 1, 0, 1])).tolist() == [0, 0, 0, 1, 0, 1, 0, 0, 1, 1]
+    order = c.expand_order([0, 2, 1, 3])
+    assert sorted(order) == list(range(10))
+    assert all(order.index(u) < order.index(v) for u, v, _ in p.edges)
+    assert coarsen(p, 10).level == "nodes" and coarsen(p, 1) is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_coarsened_optimal_equals_brute_force_over_units(seed: int) -> None:
+    # three 3-node chains in parallel between a source and a sink: 11 nodes, 5 units
+    rng = np.random.default_rng(seed)
+    edges = []
+    v = 1
+    for _ in range(3):
+        prev = 0
+        for _ in range(3):
+            edges.append((prev, v, float(rng.integers(100, 3000))))
+            prev, v = v, v + 1
+        edges.append((prev, 10, float(rng.integers(100, 3000))))
+    p = Problem.from_edges(rng.uniform(10, 100, (11, 2)), edges, lat=5.0, per_byte=0.01)
+    c = coarsen(p, 6)
+    assert c is not None and c.level == "chains" and c.k == 5
+    result = optimal(c.problem)
+    best, _ = brute_force(c.problem)
+    assert result.info["proven_optimal"]
+    assert result.info["objective_us"] == pytest.approx(best, rel=1e-6)
+    # expanded to nodes, the unit-level schedule is reproduced by the node-level model
+    nodes = c.expand(result.devices)
+    assert makespan(p, nodes, c.expand_order(result.orders[0])) == pytest.approx(best, rel=1e-6)
+
+
 # -- SIR+ Comm+SD ---------------------------------------------------------------------------------
 
 
@@ -333,8 +377,8 @@ def test_zoo_plans_verify(name: str, method: str, tmp_path: Path) -> None:
     options = dict(FAST_OPTIONS.get(method, {}))
     if method == "optimal" and name == "wide_fanout":
         with pytest.raises(PartitionError, match="limited to 60 nodes"):
-            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices="cores=1")
-        options["max_nodes"] = 80
+            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices="cores=1",
+                  options={"coarsen": "off"})
         options["time_limit_s"] = 2.0
     plan = place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices="cores=1", options=options)
     _check_plan(plan, model, method)
@@ -348,9 +392,16 @@ def test_googlenet_plans_verify(method: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
-def test_googlenet_optimal_is_refused_clearly(tmp_path: Path) -> None:
+def test_googlenet_optimal_solves_over_chains_and_refuses_clearly_without(tmp_path: Path) -> None:
+    plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices="cores=1")
+    _check_plan(plan, GOOGLENET, "optimal")
+    info = plan.settings["placement"]["info"]
+    assert info["coarsened"] == "chains" and info["nodes"] == 139 and info["units"] <= 60
+    assert "series chain" in info["optimal_among"]
     with pytest.raises(PartitionError, match="limited to 60 nodes and this graph has 139"):
-        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate")
+        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan2", costs="estimate", options={"coarsen": "off"})
+    with pytest.raises(PartitionError, match="coarsen must be"):
+        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan3", costs="estimate", options={"coarsen": "yes"})
 
 
 def test_partition_api_records_devices_and_predictions(tmp_path: Path) -> None:

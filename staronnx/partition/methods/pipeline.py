@@ -130,31 +130,63 @@ class OverSeer(PlacementMethod):
 
 
 class Optimal(PlacementMethod):
+    """SIR+'s MILP, exact over the nodes or, above ``max_nodes``, over coarse units.
+
+    ``coarsen``: ``"auto"`` (default) contracts series chains, then DUET's phases, until the
+    graph has at most ``max_nodes`` units (:mod:`~staronnx.partition.methods.coarsen`); the
+    answer is then optimal among placements that keep each unit on one device, and the
+    report says which level was used. ``"off"`` refuses graphs above ``max_nodes``.
+    """
+
     name = "optimal"
-    defaults: ClassVar[dict[str, Any]] = {"time_limit_s": 30.0, "max_nodes": 60, "mip_gap": 1e-6}
+    defaults: ClassVar[dict[str, Any]] = {"time_limit_s": 30.0, "max_nodes": 60, "mip_gap": 1e-6,
+                                          "coarsen": "auto"}
 
     def check(self, devices: Sequence[Device], graph: ModelGraph | None, options: Mapping[str, Any]) -> None:
         super().check(devices, graph, options)
+        how = options.get("coarsen", self.defaults["coarsen"])
+        if how not in ("auto", "off"):
+            raise PartitionError(f"method 'optimal': coarsen must be 'auto' or 'off', got {how!r}")
         limit = int(options.get("max_nodes", self.defaults["max_nodes"]))
-        if graph is not None and len(graph) > limit:
+        if how == "off" and graph is not None and len(graph) > limit:
             raise PartitionError(
                 f"the optimal (MILP) placement is limited to {limit} nodes and this graph has "
-                f"{len(graph)}: its ordering variables grow as n^2; use comm-sd, duet or "
-                "overseer, or raise the max_nodes option"
+                f"{len(graph)}: its ordering variables grow as n^2; use coarsen=auto, comm-sd, "
+                "duet or overseer, or raise the max_nodes option"
             )
 
     def assign(self, ctx: PlacementContext) -> Assignment:
+        from staronnx.partition.methods.coarsen import Coarsening, coarsen
         from staronnx.partition.methods.optimal import optimal
 
         p = ctx.problem
-        warm = [comm_sd(p).devices, duet(p).devices, overseer(p).devices]
-        return optimal(
-            p,
+        limit = int(self.option(ctx, "max_nodes"))
+        if self.option(ctx, "coarsen") == "off":
+            c: Coarsening | None = Coarsening(np.arange(p.n, dtype=np.int64), "nodes", p)
+        else:
+            c = coarsen(p, limit)
+            if c is None:
+                raise PartitionError(
+                    f"the optimal (MILP) placement is limited to {limit} units and this graph has "
+                    f"{p.n} nodes that no coarsening (series chains, DUET phases) brings under it; "
+                    "use comm-sd, duet or overseer, or raise the max_nodes option"
+                )
+        q = c.problem
+        warm = [comm_sd(q).devices, duet(q).devices, overseer(q).devices]
+        result = optimal(
+            q,
             time_limit=float(self.option(ctx, "time_limit_s")),
-            max_nodes=int(self.option(ctx, "max_nodes")),
+            max_nodes=limit,
             mip_gap=float(self.option(ctx, "mip_gap")),
             warm_starts=warm,
         )
+        if c.level == "nodes":
+            return result
+        info = dict(result.info)
+        info.update(coarsened=c.level, units=c.k, nodes=p.n,
+                    optimal_among="placements keeping each " + ("series chain" if c.level == "chains"
+                                                                 else "DUET phase subgraph") + " on one device")
+        return Assignment(c.expand(result.devices), info, orders=[c.expand_order(o) for o in result.orders])
 
 
 class OrtStatic(PlacementMethod):
