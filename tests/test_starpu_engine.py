@@ -104,6 +104,8 @@ def test_zoo_plan_matches_reference(starpu, plan3, policy):
     with Runtime(plan3, policy=policy, cpu_groups=GROUPS, engine="starpu") as rt:
         results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
         stats = rt.stats()
+        names = [w.name for w in rt.workers]
+    assert names == list(stats["workers"]) and len(names) >= 1
     for r, ref in zip(results, refs):
         np.testing.assert_array_equal(r["logits"], ref)
     assert stats["engine"] == "starpu" and stats["policy"] == policy

@@ -145,7 +145,11 @@ class Runtime:
 
     @property
     def workers(self) -> list[Any]:
-        return list(self._workers)
+        """The workers tasks run on: staronnx's own, or StarPU's as seen through the engine
+        (each with ``name`` and ``arch``), so sweeps and warm-ups size themselves alike."""
+        if self._workers:
+            return list(self._workers)
+        return list(getattr(self._engine, "workers", ()))
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:

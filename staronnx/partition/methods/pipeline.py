@@ -156,7 +156,7 @@ class Optimal(PlacementMethod):
             )
 
     def assign(self, ctx: PlacementContext) -> Assignment:
-        from staronnx.partition.methods.coarsen import Coarsening, coarsen
+        from staronnx.partition.methods.coarsen import Coarsening, chain_units, coarsen
         from staronnx.partition.methods.optimal import optimal
 
         p = ctx.problem
@@ -172,15 +172,29 @@ class Optimal(PlacementMethod):
                     "use comm-sd, duet or overseer, or raise the max_nodes option"
                 )
         q = c.problem
+        time_limit = float(self.option(ctx, "time_limit_s"))
         warm = [comm_sd(q).devices, duet(q).devices, overseer(q).devices]
+        chains_info: dict[str, Any] = {}
+        if c.level == "nodes" and self.option(ctx, "coarsen") == "auto":
+            # the chain-level optimum is usually proven in milliseconds and is a placement of
+            # the nodes too: it seeds the node-level search, whose time limit may stop it early
+            chains = coarsen(p, max(1, int(chain_units(p).max()) + 1))
+            if chains is not None and chains.level == "chains":
+                cw = [comm_sd(chains.problem).devices, duet(chains.problem).devices, overseer(chains.problem).devices]
+                at_chains = optimal(chains.problem, time_limit=time_limit / 4, max_nodes=limit,
+                                    mip_gap=float(self.option(ctx, "mip_gap")), warm_starts=cw)
+                warm.append(chains.expand(at_chains.devices))
+                chains_info = {"chains_seed_us": at_chains.info["objective_us"], "chains": chains.k,
+                               "chains_proven": at_chains.info["proven_optimal"]}
         result = optimal(
             q,
-            time_limit=float(self.option(ctx, "time_limit_s")),
+            time_limit=time_limit,
             max_nodes=limit,
             mip_gap=float(self.option(ctx, "mip_gap")),
             warm_starts=warm,
         )
         if c.level == "nodes":
+            result.info.update(chains_info)
             return result
         info = dict(result.info)
         info.update(coarsened=c.level, units=c.k, nodes=p.n,
