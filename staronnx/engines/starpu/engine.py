@@ -577,10 +577,6 @@ class StarpuEngine:
             out.append(self._ffi.string(buf).decode().replace("//", "/"))
         return out
 
-    @property
-    def workers(self) -> list[dict[str, Any]]:
-        return [{"starpu_id": w.id, "name": w.name, "group": w.group.describe(), "arch": w.arch,
-                 "membind": w.membind} for w in self._workers.values()]
 
 
 # ----------------------------------------------------------------------------- helpers
