@@ -531,6 +531,11 @@ class StarpuEngine:
                     _active = None
 
     # -- observability ------------------------------------------------------------------------
+    @property
+    def workers(self) -> list[_Worker]:
+        """StarPU's CPU workers as staronnx sees them (name, arch, group), in worker-id order."""
+        return [self._workers[k] for k in sorted(self._workers)]
+
     def stats(self) -> dict[str, Any]:
         """Per-worker tasks and busy fraction, tasks per (part, arch), StarPU's predictions."""
         with self._cond:
