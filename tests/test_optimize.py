@@ -8,37 +8,30 @@ import os
 import subprocess
 import sys
 
-import onnx
 import pytest
+from conftest import CALIBRATED_SIZES
 
-from staronnx import partition
-from staronnx.bench.optimize import OptimizeError, choose, next_candidate, optimize_batch
-from staronnx.calibrate import calibrate, start_workers
+from staronnx.bench.optimize import (
+    OptimizeError,
+    choose,
+    next_candidate,
+    optimize_batch,
+)
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
-from staronnx.zoo import inception
 
-SIZES = [1, 2, 4]
-
-
-@pytest.fixture(scope="module")
-def plan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("optimize")
-    onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
-    return partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+SIZES = CALIBRATED_SIZES
 
 
 @pytest.fixture(scope="module")
-def home(plan, tmp_path_factory):
-    root = tmp_path_factory.mktemp("home")
-    workers = start_workers(plan, groups="cores=1")
-    try:
-        calibrate(plan, SIZES, workers=workers, store=PerfModelStore(root))
-    finally:
-        for w in workers:
-            w.close()
-    return root
+def plan(calibrated_inception):
+    return calibrated_inception[0]
+
+
+@pytest.fixture(scope="module")
+def home(calibrated_inception):
+    return calibrated_inception[1]
 
 
 def _m(latency_ms: float, *, congested: bool = False, throughput: float = 100.0) -> dict:

@@ -12,10 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import onnx
 import pytest
 
-from staronnx import partition
 from staronnx.bench.fidelity import COLUMNS as SIM_COLUMNS
 from staronnx.bench.fidelity import COMPARED, fidelity_summary, relative_error
 from staronnx.bench.plots import (
@@ -40,33 +38,21 @@ from staronnx.bench.sweep import (
     sweep,
     write_results,
 )
-from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
-from staronnx.zoo import inception
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 # -- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def plan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sweep")
-    onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
-    return partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+def plan(calibrated_inception):
+    return calibrated_inception[0]
 
 
 @pytest.fixture(scope="module")
-def home(plan, tmp_path_factory):
-    """A store with the plan calibrated on cores=1 at batch 1 and 2 (for the LP bound)."""
-    root = tmp_path_factory.mktemp("home")
-    workers = start_workers(plan, groups="cores=1")
-    try:
-        calibrate(plan, [1, 2], workers=workers, store=PerfModelStore(root))
-    finally:
-        for w in workers:
-            w.close()
-    return root
+def home(calibrated_inception):
+    return calibrated_inception[1]
 
 
 @pytest.fixture(scope="module")

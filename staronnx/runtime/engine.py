@@ -30,6 +30,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.predictor import PerfPredictor, task_footprint
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.runtime.task import DataHandle, Request, RequestFuture, Task, TaskError
+from staronnx.runtime.taskstats import per_part_arch
 from staronnx.runtime.trace import Tracer
 
 log = logging.getLogger(__name__)
@@ -345,14 +346,7 @@ class NativeEngine:
                                "alive": st.alive}
                 for st in self._workers
             }
-            per_part = {}
-            for (part, arch), times in sorted(self._per_part_arch.items()):
-                pred = self._predicted.get((part, arch), [])
-                per_part[f"part{part}/{arch}"] = {
-                    "tasks": len(times),
-                    "measured_ms": float(np.mean(times) * 1e3),
-                    "predicted_ms": float(np.mean(pred) * 1e3) if pred else None,
-                }
+            per_part = per_part_arch(self._per_part_arch, self._predicted)
             return {
                 "elapsed_s": elapsed,
                 "requests_done": self._done_requests,

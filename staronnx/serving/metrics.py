@@ -33,7 +33,6 @@ latencies would flatter the result. They count as completed but stay out of late
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable

@@ -65,6 +65,7 @@ from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.task import RequestFuture, TaskError
+from staronnx.runtime.taskstats import per_part_arch
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.groups import CpuGroup, make_groups
 from staronnx.workers.topology import Topology
@@ -540,14 +541,7 @@ class StarpuEngine:
         """Per-worker tasks and busy fraction, tasks per (part, arch), StarPU's predictions."""
         with self._cond:
             elapsed = max(time.perf_counter() - self.started_at, 1e-9)
-            per_part = {}
-            for (part, arch), times in sorted(self._per_part_arch.items()):
-                pred = self._predicted.get((part, arch), [])
-                per_part[f"part{part}/{arch}"] = {
-                    "tasks": len(times),
-                    "measured_ms": float(np.mean(times) * 1e3),
-                    "predicted_ms": float(np.mean(pred) * 1e3) if pred else None,
-                }
+            per_part = per_part_arch(self._per_part_arch, self._predicted)
             return {
                 "engine": "starpu",
                 "starpu_version": self.starpu_version,

@@ -1,0 +1,34 @@
+"""Fixtures shared by the serving tests: one tiny calibrated plan, built once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.calibrate import calibrate, start_workers
+from staronnx.perfmodels import PerfModelStore
+from staronnx.plan import Plan
+from staronnx.zoo import inception
+
+#: batch sizes the shared plan is calibrated at (on cores=1 groups)
+CALIBRATED_SIZES = [1, 2, 4]
+
+
+@pytest.fixture(scope="session")
+def calibrated_inception(tmp_path_factory) -> tuple[Plan, Path]:
+    """A 70/30 plan of a 2-block Inception model and a store with its models on cores=1 at
+    batch 1, 2 and 4 (what sweeps, the simulator, the bound and the optimizer need)."""
+    root = tmp_path_factory.mktemp("calibrated")
+    onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
+    plan = partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+    home = root / "home"
+    workers = start_workers(plan, groups="cores=1")
+    try:
+        calibrate(plan, CALIBRATED_SIZES, workers=workers, store=PerfModelStore(home))
+    finally:
+        for w in workers:
+            w.close()
+    return plan, home
