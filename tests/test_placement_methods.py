@@ -256,6 +256,31 @@ def test_coarsened_optimal_equals_brute_force_over_units(seed: int) -> None:
     assert makespan(p, nodes, c.expand_order(result.orders[0])) == pytest.approx(best, rel=1e-6)
 
 
+def test_switch_cost_stops_splits_that_cost_more_than_they_buy() -> None:
+    # a source, two 30 µs branches, a sink, on two identical devices with free transfers:
+    # running the branches in parallel saves 30 µs, but a second part costs 100 µs more
+    edges = [(0, 1, 10.0), (0, 2, 10.0), (1, 3, 10.0), (2, 3, 10.0)]
+    p = Problem.from_edges(np.full((4, 2), 30.0), edges)
+    split = optimal(p)
+    assert split.info["objective_us"] == pytest.approx(90.0) and len(set(split.devices.tolist())) == 2
+    charged = p.with_switch_cost(100.0)
+    assert charged.comm(10.0, 0, 1) == pytest.approx(100.0) and charged.comm(10.0, 1, 1) == 0.0
+    for method in (lambda q: optimal(q), comm_sd, duet, overseer):
+        assert len(set(method(charged).devices.tolist())) == 1
+    assert p.with_switch_cost(0.0) is p
+
+
+def test_methods_decide_with_the_part_cost_unless_told_not_to(tmp_path: Path) -> None:
+    model = zoo.wide_and_deep()
+    charged = place(model, "optimal", output_dir=tmp_path / "a", costs="estimate", devices="cores=1",
+                    options={"time_limit_s": 3.0})
+    published = place(model, "optimal", output_dir=tmp_path / "b", costs="estimate", devices="cores=1",
+                      options={"time_limit_s": 3.0, "charge_parts": False})
+    pa = charged.settings["placement"]["predicted_makespan_us"]["1"]
+    pb = published.settings["placement"]["predicted_makespan_us"]["1"]
+    assert charged.k <= published.k and pa <= pb * (1 + 1e-9)
+
+
 # -- SIR+ Comm+SD ---------------------------------------------------------------------------------
 
 

@@ -238,6 +238,20 @@ class Problem:
                 tensors.append((p, parts, nbytes))
         return Problem(cost, tensors, self.lat.copy(), self.per_byte.copy(), list(self.devices), overhead)
 
+    def with_switch_cost(self, us: float) -> Problem:
+        """The same problem where every cross-device edge also costs ``us`` µs.
+
+        Why: in a plan, each change of device along an edge starts a new part, i.e. one more
+        task with the runtime's fixed cost (queueing, dispatch, the session call). Methods
+        that price it as part of the transfer stop splitting work so fine that the split
+        costs more than the parallelism it buys.
+        """
+        if us == 0:
+            return self
+        off = 1.0 - np.eye(self.d)
+        return Problem(self.cost.copy(), list(self.tensors), self.lat + us * off, self.per_byte.copy(),
+                       list(self.devices), self.overhead)
+
     def cut_bytes(self, assign: np.ndarray) -> float:
         """Bytes crossing devices (a tensor counted once per other device reading it)."""
         total = 0.0

@@ -46,8 +46,9 @@ from staronnx.plan import Plan
 
 #: Batches whose predicted makespan every placed plan reports.
 REPORT_BATCHES = (1, 8)
-#: Fixed cost of one part (one task through the runtime: queueing, dispatch, session call), µs.
-PART_OVERHEAD_US = 50.0
+#: Fixed cost of one part (one task through the runtime: queueing, dispatch, session call), µs;
+#: benchmarks/engines.py measures 75-150 µs per task for the native engine on a 2-core VM.
+PART_OVERHEAD_US = 100.0
 
 
 @dataclass
@@ -62,10 +63,25 @@ class PlacementContext:
     seed: int = 0
     options: dict[str, Any] = field(default_factory=dict)
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
+    _decision: tuple[tuple[float, int], Problem] | None = field(default=None, repr=False, compare=False)
 
     @property
     def problem(self) -> Problem:
         return self.problems[self.batch]
+
+    @property
+    def decision(self) -> Problem:
+        """The problem the methods decide on: :attr:`problem`, with the fixed cost of a part
+        (``part_overhead_us``) charged on every cross-device edge unless ``charge_parts`` is
+        off (the methods exactly as published)."""
+        if not bool(self.options.get("charge_parts", True)):
+            return self.problem
+        us = float(self.options.get("part_overhead_us", PART_OVERHEAD_US))
+        cached = self._decision
+        if cached is None or cached[0] != (us, self.batch):
+            cached = ((us, self.batch), self.problem.with_switch_cost(us))
+            self._decision = cached
+        return cached[1]
 
 
 class PlacementMethod:
@@ -102,7 +118,7 @@ class PlacementMethod:
 
 
 #: Options every placement method takes (beyond its own).
-COMMON_OPTIONS = frozenset({"part_overhead_us", "merge"})
+COMMON_OPTIONS = frozenset({"part_overhead_us", "merge", "charge_parts"})
 
 
 class CommSD(PlacementMethod):
@@ -110,7 +126,7 @@ class CommSD(PlacementMethod):
     defaults: ClassVar[dict[str, Any]] = {"alpha_us": 100.0, "max_iterations": 50}
 
     def assign(self, ctx: PlacementContext) -> Assignment:
-        return comm_sd(ctx.problem, float(self.option(ctx, "alpha_us")), int(self.option(ctx, "max_iterations")))
+        return comm_sd(ctx.decision, float(self.option(ctx, "alpha_us")), int(self.option(ctx, "max_iterations")))
 
 
 class Duet(PlacementMethod):
@@ -118,7 +134,7 @@ class Duet(PlacementMethod):
     defaults: ClassVar[dict[str, Any]] = {"max_rounds": 100}
 
     def assign(self, ctx: PlacementContext) -> Assignment:
-        return duet(ctx.problem, int(self.option(ctx, "max_rounds")))
+        return duet(ctx.decision, int(self.option(ctx, "max_rounds")))
 
 
 class OverSeer(PlacementMethod):
@@ -126,7 +142,7 @@ class OverSeer(PlacementMethod):
     defaults: ClassVar[dict[str, Any]] = {}
 
     def assign(self, ctx: PlacementContext) -> Assignment:
-        return overseer(ctx.problem)
+        return overseer(ctx.decision)
 
 
 class Optimal(PlacementMethod):
@@ -159,7 +175,7 @@ class Optimal(PlacementMethod):
         from staronnx.partition.methods.coarsen import Coarsening, chain_units, coarsen
         from staronnx.partition.methods.optimal import optimal
 
-        p = ctx.problem
+        p = ctx.decision
         limit = int(self.option(ctx, "max_nodes"))
         if self.option(ctx, "coarsen") == "off":
             c: Coarsening | None = Coarsening(np.arange(p.n, dtype=np.int64), "nodes", p)
