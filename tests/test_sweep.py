@@ -244,6 +244,21 @@ def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, ho
     assert "simulator.png" in {p.name for p in pngs}
 
 
+def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_path):
+    # 20 req/s in batches of up to 8 with a 10 ms delay: a batch would take 400 ms to fill, so
+    # every batch leaves partial and the papers' latency stays near the delay plus one run
+    rows = sweep(plan, [20], [8], groups="cores=1", duration=1.0, out_dir=tmp_path / "md", runtime=runtime,
+                 store=PerfModelStore(home), extend=False, max_delay=0.010, simulate=True)
+    (r,) = rows
+    assert r["max_delay_ms"] == pytest.approx(10.0)
+    assert not r["congested"] and r["batches"] >= 10
+    assert r["paper_latency_mean_ms"] < 200  # far below the 350 ms a full batch of 8 waits
+    assert r["sim_paper_latency_mean_ms"] < 200
+    assert load_results(tmp_path / "md")["settings"]["max_delay_s"] == pytest.approx(0.010)
+    with pytest.raises(SweepError, match="max_delay"):
+        sweep(plan, [20], [8], duration=0.5, runtime=runtime, max_delay=-1.0)
+
+
 def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path):
     out = tmp_path / "nosim"
     rows = sweep(plan, [80], [1], groups="cores=1", duration=0.4, out_dir=out, runtime=runtime,
@@ -331,9 +346,10 @@ def test_cli_sweep_end_to_end(plan, home, tmp_path):
 def test_cli_sweep_simulate_prints_the_simulator_error(plan, home, tmp_path):
     out = tmp_path / "simres"
     done = _cli("sweep", str(plan.root), "--rates", "80", "--batch-sizes", "1", "--groups", "cores=1",
-                "--duration", "400ms", "--simulate", "-o", str(out), home=home)
+                "--duration", "400ms", "--simulate", "--max-delay", "5ms", "-o", str(out), home=home)
     assert done.returncode == 0, done.stderr + done.stdout
     assert "simulator vs measurement" in done.stdout and "median |error|" in done.stdout
+    assert load_rows(out)[0]["max_delay_ms"] == pytest.approx(5.0)
     assert (out / "simulator.png").read_bytes()[:8] == PNG
 
 

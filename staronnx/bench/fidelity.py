@@ -54,7 +54,7 @@ def relative_error(predicted: Any, measured: Any) -> float | None:
 
 
 def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribution: str, seed: int,
-                 queue_capacity: int, warmup: float) -> dict[str, Any]:
+                 queue_capacity: int, warmup: float, max_delay: float | None = None) -> dict[str, Any]:
     """The ``sim_*`` and ``err_*`` fields for one measured sweep row.
 
     ``machine`` is a :class:`~staronnx.bench.simulator.SimMachine` of the sweep's plan, groups
@@ -66,7 +66,7 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
     result = simulate(
         machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]), policy=policy,
         duration=float(row["duration_s"]), distribution=distribution, seed=seed,
-        queue_capacity=max(queue_capacity, int(row["batch_size"])),
+        queue_capacity=max(queue_capacity, int(row["batch_size"])), max_delay=max_delay,
     )
     s = summarize(result.records, warmup=warmup)
 

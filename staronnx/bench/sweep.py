@@ -76,7 +76,7 @@ COLUMNS = (
     "queue_mean", "queue_max", "backlog_growth",
     "bound_throughput", "achieved_over_bound",
     "duration_s", "warmup_s", "measured_s",
-    "policy", "groups", "cuda_streams", "distribution",
+    "policy", "groups", "cuda_streams", "distribution", "max_delay_ms",
 )
 
 
@@ -196,10 +196,12 @@ def measure_point(
     queue_capacity: int = 1024,
     drain_timeout: float | None = None,
     on_submit: Callable[[int, int], None] | None = None,
+    max_delay: float | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
 
-    A fresh :class:`Server` on the shared runtime; batches leave only when full. After the
+    A fresh :class:`Server` on the shared runtime; batches leave only when full, or, with
+    ``max_delay`` (Triton's dynamic batching), once their oldest request waited that long. After the
     schedule, the generator waits at most ``drain_timeout`` s (default: ``max(5, duration/2)``)
     for outstanding results, then the server is closed with a short timeout, so a congested
     point does not spend minutes draining a full queue (what is cut counts as pending).
@@ -207,7 +209,8 @@ def measure_point(
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
-    server = Server(runtime, batch_size=batch_size, queue_capacity=max(queue_capacity, batch_size))
+    server = Server(runtime, batch_size=batch_size, max_delay=max_delay,
+                    queue_capacity=max(queue_capacity, batch_size))
     try:
         records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
                                 drain_timeout=drain, on_submit=on_submit)
@@ -303,6 +306,8 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     row["measured_s"] = summary.get("measured_s")
     for key in ("policy", "groups", "cuda_streams", "distribution"):
         row[key] = settings.get(key)
+    delay = settings.get("max_delay_s")
+    row["max_delay_ms"] = None if delay is None else delay * 1e3
     for part, archs in sorted((summary.get("placement") or {}).items()):
         for arch, frac in sorted(archs.items()):
             row[f"share_{part}_{arch}"] = frac
@@ -473,6 +478,7 @@ def sweep(
     runtime: Any = None,
     label: str | None = None,
     simulate: bool = False,
+    max_delay: float | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
@@ -497,6 +503,8 @@ def sweep(
         simulate: also replay every measured point in the simulator from the perf models and
             record prediction and relative error beside the measurement
             (:mod:`staronnx.bench.fidelity`; ``results.json`` gets a ``fidelity`` summary).
+        max_delay: seconds; batches of *at most* ``b`` leave once their oldest request waited
+            this long (Triton-style dynamic batching) instead of only when full.
     """
     from staronnx.serving.arrivals import DISTRIBUTIONS
 
@@ -515,6 +523,8 @@ def sweep(
         raise SweepError(f"warmup must be >= 0 and shorter than the duration ({duration} s), got {warmup}")
     if min_batches < 1:
         raise SweepError(f"min_batches must be >= 1, got {min_batches}")
+    if max_delay is not None and not (math.isfinite(max_delay) and max_delay >= 0):
+        raise SweepError(f"max_delay must be >= 0 seconds, got {max_delay}")
     notify = progress or (lambda event: None)
     total = len(rates) * len(batch_sizes)
     settings: dict[str, Any] = {
@@ -523,7 +533,7 @@ def sweep(
         "warmup_s": warmup, "rates": rates, "batch_sizes": batch_sizes, "seed": seed,
         "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
     }
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
@@ -575,7 +585,7 @@ def sweep(
                     before = _workers_snapshot(runtime)
                     summary, records = measure_point(
                         runtime, b, rate, samples, duration=length, warmup=warmup, distribution=distribution,
-                        seed=seed, queue_capacity=queue_capacity, on_submit=on_submit,
+                        seed=seed, queue_capacity=queue_capacity, on_submit=on_submit, max_delay=max_delay,
                     )
                     after = _workers_snapshot(runtime)
                     if extend and attempt == 1 and not summary["stable"] and not summary["congested"]:
@@ -593,7 +603,7 @@ def sweep(
                     try:
                         row.update(_clean(simulate_row(machine, row, policy=policy, distribution=distribution,
                                                        seed=seed, queue_capacity=queue_capacity,
-                                                       warmup=warmup)))
+                                                       warmup=warmup, max_delay=max_delay)))
                     except StaronnxError as exc:
                         notes.append(f"b={b} @ {rate:g} req/s not simulated: {exc}")
                 rows.append(row)

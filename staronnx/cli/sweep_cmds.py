@@ -165,6 +165,8 @@ def sweep_cmd(
     extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long.")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and of Poisson arrivals.")] = 0,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
+    max_delay: Annotated[str | None, typer.Option(
+        help="Triton-style dynamic batching: a batch of at most b leaves once its oldest request waited this long (5ms).")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
         help="Also simulate every measured point from the perf models; report the simulator's error.")] = False,
 ) -> None:
@@ -203,6 +205,7 @@ def sweep_cmd(
             distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
             progress=_Bars(progress), seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
             extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
+            max_delay=None if max_delay is None else (0.0 if max_delay.strip() in ("0", "0s") else parse_duration(max_delay)),
         )
     console.print(_summary_table(rows))
     if simulate:
