@@ -259,6 +259,27 @@ def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_pat
         sweep(plan, [20], [8], duration=0.5, runtime=runtime, max_delay=-1.0)
 
 
+def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path):
+    trace = tmp_path / "sweep.json"
+    rows = sweep(plan, [80, 160], [2], groups="cores=1", duration=0.5, store=PerfModelStore(home),
+                 extend=False, trace=trace, bound=False)
+    events = json.loads(trace.read_text())["traceEvents"]
+    tasks = [e for e in events if e.get("cat") == "task"]
+    batches = [e for e in events if e.get("cat") == "batch" and e["ph"] == "b"]
+    fills = [e for e in events if e.get("cat") == "batch fill" and e["ph"] == "b"]
+    points = [e for e in events if e.get("cat") == "sweep point"]
+    counters = [e for e in events if e["ph"] == "C"]
+    assert [p["name"] for p in points] == ["b=2 @ 80 req/s", "b=2 @ 160 req/s"]
+    done = sum(r["batches"] for r in rows)
+    assert len(batches) >= done and len(fills) == len(batches)
+    assert len(tasks) >= plan.k * len(batches)  # warm-up batches run too
+    assert counters and all("server queue (requests)" in c["args"] for c in counters)
+    ends = {e["id"] for e in events if e.get("cat") == "batch" and e["ph"] == "e"}
+    assert {b["id"] for b in batches} == ends
+    for p in points:  # one span per measured point, with its length
+        assert p["dur"] > 0
+
+
 def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path):
     out = tmp_path / "nosim"
     rows = sweep(plan, [80], [1], groups="cores=1", duration=0.4, out_dir=out, runtime=runtime,

@@ -60,6 +60,8 @@ FORMAT = "staronnx-sweep"
 VERSION = 1
 RESULTS_CSV = "results.csv"
 RESULTS_JSON = "results.json"
+#: trace lane (thread id) of the sweep's points, clear of the workers' lanes
+POINTS_LANE = 100_000
 
 #: summarize() keys in seconds, written in milliseconds under ``<key>_ms``
 _MS_KEYS = (
@@ -479,6 +481,7 @@ def sweep(
     label: str | None = None,
     simulate: bool = False,
     max_delay: float | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
@@ -505,6 +508,9 @@ def sweep(
             (:mod:`staronnx.bench.fidelity`; ``results.json`` gets a ``fidelity`` summary).
         max_delay: seconds; batches of *at most* ``b`` leave once their oldest request waited
             this long (Triton-style dynamic batching) instead of only when full.
+        trace: a Perfetto/Chrome trace of the whole sweep, written when it ends: every task on
+            its worker's lane, the server's batch fills, batches and queue length, and one span
+            per point on a "sweep points" lane (for a runtime passed in, its own ``trace=``).
     """
     from staronnx.serving.arrivals import DISTRIBUTIONS
 
@@ -554,7 +560,7 @@ def sweep(
         from staronnx.runtime.runtime import Runtime
 
         runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store,
-                          engine=engine)
+                          engine=engine, trace=trace)
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in (getattr(runtime, "workers", ()) or ())]
         notify(SweepEvent("start", 0, total))
@@ -565,6 +571,9 @@ def sweep(
         if simulate:
             machine = _sim_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, notes=notes)
         samples = sample_pool(plan, seed=seed)
+        tracer = getattr(runtime, "tracer", None)
+        if tracer is not None:
+            tracer.lane(POINTS_LANE, "sweep points")
         index = 0
         for b in batch_sizes:
             bnd = bounds.get(b, {}).get("throughput")
@@ -583,11 +592,16 @@ def sweep(
                                               attempt=_a))
 
                     before = _workers_snapshot(runtime)
+                    began = time.perf_counter()
                     summary, records = measure_point(
                         runtime, b, rate, samples, duration=length, warmup=warmup, distribution=distribution,
                         seed=seed, queue_capacity=queue_capacity, on_submit=on_submit, max_delay=max_delay,
                     )
                     after = _workers_snapshot(runtime)
+                    if tracer is not None:
+                        tracer.span(POINTS_LANE, f"b={b} @ {rate:g} req/s" + (" (again)" if attempt > 1 else ""),
+                                    began, time.perf_counter(), "sweep point",
+                                    {"congested": bool(summary["congested"]), "stable": bool(summary["stable"])})
                     if extend and attempt == 1 and not summary["stable"] and not summary["congested"]:
                         attempt, extended, length = 2, True, 2 * length
                         continue

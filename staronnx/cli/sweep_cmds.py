@@ -167,6 +167,8 @@ def sweep_cmd(
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
     max_delay: Annotated[str | None, typer.Option(
         help="Triton-style dynamic batching: a batch of at most b leaves once its oldest request waited this long (5ms).")] = None,
+    trace: Annotated[Path | None, typer.Option(
+        help="Write a Perfetto trace of the sweep here: tasks per worker, batch fills, batches, queue length.")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
         help="Also simulate every measured point from the perf models; report the simulator's error.")] = False,
 ) -> None:
@@ -205,12 +207,14 @@ def sweep_cmd(
             distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
             progress=_Bars(progress), seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
             extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
-            max_delay=None if max_delay is None else (0.0 if max_delay.strip() in ("0", "0s") else parse_duration(max_delay)),
+            trace=trace, max_delay=None if max_delay is None else (0.0 if max_delay.strip() in ("0", "0s") else parse_duration(max_delay)),
         )
     console.print(_summary_table(rows))
     if simulate:
         _print_fidelity(rows)
     console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
+    if trace is not None:
+        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
     if plots and rows:
         _draw(output, extra, names, output / "compare.png")
 

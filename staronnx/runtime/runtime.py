@@ -144,6 +144,11 @@ class Runtime:
         return out
 
     @property
+    def tracer(self) -> Tracer | None:
+        """The trace being recorded (``trace=``), which servers and sweeps add their spans to."""
+        return getattr(self._engine, "tracer", None)
+
+    @property
     def workers(self) -> list[Any]:
         """The workers tasks run on: staronnx's own, or StarPU's as seen through the engine
         (each with ``name`` and ``arch``), so sweeps and warm-ups size themselves alike."""

@@ -3,7 +3,10 @@
 Open the JSON in https://ui.perfetto.dev or chrome://tracing. Each task is a complete event
 ("X") on its worker's lane; each dependency is a flow arrow from the producing task's end to
 the consuming task's start; transfers (when a worker reports them) are events on a
-"<worker> copies" lane. Events are kept in memory and written atomically at close.
+"<worker> copies" lane. A :class:`~staronnx.serving.Server` on a traced runtime adds its own
+lanes (each batch's fill, from its oldest request's arrival to its formation, then the batch
+from formation to result) and a queue-length counter; a traced sweep marks its points. Events
+are kept in memory and written atomically at close.
 """
 
 from __future__ import annotations
@@ -59,6 +62,27 @@ class Tracer:
                                  "pid": self._pid, "tid": src_tid, "ts": self._us(src_time)})
             self._events.append({"ph": "f", "bp": "e", "id": fid, "name": name, "cat": "dependency",
                                  "pid": self._pid, "tid": dst_tid, "ts": self._us(dst_time)})
+
+    def span(self, tid: int, name: str, start: float, end: float, cat: str, args: dict[str, Any] | None = None) -> None:
+        """Any other complete event (the server's batch fills and batches, sweep points)."""
+        with self._lock:
+            self._events.append({"ph": "X", "name": name, "cat": cat, "pid": self._pid, "tid": tid,
+                                 "ts": self._us(start), "dur": self._us(end) - self._us(start), "args": args or {}})
+
+    def async_span(self, name: str, cat: str, span_id: int, start: float, end: float,
+                   args: dict[str, Any] | None = None) -> None:
+        """A span that may overlap others of its ``cat`` (Perfetto draws each category as an
+        async track with as many rows as needed): batches in flight, batch fills."""
+        with self._lock:
+            base = {"name": name, "cat": cat, "id": f"{cat}:{span_id}", "pid": self._pid, "tid": 0}
+            self._events.append({**base, "ph": "b", "ts": self._us(start), "args": args or {}})
+            self._events.append({**base, "ph": "e", "ts": self._us(end)})
+
+    def counter(self, name: str, t: float, value: float) -> None:
+        """A value over time (a counter track in Perfetto), e.g. the server's queue length."""
+        with self._lock:
+            self._events.append({"ph": "C", "name": name, "pid": self._pid, "ts": self._us(t),
+                                 "args": {name: value}})
 
     def save(self) -> Path:
         with self._lock:

@@ -138,6 +138,9 @@ class Server:
         self._abort = False
         self._flush_left = 0  # the queue's first requests that leave without waiting to fill
         self.created = clock()
+        # a traced runtime gets the server's view too, if both read the same clock
+        tracer = getattr(runtime, "tracer", None)
+        self._tracer = tracer if clock is time.perf_counter else None
         self._sample_queue()
         self._thread = threading.Thread(target=self._batcher, name="staronnx-batcher", daemon=True)
         self._thread.start()
@@ -310,6 +313,12 @@ class Server:
             except Exception as exc:  # noqa: BLE001 - a malformed result fails its batch only
                 error, outputs = exc, None
         now = self.clock()
+        if self._tracer is not None:
+            oldest = min(p.record.arrival for p in batch)
+            args = {"requests": len(batch), "failed": outputs is None}
+            self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", record.id, oldest,
+                                    record.formed, args)
+            self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", record.id, record.formed, now, args)
         with self._cond:
             record.done = now
             for p in batch:
@@ -341,7 +350,10 @@ class Server:
     # -- records ------------------------------------------------------------------------------
     def _sample_queue(self) -> None:
         """Note the queue length now (lock held): at every arrival and every batch formed."""
-        self._queue_samples.append((self.clock(), len(self._queue)))
+        now = self.clock()
+        self._queue_samples.append((now, len(self._queue)))
+        if self._tracer is not None:
+            self._tracer.counter("server queue (requests)", now, len(self._queue))
 
     @property
     def queue_length(self) -> int:
