@@ -15,6 +15,7 @@ import pytest
 
 from staronnx import InferenceSession, InputError, partition
 from staronnx.calibrate import start_workers
+from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.policies import POLICIES
@@ -216,6 +217,40 @@ def test_serving_calibrates_models(plan3, tmp_path):
     rows = store.rows(plan3.hash)
     assert {r.part for r in rows} == set(range(plan3.k))
     assert all(r.n >= 1 for r in rows)
+
+
+def _samples(store: PerfModelStore, plan) -> dict[tuple[int, str, int], int]:
+    return {(r.part, r.arch, r.batch): r.n for r in store.rows(plan.hash)}
+
+
+def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monkeypatch):
+    # StarPU's STARPU_CALIBRATE: 0 stops recording once an entry is calibrated, 1 records every
+    # execution, 2 starts from nothing and overwrites the stored models at close
+    store = PerfModelStore(tmp_path / "h")
+    feeds = random_plan_feeds(plan3, 2)
+
+    def serve(n: int, **kw) -> None:
+        with Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store, **kw) as rt:
+            for f in [rt.submit(feeds) for _ in range(n)]:
+                f.result()
+
+    serve(60)
+    frozen = _samples(store, plan3)
+    assert frozen and all(n >= 10 for n in frozen.values() if n)
+    serve(30)  # calibrate=0: calibrated entries take no more samples
+    assert _samples(store, plan3) == frozen
+    serve(30, calibrate=1)
+    kept = _samples(store, plan3)
+    assert sum(kept.values()) >= sum(frozen.values()) + 30 * plan3.k - 2 * plan3.k  # minus dropped firsts
+    monkeypatch.setenv("STARONNX_CALIBRATE", "2")
+    serve(12)
+    replaced = _samples(store, plan3)
+    assert sum(replaced.values()) <= 12 * plan3.k and sum(replaced.values()) < sum(kept.values())
+    monkeypatch.setenv("STARONNX_CALIBRATE", "yes")
+    with pytest.raises(StaronnxError, match="STARONNX_CALIBRATE"):
+        Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store)
+    with pytest.raises(StaronnxError, match="calibrate"):
+        Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store, calibrate=3)
 
 
 def test_close_with_zero_timeout_cancels_what_is_left(plan3, store):

@@ -1,8 +1,13 @@
 """Predictions from calibrated perf models, in the form policies ask for them.
 
 Models come from the on-disk store (filled by ``staronnx calibrate``) and keep learning while
-serving: the engine records a task's measured time only while its (part, arch, footprint)
-entry still needs samples, as StarPU does when a model is not calibrated yet.
+serving. How much, is StarPU's ``STARPU_CALIBRATE`` (``calibrate`` here):
+
+- 0 (default): a task's measured time is recorded only while its (part, arch, footprint)
+  entry still needs samples; a calibrated entry is frozen;
+- 1: every execution is recorded, so models follow the machine as it serves (a slower
+  neighbour, another clock speed) and the simulator replays what serving really saw;
+- 2: the stored models are ignored and, at close, replaced by what this run measured.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from typing import Mapping
 
 import numpy as np
 
+from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, HistoryModel, PerfModelStore
 from staronnx.runtime.sched import TaskView, WorkerInfo
 
@@ -32,12 +38,34 @@ def _footprint(shapes: tuple[tuple[str, tuple[int, ...]], ...], batch: int) -> F
     return Footprint.from_shapes(dict(shapes), batch=batch)
 
 
+#: StarPU's STARPU_CALIBRATE values (see the module docstring)
+CALIBRATE_MODES = (0, 1, 2)
+
+
+def calibrate_mode(value: int | str | None) -> int:
+    """``value``, or ``$STARONNX_CALIBRATE`` when None (default 0), checked."""
+    import os
+
+    raw = os.environ.get("STARONNX_CALIBRATE", "0") if value is None else value
+    try:
+        mode = int(raw)
+    except (TypeError, ValueError):
+        mode = -1
+    if mode not in CALIBRATE_MODES:
+        raise StaronnxError(f"calibrate (or $STARONNX_CALIBRATE) must be 0, 1 or 2, got {raw!r}")
+    return mode
+
+
 class PerfPredictor:
     """Predictor over history models per (part, arch) and a bus model."""
 
-    def __init__(self, plan_hash: str, store: PerfModelStore | None, bus: BusModel | None = None):
+    def __init__(self, plan_hash: str, store: PerfModelStore | None, bus: BusModel | None = None,
+                 calibrate: int = 0):
+        if calibrate not in CALIBRATE_MODES:
+            raise StaronnxError(f"calibrate must be 0, 1 or 2 (StarPU's STARPU_CALIBRATE), got {calibrate!r}")
         self.plan_hash = plan_hash
         self.store = store
+        self.calibrate = calibrate
         self.bus = bus or (store.load_bus() if store is not None else BusModel())
         self._models: dict[tuple[int, str], HistoryModel] = {}
         self._lock = threading.Lock()
@@ -48,7 +76,7 @@ class PerfPredictor:
             if key not in self._models:
                 self._models[key] = (
                     self.store.load(self.plan_hash, part, arch)
-                    if self.store is not None
+                    if self.store is not None and self.calibrate < 2
                     else HistoryModel(part, arch)
                 )
             return self._models[key]
@@ -70,7 +98,8 @@ class PerfPredictor:
         return total
 
     def needs_samples(self, part: int, arch: str, fp: Footprint) -> bool:
-        return self.model(part, arch).needs_samples(fp)
+        """Whether the engine should record this execution (always, unless ``calibrate`` is 0)."""
+        return self.calibrate >= 1 or self.model(part, arch).needs_samples(fp)
 
     def record(self, part: int, arch: str, fp: Footprint, seconds: float) -> None:
         self.model(part, arch).record(fp, seconds)
@@ -83,4 +112,7 @@ class PerfPredictor:
             models = list(self._models.values())
         for m in models:
             if m.unsaved_count:
-                self.store.commit(self.plan_hash, m)
+                if self.calibrate >= 2:
+                    self.store.save(self.plan_hash, m)
+                else:
+                    self.store.commit(self.plan_hash, m)

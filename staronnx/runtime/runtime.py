@@ -9,6 +9,10 @@
 
 Inputs are checked against the plan's signature before any task exists, so a bad request
 raises ValueError (InputError) at once and never reaches a worker.
+
+``calibrate`` is StarPU's ``STARPU_CALIBRATE`` for either engine (default
+``$STARONNX_CALIBRATE``, else 0): 0 freezes calibrated models, 1 keeps recording every
+execution while serving, 2 replaces the stored models with this run's measurements.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed, NativeEngine
-from staronnx.runtime.predictor import PerfPredictor
+from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.sched import WorkerInfo
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
@@ -56,6 +60,7 @@ class Runtime:
         store: PerfModelStore | None = None,
         policy_options: Mapping[str, Any] | None = None,
         workers: Sequence[Any] | None = None,
+        calibrate: int | None = None,
     ) -> None:
         from staronnx.calibrate import start_workers
         from staronnx.runtime.policies import make_policy
@@ -72,7 +77,10 @@ class Runtime:
             self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
             self.policy_name = policy
             self._workers, self._own_workers = [], False
-            self._engine = StarpuEngine(self.plan, policy, cpu_groups, cuda_streams, trace, policy_options)
+            options = dict(policy_options or {})
+            if "calibrate" not in options and (calibrate is not None or "STARONNX_CALIBRATE" in os.environ):
+                options["calibrate"] = calibrate_mode(calibrate)
+            self._engine = StarpuEngine(self.plan, policy, cpu_groups, cuda_streams, trace, options)
             self._closed = False
             self._close_lock = threading.Lock()
             return
@@ -88,6 +96,7 @@ class Runtime:
                 )
             options["devices"] = devices
         policy_obj = make_policy(policy, **options)  # fail before starting workers
+        mode = calibrate_mode(calibrate)
         own = workers is None
         self._workers = list(workers) if workers is not None else start_workers(
             self.plan, groups=cpu_groups, cuda_streams=cuda_streams)
@@ -95,7 +104,7 @@ class Runtime:
         try:
             infos = [_worker_info(i, w) for i, w in enumerate(self._workers)]
             store = store if store is not None else PerfModelStore()
-            predictor = PerfPredictor(self.plan.hash, store)
+            predictor = PerfPredictor(self.plan.hash, store, calibrate=mode)
             tracer = Tracer(trace, origin=0.0) if trace is not None else None
             self._engine = NativeEngine(self.plan, self._workers, infos, policy_obj, predictor, tracer)
             if tracer is not None:
