@@ -69,7 +69,7 @@ class Tracer:
             self._events.append({"ph": "X", "name": name, "cat": cat, "pid": self._pid, "tid": tid,
                                  "ts": self._us(start), "dur": self._us(end) - self._us(start), "args": args or {}})
 
-    def async_span(self, name: str, cat: str, span_id: int, start: float, end: float,
+    def async_span(self, name: str, cat: str, span_id: int | str, start: float, end: float,
                    args: dict[str, Any] | None = None) -> None:
         """A span that may overlap others of its ``cat`` (Perfetto draws each category as an
         async track with as many rows as needed): batches in flight, batch fills."""

@@ -72,6 +72,11 @@ class _Pending:
     future: RequestFuture
 
 
+#: one number per Server in this process, so the batch spans of successive servers on one
+#: traced runtime never share an id
+_SERVER_SERIALS = itertools.count()
+
+
 class Server:
     """Batch single-sample requests for a runtime; see the module docstring.
 
@@ -141,6 +146,7 @@ class Server:
         # a traced runtime gets the server's view too, if both read the same clock
         tracer = getattr(runtime, "tracer", None)
         self._tracer = tracer if clock is time.perf_counter else None
+        self._serial = next(_SERVER_SERIALS)  # keeps trace ids unique across servers
         self._sample_queue()
         self._thread = threading.Thread(target=self._batcher, name="staronnx-batcher", daemon=True)
         self._thread.start()
@@ -316,9 +322,10 @@ class Server:
         if self._tracer is not None:
             oldest = min(p.record.arrival for p in batch)
             args = {"requests": len(batch), "failed": outputs is None}
-            self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", record.id, oldest,
+            span = f"{self._serial}.{record.id}"
+            self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", span, oldest,
                                     record.formed, args)
-            self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", record.id, record.formed, now, args)
+            self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", span, record.formed, now, args)
         with self._cond:
             record.done = now
             for p in batch:
