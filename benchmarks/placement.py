@@ -11,7 +11,8 @@ costs (profiled once per model on this machine's CPU groups, the two "devices" h
   ``Runtime(plan, policy=..., cpu_groups=GROUPS)`` (median): heft for metis and linear (placed
   dynamically), ``static`` for the placement methods (each part on the device its method chose);
 * maximum sustainable throughput at batch 8: ``--in-flight`` requests kept in flight through
-  the same runtime (samples/s);
+  the same runtime (samples/s), and for the placement methods also with heft scheduling their
+  parts (their cut, without their placement);
 * part count and cut bytes per sample.
 
 Plans are calibrated first (perf models at batch 1 and 8, in a private store). Measurements
@@ -77,11 +78,13 @@ class Row:
     pred_b8_ms: float = float("nan")
     lat_b1_ms: float = float("nan")
     thr_b8: float = float("nan")
+    thr_b8_heft: float = float("nan")  # a placed plan's parts scheduled by heft instead
     place_s: float = float("nan")
     note: str = ""
     plan: Any = None
     lat_samples: list[float] = field(default_factory=list)
     thr_samples: list[float] = field(default_factory=list)
+    heft_samples: list[float] = field(default_factory=list)
 
 
 def default_models(tmp: Path) -> list[Path]:
@@ -170,11 +173,14 @@ def measure(rows: list[Row], model: Path, args: argparse.Namespace, store: PerfM
 
     runtimes = {r.method: Runtime(r.plan, policy=policy_for(r.plan), cpu_groups=args.groups, store=store)
                 for r in live}
+    # the same placed plans with heft deciding each part's worker: the cut without the placement
+    dynamic = {r.method: Runtime(r.plan, policy="heft", cpu_groups=args.groups, store=store)
+               for r in live if policy_for(r.plan) == "static"}
     try:
         plan0 = live[0].plan
         f1 = random_plan_feeds(plan0, 1)
         fb = random_plan_feeds(plan0, args.batch)
-        for rt in runtimes.values():
+        for rt in [*runtimes.values(), *dynamic.values()]:
             rt.run(f1)
             rt.run(fb)
         for _ in range(args.rounds):
@@ -182,12 +188,17 @@ def measure(rows: list[Row], model: Path, args: argparse.Namespace, store: PerfM
                 rt = runtimes[r.method]
                 r.lat_samples.append(_latency(rt, f1, args.seconds))
                 r.thr_samples.append(_throughput(rt, fb, args.batch, args.in_flight, args.seconds))
+                if r.method in dynamic:
+                    r.heft_samples.append(_throughput(dynamic[r.method], fb, args.batch, args.in_flight,
+                                                      args.seconds))
     finally:
-        for rt in runtimes.values():
+        for rt in [*runtimes.values(), *dynamic.values()]:
             rt.close()
     for r in live:
         r.lat_b1_ms = statistics.median(r.lat_samples) * 1e3
         r.thr_b8 = statistics.median(r.thr_samples)
+        if r.heft_samples:
+            r.thr_b8_heft = statistics.median(r.heft_samples)
 
 
 def _latency(rt: Runtime, feeds: dict, seconds: float) -> float:
@@ -243,7 +254,7 @@ def ort_reference(model: Path, args: argparse.Namespace, plan: Any) -> Row:
 
 def print_table(rows: list[Row], args: argparse.Namespace) -> None:
     head = (f"{'model':20s} {'method':13s} {'parts':>5s} {'cut B/sample':>12s} {'devices':>11s} "
-            f"{'pred b1 ms':>10s} {'pred b8 ms':>10s} {'meas b1 ms':>10s} {'thr b8 /s':>9s}  note")
+            f"{'pred b1 ms':>10s} {'pred b8 ms':>10s} {'meas b1 ms':>10s} {'thr b8 /s':>9s} {'heft b8 /s':>10s}  note")
     print("\n" + head)
     print("-" * len(head))
     for r in rows:
@@ -251,8 +262,9 @@ def print_table(rows: list[Row], args: argparse.Namespace) -> None:
             return f"{x:{w}.{p}f}" if np.isfinite(x) else f"{'-':>{w}s}"
 
         print(f"{r.model[:20]:20s} {r.method:13s} {r.parts:5d} {r.cut_bytes:12,d} {r.devices[:11]:>11s} "
-              f"{f(r.pred_b1_ms)} {f(r.pred_b8_ms)} {f(r.lat_b1_ms)} {f(r.thr_b8, 9, 1)}  {r.note}")
-    print(f"(devices: CPU groups '{args.groups}'; runtime: heft for metis/linear, static (as placed) for the placement methods, on the same groups; in flight at "
+              f"{f(r.pred_b1_ms)} {f(r.pred_b8_ms)} {f(r.lat_b1_ms)} {f(r.thr_b8, 9, 1)} {f(r.thr_b8_heft, 10, 1)}  {r.note}")
+    print(f"(devices: CPU groups '{args.groups}'; runtime: heft for metis/linear, static (as placed) for the placement methods, "
+          f"and 'heft b8': the placement methods' parts scheduled by heft; on the same groups; in flight at "
           f"batch {args.batch}: {args.in_flight}; {args.rounds} alternating rounds of {args.seconds:g} s)")
 
 
@@ -269,13 +281,15 @@ def plot(rows: list[Row], out: Path) -> Path:
         x = np.arange(len(mine))
         ax = axes[0][j]
         ax.bar(x - 0.2, [r.pred_b1_ms for r in mine], 0.4, label="predicted")
-        ax.bar(x + 0.2, [r.lat_b1_ms for r in mine], 0.4, label="measured (heft)")
+        ax.bar(x + 0.2, [r.lat_b1_ms for r in mine], 0.4, label="measured (as placed)")
         ax.set_title(f"{model}: latency at batch 1")
         ax.set_ylabel("ms")
         ax.set_xticks(x, [r.method for r in mine], rotation=30, ha="right")
         ax.legend(fontsize=8)
         ax = axes[1][j]
-        ax.bar(x, [r.thr_b8 for r in mine], 0.6, color="tab:green")
+        ax.bar(x - 0.2, [r.thr_b8 for r in mine], 0.4, color="tab:green", label="as placed (metis/linear: heft)")
+        ax.bar(x + 0.2, [r.thr_b8_heft for r in mine], 0.4, color="tab:olive", label="parts scheduled by heft")
+        ax.legend(fontsize=8)
         ax.set_title(f"{model}: max throughput at batch 8")
         ax.set_ylabel("samples/s")
         ax.set_xticks(x, [r.method for r in mine], rotation=30, ha="right")
