@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -21,6 +20,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from staronnx.errors import InputError, PlanError
+from staronnx.fsutil import atomic_write_text
 
 PLAN_FORMAT = "staronnx-plan"
 PLAN_VERSION = 1
@@ -248,21 +248,6 @@ class Plan:
     def part_feeds(self, index: int, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The subset of ``values`` that part ``index`` reads."""
         return {n: values[n] for n in self.parts[index].inputs}
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write a file so readers see the old or the new content, never half of it."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def check_output_dir(directory: Path, force: bool) -> None:

@@ -257,3 +257,25 @@ def test_two_processes_recording_concurrently_lose_no_sample(tmp_path: Path) -> 
     assert entry.nerror == 0
     assert entry.sum == pytest.approx(sum(s for _, s in outcomes), rel=1e-12)
     assert stray_files(tmp_path) == []
+
+
+def test_atomic_writes_get_the_mode_open_would_give_or_keep_the_targets(tmp_path):
+    import os
+    import stat
+
+    from staronnx.fsutil import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        new = tmp_path / "sub" / "new.json"
+        atomic_write_text(new, "{}\n")
+        assert stat.S_IMODE(new.stat().st_mode) == 0o644  # not mkstemp's 0600
+        assert new.read_text() == "{}\n"
+        kept = tmp_path / "kept.json"
+        kept.write_text("old")
+        kept.chmod(0o640)
+        atomic_write_text(kept, "new")
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o640 and kept.read_text() == "new"
+        assert not list(tmp_path.rglob(".*.tmp"))
+    finally:
+        os.umask(old)

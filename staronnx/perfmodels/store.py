@@ -32,7 +32,6 @@ import json
 import os
 import re
 import socket
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -42,6 +41,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from staronnx.fsutil import atomic_write_text
 from staronnx.perfmodels.bus import BusModel
 from staronnx.perfmodels.history import (
     CALIBRATE_MINIMUM,
@@ -108,26 +108,7 @@ class ModelKey:
 
 def atomic_write_json(path: Path, data: Any) -> None:
     """Write ``data`` as JSON to ``path`` so that readers see the old or the new file only."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(data, indent=1, allow_nan=False, sort_keys=False) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # Persist the rename itself; not every platform can open a directory.
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+    atomic_write_text(path, json.dumps(data, indent=1, allow_nan=False, sort_keys=False) + "\n")
 
 
 class PerfModelStore:
