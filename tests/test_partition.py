@@ -460,14 +460,33 @@ def test_inception_demo_achieves_its_target_shares(tmp_path, inception_demo_mode
     assert verify_plan(plan, inception_demo_model, batch=2).ok
 
 
-@pytest.mark.parametrize("costs", ["estimate", "profile"])
-def test_metis_cuts_no_more_than_linear_on_inception_demo(tmp_path, inception_demo_model, costs):
+def test_metis_cuts_no_more_than_linear_on_inception_demo(tmp_path, inception_demo_model):
     cuts = {}
     for method in ("metis", "linear"):
         plan = staronnx.partition(inception_demo_model, [0.85, 0.15], output_dir=tmp_path / method,
-                                  method=method, costs=costs, profile_runs=3)
+                                  method=method, costs="estimate")
         assert all(abs(p.share - p.target_share) <= 0.05 for p in plan.parts), method
         cuts[method] = plan.cut_bytes_per_sample
+    assert 0 < cuts["metis"] <= cuts["linear"], cuts
+
+
+def test_metis_cuts_no_more_than_linear_on_the_same_profiled_costs(inception_demo_model):
+    # profiled once and given to both methods: two profiles of a loaded machine differ enough
+    # to move a share or a cut, which would compare the noise rather than the methods
+    from staronnx.partition.api import METHODS
+    from staronnx.partition.costs import profile_costs
+
+    graph = build_graph(load_model(inception_demo_model))
+    costs = profile_costs(graph, device="cpu", batch=8, runs=3)
+    cm = CutModel.from_graph(graph, costs.micros)
+    targets = np.array([0.85, 0.15])
+    cuts = {}
+    for method in ("metis", "linear"):
+        ranks = METHODS[method](graph, costs.micros, targets, 0, 0.02)
+        assert cm.is_monotone(ranks)
+        loads = np.bincount(ranks, weights=costs.micros, minlength=2)
+        assert np.all(np.abs(loads / loads.sum() - targets) <= 0.05), method
+        cuts[method] = cm.cut(ranks)
     assert 0 < cuts["metis"] <= cuts["linear"], cuts
 
 
