@@ -27,7 +27,15 @@ def calibrated_inception(tmp_path_factory) -> tuple[Plan, Path]:
     home = root / "home"
     workers = start_workers(plan, groups="cores=1")
     try:
-        calibrate(plan, CALIBRATED_SIZES, workers=workers, store=PerfModelStore(home))
+        # this plan's parts take tens of microseconds: on a loaded machine StarPU's outlier
+        # rule can keep an entry from reaching 10 accepted samples within one calibration's
+        # cap, so calibrate again (the store keeps what was accepted) until every entry has
+        report = calibrate(plan, CALIBRATED_SIZES, workers=workers, store=PerfModelStore(home))
+        for _ in range(4):
+            if not report.uncalibrated:
+                break
+            report = calibrate(plan, CALIBRATED_SIZES, workers=workers, store=PerfModelStore(home), max_runs=200)
+        assert not report.uncalibrated, f"could not calibrate {report.uncalibrated} (machine too noisy?)"
     finally:
         for w in workers:
             w.close()
