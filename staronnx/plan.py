@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -259,6 +260,16 @@ def check_output_dir(directory: Path, force: bool) -> None:
             raise PlanError(
                 f"output folder {directory} exists and is not empty; use --force to replace it"
             )
+
+
+def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Path:
+    """Where a new plan goes: ``output_dir`` once :func:`check_output_dir` allows it, or a
+    fresh temporary folder when none is given."""
+    if output_dir is None:
+        return Path(tempfile.mkdtemp(prefix="staronnx-plan-"))
+    out = Path(output_dir)
+    check_output_dir(out, force)
+    return out
 
 
 def publish_dir(staging: Path, directory: Path) -> None:

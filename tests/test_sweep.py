@@ -82,6 +82,9 @@ def test_parse_rates_batch_sizes_and_durations():
     for bad in ("", "10x", "-1s", "0"):
         with pytest.raises(SweepError):
             parse_duration(bad)
+    assert parse_duration("0", allow_zero=True) == 0.0 and parse_duration("0ms", allow_zero=True) == 0.0
+    with pytest.raises(SweepError):
+        parse_duration("-1s", allow_zero=True)
 
 
 # -- the sweep ---------------------------------------------------------------------------------

@@ -130,8 +130,9 @@ def parse_batch_sizes(text: str) -> list[int]:
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|m|min)?\s*$", re.IGNORECASE)
 
 
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``"10s"``, ``"500ms"``, ``"2m"`` or a bare number of seconds."""
+def parse_duration(text: str | float, *, allow_zero: bool = False) -> float:
+    """Seconds from ``"10s"``, ``"500ms"``, ``"2m"`` or a bare number of seconds (> 0, or
+    >= 0 with ``allow_zero``: a warm-up or a batching delay may be none at all)."""
     if isinstance(text, (int, float)):
         value = float(text)
     else:
@@ -139,8 +140,8 @@ def parse_duration(text: str | float) -> float:
         if not m:
             raise SweepError(f"durations look like 10s, 500ms, 2m or 1.5; got {text!r}")
         value = float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0}[(m.group(2) or "s").lower()]
-    if not (math.isfinite(value) and value > 0):
-        raise SweepError(f"a duration must be > 0 seconds, got {text!r}")
+    if not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
+        raise SweepError(f"a duration must be {'>=' if allow_zero else '>'} 0 seconds, got {text!r}")
     return value
 
 
@@ -394,19 +395,12 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------------- bound
-def batch_bounds(plan: Plan, batch_sizes: Sequence[int], *, groups: str, cuda_streams: int,
-                 store: Any = None) -> tuple[dict[int, dict[str, Any]], list[str]]:
-    """LP throughput bound per batch size (where perf models allow), with notes on what failed."""
+def batch_bounds(machine: Any, batch_sizes: Sequence[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """LP throughput bound per batch size on a :class:`~staronnx.bench.simulator.SimMachine`
+    (where its perf models allow), with notes on what failed."""
+    from staronnx.bench.bound import machine_bound
+
     notes: list[str] = []
-    try:
-        from staronnx.bench.bound import machine_bound
-        from staronnx.bench.simulator import build_machine
-    except ImportError:  # pragma: no cover - the bound module is optional at this layer
-        return {}, ["LP bound unavailable (staronnx.bench.bound missing)"]
-    try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
-    except StaronnxError as exc:
-        return {}, [f"no LP bound: {exc}"]
     out: dict[int, dict[str, Any]] = {}
     for b in batch_sizes:
         try:
@@ -419,20 +413,22 @@ def batch_bounds(plan: Plan, batch_sizes: Sequence[int], *, groups: str, cuda_st
             "binding": [x.name for x in bound.binding],
             "arch_share": {f"part{p}/{a}": x for (p, a), x in bound.arch_share().items()},
         }
-    notes.extend(machine.notes)
     return out, notes
 
 
-def _sim_machine(plan: Plan, *, groups: str, cuda_streams: int, store: Any, notes: list[str]) -> Any:
-    """The simulated twin of the sweep's runtime, or None (with a note) where the plan has no
-    perf models to simulate from."""
+def _sim_machine(plan: Plan, *, groups: str, cuda_streams: int, store: Any, notes: list[str],
+                 missing: str) -> Any:
+    """The simulated twin of the sweep's runtime (for the LP bound and the simulation), or
+    None, noted as ``missing``, where the plan has no perf models to build it from."""
     from staronnx.bench.simulator import build_machine
 
     try:
-        return build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
     except StaronnxError as exc:
-        notes.append(f"no simulation: {exc}")
+        notes.append(f"{missing}: {exc}")
         return None
+    notes.extend(machine.notes)
+    return machine
 
 
 # ---------------------------------------------------------------------------- warm-up
@@ -545,15 +541,21 @@ def sweep(
     skipped: list[dict[str, Any]] = []
     bounds: dict[int, dict[str, Any]] = {}
     notes: list[str] = []
-    if bound:
-        bounds, notes = batch_bounds(plan, batch_sizes, groups=groups, cuda_streams=cuda_streams, store=store)
-
+    # one simulated twin of the runtime serves the LP bound and the simulated points
     machine: Any = None
+    if bound or simulate:
+        missing = " and ".join(m for m, on in (("no LP bound", bound), ("no simulation", simulate)) if on)
+        machine = _sim_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, notes=notes,
+                               missing=missing)
+    if bound and machine is not None:
+        bounds, bound_notes = batch_bounds(machine, batch_sizes)
+        notes.extend(bound_notes)
+    simulator = machine if simulate else None
 
     def save() -> None:
         if out_dir is not None:
             write_results(out_dir, rows, settings=settings, bounds=bounds, skipped=skipped, notes=notes,
-                          fidelity=fidelity_summary(rows) if machine is not None else None)
+                          fidelity=fidelity_summary(rows) if simulator is not None else None)
 
     own = runtime is None
     if own:
@@ -568,8 +570,6 @@ def sweep(
         for b in batch_sizes:
             warm_up(runtime, plan, [b], seed=seed)
             notify(SweepEvent("warmup", 0, total, batch_size=b))
-        if simulate:
-            machine = _sim_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, notes=notes)
         samples = sample_pool(plan, seed=seed)
         tracer = getattr(runtime, "tracer", None)
         if tracer is not None:
@@ -613,9 +613,9 @@ def sweep(
                 row["windows"] = _clean(summary.get("windows"))
                 row["loadgen"] = _clean(records.settings.get("loadgen"))
                 row["placement"] = _clean(summary.get("placement"))
-                if machine is not None:
+                if simulator is not None:
                     try:
-                        row.update(_clean(simulate_row(machine, row, policy=policy, distribution=distribution,
+                        row.update(_clean(simulate_row(simulator, row, policy=policy, distribution=distribution,
                                                        seed=seed, queue_capacity=queue_capacity,
                                                        warmup=warmup, max_delay=max_delay)))
                     except StaronnxError as exc:

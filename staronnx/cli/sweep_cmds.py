@@ -185,7 +185,7 @@ def sweep_cmd(
     rate_list = parse_rates(rates)
     sizes = parse_batch_sizes(batch_sizes)
     seconds = parse_duration(duration)
-    warm = None if warmup is None else (0.0 if warmup.strip() in ("0", "0s") else parse_duration(warmup))
+    warm = None if warmup is None else parse_duration(warmup, allow_zero=True)
     extra = list(compare or [])
     names = _labels(labels, 1 + len(extra))
     for d in extra:
@@ -207,7 +207,7 @@ def sweep_cmd(
             distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
             progress=_Bars(progress), seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
             extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
-            trace=trace, max_delay=None if max_delay is None else (0.0 if max_delay.strip() in ("0", "0s") else parse_duration(max_delay)),
+            trace=trace, max_delay=None if max_delay is None else parse_duration(max_delay, allow_zero=True),
         )
     console.print(_summary_table(rows))
     if simulate:

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,7 +23,7 @@ from staronnx.partition.graph import ModelGraph, build_graph
 from staronnx.partition.linear import linear_ranks
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS, PlacementMethod
 from staronnx.partition.metis import metis_parts
-from staronnx.plan import Plan, check_output_dir
+from staronnx.plan import Plan, output_dir_for
 
 #: A shares method maps (graph, costs, targets, seed, tolerance) to a part index per vertex such
 #: that every edge goes from a part to the same or a later one. A placement method
@@ -137,11 +135,7 @@ def partition(
     if not 0 < tolerance < 1:
         raise PartitionError(f"tolerance must be in (0, 1), got {tolerance}")
     shapes = parse_input_shapes(input_shapes)
-    if output_dir is None:
-        out = Path(tempfile.mkdtemp(prefix="staronnx-plan-"))
-    else:
-        out = Path(output_dir)
-        check_output_dir(out, force)
+    out = output_dir_for(output_dir, force)
     if device == "cuda":
         from staronnx.ortutil import providers_for
 

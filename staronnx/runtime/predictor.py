@@ -61,11 +61,9 @@ class PerfPredictor:
 
     def __init__(self, plan_hash: str, store: PerfModelStore | None, bus: BusModel | None = None,
                  calibrate: int = 0):
-        if calibrate not in CALIBRATE_MODES:
-            raise StaronnxError(f"calibrate must be 0, 1 or 2 (StarPU's STARPU_CALIBRATE), got {calibrate!r}")
         self.plan_hash = plan_hash
         self.store = store
-        self.calibrate = calibrate
+        self.calibrate = calibrate_mode(calibrate)
         self.bus = bus or (store.load_bus() if store is not None else BusModel())
         self._models: dict[tuple[int, str], HistoryModel] = {}
         self._lock = threading.Lock()

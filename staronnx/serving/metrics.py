@@ -91,7 +91,7 @@ def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
     out["placement"] = placement
     out.update(_queue_stats(records.queue_samples, w0, w1))
     out.update(_congestion(records, w0, w1, out["rejected"]))
-    windows = stability_windows(records, w0, w1, excluded)
+    windows = _batch_windows(measured, by_id, STABILITY_WINDOWS)
     out["windows"] = windows
     out["stable"] = is_stable(windows)
     out["warmup_s"] = float(warmup)
@@ -288,7 +288,11 @@ def stability_windows(
     """
     excluded = _flush_batches(records) if excluded is None else excluded
     by_id = {r.id: r for r in records.requests}
-    measured = _window_batches(records.batches, by_id, w0, w1, excluded)
+    return _batch_windows(_window_batches(records.batches, by_id, w0, w1, excluded), by_id, count)
+
+
+def _batch_windows(measured: list[BatchRecord], by_id: dict[int, RequestRecord], count: int) -> list[dict[str, float]]:
+    """:func:`stability_windows` over the window's batches, already chosen and in arrival order."""
     out = []
     for chunk in np.array_split(np.arange(len(measured)), count):
         batches = [measured[i] for i in chunk]

@@ -577,7 +577,6 @@ class StarpuEngine:
         return out
 
 
-
 # ----------------------------------------------------------------------------- helpers
 def _make_session(plan: Plan, index: int, group: CpuGroup) -> Any:
     """An ORT session for one part on one group, configured as the native CPU worker does."""

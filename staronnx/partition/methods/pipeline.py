@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -177,46 +175,42 @@ class Optimal(PlacementMethod):
 
         p = ctx.decision
         limit = int(self.option(ctx, "max_nodes"))
-        if self.option(ctx, "coarsen") == "off":
-            c: Coarsening | None = Coarsening(np.arange(p.n, dtype=np.int64), "nodes", p)
-        else:
-            c = coarsen(p, limit)
-            if c is None:
-                raise PartitionError(
-                    f"the optimal (MILP) placement is limited to {limit} units and this graph has "
-                    f"{p.n} nodes that no coarsening (series chains, DUET phases) brings under it; "
-                    "use comm-sd, duet or overseer, or raise the max_nodes option"
-                )
-        q = c.problem
         time_limit = float(self.option(ctx, "time_limit_s"))
-        warm = [comm_sd(q).devices, duet(q).devices, overseer(q).devices]
+        mip_gap = float(self.option(ctx, "mip_gap"))
+        auto = self.option(ctx, "coarsen") == "auto"
+
+        def solve(q: Problem, seconds: float, extra: Sequence[np.ndarray] = ()) -> Assignment:
+            starts = [comm_sd(q).devices, duet(q).devices, overseer(q).devices, *extra]
+            return optimal(q, time_limit=seconds, max_nodes=limit, mip_gap=mip_gap, warm_starts=starts)
+
+        c = coarsen(p, limit) if auto else Coarsening(np.arange(p.n, dtype=np.int64), "nodes", p)
+        if c is None:
+            raise PartitionError(
+                f"the optimal (MILP) placement is limited to {limit} units and this graph has "
+                f"{p.n} nodes that no coarsening (series chains, DUET phases) brings under it; "
+                "use comm-sd, duet or overseer, or raise the max_nodes option"
+            )
+        if c.level != "nodes":
+            result = solve(c.problem, time_limit)
+            info = dict(result.info)
+            info.update(coarsened=c.level, units=c.k, nodes=p.n,
+                        optimal_among="placements keeping each " + ("series chain" if c.level == "chains"
+                                                                     else "DUET phase subgraph") + " on one device")
+            return Assignment(c.expand(result.devices), info, orders=[c.expand_order(o) for o in result.orders])
+        seeds: list[np.ndarray] = []
         chains_info: dict[str, Any] = {}
-        if c.level == "nodes" and self.option(ctx, "coarsen") == "auto":
+        units = chain_units(p) if auto else None
+        if units is not None and int(units.max()) + 1 < p.n:
             # the chain-level optimum is usually proven in milliseconds and is a placement of
             # the nodes too: it seeds the node-level search, whose time limit may stop it early
-            chains = coarsen(p, max(1, int(chain_units(p).max()) + 1))
-            if chains is not None and chains.level == "chains":
-                cw = [comm_sd(chains.problem).devices, duet(chains.problem).devices, overseer(chains.problem).devices]
-                at_chains = optimal(chains.problem, time_limit=time_limit / 4, max_nodes=limit,
-                                    mip_gap=float(self.option(ctx, "mip_gap")), warm_starts=cw)
-                warm.append(chains.expand(at_chains.devices))
-                chains_info = {"chains_seed_us": at_chains.info["objective_us"], "chains": chains.k,
-                               "chains_proven": at_chains.info["proven_optimal"]}
-        result = optimal(
-            q,
-            time_limit=time_limit,
-            max_nodes=limit,
-            mip_gap=float(self.option(ctx, "mip_gap")),
-            warm_starts=warm,
-        )
-        if c.level == "nodes":
-            result.info.update(chains_info)
-            return result
-        info = dict(result.info)
-        info.update(coarsened=c.level, units=c.k, nodes=p.n,
-                    optimal_among="placements keeping each " + ("series chain" if c.level == "chains"
-                                                                 else "DUET phase subgraph") + " on one device")
-        return Assignment(c.expand(result.devices), info, orders=[c.expand_order(o) for o in result.orders])
+            chains = Coarsening(units, "chains", p.quotient(units))
+            at_chains = solve(chains.problem, time_limit / 4)
+            seeds.append(chains.expand(at_chains.devices))
+            chains_info = {"chains_seed_us": at_chains.info["objective_us"], "chains": chains.k,
+                           "chains_proven": at_chains.info["proven_optimal"]}
+        result = solve(p, time_limit, seeds)
+        result.info.update(chains_info)
+        return result
 
 
 class OrtStatic(PlacementMethod):
@@ -453,17 +447,13 @@ def place(
     from staronnx.partition.api import parse_input_shapes
     from staronnx.partition.export import write_plan
     from staronnx.partition.graph import build_graph
-    from staronnx.plan import check_output_dir
+    from staronnx.plan import output_dir_for
 
     if method not in PLACEMENT_METHODS:
         raise PartitionError(f"unknown placement method {method!r}; choose one of {', '.join(PLACEMENT_METHODS)}")
     say = progress or (lambda _m: None)
     shapes = parse_input_shapes(input_shapes)
-    if output_dir is None:
-        out = Path(tempfile.mkdtemp(prefix="staronnx-plan-"))
-    else:
-        out = Path(output_dir)
-        check_output_dir(out, force)
+    out = output_dir_for(output_dir, force)
     say("loading model")
     graph = build_graph(load_model(model_or_path), shapes)
     m = PLACEMENT_METHODS[method]
