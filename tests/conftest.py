@@ -11,7 +11,7 @@ from staronnx import partition
 from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
-from staronnx.zoo import inception
+from staronnx.zoo import fragile, inception
 
 #: batch sizes the shared plan is calibrated at (on cores=1 groups)
 CALIBRATED_SIZES = [1, 2, 4]
@@ -40,3 +40,13 @@ def calibrated_inception(tmp_path_factory) -> tuple[Plan, Path]:
         for w in workers:
             w.close()
     return plan, home
+
+
+@pytest.fixture
+def fragile_plan(tmp_path) -> Plan:
+    """:func:`staronnx.zoo.fragile` cut in two: a request whose ``x`` is not ``(n, 8)`` passes
+    every signature check and fails in part 1, inside ONNX Runtime."""
+    model = tmp_path / "fragile.onnx"
+    onnx.save(fragile(), str(model))
+    return partition(model, parts=2, method="linear", output_dir=tmp_path / "fragile-plan",
+                     input_shapes=["x=1x8"], costs="estimate")

@@ -6,7 +6,6 @@ import asyncio
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -22,7 +21,6 @@ from staronnx.runtime.policies import POLICIES
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
-from staronnx.zoo import fragile as zoo_fragile
 from staronnx.zoo import inception
 
 
@@ -79,15 +77,8 @@ def test_thousand_requests_from_eight_threads(plan3, store):
         assert rt.stats()["requests_done"] == 1000
 
 
-def _fragile_model(path: Path) -> Path:
-    onnx.save(zoo_fragile(), str(path))
-    return path
-
-
-def test_failing_task_fails_only_its_request(tmp_path, store):
-    model = _fragile_model(tmp_path / "fragile.onnx")
-    plan = partition(model, parts=2, method="linear", output_dir=tmp_path / "plan",
-                     input_shapes=["x=1x8"], costs="estimate")
+def test_failing_task_fails_only_its_request(fragile_plan, store):
+    plan = fragile_plan
     good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
     bad = {"x": np.ones((2, 5), np.float32)}
     with Runtime(plan, policy="dmda", cpu_groups="cores=1", store=store) as rt:

@@ -7,7 +7,6 @@ import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -35,7 +34,6 @@ from staronnx.serving import (
     summarize,
 )
 from staronnx.verify import random_plan_feeds
-from staronnx.zoo import fragile as zoo_fragile
 from staronnx.zoo import inception
 
 
@@ -282,15 +280,8 @@ def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
         server.close()
 
 
-def _fragile_model(path: Path) -> Path:
-    onnx.save(zoo_fragile(), str(path))
-    return path
-
-
-def test_failing_batch_fails_only_its_requests(tmp_path):
-    model = _fragile_model(tmp_path / "fragile.onnx")
-    plan = partition(model, parts=2, method="linear", output_dir=tmp_path / "plan",
-                     input_shapes=["x=1x8"], costs="estimate")
+def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan):
+    plan = fragile_plan
     rng = np.random.default_rng(1)
     good = [{"x": rng.standard_normal((1, 8)).astype(np.float32)} for _ in range(4)]
     bad = {"x": np.ones((1, 5), np.float32)}

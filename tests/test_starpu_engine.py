@@ -29,7 +29,6 @@ from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
-from staronnx.zoo import fragile as zoo_fragile
 from staronnx.zoo import inception
 
 GOOGLENET = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "googlenet.onnx"
@@ -184,15 +183,8 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
 
 
 # ----------------------------------------------------------------------------- failures
-def _fragile_model(path: Path) -> Path:
-    onnx.save(zoo_fragile(), str(path))
-    return path
-
-
-def test_failing_request_fails_only_itself(starpu, tmp_path):
-    model = _fragile_model(tmp_path / "fragile.onnx")
-    plan = partition(model, parts=2, method="linear", output_dir=tmp_path / "plan",
-                     input_shapes=["x=1x8"], costs="estimate")
+def test_failing_request_fails_only_itself(starpu, fragile_plan):
+    plan = fragile_plan
     good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
     bad = {"x": np.ones((2, 5), np.float32)}
     want = plan.run_reference(good)["y"]
