@@ -22,7 +22,7 @@ from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.predictor import task_footprint
 from staronnx.verify import random_plan_feeds
-from staronnx.workers.groups import make_groups
+from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
 from staronnx.workers.topology import Topology
 
 
@@ -56,29 +56,6 @@ class CalibrationReport:
     models: dict[tuple[int, str], HistoryModel] = field(default_factory=dict)
     runs: dict[tuple[int, str, int], int] = field(default_factory=dict)
     uncalibrated: list[tuple[int, str, int]] = field(default_factory=list)
-
-
-def start_workers(
-    plan: Plan, groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)
-) -> list[Worker]:
-    """CPU workers for the groups of this machine, plus CUDA stream workers if asked."""
-    from staronnx.workers.cpu import CpuWorker
-
-    parts = [plan.part_path(i) for i in range(plan.k)]
-    topology = Topology.from_system()
-    workers: list[Worker] = []
-    try:
-        if cuda_streams > 0:
-            from staronnx.workers.cuda import cuda_workers
-
-            workers.extend(cuda_workers(list(cuda_devices), cuda_streams, parts))
-        for group in make_groups(topology, groups):
-            workers.append(CpuWorker(group, parts, topology=topology).start())
-    except BaseException:
-        for w in workers:
-            w.close()
-        raise
-    return workers
 
 
 def calibrate(

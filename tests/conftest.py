@@ -50,3 +50,15 @@ def fragile_plan(tmp_path) -> Plan:
     onnx.save(fragile(), str(model))
     return partition(model, parts=2, method="linear", output_dir=tmp_path / "fragile-plan",
                      input_shapes=["x=1x8"], costs="estimate")
+
+
+@pytest.fixture
+def two_groups() -> str:
+    """Two one-PU CPU groups as an explicit policy ('3;5'), whatever the host's core count,
+    so tests that count workers or lanes hold on 2 cores or 128."""
+    import os
+
+    pus = sorted(os.sched_getaffinity(0))
+    if len(pus) < 2:
+        pytest.skip("needs 2 allowed PUs for two CPU groups")
+    return f"{pus[0]};{pus[1]}"

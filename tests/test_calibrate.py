@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +53,7 @@ def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path):
 
 
 def _cli(*args: str, home: Path) -> subprocess.CompletedProcess:
-    env = {"STARONNX_HOME": str(home), "PATH": "/usr/bin:/bin", "COLUMNS": "200"}
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
     return subprocess.run([sys.executable, "-m", "staronnx", *args], capture_output=True,
                           text=True, env=env, timeout=300)
 

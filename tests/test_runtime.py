@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -168,9 +169,9 @@ def test_futures_are_awaitable(plan3, store):
     assert len(results) == 5 and all("logits" in r for r in results)
 
 
-def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path):
+def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path, two_groups):
     path = tmp_path / "trace.json"
-    with Runtime(plan3, policy="heft", cpu_groups="cores=1", trace=path, store=store) as rt:
+    with Runtime(plan3, policy="heft", cpu_groups=two_groups, trace=path, store=store) as rt:
         for f in [rt.submit(random_plan_feeds(plan3, 2, seed=i)) for i in range(6)]:
             f.result()
     events = json.loads(path.read_text())["traceEvents"]
@@ -269,7 +270,7 @@ def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path):
         [sys.executable, "-m", "staronnx", "run", str(plan3.root), "--batch", "2", "--requests",
          "20", "--policy", "dmda", "--groups", "cores=1", "--trace", str(trace)],
         capture_output=True, text=True, timeout=300,
-        env={"STARONNX_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin", "COLUMNS": "200"},
+        env={**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "COLUMNS": "200"},
     )
     assert out.returncode == 0, out.stderr
     assert "samples/s" in out.stdout and "p99" in out.stdout
@@ -277,5 +278,5 @@ def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path):
     assert json.loads(trace.read_text())["traceEvents"]
     bad = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan3.root), "--policy", "nope"],
                          capture_output=True, text=True, timeout=120,
-                         env={"STARONNX_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"})
+                         env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")})
     assert bad.returncode == 2 and "nope" in bad.stderr and "heft" in bad.stderr

@@ -30,6 +30,8 @@ from staronnx.zoo import chain
 
 MS = 1e-3
 CPU4 = "pack:1 numa:1 core:4 pu:1"  # groups="numa": one 4-core worker, arch cpu4
+#: no core held back for the CUDA worker's thread, so the CPU worker beside it stays cpu4
+NO_RESERVE = "numa,reserve=0"
 TWO_CORES = "pack:1 numa:1 core:2 pu:1"  # groups="cores=1": two workers, arch cpu1
 TWO_NODES = "pack:1 numa:2 core:1 pu:1"  # groups="numa": cpu1 on numa0 and on numa1
 
@@ -114,7 +116,7 @@ GPU_TIMES = {(0, "cuda0"): 1 * MS, (0, "cpu4"): 10 * MS, (1, "cuda0"): 1 * MS, (
 def test_heft_runs_both_parts_on_the_gpu_at_low_load_and_overflows_part1_under_load(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES)
-    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=1, store=store)
+    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store)
     assert [w.arch for w in machine.workers] == ["cuda0", "cpu4"]  # accelerators first
     low = simulate(machine=machine, rate=100, batch_size=1, policy="heft")
     assert set(low.placement) == {(0, "cuda0"), (1, "cuda0")}
@@ -139,8 +141,8 @@ def test_cuda_scale_is_a_what_if_gpu_built_from_the_cpu_models(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {k: v for k, v in GPU_TIMES.items() if k[1] == "cpu4"})
     with pytest.raises(SimulationError, match=r"cuda0.*calibrate"):
-        simulate(plan, rate=100, batch_size=1, topology=topo(CPU4), cuda_streams=1, store=store)
-    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=1, store=store, cuda_scale=(0.1, 1 / 3))
+        simulate(plan, rate=100, batch_size=1, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store)
+    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store, cuda_scale=(0.1, 1 / 3))
     assert machine.table.source("cuda0") == ArchSource("cpu4", (0.1, 1 / 3))
     assert any("what-if" in n for n in machine.notes)
     res = simulate(machine=machine, rate=625, batch_size=1, policy="heft")
@@ -161,7 +163,7 @@ def test_missing_cpu_group_sizes_borrow_the_nearest_calibrated_one(plan, tmp_pat
 def test_every_policy_serves_every_request(plan, tmp_path, policy):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.2)
-    res = simulate(plan, rate=500, batch_size=1, n_requests=400, topology=topo(CPU4), cuda_streams=1,
+    res = simulate(plan, rate=500, batch_size=1, n_requests=400, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1,
                    store=store, policy=policy)
     m = res.metrics()
     assert m["completed"] == 400 and m["pending"] == 0
@@ -172,7 +174,7 @@ def test_every_policy_serves_every_request(plan, tmp_path, policy):
 def test_a_seed_determines_the_run(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.2)
-    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=1, store=store)
+    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store)
 
     def run(seed: int, policy: str = "heft"):
         res = simulate(machine=machine, rate=600, batch_size=1, duration=2, distribution="poisson",
@@ -253,7 +255,7 @@ def test_bad_settings_are_clear_errors(plan, tmp_path):
 def test_ten_seconds_at_500_requests_per_second_is_fast(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.1)
-    machine = build_machine(plan, topology=topo(CPU4), cuda_streams=2, store=store)
+    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=2, store=store)
     simulate(machine=machine, rate=500, batch_size=1, duration=0.1)  # warm caches
     res = simulate(machine=machine, rate=500, batch_size=1, duration=10.0)
     assert res.metrics()["completed"] == 5000
@@ -267,7 +269,7 @@ def test_cli_simulate_prints_metrics_placement_and_bound(plan, tmp_path):
     env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
     out = subprocess.run(
         [sys.executable, "-m", "staronnx", "simulate", str(plan.root), "--rate", "625", "--batch", "1",
-         "--synthetic", "pack:1 numa:1 core:4", "--cuda-streams", "1", "--cuda-scale", "0.1,0.3333333333",
+         "--synthetic", "pack:1 numa:1 core:4", "--groups", NO_RESERVE, "--cuda-streams", "1", "--cuda-scale", "0.1,0.3333333333",
          "--duration", "2"],
         check=False, capture_output=True, text=True, env=env, timeout=300,
     )
@@ -276,7 +278,7 @@ def test_cli_simulate_prints_metrics_placement_and_bound(plan, tmp_path):
     assert "LP bound 666.7 samples/s" in out.stdout
     assert "cuda0" in out.stdout and "cpu4" in out.stdout
     bad = subprocess.run([sys.executable, "-m", "staronnx", "simulate", str(plan.root), "--rate", "10",
-                          "--batch", "1", "--synthetic", "pack:1 numa:1 core:4", "--cuda-streams", "1"],
+                          "--batch", "1", "--synthetic", "pack:1 numa:1 core:4", "--groups", NO_RESERVE, "--cuda-streams", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "cuda0" in bad.stderr
 

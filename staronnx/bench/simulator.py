@@ -283,20 +283,21 @@ def sim_workers(
 ) -> list[WorkerInfo]:
     """The workers ``Runtime`` would start on ``topology``, as policies see them.
 
-    Same order as :func:`~staronnx.calibrate.start_workers` (CUDA streams first, like StarPU's
-    worker ids, which decides dmda's ties), same names, archs and memory nodes as
-    ``Runtime``'s ``_worker_info``.
+    Same layout as :func:`~staronnx.workers.launch.start_workers` (CUDA streams first, like
+    StarPU's worker ids, which decides dmda's ties; a core held back per CUDA worker unless the
+    policy says otherwise), same names, archs and memory nodes as ``Runtime``'s ``_worker_info``.
     """
-    from staronnx.workers.groups import make_groups
+    from staronnx.workers.launch import worker_layout
 
     if cuda_streams < 0:
         raise SimulationError(f"cuda_streams must be >= 0, got {cuda_streams}")
     topology = topology if topology is not None else Topology.from_system()
+    layout = worker_layout(topology, groups, cuda_streams, (cuda_device,))
     infos: list[WorkerInfo] = []
     for s in range(cuda_streams):
         dev = f"cuda{cuda_device}"
         infos.append(WorkerInfo(len(infos), f"{dev}.s{s}", dev, "cuda", dev, 1))
-    for g in make_groups(topology, groups):
+    for g in layout.groups:
         numa = g.numa if g.numa is not None else 0
         infos.append(WorkerInfo(len(infos), f"cpu:{g.name}", f"cpu{g.n_cores}", "cpu", f"numa{numa}", g.n_cores))
     return infos

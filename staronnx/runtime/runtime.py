@@ -10,6 +10,11 @@
 Inputs are checked against the plan's signature before any task exists, so a bad request
 raises ValueError (InputError) at once and never reaches a worker.
 
+``cuda_streams=N`` starts N CUDA workers per GPU, each on a core held back from the CPU
+groups (see :mod:`staronnx.workers.launch`); ``cuda_options`` go to every
+:class:`~staronnx.workers.cuda.CudaWorker` (``cudnn_conv_algo_search``, ``provider_options``
+such as ``gpu_mem_limit``, ``prefetch``).
+
 ``calibrate`` is StarPU's ``STARPU_CALIBRATE`` for either engine (default
 ``$STARONNX_CALIBRATE``, else 0): 0 freezes calibrated models, 1 keeps recording every
 execution while serving, 2 replaces the stored models with this run's measurements.
@@ -61,8 +66,9 @@ class Runtime:
         policy_options: Mapping[str, Any] | None = None,
         workers: Sequence[Any] | None = None,
         calibrate: int | None = None,
+        cuda_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from staronnx.calibrate import start_workers
+        from staronnx.workers.launch import start_workers
         from staronnx.runtime.policies import make_policy
 
         if engine not in ENGINES:
@@ -99,7 +105,7 @@ class Runtime:
         mode = calibrate_mode(calibrate)
         own = workers is None
         self._workers = list(workers) if workers is not None else start_workers(
-            self.plan, groups=cpu_groups, cuda_streams=cuda_streams)
+            self.plan, groups=cpu_groups, cuda_streams=cuda_streams, cuda_options=dict(cuda_options or {}))
         self._own_workers = own
         try:
             infos = [_worker_info(i, w) for i, w in enumerate(self._workers)]

@@ -41,7 +41,7 @@ from typing import Iterator, overload
 from staronnx.errors import StaronnxError
 from staronnx.workers.topology import CoreInfo, Topology, format_pus
 
-__all__ = ["CpuGroup", "CpuGroups", "GroupError", "make_groups", "DEFAULT_POLICY"]
+__all__ = ["CpuGroup", "CpuGroups", "GroupError", "make_groups", "policy_reserve", "DEFAULT_POLICY"]
 
 DEFAULT_POLICY = "numa"
 
@@ -209,6 +209,16 @@ def _parse(policy: str) -> _Policy:
     if len(words) > 1 and not _EXPLICIT.match(base):
         raise GroupError(f"policy {policy!r} has several base terms ({', '.join(words)}); pick one: {_HELP}")
     raise GroupError(f"unknown CPU group policy {base!r}: {_HELP}")
+
+
+def policy_reserve(policy: str) -> int | None:
+    """The cores ``policy`` holds back for GPU threads: N for ``reserve=N``, 0 for an explicit PU
+    list (its author chose every core), ``None`` when it leaves the choice to the caller."""
+    spec = _parse(policy)
+    if spec.kind == "explicit" and not spec.reserve:
+        return 0
+    has_term = any(re.match(r"^reserve\b", t.strip()) for t in policy.split(","))
+    return spec.reserve if has_term else None
 
 
 # ------------------------------------------------------------------------- building

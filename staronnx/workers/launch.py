@@ -1,0 +1,101 @@
+"""Starting a machine's workers: CPU groups plus CUDA stream workers, laid out like StarPU's.
+
+StarPU gives every CUDA worker a CPU core of its own ("GPU driver threads each take a CPU
+core": ``STARPU_NCPU`` excludes them).  A GPU worker is host-bound at the batch sizes of
+inference — it copies, launches kernels and waits on events from Python — so an ONNX Runtime
+thread pool spinning on the same core slows the GPU down by more than the CPU workers add:
+the H100 measurements of issue 11 had GPU+CPU at 0.90x GPU alone.  So, unless the group policy
+says otherwise, one core per CUDA worker is held back (``reserve=N``) and each CUDA worker's
+thread is pinned to its own reserved core.  A policy that names ``reserve=`` or an explicit PU
+list keeps what it says; a machine too small to spare a core per worker reserves what it can
+and leaves the CPU groups at least one core.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from staronnx.workers.groups import CpuGroups, make_groups, policy_reserve
+from staronnx.workers.topology import Topology
+
+__all__ = ["WorkerLayout", "worker_layout", "start_workers"]
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    """Which cores the CPU workers own and which PU each CUDA worker's thread runs on."""
+
+    groups: CpuGroups
+    #: (device id, stream index, PU to pin the worker thread to or None), in worker order.
+    cuda: tuple[tuple[int, int, int | None], ...]
+
+    @property
+    def policy(self) -> str:
+        """The group policy actually applied (with the automatic ``reserve=N`` when added)."""
+        return self.groups.policy
+
+
+def worker_layout(
+    topology: Topology, groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)
+) -> WorkerLayout:
+    """The CPU groups and CUDA worker pins for ``groups`` with ``cuda_streams`` per device."""
+    if cuda_streams < 0:
+        raise ValueError(f"cuda_streams must be >= 0, got {cuda_streams}")
+    n_cuda = cuda_streams * len(cuda_devices)
+    policy = groups
+    if n_cuda and policy_reserve(groups) is None:
+        spare = len(topology.allowed_cores()) - 1  # the CPU groups keep at least one core
+        reserve = min(n_cuda, max(spare, 0))
+        if reserve:
+            policy = f"{groups},reserve={reserve}"
+    cpu_groups = make_groups(topology, policy)
+    reserved = [pus[0] for pus in cpu_groups.reserved if pus]
+    cuda = tuple(
+        (d, s, reserved[i % len(reserved)] if reserved else None)
+        for i, (d, s) in enumerate((d, s) for d in cuda_devices for s in range(cuda_streams))
+    )
+    return WorkerLayout(cpu_groups, cuda)
+
+
+def start_workers(
+    plan: Any,
+    groups: str = "numa",
+    cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
+    *,
+    topology: Topology | None = None,
+    cuda_options: dict[str, Any] | None = None,
+) -> list[Any]:
+    """Started workers for ``plan``: CUDA stream workers first (StarPU's order), then one CPU
+    worker per group of :func:`worker_layout`.  On any failure the ones already started are
+    closed, so a bad request leaves no thread behind.  ``cuda_options`` go to every
+    :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
+    pipeline on the CPU provider)."""
+    from staronnx.workers.cpu import CpuWorker
+
+    parts = [plan.part_path(i) for i in range(plan.k)]
+    topology = topology or Topology.from_system()
+    layout = worker_layout(topology, groups, cuda_streams, cuda_devices)
+    workers: list[Any] = []
+    try:
+        if layout.cuda:
+            from staronnx.workers.cuda import CudaWorker
+
+            for device, stream, pu in layout.cuda:
+                worker = CudaWorker(device, stream, parts, cpu=pu, **(cuda_options or {}))
+                workers.append(worker)
+                worker.start()
+        for group in layout.groups:
+            worker = CpuWorker(group, parts, topology=topology)
+            workers.append(worker)
+            worker.start()
+    except BaseException:
+        for w in workers:
+            try:
+                w.close()
+            except Exception:  # noqa: BLE001 - close the others anyway; the first error wins
+                pass
+        raise
+    return workers

@@ -1,0 +1,149 @@
+"""Starting a machine's workers (staronnx.workers.launch): CUDA workers started and pinned to
+cores held back from the CPU groups, through every door that takes ``cuda_streams``.
+
+The layout is checked on synthetic hwloc topologies (any size, any host); the started CUDA
+workers run their real pipeline on ONNX Runtime's CPU provider through
+:class:`~staronnx.workers.cudart.HostRuntime` (what a worker does, not CUDA's semantics), so
+the ``Runtime(cuda_streams=N)`` door is exercised on every CI machine; the same doors on a real
+GPU are in ``test_gpu_entry_points.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx import Runtime
+from staronnx.verify import random_plan_feeds
+from staronnx.workers.cudart import HostRuntime
+from staronnx.workers.groups import GroupError, policy_reserve
+from staronnx.workers.launch import start_workers, worker_layout
+from staronnx.workers.topology import Topology
+from staronnx.zoo import inception
+
+
+@pytest.fixture(scope="module")
+def plan2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("launch")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=1, channels=8, size=16), str(model))
+    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=1)
+
+
+def _allowed_pus() -> list[int]:
+    return sorted(os.sched_getaffinity(0))
+
+
+# ------------------------------------------------------------------ layout (synthetic machines)
+def test_policy_reserve_reads_what_the_policy_says():
+    assert policy_reserve("numa") is None
+    assert policy_reserve("cores=2") is None
+    assert policy_reserve("numa,reserve=3") == 3
+    assert policy_reserve("numa,reserve=0") == 0
+    assert policy_reserve("0-3;4-7") == 0  # an explicit list chose every core itself
+    with pytest.raises(GroupError):
+        policy_reserve("bogus")
+
+
+def test_one_core_held_back_per_cuda_worker_and_each_worker_pinned_to_its_own():
+    topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")  # 16 cores, 4 NUMA nodes
+    layout = worker_layout(topo, "numa", cuda_streams=2, cuda_devices=(0, 1))
+    assert layout.policy == "numa,reserve=4"
+    assert len(layout.groups.reserved) == 4
+    assert sum(g.n_cores for g in layout.groups) == 12
+    pins = [pu for _, _, pu in layout.cuda]
+    assert [(d, s) for d, s, _ in layout.cuda] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert len(set(pins)) == 4 and set(pins) == set(layout.groups.reserved_pus)
+    assert not set(pins) & {p for g in layout.groups for p in g.pus}
+
+
+def test_a_policy_that_names_its_reserve_or_its_pus_is_kept():
+    topo = Topology.from_synthetic("numa:2 core:4 pu:1")
+    assert worker_layout(topo, "numa,reserve=1", cuda_streams=3).policy == "numa,reserve=1"
+    kept = worker_layout(topo, "numa,reserve=0", cuda_streams=2)
+    assert kept.groups.reserved == () and all(pu is None for _, _, pu in kept.cuda)
+    explicit = worker_layout(topo, "0-3;4-7", cuda_streams=2)
+    assert explicit.groups.reserved == () and len(explicit.groups) == 2
+    one = worker_layout(topo, "numa,reserve=1", cuda_streams=3)
+    assert len({pu for _, _, pu in one.cuda}) == 1  # three workers share the one reserved core
+
+
+def test_a_small_machine_keeps_at_least_one_core_for_the_cpu_groups():
+    topo = Topology.from_synthetic("core:2 pu:1")
+    layout = worker_layout(topo, "numa", cuda_streams=4)
+    assert len(layout.groups.reserved) == 1 and sum(g.n_cores for g in layout.groups) == 1
+    single = worker_layout(Topology.from_synthetic("core:1 pu:1"), "numa", cuda_streams=2)
+    assert single.groups.reserved == () and [pu for *_, pu in single.cuda] == [None, None]
+
+
+def test_no_cuda_workers_no_reserve():
+    topo = Topology.from_synthetic("numa:2 core:4 pu:1")
+    layout = worker_layout(topo, "numa", cuda_streams=0)
+    assert layout.cuda == () and layout.groups.reserved == () and len(layout.groups) == 2
+
+
+def test_the_simulator_sees_the_layout_the_runtime_starts():
+    from staronnx.bench.simulator import sim_workers
+
+    topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")
+    infos = sim_workers(topo, "numa", cuda_streams=2)
+    assert [w.kind for w in infos[:2]] == ["cuda", "cuda"]
+    # 16 cores, 2 held back for the two CUDA workers: the last NUMA node has 2 cores left
+    assert sorted(w.ncores for w in infos[2:]) == [2, 4, 4, 4]
+
+
+# ------------------------------------------------------------------ started workers, real threads
+@pytest.mark.skipif(len(_allowed_pus()) < 2, reason="needs 2 allowed PUs to hold one back")
+def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):
+    pus = _allowed_pus()
+    groups = f"{pus[0]};{pus[1]}"  # explicit: nothing reserved automatically
+    workers = start_workers(plan2, groups=groups, cuda_streams=1, cuda_options={"runtime": HostRuntime()})
+    try:
+        assert [w.kind for w in workers] == ["cuda", "cpu", "cpu"]
+        assert all(w.alive for w in workers)
+        assert workers[0].cpu is None
+    finally:
+        for w in workers:
+            w.close()
+    auto = start_workers(plan2, groups="numa", cuda_streams=1, cuda_options={"runtime": HostRuntime()})
+    try:
+        cuda, cpus = auto[0], auto[1:]
+        assert cuda.kind == "cuda" and cuda.alive and cuda.cpu is not None
+        assert all(cuda.cpu not in w.group.pus for w in cpus)
+        pinned = cuda.call(lambda: os.sched_getaffinity(0))
+        assert pinned == {cuda.cpu}
+    finally:
+        for w in auto:
+            w.close()
+
+
+def test_runtime_with_cuda_streams_starts_and_serves_through_its_cuda_workers(plan2, tmp_path):
+    """Issue 11's defect: ``Runtime(plan, cuda_streams=N)`` failed at once ("cuda0.s0 is not
+    started") because its own workers' CUDA ones were never started."""
+    from staronnx.perfmodels import PerfModelStore
+
+    before = {t.name for t in threading.enumerate()}
+    feeds = [random_plan_feeds(plan2, 2, seed=i) for i in range(12)]
+    with Runtime(plan2, policy="eager", cpu_groups="numa", cuda_streams=2,
+                 cuda_options={"runtime": HostRuntime()}, store=PerfModelStore(tmp_path)) as rt:
+        archs = [w.kind for w in rt.workers]
+        results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
+        stats = rt.stats()
+    assert archs[:2] == ["cuda", "cuda"] and "cpu" in archs
+    for f, r in zip(feeds, results):
+        np.testing.assert_allclose(r["logits"], plan2.run_reference(f)["logits"], rtol=1e-5, atol=1e-6)
+    assert any(key.endswith("cuda0") for key in stats["tasks"]), stats["tasks"]
+    assert {t.name for t in threading.enumerate()} <= before
+
+
+def test_a_cuda_worker_that_cannot_start_closes_the_ones_already_started(plan2):
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(Exception, match="cudnn_conv_algo_search"):
+        start_workers(plan2, groups="numa", cuda_streams=1,
+                      cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
+    assert {t.name for t in threading.enumerate()} <= before
