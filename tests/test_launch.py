@@ -147,3 +147,20 @@ def test_a_cuda_worker_that_cannot_start_closes_the_ones_already_started(plan2):
         start_workers(plan2, groups="numa", cuda_streams=1,
                       cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
     assert {t.name for t in threading.enumerate()} <= before
+
+
+def test_the_starpu_engine_refuses_cuda_streams_in_one_line_whether_starpu_is_here_or_not(plan2, tmp_path):
+    import subprocess
+    import sys
+
+    from staronnx.errors import StaronnxError
+
+    with pytest.raises(StaronnxError, match="CPU codelets only"):
+        Runtime(plan2, engine="starpu", cuda_streams=1)
+    out = subprocess.run(
+        [sys.executable, "-m", "staronnx", "sweep", str(plan2.root), "--engine", "starpu", "--cuda-streams", "1",
+         "--rates", "5", "--batch-sizes", "1", "--duration", "1s", "--no-plots", "-o", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")},
+    )
+    assert out.returncode == 2, out.stderr
+    assert "CPU codelets only" in out.stderr and "Traceback" not in out.stderr

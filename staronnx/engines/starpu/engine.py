@@ -162,13 +162,13 @@ class StarpuEngine:
         self.plan = plan
         self.policy = policy
         self._closed = True  # until started
-        ffi, lib, _install = load_binding()
-        self._ffi, self._lib = ffi, lib
-        _install_externs(ffi)
-        if cuda_streams:
+        if cuda_streams:  # before loading StarPU: the answer is the same whether it is here or not
             raise StaronnxError(
                 "engine='starpu' runs CPU codelets only (CUDA codelets are not implemented); "
                 "use cuda_streams=0, or engine='native' for CUDA streams")
+        ffi, lib, _install = load_binding()
+        self._ffi, self._lib = ffi, lib
+        _install_externs(ffi)
         self.starpu_policy = self._check_policy(policy)
         env = self._policy_env(policy_options or {})
         topology = topology or Topology.from_system()
