@@ -26,6 +26,14 @@ class PlanError(StaronnxError, ValueError):
     """A plan folder is missing, incomplete, or does not match what it claims."""
 
 
+class PartFileError(PlanError):
+    """A part's ONNX file in a plan is missing, truncated or no longer what ``plan.json`` lists.
+
+    One class for every command, so a damaged plan gets one answer (partition again) wherever
+    it is first read.
+    """
+
+
 class InputError(StaronnxError, ValueError):
     """A feed does not match a signature: wrong name, dtype, rank or fixed dimension."""
 

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from staronnx.errors import InputError, PlanError
+from staronnx.errors import InputError, PartFileError, PlanError
 from staronnx.fsutil import atomic_write_text
 
 PLAN_FORMAT = "staronnx-plan"
@@ -145,8 +145,7 @@ class Plan:
         except (KeyError, TypeError) as exc:
             raise PlanError(f"{meta} is incomplete or malformed: {exc}") from None
         for part in plan.parts:
-            if not (root / part.file).exists():
-                raise PlanError(f"plan {root}: part file {part.file} is missing")
+            check_part_file(root, part)
         return plan
 
     # -- structure --------------------------------------------------------------------------
@@ -222,9 +221,14 @@ class Plan:
             # parts run one after another, each with its own intra-op pool on the same cores:
             # a pool left spinning after its Run() would steal the cores from the next part
             so.add_session_config_entry("session.force_spinning_stop", "1")
-            self._sessions[index] = ort.InferenceSession(
-                str(self.part_path(index)), so, providers=["CPUExecutionProvider"]
-            )
+            try:
+                self._sessions[index] = ort.InferenceSession(
+                    str(self.part_path(index)), so, providers=["CPUExecutionProvider"]
+                )
+            except Exception as exc:  # ORT raises its own classes (InvalidProtobuf, Fail, ...)
+                # the file was checked when the plan was loaded: it changed since
+                raise part_file_error(self.root, self.parts[index],
+                                      f"ONNX Runtime cannot load it: {_first_line(exc)}") from None
         return self._sessions[index]
 
     def run_reference(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -249,6 +253,56 @@ class Plan:
     def part_feeds(self, index: int, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The subset of ``values`` that part ``index`` reads."""
         return {n: values[n] for n in self.parts[index].inputs}
+
+
+def part_file_error(root: Path, part: PartSpec, why: str) -> PartFileError:
+    """The one error for an unusable part file: which file, why, and what to do."""
+    return PartFileError(
+        f"plan {root}: part file {part.file} is {why}; partition the model again to re-create "
+        "the plan"
+    )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def check_part_file(root: Path, part: PartSpec) -> None:
+    """Fail with :class:`PartFileError` unless ``part``'s file is an ONNX model with the inputs
+    and outputs ``plan.json`` lists.
+
+    Every command reads a plan through :meth:`Plan.load`, so checking here gives a damaged plan
+    one answer everywhere, before any worker starts (a worker would fail later, in a thread, and
+    after unrelated warnings). Parsing without the external weights is cheap (a 26 MB part takes
+    tens of milliseconds); a cut inside the protobuf fails to parse, a cut between two fields
+    parses but loses the graph's inputs, outputs or opsets, which the name check catches.
+    """
+    import onnx
+
+    path = root / part.file
+    if not path.is_file():
+        raise part_file_error(root, part, "missing")
+    if path.stat().st_size == 0:
+        raise part_file_error(root, part, "empty")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # protobuf's DecodeError and friends: any parse failure
+        raise part_file_error(
+            root, part, f"not a readable ONNX model (truncated or overwritten: {_first_line(exc)})"
+        ) from None
+    graph_inputs = {i.name for i in model.graph.input}
+    graph_outputs = {o.name for o in model.graph.output}
+    lost = [n for n in part.inputs if n not in graph_inputs]
+    lost += [n for n in part.outputs if n not in graph_outputs]
+    if lost or not model.opset_import or not model.graph.node:
+        what = f"tensor(s) {lost}" if lost else "its opsets or nodes"
+        raise part_file_error(root, part, f"damaged (it lacks {what} that plan.json lists)")
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            for entry in tensor.external_data:
+                if entry.key == "location" and not (path.parent / entry.value).is_file():
+                    raise part_file_error(root, part, f"missing its weights file {entry.value}")
 
 
 def check_output_dir(directory: Path, force: bool) -> None:

@@ -1,0 +1,89 @@
+"""A damaged part file inside a plan (issue 12, defect 3).
+
+Every command that reads a plan must answer a truncated ``partN.onnx`` the same way: exit code
+2 and one line ``staronnx: error: ...`` naming the file and saying to partition again, with no
+traceback and no unrelated warning first. The plan is a copy of the shared calibrated plan, so
+the commands that need perf models (sweep, simulate, optimize-batch) get far enough to load the
+parts.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from staronnx import PlanError, load_plan
+from staronnx.cli import main
+from staronnx.errors import PartFileError
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in-process; return (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def damaged(calibrated_inception, tmp_path, monkeypatch) -> tuple[Path, Path]:
+    """A copy of the calibrated plan whose part 1 lost its second half, and the source model."""
+    plan, home = calibrated_inception
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    copy = tmp_path / "plan"
+    shutil.copytree(plan.root, copy)
+    part = copy / "part1.onnx"
+    data = part.read_bytes()
+    part.write_bytes(data[: len(data) // 2])
+    return copy, plan.root.parent / "inception.onnx"
+
+
+COMMANDS = {
+    "plan verify": lambda p, m: ["plan", "verify", p, "--model", m],
+    "plan show": lambda p, m: ["plan", "show", p],
+    "run": lambda p, m: ["run", p, "--groups", "cores=1", "--requests", "4"],
+    "calibrate": lambda p, m: ["calibrate", p, "--groups", "cores=1", "--batch-sizes", "1", "--no-bus"],
+    "sweep": lambda p, m: ["sweep", p, "--groups", "cores=1", "--batch-sizes", "1", "--rates", "50",
+                           "--duration", "1s", "-o", p.parent / "results"],
+    "simulate": lambda p, m: ["simulate", p, "--groups", "cores=1", "--rate", "50", "--batch", "1"],
+    "optimize-batch": lambda p, m: ["optimize-batch", p, "--groups", "cores=1", "--rate", "50",
+                                    "--slo-ms", "50", "--batch-sizes", "1,2"],
+}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_truncated_part_is_one_clear_error_in_every_command(damaged, capsys, command):
+    plan_dir, model = damaged
+    code, out, err = cli(capsys, *COMMANDS[command](plan_dir, model))
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err  # no warning before it, no traceback
+    assert lines[0].startswith("staronnx: error: ")
+    assert "part1.onnx" in lines[0] and "partition" in lines[0], lines[0]
+
+
+def test_the_library_raises_one_error_class_naming_the_file(damaged):
+    plan_dir, _ = damaged
+    with pytest.raises(PartFileError, match="part1.onnx") as info:
+        load_plan(str(plan_dir))
+    assert isinstance(info.value, PlanError)
+
+
+def test_a_part_cut_at_a_field_boundary_is_caught_too(calibrated_inception, tmp_path):
+    """A cut between two protobuf fields parses; the part then lacks what plan.json lists."""
+    plan, _ = calibrated_inception
+    copy = tmp_path / "plan"
+    shutil.copytree(plan.root, copy)
+    import onnx
+
+    part = onnx.load(str(copy / "part0.onnx"))
+    del part.graph.output[:]
+    onnx.save(part, str(copy / "part0.onnx"))
+    with pytest.raises(PartFileError, match="part0.onnx"):
+        load_plan(str(copy))
