@@ -38,7 +38,8 @@ def partition_cmd(
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan folder to write.")],
     shares: Annotated[
         Optional[str],
-        typer.Option(help="Target cost share per part, in execution order, e.g. 0.85,0.15."),
+        typer.Option(help="Target cost share per part, in execution order, e.g. 0.85,0.15; or 'auto': "
+                          "the split this machine's speeds call for (1 part where a split cannot pay)."),
     ] = None,
     parts: Annotated[Optional[int], typer.Option(help="Number of equal parts (instead of --shares).")] = None,
     device: Annotated[Device, typer.Option(help="Device whose node costs weight the cut.")] = Device.cpu,
@@ -55,12 +56,29 @@ def partition_cmd(
     profile_runs: Annotated[int, typer.Option(help="Profiled runs averaged (after one warm-up).")] = 5,
     tolerance: Annotated[float, typer.Option(help="Allowed share deviation per part.")] = 0.02,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing non-empty plan folder.")] = False,
+    groups: Annotated[str, typer.Option(
+        help="With --shares auto: the CPU groups that will serve the plan (as for run/sweep).")] = "numa",
+    cuda_streams: Annotated[int, typer.Option(
+        help="With --shares auto: CUDA workers that will serve the plan (each holds back a core).")] = 0,
+    speeds_from: Annotated[Optional[Path], typer.Option(
+        help="With --shares auto: take the speeds from the calibrated perf models of this 1-part "
+             "plan of the same model instead of timing the model now.")] = None,
 ) -> None:
     """Cut MODEL into weighted, acyclic parts and write them as a plan folder."""
     from staronnx.partition.api import partition
 
     if method not in _method_names():
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
+    from staronnx.partition.autoshares import is_auto
+
+    if (speeds_from is not None or cuda_streams or groups != "numa") and not is_auto(shares):
+        raise PartitionError("--groups, --cuda-streams and --speeds-from apply to --shares auto only")
+    speeds = None
+    if speeds_from is not None:
+        from staronnx.bench.machine_speeds import speeds_from_plan
+
+        speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups,
+                                  cuda_streams=cuda_streams)
     with console.status("partitioning") as status:
         plan = partition(
             model,
@@ -77,6 +95,9 @@ def partition_cmd(
             tolerance=tolerance,
             force=force,
             progress=lambda msg: status.update(msg),
+            groups=groups,
+            cuda_streams=cuda_streams,
+            speeds=speeds,
         )
     console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
     print_plan(plan)
@@ -96,6 +117,11 @@ def print_plan(plan: Plan) -> None:
             f"{p.target_share:.3f}", _names(p.inputs), _names(p.outputs),
         )
     console.print(table)
+    auto = plan.settings.get("auto_shares")
+    if auto:
+        predicted = ", ".join(f"{k} {v:,.0f}" for k, v in auto.get("predicted_samples_per_s", {}).items())
+        console.print(f"shares auto (batch {auto['batch']}): {auto['reason']}"
+                      + (f"; predicted samples/s: {predicted}" if predicted else ""), soft_wrap=True)
     cross = Table(title=f"crossing tensors — {plan.cut_bytes_per_sample:,} bytes per sample cut")
     for col in ("tensor", "dtype", "shape", "bytes/sample", "from", "to"):
         cross.add_column(col)

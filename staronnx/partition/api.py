@@ -16,6 +16,14 @@ import onnx
 
 from staronnx.errors import PartitionError
 from staronnx.modelio import load_model
+from staronnx.partition.autoshares import (
+    SharesChoice,
+    WorkerSpeed,
+    choose_shares,
+    cpu_group_sizes,
+    is_auto,
+    measure_speeds,
+)
 from staronnx.partition.acyclic import CutModel, Refiner, make_acyclic, score
 from staronnx.partition.costs import NodeCosts, estimated_costs, profile_costs
 from staronnx.partition.export import write_plan
@@ -92,8 +100,14 @@ def parse_input_shapes(items: Sequence[str] | dict[str, Sequence[int]] | None) -
             values = [int(d) for d in dims.lower().split("x")]
         except ValueError:
             values = []
-        if not sep or not name or not values or any(d <= 0 for d in values):
-            raise PartitionError(f"--input-shape expects NAME=D1xD2x..., got {item!r}")
+        # -1: "as the model says" (the batch on a dynamic axis 0), as exporters write it
+        if not sep or not name or not values or any(d <= 0 and d != -1 for d in values):
+            raise PartitionError(
+                f"input_shapes expects 'NAME=D1xD2x...' (sizes >= 1, or -1 for the model's), "
+                f"got {item!r}",
+                cli=f"--input-shape expects NAME=D1xD2x... (sizes >= 1, or -1 for the model's), "
+                f"got {item!r}",
+            )
         shapes[name] = values
     return shapes
 
@@ -114,6 +128,9 @@ def partition(
     tolerance: float = 0.02,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
+    groups: str = "numa",
+    cuda_streams: int = 0,
+    speeds: Sequence[WorkerSpeed] | None = None,
 ) -> Plan:
     """Cut a model into weighted parts that run in sequence with the whole model's outputs.
 
@@ -121,9 +138,18 @@ def partition(
     alternatively ``parts=k`` asks for k equal shares. Costs are measured on ``device`` with
     ORT's profiler (``costs="estimate"`` uses FLOP/byte estimates only). Without
     ``output_dir`` the plan is written to a new temporary folder.
+
+    ``shares="auto"`` chooses the split from this machine's speeds
+    (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on the
+    CPU groups ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)`` would start, and on
+    the GPU for ``device="cuda"``, or ``speeds`` given (e.g. from calibrated perf models); one
+    part where a split cannot pay.  The choice and its reason are kept in the plan's settings.
     """
     say = progress or (lambda _msg: None)
-    targets = np.array(parse_shares(shares, parts))
+    auto = is_auto(shares)
+    if auto and parts is not None:
+        raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset")
+    targets = np.array([1.0] if auto else parse_shares(shares, parts))
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if costs not in ("profile", "estimate"):
@@ -150,6 +176,14 @@ def partition(
             f"cannot cut {len(graph)} node(s) into {k} parts: k must not exceed the node count"
         )
     chosen = METHODS[method]
+    auto_choice = None
+    if auto:
+        if isinstance(chosen, PlacementMethod):
+            raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
+        auto_choice = _auto_shares(graph, shapes, device=device, groups=groups, cuda_streams=cuda_streams,
+                                   speeds=speeds, batch=profile_batch, runs=profile_runs, seed=seed, say=say)
+        targets = np.array(auto_choice.shares)
+        k = len(targets)
     placement = None
     if isinstance(chosen, PlacementMethod):
         # decides a device per node (CPU groups of this machine, plus the GPU for --device cuda)
@@ -186,10 +220,29 @@ def partition(
         "tolerance": tolerance,
         "input_shapes": {n: list(d) for n, d in shapes.items()},
         **({"placement": placement.settings()} if placement is not None else {}),
+        **({"auto_shares": auto_choice.to_json()} if auto_choice is not None else {}),
     }
     say(f"exporting {k} parts to {out}")
     plan = write_plan(graph, ranks, node_costs, list(targets), settings, out)
     return placement.annotate(plan) if placement is not None else plan
+
+
+def _auto_shares(
+    graph: ModelGraph, shapes: dict[str, list[int]], *, device: str, groups: str, cuda_streams: int,
+    speeds: Sequence[WorkerSpeed] | None, batch: int, runs: int, seed: int, say: Callable[[str], None],
+) -> SharesChoice:
+    """Measure (unless given) the whole model's speed per worker and choose the shares."""
+    if speeds is None:
+        from staronnx.feeds import random_feeds_for_shapes
+        from staronnx.partition.graph import resolve_input_shapes
+
+        feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
+                                        model=graph.model, seed=seed)
+        speeds = measure_speeds(graph.model, feeds, group_sizes=cpu_group_sizes(groups, cuda_streams),
+                                cuda=device == "cuda", runs=max(runs, 3), progress=say)
+    choice = choose_shares(speeds, batch)
+    say(f"shares auto: {choice.reason}")
+    return choice
 
 
 __all__ = ["partition", "METHODS", "parse_shares", "parse_input_shapes", "Refiner"]

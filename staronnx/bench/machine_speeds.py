@@ -1,0 +1,33 @@
+"""Per-worker speeds of a whole model, read from the calibrated perf models of a 1-part plan.
+
+``staronnx partition --shares auto --speeds-from PLAN`` chooses its split from these rather
+than from a fresh timing: calibration measured every worker arch with the runtime's own
+workers (CUDA streams, pinned CPU groups), many samples each, which is what the split will run on.
+"""
+
+from __future__ import annotations
+
+from staronnx.bench.simulator import SimulationError, build_machine
+from staronnx.partition.autoshares import WorkerSpeed
+from staronnx.perfmodels import PerfModelStore
+from staronnx.plan import Plan
+
+__all__ = ["speeds_from_plan"]
+
+
+def speeds_from_plan(
+    plan: Plan, *, batch: int, groups: str = "numa", cuda_streams: int = 0, store: PerfModelStore | None = None
+) -> list[WorkerSpeed]:
+    """One :class:`WorkerSpeed` per worker arch of ``Runtime(plan, groups, cuda_streams)``."""
+    if plan.k != 1:
+        raise SimulationError(
+            f"--speeds-from needs a 1-part plan of the model (partition it with --parts 1 and "
+            f"calibrate it); {plan.root} has {plan.k} parts")
+    machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
+    times = machine.mean_times(batch)[0]
+    by_arch: dict[str, WorkerSpeed] = {}
+    for worker, seconds in zip(machine.workers, times):
+        seen = by_arch.get(worker.arch)
+        count = 1 if worker.kind == "cuda" else (seen.count + 1 if seen else 1)
+        by_arch[worker.arch] = WorkerSpeed(worker.arch, worker.kind, float(seconds), count)
+    return list(by_arch.values())

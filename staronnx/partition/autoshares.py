@@ -1,0 +1,196 @@
+"""``--shares auto``: the split that fits this machine, or one part where a split cannot pay.
+
+85/15 is the StarONNX papers' setting for a P100 beside its CPUs.  On an H100 the CPU is worth
+3-6 % of the GPU, and a second task per batch costs a fixed ~100 µs (benchmarks/engines.py) plus
+its transfers, so the right split is a property of the machine, not of the model.
+
+The rule, from the whole model's time per batch on each worker:
+
+- **Alike workers** (every one within ``latency_ratio`` of the fastest): whole batches spread
+  over them give a split's throughput without its extra tasks and transfers: one part.
+- **A fast device beside slow ones** (a GPU and CPU groups): one part keeps the slow workers
+  idle at the fast one's latency, since a whole batch there would take ``latency_ratio`` times
+  longer (the scheduler only gives them a batch that finishes earlier there).  A split hands
+  them the tail of every batch instead: with ``R_f`` and ``R_s`` the batch rates of the fast
+  device and of the slow workers together, the slow share that balances the two stages is
+  ``s = R_s / (R_f + R_s)``; each stage also pays the fixed per-task cost.  The split is kept
+  when its predicted throughput beats the fast device alone by ``min_gain``; else one part.
+
+Speeds are measured here (the whole model in ONNX Runtime on each device class, median of
+timed runs after two warm-ups) or given, e.g. from the calibrated perf models of a one-part
+plan of the same model (``staronnx partition --shares auto --speeds-from PLAN``).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import onnxruntime as ort
+
+from staronnx.errors import PartitionError
+
+__all__ = ["WorkerSpeed", "SharesChoice", "choose_shares", "measure_speeds", "is_auto"]
+
+#: a task's fixed cost in the native engine (benchmarks/engines.py, dmda, pipelined)
+FIXED_TASK_SECONDS = 100e-6
+
+
+@dataclass(frozen=True)
+class WorkerSpeed:
+    """The whole model's time for one batch on one worker (or on each of ``count`` alike ones)."""
+
+    name: str  # "cuda0", "cpu4", ...
+    kind: str  # "cuda" | "cpu"
+    seconds: float
+    count: int = 1
+
+    @property
+    def rate(self) -> float:
+        """Batches per second these workers finish together."""
+        return self.count / self.seconds
+
+
+@dataclass
+class SharesChoice:
+    """What ``--shares auto`` chose, and why; stored in the plan's settings."""
+
+    shares: list[float]
+    batch: int
+    reason: str
+    speeds: list[WorkerSpeed]
+    #: predicted samples/s: one part on the fastest device alone, and the split (if any)
+    predicted: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def parts(self) -> int:
+        return len(self.shares)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shares": self.shares, "batch": self.batch, "reason": self.reason,
+            "speeds": [asdict(s) for s in self.speeds], "predicted_samples_per_s": self.predicted,
+        }
+
+
+def is_auto(shares: object) -> bool:
+    """True for ``"auto"`` (any case, surrounding spaces ignored)."""
+    return isinstance(shares, str) and shares.strip().lower() == "auto"
+
+
+def choose_shares(
+    speeds: Sequence[WorkerSpeed],
+    batch: int,
+    *,
+    fixed_cost: float = FIXED_TASK_SECONDS,
+    min_gain: float = 0.03,
+    latency_ratio: float = 2.0,
+    transfer_seconds: float = 0.0,
+) -> SharesChoice:
+    """Shares for a fast device beside slow workers (see the module's rule); pure arithmetic.
+
+    ``transfer_seconds`` is the crossing tensors' copy per batch, charged to the slow stage.
+    """
+    speeds = [s for s in speeds if s.count > 0]
+    if not speeds:
+        raise PartitionError("--shares auto needs at least one worker speed")
+    for s in speeds:
+        if not (math.isfinite(s.seconds) and s.seconds > 0):
+            raise PartitionError(f"worker {s.name}: time per batch must be > 0 s, got {s.seconds}")
+    fast = min(speeds, key=lambda s: s.seconds)
+    slow = [s for s in speeds if s.seconds > latency_ratio * fast.seconds]
+    # the fast class: a GPU's streams share one device, so a GPU counts once; alike CPU groups add up
+    fast_rate = (1 if fast.kind == "cuda" else fast.count) / fast.seconds  # batches/s, no fixed cost
+    alone = {"one part": batch / (1 / fast_rate + fixed_cost)}
+    if not slow:
+        where = "one worker" if len(speeds) == 1 and speeds[0].count == 1 else "workers within " \
+            f"{latency_ratio:g}x of each other"
+        return SharesChoice([1.0], batch, f"one part: {where}, so whole batches spread over them "
+                            "do as well as a split, without its extra tasks", list(speeds), alone)
+    slow_rate = sum(s.rate for s in slow)  # batches/s of the slow workers together
+
+    def period(tail: float) -> float:  # seconds per batch of the two-stage pipeline
+        return max((1 - tail) / fast_rate + fixed_cost, tail / slow_rate + fixed_cost + transfer_seconds)
+
+    share = min((i / 100 for i in range(1, 51)), key=period)
+    split = batch / period(share)
+    predicted = {**alone, "split": split}
+    gain = split / alone["one part"] - 1
+    slow_names = ", ".join(f"{s.name}x{s.count}" if s.count > 1 else s.name for s in slow)
+    if gain < min_gain:
+        return SharesChoice(
+            [1.0], batch,
+            f"one part: {slow_names} would add {gain:+.1%} to {fast.name} alone, less than the "
+            f"{min_gain:.0%} a second task per batch must pay for", list(speeds), predicted)
+    return SharesChoice(
+        [round(1 - share, 2), share], batch,
+        f"{1 - share:.2f}/{share:.2f}: {slow_names} take the last {share:.0%} of each batch, "
+        f"predicted {gain:+.1%} over {fast.name} alone", list(speeds), predicted)
+
+
+# ---------------------------------------------------------------------- measuring
+def _median_seconds(run: Callable[[], object], runs: int) -> float:
+    for _ in range(2):
+        run()
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure_speeds(
+    model: Any,
+    feeds: dict[str, Any],
+    *,
+    group_sizes: Sequence[int],
+    cuda: bool,
+    runs: int = 5,
+    progress: Callable[[str], None] | None = None,
+) -> list[WorkerSpeed]:
+    """Time the whole model on the GPU (``cuda``) and on a CPU group of each size.
+
+    ``group_sizes`` are the cores of each CPU worker (``[14]`` for one 14-core NUMA group);
+    groups of one size are timed once and counted.  The GPU is timed through plain
+    ``session.run`` with numpy in and out, so its copies are included, as a one-part plan pays them.
+    """
+    from staronnx.ortutil import make_session, providers_for
+
+    say = progress or (lambda _m: None)
+    speeds: list[WorkerSpeed] = []
+    if cuda:
+        say("timing the whole model on cuda0")
+        sess = make_session(model, providers=providers_for("cuda"))
+        speeds.append(WorkerSpeed("cuda0", "cuda", _median_seconds(lambda: sess.run(None, feeds), runs)))
+        del sess
+    counts: dict[int, int] = {}
+    for n in group_sizes:
+        counts[n] = counts.get(n, 0) + 1
+    for cores, count in sorted(counts.items(), reverse=True):
+        say(f"timing the whole model on a {cores}-core CPU group")
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = max(int(cores), 1)
+        so.inter_op_num_threads = 1
+        so.log_severity_level = 3
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        sess = make_session(model, providers=["CPUExecutionProvider"], options=so)
+        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", _median_seconds(lambda: sess.run(None, feeds), runs),
+                                  count))
+        del sess
+    if not speeds:
+        raise PartitionError("--shares auto found no worker to time (no CPU group, no GPU)")
+    return speeds
+
+
+def cpu_group_sizes(groups: str, cuda_streams: int) -> list[int]:
+    """Cores of each CPU worker ``Runtime`` would start on this machine with these settings."""
+    from staronnx.workers.launch import worker_layout
+    from staronnx.workers.topology import Topology
+
+    layout = worker_layout(Topology.from_system(), groups, cuda_streams)
+    return [g.n_cores for g in layout.groups]

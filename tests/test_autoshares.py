@@ -1,0 +1,137 @@
+"""``--shares auto``: the split from measured or calibrated speeds, one part where it cannot pay.
+
+The rule is pure arithmetic over per-worker times, checked on the figures measured on the H100
+host (issue 11) and on made-up machines; the measuring path runs for real through the CLI
+(ONNX Runtime sessions on this machine's CPU groups), and ``--speeds-from`` reads real
+calibrated perf models of a 1-part plan.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.errors import PartitionError
+from staronnx.partition.autoshares import WorkerSpeed, choose_shares, is_auto
+from staronnx.zoo import inception
+
+
+def test_is_auto():
+    assert is_auto("auto") and is_auto(" AUTO ") and not is_auto("0.5,0.5") and not is_auto(None)
+
+
+def test_h100_googlenet_batch8_gives_a_small_cpu_tail():
+    # issue 11: ort1 3,647 samples/s on the GPU, 389 on a 14-core group, batch 8
+    speeds = [WorkerSpeed("cuda0", "cuda", 8 / 3647), WorkerSpeed("cpu14", "cpu", 8 / 389)]
+    choice = choose_shares(speeds, 8)
+    assert choice.parts == 2
+    assert 0.05 <= choice.shares[1] <= 0.12 and abs(sum(choice.shares) - 1) < 1e-9
+    assert choice.predicted["split"] > 1.03 * choice.predicted["one part"]
+    assert "cpu14" in choice.reason and "cuda0" in choice.reason
+
+
+def test_a_cpu_worth_too_little_gives_one_part():
+    # resnet50 batch 32 on the H100: 5,587 vs 109 samples/s: the CPU adds ~2 %
+    speeds = [WorkerSpeed("cuda0", "cuda", 32 / 5587), WorkerSpeed("cpu14", "cpu", 32 / 109)]
+    choice = choose_shares(speeds, 32)
+    assert choice.shares == [1.0] and "one part" in choice.reason
+    assert choice.predicted["split"] < 1.03 * choice.predicted["one part"]
+
+
+def test_the_papers_p100_machine_gives_about_their_split():
+    # a P100-era GPU only ~5x the CPU groups together: the CPU takes a sizeable tail
+    speeds = [WorkerSpeed("cuda0", "cuda", 0.010), WorkerSpeed("cpu8", "cpu", 0.10, count=2)]
+    choice = choose_shares(speeds, 8)
+    assert choice.parts == 2 and 0.12 <= choice.shares[1] <= 0.2
+
+
+def test_alike_workers_give_one_part():
+    choice = choose_shares([WorkerSpeed("cpu1", "cpu", 0.03, count=2)], 4)
+    assert choice.shares == [1.0] and "within" in choice.reason
+    one = choose_shares([WorkerSpeed("cpu2", "cpu", 0.03)], 4)
+    assert one.shares == [1.0] and "one worker" in one.reason
+    near = choose_shares([WorkerSpeed("cpu4", "cpu", 0.02), WorkerSpeed("cpu2", "cpu", 0.035)], 4)
+    assert near.shares == [1.0]
+
+
+def test_a_costly_transfer_or_task_can_cancel_the_split():
+    speeds = [WorkerSpeed("cuda0", "cuda", 0.002), WorkerSpeed("cpu14", "cpu", 0.02)]
+    assert choose_shares(speeds, 8).parts == 2
+    assert choose_shares(speeds, 8, transfer_seconds=0.002).shares == [1.0]
+    assert choose_shares(speeds, 8, fixed_cost=0.005).shares == [1.0]  # dilutes the CPU's 10 %
+
+
+def test_bad_speeds_are_refused():
+    with pytest.raises(PartitionError, match="> 0"):
+        choose_shares([WorkerSpeed("cpu1", "cpu", 0.0)], 1)
+    with pytest.raises(PartitionError):
+        choose_shares([], 1)
+
+
+# ------------------------------------------------------------------ through the doors
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auto") / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(path))
+    return path
+
+
+def test_partition_api_with_given_speeds_cuts_the_chosen_split(model, tmp_path):
+    speeds = [WorkerSpeed("cuda0", "cuda", 8 / 3647), WorkerSpeed("cpu14", "cpu", 8 / 389)]
+    plan = partition(model, "auto", speeds=speeds, output_dir=tmp_path / "p", profile_runs=1)
+    auto = plan.settings["auto_shares"]
+    assert plan.k == 2 and auto["shares"] == plan.settings["shares"]
+    assert abs(plan.parts[1].target_share - auto["shares"][1]) < 1e-9
+    with pytest.raises(PartitionError, match="parts"):
+        partition(model, "auto", parts=2, output_dir=tmp_path / "q")
+
+
+def _cli(*args: str, home) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "staronnx", *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"})
+
+
+def test_cli_shares_auto_times_this_machine_and_says_why(model, tmp_path, two_groups):
+    out = tmp_path / "plan"
+    done = _cli("partition", str(model), "--shares", "auto", "--groups", two_groups, "-o", str(out),
+                "--profile-runs", "2", home=tmp_path / "home")
+    assert done.returncode == 0, done.stderr
+    settings = json.loads((out / "plan.json").read_text())["settings"]
+    auto = settings["auto_shares"]
+    # two alike one-core groups: whole batches over both beat a split
+    assert auto["shares"] == [1.0] and [s["name"] for s in auto["speeds"]] == ["cpu1"]
+    assert auto["speeds"][0]["count"] == 2 and auto["speeds"][0]["seconds"] > 0
+    assert "shares auto" in done.stdout and "one part" in done.stdout
+    shown = _cli("plan", "show", str(out), home=tmp_path / "home")
+    assert shown.returncode == 0 and "shares auto" in shown.stdout
+    bad = _cli("partition", str(model), "--shares", "0.5,0.5", "--groups", two_groups, "-o", str(tmp_path / "x"),
+               home=tmp_path / "home")
+    assert bad.returncode == 2 and "--shares auto" in bad.stderr
+
+
+def test_cli_shares_auto_from_a_calibrated_one_part_plan(model, tmp_path, two_groups):
+    home = tmp_path / "home"
+    one = tmp_path / "one"
+    assert _cli("partition", str(model), "--parts", "1", "-o", str(one), "--profile-runs", "1",
+                home=home).returncode == 0
+    missing = _cli("partition", str(model), "--shares", "auto", "--speeds-from", str(one), "--groups", two_groups,
+                   "-o", str(tmp_path / "x"), home=home)
+    assert missing.returncode == 2 and "calibrate" in missing.stderr, missing.stderr
+    cal = _cli("calibrate", str(one), "--batch-sizes", "8", "--groups", two_groups, "--no-bus", home=home)
+    assert cal.returncode == 0, cal.stderr
+    out = tmp_path / "auto"
+    done = _cli("partition", str(model), "--shares", "auto", "--speeds-from", str(one), "--groups", two_groups,
+                "-o", str(out), home=home)
+    assert done.returncode == 0, done.stderr
+    auto = json.loads((out / "plan.json").read_text())["settings"]["auto_shares"]
+    assert auto["speeds"][0]["name"] == "cpu1" and auto["speeds"][0]["count"] == 2
+    assert auto["shares"] == [1.0]
+    two = _cli("partition", str(model), "--shares", "auto", "--speeds-from", str(out / ".." / "auto"),
+               "-o", str(tmp_path / "y"), home=home)
+    assert two.returncode == 2  # not calibrated (and 1 part) -> one clear line
