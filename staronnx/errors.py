@@ -13,6 +13,16 @@ class StaronnxError(Exception):
 
     exit_code: int = 2
 
+    def __init__(self, message: str = "", *, cli: str | None = None) -> None:
+        """``message`` speaks the Python API (``force=True``); ``cli``, when the cause is an
+        argument, says the same with the command line's option (``--force``), for the CLI."""
+        super().__init__(message)
+        self.cli_message = cli
+
+    def for_cli(self) -> str:
+        """The message as the command line should print it."""
+        return self.cli_message if self.cli_message is not None else str(self)
+
 
 class ModelError(StaronnxError, ValueError):
     """The ONNX model cannot be read, is not ONNX, or cannot be used as given."""

@@ -131,6 +131,23 @@ def _check(model: onnx.ModelProto, path: Path | None) -> None:
         raise ModelError(f"{where} fails the ONNX checker: {first}") from None
 
 
+def dim_of(dim: onnx.TensorShapeProto.Dimension) -> int | str | None:
+    """A declared dimension as staronnx records it: a size, a symbol, or None (unknown).
+
+    A negative ``dim_value`` is how Paddle2ONNX and some other exporters write a dynamic axis,
+    and ONNX Runtime runs it as one; read as a size it would fix the axis to -1, so it is
+    dynamic here too.
+    """
+    if dim.HasField("dim_value") and dim.dim_value >= 0:
+        return int(dim.dim_value)
+    return dim.dim_param or None
+
+
+def is_fixed(dim: object) -> bool:
+    """Whether a recorded dimension is a size (not a symbol, None, or a negative marker)."""
+    return isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
+
+
 def name_nodes(graph: onnx.GraphProto) -> None:
     """Give every top-level node a unique, non-empty name (in place).
 

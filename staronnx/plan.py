@@ -22,6 +22,7 @@ import numpy as np
 
 from staronnx.errors import InputError, PartFileError, PlanError
 from staronnx.fsutil import atomic_write_text
+from staronnx.modelio import is_fixed
 
 PLAN_FORMAT = "staronnx-plan"
 PLAN_VERSION = 1
@@ -144,6 +145,9 @@ class Plan:
             )
         except (KeyError, TypeError) as exc:
             raise PlanError(f"{meta} is incomplete or malformed: {exc}") from None
+        for spec in (*plan.inputs, *plan.outputs, *plan.crossing):
+            # plans written before negative dims were read as dynamic recorded them as -1
+            spec.shape = [None if isinstance(d, int) and d < 0 else d for d in spec.shape]
         for part in plan.parts:
             check_part_file(root, part)
         return plan
@@ -205,7 +209,7 @@ class Plan:
                     f"got shape {list(value.shape)}"
                 )
             for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
-                if isinstance(want, int) and want != got:
+                if is_fixed(want) and want != got:
                     raise InputError(
                         f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
                         f"got shape {list(value.shape)}"

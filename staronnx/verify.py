@@ -16,7 +16,7 @@ import onnx
 
 from staronnx.errors import PlanError
 from staronnx.feeds import random_array
-from staronnx.modelio import load_model
+from staronnx.modelio import is_fixed, load_model
 from staronnx.ortutil import make_session, ort_type_name
 from staronnx.plan import Plan
 
@@ -57,16 +57,17 @@ def feed_shapes(plan: Plan, batch: int, given: dict[str, list[int]] | None = Non
         dims: list[int] = []
         user = recorded.get(spec.name)
         for axis, d in enumerate(spec.shape):
-            if isinstance(d, int):
-                dims.append(d)
+            if is_fixed(d):
+                dims.append(int(d))
             elif axis == 0:
                 dims.append(batch)
-            elif user is not None and axis < len(user):
+            elif user is not None and axis < len(user) and is_fixed(user[axis]):
                 dims.append(int(user[axis]))
             else:
+                why = f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis {axis}"
                 raise PlanError(
-                    f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis {axis}; "
-                    f"give its size with --input-shape {spec.name}=..."
+                    f"{why}; give its size with input_shapes={{{spec.name!r}: [...]}}",
+                    cli=f"{why}; give its size with --input-shape {spec.name}=...",
                 )
         shapes[spec.name] = dims
     return shapes

@@ -783,7 +783,9 @@ def test_transformer_without_seq_size_raises_partition_error_naming_the_dim(tmp_
     out = tmp_path / "plan"
     with pytest.raises(PartitionError, match="seq") as info:
         staronnx.partition(zoo.transformer_block(), parts=2, output_dir=out, costs="estimate")
-    assert "--input-shape" in str(info.value) and "'x'" in str(info.value)
+    # the Python API names its argument; the CLI's message names the option
+    assert "input_shapes=" in str(info.value) and "'x'" in str(info.value)
+    assert "--input-shape" in info.value.for_cli()
     assert not out.exists()
 
 

@@ -20,7 +20,7 @@ import onnx
 from onnx import shape_inference
 
 from staronnx.errors import ModelError, PartitionError
-from staronnx.modelio import LoadedModel, dtype_itemsize, strip_weights
+from staronnx.modelio import LoadedModel, dim_of, dtype_itemsize, is_fixed, strip_weights
 
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
 
@@ -176,11 +176,7 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
             raise ModelError(f"input {vi.name!r} is not a tensor; staronnx feeds tensors only")
         shape: list[int | str | None] = []
         if tt.HasField("shape"):
-            for d in tt.shape.dim:
-                if d.HasField("dim_value"):
-                    shape.append(int(d.dim_value))
-                else:
-                    shape.append(d.dim_param or None)
+            shape.extend(dim_of(d) for d in tt.shape.dim)
         specs.append(InputSpec(vi.name, tt.elem_type, shape))
     return specs
 
@@ -190,49 +186,60 @@ def resolve_input_shapes(
 ) -> dict[str, list[int]]:
     """Concrete feed shapes at a batch size: axis 0 if dynamic is the batch, the rest from the user.
 
-    A dynamic dimension other than the batch has no safe default, so it must be given.
+    A dynamic dimension other than the batch has no safe default, so it must be given. A given
+    ``-1`` means "as the model says": the batch on a dynamic axis 0, the model's size on a fixed
+    axis, and still a missing size on any other dynamic axis.
     """
     given = given or {}
     unknown = set(given) - {i.name for i in inputs}
     if unknown:
-        raise PartitionError(
-            f"--input-shape names unknown input(s) {sorted(unknown)}; "
+        raise _shape_error(
+            lambda arg: f"{arg} names unknown input(s) {sorted(unknown)}; "
             f"the model's inputs are {[i.name for i in inputs]}"
         )
     shapes: dict[str, list[int]] = {}
     for spec in inputs:
         user = given.get(spec.name)
-        if user is not None:
-            if spec.shape and len(user) != len(spec.shape):
-                raise PartitionError(
-                    f"--input-shape {spec.name}: rank {len(user)} given, the model's input has "
-                    f"rank {len(spec.shape)} {spec.shape}"
-                )
-            dims = list(user)
-            for axis, d in enumerate(spec.shape):
-                if isinstance(d, int) and d != dims[axis]:
-                    raise PartitionError(
-                        f"--input-shape {spec.name}: axis {axis} is fixed to {d} in the model, "
-                        f"{dims[axis]} given"
-                    )
-            if spec.shape and not isinstance(spec.shape[0], int):
-                dims[0] = batch
-            shapes[spec.name] = dims
+        if user is not None and spec.shape and len(user) != len(spec.shape):
+            raise _shape_error(
+                lambda arg: f"{arg} {spec.name}: rank {len(user)} given, the model's input has "
+                f"rank {len(spec.shape)} {spec.shape}"
+            )
+        if not spec.shape:  # rank unknown to the model: take what was given as it is
+            shapes[spec.name] = [int(u) for u in user or []]
             continue
-        dims = []
-        for axis, d in enumerate(spec.shape):
-            if isinstance(d, int):
-                dims.append(d)
+        if user is None:
+            user = [-1] * len(spec.shape)
+        dims: list[int] = []
+        for axis, (d, u) in enumerate(zip(spec.shape, user)):
+            if is_fixed(d):
+                if is_fixed(u) and u != d:
+                    raise _shape_error(
+                        lambda arg: f"{arg} {spec.name}: axis {axis} is fixed to {d} in the "
+                        f"model, {u} given"
+                    )
+                dims.append(int(d))
             elif axis == 0:
                 dims.append(batch)
+            elif is_fixed(u):
+                dims.append(int(u))
             else:
-                raise PartitionError(
-                    f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis {axis}; "
-                    f"give its size, e.g. --input-shape "
-                    f"{spec.name}={'x'.join(str(x) if isinstance(x, int) else '1' if i == 0 else 'N' for i, x in enumerate(spec.shape))}"
+                example = "x".join(
+                    str(x) if is_fixed(x) else "1" if i == 0 else "N" for i, x in enumerate(spec.shape)
+                )
+                raise _shape_error(
+                    lambda arg: f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis "
+                    f"{axis}; give its size, e.g. {arg}",
+                    python=f"input_shapes=[{spec.name + '=' + example!r}]",
+                    cli=f"--input-shape {spec.name}={example}",
                 )
         shapes[spec.name] = dims
     return shapes
+
+
+def _shape_error(message, python: str = "input_shapes", cli: str = "--input-shape") -> PartitionError:  # type: ignore[no-untyped-def]
+    """A shape error naming ``partition()``'s argument, and the CLI's option for the CLI."""
+    return PartitionError(message(python), cli=message(cli))
 
 
 def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> dict[str, tuple]:
@@ -262,11 +269,7 @@ def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> di
         dims: list | None = None
         if tt.HasField("shape"):
             dims = []
-            for d in tt.shape.dim:
-                if d.HasField("dim_value"):
-                    dims.append(int(d.dim_value))
-                else:
-                    dims.append(d.dim_param or None)
+            dims.extend(dim_of(d) for d in tt.shape.dim)
         out[vi.name] = (tt.elem_type, dims)
     return out
 
