@@ -1,7 +1,11 @@
 """staronnx: run ONNX models on every processor of a server at once.
 
 Public API: :func:`partition` cuts a model into a :class:`Plan`; :func:`load_plan` reads one
-back. The runtime and serving layers build on plans.
+back; a :class:`Runtime` runs batches of a plan over CPU and CUDA workers; a :class:`Server`
+batches single-sample requests for a runtime (fixed-size batches as in the StarONNX papers, or
+Triton-style with ``max_delay``); :class:`InferenceSession` gives a model or plan
+ONNX Runtime's call shape. The rest of :mod:`staronnx.serving` (arrival processes, load generator, metrics) and
+:mod:`staronnx.bench` are for measuring.
 """
 
 from staronnx.errors import (
@@ -16,6 +20,7 @@ from staronnx.plan import Plan
 from staronnx.partition.api import partition  # noqa: E402  (shadows the subpackage name on purpose)
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.session import InferenceSession
+from staronnx.serving.server import OverloadError, Server, ServerClosed
 
 __version__ = "0.1.0"
 
@@ -31,6 +36,9 @@ __all__ = [
     "Plan",
     "Runtime",
     "InferenceSession",
+    "Server",
+    "OverloadError",
+    "ServerClosed",
     "StaronnxError",
     "ModelError",
     "PartitionError",

@@ -13,6 +13,7 @@ import sys
 import typer
 
 from staronnx.errors import StaronnxError
+from staronnx.cli.help_format import PlainFlagsGroup
 
 app = typer.Typer(
     name="staronnx",
@@ -20,6 +21,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    cls=PlainFlagsGroup,  # flags' help shows no "<bool>" type
 )
 
 # Modules under staronnx.cli that define commands; each exposes register(app).
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="staronnx")
     except StaronnxError as exc:
-        print(f"staronnx: error: {exc.for_cli()}", file=sys.stderr)
+        print(f"staronnx: error: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except KeyboardInterrupt:
         print("staronnx: interrupted", file=sys.stderr)

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.errors import StaronnxError
 
 console = Console()
@@ -36,6 +37,8 @@ def run_cmd(
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
     plan = Plan.load(plandir)
+    if policy.lower() not in MODEL_FREE_POLICIES:
+        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
     pool = [random_plan_feeds(plan, batch, seed=seed + i) for i in range(min(requests, 8))]
     latencies: list[float] = []
     with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace) as rt:

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.errors import StaronnxError
 
 console = Console()
@@ -67,6 +68,9 @@ def simulate_cmd(
     from staronnx.workers.topology import Topology
 
     plan = Plan.load(plandir)
+    if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
+        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams,
+                          skip_archs=["cuda0"] if cuda_scale is not None else ())
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
     machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
                             cuda_scale=_scale(cuda_scale))

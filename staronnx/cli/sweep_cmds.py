@@ -25,6 +25,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.errors import StaronnxError
 
 console = Console()
@@ -128,6 +129,19 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
         console.print(f"congestion called alike on {f['congestion_agreement']:.0%} of points", highlight=False)
 
 
+def _print_notes(output: Path) -> None:
+    """What ``results.json`` notes (why the bound or the simulation is missing), where the
+    user reads."""
+    from staronnx.bench.sweep import load_results
+
+    try:
+        notes = load_results(output).get("notes") or []
+    except (OSError, StaronnxError):
+        return
+    for note in notes:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
 def _summary_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="sweep (papers' latency: first request of each batch)")
     cols = ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state")
@@ -192,6 +206,7 @@ def sweep_cmd(
         if not (d / "results.json").is_file():
             raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
     plan = Plan.load(plandir)
+    warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
     console.print(
         f"sweeping plan {plan.hash} ({plan.k} parts) with {policy}, groups {groups}"
         f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: {len(sizes)} batch size(s) x "
@@ -210,6 +225,7 @@ def sweep_cmd(
             trace=trace, max_delay=None if max_delay is None else parse_duration(max_delay, allow_zero=True),
         )
     console.print(_summary_table(rows))
+    _print_notes(output)
     if simulate:
         _print_fidelity(rows)
     console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
@@ -233,18 +249,24 @@ def _draw(output: Path, extra: list[Path], names: list[str] | None, compare_png:
 
 def sweep_plot_cmd(
     results: Annotated[list[Path], typer.Argument(help="Sweep folder(s); two or more are overlaid.")],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Comparison PNG (several folders) or folder for the figures (one).")] = None,
-    labels: Annotated[str | None, typer.Option(help="Comparison labels, comma-separated.")] = None,
+    compare: Annotated[list[Path] | None, typer.Option(
+        help="Another sweep folder to overlay with the first (repeatable), as sweep --compare does.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Comparison PNG (several folders; default compare.png) or folder for the figures (one).")] = None,
+    labels: Annotated[str | None, typer.Option(help="Comparison labels, comma-separated, in the order the folders are given.")] = None,
 ) -> None:
     """Redraw a sweep folder's figures, or overlay several sweep folders in one plot."""
-    from staronnx.bench.plots import compare, plot_results
+    from staronnx.bench import plots
 
-    if len(results) == 1:
-        for png in plot_results(results[0], output):
+    folders = [*results, *(compare or [])]
+    for d in compare or []:
+        if not (d / "results.json").is_file():
+            raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
+    if len(folders) == 1:
+        for png in plots.plot_results(folders[0], output):
             console.print(f"plot: {png}")
         return
     out = output or Path("compare.png")
-    console.print(f"plot: {compare(results, _labels(labels, len(results)), out)}")
+    console.print(f"plot: {plots.compare(folders, _labels(labels, len(folders)), out)}")
 
 
 def optimize_batch_cmd(
@@ -267,9 +289,10 @@ def optimize_batch_cmd(
     verify the best ones live; print predicted vs measured."""
     from staronnx.bench.optimize import optimize_batch
     from staronnx.bench.sweep import parse_batch_sizes, parse_duration
-    from staronnx.plan import atomic_write_text
+    from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)
+    warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams)
     with console.status("optimizing") as status:
         result = optimize_batch(
             plandir, rate, slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,

@@ -1,0 +1,85 @@
+"""One warning line when a command's workers have no calibrated perf model for a part.
+
+Why: perf models are kept per (part, arch), and the arch names a worker's kind and width
+(``cpu1``, ``cpu2``, ``cuda0``). A plan calibrated with ``--groups numa`` on a 2-core machine
+has ``cpu2`` models, which a run with ``--groups cores=1`` (``cpu1`` workers) never reads: the
+dm policies then explore, the simulator borrows another width's times, and a sweep's bound
+column shows ``-``, with the reason only inside ``results.json``. The user reads the terminal,
+so the commands that lean on the models (``run``, ``sweep``, ``simulate``, ``optimize-batch``)
+say it there, once per command and not per task, with the command that fixes it.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+#: policies that never ask for a prediction: their runs need no model, so no warning
+MODEL_FREE_POLICIES = frozenset({"eager", "ws", "lws", "static"})
+
+
+def worker_archs(groups: str, cuda_streams: int = 0) -> list[str]:
+    """The archs of the workers a runtime with these settings starts on this machine (CUDA
+    streams first, as the runtime numbers them), without starting any."""
+    from staronnx.bench.simulator import sim_workers
+
+    return list(dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams)))
+
+
+def uncalibrated(plan: Any, archs: Iterable[str], store: Any) -> dict[str, list[int]]:
+    """Per arch, the parts whose model has no calibrated entry at any batch size.
+
+    A model calibrated at some batch sizes but not at the one served still predicts (from
+    its batch-size regression) or explores a little; a part with nothing calibrated on an arch
+    is what leaves a whole run uninformed, so that is what is reported.
+    """
+    calibrated = {(row.part, row.arch) for row in store.rows(plan.hash) if row.calibrated}
+    out: dict[str, list[int]] = {}
+    for arch in archs:
+        missing = [p for p in range(plan.k) if (p, arch) not in calibrated]
+        if missing:
+            out[arch] = missing
+    return out
+
+
+def describe(missing: dict[str, list[int]]) -> str:
+    """``part 1 on cpu1, parts 0, 1 on cuda0``."""
+    return ", ".join(
+        f"{'part' if len(parts) == 1 else 'parts'} {', '.join(map(str, parts))} on {arch}"
+        for arch, parts in missing.items()
+    )
+
+
+def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0) -> str:
+    """The ``staronnx calibrate`` line that fills the models these settings read."""
+    cmd = f"staronnx calibrate {shlex.quote(str(plandir))} --groups {shlex.quote(groups)}"
+    return cmd + (f" --cuda-streams {cuda_streams}" if cuda_streams else "")
+
+
+def warn_uncalibrated(
+    plandir: str | Path,
+    plan: Any,
+    *,
+    groups: str,
+    cuda_streams: int = 0,
+    skip_archs: Sequence[str] = (),
+    store: Any = None,
+) -> str | None:
+    """Print one ``staronnx: warning: no calibrated model for ...`` line on stderr when the
+    workers these settings start lack models for some parts; return it (None when all is
+    calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
+    GPU scaled from the CPU's models)."""
+    from staronnx.perfmodels import PerfModelStore
+
+    store = store if store is not None else PerfModelStore()
+    archs = [a for a in worker_archs(groups, cuda_streams) if a not in set(skip_archs)]
+    missing = uncalibrated(plan, archs, store)
+    if not missing:
+        return None
+    line = (f"staronnx: warning: no calibrated model for {describe(missing)}: "
+            f"run {calibrate_command(plandir, groups, cuda_streams)}")
+    print(line, file=sys.stderr, flush=True)
+    return line
