@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv, prog_name="staronnx")
     except StaronnxError as exc:
-        print(f"staronnx: error: {exc}", file=sys.stderr)
+        print(f"staronnx: error: {exc.for_cli()}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
     except KeyboardInterrupt:
         print("staronnx: interrupted", file=sys.stderr)
