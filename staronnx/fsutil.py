@@ -5,14 +5,32 @@ command (Ctrl-C, a crash, a full disk) leaves what was there intact. ``mkstemp``
 temporary file with mode 0600; the file that replaces the target gets the target's mode when
 it exists, else the mode a plain ``open()`` would give (0666 less the umask), so a plan or a
 perf model written by one user stays readable by the group that serves it.
+
+Nothing survives SIGKILL, so every temporary is named after its owner,
+``.NAME.tmp-<pid>-<random>`` (a file gets ``.tmp`` at the end too), and the next writer of
+``NAME`` removes the temporaries whose owner is gone (:func:`remove_stale_temporaries`). A
+temporary whose pid is alive is never touched: it may be a concurrent run's. The pid is
+checked on this host, so two hosts writing into one shared folder each leave the other's
+temporaries alone only while their pids differ; a pid the kernel has since given to a
+younger process is recognised by that process's start time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shutil
 import tempfile
 from pathlib import Path
+
+#: a staging folder holds this file from its first moment, so a sweep of a folder only ever
+#: removes staging folders staronnx made (or empty ones)
+STAGING_MARKER = ".staronnx-staging"
+
+_TEMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>[0-9]+)-[A-Za-z0-9_]+(?:\.tmp)?$")
+_PLAN_FILE = re.compile(r"^(?:part[0-9]+\.onnx(?:\.data)?|plan\.json)$")
+_BACKUP = re.compile(r"^\.(?P<name>.+)\.old-(?P<pid>[0-9]+)$")
 
 
 def _umask() -> int:
@@ -38,7 +56,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = _mode_for(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    remove_stale_temporaries(path)
+    fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
@@ -57,3 +76,102 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def temp_prefix(target: str | os.PathLike[str]) -> str:
+    """``.NAME.tmp-<pid>-``: the name of this process's temporaries for ``target``."""
+    return f".{Path(target).name}.tmp-{os.getpid()}-"
+
+
+def make_staging_dir(target: str | os.PathLike[str]) -> Path:
+    """A new, marked staging folder beside ``target`` (to be renamed onto it when complete),
+    after removing the staging folders that dead runs left there."""
+    target = Path(target).absolute()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(target)
+    staging = Path(tempfile.mkdtemp(prefix=temp_prefix(target), dir=target.parent))
+    (staging / STAGING_MARKER).touch()
+    return staging
+
+
+def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:
+    """Clean up after writers of ``target``'s folder that died; return what was removed.
+
+    - temporary files of ``target`` itself (an atomic write cut short);
+    - staging folders of any name in that folder that carry :data:`STAGING_MARKER` or are
+      empty (a plan export cut short: up to the model's size);
+    - ``.NAME.old-<pid>`` backups of a replaced plan: removed when ``NAME`` exists, renamed
+      back onto ``NAME`` when the run died between its two renames (the old plan survives).
+
+    Only entries whose owning pid is gone are touched; errors (a folder that vanished, no
+    permission) are skipped, since cleaning is a courtesy and must not stop the write.
+    """
+    target = Path(target).absolute()
+    removed: list[Path] = []
+    try:
+        entries = list(os.scandir(target.parent))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP.match(entry.name)
+        b = _BACKUP.match(entry.name) if m is None else None
+        match = m or b
+        if match is None or _owner_alive(int(match["pid"]), entry):
+            continue
+        path = Path(entry.path)
+        with contextlib.suppress(OSError):
+            if b is not None:
+                if b["name"] == target.name and not target.exists() and entry.is_dir(follow_symlinks=False):
+                    os.rename(path, target)
+                    continue
+                if not (path.parent / b["name"]).exists() or not (path / "plan.json").exists():
+                    continue
+                shutil.rmtree(path)
+            elif entry.is_dir(follow_symlinks=False):
+                if not _is_staging(path):
+                    continue
+                shutil.rmtree(path)
+            elif m is not None and m["name"] == target.name:
+                path.unlink()
+            else:
+                continue
+            removed.append(path)
+    return removed
+
+
+def _is_staging(path: Path) -> bool:
+    """A folder staronnx staged: marked, empty, or holding only a plan's files (the marker is
+    taken out just before the folder is published)."""
+    names = [p.name for p in path.iterdir()]
+    return STAGING_MARKER in names or all(_PLAN_FILE.match(n) for n in names)
+
+
+def _owner_alive(pid: int, entry: os.DirEntry[str]) -> bool:
+    """Whether the process that named ``entry`` may still be running (when in doubt: yes)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # another user's process: alive
+    try:
+        modified = entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return True
+    started = _process_start(pid)
+    # a process started after the temporary last changed cannot be the one that wrote it
+    return started is None or started <= modified + 1.0
+
+
+def _process_start(pid: int) -> float | None:
+    """A process's start time (epoch seconds) from /proc, or None where it cannot be read."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime"))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None

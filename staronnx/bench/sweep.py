@@ -29,7 +29,7 @@ How the sweep is run, and why:
   :mod:`staronnx.bench.bound` is recorded per batch size, and each point's achieved/bound.
 
 Results are rewritten after every point (atomically), so an interrupted sweep keeps what it
-measured: ``results.csv`` (one row per measured point, latencies in ms) and ``results.json``
+measured (a sweep stopped by Ctrl-C or SIGTERM says so in ``settings.interrupted``): ``results.csv`` (one row per measured point, latencies in ms) and ``results.json``
 (the same rows with per-window, generator and per-worker detail, the settings, the bounds and
 the skipped points).
 """
@@ -53,8 +53,10 @@ import numpy as np
 from staronnx.bench.fidelity import COLUMNS as SIM_COLUMNS
 from staronnx.bench.fidelity import fidelity_summary, simulate_row
 from staronnx.errors import StaronnxError
-from staronnx.plan import Plan, atomic_write_text
+from staronnx.fsutil import atomic_write_text
+from staronnx.plan import Plan
 from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
+from staronnx.signals import signal_name
 
 FORMAT = "staronnx-sweep"
 VERSION = 1
@@ -153,7 +155,9 @@ class SweepEvent:
     ``kind``: ``"start"`` (``total`` points planned), ``"warmup"`` (one batch size warmed up),
     ``"point"`` (a point starts: ``requests`` to submit), ``"requests"`` (``submitted`` so far,
     throttled to about 100 calls per point), ``"done"`` (a point measured: ``row``),
-    ``"skipped"`` (``skipped`` rates of a batch size left out after congestion), ``"end"``.
+    ``"skipped"`` (``skipped`` rates of a batch size left out after congestion), ``"end"``, or
+    ``"interrupted"`` (stopped by a signal, named in ``message``; the results on disk hold the
+    points measured so far).
     ``index`` counts points measured or skipped so far, out of ``total``.
     """
 
@@ -635,6 +639,16 @@ def sweep(
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         save()
         notify(SweepEvent("end", index, total))
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            raise
+        # Ctrl-C, SIGTERM: the finished points are on disk already; record that the sweep
+        # stopped early, so nobody mistakes a partial sweep for a whole one
+        settings["interrupted"] = {"signal": signal_name(exc), "points_measured": len(rows),
+                                   "points_planned": total}
+        save()
+        notify(SweepEvent("interrupted", index, total, message=signal_name(exc)))
+        raise
     finally:
         if own:
             runtime.close()

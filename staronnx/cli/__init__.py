@@ -2,7 +2,8 @@
 
 Each command group lives in its own module and registers itself on :data:`app`; this module
 only assembles them and turns :class:`~staronnx.errors.StaronnxError` into one clear line and
-exit code 2.
+exit code 2, and SIGINT/SIGTERM into a clean stop: ``finally`` blocks run (staging folders and
+workers are cleaned up), one line names the signal, and the exit code is 130 or 143.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import typer
 
 from staronnx.errors import StaronnxError
 from staronnx.cli.help_format import PlainFlagsGroup
+from staronnx.signals import Interrupted, handle_signals
 
 app = typer.Typer(
     name="staronnx",
@@ -40,12 +42,17 @@ for _name in _COMMAND_MODULES:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app, mapping user errors to exit code 2 with a one-line message."""
+    """Entry point: run the app, mapping user errors to exit code 2 with a one-line message and
+    SIGINT/SIGTERM to exit code 128 + signum once everything has been cleaned up."""
     try:
-        app(args=argv, prog_name="staronnx")
+        with handle_signals():
+            app(args=argv, prog_name="staronnx")
     except StaronnxError as exc:
         print(f"staronnx: error: {exc.for_cli()}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
-    except KeyboardInterrupt:
-        print("staronnx: interrupted", file=sys.stderr)
+    except Interrupted as exc:
+        print(f"staronnx: interrupted ({exc.name})", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+    except KeyboardInterrupt:  # a second Ctrl-C during the first one's cleanup
+        print("staronnx: interrupted (SIGINT)", file=sys.stderr)
         raise SystemExit(130) from None

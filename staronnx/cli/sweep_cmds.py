@@ -14,17 +14,11 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from staronnx.cli.progress import QUIET_HELP
+from staronnx.cli.progress import bar as progress_bar
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.errors import StaronnxError
 
@@ -57,10 +51,14 @@ class _Bars:
         self.progress = progress
         self.points: TaskID | None = None
         self.requests: TaskID | None = None
+        #: points measured and planned so far, for the interruption message
+        self.measured = 0
+        self.total = 0
 
     def __call__(self, event: Any) -> None:
         p = self.progress
         if event.kind == "start":
+            self.total = event.total
             self.points = p.add_task("sweep points", total=event.total)
             self.requests = p.add_task("warming up", total=None)
         elif event.kind == "warmup":
@@ -73,10 +71,11 @@ class _Bars:
             p.update(self.requests, completed=event.submitted, total=event.requests)
         elif event.kind == "done":
             row = event.row or {}
+            self.measured += 1
             p.update(self.points, completed=event.index)
             state = "[red]congested[/]" if row.get("congested") else (
                 "stable" if row.get("stable") else "[yellow]unstable[/]")
-            p.console.print(
+            console.print(
                 f"b={row.get('batch_size')} @ {_fmt(row.get('offered_rate'), 0)} req/s: "
                 f"{_fmt(row.get('throughput'), 1)} samples/s, papers' latency "
                 f"{_fmt(row.get('paper_latency_mean_ms'))} ms (std {_fmt(row.get('paper_latency_std_ms'))}), "
@@ -84,11 +83,14 @@ class _Bars:
             )
         elif event.kind == "skipped":
             p.update(self.points, completed=event.index)
-            p.console.print(f"[dim]b={event.batch_size}: congested at {event.rate:g} req/s; skipping "
+            console.print(f"[dim]b={event.batch_size}: congested at {event.rate:g} req/s; skipping "
                             f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
-        elif event.kind == "end":
-            p.update(self.points, completed=event.total)
-            p.update(self.requests, description="done", total=1, completed=1)
+        elif event.kind in ("end", "interrupted"):
+            if event.kind == "end":
+                p.update(self.points, completed=event.total)
+            if self.requests is not None:  # the per-point bar means nothing once the sweep stops
+                p.remove_task(self.requests)
+                self.requests = None
 
 
 def _print_fidelity(rows: list[dict[str, Any]]) -> None:
@@ -185,6 +187,7 @@ def sweep_cmd(
         help="Write a Perfetto trace of the sweep here: tasks per worker, batch fills, batches, queue length.")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
         help="Also simulate every measured point from the perf models; report the simulator's error.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime; write CSV,
     JSON and the papers' plots."""
@@ -213,17 +216,24 @@ def sweep_cmd(
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
     )
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TimeRemainingColumn(), console=console, transient=False,
-    ) as progress:
-        rows = sweep(
-            plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
-            distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
-            progress=_Bars(progress), seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
-            extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
-            trace=trace, max_delay=None if max_delay is None else parse_duration(max_delay, allow_zero=True),
-        )
+    with progress_bar(quiet) as progress:
+        bars = _Bars(progress)
+        try:
+            rows = sweep(
+                plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
+                distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
+                progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
+                extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
+                trace=trace, max_delay=None if max_delay is None else parse_duration(max_delay, allow_zero=True),
+            )
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
+                console.print(
+                    f"sweep interrupted: kept {bars.measured} of {bars.total} point(s) in "
+                    f"{output / 'results.csv'} and {output / 'results.json'}",
+                    highlight=False, soft_wrap=True,
+                )
+            raise
     console.print(_summary_table(rows))
     _print_notes(output)
     if simulate:

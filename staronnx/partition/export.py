@@ -4,14 +4,14 @@ Each part is a checker-valid ONNX model: its own nodes in topological order, cop
 initializers and Constant nodes it reads, inputs for the model inputs and crossing tensors it
 reads (batch dimensions symbolic), outputs for what other parts or the caller read. The folder
 is written under a temporary name and renamed into place, so an interrupted run leaves no half
-plan behind.
+plan behind; the temporary name carries the pid, so what a SIGKILL leaves behind is removed by
+the next export beside it (:func:`staronnx.fsutil.remove_stale_temporaries`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from onnx import helper
 
 from staronnx.errors import PartitionError
 from staronnx.feeds import integer_ranges
+from staronnx.fsutil import STAGING_MARKER, make_staging_dir
 from staronnx.modelio import file_sha256, save_model
 from staronnx.partition.costs import NodeCosts
 from staronnx.partition.graph import ModelGraph
@@ -104,8 +105,8 @@ def write_plan(
     members, inputs, outputs = build_plan_layout(graph, ranks)
     k = len(members)
     directory = Path(directory).absolute()
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    # named after this process: a run killed mid-export leaves it, and the next one removes it
+    staging = make_staging_dir(directory)
     try:
         total = float(costs.micros.sum()) or 1.0
         parts: list[PartSpec] = []
@@ -154,6 +155,7 @@ def write_plan(
         )
         plan.hash = plan.compute_hash()
         plan.write_json(staging)
+        (staging / STAGING_MARKER).unlink()
         _fsync_dir(staging)
         publish_dir(staging, directory)
     except BaseException:
