@@ -315,9 +315,9 @@ def check_output_dir(directory: Path, force: bool) -> None:
         if not directory.is_dir():
             raise PlanError(f"output path exists and is not a folder: {directory}")
         if any(directory.iterdir()) and not force:
-            raise PlanError(
-                f"output folder {directory} exists and is not empty; use --force to replace it"
-            )
+            why = f"output folder {directory} exists and is not empty"
+            raise PlanError(f"{why}; use force=True to replace it",
+                            cli=f"{why}; use --force to replace it")
 
 
 def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Path:

@@ -669,7 +669,7 @@ def test_force_replaces_an_existing_plan_without_leftovers(tmp_path):
     out = tmp_path / "plan"
     staronnx.partition(zoo.chain(), parts=3, output_dir=out, costs="estimate")
     (out / "stale.txt").write_text("from an older run")
-    with pytest.raises(PlanError, match="--force"):
+    with pytest.raises(PlanError, match="force=True"):
         staronnx.partition(zoo.chain(), parts=2, output_dir=out, costs="estimate")
     assert (out / "stale.txt").exists() and Plan.load(out).k == 3
     plan = staronnx.partition(zoo.chain(), parts=2, output_dir=out, costs="estimate", force=True)
@@ -814,7 +814,7 @@ def test_bad_input_shapes_raise_partition_error(tmp_path, shapes, says):
         ([0.0, 1.0], None, "positive"),
         ([float("nan"), 1.0], None, "positive"),
         ([], None, "empty"),
-        ([0.5, 0.5], 3, "--parts is 3"),
+        ([0.5, 0.5], 3, "parts=3"),
         (None, 0, "at least 1"),
         ("0.5,zero", None, "comma-separated"),
     ],

@@ -68,18 +68,21 @@ def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> lis
         try:
             shares = [float(s) for s in shares.split(",") if s.strip()]
         except ValueError:
-            raise PartitionError(f"--shares must be comma-separated numbers, got {shares!r}") from None
+            raise PartitionError(f"shares must be comma-separated numbers, got {shares!r}",
+                                 cli=f"--shares must be comma-separated numbers, got {shares!r}") from None
     if shares is not None and parts is not None and len(shares) != parts:
-        raise PartitionError(f"--shares lists {len(shares)} parts but --parts is {parts}")
+        raise PartitionError(f"shares lists {len(shares)} parts but parts={parts}",
+                             cli=f"--shares lists {len(shares)} parts but --parts is {parts}")
     if shares is None:
         if parts is None:
             parts = 2
         if parts < 1:
-            raise PartitionError(f"--parts must be at least 1, got {parts}")
+            raise PartitionError(f"parts must be at least 1, got {parts}",
+                                 cli=f"--parts must be at least 1, got {parts}")
         return [1.0 / parts] * parts
     values = [float(s) for s in shares]
     if not values:
-        raise PartitionError("--shares is empty")
+        raise PartitionError("shares is empty", cli="--shares is empty")
     if any(not math.isfinite(s) or s <= 0 for s in values):
         raise PartitionError(f"every share must be positive, got {values}")
     if abs(sum(values) - 1.0) > 1e-6:
@@ -155,9 +158,9 @@ def partition(
     if costs not in ("profile", "estimate"):
         raise PartitionError(f"unknown cost source {costs!r}; use 'profile' or 'estimate'")
     if profile_batch < 1 or profile_runs < 1:
-        raise PartitionError(
-            f"--profile-batch and --profile-runs must be at least 1 (got {profile_batch}, {profile_runs})"
-        )
+        got = f"must be at least 1 (got {profile_batch}, {profile_runs})"
+        raise PartitionError(f"profile_batch and profile_runs {got}",
+                             cli=f"--profile-batch and --profile-runs {got}")
     if not 0 < tolerance < 1:
         raise PartitionError(f"tolerance must be in (0, 1), got {tolerance}")
     shapes = parse_input_shapes(input_shapes)
