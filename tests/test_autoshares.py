@@ -55,7 +55,7 @@ def test_alike_workers_give_one_part():
     choice = choose_shares([WorkerSpeed("cpu1", "cpu", 0.03, count=2)], 4)
     assert choice.shares == [1.0] and "within" in choice.reason
     one = choose_shares([WorkerSpeed("cpu2", "cpu", 0.03)], 4)
-    assert one.shares == [1.0] and "one worker" in one.reason
+    assert one.shares == [1.0] and "single worker" in one.reason
     near = choose_shares([WorkerSpeed("cpu4", "cpu", 0.02), WorkerSpeed("cpu2", "cpu", 0.035)], 4)
     assert near.shares == [1.0]
 

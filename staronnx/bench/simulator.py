@@ -341,6 +341,18 @@ class SimMachine:
         ]
 
 
+def machine_inflight(machine: SimMachine, batch: int) -> int:
+    """The server's in-flight window for this machine at ``batch``
+    (:func:`~staronnx.serving.server.inflight_window` over each worker's whole-plan time)."""
+    from staronnx.serving.server import inflight_window
+
+    try:
+        times = machine.mean_times(batch)
+    except Exception:  # noqa: BLE001 - a missing model: the unknown-machine default
+        return inflight_window([None] * len(machine.workers))
+    return inflight_window([sum(times[p][w] for p in range(len(times))) for w in range(len(machine.workers))])
+
+
 def build_machine(
     plan: Plan,
     *,
@@ -756,8 +768,8 @@ def simulate(
     Arrivals come from the live generator's processes (``distribution``, ``seed``) for
     ``duration`` seconds or ``n_requests`` requests, or are replayed from ``arrivals``
     (offsets in seconds, sorted). The front end is the live server's: ``queue_capacity``
-    (None: unbounded), ``max_inflight`` (None: the server's default, twice the workers, at
-    least 2), batches that leave when full or, with ``max_delay``, when the oldest request has
+    (None: unbounded), ``max_inflight`` (None: :func:`machine_inflight`, the window the
+    perf models call for, as live sweeps use), batches that leave when full or, with ``max_delay``, when the oldest request has
     waited that long. With ``drain`` (default) the run goes on after the last arrival until
     every accepted request is done, as the load generator waits for its futures. ``spread``
     scales the models' standard deviations (0: every task takes its mean). Deterministic for a
@@ -777,7 +789,7 @@ def simulate(
         raise SimulationError(f"spread must be >= 0, got {spread!r}")
     if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else batch_size):
         raise SimulationError(f"queue_capacity must be >= 1 and >= batch_size without max_delay, got {queue_capacity}")
-    inflight = max(2, 2 * len(machine.workers)) if max_inflight is None else int(max_inflight)
+    inflight = machine_inflight(machine, batch_size) if max_inflight is None else int(max_inflight)
     if inflight < 1:
         raise SimulationError(f"max_inflight must be >= 1, got {max_inflight}")
     if arrivals is not None:

@@ -204,6 +204,7 @@ def measure_point(
     drain_timeout: float | None = None,
     on_submit: Callable[[int, int], None] | None = None,
     max_delay: float | None = None,
+    max_inflight: int | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
 
@@ -216,7 +217,7 @@ def measure_point(
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
-    server = Server(runtime, batch_size=batch_size, max_delay=max_delay,
+    server = Server(runtime, batch_size=batch_size, max_delay=max_delay, max_inflight=max_inflight,
                     queue_capacity=max(queue_capacity, batch_size))
     try:
         records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
@@ -555,6 +556,13 @@ def sweep(
         bounds, bound_notes = batch_bounds(machine, batch_sizes)
         notes.extend(bound_notes)
     simulator = machine if simulate else None
+    # the in-flight window the perf models call for (a slow worker is only chosen behind a long
+    # enough queue); the same the simulator uses, so live and simulated points agree
+    windows: dict[int, int] = {}
+    if machine is not None:
+        from staronnx.bench.simulator import machine_inflight
+
+        windows = {b: machine_inflight(machine, b) for b in batch_sizes}
 
     def save() -> None:
         if out_dir is not None:
@@ -600,6 +608,7 @@ def sweep(
                     summary, records = measure_point(
                         runtime, b, rate, samples, duration=length, warmup=warmup, distribution=distribution,
                         seed=seed, queue_capacity=queue_capacity, on_submit=on_submit, max_delay=max_delay,
+                        max_inflight=windows.get(b),
                     )
                     after = _workers_snapshot(runtime)
                     if tracer is not None:

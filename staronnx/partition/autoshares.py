@@ -107,9 +107,9 @@ def choose_shares(
     fast_rate = (1 if fast.kind == "cuda" else fast.count) / fast.seconds  # batches/s, no fixed cost
     alone = {"one part": batch / (1 / fast_rate + fixed_cost)}
     if not slow:
-        where = "one worker" if len(speeds) == 1 and speeds[0].count == 1 else "workers within " \
+        where = "a single worker" if len(speeds) == 1 and speeds[0].count == 1 else "workers within " \
             f"{latency_ratio:g}x of each other"
-        return SharesChoice([1.0], batch, f"one part: {where}, so whole batches spread over them "
+        return SharesChoice([1.0], batch, f"one part: {where}, so whole batches spread over the workers "
                             "do as well as a split, without its extra tasks", list(speeds), alone)
     slow_rate = sum(s.rate for s in slow)  # batches/s of the slow workers together
 

@@ -15,6 +15,12 @@ saturated runtime would swallow every request into its own task queues, the serv
 would never fill, and neither the overload error nor the queue-length samples would say
 anything; with it, the backlog builds up here, where it is bounded, measured and rejected.
 
+How many is enough depends on the machine: dmda gives a batch to a worker 20x slower than
+the GPU only once the GPU's queue is longer than that worker's own time, so a window of twice
+the worker count (the default when nothing is known) keeps such a worker idle under any load.
+:func:`inflight_window` sizes it from the perf models' times per worker, as sweeps and the
+simulator do.
+
 Every request and batch is recorded in :mod:`staronnx.serving.records`, the format the
 simulator fills too, so :func:`staronnx.serving.metrics.summarize` reads both.
 """
@@ -23,10 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -75,6 +82,25 @@ class _Pending:
 #: one number per Server in this process, so the batch spans of successive servers on one
 #: traced runtime never share an id
 _SERVER_SERIALS = itertools.count()
+
+
+def inflight_window(worker_seconds: Sequence[float | None], cap: int = 256) -> int:
+    """Batches to keep in the runtime so every worker can be chosen under load.
+
+    ``worker_seconds``: the predicted time of one batch through the whole plan on each worker
+    (None where unknown).  A worker w is chosen by dmda once the others' queues run past its
+    own time, i.e. with about ``T_slowest / T_w`` batches queued on each faster worker; the
+    window is the sum of those, plus one running batch per worker, and never below the
+    unknown-machine default of two per worker.
+    """
+    n = len(worker_seconds)
+    floor = max(2, 2 * n)
+    known = [t for t in worker_seconds if t is not None and math.isfinite(t) and t > 0]
+    if len(known) < n or not known:
+        return floor
+    slowest = max(known)
+    window = sum(math.ceil(slowest / t) for t in known) + n
+    return int(min(max(floor, window), max(cap, floor)))
 
 
 class Server:
@@ -337,6 +363,7 @@ class Server:
         for i, p in enumerate(batch):
             if not p.future.set_running_or_notify_cancel():
                 continue  # the caller cancelled it; the batch ran anyway
+            p.future.batch = record
             if outputs is None:
                 assert error is not None
                 p.future.set_exception(error)
