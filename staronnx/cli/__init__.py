@@ -35,6 +35,7 @@ _COMMAND_MODULES = [
     "run_cmds",
     "simulate_cmd",
     "sweep_cmds",
+    "serve_cmd",
 ]
 
 for _name in _COMMAND_MODULES:

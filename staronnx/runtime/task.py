@@ -31,6 +31,9 @@ class RequestFuture(Future):  # type: ignore[type-arg]
         self.request_id = request_id
         #: "part<k>" -> arch of the worker that ran it (serving reports CPU share from this)
         self.placement: dict[str, str] = {}
+        #: the serving batch that carried this request (a BatchRecord: formed/done times, size),
+        #: set by the Server before the result, so network front ends can split queue from compute
+        self.batch: Any = None
 
     def __await__(self) -> Generator[Any, None, dict[str, np.ndarray]]:
         return asyncio.wrap_future(self).__await__()

@@ -1,0 +1,119 @@
+"""``staronnx serve``: plans over the network (KServe v2 HTTP + gRPC, Prometheus metrics)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from staronnx.errors import StaronnxError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``64MiB``, ``10MB``, ``512k`` or a bare number of bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise StaronnxError(f"sizes look like 64MiB, 10MB, 512KiB or 1048576; got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value < 1:
+        raise StaronnxError(f"a size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def _port(value: int, flag: str) -> int:
+    if not 0 <= value <= 65535:
+        raise StaronnxError(f"--{flag} must be between 0 (a free port) and 65535, got {value}")
+    return value
+
+
+def model_names(plans: list[Path], names: list[str] | None) -> list[str]:
+    """Each plan's model name: ``--name`` in order, else the plan folder's name; unique."""
+    if names and len(names) != len(plans):
+        raise StaronnxError(f"--name given {len(names)} time(s) for {len(plans)} plan(s): give one per plan, in order")
+    out = list(names) if names else [p.resolve().name for p in plans]
+    for n in out:
+        if not n or "/" in n:
+            raise StaronnxError(f"model name {n!r} cannot be used in a URL; choose another with --name")
+    dupes = sorted({n for n in out if out.count(n) > 1})
+    if dupes:
+        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
+    return out
+
+
+def serve_cmd(
+    plans: Annotated[list[Path], typer.Argument(help="Plan folder(s); each is served as a model named after its folder.")],
+    name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
+    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 exposes the server to the network).")] = "127.0.0.1",
+    http_port: Annotated[int, typer.Option(help="KServe v2 HTTP/REST port; 0 = a free port (printed).")] = 8000,
+    grpc_port: Annotated[int, typer.Option(help="KServe v2 gRPC port; 0 = a free port (printed).")] = 8001,
+    metrics_port: Annotated[int, typer.Option(help="Prometheus /metrics port; 0 = a free port (printed).")] = 8002,
+    policy: Annotated[str, typer.Option(help="Scheduling policy: eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft, or static.")] = "heft",
+    groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
+    cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
+    batch_size: Annotated[int, typer.Option(help="Largest batch the batcher forms from the clients' samples.")] = 8,
+    max_delay: Annotated[str, typer.Option(
+        help="Dynamic batching: a partial batch leaves once its oldest sample waited this long (0 = as soon as a "
+             "worker slot is free, Triton's default).")] = "0ms",
+    queue_capacity: Annotated[int, typer.Option(help="Samples waiting for a batch; beyond it requests get 503 / UNAVAILABLE.")] = 1024,
+    max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
+    drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
+) -> None:
+    """Serve plans with the KServe v2 protocol over HTTP and gRPC (Triton's clients work
+    unchanged), with Prometheus metrics; SIGTERM or Ctrl-C drains and exits 0."""
+    from staronnx.bench.sweep import parse_duration
+
+    try:
+        import aiohttp  # noqa: F401
+        import grpc  # noqa: F401
+        import prometheus_client  # noqa: F401
+    except ImportError as exc:
+        raise StaronnxError(f"staronnx serve needs the serve extra ({exc.name} is missing): "
+                            "pip install 'staronnx[serve]'") from None
+
+    import asyncio
+
+    from staronnx.plan import Plan
+    from staronnx.runtime.runtime import Runtime
+    from staronnx.serve.app import Listen, serve
+    from staronnx.serve.metrics import ServeMetrics
+    from staronnx.serve.models import ModelEndpoint
+
+    names = model_names(plans, name)
+    if batch_size < 1:
+        raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
+    if queue_capacity < 1:
+        raise StaronnxError(f"--queue-capacity must be at least 1, got {queue_capacity}")
+    listen = Listen(host=host, http_port=_port(http_port, "http-port"), grpc_port=_port(grpc_port, "grpc-port"),
+                    metrics_port=_port(metrics_port, "metrics-port"), max_body=parse_size(max_body),
+                    drain_timeout=parse_duration(drain_timeout))
+    delay = parse_duration(max_delay, allow_zero=True)
+    loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
+    metrics = ServeMetrics()
+    models: list[ModelEndpoint] = []
+    try:
+        for model_name, plan in zip(names, loaded):
+            runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine)
+            try:
+                endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
+                                         queue_capacity=queue_capacity, metrics=metrics)
+            except BaseException:
+                runtime.close()
+                raise
+            models.append(endpoint)
+            print(f"model {model_name!r}: plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
+                  f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms", flush=True)
+        asyncio.run(serve(models, metrics, listen, say=lambda line: print(line, flush=True)))
+    finally:
+        for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
+            m.close(1.0)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_cmd)

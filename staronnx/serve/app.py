@@ -1,0 +1,131 @@
+"""``staronnx serve``'s process: models, the three listeners, one event loop, graceful shutdown.
+
+One asyncio loop runs the HTTP API, the gRPC API and the metrics endpoint; the batchers and
+the runtimes run in their own threads, and the loop only awaits their futures, so a slow
+model never blocks the listeners. On SIGTERM/SIGINT the server stops accepting (listeners
+closed, readiness false), lets every request already accepted finish, drains each batcher,
+closes each runtime, and returns: the process exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from staronnx.errors import StaronnxError
+from staronnx.serve.metrics import ServeMetrics
+from staronnx.serve.models import ModelEndpoint
+
+
+@dataclass
+class Listen:
+    """Where to listen; a port of 0 takes a free one (the bound ports are printed)."""
+
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 8001
+    metrics_port: int = 8002
+    max_body: int = 64 * 2**20
+    drain_timeout: float = 30.0
+
+
+def server_metadata() -> dict[str, object]:
+    from staronnx import __version__
+
+    return {"name": "staronnx", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+
+def _bind(host: str, port: int, what: str) -> socket.socket:
+    """A listening socket, or one clear line naming the port and the flag to change."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except (OSError, socket.gaierror) as exc:
+        raise StaronnxError(f"cannot listen on {host}:{port} for {what}: {exc.strerror or exc} "
+                            f"(choose another --{what}-port, or 0 for a free one)") from None
+
+
+async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
+                say: Callable[[str], None] = print) -> None:
+    """Serve ``models`` until SIGTERM/SIGINT; then drain and close them."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    from staronnx.serve.grpc_api import GrpcFrontend, make_server
+    from staronnx.serve.http_api import HttpFrontend
+
+    by_name = {m.name: m for m in models}
+    meta = server_metadata()
+    state = {"ready": True}
+
+    def is_ready() -> bool:
+        return state["ready"]
+
+    # bind everything first: a port in use fails the start before anything is announced
+    http_sock = _bind(listen.host, listen.http_port, "http")
+    metrics_sock = _bind(listen.host, listen.metrics_port, "metrics")
+    grpc_server = make_server(GrpcFrontend(by_name, meta, is_ready), listen.max_body)
+    target = f"[{listen.host}]" if ":" in listen.host else listen.host
+    try:
+        grpc_port = grpc_server.add_insecure_port(f"{target}:{listen.grpc_port}")
+    except RuntimeError as exc:
+        grpc_port = 0
+        cause = f": {exc}"
+    else:
+        cause = ""
+    if grpc_port == 0:
+        http_sock.close()
+        metrics_sock.close()
+        raise StaronnxError(f"cannot listen on {listen.host}:{listen.grpc_port} for grpc{cause} "
+                            "(choose another --grpc-port, or 0 for a free one)")
+
+    http_runner = web.AppRunner(HttpFrontend(by_name, meta, listen.max_body, is_ready).app(),
+                                access_log=None, handle_signals=False, shutdown_timeout=listen.drain_timeout)
+
+    async def metrics_handler(request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    metrics_app = web.Application()
+    metrics_app.router.add_get("/metrics", metrics_handler)
+    metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+
+    await http_runner.setup()
+    await metrics_runner.setup()
+    await web.SockSite(http_runner, http_sock).start()
+    await web.SockSite(metrics_runner, metrics_sock).start()
+    await grpc_server.start()
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    host = target
+    say(f"HTTP (KServe v2) on http://{host}:{http_sock.getsockname()[1]}")
+    say(f"gRPC (KServe v2) on {host}:{grpc_port}")
+    say(f"metrics on http://{host}:{metrics_sock.getsockname()[1]}/metrics")
+    say("ready (SIGTERM or Ctrl-C drains and stops)")
+    sys.stdout.flush()
+
+    await stop.wait()
+    say("stopping: no new requests; draining the ones accepted")
+    sys.stdout.flush()
+    state["ready"] = False
+    # listeners close at once; each waits (up to drain_timeout) for its in-flight handlers
+    await asyncio.gather(grpc_server.stop(listen.drain_timeout), http_runner.cleanup())
+    await loop.run_in_executor(None, _close_models, models, listen.drain_timeout)
+    await metrics_runner.cleanup()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+    say("stopped")
+
+
+def _close_models(models: Sequence[ModelEndpoint], timeout: float) -> None:
+    for m in models:
+        m.close(timeout)

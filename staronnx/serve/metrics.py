@@ -1,0 +1,201 @@
+"""Prometheus metrics of the network server: Triton's names where Triton has one, staronnx's own
+for what only a heterogeneous scheduler knows.
+
+Why Triton's names: dashboards and alerts written for Triton (``nv_inference_request_success``,
+``nv_inference_exec_count``, ...) then work on staronnx unchanged. prometheus_client appends
+``_total`` to every counter it exposes, which would rename them, so those few are exposed
+*untyped* under their exact names (``rate()`` works on them all the same); everything else
+is a regular prometheus_client metric.
+
+Counts are kept per model in :class:`ModelStats` (plain numbers under a lock: one request
+touches several of them at once) and read by :class:`ServeCollector` at scrape time, which
+also asks each runtime for its per-(part, arch) task counts, worker busy fractions and
+perf-model errors, so the scrape reads the runtime's own bookkeeping instead of a second copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as _Tally
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, UnknownMetricFamily
+
+#: the model version every plan is served as (a plan folder is one immutable version)
+VERSION = "1"
+
+#: failure reasons, as Triton labels nv_inference_request_failure
+REASONS = ("REJECTED", "BACKEND", "OTHER", "CANCELED")
+
+
+class ModelStats:
+    """Cumulative request counts and durations of one model (what Triton's counters report)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.success = 0
+        self.failure: _Tally[str] = _Tally()
+        self.inference_count = 0  # samples run (a batch of 8 counts 8)
+        self.exec_count = 0  # batches run: inference_count / exec_count = mean batch size
+        self.pending = 0  # requests accepted and not yet answered
+        self.request_us = 0.0
+        self.queue_us = 0.0
+        self.input_us = 0.0
+        self.infer_us = 0.0
+        self.output_us = 0.0
+
+    def started(self) -> None:
+        with self._lock:
+            self.pending += 1
+
+    def finished(self, *, ok: bool, reason: str = "OTHER", request_s: float = 0.0, queue_s: float = 0.0,
+                 input_s: float = 0.0, infer_s: float = 0.0, output_s: float = 0.0) -> None:
+        """One request answered (``ok``) or failed for ``reason``; durations in seconds."""
+        with self._lock:
+            self.pending -= 1
+            if not ok:
+                self.failure[reason] += 1
+                return
+            self.success += 1
+            self.request_us += request_s * 1e6
+            self.queue_us += queue_s * 1e6
+            self.input_us += input_s * 1e6
+            self.infer_us += infer_s * 1e6
+            self.output_us += output_s * 1e6
+
+    def encoded(self, seconds: float) -> None:
+        """Time spent encoding a response (after the request counted as answered)."""
+        with self._lock:
+            self.output_us += seconds * 1e6
+
+    def refused(self, reason: str) -> None:
+        """A request failed before it was accepted (bad input, full queue)."""
+        with self._lock:
+            self.failure[reason] += 1
+
+    def executed(self, batch_size: int) -> None:
+        with self._lock:
+            self.exec_count += 1
+            self.inference_count += batch_size
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return {
+                "success": self.success, "failure": dict(self.failure), "inference_count": self.inference_count,
+                "exec_count": self.exec_count, "pending": self.pending, "request_us": self.request_us,
+                "queue_us": self.queue_us, "input_us": self.input_us, "infer_us": self.infer_us,
+                "output_us": self.output_us,
+            }
+
+
+class ServedModel(Protocol):
+    """What the collector reads from a served model (:class:`staronnx.serve.models.ModelEndpoint`)."""
+
+    name: str
+    stats: ModelStats
+
+    def runtime_stats(self) -> dict[str, Any]: ...
+
+    @property
+    def queue_length(self) -> int: ...
+
+    @property
+    def batches_in_flight(self) -> int: ...
+
+
+_TRITON = (
+    # (name, help, snapshot key, scale)
+    ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", "inference_count"),
+    ("nv_inference_exec_count", "Number of model executions (batches) performed", "exec_count"),
+    ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds (queue + compute)",
+     "request_us"),
+    ("nv_inference_queue_duration_us", "Cumulative time requests spent waiting for a batch, in microseconds",
+     "queue_us"),
+    ("nv_inference_compute_input_duration_us", "Cumulative time decoding request tensors, in microseconds",
+     "input_us"),
+    ("nv_inference_compute_infer_duration_us", "Cumulative time the runtime took over the requests' batches, "
+     "in microseconds", "infer_us"),
+    ("nv_inference_compute_output_duration_us", "Cumulative time encoding response tensors, in microseconds",
+     "output_us"),
+)
+
+
+class ServeCollector:
+    """Renders every model's counts and its runtime's state at scrape time."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        self.models = list(models)
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["model", "version"]
+        snaps = [(m, m.stats.snapshot()) for m in self.models]
+        ok = UnknownMetricFamily("nv_inference_request_success", "Number of successful inference requests", labels=labels)
+        fail = UnknownMetricFamily("nv_inference_request_failure", "Number of failed inference requests, by reason",
+                                   labels=[*labels, "reason"])
+        for m, s in snaps:
+            ok.add_metric([m.name, VERSION], s["success"])
+            for reason in REASONS:
+                fail.add_metric([m.name, VERSION, reason], s["failure"].get(reason, 0))
+        yield ok
+        yield fail
+        for name, doc, key in _TRITON:
+            fam = UnknownMetricFamily(name, doc, labels=labels)
+            for m, s in snaps:
+                fam.add_metric([m.name, VERSION], s[key])
+            yield fam
+        pending = GaugeMetricFamily("nv_inference_pending_request_count",
+                                    "Requests accepted and not yet answered", labels=labels)
+        for m, s in snaps:
+            pending.add_metric([m.name, VERSION], s["pending"])
+        yield pending
+        yield from self._staronnx()
+
+    def _staronnx(self) -> Iterator[Any]:
+        queue = GaugeMetricFamily("staronnx_queue_length", "Requests waiting in the batcher's queue", labels=["model"])
+        inflight = GaugeMetricFamily("staronnx_batches_in_flight", "Batches handed to the runtime, not yet done",
+                                     labels=["model"])
+        tasks = CounterMetricFamily("staronnx_tasks", "Tasks run, per part and worker architecture",
+                                    labels=["model", "part", "arch"])
+        busy = GaugeMetricFamily("staronnx_worker_busy_ratio",
+                                 "Fraction of the runtime's lifetime each worker spent running tasks",
+                                 labels=["model", "worker", "arch"])
+        error = GaugeMetricFamily("staronnx_perfmodel_prediction_error_ratio",
+                                  "Mean predicted / mean measured task time - 1, per part and arch "
+                                  "(0 = the perf model describes the machine)", labels=["model", "part", "arch"])
+        for m in self.models:
+            queue.add_metric([m.name], m.queue_length)
+            inflight.add_metric([m.name], m.batches_in_flight)
+            try:
+                st = m.runtime_stats()
+            except Exception:  # noqa: BLE001 - a closing runtime must not fail the whole scrape
+                continue
+            for key, row in st.get("tasks", {}).items():
+                part, _, arch = key.partition("/")
+                tasks.add_metric([m.name, part, arch], row["tasks"])
+                pred, meas = row.get("predicted_ms"), row.get("measured_ms")
+                if pred and meas:  # 0 or None: never predicted (uncalibrated)
+                    error.add_metric([m.name, part, arch], pred / meas - 1.0)
+            for worker, row in st.get("workers", {}).items():
+                busy.add_metric([m.name, worker, str(row.get("arch", ""))], float(row.get("busy", 0.0)))
+        yield from (queue, inflight, tasks, busy, error)
+
+
+class ServeMetrics:
+    """The registry a server exposes on ``/metrics``: the collector plus two histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.collector = ServeCollector([])
+        self.registry.register(self.collector)
+        self.batch_size = Histogram(
+            "staronnx_batch_size", "Requests per batch the runtime ran (dynamic batching at work)",
+            ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)
+        self.request_seconds = Histogram(
+            "staronnx_request_duration_seconds", "Latency of successful inference requests, server side",
+            ["model"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
+            registry=self.registry)
+
+    def add(self, model: ServedModel) -> None:
+        self.collector.models.append(model)

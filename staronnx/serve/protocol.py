@@ -1,0 +1,159 @@
+"""The KServe v2 (Open Inference Protocol) tensor rules, shared by the HTTP and gRPC front ends.
+
+Both transports describe a tensor the same way (name, datatype, shape, and either typed
+values or raw little-endian bytes), so the checks live here once: a request is turned into
+numpy arrays, or refused with a :class:`ProtocolError` whose ``kind`` each front end maps to
+its own status (HTTP 400/404/503/500, gRPC INVALID_ARGUMENT/NOT_FOUND/UNAVAILABLE/INTERNAL).
+Every message names the input at fault, because the person reading it is a client author who
+cannot see the server's logs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+
+from staronnx.errors import StaronnxError
+
+#: v2 datatype -> numpy dtype (little endian, as the protocol's raw bytes are)
+DATATYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype(np.bool_),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
+}
+_BY_NUMPY = {dt.name: name for name, dt in DATATYPES.items()}
+
+#: the InferTensorContents field that carries each datatype in gRPC (FP16 has none: raw only)
+GRPC_CONTENTS: dict[str, str] = {
+    "BOOL": "bool_contents",
+    "UINT8": "uint_contents", "UINT16": "uint_contents", "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+}
+
+#: protocol errors and what they mean to each transport
+KINDS = {
+    "invalid": (400, "INVALID_ARGUMENT"),
+    "not_found": (404, "NOT_FOUND"),
+    "unavailable": (503, "UNAVAILABLE"),
+    "internal": (500, "INTERNAL"),
+}
+
+
+class ProtocolError(StaronnxError):
+    """A request the protocol says to refuse; ``kind`` is a key of :data:`KINDS`."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+    @property
+    def http_status(self) -> int:
+        return KINDS[self.kind][0]
+
+    @property
+    def grpc_code(self) -> str:
+        """The name of a ``grpc.StatusCode`` (kept as a string so HTTP never imports grpc)."""
+        return KINDS[self.kind][1]
+
+
+def invalid(message: str) -> ProtocolError:
+    return ProtocolError("invalid", message)
+
+
+def datatype_of(dtype: str | np.dtype) -> str:
+    """The v2 datatype of a plan's dtype name (``float32`` -> ``FP32``)."""
+    name = np.dtype(dtype).name
+    try:
+        return _BY_NUMPY[name]
+    except KeyError:
+        raise StaronnxError(
+            f"dtype {name} has no KServe v2 datatype this server speaks ({', '.join(DATATYPES)})"
+        ) from None
+
+
+def metadata_shape(shape: Sequence[int | str | None]) -> list[int]:
+    """A plan's shape for model metadata: symbolic or unknown dims are ``-1``."""
+    return [d if isinstance(d, int) else -1 for d in shape]
+
+
+def check_shape(name: str, shape: Any) -> list[int]:
+    """The request's shape as non-negative ints, or an INVALID_ARGUMENT naming the input."""
+    if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+        raise invalid(f"input {name!r}: 'shape' must be a list of integers, got {shape!r}")
+    if any(d < 0 for d in shape):
+        raise invalid(f"input {name!r}: shape {list(shape)} has a negative dimension")
+    return [int(d) for d in shape]
+
+
+def _dtype_for(name: str, datatype: Any) -> np.dtype:
+    if datatype not in DATATYPES:
+        raise invalid(
+            f"input {name!r}: datatype {datatype!r} is not one this server speaks ({', '.join(DATATYPES)})"
+        )
+    return DATATYPES[datatype]
+
+
+def from_raw(name: str, datatype: Any, shape: Any, raw: bytes | bytearray | memoryview) -> np.ndarray:
+    """A tensor from raw bytes (HTTP binary extension, gRPC raw_input_contents).
+
+    The byte count must be exactly what the shape and datatype call for: a short or long
+    buffer means the client and server disagree about the tensor, and guessing would hand the
+    model garbage.
+    """
+    dims = check_shape(name, shape)
+    dtype = _dtype_for(name, datatype)
+    expected = math.prod(dims) * dtype.itemsize
+    if len(raw) != expected:
+        raise invalid(
+            f"input {name!r}: {len(raw)} bytes of data, but shape {dims} of {datatype} needs {expected}"
+        )
+    # frombuffer keeps a view on the request's bytes (no copy); the runtime only reads feeds
+    return np.frombuffer(raw, dtype=dtype).reshape(dims)
+
+
+def from_values(name: str, datatype: Any, shape: Any, values: Any) -> np.ndarray:
+    """A tensor from typed values (HTTP JSON ``data``, flat or nested; gRPC ``contents``)."""
+    dims = check_shape(name, shape)
+    dtype = _dtype_for(name, datatype)
+    try:
+        arr = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise invalid(f"input {name!r}: data is not a (nested) list of {datatype} values: {exc}") from None
+    if arr.size != math.prod(dims):
+        raise invalid(
+            f"input {name!r}: {arr.size} values of data, but shape {dims} holds {math.prod(dims)}"
+        )
+    return arr.reshape(dims)
+
+
+def to_raw(array: np.ndarray) -> bytes:
+    """Row-major little-endian bytes of an output."""
+    arr = np.ascontiguousarray(array)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr.tobytes()
+
+
+def select_outputs(available: Sequence[str], requested: Sequence[str] | None, model: str) -> list[str]:
+    """The outputs to return: those named (each must exist), else all of the model's."""
+    if not requested:
+        return list(available)
+    unknown = [n for n in requested if n not in available]
+    if unknown:
+        raise invalid(f"model {model!r} has no output(s) {unknown}; its outputs are {list(available)}")
+    return list(dict.fromkeys(requested))

@@ -1,0 +1,442 @@
+"""``staronnx serve`` end to end: the real CLI in a subprocess on free ports, driven by Triton's
+own clients (tritonclient HTTP and gRPC) as a user would, plus crafted bodies for the error
+cases a well-behaved client never sends.
+
+The server process imports its own KServe stubs; this process imports tritonclient's, so the
+two never share protobuf's default descriptor pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import onnx
+import pytest
+import tritonclient.grpc as tgrpc
+import tritonclient.http as thttp
+from prometheus_client.parser import text_string_to_metric_families
+from tritonclient.grpc import service_pb2, service_pb2_grpc
+from tritonclient.utils import InferenceServerException
+
+from staronnx import partition
+from staronnx.cli import main
+from staronnx.plan import Plan
+from staronnx.zoo import chain, fragile
+
+pytestmark = pytest.mark.timeout(120)
+
+ROWS = 3  # a client batch: split into samples by the server, coalesced with everyone else's
+
+
+# -- the server process ------------------------------------------------------------------------
+def _groups() -> str:
+    """Two explicit one-PU groups on PUs this process may use (one where there is only one)."""
+    pus = sorted(os.sched_getaffinity(0))[:2]
+    return ";".join(str(p) for p in pus)
+
+
+@dataclass
+class Served:
+    proc: subprocess.Popen
+    http: str  # host:port
+    grpc: str
+    metrics: str  # http://host:port/metrics
+    lines: list[str]
+
+    def stop(self, timeout: float = 30.0) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+
+def start_server(plans: list[Path], tmp: Path, *args: str) -> Served:
+    """``python -m staronnx serve PLANS --*-port 0 ...``; wait for its 'ready' line, parse the ports."""
+    cmd = [sys.executable, "-m", "staronnx", "serve", *map(str, plans), "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--groups", _groups(), *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "STARONNX_HOME": str(tmp / "home")})
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("ready"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(60) or proc.poll() is not None:
+        proc.kill()
+        raise AssertionError("server did not start:\n" + "\n".join(lines))
+    text = "\n".join(lines)
+    http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text).group(1)
+    grpc_addr = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text).group(1)
+    metrics = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", text).group(1)
+    return Served(proc, http, grpc_addr, metrics, lines)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> dict[str, Plan]:
+    root = tmp_path_factory.mktemp("serve")
+    onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
+    onnx.save(fragile(), str(root / "fragile.onnx"))
+    return {
+        "tiny": partition(root / "chain.onnx", parts=2, method="linear", output_dir=root / "chain", costs="estimate"),
+        "fragile": partition(root / "fragile.onnx", parts=2, method="linear", output_dir=root / "fragile",
+                             input_shapes=["x=1x8"], costs="estimate"),
+    }
+
+
+@pytest.fixture(scope="module")
+def server(plans, tmp_path_factory):
+    """Both plans, the first renamed with --name; dynamic batching up to 4 samples, 2 ms."""
+    tmp = tmp_path_factory.mktemp("server")
+    s = start_server([plans["tiny"].root, plans["fragile"].root], tmp, "--name", "tiny", "--name", "fragile",
+                     "--host", "127.0.0.1", "--policy", "eager", "--engine", "native", "--cuda-streams", "0",
+                     "--batch-size", "4", "--max-delay", "2ms", "--queue-capacity", "64", "--max-body", "1MiB",
+                     "--drain-timeout", "10s")
+    yield s
+    rc = s.stop()
+    assert rc == 0, "\n".join(s.lines)
+
+
+def _x(n: int, seed: int = 0, d: int = 8) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
+
+
+def _check(plan: Plan, x: np.ndarray, y: np.ndarray) -> None:
+    np.testing.assert_allclose(y, plan.run_reference({"x": x})["y"], rtol=1e-5, atol=1e-5)
+
+
+def _http_infer(client, x: np.ndarray, *, binary_in: bool = True, binary_out: bool = True, model: str = "tiny",
+                request_id: str = ""):
+    inp = thttp.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x, binary_data=binary_in)
+    out = thttp.InferRequestedOutput("y", binary_data=binary_out)
+    return client.infer(model, [inp], outputs=[out], request_id=request_id)
+
+
+def _grpc_infer(client, x: np.ndarray, model: str = "tiny", **kw):
+    inp = tgrpc.InferInput("x", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    return client.infer(model, [inp], **kw)
+
+
+def _post(addr: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{addr}{path}", data=body, headers=headers or {}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _metrics(url: str) -> dict[tuple[str, frozenset], float]:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        text = resp.read().decode()
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def _m(metrics: dict, name: str, **labels: str) -> float:
+    return metrics.get((name, frozenset(labels.items())), 0.0)
+
+
+# -- health and metadata -----------------------------------------------------------------------
+def test_health_and_metadata_http_and_grpc(server):
+    h = thttp.InferenceServerClient(server.http)
+    g = tgrpc.InferenceServerClient(server.grpc)
+    for c in (h, g):
+        assert c.is_server_live() and c.is_server_ready()
+        assert c.is_model_ready("tiny") and c.is_model_ready("fragile")
+    assert h.get_server_metadata()["name"] == "staronnx"
+    assert "binary_tensor_data" in g.get_server_metadata().extensions
+    meta = h.get_model_metadata("tiny")
+    assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}]
+    assert meta["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [-1, 8]}]
+    gmeta = g.get_model_metadata("fragile", model_version="1")
+    assert [(t.name, t.datatype, list(t.shape)) for t in gmeta.inputs] == [("x", "FP32", [-1, -1])]
+    assert [(t.name, list(t.shape)) for t in gmeta.outputs] == [("y", [-1, 4])]
+    with pytest.raises(InferenceServerException) as e:
+        h.get_model_metadata("nope")
+    assert e.value.status() == "404" and "nope" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        g.get_model_metadata("tiny", model_version="7")
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+
+
+# -- inference ---------------------------------------------------------------------------------
+def test_http_inference_binary_and_json_equal_the_reference(server, plans):
+    h = thttp.InferenceServerClient(server.http)
+    x = _x(ROWS, seed=1)
+    for binary_in in (True, False):
+        for binary_out in (True, False):
+            res = _http_infer(h, x, binary_in=binary_in, binary_out=binary_out, request_id="req-7")
+            _check(plans["tiny"], x, res.as_numpy("y"))
+            assert res.get_response()["id"] == "req-7"
+    # no outputs named: all of them, binary (tritonclient asks binary_data_output)
+    inp = thttp.InferInput("x", [1, 8], "FP32")
+    inp.set_data_from_numpy(x[:1])
+    _check(plans["tiny"], x[:1], h.infer("tiny", [inp]).as_numpy("y"))
+
+
+def test_grpc_inference_raw_and_typed_contents_equal_the_reference(server, plans):
+    g = tgrpc.InferenceServerClient(server.grpc)
+    x = _x(ROWS, seed=2)
+    res = _grpc_infer(g, x, request_id="g-1", outputs=[tgrpc.InferRequestedOutput("y")])
+    _check(plans["tiny"], x, res.as_numpy("y"))
+    assert res.get_response().id == "g-1"
+    # typed contents (fp32_contents) instead of raw bytes, through the protocol's own messages
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.grpc))
+    req = service_pb2.ModelInferRequest(model_name="fragile")
+    t = req.inputs.add(name="x", datatype="FP32", shape=[2, 8])
+    t.contents.fp32_contents.extend(_x(2, seed=3).ravel().tolist())
+    resp = stub.ModelInfer(req, timeout=30)
+    y = np.frombuffer(resp.raw_output_contents[0], dtype=np.float32).reshape(list(resp.outputs[0].shape))
+    _check(plans["fragile"], _x(2, seed=3), y)
+
+
+def test_200_concurrent_requests_from_8_threads_all_correct(server, plans):
+    def client(t: int) -> int:
+        http = t % 2 == 0
+        c = thttp.InferenceServerClient(server.http) if http else tgrpc.InferenceServerClient(server.grpc)
+        for i in range(25):
+            x = _x(1 + (i % 2), seed=1000 * t + i)
+            res = _http_infer(c, x) if http else _grpc_infer(c, x)
+            _check(plans["tiny"], x, res.as_numpy("y"))
+        return 25
+
+    before = _metrics(server.metrics)
+    with ThreadPoolExecutor(8) as pool:
+        assert sum(pool.map(client, range(8))) == 200
+    after = _metrics(server.metrics)
+    d = lambda name: _m(after, name, model="tiny", version="1") - _m(before, name, model="tiny", version="1")  # noqa: E731
+    assert d("nv_inference_request_success") == 200
+    assert d("nv_inference_count") == 8 * (13 * 1 + 12 * 2)  # every sample of every request ran once
+    assert 1 <= d("nv_inference_exec_count") <= d("nv_inference_count")
+
+
+# -- errors ------------------------------------------------------------------------------------
+def test_http_errors_name_the_input(server):
+    body = lambda inputs: json.dumps({"inputs": inputs}).encode()  # noqa: E731
+    ok = {"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}
+    cases = [
+        ({**ok, "name": "z"}, "'z'"),
+        ({**ok, "datatype": "INT32", "data": [0] * 8}, "'x'"),
+        ({**ok, "shape": [1, 9], "data": [0.0] * 9}, "'x'"),
+        ({**ok, "data": [0.0] * 7}, "'x'"),
+        ({**ok, "datatype": "FP99"}, "'x'"),
+    ]
+    for inp, named in cases:
+        status, doc = _post(server.http, "/v2/models/tiny/infer", body([inp]))
+        assert status == 400 and named in doc["error"], (inp, doc)
+    # binary extension: the byte count disagrees with shape x datatype
+    head = json.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 28}}]}).encode()
+    status, doc = _post(server.http, "/v2/models/tiny/infer", head + b"\0" * 28,
+                        {"Inference-Header-Content-Length": str(len(head))})
+    assert status == 400 and "'x'" in doc["error"] and "28 bytes" in doc["error"], doc
+    status, doc = _post(server.http, "/v2/models/tiny/infer", b'{"inputs": [')
+    assert status == 400 and "malformed JSON" in doc["error"]
+    status, doc = _post(server.http, "/v2/models/tiny/infer", b"{}" + b" " * (2 * 2**20))
+    assert status == 400 and "--max-body" in doc["error"]
+    status, doc = _post(server.http, "/v2/models/nope/infer", body([ok]))
+    assert status == 404 and "nope" in doc["error"]
+    # the same through tritonclient: a datatype the model does not take
+    h = thttp.InferenceServerClient(server.http)
+    inp = thttp.InferInput("x", [1, 8], "FP64")
+    inp.set_data_from_numpy(np.zeros((1, 8)))
+    with pytest.raises(InferenceServerException) as e:
+        h.infer("tiny", [inp])
+    assert e.value.status() == "400" and "'x'" in e.value.message() and "FP32" in e.value.message()
+
+
+def test_grpc_errors_name_the_input(server):
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.grpc))
+
+    def call(name="x", datatype="FP32", shape=(1, 8), raw=b"\0" * 32, model="tiny"):
+        req = service_pb2.ModelInferRequest(model_name=model)
+        req.inputs.add(name=name, datatype=datatype, shape=list(shape))
+        req.raw_input_contents.append(raw)
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req, timeout=30)
+        return e.value.code(), e.value.details()
+
+    for kw in ({"name": "z"}, {"datatype": "INT32"}, {"shape": (1, 4, 2)}, {"raw": b"\0" * 31}):
+        code, details = call(**kw)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and repr(kw.get("name", "x")) in details, (kw, details)
+    assert call(model="nope")[0] == grpc.StatusCode.NOT_FOUND
+    # over --max-body (1 MiB): gRPC's core refuses the message before any handler runs
+    code, _ = call(shape=(40000, 8), raw=b"\0" * (40000 * 32))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_failing_part_fails_its_own_request_only(server, plans):
+    """fragile's last MatMul needs d = 8: d = 5 passes every check and fails inside ORT."""
+    h = thttp.InferenceServerClient(server.http)
+    g = tgrpc.InferenceServerClient(server.grpc)
+    bad = _x(1, d=5)
+    with pytest.raises(InferenceServerException) as e:
+        _http_infer(h, bad, model="fragile")
+    assert e.value.status() == "500" and "part" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        _grpc_infer(g, bad, model="fragile")
+    assert e.value.status() == "StatusCode.INTERNAL"
+    good = _x(2, seed=5)
+    _check(plans["fragile"], good, _http_infer(h, good, model="fragile").as_numpy("y"))
+
+
+def test_a_full_queue_answers_503_unavailable_at_once_and_keeps_serving(server, plans):
+    """A request of 4096 samples cannot fit a 64-sample queue: refused whole, nothing grows."""
+    h = thttp.InferenceServerClient(server.http)
+    g = tgrpc.InferenceServerClient(server.grpc)
+    big = _x(4096, seed=6)
+    before = _metrics(server.metrics)
+    with pytest.raises(InferenceServerException) as e:
+        _http_infer(h, big)
+    assert e.value.status() == "503" and "queue is full" in e.value.message()
+    with pytest.raises(InferenceServerException) as e:
+        _grpc_infer(g, big)
+    assert e.value.status() == "StatusCode.UNAVAILABLE"
+    after = _metrics(server.metrics)
+    assert (_m(after, "nv_inference_request_failure", model="tiny", version="1", reason="REJECTED")
+            - _m(before, "nv_inference_request_failure", model="tiny", version="1", reason="REJECTED")) == 2
+    x = _x(2, seed=7)
+    _check(plans["tiny"], x, _grpc_infer(g, x).as_numpy("y"))
+
+
+def test_clients_that_go_away_cost_the_others_nothing(server, plans):
+    g = tgrpc.InferenceServerClient(server.grpc)
+    with pytest.raises(InferenceServerException):
+        _grpc_infer(g, _x(64, seed=8), client_timeout=1e-4)  # the client gives up at once
+    with socket.create_connection(tuple(server.http.rsplit(":", 1)[0:1]) + (int(server.http.rsplit(":", 1)[1]),)) as s:
+        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"inp")
+    x = _x(ROWS, seed=9)
+    _check(plans["tiny"], x, _http_infer(thttp.InferenceServerClient(server.http), x).as_numpy("y"))
+    _check(plans["tiny"], x, _grpc_infer(g, x).as_numpy("y"))
+
+
+# -- metrics -----------------------------------------------------------------------------------
+def test_metrics_show_the_counts_sent(server):
+    h = thttp.InferenceServerClient(server.http)
+    before = _metrics(server.metrics)
+    for i in range(5):
+        _http_infer(h, _x(2, seed=100 + i))
+    status, _ = _post(server.http, "/v2/models/tiny/infer", b"not json")
+    assert status == 400
+    after = _metrics(server.metrics)
+
+    def d(name: str, **labels: str) -> float:
+        return _m(after, name, **labels) - _m(before, name, **labels)
+
+    tiny = {"model": "tiny", "version": "1"}
+    assert d("nv_inference_request_success", **tiny) == 5
+    assert d("nv_inference_count", **tiny) == 10
+    assert d("nv_inference_request_failure", reason="OTHER", **tiny) == 1
+    assert d("nv_inference_request_duration_us", **tiny) > d("nv_inference_compute_infer_duration_us", **tiny) > 0
+    assert d("staronnx_request_duration_seconds_count", model="tiny") == 5
+    assert d("staronnx_batch_size_sum", model="tiny") == 10
+    tasks = sum(v for (n, lab), v in after.items() if n == "staronnx_tasks_total" and ("model", "tiny") in lab)
+    assert tasks >= 2 * _m(after, "nv_inference_exec_count", **tiny)  # two parts per batch
+    assert any(n == "staronnx_worker_busy_ratio" for n, _ in after)
+    assert ("staronnx_queue_length", frozenset({"model": "tiny"}.items())) in after
+
+
+# -- batching across clients, shutdown --------------------------------------------------------
+def test_requests_from_several_clients_share_a_batch_and_sigterm_drains(plans, tmp_path):
+    """Batches of 4 with a 3 s delay: 4 one-sample clients (HTTP and gRPC) make exactly one
+    batch of 4. Then 3 more wait together in the queue; SIGTERM stops the listeners, lets their
+    batch run, answers them all, and the process exits 0."""
+    s = start_server([plans["tiny"].root], tmp_path, "--batch-size", "4", "--max-delay", "3s")  # served as "chain"
+    try:
+        def clients(seeds: range) -> tuple[list[threading.Thread], dict[int, np.ndarray], list[BaseException]]:
+            results: dict[int, np.ndarray] = {}
+            errors: list[BaseException] = []
+
+            def client(i: int) -> None:
+                try:
+                    c = tgrpc.InferenceServerClient(s.grpc) if i % 2 else thttp.InferenceServerClient(s.http)
+                    x = _x(1, seed=i)
+                    res = _grpc_infer(c, x, model="chain") if i % 2 else _http_infer(c, x, model="chain")
+                    results[i] = res.as_numpy("y")
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in seeds]
+            for t in threads:
+                t.start()
+            return threads, results, errors
+
+        def check(threads, results, errors, n: int) -> None:
+            for t in threads:
+                t.join(30)
+            assert not errors and len(results) == n, errors
+            for i, y in results.items():
+                _check(plans["tiny"], _x(1, seed=i), y)
+
+        check(*clients(range(4)), 4)  # a full batch leaves at once, long before the 3 s delay
+        m = _metrics(s.metrics)
+        labels = {"model": "chain", "version": "1"}
+        assert _m(m, "nv_inference_exec_count", **labels) == 1 and _m(m, "nv_inference_count", **labels) == 4
+        assert _m(m, "staronnx_batch_size_sum", model="chain") == 4
+
+        threads, results, errors = clients(range(10, 13))
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:  # all three queued, none answered (the batch waits to fill)
+            if _m(_metrics(s.metrics), "staronnx_queue_length", model="chain") == 3:
+                break
+            time.sleep(0.02)
+        else:
+            raise AssertionError(f"the three requests never sat in the queue together: {errors}")
+        s.proc.send_signal(signal.SIGTERM)
+        check(threads, results, errors, 3)
+        assert s.proc.wait(30) == 0
+        out = "\n".join(s.lines)
+        assert "stopping" in out and "stopped" in out and "Traceback" not in out
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+# -- the command line --------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--max-body", "lots"], "sizes look like"),
+    (["--name", "a", "--name", "b"], "--name given 2 time(s) for 1 plan(s)"),
+    (["--http-port", "70000"], "--http-port must be between"),
+    (["--max-delay", "soon"], "durations look like"),
+    (["--batch-size", "0"], "--batch-size must be at least 1"),
+])
+def test_cli_refuses_bad_options_in_one_line(plans, args, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(plans["tiny"].root), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("staronnx: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_cli_port_in_use_is_one_line_and_exit_2(plans, tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "staronnx", "serve", str(plans["tiny"].root), "--http-port", str(port),
+             "--grpc-port", "0", "--metrics-port", "0", "--groups", _groups()],
+            capture_output=True, text=True, timeout=60, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2
+    assert f"staronnx: error: cannot listen on 127.0.0.1:{port} for http" in proc.stderr
+    assert "Traceback" not in proc.stderr
