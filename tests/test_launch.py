@@ -164,3 +164,24 @@ def test_the_starpu_engine_refuses_cuda_streams_in_one_line_whether_starpu_is_he
     )
     assert out.returncode == 2, out.stderr
     assert "CPU codelets only" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_groups_none_is_the_gpu_alone():
+    topo = Topology.from_synthetic("numa:2 core:4 pu:1")
+    layout = worker_layout(topo, "none", cuda_streams=2)
+    assert len(layout.groups) == 0 and [(d, s) for d, s, _ in layout.cuda] == [(0, 0), (0, 1)]
+    with pytest.raises(GroupError, match="no worker"):
+        worker_layout(topo, "none", cuda_streams=0)
+
+
+def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
+    from staronnx.bench.simulator import sim_workers
+    from staronnx.perfmodels import PerfModelStore
+
+    assert [w.kind for w in sim_workers(Topology.from_synthetic("core:4 pu:1"), "none", cuda_streams=2)] == ["cuda"] * 2
+    feeds = random_plan_feeds(plan2, 2, seed=3)
+    with Runtime(plan2, policy="dmda", cpu_groups="none", cuda_streams=1, cuda_options={"runtime": HostRuntime()},
+                 store=PerfModelStore(tmp_path)) as rt:
+        assert [w.kind for w in rt.workers] == ["cuda"]
+        out = rt.run(feeds)
+    np.testing.assert_allclose(out["logits"], plan2.run_reference(feeds)["logits"], rtol=1e-5, atol=1e-6)

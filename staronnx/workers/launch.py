@@ -8,7 +8,8 @@ the H100 measurements of issue 11 had GPU+CPU at 0.90x GPU alone.  So, unless th
 says otherwise, one core per CUDA worker is held back (``reserve=N``) and each CUDA worker's
 thread is pinned to its own reserved core.  A policy that names ``reserve=`` or an explicit PU
 list keeps what it says; a machine too small to spare a core per worker reserves what it can
-and leaves the CPU groups at least one core.
+and leaves the CPU groups at least one core.  The policy ``none`` starts CUDA workers only (GPU
+alone, the baseline CPU help is judged against).
 """
 
 from __future__ import annotations
@@ -17,10 +18,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from staronnx.workers.groups import CpuGroups, make_groups, policy_reserve
+from staronnx.workers.groups import CpuGroups, GroupError, make_groups, policy_reserve
 from staronnx.workers.topology import Topology
 
-__all__ = ["WorkerLayout", "worker_layout", "start_workers"]
+__all__ = ["NO_CPU", "WorkerLayout", "worker_layout", "start_workers"]
+
+#: the group policy of a GPU-only runtime: CUDA workers and no CPU worker
+NO_CPU = "none"
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,11 @@ def worker_layout(
     if cuda_streams < 0:
         raise ValueError(f"cuda_streams must be >= 0, got {cuda_streams}")
     n_cuda = cuda_streams * len(cuda_devices)
+    if groups.strip().lower() == NO_CPU:
+        if not n_cuda:
+            raise GroupError("CPU groups 'none' leaves no worker at all: add CUDA streams (--cuda-streams N)")
+        cuda = tuple((d, s, None) for d in cuda_devices for s in range(cuda_streams))
+        return WorkerLayout(CpuGroups(NO_CPU, ()), cuda)
     policy = groups
     if n_cuda and policy_reserve(groups) is None:
         spare = len(topology.allowed_cores()) - 1  # the CPU groups keep at least one core

@@ -1,0 +1,324 @@
+"""staronnx against plain ONNX Runtime on a GPU server, side by side in one run (issue 11).
+
+For each model and batch size, throughput in samples/s with numpy in and numpy out and
+``--in-flight`` requests in flight:
+
+- ``ort1``/``ort2``/``ort4``: N plain ``onnxruntime.InferenceSession``s with the CUDA provider,
+  one thread each calling ``run()`` (Triton's ``instance_group { count: N }``);
+- ``gpu``: staronnx, the 1-part plan on ``--streams`` CUDA workers only (``--groups`` none);
+- ``gpu+cpu``: the same plan on the CUDA workers plus the CPU groups, dmda;
+- ``split``: the papers' 85/15 METIS plan, heft, CUDA workers plus CPU groups;
+- ``auto``: ``--shares auto`` (the split this machine's speeds call for), heft;
+- ``cpu``: ORT alone on the CPU cores (what the CPU could add at most);
+
+plus batch-1 latency (median of 30 single requests) for ort1 and each staronnx setup, and the
+max relative error of every staronnx setup's outputs against plain ORT's on the same inputs.
+Every staronnx plan is calibrated first (perf models under a fresh ``STARONNX_HOME``).  Prints
+the table with the ratios to the best ortN and the acceptance checks, and writes it as JSON.
+
+Models: ``googlenet`` and ``resnet50`` exported from torchvision (random weights, fp32, dynamic
+batch) where torch is installed, else the project's shared googlenet.  ``--device cpu`` runs the
+same harness with the CPU provider on a small model (CI's smoke test of this script).
+
+Usage (GPU host): python benchmarks/gpu.py [--models googlenet,resnet50] [--batches 1,8,32]
+                  [--seconds 3] [--streams 2] [--json gpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import GOOGLENET  # noqa: E402
+
+from staronnx import Runtime, partition  # noqa: E402
+from staronnx.calibrate import calibrate  # noqa: E402
+from staronnx.perfmodels import PerfModelStore  # noqa: E402
+from staronnx.workers.launch import start_workers  # noqa: E402
+from staronnx.workers.topology import Topology  # noqa: E402
+
+CUDA = "CUDAExecutionProvider"
+
+
+# ---------------------------------------------------------------------- models
+def export_torchvision(name: str, out: Path) -> Path:
+    """torchvision's ``name`` with random weights as an fp32 ONNX model with a dynamic batch."""
+    import torch
+    import torchvision
+
+    path = out / f"{name}.onnx"
+    if path.exists():
+        return path
+    torch.manual_seed(0)
+    kwargs = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
+    net = getattr(torchvision.models, name)(weights=None, **kwargs).eval()
+    x = torch.randn(1, 3, 224, 224)
+    torch.onnx.export(net, x, str(path), input_names=["input"], output_names=["logits"], opset_version=17,
+                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    return path
+
+
+def tiny_conv(out: Path) -> Path:
+    """A small conv net for ``--device cpu`` smoke runs."""
+    from staronnx.zoo import inception
+
+    path = out / "tiny.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(path))
+    return path
+
+
+def model_path(name: str, out: Path, device: str) -> Path:
+    if device == "cpu":
+        return tiny_conv(out)
+    try:
+        return export_torchvision(name, out)
+    except ImportError:
+        if name != "googlenet":
+            raise SystemExit(f"{name}: torch/torchvision are not installed here, so it cannot be exported")
+        return GOOGLENET
+
+
+def inputs_for(path: Path, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for i in sess.get_inputs():
+        shape = [batch if not isinstance(d, int) or k == 0 else d for k, d in enumerate(i.shape)]
+        feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+# ---------------------------------------------------------------------- measuring
+def closed_loop(submit: Callable[[], Any], wait: Callable[[Any], Any], in_flight: int, seconds: float) -> float:
+    """Requests per second with ``in_flight`` outstanding, for ``seconds`` (after a warm-up)."""
+    window = [submit() for _ in range(in_flight)]
+    for w in window:
+        wait(w)
+    done, start = 0, time.perf_counter()
+    window = [submit() for _ in range(in_flight)]
+    while time.perf_counter() - start < seconds:
+        wait(window.pop(0))
+        done += 1
+        window.append(submit())
+    for w in window:
+        wait(w)
+        done += 1
+    return done / (time.perf_counter() - start)
+
+
+def ort_sessions(path: Path, n: int, device: str, threads: int | None = None) -> list[ort.InferenceSession]:
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if threads:
+        so.intra_op_num_threads = threads
+    # TF32 off on both sides: outputs comparable to fp32 within 1e-3
+    providers: list[Any] = ([(CUDA, {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
+                            else ["CPUExecutionProvider"])
+    return [ort.InferenceSession(str(path), so, providers=providers) for _ in range(n)]
+
+
+def ort_throughput(sessions: list[ort.InferenceSession], feeds: dict[str, np.ndarray], seconds: float) -> float:
+    """Batches/s of N sessions, one thread each calling run() in a loop."""
+    for s in sessions:
+        s.run(None, feeds)
+    counts = [0] * len(sessions)
+    stop = threading.Event()
+
+    def loop(i: int) -> None:
+        while not stop.is_set():
+            sessions[i].run(None, feeds)
+            counts[i] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(sessions))]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def latency_ms(run: Callable[[], Any], n: int = 30) -> float:
+    for _ in range(3):
+        run()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-12))
+
+
+# ---------------------------------------------------------------------- staronnx setups
+def staronnx_setups(path: Path, tmp: Path, args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
+    """Plans (1 part, 85/15, auto) and the runtime settings of each setup."""
+    streams = args.streams if args.device == "cuda" else 0
+    cuda_dev = "cuda" if args.device == "cuda" else "cpu"
+    say(f"{path.stem}: partitioning (1 part, 85/15, auto)")
+    one = partition(path, parts=1, output_dir=tmp / f"{path.stem}-1", costs="estimate", device=cuda_dev)
+    split = partition(path, [0.85, 0.15], output_dir=tmp / f"{path.stem}-85", device=cuda_dev, profile_runs=3)
+    auto = partition(path, "auto", output_dir=tmp / f"{path.stem}-auto", device=cuda_dev, profile_runs=3,
+                     groups=args.groups, cuda_streams=streams, profile_batch=8)
+    say(f"{path.stem}: auto chose {auto.settings['auto_shares']['reason']}")
+    setups = {
+        "gpu": {"plan": one, "policy": "eager", "groups": "none", "cuda_streams": streams},
+        "gpu+cpu": {"plan": one, "policy": "dmda", "groups": args.groups, "cuda_streams": streams},
+        "split": {"plan": split, "policy": "heft", "groups": args.groups, "cuda_streams": streams},
+        "auto": {"plan": auto, "policy": "heft", "groups": args.groups, "cuda_streams": streams},
+    }
+    if args.device == "cpu":  # no GPU: "gpu" is the CPU groups alone, like gpu+cpu with eager
+        setups["gpu"]["groups"] = args.groups
+    return setups
+
+
+def calibrate_setups(setups: dict[str, dict[str, Any]], batches: list[int], store: PerfModelStore,
+                     say: Callable[[str], None]) -> None:
+    done: set[tuple[str, str, int]] = set()
+    for name, s in setups.items():
+        key = (s["plan"].hash, s["groups"], s["cuda_streams"])
+        if key in done:
+            continue
+        done.add(key)
+        say(f"calibrating {name} ({s['plan'].k} part(s), groups {s['groups']}, {s['cuda_streams']} stream(s))")
+        workers = start_workers(s["plan"], groups=s["groups"], cuda_streams=s["cuda_streams"])
+        try:
+            calibrate(s["plan"], batches, workers=workers, store=store, max_runs=30)
+        finally:
+            for w in workers:
+                w.close()
+
+
+def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+    path = model_path(name, tmp, args.device)
+    store = PerfModelStore(tmp / "home")
+    setups = staronnx_setups(path, tmp, args, say)
+    calibrate_setups(setups, args.batches, store, say)
+    ncores = len(Topology.from_system().allowed_cores())
+    rows = []
+    for b in args.batches:
+        feeds = inputs_for(path, b)
+        row: dict[str, Any] = {"model": name, "batch": b}
+        ref = ort_sessions(path, 1, args.device)[0].run(None, feeds)[0]
+        for n in (1, 2, 4):
+            say(f"{name} b={b}: ort{n}")
+            row[f"ort{n}"] = b * ort_throughput(ort_sessions(path, n, args.device), feeds, args.seconds)
+        say(f"{name} b={b}: cpu alone")
+        row["cpu"] = b * ort_throughput(ort_sessions(path, 1, "cpu", threads=max(ncores - args.streams, 1)),
+                                        feeds, min(args.seconds, 2.0))
+        row["errors"] = {}
+        for label, s in setups.items():
+            say(f"{name} b={b}: staronnx {label}")
+            with Runtime(s["plan"], policy=s["policy"], cpu_groups=s["groups"], cuda_streams=s["cuda_streams"],
+                         store=store, cuda_options={"provider_options": {"use_tf32": "0"}} if s["cuda_streams"] else None) as rt:
+                out = rt.run(feeds)
+                row["errors"][label] = rel_error(next(iter(out.values())), ref)
+                row[label] = b * closed_loop(lambda: rt.submit(feeds), lambda f: f.result(), args.in_flight,
+                                             args.seconds)
+                if b == 1:
+                    row[f"{label}_lat_ms"] = latency_ms(lambda: rt.run(feeds))
+        if b == 1:
+            sess = ort_sessions(path, 1, args.device)[0]
+            row["ort1_lat_ms"] = latency_ms(lambda: sess.run(None, feeds))
+        rows.append(row)
+        print(format_row(row), flush=True)
+    return rows
+
+
+# ---------------------------------------------------------------------- report
+COLUMNS = ["ort1", "ort2", "ort4", "gpu", "gpu+cpu", "split", "auto", "cpu"]
+STARONNX = ["gpu", "gpu+cpu", "split", "auto"]
+
+
+def format_row(row: dict[str, Any]) -> str:
+    best_ort = max(row[c] for c in ("ort1", "ort2", "ort4"))
+    best = max(row[c] for c in STARONNX)
+    cells = " | ".join(f"{row[c]:,.0f}" for c in COLUMNS)
+    return (f"| {row['model']} | {row['batch']} | {cells} | {best / best_ort:.2f}x | "
+            f"{row['gpu+cpu'] / row['gpu']:.2f} | {max(row['errors'].values()):.1e} |")
+
+
+def header() -> str:
+    cols = " | ".join(COLUMNS)
+    return (f"| model | batch | {cols} | best staronnx / best ortN | gpu+cpu / gpu | max rel err |\n"
+            "|" + "---|" * (len(COLUMNS) + 5))
+
+
+def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
+    """Issue 11's acceptance, as (statement, held)."""
+    out = []
+    for r in rows:
+        best_ort = max(r[c] for c in ("ort1", "ort2", "ort4"))
+        best = max(r[c] for c in STARONNX)
+        goal = 1.15 if r["batch"] <= 8 else 1.0
+        out.append((f"{r['model']} b={r['batch']}: best staronnx {best / best_ort:.2f}x best ortN (>= {goal})",
+                    best >= goal * best_ort))
+        out.append((f"{r['model']} b={r['batch']}: gpu+cpu {r['gpu+cpu'] / r['gpu']:.2f}x gpu only (>= 0.98)",
+                    r["gpu+cpu"] >= 0.98 * r["gpu"]))
+        err = max(r["errors"].values())
+        out.append((f"{r['model']} b={r['batch']}: max relative error {err:.1e} (< 1e-3)", err < 1e-3))
+        if "ort1_lat_ms" in r:
+            lat = min(r[f"{c}_lat_ms"] for c in STARONNX)
+            out.append((f"{r['model']} b=1: best staronnx latency {lat:.2f} ms vs ort1 {r['ort1_lat_ms']:.2f} ms",
+                        lat <= r["ort1_lat_ms"]))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="googlenet,resnet50")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--in-flight", type=int, default=8)
+    ap.add_argument("--groups", default="numa", help="CPU groups beside the GPU (a core per stream is held back)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--json", type=Path, default=Path("gpu-benchmark.json"))
+    args = ap.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    if args.device == "cuda" and CUDA not in ort.get_available_providers():
+        print(f"benchmarks/gpu.py needs onnxruntime-gpu's {CUDA} (this onnxruntime has "
+              f"{', '.join(ort.get_available_providers())}); use --device cpu for a smoke run", file=sys.stderr)
+        return 2
+    say = lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    tmp = Path(tempfile.mkdtemp(prefix="staronnx-gpu-bench-"))
+    os.environ.setdefault("STARONNX_HOME", str(tmp / "home"))
+    print(f"device {args.device}, {args.streams} CUDA stream(s), CPU groups {args.groups}, "
+          f"{args.in_flight} requests in flight, {args.seconds:g} s per figure; samples/s", flush=True)
+    print(header(), flush=True)
+    rows: list[dict[str, Any]] = []
+    for name in args.models.split(","):
+        rows.extend(measure_model(name.strip(), args, tmp, say))
+    print()
+    results = checks(rows)
+    for text, held in results:
+        print(f"{'PASS' if held else 'FAIL'}  {text}")
+    from staronnx.fsutil import atomic_write_text
+
+    atomic_write_text(args.json, json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                             "rows": rows, "checks": results}, indent=1))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
