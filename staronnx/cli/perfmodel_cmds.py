@@ -100,12 +100,44 @@ def _print_rows(rows, plan: Plan) -> None:
     console.print(table)
 
 
+def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int) -> None:
+    """Which is predicted faster: this plan on the runtime's workers (the LP bound over the
+    calibrated models) or the whole model on the fastest arch alone (the sum of its parts)."""
+    from staronnx.bench.bound import machine_bound
+    from staronnx.bench.simulator import build_machine
+
+    try:
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
+    except StaronnxError as exc:
+        console.print(f"no prediction against one part: {exc}", soft_wrap=True)
+        return
+    means = {(r.part, r.arch, r.batch): r.mean for r in rows if math.isfinite(r.mean)}
+    for batch in sorted({r.batch for r in rows}):
+        alone = {a: sum(means.get((p, a, batch), math.inf) for p in range(plan.k)) for a in machine.archs}
+        arch, whole = min(alone.items(), key=lambda kv: kv[1])
+        try:
+            bound = machine_bound(machine, batch).throughput
+        except Exception:  # noqa: BLE001 - a (part, arch) without a model at this batch size
+            continue
+        if not math.isfinite(whole):
+            continue
+        one = batch / whole
+        faster = "this plan" if bound > one else f"the whole model on {arch} alone"
+        console.print(f"batch {batch}: this plan on {len(machine.workers)} worker(s) (LP bound) {bound:,.0f} "
+                      f"samples/s; the whole model on {arch} alone {one:,.0f}: {faster} is predicted faster "
+                      f"(x{max(bound, one) / min(bound, one):.2f})", soft_wrap=True)
+
+
 @perfmodel_app.command("show")
 def show_cmd(
     plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
     plot: Annotated[Optional[Path], typer.Option(help="Also draw time vs batch size to this PNG.")] = None,
+    groups: Annotated[str, typer.Option(help="CPU groups of the comparison (as for run/sweep).")] = "numa",
+    cuda_streams: Annotated[int, typer.Option(help="CUDA workers of the comparison.")] = 0,
 ) -> None:
-    """Table of every calibrated model of a plan: part, arch, batch, n, mean, stddev, regression."""
+    """Table of every calibrated model of a plan: part, arch, batch, n, mean, stddev, regression;
+    then, per batch size, whether the plan on these workers is predicted faster than the whole
+    model on its fastest device alone."""
     from staronnx.perfmodels import PerfModelStore
 
     plan = Plan.load(plandir)
@@ -117,6 +149,7 @@ def show_cmd(
             f"run `staronnx calibrate {plandir}` first"
         )
     _print_rows(rows, plan)
+    _print_verdict(plan, store, rows, groups, cuda_streams)
     if plot is not None:
         from staronnx.perfmodels.plot import plot_rows
 
