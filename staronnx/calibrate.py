@@ -75,6 +75,7 @@ def calibrate(
     Samples are merged into ``store`` (atomically, under its lock) at the end.
     """
     store = store or PerfModelStore()
+    store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
     report = CalibrationReport()
     lock = threading.Lock()
     for w in workers:

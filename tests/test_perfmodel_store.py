@@ -151,13 +151,15 @@ def test_unusable_file_is_moved_aside_with_a_warning_and_recalibrated(
     with pytest.warns(PerfModelCorruptWarning, match="recalibrated"):
         model = store.load(PLAN, 0, "cpu")
     assert len(model) == 0 and (model.part, model.arch) == (0, "cpu")
-    aside = list(path.parent.glob("part0.cpu.json.corrupt-*"))
-    assert len(aside) == 1 and aside[0].read_bytes() == content
-    assert not path.exists()
-    # The store keeps working: new samples are saved to a fresh file.
+    # a reader leaves the file alone (issue 12: only writers set files aside)
+    assert path.read_bytes() == content
+    assert not list(path.parent.glob("part0.cpu.json.corrupt-*"))
+    # The store keeps working: the writer sets the file aside and saves to a fresh one.
     for _ in range(3):
         model.record(FP, 1.0)
     store.commit(PLAN, model)
+    aside = list(path.parent.glob("part0.cpu.json.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == content
     assert store.load(PLAN, 0, "cpu").entry(FP).n == 2  # type: ignore[union-attr]
 
 
@@ -183,7 +185,11 @@ def test_bus_model_round_trip_and_recovery(tmp_path: Path) -> None:
     store.bus_path().write_text(json.dumps({**HEADER, "kind": "bus", "links": [{"src": "numa0"}]}))
     with pytest.warns(PerfModelCorruptWarning):
         assert store.load_bus().links == {}
+    assert not list(store.bus_path().parent.glob("h.json.corrupt-*"))  # a reader only warns
+    with pytest.warns(PerfModelCorruptWarning):
+        store.save_bus(bus)
     assert list(store.bus_path().parent.glob("h.json.corrupt-*"))
+    assert store.load_bus().links == bus.links
 
 
 def test_atomic_writes_leave_no_temp_files(tmp_path: Path, monkeypatch: MonkeyPatch) -> None:

@@ -46,6 +46,7 @@ def calibrate_cmd(
     plan = Plan.load(plandir)
     sizes = _batch_sizes(batch_sizes)
     store = PerfModelStore()
+    store.check_writable()  # one line now, not after starting workers and measuring
     workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams)
     try:
         console.print(

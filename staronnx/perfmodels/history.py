@@ -29,6 +29,11 @@ Two deliberate differences from StarPU:
   make an entry calibrated: :meth:`HistoryModel.needs_samples` stays true, so the runtime keeps
   measuring that size until its own history takes over.
 
+Merging runs (two processes, or a serving process and a calibration, sharing a store): each
+run judges its own samples against what it knows; the merge adds its accepted samples as they
+are and applies its resets only to what that run saw, so a run never discards another run's
+measurements (:meth:`HistoryModel.replay`).
+
 Models are thread-safe: workers record from their own threads while the scheduler predicts.
 """
 
@@ -164,11 +169,14 @@ class PendingSample(NamedTuple):
     """A sample recorded in memory but not yet merged into the on-disk model.
 
     ``seconds is None`` records that the entry was created (and its first sample dropped), so
-    that replaying on disk creates the entry without counting the warm-up sample.
+    that replaying on disk creates the entry without counting the warm-up sample. ``outcome``
+    is the recording run's verdict on the sample; a merge applies it as it is (see
+    :meth:`HistoryModel.replay`). ``None`` (a hand-built journal) lets the merge judge it.
     """
 
     footprint: Footprint
     seconds: float | None
+    outcome: SampleOutcome | None = None
 
 
 @dataclass(frozen=True)
@@ -230,6 +238,9 @@ class HistoryModel:
         self.use_regression = use_regression
         self.min_regression_sizes = int(min_regression_sizes)
         self._entries: dict[Footprint, HistoryEntry] = {}
+        #: the entries as last read from (or written to) the store: what this run "saw" of
+        #: the stored history, which a reset in this run may discard there (see replay)
+        self._baseline: dict[Footprint, HistoryEntry] = {}
         self._unsaved: list[PendingSample] = []
         self._fits: dict[int, NLRegression | None] = {}
         self._lock = threading.RLock()
@@ -242,7 +253,7 @@ class HistoryModel:
         with self._lock:
             created = footprint not in self._entries
             outcome = self._apply(self._entries, footprint, value)
-            self._unsaved.append(PendingSample(footprint, None if created else value))
+            self._unsaved.append(PendingSample(footprint, None if created else value, outcome))
             return outcome
 
     def _apply(
@@ -260,12 +271,29 @@ class HistoryModel:
                 self._fits.pop(footprint.shape_hash, None)
         return outcome
 
-    def replay(self, samples: Iterable[PendingSample]) -> None:
-        """Apply another model's journal to this one (the on-disk merge), without journaling."""
+    def replay(
+        self,
+        samples: Iterable[PendingSample],
+        baseline: Mapping[Footprint, HistoryEntry] | None = None,
+    ) -> None:
+        """Apply another model's journal to this one (the on-disk merge), without journaling.
+
+        The recording run's verdicts stand: its accepted samples are added, its outliers
+        counted, whatever this model's mean is. Judging them again here would let one
+        process's samples reset another's: two calibrations at once on a loaded machine
+        measure different times, and StarPU's reset (errors >= samples) would empty the
+        entry of the first to merge. A reset in the recording run means its history had
+        drifted: it removes what that run saw (``baseline``, the entries it loaded, plus its
+        own earlier samples), not the samples other processes merged meanwhile.
+        """
         with self._lock:
-            for sample in samples:
-                seconds = None if sample.seconds is None else _check_seconds(sample.seconds)
-                self._apply(self._entries, sample.footprint, seconds)
+            _merge(self._entries, samples, baseline or {}, self.max_error)
+            self._fits.clear()
+
+    def baseline(self) -> dict[Footprint, HistoryEntry]:
+        """Copies of the entries as last read from or written to the store (for replay)."""
+        with self._lock:
+            return {fp: e.copy() for fp, e in self._baseline.items()}
 
     def take_unsaved(self) -> list[PendingSample]:
         """Hand over the journal of samples not yet saved, and clear it."""
@@ -286,6 +314,7 @@ class HistoryModel:
         """
         with self._lock:
             self._unsaved = []
+            self._baseline = {fp: e.copy() for fp, e in self._entries.items()}
             return self.to_dict()
 
     @property
@@ -300,10 +329,11 @@ class HistoryModel:
         recording while the store commits loses nothing.
         """
         with self._lock:
-            entries = {fp: e.copy() for fp, e in other.entries().items()}
-            for sample in self._unsaved:
-                self._apply(entries, sample.footprint, sample.seconds)
+            stored = other.entries()
+            entries = {fp: e.copy() for fp, e in stored.items()}
+            _merge(entries, self._unsaved, stored, self.max_error)
             self._entries = entries
+            self._baseline = stored
             self._fits.clear()
 
     # -- predicting ------------------------------------------------------------------------
@@ -454,11 +484,52 @@ class HistoryModel:
                 if fp in model._entries:
                     raise PerfModelFormatError(f"footprint {fp} appears twice")
                 model._entries[fp] = entry
+            model._baseline = {fp: e.copy() for fp, e in model._entries.items()}
             return model
         except PerfModelFormatError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise PerfModelFormatError(f"malformed history model: {exc!r}") from exc
+
+
+def _merge(
+    entries: dict[Footprint, HistoryEntry],
+    samples: Iterable[PendingSample],
+    baseline: Mapping[Footprint, HistoryEntry],
+    max_error: float,
+) -> None:
+    """Fold a run's journal into ``entries`` with the run's own verdicts (see
+    :meth:`HistoryModel.replay`); ``baseline`` is what the run had loaded."""
+    seen = {fp: e.copy() for fp, e in baseline.items()}  # what the run saw, per footprint
+    for sample in samples:
+        fp = sample.footprint
+        seconds = None if sample.seconds is None else _check_seconds(sample.seconds)
+        entry = entries.setdefault(fp, HistoryEntry())
+        if seconds is None:  # "entry created": the warm-up sample was dropped
+            continue
+        mine = seen.setdefault(fp, HistoryEntry())
+        outcome = sample.outcome
+        if outcome is None:  # no verdict recorded: judge it against this history
+            outcome = entry.add(seconds, max_error)
+            if outcome is SampleOutcome.ACCEPTED:
+                mine.n, mine.sum, mine.sum2 = mine.n + 1, mine.sum + seconds, mine.sum2 + seconds**2
+            continue
+        if outcome is SampleOutcome.ACCEPTED:
+            for e in (entry, mine):
+                e.n += 1
+                e.sum += seconds
+                e.sum2 += seconds * seconds
+        elif outcome is SampleOutcome.OUTLIER:
+            entry.nerror += 1
+            mine.nerror += 1
+        elif outcome is SampleOutcome.RESET:
+            # the run's history had drifted: drop what it saw, keep what others added since
+            if entry.n >= mine.n and entry.sum >= mine.sum * (1 - 1e-9):
+                entry.n -= mine.n
+                entry.sum = max(entry.sum - mine.sum, 0.0) if entry.n else 0.0
+                entry.sum2 = max(entry.sum2 - mine.sum2, 0.0) if entry.n else 0.0
+                entry.nerror = max(entry.nerror - mine.nerror, 0)
+            seen[fp] = HistoryEntry()
 
 
 def _as_int(value: Any) -> int:

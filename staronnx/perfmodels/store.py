@@ -18,20 +18,27 @@ Safety rules, because a serving process, a calibration run and a benchmark may s
   loads, applies the change, and writes. :meth:`PerfModelStore.commit` uses it to *replay* a
   model's unsaved samples into the on-disk state, so two processes recording concurrently add
   up instead of the last writer winning (StarPU overwrites here).
-* **Never crash on a bad file**: a corrupt, truncated or foreign-version file is renamed aside
-  to ``<name>.corrupt-<timestamp>`` with a :class:`PerfModelCorruptWarning` and treated as
-  empty, i.e. recalibrated — the same outcome as StarPU's missing model, with the evidence
-  kept for inspection.
+* **Never crash on a bad file**: a corrupt, truncated or foreign-version file is treated as
+  empty, i.e. recalibrated — the same outcome as StarPU's missing model. Readers (``load``,
+  ``rows``, ``perfmodel show``) only warn (:class:`PerfModelCorruptWarning`, once per file):
+  a read must not change the store. Writers (``commit``, ``update``, ``save``) rename it aside
+  to ``<name>.corrupt-<timestamp>`` before writing, so the evidence is kept for inspection.
+* **Read-only homes**: reading needs no write access (no lock is taken to read). A write to a
+  read-only or foreign home raises :class:`PerfModelStoreReadOnly` (a one-line user error);
+  :meth:`PerfModelStore.check_writable` asks up front, before a calibration measures anything.
 """
 
 from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import json
 import os
 import re
 import socket
+import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -41,6 +48,7 @@ from typing import Any
 
 from filelock import FileLock
 
+from staronnx.errors import StaronnxError
 from staronnx.fsutil import atomic_write_text
 from staronnx.perfmodels.bus import BusModel
 from staronnx.perfmodels.history import (
@@ -61,7 +69,57 @@ _MODEL_FILE_RE = re.compile(r"^part([0-9]+)\.([A-Za-z0-9_-]+)\.json$")
 
 
 class PerfModelCorruptWarning(UserWarning):
-    """A model file could not be used; it was moved aside and will be recalibrated."""
+    """A model file could not be used: ignored by readers, moved aside by the next writer."""
+
+
+class PerfModelStoreReadOnly(StaronnxError):
+    """The store's folder cannot be written (read-only file system, no permission)."""
+
+
+class PerfModelStoreReadOnlyWarning(UserWarning):
+    """Serving could not save what it learnt (read-only home): kept in memory only."""
+
+
+#: errnos that mean "this folder cannot be written", as opposed to a failing disk
+_READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _warn_once(key: str, message: str, category: type[Warning]) -> None:
+    """Warn about ``key`` once per process: a serving process reads the same file again and
+    again, and one line says it."""
+    with _warned_lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    warnings.warn(message, category, stacklevel=4)
+
+
+def _file_id(path: Path) -> str:
+    """A file's identity for warn-once: a file damaged again later is warned about again."""
+    try:
+        st = path.stat()
+        return f"{path}|{st.st_size}|{st.st_mtime_ns}"
+    except OSError:
+        return str(path)
+
+
+@contextlib.contextmanager
+def _writing(root: Path) -> Iterator[None]:
+    """Turn "cannot write here" OS errors into :class:`PerfModelStoreReadOnly`."""
+    try:
+        yield
+    except PerfModelStoreReadOnly:
+        raise
+    except OSError as exc:
+        if exc.errno not in _READ_ONLY_ERRNOS:
+            raise
+        raise PerfModelStoreReadOnly(
+            f"cannot write performance models under {root} ({exc.strerror or exc}); "
+            "set STARONNX_HOME to a writable folder",
+        ) from None
 
 
 class _Unusable(Exception):
@@ -153,9 +211,29 @@ class PerfModelStore:
 
     @contextlib.contextmanager
     def _locked(self, path: Path) -> Iterator[None]:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(path) + ".lock", timeout=self.lock_timeout):
-            yield
+        """Hold ``path``'s lock for a read-modify-write (writers only: it creates files)."""
+        with _writing(self.root):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            lock = FileLock(str(path) + ".lock", timeout=self.lock_timeout)
+            lock.acquire()
+        try:
+            with _writing(self.root):
+                yield
+        finally:
+            lock.release()
+
+    def check_writable(self) -> None:
+        """Raise :class:`PerfModelStoreReadOnly` unless models can be written here.
+
+        Calibration calls it before measuring: minutes of measurements that cannot be kept
+        are worth one line up front. A probe file is created and removed (``os.access`` says
+        yes to root on a read-only mount).
+        """
+        with _writing(self.root):
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, probe = tempfile.mkstemp(prefix=".write-probe-", dir=self.root)
+            os.close(fd)
+            os.unlink(probe)
 
     # -- reading with recovery -------------------------------------------------------------
 
@@ -163,7 +241,7 @@ class PerfModelStore:
         """The file's JSON object, ``None`` if absent; raises ``_Unusable`` if unusable."""
         try:
             raw = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
         try:
             data = json.loads(raw.decode("utf-8"))
@@ -193,14 +271,22 @@ class PerfModelStore:
             stacklevel=4,
         )
 
+    def _read_history(self, key: ModelKey) -> HistoryModel | None:
+        """The stored model, None if absent; raises ``_Unusable``/``PerfModelFormatError``."""
+        data = self._read(self.path(key), "history")
+        if data is None:
+            return None
+        model = HistoryModel.from_dict(data, **self._model_options)
+        if (model.part, model.arch) != (key.part, key.arch):
+            raise _Unusable(f"the model of part {model.part} on {model.arch}")
+        return model
+
     def _load_history_locked(self, key: ModelKey) -> HistoryModel:
+        """For writers, under the lock: an unusable file is set aside before it is replaced."""
         path = self.path(key)
         try:
-            data = self._read(path, "history")
-            if data is not None:
-                model = HistoryModel.from_dict(data, **self._model_options)
-                if (model.part, model.arch) != (key.part, key.arch):
-                    raise _Unusable(f"the model of part {model.part} on {model.arch}")
+            model = self._read_history(key)
+            if model is not None:
                 return model
         except (_Unusable, PerfModelFormatError) as exc:
             self._quarantine(path, str(exc))
@@ -209,21 +295,25 @@ class PerfModelStore:
     # -- history models --------------------------------------------------------------------
 
     def load(self, plan_hash: str, part: int, arch: str) -> HistoryModel:
-        """The stored model, or an empty one (missing, or unusable and moved aside)."""
+        """The stored model, or an empty one (missing, or unusable: a warning says so).
+
+        A read changes nothing on disk and takes no lock (writes are atomic, so a good file
+        is read whole): it works from a read-only home, and a reader never moves a file a
+        writer may be about to fix. The next writer sets an unusable file aside.
+        """
         key = ModelKey(plan_hash, part, arch)
-        path = self.path(key)
-        try:  # Lock-free fast path: writes are atomic, so a good file is read whole.
-            data = self._read(path, "history")
-            if data is None:
-                return HistoryModel(part, arch, **self._model_options)
-            model = HistoryModel.from_dict(data, **self._model_options)
-            if (model.part, model.arch) == (part, arch):
-                return model
-        except (_Unusable, PerfModelFormatError):
-            pass
-        # Re-check under the lock before moving anything aside: a writer may just have fixed it.
-        with self._locked(path):
-            return self._load_history_locked(key)
+        try:
+            model = self._read_history(key)
+        except (_Unusable, PerfModelFormatError) as exc:
+            path = self.path(key)
+            _warn_once(
+                _file_id(path),
+                f"performance model {path} is {exc}; ignored (it will be recalibrated, and "
+                "set aside by the next calibration)",
+                PerfModelCorruptWarning,
+            )
+            model = None
+        return model if model is not None else HistoryModel(part, arch, **self._model_options)
 
     def save(self, plan_hash: str, model: HistoryModel) -> None:
         """Overwrite the stored model with ``model`` (discarding what was there).
@@ -233,6 +323,7 @@ class PerfModelStore:
         key = ModelKey(plan_hash, model.part, model.arch)
         path = self.path(key)
         with self._locked(path):
+            self._load_history_locked(key)  # an unusable file is set aside, not overwritten
             self._write_history(path, key, model.checkpoint())
 
     def _write_history(self, path: Path, key: ModelKey, state: dict[str, Any]) -> None:
@@ -278,9 +369,10 @@ class PerfModelStore:
         merged on-disk model.
         """
         pending = model.take_unsaved()
+        baseline = model.baseline()
         key = ModelKey(plan_hash, model.part, model.arch)
         try:
-            merged = self.update(key, lambda disk: disk.replay(pending))
+            merged = self.update(key, lambda disk: disk.replay(pending, baseline))
         except BaseException:
             # Nothing was written: give the samples back so a later commit can retry.
             model.restore_unsaved(pending)
@@ -305,20 +397,16 @@ class PerfModelStore:
     # -- bus model -------------------------------------------------------------------------
 
     def load_bus(self) -> BusModel:
-        """This host's bus model, or an empty one (predicts 0) if none is usable."""
+        """This host's bus model, or an empty one (predicts 0) if none is usable (a reader:
+        an unusable file gets a warning and is left for the next :meth:`save_bus`)."""
         path = self.bus_path()
         try:
             data = self._read(path, "bus")
             return BusModel() if data is None else BusModel.from_dict(data)
-        except (_Unusable, ValueError):
-            pass
-        with self._locked(path):
-            try:
-                data = self._read(path, "bus")
-                return BusModel() if data is None else BusModel.from_dict(data)
-            except (_Unusable, ValueError) as exc:
-                self._quarantine(path, str(exc))
-                return BusModel()
+        except (_Unusable, ValueError) as exc:
+            _warn_once(_file_id(path), f"bus model {path} is {exc}; ignored (it will be recalibrated)",
+                       PerfModelCorruptWarning)
+            return BusModel()
 
     def save_bus(self, bus: BusModel) -> None:
         """Store this host's bus model (a calibration replaces the previous one)."""
@@ -332,6 +420,12 @@ class PerfModelStore:
             **bus.to_dict(),
         }
         with self._locked(path):
+            try:
+                data = self._read(path, "bus")
+                if data is not None:
+                    BusModel.from_dict(data)
+            except (_Unusable, ValueError) as exc:
+                self._quarantine(path, str(exc))  # keep the evidence the new model replaces
             atomic_write_json(path, payload)
 
     # Defined last: inside the class body ``list`` is this method, hence ``builtins.list``.

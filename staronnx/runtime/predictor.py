@@ -15,12 +15,14 @@ from __future__ import annotations
 import functools
 import math
 import threading
+import warnings
 from typing import Mapping
 
 import numpy as np
 
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, HistoryModel, PerfModelStore
+from staronnx.perfmodels.store import PerfModelStoreReadOnly, PerfModelStoreReadOnlyWarning
 from staronnx.runtime.sched import TaskView, WorkerInfo
 
 
@@ -67,6 +69,7 @@ class PerfPredictor:
         self.bus = bus or (store.load_bus() if store is not None else BusModel())
         self._models: dict[tuple[int, str], HistoryModel] = {}
         self._lock = threading.Lock()
+        self._read_only_warned = False
 
     def model(self, part: int, arch: str) -> HistoryModel:
         key = (part, arch)
@@ -108,9 +111,16 @@ class PerfPredictor:
             return
         with self._lock:
             models = list(self._models.values())
-        for m in models:
-            if m.unsaved_count:
-                if self.calibrate >= 2:
-                    self.store.save(self.plan_hash, m)
-                else:
-                    self.store.commit(self.plan_hash, m)
+        try:
+            for m in models:
+                if m.unsaved_count:
+                    if self.calibrate >= 2:
+                        self.store.save(self.plan_hash, m)
+                    else:
+                        self.store.commit(self.plan_hash, m)
+        except PerfModelStoreReadOnly as exc:
+            # serving from a read-only home: the models were read, what was learnt stays here
+            if not self._read_only_warned:
+                self._read_only_warned = True
+                warnings.warn(f"{exc}; what this run learnt is kept in memory only",
+                              PerfModelStoreReadOnlyWarning, stacklevel=2)

@@ -170,11 +170,12 @@ class SharedWeights:
         base = home / "weights"
         try:
             base.mkdir(parents=True, exist_ok=True)
-        except OSError:
+            root = Path(tempfile.mkdtemp(prefix=f"pid{os.getpid()}-", dir=base))
+        except OSError:  # a read-only home (or weights/ left by another user): use /tmp
             base = Path(tempfile.gettempdir()) / "staronnx-weights"
             base.mkdir(parents=True, exist_ok=True)
+            root = Path(tempfile.mkdtemp(prefix=f"pid{os.getpid()}-", dir=base))
         _remove_dead(base)
-        root = Path(tempfile.mkdtemp(prefix=f"pid{os.getpid()}-", dir=base))
         atexit.register(self.close)
         return root
 
