@@ -67,12 +67,16 @@ def calibrate(
     max_runs: int = 60,
     seed: int = 0,
     on_step: Callable[[str], None] | None = None,
+    replace: bool = False,
 ) -> CalibrationReport:
     """Run every part on every worker at every batch size until its history is calibrated.
 
     ``max_runs`` bounds the runs per (worker, part, batch) when measurements keep being
     rejected as outliers (a noisy machine); those entries are reported as uncalibrated.
-    Samples are merged into ``store`` (atomically, under its lock) at the end.
+    Samples are merged into ``store`` (atomically, under its lock) at the end. ``replace``
+    starts from empty models and overwrites the stored ones (StarPU's ``STARPU_CALIBRATE=2``):
+    for models that are calibrated but stale (measurements beat their LP bound), which a merge
+    would leave as they are since calibrated entries take no new samples.
     """
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
@@ -82,7 +86,8 @@ def calibrate(
         for part in range(plan.k):
             key = (part, worker_arch(w))
             if key not in report.models:
-                report.models[key] = store.load(plan.hash, part, key[1])
+                report.models[key] = (HistoryModel(part, key[1]) if replace
+                                      else store.load(plan.hash, part, key[1]))
 
     def drive(worker: Worker, batch: int, values: dict[str, np.ndarray]) -> None:
         arch = worker_arch(worker)
@@ -110,7 +115,11 @@ def calibrate(
             for future in [pool.submit(drive, w, batch, values) for w in workers]:
                 future.result()
     for (part, arch), model in report.models.items():
-        merged = store.commit(plan.hash, model)
+        if replace:
+            store.save(plan.hash, model)
+            merged = model
+        else:
+            merged = store.commit(plan.hash, model)
         report.models[(part, arch)] = merged
         for batch in batch_sizes:
             values_fp = [r for r in merged.rows() if r.batch == batch]

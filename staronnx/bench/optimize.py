@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -125,6 +126,42 @@ class Optimization:
             "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
             "candidates": [c.row() for c in self.candidates],
         })
+
+
+#: measured / bound above which a measurement is not noise: the perf models are stale
+STALE_MARGIN = 1.1
+
+
+def calibrate_command(plan: Plan, groups: str, cuda_streams: int, batch_sizes: Sequence[int]) -> str:
+    """The ``staronnx calibrate`` line that measures these workers' models afresh."""
+    cmd = (f"staronnx calibrate {shlex.quote(str(plan.root))} --groups {shlex.quote(groups)} "
+           f"--batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}")
+    if cuda_streams:
+        cmd += f" --cuda-streams {cuda_streams}"
+    return cmd + " --replace"
+
+
+def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, groups: str,
+                      cuda_streams: int) -> str | None:
+    """The remark on measurements above the LP bound, or None.
+
+    The bound is what the perf models allow at best, so a measured throughput above it (by
+    more than noise) says the models predict the parts slower than they run now: calibrated
+    on a loaded machine, or before a change. Every figure built on them (bound, simulation,
+    the predicted best batch size) is then off, so say it, and how to recalibrate.
+    ``points`` are (batch size, measured samples/s, bound samples/s).
+    """
+    over: dict[int, tuple[float, float]] = {}
+    for b, measured, bound in points:
+        if _finite(measured) and _finite(bound) and bound > 0 and measured > STALE_MARGIN * bound:
+            if b not in over or measured / bound > over[b][0] / over[b][1]:
+                over[b] = (float(measured), float(bound))
+    if not over:
+        return None
+    where = ", ".join(f"b={b}: {m:.1f} vs {bnd:.1f} samples/s" for b, (m, bnd) in sorted(over.items()))
+    return (f"measured throughput above the LP bound ({where}): the perf models are stale (they "
+            f"predict the parts slower than they run now); recalibrate with "
+            f"`{calibrate_command(plan, groups, cuda_streams, list(over))}`")
 
 
 def _finite(v: Any) -> bool:
@@ -303,4 +340,9 @@ def optimize_batch(
     result.best, result.slo_met = choose(measured, slo, bounds)  # type: ignore[arg-type]
     if result.best != predicted_best:
         result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
+    stale = stale_models_note(
+        plan, [(b, (result.candidate(b).measured or {}).get("throughput"), result.candidate(b).bound)
+               for b in result.verified], groups=groups, cuda_streams=cuda_streams)
+    if stale:
+        result.notes.append(stale)
     return result

@@ -645,6 +645,12 @@ def sweep(
                     save()
                     notify(SweepEvent("skipped", index, total, b, rate, skipped=list(rest)))
                     break
+        from staronnx.bench.optimize import stale_models_note  # optimize imports this module
+
+        stale = stale_models_note(plan, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in rows],
+                                  groups=groups, cuda_streams=cuda_streams)
+        if stale:
+            notes.append(stale)
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         save()
         notify(SweepEvent("end", index, total))
