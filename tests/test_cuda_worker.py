@@ -363,3 +363,76 @@ def test_gpu_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> N
     while not no_thread_named(worker.name) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not worker.alive and no_thread_named(worker.name)
+
+
+# ---------------------------------------------------------------- CUDA graphs (opt-in)
+def test_cuda_graphs_give_every_fixed_slot_its_own_graph_and_keep_the_results(parts, reference):
+    with CudaWorker(0, 0, parts, runtime=HostRuntime(), cuda_graphs=True) as worker:
+        assert worker.graph_parts == {0, 1}
+        for i in range(5):
+            for part in (0, 1):
+                for b in (1, 3):
+                    feeds = make_feeds(part, b, seed=i)
+                    assert_close(worker.submit(part, feeds).result(), expected(reference, part, feeds))
+        slots = worker.call(lambda: worker._slots.all())
+        assert slots and all(s.graph_id is not None for s in slots)
+        assert len({s.graph_id for s in slots}) == len(slots)  # one graph per fixed buffer set
+        assert worker.graphs_captured == len(slots)
+
+
+def test_cuda_graphs_skip_slots_whose_outputs_are_not_fixed(tmp_path):
+    path = _nonzero_model(tmp_path / "nz.onnx")
+    with CudaWorker(0, 0, [path], runtime=HostRuntime(), cuda_graphs=True) as worker:
+        for i in range(4):
+            worker.submit(0, {"x": np.random.default_rng(i).standard_normal((2, 8)).astype(np.float32)}).result()
+        slots = worker.call(lambda: worker._slots.all())
+        assert slots and all(s.graph_id is None for s in slots) and worker.graphs_captured == 0
+
+
+def test_a_capture_runs_alone_and_waits_for_running_tasks():
+    from staronnx.workers.cuda import _CaptureLock
+
+    lock = _CaptureLock()
+    events: list[str] = []
+    in_shared = threading.Event()
+    release = threading.Event()
+
+    def task() -> None:
+        with lock.shared():
+            events.append("task in")
+            in_shared.set()
+            release.wait(5)
+            events.append("task out")
+
+    def capture() -> None:
+        with lock.exclusive():
+            events.append("capture")
+
+    t1 = threading.Thread(target=task)
+    t1.start()
+    in_shared.wait(5)
+    t2 = threading.Thread(target=capture)
+    t2.start()
+    time.sleep(0.1)
+    def late() -> None:
+        with lock.shared():
+            events.append("late task")
+
+    t3 = threading.Thread(target=late)
+    t3.start()
+    time.sleep(0.1)
+    assert events == ["task in"]  # the capture waits for the running task, the late task for the capture
+    release.set()
+    for t in (t1, t2, t3):
+        t.join(5)
+    assert events == ["task in", "task out", "capture", "late task"]
+
+
+@needs_gpu
+def test_cuda_graphs_on_the_gpu_match_the_cpu(parts, reference):
+    with CudaWorker(0, 0, parts, provider_options=STRICT_FP32, cuda_graphs=True) as worker:
+        for i in range(6):
+            for part in (0, 1):
+                feeds = make_feeds(part, 4, seed=i)
+                assert_close(worker.submit(part, feeds).result(), expected(reference, part, feeds), tol=1e-3)
+        assert worker.graphs_captured >= 1, "no slot went through its capture"

@@ -117,3 +117,10 @@ def test_cli_partition_on_the_gpu_then_verify(gplan, tmp_path):
     assert part.returncode == 0, part.stderr
     ver = _cli(tmp_path / "home", "plan", "verify", str(out), "--model", str(gplan.source_model), "--batch", "4")
     assert ver.returncode == 0 and "OK" in ver.stdout, ver.stdout + ver.stderr
+
+
+def test_cli_run_with_cuda_graphs(gplan, tmp_path):
+    run = _cli(tmp_path / "home", "run", str(gplan.root), "--batch", "4", "--requests", "60", "--cuda-streams", "2",
+               "--cuda-graphs", "--groups", "none", "--policy", "eager")
+    assert run.returncode == 0, run.stderr
+    assert "cuda0" in run.stdout and "samples/s" in run.stdout

@@ -185,3 +185,26 @@ def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
         assert [w.kind for w in rt.workers] == ["cuda"]
         out = rt.run(feeds)
     np.testing.assert_allclose(out["logits"], plan2.run_reference(feeds)["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_cli_run_cuda_graphs_without_cuda_streams_is_one_clear_line(plan2, tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan2.root), "--cuda-graphs", "--requests", "2"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")})
+    assert out.returncode == 2 and "--cuda-streams" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_runtime_passes_cuda_graphs_to_its_cuda_workers(plan2, tmp_path):
+    from staronnx.perfmodels import PerfModelStore
+
+    feeds = random_plan_feeds(plan2, 2, seed=5)
+    with Runtime(plan2, policy="eager", cpu_groups="none", cuda_streams=1,
+                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": True}, store=PerfModelStore(tmp_path)) as rt:
+        for _ in range(5):
+            out = rt.run(feeds)
+        (worker,) = rt.workers
+    assert worker.cuda_graphs and worker.graphs_captured >= 1
+    np.testing.assert_allclose(out["logits"], plan2.run_reference(feeds)["logits"], rtol=1e-5, atol=1e-6)

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import numpy as np
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
+from staronnx.cli.display import QUIET_HELP, output_console
+from staronnx.cli.display import bar as progress_bar
 from staronnx.errors import StaronnxError
 
-console = Console()
+console = output_console()
 trace_app = typer.Typer(help="Work with runtime traces.", no_args_is_help=True)
 
 
@@ -25,11 +27,20 @@ def run_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy: eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft, or static (a placement-method plan run as placed).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy.")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers per GPU.")] = 0,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs", help="Capture each (part, batch size) as a CUDA graph and replay it "
+                              "(fewer kernel launches at small batches).")] = False,
     max_in_flight: Annotated[int, typer.Option(help="Requests queued at once.")] = 16,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Perfetto/Chrome trace here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+    inputs: Annotated[Optional[Path], typer.Option(
+        help="Real inputs: an .npz keyed by the model's input names, samples along axis 0 "
+             "(numpy.savez); batches cycle through them. Default: random inputs.")] = None,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
-    """Run random inputs through the runtime; print throughput, latency and placement."""
+    """Run requests (random inputs, or --inputs) through the runtime; print throughput,
+    latency and placement. One warm-up request runs first and is left out of every figure."""
+    from staronnx.inputs import batches, load_inputs, samples
     from staronnx.plan import Plan
     from staronnx.runtime.runtime import Runtime
     from staronnx.verify import random_plan_feeds
@@ -37,25 +48,40 @@ def run_cmd(
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
     plan = Plan.load(plandir)
+    real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
-    pool = [random_plan_feeds(plan, batch, seed=seed + i) for i in range(min(requests, 8))]
+    if real is None:
+        pool = [random_plan_feeds(plan, batch, seed=seed + i) for i in range(min(requests, 8))]
+    else:
+        n = samples(real, plan)
+        pool = batches(real, plan, batch, min(requests, max(1, math.ceil(n / batch))))
+        console.print(f"inputs from {inputs}: {n} sample(s)", highlight=False, soft_wrap=True)
     latencies: list[float] = []
-    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace) as rt:
-        rt.run(pool[0])  # warm-up
-        start = time.perf_counter()
-        inflight = []
-        for i in range(requests):
-            if len(inflight) >= max_in_flight:
-                t0, fut = inflight.pop(0)
+    if cuda_graphs and not cuda_streams:
+        raise StaronnxError("--cuda-graphs needs CUDA workers: add --cuda-streams N")
+    cuda_options = {"cuda_graphs": True} if cuda_graphs else None
+    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
+                 cuda_options=cuda_options) as rt:
+        rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
+        warm = rt.stats()
+        with progress_bar(quiet) as progress:
+            done = progress.add_task("requests", total=requests)
+            start = time.perf_counter()
+            inflight = []
+            for i in range(requests):
+                if len(inflight) >= max_in_flight:
+                    t0, fut = inflight.pop(0)
+                    fut.result()
+                    latencies.append(time.perf_counter() - t0)
+                    progress.advance(done)
+                inflight.append((time.perf_counter(), rt.submit(pool[i % len(pool)])))
+            for t0, fut in inflight:
                 fut.result()
                 latencies.append(time.perf_counter() - t0)
-            inflight.append((time.perf_counter(), rt.submit(pool[i % len(pool)])))
-        for t0, fut in inflight:
-            fut.result()
-            latencies.append(time.perf_counter() - t0)
-        elapsed = time.perf_counter() - start
-        stats = rt.stats()
+                progress.advance(done)
+            elapsed = time.perf_counter() - start
+        stats = since(warm, rt.stats())
     lat = np.array(latencies) * 1e3
     console.print(
         f"{requests} requests x batch {batch} with {policy} in {elapsed:.2f} s: "
@@ -63,22 +89,47 @@ def run_cmd(
         f"p90 {np.percentile(lat, 90):.2f} p99 {np.percentile(lat, 99):.2f} max {lat.max():.2f}",
         highlight=False,
     )
-    table = Table(title="placement")
+    table = Table(title="placement (after 1 warm-up request)")
     for col in ("part/arch", "tasks", "measured ms", "predicted ms"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for key, row in stats["tasks"].items():
         pred = row["predicted_ms"]
         table.add_row(key, str(row["tasks"]), f"{row['measured_ms']:.3f}", "-" if pred is None else f"{pred:.3f}")
     console.print(table)
     workers = Table(title="workers")
     for col in ("worker", "arch", "tasks", "busy"):
-        workers.add_column(col)
+        workers.add_column(col, overflow="fold")
     for name, row in stats["workers"].items():
         workers.add_row(name, row["arch"], str(row["tasks"]), f"{row['busy']:.0%}")
     console.print(workers)
     console.print(f"mean queue wait {stats['mean_queue_wait_ms']:.2f} ms")
     if trace is not None:
         console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+
+
+def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``Runtime.stats()`` over the span between two snapshots, so the warm-up request is in
+    no count, mean or busy fraction (the means are weighted back out of the totals)."""
+    tasks: dict[str, dict[str, Any]] = {}
+    for key, row in after["tasks"].items():
+        old = before["tasks"].get(key, {"tasks": 0, "measured_ms": 0.0, "predicted_ms": None})
+        n = row["tasks"] - old["tasks"]
+        if n <= 0:
+            continue
+
+        def mean(field: str, row: dict[str, Any] = row, old: dict[str, Any] = old, n: int = n) -> float | None:
+            if row[field] is None:
+                return None
+            return (row[field] * row["tasks"] - (old[field] or 0.0) * old["tasks"]) / n
+
+        tasks[key] = {"tasks": n, "measured_ms": mean("measured_ms"), "predicted_ms": mean("predicted_ms")}
+    span = max(after["elapsed_s"] - before["elapsed_s"], 1e-9)
+    workers = {}
+    for name, row in after["workers"].items():
+        old = before["workers"].get(name, {"tasks": 0, "busy": 0.0})
+        busy = (row["busy"] * after["elapsed_s"] - old["busy"] * before["elapsed_s"]) / span
+        workers[name] = {**row, "tasks": row["tasks"] - old["tasks"], "busy": min(max(busy, 0.0), 1.0)}
+    return {**after, "tasks": tasks, "workers": workers}
 
 
 @trace_app.command("plot")

@@ -27,6 +27,17 @@ buffers of their own; the others (data-dependent shapes) are left to ORT's arena
 ``cudnn_conv_algo_search`` and :meth:`CudaWorker.warmup` keep cuDNN's algorithm search and the
 first allocations out of timed runs.
 
+CUDA graphs (``cuda_graphs=True``, opt-in): at batch 1-8 a GPU worker waits on kernel launches
+(issue 11: a graph alone gave ONNX Runtime x1.7-2.3 on an H100).  Each slot's buffers never
+move, so once its output shapes are known and every output is bound to a buffer of its own, the
+slot gets a graph id of its own and runs with ORT's ``enable_cuda_graph`` and the
+``gpu_graph_id`` run option: ORT runs it normally, then captures it, then replays it.  Capture
+uses CUDA's global capture mode, where another thread's CUDA call fails the capture (errors
+900/901 when four threads captured at once), so the first :data:`GRAPH_CAPTURE_RUNS` runs of a
+slot hold :data:`GRAPH_LOCK` exclusively while every other graph-enabled task holds it shared.
+A part whose session cannot use graphs (nodes left to the CPU provider) runs without them,
+with one warning.  Not yet measured on a GPU: benchmarks/gpu.py is where it will be judged.
+
 Timing: :attr:`CudaWorkerFuture.compute_seconds` (what ``on_done`` receives and what the
 perf models learn) is the GPU time between events around the run on the compute stream, so it
 excludes input transfers, which the bus model accounts for, as in StarPU.
@@ -37,9 +48,11 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import threading
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,6 +104,53 @@ _ORT_TO_NUMPY: dict[str, np.dtype] = {
         "bool": np.bool_,
     }.items()
 }
+
+
+#: runs of a slot's graph id under the exclusive lock: ORT's regular run(s), then its capture
+GRAPH_CAPTURE_RUNS = 3
+
+
+class _CaptureLock:
+    """Shared for graph-enabled tasks, exclusive for a capturing run (a writer-preferring
+    readers-writer lock: a waiting capture holds new tasks back, so it is never starved)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+#: one per process: CUDA's global capture mode spans every thread of the process
+GRAPH_LOCK = _CaptureLock()
 
 
 # ---------------------------------------------------------------------- availability
@@ -212,6 +272,10 @@ class _Slot:
     bound: list[bool] = field(default_factory=list)  # output i bound to our device buffer
     busy: bool = False
     last_used: int = 0
+    #: CUDA graph of this slot's fixed buffers (None: runs without one) and runs made with it
+    graph_id: int | None = None
+    graph_runs: int = 0
+    run_options: Any = None  # ort.RunOptions carrying gpu_graph_id
 
     def free(self) -> None:
         for t in self.inputs + (self.outputs or []):
@@ -293,7 +357,9 @@ class CudaWorker(ThreadWorker):
     next task's inputs while the current one computes.  ``copy_log`` receives a
     :class:`~staronnx.workers.memory.CopyRecord` per task and direction (GPU-timed), with
     ``host_node`` as the host end.  ``max_slots`` bounds how many (part, batch size) buffer
-    sets stay cached.  ``runtime`` replaces the CUDA runtime: a
+    sets stay cached.  ``cuda_graphs`` captures each
+    (part, batch size) buffer set as a CUDA graph and replays it (see the module's doc).
+    ``runtime`` replaces the CUDA runtime: a
     :class:`~staronnx.workers.cudart.HostRuntime` runs the same pipeline on the CPU provider
     with host memory (how it is tested without a GPU).  Without one, the constructor raises
     :class:`DeviceError` when ONNX Runtime's CUDA provider, cuda-python or the device is
@@ -326,6 +392,7 @@ class CudaWorker(ThreadWorker):
         max_slots: int = 64,
         on_done: OnDone | None = None,
         runtime: Runtime | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
             raise ValueError(f"cudnn_conv_algo_search must be one of {CONV_ALGO_SEARCHES}, "
@@ -361,6 +428,12 @@ class CudaWorker(ThreadWorker):
         self._streams: dict[str, Any] = {}
         self._run_options: ort.RunOptions | None = None
         self._broken: BaseException | None = None
+        self.cuda_graphs = bool(cuda_graphs)
+        #: parts whose sessions were built with enable_cuda_graph
+        self.graph_parts: set[int] = set()
+        self._next_graph_id = 1
+        #: slots whose graph has been through its capture runs
+        self.graphs_captured = 0
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _start_failure(self, err: BaseException) -> Exception:
@@ -396,6 +469,8 @@ class CudaWorker(ThreadWorker):
         ``on_done`` nor count in :attr:`stats`.  Returns ``(part, batch, compute seconds)`` of
         the last repeat of each.
         """
+        if self.cuda_graphs:  # discovery, then the graph's regular runs and its capture
+            repeats = max(repeats, 1 + GRAPH_CAPTURE_RUNS)
         return self._warmup(
             batch_sizes, make_feeds, repeats,
             lambda part, feeds, b: _Task(part, feeds, CudaWorkerFuture(part, b, self.name), False),
@@ -447,10 +522,25 @@ class CudaWorker(ThreadWorker):
         # Errors reach the caller as exceptions; ORT printing them too (e.g. the expected
         # failure that sends a slot back to ORT-allocated outputs) would be noise.
         self._run_options.log_severity_level = 4
+        if self.cuda_graphs:
+            # runs that must not be captured (output discovery, slots with ORT-allocated outputs)
+            self._run_options.add_run_config_entry("gpu_graph_id", "-1")
         for i, path in enumerate(self.part_paths):
-            self._parts.append(_Part.of(self._load(i, path)))
+            self._parts.append(_Part.of(self._load_with_graphs(i, path)))
 
-    def _providers(self) -> list[Any]:
+    def _load_with_graphs(self, index: int, path: Path) -> ort.InferenceSession:
+        """The part's session, with CUDA graphs where asked and where ORT accepts them."""
+        if not self.cuda_graphs:
+            return self._load(index, path)
+        try:
+            session = self._load(index, path, graphs=True)
+        except (DeviceError, ModelError) as exc:
+            log.warning("%s: part %d runs without CUDA graphs: %s", self.name, index, exc)
+            return self._load(index, path)
+        self.graph_parts.add(index)
+        return session
+
+    def _providers(self, graphs: bool = False) -> list[Any]:
         if self._device_type != "cuda":
             return ["CPUExecutionProvider"]
         options = {
@@ -458,11 +548,12 @@ class CudaWorker(ThreadWorker):
             "user_compute_stream": str(self.stream_handle),
             "cudnn_conv_algo_search": self.cudnn_conv_algo_search,
             "do_copy_in_default_stream": "0",
+            **({"enable_cuda_graph": "1"} if graphs else {}),
             **self._extra_options,
         }
         return [(CUDA_EP, options), "CPUExecutionProvider"]
 
-    def _load(self, index: int, path: Path) -> ort.InferenceSession:
+    def _load(self, index: int, path: Path, graphs: bool = False) -> ort.InferenceSession:
         so = ort.SessionOptions()
         so.log_severity_level = 3
         # Nodes the CUDA provider leaves to the CPU are small (shapes, indices): one thread,
@@ -472,7 +563,7 @@ class CudaWorker(ThreadWorker):
         so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         try:
-            session = ort.InferenceSession(str(path), so, providers=self._providers())
+            session = ort.InferenceSession(str(path), so, providers=self._providers(graphs))
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             text = str(exc)
             if any(w in text.lower() for w in ("cuda", "cudnn", "cublas")):
@@ -506,7 +597,10 @@ class CudaWorker(ThreadWorker):
         try:
             if self._broken is not None:
                 raise DeviceError(f"{self.name} is unusable after a CUDA error: {self._broken}")
-            task.slot = self._stage(task)
+            # staging may allocate pinned memory, which must not happen during another
+            # worker's graph capture
+            with GRAPH_LOCK.shared() if self.cuda_graphs else nullcontext():
+                task.slot = self._stage(task)
             return True
         except BaseException as exc:  # noqa: BLE001 - fails this task only
             self._fail(task, exc)
@@ -566,7 +660,8 @@ class CudaWorker(ThreadWorker):
                 raise DeviceError(f"{self.name} is unusable after a CUDA error: {self._broken}")
             fut.start = time.perf_counter()
             try:
-                values = self._run_slot(slot)
+                with self._graph_guard(slot):
+                    values = self._run_slot(slot)
             except (CudaError, InputError):
                 raise
             except Exception as exc:  # an ORT error: maybe our pre-allocated outputs
@@ -596,6 +691,25 @@ class CudaWorker(ThreadWorker):
         self._record_done(task, compute)
         fut.set_result(values)
 
+    def _graph_guard(self, slot: _Slot) -> Any:
+        """The lock a run of ``slot`` holds: none without graphs, exclusive while its graph is
+        being captured, shared otherwise (no capture may run beside it)."""
+        if not self.cuda_graphs:
+            return nullcontext()
+        if slot.graph_id is not None and slot.graph_runs < GRAPH_CAPTURE_RUNS:
+            return GRAPH_LOCK.exclusive()
+        return GRAPH_LOCK.shared()
+
+    def _give_graph(self, slot: _Slot) -> None:
+        """After output discovery: a graph id for a slot whose every buffer is fixed."""
+        if slot.part not in self.graph_parts or not slot.bound or not all(slot.bound):
+            return
+        slot.graph_id = self._next_graph_id
+        self._next_graph_id += 1
+        slot.run_options = ort.RunOptions()
+        slot.run_options.log_severity_level = 4
+        slot.run_options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
+
     def _run_slot(self, slot: _Slot) -> Outputs:
         """Compute after the inputs' event, copy outputs back after the compute event."""
         part = self._parts[slot.part]
@@ -610,8 +724,13 @@ class CudaWorker(ThreadWorker):
                 binding.bind_output(name, self._device_type, self._bind_device)
         compute.wait(ev["h2d_done"])
         ev["run_start"].record(compute)
-        part.session.run_with_iobinding(binding, self._run_options)
+        graph = slot.graph_id is not None and not discovering
+        part.session.run_with_iobinding(binding, slot.run_options if graph else self._run_options)
         ev["run_done"].record(compute)
+        if graph:
+            slot.graph_runs += 1
+            if slot.graph_runs == GRAPH_CAPTURE_RUNS:
+                self.graphs_captured += 1
 
         # ORT-allocated outputs (first run, data-dependent shapes): read their shapes and
         # addresses now; the kernels filling them may still be running.
@@ -646,6 +765,8 @@ class CudaWorker(ThreadWorker):
                   for t in slot.outputs}
         if discovering:
             self._bind_static_outputs(slot, part)
+            if self.cuda_graphs:
+                self._give_graph(slot)
         return result
 
     def _bind_static_outputs(self, slot: _Slot, part: _Part) -> None:
@@ -661,6 +782,7 @@ class CudaWorker(ThreadWorker):
 
     def _unbind_outputs(self, slot: _Slot) -> None:
         """Fall back to ORT-allocated outputs for this slot (its shapes were not static)."""
+        slot.graph_id, slot.run_options = None, None  # a graph needs fixed output buffers
         for i, t in enumerate(slot.outputs or []):
             if slot.bound[i]:
                 slot.bound[i] = False
