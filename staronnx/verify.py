@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 import onnx
@@ -124,11 +124,17 @@ def verify_plan(
     batch: int = 1,
     input_shapes: dict[str, list[int]] | None = None,
     seed: int = 0,
+    feeds: Mapping[str, np.ndarray] | None = None,
 ) -> VerifyReport:
-    """Run the whole model and the chained parts on the same random feeds and compare."""
+    """Run the whole model and the chained parts on the same feeds and compare: random ones
+    at ``batch``, or ``feeds`` (real inputs, which exercise the paths real data takes)."""
     loaded = load_model(model)
     source = loaded.path if loaded.path is not None else loaded.model
-    feeds = random_plan_feeds(plan, batch, input_shapes, seed)
+    if feeds is None:
+        feeds = random_plan_feeds(plan, batch, input_shapes, seed)
+    else:
+        plan.check_feeds(feeds)
+        feeds = dict(feeds)
     whole = make_session(source)
     names = [o.name for o in whole.get_outputs()]
     missing = [n for n in plan.output_names if n not in names]

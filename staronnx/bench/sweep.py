@@ -132,18 +132,23 @@ def parse_batch_sizes(text: str) -> list[int]:
 _DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e-?[0-9]+)?)\s*(ms|s|m|min)?\s*$", re.IGNORECASE)
 
 
-def parse_duration(text: str | float, *, allow_zero: bool = False) -> float:
+def parse_duration(text: str | float, *, allow_zero: bool = False, option: str | None = None) -> float:
     """Seconds from ``"10s"``, ``"500ms"``, ``"2m"`` or a bare number of seconds (> 0, or
-    >= 0 with ``allow_zero``: a warm-up or a batching delay may be none at all)."""
+    >= 0 with ``allow_zero``: a warm-up or a batching delay may be none at all).
+
+    The one duration syntax of every command (sweep, simulate, optimize-batch); ``option``
+    (``"--duration"``) starts the error message, so the user knows which value to fix.
+    """
+    where = f"{option}: " if option else ""
     if isinstance(text, (int, float)):
         value = float(text)
     else:
         m = _DURATION.match(str(text))
         if not m:
-            raise SweepError(f"durations look like 10s, 500ms, 2m or 1.5; got {text!r}")
+            raise SweepError(f"{where}durations look like 10s, 500ms, 2m or 1.5 (seconds); got {text!r}")
         value = float(m.group(1)) * {"ms": 1e-3, "s": 1.0, "m": 60.0, "min": 60.0}[(m.group(2) or "s").lower()]
     if not (math.isfinite(value) and (value >= 0 if allow_zero else value > 0)):
-        raise SweepError(f"a duration must be {'>=' if allow_zero else '>'} 0 seconds, got {text!r}")
+        raise SweepError(f"{where}a duration must be {'>=' if allow_zero else '>'} 0 seconds, got {text!r}")
     return value
 
 
@@ -178,8 +183,14 @@ Progress = Callable[[SweepEvent], None]
 
 
 # ---------------------------------------------------------------------------- one point
-def sample_pool(plan: Plan, count: int = 16, seed: int = 0) -> list[dict[str, np.ndarray]]:
-    """Single-sample requests (batch dimension 1) reused round-robin by the generator."""
+def sample_pool(plan: Plan, count: int = 16, seed: int = 0,
+                inputs: Mapping[str, np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
+    """Single-sample requests (batch dimension 1) reused round-robin by the generator: random
+    ones, or each sample of real ``inputs`` (see :mod:`staronnx.inputs`)."""
+    if inputs is not None:
+        from staronnx.inputs import batch_of, samples
+
+        return [batch_of(inputs, plan, 1, i) for i in range(samples(inputs, plan))]
     from staronnx.verify import random_plan_feeds
 
     return [random_plan_feeds(plan, 1, seed=seed + i) for i in range(count)]
@@ -437,7 +448,8 @@ def _sim_machine(plan: Plan, *, groups: str, cuda_streams: int, store: Any, note
 
 
 # ---------------------------------------------------------------------------- warm-up
-def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int = 3, seed: int = 0) -> None:
+def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int = 3, seed: int = 0,
+            inputs: Mapping[str, np.ndarray] | None = None) -> None:
     """Run bursts of batches of every size through the runtime before measuring.
 
     Each burst submits several batches at once, more than there are workers, so queues build
@@ -447,9 +459,11 @@ def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int
     """
     from staronnx.verify import random_plan_feeds
 
+    from staronnx.inputs import batch_of
+
     n_workers = max(1, len(getattr(runtime, "workers", ()) or ()))
     for b in batch_sizes:
-        feeds = random_plan_feeds(plan, b, seed=seed)
+        feeds = random_plan_feeds(plan, b, seed=seed) if inputs is None else batch_of(inputs, plan, b, 0)
         for _ in range(rounds):
             futures = [runtime.submit(feeds) for _ in range(3 * n_workers)]
             for f in futures:
@@ -483,6 +497,8 @@ def sweep(
     simulate: bool = False,
     max_delay: float | None = None,
     trace: str | os.PathLike[str] | None = None,
+    inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
+    inputs_path: str | os.PathLike[str] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
@@ -512,6 +528,10 @@ def sweep(
         trace: a Perfetto/Chrome trace of the whole sweep, written when it ends: every task on
             its worker's lane, the server's batch fills, batches and queue length, and one span
             per point on a "sweep points" lane (for a runtime passed in, its own ``trace=``).
+        inputs: real inputs instead of random ones: an ``.npz`` path or its arrays, keyed by
+            input name with the samples along axis 0 (:mod:`staronnx.inputs`); requests cycle
+            through the samples. ``inputs_path`` names the file in ``results.json`` when the
+            arrays are given.
     """
     from staronnx.serving.arrivals import DISTRIBUTIONS
 
@@ -532,6 +552,12 @@ def sweep(
         raise SweepError(f"min_batches must be >= 1, got {min_batches}")
     if max_delay is not None and not (math.isfinite(max_delay) and max_delay >= 0):
         raise SweepError(f"max_delay must be >= 0 seconds, got {max_delay}")
+    if isinstance(inputs, (str, os.PathLike)):
+        from staronnx.inputs import load_inputs
+
+        inputs_path, inputs = inputs, load_inputs(inputs, plan)
+    elif inputs is not None:
+        plan.check_feeds(inputs)
     notify = progress or (lambda event: None)
     total = len(rates) * len(batch_sizes)
     settings: dict[str, Any] = {
@@ -542,6 +568,11 @@ def sweep(
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
     }
+    if inputs is not None:
+        from staronnx.inputs import samples as _samples
+
+        settings["inputs"] = {"path": None if inputs_path is None else str(inputs_path),
+                              "samples": _samples(inputs, plan)}
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     bounds: dict[int, dict[str, Any]] = {}
@@ -580,9 +611,9 @@ def sweep(
         notify(SweepEvent("start", 0, total))
         save()
         for b in batch_sizes:
-            warm_up(runtime, plan, [b], seed=seed)
+            warm_up(runtime, plan, [b], seed=seed, inputs=inputs)
             notify(SweepEvent("warmup", 0, total, batch_size=b))
-        samples = sample_pool(plan, seed=seed)
+        samples = sample_pool(plan, seed=seed, inputs=inputs)
         tracer = getattr(runtime, "tracer", None)
         if tracer is not None:
             tracer.lane(POINTS_LANE, "sweep points")

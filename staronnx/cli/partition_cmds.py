@@ -7,13 +7,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from staronnx.cli.display import QUIET_HELP, output_console, spinner
 from staronnx.errors import PartitionError
 from staronnx.plan import Plan
 
-console = Console()
+console = output_console()
 plan_app = typer.Typer(help="Inspect and check plans.", no_args_is_help=True)
 
 
@@ -39,9 +39,12 @@ def partition_cmd(
     shares: Annotated[
         Optional[str],
         typer.Option(help="Target cost share per part, in execution order, e.g. 0.85,0.15; or 'auto': "
-                          "the split this machine's speeds call for (1 part where a split cannot pay)."),
+                          "the split this machine's speeds call for (1 part where a split cannot pay). "
+                          "Default: 2 equal parts."),
     ] = None,
-    parts: Annotated[Optional[int], typer.Option(help="Number of equal parts (instead of --shares).")] = None,
+    parts: Annotated[Optional[int], typer.Option(
+        help="Number of equal parts, instead of --shares (with it, the two must agree). "
+             "Default: 2 when neither is given.")] = None,
     device: Annotated[Device, typer.Option(help="Device whose node costs weight the cut.")] = Device.cpu,
     input_shape: Annotated[
         Optional[list[str]],
@@ -60,6 +63,7 @@ def partition_cmd(
         help="With --shares auto: the CPU groups that will serve the plan (as for run/sweep).")] = "numa",
     cuda_streams: Annotated[int, typer.Option(
         help="With --shares auto: CUDA workers that will serve the plan (each holds back a core).")] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     speeds_from: Annotated[Optional[Path], typer.Option(
         help="With --shares auto: take the speeds from the calibrated perf models of this 1-part "
              "plan of the same model instead of timing the model now.")] = None,
@@ -79,7 +83,8 @@ def partition_cmd(
 
         speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups,
                                   cuda_streams=cuda_streams)
-    with console.status("partitioning") as status:
+    with spinner(quiet) as progress:
+        step = progress.add_task("partitioning")
         plan = partition(
             model,
             shares,
@@ -94,7 +99,7 @@ def partition_cmd(
             profile_runs=profile_runs,
             tolerance=tolerance,
             force=force,
-            progress=lambda msg: status.update(msg),
+            progress=lambda msg: progress.update(step, description=msg),
             groups=groups,
             cuda_streams=cuda_streams,
             speeds=speeds,
@@ -105,9 +110,10 @@ def partition_cmd(
 
 def print_plan(plan: Plan) -> None:
     """Parts, op counts, cost shares, crossing tensors and bytes, as tables."""
-    table = Table(title=f"plan {plan.root.name}  hash {plan.hash}")
+    table = Table(title=f"{plan.root.name}: {plan.k} part(s), hash {plan.hash}")
     for col in ("part", "nodes", "ops", "cost µs", "share", "target", "inputs", "outputs"):
-        table.add_column(col, justify="right" if col not in ("ops", "inputs", "outputs") else "left")
+        table.add_column(col, justify="right" if col not in ("ops", "inputs", "outputs") else "left",
+                         overflow="fold")
     for p in plan.parts:
         ops = ", ".join(f"{op}×{n}" for op, n in list(p.op_counts.items())[:5])
         if len(p.op_counts) > 5:
@@ -124,7 +130,7 @@ def print_plan(plan: Plan) -> None:
                       + (f"; predicted samples/s: {predicted}" if predicted else ""), soft_wrap=True)
     cross = Table(title=f"crossing tensors — {plan.cut_bytes_per_sample:,} bytes per sample cut")
     for col in ("tensor", "dtype", "shape", "bytes/sample", "from", "to"):
-        cross.add_column(col)
+        cross.add_column(col, overflow="fold")
     for t in plan.crossing:
         cross.add_row(
             t.name, t.dtype, "x".join(str(d) for d in t.shape), f"{t.bytes_per_sample:,}",
@@ -153,18 +159,30 @@ def verify_cmd(
         Optional[list[str]], typer.Option(help="NAME=D1xD2x... for dynamic non-batch dims.")
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
+    inputs: Annotated[Optional[Path], typer.Option(
+        help="Real inputs instead of random ones: an .npz keyed by the model's input names, "
+             "samples along axis 0 (numpy.savez); all its samples form one batch.")] = None,
 ) -> None:
-    """Run MODEL and the chained parts on the same random inputs; exit 0 only when they agree."""
+    """Run MODEL and the chained parts on the same inputs (random, or --inputs); exit 0 only
+    when they agree."""
     from staronnx.partition.api import parse_input_shapes
     from staronnx.verify import RELATIVE_TOLERANCE, verify_plan
 
     if batch < 1:
         raise PartitionError(f"--batch must be at least 1, got {batch}")
     plan = Plan.load(plandir)
-    report = verify_plan(plan, model, batch=batch, input_shapes=parse_input_shapes(input_shape), seed=seed)
-    table = Table(title=f"whole model vs {plan.k} chained parts, batch {batch}")
+    feeds = None
+    if inputs is not None:
+        from staronnx.inputs import load_inputs, samples
+
+        feeds = load_inputs(inputs, plan)
+        batch = samples(feeds, plan)
+    report = verify_plan(plan, model, batch=batch, input_shapes=parse_input_shapes(input_shape), seed=seed,
+                         feeds=feeds)
+    source = f"{inputs}" if inputs is not None else "random inputs"
+    table = Table(title=f"whole model vs {plan.k} chained parts, batch {batch} ({source})")
     for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     for o in report.outputs:
         table.add_row(
             o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
+from staronnx.cli.display import output_console
 from staronnx.errors import StaronnxError
 
-console = Console()
+console = output_console()
 
 
 def _scale(text: str | None) -> float | tuple[float, ...] | None:
@@ -53,10 +53,11 @@ def simulate_cmd(
     cuda_scale: Annotated[str | None, typer.Option(
         help="What-if GPU: its time = this factor x the widest CPU group's (one, or one per part).")] = None,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
-    duration: Annotated[float, typer.Option(help="Seconds of simulated arrivals.")] = 10.0,
+    duration: Annotated[str, typer.Option(help="Simulated arrivals: 10s, 500ms, 2m, or plain seconds.")] = "10s",
     requests: Annotated[int | None, typer.Option(help="Number of requests (instead of --duration).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and execution-time draws.")] = 0,
-    max_delay: Annotated[float | None, typer.Option(help="Seconds the oldest request may wait before a partial batch leaves.")] = None,
+    max_delay: Annotated[str | None, typer.Option(
+        help="How long the oldest request may wait before a partial batch leaves: 5ms, 0.005, 0 (none).")] = None,
     spread: Annotated[float, typer.Option(help="Scale of the models' standard deviations (0: means only).")] = 1.0,
     queue_capacity: Annotated[int, typer.Option(help="Server queue capacity (arrivals beyond it are rejected).")] = 1024,
 ) -> None:
@@ -64,9 +65,12 @@ def simulate_cmd(
     the LP throughput bound."""
     from staronnx.bench.bound import machine_bound
     from staronnx.bench.simulator import build_machine, simulate
+    from staronnx.bench.sweep import parse_duration
     from staronnx.plan import Plan
     from staronnx.workers.topology import Topology
 
+    seconds = parse_duration(duration, option="--duration")
+    delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     plan = Plan.load(plandir)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams,
@@ -75,8 +79,8 @@ def simulate_cmd(
     machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
                             cuda_scale=_scale(cuda_scale))
     result = simulate(
-        machine=machine, rate=rate, batch_size=batch, policy=policy, duration=duration,
-        n_requests=requests, distribution=distribution, seed=seed, max_delay=max_delay,
+        machine=machine, rate=rate, batch_size=batch, policy=policy, duration=seconds,
+        n_requests=requests, distribution=distribution, seed=seed, max_delay=delay,
         spread=spread, queue_capacity=queue_capacity,
     )
     bound = machine_bound(machine, batch)
@@ -101,7 +105,7 @@ def simulate_cmd(
 
     table = Table(title="placement (simulated vs LP optimum)")
     for col in ("part", "arch", "tasks", "share", "LP share"):
-        table.add_column(col)
+        table.add_column(col, overflow="fold")
     lp_share = bound.arch_share()
     keys = sorted(set(result.placement) | set(lp_share))
     for part, arch in keys:
@@ -111,7 +115,7 @@ def simulate_cmd(
     console.print(table)
     workers = Table(title="workers")
     for col in ("worker", "arch", "memory node", "busy", "LP busy"):
-        workers.add_column(col)
+        workers.add_column(col, overflow="fold")
     for w in result.workers:
         workers.add_row(w.name, w.arch, w.memory_node, f"{result.busy[w.name]:.0%}",
                         f"{bound.utilization.get(w.name, 0.0):.0%}")

@@ -13,16 +13,15 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
-from staronnx.cli.progress import QUIET_HELP
-from staronnx.cli.progress import bar as progress_bar
+from staronnx.cli.display import QUIET_HELP, output_console
+from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.errors import StaronnxError
 
-console = Console()
+console = output_console()
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -187,6 +186,9 @@ def sweep_cmd(
         help="Write a Perfetto trace of the sweep here: tasks per worker, batch fills, batches, queue length.")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
         help="Also simulate every measured point from the perf models; report the simulator's error.")] = False,
+    inputs: Annotated[Path | None, typer.Option(
+        help="Real inputs: an .npz keyed by the model's input names, samples along axis 0 "
+             "(numpy.savez); requests cycle through them. Default: random inputs.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime; write CSV,
@@ -197,18 +199,21 @@ def sweep_cmd(
         parse_rates,
         sweep,
     )
+    from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
 
     rate_list = parse_rates(rates)
     sizes = parse_batch_sizes(batch_sizes)
-    seconds = parse_duration(duration)
-    warm = None if warmup is None else parse_duration(warmup, allow_zero=True)
+    seconds = parse_duration(duration, option="--duration")
+    warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
+    delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     extra = list(compare or [])
     names = _labels(labels, 1 + len(extra))
     for d in extra:
         if not (d / "results.json").is_file():
             raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
     plan = Plan.load(plandir)
+    real = None if inputs is None else load_inputs(inputs, plan)
     warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
     console.print(
         f"sweeping plan {plan.hash} ({plan.k} parts) with {policy}, groups {groups}"
@@ -224,7 +229,7 @@ def sweep_cmd(
                 distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
                 progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
                 extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
-                trace=trace, max_delay=None if max_delay is None else parse_duration(max_delay, allow_zero=True),
+                trace=trace, max_delay=delay, inputs=real, inputs_path=inputs,
             )
         except BaseException as exc:
             if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
@@ -307,7 +312,8 @@ def optimize_batch_cmd(
         result = optimize_batch(
             plandir, rate, slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
             groups=groups, cuda_streams=cuda_streams, distribution=distribution, verify=verify,
-            sim_duration=parse_duration(sim_duration), verify_duration=parse_duration(verify_duration),
+            sim_duration=parse_duration(sim_duration, option="--sim-duration"),
+            verify_duration=parse_duration(verify_duration, option="--verify-duration"),
             max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg),
         )
     table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")

@@ -1,13 +1,18 @@
-"""Progress displays for long commands: on stderr, and only for a person watching.
+"""How commands show things: results on stdout, progress on stderr for a person watching.
 
 Results go to stdout; bars and spinners go to stderr, so ``staronnx run ... > out.txt`` keeps
 a clean file and a pipeline never sees control codes. They show only when stderr is a
 terminal and ``--quiet`` was not given; they vanish when done (``transient``), leaving the
 results alone on screen.
+
+Tables never cut a name: name columns fold (wrap inside the name) on a narrow terminal, and
+output that goes to a file or a pipe, which has no width of its own, is laid out
+:data:`PIPE_WIDTH` wide instead of rich's 80 columns (``COLUMNS`` still wins when set).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from rich.console import Console
@@ -22,8 +27,17 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+#: the width of output to a file or a pipe (where no terminal gives one)
+PIPE_WIDTH = 200
+
 #: the help text of every command's ``--quiet``
 QUIET_HELP = "No progress display (it is also off when stderr is not a terminal)."
+
+
+def output_console() -> Console:
+    """The console results are printed on (stdout)."""
+    piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
+    return Console(width=PIPE_WIDTH if piped else None)
 
 
 def shown(quiet: bool) -> bool:

@@ -1,0 +1,277 @@
+"""The CLI's rough edges from issue 12, through the doors users use (subprocesses and typer's
+CliRunner on ``staronnx.cli.app``): stray progress bars, titles, warm-up counts, truncated
+names, --parts/--shares, one duration syntax, progress on a terminal only, ``--inputs``."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+from typer.testing import CliRunner
+
+from staronnx import partition
+from staronnx.cli import app
+from staronnx.zoo import inception
+
+CLI = [sys.executable, "-m", "staronnx"]
+PU = str(min(os.sched_getaffinity(0)))
+runner = CliRunner()
+
+
+def _env(home: Path, **extra: str) -> dict[str, str]:
+    return {**os.environ, "STARONNX_HOME": str(home), **extra}
+
+
+def _run(args: list[str], home: Path, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=_env(home), timeout=300, **kw)
+
+
+def _one_error_line(result: subprocess.CompletedProcess | object) -> str:
+    err = result.stderr if hasattr(result, "stderr") else ""
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert "Traceback" not in err
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[Path, Path]:
+    """(model, plan folder named ``plan``) of a tiny Inception cut 70/30."""
+    root = tmp_path_factory.mktemp("small")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
+    partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    return model, root / "plan"
+
+
+LONG = "encoder/layer_{i:02d}/attention/output/dense/BiasAdd_followed_by_a_rather_long_activation_name"
+
+
+def _long_names_model() -> onnx.ModelProto:
+    """A MatMul/Relu chain whose tensors have 90-character names."""
+    rng = np.random.default_rng(0)
+    nodes, inits, prev = [], [], "x"
+    for i in range(6):
+        w = f"w{i}"
+        inits.append(helper.make_tensor(w, TensorProto.FLOAT, [16, 16], rng.standard_normal(256).astype(np.float32)))
+        mm = LONG.format(i=i) + "_mm"
+        out = LONG.format(i=i) if i < 5 else "y"
+        nodes += [helper.make_node("MatMul", [prev, w], [mm]), helper.make_node("Relu", [mm], [out])]
+        prev = out
+    graph = helper.make_graph(
+        nodes, "long", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+# ---------------------------------------------------------------------------- output
+def test_sweep_output_has_no_stray_progress_bar(small, tmp_path):
+    _, plan = small
+    res = _run(["sweep", str(plan), "--rates", "50", "--batch-sizes", "1", "--duration", "0.5s",
+                "--groups", PU, "-o", str(tmp_path / "res"), "--no-plots"], tmp_path / "home")
+    assert res.returncode == 0, res.stderr
+    out = res.stdout + res.stderr
+    assert "done" not in out and "1/1" not in out, out
+    assert "sweep points" not in out and "warm" not in out, "no progress bar when stderr is not a terminal"
+    assert "b=1 @ 50 req/s" in res.stdout
+
+
+def test_plan_title_does_not_say_plan_plan(small):
+    _, plan = small
+    res = runner.invoke(app, ["plan", "show", str(plan)])
+    assert res.exit_code == 0, res.output
+    assert "plan plan" not in res.output
+    assert "hash" in res.output
+
+
+def test_tables_fold_long_names_instead_of_cutting_them(tmp_path):
+    onnx.save(_long_names_model(), str(tmp_path / "long.onnx"))
+    res = runner.invoke(app, ["partition", str(tmp_path / "long.onnx"), "-o", str(tmp_path / "plan"),
+                              "--parts", "3", "--method", "linear", "--costs", "estimate"],
+                        env={"COLUMNS": "80"})
+    assert res.exit_code == 0, res.output
+    assert "…" not in res.output, res.output
+    # the crossing table's first column, read down, holds every crossing name whole
+    crossing = res.output.split("crossing tensors", 1)[1]
+    column = "".join(line.split("│")[1].strip() for line in crossing.splitlines() if line.count("│") > 2)
+    plan = json.loads((tmp_path / "plan" / "plan.json").read_text())
+    names = [t["name"] for t in plan["crossing"]]
+    assert names and all(len(n) > 80 for n in names)
+    for name in names:
+        assert name in column, (name, column)
+
+
+def test_run_counts_leave_the_warm_up_out(small, tmp_path):
+    _, plan = small
+    res = _run(["run", str(plan), "--requests", "30", "--groups", PU], tmp_path / "home")
+    assert res.returncode == 0, res.stderr
+    per_part: dict[str, int] = {}
+    for line in res.stdout.splitlines():
+        cells = [c.strip() for c in line.split("│")]
+        if len(cells) > 3 and re.fullmatch(r"part\d+/\w+", cells[1]):
+            part = cells[1].split("/")[0]
+            per_part[part] = per_part.get(part, 0) + int(cells[2])
+    assert per_part == {"part0": 30, "part1": 30}, res.stdout
+    assert "warm-up" in res.stdout
+
+
+# ---------------------------------------------------------------------------- options
+def test_conflicting_parts_and_shares_is_an_error_naming_both(small, tmp_path):
+    model, _ = small
+    res = _run(["partition", str(model), "-o", str(tmp_path / "p"), "--parts", "3", "--shares", "0.5,0.5",
+                "--costs", "estimate"], tmp_path / "home")
+    assert res.returncode == 2
+    line = _one_error_line(res)
+    assert line.startswith("staronnx: error:") and "--parts" in line and "--shares" in line
+    assert not (tmp_path / "p").exists()
+
+
+def test_partition_help_says_the_default_is_two_equal_parts():
+    res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
+    assert res.exit_code == 0
+    text = " ".join(res.output.split())
+    assert re.search(r"--shares .*2 equal parts", text) and re.search(r"--parts .*default.*2", text), text
+
+
+@pytest.mark.parametrize("duration,max_delay", [("2s", "5ms"), ("2", "0.005"), ("1500ms", "0")])
+def test_simulate_takes_the_sweeps_duration_syntax(calibrated_inception, duration, max_delay):
+    plan, home = calibrated_inception
+    res = runner.invoke(app, ["simulate", str(plan.root), "--rate", "100", "--batch", "2", "--groups", "cores=1",
+                              "--duration", duration, "--max-delay", max_delay],
+                        env={"STARONNX_HOME": str(home)})
+    assert res.exit_code == 0, res.output
+    assert "throughput" in res.output
+
+
+def test_a_bad_duration_is_one_line_naming_the_syntax(small, tmp_path):
+    _, plan = small
+    res = _run(["simulate", str(plan), "--rate", "100", "--batch", "2", "--duration", "ten"], tmp_path / "home")
+    assert res.returncode == 2
+    line = _one_error_line(res)
+    assert line.startswith("staronnx: error:") and "--duration" in line and "10s" in line and "'ten'" in line
+
+
+# ---------------------------------------------------------------------------- progress
+def _with_tty_stderr(args: list[str], home: Path) -> tuple[int, str, str]:
+    """Run the CLI with stderr on a pseudo-terminal (stdout a pipe); (rc, stdout, terminal text)."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=slave, env=_env(home, COLUMNS="120"))
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = proc.stdout.read().decode()
+    proc.wait(timeout=300)
+    os.close(master)
+    return proc.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_run_shows_progress_on_a_terminal_only(small, tmp_path):
+    _, plan = small
+    args = ["run", str(plan), "--requests", "300", "--groups", PU]
+    rc, out, tty = _with_tty_stderr(args, tmp_path / "home")
+    assert rc == 0, tty
+    assert "requests" in tty and "━" in tty and "/300" in tty, tty
+    assert "/300" not in out and "samples/s" in out
+    rc, out, tty = _with_tty_stderr([*args, "--quiet"], tmp_path / "home")
+    assert rc == 0 and "━" not in tty and "/300" not in tty and "samples/s" in out
+
+
+def test_partition_shows_its_steps_on_a_terminal_only(small, tmp_path):
+    model, _ = small
+    rc, out, tty = _with_tty_stderr(["partition", str(model), "-o", str(tmp_path / "p"), "--costs", "estimate"],
+                                    tmp_path / "home")
+    assert rc == 0, tty
+    assert "exporting 2 parts" in tty
+    assert "exporting" not in out and "wrote plan" in out
+    rc, out, tty = _with_tty_stderr(["partition", str(model), "-o", str(tmp_path / "q"), "--costs", "estimate",
+                                     "--quiet"], tmp_path / "home")
+    assert rc == 0 and "exporting" not in tty
+
+
+# ---------------------------------------------------------------------------- --inputs
+def _npz(path: Path, **arrays: np.ndarray) -> Path:
+    np.savez(path, **arrays)
+    return path
+
+
+def _real(n: int) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal((n, 3, 16, 16)).astype(np.float32)
+
+
+def test_run_feeds_real_inputs(small, tmp_path):
+    _, plan = small
+    inputs = _npz(tmp_path / "in.npz", x=_real(5))
+    res = _run(["run", str(plan), "--inputs", str(inputs), "--requests", "12", "--batch", "2", "--groups", PU],
+               tmp_path / "home")
+    assert res.returncode == 0, res.stderr
+    assert "inputs from" in res.stdout and "5 sample(s)" in res.stdout
+
+
+def test_plan_verify_with_real_inputs(small, tmp_path):
+    model, plan = small
+    inputs = _npz(tmp_path / "in.npz", x=_real(3))
+    res = runner.invoke(app, ["plan", "verify", str(plan), "--model", str(model), "--inputs", str(inputs)])
+    assert res.exit_code == 0, res.output
+    assert "3x" in res.output and "OK" in res.output  # the outputs have the file's 3 samples
+
+
+def test_sweep_feeds_real_inputs(small, tmp_path):
+    _, plan = small
+    inputs = _npz(tmp_path / "in.npz", x=_real(4))
+    res = _run(["sweep", str(plan), "--rates", "40", "--batch-sizes", "2", "--duration", "0.5s", "--groups", PU,
+                "-o", str(tmp_path / "res"), "--no-plots", "--inputs", str(inputs)], tmp_path / "home")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "res" / "results.json").read_text())
+    assert doc["settings"]["inputs"] == {"path": str(inputs), "samples": 4}
+    assert len(doc["rows"]) == 1 and doc["rows"][0]["completed"] > 0
+
+
+@pytest.mark.parametrize("command", ["run", "verify", "sweep"])
+@pytest.mark.parametrize("arrays,expected", [
+    ({"y": np.zeros((2, 3, 16, 16), np.float32)}, r"unknown input\(s\) \['y'\].*missing \['x'\]"),
+    ({"x": np.zeros((2, 3, 16, 16), np.float64)}, r"input 'x': expected dtype float32, got float64"),
+    ({"x": np.zeros((2, 3, 8, 8), np.float32)}, r"input 'x': axis 2 must be 16"),
+    ({"x": np.zeros((3, 16, 16), np.float32)}, r"input 'x': expected rank 4"),
+])
+def test_mismatched_inputs_are_one_line_naming_the_input(small, tmp_path, command, arrays, expected):
+    model, plan = small
+    inputs = _npz(tmp_path / "bad.npz", **arrays)
+    args = {
+        "run": ["run", str(plan), "--groups", PU],
+        "verify": ["plan", "verify", str(plan), "--model", str(model)],
+        "sweep": ["sweep", str(plan), "--rates", "40", "--batch-sizes", "1", "--duration", "0.5s",
+                  "--groups", PU, "-o", str(tmp_path / "res"), "--no-plots"],
+    }[command]
+    res = _run([*args, "--inputs", str(inputs)], tmp_path / "home")
+    assert res.returncode == 2, res.stderr
+    line = _one_error_line(res)
+    assert line.startswith(f"staronnx: error: --inputs {inputs}: "), line
+    assert re.search(expected, line), line
+    assert not (tmp_path / "res").exists(), "nothing runs before the inputs are checked"
+
+
+def test_an_unreadable_inputs_file_is_one_line(small, tmp_path):
+    _, plan = small
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip")
+    res = _run(["run", str(plan), "--inputs", str(bad), "--groups", PU], tmp_path / "home")
+    assert res.returncode == 2
+    assert "not a readable .npz file" in _one_error_line(res)
+    res = _run(["run", str(plan), "--inputs", str(tmp_path / "none.npz"), "--groups", PU], tmp_path / "home")
+    assert res.returncode == 2
+    assert "no such file" in _one_error_line(res)
