@@ -116,6 +116,9 @@ class Server:
         max_inflight: batches handed to the runtime at once; None = twice its worker count
             (at least 2), enough to keep every worker fed and parts pipelined across batches.
         clock: the time base of every record (``time.perf_counter`` unless a test says so).
+        keep_records: None keeps the record of every request, batch and queue sample (a sweep's
+            figures need them all); a number keeps only the latest that many of each, so a
+            long-running server (``staronnx serve``) does not grow without bound.
     """
 
     def __init__(
@@ -128,6 +131,7 @@ class Server:
         on_full: str = "reject",
         max_inflight: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        keep_records: int | None = None,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise StaronnxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -147,6 +151,8 @@ class Server:
             max_inflight = max(2, 2 * len(getattr(runtime, "workers", ()) or ()))
         if max_inflight < 1:
             raise StaronnxError(f"max_inflight must be >= 1, got {max_inflight}")
+        if keep_records is not None and (not isinstance(keep_records, int) or keep_records < 1):
+            raise StaronnxError(f"keep_records must be None (keep all) or an integer >= 1, got {keep_records!r}")
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self.batch_size = batch_size
@@ -160,9 +166,11 @@ class Server:
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
         self._inflight: dict[int, list[_Pending]] = {}
-        self._requests: list[RequestRecord] = []
-        self._batches: list[BatchRecord] = []
-        self._queue_samples: list[tuple[float, int]] = []
+        self.keep_records = keep_records
+        # deques with maxlen=None are unbounded: one code path for both modes
+        self._requests: deque[RequestRecord] = deque(maxlen=keep_records)
+        self._batches: deque[BatchRecord] = deque(maxlen=keep_records)
+        self._queue_samples: deque[tuple[float, int]] = deque(maxlen=keep_records)
         self._request_ids = itertools.count()
         self._batch_ids = itertools.count()
         self._closing = False
@@ -211,7 +219,12 @@ class Server:
             future = RequestFuture(record.id)
             self._queue.append(_Pending(record, sample, future))
             self._sample_queue()
-            self._cond.notify_all()
+            # wake the batcher only when it can act: a full batch, or a first request whose
+            # max-delay deadline it must start timing (a wake per request cost a thread switch
+            # and a GIL hand-over per request, b times more than needed)
+            queued = len(self._queue)
+            if queued >= self.batch_size or queued == 1 or self._flush_left > 0:
+                self._cond.notify_all()
         return future
 
     def _wait_for_room(self, timeout: float | None) -> bool:
