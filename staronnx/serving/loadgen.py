@@ -7,8 +7,11 @@ at a fixed *offered* rate instead. Two details keep the schedule honest under lo
 - each request is due at an absolute time ``t0 + schedule[i]``: the generator sleeps *until*
   that time, never "for one interval after the previous one", so a late submission (a GC
   pause, a descheduled thread) does not push every later arrival back;
-- ``time.sleep`` overshoots by tens of microseconds or more, so the generator sleeps to
-  ~200 µs before the due time and busy-waits the rest.
+- it sleeps rather than busy-waits: a busy-waiting Python thread holds the GIL, which the
+  batcher and the workers need to finish batches (any of them waits up to the interpreter's
+  5 ms switch interval for it), so a spin before each of thousands of arrivals per second
+  stalled the very runtime under test. ``time.sleep`` wakes tens of microseconds late; that
+  lateness is reported as lag and counted as queueing delay (below), never hidden.
 
 Each request is submitted with its *scheduled* time as its arrival, so time lost by a lagging
 generator counts as queueing delay rather than vanishing (no coordinated omission). The
@@ -29,8 +32,8 @@ from staronnx.serving.arrivals import ArrivalProcess
 from staronnx.serving.records import RunRecords
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 
-#: the last stretch before a due time is busy-waited: sleep's wake-up jitter is about this size
-SPIN_S = 200e-6
+#: the last stretch before a due time that is busy-waited (0: none, see the module's doc)
+SPIN_S = 0.0
 #: delay before the first arrival, so arrival 0 is not already late while the loop starts
 LEAD_S = 0.005
 
