@@ -35,10 +35,16 @@ def load_inputs(path: str | os.PathLike[str], plan: Plan) -> dict[str, np.ndarra
     path = Path(path)
     where = f"--inputs {path}"
     try:
+        if path.is_dir():
+            raise IsADirectoryError(path)
+        if not path.exists():
+            raise FileNotFoundError(path)
+        if not zipfile.is_zipfile(path):  # a .npy, a pickle, anything else: numpy's words mislead
+            raise InputError(f"{where}: not an .npz file (write one with numpy.savez(path, NAME=array, ...))")
         with np.load(path, allow_pickle=False) as npz:
-            if not isinstance(npz, np.lib.npyio.NpzFile):
-                raise InputError(f"{where}: a single array, not an .npz of named inputs (numpy.savez)")
             arrays = {name: npz[name] for name in npz.files}
+    except InputError:
+        raise
     except FileNotFoundError:
         raise InputError(f"{where}: no such file") from None
     except IsADirectoryError:

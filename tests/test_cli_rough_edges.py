@@ -271,7 +271,11 @@ def test_an_unreadable_inputs_file_is_one_line(small, tmp_path):
     bad.write_bytes(b"not a zip")
     res = _run(["run", str(plan), "--inputs", str(bad), "--groups", PU], tmp_path / "home")
     assert res.returncode == 2
-    assert "not a readable .npz file" in _one_error_line(res)
+    assert _one_error_line(res) == (f"staronnx: error: --inputs {bad}: not an .npz file "
+                                    "(write one with numpy.savez(path, NAME=array, ...))")
+    np.save(tmp_path / "one.npy", _real(2))
+    res = _run(["run", str(plan), "--inputs", str(tmp_path / "one.npy"), "--groups", PU], tmp_path / "home")
+    assert res.returncode == 2 and "not an .npz file" in _one_error_line(res)
     res = _run(["run", str(plan), "--inputs", str(tmp_path / "none.npz"), "--groups", PU], tmp_path / "home")
     assert res.returncode == 2
     assert "no such file" in _one_error_line(res)
