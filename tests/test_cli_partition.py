@@ -18,22 +18,10 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from staronnx import zoo
-from staronnx.cli import main
 from staronnx.plan import Plan
+from _helpers import cli
 
 STARONNX = Path(sys.executable).parent / "staronnx"
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def _save(model: onnx.ModelProto, path: Path) -> Path:

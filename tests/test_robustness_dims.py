@@ -15,22 +15,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from staronnx.cli import main
 from staronnx.partition.graph import model_inputs
 from staronnx.plan import Plan
 from staronnx.verify import random_plan_feeds
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
+from _helpers import cli
 
 
 def paddle_style_model() -> onnx.ModelProto:

@@ -12,18 +12,7 @@ import pytest
 
 import staronnx
 from staronnx import PartitionError, PlanError, zoo
-from staronnx.cli import main
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
+from _helpers import cli
 
 
 CASES = [

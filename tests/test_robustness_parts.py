@@ -15,20 +15,8 @@ from pathlib import Path
 import pytest
 
 from staronnx import PlanError, load_plan
-from staronnx.cli import main
 from staronnx.errors import PartFileError
-
-
-def cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run the CLI in-process; return (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
+from _helpers import cli
 
 
 @pytest.fixture
