@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import threading
@@ -48,6 +47,7 @@ from _common import GOOGLENET  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
 from staronnx.calibrate import calibrate  # noqa: E402
+from staronnx.partition.autoshares import median_seconds  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.workers.launch import start_workers  # noqa: E402
 from staronnx.workers.topology import Topology  # noqa: E402
@@ -156,14 +156,8 @@ def ort_throughput(sessions: list[ort.InferenceSession], feeds: dict[str, np.nda
 
 
 def latency_ms(run: Callable[[], Any], n: int = 30) -> float:
-    for _ in range(3):
-        run()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    """Median of ``n`` single requests, after 3 untimed ones."""
+    return 1e3 * median_seconds(run, n, warmup=3)
 
 
 def rel_error(got: np.ndarray, ref: np.ndarray) -> float:

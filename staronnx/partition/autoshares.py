@@ -34,7 +34,7 @@ import onnxruntime as ort
 
 from staronnx.errors import PartitionError
 
-__all__ = ["WorkerSpeed", "SharesChoice", "choose_shares", "measure_speeds", "is_auto"]
+__all__ = ["WorkerSpeed", "SharesChoice", "choose_shares", "measure_speeds", "median_seconds", "is_auto"]
 
 #: a task's fixed cost in the native engine (benchmarks/engines.py, dmda, pipelined)
 FIXED_TASK_SECONDS = 100e-6
@@ -133,8 +133,10 @@ def choose_shares(
 
 
 # ---------------------------------------------------------------------- measuring
-def _median_seconds(run: Callable[[], object], runs: int) -> float:
-    for _ in range(2):
+def median_seconds(run: Callable[[], object], runs: int, warmup: int = 2) -> float:
+    """Median wall time of ``runs`` calls of ``run`` after ``warmup`` untimed ones (first runs
+    pay allocations and kernel selection; the median shrugs off a preempted run)."""
+    for _ in range(warmup):
         run()
     times = []
     for _ in range(runs):
@@ -166,7 +168,7 @@ def measure_speeds(
     if cuda:
         say("timing the whole model on cuda0")
         sess = make_session(model, providers=providers_for("cuda"))
-        speeds.append(WorkerSpeed("cuda0", "cuda", _median_seconds(lambda: sess.run(None, feeds), runs)))
+        speeds.append(WorkerSpeed("cuda0", "cuda", median_seconds(lambda: sess.run(None, feeds), runs)))
         del sess
     counts: dict[int, int] = {}
     for n in group_sizes:
@@ -179,7 +181,7 @@ def measure_speeds(
         so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = make_session(model, providers=["CPUExecutionProvider"], options=so)
-        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", _median_seconds(lambda: sess.run(None, feeds), runs),
+        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", median_seconds(lambda: sess.run(None, feeds), runs),
                                   count))
         del sess
     if not speeds:
