@@ -216,6 +216,7 @@ def measure_point(
     on_submit: Callable[[int, int], None] | None = None,
     max_delay: float | None = None,
     max_inflight: int | None = None,
+    server_factory: Callable[..., Any] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
 
@@ -224,12 +225,14 @@ def measure_point(
     schedule, the generator waits at most ``drain_timeout`` s (default: ``max(5, duration/2)``)
     for outstanding results, then the server is closed with a short timeout, so a congested
     point does not spend minutes draining a full queue (what is cut counts as pending).
+    ``server_factory`` builds the batching front end instead of :class:`Server` (same
+    arguments; :class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
     """
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
-    server = Server(runtime, batch_size=batch_size, max_delay=max_delay, max_inflight=max_inflight,
-                    queue_capacity=max(queue_capacity, batch_size))
+    server = (server_factory or Server)(runtime, batch_size=batch_size, max_delay=max_delay,
+                                       max_inflight=max_inflight, queue_capacity=max(queue_capacity, batch_size))
     try:
         records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
                                 drain_timeout=drain, on_submit=on_submit)
@@ -499,6 +502,8 @@ def sweep(
     trace: str | os.PathLike[str] | None = None,
     inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
     inputs_path: str | os.PathLike[str] | None = None,
+    server_factory: Callable[..., Any] | None = None,
+    front_end: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
@@ -532,6 +537,9 @@ def sweep(
             input name with the samples along axis 0 (:mod:`staronnx.inputs`); requests cycle
             through the samples. ``inputs_path`` names the file in ``results.json`` when the
             arrays are given.
+        server_factory, front_end: over the network, the batching front end of each point
+            (see :func:`measure_point`) and what ``settings.front_end`` records about it
+            (:func:`staronnx.bench.remote.remote_sweep`); in process by default.
     """
     from staronnx.serving.arrivals import DISTRIBUTIONS
 
@@ -567,6 +575,7 @@ def sweep(
         "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
+        "front_end": dict(front_end) if front_end is not None else {"kind": "in-process"},
     }
     if inputs is not None:
         from staronnx.inputs import samples as _samples
@@ -639,7 +648,7 @@ def sweep(
                     summary, records = measure_point(
                         runtime, b, rate, samples, duration=length, warmup=warmup, distribution=distribution,
                         seed=seed, queue_capacity=queue_capacity, on_submit=on_submit, max_delay=max_delay,
-                        max_inflight=windows.get(b),
+                        max_inflight=windows.get(b), server_factory=server_factory,
                     )
                     after = _workers_snapshot(runtime)
                     if tracer is not None:

@@ -102,7 +102,9 @@ def serve_cmd(
             runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine)
             try:
                 endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
-                                         queue_capacity=queue_capacity, metrics=metrics)
+                                         queue_capacity=queue_capacity, metrics=metrics,
+                                         settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+                                                   "engine": engine})
             except BaseException:
                 runtime.close()
                 raise

@@ -161,7 +161,14 @@ def _summary_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+def given_on_command_line(ctx: typer.Context) -> set[str]:
+    """The parameters of the running command that the user gave (not left at their defaults)."""
+    sources = {p.name: ctx.get_parameter_source(p.name) for p in ctx.command.params if p.name}
+    return {name for name, source in sources.items() if source is not None and source.name != "DEFAULT"}
+
+
 def sweep_cmd(
+    ctx: typer.Context,
     plandir: Annotated[Path, typer.Argument(help="Plan folder (calibrate it first for predictions and the bound).")],
     rates: Annotated[str, typer.Option(help="Offered rates, requests/s: start:stop:step (stop included) or a,b,c.")] = "50:800:50",
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes b (a batch leaves when full).")] = "1,2,4,8,16",
@@ -189,10 +196,16 @@ def sweep_cmd(
     inputs: Annotated[Path | None, typer.Option(
         help="Real inputs: an .npz keyed by the model's input names, samples along axis 0 "
              "(numpy.savez); requests cycle through them. Default: random inputs.")] = None,
+    url: Annotated[str | None, typer.Option(
+        help="Sweep a running `staronnx serve` over the network (http://HOST:PORT, its HTTP port) through "
+             "tritonclient instead of a runtime in this process; the batch size, max delay and runtime "
+             "settings are then the server's.")] = None,
+    model: Annotated[str | None, typer.Option(
+        help="With --url: the served model's name (default: the plan folder's name).")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
-    """Measure latency and throughput over rates x batch sizes on the live runtime; write CSV,
-    JSON and the papers' plots."""
+    """Measure latency and throughput over rates x batch sizes on the live runtime (or through a
+    `staronnx serve` with --url); write CSV, JSON and the papers' plots."""
     from staronnx.bench.sweep import (
         parse_batch_sizes,
         parse_duration,
@@ -204,6 +217,13 @@ def sweep_cmd(
 
     rate_list = parse_rates(rates)
     sizes = parse_batch_sizes(batch_sizes)
+    run = sweep
+    if url is not None:  # over the network: the server's settings, except those named on the command line
+        from staronnx.bench.remote import sweep_at
+
+        run = sweep_at(url, model, given_on_command_line(ctx))
+    elif model is not None:
+        raise StaronnxError("--model names a model served at --url; give --url too")
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
@@ -214,17 +234,19 @@ def sweep_cmd(
             raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
-    warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
+    if url is None:  # over the network the groups are the server's
+        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
     console.print(
-        f"sweeping plan {plan.hash} ({plan.k} parts) with {policy}, groups {groups}"
-        f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: {len(sizes)} batch size(s) x "
+        f"sweeping plan {plan.hash} ({plan.k} parts) "
+        + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
+           f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: {len(sizes)} batch size(s) x ") +
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
     )
     with progress_bar(quiet) as progress:
         bars = _Bars(progress)
         try:
-            rows = sweep(
+            rows = run(
                 plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
                 distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
                 progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,

@@ -83,13 +83,18 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
                 model.stats.refused("OTHER")
                 raise
             wanted = [o.name for o in request.outputs] or None
-            outputs = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0)
+            answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0)
         except ProtocolError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
             raise AssertionError("unreachable") from None
         t2 = time.perf_counter()
         response = pb.ModelInferResponse(model_name=model.name, model_version=VERSION, id=request.id)
-        for name, arr in outputs.items():
+        for key, value in answer.parameters.items():
+            if isinstance(value, int):
+                response.parameters[key].int64_param = value
+            else:
+                response.parameters[key].string_param = str(value)
+        for name, arr in answer.outputs.items():
             response.outputs.add(name=name, datatype=model.output_datatypes[name], shape=list(arr.shape))
             response.raw_output_contents.append(protocol.to_raw(arr))
         model.stats.encoded(time.perf_counter() - t2)

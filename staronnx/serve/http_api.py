@@ -52,6 +52,7 @@ class HttpFrontend:
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_get(prefix, self.model_metadata)
             r.add_get(prefix + "/ready", self.model_ready)
+            r.add_get(prefix + "/config", self.model_config)
             r.add_post(prefix + "/infer", self.infer)
         return app
 
@@ -76,6 +77,9 @@ class HttpFrontend:
     async def model_metadata(self, request: web.Request) -> web.Response:
         return web.json_response(self._model(request).metadata())
 
+    async def model_config(self, request: web.Request) -> web.Response:
+        return web.json_response(self._model(request).config())
+
     async def model_ready(self, request: web.Request) -> web.Response:
         model = self._model(request)
         return web.Response(status=200 if model.ready and self.is_ready() else 503)
@@ -90,9 +94,10 @@ class HttpFrontend:
             model.stats.refused("OTHER")  # counted as Triton does: a failed request of this model
             raise
         t1 = time.perf_counter()
-        outputs = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0)
+        answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0)
         t2 = time.perf_counter()
-        response = _encode_response(model, header.get("id"), outputs, dict(wanted), binary_out)
+        response = _encode_response(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
+                                    answer.parameters)
         model.stats.encoded(time.perf_counter() - t2)
         return response
 
@@ -202,7 +207,8 @@ def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
 
 
 def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str, np.ndarray],
-                     wanted: Mapping[str, bool], binary_out: bool) -> web.Response:
+                     wanted: Mapping[str, bool], binary_out: bool,
+                     parameters: Mapping[str, Any] | None = None) -> web.Response:
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name, arr in outputs.items():
@@ -217,6 +223,8 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
     doc: dict[str, Any] = {"model_name": model.name, "model_version": VERSION, "outputs": entries}
     if request_id is not None:
         doc["id"] = request_id
+    if parameters:
+        doc["parameters"] = dict(parameters)
     head = json.dumps(doc).encode()
     if not blobs:
         return web.Response(body=head, content_type="application/json")

@@ -7,6 +7,13 @@ clients are coalesced into batches of at most ``batch_size`` whatever their own 
 answers are concatenated back in order. Passing a client's batch through whole would bypass
 the batcher (a batch of 64 from one client would run as 64, starving the others and the
 perf models' calibrated sizes).
+
+Each answer to a one-sample request carries, in its response ``parameters``, the batch its
+sample ran in (``staronnx_batch_id``, ``staronnx_batch_size``) and where each part ran
+(``staronnx_placement``): what a client needs to compute the papers' latency (that of the
+first request of each batch) and the CPU share from the outside (``staronnx sweep --url``).
+``GET /v2/models/<name>/config`` says how the model is batched (Triton's ``max_batch_size`` and
+``dynamic_batching``) and which plan and runtime settings serve it.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import asyncio
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -25,6 +33,19 @@ from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics
 from staronnx.serve.protocol import ProtocolError, invalid
 from staronnx.serving.server import OverloadError, Server, ServerClosed
+
+#: requests (and batches, and queue samples) whose records a served model keeps: the latest
+#: few thousand, enough for any look at recent behaviour, while a server that runs for weeks
+#: keeps a constant footprint (the Prometheus counters hold the totals)
+RECORDS_KEPT = 4096
+
+
+@dataclass
+class Answer:
+    """What :meth:`ModelEndpoint.infer` returns: outputs by name, and the response parameters."""
+
+    outputs: dict[str, np.ndarray]
+    parameters: dict[str, int | str] = field(default_factory=dict)
 
 
 class MeteredRuntime:
@@ -60,8 +81,10 @@ class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
     def __init__(self, name: str, runtime: Any, *, batch_size: int, max_delay: float,
-                 queue_capacity: int, metrics: ServeMetrics) -> None:
+                 queue_capacity: int, metrics: ServeMetrics, settings: Mapping[str, Any] | None = None,
+                 keep_records: int | None = RECORDS_KEPT) -> None:
         self.name = name
+        self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self.stats = ModelStats()
@@ -69,7 +92,7 @@ class ModelEndpoint:
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
-                             queue_capacity=queue_capacity, on_full="reject")
+                             queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
@@ -109,6 +132,31 @@ class ModelEndpoint:
                 "inputs": tensors(self.plan.inputs, self.input_datatypes),
                 "outputs": tensors(self.plan.outputs, self.output_datatypes)}
 
+    def config(self) -> dict[str, Any]:
+        """Triton's model configuration (``GET /v2/models/<name>/config``), the fields that apply.
+
+        ``max_batch_size`` and ``dynamic_batching`` tell a client how its samples are batched;
+        ``parameters`` (Triton's string-valued form) name the plan and the runtime settings, so
+        a remote sweep can check it measures the plan it thinks and record how it was served.
+        """
+        delay = self.server.max_delay
+        params = {"plan_hash": self.plan.hash, "plan": str(self.plan.root),
+                  "queue_capacity": self.server.queue_capacity,
+                  "workers": len(getattr(self.runtime, "workers", ()) or ()),
+                  **self.settings}
+        meta = self.metadata()
+
+        def tensors(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+            return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": t["shape"]} for t in specs]
+
+        return {
+            "name": self.name, "platform": "staronnx", "backend": "staronnx",
+            "max_batch_size": self.server.batch_size,
+            "dynamic_batching": {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))},
+            "input": tensors(meta["inputs"]), "output": tensors(meta["outputs"]),
+            "parameters": {k: {"string_value": str(v)} for k, v in params.items()},
+        }
+
     def check_request(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> int:
         """Names, datatypes, shapes against the plan; returns the request's own batch size."""
         unknown = [n for n in inputs if n not in self.inputs]
@@ -133,8 +181,9 @@ class ModelEndpoint:
         return n
 
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
-                    outputs: Sequence[str] | None, *, decode_s: float = 0.0) -> dict[str, np.ndarray]:
-        """Run one protocol request (already decoded) through the batcher; its outputs by name.
+                    outputs: Sequence[str] | None, *, decode_s: float = 0.0) -> Answer:
+        """Run one protocol request (already decoded) through the batcher: its outputs by name
+        and, for a one-sample request, its batch (see the module docstring).
 
         Raises :class:`ProtocolError`: invalid input (INVALID_ARGUMENT), a full queue or a
         closing server (UNAVAILABLE), a part that failed (INTERNAL).
@@ -167,7 +216,7 @@ class ModelEndpoint:
         self.stats.finished(ok=True, request_s=done - started + decode_s, queue_s=queue_s, input_s=decode_s,
                             infer_s=infer_s)
         self._latency_hist.observe(done - started + decode_s)
-        return result
+        return Answer(result, _batch_parameters(futures))
 
     def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[Future]:  # type: ignore[type-arg]
         """One sample per row into the batcher; all or none (a full queue refuses the whole request)."""
@@ -202,6 +251,20 @@ class ModelEndpoint:
             self.server.close(timeout)
         finally:
             self.runtime.close(timeout)
+
+
+def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]
+    """The batch of a one-sample request, as response parameters (none for a client batch,
+    whose samples may have run in several batches)."""
+    if len(futures) != 1:
+        return {}
+    batch = getattr(futures[0], "batch", None)
+    if batch is None:
+        return {}
+    params: dict[str, int | str] = {"staronnx_batch_id": int(batch.id), "staronnx_batch_size": int(batch.size)}
+    if batch.placement:
+        params["staronnx_placement"] = ",".join(f"{p}={a}" for p, a in sorted(batch.placement.items()))
+    return params
 
 
 def _batch_times(futures: Sequence[Future], started: float) -> tuple[float, float]:  # type: ignore[type-arg]

@@ -1,0 +1,479 @@
+"""``staronnx sweep --url``: the sweep's open-loop points driven over the network, through tritonclient.
+
+    rows = remote_sweep("plan/", "http://127.0.0.1:8000", rates=[50, 100], out_dir="wire/")
+
+The same sweep as in process (:func:`staronnx.bench.sweep.sweep`: rates ascending, stop at
+congestion, stability, ``results.csv``/``results.json``), with two stand-ins that put a
+``staronnx serve`` between the generator and the runtime:
+
+- :class:`RemoteRuntime` is the model as a client sees it: ``submit(feeds)`` sends one
+  request (the sweep's warm-up sends whole batches, which the server splits into samples);
+- :class:`RemoteServer` takes the place of :class:`~staronnx.serving.Server` for each point:
+  the open-loop generator (:func:`~staronnx.serving.run_open_loop`, unchanged) hands it one
+  sample at its scheduled time, and it sends that sample as a batch-1 request without waiting.
+
+Requests are sent by the asynchronous tritonclient (``tritonclient.http.aio``) on an event loop
+of their own, so the generator never waits for an answer and keeps the offered rate whatever
+the server does (``results.json`` reports the achieved rate of every point, as in process).
+Every request's record is kept on the client's clock: arrival = its scheduled time, done =
+when its answer was read, so latencies include the network and both ends' encoding. The
+server names the batch each sample ran in (response parameters ``staronnx_batch_id``,
+``staronnx_batch_size``, ``staronnx_placement``), from which the batches are rebuilt: the
+papers' latency (that of the oldest request of each batch) and the CPU share are computed by
+the very same :func:`~staronnx.serving.summarize` as in process.
+
+Why HTTP and not gRPC: KServe v2's gRPC service has no model configuration call (Triton's
+needs its whole ``model_config.proto``), and the sweep must read the server's batching to
+measure what it thinks; ``GET /v2/models/<name>/config`` gives it. ``benchmarks/serve.py``
+measures gRPC beside HTTP.
+
+The batch size and the batching delay are the server's (``staronnx serve --batch-size``,
+``--max-delay``): the sweep reads them from the model configuration, and a ``batch_sizes`` or
+``max_delay`` that disagrees is refused rather than measured under a wrong label. The same
+holds for the runtime settings (policy, groups, CUDA streams, engine) and for the plan, whose
+hash must be the one the server serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import math
+import threading
+import time
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from staronnx.errors import StaronnxError
+from staronnx.plan import Plan
+from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+
+#: HTTP connections the client may open at once: requests beyond them wait in the client,
+#: which would hide server queueing behind client queueing (perf_analyzer opens one per request
+#: in flight too); aiohttp opens them as needed
+CONNECTIONS = 512
+#: seconds a request may take before the client gives up on it (it then counts as failed)
+REQUEST_TIMEOUT_S = 120.0
+
+
+class RemoteError(StaronnxError):
+    """The server at ``--url`` cannot be swept as asked (unreachable, other plan, other batching)."""
+
+
+def parse_url(url: str) -> str:
+    """``host:port`` of an ``http://host:port`` URL (what tritonclient takes), or one clear line."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme == "grpc":
+        raise RemoteError(f"--url {url}: the sweep speaks HTTP to the server (KServe v2 over gRPC has no "
+                          "model configuration call); give its HTTP address, http://HOST:PORT (staronnx serve "
+                          "prints it as 'HTTP (KServe v2) on ...')")
+    if parts.scheme != "http":
+        raise RemoteError(f"--url {url}: expected http://HOST:PORT (a staronnx serve HTTP address)")
+    if parts.path not in ("", "/") or parts.query or not parts.hostname:
+        raise RemoteError(f"--url {url}: expected http://HOST:PORT with no path; the model is named by --model")
+    try:
+        port = parts.port
+    except ValueError:
+        raise RemoteError(f"--url {url}: the port is not a number") from None
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port or 80}"
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """How the server batches and runs the model, from its configuration."""
+
+    name: str
+    batch_size: int
+    max_delay: float  # seconds
+    plan_hash: str
+    queue_capacity: int | None
+    runtime: dict[str, str]  # policy, groups, cuda_streams, engine as the server reports them
+
+    @classmethod
+    def from_config(cls, url: str, config: Mapping[str, Any]) -> ServedModel:
+        params = {k: str((v or {}).get("string_value", "")) for k, v in (config.get("parameters") or {}).items()}
+        if "plan_hash" not in params:
+            raise RemoteError(f"{url}: model {config.get('name')!r} is not served by staronnx serve "
+                              "(its configuration names no plan): the sweep needs staronnx's batch records")
+        delay_us = (config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0)
+        capacity = params.get("queue_capacity")
+        return cls(
+            name=str(config.get("name")), batch_size=int(config.get("max_batch_size") or 1),
+            max_delay=float(delay_us) / 1e6, plan_hash=params["plan_hash"],
+            queue_capacity=int(capacity) if capacity and capacity.isdigit() else None,
+            runtime={k: params[k] for k in ("policy", "groups", "cuda_streams", "engine") if k in params},
+        )
+
+
+class RemoteRuntime:
+    """One model of a ``staronnx serve``, as the sweep's runtime: see the module docstring.
+
+    Owns an event loop in a daemon thread and the asynchronous tritonclient on it; ``close()``
+    stops both. Checks at once that the server answers, serves ``model`` and serves ``plan``.
+    """
+
+    def __init__(self, url: str, plan: Plan, model: str | None = None, *, connections: int = CONNECTIONS,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        try:
+            import tritonclient.http.aio as aio_client
+        except ImportError as exc:
+            raise RemoteError(f"a sweep over the network needs tritonclient ({exc.name} is missing): "
+                              "pip install 'tritonclient[http]'") from None
+        self.url = url
+        self.address = parse_url(url)
+        self.plan = plan
+        self.model = model or Path(plan.root).resolve().name
+        self.clock = clock
+        self.workers: list[Any] = []  # the server's own; the sweep's warm-up sizes its bursts from this
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="staronnx-remote-client", daemon=True)
+        self._thread.start()
+
+        async def connect() -> Any:
+            return aio_client.InferenceServerClient(self.address, conn_limit=connections,
+                                                    conn_timeout=REQUEST_TIMEOUT_S)
+
+        self.client = self.call(connect())
+        try:
+            self.served = self._check()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the event loop ------------------------------------------------------------------------
+    def call(self, coro: Coroutine[Any, Any, Any], timeout: float | None = 30.0) -> Any:
+        """Run ``coro`` on the client's loop and wait for its result (from any other thread)."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except FutureTimeout:
+            future.cancel()
+            raise RemoteError(f"{self.url}: no answer within {timeout:g} s") from None
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> Future:  # type: ignore[type-arg]
+        """Start ``coro`` on the client's loop; its concurrent future (counted until done)."""
+        with self._lock:
+            self._in_flight += 1
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        future.add_done_callback(self._one_done)
+        return future
+
+    def _one_done(self, _: Future) -> None:  # type: ignore[type-arg]
+        with self._lock:
+            self._in_flight -= 1
+
+    # -- checks -----------------------------------------------------------------------------
+    def _check(self) -> ServedModel:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = self.call(self.client.get_model_config(self.model))
+        except InferenceServerException as exc:
+            if exc.status() == "404":
+                raise RemoteError(f"{self.url} serves no model {self.model!r} ({exc.message()}); "
+                                  "name it with --model") from None
+            raise RemoteError(f"{self.url}: {exc.message()}") from None
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise RemoteError(f"cannot reach {self.url}: {exc} (is staronnx serve running there?)") from None
+        except Exception as exc:  # noqa: BLE001 - aiohttp's client errors: one line, not a traceback
+            raise RemoteError(f"cannot reach {self.url}: {type(exc).__name__}: {exc} "
+                              "(is staronnx serve running there?)") from None
+        served = ServedModel.from_config(self.url, config)
+        if served.plan_hash != self.plan.hash:
+            raise RemoteError(f"{self.url} serves model {self.model!r} from plan {served.plan_hash}, not "
+                              f"{self.plan.hash} ({self.plan.root}): sweep the plan the server serves")
+        return served
+
+    # -- what the sweep calls ---------------------------------------------------------------
+    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
+        """Send ``feeds`` (any batch) as one request; the future resolves to its outputs."""
+        inputs, outputs = encode(self.plan, feeds)
+
+        async def send() -> dict[str, np.ndarray]:
+            result = await self.client.infer(self.model, inputs, outputs=outputs)
+            return {o.name(): result.as_numpy(o.name()) for o in outputs}
+
+        return self.spawn(send())
+
+    def stats(self) -> dict[str, Any]:
+        """What :func:`staronnx.bench.sweep.wait_idle` reads: requests still unanswered."""
+        with self._lock:
+            return {"in_flight": self._in_flight}
+
+    def close(self) -> None:
+        """Close the client and stop its loop (requests still out are abandoned)."""
+        if not self._loop.is_running():
+            return
+        try:
+            if getattr(self, "client", None) is not None:
+                self.call(self.client.close(), timeout=5.0)
+        except Exception:  # noqa: BLE001 - closing is best effort
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5.0)
+
+    def __enter__(self) -> RemoteRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def encode(plan: Plan, feeds: Mapping[str, np.ndarray]) -> tuple[list[Any], list[Any]]:
+    """tritonclient inputs (binary tensors) for ``feeds``, and every output asked for in binary."""
+    import tritonclient.http as thttp
+
+    from staronnx.serve.protocol import datatype_of
+
+    inputs = []
+    for t in plan.inputs:
+        arr = np.ascontiguousarray(feeds[t.name])
+        inp = thttp.InferInput(t.name, list(arr.shape), datatype_of(arr.dtype))
+        inp.set_data_from_numpy(arr, binary_data=True)
+        inputs.append(inp)
+    outputs = [thttp.InferRequestedOutput(t.name, binary_data=True) for t in plan.outputs]
+    return inputs, outputs
+
+
+class RemoteServer:
+    """The sweep's per-point front end over the network (the part of :class:`Server` that
+    :func:`~staronnx.serving.run_open_loop` uses): see the module docstring.
+
+    The arguments are :class:`Server`'s; ``batch_size`` and ``max_delay`` must be the server's
+    (a point is then labelled with what was measured), the others are the server's own business.
+    """
+
+    def __init__(self, runtime: RemoteRuntime, batch_size: int, *, max_delay: float | None = None,
+                 max_inflight: int | None = None, queue_capacity: int | None = None, **_: Any) -> None:
+        served = runtime.served
+        if batch_size != served.batch_size:
+            raise RemoteError(f"{runtime.url} forms batches of up to {served.batch_size} (staronnx serve "
+                              f"--batch-size), not {batch_size}")
+        if max_delay is None or not math.isclose(max_delay, served.max_delay, abs_tol=1e-6):
+            raise RemoteError(f"{runtime.url} batches with a max delay of {served.max_delay * 1e3:g} ms "
+                              f"(staronnx serve --max-delay), not {_ms(max_delay)}")
+        self.runtime = runtime
+        self.batch_size = batch_size
+        self.max_delay = max_delay
+        self.clock = runtime.clock
+        self.created = self.clock()
+        self._lock = threading.Lock()
+        self._requests: list[RequestRecord] = []
+        self._batches: dict[int, BatchRecord] = {}
+        self._futures: set[Future] = set()  # type: ignore[type-arg]
+        self._ids = itertools.count()
+        self._encoded: dict[int, tuple[Mapping[str, np.ndarray], list[Any], list[Any]]] = {}
+        self._closed = False
+
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None, **_: Any) -> Future:  # type: ignore[type-arg]
+        """Send one sample now, counted as arrived at ``arrival``; never waits for the answer."""
+        from staronnx.serving.server import ServerClosed
+
+        if self._closed:
+            raise ServerClosed("the remote front end is closed")
+        # the generator reuses a pool of samples: encode each once (tritonclient only reads them)
+        cached = self._encoded.get(id(sample))
+        if cached is None or cached[0] is not sample:
+            cached = (sample, *encode(self.runtime.plan, sample))
+            self._encoded[id(sample)] = cached
+        _, inputs, outputs = cached
+        with self._lock:
+            record = RequestRecord(id=next(self._ids), arrival=self.clock() if arrival is None else arrival)
+            self._requests.append(record)
+        future = self.runtime.spawn(self._send(record, inputs, outputs))
+        with self._lock:
+            self._futures.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future) -> None:  # type: ignore[type-arg]
+        with self._lock:
+            self._futures.discard(future)
+
+    async def _send(self, record: RequestRecord, inputs: list[Any], outputs: list[Any]) -> None:
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            result = await self.runtime.client.infer(self.runtime.model, inputs, outputs=outputs,
+                                                     request_id=str(record.id))
+        except InferenceServerException as exc:
+            with self._lock:
+                # 503: the server's queue was full, as OverloadError in process
+                if exc.status() == "503":
+                    record.rejected = True
+                else:
+                    record.failed = True
+            raise
+        except BaseException:
+            with self._lock:
+                record.failed = True
+            raise
+        done = self.clock()
+        params = result.get_response().get("parameters") or {}
+        with self._lock:
+            record.done = done
+            batch_id = params.get("staronnx_batch_id")
+            # no batch named (an older server): the request is its own batch, ids kept apart
+            key = int(batch_id) if isinstance(batch_id, int) else -1 - record.id
+            batch = self._batches.get(key)
+            if batch is None:
+                batch = self._batches[key] = BatchRecord(id=key, size=0, formed=record.arrival)
+                batch.placement = _placement(params.get("staronnx_placement"))
+            record.batch_id = key
+            batch.request_ids.append(record.id)
+            batch.size += 1
+            batch.formed = max(batch.formed, record.arrival)  # when it formed is the server's: a lower bound
+            batch.done = done if batch.done is None else max(batch.done, done)
+
+    def flush(self) -> None:
+        """Nothing to do: the server batches dynamically, so no request waits for a full batch."""
+
+    def settings(self) -> dict[str, Any]:
+        served = self.runtime.served
+        return {"batch_size": served.batch_size, "max_delay": served.max_delay,
+                "queue_capacity": served.queue_capacity, "on_full": "reject", "max_inflight": None,
+                "policy": served.runtime.get("policy"), "plan_hash": served.plan_hash,
+                "url": self.runtime.url, "model": self.runtime.model}
+
+    def records(self, *, since: float | None = None, offered_rate: float | None = None,
+                start: float | None = None, end: float | None = None) -> RunRecords:
+        """The point's records on the client's clock, batches rebuilt from the server's ids."""
+        with self._lock:
+            reqs = [dataclasses.replace(r) for r in self._requests if since is None or r.arrival >= since]
+            by_id = {r.id: r for r in reqs}
+            batches = [dataclasses.replace(b, request_ids=[i for i in b.request_ids if i in by_id],
+                                           placement=dict(b.placement)) for b in self._batches.values()]
+            outstanding = bool(self._futures)
+            now = self.clock()
+        batches = [b for b in batches if b.request_ids]
+        for b in batches:  # the papers' latency is that of each batch's oldest request
+            b.size = len(b.request_ids)
+            min((by_id[i] for i in b.request_ids), key=lambda r: r.arrival).first_in_batch = True
+        arrivals = sorted(r.arrival for r in reqs)
+        if offered_rate is None:
+            span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
+            offered_rate = (len(arrivals) - 1) / span if span > 0 else 0.0
+        if start is None:
+            start = arrivals[0] if arrivals else self.created
+        if end is None:
+            finished = [r.done for r in reqs if r.done is not None]
+            end = now if outstanding or not finished else max(finished)
+        return RunRecords(requests=reqs, batches=sorted(batches, key=lambda b: b.id), offered_rate=float(offered_rate),
+                          batch_size=self.batch_size, start=float(start), end=float(end), queue_samples=[],
+                          settings=self.settings())
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop sending; wait up to ``timeout`` s for the answers still out, then abandon them."""
+        self._closed = True
+        with self._lock:
+            pending = list(self._futures)
+        _, left = wait_futures(pending, timeout=timeout)
+        for f in left:
+            f.cancel()
+
+
+def _placement(text: Any) -> dict[str, str]:
+    """``"part0=cpu,part1=cuda"`` -> {"part0": "cpu", "part1": "cuda"}."""
+    if not isinstance(text, str) or not text:
+        return {}
+    return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+
+
+def _ms(seconds: float | None) -> str:
+    return "none (batches leave only when full)" if seconds is None else f"{seconds * 1e3:g} ms"
+
+
+def remote_sweep(
+    plan: Plan | str | Path,
+    url: str,
+    rates: Sequence[float],
+    batch_sizes: Sequence[int] | None = None,
+    *,
+    model: str | None = None,
+    max_delay: float | None = None,
+    policy: str | None = None,
+    groups: str | None = None,
+    cuda_streams: int | None = None,
+    engine: str | None = None,
+    queue_capacity: int | None = None,
+    **sweep_kwargs: Any,
+) -> list[dict[str, Any]]:
+    """:func:`~staronnx.bench.sweep.sweep` through the ``staronnx serve`` at ``url``.
+
+    ``batch_sizes``, ``max_delay``, ``policy``, ``groups``, ``cuda_streams``, ``engine`` and
+    ``queue_capacity`` are the server's: None takes them from its configuration (recorded in
+    ``results.json``), a value that disagrees with the server's raises :class:`RemoteError`
+    (the server must be restarted to measure another). ``model``: the served model's name
+    (default: the plan folder's name, as ``staronnx serve`` names it). ``trace`` and
+    ``simulate`` need the runtime in this process and are refused. Other keyword arguments
+    are :func:`sweep`'s.
+    """
+    from staronnx.bench.sweep import sweep
+
+    for option in ("trace", "simulate"):
+        if sweep_kwargs.get(option):
+            raise RemoteError(f"--{option} needs the runtime in this process; it cannot be used with --url")
+    for option in ("trace", "simulate", "runtime", "server_factory", "front_end"):
+        sweep_kwargs.pop(option, None)
+    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+    with RemoteRuntime(url, plan, model) as remote:
+        served = remote.served
+        b = served.batch_size
+        if batch_sizes is not None and sorted(set(batch_sizes)) != [b]:
+            raise RemoteError(
+                f"{url} forms batches of up to {b} (staronnx serve --batch-size {b}); a sweep over the network "
+                f"measures that size only: pass --batch-sizes {b} or leave it out (restart the server with "
+                "another --batch-size to measure another)")
+        if max_delay is not None and not math.isclose(max_delay, served.max_delay, abs_tol=1e-6):
+            raise RemoteError(f"{url} batches with a max delay of {served.max_delay * 1e3:g} ms (staronnx serve "
+                              f"--max-delay); leave --max-delay out or give that value")
+        given = {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
+                 "queue_capacity": queue_capacity}
+        actual = {**served.runtime, "queue_capacity": served.queue_capacity}
+        for key, value in given.items():
+            if value is not None and key in actual and str(value) != str(actual[key]):
+                flag = "--" + key.replace("_", "-")
+                raise RemoteError(f"{url} runs with {flag} {actual[key]}, not {value}: over the network the "
+                                  f"runtime settings are the server's (leave {flag} out)")
+        front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": "KServe v2 HTTP, binary tensors",
+                     "client": "tritonclient.http.aio"}
+        streams = actual.get("cuda_streams")
+        return sweep(
+            plan, rates, [b], policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),
+            cuda_streams=int(streams) if streams is not None and str(streams).isdigit() else 0,
+            engine=str(actual.get("engine", "?")), max_delay=served.max_delay,
+            queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,
+            front_end=front_end, simulate=False, **sweep_kwargs,
+        )
+
+
+#: the sweep's runtime options that over the network are the server's
+SERVER_OPTIONS = ("batch_sizes", "policy", "groups", "cuda_streams", "engine", "queue_capacity", "max_delay")
+
+
+def sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., list[dict[str, Any]]]:
+    """A function with :func:`sweep`'s signature that sweeps through ``url`` instead (for the CLI).
+
+    Of :data:`SERVER_OPTIONS`, only those in ``given`` (named on the command line) are passed
+    on, to be checked against the server's; the rest, left at the CLI's defaults, are the server's.
+    """
+    def run(plan: Plan | str | Path, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
+            **kwargs: Any) -> list[dict[str, Any]]:
+        options = {k: kwargs.pop(k) for k in SERVER_OPTIONS if k in kwargs}
+        options["batch_sizes"] = batch_sizes
+        options = {k: (v if k in given else None) for k, v in options.items()}
+        return remote_sweep(plan, url, rates, model=model, **options, **kwargs)
+
+    return run
