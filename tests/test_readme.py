@@ -94,7 +94,7 @@ COMMANDS: dict[str, str] = {
 #: staronnx subcommand -> {option: CI's value}: replaced where given, added where not
 SHORTER: dict[str, dict[str, str]] = {
     "demo": {"--batches": "4"},
-    "calibrate": {"--batch-sizes": "1,2"},
+    # calibrate keeps the README's batch sizes: later commands serve and simulate at them
     "run": {"--requests": "20"},
     "sweep": {"--rates": "20,40", "--batch-sizes": "1,2", "--duration": "1s"},
     "simulate": {"--duration": "2"},
@@ -322,8 +322,8 @@ def test_blocks_skip_marker_and_substitutions():
     script = bash_script(blocks[0]).splitlines()
     assert script[2] == "staronnx sweep --duration 1s plan/ --rates 20,40 --batch-sizes 1,2 -o r/   # a comment"
     assert script[3] == "" and script[4] == "false   # line 7 fails"
-    assert ci_line("staronnx calibrate plan/ --batch-sizes=1,2,4,8,16 --groups cores=1") == \
-        "staronnx calibrate plan/ --batch-sizes 1,2 --groups cores=1"
+    assert ci_line("staronnx sweep plan/ --batch-sizes=1,2,4,8,16 --groups cores=1") == \
+        "staronnx sweep --duration 1s --rates 20,40 plan/ --batch-sizes 1,2 --groups cores=1"
     assert ci_line("make demo   # builds .venv") == COMMANDS[r"make demo\b.*"]
     assert ci_line("staronnx plan show plan/") == "staronnx plan show plan/"
 
