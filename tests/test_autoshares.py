@@ -143,3 +143,15 @@ def test_perfmodel_show_says_whether_the_plan_or_one_part_is_predicted_faster(ca
     assert shown.returncode == 0, shown.stderr
     verdicts = [line for line in shown.stdout.splitlines() if "is predicted faster" in line]
     assert verdicts and all("LP bound" in v and "alone" in v for v in verdicts)
+
+
+def test_cli_placement_method_places_on_the_groups_given_and_runs_as_placed(model, tmp_path, two_groups):
+    out = tmp_path / "duet"
+    home = tmp_path / "home"
+    done = _cli("partition", str(model), "--method", "duet", "--groups", two_groups, "-o", str(out),
+                "--profile-runs", "1", home=home)
+    assert done.returncode == 0, done.stderr
+    devices = {p["device"] for p in json.loads((out / "plan.json").read_text())["parts"]}
+    assert devices <= {f"cpu:pus{pu}" for pu in two_groups.split(";")}
+    run = _cli("run", str(out), "--policy", "static", "--groups", two_groups, "--requests", "4", home=home)
+    assert run.returncode == 0, run.stderr

@@ -139,8 +139,23 @@ def read_blocks(text: str, langs: tuple[str, ...] = ("bash", "python")) -> list[
     return out
 
 
+def two_groups() -> str:
+    """The README's ``cores=1`` (one worker per core: 2 on a laptop, 128 on a big server) as CI
+    runs it: two one-PU groups of this process's allowed PUs, so the test holds on any host."""
+    pus = sorted(os.sched_getaffinity(0))
+    return f"{pus[0]};{pus[-1]}" if len(pus) > 1 else f"{pus[0]}"
+
+
+def ci_groups(text: str, quote: bool) -> str:
+    """``cores=1`` replaced by :func:`two_groups` (quoted for the shell, where ';' ends a command)."""
+    groups = two_groups()
+    return re.sub(r"(?<![\w=])cores=1\b", f"'{groups}'" if quote else groups, text)
+
+
 def ci_line(line: str) -> str:
-    """One logical shell line as CI runs it (see :data:`COMMANDS` and :data:`SHORTER`)."""
+    """One logical shell line as CI runs it (see :data:`COMMANDS`, :data:`SHORTER` and
+    :func:`ci_groups`)."""
+    line = ci_groups(line, quote=True)
     stripped = line.strip()
     for pattern, instead in COMMANDS.items():
         if re.fullmatch(pattern, stripped):
@@ -207,7 +222,7 @@ def run_block(block: Block, workdir: Path, env: dict[str, str], index: int,
         argv = ["bash", str(script)]
     else:
         script = workdir / f".readme-block{index}.py"
-        script.write_text("\n".join(block.lines) + "\n")
+        script.write_text(ci_groups("\n".join(block.lines), quote=False) + "\n")
         argv = [sys.executable, str(script)]
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -323,7 +338,8 @@ def test_blocks_skip_marker_and_substitutions():
     assert script[2] == "staronnx sweep --duration 1s plan/ --rates 20,40 --batch-sizes 1,2 -o r/   # a comment"
     assert script[3] == "" and script[4] == "false   # line 7 fails"
     assert ci_line("staronnx sweep plan/ --batch-sizes=1,2,4,8,16 --groups cores=1") == \
-        "staronnx sweep --duration 1s --rates 20,40 plan/ --batch-sizes 1,2 --groups cores=1"
+        f"staronnx sweep --duration 1s --rates 20,40 plan/ --batch-sizes 1,2 --groups '{two_groups()}'"
+    assert two_groups().count(";") == (len(os.sched_getaffinity(0)) > 1)  # two explicit one-PU groups
     assert ci_line("make demo   # builds .venv") == COMMANDS[r"make demo\b.*"]
     assert ci_line("staronnx plan show plan/") == "staronnx plan show plan/"
 

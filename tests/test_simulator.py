@@ -292,7 +292,12 @@ def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(p
     store = PerfModelStore(tmp_path)
     workers = start_workers(plan, groups="cores=1")
     try:
-        report = calibrate(plan, [4], workers=workers, store=store)
+        # a shared machine's noise can keep an entry's samples drifting past one run's budget;
+        # as a user would, calibrate again (the store merges, so samples accumulate)
+        for _ in range(4):
+            report = calibrate(plan, [4], workers=workers, store=store, max_runs=200)
+            if not report.uncalibrated:
+                break
     finally:
         for w in workers:
             w.close()

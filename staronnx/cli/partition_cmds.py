@@ -59,8 +59,9 @@ def partition_cmd(
     profile_runs: Annotated[int, typer.Option(help="Profiled runs averaged (after one warm-up).")] = 5,
     tolerance: Annotated[float, typer.Option(help="Allowed share deviation per part.")] = 0.02,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing non-empty plan folder.")] = False,
-    groups: Annotated[str, typer.Option(
-        help="With --shares auto: the CPU groups that will serve the plan (as for run/sweep).")] = "numa",
+    groups: Annotated[Optional[str], typer.Option(
+        help="The CPU groups that will serve the plan (as for run/sweep): what --shares auto times "
+             "(default numa), or the devices a placement method places on.")] = None,
     cuda_streams: Annotated[int, typer.Option(
         help="With --shares auto: CUDA workers that will serve the plan (each holds back a core).")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
@@ -75,13 +76,15 @@ def partition_cmd(
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
     from staronnx.partition.autoshares import is_auto
 
-    if (speeds_from is not None or cuda_streams or groups != "numa") and not is_auto(shares):
-        raise PartitionError("--groups, --cuda-streams and --speeds-from apply to --shares auto only")
+    if (speeds_from is not None or cuda_streams) and not is_auto(shares):
+        raise PartitionError("--cuda-streams and --speeds-from apply to --shares auto only")
+    if groups is not None and not is_auto(shares) and method in ("metis", "linear"):
+        raise PartitionError("--groups applies to --shares auto and to the placement methods")
     speeds = None
     if speeds_from is not None:
         from staronnx.bench.machine_speeds import speeds_from_plan
 
-        speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups,
+        speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups or "numa",
                                   cuda_streams=cuda_streams)
     with spinner(quiet) as progress:
         step = progress.add_task("partitioning")

@@ -131,7 +131,7 @@ def partition(
     tolerance: float = 0.02,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
-    groups: str = "numa",
+    groups: str | None = None,
     cuda_streams: int = 0,
     speeds: Sequence[WorkerSpeed] | None = None,
 ) -> Plan:
@@ -147,6 +147,9 @@ def partition(
     CPU groups ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)`` would start, and on
     the GPU for ``device="cuda"``, or ``speeds`` given (e.g. from calibrated perf models); one
     part where a split cannot pay.  The choice and its reason are kept in the plan's settings.
+    ``groups`` (default ``numa`` there) is also the CPU groups a placement method places on
+    (default: one per NUMA node, or two halves of the cores), named like the workers that
+    ``Runtime(cpu_groups=groups)`` starts, which ``policy="static"`` needs.
     """
     say = progress or (lambda _msg: None)
     auto = is_auto(shares)
@@ -183,7 +186,7 @@ def partition(
     if auto:
         if isinstance(chosen, PlacementMethod):
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
-        auto_choice = _auto_shares(graph, shapes, device=device, groups=groups, cuda_streams=cuda_streams,
+        auto_choice = _auto_shares(graph, shapes, device=device, groups=groups or "numa", cuda_streams=cuda_streams,
                                    speeds=speeds, batch=profile_batch, runs=profile_runs, seed=seed, say=say)
         targets = np.array(auto_choice.shares)
         k = len(targets)
@@ -193,7 +196,7 @@ def partition(
         # and its own number of parts; --shares/--parts do not apply. It profiles per device
         # itself, so nothing is profiled here.
         placement = chosen.place_graph(
-            graph, devices="+cuda" if device == "cuda" else None, costs=costs,
+            graph, devices=(groups or "") + ("+cuda" if device == "cuda" else "") or None, costs=costs,
             profile_batch=profile_batch, profile_runs=profile_runs, seed=seed, input_shapes=shapes, progress=say,
         )
         ranks, k, targets = placement.ranks, placement.k, np.array(placement.shares())
