@@ -116,6 +116,13 @@ def server(plans, tmp_path_factory):
     assert rc == 0, "\n".join(s.lines)
 
 
+def test_start_says_how_many_batches_it_keeps_in_flight(server):
+    """No perf models here: the Server's default, two batches per worker (a calibrated plan's
+    window comes from its models: tests/test_serve_window.py)."""
+    m = re.search(r"model 'tiny': .*, (\d+) batches in flight", "\n".join(server.lines))
+    assert m and int(m.group(1)) >= 2
+
+
 def _x(n: int, seed: int = 0, d: int = 8) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((n, d)).astype(np.float32)
 

@@ -77,12 +77,33 @@ class MeteredRuntime:
         return future
 
 
+def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int) -> int | None:
+    """The batches to keep in flight on this plan's runtime, from its perf models, as sweeps and
+    the simulator size them (:func:`~staronnx.bench.simulator.machine_inflight`).
+
+    Why not the Server's default (two per worker): with a GPU and CPU groups, dmda only gives a
+    batch to a CPU group once the GPU's queue is longer than that group's whole time, so a
+    window too short for that leaves the CPUs idle however high the load. None (the default)
+    where the plan has no models for these workers yet.
+    """
+    from staronnx.bench.simulator import build_machine, machine_inflight
+    from staronnx.errors import StaronnxError
+
+    try:
+        machine = build_machine(plan, groups=groups or "numa", cuda_streams=cuda_streams)
+    except StaronnxError:
+        return None
+    if machine.table.sources:  # some arch's times borrowed from another: no basis for a window
+        return None
+    return machine_inflight(machine, batch_size)
+
+
 class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
     def __init__(self, name: str, runtime: Any, *, batch_size: int, max_delay: float,
                  queue_capacity: int, metrics: ServeMetrics, settings: Mapping[str, Any] | None = None,
-                 keep_records: int | None = RECORDS_KEPT) -> None:
+                 keep_records: int | None = RECORDS_KEPT, max_inflight: int | None = None) -> None:
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
@@ -91,8 +112,12 @@ class ModelEndpoint:
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
+        if max_inflight is None:
+            max_inflight = inflight_from_models(self.plan, batch_size, groups=self.settings.get("groups"),
+                                                cuda_streams=int(self.settings.get("cuda_streams") or 0))
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
-                             queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records)
+                             queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
+                             max_inflight=max_inflight)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
@@ -141,7 +166,7 @@ class ModelEndpoint:
         """
         delay = self.server.max_delay
         params = {"plan_hash": self.plan.hash, "plan": str(self.plan.root),
-                  "queue_capacity": self.server.queue_capacity,
+                  "queue_capacity": self.server.queue_capacity, "max_inflight": self.server.max_inflight,
                   "workers": len(getattr(self.runtime, "workers", ()) or ()),
                   **self.settings}
         meta = self.metadata()
