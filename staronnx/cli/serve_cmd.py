@@ -64,6 +64,14 @@ def serve_cmd(
     queue_capacity: Annotated[int, typer.Option(help="Samples waiting for a batch; beyond it requests get 503 / UNAVAILABLE.")] = 1024,
     max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
     drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
+    ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
+                                      "(else a local one) behind one KServe v2 HTTP endpoint on --http-port (needs the ray extra).")] = False,
+    replicas: Annotated[int | None, typer.Option(help="With --ray: replicas of each plan (default 1).")] = None,
+    autoscale: Annotated[str | None, typer.Option(help="With --ray: MIN:MAX replicas, scaled with the load.")] = None,
+    replica_cpus: Annotated[float | None, typer.Option(
+        help="With --ray: CPUs each replica asks Ray for and is pinned to (default: all of this machine's).")] = None,
+    replica_gpus: Annotated[float | None, typer.Option(
+        help="With --ray: GPUs each replica asks Ray for (default 1 with --cuda-streams, else 0).")] = None,
 ) -> None:
     """Serve plans with the KServe v2 protocol over HTTP and gRPC (Triton's clients work
     unchanged), with Prometheus metrics; SIGTERM or Ctrl-C drains and exits 0."""
@@ -90,6 +98,18 @@ def serve_cmd(
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
     if queue_capacity < 1:
         raise StaronnxError(f"--queue-capacity must be at least 1, got {queue_capacity}")
+    if not ray and (replicas, autoscale, replica_cpus, replica_gpus) != (None, None, None, None):
+        raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
+    if ray:  # staronnx.ray: the same models as replicas on Ray Serve (HTTP only)
+        from staronnx.ray.cli import scaling_from_options, serve_on_ray
+
+        scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
+        serve_on_ray(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
+                                    "batch_size": batch_size, "max_delay": parse_duration(max_delay, allow_zero=True),
+                                    "queue_capacity": queue_capacity}, scaling,
+                     host=host, http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
+                     say=lambda line: print(line, flush=True))
+        return
     listen = Listen(host=host, http_port=_port(http_port, "http-port"), grpc_port=_port(grpc_port, "grpc-port"),
                     metrics_port=_port(metrics_port, "metrics-port"), max_body=parse_size(max_body),
                     drain_timeout=parse_duration(drain_timeout))

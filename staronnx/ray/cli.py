@@ -1,0 +1,83 @@
+"""``staronnx serve --ray``: the plans on Ray Serve, in the foreground, until SIGTERM or Ctrl-C.
+
+Like ``serve run``: connects to the cluster ``$RAY_ADDRESS`` names (``auto`` for the one
+started on this machine with ``ray start``), else starts a local one; deploys the application
+(:mod:`staronnx.ray.app`); prints where it listens and ``ready``; on SIGTERM/SIGINT deletes
+the application (Serve drains each replica: accepted requests finish) and exits 0.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Callable
+
+from staronnx.errors import StaronnxError
+from staronnx.ray.spec import APP_NAME, ModelSpec, Scaling, forwarded_env, parse_autoscale
+
+
+def machine_cpus() -> int:
+    """The CPUs this process may use: a replica's default ask is this whole machine."""
+    return len(os.sched_getaffinity(0))
+
+
+def scaling_from_options(replicas: int | None, autoscale: str | None, replica_cpus: float | None,
+                         replica_gpus: float | None, cuda_streams: int) -> Scaling:
+    """The CLI's ``--replicas/--autoscale/--replica-cpus/--replica-gpus`` as a :class:`Scaling`.
+
+    By default a replica asks for this machine's CPUs and, with ``--cuda-streams``, one GPU
+    (a runtime drives its first visible GPU; Ray makes it the replica's own): on a cluster of
+    machines like this one, that is one replica per machine.
+    """
+    if replicas is not None and autoscale is not None:
+        raise StaronnxError("give either --replicas N or --autoscale MIN:MAX, not both")
+    bounds = parse_autoscale(autoscale) if autoscale is not None else None
+    cpus = float(machine_cpus()) if replica_cpus is None else float(replica_cpus)
+    gpus = (1.0 if cuda_streams > 0 else 0.0) if replica_gpus is None else float(replica_gpus)
+    return Scaling(replicas=1 if replicas is None else replicas, autoscale=bounds, replica_cpus=cpus, replica_gpus=gpus)
+
+
+def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scaling: Scaling, *, host: str,
+                 http_port: int, max_body: int, say: Callable[[str], None]) -> None:
+    """Deploy, announce, wait for SIGTERM/SIGINT, delete the application."""
+    try:
+        import ray
+        from ray import serve
+    except ImportError as exc:
+        raise StaronnxError(f"staronnx serve --ray needs the ray extra ({exc.name} is missing): "
+                            "pip install 'staronnx[ray]'") from None
+    from staronnx.plan import Plan
+    from staronnx.ray.app import deploy
+
+    for p in plans:
+        Plan.load(p)  # every plan checked here, before any cluster starts
+    specs = [ModelSpec(plan=str(Path(p).resolve()), name=n, **specs_kwargs) for p, n in zip(plans, names)]
+    own_cluster = not os.environ.get("RAY_ADDRESS")
+    stop = threading.Event()
+    previous: dict = {}
+    try:
+        ray.init(include_dashboard=False, logging_level="WARNING")
+        # after ray.init, which installs its own SIGTERM handler (it would end the process at once)
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+        url = deploy(specs, scaling, host=host, port=http_port, max_body=max_body, env=forwarded_env())
+        for spec in specs:
+            how = (f"autoscaling {scaling.autoscale[0]}..{scaling.autoscale[1]} replicas" if scaling.autoscale
+                   else f"{scaling.replicas} replica(s)")
+            say(f"model {spec.name!r}: plan {spec.plan}, {how} of {scaling.replica_cpus:g} CPU(s) and "
+                f"{scaling.replica_gpus:g} GPU(s) each, groups {spec.groups}, batches of up to {spec.batch_size}")
+        say(f"HTTP (KServe v2) on {url} (Ray Serve)")
+        say("ready (SIGTERM or Ctrl-C drains and stops)")
+        while not stop.wait(0.5):
+            pass
+        say("stopping: deleting the application; replicas finish the requests they accepted")
+        serve.delete(APP_NAME)
+        if own_cluster:
+            serve.shutdown()
+        say("stopped")
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if ray.is_initialized():
+            ray.shutdown()

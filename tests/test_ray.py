@@ -1,0 +1,351 @@
+"""staronnx on Ray Serve (``staronnx serve --ray``, :mod:`staronnx.ray`).
+
+The tests marked ``ray`` start one local Ray cluster for the module (2 CPUs, no dashboard,
+shut down at the end) and serve through it as users do: the CLI in a subprocess joined to that
+cluster through ``$RAY_ADDRESS``, driven over HTTP by tritonclient; a replica's process is
+killed mid-load with SIGKILL. Where Ray cannot start they skip with its reason. The other tests
+(options, health, the CPU share, the config files) need no cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import yaml
+
+from staronnx import partition
+from staronnx.cli import main
+from staronnx.errors import StaronnxError
+from staronnx.plan import Plan
+from staronnx.zoo import chain
+
+ROOT = Path(__file__).resolve().parents[1]
+GOOGLENET = ROOT.parent / "shared" / "models" / "googlenet.onnx"
+REQUESTS = 500
+CLIENTS = 8
+
+
+def _close(got: np.ndarray, want: np.ndarray) -> bool:
+    """DESIGN's fp32 bar: max abs diff <= 1e-4 relative to the output's scale."""
+    return got.shape == want.shape and float(np.abs(got - want).max()) <= 1e-4 * max(1.0, float(np.abs(want).max()))
+
+
+# -- the cluster -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of 2 CPUs for this module; its GCS address (what RAY_ADDRESS takes)."""
+    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'staronnx[ray]')")
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from ray import serve
+
+    try:
+        ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    except Exception as exc:  # noqa: BLE001 - no Ray here: say why and skip
+        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
+    try:
+        yield ctx.address_info["gcs_address"]
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def _replicas(deployment: str, app: str, want: int, timeout: float = 60.0,
+              exclude: frozenset[int] = frozenset()) -> dict[int, dict]:
+    """``describe()`` of ``want`` live replicas (by pid), asked through Serve's handle until
+    that many distinct ones answered (the router picks one of two at random each call)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle(deployment, app_name=app)
+    seen: dict[int, dict] = {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            d = handle.describe.remote().result(timeout_s=10)
+        except Exception:  # noqa: BLE001 - a replica going away or starting: ask again
+            time.sleep(0.2)
+            continue
+        if d["pid"] not in exclude:
+            seen[d["pid"]] = d
+        if len(seen) >= want:
+            return seen
+    raise AssertionError(f"only {len(seen)} of {want} replicas of {deployment} answered in {timeout:g} s: {seen}")
+
+
+# -- the CLI on the cluster: 500 requests, a replica killed mid-load ----------------------------
+@pytest.fixture(scope="module")
+def googlenet_plan(tmp_path_factory) -> Plan:
+    if not GOOGLENET.exists():
+        pytest.skip(f"{GOOGLENET} not present")
+    root = tmp_path_factory.mktemp("ray-googlenet")
+    return partition(GOOGLENET, [0.85, 0.15], output_dir=root / "googlenet", costs="estimate")
+
+
+def _start_cli(plan: Plan, gcs: str, home: Path, *args: str) -> tuple[subprocess.Popen, list[str], str]:
+    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan.root), "--name", "googlenet", "--ray",
+           "--http-port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "RAY_ADDRESS": gcs, "STARONNX_HOME": str(home)})
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("ready"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(120) or proc.poll() is not None:
+        proc.kill()
+        raise AssertionError("staronnx serve --ray did not start:\n" + "\n".join(lines))
+    url = re.search(r"HTTP \(KServe v2\) on http://([\w.\[\]:]+)", "\n".join(lines))
+    assert url, "\n".join(lines)
+    return proc, lines, url.group(1)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, googlenet_plan, tmp_path):
+    import tritonclient.http as thttp
+    from tritonclient.utils import InferenceServerException
+
+    plan = googlenet_plan
+    # two replicas of one CPU each, pinned to a core of their own; one 1-core group inside
+    proc, lines, addr = _start_cli(plan, cluster, tmp_path / "home", "--replicas", "2", "--replica-cpus", "1",
+                                   "--groups", "cores=1", "--policy", "eager", "--batch-size", "4",
+                                   "--max-delay", "2ms")
+    try:
+        replicas = _replicas("staronnx-googlenet", "staronnx", 2)
+        pus = [tuple(d["pus"]) for d in replicas.values()]
+        assert len(set(pus)) == 2 and all(len(p) == 1 for p in pus), replicas  # a core each, not shared
+
+        rng = np.random.default_rng(0)
+        inputs = [rng.standard_normal((1, 3, 224, 224)).astype(np.float32) for _ in range(16)]
+        wanted = [plan.run_reference({"input": x})["logits"] for x in inputs]
+        local = threading.local()
+        done = Counter()
+        lock = threading.Lock()
+
+        def one(i: int) -> tuple[int, str, object]:
+            if not hasattr(local, "client"):
+                local.client = thttp.InferenceServerClient(addr, network_timeout=120.0)
+            x = inputs[i % len(inputs)]
+            inp = thttp.InferInput("input", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x, binary_data=True)
+            try:
+                r = local.client.infer("googlenet", [inp], request_id=str(i),
+                                       outputs=[thttp.InferRequestedOutput("logits", binary_data=True)])
+                out = (i, "ok", (r.get_response(), r.as_numpy("logits")))
+            except InferenceServerException as exc:
+                out = (i, "error", str(exc))
+            with lock:
+                done[out[1]] += 1
+                if out[1] == "ok":
+                    latest.append(out[2][0]["parameters"]["staronnx_replica"])
+            return out
+
+        latest: list[str] = []  # which replica answered, in order
+        pid_of = {d["replica"]: pid for pid, d in replicas.items()}
+        with ThreadPoolExecutor(CLIENTS) as pool:
+            futures = [pool.submit(one, i) for i in range(REQUESTS)]
+            while sum(done.values()) < 100:  # kill mid-load: a fifth answered
+                time.sleep(0.01)
+            # the replica answering most now has requests in flight (Serve's router may favour one)
+            with lock:
+                busiest = Counter(latest[-20:]).most_common(1)[0][0]
+            victim = pid_of[busiest]
+            os.kill(victim, signal.SIGKILL)
+            killed_at = sum(done.values())
+            results = [f.result() for f in futures]
+
+        answered = [r for r in results if r[1] == "ok"]
+        errors = [r for r in results if r[1] == "error"]
+        # exactly one outcome per request; in-flight requests of the dead replica were retried once
+        assert len(answered) + len(errors) == REQUESTS
+        assert not errors, f"{len(errors)} requests failed (first: {errors[0]})"
+        by_replica = Counter()
+        for i, _, (response, logits) in answered:
+            assert response["id"] == str(i)  # each answer is its own request's
+            assert _close(logits, wanted[i % len(inputs)]), f"request {i}: output differs from plan.run_reference"
+            by_replica[response["parameters"]["staronnx_replica"]] += 1
+        before = {d["replica"] for d in replicas.values()}
+        assert before <= set(by_replica), f"both replicas served: {by_replica}"
+        from ray import serve
+
+        retried = serve.get_deployment_handle("staronnx-ingress", "staronnx").retries.remote().result(timeout_s=10)
+        # 8 clients keep both replicas busy: the victim died with requests in flight, and the
+        # ingress retried them (once each) on the other replica rather than failing them
+        assert retried >= 1, "no request was in flight on the killed replica: the fault path was not exercised"
+
+        # Ray (Serve's controller) starts a replacement, on the freed core
+        back = _replicas("staronnx-googlenet", "staronnx", 2, timeout=90, exclude=frozenset({victim}))
+        assert victim not in back and len({tuple(d["pus"]) for d in back.values()}) == 2, back
+        client = thttp.InferenceServerClient(addr)
+        assert client.is_server_ready() and client.is_model_ready("googlenet")
+        x = inputs[0]
+        inp = thttp.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        assert _close(client.infer("googlenet", [inp]).as_numpy("logits"), wanted[0])
+        print(f"killed pid {victim} after {killed_at} answers; {retried} retried; answers by replica: {dict(by_replica)}")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    out = "\n".join(lines)
+    assert rc == 0 and "stopped" in out and "Traceback" not in out, out
+
+
+# -- perf models: two replicas merge into one shared STARONNX_HOME at once -----------------------
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_two_replicas_merge_their_perf_models_without_losing_samples(cluster, tmp_path):
+    from ray import serve
+
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.ray.app import build_app
+    from staronnx.ray.spec import ModelSpec, Scaling
+
+    onnx.save(chain(depth=4, width=8), str(tmp_path / "chain.onnx"))
+    plan = partition(tmp_path / "chain.onnx", parts=2, method="linear", output_dir=tmp_path / "chain",
+                     costs="estimate")
+    home = tmp_path / "shared-home"
+    spec = ModelSpec(plan=str(plan.root), name="chain", groups="cores=1", policy="eager", batch_size=2,
+                     calibrate=1, home=str(home), save_every=0)  # record every run, merge at shutdown
+    serve.run(build_app([spec], Scaling(replicas=2, replica_cpus=1)), name="perf", route_prefix="/perf")
+    try:
+        handle = serve.get_deployment_handle("staronnx-chain", app_name="perf")
+        x = np.random.default_rng(1).standard_normal((1, 8)).astype(np.float32)
+        replies = [handle.infer.remote({"x": x}, {"x": "FP32"}, None) for _ in range(300)]
+        served = Counter(r.result(timeout_s=60).parameters["staronnx_replica"] for r in replies)
+        assert len(served) == 2, served
+        snapshots: dict[str, dict] = {}
+        deadline = time.monotonic() + 60
+        while len(snapshots) < 2 and time.monotonic() < deadline:
+            snap = handle.perf_models.remote().result(timeout_s=10)
+            snapshots[snap["replica"]] = snap
+        assert set(snapshots) == set(served)
+    finally:
+        serve.delete("perf")  # both replicas close at once: each merges its samples under the lock
+    expected: Counter = Counter()
+    for snap in snapshots.values():
+        assert snap["unsaved"] > 0
+        for key, entries in snap["models"].items():
+            for batch, (n, nerror) in entries.items():
+                expected[(key, int(batch), "n")] += n
+                expected[(key, int(batch), "nerror")] += nerror
+    store = PerfModelStore(home)
+    stored: Counter = Counter()
+    for key in store.list(plan.hash):
+        for fp, entry in store.load(plan.hash, key.part, key.arch).entries().items():
+            stored[(f"{key.part}.{key.arch}", fp.batch, "n")] += entry.n
+            stored[(f"{key.part}.{key.arch}", fp.batch, "nerror")] += entry.nerror
+    assert +expected and +stored == +expected
+
+
+# -- without a cluster -------------------------------------------------------------------------
+@pytest.mark.parametrize("args, message", [
+    (["--replicas", "2"], "go with --ray"),
+    (["--ray", "--replicas", "2", "--autoscale", "1:2"], "either --replicas N or --autoscale MIN:MAX"),
+    (["--ray", "--autoscale", "3:1"], "MAX must be at least 1 and at least MIN"),
+    (["--ray", "--autoscale", "lots"], "--autoscale takes MIN:MAX"),
+    (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
+    (["--ray", "--replica-cpus", "-1"], "--replica-cpus and --replica-gpus must be >= 0"),
+])
+def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys):
+    onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
+    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(plan.root), *args])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("staronnx: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_scaling_becomes_serve_options():
+    from staronnx.ray.cli import scaling_from_options
+    from staronnx.ray.spec import ModelSpec
+
+    spec = ModelSpec(plan="p", name="m", batch_size=8, queue_capacity=100)
+    auto = scaling_from_options(None, "0:4", 16, None, cuda_streams=2).deployment_options(spec)
+    assert auto["autoscaling_config"] == {"min_replicas": 0, "max_replicas": 4, "initial_replicas": 1,
+                                          "target_ongoing_requests": 16.0}
+    assert auto["ray_actor_options"] == {"num_cpus": 16.0, "num_gpus": 1.0}  # the machine's cores and its GPU
+    assert auto["max_queued_requests"] == 100 and "num_replicas" not in auto
+    fixed = scaling_from_options(3, None, 1, None, cuda_streams=0).deployment_options(spec, {"STARONNX_HOME": "/h"})
+    assert fixed["num_replicas"] == 3 and fixed["ray_actor_options"]["num_gpus"] == 0.0
+    assert fixed["ray_actor_options"]["runtime_env"] == {"env_vars": {"STARONNX_HOME": "/h"}}
+
+
+def test_cpu_share_gives_each_replica_on_a_machine_its_own_cores():
+    from staronnx.ray.replica import cpu_share
+
+    allowed = [0, 1, 2, 3, 4, 5, 6, 7]
+    assert [cpu_share(r, 2, allowed) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert cpu_share(0, 8, allowed) == allowed
+    assert cpu_share(4, 2, allowed) is None  # more replicas than cores: keep what Ray gave
+    assert cpu_share(0, 0.5, allowed) is None  # a fraction of a CPU: no core to pin to
+
+
+def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
+    from staronnx.ray.replica import health_problem
+    from staronnx.runtime.runtime import Runtime
+    from staronnx.serve.metrics import ServeMetrics
+    from staronnx.serve.models import ModelEndpoint
+
+    onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
+    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    endpoint = ModelEndpoint("m", Runtime(plan, policy="eager", cpu_groups=two_groups), batch_size=2,
+                             max_delay=0.0, queue_capacity=8, metrics=ServeMetrics())
+    try:
+        assert health_problem(endpoint) is None
+    finally:
+        endpoint.close(5.0)
+    assert health_problem(endpoint) == "the model endpoint is closed"
+    endpoint.ready = True  # a closed batcher and runtime behind an endpoint that says ready
+    assert health_problem(endpoint) == "the batcher has stopped"
+
+
+def test_serve_config_and_rayservice_build_the_app(tmp_path):
+    """deploy/serve-config.yaml and the RayService's serveConfigV2 are valid Serve configs whose
+    args staronnx.ray.app:build takes (with a real plan in place of /models/...)."""
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from ray.serve.schema import ServeDeploySchema
+
+    from staronnx.ray.app import build
+
+    onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
+    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    config = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
+    docs = list(yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text()))
+    embedded = yaml.safe_load(docs[0]["spec"]["serveConfigV2"])
+    assert docs[0]["kind"] == "RayService"
+    for cfg in (config, embedded):
+        schema = ServeDeploySchema.model_validate(cfg) if hasattr(ServeDeploySchema, "model_validate") \
+            else ServeDeploySchema.parse_obj(cfg)
+        (app,) = schema.applications
+        assert app.import_path == "staronnx.ray.app:build"
+        args = {**app.args, "plans": [str(plan.root)]}
+        assert build(args) is not None
+    with pytest.raises(StaronnxError, match="unknown staronnx.ray.app:build arg"):
+        build({"plans": [str(plan.root)], "replica": 2})
+    with pytest.raises(StaronnxError, match="either 'replicas' or 'autoscale'"):
+        build({"plans": [str(plan.root)], "replicas": 2, "autoscale": "1:2"})
