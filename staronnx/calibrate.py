@@ -17,7 +17,6 @@ from typing import Callable, Protocol, Sequence
 
 import numpy as np
 
-from staronnx.errors import StaronnxError
 from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.predictor import task_footprint
@@ -30,6 +29,7 @@ class Worker(Protocol):
     """What calibration needs of a worker (CPU and CUDA workers both provide it)."""
 
     name: str
+    arch: str  # "cpu<ncores>" or "cuda<device>": the perf model it feeds
 
     def submit(self, part: int, feeds: dict[str, np.ndarray]): ...  # -> future with .seconds
 
@@ -38,15 +38,9 @@ class Worker(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
 
 
-def worker_arch(worker: object) -> str:
+def worker_arch(worker: Worker) -> str:
     """The perf-model architecture of a worker: ``cpuN`` (N cores) or ``cudaD`` (device D)."""
-    group = getattr(worker, "group", None)
-    if group is not None:
-        return f"cpu{group.n_cores}"
-    device = getattr(worker, "device_id", None)
-    if device is not None:
-        return f"cuda{device}"
-    raise StaronnxError(f"unknown worker kind: {worker!r}")
+    return worker.arch
 
 
 @dataclass

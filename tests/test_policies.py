@@ -77,11 +77,9 @@ def data(nbytes: int, *nodes: str) -> DataView:
 
 
 def task(part: int = 0, batch: int = 1, inputs: Sequence[DataView] = (), priority: float = 0.0,
-         **extra) -> TaskView:
-    t = TaskView(id=next(_ids), part=part, batch=batch, request=0, inputs=list(inputs),
-                 priority=priority)
-    t.extra.update(extra)
-    return t
+         **fields) -> TaskView:
+    return TaskView(id=next(_ids), part=part, batch=batch, request=0, inputs=list(inputs),
+                    priority=priority, **fields)
 
 
 def attached(policy: Policy | str, workers: Sequence[WorkerInfo], times: dict | None = None,
@@ -127,8 +125,7 @@ def simulate(policy: Policy, workers: Sequence[WorkerInfo], times: dict, dag: Se
         else:
             inputs = [outputs[(r, p)] for p in preds[part]]
         t = TaskView(id=next(_ids), part=part, batch=1, request=r, inputs=inputs)
-        if releasing is not None:
-            t.extra["releasing_worker"] = releasing
+        t.releasing_worker = releasing
         placed = policy.push(t)
         if placed is not None:
             sim.placements[(r, part)] = placed
@@ -632,7 +629,7 @@ def test_heft_learns_footprints_of_other_parts():
         """Like the engine's: no footprint, no model (0.0)."""
 
         def exec_time(self, task, worker):
-            return super().exec_time(task, worker) if "footprint" in task.extra else 0.0
+            return super().exec_time(task, worker) if task.footprint is not None else 0.0
 
     p = make_policy("heft")
     p.attach([GPU, CPU], FootprintPredictor(DIAMOND_TIMES), FakeClock(), DIAMOND)

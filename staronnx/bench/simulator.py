@@ -224,7 +224,7 @@ class PerfTable:
 
     # -- Predictor protocol (what policies call) ---------------------------------------------
     def exec_time(self, task: TaskView, worker: WorkerInfo) -> float:
-        fp = task.extra.get("footprint")
+        fp = task.footprint
         if fp is None:
             return 0.0
         return self.predict(task.part, worker.arch, fp)
@@ -642,10 +642,10 @@ class _Simulation:
                     for n in part.inputs],
             submitted_at=batch.record.formed,
         )
-        view.extra["footprint"] = batch.profile.footprints[task.part]
+        view.footprint = batch.profile.footprints[task.part]
         view.extra["task"] = task
         if releasing is not None:
-            view.extra["releasing_worker"] = releasing
+            view.releasing_worker = releasing
         task.view = view
         task.ready_at = self.clock.t
         self.policy.push(view)

@@ -22,16 +22,21 @@ import time
 from collections import defaultdict
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from staronnx.plan import Plan
-from staronnx.runtime.predictor import PerfPredictor, task_footprint
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.policies import make_policy
+from staronnx.runtime.predictor import PerfPredictor, calibrate_mode, task_footprint
+from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.runtime.task import DataHandle, Request, RequestFuture, Task, TaskError
 from staronnx.runtime.taskstats import per_part_arch
 from staronnx.runtime.trace import Tracer
+from staronnx.workers.launch import start_workers
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +47,31 @@ class EngineClosed(RuntimeError):
     """Submitting to an engine (or Runtime) after close()."""
 
 
+class Worker(Protocol):
+    """What the native engine needs of a worker (:class:`~staronnx.workers.cpu.CpuWorker`,
+    :class:`~staronnx.workers.cuda.CudaWorker`): its identity for the policy, a way to run the
+    engine's serving loop in its own thread, and a run of one part from inside that thread."""
+
+    name: str
+    kind: str  # "cpu" or "cuda"
+    arch: str  # perf-model architecture: "cpu<ncores>" or "cuda<device>"
+    memory_node: str  # "numa0", "cuda0", ...
+    n_cores: int
+    #: kernel time of the last run_here without copies (CUDA), None where wall time is compute
+    last_compute_seconds: float | None
+
+    def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
+
+    def run_here(self, part: int, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
+
+
+def worker_info(index: int, worker: Worker) -> WorkerInfo:
+    """The worker as a policy sees it."""
+    return WorkerInfo(index, worker.name, worker.arch, worker.kind, worker.memory_node, worker.n_cores)
+
+
 class _RealClock:
     def now(self) -> float:
         return time.perf_counter()
@@ -50,7 +80,7 @@ class _RealClock:
 @dataclass
 class _WorkerState:
     info: WorkerInfo
-    worker: Any  # CpuWorker or CudaWorker: spawn(fn) -> Future, run_here(part, feeds) -> dict
+    worker: Worker
     loop: Future | None = None
     alive: bool = True
     busy: float = 0.0
@@ -63,12 +93,14 @@ class NativeEngine:
     def __init__(
         self,
         plan: Plan,
-        workers: Sequence[Any],
-        infos: Sequence[WorkerInfo],
+        workers: Sequence[Worker],
         policy: Policy,
         predictor: PerfPredictor,
         tracer: Tracer | None = None,
+        own_workers: bool = False,
     ) -> None:
+        infos = [worker_info(i, w) for i, w in enumerate(workers)]
+        self.own_workers = own_workers
         self.plan = plan
         self.policy = policy
         self.predictor = predictor
@@ -143,27 +175,15 @@ class NativeEngine:
             id=next(self._task_ids), part=task.part, batch=req.batch, request=req.id,
             inputs=[req.handles[n].view() for n in part.inputs], submitted_at=req.submitted_at,
         )
-        view.extra["footprint"] = task_footprint(feeds, req.batch)
+        view.footprint = task_footprint(feeds, req.batch)
         view.extra["task"] = task
         if releasing is not None:
-            view.extra["releasing_worker"] = releasing
+            view.releasing_worker = releasing
         task.view = view
         task.ready_at = now
-        placed = self.policy.push(view)
-        if placed is not None:
-            self._prefetch(placed, task)
-
-    def _prefetch(self, worker_id: int, task: Task) -> None:
-        """Start copying the task's inputs to the chosen worker's memory node, if it can."""
-        st = self._workers[worker_id]
-        prefetch = getattr(st.worker, "prefetch", None)
-        if prefetch is None:
-            return
-        part = self.plan.parts[task.part]
-        try:
-            prefetch({n: task.request.values[n] for n in part.inputs})
-        except Exception:  # noqa: BLE001 - a failed prefetch only costs a later fetch
-            log.debug("prefetch to %s failed", st.info.name, exc_info=True)
+        # (a policy placing at push could start the copies here; the CUDA worker stages the
+        # next queued inputs itself while it computes)
+        self.policy.push(view)
 
     # -- worker loops -------------------------------------------------------------------------
     def _make_loop(self, st: _WorkerState) -> Callable[[], None]:
@@ -220,11 +240,11 @@ class NativeEngine:
         view = task.view
         assert view is not None
         if error is None:
-            fp = view.extra["footprint"]
+            fp = view.footprint
             if self.predictor.needs_samples(task.part, st.info.arch, fp):
                 # CUDA workers report kernel time without their copies, which the bus model
                 # prices; CPU workers' wall time is their compute time
-                compute = getattr(st.worker, "last_compute_seconds", None) if st.info.kind == "cuda" else None
+                compute = st.worker.last_compute_seconds
                 self.predictor.record(task.part, st.info.arch, fp, compute or measured)
         if self.tracer is not None:
             self.tracer.task(
@@ -335,6 +355,12 @@ class NativeEngine:
         self.predictor.save()
         if self.tracer is not None:
             self.tracer.save()
+        if self.own_workers:
+            _close_all(w.worker for w in self._workers)
+
+    @property
+    def workers(self) -> list[Worker]:
+        return [st.worker for st in self._workers]
 
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -357,6 +383,48 @@ class NativeEngine:
                 "mean_queue_wait_ms": float(np.mean(self._queue_waits) * 1e3) if self._queue_waits else 0.0,
                 "dead_workers": list(self.dead_workers),
             }
+
+
+def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:
+    """The ``native`` engine: start the workers (unless given), then the engine over them."""
+    options = dict(settings.policy_options)
+    if settings.policy == "static" and "devices" not in options:
+        devices = {p.index: p.device for p in plan.parts if p.device}
+        if len(devices) != plan.k:
+            raise StaronnxError(
+                "policy 'static' needs a plan whose parts name their device (partition with "
+                "--method comm-sd, duet, overseer or optimal)"
+            )
+        options["devices"] = devices
+    policy = make_policy(settings.policy, **options)  # fail before starting workers
+    mode = calibrate_mode(settings.calibrate)
+    own = settings.workers is None
+    workers = list(settings.workers) if settings.workers is not None else start_workers(
+        plan, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
+        cuda_options=dict(settings.cuda_options))
+    try:
+        store = settings.store if settings.store is not None else PerfModelStore()
+        predictor = PerfPredictor(plan.hash, store, calibrate=mode)
+        tracer = Tracer(settings.trace, origin=0.0) if settings.trace is not None else None
+        engine = NativeEngine(plan, workers, policy, predictor, tracer, own_workers=own)
+        if tracer is not None:
+            tracer.origin = engine.started_at
+        return engine
+    except BaseException:
+        if own:
+            _close_all(workers)
+        raise
+
+
+register_engine("native", start_native)
+
+
+def _close_all(workers: Any) -> None:
+    for w in workers:
+        try:
+            w.close()
+        except Exception:  # noqa: BLE001 - close the others anyway
+            pass
 
 
 def _ms(x: float) -> float | None:

@@ -83,7 +83,7 @@ class PerfPredictor:
             return self._models[key]
 
     def exec_time(self, task: TaskView, worker: WorkerInfo) -> float:
-        fp = task.extra.get("footprint")
+        fp = task.footprint
         if fp is None:
             return 0.0
         return self.model(task.part, worker.arch).predict(fp)

@@ -29,25 +29,14 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
-from staronnx.runtime.engine import EngineClosed, NativeEngine
-from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
-from staronnx.runtime.sched import WorkerInfo
+from staronnx.runtime.engine import EngineClosed
+from staronnx.runtime.registry import ENGINE_MODULES, EngineSettings, engine_factory
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 
-ENGINES = ("native", "starpu")
-
-
-def _worker_info(index: int, worker: Any) -> WorkerInfo:
-    group = getattr(worker, "group", None)
-    if group is not None:
-        numa = group.numa if group.numa is not None else 0
-        return WorkerInfo(index, worker.name, f"cpu{group.n_cores}", "cpu", f"numa{numa}", group.n_cores)
-    device = getattr(worker, "device_id")
-    return WorkerInfo(index, worker.name, f"cuda{device}", "cuda", f"cuda{device}", 1)
+ENGINES = tuple(ENGINE_MODULES)
 
 
 class Runtime:
@@ -68,56 +57,13 @@ class Runtime:
         calibrate: int | None = None,
         cuda_options: Mapping[str, Any] | None = None,
     ) -> None:
-        from staronnx.workers.launch import start_workers
-        from staronnx.runtime.policies import make_policy
-
-        if engine not in ENGINES:
-            raise StaronnxError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-        if engine == "starpu":
-            # StarPU's own workers, schedulers and perf models (staronnx.engines.starpu); the
-            # engine has the native one's submit/stats/close, so everything below is shared.
-            from staronnx.engines.starpu import StarpuEngine
-
-            if workers is not None:
-                raise StaronnxError("engine='starpu' starts its own StarPU workers; workers= is for engine='native'")
-            self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-            self.policy_name = policy
-            self._workers, self._own_workers = [], False
-            options = dict(policy_options or {})
-            if "calibrate" not in options and (calibrate is not None or "STARONNX_CALIBRATE" in os.environ):
-                options["calibrate"] = calibrate_mode(calibrate)
-            self._engine = StarpuEngine(self.plan, policy, cpu_groups, cuda_streams, trace, options)
-            self._closed = False
-            self._close_lock = threading.Lock()
-            return
+        factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         self.policy_name = policy
-        options = dict(policy_options or {})
-        if policy == "static" and "devices" not in options:
-            devices = {p.index: p.device for p in self.plan.parts if getattr(p, "device", None)}
-            if len(devices) != self.plan.k:
-                raise StaronnxError(
-                    "policy 'static' needs a plan whose parts name their device (partition with "
-                    "--method comm-sd, duet, overseer or optimal)"
-                )
-            options["devices"] = devices
-        policy_obj = make_policy(policy, **options)  # fail before starting workers
-        mode = calibrate_mode(calibrate)
-        own = workers is None
-        self._workers = list(workers) if workers is not None else start_workers(
-            self.plan, groups=cpu_groups, cuda_streams=cuda_streams, cuda_options=dict(cuda_options or {}))
-        self._own_workers = own
-        try:
-            infos = [_worker_info(i, w) for i, w in enumerate(self._workers)]
-            store = store if store is not None else PerfModelStore()
-            predictor = PerfPredictor(self.plan.hash, store, calibrate=mode)
-            tracer = Tracer(trace, origin=0.0) if trace is not None else None
-            self._engine = NativeEngine(self.plan, self._workers, infos, policy_obj, predictor, tracer)
-            if tracer is not None:
-                tracer.origin = self._engine.started_at
-        except BaseException:
-            self._close_workers()
-            raise
+        settings = EngineSettings(
+            policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
+            None if workers is None else list(workers), calibrate, dict(cuda_options or {}))
+        self._engine = factory(self.plan, settings)
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -161,15 +107,13 @@ class Runtime:
     @property
     def tracer(self) -> Tracer | None:
         """The trace being recorded (``trace=``), which servers and sweeps add their spans to."""
-        return getattr(self._engine, "tracer", None)
+        return self._engine.tracer
 
     @property
     def workers(self) -> list[Any]:
-        """The workers tasks run on: staronnx's own, or StarPU's as seen through the engine
-        (each with ``name`` and ``arch``), so sweeps and warm-ups size themselves alike."""
-        if self._workers:
-            return list(self._workers)
-        return list(getattr(self._engine, "workers", ()))
+        """The workers tasks run on (each with ``name`` and ``arch``): staronnx's own, or
+        StarPU's as seen through the engine, so sweeps and warm-ups size themselves alike."""
+        return self._engine.workers
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -178,16 +122,4 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
-        try:
-            self._engine.close(timeout)
-        finally:
-            self._close_workers()
-
-    def _close_workers(self) -> None:
-        if not getattr(self, "_own_workers", True):
-            return
-        for w in self._workers:
-            try:
-                w.close()
-            except Exception:  # noqa: BLE001 - close the others anyway
-                pass
+        self._engine.close(timeout)

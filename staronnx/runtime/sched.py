@@ -26,7 +26,10 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
+
+if TYPE_CHECKING:
+    from staronnx.perfmodels import Footprint
 
 
 class Clock(Protocol):
@@ -78,7 +81,12 @@ class TaskView:
     predicted: float = math.nan
     transfer: float = 0.0
     placed_on: int | None = None
-    extra: dict = field(default_factory=dict)
+    #: the perf-model key of this task (input shapes); None: no model applies
+    footprint: Footprint | None = None
+    #: the worker whose completion made this task ready (locality for ws and lws)
+    releasing_worker: int | None = None
+    #: what a policy notes on a task for its own accounting and for stats
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Predictor(Protocol):

@@ -49,7 +49,7 @@ import numpy as np
 
 from staronnx.errors import DeviceError, ModelError
 
-__all__ = ["OnDone", "Task", "ThreadWorker", "WorkerFuture", "WorkerStats"]
+__all__ = ["OnDone", "ThreadWorker", "WorkerTask", "WorkerFuture", "WorkerStats"]
 
 Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
@@ -89,7 +89,7 @@ class WorkerStats:
 
 
 @dataclass
-class Task:
+class WorkerTask:
     """One queued run of a part; ``record=False`` (warm-up) keeps it out of stats and on_done."""
 
     part: int
@@ -118,6 +118,13 @@ class ThreadWorker(ABC):
 
     kind: ClassVar[str]
     _log: ClassVar[logging.Logger]
+    #: perf-model architecture ("cpu<ncores>", "cuda<device>"), memory node and cores, set by
+    #: the subclass: what an engine tells its policy about this worker
+    arch: str
+    memory_node: str
+    n_cores: int
+    #: kernel time of the last ``run_here`` without its copies (CUDA); None: wall time is compute
+    last_compute_seconds: float | None = None
 
     def __init__(
         self,
@@ -132,7 +139,7 @@ class ThreadWorker(ABC):
         self.on_done = on_done
         self.stats = WorkerStats()
         self.native_id: int | None = None
-        #: items: ("run", Task), ("call", fn, Future) or _STOP.
+        #: items: ("run", WorkerTask), ("call", fn, Future) or _STOP.
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         #: items taken from the queue ahead of their turn (see _hold_next), served first.
         self._held: deque[Any] = deque()
@@ -283,7 +290,7 @@ class ThreadWorker(ABC):
         batch_sizes: Sequence[int],
         make_feeds: Callable[[int, int], Feeds],
         repeats: int,
-        new_task: Callable[[int, Feeds, int], Task],
+        new_task: Callable[[int, Feeds, int], WorkerTask],
         seconds: Callable[[Any], float | None],
     ) -> list[tuple[int, int, float]]:
         """Queue ``repeats`` unrecorded runs of every part at every batch size, one at a time.
@@ -392,7 +399,7 @@ class ThreadWorker(ABC):
         """Appended to the error when :meth:`_pin` fails."""
         return ""
 
-    def _record_done(self, task: Task, seconds: float) -> None:
+    def _record_done(self, task: WorkerTask, seconds: float) -> None:
         """Count a successful task (unless it is a warm-up) and call ``on_done``."""
         if not task.record:
             return
@@ -404,7 +411,7 @@ class ThreadWorker(ABC):
             except Exception:  # noqa: BLE001 - a broken hook must not fail the task
                 self._log.exception("%s: on_done hook failed", self.name)
 
-    def _fail(self, task: Task, exc: BaseException) -> None:
+    def _fail(self, task: WorkerTask, exc: BaseException) -> None:
         """Fail this task's future only."""
         task.fut.end = task.fut.end or time.perf_counter()
         if task.record:

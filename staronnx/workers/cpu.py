@@ -39,7 +39,7 @@ from staronnx.workers.base import (
     Feeds,
     OnDone,
     Outputs,
-    Task,
+    WorkerTask,
     ThreadWorker,
     WorkerFuture,
     WorkerStats,  # noqa: F401 - defined here before base.py; still importable from here
@@ -108,6 +108,10 @@ class CpuWorker(ThreadWorker):
     ) -> None:
         super().__init__(part_paths, name or f"cpu:{group.name}", on_done)
         self.group = group
+        # what an engine's policy sees of this worker (perf models are keyed by core count)
+        self.arch = f"cpu{group.n_cores}"
+        self.memory_node = f"numa{group.numa if group.numa is not None else 0}"
+        self.n_cores = group.n_cores
         self.share_weights = share_weights
         #: per part: True when its weights come from the shared mapped copy.
         self.weights_shared: list[bool] = [False] * len(self.part_paths)
@@ -151,7 +155,7 @@ class CpuWorker(ThreadWorker):
         self._check_started()
         self._check_part(part)
         fut = WorkerFuture(part, _batch_of(feeds, self._inputs[part]), self.name)
-        self._put(("run", Task(part, feeds, fut, True)))
+        self._put(("run", WorkerTask(part, feeds, fut, True)))
         return fut
 
     def warmup(
@@ -167,7 +171,7 @@ class CpuWorker(ThreadWorker):
         """
         return self._warmup(
             batch_sizes, make_feeds, repeats,
-            lambda part, feeds, b: Task(part, feeds, WorkerFuture(part, b, self.name), False),
+            lambda part, feeds, b: WorkerTask(part, feeds, WorkerFuture(part, b, self.name), False),
             lambda fut: fut.seconds,
         )
 
@@ -244,7 +248,7 @@ class CpuWorker(ThreadWorker):
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             raise ModelError(f"ONNX Runtime cannot load part {index} ({path}): {exc}") from None
 
-    def _run_task(self, task: Task) -> None:
+    def _run_task(self, task: WorkerTask) -> None:
         fut = task.fut
         if not fut.set_running_or_notify_cancel():
             return

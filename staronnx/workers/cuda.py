@@ -65,7 +65,7 @@ from staronnx.workers.base import (
     Feeds,
     OnDone,
     Outputs,
-    Task,
+    WorkerTask,
     ThreadWorker,
     WorkerFuture,
     _batch_of,
@@ -74,7 +74,7 @@ from staronnx.workers.cudart import (
     INSTALL_HINT,
     CudaError,
     CudaRuntime,
-    Runtime,
+    GpuRuntime,
     runtime_module,
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
@@ -338,8 +338,8 @@ class _SlotCache:
 
 
 @dataclass
-class _Task(Task):
-    """A :class:`~staronnx.workers.base.Task` with its staging state."""
+class _Task(WorkerTask):
+    """A :class:`~staronnx.workers.base.WorkerTask` with its staging state."""
 
     fut: CudaWorkerFuture
     slot: _Slot | None = None
@@ -391,7 +391,7 @@ class CudaWorker(ThreadWorker):
         host_node: MemoryNode | str = "numa0",
         max_slots: int = 64,
         on_done: OnDone | None = None,
-        runtime: Runtime | None = None,
+        runtime: GpuRuntime | None = None,
         cuda_graphs: bool = False,
     ) -> None:
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
@@ -409,8 +409,10 @@ class CudaWorker(ThreadWorker):
                 raise DeviceError(reason)
             runtime = CudaRuntime()
         super().__init__(part_paths, name or f"cuda{device_id}.s{stream_index}", on_done)
-        self._runtime: Runtime = runtime
+        self._runtime: GpuRuntime = runtime
         self.device_id = device_id
+        self.arch = self.memory_node = f"cuda{device_id}"
+        self.n_cores = 1
         self.stream_index = stream_index
         self.cudnn_conv_algo_search = cudnn_conv_algo_search
         self.node = MemoryNode("cuda", device_id)
@@ -488,7 +490,7 @@ class CudaWorker(ThreadWorker):
             self._execute(task)
         outputs = fut.result()
         # perf models hold kernel time only; copies belong to the bus model (as in StarPU)
-        self.last_compute_seconds: float | None = fut.compute_seconds
+        self.last_compute_seconds = fut.compute_seconds
         return outputs
 
     # ------------------------------------------------------------------ introspection

@@ -331,7 +331,7 @@ class Buffer(Protocol):
     def free(self) -> None: ...
 
 
-class Runtime(Protocol):
+class GpuRuntime(Protocol):
     """What the CUDA worker and the copiers need from a runtime (:class:`CudaRuntime`, or
     :class:`HostRuntime` without a GPU).  Streams, events and buffers are duck-typed alike:
     ``Stream.handle/wait/synchronize/destroy``, ``Event.record/synchronize/seconds_since/
@@ -376,14 +376,6 @@ class CudaRuntime:
 
     def set_device(self, device_id: int) -> None:
         check(self.rt.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
-
-    def mem_info(self) -> tuple[int, int]:
-        """(free, total) bytes on the current device."""
-        free, total = check(self.rt.cudaMemGetInfo(), "cudaMemGetInfo")
-        return int(free), int(total)
-
-    def driver_version(self) -> int:
-        return int(check(self.rt.cudaDriverGetVersion(), "cudaDriverGetVersion"))
 
     # -- objects
     def stream(self, non_blocking: bool = True) -> Stream:

@@ -44,7 +44,7 @@ from staronnx.perfmodels.bus import (
 )
 
 if TYPE_CHECKING:
-    from staronnx.workers.cudart import Buffer, Runtime
+    from staronnx.workers.cudart import Buffer, GpuRuntime
     from staronnx.workers.topology import Topology
 
 __all__ = [
@@ -317,7 +317,7 @@ class CudaCopier:
         self,
         device_id: int,
         *,
-        runtime: Runtime | None = None,
+        runtime: GpuRuntime | None = None,
         host_node: MemoryNode | str = "numa0",
         log_to: CopyLog | None = None,
         allocator: HostAllocator | None = None,
@@ -328,7 +328,7 @@ class CudaCopier:
         self.node = MemoryNode("cuda", device_id)
         self.host_node = MemoryNode.parse(host_node)
         self.log = log_to
-        self.runtime: Runtime = runtime or CudaRuntime()
+        self.runtime: GpuRuntime = runtime or CudaRuntime()
         self._allocator = allocator or HostAllocator()
         self._lock = threading.Lock()
         self.runtime.set_device(device_id)
@@ -448,7 +448,7 @@ def calibrate_bus(
     latency_bytes: int = LATENCY_BYTES,
     repeats: int = REPEATS,
     topology: Topology | None = None,
-    runtime: Runtime | None = None,
+    runtime: GpuRuntime | None = None,
     model: BusModel | None = None,
 ) -> BusModel:
     """Measure latency and bandwidth of every directed link between ``nodes``.
@@ -484,7 +484,7 @@ def calibrate_bus(
     if gpus:
         from staronnx.workers.cudart import CudaRuntime
 
-        rt: Runtime = runtime or CudaRuntime()
+        rt: GpuRuntime = runtime or CudaRuntime()
         for gpu in gpus:
             for host in hosts:
                 up, down = _calibrate_host_gpu(host, gpu, allocator, rt, bandwidth_bytes, measure)
@@ -514,7 +514,7 @@ def _calibrate_host_pair(src: MemoryNode, dst: MemoryNode, allocator: HostAlloca
 
 
 def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
-                        rt: Runtime, nbytes: int, measure: _Measure) -> tuple[LinkCost, LinkCost]:
+                        rt: GpuRuntime, nbytes: int, measure: _Measure) -> tuple[LinkCost, LinkCost]:
     """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory."""
     copier = CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator)
     try:
@@ -533,7 +533,7 @@ def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAlloca
         copier.close()
 
 
-def _calibrate_peer(src: MemoryNode, dst: MemoryNode, rt: Runtime, nbytes: int,
+def _calibrate_peer(src: MemoryNode, dst: MemoryNode, rt: GpuRuntime, nbytes: int,
                     measure: _Measure) -> LinkCost:
     rt.set_device(dst.index)
     dst_buf = rt.device_buffer(nbytes)

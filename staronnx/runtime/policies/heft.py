@@ -72,7 +72,7 @@ class HeftPolicy(DmdasPolicy):
         self._footprints = {}
 
     def push(self, task: TaskView) -> int | None:
-        fp = task.extra.get("footprint")
+        fp = task.footprint
         if fp is not None:
             self._footprints[(task.part, task.batch)] = fp
         task.priority = self.ranks(task.batch, task)[task.part]
@@ -100,7 +100,7 @@ class HeftPolicy(DmdasPolicy):
         else:
             fp = self._footprints.get((part, batch))
             probe = TaskView(id=-1, part=part, batch=batch, request=-1,
-                             extra={} if fp is None else {"footprint": fp})
+                             footprint=fp)
         archs: dict[str, WorkerInfo] = {}
         for w in self._order:
             archs.setdefault(w.arch, w)

@@ -2,7 +2,7 @@
 ``work_stealing_policy.c`` and ``prio_deque.c``).
 
 - **Push** goes to the worker that released the task (the one that just finished its
-  predecessor: the engine passes it as ``task.extra["releasing_worker"]``), so a chain of parts
+  predecessor: the engine passes it as ``task.releasing_worker``), so a chain of parts
   stays where its data is; tasks with no releasing worker (a new request's first parts) go
   round-robin, starting at the first worker.
 - **Own pop**: highest priority first, oldest first within a priority.
@@ -95,7 +95,7 @@ class WorkStealingPolicy(Policy):
         return self._order[self._last_push].id
 
     def push(self, task: TaskView) -> int | None:
-        releasing = task.extra.get("releasing_worker")
+        releasing = task.releasing_worker
         wid = releasing if releasing in self._deques else self._round_robin()
         self._deques[wid].push_back(task)
         return None

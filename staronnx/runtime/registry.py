@@ -1,0 +1,81 @@
+"""Engines by name: what ``Runtime(engine=...)`` looks up, so it has one setup path.
+
+Why a registry: the runtime must not import the engines built on top of it (the starpu
+engine imports the runtime's futures and errors), yet ``Runtime(engine="starpu")`` must find
+it. An engine module registers a factory when imported; :data:`ENGINE_MODULES` names the module
+each built-in engine lives in, loaded by name on first use (as an entry point would be), so
+``import staronnx`` never loads StarPU's binding.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
+from staronnx.plan import Plan
+from staronnx.runtime.task import RequestFuture
+from staronnx.runtime.trace import Tracer
+
+#: engine name -> module that registers it when imported
+ENGINE_MODULES = {"native": "staronnx.runtime.engine", "starpu": "staronnx.engines.starpu"}
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What ``Runtime`` was asked for, handed whole to the engine's factory."""
+
+    policy: str = "heft"
+    cpu_groups: str = "numa"
+    cuda_streams: int = 0
+    trace: str | os.PathLike[str] | None = None
+    store: PerfModelStore | None = None
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    workers: Sequence[Any] | None = None
+    calibrate: int | None = None
+    cuda_options: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What ``Runtime`` drives: the contract both the native and the starpu engine keep."""
+
+    tracer: Tracer | None
+
+    @property
+    def workers(self) -> list[Any]:
+        """The workers tasks run on (each with ``name`` and ``arch``)."""
+        ...
+
+    def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Drain or cancel the requests, stop the engine and free the workers it started."""
+        ...
+
+
+EngineFactory = Callable[[Plan, EngineSettings], Engine]
+_FACTORIES: dict[str, EngineFactory] = {}
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Make ``Runtime(engine=name)`` build its engine with ``factory(plan, settings)``."""
+    _FACTORIES[name] = factory
+
+
+def engine_factory(name: str) -> EngineFactory:
+    """The factory registered under ``name``, importing its module on first use."""
+    if name not in _FACTORIES and name in ENGINE_MODULES:
+        importlib.import_module(ENGINE_MODULES[name])
+    try:
+        return _FACTORIES[name]
+    except KeyError:
+        names = sorted({*ENGINE_MODULES, *_FACTORIES})
+        raise StaronnxError(f"unknown engine {name!r}; choose one of {', '.join(names)}") from None
