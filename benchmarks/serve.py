@@ -120,7 +120,7 @@ def client_main(args: argparse.Namespace) -> int:
     x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
 
     async def in_process() -> dict[str, object]:
-        from staronnx.bench.sweep import parse_duration
+        from staronnx.durations import parse_duration
         from staronnx.runtime.runtime import Runtime
         from staronnx.serving import Server
 

@@ -31,7 +31,7 @@ from _common import alternate, rate  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
-from staronnx.bench.sweep import measure_point  # noqa: E402
+from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
 

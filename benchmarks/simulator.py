@@ -23,7 +23,9 @@ from _common import GOOGLENET  # noqa: E402
 
 from staronnx import partition  # noqa: E402
 from staronnx.bench.fidelity import TARGET, fidelity_summary  # noqa: E402
-from staronnx.bench.sweep import load_results, parse_batch_sizes, parse_rates, sweep  # noqa: E402
+from staronnx.bench.results import load_results  # noqa: E402
+from staronnx.bench.sweep import sweep  # noqa: E402
+from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates  # noqa: E402
 from staronnx.calibrate import calibrate, start_workers  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402

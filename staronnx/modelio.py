@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from staronnx.errors import ModelError
 
@@ -227,8 +227,3 @@ def save_model(model: onnx.ModelProto, path: Path) -> None:
         )
     else:
         onnx.save_model(model, str(path))
-
-
-def initializer_array(t: onnx.TensorProto) -> np.ndarray:
-    """An initializer's values as numpy (used to size Gather tables for integer feeds)."""
-    return numpy_helper.to_array(t)

@@ -52,7 +52,7 @@ def fragile_plan(tmp_path) -> Plan:
                      input_shapes=["x=1x8"], costs="estimate")
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def two_groups() -> str:
     """Two one-PU CPU groups as an explicit policy ('3;5'), whatever the host's core count,
     so tests that count workers or lanes hold on 2 cores or 128."""

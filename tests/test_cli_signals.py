@@ -20,7 +20,7 @@ import onnx
 import pytest
 
 from staronnx import partition
-from staronnx.bench.sweep import load_results
+from staronnx.bench.results import load_results
 from staronnx import fsutil
 from staronnx.zoo import chain, inception
 

@@ -25,19 +25,19 @@ from staronnx.bench.plots import (
     figure_latency_throughput,
     plot_results,
 )
-from staronnx.bench.sweep import (
+from staronnx.bench.results import (
     COLUMNS,
     SweepError,
     best_per_rate,
     load_results,
     load_rows,
-    parse_batch_sizes,
-    parse_duration,
-    parse_rates,
     rows_csv,
-    sweep,
     write_results,
 )
+from staronnx.bench.sweep import sweep
+from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates
+from staronnx.durations import parse_duration
+from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 
@@ -56,8 +56,8 @@ def home(calibrated_inception):
 
 
 @pytest.fixture(scope="module")
-def runtime(plan, home):
-    with Runtime(plan, policy="heft", cpu_groups="cores=1", store=PerfModelStore(home)) as rt:
+def runtime(plan, home, two_groups):
+    with Runtime(plan, policy="heft", cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
         yield rt
 
 
@@ -68,11 +68,11 @@ def test_parse_rates_batch_sizes_and_durations():
     assert parse_rates("10:30:10,25") == [10, 20, 25, 30]
     assert parse_rates("0.5:1.5:0.5") == [0.5, 1.0, 1.5]
     for bad in ("", "a", "100:50:10", "10:20:0", "0", "-5", "1:2:3:4"):
-        with pytest.raises(SweepError, match="--rates"):
+        with pytest.raises(StaronnxError, match="--rates"):
             parse_rates(bad)
     assert parse_batch_sizes("8,1,2,2") == [1, 2, 8]
     for bad in ("", "0", "x", "1,-2"):
-        with pytest.raises(SweepError, match="--batch-sizes"):
+        with pytest.raises(StaronnxError, match="--batch-sizes"):
             parse_batch_sizes(bad)
     assert parse_duration("10s") == 10.0
     assert parse_duration("500ms") == pytest.approx(0.5)
@@ -80,18 +80,18 @@ def test_parse_rates_batch_sizes_and_durations():
     assert parse_duration("1.5") == 1.5
     assert parse_duration(3) == 3.0
     for bad in ("", "10x", "-1s", "0"):
-        with pytest.raises(SweepError):
+        with pytest.raises(StaronnxError):
             parse_duration(bad)
     assert parse_duration("0", allow_zero=True) == 0.0 and parse_duration("0ms", allow_zero=True) == 0.0
-    with pytest.raises(SweepError):
-        parse_duration("-1s", allow_zero=True)
+    with pytest.raises(StaronnxError, match="--warmup: "):
+        parse_duration("-1s", allow_zero=True, option="--warmup")
 
 
 # -- the sweep ---------------------------------------------------------------------------------
-def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, tmp_path):
+def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, tmp_path, two_groups):
     events = []
     out = tmp_path / "res"
-    rows = sweep(plan, [150, 100], [2, 1], groups="cores=1", duration=0.5, out_dir=out, runtime=runtime,
+    rows = sweep(plan, [150, 100], [2, 1], groups=two_groups, duration=0.5, out_dir=out, runtime=runtime,
                  store=PerfModelStore(home), progress=events.append, extend=False)
     assert [(r["batch_size"], r["offered_rate"]) for r in rows] == [(1, 100), (1, 150), (2, 100), (2, 150)]
     for r in rows:
@@ -99,12 +99,12 @@ def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, t
         assert not r["congested"] and r["rejected"] == 0
         assert r["throughput"] > 0 and r["paper_latency_mean_ms"] > 0 and r["latency_p999_ms"] >= r["latency_p50_ms"]
         assert r["cpu_share"] == 1.0  # CPU workers only
-        # every part ran somewhere, all on cpu1 workers (cores=1)
+        # every part ran somewhere, all on cpu1 workers (two one-PU groups)
         assert r["share_part0_cpu1"] == 1.0 and r["share_part1_cpu1"] == 1.0
         assert r["bound_throughput"] > 0 and r["achieved_over_bound"] == pytest.approx(
             r["throughput"] / r["bound_throughput"])
         assert len(r["windows"]) == 3 and r["loadgen"]["submitted"] > 0
-        assert r["policy"] == "heft" and r["groups"] == "cores=1" and r["distribution"] == "constant"
+        assert r["policy"] == "heft" and r["groups"] == two_groups and r["distribution"] == "constant"
     with open(out / "results.csv") as f:
         table = list(csv.DictReader(f))
     assert len(table) == 4
@@ -127,9 +127,9 @@ def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, t
     assert last.submitted == last.requests
 
 
-def test_congestion_stops_the_batch_size(plan, runtime, tmp_path):
+def test_congestion_stops_the_batch_size(plan, runtime, tmp_path, two_groups):
     events = []
-    rows = sweep(plan, [100, 20_000, 40_000], [1], groups="cores=1", duration=0.5, out_dir=tmp_path,
+    rows = sweep(plan, [100, 20_000, 40_000], [1], groups=two_groups, duration=0.5, out_dir=tmp_path,
                  runtime=runtime, progress=events.append, queue_capacity=32, bound=False, extend=False)
     assert [r["offered_rate"] for r in rows] == [100, 20_000]  # 40k never measured
     assert not rows[0]["congested"]
@@ -168,6 +168,8 @@ def test_sweep_checks_its_arguments(plan, runtime):
         sweep(plan, [-1], [1], runtime=runtime)
     with pytest.raises(SweepError, match="warmup"):
         sweep(plan, [10], [1], duration=1.0, warmup=2.0, runtime=runtime)
+    with pytest.raises(SweepError, match="duration must be > 0 seconds"):  # seconds, not text: parsed at the edge
+        sweep(plan, [10], [1], duration="10s", runtime=runtime)
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -221,9 +223,9 @@ def test_plot_results_and_compare_write_pngs(tmp_path):
         compare([tmp_path / "nothing"], None, tmp_path / "x.png")
 
 
-def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, home, runtime, tmp_path):
+def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, home, runtime, tmp_path, two_groups):
     out = tmp_path / "sim"
-    rows = sweep(plan, [60, 120], [1, 2], groups="cores=1", duration=0.6, out_dir=out, runtime=runtime,
+    rows = sweep(plan, [60, 120], [1, 2], groups=two_groups, duration=0.6, out_dir=out, runtime=runtime,
                  store=PerfModelStore(home), extend=False, simulate=True)
     assert len(rows) == 4
     for r in rows:
@@ -247,10 +249,10 @@ def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, ho
     assert "simulator.png" in {p.name for p in pngs}
 
 
-def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_path):
+def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_path, two_groups):
     # 20 req/s in batches of up to 8 with a 10 ms delay: a batch would take 400 ms to fill, so
     # every batch leaves partial and the papers' latency stays near the delay plus one run
-    rows = sweep(plan, [20], [8], groups="cores=1", duration=1.0, out_dir=tmp_path / "md", runtime=runtime,
+    rows = sweep(plan, [20], [8], groups=two_groups, duration=1.0, out_dir=tmp_path / "md", runtime=runtime,
                  store=PerfModelStore(home), extend=False, max_delay=0.010, simulate=True)
     (r,) = rows
     assert r["max_delay_ms"] == pytest.approx(10.0)
@@ -262,9 +264,9 @@ def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_pat
         sweep(plan, [20], [8], duration=0.5, runtime=runtime, max_delay=-1.0)
 
 
-def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path):
+def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path, two_groups):
     trace = tmp_path / "sweep.json"
-    rows = sweep(plan, [80, 160], [2], groups="cores=1", duration=0.5, store=PerfModelStore(home),
+    rows = sweep(plan, [80, 160], [2], groups=two_groups, duration=0.5, store=PerfModelStore(home),
                  extend=False, trace=trace, bound=False)
     events = json.loads(trace.read_text())["traceEvents"]
     tasks = [e for e in events if e.get("cat") == "task"]
@@ -283,9 +285,9 @@ def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path)
         assert p["dur"] > 0
 
 
-def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path):
+def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path, two_groups):
     out = tmp_path / "nosim"
-    rows = sweep(plan, [80], [1], groups="cores=1", duration=0.4, out_dir=out, runtime=runtime,
+    rows = sweep(plan, [80], [1], groups=two_groups, duration=0.4, out_dir=out, runtime=runtime,
                  store=PerfModelStore(tmp_path / "empty"), extend=False, simulate=True, bound=False)
     assert "sim_throughput" not in rows[0]
     assert any("no simulation" in n or "not simulated" in n for n in load_results(out)["notes"])
@@ -340,14 +342,11 @@ def test_cli_help(tmp_path):
         assert "Usage" in out.stdout
     assert "--batch-sizes" in _cli("sweep", "--help", home=tmp_path).stdout
     assert "--slo-ms" in _cli("optimize-batch", "--help", home=tmp_path).stdout
-    script = Path(__file__).resolve().parents[1] / "scripts" / "sweep.py"
-    out = subprocess.run([sys.executable, str(script), "--help"], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and "--rates" in out.stdout
 
 
-def test_cli_sweep_end_to_end(plan, home, tmp_path):
+def test_cli_sweep_end_to_end(plan, home, tmp_path, two_groups):
     out = tmp_path / "res"
-    done = _cli("sweep", str(plan.root), "--rates", "100,200", "--batch-sizes", "1,2", "--groups", "cores=1",
+    done = _cli("sweep", str(plan.root), "--rates", "100,200", "--batch-sizes", "1,2", "--groups", two_groups,
                 "--duration", "400ms", "-o", str(out), home=home)
     assert done.returncode == 0, done.stderr + done.stdout
     with open(out / "results.csv") as f:
@@ -357,7 +356,7 @@ def test_cli_sweep_end_to_end(plan, home, tmp_path):
     assert "papers' latency" in done.stdout
     assert "simulator vs measurement" not in done.stdout
     # a second folder overlaid with the first through --compare and through sweep-plot
-    again = _cli("sweep", str(plan.root), "--rates", "100", "--batch-sizes", "2", "--groups", "cores=1",
+    again = _cli("sweep", str(plan.root), "--rates", "100", "--batch-sizes", "2", "--groups", two_groups,
                  "--duration", "300ms", "-o", str(tmp_path / "res2"), "--compare", str(out), "--labels", "new,old",
                  home=home)
     assert again.returncode == 0, again.stderr + again.stdout
@@ -367,9 +366,9 @@ def test_cli_sweep_end_to_end(plan, home, tmp_path):
     assert (tmp_path / "both.png").read_bytes()[:8] == PNG
 
 
-def test_cli_sweep_simulate_prints_the_simulator_error(plan, home, tmp_path):
+def test_cli_sweep_simulate_prints_the_simulator_error(plan, home, tmp_path, two_groups):
     out = tmp_path / "simres"
-    done = _cli("sweep", str(plan.root), "--rates", "80", "--batch-sizes", "1", "--groups", "cores=1",
+    done = _cli("sweep", str(plan.root), "--rates", "80", "--batch-sizes", "1", "--groups", two_groups,
                 "--duration", "400ms", "--simulate", "--max-delay", "5ms", "-o", str(out), home=home)
     assert done.returncode == 0, done.stderr + done.stdout
     assert "simulator vs measurement" in done.stdout and "median |error|" in done.stdout

@@ -37,6 +37,7 @@ constraints (zero slack) and their shadow prices in samples/s per unit of capaci
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +45,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linprog
 
-from staronnx.bench.simulator import SimMachine, build_machine
+from staronnx.bench.simulator import SimMachine
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.sched import WorkerInfo
@@ -263,7 +264,59 @@ def machine_bound(machine: SimMachine, batch_size: int) -> Bound:
     )
 
 
-def plan_bound(plan: Plan, batch_size: int, **machine_options: Any) -> Bound:
-    """The bound for ``plan`` on the machine :func:`~staronnx.bench.simulator.build_machine`
-    builds from ``machine_options`` (groups, topology, cuda_streams, store, cuda_scale, ...)."""
-    return machine_bound(build_machine(plan, **machine_options), batch_size)
+def batch_bounds(machine: SimMachine, batch_sizes: Sequence[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
+    """The bound per batch size as a sweep records it (where the perf models allow), with
+    notes on what failed."""
+    notes: list[str] = []
+    out: dict[int, dict[str, Any]] = {}
+    for b in batch_sizes:
+        try:
+            bound = machine_bound(machine, b)
+        except StaronnxError as exc:
+            notes.append(f"no LP bound at batch {b}: {exc}")
+            continue
+        out[b] = {
+            "throughput": bound.throughput,
+            "binding": [x.name for x in bound.binding],
+            "arch_share": {f"part{p}/{a}": x for (p, a), x in bound.arch_share().items()},
+        }
+    return out, notes
+
+
+#: measured / bound above which a measurement is not noise: the perf models are stale
+STALE_MARGIN = 1.1
+
+
+def calibrate_command(plan: Plan, groups: str, cuda_streams: int, batch_sizes: Sequence[int]) -> str:
+    """The ``staronnx calibrate`` line that measures these workers' models afresh."""
+    cmd = (f"staronnx calibrate {shlex.quote(str(plan.root))} --groups {shlex.quote(groups)} "
+           f"--batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}")
+    if cuda_streams:
+        cmd += f" --cuda-streams {cuda_streams}"
+    return cmd + " --replace"
+
+
+def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, groups: str,
+                      cuda_streams: int) -> str | None:
+    """The remark on measurements above the bound, or None.
+
+    The bound is what the perf models allow at best, so a measured throughput above it (by
+    more than noise) says the models predict the parts slower than they run now: calibrated
+    on a loaded machine, or before a change. Every figure built on them (bound, simulation,
+    the predicted best batch size) is then off, so say it, and how to recalibrate.
+    ``points`` are (batch size, measured samples/s, bound samples/s).
+    """
+    def finite(v: Any) -> bool:
+        return isinstance(v, (int, float)) and math.isfinite(v)
+
+    over: dict[int, tuple[float, float]] = {}
+    for b, measured, bound in points:
+        if finite(measured) and finite(bound) and bound > 0 and measured > STALE_MARGIN * bound:
+            if b not in over or measured / bound > over[b][0] / over[b][1]:
+                over[b] = (float(measured), float(bound))
+    if not over:
+        return None
+    where = ", ".join(f"b={b}: {m:.1f} vs {bnd:.1f} samples/s" for b, (m, bnd) in sorted(over.items()))
+    return (f"measured throughput above the LP bound ({where}): the perf models are stale (they "
+            f"predict the parts slower than they run now); recalibrate with "
+            f"`{calibrate_command(plan, groups, cuda_streams, list(over))}`")

@@ -31,20 +31,17 @@ from __future__ import annotations
 
 import math
 import os
-import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from staronnx.bench.sweep import (
-    _clean,
-    measure_point,
-    point_duration,
-    sample_pool,
-    warm_up,
-)
+from staronnx.bench.bound import machine_bound, stale_models_note
+from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up
+from staronnx.bench.results import clean
+from staronnx.bench.simulator import build_machine, simulate
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
+from staronnx.runtime.runtime import Runtime
 
 LATENCY = "paper_latency_mean"
 
@@ -120,48 +117,12 @@ class Optimization:
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (NaN -> None), latencies in ms."""
-        return _clean({
+        return clean({
             "rate": self.rate, "slo_ms": None if self.slo is None else self.slo * 1e3,
             "objective": self.objective, "predicted_best": self.predicted_best, "best": self.best,
             "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
             "candidates": [c.row() for c in self.candidates],
         })
-
-
-#: measured / bound above which a measurement is not noise: the perf models are stale
-STALE_MARGIN = 1.1
-
-
-def calibrate_command(plan: Plan, groups: str, cuda_streams: int, batch_sizes: Sequence[int]) -> str:
-    """The ``staronnx calibrate`` line that measures these workers' models afresh."""
-    cmd = (f"staronnx calibrate {shlex.quote(str(plan.root))} --groups {shlex.quote(groups)} "
-           f"--batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}")
-    if cuda_streams:
-        cmd += f" --cuda-streams {cuda_streams}"
-    return cmd + " --replace"
-
-
-def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, groups: str,
-                      cuda_streams: int) -> str | None:
-    """The remark on measurements above the LP bound, or None.
-
-    The bound is what the perf models allow at best, so a measured throughput above it (by
-    more than noise) says the models predict the parts slower than they run now: calibrated
-    on a loaded machine, or before a change. Every figure built on them (bound, simulation,
-    the predicted best batch size) is then off, so say it, and how to recalibrate.
-    ``points`` are (batch size, measured samples/s, bound samples/s).
-    """
-    over: dict[int, tuple[float, float]] = {}
-    for b, measured, bound in points:
-        if _finite(measured) and _finite(bound) and bound > 0 and measured > STALE_MARGIN * bound:
-            if b not in over or measured / bound > over[b][0] / over[b][1]:
-                over[b] = (float(measured), float(bound))
-    if not over:
-        return None
-    where = ", ".join(f"b={b}: {m:.1f} vs {bnd:.1f} samples/s" for b, (m, bnd) in sorted(over.items()))
-    return (f"measured throughput above the LP bound ({where}): the perf models are stale (they "
-            f"predict the parts slower than they run now); recalibrate with "
-            f"`{calibrate_command(plan, groups, cuda_streams, list(over))}`")
 
 
 def _finite(v: Any) -> bool:
@@ -259,12 +220,6 @@ def optimize_batch(
         machine: a :class:`~staronnx.bench.simulator.SimMachine` to reuse.
         progress: called with a one-line message at each step.
     """
-    try:
-        from staronnx.bench.bound import machine_bound
-        from staronnx.bench.simulator import build_machine, simulate
-    except ImportError as exc:  # pragma: no cover - the simulator ships with bench
-        raise OptimizeError(f"the optimizer needs staronnx.bench.simulator: {exc}") from None
-
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if not (_finite(rate) and rate > 0):
         raise OptimizeError(f"rate must be a positive number of requests/s, got {rate!r}")
@@ -309,8 +264,6 @@ def optimize_batch(
     result.verified = order[max(0, at - neighbours): at + neighbours + 1]
     own = runtime is None
     if own:
-        from staronnx.runtime.runtime import Runtime
-
         runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store)
     try:
         samples = sample_pool(plan, seed=seed)

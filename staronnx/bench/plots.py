@@ -32,7 +32,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from staronnx.bench.sweep import best_per_rate, load_results
+from staronnx.bench.results import best_per_rate, load_results
 from staronnx.errors import StaronnxError
 
 Rows = Sequence[Mapping[str, Any]]

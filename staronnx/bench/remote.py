@@ -53,6 +53,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from staronnx.bench.sweep import sweep
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
@@ -69,21 +70,25 @@ class RemoteError(StaronnxError):
     """The server at ``--url`` cannot be swept as asked (unreachable, other plan, other batching)."""
 
 
+def _url_error(url: str, why: str) -> RemoteError:
+    return RemoteError(f"url {url!r}: {why}", cli=f"--url {url}: {why}")
+
+
 def parse_url(url: str) -> str:
     """``host:port`` of an ``http://host:port`` URL (what tritonclient takes), or one clear line."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme == "grpc":
-        raise RemoteError(f"--url {url}: the sweep speaks HTTP to the server (KServe v2 over gRPC has no "
-                          "model configuration call); give its HTTP address, http://HOST:PORT (staronnx serve "
-                          "prints it as 'HTTP (KServe v2) on ...')")
+        raise _url_error(url, "the sweep speaks HTTP to the server (KServe v2 over gRPC has no model "
+                              "configuration call); give its HTTP address, http://HOST:PORT (staronnx serve "
+                              "prints it as 'HTTP (KServe v2) on ...')")
     if parts.scheme != "http":
-        raise RemoteError(f"--url {url}: expected http://HOST:PORT (a staronnx serve HTTP address)")
+        raise _url_error(url, "expected http://HOST:PORT (a staronnx serve HTTP address)")
     if parts.path not in ("", "/") or parts.query or not parts.hostname:
-        raise RemoteError(f"--url {url}: expected http://HOST:PORT with no path; the model is named by --model")
+        raise _url_error(url, "expected http://HOST:PORT with no path; the model is named separately")
     try:
         port = parts.port
     except ValueError:
-        raise RemoteError(f"--url {url}: the port is not a number") from None
+        raise _url_error(url, "the port is not a number") from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{host}:{port or 80}"
 
@@ -182,8 +187,9 @@ class RemoteRuntime:
             config = self.call(self.client.get_model_config(self.model))
         except InferenceServerException as exc:
             if exc.status() == "404":
-                raise RemoteError(f"{self.url} serves no model {self.model!r} ({exc.message()}); "
-                                  "name it with --model") from None
+                raise RemoteError(f"{self.url} serves no model {self.model!r} ({exc.message()}); name it "
+                                  "with model=", cli=f"{self.url} serves no model {self.model!r} "
+                                  f"({exc.message()}); name it with --model") from None
             raise RemoteError(f"{self.url}: {exc.message()}") from None
         except (OSError, asyncio.TimeoutError) as exc:
             raise RemoteError(f"cannot reach {self.url}: {exc} (is staronnx serve running there?)") from None
@@ -234,13 +240,15 @@ class RemoteRuntime:
 def encode(plan: Plan, feeds: Mapping[str, np.ndarray]) -> tuple[list[Any], list[Any]]:
     """tritonclient inputs (binary tensors) for ``feeds``, and every output asked for in binary."""
     import tritonclient.http as thttp
-
-    from staronnx.serve.protocol import datatype_of
+    from tritonclient.utils import np_to_triton_dtype
 
     inputs = []
     for t in plan.inputs:
         arr = np.ascontiguousarray(feeds[t.name])
-        inp = thttp.InferInput(t.name, list(arr.shape), datatype_of(arr.dtype))
+        datatype = np_to_triton_dtype(arr.dtype)
+        if datatype is None:
+            raise RemoteError(f"input {t.name!r}: dtype {arr.dtype} has no KServe v2 datatype")
+        inp = thttp.InferInput(t.name, list(arr.shape), datatype)
         inp.set_data_from_numpy(arr, binary_data=True)
         inputs.append(inp)
     outputs = [thttp.InferRequestedOutput(t.name, binary_data=True) for t in plan.outputs]
@@ -420,11 +428,10 @@ def remote_sweep(
     ``simulate`` need the runtime in this process and are refused. Other keyword arguments
     are :func:`sweep`'s.
     """
-    from staronnx.bench.sweep import sweep
-
     for option in ("trace", "simulate"):
         if sweep_kwargs.get(option):
-            raise RemoteError(f"--{option} needs the runtime in this process; it cannot be used with --url")
+            raise RemoteError(f"{option}= needs the runtime in this process; it cannot be used over the network",
+                              cli=f"--{option} needs the runtime in this process; it cannot be used with --url")
     for option in ("trace", "simulate", "runtime", "server_factory", "front_end"):
         sweep_kwargs.pop(option, None)
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
@@ -432,21 +439,23 @@ def remote_sweep(
         served = remote.served
         b = served.batch_size
         if batch_sizes is not None and sorted(set(batch_sizes)) != [b]:
-            raise RemoteError(
-                f"{url} forms batches of up to {b} (staronnx serve --batch-size {b}); a sweep over the network "
-                f"measures that size only: pass --batch-sizes {b} or leave it out (restart the server with "
-                "another --batch-size to measure another)")
+            why = (f"{url} forms batches of up to {b} (staronnx serve --batch-size {b}); a sweep over the network "
+                   "measures that size only: ")
+            raise RemoteError(why + f"pass batch_sizes=[{b}] or None",
+                              cli=why + f"pass --batch-sizes {b} or leave it out (restart the server with another "
+                              "--batch-size to measure another)")
         if max_delay is not None and not math.isclose(max_delay, served.max_delay, abs_tol=1e-6):
-            raise RemoteError(f"{url} batches with a max delay of {served.max_delay * 1e3:g} ms (staronnx serve "
-                              f"--max-delay); leave --max-delay out or give that value")
+            why = f"{url} batches with a max delay of {served.max_delay * 1e3:g} ms (staronnx serve --max-delay); "
+            raise RemoteError(why + "pass max_delay=None or that value",
+                              cli=why + "leave --max-delay out or give that value")
         given = {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
                  "queue_capacity": queue_capacity}
         actual = {**served.runtime, "queue_capacity": served.queue_capacity}
         for key, value in given.items():
             if value is not None and key in actual and str(value) != str(actual[key]):
                 flag = "--" + key.replace("_", "-")
-                raise RemoteError(f"{url} runs with {flag} {actual[key]}, not {value}: over the network the "
-                                  f"runtime settings are the server's (leave {flag} out)")
+                why = f"{url} runs with {flag} {actual[key]}, not {value}: over the network the runtime settings are "
+                raise RemoteError(why + f"the server's (pass {key}=None)", cli=why + f"the server's (leave {flag} out)")
         front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": "KServe v2 HTTP, binary tensors",
                      "client": "tritonclient.http.aio"}
         streams = actual.get("cuda_streams")
@@ -457,23 +466,3 @@ def remote_sweep(
             queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,
             front_end=front_end, simulate=False, **sweep_kwargs,
         )
-
-
-#: the sweep's runtime options that over the network are the server's
-SERVER_OPTIONS = ("batch_sizes", "policy", "groups", "cuda_streams", "engine", "queue_capacity", "max_delay")
-
-
-def sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., list[dict[str, Any]]]:
-    """A function with :func:`sweep`'s signature that sweeps through ``url`` instead (for the CLI).
-
-    Of :data:`SERVER_OPTIONS`, only those in ``given`` (named on the command line) are passed
-    on, to be checked against the server's; the rest, left at the CLI's defaults, are the server's.
-    """
-    def run(plan: Plan | str | Path, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
-            **kwargs: Any) -> list[dict[str, Any]]:
-        options = {k: kwargs.pop(k) for k in SERVER_OPTIONS if k in kwargs}
-        options["batch_sizes"] = batch_sizes
-        options = {k: (v if k in given else None) for k, v in options.items()}
-        return remote_sweep(plan, url, rates, model=model, **options, **kwargs)
-
-    return run

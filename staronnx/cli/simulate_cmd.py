@@ -65,7 +65,7 @@ def simulate_cmd(
     the LP throughput bound."""
     from staronnx.bench.bound import machine_bound
     from staronnx.bench.simulator import build_machine, simulate
-    from staronnx.bench.sweep import parse_duration
+    from staronnx.durations import parse_duration
     from staronnx.plan import Plan
     from staronnx.workers.topology import Topology
 

@@ -1,14 +1,14 @@
-"""``staronnx sweep``, ``staronnx sweep-plot`` and ``staronnx optimize-batch``.
-
-The commands are thin: the work is :func:`staronnx.bench.sweep.sweep`,
-:mod:`staronnx.bench.plots` and :func:`staronnx.bench.optimize.optimize_batch`;
-``scripts/sweep.py`` and ``scripts/optimize_batch.py`` run these same functions.
+"""``staronnx sweep``, ``staronnx sweep-plot`` and ``staronnx optimize-batch``: the command
+line's text (rates, batch sizes, durations) parsed here, the work done by
+:func:`staronnx.bench.sweep.sweep`, :mod:`staronnx.bench.plots` and
+:func:`staronnx.bench.optimize.optimize_batch`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,9 +16,10 @@ import typer
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
+from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, output_console
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.calibration_check import warn_uncalibrated
+from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 
 console = output_console()
@@ -32,6 +33,47 @@ def _fmt(v: Any, digits: int = 2) -> str:
     if isinstance(v, float):
         return f"{v:.{digits}f}"
     return str(v)
+
+
+def parse_rates(text: str) -> list[float]:
+    """``--rates``: ``"50:800:50"`` (start:stop:step, stop included), ``"100,200,400"``, or both
+    mixed -> sorted distinct rates."""
+    rates: list[float] = []
+    for item in (s.strip() for s in str(text).split(",")):
+        if not item:
+            continue
+        try:
+            if ":" in item:
+                bits = [float(x) for x in item.split(":")]
+                if len(bits) == 2:
+                    bits.append(bits[0])
+                if len(bits) != 3:
+                    raise ValueError
+                start, stop, step = bits
+                if step <= 0 or stop < start:
+                    raise ValueError
+                n = math.floor((stop - start) / step + 1e-9) + 1
+                rates.extend(start + i * step for i in range(n))
+            else:
+                rates.append(float(item))
+        except ValueError:
+            raise StaronnxError(
+                f"--rates expects requests/s like 50:800:50 (start:stop:step) or 100,200,400; got {text!r}"
+            ) from None
+    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+        raise StaronnxError(f"--rates needs at least one positive rate, got {text!r}")
+    return sorted({round(r, 9) for r in rates})
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes``: ``"1,2,4,8,16"`` -> sorted distinct positive ints."""
+    try:
+        sizes = [int(s) for s in str(text).split(",") if s.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise StaronnxError(f"--batch-sizes expects positive integers like 1,2,4,8, got {text!r}")
+    return sorted(set(sizes))
 
 
 def _labels(text: str | None, count: int) -> list[str] | None:
@@ -133,7 +175,7 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
 def _print_notes(output: Path) -> None:
     """What ``results.json`` notes (why the bound or the simulation is missing), where the
     user reads."""
-    from staronnx.bench.sweep import load_results
+    from staronnx.bench.results import load_results
 
     try:
         notes = load_results(output).get("notes") or []
@@ -165,6 +207,27 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
     """The parameters of the running command that the user gave (not left at their defaults)."""
     sources = {p.name: ctx.get_parameter_source(p.name) for p in ctx.command.params if p.name}
     return {name for name, source in sources.items() if source is not None and source.name != "DEFAULT"}
+
+
+#: the sweep's runtime options that over the network are the server's
+SERVER_OPTIONS = ("batch_sizes", "policy", "groups", "cuda_streams", "engine", "queue_capacity", "max_delay")
+
+
+def _sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., list[dict[str, Any]]]:
+    """A function with :func:`~staronnx.bench.sweep.sweep`'s signature that sweeps through the
+    ``staronnx serve`` at ``url`` instead: of :data:`SERVER_OPTIONS`, only those in ``given``
+    (named on the command line) are passed on, to be checked against the server's; the rest,
+    left at the CLI's defaults, are the server's."""
+    from staronnx.bench.remote import remote_sweep
+
+    def run(plan: Any, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
+            **kwargs: Any) -> list[dict[str, Any]]:
+        options = {k: kwargs.pop(k) for k in SERVER_OPTIONS if k in kwargs}
+        options["batch_sizes"] = batch_sizes
+        options = {k: (v if k in given else None) for k, v in options.items()}
+        return remote_sweep(plan, url, rates, model=model, **options, **kwargs)
+
+    return run
 
 
 def sweep_cmd(
@@ -206,12 +269,7 @@ def sweep_cmd(
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime (or through a
     `staronnx serve` with --url); write CSV, JSON and the papers' plots."""
-    from staronnx.bench.sweep import (
-        parse_batch_sizes,
-        parse_duration,
-        parse_rates,
-        sweep,
-    )
+    from staronnx.bench.sweep import sweep
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
 
@@ -219,9 +277,7 @@ def sweep_cmd(
     sizes = parse_batch_sizes(batch_sizes)
     run = sweep
     if url is not None:  # over the network: the server's settings, except those named on the command line
-        from staronnx.bench.remote import sweep_at
-
-        run = sweep_at(url, model, given_on_command_line(ctx))
+        run = _sweep_at(url, model, given_on_command_line(ctx))
     elif model is not None:
         raise StaronnxError("--model names a model served at --url; give --url too")
     seconds = parse_duration(duration, option="--duration")
@@ -325,7 +381,6 @@ def optimize_batch_cmd(
     """Choose the batch size for a rate: simulate every candidate from the perf models, then
     verify the best ones live; print predicted vs measured."""
     from staronnx.bench.optimize import optimize_batch
-    from staronnx.bench.sweep import parse_batch_sizes, parse_duration
     from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)

@@ -1,0 +1,137 @@
+"""Measuring one sweep point on a live runtime: warm-up, the sample pool, one open-loop point.
+
+Shared by the sweep and the batch-size optimizer's live verification, so both measure a
+point the same way: a fresh :class:`~staronnx.serving.Server` per point on one shared runtime,
+a point long enough to hold ``min_batches`` batch fills, and the runtime left idle before the
+next point starts.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from staronnx.inputs import batch_of, samples as input_samples
+from staronnx.plan import Plan
+from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
+from staronnx.verify import random_plan_feeds
+
+
+def sample_pool(plan: Plan, count: int = 16, seed: int = 0,
+                inputs: Mapping[str, np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
+    """Single-sample requests (batch dimension 1) reused round-robin by the generator: random
+    ones, or each sample of real ``inputs`` (see :mod:`staronnx.inputs`)."""
+    if inputs is not None:
+        return [batch_of(inputs, plan, 1, i) for i in range(input_samples(inputs, plan))]
+    return [random_plan_feeds(plan, 1, seed=seed + i) for i in range(count)]
+
+
+def point_duration(duration: float, warmup: float, batch_size: int, rate: float, min_batches: int) -> float:
+    """A point's length: ``duration``, stretched to hold ``min_batches`` batch fills after warm-up."""
+    return max(duration, warmup + min_batches * batch_size / rate)
+
+
+def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int = 3, seed: int = 0,
+            inputs: Mapping[str, np.ndarray] | None = None) -> None:
+    """Run bursts of batches of every size through the runtime before measuring.
+
+    Each burst submits more batches than there are workers, so queues build and the policy
+    spreads them: every worker meets every size (allocations, kernel choice) before the first
+    measured point. Tasks cannot be sent to a given worker directly: the engine's serving
+    loops own the worker threads.
+    """
+    n_workers = max(1, len(getattr(runtime, "workers", ()) or ()))
+    for b in batch_sizes:
+        feeds = random_plan_feeds(plan, b, seed=seed) if inputs is None else batch_of(inputs, plan, b, 0)
+        for _ in range(rounds):
+            futures = [runtime.submit(feeds) for _ in range(3 * n_workers)]
+            for f in futures:
+                f.result()
+
+
+def measure_point(
+    runtime: Any,
+    batch_size: int,
+    rate: float,
+    samples: Sequence[Mapping[str, np.ndarray]],
+    *,
+    duration: float,
+    warmup: float,
+    distribution: str = "constant",
+    seed: int = 0,
+    queue_capacity: int = 1024,
+    drain_timeout: float | None = None,
+    on_submit: Callable[[int, int], None] | None = None,
+    max_delay: float | None = None,
+    max_inflight: int | None = None,
+    server_factory: Callable[..., Any] | None = None,
+) -> tuple[dict[str, Any], Any]:
+    """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
+
+    Batches leave only when full, or, with ``max_delay`` (Triton's dynamic batching), once
+    their oldest request waited that long. After the schedule the generator waits at most
+    ``drain_timeout`` s (default ``max(5, duration/2)``) for outstanding results, then closes
+    the server with a short timeout, so a congested point does not spend minutes draining a
+    full queue (what is cut counts as pending). ``server_factory`` builds the batching front
+    end instead of :class:`Server`, with the same arguments
+    (:class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
+    """
+    arrivals = make_arrivals(distribution, rate, seed=seed)
+    drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
+    n = len(samples)
+    server = (server_factory or Server)(runtime, batch_size=batch_size, max_delay=max_delay,
+                                       max_inflight=max_inflight, queue_capacity=max(queue_capacity, batch_size))
+    try:
+        records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
+                                drain_timeout=drain, on_submit=on_submit)
+    finally:
+        server.close(timeout=2.0)
+        wait_idle(runtime)
+    records.settings["distribution"] = distribution
+    return summarize(records, warmup=warmup), records
+
+
+def wait_idle(runtime: Any, timeout: float = 30.0) -> bool:
+    """Wait until the runtime has no request in flight (a cut-off point's batches finish), so
+    the next point starts on idle workers; False after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            busy = int(runtime.stats().get("in_flight", 0))
+        except Exception:  # noqa: BLE001 - a stand-in runtime without stats
+            return True
+        if busy == 0:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def workers_snapshot(runtime: Any) -> dict[str, tuple[int, float]]:
+    """worker name -> (tasks done, busy seconds) so far, from ``Runtime.stats()``."""
+    try:
+        stats = runtime.stats()
+    except Exception:  # noqa: BLE001 - a stand-in runtime without stats
+        return {}
+    elapsed = float(stats.get("elapsed_s", 0.0))
+    return {name: (int(w.get("tasks", 0)), float(w.get("busy", 0.0)) * elapsed)
+            for name, w in (stats.get("workers") or {}).items()}
+
+
+def workers_delta(before: Mapping[str, tuple[int, float]], after: Mapping[str, tuple[int, float]],
+                  seconds: float) -> dict[str, dict[str, float]]:
+    """Per worker, what it did between two :func:`workers_snapshot`: tasks, share of the
+    tasks, busy fraction of ``seconds``."""
+    out = {}
+    total = sum(max(after[n][0] - before.get(n, (0, 0.0))[0], 0) for n in after)
+    for name, (tasks, busy) in after.items():
+        t0, b0 = before.get(name, (0, 0.0))
+        out[name] = {
+            "tasks": tasks - t0,
+            "task_share": (tasks - t0) / total if total else 0.0,
+            "busy": max(busy - b0, 0.0) / seconds if seconds > 0 else math.nan,
+        }
+    return out
