@@ -1,0 +1,285 @@
+"""The import graph keeps DESIGN.md's direction: no import from a lower layer to a higher one,
+no import cycle between modules.
+
+Every module under ``staronnx/`` is parsed with ``ast`` (no import runs), and every import
+counts: module level, inside functions, under ``if TYPE_CHECKING:``. A lazy import inside a
+function hides a dependency from the reader; it does not remove it.
+
+Layers, lowest first (a module may import its own layer and those below):
+
+0. leaf utilities that know nothing of plans: errors, fsutil, modelio, ortutil, feeds, zoo,
+   signals, durations
+1. plan and what reads or builds one: plan, inputs, verify, partition
+2. workers, perfmodels, and calibrate (which runs parts on workers into the perf models)
+3. runtime, engines
+4. bench, serving
+5. serve, ray
+6. the doors: cli, __main__, demo, and the package's ``__init__`` (the public API)
+
+A new top-level module must be given a layer here (the test fails until it is).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "staronnx"
+
+LAYERS: dict[str, int] = {
+    "errors": 0, "fsutil": 0, "modelio": 0, "ortutil": 0, "feeds": 0, "zoo": 0, "signals": 0, "durations": 0,
+    "plan": 1, "inputs": 1, "verify": 1, "partition": 1,
+    "workers": 2, "perfmodels": 2, "calibrate": 2,
+    "runtime": 3, "engines": 3,
+    "bench": 4, "serving": 4,
+    "serve": 5, "ray": 5,
+    "cli": 6, "__main__": 6, "demo": 6, "": 6,
+}
+
+#: Violations that exist today and are being removed by the engineers reshaping those packages
+#: (issue 15, parts 1-3). Each entry must still occur: the test fails when one is gone, so
+#: delete it here as its fix lands. Layer violations are (importer, imported); cycles are the
+#: set of modules in the cycle.
+KNOWN: set[tuple[str, str] | frozenset[str]] = {
+    # calibrate (layer 2) reads the runtime's footprint helper (issue 15, part 1)
+    ("staronnx.calibrate", "staronnx.runtime.predictor"),
+    # the placement methods read worker groups, the topology and the bus model; DESIGN.md puts
+    # partition below workers and perfmodels (issue 15, part 3: one Cut step, devices optional)
+    ("staronnx.partition.autoshares", "staronnx.workers.launch"),
+    ("staronnx.partition.autoshares", "staronnx.workers.topology"),
+    ("staronnx.partition.methods.devices", "staronnx.workers.groups"),
+    ("staronnx.partition.methods.devices", "staronnx.workers.topology"),
+    ("staronnx.partition.methods.model", "staronnx.perfmodels.bus"),
+    ("staronnx.partition.methods.pipeline", "staronnx.perfmodels"),
+    # staronnx.ray reads model_names/parse_size from the serve command, which imports
+    # staronnx.ray: both helpers belong below the CLI (issue 14's follow-up)
+    ("staronnx.ray.app", "staronnx.cli.serve_cmd"),
+    frozenset({"staronnx.cli.serve_cmd", "staronnx.ray.cli", "staronnx.ray.app"}),
+    # the KServe server reads __version__ from the public API package (it could ask
+    # importlib.metadata, or a leaf module could hold the version)
+    ("staronnx.serve.app", "staronnx"),
+}
+
+
+@dataclass(frozen=True)
+class Import:
+    """One import statement's edge: ``importer`` imports ``imported`` at ``path:line``."""
+
+    importer: str
+    imported: str
+    path: str
+    line: int
+
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
+
+
+def module_name(path: Path, root: Path) -> str:
+    """``staronnx/bench/sweep.py`` -> ``staronnx.bench.sweep``; a package's ``__init__`` is the package."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def resolve(name: str, modules: set[str]) -> str | None:
+    """The longest prefix of ``name`` that is one of our modules (``staronnx.x.Class`` ->
+    ``staronnx.x``), or None for a third-party name."""
+    bits = name.split(".")
+    for n in range(len(bits), 0, -1):
+        candidate = ".".join(bits[:n])
+        if candidate in modules:
+            return candidate
+    return None
+
+
+def imports_of(path: Path, root: Path, modules: set[str]) -> list[Import]:
+    """Every edge from the module at ``path`` to another of ``modules``, wherever the import sits."""
+    me = module_name(path, root)
+    is_package = path.name == "__init__.py"
+    tree = ast.parse(path.read_text(), filename=str(path))
+    rel = str(path.relative_to(root))
+    edges: list[Import] = []
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = me.split(".") if is_package else me.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                source = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            # ``from a import b``: b is a module of a, or a name defined in a
+            targets = [f"{source}.{alias.name}" for alias in node.names]
+        for target in targets:
+            found = resolve(target, modules)
+            if found is not None and found != me:
+                edges.append(Import(me, found, rel, node.lineno))
+    return edges
+
+
+def package_graph(root: Path = ROOT, package: str = PACKAGE) -> list[Import]:
+    """Every import edge between the modules of ``package``."""
+    paths = sorted((root / package).rglob("*.py"))
+    modules = {module_name(p, root) for p in paths}
+    return [edge for p in paths for edge in imports_of(p, root, modules)]
+
+
+def layer_of(module: str, layers: Mapping[str, int]) -> int:
+    """The layer of ``staronnx.<top>...``: that of its first component under the package."""
+    top = module.split(".")[1] if "." in module else ""
+    if top not in layers:
+        raise AssertionError(f"{module} has no layer: add {top!r} to LAYERS in {Path(__file__).name}")
+    return layers[top]
+
+
+def upward(edges: Iterable[Import], layers: Mapping[str, int]) -> list[Import]:
+    """The imports from a lower layer to a higher one."""
+    return [e for e in edges if layer_of(e.importer, layers) < layer_of(e.imported, layers)]
+
+
+def cycles(edges: Iterable[Import]) -> list[list[Import]]:
+    """One import cycle per strongly connected component of more than one module (Tarjan),
+    as the chain of imports that closes it."""
+    graph: dict[str, dict[str, Import]] = {}
+    for e in edges:
+        graph.setdefault(e.importer, {}).setdefault(e.imported, e)
+        graph.setdefault(e.imported, {})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:  # recursion depth is bounded by the module count (a few hundred)
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                components.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_cycle_in(graph, set(comp)) for comp in components]
+
+
+def _cycle_in(graph: Mapping[str, Mapping[str, Import]], comp: set[str]) -> list[Import]:
+    """A shortest cycle through the component's first module (breadth-first back to it)."""
+    start = min(comp)
+    came: dict[str, Import] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w, edge in sorted(graph[v].items()):
+                if w not in comp:
+                    continue
+                if w == start:
+                    chain = [edge]
+                    while chain[0].importer != start:
+                        chain.insert(0, came[chain[0].importer])
+                    return chain
+                if w not in came:
+                    came[w] = edge
+                    nxt.append(w)
+        frontier = nxt
+    raise AssertionError(f"no cycle through {start}")  # pragma: no cover - a component has one
+
+
+def describe_cycle(chain: list[Import]) -> str:
+    names = " -> ".join([chain[0].importer, *(e.imported for e in chain)])
+    lines = "; ".join(f"{e.where()} imports {e.imported}" for e in chain)
+    return f"import cycle {names} ({lines})"
+
+
+def problems(edges: list[Import], layers: Mapping[str, int], known: set) -> list[str]:
+    """What the test reports: new upward imports, new cycles, and KNOWN entries that no longer occur."""
+    found: list[str] = []
+    seen: set = set()
+    for e in upward(edges, layers):
+        key = (e.importer, e.imported)
+        seen.add(key)
+        if key not in known:
+            found.append(f"{e.where()}: {e.importer} (layer {layer_of(e.importer, layers)}) imports "
+                         f"{e.imported} (layer {layer_of(e.imported, layers)}), a higher layer")
+    for chain in cycles(edges):
+        key = frozenset(e.importer for e in chain)
+        seen.add(key)
+        if key not in known:
+            found.append(describe_cycle(chain))
+    for key in sorted(known - seen, key=str):
+        found.append(f"KNOWN entry {sorted(key) if isinstance(key, frozenset) else key} no longer occurs: "
+                     f"remove it from KNOWN in {Path(__file__).name}")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------
+def test_no_upward_import_and_no_cycle():
+    edges = package_graph()
+    assert len({e.importer for e in edges}) > 50  # the walk saw the package
+    found = problems(edges, LAYERS, KNOWN)
+    assert not found, "\n" + "\n".join(found)
+
+
+def test_every_top_level_module_has_a_layer():
+    tops = {p.stem if p.is_file() else p.name for p in (ROOT / PACKAGE).iterdir()
+            if (p.suffix == ".py" or (p / "__init__.py").is_file())}
+    tops = {"" if t == "__init__" else t for t in tops}
+    assert not tops - set(LAYERS), f"give these a layer in LAYERS: {sorted(tops - set(LAYERS))}"
+
+
+def _write(root: Path, files: Mapping[str, str]) -> None:
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+def test_the_check_catches_upward_imports_cycles_and_stale_known_entries(tmp_path):
+    # a synthetic package: low imports high inside a function (still an upward import), high
+    # imports low at module level (fine), and a <-> b import each other through a relative import
+    _write(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/low.py": "def f():\n    from pkg.high import thing\n    return thing\n",
+        "pkg/high/__init__.py": "import pkg.low\nthing = 1\n",
+        "pkg/high/a.py": "from . import b\n",
+        "pkg/high/b.py": "from pkg.high.a import x\n",
+    })
+    layers = {"low": 0, "high": 1, "": 2}
+    edges = package_graph(tmp_path, "pkg")
+    assert {(e.importer, e.imported) for e in edges} == {
+        ("pkg.low", "pkg.high"), ("pkg.high", "pkg.low"), ("pkg.high.a", "pkg.high.b"), ("pkg.high.b", "pkg.high.a")}
+    found = problems(edges, layers, known=set())
+    assert len(found) == 3, found
+    assert any("pkg/low.py:2: pkg.low (layer 0) imports pkg.high (layer 1)" in f for f in found)
+    assert any(f.startswith("import cycle pkg.high -> pkg.low -> pkg.high") for f in found)
+    assert any("import cycle pkg.high.a -> pkg.high.b -> pkg.high.a" in f and "pkg/high/b.py:1" in f for f in found)
+    # KNOWN entries silence what they name, and fail once what they name is gone
+    known = {("pkg.low", "pkg.high"), frozenset({"pkg.high", "pkg.low"}), frozenset({"pkg.high.a", "pkg.high.b"}),
+             ("pkg.high.a", "pkg.nowhere")}
+    (left,) = problems(edges, layers, known)
+    assert "('pkg.high.a', 'pkg.nowhere') no longer occurs" in left
+    with pytest.raises(AssertionError, match="no layer"):
+        problems(edges, {"low": 0}, set())
