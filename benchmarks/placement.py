@@ -49,6 +49,7 @@ from staronnx.errors import StaronnxError
 from staronnx.modelio import load_model
 from staronnx.partition.api import METHODS
 from staronnx.partition.costs import NodeCosts
+from staronnx.partition.cut import Parts
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import build_graph
 from staronnx.partition.methods.model import predicted_makespan
@@ -113,7 +114,7 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
         try:
             if method in SHARES_METHODS:
                 targets = np.array([0.5, 0.5])
-                ranks = METHODS[method](graph, base_costs, targets, 0, 0.02)
+                ranks = METHODS[method].rank(graph, base_costs, targets, 0, 0.02)
                 node_costs = NodeCosts(base_costs, np.ones(len(graph), bool), ctx.devices[0].name, ctx.batch, 0)
                 shares = list(targets)
                 pred = {b: predicted_makespan(ctx.problems[b], ranks, None, PART_OVERHEAD_US) for b in (1, 8)}
@@ -134,9 +135,9 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
             print(f"   {method:9s} {row.note}")
             continue
         row.place_s = time.perf_counter() - t0
-        plan = write_plan(graph, ranks, node_costs, shares, settings, out / name / method)
+        devices = placement.part_device_names() if placement is not None else None
+        plan = write_plan(graph, Parts(ranks, node_costs, list(shares), devices), settings, out / name / method)
         if placement is not None:
-            plan = placement.annotate(plan)
             row.devices = "/".join(sorted({p.device.split(".")[-1] for p in plan.parts if p.device}))
             info = placement.info
             if method == "optimal":

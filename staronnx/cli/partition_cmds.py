@@ -71,11 +71,14 @@ def partition_cmd(
 ) -> None:
     """Cut MODEL into weighted, acyclic parts and write them as a plan folder."""
     from staronnx.partition.api import partition
+    from staronnx.partition.autoshares import is_auto
+    from staronnx.partition.notation import read_input_shapes, read_shares
 
     if method not in _method_names():
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
-    from staronnx.partition.autoshares import is_auto
-
+    # the library takes typed values: the option strings are read here, errors naming the flags
+    targets = shares if shares is None or is_auto(shares) else read_shares(shares, "--shares")
+    shapes = read_input_shapes(input_shape or [], "--input-shape")
     if (speeds_from is not None or cuda_streams) and not is_auto(shares):
         raise PartitionError("--cuda-streams and --speeds-from apply to --shares auto only")
     if groups is not None and not is_auto(shares) and method in ("metis", "linear"):
@@ -90,12 +93,12 @@ def partition_cmd(
         step = progress.add_task("partitioning")
         plan = partition(
             model,
-            shares,
+            targets,
             parts=parts,
             output_dir=output,
             method=method,
             device=device.value,
-            input_shapes=input_shape or None,
+            input_shapes=shapes,
             seed=seed,
             costs=costs.value,
             profile_batch=profile_batch,
@@ -168,7 +171,7 @@ def verify_cmd(
 ) -> None:
     """Run MODEL and the chained parts on the same inputs (random, or --inputs); exit 0 only
     when they agree."""
-    from staronnx.partition.api import parse_input_shapes
+    from staronnx.partition.notation import read_input_shapes
     from staronnx.verify import RELATIVE_TOLERANCE, verify_plan
 
     if batch < 1:
@@ -180,7 +183,7 @@ def verify_cmd(
 
         feeds = load_inputs(inputs, plan)
         batch = samples(feeds, plan)
-    report = verify_plan(plan, model, batch=batch, input_shapes=parse_input_shapes(input_shape), seed=seed,
+    report = verify_plan(plan, model, batch=batch, input_shapes=read_input_shapes(input_shape or [], "--input-shape"), seed=seed,
                          feeds=feeds)
     source = f"{inputs}" if inputs is not None else "random inputs"
     table = Table(title=f"whole model vs {plan.k} chained parts, batch {batch} ({source})")

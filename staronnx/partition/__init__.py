@@ -1,4 +1,4 @@
-"""Cutting ONNX models into weighted, acyclic parts (METIS, linear baseline)."""
+"""Cutting ONNX models into weighted, acyclic parts (METIS, linear baseline, placement methods)."""
 
 from staronnx.partition.api import METHODS, parse_input_shapes, parse_shares, partition
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from staronnx.partition.graph import ModelGraph
+from staronnx.partition.linear import linear_ranks
 
 
 @dataclass
@@ -309,8 +310,6 @@ def make_acyclic(
     if not math.isfinite(best_score):
         # METIS's parts collapse on tiny graphs: start from the cost-ordered linear split,
         # which always gives every part a vertex when k <= n
-        from staronnx.partition.linear import linear_ranks
-
         start = linear_ranks(cm.weights, np.asarray(targets, dtype=float))
         for greedy in ("cut", "balance"):
             refined = Refiner(cm, start, targets, tol, greedy=greedy).run()

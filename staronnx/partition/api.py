@@ -1,8 +1,9 @@
 """``staronnx.partition()``: a model in, a k-part acyclic plan out.
 
 The steps are the ones DESIGN.md lists: check the request, load and shape-infer the model,
-measure node costs on the target device, cut (METIS + acyclic repair, or the linear baseline),
-export the parts atomically.
+choose the shares (``shares="auto"``), run the method's :class:`~staronnx.partition.cut.Cut`
+(it measures the node costs it needs), export the parts atomically
+(:func:`~staronnx.partition.export.write_plan`, as ``place()`` does).
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import math
 import os
 from typing import Callable, Sequence
 
-import numpy as np
 import onnx
 
 from staronnx.errors import PartitionError
+from staronnx.feeds import random_feeds_for_shapes
 from staronnx.modelio import load_model
 from staronnx.partition.autoshares import (
     SharesChoice,
@@ -24,52 +25,25 @@ from staronnx.partition.autoshares import (
     is_auto,
     measure_speeds,
 )
-from staronnx.partition.acyclic import CutModel, Refiner, make_acyclic, score
-from staronnx.partition.costs import NodeCosts, estimated_costs, profile_costs
+from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
 from staronnx.partition.export import write_plan
-from staronnx.partition.graph import ModelGraph, build_graph
-from staronnx.partition.linear import linear_ranks
+from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
+from staronnx.partition.methods.devices import default_groups, machine_devices
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS, PlacementMethod
-from staronnx.partition.metis import metis_parts
+from staronnx.partition.notation import parse_input_shapes, read_shares
 from staronnx.plan import Plan, output_dir_for
 
-#: A shares method maps (graph, costs, targets, seed, tolerance) to a part index per vertex such
-#: that every edge goes from a part to the same or a later one. A placement method
-#: (:class:`~staronnx.partition.methods.PlacementMethod`: comm-sd, duet, overseer, optimal,
-#: ort-static) decides a device per vertex from costs on every device and makes its own parts;
-#: ``partition()`` hands it the graph and records each part's device.
-Method = Callable[[ModelGraph, np.ndarray, np.ndarray, int, float], np.ndarray] | PlacementMethod
-
-
-def _metis(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed: int, tol: float) -> np.ndarray:
-    """Best acyclic plan over a few METIS seeds (METIS's result varies a lot with the seed)."""
-    cm = CutModel.from_graph(graph, costs)
-    best, best_score = None, math.inf
-    for trial in range(4):
-        parts = metis_parts(graph, costs, targets, seed + trial)
-        ranks = make_acyclic(cm, parts, targets, tol=tol, seed=seed + trial)
-        s = score(cm, ranks, targets, tol)
-        if s < best_score:
-            best, best_score = ranks, s
-    assert best is not None
-    return best
-
-
-def _linear(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed: int, tol: float) -> np.ndarray:
-    return linear_ranks(costs, targets)
-
-
-METHODS: dict[str, Method] = {"metis": _metis, "linear": _linear, **PLACEMENT_METHODS}
+#: Every method by name: the share cuts (metis, linear) cut to ``shares`` and leave placement
+#: to the runtime's policy; the placement methods (comm-sd, duet, overseer, optimal,
+#: ort-static) choose a device per node and their own parts.
+METHODS: dict[str, Cut] = {**SHARES_CUTS, **PLACEMENT_METHODS}
 
 
 def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> list[float]:
-    """Target cost share per part, in execution order; equal shares when only k is given."""
+    """Target cost share per part, in execution order, checked; equal shares when only k is
+    given. A string is read as comma-separated numbers (the CLI reads its own beforehand)."""
     if isinstance(shares, str):
-        try:
-            shares = [float(s) for s in shares.split(",") if s.strip()]
-        except ValueError:
-            raise PartitionError(f"shares must be comma-separated numbers, got {shares!r}",
-                                 cli=f"--shares must be comma-separated numbers, got {shares!r}") from None
+        shares = read_shares(shares, "shares")
     if shares is not None and parts is not None and len(shares) != parts:
         raise PartitionError(f"shares lists {len(shares)} parts but parts={parts}",
                              cli=f"--shares lists {len(shares)} parts but --parts is {parts}")
@@ -88,31 +62,6 @@ def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> lis
     if abs(sum(values) - 1.0) > 1e-6:
         raise PartitionError(f"shares must sum to 1 (within 1e-6), got {values} summing to {sum(values):.6g}")
     return values
-
-
-def parse_input_shapes(items: Sequence[str] | dict[str, Sequence[int]] | None) -> dict[str, list[int]]:
-    """``NAME=1x3x224x224`` strings (or a dict) into name -> dims."""
-    if not items:
-        return {}
-    if isinstance(items, dict):
-        return {k: [int(d) for d in v] for k, v in items.items()}
-    shapes: dict[str, list[int]] = {}
-    for item in items:
-        name, sep, dims = item.rpartition("=")
-        try:
-            values = [int(d) for d in dims.lower().split("x")]
-        except ValueError:
-            values = []
-        # -1: "as the model says" (the batch on a dynamic axis 0), as exporters write it
-        if not sep or not name or not values or any(d <= 0 and d != -1 for d in values):
-            raise PartitionError(
-                f"input_shapes expects 'NAME=D1xD2x...' (sizes >= 1, or -1 for the model's), "
-                f"got {item!r}",
-                cli=f"--input-shape expects NAME=D1xD2x... (sizes >= 1, or -1 for the model's), "
-                f"got {item!r}",
-            )
-        shapes[name] = values
-    return shapes
 
 
 def partition(
@@ -155,7 +104,7 @@ def partition(
     auto = is_auto(shares)
     if auto and parts is not None:
         raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset")
-    targets = np.array([1.0] if auto else parse_shares(shares, parts))
+    targets = [1.0] if auto else parse_shares(shares, parts)
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if costs not in ("profile", "estimate"):
@@ -174,63 +123,31 @@ def partition(
         providers_for("cuda")  # fail before any work when CUDA is absent
 
     say("loading model")
-    loaded = load_model(model_or_path)
-    graph = build_graph(loaded, shapes)
-    k = len(targets)
-    if k > len(graph):
+    graph = build_graph(load_model(model_or_path), shapes)
+    if len(targets) > len(graph):
         raise PartitionError(
-            f"cannot cut {len(graph)} node(s) into {k} parts: k must not exceed the node count"
+            f"cannot cut {len(graph)} node(s) into {len(targets)} parts: k must not exceed the node count"
         )
-    chosen = METHODS[method]
+    cut = METHODS[method]
+    placed = isinstance(cut, PlacementMethod)
     auto_choice = None
     if auto:
-        if isinstance(chosen, PlacementMethod):
+        if placed:
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
         auto_choice = _auto_shares(graph, shapes, device=device, groups=groups or "numa", cuda_streams=cuda_streams,
                                    speeds=speeds, batch=profile_batch, runs=profile_runs, seed=seed, say=say)
-        targets = np.array(auto_choice.shares)
-        k = len(targets)
-    placement = None
-    if isinstance(chosen, PlacementMethod):
-        # decides a device per node (CPU groups of this machine, plus the GPU for --device cuda)
-        # and its own number of parts; --shares/--parts do not apply. It profiles per device
-        # itself, so nothing is profiled here.
-        placement = chosen.place_graph(
-            graph, devices=(groups or "") + ("+cuda" if device == "cuda" else "") or None, costs=costs,
-            profile_batch=profile_batch, profile_runs=profile_runs, seed=seed, input_shapes=shapes, progress=say,
-        )
-        ranks, k, targets = placement.ranks, placement.k, np.array(placement.shares())
-        node_costs: NodeCosts = placement.node_costs(profile_batch, profile_runs, costs)
-    else:
-        if costs == "profile":
-            say(f"profiling {len(graph)} nodes on {device} (batch {profile_batch}, {profile_runs} runs)")
-            node_costs = profile_costs(
-                graph, device=device, batch=profile_batch, runs=profile_runs, input_shapes=shapes, seed=seed
-            )
-        else:
-            node_costs = estimated_costs(graph, batch=profile_batch)
-        say(f"cutting into {k} parts with {method}")
-        ranks = chosen(graph, node_costs.micros, targets, seed, tolerance)
-    cm = CutModel.from_graph(graph, node_costs.micros)
-    if not cm.is_monotone(ranks) or len(set(ranks.tolist())) != k:
-        raise PartitionError(f"method {method!r} produced an invalid cut (a bug: please report)")
-    settings = {
-        "method": method,
-        "shares": [float(t) for t in targets],
-        "parts": k,
-        "device": device,
-        "seed": seed,
-        "costs": costs,
-        "profile_batch": profile_batch,
-        "profile_runs": profile_runs,
-        "tolerance": tolerance,
-        "input_shapes": {n: list(d) for n, d in shapes.items()},
-        **({"placement": placement.settings()} if placement is not None else {}),
-        **({"auto_shares": auto_choice.to_json()} if auto_choice is not None else {}),
-    }
-    say(f"exporting {k} parts to {out}")
-    plan = write_plan(graph, ranks, node_costs, list(targets), settings, out)
-    return placement.annotate(plan) if placement is not None else plan
+        targets = auto_choice.shares
+    # a placement method places on this machine's CPU groups, plus the GPU for device="cuda";
+    # it profiles per device itself and makes its own parts (shares/parts do not apply)
+    devices = machine_devices(groups or default_groups(), cuda=device == "cuda") if placed else None
+    request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
+                         profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
+                         devices=devices, progress=say)
+    result = cut(graph, request)
+    settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,
+                             auto_shares=auto_choice.to_json() if auto_choice is not None else None)
+    say(f"exporting {result.k} parts to {out}")
+    return write_plan(graph, result, settings, out)
 
 
 def _auto_shares(
@@ -239,9 +156,6 @@ def _auto_shares(
 ) -> SharesChoice:
     """Measure (unless given) the whole model's speed per worker and choose the shares."""
     if speeds is None:
-        from staronnx.feeds import random_feeds_for_shapes
-        from staronnx.partition.graph import resolve_input_shapes
-
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
                                         model=graph.model, seed=seed)
         speeds = measure_speeds(graph.model, feeds, group_sizes=cpu_group_sizes(groups, cuda_streams),
@@ -251,4 +165,4 @@ def _auto_shares(
     return choice
 
 
-__all__ = ["partition", "METHODS", "parse_shares", "parse_input_shapes", "Refiner"]
+__all__ = ["partition", "METHODS", "parse_shares", "parse_input_shapes"]

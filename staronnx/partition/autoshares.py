@@ -97,7 +97,8 @@ def choose_shares(
     """
     speeds = [s for s in speeds if s.count > 0]
     if not speeds:
-        raise PartitionError("--shares auto needs at least one worker speed")
+        raise PartitionError("shares='auto' needs at least one worker speed",
+                             cli="--shares auto needs at least one worker speed")
     for s in speeds:
         if not (math.isfinite(s.seconds) and s.seconds > 0):
             raise PartitionError(f"worker {s.name}: time per batch must be > 0 s, got {s.seconds}")
@@ -185,7 +186,8 @@ def measure_speeds(
                                   count))
         del sess
     if not speeds:
-        raise PartitionError("--shares auto found no worker to time (no CPU group, no GPU)")
+        why = "found no worker to time (no CPU group, no GPU)"
+        raise PartitionError(f"shares='auto' {why}", cli=f"--shares auto {why}")
     return speeds
 
 

@@ -1,4 +1,4 @@
-"""Turning a ranked vertex assignment into standalone part models and a plan folder.
+"""The one way every method's :class:`~staronnx.partition.cut.Parts` become a plan folder.
 
 Each part is a checker-valid ONNX model: its own nodes in topological order, copies of the
 initializers and Constant nodes it reads, inputs for the model inputs and crossing tensors it
@@ -24,7 +24,7 @@ from staronnx.errors import PartitionError
 from staronnx.feeds import integer_ranges
 from staronnx.fsutil import STAGING_MARKER, make_staging_dir
 from staronnx.modelio import file_sha256, save_model
-from staronnx.partition.costs import NodeCosts
+from staronnx.partition.cut import Parts
 from staronnx.partition.graph import ModelGraph
 from staronnx.plan import PartSpec, Plan, TensorSpec, publish_dir
 
@@ -93,15 +93,14 @@ def build_plan_layout(
     return members, inputs, outputs
 
 
-def write_plan(
-    graph: ModelGraph,
-    ranks: np.ndarray,
-    costs: NodeCosts,
-    targets: list[float],
-    settings: dict[str, Any],
-    directory: Path,
-) -> Plan:
-    """Export every part and plan.json into ``directory`` atomically; return the loaded Plan."""
+def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], directory: Path) -> Plan:
+    """Export every part (with its device, if placed) and plan.json into ``directory``
+    atomically; return the loaded Plan."""
+    ranks, costs = cut.ranks, cut.costs
+    if (len(ranks) != len(graph) or sorted(set(ranks.tolist())) != list(range(cut.k))
+            or any(ranks[u] > ranks[v] for v in range(len(graph)) for u in graph.preds[v])
+            or (cut.devices is not None and len(cut.devices) != cut.k)):
+        raise PartitionError(f"method {settings.get('method')!r} produced an invalid cut (a bug: please report)")
     members, inputs, outputs = build_plan_layout(graph, ranks)
     k = len(members)
     directory = Path(directory).absolute()
@@ -130,8 +129,9 @@ def write_plan(
                     op_counts=dict(Counter(graph.nodes[v].op_type for v in members[r]).most_common()),
                     cost_us=round(cost, 3),
                     share=round(cost / total, 6),
-                    target_share=float(targets[r]),
+                    target_share=float(cut.targets[r]),
                     sha256=file_sha256(path, extra),
+                    device=cut.devices[r] if cut.devices is not None else None,
                 )
             )
         plan = Plan(

@@ -104,12 +104,6 @@ class ModelGraph:
                     weights[(u, v)] = weights.get((u, v), 0) + nbytes
         return [(u, v, w) for (u, v), w in sorted(weights.items())]
 
-    def crossing_candidates(self, v: int) -> list[str]:
-        """Tensors whose cut status may change when vertex v changes part."""
-        outs = [t for t in self.nodes[v].output if t and t in self.consumers]
-        ins = [t for t in self.node_inputs[v] if t in self.producer]
-        return outs + ins
-
 
 def subgraph_captures(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensor names read by a node's subgraphs (recursively)."""

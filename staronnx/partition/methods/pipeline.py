@@ -26,8 +26,11 @@ import numpy as np
 import onnx
 
 from staronnx.errors import DeviceError, PartitionError
+from staronnx.modelio import load_model
 from staronnx.partition.costs import NodeCosts
-from staronnx.partition.graph import ModelGraph
+from staronnx.partition.cut import CutRequest, Parts, plan_settings
+from staronnx.partition.export import write_plan
+from staronnx.partition.graph import ModelGraph, build_graph
 from staronnx.partition.methods.devices import CostOverride, cost_tables, parse_devices
 from staronnx.partition.methods.heuristics import Assignment, comm_sd, duet, overseer
 from staronnx.partition.methods.model import (
@@ -40,7 +43,8 @@ from staronnx.partition.methods.model import (
     part_devices,
     predicted_makespan,
 )
-from staronnx.plan import Plan
+from staronnx.partition.notation import parse_input_shapes
+from staronnx.plan import Plan, output_dir_for
 
 #: Batches whose predicted makespan every placed plan reports.
 REPORT_BATCHES = (1, 8)
@@ -110,9 +114,17 @@ class PlacementMethod:
     def __repr__(self) -> str:
         return f"<placement method {self.name}>"
 
-    # the partition() hook: see staronnx.partition.api
-    def place_graph(self, graph: ModelGraph, **kwargs: Any) -> Placement:
-        return place_graph(graph, self, **kwargs)
+    def __call__(self, graph: ModelGraph, request: CutRequest) -> Parts:
+        """The :class:`~staronnx.partition.cut.Cut` step: costs on every device, a device per
+        node, parts of one device each (``request.targets`` do not apply)."""
+        placement = place_graph(
+            graph, self, devices=request.devices, device_costs=request.device_costs, costs=request.costs,
+            profile_batch=request.profile_batch, profile_runs=request.profile_runs, batch=request.batch,
+            transfer=request.transfer, seed=request.seed, options=request.options,
+            input_shapes=request.input_shapes, progress=request.progress,
+        )
+        return Parts(placement.ranks, placement.node_costs(request.profile_batch, request.profile_runs, request.costs),
+                     placement.shares(), placement.part_device_names(), placement.settings())
 
 
 #: Options every placement method takes (beyond its own).
@@ -370,16 +382,6 @@ class Placement:
             "info": _jsonable(self.info),
         }
 
-    def annotate(self, plan: Plan) -> Plan:
-        """Record each part's device in an exported plan (``PartSpec.device``)."""
-        names = self.part_device_names()
-        if len(names) != plan.k:
-            raise PartitionError(f"placement has {len(names)} parts but the plan {plan.k}")
-        for part, name in zip(plan.parts, names):
-            part.device = name
-        plan.write_json(plan.root)
-        return Plan.load(plan.root)
-
 
 def _jsonable(value: Any) -> Any:
     if isinstance(value, dict):
@@ -443,42 +445,18 @@ def place(
 ) -> Plan:
     """Place a model's nodes on devices with ``method`` and export the plan (parts with their
     device, the method's predictions under ``settings["placement"]``)."""
-    from staronnx.modelio import load_model
-    from staronnx.partition.api import parse_input_shapes
-    from staronnx.partition.export import write_plan
-    from staronnx.partition.graph import build_graph
-    from staronnx.plan import output_dir_for
-
     if method not in PLACEMENT_METHODS:
         raise PartitionError(f"unknown placement method {method!r}; choose one of {', '.join(PLACEMENT_METHODS)}")
-    say = progress or (lambda _m: None)
-    shapes = parse_input_shapes(input_shapes)
+    request = CutRequest(
+        [], costs=costs, profile_batch=profile_batch, profile_runs=profile_runs, seed=seed,
+        input_shapes=parse_input_shapes(input_shapes), devices=devices, device_costs=device_costs,
+        options=options, batch=batch, transfer=transfer, progress=progress or (lambda _m: None),
+    )
     out = output_dir_for(output_dir, force)
-    say("loading model")
-    graph = build_graph(load_model(model_or_path), shapes)
-    m = PLACEMENT_METHODS[method]
-    placement = place_graph(
-        graph, m, devices=devices, device_costs=device_costs, costs=costs, profile_batch=profile_batch,
-        profile_runs=profile_runs, batch=batch, transfer=transfer, seed=seed, options=options,
-        input_shapes=shapes, progress=say,
-    )
-    settings = {
-        "method": method,
-        "shares": placement.shares(),
-        "parts": placement.k,
-        "device": "placed",
-        "seed": seed,
-        "costs": costs,
-        "profile_batch": profile_batch,
-        "profile_runs": profile_runs,
-        "tolerance": None,
-        "input_shapes": {n: list(d) for n, d in shapes.items()},
-        "options": _jsonable(dict(options or {})),
-        "placement": placement.settings(),
-    }
-    say(f"exporting {placement.k} parts to {out}")
-    plan = write_plan(
-        graph, placement.ranks, placement.node_costs(profile_batch, profile_runs, costs),
-        placement.shares(), settings, out,
-    )
-    return placement.annotate(plan)
+    request.progress("loading model")
+    graph = build_graph(load_model(model_or_path), request.input_shapes)
+    parts = PLACEMENT_METHODS[method](graph, request)
+    settings = plan_settings(method, parts, request, device="placed", tolerance=None,
+                             options=_jsonable(dict(options or {})), placement=parts.report)
+    request.progress(f"exporting {parts.k} parts to {out}")
+    return write_plan(graph, parts, settings, out)
