@@ -59,14 +59,13 @@ arch) and busy fractions per worker (:class:`SimResult`).
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 import re
 import statistics
 import threading
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,15 +77,12 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.predictor import PerfPredictor, task_footprint
-from staronnx.runtime.sched import DataView, Policy, TaskView, WorkerInfo
+from staronnx.runtime.core import Task, TaskGraph
+from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.workers.topology import Topology
-
-#: where model inputs live when a request arrives (the engine's ``HOST_NODE``)
-HOST_NODE = "numa0"
-
 
 class SimulationError(StaronnxError, ValueError):
     """A simulation that cannot run as asked: bad settings, or no model for a part on an arch."""
@@ -422,33 +418,6 @@ def arrival_schedule(
 
 # ---------------------------------------------------------------------------- the run
 @dataclass
-class _Task:
-    batch: _Batch
-    part: int
-    waiting: int
-    view: TaskView | None = None
-    ready_at: float = 0.0
-
-
-@dataclass
-class _Batch:
-    record: BatchRecord
-    profile: PlanProfile
-    valid: dict[str, set[str]]  # tensor -> memory nodes holding a valid copy
-    handle_base: int
-    parts_left: int
-    tasks: list[_Task] = field(default_factory=list)
-
-
-@dataclass
-class _WorkerState:
-    info: WorkerInfo
-    busy: bool = False
-    busy_time: float = 0.0
-    tasks: int = 0
-
-
-@dataclass
 class SimResult:
     """What a simulation produced: the serving records and the runtime's statistics."""
 
@@ -512,33 +481,22 @@ class _Simulation:
         self.clock = SimClock(float(arrivals[0]))
         self.events = EventQueue()
         self.rng = random.Random(f"staronnx-sim-{seed}")
-        self.workers = [_WorkerState(w) for w in machine.workers]
-        preds = self.plan.dependencies()
-        self.succs: list[list[int]] = [[] for _ in self.plan.parts]
-        for p, deps in enumerate(preds):
-            for d in sorted(deps):
-                self.succs[d].append(p)
-        self.npreds = [len(d) for d in preds]
-        names = [t.name for t in (*self.plan.inputs, *self.plan.crossing, *self.plan.outputs)]
-        names += [n for part in self.plan.parts for n in (*part.inputs, *part.outputs)]
-        self.tensor_index = {n: i for i, n in enumerate(dict.fromkeys(names))}
-        self.task_ids = itertools.count()
         self.profiles: dict[int, PlanProfile] = {}  # batch size -> footprints and bytes
+        # the engine's own core: the same tasks, handles, policy calls and statistics
+        self.core = TaskGraph(self.plan, machine.workers, policy, machine.table, self.clock,
+                              lambda req, part: self.profiles[req.batch].footprints[part])
         self.requests: list[RequestRecord] = []
         self.batches: list[BatchRecord] = []
         self.queue: deque[int] = deque()  # request ids waiting for a batch
         self.inflight = 0
         self.flush_left = 0
         self.timer_due = math.nan
-        self.placement: dict[tuple[int, str], int] = defaultdict(int)
-        self.waits: list[float] = []
         self.samples: list[tuple[float, int]] = []
         self.notes: list[str] = []
         self.n_events = 0
         self.last_done = self.clock.t
         self._dirty = False
         self._first: int | None = None
-        policy.attach(machine.workers, machine.table, self.clock, self.succs)
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -624,58 +582,29 @@ class _Simulation:
             self.requests[rid].first_in_batch = j == 0
         self.inflight += 1
         self.samples.append((t, len(self.queue)))
-        batch = _Batch(record, profile, {n: {HOST_NODE} for n in self.plan.input_names},
-                       bid * len(self.tensor_index), self.plan.k)
-        batch.tasks = [_Task(batch, p, self.npreds[p]) for p in range(self.plan.k)]
-        for task in batch.tasks:  # Runtime.submit: every part without predecessors is ready
-            if task.waiting == 0:
-                self._push(task, None)
-
-    # -- the engine: tasks -------------------------------------------------------------------
-    def _push(self, task: _Task, releasing: int | None) -> None:
-        """Build the TaskView as the engine does and hand it to the policy."""
-        batch, part = task.batch, self.plan.parts[task.part]
-        nbytes = batch.profile.nbytes
-        view = TaskView(
-            id=next(self.task_ids), part=task.part, batch=batch.record.size, request=batch.record.id,
-            inputs=[DataView(batch.handle_base + self.tensor_index[n], n, nbytes[n], frozenset(batch.valid[n]))
-                    for n in part.inputs],
-            submitted_at=batch.record.formed,
-        )
-        view.footprint = batch.profile.footprints[task.part]
-        view.extra["task"] = task
-        if releasing is not None:
-            view.releasing_worker = releasing
-        task.view = view
-        task.ready_at = self.clock.t
-        self.policy.push(view)
+        req = self.core.submit(size, {n: profile.nbytes[n] for n in self.plan.input_names}, t, owner=record)
+        record.placement = req.placement
         self._dirty = True
 
+    # -- the workers: times from the perf models ---------------------------------------------
     def _dispatch(self) -> None:
         """Idle workers pop, the worker that just finished first (it is awake already)."""
         self._dirty = False
         first, self._first = self._first, None
-        order = self.workers if first is None else [self.workers[first]] + [
-            w for w in self.workers if w.info.id != first]
-        for st in order:
-            if st.busy:
-                continue
-            view = self.policy.pop(st.info.id)
-            if view is not None:
-                self._start(st, view)
-
-    def _start(self, st: _WorkerState, view: TaskView) -> None:
-        task: _Task = view.extra["task"]
+        workers = self.core.workers
+        order = workers if first is None else [workers[first]] + [w for w in workers if w.info.id != first]
         now = self.clock.t
-        self.policy.on_start(st.info.id, view, now)
-        self.waits.append(now - task.ready_at)
-        fp = task.batch.profile.footprints[task.part]
-        mean, std = self.m.table.distribution(task.part, st.info.arch, fp)
+        for st in order:
+            if st.running is None and (task := self.core.next_task(st.info.id, now)) is not None:
+                self._start(st.info, task)
+
+    def _start(self, info: WorkerInfo, task: Task) -> None:
+        assert task.view is not None and task.view.footprint is not None
+        mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
         seconds = self._draw(mean, std * self.spread)
         if self.charge_transfers:
-            seconds += self._transfer(task, st.info.memory_node)
-        st.busy = True
-        self.events.push(now + seconds, "done", (st.info.id, task, seconds))
+            seconds += self._transfer(task, info.memory_node)
+        self.events.push(self.clock.t + seconds, "done", (info.id, task, seconds))
 
     def _draw(self, mean: float, std: float) -> float:
         """A normal sample truncated to > 0 (redrawn; the mean after 20 misses)."""
@@ -687,49 +616,30 @@ class _Simulation:
                 return x
         return mean
 
-    def _transfer(self, task: _Task, node: str) -> float:
+    def _transfer(self, task: Task, node: str) -> float:
         """Bus time to bring the task's inputs to ``node`` from their cheapest valid copies
         (the predictor's rule, on the copies valid now rather than at push)."""
         total = 0.0
         bus = self.m.table.bus
-        nbytes = task.batch.profile.nbytes
         for name in self.plan.parts[task.part].inputs:
-            where = task.batch.valid[name]
-            size = nbytes[name]
-            if node in where or size == 0:
+            handle = task.request.handles[name]
+            if node in handle.valid_on or handle.nbytes == 0:
                 continue
-            costs = [c for c in (bus.predict(src, node, size) for src in where) if math.isfinite(c)]
+            costs = [c for c in (bus.predict(src, node, handle.nbytes) for src in handle.valid_on) if math.isfinite(c)]
             total += min(costs) if costs else 0.0
         return total
 
-    def _on_done(self, wid: int, task: _Task, seconds: float) -> None:
-        """The engine's completion: policy hook, data locations, successors, the request."""
-        st = self.workers[wid]
+    def _on_done(self, wid: int, task: Task, seconds: float) -> None:
+        """The core's completion (data locations, successors, stats), then the server's."""
         now = self.clock.t
-        st.busy = False
-        st.busy_time += seconds
-        st.tasks += 1
-        assert task.view is not None
-        self.policy.on_done(wid, task.view, seconds, now)
-        batch, part = task.batch, self.plan.parts[task.part]
-        node = st.info.memory_node
-        for name in part.outputs:
-            batch.valid[name] = {node}
-        for name in part.inputs:
-            batch.valid[name].add(node)
-        batch.record.placement[f"part{task.part}"] = st.info.arch
-        self.placement[(task.part, st.info.arch)] += 1
-        batch.parts_left -= 1
-        for s in self.succs[task.part]:
-            succ = batch.tasks[s]
-            succ.waiting -= 1
-            if succ.waiting == 0:
-                self._push(succ, wid)
+        nbytes = self.profiles[task.request.batch].nbytes
+        req = self.core.finish(wid, task, now, seconds, {n: nbytes[n] for n in self.plan.parts[task.part].outputs})
         self._dirty = True
         self._first = wid
-        if batch.parts_left == 0:
-            batch.record.done = now
-            for rid in batch.record.request_ids:
+        if req is not None:
+            record: BatchRecord = req.owner
+            record.done = now
+            for rid in record.request_ids:
                 self.requests[rid].done = now
             self.inflight -= 1
             self.last_done = now
@@ -836,13 +746,13 @@ def simulate(
     )
     return SimResult(
         records=records,
-        placement=dict(sorted(sim.placement.items())),
-        busy={st.info.name: st.busy_time / elapsed for st in sim.workers},
+        placement={key: len(times) for key, times in sorted(sim.core.measured.items())},
+        busy={st.info.name: st.busy_seconds / elapsed for st in sim.core.workers},
         workers=list(machine.workers),
         notes=list(machine.notes) + sim.notes,
         events=sim.n_events,
         wall_seconds=time.perf_counter() - t0,
-        mean_queue_wait=float(np.mean(sim.waits)) if sim.waits else 0.0,
+        mean_queue_wait=float(np.mean(sim.core.queue_waits)) if sim.core.queue_waits else 0.0,
     )
 
 

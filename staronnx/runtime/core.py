@@ -1,0 +1,265 @@
+"""The task-graph core: requests, tasks, data handles, dependencies, policy calls, statistics.
+
+Why one core: the native engine (threads, real workers) and the simulator (a virtual clock,
+workers timed by the perf models) must take the very same decisions, as StarPU's SimGrid mode
+swaps the clock and the workers but never the core. So this module knows no clock and no
+thread: its caller says what time it is (``now``) and serialises the calls (the engine holds
+its lock; the simulator is single-threaded), and it never runs anything itself.
+
+A request is one batch: one task per part, one data handle per tensor. A handle knows the
+memory nodes holding a valid copy (StarPU's MSI states reduced to what a read-mostly inference
+DAG needs: written once on its producer's node, then shared by every node that reads it), so
+policies price transfers and prefer workers where the data already is. A task is pushed to the
+policy once every part it reads from has finished; the worker whose completion released it is
+passed along (``TaskView.releasing_worker``) for locality-aware stealing.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from staronnx.perfmodels import Footprint
+from staronnx.plan import Plan
+from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.taskstats import per_part_arch
+
+#: where model inputs live when a request is submitted
+HOST_NODE = "numa0"
+
+_handle_ids = itertools.count()
+
+
+@dataclass
+class DataHandle:
+    """A tensor of one request, with the memory nodes holding a valid copy."""
+
+    name: str
+    nbytes: int
+    valid_on: set[str] = field(default_factory=set)
+    readers_left: int = 0
+    id: int = field(default_factory=lambda: next(_handle_ids))
+
+    def view(self) -> DataView:
+        return DataView(self.id, self.name, self.nbytes, frozenset(self.valid_on))
+
+
+@dataclass(eq=False)
+class Task:
+    """One part applied to one request's batch."""
+
+    request: Request
+    part: int
+    waiting: int  # parts whose outputs this task still needs
+    view: TaskView | None = None
+    ready_at: float = 0.0
+    started_at: float = 0.0
+    ended_at: float = 0.0
+    worker: int | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One submitted batch travelling through the plan.
+
+    ``values`` holds what the driver keeps per tensor (the engine: arrays; the simulator:
+    nothing); the core drops intermediates from it once their last reader is done.
+    """
+
+    id: int
+    batch: int
+    submitted_at: float
+    parts_left: int
+    handles: dict[str, DataHandle]
+    values: dict[str, Any]
+    owner: Any = None  # the driver's own record of the request (a future, a batch record)
+    tasks: list[Task] = field(default_factory=list)
+    placement: dict[str, str] = field(default_factory=dict)  # "part<k>" -> arch
+    failed: bool = False
+
+
+@dataclass(eq=False)
+class WorkerState:
+    """A worker as the core tracks it."""
+
+    info: WorkerInfo
+    alive: bool = True
+    running: Task | None = None
+    busy_seconds: float = 0.0
+    tasks: int = 0
+
+
+#: ``footprint(request, part)``: the perf-model key of a part's task (the driver knows shapes)
+FootprintFn = Callable[[Request, int], "Footprint | None"]
+
+
+class TaskGraph:
+    """A plan's task graph under a policy; see the module docstring."""
+
+    def __init__(self, plan: Plan, workers: Sequence[WorkerInfo], policy: Policy, predictor: Predictor,
+                 clock: Clock, footprint: FootprintFn) -> None:
+        self.plan = plan
+        self.policy = policy
+        self.footprint = footprint
+        self.workers = [WorkerState(info) for info in workers]
+        preds = plan.dependencies()
+        self.preds = [sorted(d) for d in preds]
+        self.succs: list[list[int]] = [[] for _ in plan.parts]
+        for p, deps in enumerate(self.preds):
+            for d in deps:
+                self.succs[d].append(p)
+        self._producer = plan.producers()
+        self._readers: dict[str, int] = defaultdict(int)
+        for part in plan.parts:
+            for name in part.inputs:
+                self._readers[name] += 1
+        self._outputs = set(plan.output_names)
+        self.inflight: dict[int, Request] = {}
+        self._queued: dict[int, Task] = {}  # pushed, not yet popped, by TaskView id
+        #: the driver's own reason to drop a request's remaining tasks (a cancelled future)
+        self.dropped: Callable[[Request], bool] = lambda req: False
+        self._ids = itertools.count()
+        self._task_ids = itertools.count()
+        self.measured: dict[tuple[int, str], list[float]] = defaultdict(list)
+        self.predicted: dict[tuple[int, str], list[float]] = defaultdict(list)
+        self.queue_waits: list[float] = []
+        self.done_requests = 0
+        self.failed_requests = 0
+        #: (worker name, error) of workers that died
+        self.dead_workers: list[tuple[str, str]] = []
+        policy.attach(workers, predictor, clock, self.succs)
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
+               owner: Any = None) -> Request:
+        """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed."""
+        handles = {name: DataHandle(name, nbytes, {HOST_NODE}, self._readers[name]) for name, nbytes in inputs.items()}
+        req = Request(next(self._ids), batch, now, self.plan.k, handles, dict(values or {}), owner)
+        req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self.plan.k)]
+        self.inflight[req.id] = req
+        for task in req.tasks:
+            if not task.waiting:
+                self._push(task, now, None)
+        return req
+
+    def _push(self, task: Task, now: float, releasing: int | None) -> None:
+        req = task.request
+        view = TaskView(
+            id=next(self._task_ids), part=task.part, batch=req.batch, request=req.id,
+            inputs=[req.handles[n].view() for n in self.plan.parts[task.part].inputs],
+            submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
+            releasing_worker=releasing,
+        )
+        task.view = view
+        task.ready_at = now
+        self._queued[view.id] = task
+        self.policy.push(view)
+
+    # -- workers -------------------------------------------------------------------------------
+    def next_task(self, wid: int, now: float) -> Task | None:
+        """The task worker ``wid`` must start now, or None; tasks of failed requests are dropped."""
+        while True:
+            view = self.policy.pop(wid)
+            if view is None:
+                return None
+            task = self._queued.pop(view.id)
+            self.policy.on_start(wid, view, now)
+            if task.request.failed or self.dropped(task.request):  # keep the policy's queue accounting straight, then drop it
+                self.policy.on_done(wid, view, 0.0, now)
+                continue
+            task.started_at, task.worker = now, wid
+            self.workers[wid].running = task
+            self.queue_waits.append(now - task.ready_at)
+            return task
+
+    def finish(self, wid: int, task: Task, now: float, measured: float,
+               outputs: Mapping[str, int] | None) -> Request | None:
+        """Worker ``wid`` ended ``task`` after ``measured`` s; ``outputs`` (name -> bytes), or
+        None when it failed. Returns the request if it is now complete (or has just failed)."""
+        st = self.workers[wid]
+        st.running = None
+        st.busy_seconds += measured
+        st.tasks += 1
+        task.ended_at = now
+        view = task.view
+        assert view is not None
+        self.policy.on_done(wid, view, measured, now)
+        req = task.request
+        if req.failed:
+            return None
+        if outputs is None:
+            self.fail(req)
+            return req
+        node, arch = st.info.memory_node, st.info.arch
+        req.placement[f"part{task.part}"] = arch
+        self.measured[(task.part, arch)].append(measured)
+        if math.isfinite(view.predicted):
+            self.predicted[(task.part, arch)].append(view.predicted)
+        for name, nbytes in outputs.items():
+            req.handles[name] = DataHandle(name, nbytes, {node}, self._readers[name])
+        for name in self.plan.parts[task.part].inputs:  # free intermediates nobody else reads
+            h = req.handles[name]
+            h.valid_on.add(node)
+            h.readers_left -= 1
+            if h.readers_left <= 0 and name not in self._outputs and name in self._producer:
+                req.values.pop(name, None)
+        req.parts_left -= 1
+        for succ in self.succs[task.part]:
+            t = req.tasks[succ]
+            t.waiting -= 1
+            if not t.waiting:
+                self._push(t, now, wid)
+        if req.parts_left:
+            return None
+        self.inflight.pop(req.id, None)
+        self.done_requests += 1
+        return req
+
+    def fail(self, req: Request) -> None:
+        """Fail a request: its queued tasks are dropped when popped."""
+        if not req.failed:
+            req.failed = True
+            self.inflight.pop(req.id, None)
+            self.failed_requests += 1
+
+    def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
+        """A worker died: its queued tasks (and the one it ran) go to the others. Returns the
+        requests failed because no worker is left."""
+        st = self.workers[wid]
+        st.alive = False
+        self.dead_workers.append((st.info.name, error))
+        orphans = [st.running] if st.running is not None else []
+        st.running = None
+        orphans += [self._queued.pop(view.id) for view in self.policy.remove_worker(wid)]
+        if not any(w.alive for w in self.workers):
+            lost = list(self.inflight.values())
+            for req in lost:
+                self.fail(req)
+            return lost
+        for task in orphans:
+            if not task.request.failed:
+                self._push(task, now, None)
+        return []
+
+    # -- observability -------------------------------------------------------------------------
+    def stats(self, elapsed: float) -> dict[str, Any]:
+        """Busy fraction per worker, tasks per (part, arch), queue wait, predicted vs measured."""
+        elapsed = max(elapsed, 1e-9)
+        return {
+            "elapsed_s": elapsed,
+            "requests_done": self.done_requests,
+            "requests_failed": self.failed_requests,
+            "in_flight": len(self.inflight),
+            "workers": {st.info.name: {"arch": st.info.arch, "tasks": st.tasks,
+                                       "busy": st.busy_seconds / elapsed, "alive": st.alive}
+                        for st in self.workers},
+            "tasks": per_part_arch(self.measured, self.predicted),
+            "mean_queue_wait_ms": float(np.mean(self.queue_waits) * 1e3) if self.queue_waits else 0.0,
+            "dead_workers": list(self.dead_workers),
+        }
