@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import onnx
@@ -13,19 +14,22 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.zoo import fragile, inception
 
-#: batch sizes the shared plan is calibrated at (on cores=1 groups)
+#: batch sizes the shared plan is calibrated at (arch cpu1: one-PU groups)
 CALIBRATED_SIZES = [1, 2, 4]
 
 
 @pytest.fixture(scope="session")
 def calibrated_inception(tmp_path_factory) -> tuple[Plan, Path]:
-    """A 70/30 plan of a 2-block Inception model and a store with its models on cores=1 at
-    batch 1, 2 and 4 (what sweeps, the simulator, the bound and the optimizer need)."""
+    """A 70/30 plan of a 2-block Inception model and a store with its models of one-PU groups
+    (arch cpu1, as :func:`two_groups` makes) at batch 1, 2 and 4 (what sweeps, the simulator,
+    the bound and the optimizer need)."""
     root = tmp_path_factory.mktemp("calibrated")
     onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
     plan = partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
     home = root / "home"
-    workers = start_workers(plan, groups="cores=1")
+    # one explicit one-PU group: one worker measures arch cpu1 on any host (cores=1 would
+    # start one per core)
+    workers = start_workers(plan, groups=str(min(os.sched_getaffinity(0))))
     try:
         # this plan's parts take tens of microseconds: on a loaded machine StarPU's outlier
         # rule can keep an entry from reaching 10 accepted samples within one calibration's

@@ -142,9 +142,9 @@ def test_partition_help_says_the_default_is_two_equal_parts():
 
 
 @pytest.mark.parametrize("duration,max_delay", [("2s", "5ms"), ("2", "0.005"), ("1500ms", "0")])
-def test_simulate_takes_the_sweeps_duration_syntax(calibrated_inception, duration, max_delay):
+def test_simulate_takes_the_sweeps_duration_syntax(calibrated_inception, duration, max_delay, two_groups):
     plan, home = calibrated_inception
-    res = runner.invoke(app, ["simulate", str(plan.root), "--rate", "100", "--batch", "2", "--groups", "cores=1",
+    res = runner.invoke(app, ["simulate", str(plan.root), "--rate", "100", "--batch", "2", "--groups", two_groups,
                               "--duration", duration, "--max-delay", max_delay],
                         env={"STARONNX_HOME": str(home)})
     assert res.exit_code == 0, res.output

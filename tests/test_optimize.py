@@ -76,11 +76,11 @@ def test_next_candidate_climbs_towards_the_best():
 
 
 # -- predict, then verify -----------------------------------------------------------------------
-def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, home):
+def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, home, two_groups):
     store = PerfModelStore(home)
     steps = []
-    with Runtime(plan, cpu_groups="cores=1", store=store) as rt:
-        res = optimize_batch(plan, 150, batch_sizes=SIZES, groups="cores=1", store=store, runtime=rt,
+    with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
+        res = optimize_batch(plan, 150, batch_sizes=SIZES, groups=two_groups, store=store, runtime=rt,
                              sim_duration=2.0, verify_duration=0.5, min_batches=5, progress=steps.append)
     assert [c.batch_size for c in res.candidates] == SIZES
     assert res.predicted_best in SIZES and res.best in SIZES and res.best in res.verified
@@ -102,28 +102,28 @@ def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, h
     assert doc["best"] == res.best and len(doc["candidates"]) == len(SIZES)
 
 
-def test_optimizer_without_verification_trusts_the_simulator(plan, home):
-    res = optimize_batch(plan, 100, batch_sizes=SIZES, groups="cores=1", store=PerfModelStore(home),
+def test_optimizer_without_verification_trusts_the_simulator(plan, home, two_groups):
+    res = optimize_batch(plan, 100, batch_sizes=SIZES, groups=two_groups, store=PerfModelStore(home),
                          verify=False, sim_duration=2.0, slo=0.5)
     assert res.verified == [] and res.best == res.predicted_best
     assert res.slo_met is True and all(c.measured is None for c in res.candidates)
 
 
-def test_optimizer_errors(plan, tmp_path):
+def test_optimizer_errors(plan, tmp_path, two_groups):
     with pytest.raises(StaronnxError, match="calibrate"):
-        optimize_batch(plan, 100, batch_sizes=[1], groups="cores=1", store=PerfModelStore(tmp_path), verify=False)
+        optimize_batch(plan, 100, batch_sizes=[1], groups=two_groups, store=PerfModelStore(tmp_path), verify=False)
     with pytest.raises(OptimizeError, match="rate"):
         optimize_batch(plan, 0, store=PerfModelStore(tmp_path))
     with pytest.raises(OptimizeError, match="SLO"):
         optimize_batch(plan, 10, slo=-1, store=PerfModelStore(tmp_path))
 
 
-def test_cli_optimize_batch(plan, home, tmp_path):
+def test_cli_optimize_batch(plan, home, tmp_path, two_groups):
     env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
     out = tmp_path / "opt.json"
     done = subprocess.run(
         [sys.executable, "-m", "staronnx", "optimize-batch", str(plan.root), "--rate", "120", "--batch-sizes", "1,2,4",
-         "--groups", "cores=1", "--sim-duration", "2s", "--no-verify", "--json", str(out)],
+         "--groups", two_groups, "--sim-duration", "2s", "--no-verify", "--json", str(out)],
         check=False, capture_output=True, text=True, env=env, timeout=300,
     )
     assert done.returncode == 0, done.stderr + done.stdout

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -49,20 +50,20 @@ def _stale_line(text: str) -> str:
     return joined
 
 
-def test_optimize_batch_says_the_models_are_stale(stale_home):
+def test_optimize_batch_says_the_models_are_stale(stale_home, two_groups):
     plan, home = stale_home
-    res = staronnx("optimize-batch", plan.root, "--groups", "cores=1", "--rate", "50",
+    res = staronnx("optimize-batch", plan.root, "--groups", two_groups, "--rate", "50",
                    "--batch-sizes", "1,2", "--sim-duration", "2s", "--verify-duration", "1s",
                    "--max-verify", "2", home=home)
     assert res.returncode == 0, res.stderr
     line = _stale_line(res.stdout)
-    assert "staronnx calibrate" in line and "--replace" in line and "--groups cores=1" in line
+    assert "staronnx calibrate" in line and "--replace" in line and f"--groups {shlex.quote(two_groups)}" in line
 
 
-def test_sweep_says_the_models_are_stale_and_recalibrating_fixes_them(stale_home, tmp_path):
+def test_sweep_says_the_models_are_stale_and_recalibrating_fixes_them(stale_home, tmp_path, two_groups):
     plan, home = stale_home
     out = tmp_path / "results"
-    res = staronnx("sweep", plan.root, "--groups", "cores=1", "--batch-sizes", "1", "--rates", "50",
+    res = staronnx("sweep", plan.root, "--groups", two_groups, "--batch-sizes", "1", "--rates", "50",
                    "--duration", "1s", "--no-plots", "-o", out, home=home)
     assert res.returncode == 0, res.stderr
     _stale_line(res.stdout + res.stderr)
@@ -71,7 +72,7 @@ def test_sweep_says_the_models_are_stale_and_recalibrating_fixes_them(stale_home
     command = note.split("`")[1]
     assert command.startswith("staronnx calibrate ") and command.endswith("--replace")
     before = {k: store_mean(home, plan, k) for k in PerfModelStore(home).list(plan.hash)}
-    res = staronnx(*command.split()[1:], "--no-bus", home=home)
+    res = staronnx(*shlex.split(command)[1:], "--no-bus", home=home)
     assert res.returncode == 0, res.stderr
     for key, mean in before.items():
         assert store_mean(home, plan, key) < mean / 10  # measured afresh, not merged

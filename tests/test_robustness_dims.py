@@ -85,7 +85,7 @@ def test_without_a_shape_the_error_suggests_a_form_the_cli_accepts(tmp_path, cap
     assert "-1" not in suggested and "N" in suggested
 
 
-def test_plan_feeds_and_runtime_checks_of_a_legacy_plan_with_negative_dims(tmp_path, capsys, model_file):
+def test_plan_feeds_and_runtime_checks_of_a_legacy_plan_with_negative_dims(tmp_path, capsys, model_file, two_groups):
     """A plan.json written before the fix recorded -1: it loads, feeds and runs as dynamic."""
     plan_dir = tmp_path / "plan"
     assert cli(capsys, "partition", model_file, "--parts", "2", "--costs", "estimate",
@@ -103,7 +103,7 @@ def test_plan_feeds_and_runtime_checks_of_a_legacy_plan_with_negative_dims(tmp_p
     assert out["y"].shape == (2, 4)
     from staronnx import InferenceSession
 
-    with InferenceSession(plan, cpu_groups="cores=1") as sess:
+    with InferenceSession(plan, cpu_groups=two_groups) as sess:
         assert [d for d in sess.get_inputs()[0].shape][1] == 3
         assert not any(isinstance(d, int) and d < 0 for d in sess.get_inputs()[0].shape)
         got = sess.run(None, feeds)[0]

@@ -32,23 +32,24 @@ def damaged(calibrated_inception, tmp_path, monkeypatch) -> tuple[Path, Path]:
     return copy, plan.root.parent / "inception.onnx"
 
 
+#: (plan folder, model, explicit CPU groups) -> the command's arguments
 COMMANDS = {
-    "plan verify": lambda p, m: ["plan", "verify", p, "--model", m],
-    "plan show": lambda p, m: ["plan", "show", p],
-    "run": lambda p, m: ["run", p, "--groups", "cores=1", "--requests", "4"],
-    "calibrate": lambda p, m: ["calibrate", p, "--groups", "cores=1", "--batch-sizes", "1", "--no-bus"],
-    "sweep": lambda p, m: ["sweep", p, "--groups", "cores=1", "--batch-sizes", "1", "--rates", "50",
-                           "--duration", "1s", "-o", p.parent / "results"],
-    "simulate": lambda p, m: ["simulate", p, "--groups", "cores=1", "--rate", "50", "--batch", "1"],
-    "optimize-batch": lambda p, m: ["optimize-batch", p, "--groups", "cores=1", "--rate", "50",
-                                    "--slo-ms", "50", "--batch-sizes", "1,2"],
+    "plan verify": lambda p, m, g: ["plan", "verify", p, "--model", m],
+    "plan show": lambda p, m, g: ["plan", "show", p],
+    "run": lambda p, m, g: ["run", p, "--groups", g, "--requests", "4"],
+    "calibrate": lambda p, m, g: ["calibrate", p, "--groups", g, "--batch-sizes", "1", "--no-bus"],
+    "sweep": lambda p, m, g: ["sweep", p, "--groups", g, "--batch-sizes", "1", "--rates", "50",
+                              "--duration", "1s", "-o", p.parent / "results"],
+    "simulate": lambda p, m, g: ["simulate", p, "--groups", g, "--rate", "50", "--batch", "1"],
+    "optimize-batch": lambda p, m, g: ["optimize-batch", p, "--groups", g, "--rate", "50",
+                                       "--slo-ms", "50", "--batch-sizes", "1,2"],
 }
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
-def test_a_truncated_part_is_one_clear_error_in_every_command(damaged, capsys, command):
+def test_a_truncated_part_is_one_clear_error_in_every_command(damaged, capsys, command, two_groups):
     plan_dir, model = damaged
-    code, out, err = cli(capsys, *COMMANDS[command](plan_dir, model))
+    code, out, err = cli(capsys, *COMMANDS[command](plan_dir, model, two_groups))
     lines = err.strip().splitlines()
     assert code == 2, err
     assert len(lines) == 1, err  # no warning before it, no traceback

@@ -126,10 +126,10 @@ def test_a_run_that_resets_drops_what_it_loaded_but_keeps_what_others_added(tmp_
     assert entry.sum == pytest.approx(4 * 1.1 + 2.0 * n_two)
 
 
-def test_two_calibrate_commands_at_once_lose_no_entry(calibrated_inception, tmp_path):
+def test_two_calibrate_commands_at_once_lose_no_entry(calibrated_inception, tmp_path, two_groups):
     plan, _ = calibrated_inception
     home = tmp_path / "home"
-    args = ["calibrate", plan.root, "--groups", "cores=1", "--batch-sizes", "1,4", "--no-bus",
+    args = ["calibrate", plan.root, "--groups", two_groups, "--batch-sizes", "1,4", "--no-bus",
             "--max-runs", "200"]
     env = {**os.environ, "STARONNX_HOME": str(home)}
     procs = [subprocess.Popen([sys.executable, "-m", "staronnx", *map(str, args)], env=env,
@@ -181,10 +181,10 @@ def read_only_home(tmp_path) -> tuple[Path, list[str]]:
         p.chmod(p.stat().st_mode | stat.S_IWUSR)
 
 
-def test_calibrate_into_a_read_only_home_is_one_line(calibrated_inception, read_only_home):
+def test_calibrate_into_a_read_only_home_is_one_line(calibrated_inception, read_only_home, two_groups):
     plan, _ = calibrated_inception
     home, prefix = read_only_home
-    res = staronnx("calibrate", plan.root, "--groups", "cores=1", "--batch-sizes", "1",
+    res = staronnx("calibrate", plan.root, "--groups", two_groups, "--batch-sizes", "1",
                    home=home, prefix=prefix)
     assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
@@ -192,17 +192,17 @@ def test_calibrate_into_a_read_only_home_is_one_line(calibrated_inception, read_
     assert str(home) in lines[0]
 
 
-def test_run_and_sweep_serve_from_a_read_only_home(calibrated_inception, read_only_home, tmp_path):
+def test_run_and_sweep_serve_from_a_read_only_home(calibrated_inception, read_only_home, tmp_path, two_groups):
     """The home holds no model of this plan: the runtime learns (in memory) while it serves."""
     plan, _ = calibrated_inception
     home, prefix = read_only_home
-    res = staronnx("run", plan.root, "--groups", "cores=1", "--requests", "30", home=home, prefix=prefix)
+    res = staronnx("run", plan.root, "--groups", two_groups, "--requests", "30", home=home, prefix=prefix)
     assert res.returncode == 0, res.stderr
     assert "samples/s" in res.stdout
     assert "Traceback" not in res.stderr
     assert res.stderr.count("cannot write performance models") == 1, res.stderr
     assert "not shared" not in res.stderr  # the weights cache moved to /tmp quietly
-    res = staronnx("sweep", plan.root, "--groups", "cores=1", "--batch-sizes", "1", "--rates", "50",
+    res = staronnx("sweep", plan.root, "--groups", two_groups, "--batch-sizes", "1", "--rates", "50",
                    "--duration", "1s", "--no-plots", "-o", tmp_path / "results", home=home, prefix=prefix)
     assert res.returncode == 0, res.stderr
     assert "Traceback" not in res.stderr

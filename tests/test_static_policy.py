@@ -37,15 +37,16 @@ def test_static_policy_places_by_name_and_rejects_unknown_workers():
         bad.attach(_workers(), predictor=None, clock=_Clock())  # type: ignore[arg-type]
 
 
-def test_a_duet_plan_runs_where_duet_placed_it(tmp_path):
+def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))
-    plan = place(model, "duet", output_dir=tmp_path / "plan", devices="cores=1", costs="estimate",
-                 device_costs={"cpu:numa0.core1": 0.5})
+    second = two_groups.split(";")[1]  # explicit one-PU groups are named pus<PU>
+    plan = place(model, "duet", output_dir=tmp_path / "plan", devices=two_groups, costs="estimate",
+                 device_costs={f"cpu:pus{second}": 0.5})
     devices = {p.index: p.device for p in plan.parts}
     store = PerfModelStore(tmp_path / "home")
     feeds = [random_plan_feeds(plan, 2, seed=i) for i in range(10)]
-    with Runtime(plan, policy="static", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan, policy="static", cpu_groups=two_groups, store=store) as rt:
         names = {i: w.name for i, w in enumerate(rt.workers)}
         results = [f.result(timeout=60) for f in [rt.submit(x) for x in feeds]]
         stats = rt.stats()
@@ -56,9 +57,9 @@ def test_a_duet_plan_runs_where_duet_placed_it(tmp_path):
     assert used == set(devices.values()) & set(names.values())
 
 
-def test_static_policy_needs_a_placed_plan(tmp_path):
+def test_static_policy_needs_a_placed_plan(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))
     plan = partition(model, parts=2, output_dir=tmp_path / "plan", costs="estimate")
     with pytest.raises(StaronnxError, match="--method"):
-        Runtime(plan, policy="static", cpu_groups="cores=1", store=PerfModelStore(tmp_path / "h"))
+        Runtime(plan, policy="static", cpu_groups=two_groups, store=PerfModelStore(tmp_path / "h"))
