@@ -1,37 +1,27 @@
 """An LP upper bound on the throughput a plan can sustain on a set of workers.
 
-Why: a sweep says what a policy achieved; only a bound says how much was left on the table.
-The fluid relaxation below ignores everything a real schedule pays for (DAG latency, queueing,
-indivisible tasks) except capacity, so no policy, simulated or live, can beat it in steady
-state: "achieved / bound" is the headline figure of a heterogeneous run.
+A sweep says what a policy achieved; only a bound says how much was left on the table. The
+fluid relaxation below keeps only capacity (no DAG latency, queueing or indivisible tasks), so
+no schedule can beat it in steady state: "achieved / bound" is the headline figure.
 
-**Formulation** at batch size ``b``, with ``t[p][w]`` the mean seconds of part ``p`` on worker
-``w`` (from the perf models), ``R`` the batches per second and ``y[p][w]`` the batches per
-second of part ``p`` run on worker ``w`` (``y = x * R`` with ``x`` the fraction of part
-``p``'s work on ``w``: the product is what makes the problem linear)::
+At batch size ``b``, with ``t[p][w]`` the mean seconds of part ``p`` on worker ``w`` (perf
+models), ``R`` batches/s and ``y[p][w]`` batches/s of part ``p`` on ``w``::
 
     maximise R
     sum_w y[p][w] = R                        every part of every batch runs somewhere
     sum_p t[p][w] * y[p][w] <= 1             each worker computes at most 1 s per second
 
-**Transfers.** A tensor read on a memory node where it was not produced must be copied there,
-and the copy occupies the consumer's worker (the simulator charges it there, and the CUDA
-worker copies inside its task, as StarPU's policies assume). Who copies for whom is a product
-of placements, so the LP uses a relaxation that keeps it a bound: for each tensor ``T`` and
-memory node ``n``, ``u[T][n]`` batches/s of ``T`` are brought to ``n``, at least what the
-busiest consumer of ``T`` on ``n`` needs beyond what is produced there::
+Transfers occupy the consumer's worker (as in the simulator and StarPU's policies). To stay
+linear and still a bound, ``u[T][n]`` batches/s of tensor ``T`` brought to node ``n`` must cover
+the busiest consumer there beyond what is produced there, paid once per node::
 
     u[T][n] >= sum_{w on n} y[c][w] - sum_{w on n} y[producer(T)][w]    for each consumer c
     sum_{w on n} sum_p t[p][w] * y[p][w] + sum_T cost(T, n) * u[T][n] <= |workers on n|
 
-with ``cost(T, n)`` the bus model's time from the cheapest other node. Model inputs are
-produced on the host node. A copy is paid once per node (a second consumer there finds it
-valid, as in the engine), and the per-node constraint sums the per-worker ones, so every
-schedule the simulator can run satisfies it: the bound stays an upper bound. With a single
-memory node every ``cost`` is 0, no transfer variable is made, and the LP is exact.
-
-Solved with HiGHS through :func:`scipy.optimize.linprog`; the result names the binding
-constraints (zero slack) and their shadow prices in samples/s per unit of capacity.
+``cost(T, n)``: the bus model from the cheapest other node (model inputs start on the host).
+With one memory node there is no transfer variable and the LP is exact. Solved with HiGHS
+(:func:`scipy.optimize.linprog`); the result names the binding constraints and their shadow
+prices.
 """
 
 from __future__ import annotations

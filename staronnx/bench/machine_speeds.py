@@ -20,9 +20,9 @@ def speeds_from_plan(
 ) -> list[WorkerSpeed]:
     """One :class:`WorkerSpeed` per worker arch of ``Runtime(plan, groups, cuda_streams)``."""
     if plan.k != 1:
-        raise SimulationError(
-            f"--speeds-from needs a 1-part plan of the model (partition it with --parts 1 and "
-            f"calibrate it); {plan.root} has {plan.k} parts")
+        why = f"a 1-part plan of the model (partition it with {{}} and calibrate it); {plan.root} has {plan.k} parts"
+        raise SimulationError("speeds_from_plan needs " + why.format("parts=1"),
+                              cli="--speeds-from needs " + why.format("--parts 1"))
     machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
     times = machine.mean_times(batch)[0]
     by_arch: dict[str, WorkerSpeed] = {}

@@ -2,29 +2,17 @@
 
     result = optimize_batch(plan, rate=300, batch_sizes=[1, 2, 4, 8, 16], groups="numa")
     print(result.best, result.predicted_best)
-    for c in result.candidates:
-        print(c.batch_size, c.predicted_latency_ms, c.measured_latency_ms)
 
-**Objective.** Without an SLO: the batch size with the lowest papers' latency (mean over
-batches of the latency of each batch's first request) among those that sustain the rate
-(not congested). With an SLO (seconds, on that same latency): among the batch sizes that meet
-it at this rate, the one with the most throughput headroom (its LP throughput bound, the
-largest rate it could take), ties going to the lower latency; if none meets the SLO, the
-lowest latency, flagged ``slo_met=False``. When every candidate is congested, the one with
-the highest throughput.
+**Objective** (:func:`choose`): without an SLO, the lowest papers' latency among the batch
+sizes that sustain the rate; with one, the most headroom (LP bound) among those that meet it;
+when every candidate is congested, the highest throughput.
 
-**Prediction.** The discrete-event simulator (:mod:`staronnx.bench.simulator`) serves the
-rate at every candidate from the calibrated perf models, with the runtime's own policy, in
-seconds of wall time; each run is long enough to hold ``min_batches`` batch fills.
-
-**Verification.** The simulator knows only what the perf models know (not the runtime's
-per-task overhead, not interference between workers), so the predicted best and its
-neighbours in the candidate list are measured live for a few seconds each on one shared
-runtime, exactly as a sweep measures a point. When the best measured sits at an edge of what
-was measured, the next candidate beyond it is measured too, and when even the best measured
-is congested, the next larger batch size (a short hill-climb, at most ``max_verify`` live
-points: :func:`next_candidate`). The final choice is the best *measured* by the same objective,
-and every verified candidate carries both figures.
+**Prediction, then verification.** The simulator serves the rate at every candidate from the
+perf models, in seconds of wall time. It knows nothing the models do not (the runtime's
+overhead, interference), so the predicted best and its neighbours are then measured live, as a
+sweep measures a point, with a short hill-climb when the best measured sits at an edge or is
+congested (:func:`next_candidate`, at most ``max_verify`` points). The answer is the best
+*measured*, and every verified candidate carries both figures.
 """
 
 from __future__ import annotations
@@ -133,7 +121,9 @@ def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
            bounds: Mapping[int, float | None] | None = None) -> tuple[int, bool | None]:
     """The objective of the module docstring over ``{batch size: summarize() figures}``.
 
-    Returns (batch size, whether the SLO is met: None without an SLO).
+    With an SLO (seconds, on the papers' latency), ties in headroom go to the lower latency,
+    and when no size meets it the lowest latency is chosen, flagged as not met. Returns
+    (batch size, whether the SLO is met: None without an SLO).
     """
     if not metrics:
         raise OptimizeError("no candidate to choose from")

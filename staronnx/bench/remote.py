@@ -2,36 +2,18 @@
 
     rows = remote_sweep("plan/", "http://127.0.0.1:8000", rates=[50, 100], out_dir="wire/")
 
-The same sweep as in process (:func:`staronnx.bench.sweep.sweep`: rates ascending, stop at
-congestion, stability, ``results.csv``/``results.json``), with two stand-ins that put a
-``staronnx serve`` between the generator and the runtime:
+The same :func:`~staronnx.bench.sweep.sweep`, with a ``staronnx serve`` between the generator
+and the runtime: :class:`RemoteRuntime` is the model as a client sees it (warm-up batches are
+sent whole), :class:`RemoteServer` replaces :class:`~staronnx.serving.Server` per point and
+sends each sample as a batch-1 request at its scheduled time, on the asynchronous tritonclient's
+own event loop, so the generator keeps the offered rate whatever the server does. Records are on
+the client's clock (latencies include the network and both ends' encoding); the server names
+each sample's batch (``staronnx_batch_id``/``_size``/``_placement``), so the papers' latency and
+the CPU share come from the very same :func:`~staronnx.serving.summarize`.
 
-- :class:`RemoteRuntime` is the model as a client sees it: ``submit(feeds)`` sends one
-  request (the sweep's warm-up sends whole batches, which the server splits into samples);
-- :class:`RemoteServer` takes the place of :class:`~staronnx.serving.Server` for each point:
-  the open-loop generator (:func:`~staronnx.serving.run_open_loop`, unchanged) hands it one
-  sample at its scheduled time, and it sends that sample as a batch-1 request without waiting.
-
-Requests are sent by the asynchronous tritonclient (``tritonclient.http.aio``) on an event loop
-of their own, so the generator never waits for an answer and keeps the offered rate whatever
-the server does (``results.json`` reports the achieved rate of every point, as in process).
-Every request's record is kept on the client's clock: arrival = its scheduled time, done =
-when its answer was read, so latencies include the network and both ends' encoding. The
-server names the batch each sample ran in (response parameters ``staronnx_batch_id``,
-``staronnx_batch_size``, ``staronnx_placement``), from which the batches are rebuilt: the
-papers' latency (that of the oldest request of each batch) and the CPU share are computed by
-the very same :func:`~staronnx.serving.summarize` as in process.
-
-Why HTTP and not gRPC: KServe v2's gRPC service has no model configuration call (Triton's
-needs its whole ``model_config.proto``), and the sweep must read the server's batching to
-measure what it thinks; ``GET /v2/models/<name>/config`` gives it. ``benchmarks/serve.py``
-measures gRPC beside HTTP.
-
-The batch size and the batching delay are the server's (``staronnx serve --batch-size``,
-``--max-delay``): the sweep reads them from the model configuration, and a ``batch_sizes`` or
-``max_delay`` that disagrees is refused rather than measured under a wrong label. The same
-holds for the runtime settings (policy, groups, CUDA streams, engine) and for the plan, whose
-hash must be the one the server serves.
+HTTP, not gRPC: KServe v2's gRPC has no model configuration call, and the sweep must read the
+server's batching. Batch size, max delay, runtime settings and plan hash are the server's: a
+value that disagrees is refused rather than measured under a wrong label.
 """
 
 from __future__ import annotations

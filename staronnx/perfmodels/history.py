@@ -1,40 +1,17 @@
 """History-based performance models: measured execution times per input footprint.
 
-This follows StarPU's ``HISTORY_BASED`` models (``src/core/perfmodel/perfmodel_history.c``),
-so people who know StarPU can predict what the scheduler will do:
+StarPU's ``HISTORY_BASED`` models (``perfmodel_history.c``), so that people who know StarPU can
+predict what the scheduler will do: a **footprint** (batch size + CRC-32 of the input shapes)
+keys the samples; the first sample of a footprint is dropped (lazy initialisation); a sample
+outside ``[mean/1.5, 1.5*mean]`` only counts toward ``nerror``, and ``nerror >= n`` resets the
+entry (StarPU's cure for poisoned models); until ``calibrate_minimum`` (10) samples are
+accepted the prediction is NaN, which makes dmda explore (STARPU_MODEL.md §1).
 
-* A **footprint** identifies "the same amount of work": the batch size plus a CRC-32 of the
-  input shapes. Samples with the same footprint are averaged together.
-* The **first sample** of a footprint is dropped: it usually pays for lazy initialisation
-  (allocator warm-up, cuDNN algorithm search) and would poison the mean.
-* Mean and standard deviation are kept online from ``sum``, ``sum2`` and ``n``; that makes two
-  models of the same footprint mergeable by plain addition.
-* A sample outside ``[mean/1.5, 1.5*mean]`` (``max_error`` = 50 %) is not averaged; it only
-  counts toward ``nerror``. When ``nerror >= n`` the entry is reset: the old mean was most
-  likely wrong (the machine changed, or the first samples were outliers), so we start over —
-  this is StarPU's cure for "poisoned" models.
-* Until an entry has ``calibrate_minimum`` (10, StarPU's ``STARPU_CALIBRATE_MINIMUM``)
-  accepted samples its prediction is NaN, which tells dmda the arch is *uncalibrated* and makes
-  it explore (STARPU_MODEL.md §1).
-
-Two deliberate differences from StarPU:
-
-* **Seconds, not microseconds.** Every time in this API is a float number of seconds, the unit
-  of :func:`time.perf_counter`, so callers never convert.
-* **Regression fallback within a run.** For a batch size without a calibrated entry,
-  :meth:`HistoryModel.predict` falls back to a ``t(n) = a*n**b + c`` fit over the calibrated
-  batch sizes of the same shape family. StarPU fits its non-linear model only when a model is
-  saved, so a run never benefits from its own samples; we refit lazily, on the next
-  prediction that needs the fit after the calibrated history changed. The fallback does not
-  make an entry calibrated: :meth:`HistoryModel.needs_samples` stays true, so the runtime keeps
-  measuring that size until its own history takes over.
-
-Merging runs (two processes, or a serving process and a calibration, sharing a store): each
-run judges its own samples against what it knows; the merge adds its accepted samples as they
-are and applies its resets only to what that run saw, so a run never discards another run's
-measurements (:meth:`HistoryModel.replay`).
-
-Models are thread-safe: workers record from their own threads while the scheduler predicts.
+Two deliberate differences: times are seconds, and a batch size without a calibrated entry
+falls back, within the run, to a ``t(n) = a*n**b + c`` fit over the calibrated sizes of the
+same shape family (the entry stays uncalibrated, so the runtime keeps measuring it).
+Entries keep ``sum``, ``sum2`` and ``n``, so runs merge by addition; a merge applies a run's
+resets only to what that run saw (:meth:`HistoryModel.replay`). Models are thread-safe.
 """
 
 from __future__ import annotations

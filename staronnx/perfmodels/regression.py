@@ -1,22 +1,15 @@
 """Execution time as a function of batch size, fitted from history means.
 
-A history model only knows the batch sizes it has measured. Serving traffic forms batches of
-many sizes, and the scheduler needs a prediction for each one, so — like StarPU's
-``NL_REGRESSION_BASED`` models — we fit
+Serving forms batches of many sizes and the scheduler needs a prediction for each, so, like
+StarPU's ``NL_REGRESSION_BASED`` models, we fit over one input-shape family's calibrated
+(batch size, mean time) points::
 
     t(n) = a * n**b + c        (a >= 0, c >= 0, b in [0.1, 3])
 
-over the calibrated (batch size, mean time) points of one input-shape family. ``c`` is the
-fixed cost of a run (kernel launches, session overhead), ``a * n**b`` the part that grows with
-the batch; ``b < 1`` is the usual sub-linear scaling of a device that is not yet saturated.
-
-Fitting needs no scipy: for a fixed ``b`` the model is linear in ``(a, c)``, which weighted
-least squares solves in closed form. ``b`` is chosen on a grid and refined by golden-section
-search on the profiled error (a "variable projection" fit). Errors are *relative*
-(weights ``1/y**2``): a 1 ms error on a 2 ms batch matters to the scheduler as much as a
-100 ms error on a 200 ms batch, and absolute least squares would sacrifice small batches.
-
-StarPU's linear model ``alpha * size**beta`` (``REGRESSION_BASED``) is provided as
+``c`` is the fixed cost of a run, ``a * n**b`` what grows with the batch. No scipy: for a fixed
+``b`` the fit is weighted linear least squares in ``(a, c)``; ``b`` comes from a grid refined by
+golden-section search (variable projection). Errors are *relative* (weights ``1/y**2``), so
+small batches count as much as large ones. StarPU's ``alpha * size**beta`` is
 :func:`fit_power_law`, with StarPU's validity rules; the history model does not use it.
 """
 

@@ -1,31 +1,17 @@
 """Where performance models live on disk, and how processes share them safely.
 
-Layout under the root (``$STARONNX_HOME``, else ``~/.cache/staronnx``)::
+Under ``$STARONNX_HOME`` (else ``~/.cache/staronnx``)::
 
     perfmodels/<host>/<plan_hash>/part<k>.<arch>.json   one history model
     bus/<host>.json                                       the host's bus model
 
-Models are per host (``$STARONNX_HOSTNAME`` overrides the name, like ``STARPU_HOSTNAME``)
-because times measured on one machine say nothing about another, and per plan hash because a
-re-partitioned model has different parts. Every file is a JSON object carrying
-``{"format": "staronnx-perfmodel", "version": 1, "kind": "history" | "bus", ...}``.
-
-Safety rules, because a serving process, a calibration run and a benchmark may share a store:
-
-* **Atomic writes**: a temp file in the same directory, fsync, ``os.replace``; a crash leaves
-  either the old or the new file, never half of one.
-* **No lost samples**: :meth:`PerfModelStore.update` takes a per-file lock (``filelock``),
-  loads, applies the change, and writes. :meth:`PerfModelStore.commit` uses it to *replay* a
-  model's unsaved samples into the on-disk state, so two processes recording concurrently add
-  up instead of the last writer winning (StarPU overwrites here).
-* **Never crash on a bad file**: a corrupt, truncated or foreign-version file is treated as
-  empty, i.e. recalibrated — the same outcome as StarPU's missing model. Readers (``load``,
-  ``rows``, ``perfmodel show``) only warn (:class:`PerfModelCorruptWarning`, once per file):
-  a read must not change the store. Writers (``commit``, ``update``, ``save``) rename it aside
-  to ``<name>.corrupt-<timestamp>`` before writing, so the evidence is kept for inspection.
-* **Read-only homes**: reading needs no write access (no lock is taken to read). A write to a
-  read-only or foreign home raises :class:`PerfModelStoreReadOnly` (a one-line user error);
-  :meth:`PerfModelStore.check_writable` asks up front, before a calibration measures anything.
+Per host (``$STARONNX_HOSTNAME`` overrides it) and per plan hash, because times say nothing
+about another machine or another cut. A serving process, a calibration and a benchmark may
+share a store, so: writes are atomic; :meth:`PerfModelStore.update` locks the file and
+:meth:`PerfModelStore.commit` *replays* unsaved samples into what is on disk, so concurrent
+writers add up (StarPU's last writer wins); a corrupt file reads as empty with one warning, and
+only writers set it aside (``<name>.corrupt-<timestamp>``); a read-only home is read without
+locks, and writing to it raises :class:`PerfModelStoreReadOnly` in one line.
 """
 
 from __future__ import annotations
