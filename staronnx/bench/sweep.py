@@ -46,7 +46,6 @@ from staronnx.bench.points import (
 )
 from staronnx.bench.results import SweepError, clean, make_row, write_results
 from staronnx.bench.simulator import SimMachine, build_machine, machine_inflight
-from staronnx.durations import parse_duration  # noqa: F401 - old import path of serve_cmd and staronnx.ray
 from staronnx.errors import StaronnxError
 from staronnx.inputs import load_inputs, samples as input_samples
 from staronnx.plan import Plan

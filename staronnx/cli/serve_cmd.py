@@ -75,7 +75,7 @@ def serve_cmd(
 ) -> None:
     """Serve plans with the KServe v2 protocol over HTTP and gRPC (Triton's clients work
     unchanged), with Prometheus metrics; SIGTERM or Ctrl-C drains and exits 0."""
-    from staronnx.bench.sweep import parse_duration
+    from staronnx.durations import parse_duration
 
     try:
         import aiohttp  # noqa: F401

@@ -52,7 +52,7 @@ def build_app(specs: Sequence[ModelSpec], scaling: Scaling | None = None, *, max
 def build(args: Mapping[str, Any]) -> Any:
     """Serve config builder (``import_path: staronnx.ray.app:build``); see
     ``deploy/serve-config.yaml`` for the ``args`` it takes."""
-    from staronnx.bench.sweep import parse_duration
+    from staronnx.durations import parse_duration
     from staronnx.cli.serve_cmd import model_names, parse_size
 
     args = dict(args)
