@@ -214,6 +214,39 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
     assert rc == 0 and "stopped" in out and "Traceback" not in out, out
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(180)
+def test_cli_autoscale_deploys_an_autoscaled_deployment(cluster, googlenet_plan, tmp_path):
+    """``--autoscale MIN:MAX`` and ``--replica-gpus`` through the CLI: Serve gets the bounds and
+    the resources, the one initial replica answers like plan.run_reference."""
+    import tritonclient.http as thttp
+    from ray.serve.context import _get_global_client
+
+    plan = googlenet_plan
+    proc, lines, addr = _start_cli(plan, cluster, tmp_path / "home", "--autoscale", "1:2", "--replica-cpus", "1",
+                                   "--replica-gpus", "0", "--groups", "cores=1", "--policy", "eager")
+    try:
+        assert any("autoscaling 1..2 replicas of 1 CPU(s) and 0 GPU(s) each" in ln for ln in lines), lines
+        details = _get_global_client().get_serve_details()
+        config = details["applications"]["staronnx"]["deployments"]["staronnx-googlenet"]["deployment_config"]
+        scaling = config["autoscaling_config"]
+        assert (scaling["min_replicas"], scaling["max_replicas"]) == (1, 2), scaling
+        assert config["ray_actor_options"]["num_cpus"] == 1 and config["ray_actor_options"].get("num_gpus", 0) == 0
+        x = np.random.default_rng(2).standard_normal((2, 3, 224, 224)).astype(np.float32)  # a client batch of 2
+        inp = thttp.InferInput("input", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x)
+        got = thttp.InferenceServerClient(addr).infer("googlenet", [inp]).as_numpy("logits")
+        assert _close(got, plan.run_reference({"input": x})["logits"])
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert rc == 0, "\n".join(lines)
+
+
 # -- perf models: two replicas merge into one shared STARONNX_HOME at once -----------------------
 @pytest.mark.ray
 @pytest.mark.timeout(240)
