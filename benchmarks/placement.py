@@ -116,7 +116,7 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
                 targets = np.array([0.5, 0.5])
                 ranks = METHODS[method].rank(graph, base_costs, targets, 0, 0.02)
                 node_costs = NodeCosts(base_costs, np.ones(len(graph), bool), ctx.devices[0].name, ctx.batch, 0)
-                shares = list(targets)
+                parts = Parts(ranks, node_costs, list(targets))
                 pred = {b: predicted_makespan(ctx.problems[b], ranks, None, PART_OVERHEAD_US) for b in (1, 8)}
                 placement = None
             else:
@@ -125,8 +125,7 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
                 m.check(ctx.devices, graph, opts)
                 ctx.options = opts
                 placement = place_context(m, ctx)
-                ranks, shares = placement.ranks, placement.shares()
-                node_costs = placement.node_costs(8, args.profile_runs, args.costs)
+                parts = placement.parts(args.profile_runs, args.costs)
                 pred = placement.predicted_us
                 settings["placement"] = placement.settings()
         except StaronnxError as exc:
@@ -135,8 +134,7 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
             print(f"   {method:9s} {row.note}")
             continue
         row.place_s = time.perf_counter() - t0
-        devices = placement.part_device_names() if placement is not None else None
-        plan = write_plan(graph, Parts(ranks, node_costs, list(shares), devices), settings, out / name / method)
+        plan = write_plan(graph, parts, settings, out / name / method)
         if placement is not None:
             row.devices = "/".join(sorted({p.device.split(".")[-1] for p in plan.parts if p.device}))
             info = placement.info

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 #: a staging folder holds this file from its first moment, so a sweep of a folder only ever
@@ -92,6 +93,43 @@ def make_staging_dir(target: str | os.PathLike[str]) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=temp_prefix(target), dir=target.parent))
     (staging / STAGING_MARKER).touch()
     return staging
+
+
+@contextlib.contextmanager
+def atomic_dir(target: str | os.PathLike[str]) -> Iterator[Path]:
+    """A staging folder to fill; when the block ends without error its files are fsynced and
+    it replaces ``target`` whole (an old ``target`` is moved aside only at the very end), and
+    when the block raises it is removed: readers see the old folder or the new one."""
+    target = Path(target).absolute()
+    staging = make_staging_dir(target)
+    try:
+        yield staging
+        (staging / STAGING_MARKER).unlink()
+        for child in staging.iterdir():
+            with open(child, "rb") as fh:
+                os.fsync(fh.fileno())
+        publish_dir(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def publish_dir(staging: Path, directory: Path) -> None:
+    """Move a finished staging folder into place; an old folder is replaced only at the end,
+    through a ``.NAME.old-<pid>`` backup that :func:`remove_stale_temporaries` restores if the
+    run dies between the two renames."""
+    directory = directory.absolute()
+    if directory.exists():
+        backup = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        os.rename(directory, backup)
+        try:
+            os.rename(staging, directory)
+        except BaseException:
+            os.rename(backup, directory)
+            raise
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.rename(staging, directory)
 
 
 def remove_stale_temporaries(target: str | os.PathLike[str]) -> list[Path]:

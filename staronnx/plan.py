@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -334,22 +333,6 @@ def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Pa
     out = Path(output_dir)
     check_output_dir(out, force)
     return out
-
-
-def publish_dir(staging: Path, directory: Path) -> None:
-    """Move a finished staging folder into place; an old plan is replaced only at the end."""
-    directory = directory.absolute()
-    if directory.exists():
-        backup = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-        os.rename(directory, backup)
-        try:
-            os.rename(staging, directory)
-        except BaseException:
-            os.rename(backup, directory)
-            raise
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
-        os.rename(staging, directory)
 
 
 def _numpy_dtype(name: str) -> np.dtype | None:

@@ -48,13 +48,9 @@ class CutModel:
     def from_graph(cls, graph: ModelGraph, weights: np.ndarray) -> "CutModel":
         producers, consumers, nbytes = [], [], []
         touching: list[list[int]] = [[] for _ in range(len(graph))]
-        for t, users in graph.consumers.items():
-            u = graph.producer.get(t)
-            if u is None:
-                continue
+        for t, u, distinct in graph.links():
             tid = len(producers)
             producers.append(u)
-            distinct = sorted(set(users) - {u})
             consumers.append(distinct)
             info = graph.tensors.get(t)
             nbytes.append(max(info.bytes_per_sample if info else 0, 1))

@@ -3,15 +3,12 @@
 Each part is a checker-valid ONNX model: its own nodes in topological order, copies of the
 initializers and Constant nodes it reads, inputs for the model inputs and crossing tensors it
 reads (batch dimensions symbolic), outputs for what other parts or the caller read. The folder
-is written under a temporary name and renamed into place, so an interrupted run leaves no half
-plan behind; the temporary name carries the pid, so what a SIGKILL leaves behind is removed by
-the next export beside it (:func:`staronnx.fsutil.remove_stale_temporaries`).
+is staged and renamed into place whole (:func:`staronnx.fsutil.atomic_dir`): an interrupted
+run leaves no half plan, and what a SIGKILL leaves the next export beside it removes.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,11 +19,11 @@ from onnx import helper
 
 from staronnx.errors import PartitionError
 from staronnx.feeds import integer_ranges
-from staronnx.fsutil import STAGING_MARKER, make_staging_dir
+from staronnx.fsutil import atomic_dir
 from staronnx.modelio import file_sha256, save_model
 from staronnx.partition.cut import Parts
 from staronnx.partition.graph import ModelGraph
-from staronnx.plan import PartSpec, Plan, TensorSpec, publish_dir
+from staronnx.plan import PartSpec, Plan, TensorSpec
 
 
 def _value_info(graph: ModelGraph, name: str) -> onnx.ValueInfoProto:
@@ -102,45 +99,35 @@ def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], director
             or (cut.devices is not None and len(cut.devices) != cut.k)):
         raise PartitionError(f"method {settings.get('method')!r} produced an invalid cut (a bug: please report)")
     members, inputs, outputs = build_plan_layout(graph, ranks)
-    k = len(members)
     directory = Path(directory).absolute()
-    # named after this process: a run killed mid-export leaves it, and the next one removes it
-    staging = make_staging_dir(directory)
-    try:
-        total = float(costs.micros.sum()) or 1.0
-        parts: list[PartSpec] = []
-        for r in range(k):
-            model = _part_model(graph, members[r], inputs[r], outputs[r], r)
+    total = float(costs.micros.sum()) or 1.0
+    # the staging folder is named after this process: what a killed run leaves, the next removes
+    with atomic_dir(directory) as staging:
+        specs: list[PartSpec] = []
+        for r, nodes in enumerate(members):
             path = staging / f"part{r}.onnx"
-            save_model(model, path)
+            save_model(_part_model(graph, nodes, inputs[r], outputs[r], r), path)
             try:
                 onnx.checker.check_model(str(path))
             except onnx.checker.ValidationError as exc:
                 raise PartitionError(f"part {r} fails the ONNX checker: {exc}") from None
-            extra = [staging / (path.name + ".data")] if (staging / (path.name + ".data")).exists() else []
-            cost = float(costs.micros[members[r]].sum())
-            parts.append(
-                PartSpec(
-                    index=r,
-                    file=path.name,
-                    inputs=inputs[r],
-                    outputs=outputs[r],
-                    nodes=len(members[r]),
-                    op_counts=dict(Counter(graph.nodes[v].op_type for v in members[r]).most_common()),
-                    cost_us=round(cost, 3),
-                    share=round(cost / total, 6),
-                    target_share=float(cut.targets[r]),
-                    sha256=file_sha256(path, extra),
-                    device=cut.devices[r] if cut.devices is not None else None,
-                )
-            )
+            data = path.with_name(path.name + ".data")
+            cost = float(costs.micros[nodes].sum())
+            specs.append(PartSpec(
+                index=r, file=path.name, inputs=inputs[r], outputs=outputs[r], nodes=len(nodes),
+                op_counts=dict(Counter(graph.nodes[v].op_type for v in nodes).most_common()),
+                cost_us=round(cost, 3), share=round(cost / total, 6), target_share=float(cut.targets[r]),
+                sha256=file_sha256(path, [data] if data.exists() else []),
+                device=cut.devices[r] if cut.devices is not None else None,
+            ))
+        crossing = _crossing_specs(graph, inputs, outputs)
         plan = Plan(
             root=directory,
-            parts=parts,
+            parts=specs,
             inputs=_input_specs(graph, inputs),
             outputs=_output_specs(graph, outputs),
-            crossing=_crossing_specs(graph, inputs, outputs),
-            cut_bytes_per_sample=0,
+            crossing=crossing,
+            cut_bytes_per_sample=sum(t.bytes_per_sample * len(t.consumers) for t in crossing),
             source={
                 "path": str(graph.loaded.path) if graph.loaded.path else None,
                 "sha256": graph.loaded.sha256,
@@ -150,24 +137,9 @@ def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], director
             settings=settings,
             cost_source=costs.source,
         )
-        plan.cut_bytes_per_sample = sum(
-            t.bytes_per_sample * len(t.consumers) for t in plan.crossing
-        )
         plan.hash = plan.compute_hash()
         plan.write_json(staging)
-        (staging / STAGING_MARKER).unlink()
-        _fsync_dir(staging)
-        publish_dir(staging, directory)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return Plan.load(directory)
-
-
-def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir():
-        with open(child, "rb") as fh:
-            os.fsync(fh.fileno())
 
 
 def _input_specs(graph: ModelGraph, part_inputs: list[list[str]]) -> list[TensorSpec]:

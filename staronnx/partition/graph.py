@@ -94,15 +94,16 @@ class ModelGraph:
     def edges(self) -> list[tuple[int, int, int]]:
         """Vertex-to-vertex edges (u, v, bytes), parallel tensors between a pair summed."""
         weights: dict[tuple[int, int], int] = {}
-        for t, users in self.consumers.items():
-            u = self.producer.get(t)
-            if u is None:
-                continue
+        for t, u, readers in self.links():
             nbytes = self.tensors[t].bytes_per_sample if t in self.tensors else 0
-            for v in set(users):
-                if v != u:
-                    weights[(u, v)] = weights.get((u, v), 0) + nbytes
+            for v in readers:
+                weights[(u, v)] = weights.get((u, v), 0) + nbytes
         return [(u, v, w) for (u, v), w in sorted(weights.items())]
+
+    def links(self) -> list[tuple[str, int, list[int]]]:
+        """(tensor, producing vertex, the other vertices that read it, sorted) per produced tensor."""
+        return [(t, self.producer[t], sorted(set(users) - {self.producer[t]}))
+                for t, users in self.consumers.items() if t in self.producer]
 
 
 def subgraph_captures(node: onnx.NodeProto) -> list[str]:

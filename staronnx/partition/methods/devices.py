@@ -96,22 +96,6 @@ def parse_devices(spec: str | Sequence[Device | str | Mapping[str, Any]] | None)
     return out
 
 
-def profile_device(
-    graph: ModelGraph,
-    device: Device,
-    *,
-    batch: int,
-    runs: int,
-    input_shapes: dict[str, list[int]] | None = None,
-    seed: int = 0,
-) -> np.ndarray:
-    """µs per node on one device: ORT's profiler with the device's threads (the partitioner's
-    own profiling, see :func:`staronnx.partition.costs.profile_costs`)."""
-    threads = int(device.cores) if device.kind == "cpu" else None
-    return profile_costs(graph, device=device.kind, batch=batch, runs=runs,
-                         input_shapes=input_shapes, seed=seed, threads=threads).micros
-
-
 def apply_override(
     override: CostOverride, reference: np.ndarray, graph: ModelGraph | None, batch: int, profile_batch: int
 ) -> np.ndarray:
@@ -174,9 +158,9 @@ def cost_tables(
                     cache[key] = np.maximum(est / max(dev.cores, 1), 1e-3)
                 else:
                     say(f"profiling {len(graph)} nodes on {dev.name} ({dev.cores} thread(s), batch {b})")
-                    cache[key] = profile_device(
-                        graph, dev, batch=b, runs=runs, input_shapes=input_shapes, seed=seed
-                    )
+                    # the partitioner's own profiling, with the device's threads
+                    cache[key] = profile_costs(graph, device=dev.kind, batch=b, runs=runs, input_shapes=input_shapes,
+                                               seed=seed, threads=int(dev.cores) if dev.kind == "cpu" else None).micros
             return cache[key]
 
         plain = [d for d in devices if d.name not in overrides]

@@ -117,14 +117,7 @@ class PlacementMethod:
     def __call__(self, graph: ModelGraph, request: CutRequest) -> Parts:
         """The :class:`~staronnx.partition.cut.Cut` step: costs on every device, a device per
         node, parts of one device each (``request.targets`` do not apply)."""
-        placement = place_graph(
-            graph, self, devices=request.devices, device_costs=request.device_costs, costs=request.costs,
-            profile_batch=request.profile_batch, profile_runs=request.profile_runs, batch=request.batch,
-            transfer=request.transfer, seed=request.seed, options=request.options,
-            input_shapes=request.input_shapes, progress=request.progress,
-        )
-        return Parts(placement.ranks, placement.node_costs(request.profile_batch, request.profile_runs, request.costs),
-                     placement.shares(), placement.part_device_names(), placement.settings())
+        return place_graph(graph, self, request).parts(request.profile_runs, request.costs)
 
 
 #: Options every placement method takes (beyond its own).
@@ -262,59 +255,37 @@ PLACEMENT_METHODS: dict[str, PlacementMethod] = {
 # -- building problems -------------------------------------------------------------------------
 
 
-def graph_tensors(graph: ModelGraph, batch: int) -> list[tuple[int, list[int], float]]:
-    """(producer, consumers, bytes at ``batch``) of every tensor between two vertices."""
-    out = []
-    for t, users in graph.consumers.items():
-        u = graph.producer.get(t)
-        if u is None:
-            continue
-        others = sorted(set(users) - {u})
-        if not others:
-            continue
-        info = graph.tensors.get(t)
-        nbytes = 0.0
-        if info is not None:
-            nbytes = float(info.bytes_per_sample) * (batch if info.batched else 1)
-        out.append((u, others, nbytes))
-    return out
-
-
 def graph_problem(
     graph: ModelGraph, devices: Sequence[Device], cost: np.ndarray, transfer: TransferModel, batch: int
 ) -> Problem:
+    """The placement problem at ``batch``: every tensor between two vertices with its bytes."""
+    def nbytes(t: str) -> float:
+        info = graph.tensors.get(t)
+        return float(info.bytes_per_sample) * (batch if info.batched else 1) if info is not None else 0.0
+
+    tensors = [(u, readers, nbytes(t)) for t, u, readers in graph.links() if readers]
     lat, per_byte = transfer.matrices(devices)
-    return Problem(cost, graph_tensors(graph, batch), lat, per_byte, [d.name for d in devices])
+    return Problem(cost, tensors, lat, per_byte, [d.name for d in devices])
 
 
-def make_context(
-    graph: ModelGraph,
-    method: PlacementMethod,
-    *,
-    devices: str | Sequence[Device | str | Mapping[str, Any]] | None = None,
-    device_costs: Mapping[str, CostOverride] | None = None,
-    costs: str = "profile",
-    profile_batch: int = 8,
-    profile_runs: int = 5,
-    batch: int | None = None,
-    transfer: TransferModel | None = None,
-    seed: int = 0,
-    options: Mapping[str, Any] | None = None,
-    input_shapes: dict[str, list[int]] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> PlacementContext:
-    devs = parse_devices(devices)
-    options = dict(options or {})
+def make_context(graph: ModelGraph, method: PlacementMethod, request: CutRequest | None = None,
+                 **fields: Any) -> PlacementContext:
+    """Devices, costs per device at the decision and report batches, and the problems built
+    from them, for ``request`` (or a :class:`~staronnx.partition.cut.CutRequest` of ``fields``:
+    ``devices=``, ``device_costs=``, ``costs=``, ``batch=``, ``options=``, ...)."""
+    r = request or CutRequest([], **fields)
+    devs = parse_devices(r.devices)
+    options = dict(r.options or {})
     method.check(devs, graph, options)
-    batch = int(batch or profile_batch)
+    batch = int(r.batch or r.profile_batch)
     batches = sorted(set(REPORT_BATCHES) | {batch})
     tables = cost_tables(
-        graph, devs, batches, source=costs, runs=profile_runs, profile_batch=profile_batch,
-        input_shapes=input_shapes, seed=seed, overrides=device_costs, progress=progress,
+        graph, devs, batches, source=r.costs, runs=r.profile_runs, profile_batch=r.profile_batch,
+        input_shapes=r.input_shapes, seed=r.seed, overrides=r.device_costs, progress=r.progress,
     )
-    transfer = transfer or TransferModel(bus=_stored_bus())
+    transfer = r.transfer or TransferModel(bus=_stored_bus())
     problems = {b: graph_problem(graph, devs, tables[b], transfer, b) for b in batches}
-    return PlacementContext(graph, devs, problems, batch, transfer, seed, options, dict(input_shapes or {}))
+    return PlacementContext(graph, devs, problems, batch, transfer, r.seed, options, dict(r.input_shapes))
 
 
 def _stored_bus() -> Any:
@@ -351,28 +322,22 @@ class Placement:
     def k(self) -> int:
         return len(self.part_device)
 
-    def part_device_names(self) -> list[str]:
-        return [self.devices[d].name for d in self.part_device]
-
-    def node_costs(self, profile_batch: int, runs: int, source: str) -> NodeCosts:
-        """Each node's cost on its own device (so parts' cost shares reflect the placement)."""
+    def parts(self, runs: int, source: str) -> Parts:
+        """What this placement exports: its parts, each node's cost on its own device (so the
+        parts' cost shares reflect the placement), each part's device and the report."""
         micros = self.costs_at_batch[np.arange(len(self.node_devices)), self.node_devices]
-        measured = np.full(len(micros), source == "profile")
         used = "+".join(d.name for i, d in enumerate(self.devices) if i in set(self.part_device))
-        return NodeCosts(micros=micros, measured=measured, device=used, batch=self.batch, runs=runs)
-
-    def shares(self) -> list[float]:
-        micros = self.costs_at_batch[np.arange(len(self.node_devices)), self.node_devices]
+        costs = NodeCosts(micros, np.full(len(micros), source == "profile"), used, self.batch, runs)
         loads = np.bincount(self.ranks, weights=micros, minlength=self.k)
-        total = float(loads.sum()) or 1.0
-        return [float(x) / total for x in loads]
+        shares = [float(x) / (float(loads.sum()) or 1.0) for x in loads]
+        return Parts(self.ranks, costs, shares, [self.devices[d].name for d in self.part_device], self.settings())
 
     def settings(self) -> dict[str, Any]:
         """JSON-able record for ``plan.settings["placement"]``."""
         return {
             "method": self.method,
             "devices": [d.to_dict() for d in self.devices],
-            "part_devices": self.part_device_names(),
+            "part_devices": [self.devices[d].name for d in self.part_device],
             "decision_batch": self.batch,
             "predicted_makespan_us": {str(b): round(v, 3) for b, v in self.predicted_us.items()},
             "node_level_makespan_us": {str(b): round(v, 3) for b, v in self.node_level_us.items()},
@@ -418,11 +383,11 @@ def place_context(method: PlacementMethod, ctx: PlacementContext) -> Placement:
     )
 
 
-def place_graph(graph: ModelGraph, method: PlacementMethod | str, **kwargs: Any) -> Placement:
-    """Place a built graph (see :func:`make_context` for the keyword arguments)."""
+def place_graph(graph: ModelGraph, method: PlacementMethod | str, request: CutRequest | None = None,
+                **fields: Any) -> Placement:
+    """Place a built graph (``request`` or its ``fields``, as for :func:`make_context`)."""
     m = PLACEMENT_METHODS[method] if isinstance(method, str) else method
-    ctx = make_context(graph, m, **kwargs)
-    return place_context(m, ctx)
+    return place_context(m, make_context(graph, m, request, **fields))
 
 
 def place(
