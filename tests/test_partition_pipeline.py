@@ -169,3 +169,20 @@ def test_the_library_names_its_arguments_for_the_same_strings(tmp_path):
     with pytest.raises(PartitionError) as info:
         choose_shares([], batch=8)
     assert str(info.value).startswith("shares='auto'") and info.value.for_cli().startswith("--shares auto")
+
+
+def test_one_profile_reader_gives_each_node_its_time_and_provider(tmp_path):
+    """costs.kernel_events serves both the node costs and ort-static's provider per node."""
+    from staronnx.feeds import random_feeds_for_shapes
+    from staronnx.ortutil import make_session
+    from staronnx.partition.costs import kernel_events, profiling_options
+    from staronnx.partition.graph import resolve_input_shapes
+
+    graph = build_graph(load_model(zoo.chain()))
+    feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, 2, None), model=graph.model)
+    sess = make_session(graph.model, optimize=False, providers=["CPUExecutionProvider"],
+                        options=profiling_options(str(tmp_path)))
+    sess.run(None, feeds)
+    events = kernel_events(Path(sess.end_profiling()))
+    assert {name for name, _, _ in events} == {node.name for node in graph.nodes}
+    assert all(us >= 0 and provider == "CPUExecutionProvider" for _, us, provider in events)

@@ -118,10 +118,7 @@ def profile_costs(
     micros = estimates.copy()
     warmup = 2
     with tempfile.TemporaryDirectory(prefix="staronnx-profile-") as tmp:
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tmp, "profile")
-        so.log_severity_level = 3
+        so = profiling_options(tmp)
         if threads is not None:
             so.intra_op_num_threads = max(int(threads), 1)
             so.inter_op_num_threads = 1
@@ -130,7 +127,9 @@ def profile_costs(
             sess = make_session(graph.model, optimize=False, providers=providers, options=so)
             for _ in range(runs + warmup):
                 sess.run(None, feeds)
-            times = _kernel_times(Path(sess.end_profiling()))
+            times: dict[str, list[float]] = {}
+            for name, us, _provider in kernel_events(Path(sess.end_profiling())):
+                times.setdefault(name, []).append(us)
         except Exception:  # noqa: BLE001 - costs only steer the cut: fall back to estimates
             times = {}
     index = {node.name: v for v, node in enumerate(graph.nodes)}
@@ -154,15 +153,18 @@ def estimated_costs(graph: ModelGraph, batch: int = 8) -> NodeCosts:
                      batch=batch, runs=0)
 
 
-def _kernel_times(trace: Path) -> dict[str, list[float]]:
-    """Per-node kernel durations (µs) from an ORT profile, in run order."""
-    events = json.loads(trace.read_text())
-    times: dict[str, list[float]] = {}
-    for e in events:
-        if e.get("cat") != "Node":
-            continue
-        name = e.get("name", "")
-        if not name.endswith("_kernel_time"):
-            continue
-        times.setdefault(name[: -len("_kernel_time")], []).append(float(e.get("dur", 0)))
-    return times
+def profiling_options(folder: str) -> ort.SessionOptions:
+    """Session options that write ORT's profile (one event per node kernel) into ``folder``."""
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = os.path.join(folder, "profile")
+    so.log_severity_level = 3
+    return so
+
+
+def kernel_events(trace: Path) -> list[tuple[str, float, str]]:
+    """(node name, µs, execution provider) of every node kernel in an ORT profile, in run order."""
+    return [(str(e["name"])[: -len("_kernel_time")], float(e.get("dur", 0)),
+             str((e.get("args") or {}).get("provider", "")))
+            for e in json.loads(trace.read_text())
+            if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]

@@ -9,34 +9,19 @@ model's nodes; the provider that ran each node's kernel comes from ORT's profile
 
 from __future__ import annotations
 
-import json
-import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from staronnx.errors import DeviceError, PartitionError
 from staronnx.feeds import random_feeds_for_shapes
 from staronnx.ortutil import make_session, providers_for
+from staronnx.partition.costs import kernel_events, profiling_options
 from staronnx.partition.graph import ModelGraph, resolve_input_shapes
 from staronnx.partition.methods.heuristics import Assignment
 from staronnx.partition.methods.model import Device
-
-
-def node_providers(trace: Path) -> dict[str, str]:
-    """Node name -> the execution provider that ran it, from an ORT profile."""
-    out: dict[str, str] = {}
-    for e in json.loads(trace.read_text()):
-        if e.get("cat") != "Node":
-            continue
-        name = str(e.get("name", ""))
-        provider = (e.get("args") or {}).get("provider")
-        if name.endswith("_kernel_time") and provider:
-            out[name[: -len("_kernel_time")]] = str(provider)
-    return out
 
 
 def ort_static_devices(
@@ -62,15 +47,13 @@ def ort_static_devices(
     shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
     feeds = random_feeds_for_shapes(graph.inputs, shapes, model=graph.model, seed=seed)
     with tempfile.TemporaryDirectory(prefix="staronnx-ort-static-") as tmp:
-        so = ort.SessionOptions()
-        so.enable_profiling = True
-        so.profile_file_prefix = os.path.join(tmp, "profile")
-        so.log_severity_level = 3
+        so = profiling_options(tmp)
         if memory_limit_kb is not None:
             so.add_session_config_entry("session.resource_cuda_partitioning_settings", f"{int(memory_limit_kb)},")
         sess = make_session(graph.model, optimize=False, providers=providers, options=so)
         sess.run(None, feeds)
-        placed = node_providers(Path(sess.end_profiling()))
+        # the provider whose kernel ran each node
+        placed = {name: provider for name, _, provider in kernel_events(Path(sess.end_profiling())) if provider}
     a = np.full(len(graph), cpu, dtype=np.int64)
     on_gpu = 0
     for v, node in enumerate(graph.nodes):
