@@ -247,6 +247,39 @@ def test_cli_autoscale_deploys_an_autoscaled_deployment(cluster, googlenet_plan,
     assert rc == 0, "\n".join(lines)
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(120)
+def test_cli_refuses_replicas_its_own_cluster_cannot_hold(cluster, tmp_path):
+    """Without $RAY_ADDRESS the CLI starts a cluster of this machine's own: replicas that cannot
+    fit there are refused in one line (Serve would wait for them forever), and that cluster is
+    shut down again."""
+    onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
+    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "staronnx", "serve", str(plan.root), "--ray", "--replicas", "2",
+                           "--replica-cpus", "100000", "--http-port", "0"],
+                          capture_output=True, text=True, env={**env, "STARONNX_HOME": str(tmp_path / "home")},
+                          timeout=110)
+    assert done.returncode == 2, done.stdout + done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("staronnx: error: 2 replica(s) of 100000 CPU(s) each need 200000 CPUs, and the Ray "
+                           "cluster has "), done.stderr
+    assert "lower --replica-cpus or the replicas" in last and "Traceback" not in done.stderr, done.stderr
+
+
+def test_capacity_problem_counts_the_replicas_at_start():
+    from staronnx.ray.cli import capacity_problem
+    from staronnx.ray.spec import Scaling
+
+    assert capacity_problem(Scaling(replicas=2, replica_cpus=1), 1, {"CPU": 2.0}) is None
+    assert "need 3 CPUs, and the Ray cluster has 2" in capacity_problem(Scaling(replicas=3, replica_cpus=1), 1,
+                                                                           {"CPU": 2.0})
+    assert "need 4 CPUs" in capacity_problem(Scaling(replicas=2, replica_cpus=1), 2, {"CPU": 2.0})  # per model
+    assert capacity_problem(Scaling(autoscale=(0, 8), replica_cpus=2), 1, {"CPU": 2.0}) is None  # starts with 1
+    assert "--replica-gpus" in capacity_problem(Scaling(replica_cpus=1, replica_gpus=1), 1, {"CPU": 8.0})
+    assert capacity_problem(Scaling(replica_cpus=0, replica_gpus=0), 1, {}) is None
+
+
 # -- perf models: two replicas merge into one shared STARONNX_HOME at once -----------------------
 @pytest.mark.ray
 @pytest.mark.timeout(240)

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from staronnx.errors import StaronnxError
 from staronnx.ray.spec import APP_NAME, ModelSpec, Scaling, forwarded_env, parse_autoscale
@@ -39,6 +39,20 @@ def scaling_from_options(replicas: int | None, autoscale: str | None, replica_cp
     return Scaling(replicas=1 if replicas is None else replicas, autoscale=bounds, replica_cpus=cpus, replica_gpus=gpus)
 
 
+def capacity_problem(scaling: Scaling, models: int, resources: Mapping[str, float]) -> str | None:
+    """Why the cluster (``ray.cluster_resources()``) cannot hold the replicas asked for at
+    start, or None. Serve would otherwise wait for them without end and without a word."""
+    first = scaling.replicas if scaling.autoscale is None else max(scaling.autoscale[0], 1)
+    count = first * models
+    for key, option, each in (("CPU", "--replica-cpus", scaling.replica_cpus),
+                              ("GPU", "--replica-gpus", scaling.replica_gpus)):
+        have = float(resources.get(key, 0.0))
+        if each > 0 and count * each > have + 1e-9:
+            return (f"{count} replica(s) of {each:g} {key}(s) each need {count * each:g} {key}s, and the Ray "
+                    f"cluster has {have:g}: lower {option} or the replicas")
+    return None
+
+
 def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scaling: Scaling, *, host: str,
                  http_port: int, max_body: int, say: Callable[[str], None]) -> None:
     """Deploy, announce, wait for SIGTERM/SIGINT, delete the application."""
@@ -58,7 +72,17 @@ def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scalin
     stop = threading.Event()
     previous: dict = {}
     try:
-        ray.init(include_dashboard=False, logging_level="WARNING")
+        try:
+            ray.init(include_dashboard=False, logging_level="WARNING")
+        except Exception as exc:  # noqa: BLE001 - no cluster to join or none can start here
+            where = f"join the Ray cluster at {os.environ['RAY_ADDRESS']}" if not own_cluster else "start a local Ray cluster"
+            first = (str(exc).strip().splitlines() or [""])[0]
+            raise StaronnxError(f"could not {where}: {type(exc).__name__}: {first}") from None
+        problem = capacity_problem(scaling, len(specs), ray.cluster_resources())
+        if problem and own_cluster:  # nothing will join this machine's own cluster: it would wait forever
+            raise StaronnxError(problem)
+        if problem:  # a cluster's autoscaler (KubeRay) may add the nodes; Serve waits for them
+            say(f"warning: {problem} now; Serve waits until the cluster has them")
         # after ray.init, which installs its own SIGTERM handler (it would end the process at once)
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
         url = deploy(specs, scaling, host=host, port=http_port, max_body=max_body, env=forwarded_env())
