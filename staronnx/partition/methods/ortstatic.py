@@ -40,10 +40,8 @@ def ort_static_devices(
     gpu = next((i for i, d in enumerate(devices) if d.kind == "cuda"), None)
     cpu = next((i for i, d in enumerate(devices) if d.kind == "cpu"), None)
     if gpu is None or cpu is None:
-        raise PartitionError(
-            f"ort-static places between a CPU and a GPU; the devices are {[d.name for d in devices]} "
-            "(use devices='cores=N+cuda' or partition --device cuda)"
-        )
+        why = f"ort-static places between a CPU and a GPU; the devices are {[d.name for d in devices]}"
+        raise PartitionError(f"{why} (use devices='cores=N+cuda', or device='cuda')", cli=f"{why} (use --device cuda)")
     shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
     feeds = random_feeds_for_shapes(graph.inputs, shapes, model=graph.model, seed=seed)
     with tempfile.TemporaryDirectory(prefix="staronnx-ort-static-") as tmp:
