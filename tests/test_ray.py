@@ -156,21 +156,24 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
                 out = (i, "error", str(exc))
             with lock:
                 done[out[1]] += 1
-                if out[1] == "ok":
-                    latest.append(out[2][0]["parameters"]["staronnx_replica"])
             return out
 
-        latest: list[str] = []  # which replica answered, in order
-        pid_of = {d["replica"]: pid for pid, d in replicas.items()}
+        from ray import serve
+
+        handle = serve.get_deployment_handle("staronnx-googlenet", app_name="staronnx")
         with ThreadPoolExecutor(CLIENTS) as pool:
             futures = [pool.submit(one, i) for i in range(REQUESTS)]
             while sum(done.values()) < 100:  # kill mid-load: a fifth answered
                 time.sleep(0.01)
-            # the replica answering most now has requests in flight (Serve's router may favour one)
-            with lock:
-                busiest = Counter(latest[-20:]).most_common(1)[0][0]
-            victim = pid_of[busiest]
-            os.kill(victim, signal.SIGKILL)
+            # kill a replica that holds accepted requests, the moment it says so (a batch takes
+            # far longer than the kill): their answers must come from the retry
+            victim = None
+            while victim is None and sum(done.values()) < REQUESTS - 50:
+                d = handle.describe.remote().result(timeout_s=10)
+                if d["ongoing"] >= 2:
+                    victim = d["pid"]
+                    os.kill(victim, signal.SIGKILL)
+            assert victim is not None, "no replica held 2 requests at once under 8 clients"
             killed_at = sum(done.values())
             results = [f.result() for f in futures]
 
@@ -186,8 +189,6 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
             by_replica[response["parameters"]["staronnx_replica"]] += 1
         before = {d["replica"] for d in replicas.values()}
         assert before <= set(by_replica), f"both replicas served: {by_replica}"
-        from ray import serve
-
         retried = serve.get_deployment_handle("staronnx-ingress", "staronnx").retries.remote().result(timeout_s=10)
         # 8 clients keep both replicas busy: the victim died with requests in flight, and the
         # ingress retried them (once each) on the other replica rather than failing them
@@ -335,6 +336,7 @@ def test_two_replicas_merge_their_perf_models_without_losing_samples(cluster, tm
     (["--ray", "--autoscale", "lots"], "--autoscale takes MIN:MAX"),
     (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
     (["--ray", "--replica-cpus", "-1"], "--replica-cpus and --replica-gpus must be >= 0"),
+    (["--ray", "--groups", "bogus"], "unknown CPU group policy 'bogus'"),  # on the driver, before any cluster
 ])
 def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys):
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
@@ -344,6 +346,15 @@ def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("staronnx: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_failed_deployment_is_named_by_its_exception_line():
+    from staronnx.ray.app import _error_line
+
+    text = ("Traceback (most recent call last):\n  File \"replica.py\", line 3, in __init__\n"
+            "staronnx.runtime.policies._common.PolicyError: unknown scheduling policy 'bogus'\n")
+    assert _error_line(text) == "PolicyError: unknown scheduling policy 'bogus'"
+    assert _error_line("ray.exceptions.RayActorError: The actor died") == "RayActorError: The actor died"
 
 
 def test_scaling_becomes_serve_options():

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import re
 import socket
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -116,9 +117,30 @@ def deploy(specs: Sequence[ModelSpec], scaling: Scaling, *, host: str, port: int
     try:
         serve.run(build_app(specs, scaling, max_body=max_body, env=env), name=APP_NAME, route_prefix="/",
                   logging_config={"enable_access_log": False, "log_level": "WARNING"})
-    except RuntimeError as exc:  # a replica that cannot start: Serve's message, first lines
-        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-        cause = next((ln.strip() for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else str(exc))
+    except RuntimeError as exc:  # a replica that cannot start: the cause its deployment reports
+        cause = _failed_deployment_cause() or _error_line(str(exc))
         raise StaronnxError(f"the Ray Serve application did not start: {cause}") from None
     target = f"[{host}]" if ":" in host else host
     return f"http://{target}:{port}"
+
+
+def _error_line(text: str) -> str:
+    """The last line of a Ray error text that names an exception (the cause, not the frames)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    line = next((ln for ln in reversed(lines) if "Error" in ln or "Exception" in ln), lines[-1] if lines else text)
+    return re.sub(r"^(?:[A-Za-z_]\w*\.)+(?=\w+(?:Error|Exception)\b)", "", line)  # a.b.PolicyError -> PolicyError
+
+
+def _failed_deployment_cause() -> str | None:
+    """``deployment: cause`` of the first deployment of the application that failed, from
+    ``serve.status()`` (serve.run only says that *some* deployment failed)."""
+    from ray import serve
+
+    try:
+        app = serve.status().applications.get(APP_NAME)
+    except Exception:  # noqa: BLE001 - the controller is gone too: the caller's message stands
+        return None
+    for name, dep in (app.deployments.items() if app is not None else ()):
+        if str(dep.status).rsplit(".", 1)[-1] in ("DEPLOY_FAILED", "UNHEALTHY") and dep.message:
+            return f"{name}: {_error_line(dep.message)}"
+    return None

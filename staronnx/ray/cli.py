@@ -8,6 +8,7 @@ the application (Serve drains each replica: accepted requests finish) and exits 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -73,11 +74,15 @@ def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scalin
     previous: dict = {}
     try:
         try:
-            ray.init(include_dashboard=False, logging_level="WARNING")
+            # the replicas' and Serve's own logs stay in Ray's log folder on each node
+            # (/tmp/ray/session_latest/logs/serve/): streamed here they would bury this
+            # command's lines under every retry's traceback
+            ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - no cluster to join or none can start here
             where = f"join the Ray cluster at {os.environ['RAY_ADDRESS']}" if not own_cluster else "start a local Ray cluster"
             first = (str(exc).strip().splitlines() or [""])[0]
             raise StaronnxError(f"could not {where}: {type(exc).__name__}: {first}") from None
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not Serve's INFO lines among ours
         problem = capacity_problem(scaling, len(specs), ray.cluster_resources())
         if problem and own_cluster:  # nothing will join this machine's own cluster: it would wait forever
             raise StaronnxError(problem)
@@ -92,6 +97,7 @@ def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scalin
             say(f"model {spec.name!r}: plan {spec.plan}, {how} of {scaling.replica_cpus:g} CPU(s) and "
                 f"{scaling.replica_gpus:g} GPU(s) each, groups {spec.groups}, batches of up to {spec.batch_size}")
         say(f"HTTP (KServe v2) on {url} (Ray Serve)")
+        say("replica logs: Ray's log folder on each node (/tmp/ray/session_latest/logs/serve/)")
         say("ready (SIGTERM or Ctrl-C drains and stops)")
         while not stop.wait(0.5):
             pass

@@ -146,6 +146,7 @@ class StaronnxReplica:
         except BaseException:
             runtime.close(1.0)
             raise
+        self._ongoing = 0  # requests inside infer() now (one event loop: no lock)
         self._stop = threading.Event()
         self._saver: threading.Thread | None = None
         if self.spec.save_every > 0 and _predictor(runtime) is not None:
@@ -160,10 +161,13 @@ class StaronnxReplica:
         """One decoded KServe v2 request through the batcher (see the module docstring)."""
         from staronnx.serve.protocol import ProtocolError
 
+        self._ongoing += 1
         try:
             answer = await self.endpoint.infer(inputs, datatypes, outputs)
         except ProtocolError as exc:
             return Reply(error=(exc.kind, str(exc)))
+        finally:
+            self._ongoing -= 1
         return Reply(answer.outputs, {**answer.parameters, "staronnx_replica": self.replica})
 
     def metadata(self) -> dict[str, Any]:
@@ -176,9 +180,11 @@ class StaronnxReplica:
         return health_problem(self.endpoint) is None
 
     def describe(self) -> dict[str, Any]:
-        """Who this replica is and how it is doing: pid, PUs, workers, health, requests."""
+        """Who this replica is and how it is doing: pid, PUs, workers, health, requests (done,
+        and ``ongoing``: accepted and not yet answered)."""
         stats = self.endpoint.runtime.stats()
         return {"replica": self.replica, "pid": os.getpid(), "local_rank": self.local_rank, "pus": self.cpus,
+                "ongoing": self._ongoing,
                 "workers": sorted(stats.get("workers", {})), "dead_workers": stats.get("dead_workers", []),
                 "problem": health_problem(self.endpoint), "requests_done": stats.get("requests_done")}
 

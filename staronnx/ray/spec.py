@@ -64,6 +64,9 @@ class ModelSpec:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at shutdown only), got {self.save_every}")
         if not self.name or "/" in self.name:
             raise StaronnxError(f"model name {self.name!r} cannot be used in a URL; choose another")
+        from staronnx.workers.groups import policy_reserve
+
+        policy_reserve(self.groups)  # its syntax, here: a replica would fail only after Serve's retries
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
