@@ -38,11 +38,6 @@ class Worker(Protocol):
     def close(self, timeout: float | None = None) -> None: ...
 
 
-def worker_arch(worker: Worker) -> str:
-    """The perf-model architecture of a worker: ``cpuN`` (N cores) or ``cudaD`` (device D)."""
-    return worker.arch
-
-
 @dataclass
 class CalibrationReport:
     """What calibration measured: per (part, arch, batch) the samples taken and the mean."""
@@ -78,13 +73,13 @@ def calibrate(
     lock = threading.Lock()
     for w in workers:
         for part in range(plan.k):
-            key = (part, worker_arch(w))
+            key = (part, w.arch)
             if key not in report.models:
                 report.models[key] = (HistoryModel(part, key[1]) if replace
                                       else store.load(plan.hash, part, key[1]))
 
     def drive(worker: Worker, batch: int, values: dict[str, np.ndarray]) -> None:
-        arch = worker_arch(worker)
+        arch = worker.arch
         for part in range(plan.k):
             feeds = plan.part_feeds(part, values)
             model = report.models[(part, arch)]

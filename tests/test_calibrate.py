@@ -12,7 +12,7 @@ import onnx
 import pytest
 
 from staronnx import partition
-from staronnx.calibrate import calibrate, start_workers, worker_arch
+from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.zoo import inception
 
@@ -30,7 +30,7 @@ def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path):
     workers = start_workers(small_plan, groups="cores=1")
     try:
         report = calibrate(small_plan, [1, 3], workers=workers, store=store)
-        archs = {worker_arch(w) for w in workers}
+        archs = {w.arch for w in workers}
     finally:
         for w in workers:
             w.close()

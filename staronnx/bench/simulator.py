@@ -3,22 +3,13 @@
 Why: a sweep over rates x batch sizes x policies x machines takes hours of real serving; the
 simulator answers the same what-if questions (more cores, more CUDA streams, another split,
 another policy) in seconds, from the calibrated perf models alone. It is only as good as its
-fidelity to the native engine, so it reuses everything the engine's decisions depend on:
-
-- **the same policies**: :func:`~staronnx.runtime.policies.make_policy` objects, attached with
-  the same worker list, DAG and predictor interface, called with the engine's protocol
-  (``push`` when a task becomes ready, ``pop`` when a worker is idle, ``on_start`` /
-  ``on_done`` around execution, the releasing worker in ``task.extra``), on a
-  :class:`~staronnx.bench.simclock.SimClock`;
-- **the same workers**: CPU groups from a topology and a grouping policy
-  (:func:`~staronnx.workers.groups.make_groups`), CUDA stream workers first, named, numbered
-  and given arch names ("cpu<ncores>", "cuda<dev>") and memory nodes as ``Runtime`` does;
-- **the same model entries**: footprints computed exactly like the engine does — a reference
-  run of the plan at each batch size, ``task_footprint(part feeds, batch)`` — so every lookup
-  hits the entry calibration filled;
-- **the same data model**: model inputs start valid on the host node (``numa0``), a part's
-  outputs are valid on the memory node of the worker that produced them, and a read adds the
-  reader's node; policies price transfers from these locations through the bus model.
+fidelity to the native engine, so it shares everything the engine's decisions depend on: the
+engine's own task-graph core (:class:`~staronnx.runtime.core.TaskGraph`: tasks, data handles
+and their valid copies, the policy calls, successors, statistics) on a
+:class:`~staronnx.bench.simclock.SimClock`; the workers ``Runtime`` would start (same layout,
+names, archs and memory nodes, :func:`sim_workers`); and the footprints calibration filled (a
+reference run at each batch size, :func:`profile_plan`). ``tests/test_replay.py`` holds the
+live engine and the simulator to the same decisions on the same arrivals.
 
 Execution times are drawn from the perf models: a normal with the entry's mean and standard
 deviation (times ``spread``), truncated to positive values; for a batch size with no
@@ -437,8 +428,8 @@ class SimResult:
         return {a: n / total for a, n in sorted(counts.items())} if total else {}
 
     def metrics(self, warmup: float = 0.0) -> dict[str, Any]:
-        """Throughput, the papers' latency, percentiles, congestion (see :func:`summary`)."""
-        return summary(self.records, warmup)
+        """Throughput, the papers' latency, percentiles, congestion: the live runs' own metrics."""
+        return summarize(self.records, warmup=warmup)
 
 
 class _Simulation:
@@ -488,7 +479,6 @@ class _Simulation:
         self.requests: list[RequestRecord] = []
         self.batches: list[BatchRecord] = []
         self.queue: deque[int] = deque()  # request ids waiting for a batch
-        self.inflight = 0
         self.flush_left = 0
         self.timer_due = math.nan
         self.samples: list[tuple[float, int]] = []
@@ -539,7 +529,7 @@ class _Simulation:
     def _batcher(self) -> None:
         """Form every batch that may leave now (``Server._next_batch``), then arm the timer."""
         t = self.clock.t
-        while self.queue and self.inflight < self.max_inflight:
+        while self.queue and len(self.core.inflight) < self.max_inflight:
             if len(self.queue) >= self.b:
                 size = self.b
             elif self.flush_left > 0:
@@ -554,7 +544,7 @@ class _Simulation:
             else:
                 break
             self._form_batch(min(size, len(self.queue)))
-        if self.max_delay is not None and self.queue and self.inflight < self.max_inflight:
+        if self.max_delay is not None and self.queue and len(self.core.inflight) < self.max_inflight:
             due = self.requests[self.queue[0]].arrival + self.max_delay
             if due > t and due != self.timer_due:
                 self.timer_due = due
@@ -580,7 +570,6 @@ class _Simulation:
         for j, rid in enumerate(ids):  # the queue is in arrival order: the first is the oldest
             self.requests[rid].batch_id = bid
             self.requests[rid].first_in_batch = j == 0
-        self.inflight += 1
         self.samples.append((t, len(self.queue)))
         req = self.core.submit(size, {n: profile.nbytes[n] for n in self.plan.input_names}, t, owner=record)
         record.placement = req.placement
@@ -641,7 +630,6 @@ class _Simulation:
             record.done = now
             for rid in record.request_ids:
                 self.requests[rid].done = now
-            self.inflight -= 1
             self.last_done = now
             self._batcher()
 
@@ -773,10 +761,3 @@ def _make_policy(policy: str | Policy, options: Mapping[str, Any] | None, seed: 
     if "seed" in policy_options(policy) and "seed" not in opts:
         opts["seed"] = seed
     return make_policy(policy, **opts)
-
-
-# ---------------------------------------------------------------------------- metrics
-def summary(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
-    """The live runs' own metrics (:func:`staronnx.serving.metrics.summarize`): a simulated
-    point and a measured one are judged by the same code."""
-    return summarize(records, warmup=warmup)

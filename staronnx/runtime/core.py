@@ -28,7 +28,6 @@ import numpy as np
 from staronnx.perfmodels import Footprint
 from staronnx.plan import Plan
 from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView, WorkerInfo
-from staronnx.runtime.taskstats import per_part_arch
 
 #: where model inputs live when a request is submitted
 HOST_NODE = "numa0"
@@ -59,7 +58,6 @@ class Task:
     waiting: int  # parts whose outputs this task still needs
     view: TaskView | None = None
     ready_at: float = 0.0
-    started_at: float = 0.0
     ended_at: float = 0.0
     worker: int | None = None
 
@@ -173,7 +171,7 @@ class TaskGraph:
             if task.request.failed or self.dropped(task.request):  # keep the policy's queue accounting straight, then drop it
                 self.policy.on_done(wid, view, 0.0, now)
                 continue
-            task.started_at, task.worker = now, wid
+            task.worker = wid
             self.workers[wid].running = task
             self.queue_waits.append(now - task.ready_at)
             return task
@@ -263,3 +261,18 @@ class TaskGraph:
             "mean_queue_wait_ms": float(np.mean(self.queue_waits) * 1e3) if self.queue_waits else 0.0,
             "dead_workers": list(self.dead_workers),
         }
+
+
+def per_part_arch(measured: Mapping[tuple[int, str], Sequence[float]],
+                  predicted: Mapping[tuple[int, str], Sequence[float]]) -> dict[str, dict[str, Any]]:
+    """``"part<p>/<arch>"`` -> tasks, mean measured ms, mean predicted ms (None: never predicted).
+
+    Both engines report through it (the starpu engine too), so ``Runtime.stats()`` reads the
+    same whichever runs the plan, and users see whether the perf models still fit the machine.
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for (part, arch), times in sorted(measured.items()):
+        pred = predicted.get((part, arch), [])
+        out[f"part{part}/{arch}"] = {"tasks": len(times), "measured_ms": float(np.mean(times) * 1e3),
+                                     "predicted_ms": float(np.mean(pred) * 1e3) if pred else None}
+    return out

@@ -28,7 +28,7 @@ from staronnx.runtime.core import Request, Task, TaskGraph
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode, task_footprint
 from staronnx.runtime.registry import EngineSettings, register_engine
-from staronnx.runtime.sched import Policy, WorkerInfo
+from staronnx.runtime.sched import Clock, Policy, WorkerInfo
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.launch import start_workers
@@ -83,7 +83,7 @@ class NativeEngine:
         predictor: PerfPredictor,
         tracer: Tracer | None = None,
         own_workers: bool = False,
-        clock: Any = None,
+        clock: Clock | None = None,
     ) -> None:
         self.plan = plan
         self.policy = policy
@@ -111,11 +111,6 @@ class NativeEngine:
 
     def _footprint(self, req: Request, part: int) -> Footprint:
         return task_footprint({n: req.values[n] for n in self.plan.parts[part].inputs}, req.batch)
-
-    @property
-    def dead_workers(self) -> list[tuple[str, str]]:
-        """(worker name, error) of workers whose loop died."""
-        return self.core.dead_workers
 
     # -- submission ---------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:

@@ -65,7 +65,7 @@ from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.task import RequestFuture, TaskError
-from staronnx.runtime.taskstats import per_part_arch
+from staronnx.runtime.core import per_part_arch
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.groups import CpuGroup, make_groups
 from staronnx.workers.topology import Topology
