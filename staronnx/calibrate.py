@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -21,21 +21,9 @@ from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.predictor import task_footprint
 from staronnx.verify import random_plan_feeds
+from staronnx.workers.base import Worker
 from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
 from staronnx.workers.topology import Topology
-
-
-class Worker(Protocol):
-    """What calibration needs of a worker (CPU and CUDA workers both provide it)."""
-
-    name: str
-    arch: str  # "cpu<ncores>" or "cuda<device>": the perf model it feeds
-
-    def submit(self, part: int, feeds: dict[str, np.ndarray]): ...  # -> future with .seconds
-
-    def run(self, part: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def close(self, timeout: float | None = None) -> None: ...
 
 
 @dataclass

@@ -17,7 +17,7 @@ import math
 import threading
 import time
 from concurrent.futures import CancelledError, Future
-from typing import Any, Callable, Mapping, Protocol, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.runtime.trace import Tracer
+from staronnx.workers.base import Worker
 from staronnx.workers.launch import start_workers
 
 log = logging.getLogger(__name__)
@@ -38,26 +39,6 @@ log = logging.getLogger(__name__)
 
 class EngineClosed(RuntimeError):
     """Submitting to an engine (or Runtime) after close()."""
-
-
-class Worker(Protocol):
-    """What the native engine needs of a worker (:class:`~staronnx.workers.cpu.CpuWorker`,
-    :class:`~staronnx.workers.cuda.CudaWorker`): its identity for the policy, a way to run the
-    engine's serving loop in its own thread, and a run of one part from inside that thread."""
-
-    name: str
-    kind: str  # "cpu" or "cuda"
-    arch: str  # perf-model architecture: "cpu<ncores>" or "cuda<device>"
-    memory_node: str  # "numa0", "cuda0", ...
-    n_cores: int
-    #: kernel time of the last run_here without copies (CUDA), None where wall time is compute
-    last_compute_seconds: float | None
-
-    def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
-
-    def run_here(self, part: int, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-    def close(self) -> None: ...
 
 
 def worker_info(index: int, worker: Worker) -> WorkerInfo:

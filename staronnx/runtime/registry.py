@@ -1,10 +1,8 @@
-"""Engines by name: what ``Runtime(engine=...)`` looks up, so it has one setup path.
+"""Engines by name, so ``Runtime`` has one setup path and never imports the engines above it.
 
-Why a registry: the runtime must not import the engines built on top of it (the starpu
-engine imports the runtime's futures and errors), yet ``Runtime(engine="starpu")`` must find
-it. An engine module registers a factory when imported; :data:`ENGINE_MODULES` names the module
-each built-in engine lives in, loaded by name on first use (as an entry point would be), so
-``import staronnx`` never loads StarPU's binding.
+An engine module registers a factory when imported; :data:`ENGINE_MODULES` names the module of
+each built-in engine, loaded on first use (as an entry point would be), so ``import staronnx``
+never loads StarPU's binding.
 """
 
 from __future__ import annotations

@@ -1,29 +1,17 @@
 """What every worker thread shares: a queue, one thread that owns the sessions, a clean close.
 
 A worker (:class:`~staronnx.workers.cpu.CpuWorker`, :class:`~staronnx.workers.cuda.CudaWorker`)
-is one thread that builds its ONNX Runtime sessions itself and then serves a FIFO queue.  The
+is one thread that builds its ONNX Runtime sessions itself and then serves a FIFO queue. The
 sessions must be built, run and dropped in that thread: its affinity is what ORT's pool threads
 inherit, its memory binding decides where weights are first touched, and a CUDA worker's
-device context, streams and buffers belong to it.  So everything around the actual run is the
-same for both kinds, and lives here:
-
-- ``start``: the part files are checked, the thread is started and :meth:`ThreadWorker.start`
-  waits until it has built its sessions, re-raising what it could not build;
-- the queue: ``("run", task)``, ``("call", fn, future)`` or the stop marker, served in order by
-  :meth:`ThreadWorker._serve`; ``call``/``spawn`` run a function in the thread between tasks
-  (an engine's serving loop runs there through ``spawn`` and calls ``run_here`` per task);
-- ``close``: no new items, the queued ones finish (or are cancelled), the thread tears down
-  what it built and is joined; an ``atexit`` hook closes any worker left open, because the
-  threads are daemons (a forgotten ``close()`` must not hang the interpreter) yet ORT and CUDA
-  should still free their pools, pinned memory and streams before the process ends;
-- task bookkeeping: a failed task fails its own future only, with its traceback's frames
-  cleared (they hold the session, which would outlive ``close()`` in the future), and a
-  successful one counts in :attr:`ThreadWorker.stats` and calls ``on_done``.
-
-A subclass supplies what differs, all called in the worker thread except :meth:`_describe`,
-:meth:`_prepare_start` and :meth:`_start_failure`: :meth:`ThreadWorker._setup_thread` (pin,
-bind, build sessions), :meth:`ThreadWorker._run_task` (one queued task),
-:meth:`ThreadWorker._teardown` (free what the setup built, even half of it).
+device context, streams and buffers belong to it. So the lifecycle (``start`` waits for the
+sessions and re-raises what failed; ``close`` finishes or cancels the queue, tears down in the
+thread and joins it; an ``atexit`` hook closes forgotten workers, whose threads are daemons),
+the queue (tasks, and ``call``/``spawn`` of functions between tasks: an engine's serving loop
+runs there and calls ``run_here`` per task) and the task bookkeeping (a failed task fails its
+own future only, with its traceback's frames cleared since they hold the session) live here.
+A subclass supplies :meth:`ThreadWorker._setup_thread` (pin, bind, build sessions),
+:meth:`ThreadWorker._run_task` and :meth:`ThreadWorker._teardown`, all in the worker thread.
 """
 
 from __future__ import annotations
@@ -43,18 +31,37 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, Protocol, Self
 
 import numpy as np
 
 from staronnx.errors import DeviceError, ModelError
 
-__all__ = ["OnDone", "ThreadWorker", "WorkerTask", "WorkerFuture", "WorkerStats"]
+__all__ = ["OnDone", "ThreadWorker", "Worker", "WorkerFuture", "WorkerStats", "WorkerTask"]
 
 Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 #: ``on_done(part, batch, seconds)``: called in the worker thread after each successful task.
 OnDone = Callable[[int, int, float], None]
+
+
+class Worker(Protocol):
+    """What engines and calibration need of a worker (:class:`ThreadWorker`'s subclasses, or
+    a stand-in): its identity for the policy, tasks queued (``submit``/``run``) or run from
+    inside its own thread (``spawn`` an engine's loop there, then ``run_here`` per task)."""
+
+    name: str
+    kind: str  # "cpu" or "cuda"
+    arch: str  # perf-model architecture: "cpu<ncores>" or "cuda<device>"
+    memory_node: str  # "numa0", "cuda0", ...
+    n_cores: int
+    last_compute_seconds: float | None  # kernel time of the last run_here (CUDA), else None
+
+    def submit(self, part: int, feeds: Feeds) -> WorkerFuture: ...
+    def run(self, part: int, feeds: Feeds) -> Outputs: ...
+    def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
+    def run_here(self, part: int, feeds: Feeds) -> Outputs: ...
+    def close(self) -> None: ...
 
 
 class WorkerFuture(Future):  # type: ignore[type-arg]
@@ -118,13 +125,10 @@ class ThreadWorker(ABC):
 
     kind: ClassVar[str]
     _log: ClassVar[logging.Logger]
-    #: perf-model architecture ("cpu<ncores>", "cuda<device>"), memory node and cores, set by
-    #: the subclass: what an engine tells its policy about this worker
-    arch: str
+    arch: str  # the rest of the Worker protocol's identity is set by the subclass
     memory_node: str
     n_cores: int
-    #: kernel time of the last ``run_here`` without its copies (CUDA); None: wall time is compute
-    last_compute_seconds: float | None = None
+    last_compute_seconds: float | None = None  # CPU: wall time is compute time
 
     def __init__(
         self,
