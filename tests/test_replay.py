@@ -11,7 +11,10 @@ the same instants, and fill the same serving records.
 
 Times are multiples of 2**-14 s, so every sum and difference is exact and the policy's
 bookkeeping cannot differ by a rounding; the test fails loudly if two tasks end at the same
-instant (their order would then be a thread race, not a decision).
+instant (their order would then be a thread race, not a decision). Policies that place at
+push with FIFO queues (dm, dmda) are compared; with shared queues (eager, ws) which idle thread
+pops first, and with heft's priority queues whether a worker pops before or after the batcher
+thread pushes a new batch, are races the live side cannot fix, so those are left out.
 """
 
 from __future__ import annotations

@@ -614,7 +614,7 @@ class _Simulation:
             handle = task.request.handles[name]
             if node in handle.valid_on or handle.nbytes == 0:
                 continue
-            costs = [c for c in (bus.predict(src, node, handle.nbytes) for src in handle.valid_on) if math.isfinite(c)]
+            costs = [c for c in (bus.predict(s, node, handle.nbytes) for s in handle.valid_on) if math.isfinite(c)]
             total += min(costs) if costs else 0.0
         return total
 

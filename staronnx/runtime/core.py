@@ -137,7 +137,7 @@ class TaskGraph:
     def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
                owner: Any = None) -> Request:
         """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed."""
-        handles = {name: DataHandle(name, nbytes, {HOST_NODE}, self._readers[name]) for name, nbytes in inputs.items()}
+        handles = {n: DataHandle(n, nbytes, {HOST_NODE}, self._readers[n]) for n, nbytes in inputs.items()}
         req = Request(next(self._ids), batch, now, self.plan.k, handles, dict(values or {}), owner)
         req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self.plan.k)]
         self.inflight[req.id] = req
@@ -168,7 +168,8 @@ class TaskGraph:
                 return None
             task = self._queued.pop(view.id)
             self.policy.on_start(wid, view, now)
-            if task.request.failed or self.dropped(task.request):  # keep the policy's queue accounting straight, then drop it
+            if task.request.failed or self.dropped(task.request):
+                # its request failed or was cancelled: keep the policy's accounting, drop it
                 self.policy.on_done(wid, view, 0.0, now)
                 continue
             task.worker = wid
