@@ -28,7 +28,6 @@ from staronnx.workers.cuda import (
     CudaWorker,
     CudaWorkerFuture,
     cuda_unavailable_reason,
-    cuda_workers,
 )
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.memory import CopyLog
@@ -143,8 +142,6 @@ def test_without_a_cuda_provider_construction_raises_device_error(
     message = str(err.value)
     assert "CUDAExecutionProvider" in message
     assert "pip install 'staronnx[gpu]'" in message
-    with pytest.raises(DeviceError, match="CUDAExecutionProvider"):
-        cuda_workers([0], 2, parts)
 
 
 def test_bad_arguments_are_rejected_before_any_device_check(parts: list[Path]) -> None:
@@ -152,8 +149,6 @@ def test_bad_arguments_are_rejected_before_any_device_check(parts: list[Path]) -
         CudaWorker(0, 0, parts, cudnn_conv_algo_search="FAST")
     with pytest.raises(ValueError, match="user_compute_stream"):
         CudaWorker(0, 0, parts, provider_options={"user_compute_stream": "1"})
-    with pytest.raises(ValueError, match="streams_per_device"):
-        cuda_workers([0], 0, parts)
 
 
 # ---------------------------------------------------------------- host-runtime pipeline
@@ -259,11 +254,12 @@ def test_host_pipeline_close_frees_everything_and_leaves_no_thread(parts: list[P
     worker.close()  # idempotent
 
 
-def test_cuda_workers_names_and_counts(parts: list[Path]) -> None:
-    workers = cuda_workers([0, 1], 2, parts, runtime=HostRuntime())
+def test_cuda_worker_names_and_what_a_policy_sees(parts: list[Path]) -> None:
+    workers = [CudaWorker(d, s, parts, runtime=HostRuntime()) for d in (0, 1) for s in (0, 1)]
     assert [w.name for w in workers] == ["cuda0.s0", "cuda0.s1", "cuda1.s0", "cuda1.s1"]
     assert [(w.device_id, w.stream_index) for w in workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(w.node.name == f"cuda{w.device_id}" for w in workers)
+    assert all(w.node.name == w.memory_node == w.arch == f"cuda{w.device_id}" for w in workers)
+    assert all(w.kind == "cuda" and w.n_cores == 1 and w.last_compute_seconds is None for w in workers)
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -311,7 +307,7 @@ def test_gpu_warmup_then_timing_hook(parts: list[Path]) -> None:
 
 @needs_gpu
 def test_two_workers_on_two_streams_run_concurrently_without_mixing(parts, reference) -> None:
-    a, b = cuda_workers([0], 2, parts, provider_options=STRICT_FP32)
+    a, b = (CudaWorker(0, s, parts, provider_options=STRICT_FP32) for s in (0, 1))
     with a, b:
         assert a.stream_handle != b.stream_handle
         a.warmup([8], make_feeds)

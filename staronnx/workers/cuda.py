@@ -84,7 +84,6 @@ __all__ = [
     "CudaWorker",
     "CudaWorkerFuture",
     "cuda_unavailable_reason",
-    "cuda_workers",
 ]
 
 log = logging.getLogger(__name__)
@@ -866,26 +865,3 @@ def _numpy_type(value: Any, name: str) -> np.dtype:
         raise ModelError(f"output {name!r} is a {kind}, which the CUDA worker cannot return "
                          "as a numpy array")
     return dtype
-
-
-def cuda_workers(
-    device_ids: Sequence[int],
-    streams_per_device: int,
-    part_paths: Sequence[str | os.PathLike[str]],
-    **kwargs: Any,
-) -> list[CudaWorker]:
-    """``streams_per_device`` workers per GPU (StarPU's ``STARPU_NWORKER_PER_CUDA``).
-
-    Named ``cuda<d>.s<i>``; not started (call ``start()`` on each).  ``kwargs`` go to every
-    :class:`CudaWorker`.  Each worker has its own sessions, so a part's weights are on the
-    GPU once per stream.
-    """
-    if streams_per_device < 1:
-        raise ValueError(f"streams_per_device must be >= 1, got {streams_per_device}")
-    if len(set(device_ids)) != len(device_ids):
-        raise ValueError(f"device ids must be distinct, got {list(device_ids)}")
-    return [
-        CudaWorker(d, s, part_paths, **kwargs)
-        for d in device_ids
-        for s in range(streams_per_device)
-    ]
