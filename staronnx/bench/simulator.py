@@ -433,14 +433,12 @@ class SimResult:
 
 
 class _Simulation:
-    """One run: the server's batcher and the engine's bookkeeping, on simulated time.
+    """One run: the server's queue and batcher, then the engine's core, on simulated time.
 
-    The front end follows :class:`staronnx.serving.server.Server`: a request queue of at most
-    ``queue_capacity`` (an arrival finding it full is rejected), a batcher that hands at most
-    ``max_inflight`` batches to the runtime at once, forms a batch when ``b`` requests wait
-    (or the oldest has waited ``max_delay``), and samples the queue length at every accepted
-    arrival and every batch formed; after the last arrival it flushes, as the load generator
-    does, so the tail leaves as a partial batch (which the metrics leave out of latencies).
+    The front end follows :class:`staronnx.serving.server.Server` (rejections when the queue is
+    full, at most ``max_inflight`` batches in the runtime, full batches or ``max_delay``, queue
+    samples at each arrival and batch) and flushes after the last arrival as the load generator
+    does; ``tests/test_replay.py`` runs both on the same arrivals.
     """
 
     def __init__(

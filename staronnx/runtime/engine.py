@@ -12,6 +12,7 @@ popped); a worker whose loop dies is reported and its queued tasks are placed on
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -278,10 +279,8 @@ register_engine("native", start_native)
 
 def _close_all(workers: Any) -> None:
     for w in workers:
-        try:
+        with contextlib.suppress(Exception):  # close the others anyway
             w.close()
-        except Exception:  # noqa: BLE001 - close the others anyway
-            pass
 
 
 def _ms(x: float) -> float | None:

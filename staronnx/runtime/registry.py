@@ -46,9 +46,7 @@ class Engine(Protocol):
     tracer: Tracer | None
 
     @property
-    def workers(self) -> list[Any]:
-        """The workers tasks run on (each with ``name`` and ``arch``)."""
-        ...
+    def workers(self) -> list[Any]: ...  # what tasks run on, each with ``name`` and ``arch``
 
     def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture: ...
 

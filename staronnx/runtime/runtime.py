@@ -32,11 +32,9 @@ import numpy as np
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
-from staronnx.runtime.registry import ENGINE_MODULES, EngineSettings, engine_factory
+from staronnx.runtime.registry import EngineSettings, engine_factory
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
-
-ENGINES = tuple(ENGINE_MODULES)
 
 
 class Runtime:
