@@ -215,6 +215,11 @@ def _samples(store: PerfModelStore, plan) -> dict[tuple[int, str, int], int]:
     return {(r.part, r.arch, r.batch): r.n for r in store.rows(plan.hash)}
 
 
+def _judged(store: PerfModelStore, plan) -> dict[tuple[int, str, int], int]:
+    """Samples the models have judged: accepted (n) plus rejected as outliers (nerror)."""
+    return {(r.part, r.arch, r.batch): r.n + r.nerror for r in store.rows(plan.hash)}
+
+
 def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monkeypatch):
     # StarPU's STARPU_CALIBRATE: 0 stops recording once an entry is calibrated, 1 records every
     # execution, 2 starts from nothing and overwrites the stored models at close
@@ -231,11 +236,14 @@ def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monk
     assert frozen and all(n >= 10 for n in frozen.values() if n)
     serve(30)  # calibrate=0: calibrated entries take no more samples
     assert _samples(store, plan3) == frozen
-    serve(30, calibrate=1)
+    judged = _judged(store, plan3)
+    serve(40, calibrate=1)
     kept = _samples(store, plan3)
-    # every execution is offered to the models; on a noisy machine StarPU's rules may reject a
-    # few as outliers or reset an entry that drifted, but the models kept learning
-    assert max(kept.get(k, 0) - n for k, n in frozen.items()) >= 20
+    # every execution is offered to the models: StarPU's rules accept it or count it as an
+    # outlier (a loaded CI host rejected half of them), so the judged count grows with each one
+    # (only a reset, nerror reaching n, could empty an entry; not every entry resets at once)
+    now = _judged(store, plan3)
+    assert max(now.get(k, 0) - n for k, n in judged.items()) >= 30
     monkeypatch.setenv("STARONNX_CALIBRATE", "2")
     serve(12)
     replaced = _samples(store, plan3)
