@@ -254,6 +254,34 @@ def test_full_queue_rejects_naming_its_capacity(runtime, samples):
     assert rec.requests[4].batch_id == -1 and rec.requests[4].done is None
 
 
+def test_requests_cancelled_while_queued_leave_the_queue_without_running(plan, runtime, samples):
+    # a client that goes away (its future cancelled) must not keep a place in a full queue,
+    # nor a seat in a batch: the next request is accepted and the withdrawn ones never run
+    gated = _Gated(runtime)
+    server = Server(gated, 2, queue_capacity=2, max_inflight=1)
+    try:
+        first = [server.submit(s) for s in samples[:2]]  # taken as a batch, held at the gate
+        deadline = time.monotonic() + 5
+        while server.queue_length and time.monotonic() < deadline:
+            time.sleep(0.001)
+        abandoned = [server.submit(s) for s in samples[2:4]]  # fills the queue
+        with pytest.raises(OverloadError):
+            server.submit(samples[4])
+        assert all(f.cancel() for f in abandoned)
+        assert server.queue_length == 0
+        later = [server.submit(s) for s in samples[4:6]]  # room again
+        gated.gate.set()
+        for f, s in zip(first + later, samples[:2] + samples[4:6]):
+            _close(f.result(timeout=10)["logits"], plan.run_reference(s)["logits"])
+    finally:
+        gated.gate.set()
+        server.close()
+    rec = server.records()
+    assert [r.withdrawn for r in rec.requests] == [False, False, True, True, False, False, False]
+    ran = {i for b in rec.batches for i in b.request_ids}
+    assert ran == {0, 1, 5, 6} and rec.requests[2].batch_id == rec.requests[3].batch_id == -1
+
+
 def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
     gated = _Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1, on_full="block")

@@ -21,6 +21,7 @@ class RequestRecord:
     done: float | None = None  # result available to the caller; None if rejected or failed
     rejected: bool = False  # refused by a full queue (OverloadError)
     failed: bool = False  # its batch's task failed
+    withdrawn: bool = False  # cancelled by its caller while queued: it left without running
 
     @property
     def latency(self) -> float | None:

@@ -175,6 +175,7 @@ class Server:
         self._batch_ids = itertools.count()
         self._closing = False
         self._abort = False
+        self._withdrawn = 0  # futures cancelled since the queue was last cleared of them
         self._flush_left = 0  # the queue's first requests that leave without waiting to fill
         self.created = clock()
         # a traced runtime gets the server's view too, if both read the same clock
@@ -210,6 +211,8 @@ class Server:
                 raise ServerClosed("the server is closed; no new requests are accepted")
             record = RequestRecord(id=next(self._request_ids), arrival=self.clock() if arrival is None else arrival)
             self._requests.append(record)
+            if self._withdrawn:
+                self._drop_withdrawn()
             full = len(self._queue) >= self.queue_capacity
             if full and (self.on_full == "reject" or not self._wait_for_room(timeout)):
                 record.rejected = True
@@ -217,6 +220,7 @@ class Server:
                     raise ServerClosed("the server closed while this request waited for room in the queue")
                 raise OverloadError(self.queue_capacity)
             future = RequestFuture(record.id)
+            future.add_done_callback(self._on_cancel)
             self._queue.append(_Pending(record, sample, future))
             self._sample_queue()
             # wake the batcher only when it can act: a full batch, or a first request whose
@@ -227,10 +231,35 @@ class Server:
                 self._cond.notify_all()
         return future
 
+    def _on_cancel(self, future: RequestFuture) -> None:
+        """A caller that gives up on a queued request (a client that went away) frees its place
+        in the queue and in the next batch: an abandoned request must cost the others nothing.
+        Counted here, cleared lazily by whoever next needs the queue's true length."""
+        if future.cancelled():
+            with self._cond:
+                self._withdrawn += 1
+                self._cond.notify_all()
+
+    def _drop_withdrawn(self) -> None:
+        """Remove (lock held) the cancelled requests still queued; one pass for many cancels."""
+        kept: deque[_Pending] = deque()
+        for p in self._queue:
+            if p.future.cancelled():
+                p.record.withdrawn = True
+            else:
+                kept.append(p)
+        self._flush_left = min(self._flush_left, len(kept))
+        self._queue, self._withdrawn = kept, 0
+        self._sample_queue()
+
     def _wait_for_room(self, timeout: float | None) -> bool:
         """Block (lock held) until the queue has room; False on timeout or close."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while len(self._queue) >= self.queue_capacity and not self._closing:
+        while not self._closing:
+            if self._withdrawn:
+                self._drop_withdrawn()
+            if len(self._queue) < self.queue_capacity:
+                break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 return False
@@ -284,6 +313,8 @@ class Server:
         while True:
             if self._abort:
                 return None
+            if self._withdrawn:
+                self._drop_withdrawn()
             if len(self._inflight) < self.max_inflight:
                 if len(self._queue) >= self.batch_size:
                     return self._take(self.batch_size)
@@ -404,8 +435,10 @@ class Server:
 
     @property
     def queue_length(self) -> int:
-        """Requests waiting for a batch right now."""
+        """Requests waiting for a batch right now (not those their callers cancelled)."""
         with self._cond:
+            if self._withdrawn:
+                self._drop_withdrawn()
             return len(self._queue)
 
     @property
@@ -454,7 +487,7 @@ class Server:
         if start is None:
             start = arrivals[0] if arrivals else (self.created if since is None else since)
         if end is None:
-            outstanding = any(r.done is None and not (r.rejected or r.failed) for r in reqs)
+            outstanding = any(r.done is None and not (r.rejected or r.failed or r.withdrawn) for r in reqs)
             finished = [t for t in (*(r.done for r in reqs), *(b.done for b in batches)) if t is not None]
             end = now if outstanding or not finished else max(finished)
         return RunRecords(
