@@ -17,9 +17,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from staronnx.perfmodels import HistoryModel, PerfModelStore
+from staronnx.perfmodels import Footprint, HistoryModel, PerfModelStore
 from staronnx.plan import Plan
-from staronnx.runtime.predictor import task_footprint
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.base import Worker
 from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
@@ -71,7 +70,7 @@ def calibrate(
         for part in range(plan.k):
             feeds = plan.part_feeds(part, values)
             model = report.models[(part, arch)]
-            fp = task_footprint(feeds, batch)  # the engine's footprint, so serving finds these
+            fp = Footprint.of_feeds(feeds, batch)  # the engine's footprint, so serving finds these
             worker.run(part, feeds)  # warm-up: allocations, kernel selection
             runs = 0
             while model.needs_samples(fp) and runs < max_runs:

@@ -46,8 +46,6 @@ LAYERS: dict[str, int] = {
 #: delete it here as its fix lands. Layer violations are (importer, imported); cycles are the
 #: set of modules in the cycle.
 KNOWN: set[tuple[str, str] | frozenset[str]] = {
-    # calibrate (layer 2) reads the runtime's footprint helper (issue 15, part 1)
-    ("staronnx.calibrate", "staronnx.runtime.predictor"),
     # the placement methods read worker groups, the topology and the bus model; DESIGN.md puts
     # partition below workers and perfmodels (issue 15, part 3: one Cut step, devices optional)
     ("staronnx.partition.autoshares", "staronnx.workers.launch"),
@@ -56,13 +54,6 @@ KNOWN: set[tuple[str, str] | frozenset[str]] = {
     ("staronnx.partition.methods.devices", "staronnx.workers.topology"),
     ("staronnx.partition.methods.model", "staronnx.perfmodels.bus"),
     ("staronnx.partition.methods.pipeline", "staronnx.perfmodels"),
-    # staronnx.ray reads model_names/parse_size from the serve command, which imports
-    # staronnx.ray: both helpers belong below the CLI (issue 14's follow-up)
-    ("staronnx.ray.app", "staronnx.cli.serve_cmd"),
-    frozenset({"staronnx.cli.serve_cmd", "staronnx.ray.cli", "staronnx.ray.app"}),
-    # the KServe server reads __version__ from the public API package (it could ask
-    # importlib.metadata, or a leaf module could hold the version)
-    ("staronnx.serve.app", "staronnx"),
 }
 
 

@@ -33,6 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+import staronnx
 from staronnx import partition
 from staronnx.cli import main
 from staronnx.plan import Plan
@@ -173,6 +174,7 @@ def test_health_and_metadata_http_and_grpc(server):
         assert c.is_server_live() and c.is_server_ready()
         assert c.is_model_ready("tiny") and c.is_model_ready("fragile")
     assert h.get_server_metadata()["name"] == "staronnx"
+    assert h.get_server_metadata()["version"] == g.get_server_metadata().version == staronnx.__version__
     assert "binary_tensor_data" in g.get_server_metadata().extensions
     meta = h.get_model_metadata("tiny")
     assert meta["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 8]}]

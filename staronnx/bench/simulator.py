@@ -67,7 +67,7 @@ from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, PerfModelStore
 from staronnx.plan import Plan
-from staronnx.runtime.predictor import PerfPredictor, task_footprint
+from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.core import Task, TaskGraph
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
@@ -139,7 +139,7 @@ def profile_plan(plan: Plan, batch: int) -> PlanProfile:
     values = plan.reference_values(random_plan_feeds(plan, batch, seed=0))
     profile = PlanProfile(
         batch=int(batch),
-        footprints=tuple(task_footprint(plan.part_feeds(p.index, values), batch) for p in plan.parts),
+        footprints=tuple(Footprint.of_feeds(plan.part_feeds(p.index, values), batch) for p in plan.parts),
         nbytes={name: int(v.nbytes) for name, v in values.items()},
     )
     with _PROFILES_LOCK:

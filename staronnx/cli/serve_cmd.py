@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated
 
@@ -10,40 +9,10 @@ import typer
 
 from staronnx.errors import StaronnxError
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``64MiB``, ``10MB``, ``512k`` or a bare number of bytes."""
-    m = _SIZE.match(text)
-    if not m:
-        raise StaronnxError(f"sizes look like 64MiB, 10MB, 512KiB or 1048576; got {text!r}")
-    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
-    if value < 1:
-        raise StaronnxError(f"a size must be at least 1 byte, got {text!r}")
-    return value
-
-
 def _port(value: int, flag: str) -> int:
     if not 0 <= value <= 65535:
         raise StaronnxError(f"--{flag} must be between 0 (a free port) and 65535, got {value}")
     return value
-
-
-def model_names(plans: list[Path], names: list[str] | None) -> list[str]:
-    """Each plan's model name: ``--name`` in order, else the plan folder's name; unique."""
-    if names and len(names) != len(plans):
-        raise StaronnxError(f"--name given {len(names)} time(s) for {len(plans)} plan(s): give one per plan, in order")
-    out = list(names) if names else [p.resolve().name for p in plans]
-    for n in out:
-        if not n or "/" in n:
-            raise StaronnxError(f"model name {n!r} cannot be used in a URL; choose another with --name")
-    dupes = sorted({n for n in out if out.count(n) > 1})
-    if dupes:
-        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
-    return out
 
 
 def serve_cmd(
@@ -89,7 +58,7 @@ def serve_cmd(
 
     from staronnx.plan import Plan
     from staronnx.runtime.runtime import Runtime
-    from staronnx.serve.app import Listen, serve
+    from staronnx.serve.app import Listen, model_names, parse_size, serve
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
 

@@ -16,6 +16,7 @@ resets only to what that run saw (:meth:`HistoryModel.replay`). Models are threa
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import threading
@@ -86,8 +87,22 @@ class Footprint:
             parts.append(f"{name}[{text}]")
         return cls(batch=batch, shape_hash=zlib.crc32(";".join(parts).encode("utf-8")))
 
+    @staticmethod
+    def of_feeds(feeds: Mapping[str, Any], batch: int) -> Footprint:
+        """The footprint of a part's inputs, as the engine, calibration and the simulator key it.
+
+        Serving sees the same few shapes over and over, so footprints are cached by shape: the
+        CRC over the shapes is then paid once per shape, not once per task.
+        """
+        return _cached_footprint(tuple((n, v.shape) for n, v in feeds.items()), batch)
+
     def __str__(self) -> str:
         return f"{self.batch}/{self.shape_hash:08x}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_footprint(shapes: tuple[tuple[str, tuple[int, ...]], ...], batch: int) -> Footprint:
+    return Footprint.from_shapes(dict(shapes), batch=batch)
 
 
 class SampleOutcome(Enum):

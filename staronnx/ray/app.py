@@ -54,7 +54,7 @@ def build(args: Mapping[str, Any]) -> Any:
     """Serve config builder (``import_path: staronnx.ray.app:build``); see
     ``deploy/serve-config.yaml`` for the ``args`` it takes."""
     from staronnx.durations import parse_duration
-    from staronnx.cli.serve_cmd import model_names, parse_size
+    from staronnx.serve.app import model_names, parse_size
 
     args = dict(args)
     unknown = sorted(set(args) - _SCALING_ARGS - _MODEL_ARGS - {"plans", "names", "max_body"})

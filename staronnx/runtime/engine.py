@@ -27,7 +27,7 @@ from staronnx.perfmodels import Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Request, Task, TaskGraph
 from staronnx.runtime.policies import make_policy
-from staronnx.runtime.predictor import PerfPredictor, calibrate_mode, task_footprint
+from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
 from staronnx.runtime.task import RequestFuture, TaskError
@@ -92,7 +92,7 @@ class NativeEngine:
             self._loops.append(w.spawn(self._make_loop(i)))
 
     def _footprint(self, req: Request, part: int) -> Footprint:
-        return task_footprint({n: req.values[n] for n in self.plan.parts[part].inputs}, req.batch)
+        return Footprint.of_feeds({n: req.values[n] for n in self.plan.parts[part].inputs}, req.batch)
 
     # -- submission ---------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:

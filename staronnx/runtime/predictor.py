@@ -12,32 +12,14 @@ serving. How much, is StarPU's ``STARPU_CALIBRATE`` (``calibrate`` here):
 
 from __future__ import annotations
 
-import functools
 import math
 import threading
 import warnings
-from typing import Mapping
-
-import numpy as np
 
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, HistoryModel, PerfModelStore
 from staronnx.perfmodels.store import PerfModelStoreReadOnly, PerfModelStoreReadOnlyWarning
 from staronnx.runtime.sched import TaskView, WorkerInfo
-
-
-def task_footprint(feeds: Mapping[str, np.ndarray], batch: int) -> Footprint:
-    """The footprint of a part's inputs; calibration computes it the same way.
-
-    Serving sees the same few shapes over and over, so footprints are cached by shape: the
-    CRC over the shapes is then paid once per shape, not once per task.
-    """
-    return _footprint(tuple((n, v.shape) for n, v in feeds.items()), batch)
-
-
-@functools.lru_cache(maxsize=4096)
-def _footprint(shapes: tuple[tuple[str, tuple[int, ...]], ...], batch: int) -> Footprint:
-    return Footprint.from_shapes(dict(shapes), batch=batch)
 
 
 #: StarPU's STARPU_CALIBRATE values (see the module docstring)

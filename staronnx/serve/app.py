@@ -10,17 +10,50 @@ closes each runtime, and returns: the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import re
 import signal
 import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from aiohttp import web
 
 from staronnx.errors import StaronnxError
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``64MiB``, ``10MB``, ``512k`` or a bare number of bytes."""
+    m = _SIZE.match(text)
+    if not m:
+        raise StaronnxError(f"sizes look like 64MiB, 10MB, 512KiB or 1048576; got {text!r}")
+    value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value < 1:
+        raise StaronnxError(f"a size must be at least 1 byte, got {text!r}")
+    return value
+
+
+def model_names(plans: list[Path], names: list[str] | None) -> list[str]:
+    """Each plan's model name: ``--name`` in order, else the plan folder's name; unique."""
+    if names and len(names) != len(plans):
+        raise StaronnxError(f"--name given {len(names)} time(s) for {len(plans)} plan(s): give one per plan, in order")
+    out = list(names) if names else [p.resolve().name for p in plans]
+    for n in out:
+        if not n or "/" in n:
+            raise StaronnxError(f"model name {n!r} cannot be used in a URL; choose another with --name")
+    dupes = sorted({n for n in out if out.count(n) > 1})
+    if dupes:
+        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
+    return out
 
 
 @dataclass
@@ -36,9 +69,15 @@ class Listen:
 
 
 def server_metadata() -> dict[str, object]:
-    from staronnx import __version__
+    return {"name": "staronnx", "version": _version(), "extensions": ["binary_tensor_data"]}
 
-    return {"name": "staronnx", "version": __version__, "extensions": ["binary_tensor_data"]}
+
+def _version() -> str:
+    """The installed distribution's version (pyproject reads it from ``staronnx.__version__``)."""
+    try:
+        return importlib.metadata.version("staronnx")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH
+        return "unknown"
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:
