@@ -62,6 +62,7 @@ from staronnx.partition.methods.pipeline import (
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.verify import random_plan_feeds, verify_plan
+from staronnx.workers.host import host_devices, host_transfer
 from staronnx.workers.topology import Topology
 
 SHARES_METHODS = ("metis", "linear")
@@ -102,8 +103,8 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
     name = model.stem
     print(f"\n== {name}: {len(graph)} nodes; profiling on {args.groups} ...", flush=True)
     t0 = time.perf_counter()
-    ctx = make_context(graph, PLACEMENT_METHODS["comm-sd"], devices=args.groups, costs=args.costs,
-                       profile_runs=args.profile_runs)
+    ctx = make_context(graph, PLACEMENT_METHODS["comm-sd"], devices=host_devices(args.groups), costs=args.costs,
+                       profile_runs=args.profile_runs, transfer=host_transfer())
     print(f"   costs per device in {time.perf_counter() - t0:.1f} s; devices {[d.name for d in ctx.devices]}")
     rows = []
     base_costs = ctx.problem.cost[:, 0]

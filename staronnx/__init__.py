@@ -17,7 +17,7 @@ from staronnx.errors import (
     StaronnxError,
 )
 from staronnx.plan import Plan
-from staronnx.partition.api import partition  # noqa: E402  (shadows the subpackage name on purpose)
+from staronnx.workers.host import partition  # noqa: E402  (shadows the subpackage name on purpose)
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.session import InferenceSession
 from staronnx.serving.server import OverloadError, Server, ServerClosed

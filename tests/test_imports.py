@@ -45,16 +45,7 @@ LAYERS: dict[str, int] = {
 #: (issue 15, parts 1-3). Each entry must still occur: the test fails when one is gone, so
 #: delete it here as its fix lands. Layer violations are (importer, imported); cycles are the
 #: set of modules in the cycle.
-KNOWN: set[tuple[str, str] | frozenset[str]] = {
-    # the placement methods read worker groups, the topology and the bus model; DESIGN.md puts
-    # partition below workers and perfmodels (issue 15, part 3: one Cut step, devices optional)
-    ("staronnx.partition.autoshares", "staronnx.workers.launch"),
-    ("staronnx.partition.autoshares", "staronnx.workers.topology"),
-    ("staronnx.partition.methods.devices", "staronnx.workers.groups"),
-    ("staronnx.partition.methods.devices", "staronnx.workers.topology"),
-    ("staronnx.partition.methods.model", "staronnx.perfmodels.bus"),
-    ("staronnx.partition.methods.pipeline", "staronnx.perfmodels"),
-}
+KNOWN: set[tuple[str, str] | frozenset[str]] = set()
 
 
 @dataclass(frozen=True)

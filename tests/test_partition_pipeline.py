@@ -23,6 +23,7 @@ from staronnx.partition.export import write_plan
 from staronnx.partition.graph import build_graph
 from staronnx.partition.methods import place
 from staronnx.plan import Plan
+from staronnx.workers.host import host_devices
 from _helpers import cli
 
 PACKAGE = Path(staronnx.__file__).parent / "partition"
@@ -109,7 +110,7 @@ def test_placed_plans_are_written_once_with_their_devices(tmp_path, two_groups, 
     real = Plan.write_json
     monkeypatch.setattr(Plan, "write_json", lambda self, d: (writes.append(Path(d)), real(self, d))[1])
     plan = place(zoo.inception(blocks=2, channels=8, size=16), "duet", output_dir=tmp_path / "plan",
-                 devices=two_groups, costs="estimate")
+                 devices=host_devices(two_groups), costs="estimate")
     assert len(writes) == 1, writes  # staged once, renamed into place: never rewritten
     data = json.loads((tmp_path / "plan" / "plan.json").read_text())
     devices = [p["device"] for p in data["parts"]]
@@ -121,7 +122,7 @@ def test_placed_plans_are_written_once_with_their_devices(tmp_path, two_groups, 
 def test_partition_and_place_cut_and_export_alike(tmp_path, two_groups):
     model = zoo.inception(blocks=2, channels=8, size=16)
     a = staronnx.partition(model, output_dir=tmp_path / "a", method="duet", groups=two_groups, costs="estimate")
-    b = place(model, "duet", output_dir=tmp_path / "b", devices=two_groups, costs="estimate")
+    b = place(model, "duet", output_dir=tmp_path / "b", devices=host_devices(two_groups), costs="estimate")
     assert [p.sha256 for p in a.parts] == [p.sha256 for p in b.parts]
     assert [p.device for p in a.parts] == [p.device for p in b.parts]
     assert a.settings["placement"] == b.settings["placement"]

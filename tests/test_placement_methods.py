@@ -11,6 +11,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+import staronnx
 from staronnx import zoo
 from staronnx.errors import DeviceError, PartitionError
 from staronnx.partition.api import METHODS, partition
@@ -24,13 +25,16 @@ from staronnx.partition.methods import (
     group_parts,
     makespan,
     overseer,
+    TransferModel,
     place,
 )
 from staronnx.partition.methods.coarsen import chain_units, coarsen
 from staronnx.partition.methods.model import is_monotone, part_devices
 from staronnx.partition.methods.optimal import optimal
+from staronnx.perfmodels import BusModel, LinkCost, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.verify import verify_plan
+from staronnx.workers.host import cpu_group_sizes, host_devices, host_transfer
 
 GOOGLENET = Path(__file__).resolve().parents[2] / "shared" / "models" / "googlenet.onnx"
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -272,9 +276,9 @@ def test_switch_cost_stops_splits_that_cost_more_than_they_buy() -> None:
 
 def test_methods_decide_with_the_part_cost_unless_told_not_to(tmp_path: Path) -> None:
     model = zoo.wide_and_deep()
-    charged = place(model, "optimal", output_dir=tmp_path / "a", costs="estimate", devices="cores=1",
+    charged = place(model, "optimal", output_dir=tmp_path / "a", costs="estimate", devices=host_devices("cores=1"),
                     options={"time_limit_s": 3.0})
-    published = place(model, "optimal", output_dir=tmp_path / "b", costs="estimate", devices="cores=1",
+    published = place(model, "optimal", output_dir=tmp_path / "b", costs="estimate", devices=host_devices("cores=1"),
                       options={"time_limit_s": 3.0, "charge_parts": False})
     pa = charged.settings["placement"]["predicted_makespan_us"]["1"]
     pb = published.settings["placement"]["predicted_makespan_us"]["1"]
@@ -402,37 +406,41 @@ def test_zoo_plans_verify(name: str, method: str, tmp_path: Path) -> None:
     options = dict(FAST_OPTIONS.get(method, {}))
     if method == "optimal" and name == "wide_fanout":
         with pytest.raises(PartitionError, match="limited to 60 nodes"):
-            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices="cores=1",
+            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"),
                   options={"coarsen": "off"})
         options["time_limit_s"] = 2.0
-    plan = place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices="cores=1", options=options)
+    plan = place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"),
+                 options=options)
     _check_plan(plan, model, method)
 
 
 @pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
 @pytest.mark.parametrize("method", ["comm-sd", "duet", "overseer"])
 def test_googlenet_plans_verify(method: str, tmp_path: Path) -> None:
-    plan = place(GOOGLENET, method, output_dir=tmp_path / "plan", costs="estimate", devices="cores=1")
+    plan = place(GOOGLENET, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"))
     _check_plan(plan, GOOGLENET, method)
 
 
 @pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
 def test_googlenet_optimal_solves_over_chains_and_refuses_clearly_without(tmp_path: Path) -> None:
-    plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices="cores=1")
+    plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"))
     _check_plan(plan, GOOGLENET, "optimal")
     info = plan.settings["placement"]["info"]
     assert info["coarsened"] == "chains" and info["nodes"] == 139 and info["units"] <= 60
     assert "series chain" in info["optimal_among"]
     with pytest.raises(PartitionError, match="limited to 60 nodes and this graph has 139"):
-        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan2", costs="estimate", options={"coarsen": "off"})
+        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan2", costs="estimate", options={"coarsen": "off"},
+              devices=host_devices())
     with pytest.raises(PartitionError, match="coarsen must be"):
-        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan3", costs="estimate", options={"coarsen": "yes"})
+        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan3", costs="estimate", options={"coarsen": "yes"},
+              devices=host_devices())
 
 
 def test_partition_api_records_devices_and_predictions(tmp_path: Path) -> None:
     assert {"metis", "linear", "comm-sd", "duet", "overseer", "optimal", "ort-static"} <= set(METHODS)
     model = zoo.multi_head_detector()
-    plan = partition(model, method="duet", output_dir=tmp_path / "plan", costs="estimate")
+    # through the public door: it places on this host's groups
+    plan = staronnx.partition(model, method="duet", output_dir=tmp_path / "plan", costs="estimate")
     _check_plan(plan, model, "duet")
     data = json.loads((plan.root / "plan.json").read_text())
     assert all("device" in p for p in data["parts"])
@@ -441,6 +449,49 @@ def test_partition_api_records_devices_and_predictions(tmp_path: Path) -> None:
     metis = partition(model, [0.85, 0.15], output_dir=tmp_path / "metis", costs="estimate")
     assert metis.k == 2 and all(p.device is None for p in metis.parts)
     assert "placement" not in metis.settings
+
+
+def test_partition_takes_the_machine_typed_and_prices_transfers_with_a_bus_model(tmp_path: Path) -> None:
+    # partition sits below workers and perfmodels: it places on the devices it is given and
+    # prices transfers with any bus model (here perfmodels' own), whatever host runs the test
+    two_nodes = [Device("cpu:a", "cpu", "numa0", 1), Device("cpu:b", "cpu", "numa1", 1)]
+    model = zoo.multi_head_detector()
+
+    def bus(bandwidth: float) -> TransferModel:
+        model = BusModel()
+        for src, dst in (("numa0", "numa1"), ("numa1", "numa0")):
+            model.set(src, dst, LinkCost(latency=1e-6, bandwidth=bandwidth))
+        return TransferModel(bus=model)
+
+    # transfers cost next to nothing: both groups work; 1 kB/s between the nodes: never worth crossing
+    fast = partition(model, method="duet", output_dir=tmp_path / "fast", costs="estimate", devices=two_nodes,
+                     transfer=bus(1e12))
+    slow = partition(model, method="duet", output_dir=tmp_path / "slow", costs="estimate", devices=two_nodes,
+                     transfer=bus(1e3))
+    assert {p.device for p in fast.parts} == {"cpu:a", "cpu:b"}
+    assert [d["name"] for d in fast.settings["placement"]["devices"]] == ["cpu:a", "cpu:b"]
+    assert len({p.device for p in slow.parts}) == 1
+    # a group policy names this machine's groups, which only the doors read
+    with pytest.raises(PartitionError, match="host_devices"):
+        partition(model, method="duet", output_dir=tmp_path / "policy", costs="estimate", devices="cores=1")
+
+
+def test_the_host_door_reads_groups_and_the_stored_bus(tmp_path: Path, two_groups: str, monkeypatch) -> None:
+    # what staronnx.partition() hands partition: CPU groups named like the workers the runtime
+    # starts, their cores, and the bus model this host's store holds (none: default links)
+    pus = two_groups.split(";")
+    devices = host_devices(two_groups, cuda=True)
+    assert [(d.name, d.kind, d.cores) for d in devices] == [
+        (f"cpu:pus{pus[0]}", "cpu", 1), (f"cpu:pus{pus[1]}", "cpu", 1), ("cuda0", "cuda", 1)]
+    assert all(d.memory.startswith("numa") for d in devices[:2]) and devices[2].memory == "cuda0"
+    assert cpu_group_sizes(two_groups, 0) == [1, 1]
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    assert host_transfer().bus is None
+    bus = BusModel()
+    bus.set("numa0", "numa1", LinkCost(latency=1e-3, bandwidth=1e6))
+    PerfModelStore().save_bus(bus)
+    a, b = Device("cpu:a", "cpu", "numa0", 1), Device("cpu:b", "cpu", "numa1", 1)
+    assert host_transfer().link(a, b) == pytest.approx((1e-3, 1e-6))
 
 
 def test_plans_without_device_field_still_load(tmp_path: Path) -> None:
@@ -480,21 +531,23 @@ def test_what_if_gpu_costs_move_work_to_the_gpu(tmp_path: Path) -> None:
 
 def test_placement_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(PartitionError, match="no option"):
-        place(zoo.chain(), "comm-sd", costs="estimate", options={"alpha": 5})
-    plan = place(zoo.chain(), "comm-sd", output_dir=tmp_path / "p", costs="estimate", options={"alpha_us": 0.0})
+        place(zoo.chain(), "comm-sd", costs="estimate", options={"alpha": 5}, devices=host_devices())
+    plan = place(zoo.chain(), "comm-sd", output_dir=tmp_path / "p", costs="estimate", options={"alpha_us": 0.0},
+                 devices=host_devices())
     assert plan.settings["placement"]["info"]["alpha_us"] == 0.0
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA: ort-static runs instead of failing")
 def test_ort_static_names_the_missing_cuda_provider(tmp_path: Path) -> None:
     with pytest.raises(DeviceError, match="CUDAExecutionProvider"):
-        place(zoo.chain(), "ort-static", output_dir=tmp_path / "p", costs="estimate")
+        place(zoo.chain(), "ort-static", output_dir=tmp_path / "p", costs="estimate", devices=host_devices())
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs ONNX Runtime's CUDA provider")
 def test_ort_static_on_a_gpu(tmp_path: Path) -> None:
     model = zoo.multi_head_detector()
-    plan = place(model, "ort-static", output_dir=tmp_path / "p", costs="profile", devices="cores=1+cuda")
+    plan = place(model, "ort-static", output_dir=tmp_path / "p", costs="profile",
+                 devices=host_devices("cores=1", cuda=True))
     assert "cuda0" in {p.device for p in plan.parts}
     assert verify_plan(plan, model).ok
 

@@ -13,6 +13,7 @@ from staronnx.runtime.policies import PolicyError, make_policy
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.verify import random_plan_feeds
+from staronnx.workers.host import host_devices
 from staronnx.zoo import wide_fanout
 from staronnx import partition
 
@@ -41,7 +42,7 @@ def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))
     second = two_groups.split(";")[1]  # explicit one-PU groups are named pus<PU>
-    plan = place(model, "duet", output_dir=tmp_path / "plan", devices=two_groups, costs="estimate",
+    plan = place(model, "duet", output_dir=tmp_path / "plan", devices=host_devices(two_groups), costs="estimate",
                  device_costs={f"cpu:pus{second}": 0.5})
     devices = {p.index: p.device for p in plan.parts}
     store = PerfModelStore(tmp_path / "home")

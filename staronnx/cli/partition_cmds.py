@@ -70,9 +70,9 @@ def partition_cmd(
              "plan of the same model instead of timing the model now.")] = None,
 ) -> None:
     """Cut MODEL into weighted, acyclic parts and write them as a plan folder."""
-    from staronnx.partition.api import partition
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
+    from staronnx.workers.host import partition
 
     if method not in _method_names():
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")

@@ -1,4 +1,4 @@
-"""``staronnx.partition()``: a model in, a k-part acyclic plan out.
+"""``partition()``: a model in, a k-part acyclic plan out (``staronnx.partition()`` on this host).
 
 The steps are the ones DESIGN.md lists: check the request, load and shape-infer the model,
 choose the shares (``shares="auto"``), run the method's :class:`~staronnx.partition.cut.Cut`
@@ -21,14 +21,13 @@ from staronnx.partition.autoshares import (
     SharesChoice,
     WorkerSpeed,
     choose_shares,
-    cpu_group_sizes,
     is_auto,
     measure_speeds,
 )
 from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
-from staronnx.partition.methods.devices import default_groups, machine_devices
+from staronnx.partition.methods.model import Device, TransferModel
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS, PlacementMethod
 from staronnx.partition.notation import parse_input_shapes, read_shares
 from staronnx.plan import Plan, output_dir_for
@@ -80,8 +79,9 @@ def partition(
     tolerance: float = 0.02,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
-    groups: str | None = None,
-    cuda_streams: int = 0,
+    devices: Sequence[Device] | None = None,
+    cpu_group_sizes: Sequence[int] | None = None,
+    transfer: TransferModel | None = None,
     speeds: Sequence[WorkerSpeed] | None = None,
 ) -> Plan:
     """Cut a model into weighted parts that run in sequence with the whole model's outputs.
@@ -92,13 +92,14 @@ def partition(
     ``output_dir`` the plan is written to a new temporary folder.
 
     ``shares="auto"`` chooses the split from this machine's speeds
-    (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on the
-    CPU groups ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)`` would start, and on
-    the GPU for ``device="cuda"``, or ``speeds`` given (e.g. from calibrated perf models); one
-    part where a split cannot pay.  The choice and its reason are kept in the plan's settings.
-    ``groups`` (default ``numa`` there) is also the CPU groups a placement method places on
-    (default: one per NUMA node, or two halves of the cores), named like the workers that
-    ``Runtime(cpu_groups=groups)`` starts, which ``policy="static"`` needs.
+    (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on CPU
+    workers of ``cpu_group_sizes`` cores, and on the GPU for ``device="cuda"``, or ``speeds``
+    given (e.g. from calibrated perf models); one part where a split cannot pay.  The choice
+    and its reason are kept in the plan's settings. A placement method places on ``devices``
+    and prices transfers with ``transfer`` (default links when None).
+
+    The machine comes in typed: ``staronnx.partition()``
+    (:func:`staronnx.workers.host.partition`) reads this host's from a CPU group policy.
     """
     say = progress or (lambda _msg: None)
     auto = is_auto(shares)
@@ -134,15 +135,13 @@ def partition(
     if auto:
         if placed:
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
-        auto_choice = _auto_shares(graph, shapes, device=device, groups=groups or "numa", cuda_streams=cuda_streams,
-                                   speeds=speeds, batch=profile_batch, runs=profile_runs, seed=seed, say=say)
+        auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=cpu_group_sizes, speeds=speeds,
+                                   batch=profile_batch, runs=profile_runs, seed=seed, say=say)
         targets = auto_choice.shares
-    # a placement method places on this machine's CPU groups, plus the GPU for device="cuda";
-    # it profiles per device itself and makes its own parts (shares/parts do not apply)
-    devices = machine_devices(groups or default_groups(), cuda=device == "cuda") if placed else None
+    # a placement method profiles per device itself and makes its own parts (shares do not apply)
     request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
                          profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
-                         devices=devices, progress=say)
+                         devices=devices if placed else None, transfer=transfer, progress=say)
     result = cut(graph, request)
     settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,
                              auto_shares=auto_choice.to_json() if auto_choice is not None else None)
@@ -151,14 +150,17 @@ def partition(
 
 
 def _auto_shares(
-    graph: ModelGraph, shapes: dict[str, list[int]], *, device: str, groups: str, cuda_streams: int,
+    graph: ModelGraph, shapes: dict[str, list[int]], *, device: str, group_sizes: Sequence[int] | None,
     speeds: Sequence[WorkerSpeed] | None, batch: int, runs: int, seed: int, say: Callable[[str], None],
 ) -> SharesChoice:
     """Measure (unless given) the whole model's speed per worker and choose the shares."""
     if speeds is None:
+        if group_sizes is None:
+            raise PartitionError("shares='auto' times the model on the CPU workers that will serve the plan: "
+                                 "give cpu_group_sizes (or speeds)")
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
                                         model=graph.model, seed=seed)
-        speeds = measure_speeds(graph.model, feeds, group_sizes=cpu_group_sizes(groups, cuda_streams),
+        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes,
                                 cuda=device == "cuda", runs=max(runs, 3), progress=say)
     choice = choose_shares(speeds, batch)
     say(f"shares auto: {choice.reason}")

@@ -189,12 +189,3 @@ def measure_speeds(
         why = "found no worker to time (no CPU group, no GPU)"
         raise PartitionError(f"shares='auto' {why}", cli=f"--shares auto {why}")
     return speeds
-
-
-def cpu_group_sizes(groups: str, cuda_streams: int) -> list[int]:
-    """Cores of each CPU worker ``Runtime`` would start on this machine with these settings."""
-    from staronnx.workers.launch import worker_layout
-    from staronnx.workers.topology import Topology
-
-    layout = worker_layout(Topology.from_system(), groups, cuda_streams)
-    return [g.n_cores for g in layout.groups]

@@ -33,9 +33,9 @@ class CutRequest:
     """What a cut is asked, in typed values (strings are read before, at the CLI).
 
     Share cuts cut to ``targets`` of the nodes' cost on ``device``. Placement methods choose
-    their own parts over ``devices`` (:class:`~staronnx.partition.methods.model.Device`s, or a
-    CPU group policy such as ``"cores=1+cuda"``; None: this machine's default groups), with
-    what-if ``device_costs``, their ``options``, a decision ``batch`` and a ``transfer`` model.
+    their own parts over ``devices`` (:class:`~staronnx.partition.methods.model.Device`s: the
+    doors read this machine's), with what-if ``device_costs``, their ``options``, a decision
+    ``batch`` and a ``transfer`` model (default links when None).
     """
 
     targets: list[float]
@@ -46,7 +46,7 @@ class CutRequest:
     seed: int = 0
     tolerance: float = 0.02
     input_shapes: dict[str, list[int]] = field(default_factory=dict)
-    devices: str | Sequence[Any] | None = None
+    devices: Sequence[Any] | None = None
     device_costs: Mapping[str, Any] | None = None
     options: Mapping[str, Any] | None = None
     batch: int | None = None

@@ -10,7 +10,7 @@ They are ``staronnx partition --method NAME`` (with defaults) and :func:`place` 
 what-if costs and options).
 """
 
-from staronnx.partition.methods.devices import machine_devices, parse_devices
+from staronnx.partition.methods.devices import parse_devices
 from staronnx.partition.methods.heuristics import (
     Assignment,
     comm_sd,
@@ -52,7 +52,6 @@ __all__ = [
     "duet",
     "duet_subgraphs",
     "group_parts",
-    "machine_devices",
     "make_context",
     "makespan",
     "overseer",

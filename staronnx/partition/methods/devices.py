@@ -1,4 +1,4 @@
-"""Devices of this machine and each node's cost on each of them.
+"""Devices to place on and each node's cost on each of them.
 
 On a CPU-only machine the "devices" are CPU groups (``cores=1`` on two cores gives two). Node
 costs per device come from ORT's profiler with ``intra_op_num_threads`` = the group's cores
@@ -18,12 +18,10 @@ override, or profiling fails with the missing provider's name.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
-import onnxruntime as ort
 
 from staronnx.errors import PartitionError
 from staronnx.partition.costs import estimate_node, profile_costs
@@ -33,50 +31,15 @@ from staronnx.partition.methods.model import Device
 CostOverride = float | Mapping[str, float] | Sequence[float] | np.ndarray | Callable[..., Any]
 
 
-def machine_devices(groups: str = "cores=1", cuda: bool | None = None) -> list[Device]:
-    """The CPU groups of a group policy (named like their workers), plus ``cuda0`` when asked
-    (``cuda=None``: when ORT has the CUDA provider)."""
-    from staronnx.workers.groups import make_groups
-    from staronnx.workers.topology import Topology
+def parse_devices(spec: Sequence[Device | str | Mapping[str, Any]] | None) -> list[Device]:
+    """Devices from a list of :class:`Device`, dicts, or names (``"cuda0"``, ``"cpu:g0"``).
 
-    topology = Topology.from_system()
-    devices = []
-    for g in make_groups(topology, groups):
-        numa = g.numa if g.numa is not None else 0
-        devices.append(Device(f"cpu:{g.name}", "cpu", f"numa{numa}", g.n_cores))
-    if cuda is None:
-        cuda = "CUDAExecutionProvider" in ort.get_available_providers()
-    if cuda:
-        devices.append(Device("cuda0", "cuda", "cuda0", 1))
-    return devices
-
-
-def default_groups() -> str:
-    """CPU groups used as devices when none are given: one per NUMA node where there are
-    several, else the cores split in two halves (``cores=1`` on a two-core machine)."""
-    from staronnx.workers.topology import Topology
-
-    topology = Topology.from_system()
-    cores = topology.allowed_cores()
-    if len({c.numa for c in cores}) >= 2:
-        return "numa"
-    return f"cores={max(1, math.ceil(len(cores) / 2))}"
-
-
-def parse_devices(spec: str | Sequence[Device | str | Mapping[str, Any]] | None) -> list[Device]:
-    """Devices from a CPU group policy (``"cores=1"``, ``"numa"``; empty or None: see
-    :func:`default_groups`), optionally followed by ``+cuda`` (``"cores=1+cuda"``, ``"+cuda"``),
-    or a list of :class:`Device`, dicts, or names (``"cuda0"``, ``"cpu:g0"``)."""
-    if spec is None:
-        spec = ""
-    if isinstance(spec, str):
-        policy, plus, extra = spec.partition("+")
-        devices = machine_devices(policy or default_groups(), cuda=False)
-        if plus:
-            if extra != "cuda":
-                raise PartitionError(f"devices {spec!r}: only '+cuda' may follow the group policy")
-            devices.append(Device("cuda0", "cuda", "cuda0", 1))
-        return devices
+    A CPU group policy (``"cores=1"``) names this machine's groups, which partition does not
+    read (it sits below workers): the doors turn one into devices
+    (:func:`staronnx.workers.host.host_devices`)."""
+    if spec is None or isinstance(spec, str):
+        raise PartitionError(f"placement needs a list of devices, got {spec!r}; a CPU group policy "
+                             "is read by staronnx.workers.host.host_devices()")
     out: list[Device] = []
     for item in spec:
         if isinstance(item, Device):

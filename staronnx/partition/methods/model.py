@@ -29,10 +29,9 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
 
 import numpy as np
-
-from staronnx.perfmodels.bus import BusModel, LinkCost
 
 # -- devices and transfers ---------------------------------------------------------------------
 
@@ -55,13 +54,29 @@ class Device:
         return {"name": self.name, "kind": self.kind, "memory": self.memory, "cores": self.cores}
 
 
+class Link(NamedTuple):
+    """A link's fixed cost and bandwidth (a ``perfmodels.LinkCost`` reads the same)."""
+
+    latency: float  # s
+    bandwidth: float  # bytes/s
+
+
+class BusRoutes(Protocol):
+    """What pricing a transfer needs of a calibrated bus model: ``perfmodels.BusModel`` is
+    one, handed in by the doors (partition sits below perfmodels and reads no store)."""
+
+    def has_route(self, src: str, dst: str) -> bool: ...
+
+    def predict(self, src: str, dst: str, nbytes: int) -> float: ...
+
+
 #: Two CPU groups on one NUMA node share memory: the runtime copies nothing, but the consumer
 #: reads the tensor out of another core's caches and the engine hands the task over to another
 #: worker. A small fixed cost plus a cache-to-cache bandwidth; configurable (``same_node``).
-SAME_NODE_LINK = LinkCost(latency=30e-6, bandwidth=20e9)
+SAME_NODE_LINK = Link(latency=30e-6, bandwidth=20e9)
 #: Memory nodes the bus model has no route between (not calibrated yet): a PCIe 3 x16-like
 #: link for host<->GPU, a QPI/UPI-like one between NUMA nodes. Configurable (``default_link``).
-DEFAULT_LINK = LinkCost(latency=10e-6, bandwidth=12e9)
+DEFAULT_LINK = Link(latency=10e-6, bandwidth=12e9)
 
 
 @dataclass
@@ -73,9 +88,9 @@ class TransferModel:
     (calibrated with ``staronnx calibrate``), else ``default_link``.
     """
 
-    bus: BusModel | None = None
-    same_node: LinkCost = SAME_NODE_LINK
-    default_link: LinkCost = DEFAULT_LINK
+    bus: BusRoutes | None = None
+    same_node: Link = SAME_NODE_LINK
+    default_link: Link = DEFAULT_LINK
 
     def link(self, src: Device, dst: Device) -> tuple[float, float]:
         """(latency s, seconds per byte) of the ``src -> dst`` transfer."""
@@ -101,13 +116,6 @@ class TransferModel:
                     s, slope = self.link(a, b)
                     lat[i, j], per_byte[i, j] = s * 1e6, slope * 1e6
         return lat, per_byte
-
-    def describe(self) -> dict[str, object]:
-        return {
-            "same_node": {"latency_s": self.same_node.latency, "bandwidth": self.same_node.bandwidth},
-            "default_link": {"latency_s": self.default_link.latency, "bandwidth": self.default_link.bandwidth},
-            "bus": self.bus.to_dict()["links"] if self.bus is not None else [],
-        }
 
 
 # -- the problem ---------------------------------------------------------------------------------

@@ -41,7 +41,8 @@ def ort_static_devices(
     cpu = next((i for i, d in enumerate(devices) if d.kind == "cpu"), None)
     if gpu is None or cpu is None:
         why = f"ort-static places between a CPU and a GPU; the devices are {[d.name for d in devices]}"
-        raise PartitionError(f"{why} (use devices='cores=N+cuda', or device='cuda')", cli=f"{why} (use --device cuda)")
+        raise PartitionError(f"{why} (add a 'cuda' Device, e.g. host_devices(cuda=True), or use device='cuda')",
+                             cli=f"{why} (use --device cuda)")
     shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
     feeds = random_feeds_for_shapes(graph.inputs, shapes, model=graph.model, seed=seed)
     with tempfile.TemporaryDirectory(prefix="staronnx-ort-static-") as tmp:

@@ -1,12 +1,14 @@
 """From a model to a placed plan: costs per device, a device per node, parts, export.
 
     from staronnx.partition.methods import place
-    plan = place("model.onnx", "comm-sd", output_dir="plan/", devices="cores=1",
+    from staronnx.workers.host import host_devices
+    plan = place("model.onnx", "comm-sd", output_dir="plan/", devices=host_devices("cores=1"),
                  device_costs={"cpu:numa0.core1": 0.5}, options={"alpha_us": 100})
 
-Steps: (1) the devices (CPU groups of this machine, a GPU where present, or a given list) and
-every node's cost on each at batch 1 and 8 (profiled with the device's threads, estimated, or
-what-if tables); transfers from the bus model; (2) the method puts every node on a device
+Steps: (1) the devices (typed: this machine's CPU groups and GPU are read by the doors, above
+this layer) and every node's cost on each at batch 1 and 8 (profiled with the device's
+threads, estimated, or what-if tables); transfers from the given model (default links unless
+it carries a calibrated bus); (2) the method puts every node on a device
 from the costs at the decision batch (``batch``, default the profile batch); (3)
 :func:`~staronnx.partition.methods.model.group_parts` makes parts of one device each whose
 quotient is a DAG; (4) the plan is exported as every other plan, with each part's device
@@ -283,20 +285,9 @@ def make_context(graph: ModelGraph, method: PlacementMethod, request: CutRequest
         graph, devs, batches, source=r.costs, runs=r.profile_runs, profile_batch=r.profile_batch,
         input_shapes=r.input_shapes, seed=r.seed, overrides=r.device_costs, progress=r.progress,
     )
-    transfer = r.transfer or TransferModel(bus=_stored_bus())
+    transfer = r.transfer or TransferModel()
     problems = {b: graph_problem(graph, devs, tables[b], transfer, b) for b in batches}
     return PlacementContext(graph, devs, problems, batch, transfer, r.seed, options, dict(r.input_shapes))
-
-
-def _stored_bus() -> Any:
-    """This host's calibrated bus model, if any (``staronnx calibrate`` writes it)."""
-    try:
-        from staronnx.perfmodels import PerfModelStore
-
-        bus = PerfModelStore().load_bus()
-        return bus if bus.links else None
-    except Exception:  # noqa: BLE001 - no store, no bus: default links
-        return None
 
 
 # -- placing -------------------------------------------------------------------------------------
@@ -395,7 +386,7 @@ def place(
     method: str,
     *,
     output_dir: str | os.PathLike[str] | None = None,
-    devices: str | Sequence[Device | str | Mapping[str, Any]] | None = None,
+    devices: Sequence[Device | str | Mapping[str, Any]] | None = None,
     device_costs: Mapping[str, CostOverride] | None = None,
     options: Mapping[str, Any] | None = None,
     costs: str = "profile",
