@@ -41,12 +41,6 @@ LAYERS: dict[str, int] = {
     "cli": 6, "__main__": 6, "demo": 6, "": 6,
 }
 
-#: Violations that exist today and are being removed by the engineers reshaping those packages
-#: (issue 15, parts 1-3). Each entry must still occur: the test fails when one is gone, so
-#: delete it here as its fix lands. Layer violations are (importer, imported); cycles are the
-#: set of modules in the cycle.
-KNOWN: set[tuple[str, str] | frozenset[str]] = set()
-
 
 @dataclass(frozen=True)
 class Import:
@@ -196,32 +190,18 @@ def describe_cycle(chain: list[Import]) -> str:
     return f"import cycle {names} ({lines})"
 
 
-def problems(edges: list[Import], layers: Mapping[str, int], known: set) -> list[str]:
-    """What the test reports: new upward imports, new cycles, and KNOWN entries that no longer occur."""
-    found: list[str] = []
-    seen: set = set()
-    for e in upward(edges, layers):
-        key = (e.importer, e.imported)
-        seen.add(key)
-        if key not in known:
-            found.append(f"{e.where()}: {e.importer} (layer {layer_of(e.importer, layers)}) imports "
-                         f"{e.imported} (layer {layer_of(e.imported, layers)}), a higher layer")
-    for chain in cycles(edges):
-        key = frozenset(e.importer for e in chain)
-        seen.add(key)
-        if key not in known:
-            found.append(describe_cycle(chain))
-    for key in sorted(known - seen, key=str):
-        found.append(f"KNOWN entry {sorted(key) if isinstance(key, frozenset) else key} no longer occurs: "
-                     f"remove it from KNOWN in {Path(__file__).name}")
-    return found
+def problems(edges: list[Import], layers: Mapping[str, int]) -> list[str]:
+    """What the test reports: every upward import and every cycle."""
+    found = [f"{e.where()}: {e.importer} (layer {layer_of(e.importer, layers)}) imports "
+             f"{e.imported} (layer {layer_of(e.imported, layers)}), a higher layer" for e in upward(edges, layers)]
+    return found + [describe_cycle(chain) for chain in cycles(edges)]
 
 
 # ---------------------------------------------------------------------------------------------
 def test_no_upward_import_and_no_cycle():
     edges = package_graph()
     assert len({e.importer for e in edges}) > 50  # the walk saw the package
-    found = problems(edges, LAYERS, KNOWN)
+    found = problems(edges, LAYERS)
     assert not found, "\n" + "\n".join(found)
 
 
@@ -239,7 +219,7 @@ def _write(root: Path, files: Mapping[str, str]) -> None:
         path.write_text(text)
 
 
-def test_the_check_catches_upward_imports_cycles_and_stale_known_entries(tmp_path):
+def test_the_check_catches_upward_imports_and_cycles(tmp_path):
     # a synthetic package: low imports high inside a function (still an upward import), high
     # imports low at module level (fine), and a <-> b import each other through a relative import
     _write(tmp_path, {
@@ -253,15 +233,10 @@ def test_the_check_catches_upward_imports_cycles_and_stale_known_entries(tmp_pat
     edges = package_graph(tmp_path, "pkg")
     assert {(e.importer, e.imported) for e in edges} == {
         ("pkg.low", "pkg.high"), ("pkg.high", "pkg.low"), ("pkg.high.a", "pkg.high.b"), ("pkg.high.b", "pkg.high.a")}
-    found = problems(edges, layers, known=set())
+    found = problems(edges, layers)
     assert len(found) == 3, found
     assert any("pkg/low.py:2: pkg.low (layer 0) imports pkg.high (layer 1)" in f for f in found)
     assert any(f.startswith("import cycle pkg.high -> pkg.low -> pkg.high") for f in found)
     assert any("import cycle pkg.high.a -> pkg.high.b -> pkg.high.a" in f and "pkg/high/b.py:1" in f for f in found)
-    # KNOWN entries silence what they name, and fail once what they name is gone
-    known = {("pkg.low", "pkg.high"), frozenset({"pkg.high", "pkg.low"}), frozenset({"pkg.high.a", "pkg.high.b"}),
-             ("pkg.high.a", "pkg.nowhere")}
-    (left,) = problems(edges, layers, known)
-    assert "('pkg.high.a', 'pkg.nowhere') no longer occurs" in left
     with pytest.raises(AssertionError, match="no layer"):
-        problems(edges, {"low": 0}, set())
+        problems(edges, {"low": 0})

@@ -1,51 +1,18 @@
-"""A discrete-event simulator of serving a plan, driving the runtime's own policy objects.
+"""A discrete-event simulator of serving a plan: what-ifs (more cores, more CUDA streams,
+another split or policy) answered in seconds from the calibrated perf models.
 
-Why: a sweep over rates x batch sizes x policies x machines takes hours of real serving; the
-simulator answers the same what-if questions (more cores, more CUDA streams, another split,
-another policy) in seconds, from the calibrated perf models alone. It is only as good as its
-fidelity to the native engine, so it shares everything the engine's decisions depend on: the
-engine's own task-graph core (:class:`~staronnx.runtime.core.TaskGraph`: tasks, data handles
-and their valid copies, the policy calls, successors, statistics) on a
-:class:`~staronnx.bench.simclock.SimClock`; the workers ``Runtime`` would start (same layout,
-names, archs and memory nodes, :func:`sim_workers`); and the footprints calibration filled (a
-reference run at each batch size, :func:`profile_plan`). ``tests/test_replay.py`` holds the
-live engine and the simulator to the same decisions on the same arrivals.
+It is only as good as its fidelity to the native engine, so it shares what the engine's
+decisions depend on: the task-graph core (:class:`~staronnx.runtime.core.TaskGraph`) on a
+:class:`~staronnx.bench.simclock.SimClock`, the workers ``Runtime`` would start
+(:func:`sim_workers`), the footprints calibration filled (:func:`profile_plan`), and the live
+front end (the same arrivals, the Server's bounded queue, batcher and in-flight limit, which
+keeps heft from letting new batches overtake old ones under overload). ``tests/test_replay.py``
+holds the engine and the simulator to the same decisions on the same arrivals.
 
-Execution times are drawn from the perf models: a normal with the entry's mean and standard
-deviation (times ``spread``), truncated to positive values; for a batch size with no
-calibrated entry, the batch-size regression's prediction with the family's median relative
-deviation; neither is an error raised before the run starts. A task also occupies its worker
-for the bus model's transfer time of inputs not valid on that worker's node (the CUDA worker
-copies inside the task, as StarPU's policies assume). With a single memory node this is 0.
-
-**What-if models.** A simulated arch with no models of its own can borrow another arch's,
-scaled (:class:`ArchSource`):
-
-- ``cpu_fallback`` (default on): a group size the store never saw (a synthetic 8-core NUMA
-  node when this machine calibrated ``cpu2``) uses the nearest calibrated ``cpu<m>`` with
-  times x m/n — ideal linear scaling in the core count, an *optimistic* guess, reported in
-  :attr:`SimMachine.notes`;
-- ``cuda_scale`` (a factor, or one per part): hypothetical CUDA streams run each part in that
-  factor times the time of the widest simulated CPU group (``0.1`` = ten times faster). It
-  takes precedence over stored ``cuda0`` models, so a what-if is never silently replaced by
-  measurements; without it, CUDA workers use the store's ``cuda<dev>`` models;
-- ``arch_sources``: any explicit mapping, which wins over both.
-
-Several streams on one GPU are independent workers here, each taking the cuda model's time:
-contention between streams is only as good as the calibration (run with the same number of
-streams). Transfers with no bus route (e.g. to a hypothetical GPU) cost 0, as in StarPU; pass
-``bus=`` to assume a link.
-
-**The front end** is the live one's: arrivals drawn by :mod:`staronnx.serving.arrivals` (the
-very schedule a live point with the same distribution, rate and seed gets), then the
-:class:`~staronnx.serving.server.Server`'s bounded queue (rejections when full), batcher and
-``max_inflight`` limit on batches handed to the runtime, and the load generator's flush after
-the last arrival. The in-flight limit matters: without it heft's priorities let the first
-parts of new batches overtake the last parts of old ones for as long as overload lasts.
-
-Output: :class:`~staronnx.serving.records.RunRecords` filled as the live server fills them
-(so :func:`staronnx.serving.metrics.summarize` judges both), plus placement counts per (part,
-arch) and busy fractions per worker (:class:`SimResult`).
+A task takes a time drawn from its perf model (a truncated normal; the batch-size regression
+where no entry is calibrated) plus the bus model's transfer time for inputs not valid on its
+worker's node. Archs with no models borrow another's, scaled (:class:`ArchSource`). Results fill
+:class:`~staronnx.serving.records.RunRecords` as the live server does (:class:`SimResult`).
 """
 
 from __future__ import annotations
@@ -82,9 +49,14 @@ class SimulationError(StaronnxError, ValueError):
 # ---------------------------------------------------------------------------- models
 @dataclass(frozen=True)
 class ArchSource:
-    """Where a simulated arch takes its times from: another arch's models, times a factor.
+    """Where a simulated arch takes its times from: another arch's models, times a factor
+    (one for every part, or one per part).
 
-    ``scale`` is one factor for every part or one per part (``scale[p]``).
+    ``cpu_fallback`` lends a group size the store never saw the nearest calibrated ``cpu<m>``
+    times m/n (ideal, optimistic scaling, said in :attr:`SimMachine.notes`); ``cuda_scale``
+    runs CUDA streams at a factor of the widest CPU group's time and wins over stored ``cuda``
+    models, so a what-if is never silently replaced; explicit ``arch_sources`` win over both.
+    Streams on one GPU are independent workers, as contended as their calibration was.
     """
 
     arch: str

@@ -162,23 +162,16 @@ def _input_specs(graph: ModelGraph, part_inputs: list[list[str]]) -> list[Tensor
     return specs
 
 
+def _tensor_spec(graph: ModelGraph, name: str, producer: int, consumers: list[int]) -> TensorSpec:
+    info = graph.tensors[name]
+    return TensorSpec(name=name, dtype=info.dtype, shape=list(info.sym_shape or []),
+                      bytes_per_sample=info.bytes_per_sample, batched=info.batched,
+                      producer=producer, consumers=consumers)
+
+
 def _output_specs(graph: ModelGraph, part_outputs: list[list[str]]) -> list[TensorSpec]:
-    specs = []
-    for name in graph.outputs:
-        info = graph.tensors[name]
-        producer = next(r for r, outs in enumerate(part_outputs) if name in outs)
-        specs.append(
-            TensorSpec(
-                name=name,
-                dtype=info.dtype,
-                shape=list(info.sym_shape or []),
-                bytes_per_sample=info.bytes_per_sample,
-                batched=info.batched,
-                producer=producer,
-                consumers=[],
-            )
-        )
-    return specs
+    return [_tensor_spec(graph, name, next(r for r, outs in enumerate(part_outputs) if name in outs), [])
+            for name in graph.outputs]
 
 
 def _crossing_specs(
@@ -189,19 +182,7 @@ def _crossing_specs(
     for r, outs in enumerate(part_outputs):
         for name in outs:
             consumers = [c for c, ins in enumerate(part_inputs) if name in ins and c != r]
-            if not consumers or name in model_inputs:
-                continue
-            info = graph.tensors[name]
-            specs.append(
-                TensorSpec(
-                    name=name,
-                    dtype=info.dtype,
-                    shape=list(info.sym_shape or []),
-                    bytes_per_sample=info.bytes_per_sample,
-                    batched=info.batched,
-                    producer=r,
-                    consumers=consumers,
-                )
-            )
+            if consumers and name not in model_inputs:
+                specs.append(_tensor_spec(graph, name, r, consumers))
     return specs
 

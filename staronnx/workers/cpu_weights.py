@@ -1,42 +1,19 @@
 """One copy of each part's weights per NUMA node, however many CPU sessions use them.
 
-Every CPU group has its own ONNX Runtime session per part (its own thread pool, pinned to its
-cores), and a plain session keeps a private copy of the weights: N groups would cost N copies.
-What ONNX Runtime 1.31's Python API offers, measured on a MatMul with a 40 MiB weight (PSS, i.e.
-physical memory, growth for 1 -> 4 sessions; the first and last items through CpuWorker, see
-tests/test_cpu_worker.py, the others with bare sessions):
+Each CPU group has its own session per part, and a plain session keeps a private copy of the
+weights (40 MiB MatMul weight, PSS for 1 -> 4 sessions: 48 -> 180 MiB). Sharing one OrtValue
+(``add_initializer``) does not help, as MatMul keeps its own prepacked copy (175 MiB);
+``disable_prepacking`` does (55 MiB) but runs MatMul up to 3x slower, and
+``PrepackedWeightsContainer`` is not in the Python API. So, once per (part, NUMA node), a
+throw-away session saves the optimised part with its prepacked weights in a page-aligned
+external data file (``save_external_prepacked_constant_initializers``) that every session then
+memory-maps: one copy in the page cache (46 -> 47 MiB), at the same speed.
 
-- plain sessions: 48 -> 180 MiB; no other cost.
-- ``SessionOptions.add_initializer`` with one shared OrtValue: 47 -> 175 MiB, because MatMul
-  prepacks its weight and each session keeps its own prepacked copy.
-- ``add_initializer`` + ``session.disable_prepacking``: ~47 -> ~55 MiB, but MatMul runs 3x
-  slower at batch 4, +60 % at 32, +23 % at 128 (weights repacked on every call).
-- ``PrepackedWeightsContainer``: C/C++ API only, not exposed by the Python package.
-- **this module** (prepacked weights saved to an external data file that every session maps):
-  46 -> 47 MiB, at the same speed; costs one extra session build per part and NUMA node, and
-  disk space (the original and the prepacked weights).
-
-How it works: once per (part, NUMA node) a throw-away session optimises the part and writes it
-with ``session.save_external_prepacked_constant_initializers=1`` to a private cache folder; the
-weights (prepacked ones in the CPU kernels' own layout, plain ones as they are) land in a
-page-aligned external data file.  Every session then loads that optimised model, and ORT
-memory-maps the data file (a private copy-on-write mapping that is never written), so the
-kernel keeps **one** copy in the page cache, shared by every session of the process (and of
-other processes given the same ``root``).  The prepacked layout is what the kernels use, so
-nothing is slower.
-
-Caveats, measured or documented rather than guessed:
-
-- ``VmRSS`` counts a file page once per mapping, so it still grows ~4x for 4 sessions; PSS
-  (``/proc/self/smaps_rollup``) and ``RssAnon`` show the real, shared, footprint.
-  :func:`process_memory` reads all of them.
-- The optimised model is specific to this CPU and ORT version (NCHWc layouts, MLAS packing),
-  so the default cache is a private folder per process, deleted at exit.
-- NUMA: page-cache pages are allocated on the node of the thread that writes them, so the copy
-  is made by the worker thread itself, after pinning and memory binding, and there is one
-  copy per NUMA node (one on a 1-node machine).
-- When the optimised save fails (an operator ORT cannot serialise, a read-only disk), the
-  worker falls back to a plain session of the original file and says so.
+Measure with PSS or ``RssAnon`` (:func:`process_memory`): ``VmRSS`` counts a file page once per
+mapping. The optimised model is specific to this CPU and ORT version, so the default cache is a
+private folder deleted at exit. Pages land on the node of the thread that writes them, so the
+worker thread writes its node's copy after pinning. When the save fails (an operator ORT cannot
+serialise, a read-only disk) the worker says so and falls back to a plain session.
 """
 
 from __future__ import annotations

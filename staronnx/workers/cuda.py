@@ -1,46 +1,22 @@
 """The CUDA worker: one thread per CUDA stream, one ONNX Runtime CUDA session per part.
 
-StarPU runs ``STARPU_NWORKER_PER_CUDA`` workers per GPU, each with its own stream, and
-overlaps transfers with kernels through separate copy streams (STARPU_MODEL.md §4).  A
-:class:`CudaWorker` is one of those workers.  Its thread:
+A :class:`CudaWorker` is one of StarPU's ``STARPU_NWORKER_PER_CUDA`` workers
+(STARPU_MODEL.md §4): a **non-blocking** compute stream of its own (never serialised with
+stream 0 or another worker's) bound to each part's session (``user_compute_stream``), and two
+copy streams. A task's inputs go through **pinned** staging buffers, H2D on the copy stream,
+into device buffers bound to an IOBinding; events order copies, kernels and the D2H copy
+without blocking the host (with a user stream ORT does not synchronise, so this event chain is
+what makes results safe to read). While a task computes, the next queued task's inputs are
+staged (prefetch). Buffers and bindings are cached per (part, input signature) in a
+:class:`_Slot`, so steady-state calls allocate nothing.
 
-1. makes the worker's device current, creates its own **non-blocking** compute stream (so it
-   never serialises with the legacy stream 0 or with the other workers' streams) and two copy
-   streams, host-to-device and device-to-host;
-2. builds one session per part with the CUDA execution provider bound to that stream
-   (``user_compute_stream``) and ``do_copy_in_default_stream=0``, plus the CPU provider for the
-   nodes CUDA cannot run;
-3. serves tasks in order.  For each task it copies the inputs into **pinned** staging buffers
-   and then, asynchronously on the H2D stream, into device buffers bound to an IOBinding by
-   pointer; the compute stream waits for an event recorded after those copies
-   (``cudaStreamWaitEvent``: no host blocking), ORT enqueues the kernels, an event recorded
-   after them orders the D2H copies into pinned buffers, and the thread waits for the last
-   event before returning numpy copies.  With a user stream ORT does not synchronise at the
-   end of a run, so this event chain is what makes the results safe to read;
-4. prefetches: before running a task it stages the next queued task's inputs, so that their
-   H2D copy overlaps the current task's kernels.
+CUDA graphs (``cuda_graphs=True``, opt-in; at batch 1-8 a GPU waits on launches): a slot whose
+every buffer is fixed gets a graph id of its own (ORT's ``enable_cuda_graph``,
+``gpu_graph_id``). Capture uses CUDA's global capture mode, where another thread's CUDA call
+fails it (errors 900/901), so capturing runs hold :data:`GRAPH_LOCK` exclusively.
 
-Buffers and the IOBinding are cached per (part, input shapes and dtypes) - that is, per batch
-size - in a :class:`_Slot`, so steady-state calls allocate nothing.  Outputs whose declared
-shape is fixed once the inputs' are (every dim a number or an input's symbolic dim) get device
-buffers of their own; the others (data-dependent shapes) are left to ORT's arena on each run.
-``cudnn_conv_algo_search`` and :meth:`CudaWorker.warmup` keep cuDNN's algorithm search and the
-first allocations out of timed runs.
-
-CUDA graphs (``cuda_graphs=True``, opt-in): at batch 1-8 a GPU worker waits on kernel launches
-(issue 11: a graph alone gave ONNX Runtime x1.7-2.3 on an H100).  Each slot's buffers never
-move, so once its output shapes are known and every output is bound to a buffer of its own, the
-slot gets a graph id of its own and runs with ORT's ``enable_cuda_graph`` and the
-``gpu_graph_id`` run option: ORT runs it normally, then captures it, then replays it.  Capture
-uses CUDA's global capture mode, where another thread's CUDA call fails the capture (errors
-900/901 when four threads captured at once), so the first :data:`GRAPH_CAPTURE_RUNS` runs of a
-slot hold :data:`GRAPH_LOCK` exclusively while every other graph-enabled task holds it shared.
-A part whose session cannot use graphs (nodes left to the CPU provider) runs without them,
-with one warning.  Not yet measured on a GPU: benchmarks/gpu.py is where it will be judged.
-
-Timing: :attr:`CudaWorkerFuture.compute_seconds` (what ``on_done`` receives and what the
-perf models learn) is the GPU time between events around the run on the compute stream, so it
-excludes input transfers, which the bus model accounts for, as in StarPU.
+:attr:`CudaWorkerFuture.compute_seconds`, what the perf models learn, is GPU time between
+events on the compute stream: input transfers are the bus model's, as in StarPU.
 """
 
 from __future__ import annotations

@@ -368,7 +368,6 @@ class CudaRuntime:
         kinds = self.rt.cudaMemcpyKind
         self._h2d = kinds.cudaMemcpyHostToDevice
         self._d2h = kinds.cudaMemcpyDeviceToHost
-        self._d2d = kinds.cudaMemcpyDeviceToDevice
 
     # -- devices
     def device_count(self) -> int:
@@ -400,11 +399,6 @@ class CudaRuntime:
         if nbytes:
             check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2h, stream.raw),
                   "cudaMemcpyAsync(device->host)")
-
-    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
-        if nbytes:
-            check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2d, stream.raw),
-                  "cudaMemcpyAsync(device->device)")
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Stream) -> None:
@@ -510,7 +504,6 @@ class HostRuntime:
             ctypes.memmove(dst, src, nbytes)
 
     copy_d2h = copy_h2d
-    copy_d2d = copy_h2d
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None:

@@ -1,33 +1,16 @@
 """Finding libstarpu and compiling staronnx's cffi binding to it, once per user and version.
 
-Why cffi in API mode, compiled on first use against the installed headers, and not ctypes:
-StarPU's public structs (``starpu_conf``, ``starpu_codelet``, ``starpu_task``,
-``starpu_perfmodel``) are large, full of ``STARPU_NMAXBUFS``/``STARPU_NMAXWORKERS``-sized arrays
-whose sizes are configure-time choices (Debian's 1.3 build has ``STARPU_MAXCPUS 4``), and
-``starpu_task`` is full of bitfields (``cl_arg_free:1``, ``destroy:1``, ...); fields come and
-go between versions (1.4 drops the MIC fields of ``starpu_conf``, for one).  An
-ABI-mode (ctypes) mirror of those layouts would silently read and write the wrong bytes the day
-the library is rebuilt with other options.  In API mode the C compiler sees the real headers,
-so the layouts are the installed library's by construction, version differences are handled
-with ``#if STARPU_MINOR_VERSION`` in a few lines of C, and a mismatch is a compile error, not
-memory corruption.  The C part is small on purpose: it fills ``starpu_conf``, builds codelets
-with a history-based perf model, registers vectors and submits tasks; everything else (ORT
-sessions, futures, bookkeeping) stays in Python, reached from StarPU's worker threads through
-cffi ``extern "Python"`` callbacks (which take the GIL; ONNX Runtime releases it while it
-computes).
+cffi in API mode, not ctypes: StarPU's structs (``starpu_conf``, ``starpu_task``, ...) have
+configure-time array sizes, bitfields and fields that come and go between versions; a ctypes
+mirror would silently read the wrong bytes the day the library is rebuilt, while compiling
+against the installed headers gets the real layouts or a compile error. The C part only fills
+the conf, builds codelets, registers vectors and submits tasks; the rest stays in Python,
+reached through cffi ``extern "Python"`` callbacks.
 
-Where StarPU is looked for, in order:
-
-1. ``$STARPU_PREFIX`` (then only there): ``<prefix>/lib*/pkgconfig/starpu-1.{4,3}.pc``, else
-   ``<prefix>/include/starpu/1.x`` and ``<prefix>/lib*/libstarpu-1.x.so``;
-2. ``pkg-config starpu-1.4``, then ``starpu-1.3``;
-3. ``/usr/include/starpu/1.x`` with ``libstarpu-1.x.so`` on the default library path.
-
-The compiled module lives in ``$STARONNX_HOME/starpu-cffi/<key>/`` (default
-``~/.cache/staronnx``), where the key hashes the C source, the compiler flags, StarPU's version,
-the Python ABI and cffi's version; it is built under a file lock in a temporary folder and moved
-into place, so concurrent first uses neither race nor see half a module.  The compiler is
-``$CC`` or ``cc``; setuptools is not needed (cffi only writes the C file).
+StarPU is looked for in ``$STARPU_PREFIX`` (then only there), then ``pkg-config starpu-1.4`` /
+``starpu-1.3``, then ``/usr/include/starpu/1.x``. The module is built with ``$CC`` (or ``cc``)
+under a file lock into ``$STARONNX_HOME/starpu-cffi/<key>/``, the key hashing everything that
+changes the binary, and moved into place whole, so concurrent first uses never see half a module.
 """
 
 from __future__ import annotations

@@ -1,44 +1,22 @@
-"""The starpu engine: a plan's task graph run by the real StarPU runtime (libstarpu).
+"""The starpu engine: a plan's task graph run by the real StarPU runtime (libstarpu), for
+``Runtime(plan, engine="starpu", policy="dmda")``.
 
-``Runtime(plan, engine="starpu", policy="dmda", cpu_groups="numa")`` builds one of these.  What
-StarPU sees:
+- **Workers**: one StarPU CPU worker per staronnx CPU group, bound to its first PU, set in
+  ``starpu_conf`` (which wins over ``STARPU_*`` variables, so the Runtime's arguments are what
+  runs); each builds its parts' ORT sessions in its own thread, so weights land on its node.
+- **Policy**: passed through by name after checking it against StarPU's own list (StarPU
+  silently falls back to its default on a typo); ``heft`` keeps staronnx's meaning (dmdas with
+  upward-rank priorities); alpha/beta/gamma options become ``STARPU_SCHED_*`` during init.
+- **Perf models**: one codelet per part with a history-based model
+  ``staronnx_<plan hash>_part<i>`` footprinted by batch size, kept where StarPU keeps them
+  (``starpu_perfmodel_display`` reads them), not in staronnx's store.
+- **Data**: inputs registered read-only over the caller's buffers, crossing tensors allocated
+  lazily by StarPU on the producer's node, R/W modes giving sequential consistency; tensors whose
+  shape is known only after their producer runs travel on the Python side, their handle still
+  carrying the dependency. Codelets and callbacks enter Python through cffi (ORT releases the
+  GIL while computing).
 
-- **Workers.** ``starpu_init`` gets a ``starpu_conf`` mirroring staronnx's CPU groups
-  (:func:`~staronnx.workers.groups.make_groups`): ``ncpus`` = number of groups, one CPU worker
-  per group bound to the group's first PU (``use_explicit_workers_bindid`` with hwloc logical
-  indexes, i.e. what ``STARPU_WORKERS_CPUID`` takes), ``ncuda = nopencl = 0``.  The conf takes
-  precedence over ``STARPU_*`` variables (``precedence_over_environment_variables``), so the
-  Runtime's arguments are what runs.  Each worker then builds, in its own thread
-  (``starpu_execute_on_each_worker``, so the weights are first touched on its NUMA node), one
-  ONNX Runtime session per part with ``intra_op_num_threads`` = the group's cores and ORT's
-  extra threads pinned to the group's other cores, as the native CPU worker does.
-- **Policy.** The name is passed through as ``conf.sched_policy_name`` (dmda, dmdas, eager,
-  lws, ws, prio, random, dm, dmdar, pheft, modular-heft, ...), after checking it against the
-  installed StarPU's own list: StarPU itself would silently fall back to its default on a
-  typo.  ``heft`` keeps staronnx's meaning, dmdas with upward-rank task priorities (StarPU alone
-  maps "heft" to dmda).  ``policy_options`` alpha/beta/gamma/idle_power/calibrate become
-  ``STARPU_SCHED_ALPHA``, ... for the duration of ``starpu_init``.
-- **Codelets and perf models.** One codelet per part, with a CPU implementation that runs the
-  part's session, and a ``STARPU_HISTORY_BASED`` model named ``staronnx_<plan hash>_part<i>``
-  whose footprint is crc32c(batch size) (size = the batch), so ``starpu_perfmodel_display -l``
-  lists the parts and ``-s`` shows one row per batch size.  Models live where StarPU keeps them
-  (``$STARPU_HOME/.starpu/sampling/codelets/45/``, or ``$STARPU_PERF_MODEL_DIR``); staronnx's
-  own :class:`~staronnx.perfmodels.PerfModelStore` is not used by this engine.
-- **Data.** Per request, every model input is registered as a vector over the caller's numpy
-  buffer (home node: main RAM; read-only, so StarPU never writes it back) and every crossing
-  tensor as a vector that StarPU allocates lazily on the node of its producer; tasks name them
-  with R/W access modes, so StarPU's sequential consistency orders a request's tasks, and the
-  handles are ``starpu_data_unregister_submit``-ed right after submission (freed once the
-  last task using them is done).  The codelet reads its inputs and writes its crossing
-  outputs through the pointers StarPU hands it.  Model outputs, and any tensor whose dtype or
-  shape is not known before the producer runs (a symbolic non-batch dim, strings), travel on
-  the Python side; their StarPU handle still carries the dependency.
-- **Futures.** A request's sink tasks carry a StarPU callback that resolves its future.  The
-  codelets and callbacks enter Python through cffi ``extern "Python"`` functions, which take
-  the GIL; ONNX Runtime releases it while it computes, so workers run in parallel.
-
-StarPU allows one ``starpu_init`` at a time per process: a second engine while one is open
-raises :class:`~staronnx.errors.StaronnxError` (closing one and opening another is fine).
+StarPU allows one ``starpu_init`` per process at a time: a second open engine is refused.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ predicted makespan of the plan (each part pays a task overhead).
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -558,6 +557,3 @@ def predicted_makespan(problem: Problem, ranks: np.ndarray, devices: Sequence[in
     q = problem.quotient(ranks, overhead)
     dev = list(devices) if devices is not None else list(eft_assign(q))
     return min(makespan(q, dev), makespan(q, dev, list(range(q.n))))
-
-
-INF = math.inf
