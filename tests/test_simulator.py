@@ -215,6 +215,18 @@ def test_max_delay_lets_partial_batches_leave(plan, tmp_path):
     assert res.metrics()["latency_p50"] == pytest.approx(7 * MS)
 
 
+def test_a_partial_batch_with_no_model_is_left_waiting_with_a_note(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(4,))  # no fit either
+    for max_delay in (None, 5 * MS):  # the end-of-run flush, and a batch max_delay lets leave early
+        res = simulate(plan, rate=100, batch_size=4, max_delay=max_delay, topology=topo(CPU4), store=store,
+                       n_requests=10)
+        assert [b.size for b in res.records.batches] == [4, 4]
+        waiting = [r for r in res.records.requests if r.done is None]
+        assert len(waiting) == 2
+        assert "no model for a batch of 2: its requests waited for a full batch" in res.notes, res.notes
+
+
 def test_transfers_between_memory_nodes_cost_time_and_lower_the_bound(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu1"): 4 * MS, (1, "cpu1"): 4 * MS})

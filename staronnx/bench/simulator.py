@@ -40,6 +40,7 @@ from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+from staronnx.serving.server import next_batch_size
 from staronnx.workers.topology import Topology
 
 class SimulationError(StaronnxError, ValueError):
@@ -201,7 +202,7 @@ def resolve_sources(
     cpu_fallback: bool = True,
     explicit: Mapping[str, ArchSource] | None = None,
 ) -> tuple[dict[str, ArchSource], list[str]]:
-    """Decide where each simulated arch takes its times (see the module docstring), with notes."""
+    """Decide where each simulated arch takes its times (:class:`ArchSource` says how), with notes."""
     explicit = dict(explicit or {})
     if cuda_scale is not None and not isinstance(cuda_scale, (int, float)):
         cuda_scale = tuple(float(x) for x in cuda_scale)
@@ -497,28 +498,26 @@ class _Simulation:
         self._batcher()
 
     def _batcher(self) -> None:
-        """Form every batch that may leave now (``Server._next_batch``), then arm the timer."""
+        """Form every batch that may leave now (the Server's own rule), then arm the timer."""
         t = self.clock.t
-        while self.queue and len(self.core.inflight) < self.max_inflight:
-            if len(self.queue) >= self.b:
-                size = self.b
-            elif self.flush_left > 0:
-                size = min(self.b, self.flush_left)
-                if not self._runnable(size):
-                    self.notes.append(f"{len(self.queue)} request(s) left unserved at the end: "
-                                      f"no model for the flush batch of {size}")
-                    self.flush_left = 0
-                    break
-            elif self.max_delay is not None and self.requests[self.queue[0]].arrival + self.max_delay <= t:
-                size = self.b
-            else:
+        while True:
+            size, due = next_batch_size(
+                queued=len(self.queue), inflight=len(self.core.inflight), batch_size=self.b,
+                max_inflight=self.max_inflight, flush_left=self.flush_left, closing=False,
+                oldest_arrival=self.requests[self.queue[0]].arrival if self.queue else t,
+                max_delay=self.max_delay, now=t)
+            if not size:
                 break
-            self._form_batch(min(size, len(self.queue)))
-        if self.max_delay is not None and self.queue and len(self.core.inflight) < self.max_inflight:
-            due = self.requests[self.queue[0]].arrival + self.max_delay
-            if due > t and due != self.timer_due:
-                self.timer_due = due
-                self.events.push(due, "timeout")
+            if size < self.b and not self._runnable(size):  # a flush or max_delay batch
+                note = f"no model for a batch of {size}: its requests waited for a full batch"
+                if note not in self.notes:
+                    self.notes.append(note)
+                self.flush_left = 0
+                return
+            self._form_batch(size)
+        if due != math.inf and due != self.timer_due:
+            self.timer_due = due
+            self.events.push(due, "timeout")
 
     def _runnable(self, size: int) -> bool:
         try:

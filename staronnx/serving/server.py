@@ -103,6 +103,30 @@ def inflight_window(worker_seconds: Sequence[float | None], cap: int = 256) -> i
     return int(min(max(floor, window), max(cap, floor)))
 
 
+def next_batch_size(
+    *, queued: int, inflight: int, batch_size: int, max_inflight: int, flush_left: int,
+    closing: bool, oldest_arrival: float, max_delay: float | None, now: float,
+) -> tuple[int, float]:
+    """The batcher's rule, shared by :class:`Server` and the simulator so both form the same
+    batches: ``(size, _)`` when a batch of ``size`` leaves now, else ``(0, due)``, the time the
+    oldest request's ``max_delay`` runs out (``inf``: nothing leaves until the queue changes).
+
+    A batch leaves full; or whatever is queued when closing (nothing queued is lost); or up to
+    ``flush_left`` after a flush; or when the oldest request has waited ``max_delay``. Never
+    while ``max_inflight`` batches are in the runtime.
+    """
+    if not queued or inflight >= max_inflight:
+        return 0, math.inf
+    if queued >= batch_size or closing:
+        return min(batch_size, queued), 0.0
+    if flush_left > 0:
+        return min(batch_size, flush_left, queued), 0.0
+    if max_delay is not None:
+        due = oldest_arrival + max_delay
+        return (min(batch_size, queued), 0.0) if due <= now else (0, due)
+    return 0, math.inf
+
+
 class Server:
     """Batch single-sample requests for a runtime; see the module docstring.
 
@@ -315,22 +339,17 @@ class Server:
                 return None
             if self._withdrawn:
                 self._drop_withdrawn()
-            if len(self._inflight) < self.max_inflight:
-                if len(self._queue) >= self.batch_size:
-                    return self._take(self.batch_size)
-                if self._queue and self._closing:  # close(): nothing queued is lost
-                    return self._take(self.batch_size)
-                if self._queue and self._flush_left > 0:  # flush(): a partial batch may leave
-                    return self._take(min(self.batch_size, self._flush_left))
-                if self._queue and self.max_delay is not None:
-                    wait = self._queue[0].record.arrival + self.max_delay - self.clock()
-                    if wait <= 0:
-                        return self._take(self.batch_size)
-                    self._cond.wait(wait)
-                    continue
+            now = self.clock()
+            size, due = next_batch_size(
+                queued=len(self._queue), inflight=len(self._inflight), batch_size=self.batch_size,
+                max_inflight=self.max_inflight, flush_left=self._flush_left, closing=self._closing,
+                oldest_arrival=self._queue[0].record.arrival if self._queue else now,
+                max_delay=self.max_delay, now=now)
+            if size:
+                return self._take(size)
             if self._closing and not self._queue:
                 return None
-            self._cond.wait()
+            self._cond.wait(None if due == math.inf else due - now)
 
     def _take(self, count: int) -> list[_Pending]:
         taken = [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
