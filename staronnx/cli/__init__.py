@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import warnings
+from typing import Any
 
 import typer
 
@@ -45,6 +47,17 @@ for _name in _COMMAND_MODULES:
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app, mapping user errors to exit code 2 with a one-line message and
     SIGINT/SIGTERM to exit code 128 + signum once everything has been cleaned up."""
+    shown = warnings.showwarning
+
+    def one_line(message: Warning | str, category: type[Warning], *where: Any) -> None:
+        """staronnx's own warnings read like its errors, one line to act on; other libraries'
+        keep Python's form, which says where they come from."""
+        if category.__module__.split(".")[0] == "staronnx":
+            print(f"staronnx: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, *where)
+
+    warnings.showwarning = one_line
     try:
         with handle_signals():
             app(args=argv, prog_name="staronnx")
@@ -57,3 +70,5 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:  # a second Ctrl-C during the first one's cleanup
         print("staronnx: interrupted (SIGINT)", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        warnings.showwarning = shown
