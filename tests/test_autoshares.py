@@ -137,9 +137,9 @@ def test_cli_shares_auto_from_a_calibrated_one_part_plan(model, tmp_path, two_gr
     assert two.returncode == 2  # not calibrated (and 1 part) -> one clear line
 
 
-def test_perfmodel_show_says_whether_the_plan_or_one_part_is_predicted_faster(calibrated_inception):
+def test_perfmodel_show_says_whether_the_plan_or_one_part_is_predicted_faster(calibrated_inception, two_groups):
     plan, home = calibrated_inception
-    shown = _cli("perfmodel", "show", str(plan.root), "--groups", "cores=1", home=home)
+    shown = _cli("perfmodel", "show", str(plan.root), "--groups", two_groups, home=home)
     assert shown.returncode == 0, shown.stderr
     verdicts = [line for line in shown.stdout.splitlines() if "is predicted faster" in line]
     assert verdicts and all("LP bound" in v and "alone" in v for v in verdicts)

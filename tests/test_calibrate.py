@@ -25,9 +25,9 @@ def small_plan(tmp_path_factory):
     return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
 
 
-def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path):
+def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path, two_groups):
     store = PerfModelStore(tmp_path)
-    workers = start_workers(small_plan, groups="cores=1")
+    workers = start_workers(small_plan, groups=two_groups)
     try:
         report = calibrate(small_plan, [1, 3], workers=workers, store=store)
         archs = {w.arch for w in workers}
@@ -43,7 +43,7 @@ def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path):
         assert r.mean > 0 and r.prediction == pytest.approx(r.mean)
 
     # a second calibration finds the models calibrated and runs nothing more
-    workers = start_workers(small_plan, groups="cores=1")
+    workers = start_workers(small_plan, groups=two_groups)
     try:
         again = calibrate(small_plan, [1, 3], workers=workers, store=store)
     finally:

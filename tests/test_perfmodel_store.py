@@ -157,7 +157,8 @@ def test_unusable_file_is_moved_aside_with_a_warning_and_recalibrated(
     # The store keeps working: the writer sets the file aside and saves to a fresh one.
     for _ in range(3):
         model.record(FP, 1.0)
-    store.commit(PLAN, model)
+    with pytest.warns(PerfModelCorruptWarning, match="moved aside"):
+        store.commit(PLAN, model)
     aside = list(path.parent.glob("part0.cpu.json.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_bytes() == content
     assert store.load(PLAN, 0, "cpu").entry(FP).n == 2  # type: ignore[union-attr]

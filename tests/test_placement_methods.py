@@ -274,11 +274,11 @@ def test_switch_cost_stops_splits_that_cost_more_than_they_buy() -> None:
     assert p.with_switch_cost(0.0) is p
 
 
-def test_methods_decide_with_the_part_cost_unless_told_not_to(tmp_path: Path) -> None:
+def test_methods_decide_with_the_part_cost_unless_told_not_to(tmp_path: Path, two_groups) -> None:
     model = zoo.wide_and_deep()
-    charged = place(model, "optimal", output_dir=tmp_path / "a", costs="estimate", devices=host_devices("cores=1"),
+    charged = place(model, "optimal", output_dir=tmp_path / "a", costs="estimate", devices=host_devices(two_groups),
                     options={"time_limit_s": 3.0})
-    published = place(model, "optimal", output_dir=tmp_path / "b", costs="estimate", devices=host_devices("cores=1"),
+    published = place(model, "optimal", output_dir=tmp_path / "b", costs="estimate", devices=host_devices(two_groups),
                       options={"time_limit_s": 3.0, "charge_parts": False})
     pa = charged.settings["placement"]["predicted_makespan_us"]["1"]
     pb = published.settings["placement"]["predicted_makespan_us"]["1"]
@@ -401,29 +401,29 @@ def _check_plan(plan: Plan, model, method: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(ZOO_MODELS))
 @pytest.mark.parametrize("method", ["comm-sd", "duet", "overseer", "optimal"])
-def test_zoo_plans_verify(name: str, method: str, tmp_path: Path) -> None:
+def test_zoo_plans_verify(name: str, method: str, tmp_path: Path, two_groups) -> None:
     model = ZOO_MODELS[name]()
     options = dict(FAST_OPTIONS.get(method, {}))
     if method == "optimal" and name == "wide_fanout":
         with pytest.raises(PartitionError, match="limited to 60 nodes"):
-            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"),
+            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups),
                   options={"coarsen": "off"})
         options["time_limit_s"] = 2.0
-    plan = place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"),
+    plan = place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups),
                  options=options)
     _check_plan(plan, model, method)
 
 
 @pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
 @pytest.mark.parametrize("method", ["comm-sd", "duet", "overseer"])
-def test_googlenet_plans_verify(method: str, tmp_path: Path) -> None:
-    plan = place(GOOGLENET, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"))
+def test_googlenet_plans_verify(method: str, tmp_path: Path, two_groups) -> None:
+    plan = place(GOOGLENET, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups))
     _check_plan(plan, GOOGLENET, method)
 
 
 @pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
-def test_googlenet_optimal_solves_over_chains_and_refuses_clearly_without(tmp_path: Path) -> None:
-    plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices=host_devices("cores=1"))
+def test_googlenet_optimal_solves_over_chains_and_refuses_clearly_without(tmp_path: Path, two_groups) -> None:
+    plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups))
     _check_plan(plan, GOOGLENET, "optimal")
     info = plan.settings["placement"]["info"]
     assert info["coarsened"] == "chains" and info["nodes"] == 139 and info["units"] <= 60
@@ -544,10 +544,10 @@ def test_ort_static_names_the_missing_cuda_provider(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs ONNX Runtime's CUDA provider")
-def test_ort_static_on_a_gpu(tmp_path: Path) -> None:
+def test_ort_static_on_a_gpu(tmp_path: Path, two_groups) -> None:
     model = zoo.multi_head_detector()
     plan = place(model, "ort-static", output_dir=tmp_path / "p", costs="profile",
-                 devices=host_devices("cores=1", cuda=True))
+                 devices=host_devices(two_groups, cuda=True))
     assert "cuda0" in {p.device for p in plan.parts}
     assert verify_plan(plan, model).ok
 

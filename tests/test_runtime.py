@@ -45,10 +45,10 @@ def _threads() -> set[str]:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_every_policy_matches_reference(plan3, store, policy):
+def test_every_policy_matches_reference(plan3, store, policy, two_groups):
     before = _threads()
     feeds = [random_plan_feeds(plan3, b, seed=i) for i, b in enumerate([1, 3, 2, 4] * 5)]
-    with Runtime(plan3, policy=policy, cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan3, policy=policy, cpu_groups=two_groups, store=store) as rt:
         futures = [rt.submit(f) for f in feeds]
         results = [f.result(timeout=60) for f in futures]
         stats = rt.stats()
@@ -60,10 +60,10 @@ def test_every_policy_matches_reference(plan3, store, policy):
     assert _threads() == before
 
 
-def test_thousand_requests_from_eight_threads(plan3, store):
+def test_thousand_requests_from_eight_threads(plan3, store, two_groups):
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(16)]
     refs = [plan3.run_reference(f)["logits"] for f in feeds]
-    with Runtime(plan3, policy="heft", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan3, policy="heft", cpu_groups=two_groups, store=store) as rt:
 
         def client(c: int) -> int:
             ok = 0
@@ -78,11 +78,11 @@ def test_thousand_requests_from_eight_threads(plan3, store):
         assert rt.stats()["requests_done"] == 1000
 
 
-def test_failing_task_fails_only_its_request(fragile_plan, store):
+def test_failing_task_fails_only_its_request(fragile_plan, store, two_groups):
     plan = fragile_plan
     good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
     bad = {"x": np.ones((2, 5), np.float32)}
-    with Runtime(plan, policy="dmda", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan, policy="dmda", cpu_groups=two_groups, store=store) as rt:
         futures = [rt.submit(bad if i % 3 == 0 else good) for i in range(30)]
         for i, f in enumerate(futures):
             if i % 3 == 0:
@@ -96,8 +96,8 @@ def test_failing_task_fails_only_its_request(fragile_plan, store):
         np.testing.assert_allclose(rt.run(good)["y"], plan.run_reference(good)["y"])
 
 
-def test_bad_input_is_rejected_before_any_task(plan3, store):
-    with Runtime(plan3, policy="eager", cpu_groups="cores=1", store=store) as rt:
+def test_bad_input_is_rejected_before_any_task(plan3, store, two_groups):
+    with Runtime(plan3, policy="eager", cpu_groups=two_groups, store=store) as rt:
         good = random_plan_feeds(plan3, 2)
         with pytest.raises(ValueError, match="'x'.*float32.*float64"):
             rt.submit({"x": good["x"].astype(np.float64)})
@@ -115,8 +115,8 @@ class _Crash(BaseException):
     """Not an Exception: kills the worker loop rather than failing one task."""
 
 
-def test_dead_worker_tasks_are_replaced(plan3, store):
-    workers = start_workers(plan3, groups="cores=1")
+def test_dead_worker_tasks_are_replaced(plan3, store, two_groups):
+    workers = start_workers(plan3, groups=two_groups)
     original = workers[0].run_here
     calls = {"n": 0}
 
@@ -140,7 +140,7 @@ def test_dead_worker_tasks_are_replaced(plan3, store):
         np.testing.assert_array_equal(r["logits"], plan3.run_reference(f)["logits"])
 
 
-def test_map_keeps_order_and_bounds_in_flight(plan3, store):
+def test_map_keeps_order_and_bounds_in_flight(plan3, store, two_groups):
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(30)]
     submitted = []
 
@@ -149,7 +149,7 @@ def test_map_keeps_order_and_bounds_in_flight(plan3, store):
             submitted.append(i)
             yield f
 
-    with Runtime(plan3, policy="dmdas", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan3, policy="dmdas", cpu_groups=two_groups, store=store) as rt:
         out = []
         for r in rt.map(stream(), max_in_flight=4):
             assert len(submitted) - len(out) <= 4 + 1
@@ -158,9 +158,9 @@ def test_map_keeps_order_and_bounds_in_flight(plan3, store):
         np.testing.assert_array_equal(r["logits"], plan3.run_reference(f)["logits"])
 
 
-def test_futures_are_awaitable(plan3, store):
+def test_futures_are_awaitable(plan3, store, two_groups):
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(5)]
-    with Runtime(plan3, policy="ws", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan3, policy="ws", cpu_groups=two_groups, store=store) as rt:
 
         async def main():
             return await asyncio.gather(*(rt.submit(f) for f in feeds))
@@ -187,11 +187,11 @@ def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path, two_grou
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_inference_session_facade_matches_onnxruntime(plan3, store):
+def test_inference_session_facade_matches_onnxruntime(plan3, store, two_groups):
     model = plan3.source_model
     ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(3).standard_normal((2, 3, 16, 16)).astype(np.float32)
-    with InferenceSession(plan3.root, cpu_groups="cores=1", store=store) as sess:
+    with InferenceSession(plan3.root, cpu_groups=two_groups, store=store) as sess:
         assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
         assert sess.get_inputs()[0].type == ref.get_inputs()[0].type
         assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
@@ -200,10 +200,10 @@ def test_inference_session_facade_matches_onnxruntime(plan3, store):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
 
-def test_serving_calibrates_models(plan3, tmp_path):
+def test_serving_calibrates_models(plan3, tmp_path, two_groups):
     store = PerfModelStore(tmp_path / "h")
     feeds = random_plan_feeds(plan3, 2)
-    with Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store) as rt:
         for f in [rt.submit(feeds) for _ in range(60)]:
             f.result()
     rows = store.rows(plan3.hash)
@@ -220,14 +220,14 @@ def _judged(store: PerfModelStore, plan) -> dict[tuple[int, str, int], int]:
     return {(r.part, r.arch, r.batch): r.n + r.nerror for r in store.rows(plan.hash)}
 
 
-def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monkeypatch):
+def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monkeypatch, two_groups):
     # StarPU's STARPU_CALIBRATE: 0 stops recording once an entry is calibrated, 1 records every
     # execution, 2 starts from nothing and overwrites the stored models at close
     store = PerfModelStore(tmp_path / "h")
     feeds = random_plan_feeds(plan3, 2)
 
     def serve(n: int, **kw) -> None:
-        with Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store, **kw) as rt:
+        with Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store, **kw) as rt:
             for f in [rt.submit(feeds) for _ in range(n)]:
                 f.result()
 
@@ -250,14 +250,14 @@ def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monk
     assert sum(replaced.values()) <= 12 * plan3.k and sum(replaced.values()) < sum(kept.values())
     monkeypatch.setenv("STARONNX_CALIBRATE", "yes")
     with pytest.raises(StaronnxError, match="STARONNX_CALIBRATE"):
-        Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store)
+        Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store)
     with pytest.raises(StaronnxError, match="calibrate"):
-        Runtime(plan3, policy="dmda", cpu_groups="cores=1", store=store, calibrate=3)
+        Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store, calibrate=3)
 
 
-def test_close_with_zero_timeout_cancels_what_is_left(plan3, store):
+def test_close_with_zero_timeout_cancels_what_is_left(plan3, store, two_groups):
     before = _threads()
-    rt = Runtime(plan3, policy="dmdas", cpu_groups="cores=1", store=store)
+    rt = Runtime(plan3, policy="dmdas", cpu_groups=two_groups, store=store)
     feeds = random_plan_feeds(plan3, 8)
     futures = [rt.submit(feeds) for _ in range(200)]
     rt.close(timeout=0)
@@ -269,14 +269,14 @@ def test_close_with_zero_timeout_cancels_what_is_left(plan3, store):
     assert _threads() == before
 
 
-def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path):
+def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path, two_groups):
     import subprocess
     import sys
 
     trace = tmp_path / "t.json"
     out = subprocess.run(
         [sys.executable, "-m", "staronnx", "run", str(plan3.root), "--batch", "2", "--requests",
-         "20", "--policy", "dmda", "--groups", "cores=1", "--trace", str(trace)],
+         "20", "--policy", "dmda", "--groups", two_groups, "--trace", str(trace)],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "COLUMNS": "200"},
     )

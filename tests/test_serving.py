@@ -47,9 +47,9 @@ def plan(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def runtime(plan, tmp_path_factory):
+def runtime(plan, tmp_path_factory, two_groups):
     store = PerfModelStore(tmp_path_factory.mktemp("home"))
-    with Runtime(plan, policy="heft", cpu_groups="cores=1", store=store) as rt:
+    with Runtime(plan, policy="heft", cpu_groups=two_groups, store=store) as rt:
         yield rt
 
 
@@ -308,7 +308,7 @@ def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
         server.close()
 
 
-def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan):
+def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan, two_groups):
     plan = fragile_plan
     rng = np.random.default_rng(1)
     good = [{"x": rng.standard_normal((1, 8)).astype(np.float32)} for _ in range(4)]
@@ -316,7 +316,7 @@ def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan):
     order = [good[0], good[1], bad, bad, good[2], bad, good[3], good[0]]
     before = _threads()
     store = PerfModelStore(tmp_path / "home")
-    with Runtime(plan, policy="dmda", cpu_groups="cores=1", store=store) as rt, Server(rt, 2) as server:
+    with Runtime(plan, policy="dmda", cpu_groups=two_groups, store=store) as rt, Server(rt, 2) as server:
         futures = [server.submit(s) for s in order]
         with pytest.raises(TaskError):  # batch 1: both samples ORT cannot run
             futures[2].result(timeout=30)
@@ -341,9 +341,9 @@ def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan):
     assert _threads() == before
 
 
-def test_close_leaves_no_thread_and_drains(plan, samples, tmp_path):
+def test_close_leaves_no_thread_and_drains(plan, samples, tmp_path, two_groups):
     before = _threads()
-    rt = Runtime(plan, policy="eager", cpu_groups="cores=1", store=PerfModelStore(tmp_path / "home"))
+    rt = Runtime(plan, policy="eager", cpu_groups=two_groups, store=PerfModelStore(tmp_path / "home"))
     server = Server(rt, 4, queue_capacity=64)
     futures = [server.submit(samples[i % len(samples)]) for i in range(30)]  # 7 full batches + 2
     server.close(timeout=30)
