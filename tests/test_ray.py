@@ -94,6 +94,16 @@ def googlenet_plan(tmp_path_factory) -> Plan:
     return partition(GOOGLENET, [0.85, 0.15], output_dir=root / "googlenet", costs="estimate")
 
 
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM, as a user stops the server; its exit code (killed, and the test fails, after 60 s)."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
 def _start_cli(plan: Plan, gcs: str, home: Path, *args: str) -> tuple[subprocess.Popen, list[str], str]:
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan.root), "--name", "googlenet", "--ray",
            "--http-port", "0", *args]
@@ -205,12 +215,7 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
         assert _close(client.infer("googlenet", [inp]).as_numpy("logits"), wanted[0])
         print(f"killed pid {victim} after {killed_at} answers; {retried} retried; answers by replica: {dict(by_replica)}")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        rc = _stop(proc)
     out = "\n".join(lines)
     assert rc == 0 and "stopped" in out and "Traceback" not in out, out
 
@@ -239,12 +244,7 @@ def test_cli_autoscale_deploys_an_autoscaled_deployment(cluster, googlenet_plan,
         got = thttp.InferenceServerClient(addr).infer("googlenet", [inp]).as_numpy("logits")
         assert _close(got, plan.run_reference({"input": x})["logits"])
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        rc = _stop(proc)
     assert rc == 0, "\n".join(lines)
 
 

@@ -80,6 +80,16 @@ class _Gated:
         return self.runtime.submit(feeds)
 
 
+def _hold_a_batch_then_fill(server: Server, samples) -> tuple[list, list]:
+    """Two requests the batcher takes as a batch (held at the gate), then two that fill a
+    queue of capacity 2."""
+    first = [server.submit(s) for s in samples[:2]]
+    deadline = time.monotonic() + 5
+    while server.queue_length and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return first, [server.submit(s) for s in samples[2:4]]
+
+
 # -- arrival processes -------------------------------------------------------------------------
 def test_constant_schedule_is_exact():
     c = Constant(200)
@@ -235,11 +245,7 @@ def test_full_queue_rejects_naming_its_capacity(runtime, samples):
     gated = _Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1)
     try:
-        first = [server.submit(s) for s in samples[:2]]  # taken as a batch, held at the gate
-        deadline = time.monotonic() + 5
-        while server.queue_length and time.monotonic() < deadline:
-            time.sleep(0.001)
-        queued = [server.submit(s) for s in samples[2:4]]  # fills the queue
+        first, queued = _hold_a_batch_then_fill(server, samples)
         with pytest.raises(OverloadError, match=r"queue full \(2 requests") as info:
             server.submit(samples[4])
         assert info.value.capacity == 2 and isinstance(info.value, StaronnxError)
@@ -260,11 +266,7 @@ def test_requests_cancelled_while_queued_leave_the_queue_without_running(plan, r
     gated = _Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1)
     try:
-        first = [server.submit(s) for s in samples[:2]]  # taken as a batch, held at the gate
-        deadline = time.monotonic() + 5
-        while server.queue_length and time.monotonic() < deadline:
-            time.sleep(0.001)
-        abandoned = [server.submit(s) for s in samples[2:4]]  # fills the queue
+        first, abandoned = _hold_a_batch_then_fill(server, samples)
         with pytest.raises(OverloadError):
             server.submit(samples[4])
         assert all(f.cancel() for f in abandoned)
@@ -286,11 +288,8 @@ def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
     gated = _Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1, on_full="block")
     try:
-        futures = [server.submit(s) for s in samples[:2]]
-        deadline = time.monotonic() + 5
-        while server.queue_length and time.monotonic() < deadline:
-            time.sleep(0.001)
-        futures += [server.submit(s) for s in samples[2:4]]
+        first, queued = _hold_a_batch_then_fill(server, samples)
+        futures = first + queued
         with pytest.raises(OverloadError):  # a blocking submit can still give up
             server.submit(samples[4], timeout=0.05)
         with ThreadPoolExecutor(1) as pool:
