@@ -12,6 +12,8 @@ Three kinds of tests:
 
 from __future__ import annotations
 
+import gc
+
 import threading
 import time
 from collections.abc import Iterator
@@ -30,6 +32,7 @@ from staronnx.workers.cuda import (
     cuda_unavailable_reason,
 )
 from staronnx.workers.cudart import HostRuntime
+from staronnx.workers.pinned_pool import PinnedPool
 from staronnx.workers.memory import CopyLog
 
 pytestmark = pytest.mark.gpu
@@ -252,6 +255,43 @@ def test_host_pipeline_close_frees_everything_and_leaves_no_thread(parts: list[P
     with pytest.raises(RuntimeError, match="closed"):
         worker.submit(0, make_feeds(0, 1))
     worker.close()  # idempotent
+
+
+def test_pinned_pool_reuses_its_buffers_and_frees_them_at_close() -> None:
+    rt = HostRuntime()
+    pool = PinnedPool(rt.pinned)
+    a = pool.array((4, 16), np.float32)
+    ptr = a.ctypes.data
+    assert pool.owns(a) and pool.owns(a[1:]) and pool.leased == 1
+    assert not pool.owns(a[:, ::2]) and not pool.owns(np.empty((4, 16), np.float32))
+    del a
+    gc.collect()
+    assert pool.leased == 0
+    b = pool.array((2, 16), np.float32)  # a smaller batch reuses the buffer (4 KiB size class)
+    assert b.ctypes.data == ptr and pool.allocated == 1 and rt.stats.pinned_allocs == 1
+    c = pool.array((1024, 16), np.float32)  # 64 KiB: a buffer of its own
+    assert c.ctypes.data != ptr and pool.allocated == 2
+    del c
+    gc.collect()
+    pool.close()  # frees the idle buffer now, the leased one when its array goes
+    assert rt.stats.pinned_frees == 1
+    b[:] = 1.0  # still valid memory while leased
+    del b
+    gc.collect()
+    assert rt.stats.pinned_bytes == 0 and rt.stats.pinned_frees == 2
+    after = pool.array((4, 16), np.float32)  # a closed pool hands out plain numpy memory
+    assert not pool.owns(after) and rt.stats.pinned_allocs == 2
+
+
+def test_host_pipeline_copies_a_pool_batch_to_the_device_without_staging(host_worker: CudaWorker, reference) -> None:
+    plain = make_feeds(0, 4, seed=3)
+    x = host_worker.pinned_pool.array(plain["x"].shape, plain["x"].dtype)
+    x[...] = plain["x"]
+    before = host_worker.buffer_stats()["staging_skipped"]
+    assert_close(host_worker.run(0, {"x": x}), expected(reference, 0, plain))
+    assert host_worker.buffer_stats()["staging_skipped"] == before + 1
+    assert_close(host_worker.run(0, plain), expected(reference, 0, plain))  # numpy memory: staged
+    assert host_worker.buffer_stats()["staging_skipped"] == before + 1
 
 
 def test_cuda_worker_names_and_what_a_policy_sees(parts: list[Path]) -> None:

@@ -141,6 +141,35 @@ def test_runtime_with_cuda_streams_starts_and_serves_through_its_cuda_workers(pl
     assert {t.name for t in threading.enumerate()} <= before
 
 
+def test_the_server_assembles_batches_in_pinned_memory_its_cuda_workers_copy_without_staging(plan2, tmp_path):
+    """Issue 11's lever "requests batched straight into pinned host buffers": the Server
+    concatenates each batch into the Runtime's pinned pool (shared by its CUDA workers), which
+    then copy it to the device with no staging pass; answers are unchanged."""
+    import gc
+
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.serving import Server
+
+    samples = [random_plan_feeds(plan2, 1, seed=i) for i in range(16)]
+    with Runtime(plan2, policy="eager", cpu_groups="none", cuda_streams=2,
+                 cuda_options={"runtime": HostRuntime()}, store=PerfModelStore(tmp_path)) as rt:
+        first, second = rt.workers
+        assert first.pinned_pool is second.pinned_pool
+        with Server(rt, 4) as server:
+            answers = [f.result(timeout=60) for f in [server.submit(s) for s in samples]]
+            batches = len(server.records().batches)
+        skipped = sum(w.staging_skipped for w in rt.workers)
+        pool = first.pinned_pool
+        assert pool.allocated <= 2 * len(rt.workers) + 1  # buffers reused, not one per batch
+    del first, second
+    gc.collect()
+    assert pool.leased == 0  # every batch's memory came back
+    for sample, answer in zip(samples, answers):
+        np.testing.assert_allclose(answer["logits"], plan2.run_reference(sample)["logits"], rtol=1e-5, atol=1e-6)
+    part0_inputs = [t.name for t in plan2.inputs if 0 in t.consumers]
+    assert batches == 4 and skipped == batches * len(part0_inputs), (batches, skipped)
+
+
 def test_a_cuda_worker_that_cannot_start_closes_the_ones_already_started(plan2):
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(Exception, match="cudnn_conv_algo_search"):

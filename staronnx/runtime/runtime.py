@@ -35,6 +35,8 @@ from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.registry import EngineSettings, engine_factory
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
+from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.pinned_pool import PinnedPool
 
 
 class Runtime:
@@ -62,6 +64,8 @@ class Runtime:
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}))
         self._engine = factory(self.plan, settings)
+        self._pinned: PinnedPool | None = next(
+            (w.pinned_pool for w in self._engine.workers if isinstance(w, CudaWorker)), None)
         self._closed = False
         self._close_lock = threading.Lock()
 
@@ -79,6 +83,14 @@ class Runtime:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
         self.plan.check_feeds(feeds)
         return self._engine.submit(feeds)
+
+    def batch_array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """Memory to assemble a batch in before :meth:`submit`: pinned when CUDA workers may
+        run it, so they copy it to the device without staging it first (the serving batcher
+        concatenates into it), plain otherwise."""
+        if self._pinned is None:
+            return np.empty(shape, dtype)
+        return self._pinned.array(shape, dtype)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Submit one batch and wait for its outputs."""

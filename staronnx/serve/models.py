@@ -29,6 +29,7 @@ import numpy as np
 
 from staronnx.errors import InputError
 from staronnx.plan import Plan
+from staronnx.runtime.runtime import Runtime
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics
 from staronnx.serve.protocol import ProtocolError, invalid
@@ -117,7 +118,8 @@ class ModelEndpoint:
                                                 cuda_streams=int(self.settings.get("cuda_streams") or 0))
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
                              queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
-                             max_inflight=max_inflight)
+                             max_inflight=max_inflight,
+                             batch_memory=runtime.batch_array if isinstance(runtime, Runtime) else None)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}

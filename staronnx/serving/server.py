@@ -42,6 +42,7 @@ import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
+from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 
@@ -143,6 +144,9 @@ class Server:
         keep_records: None keeps the record of every request, batch and queue sample (a sweep's
             figures need them all); a number keeps only the latest that many of each, so a
             long-running server (``staronnx serve``) does not grow without bound.
+        batch_memory: ``(shape, dtype) -> array`` where each batch is assembled; default: the
+            runtime's :meth:`~staronnx.runtime.runtime.Runtime.batch_array` (pinned memory
+            its CUDA workers copy to the device without staging) for a Runtime, else numpy's.
     """
 
     def __init__(
@@ -156,6 +160,7 @@ class Server:
         max_inflight: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         keep_records: int | None = None,
+        batch_memory: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise StaronnxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -185,6 +190,7 @@ class Server:
         self.on_full = on_full
         self.max_inflight = max_inflight
         self.clock = clock
+        self._batch_memory = batch_memory or (runtime.batch_array if isinstance(runtime, Runtime) else np.empty)
         self._batched = {t.name: _is_batched(t.shape) for t in self.plan.inputs}
         self._out_batched = {t.name: _is_batched(t.shape) for t in self.plan.outputs}
         self._cond = threading.Condition()
@@ -372,8 +378,10 @@ class Server:
             if not batched:
                 feeds[name] = batch[0].feeds[name]
                 continue
+            parts = [p.feeds[name] for p in batch]
             try:
-                feeds[name] = np.concatenate([p.feeds[name] for p in batch], axis=0)
+                shape = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
+                feeds[name] = np.concatenate(parts, axis=0, out=self._batch_memory(shape, parts[0].dtype))
             except ValueError:
                 shapes = sorted({tuple(p.feeds[name].shape) for p in batch})
                 raise InputError(

@@ -54,6 +54,7 @@ from staronnx.workers.cudart import (
     runtime_module,
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
+from staronnx.workers.pinned_pool import PinnedPool
 
 __all__ = [
     "CONV_ALGO_SEARCHES",
@@ -368,6 +369,7 @@ class CudaWorker(ThreadWorker):
         on_done: OnDone | None = None,
         runtime: GpuRuntime | None = None,
         cuda_graphs: bool = False,
+        pinned_pool: PinnedPool | None = None,
     ) -> None:
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
             raise ValueError(f"cudnn_conv_algo_search must be one of {CONV_ALGO_SEARCHES}, "
@@ -411,6 +413,12 @@ class CudaWorker(ThreadWorker):
         self._next_graph_id = 1
         #: slots whose graph has been through its capture runs
         self.graphs_captured = 0
+        #: where batches can be assembled so that this worker copies them without staging
+        #: (shared by the workers start_workers makes; the worker that made it frees it)
+        self.pinned_pool = pinned_pool or PinnedPool(self._allocate_pinned)
+        self._owns_pool = pinned_pool is None
+        #: inputs copied to the device straight from pool memory (no staging copy)
+        self.staging_skipped = 0
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _start_failure(self, err: BaseException) -> Exception:
@@ -484,7 +492,13 @@ class CudaWorker(ThreadWorker):
         out = dict(self._runtime.stats.snapshot())
         out["slots"] = self.call(lambda: len(self._slots)) if self.alive else 0
         out["slots_created"] = self._slots.created
+        out["staging_skipped"] = self.staging_skipped
         return out
+
+    def _allocate_pinned(self, nbytes: int) -> Any:
+        # any thread may ask (the serving batcher does): never while a graph is being captured
+        with GRAPH_LOCK.shared():
+            return self._runtime.pinned(nbytes)
 
     # ------------------------------------------------------------------ worker thread
     def _setup_thread(self) -> None:
@@ -590,12 +604,18 @@ class CudaWorker(ThreadWorker):
         key = (task.part, tuple((a.dtype.str, a.shape) for a in arrays))
         slot = self._slots.acquire(key, lambda: self._new_slot(key, task.part, arrays))
         try:
+            sources = []
             for t, a in zip(slot.inputs, arrays):
-                np.copyto(t.pinned.view(t.dtype, t.shape), a)
+                if self.pinned_pool.owns(a):  # assembled in pinned memory: no staging pass
+                    sources.append(a.ctypes.data)
+                    self.staging_skipped += 1
+                else:
+                    np.copyto(t.pinned.view(t.dtype, t.shape), a)
+                    sources.append(t.pinned.ptr)
             h2d = self._streams["h2d"]
             slot.events["h2d_start"].record(h2d)
-            for t in slot.inputs:
-                self._runtime.copy_h2d(t.device.ptr, t.pinned.ptr, t.nbytes, h2d)
+            for t, src in zip(slot.inputs, sources):
+                self._runtime.copy_h2d(t.device.ptr, src, t.nbytes, h2d)
             slot.events["h2d_done"].record(h2d)
             task.fut.h2d_bytes = sum(t.nbytes for t in slot.inputs)
         except BaseException as exc:
@@ -788,6 +808,8 @@ class CudaWorker(ThreadWorker):
             self._slots.close()  # drops the IOBindings (they hold the sessions) and buffers
         except Exception as exc:  # noqa: BLE001
             log.warning("%s: freeing buffers at close failed: %s", self.name, exc)
+        if self._owns_pool:
+            self.pinned_pool.close()
         refs = [weakref.ref(p.session) for p in self._parts]
         self._parts.clear()
         if any(r() is not None for r in refs):

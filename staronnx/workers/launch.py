@@ -92,8 +92,10 @@ def start_workers(
         if layout.cuda:
             from staronnx.workers.cuda import CudaWorker
 
+            pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
             for device, stream, pu in layout.cuda:
-                worker = CudaWorker(device, stream, parts, cpu=pu, **(cuda_options or {}))
+                worker = CudaWorker(device, stream, parts, cpu=pu, pinned_pool=pool, **(cuda_options or {}))
+                pool = worker.pinned_pool
                 workers.append(worker)
                 worker.start()
         for group in layout.groups:

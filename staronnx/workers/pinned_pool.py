@@ -1,0 +1,112 @@
+"""Pinned host memory for batches: what a CUDA worker copies to its device without staging.
+
+A CUDA worker copies each task's inputs into pinned staging buffers before the H2D copy (an
+asynchronous copy from pageable memory is synchronous). When the serving batcher assembles a
+batch straight into pinned memory, as Triton's pinned-memory pool lets its batcher do, the
+worker skips that staging pass over the whole batch (on its own thread, under the GIL) and
+copies to the device from the batch itself.
+
+Buffers come back to the pool when the last view of a batch is garbage, never freed then:
+``cudaFreeHost`` synchronises the device and would break another thread's CUDA graph capture.
+The pool holds at most what was in use at its peak (the batches in flight) and frees it on
+:meth:`PinnedPool.close`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from staronnx.workers.cudart import Buffer
+
+
+def _size_class(nbytes: int) -> int:
+    """Buffers are sized in powers of two (at least 4 KiB), so batches of other sizes reuse them."""
+    return max(4096, 1 << (nbytes - 1).bit_length())
+
+
+class PinnedPool:
+    """Numpy arrays over reusable pinned buffers from ``allocate(nbytes)``."""
+
+    def __init__(self, allocate: Callable[[int], Buffer]) -> None:
+        self._allocate = allocate
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Buffer]] = {}
+        self._leased: dict[int, Buffer] = {}  # start pointer -> buffer, while a view lives
+        # buffers whose last view died: a finalizer may run inside any allocation, this
+        # pool's locked sections included, so it only appends here (atomic) and the pool
+        # takes them back under its lock
+        self._returned: deque[Buffer] = deque()
+        self._closed = False
+        self.allocated = 0  # buffers ever allocated (reuse keeps it at the peak in use)
+
+    def array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        """An uninitialised C-contiguous array in pinned memory, returned to the pool when it
+        (and every view of it) is garbage."""
+        dt = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        nbytes = count * dt.itemsize
+        if nbytes == 0 or self._closed:
+            return np.empty(shape, dtype=dt)
+        size = _size_class(nbytes)
+        with self._lock:
+            self._take_back()
+            free = self._free.get(size)
+            buffer = free.pop() if free else None
+        fresh = buffer is None
+        if buffer is None:
+            buffer = self._allocate(size)
+        raw = (ctypes.c_ubyte * nbytes).from_address(buffer.ptr)
+        with self._lock:
+            self.allocated += fresh
+            self._leased[buffer.ptr] = buffer
+        weakref.finalize(raw, self._give_back, buffer)
+        return np.frombuffer(raw, dtype=dt, count=count).reshape(shape)
+
+    def owns(self, array: np.ndarray) -> bool:
+        """Whether ``array`` lies, contiguous, inside one buffer leased from this pool (so an
+        asynchronous copy can read it directly)."""
+        if not array.flags.c_contiguous or array.nbytes == 0:
+            return False
+        start = array.ctypes.data
+        end = start + array.nbytes
+        with self._lock:
+            self._take_back()
+            return any(b.ptr <= start and end <= b.ptr + b.nbytes for b in self._leased.values())
+
+    @property
+    def leased(self) -> int:
+        with self._lock:
+            self._take_back()
+            return len(self._leased)
+
+    def _give_back(self, buffer: Buffer) -> None:
+        if self._closed:  # the workers are gone: nothing left to synchronise with
+            buffer.free()
+        self._returned.append(buffer)
+
+    def _take_back(self) -> None:
+        """(lock held) Returned buffers become free again, or are freed once closed
+        (``free`` is idempotent)."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            self._leased.pop(buffer.ptr, None)
+            if self._closed:
+                buffer.free()
+            else:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def close(self) -> None:
+        """Free the buffers not in use; those still leased are freed when they come back."""
+        with self._lock:
+            self._closed = True
+            self._take_back()
+            buffers = [b for bufs in self._free.values() for b in bufs]
+            self._free.clear()
+        for b in buffers:
+            b.free()
