@@ -302,7 +302,7 @@ class _SlotCache:
             slot.free()
 
     def __len__(self) -> int:
-        return sum(len(v) for v in self._slots.values())
+        return sum(len(v) for v in list(self._slots.values()))  # a snapshot: any thread may ask
 
     def all(self) -> list[_Slot]:
         return [s for ss in self._slots.values() for s in ss]
@@ -490,7 +490,9 @@ class CudaWorker(ThreadWorker):
     def buffer_stats(self) -> dict[str, int]:
         """Allocation counters of this worker's runtime plus the cached buffer sets."""
         out = dict(self._runtime.stats.snapshot())
-        out["slots"] = self.call(lambda: len(self._slots)) if self.alive else 0
+        # read here, not through call(): under a Runtime the worker's thread runs the engine's
+        # loop and would never get to a call
+        out["slots"] = len(self._slots) if self.alive else 0
         out["slots_created"] = self._slots.created
         out["staging_skipped"] = self.staging_skipped
         return out
