@@ -21,6 +21,7 @@ callable (the workers code plugs pinned host<->GPU copies in), and from
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -28,11 +29,14 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
 import numpy as np
+
+log = logging.getLogger("staronnx.perfmodels")
 
 MiB = 1 << 20
 #: StarPU's calibration: 32 copies of 32 MiB for bandwidth, 32 copies of 1 byte for latency.
@@ -264,29 +268,23 @@ def host_numa_nodes(sysfs: str | Path = "/sys/devices/system/node") -> dict[int,
     return nodes
 
 
-def _run_pinned(cpus: Sequence[int], fn: Callable[[], _T]) -> _T:
-    """Run ``fn`` in a thread bound to ``cpus``, so its memory is first-touched on their node.
+def run_on_cpus(cpus: Sequence[int], fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` in a helper thread bound to ``cpus`` (here, when there are none), so the
+    memory it allocates is first-touched on their NUMA node (Linux places a page where it is
+    first written): buffers land on a node without libnuma, and the caller's affinity is left
+    alone. A thread that cannot be bound still runs ``fn``."""
+    if not cpus or not hasattr(os, "sched_setaffinity"):
+        return fn()
 
-    Linux allocates a page on the NUMA node of the CPU that first writes it, so binding the
-    thread places buffers and runs copies without libnuma. The caller's affinity is untouched.
-    """
-    result: list[_T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
+    def bound() -> _T:
         try:
-            if hasattr(os, "sched_setaffinity"):
-                os.sched_setaffinity(0, set(cpus))  # pid 0 = this thread on Linux
-            result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            error.append(exc)
+            os.sched_setaffinity(0, set(cpus))  # pid 0 = this thread on Linux
+        except OSError as exc:
+            log.debug("cannot bind a helper thread to %s: %s", list(cpus), exc)
+        return fn()
 
-    thread = threading.Thread(target=target, name="staronnx-bus-calibration")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="staronnx-near-node") as pool:
+        return pool.submit(bound).result()
 
 
 def calibrate_host_numa(
@@ -310,13 +308,13 @@ def calibrate_host_numa(
     ]
     model = BusModel()
     for i, j in todo:
-        src = _run_pinned(topology[i], lambda: np.full(bandwidth_bytes, 1, dtype=np.uint8))
-        dst = _run_pinned(topology[j], lambda: np.full(bandwidth_bytes, 2, dtype=np.uint8))
+        src = run_on_cpus(topology[i], lambda: np.full(bandwidth_bytes, 1, dtype=np.uint8))
+        dst = run_on_cpus(topology[j], lambda: np.full(bandwidth_bytes, 2, dtype=np.uint8))
 
         def copy(nbytes: int, src: np.ndarray = src, dst: np.ndarray = dst) -> None:
             np.copyto(dst[:nbytes], src[:nbytes])
 
-        cost = _run_pinned(
+        cost = run_on_cpus(
             topology[j],
             lambda copy=copy: calibrate_link(
                 copy,

@@ -23,7 +23,6 @@ Nothing here needs a GPU until a ``cuda`` node is used; cuda-python is imported 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 import time
@@ -41,6 +40,7 @@ from staronnx.perfmodels.bus import (
     BusModel,
     LinkCost,
     calibrate_link,
+    run_on_cpus,
 )
 
 if TYPE_CHECKING:
@@ -272,36 +272,6 @@ def copy_host(
     return rec
 
 
-def _run_near[T](cpus: Sequence[int], fn: Callable[[], T]) -> T:
-    """Run ``fn`` in a helper thread bound to ``cpus`` (or here, when there are none).
-
-    Pinned memory is allocated and first touched by the allocating thread, so running the
-    allocation on the node's cores places its pages there, without touching the caller's
-    affinity.
-    """
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return fn()
-    result: list[T] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            try:
-                os.sched_setaffinity(0, set(cpus))
-            except OSError as exc:  # still run, just not placed
-                log.debug("cannot bind the helper thread to %s: %s", cpus, exc)
-            result.append(fn())
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
-            error.append(exc)
-
-    thread = threading.Thread(target=target, name="staronnx-near-node")
-    thread.start()
-    thread.join()
-    if error:
-        raise error[0]
-    return result[0]
-
-
 # ---------------------------------------------------------------------------- host <-> GPU
 class CudaCopier:
     """Copies between host arrays and one GPU's buffers, through pinned staging, timed.
@@ -346,7 +316,7 @@ class CudaCopier:
                 buf.free()
             size = max(nbytes, int(buf.nbytes * 1.5) if buf is not None else 0, 4096)
             cpus = self._allocator.cpus_of(self.host_node)
-            buf = _run_near(cpus, lambda: self.runtime.pinned(size))
+            buf = run_on_cpus(cpus, lambda: self.runtime.pinned(size))
             self._staging[direction] = buf
         return buf
 
@@ -510,7 +480,7 @@ def _calibrate_host_pair(src: MemoryNode, dst: MemoryNode, allocator: HostAlloca
         np.copyto(b[:n], a[:n])
 
     # The destination's cores do the copy: a worker pulls its inputs.
-    return _run_near(allocator.cpus_of(dst), lambda: measure(host_copy))
+    return run_on_cpus(allocator.cpus_of(dst), lambda: measure(host_copy))
 
 
 def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
@@ -519,7 +489,7 @@ def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAlloca
     copier = CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator)
     try:
         device = rt.device_buffer(nbytes)
-        pinned = _run_near(allocator.cpus_of(host), lambda: rt.pinned(nbytes))
+        pinned = run_on_cpus(allocator.cpus_of(host), lambda: rt.pinned(nbytes))
         try:
             pinned.view(np.uint8, (nbytes,)).fill(1)
             up = measure(lambda n: copier.pinned_to_device(pinned, device, n))
