@@ -18,12 +18,14 @@ younger process is recognised by that process's start time.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import re
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 #: a staging folder holds this file from its first moment, so a sweep of a folder only ever
 #: removes staging folders staronnx made (or empty ones)
@@ -53,15 +55,20 @@ def _mode_for(path: Path) -> int:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder, then rename."""
+    """Write ``text`` (UTF-8) to ``path`` through a temporary file in the same folder, then rename."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, then rename."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = _mode_for(path)
     remove_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())
@@ -77,6 +84,20 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
+    """A matplotlib figure as a PNG, written atomically (a viewer never opens half a plot), then
+    closed (pyplot keeps every open figure alive)."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
+    atomic_write_bytes(path, buffer.getvalue())
+    return Path(path)
 
 
 def temp_prefix(target: str | os.PathLike[str]) -> str:

@@ -33,6 +33,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 from staronnx.bench.results import best_per_rate, load_results
+from staronnx.fsutil import save_figure
 from staronnx.errors import StaronnxError
 
 Rows = Sequence[Mapping[str, Any]]
@@ -242,14 +243,8 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
 
 # ---------------------------------------------------------------------------- files
 def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``fig`` as a PNG (folders created) and close it."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        fig.savefig(out, dpi=120, format="png")
-    finally:
-        plt.close(fig)
-    return out
+    """Write ``fig`` as a PNG (folders created, atomically) and close it."""
+    return save_figure(fig, path)
 
 
 def _rows_of(source: str | os.PathLike[str] | Rows) -> list[Mapping[str, Any]]:

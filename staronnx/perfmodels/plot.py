@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from staronnx.fsutil import save_figure
 from staronnx.perfmodels.history import PerfRow
 
 
@@ -42,8 +43,4 @@ def plot_rows(rows: Sequence[PerfRow], out: Path, title: str = "") -> Path:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=120)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from staronnx.errors import StaronnxError
+from staronnx.fsutil import save_figure
 
 
 def plot_trace(trace: Path, out: Path, title: str = "") -> Path:
@@ -42,8 +43,4 @@ def plot_trace(trace: Path, out: Path, title: str = "") -> Path:
     ax.legend(handles, parts, loc="upper right", fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, dpi=110)
