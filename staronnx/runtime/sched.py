@@ -1,24 +1,16 @@
 """The contract between scheduling policies and whatever executes tasks.
 
-Policies are pure: they never import ONNX Runtime and never look at a real clock. They see
-workers as :class:`WorkerInfo`, tasks as :class:`TaskView`, predictions through a
-:class:`Predictor`, and time through a :class:`Clock`. The native engine drives them with real
-threads and ``time.perf_counter``; the simulator drives the very same objects with a simulated
-clock and perf-model samples. All times are seconds.
+Policies are pure: they never import ONNX Runtime nor read a real clock, and see only
+:class:`WorkerInfo`, :class:`TaskView`, a :class:`Predictor` and a :class:`Clock` (seconds), so
+the native engine (real threads, ``time.perf_counter``) and the simulator (simulated clock,
+perf-model samples) drive the very same objects. The engine serialises all calls to a policy
+under its own lock, so a policy needs no locking of its own.
 
-Call protocol (the engine serialises all calls to one policy under its own lock, so a policy
-needs no locking of its own):
-
-1. ``attach(workers, predictor, clock, dag)`` once, before any task.
-2. ``push(task)`` when a task becomes ready (all its input data produced). Returns the worker
-   it was placed on when the policy decides at push time (dm/dmda/... — the engine then
-   prefetches the task's inputs to that worker's memory node), or ``None`` when the task waits
-   in a shared queue (eager, ws before stealing).
-3. ``pop(worker_id)`` when a worker is idle: the next task it must run, or ``None``.
-4. ``on_start(worker_id, task, now)`` just before execution, ``on_done(worker_id, task,
-   measured, now)`` just after: the queue bookkeeping (StarPU's exp_start/exp_len/exp_end).
-5. ``remove_worker(worker_id)`` when a worker dies: returns the tasks queued on it, which the
-   engine pushes again.
+Call protocol: ``attach`` once; ``push(task)`` when a task is ready, returning its worker when
+the policy decides at push time (dm/dmda/...: the engine then prefetches the inputs to that
+worker's memory node) or ``None`` when it waits in a shared queue (eager, ws); ``pop(worker_id)``
+when a worker is idle; ``on_start``/``on_done`` around each run (StarPU's exp_start/exp_len/
+exp_end); ``remove_worker`` when a worker dies, returning its queued tasks to be pushed again.
 """
 
 from __future__ import annotations

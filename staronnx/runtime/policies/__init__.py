@@ -1,20 +1,11 @@
 """StarPU's scheduling policies, in pure Python, behind :class:`staronnx.runtime.sched.Policy`.
 
-    policy = make_policy("dmdas", alpha=1.0, beta=1.0)
-
-===========  ==============================================================================
-eager        one central FIFO; idle workers take the head (``eager.py``)
-random       worker drawn with probability ∝ speedup, per-worker FIFO (``random.py``)
-ws           per-worker deques, push to the releasing worker, idle workers steal (``ws.py``)
-lws          ws with proximity-ordered victims (same memory node, same kind, rest)
-dm           minimum expected completion time, no data term (``dmda.py``)
-dmda         dm + transfer times in the end time and in the fitness
-dmdar        dmda + workers pop the first task whose inputs are already on their node
-dmdas        dmdar + priority-sorted queues (StarPU's recommended policy)
-heft         dmdas + upward-rank priorities over the plan's DAG (``heft.py``); note that
-             StarPU itself maps "heft" to dmda
-static       each part on the worker its plan's placement method chose (``static.py``)
-===========  ==============================================================================
+Built by StarPU name with :func:`make_policy`: ``eager`` (one central FIFO), ``random`` (worker
+drawn with probability ∝ speedup), ``ws``/``lws`` (work stealing), the dm family in ``dmda.py``
+(``dm`` < ``dmda``, + transfer times < ``dmdar``, + ready tasks popped first < ``dmdas``, +
+priority-sorted queues, StarPU's recommended policy), ``heft`` (dmdas + upward-rank priorities;
+StarPU itself maps "heft" to dmda) and ``static`` (each part on the worker its plan's placement
+method chose).
 
 Policies never import ONNX Runtime and read time only through their clock, so the simulator
 drives the very same objects as the native engine.

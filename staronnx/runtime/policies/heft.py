@@ -1,27 +1,15 @@
-"""heft: dmdas with HEFT's upward-rank priorities.
+"""heft: dmdas with HEFT's upward-rank priorities (Topcuoglu et al.).
 
-StarPU itself maps any policy name starting with "heft" to plain dmda ("heft is now called
-dmda"). staronnx follows DESIGN.md instead and makes heft the closer reading of HEFT
-(Topcuoglu et al.): tasks get priority = upward rank, and dmdas does the rest — earliest
-completion placement (the same fitness as dmda), priority-sorted worker queues, ready-first
-pops. So a part with a long path behind it overtakes, in a worker's queue, parts near the end
-of the DAG.
-
-**Upward rank** over the plan's DAG (``self.dag``: successors per part), per batch size:
-
-    rank(p) = w(p) + max over successors s of rank(s)        (0 when p has no successor)
-
-with ``w(p)`` the mean, over the architectures of the live workers, of the predicted execution
-time of part ``p`` at that batch size. Classic HEFT also adds the mean communication cost of
-each edge; a policy only sees the inputs of the task being pushed (not the sizes of tensors
-crossing other edges), so that term is left out: on an inference DAG the crossing tensors are
-small next to the parts themselves, and dmda's own decision prices every actual transfer.
-
-Predictions for parts other than the pushed one are asked with a probe :class:`TaskView`
-carrying the footprint last seen for that (part, batch) — the engine's predictor keys models
-by footprint. When any part has no usable prediction (NaN: not calibrated yet; 0 or no
-footprint seen yet: no model) every part weighs 1.0, so ranks are longest-path lengths; such
-ranks are recomputed at the next push, and only complete ones are cached per batch size.
+StarPU maps any policy name starting with "heft" to plain dmda ("heft is now called dmda");
+staronnx follows DESIGN.md instead and makes heft the closer reading of HEFT: a task's priority
+is its part's upward rank over the plan's DAG, ``rank(p) = w(p) + max rank(s)`` over successors
+``s``, with ``w(p)`` the mean predicted time of ``p`` over the live workers' architectures, and
+dmdas does the rest. So a part with a long path behind it overtakes, in a worker's queue, parts
+near the end of the DAG. Classic HEFT's mean edge communication cost is left out: a policy only
+sees the inputs of the task being pushed, the tensors crossing an inference DAG are small next
+to its parts, and dmda's own decision prices every actual transfer. Until every part has a
+usable prediction every part weighs 1.0 (longest-path ranks, recomputed at each push); only
+complete ranks are cached, per batch size.
 """
 
 from __future__ import annotations
@@ -94,7 +82,8 @@ class HeftPolicy(DmdasPolicy):
 
     def part_weight(self, part: int, batch: int, task: TaskView | None = None) -> float | None:
         """Mean predicted time of ``part`` at ``batch`` over the live archs, or None when some
-        arch has no usable prediction."""
+        arch has no usable prediction (NaN: not calibrated yet; 0: no model). Other parts than
+        ``task``'s are probed with the footprint last seen for them: models are keyed by it."""
         if task is not None and task.part == part and task.batch == batch:
             probe = task
         else:

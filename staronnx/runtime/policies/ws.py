@@ -1,24 +1,15 @@
 """ws / lws: one priority deque per worker, idle workers steal (StarPU's
 ``work_stealing_policy.c`` and ``prio_deque.c``).
 
-- **Push** goes to the worker that released the task (the one that just finished its
-  predecessor: the engine passes it as ``task.releasing_worker``), so a chain of parts
-  stays where its data is; tasks with no releasing worker (a new request's first parts) go
-  round-robin, starting at the first worker.
-- **Own pop**: highest priority first, oldest first within a priority.
-- **Steal**: an idle worker whose deque is empty takes from the *back* of a victim's
-  highest-priority bucket (the newest task, least likely to have its data prefetched yet).
-  ``ws`` picks victims round-robin (per thief, resuming after the last victim); ``lws`` walks
-  a proximity list — workers on the same memory node first, then workers of the same kind,
-  then the rest — a cheap stand-in for StarPU's hwloc-distance list.
+Push goes to the worker that released the task (``task.releasing_worker``), so a chain of parts
+stays where its data is; a new request's first parts go round-robin. A thief takes the *newest*
+task of a victim's highest-priority bucket, the least likely to have its inputs prefetched yet;
+``lws``'s proximity list is a cheap stand-in for StarPU's hwloc-distance list.
 
-Deviation: StarPU only robs a victim that is currently busy, because its drivers poll and an
-idle owner will take its own task a moment later. The native engine's workers sleep until a
-push or a completion wakes them, so a thief that skipped a queued-but-idle victim could sleep
-through the whole task; any non-empty victim is fair game here.
-
-Nothing is decided for good at push (a task may be stolen), so ``push`` returns ``None`` and
-the engine does not prefetch.
+Deviation: StarPU only robs a busy victim, because its drivers poll and an idle owner takes its
+own task a moment later. Our workers sleep until a push or a completion wakes them, so a thief
+that skipped a queued-but-idle victim could sleep through the whole task: any non-empty victim
+is fair game. A task may be stolen, so ``push`` returns ``None`` and the engine does not prefetch.
 """
 
 from __future__ import annotations
