@@ -1,24 +1,16 @@
 """``--shares auto``: the split that fits this machine, or one part where a split cannot pay.
 
-85/15 is the StarONNX papers' setting for a P100 beside its CPUs.  On an H100 the CPU is worth
+85/15 is the StarONNX papers' setting for a P100 beside its CPUs. On an H100 the CPU is worth
 3-6 % of the GPU, and a second task per batch costs a fixed ~100 µs (benchmarks/engines.py) plus
 its transfers, so the right split is a property of the machine, not of the model.
 
-The rule, from the whole model's time per batch on each worker:
-
-- **Alike workers** (every one within ``latency_ratio`` of the fastest): whole batches spread
-  over them give a split's throughput without its extra tasks and transfers: one part.
-- **A fast device beside slow ones** (a GPU and CPU groups): one part keeps the slow workers
-  idle at the fast one's latency, since a whole batch there would take ``latency_ratio`` times
-  longer (the scheduler only gives them a batch that finishes earlier there).  A split hands
-  them the tail of every batch instead: with ``R_f`` and ``R_s`` the batch rates of the fast
-  device and of the slow workers together, the slow share that balances the two stages is
-  ``s = R_s / (R_f + R_s)``; each stage also pays the fixed per-task cost.  The split is kept
-  when its predicted throughput beats the fast device alone by ``min_gain``; else one part.
-
-Speeds are measured here (the whole model in ONNX Runtime on each device class, median of
-timed runs after two warm-ups) or given, e.g. from the calibrated perf models of a one-part
-plan of the same model (``staronnx partition --shares auto --speeds-from PLAN``).
+The rule, from the whole model's time per batch on each worker (measured by
+:func:`measure_speeds`, or given with ``--speeds-from PLAN``): alike workers (all within
+``latency_ratio`` of the fastest) get one part, as whole batches spread over them do as well as
+a split without its extra tasks and transfers. Beside a fast device, slow workers would idle (a
+whole batch there takes ``latency_ratio`` times longer), so a split hands them the tail of every
+batch, sized to balance the two stages, each paying the fixed per-task cost; it is kept when its
+predicted throughput beats the fast device alone by ``min_gain``.
 """
 
 from __future__ import annotations

@@ -5,19 +5,12 @@ A replica is a ``staronnx serve`` model without the network: the same
 samples, the :class:`~staronnx.serving.server.Server` batcher, the runtime), called by the
 ingress deployment with decoded tensors.
 
-Why staronnx's batcher and not Serve's ``@serve.batch``: ``@serve.batch`` hands a handler a
-list and waits for it to return before it forms the next batch (or runs a fixed number
-concurrently), which is how one model on one device is fed. A staronnx runtime wants several
-batches in flight at once, sized from its perf models (``inflight_window``), so that a batch's
-light part runs on a CPU group while the next batch's heavy part runs on the GPU; the batcher
-also splits client batches into samples, so the batch sizes the perf models were calibrated
-at are the sizes that run. Using it here keeps one batching behaviour for ``staronnx serve``
-and ``staronnx serve --ray``, with the same response parameters (``staronnx_batch_id``...).
-
-Health: Serve calls :meth:`StaronnxReplica.check_health` every few seconds; a replica whose
-runtime is closed, whose batcher stopped, or whose workers all died says so, and Serve
-replaces it. A replica that lost some workers keeps serving on the others (the runtime
-re-places their tasks), which :meth:`StaronnxReplica.describe` reports.
+Why not Serve's ``@serve.batch``: it waits for a handler to return before forming the next batch
+(or runs a fixed number concurrently), which feeds one model on one device. A staronnx runtime
+wants several batches in flight, sized from its perf models (``inflight_window``), so that a
+batch's light part runs on a CPU group while the next one's heavy part runs on the GPU, at the
+batch sizes its perf models were calibrated at. One batcher also keeps ``staronnx serve`` and
+``staronnx serve --ray`` alike, response parameters (``staronnx_batch_id``...) included.
 """
 
 from __future__ import annotations
@@ -82,7 +75,10 @@ def pin_process(pus: Sequence[int]) -> None:
 
 
 def health_problem(endpoint: Any) -> str | None:
-    """Why the replica serving ``endpoint`` cannot answer requests, or None when it can."""
+    """Why the replica serving ``endpoint`` cannot answer requests, or None when it can.
+
+    Only all workers dead makes it unhealthy: with some left it keeps serving (the runtime
+    re-places the dead ones' tasks), as :meth:`StaronnxReplica.describe` reports."""
     if not getattr(endpoint, "ready", False):
         return "the model endpoint is closed"
     server = endpoint.server

@@ -1,24 +1,15 @@
 """The CPU worker: one pinned thread per CPU group, one ONNX Runtime session per part.
 
 StarPU's CPU worker is a thread bound to a core; ours owns a whole group of cores (usually a
-NUMA node) because ONNX Runtime parallelises inside each operator.  The worker thread:
-
-1. pins itself to the group's first PU with ``os.sched_setaffinity(0, ...)``, which on Linux
-   applies to the calling thread only;
-2. binds its memory allocations to the group's NUMA node(s) through hwloc (best effort: skipped
-   on a 1-node machine or a topology that is not this system's, reported in :attr:`membind`);
-3. builds one session per part with ``intra_op_num_threads`` = cores in the group and
-   ``session.intra_op_thread_affinities`` pinning ORT's extra threads to the other cores
-   (ORT's calling thread, the worker thread, is the pool's first member); inter-op 1,
-   sequential execution; spinning off when the group's cores are shared with another worker,
-   and stopped as soon as each run ends (``session.force_spinning_stop``) because every part
-   has its own pool on the same cores;
-4. serves tasks from its queue in order, timing each ``session.run``.
-
-Sessions are built *in* the worker thread so that ORT's pool threads inherit its affinity and
-the weights are first touched on its NUMA node.  Weights are shared between the groups of a
-NUMA node through :mod:`staronnx.workers.cpu_weights` (one memory-mapped copy instead of one per
-session).  Python threads suffice: ORT releases the GIL while it computes.
+NUMA node) because ONNX Runtime parallelises inside each operator. The thread pins itself to
+the group's first PU (``os.sched_setaffinity(0, ...)`` applies to the calling thread only, on
+Linux), binds its allocations to the group's NUMA node(s) through hwloc (best effort, reported
+in :attr:`membind`) and builds the sessions itself, so that ORT's pool threads inherit its
+affinity and the weights are first touched on its node. The worker thread is the pool's first
+member; ``session.intra_op_thread_affinities`` pins the others to the rest of the group.
+Weights are shared between the groups of a NUMA node through :mod:`staronnx.workers.cpu_weights`
+(one memory-mapped copy instead of one per session). Python threads suffice: ORT releases the
+GIL while it computes.
 """
 
 from __future__ import annotations

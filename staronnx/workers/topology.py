@@ -1,23 +1,15 @@
 """The machine as hwloc sees it: packages, NUMA nodes, cores, PUs and the PUs we may use.
 
 Every constructor goes through pyhwloc (the real hwloc library), so a synthetic description or
-an XML file exported on a big server is parsed exactly as hwloc would parse it on that server.
-That is what lets the tests check CPU grouping for a 2-package x 2-NUMA x 8-core machine on a
-2-core laptop.
+an XML file exported on a big server is parsed exactly as hwloc would parse it there: that is
+what lets the tests check CPU grouping for a 2-package x 2-NUMA x 8-core machine on a 2-core laptop.
 
-Indexes, because they are easy to mix up:
-
-- PUs are named by their **OS index** (the Linux CPU number, what ``taskset`` and
-  ``os.sched_setaffinity`` take).  hwloc's logical index is kept as well, for display.
-- Cores are named by hwloc's **logical index**: core OS indexes restart at 0 in every package
-  on Linux, so they are not unique.
-- NUMA nodes are named by their **OS index** (what ``numactl`` and the kernel use); packages by
-  their logical index (their OS index is the physical id, often sparse or unknown).
-
-The allowed PUs are hwloc's allowed cpuset (cgroups, cpusets) intersected, on this system, with
-the process's CPU affinity (``taskset``, ``numactl -C``), so that groups only ever use PUs the
-process can actually run on.  Disallowed PUs stay in the tree (hwloc's INCLUDE_DISALLOWED flag)
-so that ``render()`` can show them.
+Indexes, easy to mix up: PUs and NUMA nodes go by their **OS index** (what ``taskset``,
+``os.sched_setaffinity`` and ``numactl`` take); cores by hwloc's **logical index** (core OS
+indexes restart at 0 in every package on Linux); packages by their logical index (their OS
+index, the physical id, is often sparse or unknown). The allowed PUs are hwloc's allowed cpuset
+(cgroups) intersected with the process's affinity (``taskset``), so groups only use PUs the
+process can run on; disallowed PUs stay in the tree (INCLUDE_DISALLOWED) so ``render()`` shows them.
 """
 
 from __future__ import annotations

@@ -1,26 +1,16 @@
 """The cost model every placement method shares: devices, per-node costs, transfers, schedules.
 
-A :class:`Problem` is what SIR+, DUET, OverSeer and the MILP reason about: ``n`` nodes in a
-topological order, the time of each node on each device (µs), the tensors between nodes
-(bytes), and a transfer time per ordered pair of devices, ``latency + bytes * per_byte`` (0 on
-the same device). It is the classic model of the papers:
+A :class:`Problem` is what SIR+, DUET, OverSeer and the MILP reason about, in the classic model
+of the papers: a device runs one node at a time (SIR+'s no-overlap constraint); a node starts
+once every predecessor has finished *and* its tensor has arrived (``latency + bytes * per_byte``
+between different devices); transfers overlap with computation and with each other (no link
+contention, as in SIR+'s MILP); the makespan is the finish of the last node.
 
-* a device runs one node at a time (SIR+'s no-overlap constraint);
-* a node starts once every predecessor has finished *and* its tensor has arrived (finish +
-  transfer time when the two sit on different devices); transfers overlap with computation
-  and with each other (no link contention, as in SIR+'s MILP);
-* the makespan is the finish of the last node.
-
-:func:`schedule` evaluates an assignment (a device per node) by list scheduling in a priority
-order (nodes are appended to their device's queue in that order and start as early as the
-model allows). For a fixed assignment, the minimum over all topological priority orders is the
-model's exact optimum (every semi-active schedule is a list schedule of some topological
-order), which is how the tests brute-force tiny graphs.
-
-Parts are what the runtime executes: :func:`group_parts` turns a device per node into parts
-whose quotient graph is a DAG (the acyclic ``rank`` the exporter wants) with every part on one
-device, and :meth:`Problem.quotient` gives the part-level problem whose schedule is the
-predicted makespan of the plan (each part pays a task overhead).
+:func:`schedule` evaluates an assignment by list scheduling in a priority order. For a fixed
+assignment the minimum over all topological orders is the model's exact optimum (every
+semi-active schedule is a list schedule of some topological order), which is how the tests
+brute-force tiny graphs. :func:`group_parts` and :meth:`Problem.quotient` turn a device per
+node into the parts the runtime executes and the plan's predicted makespan.
 """
 
 from __future__ import annotations
