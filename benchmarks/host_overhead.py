@@ -1,0 +1,138 @@
+"""Host time per task of the CUDA worker's hot path, on ``HostRuntime`` (runs anywhere).
+
+Everything a CUDA worker does in Python per task holds the GIL that every worker and the
+serving threads share, so on a GPU server that host time, not the GPU, caps tasks/s at batch
+1-8. This measures it where no GPU is needed: CUDA workers driven by
+:class:`~staronnx.workers.cudart.HostRuntime` (host memory standing in for pinned and device
+memory, ORT's CPU provider standing in for CUDA's) on a model whose compute is negligible (one
+16x16 MatMul), side by side with plain ONNX Runtime ``run_with_iobinding`` loops in as many
+threads on the same model, in one process:
+
+1. ``runtime``: ``Runtime(cpu_groups="none", cuda_streams=N)``, ``--in-flight`` batches of 8
+   submitted at a time, N = 1, 2, 4 streams: tasks/s and host µs per task;
+2. ``server``: the same runtime behind :class:`~staronnx.serving.Server` (batch 8), single
+   requests as fast as they are accepted: requests/s and host µs per request;
+3. ``ort``: N threads, each with its own session and an IOBinding over preallocated arrays,
+   ``run_with_iobinding`` in a loop (the hand-written floor): runs/s.
+
+Targets (issue 19): <= 40 µs per task through the Runtime with one stream, and 4 streams never
+slower than one. Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import alternate, rate  # noqa: E402
+from overhead import tiny_model  # noqa: E402
+
+from staronnx import Runtime, partition  # noqa: E402
+from staronnx.perfmodels import PerfModelStore  # noqa: E402
+from staronnx.serving import Server  # noqa: E402
+from staronnx.workers.cudart import HostRuntime  # noqa: E402
+
+BATCH = 8
+STREAMS = (1, 2, 4)
+
+
+def ort_threads(model: Path, threads: int, seconds: float) -> float:
+    """Runs/s of ``threads`` plain sessions, each with pinned-style IOBinding, one per thread."""
+    counts = [0] * threads
+    stop = threading.Event()
+    ready = threading.Barrier(threads + 1)
+
+    def loop(i: int) -> None:
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        x = np.ones((BATCH, 16), np.float32)
+        y = np.empty((BATCH, 16), np.float32)
+        binding = sess.io_binding()
+        binding.bind_input("x", "cpu", 0, np.float32, list(x.shape), x.ctypes.data)
+        binding.bind_output("y", "cpu", 0, np.float32, list(y.shape), y.ctypes.data)
+        options = ort.RunOptions()
+        options.add_run_config_entry("gpu_graph_id", "-1")  # ORT's cheap path (see issue 19)
+        sess.run_with_iobinding(binding, options)
+        ready.wait()
+        n = 0
+        while not stop.is_set():
+            sess.run_with_iobinding(binding, options)
+            n += 1
+        counts[i] = n
+
+    pool = [threading.Thread(target=loop, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    ready.wait()
+    start = time.perf_counter()
+    time.sleep(seconds)
+    stop.set()
+    for t in pool:
+        t.join()
+    return sum(counts) / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seconds", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--in-flight", type=int, default=16)
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA workers with graphs on")
+    args = ap.parse_args(argv)
+    tmp = Path(tempfile.mkdtemp(prefix="staronnx-host-overhead-"))
+    model = tiny_model(tmp / "tiny.onnx")
+    plan = partition(model, parts=1, output_dir=tmp / "plan", profile_runs=1)
+    batch = {"x": np.ones((BATCH, 16), np.float32)}
+    sample = {"x": np.ones((1, 16), np.float32)}
+    store = PerfModelStore(tmp / "home")
+    print(f"tiny model (16x16 MatMul), batch {BATCH}, CUDA workers on HostRuntime, "
+          f"{args.in_flight} batches in flight, median of {args.rounds} rounds of {args.seconds} s")
+    print(f"{'streams':>7}  {'ort tasks/s':>11}  {'runtime tasks/s':>15}  {'us/task':>7}  "
+          f"{'vs ort':>6}  {'server req/s':>12}  {'us/req':>6}")
+    per_task: dict[int, float] = {}
+    for n in STREAMS:
+        with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=n, store=store,
+                     cuda_options={"runtime": HostRuntime(), "cuda_graphs": args.cuda_graphs}) as rt:
+            for _ in range(4 * n):
+                rt.run(batch)
+            pool = rt.batch_array((BATCH, 16), np.float32)  # a batch in pinned memory, as served
+            pool[...] = 1.0
+            pinned = {"x": pool}
+
+            def runtime() -> int:
+                futs = [rt.submit(pinned) for _ in range(args.in_flight)]
+                for f in futs:
+                    f.result()
+                return args.in_flight
+
+            def served() -> int:
+                with Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight) as server:
+                    futs = [server.submit(sample) for _ in range(200 * BATCH)]
+                    for f in futs:
+                        f.result()
+                return 200 * BATCH
+
+            r = alternate({"ort": lambda: ort_threads(model, n, args.seconds),
+                           "runtime": lambda: rate(runtime, args.seconds),
+                           "server": lambda: rate(served, args.seconds)}, args.rounds)
+        per_task[n] = 1e6 / r["runtime"]
+        print(f"{n:>7}  {r['ort']:>11,.0f}  {r['runtime']:>15,.0f}  {per_task[n]:>7.1f}  "
+              f"{r['runtime'] / r['ort']:>6.2f}  {r['server']:>12,.0f}  {1e6 / r['server']:>6.1f}")
+    print(f"one stream: {per_task[1]:.1f} us of host time per task (target <= 40); "
+          f"4 streams / 1 stream tasks/s: {per_task[1] / per_task[4]:.2f} (target >= 1.0)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
