@@ -224,7 +224,7 @@ def test_host_pipeline_bad_feeds_fail_only_their_task(host_worker: CudaWorker, r
 def test_host_pipeline_timing_hook_and_copy_log(parts: list[Path]) -> None:
     calls: list[tuple[int, int, float]] = []
     log = CopyLog()
-    with CudaWorker(0, 0, parts, runtime=HostRuntime(), copy_log=log, host_node="numa1",
+    with CudaWorker(0, 0, parts, runtime=HostRuntime(), copy_log=log, host_node="numa1", cuda_graphs=False,
                     on_done=lambda p, b, s: calls.append((p, b, s))) as worker:
         worker.warmup([2], make_feeds)
         # warm-up: no hook, but its copies are logged (2 parts x 2 repeats x 2 directions)
@@ -401,7 +401,7 @@ def test_gpu_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> N
     assert not worker.alive and no_thread_named(worker.name)
 
 
-# ---------------------------------------------------------------- CUDA graphs (opt-in)
+# ---------------------------------------------------------------- CUDA graphs (on by default)
 def test_cuda_graphs_give_every_fixed_slot_its_own_graph_and_keep_the_results(parts, reference):
     with CudaWorker(0, 0, parts, runtime=HostRuntime(), cuda_graphs=True) as worker:
         assert worker.graph_parts == {0, 1}
@@ -423,45 +423,6 @@ def test_cuda_graphs_skip_slots_whose_outputs_are_not_fixed(tmp_path):
             worker.submit(0, {"x": np.random.default_rng(i).standard_normal((2, 8)).astype(np.float32)}).result()
         slots = worker.call(lambda: worker._slots.all())
         assert slots and all(s.graph_id is None for s in slots) and worker.graphs_captured == 0
-
-
-def test_a_capture_runs_alone_and_waits_for_running_tasks():
-    from staronnx.workers.cuda import _CaptureLock
-
-    lock = _CaptureLock()
-    events: list[str] = []
-    in_shared = threading.Event()
-    release = threading.Event()
-
-    def task() -> None:
-        with lock.shared():
-            events.append("task in")
-            in_shared.set()
-            release.wait(5)
-            events.append("task out")
-
-    def capture() -> None:
-        with lock.exclusive():
-            events.append("capture")
-
-    t1 = threading.Thread(target=task)
-    t1.start()
-    in_shared.wait(5)
-    t2 = threading.Thread(target=capture)
-    t2.start()
-    time.sleep(0.1)
-    def late() -> None:
-        with lock.shared():
-            events.append("late task")
-
-    t3 = threading.Thread(target=late)
-    t3.start()
-    time.sleep(0.1)
-    assert events == ["task in"]  # the capture waits for the running task, the late task for the capture
-    release.set()
-    for t in (t1, t2, t3):
-        t.join(5)
-    assert events == ["task in", "task out", "capture", "late task"]
 
 
 @needs_gpu

@@ -138,7 +138,7 @@ class ClockedWorker:
     def spawn(self, fn: Callable[[], Any]) -> Future[Any]:
         return self.pool.submit(fn)
 
-    def run_here(self, part: int, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run_here(self, part: int, feeds: dict[str, np.ndarray], timed: bool = True) -> dict[str, np.ndarray]:
         session = self.sessions[part]
         values = session.run(None, dict(feeds))
         self.conductor.spend(self.index, UNITS[self.arch][part] * U)

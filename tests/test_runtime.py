@@ -120,11 +120,11 @@ def test_dead_worker_tasks_are_replaced(plan3, store, two_groups):
     original = workers[0].run_here
     calls = {"n": 0}
 
-    def flaky(part, feeds):
+    def flaky(part, feeds, *rest):
         calls["n"] += 1
         if calls["n"] == 3:
             raise _Crash("simulated worker crash")
-        return original(part, feeds)
+        return original(part, feeds, *rest)
 
     workers[0].run_here = flaky
     feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(40)]

@@ -553,7 +553,7 @@ class _Simulation:
         order = workers if first is None else [workers[first]] + [w for w in workers if w.info.id != first]
         now = self.clock.t
         for st in order:
-            if st.running is None and (task := self.core.next_task(st.info.id, now)) is not None:
+            if not st.running and (task := self.core.next_task(st.info.id, now)) is not None:
                 self._start(st.info, task)
 
     def _start(self, info: WorkerInfo, task: Task) -> None:

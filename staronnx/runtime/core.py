@@ -88,7 +88,8 @@ class WorkerState:
 
     info: WorkerInfo
     alive: bool = True
-    running: Task | None = None
+    #: tasks popped and not finished: one, or two when the next is launched ahead (pipelined)
+    running: list[Task] = field(default_factory=list)
     busy_seconds: float = 0.0
     tasks: int = 0
 
@@ -120,6 +121,9 @@ class TaskGraph:
         self._outputs = set(plan.output_names)
         self.inflight: dict[int, Request] = {}
         self._queued: dict[int, Task] = {}  # pushed, not yet popped, by TaskView id
+        #: what each push of the last submit/finish/worker_lost returned: the worker it placed
+        #: the task on, or None (a shared queue): the engine wakes just those workers
+        self.pushed_to: list[int | None] = []
         #: the driver's own reason to drop a request's remaining tasks (a cancelled future)
         self.dropped: Callable[[Request], bool] = lambda req: False
         self._ids = itertools.count()
@@ -137,6 +141,7 @@ class TaskGraph:
     def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
                owner: Any = None) -> Request:
         """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed."""
+        self.pushed_to.clear()
         handles = {n: DataHandle(n, nbytes, {HOST_NODE}, self._readers[n]) for n, nbytes in inputs.items()}
         req = Request(next(self._ids), batch, now, self.plan.k, handles, dict(values or {}), owner)
         req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self.plan.k)]
@@ -157,7 +162,7 @@ class TaskGraph:
         task.view = view
         task.ready_at = now
         self._queued[view.id] = task
-        self.policy.push(view)
+        self.pushed_to.append(self.policy.push(view))
 
     # -- workers -------------------------------------------------------------------------------
     def next_task(self, wid: int, now: float) -> Task | None:
@@ -173,7 +178,7 @@ class TaskGraph:
                 self.policy.on_done(wid, view, 0.0, now)
                 continue
             task.worker = wid
-            self.workers[wid].running = task
+            self.workers[wid].running.append(task)
             self.queue_waits.append(now - task.ready_at)
             return task
 
@@ -181,8 +186,9 @@ class TaskGraph:
                outputs: Mapping[str, int] | None) -> Request | None:
         """Worker ``wid`` ended ``task`` after ``measured`` s; ``outputs`` (name -> bytes), or
         None when it failed. Returns the request if it is now complete (or has just failed)."""
+        self.pushed_to.clear()
         st = self.workers[wid]
-        st.running = None
+        st.running.remove(task)
         st.busy_seconds += measured
         st.tasks += 1
         task.ended_at = now
@@ -230,11 +236,12 @@ class TaskGraph:
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the
         requests failed because no worker is left."""
+        self.pushed_to.clear()
         st = self.workers[wid]
         st.alive = False
         self.dead_workers.append((st.info.name, error))
-        orphans = [st.running] if st.running is not None else []
-        st.running = None
+        orphans = list(st.running)
+        st.running.clear()
         orphans += [self._queued.pop(view.id) for view in self.policy.remove_worker(wid)]
         if not any(w.alive for w in self.workers):
             lost = list(self.inflight.values())

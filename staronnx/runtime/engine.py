@@ -18,6 +18,7 @@ import math
 import threading
 import time
 from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -32,7 +33,7 @@ from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.runtime.trace import Tracer
-from staronnx.workers.base import Worker
+from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
 
 log = logging.getLogger(__name__)
@@ -74,12 +75,17 @@ class NativeEngine:
         self.own_workers = own_workers
         #: the policies' clock; a test may give a virtual one (see tests/test_replay.py)
         self.clock = clock if clock is not None else RealClock()
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        #: one condition per worker on the one lock, so a task wakes only the worker it is for
+        self._conds = [threading.Condition(self._lock) for _ in workers]
+        self._drained = threading.Condition(self._lock)  # close() waits on it
+        self._idle: set[int] = set()
+        self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
         self._loops: list[Future[Any]] = []
         self._stopping = False
         self._closed = False
-        #: workers that found nothing to run since the last wake-up (a test's quiescence probe)
+        #: workers waiting with nothing to run (a test's quiescence probe)
         self.idle = 0
         self.started_at = self.clock.now()
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
@@ -99,7 +105,7 @@ class NativeEngine:
         """Create the request's tasks; inputs must already be checked against the plan."""
         batch = _batch_size(self.plan, feeds)
         future = RequestFuture(-1)
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise EngineClosed("the runtime is closed; no new requests are accepted")
             req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
@@ -110,61 +116,138 @@ class NativeEngine:
         return future
 
     def _wake(self) -> None:
-        """Every idle worker looks again (lock held)."""
-        self.idle = 0
-        self._cond.notify_all()
+        """(lock held) Wake the workers the last core call gave work to: the one a task was
+        placed on, or one idle worker for a task in a shared queue. Waking every worker on
+        every event cost a thread switch and a GIL hand-over per idle worker per task."""
+        for target in self.core.pushed_to:
+            if target is None:
+                if self._idle:
+                    self._notify(next(iter(self._idle)))
+            elif target in self._idle:
+                self._notify(target)
+        self.core.pushed_to.clear()
+
+    def _wake_all(self) -> None:
+        """(lock held) Every idle worker looks again (close, a lost worker)."""
+        for wid in list(self._idle):
+            self._notify(wid)
+
+    def _notify(self, wid: int) -> None:
+        self._idle.discard(wid)
+        self.idle = len(self._idle)
+        self._conds[wid].notify()
 
     # -- worker loops -------------------------------------------------------------------------
     def _make_loop(self, wid: int) -> Callable[[], None]:
+        worker = self._workers[wid]
+        pipelined = hasattr(worker, "launch_here")
+
         def loop() -> None:
-            task: Task | None = None
             try:
-                while (task := self._next_task(wid)) is not None:
-                    self._execute(wid, task)
-                task = None
+                if pipelined:
+                    self._pipeline(wid, worker)
+                else:
+                    while (task := self._next_task(wid)) is not None:
+                        self._end(wid, task, self._run(wid, worker, task))
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
         return loop
 
-    def _next_task(self, wid: int) -> Task | None:
-        with self._cond:
+    def _pipeline(self, wid: int, worker: Any) -> None:
+        """A worker that can launch a task without waiting for it (CUDA): launch the next
+        task it is given before waiting for the current one, so the device never waits for
+        the host's bookkeeping between two tasks (StarPU's prefetch and CUDA pipeline)."""
+        task = self._next_task(wid)
+        started = self._launch(wid, worker, task) if task is not None else None
+        while task is not None and started is not None:
+            nxt = self._next_task(wid, block=False)
+            nxt_started = self._launch(wid, worker, nxt) if nxt is not None else None
+            self._end(wid, task, self._complete(worker, started))
+            task, started = nxt, nxt_started
+            if task is None:
+                task = self._next_task(wid)
+                started = self._launch(wid, worker, task) if task is not None else None
+
+    def _next_task(self, wid: int, block: bool = True) -> Task | None:
+        with self._lock:
             while self.core.workers[wid].alive:
                 task = self.core.next_task(wid, self.clock.now())
-                if task is not None or self._stopping:
+                if task is not None or self._stopping or not block:
                     return task
-                self.idle += 1
-                self._cond.wait()
+                self._idle.add(wid)
+                self.idle = len(self._idle)
+                self._conds[wid].wait()
             return None
 
-    def _execute(self, wid: int, task: Task) -> None:
-        req, worker = task.request, self._workers[wid]
-        info = self.core.workers[wid].info
-        feeds = {n: req.values[n] for n in self.plan.parts[task.part].inputs}
+    def _timed(self, wid: int, task: Task) -> bool:
+        """Whether this task's time is wanted: only while its perf model needs samples (a
+        CUDA worker then records events; without them it saves their calls)."""
+        fp = task.view.footprint if task.view is not None else None
+        return fp is not None and self.predictor.needs_samples(task.part, self.core.workers[wid].info.arch, fp)
+
+    def _feeds(self, task: Task) -> dict[str, np.ndarray]:
+        values = task.request.values
+        return {n: values[n] for n in self.plan.parts[task.part].inputs}
+
+    def _run(self, wid: int, worker: Any, task: Task) -> _Started:
+        """Run a task to its end on a worker that cannot launch ahead (CPU)."""
+        timed = self._timed(wid, task)
         start = self.clock.now()
-        error: BaseException | None = None
-        outputs: dict[str, np.ndarray] = {}
         try:
-            outputs = worker.run_here(task.part, feeds)
+            outputs, error = worker.run_here(task.part, self._feeds(task), timed), None
+        except WorkerLost:
+            raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
-            error = exc
+            outputs, error = {}, exc
+        return _Started(start, timed, None, outputs, error, worker.last_compute_seconds)
+
+    def _launch(self, wid: int, worker: Any, task: Task) -> _Started:
+        timed = self._timed(wid, task)
+        start = self.clock.now()
+        try:
+            return _Started(start, timed, worker.launch_here(task.part, self._feeds(task), timed))
+        except WorkerLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            return _Started(start, timed, None, {}, exc)
+
+    def _complete(self, worker: Any, started: _Started) -> _Started:
+        if started.error is None:
+            try:
+                started.outputs = worker.finish_here(started.handle)
+                started.compute = worker.last_compute_seconds
+            except WorkerLost:
+                raise
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                started.error = exc
+        return started
+
+    def _end(self, wid: int, task: Task, started: _Started) -> None:
+        """Book a finished task: perf model, trace, the core (successors), the request."""
+        req = task.request
+        info = self.core.workers[wid].info
         end = self.clock.now()
+        # a task launched behind another starts when that one ends
+        start = max(started.start, self._last_end[wid])
+        self._last_end[wid] = end
         measured = end - start
-        view = task.view
-        assert view is not None
-        if error is None and view.footprint is not None:
-            if self.predictor.needs_samples(task.part, info.arch, view.footprint):
-                # CUDA workers report kernel time without their copies, which the bus model
-                # prices; CPU workers' wall time is their compute time
-                compute = worker.last_compute_seconds
-                self.predictor.record(task.part, info.arch, view.footprint, compute or measured)
+        error, outputs = started.error, started.outputs
+        if error is None and started.timed:
+            # CUDA workers report kernel time without their copies, which the bus model
+            # prices; CPU workers' wall time is their compute time
+            assert task.view is not None and task.view.footprint is not None
+            self.predictor.record(task.part, info.arch, task.view.footprint, started.compute or measured)
         if self.tracer is not None:
             self._trace(wid, task, start, end, error is not None)
-        with self._cond:
-            req.values.update(outputs)
+        with self._lock:
+            if outputs:
+                req.values.update(outputs)
             sizes = None if error is not None else {n: int(a.nbytes) for n, a in outputs.items()}
             done = self.core.finish(wid, task, end, measured, sizes)
             self._wake()
+            if self._closed and not self.core.inflight:
+                self._drained.notify_all()
         if done is None:
             return
         if error is not None:
@@ -189,16 +272,18 @@ class NativeEngine:
         """Re-place the dead worker's queued tasks (and the one it was running) on the others."""
         name = self.core.workers[wid].info.name
         log.error("worker %s died: %s; its queued tasks go to the other workers", name, exc)
-        with self._cond:
+        with self._lock:
             lost = self.core.worker_lost(wid, repr(exc), self.clock.now())
             self._wake()
+            self._wake_all()
+            self._drained.notify_all()
         for req in lost:
             _resolve(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
         """Drain in-flight requests up to ``timeout`` seconds, cancel the rest, stop the loops."""
-        with self._cond:
+        with self._lock:
             if self._closed and self._stopping:
                 return
             self._closed = True
@@ -207,12 +292,12 @@ class NativeEngine:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._cond.wait(left if left is None else min(left, 0.5))
+                self._drained.wait(left if left is None else min(left, 0.5))
             cancelled = list(self.core.inflight.values())
             for req in cancelled:
                 self.core.fail(req)
             self._stopping = True
-            self._wake()
+            self._wake_all()
         for req in cancelled:
             if not req.owner.cancel() and not req.owner.done():
                 req.owner.set_exception(CancelledError())
@@ -234,8 +319,26 @@ class NativeEngine:
     # -- observability ------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Busy fraction per worker, tasks per (part, arch), queue wait, predicted vs measured."""
-        with self._cond:
-            return self.core.stats(self.clock.now() - self.started_at)
+        with self._lock:
+            out = self.core.stats(self.clock.now() - self.started_at)
+        for w in self._workers:  # CUDA graphs per worker: what `staronnx run` reports
+            graphs = getattr(w, "graph_stats", None)
+            if graphs is not None and w.name in out["workers"]:
+                out["workers"][w.name]["graphs"] = graphs()
+        return out
+
+
+@dataclass(eq=False)
+class _Started:
+    """A task handed to its worker: when, whether timed, the worker's handle (launched ahead)
+    or the outputs/error once it ran, and its kernel time (CUDA)."""
+
+    start: float
+    timed: bool
+    handle: Any = None
+    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    error: BaseException | None = None
+    compute: float | None = None
 
 
 def _resolve(future: RequestFuture, value: Any, ok: bool) -> None:

@@ -37,12 +37,17 @@ import numpy as np
 
 from staronnx.errors import DeviceError, ModelError
 
-__all__ = ["OnDone", "ThreadWorker", "Worker", "WorkerFuture", "WorkerStats", "WorkerTask"]
+__all__ = ["OnDone", "ThreadWorker", "Worker", "WorkerFuture", "WorkerLost", "WorkerStats", "WorkerTask"]
 
 Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
 #: ``on_done(part, batch, seconds)``: called in the worker thread after each successful task.
 OnDone = Callable[[int, int, float], None]
+
+
+class WorkerLost(DeviceError):
+    """The worker can no longer run anything (a CUDA context lost to a sticky error): the task
+    it was given did not fail, it must run elsewhere, and so must the worker's queued ones."""
 
 
 class Worker(Protocol):
@@ -60,7 +65,7 @@ class Worker(Protocol):
     def submit(self, part: int, feeds: Feeds) -> WorkerFuture: ...
     def run(self, part: int, feeds: Feeds) -> Outputs: ...
     def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
-    def run_here(self, part: int, feeds: Feeds) -> Outputs: ...
+    def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs: ...
     def close(self) -> None: ...
 
 
@@ -409,9 +414,12 @@ class ThreadWorker(ABC):
             return
         self.stats.done += 1
         self.stats.busy_seconds += seconds
+        self._call_on_done(task.part, task.fut.batch, seconds)
+
+    def _call_on_done(self, part: int, batch: int, seconds: float) -> None:
         if self.on_done is not None:
             try:
-                self.on_done(task.part, task.fut.batch, seconds)
+                self.on_done(part, batch, seconds)
             except Exception:  # noqa: BLE001 - a broken hook must not fail the task
                 self._log.exception("%s: on_done hook failed", self.name)
 

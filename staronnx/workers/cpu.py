@@ -170,7 +170,7 @@ class CpuWorker(ThreadWorker):
         """What ``os.sched_getaffinity(0)`` reports inside the worker thread."""
         return self.call(lambda: os.sched_getaffinity(0))
 
-    def run_here(self, part: int, feeds: Feeds) -> Outputs:
+    def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
         """Run a part in the calling thread, which must be this worker's own (see :meth:`spawn`).
 
         Exceptions propagate to the caller (the engine fails that task's request only), with

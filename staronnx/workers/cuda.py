@@ -1,34 +1,48 @@
 """The CUDA worker: one thread per CUDA stream, one ONNX Runtime CUDA session per part.
 
 A :class:`CudaWorker` is one of StarPU's ``STARPU_NWORKER_PER_CUDA`` workers
-(STARPU_MODEL.md §4): a **non-blocking** compute stream of its own (never serialised with
-stream 0 or another worker's) bound to each part's session (``user_compute_stream``), and two
-copy streams. A task's inputs go through **pinned** staging buffers, H2D on the copy stream,
-into device buffers bound to an IOBinding; events order copies, kernels and the D2H copy
-without blocking the host (with a user stream ORT does not synchronise, so this event chain is
-what makes results safe to read). While a task computes, the next queued task's inputs are
-staged (prefetch). Buffers and bindings are cached per (part, input signature) in a
-:class:`_Slot`, so steady-state calls allocate nothing.
+(STARPU_MODEL.md §4): a **non-blocking** stream of its own (never serialised with stream 0 or
+another worker's), bound to each part's session (``user_compute_stream``).
 
-CUDA graphs (``cuda_graphs=True``, opt-in; at batch 1-8 a GPU waits on launches): a slot whose
-every buffer is fixed gets a graph id of its own (ORT's ``enable_cuda_graph``,
-``gpu_graph_id``). Capture uses CUDA's global capture mode, where another thread's CUDA call
-fails it (errors 900/901), so capturing runs hold :data:`GRAPH_LOCK` exclusively.
+Everything Python does per task holds the GIL that every worker shares, so on a GPU server the
+host cost of a task, not the GPU, caps tasks/s at small batches. A task is therefore: inputs
+copied to the device with one async copy each (straight from a batch the serving pool
+assembled in pinned memory, else through the slot's pinned staging buffer), one ORT run (or
+CUDA graph replay), one async copy back per output, one wait; all on the worker's stream, so
+no event orders them. ORT synchronises its stream at the end of every run unless told not to
+(``disable_synchronize_execution_providers``): that is set, and the worker's own wait is the
+only one. Timing events are recorded only while a perf model still needs samples (``timed``).
+Buffers, bindings, views and run options are cached per (part, input signature) in a
+:class:`_Slot`; eviction, like allocation, happens only when a new slot is made.
+
+CUDA graphs (on by default; at batch 1-8 a GPU waits on launches): a slot whose every buffer is
+fixed gets a graph id of its own (ORT's ``enable_cuda_graph``, ``gpu_graph_id``); ORT's first
+run of that id is a regular run, its second the capture. Captures run one at a time
+(:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in thread-local
+capture mode, so nothing else in the process breaks a capture (see
+:mod:`staronnx.workers.cudart`). A failed capture is retried once with a new id, then the slot
+runs without a graph, with a warning naming the CUDA error; :meth:`CudaWorker.graph_stats`
+counts captures, replays and failures.
+
+Errors: a task that fails (bad feed, ORT error, a CUDA error that is not sticky such as out of
+memory or 900/901) fails alone; a sticky CUDA error (the context is lost) raises
+:class:`~staronnx.workers.base.WorkerLost`, and an engine then moves the worker's tasks to the
+others.
 
 :attr:`CudaWorkerFuture.compute_seconds`, what the perf models learn, is GPU time between
-events on the compute stream: input transfers are the bus model's, as in StarPU.
+events on the stream: input transfers are the bus model's, as in StarPU.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,22 +55,27 @@ from staronnx.workers.base import (
     Feeds,
     OnDone,
     Outputs,
-    WorkerTask,
     ThreadWorker,
     WorkerFuture,
+    WorkerLost,
+    WorkerTask,
     _batch_of,
 )
 from staronnx.workers.cudart import (
+    CAPTURE_THREAD_LOCAL,
     INSTALL_HINT,
     CudaError,
     CudaRuntime,
     GpuRuntime,
+    capture_safe,
+    is_sticky,
     runtime_module,
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 from staronnx.workers.pinned_pool import PinnedPool
 
 __all__ = [
+    "CAPTURE_LOCK",
     "CONV_ALGO_SEARCHES",
     "CudaWorker",
     "CudaWorkerFuture",
@@ -81,59 +100,37 @@ _ORT_TO_NUMPY: dict[str, np.dtype] = {
     }.items()
 }
 
+#: one capture at a time in the process: a capture is rare (once per part and batch size at
+#: warm-up) and ORT's global-mode capture is the one place two of ours could still collide
+CAPTURE_LOCK = threading.Lock()
+#: captures tried per slot before it runs without a graph
+CAPTURE_TRIES = 2
 
-#: runs of a slot's graph id under the exclusive lock: ORT's regular run(s), then its capture
-GRAPH_CAPTURE_RUNS = 3
+# A slot's graph state: none (runs with gpu_graph_id -1), the regular run ORT needs before a
+# capture, the capture, replays.
+_NO_GRAPH, _GRAPH_WARM, _GRAPH_CAPTURE, _GRAPH_REPLAY = range(4)
 
-
-class _CaptureLock:
-    """Shared for graph-enabled tasks, exclusive for a capturing run (a writer-preferring
-    readers-writer lock: a waiting capture holds new tasks back, so it is never starved)."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._waiting_writers:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
+_preloaded = False
 
 
-#: one per process: CUDA's global capture mode spans every thread of the process
-GRAPH_LOCK = _CaptureLock()
+def _preload_cuda_libraries() -> None:
+    """Load the CUDA and cuDNN libraries that pip's nvidia-* wheels bring (ORT >= 1.21 offers
+    ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH."""
+    global _preloaded
+    if _preloaded or not hasattr(ort, "preload_dlls"):
+        return
+    _preloaded = True
+    try:
+        ort.preload_dlls()
+    except Exception as exc:  # noqa: BLE001 - libraries from the system may still be found
+        log.debug("onnxruntime.preload_dlls() failed: %s", exc)
 
 
 # ---------------------------------------------------------------------- availability
 def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
     """``None`` when a CUDA worker can run here, else one message saying what is missing.
 
-    Checks, in order: ONNX Runtime's CUDA execution provider, cuda-python, then (only when
+    Checks, in order: ONNX Runtime's CUDA execution provider, cuda-bindings, then (only when
     both are there) the CUDA driver and ``device_id``.
     """
     missing = []
@@ -147,14 +144,15 @@ def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
     try:
         runtime_module()
     except DeviceError:
-        missing.append("NVIDIA's cuda-python (the module cuda.bindings.runtime)")
+        missing.append("NVIDIA's cuda-bindings (the module cuda.bindings.runtime)")
     if missing:
         return f"CUDA workers need {' and '.join(missing)}. Install them with: {INSTALL_HINT}"
+    _preload_cuda_libraries()
     try:
         count = CudaRuntime().device_count()
     except CudaError as exc:
         return (f"the CUDA runtime cannot see a GPU ({exc}); check the NVIDIA driver, and that "
-                "cuda-python's major version is not newer than the driver's CUDA version")
+                "cuda-bindings' major version is not newer than the driver's CUDA version")
     if count == 0:
         return ("no CUDA device is visible (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
@@ -211,32 +209,41 @@ class _Part:
 
 
 # ---------------------------------------------------------------------- buffer slots
-@dataclass
+@dataclass(eq=False)
 class _Tensor:
-    """A tensor's staging: pinned host buffer, device buffer (None: ORT allocates), shape."""
+    """A tensor's staging: pinned host buffer (and a numpy view of it), device buffer (None:
+    ORT allocates), shape; sizes and views computed once, not per task."""
 
     name: str
     dtype: np.dtype
     shape: tuple[int, ...]
     pinned: Any = None  # PinnedBuffer
     device: Any = None  # DeviceBuffer
+    view: np.ndarray | None = None  # of ``pinned``, with this dtype and shape
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def stage(self, pinned: Any) -> None:
+        """Take ``pinned`` as the host buffer and make the view over it."""
+        self.pinned = pinned
+        self.view = pinned.view(self.dtype, self.shape)
 
     def free(self) -> None:
+        self.view = None
         for buf in (self.pinned, self.device):
             if buf is not None:
                 buf.free()
         self.pinned = self.device = None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Slot:
     """Everything one (part, input signature) needs, reused call after call.
 
-    ``outputs`` is None until the first run has shown the output shapes and types.
+    ``outputs`` is None until the first run has shown the output shapes and types; ``fixed``
+    once every output is bound to a buffer of ours (the fast path).
     """
 
     key: tuple[Any, ...]
@@ -244,14 +251,20 @@ class _Slot:
     binding: Any  # ort.IOBinding
     inputs: list[_Tensor]
     events: dict[str, Any]
+    run_options: Any  # ort.RunOptions: the worker's (gpu_graph_id -1) or the slot's graph id
     outputs: list[_Tensor] | None = None
     bound: list[bool] = field(default_factory=list)  # output i bound to our device buffer
+    fixed: bool = False
     busy: bool = False
     last_used: int = 0
-    #: CUDA graph of this slot's fixed buffers (None: runs without one) and runs made with it
+    graph: int = _NO_GRAPH
     graph_id: int | None = None
-    graph_runs: int = 0
-    run_options: Any = None  # ort.RunOptions carrying gpu_graph_id
+    capture_tries: int = 0
+    # per task: (device ptr, nbytes) of each input / output, precomputed
+    in_copies: list[tuple[Any, int, int]] = field(default_factory=list)  # (tensor, device ptr, nbytes)
+    out_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (pinned, device ptr, nbytes)
+    in_bytes: int = 0
+    out_bytes: int = 0
 
     def free(self) -> None:
         for t in self.inputs + (self.outputs or []):
@@ -267,59 +280,87 @@ class _Slot:
 
 
 class _SlotCache:
-    """Slots per key with LRU eviction of idle ones beyond ``max_slots``."""
+    """Slots per key; past ``max_slots``, the least recently used idle ones are retired when a
+    new slot is made (never on the hot path: freeing device memory synchronises the device),
+    and freed by :meth:`free_retired` on the next slot creation or at close."""
 
     def __init__(self, max_slots: int) -> None:
         self.max_slots = max_slots
         self._slots: dict[tuple[Any, ...], list[_Slot]] = {}
         self._clock = 0
+        self._count = 0
         self.created = 0
+        self.retired: list[_Slot] = []
 
-    def acquire(self, key: tuple[Any, ...], make: Callable[[], _Slot]) -> _Slot:
-        self._clock += 1
+    def take(self, key: tuple[Any, ...]) -> _Slot | None:
+        """An idle slot for ``key``, marked busy; None when there is none (make one)."""
         for slot in self._slots.get(key, ()):
             if not slot.busy:
-                break
-        else:
-            slot = make()
-            self.created += 1
-            self._slots.setdefault(key, []).append(slot)
-        slot.busy = True  # before evicting, so the new slot is never the victim
-        slot.last_used = self._clock
-        self._evict()
-        return slot
+                self._clock += 1
+                slot.busy = True
+                slot.last_used = self._clock
+                return slot
+        return None
 
-    def release(self, slot: _Slot) -> None:
+    def add(self, slot: _Slot) -> None:
+        """Register a new (busy) slot, retiring idle ones beyond ``max_slots``."""
+        self._clock += 1
+        slot.busy = True
+        slot.last_used = self._clock
+        self._slots.setdefault(slot.key, []).append(slot)
+        self._count += 1
+        self.created += 1
+        excess = self._count - self.max_slots
+        if excess > 0:
+            idle = sorted((s for ss in self._slots.values() for s in ss if not s.busy),
+                          key=lambda s: s.last_used)
+            for old in idle[:excess]:
+                self._slots[old.key].remove(old)
+                if not self._slots[old.key]:
+                    del self._slots[old.key]
+                self._count -= 1
+                self.retired.append(old)
+
+    def free_retired(self) -> None:
+        while self.retired:
+            self.retired.pop().free()
+
+    @staticmethod
+    def release(slot: _Slot) -> None:
         slot.busy = False
 
-    def _evict(self) -> None:
-        idle = [s for ss in self._slots.values() for s in ss if not s.busy]
-        excess = len(self) - self.max_slots
-        for slot in sorted(idle, key=lambda s: s.last_used)[: max(excess, 0)]:
-            self._slots[slot.key].remove(slot)
-            if not self._slots[slot.key]:
-                del self._slots[slot.key]
-            slot.free()
-
     def __len__(self) -> int:
-        return sum(len(v) for v in list(self._slots.values()))  # a snapshot: any thread may ask
+        return self._count
 
     def all(self) -> list[_Slot]:
-        return [s for ss in self._slots.values() for s in ss]
+        return [s for ss in list(self._slots.values()) for s in ss]
 
     def close(self) -> None:
         for slot in self.all():
             slot.free()
         self._slots.clear()
+        self._count = 0
+        self.free_retired()
+
+
+@dataclass(eq=False)
+class _Launch:
+    """A task whose copies and run are queued on the stream: what waiting for it needs."""
+
+    slot: _Slot
+    timed: bool
+    start: float
+    wait_event: Any = None  # None: wait for the whole stream
+    outputs: Outputs | None = None  # set when it ran synchronously (the general path)
 
 
 @dataclass
 class _Task(WorkerTask):
-    """A :class:`~staronnx.workers.base.WorkerTask` with its staging state."""
+    """A :class:`~staronnx.workers.base.WorkerTask` with its launch state (queued path)."""
 
     fut: CudaWorkerFuture
-    slot: _Slot | None = None
-    dead: bool = False  # failed or cancelled while prefetched
+    launch: _Launch | None = None
+    dead: bool = False  # failed or cancelled while launched ahead
 
 
 # ---------------------------------------------------------------------- the worker
@@ -329,24 +370,22 @@ class CudaWorker(ThreadWorker):
     ``cudnn_conv_algo_search``: EXHAUSTIVE (ORT's default: best kernels, slow first run per
     shape), HEURISTIC or DEFAULT.  ``provider_options`` adds CUDA provider options (e.g.
     ``gpu_mem_limit``); device and stream are the worker's own.  ``cpu`` pins the worker thread
-    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``prefetch`` stages the
-    next task's inputs while the current one computes.  ``copy_log`` receives a
-    :class:`~staronnx.workers.memory.CopyRecord` per task and direction (GPU-timed), with
-    ``host_node`` as the host end.  ``max_slots`` bounds how many (part, batch size) buffer
-    sets stay cached.  ``cuda_graphs`` captures each
-    (part, batch size) buffer set as a CUDA graph and replays it (see the module's doc).
-    ``runtime`` replaces the CUDA runtime: a
-    :class:`~staronnx.workers.cudart.HostRuntime` runs the same pipeline on the CPU provider
-    with host memory (how it is tested without a GPU).  Without one, the constructor raises
-    :class:`DeviceError` when ONNX Runtime's CUDA provider, cuda-python or the device is
-    missing.
+    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``prefetch`` launches the
+    next queued task before waiting for the current one, so the GPU never waits for the host
+    between them.  ``copy_log`` receives a :class:`~staronnx.workers.memory.CopyRecord` per
+    timed task and direction, with ``host_node`` as the host end.  ``max_slots`` bounds how
+    many (part, batch size) buffer sets stay cached.  ``cuda_graphs`` (default on) captures
+    each (part, batch size) buffer set whose outputs are fixed as a CUDA graph and replays it;
+    ``capture_on_demand=False`` keeps slots made after warm-up graph-less (a Runtime that
+    warmed up its batch sizes never stalls its workers on a capture while serving).
+    ``runtime`` replaces the CUDA runtime: a :class:`~staronnx.workers.cudart.HostRuntime`
+    runs the same pipeline on the CPU provider with host memory (how it is tested without a
+    GPU).  Without one, the constructor raises :class:`DeviceError` when ONNX Runtime's CUDA
+    provider, cuda-bindings or the device is missing.
 
     The thread, queue, ``start``/``close``, ``call``/``spawn`` and the task bookkeeping are
-    :class:`~staronnx.workers.base.ThreadWorker`'s; this class sets up the device, streams and
-    sessions, stages and runs tasks, and tears it all down.  The worker's device is current in
-    its thread, so functions given to ``call``/``spawn`` run with it.  At close, in that
-    thread, streams are synchronised, bindings and sessions dropped, pinned and device buffers
-    freed, events and streams destroyed.
+    :class:`~staronnx.workers.base.ThreadWorker`'s; this class sets up the device, stream and
+    sessions, runs tasks, and tears it all down in its thread.
     """
 
     kind = "cuda"
@@ -368,7 +407,8 @@ class CudaWorker(ThreadWorker):
         max_slots: int = 64,
         on_done: OnDone | None = None,
         runtime: GpuRuntime | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool = True,
+        capture_on_demand: bool = True,
         pinned_pool: PinnedPool | None = None,
     ) -> None:
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
@@ -397,22 +437,26 @@ class CudaWorker(ThreadWorker):
         self.cpu = cpu
         self.prefetch = prefetch
         self.copy_log = copy_log
-        #: the compute stream's cudaStream_t value (set by start()).
+        #: the stream's cudaStream_t value (set by start()).
         self.stream_handle: int | None = None
         self._extra_options = extra
         self._device_type = runtime.ort_device_type
         self._bind_device = device_id if self._device_type == "cuda" else 0
         self._slots = _SlotCache(max_slots)
         self._parts: list[_Part] = []
-        self._streams: dict[str, Any] = {}
+        self._stream: Any = None
         self._run_options: ort.RunOptions | None = None
-        self._broken: BaseException | None = None
+        #: the sticky CUDA error that made this worker unusable (it then leaves the pool)
+        self.lost: BaseException | None = None
         self.cuda_graphs = bool(cuda_graphs)
+        self.capture_on_demand = capture_on_demand
         #: parts whose sessions were built with enable_cuda_graph
         self.graph_parts: set[int] = set()
         self._next_graph_id = 1
-        #: slots whose graph has been through its capture runs
+        #: slots whose graph ORT captured, captures that failed, runs that replayed a graph
         self.graphs_captured = 0
+        self.graph_failures = 0
+        self.graph_replays = 0
         #: where batches can be assembled so that this worker copies them without staging
         #: (shared by the workers start_workers makes; the worker that made it frees it)
         self.pinned_pool = pinned_pool or PinnedPool(self._allocate_pinned)
@@ -431,8 +475,8 @@ class CudaWorker(ThreadWorker):
     def submit(self, part: int, feeds: Feeds) -> CudaWorkerFuture:
         """Queue ``part`` on ``feeds`` (host arrays); resolves to ``{output name: array}``.
 
-        A task that fails (bad feed, ORT error) fails its own future only; a CUDA error
-        breaks the worker (the context is unusable), and later tasks fail with it.
+        A task that fails (bad feed, ORT error, a CUDA error that is not sticky) fails its own
+        future only; after a sticky CUDA error every task fails with :class:`WorkerLost`.
         """
         self._check_open()
         self._check_part(part)
@@ -450,31 +494,60 @@ class CudaWorker(ThreadWorker):
 
         The first run of a shape pays cuDNN's algorithm search and the buffer set-up (it runs
         with ORT-allocated outputs to learn their shapes); the second runs the steady-state
-        path with the worker's own buffers, hence ``repeats=2``.  Warm-up runs don't call
-        ``on_done`` nor count in :attr:`stats`.  Returns ``(part, batch, compute seconds)`` of
-        the last repeat of each.
+        path with the worker's own buffers, hence ``repeats=2``; with graphs, ORT's regular
+        run and its capture follow.  Warm-up runs don't call ``on_done`` nor count in
+        :attr:`stats`.  Returns ``(part, batch, compute seconds)`` of the last repeat of each.
         """
-        if self.cuda_graphs:  # discovery, then the graph's regular runs and its capture
-            repeats = max(repeats, 1 + GRAPH_CAPTURE_RUNS)
+        if self.cuda_graphs:  # discovery, the graph id's regular run, its capture, one replay
+            repeats = max(repeats, 4)
         return self._warmup(
             batch_sizes, make_feeds, repeats,
             lambda part, feeds, b: _Task(part, feeds, CudaWorkerFuture(part, b, self.name), False),
             lambda fut: fut.compute_seconds,
         )
 
-    def run_here(self, part: int, feeds: Feeds) -> Outputs:
-        """Run a part from inside this worker's thread (see :meth:`spawn`): stage, compute, copy
-        back, with the same stream/event ordering as queued tasks; errors propagate."""
+    def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
+        """Run a part from inside this worker's thread (see :meth:`spawn`): copies in, run,
+        copies out, one wait; errors propagate (:class:`WorkerLost` once the context is lost).
+
+        ``timed=False`` records no event (nothing to learn: the perf model is calibrated), so
+        :attr:`last_compute_seconds` is then None."""
         self._check_own_thread()
-        self._check_part(part)
-        fut = CudaWorkerFuture(part, _batch_of(feeds, self._parts[part].inputs), self.name)
-        task = _Task(part, feeds, fut, True)
-        if self._begin(task):
-            self._execute(task)
-        outputs = fut.result()
-        # perf models hold kernel time only; copies belong to the bus model (as in StarPU)
-        self.last_compute_seconds = fut.compute_seconds
+        return self.finish_here(self.launch_here(part, feeds, timed))
+
+    def launch_here(self, part: int, feeds: Feeds, timed: bool = True) -> _Launch:
+        """Queue a part's copies and run on the stream and return without waiting (from the
+        worker's thread): an engine launches the next task before it waits for this one, so
+        the GPU does not idle while the host finishes a task. A task waits on the whole stream
+        unless another is launched behind it, which then records an event for it first."""
+        if self.lost is not None:
+            raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+        try:
+            return self._launch(part, feeds, timed)
+        except BaseException as exc:
+            self.stats.failed += 1
+            raise self._lost_or(exc) from None
+
+    def finish_here(self, launch: _Launch) -> Outputs:
+        """Wait for a launched task and return its outputs (from the worker's thread)."""
+        try:
+            outputs = self._wait(launch)
+        except BaseException as exc:
+            self.stats.failed += 1
+            raise self._lost_or(exc) from None
+        self.stats.done += 1
+        self.stats.busy_seconds += self.last_compute_seconds or (time.perf_counter() - launch.start)
+        if self.on_done is not None and launch.timed and self.last_compute_seconds is not None:
+            self._call_on_done(launch.slot.part, _batch_of_slot(launch.slot), self.last_compute_seconds)
         return outputs
+
+    def _lost_or(self, exc: BaseException) -> BaseException:
+        """``exc``, or :class:`WorkerLost` when it (or what followed) lost the CUDA context."""
+        if self.lost is not None and not isinstance(exc, WorkerLost):
+            lost = WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+            lost.__cause__ = exc
+            return lost
+        return exc
 
     # ------------------------------------------------------------------ introspection
     def input_names(self, part: int) -> list[str]:
@@ -497,9 +570,16 @@ class CudaWorker(ThreadWorker):
         out["staging_skipped"] = self.staging_skipped
         return out
 
+    def graph_stats(self) -> dict[str, int]:
+        """CUDA graphs of this worker: captured, failed captures, replays (what ``staronnx
+        run`` reports, and what a benchmark's "graphs" column must check is not zero)."""
+        return {"captured": self.graphs_captured, "failed": self.graph_failures,
+                "replays": self.graph_replays}
+
     def _allocate_pinned(self, nbytes: int) -> Any:
-        # any thread may ask (the serving batcher does): never while a graph is being captured
-        with GRAPH_LOCK.shared():
+        # any thread may ask (the serving batcher does): in thread-local capture mode, so the
+        # allocation never breaks a graph another thread is capturing
+        with capture_safe(self._runtime):
             return self._runtime.pinned(nbytes)
 
     # ------------------------------------------------------------------ worker thread
@@ -507,19 +587,27 @@ class CudaWorker(ThreadWorker):
         if self.cpu is not None:
             self._pin(self.cpu)
         rt = self._runtime
+        # before any CUDA call of this thread: another worker's capture must neither fail
+        # our calls (900) nor be broken by them (901)
+        rt.thread_capture_mode(CAPTURE_THREAD_LOCAL)
         rt.set_device(self.device_id)
-        for key in ("compute", "h2d", "d2h"):
-            self._streams[key] = rt.stream(non_blocking=True)
-        self.stream_handle = self._streams["compute"].handle
-        self._run_options = ort.RunOptions()
-        # Errors reach the caller as exceptions; ORT printing them too (e.g. the expected
-        # failure that sends a slot back to ORT-allocated outputs) would be noise.
-        self._run_options.log_severity_level = 4
-        if self.cuda_graphs:
-            # runs that must not be captured (output discovery, slots with ORT-allocated outputs)
-            self._run_options.add_run_config_entry("gpu_graph_id", "-1")
+        self._stream = rt.stream(non_blocking=True)
+        self.stream_handle = self._stream.handle
+        self._run_options = self._options(-1)
         for i, path in enumerate(self.part_paths):
             self._parts.append(_Part.of(self._load_with_graphs(i, path)))
+
+    @staticmethod
+    def _options(graph_id: int) -> ort.RunOptions:
+        """Run options of a task: ``gpu_graph_id`` always set (-1: no graph; ORT 1.31's Python
+        wrapper raises and catches an exception on every run where the key is missing), no
+        synchronisation at the end of the run (the worker waits once, after its copies), and
+        no error printing (errors reach the caller as exceptions)."""
+        options = ort.RunOptions()
+        options.log_severity_level = 4
+        options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        return options
 
     def _load_with_graphs(self, index: int, path: Path) -> ort.InferenceSession:
         """The part's session, with CUDA graphs where asked and where ORT accepts them."""
@@ -572,61 +660,196 @@ class CudaWorker(ThreadWorker):
             )
         return session
 
-    # -- serving
+    # -- the queued path (submit, warmup, calibration): always timed
     def _run_task(self, task: _Task) -> None:
-        """Stage the task (unless the prefetch did), stage the next one, then run this one."""
-        if task.dead or (task.slot is None and not self._begin(task)):
+        """Launch the task (unless it was launched ahead), launch the next queued one, then
+        wait for this one."""
+        if task.dead:
+            return
+        if task.launch is None and not self._begin(task):
             return
         if self.prefetch and not self._held:
             nxt = self._hold_next()
             if nxt is not None and not self._begin(nxt):
                 nxt.dead = True
-        self._execute(task)
+        launch = task.launch
+        assert launch is not None
+        fut = task.fut
+        try:
+            fut.start = launch.start
+            values = self._wait(launch)
+            fut.end = time.perf_counter()
+        except BaseException as exc:  # noqa: BLE001 - fails this task only
+            self._fail(task, self._lost_or(exc))
+            return
+        slot = launch.slot
+        fut.h2d_bytes, fut.d2h_bytes = slot.in_bytes, slot.out_bytes
+        fut.compute_seconds = self.last_compute_seconds
+        fut.h2d_seconds, fut.d2h_seconds = self._copy_seconds
+        self._record_done(task, fut.compute_seconds or 0.0)
+        fut.set_result(values)
 
     def _begin(self, task: _Task) -> bool:
-        """Mark the task running and stage its inputs; False when it is cancelled or failed."""
+        """Mark the task running and launch it; False when it is cancelled or failed."""
         if not task.fut.set_running_or_notify_cancel():
             return False
         try:
-            if self._broken is not None:
-                raise DeviceError(f"{self.name} is unusable after a CUDA error: {self._broken}")
-            # staging may allocate pinned memory, which must not happen during another
-            # worker's graph capture
-            with GRAPH_LOCK.shared() if self.cuda_graphs else nullcontext():
-                task.slot = self._stage(task)
+            if self.lost is not None:
+                raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+            task.launch = self._launch(task.part, task.feeds, True)
             return True
         except BaseException as exc:  # noqa: BLE001 - fails this task only
-            self._fail(task, exc)
+            self._fail(task, self._lost_or(exc))
             return False
 
-    def _stage(self, task: _Task) -> _Slot:
-        """Copy the feeds into the slot's pinned buffers and start their H2D copies."""
-        part = self._parts[task.part]
-        arrays = _check_feeds(part, task.part, task.feeds)
-        key = (task.part, tuple((a.dtype.str, a.shape) for a in arrays))
-        slot = self._slots.acquire(key, lambda: self._new_slot(key, task.part, arrays))
+    # -- one task
+    def _launch(self, part_index: int, feeds: Feeds, timed: bool) -> _Launch:
+        start = time.perf_counter()
+        behind = self._unmarked
+        if behind is not None:  # this task queues behind one not yet waited for: mark its end
+            self._unmarked = None
+            behind.wait_event = behind.slot.events["done"]
+            behind.wait_event.record(self._stream)
+        part = self._parts[part_index]
+        arrays: list[Any]
         try:
-            sources = []
-            for t, a in zip(slot.inputs, arrays):
-                if self.pinned_pool.owns(a):  # assembled in pinned memory: no staging pass
-                    sources.append(a.ctypes.data)
-                    self.staging_skipped += 1
-                else:
-                    np.copyto(t.pinned.view(t.dtype, t.shape), a)
-                    sources.append(t.pinned.ptr)
-            h2d = self._streams["h2d"]
-            slot.events["h2d_start"].record(h2d)
-            for t, src in zip(slot.inputs, sources):
-                self._runtime.copy_h2d(t.device.ptr, src, t.nbytes, h2d)
-            slot.events["h2d_done"].record(h2d)
-            task.fut.h2d_bytes = sum(t.nbytes for t in slot.inputs)
+            arrays = [feeds[n] for n in part.inputs]
+            key = (part_index, *[(a.dtype, a.shape) for a in arrays])
+        except (KeyError, AttributeError, TypeError):
+            arrays = _check_feeds(part, part_index, feeds)
+            key = (part_index, *[(a.dtype, a.shape) for a in arrays])
+        if len(feeds) != len(arrays):
+            _check_feeds(part, part_index, feeds)  # unknown names: its message
+        slot = self._slots.take(key)
+        if slot is None:  # a new signature (checked once), or every slot of it is in use
+            arrays = _check_feeds(part, part_index, feeds)
+            slot = self._make_slot(key, part_index, arrays)
+        try:
+            if not slot.fixed:
+                return self._launch_general(slot, arrays, timed, start)
+            rt, stream = self._runtime, self._stream
+            ev = slot.events
+            if timed:
+                ev["h2d_start"].record(stream)
+            for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
+                rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+            if timed:
+                ev["run_start"].record(stream)
+            if slot.graph == _GRAPH_REPLAY:
+                part.session.run_with_iobinding(slot.binding, slot.run_options)
+                self.graph_replays += 1
+            elif slot.graph == _NO_GRAPH:
+                part.session.run_with_iobinding(slot.binding, slot.run_options)
+            else:
+                self._run_graph_step(slot, part)
+            if timed:
+                ev["run_done"].record(stream)
+            for dst, src, nbytes in slot.out_copies:
+                rt.copy_d2h(dst, src, nbytes, stream)
+            if timed:
+                ev["d2h_done"].record(stream)
+                return _Launch(slot, timed, start, ev["d2h_done"])
+            launch = _Launch(slot, timed, start)
+            self._unmarked = launch
+            return launch
         except BaseException as exc:
             self._recover(slot, exc)
-            self._slots.release(slot)
             raise
-        return slot
 
-    def _new_slot(self, key: tuple[Any, ...], part_index: int, arrays: list[np.ndarray]) -> _Slot:
+    def _host_source(self, t: _Tensor, a: Any) -> int:
+        """Where an input's H2D copy reads: the array itself when it was assembled in pinned
+        memory (a pool batch: no staging pass), else the slot's pinned buffer, filled here."""
+        src = getattr(a, "pinned_ptr", None)
+        if src is None:
+            np.copyto(t.view, a)
+            return int(t.pinned.ptr)
+        self.staging_skipped += 1
+        return int(src)
+
+    def _wait(self, launch: _Launch) -> Outputs:
+        slot = launch.slot
+        try:
+            if launch.outputs is not None:  # ran synchronously (the general path)
+                outputs = launch.outputs
+            else:
+                if launch.wait_event is not None:
+                    launch.wait_event.synchronize()
+                else:
+                    self._unmarked = None
+                    self._stream.synchronize()
+                assert slot.outputs is not None
+                outputs = {t.name: t.view.copy() for t in slot.outputs}
+            if launch.timed:
+                self._read_timings(slot)
+            else:
+                self.last_compute_seconds = None
+                self._copy_seconds = (None, None)
+        except BaseException as exc:
+            self._recover(slot, exc)
+            raise
+        self._slots.release(slot)
+        return outputs
+
+    def _read_timings(self, slot: _Slot) -> None:
+        """GPU times of the task just waited for (its events are complete), and its copies
+        into the copy log (the bus model's samples)."""
+        ev = slot.events
+        self.last_compute_seconds = ev["run_done"].seconds_since(ev["run_start"])
+        h2d = ev["run_start"].seconds_since(ev["h2d_start"])
+        d2h = ev["d2h_done"].seconds_since(ev["run_done"])
+        self._copy_seconds = (h2d, d2h)
+        if self.copy_log is not None:
+            host, dev = self.host_node.name, self.node.name
+            self.copy_log.add(CopyRecord(host, dev, slot.in_bytes, h2d))
+            self.copy_log.add(CopyRecord(dev, host, slot.out_bytes, d2h))
+
+    _copy_seconds: tuple[float | None, float | None] = (None, None)
+    #: the last untimed launch not yet waited for and with nothing queued behind it
+    _unmarked: _Launch | None = None
+
+    def _run_graph_step(self, slot: _Slot, part: _Part) -> None:
+        """ORT's regular run of a new graph id, or its capture (one capture at a time)."""
+        if slot.graph == _GRAPH_WARM:
+            part.session.run_with_iobinding(slot.binding, slot.run_options)
+            slot.graph = _GRAPH_CAPTURE
+            return
+        try:
+            with CAPTURE_LOCK, self._runtime.capturing():
+                part.session.run_with_iobinding(slot.binding, slot.run_options)
+        except BaseException as exc:
+            if is_sticky(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            self._capture_failed(slot, exc)
+            raise
+        slot.graph = _GRAPH_REPLAY
+        self.graphs_captured += 1
+
+    def _capture_failed(self, slot: _Slot, exc: BaseException) -> None:
+        """A capture that failed (900/901: another thread's CUDA call; an op ORT cannot
+        capture) fails its task; the slot tries once more with a new graph id, then runs
+        without a graph. Said out loud: a "graphs" figure must not silently measure none."""
+        self.graph_failures += 1
+        slot.capture_tries += 1
+        if slot.capture_tries < CAPTURE_TRIES:
+            log.warning("%s: CUDA graph capture of part %d (inputs %s) failed: %s; it will be "
+                        "captured again", self.name, slot.part, slot.key[1:], exc)
+            self._give_graph(slot)
+        else:
+            log.warning("%s: CUDA graph capture of part %d (inputs %s) failed %d times (last: "
+                        "%s); this shape runs without a graph", self.name, slot.part,
+                        slot.key[1:], slot.capture_tries, exc)
+            slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
+
+    def _give_graph(self, slot: _Slot) -> None:
+        """After output discovery: a graph id for a slot whose every buffer is fixed."""
+        slot.graph_id = self._next_graph_id
+        self._next_graph_id += 1
+        slot.run_options = self._options(slot.graph_id)
+        slot.graph = _GRAPH_WARM
+
+    def _make_slot(self, key: tuple[Any, ...], part_index: int, arrays: list[np.ndarray]) -> _Slot:
+        """A new buffer set (the cold path: allocations, and the frees of retired slots)."""
+        self._slots.free_retired()
         part = self._parts[part_index]
         rt = self._runtime
         inputs: list[_Tensor] = []
@@ -636,104 +859,59 @@ class CudaWorker(ThreadWorker):
             for name, a in zip(part.inputs, arrays):
                 t = _Tensor(name, a.dtype, tuple(a.shape))
                 inputs.append(t)
-                t.pinned = rt.pinned(t.nbytes)
+                t.stage(rt.pinned(t.nbytes))
                 t.device = rt.device_buffer(t.nbytes)
                 binding.bind_input(name, self._device_type, self._bind_device, a.dtype.type,
                                    list(t.shape), t.device.ptr)
-            for ev in ("h2d_start", "h2d_done", "run_start", "run_done", "d2h_start", "d2h_done"):
+            for ev in ("h2d_start", "run_start", "run_done", "d2h_done"):
                 events[ev] = rt.event(timing=True)
+            events["done"] = rt.event(timing=False)
         except BaseException:
             for t in inputs:
                 t.free()
             for e in events.values():
                 e.destroy()
             raise
-        return _Slot(key, part_index, binding, inputs, events)
+        slot = _Slot(key, part_index, binding, inputs, events, self._run_options)
+        slot.in_copies = [(t, t.device.ptr, t.nbytes) for t in inputs]
+        slot.in_bytes = sum(t.nbytes for t in inputs)
+        self._slots.add(slot)
+        return slot
 
-    def _execute(self, task: _Task) -> None:
-        slot = task.slot
-        assert slot is not None
-        fut = task.fut
-        try:
-            if self._broken is not None:
-                raise DeviceError(f"{self.name} is unusable after a CUDA error: {self._broken}")
-            fut.start = time.perf_counter()
-            try:
-                with self._graph_guard(slot):
-                    values = self._run_slot(slot)
-            except (CudaError, InputError):
-                raise
-            except Exception as exc:  # an ORT error: maybe our pre-allocated outputs
-                if not any(slot.bound):
-                    raise
-                log.warning("%s: part %d failed with pre-allocated outputs (%s); retrying with "
-                            "ORT-allocated outputs for this shape", self.name, slot.part, exc)
-                self._recover(slot, exc)
-                self._unbind_outputs(slot)
-                values = self._run_slot(slot)
-            fut.end = time.perf_counter()
-        except BaseException as exc:  # noqa: BLE001 - fails this task only
-            self._recover(slot, exc)
-            self._slots.release(slot)
-            self._fail(task, exc)
-            return
-        ev = slot.events
-        fut.d2h_bytes = sum(t.nbytes for t in slot.outputs or [])
-        fut.compute_seconds = compute = ev["run_done"].seconds_since(ev["run_start"])
-        fut.h2d_seconds = ev["h2d_done"].seconds_since(ev["h2d_start"])
-        fut.d2h_seconds = ev["d2h_done"].seconds_since(ev["d2h_start"])
-        self._slots.release(slot)
-        if self.copy_log is not None:
-            host, dev = self.host_node.name, self.node.name
-            self.copy_log.add(CopyRecord(host, dev, fut.h2d_bytes, fut.h2d_seconds))
-            self.copy_log.add(CopyRecord(dev, host, fut.d2h_bytes, fut.d2h_seconds))
-        self._record_done(task, compute)
-        fut.set_result(values)
-
-    def _graph_guard(self, slot: _Slot) -> Any:
-        """The lock a run of ``slot`` holds: none without graphs, exclusive while its graph is
-        being captured, shared otherwise (no capture may run beside it)."""
-        if not self.cuda_graphs:
-            return nullcontext()
-        if slot.graph_id is not None and slot.graph_runs < GRAPH_CAPTURE_RUNS:
-            return GRAPH_LOCK.exclusive()
-        return GRAPH_LOCK.shared()
-
-    def _give_graph(self, slot: _Slot) -> None:
-        """After output discovery: a graph id for a slot whose every buffer is fixed."""
-        if slot.part not in self.graph_parts or not slot.bound or not all(slot.bound):
-            return
-        slot.graph_id = self._next_graph_id
-        self._next_graph_id += 1
-        slot.run_options = ort.RunOptions()
-        slot.run_options.log_severity_level = 4
-        slot.run_options.add_run_config_entry("gpu_graph_id", str(slot.graph_id))
-
-    def _run_slot(self, slot: _Slot) -> Outputs:
-        """Compute after the inputs' event, copy outputs back after the compute event."""
+    def _launch_general(self, slot: _Slot, arrays: list[Any], timed: bool, start: float) -> _Launch:
+        """Output discovery (a slot's first run) and slots with ORT-allocated outputs
+        (data-dependent shapes): synchronous, outputs read back here."""
         part = self._parts[slot.part]
-        compute, d2h = self._streams["compute"], self._streams["d2h"]
+        rt, stream = self._runtime, self._stream
         ev = slot.events
         binding = slot.binding
+        if timed:
+            ev["h2d_start"].record(stream)
+        for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
+            rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
         discovering = slot.outputs is None
         for i, name in enumerate(part.outputs):
             if discovering or not slot.bound[i]:
                 # Rebind every run: a filled OrtValue would otherwise be reused as a
                 # pre-allocated output, which fails when the shape changes.
                 binding.bind_output(name, self._device_type, self._bind_device)
-        compute.wait(ev["h2d_done"])
-        ev["run_start"].record(compute)
-        graph = slot.graph_id is not None and not discovering
-        part.session.run_with_iobinding(binding, slot.run_options if graph else self._run_options)
-        ev["run_done"].record(compute)
-        if graph:
-            slot.graph_runs += 1
-            if slot.graph_runs == GRAPH_CAPTURE_RUNS:
-                self.graphs_captured += 1
-
-        # ORT-allocated outputs (first run, data-dependent shapes): read their shapes and
-        # addresses now; the kernels filling them may still be running.
-        produced: list[Any] = binding.get_outputs() if discovering or not all(slot.bound) else []
+        if timed:
+            ev["run_start"].record(stream)
+        try:
+            part.session.run_with_iobinding(binding, self._run_options)
+        except Exception as exc:  # an ORT error: maybe our pre-allocated outputs
+            if discovering or not any(slot.bound) or isinstance(exc, CudaError) or is_sticky(exc):
+                raise
+            log.warning("%s: part %d failed with pre-allocated outputs (%s); retrying with "
+                        "ORT-allocated outputs for this shape", self.name, slot.part, exc)
+            self._recover(slot, exc)
+            self._unbind_outputs(slot)
+            return self._launch_general(slot, arrays, timed, start)
+        if timed:
+            ev["run_done"].record(stream)
+        # ORT-allocated outputs: read their shapes and addresses now; the kernels filling them
+        # may still be running (the copies below are ordered after them on the stream).
+        produced: list[Any] = binding.get_outputs()
         if discovering:
             slot.outputs = [_Tensor(n, _numpy_type(v, n), tuple(v.shape()))
                             for n, v in zip(part.outputs, produced)]
@@ -749,39 +927,48 @@ class CudaWorker(ThreadWorker):
             sources.append(v.data_ptr())
             if t.pinned is None or t.pinned.nbytes < t.nbytes:
                 old = t.pinned
-                t.pinned = self._runtime.pinned(
-                    max(t.nbytes, int(old.nbytes * 1.5) if old is not None else 0))
+                t.pinned = rt.pinned(max(t.nbytes, int(old.nbytes * 1.5) if old is not None else 0))
                 if old is not None:
                     old.free()
-        d2h.wait(ev["run_done"])
-        ev["d2h_start"].record(d2h)
         for t, src in zip(slot.outputs, sources):
-            self._runtime.copy_d2h(t.pinned.ptr, src, t.nbytes, d2h)
-        ev["d2h_done"].record(d2h)
-        ev["d2h_done"].synchronize()
+            rt.copy_d2h(t.pinned.ptr, src, t.nbytes, stream)
+        if timed:
+            ev["d2h_done"].record(stream)
+        stream.synchronize()
         del produced  # ORT's own output buffers may go back to its arena now
-        result = {t.name: np.array(t.pinned.view(t.dtype, t.shape), copy=True)
-                  for t in slot.outputs}
+        outputs = {t.name: np.array(t.pinned.view(t.dtype, t.shape), copy=True) for t in slot.outputs}
         if discovering:
             self._bind_static_outputs(slot, part)
-            if self.cuda_graphs:
-                self._give_graph(slot)
-        return result
+        return _Launch(slot, timed, start, None, outputs)
 
     def _bind_static_outputs(self, slot: _Slot, part: _Part) -> None:
-        """After the first run: give shape-determined outputs a device buffer of their own."""
+        """After the first run: give shape-determined outputs device and pinned buffers of
+        their own; a slot whose outputs are all ours takes the fast path (and maybe a graph)."""
         assert slot.outputs is not None
+        rt = self._runtime
         for i, t in enumerate(slot.outputs):
             if not part.static_outputs[i]:
                 continue
-            t.device = self._runtime.device_buffer(t.nbytes)
+            t.device = rt.device_buffer(t.nbytes)
+            if t.pinned is None or t.pinned.nbytes < t.nbytes:
+                if t.pinned is not None:
+                    t.pinned.free()
+                t.pinned = rt.pinned(t.nbytes)
+            t.view = t.pinned.view(t.dtype, t.shape)
             slot.binding.bind_output(t.name, self._device_type, self._bind_device, t.dtype.type,
                                      list(t.shape), t.device.ptr)
             slot.bound[i] = True
+        if slot.bound and all(slot.bound):
+            slot.fixed = True
+            slot.out_copies = [(t.pinned.ptr, t.device.ptr, t.nbytes) for t in slot.outputs]
+            slot.out_bytes = sum(t.nbytes for t in slot.outputs)
+            if self.cuda_graphs and self.capture_on_demand and slot.part in self.graph_parts:
+                self._give_graph(slot)
 
     def _unbind_outputs(self, slot: _Slot) -> None:
         """Fall back to ORT-allocated outputs for this slot (its shapes were not static)."""
-        slot.graph_id, slot.run_options = None, None  # a graph needs fixed output buffers
+        slot.fixed = False
+        slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
         for i, t in enumerate(slot.outputs or []):
             if slot.bound[i]:
                 slot.bound[i] = False
@@ -790,22 +977,24 @@ class CudaWorker(ThreadWorker):
                     t.device = None
 
     def _recover(self, slot: _Slot, exc: BaseException) -> None:
-        """Wait until no queued GPU work uses ``slot`` before it is reused or freed."""
+        """After a failure: wait until no queued GPU work uses ``slot``, then free it for
+        reuse; a sticky error (in ``exc`` or met while waiting) marks the worker lost."""
+        if is_sticky(exc):
+            self.lost = exc
         try:
-            for stream in self._streams.values():
-                stream.synchronize()
-        except CudaError as err:
-            self._broken = err
-        if isinstance(exc, CudaError):
-            self._broken = exc
+            self._stream.synchronize()
+        except BaseException as err:  # noqa: BLE001
+            if is_sticky(err) and self.lost is None:
+                self.lost = err
+        self._slots.release(slot)
 
     def _teardown(self) -> None:
         """Free everything, in an order that never leaves ORT holding a destroyed stream."""
-        for stream in self._streams.values():
+        if self._stream is not None:
             try:
-                stream.synchronize()
+                self._stream.synchronize()
             except Exception as exc:  # noqa: BLE001 - keep freeing what we can
-                log.warning("%s: synchronising a stream at close failed: %s", self.name, exc)
+                log.warning("%s: synchronising the stream at close failed: %s", self.name, exc)
         try:
             self._slots.close()  # drops the IOBindings (they hold the sessions) and buffers
         except Exception as exc:  # noqa: BLE001
@@ -817,18 +1006,24 @@ class CudaWorker(ThreadWorker):
         if any(r() is not None for r in refs):
             gc.collect()
         session_alive = any(r() is not None for r in refs)
-        for key, stream in list(self._streams.items()):
-            if key == "compute" and session_alive:
+        if self._stream is not None:
+            if session_alive:
                 # Something outside still holds a session bound to this stream: leaking the
                 # stream is harmless, destroying it under ORT is not.
                 log.warning("%s: a session outlives the worker; its stream is not destroyed",
                             self.name)
-                continue
-            try:
-                stream.destroy()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("%s: destroying a stream failed: %s", self.name, exc)
-        self._streams.clear()
+            else:
+                try:
+                    self._stream.destroy()
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("%s: destroying the stream failed: %s", self.name, exc)
+            self._stream = None
+
+
+def _batch_of_slot(slot: _Slot) -> int:
+    """The batch size of a slot's tasks: leading dimension of its first input."""
+    shape = slot.key[1][1] if len(slot.key) > 1 else ()
+    return int(shape[0]) if shape else 1
 
 
 # ---------------------------------------------------------------------- helpers
@@ -844,7 +1039,9 @@ def _check_feeds(part: _Part, index: int, feeds: Feeds) -> list[np.ndarray]:
         )
     arrays = []
     for name, dtype, shape in zip(part.inputs, part.input_dtypes, part.input_shapes):
-        a = np.asarray(feeds[name])
+        a = feeds[name]
+        if not isinstance(a, np.ndarray):  # (a pool batch keeps its pinned_ptr)
+            a = np.asarray(a)
         if dtype is None:
             raise InputError(f"input {name!r} of part {index} has a type the CUDA worker "
                              "cannot stage (only numeric and bool tensors)")

@@ -1,8 +1,8 @@
-"""A thin, checked wrapper over the CUDA runtime of NVIDIA's ``cuda-python``.
+"""A thin, checked wrapper over the CUDA runtime of NVIDIA's ``cuda-bindings`` (cuda-python).
 
 ONNX Runtime's Python API cannot create streams, events or pinned host memory (1.31 has no
 "cuda_pinned" OrtValue device), so the CUDA worker and the memory nodes get them from
-``cuda.bindings.runtime`` (``cuda.cudart`` in cuda-python < 12.6).  That API returns C-style
+``cuda.bindings.runtime`` (cuda-bindings; the old ``cuda.cudart`` is gone in 13.x).  That API returns C-style
 ``(error, value...)`` tuples; this module turns them into objects that raise
 :class:`CudaError` (a :class:`~staronnx.errors.DeviceError`) naming the call that failed, and
 that free what they own exactly once.
@@ -15,6 +15,14 @@ drive the CUDA worker's pipeline on a machine without a GPU.
 Streams and events belong to the device that was current (``set_device``) in the calling thread
 when they were created; the CUDA runtime keeps the current device per thread, so every thread
 that issues work calls :meth:`CudaRuntime.set_device` first.
+
+CUDA graph capture: ONNX Runtime captures in CUDA's *global* mode, in which any other thread
+still in the default (global) mode that allocates, frees or synchronises meanwhile gets error
+900 and invalidates the capture (901). Every thread of staronnx that touches CUDA therefore runs
+in thread-local capture mode (:meth:`CudaRuntime.thread_capture_mode`, or :func:`capture_safe`
+around code that is not ours, such as a plain ORT session), so captures and everything else
+never collide; no lock is needed around ordinary tasks.  :class:`HostRuntime` emulates those
+rules (and sticky errors, and call counts) so the worker's handling of them is tested anywhere.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ import ctypes
 import importlib
 import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
@@ -44,33 +55,52 @@ __all__ = [
     "PinnedBuffer",
     "Runtime",
     "Stream",
+    "STICKY_ERRORS",
+    "capture_safe",
     "check",
+    "is_sticky",
     "runtime_module",
 ]
 
 INSTALL_HINT = "pip install 'staronnx[gpu]'"
+
+#: CUDA errors after which the context is unusable (every later call fails): the worker that
+#: met one must leave the pool.  Out of memory (2), capture errors (900, 901) and invalid
+#: arguments are not sticky: they fail one task only.
+STICKY_ERRORS = frozenset({
+    214,  # cudaErrorECCUncorrectable
+    700,  # cudaErrorIllegalAddress
+    702,  # cudaErrorLaunchTimeout
+    709,  # cudaErrorContextIsDestroyed
+    710,  # cudaErrorAssert
+    714, 715, 716, 717, 718,  # hardware stack error, illegal instruction, misaligned address, ...
+    719,  # cudaErrorLaunchFailure
+    999,  # cudaErrorUnknown
+})
+
+#: cudaStreamCaptureMode values (the same in every CUDA version)
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
+#: error codes of the capture rules
+CAPTURE_UNSUPPORTED, CAPTURE_INVALIDATED = 900, 901
 
 _module: ModuleType | None = None
 _module_lock = threading.Lock()
 
 
 def runtime_module() -> ModuleType:
-    """The cuda-python runtime module, imported once; :class:`DeviceError` if absent."""
+    """The cuda-bindings runtime module, imported once; :class:`DeviceError` if absent."""
     global _module
     with _module_lock:
         if _module is not None:
             return _module
-        errors = []
-        for name in ("cuda.bindings.runtime", "cuda.cudart"):
-            try:
-                _module = importlib.import_module(name)
-                return _module
-            except ImportError as exc:
-                errors.append(f"{name}: {exc}")
-        raise DeviceError(
-            "NVIDIA's cuda-python is not installed (needed for CUDA streams, events and pinned "
-            f"memory; tried {'; '.join(errors)}). Install it with: {INSTALL_HINT}"
-        )
+        try:
+            _module = importlib.import_module("cuda.bindings.runtime")
+            return _module
+        except ImportError as exc:
+            raise DeviceError(
+                "NVIDIA's cuda-bindings is not installed (needed for CUDA streams, events and "
+                f"pinned memory; cuda.bindings.runtime: {exc}). Install it with: {INSTALL_HINT}"
+            ) from None
 
 
 class CudaError(DeviceError):
@@ -82,6 +112,24 @@ class CudaError(DeviceError):
         self.name = name
         super().__init__(f"{call} failed: {name} ({code}): {text}")
 
+    @property
+    def sticky(self) -> bool:
+        """Whether the CUDA context is lost (see :data:`STICKY_ERRORS`)."""
+        return self.code in STICKY_ERRORS
+
+
+def is_sticky(exc: BaseException) -> bool:
+    """Whether ``exc`` (ours, or ONNX Runtime's "CUDA failure N" text) means a lost context."""
+    if isinstance(exc, CudaError):
+        return exc.sticky
+    text = str(exc)
+    for marker in ("CUDA failure ", "CUDA error "):
+        at = text.find(marker)
+        if at >= 0:
+            digits = "".join(c for c in text[at + len(marker):at + len(marker) + 4] if c.isdigit())
+            if digits and int(digits) in STICKY_ERRORS:
+                return True
+    return "illegal memory access" in text or "unspecified launch failure" in text
 
 def _describe(rt: ModuleType, err: Any) -> tuple[str, str]:
     try:
@@ -350,6 +398,8 @@ class GpuRuntime(Protocol):
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None: ...
+    def thread_capture_mode(self, mode: int) -> int: ...
+    def capturing(self) -> Any: ...
 
 
 class CudaRuntime:
@@ -407,56 +457,134 @@ class CudaRuntime:
             check(self.rt.cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, stream.raw),
                   "cudaMemcpyPeerAsync")
 
+    # -- graph capture
+    def thread_capture_mode(self, mode: int) -> int:
+        """Set the calling thread's stream-capture mode; returns the previous one."""
+        enum = self.rt.cudaStreamCaptureMode
+        prev = check(self.rt.cudaThreadExchangeStreamCaptureMode(enum(mode)),
+                     "cudaThreadExchangeStreamCaptureMode")
+        return int(prev)
+
+    def capturing(self) -> Any:
+        """Around a run in which ONNX Runtime captures a graph: ORT begins and ends the
+        capture itself, so nothing to do here (:class:`HostRuntime` emulates it)."""
+        return _NO_CAPTURE
+
+
+class _NullContext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_CAPTURE = _NullContext()
+
+
+@contextmanager
+def capture_safe(runtime: GpuRuntime | None = None) -> Iterator[None]:
+    """Run the block in thread-local capture mode, so its CUDA calls (a plain ORT session's
+    creation, allocations, frees) neither fail with 900 nor break a graph that another thread
+    is capturing. A no-op where cuda-bindings is absent (no CUDA call can happen then)."""
+    if runtime is None:
+        try:
+            runtime = CudaRuntime()
+        except DeviceError:
+            yield
+            return
+    prev = runtime.thread_capture_mode(CAPTURE_THREAD_LOCAL)
+    try:
+        yield
+    finally:
+        runtime.thread_capture_mode(prev)
+
 
 # ---------------------------------------------------------------------------- host stand-in
+class _Capture:
+    """CUDA's process-wide view of stream captures, as :class:`HostRuntime` emulates it."""
+
+    lock = threading.Lock()
+    #: thread id -> "invalidated" flag of the global-mode capture that thread runs
+    active: dict[int, bool] = {}
+    modes = threading.local()
+
+    @classmethod
+    def mode(cls) -> int:
+        return getattr(cls.modes, "mode", CAPTURE_GLOBAL)
+
+    @classmethod
+    def check_unsafe(cls, call: str) -> None:
+        """CUDA's rule: a thread in global mode may not make a potentially unsafe call (allocate,
+        free, create or destroy streams and events, synchronise the device) while another
+        thread captures in global mode; the call fails with 900 and invalidates that capture."""
+        if cls.mode() != CAPTURE_GLOBAL or not cls.active:
+            return
+        me = threading.get_ident()
+        with cls.lock:
+            others = [t for t in cls.active if t != me]
+            for t in others:
+                cls.active[t] = True
+        if others:
+            raise CudaError(call, CAPTURE_UNSUPPORTED, "cudaErrorStreamCaptureUnsupported",
+                            "operation not permitted when stream is capturing")
+
+
 class _HostStream:
     """Stands in for a stream: host copies complete in program order, so nothing to wait."""
 
     _next = 0x1000
 
-    def __init__(self) -> None:
+    def __init__(self, rt: HostRuntime) -> None:
         _HostStream._next += 0x10
         self.handle = _HostStream._next
+        self._rt = rt
 
     def wait(self, event: Any) -> None:
-        pass
+        self._rt._call("stream_wait")
 
     def synchronize(self) -> None:
-        pass
+        self._rt._call("stream_sync")
 
     def destroy(self) -> None:
-        pass
+        self._rt._call("stream_destroy", unsafe=True)
 
 
 class _HostEvent:
     """Stands in for an event: records the host clock, so ``seconds_since`` is wall time."""
 
-    def __init__(self) -> None:
+    def __init__(self, rt: HostRuntime) -> None:
         self.stamp: float | None = None
+        self._rt = rt
 
     def record(self, stream: Any) -> None:
+        self._rt._call("event_record")
         self.stamp = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        self._rt._call("event_sync")
 
     def query(self) -> bool:
+        self._rt._call("event_query")
         return True
 
     def seconds_since(self, start: _HostEvent) -> float:
+        self._rt._call("event_elapsed")
         if self.stamp is None or start.stamp is None:
             raise RuntimeError("seconds_since needs two recorded events")
         return self.stamp - start.stamp
 
     def destroy(self) -> None:
-        pass
+        self._rt._call("event_destroy", unsafe=True)
 
 
 class HostBuffer(_Buffer):
     """Ordinary host memory posing as pinned or device memory (for :class:`HostRuntime`)."""
 
-    def __init__(self, kind: str, nbytes: int, stats: AllocationStats | None) -> None:
+    def __init__(self, kind: str, nbytes: int, stats: AllocationStats | None,
+                 rt: HostRuntime | None = None) -> None:
         self.kind = kind
+        self._rt = rt
         self._array = np.zeros(max(nbytes, 1), dtype=np.uint8)
         super().__init__(self._array.ctypes.data, nbytes, stats)
 
@@ -464,6 +592,8 @@ class HostBuffer(_Buffer):
         return host_view(self.ptr, self.nbytes, dtype, shape)
 
     def _release(self) -> None:
+        if self._rt is not None:
+            self._rt._call(f"free_{self.kind}", unsafe=True)
         self._array = np.zeros(0, dtype=np.uint8)
 
 
@@ -473,13 +603,46 @@ class HostRuntime:
     With ``ort_device_type = "cpu"`` the CUDA worker binds these buffers to ONNX Runtime's
     CPU provider, so its whole pipeline - staging, buffer caching, output discovery, prefetch,
     error handling, teardown - runs on a machine without a GPU.  It checks logic, not CUDA's
-    stream semantics.
+    stream semantics, plus three things CUDA does that the worker must handle:
+
+    - ``calls`` counts every call by kind (copies, event records, waits, allocations), so a
+      test can hold the per-task budget;
+    - :meth:`inject` makes a later call fail with a CUDA error code; a sticky code (700, ...)
+      then fails every call, as a lost context does;
+    - the capture rules of CUDA's global mode (:meth:`capturing`, :meth:`thread_capture_mode`):
+      an unsafe call from a global-mode thread while another thread captures fails with 900
+      and the capture with 901.  ``capture_seconds`` holds each capture open that long, so a
+      test can make another thread's calls land inside it.
     """
 
     ort_device_type = "cpu"
 
-    def __init__(self) -> None:
+    def __init__(self, capture_seconds: float = 0.0) -> None:
         self.stats = AllocationStats()
+        self.calls: Counter[str] = Counter()
+        self.capture_seconds = capture_seconds
+        self._faults: list[list[Any]] = []  # [call name, code, times left]
+        self._lost: CudaError | None = None
+
+    # -- emulation
+    def inject(self, call: str, code: int, times: int = 1) -> None:
+        """Make the next ``times`` calls named ``call`` (a key of :attr:`calls`) fail with
+        ``code``."""
+        self._faults.append([call, code, times])
+
+    def _call(self, name: str, unsafe: bool = False) -> None:
+        self.calls[name] += 1
+        if self._lost is not None:
+            raise self._lost
+        for fault in self._faults:
+            if fault[0] == name and fault[2] > 0:
+                fault[2] -= 1
+                err = CudaError(name, fault[1], f"cudaError({fault[1]})", "injected")
+                if err.sticky:
+                    self._lost = err
+                raise err
+        if unsafe:
+            _Capture.check_unsafe(name)
 
     def device_count(self) -> int:
         return 1
@@ -488,23 +651,58 @@ class HostRuntime:
         pass
 
     def stream(self, non_blocking: bool = True) -> _HostStream:
-        return _HostStream()
+        self._call("stream_create", unsafe=True)
+        return _HostStream(self)
 
     def event(self, timing: bool = True) -> _HostEvent:
-        return _HostEvent()
+        self._call("event_create", unsafe=True)
+        return _HostEvent(self)
 
     def pinned(self, nbytes: int) -> HostBuffer:
-        return HostBuffer("pinned", nbytes, self.stats)
+        self._call("alloc_pinned", unsafe=True)
+        return HostBuffer("pinned", nbytes, self.stats, self)
 
     def device_buffer(self, nbytes: int) -> HostBuffer:
-        return HostBuffer("device", nbytes, self.stats)
+        self._call("alloc_device", unsafe=True)
+        return HostBuffer("device", nbytes, self.stats, self)
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._call("copy_h2d")
         if nbytes:
             ctypes.memmove(dst, src, nbytes)
 
-    copy_d2h = copy_h2d
+    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._call("copy_d2h")
+        if nbytes:
+            ctypes.memmove(dst, src, nbytes)
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None:
-        self.copy_h2d(dst, src, nbytes, stream)
+        self._call("copy_peer")
+        if nbytes:
+            ctypes.memmove(dst, src, nbytes)
+
+    def thread_capture_mode(self, mode: int) -> int:
+        prev = _Capture.mode()
+        _Capture.modes.mode = mode
+        return prev
+
+    @contextmanager
+    def capturing(self) -> Iterator[None]:
+        """A global-mode capture by the calling thread for the duration of the block; raises
+        :class:`CudaError` 901 at its end when another thread's unsafe call invalidated it."""
+        self._call("capture")
+        me = threading.get_ident()
+        with _Capture.lock:
+            _Capture.active[me] = False
+        try:
+            if self.capture_seconds:
+                time.sleep(self.capture_seconds)
+            yield
+        finally:
+            with _Capture.lock:
+                invalidated = _Capture.active.pop(me, False)
+        if invalidated:
+            raise CudaError("cudaStreamEndCapture", CAPTURE_INVALIDATED,
+                            "cudaErrorStreamCaptureInvalidated",
+                            "capture sequence invalidated by another thread's call")

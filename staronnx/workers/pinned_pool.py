@@ -15,6 +15,7 @@ The pool holds at most what was in use at its peak (the batches in flight) and f
 from __future__ import annotations
 
 import ctypes
+import math
 import threading
 import weakref
 from collections import deque
@@ -23,6 +24,15 @@ from collections.abc import Callable
 import numpy as np
 
 from staronnx.workers.cudart import Buffer
+
+
+class PinnedArray(np.ndarray):
+    """A numpy array over a pool buffer.  ``pinned_ptr`` is its address, set on the array the
+    pool hands out and on nothing derived from it (a slice or a result has ``None``), so a
+    CUDA worker tells "copy straight from here" with one attribute read instead of asking the
+    pool (a lock and a scan) for every input of every task."""
+
+    pinned_ptr: int | None = None
 
 
 def _size_class(nbytes: int) -> int:
@@ -45,11 +55,11 @@ class PinnedPool:
         self._closed = False
         self.allocated = 0  # buffers ever allocated (reuse keeps it at the peak in use)
 
-    def array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    def array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:  # a PinnedArray
         """An uninitialised C-contiguous array in pinned memory, returned to the pool when it
         (and every view of it) is garbage."""
         dt = np.dtype(dtype)
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         nbytes = count * dt.itemsize
         if nbytes == 0 or self._closed:
             return np.empty(shape, dtype=dt)
@@ -66,7 +76,9 @@ class PinnedPool:
             self.allocated += fresh
             self._leased[buffer.ptr] = buffer
         weakref.finalize(raw, self._give_back, buffer)
-        return np.frombuffer(raw, dtype=dt, count=count).reshape(shape)
+        array = np.frombuffer(raw, dtype=dt, count=count).reshape(shape).view(PinnedArray)
+        array.pinned_ptr = buffer.ptr
+        return array
 
     def owns(self, array: np.ndarray) -> bool:
         """Whether ``array`` lies, contiguous, inside one buffer leased from this pool (so an

@@ -1,0 +1,368 @@
+"""The CUDA worker's hot path and failure handling (issue 19), on HostRuntime.
+
+:class:`~staronnx.workers.cudart.HostRuntime` stands in for CUDA (host memory, ORT's CPU
+provider) and emulates what the worker must cope with: it counts calls by kind, injects CUDA
+errors (sticky ones then fail every call, as a lost context does), and applies CUDA's
+global-mode capture rules across threads. Each test names the defect it holds fixed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from staronnx import Runtime, partition
+from staronnx.perfmodels import PerfModelStore
+from staronnx.workers.base import WorkerLost
+from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.cudart import CudaError, HostRuntime, capture_safe, is_sticky
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _model(path: Path) -> Path:
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("Relu", ["xw"], ["y"])], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 16])], [w])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _model(tmp_path_factory.mktemp("hot") / "mm.onnx")
+
+
+@pytest.fixture(scope="module")
+def plan(model: Path, tmp_path_factory: pytest.TempPathFactory):
+    return partition(model, parts=1, output_dir=tmp_path_factory.mktemp("hotplan") / "plan", profile_runs=1)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+
+
+def feeds(batch: int = 4, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((batch, 16)).astype(np.float32)}
+
+
+def check(ref: ort.InferenceSession, x: dict[str, np.ndarray], got: dict[str, np.ndarray]) -> None:
+    np.testing.assert_allclose(got["y"], ref.run(None, x)[0], rtol=1e-5, atol=1e-5)
+
+
+def in_thread(worker: CudaWorker, fn):
+    """``fn`` in the worker's own thread (where run_here may be called); its result or error."""
+    return worker.spawn(fn).result(timeout=30)
+
+
+# ------------------------------------------------------------------ 1. no hang
+def test_an_error_after_the_run_fails_its_task_and_the_worker_keeps_serving(model, reference):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False) as worker:
+        worker.run(0, feeds())
+        rt.inject("event_elapsed", 900)  # while reading the task's GPU times, after its run
+        fut = worker.submit(0, feeds(seed=1))
+        with pytest.raises(CudaError, match="900"):
+            fut.result(timeout=5)
+        assert worker.alive
+        x = feeds(seed=2)
+        check(reference, x, worker.run(0, x))  # the slot was released, not left busy
+        assert worker.buffer_stats()["slots_created"] == 1
+
+
+def test_run_here_releases_its_slot_when_the_wait_fails(model, reference):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False) as worker:
+        in_thread(worker, lambda: [worker.run_here(0, feeds()) for _ in range(2)])
+        rt.inject("stream_sync", 2)  # out of memory at the wait: not sticky
+        with pytest.raises(CudaError, match="cudaError\\(2\\)"):
+            in_thread(worker, lambda: worker.run_here(0, feeds(), timed=False))
+        x = feeds(seed=3)
+        check(reference, x, in_thread(worker, lambda: worker.run_here(0, x, timed=False)))
+        assert worker.buffer_stats()["slots_created"] == 1 and worker.lost is None
+
+
+# ------------------------------------------------------------------ 2. a lost worker leaves the pool
+def _host_workers(plan, n: int) -> tuple[list[CudaWorker], list[HostRuntime]]:
+    runtimes = [HostRuntime() for _ in range(n)]
+    workers = [CudaWorker(0, i, [plan.part_path(0)], runtime=r, cuda_graphs=False).start()
+               for i, r in enumerate(runtimes)]
+    return workers, runtimes
+
+
+@pytest.mark.parametrize("policy", ["eager", "dmda"])
+def test_a_sticky_cuda_error_moves_the_workers_tasks_to_the_others(plan, reference, tmp_path, policy):
+    workers, runtimes = _host_workers(plan, 2)
+    try:
+        with Runtime(plan, policy=policy, workers=workers, store=PerfModelStore(tmp_path)) as rt:
+            for _ in range(4):
+                rt.run(feeds())
+            runtimes[1].inject("copy_h2d", 700)  # an illegal address: the context is lost
+            for wave in range(40):  # until the policy has given the doomed worker a task
+                xs = [feeds(seed=i) for i in range(50)]
+                futs = [rt.submit(x) for x in xs]
+                for x, f in zip(xs, futs):
+                    check(reference, x, f.result(timeout=60))  # not one request fails
+                stats = rt.stats()
+                if stats["dead_workers"]:
+                    break
+            futs = [rt.submit(feeds(seed=i)) for i in range(100)]  # and the pool goes on without it
+            assert all(f.exception(timeout=60) is None for f in futs)
+            stats = rt.stats()
+    finally:
+        for w in workers:
+            w.close()
+    assert [name for name, _ in stats["dead_workers"]] == [workers[1].name]
+    assert stats["requests_failed"] == 0
+    assert isinstance(workers[1].lost, CudaError) and workers[1].lost.code == 700
+
+
+def test_an_error_that_is_not_sticky_fails_one_request_only(plan, reference, tmp_path):
+    workers, runtimes = _host_workers(plan, 2)
+    try:
+        with Runtime(plan, policy="eager", workers=workers, store=PerfModelStore(tmp_path)) as rt:
+            for _ in range(4):
+                rt.run(feeds())
+            runtimes[1].inject("copy_h2d", 2)  # out of memory: this task only
+            failed = 0
+            for wave in range(40):  # until the policy has given that worker a task
+                futs = [rt.submit(feeds(seed=i)) for i in range(50)]
+                failed += sum(f.exception(timeout=60) is not None for f in futs)
+                if runtimes[1].calls["copy_h2d"] > 8:
+                    break
+            stats = rt.stats()
+    finally:
+        for w in workers:
+            w.close()
+    assert failed == 1 and stats["dead_workers"] == [] and workers[1].lost is None
+
+
+def test_a_lost_worker_says_so_on_every_later_task(model):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False) as worker:
+        worker.run(0, feeds())
+        rt.inject("copy_d2h", 719)
+        with pytest.raises(WorkerLost):
+            in_thread(worker, lambda: worker.run_here(0, feeds()))
+        with pytest.raises(WorkerLost):
+            worker.run(0, feeds())
+
+
+def test_ort_text_of_a_sticky_error_is_recognised():
+    assert is_sticky(RuntimeError("CUDA failure 700: an illegal memory access was encountered"))
+    assert not is_sticky(RuntimeError("CUDA failure 2: out of memory"))
+    assert not is_sticky(CudaError("cudaMalloc", 2, "cudaErrorMemoryAllocation", "out of memory"))
+
+
+# ------------------------------------------------------------------ 3. captures vs other threads
+def _capture_in_background(model: Path, seconds: float) -> tuple[CudaWorker, threading.Thread, threading.Event]:
+    worker = CudaWorker(0, 0, [model], runtime=HostRuntime(capture_seconds=seconds)).start()
+    worker.run(0, feeds())  # discovery
+    worker.run(0, feeds())  # ORT's regular run of the new graph id
+    started = threading.Event()
+
+    def capture() -> None:
+        started.set()
+        try:
+            worker.run(0, feeds())  # the capture, held open `seconds`
+        except CudaError:
+            pass  # a broken capture: what graph_stats() then says is the test's business
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    started.wait(5)
+    time.sleep(seconds / 4)
+    return worker, thread, started
+
+
+def test_a_worker_starting_during_another_workers_capture_breaks_nothing(model, reference):
+    capturing, thread, _ = _capture_in_background(model, 0.6)
+    try:
+        # session creation, stream and buffer allocation while the capture is open
+        with CudaWorker(0, 1, [model], runtime=HostRuntime(), cuda_graphs=False) as other:
+            x = feeds(seed=5)
+            check(reference, x, other.run(0, x))
+        thread.join(10)
+        assert capturing.graph_stats() == {"captured": 1, "failed": 0, "replays": 0}
+        x = feeds(seed=6)
+        check(reference, x, capturing.run(0, x))
+        assert capturing.graph_stats()["replays"] == 1
+    finally:
+        thread.join(10)
+        capturing.close()
+
+
+def test_code_that_is_not_ours_is_safe_during_a_capture_inside_capture_safe(model):
+    capturing, thread, _ = _capture_in_background(model, 0.6)
+    rt = HostRuntime()
+    try:
+        with capture_safe(rt):  # what a plain ORT session's thread does beside staronnx
+            rt.pinned(64).free()
+        # the same call from a thread left in CUDA's default global mode: CUDA's rule holds
+        with pytest.raises(CudaError, match="900"):
+            rt.pinned(64)
+        thread.join(10)
+        assert capturing.graph_stats()["failed"] == 1  # and the emulated capture saw it
+    finally:
+        thread.join(10)
+        capturing.close()
+
+
+# ------------------------------------------------------------------ 4. failed captures are said
+def test_a_failed_capture_is_retried_then_dropped_with_a_warning(model, reference, caplog):
+    rt = HostRuntime()
+    with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
+            CudaWorker(0, 0, [model], runtime=rt) as worker:
+        rt.inject("capture", 901, times=2)
+        results = []
+        for i in range(8):
+            try:
+                results.append(worker.run(0, feeds(seed=i)))
+            except CudaError:
+                results.append(None)
+        assert worker.graph_stats() == {"captured": 0, "failed": 2, "replays": 0}
+        assert results.count(None) == 2  # the two capturing tasks; every other one ran
+        x = feeds(seed=9)
+        check(reference, x, worker.run(0, x))
+    text = caplog.text
+    assert "capture of part 0" in text and "901" in text and "runs without a graph" in text
+    assert "pre-allocated outputs" not in text
+
+
+def test_a_second_try_captures(model, reference):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+        rt.inject("capture", 901, times=1)
+        for i in range(8):
+            try:
+                worker.run(0, feeds(seed=i))
+            except CudaError:
+                pass
+        stats = worker.graph_stats()
+        assert stats["captured"] == 1 and stats["failed"] == 1 and stats["replays"] >= 1
+
+
+# ------------------------------------------------------------------ 5. no exception per run
+def _runtime_errors_raised_in(fn) -> int:
+    """RuntimeErrors raised (and maybe caught) anywhere in Python while ``fn`` runs."""
+    tool = sys.monitoring.PROFILER_ID
+    count = {"n": 0}
+
+    def on_raise(code, offset, exc):
+        if isinstance(exc, RuntimeError):
+            count["n"] += 1
+
+    sys.monitoring.use_tool_id(tool, "staronnx-test")
+    try:
+        sys.monitoring.register_callback(tool, sys.monitoring.events.RAISE, on_raise)
+        sys.monitoring.set_events(tool, sys.monitoring.events.RAISE)
+        fn()
+    finally:
+        sys.monitoring.set_events(tool, 0)
+        sys.monitoring.register_callback(tool, sys.monitoring.events.RAISE, None)
+        sys.monitoring.free_tool_id(tool)
+    return count["n"]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_no_exception_is_raised_inside_ort_per_run(model, graphs):
+    with CudaWorker(0, 0, [model], runtime=HostRuntime(), cuda_graphs=graphs) as worker:
+        worker.warmup([4], lambda p, b: feeds(b))
+        x = feeds()
+        raised = _runtime_errors_raised_in(
+            lambda: in_thread(worker, lambda: [worker.run_here(0, x, timed=False) for _ in range(50)]))
+    assert raised == 0
+
+
+# ------------------------------------------------------------------ 6. CUDA calls per task
+def _calls_per_task(worker: CudaWorker, rt: HostRuntime, timed: bool, n: int = 20) -> dict[str, float]:
+    x = feeds()
+    in_thread(worker, lambda: worker.run_here(0, x, timed=timed))
+    before = dict(rt.calls)
+    in_thread(worker, lambda: [worker.run_here(0, x, timed=timed) for _ in range(n)])
+    return {k: (v - before.get(k, 0)) / n for k, v in rt.calls.items() if v != before.get(k, 0)}
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_a_steady_task_is_one_copy_in_one_copy_out_and_one_wait(model, graphs):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=graphs) as worker:
+        worker.warmup([4], lambda p, b: feeds(b))
+        assert _calls_per_task(worker, rt, timed=False) == {"copy_h2d": 1, "copy_d2h": 1, "stream_sync": 1}
+        timed = _calls_per_task(worker, rt, timed=True)
+        assert timed == {"copy_h2d": 1, "copy_d2h": 1, "event_record": 4, "event_sync": 1, "event_elapsed": 3}
+        if graphs:
+            assert worker.graph_stats()["captured"] == 1 and worker.graph_stats()["replays"] >= 40
+
+
+def test_ort_is_told_not_to_synchronise_the_stream(model):
+    with CudaWorker(0, 0, [model], runtime=HostRuntime()) as worker:
+        worker.run(0, feeds())
+        options = [worker._run_options] + [s.run_options for s in in_thread(worker, worker._slots.all)]
+        for o in options:
+            assert o.get_run_config_entry("disable_synchronize_execution_providers") == "1"
+            assert o.get_run_config_entry("gpu_graph_id")
+
+
+def test_through_a_runtime_events_stop_once_the_perf_model_is_calibrated(plan, reference, tmp_path):
+    rt = HostRuntime()
+    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}) as runtime:
+        for i in range(40):  # StarPU's calibration: 10 accepted samples per footprint
+            runtime.run(feeds(seed=i))
+        before = dict(rt.calls)
+        xs = [feeds(seed=i) for i in range(50)]
+        for x, f in zip(xs, [runtime.submit(x) for x in xs]):
+            check(reference, x, f.result(timeout=30))
+        delta = {k: v - before.get(k, 0) for k, v in rt.calls.items()}
+    assert delta.get("event_elapsed", 0) == 0  # no timing left
+    assert delta["copy_h2d"] == 50 and delta["copy_d2h"] == 50
+    # one wait per task: on the stream, or on the one event a task launched behind it recorded
+    assert delta.get("event_record", 0) == delta.get("event_sync", 0)
+    assert delta.get("event_sync", 0) + delta.get("stream_sync", 0) == 50
+
+
+# ------------------------------------------------------------------ 7/8. nothing allocated or freed per task
+def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False, max_slots=2, prefetch=False) as worker:
+        for b in (1, 2, 3):  # the third signature retires the least recently used slot
+            worker.run(0, feeds(b))
+        frees = rt.stats.device_frees + rt.stats.pinned_frees
+        allocs = rt.stats.device_allocs + rt.stats.pinned_allocs
+        for _ in range(10):
+            for b in (2, 3):
+                worker.run(0, feeds(b))
+        assert rt.stats.device_frees + rt.stats.pinned_frees == frees
+        assert rt.stats.device_allocs + rt.stats.pinned_allocs == allocs
+
+
+def test_a_graph_costs_one_regular_run_and_one_capture(model):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+        worker.warmup([1, 4], lambda p, b: feeds(b))
+        assert rt.calls["capture"] == 2  # one per (part, batch size), nothing more exclusive
+        assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
+
+
+# ------------------------------------------------------------------ 9. install
+def test_the_gpu_extra_pins_one_cuda_major():
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    ort_gpu = next(r for r in extra if r.startswith("onnxruntime-gpu"))
+    bindings = next(r for r in extra if r.startswith("cuda-bindings"))
+    assert "<" in ort_gpu and ">=" in ort_gpu  # a range whose wheels are all built for CUDA 13
+    assert ">=13" in bindings.replace(" ", "") and "<14" in bindings.replace(" ", "")
+    assert not any(r.startswith("cuda-python") for r in extra)
