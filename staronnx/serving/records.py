@@ -39,6 +39,9 @@ class BatchRecord:
     request_ids: list[int] = field(default_factory=list)
     #: (part, arch) -> count of this batch's tasks placed there (CPU share of each part)
     placement: dict[str, str] = field(default_factory=dict)  # "part0" -> worker arch
+    #: rows the runtime ran when the batch was padded up to a captured size (``size`` stays the
+    #: real number of requests); None when it ran as it was
+    padded_to: int | None = None
 
 
 @dataclass

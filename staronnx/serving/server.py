@@ -27,7 +27,9 @@ simulator fills too, so :func:`staronnx.serving.metrics.summarize` reads both.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import itertools
 import math
 import threading
@@ -35,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING as _PENDING
 from typing import Any, Protocol
 
 import numpy as np
@@ -47,6 +49,8 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 
 ON_FULL = ("reject", "block")
+#: a future in one of these states will not change any more
+_SETTLED = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
 
 
 class OverloadError(StaronnxError, RuntimeError):
@@ -73,11 +77,106 @@ class BatchRuntime(Protocol):
         ...
 
 
-@dataclass
-class _Pending:
-    record: RequestRecord
-    feeds: Mapping[str, np.ndarray]
-    future: RequestFuture
+class _Request(RequestFuture):
+    """A queued request is its own future, and a light one.
+
+    A plain Future builds a Condition per request (an RLock, a deque and five bound methods:
+    eight of the eleven objects the cycle collector then walks for as long as the caller keeps
+    the future, and a microsecond to build). The futures of one server share one Condition
+    instead, which only guards state changes; a caller that blocks in ``result()`` waits on a
+    lock of its own, registered as a waiter the way ``concurrent.futures.wait`` registers
+    its own, so a result wakes that caller only (no herd on the shared Condition). ``cancel``
+    tells the server directly, where a done-callback would run on every completion.
+    """
+
+    def __init__(self, server: Server, record: RequestRecord, sample: Mapping[str, np.ndarray]) -> None:
+        # Future.__init__ and RequestFuture.__init__ without the per-future Condition;
+        # tests/test_serving_path.py checks these stay the attributes RequestFuture sets
+        self._condition = server._future_cond
+        self._state = _PENDING
+        self._result = None
+        self._exception = None
+        self._waiters: list[Any] = []
+        self._done_callbacks: list[Any] = []
+        self.request_id = record.id
+        self.placement: dict[str, str] = {}
+        self.batch: Any = None
+        self._server = server
+        self._record = record
+        self._sample = sample
+
+    def cancel(self) -> bool:
+        if not super().cancel():
+            return False
+        with self._condition:
+            blocked = [w for w in self._waiters if isinstance(w, _Wakeup)]
+        for w in blocked:
+            w.add_cancelled(self)
+        self._server._on_cancel()
+        return True
+
+    def result(self, timeout: float | None = None) -> dict[str, np.ndarray]:
+        self._block(timeout)
+        return super().result(0)  # done: the result or the error; still pending: TimeoutError
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._block(timeout)
+        return super().exception(0)
+
+    def _block(self, timeout: float | None) -> None:
+        """Wait until done or ``timeout`` s, on a lock of this caller's own."""
+        if self.done():
+            return
+        wakeup = _Wakeup()
+        with self._condition:
+            if self._state in _SETTLED:
+                return
+            self._waiters.append(wakeup)
+        try:
+            wakeup.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+        finally:
+            with self._condition:
+                if wakeup in self._waiters:
+                    self._waiters.remove(wakeup)
+
+
+class _Wakeup:
+    """A caller blocked on one :class:`_Request`: what ``concurrent.futures``' waiters are to
+    ``wait()`` (set_result, set_exception and set_running_or_notify_cancel call these)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def add_result(self, future: Future) -> None:  # type: ignore[type-arg]
+        try:
+            self.lock.release()
+        except RuntimeError:  # woken already (a cancel, then its notification)
+            pass
+
+    add_exception = add_cancelled = add_result
+
+
+#: a finished batch for the batcher thread: (its record, its requests, the runtime's future or
+#: the error that kept it from being submitted)
+_Completion = tuple[BatchRecord, list[_Request], "Future | BaseException"]  # type: ignore[type-arg]
+
+
+def _outcome(record: BatchRecord, future: Future | BaseException) -> tuple[Mapping[str, np.ndarray] | None, BaseException | None]:  # type: ignore[type-arg]
+    """(outputs, None) or (None, error) of a finished batch; notes its placement on ``record``."""
+    if isinstance(future, BaseException):
+        return None, future
+    if future.cancelled():
+        return None, ServerClosed("the batch was cancelled before it ran (runtime closed)")
+    exc = future.exception()
+    if exc is not None:
+        return None, exc
+    placement = getattr(future, "placement", None)  # per-batch (part -> arch), if the runtime says
+    if isinstance(placement, Mapping):
+        record.placement = {str(k): str(v) for k, v in placement.items()}
+    return future.result(), None
 
 
 #: one number per Server in this process, so the batch spans of successive servers on one
@@ -128,6 +227,16 @@ def next_batch_size(
     return 0, math.inf
 
 
+def padded_size(n: int, pad_to: Sequence[int]) -> int:
+    """The rows a batch of ``n`` requests runs as: the smallest of ``pad_to`` (sorted) that holds
+    it, so a runtime that captured CUDA graphs at those sizes never meets another size while
+    serving (Triton's preferred batch sizes); ``n`` itself when it is one of them, when none
+    holds it, or when ``pad_to`` is empty."""
+    if not pad_to or n >= pad_to[-1]:
+        return n
+    return pad_to[bisect.bisect_left(pad_to, n)]
+
+
 class Server:
     """Batch single-sample requests for a runtime; see the module docstring.
 
@@ -147,6 +256,16 @@ class Server:
         batch_memory: ``(shape, dtype) -> array`` where each batch is assembled; default: the
             runtime's :meth:`~staronnx.runtime.runtime.Runtime.batch_array` (pinned memory
             its CUDA workers copy to the device without staging) for a Runtime, else numpy's.
+        pad_to: batch sizes a partial batch is padded up to (the last request's rows repeated,
+            dropped again when the outputs are split), so the runtime only meets sizes it has
+            captured CUDA graphs for; default: the runtime's ``preferred_batch_sizes``. A batch
+            larger than all of them runs as it is. Records keep the real size (and
+            ``padded_to``).
+
+    Results are handed out on the batcher thread, not on the runtime's: the runtime's
+    callback only queues the finished batch, so a CUDA worker goes straight back to its GPU
+    instead of splitting outputs and resolving ``b`` futures (and whatever callbacks their
+    callers attached) while holding the GIL its siblings need.
     """
 
     def __init__(
@@ -161,6 +280,7 @@ class Server:
         clock: Callable[[], float] = time.perf_counter,
         keep_records: int | None = None,
         batch_memory: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+        pad_to: Sequence[int] | None = None,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise StaronnxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -182,6 +302,11 @@ class Server:
             raise StaronnxError(f"max_inflight must be >= 1, got {max_inflight}")
         if keep_records is not None and (not isinstance(keep_records, int) or keep_records < 1):
             raise StaronnxError(f"keep_records must be None (keep all) or an integer >= 1, got {keep_records!r}")
+        if pad_to is None:
+            pad_to = tuple(getattr(runtime, "preferred_batch_sizes", ()) or ())
+        if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 for m in pad_to):
+            raise StaronnxError(f"pad_to must be batch sizes (integers >= 1), got {list(pad_to)!r}")
+        self.pad_to: tuple[int, ...] = tuple(sorted({int(m) for m in pad_to}))
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self.batch_size = batch_size
@@ -192,10 +317,15 @@ class Server:
         self.clock = clock
         self._batch_memory = batch_memory or (runtime.batch_array if isinstance(runtime, Runtime) else np.empty)
         self._batched = {t.name: _is_batched(t.shape) for t in self.plan.inputs}
+        self._exact_inputs = _exact_inputs(self.plan)
         self._out_batched = {t.name: _is_batched(t.shape) for t in self.plan.outputs}
         self._cond = threading.Condition()
-        self._queue: deque[_Pending] = deque()
-        self._inflight: dict[int, list[_Pending]] = {}
+        self._future_cond = threading.Condition()  # shared by this server's request futures
+        self._queue: deque[_Request] = deque()
+        self._inflight: dict[int, list[_Request]] = {}
+        # batches the runtime finished, waiting for the batcher thread to hand out their results
+        self._completions: list[_Completion] = []
+        self._resolving = 0  # completions the batcher took and is resolving (close waits for them)
         self.keep_records = keep_records
         # deques with maxlen=None are unbounded: one code path for both modes
         self._requests: deque[RequestRecord] = deque(maxlen=keep_records)
@@ -249,9 +379,8 @@ class Server:
                 if self._closing:
                     raise ServerClosed("the server closed while this request waited for room in the queue")
                 raise OverloadError(self.queue_capacity)
-            future = RequestFuture(record.id)
-            future.add_done_callback(self._on_cancel)
-            self._queue.append(_Pending(record, sample, future))
+            future = _Request(self, record, sample)
+            self._queue.append(future)
             self._sample_queue()
             # wake the batcher only when it can act: a full batch, or a first request whose
             # max-delay deadline it must start timing (a wake per request cost a thread switch
@@ -261,21 +390,21 @@ class Server:
                 self._cond.notify_all()
         return future
 
-    def _on_cancel(self, future: RequestFuture) -> None:
+    def _on_cancel(self) -> None:
         """A caller that gives up on a queued request (a client that went away) frees its place
         in the queue and in the next batch: an abandoned request must cost the others nothing.
         Counted here, cleared lazily by whoever next needs the queue's true length."""
-        if future.cancelled():
-            with self._cond:
-                self._withdrawn += 1
-                self._cond.notify_all()
+        with self._cond:
+            self._withdrawn += 1
+            self._cond.notify_all()
 
     def _drop_withdrawn(self) -> None:
         """Remove (lock held) the cancelled requests still queued; one pass for many cancels."""
-        kept: deque[_Pending] = deque()
+        kept: deque[_Request] = deque()
         for p in self._queue:
-            if p.future.cancelled():
-                p.record.withdrawn = True
+            if p.cancelled():
+                p._record.withdrawn = True
+                p.set_running_or_notify_cancel()  # wait() and as_completed() count it done now
             else:
                 kept.append(p)
         self._flush_left = min(self._flush_left, len(kept))
@@ -297,7 +426,23 @@ class Server:
         return not self._closing
 
     def _check_sample(self, sample: Mapping[str, np.ndarray]) -> None:
-        """The plan's own checks, plus: a request is exactly one sample."""
+        """The plan's own checks, plus: a request is exactly one sample.
+
+        When every input's shape is fixed but for the batch axis, a well-formed sample has one
+        exact shape and dtype per input: comparing those is a few C calls, a fifth of the
+        plan's general checks, which then only run to name what is wrong.
+        """
+        exact = self._exact_inputs
+        if exact is not None and len(sample) == len(exact):
+            try:
+                for name, dtype, shape in exact:
+                    value = sample[name]
+                    if value.__class__ is not np.ndarray or value.shape != shape or value.dtype != dtype:
+                        break
+                else:
+                    return
+            except Exception:  # noqa: BLE001 - whatever it is, the full checks below name it
+                pass
         self.plan.check_feeds(sample)
         for name, batched in self._batched.items():
             if batched and sample[name].shape[0] != 1:
@@ -318,28 +463,43 @@ class Server:
 
     # -- the batcher --------------------------------------------------------------------------
     def _batcher(self) -> None:
-        """Form batches from the queue and hand them to the runtime, until closed and empty."""
+        """Form batches and hand them to the runtime; hand out the results of finished ones.
+
+        Both on this thread: a full runtime wakes it for the completion that frees a place in
+        ``max_inflight`` anyway, so resolving here costs no extra thread switch, and the next
+        batch is launched before the finished one's requests are resolved.
+        """
         while True:
             with self._cond:
-                batch = self._next_batch()
-                if batch is None:
+                work = self._next_work()
+                if work is None:
                     return
-                record = BatchRecord(
-                    id=next(self._batch_ids), size=len(batch), formed=self.clock(),
-                    request_ids=[p.record.id for p in batch],
-                )
-                oldest = min(batch, key=lambda p: p.record.arrival)
-                oldest.record.first_in_batch = True
-                for p in batch:
-                    p.record.batch_id = record.id
-                self._batches.append(record)
-                self._inflight[record.id] = batch
-                self._sample_queue()
-                self._cond.notify_all()  # room in the queue for blocked submitters
-            self._launch(record, batch)
+                batch, completions = work
+                record = None
+                if batch:
+                    record = BatchRecord(
+                        id=next(self._batch_ids), size=len(batch), formed=self.clock(),
+                        request_ids=[p._record.id for p in batch],
+                    )
+                    padded = padded_size(len(batch), self.pad_to)
+                    if padded != len(batch):
+                        record.padded_to = padded
+                    oldest = min(batch, key=lambda p: p._record.arrival)
+                    oldest._record.first_in_batch = True
+                    for p in batch:
+                        p._record.batch_id = record.id
+                    self._batches.append(record)
+                    self._inflight[record.id] = batch
+                    self._sample_queue()
+                    self._cond.notify_all()  # room in the queue for blocked submitters
+            if record is not None:
+                self._launch(record, batch)
+            if completions:
+                self._resolve(completions)
 
-    def _next_batch(self) -> list[_Pending] | None:
-        """Wait (lock held) until a batch may leave; None once closed and drained."""
+    def _next_work(self) -> tuple[list[_Request], list[_Completion]] | None:
+        """Wait (lock held) until a batch may leave or results wait to be handed out; None once
+        closed and drained."""
         while True:
             if self._abort:
                 return None
@@ -349,41 +509,50 @@ class Server:
             size, due = next_batch_size(
                 queued=len(self._queue), inflight=len(self._inflight), batch_size=self.batch_size,
                 max_inflight=self.max_inflight, flush_left=self._flush_left, closing=self._closing,
-                oldest_arrival=self._queue[0].record.arrival if self._queue else now,
+                oldest_arrival=self._queue[0]._record.arrival if self._queue else now,
                 max_delay=self.max_delay, now=now)
-            if size:
-                return self._take(size)
-            if self._closing and not self._queue:
+            if size or self._completions:
+                completions, self._completions = self._completions, []
+                self._resolving += len(completions)
+                return (self._take(size) if size else []), completions
+            if self._closing and not self._queue and not self._inflight:
                 return None
             self._cond.wait(None if due == math.inf else due - now)
 
-    def _take(self, count: int) -> list[_Pending]:
+    def _take(self, count: int) -> list[_Request]:
         taken = [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
         self._flush_left = max(0, self._flush_left - len(taken))
         return taken
 
-    def _launch(self, record: BatchRecord, batch: list[_Pending]) -> None:
-        """Concatenate the samples, submit the batch, split its outputs when it completes."""
+    def _launch(self, record: BatchRecord, batch: list[_Request]) -> None:
+        """Concatenate the samples, submit the batch; the runtime's callback queues it back."""
         try:
-            feeds = self._concat(batch)
+            feeds = self._concat(batch, record.padded_to or len(batch))
             future = self.runtime.submit(feeds)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
-            self._finish(record, None, exc)
+            with self._cond:
+                if self._inflight.pop(record.id, None) is None:
+                    return  # already failed by close(timeout)
+                self._resolving += 1
+            self._resolve([(record, batch, exc)])
             return
-        future.add_done_callback(lambda f: self._completed(record, f))
+        future.add_done_callback(functools.partial(self._completed, record))
 
-    def _concat(self, batch: list[_Pending]) -> dict[str, np.ndarray]:
+    def _concat(self, batch: list[_Request], rows: int) -> dict[str, np.ndarray]:
+        """One array per input holding the batch's samples, the last repeated up to ``rows``."""
         feeds: dict[str, np.ndarray] = {}
         for name, batched in self._batched.items():
             if not batched:
-                feeds[name] = batch[0].feeds[name]
+                feeds[name] = batch[0]._sample[name]
                 continue
-            parts = [p.feeds[name] for p in batch]
+            parts = [p._sample[name] for p in batch]
+            if rows > len(parts):
+                parts += [parts[-1]] * (rows - len(parts))
             try:
                 shape = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
                 feeds[name] = np.concatenate(parts, axis=0, out=self._batch_memory(shape, parts[0].dtype))
             except ValueError:
-                shapes = sorted({tuple(p.feeds[name].shape) for p in batch})
+                shapes = sorted({tuple(p._sample[name].shape) for p in batch})
                 raise InputError(
                     f"input {name!r}: the requests of one batch must share every non-batch dimension; "
                     f"this batch mixes shapes {[list(s) for s in shapes]}"
@@ -391,66 +560,82 @@ class Server:
         return feeds
 
     def _completed(self, record: BatchRecord, future: Future) -> None:  # type: ignore[type-arg]
-        """Runtime callback (in a worker thread): resolve every request of the batch."""
-        if future.cancelled():
-            self._finish(record, None, ServerClosed("the batch was cancelled before it ran (runtime closed)"))
-            return
-        exc = future.exception()
-        if exc is not None:
-            self._finish(record, None, exc)
-            return
-        placement = getattr(future, "placement", None)  # per-batch (part -> arch), if the runtime says
-        if isinstance(placement, Mapping):
-            record.placement = {str(k): str(v) for k, v in placement.items()}
-        self._finish(record, future.result(), None)
+        """Runtime callback, on the runtime's thread: queue the batch for the batcher thread.
 
-    def _finish(self, record: BatchRecord, outputs: Mapping[str, np.ndarray] | None, error: BaseException | None) -> None:
+        Only a list append and a wake-up here: splitting outputs and resolving ``b`` futures
+        (running their callers' callbacks) would hold a worker, a CUDA worker's thread included,
+        away from its next task.
+        """
         with self._cond:
             batch = self._inflight.pop(record.id, None)
-        if batch is None:  # already failed by close(timeout)
-            return
-        results: list[dict[str, np.ndarray]] = []
-        if outputs is not None:
-            try:
-                results = self._split(outputs, len(batch))
-            except Exception as exc:  # noqa: BLE001 - a malformed result fails its batch only
-                error, outputs = exc, None
-        now = self.clock()
-        if self._tracer is not None:
-            oldest = min(p.record.arrival for p in batch)
-            args = {"requests": len(batch), "failed": outputs is None}
-            span = f"{self._serial}.{record.id}"
-            self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", span, oldest,
-                                    record.formed, args)
-            self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", span, record.formed, now, args)
-        with self._cond:
-            record.done = now
-            for p in batch:
-                if outputs is None:
-                    p.record.failed = True
-                else:
-                    p.record.done = now
+            if batch is None:  # already failed by close(timeout)
+                return
+            self._completions.append((record, batch, future))
             self._cond.notify_all()
-        for i, p in enumerate(batch):
-            if not p.future.set_running_or_notify_cancel():
-                continue  # the caller cancelled it; the batch ran anyway
-            p.future.batch = record
-            if outputs is None:
-                assert error is not None
-                p.future.set_exception(error)
-            else:
-                p.future.set_result(results[i])
 
-    def _split(self, outputs: Mapping[str, np.ndarray], n: int) -> list[dict[str, np.ndarray]]:
-        """Row ``i`` of every batched output for request ``i`` (unbatched outputs are shared)."""
-        rows: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
+    def _resolve(self, completions: list[_Completion]) -> None:
+        """Hand out the results of finished batches (batcher thread, lock not held)."""
+        finished: list[tuple[BatchRecord, list[_Request], list[dict[str, np.ndarray]] | None, BaseException | None]] = []
+        for record, batch, future in completions:
+            outputs, error = _outcome(record, future)
+            results: list[dict[str, np.ndarray]] | None = None
+            if outputs is not None:
+                try:
+                    results = self._split(outputs, len(batch), record.padded_to or len(batch))
+                except Exception as exc:  # noqa: BLE001 - a malformed result fails its batch only
+                    error = exc
+            finished.append((record, batch, results, error))
+            if self._tracer is not None:
+                self._trace(record, batch, failed=results is None)
+        now = self.clock()
+        with self._cond:
+            for record, batch, results, _ in finished:
+                record.done = now
+                for p in batch:
+                    if results is None:
+                        p._record.failed = True
+                    else:
+                        p._record.done = now
+            self._resolving -= len(completions)
+            self._cond.notify_all()  # close() waits for the last ones
+        for record, batch, results, error in finished:
+            for i, p in enumerate(batch):
+                if not p.set_running_or_notify_cancel():
+                    continue  # the caller cancelled it; the batch ran anyway
+                p.batch = record
+                if results is None:
+                    assert error is not None
+                    p.set_exception(error)
+                else:
+                    p.set_result(results[i])
+
+    def _trace(self, record: BatchRecord, batch: list[_Request], *, failed: bool) -> None:
+        assert self._tracer is not None
+        now = self.clock()
+        oldest = min(p._record.arrival for p in batch)
+        args = {"requests": len(batch), "failed": failed}
+        if record.padded_to is not None:
+            args["padded_to"] = record.padded_to
+        span = f"{self._serial}.{record.id}"
+        self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", span, oldest, record.formed, args)
+        self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", span, record.formed, now, args)
+
+    def _split(self, outputs: Mapping[str, np.ndarray], n: int, rows: int) -> list[dict[str, np.ndarray]]:
+        """Row ``i`` of every batched output for request ``i`` (unbatched outputs are shared);
+        rows past ``n`` are the padding's and are dropped."""
+        results: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
         for name, arr in outputs.items():
             batched = self._out_batched.get(name, True) and getattr(arr, "ndim", 0) >= 1
-            if batched and arr.shape[0] != n:
-                raise RuntimeError(f"output {name!r} has {arr.shape[0]} rows for a batch of {n} requests")
-            for i in range(n):
-                rows[i][name] = arr[i : i + 1] if batched else arr
-        return rows
+            if not batched:
+                for r in results:
+                    r[name] = arr
+                continue
+            if arr.shape[0] != rows:
+                raise RuntimeError(f"output {name!r} has {arr.shape[0]} rows for a batch of {rows} "
+                                   + ("requests" if rows == n else f"rows ({n} requests, padded)"))
+            for i, r in enumerate(results):
+                r[name] = arr[i : i + 1]
+        return results
 
     # -- records ------------------------------------------------------------------------------
     def _sample_queue(self) -> None:
@@ -530,26 +715,31 @@ class Server:
         :class:`ServerClosed`; the batcher thread is gone when this returns. The runtime stays
         open: it belongs to the caller.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        # called from a result's callback, i.e. on the batcher thread: nothing more can drain
+        on_batcher = threading.current_thread() is self._thread
+        deadline = time.monotonic() if on_batcher else None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-            while self._queue or self._inflight:
+            while self._queue or self._inflight or self._completions or self._resolving:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
                 self._cond.wait(left)
             self._abort = True
             self._cond.notify_all()
-            leftovers = list(self._queue) + [p for b in self._inflight.values() for p in b]
+            leftovers = [*self._queue, *(p for b in self._inflight.values() for p in b),
+                         *(p for _, b, _ in self._completions for p in b)]
             self._queue.clear()
             self._inflight.clear()
+            self._completions.clear()
             for p in leftovers:
-                p.record.failed = True
+                p._record.failed = True
         for p in leftovers:
-            if p.future.set_running_or_notify_cancel():
-                p.future.set_exception(ServerClosed("the server closed before this request completed"))
-        self._thread.join(timeout=None if timeout is None else max(_time_left(deadline), 1.0))
+            if p.set_running_or_notify_cancel():
+                p.set_exception(ServerClosed("the server closed before this request completed"))
+        if not on_batcher:
+            self._thread.join(timeout=None if timeout is None else max(_time_left(deadline), 1.0))
 
     @property
     def closed(self) -> bool:
@@ -559,6 +749,22 @@ class Server:
 def _time_left(deadline: float | None) -> float:
     """Seconds to a ``time.monotonic`` deadline (0 when passed or when there is none)."""
     return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
+
+
+def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype, tuple[int, ...]]] | None:
+    """(name, dtype, shape) of a one-sample request per input, when each has exactly one;
+    None when some dimension other than the batch axis is free (or a dtype numpy lacks)."""
+    exact = []
+    for t in plan.inputs:
+        try:
+            dtype = np.dtype(t.dtype)
+        except TypeError:
+            return None
+        shape = [1 if axis == 0 and _is_batched(t.shape) else d for axis, d in enumerate(t.shape)]
+        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            return None
+        exact.append((t.name, dtype, tuple(shape)))
+    return exact
 
 
 def _is_batched(shape: list[int | str | None]) -> bool:
