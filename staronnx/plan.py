@@ -78,6 +78,7 @@ class Plan:
     _sessions: dict[int, Any] = field(default_factory=dict, repr=False, compare=False)
     #: per input: (name, numpy dtype or None, shape), built once: check_feeds runs per request
     _input_checks: list[tuple[str, Any, list[Any]]] | None = field(default=None, repr=False, compare=False)
+    _accepted: set[tuple[Any, ...]] = field(default_factory=set, repr=False, compare=False)
 
     # -- persistence ------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -193,6 +194,20 @@ class Plan:
         checks = self._input_checks
         if checks is None:
             checks = self._input_checks = [(t.name, _numpy_dtype(t.dtype), t.shape) for t in self.inputs]
+        # serving sends the same few signatures over and over: one accepted is not re-checked
+        try:
+            signature = tuple([(type(v), v.dtype, v.shape) for v in feeds.values()]) + tuple(feeds)
+        except AttributeError:
+            signature = None
+        if signature is not None and signature in self._accepted:
+            return
+        self._check_feeds(feeds, checks)
+        if signature is not None:
+            if len(self._accepted) > 1024:
+                self._accepted.clear()
+            self._accepted.add(signature)
+
+    def _check_feeds(self, feeds: Mapping[str, Any], checks: list[tuple[str, Any, list[Any]]]) -> None:
         if len(feeds) != len(checks) or any(name not in feeds for name, _, _ in checks):
             missing = [t.name for t in self.inputs if t.name not in feeds]
             if missing:

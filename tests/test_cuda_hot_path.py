@@ -305,7 +305,7 @@ def test_a_steady_task_is_one_copy_in_one_copy_out_and_one_wait(model, graphs):
         timed = _calls_per_task(worker, rt, timed=True)
         assert timed == {"copy_h2d": 1, "copy_d2h": 1, "event_record": 4, "event_sync": 1, "event_elapsed": 3}
         if graphs:
-            assert worker.graph_stats()["captured"] == 1 and worker.graph_stats()["replays"] >= 40
+            assert worker.graph_stats()["captured"] == 2 and worker.graph_stats()["replays"] >= 40  # 2 buffer sets
 
 
 def test_ort_is_told_not_to_synchronise_the_stream(model):
@@ -352,7 +352,7 @@ def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
 
 def test_a_graph_costs_one_regular_run_and_one_capture(model):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+    with CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
         worker.warmup([1, 4], lambda p, b: feeds(b))
         assert rt.calls["capture"] == 2  # one per (part, batch size), nothing more exclusive
         assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
@@ -366,3 +366,30 @@ def test_the_gpu_extra_pins_one_cuda_major():
     assert "<" in ort_gpu and ">=" in ort_gpu  # a range whose wheels are all built for CUDA 13
     assert ">=13" in bindings.replace(" ", "") and "<14" in bindings.replace(" ", "")
     assert not any(r.startswith("cuda-python") for r in extra)
+
+
+# ------------------------------------------------------------------ graphs captured at warm-up, not while serving
+def test_a_runtime_captures_its_warm_up_sizes_one_worker_at_a_time_and_never_while_serving(plan, reference, tmp_path):
+    rt = HostRuntime()
+    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=2, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}, warmup=(4, 1, 2)) as runtime:
+        assert runtime.preferred_batch_sizes == (1, 2, 4)
+        workers = runtime.workers
+        # 3 sizes x 2 buffer sets (a pipelined worker launches a task behind another)
+        assert [w.graph_stats()["captured"] for w in workers] == [6, 6]
+        assert rt.calls["capture"] == 12
+        for b in (1, 2, 3, 4):  # 3 was not warmed up: it runs, without a capture stalling anyone
+            xs = [feeds(b, seed=i) for i in range(10)]
+            for x, f in zip(xs, [runtime.submit(x) for x in xs]):
+                check(reference, x, f.result(timeout=30))
+        assert rt.calls["capture"] == 12
+        stats = runtime.stats()["workers"]
+        warm = 2 * 6  # one replay per buffer set at warm-up
+        assert sum(row["graphs"]["replays"] for row in stats.values()) == warm + 30
+
+
+def test_without_graphs_there_is_nothing_to_pad_to(plan, tmp_path):
+    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}, warmup=(1, 2)) as runtime:
+        assert runtime.preferred_batch_sizes == ()
+        assert "graphs" not in runtime.stats()["workers"]["cuda0.s0"]

@@ -227,8 +227,9 @@ def test_host_pipeline_timing_hook_and_copy_log(parts: list[Path]) -> None:
     with CudaWorker(0, 0, parts, runtime=HostRuntime(), copy_log=log, host_node="numa1", cuda_graphs=False,
                     on_done=lambda p, b, s: calls.append((p, b, s))) as worker:
         worker.warmup([2], make_feeds)
-        # warm-up: no hook, but its copies are logged (2 parts x 2 repeats x 2 directions)
-        assert calls == [] and len(log) == 8
+        # warm-up: no hook, but its copies are logged (2 parts x 2 repeats x 2 buffer sets, as a
+        # prefetching worker uses, x 2 directions)
+        assert calls == [] and len(log) == 16
         fut = worker.submit(1, make_feeds(1, 2))
         fut.result()
     assert isinstance(fut, CudaWorkerFuture)

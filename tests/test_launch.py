@@ -216,14 +216,28 @@ def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
     np.testing.assert_allclose(out["logits"], plan2.run_reference(feeds)["logits"], rtol=1e-5, atol=1e-6)
 
 
-def test_cli_run_cuda_graphs_without_cuda_streams_is_one_clear_line(plan2, tmp_path):
+@pytest.mark.parametrize("graphs", [True, False])
+def test_cli_run_cuda_streams_warm_up_capture_and_report_graphs(plan2, tmp_path, graphs):
+    """Through the door users use: `staronnx run --cuda-streams 2 [--no-cuda-graphs]` with the
+    CUDA workers on HostRuntime (STARONNX_CUDA_RUNTIME=host): the batch size is warmed up and
+    captured on each worker before the figures, and the summary says what each replays."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan2.root), "--cuda-graphs", "--requests", "2"],
-                         capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")})
-    assert out.returncode == 2 and "--cuda-streams" in out.stderr and "Traceback" not in out.stderr
+    cmd = [sys.executable, "-m", "staronnx", "run", str(plan2.root), "--cuda-streams", "2", "--groups", "none",
+           "--policy", "eager", "--batch", "2", "--requests", "12", *([] if graphs else ["--no-cuda-graphs"])]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "STARONNX_CUDA_RUNTIME": "host",
+                              "COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    rows = [line for line in out.stdout.splitlines() if "cuda0.s" in line]
+    assert len(rows) == 2
+    for row in rows:
+        if graphs:  # both parts of the plan at batch 2, two buffer sets each, captured at warm-up
+            assert "4 captured" in row and "replays" in row and "failed" not in row
+        else:
+            assert "captured" not in row
 
 
 def test_runtime_passes_cuda_graphs_to_its_cuda_workers(plan2, tmp_path):

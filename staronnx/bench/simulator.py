@@ -709,7 +709,7 @@ def simulate(
         notes=list(machine.notes) + sim.notes,
         events=sim.n_events,
         wall_seconds=time.perf_counter() - t0,
-        mean_queue_wait=float(np.mean(sim.core.queue_waits)) if sim.core.queue_waits else 0.0,
+        mean_queue_wait=sim.core.queue_waits.mean(),
     )
 
 

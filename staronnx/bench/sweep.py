@@ -49,7 +49,7 @@ from staronnx.bench.simulator import SimMachine, build_machine, machine_inflight
 from staronnx.errors import StaronnxError
 from staronnx.inputs import load_inputs, samples as input_samples
 from staronnx.plan import Plan
-from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.runtime import Runtime, warmup_sizes
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.signals import signal_name
 
@@ -151,6 +151,7 @@ def sweep(
     policy: str = "heft",
     groups: str = "numa",
     cuda_streams: int = 0,
+    cuda_graphs: bool = True,
     distribution: str = "constant",
     duration: float = 10.0,
     warmup: float | None = None,
@@ -181,6 +182,8 @@ def sweep(
         rates: offered single-sample requests per second.
         batch_sizes: the ``b`` of the papers' batches (a batch leaves when full).
         policy, groups, cuda_streams, engine: the runtime's settings.
+        cuda_graphs: CUDA workers capture every batch size of the sweep as CUDA graphs at
+            warm-up (the default); False runs them without graphs.
         distribution: ``"constant"`` interval (the papers) or ``"poisson"``.
         duration: seconds of arrivals per point (stretched to ``min_batches`` batch fills).
         warmup: seconds at the start of each point left out of the measurement window
@@ -248,7 +251,9 @@ def sweep(
     own = runtime is None
     if own:
         runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store,
-                          engine=engine, trace=trace)
+                          engine=engine, trace=trace, cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+                          warmup=sorted({s for b in batch_sizes for s in warmup_sizes(b, max_delay)})
+                          if cuda_streams else ())
     index = 0
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in (getattr(runtime, "workers", ()) or ())]

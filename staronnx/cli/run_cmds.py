@@ -28,8 +28,9 @@ def run_cmd(
     groups: Annotated[str, typer.Option(help="CPU grouping policy.")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers per GPU.")] = 0,
     cuda_graphs: Annotated[bool, typer.Option(
-        "--cuda-graphs", help="Capture each (part, batch size) as a CUDA graph and replay it "
-                              "(fewer kernel launches at small batches).")] = False,
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Capture each (part, batch size) as a CUDA graph at warm-up and replay it (fewer "
+             "kernel launches at small batches); on by default where a part can be captured.")] = True,
     max_in_flight: Annotated[int, typer.Option(help="Requests queued at once.")] = 16,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Perfetto/Chrome trace here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
@@ -58,11 +59,9 @@ def run_cmd(
         pool = batches(real, plan, batch, min(requests, max(1, math.ceil(n / batch))))
         console.print(f"inputs from {inputs}: {n} sample(s)", highlight=False, soft_wrap=True)
     latencies: list[float] = []
-    if cuda_graphs and not cuda_streams:
-        raise StaronnxError("--cuda-graphs needs CUDA workers: add --cuda-streams N")
-    cuda_options = {"cuda_graphs": True} if cuda_graphs else None
+    cuda_options = {"cuda_graphs": cuda_graphs} if cuda_streams else None
     with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
-                 cuda_options=cuda_options) as rt:
+                 cuda_options=cuda_options, warmup=(batch,) if cuda_streams else ()) as rt:
         rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
         warm = rt.stats()
         with progress_bar(quiet) as progress:
@@ -97,14 +96,26 @@ def run_cmd(
         table.add_row(key, str(row["tasks"]), f"{row['measured_ms']:.3f}", "-" if pred is None else f"{pred:.3f}")
     console.print(table)
     workers = Table(title="workers")
-    for col in ("worker", "arch", "tasks", "busy"):
+    graphs = any("graphs" in row for row in stats["workers"].values())
+    for col in ("worker", "arch", "tasks", "busy", *(("CUDA graphs",) if graphs else ())):
         workers.add_column(col, overflow="fold")
     for name, row in stats["workers"].items():
-        workers.add_row(name, row["arch"], str(row["tasks"]), f"{row['busy']:.0%}")
+        cells = [name, row["arch"], str(row["tasks"]), f"{row['busy']:.0%}"]
+        if graphs:
+            cells.append(graph_summary(row.get("graphs")))
+        workers.add_row(*cells)
     console.print(workers)
     console.print(f"mean queue wait {stats['mean_queue_wait_ms']:.2f} ms")
     if trace is not None:
         console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+
+
+def graph_summary(graphs: dict[str, int] | None) -> str:
+    """A CUDA worker's graphs in one cell: what it captured, replays, and failed captures."""
+    if graphs is None:
+        return "-"
+    text = f"{graphs['captured']} captured, {graphs['replays']} replays"
+    return text + (f", {graphs['failed']} failed" if graphs["failed"] else "")
 
 
 def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:

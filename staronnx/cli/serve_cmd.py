@@ -26,6 +26,10 @@ def serve_cmd(
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
+             "--batch-size) at start-up; partial batches are padded up to them.")] = True,
     batch_size: Annotated[int, typer.Option(help="Largest batch the batcher forms from the clients' samples.")] = 8,
     max_delay: Annotated[str, typer.Option(
         help="Dynamic batching: a partial batch leaves once its oldest sample waited this long (0 = as soon as a "
@@ -57,7 +61,7 @@ def serve_cmd(
     import asyncio
 
     from staronnx.plan import Plan
-    from staronnx.runtime.runtime import Runtime
+    from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serve.app import Listen, model_names, parse_size, serve
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
@@ -88,7 +92,9 @@ def serve_cmd(
     models: list[ModelEndpoint] = []
     try:
         for model_name, plan in zip(names, loaded):
-            runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine)
+            runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
+                              cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+                              warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
             try:
                 endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
                                          queue_capacity=queue_capacity, metrics=metrics,

@@ -222,6 +222,7 @@ def _sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., lis
 
     def run(plan: Any, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
             **kwargs: Any) -> list[dict[str, Any]]:
+        kwargs.pop("cuda_graphs", None)  # the server's own setting (staronnx serve --no-cuda-graphs)
         options = {k: kwargs.pop(k) for k in SERVER_OPTIONS if k in kwargs}
         options["batch_sizes"] = batch_sizes
         options = {k: (v if k in given else None) for k, v in options.items()}
@@ -238,6 +239,9 @@ def sweep_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant (the papers) or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Arrivals per point: 10s, 500ms, 2m (longer for slow batch fills).")] = "10s",
     warmup: Annotated[str | None, typer.Option(help="Start of each point left out of the figures (default min(1 s, duration/5)).")] = None,
@@ -303,7 +307,7 @@ def sweep_cmd(
         bars = _Bars(progress)
         try:
             rows = run(
-                plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
+                plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
                 distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
                 progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
                 extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,

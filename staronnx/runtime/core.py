@@ -94,6 +94,32 @@ class WorkerState:
     tasks: int = 0
 
 
+class RunningMean:
+    """A count and a sum: what the statistics need of every task's time, in constant memory
+    (a list per (part, arch) grew by one float per task for as long as a server ran)."""
+
+    __slots__ = ("n", "total")
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.total = 0.0
+
+    def append(self, value: float) -> None:
+        self.n += 1
+        self.total += value
+
+    def __len__(self) -> int:
+        return self.n
+
+    def mean(self) -> float:
+        return self.total / self.n if self.n else 0.0
+
+
+def _mean(values: Any) -> float:
+    """Mean of a :class:`RunningMean` or of a sequence of floats."""
+    return values.mean() if isinstance(values, RunningMean) else float(np.mean(values))
+
+
 #: ``footprint(request, part)``: the perf-model key of a part's task (the driver knows shapes)
 FootprintFn = Callable[[Request, int], "Footprint | None"]
 
@@ -107,6 +133,8 @@ class TaskGraph:
         self.policy = policy
         self.footprint = footprint
         self.workers = [WorkerState(info) for info in workers]
+        self._k = plan.k
+        self._part_inputs = [list(p.inputs) for p in plan.parts]
         preds = plan.dependencies()
         self.preds = [sorted(d) for d in preds]
         self.succs: list[list[int]] = [[] for _ in plan.parts]
@@ -128,9 +156,10 @@ class TaskGraph:
         self.dropped: Callable[[Request], bool] = lambda req: False
         self._ids = itertools.count()
         self._task_ids = itertools.count()
-        self.measured: dict[tuple[int, str], list[float]] = defaultdict(list)
-        self.predicted: dict[tuple[int, str], list[float]] = defaultdict(list)
-        self.queue_waits: list[float] = []
+        self.measured: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
+        self.predicted: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
+        self.queue_waits = RunningMean()
+        self._part_keys = [f"part{p}" for p in range(plan.k)]
         self.done_requests = 0
         self.failed_requests = 0
         #: (worker name, error) of workers that died
@@ -143,8 +172,8 @@ class TaskGraph:
         """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed."""
         self.pushed_to.clear()
         handles = {n: DataHandle(n, nbytes, {HOST_NODE}, self._readers[n]) for n, nbytes in inputs.items()}
-        req = Request(next(self._ids), batch, now, self.plan.k, handles, dict(values or {}), owner)
-        req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self.plan.k)]
+        req = Request(next(self._ids), batch, now, self._k, handles, dict(values or {}), owner)
+        req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self._k)]
         self.inflight[req.id] = req
         for task in req.tasks:
             if not task.waiting:
@@ -155,7 +184,7 @@ class TaskGraph:
         req = task.request
         view = TaskView(
             id=next(self._task_ids), part=task.part, batch=req.batch, request=req.id,
-            inputs=[req.handles[n].view() for n in self.plan.parts[task.part].inputs],
+            inputs=[req.handles[n].view() for n in self._part_inputs[task.part]],
             submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
             releasing_worker=releasing,
         )
@@ -202,13 +231,13 @@ class TaskGraph:
             self.fail(req)
             return req
         node, arch = st.info.memory_node, st.info.arch
-        req.placement[f"part{task.part}"] = arch
+        req.placement[self._part_keys[task.part]] = arch
         self.measured[(task.part, arch)].append(measured)
         if math.isfinite(view.predicted):
             self.predicted[(task.part, arch)].append(view.predicted)
         for name, nbytes in outputs.items():
             req.handles[name] = DataHandle(name, nbytes, {node}, self._readers[name])
-        for name in self.plan.parts[task.part].inputs:  # free intermediates nobody else reads
+        for name in self._part_inputs[task.part]:  # free intermediates nobody else reads
             h = req.handles[name]
             h.valid_on.add(node)
             h.readers_left -= 1
@@ -266,13 +295,13 @@ class TaskGraph:
                                        "busy": st.busy_seconds / elapsed, "alive": st.alive}
                         for st in self.workers},
             "tasks": per_part_arch(self.measured, self.predicted),
-            "mean_queue_wait_ms": float(np.mean(self.queue_waits) * 1e3) if self.queue_waits else 0.0,
+            "mean_queue_wait_ms": self.queue_waits.mean() * 1e3,
             "dead_workers": list(self.dead_workers),
         }
 
 
-def per_part_arch(measured: Mapping[tuple[int, str], Sequence[float]],
-                  predicted: Mapping[tuple[int, str], Sequence[float]]) -> dict[str, dict[str, Any]]:
+def per_part_arch(measured: Mapping[tuple[int, str], Any],
+                  predicted: Mapping[tuple[int, str], Any]) -> dict[str, dict[str, Any]]:
     """``"part<p>/<arch>"`` -> tasks, mean measured ms, mean predicted ms (None: never predicted).
 
     Both engines report through it (the starpu engine too), so ``Runtime.stats()`` reads the
@@ -280,7 +309,7 @@ def per_part_arch(measured: Mapping[tuple[int, str], Sequence[float]],
     """
     out: dict[str, dict[str, Any]] = {}
     for (part, arch), times in sorted(measured.items()):
-        pred = predicted.get((part, arch), [])
-        out[f"part{part}/{arch}"] = {"tasks": len(times), "measured_ms": float(np.mean(times) * 1e3),
-                                     "predicted_ms": float(np.mean(pred) * 1e3) if pred else None}
+        pred = predicted.get((part, arch), ())
+        out[f"part{part}/{arch}"] = {"tasks": len(times), "measured_ms": _mean(times) * 1e3,
+                                     "predicted_ms": _mean(pred) * 1e3 if len(pred) else None}
     return out

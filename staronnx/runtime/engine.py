@@ -49,10 +49,10 @@ def worker_info(index: int, worker: Worker) -> WorkerInfo:
 
 
 class RealClock:
-    """``time.perf_counter``, as the policies' :class:`~staronnx.runtime.sched.Clock`."""
+    """``time.perf_counter``, as the policies' :class:`~staronnx.runtime.sched.Clock` (the C
+    function itself: it is read several times per task)."""
 
-    def now(self) -> float:
-        return time.perf_counter()
+    now = staticmethod(time.perf_counter)
 
 
 class NativeEngine:
@@ -82,6 +82,8 @@ class NativeEngine:
         self._idle: set[int] = set()
         self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
+        self._output_names = self.plan.output_names
+        self._part_inputs = [list(p.inputs) for p in plan.parts]
         self._loops: list[Future[Any]] = []
         self._stopping = False
         self._closed = False
@@ -188,7 +190,7 @@ class NativeEngine:
 
     def _feeds(self, task: Task) -> dict[str, np.ndarray]:
         values = task.request.values
-        return {n: values[n] for n in self.plan.parts[task.part].inputs}
+        return {n: values[n] for n in self._part_inputs[task.part]}
 
     def _run(self, wid: int, worker: Any, task: Task) -> _Started:
         """Run a task to its end on a worker that cannot launch ahead (CPU)."""
@@ -255,7 +257,7 @@ class NativeEngine:
             err.__cause__ = error
             _resolve(done.owner, err, False)
         else:
-            _resolve(done.owner, {n: done.values[n] for n in self.plan.output_names}, True)
+            _resolve(done.owner, {n: done.values[n] for n in self._output_names}, True)
 
     def _trace(self, wid: int, task: Task, start: float, end: float, failed: bool) -> None:
         assert self.tracer is not None and task.view is not None
@@ -323,7 +325,7 @@ class NativeEngine:
             out = self.core.stats(self.clock.now() - self.started_at)
         for w in self._workers:  # CUDA graphs per worker: what `staronnx run` reports
             graphs = getattr(w, "graph_stats", None)
-            if graphs is not None and w.name in out["workers"]:
+            if graphs is not None and getattr(w, "cuda_graphs", False) and w.name in out["workers"]:
                 out["workers"][w.name]["graphs"] = graphs()
         return out
 
@@ -364,6 +366,7 @@ def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:
         plan, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
         cuda_options=dict(settings.cuda_options))
     try:
+        warm_up(plan, workers, settings.warmup)
         store = settings.store if settings.store is not None else PerfModelStore()
         predictor = PerfPredictor(plan.hash, store, calibrate=mode)
         tracer = Tracer(settings.trace, origin=0.0) if settings.trace is not None else None
@@ -375,6 +378,26 @@ def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:
         if own:
             _close_all(workers)
         raise
+
+
+def warm_up(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> None:
+    """Run every part at every batch size on every CUDA worker before the engine starts, one
+    worker at a time, so cuDNN's searches and every CUDA graph capture happen now, not in
+    the middle of serving; then freeze capture (a batch size seen later runs without a graph,
+    which is why the Server pads partial batches up to these sizes). Parts get the real
+    tensors their predecessors produce (a reference run), as calibration does."""
+    sizes = sorted({int(b) for b in batch_sizes})
+    cuda = [w for w in workers if hasattr(w, "warmup") and getattr(w, "kind", "") == "cuda"]
+    if not sizes or not cuda:
+        return
+    if sizes[0] < 1:
+        raise StaronnxError(f"warm-up batch sizes must be >= 1, got {sizes[0]}")
+    from staronnx.verify import random_plan_feeds
+
+    values = {b: plan.reference_values(random_plan_feeds(plan, b, seed=b)) for b in sizes}
+    for worker in cuda:
+        worker.warmup(sizes, lambda part, b: plan.part_feeds(part, values[b]))
+        worker.capture_on_demand = False
 
 
 register_engine("native", start_native)

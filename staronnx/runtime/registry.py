@@ -38,6 +38,8 @@ class EngineSettings:
     workers: Sequence[Any] | None = None
     calibrate: int | None = None
     cuda_options: Mapping[str, Any] = field(default_factory=dict)
+    #: batch sizes every CUDA worker runs (and captures as CUDA graphs) before serving
+    warmup: tuple[int, ...] = ()
 
 
 class Engine(Protocol):

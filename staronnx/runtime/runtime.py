@@ -13,7 +13,11 @@ raises ValueError (InputError) at once and never reaches a worker.
 ``cuda_streams=N`` starts N CUDA workers per GPU, each on a core held back from the CPU
 groups (see :mod:`staronnx.workers.launch`); ``cuda_options`` go to every
 :class:`~staronnx.workers.cuda.CudaWorker` (``cudnn_conv_algo_search``, ``provider_options``
-such as ``gpu_mem_limit``, ``prefetch``).
+such as ``gpu_mem_limit``, ``prefetch``, ``cuda_graphs=False``). ``warmup=(1, 2, 4, 8)`` runs
+those batch sizes on every CUDA worker before serving, capturing their CUDA graphs one at a
+time; :attr:`Runtime.preferred_batch_sizes` then lists them and a
+:class:`~staronnx.serving.Server` pads partial batches up to them, so no capture ever stalls
+the workers while serving.
 
 ``calibrate`` is StarPU's ``STARPU_CALIBRATE`` for either engine (default
 ``$STARONNX_CALIBRATE``, else 0): 0 freezes calibrated models, 1 keeps recording every
@@ -39,6 +43,20 @@ from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.pinned_pool import PinnedPool
 
 
+def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ...]:
+    """The batch sizes a server of batches up to ``max_batch`` warms up (and captures CUDA
+    graphs for): powers of two below it and itself, Triton's preferred batch sizes; only
+    ``max_batch`` when batches always leave full (``max_delay=None``, the papers' batcher)."""
+    if max_delay is None:
+        return (max_batch,)
+    sizes = {max_batch}
+    b = 1
+    while b < max_batch:
+        sizes.add(b)
+        b *= 2
+    return tuple(sorted(sizes))
+
+
 class Runtime:
     """Serve a plan on this machine's CPU groups (and CUDA streams) with a StarPU-style policy."""
 
@@ -56,14 +74,20 @@ class Runtime:
         workers: Sequence[Any] | None = None,
         calibrate: int | None = None,
         cuda_options: Mapping[str, Any] | None = None,
+        warmup: Sequence[int] = (),
     ) -> None:
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
         self.policy_name = policy
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
-            None if workers is None else list(workers), calibrate, dict(cuda_options or {}))
+            None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
+            tuple(int(b) for b in warmup))
         self._engine = factory(self.plan, settings)
+        graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
+        #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
+        #: sizes): a Server pads a partial batch up to one of them; () without graphs
+        self.preferred_batch_sizes: tuple[int, ...] = tuple(sorted(set(settings.warmup))) if graphs else ()
         self._pinned: PinnedPool | None = next(
             (w.pinned_pool for w in self._engine.workers if isinstance(w, CudaWorker)), None)
         self._closed = False

@@ -301,8 +301,11 @@ class ThreadWorker(ABC):
         repeats: int,
         new_task: Callable[[int, Feeds, int], WorkerTask],
         seconds: Callable[[Any], float | None],
+        parallel: int = 1,
     ) -> list[tuple[int, int, float]]:
-        """Queue ``repeats`` unrecorded runs of every part at every batch size, one at a time.
+        """Queue ``repeats`` unrecorded runs of every part at every batch size, ``parallel``
+        at a time (a worker that launches the next task before waiting needs that many buffer
+        sets per shape, all of them warm).
 
         ``new_task(part, feeds, batch)`` builds the task; returns ``(part, batch,
         seconds(future))`` of the last repeat of each.
@@ -310,11 +313,14 @@ class ThreadWorker(ABC):
         timings = []
         for part in range(len(self.part_paths)):
             for b in batch_sizes:
+                feeds = make_feeds(part, b)
                 for _ in range(max(1, repeats)):
-                    task = new_task(part, make_feeds(part, b), b)
-                    self._put(("run", task))
-                    task.fut.result()
-                timings.append((part, b, seconds(task.fut) or 0.0))
+                    tasks = [new_task(part, feeds, b) for _ in range(max(1, parallel))]
+                    for task in tasks:
+                        self._put(("run", task))
+                    for task in tasks:
+                        task.fut.result()
+                timings.append((part, b, seconds(tasks[-1].fut) or 0.0))
         return timings
 
     def _cancel_queued(self) -> None:

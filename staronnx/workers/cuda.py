@@ -100,6 +100,10 @@ _ORT_TO_NUMPY: dict[str, np.dtype] = {
     }.items()
 }
 
+#: ``STARONNX_CUDA_RUNTIME=host``: CUDA workers run their whole pipeline on HostRuntime (the CPU
+#: provider, host memory), so every command's CUDA path can be driven on a machine without a GPU
+HOST_RUNTIME_ENV = "STARONNX_CUDA_RUNTIME"
+
 #: one capture at a time in the process: a capture is rare (once per part and batch size at
 #: warm-up) and ORT's global-mode capture is the one place two of ours could still collide
 CAPTURE_LOCK = threading.Lock()
@@ -380,7 +384,7 @@ class CudaWorker(ThreadWorker):
     warmed up its batch sizes never stalls its workers on a capture while serving).
     ``runtime`` replaces the CUDA runtime: a :class:`~staronnx.workers.cudart.HostRuntime`
     runs the same pipeline on the CPU provider with host memory (how it is tested without a
-    GPU).  Without one, the constructor raises :class:`DeviceError` when ONNX Runtime's CUDA
+    GPU; ``STARONNX_CUDA_RUNTIME=host`` makes it the default, for the CLI).  Without one, the constructor raises :class:`DeviceError` when ONNX Runtime's CUDA
     provider, cuda-bindings or the device is missing.
 
     The thread, queue, ``start``/``close``, ``call``/``spawn`` and the task bookkeeping are
@@ -420,6 +424,10 @@ class CudaWorker(ThreadWorker):
                              "set by the worker itself (its device and its own stream)")
         if max_slots < 2:
             raise ValueError("max_slots must be >= 2 (prefetch needs two buffer sets)")
+        if runtime is None and os.environ.get(HOST_RUNTIME_ENV) == "host":
+            from staronnx.workers.cudart import HostRuntime
+
+            runtime = HostRuntime()
         if runtime is None:
             reason = cuda_unavailable_reason(device_id)
             if reason is not None:
@@ -495,8 +503,10 @@ class CudaWorker(ThreadWorker):
         The first run of a shape pays cuDNN's algorithm search and the buffer set-up (it runs
         with ORT-allocated outputs to learn their shapes); the second runs the steady-state
         path with the worker's own buffers, hence ``repeats=2``; with graphs, ORT's regular
-        run and its capture follow.  Warm-up runs don't call ``on_done`` nor count in
-        :attr:`stats`.  Returns ``(part, batch, compute seconds)`` of the last repeat of each.
+        run and its capture follow.  With ``prefetch`` tasks run in pairs, so both buffer
+        sets (and graphs) a pipelined worker uses per shape are made now.  Warm-up runs don't
+        call ``on_done`` nor count in :attr:`stats`.  Returns ``(part, batch, compute
+        seconds)`` of the last repeat of each.
         """
         if self.cuda_graphs:  # discovery, the graph id's regular run, its capture, one replay
             repeats = max(repeats, 4)
@@ -504,6 +514,7 @@ class CudaWorker(ThreadWorker):
             batch_sizes, make_feeds, repeats,
             lambda part, feeds, b: _Task(part, feeds, CudaWorkerFuture(part, b, self.name), False),
             lambda fut: fut.compute_seconds,
+            parallel=2 if self.prefetch else 1,
         )
 
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
