@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Sequence
 
@@ -36,6 +38,26 @@ def providers_for(device: str) -> list[str]:
             )
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     raise DeviceError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
+
+
+@contextlib.contextmanager
+def cuda_capture_safe() -> Iterator[None]:
+    """Run the block in CUDA's thread-local stream-capture mode (cudaThreadExchangeStreamCaptureMode),
+    so a plain CUDA session created or run here neither fails with error 900 nor breaks a CUDA
+    graph that a staronnx worker captures meanwhile in another thread. A no-op without
+    cuda-bindings (no CUDA call can happen then)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        yield
+        return
+    modes = cudart.cudaStreamCaptureMode
+    err, prev = cudart.cudaThreadExchangeStreamCaptureMode(modes.cudaStreamCaptureModeThreadLocal)
+    try:
+        yield
+    finally:
+        if int(err) == 0:
+            cudart.cudaThreadExchangeStreamCaptureMode(prev)
 
 
 def make_session(

@@ -154,15 +154,16 @@ def measure_speeds(
     groups of one size are timed once and counted.  The GPU is timed through plain
     ``session.run`` with numpy in and out, so its copies are included, as a one-part plan pays them.
     """
-    from staronnx.ortutil import make_session, providers_for
+    from staronnx.ortutil import cuda_capture_safe, make_session, providers_for
 
     say = progress or (lambda _m: None)
     speeds: list[WorkerSpeed] = []
     if cuda:
         say("timing the whole model on cuda0")
-        sess = make_session(model, providers=providers_for("cuda"))
-        speeds.append(WorkerSpeed("cuda0", "cuda", median_seconds(lambda: sess.run(None, feeds), runs)))
-        del sess
+        with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
+            sess = make_session(model, providers=providers_for("cuda"))
+            speeds.append(WorkerSpeed("cuda0", "cuda", median_seconds(lambda: sess.run(None, feeds), runs)))
+            del sess
     counts: dict[int, int] = {}
     for n in group_sizes:
         counts[n] = counts.get(n, 0) + 1

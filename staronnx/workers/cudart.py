@@ -488,11 +488,11 @@ def capture_safe(runtime: GpuRuntime | None = None) -> Iterator[None]:
     creation, allocations, frees) neither fail with 900 nor break a graph that another thread
     is capturing. A no-op where cuda-bindings is absent (no CUDA call can happen then)."""
     if runtime is None:
-        try:
-            runtime = CudaRuntime()
-        except DeviceError:
+        from staronnx.ortutil import cuda_capture_safe
+
+        with cuda_capture_safe():
             yield
-            return
+        return
     prev = runtime.thread_capture_mode(CAPTURE_THREAD_LOCAL)
     try:
         yield
