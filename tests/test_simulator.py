@@ -215,6 +215,20 @@ def test_max_delay_lets_partial_batches_leave(plan, tmp_path):
     assert res.metrics()["latency_p50"] == pytest.approx(7 * MS)
 
 
+def test_a_padded_partial_batch_costs_its_padded_size(plan, tmp_path):
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu4"): lambda b: b * MS, (1, "cpu4"): lambda b: b * MS}, batches=(1, 4, 8))
+    common = dict(rate=100, batch_size=8, max_delay=5 * MS, topology=topo(CPU4), store=store, n_requests=50)
+    plain = simulate(plan, **common)
+    padded = simulate(plan, **common, pad_to=(4, 8))
+    # one request per batch (10 ms apart, 5 ms max_delay): it runs as 1 row, or as 4 when padded
+    assert {(b.size, b.padded_to) for b in plain.records.batches} == {(1, None)}
+    assert {(b.size, b.padded_to) for b in padded.records.batches} == {(1, 4)}
+    assert plain.metrics()["latency_p50"] == pytest.approx(5 * MS + 2 * MS)
+    assert padded.metrics()["latency_p50"] == pytest.approx(5 * MS + 2 * 4 * MS)
+    assert padded.records.settings["pad_to"] == [4, 8]
+
+
 def test_a_partial_batch_with_no_model_is_left_waiting_with_a_note(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(4,))  # no fit either

@@ -40,7 +40,7 @@ from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
-from staronnx.serving.server import next_batch_size
+from staronnx.serving.server import next_batch_size, padded_size
 from staronnx.workers.topology import Topology
 
 class SimulationError(StaronnxError, ValueError):
@@ -428,8 +428,10 @@ class _Simulation:
         max_inflight: int,
         drain: bool,
         charge_transfers: bool,
+        pad_to: Sequence[int] = (),
     ) -> None:
         self.m = machine
+        self.pad_to = tuple(sorted(set(pad_to)))
         self.plan = machine.plan
         self.policy = policy
         self.b = batch_size
@@ -508,7 +510,7 @@ class _Simulation:
                 max_delay=self.max_delay, now=t)
             if not size:
                 break
-            if size < self.b and not self._runnable(size):  # a flush or max_delay batch
+            if size < self.b and not self._runnable(padded_size(size, self.pad_to)):  # a flush or max_delay batch
                 note = f"no model for a batch of {size}: its requests waited for a full batch"
                 if note not in self.notes:
                     self.notes.append(note)
@@ -530,17 +532,19 @@ class _Simulation:
         t = self.clock.t
         ids = [self.queue.popleft() for _ in range(size)]
         self.flush_left = max(0, self.flush_left - size)
-        profile = self.profiles.get(size)
+        rows = padded_size(size, self.pad_to)  # the Server's padding: priced at the size that runs
+        profile = self.profiles.get(rows)
         if profile is None:
-            profile = self.profiles[size] = self.m.check(size)
+            profile = self.profiles[rows] = self.m.check(rows)
         bid = len(self.batches)
-        record = BatchRecord(id=bid, size=size, formed=t, request_ids=ids)
+        record = BatchRecord(id=bid, size=size, formed=t, request_ids=ids,
+                             padded_to=rows if rows != size else None)
         self.batches.append(record)
         for j, rid in enumerate(ids):  # the queue is in arrival order: the first is the oldest
             self.requests[rid].batch_id = bid
             self.requests[rid].first_in_batch = j == 0
         self.samples.append((t, len(self.queue)))
-        req = self.core.submit(size, {n: profile.nbytes[n] for n in self.plan.input_names}, t, owner=record)
+        req = self.core.submit(rows, {n: profile.nbytes[n] for n in self.plan.input_names}, t, owner=record)
         record.placement = req.placement
         self._dirty = True
 
@@ -627,6 +631,7 @@ def simulate(
     drain: bool = True,
     charge_transfers: bool = True,
     machine: SimMachine | None = None,
+    pad_to: Sequence[int] = (),
 ) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
 
@@ -640,7 +645,8 @@ def simulate(
     waited that long. With ``drain`` (default) the run goes on after the last arrival until
     every accepted request is done, as the load generator waits for its futures. ``spread``
     scales the models' standard deviations (0: every task takes its mean). Deterministic for a
-    given ``seed``.
+    given ``seed``. ``pad_to``: the live server's padding of partial batches to captured sizes
+    (:func:`~staronnx.serving.server.padded_size`); a padded batch costs its padded size.
     """
     t0 = time.perf_counter()
     if machine is None:
@@ -674,7 +680,7 @@ def simulate(
     sim = _Simulation(
         machine, policy_obj, batch_size, times, seed=seed, spread=spread, max_delay=max_delay,
         queue_capacity=queue_capacity, max_inflight=inflight, drain=drain,
-        charge_transfers=charge_transfers,
+        charge_transfers=charge_transfers, pad_to=pad_to,
     )
     sim.run()
     start = float(times[0])
@@ -691,6 +697,7 @@ def simulate(
         "max_delay": max_delay,
         "queue_capacity": queue_capacity,
         "max_inflight": inflight,
+        "pad_to": sorted(set(pad_to)),
         "spread": spread,
         "plan_hash": machine.plan.hash,
         "workers": [w.name for w in machine.workers],

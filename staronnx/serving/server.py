@@ -668,6 +668,7 @@ class Server:
             "queue_capacity": self.queue_capacity,
             "on_full": self.on_full,
             "max_inflight": self.max_inflight,
+            "pad_to": list(self.pad_to),
             "policy": getattr(self.runtime, "policy_name", None),
             "plan_hash": self.plan.hash,
         }

@@ -1,0 +1,358 @@
+"""The serving hot path (issue 19): results handed out off the runtime's thread, the light
+request futures, the exact-shape sample check, padding to captured batch sizes, and the
+generator's quiet collector. Real threads throughout; real ORT where the result matters.
+No timings: speed is benchmarks/serving_path.py's business."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from concurrent.futures import CancelledError, Future, as_completed, wait
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from staronnx import InputError, partition
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.task import RequestFuture
+from staronnx.serving import Constant, Server, ServerClosed, run_open_loop
+from staronnx.serving import loadgen
+from staronnx.serving.server import padded_size
+
+W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
+
+
+def _matmul_model(path, width: int | str = 16):
+    """y = x @ W, x: [batch, width] (``width`` a name makes the second axis free too)."""
+    w = numpy_helper.from_array(W, "w")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "mm",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("path")
+    return partition(_matmul_model(root / "mm.onnx"), parts=1, output_dir=root / "plan", profile_runs=1)
+
+
+@pytest.fixture(scope="module")
+def runtime(plan, tmp_path_factory, two_groups):
+    with Runtime(plan, policy="eager", cpu_groups=two_groups,
+                 store=PerfModelStore(tmp_path_factory.mktemp("home"))) as rt:
+        yield rt
+
+
+def _sample(i: int) -> dict[str, np.ndarray]:
+    return {"x": np.full((1, 16), float(i), np.float32) + np.arange(16, dtype=np.float32)}
+
+
+class _OwnThreadRuntime:
+    """A stand-in BatchRuntime that runs every batch on a thread of its own, as a worker does:
+    y = x @ W, the shapes it was given kept in ``seen``, the completing thread in ``threads``."""
+
+    def __init__(self, plan, preferred_batch_sizes=()) -> None:
+        self.plan = plan
+        self.preferred_batch_sizes = preferred_batch_sizes
+        self.seen: list[tuple[int, ...]] = []
+        self.threads: set[int] = set()
+        self.gate = threading.Event()
+        self.gate.set()
+        self._jobs: list = []
+        self._cv = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="stand-in-worker", daemon=True)
+        self._thread.start()
+
+    def submit(self, feeds):
+        fut: Future = Future()
+        x = np.array(feeds["x"])  # the batch memory is the server's: copy, as ORT's input copy does
+        self.seen.append(x.shape)
+        with self._cv:
+            self._jobs.append((fut, x))
+            self._cv.notify()
+        return fut
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                fut, x = self._jobs.pop(0)
+            self.gate.wait(30)
+            self.threads.add(threading.get_ident())
+            fut.set_result({"y": x @ W})
+
+    def close(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self._thread.join(5)
+
+
+@pytest.fixture
+def stand_in(plan):
+    rt = _OwnThreadRuntime(plan)
+    yield rt
+    rt.close()
+
+
+# -- results are handed out off the runtime's thread --------------------------------------------
+def test_request_futures_resolve_off_the_runtime_thread(stand_in):
+    resolved_on: list[int] = []
+    with Server(stand_in, 4) as server:
+        futures = [server.submit(_sample(i)) for i in range(8)]
+        for f in futures:
+            f.add_done_callback(lambda _f: resolved_on.append(threading.get_ident()))
+        results = [f.result(timeout=10) for f in futures]
+    assert len(stand_in.threads) == 1 and len(resolved_on) == 8
+    assert not set(resolved_on) & stand_in.threads  # not on the thread that completed the batch
+    assert set(resolved_on) == {server._thread.ident}  # the batcher's
+    for i, r in enumerate(results):
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
+
+
+def test_a_real_runtime_worker_does_not_run_request_callbacks(runtime):
+    names: list[str] = []
+    with Server(runtime, 4) as server:
+        futures = [server.submit(_sample(i)) for i in range(12)]
+        for f in futures:
+            f.add_done_callback(lambda _f: names.append(threading.current_thread().name))
+        results = [f.result(timeout=30) for f in futures]
+        rec = server.records()
+    assert names == ["staronnx-batcher"] * 12
+    for i, r in enumerate(results):
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+        assert r["y"].shape == (1, 16)
+    assert [b.size for b in rec.batches] == [4, 4, 4]
+    assert all(r.done is not None and r.done >= r.arrival and not r.failed for r in rec.requests)
+    assert all(b.done is not None and b.padded_to is None for b in rec.batches)
+    assert futures[0].batch is rec.batches[0] or futures[0].batch.id == rec.batches[0].id
+
+
+def test_close_fails_batches_the_runtime_never_finished(stand_in):
+    stand_in.gate.clear()  # the stand-in's worker holds the batch
+    server = Server(stand_in, 2)
+    futures = [server.submit(_sample(i)) for i in range(2)]
+    server.close(timeout=0.3)
+    for f in futures:
+        with pytest.raises(ServerClosed):
+            f.result(timeout=1)
+    assert all(r.failed for r in server.records().requests)
+    assert server.closed
+    stand_in.gate.set()  # the late completion is ignored, not handed out twice
+    time.sleep(0.05)
+    assert all(isinstance(f.exception(), ServerClosed) for f in futures)
+
+
+def test_close_from_a_result_callback_does_not_hang(stand_in):
+    server = Server(stand_in, 1)
+    closed = threading.Event()
+
+    def close_now(_f):
+        server.close(timeout=5)
+        closed.set()
+
+    first = server.submit(_sample(0))
+    first.add_done_callback(close_now)
+    assert first.result(timeout=10)["y"].shape == (1, 16)
+    assert closed.wait(10)
+    with pytest.raises(ServerClosed):
+        server.submit(_sample(1))
+
+
+# -- the light request futures ----------------------------------------------------------------
+def test_request_future_keeps_the_attributes_of_a_request_future(stand_in):
+    with Server(stand_in, 1) as server:
+        f = server.submit(_sample(0))
+        f.result(timeout=10)
+    plain = set(vars(RequestFuture(0)))
+    # built without Future.__init__: if RequestFuture or Future grows an attribute, so must it
+    assert plain <= set(vars(f)), plain - set(vars(f))
+    assert isinstance(f, RequestFuture) and f.request_id == 0 and f.placement == {}
+
+
+def test_request_futures_wait_time_out_cancel_and_await_like_futures(stand_in):
+    stand_in.gate.clear()
+    with Server(stand_in, 2, max_delay=None) as server:
+        a, b = server.submit(_sample(0)), server.submit(_sample(1))  # one batch, held at the gate
+        c = server.submit(_sample(2))  # queued: its batch waits for a second request
+        with pytest.raises(FutureTimeout):
+            a.result(timeout=0.05)
+        with pytest.raises(FutureTimeout):
+            a.exception(timeout=0.01)
+        # a caller blocked on c is woken by its cancel, another blocked on a by a's result
+        got: dict[str, object] = {}
+
+        def block(name, fut):
+            try:
+                got[name] = fut.result(timeout=10)
+            except CancelledError as exc:
+                got[name] = exc
+
+        threads = [threading.Thread(target=block, args=(n, f)) for n, f in (("a", a), ("c", c))]
+        for t in threads:
+            t.start()
+        time.sleep(0.05)
+        assert c.cancel()
+        threads[1].join(5)
+        assert isinstance(got["c"], CancelledError) and "a" not in got
+        done, pending = wait([c], timeout=5)  # a cancelled queued request counts as done
+        assert done == {c}
+        stand_in.gate.set()
+        threads[0].join(5)
+        np.testing.assert_allclose(got["a"]["y"], _sample(0)["x"] @ W, rtol=1e-6)
+        assert {f for f in as_completed([a, b], timeout=10)} == {a, b}
+
+        async def awaited():
+            f3, f4 = server.submit(_sample(3)), server.submit(_sample(4))  # one batch of 2
+            return await f3, await f4
+
+        r3, r4 = asyncio.run(asyncio.wait_for(awaited(), 10))
+        np.testing.assert_allclose(r4["y"], _sample(4)["x"] @ W, rtol=1e-6)
+        rec = server.records()
+    assert [r.withdrawn for r in rec.requests] == [False, False, True, False, False]
+
+
+def test_many_callers_blocked_on_their_own_requests_each_get_their_own(stand_in):
+    with Server(stand_in, 4) as server:
+        futures = [server.submit(_sample(i)) for i in range(16)]
+        out: dict[int, np.ndarray] = {}
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, futures[i].result(10)["y"]))
+                   for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(15)
+    assert sorted(out) == list(range(16))
+    for i, y in out.items():
+        np.testing.assert_allclose(y, _sample(i)["x"] @ W, rtol=1e-6)
+
+
+# -- the sample check -------------------------------------------------------------------------
+@pytest.mark.parametrize("sample, match", [
+    ({"x": np.zeros((1, 16), np.float64)}, "expected dtype float"),
+    ({"x": np.zeros((1, 15), np.float32)}, "axis 1 must be 16"),
+    ({"x": np.zeros((2, 16), np.float32)}, "a request is one sample"),
+    ({"x": np.zeros((16,), np.float32)}, "expected rank 2"),
+    ({"x": [[0.0] * 16]}, "expected a numpy array"),
+    ({}, "missing input"),
+    ({"x": np.zeros((1, 16), np.float32), "z": np.zeros(1)}, "unknown input"),
+])
+def test_a_bad_sample_is_named_whichever_check_sees_it(stand_in, sample, match):
+    with Server(stand_in, 2) as server:
+        assert server._exact_inputs == [("x", np.dtype(np.float32), (1, 16))]
+        with pytest.raises(InputError, match=match):
+            server.submit(sample)
+        assert server.records().requests == []
+
+
+def test_a_free_non_batch_axis_takes_the_plans_checks(tmp_path):
+    plan = partition(_matmul_model(tmp_path / "free.onnx", width="n"), parts=1, output_dir=tmp_path / "plan",
+                     profile_runs=1, input_shapes=["x=1x16"])
+    rt = _OwnThreadRuntime(plan)
+    try:
+        with Server(rt, 1) as server:
+            assert server._exact_inputs is None
+            assert server.submit(_sample(0)).result(timeout=10)["y"].shape == (1, 16)
+            with pytest.raises(InputError, match="a request is one sample"):
+                server.submit({"x": np.zeros((3, 16), np.float32)})
+    finally:
+        rt.close()
+
+
+# -- padding partial batches to captured sizes ------------------------------------------------
+def test_padded_size():
+    assert [padded_size(n, (1, 2, 4, 8)) for n in range(1, 11)] == [1, 2, 4, 4, 8, 8, 8, 8, 9, 10]
+    assert padded_size(3, ()) == 3 and padded_size(3, (8,)) == 8 and padded_size(5, (2, 4)) == 5
+
+
+def test_a_partial_batch_is_padded_and_its_callers_get_their_own_rows(stand_in):
+    with Server(stand_in, 8, max_delay=0.05, pad_to=(8, 1, 4, 2)) as server:
+        futures = [server.submit(_sample(i)) for i in range(3)]
+        results = [f.result(timeout=10) for f in futures]
+        rec = server.records()
+    assert stand_in.seen == [(4, 16)]  # the runtime met a captured size only
+    for i, r in enumerate(results):
+        assert r["y"].shape == (1, 16)
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
+    (batch,) = rec.batches
+    assert batch.size == 3 and batch.padded_to == 4 and batch.request_ids == [0, 1, 2]
+    assert rec.settings["pad_to"] == [1, 2, 4, 8]
+
+
+def test_full_batches_and_batches_above_the_largest_size_run_as_they_are(plan):
+    rt = _OwnThreadRuntime(plan, preferred_batch_sizes=(1, 2, 4))  # the default pad_to
+    try:
+        with Server(rt, 8) as server:
+            assert server.pad_to == (1, 2, 4)
+            full = [server.submit(_sample(i)) for i in range(8)]
+            [f.result(timeout=10) for f in full]
+            above = [server.submit(_sample(i)) for i in range(6)]
+            server.flush()
+            results = [f.result(timeout=10) for f in above]
+            rec = server.records()
+        assert rt.seen == [(8, 16), (6, 16)]
+        assert [(b.size, b.padded_to) for b in rec.batches] == [(8, None), (6, None)]
+        for i, r in enumerate(results):
+            np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
+        with Server(rt, 8, pad_to=()) as server:  # padding off, whatever the runtime says
+            assert server.pad_to == ()
+    finally:
+        rt.close()
+
+
+def test_padding_through_a_real_runtime_gives_each_request_its_own_result(runtime):
+    with Server(runtime, 8, pad_to=(2, 8)) as server:
+        futures = [server.submit(_sample(i)) for i in range(11)]
+        server.flush()
+        results = [f.result(timeout=30) for f in futures]
+        rec = server.records()
+    assert [(b.size, b.padded_to) for b in rec.batches] == [(8, None), (3, 8)]
+    for i, r in enumerate(results):
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_pad_to_is_checked(stand_in):
+    for bad in ([0, 4], [2.5], [True]):
+        with pytest.raises(StaronnxError, match="pad_to"):
+            Server(stand_in, 4, pad_to=bad)
+
+
+# -- the generator's collector ----------------------------------------------------------------
+def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
+    threshold = gc.get_threshold()
+    seen: list[tuple[tuple[int, ...], int]] = []
+
+    def make_sample(i):
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        return _sample(i)
+
+    with Server(stand_in, 2) as server:
+        rec = run_open_loop(server, Constant(2000), make_sample, n=20)
+    assert len(rec.requests) == 20 and all(r.done is not None for r in rec.requests)
+    assert all(t[2] == loadgen._QUIET_THRESHOLD2 and frozen > 0 for t, frozen in seen)
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+
+
+def test_collector_quiet_nests_and_restores_on_error():
+    threshold = gc.get_threshold()
+    with pytest.raises(RuntimeError):
+        with loadgen.collector_quiet():
+            with loadgen.collector_quiet():
+                assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2
+            assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2  # the outer user still runs
+            raise RuntimeError("boom")
+    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
