@@ -35,21 +35,28 @@ HOST_NODE = "numa0"
 _handle_ids = itertools.count()
 
 
-@dataclass
 class DataHandle:
-    """A tensor of one request, with the memory nodes holding a valid copy."""
+    """A tensor of one request, with the memory nodes holding a valid copy.
 
-    name: str
-    nbytes: int
-    valid_on: set[str] = field(default_factory=set)
-    readers_left: int = 0
-    id: int = field(default_factory=lambda: next(_handle_ids))
+    A plain class with slots, not a dataclass: one or more are made per task."""
+
+    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "id")
+
+    def __init__(self, name: str, nbytes: int, valid_on: set[str] | None = None, readers_left: int = 0) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.valid_on = valid_on if valid_on is not None else set()
+        self.readers_left = readers_left
+        self.id = next(_handle_ids)
 
     def view(self) -> DataView:
         return DataView(self.id, self.name, self.nbytes, frozenset(self.valid_on))
 
+    def __repr__(self) -> str:
+        return f"DataHandle({self.name!r}, {self.nbytes} B, on {sorted(self.valid_on)})"
 
-@dataclass(eq=False)
+
+@dataclass(eq=False, slots=True)
 class Task:
     """One part applied to one request's batch."""
 
@@ -62,7 +69,7 @@ class Task:
     worker: int | None = None
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """One submitted batch travelling through the plan.
 
@@ -169,10 +176,11 @@ class TaskGraph:
     # -- requests ------------------------------------------------------------------------------
     def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
                owner: Any = None) -> Request:
-        """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed."""
+        """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed.
+        ``values`` becomes the request's own (the core drops intermediates from it)."""
         self.pushed_to.clear()
         handles = {n: DataHandle(n, nbytes, {HOST_NODE}, self._readers[n]) for n, nbytes in inputs.items()}
-        req = Request(next(self._ids), batch, now, self._k, handles, dict(values or {}), owner)
+        req = Request(next(self._ids), batch, now, self._k, handles, values if values is not None else {}, owner)
         req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self._k)]
         self.inflight[req.id] = req
         for task in req.tasks:

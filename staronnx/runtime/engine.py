@@ -17,7 +17,8 @@ import logging
 import math
 import threading
 import time
-from concurrent.futures import CancelledError, Future
+from collections import deque
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -83,6 +84,8 @@ class NativeEngine:
         self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
         self._output_names = self.plan.output_names
+        self._archs = [w.arch for w in workers]
+        self._frozen: set[tuple[int, str, Any]] = set()  # (part, arch, footprint) calibrated for good
         self._part_inputs = [list(p.inputs) for p in plan.parts]
         self._loops: list[Future[Any]] = []
         self._stopping = False
@@ -159,17 +162,21 @@ class NativeEngine:
     def _pipeline(self, wid: int, worker: Any) -> None:
         """A worker that can launch a task without waiting for it (CUDA): launch the next
         task it is given before waiting for the current one, so the device never waits for
-        the host's bookkeeping between two tasks (StarPU's prefetch and CUDA pipeline)."""
-        task = self._next_task(wid)
-        started = self._launch(wid, worker, task) if task is not None else None
-        while task is not None and started is not None:
-            nxt = self._next_task(wid, block=False)
-            nxt_started = self._launch(wid, worker, nxt) if nxt is not None else None
-            self._end(wid, task, self._complete(worker, started))
-            task, started = nxt, nxt_started
-            if task is None:
+        the host's bookkeeping between two tasks (StarPU's prefetch and CUDA pipeline). The
+        next task is taken under the same lock hold that books the one just finished."""
+        ahead: deque[tuple[Task, _Started]] = deque()
+        while True:
+            if not ahead:
                 task = self._next_task(wid)
-                started = self._launch(wid, worker, task) if task is not None else None
+                if task is None:
+                    return
+                ahead.append((task, self._launch(wid, worker, task)))
+            if len(ahead) < 2 and (nxt := self._next_task(wid, block=False)) is not None:
+                ahead.append((nxt, self._launch(wid, worker, nxt)))
+            task, started = ahead.popleft()
+            nxt = self._end(wid, task, self._complete(worker, started), take_next=len(ahead) < 2)
+            if nxt is not None:
+                ahead.append((nxt, self._launch(wid, worker, nxt)))
 
     def _next_task(self, wid: int, block: bool = True) -> Task | None:
         with self._lock:
@@ -184,9 +191,18 @@ class NativeEngine:
 
     def _timed(self, wid: int, task: Task) -> bool:
         """Whether this task's time is wanted: only while its perf model needs samples (a
-        CUDA worker then records events; without them it saves their calls)."""
+        CUDA worker then records events; without them it saves their calls). A model that is
+        calibrated under ``calibrate=0`` stays frozen, so that answer is kept."""
         fp = task.view.footprint if task.view is not None else None
-        return fp is not None and self.predictor.needs_samples(task.part, self.core.workers[wid].info.arch, fp)
+        if fp is None:
+            return False
+        key = (task.part, self._archs[wid], fp)
+        if key in self._frozen:
+            return False
+        needed = self.predictor.needs_samples(task.part, self._archs[wid], fp)
+        if not needed and self.predictor.calibrate == 0:
+            self._frozen.add(key)
+        return needed
 
     def _feeds(self, task: Task) -> dict[str, np.ndarray]:
         values = task.request.values
@@ -225,8 +241,9 @@ class NativeEngine:
                 started.error = exc
         return started
 
-    def _end(self, wid: int, task: Task, started: _Started) -> None:
-        """Book a finished task: perf model, trace, the core (successors), the request."""
+    def _end(self, wid: int, task: Task, started: _Started, take_next: bool = False) -> Task | None:
+        """Book a finished task: perf model, trace, the core (successors), the request; with
+        ``take_next``, also take the worker's next task (if one is ready) under the same lock."""
         req = task.request
         info = self.core.workers[wid].info
         end = self.clock.now()
@@ -250,14 +267,15 @@ class NativeEngine:
             self._wake()
             if self._closed and not self.core.inflight:
                 self._drained.notify_all()
-        if done is None:
-            return
-        if error is not None:
-            err = TaskError(task.part, info.name, error)
-            err.__cause__ = error
-            _resolve(done.owner, err, False)
-        else:
-            _resolve(done.owner, {n: done.values[n] for n in self._output_names}, True)
+            nxt = self.core.next_task(wid, end) if take_next and self.core.workers[wid].alive else None
+        if done is not None:
+            if error is not None:
+                err = TaskError(task.part, info.name, error)
+                err.__cause__ = error
+                _resolve(done.owner, err, False)
+            else:
+                _resolve(done.owner, {n: done.values[n] for n in self._output_names}, True)
+        return nxt
 
     def _trace(self, wid: int, task: Task, start: float, end: float, failed: bool) -> None:
         assert self.tracer is not None and task.view is not None
@@ -344,8 +362,16 @@ class _Started:
 
 
 def _resolve(future: RequestFuture, value: Any, ok: bool) -> None:
-    if future.set_running_or_notify_cancel():
-        future.set_result(value) if ok else future.set_exception(value)
+    """Settle a request's future in one lock hold (set_result goes from pending to finished);
+    one its caller cancelled is only announced to its waiters (wait, as_completed)."""
+    if not future.cancelled():
+        try:
+            future.set_result(value) if ok else future.set_exception(value)
+            return
+        except InvalidStateError:  # cancelled in between
+            pass
+    with contextlib.suppress(RuntimeError):  # already announced
+        future.set_running_or_notify_cancel()
 
 
 def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:

@@ -58,7 +58,7 @@ class DataView:
     valid_on: frozenset[str]  # memory nodes holding a valid copy
 
 
-@dataclass
+@dataclass(slots=True)
 class TaskView:
     """A task as a policy sees it: one part applied to one batch."""
 
