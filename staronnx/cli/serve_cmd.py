@@ -104,9 +104,11 @@ def serve_cmd(
                 runtime.close()
                 raise
             models.append(endpoint)
+            graphs = runtime.preferred_batch_sizes if isinstance(runtime, Runtime) else ()
             print(f"model {model_name!r}: plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
                   f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
-                  f"{endpoint.server.max_inflight} batches in flight", flush=True)
+                  f"{endpoint.server.max_inflight} batches in flight"
+                  + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else ""), flush=True)
         asyncio.run(serve(models, metrics, listen, say=lambda line: print(line, flush=True)))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
