@@ -112,10 +112,12 @@ def stand_in(plan):
 # -- results are handed out off the runtime's thread --------------------------------------------
 def test_request_futures_resolve_off_the_runtime_thread(stand_in):
     resolved_on: list[int] = []
+    stand_in.gate.clear()  # no batch completes before every callback is in place
     with Server(stand_in, 4) as server:
         futures = [server.submit(_sample(i)) for i in range(8)]
         for f in futures:
             f.add_done_callback(lambda _f: resolved_on.append(threading.get_ident()))
+        stand_in.gate.set()
         results = [f.result(timeout=10) for f in futures]
     assert len(stand_in.threads) == 1 and len(resolved_on) == 8
     assert not set(resolved_on) & stand_in.threads  # not on the thread that completed the batch
@@ -124,12 +126,27 @@ def test_request_futures_resolve_off_the_runtime_thread(stand_in):
         np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
 
 
+class _Gated:
+    """The real runtime behind a gate: its batches reach it only once the gate opens."""
+
+    def __init__(self, runtime: Runtime) -> None:
+        self.plan = runtime.plan
+        self.runtime = runtime
+        self.gate = threading.Event()
+
+    def submit(self, feeds):
+        self.gate.wait(30)
+        return self.runtime.submit(feeds)
+
+
 def test_a_real_runtime_worker_does_not_run_request_callbacks(runtime):
     names: list[str] = []
-    with Server(runtime, 4) as server:
+    gated = _Gated(runtime)  # no batch completes before every callback is in place
+    with Server(gated, 4, batch_memory=np.empty) as server:
         futures = [server.submit(_sample(i)) for i in range(12)]
         for f in futures:
             f.add_done_callback(lambda _f: names.append(threading.current_thread().name))
+        gated.gate.set()
         results = [f.result(timeout=30) for f in futures]
         rec = server.records()
     assert names == ["staronnx-batcher"] * 12
@@ -356,3 +373,40 @@ def test_collector_quiet_nests_and_restores_on_error():
             assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2  # the outer user still runs
             raise RuntimeError("boom")
     assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+
+
+def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
+    stand_in.gate.clear()
+    with Server(stand_in, 3) as server:
+        futures = [server.submit(_sample(i)) for i in range(3)]  # one batch, held in the runtime
+        calls: list[int] = []
+        futures[0].add_done_callback(lambda f: 1 / 0)  # a caller's broken callback hurts no one
+        futures[2].add_done_callback(lambda f: calls.append(f.request_id))
+        blocked: dict[str, object] = {}
+        waiter = threading.Thread(target=lambda: blocked.setdefault("y", futures[2].result(10)["y"]))
+        waiter.start()
+        time.sleep(0.02)
+        assert futures[1].cancel()  # in flight: its row is computed, then dropped
+        stand_in.gate.set()
+        waiter.join(10)
+        np.testing.assert_allclose(blocked["y"], _sample(2)["x"] @ W, rtol=1e-6)
+        assert futures[0].result(1)["y"].shape == (1, 16) and calls == [2]
+        assert wait([futures[1]], timeout=5).done == {futures[1]}
+        assert futures[0].batch.id == futures[2].batch.id == 0
+
+    class Failing(_OwnThreadRuntime):
+        def submit(self, feeds):
+            fut: Future = Future()
+            fut.set_exception(RuntimeError("the part failed"))
+            return fut
+
+    rt = Failing(stand_in.plan)
+    try:
+        with Server(rt, 2) as server:
+            futures = [server.submit(_sample(i)) for i in range(2)]
+            for f in futures:
+                with pytest.raises(RuntimeError, match="the part failed"):
+                    f.result(timeout=10)
+            assert all(r.failed and r.done is None for r in server.records().requests)
+    finally:
+        rt.close()

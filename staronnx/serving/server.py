@@ -125,7 +125,7 @@ class _Request(RequestFuture):
 
     def _block(self, timeout: float | None) -> None:
         """Wait until done or ``timeout`` s, on a lock of this caller's own."""
-        if self.done():
+        if self._state in _SETTLED:  # read without the lock: a settled state never changes back
             return
         wakeup = _Wakeup()
         with self._condition:
@@ -550,8 +550,9 @@ class Server:
             if rows > len(parts):
                 parts += [parts[-1]] * (rows - len(parts))
             try:
-                shape = (sum(a.shape[0] for a in parts), *parts[0].shape[1:])
-                feeds[name] = np.concatenate(parts, axis=0, out=self._batch_memory(shape, parts[0].dtype))
+                first = parts[0]  # every sample is one row: submit checked it
+                out = self._batch_memory((rows, *first.shape[1:]), first.dtype)
+                feeds[name] = np.concatenate(parts, axis=0, out=out)
             except ValueError:
                 shapes = sorted({tuple(p._sample[name].shape) for p in batch})
                 raise InputError(
@@ -600,15 +601,44 @@ class Server:
             self._resolving -= len(completions)
             self._cond.notify_all()  # close() waits for the last ones
         for record, batch, results, error in finished:
+            self._settle(record, batch, results, error)
+
+    def _settle(self, record: BatchRecord, batch: list[_Request],
+                results: list[dict[str, np.ndarray]] | None, error: BaseException | None) -> None:
+        """Resolve a batch's futures in one hold of their shared Condition.
+
+        What ``set_running_or_notify_cancel`` then ``set_result`` do per future (two lock
+        round trips and a notify each, 3 us a request here), done once for the batch: the
+        state, the waiters of ``wait()`` and blocked callers, then each future's callbacks,
+        outside the lock as ``Future`` runs them.
+        """
+        settled: list[_Request] = []
+        with self._future_cond:
             for i, p in enumerate(batch):
-                if not p.set_running_or_notify_cancel():
-                    continue  # the caller cancelled it; the batch ran anyway
+                state = p._state
+                if state == CANCELLED:  # the caller cancelled it; the batch ran anyway
+                    p._state = CANCELLED_AND_NOTIFIED
+                    for w in p._waiters:
+                        w.add_cancelled(p)
+                    continue
+                if state in _SETTLED:
+                    continue
                 p.batch = record
                 if results is None:
-                    assert error is not None
-                    p.set_exception(error)
+                    p._exception = error
+                    p._state = FINISHED
+                    for w in p._waiters:
+                        w.add_exception(p)
                 else:
-                    p.set_result(results[i])
+                    p._result = results[i]
+                    p._state = FINISHED
+                    for w in p._waiters:
+                        w.add_result(p)
+                settled.append(p)
+            self._future_cond.notify_all()
+        for p in settled:
+            if p._done_callbacks:
+                p._invoke_callbacks()
 
     def _trace(self, record: BatchRecord, batch: list[_Request], *, failed: bool) -> None:
         assert self._tracer is not None
