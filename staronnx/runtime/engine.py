@@ -84,9 +84,12 @@ class NativeEngine:
         self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
         self._output_names = self.plan.output_names
+        self._part_inputs = [list(p.inputs) for p in plan.parts]
+        #: the input whose leading dimension is the batch (None: no input has a batch axis)
+        self._batch_input = next((t.name for t in plan.inputs if t.shape and not isinstance(t.shape[0], int)), None)
+        self._footprints: dict[tuple[Any, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
         self._frozen: set[tuple[int, str, Any]] = set()  # (part, arch, footprint) calibrated for good
-        self._part_inputs = [list(p.inputs) for p in plan.parts]
         self._loops: list[Future[Any]] = []
         self._stopping = False
         self._closed = False
@@ -103,12 +106,21 @@ class NativeEngine:
             self._loops.append(w.spawn(self._make_loop(i)))
 
     def _footprint(self, req: Request, part: int) -> Footprint:
-        return Footprint.of_feeds({n: req.values[n] for n in self.plan.parts[part].inputs}, req.batch)
+        """The perf-model key of a task, by its inputs' shapes (a few, seen over and over)."""
+        values, names = req.values, self._part_inputs[part]
+        key = (part, req.batch, *[values[n].shape for n in names])
+        fp = self._footprints.get(key)
+        if fp is None:
+            if len(self._footprints) > 4096:
+                self._footprints.clear()
+            fp = self._footprints[key] = Footprint.of_feeds({n: values[n] for n in names}, req.batch)
+        return fp
 
     # -- submission ---------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:
         """Create the request's tasks; inputs must already be checked against the plan."""
-        batch = _batch_size(self.plan, feeds)
+        name = self._batch_input
+        batch = int(feeds[name].shape[0]) if name is not None else 1
         future = RequestFuture(-1)
         with self._lock:
             if self._closed:
@@ -348,7 +360,7 @@ class NativeEngine:
         return out
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Started:
     """A task handed to its worker: when, whether timed, the worker's handle (launched ahead)
     or the outputs/error once it ran, and its kernel time (CUDA)."""
@@ -439,9 +451,3 @@ def _ms(x: float) -> float | None:
     return x * 1e3 if math.isfinite(x) else None
 
 
-def _batch_size(plan: Plan, feeds: Mapping[str, np.ndarray]) -> int:
-    """Leading dim of the first batched input (1 when no input has a batch axis)."""
-    for spec in plan.inputs:
-        if spec.shape and not isinstance(spec.shape[0], int):
-            return int(feeds[spec.name].shape[0])
-    return 1

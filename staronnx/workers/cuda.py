@@ -347,7 +347,7 @@ class _SlotCache:
         self.free_retired()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Launch:
     """A task whose copies and run are queued on the stream: what waiting for it needs."""
 
