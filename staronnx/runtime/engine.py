@@ -2,12 +2,21 @@
 
 Each worker runs a serving loop *inside its own pinned thread* (``Worker.spawn``) that asks
 the core for its next task and runs it on its ORT sessions (ORT releases the GIL while
-computing, so workers run in parallel). The engine adds only what the simulator does not
-share: the lock around the core, the real clock, the arrays, the perf models fed while they
-still need samples, the trace, and the futures.
+computing, so workers run in parallel). A worker that can launch a task without waiting for it
+(a CUDA worker's ``launch_here``/``finish_here``) is given its next task before it waits for
+the current one. The engine adds only what the simulator does not share: the lock around the
+core, the real clock, the arrays, the perf models fed while they still need samples (tasks are
+timed only then), the trace, and the futures.
+
+Everything here runs per task under the GIL that every worker and the serving threads share,
+so the bookkeeping is kept small: one condition per worker (a task wakes the worker it was
+placed on, or one idle worker for a shared queue, never all of them), footprints and frozen
+calibration answers cached, a request's future settled in one lock hold.
 
 A failing task fails only its own request (the other tasks of that request are dropped when
-popped); a worker whose loop dies is reported and its queued tasks are placed on the others.
+popped); a worker that raises :class:`~staronnx.workers.base.WorkerLost` (a lost CUDA
+context), or whose loop dies, is reported and its task in hand and queued tasks are placed on
+the others.
 """
 
 from __future__ import annotations
