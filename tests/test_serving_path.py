@@ -380,8 +380,9 @@ def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
     with Server(stand_in, 3) as server:
         futures = [server.submit(_sample(i)) for i in range(3)]  # one batch, held in the runtime
         calls: list[int] = []
+        called = threading.Event()
         futures[0].add_done_callback(lambda f: 1 / 0)  # a caller's broken callback hurts no one
-        futures[2].add_done_callback(lambda f: calls.append(f.request_id))
+        futures[2].add_done_callback(lambda f: (calls.append(f.request_id), called.set()))
         blocked: dict[str, object] = {}
         waiter = threading.Thread(target=lambda: blocked.setdefault("y", futures[2].result(10)["y"]))
         waiter.start()
@@ -390,7 +391,8 @@ def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
         stand_in.gate.set()
         waiter.join(10)
         np.testing.assert_allclose(blocked["y"], _sample(2)["x"] @ W, rtol=1e-6)
-        assert futures[0].result(1)["y"].shape == (1, 16) and calls == [2]
+        assert futures[0].result(1)["y"].shape == (1, 16)
+        assert called.wait(5) and calls == [2]  # run after the batch's results, past the broken one
         assert wait([futures[1]], timeout=5).done == {futures[1]}
         assert futures[0].batch.id == futures[2].batch.id == 0
 
