@@ -24,6 +24,7 @@ from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture
 from staronnx.serving import Constant, Server, ServerClosed, run_open_loop
 from staronnx.serving import loadgen
+from staronnx.serving import server as server_module
 from staronnx.serving.server import padded_size
 
 W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
@@ -350,7 +351,7 @@ def test_pad_to_is_checked(stand_in):
 
 # -- the generator's collector ----------------------------------------------------------------
 def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
-    threshold = gc.get_threshold()
+    threshold, holders = gc.get_threshold(), server_module._frozen_users
     seen: list[tuple[tuple[int, ...], int]] = []
 
     def make_sample(i):
@@ -361,18 +362,37 @@ def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
         rec = run_open_loop(server, Constant(2000), make_sample, n=20)
     assert len(rec.requests) == 20 and all(r.done is not None for r in rec.requests)
     assert all(t[2] == loadgen._QUIET_THRESHOLD2 and frozen > 0 for t, frozen in seen)
-    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+    assert gc.get_threshold() == threshold and server_module._frozen_users == holders
+    assert holders or gc.get_freeze_count() == 0
 
 
 def test_collector_quiet_nests_and_restores_on_error():
-    threshold = gc.get_threshold()
+    threshold, holders = gc.get_threshold(), server_module._frozen_users
     with pytest.raises(RuntimeError):
         with loadgen.collector_quiet():
             with loadgen.collector_quiet():
                 assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2
             assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2  # the outer user still runs
             raise RuntimeError("boom")
-    assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
+    assert gc.get_threshold() == threshold and server_module._frozen_users == holders
+    assert holders or gc.get_freeze_count() == 0
+
+
+def test_a_server_keeps_the_heap_it_started_with_frozen_until_closed(stand_in):
+    holders = server_module._frozen_users
+    loaded = [object() for _ in range(10)]  # "the model": tracked objects there before serving
+    a = Server(stand_in, 1)
+    assert server_module._frozen_users == holders + 1 and gc.get_freeze_count() >= len(loaded)
+    b = Server(stand_in, 1)
+    a.close()
+    a.close()  # twice: released once
+    assert server_module._frozen_users == holders + 1 and gc.get_freeze_count() > 0  # b still serves
+    b.submit(_sample(0)).add_done_callback(lambda f: b.close())  # closed on its batcher thread
+    deadline = time.monotonic() + 10
+    while server_module._frozen_users != holders and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert server_module._frozen_users == holders
+    assert holders or gc.get_freeze_count() == 0
 
 
 def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
@@ -412,3 +432,17 @@ def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
             assert all(r.failed and r.done is None for r in server.records().requests)
     finally:
         rt.close()
+
+
+def test_records_are_snapshots(stand_in):
+    with Server(stand_in, 2) as server:
+        futures = [server.submit(_sample(i)) for i in range(3)]
+        futures[0].result(timeout=10)
+        before = server.records()
+        server.flush()
+        futures[2].result(timeout=10)
+        after = server.records()
+    assert before.requests[2].done is None and before.requests[2].batch_id == -1  # not updated later
+    assert after.requests[2].done is not None and after.requests[2].batch_id == 1
+    assert [type(r) for r in after.requests] == [type(before.requests[0])] * 3
+    assert after.requests[0] == before.requests[0] and after.requests[0] is not before.requests[0]

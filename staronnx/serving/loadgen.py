@@ -33,7 +33,7 @@ import numpy as np
 
 from staronnx.serving.arrivals import ArrivalProcess
 from staronnx.serving.records import RunRecords
-from staronnx.serving.server import OverloadError, Server, ServerClosed
+from staronnx.serving.server import OverloadError, Server, ServerClosed, hold_frozen, release_frozen
 
 #: the last stretch before a due time that is busy-waited (0: none, see the module's doc)
 SPIN_S = 0.0
@@ -62,32 +62,33 @@ _saved_threshold: tuple[int, ...] = ()
 
 @contextlib.contextmanager
 def collector_quiet() -> Iterator[None]:
-    """No full cycle collection while inside: the process's objects are frozen (``gc.freeze``)
-    and the oldest generation's threshold is out of reach until the last nested user leaves.
+    """No full cycle collection while inside: the process's objects are frozen
+    (:func:`~staronnx.serving.server.hold_frozen`) and the oldest generation's threshold is
+    out of reach until the last nested user leaves.
 
-    A full collection walks every tracked object with every Python thread stopped (generator,
-    batcher, workers): 50-60 ms on the serving benchmark's 2-core host, so the arrivals it
-    fell on were tens of ms late (generator lag p99 37-100 ms at 25 % load), and the requests
-    created during a run (a future and a record each) made later ones longer still. Young
-    collections go on (they are short: a few hundred objects), and nothing is kept alive:
-    reference counting frees as usual; only cyclic garbage old enough to reach the oldest
-    generation waits for the first full collection after the run.
+    A full collection stops every Python thread (generator, batcher, workers) while it walks
+    the heap: 50-60 ms on the serving benchmark's 2-core host, so the arrivals it fell on were
+    tens of ms late (generator lag p99 37-100 ms at 25 % load). Freezing what existed before
+    is not enough for a run: the requests it creates (a future and a record each) made the
+    later full collections long again. Young collections go on (a few hundred objects each),
+    and nothing is kept alive: reference counting frees as usual; only cyclic garbage old
+    enough to reach the oldest generation waits for the first full collection after the run.
     """
     global _quiet_users, _saved_threshold
     with _quiet_lock:
         if not _quiet_users:
             _saved_threshold = gc.get_threshold()
-            gc.freeze()
             gc.set_threshold(*_saved_threshold[:2], _QUIET_THRESHOLD2)
         _quiet_users += 1
+    hold_frozen()
     try:
         yield
     finally:
+        release_frozen()
         with _quiet_lock:
             _quiet_users -= 1
             if not _quiet_users:
                 gc.set_threshold(*_saved_threshold)
-                gc.unfreeze()
 
 
 def run_open_loop(

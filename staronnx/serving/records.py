@@ -27,6 +27,13 @@ class RequestRecord:
     def latency(self) -> float | None:
         return None if self.done is None else self.done - self.arrival
 
+    def copy(self) -> RequestRecord:
+        """A snapshot of this record: a server copies every record it reports, tens of
+        thousands per sweep point, and ``dataclasses.replace`` costs four times as much."""
+        new = object.__new__(RequestRecord)
+        new.__dict__.update(self.__dict__)
+        return new
+
 
 @dataclass
 class BatchRecord:

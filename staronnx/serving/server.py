@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import gc
 import itertools
 import math
 import threading
@@ -182,6 +183,36 @@ def _outcome(record: BatchRecord, future: Future | BaseException) -> tuple[Mappi
 #: one number per Server in this process, so the batch spans of successive servers on one
 #: traced runtime never share an id
 _SERVER_SERIALS = itertools.count()
+
+
+_frozen_lock = threading.Lock()
+_frozen_users = 0
+
+
+def hold_frozen() -> None:
+    """Freeze (``gc.freeze``) what the process holds now, until every holder has let go.
+
+    A full cycle collection walks every tracked object with every Python thread stopped: with
+    a model and a runtime loaded that was 50-60 ms on the serving benchmark's host, long
+    enough to be most of a p99. What exists when serving starts (model, sessions, runtime,
+    caller's state) is what lives on, so it is taken out of those walks; they then cover what
+    serving itself keeps (records, futures), bounded by ``keep_records`` in a long-running
+    server. Frozen objects are still freed by reference counting; only cyclic garbage among
+    them waits for the last :func:`release_frozen` (``gc.unfreeze``).
+    """
+    global _frozen_users
+    with _frozen_lock:
+        _frozen_users += 1
+        gc.freeze()
+
+
+def release_frozen() -> None:
+    """The other half of :func:`hold_frozen`: the last holder unfreezes."""
+    global _frozen_users
+    with _frozen_lock:
+        _frozen_users = max(_frozen_users - 1, 0)
+        if not _frozen_users:
+            gc.unfreeze()
 
 
 def inflight_window(worker_seconds: Sequence[float | None], cap: int = 256) -> int:
@@ -344,6 +375,8 @@ class Server:
         self._serial = next(_SERVER_SERIALS)  # keeps trace ids unique across servers
         self._sample_queue()
         self._thread = threading.Thread(target=self._batcher, name="staronnx-batcher", daemon=True)
+        hold_frozen()  # released by close()
+        self._frozen = True
         self._thread.start()
 
     # -- context manager ---------------------------------------------------------------------
@@ -718,7 +751,7 @@ class Server:
         result (or now while requests are outstanding).
         """
         with self._cond:
-            reqs = [dataclasses.replace(r) for r in self._requests if since is None or r.arrival >= since]
+            reqs = [r.copy() for r in self._requests if since is None or r.arrival >= since]
             ids = {r.id for r in reqs}
             batches = [dataclasses.replace(b, request_ids=list(b.request_ids), placement=dict(b.placement))
                        for b in self._batches if ids.intersection(b.request_ids)]
@@ -772,6 +805,10 @@ class Server:
                 p.set_exception(ServerClosed("the server closed before this request completed"))
         if not on_batcher:
             self._thread.join(timeout=None if timeout is None else max(_time_left(deadline), 1.0))
+        with self._cond:
+            frozen, self._frozen = self._frozen, False
+        if frozen:
+            release_frozen()
 
     @property
     def closed(self) -> bool:
