@@ -2,29 +2,111 @@
 
 Existing code switches with one line::
 
-    sess = staronnx.InferenceSession("model.onnx")          # was onnxruntime.InferenceSession
+    sess = staronnx.InferenceSession("model.onnx", providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     logits, = sess.run(None, {"input": x})
 
-A model file is partitioned on first use (85/15 by default, into a temporary plan); a plan
-folder is used as it is.
+The constructor is ORT's (``path_or_bytes, sess_options=None, providers=None,
+provider_options=None, **kwargs``) so that scripts written for ORT run unchanged; staronnx's own
+settings (``shares``, ``policy``, ``cpu_groups``, ``cuda_streams``, any ``Runtime`` option) are
+keyword-only so that none of them can be mistaken for an ORT argument.
+
+Providers choose the workers, as they choose ORT's devices: ``CUDAExecutionProvider`` starts
+``cuda_streams`` CUDA workers (2 by default) beside the CPU groups; where CUDA cannot run, the
+session warns and serves on the CPU, as ORT falls back. Misuse raises what ORT raises (a missing
+input ``ValueError``; a wrong name, dtype, rank or dimension, or an unknown output
+``onnxruntime...InvalidArgument``), each also a :class:`~staronnx.errors.StaronnxError`.
+
+A model (a file or bytes) is partitioned once and the plan kept under
+``$STARONNX_HOME/plans/<model hash>-<settings hash>/``, as perf models are: the next session of
+the same model and settings reuses it (and its calibrated perf models, which are keyed by the
+plan's hash), and nothing is left in the temporary folder. A plan folder or :class:`Plan` is used
+as it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import hashlib
+import json
+import logging
 import os
+import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
+import onnx
+import onnxruntime as ort
+from filelock import FileLock
+from google.protobuf.message import DecodeError
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
+from staronnx.errors import InputError, ModelError, PlanError
+from staronnx.modelio import load_model
 from staronnx.ortutil import ort_type_name
-from staronnx.plan import Plan, TensorSpec
+from staronnx.perfmodels.store import default_root
+from staronnx.plan import PLAN_VERSION, Plan, TensorSpec, _numpy_dtype
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.task import RequestFuture, TaskError
+
+log = logging.getLogger(__name__)
+
+CUDA_EP = "CUDAExecutionProvider"
+CPU_EP = "CPUExecutionProvider"
+#: CUDA workers a session starts when CUDA is asked for and ``cuda_streams`` is not given: two
+#: streams overlap one batch's copies with another's compute (the StarONNX papers' best small N)
+DEFAULT_CUDA_STREAMS = 2
+#: ORT keyword arguments accepted for compatibility; staronnx has no use for them
+_ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_from_model"})
+#: ORT reports an unset ``model_version`` as INT64_MAX
+_UNSET_VERSION = 2**63 - 1
+#: how long a session waits for another process partitioning the same model (seconds)
+PLAN_LOCK_TIMEOUT = 3600.0
 
 
+# -- errors of ORT's types ------------------------------------------------------------------
+class InvalidArgument(InputError, _ort_state.InvalidArgument):
+    """A feed or output name ORT would reject with INVALID_ARGUMENT; caught by either
+    ``except onnxruntime...InvalidArgument`` (ORT scripts) or ``except ValueError`` (staronnx's)."""
 
+
+class NoSuchFile(ModelError, _ort_state.NoSuchFile):
+    """The model file does not exist (ORT's NO_SUCHFILE)."""
+
+
+class InvalidProtobuf(ModelError, _ort_state.InvalidProtobuf):
+    """The model is not a parsable ONNX protobuf (ORT's INVALID_PROTOBUF)."""
+
+
+_task_error_types: dict[type, type] = {}
+
+
+def _ort_task_error(exc: TaskError) -> TaskError:
+    """A failed part's error that is also of ONNX Runtime's own class (``Fail``,
+    ``RuntimeException``, ...), so ``except`` clauses written for ORT still catch it."""
+    cause = exc.__cause__
+    kind = type(cause)
+    if cause is None or not kind.__module__.startswith("onnxruntime") or not issubclass(kind, Exception):
+        return exc
+    compat = _task_error_types.get(kind)
+    if compat is None:
+        try:
+            compat = type(kind.__name__, (TaskError, kind), {"__module__": __name__})
+        except TypeError:  # an ORT class that cannot be a base: keep staronnx's own
+            return exc
+        _task_error_types[kind] = compat
+    err = compat.__new__(compat)
+    TaskError.__init__(err, exc.part, exc.worker, cause)
+    return err
+
+
+# -- what ORT's getters return --------------------------------------------------------------
 @dataclass(frozen=True)
 class NodeArg:
     """Like onnxruntime.NodeArg: name, type string, shape with symbolic dims as strings."""
@@ -34,72 +116,542 @@ class NodeArg:
     shape: list[int | str | None]
 
 
+@dataclass(frozen=True)
+class ModelMetadata:
+    """Like onnxruntime.ModelMetadata, read from the source model (not from the parts, which
+    staronnx wrote and which would report staronnx as their producer)."""
+
+    producer_name: str = ""
+    graph_name: str = ""
+    domain: str = ""
+    description: str = ""
+    graph_description: str = ""
+    version: int = _UNSET_VERSION
+    custom_metadata_map: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "ModelMetadata":
+        return cls(
+            producer_name=model.producer_name,
+            graph_name=model.graph.name,
+            domain=model.domain,
+            description=model.doc_string,
+            graph_description=model.graph.doc_string,
+            version=model.model_version if model.HasField("model_version") else _UNSET_VERSION,
+            custom_metadata_map={p.key: p.value for p in model.metadata_props},
+        )
+
+
 def _arg(t: TensorSpec) -> NodeArg:
     return NodeArg(t.name, ort_type_name(t.dtype), list(t.shape))
 
 
+# -- providers -> workers -------------------------------------------------------------------
+def _providers(
+    providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
+    provider_options: Sequence[Mapping[str, Any]] | None,
+) -> dict[str, dict[str, str]]:
+    """ORT's two provider spellings (names plus a parallel options list, or (name, options)
+    tuples) as one ordered {name: options}; providers this ORT lacks are dropped with ORT's
+    own warning, as ORT drops them."""
+    items = list(providers or [])
+    if provider_options is not None and len(provider_options) != len(items):
+        raise ValueError("'providers' and 'provider_options' should be the same length if both are given.")
+    available = ort.get_available_providers()
+    out: dict[str, dict[str, str]] = {}
+    for i, item in enumerate(items):
+        if isinstance(item, tuple):
+            if len(item) != 2 or not isinstance(item[0], str) or not isinstance(item[1], Mapping):
+                raise ValueError("Only string values for 'providers' or (name, options) tuples are supported.")
+            if provider_options is not None:
+                raise ValueError("'providers' values must be strings when 'provider_options' is given.")
+            name, opts = item
+        elif isinstance(item, str):
+            name, opts = item, (provider_options[i] if provider_options is not None else {})
+        else:
+            raise ValueError("Only string values for 'providers' or (name, options) tuples are supported.")
+        if name not in available:
+            warnings.warn(f"Specified provider '{name}' is not in available provider names."
+                          f"Available providers: '{', '.join(available)}'", UserWarning, stacklevel=3)
+            continue
+        out[name] = {str(k): str(v) for k, v in opts.items()}
+    return out
+
+
+def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None) -> int:
+    """How many CUDA workers to start. ``providers=None`` keeps staronnx's own default (CPU
+    groups, plus ``cuda_streams`` when given); providers naming CUDA start CUDA workers where
+    CUDA can run, and otherwise warn and fall back to the CPU, as ORT does."""
+    if asked is None:
+        return int(cuda_streams or 0)
+    if CUDA_EP not in asked:
+        if cuda_streams:
+            raise ValueError(f"cuda_streams={cuda_streams} needs {CUDA_EP} in providers "
+                             f"(providers here: {', '.join(asked) or 'none'})")
+        return 0
+    from staronnx.workers.cuda import cuda_unavailable_reason
+
+    device = asked[CUDA_EP].get("device_id")
+    reason = cuda_unavailable_reason(int(device) if device is not None else None)
+    if reason is not None:
+        warnings.warn(f"{CUDA_EP} cannot run here, falling back to {CPU_EP}: {reason}",
+                      UserWarning, stacklevel=3)
+        return 0
+    return DEFAULT_CUDA_STREAMS if cuda_streams is None else int(cuda_streams)
+
+
+# -- plans made for a session ---------------------------------------------------------------
+def _load_source(path_or_bytes: str | os.PathLike[str] | bytes) -> tuple[Any, onnx.ModelProto, str]:
+    """The model as partition() takes it (the path, so the plan records it, or the parsed
+    bytes), the validated model, and its hash; fails before anything is written."""
+    if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
+        proto = onnx.ModelProto()
+        try:
+            proto.ParseFromString(bytes(path_or_bytes))
+        except DecodeError:
+            raise InvalidProtobuf("Failed to load model because protobuf parsing failed.") from None
+        source: Any = proto
+    else:
+        path = Path(path_or_bytes)
+        if not path.exists():
+            raise NoSuchFile(f"Load model from {path} failed: File doesn't exist")
+        source = path
+    try:
+        loaded = load_model(source)
+    except ModelError as exc:
+        if isinstance(exc.__context__, DecodeError):
+            raise InvalidProtobuf(str(exc)) from None
+        raise
+    return source, loaded.model, loaded.sha256
+
+
+def _settings_key(shares: Any, options: Mapping[str, Any], groups: str, cuda_streams: int) -> str:
+    """What besides the model decides the cut. The workers matter only where the cut is
+    timed on them (``shares="auto"``, a placement method)."""
+    settings: dict[str, Any] = {"plan_version": PLAN_VERSION, "shares": shares, "options": dict(options)}
+    if shares == "auto" or "method" in options:
+        settings.update(groups=groups, cuda_streams=cuda_streams)
+    text = json.dumps(settings, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def session_plan_dir(model_sha256: str, settings_key: str, root: Path | None = None) -> Path:
+    """Where a session's plan of this model and these settings lives."""
+    return (root or default_root()) / "plans" / f"{model_sha256[:16]}-{settings_key}"
+
+
+def _cached_plan(source: Any, sha256: str, folder: Path, make: Callable[..., Plan]) -> Plan:
+    """The plan in ``folder`` when it is this model's and intact, else a new one written
+    there. The lock makes concurrent sessions of one model partition it once: the others wait
+    and load it (partition itself publishes the folder atomically, so a killed run leaves
+    only a staging folder that the next writer sweeps)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
+        if folder.exists():
+            try:
+                plan = Plan.load(folder)
+                if plan.source.get("sha256") == sha256:
+                    return plan
+                log.warning("plan %s is of another model; partitioning again", folder)
+            except PlanError as exc:
+                log.warning("plan %s is unusable (%s); partitioning again", folder, exc)
+        return make(source, output_dir=folder, force=True)
+
+
+_READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
+
+
+# -- IOBinding --------------------------------------------------------------------------------
+class IOBinding:
+    """ORT's IOBinding for host memory: inputs bound as arrays or CPU OrtValues, outputs
+    returned as OrtValues or written into bound ones. Staronnx moves data between devices
+    itself (pinned buffers, prefetch), so device pointers are refused: bind host arrays."""
+
+    def __init__(self, session: "InferenceSession") -> None:
+        self._session = session
+        self._inputs: dict[str, np.ndarray] = {}
+        self._outputs: dict[str, ort.OrtValue | None] = {}
+        self._results: list[ort.OrtValue] = []
+
+    def bind_cpu_input(self, name: str, arr_on_cpu: np.ndarray) -> None:
+        self._inputs[name] = arr_on_cpu
+
+    def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any,
+                   shape: Sequence[int], buffer_ptr: int) -> None:
+        raise NotImplementedError("staronnx binds host memory only: use bind_cpu_input(name, array) "
+                                  "or bind_ortvalue_input(name, cpu_ortvalue)")
+
+    def bind_ortvalue_input(self, name: str, ortvalue: ort.OrtValue) -> None:
+        self._inputs[name] = _host_array(ortvalue, name)
+
+    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0,
+                    element_type: Any = None, shape: Sequence[int] | None = None,
+                    buffer_ptr: int | None = None) -> None:
+        if device_type != "cpu" or buffer_ptr is not None:
+            raise NotImplementedError("staronnx returns outputs in host memory only: use "
+                                      "bind_output(name) or bind_ortvalue_output(name, cpu_ortvalue)")
+        self._outputs[name] = None
+
+    def bind_ortvalue_output(self, name: str, ortvalue: ort.OrtValue) -> None:
+        _host_array(ortvalue, name)  # refuses device memory now, not at run
+        self._outputs[name] = ortvalue
+
+    def clear_binding_inputs(self) -> None:
+        self._inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        self._outputs.clear()
+
+    def synchronize_inputs(self) -> None:
+        """Nothing to wait for: bound inputs are host arrays."""
+
+    def synchronize_outputs(self) -> None:
+        """Nothing to wait for: run_with_iobinding returns once outputs are on the host."""
+
+    def get_outputs(self) -> list[ort.OrtValue]:
+        return list(self._results)
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        return [v.numpy() for v in self._results]
+
+    def _run(self) -> None:
+        names = list(self._outputs)
+        try:
+            arrays = self._session._run(names or None, self._inputs)
+        except ValueError as exc:
+            raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
+        results = []
+        for name, array in zip(names or self._session.plan.output_names, arrays):
+            bound = self._outputs.get(name)
+            if bound is not None:
+                bound.update_inplace(np.ascontiguousarray(array, dtype=array.dtype))
+                results.append(bound)
+            else:
+                results.append(ort.OrtValue.ortvalue_from_numpy(array))
+        self._results = results
+
+
+def _host_array(value: Any, name: str) -> np.ndarray:
+    """An OrtValue's data as a host array; device OrtValues are refused, since staronnx's
+    workers copy to their own device themselves."""
+    if value.device_name().lower() != "cpu":
+        raise NotImplementedError(f"{name!r}: staronnx takes host OrtValues only (this one is on "
+                                  f"{value.device_name()}); pass OrtValue.ortvalue_from_numpy(array)")
+    return value.numpy()
+
+
+# -- the session ------------------------------------------------------------------------------
 class InferenceSession:
-    """Drop-in for ``onnxruntime.InferenceSession.run`` backed by the staronnx runtime."""
+    """Drop-in for ``onnxruntime.InferenceSession`` backed by the staronnx runtime."""
 
     def __init__(
         self,
-        model_or_plan: str | os.PathLike[str] | Plan,
-        shares: Sequence[float] = (0.85, 0.15),
+        path_or_bytes: str | os.PathLike[str] | bytes | Plan,
+        sess_options: ort.SessionOptions | None = None,
+        providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None = None,
+        provider_options: Sequence[Mapping[str, Any]] | None = None,
+        *,
+        shares: Sequence[float] | str = (0.85, 0.15),
         policy: str = "heft",
         cpu_groups: str = "numa",
-        cuda_streams: int = 0,
-        **runtime_options: Any,
+        cuda_streams: int | None = None,
+        partition_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
     ) -> None:
-        if isinstance(model_or_plan, Plan):
-            plan = model_or_plan
-        elif Path(model_or_plan).is_dir():
-            plan = Plan.load(model_or_plan)
+        """``partition_options`` go to :func:`staronnx.partition` when a model is cut (e.g.
+        ``{"costs": "estimate"}``, ``{"method": "linear"}``); other keywords go to
+        :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...)."""
+        self._runtime: Runtime | None = None
+        self._scratch: Path | None = None
+        if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
+            hint = (" (staronnx's shares are keyword-only: shares=[...])"
+                    if isinstance(sess_options, (list, tuple)) else "")
+            raise TypeError(f"sess_options must be an onnxruntime.SessionOptions, got "
+                            f"{type(sess_options).__name__}{hint}")
+        runtime_options = {k: v for k, v in kwargs.items() if k not in _ORT_KWARGS}
+        self._check_runtime_options(runtime_options)
+        self._sess_options = sess_options
+        self._fallback = int(kwargs.get("enable_fallback", 1)) == 1
+        asked = None if providers is None else _providers(providers, provider_options)
+        streams = _cuda_streams(asked, cuda_streams)
+        self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
+        self._provider_options.setdefault(CPU_EP, {})
+
+        self._meta: ModelMetadata | None = None
+        try:
+            self.plan = self._plan(path_or_bytes, shares, dict(partition_options or {}), cpu_groups, streams)
+            self._profile_path, self._profile_start = self._profiling(sess_options, runtime_options)
+            self._runtime = Runtime(self.plan, policy=policy, cpu_groups=cpu_groups,
+                                    cuda_streams=streams, **runtime_options)
+        except BaseException:
+            self._remove_scratch()
+            raise
+
+    @staticmethod
+    def _check_runtime_options(options: Mapping[str, Any]) -> None:
+        import inspect
+
+        accepted = set(inspect.signature(Runtime.__init__).parameters) - {"self", "plan", "policy",
+                                                                          "cpu_groups", "cuda_streams"}
+        unknown = sorted(set(options) - accepted)
+        if unknown:
+            raise TypeError(f"InferenceSession() got an unexpected keyword argument {unknown[0]!r} "
+                            f"(staronnx options: shares, policy, cpu_groups, cuda_streams, "
+                            f"partition_options, {', '.join(sorted(accepted))})")
+
+    def _plan(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str, streams: int) -> Plan:
+        if isinstance(path_or_bytes, Plan):
+            plan = path_or_bytes
+        elif not isinstance(path_or_bytes, (bytes, bytearray, memoryview)) and Path(path_or_bytes).is_dir():
+            plan = Plan.load(path_or_bytes)
         else:
-            from staronnx.partition.api import partition
+            if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
+                raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
+            source, model, sha256 = _load_source(path_or_bytes)
+            self._meta = ModelMetadata.of(model)
+            shares = shares if isinstance(shares, str) else [float(s) for s in shares]
+            key = _settings_key(shares, options, groups, streams)
+            from staronnx.workers.host import partition
 
-            out = Path(tempfile.mkdtemp(prefix="staronnx-session-")) / "plan"
-            plan = partition(model_or_plan, list(shares), output_dir=out)
-        self.plan = plan
-        self._runtime = Runtime(plan, policy=policy, cpu_groups=cpu_groups,
-                                cuda_streams=cuda_streams, **runtime_options)
+            def make(src: Any, **where: Any) -> Plan:
+                return partition(src, shares, groups=groups, cuda_streams=streams, **options, **where)
 
+            try:
+                return _cached_plan(source, sha256, session_plan_dir(sha256, key), make)
+            except OSError as exc:
+                if exc.errno not in _READ_ONLY:
+                    raise
+                why = exc.strerror or str(exc)
+            # a home that cannot be written: this session's own plan, removed at close
+            warnings.warn(f"cannot keep plans under {default_root()} ({why}); this "
+                          "session's plan lives in a temporary folder until close(). Set "
+                          "STARONNX_HOME to a writable folder to partition once.", UserWarning, stacklevel=4)
+            self._scratch = Path(tempfile.mkdtemp(prefix="staronnx-session-"))
+            return make(source, output_dir=self._scratch / "plan")
+        return plan
+
+    def _profiling(self, so: ort.SessionOptions | None,
+                   runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
+        """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
+        format) at ORT's file name, so a profiling script finds its file where it expects."""
+        trace = runtime_options.get("trace")
+        if trace is not None:
+            return Path(trace), time.time_ns()
+        if so is None or not so.enable_profiling:
+            return None, 0
+        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+        path = Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json")
+        runtime_options["trace"] = path
+        return path, time.time_ns()
+
+    def _remove_scratch(self) -> None:
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+
+    # -- getters ----------------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
         return [_arg(t) for t in self.plan.inputs]
 
     def get_outputs(self) -> list[NodeArg]:
         return [_arg(t) for t in self.plan.outputs]
 
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        """None: partitioning freezes the initializers into the parts."""
+        return []
+
     def get_providers(self) -> list[str]:
-        kinds = {getattr(w, "device_id", None) is not None for w in self._runtime.workers}
-        return (["CUDAExecutionProvider"] if True in kinds else []) + ["CPUExecutionProvider"]
+        cuda = any(getattr(w, "device_id", None) is not None for w in self.runtime.workers)
+        return ([CUDA_EP] if cuda else []) + [CPU_EP]
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        """The options of the providers in use: CUDA's as the first CUDA worker's part 0
+        session reports them (ORT's full set), else as given."""
+        out = {}
+        for name in self.get_providers():
+            opts = dict(self._provider_options.get(name, {}))
+            if name == CUDA_EP:
+                worker = next((w for w in self.runtime.workers if getattr(w, "device_id", None) is not None), None)
+                with contextlib.suppress(Exception):
+                    opts = dict(worker.provider_options(0).get(CUDA_EP, opts))  # type: ignore[union-attr]
+            out[name] = opts
+        return out
+
+    def get_session_options(self) -> ort.SessionOptions:
+        """The options given (staronnx's workers size their own thread pools to their CPU
+        groups, so only ``enable_profiling`` and ``profile_file_prefix`` take effect)."""
+        return self._sess_options if self._sess_options is not None else ort.SessionOptions()
+
+    def get_modelmeta(self) -> ModelMetadata:
+        """The source model's metadata: from the model given, or for a plan from the model
+        file it records (empty metadata when that file is gone)."""
+        if self._meta is None:
+            path = self.plan.source.get("path")
+            meta = ModelMetadata()
+            if path and Path(path).is_file():
+                with contextlib.suppress(Exception):
+                    meta = ModelMetadata.of(onnx.load(path, load_external_data=False))
+            self._meta = meta
+        return self._meta
+
+    def get_profiling_start_time_ns(self) -> int:
+        return self._profile_start
+
+    def end_profiling(self) -> str:
+        """Write the trace so far and return its file name ('' when not profiling, or after
+        the first call, as ORT)."""
+        path, self._profile_path = self._profile_path, None
+        if path is None or self.runtime.tracer is None:
+            return ""
+        return str(self.runtime.tracer.save())
+
+    def set_providers(self, providers: Any = None, provider_options: Any = None) -> None:
+        raise NotImplementedError("staronnx starts its workers once: create a new "
+                                  "InferenceSession(model, providers=[...]) instead")
+
+    def disable_fallback(self) -> None:
+        """Fallback happens at construction only (CUDA missing -> CPU workers)."""
+        self._fallback = False
+
+    def enable_fallback(self) -> None:
+        self._fallback = True
+
+    # -- running ----------------------------------------------------------------------------
+    def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """ORT's feed checks and types: a missing input is a ValueError, anything else wrong
+        with a feed an InvalidArgument; lists and host OrtValues are accepted as ORT does."""
+        names = list(input_feed.keys())
+        required = self.plan.input_names
+        missing = [n for n in required if n not in input_feed]
+        if missing:
+            raise InputError(f"Required inputs ({missing}) are missing from input feed ({names}).")
+        feeds: dict[str, np.ndarray] = {}
+        for name, value in input_feed.items():
+            if not isinstance(value, np.ndarray):
+                if isinstance(value, ort.OrtValue):
+                    value = _host_array(value, name)
+                else:
+                    spec = next((t for t in self.plan.inputs if t.name == name), None)
+                    value = np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
+            feeds[name] = value
+        try:
+            self.plan.check_feeds(feeds)
+        except InputError as exc:
+            raise InvalidArgument(str(exc)) from None
+        return feeds
+
+    def _outputs(self, output_names: Sequence[str] | None) -> list[str]:
+        if isinstance(output_names, str):
+            raise TypeError("output_names must be a list of names (or None), not one string")
+        if not output_names:
+            return self.plan.output_names
+        names = list(output_names)
+        for n in names:
+            if n not in self.plan.output_names:
+                raise InvalidArgument(f"Invalid output name:{n}; the outputs are {self.plan.output_names}")
+        return names
+
+    def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[np.ndarray]:
+        names = self._outputs(output_names)
+        feeds = self._feeds(input_feed)
+        try:
+            values = self.runtime.run(feeds)
+        except TaskError as exc:
+            raise _ort_task_error(exc) from exc.__cause__
+        return [values[n] for n in names]
 
     def run(
         self,
         output_names: Sequence[str] | None,
-        input_feed: Mapping[str, np.ndarray],
-        run_options: Any = None,
+        input_feed: Mapping[str, Any],
+        run_options: ort.RunOptions | None = None,
     ) -> list[np.ndarray]:
-        """Outputs in the order asked (all, in the model's order, for None), as ORT returns them."""
-        names = list(output_names) if output_names else self.plan.output_names
-        unknown = [n for n in names if n not in self.plan.output_names]
-        if unknown:
-            raise ValueError(f"unknown output name(s) {unknown}; outputs are {self.plan.output_names}")
-        values = self._runtime.run(input_feed)
-        return [values[n] for n in names]
+        """Outputs in the order asked (all, in the model's order, for None or []), as ORT
+        returns them. ``run_options`` are accepted and unused: a request is one batch's tasks
+        on workers that other requests share."""
+        return self._run(output_names, input_feed)
 
-    def run_async(self, input_feed: Mapping[str, np.ndarray]):
-        """A future of the outputs dict (staronnx extension)."""
-        return self._runtime.submit(input_feed)
+    def run_async(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any] | None = None,
+        callback: Callable[[list[np.ndarray], Any, str], None] | None = None,
+        user_data: Any = None,
+        run_options: ort.RunOptions | None = None,
+    ) -> None:
+        """ORT's form: ``callback(results, user_data, err)`` from a worker thread once the
+        outputs are ready (``err`` is '' on success; on failure results are [] and ``err`` the
+        message). A missing input raises here, as in ORT. For a future, use :meth:`submit`."""
+        if callback is None or input_feed is None:
+            raise TypeError("run_async(output_names, input_feed, callback, user_data) is ONNX "
+                            "Runtime's callback form; for a future of the outputs use submit(input_feed)")
+        try:
+            names = self._outputs(output_names)
+            feeds = self._feeds(input_feed)
+        except InvalidArgument as exc:  # ORT reports these through the callback
+            _call_back(callback, [], user_data, str(exc))
+            return
+        future = self.runtime.submit(feeds)
+
+        def done(f: RequestFuture) -> None:
+            exc = f.exception()
+            if exc is not None:
+                _call_back(callback, [], user_data, str(exc))
+            else:
+                values = f.result()
+                _call_back(callback, [values[n] for n in names], user_data, "")
+
+        future.add_done_callback(done)
+
+    def submit(self, input_feed: Mapping[str, Any]) -> RequestFuture:
+        """A future (concurrent.futures, awaitable) of the outputs dict: staronnx's own
+        asynchronous form, for pipelining many requests without callbacks."""
+        return self.runtime.submit(self._feeds(input_feed))
+
+    def run_with_ort_values(
+        self,
+        output_names: Sequence[str] | None,
+        input_dict_ort_values: Mapping[str, ort.OrtValue],
+        run_options: ort.RunOptions | None = None,
+    ) -> list[ort.OrtValue]:
+        """Host OrtValues in, host OrtValues out."""
+        feeds = {k: _host_array(v, k) for k, v in input_dict_ort_values.items()}
+        return [ort.OrtValue.ortvalue_from_numpy(a) for a in self._run(output_names, feeds)]
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: ort.RunOptions | None = None) -> None:
+        if not isinstance(iobinding, IOBinding):
+            raise TypeError("run_with_iobinding takes the IOBinding this session's io_binding() made")
+        iobinding._run()
 
     @property
     def runtime(self) -> Runtime:
+        if self._runtime is None:
+            raise RuntimeError("this InferenceSession failed to start")
         return self._runtime
 
     def close(self) -> None:
-        self._runtime.close()
+        """Stop the workers. A plan kept under ``$STARONNX_HOME`` stays for the next session;
+        one made in a temporary folder (read-only home) is removed."""
+        try:
+            if self._runtime is not None:
+                self._runtime.close()
+        finally:
+            self._remove_scratch()
 
     def __enter__(self) -> "InferenceSession":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _call_back(callback: Callable[..., None], results: list[np.ndarray], user_data: Any, err: str) -> None:
+    """A user's callback runs on a worker's thread: what it raises is logged, not allowed to
+    take the worker down."""
+    try:
+        callback(results, user_data, err)
+    except Exception:  # noqa: BLE001
+        log.exception("run_async callback raised")

@@ -1,0 +1,262 @@
+"""One script of ONNX Runtime calls, run against onnxruntime.InferenceSession and
+staronnx.InferenceSession on the same model: same outputs, same exception types (issue 22,
+defect 2). A staronnx exception may be of more classes than ORT's (its own StaronnxError too),
+so types are compared with isinstance against ORT's class."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import staronnx
+from staronnx.errors import StaronnxError
+from staronnx.zoo import chain
+
+WIDTH = 16
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    """A private STARONNX_HOME, and a check that /tmp gains no session folder."""
+    root = tmp_path / "home"
+    monkeypatch.setenv("STARONNX_HOME", str(root))
+    pattern = os.path.join(tempfile.gettempdir(), "staronnx-session-*")
+    before = set(glob.glob(pattern))
+    yield root
+    assert set(glob.glob(pattern)) <= before, "a session left a folder in the temporary directory"
+
+
+@pytest.fixture
+def model_path(tmp_path) -> Path:
+    model = chain(depth=4, width=WIDTH)
+    model.model_version = 7
+    model.domain = "org.example"
+    model.graph.doc_string = "a chain"
+    onnx.helper.set_model_props(model, {"author": "tests", "license": "MIT"})
+    path = tmp_path / "chain.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def _staronnx(two_groups: str) -> Callable[..., Any]:
+    def make(path_or_bytes: Any, sess_options: Any = None, providers: Any = None) -> staronnx.InferenceSession:
+        return staronnx.InferenceSession(path_or_bytes, sess_options, providers=providers, cpu_groups=two_groups,
+                                         partition_options={"costs": "estimate"})
+    return make
+
+
+def _outcome(call: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return "ok", call()
+    except Exception as exc:  # noqa: BLE001 - the type is what is compared
+        return "raised", exc
+
+
+def script(make: Callable[..., Any], path: Path) -> dict[str, tuple[str, Any]]:
+    """ORT-style calls a user's script makes, each outcome recorded by name."""
+    x = np.random.default_rng(0).standard_normal((3, WIDTH)).astype(np.float32)
+    so = ort.SessionOptions()
+    sess = make(str(path), so, providers=["CPUExecutionProvider"])
+    out: dict[str, tuple[str, Any]] = {}
+    try:
+        out["run None"] = _outcome(lambda: sess.run(None, {"x": x}))
+        out["run names"] = _outcome(lambda: sess.run(["y"], {"x": x}))
+        out["run []"] = _outcome(lambda: sess.run([], {"x": x}))
+        out["run list feed"] = _outcome(lambda: sess.run(None, {"x": x.tolist()}))
+        out["run OrtValue feed"] = _outcome(lambda: sess.run(None, {"x": ort.OrtValue.ortvalue_from_numpy(x)}))
+        out["missing input"] = _outcome(lambda: sess.run(None, {}))
+        out["wrong input name"] = _outcome(lambda: sess.run(None, {"nope": x}))
+        out["extra input"] = _outcome(lambda: sess.run(None, {"x": x, "nope": x}))
+        out["wrong dtype"] = _outcome(lambda: sess.run(None, {"x": x.astype(np.float64)}))
+        out["wrong int dtype"] = _outcome(lambda: sess.run(None, {"x": x.astype(np.int64)}))
+        out["wrong rank"] = _outcome(lambda: sess.run(None, {"x": x[0]}))
+        out["wrong dim"] = _outcome(lambda: sess.run(None, {"x": np.zeros((3, WIDTH + 1), np.float32)}))
+        out["unknown output"] = _outcome(lambda: sess.run(["nope"], {"x": x}))
+        out["output name as str"] = _outcome(lambda: sess.run("y", {"x": x}))
+        out["feed not a dict"] = _outcome(lambda: sess.run(None, [x]))
+        out["ort values"] = _outcome(lambda: [v.numpy() for v in sess.run_with_ort_values(
+            ["y"], {"x": ort.OrtValue.ortvalue_from_numpy(x)})])
+
+        def bound() -> list[np.ndarray]:
+            binding = sess.io_binding()
+            binding.bind_cpu_input("x", x)
+            binding.bind_output("y")
+            sess.run_with_iobinding(binding)
+            binding.synchronize_outputs()
+            return binding.copy_outputs_to_cpu() + [v.numpy() for v in binding.get_outputs()]
+
+        out["io binding"] = _outcome(bound)
+
+        def bound_into() -> list[np.ndarray]:
+            y = ort.OrtValue.ortvalue_from_shape_and_type([3, WIDTH], np.float32)
+            binding = sess.io_binding()
+            binding.bind_ortvalue_input("x", ort.OrtValue.ortvalue_from_numpy(x))
+            binding.bind_ortvalue_output("y", y)
+            sess.run_with_iobinding(binding)
+            return [y.numpy()]
+
+        out["io binding preallocated"] = _outcome(bound_into)
+
+        def bound_wrong() -> None:
+            binding = sess.io_binding()
+            binding.bind_cpu_input("x", x)
+            binding.bind_output("nope")
+            sess.run_with_iobinding(binding)
+
+        out["io binding unknown output"] = _outcome(bound_wrong)
+
+        def async_run(names: list[str] | None) -> tuple[list[np.ndarray], Any, bool]:
+            done = threading.Event()
+            got: list[Any] = []
+
+            def callback(results: Any, user_data: Any, err: str) -> None:
+                got.extend([results, user_data, bool(err)])
+                done.set()
+
+            sess.run_async(names, {"x": x}, callback, "user data")
+            assert done.wait(60), "run_async never called back"
+            return got[0], got[1], got[2]
+
+        out["run_async"] = _outcome(lambda: async_run(None))
+        out["run_async unknown output"] = _outcome(lambda: async_run(["nope"]))
+        out["run_async missing input"] = _outcome(
+            lambda: sess.run_async(None, {}, lambda *a: None, None))
+
+        meta = sess.get_modelmeta()
+        out["modelmeta"] = ("ok", (meta.producer_name, meta.graph_name, meta.domain, meta.description,
+                                   meta.graph_description, meta.version, dict(meta.custom_metadata_map)))
+        out["inputs"] = ("ok", [(a.name, a.type, a.shape) for a in sess.get_inputs()])
+        out["outputs"] = ("ok", [(a.name, a.type, a.shape) for a in sess.get_outputs()])
+        out["overridable"] = ("ok", list(sess.get_overridable_initializers()))
+        out["providers"] = ("ok", sess.get_providers())
+        out["provider options keys"] = ("ok", sorted(sess.get_provider_options()))
+        out["session options"] = ("ok", isinstance(sess.get_session_options(), ort.SessionOptions))
+        out["end_profiling"] = ("ok", sess.end_profiling())
+    finally:
+        close = getattr(sess, "close", None)
+        if close is not None:
+            close()
+    out["no such file"] = _outcome(lambda: make(str(path) + ".missing"))
+    out["not protobuf bytes"] = _outcome(lambda: make(b"this is not an onnx model"))
+    out["bytes model"] = _outcome(lambda: _run_closing(make(path.read_bytes()), x))
+    return out
+
+
+def _run_closing(sess: Any, x: np.ndarray) -> list[np.ndarray]:
+    try:
+        return sess.run(None, {"x": x})
+    finally:
+        if hasattr(sess, "close"):
+            sess.close()
+
+
+def _same(want: Any, got: Any) -> bool:
+    if isinstance(want, np.ndarray):
+        return isinstance(got, np.ndarray) and want.shape == got.shape and np.allclose(want, got, rtol=1e-5, atol=1e-6)
+    if isinstance(want, (list, tuple)):
+        return type(want) is type(got) and len(want) == len(got) and all(_same(a, b) for a, b in zip(want, got))
+    return want == got
+
+
+def test_the_same_ort_script_gives_the_same_outputs_and_exception_types(home, model_path, two_groups):
+    want = script(lambda *a, **k: ort.InferenceSession(*a, **k), model_path)
+    got = script(_staronnx(two_groups), model_path)
+    assert list(got) == list(want)
+    for step, (kind, value) in want.items():
+        got_kind, got_value = got[step]
+        assert got_kind == kind, f"{step}: ORT {kind} {value!r}, staronnx {got_kind} {got_value!r}"
+        if kind == "raised":
+            assert isinstance(got_value, type(value)), (
+                f"{step}: ORT raised {type(value).__name__}, staronnx {type(got_value).__mro__}")
+        else:
+            assert _same(value, got_value), f"{step}: ORT gave {value!r}, staronnx {got_value!r}"
+    # what staronnx raises for a user's mistake is also its own error, for the CLI and servers
+    assert isinstance(got["wrong dtype"][1], StaronnxError) and isinstance(got["wrong dtype"][1], ValueError)
+
+
+def test_ort_constructor_shapes_are_accepted(home, model_path, two_groups):
+    """The calls of issue 22: providers=, a SessionOptions in second place, sess_options=."""
+    x = np.ones((2, WIDTH), np.float32)
+    want = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    so = ort.SessionOptions()
+    for sess in (
+        staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"], cpu_groups=two_groups),
+        staronnx.InferenceSession(model_path, so, cpu_groups=two_groups),
+        staronnx.InferenceSession(model_path, sess_options=so, providers=[("CPUExecutionProvider", {})],
+                                  cpu_groups=two_groups),
+    ):
+        with sess:
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+            assert sess.get_session_options() is not None
+
+
+def test_the_default_constructor_runs_a_model_file(home, model_path):
+    """No staronnx keyword at all: ORT's one-line switch, on whatever this host has."""
+    x = np.ones((2, WIDTH), np.float32)
+    want = ort.InferenceSession(str(model_path)).run(None, {"x": x})[0]
+    with staronnx.InferenceSession(str(model_path)) as sess:
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    assert sess.plan.root.is_relative_to(home)
+
+
+def test_cuda_provider_without_cuda_falls_back_to_cpu_with_a_warning(home, model_path, two_groups):
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this ONNX Runtime has CUDA: nothing to fall back from")
+    providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ref = ort.InferenceSession(str(model_path), providers=providers)
+    assert any(issubclass(w.category, UserWarning) for w in seen)
+    with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
+        sess = staronnx.InferenceSession(model_path, providers=providers, cpu_groups=two_groups)
+    with sess:
+        assert sess.get_providers() == ref.get_providers() == ["CPUExecutionProvider"]
+        assert all(w.arch.startswith("cpu") for w in sess.runtime.workers)
+
+
+def test_staronnx_options_are_keyword_only_and_misuse_is_named(home, model_path, two_groups):
+    with pytest.raises(TypeError, match="keyword-only"):
+        staronnx.InferenceSession(model_path, [0.85, 0.15])
+    with pytest.raises(TypeError, match="unexpected keyword argument 'nope'"):
+        staronnx.InferenceSession(model_path, nope=1)
+    with pytest.raises(ValueError, match="cuda_streams"):
+        staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"], cuda_streams=2)
+
+
+def test_submit_is_the_future_form_and_run_async_points_to_it(home, model_path, two_groups):
+    x = np.ones((2, WIDTH), np.float32)
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+        assert set(sess.submit({"x": x}).result(timeout=60)) == {"y"}
+        with pytest.raises(TypeError, match="submit"):
+            sess.run_async({"x": x})
+
+
+def test_profiling_writes_a_trace_where_ort_would(home, model_path, two_groups, tmp_path):
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof")
+    with staronnx.InferenceSession(model_path, so, cpu_groups=two_groups) as sess:
+        sess.run(None, {"x": np.ones((2, WIDTH), np.float32)})
+        assert sess.get_profiling_start_time_ns() > 0
+        path = sess.end_profiling()
+        assert path.startswith(str(tmp_path / "prof")) and Path(path).is_file()
+        assert sess.end_profiling() == ""
+
+
+def test_device_memory_is_refused_in_one_line(home, model_path, two_groups):
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+        binding = sess.io_binding()
+        with pytest.raises(NotImplementedError, match="bind_cpu_input"):
+            binding.bind_input("x", "cuda", 0, np.float32, [2, WIDTH], 0)
+        with pytest.raises(NotImplementedError, match="InferenceSession"):
+            sess.set_providers(["CPUExecutionProvider"])

@@ -1,0 +1,153 @@
+"""Plans a session makes live under STARONNX_HOME, are reused, and nothing is left in the
+temporary folder, even by a construction that fails (issue 22, defect 3)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+import staronnx
+import staronnx.workers.host as host
+from staronnx.errors import ModelError, PartitionError
+from staronnx.zoo import chain
+
+PATTERN = os.path.join(tempfile.gettempdir(), "staronnx-session-*")
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    root = tmp_path / "home"
+    monkeypatch.setenv("STARONNX_HOME", str(root))
+    before = set(glob.glob(PATTERN))
+    yield root
+    assert set(glob.glob(PATTERN)) <= before, "a session left a folder in the temporary directory"
+
+
+@pytest.fixture
+def model_path(tmp_path) -> Path:
+    path = tmp_path / "chain.onnx"
+    onnx.save(chain(depth=4, width=8), str(path))
+    return path
+
+
+@pytest.fixture
+def partitions(monkeypatch) -> list[Path]:
+    """Counts the partitions sessions make (their output folders)."""
+    made: list[Path] = []
+    real = host.partition
+
+    def counting(*args, **kwargs):
+        made.append(Path(kwargs["output_dir"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(host, "partition", counting)
+    return made
+
+
+def _leftovers(home: Path) -> list[str]:
+    """What a failed construction left in the home, beyond lock files."""
+    if not home.exists():
+        return []
+    return sorted(str(p.relative_to(home)) for p in home.rglob("*")
+                  if not p.name.endswith(".lock") and p.name != "plans")
+
+
+def test_a_session_of_a_model_file_leaves_nothing_in_tmp_and_keeps_its_plan_in_the_home(
+        home, model_path, two_groups, partitions):
+    x = np.ones((2, 8), np.float32)
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+        sess.run(None, {"x": x})
+        root = sess.plan.root
+    assert root.parent == home / "plans" and (root / "plan.json").is_file()
+    assert root.name.startswith(sess.plan.source["sha256"][:16])
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), "staronnx-session-*", "plan"))
+
+
+def test_the_next_session_of_the_same_model_and_settings_reuses_the_plan(home, model_path, two_groups,
+                                                                          partitions):
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as first:
+        plan_hash, root = first.plan.hash, first.plan.root
+    with staronnx.InferenceSession(model_path.read_bytes(), cpu_groups=two_groups) as again:
+        assert (again.plan.root, again.plan.hash) == (root, plan_hash)
+    assert len(partitions) == 1
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups, shares=[0.6, 0.4]) as other:
+        assert other.plan.root != root and other.plan.root.parent == root.parent
+    assert len(partitions) == 2
+
+
+def test_concurrent_sessions_of_one_model_partition_it_once(home, model_path, two_groups, partitions):
+    barrier = threading.Barrier(3)
+    sessions: list[staronnx.InferenceSession] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            barrier.wait()
+            sessions.append(staronnx.InferenceSession(model_path, cpu_groups=two_groups))
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert not errors, errors
+        assert len({s.plan.root for s in sessions}) == 1 and len(partitions) == 1
+        x = np.ones((1, 8), np.float32)
+        outs = [s.run(None, {"x": x})[0] for s in sessions]
+        for out in outs[1:]:
+            np.testing.assert_array_equal(out, outs[0])
+    finally:
+        for s in sessions:
+            s.close()
+
+
+def test_a_damaged_cached_plan_is_made_again(home, model_path, two_groups, partitions):
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+        root = sess.plan.root
+    (root / "part1.onnx").write_bytes(b"truncated")
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+        assert sess.plan.root == root
+        sess.run(None, {"x": np.ones((1, 8), np.float32)})
+    assert len(partitions) == 2
+
+
+def test_failed_constructions_leave_nothing_behind(home, model_path, tmp_path, two_groups):
+    garbage = tmp_path / "garbage.onnx"
+    garbage.write_bytes(b"not onnx at all")
+    with pytest.raises(ModelError):
+        staronnx.InferenceSession(garbage, cpu_groups=two_groups)
+    with pytest.raises(ModelError):
+        staronnx.InferenceSession(tmp_path / "missing.onnx", cpu_groups=two_groups)
+    assert not home.exists()  # refused before anything was written
+    with pytest.raises(PartitionError):
+        staronnx.InferenceSession(model_path, cpu_groups=two_groups, shares=[0.05] * 20)
+    assert _leftovers(home) == []
+    with pytest.raises(ValueError):
+        staronnx.InferenceSession(model_path, cpu_groups=two_groups, policy="no-such-policy")
+
+
+def test_a_read_only_home_gets_a_private_plan_removed_at_close(tmp_path, monkeypatch, model_path, two_groups):
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("STARONNX_HOME", str(not_a_folder / "home"))
+    with pytest.warns(UserWarning, match="STARONNX_HOME"):
+        sess = staronnx.InferenceSession(model_path, cpu_groups=two_groups,
+                                         store=staronnx.perfmodels.PerfModelStore(tmp_path / "store"))
+    try:
+        root = sess.plan.root
+        assert root.is_dir()
+        sess.run(None, {"x": np.ones((1, 8), np.float32)})
+    finally:
+        sess.close()
+    assert not root.exists() and not root.parent.exists()
