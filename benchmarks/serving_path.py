@@ -10,15 +10,21 @@ whose compute is negligible (one 16x16 MatMul), so what is left is host cost:
 2. ``server``: the same runtime behind :class:`~staronnx.serving.Server`, single-sample requests
    submitted as fast as they are accepted (requests/s) and the host microseconds per request;
 3. ``open loop``: the papers' open-loop generator at 25/50/75 % of (2): achieved throughput,
-   p50/p99 latency and the generator's lag.
+   p50/p99 latency (and their ratio) and the generator's lag.
 
-Usage: python benchmarks/serving_path.py [--batch 8] [--seconds 3] [--rounds 3] [--policy eager]
+Goals (issue 19): <= 25 us of host time per request through the server; up to 75 % of its
+capacity, p99 <= 5x p50 and generator lag p99 <= 1 ms. The last lines say which were met.
+On a shared 2-core VM the open-loop tail moves with whatever else runs: compare runs taken
+side by side, and read ``--rounds`` > 1 as the median of that many points per rate.
+
+Usage: python benchmarks/serving_path.py [--batch 8] [--seconds 3] [--rounds 3] [--policy eager] [--open-rounds]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=8)
     ap.add_argument("--policy", default="eager")
+    ap.add_argument("--open-rounds", action="store_true",
+                    help="measure each open-loop rate --rounds times and print the medians")
     args = ap.parse_args(argv)
     tmp = Path(tempfile.mkdtemp(prefix="staronnx-serving-path-"))
     plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
@@ -74,15 +82,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  single requests through the server: {r['server']:,.0f} requests/s "
               f"({1e6 / r['server']:.1f} us of host time per request), "
               f"ratio {r['server'] / r['batches']:.2f}")
-        print("  open loop (constant arrivals), rate: achieved, p50, p99, generator lag p99")
+        print("  open loop (constant arrivals), rate: achieved, p50, p99 (p99/p50), generator lag p99")
         samples = [sample] * 8
+        tails_ok = True
         for frac in (0.25, 0.5, 0.75):
             offered = frac * r["server"]
-            summary, records = measure_point(rt, args.batch, offered, samples, duration=args.seconds, warmup=1.0)
-            lag = records.settings["loadgen"]["lag_p99_s"]
+            points = [measure_point(rt, args.batch, offered, samples, duration=args.seconds,
+                                    warmup=min(1.0, args.seconds / 3))
+                      for _ in range(max(1, args.rounds if args.open_rounds else 1))]
+            summary = {k: statistics.median(s[k] for s, _ in points) for k in ("throughput", "latency_p50", "latency_p99")}
+            lag = statistics.median(rec.settings["loadgen"]["lag_p99_s"] for _, rec in points)
+            congested = any(s["congested"] for s, _ in points)
+            ratio = summary["latency_p99"] / summary["latency_p50"]
+            tails_ok &= ratio <= 5 and lag <= 1e-3 and not congested
             print(f"  {offered:>9,.0f} req/s: {summary['throughput']:,.0f}/s, p50 {summary['latency_p50'] * 1e3:.2f} ms, "
-                  f"p99 {summary['latency_p99'] * 1e3:.2f} ms, lag p99 {lag * 1e3:.2f} ms"
-                  + (" (congested)" if summary["congested"] else ""))
+                  f"p99 {summary['latency_p99'] * 1e3:.2f} ms ({ratio:.1f}x), lag p99 {lag * 1e3:.2f} ms"
+                  + (" (congested)" if congested else ""))
+        host_us = 1e6 / r["server"]
+        print(f"  goals: host time <= 25 us/request: {'met' if host_us <= 25 else 'not met'} ({host_us:.1f}); "
+              f"p99 <= 5x p50 and lag p99 <= 1 ms up to 75 %: {'met' if tails_ok else 'not met'}")
     return 0
 
 
