@@ -32,6 +32,15 @@ class CalibrationReport:
     models: dict[tuple[int, str], HistoryModel] = field(default_factory=dict)
     runs: dict[tuple[int, str, int], int] = field(default_factory=dict)
     uncalibrated: list[tuple[int, str, int]] = field(default_factory=list)
+    #: (worker, part, batch) steps finished, of :func:`calibration_steps`
+    steps_done: int = 0
+    #: the signal (SIGINT, SIGTERM) that stopped the calibration, or None
+    interrupted: str | None = None
+
+    @property
+    def samples(self) -> int:
+        """Runs measured by this calibration (each one a sample offered to its model)."""
+        return sum(self.runs.values())
 
 
 def calibrate(
@@ -44,6 +53,7 @@ def calibrate(
     seed: int = 0,
     on_step: Callable[[str], None] | None = None,
     replace: bool = False,
+    report: CalibrationReport | None = None,
 ) -> CalibrationReport:
     """Run every part on every worker at every batch size until its history is calibrated.
 
@@ -53,11 +63,18 @@ def calibrate(
     starts from empty models and overwrites the stored ones (StarPU's ``STARPU_CALIBRATE=2``):
     for models that are calibrated but stale (measurements beat their LP bound), which a merge
     would leave as they are since calibrated entries take no new samples.
+
+    Interrupted (Ctrl-C, SIGTERM: a ``BaseException`` that is not an ``Exception``), it lets
+    each worker finish the run it is in, stores every sample measured so far (the store is
+    written atomically), records the signal in ``report.interrupted`` and re-raises; pass
+    ``report`` to read then what was kept. With ``replace``, only the models that took a sample
+    replace their stored ones.
     """
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
-    report = CalibrationReport()
+    report = report if report is not None else CalibrationReport()
     lock = threading.Lock()
+    stop = threading.Event()
     for w in workers:
         for part in range(plan.k):
             key = (part, w.arch)
@@ -68,28 +85,55 @@ def calibrate(
     def drive(worker: Worker, batch: int, values: dict[str, np.ndarray]) -> None:
         arch = worker.arch
         for part in range(plan.k):
+            if stop.is_set():
+                return
             feeds = plan.part_feeds(part, values)
             model = report.models[(part, arch)]
             fp = Footprint.of_feeds(feeds, batch)  # the engine's footprint, so serving finds these
             worker.run(part, feeds)  # warm-up: allocations, kernel selection
             runs = 0
-            while model.needs_samples(fp) and runs < max_runs:
+            k = (part, arch, batch)
+            while model.needs_samples(fp) and runs < max_runs and not stop.is_set():
                 future = worker.submit(part, feeds)
                 future.result()
                 # kernel time only for CUDA workers: copies are the bus model's business
-                model.record(fp, getattr(future, "compute_seconds", None) or future.seconds)
+                with lock:  # (the model is shared by the workers of one arch)
+                    model.record(fp, getattr(future, "compute_seconds", None) or future.seconds)
+                    report.runs[k] = report.runs.get(k, 0) + 1
                 runs += 1
+            if stop.is_set():
+                return
             with lock:
-                k = (part, arch, batch)
-                report.runs[k] = report.runs.get(k, 0) + runs
+                report.runs.setdefault(k, 0)
+                report.steps_done += 1
             if on_step:
                 on_step(f"{worker.name} part {part} batch {batch}: {runs} runs")
 
-    with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="calibrate") as pool:
-        for batch in batch_sizes:
-            values = plan.reference_values(random_plan_feeds(plan, batch, seed=seed))
-            for future in [pool.submit(drive, w, batch, values) for w in workers]:
-                future.result()
+    try:
+        with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="calibrate") as pool:
+            try:
+                for batch in batch_sizes:
+                    values = plan.reference_values(random_plan_feeds(plan, batch, seed=seed))
+                    for future in [pool.submit(drive, w, batch, values) for w in workers]:
+                        future.result()
+            except BaseException:
+                stop.set()  # the pool's exit waits for the runs under way, then nothing more starts
+                raise
+    except BaseException as exc:
+        if isinstance(exc, Exception):
+            raise
+        from staronnx.signals import signal_name
+
+        report.interrupted = signal_name(exc)
+        measured = {(part, arch) for (part, arch, _b), n in report.runs.items() if n}
+        for (part, arch), model in report.models.items():
+            if (part, arch) not in measured:
+                continue
+            if replace:
+                store.save(plan.hash, model)
+            else:
+                report.models[(part, arch)] = store.commit(plan.hash, model)
+        raise
     for (part, arch), model in report.models.items():
         if replace:
             store.save(plan.hash, model)

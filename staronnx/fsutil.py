@@ -100,6 +100,51 @@ def save_figure(fig: Any, path: str | os.PathLike[str], dpi: int = 120) -> Path:
     return Path(path)
 
 
+def check_writable(path: str | os.PathLike[str], option: str, *, folder: bool = False) -> None:
+    """Raise :class:`~staronnx.errors.StaronnxError` (one line naming ``option`` and the path)
+    unless ``path`` can be written: a file written atomically beside itself, or with ``folder``
+    a folder filled in place or staged beside itself. Commands call this before their work
+    starts, so an output that cannot be written costs a second, not a profiling or a sweep.
+
+    The test is a real one (a file created and removed in the nearest existing folder), not
+    ``os.access``: root passes every permission check but not a read-only mount, an immutable
+    folder (``chattr +i``) or a path whose parent is a regular file.
+    """
+    from staronnx.errors import StaronnxError
+
+    path = Path(path)
+    target = path.absolute()
+    if folder and target.exists() and not target.is_dir():
+        raise StaronnxError(f"cannot write {option} {path}: it is a file, not a folder")
+    if not folder and target.is_dir():
+        raise StaronnxError(f"cannot write {option} {path}: it is a folder, not a file")
+    probes = [path] if folder and target.is_dir() else []
+    existing = path.parent  # as the user wrote it, for the message
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise StaronnxError(f"cannot write {option} {path}: {existing} is a file, not a folder")
+    probes.append(existing)
+    for where in probes:
+        try:
+            # not named like a temporary or a staging folder: those are other runs' business
+            fd, probe = tempfile.mkstemp(prefix=f".{target.name}.probe-{os.getpid()}-", dir=where)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            raise StaronnxError(
+                f"cannot write {option} {path}: {exc.strerror or exc} in {where}"
+            ) from None
+
+
+def written_path(filename: str | os.PathLike[str]) -> Path:
+    """The file a user asked for behind one of our temporaries (``.NAME.tmp-<pid>-XXXX`` ->
+    ``NAME``), so an error names what the user wrote, not our staging name."""
+    path = Path(filename)
+    m = _TEMP.match(path.name)
+    return path.with_name(m["name"]) if m else path
+
+
 def temp_prefix(target: str | os.PathLike[str]) -> str:
     """``.NAME.tmp-<pid>-``: the name of this process's temporaries for ``target``."""
     return f".{Path(target).name}.tmp-{os.getpid()}-"

@@ -1,8 +1,20 @@
-"""Fixtures shared by the serving tests: one tiny calibrated plan, built once per session."""
+"""Fixtures shared by the serving tests: one tiny calibrated plan, built once per session.
+
+The suite never touches the user's own state: :func:`pytest_configure` points ``STARONNX_HOME``
+(perf models, shared weights) and ``TMPDIR`` at a private folder for the whole session, before
+any test runs, and every subprocess inherits both. At the end :func:`pytest_sessionfinish`
+fails the run when the real home (``$STARONNX_HOME`` as it was before pytest started, else
+``~/.cache/staronnx``) changed, or when the suite left ``staronnx-*`` temporaries behind, then
+removes the private folder. Only what this session made is looked at: other processes using
+``/tmp`` or the real home meanwhile cannot make it fail.
+"""
 
 from __future__ import annotations
 
 import os
+import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import onnx
@@ -13,6 +25,102 @@ from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.zoo import fragile, inception
+
+#: the store a user's commands write to, as it was before pytest changed STARONNX_HOME
+REAL_HOME = Path(os.environ.get("STARONNX_HOME") or Path.home() / ".cache" / "staronnx").expanduser()
+#: names of the temporaries staronnx makes (tempfile.mkdtemp(prefix="staronnx-..."))
+TEMP_PREFIX = "staronnx-"
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and folder under ``root``: relative path -> (size, mtime in ns) for a file,
+    (-1, 0) for a folder (its mtime moves with its entries, which are listed); {} if absent."""
+    out: dict[str, tuple[int, int]] = {}
+    if not root.is_dir():
+        return out
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath) / name
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            out[str(path.relative_to(root))] = (-1, 0) if path.is_dir() else (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def _owner(relative: str) -> int | None:
+    """The pid a ``weights/pid<N>-...`` entry names (each process that shares weights makes
+    and removes its own such folder), else None."""
+    m = re.match(r"^weights/pid([0-9]+)-", relative)
+    return int(m[1]) if m else None
+
+
+def live_owners(entries) -> set[int]:
+    """The pids of ``weights/pid<N>-...`` entries that are alive now, this process left out."""
+    pids = {pid for pid in map(_owner, entries) if pid is not None and pid != os.getpid()}
+    alive = set()
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        except OSError:
+            pass
+        alive.add(pid)
+    return alive
+
+
+def home_changes(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]],
+                 concurrent: set[int] = frozenset()) -> list[str]:
+    """What changed between two :func:`snapshot` s: '+ path', '- path', '~ path'. The own
+    folders of processes that are not the suite's are left out: ``concurrent`` (alive when the
+    session started) and those still alive now (the suite's subprocesses are gone by then)."""
+    changes = ([("+", p) for p in after.keys() - before.keys()]
+               + [("-", p) for p in before.keys() - after.keys()]
+               + [("~", p) for p in before.keys() & after.keys() if before[p] != after[p]])
+    others = set(concurrent) | live_owners(p for _, p in changes)
+    return sorted(f"{kind} {p}" for kind, p in changes if _owner(p) not in others)
+
+
+def leaked_temporaries(tmp: Path) -> list[str]:
+    """The ``staronnx-*`` entries left in a temporary folder."""
+    return sorted(p.name for p in tmp.glob(f"{TEMP_PREFIX}*")) if tmp.is_dir() else []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A private STARONNX_HOME and TMPDIR for the session (inherited by every subprocess)."""
+    if getattr(config, "_staronnx_private", None) is not None:
+        return
+    # pytest's own folders (tmp_path) stay where they were, so they are kept for debugging
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    base = Path(tempfile.mkdtemp(prefix="pytest-private-"))
+    (base / "home").mkdir()
+    (base / "tmp").mkdir()
+    before = snapshot(REAL_HOME)
+    config._staronnx_private = (base, before, live_owners(before))
+    os.environ["STARONNX_HOME"] = str(base / "home")
+    os.environ["TMPDIR"] = str(base / "tmp")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if it wrote into the real home or left staronnx temporaries; clean up."""
+    private = getattr(session.config, "_staronnx_private", None)
+    if private is None:
+        return
+    base, before, concurrent = private
+    problems = [f"the suite changed the real STARONNX_HOME {REAL_HOME}: {c}"
+                for c in home_changes(before, snapshot(REAL_HOME), concurrent)]
+    problems += [f"the suite left {base / 'tmp' / name} (a temporary nobody removed)"
+                 for name in leaked_temporaries(base / "tmp")]
+    shutil.rmtree(base, ignore_errors=True)
+    if problems:
+        writer = session.config.get_terminal_writer()
+        for line in problems:
+            writer.line(f"staronnx test isolation: {line}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
 
 #: batch sizes the shared plan is calibrated at (arch cpu1: one-PU groups)
 CALIBRATED_SIZES = [1, 2, 4]

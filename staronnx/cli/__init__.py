@@ -8,6 +8,7 @@ workers are cleaned up), one line names the signal, and the exit code is 130 or 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import sys
 import warnings
@@ -40,6 +41,36 @@ _COMMAND_MODULES = [
     "serve_cmd",
 ]
 
+#: OS errors that mean "this path cannot be used here", which the user can act on
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+                errno.EISDIR}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from importlib.metadata import PackageNotFoundError, version
+
+        from staronnx import __version__
+
+        try:
+            ort = version("onnxruntime-gpu")
+        except PackageNotFoundError:
+            try:
+                ort = version("onnxruntime")
+            except PackageNotFoundError:
+                ort = "not installed"
+        print(f"staronnx {__version__} (onnxruntime {ort}, Python {sys.version.split()[0]})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print staronnx's version (and ONNX Runtime's) and exit."),
+) -> None:
+    """Run ONNX models on every processor of a server at once."""
+
+
 for _name in _COMMAND_MODULES:
     importlib.import_module(f"staronnx.cli.{_name}").register(app)
 
@@ -67,6 +98,15 @@ def main(argv: list[str] | None = None) -> None:
     except Interrupted as exc:
         print(f"staronnx: interrupted ({exc.name})", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    except OSError as exc:
+        # a path that cannot be written (or read) late in a command, past its own checks: one
+        # line naming the path the user gave, not our temporary's name
+        if exc.errno not in _PATH_ERRNOS or exc.filename is None:
+            raise
+        from staronnx.fsutil import written_path
+
+        print(f"staronnx: error: {written_path(exc.filename)}: {exc.strerror or exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:  # a second Ctrl-C during the first one's cleanup
         print("staronnx: interrupted (SIGINT)", file=sys.stderr)
         raise SystemExit(130) from None

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from staronnx.cli.display import QUIET_HELP, output_console, spinner
 from staronnx.errors import PartitionError
+from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
 
 console = output_console()
@@ -83,6 +84,7 @@ def partition_cmd(
         raise PartitionError("--cuda-streams and --speeds-from apply to --shares auto only")
     if groups is not None and not is_auto(shares) and method in ("metis", "linear"):
         raise PartitionError("--groups applies to --shares auto and to the placement methods")
+    check_writable(output, "--output", folder=True)  # now, not after the whole profiling
     speeds = None
     if speeds_from is not None:
         from staronnx.bench.machine_speeds import speeds_from_plan

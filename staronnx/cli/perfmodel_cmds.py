@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from staronnx.errors import StaronnxError
+from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
 
 console = Console()
@@ -40,7 +41,7 @@ def calibrate_cmd(
 ) -> None:
     """Run every part on every worker at each batch size until its perf model is calibrated."""
     from staronnx.calibrate import (
-        calibrate, calibrate_bus_if_needed, calibration_steps, start_workers,
+        CalibrationReport, calibrate, calibrate_bus_if_needed, calibration_steps, start_workers,
     )
     from staronnx.perfmodels import PerfModelStore
 
@@ -49,6 +50,8 @@ def calibrate_cmd(
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
     workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams)
+    report = CalibrationReport()  # filled as it goes: what an interruption kept is read from it
+    steps = calibration_steps(plan, workers, sizes)
     try:
         console.print(
             f"calibrating plan {plan.hash} ({plan.k} parts) on "
@@ -58,13 +61,23 @@ def calibrate_cmd(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console,
         ) as progress:
-            task = progress.add_task("calibrating", total=calibration_steps(plan, workers, sizes))
+            task = progress.add_task("calibrating", total=steps)
 
             def step(msg: str) -> None:
                 progress.update(task, advance=1, description=msg)
 
-            report = calibrate(plan, sizes, workers=workers, store=store, max_runs=max_runs,
-                               seed=seed, on_step=step, replace=replace)
+            calibrate(plan, sizes, workers=workers, store=store, max_runs=max_runs,
+                      seed=seed, on_step=step, replace=replace, report=report)
+    except BaseException:
+        if report.interrupted:  # Ctrl-C, SIGTERM: the samples measured so far were stored
+            console.print(
+                f"calibration interrupted: kept {report.samples} sample(s) measured in "
+                f"{report.steps_done} of {steps} step(s) (worker x part x batch size) under "
+                f"{store.plan_dir(plan.hash)}; run the same command again to finish "
+                f"(what is calibrated already is not measured again)",
+                highlight=False, soft_wrap=True,
+            )
+        raise
     finally:
         for w in workers:
             w.close()
@@ -142,6 +155,8 @@ def show_cmd(
     model on its fastest device alone."""
     from staronnx.perfmodels import PerfModelStore
 
+    if plot is not None:
+        check_writable(plot, "--plot")
     plan = Plan.load(plandir)
     store = PerfModelStore()
     rows = store.rows(plan.hash)

@@ -15,6 +15,7 @@ from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrate
 from staronnx.cli.display import QUIET_HELP, output_console
 from staronnx.cli.display import bar as progress_bar
 from staronnx.errors import StaronnxError
+from staronnx.fsutil import check_writable, written_path
 
 console = output_console()
 trace_app = typer.Typer(help="Work with runtime traces.", no_args_is_help=True)
@@ -48,6 +49,8 @@ def run_cmd(
 
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
+    if trace is not None:
+        check_writable(trace, "--trace")  # now, not once every request has run
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
@@ -60,27 +63,36 @@ def run_cmd(
         console.print(f"inputs from {inputs}: {n} sample(s)", highlight=False, soft_wrap=True)
     latencies: list[float] = []
     cuda_options = {"cuda_graphs": cuda_graphs} if cuda_streams else None
-    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
-                 cuda_options=cuda_options, warmup=(batch,) if cuda_streams else ()) as rt:
-        rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
-        warm = rt.stats()
-        with progress_bar(quiet) as progress:
-            done = progress.add_task("requests", total=requests)
-            start = time.perf_counter()
-            inflight = []
-            for i in range(requests):
-                if len(inflight) >= max_in_flight:
-                    t0, fut = inflight.pop(0)
+    stats: dict[str, Any] | None = None
+    trace_error: OSError | None = None
+    try:
+        with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
+                     cuda_options=cuda_options, warmup=(batch,) if cuda_streams else ()) as rt:
+            rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
+            warm = rt.stats()
+            with progress_bar(quiet) as progress:
+                done = progress.add_task("requests", total=requests)
+                start = time.perf_counter()
+                inflight = []
+                for i in range(requests):
+                    if len(inflight) >= max_in_flight:
+                        t0, fut = inflight.pop(0)
+                        fut.result()
+                        latencies.append(time.perf_counter() - t0)
+                        progress.advance(done)
+                    inflight.append((time.perf_counter(), rt.submit(pool[i % len(pool)])))
+                for t0, fut in inflight:
                     fut.result()
                     latencies.append(time.perf_counter() - t0)
                     progress.advance(done)
-                inflight.append((time.perf_counter(), rt.submit(pool[i % len(pool)])))
-            for t0, fut in inflight:
-                fut.result()
-                latencies.append(time.perf_counter() - t0)
-                progress.advance(done)
-            elapsed = time.perf_counter() - start
-        stats = since(warm, rt.stats())
+                elapsed = time.perf_counter() - start
+            stats = since(warm, rt.stats())
+    except OSError as exc:
+        # the trace is written when the runtime closes: the folder can go away meanwhile; the
+        # requests ran, so their results are printed all the same, then the error
+        if stats is None or trace is None:
+            raise
+        trace_error = exc
     lat = np.array(latencies) * 1e3
     console.print(
         f"{requests} requests x batch {batch} with {policy} in {elapsed:.2f} s: "
@@ -106,6 +118,10 @@ def run_cmd(
         workers.add_row(*cells)
     console.print(workers)
     console.print(f"mean queue wait {stats['mean_queue_wait_ms']:.2f} ms")
+    if trace_error is not None:
+        where = written_path(trace_error.filename) if trace_error.filename else trace
+        raise StaronnxError(f"could not write the trace --trace {trace}: {trace_error.strerror or trace_error}"
+                            + (f" ({where})" if str(where) != str(trace) else ""))
     if trace is not None:
         console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
 
@@ -151,6 +167,7 @@ def plot_cmd(
     """Draw a runtime trace as a Gantt chart (one row per worker)."""
     from staronnx.runtime.gantt import plot_trace
 
+    check_writable(output, "--output")
     console.print(f"wrote {plot_trace(trace, output)}")
 
 

@@ -21,6 +21,7 @@ from staronnx.cli.display import QUIET_HELP, output_console
 from staronnx.cli.display import bar as progress_bar
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
+from staronnx.fsutil import check_writable
 
 console = output_console()
 
@@ -292,6 +293,9 @@ def sweep_cmd(
     for d in extra:
         if not (d / "results.json").is_file():
             raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
+    check_writable(output, "--output", folder=True)  # now, not after the first point
+    if trace is not None:
+        check_writable(trace, "--trace")
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if url is None:  # over the network the groups are the server's
@@ -355,6 +359,8 @@ def sweep_plot_cmd(
     from staronnx.bench import plots
 
     folders = [*results, *(compare or [])]
+    if output is not None:
+        check_writable(output, "--output", folder=len(folders) == 1)
     for d in compare or []:
         if not (d / "results.json").is_file():
             raise StaronnxError(f"--compare {d}: no results.json there (a folder written by staronnx sweep)")
@@ -388,6 +394,8 @@ def optimize_batch_cmd(
     from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)
+    if json_out is not None:
+        check_writable(json_out, "--json")
     warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams)
     with console.status("optimizing") as status:
         result = optimize_batch(

@@ -1,0 +1,258 @@
+"""What a new user still hits (issue 22), through the doors they use: the real CLI in a
+subprocess (``python -m staronnx``), or in process where a failure has to be provoked late.
+
+- an output that cannot be written is one ``staronnx: error:`` line before the work starts
+  (and, where it fails late, after the results);
+- the suite runs under a private ``STARONNX_HOME`` and ``TMPDIR`` (tests/conftest.py);
+- ``sweep-plot`` colours, ``cpu_share.png`` axes; sweep lines whole under a progress bar;
+- ``--rates auto``; the README's curl example; Ctrl-C during ``calibrate``;
+- ``staronnx --version``; ``staronnx demo`` leaves no temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import onnx
+import pytest
+
+from _helpers import cli
+from staronnx import partition
+from staronnx.zoo import inception
+
+CLI = [sys.executable, "-m", "staronnx"]
+PU = str(min(os.sched_getaffinity(0)))
+
+
+def _run(args: list[str], timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess, with the suite's environment (its private STARONNX_HOME)."""
+    return subprocess.run([*CLI, *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **env}, timeout=timeout)
+
+
+def _error_line(res: subprocess.CompletedProcess | tuple) -> str:
+    """The one line a user-facing error prints (and that it is the only thing on stderr)."""
+    err = res.stderr if hasattr(res, "stderr") else res[2]
+    assert "Traceback" not in err, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: "), err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[Path, Path]:
+    """(model, plan folder) of a tiny Inception cut 70/30 (costs estimated: quick)."""
+    root = tmp_path_factory.mktemp("small")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
+    partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    return model, root / "plan"
+
+
+# ---------------------------------------------------------------------------- 1: unwritable outputs
+@pytest.fixture
+def blocked(tmp_path) -> Path:
+    """A folder name nothing can be written under, even by root: its 'parent' is a file."""
+    (tmp_path / "ro").write_text("a regular file, not a folder\n")
+    return tmp_path / "ro"
+
+
+def _commands(model: Path, plan: Path, blocked: Path, tmp: Path) -> dict[str, list[str]]:
+    trace = tmp / "trace.json"
+    trace.write_text('{"traceEvents": []}')
+    return {
+        "partition": ["partition", model, "--parts", "2", "-o", blocked / "plan"],
+        "sweep": ["sweep", plan, "--rates", "10", "--batch-sizes", "1", "--duration", "1s",
+                  "--groups", PU, "-o", blocked / "sweep"],
+        "perfmodel show": ["perfmodel", "show", plan, "--plot", blocked / "perf.png"],
+        "trace plot": ["trace", "plot", trace, "-o", blocked / "g.png"],
+        "demo": ["demo", "--workdir", blocked / "demo", "--batches", "2"],
+        "run": ["run", plan, "--requests", "3", "--groups", PU, "--trace", blocked / "trace.json"],
+    }
+
+
+@pytest.mark.parametrize("command", ["partition", "sweep", "perfmodel show", "trace plot", "demo", "run"])
+def test_an_output_under_a_file_is_one_error_line_naming_it(small, blocked, tmp_path, command):
+    model, plan = small
+    args = _commands(model, plan, blocked, tmp_path)[command]
+    res = _run(args)
+    line = _error_line(res)
+    assert res.returncode == 2
+    assert str(blocked) in line and "not a folder" in line, line
+    assert not list(tmp_path.glob("**/.*.tmp*")), "no temporary is left behind"
+    # before the work: nothing was measured, nothing printed but the error
+    assert "samples/s" not in res.stdout and "wrote plan" not in res.stdout
+
+
+def test_an_immutable_output_folder_is_refused_before_profiling(small, tmp_path):
+    model, _ = small
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["chattr", "+i", str(ro)], capture_output=True).returncode != 0 if shutil.which("chattr") else True:
+        pytest.skip("chattr +i is not available here (needs root and a file system that has it)")
+    try:
+        res = _run(["partition", model, "--parts", "2", "-o", ro / "plan"])
+    finally:
+        subprocess.run(["chattr", "-i", str(ro)], check=True)
+    line = _error_line(res)
+    assert res.returncode == 2 and f"{ro / 'plan'}" in line and "--output" in line, line
+    assert "Operation not permitted" in line or "Permission denied" in line, line
+
+
+def test_a_trace_that_fails_at_close_still_prints_the_results(small, tmp_path, capsys, monkeypatch):
+    """The trace is written when the runtime closes: a folder that went away meanwhile (the
+    early check passed) costs the trace only; the results are printed, then one error line."""
+    import staronnx.cli.run_cmds as run_cmds
+
+    _, plan = small
+    (tmp_path / "gone").write_text("the trace's folder was replaced by a file")
+    monkeypatch.setattr(run_cmds, "check_writable", lambda *a, **k: None)  # it passed, earlier
+    code, out, err = cli(capsys, "run", plan, "--requests", "3", "--groups", PU, "--policy", "eager", "--trace",
+                         tmp_path / "gone" / "trace.json")
+    assert code == 2
+    assert "3 requests x batch 1" in out and "samples/s" in out and "placement" in out
+    line = _error_line(("", out, err))
+    assert f"--trace {tmp_path / 'gone' / 'trace.json'}" in line, line
+    assert not list(tmp_path.glob(".*.tmp*"))
+
+
+# ---------------------------------------------------------------------------- 4: private home
+def test_the_suite_runs_under_a_private_home_and_temporary_folder(small, tmp_path):
+    from conftest import REAL_HOME, home_changes, snapshot
+
+    from staronnx.perfmodels.store import default_root
+
+    home = Path(os.environ["STARONNX_HOME"])
+    assert home.resolve() != REAL_HOME.resolve() and default_root() == home
+    assert tempfile.gettempdir() == os.environ["TMPDIR"] and Path(os.environ["TMPDIR"]) != Path("/tmp")
+    _, plan = small
+    before = snapshot(REAL_HOME)
+    # a subprocess that writes perf models, with the environment every test's subprocess gets
+    res = _run(["calibrate", plan, "--batch-sizes", "1", "--groups", PU, "--max-runs", "12", "--no-bus"])
+    assert res.returncode == 0, res.stderr
+    assert list((home / "perfmodels").rglob("*")), "the models went to the private home"
+    assert home_changes(before, snapshot(REAL_HOME)) == []
+
+
+def test_the_isolation_checks_see_a_changed_home_and_a_leaked_temporary(tmp_path):
+    from conftest import home_changes, leaked_temporaries, snapshot
+
+    home = tmp_path / "home"
+    (home / "perfmodels").mkdir(parents=True)
+    (home / "perfmodels" / "a.json").write_text("{}")
+    (home / "old.json").write_text("{}")
+    before = snapshot(home)
+    assert home_changes(before, snapshot(home)) == []
+    (home / "perfmodels" / "a.json").write_text('{"more": 1}')
+    (home / "perfmodels" / "b.json").write_text("{}")
+    (home / "old.json").unlink()
+    assert home_changes(before, snapshot(home)) == ["+ perfmodels/b.json", "- old.json", "~ perfmodels/a.json"]
+    tmp = tmp_path / "tmp"
+    (tmp / "staronnx-demo-abc").mkdir(parents=True)
+    (tmp / "pytest-of-someone").mkdir()
+    assert leaked_temporaries(tmp) == ["staronnx-demo-abc"]
+
+
+# ---------------------------------------------------------------------------- 10: version, demo
+def test_version():
+    res = _run(["--version"])
+    import staronnx
+
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith(f"staronnx {staronnx.__version__} (onnxruntime ")
+
+
+def test_demo_without_workdir_removes_its_temporary_folder_and_says_so(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    res = _run(["demo", "--batches", "2", "--batch", "2", "--groups", PU], TMPDIR=str(tmp), COLUMNS="200")
+    assert res.returncode == 0, res.stderr
+    assert list(tmp.glob("staronnx-*")) == [], "the demo's model and plans are gone"
+    assert "removed the demo's temporary folder" in res.stdout and "--workdir" in res.stdout
+
+
+def test_demo_with_workdir_keeps_it(tmp_path):
+    res = _run(["demo", "--batches", "2", "--batch", "2", "--groups", PU, "--workdir", tmp_path / "d"])
+    assert res.returncode == 0, res.stderr
+    assert (tmp_path / "d" / "plan" / "plan.json").is_file()
+    assert "removed" not in res.stdout
+
+
+# ---------------------------------------------------------------------------- 9: Ctrl-C in calibrate
+@pytest.fixture(scope="module")
+def slow_plan(tmp_path_factory) -> Path:
+    """A plan whose calibration takes seconds at the batch sizes below (a signal lands mid-way)."""
+    root = tmp_path_factory.mktemp("slow")
+    onnx.save(inception(blocks=4, channels=16, size=32), str(root / "m.onnx"))
+    partition(root / "m.onnx", [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    return root / "plan"
+
+
+def test_ctrl_c_during_calibrate_keeps_the_samples_and_says_how_many(slow_plan, tmp_path):
+    import re
+    import signal
+    import time
+
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.plan import Plan
+
+    home = tmp_path / "home"
+    proc = subprocess.Popen(
+        [*CLI, "calibrate", str(slow_plan), "--batch-sizes", "1,2,4,8,16,32,64", "--groups", PU,
+         "--max-runs", "400", "--no-bus"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "300"})
+    first = proc.stdout.readline()
+    assert first.startswith("calibrating plan"), first + proc.stderr.read()
+    time.sleep(3)  # measuring
+    assert proc.poll() is None, "calibration ended before it could be interrupted"
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "staronnx: interrupted (SIGINT)"
+    m = re.search(r"calibration interrupted: kept (\d+) sample\(s\) measured in (\d+) of (\d+) step", out)
+    assert m, out
+    kept, done, steps = map(int, m.groups())
+    assert kept >= 1 and done < steps == 2 * 7
+    rows = PerfModelStore(home).rows(Plan.load(slow_plan).hash)
+    stored = sum(r.n + r.nerror for r in rows)
+    assert 1 <= stored <= kept, (stored, kept)
+    # the next run starts from them: what is calibrated is not measured again
+    assert any(r.calibrated for r in rows) or done == 0
+
+
+def test_the_home_check_leaves_a_concurrent_processs_weights_alone(tmp_path):
+    """Other processes on the machine (not the suite's) share weights under the real home in
+    ``weights/pid<N>-...`` folders while they run: no reason to fail the suite; a folder whose
+    process died during the session is reported."""
+    from conftest import home_changes, live_owners, snapshot
+
+    def pid_of_a_finished_process() -> int:
+        return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                                  capture_output=True, text=True).stdout)
+
+    (tmp_path / "weights" / "pid99999999-old").mkdir(parents=True)  # alive at the start:
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "weights" / f"pid{sleeper.pid}-was").mkdir()
+        before = snapshot(tmp_path)
+        concurrent = live_owners(before)
+        assert concurrent == {sleeper.pid}
+        sleeper.kill()
+        sleeper.wait()
+        (tmp_path / "weights" / f"pid{sleeper.pid}-was").rmdir()  # its own, removed: not ours
+        other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        (tmp_path / "weights" / f"pid{other.pid}-now").mkdir()  # alive at the end: not ours
+        dead = pid_of_a_finished_process()
+        (tmp_path / "weights" / f"pid{dead}-left").mkdir()  # left by a process now gone
+        assert home_changes(before, snapshot(tmp_path), concurrent) == [f"+ weights/pid{dead}-left"]
+    finally:
+        for proc in (sleeper, locals().get("other")):
+            if proc is not None:
+                proc.kill()
+                proc.wait()
