@@ -260,3 +260,38 @@ def test_device_memory_is_refused_in_one_line(home, model_path, two_groups):
             binding.bind_input("x", "cuda", 0, np.float32, [2, WIDTH], 0)
         with pytest.raises(NotImplementedError, match="InferenceSession"):
             sess.set_providers(["CPUExecutionProvider"])
+
+
+def test_a_kernel_failure_raises_ort_s_class(home, tmp_path, two_groups):
+    """A feed that passes every signature check and fails inside a part: ORT's own class (Fail
+    here) as ORT raises it for the whole model, still a staronnx TaskError; run_async reports it
+    through the callback."""
+    from staronnx.runtime.task import TaskError
+    from staronnx.zoo import fragile
+
+    path = tmp_path / "fragile.onnx"
+    onnx.save(fragile(), str(path))
+    x = np.ones((2, 9), np.float32)  # the last MatMul needs 8 columns
+    with pytest.raises(Exception) as want:
+        ort.InferenceSession(str(path)).run(None, {"x": x})
+    with staronnx.InferenceSession(path, cpu_groups=two_groups, shares=None, partition_options=dict(
+            parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate")) as sess:
+        assert sess.plan.k == 2
+        with pytest.raises(type(want.value)) as got:
+            sess.run(None, {"x": x})
+        assert isinstance(got.value, TaskError)
+        done = threading.Event()
+        seen: list[Any] = []
+        sess.run_async(None, {"x": x}, lambda r, u, e: (seen.append((r, u, e)), done.set()), "u")
+        assert done.wait(60)
+        assert seen[0][0] == [] and seen[0][1] == "u" and "MatMul" in seen[0][2]
+
+
+def test_ort_methods_without_meaning_here_are_refused_in_one_line(home, model_path, two_groups):
+    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+        with pytest.raises(NotImplementedError, match="run_with_ort_values"):
+            sess.run_with_ortvaluevector(["y"], [])
+        with pytest.raises(AttributeError):
+            sess.no_such_method  # noqa: B018
+    with pytest.raises(TypeError, match="output_dir"):
+        staronnx.InferenceSession(model_path, partition_options={"output_dir": "elsewhere"})

@@ -261,6 +261,21 @@ def _cached_plan(source: Any, sha256: str, folder: Path, make: Callable[..., Pla
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
 
 
+#: ORT methods refused, with what to do instead
+_REFUSED: dict[str, str] = {
+    "run_with_ortvaluevector": "use run_with_ort_values(output_names, {name: OrtValue})",
+    "get_tuning_results": "kernel tuning is per worker session; staronnx tunes nothing across them",
+    "set_tuning_results": "kernel tuning is per worker session; staronnx tunes nothing across them",
+    "get_input_memory_infos": "inputs are host memory; workers copy them to their devices",
+    "get_output_memory_infos": "outputs are returned in host memory",
+    "get_input_epdevices": "each worker has its own device; see runtime.workers",
+    "get_provider_graph_assignment_info": "parts are placed per batch by the policy; see runtime.stats()",
+    "release_captured_graph": "CUDA graphs belong to the CUDA workers (cuda_options={'cuda_graphs': False})",
+    "create_ortvalue_from_shape_and_type": "use onnxruntime.OrtValue.ortvalue_from_shape_and_type (host memory)",
+    "set_ep_dynamic_options": "providers are fixed when the workers start; create a new session",
+}
+
+
 # -- IOBinding --------------------------------------------------------------------------------
 class IOBinding:
     """ORT's IOBinding for host memory: inputs bound as arrays or CPU OrtValues, outputs
@@ -351,7 +366,7 @@ class InferenceSession:
         providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None = None,
         provider_options: Sequence[Mapping[str, Any]] | None = None,
         *,
-        shares: Sequence[float] | str = (0.85, 0.15),
+        shares: Sequence[float] | str | None = (0.85, 0.15),
         policy: str = "heft",
         cpu_groups: str = "numa",
         cuda_streams: int | None = None,
@@ -407,9 +422,15 @@ class InferenceSession:
         else:
             if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
                 raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
+            placed = sorted({"output_dir", "force"} & options.keys())
+            if placed:
+                raise TypeError(f"partition_options cannot set {placed[0]}: a session's plan lives under "
+                                "STARONNX_HOME; for a plan elsewhere, staronnx.partition(model, "
+                                "output_dir=...) and pass that folder")
             source, model, sha256 = _load_source(path_or_bytes)
             self._meta = ModelMetadata.of(model)
-            shares = shares if isinstance(shares, str) else [float(s) for s in shares]
+            if shares is not None and not isinstance(shares, str):
+                shares = [float(s) for s in shares]
             key = _settings_key(shares, options, groups, streams)
             from staronnx.workers.host import partition
 
@@ -625,6 +646,18 @@ class InferenceSession:
         if not isinstance(iobinding, IOBinding):
             raise TypeError("run_with_iobinding takes the IOBinding this session's io_binding() made")
         iobinding._run()
+
+    def __getattr__(self, name: str) -> Any:
+        """ORT methods that have no meaning over staronnx's workers: one line saying so and
+        what to use, instead of an AttributeError that reads like a typo."""
+        why = _REFUSED.get(name)
+        if why is None:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+        def refused(*args: Any, **kwargs: Any) -> Any:
+            raise NotImplementedError(f"staronnx.InferenceSession.{name}: {why}")
+
+        return refused
 
     @property
     def runtime(self) -> Runtime:
