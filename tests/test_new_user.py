@@ -256,3 +256,64 @@ def test_the_home_check_leaves_a_concurrent_processs_weights_alone(tmp_path):
             if proc is not None:
                 proc.kill()
                 proc.wait()
+
+
+# ---------------------------------------------------------------------------- 5: plot colours, axes
+def _point(b: int, rate: float, latency: float | None, *, congested: bool = False, share: float | None = 1.0) -> dict:
+    return {"batch_size": b, "offered_rate": rate, "throughput": rate * (0.5 if congested else 1.0),
+            "paper_latency_mean_ms": latency, "paper_latency_std_ms": None if latency is None else latency / 10,
+            "cpu_share": share, "congested": congested, "stable": not congested, "policy": "heft",
+            "groups": "0", "cuda_streams": 0}
+
+
+def _written(tmp_path: Path, name: str, rows: list[dict]) -> Path:
+    from staronnx.bench.results import write_results
+
+    write_results(tmp_path / name, rows, settings={"label": name})
+    return tmp_path / name
+
+
+def test_sweep_plot_compare_gives_each_sweep_its_own_colour_when_the_first_has_no_steady_point(tmp_path, monkeypatch):
+    """The first sweep congested everywhere (no best latency to draw on the left): its
+    throughput on the right used to take the default colour, the second sweep's too."""
+    from staronnx.bench import plots
+
+    a = _written(tmp_path, "congested", [_point(1, 50, 80.0, congested=True), _point(2, 50, 90.0, congested=True)])
+    b = _written(tmp_path, "steady", [_point(1, 50, 5.0), _point(1, 100, 6.0)])
+    figures = []
+    real = plots.figure_compare
+    monkeypatch.setattr(plots, "figure_compare", lambda *a, **k: figures.append(real(*a, **k)) or figures[-1])
+    from typer.testing import CliRunner
+
+    from staronnx.cli import app
+
+    res = CliRunner().invoke(app, ["sweep-plot", str(a), "--compare", str(b), "-o", str(tmp_path / "c.png")])
+    assert res.exit_code == 0, res.output
+    (fig, series), = figures
+    assert series == ["congested", "steady"]
+    right = {ln.get_label(): ln.get_color() for ln in fig.axes[1].lines if ln.get_label() != "offered"}
+    left = {ln.get_label(): ln.get_color() for ln in fig.axes[0].lines}
+    assert right["congested"] != right["steady"], right
+    assert left["steady"] == right["steady"]
+
+
+def test_a_batch_size_has_one_colour_in_every_figure_and_cpu_share_starts_at_zero():
+    """b=1 has no latency (left out of latency_throughput) but a CPU share: b=2 and b=4 used to
+    shift colours between the two figures. One rate per batch size (the rest congested, as
+    on a small machine) used to give cpu_share an x axis of 48-52."""
+    from matplotlib.colors import to_hex
+
+    from staronnx.bench.plots import figure_cpu_share, figure_latency_throughput
+
+    rows = [_point(1, 50, None), _point(2, 50, 12.0), _point(4, 50, 20.0)]
+    lat, _ = figure_latency_throughput(rows)
+    share, _ = figure_cpu_share(rows)
+
+    # latency_throughput draws error bars (containers whose first artist is the line)
+    lat_c = {c.get_label(): to_hex(c[0].get_color()) for c in lat.axes[0].containers}
+    share_c = {ln.get_label(): to_hex(ln.get_color()) for ln in share.axes[0].lines}
+    assert set(lat_c) == {"b = 2", "b = 4"} and set(share_c) == {"b = 1", "b = 2", "b = 4"}
+    assert all(lat_c[k] == share_c[k] for k in lat_c), (lat_c, share_c)
+    low, high = share.axes[0].get_xlim()
+    assert low == 0 and 50 < high <= 60
+    assert any("no CUDA worker" in t.get_text() for t in share.axes[0].texts)

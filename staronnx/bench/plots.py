@@ -56,6 +56,13 @@ def _by_batch(rows: Rows) -> dict[int, list[Mapping[str, Any]]]:
     return out
 
 
+def _colors(rows: Rows) -> dict[int, str]:
+    """One colour per batch size, from every batch size of the sweep: ``b = 4`` is the same
+    colour in every figure, whichever batch sizes a figure leaves out (no latency, no share)."""
+    sizes = sorted({int(r["batch_size"]) for r in rows})
+    return {b: f"C{i % 10}" for i, b in enumerate(sizes)}
+
+
 def _title(rows: Rows, what: str) -> str:
     first = rows[0] if rows else {}
     bits = [f"{first.get('policy')}" if first.get("policy") else "", f"groups {first.get('groups')}"
@@ -77,6 +84,7 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
     _need(rows)
     fig, ax = plt.subplots(figsize=(7.5, 5))
     series: list[str] = []
+    colors = _colors(rows)
     for b, pts in _by_batch(rows).items():
         xs = [_num(r.get("throughput")) for r in pts]
         ys = [_num(r.get(latency)) for r in pts]
@@ -88,7 +96,7 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
         low = [0.0 if not (math.isfinite(e) and math.isfinite(y)) else min(e, 0.9 * y) for e, y in zip(es, ys, strict=True)]
         high = [0.0 if not math.isfinite(e) else e for e in es]
         line = ax.errorbar(xs, ys, yerr=None if spread is None else [low, high],
-                           marker="o", ms=4, capsize=2, label=label)
+                           marker="o", ms=4, capsize=2, label=label, color=colors[b])
         color = line[0].get_color()
         hot = [(x, y) for x, y, r in zip(xs, ys, pts, strict=True) if r.get("congested")]
         if hot:
@@ -143,13 +151,14 @@ def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
     _need(rows)
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     series = []
+    colors = _colors(rows)
     for b, pts in _by_batch(rows).items():
         xs = [float(r["offered_rate"]) for r in pts]
         ys = [_num(r.get("cpu_share")) for r in pts]
         if not any(math.isfinite(y) for y in ys):
             continue
         label = f"b = {b}"
-        ax.plot(xs, [100 * y for y in ys], "o-", ms=4, label=label)
+        ax.plot(xs, [100 * y for y in ys], "o-", ms=4, label=label, color=colors[b])
         series.append(label)
     if not series:
         plt.close(fig)
@@ -157,6 +166,13 @@ def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
     ax.set_xlabel("offered rate (requests/s)")
     ax.set_ylabel("part-tasks run on a CPU (%)")
     ax.set_ylim(-3, 103)
+    # rates from 0: one measured rate (the others congested) is a dot at its rate, not the
+    # middle of a 48-52 axis
+    ax.set_xlim(0, 1.05 * max(float(r["offered_rate"]) for r in rows))
+    shares = [_num(r.get("cpu_share")) for r in rows if math.isfinite(_num(r.get("cpu_share")))]
+    if all(v >= 1.0 - 1e-9 for v in shares) and not any(r.get("cuda_streams") for r in rows):
+        ax.text(0.5, 0.5, "no CUDA worker: every part-task runs on a CPU", transform=ax.transAxes,
+                ha="center", va="center", fontsize=9, color="grey")
     ax.grid(True, alpha=0.3)
     ax.legend(title="batch size", fontsize=8)
     ax.set_title(_title(rows, "CPU share vs rate"))
@@ -172,10 +188,11 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
         raise PlotError("no simulated points (sweep with simulate=True / --simulate)")
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     series: list[str] = []
+    colors = _colors(rows)
     for b, pts in _by_batch(simulated).items():
         xs = [_num(r.get("offered_rate")) for r in pts]
-        line = left.plot(xs, [_num(r.get("throughput")) for r in pts], "o-", ms=4, label=f"b = {b} measured")[0]
-        color = line.get_color()
+        color = colors[b]
+        left.plot(xs, [_num(r.get("throughput")) for r in pts], "o-", ms=4, color=color, label=f"b = {b} measured")
         left.plot(xs, [_num(r.get("sim_throughput")) for r in pts], "x--", color=color, label=f"b = {b} simulated")
         right.plot(xs, [_num(r.get("latency_p50_ms")) for r in pts], "o-", ms=4, color=color)
         right.plot(xs, [_num(r.get("sim_latency_p50_ms")) for r in pts], "x--", color=color)
@@ -202,12 +219,11 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
         raise PlotError("nothing to compare")
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 5))
     series = []
-    for rows, label in zip(results, labels, strict=True):
+    for i, (rows, label) in enumerate(zip(results, labels, strict=True)):
         best = best_per_rate(rows, latency)
-        color = None
+        color = f"C{i % 10}"  # one colour per sweep on both axes, whether or not it has a best point
         if best:
-            (line,) = ax.plot(list(best), [v[latency] for v in best.values()], "o-", ms=4, label=label)
-            color = line.get_color()
+            ax.plot(list(best), [v[latency] for v in best.values()], "o-", ms=4, label=label, color=color)
         top: dict[float, float] = {}
         for r in rows:
             rate, thr = float(r["offered_rate"]), _num(r.get("throughput"))
