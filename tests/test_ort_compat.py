@@ -295,3 +295,35 @@ def test_ort_methods_without_meaning_here_are_refused_in_one_line(home, model_pa
             sess.no_such_method  # noqa: B018
     with pytest.raises(TypeError, match="output_dir"):
         staronnx.InferenceSession(model_path, partition_options={"output_dir": "elsewhere"})
+
+
+def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, model_path, monkeypatch):
+    """Where CUDA can run: two CUDA streams by default, ORT's CUDA provider options passed to
+    every CUDA worker (less the device and stream, which are each worker's own). Checked on any
+    host by standing in for CUDA's availability and for the Runtime."""
+    import staronnx.runtime.session as session
+    import staronnx.workers.cuda as cuda
+
+    started: list[dict[str, Any]] = []
+
+    class FakeRuntime:
+        def __init__(self, plan: Any, **kwargs: Any) -> None:
+            started.append(kwargs)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(cuda, "cuda_unavailable_reason", lambda device_id=None: None)
+    monkeypatch.setattr(session, "Runtime", FakeRuntime)
+    options = {"device_id": 0, "gpu_mem_limit": 1 << 30}
+    staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"],
+                              partition_options={"costs": "estimate"}).close()
+    staronnx.InferenceSession(model_path, providers=["CUDAExecutionProvider"], cuda_streams=3,
+                              partition_options={"costs": "estimate"}).close()
+    staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"],
+                              partition_options={"costs": "estimate"}).close()
+    assert started[0]["cuda_streams"] == 2
+    assert started[0]["cuda_options"] == {"provider_options": {"gpu_mem_limit": str(1 << 30)}}
+    assert started[1]["cuda_streams"] == 3 and "cuda_options" not in started[1]
+    assert started[2]["cuda_streams"] == 0

@@ -392,6 +392,15 @@ class InferenceSession:
         self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
         self._provider_options.setdefault(CPU_EP, {})
 
+        cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
+                      if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}
+        if streams and cuda_given:
+            # ORT's CUDA options (gpu_mem_limit, arena settings, ...) go to every CUDA worker;
+            # the device and the stream are each worker's own, so those are not passed
+            cuda_options = dict(runtime_options.get("cuda_options") or {})
+            cuda_options["provider_options"] = {**cuda_given, **dict(cuda_options.get("provider_options") or {})}
+            runtime_options["cuda_options"] = cuda_options
+
         self._meta: ModelMetadata | None = None
         try:
             self.plan = self._plan(path_or_bytes, shares, dict(partition_options or {}), cpu_groups, streams)
