@@ -7,7 +7,6 @@ import glob
 import os
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import numpy as np

@@ -33,7 +33,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
