@@ -317,3 +317,87 @@ def test_a_batch_size_has_one_colour_in_every_figure_and_cpu_share_starts_at_zer
     low, high = share.axes[0].get_xlim()
     assert low == 0 and 50 < high <= 60
     assert any("no CUDA worker" in t.get_text() for t in share.axes[0].texts)
+
+
+# ---------------------------------------------------------------------------- 6: lines under a bar
+def _screen(data: str, width: int) -> list[str]:
+    """What a terminal ``width`` columns wide shows after ``data``: the control sequences rich's
+    live display uses (carriage return, newline, cursor up, erase line, autowrap), colours
+    dropped. Lines scrolled off the top stay (a terminal's scrollback)."""
+    import re
+
+    lines: list[list[str]] = [[]]
+    row = col = 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b\][^\x07]*\x07|.|\n", data, re.S):
+        if token.startswith("\x1b"):
+            code, arg = token[-1], token[2:-1]
+            if code == "A":
+                row = max(row - int(arg or 1), 0)
+            elif code == "K":
+                lines[row] = lines[row][:col] if arg in ("", "0") else []
+                if arg == "2":
+                    lines[row] = [" "] * col
+            continue
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            row += 1
+            col = 0
+        else:
+            if col >= width:  # autowrap
+                row += 1
+                col = 0
+            while len(lines) <= row:
+                lines.append([])
+            line = lines[row]
+            line.extend(" " * (col - len(line) + 1)) if len(line) <= col else None
+            line[col] = token
+            col += 1
+        while len(lines) <= row:
+            lines.append([])
+    return ["".join(ln).rstrip() for ln in lines]
+
+
+def test_screen_emulation_erases_and_wraps():
+    assert _screen("abc\r\ndef\r\x1b[2K\x1b[1A\x1b[2Kxy\n", 10) == ["xy", ""]
+    assert _screen("0123456789ab", 10) == ["0123456789", "ab"]
+
+
+def test_sweep_point_lines_stay_whole_under_the_progress_bar_on_a_150_column_terminal(small, tmp_path):
+    """stdout and stderr on one 150-column terminal (as in a shell): each point's line used to
+    be printed after the live bar's last line and half erased by its next redraw."""
+    import pty
+    import re
+    import select
+
+    _, plan = small
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [*CLI, "sweep", str(plan), "--rates", "10,20,30", "--batch-sizes", "1", "--duration", "1s",
+         "--groups", PU, "--policy", "eager", "--no-extend", "-o", str(tmp_path / "res"), "--no-plots"],
+        stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "COLUMNS": "150", "TERM": "xterm"})
+    os.close(slave)
+    chunks = []
+    while True:
+        ready, _, _ = select.select([master], [], [], 0.5)
+        if ready:
+            try:
+                data = os.read(master, 65536)
+            except OSError:
+                break
+            if not data:
+                break
+            chunks.append(data)
+        elif proc.poll() is not None:
+            break
+    proc.wait(timeout=300)
+    os.close(master)
+    raw = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, raw[-2000:]
+    assert "\x1b[1A" in raw, "the progress display was live (else this test shows nothing)"
+    screen = _screen(raw, 150)
+    point = re.compile(r"^b=1 @ (\d+) req/s: [0-9.]+ samples/s, papers' latency [0-9.]+ ms \(std [0-9.-]+\), "
+                       r"p99 [0-9.]+ ms, (stable|unstable|congested)$")
+    whole = [m.group(1) for m in map(point.match, screen) if m]
+    assert whole == ["10", "20", "30"], "\n".join(screen)
+    assert not any("sweep points" in line for line in screen), "the bar is gone at the end (transient)"

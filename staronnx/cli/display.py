@@ -58,3 +58,17 @@ def bar(quiet: bool) -> Progress:
 def spinner(quiet: bool) -> Progress:
     """Steps of unknown length: a spinner, the current step, the time it has taken so far."""
     return _progress(quiet, SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+
+
+def above(progress: Progress, console: Console) -> Console:
+    """The console to print a result on while ``progress`` may be drawn.
+
+    A live bar redraws its lines in place: a line printed on another console (results go to
+    stdout, the bar to stderr) lands after the bar's last line on a shared terminal and is
+    then half erased by the next redraw. While the bar is live and stdout is that terminal too,
+    results go through the bar's own console instead, which prints them above the bar and
+    redraws it below, both whole. Otherwise (stdout a file or a pipe, no bar) ``console``.
+    """
+    if progress.live.is_started and progress.console.is_terminal and console.is_terminal:
+        return progress.console
+    return console

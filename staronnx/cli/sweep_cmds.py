@@ -17,7 +17,7 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
-from staronnx.cli.display import QUIET_HELP, output_console
+from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
@@ -117,7 +117,7 @@ class _Bars:
             p.update(self.points, completed=event.index)
             state = "[red]congested[/]" if row.get("congested") else (
                 "stable" if row.get("stable") else "[yellow]unstable[/]")
-            console.print(
+            above(p, console).print(
                 f"b={row.get('batch_size')} @ {_fmt(row.get('offered_rate'), 0)} req/s: "
                 f"{_fmt(row.get('throughput'), 1)} samples/s, papers' latency "
                 f"{_fmt(row.get('paper_latency_mean_ms'))} ms (std {_fmt(row.get('paper_latency_std_ms'))}), "
@@ -125,7 +125,7 @@ class _Bars:
             )
         elif event.kind == "skipped":
             p.update(self.points, completed=event.index)
-            console.print(f"[dim]b={event.batch_size}: congested at {event.rate:g} req/s; skipping "
+            above(p, console).print(f"[dim]b={event.batch_size}: congested at {event.rate:g} req/s; skipping "
                             f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
         elif event.kind in ("end", "interrupted"):
             if event.kind == "end":
@@ -319,7 +319,7 @@ def sweep_cmd(
             )
         except BaseException as exc:
             if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
-                console.print(
+                above(progress, console).print(
                     f"sweep interrupted: kept {bars.measured} of {bars.total} point(s) in "
                     f"{output / 'results.csv'} and {output / 'results.json'}",
                     highlight=False, soft_wrap=True,
