@@ -401,3 +401,86 @@ def test_sweep_point_lines_stay_whole_under_the_progress_bar_on_a_150_column_ter
     whole = [m.group(1) for m in map(point.match, screen) if m]
     assert whole == ["10", "20", "30"], "\n".join(screen)
     assert not any("sweep points" in line for line in screen), "the bar is gone at the end (transient)"
+
+
+# ---------------------------------------------------------------------------- 8: README curl
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _logical_lines(lines: list[str]) -> list[str]:
+    out, current = [], ""
+    for line in lines:
+        current += line.rstrip()
+        if current.endswith("\\"):
+            current = current[:-1] + " "
+            continue
+        out.append(current.strip())
+        current = ""
+    return [ln for ln in out if ln and not ln.startswith("#")]
+
+
+def test_the_readme_curl_examples_call_the_server_its_serve_command_starts(tmp_path):
+    """The README's serve block and the curl block after it, run as written (ports made free
+    ones): every curl must get a 2xx (the example used to post to a model nobody served)."""
+    import re
+    import signal
+    import time
+
+    import test_readme as readme
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    pytest.importorskip("aiohttp", reason="needs the serve extra (pip install 'staronnx[serve]')")
+    blocks = readme.read_blocks(readme.README.read_text())
+    serve = next(b for b in blocks if any(re.match(r"\s*staronnx serve plan/", ln) for ln in b.lines))
+    calls = blocks[blocks.index(serve) + 1]
+    serve_line = next(ln for ln in _logical_lines(serve.lines) if ln.startswith("staronnx serve"))
+    curls = [ln for ln in _logical_lines(calls.lines) if ln.startswith("curl ")]
+    assert curls and any("/infer" in c for c in curls)
+    # the plans the serve command names, written by the README's own partition lines
+    for name, build in readme.MODELS.items():
+        onnx.save(build(), str(tmp_path / name))
+    folders = re.findall(r"\s(plan[\w-]*/)", serve_line)
+    for folder in folders:
+        line = next(ln for b in blocks for ln in _logical_lines(b.lines)
+                    if ln.startswith("staronnx partition") and f"-o {folder}" in ln)
+        done = subprocess.run(readme.ci_line(line) + " --costs estimate -q", shell=True, cwd=tmp_path,
+                              capture_output=True, text=True, env=readme.readme_env(tmp_path), timeout=300)
+        assert done.returncode == 0, done.stderr
+    ports = dict(zip(("8000", "8001", "8002"), map(str, _free_ports(3)), strict=True))
+
+    def free(text: str) -> str:
+        return re.sub(r"\b(8000|8001|8002)\b", lambda m: ports[m.group(1)], text)
+
+    env = readme.readme_env(tmp_path)
+    proc = subprocess.Popen(free(serve_line).split("#")[0] + f" --groups {PU}", shell=True, cwd=tmp_path,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            seen.append(line)
+            if not line or line.startswith("ready"):
+                break
+        assert seen[-1].startswith("ready"), "".join(seen)
+        for curl in curls:
+            command = free(curl).replace("curl ", "curl -sS --fail-with-body ", 1)
+            done = subprocess.run(command, shell=True, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, f"README: {curl}\n{done.stdout}{done.stderr}"
+            if "/infer" in curl:
+                assert '"outputs"' in done.stdout, done.stdout
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
