@@ -484,3 +484,54 @@ def test_the_readme_curl_examples_call_the_server_its_serve_command_starts(tmp_p
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=60)
+
+
+# ---------------------------------------------------------------------------- 7: --rates auto
+def test_rates_for_spans_the_capacity_with_a_round_step():
+    from staronnx.bench.sweep import rates_for
+
+    assert rates_for(501) == [50 * i for i in range(1, 12)]
+    for capacity in (0.7, 3, 37, 501, 12_000, 250_000):
+        rates = rates_for(capacity)
+        assert 6 <= len(rates) <= 16 and rates == sorted(set(rates))
+        assert rates[0] <= 0.2 * capacity and capacity <= rates[-1] <= 1.3 * capacity
+
+
+def _sweep_rates(out: Path) -> list[float]:
+    from staronnx.bench.results import load_results
+
+    return sorted({float(r["offered_rate"]) for r in load_results(out)["rows"]})
+
+
+def test_sweep_rates_default_to_auto_from_the_lp_bound(calibrated_inception, two_groups, tmp_path):
+    """No --rates: the range comes from the LP bound over the calibrated perf models, so it
+    starts well below what the machine serves (the README's 50:800:50 congested at 50 on a
+    small machine: one hollow point per batch size)."""
+    from staronnx.bench.bound import machine_bound
+    from staronnx.bench.simulator import build_machine
+    from staronnx.bench.sweep import rates_for
+    from staronnx.perfmodels import PerfModelStore
+
+    plan, home = calibrated_inception
+    out = tmp_path / "res"
+    res = _run(["sweep", plan.root, "--batch-sizes", "1,2", "--groups", two_groups, "--duration", "300ms",
+                "-o", out, "--no-plots"], STARONNX_HOME=str(home), COLUMNS="250")
+    assert res.returncode == 0, res.stderr
+    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home), cpu_fallback=False)
+    capacity = max(machine_bound(machine, b).throughput for b in (1, 2))
+    expected = rates_for(capacity)
+    assert "rates auto:" in res.stdout and "LP bound" in res.stdout, res.stdout
+    measured = _sweep_rates(out)
+    assert measured[0] == expected[0] and set(measured) <= set(expected), (measured, expected)
+
+
+def test_sweep_rates_auto_probes_the_runtime_when_nothing_is_calibrated(small, tmp_path):
+    _, plan = small
+    out = tmp_path / "res"
+    res = _run(["sweep", plan, "--rates", "auto", "--batch-sizes", "2", "--groups", PU, "--policy", "eager",
+                "--duration", "300ms", "-o", out, "--no-plots"], STARONNX_HOME=str(tmp_path / "empty-home"),
+               COLUMNS="250")
+    assert res.returncode == 0, res.stderr
+    assert "closed-loop probe" in res.stdout, res.stdout
+    measured = _sweep_rates(out)
+    assert measured and measured[0] > 0

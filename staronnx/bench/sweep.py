@@ -350,3 +350,109 @@ def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, ra
     row["loadgen"] = clean(records.settings.get("loadgen"))
     row["placement"] = clean(summary.get("placement"))
     return row
+
+
+# ---------------------------------------------------------------------------- --rates auto
+#: how many rates an automatic range has, and how far above the capacity it reaches
+AUTO_RATES = 10
+AUTO_TOP = 1.1
+
+
+@dataclass
+class AutoRates:
+    """Rates derived from what the runtime can serve: ``capacity`` samples/s, from ``source``."""
+
+    rates: list[float]
+    capacity: float
+    source: str  # "bound" (LP bound over calibrated perf models) or "probe" (closed loop, measured)
+    detail: str
+
+    def describe(self) -> str:
+        step = self.rates[1] - self.rates[0] if len(self.rates) > 1 else self.rates[0]
+        return (f"rates auto: {_g(self.rates[0])}:{_g(self.rates[-1])}:{_g(step)} req/s "
+                f"({len(self.rates)} rates, up to {AUTO_TOP:.0%} of {self.detail})")
+
+
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
+def _nice(x: float) -> float:
+    """``x`` rounded to the nearest (on a log scale) of 1, 2, 2.5 or 5 times a power of ten."""
+    if not (math.isfinite(x) and x > 0):
+        return 1.0
+    power = 10 ** math.floor(math.log10(x))
+    return min((m * power for m in (1, 2, 2.5, 5, 10)), key=lambda v: abs(math.log(v / x)))
+
+
+def rates_for(capacity: float, count: int = AUTO_RATES, top: float = AUTO_TOP) -> list[float]:
+    """``count`` evenly spaced rates (requests/s, one sample each) with a round step, from about
+    ``capacity / count`` up to about ``top * capacity``: most points below what the runtime
+    serves, the last ones past it, where a batch size congests."""
+    step = _nice(top * capacity / count)
+    n = max(2, math.floor(top * capacity / step + 1e-9))
+    return [round(step * i, 9) for i in range(1, n + 1)]
+
+
+def auto_rates(
+    plan: Plan,
+    batch_sizes: Sequence[int],
+    *,
+    policy: str = "heft",
+    groups: str = "numa",
+    cuda_streams: int = 0,
+    engine: str = "native",
+    store: Any = None,
+    probe_seconds: float = 1.0,
+    seed: int = 0,
+) -> AutoRates:
+    """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
+    batch size's curve up to where it congests instead of one congested point per batch size.
+
+    From the LP throughput bound over the calibrated perf models (the largest over
+    ``batch_sizes``) where the plan is calibrated for these workers; else from a short closed
+    loop on the runtime itself (``probe_seconds`` of batches of the largest size, kept two per
+    worker in flight), whose throughput is what the runtime serves at most.
+    """
+    sizes = sorted({int(b) for b in batch_sizes})
+    try:
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
+        bounds, _ = batch_bounds(machine, sizes)
+    except StaronnxError:
+        bounds = {}
+    bounds = {b: v["throughput"] for b, v in bounds.items() if math.isfinite(v["throughput"]) and v["throughput"] > 0}
+    if bounds:
+        b = max(bounds, key=bounds.get)
+        capacity = bounds[b]
+        return AutoRates(rates_for(capacity), capacity, "bound",
+                         f"the LP bound over the calibrated perf models, {capacity:,.0f} samples/s at b={b}")
+    b = sizes[-1]
+    capacity = _probe(plan, b, policy=policy, groups=groups, cuda_streams=cuda_streams, engine=engine,
+                      seconds=probe_seconds, seed=seed)
+    return AutoRates(rates_for(capacity), capacity, "probe",
+                     f"a {probe_seconds:g} s closed-loop probe, {capacity:,.0f} samples/s at b={b}; "
+                     f"no calibrated perf models for the LP bound")
+
+
+def _probe(plan: Plan, batch: int, *, policy: str, groups: str, cuda_streams: int, engine: str,
+           seconds: float, seed: int) -> float:
+    """Samples/s the runtime serves with batches of ``batch`` back to back (closed loop)."""
+    from staronnx.verify import random_plan_feeds
+
+    feeds = random_plan_feeds(plan, batch, seed=seed)
+    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine) as rt:
+        rt.run(feeds)  # warm-up
+        depth = max(2, 2 * len(rt.stats()["workers"]))
+        inflight = [rt.submit(feeds) for _ in range(depth)]
+        done = 0
+        start = time.perf_counter()
+        while True:
+            inflight.pop(0).result()
+            done += 1
+            elapsed = time.perf_counter() - start
+            if elapsed >= seconds and done >= depth:
+                break
+            inflight.append(rt.submit(feeds))
+        for fut in inflight:
+            fut.result()
+    return done * batch / elapsed

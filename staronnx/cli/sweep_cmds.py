@@ -235,7 +235,9 @@ def _sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., lis
 def sweep_cmd(
     ctx: typer.Context,
     plandir: Annotated[Path, typer.Argument(help="Plan folder (calibrate it first for predictions and the bound).")],
-    rates: Annotated[str, typer.Option(help="Offered rates, requests/s: start:stop:step (stop included) or a,b,c.")] = "50:800:50",
+    rates: Annotated[str, typer.Option(help="Offered rates, requests/s: start:stop:step (stop included), a,b,c, "
+                                            "or auto: about 10 rates up to 110% of what this machine serves (the LP "
+                                            "bound of the calibrated perf models, else a 1 s closed-loop probe).")] = "auto",
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes b (a batch leaves when full).")] = "1,2,4,8,16",
     policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
@@ -278,7 +280,8 @@ def sweep_cmd(
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
 
-    rate_list = parse_rates(rates)
+    auto = rates.strip().lower() == "auto"
+    rate_list = [] if auto else parse_rates(rates)
     sizes = parse_batch_sizes(batch_sizes)
     run = sweep
     if url is not None:  # over the network: the server's settings, except those named on the command line
@@ -300,6 +303,9 @@ def sweep_cmd(
     real = None if inputs is None else load_inputs(inputs, plan)
     if url is None:  # over the network the groups are the server's
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
+    if auto:
+        rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
+                                engine=engine, seed=seed)
     console.print(
         f"sweeping plan {plan.hash} ({plan.k} parts) "
         + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
@@ -334,6 +340,35 @@ def sweep_cmd(
         console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
     if plots and rows:
         _draw(output, extra, names, output / "compare.png")
+
+
+def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, groups: str,
+                cuda_streams: int, engine: str, seed: int) -> list[float]:
+    """``--rates auto``: the range from the LP bound or a closed-loop probe, said on stdout."""
+    from staronnx.bench.sweep import auto_rates, rates_for
+
+    if url is not None:  # the server's runtime cannot be probed from here: its perf models only
+        from staronnx.bench.simulator import build_machine
+        from staronnx.bench.bound import batch_bounds
+
+        try:
+            bounds, _ = batch_bounds(build_machine(plan, groups=groups, cuda_streams=cuda_streams,
+                                                   cpu_fallback=False), sizes)
+        except StaronnxError:
+            bounds = {}
+        if not bounds:
+            raise StaronnxError("--rates auto with --url needs the plan's calibrated perf models on this "
+                                "host (staronnx calibrate); or give --rates, e.g. 10:100:10")
+        capacity = max(v["throughput"] for v in bounds.values())
+        rates = rates_for(capacity)
+        console.print(f"rates auto: {len(rates)} rates from {rates[0]:g} to {rates[-1]:g} req/s (the LP bound "
+                      f"over the calibrated perf models: {capacity:,.0f} samples/s)", highlight=False)
+        return rates
+    with console.status("probing the runtime's throughput for --rates auto"):
+        chosen = auto_rates(plan, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
+                            engine=engine, seed=seed)
+    console.print(chosen.describe(), highlight=False, soft_wrap=True)
+    return chosen.rates
 
 
 def _draw(output: Path, extra: list[Path], names: list[str] | None, compare_png: Path) -> None:
