@@ -198,8 +198,14 @@ def test_request_future_keeps_the_attributes_of_a_request_future(stand_in):
         f.result(timeout=10)
     plain = set(vars(RequestFuture(0)))
     # built without Future.__init__: if RequestFuture or Future grows an attribute, so must it
-    assert plain <= set(vars(f)), plain - set(vars(f))
+    missing = {name for name in plain if not hasattr(f, name)}
+    assert not missing, missing
     assert isinstance(f, RequestFuture) and f.request_id == 0 and f.placement == {}
+    assert f._waiters == [] and f._done_callbacks == []  # made on first use
+    # a live request costs the cycle collector two objects: the future and its record
+    fresh = server_module._Request(server, f._record, _sample(1))
+    assert not gc.is_tracked(fresh.placement)
+    assert fresh._waiter_list is None and fresh._callback_list is None
 
 
 def test_request_futures_wait_time_out_cancel_and_await_like_futures(stand_in):

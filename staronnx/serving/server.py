@@ -86,7 +86,9 @@ class _Request(RequestFuture):
     the future, and a microsecond to build). The futures of one server share one Condition
     instead, which only guards state changes; a caller that blocks in ``result()`` waits on a
     lock of its own, registered as a waiter the way ``concurrent.futures.wait`` registers
-    its own, so a result wakes that caller only (no herd on the shared Condition). ``cancel``
+    its own, so a result wakes that caller only (no herd on the shared Condition). Its waiter
+    and callback lists are made on first use (most requests never have either): a live
+    request is two tracked objects, this and its record, where it was fourteen. ``cancel``
     tells the server directly, where a done-callback would run on every completion.
     """
 
@@ -97,8 +99,8 @@ class _Request(RequestFuture):
         self._state = _PENDING
         self._result = None
         self._exception = None
-        self._waiters: list[Any] = []
-        self._done_callbacks: list[Any] = []
+        self._waiter_list: list[Any] | None = None
+        self._callback_list: list[Any] | None = None
         self.request_id = record.id
         self.placement: dict[str, str] = {}
         self.batch: Any = None
@@ -106,11 +108,26 @@ class _Request(RequestFuture):
         self._record = record
         self._sample = sample
 
+    # Future's code and concurrent.futures.wait() use these lists under the shared Condition
+    # (appends, removals, the loops of set_result and friends) or once the future is settled
+    # (_invoke_callbacks), so making them on first use cannot race.
+    @property
+    def _waiters(self) -> list[Any]:
+        if self._waiter_list is None:
+            self._waiter_list = []
+        return self._waiter_list
+
+    @property
+    def _done_callbacks(self) -> list[Any]:
+        if self._callback_list is None:
+            self._callback_list = []
+        return self._callback_list
+
     def cancel(self) -> bool:
         if not super().cancel():
             return False
         with self._condition:
-            blocked = [w for w in self._waiters if isinstance(w, _Wakeup)]
+            blocked = [w for w in self._waiter_list or () if isinstance(w, _Wakeup)]
         for w in blocked:
             w.add_cancelled(self)
         self._server._on_cancel()
@@ -649,9 +666,10 @@ class Server:
         with self._future_cond:
             for i, p in enumerate(batch):
                 state = p._state
+                waiters = p._waiter_list or ()
                 if state == CANCELLED:  # the caller cancelled it; the batch ran anyway
                     p._state = CANCELLED_AND_NOTIFIED
-                    for w in p._waiters:
+                    for w in waiters:
                         w.add_cancelled(p)
                     continue
                 if state in _SETTLED:
@@ -660,18 +678,18 @@ class Server:
                 if results is None:
                     p._exception = error
                     p._state = FINISHED
-                    for w in p._waiters:
+                    for w in waiters:
                         w.add_exception(p)
                 else:
                     p._result = results[i]
                     p._state = FINISHED
-                    for w in p._waiters:
+                    for w in waiters:
                         w.add_result(p)
-                settled.append(p)
+                if p._callback_list:
+                    settled.append(p)
             self._future_cond.notify_all()
         for p in settled:
-            if p._done_callbacks:
-                p._invoke_callbacks()
+            p._invoke_callbacks()
 
     def _trace(self, record: BatchRecord, batch: list[_Request], *, failed: bool) -> None:
         assert self._tracer is not None
