@@ -452,3 +452,7 @@ def test_records_are_snapshots(stand_in):
     assert after.requests[2].done is not None and after.requests[2].batch_id == 1
     assert [type(r) for r in after.requests] == [type(before.requests[0])] * 3
     assert after.requests[0] == before.requests[0] and after.requests[0] is not before.requests[0]
+    assert before.batches[0] == after.batches[0] and before.batches[0] is not after.batches[0]
+    before.batches[0].request_ids.append(99)
+    before.batches[0].placement["part0"] = "x"
+    assert server.records().batches[0] == after.batches[0]  # a copy's lists are its own

@@ -50,6 +50,15 @@ class BatchRecord:
     #: real number of requests); None when it ran as it was
     padded_to: int | None = None
 
+    def copy(self) -> BatchRecord:
+        """A snapshot of this record, its request ids and placement copied too (see
+        :meth:`RequestRecord.copy`)."""
+        new = object.__new__(BatchRecord)
+        new.__dict__.update(self.__dict__)
+        new.request_ids = list(self.request_ids)
+        new.placement = dict(self.placement)
+        return new
+
 
 @dataclass
 class RunRecords:

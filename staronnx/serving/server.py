@@ -28,7 +28,6 @@ simulator fills too, so :func:`staronnx.serving.metrics.summarize` reads both.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import functools
 import gc
 import itertools
@@ -771,8 +770,7 @@ class Server:
         with self._cond:
             reqs = [r.copy() for r in self._requests if since is None or r.arrival >= since]
             ids = {r.id for r in reqs}
-            batches = [dataclasses.replace(b, request_ids=list(b.request_ids), placement=dict(b.placement))
-                       for b in self._batches if ids.intersection(b.request_ids)]
+            batches = [b.copy() for b in self._batches if ids.intersection(b.request_ids)]
             samples = [s for s in self._queue_samples if since is None or s[0] >= since]
             now = self.clock()
         arrivals = sorted(r.arrival for r in reqs)
