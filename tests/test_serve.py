@@ -311,21 +311,26 @@ def test_a_failing_part_fails_its_own_request_only(server, plans):
     _check(plans["fragile"], good, _http_infer(h, good, model="fragile").as_numpy("y"))
 
 
-def test_a_full_queue_answers_503_unavailable_at_once_and_keeps_serving(server, plans):
-    """A request of 4096 samples cannot fit a 64-sample queue: refused whole, nothing grows."""
+def test_a_request_larger_than_the_queue_is_400_naming_the_limit_and_nothing_grows(server, plans):
+    """Issue 21 D6: 4096 samples can never fit a 64-sample queue, however idle the server: not
+    503 "retry later" (no retry can succeed) but 400 naming --queue-capacity; nothing queued."""
     h = thttp.InferenceServerClient(server.http)
     g = tgrpc.InferenceServerClient(server.grpc)
     big = _x(4096, seed=6)
     before = _metrics(server.metrics)
     with pytest.raises(InferenceServerException) as e:
         _http_infer(h, big)
-    assert e.value.status() == "503" and "queue is full" in e.value.message()
+    assert e.value.status() == "400", e.value.message()
+    assert "4096 samples" in e.value.message() and "at most 64" in e.value.message()
+    assert "--queue-capacity" in e.value.message() and "retry" not in e.value.message()
     with pytest.raises(InferenceServerException) as e:
         _grpc_infer(g, big)
-    assert e.value.status() == "StatusCode.UNAVAILABLE"
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "at most 64" in e.value.message()
     after = _metrics(server.metrics)
-    assert (_m(after, "nv_inference_request_failure", model="tiny", version="1", reason="REJECTED")
-            - _m(before, "nv_inference_request_failure", model="tiny", version="1", reason="REJECTED")) == 2
+    d = lambda name, **kw: _m(after, name, model="tiny", version="1", **kw) - _m(before, name, model="tiny", version="1", **kw)  # noqa: E731
+    assert d("nv_inference_request_failure", reason="OTHER") == 2
+    assert d("nv_inference_request_failure", reason="REJECTED") == 0
+    assert d("nv_inference_count") == 0
     x = _x(2, seed=7)
     _check(plans["tiny"], x, _grpc_infer(g, x).as_numpy("y"))
 

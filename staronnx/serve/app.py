@@ -68,8 +68,16 @@ class Listen:
     drain_timeout: float = 30.0
 
 
-def server_metadata() -> dict[str, object]:
-    return {"name": "staronnx", "version": _version(), "extensions": ["binary_tensor_data"]}
+#: the protocol extensions this server serves, by Triton's names (a client may test for them):
+#: binary tensors over HTTP, the classification output parameter, model configuration,
+#: statistics, and the repository index (read-only: loading and unloading are refused)
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
+
+
+def server_metadata(extensions: Sequence[str] = ("binary_tensor_data",)) -> dict[str, object]:
+    """The server metadata; ``extensions``: those the front end calling serves (``staronnx
+    serve``'s own: :data:`EXTENSIONS`)."""
+    return {"name": "staronnx", "version": _version(), "extensions": list(extensions)}
 
 
 def _version() -> str:
@@ -96,10 +104,10 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
-    from staronnx.serve.http_api import HttpFrontend
+    from staronnx.serve.http_api import HttpFrontend, _server_header
 
     by_name = {m.name: m for m in models}
-    meta = server_metadata()
+    meta = server_metadata(EXTENSIONS)
     state = {"ready": True}
 
     def is_ready() -> bool:
@@ -123,8 +131,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         raise StaronnxError(f"cannot listen on {listen.host}:{listen.grpc_port} for grpc{cause} "
                             "(choose another --grpc-port, or 0 for a free one)")
 
-    http_runner = web.AppRunner(HttpFrontend(by_name, meta, listen.max_body, is_ready).app(),
-                                access_log=None, handle_signals=False, shutdown_timeout=listen.drain_timeout)
+    http_runner = HttpFrontend(by_name, meta, listen.max_body, is_ready).runner(listen.drain_timeout)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, metrics.registry)
@@ -132,6 +139,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
 
     metrics_app = web.Application()
     metrics_app.router.add_get("/metrics", metrics_handler)
+    metrics_app.on_response_prepare.append(_server_header)
     metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
 
     await http_runner.setup()

@@ -1,4 +1,7 @@
-"""The KServe v2 gRPC API on ``grpc.aio``, with stubs generated from ``proto/grpc_predict_v2.proto``.
+"""The KServe v2 gRPC API on ``grpc.aio``, with stubs generated from ``proto/grpc_predict_v2.proto``
+(Triton's GRPCInferenceService: KServe's calls plus ModelConfig, ModelStatistics and
+RepositoryIndex, which Triton's tools call; RepositoryModelLoad/Unload answer
+FAILED_PRECONDITION, the other Triton calls UNIMPLEMENTED).
 
 Why grpcio: it is gRPC's reference implementation (HTTP/2, flow control, deadlines,
 cancellation, message size limits all in its C core), and ``grpc.aio`` runs its handlers on the
@@ -7,7 +10,9 @@ same asyncio loop as the HTTP front end, so both await the same batcher.
 Inputs come as ``raw_input_contents`` (what tritonclient sends: one bytes entry per input) or
 as typed ``contents``; outputs always go back as ``raw_output_contents``, as Triton does. A
 message larger than ``--max-body`` is refused by gRPC's core with RESOURCE_EXHAUSTED before any
-handler sees it (gRPC's standard answer to an oversized message, and it costs no memory).
+handler sees it (gRPC's standard answer to an oversized message, and it costs no memory). A
+message that does not decode is INVALID_ARGUMENT (the handlers are registered with deserializers
+that catch protobuf's DecodeError; grpc's own answer would be UNKNOWN).
 
 The generated module registers the ``inference.*`` messages in protobuf's default pool, as
 ``tritonclient.grpc`` does with its own copy: import this server and ``tritonclient.grpc`` in
@@ -27,15 +32,20 @@ import numpy as np
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
-from staronnx.serve.proto import grpc_predict_v2_pb2_grpc as pb_grpc
-from staronnx.serve.protocol import ProtocolError, invalid
+from staronnx.serve.proto import model_config_pb2 as mc
+from staronnx.serve.protocol import ProtocolError, invalid, shown, unknown_model
+
+SERVICE = "inference.GRPCInferenceService"
 
 log = logging.getLogger("staronnx.serve")
 
 
-class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
-    """The servicer: every RPC of the v2 service, errors as gRPC status codes."""
+class GrpcFrontend:
+    """The servicer: the RPCs of :data:`SERVED`, errors as gRPC status codes."""
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any],
                  is_ready: Callable[[], bool]) -> None:
@@ -46,7 +56,7 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
     def _model(self, name: str, version: str) -> ModelEndpoint:
         model = self.models.get(name)
         if model is None:
-            raise ProtocolError("not_found", f"unknown model {name!r}; this server serves {sorted(self.models)}")
+            raise unknown_model(name, list(self.models))
         model.check_version(version)
         return model
 
@@ -73,6 +83,42 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
 
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
+        model = await _guard(context, lambda: self._model(request.name, request.version))
+        return pb.ModelConfigResponse(config=json_format.ParseDict(model.config(), mc.ModelConfig()))
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
+                              context: grpc.aio.ServicerContext) -> pb.ModelStatisticsResponse:
+        """One model's statistics (by name), or every model's (no name), as Triton's."""
+        if request.name:
+            models = [await _guard(context, lambda: self._model(request.name, request.version))]
+        else:
+            models = [self.models[n] for n in sorted(self.models)]
+        return json_format.ParseDict({"model_stats": [m.statistics() for m in models]}, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
+                              context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
+        from staronnx.serve.http_api import repository_index
+
+        entries = repository_index(self.models, self.is_ready(), request.ready)
+        return json_format.ParseDict({"models": entries}, pb.RepositoryIndexResponse())
+
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: grpc.aio.ServicerContext) -> pb.RepositoryModelLoadResponse:
+        from staronnx.serve.http_api import refused_load
+
+        exc = refused_load(request.model_name, "load")
+        await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
+        raise AssertionError("unreachable")
+
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: grpc.aio.ServicerContext) -> pb.RepositoryModelUnloadResponse:
+        from staronnx.serve.http_api import refused_load
+
+        exc = refused_load(request.model_name, "unload")
+        await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
+        raise AssertionError("unreachable")
+
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         try:
             model = self._model(request.model_name, request.model_version)
@@ -83,7 +129,9 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
                 model.stats.refused("OTHER")
                 raise
             wanted = [o.name for o in request.outputs] or None
-            answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0)
+            classes = {o.name: int(o.parameters["classification"].int64_param) for o in request.outputs
+                       if "classification" in o.parameters}
+            answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes)
         except ProtocolError as exc:
             await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
             raise AssertionError("unreachable") from None
@@ -95,7 +143,8 @@ class GrpcFrontend(pb_grpc.GRPCInferenceServiceServicer):
             else:
                 response.parameters[key].string_param = str(value)
         for name, arr in answer.outputs.items():
-            response.outputs.add(name=name, datatype=model.output_datatypes[name], shape=list(arr.shape))
+            response.outputs.add(name=name, datatype=protocol.output_datatype(arr, model.output_datatypes[name]),
+                                 shape=list(arr.shape))
             response.raw_output_contents.append(protocol.to_raw(arr))
         model.stats.encoded(time.perf_counter() - t2)
         return response
@@ -119,23 +168,55 @@ def _decode_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray]
     for i, tensor in enumerate(request.inputs):
         name = tensor.name
         if name in inputs:
-            raise invalid(f"input {name!r} is given twice")
+            raise invalid(f"input {shown(name)} is given twice")
         shape = list(tensor.shape)
         if raw:
             if tensor.HasField("contents"):
-                raise invalid(f"input {name!r}: both contents and raw_input_contents are set; use one")
+                raise invalid(f"input {shown(name)}: both contents and raw_input_contents are set; use one")
             inputs[name] = protocol.from_raw(name, tensor.datatype, shape, raw[i])
         else:
             field = protocol.GRPC_CONTENTS.get(tensor.datatype)
             if field is None:
                 if tensor.datatype in protocol.DATATYPES:
-                    raise invalid(f"input {name!r}: {tensor.datatype} travels only in raw_input_contents")
+                    raise invalid(f"input {shown(name)}: {tensor.datatype} travels only in raw_input_contents")
                 protocol.from_values(name, tensor.datatype, shape, [])  # raises: unknown datatype
             inputs[name] = protocol.from_values(name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
         datatypes[name] = tensor.datatype
     if not inputs:
         raise invalid("the inference request has no inputs")
     return inputs, datatypes
+
+
+#: the RPCs served (the rest of Triton's service answers UNIMPLEMENTED from gRPC's core)
+SERVED = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig",
+          "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
+
+
+class _Undecodable:
+    """What a request that does not parse deserializes to: its handler answers INVALID_ARGUMENT."""
+
+    def __init__(self, size: int, error: str) -> None:
+        self.size = size
+        self.error = error
+
+
+def _deserializer(cls: Any) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        try:
+            return cls.FromString(data)
+        except (DecodeError, ValueError, RuntimeError) as exc:
+            return _Undecodable(len(data), str(exc))
+    return parse
+
+
+def _checked(method: Callable[[Any, grpc.aio.ServicerContext], Any], rpc: str) -> Callable[..., Any]:
+    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Undecodable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the {rpc} request ({request.size} bytes) is not a valid "
+                                f"{SERVICE}/{rpc} message: {protocol.cut(request.error, 100)}")
+        return await method(request, context)
+    return handler
 
 
 def make_server(frontend: GrpcFrontend, max_body: int) -> grpc.aio.Server:
@@ -145,5 +226,13 @@ def make_server(frontend: GrpcFrontend, max_body: int) -> grpc.aio.Server:
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port taken by another process must fail, not be shared
     ])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(frontend, server)
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for rpc in SERVED:
+        method = service.methods_by_name[rpc]
+        handlers[rpc] = grpc.unary_unary_rpc_method_handler(
+            _checked(getattr(frontend, rpc), rpc),
+            request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
+            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     return server

@@ -9,27 +9,49 @@ The binary extension: with an ``Inference-Header-Content-Length: L`` header the 
 of JSON followed by the raw bytes of every input whose ``parameters.binary_data_size`` says
 how many, in input order; outputs asked for with ``binary_data`` (or every output, with the
 request parameter ``binary_data_output``) come back the same way.
+
+Triton's extensions served here: model configuration (``/config``), statistics (``/stats``),
+classification (an output's ``classification: k`` parameter), and the repository index
+(``POST /v2/repository/index``; loading and unloading are refused: a plan is served for the
+life of the process).
+
+What a hostile client meets: a body is read whole up to ``--max-body`` and decompressed
+(gzip, deflate) by this module, off the event loop, never past ``--max-body``; JSON nested too
+deep, shapes of more than 64 dimensions, request lines or headers over aiohttp's limits all
+answer 400 with the protocol's JSON error and one log line; a client that disconnects has its
+request withdrawn (counted CANCELED); the ``Server`` header names staronnx only, and a 500 says
+no more than that the log has the details.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
+import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
+from aiohttp.web_server import Server
 
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
-from staronnx.serve.protocol import ProtocolError, invalid
+from staronnx.serve.protocol import ProtocolError, cut, invalid, unknown_model
 
 log = logging.getLogger("staronnx.serve")
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+
+#: what the ``Server`` header of every response says (aiohttp's default names Python's and its own versions)
+SERVER_HEADER = "staronnx"
+
+#: the request body encodings this server decompresses itself (zlib ``wbits`` of each)
+_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
 class HttpFrontend:
@@ -45,16 +67,28 @@ class HttpFrontend:
     def app(self) -> web.Application:
         # aiohttp refuses bodies over client_max_size itself (we turn its 413 into the protocol's 400)
         app = web.Application(client_max_size=self.max_body, middlewares=[_errors])
+        app.on_response_prepare.append(_server_header)
         r = app.router
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
+        r.add_get("/v2/models/stats", self.statistics)  # before /v2/models/{model}: every model's
+        r.add_post("/v2/repository/index", self.repository_index)
+        r.add_post("/v2/repository/models/{model}/load", self.refuse_load)
+        r.add_post("/v2/repository/models/{model}/unload", self.refuse_load)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_get(prefix, self.model_metadata)
             r.add_get(prefix + "/ready", self.model_ready)
             r.add_get(prefix + "/config", self.model_config)
+            r.add_get(prefix + "/stats", self.statistics)
             r.add_post(prefix + "/infer", self.infer)
         return app
+
+    def runner(self, drain_timeout: float) -> web.AppRunner:
+        """The app's runner: handlers cancelled when their client goes away (its request is
+        withdrawn), bodies left compressed for :meth:`_read`, malformed HTTP answered in JSON."""
+        return _Runner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=drain_timeout,
+                       handler_cancellation=True, auto_decompress=False)
 
     # -- health and metadata --------------------------------------------------------------------
     async def server_metadata(self, request: web.Request) -> web.Response:
@@ -70,7 +104,7 @@ class HttpFrontend:
         name = request.match_info["model"]
         model = self.models.get(name)
         if model is None:
-            raise ProtocolError("not_found", f"unknown model {name!r}; this server serves {sorted(self.models)}")
+            raise unknown_model(name, list(self.models))
         model.check_version(request.match_info.get("version"))
         return model
 
@@ -84,6 +118,22 @@ class HttpFrontend:
         model = self._model(request)
         return web.Response(status=200 if model.ready and self.is_ready() else 503)
 
+    async def statistics(self, request: web.Request) -> web.Response:
+        """Triton's statistics extension: one model's (by name), or every model's."""
+        models = [self._model(request)] if "model" in request.match_info else [
+            self.models[n] for n in sorted(self.models)]
+        return web.json_response({"model_stats": [m.statistics() for m in models]})
+
+    async def repository_index(self, request: web.Request) -> web.Response:
+        """Triton's repository index (read-only): every served model, its version and state;
+        ``{"ready": true}`` lists only the ready ones."""
+        body = await _read_json_object(request, self.max_body)
+        only_ready = bool(body.get("ready", False))
+        return web.json_response(repository_index(self.models, self.is_ready(), only_ready))
+
+    async def refuse_load(self, request: web.Request) -> web.Response:
+        raise refused_load(request.match_info["model"], request.path.rsplit("/", 1)[-1])
+
     # -- inference ------------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.Response:
         model = self._model(request)
@@ -94,7 +144,8 @@ class HttpFrontend:
             model.stats.refused("OTHER")  # counted as Triton does: a failed request of this model
             raise
         t1 = time.perf_counter()
-        answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0)
+        answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0,
+                                   classes=_classes(header))
         t2 = time.perf_counter()
         response = _encode_response(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
                                     answer.parameters)
@@ -103,14 +154,125 @@ class HttpFrontend:
 
     async def _read(self, request: web.Request) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
                                                          list[tuple[str, bool]], bool]:
-        if request.content_length is not None and request.content_length > self.max_body:
-            raise invalid(f"request body of {request.content_length} bytes is larger than --max-body ({self.max_body} bytes)")
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise invalid(f"request body is larger than --max-body ({self.max_body} bytes)") from None
+        body = await _read_body(request, self.max_body)
         header, binary = _split_body(body, request.headers.get(HEADER_LENGTH))
         return (header, *_decode_request(header, binary))
+
+
+def repository_index(models: Mapping[str, ModelEndpoint], server_ready: bool, only_ready: bool) -> list[dict[str, str]]:
+    """Triton's repository index entries: name, version, state (READY or UNAVAILABLE), reason."""
+    out = []
+    for name in sorted(models):
+        ready = models[name].ready and server_ready
+        if only_ready and not ready:
+            continue
+        out.append({"name": name, "version": VERSION, "state": "READY" if ready else "UNAVAILABLE",
+                    "reason": "" if ready else "the server is shutting down"})
+    return out
+
+
+def refused_load(name: str, action: str) -> ProtocolError:
+    return ProtocolError("refused", f"cannot {action} model {protocol.shown(name)}: staronnx serve serves the plans "
+                                    "it was started with for the life of the process (no model control); "
+                                    "restart it with the plans to serve")
+
+
+async def _read_body(request: web.Request, max_body: int) -> bytes:
+    """The request body, at most ``max_body`` bytes, decompressed (off the event loop, never
+    past ``max_body``) when its Content-Encoding says so."""
+    if request.content_length is not None and request.content_length > max_body:
+        raise invalid(f"request body of {request.content_length} bytes is larger than --max-body ({max_body} bytes)")
+    try:
+        body = await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise invalid(f"request body is larger than --max-body ({max_body} bytes)") from None
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding in ("", "identity"):
+        return body
+    wbits = _ENCODINGS.get(encoding)
+    if wbits is None:
+        raise invalid(f"Content-Encoding {protocol.shown(encoding)} is not supported (gzip, deflate or none)")
+    return await asyncio.get_running_loop().run_in_executor(None, _inflate, body, wbits, max_body)
+
+
+def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
+    """``data`` decompressed; stops (400) as soon as the output passes ``max_body`` bytes."""
+    d = zlib.decompressobj(wbits)
+    try:
+        out = d.decompress(data, max_body + 1)
+    except zlib.error as exc:
+        raise invalid(f"the request body is not valid compressed data: {exc}") from None
+    if len(out) > max_body:
+        raise invalid(f"the request body decompresses to more than --max-body ({max_body} bytes)")
+    if not d.eof:
+        raise invalid("the compressed request body is truncated")
+    return out
+
+
+async def _read_json_object(request: web.Request, max_body: int) -> dict[str, Any]:
+    """A small JSON object body (empty body: ``{}``)."""
+    body = await _read_body(request, max_body)
+    if not body.strip():
+        return {}
+    doc = _loads(body)
+    if not isinstance(doc, dict):
+        raise invalid("the request body must be a JSON object")
+    return doc
+
+
+def _loads(data: bytes) -> Any:
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise invalid("malformed JSON in the request: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid(f"malformed JSON in the request: {cut(exc)}") from None
+
+
+def _classes(header: Mapping[str, Any]) -> dict[str, Any]:
+    """Outputs asked for with Triton's ``classification`` parameter, and their k."""
+    out: dict[str, Any] = {}
+    for spec in header.get("outputs") or []:
+        k = _params(spec, "output").get("classification") if isinstance(spec, dict) else None
+        if k is not None and isinstance(spec.get("name"), str):
+            out[spec["name"]] = k
+    return out
+
+
+async def _server_header(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["Server"] = SERVER_HEADER
+
+
+class _Handler(RequestHandler):
+    """aiohttp's connection handler, answering a request it cannot parse (a line or header over
+    its limits, a bad Content-Length) with the protocol's JSON error and one log line."""
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:
+            raise ConnectionError("a response was sent already")
+        if status >= 500:
+            log.error("internal error handling an HTTP request from %s: %s", request.remote,
+                      cut(exc if exc is not None else message))
+            text = "internal server error (the server's log has the details)"
+        else:
+            text = f"malformed HTTP request: {cut(message or (exc and getattr(exc, 'message', exc)) or 'unreadable')}"
+            log.warning("refused a malformed HTTP request from %s: %s", request.remote, text)
+        resp = web.json_response({"error": text}, status=status, headers={"Server": SERVER_HEADER})
+        resp.force_close()
+        return resp
+
+
+class _Server(Server):
+    def __call__(self) -> RequestHandler:
+        return _Handler(self, loop=self._loop, **self._kwargs)
+
+
+class _Runner(web.AppRunner):
+    async def _make_server(self) -> Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        return server
 
 
 @web.middleware
@@ -123,14 +285,15 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        text = {404: f"no such endpoint: {request.method} {request.path}",
-                405: f"method {request.method} not allowed on {request.path}"}.get(exc.status, exc.reason)
+        path = cut(request.path, 100)
+        text = {404: f"no such endpoint: {request.method} {path}",
+                405: f"method {request.method} not allowed on {path}"}.get(exc.status, exc.reason)
         return web.json_response({"error": text}, status=exc.status)
     except ConnectionError:  # the client went away mid-request: nobody to answer, nothing to log
         return web.Response(status=400)
     except Exception as exc:  # noqa: BLE001 - a server bug answers 500 and keeps serving
-        log.exception("internal error on %s %s", request.method, request.path)
-        return web.json_response({"error": f"internal server error: {type(exc).__name__}: {exc}"}, status=500)
+        log.exception("internal error on %s %s", request.method, cut(request.path, 100))
+        return web.json_response({"error": "internal server error (the server's log has the details)"}, status=500)
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
@@ -148,8 +311,10 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any],
         json_part, tail = bytes(view[:length]), view[length:]
     try:
         header = json.loads(json_part)
+    except RecursionError:
+        raise invalid("malformed JSON in the inference request: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"malformed JSON in the inference request: {exc}") from None
+        raise invalid(f"malformed JSON in the inference request: {cut(exc)}") from None
     if not isinstance(header, dict):
         raise invalid("the inference request must be a JSON object")
     return header, tail
@@ -176,21 +341,21 @@ def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
             raise invalid(f"inputs[{i}] must be an object with a 'name'")
         name = spec["name"]
         if name in inputs:
-            raise invalid(f"input {name!r} is given twice")
+            raise invalid(f"input {protocol.shown(name)} is given twice")
         datatype = spec.get("datatype")
-        size = _params(spec, f"input {name!r}").get("binary_data_size")
+        size = _params(spec, f"input {protocol.shown(name)}").get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise invalid(f"input {name!r}: binary_data_size must be a non-negative integer, got {size!r}")
+                raise invalid(f"input {protocol.shown(name)}: binary_data_size must be a non-negative integer, got {cut(size, 40)}")
             if offset + size > len(binary):
-                raise invalid(f"input {name!r}: binary_data_size {size} runs past the end of the body "
+                raise invalid(f"input {protocol.shown(name)}: binary_data_size {size} runs past the end of the body "
                               f"({len(binary) - offset} bytes left)")
             inputs[name] = protocol.from_raw(name, datatype, spec.get("shape"), binary[offset:offset + size])
             offset += size
         elif "data" in spec:
             inputs[name] = protocol.from_values(name, datatype, spec.get("shape"), spec["data"])
         else:
-            raise invalid(f"input {name!r} has neither 'data' nor parameters.binary_data_size")
+            raise invalid(f"input {protocol.shown(name)} has neither 'data' nor parameters.binary_data_size")
         datatypes[name] = datatype
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
@@ -212,13 +377,14 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name, arr in outputs.items():
-        entry: dict[str, Any] = {"name": name, "datatype": model.output_datatypes[name], "shape": list(arr.shape)}
+        datatype = protocol.output_datatype(arr, model.output_datatypes[name])
+        entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
         if wanted.get(name, binary_out):
             raw = protocol.to_raw(arr)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            entry["data"] = arr.ravel().tolist()
+            entry["data"] = protocol.to_values(arr)
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model.name, "model_version": VERSION, "outputs": entries}
     if request_id is not None:

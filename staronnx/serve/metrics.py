@@ -16,6 +16,7 @@ perf-model errors, so the scrape reads the runtime's own bookkeeping instead of 
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter as _Tally
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
@@ -45,6 +46,9 @@ class ModelStats:
         self.input_us = 0.0
         self.infer_us = 0.0
         self.output_us = 0.0
+        self.fail_us = 0.0  # cumulative duration of the failed requests (Triton's fail.ns)
+        self.last_inference_ms = 0  # wall clock of the last answer, ms since the epoch (0: none yet)
+        self.batches: dict[int, list[float]] = {}  # batch size -> [executions, cumulative run seconds]
 
     def started(self) -> None:
         with self._lock:
@@ -55,8 +59,10 @@ class ModelStats:
         """One request answered (``ok``) or failed for ``reason``; durations in seconds."""
         with self._lock:
             self.pending -= 1
+            self.last_inference_ms = int(time.time() * 1000)
             if not ok:
                 self.failure[reason] += 1
+                self.fail_us += request_s * 1e6
                 return
             self.success += 1
             self.request_us += request_s * 1e6
@@ -75,10 +81,14 @@ class ModelStats:
         with self._lock:
             self.failure[reason] += 1
 
-    def executed(self, batch_size: int) -> None:
+    def executed(self, batch_size: int, seconds: float = 0.0) -> None:
+        """One batch of ``batch_size`` samples ran, in ``seconds`` (submit to done)."""
         with self._lock:
             self.exec_count += 1
             self.inference_count += batch_size
+            row = self.batches.setdefault(batch_size, [0, 0.0])
+            row[0] += 1
+            row[1] += seconds
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -86,7 +96,9 @@ class ModelStats:
                 "success": self.success, "failure": dict(self.failure), "inference_count": self.inference_count,
                 "exec_count": self.exec_count, "pending": self.pending, "request_us": self.request_us,
                 "queue_us": self.queue_us, "input_us": self.input_us, "infer_us": self.infer_us,
-                "output_us": self.output_us,
+                "output_us": self.output_us, "fail_us": self.fail_us,
+                "last_inference_ms": self.last_inference_ms,
+                "batches": {size: tuple(row) for size, row in self.batches.items()},
             }
 
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics
-from staronnx.serve.protocol import ProtocolError, invalid
+from staronnx.serve.protocol import ProtocolError, invalid, shown
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 
 #: requests (and batches, and queue samples) whose records a served model keeps: the latest
@@ -72,9 +73,15 @@ class MeteredRuntime:
         return getattr(self.runtime, "tracer", None)
 
     def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
+        t0 = time.perf_counter()
         future = self.runtime.submit(feeds)
         size = int(feeds[self._batched[0]].shape[0]) if self._batched else 1
-        future.add_done_callback(lambda f: None if f.cancelled() or f.exception() else self._on_batch(size))
+
+        def done(f: Future) -> None:  # type: ignore[type-arg]
+            if not (f.cancelled() or f.exception()):
+                self._on_batch(size, time.perf_counter() - t0)
+
+        future.add_done_callback(done)
         return future
 
 
@@ -125,12 +132,13 @@ class ModelEndpoint:
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
         self._batched_in = {t.name for t in self.plan.inputs if t.shape and not isinstance(t.shape[0], int)}
         self._batched_out = {t.name for t in self.plan.outputs if t.shape and not isinstance(t.shape[0], int)}
+        self.labels = _labels(self.plan)
         self.ready = True
         metrics.add(self)
 
     # -- what the metrics collector reads ------------------------------------------------------
-    def _executed(self, size: int) -> None:
-        self.stats.executed(size)
+    def _executed(self, size: int, seconds: float = 0.0) -> None:
+        self.stats.executed(size, seconds)
         self._batch_hist.observe(size)
 
     def runtime_stats(self) -> dict[str, Any]:
@@ -147,7 +155,8 @@ class ModelEndpoint:
     # -- protocol -------------------------------------------------------------------------------
     def check_version(self, version: str | None) -> None:
         if version not in (None, "", VERSION):
-            raise ProtocolError("not_found", f"model {self.name!r} has no version {version!r} (it serves version {VERSION})")
+            raise ProtocolError("not_found", f"Request for unknown model: {shown(self.name)} has no version "
+                                             f"{shown(version)} (it serves version {VERSION})")
 
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
@@ -160,41 +169,102 @@ class ModelEndpoint:
                 "outputs": tensors(self.plan.outputs, self.output_datatypes)}
 
     def config(self) -> dict[str, Any]:
-        """Triton's model configuration (``GET /v2/models/<name>/config``), the fields that apply.
+        """Triton's model configuration (``GET /v2/models/<name>/config``, gRPC ``ModelConfig``),
+        the fields that apply, with Triton's conventions.
 
         ``max_batch_size`` and ``dynamic_batching`` tell a client how its samples are batched;
-        ``parameters`` (Triton's string-valued form) name the plan and the runtime settings, so
-        a remote sweep can check it measures the plan it thinks and record how it was served.
+        with ``max_batch_size > 0`` a batched tensor's ``dims`` leave out its batch axis (as
+        Triton's do; the metadata keeps the full shape with -1). An input that looks like an
+        image (C, H, W or H, W, C with 1 or 3 channels) carries its ``format``, every other one
+        ``FORMAT_NONE``; an output with labels (``labels.txt`` in the plan folder) names the file.
+        ``parameters`` (Triton's string-valued form) name the plan (its folder's name and hash,
+        never its path on the server) and the runtime settings, so a remote sweep can check it
+        measures the plan it thinks and record how it was served.
         """
         delay = self.server.max_delay
-        params = {"plan_hash": self.plan.hash, "plan": str(self.plan.root),
+        params = {"plan_hash": self.plan.hash, "plan": Path(self.plan.root).name,
                   "queue_capacity": self.server.queue_capacity, "max_inflight": self.server.max_inflight,
                   "workers": len(getattr(self.runtime, "workers", ()) or ()),
                   **self.settings}
-        meta = self.metadata()
+        batching = bool(self._batched_in)
 
-        def tensors(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-            return [{"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": t["shape"]} for t in specs]
+        def dims(t: Any, batched: set[str]) -> list[int]:
+            shape = protocol.metadata_shape(t.shape)
+            return shape[1:] if batching and t.name in batched else shape
 
+        inputs = []
+        for t in self.plan.inputs:
+            d = dims(t, self._batched_in)
+            inputs.append({"name": t.name, "data_type": "TYPE_" + self.input_datatypes[t.name],
+                           "format": _image_format(d), "dims": d})
+        outputs = []
+        for t in self.plan.outputs:
+            entry: dict[str, Any] = {"name": t.name, "data_type": "TYPE_" + self.output_datatypes[t.name],
+                                     "dims": dims(t, self._batched_out)}
+            if self.labels:
+                entry["label_filename"] = LABELS
+            outputs.append(entry)
         return {
             "name": self.name, "platform": "staronnx", "backend": "staronnx",
-            "max_batch_size": self.server.batch_size,
+            "version_policy": {"latest": {"num_versions": 1}},
+            "max_batch_size": self.server.batch_size if batching else 0,
             "dynamic_batching": {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))},
-            "input": tensors(meta["inputs"]), "output": tensors(meta["outputs"]),
+            "input": inputs, "output": outputs,
             "parameters": {k: {"string_value": str(v)} for k, v in params.items()},
         }
+
+    def statistics(self) -> dict[str, Any]:
+        """Triton's statistics extension for this model (``GET /v2/models/<name>/stats``, gRPC
+        ``ModelStatistics``), from the counts the metrics report.
+
+        As Triton defines them: ``success``/``fail`` count the requests answered and failed with
+        their cumulative end-to-end durations; ``queue`` and ``compute_input``/``compute_infer``/
+        ``compute_output`` the cumulative times of the successful ones (waiting for a batch,
+        decoding the request, their batches' runs, encoding the response);
+        ``inference_count`` samples run, ``execution_count`` batches run, and ``batch_stats``
+        the batches of each size with their cumulative run times. Durations in nanoseconds.
+        """
+        s = self.stats.snapshot()
+        ok = s["success"]
+
+        def d(count: int, us: float) -> dict[str, int]:
+            return {"count": int(count), "ns": int(round(us * 1e3))}
+
+        return {
+            "name": self.name, "version": VERSION, "last_inference": s["last_inference_ms"],
+            "inference_count": s["inference_count"], "execution_count": s["exec_count"],
+            "inference_stats": {
+                "success": d(ok, s["request_us"]), "fail": d(sum(s["failure"].values()), s["fail_us"]),
+                "queue": d(ok, s["queue_us"]), "compute_input": d(ok, s["input_us"]),
+                "compute_infer": d(ok, s["infer_us"]), "compute_output": d(ok, s["output_us"]),
+                "cache_hit": d(0, 0), "cache_miss": d(0, 0),
+            },
+            "response_stats": {},
+            "batch_stats": [{"batch_size": size, "compute_input": d(n, 0), "compute_infer": d(n, secs * 1e6),
+                             "compute_output": d(n, 0)}
+                            for size, (n, secs) in sorted(s["batches"].items())],
+            "memory_usage": [],
+        }
+
+    def classify(self, outputs: dict[str, np.ndarray], classes: Mapping[str, int]) -> None:
+        """Triton's classification extension: each output asked for with ``classification: k``
+        replaced, in place, by its top ``k`` as BYTES ``"value:index[:label]"``."""
+        for name, k in classes.items():
+            if name in outputs and k:
+                outputs[name] = protocol.classify(outputs[name], k, name in self._batched_out, self.labels)
 
     def check_request(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> int:
         """Names, datatypes, shapes against the plan; returns the request's own batch size."""
         unknown = [n for n in inputs if n not in self.inputs]
         if unknown:
-            raise invalid(f"model {self.name!r} has no input(s) {unknown}; its inputs are {list(self.inputs)}")
+            raise invalid(f"model {self.name!r} has no input(s) {', '.join(shown(n) for n in unknown[:8])}; "
+                          f"its inputs are {list(self.inputs)}")
         missing = [n for n in self.inputs if n not in inputs]
         if missing:
             raise invalid(f"model {self.name!r}: missing input(s) {missing}; its inputs are {list(self.inputs)}")
         for name, dt in datatypes.items():
             if dt != self.input_datatypes[name]:
-                raise invalid(f"input {name!r}: datatype {dt}, but model {self.name!r} expects {self.input_datatypes[name]}")
+                raise invalid(f"input {name!r}: datatype {shown(dt)}, but model {self.name!r} expects {self.input_datatypes[name]}")
         try:
             self.plan.check_feeds(inputs)
         except InputError as exc:
@@ -208,7 +278,8 @@ class ModelEndpoint:
         return n
 
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
-                    outputs: Sequence[str] | None, *, decode_s: float = 0.0) -> Answer:
+                    outputs: Sequence[str] | None, *, decode_s: float = 0.0,
+                    classes: Mapping[str, int] | None = None) -> Answer:
         """Run one protocol request (already decoded) through the batcher: its outputs by name
         and, for a one-sample request, its batch (see the module docstring).
 
@@ -219,9 +290,18 @@ class ModelEndpoint:
         try:
             names = protocol.select_outputs(self.plan.output_names, outputs, self.name)
             n = self.check_request(inputs, datatypes)
+            for name, k in (classes or {}).items():
+                if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                    raise invalid(f"output {shown(name)}: classification must be a non-negative integer, "
+                                  f"got {protocol.cut(k, 40)}")
         except ProtocolError:
             self.stats.refused("OTHER")
             raise
+        if n > self.server.queue_capacity:
+            self.stats.refused("OTHER")
+            raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request queue "
+                          f"holds at most {self.server.queue_capacity} samples (--queue-capacity); send at most "
+                          f"{self.server.queue_capacity} per request")
         futures = self._submit(inputs, n)
         self.stats.started()
         try:
@@ -229,15 +309,17 @@ class ModelEndpoint:
         except asyncio.CancelledError:  # the client went away: its samples need not run
             for f in futures:
                 f.cancel()
-            self.stats.finished(ok=False, reason="CANCELED")
+            self.stats.finished(ok=False, reason="CANCELED", request_s=time.perf_counter() - started + decode_s)
             raise
         except ServerClosed as exc:
-            self.stats.finished(ok=False, reason="REJECTED")
+            self.stats.finished(ok=False, reason="REJECTED", request_s=time.perf_counter() - started + decode_s)
             raise ProtocolError("unavailable", f"model {self.name!r}: {exc}") from None
         except Exception as exc:  # noqa: BLE001 - a failing part fails this request only
-            self.stats.finished(ok=False, reason="BACKEND")
+            self.stats.finished(ok=False, reason="BACKEND", request_s=time.perf_counter() - started + decode_s)
             raise ProtocolError("internal", f"model {self.name!r}: inference failed: {exc}") from None
         result = {name: self._join(name, [r[name] for r in rows]) for name in names}
+        if classes:
+            self.classify(result, classes)
         done = time.perf_counter()
         queue_s, infer_s = _batch_times(futures, started)
         self.stats.finished(ok=True, request_s=done - started + decode_s, queue_s=queue_s, input_s=decode_s,
@@ -278,6 +360,28 @@ class ModelEndpoint:
             self.server.close(timeout)
         finally:
             self.runtime.close(timeout)
+
+
+#: the file in a plan folder that names an output's classes, one per line (Triton's label file)
+LABELS = "labels.txt"
+
+
+def _labels(plan: Plan) -> list[str]:
+    path = Path(plan.root) / LABELS
+    try:
+        return path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def _image_format(dims: Sequence[int]) -> str:
+    """Triton's input ``format`` from a sample's dims: CHW or HWC with 1 or 3 channels."""
+    if len(dims) == 3:
+        if dims[0] in (1, 3) and dims[2] not in (1, 3):
+            return "FORMAT_NCHW"
+        if dims[2] in (1, 3) and dims[0] not in (1, 3):
+            return "FORMAT_NHWC"
+    return "FORMAT_NONE"
 
 
 def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]

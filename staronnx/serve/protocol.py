@@ -51,7 +51,18 @@ KINDS = {
     "not_found": (404, "NOT_FOUND"),
     "unavailable": (503, "UNAVAILABLE"),
     "internal": (500, "INTERNAL"),
+    # a call this server understands and will not do (loading or unloading a model)
+    "refused": (400, "FAILED_PRECONDITION"),
 }
+
+#: the most dimensions a tensor may have (numpy's limit): a longer shape is the client's error
+MAX_RANK = 64
+
+#: the most characters of a client's string (a model or input name) an error message repeats
+ECHO_CHARS = 64
+
+#: Triton's classification extension: the output's top-k entries travel as BYTES strings
+BYTES = "BYTES"
 
 
 class ProtocolError(StaronnxError):
@@ -75,6 +86,28 @@ def invalid(message: str) -> ProtocolError:
     return ProtocolError("invalid", message)
 
 
+def shown(text: Any, limit: int = ECHO_CHARS) -> str:
+    """``repr`` of a client's string for an error message, cut to ``limit`` characters: an error
+    never echoes a 100 KB name back (a gRPC status that large breaks the metadata limit)."""
+    text = str(text)
+    if len(text) <= limit:
+        return repr(text)
+    return repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+def cut(value: Any, limit: int = 200) -> str:
+    """``str(value)`` cut to ``limit`` characters (a shape or a parser's message in an error)."""
+    text = str(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
+
+
+def unknown_model(name: str, served: Sequence[str]) -> ProtocolError:
+    """Triton's wording (its clients test the message's start), then what is served."""
+    listed = ", ".join(shown(n) for n in sorted(served)[:16]) + (", ..." if len(served) > 16 else "")
+    return ProtocolError("not_found", f"Request for unknown model: {shown(name)} is not found "
+                                      f"(this server serves {listed})")
+
+
 def datatype_of(dtype: str | np.dtype) -> str:
     """The v2 datatype of a plan's dtype name (``float32`` -> ``FP32``)."""
     name = np.dtype(dtype).name
@@ -94,16 +127,18 @@ def metadata_shape(shape: Sequence[int | str | None]) -> list[int]:
 def check_shape(name: str, shape: Any) -> list[int]:
     """The request's shape as non-negative ints, or an INVALID_ARGUMENT naming the input."""
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
-        raise invalid(f"input {name!r}: 'shape' must be a list of integers, got {shape!r}")
+        raise invalid(f"input {shown(name)}: 'shape' must be a list of integers, got {cut(shape)}")
+    if len(shape) > MAX_RANK:
+        raise invalid(f"input {shown(name)}: a shape of {len(shape)} dimensions; at most {MAX_RANK} are supported")
     if any(d < 0 for d in shape):
-        raise invalid(f"input {name!r}: shape {list(shape)} has a negative dimension")
+        raise invalid(f"input {shown(name)}: shape {list(shape)} has a negative dimension")
     return [int(d) for d in shape]
 
 
 def _dtype_for(name: str, datatype: Any) -> np.dtype:
     if datatype not in DATATYPES:
         raise invalid(
-            f"input {name!r}: datatype {datatype!r} is not one this server speaks ({', '.join(DATATYPES)})"
+            f"input {shown(name)}: datatype {shown(datatype)} is not one this server speaks ({', '.join(DATATYPES)})"
         )
     return DATATYPES[datatype]
 
@@ -120,7 +155,7 @@ def from_raw(name: str, datatype: Any, shape: Any, raw: bytes | bytearray | memo
     expected = math.prod(dims) * dtype.itemsize
     if len(raw) != expected:
         raise invalid(
-            f"input {name!r}: {len(raw)} bytes of data, but shape {dims} of {datatype} needs {expected}"
+            f"input {shown(name)}: {len(raw)} bytes of data, but shape {dims} of {datatype} needs {expected}"
         )
     # frombuffer keeps a view on the request's bytes (no copy); the runtime only reads feeds
     return np.frombuffer(raw, dtype=dtype).reshape(dims)
@@ -133,20 +168,48 @@ def from_values(name: str, datatype: Any, shape: Any, values: Any) -> np.ndarray
     try:
         arr = np.asarray(values, dtype=dtype)
     except (TypeError, ValueError, OverflowError) as exc:
-        raise invalid(f"input {name!r}: data is not a (nested) list of {datatype} values: {exc}") from None
+        raise invalid(f"input {shown(name)}: data is not a (nested) list of {datatype} values: {cut(exc)}") from None
     if arr.size != math.prod(dims):
         raise invalid(
-            f"input {name!r}: {arr.size} values of data, but shape {dims} holds {math.prod(dims)}"
+            f"input {shown(name)}: {arr.size} values of data, but shape {dims} holds {math.prod(dims)}"
         )
     return arr.reshape(dims)
 
 
+def output_datatype(array: np.ndarray, declared: str) -> str:
+    """An output's datatype on the wire: BYTES for a classification (object array of bytes)."""
+    return BYTES if array.dtype == object else declared
+
+
 def to_raw(array: np.ndarray) -> bytes:
-    """Row-major little-endian bytes of an output."""
+    """Row-major little-endian bytes of an output (BYTES: each element's 4-byte length, then it)."""
+    if array.dtype == object:
+        return b"".join(len(b).to_bytes(4, "little") + b for b in (bytes(v) for v in array.ravel()))
     arr = np.ascontiguousarray(array)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return arr.tobytes()
+
+
+def to_values(array: np.ndarray) -> list[Any]:
+    """An output's flat values for JSON (BYTES elements as text)."""
+    if array.dtype == object:
+        return [bytes(v).decode("utf-8", "replace") for v in array.ravel()]
+    return array.ravel().tolist()
+
+
+def classify(array: np.ndarray, k: int, batched: bool, labels: Sequence[str] = ()) -> np.ndarray:
+    """Triton's classification extension: the ``k`` largest values of each sample (of the whole
+    tensor when it has no batch axis) as ``b"value:index[:label]"``, largest first."""
+    rows = array.reshape(array.shape[0], -1) if batched and array.ndim > 1 else array.reshape(1, -1)
+    k = min(k, rows.shape[1])
+    out = np.empty((rows.shape[0], k), dtype=object)
+    for r, row in enumerate(rows):
+        top = np.argsort(-row.astype(np.float64), kind="stable")[:k]
+        for j, i in enumerate(top):
+            text = f"{float(row[i]):f}:{int(i)}" + (f":{labels[i]}" if i < len(labels) else "")
+            out[r, j] = text.encode()
+    return out if batched and array.ndim > 1 else out[0]
 
 
 def select_outputs(available: Sequence[str], requested: Sequence[str] | None, model: str) -> list[str]:
@@ -155,5 +218,6 @@ def select_outputs(available: Sequence[str], requested: Sequence[str] | None, mo
         return list(available)
     unknown = [n for n in requested if n not in available]
     if unknown:
-        raise invalid(f"model {model!r} has no output(s) {unknown}; its outputs are {list(available)}")
+        raise invalid(f"model {shown(model)} has no output(s) {', '.join(shown(n) for n in unknown[:8])}; "
+                      f"its outputs are {list(available)}")
     return list(dict.fromkeys(requested))
