@@ -456,3 +456,9 @@ def test_records_are_snapshots(stand_in):
     before.batches[0].request_ids.append(99)
     before.batches[0].placement["part0"] = "x"
     assert server.records().batches[0] == after.batches[0]  # a copy's lists are its own
+
+
+def test_padding_never_goes_past_the_batch_size(stand_in):
+    """Sizes captured for another server's larger batches are not padding targets here."""
+    with Server(stand_in, 4, max_delay=0.01, pad_to=(1, 2, 8, 32)) as server:
+        assert server.pad_to == (1, 2)

@@ -305,9 +305,9 @@ class Server:
             its CUDA workers copy to the device without staging) for a Runtime, else numpy's.
         pad_to: batch sizes a partial batch is padded up to (the last request's rows repeated,
             dropped again when the outputs are split), so the runtime only meets sizes it has
-            captured CUDA graphs for; default: the runtime's ``preferred_batch_sizes``. A batch
-            larger than all of them runs as it is. Records keep the real size (and
-            ``padded_to``).
+            captured CUDA graphs for; default: the runtime's ``preferred_batch_sizes`` (those
+            above ``batch_size`` are ignored). A batch larger than all of them runs as it is.
+            Records keep the real size (and ``padded_to``).
 
     Results are handed out on the batcher thread, not on the runtime's: the runtime's
     callback only queues the finished batch, so a CUDA worker goes straight back to its GPU
@@ -353,7 +353,9 @@ class Server:
             pad_to = tuple(getattr(runtime, "preferred_batch_sizes", ()) or ())
         if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 for m in pad_to):
             raise StaronnxError(f"pad_to must be batch sizes (integers >= 1), got {list(pad_to)!r}")
-        self.pad_to: tuple[int, ...] = tuple(sorted({int(m) for m in pad_to}))
+        # never past the batch size (Triton's preferred sizes are <= max_batch_size): a runtime
+        # that captured 32 for another server must not turn this one's batch of 3 into 32 rows
+        self.pad_to: tuple[int, ...] = tuple(sorted({int(m) for m in pad_to if m <= batch_size}))
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self.batch_size = batch_size
