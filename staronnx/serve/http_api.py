@@ -256,8 +256,9 @@ class _Handler(RequestHandler):
                       cut(exc if exc is not None else message))
             text = "internal server error (the server's log has the details)"
         else:
-            text = f"malformed HTTP request: {cut(message or (exc and getattr(exc, 'message', exc)) or 'unreadable')}"
-            log.warning("refused a malformed HTTP request from %s: %s", request.remote, text)
+            why = " ".join(str(message or (exc and getattr(exc, "message", exc)) or "unreadable").split())
+            text = f"malformed HTTP request: {cut(why)}"
+            log.warning("%s (from %s; answered %d)", text, request.remote, status)
         resp = web.json_response({"error": text}, status=status, headers={"Server": SERVER_HEADER})
         resp.force_close()
         return resp
