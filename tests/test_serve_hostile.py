@@ -296,3 +296,84 @@ def test_leak_a_500_says_only_that_the_log_has_the_details(caplog):
     assert status == 500 and "secret" not in doc["error"] and "RuntimeError" not in doc["error"], doc
     assert "log" in doc["error"] and server_header == "staronnx"
     assert "secret /home/someone/plans/x" in caplog.text
+
+
+# -- D5: SIGTERM answers the requests in transit -----------------------------------------------
+def test_d5_sigterm_answers_requests_in_transit_with_503_and_drains_the_accepted(plan, tmp_path):
+    """A connection mid-body at SIGTERM gets 503 (not a reset, not held for --drain-timeout);
+    the accepted requests (waiting up to 3 s for a batch) are answered; a request sent during
+    the drain gets UNAVAILABLE; the process exits 0."""
+    import signal
+    import threading
+
+    s = start_server([plan.root], tmp_path, "--name", "tiny", "--policy", "eager", "--batch-size", "4",
+                     "--max-delay", "3s", "--drain-timeout", "60s")
+    try:
+        host, port = s.http.rsplit(":", 1)
+        in_transit = socket.create_connection((host, int(port)), timeout=30)  # read timeout < drain timeout
+        in_transit.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 1000\r\n\r\n{\"inputs\": [")
+        results: dict[str, object] = {}
+
+        def accepted(kind: str) -> None:
+            try:
+                x = _x(1, seed=3)
+                if kind == "http":
+                    inp = thttp.InferInput("x", [1, 8], "FP32")
+                    inp.set_data_from_numpy(x)
+                    results[kind] = thttp.InferenceServerClient(s.http).infer("tiny", [inp]).as_numpy("y")
+                else:
+                    inp = tgrpc.InferInput("x", [1, 8], "FP32")
+                    inp.set_data_from_numpy(x)
+                    results[kind] = tgrpc.InferenceServerClient(s.grpc).infer("tiny", [inp]).as_numpy("y")
+            except BaseException as exc:  # noqa: BLE001
+                results[kind] = exc
+
+        threads = [threading.Thread(target=accepted, args=(k,)) for k in ("http", "grpc")]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 20
+        while _m(_metrics(s.metrics), "staronnx_queue_length", model="tiny") != 2:
+            assert time.monotonic() < deadline, "the two requests never waited together"
+            time.sleep(0.01)
+        g = tgrpc.InferenceServerClient(s.grpc)
+        s.proc.send_signal(signal.SIGTERM)
+        status, headers, body = _raw_reply(in_transit)
+        assert status == 503 and "shutting down" in json.loads(body)["error"], (status, body)
+        late = None
+        try:
+            deadline = time.monotonic() + 20
+            while g.is_server_ready() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            inp = tgrpc.InferInput("x", [1, 8], "FP32")
+            inp.set_data_from_numpy(_x(1))
+            g.infer("tiny", [inp])
+        except Exception as exc:  # noqa: BLE001 - the drain may have ended and the listener closed
+            late = exc
+        assert late is not None and "UNAVAILABLE" in str(late.status() if hasattr(late, "status") else late), late
+        for t in threads:
+            t.join(30)
+        for kind in ("http", "grpc"):
+            assert isinstance(results.get(kind), np.ndarray), results
+            _check(plan, _x(1, seed=3), results[kind])
+        assert s.proc.wait(30) == 0
+        assert "Traceback" not in "\n".join(s.lines)
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+
+
+def _raw_reply(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
+    """The answer on ``sock``, as soon as it is whole (a reset or a close first fails the test)."""
+    with sock:
+        buf = b""
+        while True:
+            head, sep, body = buf.partition(b"\r\n\r\n")
+            if sep:
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+                if len(body) >= int(headers.get("content-length", "0")):
+                    return int(lines[0].split()[1]), headers, body
+            chunk = sock.recv(65536)
+            assert chunk, "the connection was closed without an answer"
+            buf += chunk

@@ -131,7 +131,8 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         raise StaronnxError(f"cannot listen on {listen.host}:{listen.grpc_port} for grpc{cause} "
                             "(choose another --grpc-port, or 0 for a free one)")
 
-    http_runner = HttpFrontend(by_name, meta, listen.max_body, is_ready).runner(listen.drain_timeout)
+    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready)
+    http_runner = http_front.runner(listen.drain_timeout)
 
     async def metrics_handler(request: web.Request) -> web.Response:
         body = await asyncio.get_running_loop().run_in_executor(None, generate_latest, metrics.registry)
@@ -164,8 +165,16 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     say("stopping: no new requests; draining the ones accepted")
     sys.stdout.flush()
     state["ready"] = False
-    # listeners close at once; each waits (up to drain_timeout) for its in-flight handlers
-    await asyncio.gather(grpc_server.stop(listen.drain_timeout), http_runner.cleanup())
+    # requests still arriving are answered 503 / UNAVAILABLE (never reset, never held); the
+    # listeners stay open, answering so, until every accepted request is answered (or
+    # drain_timeout), then close, each waiting for the handlers still encoding their answers
+    http_front.shutting_down()
+    deadline = loop.time() + listen.drain_timeout
+    while any(m.stats.snapshot()["pending"] for m in models) and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+    left = max(deadline - loop.time(), 1.0)
+    http_runner._shutdown_timeout = left  # what remains of drain_timeout
+    await asyncio.gather(grpc_server.stop(left), http_runner.cleanup())
     await loop.run_in_executor(None, _close_models, models, listen.drain_timeout)
     await metrics_runner.cleanup()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -122,6 +122,10 @@ class GrpcFrontend:
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         try:
             model = self._model(request.model_name, request.model_version)
+            if not self.is_ready():  # stopping: answered, never reset
+                model.stats.refused("REJECTED")
+                raise ProtocolError("unavailable", f"model {model.name!r}: the server is shutting down; "
+                                                   "send the request to another replica")
             t0 = time.perf_counter()
             try:
                 inputs, datatypes = _decode_inputs(request)

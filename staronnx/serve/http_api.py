@@ -50,6 +50,11 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 #: what the ``Server`` header of every response says (aiohttp's default names Python's and its own versions)
 SERVER_HEADER = "staronnx"
 
+#: how long a connection answered before its body arrived whole (an error, a shutdown) keeps
+#: reading and discarding the rest before it closes (aiohttp's default: 10 s), so that the
+#: client reads the answer rather than a reset
+LINGER_S = 1.0
+
 #: the request body encodings this server decompresses itself (zlib ``wbits`` of each)
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
@@ -63,6 +68,17 @@ class HttpFrontend:
         self.server_meta = server_meta
         self.max_body = max_body
         self.is_ready = is_ready
+        self._reading: set[asyncio.Task[Any]] = set()  # inference handlers still receiving their body
+        self._stopped: set[asyncio.Task[Any]] = set()  # those of them stopped by shutting_down()
+
+    def shutting_down(self) -> int:
+        """At SIGTERM (readiness already false): every inference request still arriving (its body
+        not all received) is answered 503 now, instead of holding its connection for the whole
+        drain and closing it unanswered. Returns how many."""
+        for task in list(self._reading):
+            self._stopped.add(task)
+            task.cancel()
+        return len(self._stopped)
 
     def app(self) -> web.Application:
         # aiohttp refuses bodies over client_max_size itself (we turn its 413 into the protocol's 400)
@@ -88,7 +104,7 @@ class HttpFrontend:
         """The app's runner: handlers cancelled when their client goes away (its request is
         withdrawn), bodies left compressed for :meth:`_read`, malformed HTTP answered in JSON."""
         return _Runner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=drain_timeout,
-                       handler_cancellation=True, auto_decompress=False)
+                       handler_cancellation=True, auto_decompress=False, lingering_time=LINGER_S)
 
     # -- health and metadata --------------------------------------------------------------------
     async def server_metadata(self, request: web.Request) -> web.Response:
@@ -138,11 +154,26 @@ class HttpFrontend:
     async def infer(self, request: web.Request) -> web.Response:
         model = self._model(request)
         t0 = time.perf_counter()
+        if not self.is_ready():
+            return _shutting_down(model)
+        task = asyncio.current_task()
+        assert task is not None
+        self._reading.add(task)
         try:
             header, inputs, datatypes, wanted, binary_out = await self._read(request)
         except ProtocolError:
             model.stats.refused("OTHER")  # counted as Triton does: a failed request of this model
             raise
+        except asyncio.CancelledError:
+            if task not in self._stopped:  # the client went away
+                raise
+            task.uncancel()
+            return _shutting_down(model)
+        finally:
+            self._reading.discard(task)
+            self._stopped.discard(task)
+        if not self.is_ready():  # SIGTERM came while its body was decoded
+            return _shutting_down(model)
         t1 = time.perf_counter()
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0,
                                    classes=_classes(header))
@@ -157,6 +188,16 @@ class HttpFrontend:
         body = await _read_body(request, self.max_body)
         header, binary = _split_body(body, request.headers.get(HEADER_LENGTH))
         return (header, *_decode_request(header, binary))
+
+
+def _shutting_down(model: ModelEndpoint) -> web.Response:
+    """503 to a request that arrives (or is still arriving) once the server is stopping; the
+    connection closes after it (no waiting for the rest of a body)."""
+    model.stats.refused("REJECTED")
+    resp = web.json_response({"error": f"model {model.name!r}: the server is shutting down; send the request "
+                                       "to another replica"}, status=503)
+    resp.force_close()
+    return resp
 
 
 def repository_index(models: Mapping[str, ModelEndpoint], server_ready: bool, only_ready: bool) -> list[dict[str, str]]:
