@@ -2,9 +2,11 @@
 
 One asyncio loop runs the HTTP API, the gRPC API and the metrics endpoint; the batchers and
 the runtimes run in their own threads, and the loop only awaits their futures, so a slow
-model never blocks the listeners. On SIGTERM/SIGINT the server stops accepting (listeners
-closed, readiness false), lets every request already accepted finish, drains each batcher,
-closes each runtime, and returns: the process exits 0.
+model never blocks the listeners. On SIGTERM/SIGINT readiness turns false; a request whose
+body is still arriving, and every inference request sent from then on, is answered 503 /
+UNAVAILABLE (never reset, never held); once every request already accepted is answered (or
+``--drain-timeout`` passed) the listeners close, each batcher drains, each runtime closes, and
+the process exits 0.
 """
 
 from __future__ import annotations

@@ -28,13 +28,12 @@ from typing import Any
 
 import grpc
 import numpy as np
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
 
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
-from google.protobuf import json_format
-from google.protobuf.message import DecodeError
-
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown, unknown_model
