@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -26,3 +29,11 @@ def alternate(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str
         for name, fn in measures.items():
             samples[name].append(fn())
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def scratch_dir(prefix: str) -> Path:
+    """A temporary folder for a benchmark's plans and models, removed when the process exits
+    (a benchmark run, or the test that runs one, leaves nothing in /tmp)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path

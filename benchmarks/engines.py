@@ -23,7 +23,6 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, rate
+from _common import GOOGLENET, rate, scratch_dir
 
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
@@ -121,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - say why and stop
         print(f"the starpu engine is not usable here: {exc}", file=sys.stderr)
         return 2
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-engines-"))
+    tmp = scratch_dir("staronnx-engines-")
     os.environ["STARPU_HOME"] = str(tmp / "starpu")
     store = PerfModelStore(tmp / "home")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]

@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +44,7 @@ import onnx
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET  # noqa: E402
+from _common import GOOGLENET, scratch_dir  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
 from staronnx.calibrate import calibrate  # noqa: E402
@@ -311,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(ort.get_available_providers())}); use --device cpu for a smoke run", file=sys.stderr)
         return 2
     say = lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-gpu-bench-"))
+    tmp = scratch_dir("staronnx-gpu-bench-")
     os.environ.setdefault("STARONNX_HOME", str(tmp / "home"))
     print(f"device {args.device}, {args.streams} CUDA stream(s), CPU groups {args.groups}, "
           f"{args.in_flight} requests in flight, {args.seconds:g} s per figure; samples/s", flush=True)

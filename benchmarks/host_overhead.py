@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import alternate, rate  # noqa: E402
+from _common import alternate, rate, scratch_dir  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA workers with graphs on")
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-host-overhead-"))
+    tmp = scratch_dir("staronnx-host-overhead-")
     model = tiny_model(tmp / "tiny.onnx")
     plan = partition(model, parts=1, output_dir=tmp / "plan", profile_runs=1)
     batch = {"x": np.ones((BATCH, 16), np.float32)}

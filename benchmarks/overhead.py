@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, alternate, rate  # noqa: E402
+from _common import GOOGLENET, alternate, rate, scratch_dir  # noqa: E402
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     args = ap.parse_args(argv)
     ncores = len(Topology.from_system().allowed_cores())
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-bench-"))
+    tmp = scratch_dir("staronnx-bench-")
     store = PerfModelStore(tmp / "home")
     one_group = f"0-{ncores - 1}" if ncores > 1 else "0"
 

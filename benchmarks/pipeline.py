@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, alternate, rate  # noqa: E402
+from _common import GOOGLENET, alternate, rate, scratch_dir  # noqa: E402
 
 from staronnx import partition  # noqa: E402
 from staronnx.calibrate import calibrate, start_workers  # noqa: E402
@@ -39,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=4)
     args = ap.parse_args(argv)
     ncores = len(Topology.from_system().allowed_cores())
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-bench-"))
+    tmp = scratch_dir("staronnx-bench-")
     store = PerfModelStore(tmp / "home")
     plan = partition(args.model, args.shares, output_dir=tmp / "plan")
     print(f"plan: shares {[p.share for p in plan.parts]}, cut {plan.cut_bytes_per_sample:,} B/sample")

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ import onnx
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET
+from _common import GOOGLENET, scratch_dir
 
 from staronnx import zoo
 from staronnx.calibrate import calibrate, start_workers
@@ -314,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plot", type=Path, default=Path("placement.png"))
     args = ap.parse_args(argv)
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-placement-"))
+    tmp = scratch_dir("staronnx-placement-")
     store = PerfModelStore(tmp / "home")
     models = args.models or default_models(tmp)
     table: list[Row] = []

@@ -32,14 +32,13 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET  # noqa: E402
+from _common import GOOGLENET, scratch_dir  # noqa: E402
 
 ROWS = ("plain serve", "ray, 1 replica", "ray, 2 replicas")
 
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from staronnx import partition
 
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-ray-bench-"))
+    tmp = scratch_dir("staronnx-ray-bench-")
     plan = partition(args.model, [0.85, 0.15], output_dir=tmp / "plan", costs="estimate")
     ctx = ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     env = {**os.environ, "RAY_ADDRESS": ctx.address_info["gcs_address"], "STARONNX_HOME": str(tmp / "home")}

@@ -41,7 +41,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -50,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, alternate  # noqa: E402
+from _common import GOOGLENET, alternate, scratch_dir  # noqa: E402
 
 PATHS = ("in-process", "HTTP binary", "gRPC")
 GOAL = 0.9
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from staronnx import partition
 
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-serve-bench-"))
+    tmp = scratch_dir("staronnx-serve-bench-")
     plan = partition(args.model, [0.85, 0.15], output_dir=tmp / "plan", costs="estimate")
     print(f"googlenet, {plan.k} parts, batch-1 requests from {args.clients} closed-loop clients (own process per "
           f"row), batches of up to {args.batch} (max delay {args.max_delay}), {args.seconds:g} s per row, "

@@ -26,14 +26,13 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import alternate, rate  # noqa: E402
+from _common import alternate, rate, scratch_dir  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
@@ -52,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--open-rounds", action="store_true",
                     help="measure each open-loop rate --rounds times and print the medians")
     args = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-serving-path-"))
+    tmp = scratch_dir("staronnx-serving-path-")
     plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
     pu = sorted(os.sched_getaffinity(0))[0]
     sample = {"x": np.ones((1, 16), np.float32)}

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET  # noqa: E402
+from _common import GOOGLENET, scratch_dir  # noqa: E402
 
 from staronnx import partition  # noqa: E402
 from staronnx.bench.fidelity import TARGET, fidelity_summary  # noqa: E402
@@ -53,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-o", "--output", type=Path, default=None)
     args = ap.parse_args(argv)
     rates, sizes = parse_rates(args.rates), parse_batch_sizes(args.batch_sizes)
-    tmp = Path(tempfile.mkdtemp(prefix="staronnx-bench-sim-"))
+    tmp = scratch_dir("staronnx-bench-sim-")
     if args.plan is not None:
         plan, store = Plan.load(args.plan), PerfModelStore()
     else:
