@@ -288,3 +288,13 @@ def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path, two_gr
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")})
     assert bad.returncode == 2 and "nope" in bad.stderr and "heft" in bad.stderr
+
+
+def test_a_trace_that_cannot_be_written_still_closes_the_workers(plan3, store, two_groups, tmp_path):
+    (tmp_path / "gone").write_text("the trace's folder was replaced by a file")
+    rt = Runtime(plan3, policy="eager", cpu_groups=two_groups, store=store, trace=tmp_path / "gone" / "t.json")
+    workers = rt.workers
+    rt.run(random_plan_feeds(plan3, 2))
+    with pytest.raises(OSError):
+        rt.close()
+    assert not any(w.alive for w in workers)

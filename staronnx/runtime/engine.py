@@ -347,11 +347,13 @@ class NativeEngine:
                 loop.result(timeout=None if timeout is None else max(timeout, 1.0) + 60)
             except Exception:  # noqa: BLE001 - reported by _worker_died already
                 pass
-        self.predictor.save()
-        if self.tracer is not None:
-            self.tracer.save()
-        if self.own_workers:
-            _close_all(self._workers)
+        try:  # a perf model or trace that cannot be written must not leave the workers running
+            self.predictor.save()
+            if self.tracer is not None:
+                self.tracer.save()
+        finally:
+            if self.own_workers:
+                _close_all(self._workers)
 
     @property
     def workers(self) -> list[Worker]:
