@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import tempfile
+import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -342,9 +343,10 @@ def check_output_dir(directory: Path, force: bool) -> None:
 
 def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Path:
     """Where a new plan goes: ``output_dir`` once :func:`check_output_dir` allows it, or a
-    fresh temporary folder when none is given."""
+    fresh name in the temporary folder when none is given. Nothing is created there until the
+    plan is written (atomically, as every plan is), so a partition that fails leaves nothing."""
     if output_dir is None:
-        return Path(tempfile.mkdtemp(prefix="staronnx-plan-"))
+        return Path(tempfile.gettempdir()) / f"staronnx-plan-{uuid.uuid4().hex[:12]}"
     out = Path(output_dir)
     check_output_dir(out, force)
     return out

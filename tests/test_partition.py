@@ -925,3 +925,12 @@ def test_verify_accepts_the_source_model_with_a_string_input(tmp_path):
     model = _string_input_model()
     plan = staronnx.partition(model, parts=2, output_dir=tmp_path / "p", costs="estimate")
     assert verify_plan(plan, model, batch=2).ok
+
+
+def test_a_failed_partition_without_an_output_dir_leaves_nothing_behind(tmp_path, monkeypatch):
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(PartitionError, match="node count"):
+        staronnx.partition(zoo.chain(), parts=99, costs="estimate")
+    assert list(tmp_path.iterdir()) == []

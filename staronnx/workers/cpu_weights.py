@@ -19,6 +19,7 @@ serialise, a read-only disk) the worker says so and falls back to a plain sessio
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
 import os
 import shutil
@@ -137,6 +138,9 @@ class SharedWeights:
         with self._lock:
             if self._owned and self._root is not None:
                 shutil.rmtree(self._root, ignore_errors=True)
+                if self._root.parent.name == "staronnx-weights":  # the /tmp fallback: no trace
+                    with contextlib.suppress(OSError):  # another process's folder is still there
+                        self._root.parent.rmdir()
                 self._root = None
 
     def _make_root(self) -> Path:
