@@ -174,3 +174,14 @@ def two_groups() -> str:
     if len(pus) < 2:
         pytest.skip("needs 2 allowed PUs for two CPU groups")
     return f"{pus[0]};{pus[1]}"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory) -> tuple[Path, Path]:
+    """(model, plan folder named ``plan``) of a tiny Inception cut 70/30 (costs estimated:
+    quick), for the CLI tests that need a model and a plan and nothing particular."""
+    root = tmp_path_factory.mktemp("small")
+    model = root / "inception.onnx"
+    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
+    partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    return model, root / "plan"

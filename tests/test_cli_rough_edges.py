@@ -18,9 +18,7 @@ import pytest
 from onnx import TensorProto, helper
 from typer.testing import CliRunner
 
-from staronnx import partition
 from staronnx.cli import app
-from staronnx.zoo import inception
 
 CLI = [sys.executable, "-m", "staronnx"]
 PU = str(min(os.sched_getaffinity(0)))
@@ -40,16 +38,6 @@ def _one_error_line(result: subprocess.CompletedProcess | object) -> str:
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert "Traceback" not in err
     return lines[-1]
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> tuple[Path, Path]:
-    """(model, plan folder named ``plan``) of a tiny Inception cut 70/30."""
-    root = tmp_path_factory.mktemp("small")
-    model = root / "inception.onnx"
-    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
-    return model, root / "plan"
 
 
 LONG = "encoder/layer_{i:02d}/attention/output/dense/BiasAdd_followed_by_a_rather_long_activation_name"

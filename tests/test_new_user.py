@@ -21,7 +21,7 @@ from pathlib import Path
 import onnx
 import pytest
 
-from _helpers import cli
+from _helpers import cli, read_pty
 from staronnx import partition
 from staronnx.zoo import inception
 
@@ -42,16 +42,6 @@ def _error_line(res: subprocess.CompletedProcess | tuple) -> str:
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("staronnx: error: "), err
     return lines[0]
-
-
-@pytest.fixture(scope="module")
-def small(tmp_path_factory) -> tuple[Path, Path]:
-    """(model, plan folder) of a tiny Inception cut 70/30 (costs estimated: quick)."""
-    root = tmp_path_factory.mktemp("small")
-    model = root / "inception.onnx"
-    onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
-    return model, root / "plan"
 
 
 # ---------------------------------------------------------------------------- 1: unwritable outputs
@@ -197,9 +187,7 @@ def test_ctrl_c_during_calibrate_keeps_the_samples_and_says_how_many(slow_plan, 
     """SIGINT as soon as the first step is shown (stdout on a terminal, where the steps are)."""
     import pty
     import re
-    import select
     import signal
-    import time
 
     from staronnx.perfmodels import PerfModelStore
     from staronnx.plan import Plan
@@ -212,24 +200,16 @@ def test_ctrl_c_during_calibrate_keeps_the_samples_and_says_how_many(slow_plan, 
         stdout=slave, stderr=subprocess.PIPE, text=True,
         env={**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "300"})
     os.close(slave)
-    raw, sent = b"", False
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([master], [], [], 0.2)
-        if ready:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            raw += data
-        elif proc.poll() is not None:
-            break
+    sent = False
+
+    def interrupt_after_the_first_step(raw: bytes) -> None:
+        nonlocal sent
         if not sent and re.search(rb"part \d+ batch \d+: \d+ runs", raw):
             assert proc.poll() is None, "calibration ended before it could be interrupted"
             proc.send_signal(signal.SIGINT)
             sent = True
+
+    raw = read_pty(master, proc, on_output=interrupt_after_the_first_step)
     err = proc.stderr.read()
     proc.wait(timeout=120)
     os.close(master)
@@ -357,7 +337,6 @@ def test_sweep_point_lines_stay_whole_under_the_progress_bar_on_a_150_column_ter
     be printed after the live bar's last line and half erased by its next redraw."""
     import pty
     import re
-    import select
 
     _, plan = small
     master, slave = pty.openpty()
@@ -366,22 +345,9 @@ def test_sweep_point_lines_stay_whole_under_the_progress_bar_on_a_150_column_ter
          "--groups", PU, "--policy", "eager", "--no-extend", "-o", str(tmp_path / "res"), "--no-plots"],
         stdin=slave, stdout=slave, stderr=slave, env={**os.environ, "COLUMNS": "150", "TERM": "xterm"})
     os.close(slave)
-    chunks = []
-    while True:
-        ready, _, _ = select.select([master], [], [], 0.5)
-        if ready:
-            try:
-                data = os.read(master, 65536)
-            except OSError:
-                break
-            if not data:
-                break
-            chunks.append(data)
-        elif proc.poll() is not None:
-            break
+    raw = read_pty(master, proc).decode(errors="replace")
     proc.wait(timeout=300)
     os.close(master)
-    raw = b"".join(chunks).decode(errors="replace")
     assert proc.returncode == 0, raw[-2000:]
     assert "\x1b[1A" in raw, "the progress display was live (else this test shows nothing)"
     screen = _screen(raw, 150)

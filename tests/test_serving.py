@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnx
 import pytest
+from _helpers import Gated
 
 from staronnx import InputError, partition
 from staronnx.errors import StaronnxError
@@ -65,19 +66,6 @@ def _threads() -> set[str]:
 def _close(a: np.ndarray, b: np.ndarray) -> None:
     # one sample alone vs inside a batch: ORT may block the GEMMs differently, so allow rounding
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-class _Gated:
-    """The real runtime behind a gate: holds the batcher in submit() until the gate opens."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.plan = runtime.plan
-        self.runtime = runtime
-        self.gate = threading.Event()
-
-    def submit(self, feeds):
-        self.gate.wait(30)
-        return self.runtime.submit(feeds)
 
 
 def _hold_a_batch_then_fill(server: Server, samples) -> tuple[list, list]:
@@ -242,7 +230,7 @@ def test_bad_sample_is_rejected_at_submit(runtime, samples):
 
 
 def test_full_queue_rejects_naming_its_capacity(runtime, samples):
-    gated = _Gated(runtime)
+    gated = Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1)
     try:
         first, queued = _hold_a_batch_then_fill(server, samples)
@@ -263,7 +251,7 @@ def test_full_queue_rejects_naming_its_capacity(runtime, samples):
 def test_requests_cancelled_while_queued_leave_the_queue_without_running(plan, runtime, samples):
     # a client that goes away (its future cancelled) must not keep a place in a full queue,
     # nor a seat in a batch: the next request is accepted and the withdrawn ones never run
-    gated = _Gated(runtime)
+    gated = Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1)
     try:
         first, abandoned = _hold_a_batch_then_fill(server, samples)
@@ -285,7 +273,7 @@ def test_requests_cancelled_while_queued_leave_the_queue_without_running(plan, r
 
 
 def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
-    gated = _Gated(runtime)
+    gated = Gated(runtime)
     server = Server(gated, 2, queue_capacity=2, max_inflight=1, on_full="block")
     try:
         first, queued = _hold_a_batch_then_fill(server, samples)

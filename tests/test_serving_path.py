@@ -15,6 +15,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import numpy as np
 import onnx
 import pytest
+from _helpers import Gated
 from onnx import TensorProto, helper, numpy_helper
 
 from staronnx import InputError, partition
@@ -127,22 +128,9 @@ def test_request_futures_resolve_off_the_runtime_thread(stand_in):
         np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
 
 
-class _Gated:
-    """The real runtime behind a gate: its batches reach it only once the gate opens."""
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.plan = runtime.plan
-        self.runtime = runtime
-        self.gate = threading.Event()
-
-    def submit(self, feeds):
-        self.gate.wait(30)
-        return self.runtime.submit(feeds)
-
-
 def test_a_real_runtime_worker_does_not_run_request_callbacks(runtime):
     names: list[str] = []
-    gated = _Gated(runtime)  # no batch completes before every callback is in place
+    gated = Gated(runtime)  # no batch completes before every callback is in place
     with Server(gated, 4, batch_memory=np.empty) as server:
         futures = [server.submit(_sample(i)) for i in range(12)]
         for f in futures:
