@@ -53,7 +53,13 @@ class WorkerLost(DeviceError):
 class Worker(Protocol):
     """What engines and calibration need of a worker (:class:`ThreadWorker`'s subclasses, or
     a stand-in): its identity for the policy, tasks queued (``submit``/``run``) or run from
-    inside its own thread (``spawn`` an engine's loop there, then ``run_here`` per task)."""
+    inside its own thread (``spawn`` an engine's loop there, then ``run_here`` per task).
+
+    ``run_here(..., timed=False)`` may skip timing (nothing to learn: the perf model is
+    calibrated). A worker that can start a task without waiting for it also offers
+    ``launch_here(part, feeds, timed) -> handle`` and ``finish_here(handle) -> outputs`` (the
+    CUDA worker does), and the native engine then launches its next task before waiting. Any of
+    them may raise :class:`WorkerLost`: the engine then moves the worker's tasks elsewhere."""
 
     name: str
     kind: str  # "cpu" or "cuda"
