@@ -764,7 +764,8 @@ class CudaWorker(ThreadWorker):
             self._unmarked = launch
             return launch
         except BaseException as exc:
-            self._recover(slot, exc)
+            self._settle(exc)
+            self._slots.release(slot)
             raise
 
     def _host_source(self, t: _Tensor, a: Any) -> int:
@@ -796,7 +797,8 @@ class CudaWorker(ThreadWorker):
                 self.last_compute_seconds = None
                 self._copy_seconds = (None, None)
         except BaseException as exc:
-            self._recover(slot, exc)
+            self._settle(exc)
+            self._slots.release(slot)
             raise
         self._slots.release(slot)
         return outputs
@@ -915,7 +917,7 @@ class CudaWorker(ThreadWorker):
                 raise
             log.warning("%s: part %d failed with pre-allocated outputs (%s); retrying with "
                         "ORT-allocated outputs for this shape", self.name, slot.part, exc)
-            self._recover(slot, exc)
+            self._settle(exc)  # the slot stays this task's: it runs again below
             self._unbind_outputs(slot)
             return self._launch_general(slot, arrays, timed, start)
         if timed:
@@ -987,9 +989,10 @@ class CudaWorker(ThreadWorker):
                     t.device.free()
                     t.device = None
 
-    def _recover(self, slot: _Slot, exc: BaseException) -> None:
-        """After a failure: wait until no queued GPU work uses ``slot``, then free it for
-        reuse; a sticky error (in ``exc`` or met while waiting) marks the worker lost."""
+    def _settle(self, exc: BaseException) -> None:
+        """After a failure: wait until no queued GPU work uses the task's buffers (before the
+        slot is reused, unbound or freed); a sticky error, in ``exc`` or met while waiting,
+        marks the worker lost."""
         if is_sticky(exc):
             self.lost = exc
         try:
@@ -997,7 +1000,6 @@ class CudaWorker(ThreadWorker):
         except BaseException as err:  # noqa: BLE001
             if is_sticky(err) and self.lost is None:
                 self.lost = err
-        self._slots.release(slot)
 
     def _teardown(self) -> None:
         """Free everything, in an order that never leaves ORT holding a destroyed stream."""
