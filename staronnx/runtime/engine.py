@@ -151,7 +151,6 @@ class NativeEngine:
                     self._notify(next(iter(self._idle)))
             elif target in self._idle:
                 self._notify(target)
-        self.core.pushed_to.clear()
 
     def _wake_all(self) -> None:
         """(lock held) Every idle worker looks again (close, a lost worker)."""
@@ -315,8 +314,7 @@ class NativeEngine:
         log.error("worker %s died: %s; its queued tasks go to the other workers", name, exc)
         with self._lock:
             lost = self.core.worker_lost(wid, repr(exc), self.clock.now())
-            self._wake()
-            self._wake_all()
+            self._wake_all()  # re-placed tasks may be anyone's now
             self._drained.notify_all()
         for req in lost:
             _resolve(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
