@@ -96,16 +96,18 @@ def test_run_here_releases_its_slot_when_the_wait_fails(model, reference):
 
 
 # ------------------------------------------------------------------ 2. a lost worker leaves the pool
-def _host_workers(plan, n: int) -> tuple[list[CudaWorker], list[HostRuntime]]:
+def _host_workers(plan, n: int, per_stream: bool = False) -> tuple[list[CudaWorker], list[HostRuntime]]:
     runtimes = [HostRuntime() for _ in range(n)]
-    workers = [CudaWorker(0, i, [plan.part_path(0)], runtime=r, cuda_graphs=False).start()
+    workers = [CudaWorker(0, i, [plan.part_path(0)], runtime=r, cuda_graphs=False,
+                          thread_per_stream=per_stream).start()
                for i, r in enumerate(runtimes)]
     return workers, runtimes
 
 
+@pytest.mark.parametrize("per_stream", [False, True], ids=["thread-per-device", "thread-per-stream"])
 @pytest.mark.parametrize("policy", ["eager", "dmda"])
-def test_a_sticky_cuda_error_moves_the_workers_tasks_to_the_others(plan, reference, tmp_path, policy):
-    workers, runtimes = _host_workers(plan, 2)
+def test_a_sticky_cuda_error_moves_the_workers_tasks_to_the_others(plan, reference, tmp_path, policy, per_stream):
+    workers, runtimes = _host_workers(plan, 2, per_stream)
     try:
         with Runtime(plan, policy=policy, workers=workers, store=PerfModelStore(tmp_path)) as rt:
             for _ in range(4):
@@ -393,3 +395,43 @@ def test_without_graphs_there_is_nothing_to_pad_to(plan, tmp_path):
                  cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}, warmup=(1, 2)) as runtime:
         assert runtime.preferred_batch_sizes == ()
         assert "graphs" not in runtime.stats()["workers"]["cuda0.s0"]
+
+
+# ------------------------------------------------------------------ one driver thread per device
+@pytest.mark.parametrize("per_stream", [False, True], ids=["thread-per-device", "thread-per-stream"])
+def test_one_thread_drives_every_stream_of_a_device_unless_asked_otherwise(plan, reference, tmp_path, per_stream):
+    """StarPU's STARPU_CUDA_THREAD_PER_DEV: N streams cost the host one thread (one GIL
+    contender, one set of context switches), so more streams are never slower than one."""
+    host = HostRuntime()
+    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=3, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": host, "cuda_graphs": False, "thread_per_stream": per_stream}) as rt:
+        host.copy_threads.clear()
+        xs = [feeds(seed=i) for i in range(120)]
+        futs = [rt.submit(x) for x in xs]
+        for x, f in zip(xs, futs):
+            check(reference, x, f.result(timeout=60))
+        stats = rt.stats()
+    tasks = {name: w["tasks"] for name, w in stats["workers"].items()}
+    assert sum(tasks.values()) == 120
+    if per_stream:
+        assert len(host.copy_threads) == 3
+    else:
+        assert len(host.copy_threads) == 1
+        assert all(n > 0 for n in tasks.values()), tasks  # every stream was fed by that one thread
+
+
+def test_a_driven_stream_placed_on_by_dmda_runs_its_own_tasks(plan, reference, tmp_path):
+    """dmda places each task on one stream at push: the device's thread serves every stream's
+    own queue (a task is never lost in a stream nobody pops)."""
+    host = HostRuntime()
+    with Runtime(plan, policy="dmda", cpu_groups="none", cuda_streams=2, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": host, "cuda_graphs": False}) as rt:
+        for wave in range(5):
+            xs = [feeds(seed=wave * 40 + i) for i in range(40)]
+            futs = [rt.submit(x) for x in xs]
+            for x, f in zip(xs, futs):
+                check(reference, x, f.result(timeout=60))
+        stats = rt.stats()
+    assert stats["requests_done"] == 200 and stats["requests_failed"] == 0
+    assert all(w["tasks"] > 0 for w in stats["workers"].values()), stats["workers"]
+    assert len(host.copy_threads) == 1

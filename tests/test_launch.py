@@ -50,9 +50,20 @@ def test_policy_reserve_reads_what_the_policy_says():
         policy_reserve("bogus")
 
 
-def test_one_core_held_back_per_cuda_worker_and_each_worker_pinned_to_its_own():
+def test_one_core_held_back_per_device_driver_thread_and_its_streams_pinned_to_it():
     topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")  # 16 cores, 4 NUMA nodes
     layout = worker_layout(topo, "numa", cuda_streams=2, cuda_devices=(0, 1))
+    assert layout.policy == "numa,reserve=2"
+    assert sum(g.n_cores for g in layout.groups) == 14
+    pins = {(d, s): pu for d, s, pu in layout.cuda}
+    assert pins[(0, 0)] == pins[(0, 1)] != pins[(1, 0)] == pins[(1, 1)]
+    assert set(pins.values()) == set(layout.groups.reserved_pus)
+    assert not set(pins.values()) & {p for g in layout.groups for p in g.pus}
+
+
+def test_one_core_held_back_per_cuda_worker_with_a_thread_per_stream():
+    topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")  # 16 cores, 4 NUMA nodes
+    layout = worker_layout(topo, "numa", cuda_streams=2, cuda_devices=(0, 1), thread_per_stream=True)
     assert layout.policy == "numa,reserve=4"
     assert len(layout.groups.reserved) == 4
     assert sum(g.n_cores for g in layout.groups) == 12
@@ -75,7 +86,7 @@ def test_a_policy_that_names_its_reserve_or_its_pus_is_kept():
 
 def test_a_small_machine_keeps_at_least_one_core_for_the_cpu_groups():
     topo = Topology.from_synthetic("core:2 pu:1")
-    layout = worker_layout(topo, "numa", cuda_streams=4)
+    layout = worker_layout(topo, "numa", cuda_streams=4, thread_per_stream=True)
     assert len(layout.groups.reserved) == 1 and sum(g.n_cores for g in layout.groups) == 1
     single = worker_layout(Topology.from_synthetic("core:1 pu:1"), "numa", cuda_streams=2)
     assert single.groups.reserved == () and [pu for *_, pu in single.cuda] == [None, None]
@@ -93,8 +104,8 @@ def test_the_simulator_sees_the_layout_the_runtime_starts():
     topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")
     infos = sim_workers(topo, "numa", cuda_streams=2)
     assert [w.kind for w in infos[:2]] == ["cuda", "cuda"]
-    # 16 cores, 2 held back for the two CUDA workers: the last NUMA node has 2 cores left
-    assert sorted(w.ncores for w in infos[2:]) == [2, 4, 4, 4]
+    # 16 cores, 1 held back for the device's driver thread: the last NUMA node has 3 cores left
+    assert sorted(w.ncores for w in infos[2:]) == [3, 4, 4, 4]
 
 
 # ------------------------------------------------------------------ started workers, real threads

@@ -244,8 +244,8 @@ def sim_workers(
     """The workers ``Runtime`` would start on ``topology``, as policies see them.
 
     Same layout as :func:`~staronnx.workers.launch.start_workers` (CUDA streams first, like
-    StarPU's worker ids, which decides dmda's ties; a core held back per CUDA worker unless the
-    policy says otherwise), same names, archs and memory nodes as ``Runtime``'s ``_worker_info``.
+    StarPU's worker ids, which decides dmda's ties; a core held back per device driver thread
+    unless the policy says otherwise), same names, archs and memory nodes as ``Runtime``'s ``_worker_info``.
     """
     from staronnx.workers.launch import worker_layout
 

@@ -86,8 +86,16 @@ class NativeEngine:
         #: the policies' clock; a test may give a virtual one (see tests/test_replay.py)
         self.clock = clock if clock is not None else RealClock()
         self._lock = threading.Lock()
-        #: one condition per worker on the one lock, so a task wakes only the worker it is for
-        self._conds = [threading.Condition(self._lock) for _ in workers]
+        #: the workers each thread drives: a CUDA device's stream workers share one thread
+        #: (StarPU's ``STARPU_CUDA_THREAD_PER_DEV``), every other worker has its own
+        self.drivers = driver_groups(workers)
+        #: one condition per thread on the one lock, so a task wakes only the thread it is for
+        self._conds: list[threading.Condition] = [None] * len(workers)  # type: ignore[list-item]
+        for group in self.drivers:
+            cond = threading.Condition(self._lock)
+            for wid in group:
+                self._conds[wid] = cond
+        self._group_of = {wid: group for group in self.drivers for wid in group}
         self._drained = threading.Condition(self._lock)  # close() waits on it
         self._idle: set[int] = set()
         self._last_end = [0.0] * len(workers)
@@ -111,8 +119,11 @@ class NativeEngine:
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)
-        for i, w in enumerate(self._workers):
-            self._loops.append(w.spawn(self._make_loop(i)))
+        for group in self.drivers:
+            if len(group) == 1:
+                self._loops.append(self._workers[group[0]].spawn(self._make_loop(group[0])))
+            else:
+                self._loops.append(self._workers[group[0]].spawn(self._make_driver(group)))
 
     def _footprint(self, req: Request, part: int) -> Footprint:
         """The perf-model key of a task, by its inputs' shapes (a few, seen over and over)."""
@@ -158,7 +169,9 @@ class NativeEngine:
             self._notify(wid)
 
     def _notify(self, wid: int) -> None:
-        self._idle.discard(wid)
+        # the whole thread wakes: none of its workers is idle any more (a second task must
+        # wake another thread, not this one again)
+        self._idle.difference_update(self._group_of[wid])
         self.idle = len(self._idle)
         self._conds[wid].notify()
 
@@ -197,6 +210,80 @@ class NativeEngine:
             nxt = self._end(wid, task, self._complete(worker, started), take_next=len(ahead) < 2)
             if nxt is not None:
                 ahead.append((nxt, self._launch(wid, worker, nxt)))
+
+    def _make_driver(self, wids: list[int]) -> Callable[[], None]:
+        def loop() -> None:
+            try:
+                self._drive(wids)
+            except BaseException as exc:  # noqa: BLE001 - the thread is lost, the work is not
+                for wid in wids:
+                    if self.core.workers[wid].alive:
+                        self._worker_died(wid, exc)
+
+        return loop
+
+    def _drive(self, wids: list[int]) -> None:
+        """One thread driving several pipelined workers (a device's CUDA streams), as StarPU's
+        driver thread per device does: each stream gets up to two tasks launched ahead, and
+        the oldest launched task is waited for first. A launch costs the host the same
+        whichever stream it goes to, so one thread keeps every stream fed while the GIL,
+        the context switches and the cores that N threads per device would take are spent
+        once. A worker that is lost (:class:`WorkerLost`) leaves the group; its tasks, launched
+        or queued, are placed again by :meth:`_worker_died`."""
+        workers = self._workers
+        for wid in wids:
+            workers[wid].adopt_thread()
+        ahead: deque[tuple[int, Task, _Started]] = deque()  # in launch order, all streams
+        launched = dict.fromkeys(wids, 0)
+        live = list(wids)
+
+        def lost(wid: int, exc: BaseException) -> None:
+            live.remove(wid)
+            for entry in [e for e in ahead if e[0] == wid]:
+                ahead.remove(entry)
+            launched[wid] = 0
+            self._worker_died(wid, exc)
+
+        while live:
+            got = self._take([w for w in live if launched[w] < 2], block=not ahead, group=wids)
+            if got is None:
+                return
+            for wid, task in got:
+                try:
+                    ahead.append((wid, task, self._launch(wid, workers[wid], task)))
+                    launched[wid] += 1
+                except WorkerLost as exc:
+                    lost(wid, exc)
+            if not ahead:
+                continue
+            wid, task, started = ahead.popleft()
+            launched[wid] -= 1
+            try:
+                done = self._complete(workers[wid], started)
+            except WorkerLost as exc:
+                lost(wid, exc)
+                continue
+            self._end(wid, task, done)
+
+    def _take(self, wids: list[int], block: bool, group: list[int]) -> list[tuple[int, Task]] | None:
+        """A task for each of ``wids`` that has one, in one lock hold; with ``block``, wait
+        until one does. None: the engine is stopping (or the group has no live worker) and
+        nothing was taken."""
+        with self._lock:
+            workers = self.core.workers
+            while True:
+                now = self.clock.now()
+                got = [(wid, t) for wid in wids
+                       if workers[wid].alive and (t := self.core.next_task(wid, now)) is not None]
+                if got or not block:
+                    return got
+                if self._stopping or not any(workers[w].alive for w in group):
+                    return None
+                self._idle.update(w for w in group if workers[w].alive)
+                self.idle = len(self._idle)
+                self._conds[group[0]].wait()
+                self._idle.difference_update(group)
+                self.idle = len(self._idle)
 
     def _next_task(self, wid: int, block: bool = True) -> Task | None:
         with self._lock:
@@ -380,6 +467,24 @@ class _Started:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     error: BaseException | None = None
     compute: float | None = None
+
+
+def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
+    """Worker indices by the thread that drives them: pipelined workers with the same
+    ``driver_key`` (a CUDA device's streams, unless ``thread_per_stream``) share one thread;
+    every other worker is its own group."""
+    groups: list[list[int]] = []
+    by_key: dict[Any, list[int]] = {}
+    for wid, w in enumerate(workers):
+        key = getattr(w, "driver_key", None) if hasattr(w, "launch_here") else None
+        if key is None:
+            groups.append([wid])
+        elif key in by_key:
+            by_key[key].append(wid)
+        else:
+            by_key[key] = [wid]
+            groups.append(by_key[key])
+    return groups
 
 
 def _resolve(future: RequestFuture, value: Any, ok: bool) -> None:

@@ -10,10 +10,11 @@
 Inputs are checked against the plan's signature before any task exists, so a bad request
 raises ValueError (InputError) at once and never reaches a worker.
 
-``cuda_streams=N`` starts N CUDA workers per GPU, each on a core held back from the CPU
-groups (see :mod:`staronnx.workers.launch`); ``cuda_options`` go to every
-:class:`~staronnx.workers.cuda.CudaWorker` (``cudnn_conv_algo_search``, ``provider_options``
-such as ``gpu_mem_limit``, ``prefetch``, ``cuda_graphs=False``). ``warmup=(1, 2, 4, 8)`` runs
+``cuda_streams=N`` starts N CUDA workers (streams) per GPU, driven by one engine thread per
+GPU on a core held back from the CPU groups (see :mod:`staronnx.workers.launch`);
+``cuda_options`` go to every :class:`~staronnx.workers.cuda.CudaWorker`
+(``cudnn_conv_algo_search``, ``provider_options`` such as ``gpu_mem_limit``, ``prefetch``,
+``cuda_graphs=False``, ``thread_per_stream=True``: a thread and a core per stream). ``warmup=(1, 2, 4, 8)`` runs
 those batch sizes on every CUDA worker before serving, capturing their CUDA graphs one at a
 time; :attr:`Runtime.preferred_batch_sizes` then lists them and a
 :class:`~staronnx.serving.Server` pads partial batches up to them, so no capture ever stalls

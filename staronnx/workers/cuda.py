@@ -382,7 +382,9 @@ class CudaWorker(ThreadWorker):
     each (part, batch size) buffer set whose outputs are fixed as a CUDA graph and replays it;
     ``capture_on_demand=False`` keeps slots made after warm-up graph-less (a Runtime that
     warmed up its batch sizes never stalls its workers on a capture while serving).
-    ``runtime`` replaces the CUDA runtime: a :class:`~staronnx.workers.cudart.HostRuntime`
+    ``thread_per_stream``
+    gives the worker a thread of its own under an engine; by default one engine thread drives
+    every stream of a device (:attr:`driver_key`), as StarPU does.  ``runtime`` replaces the CUDA runtime: a :class:`~staronnx.workers.cudart.HostRuntime`
     runs the same pipeline on the CPU provider with host memory (how it is tested without a
     GPU; ``STARONNX_CUDA_RUNTIME=host`` makes it the default, for the CLI).  Without one, the constructor raises :class:`DeviceError` when ONNX Runtime's CUDA
     provider, cuda-bindings or the device is missing.
@@ -414,6 +416,7 @@ class CudaWorker(ThreadWorker):
         cuda_graphs: bool = True,
         capture_on_demand: bool = True,
         pinned_pool: PinnedPool | None = None,
+        thread_per_stream: bool = False,
     ) -> None:
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
             raise ValueError(f"cudnn_conv_algo_search must be one of {CONV_ALGO_SEARCHES}, "
@@ -471,6 +474,10 @@ class CudaWorker(ThreadWorker):
         self._owns_pool = pinned_pool is None
         #: inputs copied to the device straight from pool memory (no staging copy)
         self.staging_skipped = 0
+        #: workers with the same key are driven by one engine thread (StarPU's driver thread
+        #: per device); None (``thread_per_stream``, StarPU's STARPU_CUDA_THREAD_PER_WORKER):
+        #: this worker's own thread drives it
+        self.driver_key: str | None = None if thread_per_stream else f"cuda{device_id}"
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _start_failure(self, err: BaseException) -> Exception:
@@ -551,6 +558,13 @@ class CudaWorker(ThreadWorker):
         if self.on_done is not None and launch.timed and self.last_compute_seconds is not None:
             self._call_on_done(launch.slot.part, _batch_of_slot(launch.slot), self.last_compute_seconds)
         return outputs
+
+    def adopt_thread(self) -> None:
+        """Make the calling thread fit to launch this worker's tasks (an engine thread that
+        drives every stream of a device): the worker's device current, and thread-local
+        capture mode, so its calls never break another thread's graph capture."""
+        self._runtime.thread_capture_mode(CAPTURE_THREAD_LOCAL)
+        self._runtime.set_device(self.device_id)
 
     def _lost_or(self, exc: BaseException) -> BaseException:
         """``exc``, or :class:`WorkerLost` when it (or what followed) lost the CUDA context."""

@@ -606,7 +606,8 @@ class HostRuntime:
     stream semantics, plus three things CUDA does that the worker must handle:
 
     - ``calls`` counts every call by kind (copies, event records, waits, allocations), so a
-      test can hold the per-task budget;
+      test can hold the per-task budget, and ``copy_threads`` holds the native ids of the
+      threads that copied inputs to the device (the threads that launched tasks);
     - :meth:`inject` makes a later call fail with a CUDA error code; a sticky code (700, ...)
       then fails every call, as a lost context does;
     - the capture rules of CUDA's global mode (:meth:`capturing`, :meth:`thread_capture_mode`):
@@ -620,6 +621,7 @@ class HostRuntime:
     def __init__(self, capture_seconds: float = 0.0) -> None:
         self.stats = AllocationStats()
         self.calls: Counter[str] = Counter()
+        self.copy_threads: set[int] = set()
         self.capture_seconds = capture_seconds
         self._faults: list[list[Any]] = []  # [call name, code, times left]
         self._lost: CudaError | None = None
@@ -670,6 +672,7 @@ class HostRuntime:
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         self._call("copy_h2d")
+        self.copy_threads.add(threading.get_native_id())
         if nbytes:
             ctypes.memmove(dst, src, nbytes)
 

@@ -43,7 +43,7 @@ def host_devices(groups: str | None = None, *, cuda: bool = False) -> list[Devic
 
 def cpu_group_sizes(groups: str, cuda_streams: int) -> list[int]:
     """Cores of each CPU worker ``Runtime`` would start here with these settings (a CUDA
-    stream holds back a core), which ``shares="auto"`` times the model on."""
+    device's driver thread holds back a core), which ``shares="auto"`` times the model on."""
     return [g.n_cores for g in worker_layout(Topology.from_system(), groups, cuda_streams).groups]
 
 

@@ -1,15 +1,18 @@
 """Starting a machine's workers: CPU groups plus CUDA stream workers, laid out like StarPU's.
 
-StarPU gives every CUDA worker a CPU core of its own ("GPU driver threads each take a CPU
-core": ``STARPU_NCPU`` excludes them).  A GPU worker is host-bound at the batch sizes of
-inference — it copies, launches kernels and waits on events from Python — so an ONNX Runtime
-thread pool spinning on the same core slows the GPU down by more than the CPU workers add:
-the H100 measurements of issue 11 had GPU+CPU at 0.90x GPU alone.  So, unless the group policy
-says otherwise, one core per CUDA worker is held back (``reserve=N``) and each CUDA worker's
-thread is pinned to its own reserved core.  A policy that names ``reserve=`` or an explicit PU
-list keeps what it says; a machine too small to spare a core per worker reserves what it can
-and leaves the CPU groups at least one core.  The policy ``none`` starts CUDA workers only (GPU
-alone, the baseline CPU help is judged against).
+StarPU gives every CUDA driver thread a CPU core of its own ("GPU driver threads each take a
+CPU core": ``STARPU_NCPU`` excludes them), and by default one thread drives every stream of a
+device (``STARPU_CUDA_THREAD_PER_DEV``; the native engine does the same, see
+:attr:`~staronnx.workers.cuda.CudaWorker.driver_key`).  A GPU driver is host-bound at the batch
+sizes of inference — it copies, launches kernels and waits on events from Python — so an ONNX
+Runtime thread pool spinning on the same core slows the GPU down by more than the CPU workers
+add: the H100 measurements of issue 11 had GPU+CPU at 0.90x GPU alone.  So, unless the group
+policy says otherwise, one core per driver thread is held back (``reserve=N``: one per device,
+or one per stream with ``thread_per_stream``) and the device's workers are pinned to it.  A
+policy that names ``reserve=`` or an explicit PU list keeps what it says; a machine too small
+to spare a core per driver reserves what it can and leaves the CPU groups at least one core.
+The policy ``none`` starts CUDA workers only (GPU alone, the baseline CPU help is judged
+against).
 """
 
 from __future__ import annotations
@@ -42,9 +45,11 @@ class WorkerLayout:
 
 
 def worker_layout(
-    topology: Topology, groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)
+    topology: Topology, groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
+    thread_per_stream: bool = False,
 ) -> WorkerLayout:
-    """The CPU groups and CUDA worker pins for ``groups`` with ``cuda_streams`` per device."""
+    """The CPU groups and CUDA worker pins for ``groups`` with ``cuda_streams`` per device: one
+    reserved core per driver thread (per device, or per stream with ``thread_per_stream``)."""
     if cuda_streams < 0:
         raise ValueError(f"cuda_streams must be >= 0, got {cuda_streams}")
     n_cuda = cuda_streams * len(cuda_devices)
@@ -54,17 +59,18 @@ def worker_layout(
         cuda = tuple((d, s, None) for d in cuda_devices for s in range(cuda_streams))
         return WorkerLayout(CpuGroups(NO_CPU, ()), cuda)
     policy = groups
+    drivers = [(d, s if thread_per_stream else 0) for d in cuda_devices for s in range(cuda_streams)]
+    threads = list(dict.fromkeys(drivers))  # one per device, or one per stream
     if n_cuda and policy_reserve(groups) is None:
         spare = len(topology.allowed_cores()) - 1  # the CPU groups keep at least one core
-        reserve = min(n_cuda, max(spare, 0))
+        reserve = min(len(threads), max(spare, 0))
         if reserve:
             policy = f"{groups},reserve={reserve}"
     cpu_groups = make_groups(topology, policy)
     reserved = [pus[0] for pus in cpu_groups.reserved if pus]
-    cuda = tuple(
-        (d, s, reserved[i % len(reserved)] if reserved else None)
-        for i, (d, s) in enumerate((d, s) for d in cuda_devices for s in range(cuda_streams))
-    )
+    pin = {t: reserved[i % len(reserved)] if reserved else None for i, t in enumerate(threads)}
+    cuda = tuple((d, s, pin[(d, s if thread_per_stream else 0)])
+                 for d in cuda_devices for s in range(cuda_streams))
     return WorkerLayout(cpu_groups, cuda)
 
 
@@ -86,7 +92,8 @@ def start_workers(
 
     parts = [plan.part_path(i) for i in range(plan.k)]
     topology = topology or Topology.from_system()
-    layout = worker_layout(topology, groups, cuda_streams, cuda_devices)
+    per_stream = bool((cuda_options or {}).get("thread_per_stream", False))
+    layout = worker_layout(topology, groups, cuda_streams, cuda_devices, thread_per_stream=per_stream)
     workers: list[Any] = []
     try:
         if layout.cuda:
