@@ -169,6 +169,51 @@ def test_futures_are_awaitable(plan3, store, two_groups):
     assert len(results) == 5 and all("logits" in r for r in results)
 
 
+def test_runtime_futures_behave_like_futures(plan3, store, two_groups):
+    """Runtime futures are light (one Condition per engine, none per request): waits,
+    callbacks, timeouts and cancels must still behave as concurrent.futures' own."""
+    from concurrent.futures import FIRST_COMPLETED, CancelledError, Future, as_completed, wait
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
+    with Runtime(plan3, policy="eager", cpu_groups=two_groups, store=store) as rt:
+        futs = [rt.submit(f) for f in feeds]
+        called: list[object] = []
+        futs[0].add_done_callback(called.append)
+        done, _ = wait(futs[:3], return_when=FIRST_COMPLETED, timeout=60)
+        assert done
+        assert sorted(map(id, as_completed(futs, timeout=60))) == sorted(map(id, futs))
+        assert called == [futs[0]]
+        late: list[object] = []
+        futs[1].add_done_callback(late.append)  # on a done future: called at once
+        assert late == [futs[1]]
+        for f, x in zip(futs, feeds):
+            np.testing.assert_array_equal(f.result(timeout=0)["logits"], plan3.run_reference(x)["logits"])
+        assert not futs[0].cancel() and futs[0].exception() is None
+        assert set(vars(Future())) <= set(dir(futs[0]))  # built without Future.__init__
+    # a pending future: timeouts, then a cancel wakes a caller blocked in result()
+    from staronnx.runtime.task import RequestFuture
+
+    pending = RequestFuture(7, threading.Condition())
+    with pytest.raises(FutureTimeout):
+        pending.result(timeout=0.01)
+    got: list[BaseException] = []
+
+    def block() -> None:
+        try:
+            pending.result(timeout=30)
+        except CancelledError as exc:
+            got.append(exc)
+
+    t = threading.Thread(target=block)
+    t.start()
+    while not pending._waiter_list:
+        threading.Event().wait(0.001)
+    assert pending.cancel()
+    t.join(10)
+    assert not t.is_alive() and len(got) == 1
+
+
 def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path, two_groups):
     path = tmp_path / "trace.json"
     with Runtime(plan3, policy="heft", cpu_groups=two_groups, trace=path, store=store) as rt:

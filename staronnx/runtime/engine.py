@@ -27,7 +27,7 @@ import math
 import threading
 import time
 from collections import deque
-from concurrent.futures import CancelledError, Future, InvalidStateError
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -41,12 +41,14 @@ from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
-from staronnx.runtime.task import RequestFuture, TaskError
+from staronnx.runtime.task import RequestFuture, TaskError, settle
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
 
 log = logging.getLogger(__name__)
+import os
+DEPTH = int(os.environ.get("DEPTH", "2"))
 
 
 class EngineClosed(RuntimeError):
@@ -97,6 +99,7 @@ class NativeEngine:
                 self._conds[wid] = cond
         self._group_of = {wid: group for group in self.drivers for wid in group}
         self._drained = threading.Condition(self._lock)  # close() waits on it
+        self._future_cond = threading.Condition()  # shared by the request futures (light ones)
         self._idle: set[int] = set()
         self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
@@ -120,7 +123,7 @@ class NativeEngine:
             for info in infos:
                 tracer.lane(info.id, info.name)
         for group in self.drivers:
-            if len(group) == 1:
+            if len(group) == 1 and not os.environ.get("DRIVE"):
                 self._loops.append(self._workers[group[0]].spawn(self._make_loop(group[0])))
             else:
                 self._loops.append(self._workers[group[0]].spawn(self._make_driver(group)))
@@ -141,7 +144,7 @@ class NativeEngine:
         """Create the request's tasks; inputs must already be checked against the plan."""
         name = self._batch_input
         batch = int(feeds[name].shape[0]) if name is not None else 1
-        future = RequestFuture(-1)
+        future = RequestFuture(-1, self._future_cond)
         with self._lock:
             if self._closed:
                 raise EngineClosed("the runtime is closed; no new requests are accepted")
@@ -245,7 +248,7 @@ class NativeEngine:
             self._worker_died(wid, exc)
 
         while live:
-            got = self._take([w for w in live if launched[w] < 2], block=not ahead, group=wids)
+            got = self._take([w for w in live if launched[w] < DEPTH], block=not ahead, group=wids)
             if got is None:
                 return
             for wid, task in got:
@@ -487,17 +490,9 @@ def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
     return groups
 
 
-def _resolve(future: RequestFuture, value: Any, ok: bool) -> None:
-    """Settle a request's future in one lock hold (set_result goes from pending to finished);
-    one its caller cancelled is only announced to its waiters (wait, as_completed)."""
-    if not future.cancelled():
-        try:
-            future.set_result(value) if ok else future.set_exception(value)
-            return
-        except InvalidStateError:  # cancelled in between
-            pass
-    with contextlib.suppress(RuntimeError):  # already announced
-        future.set_running_or_notify_cancel()
+#: settle a request's future in one lock hold (a cancelled one is only announced to its
+#: waiters: wait, as_completed)
+_resolve = settle
 
 
 def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:

@@ -6,17 +6,42 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import Future
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING
 from typing import Any, Generator
 
 import numpy as np
 
+#: a future in one of these states will not change any more
+SETTLED = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
+
 
 class RequestFuture(Future):  # type: ignore[type-arg]
-    """A concurrent.futures.Future of a request's outputs, also awaitable from asyncio."""
+    """A concurrent.futures.Future of a request's outputs, also awaitable from asyncio; a
+    light one.
 
-    def __init__(self, request_id: int) -> None:
-        super().__init__()
+    A plain Future builds a Condition per request (an RLock, a deque and five bound methods:
+    objects the cycle collector then walks for as long as the caller keeps the future, and a
+    microsecond to build on the submitting thread, which is what bounds a runtime's requests/s
+    at small batches). The futures of one engine or server share one Condition instead
+    (``condition``), which only guards state changes; a caller that blocks in ``result()``
+    waits on a lock of its own, registered as a waiter the way ``concurrent.futures.wait``
+    registers its own, so a result wakes that caller only (no herd on the shared Condition).
+    Waiter and callback lists are made on first use (most requests never have either).
+    ``concurrent.futures.wait``/``as_completed``, ``add_done_callback``, ``cancel`` and
+    ``await`` behave as with any Future (tests/test_runtime.py and tests/test_serving_path.py
+    hold them, and that this class keeps every attribute ``Future.__init__`` sets).
+    """
+
+    def __init__(self, request_id: int, condition: threading.Condition | None = None) -> None:
+        # Future.__init__ without its per-future Condition (see the class docstring)
+        self._condition = condition if condition is not None else threading.Condition()
+        self._state = PENDING
+        self._result = None
+        self._exception = None
+        self._waiter_list: list[Any] | None = None
+        self._callback_list: list[Any] | None = None
         self.request_id = request_id
         #: "part<k>" -> arch of the worker that ran it (serving reports CPU share from this)
         self.placement: dict[str, str] = {}
@@ -24,8 +49,106 @@ class RequestFuture(Future):  # type: ignore[type-arg]
         #: set by the Server before the result, so network front ends can split queue from compute
         self.batch: Any = None
 
+    # Future's code and concurrent.futures.wait() use these lists under the shared Condition
+    # (appends, removals, the loops of set_result and friends) or once the future is settled
+    # (_invoke_callbacks), so making them on first use cannot race.
+    @property
+    def _waiters(self) -> list[Any]:
+        if self._waiter_list is None:
+            self._waiter_list = []
+        return self._waiter_list
+
+    @property
+    def _done_callbacks(self) -> list[Any]:
+        if self._callback_list is None:
+            self._callback_list = []
+        return self._callback_list
+
+    def cancel(self) -> bool:
+        """Future.cancel, which only notifies the Condition: callers blocked on a lock of their
+        own are woken here."""
+        if not super().cancel():
+            return False
+        with self._condition:
+            blocked = [w for w in self._waiter_list or () if isinstance(w, _Wakeup)]
+        for w in blocked:
+            w.add_cancelled(self)
+        return True
+
+    def result(self, timeout: float | None = None) -> Any:
+        self._block(timeout)
+        return super().result(0)  # done: the result or the error; still pending: TimeoutError
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        self._block(timeout)
+        return super().exception(0)
+
+    def _block(self, timeout: float | None) -> None:
+        """Wait until done or ``timeout`` s, on a lock of this caller's own."""
+        if self._state in SETTLED:  # read without the lock: a settled state never changes back
+            return
+        wakeup = _Wakeup()
+        with self._condition:
+            if self._state in SETTLED:
+                return
+            self._waiters.append(wakeup)
+        try:
+            wakeup.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
+        finally:
+            with self._condition:
+                if wakeup in self._waiters:
+                    self._waiters.remove(wakeup)
+
     def __await__(self) -> Generator[Any, None, dict[str, np.ndarray]]:
         return asyncio.wrap_future(self).__await__()
+
+
+def settle(future: RequestFuture, value: Any, ok: bool) -> None:
+    """Give ``future`` its result (``ok``) or error in one hold of its Condition, as
+    ``set_result``/``set_exception`` would, minus their errors for a future its caller
+    cancelled meanwhile (that one is only announced to its waiters, as
+    ``set_running_or_notify_cancel`` does). Callbacks run after, outside the lock."""
+    with future._condition:
+        state = future._state
+        waiters = future._waiter_list or ()
+        if state == CANCELLED:
+            future._state = CANCELLED_AND_NOTIFIED
+            for w in waiters:
+                w.add_cancelled(future)
+            return
+        if state in SETTLED:
+            return
+        if ok:
+            future._result = value
+            future._state = FINISHED
+            for w in waiters:
+                w.add_result(future)
+        else:
+            future._exception = value
+            future._state = FINISHED
+            for w in waiters:
+                w.add_exception(future)
+    if future._callback_list:
+        future._invoke_callbacks()
+
+
+class _Wakeup:
+    """A caller blocked on one :class:`RequestFuture`: what ``concurrent.futures``' waiters
+    are to ``wait()`` (set_result, set_exception and set_running_or_notify_cancel call these)."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+
+    def add_result(self, future: Future) -> None:  # type: ignore[type-arg]
+        try:
+            self.lock.release()
+        except RuntimeError:  # woken already (a cancel, then its notification)
+            pass
+
+    add_exception = add_cancelled = add_result
 
 
 class TaskError(RuntimeError):

@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED, PENDING as _PENDING
+from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,12 +45,10 @@ import numpy as np
 from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
-from staronnx.runtime.task import RequestFuture
+from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 
 ON_FULL = ("reject", "block")
-#: a future in one of these states will not change any more
-_SETTLED = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
 
 
 class OverloadError(StaronnxError, RuntimeError):
@@ -78,102 +76,21 @@ class BatchRuntime(Protocol):
 
 
 class _Request(RequestFuture):
-    """A queued request is its own future, and a light one.
-
-    A plain Future builds a Condition per request (an RLock, a deque and five bound methods:
-    eight of the eleven objects the cycle collector then walks for as long as the caller keeps
-    the future, and a microsecond to build). The futures of one server share one Condition
-    instead, which only guards state changes; a caller that blocks in ``result()`` waits on a
-    lock of its own, registered as a waiter the way ``concurrent.futures.wait`` registers
-    its own, so a result wakes that caller only (no herd on the shared Condition). Its waiter
-    and callback lists are made on first use (most requests never have either): a live
-    request is two tracked objects, this and its record, where it was fourteen. ``cancel``
-    tells the server directly, where a done-callback would run on every completion.
-    """
+    """A queued request is its own (light) future, sharing the server's Condition: a live
+    request is two tracked objects, this and its record. ``cancel`` tells the server
+    directly, where a done-callback would run on every completion."""
 
     def __init__(self, server: Server, record: RequestRecord, sample: Mapping[str, np.ndarray]) -> None:
-        # Future.__init__ and RequestFuture.__init__ without the per-future Condition;
-        # tests/test_serving_path.py checks these stay the attributes RequestFuture sets
-        self._condition = server._future_cond
-        self._state = _PENDING
-        self._result = None
-        self._exception = None
-        self._waiter_list: list[Any] | None = None
-        self._callback_list: list[Any] | None = None
-        self.request_id = record.id
-        self.placement: dict[str, str] = {}
-        self.batch: Any = None
+        super().__init__(record.id, server._future_cond)
         self._server = server
         self._record = record
         self._sample = sample
 
-    # Future's code and concurrent.futures.wait() use these lists under the shared Condition
-    # (appends, removals, the loops of set_result and friends) or once the future is settled
-    # (_invoke_callbacks), so making them on first use cannot race.
-    @property
-    def _waiters(self) -> list[Any]:
-        if self._waiter_list is None:
-            self._waiter_list = []
-        return self._waiter_list
-
-    @property
-    def _done_callbacks(self) -> list[Any]:
-        if self._callback_list is None:
-            self._callback_list = []
-        return self._callback_list
-
     def cancel(self) -> bool:
         if not super().cancel():
             return False
-        with self._condition:
-            blocked = [w for w in self._waiter_list or () if isinstance(w, _Wakeup)]
-        for w in blocked:
-            w.add_cancelled(self)
         self._server._on_cancel()
         return True
-
-    def result(self, timeout: float | None = None) -> dict[str, np.ndarray]:
-        self._block(timeout)
-        return super().result(0)  # done: the result or the error; still pending: TimeoutError
-
-    def exception(self, timeout: float | None = None) -> BaseException | None:
-        self._block(timeout)
-        return super().exception(0)
-
-    def _block(self, timeout: float | None) -> None:
-        """Wait until done or ``timeout`` s, on a lock of this caller's own."""
-        if self._state in _SETTLED:  # read without the lock: a settled state never changes back
-            return
-        wakeup = _Wakeup()
-        with self._condition:
-            if self._state in _SETTLED:
-                return
-            self._waiters.append(wakeup)
-        try:
-            wakeup.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
-        finally:
-            with self._condition:
-                if wakeup in self._waiters:
-                    self._waiters.remove(wakeup)
-
-
-class _Wakeup:
-    """A caller blocked on one :class:`_Request`: what ``concurrent.futures``' waiters are to
-    ``wait()`` (set_result, set_exception and set_running_or_notify_cancel call these)."""
-
-    __slots__ = ("lock",)
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-
-    def add_result(self, future: Future) -> None:  # type: ignore[type-arg]
-        try:
-            self.lock.release()
-        except RuntimeError:  # woken already (a cancel, then its notification)
-            pass
-
-    add_exception = add_cancelled = add_result
 
 
 #: a finished batch for the batcher thread: (its record, its requests, the runtime's future or
