@@ -47,8 +47,6 @@ from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
 
 log = logging.getLogger(__name__)
-import os
-DEPTH = int(os.environ.get("DEPTH", "2"))
 
 
 class EngineClosed(RuntimeError):
@@ -123,7 +121,7 @@ class NativeEngine:
             for info in infos:
                 tracer.lane(info.id, info.name)
         for group in self.drivers:
-            if len(group) == 1 and not os.environ.get("DRIVE"):
+            if len(group) == 1:
                 self._loops.append(self._workers[group[0]].spawn(self._make_loop(group[0])))
             else:
                 self._loops.append(self._workers[group[0]].spawn(self._make_driver(group)))
@@ -248,7 +246,7 @@ class NativeEngine:
             self._worker_died(wid, exc)
 
         while live:
-            got = self._take([w for w in live if launched[w] < DEPTH], block=not ahead, group=wids)
+            got = self._take([w for w in live if launched[w] < 2], block=not ahead, group=wids)
             if got is None:
                 return
             for wid, task in got:
