@@ -149,10 +149,12 @@ class TaskGraph:
             for d in deps:
                 self.succs[d].append(p)
         self._producer = plan.producers()
-        self._readers: dict[str, int] = defaultdict(int)
+        readers: dict[str, int] = defaultdict(int)
         for part in plan.parts:
             for name in part.inputs:
-                self._readers[name] += 1
+                readers[name] += 1
+        #: parts reading each tensor (a tensor no part reads has no entry)
+        self._readers = dict(readers)
         self._outputs = set(plan.output_names)
         self.inflight: dict[int, Request] = {}
         self._queued: dict[int, Task] = {}  # pushed, not yet popped, by TaskView id
@@ -179,7 +181,8 @@ class TaskGraph:
         """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed.
         ``values`` becomes the request's own (the core drops intermediates from it)."""
         self.pushed_to.clear()
-        handles = {n: DataHandle(n, nbytes, {HOST_NODE}, self._readers[n]) for n, nbytes in inputs.items()}
+        readers = self._readers
+        handles = {n: DataHandle(n, nbytes, {HOST_NODE}, readers.get(n, 0)) for n, nbytes in inputs.items()}
         req = Request(next(self._ids), batch, now, self._k, handles, values if values is not None else {}, owner)
         req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self._k)]
         self.inflight[req.id] = req
@@ -243,8 +246,10 @@ class TaskGraph:
         self.measured[(task.part, arch)].append(measured)
         if math.isfinite(view.predicted):
             self.predicted[(task.part, arch)].append(view.predicted)
+        readers = self._readers
         for name, nbytes in outputs.items():
-            req.handles[name] = DataHandle(name, nbytes, {node}, self._readers[name])
+            if name in readers:  # a handle only for what another part reads
+                req.handles[name] = DataHandle(name, nbytes, {node}, readers[name])
         for name in self._part_inputs[task.part]:  # free intermediates nobody else reads
             h = req.handles[name]
             h.valid_on.add(node)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
     from staronnx.perfmodels import Footprint
@@ -48,9 +48,9 @@ class WorkerInfo:
         return 13.33 if self.kind == "cuda" else 0.5 * self.ncores
 
 
-@dataclass(frozen=True)
-class DataView:
-    """One input of a task: a data handle, its size and where valid copies are."""
+class DataView(NamedTuple):
+    """One input of a task: a data handle, its size and where valid copies are (a named
+    tuple: immutable like a frozen dataclass, built in a third of its time, per task)."""
 
     handle: int
     name: str

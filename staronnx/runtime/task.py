@@ -77,10 +77,19 @@ class RequestFuture(Future):  # type: ignore[type-arg]
 
     def result(self, timeout: float | None = None) -> Any:
         self._block(timeout)
-        return super().result(0)  # done: the result or the error; still pending: TimeoutError
+        if self._state == FINISHED:  # settled states never change: no lock needed to read it
+            if self._exception is not None:
+                try:
+                    raise self._exception
+                finally:
+                    self = None  # type: ignore[assignment]  # as Future: no cycle via the frame
+            return self._result
+        return super().result(0)  # cancelled: CancelledError; still pending: TimeoutError
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         self._block(timeout)
+        if self._state == FINISHED:
+            return self._exception
         return super().exception(0)
 
     def _block(self, timeout: float | None) -> None:
