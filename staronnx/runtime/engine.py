@@ -116,7 +116,7 @@ class NativeEngine:
         self.started_at = self.clock.now()
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
         self.core = TaskGraph(plan, infos, policy, predictor, self.clock, self._footprint)
-        self.core.dropped = lambda req: req.owner.done()  # cancelled by its caller
+        self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)

@@ -64,6 +64,11 @@ class RequestFuture(Future):  # type: ignore[type-arg]
             self._callback_list = []
         return self._callback_list
 
+    def settled(self) -> bool:
+        """``done()`` without its lock: a settled state never changes back, so a stale read
+        only says "not yet" (what the engine asks of every task it pops)."""
+        return self._state in SETTLED
+
     def cancel(self) -> bool:
         """Future.cancel, which only notifies the Condition: callers blocked on a lock of their
         own are woken here."""

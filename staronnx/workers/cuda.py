@@ -212,6 +212,20 @@ class _Part:
         )
 
 
+def _run_bound(session: ort.InferenceSession, binding: Any, options: ort.RunOptions) -> None:
+    """``session.run_with_iobinding(binding, options)`` through ORT's native method: the
+    Python wrapper's checks are for WebGPU graph capture (ORT 1.32 reads ``gpu_graph_id``
+    back from the run options and asks the session about WebGPU on every call, 2-4 us with
+    the GIL held), and a CUDA worker's steady run needs none of them. An ORT without these
+    attributes gets its wrapper."""
+    try:
+        run, bound = session._sess.run_with_iobinding, binding._iobinding
+    except AttributeError:
+        session.run_with_iobinding(binding, options)
+        return
+    run(bound, options)
+
+
 # ---------------------------------------------------------------------- buffer slots
 @dataclass(eq=False)
 class _Tensor:
@@ -761,10 +775,10 @@ class CudaWorker(ThreadWorker):
             if timed:
                 ev["run_start"].record(stream)
             if slot.graph == _GRAPH_REPLAY:
-                part.session.run_with_iobinding(slot.binding, slot.run_options)
+                _run_bound(part.session, slot.binding, slot.run_options)
                 self.graph_replays += 1
             elif slot.graph == _NO_GRAPH:
-                part.session.run_with_iobinding(slot.binding, slot.run_options)
+                _run_bound(part.session, slot.binding, slot.run_options)
             else:
                 self._run_graph_step(slot, part)
             if timed:
