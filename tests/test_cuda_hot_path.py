@@ -413,8 +413,8 @@ def test_one_thread_drives_every_stream_of_a_device_unless_asked_otherwise(plan,
         stats = rt.stats()
     tasks = {name: w["tasks"] for name, w in stats["workers"].items()}
     assert sum(tasks.values()) == 120
-    if per_stream:
-        assert len(host.copy_threads) == 3
+    if per_stream:  # each stream that ran something did it from a thread of its own
+        assert len(host.copy_threads) == sum(n > 0 for n in tasks.values())
     else:
         assert len(host.copy_threads) == 1
         assert all(n > 0 for n in tasks.values()), tasks  # every stream was fed by that one thread

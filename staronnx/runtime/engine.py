@@ -208,8 +208,8 @@ class NativeEngine:
             if len(ahead) < 2 and (nxt := self._next_task(wid, block=False)) is not None:
                 ahead.append((nxt, self._launch(wid, worker, nxt)))
             task, started = ahead.popleft()
-            nxt = self._end(wid, task, self._complete(worker, started), take_next=len(ahead) < 2)
-            if nxt is not None:
+            for _, nxt in self._end(wid, task, self._complete(worker, started),
+                                    take=(wid,) if len(ahead) < 2 else ()):
                 ahead.append((nxt, self._launch(wid, worker, nxt)))
 
     def _make_driver(self, wids: list[int]) -> Callable[[], None]:
@@ -245,16 +245,19 @@ class NativeEngine:
             launched[wid] = 0
             self._worker_died(wid, exc)
 
+        got: list[tuple[int, Task]] = []
         while live:
-            got = self._take([w for w in live if launched[w] < 2], block=not ahead, group=wids)
-            if got is None:
-                return
+            if not got and not ahead:
+                got = self._take(live, block=True, group=wids)
+                if got is None:
+                    return
             for wid, task in got:
                 try:
                     ahead.append((wid, task, self._launch(wid, workers[wid], task)))
                     launched[wid] += 1
                 except WorkerLost as exc:
                     lost(wid, exc)
+            got = []
             if not ahead:
                 continue
             wid, task, started = ahead.popleft()
@@ -264,7 +267,8 @@ class NativeEngine:
             except WorkerLost as exc:
                 lost(wid, exc)
                 continue
-            self._end(wid, task, done)
+            # book it and take what each stream with room can launch, in one lock hold
+            got = self._end(wid, task, done, take=[w for w in live if launched[w] < 2])
 
     def _take(self, wids: list[int], block: bool, group: list[int]) -> list[tuple[int, Task]] | None:
         """A task for each of ``wids`` that has one, in one lock hold; with ``block``, wait
@@ -349,9 +353,10 @@ class NativeEngine:
                 started.error = exc
         return started
 
-    def _end(self, wid: int, task: Task, started: _Started, take_next: bool = False) -> Task | None:
+    def _end(self, wid: int, task: Task, started: _Started, take: Sequence[int] = ()) -> list[tuple[int, Task]]:
         """Book a finished task: perf model, trace, the core (successors), the request; with
-        ``take_next``, also take the worker's next task (if one is ready) under the same lock."""
+        ``take``, also take a task for each of those workers that has one ready, under the same
+        lock (what a pipelined loop launches next)."""
         req = task.request
         info = self.core.workers[wid].info
         end = self.clock.now()
@@ -375,7 +380,8 @@ class NativeEngine:
             self._wake()
             if self._closed and not self.core.inflight:
                 self._drained.notify_all()
-            nxt = self.core.next_task(wid, end) if take_next and self.core.workers[wid].alive else None
+            states = self.core.workers
+            nxt = [(w, t) for w in take if states[w].alive and (t := self.core.next_task(w, end)) is not None]
         if done is not None:
             if error is not None:
                 err = TaskError(task.part, info.name, error)
