@@ -107,7 +107,7 @@ class NativeEngine:
         self._batch_input = next((t.name for t in plan.inputs if t.shape and not isinstance(t.shape[0], int)), None)
         self._footprints: dict[tuple[Any, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
-        self._frozen: set[tuple[int, str, Any]] = set()  # (part, arch, footprint) calibrated for good
+        self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
         self._loops: list[Future[Any]] = []
         self._stopping = False
         self._closed = False
@@ -308,7 +308,7 @@ class NativeEngine:
         fp = task.view.footprint if task.view is not None else None
         if fp is None:
             return False
-        key = (task.part, self._archs[wid], fp)
+        key = (task.part, self._archs[wid], fp.batch, fp.shape_hash)  # ints: hashed in C
         if key in self._frozen:
             return False
         needed = self.predictor.needs_samples(task.part, self._archs[wid], fp)

@@ -105,13 +105,14 @@ class RequestFuture(Future):  # type: ignore[type-arg]
         with self._condition:
             if self._state in SETTLED:
                 return
-            self._waiters.append(wakeup)
+            waiters = self._waiters
+            waiters.append(wakeup)
         try:
             wakeup.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
         finally:
             with self._condition:
-                if wakeup in self._waiters:
-                    self._waiters.remove(wakeup)
+                if wakeup in waiters:
+                    waiters.remove(wakeup)
 
     def __await__(self) -> Generator[Any, None, dict[str, np.ndarray]]:
         return asyncio.wrap_future(self).__await__()
