@@ -58,8 +58,11 @@ class Worker(Protocol):
     ``run_here(..., timed=False)`` may skip timing (nothing to learn: the perf model is
     calibrated). A worker that can start a task without waiting for it also offers
     ``launch_here(part, feeds, timed) -> handle`` and ``finish_here(handle) -> outputs`` (the
-    CUDA worker does), and the native engine then launches its next task before waiting. Any of
-    them may raise :class:`WorkerLost`: the engine then moves the worker's tasks elsewhere."""
+    CUDA worker does), and the native engine then launches its next task before waiting. Such
+    workers with the same ``driver_key`` (a CUDA device's streams) are driven by one engine
+    thread, which calls each one's ``adopt_thread()`` first (StarPU's driver thread per
+    device). Any of them may raise :class:`WorkerLost`: the engine then moves the worker's
+    tasks elsewhere."""
 
     name: str
     kind: str  # "cpu" or "cuda"
