@@ -51,8 +51,19 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GOOGLENET, alternate, scratch_dir  # noqa: E402
 
-PATHS = ("in-process", "HTTP binary", "gRPC")
+PATHS = ("in-process", "HTTP binary", "HTTP JSON", "gRPC")
 GOAL = 0.9
+#: issue 21: JSON tensors serve at least this share of binary HTTP's requests/s on googlenet
+JSON_GOAL = 0.95
+#: the network paths of the tail-latency set (trivial model)
+TAIL_PATHS = ("HTTP binary", "gRPC")
+#: open-loop points of the tail set, as fractions of the capacity measured in the same round
+OPEN_FRACTIONS = (0.25, 0.5, 0.75)
+#: issue 21's tail goals: p99 at 64 closed-loop clients (ms) and open-loop p99/p50
+TAIL_P99_MS = {"HTTP binary": 30.0, "gRPC": 40.0}
+TAIL_RATIO = 5.0
+#: the trivial model's width (input x and output y are [batch, TRIVIAL_WIDTH])
+TRIVIAL_WIDTH = 16
 
 
 # -- the client process (one per row and round) -------------------------------------------------
@@ -65,13 +76,16 @@ def cpu_seconds(pid: int | None) -> float:
     return own + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def served_counts(metrics_url: str) -> tuple[float, float]:
+def served_counts(metrics_url: str, model: str = "googlenet") -> tuple[float, float]:
     """(samples, batches) the server has run so far, from its Triton counters."""
     import urllib.request
 
+    if not metrics_url:
+        return 0.0, 0.0
     text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
     counts = {m.group(1): float(m.group(2))
-              for m in re.finditer(r'^nv_inference_(count|exec_count)\{model="googlenet"[^}]*\} (\S+)$', text, re.M)}
+              for m in re.finditer(r'^nv_inference_(count|exec_count)\{model="' + re.escape(model) + r'"[^}]*\} (\S+)$',
+                                   text, re.M)}
     return counts.get("count", 0.0), counts.get("exec_count", 0.0)
 
 
@@ -114,9 +128,59 @@ async def closed_loop(call: Callable[[], Awaitable[None]], clients: int, seconds
             "cpu_ms_per_sample": (cpu[1] - cpu[0]) * 1e3 / max(len(lats), 1), "mean_batch": mean_batch}
 
 
+async def open_loop(call: Callable[[], Awaitable[None]], rate: float, seconds: float, warmup: float,
+                    server_pid: int | None = None, seed: int = 0) -> dict[str, object]:
+    """Poisson arrivals at ``rate`` requests/s, each sent at its scheduled time whatever is still
+    outstanding; a request's latency runs from its *scheduled* arrival (a client running late
+    does not hide queueing), counted if scheduled inside the measured window."""
+    loop = asyncio.get_running_loop()
+    rng = np.random.default_rng(seed)
+    start_at = loop.time() + warmup
+    stop_at = start_at + seconds
+    lats: list[float] = []
+    tasks: set[asyncio.Task[None]] = set()
+    cpu: list[float] = []
+
+    async def one(at: float) -> None:
+        await call()
+        if start_at <= at < stop_at:
+            lats.append(loop.time() - at)
+
+    at = loop.time()
+    measuring = False
+    while at < stop_at:
+        at += float(rng.exponential(1.0 / rate))
+        delay = at - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if not measuring and at >= start_at:
+            measuring = True
+            cpu.append(cpu_seconds(server_pid))
+        task = asyncio.create_task(one(at))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    cpu.append(cpu_seconds(server_pid))
+    await asyncio.gather(*tasks)
+    sent = len(lats)
+    return {"throughput": sent / seconds, "latencies": lats, "cpu_s": cpu[-1] - cpu[0],
+            "cpu_ms_per_sample": (cpu[-1] - cpu[0]) * 1e3 / max(sent, 1), "mean_batch": float("nan")}
+
+
 def client_main(args: argparse.Namespace) -> int:
     """Run one row's load and print its figures as one JSON line."""
-    x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+    if args.model_name == "trivial":
+        x = np.random.default_rng(0).standard_normal((1, TRIVIAL_WIDTH)).astype(np.float32)
+        in_name, out_name = "x", "y"
+    else:
+        x = np.random.default_rng(0).standard_normal((1, 3, 224, 224)).astype(np.float32)
+        in_name, out_name = "input", "logits"
+    model = args.model_name
+
+    async def drive(call: Callable[[], Awaitable[None]]) -> dict[str, object]:
+        if args.rate:
+            return await open_loop(call, args.rate, args.seconds, args.warmup, args.server_pid)
+        return await closed_loop(call, args.clients, args.seconds, args.warmup, args.server_pid,
+                                 lambda: served_counts(args.metrics, model))
 
     async def in_process() -> dict[str, object]:
         from staronnx.durations import parse_duration
@@ -138,35 +202,61 @@ def client_main(args: argparse.Namespace) -> int:
         import tritonclient.http as thttp
         import tritonclient.http.aio as aio
 
-        inp = thttp.InferInput("input", [1, 3, 224, 224], "FP32")
+        inp = thttp.InferInput(in_name, list(x.shape), "FP32")
         inp.set_data_from_numpy(x, binary_data=True)
-        out = [thttp.InferRequestedOutput("logits", binary_data=True)]
-        async with aio.InferenceServerClient(args.address, conn_limit=args.clients) as client:
+        out = [thttp.InferRequestedOutput(out_name, binary_data=True)]
+        limit = 1024 if args.rate else args.clients
+        async with aio.InferenceServerClient(args.address, conn_limit=limit) as client:
             async def call() -> None:
-                (await client.infer("googlenet", [inp], outputs=out)).as_numpy("logits")
-            return await closed_loop(call, args.clients, args.seconds, args.warmup, args.server_pid,
-                                     lambda: served_counts(args.metrics))
+                (await client.infer(model, [inp], outputs=out)).as_numpy(out_name)
+            return await drive(call)
+
+    async def http_json() -> dict[str, object]:
+        """JSON tensors both ways. The body is the one tritonclient sends (``data`` a flat list of
+        the input's values), generated once, as perf_analyzer prepares its requests: the client's
+        own ``json.dumps`` of 150,528 floats per call (~40 ms) would measure the client; the
+        response is parsed per call by tritonclient (``as_numpy``), as a client must."""
+        import aiohttp
+        import tritonclient.http as thttp
+        import tritonclient.http.aio as aio
+
+        inp = thttp.InferInput(in_name, list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=False)
+        out = [thttp.InferRequestedOutput(out_name, binary_data=False)]
+        body, json_size = aio.InferenceServerClient.generate_request_body([inp], outputs=out)
+        assert json_size is None  # all JSON: no binary tail
+        url = f"http://{args.address}/v2/models/{model}/infer"
+        headers = {"Content-Type": "application/json"}
+        connector = aiohttp.TCPConnector(limit=1024 if args.rate else args.clients)
+        async with aiohttp.ClientSession(connector=connector) as session:
+            async def call() -> None:
+                async with session.post(url, data=body, headers=headers) as resp:
+                    text = await resp.read()
+                    if resp.status != 200:
+                        raise RuntimeError(f"HTTP {resp.status}: {text[:200]!r}")
+                aio.InferenceServerClient.parse_response_body(text).as_numpy(out_name)
+            return await drive(call)
 
     async def grpc() -> dict[str, object]:
         import tritonclient.grpc as tgrpc
         import tritonclient.grpc.aio as aio
 
-        inp = tgrpc.InferInput("input", [1, 3, 224, 224], "FP32")
+        inp = tgrpc.InferInput(in_name, list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
         async with aio.InferenceServerClient(args.address) as client:
             async def call() -> None:
-                (await client.infer("googlenet", [inp])).as_numpy("logits")
-            return await closed_loop(call, args.clients, args.seconds, args.warmup, args.server_pid,
-                                     lambda: served_counts(args.metrics))
+                (await client.infer(model, [inp])).as_numpy(out_name)
+            return await drive(call)
 
-    result = asyncio.run({"in-process": in_process, "HTTP binary": http, "gRPC": grpc}[args.client]())
+    result = asyncio.run({"in-process": in_process, "HTTP binary": http, "HTTP JSON": http_json,
+                          "gRPC": grpc}[args.client]())
     print(json.dumps(result))
     return 0
 
 
 # -- the driver ------------------------------------------------------------------------------
-def start_server(plan: Path, args: argparse.Namespace) -> tuple[subprocess.Popen, str, str, str]:
-    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", "googlenet", "--http-port", "0",
+def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") -> tuple[subprocess.Popen, str, str, str]:
+    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay,
            "--groups", args.groups, "--policy", args.policy]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
@@ -187,10 +277,12 @@ def start_server(plan: Path, args: argparse.Namespace) -> tuple[subprocess.Popen
 
 
 def run_client(path: str, plan: Path, address: str, args: argparse.Namespace,
-               server_pid: int | None, metrics: str) -> dict[str, object]:
+               server_pid: int | None, metrics: str, *, model: str = "googlenet", clients: int | None = None,
+               rate: float = 0.0, seconds: float | None = None) -> dict[str, object]:
     cmd = [sys.executable, __file__, "--client", path, "--plan", str(plan), "--address", address,
            *(["--server-pid", str(server_pid), "--metrics", metrics] if server_pid else []),
-           "--seconds", str(args.seconds), "--warmup", str(args.warmup), "--clients", str(args.clients),
+           "--seconds", str(seconds or args.seconds), "--warmup", str(args.warmup),
+           "--clients", str(clients or args.clients), "--rate", str(rate), "--model-name", model,
            "--batch", str(args.batch), "--max-delay", args.max_delay, "--groups", args.groups,
            "--policy", args.policy]
     done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}, timeout=600)
@@ -199,40 +291,25 @@ def run_client(path: str, plan: Path, address: str, args: argparse.Namespace,
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=GOOGLENET)
-    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per row and round")
-    ap.add_argument("--warmup", type=float, default=2.0)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of the three rows, taken in turn")
-    ap.add_argument("--clients", type=int, default=16, help="closed-loop clients (>= 2 x batch fills batches)")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-delay", default="2ms")
-    ap.add_argument("--groups", default="numa")
-    ap.add_argument("--policy", default="heft")
-    ap.add_argument("--json", type=Path, help="also write the figures here")
-    ap.add_argument("--client", choices=PATHS, help=argparse.SUPPRESS)  # internal: one row's load
-    ap.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--address", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--server-pid", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--metrics", default="", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.client:
-        return client_main(args)
-    if not args.model.exists():
-        print(f"skipped: {args.model} not found")
-        return 0
+def percentiles(runs: list[dict[str, object]]) -> tuple[float, float]:
+    """p50 and p99 (ms) over every round's requests."""
+    lat = np.concatenate([np.asarray(r["latencies"], dtype=float) for r in runs]) if runs else np.zeros(1)
+    if lat.size == 0:
+        return float("nan"), float("nan")
+    return float(np.percentile(lat, 50) * 1e3), float(np.percentile(lat, 99) * 1e3)
 
+
+def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, float]]:
+    """In-process, HTTP binary, HTTP JSON and gRPC on googlenet, in turn, ``--rounds`` times."""
     from staronnx import partition
 
-    tmp = scratch_dir("staronnx-serve-bench-")
     plan = partition(args.model, [0.85, 0.15], output_dir=tmp / "plan", costs="estimate")
     print(f"googlenet, {plan.k} parts, batch-1 requests from {args.clients} closed-loop clients (own process per "
           f"row), batches of up to {args.batch} (max delay {args.max_delay}), {args.seconds:g} s per row, "
           f"{args.rounds} rounds in turn, {os.cpu_count()} cores", flush=True)
 
     proc, http, grpc_addr, metrics_url = start_server(plan.root, args)
-    addresses = {"in-process": "", "HTTP binary": http, "gRPC": grpc_addr}
+    addresses = {"in-process": "", "HTTP binary": http, "HTTP JSON": http, "gRPC": grpc_addr}
     runs: dict[str, list[dict[str, object]]] = {p: [] for p in PATHS}
 
     def measure(path: str) -> Callable[[], float]:
@@ -252,15 +329,13 @@ def main(argv: list[str] | None = None) -> int:
         rc = proc.wait(60)
 
     base = medians["in-process"]
-    base_lat = np.concatenate([np.asarray(r["latencies"]) for r in runs["in-process"]])
-    b50, b99 = (float(np.percentile(base_lat, q) * 1e3) for q in (50, 99))
+    b50, b99 = percentiles(runs["in-process"])
     report: dict[str, dict[str, float]] = {}
     base_cpu = statistics.median(float(r["cpu_ms_per_sample"]) for r in runs["in-process"])
     print(f"\n{'path':<12} {'samples/s':>10} {'x in-proc':>10} {'x per round':>12} {'CPU ms/smp':>11} "
           f"{'x by CPU':>9} {'batch':>6} {'p50 ms':>8} {'p99 ms':>8} {'+p50 ms':>8} {'+p99 ms':>8}")
     for path in PATHS:
-        lat = np.concatenate([np.asarray(r["latencies"]) for r in runs[path]])
-        p50, p99 = (float(np.percentile(lat, q) * 1e3) for q in (50, 99))
+        p50, p99 = percentiles(runs[path])
         per_round = statistics.median(float(r["throughput"]) / float(b["throughput"])
                                       for r, b in zip(runs[path], runs["in-process"]))
         cpu = statistics.median(float(r["cpu_ms_per_sample"]) for r in runs[path])
@@ -273,14 +348,130 @@ def main(argv: list[str] | None = None) -> int:
               f"{base_cpu / cpu:>9.2f} {batch:>6.1f} {p50:>8.1f} "
               f"{p99:>8.1f} {p50 - b50:>+8.1f} {p99 - b99:>+8.1f}")
     print(f"\nserver exit code after SIGTERM: {rc}")
-    for path in PATHS[1:]:
+    for path in ("HTTP binary", "gRPC"):
         ratio, by_cpu = report[path]["ratio_per_round"], report[path]["ratio_by_cpu"]
         print(f"goal (>= {GOAL}x in-process at batch {args.batch}): {path} {ratio:.2f}x throughput per round "
               f"({'met' if ratio >= GOAL else 'NOT met'}), {by_cpu:.2f}x by CPU per sample "
               f"({'met' if by_cpu >= GOAL else 'NOT met'})")
+    # JSON tensors against binary HTTP, round by round (issue 21)
+    json_round = statistics.median(float(j["throughput"]) / float(b["throughput"])
+                                   for j, b in zip(runs["HTTP JSON"], runs["HTTP binary"]))
+    json_cpu = report["HTTP binary"]["cpu_ms_per_sample"] / report["HTTP JSON"]["cpu_ms_per_sample"]
+    report["HTTP JSON"]["ratio_to_binary_per_round"] = json_round
+    report["HTTP JSON"]["ratio_to_binary_by_cpu"] = json_cpu
+    print(f"goal (JSON >= {JSON_GOAL}x binary HTTP): {json_round:.2f}x requests/s per round "
+          f"({'met' if json_round >= JSON_GOAL else 'NOT met'}), {json_cpu:.2f}x by CPU per sample "
+          f"({'met' if json_cpu >= JSON_GOAL else 'NOT met'})")
+    return report
+
+
+def trivial_plan(tmp: Path) -> Path:
+    """A one-part plan of a two-layer 16-wide MatMul chain: serving overhead, not compute."""
+    import onnx
+
+    from staronnx import partition
+    from staronnx.zoo import chain
+
+    model = tmp / "trivial.onnx"
+    onnx.save(chain(depth=2, width=TRIVIAL_WIDTH), model)
+    return partition(model, [1.0], output_dir=tmp / "trivial-plan", costs="estimate").root
+
+
+def tail_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, float]]:
+    """Issue 21's tail set on the trivial model, per protocol and round: the capacity at
+    ``--clients`` closed-loop clients, the latency at ``--tail-clients``, and open-loop Poisson
+    points at 25/50/75 % of the capacity just measured."""
+    plan = trivial_plan(tmp)
+    print(f"tail set: trivial model (chain 2 x {TRIVIAL_WIDTH}), batches of up to {args.batch} (max delay "
+          f"{args.max_delay}), closed loop at {args.clients} and {args.tail_clients} clients, open loop at "
+          f"{', '.join(f'{f:.0%}' for f in OPEN_FRACTIONS)} of capacity, {args.tail_seconds:g} s per row, "
+          f"{args.rounds} rounds in turn", flush=True)
+    proc, http, grpc_addr, metrics_url = start_server(plan, args, name="trivial")
+    addresses = {"HTTP binary": http, "gRPC": grpc_addr}
+    rows = [f"closed {args.clients}", f"closed {args.tail_clients}", *(f"open {f:.0%}" for f in OPEN_FRACTIONS)]
+    runs: dict[tuple[str, str], list[dict[str, object]]] = {(p, r): [] for p in TAIL_PATHS for r in rows}
+
+    def measure(path: str) -> Callable[[], float]:
+        def once() -> float:
+            def row(name: str, **kw: object) -> dict[str, object]:
+                r = run_client(path, plan, addresses[path], args, proc.pid, metrics_url, model="trivial",
+                               seconds=args.tail_seconds, **kw)
+                runs[(path, name)].append(r)
+                p50, p99 = percentiles([r])
+                print(f"  round {len(runs[(path, name)])}: {path:<12} {name:<11} {r['throughput']:8.1f} req/s "
+                      f"p50 {p50:6.2f} ms p99 {p99:6.2f} ms", flush=True)
+                return r
+            capacity = float(row(rows[0], clients=args.clients)["throughput"])
+            row(rows[1], clients=args.tail_clients)
+            for f, name in zip(OPEN_FRACTIONS, rows[2:]):
+                row(name, rate=max(f * capacity, 1.0))
+            return capacity
+        return once
+
+    try:
+        alternate({p: measure(p) for p in TAIL_PATHS}, args.rounds)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    report: dict[str, dict[str, float]] = {}
+    print(f"\n{'path':<12} {'row':<11} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8}")
+    for path in TAIL_PATHS:
+        for name in rows:
+            rs = runs[(path, name)]
+            p50, p99 = percentiles(rs)
+            tput = statistics.median(float(r["throughput"]) for r in rs)
+            report[f"{path} / {name}"] = {"throughput": tput, "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50,
+                                          "rounds": [float(r["throughput"]) for r in rs]}
+            print(f"{path:<12} {name:<11} {tput:>9.1f} {p50:>8.2f} {p99:>8.2f} {p99 / p50:>8.1f}")
+    print(f"\nserver exit code after SIGTERM: {rc}")
+    for path in TAIL_PATHS:
+        p99 = report[f"{path} / {rows[1]}"]["p99_ms"]
+        worst = max(report[f"{path} / {n}"]["p99_over_p50"] for n in rows[2:])
+        print(f"goal ({path}): p99 at {args.tail_clients} clients {p99:.1f} ms <= {TAIL_P99_MS[path]:g} "
+              f"({'met' if p99 <= TAIL_P99_MS[path] else 'NOT met'}); open-loop p99/p50 up to 75 % "
+              f"{worst:.1f} <= {TAIL_RATIO:g} ({'met' if worst <= TAIL_RATIO else 'NOT met'})")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=GOOGLENET)
+    ap.add_argument("--suite", choices=("googlenet", "tail", "all"), default="all",
+                    help="googlenet: the four paths on googlenet; tail: the tail-latency set on a trivial model")
+    ap.add_argument("--seconds", type=float, default=8.0, help="measured seconds per row and round")
+    ap.add_argument("--tail-seconds", type=float, default=5.0, help="measured seconds per row of the tail set")
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of the rows, taken in turn")
+    ap.add_argument("--clients", type=int, default=16, help="closed-loop clients (>= 2 x batch fills batches)")
+    ap.add_argument("--tail-clients", type=int, default=64, help="closed-loop clients of the tail set's latency row")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--max-delay", default="2ms")
+    ap.add_argument("--groups", default="numa")
+    ap.add_argument("--policy", default="heft")
+    ap.add_argument("--json", type=Path, help="also write the figures here")
+    ap.add_argument("--client", choices=PATHS, help=argparse.SUPPRESS)  # internal: one row's load
+    ap.add_argument("--plan", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--address", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--server-pid", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--metrics", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)  # open loop at this rate
+    ap.add_argument("--model-name", default="googlenet", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.client:
+        return client_main(args)
+    tmp = scratch_dir("staronnx-serve-bench-")
+    out: dict[str, object] = {"settings": {k: str(v) for k, v in vars(args).items()}}
+    if args.suite in ("googlenet", "all"):
+        if args.model.exists():
+            out["rows"] = googlenet_suite(args, tmp)
+        else:
+            print(f"skipped: {args.model} not found")
+    if args.suite in ("tail", "all"):
+        if args.suite == "all":
+            print()
+        out["tail"] = tail_suite(args, tmp)
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": report},
-                                        indent=1) + "\n")
+        args.json.write_text(json.dumps(out, indent=1) + "\n")
     return 0
 
 

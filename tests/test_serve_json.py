@@ -1,0 +1,280 @@
+"""JSON tensors over HTTP (issue 21, "JSON tensors"): what a request's ``data`` means, and what a
+response's ``data`` reads back as, are exactly what ``json.loads`` + ``np.asarray`` and
+``tolist()`` + ``json.dumps`` made of them, now that the server reads ``data`` straight into numpy
+buffers (simdjson) and writes outputs from them (orjson), on worker threads for large bodies.
+
+The server is the real CLI on loopback serving an *echo* model (one Identity per datatype), so
+each answer shows the tensor the server decoded, bit for bit. Every expectation is computed in
+this process from the request's own text with the standard library and numpy: the old path's
+meaning, which the fast path must not change.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnx
+import pytest
+import tritonclient.http as thttp
+from onnx import TensorProto, helper
+from test_serve import _post, start_server
+
+from staronnx import partition
+
+pytestmark = pytest.mark.timeout(180)
+
+#: input name -> (v2 datatype, ONNX type, numpy dtype); each echoed as "o_<name>"
+TYPES = {
+    "f32": ("FP32", TensorProto.FLOAT, np.float32),
+    "f16": ("FP16", TensorProto.FLOAT16, np.float16),
+    "f64": ("FP64", TensorProto.DOUBLE, np.float64),
+    "i32": ("INT32", TensorProto.INT32, np.int32),
+    "i64": ("INT64", TensorProto.INT64, np.int64),
+    "u8": ("UINT8", TensorProto.UINT8, np.uint8),
+    "u64": ("UINT64", TensorProto.UINT64, np.uint64),
+    "b": ("BOOL", TensorProto.BOOL, np.bool_),
+}
+WIDTH = 4
+#: the wide input: a batch of 4 is 32,768 values (~700 KB of JSON), decoded and encoded on a worker thread
+BIG = 8192
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    root = tmp_path_factory.mktemp("json")
+    ins = [helper.make_tensor_value_info(n, t, ["batch", WIDTH]) for n, (_, t, _) in TYPES.items()]
+    ins.append(helper.make_tensor_value_info("big", TensorProto.FLOAT, ["batch", BIG]))
+    outs = [helper.make_tensor_value_info("o_" + n, t, ["batch", WIDTH]) for n, (_, t, _) in TYPES.items()]
+    outs.append(helper.make_tensor_value_info("o_big", TensorProto.FLOAT, ["batch", BIG]))
+    nodes = [helper.make_node("Identity", [n], ["o_" + n]) for n in [*TYPES, "big"]]
+    model = helper.make_model(helper.make_graph(nodes, "echo", ins, outs),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    onnx.save(model, str(root / "echo.onnx"))
+    return partition(root / "echo.onnx", parts=1, method="linear", output_dir=root / "echo", costs="estimate")
+
+
+@pytest.fixture(scope="module")
+def server(plan, tmp_path_factory):
+    s = start_server([plan.root], tmp_path_factory.mktemp("server"), "--name", "echo", "--policy", "eager",
+                     "--batch-size", "4", "--max-delay", "2ms", "--max-body", "16MiB", "--drain-timeout", "10s")
+    yield s
+    assert s.stop() == 0, "\n".join(s.lines)
+    assert "Traceback" not in "\n".join(s.lines), "\n".join(s.lines)
+
+
+def _default(name: str, rows: int = 1) -> list:
+    if name == "big":
+        return [0.5] * (rows * BIG)
+    if name == "b":
+        return [True, False, True, False] * rows
+    return [1, 2, 3, 4] * rows
+
+
+def _request(overrides: dict[str, str], rows: int = 1, extra: str = "") -> bytes:
+    """A JSON inference request as text, so that each test says byte for byte what ``data`` is:
+    every input at its default unless ``overrides`` gives its ``data`` text."""
+    specs = []
+    for name in [*TYPES, "big"]:
+        datatype = TYPES[name][0] if name in TYPES else "FP32"
+        data = overrides.get(name, json.dumps(_default(name, rows)))
+        width = BIG if name == "big" else WIDTH
+        specs.append(f'{{"name": "{name}", "shape": [{rows}, {width}], "datatype": "{datatype}", "data": {data}}}')
+    return ('{"inputs": [' + ", ".join(specs) + "]" + extra + "}").encode()
+
+
+def _expected(data_text: str, name: str, rows: int = 1) -> np.ndarray:
+    """What the old path made of ``data``: json.loads, then np.asarray to the input's dtype."""
+    dtype = TYPES[name][2] if name in TYPES else np.float32
+    return np.asarray(json.loads(data_text), dtype=dtype).reshape(rows, -1)
+
+
+def _answer(doc: dict, name: str) -> dict:
+    return next(o for o in doc["outputs"] if o["name"] == "o_" + name)
+
+
+def _echoed(doc: dict, name: str) -> np.ndarray:
+    out = _answer(doc, name)
+    dtype = TYPES[name][2] if name in TYPES else np.float32
+    return np.asarray(out["data"], dtype=dtype).reshape(out["shape"])
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert a.tobytes() == b.tobytes(), (a, b)
+
+
+def test_flat_data_of_every_numeric_datatype_decodes_as_before(server):
+    """The values tritonclient writes (floats widened to 17 digits), edge values of each type."""
+    f32 = np.random.default_rng(3).standard_normal(WIDTH).astype(np.float32)
+    texts = {
+        "f32": json.dumps([v.item() for v in f32]),
+        "f16": "[0.1, 65504, -0.00006103515625, 1e-8]",
+        "f64": "[0.1, 1e308, -2.5e-308, 3]",
+        "i32": "[-2147483648, 2147483647, 0, -1]",
+        "i64": "[-9223372036854775808, 9223372036854775807, 7, -7]",
+        "u8": "[0, 255, 128, 1]",
+        "u64": "[0, 9223372036854775807, 18446744073709551615, 1]",  # past int64: the list path
+    }
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request(texts))
+    assert status == 200, doc
+    for name, text in texts.items():
+        _same_bits(_echoed(doc, name), _expected(text, name))
+    _same_bits(_echoed(doc, "b"), _expected(json.dumps(_default("b")), "b"))
+
+
+def test_numbers_of_another_kind_convert_as_numpy_converts_them(server):
+    """Integers in a float tensor, floats in an integer tensor (truncated), booleans among numbers:
+    whatever np.asarray made of them, the server still makes."""
+    texts = {"f32": "[1, 2.5, true, -3]", "i32": "[1.9, -1.9, 2, 3]", "i64": "[true, false, 5, 6]",
+             "f16": "[1, 2, 3, 4]", "b": "[1, 0, 1, 0]"}
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request(texts))
+    assert status == 200, doc
+    for name, text in texts.items():
+        _same_bits(_echoed(doc, name), _expected(text, name))
+
+
+def test_nested_rectangular_data_equals_flat(server):
+    rows = 2
+    nested = json.dumps([[1.25, 2.5, 3.75, 5.0], [6.25, 7.5, 8.75, 10.0]])
+    status, doc = _post(server.http, "/v2/models/echo/infer",
+                        _request({"f32": nested, "i32": "[[1, 2], [3, 4], [5, 6], [7, 8]]",
+                                  "f64": "[[[1, 2, 3, 4]], [[5, 6, 7, 8]]]"}, rows=rows))
+    assert status == 200, doc
+    _same_bits(_echoed(doc, "f32"), _expected(nested, "f32", rows))
+    _same_bits(_echoed(doc, "i32"), np.arange(1, 9, dtype=np.int32).reshape(rows, WIDTH))
+    _same_bits(_echoed(doc, "f64"), np.arange(1, 9, dtype=np.float64).reshape(rows, WIDTH))
+
+
+@pytest.mark.parametrize("data", [
+    "[[1, 2, 3, 4], []]",  # ragged: as many numbers as the shape holds once flattened
+    "[[1, 2], [3, 4, 5], [6]]",
+    "[1, 2, 3, [4]]",  # an array where a number belongs
+    "[[1, 2], 3, 4]",
+    "[[1, 2], [3, [4]]]",
+    "[[[1, 2]], [[3], [4]]]",
+])
+def test_ragged_nests_are_refused_as_before(server, data):
+    """A nest np.asarray refuses is 400 with the old message, though its values flattened would
+    fill the shape (the fast path must not flatten it through)."""
+    with pytest.raises(ValueError):
+        np.asarray(json.loads(data), dtype=np.float32)
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request({"f32": data}))
+    assert status == 400 and "input 'f32': data is not a (nested) list of FP32 values" in doc["error"], doc
+
+
+@pytest.mark.parametrize(("name", "data"), [
+    ("u8", "[256, 0, 0, 0]"),
+    ("u8", "[-1, 0, 0, 0]"),
+    ("i32", "[2147483648, 0, 0, 0]"),
+    ("i64", "[9223372036854775808, 0, 0, 0]"),
+    ("u64", "[-1, 0, 0, 0]"),
+    ("f32", '[1, 2, "3", 4]'),
+    ("f32", "[1, 2, null, 4]"),
+    ("f32", '[1, 2, "x", 4]'),
+    ("f32", "[1, 2, {}, 4]"),
+    ("f16", "[1e10, 0, 0, 0]"),
+    ("i32", "[[1, 2], [3, 4.5]]"),
+])
+def test_values_out_of_range_or_of_another_kind_do_what_numpy_did(server, name, data):
+    """Whatever np.asarray made of the parsed list (a tensor, or an error: 400 naming the input
+    with numpy's words), the server answers the same."""
+    try:
+        want = _expected(data, name)
+    except (TypeError, ValueError, OverflowError) as exc:
+        status, doc = _post(server.http, "/v2/models/echo/infer", _request({name: data}))
+        assert status == 400 and f"input {name!r}: data is not a (nested) list of" in doc["error"], doc
+        assert str(exc)[:40] in doc["error"], (exc, doc)
+        return
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request({name: data}))
+    assert status == 200, doc
+    _same_bits(_echoed(doc, name), want)
+
+
+def test_wrong_count_and_shape_messages_are_unchanged(server):
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request({"f32": "[1, 2, 3]"}))
+    assert status == 400 and "input 'f32': 3 values of data, but shape [1, 4] holds 4" in doc["error"], doc
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request({"f32": "[[1, 2, 3, 4, 5]]"}))
+    assert status == 400 and "5 values of data, but shape [1, 4] holds 4" in doc["error"], doc
+
+
+def test_non_finite_values_round_trip_as_python_json_writes_them(server):
+    """NaN and Infinity (not JSON, but Python's json reads and writes them): decoded as before,
+    and written back as NaN/Infinity, not as null."""
+    status, doc = _post(server.http, "/v2/models/echo/infer",
+                        _request({"f32": "[NaN, Infinity, -Infinity, 1.5]"}))
+    assert status == 200, doc
+    got = _echoed(doc, "f32")
+    assert math.isnan(got[0, 0]) and got[0, 1] == np.inf and got[0, 2] == -np.inf and got[0, 3] == 1.5
+
+
+def test_a_bracket_inside_a_string_does_not_change_the_values(server):
+    """'[' in the request id: the count of arrays disagrees, and the data is read the slow way."""
+    status, doc = _post(server.http, "/v2/models/echo/infer",
+                        _request({"f32": "[[0.5, 1.5, 2.5, 3.5]]"}, extra=', "id": "a[b[c"'))
+    assert status == 200 and doc["id"] == "a[b[c", doc
+    _same_bits(_echoed(doc, "f32"), np.array([[0.5, 1.5, 2.5, 3.5]], dtype=np.float32))
+
+
+def test_outputs_read_back_as_the_doubles_json_dumps_wrote(server):
+    """Each FP32 output value, read as a double, is the float32 widened (what tolist() and
+    json.dumps gave): a float64 reader sees the same number as before, a float32 reader the same bits."""
+    x = np.random.default_rng(7).standard_normal((4, BIG)).astype(np.float32)
+    x[0, :8] = [0.1, 1e-45, 3.4028235e38, -0.0, 1e-5, 123456.789, 2.0**-126, 1.0]
+    text = json.dumps([v.item() for v in x.ravel()])
+    status, doc = _post(server.http, "/v2/models/echo/infer", _request({"big": text}, rows=4))
+    assert status == 200, doc
+    data = _answer(doc, "big")["data"]
+    assert data == x.astype(np.float64).ravel().tolist()
+    assert math.copysign(1.0, data[3]) == -1.0  # -0.0 stays negative
+    _same_bits(_echoed(doc, "big"), x)
+
+
+def test_large_json_requests_from_tritonclient_in_parallel_are_all_exact(server):
+    """Large bodies decode and encode on worker threads: 24 concurrent requests, each its own
+    values, each answered with its own values (no parser shared across threads)."""
+    def one(seed: int) -> bool:
+        client = thttp.InferenceServerClient(server.http)
+        rng = np.random.default_rng(seed)
+        inputs, want = [], {}
+        for name in [*TYPES, "big"]:
+            datatype = TYPES[name][0] if name in TYPES else "FP32"
+            width = BIG if name == "big" else WIDTH
+            dtype = TYPES[name][2] if name in TYPES else np.float32
+            arr = (rng.standard_normal((2, width)) * 50).astype(dtype)
+            inp = thttp.InferInput(name, [2, width], datatype)
+            inp.set_data_from_numpy(arr, binary_data=False)
+            inputs.append(inp)
+            want[name] = arr
+        outs = [thttp.InferRequestedOutput("o_" + n, binary_data=False) for n in want]
+        res = client.infer("echo", inputs, outputs=outs)
+        for name, arr in want.items():
+            _same_bits(res.as_numpy("o_" + name), arr)
+        return True
+
+    with ThreadPoolExecutor(6) as pool:
+        assert all(pool.map(one, range(24)))
+
+
+def test_metadata_and_binary_requests_are_unaffected(server):
+    with urllib.request.urlopen(f"http://{server.http}/v2/models/echo", timeout=30) as resp:
+        meta = json.loads(resp.read())
+    assert [t["name"] for t in meta["inputs"]] == [*TYPES, "big"]
+    client = thttp.InferenceServerClient(server.http)
+    inputs = []
+    want = {}
+    for name in [*TYPES, "big"]:
+        datatype = TYPES[name][0] if name in TYPES else "FP32"
+        width = BIG if name == "big" else WIDTH
+        arr = np.ones((1, width), dtype=TYPES[name][2] if name in TYPES else np.float32)
+        inp = thttp.InferInput(name, [1, width], datatype)
+        inp.set_data_from_numpy(arr, binary_data=True)
+        inputs.append(inp)
+        want[name] = arr
+    res = client.infer("echo", inputs, outputs=[thttp.InferRequestedOutput("o_" + n, binary_data=True) for n in want])
+    for name, arr in want.items():
+        _same_bits(res.as_numpy("o_" + name), arr)
