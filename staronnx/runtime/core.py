@@ -205,6 +205,11 @@ class TaskGraph:
         self.pushed_to.append(self.policy.push(view))
 
     # -- workers -------------------------------------------------------------------------------
+    @property
+    def queued(self) -> int:
+        """Tasks pushed and not popped yet (0: no worker need ask for one)."""
+        return len(self._queued)
+
     def next_task(self, wid: int, now: float) -> Task | None:
         """The task worker ``wid`` must start now, or None; tasks of failed requests are dropped."""
         while True:

@@ -277,9 +277,7 @@ class NativeEngine:
         with self._lock:
             workers = self.core.workers
             while True:
-                now = self.clock.now()
-                got = [(wid, t) for wid in wids
-                       if workers[wid].alive and (t := self.core.next_task(wid, now)) is not None]
+                got = self._take_each(wids, self.clock.now())
                 if got or not block:
                     return got
                 if self._stopping or not any(workers[w].alive for w in group):
@@ -289,6 +287,17 @@ class NativeEngine:
                 self._conds[group[0]].wait()
                 self._idle.difference_update(group)
                 self.idle = len(self._idle)
+
+    def _take_each(self, wids: Sequence[int], now: float) -> list[tuple[int, Task]]:
+        """(lock held) A task for each live worker of ``wids`` that the policy has one for;
+        stops asking once nothing is queued (a driver's streams would each ask in vain)."""
+        core, states, got = self.core, self.core.workers, []
+        for wid in wids:
+            if not core.queued:
+                break
+            if states[wid].alive and (task := core.next_task(wid, now)) is not None:
+                got.append((wid, task))
+        return got
 
     def _next_task(self, wid: int, block: bool = True) -> Task | None:
         with self._lock:
@@ -380,8 +389,7 @@ class NativeEngine:
             self._wake()
             if self._closed and not self.core.inflight:
                 self._drained.notify_all()
-            states = self.core.workers
-            nxt = [(w, t) for w in take if states[w].alive and (t := self.core.next_task(w, end)) is not None]
+            nxt = self._take_each(take, end) if take else []
         if done is not None:
             if error is not None:
                 err = TaskError(task.part, info.name, error)
