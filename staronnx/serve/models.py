@@ -30,7 +30,7 @@ import numpy as np
 
 from staronnx.errors import InputError
 from staronnx.plan import Plan
-from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
@@ -69,12 +69,17 @@ class MeteredRuntime:
         return list(getattr(self.runtime, "workers", ()) or ())
 
     @property
+    def takes_arrival(self) -> bool:
+        """Whether the runtime starts a latency target at the batch's arrival (a shared one)."""
+        return bool(getattr(self.runtime, "takes_arrival", False))
+
+    @property
     def tracer(self) -> Any:
         return getattr(self.runtime, "tracer", None)
 
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
+    def submit(self, feeds: Mapping[str, np.ndarray], **when: float) -> Future:  # type: ignore[type-arg]
         t0 = time.perf_counter()
-        future = self.runtime.submit(feeds)
+        future = self.runtime.submit(feeds, **when)
         size = int(feeds[self._batched[0]].shape[0]) if self._batched else 1
 
         def done(f: Future) -> None:  # type: ignore[type-arg]
@@ -126,7 +131,7 @@ class ModelEndpoint:
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
                              queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
                              max_inflight=max_inflight,
-                             batch_memory=runtime.batch_array if isinstance(runtime, Runtime) else None)
+                             batch_memory=runtime.batch_array if isinstance(runtime, (Runtime, ModelHandle)) else None)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
