@@ -79,6 +79,9 @@ class Runtime:
     """Serve a plan (or several, by name) on this machine's CPU groups (and CUDA streams) with
     a StarPU-style policy."""
 
+    #: a Server passes each batch's oldest arrival, from which a latency target counts
+    takes_arrival = True
+
     def __init__(
         self,
         plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
@@ -105,6 +108,7 @@ class Runtime:
             raise StaronnxError(f"the {engine} engine serves one plan; several models share a runtime "
                                 "on the native engine")
         self.policy_name = policy
+        self._native = engine == "native"
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
@@ -136,6 +140,11 @@ class Runtime:
         return self.models.models[0].plan
 
     @property
+    def target(self) -> ServiceTarget | None:
+        """The only model's service target (None for a runtime of several: see :meth:`model`)."""
+        return self.models.models[0].target if self.models.single else None
+
+    @property
     def model_names(self) -> list[str]:
         """The hosted models' names, in part order."""
         return [m.name for m in self.models.models]
@@ -156,7 +165,7 @@ class Runtime:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
         hosted = self.models.model(model)
         hosted.plan.check_feeds(feeds)
-        if hosted.index == 0 and arrival is None:
+        if hosted.index == 0 and (arrival is None or not self._native):
             return self._engine.submit(feeds)  # the one-plan call every engine takes
         return self._engine.submit(feeds, hosted.index, arrival)
 

@@ -120,6 +120,9 @@ class ModelEndpoint:
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
+        target = getattr(runtime, "target", None)  # a model of a shared runtime has one
+        #: seconds a request may take (--slo-ms); later answers count as deadline misses
+        self.latency_target: float | None = getattr(target, "latency", None)
         self.plan: Plan = runtime.plan
         self.stats = ModelStats()
         self._metrics = metrics
@@ -249,7 +252,22 @@ class ModelEndpoint:
                              "compute_output": d(n, 0)}
                             for size, (n, secs) in sorted(s["batches"].items())],
             "memory_usage": [],
+            # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
+            "staronnx": self.service(s),
         }
+
+    def service(self, snapshot: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """How this model is served on its (maybe shared) runtime: its queue, latency target,
+        deadline misses, and each worker's busy share spent on its tasks."""
+        s = snapshot if snapshot is not None else self.stats.snapshot()
+        try:
+            workers = {name: round(float(row.get("busy", 0.0)), 6)
+                       for name, row in self.runtime_stats().get("workers", {}).items()}
+        except Exception:  # noqa: BLE001 - a closing runtime must not fail the statistics
+            workers = {}
+        return {"queue_length": self.queue_length, "batches_in_flight": self.batches_in_flight,
+                "latency_target_ms": None if self.latency_target is None else self.latency_target * 1e3,
+                "deadline_misses": s["deadline_misses"], "busy": workers}
 
     def classify(self, outputs: dict[str, np.ndarray], classes: Mapping[str, int]) -> None:
         """Triton's classification extension: each output asked for with ``classification: k``
@@ -327,8 +345,9 @@ class ModelEndpoint:
             self.classify(result, classes)
         done = time.perf_counter()
         queue_s, infer_s = _batch_times(futures, started)
-        self.stats.finished(ok=True, request_s=done - started + decode_s, queue_s=queue_s, input_s=decode_s,
-                            infer_s=infer_s)
+        request_s = done - started + decode_s
+        self.stats.finished(ok=True, request_s=request_s, queue_s=queue_s, input_s=decode_s, infer_s=infer_s,
+                            late=self.latency_target is not None and request_s > self.latency_target)
         self._latency_hist.observe(done - started + decode_s)
         return Answer(result, _batch_parameters(futures))
 
