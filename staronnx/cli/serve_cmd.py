@@ -34,7 +34,9 @@ def serve_cmd(
     max_delay: Annotated[str, typer.Option(
         help="Dynamic batching: a partial batch leaves once its oldest sample waited this long (0 = as soon as a "
              "worker slot is free, Triton's default).")] = "0ms",
-    queue_capacity: Annotated[int, typer.Option(help="Samples waiting for a batch; beyond it requests get 503 / UNAVAILABLE.")] = 1024,
+    queue_capacity: Annotated[list[str] | None, typer.Option(
+        help="Samples waiting for a batch, per model; beyond it that model's requests get 503 / UNAVAILABLE. "
+             "N for every model, NAME=N for one (repeatable; default 1024).")] = None,
     max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
     drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
     ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
@@ -83,8 +85,7 @@ def serve_cmd(
     names = model_names(plans, name)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
-    if queue_capacity < 1:
-        raise StaronnxError(f"--queue-capacity must be at least 1, got {queue_capacity}")
+    capacities = queue_capacities(names, queue_capacity or [])
     if not ray and (replicas, autoscale, replica_cpus, replica_gpus) != (None, None, None, None):
         raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
     targets = service_targets(names, slo_ms or [], priority or [])
@@ -97,7 +98,7 @@ def serve_cmd(
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         serve_on_ray(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
                                     "batch_size": batch_size, "max_delay": parse_duration(max_delay, allow_zero=True),
-                                    "queue_capacity": queue_capacity}, scaling,
+                                    "queue_capacity": _one_capacity(capacities)}, scaling,
                      host=host, http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
                      say=lambda line: print(line, flush=True))
         return
@@ -125,7 +126,7 @@ def serve_cmd(
                                   else None, **options)
             try:
                 endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
-                                         queue_capacity=queue_capacity, metrics=metrics,
+                                         queue_capacity=capacities[model_name], metrics=metrics,
                                          settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                                    "engine": engine, "shared_runtime": shared is not None,
                                                    **_target_settings(targets.get(model_name))})
@@ -144,6 +145,40 @@ def serve_cmd(
             m.close(1.0)
         if shared is not None:
             shared.close(1.0)
+
+
+#: samples a model's queue holds when --queue-capacity does not say
+DEFAULT_QUEUE_CAPACITY = 1024
+
+
+def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
+    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
+    default, own = DEFAULT_QUEUE_CAPACITY, {}
+    for spec in specs:
+        for item in (s.strip() for s in spec.split(",") if s.strip()):
+            name, sep, value = item.rpartition("=")
+            try:
+                n = int(value)
+            except ValueError:
+                raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}") from None
+            if n < 1:
+                raise StaronnxError(f"--queue-capacity must be at least 1, got {item!r}")
+            if not sep:
+                default = n
+            elif name not in names:
+                raise StaronnxError(f"--queue-capacity names model {name!r}, which is not served; "
+                                    f"the models are {', '.join(map(repr, names))}")
+            else:
+                own[name] = n
+    return {n: own.get(n, default) for n in names}
+
+
+def _one_capacity(capacities: dict[str, int]) -> int:
+    """The Ray path's single queue capacity (it does not take one per model yet)."""
+    values = set(capacities.values())
+    if len(values) > 1:
+        raise StaronnxError("--ray takes one --queue-capacity for every model")
+    return values.pop()
 
 
 def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) -> dict[str, dict[str, Any]]:
