@@ -42,7 +42,7 @@ exp_start)``.
 (:func:`~staronnx.runtime.sched.runs_before`; a FIFO queue keeps FIFO order among the others),
 and its decision counts as ``prev`` only the queued work that runs before it, as StarPU's
 dmdasd counts only work of priority >= the task's: a light model's task is not charged the
-whole backlog of a heavy one it will pass.
+whole backlog of a heavy one it will pass (nor, in the greedy rule, its queued tasks).
 
 StarPU quirk kept on purpose: ``pipeline_ntasks`` counts a task from push to completion, and
 ``ntasks`` from push to pop, so in the greedy rule a queued task weighs 2 and a running one 1.
@@ -167,7 +167,10 @@ class DmdaPolicy(Policy):
             horizon = max(q.exp_start, now) + (self._ahead_of(q, task) if targeted else q.exp_len)
             max_end = max(max_end, horizon)
             length = self.predictor.exec_time(task, w)
-            ntasks_end = (q.ntasks + q.pipeline_ntasks) / w.speedup
+            queued = q.ntasks + q.pipeline_ntasks
+            if targeted:  # the tasks it passes would not delay it: count those it waits for
+                queued -= 2 * sum(1 for t in q.tasks if runs_before(task, t))
+            ntasks_end = queued / w.speedup
             nan = math.isnan(length)
             # StarPU's greedy candidate, always tracked: the least loaded worker, except that a
             # first uncalibrated worker jumps the line and then only uncalibrated ones compete.
