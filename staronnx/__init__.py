@@ -1,7 +1,8 @@
 """staronnx: run ONNX models on every processor of a server at once.
 
 Public API: :func:`partition` cuts a model into a :class:`Plan`; :func:`load_plan` reads one
-back; a :class:`Runtime` runs batches of a plan over CPU and CUDA workers; a :class:`Server`
+back; a :class:`Runtime` runs batches of a plan (or of several, each with its
+:class:`ServiceTarget`) over CPU and CUDA workers; a :class:`Server`
 batches single-sample requests for a runtime (fixed-size batches as in the StarONNX papers, or
 Triton-style with ``max_delay``); :class:`InferenceSession` gives a model or plan
 ONNX Runtime's call shape. The rest of :mod:`staronnx.serving` (arrival processes, load generator, metrics) and
@@ -18,6 +19,7 @@ from staronnx.errors import (
 )
 from staronnx.plan import Plan
 from staronnx.workers.host import partition  # noqa: E402  (shadows the subpackage name on purpose)
+from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.session import InferenceSession
 from staronnx.serving.server import OverloadError, Server, ServerClosed
@@ -35,6 +37,8 @@ __all__ = [
     "load_plan",
     "Plan",
     "Runtime",
+    "ServiceTarget",
+    "ModelOverloaded",
     "InferenceSession",
     "Server",
     "OverloadError",

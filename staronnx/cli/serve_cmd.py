@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -34,7 +34,9 @@ def serve_cmd(
     max_delay: Annotated[str, typer.Option(
         help="Dynamic batching: a partial batch leaves once its oldest sample waited this long (0 = as soon as a "
              "worker slot is free, Triton's default).")] = "0ms",
-    queue_capacity: Annotated[int, typer.Option(help="Samples waiting for a batch; beyond it requests get 503 / UNAVAILABLE.")] = 1024,
+    queue_capacity: Annotated[list[str] | None, typer.Option(
+        help="Samples waiting for a batch, per model; beyond it that model's requests get 503 / UNAVAILABLE. "
+             "N for every model, NAME=N for one (repeatable; default 1024).")] = None,
     max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
     drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
     ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
@@ -45,9 +47,22 @@ def serve_cmd(
         help="With --ray: CPUs each replica asks Ray for and is pinned to (default: all of this machine's).")] = None,
     replica_gpus: Annotated[float | None, typer.Option(
         help="With --ray: GPUs each replica asks Ray for (default 1 with --cuda-streams, else 0).")] = None,
+    slo_ms: Annotated[list[str] | None, typer.Option(
+        "--slo-ms", help="A model's latency target in ms, NAME=MS (repeatable, or a=50,b=20): its requests' "
+                         "tasks run earliest deadline first on the shared workers; later answers count as "
+                         "deadline misses.")] = None,
+    priority: Annotated[list[str] | None, typer.Option(
+        "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower "
+                           "priority, deadlines or not (default 0).")] = None,
+    separate_runtimes: Annotated[bool, typer.Option(
+        "--separate-runtimes", help="One runtime per model (each with its own CPU groups and CUDA streams on the "
+                                    "same cores and GPU) instead of one shared runtime for all.")] = False,
 ) -> None:
     """Serve plans with the KServe v2 protocol over HTTP and gRPC (Triton's clients work
-    unchanged), with Prometheus metrics; SIGTERM or Ctrl-C drains and exits 0."""
+    unchanged), with Prometheus metrics; SIGTERM or Ctrl-C drains and exits 0.
+
+    Several plans share one runtime: one set of workers runs every model's parts under one
+    policy, each model with its own batcher and queue (a full queue refuses that model only)."""
     from staronnx.durations import parse_duration
 
     try:
@@ -61,6 +76,7 @@ def serve_cmd(
     import asyncio
 
     from staronnx.plan import Plan
+    from staronnx.runtime.models import plan_name
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serve.app import Listen, model_names, parse_size, serve
     from staronnx.serve.metrics import ServeMetrics
@@ -69,17 +85,20 @@ def serve_cmd(
     names = model_names(plans, name)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
-    if queue_capacity < 1:
-        raise StaronnxError(f"--queue-capacity must be at least 1, got {queue_capacity}")
+    capacities = queue_capacities(names, queue_capacity or [])
     if not ray and (replicas, autoscale, replica_cpus, replica_gpus) != (None, None, None, None):
         raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
+    targets = service_targets(names, slo_ms or [], priority or [])
+    if targets and (ray or separate_runtimes):
+        raise StaronnxError("--slo-ms and --priority order the tasks of models sharing one runtime; they do not go "
+                            "with --ray or --separate-runtimes")
     if ray:  # staronnx.ray: the same models as replicas on Ray Serve (HTTP only)
         from staronnx.ray.cli import scaling_from_options, serve_on_ray
 
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         serve_on_ray(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
                                     "batch_size": batch_size, "max_delay": parse_duration(max_delay, allow_zero=True),
-                                    "queue_capacity": queue_capacity}, scaling,
+                                    "queue_capacity": _one_capacity(capacities)}, scaling,
                      host=host, http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
                      say=lambda line: print(line, flush=True))
         return
@@ -90,16 +109,27 @@ def serve_cmd(
     loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
     metrics = ServeMetrics()
     models: list[ModelEndpoint] = []
+    shared: Runtime | None = None
+    options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
+                   cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+                   warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
     try:
+        if len(loaded) > 1 and not separate_runtimes:
+            shared = Runtime(dict(zip(names, loaded)), targets=targets, **options)
+            print(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
+                  + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items()), flush=True)
         for model_name, plan in zip(names, loaded):
-            runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
-                              cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
-                              warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
+            if shared is not None:
+                runtime = shared.model(model_name)
+            else:
+                runtime = Runtime(plan, targets={plan_name(plan): targets[model_name]} if model_name in targets
+                                  else None, **options)
             try:
                 endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
-                                         queue_capacity=queue_capacity, metrics=metrics,
+                                         queue_capacity=capacities[model_name], metrics=metrics,
                                          settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
-                                                   "engine": engine})
+                                                   "engine": engine, "shared_runtime": shared is not None,
+                                                   **_target_settings(targets.get(model_name))})
             except BaseException:
                 runtime.close()
                 raise
@@ -113,6 +143,70 @@ def serve_cmd(
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)
+        if shared is not None:
+            shared.close(1.0)
+
+
+#: samples a model's queue holds when --queue-capacity does not say
+DEFAULT_QUEUE_CAPACITY = 1024
+
+
+def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
+    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
+    default, own = DEFAULT_QUEUE_CAPACITY, {}
+    for spec in specs:
+        for item in (s.strip() for s in spec.split(",") if s.strip()):
+            name, sep, value = item.rpartition("=")
+            try:
+                n = int(value)
+            except ValueError:
+                raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}") from None
+            if n < 1:
+                raise StaronnxError(f"--queue-capacity must be at least 1, got {item!r}")
+            if not sep:
+                default = n
+            elif name not in names:
+                raise StaronnxError(f"--queue-capacity names model {name!r}, which is not served; "
+                                    f"the models are {', '.join(map(repr, names))}")
+            else:
+                own[name] = n
+    return {n: own.get(n, default) for n in names}
+
+
+def _one_capacity(capacities: dict[str, int]) -> int:
+    """The Ray path's single queue capacity (it does not take one per model yet)."""
+    values = set(capacities.values())
+    if len(values) > 1:
+        raise StaronnxError("--ray takes one --queue-capacity for every model")
+    return values.pop()
+
+
+def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) -> dict[str, dict[str, Any]]:
+    """``--slo-ms``/``--priority`` as {model: ServiceTarget fields}; unknown names refused."""
+    from staronnx.runtime.models import parse_targets
+
+    targets = parse_targets(slo_ms, "latency_ms")
+    for name, fields in parse_targets(priority, "priority").items():
+        targets.setdefault(name, {}).update(fields)
+    unknown = sorted(set(targets) - set(names))
+    if unknown:
+        raise StaronnxError(f"--slo-ms/--priority name model(s) {', '.join(map(repr, unknown))} that are not "
+                            f"served; the models are {', '.join(map(repr, names))}")
+    return targets
+
+
+def _target_text(fields: dict[str, Any]) -> str:
+    parts = []
+    if "latency_ms" in fields:
+        parts.append(f"latency target {fields['latency_ms']:g} ms")
+    if fields.get("priority"):
+        parts.append(f"priority {fields['priority']}")
+    return ", ".join(parts) or "no target"
+
+
+def _target_settings(fields: dict[str, Any] | None) -> dict[str, Any]:
+    """What the model's config() reports of its target."""
+    return {k: v for k, v in (fields or {}).items() if k in ("latency_ms", "priority")}
 
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,13 @@ DAG needs: written once on its producer's node, then shared by every node that r
 policies price transfers and prefer workers where the data already is. A task is pushed to the
 policy once every part it reads from has finished; the worker whose completion released it is
 passed along (``TaskView.releasing_worker``) for locality-aware stealing.
+
+Several plans may share one core (:class:`~staronnx.runtime.models.ModelSet`): a request is for
+one model and gets one task per part of that model; parts are numbered globally, so workers,
+policies and perf models see codelets, as StarPU's do. A model's service target gives its
+tasks a deadline (arrival + latency target) and a level (its priority), which ordered queues
+honour; the core counts per model what a shared machine must answer for: requests in flight,
+deadline misses and each worker's busy time spent on it.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import numpy as np
 
 from staronnx.perfmodels import Footprint
 from staronnx.plan import Plan
+from staronnx.runtime.models import ModelSet
 from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView, WorkerInfo
 
 #: where model inputs live when a request is submitted
@@ -84,9 +92,16 @@ class Request:
     handles: dict[str, DataHandle]
     values: dict[str, Any]
     owner: Any = None  # the driver's own record of the request (a future, a batch record)
-    tasks: list[Task] = field(default_factory=list)
+    tasks: list[Task] = field(default_factory=list)  # by the model's own part index
     placement: dict[str, str] = field(default_factory=dict)  # "part<k>" -> arch
     failed: bool = False
+    model: int = 0  # its model's index in the core's ModelSet
+    first_part: int = 0  # the global number of its model's part 0
+    deadline: float = math.inf  # arrival + its model's latency target
+
+    def task(self, part: int) -> Task:
+        """Its task of global part ``part``."""
+        return self.tasks[part - self.first_part]
 
 
 @dataclass(eq=False)
@@ -99,6 +114,19 @@ class WorkerState:
     running: list[Task] = field(default_factory=list)
     busy_seconds: float = 0.0
     tasks: int = 0
+    #: busy seconds per model (index in the ModelSet): who used this worker
+    busy_by_model: list[float] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class ModelCounters:
+    """What the core counts per hosted model."""
+
+    in_flight: int = 0
+    done: int = 0
+    failed: int = 0
+    deadline_misses: int = 0
+    queue_waits: RunningMean = field(default_factory=lambda: RunningMean())
 
 
 class RunningMean:
@@ -132,30 +160,34 @@ FootprintFn = Callable[[Request, int], "Footprint | None"]
 
 
 class TaskGraph:
-    """A plan's task graph under a policy; see the module docstring."""
+    """The task graphs of a plan (or of several: a :class:`ModelSet`) under one policy; see
+    the module docstring."""
 
-    def __init__(self, plan: Plan, workers: Sequence[WorkerInfo], policy: Policy, predictor: Predictor,
+    def __init__(self, plan: Plan | ModelSet, workers: Sequence[WorkerInfo], policy: Policy, predictor: Predictor,
                  clock: Clock, footprint: FootprintFn) -> None:
-        self.plan = plan
+        self.models = ModelSet.of(plan)
+        self.plan = self.models.models[0].plan  # the first (or only) model's
         self.policy = policy
         self.footprint = footprint
-        self.workers = [WorkerState(info) for info in workers]
-        self._k = plan.k
-        self._part_inputs = [list(p.inputs) for p in plan.parts]
-        preds = plan.dependencies()
-        self.preds = [sorted(d) for d in preds]
-        self.succs: list[list[int]] = [[] for _ in plan.parts]
-        for p, deps in enumerate(self.preds):
-            for d in deps:
-                self.succs[d].append(p)
-        self._producer = plan.producers()
-        readers: dict[str, int] = defaultdict(int)
-        for part in plan.parts:
-            for name in part.inputs:
-                readers[name] += 1
-        #: parts reading each tensor (a tensor no part reads has no entry)
-        self._readers = dict(readers)
-        self._outputs = set(plan.output_names)
+        n_models = len(self.models.models)
+        self.workers = [WorkerState(info, busy_by_model=[0.0] * n_models) for info in workers]
+        self._part_inputs = self.models.part_inputs
+        self.preds = self.models.preds
+        self.succs = self.models.succs
+        # per model, by its own tensor names (two models may both read "input")
+        self._producer = [set(m.plan.producers()) for m in self.models.models]
+        self._readers: list[dict[str, int]] = []
+        for m in self.models.models:
+            readers: dict[str, int] = defaultdict(int)
+            for part in m.plan.parts:
+                for name in part.inputs:
+                    readers[name] += 1
+            #: parts reading each tensor (a tensor no part reads has no entry)
+            self._readers.append(dict(readers))
+        self._outputs = [set(m.plan.output_names) for m in self.models.models]
+        self._targets = [m.target for m in self.models.models]
+        #: what the core counts per model (same order as ``models.models``)
+        self.per_model = [ModelCounters() for _ in self.models.models]
         self.inflight: dict[int, Request] = {}
         self._queued: dict[int, Task] = {}  # pushed, not yet popped, by TaskView id
         #: what each push of the last submit/finish/worker_lost returned: the worker it placed
@@ -168,7 +200,7 @@ class TaskGraph:
         self.measured: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
         self.predicted: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
         self.queue_waits = RunningMean()
-        self._part_keys = [f"part{p}" for p in range(plan.k)]
+        self._part_keys = [f"part{local}" for _, local in self.models.owner]
         self.done_requests = 0
         self.failed_requests = 0
         #: (worker name, error) of workers that died
@@ -177,15 +209,20 @@ class TaskGraph:
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
-               owner: Any = None) -> Request:
-        """A new request whose inputs (name -> bytes) are on the host; its ready tasks are pushed.
-        ``values`` becomes the request's own (the core drops intermediates from it)."""
+               owner: Any = None, model: int = 0, arrival: float | None = None) -> Request:
+        """A new request of ``model`` (its index) whose inputs (name -> bytes) are on the host;
+        its ready tasks are pushed. ``values`` becomes the request's own (the core drops
+        intermediates from it). ``arrival`` (default ``now``) starts its latency target."""
         self.pushed_to.clear()
-        readers = self._readers
+        hosted = self.models.models[model]
+        readers = self._readers[model]
         handles = {n: DataHandle(n, nbytes, {HOST_NODE}, readers.get(n, 0)) for n, nbytes in inputs.items()}
-        req = Request(next(self._ids), batch, now, self._k, handles, values if values is not None else {}, owner)
-        req.tasks = [Task(req, p, len(self.preds[p])) for p in range(self._k)]
+        deadline = self._targets[model].deadline(now if arrival is None else arrival)
+        req = Request(next(self._ids), batch, now, hosted.plan.k, handles, values if values is not None else {},
+                      owner, model=model, first_part=hosted.first_part, deadline=deadline)
+        req.tasks = [Task(req, p, len(self.preds[p])) for p in hosted.parts]
         self.inflight[req.id] = req
+        self.per_model[model].in_flight += 1
         for task in req.tasks:
             if not task.waiting:
                 self._push(task, now, None)
@@ -197,7 +234,7 @@ class TaskGraph:
             id=next(self._task_ids), part=task.part, batch=req.batch, request=req.id,
             inputs=[req.handles[n].view() for n in self._part_inputs[task.part]],
             submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
-            releasing_worker=releasing,
+            releasing_worker=releasing, deadline=req.deadline, level=self._targets[req.model].priority,
         )
         task.view = view
         task.ready_at = now
@@ -225,6 +262,7 @@ class TaskGraph:
             task.worker = wid
             self.workers[wid].running.append(task)
             self.queue_waits.append(now - task.ready_at)
+            self.per_model[task.request.model].queue_waits.append(now - task.ready_at)
             return task
 
     def finish(self, wid: int, task: Task, now: float, measured: float,
@@ -236,11 +274,12 @@ class TaskGraph:
         st.running.remove(task)
         st.busy_seconds += measured
         st.tasks += 1
+        req = task.request
+        st.busy_by_model[req.model] += measured
         task.ended_at = now
         view = task.view
         assert view is not None
         self.policy.on_done(wid, view, measured, now)
-        req = task.request
         if req.failed:
             return None
         if outputs is None:
@@ -251,7 +290,7 @@ class TaskGraph:
         self.measured[(task.part, arch)].append(measured)
         if math.isfinite(view.predicted):
             self.predicted[(task.part, arch)].append(view.predicted)
-        readers = self._readers
+        readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]
         for name, nbytes in outputs.items():
             if name in readers:  # a handle only for what another part reads
                 req.handles[name] = DataHandle(name, nbytes, {node}, readers[name])
@@ -259,11 +298,11 @@ class TaskGraph:
             h = req.handles[name]
             h.valid_on.add(node)
             h.readers_left -= 1
-            if h.readers_left <= 0 and name not in self._outputs and name in self._producer:
+            if h.readers_left <= 0 and name not in final and name in produced:
                 req.values.pop(name, None)
         req.parts_left -= 1
         for succ in self.succs[task.part]:
-            t = req.tasks[succ]
+            t = req.tasks[succ - req.first_part]
             t.waiting -= 1
             if not t.waiting:
                 self._push(t, now, wid)
@@ -271,6 +310,11 @@ class TaskGraph:
             return None
         self.inflight.pop(req.id, None)
         self.done_requests += 1
+        counters = self.per_model[req.model]
+        counters.in_flight -= 1
+        counters.done += 1
+        if now > req.deadline:
+            counters.deadline_misses += 1
         return req
 
     def fail(self, req: Request) -> None:
@@ -279,6 +323,9 @@ class TaskGraph:
             req.failed = True
             self.inflight.pop(req.id, None)
             self.failed_requests += 1
+            counters = self.per_model[req.model]
+            counters.in_flight -= 1
+            counters.failed += 1
 
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the
@@ -304,6 +351,10 @@ class TaskGraph:
     def stats(self, elapsed: float) -> dict[str, Any]:
         """Busy fraction per worker, tasks per (part, arch), queue wait, predicted vs measured."""
         elapsed = max(elapsed, 1e-9)
+        tasks = per_part_arch(self.measured, self.predicted)
+        if not self.models.single:  # "<model>/part<p>/<arch>": part numbers are each model's own
+            tasks = {f"{self.models.label(p)}/{arch}": row
+                     for (p, arch), row in zip(sorted(self.measured), tasks.values())}
         return {
             "elapsed_s": elapsed,
             "requests_done": self.done_requests,
@@ -312,9 +363,36 @@ class TaskGraph:
             "workers": {st.info.name: {"arch": st.info.arch, "tasks": st.tasks,
                                        "busy": st.busy_seconds / elapsed, "alive": st.alive}
                         for st in self.workers},
-            "tasks": per_part_arch(self.measured, self.predicted),
+            "tasks": tasks,
             "mean_queue_wait_ms": self.queue_waits.mean() * 1e3,
             "dead_workers": list(self.dead_workers),
+            "models": {m.name: self.model_stats(m.index, elapsed) for m in self.models.models},
+        }
+
+    def model_stats(self, model: int, elapsed: float) -> dict[str, Any]:
+        """One hosted model's view of the shared machine: its requests (in flight, done,
+        failed, late), its target, each worker's busy share spent on it (the fraction of the
+        runtime's lifetime), its tasks per (part, arch) keyed by its own part numbers."""
+        elapsed = max(elapsed, 1e-9)
+        hosted = self.models.models[model]
+        c = self.per_model[model]
+        parts = hosted.parts
+        local = {(p - hosted.first_part, arch): v for (p, arch), v in self.measured.items() if p in parts}
+        local_pred = {(p - hosted.first_part, arch): v for (p, arch), v in self.predicted.items() if p in parts}
+        target = hosted.target
+        return {
+            "elapsed_s": elapsed,
+            "requests_done": c.done,
+            "requests_failed": c.failed,
+            "in_flight": c.in_flight,
+            "deadline_misses": c.deadline_misses,
+            "target": {"latency_ms": None if target.latency is None else target.latency * 1e3,
+                       "priority": target.priority, "capacity": target.capacity},
+            "workers": {st.info.name: {"arch": st.info.arch, "busy": st.busy_by_model[model] / elapsed,
+                                       "alive": st.alive}
+                        for st in self.workers},
+            "tasks": per_part_arch(local, local_pred),
+            "mean_queue_wait_ms": c.queue_waits.mean() * 1e3,
         }
 
 

@@ -37,6 +37,7 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Request, Task, TaskGraph
+from staronnx.runtime.models import ModelOverloaded, ModelSet
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
@@ -66,11 +67,12 @@ class RealClock:
 
 
 class NativeEngine:
-    """Runs a plan's task graph over started workers with a policy."""
+    """Runs a plan's task graph (or those of several: a :class:`ModelSet`) over started
+    workers with a policy."""
 
     def __init__(
         self,
-        plan: Plan,
+        plan: Plan | ModelSet,
         workers: Sequence[Worker],
         policy: Policy,
         predictor: PerfPredictor,
@@ -78,7 +80,8 @@ class NativeEngine:
         own_workers: bool = False,
         clock: Clock | None = None,
     ) -> None:
-        self.plan = plan
+        self.models = ModelSet.of(plan)
+        self.plan = self.models.models[0].plan  # the first (or only) model's
         self.policy = policy
         self.predictor = predictor
         self.tracer = tracer
@@ -101,10 +104,11 @@ class NativeEngine:
         self._idle: set[int] = set()
         self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
-        self._output_names = self.plan.output_names
-        self._part_inputs = [list(p.inputs) for p in plan.parts]
-        #: the input whose leading dimension is the batch (None: no input has a batch axis)
-        self._batch_input = next((t.name for t in plan.inputs if t.shape and not isinstance(t.shape[0], int)), None)
+        self._output_names = [m.plan.output_names for m in self.models.models]
+        self._part_inputs = self.models.part_inputs
+        #: per model, the input whose leading dimension is the batch (None: no batch axis)
+        self._batch_input = [next((t.name for t in m.plan.inputs if t.shape and not isinstance(t.shape[0], int)), None)
+                             for m in self.models.models]
         self._footprints: dict[tuple[Any, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
         self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
@@ -115,7 +119,7 @@ class NativeEngine:
         self.idle = 0
         self.started_at = self.clock.now()
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
-        self.core = TaskGraph(plan, infos, policy, predictor, self.clock, self._footprint)
+        self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint)
         self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
@@ -138,16 +142,22 @@ class NativeEngine:
         return fp
 
     # -- submission ---------------------------------------------------------------------------
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:
-        """Create the request's tasks; inputs must already be checked against the plan."""
-        name = self._batch_input
+    def submit(self, feeds: Mapping[str, np.ndarray], model: int = 0, arrival: float | None = None) -> RequestFuture:
+        """Create the request's tasks; inputs must already be checked against the plan of
+        ``model`` (its index). ``arrival`` (this engine's clock; default now) is when the
+        request arrived, from which its model's latency target counts. Raises
+        :class:`ModelOverloaded` when the model already has its capacity in flight."""
+        name = self._batch_input[model]
         batch = int(feeds[name].shape[0]) if name is not None else 1
         future = RequestFuture(-1, self._future_cond)
+        capacity = self.models.models[model].target.capacity
         with self._lock:
             if self._closed:
                 raise EngineClosed("the runtime is closed; no new requests are accepted")
+            if capacity is not None and self.core.per_model[model].in_flight >= capacity:
+                raise ModelOverloaded(self.models.models[model].name, capacity)
             req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
-                                   dict(feeds), future)
+                                   dict(feeds), future, model=model, arrival=arrival)
             future.request_id = req.id
             future.placement = req.placement
             self._wake()
@@ -396,17 +406,17 @@ class NativeEngine:
                 err.__cause__ = error
                 _resolve(done.owner, err, False)
             else:
-                _resolve(done.owner, {n: done.values[n] for n in self._output_names}, True)
+                _resolve(done.owner, {n: done.values[n] for n in self._output_names[done.model]}, True)
         return nxt
 
     def _trace(self, wid: int, task: Task, start: float, end: float, failed: bool) -> None:
         assert self.tracer is not None and task.view is not None
         req = task.request
-        self.tracer.task(wid, f"part{task.part}", start, end, {
+        self.tracer.task(wid, self.models.label(task.part), start, end, {
             "request": req.id, "batch": req.batch, "predicted_ms": _ms(task.view.predicted),
             "measured_ms": (end - start) * 1e3, "failed": failed})
         for dep in self.core.preds[task.part]:
-            src = req.tasks[dep]
+            src = req.task(dep)
             if src.worker is not None:
                 self.tracer.flow(src.worker, src.ended_at, wid, start, f"r{req.id}")
 
@@ -470,6 +480,11 @@ class NativeEngine:
                 out["workers"][w.name]["graphs"] = graphs()
         return out
 
+    def model_stats(self, model: int) -> dict[str, Any]:
+        """One hosted model's share of the machine (see :meth:`TaskGraph.model_stats`)."""
+        with self._lock:
+            return self.core.model_stats(model, self.clock.now() - self.started_at)
+
 
 @dataclass(eq=False, slots=True)
 class _Started:
@@ -507,12 +522,15 @@ def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
 _resolve = settle
 
 
-def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:
-    """The ``native`` engine: start the workers (unless given), then the engine over them."""
+def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngine:
+    """The ``native`` engine: start the workers (unless given), then the engine over them.
+    ``plan`` may be several plans (a :class:`ModelSet`): one set of workers holds sessions
+    of every model's parts."""
+    models = ModelSet.of(plan)
     options = dict(settings.policy_options)
     if settings.policy == "static" and "devices" not in options:
-        devices = {p.index: p.device for p in plan.parts if p.device}
-        if len(devices) != plan.k:
+        devices = models.devices()
+        if len(devices) != models.k:
             raise StaronnxError(
                 "policy 'static' needs a plan whose parts name their device (partition with "
                 "--method comm-sd, duet, overseer or optimal)"
@@ -522,14 +540,14 @@ def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:
     mode = calibrate_mode(settings.calibrate)
     own = settings.workers is None
     workers = list(settings.workers) if settings.workers is not None else start_workers(
-        plan, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
+        models, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
         cuda_options=dict(settings.cuda_options))
     try:
-        warm_up(plan, workers, settings.warmup)
+        warm_up(models, workers, settings.warmup)
         store = settings.store if settings.store is not None else PerfModelStore()
-        predictor = PerfPredictor(plan.hash, store, calibrate=mode)
+        predictor = PerfPredictor.for_models(models, store, calibrate=mode)
         tracer = Tracer(settings.trace, origin=0.0) if settings.trace is not None else None
-        engine = NativeEngine(plan, workers, policy, predictor, tracer, own_workers=own)
+        engine = NativeEngine(models, workers, policy, predictor, tracer, own_workers=own)
         if tracer is not None:
             tracer.origin = engine.started_at
         return engine
@@ -539,7 +557,7 @@ def start_native(plan: Plan, settings: EngineSettings) -> NativeEngine:
         raise
 
 
-def warm_up(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> None:
+def warm_up(plan: Plan | ModelSet, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> None:
     """Run every part at every batch size on every CUDA worker before the engine starts, one
     worker at a time, so cuDNN's searches and every CUDA graph capture happen now, not in
     the middle of serving; then freeze capture (a batch size seen later runs without a graph,
@@ -553,9 +571,16 @@ def warm_up(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequence[int]) -
         raise StaronnxError(f"warm-up batch sizes must be >= 1, got {sizes[0]}")
     from staronnx.verify import random_plan_feeds
 
-    values = {b: plan.reference_values(random_plan_feeds(plan, b, seed=b)) for b in sizes}
+    models = ModelSet.of(plan)
+    values = {(m.index, b): m.plan.reference_values(random_plan_feeds(m.plan, b, seed=b))
+              for m in models.models for b in sizes}
+
+    def feeds(part: int, b: int) -> dict[str, np.ndarray]:
+        model, local = models.owner[part]
+        return model.plan.part_feeds(local, values[(model.index, b)])
+
     for worker in cuda:
-        worker.warmup(sizes, lambda part, b: plan.part_feeds(part, values[b]))
+        worker.warmup(sizes, feeds)
         worker.capture_on_demand = False
 
 

@@ -8,6 +8,10 @@ serving. How much, is StarPU's ``STARPU_CALIBRATE`` (``calibrate`` here):
 - 1: every execution is recorded, so models follow the machine as it serves (a slower
   neighbour, another clock speed) and the simulator replays what serving really saw;
 - 2: the stored models are ignored and, at close, replaced by what this run measured.
+
+A runtime hosting several plans numbers their parts globally; ``parts`` then says which
+(plan hash, own part index) each global part is, so every model keeps its own stored models
+and joins or leaves a shared runtime without recalibration.
 """
 
 from __future__ import annotations
@@ -15,11 +19,16 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, HistoryModel, PerfModelStore
 from staronnx.perfmodels.store import PerfModelStoreReadOnly, PerfModelStoreReadOnlyWarning
 from staronnx.runtime.sched import TaskView, WorkerInfo
+
+if TYPE_CHECKING:
+    from staronnx.runtime.models import ModelSet
 
 
 #: StarPU's STARPU_CALIBRATE values (see the module docstring)
@@ -41,11 +50,15 @@ def calibrate_mode(value: int | str | None) -> int:
 
 
 class PerfPredictor:
-    """Predictor over history models per (part, arch) and a bus model."""
+    """Predictor over history models per (part, arch) and a bus model.
+
+    ``parts`` (global part -> (plan hash, its own part index)) serves several plans at once;
+    without it every part is ``plan_hash``'s own."""
 
     def __init__(self, plan_hash: str, store: PerfModelStore | None, bus: BusModel | None = None,
-                 calibrate: int = 0):
+                 calibrate: int = 0, parts: Sequence[tuple[str, int]] | None = None):
         self.plan_hash = plan_hash
+        self._parts = list(parts) if parts is not None else None
         self.store = store
         self.calibrate = calibrate_mode(calibrate)
         self.bus = bus or (store.load_bus() if store is not None else BusModel())
@@ -53,14 +66,28 @@ class PerfPredictor:
         self._lock = threading.Lock()
         self._read_only_warned = False
 
+    @classmethod
+    def for_models(cls, models: ModelSet, store: PerfModelStore | None, calibrate: int = 0) -> PerfPredictor:
+        """The predictor of a runtime hosting ``models`` (one plan or several)."""
+        first = models.models[0].plan.hash
+        if models.single:
+            return cls(first, store, calibrate=calibrate)
+        return cls(first, store, calibrate=calibrate,
+                   parts=[(m.plan.hash, local) for m, local in models.owner])
+
+    def source(self, part: int) -> tuple[str, int]:
+        """(plan hash, own part index) of global part ``part``: where its model is stored."""
+        return (self.plan_hash, part) if self._parts is None else self._parts[part]
+
     def model(self, part: int, arch: str) -> HistoryModel:
         key = (part, arch)
         with self._lock:
             if key not in self._models:
+                plan_hash, local = self.source(part)
                 self._models[key] = (
-                    self.store.load(self.plan_hash, part, arch)
+                    self.store.load(plan_hash, local, arch)
                     if self.store is not None and self.calibrate < 2
-                    else HistoryModel(part, arch)
+                    else HistoryModel(local, arch)
                 )
             return self._models[key]
 
@@ -92,14 +119,14 @@ class PerfPredictor:
         if self.store is None:
             return
         with self._lock:
-            models = list(self._models.values())
+            models = [(self.source(part)[0], m) for (part, _), m in self._models.items()]
         try:
-            for m in models:
+            for plan_hash, m in models:
                 if m.unsaved_count:
                     if self.calibrate >= 2:
-                        self.store.save(self.plan_hash, m)
+                        self.store.save(plan_hash, m)
                     else:
-                        self.store.commit(self.plan_hash, m)
+                        self.store.commit(plan_hash, m)
         except PerfModelStoreReadOnly as exc:
             # serving from a read-only home: the models were read, what was learnt stays here
             if not self._read_only_warned:

@@ -20,6 +20,21 @@ time; :attr:`Runtime.preferred_batch_sizes` then lists them and a
 :class:`~staronnx.serving.Server` pads partial batches up to them, so no capture ever stalls
 the workers while serving.
 
+Several models share one runtime when given by name (StarPU's way: every task graph on one
+set of workers under one scheduler, each part with its own perf model)::
+
+    with Runtime({"googlenet": "googlenet-plan/", "tiny": "tiny-plan/"}, cpu_groups="numa",
+                 targets={"tiny": ServiceTarget(latency=0.020)}) as rt:
+        fut = rt.submit(feeds, model="tiny")          # or rt.model("tiny").submit(feeds)
+        print(rt.model("tiny").stats()["deadline_misses"])
+
+Each worker holds a session of every model's parts; one policy places every task; a model's
+:class:`~staronnx.runtime.models.ServiceTarget` turns its requests into deadlines that ordered
+queues serve first (EDF), and its ``capacity`` refuses that model's requests only
+(:class:`~staronnx.runtime.models.ModelOverloaded`). :meth:`Runtime.model` gives a handle with a
+one-model runtime's face (``plan``, ``submit``, ``stats``) for a batching
+:class:`~staronnx.serving.Server` per model.
+
 ``calibrate`` is StarPU's ``STARPU_CALIBRATE`` for either engine (default
 ``$STARONNX_CALIBRATE``, else 0): 0 freezes calibrated models, 1 keeps recording every
 execution while serving, 2 replaces the stored models with this run's measurements.
@@ -34,9 +49,11 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
+from staronnx.runtime.models import HostedModel, ModelSet, ServiceTarget, load_plans
 from staronnx.runtime.registry import EngineSettings, engine_factory
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
@@ -59,11 +76,15 @@ def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ..
 
 
 class Runtime:
-    """Serve a plan on this machine's CPU groups (and CUDA streams) with a StarPU-style policy."""
+    """Serve a plan (or several, by name) on this machine's CPU groups (and CUDA streams) with
+    a StarPU-style policy."""
+
+    #: a Server passes each batch's oldest arrival, from which a latency target counts
+    takes_arrival = True
 
     def __init__(
         self,
-        plan: Plan | str | os.PathLike[str],
+        plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
         policy: str = "heft",
         cpu_groups: str = "numa",
         cuda_streams: int = 0,
@@ -76,15 +97,23 @@ class Runtime:
         calibrate: int | None = None,
         cuda_options: Mapping[str, Any] | None = None,
         warmup: Sequence[int] = (),
+        targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
     ) -> None:
+        """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
+        a single plan is named after its folder (see :attr:`model_names`)."""
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
-        self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
+        plans, self._single = load_plans(plan)
+        self.models = ModelSet(plans, targets)
+        if engine != "native" and not self.models.single:
+            raise StaronnxError(f"the {engine} engine serves one plan; several models share a runtime "
+                                "on the native engine")
         self.policy_name = policy
+        self._native = engine == "native"
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
             tuple(int(b) for b in warmup))
-        self._engine = factory(self.plan, settings)
+        self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
         #: sizes): a Server pads a partial batch up to one of them; () without graphs
@@ -101,13 +130,44 @@ class Runtime:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    # -- models -------------------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan:
+        """The plan served (a runtime of several models: ask :meth:`model` for one's)."""
+        if not self.models.single:
+            raise StaronnxError(f"this runtime serves several models ({', '.join(self.model_names)}); "
+                                "use runtime.model(name).plan")
+        return self.models.models[0].plan
+
+    @property
+    def target(self) -> ServiceTarget | None:
+        """The only model's service target (None for a runtime of several: see :meth:`model`)."""
+        return self.models.models[0].target if self.models.single else None
+
+    @property
+    def model_names(self) -> list[str]:
+        """The hosted models' names, in part order."""
+        return [m.name for m in self.models.models]
+
+    def model(self, name: str | None = None) -> ModelHandle:
+        """A handle on one hosted model with a one-model runtime's face (``plan``,
+        ``submit``, ``stats``, ...), e.g. for a :class:`~staronnx.serving.Server`."""
+        return ModelHandle(self, self.models.model(name))
+
     # -- requests -----------------------------------------------------------------------------
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:
-        """Queue one batch; the future resolves to {output name: array} (or the task's error)."""
+    def submit(self, feeds: Mapping[str, np.ndarray], model: str | None = None, *,
+               arrival: float | None = None) -> RequestFuture:
+        """Queue one batch of ``model`` (None: the only one); the future resolves to
+        {output name: array} (or the task's error). ``arrival`` (``time.perf_counter()``;
+        default now) is when the batch's oldest request arrived: its model's latency target
+        counts from there."""
         if self._closed:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
-        self.plan.check_feeds(feeds)
-        return self._engine.submit(feeds)
+        hosted = self.models.model(model)
+        hosted.plan.check_feeds(feeds)
+        if hosted.index == 0 and (arrival is None or not self._native):
+            return self._engine.submit(feeds)  # the one-plan call every engine takes
+        return self._engine.submit(feeds, hosted.index, arrival)
 
     def batch_array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         """Memory to assemble a batch in before :meth:`submit`: pinned when CUDA workers may
@@ -134,8 +194,17 @@ class Runtime:
             yield window.popleft().result()
 
     def stats(self) -> dict[str, Any]:
-        """Per-worker busy fraction, tasks per (part, arch), mean queue wait, predicted vs measured."""
+        """Per-worker busy fraction, tasks per (part, arch), mean queue wait, predicted vs
+        measured; ``models``: each hosted model's requests, deadline misses and busy shares."""
         out = self._engine.stats()
+        out["policy"] = self.policy_name
+        return out
+
+    def model_stats(self, name: str | None = None) -> dict[str, Any]:
+        """One model's view: requests (in flight, done, failed), deadline misses, its target,
+        each worker's busy share spent on it, its tasks per (part, arch)."""
+        hosted = self.models.model(name)
+        out = self._engine.model_stats(hosted.index)
         out["policy"] = self.policy_name
         return out
 
@@ -158,3 +227,51 @@ class Runtime:
                 return
             self._closed = True
         self._engine.close(timeout)
+
+
+class ModelHandle:
+    """One model of a shared :class:`Runtime`, with a one-model runtime's face: what a
+    batching :class:`~staronnx.serving.Server` and ``staronnx serve`` need (``plan``,
+    ``submit``, ``stats``, ``workers``, ...). Closing it closes nothing: the runtime owns the
+    workers every model shares."""
+
+    #: the Server passes each batch's oldest arrival, from which the latency target counts
+    takes_arrival = True
+
+    def __init__(self, runtime: Runtime, hosted: HostedModel) -> None:
+        self.runtime = runtime
+        self.name = hosted.name
+        self.plan = hosted.plan
+        self.target = hosted.target
+        self._hosted = hosted
+
+    def submit(self, feeds: Mapping[str, np.ndarray], arrival: float | None = None) -> RequestFuture:
+        return self.runtime.submit(feeds, self.name, arrival=arrival)
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.submit(feeds).result()
+
+    def batch_array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+        return self.runtime.batch_array(shape, dtype)
+
+    def stats(self) -> dict[str, Any]:
+        """This model's share of the runtime (:meth:`Runtime.model_stats`)."""
+        return self.runtime.model_stats(self.name)
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        return self.runtime.preferred_batch_sizes
+
+    @property
+    def workers(self) -> list[Any]:
+        return self.runtime.workers
+
+    @property
+    def tracer(self) -> Tracer | None:
+        return self.runtime.tracer
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Nothing to free: the shared runtime is closed by its owner."""
+
+    def __repr__(self) -> str:
+        return f"ModelHandle({self.name!r}, {self.plan.k} parts, {self.target})"

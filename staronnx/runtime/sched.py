@@ -69,6 +69,11 @@ class TaskView:
     inputs: Sequence[DataView] = ()
     priority: float = 0.0  # higher runs first in priority-sorted queues (heft sets it)
     submitted_at: float = 0.0
+    #: when its request must be answered (its model's latency target; inf: no target): ready
+    #: tasks run earliest deadline first, before heft's priorities (see :func:`runs_before`)
+    deadline: float = math.inf
+    #: its model's priority: a higher level runs before any deadline or rank
+    level: int = 0
     #: filled by dm/dmda-style policies when they place the task (for accounting and stats)
     predicted: float = math.nan
     transfer: float = 0.0
@@ -79,6 +84,24 @@ class TaskView:
     releasing_worker: int | None = None
     #: what a policy notes on a task for its own accounting and for stats
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def runs_before(a: TaskView, b: TaskView) -> bool:
+    """Whether ``a`` must run before ``b`` in an ordered queue: its model's priority first,
+    then the earlier deadline (EDF across models sharing a runtime), then the task's own
+    priority (heft's upward ranks within a request). With no service targets (every level 0,
+    every deadline inf) this is StarPU's plain priority order."""
+    if a.level != b.level:
+        return a.level > b.level
+    if a.deadline != b.deadline:
+        return a.deadline < b.deadline
+    return a.priority > b.priority
+
+
+def has_target(task: TaskView) -> bool:
+    """Whether the task carries a service target (a deadline or a model priority), i.e.
+    whether a FIFO queue must still let it pass the tasks that have none."""
+    return task.level != 0 or task.deadline != math.inf
 
 
 class Predictor(Protocol):

@@ -93,7 +93,10 @@ class GrpcFrontend:
             models = [await _guard(context, lambda: self._model(request.name, request.version))]
         else:
             models = [self.models[n] for n in sorted(self.models)]
-        return json_format.ParseDict({"model_stats": [m.statistics() for m in models]}, pb.ModelStatisticsResponse())
+        # ignore_unknown_fields: the "staronnx" section (targets, busy shares) has no field in
+        # Triton's message; HTTP clients get it
+        return json_format.ParseDict({"model_stats": [m.statistics() for m in models]}, pb.ModelStatisticsResponse(),
+                                     ignore_unknown_fields=True)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:

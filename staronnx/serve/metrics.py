@@ -49,15 +49,18 @@ class ModelStats:
         self.fail_us = 0.0  # cumulative duration of the failed requests (Triton's fail.ns)
         self.last_inference_ms = 0  # wall clock of the last answer, ms since the epoch (0: none yet)
         self.batches: dict[int, list[float]] = {}  # batch size -> [executions, cumulative run seconds]
+        self.deadline_misses = 0  # requests answered later than the model's latency target
 
     def started(self) -> None:
         with self._lock:
             self.pending += 1
 
     def finished(self, *, ok: bool, reason: str = "OTHER", request_s: float = 0.0, queue_s: float = 0.0,
-                 input_s: float = 0.0, infer_s: float = 0.0, output_s: float = 0.0) -> None:
-        """One request answered (``ok``) or failed for ``reason``; durations in seconds."""
+                 input_s: float = 0.0, infer_s: float = 0.0, output_s: float = 0.0, late: bool = False) -> None:
+        """One request answered (``ok``) or failed for ``reason``; durations in seconds;
+        ``late``: answered after its model's latency target."""
         with self._lock:
+            self.deadline_misses += late
             self.pending -= 1
             self.last_inference_ms = int(time.time() * 1000)
             if not ok:
@@ -97,7 +100,7 @@ class ModelStats:
                 "exec_count": self.exec_count, "pending": self.pending, "request_us": self.request_us,
                 "queue_us": self.queue_us, "input_us": self.input_us, "infer_us": self.infer_us,
                 "output_us": self.output_us, "fail_us": self.fail_us,
-                "last_inference_ms": self.last_inference_ms,
+                "last_inference_ms": self.last_inference_ms, "deadline_misses": self.deadline_misses,
                 "batches": {size: tuple(row) for size, row in self.batches.items()},
             }
 
@@ -107,6 +110,8 @@ class ServedModel(Protocol):
 
     name: str
     stats: ModelStats
+    #: the model's latency target in seconds (None: none)
+    latency_target: float | None
 
     def runtime_stats(self) -> dict[str, Any]: ...
 
@@ -171,14 +176,22 @@ class ServeCollector:
         tasks = CounterMetricFamily("staronnx_tasks", "Tasks run, per part and worker architecture",
                                     labels=["model", "part", "arch"])
         busy = GaugeMetricFamily("staronnx_worker_busy_ratio",
-                                 "Fraction of the runtime's lifetime each worker spent running tasks",
+                                 "Fraction of the runtime's lifetime each worker spent running this model's "
+                                 "tasks (models sharing a runtime share its workers)",
                                  labels=["model", "worker", "arch"])
+        misses = CounterMetricFamily("staronnx_deadline_misses", "Requests answered later than the model's "
+                                     "latency target (--slo-ms)", labels=["model"])
+        target = GaugeMetricFamily("staronnx_latency_target_seconds", "The model's latency target (--slo-ms)",
+                                   labels=["model"])
         error = GaugeMetricFamily("staronnx_perfmodel_prediction_error_ratio",
                                   "Mean predicted / mean measured task time - 1, per part and arch "
                                   "(0 = the perf model describes the machine)", labels=["model", "part", "arch"])
         for m in self.models:
             queue.add_metric([m.name], m.queue_length)
             inflight.add_metric([m.name], m.batches_in_flight)
+            misses.add_metric([m.name], m.stats.snapshot()["deadline_misses"])
+            if m.latency_target is not None:
+                target.add_metric([m.name], m.latency_target)
             try:
                 st = m.runtime_stats()
             except Exception:  # noqa: BLE001 - a closing runtime must not fail the whole scrape
@@ -191,7 +204,7 @@ class ServeCollector:
                     error.add_metric([m.name, part, arch], pred / meas - 1.0)
             for worker, row in st.get("workers", {}).items():
                 busy.add_metric([m.name, worker, str(row.get("arch", ""))], float(row.get("busy", 0.0)))
-        yield from (queue, inflight, tasks, busy, error)
+        yield from (queue, inflight, tasks, busy, error, misses, target)
 
 
 class ServeMetrics:

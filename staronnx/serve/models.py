@@ -30,7 +30,7 @@ import numpy as np
 
 from staronnx.errors import InputError
 from staronnx.plan import Plan
-from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
@@ -69,12 +69,17 @@ class MeteredRuntime:
         return list(getattr(self.runtime, "workers", ()) or ())
 
     @property
+    def takes_arrival(self) -> bool:
+        """Whether the runtime starts a latency target at the batch's arrival (a shared one)."""
+        return bool(getattr(self.runtime, "takes_arrival", False))
+
+    @property
     def tracer(self) -> Any:
         return getattr(self.runtime, "tracer", None)
 
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
+    def submit(self, feeds: Mapping[str, np.ndarray], **when: float) -> Future:  # type: ignore[type-arg]
         t0 = time.perf_counter()
-        future = self.runtime.submit(feeds)
+        future = self.runtime.submit(feeds, **when)
         size = int(feeds[self._batched[0]].shape[0]) if self._batched else 1
 
         def done(f: Future) -> None:  # type: ignore[type-arg]
@@ -115,6 +120,9 @@ class ModelEndpoint:
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
+        target = getattr(runtime, "target", None)  # a model of a shared runtime has one
+        #: seconds a request may take (--slo-ms); later answers count as deadline misses
+        self.latency_target: float | None = getattr(target, "latency", None)
         self.plan: Plan = runtime.plan
         self.stats = ModelStats()
         self._metrics = metrics
@@ -126,7 +134,7 @@ class ModelEndpoint:
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
                              queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
                              max_inflight=max_inflight,
-                             batch_memory=runtime.batch_array if isinstance(runtime, Runtime) else None)
+                             batch_memory=runtime.batch_array if isinstance(runtime, (Runtime, ModelHandle)) else None)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
@@ -244,7 +252,22 @@ class ModelEndpoint:
                              "compute_output": d(n, 0)}
                             for size, (n, secs) in sorted(s["batches"].items())],
             "memory_usage": [],
+            # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
+            "staronnx": self.service(s),
         }
+
+    def service(self, snapshot: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """How this model is served on its (maybe shared) runtime: its queue, latency target,
+        deadline misses, and each worker's busy share spent on its tasks."""
+        s = snapshot if snapshot is not None else self.stats.snapshot()
+        try:
+            workers = {name: round(float(row.get("busy", 0.0)), 6)
+                       for name, row in self.runtime_stats().get("workers", {}).items()}
+        except Exception:  # noqa: BLE001 - a closing runtime must not fail the statistics
+            workers = {}
+        return {"queue_length": self.queue_length, "batches_in_flight": self.batches_in_flight,
+                "latency_target_ms": None if self.latency_target is None else self.latency_target * 1e3,
+                "deadline_misses": s["deadline_misses"], "busy": workers}
 
     def classify(self, outputs: dict[str, np.ndarray], classes: Mapping[str, int]) -> None:
         """Triton's classification extension: each output asked for with ``classification: k``
@@ -322,8 +345,9 @@ class ModelEndpoint:
             self.classify(result, classes)
         done = time.perf_counter()
         queue_s, infer_s = _batch_times(futures, started)
-        self.stats.finished(ok=True, request_s=done - started + decode_s, queue_s=queue_s, input_s=decode_s,
-                            infer_s=infer_s)
+        request_s = done - started + decode_s
+        self.stats.finished(ok=True, request_s=request_s, queue_s=queue_s, input_s=decode_s, infer_s=infer_s,
+                            late=self.latency_target is not None and request_s > self.latency_target)
         self._latency_hist.observe(done - started + decode_s)
         return Answer(result, _batch_parameters(futures))
 

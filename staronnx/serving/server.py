@@ -44,7 +44,7 @@ import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
-from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 
@@ -281,7 +281,11 @@ class Server:
         self.on_full = on_full
         self.max_inflight = max_inflight
         self.clock = clock
-        self._batch_memory = batch_memory or (runtime.batch_array if isinstance(runtime, Runtime) else np.empty)
+        self._batch_memory = batch_memory or (runtime.batch_array if isinstance(runtime, (Runtime, ModelHandle))
+                                              else np.empty)
+        #: a model of a shared runtime counts its latency target from each batch's oldest
+        #: arrival, which it can only read on the runtime's clock (perf_counter)
+        self._pass_arrival = bool(getattr(runtime, "takes_arrival", False)) and clock is time.perf_counter
         self._batched = {t.name: _is_batched(t.shape) for t in self.plan.inputs}
         self._exact_inputs = _exact_inputs(self.plan)
         self._out_batched = {t.name: _is_batched(t.shape) for t in self.plan.outputs}
@@ -497,7 +501,10 @@ class Server:
         """Concatenate the samples, submit the batch; the runtime's callback queues it back."""
         try:
             feeds = self._concat(batch, record.padded_to or len(batch))
-            future = self.runtime.submit(feeds)
+            if self._pass_arrival:
+                future = self.runtime.submit(feeds, arrival=min(p._record.arrival for p in batch))
+            else:
+                future = self.runtime.submit(feeds)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
             with self._cond:
                 if self._inflight.pop(record.id, None) is None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 
 from staronnx.errors import StaronnxError
-from staronnx.runtime.sched import TaskView
+from staronnx.runtime.sched import TaskView, runs_before
 
 
 class PolicyError(StaronnxError, ValueError):
@@ -32,13 +32,15 @@ def check_weight(name: str, value: object) -> float:
 
 
 def insert_sorted(queue: deque[TaskView], task: TaskView) -> None:
-    """Insert ``task`` after every queued task of priority >= its own.
+    """Insert ``task`` after every queued task that runs before it or ties with it.
 
-    This is ``starpu_st_fifo_taskq_push_sorted_task``: descending priority, FIFO among equals.
-    We scan from the back because new tasks usually land at (or near) the tail.
+    This is ``starpu_st_fifo_taskq_push_sorted_task``: descending priority, FIFO among equals,
+    with the service targets of a shared runtime first (model priority, then deadline:
+    :func:`~staronnx.runtime.sched.runs_before`). We scan from the back because new tasks
+    usually land at (or near) the tail.
     """
     i = len(queue)
-    while i > 0 and queue[i - 1].priority < task.priority:
+    while i > 0 and runs_before(task, queue[i - 1]):
         i -= 1
     if i == len(queue):
         queue.append(task)
@@ -60,18 +62,19 @@ def pop_first_ready(queue: deque[TaskView], node: str) -> TaskView | None:
     """Remove and return the task dmdar/dmdas run next on a worker of memory node ``node``.
 
     Following ``starpu_st_fifo_taskq_pop_first_ready_task``: among queued tasks whose priority
-    is >= the head's, the one with the fewest non-ready input bytes; the first one in queue
+    is >= the head's (that the head does not run before: service targets count first), the one
+    with the fewest non-ready input bytes; the first one in queue
     order wins ties (strict ``<``), and a fully ready task stops the scan. In a priority-sorted
     queue this only looks at the head's priority class; in dmdar's FIFO queue it also lets a
     later, higher-priority task through.
     """
     if not queue:
         return None
-    head_priority = queue[0].priority
+    head = queue[0]
     best_index = 0
     best_bytes: int | None = None
     for i, task in enumerate(queue):
-        if task.priority < head_priority:
+        if runs_before(head, task):
             continue
         nbytes = non_ready_bytes(task, node)
         if best_bytes is None or nbytes < best_bytes:

@@ -37,6 +37,13 @@ pipeline_len``. **on_start** (StarPU's pre-exec hook): T' leaves the pipeline, L
 hook): ``pipeline_len −= L``, ``pipeline_ntasks −= 1``, ``exp_start = max(now + pipeline_len,
 exp_start)``.
 
+**Service targets** (several models on one runtime): a task whose model has a latency target
+(a deadline) or a priority jumps, in any of these queues, the queued tasks it runs before
+(:func:`~staronnx.runtime.sched.runs_before`; a FIFO queue keeps FIFO order among the others),
+and its decision counts as ``prev`` only the queued work that runs before it, as StarPU's
+dmdasd counts only work of priority >= the task's: a light model's task is not charged the
+whole backlog of a heavy one it will pass (nor, in the greedy rule, its queued tasks).
+
 StarPU quirk kept on purpose: ``pipeline_ntasks`` counts a task from push to completion, and
 ``ntasks`` from push to pop, so in the greedy rule a queued task weighs 2 and a running one 1.
 
@@ -51,7 +58,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from staronnx.runtime.policies._common import check_weight, insert_sorted, pop_first_ready
-from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
+from staronnx.runtime.sched import Policy, TaskView, WorkerInfo, has_target, runs_before
 
 
 @dataclass
@@ -154,12 +161,16 @@ class DmdaPolicy(Policy):
         greedy_end = 0.0
         best_end = math.inf
         max_end = -math.inf
+        targeted = has_target(task)
         for w in self._order:
             q = self._queues[w.id]
-            horizon = max(q.exp_start, now) + q.exp_len
+            horizon = max(q.exp_start, now) + (self._ahead_of(q, task) if targeted else q.exp_len)
             max_end = max(max_end, horizon)
             length = self.predictor.exec_time(task, w)
-            ntasks_end = (q.ntasks + q.pipeline_ntasks) / w.speedup
+            queued = q.ntasks + q.pipeline_ntasks
+            if targeted:  # the tasks it passes would not delay it: count those it waits for
+                queued -= 2 * sum(1 for t in q.tasks if runs_before(task, t))
+            ntasks_end = queued / w.speedup
             nan = math.isnan(length)
             # StarPU's greedy candidate, always tracked: the least loaded worker, except that a
             # first uncalibrated worker jumps the line and then only uncalibrated ones compete.
@@ -190,6 +201,13 @@ class DmdaPolicy(Policy):
             if c.fitness < chosen.fitness:  # strict: ties keep the earlier worker
                 chosen = c
         return Decision(task.id, chosen.worker, False, best_end, tuple(scored))
+
+    @staticmethod
+    def _ahead_of(q: QueueState, task: TaskView) -> float:
+        """The queued work ``task`` will wait for on this queue: ``exp_len`` less what it
+        passes (StarPU's dmdasd counts only work of priority >= the task's)."""
+        passed = sum(t.predicted + t.transfer for t in q.tasks if runs_before(task, t))
+        return max(q.exp_len - passed, 0.0)
 
     def _fitness(self, c: Candidate, best_end: float, max_end: float) -> float:
         if not self.data_aware:
@@ -222,7 +240,7 @@ class DmdaPolicy(Policy):
         task.extra["transfer_estimate"] = transfer
         task.extra["expected_end"] = math.nan if decision.forced else chosen.end
         task.extra["forced"] = decision.forced  # predicted=0 is a placeholder, not a model
-        if self.sorted_queue:
+        if self.sorted_queue or has_target(task):
             insert_sorted(q.tasks, task)
         else:
             q.tasks.append(task)

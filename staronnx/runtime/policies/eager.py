@@ -1,7 +1,9 @@
 """eager: one central FIFO shared by all workers (StarPU's ``eager_central_policy.c``).
 
 A worker that goes idle takes the oldest task it can run. StarPU's documentation says
-priorities go to the front; its code does not, and neither do we. Nothing is decided at push,
+priorities go to the front; its code does not, and neither do we. Service targets of a shared
+runtime do: a task with a deadline or a model priority passes the queued tasks it runs before
+(:func:`~staronnx.runtime.sched.runs_before`), so ``eager`` serves several models EDF. Nothing is decided at push,
 so the engine does not prefetch (StarPU only prefetches single-architecture tasks here, and
 every part of a plan runs on every architecture).
 """
@@ -10,7 +12,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from staronnx.runtime.sched import Policy, TaskView
+from staronnx.runtime.policies._common import insert_sorted
+from staronnx.runtime.sched import Policy, TaskView, has_target
 
 
 class EagerPolicy(Policy):
@@ -27,7 +30,10 @@ class EagerPolicy(Policy):
         self._alive = {w.id for w in self.workers}
 
     def push(self, task: TaskView) -> int | None:
-        self._queue.append(task)
+        if has_target(task):
+            insert_sorted(self._queue, task)
+        else:
+            self._queue.append(task)
         return None
 
     def pop(self, worker_id: int) -> TaskView | None:

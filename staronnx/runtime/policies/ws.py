@@ -18,19 +18,29 @@ from collections import deque
 
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 
+#: a bucket's key: the model's priority, the deadline (earlier first), the task's priority
+BucketKey = tuple[int, float, float]
+
+
+def bucket_key(task: TaskView) -> BucketKey:
+    """Higher keys run first: the order of :func:`~staronnx.runtime.sched.runs_before`
+    (without service targets, the task's priority alone decides, as in StarPU)."""
+    return (task.level, -task.deadline, task.priority)
+
 
 class PrioDeque:
-    """Tasks bucketed by priority, each bucket a FIFO deque."""
+    """Tasks bucketed by priority (a shared runtime's service targets first: :func:`bucket_key`),
+    each bucket a FIFO deque."""
 
     def __init__(self) -> None:
-        self._buckets: dict[float, deque[TaskView]] = {}
+        self._buckets: dict[BucketKey, deque[TaskView]] = {}
         self._n = 0
 
     def __len__(self) -> int:
         return self._n
 
     def push_back(self, task: TaskView) -> None:
-        self._buckets.setdefault(task.priority, deque()).append(task)
+        self._buckets.setdefault(bucket_key(task), deque()).append(task)
         self._n += 1
 
     def _take(self, front: bool) -> TaskView | None:

@@ -1,0 +1,127 @@
+"""``staronnx serve a/ b/``: several models on one shared runtime, through the real CLI and HTTP.
+
+What a user of a shared server relies on: one set of workers serves every model, each answer
+equals its model's reference, one model's overload is refused (503) for that model only, and
+/metrics and the statistics say each model's latency target, deadline misses and busy shares.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.zoo import chain, inception
+from test_serve import _m, _metrics, _post, start_server
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """A heavy Inception (tens of ms a sample on one core) cut by METIS, a light MLP."""
+    root = tmp_path_factory.mktemp("serve-models")
+    onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
+    onnx.save(chain(depth=4, width=8), str(root / "light.onnx"))
+    return {
+        "heavy": partition(root / "heavy.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate"),
+        "light": partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate"),
+    }
+
+
+def body(x: np.ndarray) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.ravel().tolist()}]}).encode()
+
+
+def output(reply: dict, name: str) -> np.ndarray:
+    (out,) = [o for o in reply["outputs"] if o["name"] == name]
+    return np.asarray(out["data"], np.float32).reshape(out["shape"])
+
+
+def heavy_x(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 3, 64, 64)).astype(np.float32)
+
+
+def light_x(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 8)).astype(np.float32)
+
+
+def get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def test_two_models_on_one_runtime_answer_their_references_and_report_their_targets(plans, tmp_path):
+    heavy, light = plans["heavy"], plans["light"]
+    s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "2",
+                     "--max-delay", "1ms", "--slo-ms", "light=60000", "--slo-ms", "heavy=0.001")
+    try:
+        text = "\n".join(s.lines)
+        assert re.search(r"one runtime for 2 models: 2 workers", text), text
+        for i in range(3):
+            st, reply = _post(s.http, "/v2/models/heavy/infer", body(heavy_x(i)))
+            assert st == 200, reply
+            np.testing.assert_allclose(output(reply, "logits"), heavy.run_reference({"x": heavy_x(i)})["logits"],
+                                       rtol=1e-4, atol=1e-4)
+            st, reply = _post(s.http, "/v2/models/light/infer", body(light_x(i)))
+            assert st == 200, reply
+            np.testing.assert_allclose(output(reply, "y"), light.run_reference({"x": light_x(i)})["y"],
+                                       rtol=1e-4, atol=1e-4)
+        stats = {m["name"]: m["staronnx"] for m in get_json(f"http://{s.http}/v2/models/stats")["model_stats"]}
+        assert stats["light"]["latency_target_ms"] == 60000 and stats["light"]["deadline_misses"] == 0
+        assert stats["heavy"]["deadline_misses"] == 3  # a 1 us target: every answer is late
+        # the same workers serve both, each model with its own busy share of them
+        assert set(stats["heavy"]["busy"]) == set(stats["light"]["busy"]) and len(stats["heavy"]["busy"]) == 2
+        assert sum(stats["heavy"]["busy"].values()) > sum(stats["light"]["busy"].values()) > 0
+        metrics = _metrics(s.metrics)
+        assert _m(metrics, "staronnx_deadline_misses_total", model="heavy") == 3
+        assert _m(metrics, "staronnx_deadline_misses_total", model="light") == 0
+        assert _m(metrics, "staronnx_latency_target_seconds", model="light") == 60.0
+        config = get_json(f"http://{s.http}/v2/models/light/config")["parameters"]
+        assert config["shared_runtime"]["string_value"] == "True"
+        assert config["latency_ms"]["string_value"] == "60000.0"
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_one_models_overload_is_503_for_it_only(plans, tmp_path):
+    """The heavy model is flooded past its own queue (2 samples): some of its requests get
+    503; every request of the light model (no target: it waits behind the heavy backlog, in
+    its own queue of 64), sent meanwhile, gets its answer."""
+    heavy, light = plans["heavy"], plans["light"]
+    s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "1",
+                     "--max-delay", "0ms", "--queue-capacity", "64", "--queue-capacity", "heavy=2")
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            flood = [pool.submit(_post, s.http, "/v2/models/heavy/infer", body(heavy_x(i))) for i in range(40)]
+            calm = [(i, pool.submit(_post, s.http, "/v2/models/light/infer", body(light_x(i)))) for i in range(10)]
+            heavy_status = [f.result()[0] for f in flood]
+            for i, f in calm:
+                st, reply = f.result()
+                assert st == 200, reply
+                np.testing.assert_allclose(output(reply, "y"), light.run_reference({"x": light_x(i)})["y"],
+                                           rtol=1e-4, atol=1e-4)
+        assert set(heavy_status) <= {200, 503} and heavy_status.count(503) > 0, heavy_status
+        assert heavy_status.count(200) > 0
+        metrics = _metrics(s.metrics)
+        assert _m(metrics, "nv_inference_request_failure", model="heavy", version="1", reason="REJECTED") > 0
+        assert _m(metrics, "nv_inference_request_failure", model="light", version="1", reason="REJECTED") == 0
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_targets_must_name_served_models(plans, tmp_path, capsys):
+    from _helpers import cli
+
+    code, out, err = cli(capsys, "serve", plans["heavy"].root, plans["light"].root, "--slo-ms", "ligth=5")
+    assert code != 0 and "'ligth'" in out + err
+    code, out, err = cli(capsys, "serve", plans["heavy"].root, plans["light"].root, "--slo-ms", "light=5",
+                         "--separate-runtimes")
+    assert code != 0 and "--separate-runtimes" in out + err
