@@ -169,6 +169,12 @@ def settled(engine: NativeEngine, rt: CountingRuntime, server: Server, conductor
 
     def state() -> tuple[Any, ...] | None:
         recs = server.records()  # one consistent copy, under the server's lock
+        with server._cond:  # finished batches the batcher has not handed out yet: it will, at
+            # the current instant, so the clock must wait for it (a batcher descheduled for
+            # longer than the 2 ms below looked settled under load, and stamped a later time)
+            handing_out = len(server._completions) + server._resolving
+        if handing_out:
+            return None
         queued = sum(r.batch_id < 0 and not r.rejected for r in recs.requests)
         running = sum(b.done is None for b in recs.batches)
         submitted = rt.submitted
