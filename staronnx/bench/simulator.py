@@ -36,6 +36,7 @@ from staronnx.perfmodels import BusModel, Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.core import Task, TaskGraph
+from staronnx.runtime.models import HostedModel, ModelSet, ServiceTarget
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
@@ -276,45 +277,68 @@ class SimMachine:
     table: PerfTable
     notes: list[str] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    #: the models sharing the machine, their parts numbered as the runtime numbers them (the
+    #: table is keyed by those global parts); one plan is a set of one, global = own part
+    models: ModelSet | None = None
+
+    def __post_init__(self) -> None:
+        if self.models is None:
+            self.models = ModelSet.of(self.plan)
 
     @property
     def archs(self) -> list[str]:
         return list(dict.fromkeys(w.arch for w in self.workers))
 
-    def profile(self, batch: int) -> PlanProfile:
-        return profile_plan(self.plan, batch)
+    def hosted(self, model: int | str = 0) -> HostedModel:
+        """One model of the machine, by index or name."""
+        assert self.models is not None
+        return self.models.model(model) if isinstance(model, str) else self.models.models[model]
 
-    def check(self, batch: int) -> PlanProfile:
-        """Profile ``batch`` and make sure every part has times on every arch (else raise)."""
-        prof = self.profile(batch)
-        for p in range(self.plan.k):
+    def profile(self, batch: int, model: int | str = 0) -> PlanProfile:
+        return profile_plan(self.hosted(model).plan, batch)
+
+    def check(self, batch: int, model: int | str = 0) -> PlanProfile:
+        """Profile ``batch`` of ``model`` and make sure each of its parts has times on every
+        arch (else raise)."""
+        hosted = self.hosted(model)
+        prof = self.profile(batch, hosted.index)
+        for p in range(hosted.plan.k):
             for arch in self.archs:
-                self.table.distribution(p, arch, prof.footprints[p])
+                self.table.distribution(hosted.first_part + p, arch, prof.footprints[p])
         return prof
 
-    def mean_times(self, batch: int) -> list[list[float]]:
-        """``times[p][w]``: mean seconds of part ``p`` on worker ``w`` at ``batch`` (for the LP)."""
-        prof = self.check(batch)
+    def mean_times(self, batch: int | Mapping[str, int], model: int | str | None = None) -> list[list[float]]:
+        """``times[p][w]``: mean seconds of part ``p`` on worker ``w`` (for the LP).
+
+        ``batch`` an int and ``model`` None: every part of a one-plan machine (of the first
+        model's plan otherwise), at that batch size. ``model`` given: that model's parts (its
+        own numbering). ``batch`` a mapping (model name -> batch size): every global part of
+        a machine of several models, each at its model's batch size."""
+        assert self.models is not None
+        if isinstance(batch, Mapping):
+            return [row for m in self.models.models for row in self.mean_times(int(batch[m.name]), m.index)]
+        hosted = self.hosted(0 if model is None else model)
+        prof = self.check(batch, hosted.index)
         return [
-            [self.table.distribution(p, w.arch, prof.footprints[p])[0] for w in self.workers]
-            for p in range(self.plan.k)
+            [self.table.distribution(hosted.first_part + p, w.arch, prof.footprints[p])[0] for w in self.workers]
+            for p in range(hosted.plan.k)
         ]
 
 
-def machine_inflight(machine: SimMachine, batch: int) -> int:
-    """The server's in-flight window for this machine at ``batch``
+def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0) -> int:
+    """The server's in-flight window for this machine at ``batch`` (of ``model``'s server)
     (:func:`~staronnx.serving.server.inflight_window` over each worker's whole-plan time)."""
     from staronnx.serving.server import inflight_window
 
     try:
-        times = machine.mean_times(batch)
+        times = machine.mean_times(batch, model)
     except Exception:  # noqa: BLE001 - a missing model: the unknown-machine default
         return inflight_window([None] * len(machine.workers))
     return inflight_window([sum(times[p][w] for p in range(len(times))) for w in range(len(machine.workers))])
 
 
 def build_machine(
-    plan: Plan,
+    plan: Plan | ModelSet | Mapping[str, Plan],
     *,
     groups: str = "numa",
     topology: Topology | None = None,
@@ -328,20 +352,33 @@ def build_machine(
 ) -> SimMachine:
     """Workers from ``topology`` (default: this machine) and ``groups``, plus ``cuda_streams``
     hypothetical or real CUDA workers, with times from ``store`` (default: ``$STARONNX_HOME``).
+
+    ``plan`` may be several plans (a :class:`~staronnx.runtime.models.ModelSet` or a mapping
+    name -> plan): the machine then serves them as one shared runtime does, every model's
+    parts numbered one after the other, each read from its own plan's stored models (nothing
+    recalibrated for sharing). A per-part ``cuda_scale`` then has one factor per global part.
     """
     store = store if store is not None else PerfModelStore()
+    models = plan if isinstance(plan, ModelSet) else (
+        ModelSet(dict(plan)) if isinstance(plan, Mapping) else ModelSet.of(plan))
     workers = sim_workers(topology, groups, cuda_streams, cuda_device)
-    stored = {key.arch for key in store.list(plan.hash)}
+    stored_by_model = {m.name: {key.arch for key in store.list(m.plan.hash)} for m in models.models}
+    stored = set().union(*stored_by_model.values())
     sources, notes = resolve_sources(
-        stored, [w.arch for w in workers], plan.k,
+        stored, [w.arch for w in workers], models.k,
         cuda_scale=cuda_scale, cpu_fallback=cpu_fallback, explicit=arch_sources,
     )
-    if not stored and not arch_sources:
-        raise SimulationError(
-            f"no perf models for plan {plan.hash} in {store.root} (host {store.host}); "
-            f"run `staronnx calibrate {plan.root}` first"
-        )
-    table = PerfTable(PerfPredictor(plan.hash, store, bus), sources)
+    if not arch_sources:
+        for m in models.models:
+            if not stored_by_model[m.name]:
+                name = "" if models.single else f" (model {m.name!r})"
+                raise SimulationError(
+                    f"no perf models for plan {m.plan.hash}{name} in {store.root} (host {store.host}); "
+                    f"run `staronnx calibrate {m.plan.root}` first"
+                )
+    first = models.models[0].plan
+    parts = None if models.single else [(m.plan.hash, local) for m, local in models.owner]
+    table = PerfTable(PerfPredictor(first.hash, store, bus, parts=parts), sources)
     settings = {
         "groups": groups,
         "topology": (topology.source if topology is not None else "system") or "system",
@@ -349,7 +386,7 @@ def build_machine(
         "cuda_scale": cuda_scale if not isinstance(cuda_scale, tuple) else list(cuda_scale),
         "sources": {a: s.describe() for a, s in sources.items()},
     }
-    return SimMachine(plan, workers, table, notes, settings)
+    return SimMachine(first, workers, table, notes, settings, models)
 
 
 # ---------------------------------------------------------------------------- arrivals
@@ -405,65 +442,90 @@ class SimResult:
         return summarize(self.records, warmup=warmup)
 
 
-class _Simulation:
-    """One run: the server's queue and batcher, then the engine's core, on simulated time.
+@dataclass(eq=False)
+class _FrontEnd:
+    """One model's server in a simulation (the live Server's queue, batcher and in-flight
+    window), with what it recorded. A shared runtime has one per model, each over its
+    model's handle, all feeding one core."""
 
-    The front end follows :class:`staronnx.serving.server.Server` (rejections when the queue is
+    model: int  # index in the machine's ModelSet
+    batch_size: int
+    arrivals: np.ndarray
+    capacity: int | None
+    max_inflight: int
+    max_delay: float | None
+    pad_to: tuple[int, ...] = ()
+    requests: list[RequestRecord] = field(default_factory=list)
+    batches: list[BatchRecord] = field(default_factory=list)
+    queue: deque[int] = field(default_factory=deque)  # request ids waiting for a batch
+    flush_left: int = 0
+    timer_due: float = math.nan
+    samples: list[tuple[float, int]] = field(default_factory=list)
+    profiles: dict[int, PlanProfile] = field(default_factory=dict)  # batch size -> footprints, bytes
+    last_done: float = -math.inf
+
+
+class _Simulation:
+    """One run: each model's server (queue and batcher), then the engine's core, on simulated
+    time.
+
+    A front end follows :class:`staronnx.serving.server.Server` (rejections when the queue is
     full, at most ``max_inflight`` batches in the runtime, full batches or ``max_delay``, queue
-    samples at each arrival and batch) and flushes after the last arrival as the load generator
-    does; ``tests/test_replay.py`` runs both on the same arrivals.
+    samples at each arrival and batch) and flushes after its last arrival as the load generator
+    does; ``tests/test_replay.py`` runs both on the same arrivals. Several front ends (one per
+    model, as ``staronnx serve`` puts a Server over each model of a shared runtime) share the
+    core, the workers and the policy, with the models' service targets in ``machine.models``.
     """
 
     def __init__(
         self,
         machine: SimMachine,
         policy: Policy,
-        batch_size: int,
-        arrivals: np.ndarray,
+        fronts: Sequence[_FrontEnd],
         *,
         seed: int,
         spread: float,
-        max_delay: float | None,
-        queue_capacity: int | None,
-        max_inflight: int,
         drain: bool,
         charge_transfers: bool,
-        pad_to: Sequence[int] = (),
+        models: ModelSet | None = None,
     ) -> None:
         self.m = machine
-        self.pad_to = tuple(sorted(set(pad_to)))
-        self.plan = machine.plan
+        self.models = models if models is not None else machine.models
+        assert self.models is not None
+        self.fronts = list(fronts)
         self.policy = policy
-        self.b = batch_size
-        self.arrivals = arrivals
         self.spread = spread
-        self.max_delay = max_delay
-        self.capacity = queue_capacity
-        self.max_inflight = max_inflight
         self.drain = drain
         self.charge_transfers = charge_transfers
-        self.clock = SimClock(float(arrivals[0]))
+        # every model's arrivals merged in time order (ties: model order), so one model is the
+        # single-plan run it always was
+        times = np.concatenate([fe.arrivals for fe in self.fronts])
+        which = np.concatenate([np.full(len(fe.arrivals), i) for i, fe in enumerate(self.fronts)])
+        index = np.concatenate([np.arange(len(fe.arrivals)) for fe in self.fronts])
+        order = np.argsort(times, kind="stable")
+        self.arrivals, self.which, self.index = times[order], which[order], index[order]
+        self.clock = SimClock(float(self.arrivals[0]))
         self.events = EventQueue()
         self.rng = random.Random(f"staronnx-sim-{seed}")
-        self.profiles: dict[int, PlanProfile] = {}  # batch size -> footprints and bytes
+        for fe in self.fronts:
+            fe.last_done = self.clock.t
         # the engine's own core: the same tasks, handles, policy calls and statistics
-        self.core = TaskGraph(self.plan, machine.workers, policy, machine.table, self.clock,
-                              lambda req, part: self.profiles[req.batch].footprints[part])
-        self.requests: list[RequestRecord] = []
-        self.batches: list[BatchRecord] = []
-        self.queue: deque[int] = deque()  # request ids waiting for a batch
-        self.flush_left = 0
-        self.timer_due = math.nan
-        self.samples: list[tuple[float, int]] = []
+        self.core = TaskGraph(self.models, machine.workers, policy, machine.table, self.clock, self._footprint)
+        self.part_inputs = self.models.part_inputs
+        self.part_outputs = [list(m.plan.parts[local].outputs) for m, local in self.models.owner]
         self.notes: list[str] = []
         self.n_events = 0
         self.last_done = self.clock.t
         self._dirty = False
         self._first: int | None = None
 
+    def _footprint(self, req: Any, part: int) -> Footprint:
+        return self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
+
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> None:
         arrivals, n, i = self.arrivals, len(self.arrivals), 0
+        left = [len(fe.arrivals) for fe in self.fronts]
         deadline = math.inf if self.drain else float(arrivals[-1])
         while True:
             ta = float(arrivals[i]) if i < n else math.inf
@@ -478,73 +540,81 @@ class _Simulation:
                 if kind == "done":
                     self._on_done(*payload)
                 else:
-                    self._batcher()
+                    self._batcher(self.fronts[payload])
             else:
-                self._on_arrival(i, t)
+                fe = self.fronts[int(self.which[i])]
+                self._on_arrival(fe, int(self.index[i]), t)
                 i += 1
-                if i == n:  # the load generator flushes after its last submission
-                    self.flush_left = len(self.queue)
-                    self._batcher()
+                left[fe.model] -= 1
+                if not left[fe.model]:  # the load generator flushes after its last submission
+                    fe.flush_left = len(fe.queue)
+                    self._batcher(fe)
             if self._dirty:
                 self._dispatch()
 
     # -- the server: queue and batcher -------------------------------------------------------
-    def _on_arrival(self, i: int, t: float) -> None:
+    def _on_arrival(self, fe: _FrontEnd, i: int, t: float) -> None:
         rec = RequestRecord(id=i, arrival=t)
-        self.requests.append(rec)
-        if self.capacity is not None and len(self.queue) >= self.capacity:
+        fe.requests.append(rec)
+        if fe.capacity is not None and len(fe.queue) >= fe.capacity:
             rec.rejected = True
             return
-        self.queue.append(i)
-        self.samples.append((t, len(self.queue)))
-        self._batcher()
+        fe.queue.append(i)
+        fe.samples.append((t, len(fe.queue)))
+        self._batcher(fe)
 
-    def _batcher(self) -> None:
+    def _batcher(self, fe: _FrontEnd) -> None:
         """Form every batch that may leave now (the Server's own rule), then arm the timer."""
         t = self.clock.t
+        counters = self.core.per_model[fe.model]
         while True:
             size, due = next_batch_size(
-                queued=len(self.queue), inflight=len(self.core.inflight), batch_size=self.b,
-                max_inflight=self.max_inflight, flush_left=self.flush_left, closing=False,
-                oldest_arrival=self.requests[self.queue[0]].arrival if self.queue else t,
-                max_delay=self.max_delay, now=t)
+                queued=len(fe.queue), inflight=counters.in_flight, batch_size=fe.batch_size,
+                max_inflight=fe.max_inflight, flush_left=fe.flush_left, closing=False,
+                oldest_arrival=fe.requests[fe.queue[0]].arrival if fe.queue else t,
+                max_delay=fe.max_delay, now=t)
             if not size:
                 break
-            if size < self.b and not self._runnable(padded_size(size, self.pad_to)):  # a flush or max_delay batch
+            if size < fe.batch_size and not self._runnable(fe, padded_size(size, fe.pad_to)):  # a flush or max_delay batch
                 note = f"no model for a batch of {size}: its requests waited for a full batch"
+                if not self.models.single:
+                    note = f"{self.models.models[fe.model].name}: {note}"
                 if note not in self.notes:
                     self.notes.append(note)
-                self.flush_left = 0
+                fe.flush_left = 0
                 return
-            self._form_batch(size)
-        if due != math.inf and due != self.timer_due:
-            self.timer_due = due
-            self.events.push(due, "timeout")
+            self._form_batch(fe, size)
+        if due != math.inf and due != fe.timer_due:
+            fe.timer_due = due
+            self.events.push(due, "timeout", fe.model)
 
-    def _runnable(self, size: int) -> bool:
+    def _runnable(self, fe: _FrontEnd, size: int) -> bool:
         try:
-            self.m.check(size)
+            self.m.check(size, fe.model)
         except SimulationError:
             return False
         return True
 
-    def _form_batch(self, size: int) -> None:
+    def _form_batch(self, fe: _FrontEnd, size: int) -> None:
         t = self.clock.t
-        ids = [self.queue.popleft() for _ in range(size)]
-        self.flush_left = max(0, self.flush_left - size)
-        rows = padded_size(size, self.pad_to)  # the Server's padding: priced at the size that runs
-        profile = self.profiles.get(rows)
+        ids = [fe.queue.popleft() for _ in range(size)]
+        fe.flush_left = max(0, fe.flush_left - size)
+        rows = padded_size(size, fe.pad_to)  # the Server's padding: priced at the size that runs
+        profile = fe.profiles.get(rows)
         if profile is None:
-            profile = self.profiles[rows] = self.m.check(rows)
-        bid = len(self.batches)
+            profile = fe.profiles[rows] = self.m.check(rows, fe.model)
+        bid = len(fe.batches)
         record = BatchRecord(id=bid, size=size, formed=t, request_ids=ids,
                              padded_to=rows if rows != size else None)
-        self.batches.append(record)
+        fe.batches.append(record)
         for j, rid in enumerate(ids):  # the queue is in arrival order: the first is the oldest
-            self.requests[rid].batch_id = bid
-            self.requests[rid].first_in_batch = j == 0
-        self.samples.append((t, len(self.queue)))
-        req = self.core.submit(rows, {n: profile.nbytes[n] for n in self.plan.input_names}, t, owner=record)
+            fe.requests[rid].batch_id = bid
+            fe.requests[rid].first_in_batch = j == 0
+        fe.samples.append((t, len(fe.queue)))
+        plan = self.models.models[fe.model].plan
+        # the Server passes the batch's oldest arrival, from which a latency target counts
+        req = self.core.submit(rows, {n: profile.nbytes[n] for n in plan.input_names}, t, owner=record,
+                               model=fe.model, arrival=fe.requests[ids[0]].arrival)
         record.placement = req.placement
         self._dirty = True
 
@@ -583,7 +653,7 @@ class _Simulation:
         (the predictor's rule, on the copies valid now rather than at push)."""
         total = 0.0
         bus = self.m.table.bus
-        for name in self.plan.parts[task.part].inputs:
+        for name in self.part_inputs[task.part]:
             handle = task.request.handles[name]
             if node in handle.valid_on or handle.nbytes == 0:
                 continue
@@ -594,17 +664,18 @@ class _Simulation:
     def _on_done(self, wid: int, task: Task, seconds: float) -> None:
         """The core's completion (data locations, successors, stats), then the server's."""
         now = self.clock.t
-        nbytes = self.profiles[task.request.batch].nbytes
-        req = self.core.finish(wid, task, now, seconds, {n: nbytes[n] for n in self.plan.parts[task.part].outputs})
+        fe = self.fronts[task.request.model]
+        nbytes = fe.profiles[task.request.batch].nbytes
+        req = self.core.finish(wid, task, now, seconds, {n: nbytes[n] for n in self.part_outputs[task.part]})
         self._dirty = True
         self._first = wid
         if req is not None:
             record: BatchRecord = req.owner
             record.done = now
             for rid in record.request_ids:
-                self.requests[rid].done = now
-            self.last_done = now
-            self._batcher()
+                fe.requests[rid].done = now
+            self.last_done = fe.last_done = now
+            self._batcher(fe)
 
 
 def simulate(
@@ -654,6 +725,9 @@ def simulate(
             raise SimulationError("give a plan or a machine")
         machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
                                 cuda_scale=cuda_scale, store=store)
+    if machine.models is not None and not machine.models.single:
+        raise SimulationError("this machine hosts several models: simulate their traffic together with "
+                              "simulate_mix (a rate per model)")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise SimulationError(f"batch_size must be an int >= 1, got {batch_size!r}")
     if max_delay is not None and not max_delay >= 0:
@@ -677,15 +751,12 @@ def simulate(
             raise SimulationError("no arrival falls in the duration; lengthen it or raise the rate")
     policy_obj = _make_policy(policy, policy_options, seed)
     machine.check(batch_size)
-    sim = _Simulation(
-        machine, policy_obj, batch_size, times, seed=seed, spread=spread, max_delay=max_delay,
-        queue_capacity=queue_capacity, max_inflight=inflight, drain=drain,
-        charge_transfers=charge_transfers, pad_to=pad_to,
-    )
+    front = _FrontEnd(0, batch_size, times, queue_capacity, inflight, max_delay, tuple(sorted(set(pad_to))))
+    sim = _Simulation(machine, policy_obj, [front], seed=seed, spread=spread, drain=drain,
+                      charge_transfers=charge_transfers)
     sim.run()
     start = float(times[0])
-    outstanding = any(r.done is None and not r.rejected for r in sim.requests)
-    end = max(sim.last_done, float(times[-1])) if not outstanding else max(sim.clock.t, float(times[-1]))
+    end = _end_of(sim, front)
     elapsed = max(end - start, 1e-12)
     settings = {
         "engine": "simulator",
@@ -704,9 +775,9 @@ def simulate(
         **machine.settings,
     }
     records = RunRecords(
-        requests=sim.requests, batches=sim.batches,
+        requests=front.requests, batches=front.batches,
         offered_rate=float(rate) if arrivals is None else _mean_rate(times),
-        batch_size=batch_size, start=start, end=end, queue_samples=sim.samples, settings=settings,
+        batch_size=batch_size, start=start, end=end, queue_samples=front.samples, settings=settings,
     )
     return SimResult(
         records=records,
@@ -718,6 +789,14 @@ def simulate(
         wall_seconds=time.perf_counter() - t0,
         mean_queue_wait=sim.core.queue_waits.mean(),
     )
+
+
+def _end_of(sim: _Simulation, front: _FrontEnd) -> float:
+    """When a front end's run ends: its last answer, or (requests still outstanding, an
+    undrained run) where the simulation stopped; never before its last arrival."""
+    last_arrival = float(front.arrivals[-1])
+    outstanding = any(r.done is None and not r.rejected for r in front.requests)
+    return max(front.last_done, last_arrival) if not outstanding else max(sim.clock.t, last_arrival)
 
 
 def _mean_rate(times: np.ndarray) -> float:
