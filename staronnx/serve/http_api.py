@@ -89,7 +89,8 @@ class HttpFrontend:
         return len(self._stopped)
 
     def app(self) -> web.Application:
-        # aiohttp refuses bodies over client_max_size itself (we turn its 413 into the protocol's 400)
+        # bodies are read by _receive, which refuses those over max_body (client_max_size: what
+        # aiohttp's own request.read() would allow, for any handler that calls it)
         app = web.Application(client_max_size=self.max_body, middlewares=[_errors])
         app.on_response_prepare.append(_server_header)
         r = app.router
@@ -232,15 +233,12 @@ def refused_load(name: str, action: str) -> ProtocolError:
                                     "restart it with the plans to serve")
 
 
-async def _read_body(request: web.Request, max_body: int) -> bytes:
+async def _read_body(request: web.Request, max_body: int) -> bytes | bytearray:
     """The request body, at most ``max_body`` bytes, decompressed (off the event loop, never
     past ``max_body``) when its Content-Encoding says so."""
     if request.content_length is not None and request.content_length > max_body:
         raise invalid(f"request body of {request.content_length} bytes is larger than --max-body ({max_body} bytes)")
-    try:
-        body = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise invalid(f"request body is larger than --max-body ({max_body} bytes)") from None
+    body = await _receive(request, max_body)
     encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
     if encoding in ("", "identity"):
         return body
@@ -248,6 +246,46 @@ async def _read_body(request: web.Request, max_body: int) -> bytes:
     if wbits is None:
         raise invalid(f"Content-Encoding {protocol.shown(encoding)} is not supported (gzip, deflate or none)")
     return await asyncio.get_running_loop().run_in_executor(None, _inflate, body, wbits, max_body)
+
+
+async def _receive(request: web.Request, max_body: int) -> bytes | bytearray:
+    """The body's bytes as they arrive, into one buffer of the announced Content-Length.
+
+    Why not ``request.read()``: it grows a bytearray chunk by chunk (each growth past the
+    allocator's in-place limit copies all that came before: ~1 ms of a 3 MB JSON tensor's
+    request, on the event loop) and then copies the whole into ``bytes``. A chunked body (no
+    length announced) is joined once at the end.
+    """
+    content = request.content
+    length = request.content_length
+    if length is not None:
+        buf = bytearray(length)
+        view = memoryview(buf)
+        got = 0
+        while True:
+            chunk = await content.readany()
+            if not chunk:
+                break
+            end = got + len(chunk)
+            if end > length:  # aiohttp's parser never passes Content-Length; refuse rather than guess
+                raise invalid(f"the request body is longer than its Content-Length ({length} bytes)")
+            view[got:end] = chunk
+            got = end
+        view.release()
+        if got != length:  # the client went away mid-body
+            raise ConnectionError("the request body ended before its Content-Length")
+        return buf
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        chunk = await content.readany()
+        if not chunk:
+            break
+        size += len(chunk)
+        if size > max_body:
+            raise invalid(f"request body is larger than --max-body ({max_body} bytes)")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:

@@ -55,6 +55,9 @@ _INTS = {"INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int6
 #: deepest nest of ``data`` the fast path walks (numpy's own limit on dimensions)
 _MAX_DEPTH = 64
 
+#: the byte "["
+_OPEN = ord("[")
+
 _local = threading.local()
 
 
@@ -65,7 +68,7 @@ def _parser() -> simdjson.Parser:
     return parser
 
 
-def loads(data: bytes, fallback: Callable[[bytes], Any] = json.loads) -> Any:
+def loads(data: bytes | bytearray, fallback: Callable[[bytes], Any] = json.loads) -> Any:
     """The JSON document ``data`` as Python objects, each ``inputs[i].data`` of a numeric datatype
     as a numpy array of that datatype where it can be read directly (see the module docstring);
     ``fallback`` (``json.loads`` by default, raising its own errors) for a document simdjson
@@ -105,7 +108,7 @@ def _fields(obj: Any) -> list[tuple[str, Any]] | None:
     return [(k, obj[k]) for k in keys]
 
 
-def _convert(doc: Any, data: bytes) -> Any:
+def _convert(doc: Any, data: bytes | bytearray) -> Any:
     fields = _fields(doc) if isinstance(doc, simdjson.Object) else None
     if fields is None:
         return _py(doc)
@@ -143,7 +146,9 @@ def _convert(doc: Any, data: bytes) -> Any:
         # nest: then no data array holds an array where a number belongs (a "[" inside a
         # string only makes the count disagree, which is safe)
         outside = _count_lists(header)
-        if data.count(b"[") != outside + expected:
+        # (counted by numpy: bytes.count of one byte is a plain loop, 1 ms over 3 MB; this is 0.25)
+        brackets = int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _OPEN))
+        if brackets != outside + expected:
             for entry, values, _ in fast:
                 entry["data"] = values.as_list()
         else:
