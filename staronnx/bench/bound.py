@@ -88,6 +88,8 @@ class Bound:
     #: (tensor, node) -> batches/s of that tensor copied to that node at the optimum
     transfers: dict[tuple[str, str], float] = field(default_factory=dict)
     workers: list[WorkerInfo] = field(default_factory=list)
+    #: ``loads[p][w]``: seconds per second worker ``w`` spends on part ``p`` at the optimum
+    loads: list[list[float]] = field(default_factory=list)
 
     def arch_share(self) -> dict[tuple[int, str], float]:
         """(part, arch) -> fraction of the part's batches on that arch."""
@@ -107,8 +109,15 @@ def lp_bound(
     tensors: Sequence[FlowTensor] = (),
     transfer: Callable[[str, str, int], float] | None = None,
     host_node: str = HOST_NODE,
+    demand: Sequence[float] | None = None,
 ) -> Bound:
     """Solve the LP of the module docstring.
+
+    ``demand[p]`` (default 1 for every part): batches of part ``p`` needed per unit of ``R``,
+    i.e. ``sum_w y[p][w] = demand[p] * R``. Several models sharing the workers (their parts
+    numbered one after the other) set each part's demand to its model's offered batches/s:
+    ``R`` is then the factor by which every offered rate can be scaled together
+    (:func:`mix_bound`); a part of demand 0 is not run.
 
     ``times[p][w]``: mean seconds of part ``p`` on worker ``w`` at this batch size (NaN or inf:
     cannot run there). ``workers`` give names and memory nodes (default: ``w0, w1, ...`` on the
@@ -131,6 +140,9 @@ def lp_bound(
             raise BoundError(f"part {p} has no worker with a known time: the bound is 0")
     if np.any(usable & (t == 0)):
         raise BoundError("a part takes 0 s on some worker: the throughput is unbounded")
+    need = np.ones(n_parts) if demand is None else np.asarray(demand, dtype=np.float64)
+    if need.shape != (n_parts,) or not np.all(np.isfinite(need)) or np.any(need < 0) or not need.any():
+        raise BoundError(f"demand must be {n_parts} finite numbers >= 0, not all 0; got {demand!r}")
 
     nodes = list(dict.fromkeys(w.memory_node for w in workers))
     on_node = {n: [i for i, w in enumerate(workers) if w.memory_node == n] for n in nodes}
@@ -158,7 +170,7 @@ def lp_bound(
 
     a_eq = np.zeros((n_parts, n_vars))
     for p in range(n_parts):
-        a_eq[p, 0] = -1.0
+        a_eq[p, 0] = -need[p]
         for w in range(n_workers):
             a_eq[p, y(p, w)] = 1.0
     rows: list[np.ndarray] = []
@@ -217,15 +229,17 @@ def lp_bound(
         if cap - ub[i] <= TIGHT * max(cap, 1.0):
             binding.append(Binding(name, kind, float(ub[i]), cap, float(-marginals[i] * batch_size)))
     assignment = {
-        (p, workers[w].name): float(x[y(p, w)] / r)
+        (p, workers[w].name): float(x[y(p, w)] / (r * need[p]))
         for p in range(n_parts) for w in range(n_workers)
-        if r > 0 and x[y(p, w)] > TIGHT * r
+        if r > 0 and need[p] > 0 and x[y(p, w)] > TIGHT * r * need[p]
     }
     utilization = {workers[w].name: float(ub[w]) for w in range(n_workers)}
     transfers = {(f[0].name, f[1]): float(x[1 + n_y + k]) for k, f in enumerate(flows) if x[1 + n_y + k] > 0}
     return Bound(
         throughput=r * batch_size, batches_per_s=r, batch_size=batch_size, assignment=assignment,
         binding=binding, utilization=utilization, transfers=transfers, workers=list(workers),
+        loads=[[float(t[p, w] * x[y(p, w)]) if usable[p, w] else 0.0 for w in range(n_workers)]
+               for p in range(n_parts)],
     )
 
 
@@ -271,6 +285,108 @@ def batch_bounds(machine: SimMachine, batch_sizes: Sequence[int]) -> tuple[dict[
             "arch_share": {f"part{p}/{a}": x for (p, a), x in bound.arch_share().items()},
         }
     return out, notes
+
+
+
+# ---------------------------------------------------------------------------- several models
+@dataclass
+class MixBound:
+    """The LP over several models sharing one machine at given offered rates.
+
+    ``scale``: the largest factor by which every model's offered rate can be multiplied
+    together and still be served (the machine's time shared between the models' loads, each
+    part placed anywhere); ``feasible``: ``scale >= 1``, i.e. the rates together fit.
+    ``throughput[m]`` = ``scale * rates[m]``: each model's samples/s at that point;
+    ``solo[m]``: what ``m`` could reach alone on the whole machine (its own LP bound), the
+    yardstick for what sharing costs it. ``busy[m][w]``: the busy fraction of worker ``w``
+    spent on ``m`` at the optimum; ``arch_share[m]``: ``"part<p>/<arch>"`` (the model's own
+    part numbers) -> fraction of the part's batches there.
+    """
+
+    scale: float
+    rates: dict[str, float]
+    batch_sizes: dict[str, int]
+    throughput: dict[str, float]
+    solo: dict[str, float]
+    binding: list[Binding]
+    utilization: dict[str, float]
+    busy: dict[str, dict[str, float]]
+    arch_share: dict[str, dict[str, float]]
+
+    @property
+    def feasible(self) -> bool:
+        return self.scale >= 1.0 - 1e-9  # exactly full counts as fitting (LP rounding)
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready (a sweep's ``results.json`` keeps it per mix)."""
+        return {"scale": self.scale, "feasible": self.feasible, "rates": dict(self.rates),
+                "batch_sizes": dict(self.batch_sizes), "throughput": dict(self.throughput),
+                "solo": dict(self.solo), "binding": [b.name for b in self.binding],
+                "utilization": dict(self.utilization), "busy": {m: dict(v) for m, v in self.busy.items()},
+                "arch_share": {m: dict(v) for m, v in self.arch_share.items()}}
+
+
+def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float]) -> Bound:
+    """The LP over every global part of ``machine``, each part's demand its model's."""
+    models = machine.models
+    assert models is not None
+    times = machine.mean_times(dict(sizes))
+    demand = [float(demand_per_model.get(m.name, 0.0)) for m, _ in models.owner]
+    tensors: list[FlowTensor] = []
+    for m in models.models:
+        nbytes = machine.profile(int(sizes[m.name]), m.index).nbytes
+        for t in plan_tensors(m.plan, nbytes):  # names kept apart, parts made global
+            tensors.append(FlowTensor(
+                t.name if models.single else f"{m.name}/{t.name}", t.nbytes,
+                None if t.producer is None else m.first_part + t.producer,
+                tuple(m.first_part + c for c in t.consumers)))
+    return lp_bound(times, 1, machine.workers, tensors=tensors, demand=demand,
+                    transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n))
+
+
+def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int) -> MixBound:
+    """The LP bound of several models' traffic on ``machine`` (built over their plans): can
+    the machine serve ``rates`` (model -> single-sample requests/s) in batches of
+    ``batch_sizes`` (model -> b, or one b for all), and by how much could they all grow?
+
+    Model ``m`` needs ``rates[m] / b[m]`` batches/s of each of its parts; the LP of the module
+    docstring with those demands maximises the common scale factor. Each model's solo bound
+    comes from the same LP with the other models' demand at 0.
+    """
+    models = machine.models
+    assert models is not None
+    names = [m.name for m in models.models]
+    sizes = {n: batch_sizes for n in names} if isinstance(batch_sizes, int) else {n: int(batch_sizes[n]) for n in names
+                                                                               if n in batch_sizes}
+    missing = [n for n in names if n not in rates or n not in sizes]
+    if missing or set(rates) - set(names):
+        raise BoundError(f"give a rate and a batch size for each model ({', '.join(names)}); "
+                         f"got rates for {sorted(rates)}, batch sizes for {sorted(sizes)}")
+    for n in names:
+        r = rates[n]
+        if not (isinstance(r, (int, float)) and math.isfinite(r) and r > 0):
+            raise BoundError(f"{n}: the rate must be > 0 requests/s, got {r!r}")
+        if isinstance(sizes[n], bool) or sizes[n] < 1:
+            raise BoundError(f"{n}: the batch size must be >= 1, got {sizes[n]!r}")
+    demand = {n: float(rates[n]) / sizes[n] for n in names}
+    lp = _mix_lp(machine, sizes, demand)
+    scale = lp.batches_per_s
+    solo = {n: _mix_lp(machine, sizes, {n: 1.0 / sizes[n]}).batches_per_s for n in names}
+    busy: dict[str, dict[str, float]] = {}
+    shares: dict[str, dict[str, float]] = {}
+    for m in models.models:
+        busy[m.name] = {w.name: sum(lp.loads[p][i] for p in m.parts) for i, w in enumerate(machine.workers)}
+        arch = {w.name: w.arch for w in machine.workers}
+        own: dict[str, float] = {}
+        for (p, wname), frac in lp.assignment.items():
+            if p in m.parts:
+                key = f"part{p - m.first_part}/{arch[wname]}"
+                own[key] = own.get(key, 0.0) + frac
+        shares[m.name] = dict(sorted(own.items()))
+    return MixBound(
+        scale=scale, rates={n: float(rates[n]) for n in names}, batch_sizes=sizes,
+        throughput={n: scale * float(rates[n]) for n in names}, solo=solo, binding=lp.binding,
+        utilization=lp.utilization, busy=busy, arch_share=shares)
 
 
 #: measured / bound above which a measurement is not noise: the perf models are stale

@@ -816,3 +816,168 @@ def _make_policy(policy: str | Policy, options: Mapping[str, Any] | None, seed: 
     if "seed" in policy_options(policy) and "seed" not in opts:
         opts["seed"] = seed
     return make_policy(policy, **opts)
+
+
+# ---------------------------------------------------------------------------- mixed traffic
+def deadline_misses(records: RunRecords, latency: float | None) -> int | None:
+    """Requests answered later than ``latency`` seconds after their arrival (None without a
+    target). Counted per request, as a client sees it (the core counts batches against the
+    oldest request's deadline); a live run's records are counted alike."""
+    if latency is None:
+        return None
+    return sum(1 for r in records.requests if r.done is not None and r.done - r.arrival > latency)
+
+
+def model_metrics(records: RunRecords, target: ServiceTarget | None, warmup: float = 0.0) -> dict[str, Any]:
+    """One model's figures in mixed traffic: :func:`~staronnx.serving.metrics.summarize`'s,
+    plus its latency target (s) and the requests that missed it, over the whole run."""
+    out = summarize(records, warmup=warmup)
+    latency = target.latency if target is not None else None
+    out["latency_target"] = latency
+    out["deadline_misses"] = deadline_misses(records, latency)
+    answered = sum(1 for r in records.requests if r.done is not None)
+    out["deadline_miss_rate"] = (None if latency is None else
+                                 (out["deadline_misses"] / answered if answered else None))
+    return out
+
+
+@dataclass
+class MixResult:
+    """What a simulation of several models' traffic produced: each model's serving records
+    (its own server's), its target, and the shared machine's statistics."""
+
+    records: dict[str, RunRecords]
+    targets: dict[str, ServiceTarget]
+    placement: dict[tuple[int, str], int]  # (global part, arch) -> tasks run there
+    busy: dict[str, float]  # worker name -> busy fraction of [start, end]
+    busy_by_model: dict[str, dict[str, float]]  # model -> worker name -> busy fraction spent on it
+    workers: list[WorkerInfo]
+    notes: list[str]
+    events: int
+    wall_seconds: float
+    models: ModelSet
+
+    def metrics(self, model: str, warmup: float = 0.0) -> dict[str, Any]:
+        """Throughput, latencies, congestion and deadline misses of ``model`` (see
+        :func:`model_metrics`)."""
+        return model_metrics(self.records[model], self.targets.get(model), warmup)
+
+    def share(self, model: str, part: int) -> dict[str, float]:
+        """Fraction of ``model``'s part ``part`` (its own numbering) run on each arch."""
+        glob = self.models.model(model).first_part + part
+        counts = {a: n for (p, a), n in self.placement.items() if p == glob}
+        total = sum(counts.values())
+        return {a: n / total for a, n in sorted(counts.items())} if total else {}
+
+
+def simulate_mix(
+    machine: SimMachine,
+    rates: Mapping[str, float],
+    batch_sizes: Mapping[str, int] | int,
+    *,
+    policy: str | Policy = "heft",
+    policy_options: Mapping[str, Any] | None = None,
+    targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
+    duration: float | None = 10.0,
+    arrivals: Mapping[str, Sequence[float]] | None = None,
+    distribution: str = "constant",
+    seed: int = 0,
+    max_delay: float | None = None,
+    queue_capacity: int | None = 1024,
+    max_inflight: Mapping[str, int] | None = None,
+    spread: float = 1.0,
+    drain: bool = True,
+    charge_transfers: bool = True,
+) -> MixResult:
+    """Serve every model of ``machine`` (:func:`build_machine` over several plans) at its own
+    rate, as ``staronnx serve`` does on one shared runtime: a server per model (its queue of
+    ``queue_capacity``, batches of its ``batch_sizes`` entry, its in-flight window) feeding one
+    core, one policy and one set of workers, the models' ``targets`` (latency, priority) turned
+    into deadlines and levels that order the ready tasks, exactly as the engine does.
+
+    Model ``i`` (in the machine's order) draws its arrivals with seed ``seed + i``, so two
+    Poisson streams are independent and a live mixed sweep replays the same ones. ``arrivals``
+    (name -> sorted offsets in seconds) replaces the generated ones. Other arguments as in
+    :func:`simulate`.
+    """
+    t0 = time.perf_counter()
+    models = machine.models
+    assert models is not None
+    names = [m.name for m in models.models]
+    unknown = sorted(set(rates) - set(names))
+    if unknown:
+        raise SimulationError(f"rates for unknown model(s) {', '.join(map(repr, unknown))}; the models are "
+                              f"{', '.join(map(repr, names))}")
+    missing = [n for n in names if n not in rates]
+    if missing:
+        raise SimulationError(f"no rate for model(s) {', '.join(map(repr, missing))}: give each model a rate")
+    sizes = {n: batch_sizes for n in names} if isinstance(batch_sizes, int) else dict(batch_sizes)
+    if set(sizes) != set(names):
+        raise SimulationError(f"give a batch size for each model ({', '.join(names)}), got {sorted(sizes)}")
+    for n, b in sizes.items():
+        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+            raise SimulationError(f"{n}: batch_size must be an int >= 1, got {b!r}")
+        if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else b):
+            raise SimulationError(f"queue_capacity must be >= 1 and >= every batch size without max_delay, "
+                                  f"got {queue_capacity}")
+    if max_delay is not None and not max_delay >= 0:
+        raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
+    if not (math.isfinite(spread) and spread >= 0):
+        raise SimulationError(f"spread must be >= 0, got {spread!r}")
+    # the core's view: the same plans in the same order (same global parts), with the targets
+    shared = ModelSet({m.name: m.plan for m in models.models}, targets)
+    fronts: list[_FrontEnd] = []
+    processes: dict[str, str] = {}
+    for m in models.models:
+        b = sizes[m.name]
+        machine.check(b, m.index)
+        window = (machine_inflight(machine, b, m.index) if max_inflight is None or m.name not in max_inflight
+                  else int(max_inflight[m.name]))
+        if window < 1:
+            raise SimulationError(f"{m.name}: max_inflight must be >= 1, got {window}")
+        if arrivals is not None and m.name in arrivals:
+            times = np.asarray(arrivals[m.name], dtype=np.float64)
+            if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
+                raise SimulationError(f"{m.name}: arrivals must be a non-empty, sorted list of finite times")
+            processes[m.name] = f"replay({times.size} arrivals)"
+        else:
+            times, processes[m.name] = arrival_schedule(float(rates[m.name]), duration=duration,
+                                                        distribution=distribution, seed=seed + m.index)
+            if times.size == 0:
+                raise SimulationError(f"{m.name}: no arrival falls in the duration; lengthen it or raise its rate")
+        fronts.append(_FrontEnd(m.index, b, times, queue_capacity, window, max_delay))
+    policy_obj = _make_policy(policy, policy_options, seed)
+    sim = _Simulation(machine, policy_obj, fronts, seed=seed, spread=spread, drain=drain,
+                      charge_transfers=charge_transfers, models=shared)
+    sim.run()
+    start = min(float(fe.arrivals[0]) for fe in fronts)
+    ends = {m.name: _end_of(sim, fe) for m, fe in zip(models.models, fronts)}
+    elapsed = max(max(ends.values()) - start, 1e-12)
+    records: dict[str, RunRecords] = {}
+    for m, fe in zip(shared.models, fronts):
+        settings = {
+            "engine": "simulator", "policy": policy_obj.name, "model": m.name, "batch_size": fe.batch_size,
+            "arrivals": processes[m.name], "distribution": distribution if arrivals is None else "replay",
+            "seed": seed + m.index, "max_delay": max_delay, "queue_capacity": queue_capacity,
+            "max_inflight": fe.max_inflight, "spread": spread, "plan_hash": m.plan.hash,
+            "target": {"latency": m.target.latency, "priority": m.target.priority},
+            "workers": [w.name for w in machine.workers], **machine.settings,
+        }
+        offered = (float(rates[m.name]) if arrivals is None or m.name not in arrivals
+                   else _mean_rate(fe.arrivals))
+        records[m.name] = RunRecords(
+            requests=fe.requests, batches=fe.batches, offered_rate=offered, batch_size=fe.batch_size,
+            start=float(fe.arrivals[0]), end=ends[m.name], queue_samples=fe.samples, settings=settings)
+    return MixResult(
+        records=records,
+        targets={m.name: m.target for m in shared.models},
+        placement={key: len(times) for key, times in sorted(sim.core.measured.items())},
+        busy={st.info.name: st.busy_seconds / elapsed for st in sim.core.workers},
+        busy_by_model={m.name: {st.info.name: st.busy_by_model[m.index] / elapsed for st in sim.core.workers}
+                       for m in shared.models},
+        workers=list(machine.workers),
+        notes=list(machine.notes) + sim.notes,
+        events=sim.n_events,
+        wall_seconds=time.perf_counter() - t0,
+        models=shared,
+    )

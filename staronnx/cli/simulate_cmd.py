@@ -42,10 +42,135 @@ def _ms(seconds: Any) -> str:
     return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.2f}"
 
 
+def _batch(text: str | None) -> int:
+    """``--batch`` of one plan: one positive integer."""
+    if text is None:
+        raise StaronnxError("give --batch (the batch size b)")
+    try:
+        value = int(text)
+    except ValueError:
+        raise StaronnxError(f"--batch expects a positive integer (or NAME=B,... for several models), got {text!r}") from None
+    if value < 1:
+        raise StaronnxError(f"--batch must be >= 1, got {value}")
+    return value
+
+
+def mix_batches(text: str | None, names: list[str]) -> dict[str, int]:
+    """``--batch`` of several models: one size for all (``4``) or one per model (``a=8,b=1``)."""
+    from staronnx.bench.mix import check_names, is_per_model, split_per_model
+
+    if not is_per_model(text):
+        return {n: _batch(text) for n in names}
+    per = split_per_model(str(text), "--batch")
+    check_names(per, names, "--batch")
+    return {n: _batch(v) for n, v in per.items()}
+
+
+def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
+    """``--rates a=100,b=400``: one rate per model (every model named)."""
+    from staronnx.bench.mix import check_names, split_per_model
+
+    if text is None:
+        raise StaronnxError(f"several models need a rate each: --rates {','.join(f'{n}=R' for n in names)}")
+    per = split_per_model(text, "--rates")
+    check_names(per, names, "--rates")
+    out: dict[str, float] = {}
+    for n, v in per.items():
+        try:
+            out[n] = float(v)
+        except ValueError:
+            raise StaronnxError(f"--rates: model {n!r} needs one rate in requests/s here, got {v!r}") from None
+        if not (math.isfinite(out[n]) and out[n] > 0):
+            raise StaronnxError(f"--rates: model {n!r} needs a positive rate, got {v!r}")
+    return out
+
+
+def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None, rates: str | None,
+                  names: list[str] | None, slo_ms: list[str], priority: list[str], policy: str, groups: str,
+                  synthetic: str | None, cuda_streams: int, cuda_scale: str | None, distribution: str,
+                  duration: float, requests: int | None, seed: int, max_delay: float | None, spread: float,
+                  queue_capacity: int) -> None:
+    """Several models on one simulated runtime, each at its own rate: per-model throughput,
+    latencies and deadline misses, the LP bound of the mix, each worker's time per model."""
+    from staronnx.bench.bound import mix_bound
+    from staronnx.bench.mix import model_names
+    from staronnx.bench.simulator import build_machine, simulate_mix
+    from staronnx.cli.serve_cmd import service_targets
+    from staronnx.plan import Plan
+    from staronnx.workers.topology import Topology
+
+    if rate is not None:
+        raise StaronnxError("--rate is for one plan; give each model its rate with --rates a=100,b=400")
+    if requests is not None:
+        raise StaronnxError("--requests is for one plan; several models run for --duration")
+    labels = model_names(plandirs, names)
+    plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
+    offered = mix_rates(rates, labels)
+    sizes = mix_batches(batch, labels)
+    targets = service_targets(labels, slo_ms, priority)
+    if synthetic is None:
+        for d, plan in zip(plandirs, plans.values()):
+            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams,
+                              skip_archs=["cuda0"] if cuda_scale is not None else ())
+    topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
+    machine = build_machine(plans, groups=groups, topology=topology, cuda_streams=cuda_streams,
+                            cuda_scale=_scale(cuda_scale))
+    result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=duration,
+                          distribution=distribution, seed=seed, max_delay=max_delay, spread=spread,
+                          queue_capacity=queue_capacity)
+    bound = mix_bound(machine, offered, sizes)
+    workers = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
+    console.print(f"simulated {len(plans)} model(s) on one runtime with {policy} on {len(result.workers)} "
+                  f"worker(s): {workers}", highlight=False)
+    table = Table(title="per model (latencies in ms; misses: answers later than the target)")
+    for col in ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
+                "rejected", "load"):
+        table.add_column(col, justify="left" if col in ("model", "load") else "right")
+    for n in labels:
+        m = result.metrics(n)
+        target = result.targets[n]
+        misses = "-" if m["deadline_misses"] is None else f"{m['deadline_misses']}/{m['completed']}"
+        bits = [f"{target.latency * 1e3:g} ms" if target.latency is not None else "",
+                f"prio {target.priority}" if target.priority else ""]
+        table.add_row(n, str(sizes[n]), f"{m['offered_rate']:.1f}", f"{m['throughput']:.1f}", _ms(m["latency_p50"]),
+                      _ms(m["latency_p99"]), _ms(m["paper_latency_mean"]), " ".join(b for b in bits if b) or "-",
+                      misses, str(m["rejected"]), "CONGESTED" if m["congested"] else "stable")
+    console.print(table)
+    verdict = "the rates fit together" if bound.feasible else "[red]the rates together exceed the machine[/]"
+    console.print(
+        f"LP bound of the mix: scale x{bound.scale:.4g} ({verdict}; every rate could be multiplied by "
+        f"{bound.scale:.4g}); binding: {', '.join(b.name for b in bound.binding) or '-'}", highlight=False)
+    console.print("LP per model: " + "; ".join(
+        f"{n} {bound.throughput[n]:.1f} samples/s at that scale, {bound.solo[n]:.1f} alone" for n in labels),
+        highlight=False)
+    busy = Table(title="workers (busy share per model: simulated / LP at the bound)")
+    for col in ("worker", "arch", "busy", *labels):
+        busy.add_column(col, overflow="fold")
+    for w in result.workers:
+        busy.add_row(w.name, w.arch, f"{result.busy[w.name]:.0%}",
+                     *(f"{result.busy_by_model[n][w.name]:.0%} / {bound.busy[n][w.name]:.0%}" for n in labels))
+    console.print(busy)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
+    console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
+
+
 def simulate_cmd(
-    plandir: Annotated[Path, typer.Argument(help="Plan folder (calibrated: staronnx calibrate).")],
-    rate: Annotated[float, typer.Option(help="Offered load, single-sample requests per second.")],
-    batch: Annotated[int, typer.Option(help="Batch size b (a batch leaves when full).")],
+    plandirs: Annotated[list[Path], typer.Argument(
+        metavar="PLANDIR...",
+        help="Plan folder(s) (calibrated: staronnx calibrate); several share one simulated runtime, "
+             "each at its own rate (--rates a=100,b=400).")],
+    rate: Annotated[float | None, typer.Option(help="Offered load, single-sample requests per second (one plan).")] = None,
+    batch: Annotated[str | None, typer.Option(
+        help="Batch size b (a batch leaves when full); with several plans one for all, or one per model: a=8,b=1.")] = None,
+    rates: Annotated[str | None, typer.Option(
+        help="Mixed traffic: a rate per model, a=100,b=400 (names: the plan folders' or --name).")] = None,
+    name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
+    slo_ms: Annotated[list[str] | None, typer.Option(
+        "--slo-ms", help="A model's latency target in ms, NAME=MS (repeatable, or a=50,b=20): its tasks are "
+                         "ordered by deadline, and answers later than the target are counted as misses.")] = None,
+    priority: Annotated[list[str] | None, typer.Option(
+        "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower priority.")] = None,
     policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy (numa, package, cores=N, ...).")] = "numa",
     synthetic: Annotated[str | None, typer.Option(help="Simulate a made-up machine, e.g. 'pack:2 numa:2 core:8'.")] = None,
@@ -54,12 +179,12 @@ def simulate_cmd(
         help="What-if GPU: its time = this factor x the widest CPU group's (one, or one per part).")] = None,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Simulated arrivals: 10s, 500ms, 2m, or plain seconds.")] = "10s",
-    requests: Annotated[int | None, typer.Option(help="Number of requests (instead of --duration).")] = None,
+    requests: Annotated[int | None, typer.Option(help="Number of requests (instead of --duration; one plan).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of arrivals and execution-time draws.")] = 0,
     max_delay: Annotated[str | None, typer.Option(
         help="How long the oldest request may wait before a partial batch leaves: 5ms, 0.005, 0 (none).")] = None,
     spread: Annotated[float, typer.Option(help="Scale of the models' standard deviations (0: means only).")] = 1.0,
-    queue_capacity: Annotated[int, typer.Option(help="Server queue capacity (arrivals beyond it are rejected).")] = 1024,
+    queue_capacity: Annotated[int, typer.Option(help="Server queue capacity, per model (arrivals beyond it are rejected).")] = 1024,
 ) -> None:
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
@@ -71,6 +196,17 @@ def simulate_cmd(
 
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
+    if len(plandirs) > 1 or rates is not None or slo_ms or priority or name:
+        _simulate_mix(plandirs, rate=rate, batch=batch, rates=rates, names=name, slo_ms=slo_ms or [],
+                      priority=priority or [], policy=policy, groups=groups, synthetic=synthetic,
+                      cuda_streams=cuda_streams, cuda_scale=cuda_scale, distribution=distribution,
+                      duration=seconds, requests=requests, seed=seed, max_delay=delay, spread=spread,
+                      queue_capacity=queue_capacity)
+        return
+    if rate is None:
+        raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")
+    plandir = plandirs[0]
+    batch_size = _batch(batch)
     plan = Plan.load(plandir)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams,
@@ -79,17 +215,17 @@ def simulate_cmd(
     machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
                             cuda_scale=_scale(cuda_scale))
     result = simulate(
-        machine=machine, rate=rate, batch_size=batch, policy=policy, duration=seconds,
+        machine=machine, rate=rate, batch_size=batch_size, policy=policy, duration=seconds,
         n_requests=requests, distribution=distribution, seed=seed, max_delay=delay,
         spread=spread, queue_capacity=queue_capacity,
     )
-    bound = machine_bound(machine, batch)
+    bound = machine_bound(machine, batch_size)
     m = result.metrics()
     names = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
     console.print(f"simulated {plan.root} with {policy} on {len(result.workers)} worker(s): {names}",
                   highlight=False)
     console.print(
-        f"offered {m['offered_rate']:.1f} req/s, batch {batch}: throughput {m['throughput']:.1f} samples/s; "
+        f"offered {m['offered_rate']:.1f} req/s, batch {batch_size}: throughput {m['throughput']:.1f} samples/s; "
         f"papers' latency {_ms(m['paper_latency_mean'])} ms (std {_ms(m['paper_latency_std'])}); "
         f"per request p50 {_ms(m['latency_p50'])} ms, p99 {_ms(m['latency_p99'])} ms; "
         f"{m['rejected']} rejected; {'CONGESTED' if m['congested'] else 'stable load'}",
@@ -98,7 +234,7 @@ def simulate_cmd(
     achieved = m["throughput"] / bound.throughput if bound.throughput > 0 else math.nan
     binding = ", ".join(b.name for b in bound.binding) or "-"
     console.print(
-        f"LP bound {bound.throughput:.1f} samples/s at batch {batch} "
+        f"LP bound {bound.throughput:.1f} samples/s at batch {batch_size} "
         f"(achieved / bound {achieved:.1%}); binding: {binding}",
         highlight=False,
     )

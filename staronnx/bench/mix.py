@@ -1,0 +1,141 @@
+"""Mixed traffic: several models served by one shared runtime, each at its own rate.
+
+``staronnx sweep a/ b/ --rates a=100:400:100,b=50`` and ``staronnx simulate a/ b/ --rates
+a=100,b=400`` read a rate (or a range) per model. A *mix* is one point: a rate and a batch
+size per model. The points of a mixed sweep are every combination of the models' rates (and
+batch sizes), measured on one runtime hosting every model (one set of workers, one policy,
+the models' service targets), a :class:`~staronnx.serving.Server` per model fed by its own
+open-loop generator, as ``staronnx serve`` serves them. Each point gives one row per model
+(the single-model sweep's columns, plus ``model``, ``mix``, the latency target and deadline
+misses), and the LP bound over the mix (:func:`~staronnx.bench.bound.mix_bound`): whether the
+rates together fit the machine and by what factor they could all grow.
+
+Why every combination and not a scale factor on one mix: the question a shared machine asks
+is how one model's load hurts another's latency (the heavy model pushed to saturation while
+the light one stays at a modest rate): a range for one and one rate for the other says it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from staronnx.errors import StaronnxError
+from staronnx.plan import Plan
+from staronnx.runtime.models import plan_name
+
+__all__ = ["MixPoint", "is_per_model", "mix_label", "mix_points", "model_names", "split_per_model"]
+
+
+def is_per_model(text: str | None) -> bool:
+    """Whether an option's text names models (``a=100,b=400``) rather than being one value."""
+    return text is not None and "=" in text
+
+
+def split_per_model(text: str, option: str) -> dict[str, str]:
+    """``"a=100:400:100,b=400"`` -> ``{"a": "100:400:100", "b": "400"}``.
+
+    Items are separated by commas; an item without ``=`` continues the model before it, so
+    ``a=100,200,b=50`` gives ``a`` two rates: a model's text reads exactly as the
+    single-model option does.
+    """
+    out: dict[str, list[str]] = {}
+    current: str | None = None
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        name, sep, value = item.partition("=")
+        if sep:
+            current = name.strip()
+            if not current:
+                raise StaronnxError(f"{option}: a model name is missing before '=' in {text!r}")
+            if current in out:
+                raise StaronnxError(f"{option}: model {current!r} is named twice in {text!r}")
+            out[current] = [value.strip()] if value.strip() else []
+        elif current is None:
+            raise StaronnxError(f"{option}: {text!r} mixes a plain value with model=value items; "
+                                f"name every model (a=100,b=400)")
+        else:
+            out[current].append(item)
+    for name, values in out.items():
+        if not values:
+            raise StaronnxError(f"{option}: no value for model {name!r} in {text!r}")
+    return {name: ",".join(values) for name, values in out.items()}
+
+
+def model_names(plans: Sequence[Path], names: Sequence[str] | None) -> list[str]:
+    """Each plan's model name: ``--name`` in order, else the plan folder's name; unique
+    (``staronnx serve``'s rule, so a sweep's models are named as the server names them)."""
+    if names and len(names) != len(plans):
+        raise StaronnxError(f"--name given {len(names)} time(s) for {len(plans)} plan(s): give one per plan, in order")
+    out = list(names) if names else [Path(p).resolve().name for p in plans]
+    for n in out:
+        if not n or "/" in n or "=" in n or "," in n:
+            raise StaronnxError(f"model name {n!r} cannot be used (no '/', '=' or ','); choose another with --name")
+    dupes = sorted({n for n in out if out.count(n) > 1})
+    if dupes:
+        raise StaronnxError(f"two plans would be named {dupes[0]!r}; tell them apart with --name")
+    return out
+
+
+def check_names(given: Mapping[str, Any], names: Sequence[str], option: str, *, every: bool = True) -> None:
+    """Refuse unknown model names in ``option`` and, with ``every``, missing ones."""
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise StaronnxError(f"{option} names model(s) {', '.join(map(repr, unknown))}, which are not given; "
+                            f"the models are {', '.join(map(repr, names))}")
+    missing = [n for n in names if n not in given]
+    if every and missing:
+        raise StaronnxError(f"{option} gives no value for model(s) {', '.join(map(repr, missing))}; "
+                            f"name every model, e.g. {','.join(f'{n}=...' for n in names)}")
+
+
+class MixPoint:
+    """One point of mixed traffic: a rate (single-sample requests/s) and a batch size per model."""
+
+    __slots__ = ("rates", "batch_sizes")
+
+    def __init__(self, rates: Mapping[str, float], batch_sizes: Mapping[str, int]) -> None:
+        self.rates = {n: float(r) for n, r in rates.items()}
+        self.batch_sizes = {n: int(b) for n, b in batch_sizes.items()}
+
+    @property
+    def label(self) -> str:
+        return mix_label(self.rates)
+
+    def dominates(self, other: MixPoint) -> bool:
+        """Same batch sizes and every rate at least ``other``'s: congested wherever it is."""
+        return (self.batch_sizes == other.batch_sizes
+                and all(self.rates[n] >= other.rates[n] for n in self.rates))
+
+    def __repr__(self) -> str:
+        return f"MixPoint({self.label}, b {self.batch_sizes})"
+
+
+def mix_label(rates: Mapping[str, float]) -> str:
+    """``"a=100,b=400"``: a mix as the command line writes it."""
+    return ",".join(f"{n}={r:g}" for n, r in rates.items())
+
+
+def mix_points(rates: Mapping[str, Sequence[float]], batch_sizes: Mapping[str, Sequence[int]] | Sequence[int],
+               names: Sequence[str]) -> list[MixPoint]:
+    """Every combination of the models' rates, for each batch-size setting.
+
+    ``batch_sizes`` per model (every combination too), or one list whose each size applies to
+    every model at once. Ordered by batch sizes, then rates ascending (the first model's rate
+    varying slowest), so a congested point is met before the points that dominate it.
+    """
+    if isinstance(batch_sizes, Mapping):
+        settings = [dict(zip(names, combo)) for combo in itertools.product(*(sorted(batch_sizes[n]) for n in names))]
+    else:
+        settings = [{n: int(b) for n in names} for b in sorted(batch_sizes)]
+    combos = list(itertools.product(*(sorted(rates[n]) for n in names)))
+    return [MixPoint(dict(zip(names, combo)), b) for b in settings for combo in combos]
