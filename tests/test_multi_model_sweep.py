@@ -1,0 +1,220 @@
+"""Mixed traffic (issue 23): the simulator driving one shared core for several models, the LP
+bound over several models, and ``staronnx simulate``/``sweep`` with a rate per model.
+
+Real METIS plans of zoo chains, real perf-model stores filled with hand-chosen times (so the
+expected figures can be worked out by hand), the real simulator and policies, the real CLI in
+a subprocess; the live sweep runs real ORT sessions on explicit one-PU CPU groups.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.bench.bound import BoundError, machine_bound, mix_bound
+from staronnx.bench.mix import mix_points, split_per_model
+from staronnx.bench.simulator import SimulationError, build_machine, profile_plan, simulate, simulate_mix
+from staronnx.errors import StaronnxError
+from staronnx.perfmodels import HistoryModel, PerfModelStore
+from staronnx.plan import Plan
+from staronnx.workers.topology import Topology
+from staronnx.zoo import chain
+
+MS = 1e-3
+ONE_CORE = "pack:1 numa:1 core:1 pu:1"  # groups="cores=1": one worker, arch cpu1
+TWO_CORES = "pack:1 numa:1 core:2 pu:1"  # groups="cores=1": two workers, arch cpu1
+#: heavy: 6 + 4 ms per batch of 4 (400 samples/s on one worker); light: 0.5 + 0.5 ms per sample
+HEAVY_TIMES = {(0, "cpu1"): 6 * MS, (1, "cpu1"): 4 * MS}
+LIGHT_TIMES = {(0, "cpu1"): 0.5 * MS, (1, "cpu1"): 0.5 * MS}
+
+
+def write_models(store: PerfModelStore, plan: Plan, times, batches) -> None:
+    """Calibrated history models with a fixed time per (part, arch) at each batch size."""
+    for (part, arch), t in times.items():
+        model = HistoryModel(part, arch)
+        for b in batches:
+            fp = profile_plan(plan, b).footprints[part]
+            for _ in range(11):
+                model.record(fp, t)
+        store.save(plan.hash, model)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory) -> tuple[Plan, Plan, Path]:
+    """(heavy, light, home): two 2-part METIS cuts of zoo chains, in folders named ``heavy``
+    and ``light``, and a store with their hand-made models (heavy at b=1 and 4, light at 1)."""
+    root = tmp_path_factory.mktemp("mix")
+    onnx.save(chain(depth=6, width=32), str(root / "a.onnx"))
+    onnx.save(chain(depth=4, width=16), str(root / "b.onnx"))
+    heavy = partition(root / "a.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate")
+    light = partition(root / "b.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")
+    home = root / "home"
+    store = PerfModelStore(home)
+    write_models(store, heavy, HEAVY_TIMES, (1, 4))
+    write_models(store, light, LIGHT_TIMES, (1,))
+    return heavy, light, home
+
+
+def machine(plans, topology: str = ONE_CORE):
+    heavy, light, home = plans
+    return build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(topology),
+                         groups="cores=1", store=PerfModelStore(home))
+
+
+# -- the LP bound over several models ---------------------------------------------------------
+def test_mix_bound_shares_the_machine_between_the_models_offered_loads(plans):
+    m = machine(plans, TWO_CORES)
+    # heavy: 100 req/s in batches of 4 = 25 batches/s x 10 ms = 0.25 s/s; light: 200 x 1 ms = 0.2
+    # s/s; 2 workers: every rate can grow by 2 / 0.45
+    bound = mix_bound(m, {"heavy": 100, "light": 200}, {"heavy": 4, "light": 1})
+    assert bound.scale == pytest.approx(2 / 0.45, rel=1e-6)
+    assert bound.feasible
+    assert bound.throughput == pytest.approx({"heavy": 100 * 2 / 0.45, "light": 200 * 2 / 0.45}, rel=1e-6)
+    # alone: heavy 2 workers x 4 samples / 10 ms, light 2 workers / 1 ms
+    assert bound.solo == pytest.approx({"heavy": 800.0, "light": 2000.0}, rel=1e-6)
+    # at the bound both workers are full, in the proportions of the loads
+    for w in ("cpu:numa0.core0", "cpu:numa0.core1"):
+        assert bound.utilization[w] == pytest.approx(1.0)
+    assert sum(bound.busy["heavy"].values()) == pytest.approx(2 * 0.25 / 0.45, rel=1e-6)
+    assert sum(bound.busy["light"].values()) == pytest.approx(2 * 0.20 / 0.45, rel=1e-6)
+    assert bound.arch_share["light"] == pytest.approx({"part0/cpu1": 1.0, "part1/cpu1": 1.0})
+    # too much together, though each alone would fit: not feasible, scale below 1
+    over = mix_bound(m, {"heavy": 600, "light": 1000}, {"heavy": 4, "light": 1})
+    assert over.scale == pytest.approx(2 / (150 * 0.010 + 1000 * 0.001), rel=1e-6) and not over.feasible
+    assert json.loads(json.dumps(over.as_dict()))["feasible"] is False
+
+
+def test_mix_bound_of_one_model_is_its_plain_bound(plans):
+    heavy, _, home = plans
+    m = build_machine(heavy, topology=Topology.from_synthetic(TWO_CORES), groups="cores=1",
+                      store=PerfModelStore(home))
+    bound = mix_bound(m, {"heavy": 50}, 4)
+    assert bound.scale * 50 == pytest.approx(machine_bound(m, 4).throughput, rel=1e-9)
+    with pytest.raises(BoundError, match="rate and a batch size for each model"):
+        mix_bound(machine(plans), {"heavy": 50}, 4)
+    with pytest.raises(BoundError, match="rate must be > 0"):
+        mix_bound(m, {"heavy": 0}, 4)
+
+
+# -- the simulator driving one shared core ----------------------------------------------------
+def test_a_mix_of_one_model_simulates_exactly_as_the_single_model_run(plans):
+    heavy, _, home = plans
+    m = build_machine(heavy, topology=Topology.from_synthetic(TWO_CORES), groups="cores=1",
+                      store=PerfModelStore(home))
+    single = simulate(machine=m, rate=500, batch_size=4, duration=2, distribution="poisson", seed=3).metrics()
+    mixed = simulate_mix(m, {"heavy": 500}, 4, duration=2, distribution="poisson", seed=3).metrics("heavy")
+    for key in ("throughput", "latency_p50", "latency_p99", "paper_latency_mean", "completed", "batches"):
+        assert mixed[key] == single[key], key
+    assert mixed["deadline_misses"] is None  # no target, nothing counted
+
+
+def test_a_latency_target_keeps_the_light_model_out_of_the_heavy_models_queue(plans):
+    """One worker; heavy at 85 % of it, light at 5 %. Without a target the light model's
+    requests queue behind the heavy batches; with one (EDF) they wait at most for the heavy
+    task running (6 ms, its longest part), and the heavy model keeps its throughput."""
+    m = machine(plans)
+    rates, sizes = {"heavy": 340, "light": 50}, {"heavy": 4, "light": 1}
+    common = dict(duration=10, distribution="poisson", seed=1)
+    plain = simulate_mix(m, rates, sizes, **common)
+    target = simulate_mix(m, rates, sizes, targets={"light": {"latency_ms": 5}}, **common)
+    light_plain, light_target = plain.metrics("light"), target.metrics("light")
+    # light alone takes 1 ms; with the target it waits at most for one heavy part (6 ms)
+    assert light_target["latency_p99"] <= (1 + 6) * MS + 1e-9
+    assert light_plain["latency_p99"] > 2 * light_target["latency_p99"]
+    assert light_target["deadline_misses"] > 0  # a 6 ms heavy part in the way: some are late
+    assert light_target["deadline_misses"] == sum(
+        1 for r in target.records["light"].requests if r.done is not None and r.done - r.arrival > 5 * MS)
+    heavy_plain, heavy_target = plain.metrics("heavy"), target.metrics("heavy")
+    assert heavy_target["throughput"] >= 0.98 * heavy_plain["throughput"]
+    assert not heavy_target["congested"] and not light_target["congested"]
+    # the shared worker's time, per model, is what each model's load asks of it
+    assert target.busy_by_model["heavy"]["cpu:numa0.core0"] == pytest.approx(0.85, abs=0.04)
+    assert target.busy_by_model["light"]["cpu:numa0.core0"] == pytest.approx(0.05, abs=0.01)
+    assert target.share("light", 1) == {"cpu1": 1.0}
+
+
+def test_simulate_mix_refuses_what_it_cannot_run(plans):
+    m = machine(plans)
+    with pytest.raises(SimulationError, match="no rate for model"):
+        simulate_mix(m, {"heavy": 10}, 1, duration=1)
+    with pytest.raises(SimulationError, match="unknown model"):
+        simulate_mix(m, {"heavy": 10, "light": 10, "other": 1}, 1, duration=1)
+    with pytest.raises(StaronnxError, match="unknown model"):
+        simulate_mix(m, {"heavy": 10, "light": 10}, 1, duration=1, targets={"nope": {"latency_ms": 1}})
+    with pytest.raises(SimulationError, match="several models"):
+        simulate(machine=m, rate=10, batch_size=1, duration=1)
+    with pytest.raises(SimulationError, match="no perf model for part 2"):  # light has no b=4 models
+        simulate_mix(m, {"heavy": 10, "light": 10}, 4, duration=1)
+
+
+# -- parsing ----------------------------------------------------------------------------------
+def test_per_model_options_read_like_the_single_model_ones():
+    assert split_per_model("a=100:400:100,b=50", "--rates") == {"a": "100:400:100", "b": "50"}
+    assert split_per_model("a=100,200,b=50", "--rates") == {"a": "100,200", "b": "50"}
+    for bad in ("100,a=5", "a=", "=5", "a=1,a=2"):
+        with pytest.raises(StaronnxError, match="--rates"):
+            split_per_model(bad, "--rates")
+    points = mix_points({"a": [200.0, 100.0], "b": [50.0]}, [4, 1], ["a", "b"])
+    assert [(p.batch_sizes["a"], p.rates["a"]) for p in points] == [(1, 100), (1, 200), (4, 100), (4, 200)]
+    assert points[1].dominates(points[0]) and not points[2].dominates(points[0])
+    assert points[0].label == "a=100,b=50"
+
+
+# -- the CLI ----------------------------------------------------------------------------------
+def _cli(*args: str, home: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "staronnx", *args], check=False, capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def _table_row(stdout: str, name: str) -> list[str]:
+    line = next(line for line in stdout.splitlines() if line.startswith(f"│ {name} "))
+    return [c.strip() for c in line.strip("│").split("│")]
+
+
+def test_cli_simulate_mixed_traffic(plans):
+    heavy, light, home = plans
+    base = ("simulate", str(heavy.root), str(light.root), "--synthetic", "pack:1 numa:1 core:1", "--groups",
+            "cores=1", "--distribution", "poisson", "--duration", "5")
+    plain = _cli(*base, "--rates", "heavy=340,light=50", "--batch", "heavy=4,light=1", home=home)
+    assert plain.returncode == 0, plain.stderr
+    assert "simulated 2 model(s) on one runtime" in plain.stdout
+    assert "LP bound of the mix: scale x1.111 (the rates fit together" in plain.stdout
+    assert "heavy 377.8 samples/s at that scale, 400.0 alone" in plain.stdout
+    row = _table_row(plain.stdout, "light")
+    assert row[1:3] == ["1", "50.0"] and row[7:9] == ["-", "-"]  # no target, no misses counted
+    p99_plain = float(row[5])
+    slo = _cli(*base, "--rates", "heavy=340,light=50", "--batch", "heavy=4,light=1", "--slo-ms", "light=5",
+               "--priority", "heavy=0", home=home)
+    assert slo.returncode == 0, slo.stderr
+    row = _table_row(slo.stdout, "light")
+    assert row[7] == "5 ms" and row[8].split("/")[0].isdigit()
+    assert float(row[5]) <= 7.0 < p99_plain
+    # --name renames; names are what --rates and --slo-ms use; one --batch for every model
+    named = _cli("simulate", str(heavy.root), str(light.root), "--name", "big", "--name", "small",
+                 "--rates", "big=40,small=10", "--batch", "1", "--synthetic", "pack:1 numa:1 core:1",
+                 "--groups", "cores=1", "--duration", "2", home=home)
+    assert named.returncode == 0, named.stderr
+    assert _table_row(named.stdout, "big")[1] == "1" and _table_row(named.stdout, "small")[2] == "10.0"
+    # mistakes get one clear line
+    for args, words in (
+        (("--rates", "heavy=10", "--batch", "1"), "no value for model(s) 'light'"),
+        (("--rate", "10", "--batch", "1"), "--rate is for one plan"),
+        (("--rates", "heavy=10,light=5", "--batch", "heavy=1"), "--batch gives no value"),
+        (("--rates", "heavy=10,light=5", "--batch", "1", "--slo-ms", "other=5"), "not served"),
+    ):
+        bad = _cli(*base, *args, home=home)
+        assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
+    # the single-plan form is unchanged
+    one = _cli("simulate", str(heavy.root), "--rate", "100", "--batch", "4", "--synthetic", "pack:1 numa:1 core:1",
+               "--groups", "cores=1", "--duration", "2", home=home)
+    assert one.returncode == 0, one.stderr
+    assert "LP bound 400.0 samples/s at batch 4" in one.stdout
