@@ -9,6 +9,8 @@
   (where the light part overflows to the CPU under load).
 - :func:`figure_simulator`: for a sweep run with ``simulate``, measured (solid) and simulated
   (dashed) throughput and p50 latency against the offered rate, per batch size.
+- :func:`figure_models`: a mixed sweep (several models on one runtime): each model's p50/p99
+  and throughput / offered rate per mix; the single-model figures are drawn per model too.
 - :func:`figure_compare`: several sweep folders (splits, policies, stream counts, a GPU-only
   plan) overlaid: best latency per rate, and the throughput reached per rate.
 
@@ -282,6 +284,8 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
             raise PlotError("give out_dir when plotting rows")
         out_dir = source
     out = Path(out_dir)
+    if any("model" in r for r in rows):
+        return _plot_mixed(rows, out)
     written = []
     for name, build in (("latency_throughput.png", figure_latency_throughput),
                         ("best_batch.png", figure_best_batch),
@@ -294,6 +298,63 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
                 raise
             continue
         written.append(save(fig, out / name))
+    return written
+
+
+def figure_models(rows: Rows) -> tuple[Figure, list[str]]:
+    """A mixed sweep (several models on one runtime): per mix (x, in sweep order), each
+    model's p50 and p99 latency (log scale; its latency target dotted) and its throughput over
+    its offered rate (1: served in full); congested points hollow."""
+    _need(rows)
+    points = sorted({int(r["point"]) for r in rows})
+    labels = {int(r["point"]): str(r.get("mix")) for r in rows}
+    models = list(dict.fromkeys(str(r["model"]) for r in rows))
+    fig, (lat, thr) = plt.subplots(2, 1, figsize=(max(7.0, 1.1 * len(points) + 3), 8), sharex=True)
+    series = []
+    for i, name in enumerate(models):
+        mine = sorted((r for r in rows if r["model"] == name), key=lambda r: int(r["point"]))
+        xs = [points.index(int(r["point"])) for r in mine]
+        color = f"C{i % 10}"
+        for key, style in (("latency_p99_ms", "-"), ("latency_p50_ms", "--")):
+            lat.plot(xs, [_num(r.get(key)) for r in mine], style, color=color,
+                     label=f"{name} {key.split('_')[1]}")
+        for x, r in zip(xs, mine):
+            hollow = bool(r.get("congested"))
+            lat.plot([x], [_num(r.get("latency_p99_ms"))], "o", color=color,
+                     markerfacecolor="none" if hollow else color)
+        target = next((r.get("latency_target_ms") for r in mine if r.get("latency_target_ms") is not None), None)
+        if target is not None:
+            lat.axhline(float(target), color=color, linestyle=":", label=f"{name} target")
+        thr.plot(xs, [_num(r.get("throughput")) / _num(r.get("offered_rate")) if _num(r.get("offered_rate")) else math.nan
+                      for r in mine], "o-", color=color, label=name)
+        series.append(name)
+    lat.set_yscale("log")
+    lat.set_ylabel("latency per request (ms)")
+    lat.legend(fontsize="small")
+    lat.set_title(_title(rows, "several models on one runtime: latency per mix"))
+    thr.axhline(1.0, color="grey", linewidth=0.8)
+    thr.set_ylabel("throughput / offered rate")
+    thr.set_xticks(range(len(points)), [labels[p] for p in points], rotation=30, ha="right", fontsize="small")
+    thr.set_xlabel("mix (requests/s per model)")
+    thr.legend(fontsize="small")
+    fig.tight_layout()
+    return fig, series
+
+
+def _plot_mixed(rows: Rows, out: Path) -> list[Path]:
+    """A mixed sweep's figures: ``models.png`` (:func:`figure_models`), then the single-model
+    figures drawn over each model's own rows (``latency_throughput_<model>.png``, ...)."""
+    fig, _ = figure_models(rows)
+    written = [save(fig, out / "models.png")]
+    for name in dict.fromkeys(str(r["model"]) for r in rows):
+        mine = [r for r in rows if r["model"] == name]
+        for stem, build in (("latency_throughput", figure_latency_throughput), ("cpu_share", figure_cpu_share),
+                            ("simulator", figure_simulator)):
+            try:
+                fig, _ = build(mine)
+            except PlotError:
+                continue
+            written.append(save(fig, out / f"{stem}_{name}.png"))
     return written
 
 

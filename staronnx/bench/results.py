@@ -1,8 +1,8 @@
 """A sweep's rows and files: one row per measured point, ``results.csv`` and ``results.json``.
 
-The CSV holds the fixed :data:`COLUMNS` (latencies in ms), then the simulator's columns where a
-row has them, then one ``share_part<p>_<arch>`` column per part and arch; the JSON holds the
-same rows with per-window, generator and per-worker detail, the settings, the bounds, the
+The CSV holds the fixed :data:`COLUMNS` (latencies in ms; a mixed sweep's rows, one per point
+and model, start with :data:`MIX_COLUMNS`), then the simulator's columns where a row has them,
+then one ``share_part<p>_<arch>`` column per part and arch; the JSON holds the same rows with per-window, generator and per-worker detail, the settings, the bounds, the
 skipped points and the notes. Both are strict (no NaN) and written atomically, so a sweep can
 rewrite them after every point and an interrupted one keeps what it measured.
 """
@@ -47,6 +47,11 @@ COLUMNS = (
     "duration_s", "warmup_s", "measured_s",
     "policy", "groups", "cuda_streams", "distribution", "max_delay_ms",
 )
+
+
+#: the columns of a mixed sweep (several models on one runtime), written first when present
+MIX_COLUMNS = ("model", "mix", "point", "latency_target_ms", "deadline_misses", "deadline_miss_rate",
+               "bound_scale", "bound_feasible", "solo_bound_throughput")
 
 
 class SweepError(StaronnxError, ValueError):
@@ -119,8 +124,10 @@ def share_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def rows_csv(rows: Sequence[Mapping[str, Any]]) -> str:
     """CSV text: the fixed :data:`COLUMNS`, the simulator's columns where a row has them, then
     the share columns; empty cells for None."""
-    simulated = [c for c in SIM_COLUMNS if any(c in r for r in rows)]
-    columns = [*COLUMNS, *simulated, *share_columns(rows)]
+    simulated = [c for c in (*SIM_COLUMNS, "sim_deadline_misses") if any(c in r for r in rows)]
+    # a mixed sweep's rows are one per (point, model): which model and mix come first
+    mixed = list(MIX_COLUMNS) if any("model" in r for r in rows) else []
+    columns = [*mixed, *COLUMNS, *simulated, *share_columns(rows)]
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=columns, extrasaction="ignore", lineterminator="\n")
     writer.writeheader()

@@ -234,11 +234,23 @@ def _sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., lis
 
 def sweep_cmd(
     ctx: typer.Context,
-    plandir: Annotated[Path, typer.Argument(help="Plan folder (calibrate it first for predictions and the bound).")],
+    plandirs: Annotated[list[Path], typer.Argument(
+        metavar="PLANDIR...",
+        help="Plan folder (calibrate it first for predictions and the bound); several are served together "
+             "by one runtime, each at its own rates (--rates a=100:400:100,b=50).")],
     rates: Annotated[str, typer.Option(help="Offered rates, requests/s: start:stop:step (stop included), a,b,c, "
                                             "or auto: about 10 rates up to 110% of what this machine serves (the LP "
-                                            "bound of the calibrated perf models, else a 1 s closed-loop probe).")] = "auto",
-    batch_sizes: Annotated[str, typer.Option(help="Batch sizes b (a batch leaves when full).")] = "1,2,4,8,16",
+                                            "bound of the calibrated perf models, else a 1 s closed-loop probe). "
+                                            "Several models: rates per model, a=100:400:100,b=50 (every "
+                                            "combination is a point).")] = "auto",
+    batch_sizes: Annotated[str, typer.Option(help="Batch sizes b (a batch leaves when full); several models: each size "
+                                                  "for all at once, or per model, a=4,8,b=1.")] = "1,2,4,8,16",
+    name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable; several plans).")] = None,
+    slo_ms: Annotated[list[str] | None, typer.Option(
+        "--slo-ms", help="A model's latency target in ms, NAME=MS (repeatable): its tasks are ordered by deadline; "
+                         "answers later than it are counted as deadline misses.")] = None,
+    priority: Annotated[list[str] | None, typer.Option(
+        "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower priority.")] = None,
     policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
@@ -280,6 +292,22 @@ def sweep_cmd(
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
 
+    from staronnx.bench.mix import is_per_model
+
+    if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
+        unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
+                                                ("--inputs", inputs), ("--labels", labels)) if value]
+        if engine != "native":
+            unsupported.append("--engine")
+        if unsupported:
+            raise StaronnxError(f"{', '.join(unsupported)} do(es) not go with several models (a mixed sweep)")
+        _sweep_mix_cmd(plandirs, rates=rates, batch_sizes=batch_sizes, names=name, slo_ms=slo_ms or [],
+                       priority=priority or [], policy=policy, groups=groups, cuda_streams=cuda_streams,
+                       cuda_graphs=cuda_graphs, distribution=distribution, duration=duration, warmup=warmup,
+                       output=output, plots=plots, queue_capacity=queue_capacity, min_batches=min_batches,
+                       seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet)
+        return
+    plandir = plandirs[0]
     auto = rates.strip().lower() == "auto"
     rate_list = [] if auto else parse_rates(rates)
     sizes = parse_batch_sizes(batch_sizes)
@@ -340,6 +368,115 @@ def sweep_cmd(
         console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
     if plots and rows:
         _draw(output, extra, names, output / "compare.png")
+
+
+def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names: list[str] | None,
+                   slo_ms: list[str], priority: list[str], policy: str, groups: str, cuda_streams: int,
+                   cuda_graphs: bool, distribution: str, duration: str, warmup: str | None, output: Path,
+                   plots: bool, queue_capacity: int, min_batches: int, seed: int, max_delay: str | None,
+                   trace: Path | None, simulate: bool, quiet: bool) -> None:
+    """``staronnx sweep a/ b/ --rates a=...,b=...``: every mix on one runtime hosting every
+    model (:func:`staronnx.bench.mix.sweep_mix`); a row per point and model."""
+    from staronnx.bench.mix import check_names, is_per_model, mix_points, model_names, split_per_model, sweep_mix
+    from staronnx.cli.serve_cmd import service_targets
+    from staronnx.plan import Plan
+
+    labels = model_names(plandirs, names)
+    if rates.strip().lower() == "auto" or not is_per_model(rates):
+        raise StaronnxError(f"several models need rates per model: --rates "
+                            f"{','.join(f'{n}=R' for n in labels)} (each like 100 or 50:400:50)")
+    per_rates = split_per_model(rates, "--rates")
+    check_names(per_rates, labels, "--rates")
+    rate_lists = {n: parse_rates(per_rates[n]) for n in labels}
+    if is_per_model(batch_sizes):
+        per_sizes = split_per_model(batch_sizes, "--batch-sizes")
+        check_names(per_sizes, labels, "--batch-sizes")
+        sizes: Any = {n: parse_batch_sizes(per_sizes[n]) for n in labels}
+    else:
+        sizes = parse_batch_sizes(batch_sizes)
+    points = mix_points(rate_lists, sizes, labels)
+    targets = service_targets(labels, slo_ms, priority)
+    seconds = parse_duration(duration, option="--duration")
+    warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
+    delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
+    check_writable(output, "--output", folder=True)
+    if trace is not None:
+        check_writable(trace, "--trace")
+    plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
+    for d, plan in zip(plandirs, plans.values()):
+        warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams)
+    console.print(
+        f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
+        f"with {policy}, groups {groups}{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: "
+        f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
+    with progress_bar(quiet) as progress:
+        bars = _MixBars(progress)
+        try:
+            rows = sweep_mix(plans, points, targets=targets, policy=policy, groups=groups, cuda_streams=cuda_streams,
+                             cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
+                             out_dir=output, progress=bars, seed=seed, queue_capacity=queue_capacity,
+                             min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):
+                above(progress, console).print(
+                    f"sweep interrupted: kept {bars.measured} of {bars.total} mix(es) in "
+                    f"{output / 'results.csv'} and {output / 'results.json'}", highlight=False, soft_wrap=True)
+            raise
+    console.print(_mix_table(rows))
+    _print_notes(output)
+    if simulate:
+        _print_fidelity(rows)
+    console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
+    if trace is not None:
+        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
+    if plots and rows:
+        _draw(output, [], None, output / "compare.png")
+
+
+class _MixBars:
+    """Progress of a mixed sweep: one bar over the mixes, a line per measured mix."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.points: TaskID | None = None
+        self.measured = 0
+        self.total = 0
+
+    def __call__(self, event: Any) -> None:
+        p = self.progress
+        if event.kind == "start":
+            self.total = event.total
+            self.points = p.add_task("mixes", total=event.total)
+        elif event.kind == "point":
+            p.update(self.points, description=f"mix {event.message}")
+        elif event.kind == "done":
+            self.measured += 1
+            p.update(self.points, completed=event.index)
+            lines = "; ".join(
+                f"{r['model']} {_fmt(r.get('throughput'), 1)} samples/s p99 {_fmt(r.get('latency_p99_ms'))} ms"
+                + (f" ({r['deadline_misses']} late)" if r.get("deadline_misses") is not None else "")
+                + (" [red]congested[/]" if r.get("congested") else "")
+                for r in event.row["rows"])
+            above(p, console).print(f"{event.row['mix']}: {lines}")
+        elif event.kind == "skipped":
+            p.update(self.points, completed=event.index)
+            above(p, console).print(f"[dim]{event.message}: skipped (a lower mix was congested)[/]")
+        elif event.kind == "end":
+            p.update(self.points, completed=event.total)
+
+
+def _mix_table(rows: list[dict[str, Any]]) -> Table:
+    """One line per mix and model: what each model got of the shared runtime."""
+    table = Table(title="mixed sweep (several models on one runtime; latencies in ms)")
+    for c in ("mix", "model", "b", "offered", "throughput", "p50", "p99", "target", "late", "LP scale", "state"):
+        table.add_column(c, justify="left" if c in ("mix", "model", "state") else "right")
+    for r in rows:
+        state = "congested" if r.get("congested") else ("stable" if r.get("stable") else "unstable")
+        late = "-" if r.get("deadline_misses") is None else f"{r['deadline_misses']}/{r.get('completed')}"
+        table.add_row(str(r["mix"]), str(r["model"]), str(r["batch_size"]), _fmt(r["offered_rate"], 0),
+                      _fmt(r.get("throughput"), 1), _fmt(r.get("latency_p50_ms")), _fmt(r.get("latency_p99_ms")),
+                      _fmt(r.get("latency_target_ms"), 0), late, _fmt(r.get("bound_scale")), state)
+    return table
 
 
 def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, groups: str,
