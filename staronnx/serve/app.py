@@ -12,6 +12,7 @@ the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import gc
 import importlib.metadata
 import re
 import signal
@@ -26,6 +27,7 @@ from aiohttp import web
 from staronnx.errors import StaronnxError
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
+from staronnx.serving.server import hold_frozen, release_frozen
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -150,6 +152,11 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     await web.SockSite(http_runner, http_sock).start()
     await web.SockSite(metrics_runner, metrics_sock).start()
     await grpc_server.start()
+    # what exists now (aiohttp's and gRPC's machinery, the imports since the batchers froze the
+    # process) lives as long as the server: out of the cycle collector's full walks, which took
+    # 15-25 ms with every thread stopped, three or four times in five seconds under load (p99)
+    gc.collect()
+    hold_frozen()
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -163,7 +170,10 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     say("ready (SIGTERM or Ctrl-C drains and stops)")
     sys.stdout.flush()
 
-    await stop.wait()
+    try:
+        await stop.wait()
+    finally:
+        release_frozen()
     say("stopping: no new requests; draining the ones accepted")
     sys.stdout.flush()
     state["ready"] = False
