@@ -218,3 +218,70 @@ def test_cli_simulate_mixed_traffic(plans):
                "--groups", "cores=1", "--duration", "2", home=home)
     assert one.returncode == 0, one.stderr
     assert "LP bound 400.0 samples/s at batch 4" in one.stdout
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_sweep_mixed_traffic_on_one_live_runtime(plans, tmp_path):
+    """Two real plans on one runtime (one one-PU group, real ORT sessions): a row per mix and
+    model, the mix's LP bound beside it, deadline misses for the model with a target, the
+    simulated figures, and the per-model plots."""
+    heavy, light, home = plans
+    out = tmp_path / "mixed"
+    done = _cli("sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,80,light=20",
+                "--batch-sizes", "heavy=4,light=1", "--groups", str(min(os.sched_getaffinity(0))),
+                "--slo-ms", "light=50", "--priority", "light=1", "--duration", "400ms", "--min-batches", "3",
+                "--simulate", "-o", str(out), home=home)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "sweeping 2 model(s) on one runtime" in done.stdout and "mixed sweep" in done.stdout
+    with open(out / "results.csv") as f:
+        reader = csv.DictReader(f)
+        header = list(reader.fieldnames or [])
+        rows = list(reader)
+    assert header[:3] == ["model", "mix", "point"]
+    assert [(r["mix"], r["model"]) for r in rows] == [
+        ("heavy=40,light=20", "heavy"), ("heavy=40,light=20", "light"),
+        ("heavy=80,light=20", "heavy"), ("heavy=80,light=20", "light")]
+    by = {(r["mix"], r["model"]): r for r in rows}
+    # the mix's bound, worked by hand: heavy 10 or 20 batches/s x 10 ms, light 20 x 1 ms, one worker
+    for mix, load in (("heavy=40,light=20", 0.12), ("heavy=80,light=20", 0.22)):
+        for model, rate in (("heavy", 40 if "40" in mix else 80), ("light", 20)):
+            row = by[(mix, model)]
+            assert float(row["bound_scale"]) == pytest.approx(1 / load, rel=1e-4)
+            assert float(row["bound_throughput"]) == pytest.approx(rate / load, rel=1e-4)
+            assert row["bound_feasible"] == "True"
+            assert int(row["completed"]) > 0 and row["offered_rate"] == str(rate)
+            assert row["sim_throughput"] != ""
+    assert float(by[("heavy=40,light=20", "heavy")]["solo_bound_throughput"]) == pytest.approx(400, rel=1e-4)
+    # only the model with a target counts misses
+    assert by[("heavy=80,light=20", "light")]["latency_target_ms"] == "50"
+    assert by[("heavy=80,light=20", "light")]["deadline_misses"].isdigit()
+    assert by[("heavy=80,light=20", "heavy")]["deadline_misses"] == ""
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["mixed"] is True
+    assert doc["settings"]["models"]["light"] == {"plan": str(light.root), "plan_hash": light.hash,
+                                                  "latency_target_ms": 50.0, "priority": 1}
+    assert len(doc["bounds"]) == 2 and all(b["feasible"] for b in doc["bounds"].values())
+    assert "fidelity" in doc
+    for png in ("models.png", "latency_throughput_heavy.png", "latency_throughput_light.png"):
+        assert (out / png).read_bytes()[:8] == PNG
+    # sweep-plot redraws a mixed folder the same way
+    again = _cli("sweep-plot", str(out), "-o", str(tmp_path / "figs"), home=home)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "figs" / "models.png").read_bytes()[:8] == PNG
+
+
+def test_cli_sweep_mixed_traffic_mistakes(plans, tmp_path):
+    heavy, light, home = plans
+    base = ("sweep", str(heavy.root), str(light.root), "-o", str(tmp_path / "x"))
+    for args, words in (
+        (("--rates", "100"), "rates per model"),
+        (("--rates", "heavy=10"), "no value for model(s) 'light'"),
+        (("--rates", "heavy=10,light=5", "--batch-sizes", "heavy=1,other=2"), "not given"),
+        (("--rates", "heavy=10,light=5", "--url", "http://127.0.0.1:1"), "--url"),
+        (("--rates", "heavy=10,light=5", "--name", "a"), "--name given 1 time(s) for 2 plan(s)"),
+        (("--rates", "heavy=10,light=5", "--slo-ms", "nope=3"), "not served"),
+    ):
+        bad = _cli(*base, *args, home=home)
+        assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
