@@ -94,6 +94,10 @@ class HttpFrontend:
         app = web.Application(client_max_size=self.max_body, middlewares=[_errors])
         app.on_response_prepare.append(_server_header)
         r = app.router
+        # inference first: aiohttp tries a path's routes in order, each a regular expression, and
+        # inference is nearly every request a busy server sees
+        for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
+            r.add_post(prefix + "/infer", self.infer)
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
@@ -106,7 +110,6 @@ class HttpFrontend:
             r.add_get(prefix + "/ready", self.model_ready)
             r.add_get(prefix + "/config", self.model_config)
             r.add_get(prefix + "/stats", self.statistics)
-            r.add_post(prefix + "/infer", self.infer)
         return app
 
     def runner(self, drain_timeout: float) -> web.AppRunner:
