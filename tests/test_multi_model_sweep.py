@@ -235,6 +235,8 @@ def test_cli_sweep_mixed_traffic_on_one_live_runtime(plans, tmp_path):
                 "--simulate", "-o", str(out), home=home)
     assert done.returncode == 0, done.stderr + done.stdout
     assert "sweeping 2 model(s) on one runtime" in done.stdout and "mixed sweep" in done.stdout
+    # the simulator's table says which mix and model each line is
+    assert any(line.startswith("│ heavy=80,light=20 │ light ") and "%" in line for line in done.stdout.splitlines())
     with open(out / "results.csv") as f:
         reader = csv.DictReader(f)
         header = list(reader.fieldnames or [])

@@ -144,15 +144,17 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
         console.print("[yellow]no point could be simulated (calibrate the plan: staronnx calibrate)[/]")
         return
     table = Table(title="simulator vs measurement (error = simulated / measured - 1)")
-    for c in ("b", "offered", "thr. live", "thr. sim", "error", "p50 live", "p50 sim", "error",
-              "latency live", "latency sim", "error", "congested live/sim"):
-        table.add_column(c, justify="right")
+    mixed = any("model" in r for r in simulated)  # a mixed sweep: a row per mix and model
+    for c in (*(("mix", "model") if mixed else ()), "b", "offered", "thr. live", "thr. sim", "error", "p50 live",
+              "p50 sim", "error", "latency live", "latency sim", "error", "congested live/sim"):
+        table.add_column(c, justify="left" if c in ("mix", "model") else "right")
 
     def pct(v: Any) -> str:
         return "-" if v is None else f"{v:+.1%}"
 
     for r in simulated:
         table.add_row(
+            *((str(r.get("mix")), str(r.get("model"))) if mixed else ()),
             str(r["batch_size"]), _fmt(r["offered_rate"], 0), _fmt(r.get("throughput"), 1),
             _fmt(r.get("sim_throughput"), 1), pct(r.get("err_throughput")), _fmt(r.get("latency_p50_ms")),
             _fmt(r.get("sim_latency_p50_ms")), pct(r.get("err_latency_p50")), _fmt(r.get("paper_latency_mean_ms")),
