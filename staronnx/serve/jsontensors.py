@@ -30,7 +30,7 @@ reads back as the same double ``tolist()`` + ``json.dumps`` gave (shortest round
 non-finite value (which orjson would write as ``null``) or anything orjson cannot write makes
 that response go through ``json.dumps`` as before.
 
-Both run on the worker threads of :mod:`staronnx.serve.http_api` for large bodies, never on the
+Both run on the JSON thread of :mod:`staronnx.serve.http_api` for large bodies, never on the
 event loop. Each thread keeps its own simdjson parser (one is not safe to share, and a parser
 reuses its buffers from one document to the next).
 """
