@@ -389,7 +389,7 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return web.json_response({"error": text}, status=exc.status)
     except ConnectionError:  # the client went away mid-request: nobody to answer, nothing to log
         return web.Response(status=400)
-    except Exception as exc:  # noqa: BLE001 - a server bug answers 500 and keeps serving
+    except Exception:  # noqa: BLE001 - a server bug answers 500 and keeps serving
         log.exception("internal error on %s %s", request.method, cut(request.path, 100))
         return web.json_response({"error": "internal server error (the server's log has the details)"}, status=500)
 
