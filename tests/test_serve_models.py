@@ -99,9 +99,13 @@ def test_one_models_overload_is_503_for_it_only(plans, tmp_path):
     s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "1",
                      "--max-delay", "0ms", "--queue-capacity", "64", "--queue-capacity", "heavy=2")
     try:
+        # bodies built first: built one by one between submissions (a busy machine makes each
+        # take ms), the flood trickled in slower than the server drained it and nothing overflowed
+        heavy_bodies = [body(heavy_x(i)) for i in range(40)]
+        light_bodies = [body(light_x(i)) for i in range(10)]
         with ThreadPoolExecutor(16) as pool:
-            flood = [pool.submit(_post, s.http, "/v2/models/heavy/infer", body(heavy_x(i))) for i in range(40)]
-            calm = [(i, pool.submit(_post, s.http, "/v2/models/light/infer", body(light_x(i)))) for i in range(10)]
+            flood = [pool.submit(_post, s.http, "/v2/models/heavy/infer", b) for b in heavy_bodies]
+            calm = [(i, pool.submit(_post, s.http, "/v2/models/light/infer", b)) for i, b in enumerate(light_bodies)]
             heavy_status = [f.result()[0] for f in flood]
             for i, f in calm:
                 st, reply = f.result()
