@@ -293,7 +293,10 @@ def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") 
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay,
            "--groups", args.groups, "--policy", args.policy]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ})
+    # the served plan is a scratch one: its perf models go to a scratch home beside it, not
+    # into the user's ~/.cache/staronnx (a benchmark must leave the machine as it found it)
+    env = {**os.environ, "STARONNX_HOME": str(plan.parent / "staronnx-home")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -319,7 +322,8 @@ def run_client(path: str, plan: Path, address: str, args: argparse.Namespace,
            "--clients", str(clients or args.clients), "--rate", str(rate), "--model-name", model,
            "--batch", str(args.batch), "--max-delay", args.max_delay, "--groups", args.groups,
            "--policy", args.policy]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ}, timeout=600)
+    env = {**os.environ, "STARONNX_HOME": str(Path(plan).parent / "staronnx-home")}  # as start_server's
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if done.returncode != 0:
         raise SystemExit(f"{path} client failed:\n{done.stdout}\n{done.stderr}")
     return json.loads(done.stdout.strip().splitlines()[-1])
