@@ -361,15 +361,8 @@ def sweep_cmd(
                     highlight=False, soft_wrap=True,
                 )
             raise
-    console.print(_summary_table(rows))
-    _print_notes(output)
-    if simulate:
-        _print_fidelity(rows)
-    console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
-    if trace is not None:
-        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
-    if plots and rows:
-        _draw(output, extra, names, output / "compare.png")
+    _report(output, rows, _summary_table(rows), simulate=simulate, trace=trace,
+            draw=(lambda: _draw(output, extra, names, output / "compare.png")) if plots and rows else None)
 
 
 def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names: list[str] | None,
@@ -424,15 +417,23 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
                     f"sweep interrupted: kept {bars.measured} of {bars.total} mix(es) in "
                     f"{output / 'results.csv'} and {output / 'results.json'}", highlight=False, soft_wrap=True)
             raise
-    console.print(_mix_table(rows))
+    _report(output, rows, _mix_table(rows), simulate=simulate, trace=trace,
+            draw=(lambda: _draw(output, [], None, output / "compare.png")) if plots and rows else None)
+
+
+def _report(output: Path, rows: Any, table: Any, *, simulate: bool, trace: Path | None,
+            draw: Callable[[], None] | None) -> None:
+    """What a finished sweep (one model or a mix) prints: its table, notes, the simulator's
+    fidelity, where its files and trace are, then its plots."""
+    console.print(table)
     _print_notes(output)
     if simulate:
         _print_fidelity(rows)
     console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
     if trace is not None:
         console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
-    if plots and rows:
-        _draw(output, [], None, output / "compare.png")
+    if draw is not None:
+        draw()
 
 
 class _MixBars:
