@@ -214,6 +214,29 @@ def test_runtime_futures_behave_like_futures(plan3, store, two_groups):
     assert not t.is_alive() and len(got) == 1
 
 
+def test_finished_requests_leave_nothing_for_the_cycle_collector(plan3, store, two_groups):
+    """A request and its tasks pointed at each other, so every finished request waited for
+    the cycle collector (a dozen objects each), whose full collections stop every thread for
+    tens of ms under load. Reference counting alone must free them."""
+    import gc
+
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(40)]
+    with Runtime(plan3, policy="heft", cpu_groups=two_groups, store=store) as rt:
+        for f in feeds[:4]:
+            rt.run(f)
+        gc.collect()
+        gc.disable()
+        try:
+            futs = [rt.submit(f) for f in feeds]
+            for f in futs:
+                f.result(timeout=60)
+            del futs, f
+            garbage = gc.collect()
+        finally:
+            gc.enable()
+    assert garbage < len(feeds), garbage  # was about 11 a request
+
+
 def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path, two_groups):
     path = tmp_path / "trace.json"
     with Runtime(plan3, policy="heft", cpu_groups=two_groups, trace=path, store=store) as rt:

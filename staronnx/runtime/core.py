@@ -309,6 +309,7 @@ class TaskGraph:
         if req.parts_left:
             return None
         self.inflight.pop(req.id, None)
+        req.tasks = []  # a request and its tasks point at each other: cut, reference counting frees them
         self.done_requests += 1
         counters = self.per_model[req.model]
         counters.in_flight -= 1
