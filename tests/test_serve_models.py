@@ -129,3 +129,5 @@ def test_targets_must_name_served_models(plans, tmp_path, capsys):
     code, out, err = cli(capsys, "serve", plans["heavy"].root, plans["light"].root, "--slo-ms", "light=5",
                          "--separate-runtimes")
     assert code != 0 and "--separate-runtimes" in out + err
+    code, out, err = cli(capsys, "serve", plans["heavy"].root, plans["light"].root, "--priority", "light=1.5")
+    assert code != 0 and "whole number" in out + err and "'1.5'" in out + err  # not silently 1

@@ -214,5 +214,9 @@ def parse_targets(specs: Sequence[str], field: str = "latency_ms") -> dict[str, 
                 number = float(value)
             except ValueError:
                 raise StaronnxError(f"{item!r}: {value!r} is not a number") from None
-            out.setdefault(name.strip(), {})[field] = int(number) if field in ("priority", "capacity") else number
+            if field in ("priority", "capacity"):
+                if not number.is_integer():  # 1.5 silently became 1: say so instead
+                    raise StaronnxError(f"{item!r}: a {field} is a whole number, got {value.strip()!r}")
+                number = int(number)
+            out.setdefault(name.strip(), {})[field] = number
     return out
