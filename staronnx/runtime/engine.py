@@ -404,9 +404,9 @@ class NativeEngine:
             if error is not None:
                 err = TaskError(task.part, info.name, error)
                 err.__cause__ = error
-                _resolve(done.owner, err, False)
+                settle(done.owner, err, False)
             else:
-                _resolve(done.owner, {n: done.values[n] for n in self._output_names[done.model]}, True)
+                settle(done.owner, {n: done.values[n] for n in self._output_names[done.model]}, True)
         return nxt
 
     def _trace(self, wid: int, task: Task, start: float, end: float, failed: bool) -> None:
@@ -429,7 +429,7 @@ class NativeEngine:
             self._wake_all()  # re-placed tasks may be anyone's now
             self._drained.notify_all()
         for req in lost:
-            _resolve(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
+            settle(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -515,11 +515,6 @@ def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
             by_key[key] = [wid]
             groups.append(by_key[key])
     return groups
-
-
-#: settle a request's future in one lock hold (a cancelled one is only announced to its
-#: waiters: wait, as_completed)
-_resolve = settle
 
 
 def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngine:

@@ -124,27 +124,34 @@ def settle(future: RequestFuture, value: Any, ok: bool) -> None:
     cancelled meanwhile (that one is only announced to its waiters, as
     ``set_running_or_notify_cancel`` does). Callbacks run after, outside the lock."""
     with future._condition:
-        state = future._state
-        waiters = future._waiter_list or ()
-        if state == CANCELLED:
-            future._state = CANCELLED_AND_NOTIFIED
-            for w in waiters:
-                w.add_cancelled(future)
-            return
-        if state in SETTLED:
-            return
-        if ok:
-            future._result = value
-            future._state = FINISHED
-            for w in waiters:
-                w.add_result(future)
-        else:
-            future._exception = value
-            future._state = FINISHED
-            for w in waiters:
-                w.add_exception(future)
-    if future._callback_list:
+        callbacks = settle_locked(future, value, ok)
+    if callbacks:
         future._invoke_callbacks()
+
+
+def settle_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
+    """:func:`settle`'s state change, with the future's Condition already held (a server
+    settles a whole batch in one hold); True when the future has callbacks for the caller to
+    run once the lock is released."""
+    state = future._state
+    waiters = future._waiter_list or ()
+    if state == CANCELLED:
+        future._state = CANCELLED_AND_NOTIFIED
+        for w in waiters:
+            w.add_cancelled(future)
+        return False
+    if state in SETTLED:
+        return False
+    future._state = FINISHED
+    if ok:
+        future._result = value
+        for w in waiters:
+            w.add_result(future)
+    else:
+        future._exception = value
+        for w in waiters:
+            w.add_exception(future)
+    return bool(future._callback_list)
 
 
 class _Wakeup:

@@ -37,7 +37,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from concurrent.futures._base import CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,7 +44,7 @@ import numpy as np
 from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
-from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture
+from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, settle_locked
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 
 ON_FULL = ("reject", "block")
@@ -590,27 +589,10 @@ class Server:
         settled: list[_Request] = []
         with self._future_cond:
             for i, p in enumerate(batch):
-                state = p._state
-                waiters = p._waiter_list or ()
-                if state == CANCELLED:  # the caller cancelled it; the batch ran anyway
-                    p._state = CANCELLED_AND_NOTIFIED
-                    for w in waiters:
-                        w.add_cancelled(p)
-                    continue
-                if state in _SETTLED:
-                    continue
-                p.batch = record
-                if results is None:
-                    p._exception = error
-                    p._state = FINISHED
-                    for w in waiters:
-                        w.add_exception(p)
-                else:
-                    p._result = results[i]
-                    p._state = FINISHED
-                    for w in waiters:
-                        w.add_result(p)
-                if p._callback_list:
+                if p._state not in _SETTLED:
+                    p.batch = record
+                ok = results is not None
+                if settle_locked(p, results[i] if ok else error, ok):  # type: ignore[index]
                     settled.append(p)
             self._future_cond.notify_all()
         for p in settled:
