@@ -125,10 +125,9 @@ class NativeEngine:
             for info in infos:
                 tracer.lane(info.id, info.name)
         for group in self.drivers:
-            if len(group) == 1:
-                self._loops.append(self._workers[group[0]].spawn(self._make_loop(group[0])))
-            else:
-                self._loops.append(self._workers[group[0]].spawn(self._make_driver(group)))
+            first = self._workers[group[0]]
+            loop = self._make_driver(group) if hasattr(first, "launch_here") else self._make_loop(group[0])
+            self._loops.append(first.spawn(loop))
 
     def _footprint(self, req: Request, part: int) -> Footprint:
         """The perf-model key of a task, by its inputs' shapes (a few, seen over and over)."""
@@ -188,39 +187,17 @@ class NativeEngine:
 
     # -- worker loops -------------------------------------------------------------------------
     def _make_loop(self, wid: int) -> Callable[[], None]:
+        """The loop of a worker that runs one task at a time (CPU)."""
         worker = self._workers[wid]
-        pipelined = hasattr(worker, "launch_here")
 
         def loop() -> None:
             try:
-                if pipelined:
-                    self._pipeline(wid, worker)
-                else:
-                    while (task := self._next_task(wid)) is not None:
-                        self._end(wid, task, self._run(wid, worker, task))
+                while (task := self._next_task(wid)) is not None:
+                    self._end(wid, task, self._run(wid, worker, task))
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
         return loop
-
-    def _pipeline(self, wid: int, worker: Any) -> None:
-        """A worker that can launch a task without waiting for it (CUDA): launch the next
-        task it is given before waiting for the current one, so the device never waits for
-        the host's bookkeeping between two tasks (StarPU's prefetch and CUDA pipeline). The
-        next task is taken under the same lock hold that books the one just finished."""
-        ahead: deque[tuple[Task, _Started]] = deque()
-        while True:
-            if not ahead:
-                task = self._next_task(wid)
-                if task is None:
-                    return
-                ahead.append((task, self._launch(wid, worker, task)))
-            if len(ahead) < 2 and (nxt := self._next_task(wid, block=False)) is not None:
-                ahead.append((nxt, self._launch(wid, worker, nxt)))
-            task, started = ahead.popleft()
-            for _, nxt in self._end(wid, task, self._complete(worker, started),
-                                    take=(wid,) if len(ahead) < 2 else ()):
-                ahead.append((nxt, self._launch(wid, worker, nxt)))
 
     def _make_driver(self, wids: list[int]) -> Callable[[], None]:
         def loop() -> None:
@@ -234,16 +211,20 @@ class NativeEngine:
         return loop
 
     def _drive(self, wids: list[int]) -> None:
-        """One thread driving several pipelined workers (a device's CUDA streams), as StarPU's
-        driver thread per device does: each stream gets up to two tasks launched ahead, and
-        the oldest launched task is waited for first. A launch costs the host the same
-        whichever stream it goes to, so one thread keeps every stream fed while the GIL,
-        the context switches and the cores that N threads per device would take are spent
-        once. A worker that is lost (:class:`WorkerLost`) leaves the group; its tasks, launched
-        or queued, are placed again by :meth:`_worker_died`."""
+        """The loop of workers that can launch a task without waiting for it (CUDA): one
+        thread drives them all, a device's streams as StarPU's driver thread per device does,
+        or one stream (``thread_per_stream``). Each stream gets up to two tasks launched
+        ahead, so the device never waits for the host's bookkeeping between two tasks
+        (StarPU's prefetch and CUDA pipeline), and the oldest launched task is waited for
+        first. A launch costs the host the same whichever stream it goes to, so one thread
+        keeps every stream fed while the GIL, the context switches and the cores that N
+        threads per device would take are spent once. A finished task is booked and the
+        next ones taken in one lock hold. A worker that is lost (:class:`WorkerLost`) leaves
+        the group; its tasks, launched or queued, are placed again by :meth:`_worker_died`."""
         workers = self._workers
-        for wid in wids:
-            workers[wid].adopt_thread()
+        if len(wids) > 1:  # this thread is the first worker's: the others' CUDA state too
+            for wid in wids:
+                workers[wid].adopt_thread()
         ahead: deque[tuple[int, Task, _Started]] = deque()  # in launch order, all streams
         launched = dict.fromkeys(wids, 0)
         live = list(wids)
@@ -255,10 +236,10 @@ class NativeEngine:
             launched[wid] = 0
             self._worker_died(wid, exc)
 
-        got: list[tuple[int, Task]] = []
+        got: list[tuple[int, Task]] | None = []
         while live:
             if not got and not ahead:
-                got = self._take(live, block=True, group=wids)
+                got = self._take(live, group=wids)
                 if got is None:
                     return
             for wid, task in got:
@@ -270,6 +251,11 @@ class NativeEngine:
             got = []
             if not ahead:
                 continue
+            if self.core.queued and len(ahead) < 2 * len(live):  # a stream has room: fill it
+                with self._lock:  # before waiting (``queued`` is a hint read without the lock)
+                    got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
+                if got:
+                    continue
             wid, task, started = ahead.popleft()
             launched[wid] -= 1
             try:
@@ -277,18 +263,16 @@ class NativeEngine:
             except WorkerLost as exc:
                 lost(wid, exc)
                 continue
-            # book it and take what each stream with room can launch, in one lock hold
             got = self._end(wid, task, done, take=[w for w in live if launched[w] < 2])
 
-    def _take(self, wids: list[int], block: bool, group: list[int]) -> list[tuple[int, Task]] | None:
-        """A task for each of ``wids`` that has one, in one lock hold; with ``block``, wait
-        until one does. None: the engine is stopping (or the group has no live worker) and
-        nothing was taken."""
+    def _take(self, wids: list[int], group: list[int]) -> list[tuple[int, Task]] | None:
+        """A task for each of ``wids`` that has one, in one lock hold, waiting until one
+        does. None: the engine is stopping (or the group has no live worker)."""
         with self._lock:
             workers = self.core.workers
             while True:
                 got = self._take_each(wids, self.clock.now())
-                if got or not block:
+                if got:
                     return got
                 if self._stopping or not any(workers[w].alive for w in group):
                     return None
@@ -309,11 +293,11 @@ class NativeEngine:
                 got.append((wid, task))
         return got
 
-    def _next_task(self, wid: int, block: bool = True) -> Task | None:
+    def _next_task(self, wid: int) -> Task | None:
         with self._lock:
             while self.core.workers[wid].alive:
                 task = self.core.next_task(wid, self.clock.now())
-                if task is not None or self._stopping or not block:
+                if task is not None or self._stopping:
                     return task
                 self._idle.add(wid)
                 self.idle = len(self._idle)
