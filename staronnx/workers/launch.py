@@ -59,7 +59,8 @@ def worker_layout(
         cuda = tuple((d, s, None) for d in cuda_devices for s in range(cuda_streams))
         return WorkerLayout(CpuGroups(NO_CPU, ()), cuda)
     policy = groups
-    drivers = [(d, s if thread_per_stream else 0) for d in cuda_devices for s in range(cuda_streams)]
+    streams = [(d, s) for d in cuda_devices for s in range(cuda_streams)]
+    drivers = [(d, s if thread_per_stream else 0) for d, s in streams]  # each stream's driver thread
     threads = list(dict.fromkeys(drivers))  # one per device, or one per stream
     if n_cuda and policy_reserve(groups) is None:
         spare = len(topology.allowed_cores()) - 1  # the CPU groups keep at least one core
@@ -69,8 +70,7 @@ def worker_layout(
     cpu_groups = make_groups(topology, policy)
     reserved = [pus[0] for pus in cpu_groups.reserved if pus]
     pin = {t: reserved[i % len(reserved)] if reserved else None for i, t in enumerate(threads)}
-    cuda = tuple((d, s, pin[(d, s if thread_per_stream else 0)])
-                 for d in cuda_devices for s in range(cuda_streams))
+    cuda = tuple((d, s, pin[driver]) for (d, s), driver in zip(streams, drivers))
     return WorkerLayout(cpu_groups, cuda)
 
 
