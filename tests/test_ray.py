@@ -9,6 +9,7 @@ killed mid-load with SIGKILL. Where Ray cannot start they skip with its reason. 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -29,7 +32,7 @@ from staronnx import partition
 from staronnx.cli import main
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
-from staronnx.zoo import chain
+from staronnx.zoo import chain, inception
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOGLENET = ROOT.parent / "shared" / "models" / "googlenet.onnx"
@@ -105,8 +108,13 @@ def _stop(proc: subprocess.Popen) -> int:
 
 
 def _start_cli(plan: Plan, gcs: str, home: Path, *args: str) -> tuple[subprocess.Popen, list[str], str]:
-    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan.root), "--name", "googlenet", "--ray",
-           "--http-port", "0", *args]
+    return _start_serve(gcs, home, str(plan.root), "--name", "googlenet", *args)
+
+
+def _start_serve(gcs: str, home: Path, *args: str) -> tuple[subprocess.Popen, list[str], str]:
+    """``python -m staronnx serve --ray ARGS`` joined to the test cluster; its output so far
+    and the host:port it announced, once it printed 'ready'."""
+    cmd = [sys.executable, "-m", "staronnx", "serve", *args, "--ray", "--http-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "RAY_ADDRESS": gcs, "STARONNX_HOME": str(home)})
     lines: list[str] = []
@@ -328,6 +336,129 @@ def test_two_replicas_merge_their_perf_models_without_losing_samples(cluster, tm
     assert +expected and +stored == +expected
 
 
+# -- several models: one deployment, each replica one shared runtime --------------------------
+@pytest.fixture(scope="module")
+def two_plans(tmp_path_factory) -> dict[str, Plan]:
+    """A heavy Inception (tens of ms a sample on one core) cut by METIS, a light MLP."""
+    root = tmp_path_factory.mktemp("ray-models")
+    onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
+    onnx.save(chain(depth=4, width=8), str(root / "light.onnx"))
+    return {"heavy": partition(root / "heavy.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate"),
+            "light": partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")}
+
+
+@pytest.fixture(scope="class")
+def shared_server(cluster, two_plans, tmp_path_factory):
+    """``staronnx serve --ray heavy/ light/`` with a latency target on the light model and a
+    heavy queue of 2 samples: one replica of one core hosting both (stopped after the class that
+    uses it, so the cluster's cores are free again for the tests after)."""
+    proc, lines, addr = _start_serve(
+        cluster, tmp_path_factory.mktemp("ray-models-home"), str(two_plans["heavy"].root),
+        str(two_plans["light"].root), "--replicas", "1", "--replica-cpus", "1", "--groups", "cores=1",
+        "--policy", "heft", "--batch-size", "1", "--max-delay", "0ms", "--slo-ms", "light=60000",
+        "--priority", "light=1", "--queue-capacity", "64", "--queue-capacity", "heavy=2")
+    try:
+        yield addr, lines
+    finally:
+        rc = _stop(proc)
+        out = "\n".join(lines)
+        assert rc == 0 and "stopped" in out and "Traceback" not in out, out
+
+
+def _json_body(x: np.ndarray) -> bytes:
+    return json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
+                                   "data": x.ravel().tolist()}]}).encode()
+
+
+def _post_json(addr: str, path: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(f"http://{addr}{path}", data=body, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _json_output(reply: dict, name: str) -> np.ndarray:
+    (out,) = [o for o in reply["outputs"] if o["name"] == name]
+    return np.asarray(out["data"], np.float32).reshape(out["shape"])
+
+
+def _heavy_x(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, 3, 64, 64)).astype(np.float32)
+
+
+def _light_x(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((2, 8)).astype(np.float32)
+
+
+@pytest.mark.ray
+class TestSharedReplica:
+    """``staronnx serve --ray heavy/ light/`` (one server for both tests: Ray starts are slow)."""
+
+    @pytest.mark.timeout(240)
+    def test_cli_serves_two_models_on_one_shared_replica(self, shared_server, two_plans):
+        """One deployment (no per-model ones) whose replica hosts both models on one runtime; each
+        answer equals its model's reference; metadata, config and readiness answer per model, and
+        the config says the runtime is shared and names the light model's target."""
+        import tritonclient.http as thttp
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        addr, lines = shared_server
+        heavy, light = two_plans["heavy"], two_plans["light"]
+        text = "\n".join(lines)
+        assert "one runtime per replica for 2 models (staronnx-shared): 1 replica(s) of 1 CPU(s)" in text, text
+        assert re.search(r"model 'light': .*on the shared replicas.*latency target 60000 ms, priority 1", text), text
+        deployments = _get_global_client().get_serve_details()["applications"]["staronnx"]["deployments"]
+        assert set(deployments) == {"staronnx-ingress", "staronnx-shared"}, set(deployments)
+        (replica,) = _replicas("staronnx-shared", "staronnx", 1).values()
+        assert replica["models"] == ["heavy", "light"] and len(replica["workers"]) == 1, replica
+
+        client = thttp.InferenceServerClient(addr)
+        for i in range(3):
+            for name, plan, x, out in (("heavy", heavy, _heavy_x(i), "logits"), ("light", light, _light_x(i), "y")):
+                inp = thttp.InferInput("x", list(x.shape), "FP32")
+                inp.set_data_from_numpy(x)
+                got = client.infer(name, [inp]).as_numpy(out)
+                assert _close(got, plan.run_reference({"x": x})[out]), f"{name} #{i}: differs from run_reference"
+        assert client.is_server_ready() and client.is_model_ready("heavy") and client.is_model_ready("light")
+        assert client.get_model_metadata("light")["outputs"][0]["name"] == "y"
+        assert client.get_model_metadata("heavy")["outputs"][0]["name"] == "logits"
+        params = {n: {k: v["string_value"] for k, v in client.get_model_config(n)["parameters"].items()}
+                  for n in ("heavy", "light")}
+        assert params["light"]["shared_runtime"] == "True" and params["light"]["latency_ms"] == "60000.0"
+        assert params["light"]["priority"] == "1" and "latency_ms" not in params["heavy"]
+        assert params["heavy"]["queue_capacity"] == "2" and params["light"]["queue_capacity"] == "64"
+        assert params["heavy"]["replica"] == params["light"]["replica"] == replica["replica"]
+        stats = serve.get_deployment_handle("staronnx-shared", "staronnx").describe.remote().result(timeout_s=10)
+        assert stats["requests_done"] >= 6  # both models' batches ran on the one runtime
+
+
+    @pytest.mark.timeout(240)
+    def test_one_models_overload_on_a_shared_replica_is_503_for_it_only(self, shared_server, two_plans):
+        """The heavy model is flooded past its own queue (2 samples): some of its requests get 503
+        from the replica; every request of the light model sent meanwhile is answered correctly
+        (Serve routes them past the heavy flood: the replica's own queues do the refusing)."""
+        addr, _ = shared_server
+        light = two_plans["light"]
+        heavy_bodies = [_json_body(_heavy_x(i)) for i in range(48)]  # built before the flood starts
+        light_bodies = [_json_body(_light_x(i)) for i in range(10)]
+        with ThreadPoolExecutor(16) as pool:
+            flood = [pool.submit(_post_json, addr, "/v2/models/heavy/infer", b) for b in heavy_bodies]
+            calm = [(i, pool.submit(_post_json, addr, "/v2/models/light/infer", b)) for i, b in enumerate(light_bodies)]
+            heavy_replies = [f.result() for f in flood]
+            for i, f in calm:
+                st, reply = f.result()
+                assert st == 200, reply
+                assert _close(_json_output(reply, "y"), light.run_reference({"x": _light_x(i)})["y"])
+        heavy_status = [st for st, _ in heavy_replies]
+        assert set(heavy_status) <= {200, 503}, heavy_status
+        assert heavy_status.count(503) > 0 and heavy_status.count(200) > 0, heavy_status
+        refused = next(r for st, r in heavy_replies if st == 503)
+        assert "model 'heavy': the request queue is full" in refused["error"], refused
+
+
 # -- without a cluster -------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (["--replicas", "2"], "go with --ray"),
@@ -337,6 +468,9 @@ def test_two_replicas_merge_their_perf_models_without_losing_samples(cluster, tm
     (["--ray", "--replicas", "0"], "--replicas must be at least 1"),
     (["--ray", "--replica-cpus", "-1"], "--replica-cpus and --replica-gpus must be >= 0"),
     (["--ray", "--groups", "bogus"], "unknown CPU group policy 'bogus'"),  # on the driver, before any cluster
+    # no shared scheduler to order the tasks: refused before any cluster starts
+    (["--ray", "--separate-runtimes", "--slo-ms", "plan=5"], "they do not go with --separate-runtimes"),
+    (["--ray", "--separate-runtimes", "--priority", "plan=1"], "they do not go with --separate-runtimes"),
 ])
 def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys):
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
@@ -426,3 +560,98 @@ def test_serve_config_and_rayservice_build_the_app(tmp_path):
         build({"plans": [str(plan.root)], "replica": 2})
     with pytest.raises(StaronnxError, match="either 'replicas' or 'autoscale'"):
         build({"plans": [str(plan.root)], "replicas": 2, "autoscale": "1:2"})
+
+
+def _tiny_plans(tmp_path: Path) -> dict[str, Plan]:
+    onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
+    return {n: partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / n, costs="estimate")
+            for n in ("a", "b")}
+
+
+def _hosted(app) -> dict[str, tuple[str, dict]]:
+    """Model name -> (the Serve deployment hosting it, the spec its replicas are bound to), read
+    from the Application as Serve would deploy it (the ingress's bound arguments)."""
+    handles = app._bound_deployment.init_args[0]
+    return {name: (bound._bound_deployment.name, bound._bound_deployment.init_args[0])
+            for name, bound in handles.items()}
+
+
+def test_models_share_one_deployment_unless_separate(tmp_path):
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from staronnx.ray.app import build_app
+    from staronnx.ray.spec import ModelSpec, ReplicaSpec, Scaling
+
+    plans = _tiny_plans(tmp_path)
+    specs = [ModelSpec(plan=str(plans["a"].root), name="a", queue_capacity=8),
+             ModelSpec(plan=str(plans["b"].root), name="b", queue_capacity=100, latency_ms=20, priority=2)]
+    shared = _hosted(build_app(specs, Scaling(replicas=2)))
+    assert shared["a"][0] == shared["b"][0] == "staronnx-shared"
+    hosted = ReplicaSpec.of(shared["a"][1])
+    assert [m.name for m in hosted.models] == ["a", "b"] and hosted.models[1].target() == {"latency_ms": 20,
+                                                                                            "priority": 2}
+    separate = _hosted(build_app([specs[0], ModelSpec(plan=str(plans["b"].root), name="b")], separate_runtimes=True))
+    assert {n: d for n, (d, _) in separate.items()} == {"a": "staronnx-a", "b": "staronnx-b"}
+    assert [m.name for m in ReplicaSpec.of(separate["b"][1]).models] == ["b"]
+    with pytest.raises(StaronnxError, match="do not go with --separate-runtimes"):
+        build_app(specs, separate_runtimes=True)
+    with pytest.raises(StaronnxError, match="tell them apart with --name"):
+        build_app([specs[0], specs[0]])
+
+
+def test_a_shared_replica_lets_each_models_own_queue_refuse():
+    """Serve must route every request a shared replica's per-model queues may hold: a lower
+    cap would let one flooded model make the others' requests wait (or be refused) in Serve's
+    queue, in front of the replica."""
+    from staronnx.ray.spec import ModelSpec, ReplicaSpec, Scaling
+
+    a = ModelSpec(plan="a", name="a", batch_size=8, queue_capacity=100)
+    b = ModelSpec(plan="b", name="b", batch_size=1, queue_capacity=50)
+    one = Scaling().deployment_options(a)
+    both = Scaling(autoscale=(1, 4)).deployment_options(ReplicaSpec((a, b)))
+    assert one["max_ongoing_requests"] == 32 and one["max_queued_requests"] == 100  # as before models shared
+    assert both["name"] == "staronnx-shared" and both["max_ongoing_requests"] >= 150
+    assert both["max_queued_requests"] == 150
+    assert both["autoscaling_config"]["target_ongoing_requests"] == 18.0  # two batches of each
+
+
+def test_a_replica_spec_checks_what_its_models_share():
+    from staronnx.ray.spec import ModelSpec, ReplicaSpec
+
+    a = ModelSpec(plan="a", name="a", groups="cores=1")
+    with pytest.raises(StaronnxError, match="share its 'groups'"):
+        ReplicaSpec((a, ModelSpec(plan="b", name="b", groups="numa")))
+    with pytest.raises(StaronnxError, match="native engine"):
+        ReplicaSpec((ModelSpec(plan="a", name="a", engine="starpu"), ModelSpec(plan="b", name="b", engine="starpu")))
+    with pytest.raises(StaronnxError, match="model 'a': a latency target must be a positive"):
+        ModelSpec(plan="a", name="a", latency_ms=-5)
+    with pytest.raises(StaronnxError, match="model priority must be an integer"):
+        ModelSpec(plan="a", name="a", priority=1.5)  # type: ignore[arg-type]
+    # a replica bound to one ModelSpec's dict (as before models could share) still starts
+    assert ReplicaSpec.of(a.to_dict()).models == (a,)
+    assert ReplicaSpec.of(ReplicaSpec((a,)).to_dict()).models == (a,)
+
+
+def test_serve_config_takes_targets_and_capacities_per_model(tmp_path):
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from staronnx.ray.app import build
+    from staronnx.ray.spec import ReplicaSpec
+
+    plans = _tiny_plans(tmp_path)
+    roots = [str(plans["a"].root), str(plans["b"].root)]
+    hosted = _hosted(build({"plans": roots, "slo_ms": {"b": 50}, "priority": ["b=1"],
+                            "queue_capacity": {"a": 16}, "batch_size": 2}))
+    (deployment, spec), = {v[0]: v for v in hosted.values()}.values()
+    models = {m.name: m for m in ReplicaSpec.of(spec).models}
+    assert deployment == "staronnx-shared"
+    assert (models["a"].queue_capacity, models["b"].queue_capacity) == (16, 1024)
+    assert models["b"].target() == {"latency_ms": 50.0, "priority": 1} and models["a"].target() == {}
+    separate = _hosted(build({"plans": roots, "queue_capacity": 7, "separate_runtimes": True}))
+    assert {d for d, _ in separate.values()} == {"staronnx-a", "staronnx-b"}
+    assert all(ReplicaSpec.of(s).models[0].queue_capacity == 7 for _, s in separate.values())
+    for args, message in (({"slo_ms": {"b": 50}, "separate_runtimes": True}, "do not go with --separate-runtimes"),
+                          ({"slo_ms": {"c": 50}}, "'slo_ms' names model(s) 'c' that are not served"),
+                          ({"priority": {"b": 1.5}}, "'priority': 'b=1.5': a priority is a whole number"),
+                          ({"queue_capacity": [4]}, "'queue_capacity' takes {name: value}"),
+                          ({"separate_runtimes": "yes"}, "'separate_runtimes' is true or false")):
+        with pytest.raises(StaronnxError, match=re.escape(message)):
+            build({"plans": roots, **args})

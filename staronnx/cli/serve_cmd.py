@@ -9,6 +9,11 @@ import typer
 
 from staronnx.errors import StaronnxError
 
+#: why --slo-ms/--priority are refused with --separate-runtimes (the same words on Ray)
+TARGETS_NEED_SHARING = ("--slo-ms and --priority order the tasks of models sharing one runtime; they do not go "
+                        "with --separate-runtimes")
+
+
 def _port(value: int, flag: str) -> int:
     if not 0 <= value <= 65535:
         raise StaronnxError(f"--{flag} must be between 0 (a free port) and 65535, got {value}")
@@ -89,17 +94,18 @@ def serve_cmd(
     if not ray and (replicas, autoscale, replica_cpus, replica_gpus) != (None, None, None, None):
         raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
     targets = service_targets(names, slo_ms or [], priority or [])
-    if targets and (ray or separate_runtimes):
-        raise StaronnxError("--slo-ms and --priority order the tasks of models sharing one runtime; they do not go "
-                            "with --ray or --separate-runtimes")
-    if ray:  # staronnx.ray: the same models as replicas on Ray Serve (HTTP only)
-        from staronnx.ray.cli import scaling_from_options, serve_on_ray
+    if targets and separate_runtimes:
+        raise StaronnxError(TARGETS_NEED_SHARING)
+    if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
+        from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
-        serve_on_ray(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
-                                    "batch_size": batch_size, "max_delay": parse_duration(max_delay, allow_zero=True),
-                                    "queue_capacity": _one_capacity(capacities)}, scaling,
-                     host=host, http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
+        specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+                                           "engine": engine, "batch_size": batch_size,
+                                           "max_delay": parse_duration(max_delay, allow_zero=True)},
+                            capacities=capacities, targets=targets)
+        serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,
+                     http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
                      say=lambda line: print(line, flush=True))
         return
     listen = Listen(host=host, http_port=_port(http_port, "http-port"), grpc_port=_port(grpc_port, "grpc-port"),
@@ -171,14 +177,6 @@ def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
             else:
                 own[name] = n
     return {n: own.get(n, default) for n in names}
-
-
-def _one_capacity(capacities: dict[str, int]) -> int:
-    """The Ray path's single queue capacity (it does not take one per model yet)."""
-    values = set(capacities.values())
-    if len(values) > 1:
-        raise StaronnxError("--ray takes one --queue-capacity for every model")
-    return values.pop()
 
 
 def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) -> dict[str, dict[str, Any]]:

@@ -1,12 +1,16 @@
-"""The Serve application: one ingress in front of one deployment per plan.
+"""The Serve application: one ingress in front of the deployment(s) that host the plans.
 
-    app = build_app([ModelSpec(plan="plan/", name="googlenet", groups="cores=1")],
+    app = build_app([ModelSpec(plan="a/", name="googlenet", groups="cores=1"),
+                     ModelSpec(plan="b/", name="ocr", latency_ms=50)],
                     Scaling(replicas=2, replica_cpus=1))
     serve.run(app, name="staronnx", route_prefix="/")
 
-:func:`build` is the same for Serve config files (``import_path: staronnx.ray.app:build``, its
-``args`` as in ``deploy/serve-config.yaml``), and :func:`deploy` is what
-``staronnx serve --ray`` does.
+By default every model is hosted by one deployment (``staronnx-shared``, or ``staronnx-<model>``
+for a single one) whose replicas each run all of them on one shared runtime, as ``staronnx
+serve`` does on one machine; ``separate_runtimes=True`` deploys one deployment per model
+instead. :func:`build` is the same for Serve config files (``import_path:
+staronnx.ray.app:build``, its ``args`` as in ``deploy/serve-config.yaml``), and :func:`deploy`
+is what ``staronnx serve --ray`` does.
 """
 
 from __future__ import annotations
@@ -17,50 +21,72 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from staronnx.errors import StaronnxError
-from staronnx.ray.spec import APP_NAME, INGRESS_NAME, ModelSpec, Scaling, parse_autoscale
+from staronnx.ray.spec import (APP_NAME, INGRESS_NAME, ModelSpec, ReplicaSpec, Scaling, group_models,
+                               parse_autoscale)
 
 #: the Serve config ``args`` :func:`build` takes besides the model settings
 _SCALING_ARGS = {"replicas", "autoscale", "replica_cpus", "replica_gpus", "max_ongoing", "target_ongoing",
                  "ingress_replicas"}
-_MODEL_ARGS = {"policy", "groups", "cuda_streams", "engine", "batch_size", "max_delay", "queue_capacity",
+#: settings given once for every model
+_MODEL_ARGS = {"policy", "groups", "cuda_streams", "engine", "batch_size", "max_delay",
                "calibrate", "home", "save_every", "pin_cpus"}
+#: settings given once for every model or per model ({name: value}, or "name=value" items)
+_PER_MODEL_ARGS = {"queue_capacity", "slo_ms", "priority"}
+_OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes"}
+_KNOWN_ARGS = _SCALING_ARGS | _MODEL_ARGS | _PER_MODEL_ARGS | _OTHER_ARGS
 
 
 def build_app(specs: Sequence[ModelSpec], scaling: Scaling | None = None, *, max_body: int = 64 * 2**20,
-              env: Mapping[str, str] | None = None) -> Any:
-    """The ingress bound to one model deployment per spec (a ``ray.serve`` Application)."""
-    from ray import serve
-
-    from staronnx.ray.ingress import KServeIngress
-    from staronnx.ray.replica import StaronnxReplica
-
-    if not specs:
-        raise StaronnxError("no plan to serve")
-    names = [s.name for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
+              env: Mapping[str, str] | None = None, separate_runtimes: bool = False) -> Any:
+    """The ingress bound to the deployment(s) serving ``specs`` (a ``ray.serve`` Application):
+    one hosting every model on a shared runtime per replica, or one per model
+    (``separate_runtimes``); ``scaling`` applies to each."""
+    groups = group_models(specs, separate_runtimes)
     scaling = scaling or Scaling()
-    handles = {spec.name: serve.deployment(StaronnxReplica).options(**scaling.deployment_options(spec, env))
-               .bind(spec.to_dict()) for spec in specs}
-    ingress = serve.deployment(KServeIngress).options(
+    handles = _deployments(groups, scaling, env)
+    ingress = _ingress().options(
         name=INGRESS_NAME, num_replicas=scaling.ingress_replicas, ray_actor_options={"num_cpus": 0},
         # the ingress only awaits the replicas: it can hold every request the models may queue
         max_ongoing_requests=max(1000, sum(s.queue_capacity for s in specs)))
     return ingress.bind(handles, max_body)
 
 
+def _deployments(groups: Sequence[ReplicaSpec], scaling: Scaling, env: Mapping[str, str] | None) -> dict[str, Any]:
+    """Model name -> the bound deployment hosting it; the models of a shared deployment all
+    map to the same one (Serve builds it once and hands the ingress one handle for them)."""
+    from ray import serve
+
+    from staronnx.ray.replica import StaronnxReplica
+
+    handles: dict[str, Any] = {}
+    for group in groups:
+        options = scaling.deployment_options(group, env)
+        bound = serve.deployment(StaronnxReplica).options(**options).bind(group.to_dict())
+        handles.update({m.name: bound for m in group.models})
+    return handles
+
+
+def _ingress() -> Any:
+    from ray import serve
+
+    from staronnx.ray.ingress import KServeIngress
+
+    return serve.deployment(KServeIngress)
+
+
 def build(args: Mapping[str, Any]) -> Any:
     """Serve config builder (``import_path: staronnx.ray.app:build``); see
-    ``deploy/serve-config.yaml`` for the ``args`` it takes."""
-    from staronnx.durations import parse_duration
-    from staronnx.serve.app import model_names, parse_size
+    ``deploy/serve-config.yaml`` for the ``args`` it takes.
+
+    ``queue_capacity`` is one number for every model or ``{name: N}``; ``slo_ms`` and
+    ``priority`` are ``{name: value}`` (or ``"name=value"`` items, as on the command line);
+    ``separate_runtimes: true`` gives each model its own deployment (and refuses targets)."""
+    from staronnx.serve.app import model_names
 
     args = dict(args)
-    unknown = sorted(set(args) - _SCALING_ARGS - _MODEL_ARGS - {"plans", "names", "max_body"})
+    unknown = sorted(set(args) - _KNOWN_ARGS)
     if unknown:
-        raise StaronnxError(f"unknown staronnx.ray.app:build arg(s) {unknown}; known: "
-                            f"{sorted(_SCALING_ARGS | _MODEL_ARGS | {'plans', 'names', 'max_body'})}")
+        raise StaronnxError(f"unknown staronnx.ray.app:build arg(s) {unknown}; known: {sorted(_KNOWN_ARGS)}")
     plans = args.get("plans")
     if isinstance(plans, str):
         plans = [plans]
@@ -68,20 +94,87 @@ def build(args: Mapping[str, Any]) -> Any:
         raise StaronnxError("staronnx.ray.app:build needs 'plans': a list of plan folders")
     paths = [Path(p) for p in plans]
     names = model_names(paths, args.get("names"))
+    model = _model_settings(args)
+    own = per_model_settings(names, args)
+    specs = [ModelSpec(plan=str(p), name=n, **model, **own[n]) for p, n in zip(paths, names)]
+    return build_app(specs, _scaling(args), max_body=_max_body(args),
+                     separate_runtimes=_flag(args.get("separate_runtimes", False), "separate_runtimes"))
+
+
+def _model_settings(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings every model takes alike, durations parsed (``2ms``)."""
+    from staronnx.durations import parse_duration
+
     model = {k: args[k] for k in _MODEL_ARGS if k in args}
     for key in ("max_delay", "save_every"):
         if isinstance(model.get(key), str):
             model[key] = parse_duration(model[key], allow_zero=True)
+    return model
+
+
+def _scaling(args: Mapping[str, Any]) -> Scaling:
     scaling = {k: args[k] for k in _SCALING_ARGS if k in args}
     if isinstance(scaling.get("autoscale"), str):
         scaling["autoscale"] = parse_autoscale(scaling["autoscale"])
     if "autoscale" in scaling and "replicas" in scaling:
         raise StaronnxError("give either 'replicas' or 'autoscale', not both")
+    return Scaling(**scaling)
+
+
+def _max_body(args: Mapping[str, Any]) -> int:
+    from staronnx.serve.app import parse_size
+
     max_body = args.get("max_body", 64 * 2**20)
-    if isinstance(max_body, str):
-        max_body = parse_size(max_body)
-    specs = [ModelSpec(plan=str(p), name=n, **model) for p, n in zip(paths, names)]
-    return build_app(specs, Scaling(**scaling), max_body=int(max_body))
+    return int(parse_size(max_body) if isinstance(max_body, str) else max_body)
+
+
+def _flag(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise StaronnxError(f"{key!r} is true or false, got {value!r}")
+    return value
+
+
+def per_model_settings(names: Sequence[str], args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``queue_capacity``, ``slo_ms`` and ``priority`` of a Serve config as ModelSpec fields
+    per model (``queue_capacity``, ``latency_ms``, ``priority``); a name not served is refused."""
+    own: dict[str, dict[str, Any]] = {n: {} for n in names}
+    capacity = args.get("queue_capacity")
+    if isinstance(capacity, int) and not isinstance(capacity, bool):
+        for n in names:
+            own[n]["queue_capacity"] = capacity
+    elif capacity is not None:
+        for n, value in _by_name(capacity, "queue_capacity", names).items():
+            own[n]["queue_capacity"] = value
+    for key, field in (("slo_ms", "latency_ms"), ("priority", "priority")):
+        if args.get(key) is not None:
+            for n, value in _by_name(args[key], key, names).items():
+                own[n][field] = value
+    return own
+
+
+def _by_name(value: Any, key: str, names: Sequence[str]) -> dict[str, Any]:
+    """``{name: value}`` from a mapping or ``"name=value"`` items (a string or a list), each
+    value checked to be a number (a whole one for a capacity or a priority)."""
+    from staronnx.runtime.models import parse_targets
+
+    if isinstance(value, Mapping):
+        items = [f"{n}={v}" for n, v in value.items()]
+    elif isinstance(value, str):
+        items = [value]
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        items = list(value)
+    else:
+        raise StaronnxError(f"{key!r} takes {{name: value}} or 'name=value' items, got {value!r}")
+    kind = "latency_ms" if key == "slo_ms" else ("capacity" if key == "queue_capacity" else "priority")
+    try:
+        parsed = {n: fields[kind] for n, fields in parse_targets(items, kind).items()}
+    except StaronnxError as exc:
+        raise StaronnxError(f"{key!r}: {exc}") from None
+    unknown = sorted(set(parsed) - set(names))
+    if unknown:
+        raise StaronnxError(f"{key!r} names model(s) {', '.join(map(repr, unknown))} that are not served; "
+                            f"the models are {', '.join(map(repr, names))}")
+    return parsed
 
 
 def free_port(host: str) -> int:
@@ -104,7 +197,7 @@ def listening_on(host: str, port: int) -> tuple[str, int]:
 
 
 def deploy(specs: Sequence[ModelSpec], scaling: Scaling, *, host: str, port: int, max_body: int,
-           env: Mapping[str, str] | None = None) -> str:
+           env: Mapping[str, str] | None = None, separate_runtimes: bool = False) -> str:
     """Start Serve's HTTP proxy on ``host:port`` (0: a free port), run the application, wait
     until every replica is up; returns the base URL."""
     from ray import serve
@@ -115,7 +208,8 @@ def deploy(specs: Sequence[ModelSpec], scaling: Scaling, *, host: str, port: int
     # announce where it really listens, not where we asked it to
     host, port = listening_on(host, port)
     try:
-        serve.run(build_app(specs, scaling, max_body=max_body, env=env), name=APP_NAME, route_prefix="/",
+        serve.run(build_app(specs, scaling, max_body=max_body, env=env, separate_runtimes=separate_runtimes),
+                  name=APP_NAME, route_prefix="/",
                   logging_config={"enable_access_log": False, "log_level": "WARNING"})
     except RuntimeError as exc:  # a replica that cannot start: the cause its deployment reports
         cause = _failed_deployment_cause() or _error_line(str(exc))

@@ -1,6 +1,8 @@
 """``staronnx serve --ray``: the plans on Ray Serve, in the foreground, until SIGTERM or Ctrl-C.
 
-Like ``serve run``: connects to the cluster ``$RAY_ADDRESS`` names (``auto`` for the one
+Every plan is hosted by one deployment whose replicas each run all of them on one shared
+runtime, each model with its own queue and target (``--separate-runtimes``: one deployment
+per model). Like ``serve run``: connects to the cluster ``$RAY_ADDRESS`` names (``auto`` for the one
 started on this machine with ``ray start``), else starts a local one; deploys the application
 (:mod:`staronnx.ray.app`); prints where it listens and ``ready``; on SIGTERM/SIGINT deletes
 the application (Serve drains each replica: accepted requests finish) and exits 0.
@@ -13,10 +15,11 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 from staronnx.errors import StaronnxError
-from staronnx.ray.spec import APP_NAME, ModelSpec, Scaling, forwarded_env, parse_autoscale
+from staronnx.ray.spec import (APP_NAME, ModelSpec, ReplicaSpec, Scaling, forwarded_env, group_models,
+                               parse_autoscale)
 
 
 def machine_cpus() -> int:
@@ -40,11 +43,12 @@ def scaling_from_options(replicas: int | None, autoscale: str | None, replica_cp
     return Scaling(replicas=1 if replicas is None else replicas, autoscale=bounds, replica_cpus=cpus, replica_gpus=gpus)
 
 
-def capacity_problem(scaling: Scaling, models: int, resources: Mapping[str, float]) -> str | None:
-    """Why the cluster (``ray.cluster_resources()``) cannot hold the replicas asked for at
-    start, or None. Serve would otherwise wait for them without end and without a word."""
+def capacity_problem(scaling: Scaling, deployments: int, resources: Mapping[str, float]) -> str | None:
+    """Why the cluster (``ray.cluster_resources()``) cannot hold the replicas of
+    ``deployments`` deployments asked for at start (one shared by every model, or one per
+    model), or None. Serve would otherwise wait for them without end and without a word."""
     first = scaling.replicas if scaling.autoscale is None else max(scaling.autoscale[0], 1)
-    count = first * models
+    count = first * deployments
     for key, option, each in (("CPU", "--replica-cpus", scaling.replica_cpus),
                               ("GPU", "--replica-gpus", scaling.replica_gpus)):
         have = float(resources.get(key, 0.0))
@@ -54,7 +58,44 @@ def capacity_problem(scaling: Scaling, models: int, resources: Mapping[str, floa
     return None
 
 
-def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scaling: Scaling, *, host: str,
+def model_specs(plans: list[Path], names: list[str], settings: Mapping[str, Any], *,
+                capacities: Mapping[str, int], targets: Mapping[str, Mapping[str, Any]]) -> list[ModelSpec]:
+    """One :class:`ModelSpec` per plan (checked here, before any cluster starts): the settings
+    every model shares, its own queue capacity and service target (``latency_ms``, ``priority``)."""
+    from staronnx.plan import Plan
+
+    for p in plans:
+        Plan.load(p)
+    return [ModelSpec(plan=str(Path(p).resolve()), name=n, **settings, queue_capacity=capacities[n],
+                      **{k: v for k, v in targets.get(n, {}).items() if k in ("latency_ms", "priority")})
+            for p, n in zip(plans, names)]
+
+
+def describe_deployments(groups: list[ReplicaSpec], scaling: Scaling) -> list[str]:
+    """What ``staronnx serve --ray`` announces: each deployment's replicas, and its models."""
+    how = (f"autoscaling {scaling.autoscale[0]}..{scaling.autoscale[1]} replicas" if scaling.autoscale
+           else f"{scaling.replicas} replica(s)")
+    each = f"{how} of {scaling.replica_cpus:g} CPU(s) and {scaling.replica_gpus:g} GPU(s) each"
+    lines = []
+    for group in groups:
+        if group.shared:
+            lines.append(f"one runtime per replica for {len(group.models)} models ({group.name}): {each}, "
+                         f"policy {group.models[0].policy}, groups {group.models[0].groups}")
+        for spec in group.models:
+            where = "on the shared replicas" if group.shared else f"{each}, groups {spec.groups}"
+            lines.append(f"model {spec.name!r}: plan {spec.plan}, {where}, batches of up to {spec.batch_size}, "
+                         f"queue {spec.queue_capacity}" + _target_text(spec))
+    return lines
+
+
+def _target_text(spec: ModelSpec) -> str:
+    """``, latency target 50 ms, priority 1`` (empty without a target)."""
+    parts = ([f"latency target {spec.latency_ms:g} ms"] if spec.latency_ms is not None else []) + (
+        [f"priority {spec.priority}"] if spec.priority else [])
+    return "".join(f", {p}" for p in parts)
+
+
+def serve_on_ray(specs: list[ModelSpec], scaling: Scaling, *, separate_runtimes: bool, host: str,
                  http_port: int, max_body: int, say: Callable[[str], None]) -> None:
     """Deploy, announce, wait for SIGTERM/SIGINT, delete the application."""
     try:
@@ -63,12 +104,9 @@ def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scalin
     except ImportError as exc:
         raise StaronnxError(f"staronnx serve --ray needs the ray extra ({exc.name} is missing): "
                             "pip install 'staronnx[ray]'") from None
-    from staronnx.plan import Plan
     from staronnx.ray.app import deploy
 
-    for p in plans:
-        Plan.load(p)  # every plan checked here, before any cluster starts
-    specs = [ModelSpec(plan=str(Path(p).resolve()), name=n, **specs_kwargs) for p, n in zip(plans, names)]
+    groups = group_models(specs, separate_runtimes)  # refused here, before any cluster starts
     own_cluster = not os.environ.get("RAY_ADDRESS")
     stop = threading.Event()
     previous: dict = {}
@@ -83,19 +121,17 @@ def serve_on_ray(plans: list[Path], names: list[str], specs_kwargs: dict, scalin
             first = (str(exc).strip().splitlines() or [""])[0]
             raise StaronnxError(f"could not {where}: {type(exc).__name__}: {first}") from None
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not Serve's INFO lines among ours
-        problem = capacity_problem(scaling, len(specs), ray.cluster_resources())
+        problem = capacity_problem(scaling, len(groups), ray.cluster_resources())
         if problem and own_cluster:  # nothing will join this machine's own cluster: it would wait forever
             raise StaronnxError(problem)
         if problem:  # a cluster's autoscaler (KubeRay) may add the nodes; Serve waits for them
             say(f"warning: {problem} now; Serve waits until the cluster has them")
         # after ray.init, which installs its own SIGTERM handler (it would end the process at once)
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
-        url = deploy(specs, scaling, host=host, port=http_port, max_body=max_body, env=forwarded_env())
-        for spec in specs:
-            how = (f"autoscaling {scaling.autoscale[0]}..{scaling.autoscale[1]} replicas" if scaling.autoscale
-                   else f"{scaling.replicas} replica(s)")
-            say(f"model {spec.name!r}: plan {spec.plan}, {how} of {scaling.replica_cpus:g} CPU(s) and "
-                f"{scaling.replica_gpus:g} GPU(s) each, groups {spec.groups}, batches of up to {spec.batch_size}")
+        url = deploy(specs, scaling, host=host, port=http_port, max_body=max_body, env=forwarded_env(),
+                     separate_runtimes=separate_runtimes)
+        for line in describe_deployments(groups, scaling):
+            say(line)
         say(f"HTTP (KServe v2) on {url} (Ray Serve)")
         say("replica logs: Ray's log folder on each node (/tmp/ray/session_latest/logs/serve/)")
         say("ready (SIGTERM or Ctrl-C drains and stops)")

@@ -4,8 +4,11 @@ The ingress decodes and encodes requests with ``staronnx serve``'s own protocol 
 (:mod:`staronnx.serve.http_api`: the JSON header, Triton's binary-tensor extension, the
 response layout; :mod:`staronnx.serve.protocol`: datatypes and errors), so a client sees the
 same API, errors included, from one server or from a cluster. It holds no model: it passes
-decoded tensors to a model deployment's replicas through Serve's handles (Serve picks the
-less loaded of two replicas) and needs no CPU of its own (``num_cpus=0``).
+decoded tensors, with the model's name, to the replicas of the deployment that serves that
+model through Serve's handles (Serve picks the less loaded of two replicas) and needs no CPU
+of its own (``num_cpus=0``). Several models may share one deployment (one runtime per replica
+hosting them all): then several names map to one handle, and the name travelling with each
+call picks the model inside the replica.
 
 Faults: when the replica running a request dies (killed, its machine lost) the request is
 **retried once**, on another replica. Inference has no side effects, and a dead replica can
@@ -58,7 +61,7 @@ class KServeIngress:
     """Routes KServe v2 HTTP requests to the models' deployments (see the module docstring)."""
 
     def __init__(self, models: Mapping[str, Any], max_body: int = 64 * 2**20) -> None:
-        self.models = dict(models)  # model name -> DeploymentHandle of its replicas
+        self.models = dict(models)  # model name -> DeploymentHandle of the replicas hosting it
         self.max_body = int(max_body)
         self._info: dict[str, _ModelInfo] = {}
         self._retries = 0
@@ -134,7 +137,8 @@ class KServeIngress:
                         headers=headers)
 
     async def _call(self, name: str, method: str, *args: Any) -> Any:
-        """``method`` on one of ``name``'s replicas; retried once on another if that one dies."""
+        """``method`` of model ``name`` on one of the replicas hosting it (the name picks the
+        model inside a replica that hosts several); retried once on another if that one dies."""
         from ray.exceptions import RayTaskError
         from ray.serve.exceptions import BackPressureError
 
@@ -142,7 +146,7 @@ class KServeIngress:
         first: BaseException | None = None
         for attempt in (1, 2):
             try:
-                return await handle.remote(*args)
+                return await handle.remote(*args, model=name)
             except _retryable() as exc:
                 if attempt == 2:
                     raise ProtocolError(

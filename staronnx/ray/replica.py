@@ -1,9 +1,10 @@
 """The Ray Serve replica: one staronnx Runtime over its machine, behind staronnx's own batcher.
 
-A replica is a ``staronnx serve`` model without the network: the same
+A replica is a ``staronnx serve`` without the network: every model it hosts on one shared
+runtime (one set of workers, one policy, each model's service target), each behind the same
 :class:`~staronnx.serve.models.ModelEndpoint` (request checks, client batches split into
-samples, the :class:`~staronnx.serving.server.Server` batcher, the runtime), called by the
-ingress deployment with decoded tensors.
+samples, the :class:`~staronnx.serving.server.Server` batcher and its queue), called by the
+ingress deployment with decoded tensors and the model's name.
 
 Why not Serve's ``@serve.batch``: it waits for a handler to return before forming the next batch
 (or runs a fixed number concurrently), which feeds one model on one device. A staronnx runtime
@@ -23,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from staronnx.ray.spec import ModelSpec
+from staronnx.ray.spec import ReplicaSpec
 
 log = logging.getLogger("staronnx.ray")
 
@@ -74,18 +75,24 @@ def pin_process(pus: Sequence[int]) -> None:
             pass
 
 
-def health_problem(endpoint: Any) -> str | None:
+def health_problem(endpoint: Any, runtime: Any = None) -> str | None:
     """Why the replica serving ``endpoint`` cannot answer requests, or None when it can.
 
-    Only all workers dead makes it unhealthy: with some left it keeps serving (the runtime
-    re-places the dead ones' tasks), as :meth:`StaronnxReplica.describe` reports."""
+    ``runtime`` is the runtime behind it (default: the endpoint's own; a shared runtime for a
+    model hosted beside others, whose handle has no workers of its own to check). Only all
+    workers dead makes it unhealthy: with some left it keeps serving (the runtime re-places
+    the dead ones' tasks), as :meth:`StaronnxReplica.describe` reports."""
     if not getattr(endpoint, "ready", False):
         return "the model endpoint is closed"
     server = endpoint.server
     thread = getattr(server, "_thread", None)
     if server.closed or (thread is not None and not thread.is_alive()):
         return "the batcher has stopped"
-    runtime = endpoint.runtime
+    return runtime_problem(endpoint.runtime if runtime is None else runtime)
+
+
+def runtime_problem(runtime: Any) -> str | None:
+    """Why ``runtime`` cannot run tasks (closed, or every worker dead), or None."""
     if getattr(runtime, "_closed", False):
         return "the runtime is closed"
     try:
@@ -106,117 +113,142 @@ def _predictor(runtime: Any) -> Any:
 
 
 class StaronnxReplica:
-    """One model's replica (the class :func:`staronnx.ray.app.build_app` deploys)."""
+    """A replica of one deployment (the class :func:`staronnx.ray.app.build_app` deploys): the
+    models of its :class:`~staronnx.ray.spec.ReplicaSpec` on one runtime, each behind its own
+    :class:`~staronnx.serve.models.ModelEndpoint` (batcher, queue, statistics).
+
+    Every request names its model (``model=``, which the ingress takes from the URL); None
+    names the only one of a one-model replica, as calls made before replicas hosted several.
+    """
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
         import ray
         from ray import serve
 
-        from staronnx.perfmodels import PerfModelStore
-        from staronnx.plan import Plan
-        from staronnx.runtime.runtime import Runtime
-        from staronnx.serve.metrics import ServeMetrics
-        from staronnx.serve.models import RECORDS_KEPT, ModelEndpoint
-
-        self.spec = ModelSpec.from_dict(spec)
+        self.spec = ReplicaSpec.of(spec)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
         self.local_rank = int(getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0)
         cpus = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
-        share = cpu_share(self.local_rank, cpus) if self.spec.pin_cpus else None
+        share = cpu_share(self.local_rank, cpus) if self.spec.runtime_settings()["pin_cpus"] else None
         if share is not None:
             pin_process(share)
         self.cpus = sorted(os.sched_getaffinity(0))
-        plan = Plan.load(self.spec.plan)
-        store = PerfModelStore(self.spec.home) if self.spec.home else None
-        runtime = Runtime(plan, policy=self.spec.policy, cpu_groups=self.spec.groups,
-                          cuda_streams=self.spec.cuda_streams, engine=self.spec.engine, store=store,
-                          calibrate=self.spec.calibrate)
+        self.runtime = open_runtime(self.spec)
         try:
-            self.endpoint = ModelEndpoint(
-                self.spec.name, runtime, batch_size=self.spec.batch_size, max_delay=self.spec.max_delay,
-                queue_capacity=self.spec.queue_capacity, metrics=ServeMetrics(), keep_records=RECORDS_KEPT,
-                settings={"policy": self.spec.policy, "groups": self.spec.groups,
-                          "cuda_streams": self.spec.cuda_streams, "engine": self.spec.engine,
-                          "replica": self.replica})
+            self.endpoints = open_endpoints(self.spec, self.runtime, self.replica)
         except BaseException:
-            runtime.close(1.0)
+            self.runtime.close(1.0)
             raise
         self._ongoing = 0  # requests inside infer() now (one event loop: no lock)
         self._stop = threading.Event()
         self._saver: threading.Thread | None = None
-        if self.spec.save_every > 0 and _predictor(runtime) is not None:
+        if self.spec.runtime_settings()["save_every"] > 0 and _predictor(self.runtime) is not None:
             self._saver = threading.Thread(target=self._save_loop, name="staronnx-perfmodel-saver", daemon=True)
             self._saver.start()
-        log.info("staronnx replica %s: model %r, plan %s, PUs %s, %d workers", self.replica, self.spec.name,
-                 plan.root, self.cpus, len(runtime.workers))
+        log.info("staronnx replica %s: models %s on one runtime, PUs %s, %d workers", self.replica,
+                 ", ".join(f"{m.name!r} (plan {m.plan})" for m in self.spec.models), self.cpus,
+                 len(self.runtime.workers))
+
+    @property
+    def endpoint(self) -> Any:
+        """The endpoint of a one-model replica (the first model's otherwise)."""
+        return next(iter(self.endpoints.values()))
+
+    def _endpoint(self, model: str | None) -> Any:
+        """The endpoint serving ``model`` (None: the only one); an unknown name is a protocol
+        error (not found), though the ingress routes only the names this replica hosts."""
+        from staronnx.serve.protocol import ProtocolError
+
+        if model is None and len(self.endpoints) == 1:
+            return self.endpoint
+        try:
+            return self.endpoints[model]  # type: ignore[index]
+        except KeyError:
+            raise ProtocolError("not_found", f"unknown model {model!r}; this replica serves "
+                                f"{sorted(self.endpoints)}") from None
 
     # -- requests ---------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
-                    outputs: Sequence[str] | None) -> Reply:
-        """One decoded KServe v2 request through the batcher (see the module docstring)."""
+                    outputs: Sequence[str] | None, model: str | None = None) -> Reply:
+        """One decoded KServe v2 request for ``model`` through its batcher (see the module
+        docstring). A full queue of one model refuses that model only."""
         from staronnx.serve.protocol import ProtocolError
 
         self._ongoing += 1
         try:
-            answer = await self.endpoint.infer(inputs, datatypes, outputs)
+            answer = await self._endpoint(model).infer(inputs, datatypes, outputs)
         except ProtocolError as exc:
             return Reply(error=(exc.kind, str(exc)))
         finally:
             self._ongoing -= 1
         return Reply(answer.outputs, {**answer.parameters, "staronnx_replica": self.replica})
 
-    def metadata(self) -> dict[str, Any]:
-        return self.endpoint.metadata()
+    def metadata(self, model: str | None = None) -> dict[str, Any]:
+        return self._endpoint(model).metadata()
 
-    def config(self) -> dict[str, Any]:
-        return self.endpoint.config()
+    def config(self, model: str | None = None) -> dict[str, Any]:
+        return self._endpoint(model).config()
 
-    def ready(self) -> bool:
-        return health_problem(self.endpoint) is None
+    def ready(self, model: str | None = None) -> bool:
+        return health_problem(self._endpoint(model), self.runtime) is None
 
     def describe(self) -> dict[str, Any]:
-        """Who this replica is and how it is doing: pid, PUs, workers, health, requests (done,
-        and ``ongoing``: accepted and not yet answered)."""
-        stats = self.endpoint.runtime.stats()
+        """Who this replica is and how it is doing: pid, PUs, models, workers, health, requests
+        (done, and ``ongoing``: accepted and not yet answered)."""
+        stats = self.runtime.stats()
         return {"replica": self.replica, "pid": os.getpid(), "local_rank": self.local_rank, "pus": self.cpus,
-                "ongoing": self._ongoing,
+                "models": list(self.endpoints), "ongoing": self._ongoing,
                 "workers": sorted(stats.get("workers", {})), "dead_workers": stats.get("dead_workers", []),
-                "problem": health_problem(self.endpoint), "requests_done": stats.get("requests_done")}
+                "problem": self.problem(), "requests_done": stats.get("requests_done")}
 
     # -- health -----------------------------------------------------------------------------------
+    def problem(self) -> str | None:
+        """The first model that cannot be served and why, or None (the runtime is checked once)."""
+        problem = runtime_problem(self.runtime)
+        if problem is not None:
+            return problem
+        for name, endpoint in self.endpoints.items():
+            problem = health_problem(endpoint, self.runtime)
+            if problem is not None:
+                return problem if len(self.endpoints) == 1 else f"model {name!r}: {problem}"
+        return None
+
     def check_health(self) -> None:
         """Serve's health hook: raising marks this replica unhealthy, and Serve replaces it."""
-        problem = health_problem(self.endpoint)
+        problem = self.problem()
         if problem is not None:
-            raise RuntimeError(f"staronnx replica {self.replica} ({self.spec.name}): {problem}")
+            raise RuntimeError(f"staronnx replica {self.replica} ({', '.join(self.endpoints)}): {problem}")
 
     # -- perf models ------------------------------------------------------------------------------
     def perf_models(self) -> dict[str, Any]:
-        """This replica's in-memory perf models: ``{"part.arch": {batch: [n, nerror]}}``, and
-        how many samples wait to be merged into the store."""
-        predictor = _predictor(self.endpoint.runtime)
+        """This replica's in-memory perf models: ``{"part.arch": {batch: [n, nerror]}}`` (keys
+        ``"model/part.arch"`` when it hosts several models), and how many samples wait to be
+        merged into the store."""
+        predictor = _predictor(self.runtime)
         out: dict[str, Any] = {"replica": self.replica, "models": {}, "unsaved": 0}
         if predictor is None:
             return out
-        archs = sorted({w["arch"] for w in self.endpoint.runtime.stats().get("workers", {}).values()})
-        for part in range(self.endpoint.plan.k):
+        archs = sorted({w["arch"] for w in self.runtime.stats().get("workers", {}).values()})
+        hosted = self.runtime.models
+        for part, (model, local) in enumerate(hosted.owner):
+            prefix = "" if hosted.single else f"{model.name}/"
             for arch in archs:
-                model = predictor.model(part, arch)
-                out["unsaved"] += model.unsaved_count
-                entries = {fp.batch: [e.n, e.nerror] for fp, e in model.entries().items()}
+                history = predictor.model(part, arch)
+                out["unsaved"] += history.unsaved_count
+                entries = {fp.batch: [e.n, e.nerror] for fp, e in history.entries().items()}
                 if entries:
-                    out["models"][f"{part}.{arch}"] = entries
+                    out["models"][f"{prefix}{local}.{arch}"] = entries
         return out
 
     def save_perf_models(self) -> None:
         """Merge what this replica learnt into the store (under the store's lock)."""
-        predictor = _predictor(self.endpoint.runtime)
+        predictor = _predictor(self.runtime)
         if predictor is not None:
             predictor.save()
 
     def _save_loop(self) -> None:
-        while not self._stop.wait(self.spec.save_every):
+        while not self._stop.wait(self.spec.runtime_settings()["save_every"]):
             try:
                 self.save_perf_models()
             except Exception:  # noqa: BLE001 - the next round (or shutdown) tries again
@@ -224,11 +256,54 @@ class StaronnxReplica:
 
     # -- shutdown ---------------------------------------------------------------------------------
     def __del__(self) -> None:
-        """Serve's graceful shutdown: drain the batcher, close the runtime (which merges the
-        perf models learnt since the last save)."""
+        """Serve's graceful shutdown: drain every model's batcher, then close the runtime
+        (which merges the perf models learnt since the last save)."""
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
-        endpoint = getattr(self, "endpoint", None)
-        if endpoint is not None and endpoint.ready:
-            endpoint.close(30.0)
+        for endpoint in getattr(self, "endpoints", {}).values():
+            if endpoint.ready:
+                endpoint.close(30.0)
+        runtime = getattr(self, "runtime", None)
+        if runtime is not None:
+            runtime.close(30.0)
+
+
+def open_runtime(spec: ReplicaSpec) -> Any:
+    """The runtime of a replica: every model of ``spec`` on one set of workers, each with its
+    service target (a one-model spec is a runtime of one)."""
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.plan import Plan
+    from staronnx.runtime.runtime import Runtime
+
+    settings = spec.runtime_settings()
+    store = PerfModelStore(settings["home"]) if settings["home"] else None
+    plans = {m.name: Plan.load(m.plan) for m in spec.models}
+    targets = {m.name: m.target() for m in spec.models if m.target()}
+    return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
+                   cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
+                   calibrate=settings["calibrate"], targets=targets or None)
+
+
+def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:
+    """One :class:`~staronnx.serve.models.ModelEndpoint` per model of ``spec``, over its handle
+    on the shared ``runtime``; what each model's config reports names the replica, whether the
+    runtime is shared and the model's target (as ``staronnx serve``'s do)."""
+    from staronnx.serve.metrics import ServeMetrics
+    from staronnx.serve.models import RECORDS_KEPT, ModelEndpoint
+
+    metrics = ServeMetrics()
+    endpoints: dict[str, Any] = {}
+    try:
+        for m in spec.models:
+            settings = {"policy": m.policy, "groups": m.groups, "cuda_streams": m.cuda_streams, "engine": m.engine,
+                        "replica": replica, "shared_runtime": spec.shared,
+                        **{k: v for k, v in m.target().items() if k in ("latency_ms", "priority")}}
+            endpoints[m.name] = ModelEndpoint(
+                m.name, runtime.model(m.name), batch_size=m.batch_size, max_delay=m.max_delay,
+                queue_capacity=m.queue_capacity, metrics=metrics, keep_records=RECORDS_KEPT, settings=settings)
+    except BaseException:
+        for endpoint in endpoints.values():
+            endpoint.close(1.0)
+        raise
+    return endpoints

@@ -1,9 +1,11 @@
 """What a Ray deployment of staronnx is made of, as plain data: checked once, on the driver.
 
 :class:`ModelSpec` is one plan served by a replica (everything ``staronnx serve`` takes for a
-model); :class:`Scaling` is how many replicas run and what each one asks Ray for. Both are
-plain dataclasses so that they travel to replicas by value, and so that the CLI, the Serve
-config builder and the tests share one set of checks and one wording of the errors.
+model); :class:`ReplicaSpec` is what one deployment's replicas host: every model on one shared
+runtime (the default), or a single model (``--separate-runtimes``); :class:`Scaling` is how many
+replicas run and what each one asks Ray for. All are plain dataclasses so that they travel to
+replicas by value, and so that the CLI, the Serve config builder and the tests share one set of
+checks and one wording of the errors.
 """
 
 from __future__ import annotations
@@ -11,18 +13,29 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from staronnx.errors import StaronnxError
+from staronnx.runtime.models import ServiceTarget
 
 #: the name of the Serve application ``staronnx serve --ray`` deploys
 APP_NAME = "staronnx"
-#: the ingress deployment's name (the model deployments are ``staronnx-<model>``)
+#: the ingress deployment's name (a one-model deployment is ``staronnx-<model>``)
 INGRESS_NAME = "staronnx-ingress"
+#: the deployment whose replicas host several models on one shared runtime
+SHARED_NAME = "staronnx-shared"
+#: the ModelSpec fields that set up a replica's runtime (and its process), rather than one
+#: model's batcher: the models sharing a runtime must agree on them
+RUNTIME_FIELDS = ("policy", "groups", "cuda_streams", "engine", "calibrate", "home", "save_every", "pin_cpus")
+#: what --separate-runtimes refuses: both order the tasks of models sharing one scheduler
+TARGETS_NEED_SHARING = ("latency targets and priorities (--slo-ms, --priority; slo_ms, priority in a Serve config) "
+                        "order the tasks of models sharing one runtime; they do not go with --separate-runtimes "
+                        "(separate_runtimes)")
 
 
 def deployment_name(model: str) -> str:
-    """The Serve deployment that serves ``model`` (what a Serve config's ``deployments`` names)."""
+    """The Serve deployment that serves ``model`` alone (what a Serve config's ``deployments``
+    names); models sharing a runtime are all served by :data:`SHARED_NAME`."""
     return f"staronnx-{model}"
 
 
@@ -37,6 +50,8 @@ class ModelSpec:
     so a replica that is killed loses at most that much; 0 merges only at shutdown.
     ``pin_cpus`` confines each replica on a machine to its own share of the cores (see
     :func:`staronnx.ray.replica.cpu_share`), so two replicas on one machine never share one.
+    ``latency_ms`` and ``priority`` are the model's service target on a shared runtime
+    (``--slo-ms``, ``--priority``; :class:`~staronnx.runtime.models.ServiceTarget`).
     """
 
     plan: str
@@ -52,6 +67,8 @@ class ModelSpec:
     home: str | None = None
     save_every: float = 60.0
     pin_cpus: bool = True
+    latency_ms: float | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -67,6 +84,23 @@ class ModelSpec:
         from staronnx.workers.groups import policy_reserve
 
         policy_reserve(self.groups)  # its syntax, here: a replica would fail only after Serve's retries
+        try:
+            ServiceTarget.of(self.target())
+        except StaronnxError as exc:
+            raise StaronnxError(f"model {self.name!r}: {exc}") from None
+
+    def target(self) -> dict[str, Any]:
+        """The model's service target as ServiceTarget fields (empty: none)."""
+        out: dict[str, Any] = {}
+        if self.latency_ms is not None:
+            out["latency_ms"] = self.latency_ms
+        if self.priority:
+            out["priority"] = self.priority
+        return out
+
+    def runtime_settings(self) -> dict[str, Any]:
+        """The fields a replica's runtime is built from (:data:`RUNTIME_FIELDS`)."""
+        return {f: getattr(self, f) for f in RUNTIME_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -78,6 +112,96 @@ class ModelSpec:
         if unknown:
             raise StaronnxError(f"unknown model setting(s) {unknown}; known: {sorted(known)}")
         return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class ReplicaSpec:
+    """The models one deployment's replicas host, all on one shared runtime.
+
+    Why share: StarPU's way, and ``staronnx serve``'s. Replicas of one model each beside
+    replicas of another would pin their CPU groups to the same cores and open their own
+    streams on the same GPU, with schedulers blind to each other; one runtime per replica runs
+    every model's parts under one policy, ordering their tasks by each model's target, while
+    each model keeps its own batcher and queue (a full one refuses that model only). A spec of
+    one model is what ``--separate-runtimes`` deploys per model (and what a single plan is).
+    """
+
+    models: tuple[ModelSpec, ...]
+
+    def __post_init__(self) -> None:
+        refuse_duplicates(self.models)
+        first = self.models[0]
+        for field_name in RUNTIME_FIELDS:
+            values = {repr(getattr(m, field_name)) for m in self.models}
+            if len(values) > 1:
+                raise StaronnxError(
+                    f"models sharing a runtime share its {field_name!r}, but they give {', '.join(sorted(values))}; "
+                    "give one value for all, or serve them with separate runtimes")
+        if len(self.models) > 1 and first.engine != "native":
+            raise StaronnxError(f"the {first.engine} engine serves one plan; several models share a runtime on the "
+                                "native engine (or serve them with separate runtimes)")
+
+    @property
+    def name(self) -> str:
+        """Its Serve deployment: named after its model when it hosts one, else :data:`SHARED_NAME`."""
+        return deployment_name(self.models[0].name) if len(self.models) == 1 else SHARED_NAME
+
+    @property
+    def shared(self) -> bool:
+        """Whether its replicas host several models on one runtime."""
+        return len(self.models) > 1
+
+    @property
+    def batch_size(self) -> int:
+        """Samples one round of batches takes, one of each model (what sizes Serve's limits)."""
+        return sum(m.batch_size for m in self.models)
+
+    @property
+    def queue_capacity(self) -> int:
+        """Samples its models' queues hold together."""
+        return sum(m.queue_capacity for m in self.models)
+
+    def runtime_settings(self) -> dict[str, Any]:
+        """The runtime's settings, which every model agrees on (checked above)."""
+        return self.models[0].runtime_settings()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"models": [m.to_dict() for m in self.models]}
+
+    @classmethod
+    def of(cls, spec: ReplicaSpec | ModelSpec | Mapping[str, Any]) -> ReplicaSpec:
+        """A spec from itself, a :class:`ModelSpec`, or a dict of either (a replica is bound to
+        a dict): ``{"models": [...]}``, or one ModelSpec's dict as replicas took before models
+        could share one."""
+        if isinstance(spec, ReplicaSpec):
+            return spec
+        if isinstance(spec, ModelSpec):
+            return cls((spec,))
+        data = dict(spec)
+        if set(data) == {"models"}:
+            return cls(tuple(m if isinstance(m, ModelSpec) else ModelSpec.from_dict(m) for m in data["models"]))
+        return cls((ModelSpec.from_dict(data),))
+
+
+def group_models(specs: Sequence[ModelSpec], separate_runtimes: bool = False) -> list[ReplicaSpec]:
+    """The deployments that serve ``specs``: one hosting them all on a shared runtime, or
+    (``separate_runtimes``) one per model. Targets need the shared form: refused otherwise."""
+    refuse_duplicates(specs)
+    if not separate_runtimes:
+        return [ReplicaSpec(tuple(specs))]
+    if any(s.target() for s in specs):
+        raise StaronnxError(TARGETS_NEED_SHARING)
+    return [ReplicaSpec((s,)) for s in specs]
+
+
+def refuse_duplicates(specs: Sequence[ModelSpec]) -> None:
+    """No plan to serve, or two served under one name (one URL): refused, saying how to fix it."""
+    if not specs:
+        raise StaronnxError("no plan to serve")
+    names = [s.name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
 
 
 _AUTOSCALE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")
@@ -96,7 +220,8 @@ def parse_autoscale(text: str) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Scaling:
-    """How many replicas of each model run, and what each asks Ray for.
+    """How many replicas of each deployment run (the shared one, or each model's with
+    ``--separate-runtimes``), and what each asks Ray for.
 
     ``replica_cpus``/``replica_gpus`` are a replica's ``ray_actor_options``: ask for a whole
     machine's cores and GPUs, and Ray places one replica per machine (two replicas never share
@@ -121,16 +246,26 @@ class Scaling:
         if self.ingress_replicas < 1:
             raise StaronnxError(f"ingress_replicas must be at least 1, got {self.ingress_replicas}")
 
-    def deployment_options(self, spec: ModelSpec, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-        """``Deployment.options(...)`` for ``spec``'s model deployment."""
-        max_ongoing = self.max_ongoing or max(32, 4 * spec.batch_size)
+    def deployment_options(self, spec: ReplicaSpec | ModelSpec, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+        """``Deployment.options(...)`` for the deployment serving ``spec``.
+
+        A replica of one model takes ``max_ongoing`` requests (a few batches' worth) and Serve
+        queues the rest in front of the replicas, up to the model's queue capacity. A replica
+        hosting several models takes every request its models' own queues may hold: were Serve
+        to stop routing at a lower count, one flooded model would fill that count and its
+        neighbours' requests would wait (or be refused) behind it, while the replica's
+        per-model queues refuse the flooded model alone (503 for it only).
+        """
+        spec = ReplicaSpec.of(spec)
+        batches = sum(max(32, 4 * m.batch_size) for m in spec.models)
+        default_ongoing = batches if not spec.shared else batches + spec.queue_capacity
         actor: dict[str, Any] = {"num_cpus": self.replica_cpus, "num_gpus": self.replica_gpus}
         if env:
             actor["runtime_env"] = {"env_vars": dict(env)}
         opts: dict[str, Any] = {
-            "name": deployment_name(spec.name),
+            "name": spec.name,
             "ray_actor_options": actor,
-            "max_ongoing_requests": max_ongoing,
+            "max_ongoing_requests": self.max_ongoing or default_ongoing,
             # requests waiting for a replica beyond this are refused (503), like a full queue
             "max_queued_requests": spec.queue_capacity,
             "health_check_period_s": 5.0,
@@ -141,6 +276,7 @@ class Scaling:
             lo, hi = self.autoscale
             opts["autoscaling_config"] = {
                 "min_replicas": lo, "max_replicas": hi, "initial_replicas": max(lo, 1),
+                # about two batches of each model in flight per replica
                 "target_ongoing_requests": self.target_ongoing or float(2 * spec.batch_size),
             }
         else:
