@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,7 +164,8 @@ class TaskGraph:
     the module docstring."""
 
     def __init__(self, plan: Plan | ModelSet, workers: Sequence[WorkerInfo], policy: Policy, predictor: Predictor,
-                 clock: Clock, footprint: FootprintFn) -> None:
+                 clock: Clock, footprint: FootprintFn, where: Sequence[Collection[int]] | None = None) -> None:
+        """``where``: per global part, the ids of the workers holding it (None: all of them)."""
         self.models = ModelSet.of(plan)
         self.plan = self.models.models[0].plan  # the first (or only) model's
         self.policy = policy
@@ -191,8 +192,9 @@ class TaskGraph:
         self.inflight: dict[int, Request] = {}
         self._queued: dict[int, Task] = {}  # pushed, not yet popped, by TaskView id
         #: what each push of the last submit/finish/worker_lost returned: the worker it placed
-        #: the task on, or None (a shared queue): the engine wakes just those workers
-        self.pushed_to: list[int | None] = []
+        #: the task on, or None (a shared queue), or the workers holding its part (a shared
+        #: queue, when not every worker does): the engine wakes just those workers
+        self.pushed_to: list[int | frozenset[int] | None] = []
         #: the driver's own reason to drop a request's remaining tasks (a cancelled future)
         self.dropped: Callable[[Request], bool] = lambda req: False
         self._ids = itertools.count()
@@ -205,7 +207,15 @@ class TaskGraph:
         self.failed_requests = 0
         #: (worker name, error) of workers that died
         self.dead_workers: list[tuple[str, str]] = []
-        policy.attach(workers, predictor, clock, self.succs)
+        #: per global part, the workers that hold it; None where every worker holds every part
+        self.where = None if where is None else [frozenset(w) for w in where]
+        if self.where is not None:
+            unheld = [self.models.label(p) for p, w in enumerate(self.where) if not w]
+            if unheld:
+                raise ValueError(f"no worker holds {', '.join(unheld)}")
+        #: models (indices) that a lost worker left with a part nobody holds (refused at submit)
+        self.stranded: set[int] = set()
+        policy.attach(workers, predictor, clock, self.succs, self.where)
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
@@ -239,7 +249,11 @@ class TaskGraph:
         task.view = view
         task.ready_at = now
         self._queued[view.id] = task
-        self.pushed_to.append(self.policy.push(view))
+        target = self.policy.push(view)
+        if target is None and self.where is not None:  # a shared queue: wake one that holds it
+            self.pushed_to.append(self.where[task.part])
+        else:
+            self.pushed_to.append(target)
 
     # -- workers -------------------------------------------------------------------------------
     @property
@@ -343,10 +357,22 @@ class TaskGraph:
             for req in lost:
                 self.fail(req)
             return lost
+        # a model with a part no live worker holds can no longer answer: its requests fail
+        self.stranded = self.stranded_models()
+        lost = [req for req in self.inflight.values() if req.model in self.stranded]
+        for req in lost:
+            self.fail(req)
         for task in orphans:
             if not task.request.failed:
                 self._push(task, now, None)
-        return []
+        return lost
+
+    def stranded_models(self) -> set[int]:
+        """The models (indices) with a part that no live worker holds: nothing can run them."""
+        if self.where is None:
+            return set()
+        alive = {i for i, w in enumerate(self.workers) if w.alive}
+        return {self.models.owner[p][0].index for p, holders in enumerate(self.where) if not holders & alive}
 
     # -- observability -------------------------------------------------------------------------
     def stats(self, elapsed: float) -> dict[str, Any]:
@@ -394,6 +420,9 @@ class TaskGraph:
                         for st in self.workers},
             "tasks": per_part_arch(local, local_pred),
             "mean_queue_wait_ms": c.queue_waits.mean() * 1e3,
+            #: the workers holding every part of it (all of them unless a residency says otherwise)
+            "held_by": [st.info.name for i, st in enumerate(self.workers)
+                        if st.alive and (self.where is None or all(i in self.where[p] for p in parts))],
         }
 
 

@@ -59,6 +59,16 @@ def worker_info(index: int, worker: Worker) -> WorkerInfo:
     return WorkerInfo(index, worker.name, worker.arch, worker.kind, worker.memory_node, worker.n_cores)
 
 
+def parts_held(workers: Sequence[Worker], k: int) -> list[frozenset[int]] | None:
+    """Per part, the workers (indices) that hold a session for it, from each worker's
+    ``holds`` (None, or no such attribute: every part); None when every worker holds every
+    part, so the policies keep their unrestricted fast path."""
+    holds = [getattr(w, "holds", None) for w in workers]
+    if all(h is None for h in holds):
+        return None
+    return [frozenset(i for i, h in enumerate(holds) if h is None or p in h) for p in range(k)]
+
+
 class RealClock:
     """``time.perf_counter``, as the policies' :class:`~staronnx.runtime.sched.Clock` (the C
     function itself: it is read several times per task)."""
@@ -119,7 +129,8 @@ class NativeEngine:
         self.idle = 0
         self.started_at = self.clock.now()
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
-        self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint)
+        self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
+                              where=parts_held(workers, self.models.k))
         self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
@@ -155,6 +166,9 @@ class NativeEngine:
                 raise EngineClosed("the runtime is closed; no new requests are accepted")
             if capacity is not None and self.core.per_model[model].in_flight >= capacity:
                 raise ModelOverloaded(self.models.models[model].name, capacity)
+            if self.core.stranded and model in self.core.stranded:
+                raise EngineClosed(f"model {self.models.models[model].name!r} can no longer run: every worker "
+                                   "that held one of its parts was lost")
             req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
                                    dict(feeds), future, model=model, arrival=arrival)
             future.request_id = req.id
@@ -170,8 +184,13 @@ class NativeEngine:
             if target is None:
                 if self._idle:
                     self._notify(next(iter(self._idle)))
-            elif target in self._idle:
-                self._notify(target)
+            elif target.__class__ is int:
+                if target in self._idle:
+                    self._notify(target)  # type: ignore[arg-type]
+            elif self._idle:  # a shared queue's task that only these workers hold
+                idle = next((w for w in self._idle if w in target), None)  # type: ignore[operator]
+                if idle is not None:
+                    self._notify(idle)
 
     def _wake_all(self) -> None:
         """(lock held) Every idle worker looks again (close, a lost worker)."""
@@ -520,7 +539,7 @@ def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngin
     own = settings.workers is None
     workers = list(settings.workers) if settings.workers is not None else start_workers(
         models, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
-        cuda_options=dict(settings.cuda_options))
+        cuda_options=dict(settings.cuda_options), residency=dict(settings.residency))
     try:
         warm_up(models, workers, settings.warmup)
         store = settings.store if settings.store is not None else PerfModelStore()

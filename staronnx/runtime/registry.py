@@ -40,6 +40,8 @@ class EngineSettings:
     cuda_options: Mapping[str, Any] = field(default_factory=dict)
     #: batch sizes every CUDA worker runs (and captures as CUDA graphs) before serving
     warmup: tuple[int, ...] = ()
+    #: model name -> the workers that load it (:mod:`staronnx.workers.residency`); others: all
+    residency: Mapping[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):

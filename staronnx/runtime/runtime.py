@@ -28,7 +28,10 @@ set of workers under one scheduler, each part with its own perf model)::
         fut = rt.submit(feeds, model="tiny")          # or rt.model("tiny").submit(feeds)
         print(rt.model("tiny").stats()["deadline_misses"])
 
-Each worker holds a session of every model's parts; one policy places every task; a model's
+Each worker holds a session of every model's parts, unless ``residency`` keeps a model on some
+workers only (``residency={"tiny": "cpu"}``: GPU memory, or a GPU left to the heavy model), in
+which case its tasks go only there and ``stats()["models"][name]["held_by"]`` says where; one
+policy places every task; a model's
 :class:`~staronnx.runtime.models.ServiceTarget` turns its requests into deadlines that ordered
 queues serve first (EDF), and its ``capacity`` refuses that model's requests only
 (:class:`~staronnx.runtime.models.ModelOverloaded`). :meth:`Runtime.model` gives a handle with a
@@ -98,21 +101,28 @@ class Runtime:
         cuda_options: Mapping[str, Any] | None = None,
         warmup: Sequence[int] = (),
         targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
+        residency: Mapping[str, str] | None = None,
     ) -> None:
         """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
-        a single plan is named after its folder (see :attr:`model_names`)."""
+        a single plan is named after its folder (see :attr:`model_names`). ``residency``:
+        per model name, the workers that load it (``"cpu"``, ``"cuda0"``, ``"cpu:numa0,cuda"``;
+        see :mod:`staronnx.workers.residency`) when not every worker can hold every model;
+        models not named load everywhere."""
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
         if engine != "native" and not self.models.single:
             raise StaronnxError(f"the {engine} engine serves one plan; several models share a runtime "
                                 "on the native engine")
+        if residency and (engine != "native" or workers is not None):
+            raise StaronnxError("residency chooses the workers that load each model when the native engine "
+                                "starts them; it does not go with engine='starpu' or workers=[...]")
         self.policy_name = policy
         self._native = engine == "native"
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
-            tuple(int(b) for b in warmup))
+            tuple(int(b) for b in warmup), dict(residency or {}))
         self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch

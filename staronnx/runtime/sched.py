@@ -11,6 +11,10 @@ the policy decides at push time (dm/dmda/...: the engine then prefetches the inp
 worker's memory node) or ``None`` when it waits in a shared queue (eager, ws); ``pop(worker_id)``
 when a worker is idle; ``on_start``/``on_done`` around each run (StarPU's exp_start/exp_len/
 exp_end); ``remove_worker`` when a worker dies, returning its queued tasks to be pushed again.
+A worker may hold only some parts (a runtime whose workers cannot all load every model):
+``attach`` then receives ``where``, and a policy places a task only on, and pops it only for,
+a worker that holds its part (:meth:`Policy.can_run`); the core never pushes a task that no
+live worker holds.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Collection, NamedTuple, Protocol, Sequence
 
 if TYPE_CHECKING:
     from staronnx.perfmodels import Footprint
@@ -124,6 +128,8 @@ class Policy(ABC):
     name: str = "?"
     #: True when push() decides the worker (the engine then prefetches the inputs)
     places_at_push: bool = False
+    #: per part, the workers that hold it (see :meth:`attach`); None: every worker, every part
+    where: list[frozenset[int]] | None = None
 
     def attach(
         self,
@@ -131,13 +137,32 @@ class Policy(ABC):
         predictor: Predictor,
         clock: Clock,
         dag: Sequence[Sequence[int]] = (),
+        where: Sequence[Collection[int]] | None = None,
     ) -> None:
-        """Receive the workers, predictions, clock and the plan's DAG (successors per part)."""
+        """Receive the workers, predictions, clock, the plan's DAG (successors per part) and
+        ``where``: per part, the ids of the workers that hold it (StarPU's ``can_execute``);
+        None when every worker holds every part."""
         self.workers = list(workers)
         self.predictor = predictor
         self.clock = clock
         self.dag = [list(s) for s in dag]
+        self.where = None if where is None else [frozenset(w) for w in where]
         self.setup()
+
+    def can_run(self, worker_id: int, part: int) -> bool:
+        """Whether worker ``worker_id`` holds ``part`` (a session for it): a policy never
+        places or hands a task to a worker that does not (StarPU's
+        ``starpu_worker_can_execute_task``)."""
+        return self.where is None or worker_id in self.where[part]
+
+    def holders(self, order: Sequence[WorkerInfo], part: int) -> Sequence[WorkerInfo]:
+        """``order`` (the live workers, in the policy's order) less those that do not hold
+        ``part``: the candidates of a decision. The list itself when every worker holds
+        every part, so the common case costs nothing."""
+        if self.where is None:
+            return order
+        where = self.where[part]
+        return [w for w in order if w.id in where]
 
     def setup(self) -> None:
         """Build per-worker state once ``workers``, ``predictor``, ``clock`` and ``dag`` are

@@ -146,13 +146,19 @@ class ThreadWorker(ABC):
 
     def __init__(
         self,
-        part_paths: Sequence[str | os.PathLike[str]],
+        part_paths: Sequence[str | os.PathLike[str] | None],
         name: str,
         on_done: OnDone | None,
     ) -> None:
-        if not part_paths:
+        if not any(p is not None for p in part_paths):
             raise ModelError(f"a {self.kind.upper()} worker needs at least one part (.onnx file)")
-        self.part_paths = [Path(p) for p in part_paths]
+        #: by part number; None for a part this worker does not hold (no session: a runtime
+        #: whose workers cannot all load every model gives each only some)
+        self.part_paths: list[Path | None] = [None if p is None else Path(p) for p in part_paths]
+        #: the parts it holds; None when it holds every part (the scheduler's fast path)
+        self.holds: frozenset[int] | None = (
+            None if all(p is not None for p in self.part_paths)
+            else frozenset(i for i, p in enumerate(self.part_paths) if p is not None))
         self.name = name
         self.on_done = on_done
         self.stats = WorkerStats()
@@ -200,7 +206,7 @@ class ThreadWorker(ABC):
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed")
             for p in self.part_paths:
-                if not p.is_file():
+                if p is not None and not p.is_file():
                     raise ModelError(f"part file {str(p)!r} does not exist")
             self._prepare_start()
             self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
@@ -290,6 +296,8 @@ class ThreadWorker(ABC):
     def _check_part(self, part: int) -> None:
         if not 0 <= part < len(self.part_paths):
             raise IndexError(f"{self.name} has parts 0..{len(self.part_paths) - 1}, not {part}")
+        if self.part_paths[part] is None:
+            raise IndexError(f"{self.name} does not hold part {part} (it was not loaded on this worker)")
 
     def _check_own_thread(self) -> None:
         """``run_here`` must be called from the worker's thread (where its sessions live)."""
@@ -321,6 +329,8 @@ class ThreadWorker(ABC):
         """
         timings = []
         for part in range(len(self.part_paths)):
+            if self.part_paths[part] is None:
+                continue
             for b in batch_sizes:
                 feeds = make_feeds(part, b)
                 for _ in range(max(1, repeats)):

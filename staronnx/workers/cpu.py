@@ -197,6 +197,11 @@ class CpuWorker(ThreadWorker):
         self._pin(self.group.first_pu)
         self.membind = _bind_memory(self._topology, self.group)
         for i, path in enumerate(self.part_paths):
+            if path is None:  # a part this worker does not hold: no session, no memory
+                self._sessions.append(None)  # type: ignore[arg-type]
+                self._inputs.append([])
+                self._outputs.append([])
+                continue
             self._sessions.append(self._load(i, path))
             self._inputs.append([x.name for x in self._sessions[-1].get_inputs()])
             self._outputs.append([x.name for x in self._sessions[-1].get_outputs()])

@@ -634,7 +634,9 @@ class CudaWorker(ThreadWorker):
         self.stream_handle = self._stream.handle
         self._run_options = self._options(-1)
         for i, path in enumerate(self.part_paths):
-            self._parts.append(_Part.of(self._load_with_graphs(i, path)))
+            # a part this worker does not hold: no session, no device memory
+            held = None if path is None else _Part.of(self._load_with_graphs(i, path))
+            self._parts.append(held)  # type: ignore[arg-type]
 
     @staticmethod
     def _options(graph_id: int) -> ort.RunOptions:
@@ -1042,7 +1044,7 @@ class CudaWorker(ThreadWorker):
             log.warning("%s: freeing buffers at close failed: %s", self.name, exc)
         if self._owns_pool:
             self.pinned_pool.close()
-        refs = [weakref.ref(p.session) for p in self._parts]
+        refs = [weakref.ref(p.session) for p in self._parts if p is not None]
         self._parts.clear()
         if any(r() is not None for r in refs):
             gc.collect()

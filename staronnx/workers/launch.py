@@ -17,11 +17,13 @@ against).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from staronnx.workers.groups import CpuGroups, GroupError, make_groups, policy_reserve
+from staronnx.workers.residency import WorkerSlot, model_holders
 from staronnx.workers.topology import Topology
 
 __all__ = ["NO_CPU", "WorkerLayout", "worker_layout", "start_workers"]
@@ -82,31 +84,37 @@ def start_workers(
     *,
     topology: Topology | None = None,
     cuda_options: dict[str, Any] | None = None,
+    residency: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Started workers for ``plan``: CUDA stream workers first (StarPU's order), then one CPU
     worker per group of :func:`worker_layout`.  On any failure the ones already started are
     closed, so a bad request leaves no thread behind.  ``cuda_options`` go to every
     :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
-    pipeline on the CPU provider)."""
+    pipeline on the CPU provider). ``residency`` (model name -> worker selector, see
+    :mod:`staronnx.runtime.residency`) loads those models only on the workers selected; the
+    others hold no session of them."""
     from staronnx.workers.cpu import CpuWorker
 
-    parts = [plan.part_path(i) for i in range(plan.k)]
     topology = topology or Topology.from_system()
     per_stream = bool((cuda_options or {}).get("thread_per_stream", False))
     layout = worker_layout(topology, groups, cuda_streams, cuda_devices, thread_per_stream=per_stream)
+    slots = [WorkerSlot(f"cuda{d}.s{s}", "cuda", d) for d, s, _ in layout.cuda]
+    slots += [WorkerSlot(f"cpu:{g.name}", "cpu") for g in layout.groups]
+    parts = held_part_paths(plan, residency or {}, slots)
     workers: list[Any] = []
     try:
         if layout.cuda:
             from staronnx.workers.cuda import CudaWorker
 
             pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
-            for device, stream, pu in layout.cuda:
-                worker = CudaWorker(device, stream, parts, cpu=pu, pinned_pool=pool, **(cuda_options or {}))
+            for i, (device, stream, pu) in enumerate(layout.cuda):
+                worker = CudaWorker(device, stream, parts[i], cpu=pu, pinned_pool=pool, name=slots[i].name,
+                                    **(cuda_options or {}))
                 pool = worker.pinned_pool
                 workers.append(worker)
                 worker.start()
-        for group in layout.groups:
-            worker = CpuWorker(group, parts, topology=topology)
+        for j, group in enumerate(layout.groups, start=len(layout.cuda)):
+            worker = CpuWorker(group, parts[j], topology=topology, name=slots[j].name)
             workers.append(worker)
             worker.start()
     except BaseException:
@@ -117,3 +125,18 @@ def start_workers(
                 pass
         raise
     return workers
+
+
+def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[WorkerSlot]) -> list[list[Path | None]]:
+    """Per worker slot, its part files by global part number, None for the parts of a model
+    ``residency`` keeps off it (a plan, or the models of a ModelSet, by name)."""
+    paths = [plan.part_path(i) for i in range(plan.k)]
+    if not residency:
+        return [list(paths) for _ in slots]
+    from staronnx.runtime.models import ModelSet
+
+    models = ModelSet.of(plan)
+    holders = model_holders(residency, [m.name for m in models.models], slots)
+    owner = [models.owner[p][0].name for p in range(plan.k)]
+    return [[path if owner[p] not in holders or i in holders[owner[p]] else None for p, path in enumerate(paths)]
+            for i in range(len(slots))]

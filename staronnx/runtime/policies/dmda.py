@@ -6,7 +6,8 @@ expected to start), ``exp_len`` (predicted work queued, transfers included), ``p
 (work popped but not finished), ``ntasks`` (queued) and ``pipeline_ntasks``.
 
 **Decision** at push, for each live worker *w* in worker order (StarPU's ids: accelerators
-first), with ``now`` the clock:
+first) that holds the task's part (all of them, unless workers hold different models), with
+``now`` the clock:
 
 - ``start = max(exp_start, now)``, ``prev = exp_len``;
 - ``L`` = predicted execution time, ``T`` = predicted transfer of inputs not valid on *w*'s
@@ -162,7 +163,10 @@ class DmdaPolicy(Policy):
         best_end = math.inf
         max_end = -math.inf
         targeted = has_target(task)
-        for w in self._order:
+        order = self.holders(self._order, task.part)
+        if not order:
+            raise RuntimeError(f"{self.name} policy: no live worker holds part {task.part}")
+        for w in order:
             q = self._queues[w.id]
             horizon = max(q.exp_start, now) + (self._ahead_of(q, task) if targeted else q.exp_len)
             max_end = max(max_end, horizon)

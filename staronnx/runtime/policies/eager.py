@@ -1,6 +1,7 @@
 """eager: one central FIFO shared by all workers (StarPU's ``eager_central_policy.c``).
 
-A worker that goes idle takes the oldest task it can run. StarPU's documentation says
+A worker that goes idle takes the oldest task it can run (the oldest of the parts it holds,
+when workers hold different models). StarPU's documentation says
 priorities go to the front; its code does not, and neither do we. Service targets of a shared
 runtime do: a task with a deadline or a model priority passes the queued tasks it runs before
 (:func:`~staronnx.runtime.sched.runs_before`), so ``eager`` serves several models EDF. Nothing is decided at push,
@@ -37,11 +38,19 @@ class EagerPolicy(Policy):
         return None
 
     def pop(self, worker_id: int) -> TaskView | None:
-        # Every worker can run every part (each has a session per part), so "the first task
-        # it can run" is the head.
-        if worker_id not in self._alive or not self._queue:
+        # Where every worker holds every part, "the first task it can run" is the head; a
+        # worker that holds only some parts (``where``) takes the first one it holds.
+        queue = self._queue
+        if worker_id not in self._alive or not queue:
             return None
-        return self._queue.popleft()
+        where = self.where
+        if where is None or worker_id in where[queue[0].part]:
+            return queue.popleft()
+        for i, task in enumerate(queue):
+            if worker_id in where[task.part]:
+                del queue[i]
+                return task
+        return None
 
     def remove_worker(self, worker_id: int) -> list[TaskView]:
         """Nothing is queued *on* a worker here; the dead one just stops popping."""

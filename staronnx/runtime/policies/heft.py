@@ -81,7 +81,7 @@ class HeftPolicy(DmdasPolicy):
         return ranks
 
     def part_weight(self, part: int, batch: int, task: TaskView | None = None) -> float | None:
-        """Mean predicted time of ``part`` at ``batch`` over the live archs, or None when some
+        """Mean predicted time of ``part`` at ``batch`` over the live archs that hold it, or None when some
         arch has no usable prediction (NaN: not calibrated yet; 0: no model). Other parts than
         ``task``'s are probed with the footprint last seen for them: models are keyed by it."""
         if task is not None and task.part == part and task.batch == batch:
@@ -91,7 +91,7 @@ class HeftPolicy(DmdasPolicy):
             probe = TaskView(id=-1, part=part, batch=batch, request=-1,
                              footprint=fp)
         archs: dict[str, WorkerInfo] = {}
-        for w in self._order:
+        for w in self.holders(self._order, part):
             archs.setdefault(w.arch, w)
         if not archs:
             return None

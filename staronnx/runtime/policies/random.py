@@ -34,20 +34,23 @@ class RandomPolicy(Policy):
         self._order = list(self.workers)
         self._queues = {w.id: deque() for w in self.workers}
 
-    def choose(self) -> WorkerInfo:
-        """Draw a worker with probability ∝ speedup (the last one absorbs rounding)."""
-        if not self._order:
-            raise RuntimeError("random policy: no worker left to place a task on")
-        target = self._rng.random() * sum(w.speedup for w in self._order)
+    def choose(self, part: int | None = None) -> WorkerInfo:
+        """Draw a worker with probability ∝ speedup (the last one absorbs rounding), among
+        those that hold ``part`` (None: every live worker)."""
+        order = self._order if part is None else self.holders(self._order, part)
+        if not order:
+            raise RuntimeError("random policy: no worker left to place a task on"
+                               + ("" if part is None else f" (none holds part {part})"))
+        target = self._rng.random() * sum(w.speedup for w in order)
         acc = 0.0
-        for w in self._order:
+        for w in order:
             acc += w.speedup
             if acc > target:
                 return w
-        return self._order[-1]
+        return order[-1]
 
     def push(self, task: TaskView) -> int | None:
-        w = self.choose()
+        w = self.choose(task.part)
         insert_sorted(self._queues[w.id], task)
         task.placed_on = w.id
         return w.id

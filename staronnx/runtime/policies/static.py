@@ -37,6 +37,13 @@ class StaticPolicy(Policy):
                 f"workers are {', '.join(by_name)} (use the same --groups as the plan's devices)"
             )
         self._worker_of = {p: by_name[d] for p, d in self.devices.items()}
+        unheld = {p: d for p, d in self.devices.items() if not self.can_run(self._worker_of[p], p)}
+        if unheld:
+            raise PolicyError(
+                "static placement puts part(s) on worker(s) that do not hold them: "
+                + ", ".join(f"part {p} -> {d}" for p, d in sorted(unheld.items()))
+                + " (load those models on those workers, or choose another policy)"
+            )
         self._queues = {w.id: deque() for w in self.workers}
 
     def push(self, task: TaskView) -> int | None:

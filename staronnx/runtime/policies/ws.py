@@ -2,9 +2,10 @@
 ``work_stealing_policy.c`` and ``prio_deque.c``).
 
 Push goes to the worker that released the task (``task.releasing_worker``), so a chain of parts
-stays where its data is; a new request's first parts go round-robin. A thief takes the *newest*
-task of a victim's highest-priority bucket, the least likely to have its inputs prefetched yet;
-``lws``'s proximity list is a cheap stand-in for StarPU's hwloc-distance list.
+stays where its data is; a new request's first parts go round-robin (in both cases only to a
+worker that holds the part, and a thief steals only tasks whose part it holds). A thief takes
+the *newest* task of a victim's highest-priority bucket, the least likely to have its inputs
+prefetched yet; ``lws``'s proximity list is a cheap stand-in for StarPU's hwloc-distance list.
 
 Deviation: StarPU only robs a busy victim, because its drivers poll and an idle owner takes its
 own task a moment later. Our workers sleep until a push or a completion wakes them, so a thief
@@ -15,6 +16,7 @@ is fair game. A task may be stolen, so ``push`` returns ``None`` and the engine 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 
@@ -58,9 +60,22 @@ class PrioDeque:
         """The owner's pop: oldest task of the highest priority."""
         return self._take(front=True)
 
-    def pop_back_highest(self) -> TaskView | None:
-        """A thief's pop: newest task of the highest priority."""
-        return self._take(front=False)
+    def pop_back_highest(self, runnable: Callable[[TaskView], bool] | None = None) -> TaskView | None:
+        """A thief's pop: newest task of the highest priority; with ``runnable``, the newest
+        of the highest priority that the thief can run (one that holds the task's part)."""
+        if runnable is None:
+            return self._take(front=False)
+        for prio in sorted(self._buckets, reverse=True):
+            bucket = self._buckets[prio]
+            for i in range(len(bucket) - 1, -1, -1):
+                if runnable(bucket[i]):
+                    task = bucket[i]
+                    del bucket[i]
+                    if not bucket:
+                        del self._buckets[prio]
+                    self._n -= 1
+                    return task
+        return None
 
     def drain(self) -> list[TaskView]:
         """Everything, highest priority first, oldest first within a priority."""
@@ -89,16 +104,25 @@ class WorkStealingPolicy(Policy):
         self._next_victim = {w.id: 0 for w in self.workers}
 
     # -- push -------------------------------------------------------------------------------
-    def _round_robin(self) -> int:
+    def _round_robin(self, part: int) -> int:
+        """The next live worker in turn that holds ``part``."""
         if not self._order:
             raise RuntimeError(f"{self.name} policy: no worker left to place a task on")
-        self._last_push = (self._last_push + 1) % len(self._order)
-        return self._order[self._last_push].id
+        n = len(self._order)
+        for _ in range(n):
+            self._last_push = (self._last_push + 1) % n
+            wid = self._order[self._last_push].id
+            if self.can_run(wid, part):
+                return wid
+        raise RuntimeError(f"{self.name} policy: no live worker holds part {part}")
 
     def push(self, task: TaskView) -> int | None:
         releasing = task.releasing_worker
-        wid = releasing if releasing in self._deques else self._round_robin()
-        self._deques[wid].push_back(task)
+        if releasing in self._deques and self.can_run(releasing, task.part):  # type: ignore[arg-type]
+            wid = releasing
+        else:
+            wid = self._round_robin(task.part)
+        self._deques[wid].push_back(task)  # type: ignore[index]
         return None
 
     # -- pop --------------------------------------------------------------------------------
@@ -123,7 +147,11 @@ class WorkStealingPolicy(Policy):
         if task is not None:
             return task
         for victim in self.victims(worker_id):
-            task = self._deques[victim].pop_back_highest()
+            where = self.where
+            if where is None:
+                task = self._deques[victim].pop_back_highest()
+            else:
+                task = self._deques[victim].pop_back_highest(lambda t: worker_id in where[t.part])
             if task is not None:
                 self._stolen(worker_id, victim)
                 task.extra["stolen_from"] = victim

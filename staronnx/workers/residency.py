@@ -1,0 +1,89 @@
+"""Which workers hold which models, when not every worker can hold every one.
+
+A runtime of several models gives every worker a session of every model's parts by default
+(StarPU's way: any worker may run any codelet). A GPU's memory, or a budget of sessions per
+worker, does not always allow that: a large model may fit beside a small one only on the CPU
+groups, or one model may be kept off the GPU so that another has it to itself. ``residency``
+says, per model, which workers load it; the others hold no session of it (no memory, no
+warm-up), and the policy places its tasks only on workers that hold them (StarPU's
+``can_execute``: :meth:`~staronnx.runtime.sched.Policy.can_run`). Models not named stay on
+every worker.
+
+A selector is a comma-separated list of:
+
+- ``cpu`` / ``cuda``: every worker of that kind;
+- ``cuda<d>``: every stream of GPU ``d``;
+- a worker's name, as ``Runtime.stats()`` lists them (``cpu:numa0``, ``cuda0.s1``).
+
+On the command line: ``--model-workers NAME=SELECTOR`` (repeatable).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from staronnx.errors import StaronnxError
+
+_DEVICE = re.compile(r"cuda(\d+)")
+
+
+class ResidencyError(StaronnxError, ValueError):
+    """A residency that names an unknown model, matches no worker or leaves a model nowhere."""
+
+
+@dataclass(frozen=True)
+class WorkerSlot:
+    """A worker as residency sees it before it starts: enough to match a selector."""
+
+    name: str
+    kind: str  # "cpu" or "cuda"
+    device: int | None = None  # the GPU of a CUDA worker
+
+
+def parse_model_workers(items: Iterable[str]) -> dict[str, str]:
+    """``NAME=SELECTOR`` options (the CLI's ``--model-workers``) as a mapping; a model named
+    twice is an error, not a silent override."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, selector = item.partition("=")
+        name, selector = name.strip(), selector.strip()
+        if not sep or not name or not selector:
+            raise ResidencyError(f"--model-workers takes NAME=WORKERS (e.g. ocr=cpu or big=cuda0,cpu:numa0), "
+                                 f"got {item!r}")
+        if name in out:
+            raise ResidencyError(f"--model-workers names model {name!r} twice")
+        out[name] = selector
+    return out
+
+
+def selects(selector: str, slot: WorkerSlot) -> bool:
+    """Whether ``selector`` (see the module docstring) takes in ``slot``."""
+    for token in (t.strip() for t in selector.split(",")):
+        if token in (slot.kind, slot.name):
+            return True
+        m = _DEVICE.fullmatch(token)
+        if m and slot.kind == "cuda" and slot.device == int(m.group(1)):
+            return True
+    return False
+
+
+def model_holders(residency: Mapping[str, str], model_names: Sequence[str],
+                  slots: Sequence[WorkerSlot]) -> dict[str, list[int]]:
+    """Per model named in ``residency``, the indices of the ``slots`` that hold it. Refuses an
+    unknown model, a selector token that matches no worker (a typo would otherwise load the
+    model nowhere it was meant to be) and a model left on no worker, naming what exists."""
+    unknown = [n for n in residency if n not in model_names]
+    if unknown:
+        raise ResidencyError(f"--model-workers names unknown model(s) {', '.join(map(repr, unknown))}; "
+                             f"this runtime serves {', '.join(model_names)}")
+    names = ", ".join(s.name for s in slots)
+    out: dict[str, list[int]] = {}
+    for model, selector in residency.items():
+        for token in (t.strip() for t in selector.split(",")):
+            if not token or not any(selects(token, s) for s in slots):
+                raise ResidencyError(f"--model-workers {model}={selector}: {token!r} matches no worker "
+                                     f"(workers: {names}; or cpu, cuda, cuda<N>)")
+        out[model] = [i for i, s in enumerate(slots) if selects(selector, s)]
+    return out
