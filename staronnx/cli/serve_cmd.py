@@ -46,7 +46,7 @@ def serve_cmd(
     drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
     ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
                                       "(else a local one) behind one KServe v2 HTTP endpoint on --http-port (needs the ray extra).")] = False,
-    replicas: Annotated[int | None, typer.Option(help="With --ray: replicas of each plan (default 1).")] = None,
+    replicas: Annotated[int | None, typer.Option(help="With --ray: replicas, each hosting every model (default 1; of each model with --separate-runtimes).")] = None,
     autoscale: Annotated[str | None, typer.Option(help="With --ray: MIN:MAX replicas, scaled with the load.")] = None,
     replica_cpus: Annotated[float | None, typer.Option(
         help="With --ray: CPUs each replica asks Ray for and is pinned to (default: all of this machine's).")] = None,
@@ -61,13 +61,15 @@ def serve_cmd(
                            "priority, deadlines or not (default 0).")] = None,
     separate_runtimes: Annotated[bool, typer.Option(
         "--separate-runtimes", help="One runtime per model (each with its own CPU groups and CUDA streams on the "
-                                    "same cores and GPU) instead of one shared runtime for all.")] = False,
+                                    "same cores and GPU) instead of one shared runtime for all; with --ray, one "
+                                    "deployment per model.")] = False,
 ) -> None:
     """Serve plans with the KServe v2 protocol over HTTP and gRPC (Triton's clients work
     unchanged), with Prometheus metrics; SIGTERM or Ctrl-C drains and exits 0.
 
     Several plans share one runtime: one set of workers runs every model's parts under one
-    policy, each model with its own batcher and queue (a full queue refuses that model only)."""
+    policy, each model with its own batcher and queue (a full queue refuses that model only).
+    With --ray, each replica of one deployment is such a shared runtime."""
     from staronnx.durations import parse_duration
 
     try:
