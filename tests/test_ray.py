@@ -655,3 +655,28 @@ def test_serve_config_takes_targets_and_capacities_per_model(tmp_path):
                           ({"separate_runtimes": "yes"}, "'separate_runtimes' is true or false")):
         with pytest.raises(StaronnxError, match=re.escape(message)):
             build({"plans": roots, **args})
+
+
+def test_a_shared_replica_loads_a_model_on_the_workers_its_spec_names(tmp_path):
+    """``--model-workers`` travels in each model's spec and the replica's runtime applies it
+    (no cluster needed: the replica's own runtime builder)."""
+    from staronnx.ray.cli import model_specs
+    from staronnx.ray.replica import open_runtime
+    from staronnx.ray.spec import ReplicaSpec
+
+    plans = _tiny_plans(tmp_path)
+    pus = sorted(os.sched_getaffinity(0))[:2]
+    if len(pus) < 2:
+        pytest.skip("needs 2 allowed PUs for two CPU groups")
+    names = ["a", "b"]
+    specs = model_specs([plans["a"].root, plans["b"].root], names,
+                        {"groups": f"{pus[0]};{pus[1]}", "pin_cpus": False}, capacities={"a": 8, "b": 8},
+                        targets={}, residency={"b": f"cpu:pus{pus[1]}"})
+    spec = ReplicaSpec.of(ReplicaSpec(tuple(specs)).to_dict())  # as a replica receives it
+    assert {m.name: m.workers for m in spec.models} == {"a": None, "b": f"cpu:pus{pus[1]}"}
+    runtime = open_runtime(spec)
+    try:
+        assert runtime.model("b").stats()["held_by"] == [f"cpu:pus{pus[1]}"]
+        assert len(runtime.model("a").stats()["held_by"]) == 2
+    finally:
+        runtime.close()

@@ -131,3 +131,51 @@ def test_targets_must_name_served_models(plans, tmp_path, capsys):
     assert code != 0 and "--separate-runtimes" in out + err
     code, out, err = cli(capsys, "serve", plans["heavy"].root, plans["light"].root, "--priority", "light=1.5")
     assert code != 0 and "whole number" in out + err and "'1.5'" in out + err  # not silently 1
+
+
+def test_model_workers_keep_a_model_on_the_workers_named(plans, tmp_path):
+    """``--model-workers light=<one group>``: the light model is loaded on that CPU group only
+    (the server says so at start and in its statistics), its tasks run there and nowhere else,
+    and both models still answer their references."""
+    import os
+
+    heavy, light = plans["heavy"], plans["light"]
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 allowed PUs for two CPU groups")
+    only = f"cpu:pus{sorted(os.sched_getaffinity(0))[1]}"
+    s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "2",
+                     "--max-delay", "1ms", "--model-workers", f"light={only}")
+    try:
+        assert f"light on {only} only" in "\n".join(s.lines), s.lines
+        for i in range(4):
+            st, reply = _post(s.http, "/v2/models/light/infer", body(light_x(i)))
+            assert st == 200, reply
+            np.testing.assert_allclose(output(reply, "y"), light.run_reference({"x": light_x(i)})["y"],
+                                       rtol=1e-4, atol=1e-4)
+        st, reply = _post(s.http, "/v2/models/heavy/infer", body(heavy_x(0)))
+        assert st == 200, reply
+        stats = {m["name"]: m["staronnx"] for m in get_json(f"http://{s.http}/v2/models/stats")["model_stats"]}
+        assert stats["light"]["held_by"] == [only]
+        assert len(stats["heavy"]["held_by"]) == 2
+        assert stats["light"]["busy"][only] > 0
+        assert all(busy == 0 for worker, busy in stats["light"]["busy"].items() if worker != only)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_model_workers_refuses_unknown_models_and_separate_runtimes(plans, tmp_path):
+    """Refused before anything starts, with the cause named (the CLI prints the error's text)."""
+    from typer.testing import CliRunner
+
+    from staronnx.cli import app
+
+    heavy, light = plans["heavy"], plans["light"]
+    runner = CliRunner()
+    args = ["serve", str(heavy.root), str(light.root), "--http-port", "0", "--grpc-port", "0"]
+    for extra, message in ((["--model-workers", "nope=cpu"], "'nope' that are not served"),
+                           (["--model-workers", "light=cpu", "--separate-runtimes"], "does not go with --separate-runtimes"),
+                           (["--model-workers", "light=gpu"], "'gpu' matches no worker"),
+                           (["--model-workers", "light"], "NAME=WORKERS")):
+        out = runner.invoke(app, [*args, *extra])
+        assert out.exit_code != 0, out.output
+        assert message in out.output + str(out.exception), (extra, out.output, out.exception)

@@ -59,6 +59,11 @@ def serve_cmd(
     priority: Annotated[list[str] | None, typer.Option(
         "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower "
                            "priority, deadlines or not (default 0).")] = None,
+    model_workers: Annotated[list[str] | None, typer.Option(
+        "--model-workers", help="Load a model on some workers only, NAME=WORKERS (repeatable): cpu, cuda, cuda<N> "
+                                "or worker names (cpu:numa0, cuda0.s1), comma-separated; the others hold no "
+                                "session of it and the policy never places its tasks there (GPU memory, or a "
+                                "GPU kept for another model). Default: every worker holds every model.")] = None,
     separate_runtimes: Annotated[bool, typer.Option(
         "--separate-runtimes", help="One runtime per model (each with its own CPU groups and CUDA streams on the "
                                     "same cores and GPU) instead of one shared runtime for all; with --ray, one "
@@ -71,6 +76,7 @@ def serve_cmd(
     policy, each model with its own batcher and queue (a full queue refuses that model only).
     With --ray, each replica of one deployment is such a shared runtime."""
     from staronnx.durations import parse_duration
+    from staronnx.workers.residency import parse_model_workers
 
     try:
         import aiohttp  # noqa: F401
@@ -98,6 +104,14 @@ def serve_cmd(
     targets = service_targets(names, slo_ms or [], priority or [])
     if targets and separate_runtimes:
         raise StaronnxError(TARGETS_NEED_SHARING)
+    residency = parse_model_workers(model_workers or [])
+    unknown = [n for n in residency if n not in names]
+    if unknown:
+        raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
+                            f"models: {', '.join(names)}")
+    if residency and (separate_runtimes or len(plans) < 2):
+        raise StaronnxError("--model-workers places models on the workers of one shared runtime; it needs several "
+                            "models and does not go with --separate-runtimes")
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
@@ -105,7 +119,7 @@ def serve_cmd(
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "engine": engine, "batch_size": batch_size,
                                            "max_delay": parse_duration(max_delay, allow_zero=True)},
-                            capacities=capacities, targets=targets)
+                            capacities=capacities, targets=targets, residency=residency)
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,
                      http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
                      say=lambda line: print(line, flush=True))
@@ -123,9 +137,11 @@ def serve_cmd(
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
     try:
         if len(loaded) > 1 and not separate_runtimes:
-            shared = Runtime(dict(zip(names, loaded)), targets=targets, **options)
+            shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, **options)
+            held = {n: shared.model(n).stats().get("held_by", []) for n in residency}
             print(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
-                  + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items()), flush=True)
+                  + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
+                  + "".join(f"; {n} on {', '.join(w)} only" for n, w in held.items()), flush=True)
         for model_name, plan in zip(names, loaded):
             if shared is not None:
                 runtime = shared.model(model_name)

@@ -51,7 +51,9 @@ class ModelSpec:
     ``pin_cpus`` confines each replica on a machine to its own share of the cores (see
     :func:`staronnx.ray.replica.cpu_share`), so two replicas on one machine never share one.
     ``latency_ms`` and ``priority`` are the model's service target on a shared runtime
-    (``--slo-ms``, ``--priority``; :class:`~staronnx.runtime.models.ServiceTarget`).
+    (``--slo-ms``, ``--priority``; :class:`~staronnx.runtime.models.ServiceTarget`), and
+    ``workers`` the workers of that runtime that load it (``--model-workers``; see
+    :mod:`staronnx.workers.residency`).
     """
 
     plan: str
@@ -69,6 +71,8 @@ class ModelSpec:
     pin_cpus: bool = True
     latency_ms: float | None = None
     priority: int = 0
+    #: the workers of a shared replica that load this model (``--model-workers``; None: all)
+    workers: str | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

@@ -316,16 +316,20 @@ class ModelEndpoint:
 
     def service(self, snapshot: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """How this model is served on its (maybe shared) runtime: its queue, latency target,
-        deadline misses, and each worker's busy share spent on its tasks."""
+        deadline misses, each worker's busy share spent on its tasks, and the workers that
+        hold it."""
         s = snapshot if snapshot is not None else self.stats.snapshot()
         try:
-            workers = {name: round(float(row.get("busy", 0.0)), 6)
-                       for name, row in self.runtime_stats().get("workers", {}).items()}
+            rs = self.runtime_stats()
+            workers = {name: round(float(row.get("busy", 0.0)), 6) for name, row in rs.get("workers", {}).items()}
+            held_by = list(rs.get("held_by", workers))
         except Exception:  # noqa: BLE001 - a closing runtime must not fail the statistics
-            workers = {}
+            workers, held_by = {}, []
         return {"queue_length": self.queue_length, "batches_in_flight": self.batches_in_flight,
                 "latency_target_ms": None if self.latency_target is None else self.latency_target * 1e3,
-                "deadline_misses": s["deadline_misses"], "busy": workers}
+                "deadline_misses": s["deadline_misses"], "busy": workers,
+                # the workers holding a session of it (--model-workers), all of them by default
+                "held_by": held_by}
 
     def classify(self, outputs: dict[str, np.ndarray], classes: Mapping[str, int]) -> None:
         """Triton's classification extension: each output asked for with ``classification: k``
