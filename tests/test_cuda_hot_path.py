@@ -435,3 +435,61 @@ def test_a_driven_stream_placed_on_by_dmda_runs_its_own_tasks(plan, reference, t
     assert stats["requests_done"] == 200 and stats["requests_failed"] == 0
     assert all(w["tasks"] > 0 for w in stats["workers"].values()), stats["workers"]
     assert len(host.copy_threads) == 1
+
+
+# ------------------------------------------------------------------ results handed out in groups
+def test_a_quietly_settled_future_is_done_at_once_and_wakes_its_callers_when_announced():
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    from staronnx.runtime.task import RequestFuture, announce, settle_quietly
+
+    cond = threading.Condition()
+    f, g, cancelled = RequestFuture(1, cond), RequestFuture(2, cond), RequestFuture(3, cond)
+    got: dict[str, object] = {}
+    early: list[int] = []
+    f.add_done_callback(lambda fut: early.append(fut.request_id))
+    blocked = threading.Thread(target=lambda: got.update(result=f.result(timeout=10)))
+    waiting = threading.Thread(target=lambda: got.update(wait=wait([g, cancelled], timeout=10,
+                                                                   return_when=FIRST_COMPLETED)))
+    blocked.start()
+    waiting.start()
+    time.sleep(0.05)
+    assert settle_quietly(f, {"y": 1}, True) and settle_quietly(g, ValueError("bad"), False)
+    assert f.done() and f.result() == {"y": 1} and g.exception().args == ("bad",)  # seen at once...
+    late = []
+    f.add_done_callback(lambda fut: late.append(fut.request_id))  # added after: runs now, as with any Future
+    assert late == [1]
+    time.sleep(0.05)
+    assert blocked.is_alive() and waiting.is_alive() and early == []  # ...but nobody was woken yet
+    announce([f, g])
+    blocked.join(5)
+    waiting.join(5)
+    assert got["result"] == {"y": 1} and g in got["wait"].done  # type: ignore[union-attr]
+    assert early == [1]
+    assert cancelled.cancel() and not settle_quietly(cancelled, {"y": 2}, True)
+    assert cancelled.cancelled()
+
+
+def test_a_driver_wakes_the_callers_of_finished_requests_in_groups_not_per_task(plan, reference, tmp_path,
+                                                                                monkeypatch):
+    """2,000 requests in flight on one stream, a caller blocked on the first: the driver hands
+    results out in groups (fewer wake-ups than tasks), and the first caller is woken long
+    before the last request ends (a group is bounded: ANNOUNCE_EVERY results, ANNOUNCE_AFTER_S)."""
+    from staronnx.runtime import engine
+
+    groups: list[int] = []
+    real = engine.announce
+    monkeypatch.setattr(engine, "announce", lambda futures: (groups.append(len(futures)), real(futures)))
+    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}) as rt:
+        rt.run(feeds())
+        groups.clear()
+        x = feeds(seed=1)
+        futures = [rt.submit(x) for _ in range(2000)]
+        check(reference, x, futures[0].result(timeout=30))
+        done_when_woken = sum(f.done() for f in futures)
+        for f in futures:
+            f.result(timeout=30)
+    assert done_when_woken < len(futures), "the first caller was only woken at the very end"
+    assert max(groups) <= engine.ANNOUNCE_EVERY
+    assert sum(groups) <= len(futures) and len(groups) < len(futures) / 2, groups[:40]

@@ -11,7 +11,10 @@ timed only then), the trace, and the futures.
 Everything here runs per task under the GIL that every worker and the serving threads share,
 so the bookkeeping is kept small: one condition per worker (a task wakes the worker it was
 placed on, or one idle worker for a shared queue, never all of them), footprints and frozen
-calibration answers cached, a request's future settled in one lock hold.
+calibration answers cached, a request's future settled in one lock hold. A driver that
+launches ahead settles futures at once but wakes their callers in groups (see
+:meth:`NativeEngine._drive`): before it waits for the device, goes idle, or after
+:data:`ANNOUNCE_EVERY` results or :data:`ANNOUNCE_AFTER_S` seconds.
 
 A failing task fails only its own request (the other tasks of that request are dropped when
 popped); a worker that raises :class:`~staronnx.workers.base.WorkerLost` (a lost CUDA
@@ -42,7 +45,7 @@ from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
-from staronnx.runtime.task import RequestFuture, TaskError, settle
+from staronnx.runtime.task import RequestFuture, TaskError, announce, settle, settle_quietly
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
@@ -67,6 +70,12 @@ def parts_held(workers: Sequence[Worker], k: int) -> list[frozenset[int]] | None
     if all(h is None for h in holds):
         return None
     return [frozenset(i for i, h in enumerate(holds) if h is None or p in h) for p in range(k)]
+
+
+#: a driver wakes the callers of finished requests at the latest after this many results...
+ANNOUNCE_EVERY = 16
+#: ... or after this long (seconds), whatever it is doing
+ANNOUNCE_AFTER_S = 200e-6
 
 
 class RealClock:
@@ -244,9 +253,25 @@ class NativeEngine:
         if len(wids) > 1:  # this thread is the first worker's: the others' CUDA state too
             for wid in wids:
                 workers[wid].adopt_thread()
+        # finished requests whose callers are not woken yet: a wake-up per result made the
+        # woken caller take the GIL at this thread's next CUDA call (a launch), twice a task
+        deferred: list[RequestFuture] = []
+        try:
+            self._drive_loop(wids, deferred)
+        finally:
+            if deferred:
+                announce(deferred)
+
+    def _drive_loop(self, wids: list[int], deferred: list[RequestFuture]) -> None:
+        """:meth:`_drive`'s loop. Results are settled at once and their callers woken in a
+        group (``deferred``): before this thread may block (waiting for work, or for a task
+        the device has not finished: the woken callers then run while it waits), else
+        after :data:`ANNOUNCE_EVERY` results or :data:`ANNOUNCE_AFTER_S` seconds."""
+        workers = self._workers
         ahead: deque[tuple[int, Task, _Started]] = deque()  # in launch order, all streams
         launched = dict.fromkeys(wids, 0)
         live = list(wids)
+        since = 0.0  # when the oldest deferred result was settled
 
         def lost(wid: int, exc: BaseException) -> None:
             live.remove(wid)
@@ -258,6 +283,9 @@ class NativeEngine:
         got: list[tuple[int, Task]] | None = []
         while live:
             if not got and not ahead:
+                if deferred:  # about to wait for work
+                    announce(deferred)
+                    deferred.clear()
                 got = self._take(live, group=wids)
                 if got is None:
                     return
@@ -277,12 +305,19 @@ class NativeEngine:
                     continue
             wid, task, started = ahead.popleft()
             launched[wid] -= 1
+            if deferred and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
+                             or not _finished(workers[wid], started)):
+                announce(deferred)
+                deferred.clear()
             try:
                 done = self._complete(workers[wid], started)
             except WorkerLost as exc:
                 lost(wid, exc)
                 continue
-            got = self._end(wid, task, done, take=[w for w in live if launched[w] < 2])
+            waiting = len(deferred)
+            got = self._end(wid, task, done, take=[w for w in live if launched[w] < 2], defer=deferred)
+            if not waiting and deferred:
+                since = time.perf_counter()
 
     def _take(self, wids: list[int], group: list[int]) -> list[tuple[int, Task]] | None:
         """A task for each of ``wids`` that has one, in one lock hold, waiting until one
@@ -375,10 +410,12 @@ class NativeEngine:
                 started.error = exc
         return started
 
-    def _end(self, wid: int, task: Task, started: _Started, take: Sequence[int] = ()) -> list[tuple[int, Task]]:
+    def _end(self, wid: int, task: Task, started: _Started, take: Sequence[int] = (),
+             defer: list[RequestFuture] | None = None) -> list[tuple[int, Task]]:
         """Book a finished task: perf model, trace, the core (successors), the request; with
         ``take``, also take a task for each of those workers that has one ready, under the same
-        lock (what a pipelined loop launches next)."""
+        lock (what a pipelined loop launches next). With ``defer``, a finished request's future
+        is settled but its callers are left for the caller to :func:`announce` (appended)."""
         req = task.request
         info = self.core.workers[wid].info
         end = self.clock.now()
@@ -407,9 +444,13 @@ class NativeEngine:
             if error is not None:
                 err = TaskError(task.part, info.name, error)
                 err.__cause__ = error
-                settle(done.owner, err, False)
+                value, ok = err, False
             else:
-                settle(done.owner, {n: done.values[n] for n in self._output_names[done.model]}, True)
+                value, ok = {n: done.values[n] for n in self._output_names[done.model]}, True
+            if defer is None:
+                settle(done.owner, value, ok)
+            elif settle_quietly(done.owner, value, ok):
+                defer.append(done.owner)
         return nxt
 
     def _trace(self, wid: int, task: Task, start: float, end: float, failed: bool) -> None:
@@ -487,6 +528,15 @@ class NativeEngine:
         """One hosted model's share of the machine (see :meth:`TaskGraph.model_stats`)."""
         with self._lock:
             return self.core.model_stats(model, self.clock.now() - self.started_at)
+
+
+def _finished(worker: Any, started: _Started) -> bool:
+    """Whether waiting for ``started`` would return at once (failed at launch, ran to its end,
+    or the device says so); False where the worker cannot tell."""
+    if started.error is not None or started.handle is None:
+        return True
+    ready = getattr(worker, "ready", None)
+    return bool(ready(started.handle)) if ready is not None else False
 
 
 @dataclass(eq=False, slots=True)

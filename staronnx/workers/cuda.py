@@ -573,6 +573,19 @@ class CudaWorker(ThreadWorker):
             self._call_on_done(launch.slot.part, _batch_of_slot(launch.slot), self.last_compute_seconds)
         return outputs
 
+    def ready(self, launch: _Launch) -> bool:
+        """Whether :meth:`finish_here` would return without blocking (the launch's work is
+        done on the device): the engine wakes the callers of finished requests before a wait
+        that blocks, so they run while this thread waits. False on any error (the wait will
+        report it)."""
+        if launch.outputs is not None:
+            return True
+        try:
+            event = launch.wait_event
+            return bool(event.query() if event is not None else self._stream.query())
+        except Exception:  # noqa: BLE001 - finish_here raises it, with its context
+            return False
+
     def adopt_thread(self) -> None:
         """Make the calling thread fit to launch this worker's tasks (an engine thread that
         drives every stream of a device): the worker's device current, and thread-local

@@ -227,6 +227,15 @@ class Stream:
     def synchronize(self) -> None:
         check(self._rt.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
 
+    def query(self) -> bool:
+        """True when all work queued on the stream is done, False while some is pending."""
+        result = self._rt.cudaStreamQuery(self._stream)
+        err = result[0] if isinstance(result, tuple) else result
+        if int(err) == int(self._rt.cudaError_t.cudaErrorNotReady):
+            return False
+        check(result, "cudaStreamQuery")
+        return True
+
     def destroy(self) -> None:
         if self._alive:
             self._alive = False
@@ -545,6 +554,10 @@ class _HostStream:
 
     def synchronize(self) -> None:
         self._rt._call("stream_sync")
+
+    def query(self) -> bool:
+        self._rt._call("stream_query")
+        return True  # host copies and runs are synchronous: queued work is already done
 
     def destroy(self) -> None:
         self._rt._call("stream_destroy", unsafe=True)
