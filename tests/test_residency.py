@@ -183,3 +183,53 @@ def test_residency_refuses_a_selector_that_matches_no_worker_before_any_worker_s
     with pytest.raises(ResidencyError, match="'cuda' matches no worker"):
         Runtime({"big": big, "small": small}, cpu_groups=one_pu(), store=PerfModelStore(tmp_path),
                 residency={"small": "cuda"})
+
+
+# -- a model that does not fit in a GPU's memory --------------------------------------------
+def test_a_model_that_does_not_fit_on_the_gpu_is_left_off_it_and_runs_on_the_cpu(plans, tmp_path, caplog):
+    """The first session the CUDA worker loads (the big model's part 0) fails as an out-of-memory
+    would: the runtime starts anyway, the CUDA worker holding the small model only, says so,
+    and both models answer their references."""
+    big, small = plans
+    host = HostRuntime()
+    host.inject("session_load", 2)  # cudaErrorMemoryAllocation
+    with caplog.at_level("WARNING", logger="staronnx.workers.launch"):
+        rt = Runtime({"big": big, "small": small}, policy="heft", cpu_groups=one_pu(), cuda_streams=1,
+                     store=PerfModelStore(tmp_path), cuda_options={"runtime": host, "cuda_graphs": False})
+    with rt:
+        cuda = next(w for w in rt.workers if w.kind == "cuda")
+        assert cuda.holds == frozenset(range(big.k, big.k + small.k))
+        assert "model 'big' is left off this worker" in caplog.text and "does not fit" in caplog.text
+        for i in range(4):
+            fb, fs = big_feeds(i), small_feeds(i)
+            assert_close(rt.submit(fb, "big").result(timeout=60), big.run_reference(fb))
+            assert_close(rt.submit(fs, "small").result(timeout=60), small.run_reference(fs))
+        assert rt.model("big").stats()["held_by"] == [w.name for w in rt.workers if w.kind == "cpu"]
+
+
+def test_a_model_that_fits_nowhere_or_a_single_model_that_does_not_fit_is_an_error(plans, tmp_path):
+    from staronnx.workers.cuda import PartDoesNotFit
+    from staronnx.workers.groups import GroupError
+
+    big, small = plans
+    host = HostRuntime()
+    host.inject("session_load", 2)
+    with pytest.raises(GroupError, match="no worker holds model 'big'"):  # no CPU group to take it
+        Runtime({"big": big, "small": small}, cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                cuda_options={"runtime": host, "cuda_graphs": False})
+    host = HostRuntime()
+    host.inject("session_load", 2)
+    with pytest.raises(PartDoesNotFit, match="part 0 .* does not fit in the GPU's memory"):
+        Runtime(big, cpu_groups=one_pu(), cuda_streams=1, store=PerfModelStore(tmp_path),
+                cuda_options={"runtime": host, "cuda_graphs": False})
+
+
+def test_ort_texts_of_a_lack_of_gpu_memory_are_recognised():
+    from staronnx.workers.cuda import _out_of_memory
+
+    assert _out_of_memory("[ONNXRuntimeError] : 6 : RUNTIME_EXCEPTION : ... CUDA failure 2: out of memory ; "
+                          "GPU=0 ; hostname=h ; file=cuda_allocator.cc")
+    assert _out_of_memory("BFCArena::AllocateRawInternal Failed to allocate memory for requested buffer of size 4096")
+    assert _out_of_memory("cudaMalloc returned cudaErrorMemoryAllocation")
+    assert not _out_of_memory("CUDA failure 700: an illegal memory access was encountered")
+    assert not _out_of_memory("[ONNXRuntimeError] : 10 : INVALID_GRAPH : Load model failed")

@@ -79,6 +79,7 @@ __all__ = [
     "CONV_ALGO_SEARCHES",
     "CudaWorker",
     "CudaWorkerFuture",
+    "PartDoesNotFit",
     "cuda_unavailable_reason",
 ]
 
@@ -163,6 +164,29 @@ def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
     if device_id is not None and not 0 <= device_id < count:
         return f"CUDA device {device_id} does not exist: {count} device(s) visible, 0..{count - 1}"
     return None
+
+
+#: cudaErrorMemoryAllocation
+CUDA_OUT_OF_MEMORY = 2
+
+
+class PartDoesNotFit(DeviceError):
+    """A part's session could not be loaded for lack of GPU memory. A runtime of several
+    models then leaves that model off this worker (its other workers run it) rather than
+    failing to start (see :func:`staronnx.workers.launch.start_workers`)."""
+
+    def __init__(self, worker: str, part: int, path: Path, cause: str) -> None:
+        self.worker = worker
+        self.part = part
+        super().__init__(f"{worker}: part {part} ({path}) does not fit in the GPU's memory: {cause}")
+
+
+def _out_of_memory(text: str) -> bool:
+    """Whether ONNX Runtime's error text says the device ran out of memory (its CUDA
+    allocator's "Failed to allocate memory", cudaErrorMemoryAllocation, "CUDA failure 2")."""
+    low = text.lower()
+    return ("out of memory" in low or "failed to allocate memory" in low or "cudaerrormemoryallocation" in low
+            or "cuda failure 2:" in low)
 
 
 # ---------------------------------------------------------------------- futures, parts
@@ -669,6 +693,8 @@ class CudaWorker(ThreadWorker):
             return self._load(index, path)
         try:
             session = self._load(index, path, graphs=True)
+        except PartDoesNotFit:
+            raise  # without graphs it would not fit either
         except (DeviceError, ModelError) as exc:
             log.warning("%s: part %d runs without CUDA graphs: %s", self.name, index, exc)
             return self._load(index, path)
@@ -689,6 +715,12 @@ class CudaWorker(ThreadWorker):
         return [(CUDA_EP, options), "CPUExecutionProvider"]
 
     def _load(self, index: int, path: Path, graphs: bool = False) -> ort.InferenceSession:
+        try:
+            self._runtime.loading(index)
+        except CudaError as exc:
+            if exc.code == CUDA_OUT_OF_MEMORY:
+                raise PartDoesNotFit(self.name, index, path, str(exc)) from None
+            raise
         so = ort.SessionOptions()
         so.log_severity_level = 3
         # Nodes the CUDA provider leaves to the CPU are small (shapes, indices): one thread,
@@ -701,6 +733,8 @@ class CudaWorker(ThreadWorker):
             session = ort.InferenceSession(str(path), so, providers=self._providers(graphs))
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             text = str(exc)
+            if self._device_type == "cuda" and _out_of_memory(text):
+                raise PartDoesNotFit(self.name, index, path, text) from None
             if any(w in text.lower() for w in ("cuda", "cudnn", "cublas")):
                 raise DeviceError(f"{self.name}: ONNX Runtime cannot start CUDA for part {index} "
                                   f"({path}): {text}") from None

@@ -17,6 +17,7 @@ against).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,8 @@ from staronnx.workers.residency import WorkerSlot, model_holders
 from staronnx.workers.topology import Topology
 
 __all__ = ["NO_CPU", "WorkerLayout", "worker_layout", "start_workers"]
+
+log = logging.getLogger(__name__)
 
 #: the group policy of a GPU-only runtime: CUDA workers and no CPU worker
 NO_CPU = "none"
@@ -108,15 +111,19 @@ def start_workers(
 
             pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
             for i, (device, stream, pu) in enumerate(layout.cuda):
-                worker = CudaWorker(device, stream, parts[i], cpu=pu, pinned_pool=pool, name=slots[i].name,
-                                    **(cuda_options or {}))
+                def make(paths: list[Path | None], i: int = i, device: int = device, stream: int = stream,
+                         pu: int | None = pu) -> Any:
+                    return CudaWorker(device, stream, paths, cpu=pu, pinned_pool=pool, name=slots[i].name,
+                                      **(cuda_options or {}))
+
+                worker = start_fitting(make, parts[i], plan)
                 pool = worker.pinned_pool
                 workers.append(worker)
-                worker.start()
         for j, group in enumerate(layout.groups, start=len(layout.cuda)):
             worker = CpuWorker(group, parts[j], topology=topology, name=slots[j].name)
             workers.append(worker)
             worker.start()
+        check_every_model_held(plan, workers)
     except BaseException:
         for w in workers:
             try:
@@ -140,3 +147,43 @@ def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[Wor
     owner = [models.owner[p][0].name for p in range(plan.k)]
     return [[path if owner[p] not in holders or i in holders[owner[p]] else None for p, path in enumerate(paths)]
             for i in range(len(slots))]
+
+
+def start_fitting(make: Any, paths: list[Path | None], plan: Any) -> Any:
+    """A started CUDA worker made by ``make(paths)``; in a runtime of several models, a model
+    whose part does not fit in the GPU's memory (:class:`~staronnx.workers.cuda.PartDoesNotFit`)
+    is left off this worker, with a warning, and the worker starts with the others (the
+    runtime's other workers run that model; :func:`check_every_model_held` refuses a model
+    that no worker holds). A single model that does not fit is an error, as before."""
+    from staronnx.runtime.models import ModelSet
+    from staronnx.workers.cuda import PartDoesNotFit
+
+    models = ModelSet.of(plan)
+    paths = list(paths)
+    while True:
+        worker = make(paths)
+        try:
+            return worker.start()
+        except PartDoesNotFit as exc:
+            if models.single:
+                raise
+            model = models.owner[exc.part][0]
+            log.warning("%s: model %r is left off this worker: %s; the workers that hold it run it",
+                        exc.worker, model.name, exc)
+            for p in model.parts:
+                paths[p] = None
+            if all(p is None for p in paths):
+                raise PartDoesNotFit(exc.worker, exc.part, Path(str(plan.part_path(exc.part))),
+                                     "no model fits in its memory") from exc
+
+
+def check_every_model_held(plan: Any, workers: Sequence[Any]) -> None:
+    """Refuse a runtime in which some model is held by no worker (every worker that was to
+    hold it had no memory left for it), naming the model."""
+    from staronnx.runtime.models import ModelSet
+
+    models = ModelSet.of(plan)
+    for model in models.models:
+        if not any(getattr(w, "holds", None) is None or set(model.parts) <= w.holds for w in workers):
+            raise GroupError(f"no worker holds model {model.name!r}: it fits in no GPU's memory and no CPU group "
+                             "was given it (give it CPU workers: --model-workers NAME=cpu, or --groups)")
