@@ -205,6 +205,16 @@ class AllocationStats:
             }
 
 
+def _done(rt: ModuleType, result: Any, call: str) -> bool:
+    """A query's answer: True (done), False (``cudaErrorNotReady``: still running), or the
+    call's error raised."""
+    err = result[0] if isinstance(result, tuple) else result
+    if int(err) == int(rt.cudaError_t.cudaErrorNotReady):
+        return False
+    check(result, call)
+    return True
+
+
 class Stream:
     """A CUDA stream; non-blocking by default so it never serialises with the legacy stream 0."""
 
@@ -229,12 +239,7 @@ class Stream:
 
     def query(self) -> bool:
         """True when all work queued on the stream is done, False while some is pending."""
-        result = self._rt.cudaStreamQuery(self._stream)
-        err = result[0] if isinstance(result, tuple) else result
-        if int(err) == int(self._rt.cudaError_t.cudaErrorNotReady):
-            return False
-        check(result, "cudaStreamQuery")
-        return True
+        return _done(self._rt, self._rt.cudaStreamQuery(self._stream), "cudaStreamQuery")
 
     def destroy(self) -> None:
         if self._alive:
@@ -268,12 +273,7 @@ class Event:
 
     def query(self) -> bool:
         """True when the recorded work is done, False while it is pending."""
-        result = self._rt.cudaEventQuery(self._event)
-        err = result[0] if isinstance(result, tuple) else result
-        if int(err) == int(self._rt.cudaError_t.cudaErrorNotReady):
-            return False
-        check(result, "cudaEventQuery")
-        return True
+        return _done(self._rt, self._rt.cudaEventQuery(self._event), "cudaEventQuery")
 
     def seconds_since(self, start: Event) -> float:
         """GPU time between ``start`` and this event (both recorded, completed, timing)."""
