@@ -263,7 +263,8 @@ def test_cli_sweep_mixed_traffic_on_one_live_runtime(plans, tmp_path):
     doc = json.loads((out / "results.json").read_text())
     assert doc["settings"]["mixed"] is True
     assert doc["settings"]["models"]["light"] == {"plan": str(light.root), "plan_hash": light.hash,
-                                                  "latency_target_ms": 50.0, "priority": 1}
+                                                  "latency_target_ms": 50.0, "priority": 1,
+                                                  "held_by": doc["settings"]["workers"]}  # the only worker
     assert len(doc["bounds"]) == 2 and all(b["feasible"] for b in doc["bounds"].values())
     assert "fidelity" in doc
     for png in ("models.png", "latency_throughput_heavy.png", "latency_throughput_light.png"):
@@ -287,3 +288,163 @@ def test_cli_sweep_mixed_traffic_mistakes(plans, tmp_path):
     ):
         bad = _cli(*base, *args, home=home)
         assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
+
+
+# -- residency (issue 23): some models on some workers only -------------------------------------
+CORE0, CORE1 = "cpu:numa0.core0", "cpu:numa0.core1"
+
+
+def test_simulate_mix_places_a_model_only_on_the_workers_its_residency_names(plans):
+    """Two workers. Without a residency both models' tasks run on both; with ``light`` held by
+    core1 alone, none of its tasks runs on core0 while heavy still uses both, and the records
+    and the result say where each model lived."""
+    m = machine(plans, TWO_CORES)
+    rates, sizes = {"heavy": 600, "light": 400}, {"heavy": 4, "light": 1}
+    common = dict(duration=3, distribution="poisson", seed=2)
+    free = simulate_mix(m, rates, sizes, **common)
+    for model in ("heavy", "light"):
+        assert all(free.busy_by_model[model][w] > 0 for w in (CORE0, CORE1)), (model, free.busy_by_model)
+    assert free.held_by == {"heavy": [CORE0, CORE1], "light": [CORE0, CORE1]}
+    kept = simulate_mix(m, rates, sizes, residency={"light": CORE1}, **common)
+    assert kept.busy_by_model["light"][CORE0] == 0
+    assert kept.busy_by_model["light"][CORE1] > 0
+    assert all(kept.busy_by_model["heavy"][w] > 0 for w in (CORE0, CORE1))
+    assert kept.metrics("light")["completed"] == free.metrics("light")["completed"] > 0
+    assert kept.held_by == {"heavy": [CORE0, CORE1], "light": [CORE1]}
+    for model in ("heavy", "light"):
+        settings = kept.records[model].settings
+        assert settings["residency"] == {"light": CORE1}
+        assert settings["held_by"] == kept.held_by[model]
+    assert free.records["light"].settings["residency"] == {}
+
+
+def test_a_model_kept_off_the_gpu_needs_no_gpu_perf_models(plans, tmp_path):
+    """The what-if the option is for: ``light`` was never calibrated on the GPU. Hosted
+    everywhere, it cannot be simulated (nothing says how long it takes there); kept on the
+    CPU, it runs there only, heavy takes the GPU, and the LP bound assigns the same way."""
+    heavy, light, _ = plans
+    store = PerfModelStore(tmp_path / "home")
+    write_models(store, heavy, {**HEAVY_TIMES, (0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS}, (1, 4))
+    write_models(store, light, LIGHT_TIMES, (1,))
+    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(TWO_CORES),
+                      groups="cores=1", cuda_streams=1, store=store)
+    assert [w.name for w in m.workers] == ["cuda0.s0", CORE0]  # a core held back for the GPU's driver
+    rates, sizes = {"heavy": 400, "light": 100}, {"heavy": 4, "light": 1}
+    with pytest.raises(SimulationError, match="no perf model for part 2 on cuda0"):
+        simulate_mix(m, rates, sizes, duration=1)
+    with pytest.raises(SimulationError, match="no perf model for part 2 on cuda0"):
+        mix_bound(m, rates, sizes)
+    result = simulate_mix(m, rates, sizes, duration=2, residency={"light": "cpu"})
+    assert result.share("light", 0) == result.share("light", 1) == {"cpu1": 1.0}
+    assert result.busy_by_model["light"]["cuda0.s0"] == 0
+    assert result.held_by["light"] == [CORE0]
+    assert result.metrics("light")["completed"] > 0 and not result.metrics("light")["congested"]
+    assert result.placement.get((0, "cuda0"), 0) > 0  # heavy has the GPU
+    bound = mix_bound(m, rates, sizes, residency={"light": "cpu"})
+    assert bound.arch_share["light"] == pytest.approx({"part0/cpu1": 1.0, "part1/cpu1": 1.0})
+    assert bound.busy["light"]["cuda0.s0"] == 0
+    assert bound.as_dict()["residency"] == {"light": "cpu"}
+
+
+def test_mix_bound_assigns_a_models_parts_to_its_holders_only(plans):
+    """Worked by hand: heavy 100 req/s in fours (25 batches/s x 10 ms = 0.25 s/s) on core0
+    only, light 200/s (0.2 s/s) on core1 only: the common scale is min(1/0.25, 1/0.2) = 4,
+    where sharing both workers would allow 2/0.45; alone, each model has one worker."""
+    m = machine(plans, TWO_CORES)
+    rates, sizes = {"heavy": 100, "light": 200}, {"heavy": 4, "light": 1}
+    split = mix_bound(m, rates, sizes, residency={"heavy": CORE0, "light": CORE1})
+    assert split.scale == pytest.approx(4.0, rel=1e-6)
+    assert mix_bound(m, rates, sizes).scale == pytest.approx(2 / 0.45, rel=1e-6)
+    assert split.solo == pytest.approx({"heavy": 400.0, "light": 1000.0}, rel=1e-6)
+    assert split.busy["heavy"][CORE1] == 0 and split.busy["light"][CORE0] == 0
+    assert split.busy["heavy"][CORE0] == pytest.approx(1.0)
+
+
+def test_residency_in_the_simulator_is_refused_as_the_runtime_refuses_it(plans):
+    from staronnx.workers.residency import ResidencyError
+
+    m = machine(plans, TWO_CORES)
+    rates = {"heavy": 10, "light": 10}
+    with pytest.raises(ResidencyError, match="unknown model.*'nope'"):
+        simulate_mix(m, rates, 1, duration=1, residency={"nope": "cpu"})
+    with pytest.raises(ResidencyError, match=f"'cuda' matches no worker \\(workers: {CORE0}, {CORE1}"):
+        simulate_mix(m, rates, 1, duration=1, residency={"light": "cuda"})
+    with pytest.raises(ResidencyError, match="'cpu:numa1' matches no worker"):
+        mix_bound(m, rates, 1, residency={"light": "cpu,cpu:numa1"})
+
+
+def _invoke(args: list[str], home: Path):
+    """The CLI in this process (typer's runner): a StaronnxError comes back as the exception,
+    whose text is the one line ``staronnx`` prints."""
+    from typer.testing import CliRunner
+
+    from staronnx.cli import app
+
+    return CliRunner().invoke(app, args, env={"STARONNX_HOME": str(home), "COLUMNS": "200"})
+
+
+def test_cli_simulate_with_model_workers(plans):
+    heavy, light, home = plans
+    base = ["simulate", str(heavy.root), str(light.root), "--synthetic", "pack:1 numa:1 core:2", "--groups",
+            "cores=1", "--rates", "heavy=100,light=200", "--batch", "heavy=4,light=1", "--duration", "2"]
+    out = _invoke([*base, "--model-workers", f"heavy={CORE0}", "--model-workers", f"light={CORE1}"], home)
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert f"; heavy on {CORE0} only; light on {CORE1} only" in out.output
+    assert "LP bound of the mix: scale x4 (the rates fit together" in out.output  # by hand, as above
+    # the busy table: light's share of core0 is nothing, simulated and in the LP
+    row = next(line for line in out.output.splitlines() if line.startswith(f"│ {CORE0} "))
+    assert [c.strip() for c in row.strip("│").split("│")][-1] == "0% / 0%"
+    plain = _invoke(base, home)
+    assert plain.exit_code == 0, (plain.output, plain.exception)
+    assert "only" not in plain.output.splitlines()[0] and "scale x4.444" in plain.output
+    for extra, words in (
+        (["--model-workers", "nope=cpu"], "--model-workers names model(s) 'nope' that are not served"),
+        (["--model-workers", "light=cuda"], "'cuda' matches no worker"),
+        (["--model-workers", "light"], "NAME=WORKERS"),
+        (["--model-workers", "light=cpu", "--model-workers", "light=cpu"], "names model 'light' twice"),
+    ):
+        bad = _invoke([*base, *extra], home)
+        assert bad.exit_code != 0 and isinstance(bad.exception, StaronnxError), (extra, bad.output)
+        assert words in str(bad.exception), (extra, str(bad.exception))
+    # one plan uses every worker: the option makes no sense there, for simulate as for sweep
+    for cmd in (["simulate", str(heavy.root), "--rate", "100", "--batch", "4"],
+                ["sweep", str(heavy.root), "--rates", "100", "--batch-sizes", "4"]):
+        bad = _invoke([*cmd, "--model-workers", "heavy=cpu"], home)
+        assert isinstance(bad.exception, StaronnxError), bad.output
+        assert "needs several models" not in str(bad.exception)
+        assert str(bad.exception).startswith("--model-workers keeps a model on some workers of a runtime shared "
+                                             "by several models; give several plans")
+
+
+def test_cli_sweep_mix_with_model_workers_on_one_live_runtime(plans, tmp_path):
+    """Two one-PU CPU groups, heavy held by the first, light by the second: the live runtime,
+    the mix's bound (worked by hand: heavy 10 batches/s x 10 ms on its worker, light 20 x 1 ms
+    on its: scale min(1/0.1, 1/0.02) = 10, not the 2/0.12 of sharing both) and the simulated
+    point all keep them apart, and the results say where each model lived."""
+    from staronnx.bench.simulator import sim_workers
+
+    pus = sorted(os.sched_getaffinity(0))
+    if len(pus) < 2:
+        pytest.skip("needs two PUs for two CPU groups")
+    groups = f"{pus[0]};{pus[1]}"
+    first, second = (w.name for w in sim_workers(groups=groups))
+    heavy, light, home = plans
+    out = tmp_path / "kept"
+    done = _cli("sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,light=20",
+                "--batch-sizes", "heavy=4,light=1", "--groups", groups, "--duration", "400ms", "--min-batches", "3",
+                "--model-workers", f"heavy={first}", "--model-workers", f"light={second}",
+                "--simulate", "--no-plots", "-o", str(out), home=home)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert f"heavy on {first} only, light on {second} only" in done.stdout
+    doc = json.loads((out / "results.json").read_text())
+    settings = doc["settings"]
+    assert settings["residency"] == {"heavy": first, "light": second}
+    assert settings["models"]["heavy"]["held_by"] == [first]
+    assert settings["models"]["light"]["held_by"] == [second]
+    (bound,) = doc["bounds"].values()
+    assert bound["scale"] == pytest.approx(10.0, rel=1e-4) and bound["residency"] == settings["residency"]
+    assert bound["busy"]["light"][first] == 0
+    with open(out / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["model"] for r in rows] == ["heavy", "light"]
+    assert all(int(r["completed"]) > 0 and r["sim_throughput"] != "" for r in rows)

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linprog
 
-from staronnx.bench.simulator import SimMachine
+from staronnx.bench.simulator import SimMachine, Where, residency_where
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.sched import WorkerInfo
@@ -300,7 +300,8 @@ class MixBound:
     ``solo[m]``: what ``m`` could reach alone on the whole machine (its own LP bound), the
     yardstick for what sharing costs it. ``busy[m][w]``: the busy fraction of worker ``w``
     spent on ``m`` at the optimum; ``arch_share[m]``: ``"part<p>/<arch>"`` (the model's own
-    part numbers) -> fraction of the part's batches there.
+    part numbers) -> fraction of the part's batches there. ``residency``: the models kept on
+    some workers only (their parts assigned to those alone), as given.
     """
 
     scale: float
@@ -312,6 +313,7 @@ class MixBound:
     utilization: dict[str, float]
     busy: dict[str, dict[str, float]]
     arch_share: dict[str, dict[str, float]]
+    residency: dict[str, str] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -323,14 +325,17 @@ class MixBound:
                 "batch_sizes": dict(self.batch_sizes), "throughput": dict(self.throughput),
                 "solo": dict(self.solo), "binding": [b.name for b in self.binding],
                 "utilization": dict(self.utilization), "busy": {m: dict(v) for m, v in self.busy.items()},
-                "arch_share": {m: dict(v) for m, v in self.arch_share.items()}}
+                "arch_share": {m: dict(v) for m, v in self.arch_share.items()},
+                "residency": dict(self.residency)}
 
 
-def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float]) -> Bound:
-    """The LP over every global part of ``machine``, each part's demand its model's."""
+def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float],
+            where: Where = None) -> Bound:
+    """The LP over every global part of ``machine``, each part's demand its model's; a part
+    runs only on the workers ``where`` says hold it (infinite time elsewhere)."""
     models = machine.models
     assert models is not None
-    times = machine.mean_times(dict(sizes))
+    times = machine.mean_times(dict(sizes), where=where)
     demand = [float(demand_per_model.get(m.name, 0.0)) for m, _ in models.owner]
     tensors: list[FlowTensor] = []
     for m in models.models:
@@ -344,7 +349,8 @@ def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Map
                     transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n))
 
 
-def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int) -> MixBound:
+def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int,
+              residency: Mapping[str, str] | None = None) -> MixBound:
     """The LP bound of several models' traffic on ``machine`` (built over their plans): can
     the machine serve ``rates`` (model -> single-sample requests/s) in batches of
     ``batch_sizes`` (model -> b, or one b for all), and by how much could they all grow?
@@ -352,6 +358,10 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     Model ``m`` needs ``rates[m] / b[m]`` batches/s of each of its parts; the LP of the module
     docstring with those demands maximises the common scale factor. Each model's solo bound
     comes from the same LP with the other models' demand at 0.
+
+    ``residency`` (model name -> worker selector, as in
+    :func:`~staronnx.bench.simulator.simulate_mix`): a model's parts may be assigned only to
+    the workers holding it, in the mix and alone (its solo bound is then on those workers).
     """
     models = machine.models
     assert models is not None
@@ -368,10 +378,11 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
             raise BoundError(f"{n}: the rate must be > 0 requests/s, got {r!r}")
         if isinstance(sizes[n], bool) or sizes[n] < 1:
             raise BoundError(f"{n}: the batch size must be >= 1, got {sizes[n]!r}")
+    where = residency_where(machine, residency)
     demand = {n: float(rates[n]) / sizes[n] for n in names}
-    lp = _mix_lp(machine, sizes, demand)
+    lp = _mix_lp(machine, sizes, demand, where)
     scale = lp.batches_per_s
-    solo = {n: _mix_lp(machine, sizes, {n: 1.0 / sizes[n]}).batches_per_s for n in names}
+    solo = {n: _mix_lp(machine, sizes, {n: 1.0 / sizes[n]}, where).batches_per_s for n in names}
     busy: dict[str, dict[str, float]] = {}
     shares: dict[str, dict[str, float]] = {}
     for m in models.models:
@@ -386,7 +397,7 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     return MixBound(
         scale=scale, rates={n: float(rates[n]) for n in names}, batch_sizes=sizes,
         throughput={n: scale * float(rates[n]) for n in names}, solo=solo, binding=lp.binding,
-        utilization=lp.utilization, busy=busy, arch_share=shares)
+        utilization=lp.utilization, busy=busy, arch_share=shares, residency=dict(residency or {}))
 
 
 #: measured / bound above which a measurement is not noise: the perf models are stale

@@ -186,6 +186,7 @@ def sweep_mix(
     simulate: bool = False,
     max_delay: float | None = None,
     trace: str | os.PathLike[str] | None = None,
+    residency: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every mix of ``points`` on one runtime hosting every model; return the rows
     (one per point and model; see the module docstring).
@@ -197,15 +198,19 @@ def sweep_mix(
     congested when any model is; with ``stop_on_congestion`` the points that dominate a
     congested one (same batch sizes, every rate at least as high) are skipped. ``bound``: the
     LP bound of each mix (:func:`~staronnx.bench.bound.mix_bound`) beside it; ``simulate``:
-    each point simulated too, its figures and errors in every model's row. Other arguments as
-    in :func:`staronnx.bench.sweep.sweep`; an unstable point is not measured again here.
+    each point simulated too, its figures and errors in every model's row. ``residency``
+    (model name -> worker selector, ``Runtime(residency=...)``'s) loads those models on the
+    selected workers only, in the runtime and in its bound and simulation alike; each model's
+    ``held_by`` is in the settings. Other arguments as in :func:`staronnx.bench.sweep.sweep`;
+    an unstable point is not measured again here.
     """
     from staronnx.bench.bound import mix_bound
     from staronnx.bench.fidelity import fidelity_summary
     from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up, workers_delta, \
         workers_snapshot
     from staronnx.bench.results import SweepError, clean, make_row, write_results
-    from staronnx.bench.simulator import build_machine, deadline_misses, machine_inflight, simulate_mix
+    from staronnx.bench.simulator import build_machine, deadline_misses, machine_inflight, residency_where, \
+        simulate_mix
     from staronnx.bench.sweep import SweepEvent
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes
@@ -215,6 +220,7 @@ def sweep_mix(
     loaded = {str(n): p if isinstance(p, Plan) else Plan.load(p) for n, p in plans.items()}
     names = list(loaded)
     models = ModelSet(loaded, targets)  # checks the targets' names
+    residency = dict(residency or {})
     if not points:
         raise SweepError("no mix to measure")
     for p in points:
@@ -242,6 +248,7 @@ def sweep_mix(
         "min_batches": min_batches, "engine": "native", "simulate": simulate, "max_delay_s": max_delay,
         "mixes": [{"rates": p.rates, "batch_sizes": p.batch_sizes} for p in points],
         "rates": {n: sorted({p.rates[n] for p in points}) for n in names}, "batch_sizes": sizes_of,
+        "residency": residency,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "front_end": {"kind": "in-process"},
     }
@@ -263,18 +270,23 @@ def sweep_mix(
         except StaronnxError as exc:
             missing = " and ".join(m for m, on in (("no LP bound", bound), ("no simulation", simulate)) if on)
             notes.append(f"{missing}: {exc}")
+    # a model's holders, as the runtime will choose them (a selector matching no worker is
+    # refused here, before the runtime starts, with the runtime's own message)
+    where = None if machine is None else residency_where(machine, residency)
     windows: dict[tuple[str, int], int | None] = {}
     for m in models.models:
         for b in sizes_of[m.name]:
-            windows[(m.name, b)] = None if machine is None else machine_inflight(machine, b, m.index)
+            windows[(m.name, b)] = None if machine is None else machine_inflight(machine, b, m.index, where)
     warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)}) if cuda_streams else ()
     runtime = Runtime(loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store, trace=trace,
-                      targets=targets, warmup=warm,
+                      targets=targets, warmup=warm, residency=residency,
                       cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None)
     index = 0
     congested: list[MixPoint] = []
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in runtime.workers]
+        for n in names:  # where each model lives (every worker unless residency says otherwise)
+            settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
         notify(SweepEvent("start", 0, total))
         save()
         handles = {n: runtime.model(n) for n in names}
@@ -296,7 +308,7 @@ def sweep_mix(
             mix = None
             if bound and machine is not None:
                 try:
-                    mix = mix_bound(machine, point.rates, point.batch_sizes)
+                    mix = mix_bound(machine, point.rates, point.batch_sizes, residency)
                     bounds[f"{point.label} b {mix_label(point.batch_sizes)}"] = mix.as_dict()
                 except StaronnxError as exc:
                     notes.append(f"no LP bound for {point.label}: {exc}")
@@ -327,7 +339,7 @@ def sweep_mix(
                 try:
                     sim = simulate_mix(machine, point.rates, point.batch_sizes, policy=policy, targets=targets,
                                        duration=length, distribution=distribution, seed=seed,
-                                       queue_capacity=queue_capacity, max_delay=max_delay)
+                                       queue_capacity=queue_capacity, max_delay=max_delay, residency=residency)
                 except StaronnxError as exc:
                     notes.append(f"{point.label} not simulated: {exc}")
             point_rows = []

@@ -42,7 +42,12 @@ from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import next_batch_size, padded_size
+from staronnx.workers.residency import WorkerSlot, model_holders
 from staronnx.workers.topology import Topology
+
+#: per global part, the ids of the workers holding it (None: every worker holds every part)
+Where = Sequence[frozenset[int]] | None
+_CUDA_NAME = re.compile(r"cuda(\d+)(?:\.|$)")
 
 class SimulationError(StaronnxError, ValueError):
     """A simulation that cannot run as asked: bad settings, or no model for a part on an arch."""
@@ -297,44 +302,94 @@ class SimMachine:
     def profile(self, batch: int, model: int | str = 0) -> PlanProfile:
         return profile_plan(self.hosted(model).plan, batch)
 
-    def check(self, batch: int, model: int | str = 0) -> PlanProfile:
+    def check(self, batch: int, model: int | str = 0, where: Where = None) -> PlanProfile:
         """Profile ``batch`` of ``model`` and make sure each of its parts has times on every
-        arch (else raise)."""
+        arch that may run it (else raise): every arch, or with ``where`` (see
+        :func:`residency_where`) those of the workers holding the part, so that a model kept
+        off the GPU needs no GPU perf models (it may never have been calibrated there)."""
         hosted = self.hosted(model)
         prof = self.profile(batch, hosted.index)
         for p in range(hosted.plan.k):
-            for arch in self.archs:
-                self.table.distribution(hosted.first_part + p, arch, prof.footprints[p])
+            g = hosted.first_part + p
+            archs = self.archs if where is None else list(dict.fromkeys(
+                w.arch for i, w in enumerate(self.workers) if i in where[g]))
+            for arch in archs:
+                self.table.distribution(g, arch, prof.footprints[p])
         return prof
 
-    def mean_times(self, batch: int | Mapping[str, int], model: int | str | None = None) -> list[list[float]]:
+    def mean_times(self, batch: int | Mapping[str, int], model: int | str | None = None,
+                   where: Where = None) -> list[list[float]]:
         """``times[p][w]``: mean seconds of part ``p`` on worker ``w`` (for the LP).
 
         ``batch`` an int and ``model`` None: every part of a one-plan machine (of the first
         model's plan otherwise), at that batch size. ``model`` given: that model's parts (its
         own numbering). ``batch`` a mapping (model name -> batch size): every global part of
-        a machine of several models, each at its model's batch size."""
+        a machine of several models, each at its model's batch size. ``where`` (per global
+        part, the workers holding it; :func:`residency_where`): ``inf`` on the others, which
+        the LP reads as "cannot run there"."""
         assert self.models is not None
         if isinstance(batch, Mapping):
-            return [row for m in self.models.models for row in self.mean_times(int(batch[m.name]), m.index)]
+            return [row for m in self.models.models for row in self.mean_times(int(batch[m.name]), m.index, where)]
         hosted = self.hosted(0 if model is None else model)
-        prof = self.check(batch, hosted.index)
+        prof = self.check(batch, hosted.index, where)
+        first = hosted.first_part
         return [
-            [self.table.distribution(hosted.first_part + p, w.arch, prof.footprints[p])[0] for w in self.workers]
+            [self.table.distribution(first + p, w.arch, prof.footprints[p])[0]
+             if where is None or i in where[first + p] else math.inf
+             for i, w in enumerate(self.workers)]
             for p in range(hosted.plan.k)
         ]
 
 
-def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0) -> int:
+def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, where: Where = None) -> int:
     """The server's in-flight window for this machine at ``batch`` (of ``model``'s server)
-    (:func:`~staronnx.serving.server.inflight_window` over each worker's whole-plan time)."""
+    (:func:`~staronnx.serving.server.inflight_window` over each worker's whole-plan time).
+    With ``where`` (:func:`residency_where`), over the workers holding the model only: its
+    batches can keep no other worker busy."""
     from staronnx.serving.server import inflight_window
 
+    hosted = machine.hosted(model)
+    mine = [i for i in range(len(machine.workers))
+            if where is None or all(i in where[hosted.first_part + p] for p in range(hosted.plan.k))]
     try:
-        times = machine.mean_times(batch, model)
+        times = machine.mean_times(batch, hosted.index, where)
     except Exception:  # noqa: BLE001 - a missing model: the unknown-machine default
-        return inflight_window([None] * len(machine.workers))
-    return inflight_window([sum(times[p][w] for p in range(len(times))) for w in range(len(machine.workers))])
+        return inflight_window([None] * len(mine))
+    return inflight_window([sum(times[p][w] for p in range(len(times))) for w in mine])
+
+
+def worker_slots(workers: Sequence[WorkerInfo]) -> list[WorkerSlot]:
+    """The workers as a residency selector sees them (:mod:`staronnx.workers.residency`):
+    the runtime's names and kinds, a CUDA worker's GPU read from its name (``cuda1.s0``)."""
+    slots = []
+    for w in workers:
+        m = _CUDA_NAME.match(w.name) if w.kind == "cuda" else None
+        slots.append(WorkerSlot(w.name, w.kind, int(m.group(1)) if m else None))
+    return slots
+
+
+def residency_where(machine: SimMachine, residency: Mapping[str, str] | None) -> list[frozenset[int]] | None:
+    """Per global part of ``machine``, the ids of the workers that hold it when ``residency``
+    (model name -> worker selector, as ``Runtime(residency=...)`` and ``--model-workers`` take
+    it) keeps some models on some workers only; None without one (every worker holds every
+    part: the policies' unrestricted path). The live runtime's own rule
+    (:func:`~staronnx.workers.residency.model_holders`), so an unknown model or a selector
+    that matches no worker is refused here as ``staronnx serve`` refuses it."""
+    if not residency:
+        return None
+    models = machine.models
+    assert models is not None
+    holders = model_holders(residency, [m.name for m in models.models], worker_slots(machine.workers))
+    every = frozenset(range(len(machine.workers)))
+    return [frozenset(holders[m.name]) if m.name in holders else every for m, _ in models.owner]
+
+
+def held_by(machine: SimMachine, where: Where, model: int | str) -> list[str]:
+    """The names of the workers holding every part of ``model`` (all of them without ``where``),
+    as the live runtime's ``stats()["models"][name]["held_by"]`` lists them."""
+    hosted = machine.hosted(model)
+    return [w.name for i, w in enumerate(machine.workers)
+            if where is None or all(i in where[p] for p in hosted.parts)]
 
 
 def build_machine(
@@ -488,8 +543,12 @@ class _Simulation:
         drain: bool,
         charge_transfers: bool,
         models: ModelSet | None = None,
+        where: Where = None,
     ) -> None:
+        """``where``: per global part, the workers holding it (:func:`residency_where`), handed
+        to the core as the live engine hands it the workers' sessions."""
         self.m = machine
+        self.where = where
         self.models = models if models is not None else machine.models
         assert self.models is not None
         self.fronts = list(fronts)
@@ -510,7 +569,8 @@ class _Simulation:
         for fe in self.fronts:
             fe.last_done = self.clock.t
         # the engine's own core: the same tasks, handles, policy calls and statistics
-        self.core = TaskGraph(self.models, machine.workers, policy, machine.table, self.clock, self._footprint)
+        self.core = TaskGraph(self.models, machine.workers, policy, machine.table, self.clock, self._footprint,
+                              where=where)
         self.part_inputs = self.models.part_inputs
         self.part_outputs = [list(m.plan.parts[local].outputs) for m, local in self.models.owner]
         self.notes: list[str] = []
@@ -590,7 +650,7 @@ class _Simulation:
 
     def _runnable(self, fe: _FrontEnd, size: int) -> bool:
         try:
-            self.m.check(size, fe.model)
+            self.m.check(size, fe.model, self.where)
         except SimulationError:
             return False
         return True
@@ -602,7 +662,7 @@ class _Simulation:
         rows = padded_size(size, fe.pad_to)  # the Server's padding: priced at the size that runs
         profile = fe.profiles.get(rows)
         if profile is None:
-            profile = fe.profiles[rows] = self.m.check(rows, fe.model)
+            profile = fe.profiles[rows] = self.m.check(rows, fe.model, self.where)
         bid = len(fe.batches)
         record = BatchRecord(id=bid, size=size, formed=t, request_ids=ids,
                              padded_to=rows if rows != size else None)
@@ -856,6 +916,8 @@ class MixResult:
     events: int
     wall_seconds: float
     models: ModelSet
+    #: model -> the workers holding it (every worker unless a residency said otherwise)
+    held_by: dict[str, list[str]] = field(default_factory=dict)
 
     def metrics(self, model: str, warmup: float = 0.0) -> dict[str, Any]:
         """Throughput, latencies, congestion and deadline misses of ``model`` (see
@@ -888,6 +950,7 @@ def simulate_mix(
     spread: float = 1.0,
     drain: bool = True,
     charge_transfers: bool = True,
+    residency: Mapping[str, str] | None = None,
 ) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over several plans) at its own
     rate, as ``staronnx serve`` does on one shared runtime: a server per model (its queue of
@@ -897,8 +960,13 @@ def simulate_mix(
 
     Model ``i`` (in the machine's order) draws its arrivals with seed ``seed + i``, so two
     Poisson streams are independent and a live mixed sweep replays the same ones. ``arrivals``
-    (name -> sorted offsets in seconds) replaces the generated ones. Other arguments as in
-    :func:`simulate`.
+    (name -> sorted offsets in seconds) replaces the generated ones. ``residency`` (model name
+    -> worker selector: ``"cpu"``, ``"cuda0"``, ``"cpu:numa0,cuda0.s1"``; see
+    :mod:`staronnx.workers.residency`) loads those models on the selected workers only, as
+    ``Runtime(residency=...)`` and ``staronnx serve --model-workers`` do: the policy places
+    their tasks there alone, their in-flight windows count those workers only, and they need
+    perf models only on those workers' archs (what if a model were kept off the GPU, before
+    trying it live). Other arguments as in :func:`simulate`.
     """
     t0 = time.perf_counter()
     models = machine.models
@@ -926,12 +994,13 @@ def simulate_mix(
         raise SimulationError(f"spread must be >= 0, got {spread!r}")
     # the core's view: the same plans in the same order (same global parts), with the targets
     shared = ModelSet({m.name: m.plan for m in models.models}, targets)
+    where = residency_where(machine, residency)
     fronts: list[_FrontEnd] = []
     processes: dict[str, str] = {}
     for m in models.models:
         b = sizes[m.name]
-        machine.check(b, m.index)
-        window = (machine_inflight(machine, b, m.index) if max_inflight is None or m.name not in max_inflight
+        machine.check(b, m.index, where)
+        window = (machine_inflight(machine, b, m.index, where) if max_inflight is None or m.name not in max_inflight
                   else int(max_inflight[m.name]))
         if window < 1:
             raise SimulationError(f"{m.name}: max_inflight must be >= 1, got {window}")
@@ -948,12 +1017,13 @@ def simulate_mix(
         fronts.append(_FrontEnd(m.index, b, times, queue_capacity, window, max_delay))
     policy_obj = _make_policy(policy, policy_options, seed)
     sim = _Simulation(machine, policy_obj, fronts, seed=seed, spread=spread, drain=drain,
-                      charge_transfers=charge_transfers, models=shared)
+                      charge_transfers=charge_transfers, models=shared, where=where)
     sim.run()
     start = min(float(fe.arrivals[0]) for fe in fronts)
     ends = {m.name: _end_of(sim, fe) for m, fe in zip(models.models, fronts)}
     elapsed = max(max(ends.values()) - start, 1e-12)
     records: dict[str, RunRecords] = {}
+    holders = {m.name: held_by(machine, where, m.index) for m in models.models}
     for m, fe in zip(shared.models, fronts):
         settings = {
             "engine": "simulator", "policy": policy_obj.name, "model": m.name, "batch_size": fe.batch_size,
@@ -961,7 +1031,8 @@ def simulate_mix(
             "seed": seed + m.index, "max_delay": max_delay, "queue_capacity": queue_capacity,
             "max_inflight": fe.max_inflight, "spread": spread, "plan_hash": m.plan.hash,
             "target": {"latency": m.target.latency, "priority": m.target.priority},
-            "workers": [w.name for w in machine.workers], **machine.settings,
+            "workers": [w.name for w in machine.workers], "residency": dict(residency or {}),
+            "held_by": holders[m.name], **machine.settings,
         }
         offered = (float(rates[m.name]) if arrivals is None or m.name not in arrivals
                    else _mean_rate(fe.arrivals))
@@ -980,4 +1051,5 @@ def simulate_mix(
         events=sim.n_events,
         wall_seconds=time.perf_counter() - t0,
         models=shared,
+        held_by=holders,
     )

@@ -85,13 +85,39 @@ def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
     return out
 
 
+#: why ``--model-workers`` needs several models (sweep says the same)
+MODEL_WORKERS_NEED_SEVERAL = ("--model-workers keeps a model on some workers of a runtime shared by several models; "
+                              "give several plans (one plan runs on every worker: choose them with --groups and "
+                              "--cuda-streams)")
+
+#: ``staronnx serve``'s help text for ``--model-workers``, the same option here
+MODEL_WORKERS_HELP = ("Load a model on some workers only, NAME=WORKERS (repeatable): cpu, cuda, cuda<N> or worker "
+                      "names (cpu:numa0, cuda0.s1), comma-separated; the others hold no session of it and the "
+                      "policy never places its tasks there (GPU memory, or a GPU kept for another model). "
+                      "Default: every worker holds every model.")
+
+
+def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
+    """``--model-workers`` of a mix, as ``staronnx serve`` reads it: NAME=WORKERS items, every
+    NAME one of the models (the selectors are checked against the workers when they exist)."""
+    from staronnx.workers.residency import parse_model_workers
+
+    residency = parse_model_workers(items)
+    unknown = [n for n in residency if n not in names]
+    if unknown:
+        raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
+                            f"models: {', '.join(names)}")
+    return residency
+
+
 def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None, rates: str | None,
                   names: list[str] | None, slo_ms: list[str], priority: list[str], policy: str, groups: str,
                   synthetic: str | None, cuda_streams: int, cuda_scale: str | None, distribution: str,
                   duration: float, requests: int | None, seed: int, max_delay: float | None, spread: float,
-                  queue_capacity: int) -> None:
+                  queue_capacity: int, model_workers: list[str]) -> None:
     """Several models on one simulated runtime, each at its own rate: per-model throughput,
-    latencies and deadline misses, the LP bound of the mix, each worker's time per model."""
+    latencies and deadline misses, the LP bound of the mix, each worker's time per model;
+    with ``--model-workers``, some models on some workers only (simulation and bound)."""
     from staronnx.bench.bound import mix_bound
     from staronnx.bench.mix import model_names
     from staronnx.bench.simulator import build_machine, simulate_mix
@@ -108,6 +134,7 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     offered = mix_rates(rates, labels)
     sizes = mix_batches(batch, labels)
     targets = service_targets(labels, slo_ms, priority)
+    residency = model_residency(model_workers, labels)
     if synthetic is None:
         for d, plan in zip(plandirs, plans.values()):
             warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams,
@@ -117,11 +144,12 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
                             cuda_scale=_scale(cuda_scale))
     result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=duration,
                           distribution=distribution, seed=seed, max_delay=max_delay, spread=spread,
-                          queue_capacity=queue_capacity)
-    bound = mix_bound(machine, offered, sizes)
+                          queue_capacity=queue_capacity, residency=residency)
+    bound = mix_bound(machine, offered, sizes, residency=residency)
     workers = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
     console.print(f"simulated {len(plans)} model(s) on one runtime with {policy} on {len(result.workers)} "
-                  f"worker(s): {workers}", highlight=False)
+                  f"worker(s): {workers}"
+                  + "".join(f"; {n} on {', '.join(result.held_by[n])} only" for n in residency), highlight=False)
     table = Table(title="per model (latencies in ms; misses: answers later than the target)")
     for col in ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
                 "rejected", "load"):
@@ -185,6 +213,7 @@ def simulate_cmd(
         help="How long the oldest request may wait before a partial batch leaves: 5ms, 0.005, 0 (none).")] = None,
     spread: Annotated[float, typer.Option(help="Scale of the models' standard deviations (0: means only).")] = 1.0,
     queue_capacity: Annotated[int, typer.Option(help="Server queue capacity, per model (arrivals beyond it are rejected).")] = 1024,
+    model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
 ) -> None:
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
@@ -196,12 +225,14 @@ def simulate_cmd(
 
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
+    if model_workers and len(plandirs) < 2:
+        raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if len(plandirs) > 1 or rates is not None or slo_ms or priority or name:
         _simulate_mix(plandirs, rate=rate, batch=batch, rates=rates, names=name, slo_ms=slo_ms or [],
                       priority=priority or [], policy=policy, groups=groups, synthetic=synthetic,
                       cuda_streams=cuda_streams, cuda_scale=cuda_scale, distribution=distribution,
                       duration=seconds, requests=requests, seed=seed, max_delay=delay, spread=spread,
-                      queue_capacity=queue_capacity)
+                      queue_capacity=queue_capacity, model_workers=model_workers or [])
         return
     if rate is None:
         raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")

@@ -19,6 +19,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
+from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, model_residency
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -286,6 +287,7 @@ def sweep_cmd(
              "settings are then the server's.")] = None,
     model: Annotated[str | None, typer.Option(
         help="With --url: the served model's name (default: the plan folder's name).")] = None,
+    model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime (or through a
@@ -296,6 +298,8 @@ def sweep_cmd(
 
     from staronnx.bench.mix import is_per_model
 
+    if model_workers and len(plandirs) < 2:
+        raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
                                                 ("--inputs", inputs), ("--labels", labels)) if value]
@@ -307,7 +311,8 @@ def sweep_cmd(
                        priority=priority or [], policy=policy, groups=groups, cuda_streams=cuda_streams,
                        cuda_graphs=cuda_graphs, distribution=distribution, duration=duration, warmup=warmup,
                        output=output, plots=plots, queue_capacity=queue_capacity, min_batches=min_batches,
-                       seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet)
+                       seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
+                       model_workers=model_workers or [])
         return
     plandir = plandirs[0]
     auto = rates.strip().lower() == "auto"
@@ -369,9 +374,10 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
                    slo_ms: list[str], priority: list[str], policy: str, groups: str, cuda_streams: int,
                    cuda_graphs: bool, distribution: str, duration: str, warmup: str | None, output: Path,
                    plots: bool, queue_capacity: int, min_batches: int, seed: int, max_delay: str | None,
-                   trace: Path | None, simulate: bool, quiet: bool) -> None:
+                   trace: Path | None, simulate: bool, quiet: bool, model_workers: list[str]) -> None:
     """``staronnx sweep a/ b/ --rates a=...,b=...``: every mix on one runtime hosting every
-    model (:func:`staronnx.bench.mix.sweep_mix`); a row per point and model."""
+    model (:func:`staronnx.bench.mix.sweep_mix`); a row per point and model. ``--model-workers``
+    loads some models on some workers only, in the live runtime, its bound and its simulation."""
     from staronnx.bench.mix import check_names, is_per_model, mix_points, model_names, split_per_model, sweep_mix
     from staronnx.cli.serve_cmd import service_targets
     from staronnx.plan import Plan
@@ -391,6 +397,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
         sizes = parse_batch_sizes(batch_sizes)
     points = mix_points(rate_lists, sizes, labels)
     targets = service_targets(labels, slo_ms, priority)
+    residency = model_residency(model_workers, labels)
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
@@ -402,7 +409,8 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
         warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams)
     console.print(
         f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
-        f"with {policy}, groups {groups}{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: "
+        f"with {policy}, groups {groups}{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}"
+        + "".join(f", {n} on {sel} only" for n, sel in residency.items()) + ": "
         f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
     with progress_bar(quiet) as progress:
         bars = _MixBars(progress)
@@ -410,7 +418,8 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
             rows = sweep_mix(plans, points, targets=targets, policy=policy, groups=groups, cuda_streams=cuda_streams,
                              cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
                              out_dir=output, progress=bars, seed=seed, queue_capacity=queue_capacity,
-                             min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace)
+                             min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace,
+                             residency=residency)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 above(progress, console).print(
