@@ -60,10 +60,7 @@ def serve_cmd(
         "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower "
                            "priority, deadlines or not (default 0).")] = None,
     model_workers: Annotated[list[str] | None, typer.Option(
-        "--model-workers", help="Load a model on some workers only, NAME=WORKERS (repeatable): cpu, cuda, cuda<N> "
-                                "or worker names (cpu:numa0, cuda0.s1), comma-separated; the others hold no "
-                                "session of it and the policy never places its tasks there (GPU memory, or a "
-                                "GPU kept for another model). Default: every worker holds every model.")] = None,
+        "--model-workers", help=MODEL_WORKERS_HELP)] = None,
     separate_runtimes: Annotated[bool, typer.Option(
         "--separate-runtimes", help="One runtime per model (each with its own CPU groups and CUDA streams on the "
                                     "same cores and GPU) instead of one shared runtime for all; with --ray, one "
@@ -76,7 +73,6 @@ def serve_cmd(
     policy, each model with its own batcher and queue (a full queue refuses that model only).
     With --ray, each replica of one deployment is such a shared runtime."""
     from staronnx.durations import parse_duration
-    from staronnx.workers.residency import parse_model_workers
 
     try:
         import aiohttp  # noqa: F401
@@ -104,11 +100,7 @@ def serve_cmd(
     targets = service_targets(names, slo_ms or [], priority or [])
     if targets and separate_runtimes:
         raise StaronnxError(TARGETS_NEED_SHARING)
-    residency = parse_model_workers(model_workers or [])
-    unknown = [n for n in residency if n not in names]
-    if unknown:
-        raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
-                            f"models: {', '.join(names)}")
+    residency = model_residency(model_workers or [], names)
     if residency and (separate_runtimes or len(plans) < 2):
         raise StaronnxError("--model-workers places models on the workers of one shared runtime; it needs several "
                             "models and does not go with --separate-runtimes")
@@ -227,3 +219,22 @@ def _target_settings(fields: dict[str, Any] | None) -> dict[str, Any]:
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve_cmd)
+
+
+MODEL_WORKERS_HELP = ("Load a model on some workers only, NAME=WORKERS (repeatable): cpu, cuda, cuda<N> or worker "
+                      "names (cpu:numa0, cuda0.s1), comma-separated; the others hold no session of it and the "
+                      "policy never places its tasks there (GPU memory, or a GPU kept for another model). "
+                      "Default: every worker holds every model.")
+
+
+def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
+    """``--model-workers`` of a mix, as ``staronnx serve`` reads it: NAME=WORKERS items, every
+    NAME one of the models (the selectors are checked against the workers when they exist)."""
+    from staronnx.workers.residency import parse_model_workers
+
+    residency = parse_model_workers(items)
+    unknown = [n for n in residency if n not in names]
+    if unknown:
+        raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
+                            f"models: {', '.join(names)}")
+    return residency

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import output_console
+from staronnx.cli.serve_cmd import MODEL_WORKERS_HELP, model_residency
 from staronnx.errors import StaronnxError
 
 console = output_console()
@@ -91,23 +92,6 @@ MODEL_WORKERS_NEED_SEVERAL = ("--model-workers keeps a model on some workers of 
                               "--cuda-streams)")
 
 #: ``staronnx serve``'s help text for ``--model-workers``, the same option here
-MODEL_WORKERS_HELP = ("Load a model on some workers only, NAME=WORKERS (repeatable): cpu, cuda, cuda<N> or worker "
-                      "names (cpu:numa0, cuda0.s1), comma-separated; the others hold no session of it and the "
-                      "policy never places its tasks there (GPU memory, or a GPU kept for another model). "
-                      "Default: every worker holds every model.")
-
-
-def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
-    """``--model-workers`` of a mix, as ``staronnx serve`` reads it: NAME=WORKERS items, every
-    NAME one of the models (the selectors are checked against the workers when they exist)."""
-    from staronnx.workers.residency import parse_model_workers
-
-    residency = parse_model_workers(items)
-    unknown = [n for n in residency if n not in names]
-    if unknown:
-        raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
-                            f"models: {', '.join(names)}")
-    return residency
 
 
 def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None, rates: str | None,
