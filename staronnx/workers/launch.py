@@ -140,11 +140,8 @@ def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[Wor
     paths = [plan.part_path(i) for i in range(plan.k)]
     if not residency:
         return [list(paths) for _ in slots]
-    from staronnx.runtime.models import ModelSet
-
-    models = ModelSet.of(plan)
-    holders = model_holders(residency, [m.name for m in models.models], slots)
-    owner = [models.owner[p][0].name for p in range(plan.k)]
+    owner = part_models(plan)
+    holders = model_holders(residency, list(dict.fromkeys(owner)), slots)
     return [[path if owner[p] not in holders or i in holders[owner[p]] else None for p, path in enumerate(paths)]
             for i in range(len(slots))]
 
@@ -155,23 +152,23 @@ def start_fitting(make: Any, paths: list[Path | None], plan: Any) -> Any:
     is left off this worker, with a warning, and the worker starts with the others (the
     runtime's other workers run that model; :func:`check_every_model_held` refuses a model
     that no worker holds). A single model that does not fit is an error, as before."""
-    from staronnx.runtime.models import ModelSet
     from staronnx.workers.cuda import PartDoesNotFit
 
-    models = ModelSet.of(plan)
+    owner = part_models(plan)
     paths = list(paths)
     while True:
         worker = make(paths)
         try:
             return worker.start()
         except PartDoesNotFit as exc:
-            if models.single:
+            model = owner[exc.part]
+            if len(set(owner)) == 1:
                 raise
-            model = models.owner[exc.part][0]
             log.warning("%s: model %r is left off this worker: %s; the workers that hold it run it",
-                        exc.worker, model.name, exc)
-            for p in model.parts:
-                paths[p] = None
+                        exc.worker, model, exc)
+            for p, name in enumerate(owner):
+                if name == model:
+                    paths[p] = None
             if all(p is None for p in paths):
                 raise PartDoesNotFit(exc.worker, exc.part, Path(str(plan.part_path(exc.part))),
                                      "no model fits in its memory") from exc
@@ -180,10 +177,19 @@ def start_fitting(make: Any, paths: list[Path | None], plan: Any) -> Any:
 def check_every_model_held(plan: Any, workers: Sequence[Any]) -> None:
     """Refuse a runtime in which some model is held by no worker (every worker that was to
     hold it had no memory left for it), naming the model."""
-    from staronnx.runtime.models import ModelSet
-
-    models = ModelSet.of(plan)
-    for model in models.models:
-        if not any(getattr(w, "holds", None) is None or set(model.parts) <= w.holds for w in workers):
-            raise GroupError(f"no worker holds model {model.name!r}: it fits in no GPU's memory and no CPU group "
+    owner = part_models(plan)
+    for model in dict.fromkeys(owner):
+        parts = {p for p, name in enumerate(owner) if name == model}
+        if not any(getattr(w, "holds", None) is None or parts <= w.holds for w in workers):
+            raise GroupError(f"no worker holds model {model!r}: it fits in no GPU's memory and no CPU group "
                              "was given it (give it CPU workers: --model-workers NAME=cpu, or --groups)")
+
+
+def part_models(plan: Any) -> list[str]:
+    """The model each global part belongs to, by name: a runtime's ModelSet names them (its
+    ``owner``); a plain plan is one model (workers sit below the runtime's layer, so this
+    reads the ModelSet's shape rather than importing it)."""
+    owner = getattr(plan, "owner", None)
+    if owner is None:
+        return [""] * plan.k
+    return [model.name for model, _ in owner]
