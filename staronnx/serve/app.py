@@ -12,6 +12,7 @@ the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import importlib.metadata
 import re
@@ -92,6 +93,45 @@ def _version() -> str:
         return "unknown"
 
 
+#: glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+#: largest block glibc may serve from its heaps instead of mapping it (its own ceiling on 64 bits)
+KEEP_BLOCKS_UP_TO = 32 * 2**20
+
+#: free memory glibc keeps at the top of a heap before giving it back to the system
+KEEP_FREE_UP_TO = 256 * 2**20
+
+
+def keep_freed_memory(blocks: int = KEEP_BLOCKS_UP_TO, free: int = KEEP_FREE_UP_TO) -> bool:
+    """Have glibc's malloc keep the memory a request frees for the next one, instead of handing
+    it back to the kernel; True where that was applied (glibc), False elsewhere (no change).
+
+    Why: a server's requests allocate the same multi-MB buffers over and over (a request body,
+    the JSON parser's and numpy's temporaries, a batch). With glibc's defaults a block over the
+    mmap threshold is mapped for each request and unmapped when freed, and a heap is trimmed as
+    soon as 128 KiB sit free at its top, so request after request faults its buffers in again,
+    page by page, each page zeroed by the kernel first. Measured: 330-520 page faults per 2.6 MB
+    JSON request on this server (of 661 pages), 2-11 with these settings; an aiohttp loop that
+    only receives 2.9 MB bodies spent 2.5-2.9 ms of CPU on each, 1.3 ms with them. The process
+    keeps what it used at its peak (about ``--max-body`` times the requests in flight) instead
+    of returning it between requests, which is what a long-running server wants.
+
+    Both settings go together: a trim threshold alone also fixes the mmap threshold at its
+    128 KiB default, so every large block would be mapped and unmapped (4.8 ms in that loop).
+    """
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (macOS, Windows): its allocator has no such knob
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    if not mallopt(_M_MMAP_THRESHOLD, blocks):  # musl's mallopt accepts nothing
+        return False
+    return bool(mallopt(_M_TRIM_THRESHOLD, free))
+
+
 def _bind(host: str, port: int, what: str) -> socket.socket:
     """A listening socket, or one clear line naming the port and the flag to change."""
     try:
@@ -104,12 +144,14 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
 
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
                 say: Callable[[str], None] = print) -> None:
-    """Serve ``models`` until SIGTERM/SIGINT; then drain and close them."""
+    """Serve ``models`` until SIGTERM/SIGINT; then drain and close them. Memory the requests free
+    is kept for the next ones (:func:`keep_freed_memory`)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
     from staronnx.serve.http_api import HttpFrontend, _server_header
 
+    keep_freed_memory()
     by_name = {m.name: m for m in models}
     meta = server_metadata(EXTENSIONS)
     state = {"ready": True}
