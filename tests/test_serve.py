@@ -241,6 +241,29 @@ def test_200_concurrent_requests_from_8_threads_all_correct(server, plans):
     assert 1 <= d("nv_inference_exec_count") <= d("nv_inference_count")
 
 
+def test_each_answer_names_its_own_batch(server):
+    """Concurrent one-sample requests over both protocols: the answers that name one batch id
+    agree on its size and are no more than it, whatever order the batches are answered in (the
+    server formats a batch's parameters once and hands them to the batch's other requests)."""
+    def one(i: int) -> tuple[int, int]:
+        if i % 2:
+            res = _grpc_infer(tgrpc.InferenceServerClient(server.grpc), _x(1, seed=i))
+            params = res.get_response().parameters
+            return int(params["staronnx_batch_id"].int64_param), int(params["staronnx_batch_size"].int64_param)
+        params = _http_infer(thttp.InferenceServerClient(server.http), _x(1, seed=i)).get_response()["parameters"]
+        return int(params["staronnx_batch_id"]), int(params["staronnx_batch_size"])
+
+    with ThreadPoolExecutor(8) as pool:
+        seen = list(pool.map(one, range(64)))
+    sizes: dict[int, set[int]] = {}
+    for batch_id, size in seen:
+        sizes.setdefault(batch_id, set()).add(size)
+    assert all(len(s) == 1 for s in sizes.values()), sizes
+    for batch_id, (size,) in sizes.items():
+        assert 1 <= sum(b == batch_id for b, _ in seen) <= size <= 4, (batch_id, size, seen)
+    assert len(sizes) < len(seen)  # requests did share batches
+
+
 # -- errors ------------------------------------------------------------------------------------
 def test_http_errors_name_the_input(server):
     body = lambda inputs: json.dumps({"inputs": inputs}).encode()  # noqa: E731

@@ -122,6 +122,10 @@ class GrpcFrontend:
         raise AssertionError("unreachable")
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+        """Registered as it is, not behind :func:`_checked` (a coroutine more per request on the
+        loop that every RPC shares), so it answers an undecodable request itself."""
+        if type(request) is _Undecodable:
+            await _refuse_undecodable(context, request, "ModelInfer")
         try:
             model = self._model(request.model_name, request.model_version)
             if not self.is_ready():  # stopping: answered, never reset
@@ -215,14 +219,22 @@ def _deserializer(cls: Any) -> Callable[[bytes], Any]:
     return parse
 
 
+async def _refuse_undecodable(context: grpc.aio.ServicerContext, request: _Undecodable, rpc: str) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the {rpc} request ({request.size} bytes) is not a valid "
+                        f"{SERVICE}/{rpc} message: {protocol.cut(request.error, 100)}")
+
+
 def _checked(method: Callable[[Any, grpc.aio.ServicerContext], Any], rpc: str) -> Callable[..., Any]:
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"the {rpc} request ({request.size} bytes) is not a valid "
-                                f"{SERVICE}/{rpc} message: {protocol.cut(request.error, 100)}")
+            await _refuse_undecodable(context, request, rpc)
         return await method(request, context)
     return handler
+
+
+#: the RPCs that answer an undecodable request themselves (registered without _checked)
+_SELF_CHECKED = ("ModelInfer",)
 
 
 def make_server(frontend: GrpcFrontend, max_body: int) -> grpc.aio.Server:
@@ -236,8 +248,9 @@ def make_server(frontend: GrpcFrontend, max_body: int) -> grpc.aio.Server:
     handlers = {}
     for rpc in SERVED:
         method = service.methods_by_name[rpc]
+        method_handler = getattr(frontend, rpc)
         handlers[rpc] = grpc.unary_unary_rpc_method_handler(
-            _checked(getattr(frontend, rpc), rpc),
+            method_handler if rpc in _SELF_CHECKED else _checked(method_handler, rpc),
             request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

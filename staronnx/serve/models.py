@@ -200,6 +200,8 @@ class ModelEndpoint:
         self.labels = _labels(self.plan)
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
+        #: (batch record, response parameters) of the last one-sample request answered
+        self._last_parameters: tuple[Any, dict[str, int | str]] | None = None
         metrics.add(self)
 
     # -- what the metrics collector reads ------------------------------------------------------
@@ -417,7 +419,17 @@ class ModelEndpoint:
         self.stats.finished(ok=True, request_s=request_s, queue_s=queue_s, input_s=decode_s, infer_s=infer_s,
                             late=self.latency_target is not None and request_s > self.latency_target)
         self._latency_hist.observe(done - started + decode_s)
-        return Answer(result, _batch_parameters(futures))
+        return Answer(result, self._parameters(futures))
+
+    def _parameters(self, futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]
+        """:func:`_batch_parameters`, formatted once per batch: a batch's requests are answered one
+        after the other, so the last batch's are kept and its other requests get the same dict
+        (shared: the front ends only read it)."""
+        last = self._last_parameters
+        params = _batch_parameters(futures, last)
+        if params and (last is None or params is not last[1]):
+            self._last_parameters = (futures[0].batch, params)  # type: ignore[attr-defined]
+        return params
 
     def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[Future]:  # type: ignore[type-arg]
         """One sample per row into the batcher; all or none (a full queue refuses the whole request)."""
@@ -476,14 +488,18 @@ def _image_format(dims: Sequence[int]) -> str:
     return "FORMAT_NONE"
 
 
-def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]
+def _batch_parameters(futures: Sequence[Future], last: tuple[Any, dict[str, int | str]] | None = None  # type: ignore[type-arg]
+                      ) -> dict[str, int | str]:
     """The batch of a one-sample request, as response parameters (none for a client batch,
-    whose samples may have run in several batches)."""
+    whose samples may have run in several batches); ``last``: (batch record, its parameters)
+    of a request answered before, returned as they are when this request ran in the same batch."""
     if len(futures) != 1:
         return {}
     batch = getattr(futures[0], "batch", None)
     if batch is None:
         return {}
+    if last is not None and last[0] is batch:
+        return last[1]
     params: dict[str, int | str] = {"staronnx_batch_id": int(batch.id), "staronnx_batch_size": int(batch.size)}
     if batch.placement:
         params["staronnx_placement"] = ",".join(f"{p}={a}" for p, a in sorted(batch.placement.items()))
@@ -493,6 +509,11 @@ def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # typ
 def _batch_times(futures: Sequence[Future], started: float) -> tuple[float, float]:  # type: ignore[type-arg]
     """(queue, compute) seconds of a request: until its last sample's batch formed, and that
     batch's run (from the batch records the server attaches to each sample's future)."""
+    if len(futures) == 1:  # most requests: no lists
+        b = getattr(futures[0], "batch", None)
+        if b is None or b.formed is None or b.done is None:
+            return 0.0, 0.0
+        return max(b.formed - started, 0.0), max(b.done - b.formed, 0.0)
     batches = [getattr(f, "batch", None) for f in futures]
     formed = [b.formed for b in batches if b is not None and b.formed is not None]
     done = [b.done for b in batches if b is not None and b.done is not None]

@@ -126,6 +126,12 @@ def metadata_shape(shape: Sequence[int | str | None]) -> list[int]:
 
 def check_shape(name: str, shape: Any) -> list[int]:
     """The request's shape as non-negative ints, or an INVALID_ARGUMENT naming the input."""
+    if type(shape) is list and len(shape) <= MAX_RANK:  # what nearly every request sends: one pass
+        for d in shape:
+            if type(d) is not int or d < 0:
+                break
+        else:
+            return shape
     if not isinstance(shape, (list, tuple)) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
         raise invalid(f"input {shown(name)}: 'shape' must be a list of integers, got {cut(shape)}")
     if len(shape) > MAX_RANK:
