@@ -84,13 +84,23 @@ TRIVIAL_WIDTH = 16
 
 
 # -- the client process (one per row and round) -------------------------------------------------
-def cpu_seconds(pid: int | None) -> float:
-    """CPU time (user + system) used so far by this process, plus by process ``pid`` if given."""
+def cpu_split(pid: int | None) -> tuple[float, float]:
+    """(this process's CPU seconds so far, process ``pid``'s; 0 without one): which side of a
+    network row a sample's CPU goes to, the client's or the server's."""
     own = time.process_time()
     if not pid:
-        return own
+        return own, 0.0
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return own + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return own, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_figures(cpu: list[tuple[float, float]], samples: int) -> dict[str, float]:
+    """CPU seconds over the window and ms per sample, in all and split client / server."""
+    client = cpu[-1][0] - cpu[0][0]
+    server = cpu[-1][1] - cpu[0][1]
+    n = max(samples, 1)
+    return {"cpu_s": client + server, "cpu_ms_per_sample": (client + server) * 1e3 / n,
+            "client_cpu_ms_per_sample": client * 1e3 / n, "server_cpu_ms_per_sample": server * 1e3 / n}
 
 
 def served_counts(metrics_url: str, model: str = "googlenet") -> tuple[float, float]:
@@ -117,13 +127,13 @@ async def closed_loop(call: Callable[[], Awaitable[None]], clients: int, seconds
     start_at = loop.time() + warmup
     stop_at = start_at + seconds
     lats: list[float] = []
-    cpu: list[float] = []
+    cpu: list[tuple[float, float]] = []
     counted: list[tuple[float, float]] = []
 
     async def meter() -> None:
         for at in (start_at, stop_at):
             await asyncio.sleep(max(at - loop.time(), 0.0))
-            cpu.append(cpu_seconds(server_pid))
+            cpu.append(cpu_split(server_pid))
             if batches is not None:
                 counted.append(batches())
 
@@ -141,8 +151,8 @@ async def closed_loop(call: Callable[[], Awaitable[None]], clients: int, seconds
     mean_batch = float("nan")
     if len(counted) == 2 and counted[1][1] > counted[0][1]:
         mean_batch = (counted[1][0] - counted[0][0]) / (counted[1][1] - counted[0][1])
-    return {"throughput": len(lats) / seconds, "latencies": lats, "cpu_s": cpu[1] - cpu[0],
-            "cpu_ms_per_sample": (cpu[1] - cpu[0]) * 1e3 / max(len(lats), 1), "mean_batch": mean_batch}
+    return {"throughput": len(lats) / seconds, "latencies": lats, **_cpu_figures(cpu, len(lats)),
+            "mean_batch": mean_batch}
 
 
 async def open_loop(call: Callable[[], Awaitable[None]], rate: float, seconds: float, warmup: float,
@@ -156,7 +166,7 @@ async def open_loop(call: Callable[[], Awaitable[None]], rate: float, seconds: f
     stop_at = start_at + seconds
     lats: list[float] = []
     tasks: set[asyncio.Task[None]] = set()
-    cpu: list[float] = []
+    cpu: list[tuple[float, float]] = []
 
     async def one(at: float) -> None:
         await call()
@@ -172,15 +182,14 @@ async def open_loop(call: Callable[[], Awaitable[None]], rate: float, seconds: f
             await asyncio.sleep(delay)
         if not measuring and at >= start_at:
             measuring = True
-            cpu.append(cpu_seconds(server_pid))
+            cpu.append(cpu_split(server_pid))
         task = asyncio.create_task(one(at))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-    cpu.append(cpu_seconds(server_pid))
+    cpu.append(cpu_split(server_pid))
     await asyncio.gather(*tasks)
     sent = len(lats)
-    return {"throughput": sent / seconds, "latencies": lats, "cpu_s": cpu[-1] - cpu[0],
-            "cpu_ms_per_sample": (cpu[-1] - cpu[0]) * 1e3 / max(sent, 1), "mean_batch": float("nan")}
+    return {"throughput": sent / seconds, "latencies": lats, **_cpu_figures(cpu, sent), "mean_batch": float("nan")}
 
 
 def quiet_gc() -> None:
@@ -356,7 +365,8 @@ def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, 
                            metrics_url)
             runs[path].append(r)
             print(f"  round {len(runs[path])}: {path:<12} {r['throughput']:8.1f} samples/s, "
-                  f"{r['cpu_ms_per_sample']:6.1f} CPU ms/sample, mean batch {r['mean_batch']:.1f}", flush=True)
+                  f"{r['cpu_ms_per_sample']:6.1f} CPU ms/sample (client {r['client_cpu_ms_per_sample']:.1f}, "
+                  f"server {r['server_cpu_ms_per_sample']:.1f}), mean batch {r['mean_batch']:.1f}", flush=True)
             return float(r["throughput"])
         return once
 
@@ -377,9 +387,12 @@ def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, 
         per_round = statistics.median(float(r["throughput"]) / float(b["throughput"])
                                       for r, b in zip(runs[path], runs["in-process"]))
         cpu = statistics.median(float(r["cpu_ms_per_sample"]) for r in runs[path])
+        client_cpu = statistics.median(float(r["client_cpu_ms_per_sample"]) for r in runs[path])
+        server_cpu = statistics.median(float(r["server_cpu_ms_per_sample"]) for r in runs[path])
         batch = statistics.median(float(r["mean_batch"]) for r in runs[path])
         report[path] = {"throughput": medians[path], "ratio": medians[path] / base, "ratio_per_round": per_round,
-                        "cpu_ms_per_sample": cpu, "ratio_by_cpu": base_cpu / cpu, "mean_batch": batch,
+                        "cpu_ms_per_sample": cpu, "client_cpu_ms_per_sample": client_cpu,
+                        "server_cpu_ms_per_sample": server_cpu, "ratio_by_cpu": base_cpu / cpu, "mean_batch": batch,
                         "p50_ms": p50, "p99_ms": p99, "added_p50_ms": p50 - b50, "added_p99_ms": p99 - b99,
                         "rounds": [float(r["throughput"]) for r in runs[path]]}
         print(f"{path:<12} {medians[path]:>10.1f} {medians[path] / base:>10.2f} {per_round:>12.2f} {cpu:>11.1f} "
@@ -400,6 +413,11 @@ def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, 
     print(f"goal (JSON >= {JSON_GOAL}x binary HTTP): {json_round:.2f}x requests/s per round "
           f"({'met' if json_round >= JSON_GOAL else 'NOT met'}), {json_cpu:.2f}x by CPU per sample "
           f"({'met' if json_cpu >= JSON_GOAL else 'NOT met'})")
+    # where JSON's extra CPU goes (medians of the rounds): the server's share is staronnx's to cut
+    extra = {side: report["HTTP JSON"][f"{side}_cpu_ms_per_sample"] - report["HTTP binary"][f"{side}_cpu_ms_per_sample"]
+             for side in ("client", "server")}
+    print(f"JSON's extra CPU per sample over binary HTTP: {sum(extra.values()):+.1f} ms "
+          f"(client {extra['client']:+.1f}, server {extra['server']:+.1f})")
     return report
 
 
