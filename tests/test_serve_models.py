@@ -65,6 +65,8 @@ def test_two_models_on_one_runtime_answer_their_references_and_report_their_targ
     try:
         text = "\n".join(s.lines)
         assert re.search(r"one runtime for 2 models: 2 workers", text), text
+        # the event loop the serve extra brings (uvloop) runs the front ends
+        assert re.search(r"event loop: uvloop \d", text), text
         for i in range(3):
             st, reply = _post(s.http, "/v2/models/heavy/infer", body(heavy_x(i)))
             assert st == 200, reply

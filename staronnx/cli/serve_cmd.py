@@ -82,8 +82,6 @@ def serve_cmd(
         raise StaronnxError(f"staronnx serve needs the serve extra ({exc.name} is missing): "
                             "pip install 'staronnx[serve]'") from None
 
-    import asyncio
-
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
     from staronnx.runtime.runtime import Runtime, warmup_sizes
@@ -155,7 +153,9 @@ def serve_cmd(
                   f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
                   f"{endpoint.server.max_inflight} batches in flight"
                   + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else ""), flush=True)
-        asyncio.run(serve(models, metrics, listen, say=lambda line: print(line, flush=True)))
+        run, loop_name = event_loop_runner()
+        print(f"event loop: {loop_name}", flush=True)
+        run(serve(models, metrics, listen, say=lambda line: print(line, flush=True)))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)
@@ -238,3 +238,18 @@ def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
         raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
                             f"models: {', '.join(names)}")
     return residency
+
+
+def event_loop_runner() -> tuple[Any, str]:
+    """How the server's event loop runs: uvloop where it is installed (the serve extra brings
+    it on Linux and macOS), else asyncio's own loop. grpc.aio's per-call machinery, not
+    staronnx's handler, is most of a gRPC request's event-loop time (~250 of ~280 us), and
+    uvloop served 9 % more gRPC requests/s for 10 % less server CPU per call on the 2-core
+    benchmark host."""
+    import asyncio
+
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run, "asyncio"
+    return uvloop.run, f"uvloop {uvloop.__version__}"
