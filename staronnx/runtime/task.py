@@ -137,16 +137,8 @@ def settle_quietly(future: RequestFuture, value: Any, ok: bool) -> bool:
     uses it to hand out several results in one wake-up instead of one per task (a wake-up
     costs the woken thread's switch and a GIL hand-over each way)."""
     with future._condition:
-        if future._state == CANCELLED:  # rare: announced at once, as settle does
-            settle_locked(future, value, ok)
+        if not _finish_locked(future, value, ok):
             return False
-        if future._state in SETTLED:
-            return False
-        future._state = FINISHED
-        if ok:
-            future._result = value
-        else:
-            future._exception = value
         return bool(future._waiter_list or future._callback_list)
 
 
@@ -160,11 +152,7 @@ def announce(futures: list[RequestFuture]) -> None:
                 cond.release()
             cond = f._condition
             cond.acquire()
-        for w in f._waiter_list or ():
-            if f._exception is None:
-                w.add_result(f)
-            else:
-                w.add_exception(f)
+        _wake_locked(f)
     if cond is not None:
         cond.release()
     for f in futures:
@@ -176,11 +164,20 @@ def settle_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
     """:func:`settle`'s state change, with the future's Condition already held (a server
     settles a whole batch in one hold); True when the future has callbacks for the caller to
     run once the lock is released."""
+    if not _finish_locked(future, value, ok):
+        return False
+    _wake_locked(future)
+    return bool(future._callback_list)
+
+
+def _finish_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
+    """(Condition held) A pending future takes its result or error: True. A future its caller
+    cancelled is only announced to its waiters (``set_running_or_notify_cancel``), and a
+    settled one is left alone: False."""
     state = future._state
-    waiters = future._waiter_list or ()
     if state == CANCELLED:
         future._state = CANCELLED_AND_NOTIFIED
-        for w in waiters:
+        for w in future._waiter_list or ():
             w.add_cancelled(future)
         return False
     if state in SETTLED:
@@ -188,13 +185,21 @@ def settle_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
     future._state = FINISHED
     if ok:
         future._result = value
-        for w in waiters:
-            w.add_result(future)
     else:
         future._exception = value
+    return True
+
+
+def _wake_locked(future: RequestFuture) -> None:
+    """(Condition held) Tell the waiters of a finished future: blocked callers, ``wait()``."""
+    waiters = future._waiter_list
+    if waiters:
+        failed = future._exception is not None
         for w in waiters:
-            w.add_exception(future)
-    return bool(future._callback_list)
+            if failed:
+                w.add_exception(future)
+            else:
+                w.add_result(future)
 
 
 class _Wakeup:
