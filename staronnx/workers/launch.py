@@ -17,6 +17,7 @@ against).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -94,7 +95,7 @@ def start_workers(
     closed, so a bad request leaves no thread behind.  ``cuda_options`` go to every
     :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
     pipeline on the CPU provider). ``residency`` (model name -> worker selector, see
-    :mod:`staronnx.runtime.residency`) loads those models only on the workers selected; the
+    :mod:`staronnx.workers.residency`) loads those models only on the workers selected; the
     others hold no session of them."""
     from staronnx.workers.cpu import CpuWorker
 
@@ -111,11 +112,8 @@ def start_workers(
 
             pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
             for i, (device, stream, pu) in enumerate(layout.cuda):
-                def make(paths: list[Path | None], i: int = i, device: int = device, stream: int = stream,
-                         pu: int | None = pu) -> Any:
-                    return CudaWorker(device, stream, paths, cpu=pu, pinned_pool=pool, name=slots[i].name,
-                                      **(cuda_options or {}))
-
+                make = functools.partial(CudaWorker, device, stream, cpu=pu, pinned_pool=pool, name=slots[i].name,
+                                         **(cuda_options or {}))  # given its part paths
                 worker = start_fitting(make, parts[i], plan)
                 pool = worker.pinned_pool
                 workers.append(worker)
