@@ -81,8 +81,8 @@ class HeftPolicy(DmdasPolicy):
         return ranks
 
     def part_weight(self, part: int, batch: int, task: TaskView | None = None) -> float | None:
-        """Mean predicted time of ``part`` at ``batch`` over the live archs that hold it, or None when some
-        arch has no usable prediction (NaN: not calibrated yet; 0: no model). Other parts than
+        """Mean predicted time of ``part`` at ``batch`` over the live archs that hold it, or None
+        when some arch has no usable prediction (NaN: not calibrated yet; 0: no model). Other parts than
         ``task``'s are probed with the footprint last seen for them: models are keyed by it."""
         if task is not None and task.part == part and task.batch == batch:
             probe = task

@@ -146,12 +146,10 @@ class WorkStealingPolicy(Policy):
         task = own.pop_front_highest()
         if task is not None:
             return task
+        where = self.where
+        runnable = None if where is None else (lambda t: worker_id in where[t.part])
         for victim in self.victims(worker_id):
-            where = self.where
-            if where is None:
-                task = self._deques[victim].pop_back_highest()
-            else:
-                task = self._deques[victim].pop_back_highest(lambda t: worker_id in where[t.part])
+            task = self._deques[victim].pop_back_highest(runnable)
             if task is not None:
                 self._stolen(worker_id, victim)
                 task.extra["stolen_from"] = victim
