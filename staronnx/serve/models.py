@@ -425,10 +425,13 @@ class ModelEndpoint:
         """:func:`_batch_parameters`, formatted once per batch: a batch's requests are answered one
         after the other, so the last batch's are kept and its other requests get the same dict
         (shared: the front ends only read it)."""
+        batch = getattr(futures[0], "batch", None) if len(futures) == 1 else None
         last = self._last_parameters
-        params = _batch_parameters(futures, last)
-        if params and (last is None or params is not last[1]):
-            self._last_parameters = (futures[0].batch, params)  # type: ignore[attr-defined]
+        if batch is not None and last is not None and last[0] is batch:
+            return last[1]
+        params = _batch_parameters(futures)
+        if batch is not None:
+            self._last_parameters = (batch, params)
         return params
 
     def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[Future]:  # type: ignore[type-arg]
@@ -488,18 +491,14 @@ def _image_format(dims: Sequence[int]) -> str:
     return "FORMAT_NONE"
 
 
-def _batch_parameters(futures: Sequence[Future], last: tuple[Any, dict[str, int | str]] | None = None  # type: ignore[type-arg]
-                      ) -> dict[str, int | str]:
+def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]
     """The batch of a one-sample request, as response parameters (none for a client batch,
-    whose samples may have run in several batches); ``last``: (batch record, its parameters)
-    of a request answered before, returned as they are when this request ran in the same batch."""
+    whose samples may have run in several batches)."""
     if len(futures) != 1:
         return {}
     batch = getattr(futures[0], "batch", None)
     if batch is None:
         return {}
-    if last is not None and last[0] is batch:
-        return last[1]
     params: dict[str, int | str] = {"staronnx_batch_id": int(batch.id), "staronnx_batch_size": int(batch.size)}
     if batch.placement:
         params["staronnx_placement"] = ",".join(f"{p}={a}" for p, a in sorted(batch.placement.items()))
