@@ -33,6 +33,7 @@ from staronnx.cli import main
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.zoo import chain, inception
+from test_serve_models import body, heavy_x, light_x, output
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOGLENET = ROOT.parent / "shared" / "models" / "googlenet.onnx"
@@ -365,11 +366,6 @@ def shared_server(cluster, two_plans, tmp_path_factory):
         assert rc == 0 and "stopped" in out and "Traceback" not in out, out
 
 
-def _json_body(x: np.ndarray) -> bytes:
-    return json.dumps({"inputs": [{"name": "x", "shape": list(x.shape), "datatype": "FP32",
-                                   "data": x.ravel().tolist()}]}).encode()
-
-
 def _post_json(addr: str, path: str, body: bytes) -> tuple[int, dict]:
     req = urllib.request.Request(f"http://{addr}{path}", data=body, method="POST")
     try:
@@ -377,19 +373,6 @@ def _post_json(addr: str, path: str, body: bytes) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def _json_output(reply: dict, name: str) -> np.ndarray:
-    (out,) = [o for o in reply["outputs"] if o["name"] == name]
-    return np.asarray(out["data"], np.float32).reshape(out["shape"])
-
-
-def _heavy_x(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((1, 3, 64, 64)).astype(np.float32)
-
-
-def _light_x(seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((2, 8)).astype(np.float32)
 
 
 @pytest.mark.ray
@@ -417,7 +400,7 @@ class TestSharedReplica:
 
         client = thttp.InferenceServerClient(addr)
         for i in range(3):
-            for name, plan, x, out in (("heavy", heavy, _heavy_x(i), "logits"), ("light", light, _light_x(i), "y")):
+            for name, plan, x, out in (("heavy", heavy, heavy_x(i), "logits"), ("light", light, light_x(i), "y")):
                 inp = thttp.InferInput("x", list(x.shape), "FP32")
                 inp.set_data_from_numpy(x)
                 got = client.infer(name, [inp]).as_numpy(out)
@@ -442,8 +425,8 @@ class TestSharedReplica:
         (Serve routes them past the heavy flood: the replica's own queues do the refusing)."""
         addr, _ = shared_server
         light = two_plans["light"]
-        heavy_bodies = [_json_body(_heavy_x(i)) for i in range(48)]  # built before the flood starts
-        light_bodies = [_json_body(_light_x(i)) for i in range(10)]
+        heavy_bodies = [body(heavy_x(i)) for i in range(48)]  # built before the flood starts
+        light_bodies = [body(light_x(i)) for i in range(10)]
         with ThreadPoolExecutor(16) as pool:
             flood = [pool.submit(_post_json, addr, "/v2/models/heavy/infer", b) for b in heavy_bodies]
             calm = [(i, pool.submit(_post_json, addr, "/v2/models/light/infer", b)) for i, b in enumerate(light_bodies)]
@@ -451,7 +434,7 @@ class TestSharedReplica:
             for i, f in calm:
                 st, reply = f.result()
                 assert st == 200, reply
-                assert _close(_json_output(reply, "y"), light.run_reference({"x": _light_x(i)})["y"])
+                assert _close(output(reply, "y"), light.run_reference({"x": light_x(i)})["y"])
         heavy_status = [st for st, _ in heavy_replies]
         assert set(heavy_status) <= {200, 503}, heavy_status
         assert heavy_status.count(503) > 0 and heavy_status.count(200) > 0, heavy_status
