@@ -61,6 +61,7 @@ def serve_cmd(
                            "priority, deadlines or not (default 0).")] = None,
     model_workers: Annotated[list[str] | None, typer.Option(
         "--model-workers", help=MODEL_WORKERS_HELP)] = None,
+    lane: Annotated[list[str] | None, typer.Option("--lane", help=LANE_HELP)] = None,
     separate_runtimes: Annotated[bool, typer.Option(
         "--separate-runtimes", help="One runtime per model (each with its own CPU groups and CUDA streams on the "
                                     "same cores and GPU) instead of one shared runtime for all; with --ray, one "
@@ -102,6 +103,10 @@ def serve_cmd(
     if residency and (separate_runtimes or len(plans) < 2):
         raise StaronnxError("--model-workers places models on the workers of one shared runtime; it needs several "
                             "models and does not go with --separate-runtimes")
+    lanes = model_lanes(lane or [], names)
+    if lanes and (separate_runtimes or len(plans) < 2):
+        raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
+                            "it needs several models and does not go with --separate-runtimes")
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
@@ -109,7 +114,7 @@ def serve_cmd(
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "engine": engine, "batch_size": batch_size,
                                            "max_delay": parse_duration(max_delay, allow_zero=True)},
-                            capacities=capacities, targets=targets, residency=residency)
+                            capacities=capacities, targets=targets, residency=residency, lanes=lanes)
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,
                      http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
                      say=lambda line: print(line, flush=True))
@@ -127,11 +132,13 @@ def serve_cmd(
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
     try:
         if len(loaded) > 1 and not separate_runtimes:
-            shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, **options)
-            held = {n: shared.model(n).stats().get("held_by", []) for n in residency}
+            shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes, **options)
+            held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}
             print(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
                   + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
-                  + "".join(f"; {n} on {', '.join(w)} only" for n, w in held.items()), flush=True)
+                  + "".join(f"; {n} on {', '.join(held[n])} only" for n in residency)
+                  + "".join(f"; {n} has lanes {', '.join(w for w in held[n] if w.startswith('lane:'))}"
+                            for n in lanes), flush=True)
         for model_name, plan in zip(names, loaded):
             if shared is not None:
                 runtime = shared.model(model_name)
@@ -238,6 +245,24 @@ def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
         raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
                             f"models: {', '.join(names)}")
     return residency
+
+
+LANE_HELP = ("Give a model a lane, NAME or NAME=CPU_GROUPS (repeatable; default every CPU group): a worker of "
+             "its own on each of those groups, pinned to the same cores, that the OS lets preempt the other "
+             "models' tasks (the groups' shared workers run at a lower priority), so a light, latency-bound "
+             "model never waits for a heavy model's task to end. Pair it with --slo-ms.")
+
+
+def model_lanes(items: list[str], names: list[str]) -> dict[str, str]:
+    """``--lane`` items as {model: CPU groups}, every model one that is served."""
+    from staronnx.workers.lanes import parse_lanes
+
+    lanes = parse_lanes(items)
+    unknown = [n for n in lanes if n not in names]
+    if unknown:
+        raise StaronnxError(f"--lane names model(s) {', '.join(map(repr, unknown))} that are not served; "
+                            f"models: {', '.join(names)}")
+    return lanes
 
 
 def event_loop_runner() -> tuple[Any, str]:

@@ -60,16 +60,18 @@ def capacity_problem(scaling: Scaling, deployments: int, resources: Mapping[str,
 
 def model_specs(plans: list[Path], names: list[str], settings: Mapping[str, Any], *,
                 capacities: Mapping[str, int], targets: Mapping[str, Mapping[str, Any]],
-                residency: Mapping[str, str] | None = None) -> list[ModelSpec]:
+                residency: Mapping[str, str] | None = None,
+                lanes: Mapping[str, str] | None = None) -> list[ModelSpec]:
     """One :class:`ModelSpec` per plan (checked here, before any cluster starts): the settings
     every model shares, its own queue capacity, service target (``latency_ms``, ``priority``)
-    and the workers that load it (``workers``, ``--model-workers``)."""
+    the workers that load it (``workers``, ``--model-workers``) and its lane (``lane``,
+    ``--lane``)."""
     from staronnx.plan import Plan
 
     for p in plans:
         Plan.load(p)
     return [ModelSpec(plan=str(Path(p).resolve()), name=n, **settings, queue_capacity=capacities[n],
-                      workers=(residency or {}).get(n),
+                      workers=(residency or {}).get(n), lane=(lanes or {}).get(n),
                       **{k: v for k, v in targets.get(n, {}).items() if k in ("latency_ms", "priority")})
             for p, n in zip(plans, names)]
 

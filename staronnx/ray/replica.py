@@ -281,9 +281,11 @@ def open_runtime(spec: ReplicaSpec) -> Any:
     plans = {m.name: Plan.load(m.plan) for m in spec.models}
     targets = {m.name: m.target() for m in spec.models if m.target()}
     residency = {m.name: m.workers for m in spec.models if m.workers} if spec.shared else {}
+    lanes = {m.name: m.lane for m in spec.models if m.lane} if spec.shared else {}
     return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
                    cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
-                   calibrate=settings["calibrate"], targets=targets or None, residency=residency or None)
+                   calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
+                   lanes=lanes or None)
 
 
 def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:

@@ -53,7 +53,8 @@ class ModelSpec:
     ``latency_ms`` and ``priority`` are the model's service target on a shared runtime
     (``--slo-ms``, ``--priority``; :class:`~staronnx.runtime.models.ServiceTarget`), and
     ``workers`` the workers of that runtime that load it (``--model-workers``; see
-    :mod:`staronnx.workers.residency`).
+    :mod:`staronnx.workers.residency`), ``lane`` the CPU groups that give it a lane
+    (``--lane``; see :mod:`staronnx.workers.lanes`).
     """
 
     plan: str
@@ -73,6 +74,8 @@ class ModelSpec:
     priority: int = 0
     #: the workers of a shared replica that load this model (``--model-workers``; None: all)
     workers: str | None = None
+    #: the CPU groups of a shared replica that give this model a lane (``--lane``; None: none)
+    lane: str | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:

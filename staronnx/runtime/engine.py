@@ -589,7 +589,8 @@ def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngin
     own = settings.workers is None
     workers = list(settings.workers) if settings.workers is not None else start_workers(
         models, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
-        cuda_options=dict(settings.cuda_options), residency=dict(settings.residency))
+        cuda_options=dict(settings.cuda_options), residency=dict(settings.residency),
+        lanes=dict(settings.lanes))
     try:
         warm_up(models, workers, settings.warmup)
         store = settings.store if settings.store is not None else PerfModelStore()

@@ -42,6 +42,8 @@ class EngineSettings:
     warmup: tuple[int, ...] = ()
     #: model name -> the workers that load it (:mod:`staronnx.workers.residency`); others: all
     residency: Mapping[str, str] = field(default_factory=dict)
+    #: model name -> the CPU groups that get a lane for it (:mod:`staronnx.workers.lanes`)
+    lanes: Mapping[str, str] = field(default_factory=dict)
 
 
 class Engine(Protocol):

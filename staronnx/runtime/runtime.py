@@ -102,12 +102,15 @@ class Runtime:
         warmup: Sequence[int] = (),
         targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
         residency: Mapping[str, str] | None = None,
+        lanes: Mapping[str, str] | Sequence[str] | None = None,
     ) -> None:
         """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
         a single plan is named after its folder (see :attr:`model_names`). ``residency``:
         per model name, the workers that load it (``"cpu"``, ``"cuda0"``, ``"cpu:numa0,cuda"``;
         see :mod:`staronnx.workers.residency`) when not every worker can hold every model;
-        models not named load everywhere."""
+        models not named load everywhere. ``lanes``: models (or model -> CPU groups, ``"cpu"``
+        by default) that get a worker of their own on those groups, which the OS lets preempt
+        the other models' tasks (see :mod:`staronnx.workers.lanes`)."""
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
@@ -117,12 +120,18 @@ class Runtime:
         if residency and (engine != "native" or workers is not None):
             raise StaronnxError("residency chooses the workers that load each model when the native engine "
                                 "starts them; it does not go with engine='starpu' or workers=[...]")
+        if isinstance(lanes, str):
+            lanes = [lanes]
+        lanes = dict(lanes) if isinstance(lanes, Mapping) else {name: "cpu" for name in lanes or ()}
+        if lanes and (engine != "native" or workers is not None):
+            raise StaronnxError("lanes are workers the native engine starts; they do not go with engine='starpu' "
+                                "or workers=[...]")
         self.policy_name = policy
         self._native = engine == "native"
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
-            tuple(int(b) for b in warmup), dict(residency or {}))
+            tuple(int(b) for b in warmup), dict(residency or {}), lanes)
         self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch

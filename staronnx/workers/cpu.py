@@ -38,6 +38,7 @@ from staronnx.workers.base import (
 )
 from staronnx.workers.cpu_weights import SharedWeights, default_shared_weights
 from staronnx.workers.groups import CpuGroup
+from staronnx.workers.lanes import lower_priority
 from staronnx.workers.topology import Topology, format_pus
 
 __all__ = ["CpuWorker", "OnDone", "WorkerFuture"]
@@ -96,8 +97,14 @@ class CpuWorker(ThreadWorker):
         share_weights: bool = True,
         weights: SharedWeights | None = None,
         on_done: OnDone | None = None,
+        nice: int = 0,
     ) -> None:
         super().__init__(part_paths, name or f"cpu:{group.name}", on_done)
+        #: how much lower than its starter's this worker's threads run (``nice`` increment):
+        #: a group that shares its cores with a latency lane (:mod:`staronnx.workers.lanes`)
+        self.nice = nice
+        #: the worker thread's nice value once started (None: not lowered)
+        self.niceness: int | None = None
         self.group = group
         # what an engine's policy sees of this worker (perf models are keyed by core count)
         self.arch = f"cpu{group.n_cores}"
@@ -195,6 +202,8 @@ class CpuWorker(ThreadWorker):
     # ------------------------------------------------------------------ worker thread
     def _setup_thread(self) -> None:
         self._pin(self.group.first_pu)
+        if self.nice:  # before the sessions: ORT's pool threads inherit this thread's priority
+            self.niceness = lower_priority(self.nice, self.name)
         self.membind = _bind_memory(self._topology, self.group)
         for i, path in enumerate(self.part_paths):
             if path is None:  # a part this worker does not hold: no session, no memory

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from staronnx.workers.groups import CpuGroups, GroupError, make_groups, policy_reserve
-from staronnx.workers.residency import WorkerSlot, model_holders
+from staronnx.workers.lanes import LANE_NICE, plan_lanes
+from staronnx.workers.residency import ResidencyError, WorkerSlot, model_holders
 from staronnx.workers.topology import Topology
 
 __all__ = ["NO_CPU", "WorkerLayout", "worker_layout", "start_workers"]
@@ -89,6 +90,7 @@ def start_workers(
     topology: Topology | None = None,
     cuda_options: dict[str, Any] | None = None,
     residency: Mapping[str, str] | None = None,
+    lanes: Mapping[str, str] | None = None,
 ) -> list[Any]:
     """Started workers for ``plan``: CUDA stream workers first (StarPU's order), then one CPU
     worker per group of :func:`worker_layout`.  On any failure the ones already started are
@@ -96,15 +98,22 @@ def start_workers(
     :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
     pipeline on the CPU provider). ``residency`` (model name -> worker selector, see
     :mod:`staronnx.workers.residency`) loads those models only on the workers selected; the
-    others hold no session of them."""
+    others hold no session of them. ``lanes`` (model name -> CPU group selector, see
+    :mod:`staronnx.workers.lanes`) adds a lane worker on each selected group, after the CPU
+    workers, holding those models only; the groups' own workers then run at a lower OS
+    priority, so a lane task preempts theirs."""
     from staronnx.workers.cpu import CpuWorker
 
     topology = topology or Topology.from_system()
     per_stream = bool((cuda_options or {}).get("thread_per_stream", False))
     layout = worker_layout(topology, groups, cuda_streams, cuda_devices, thread_per_stream=per_stream)
     slots = [WorkerSlot(f"cuda{d}.s{s}", "cuda", d) for d, s, _ in layout.cuda]
-    slots += [WorkerSlot(f"cpu:{g.name}", "cpu") for g in layout.groups]
-    parts = held_part_paths(plan, residency or {}, slots)
+    cpu_slots = [WorkerSlot(f"cpu:{g.name}", "cpu") for g in layout.groups]
+    slots += cpu_slots
+    lane_plan = plan_lanes(lanes or {}, list(dict.fromkeys(part_models(plan))), cpu_slots)
+    slots += lane_plan.slots(cpu_slots)
+    parts = held_part_paths(plan, residency or {}, slots, {len(slots) - len(lane_plan.lanes) + k: models
+                                                           for k, (_, models) in enumerate(lane_plan.lanes)})
     workers: list[Any] = []
     try:
         if layout.cuda:
@@ -118,7 +127,13 @@ def start_workers(
                 pool = worker.pinned_pool
                 workers.append(worker)
         for j, group in enumerate(layout.groups, start=len(layout.cuda)):
-            worker = CpuWorker(group, parts[j], topology=topology, name=slots[j].name)
+            lowered = LANE_NICE if j - len(layout.cuda) in lane_plan.groups else 0
+            worker = CpuWorker(group, parts[j], topology=topology, name=slots[j].name, nice=lowered)
+            workers.append(worker)
+            worker.start()
+        for k, (slot, _) in enumerate(lane_plan.lanes):
+            j = len(layout.cuda) + len(layout.groups) + k
+            worker = CpuWorker(layout.groups[slot], parts[j], topology=topology, name=slots[j].name)
             workers.append(worker)
             worker.start()
         check_every_model_held(plan, workers)
@@ -132,16 +147,28 @@ def start_workers(
     return workers
 
 
-def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[WorkerSlot]) -> list[list[Path | None]]:
+def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[WorkerSlot],
+                    lanes: Mapping[int, Sequence[str]] | None = None) -> list[list[Path | None]]:
     """Per worker slot, its part files by global part number, None for the parts of a model
-    ``residency`` keeps off it (a plan, or the models of a ModelSet, by name)."""
+    ``residency`` keeps off it (a plan, or the models of a ModelSet, by name). ``lanes``: the
+    slots that are lanes, each holding its models only (whatever ``residency`` says, which
+    may name ``lane`` to keep a lane model off the shared workers)."""
+    lanes = lanes or {}
     paths = [plan.part_path(i) for i in range(plan.k)]
-    if not residency:
-        return [list(paths) for _ in slots]
     owner = part_models(plan)
-    holders = model_holders(residency, list(dict.fromkeys(owner)), slots)
-    return [[path if owner[p] not in holders or i in holders[owner[p]] else None for p, path in enumerate(paths)]
-            for i in range(len(slots))]
+    laned = {m for models in lanes.values() for m in models}
+    holders = model_holders(residency, list(dict.fromkeys(owner)), slots) if residency else {}
+    for model, held in holders.items():
+        if model not in laned and held and all(i in lanes for i in held):
+            raise ResidencyError(f"--model-workers {model}={residency[model]}: lanes hold only the models given a "
+                                 f"lane (--lane {model}), so {model!r} would be held by no worker")
+
+    def held(i: int, model: str) -> bool:
+        if i in lanes:
+            return model in lanes[i]
+        return model not in holders or i in holders[model]
+
+    return [[path if held(i, owner[p]) else None for p, path in enumerate(paths)] for i in range(len(slots))]
 
 
 def start_fitting(make: Any, paths: list[Path | None], plan: Any) -> Any:

@@ -1,0 +1,129 @@
+"""Latency lanes: a worker of its own for a latency-bound model, that the OS lets preempt the others.
+
+A task scheduler cannot preempt a task that already runs: ONNX Runtime gives no way to stop a
+``Run()`` halfway. So on a runtime shared by a heavy model flooding every CPU group and a light
+model with a latency target, a light request waits, at best (EDF), for the heavy task in
+front of it to end: tens of ms for a googlenet part, where the light model computes in one.
+Separate runtimes (Triton's instance groups) escape that only by oversubscribing the cores:
+the OS time-slices the two models' threads, so the light task starts at once but runs at half
+speed beside the heavy one.
+
+A lane keeps both halves of that and drops the cost: each selected CPU group gets one more
+worker (``lane:<group>``, a thread pinned to the same cores) that holds only the lane models,
+and the group's own worker runs at a lower OS priority (``nice`` +:data:`LANE_NICE`, applied in
+its thread before its sessions exist, so ONNX Runtime's pool threads inherit it). When a lane
+task arrives, the kernel preempts the heavy task for it within a scheduler slice and gives it
+most of the core until it ends (weights 1024 against 110 at nice 10), and the heavy task
+resumes where it stopped. The lane is idle the rest of the time, so the heavy model keeps its
+throughput. Only the shared workers' priority is *lowered*: an unprivileged process may do that,
+never raise one, so lanes work without root or ``CAP_SYS_NICE``.
+
+The lane is a worker like any other for the scheduler: same arch (it shares the group's perf
+models), its own queue, and a policy places the lane model's tasks on it or, when residency
+leaves the model there too, on the group's worker. ``--model-workers NAME=lane`` keeps the model
+on its lanes only.
+
+On the command line: ``staronnx serve a/ b/ --lane b`` (every CPU group) or ``--lane
+b=cpu:pus0`` (those groups); ``Runtime(..., lanes={"b": "cpu"})`` in Python. CUDA workers get no
+lane (a GPU's equivalent would be a stream of higher priority).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from staronnx.workers.residency import ResidencyError, WorkerSlot, selects
+
+__all__ = ["LANE_NICE", "LanePlan", "lower_priority", "parse_lanes", "plan_lanes"]
+
+log = logging.getLogger(__name__)
+
+#: how much lower the shared workers of a group with a lane run (``nice`` increment): at 10 a
+#: runnable lane thread weighs 1024/(1024+110) = 90 % of the core against one of them
+LANE_NICE = 10
+
+
+def parse_lanes(items: Iterable[str]) -> dict[str, str]:
+    """``NAME`` or ``NAME=CPU_GROUPS`` options (the CLI's ``--lane``) as {model: selector}; a bare
+    name means every CPU group (``cpu``); a model named twice is an error."""
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, selector = item.partition("=")
+        name, selector = name.strip(), selector.strip()
+        if not name or (sep and not selector):
+            raise ResidencyError(f"--lane takes NAME or NAME=CPU_GROUPS (e.g. ocr or ocr=cpu:numa0), got {item!r}")
+        if name in out:
+            raise ResidencyError(f"--lane names model {name!r} twice")
+        out[name] = selector or "cpu"
+    return out
+
+
+@dataclass(frozen=True)
+class LanePlan:
+    """Which CPU groups get a lane and which models each lane holds."""
+
+    #: per lane, in group order: (index of its CPU group's slot, the models it holds)
+    lanes: tuple[tuple[int, tuple[str, ...]], ...]
+
+    @property
+    def groups(self) -> frozenset[int]:
+        """The CPU slots whose workers run lowered (they share their cores with a lane)."""
+        return frozenset(slot for slot, _ in self.lanes)
+
+    def slots(self, cpu_slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
+        """The lanes as residency sees them: kind ``lane``, named ``lane:<group>``."""
+        return [WorkerSlot("lane:" + cpu_slots[slot].name.removeprefix("cpu:"), "lane") for slot, _ in self.lanes]
+
+
+def plan_lanes(lanes: Mapping[str, str], model_names: Sequence[str], cpu_slots: Sequence[WorkerSlot]) -> LanePlan:
+    """The lanes that ``lanes`` (model -> CPU group selector) asks for, one per selected group,
+    holding every lane model that selects it. Refuses an unknown model, a runtime with a
+    single model (a lane preempts *other* models' tasks), a selector that names no CPU group
+    (CUDA workers have no lane) and a runtime without CPU groups, naming what exists."""
+    if not lanes:
+        return LanePlan(())
+    unknown = [n for n in lanes if n not in model_names]
+    if unknown:
+        raise ResidencyError(f"--lane names unknown model(s) {', '.join(map(repr, unknown))}; "
+                             f"this runtime serves {', '.join(model_names)}")
+    if len(model_names) < 2:
+        raise ResidencyError("--lane gives a model a worker that preempts the other models' tasks: it needs a runtime "
+                             "shared by several models")
+    if set(lanes) >= set(model_names):
+        raise ResidencyError("--lane names every model: a lane preempts the models without one, so at least one "
+                             "model must stay off the lanes")
+    if not cpu_slots:
+        raise ResidencyError("--lane needs CPU groups: lanes are CPU workers (this runtime has CUDA workers only)")
+    names = ", ".join(s.name for s in cpu_slots)
+    per_group: dict[int, list[str]] = {}
+    for model, selector in lanes.items():
+        picked = [i for i, s in enumerate(cpu_slots) if selects(selector, s)]
+        for token in (t.strip() for t in selector.split(",")):
+            if not token or not any(selects(token, s) for s in cpu_slots):
+                raise ResidencyError(f"--lane {model}={selector}: {token!r} names no CPU group "
+                                     f"(CPU groups: {names}; or cpu; CUDA workers get no lane)")
+        for i in picked:
+            per_group.setdefault(i, []).append(model)
+    return LanePlan(tuple((i, tuple(per_group[i])) for i in sorted(per_group)))
+
+
+def lower_priority(increment: int, who: str) -> int | None:
+    """Lower the calling thread's OS priority by ``increment`` (Linux: ``nice`` is per thread,
+    and threads it creates inherit it); its new nice value, or None where the OS refuses (the
+    lane then still gets a thread of its own, only not a head start). ``who`` names the
+    worker in the warning."""
+    if increment <= 0:
+        return None
+    tid = threading.get_native_id()
+    try:
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        os.setpriority(os.PRIO_PROCESS, tid, min(now + increment, 19))
+        return os.getpriority(os.PRIO_PROCESS, tid)
+    except (OSError, AttributeError) as exc:  # not Linux, or a sandbox without setpriority
+        log.warning("%s: cannot lower its priority for the lanes beside it (%s); lane tasks will share "
+                    "its cores instead of preempting it", who, exc)
+        return None

@@ -1,0 +1,211 @@
+"""Latency lanes (issue 23): a light model's worker of its own on the heavy model's cores, that the
+OS lets preempt the heavy model's running task.
+
+Real plans on real worker threads (ORT's CPU provider), real OS priorities read back from the
+threads; the preemption test checks an *order* (the light answer comes while the heavy task in
+front of it still runs, and after it without a lane), not a speed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import onnx
+import pytest
+
+from staronnx import partition
+from staronnx.perfmodels import PerfModelStore
+from staronnx.runtime.runtime import Runtime
+from staronnx.workers.lanes import LANE_NICE, parse_lanes, plan_lanes
+from staronnx.workers.residency import ResidencyError, WorkerSlot
+from staronnx.zoo import chain, inception
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def one_pu() -> str:
+    return str(min(os.sched_getaffinity(0)))
+
+
+def nice_of(worker) -> int:
+    return os.getpriority(os.PRIO_PROCESS, worker.native_id)
+
+
+@pytest.fixture(scope="module")
+def plans(tmp_path_factory):
+    """(heavy, light): an Inception in one part (a task of tens of ms per sample on one core),
+    an MLP chain cut in two."""
+    root = tmp_path_factory.mktemp("lanes")
+    onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
+    onnx.save(chain(depth=4, width=16), str(root / "light.onnx"))
+    heavy = partition(root / "heavy.onnx", parts=1, output_dir=root / "heavy", costs="estimate")
+    light = partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")
+    return heavy, light
+
+
+def heavy_feeds(batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((batch, 3, 64, 64), dtype=np.float32)}
+
+
+def light_feeds(seed: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(seed).standard_normal((2, 16), dtype=np.float32)}
+
+
+# -- options --------------------------------------------------------------------------------
+def test_lane_options_parse_and_refuse_what_cannot_be_a_lane():
+    assert parse_lanes(["a", " b = cpu:pus1 "]) == {"a": "cpu", "b": "cpu:pus1"}
+    for bad in (["a", "a=cpu"], [""], ["=cpu"], ["a="]):
+        with pytest.raises(ResidencyError):
+            parse_lanes(bad)
+    cpu = [WorkerSlot("cpu:pus0", "cpu"), WorkerSlot("cpu:pus1", "cpu")]
+    plan = plan_lanes({"a": "cpu", "b": "cpu:pus1"}, ["a", "b", "c"], cpu)
+    assert plan.lanes == ((0, ("a",)), (1, ("a", "b")))
+    assert [s.name for s in plan.slots(cpu)] == ["lane:pus0", "lane:pus1"]
+    assert plan_lanes({}, ["a"], cpu).lanes == ()
+    for lanes, names, slots, message in (
+            ({"z": "cpu"}, ["a", "b"], cpu, "unknown model.*'z'"),
+            ({"a": "cpu"}, ["a"], cpu, "several models"),
+            ({"a": "cpu", "b": "cpu"}, ["a", "b"], cpu, "names every model"),
+            ({"a": "cpu"}, ["a", "b"], [], "needs CPU groups"),
+            ({"a": "cuda0"}, ["a", "b"], cpu, "'cuda0' names no CPU group")):
+        with pytest.raises(ResidencyError, match=message):
+            plan_lanes(lanes, names, slots)
+
+
+# -- real runtimes --------------------------------------------------------------------------
+def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_lowered(plans, tmp_path):
+    heavy, light = plans
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    with Runtime({"heavy": heavy, "light": light}, policy="heft", cpu_groups=one_pu(),
+                 store=PerfModelStore(tmp_path), lanes=["light"]) as rt:
+        group, lane = rt.workers
+        assert lane.name == "lane:" + group.name.removeprefix("cpu:")
+        assert lane.group.pus == group.group.pus  # the same cores
+        assert group.holds is None and lane.holds == frozenset(range(heavy.k, heavy.k + light.k))
+        assert nice_of(group) == min(mine + LANE_NICE, 19) == group.niceness
+        assert nice_of(lane) == mine
+        models = rt.stats()["models"]
+        assert models["light"]["held_by"] == [group.name, lane.name]
+        assert models["heavy"]["held_by"] == [group.name]
+        for i in range(4):
+            f = light_feeds(i)
+            got = rt.submit(f, "light").result(timeout=60)
+            np.testing.assert_allclose(got["y"], light.run_reference(f)["y"], rtol=1e-4, atol=1e-4)
+        f = heavy_feeds(1)
+        got = rt.submit(f, "heavy").result(timeout=60)
+        ref = heavy.run_reference(f)
+        for name, want in ref.items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3)
+
+
+def test_model_workers_lane_keeps_a_laned_model_on_its_lanes_and_refuses_lanes_for_others(plans, tmp_path):
+    heavy, light = plans
+    with Runtime({"heavy": heavy, "light": light}, policy="eager", cpu_groups=one_pu(),
+                 store=PerfModelStore(tmp_path), lanes={"light": "cpu"}, residency={"light": "lane"}) as rt:
+        group, lane = rt.workers
+        assert group.holds == frozenset(range(heavy.k)) and nice_of(group) > nice_of(lane)
+        for i in range(6):
+            rt.submit(light_feeds(i), "light").result(timeout=60)
+        busy = {name: row["busy"] for name, row in rt.stats()["models"]["light"]["workers"].items()}
+        assert busy[lane.name] > 0 and busy[group.name] == 0, busy
+    with pytest.raises(ResidencyError, match="would be held by no worker"):
+        Runtime({"heavy": heavy, "light": light}, cpu_groups=one_pu(), store=PerfModelStore(tmp_path),
+                lanes=["light"], residency={"heavy": "lane"})
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_a_light_request_is_answered_while_the_heavy_task_in_front_of_it_still_runs_only_with_a_lane(
+        plans, tmp_path, lane):
+    """One core, one heavy task of hundreds of ms already running: with a lane the light
+    request (a few ms of work) is answered before that task ends; without one it waits for it
+    (a worker does not preempt its task), which is what makes the lane's order meaningful."""
+    heavy, light = plans
+    with Runtime({"heavy": heavy, "light": light}, policy="heft", cpu_groups=one_pu(),
+                 store=PerfModelStore(tmp_path), lanes=["light"] if lane else None,
+                 targets={"light": {"latency": 0.05}}) as rt:
+        rt.submit(light_feeds(0), "light").result(timeout=60)  # sessions warm
+        rt.submit(heavy_feeds(1), "heavy").result(timeout=60)
+        started = time.perf_counter()
+        big = rt.submit(heavy_feeds(16), "heavy")
+        while rt.stats()["workers"][rt.workers[0].name]["tasks"] == 0 and time.perf_counter() - started < 5:
+            time.sleep(0.005)  # the heavy task is on the core (its worker took it)
+        time.sleep(0.02)
+        small = rt.submit(light_feeds(1), "light")
+        small.result(timeout=60)
+        heavy_running = not big.done()
+        big.result(timeout=120)
+    if lane:
+        assert heavy_running, "the light request waited for the heavy task although it had a lane"
+    else:
+        assert not heavy_running, "without a lane the light request cannot overtake the running heavy task"
+
+
+def test_lanes_refused_with_workers_given_or_the_starpu_engine(plans, tmp_path):
+    heavy, light = plans
+    with pytest.raises(Exception, match="lanes are workers the native engine starts"):
+        Runtime({"heavy": heavy, "light": light}, workers=[], lanes=["light"])
+
+
+# -- the command line -----------------------------------------------------------------------
+def test_serve_lane_gives_the_light_model_lanes_and_both_models_answer_their_references(plans, tmp_path):
+    from test_serve import _post, start_server
+    from test_serve_models import body, get_json, output
+
+    heavy, light = plans
+    s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "2",
+                     "--max-delay", "1ms", "--lane", "light", "--slo-ms", "light=50")
+    try:
+        text = "\n".join(s.lines)
+        assert "light has lanes lane:" in text, text
+        for i in range(3):
+            x = light_feeds(i)["x"][:1]
+            st, reply = _post(s.http, "/v2/models/light/infer", body(x))
+            assert st == 200, reply
+            np.testing.assert_allclose(output(reply, "y"), light.run_reference({"x": x})["y"], rtol=1e-4, atol=1e-4)
+        x = heavy_feeds(1)["x"]
+        st, reply = _post(s.http, "/v2/models/heavy/infer", body(x))
+        assert st == 200, reply
+        stats = {m["name"]: m["staronnx"] for m in get_json(f"http://{s.http}/v2/models/stats")["model_stats"]}
+        assert any(w.startswith("lane:") for w in stats["light"]["held_by"])
+        assert not any(w.startswith("lane:") for w in stats["heavy"]["held_by"])
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_serve_lane_refuses_unknown_models_separate_runtimes_and_cuda(plans, tmp_path):
+    from typer.testing import CliRunner
+
+    from staronnx.cli import app
+
+    heavy, light = plans
+    runner = CliRunner()
+    args = ["serve", str(heavy.root), str(light.root), "--http-port", "0", "--grpc-port", "0", "--groups", one_pu()]
+    for extra, message in ((["--lane", "nope"], "'nope' that are not served"),
+                           (["--lane", "light", "--separate-runtimes"], "does not go with --separate-runtimes"),
+                           (["--lane", "light=cuda0"], "'cuda0' names no CPU group"),
+                           (["--lane", "light=cpu", "--lane", "light"], "twice")):
+        out = runner.invoke(app, [*args, *extra])
+        assert out.exit_code != 0, out.output
+        assert message in out.output + str(out.exception), (extra, out.output, out.exception)
+    out = runner.invoke(app, ["serve", str(light.root), "--http-port", "0", "--lane", "light"])
+    assert out.exit_code != 0 and "needs several models" in out.output + str(out.exception)
+
+
+def test_a_ray_replica_opens_its_shared_runtime_with_the_lanes_of_its_models(plans, tmp_path):
+    """What a ``serve --ray --lane`` replica builds (the runtime, without a cluster)."""
+    from staronnx.ray.cli import model_specs
+    from staronnx.ray.replica import open_runtime
+    from staronnx.ray.spec import ReplicaSpec
+
+    heavy, light = plans
+    specs = model_specs([heavy.root, light.root], ["heavy", "light"], {"groups": one_pu(), "home": str(tmp_path)},
+                        capacities={"heavy": 8, "light": 8}, targets={}, lanes={"light": "cpu"})
+    assert [s.lane for s in specs] == [None, "cpu"]
+    rt = open_runtime(ReplicaSpec(tuple(specs)))
+    try:
+        assert [w.name.split(":")[0] for w in rt.workers] == ["cpu", "lane"]
+        assert rt.stats()["models"]["heavy"]["held_by"] == [rt.workers[0].name]
+    finally:
+        rt.close()
