@@ -83,11 +83,11 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
         group, lane = rt.workers
         assert lane.name == "lane:" + group.name.removeprefix("cpu:")
         assert lane.group.pus == group.group.pus  # the same cores
-        assert group.holds is None and lane.holds == frozenset(range(heavy.k, heavy.k + light.k))
+        assert group.holds == frozenset(range(heavy.k)) and lane.holds == frozenset(range(heavy.k, heavy.k + light.k))
         assert nice_of(group) == min(mine + LANE_NICE, 19) == group.niceness
         assert nice_of(lane) == mine
         models = rt.stats()["models"]
-        assert models["light"]["held_by"] == [group.name, lane.name]
+        assert models["light"]["held_by"] == [lane.name]
         assert models["heavy"]["held_by"] == [group.name]
         for i in range(4):
             f = light_feeds(i)
@@ -100,16 +100,26 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
             np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3)
 
 
-def test_model_workers_lane_keeps_a_laned_model_on_its_lanes_and_refuses_lanes_for_others(plans, tmp_path):
+@pytest.mark.parametrize("policy", ["eager", "heft", "ws"])
+def test_a_laned_model_runs_on_its_lanes_only_unless_residency_adds_the_shared_workers(plans, tmp_path, policy):
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, policy="eager", cpu_groups=one_pu(),
-                 store=PerfModelStore(tmp_path), lanes={"light": "cpu"}, residency={"light": "lane"}) as rt:
+    with Runtime({"heavy": heavy, "light": light}, policy=policy, cpu_groups=one_pu(),
+                 store=PerfModelStore(tmp_path), lanes={"light": "cpu"}) as rt:
         group, lane = rt.workers
-        assert group.holds == frozenset(range(heavy.k)) and nice_of(group) > nice_of(lane)
-        for i in range(6):
-            rt.submit(light_feeds(i), "light").result(timeout=60)
+        assert nice_of(group) > nice_of(lane)
+        jobs = [rt.submit(heavy_feeds(1, i), "heavy") for i in range(3)]
+        jobs += [rt.submit(light_feeds(i), "light") for i in range(12)]
+        for job in jobs:
+            job.result(timeout=60)
         busy = {name: row["busy"] for name, row in rt.stats()["models"]["light"]["workers"].items()}
         assert busy[lane.name] > 0 and busy[group.name] == 0, busy
+    with Runtime({"heavy": heavy, "light": light}, policy=policy, cpu_groups=one_pu(),
+                 store=PerfModelStore(tmp_path), lanes={"light": "cpu"}, residency={"light": "lane,cpu"}) as rt:
+        assert rt.stats()["models"]["light"]["held_by"] == [w.name for w in rt.workers]
+
+
+def test_lanes_hold_only_the_models_given_lanes(plans, tmp_path):
+    heavy, light = plans
     with pytest.raises(ResidencyError, match="would be held by no worker"):
         Runtime({"heavy": heavy, "light": light}, cpu_groups=one_pu(), store=PerfModelStore(tmp_path),
                 lanes=["light"], residency={"heavy": "lane"})

@@ -19,9 +19,10 @@ throughput. Only the shared workers' priority is *lowered*: an unprivileged proc
 never raise one, so lanes work without root or ``CAP_SYS_NICE``.
 
 The lane is a worker like any other for the scheduler: same arch (it shares the group's perf
-models), its own queue, and a policy places the lane model's tasks on it or, when residency
-leaves the model there too, on the group's worker. ``--model-workers NAME=lane`` keeps the model
-on its lanes only.
+models) and its own queue. A model with lanes runs on its lanes only: on a group's shared
+worker its task would wait for the heavy task running there and then run at that worker's
+lowered priority (a policy that believes an overrunning heavy task is about to end would
+send it there). ``--model-workers NAME=lane,cpu`` lets the shared workers run it too.
 
 On the command line: ``staronnx serve a/ b/ --lane b`` (every CPU group) or ``--lane
 b=cpu:pus0`` (those groups); ``Runtime(..., lanes={"b": "cpu"})`` in Python. CUDA workers get no

@@ -151,8 +151,9 @@ def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[Wor
                     lanes: Mapping[int, Sequence[str]] | None = None) -> list[list[Path | None]]:
     """Per worker slot, its part files by global part number, None for the parts of a model
     ``residency`` keeps off it (a plan, or the models of a ModelSet, by name). ``lanes``: the
-    slots that are lanes, each holding its models only (whatever ``residency`` says, which
-    may name ``lane`` to keep a lane model off the shared workers)."""
+    slots that are lanes, each holding its models only; a model with lanes is held by its
+    lanes alone unless ``residency`` names other workers for it too (``light=lane,cpu``): on
+    a shared worker its task could wait for, and run at the priority of, the heavy model's."""
     lanes = lanes or {}
     paths = [plan.part_path(i) for i in range(plan.k)]
     owner = part_models(plan)
@@ -166,7 +167,9 @@ def held_part_paths(plan: Any, residency: Mapping[str, str], slots: Sequence[Wor
     def held(i: int, model: str) -> bool:
         if i in lanes:
             return model in lanes[i]
-        return model not in holders or i in holders[model]
+        if model in holders:
+            return i in holders[model]
+        return model not in laned  # a lane model runs on its lanes unless residency adds workers
 
     return [[path if held(i, owner[p]) else None for p, path in enumerate(paths)] for i in range(len(slots))]
 
