@@ -100,6 +100,37 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
             np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3)
 
 
+def thread_nices() -> list[int]:
+    """The nice value of every thread of this process, ONNX Runtime's own pool threads included."""
+    out = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+        except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+            pass
+    return out
+
+
+def test_the_lowered_groups_onnx_runtime_pool_threads_run_lowered_too(plans, tmp_path):
+    """A group of two cores runs a session with a pool thread ONNX Runtime creates: it must
+    inherit the worker thread's priority, or the heavy model's second core would not yield."""
+    pus = sorted(os.sched_getaffinity(0))
+    if len(pus) < 2 or not os.path.isdir("/proc/self/task"):
+        pytest.skip("needs two allowed PUs and /proc")
+    heavy, light = plans
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    lowered = min(mine + LANE_NICE, 19)
+    before = thread_nices().count(lowered)
+    with Runtime({"heavy": heavy, "light": light}, policy="eager", cpu_groups=f"{pus[0]},{pus[1]}",
+                 store=PerfModelStore(tmp_path), lanes=["light"]) as rt:
+        group, lane = rt.workers
+        assert group.group.n_cores == 2
+        rt.submit(heavy_feeds(1), "heavy").result(timeout=60)
+        assert thread_nices().count(lowered) - before >= 2  # the worker thread and its pool's
+        assert nice_of(lane) == mine
+
+
 @pytest.mark.parametrize("policy", ["eager", "heft", "ws"])
 def test_a_laned_model_runs_on_its_lanes_only_unless_residency_adds_the_shared_workers(plans, tmp_path, policy):
     heavy, light = plans
