@@ -448,3 +448,155 @@ def test_cli_sweep_mix_with_model_workers_on_one_live_runtime(plans, tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["model"] for r in rows] == ["heavy", "light"]
     assert all(int(r["completed"]) > 0 and r["sim_throughput"] != "" for r in rows)
+
+
+# -- latency lanes (issue 23): a worker of its own for the light model ---------------------------
+LANE0 = "lane:numa0.core0"
+
+
+def test_a_lane_is_one_more_worker_on_its_group_holding_the_lane_models_only(plans):
+    """One core, heavy at 85 % of it, light at 5 % with a 5 ms target. Shared, light's p99 is
+    its 1 ms plus a heavy part in the way (EDF); with a lane (one more worker of the group's
+    arch) it never waits for heavy: its p99 is its own time plus its own queue. Heavy runs on
+    the group's worker alone and keeps its throughput (the lane slows nothing down here: the
+    OS preemption is not modelled, and the notes say so). The LP bound assumes the same: the
+    lane is a worker of its own, so heavy's 0.85 s/s binds: scale 1/0.85, not 1/0.9."""
+    from staronnx.bench.simulator import LANE_APPROXIMATION
+
+    heavy, light, home = plans
+    rates, sizes = {"heavy": 340, "light": 50}, {"heavy": 4, "light": 1}
+    common = dict(duration=10, distribution="poisson", seed=1, targets={"light": {"latency_ms": 5}})
+    shared = simulate_mix(machine(plans), rates, sizes, **common)
+    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(ONE_CORE),
+                      groups="cores=1", store=PerfModelStore(home), lanes={"light": "cpu"})
+    assert [(w.name, w.arch, w.kind, w.memory_node) for w in m.workers] == [
+        ("cpu:numa0.core0", "cpu1", "cpu", "numa0"), (LANE0, "cpu1", "cpu", "numa0")]
+    assert m.lanes == {1: ("light",)} and m.settings["lanes"] == {"light": "cpu"}
+    assert LANE_APPROXIMATION in m.notes
+    laned = simulate_mix(m, rates, sizes, **common)
+    assert laned.held_by == {"heavy": ["cpu:numa0.core0"], "light": [LANE0]}
+    assert laned.busy_by_model["light"]["cpu:numa0.core0"] == 0 and laned.busy_by_model["heavy"][LANE0] == 0
+    assert laned.busy_by_model["light"][LANE0] == pytest.approx(0.05, abs=0.01)
+    p99 = laned.metrics("light")["latency_p99"]
+    assert p99 < 3 * MS < shared.metrics("light")["latency_p99"]
+    assert laned.metrics("light")["deadline_misses"] == 0 < shared.metrics("light")["deadline_misses"]
+    assert laned.metrics("heavy")["throughput"] >= 0.98 * shared.metrics("heavy")["throughput"]
+    assert LANE_APPROXIMATION in laned.notes
+    assert laned.records["light"].settings["lanes"] == {"light": "cpu"}
+    assert laned.records["light"].settings["held_by"] == [LANE0]
+    bound = mix_bound(m, rates, sizes)
+    assert bound.scale == pytest.approx(1 / 0.85, rel=1e-6)
+    assert mix_bound(machine(plans), rates, sizes).scale == pytest.approx(1 / 0.9, rel=1e-6)
+    assert bound.busy["light"] == pytest.approx({"cpu:numa0.core0": 0.0, LANE0: 0.05 / 0.85})
+    assert bound.solo == pytest.approx({"heavy": 400.0, "light": 1000.0}, rel=1e-6)  # each on its worker
+    assert bound.as_dict()["lanes"] == {"light": "cpu"}
+
+
+def test_lanes_in_the_simulator_follow_the_runtimes_residency_rule(plans):
+    """``--model-workers light=lane,cpu`` lets the shared workers run a lane model too; a model
+    without a lane cannot be put on lanes only; and what the runtime refuses of a lane is
+    refused here, in its words, before any perf model is read."""
+    from staronnx.workers.residency import ResidencyError
+
+    heavy, light, home = plans
+    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(TWO_CORES),
+                      groups="cores=1", store=PerfModelStore(home), lanes={"light": CORE1})
+    assert [w.name for w in m.workers] == [CORE0, CORE1, "lane:numa0.core1"]
+    rates = {"heavy": 400, "light": 200}
+    alone = simulate_mix(m, rates, {"heavy": 4, "light": 1}, duration=2)
+    assert alone.held_by == {"heavy": [CORE0, CORE1], "light": ["lane:numa0.core1"]}
+    both = simulate_mix(m, rates, {"heavy": 4, "light": 1}, duration=2, residency={"light": "lane,cpu"})
+    assert both.held_by["light"] == [CORE0, CORE1, "lane:numa0.core1"]
+    assert both.held_by["heavy"] == [CORE0, CORE1]  # "cpu" never selects a lane
+    with pytest.raises(ResidencyError, match="lanes hold only the models given a lane"):
+        mix_bound(m, rates, {"heavy": 4, "light": 1}, residency={"heavy": "lane"})
+    for lanes, words in (({"nope": "cpu"}, "unknown model"), ({"heavy": "cpu", "light": "cpu"}, "names every model"),
+                         ({"light": "cuda0"}, "'cuda0' names no CPU group")):
+        with pytest.raises(ResidencyError, match=words):
+            build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(TWO_CORES),
+                          groups="cores=1", store=PerfModelStore(home / "empty"), lanes=lanes)
+
+
+def test_cli_simulate_with_a_lane(plans):
+    heavy, light, home = plans
+    base = ["simulate", str(heavy.root), str(light.root), "--synthetic", "pack:1 numa:1 core:1", "--groups",
+            "cores=1", "--rates", "heavy=340,light=50", "--batch", "heavy=4,light=1", "--slo-ms", "light=5",
+            "--distribution", "poisson", "--duration", "5"]
+    out = _invoke([*base, "--lane", "light"], home)
+    assert out.exit_code == 0, (out.output, out.exception)
+    first = out.output.splitlines()[0]
+    assert first.endswith(f"cpu:numa0.core0 (cpu1), {LANE0} (cpu1); light on lanes {LANE0}"), first
+    assert "LP bound of the mix: scale x1.176 (the rates fit together" in out.output  # 1 / 0.85, as above
+    row = _table_row(out.output, "light")
+    assert row[8] == f"0/{row[8].split('/')[1]}"  # no deadline missed on the lane
+    lane_row = [c.strip() for c in next(line for line in out.output.splitlines()
+                                        if line.startswith(f"│ {LANE0} ")).strip("│").split("│")]
+    assert lane_row[3] == "0% / 0%" and lane_row[4] != "0% / 0%"  # heavy nothing there, light all of its
+    assert "note: lanes are modelled as extra workers" in out.output and "not modelled" in out.output
+    also = _invoke([*base, "--lane", "light", "--model-workers", "light=lane,cpu"], home)
+    assert also.exit_code == 0, (also.output, also.exception)
+    assert also.output.splitlines()[0].endswith(f"; light on lanes {LANE0} and cpu:numa0.core0")
+    for extra, words in (
+        (["--lane", "nope"], "--lane names model(s) 'nope' that are not served"),
+        (["--lane", "heavy", "--lane", "light"], "names every model"),
+        (["--lane", "light=cuda"], "'cuda' names no CPU group"),
+        (["--lane", "light", "--model-workers", "heavy=lane"], "lanes hold only the models given a lane"),
+    ):
+        bad = _invoke([*base, *extra], home)
+        assert bad.exit_code != 0 and isinstance(bad.exception, StaronnxError), (extra, bad.output)
+        assert words in str(bad.exception), (extra, str(bad.exception))
+
+
+def test_cli_lane_needs_several_models(plans, tmp_path):
+    heavy, _, home = plans
+    for cmd in (["simulate", str(heavy.root), "--rate", "100", "--batch", "4"],
+                ["sweep", str(heavy.root), "--rates", "100", "--batch-sizes", "4", "-o", str(tmp_path / "x")]):
+        bad = _invoke([*cmd, "--lane", "heavy"], home)
+        assert isinstance(bad.exception, StaronnxError), bad.output
+        assert str(bad.exception).startswith("--lane gives a model a worker that preempts the other models' tasks "
+                                             "on a runtime shared by several models; give several plans")
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_sweep_mix_refuses_a_bad_lane_before_the_runtime_starts(plans, tmp_path):
+    heavy, light, home = plans
+    bad = _invoke(["sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,light=20", "--batch-sizes",
+                   "heavy=4,light=1", "--groups", str(min(os.sched_getaffinity(0))), "--lane", "light=cpu:numa7",
+                   "--no-plots", "-o", str(tmp_path / "bad")], home)
+    assert isinstance(bad.exception, StaronnxError), bad.output
+    assert "'cpu:numa7' names no CPU group" in str(bad.exception)
+
+
+def test_cli_sweep_mix_with_a_lane_on_one_live_runtime(plans, tmp_path):
+    """One one-PU CPU group and a lane on it for light: the live runtime runs light on the
+    lane and heavy on the group's worker, the mix's bound counts the lane as a worker of its
+    own (worked by hand: heavy 10 batches/s x 10 ms = 0.1 s/s on the group, light 20 x 1 ms on
+    the lane: scale 1/0.1 = 10, not the 1/0.12 of one shared worker), the simulated point has
+    the same lane, and the notes say what the simulation leaves out."""
+    from staronnx.bench.simulator import sim_workers
+
+    group = str(min(os.sched_getaffinity(0)))
+    (worker,) = (w.name for w in sim_workers(groups=group))
+    lane = "lane:" + worker.removeprefix("cpu:")
+    heavy, light, home = plans
+    out = tmp_path / "laned"
+    done = _cli("sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,light=20",
+                "--batch-sizes", "heavy=4,light=1", "--groups", group, "--duration", "400ms", "--min-batches", "3",
+                "--slo-ms", "light=50", "--lane", "light", "--simulate", "--no-plots", "-o", str(out), home=home)
+    assert done.returncode == 0, done.stderr + done.stdout
+    assert "light on lanes (cpu)" in done.stdout.splitlines()[0]
+    assert "note: lanes are modelled as extra workers" in done.stdout
+    doc = json.loads((out / "results.json").read_text())
+    settings = doc["settings"]
+    assert settings["lanes"] == {"light": "cpu"} and settings["workers"] == [worker, lane]
+    assert settings["models"]["heavy"]["held_by"] == [worker]
+    assert settings["models"]["light"]["held_by"] == [lane]
+    (bound,) = doc["bounds"].values()
+    assert bound["scale"] == pytest.approx(10.0, rel=1e-4) and bound["lanes"] == {"light": "cpu"}
+    assert bound["busy"]["light"][worker] == 0 and bound["busy"]["heavy"][lane] == 0
+    assert any("not modelled" in n for n in doc["notes"])
+    rows = {r["model"]: r for r in doc["rows"]}
+    assert rows["light"]["completed"] > 0 and rows["heavy"]["completed"] > 0
+    assert rows["light"]["sim_throughput"] is not None and rows["light"]["deadline_misses"] is not None
+    # the lane ran tasks (light's only: heavy is not held there) during the point
+    assert rows["light"]["workers"][lane]["tasks"] >= 2 * rows["light"]["completed"]

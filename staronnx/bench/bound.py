@@ -301,7 +301,9 @@ class MixBound:
     yardstick for what sharing costs it. ``busy[m][w]``: the busy fraction of worker ``w``
     spent on ``m`` at the optimum; ``arch_share[m]``: ``"part<p>/<arch>"`` (the model's own
     part numbers) -> fraction of the part's batches there. ``residency``: the models kept on
-    some workers only (their parts assigned to those alone), as given.
+    some workers only (their parts assigned to those alone), as given; ``lanes``: the machine's
+    latency lanes (model -> CPU groups), each an extra worker of full capacity (see
+    :func:`mix_bound`).
     """
 
     scale: float
@@ -314,6 +316,7 @@ class MixBound:
     busy: dict[str, dict[str, float]]
     arch_share: dict[str, dict[str, float]]
     residency: dict[str, str] = field(default_factory=dict)
+    lanes: dict[str, str] = field(default_factory=dict)
 
     @property
     def feasible(self) -> bool:
@@ -326,7 +329,7 @@ class MixBound:
                 "solo": dict(self.solo), "binding": [b.name for b in self.binding],
                 "utilization": dict(self.utilization), "busy": {m: dict(v) for m, v in self.busy.items()},
                 "arch_share": {m: dict(v) for m, v in self.arch_share.items()},
-                "residency": dict(self.residency)}
+                "residency": dict(self.residency), "lanes": dict(self.lanes)}
 
 
 def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float],
@@ -362,6 +365,14 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     ``residency`` (model name -> worker selector, as in
     :func:`~staronnx.bench.simulator.simulate_mix`): a model's parts may be assigned only to
     the workers holding it, in the mix and alone (its solo bound is then on those workers).
+
+    A machine with latency lanes (``build_machine(..., lanes=...)``) is bounded as the
+    simulator runs it: each lane is one more worker of full capacity (``sum_p t*y <= 1`` of
+    its own) holding the lane models only, and a lane model runs on its lanes alone unless
+    ``residency`` adds workers. The lane and its group's worker share the same cores live, so
+    on the real machine their loads together cannot exceed the group's: this bound (like the
+    simulation, :data:`~staronnx.bench.simulator.LANE_APPROXIMATION`) is higher than the
+    machine's by up to the lanes' load. Kept so that the simulation never exceeds its bound.
     """
     models = machine.models
     assert models is not None
@@ -397,7 +408,8 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     return MixBound(
         scale=scale, rates={n: float(rates[n]) for n in names}, batch_sizes=sizes,
         throughput={n: scale * float(rates[n]) for n in names}, solo=solo, binding=lp.binding,
-        utilization=lp.utilization, busy=busy, arch_share=shares, residency=dict(residency or {}))
+        utilization=lp.utilization, busy=busy, arch_share=shares, residency=dict(residency or {}),
+        lanes=dict(machine.settings.get("lanes") or {}))
 
 
 #: measured / bound above which a measurement is not noise: the perf models are stale

@@ -187,6 +187,7 @@ def sweep_mix(
     max_delay: float | None = None,
     trace: str | os.PathLike[str] | None = None,
     residency: Mapping[str, str] | None = None,
+    lanes: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every mix of ``points`` on one runtime hosting every model; return the rows
     (one per point and model; see the module docstring).
@@ -201,8 +202,14 @@ def sweep_mix(
     each point simulated too, its figures and errors in every model's row. ``residency``
     (model name -> worker selector, ``Runtime(residency=...)``'s) loads those models on the
     selected workers only, in the runtime and in its bound and simulation alike; each model's
-    ``held_by`` is in the settings. Other arguments as in :func:`staronnx.bench.sweep.sweep`;
-    an unstable point is not measured again here.
+    ``held_by`` is in the settings. ``lanes`` (model name -> CPU group selector,
+    ``Runtime(lanes=...)``'s; see :mod:`staronnx.workers.lanes`) gives those models latency
+    lanes in the live runtime, and the same lanes to its bound and simulation, which model a
+    lane as an extra worker on its group's cores and not the OS preempting the group's worker
+    for it (:data:`~staronnx.bench.simulator.LANE_APPROXIMATION`, in the notes): a lane model's
+    simulated latency is a lane's that always gets the core, the heavy models' simulated
+    throughput is higher than live by about the lanes' busy share. Other arguments as in
+    :func:`staronnx.bench.sweep.sweep`; an unstable point is not measured again here.
     """
     from staronnx.bench.bound import mix_bound
     from staronnx.bench.fidelity import fidelity_summary
@@ -216,11 +223,13 @@ def sweep_mix(
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serving.arrivals import DISTRIBUTIONS
     from staronnx.signals import signal_name
+    from staronnx.workers.residency import ResidencyError
 
     loaded = {str(n): p if isinstance(p, Plan) else Plan.load(p) for n, p in plans.items()}
     names = list(loaded)
     models = ModelSet(loaded, targets)  # checks the targets' names
     residency = dict(residency or {})
+    lanes = dict(lanes or {})
     if not points:
         raise SweepError("no mix to measure")
     for p in points:
@@ -248,7 +257,7 @@ def sweep_mix(
         "min_batches": min_batches, "engine": "native", "simulate": simulate, "max_delay_s": max_delay,
         "mixes": [{"rates": p.rates, "batch_sizes": p.batch_sizes} for p in points],
         "rates": {n: sorted({p.rates[n] for p in points}) for n in names}, "batch_sizes": sizes_of,
-        "residency": residency,
+        "residency": residency, "lanes": lanes,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "front_end": {"kind": "in-process"},
     }
@@ -265,8 +274,10 @@ def sweep_mix(
     machine = None
     if bound or simulate:
         try:
-            machine = build_machine(models, groups=groups, cuda_streams=cuda_streams, store=store)
+            machine = build_machine(models, groups=groups, cuda_streams=cuda_streams, store=store, lanes=lanes)
             notes.extend(machine.notes)
+        except ResidencyError:
+            raise  # a lane the runtime would refuse too: refused now, in its words, before it starts
         except StaronnxError as exc:
             missing = " and ".join(m for m, on in (("no LP bound", bound), ("no simulation", simulate)) if on)
             notes.append(f"{missing}: {exc}")
@@ -279,13 +290,13 @@ def sweep_mix(
             windows[(m.name, b)] = None if machine is None else machine_inflight(machine, b, m.index, where)
     warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)}) if cuda_streams else ()
     runtime = Runtime(loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store, trace=trace,
-                      targets=targets, warmup=warm, residency=residency,
+                      targets=targets, warmup=warm, residency=residency, lanes=lanes or None,
                       cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None)
     index = 0
     congested: list[MixPoint] = []
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in runtime.workers]
-        for n in names:  # where each model lives (every worker unless residency says otherwise)
+        for n in names:  # where each model lives (every worker unless residency or lanes say otherwise)
             settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
         notify(SweepEvent("start", 0, total))
         save()

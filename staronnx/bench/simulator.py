@@ -42,7 +42,7 @@ from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import next_batch_size, padded_size
-from staronnx.workers.residency import WorkerSlot, model_holders
+from staronnx.workers.residency import WorkerSlot
 from staronnx.workers.topology import Topology
 
 #: per global part, the ids of the workers holding it (None: every worker holds every part)
@@ -269,6 +269,44 @@ def sim_workers(
     return infos
 
 
+#: what the simulator and the LP bound leave out of a latency lane (said in every result's notes)
+LANE_APPROXIMATION = (
+    "lanes are modelled as extra workers on their groups' cores that slow nothing down: the OS preemption of "
+    "a group's shared worker while its lane runs is not modelled, so the simulation and the LP bound count each "
+    "lane's busy time as extra capacity (the heavy models' throughput is overstated by about the lanes' busy "
+    "share; the lane models' latency is what a lane that always gets the core gives)")
+
+
+def lane_workers(workers: Sequence[WorkerInfo], lanes: Mapping[str, str] | None,
+                 model_names: Sequence[str]) -> tuple[list[WorkerInfo], dict[int, tuple[str, ...]]]:
+    """``workers`` plus the latency lanes ``lanes`` (model -> CPU group selector, as
+    ``Runtime(lanes=...)`` and ``--lane`` take it) asks for, as the live runtime adds them: one
+    per selected CPU group, after every other worker, named ``lane:<group>``, with its group's
+    arch, memory node and cores (a lane is a CPU worker on the same cores, so it runs on the
+    group's perf models). Also, per lane's worker id, the models it holds. The runtime's own
+    planning (:func:`~staronnx.workers.lanes.plan_lanes`), so what it refuses (an unknown model,
+    one model, every model, a selector naming no CPU group) is refused here with its words.
+
+    Why a lane is a plain extra worker here: to the scheduler it is one (its own queue, the
+    group's arch). What it is to the OS (it preempts the group's worker, which then waits) is
+    not modelled: see :data:`LANE_APPROXIMATION`."""
+    from staronnx.workers.lanes import plan_lanes
+
+    out = list(workers)
+    if not lanes:
+        return out, {}
+    cpu = [i for i, w in enumerate(workers) if w.kind == "cpu" and not w.name.startswith("lane:")]
+    slots = worker_slots(workers)
+    cpu_slots = [slots[i] for i in cpu]
+    plan = plan_lanes(lanes, list(model_names), cpu_slots)
+    held: dict[int, tuple[str, ...]] = {}
+    for slot, (group, models) in zip(plan.slots(cpu_slots), plan.lanes):
+        g = workers[cpu[group]]
+        held[len(out)] = tuple(models)
+        out.append(WorkerInfo(len(out), slot.name, g.arch, g.kind, g.memory_node, g.ncores))
+    return out, held
+
+
 @dataclass
 class SimMachine:
     """A plan on a (real or hypothetical) machine: workers and their time distributions.
@@ -285,6 +323,8 @@ class SimMachine:
     #: the models sharing the machine, their parts numbered as the runtime numbers them (the
     #: table is keyed by those global parts); one plan is a set of one, global = own part
     models: ModelSet | None = None
+    #: the workers that are latency lanes (:func:`lane_workers`): worker id -> the models it holds
+    lanes: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.models is None:
@@ -360,28 +400,35 @@ def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, wher
 
 def worker_slots(workers: Sequence[WorkerInfo]) -> list[WorkerSlot]:
     """The workers as a residency selector sees them (:mod:`staronnx.workers.residency`):
-    the runtime's names and kinds, a CUDA worker's GPU read from its name (``cuda1.s0``)."""
+    the runtime's names and kinds, a CUDA worker's GPU read from its name (``cuda1.s0``), a
+    lane (``lane:<group>``, a CPU worker to the policies) of kind ``lane``, as the runtime's
+    residency sees it, so that ``cpu`` does not select it and ``lane`` does."""
     slots = []
     for w in workers:
         m = _CUDA_NAME.match(w.name) if w.kind == "cuda" else None
-        slots.append(WorkerSlot(w.name, w.kind, int(m.group(1)) if m else None))
+        kind = "lane" if w.kind == "cpu" and w.name.startswith("lane:") else w.kind
+        slots.append(WorkerSlot(w.name, kind, int(m.group(1)) if m else None))
     return slots
 
 
 def residency_where(machine: SimMachine, residency: Mapping[str, str] | None) -> list[frozenset[int]] | None:
     """Per global part of ``machine``, the ids of the workers that hold it when ``residency``
     (model name -> worker selector, as ``Runtime(residency=...)`` and ``--model-workers`` take
-    it) keeps some models on some workers only; None without one (every worker holds every
-    part: the policies' unrestricted path). The live runtime's own rule
-    (:func:`~staronnx.workers.residency.model_holders`), so an unknown model or a selector
-    that matches no worker is refused here as ``staronnx serve`` refuses it."""
-    if not residency:
+    it) keeps some models on some workers only, or the machine has lanes (a lane holds its
+    models only, and a model with lanes is held by its lanes alone unless ``residency`` names
+    other workers too); None with neither (every worker holds every part: the policies'
+    unrestricted path). The live runtime's own rule
+    (:func:`~staronnx.workers.launch.held_part_paths`), so an unknown model, a selector that
+    matches no worker or a model left on lanes that do not hold it is refused here as
+    ``staronnx serve`` refuses it."""
+    from staronnx.workers.launch import held_part_paths
+
+    if not residency and not machine.lanes:
         return None
     models = machine.models
     assert models is not None
-    holders = model_holders(residency, [m.name for m in models.models], worker_slots(machine.workers))
-    every = frozenset(range(len(machine.workers)))
-    return [frozenset(holders[m.name]) if m.name in holders else every for m, _ in models.owner]
+    held = held_part_paths(models, dict(residency or {}), worker_slots(machine.workers), machine.lanes)
+    return [frozenset(w for w, paths in enumerate(held) if paths[p] is not None) for p in range(models.k)]
 
 
 def held_by(machine: SimMachine, where: Where, model: int | str) -> list[str]:
@@ -404,6 +451,7 @@ def build_machine(
     cpu_fallback: bool = True,
     arch_sources: Mapping[str, ArchSource] | None = None,
     bus: BusModel | None = None,
+    lanes: Mapping[str, str] | None = None,
 ) -> SimMachine:
     """Workers from ``topology`` (default: this machine) and ``groups``, plus ``cuda_streams``
     hypothetical or real CUDA workers, with times from ``store`` (default: ``$STARONNX_HOME``).
@@ -412,11 +460,19 @@ def build_machine(
     name -> plan): the machine then serves them as one shared runtime does, every model's
     parts numbered one after the other, each read from its own plan's stored models (nothing
     recalibrated for sharing). A per-part ``cuda_scale`` then has one factor per global part.
+
+    ``lanes`` (model name -> CPU group selector, ``Runtime(lanes=...)``'s; see
+    :mod:`staronnx.workers.lanes`) adds the runtime's latency lanes (:func:`lane_workers`):
+    one more worker per selected group, same arch, holding the lane models only (the
+    simulations and bounds over this machine keep them there, :func:`residency_where`). They
+    are checked first, so a bad lane is refused before any perf model is read. Not modelled:
+    the lane preempting its group's worker (:data:`LANE_APPROXIMATION`, in ``notes``).
     """
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
         ModelSet(dict(plan)) if isinstance(plan, Mapping) else ModelSet.of(plan))
-    workers = sim_workers(topology, groups, cuda_streams, cuda_device)
+    workers, lane_of = lane_workers(sim_workers(topology, groups, cuda_streams, cuda_device), lanes,
+                                    [m.name for m in models.models])
     stored_by_model = {m.name: {key.arch for key in store.list(m.plan.hash)} for m in models.models}
     stored = set().union(*stored_by_model.values())
     sources, notes = resolve_sources(
@@ -441,7 +497,10 @@ def build_machine(
         "cuda_scale": cuda_scale if not isinstance(cuda_scale, tuple) else list(cuda_scale),
         "sources": {a: s.describe() for a, s in sources.items()},
     }
-    return SimMachine(first, workers, table, notes, settings, models)
+    if lane_of:
+        settings["lanes"] = dict(lanes or {})
+        notes.append(LANE_APPROXIMATION)
+    return SimMachine(first, workers, table, notes, settings, models, lane_of)
 
 
 # ---------------------------------------------------------------------------- arrivals
@@ -966,7 +1025,11 @@ def simulate_mix(
     ``Runtime(residency=...)`` and ``staronnx serve --model-workers`` do: the policy places
     their tasks there alone, their in-flight windows count those workers only, and they need
     perf models only on those workers' archs (what if a model were kept off the GPU, before
-    trying it live). Other arguments as in :func:`simulate`.
+    trying it live). A ``machine`` built with lanes (:func:`build_machine`'s ``lanes``) keeps
+    the lane models on their lanes (plus the workers ``residency`` adds for them), each lane
+    an extra worker that slows its group's worker down in no way: the preemption the OS does
+    live is not modelled (:data:`LANE_APPROXIMATION`, in the notes). Other arguments as in
+    :func:`simulate`.
     """
     t0 = time.perf_counter()
     models = machine.models

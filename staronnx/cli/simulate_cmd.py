@@ -17,7 +17,7 @@ from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import output_console
-from staronnx.cli.serve_cmd import MODEL_WORKERS_HELP, model_residency
+from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
 
 console = output_console()
@@ -91,17 +91,25 @@ MODEL_WORKERS_NEED_SEVERAL = ("--model-workers keeps a model on some workers of 
                               "give several plans (one plan runs on every worker: choose them with --groups and "
                               "--cuda-streams)")
 
-#: ``staronnx serve``'s help text for ``--model-workers``, the same option here
+#: why ``--lane`` needs several models (sweep says the same)
+LANES_NEED_SEVERAL = ("--lane gives a model a worker that preempts the other models' tasks on a runtime shared by "
+                      "several models; give several plans (one plan has no other model to preempt)")
+
+#: the lane help of ``simulate`` and ``sweep``: ``staronnx serve``'s, plus what the simulation leaves out
+SIM_LANE_HELP = (LANE_HELP + " Simulated (simulate, sweep --simulate) as one more worker per group holding the "
+                 "lane models only; the OS preemption of the group's worker is not modelled (see the notes).")
 
 
 def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None, rates: str | None,
                   names: list[str] | None, slo_ms: list[str], priority: list[str], policy: str, groups: str,
                   synthetic: str | None, cuda_streams: int, cuda_scale: str | None, distribution: str,
                   duration: float, requests: int | None, seed: int, max_delay: float | None, spread: float,
-                  queue_capacity: int, model_workers: list[str]) -> None:
+                  queue_capacity: int, model_workers: list[str], lane: list[str]) -> None:
     """Several models on one simulated runtime, each at its own rate: per-model throughput,
     latencies and deadline misses, the LP bound of the mix, each worker's time per model;
-    with ``--model-workers``, some models on some workers only (simulation and bound)."""
+    with ``--model-workers``, some models on some workers only (simulation and bound); with
+    ``--lane``, lane workers for some models (an extra worker per CPU group holding them; the
+    OS preemption of the group's worker is not modelled, and a note says so)."""
     from staronnx.bench.bound import mix_bound
     from staronnx.bench.mix import model_names
     from staronnx.bench.simulator import build_machine, simulate_mix
@@ -119,13 +127,14 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     sizes = mix_batches(batch, labels)
     targets = service_targets(labels, slo_ms, priority)
     residency = model_residency(model_workers, labels)
+    lanes = model_lanes(lane, labels)
     if synthetic is None:
         for d, plan in zip(plandirs, plans.values()):
             warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams,
                               skip_archs=["cuda0"] if cuda_scale is not None else ())
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
     machine = build_machine(plans, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                            cuda_scale=_scale(cuda_scale))
+                            cuda_scale=_scale(cuda_scale), lanes=lanes)
     result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=duration,
                           distribution=distribution, seed=seed, max_delay=max_delay, spread=spread,
                           queue_capacity=queue_capacity, residency=residency)
@@ -133,7 +142,11 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     workers = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
     console.print(f"simulated {len(plans)} model(s) on one runtime with {policy} on {len(result.workers)} "
                   f"worker(s): {workers}"
-                  + "".join(f"; {n} on {', '.join(result.held_by[n])} only" for n in residency), highlight=False)
+                  + "".join(f"; {n} on {', '.join(result.held_by[n])} only" for n in residency if n not in lanes)
+                  + "".join(f"; {n} on lanes {', '.join(w for w in result.held_by[n] if w.startswith('lane:'))}"
+                            + (f" and {', '.join(others)}" if (others := [w for w in result.held_by[n]
+                                                                          if not w.startswith('lane:')]) else "")
+                            for n in lanes), highlight=False)
     table = Table(title="per model (latencies in ms; misses: answers later than the target)")
     for col in ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
                 "rejected", "load"):
@@ -198,6 +211,7 @@ def simulate_cmd(
     spread: Annotated[float, typer.Option(help="Scale of the models' standard deviations (0: means only).")] = 1.0,
     queue_capacity: Annotated[int, typer.Option(help="Server queue capacity, per model (arrivals beyond it are rejected).")] = 1024,
     model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
+    lane: Annotated[list[str] | None, typer.Option("--lane", help=SIM_LANE_HELP)] = None,
 ) -> None:
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
@@ -211,12 +225,14 @@ def simulate_cmd(
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     if model_workers and len(plandirs) < 2:
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
+    if lane and len(plandirs) < 2:
+        raise StaronnxError(LANES_NEED_SEVERAL)
     if len(plandirs) > 1 or rates is not None or slo_ms or priority or name:
         _simulate_mix(plandirs, rate=rate, batch=batch, rates=rates, names=name, slo_ms=slo_ms or [],
                       priority=priority or [], policy=policy, groups=groups, synthetic=synthetic,
                       cuda_streams=cuda_streams, cuda_scale=cuda_scale, distribution=distribution,
                       duration=seconds, requests=requests, seed=seed, max_delay=delay, spread=spread,
-                      queue_capacity=queue_capacity, model_workers=model_workers or [])
+                      queue_capacity=queue_capacity, model_workers=model_workers or [], lane=lane or [])
         return
     if rate is None:
         raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")

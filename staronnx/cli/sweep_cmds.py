@@ -19,7 +19,8 @@ from rich.table import Table
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, model_residency
+from staronnx.cli.simulate_cmd import LANES_NEED_SEVERAL, MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, \
+    SIM_LANE_HELP, model_lanes, model_residency
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -288,6 +289,7 @@ def sweep_cmd(
     model: Annotated[str | None, typer.Option(
         help="With --url: the served model's name (default: the plan folder's name).")] = None,
     model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
+    lane: Annotated[list[str] | None, typer.Option("--lane", help=SIM_LANE_HELP)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime (or through a
@@ -300,6 +302,8 @@ def sweep_cmd(
 
     if model_workers and len(plandirs) < 2:
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
+    if lane and len(plandirs) < 2:
+        raise StaronnxError(LANES_NEED_SEVERAL)
     if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
                                                 ("--inputs", inputs), ("--labels", labels)) if value]
@@ -312,7 +316,7 @@ def sweep_cmd(
                        cuda_graphs=cuda_graphs, distribution=distribution, duration=duration, warmup=warmup,
                        output=output, plots=plots, queue_capacity=queue_capacity, min_batches=min_batches,
                        seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
-                       model_workers=model_workers or [])
+                       model_workers=model_workers or [], lane=lane or [])
         return
     plandir = plandirs[0]
     auto = rates.strip().lower() == "auto"
@@ -374,10 +378,13 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
                    slo_ms: list[str], priority: list[str], policy: str, groups: str, cuda_streams: int,
                    cuda_graphs: bool, distribution: str, duration: str, warmup: str | None, output: Path,
                    plots: bool, queue_capacity: int, min_batches: int, seed: int, max_delay: str | None,
-                   trace: Path | None, simulate: bool, quiet: bool, model_workers: list[str]) -> None:
+                   trace: Path | None, simulate: bool, quiet: bool, model_workers: list[str],
+                   lane: list[str]) -> None:
     """``staronnx sweep a/ b/ --rates a=...,b=...``: every mix on one runtime hosting every
     model (:func:`staronnx.bench.mix.sweep_mix`); a row per point and model. ``--model-workers``
-    loads some models on some workers only, in the live runtime, its bound and its simulation."""
+    loads some models on some workers only, in the live runtime, its bound and its simulation;
+    ``--lane`` gives models latency lanes, in all three alike (the bound and the simulation
+    without the OS preemption: a note says so)."""
     from staronnx.bench.mix import check_names, is_per_model, mix_points, model_names, split_per_model, sweep_mix
     from staronnx.cli.serve_cmd import service_targets
     from staronnx.plan import Plan
@@ -398,6 +405,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
     points = mix_points(rate_lists, sizes, labels)
     targets = service_targets(labels, slo_ms, priority)
     residency = model_residency(model_workers, labels)
+    lanes = model_lanes(lane, labels)
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
@@ -410,7 +418,8 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
     console.print(
         f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
         f"with {policy}, groups {groups}{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}"
-        + "".join(f", {n} on {sel} only" for n, sel in residency.items()) + ": "
+        + "".join(f", {n} on {sel} only" for n, sel in residency.items())
+        + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items()) + ": "
         f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
     with progress_bar(quiet) as progress:
         bars = _MixBars(progress)
@@ -419,7 +428,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
                              cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
                              out_dir=output, progress=bars, seed=seed, queue_capacity=queue_capacity,
                              min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace,
-                             residency=residency)
+                             residency=residency, lanes=lanes)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 above(progress, console).print(
