@@ -10,6 +10,11 @@ open-loop generator, as ``staronnx serve`` serves them. Each point gives one row
 misses), and the LP bound over the mix (:func:`~staronnx.bench.bound.mix_bound`): whether the
 rates together fit the machine and by what factor they could all grow.
 
+Residency (``--model-workers``) and latency lanes (``--lane``) shape the live runtime, its
+bound and its simulation alike; a lane is simulated and bounded as one more worker on its
+group's cores, without the OS preemption of the group's worker that it brings live
+(:data:`~staronnx.bench.simulator.LANE_APPROXIMATION`, in each result's notes).
+
 Why every combination and not a scale factor on one mix: the question a shared machine asks
 is how one model's load hurts another's latency (the heavy model pushed to saturation while
 the light one stays at a modest rate): a range for one and one rate for the other says it.
