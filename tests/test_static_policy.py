@@ -38,6 +38,22 @@ def test_static_policy_places_by_name_and_rejects_unknown_workers():
         bad.attach(_workers(), predictor=None, clock=_Clock())  # type: ignore[arg-type]
 
 
+def test_static_queues_let_a_task_with_a_target_pass_the_ones_without():
+    """A shared runtime's latency targets order the static policy's queues too (EDF, then model
+    priority first): the placement stays the plan's."""
+    pol = make_policy("static", devices={0: "a", 1: "a"})
+    pol.attach(_workers(), predictor=None, clock=_Clock(), dag=[[], []])  # type: ignore[arg-type]
+    plain = [TaskView(id=i, part=0, batch=1, request=i) for i in range(3)]
+    for t in plain:
+        assert pol.push(t) == 0
+    late = TaskView(id=10, part=1, batch=1, request=10, deadline=2.0)
+    soon = TaskView(id=11, part=1, batch=1, request=11, deadline=1.0)
+    urgent = TaskView(id=12, part=1, batch=1, request=12, level=1)
+    for t in (late, soon, urgent):
+        assert pol.push(t) == 0
+    assert [pol.pop(0).id for _ in range(6)] == [12, 11, 10, 0, 1, 2]
+
+
 def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))

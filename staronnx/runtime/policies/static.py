@@ -4,7 +4,10 @@ SIR+, DUET, OverSeer and the MILP decide a device per part offline; ``staronnx p
 --method duet`` records it in each part's ``device``. Running such a plan under a dynamic
 policy would measure heft on the method's cut, not the method, so this policy pins part p to
 the worker named ``devices[p]`` with a FIFO per worker. A part whose worker is gone (or was
-never there) is an error at attach time, not a silent fallback.
+never there) is an error at attach time, not a silent fallback. On a runtime shared by several
+models, a task with a service target (a deadline or a model priority) passes the queued tasks
+it runs before, as in every other policy's queues: the placement is the plan's, the order the
+targets'.
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ from __future__ import annotations
 from collections import deque
 from typing import Mapping
 
-from staronnx.runtime.policies._common import PolicyError
-from staronnx.runtime.sched import Policy, TaskView
+from staronnx.runtime.policies._common import PolicyError, insert_sorted
+from staronnx.runtime.sched import Policy, TaskView, has_target
 
 
 class StaticPolicy(Policy):
-    """Part -> worker name, fixed; per-worker FIFO queues."""
+    """Part -> worker name, fixed; per-worker FIFO queues (targeted tasks first, EDF)."""
 
     name = "static"
     places_at_push = True
@@ -51,7 +54,10 @@ class StaticPolicy(Policy):
         if wid is None or wid not in self._queues:
             raise PolicyError(f"static placement has no live worker for part {task.part}")
         task.placed_on = wid
-        self._queues[wid].append(task)
+        if has_target(task):
+            insert_sorted(self._queues[wid], task)
+        else:
+            self._queues[wid].append(task)
         return wid
 
     def pop(self, worker_id: int) -> TaskView | None:
