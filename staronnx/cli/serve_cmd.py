@@ -44,6 +44,9 @@ def serve_cmd(
              "N for every model, NAME=N for one (repeatable; default 1024).")] = None,
     max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
     drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
+    save_every: Annotated[str, typer.Option(
+        help="How often the perf models learnt while serving are merged into $STARONNX_HOME (0 = at shutdown "
+             "only): a server that is killed loses at most that much of what it learnt.")] = "60s",
     ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
                                       "(else a local one) behind one KServe v2 HTTP endpoint on --http-port (needs the ray extra).")] = False,
     replicas: Annotated[int | None, typer.Option(help="With --ray: replicas, each hosting every model (default 1; of each model with --separate-runtimes).")] = None,
@@ -128,6 +131,7 @@ def serve_cmd(
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
+                   save_every=parse_duration(save_every, allow_zero=True, option="--save-every"),
                    cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
     try:

@@ -45,6 +45,7 @@ execution while serving, 2 replaces the stored models with this run's measuremen
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from collections import deque
@@ -62,6 +63,8 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.pinned_pool import PinnedPool
+
+log = logging.getLogger(__name__)
 
 
 def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ...]:
@@ -103,6 +106,7 @@ class Runtime:
         targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
         residency: Mapping[str, str] | None = None,
         lanes: Mapping[str, str] | Sequence[str] | None = None,
+        save_every: float = 0.0,
     ) -> None:
         """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
         a single plan is named after its folder (see :attr:`model_names`). ``residency``:
@@ -110,7 +114,9 @@ class Runtime:
         see :mod:`staronnx.workers.residency`) when not every worker can hold every model;
         models not named load everywhere. ``lanes``: models (or model -> CPU groups, ``"cpu"``
         by default) that get a worker of their own on those groups, which the OS lets preempt
-        the other models' tasks (see :mod:`staronnx.workers.lanes`)."""
+        the other models' tasks (see :mod:`staronnx.workers.lanes`). ``save_every``: seconds
+        between merges of the perf models learnt while serving into the store (0: at close
+        only), so a server that is killed loses at most that much of what it learnt."""
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
@@ -141,6 +147,30 @@ class Runtime:
             (w.pinned_pool for w in self._engine.workers if isinstance(w, CudaWorker)), None)
         self._closed = False
         self._close_lock = threading.Lock()
+        if save_every < 0:
+            self._engine.close(1.0)
+            raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
+        self._stop_saving = threading.Event()
+        self._saver: threading.Thread | None = None
+        if save_every > 0 and getattr(self._engine, "predictor", None) is not None:
+            self._saver = threading.Thread(target=self._save_loop, args=(float(save_every),),
+                                           name="staronnx-perfmodel-saver", daemon=True)
+            self._saver.start()
+
+    # -- perf models --------------------------------------------------------------------------
+    def save_perf_models(self) -> None:
+        """Merge the perf-model samples learnt since the last merge into the store now
+        (atomically, under the store's lock; the native engine's, StarPU keeps its own)."""
+        predictor = getattr(self._engine, "predictor", None)
+        if predictor is not None:
+            predictor.save()
+
+    def _save_loop(self, every: float) -> None:
+        while not self._stop_saving.wait(every):
+            try:
+                self.save_perf_models()
+            except Exception:  # noqa: BLE001 - the next round (or close) tries again
+                log.exception("merging the perf models learnt while serving failed; retrying in %g s", every)
 
     # -- context manager ---------------------------------------------------------------------
     def __enter__(self) -> "Runtime":
@@ -245,7 +275,10 @@ class Runtime:
             if self._closed:
                 return
             self._closed = True
-        self._engine.close(timeout)
+        self._stop_saving.set()
+        if self._saver is not None:
+            self._saver.join()
+        self._engine.close(timeout)  # merges what was learnt since the last save
 
 
 class ModelHandle:
