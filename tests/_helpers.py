@@ -19,8 +19,11 @@ def cli(capsys, *args: object) -> tuple[int, str, str]:
 
 
 class Gated:
-    """A runtime behind a gate: the server's batcher is held in ``submit`` until ``gate`` is
-    set, so a test can place callbacks or cancel requests before any batch completes."""
+    """A runtime behind a gate: no batch it is given completes before ``gate`` is set, so a
+    test can place callbacks or cancel requests first. ``submit`` returns at once (a server
+    may launch a batch on the thread that submits its last request); the batch is submitted
+    to the real runtime, and its future handed on, from a thread of its own once the gate
+    opens."""
 
     def __init__(self, runtime) -> None:  # a Runtime
         import threading
@@ -30,8 +33,22 @@ class Gated:
         self.gate = threading.Event()
 
     def submit(self, feeds):
-        self.gate.wait(30)
-        return self.runtime.submit(feeds)
+        import threading
+        from concurrent.futures import Future
+
+        held: Future = Future()
+
+        def run() -> None:
+            self.gate.wait(30)
+            try:
+                result = self.runtime.submit(feeds).result()
+            except BaseException as exc:  # noqa: BLE001 - handed on as the batch's error
+                held.set_exception(exc)
+            else:
+                held.set_result(result)
+
+        threading.Thread(target=run, name="gated-runtime", daemon=True).start()
+        return held
 
 
 def read_pty(master: int, proc, seconds: float = 300.0, on_output=None) -> bytes:

@@ -9,6 +9,7 @@ import asyncio
 import gc
 import threading
 import time
+import weakref
 from concurrent.futures import CancelledError, Future, as_completed, wait
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -177,6 +178,65 @@ def test_close_from_a_result_callback_does_not_hang(stand_in):
     assert closed.wait(10)
     with pytest.raises(ServerClosed):
         server.submit(_sample(1))
+
+
+def test_a_closed_server_is_not_kept_alive_by_the_runtime(runtime):
+    # the runtime keeps its last request's future (the worker's last task) until its next
+    # task; a server held there was freed, run and all, on that worker's thread at the start
+    # of the next run (10-30 ms with the GIL held, the first arrivals that late)
+    server = Server(runtime, 4, batch_memory=np.empty)
+    futures = [server.submit(_sample(i)) for i in range(8)]
+    assert all(f.result(timeout=30)["y"].shape == (1, 16) for f in futures)
+    server.close()
+    gone = weakref.ref(server)
+    del server, futures
+    gc.collect()
+    assert gone() is None
+
+
+def test_the_request_that_fills_a_batch_launches_it_on_its_own_thread(stand_in):
+    launched_on: list[str] = []
+    submit = stand_in.submit
+
+    def spy(feeds):
+        launched_on.append(threading.current_thread().name)
+        return submit(feeds)
+
+    stand_in.submit = spy
+    with Server(stand_in, 4, max_inflight=1) as server:
+        stand_in.gate.clear()  # the first batch stays in flight: the window is full
+        first = [server.submit(_sample(i)) for i in range(4)]
+        second = [server.submit(_sample(i)) for i in range(4, 8)]  # held back by max_inflight
+        assert launched_on == [threading.current_thread().name]  # the submitter's, at once
+        assert server.queue_length == 4
+        stand_in.gate.set()  # its completion frees the window: the batcher sends the next one
+        results = [f.result(timeout=10) for f in first + second]
+    assert launched_on == [threading.current_thread().name, "staronnx-batcher"]
+    for i, r in enumerate(results):
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
+
+
+def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
+    # requests queued behind max_inflight are sent by the completion that frees a place; a
+    # wake-up per such request was a thread switch and a GIL hand-over each, for nothing
+    with Server(stand_in, 2, max_inflight=1, queue_capacity=64) as server:
+        stand_in.gate.clear()
+        held = [server.submit(_sample(i)) for i in range(2)]
+        wakes = 0
+        notify_all = server._cond.notify_all
+
+        def counting():
+            nonlocal wakes
+            wakes += 1
+            notify_all()
+
+        server._cond.notify_all = counting  # type: ignore[method-assign]
+        queued = [server.submit(_sample(i)) for i in range(2, 40)]
+        assert wakes == 0
+        server._cond.notify_all = notify_all  # type: ignore[method-assign]
+        stand_in.gate.set()
+        for f in held + queued:
+            f.result(timeout=10)
 
 
 # -- the light request futures ----------------------------------------------------------------
@@ -358,6 +418,48 @@ def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
     assert all(t[2] == loadgen._QUIET_THRESHOLD2 and frozen > 0 for t, frozen in seen)
     assert gc.get_threshold() == threshold and server_module._frozen_users == holders
     assert holders or gc.get_freeze_count() == 0
+
+
+def test_the_full_collection_stays_held_off_until_the_last_result(stand_in):
+    # the results of the last requests come in while the generator drains: a full collection
+    # of the run's records there (40-80 ms on the benchmark's host) would be their latency
+    thresholds: list[int] = []
+    submit = stand_in.submit
+
+    def spy(feeds):
+        future = submit(feeds)
+        future.add_done_callback(lambda _f: thresholds.append(gc.get_threshold()[2]))
+        return future
+
+    stand_in.submit = spy
+    stand_in.gate.clear()  # no batch finishes before the schedule is over
+
+    def on_submit(i, total):
+        if i == total - 1:
+            threading.Timer(0.05, stand_in.gate.set).start()
+
+    with Server(stand_in, 2) as server:
+        rec = run_open_loop(server, Constant(2000), _sample, n=10, on_submit=on_submit)
+    assert all(r.done is not None for r in rec.requests)
+    assert thresholds == [loadgen._QUIET_THRESHOLD2] * 5
+
+
+def test_the_generator_wakes_at_most_once_per_min_wake_and_reports_the_lag(stand_in, monkeypatch):
+    wakes: list[float] = []
+    sleep_until = loadgen.sleep_until
+
+    def counting(due, clock=time.perf_counter, spin=0.0):
+        wakes.append(due)
+        return sleep_until(due, clock, spin)
+
+    monkeypatch.setattr(loadgen, "sleep_until", counting)
+    with Server(stand_in, 4) as server:
+        rec = run_open_loop(server, Constant(20_000), _sample, n=200, min_wake=0.002)  # 10 ms
+    assert len(wakes) <= 10 / 2 + 2  # not one per arrival (50 us apart)
+    assert all(b - a >= 0.002 - 1e-9 for a, b in zip(wakes, wakes[1:]))
+    report = rec.settings["loadgen"]
+    assert report["submitted"] == 200 and report["lag_max_s"] >= 0.001  # the wait is lag, reported
+    assert [r.arrival - rec.start for r in rec.requests] == pytest.approx([i / 20_000 for i in range(200)])
 
 
 def test_collector_quiet_nests_and_restores_on_error():

@@ -34,6 +34,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -312,6 +313,8 @@ class Server:
         self._tracer = tracer if clock is time.perf_counter else None
         self._serial = next(_SERVER_SERIALS)  # keeps trace ids unique across servers
         self._sample_queue()
+        #: what the runtime's futures call back through (:func:`_batch_done`)
+        self._weak = weakref.ref(self)
         self._thread = threading.Thread(target=self._batcher, name="staronnx-batcher", daemon=True)
         hold_frozen()  # released by close()
         self._frozen = True
@@ -353,13 +356,22 @@ class Server:
             future = _Request(self, record, sample)
             self._queue.append(future)
             self._sample_queue()
-            # wake the batcher only when it can act: a full batch, or a first request whose
-            # max-delay deadline it must start timing (a wake per request cost a thread switch
-            # and a GIL hand-over per request, b times more than needed; one per batch for a
-            # first request when there is no deadline to time cost one in two)
             queued = len(self._queue)
-            if queued >= self.batch_size or self._flush_left > 0 or (queued == 1 and self.max_delay is not None):
+            room = len(self._inflight) < self.max_inflight
+            batch: list[_Request] = []
+            formed: BatchRecord | None = None
+            if queued >= self.batch_size and room and not self._flush_left:
+                # the request that fills a batch launches it on this thread (see _form)
+                batch = self._take(self.batch_size)
+                formed = self._form(batch)
+            elif (self._flush_left and room) or (queued == 1 and self.max_delay is not None):
+                # the batcher only when it can act: a flush it must send, or a first request
+                # whose max-delay deadline it must start timing. Not for a full batch that
+                # max_inflight holds back: the completion that frees a place wakes it anyway
+                # (a wake per such request was a thread switch and a GIL hand-over each)
                 self._cond.notify_all()
+        if formed is not None:
+            self._launch(formed, batch)
         return future
 
     def _on_cancel(self) -> None:
@@ -447,27 +459,39 @@ class Server:
                 if work is None:
                     return
                 batch, completions = work
-                record = None
-                if batch:
-                    record = BatchRecord(
-                        id=next(self._batch_ids), size=len(batch), formed=self.clock(),
-                        request_ids=[p._record.id for p in batch],
-                    )
-                    padded = padded_size(len(batch), self.pad_to)
-                    if padded != len(batch):
-                        record.padded_to = padded
-                    oldest = min(batch, key=lambda p: p._record.arrival)
-                    oldest._record.first_in_batch = True
-                    for p in batch:
-                        p._record.batch_id = record.id
-                    self._batches.append(record)
-                    self._inflight[record.id] = batch
-                    self._sample_queue()
-                    self._cond.notify_all()  # room in the queue for blocked submitters
+                record = self._form(batch) if batch else None
             if record is not None:
                 self._launch(record, batch)
             if completions:
                 self._resolve(completions)
+
+    def _form(self, batch: list[_Request]) -> BatchRecord:
+        """(lock held) Record ``batch`` (just taken from the queue) as formed and in flight.
+
+        Called by the batcher thread, and by :meth:`submit` for the request that fills a batch
+        while ``max_inflight`` has room: that thread launches it at once. Handing every full
+        batch to the batcher cost a thread wake-up and a GIL hand-over per batch, the largest
+        part of what an open-loop request cost beyond a closed-loop one (on a 2-core VM, ~30
+        us of CPU a wake-up, against ~180 us of work in a whole batch of 8). Results are still
+        handed out on the batcher thread only (:meth:`_completed`).
+        """
+        record = BatchRecord(
+            id=next(self._batch_ids), size=len(batch), formed=self.clock(),
+            request_ids=[p._record.id for p in batch],
+        )
+        padded = padded_size(len(batch), self.pad_to)
+        if padded != len(batch):
+            record.padded_to = padded
+        oldest = min(batch, key=_arrival_of)
+        oldest._record.first_in_batch = True
+        for p in batch:
+            p._record.batch_id = record.id
+        self._batches.append(record)
+        self._inflight[record.id] = batch
+        self._sample_queue()
+        if self.on_full == "block":
+            self._cond.notify_all()  # room in the queue for blocked submitters
+        return record
 
     def _next_work(self) -> tuple[list[_Request], list[_Completion]] | None:
         """Wait (lock held) until a batch may leave or results wait to be handed out; None once
@@ -505,13 +529,10 @@ class Server:
             else:
                 future = self.runtime.submit(feeds)
         except Exception as exc:  # noqa: BLE001 - fails this batch's requests only
-            with self._cond:
-                if self._inflight.pop(record.id, None) is None:
-                    return  # already failed by close(timeout)
-                self._resolving += 1
-            self._resolve([(record, batch, exc)])
+            # on whichever thread launched it (a submitter's too): the batcher hands it out
+            self._completed(record, exc)
             return
-        future.add_done_callback(functools.partial(self._completed, record))
+        future.add_done_callback(functools.partial(_batch_done, self._weak, record))
 
     def _concat(self, batch: list[_Request], rows: int) -> dict[str, np.ndarray]:
         """One array per input holding the batch's samples, the last repeated up to ``rows``."""
@@ -535,8 +556,10 @@ class Server:
                 ) from None
         return feeds
 
-    def _completed(self, record: BatchRecord, future: Future) -> None:  # type: ignore[type-arg]
-        """Runtime callback, on the runtime's thread: queue the batch for the batcher thread.
+    def _completed(self, record: BatchRecord, future: Future | BaseException) -> None:  # type: ignore[type-arg]
+        """Runtime callback, on the runtime's thread: queue the batch for the batcher thread
+        (also the launching thread's report of a batch the runtime refused: ``future`` is then
+        the error).
 
         Only a list append and a wake-up here: splitting outputs and resolving ``b`` futures
         (running their callers' callbacks) would hold a worker, a CUDA worker's thread included,
@@ -737,6 +760,26 @@ class Server:
     @property
     def closed(self) -> bool:
         return self._closing and not self._thread.is_alive()
+
+
+def _batch_done(server: weakref.ref[Server], record: BatchRecord, future: Future) -> None:  # type: ignore[type-arg]
+    """A batch's done-callback: :meth:`Server._completed`, through a weak reference.
+
+    A runtime keeps its last request's future (and so its callbacks) for as long as the worker
+    that ran it waits for the next one. A strong reference there kept a closed server alive,
+    with every record, future and result of its run (hundreds of thousands of objects after a
+    sweep point), until the runtime's next task dropped it: its deallocation then ran on the
+    worker's thread, holding the GIL for 10-30 ms right at the start of the next run (the
+    first arrivals of each open-loop point after the first were that late). Weakly held, a
+    server goes when its owner lets go of it, on the owner's thread.
+    """
+    target = server()
+    if target is not None:
+        target._completed(record, future)
+
+
+def _arrival_of(request: _Request) -> float:
+    return request._record.arrival
 
 
 def _time_left(deadline: float | None) -> float:
