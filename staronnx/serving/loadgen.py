@@ -13,6 +13,12 @@ at a fixed *offered* rate instead. Three details keep the schedule honest under 
   stalled the very runtime under test. ``time.sleep`` wakes tens of microseconds late; that
   lateness is reported as lag and counted as queueing delay (below), never hidden. A wake-up
   that finds several arrivals due submits them all before sleeping again;
+- it wakes at most once per :data:`MIN_WAKE_S` (0.2 ms): a wake-up is not free (on the 2-core
+  VM of the serving benchmark, 20-60 us of CPU for the sleep and the GIL hand-over, more than
+  the submission itself), so at 11k arrivals/s one wake per arrival made the generator the
+  largest CPU cost of the run (26 us a request against 14 for batching, running and handing
+  out the result). An arrival due before the next wake is submitted late, by at most that
+  much plus the wake-up's own lateness: its lag is reported and counted like any other;
 - no full cycle collection runs while it injects (:func:`collector_quiet`): one stopped every
   thread for 50-60 ms on a 2-core host, which was the whole of a 37-100 ms lag p99 at 25 %
   load.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -43,6 +50,9 @@ from staronnx.serving.server import OverloadError, Server, ServerClosed, hold_fr
 SPIN_S = 0.0
 #: delay before the first arrival, so arrival 0 is not already late while the loop starts
 LEAD_S = 0.005
+#: the shortest time between two wake-ups of the generator (see the module's doc); arrivals
+#: due in between wait for the next wake-up, their lag counted
+MIN_WAKE_S = 0.0002
 
 
 def sleep_until(due: float, clock: Callable[[], float] = time.perf_counter, spin: float = SPIN_S) -> float:
@@ -104,6 +114,7 @@ def run_open_loop(
     duration: float | None = None,
     drain_timeout: float = 60.0,
     on_submit: Callable[[int, int], None] | None = None,
+    min_wake: float = MIN_WAKE_S,
 ) -> RunRecords:
     """Offer ``arrivals`` to ``server`` for ``n`` requests or ``duration`` seconds; return the records.
 
@@ -113,7 +124,12 @@ def run_open_loop(
     (:class:`OverloadError`) are recorded as such and injection goes on. Returns once every
     accepted request has its result, or after ``drain_timeout`` seconds (what is still
     pending then has ``done=None`` in the records). ``on_submit(i, total)`` is called after
-    each submission (for progress bars; keep it cheap).
+    each submission (for progress bars; keep it cheap). ``min_wake``: the shortest time
+    between two wake-ups (0: one per arrival that is not yet due).
+
+    The full collection stays held off (:func:`collector_quiet`) until the last result is in:
+    when it came back with the schedule's end, a full collection of the run's records and
+    futures (40-80 ms on the benchmark's host) could fall on the last requests' latency.
     """
     offsets = arrivals.schedule(n=n, duration=duration)
     total = len(offsets)
@@ -124,10 +140,14 @@ def run_open_loop(
     count = 0
     with collector_quiet():
         t0 = clock() + LEAD_S
+        woke = -math.inf
         for i, offset in enumerate(offsets.tolist()):
             sample = make_sample(i)
             due = t0 + offset
-            submitted.append(sleep_until(due, clock))
+            now = clock()
+            if now < due:
+                now = woke = sleep_until(max(due, woke + min_wake), clock)
+            submitted.append(now)
             count = i + 1
             try:
                 futures.append(server.submit(sample, arrival=due))
@@ -138,10 +158,10 @@ def run_open_loop(
                 break
             if on_submit is not None:
                 on_submit(i, total)
-    # in the papers' model the last requests would wait forever for a full batch: send them now
-    # (summarize() keeps such a partial batch out of latency figures)
-    server.flush()
-    _, pending = wait(futures, timeout=drain_timeout)
+        # in the papers' model the last requests would wait forever for a full batch: send them
+        # now (summarize() keeps such a partial batch out of latency figures)
+        server.flush()
+        _, pending = wait(futures, timeout=drain_timeout)
     # end = the last result, or now when the drain timed out with requests still pending
     records = server.records(since=t0, offered_rate=arrivals.rate, start=t0)
     records.settings["arrivals"] = repr(arrivals)
