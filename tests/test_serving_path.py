@@ -239,6 +239,15 @@ def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
             f.result(timeout=10)
 
 
+def test_a_one_worker_runtime_gets_a_window_of_four_by_default(plan, tmp_path):
+    # two batches for one worker left it idle whenever the batcher's hand-over outlasted its
+    # task: open loop congested at 75 % of the closed-loop rate on the serving benchmark
+    with Runtime(plan, policy="eager", cpu_groups="0", store=PerfModelStore(tmp_path)) as rt:
+        assert len(rt.workers) == 1
+        with Server(rt, 4) as server:
+            assert server.max_inflight == server_module.MIN_INFLIGHT == 4
+
+
 # -- the light request futures ----------------------------------------------------------------
 def test_request_future_keeps_the_attributes_of_a_request_future(stand_in):
     with Server(stand_in, 1) as server:

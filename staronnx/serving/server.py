@@ -17,7 +17,8 @@ anything; with it, the backlog builds up here, where it is bounded, measured and
 
 How many is enough depends on the machine: dmda gives a batch to a worker 20x slower than
 the GPU only once the GPU's queue is longer than that worker's own time, so a window of twice
-the worker count (the default when nothing is known) keeps such a worker idle under any load.
+the worker count (the default when nothing is known, at least :data:`MIN_INFLIGHT`) keeps such
+a worker idle under any load.
 :func:`inflight_window` sizes it from the perf models' times per worker, as sweeps and the
 simulator do.
 
@@ -49,6 +50,16 @@ from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, settle_loc
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 
 ON_FULL = ("reject", "block")
+#: the default window's floor (batches in the runtime), whatever the worker count. While the
+#: window is full, every batch waits for the completion of an earlier one to wake the batcher,
+#: and a worker finds its next task only if one was queued behind the running one before that
+#: hand-over (tens of microseconds, much more when the GIL is contended) ends. With two, a
+#: single worker whose task is shorter than that idled between batches: on the serving
+#: benchmark (one worker, a trivial model, 34k requests/s offered) open loop congested in 5 of
+#: 6 quiet runs with two, 1 of 4 with four, none of 5 with eight. Four, not eight: beyond two
+#: workers the default stays two per worker, which ``staronnx serve`` keeps where it has no
+#: perf models
+MIN_INFLIGHT = 4
 
 
 class OverloadError(StaronnxError, RuntimeError):
@@ -212,7 +223,8 @@ class Server:
         queue_capacity: requests waiting for a batch; beyond it ``submit`` rejects or blocks.
         on_full: ``"reject"`` raises :class:`OverloadError`; ``"block"`` waits for room.
         max_inflight: batches handed to the runtime at once; None = twice its worker count
-            (at least 2), enough to keep every worker fed and parts pipelined across batches.
+            (at least :data:`MIN_INFLIGHT`), enough to keep every worker fed and parts
+            pipelined across batches.
         clock: the time base of every record (``time.perf_counter`` unless a test says so).
         keep_records: None keeps the record of every request, batch and queue sample (a sweep's
             figures need them all); a number keeps only the latest that many of each, so a
@@ -261,7 +273,7 @@ class Server:
         if on_full not in ON_FULL:
             raise StaronnxError(f"on_full must be one of {', '.join(ON_FULL)}, got {on_full!r}")
         if max_inflight is None:
-            max_inflight = max(2, 2 * len(getattr(runtime, "workers", ()) or ()))
+            max_inflight = max(MIN_INFLIGHT, 2 * len(getattr(runtime, "workers", ()) or ()))
         if max_inflight < 1:
             raise StaronnxError(f"max_inflight must be >= 1, got {max_inflight}")
         if keep_records is not None and (not isinstance(keep_records, int) or keep_records < 1):
