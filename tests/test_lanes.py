@@ -9,6 +9,7 @@ front of it still runs, and after it without a lane), not a speed.
 from __future__ import annotations
 
 import os
+import sys
 import time
 
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
-from staronnx.workers.lanes import LANE_NICE, parse_lanes, plan_lanes
+from staronnx.workers.lanes import LANE_NICE, LANE_SWITCH_INTERVAL, parse_lanes, plan_lanes
 from staronnx.workers.residency import ResidencyError, WorkerSlot
 from staronnx.zoo import chain, inception
 
@@ -31,6 +32,10 @@ def one_pu() -> str:
 
 def nice_of(worker) -> int:
     return os.getpriority(os.PRIO_PROCESS, worker.native_id)
+
+
+def policy_of(worker) -> int:
+    return os.sched_getscheduler(worker.native_id)
 
 
 @pytest.fixture(scope="module")
@@ -75,17 +80,23 @@ def test_lane_options_parse_and_refuse_what_cannot_be_a_lane():
 
 
 # -- real runtimes --------------------------------------------------------------------------
-def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_lowered(plans, tmp_path):
+@pytest.mark.parametrize("preempt", ["idle", "nice"])
+def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_lowered(plans, tmp_path, preempt):
     heavy, light = plans
     mine = os.getpriority(os.PRIO_PROCESS, 0)
+    interval = sys.getswitchinterval()
     with Runtime({"heavy": heavy, "light": light}, policy="heft", cpu_groups=one_pu(),
-                 store=PerfModelStore(tmp_path), lanes=["light"]) as rt:
+                 store=PerfModelStore(tmp_path), lanes=["light"], lane_preempt=preempt) as rt:
         group, lane = rt.workers
         assert lane.name == "lane:" + group.name.removeprefix("cpu:")
         assert lane.group.pus == group.group.pus  # the same cores
         assert group.holds == frozenset(range(heavy.k)) and lane.holds == frozenset(range(heavy.k, heavy.k + light.k))
-        assert nice_of(group) == min(mine + LANE_NICE, 19) == group.niceness
-        assert nice_of(lane) == mine
+        if preempt == "idle":
+            assert policy_of(group) == os.SCHED_IDLE and group.priority == "SCHED_IDLE"
+        else:
+            assert nice_of(group) == min(mine + LANE_NICE, 19) and group.priority == f"nice {nice_of(group)}"
+        assert nice_of(lane) == mine and policy_of(lane) == os.SCHED_OTHER
+        assert sys.getswitchinterval() == pytest.approx(min(interval, LANE_SWITCH_INTERVAL))
         models = rt.stats()["models"]
         assert models["light"]["held_by"] == [lane.name]
         assert models["heavy"]["held_by"] == [group.name]
@@ -98,15 +109,17 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
         ref = heavy.run_reference(f)
         for name, want in ref.items():
             np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3)
+    assert sys.getswitchinterval() == interval  # given back at close
 
 
-def thread_nices() -> list[int]:
-    """The nice value of every thread of this process, ONNX Runtime's own pool threads included."""
+def thread_policies() -> list[int]:
+    """The scheduling policy of every thread of this process, ONNX Runtime's own pool threads
+    included (``/proc/<pid>/task/<tid>/stat``'s 41st field)."""
     out = []
     for task in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{task}/stat") as f:
-                out.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+                out.append(int(f.read().rsplit(")", 1)[1].split()[38]))
         except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
             pass
     return out
@@ -119,16 +132,14 @@ def test_the_lowered_groups_onnx_runtime_pool_threads_run_lowered_too(plans, tmp
     if len(pus) < 2 or not os.path.isdir("/proc/self/task"):
         pytest.skip("needs two allowed PUs and /proc")
     heavy, light = plans
-    mine = os.getpriority(os.PRIO_PROCESS, 0)
-    lowered = min(mine + LANE_NICE, 19)
-    before = thread_nices().count(lowered)
+    before = thread_policies().count(os.SCHED_IDLE)
     with Runtime({"heavy": heavy, "light": light}, policy="eager", cpu_groups=f"{pus[0]},{pus[1]}",
                  store=PerfModelStore(tmp_path), lanes=["light"]) as rt:
         group, lane = rt.workers
         assert group.group.n_cores == 2
         rt.submit(heavy_feeds(1), "heavy").result(timeout=60)
-        assert thread_nices().count(lowered) - before >= 2  # the worker thread and its pool's
-        assert nice_of(lane) == mine
+        assert thread_policies().count(os.SCHED_IDLE) - before >= 2  # the worker thread and its pool's
+        assert policy_of(lane) == os.SCHED_OTHER
 
 
 @pytest.mark.parametrize("policy", ["eager", "heft", "ws"])
@@ -137,7 +148,7 @@ def test_a_laned_model_runs_on_its_lanes_only_unless_residency_adds_the_shared_w
     with Runtime({"heavy": heavy, "light": light}, policy=policy, cpu_groups=one_pu(),
                  store=PerfModelStore(tmp_path), lanes={"light": "cpu"}) as rt:
         group, lane = rt.workers
-        assert nice_of(group) > nice_of(lane)
+        assert policy_of(group) == os.SCHED_IDLE
         jobs = [rt.submit(heavy_feeds(1, i), "heavy") for i in range(3)]
         jobs += [rt.submit(light_feeds(i), "light") for i in range(12)]
         for job in jobs:
@@ -196,10 +207,16 @@ def test_serve_lane_gives_the_light_model_lanes_and_both_models_answer_their_ref
 
     heavy, light = plans
     s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "2",
-                     "--max-delay", "1ms", "--lane", "light", "--slo-ms", "light=50")
+                     "--max-delay", "1ms", "--lane", "light", "--slo-ms", "light=50", "--lane-preempt", "nice")
     try:
         text = "\n".join(s.lines)
         assert "light has lanes lane:" in text, text
+        nices = []
+        for task in os.listdir(f"/proc/{s.proc.pid}/task"):
+            with open(f"/proc/{s.proc.pid}/task/{task}/stat") as f:
+                nices.append(int(f.read().rsplit(")", 1)[1].split()[16]))
+        mine = os.getpriority(os.PRIO_PROCESS, 0)
+        assert min(mine + LANE_NICE, 19) in nices, nices  # the shared worker, lowered by nice
         for i in range(3):
             x = light_feeds(i)["x"][:1]
             st, reply = _post(s.http, "/v2/models/light/infer", body(x))
@@ -226,7 +243,8 @@ def test_serve_lane_refuses_unknown_models_separate_runtimes_and_cuda(plans, tmp
     for extra, message in ((["--lane", "nope"], "'nope' that are not served"),
                            (["--lane", "light", "--separate-runtimes"], "does not go with --separate-runtimes"),
                            (["--lane", "light=cuda0"], "'cuda0' names no CPU group"),
-                           (["--lane", "light=cpu", "--lane", "light"], "twice")):
+                           (["--lane", "light=cpu", "--lane", "light"], "twice"),
+                           (["--lane", "light", "--lane-preempt", "rt"], "idle or nice")):
         out = runner.invoke(app, [*args, *extra])
         assert out.exit_code != 0, out.output
         assert message in out.output + str(out.exception), (extra, out.output, out.exception)

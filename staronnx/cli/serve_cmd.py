@@ -65,6 +65,7 @@ def serve_cmd(
     model_workers: Annotated[list[str] | None, typer.Option(
         "--model-workers", help=MODEL_WORKERS_HELP)] = None,
     lane: Annotated[list[str] | None, typer.Option("--lane", help=LANE_HELP)] = None,
+    lane_preempt: Annotated[str, typer.Option(help=LANE_PREEMPT_HELP)] = "idle",
     separate_runtimes: Annotated[bool, typer.Option(
         "--separate-runtimes", help="One runtime per model (each with its own CPU groups and CUDA streams on the "
                                     "same cores and GPU) instead of one shared runtime for all; with --ray, one "
@@ -77,6 +78,7 @@ def serve_cmd(
     policy, each model with its own batcher and queue (a full queue refuses that model only).
     With --ray, each replica of one deployment is such a shared runtime."""
     from staronnx.durations import parse_duration
+    from staronnx.workers.lanes import check_preempt
 
     try:
         import aiohttp  # noqa: F401
@@ -107,6 +109,7 @@ def serve_cmd(
         raise StaronnxError("--model-workers places models on the workers of one shared runtime; it needs several "
                             "models and does not go with --separate-runtimes")
     lanes = model_lanes(lane or [], names)
+    check_preempt(lane_preempt)
     if lanes and (separate_runtimes or len(plans) < 2):
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
@@ -136,7 +139,8 @@ def serve_cmd(
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
     try:
         if len(loaded) > 1 and not separate_runtimes:
-            shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes, **options)
+            shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes,
+                             lane_preempt=lane_preempt, **options)
             held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}
             print(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
                   + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
@@ -255,6 +259,12 @@ LANE_HELP = ("Give a model a lane, NAME or NAME=CPU_GROUPS (repeatable; default 
              "its own on each of those groups, pinned to the same cores, that the OS lets preempt the other "
              "models' tasks (the groups' shared workers run at a lower priority), so a light, latency-bound "
              "model never waits for a heavy model's task to end. Pair it with --slo-ms.")
+
+
+LANE_PREEMPT_HELP = ("How the shared workers of a group with a lane yield to it: idle (SCHED_IDLE: preempted at "
+                     "once; any other busy process of the machine also comes first) or nice (nice +10: the "
+                     "lane takes 90 % of the core, maybe a scheduler tick late; for machines shared with "
+                     "other work).")
 
 
 def model_lanes(items: list[str], names: list[str]) -> dict[str, str]:

@@ -44,6 +44,8 @@ class EngineSettings:
     residency: Mapping[str, str] = field(default_factory=dict)
     #: model name -> the CPU groups that get a lane for it (:mod:`staronnx.workers.lanes`)
     lanes: Mapping[str, str] = field(default_factory=dict)
+    #: how the lanes' groups' shared workers yield to them: "idle" (SCHED_IDLE) or "nice"
+    lane_preempt: str = "idle"
 
 
 class Engine(Protocol):

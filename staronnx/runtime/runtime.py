@@ -62,6 +62,7 @@ from staronnx.runtime.registry import EngineSettings, engine_factory
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.lanes import check_preempt, short_switch_interval
 from staronnx.workers.pinned_pool import PinnedPool
 
 log = logging.getLogger(__name__)
@@ -106,6 +107,7 @@ class Runtime:
         targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
         residency: Mapping[str, str] | None = None,
         lanes: Mapping[str, str] | Sequence[str] | None = None,
+        lane_preempt: str = "idle",
         save_every: float = 0.0,
     ) -> None:
         """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
@@ -114,9 +116,15 @@ class Runtime:
         see :mod:`staronnx.workers.residency`) when not every worker can hold every model;
         models not named load everywhere. ``lanes``: models (or model -> CPU groups, ``"cpu"``
         by default) that get a worker of their own on those groups, which the OS lets preempt
-        the other models' tasks (see :mod:`staronnx.workers.lanes`). ``save_every``: seconds
+        the other models' tasks (see :mod:`staronnx.workers.lanes`); ``lane_preempt``: how
+        those groups' shared workers yield to them, ``"idle"`` (``SCHED_IDLE``: preempted at
+        once) or ``"nice"`` (nice +10: for machines shared with other work). While a runtime
+        with lanes is open, the interpreter's switch interval is at most 0.5 ms (a waking lane
+        waits that long for the GIL at most). ``save_every``: seconds
         between merges of the perf models learnt while serving into the store (0: at close
         only), so a server that is killed loses at most that much of what it learnt."""
+        if save_every < 0:
+            raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
@@ -137,7 +145,7 @@ class Runtime:
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
-            tuple(int(b) for b in warmup), dict(residency or {}), lanes)
+            tuple(int(b) for b in warmup), dict(residency or {}), lanes, check_preempt(lane_preempt))
         self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
@@ -147,9 +155,9 @@ class Runtime:
             (w.pinned_pool for w in self._engine.workers if isinstance(w, CudaWorker)), None)
         self._closed = False
         self._close_lock = threading.Lock()
-        if save_every < 0:
-            self._engine.close(1.0)
-            raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
+        self._switch = short_switch_interval() if lanes else None
+        if self._switch is not None:
+            self._switch.__enter__()
         self._stop_saving = threading.Event()
         self._saver: threading.Thread | None = None
         if save_every > 0 and getattr(self._engine, "predictor", None) is not None:
@@ -279,6 +287,8 @@ class Runtime:
         if self._saver is not None:
             self._saver.join()
         self._engine.close(timeout)  # merges what was learnt since the last save
+        if self._switch is not None:
+            self._switch.__exit__(None, None, None)
 
 
 class ModelHandle:

@@ -97,14 +97,15 @@ class CpuWorker(ThreadWorker):
         share_weights: bool = True,
         weights: SharedWeights | None = None,
         on_done: OnDone | None = None,
-        nice: int = 0,
+        lowered: str | None = None,
     ) -> None:
         super().__init__(part_paths, name or f"cpu:{group.name}", on_done)
-        #: how much lower than its starter's this worker's threads run (``nice`` increment):
-        #: a group that shares its cores with a latency lane (:mod:`staronnx.workers.lanes`)
-        self.nice = nice
-        #: the worker thread's nice value once started (None: not lowered)
-        self.niceness: int | None = None
+        #: how its threads yield to a latency lane on the same cores (``"idle"`` or ``"nice"``,
+        #: see :mod:`staronnx.workers.lanes`); None: they run at their starter's priority
+        self.lowered = lowered
+        #: what the worker thread runs as once started (``"SCHED_IDLE"``, ``"nice 10"``; None:
+        #: not lowered)
+        self.priority: str | None = None
         self.group = group
         # what an engine's policy sees of this worker (perf models are keyed by core count)
         self.arch = f"cpu{group.n_cores}"
@@ -202,8 +203,8 @@ class CpuWorker(ThreadWorker):
     # ------------------------------------------------------------------ worker thread
     def _setup_thread(self) -> None:
         self._pin(self.group.first_pu)
-        if self.nice:  # before the sessions: ORT's pool threads inherit this thread's priority
-            self.niceness = lower_priority(self.nice, self.name)
+        if self.lowered:  # before the sessions: ORT's pool threads inherit this thread's priority
+            self.priority = lower_priority(self.lowered, self.name)
         self.membind = _bind_memory(self._topology, self.group)
         for i, path in enumerate(self.part_paths):
             if path is None:  # a part this worker does not hold: no session, no memory

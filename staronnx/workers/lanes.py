@@ -10,13 +10,26 @@ speed beside the heavy one.
 
 A lane keeps both halves of that and drops the cost: each selected CPU group gets one more
 worker (``lane:<group>``, a thread pinned to the same cores) that holds only the lane models,
-and the group's own worker runs at a lower OS priority (``nice`` +:data:`LANE_NICE`, applied in
-its thread before its sessions exist, so ONNX Runtime's pool threads inherit it). When a lane
-task arrives, the kernel preempts the heavy task for it within a scheduler slice and gives it
-most of the core until it ends (weights 1024 against 110 at nice 10), and the heavy task
-resumes where it stopped. The lane is idle the rest of the time, so the heavy model keeps its
-throughput. Only the shared workers' priority is *lowered*: an unprivileged process may do that,
-never raise one, so lanes work without root or ``CAP_SYS_NICE``.
+and the group's own worker runs at a lower OS priority, set in its thread before its sessions
+exist so that ONNX Runtime's pool threads inherit it. When a lane task arrives, the kernel
+preempts the heavy task for it, and the heavy task resumes where it stopped; the lane is idle
+the rest of the time, so the heavy model keeps its throughput. How much lower (``preempt``):
+
+- ``idle`` (default): the shared workers run as ``SCHED_IDLE``, which any other thread preempts
+  at its wake-up. Measured on the 2-core VM (googlenet saturating both cores, a light CNN at
+  20/s): the lane's wake-up waited up to 4-8 ms on the run queue at ``nice`` +10 and almost
+  never under ``SCHED_IDLE``. The cost: every other busy process of the machine also comes
+  first, so use it where the machine serves.
+- ``nice``: ``nice`` +:data:`LANE_NICE`: a runnable lane weighs 1024 against 110 (90 % of the
+  core), but the kernel may let the heavy task finish its time slice first (a scheduler tick,
+  4 ms at 250 Hz): for machines shared with other work.
+
+Only priorities are *lowered*: an unprivileged process may do that, never raise one, so lanes
+work without root or ``CAP_SYS_NICE``. The GIL is the other wait: a lane thread that wakes needs
+it, and a thread running Python holds it up to the interpreter's switch interval (5 ms), so a
+runtime with lanes shortens that interval to :data:`LANE_SWITCH_INTERVAL` while it is open
+(:func:`short_switch_interval`; measured: the lane's p99 went from 4-6 ms to 2.2-2.7 ms with
+``SCHED_IDLE``, and the heavy model's throughput did not move).
 
 The lane is a worker like any other for the scheduler: same arch (it shares the group's perf
 models) and its own queue. A model with lanes runs on its lanes only: on a group's shared
@@ -31,21 +44,28 @@ lane (a GPU's equivalent would be a stream of higher priority).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from staronnx.workers.residency import ResidencyError, WorkerSlot, selects
 
-__all__ = ["LANE_NICE", "LanePlan", "lower_priority", "parse_lanes", "plan_lanes"]
+__all__ = ["LANE_NICE", "LANE_PREEMPT", "LANE_SWITCH_INTERVAL", "LanePlan", "check_preempt", "lower_priority",
+           "parse_lanes", "plan_lanes", "short_switch_interval"]
 
 log = logging.getLogger(__name__)
 
-#: how much lower the shared workers of a group with a lane run (``nice`` increment): at 10 a
-#: runnable lane thread weighs 1024/(1024+110) = 90 % of the core against one of them
+#: how much lower the shared workers of a group with a lane run under ``preempt="nice"``
+#: (``nice`` increment): at 10 a runnable lane thread weighs 1024/(1024+110) = 90 % of the core
 LANE_NICE = 10
+#: how a group's shared workers yield to its lane: ``idle`` (SCHED_IDLE) or ``nice`` (+LANE_NICE)
+LANE_PREEMPT = ("idle", "nice")
+#: the interpreter's switch interval while a runtime with lanes is open (seconds)
+LANE_SWITCH_INTERVAL = 0.0005
 
 
 def parse_lanes(items: Iterable[str]) -> dict[str, str]:
@@ -112,19 +132,53 @@ def plan_lanes(lanes: Mapping[str, str], model_names: Sequence[str], cpu_slots: 
     return LanePlan(tuple((i, tuple(per_group[i])) for i in sorted(per_group)))
 
 
-def lower_priority(increment: int, who: str) -> int | None:
-    """Lower the calling thread's OS priority by ``increment`` (Linux: ``nice`` is per thread,
-    and threads it creates inherit it); its new nice value, or None where the OS refuses (the
-    lane then still gets a thread of its own, only not a head start). ``who`` names the
-    worker in the warning."""
-    if increment <= 0:
-        return None
+def check_preempt(preempt: str) -> str:
+    """``preempt`` if it is one of :data:`LANE_PREEMPT`, else a clear error."""
+    if preempt not in LANE_PREEMPT:
+        raise ResidencyError(f"--lane-preempt takes {' or '.join(LANE_PREEMPT)}, got {preempt!r}")
+    return preempt
+
+
+def lower_priority(preempt: str, who: str) -> str | None:
+    """Lower the calling thread's OS priority below a lane's (Linux: scheduling policy and
+    ``nice`` are per thread, and threads it creates inherit them): ``idle`` makes it
+    ``SCHED_IDLE``, ``nice`` adds :data:`LANE_NICE` to its nice value. Returns what it now runs
+    as (``"SCHED_IDLE"``, ``"nice 10"``), or None where the OS refuses (the lane then still gets
+    a thread of its own, only not a head start). ``who`` names the worker in the warning."""
+    check_preempt(preempt)
     tid = threading.get_native_id()
     try:
+        if preempt == "idle":
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            return "SCHED_IDLE"
         now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(now + increment, 19))
-        return os.getpriority(os.PRIO_PROCESS, tid)
-    except (OSError, AttributeError) as exc:  # not Linux, or a sandbox without setpriority
+        os.setpriority(os.PRIO_PROCESS, tid, min(now + LANE_NICE, 19))
+        return f"nice {os.getpriority(os.PRIO_PROCESS, tid)}"
+    except (OSError, AttributeError) as exc:  # not Linux, or a sandbox without these calls
         log.warning("%s: cannot lower its priority for the lanes beside it (%s); lane tasks will share "
                     "its cores instead of preempting it", who, exc)
         return None
+
+
+_switch_lock = threading.Lock()
+_switch_users = 0
+_saved_switch = 0.0
+
+
+@contextlib.contextmanager
+def short_switch_interval(seconds: float = LANE_SWITCH_INTERVAL) -> Iterator[None]:
+    """The interpreter's switch interval at most ``seconds`` while inside (process-wide, so
+    counted: the last of nested or concurrent users restores the value found by the first)."""
+    global _switch_users, _saved_switch
+    with _switch_lock:
+        if not _switch_users:
+            _saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(min(_saved_switch, seconds))
+        _switch_users += 1
+    try:
+        yield
+    finally:
+        with _switch_lock:
+            _switch_users -= 1
+            if not _switch_users:
+                sys.setswitchinterval(_saved_switch)

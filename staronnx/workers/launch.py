@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from staronnx.workers.groups import CpuGroups, GroupError, make_groups, policy_reserve
-from staronnx.workers.lanes import LANE_NICE, plan_lanes
+from staronnx.workers.lanes import check_preempt, plan_lanes
 from staronnx.workers.residency import ResidencyError, WorkerSlot, model_holders
 from staronnx.workers.topology import Topology
 
@@ -91,6 +91,7 @@ def start_workers(
     cuda_options: dict[str, Any] | None = None,
     residency: Mapping[str, str] | None = None,
     lanes: Mapping[str, str] | None = None,
+    lane_preempt: str = "idle",
 ) -> list[Any]:
     """Started workers for ``plan``: CUDA stream workers first (StarPU's order), then one CPU
     worker per group of :func:`worker_layout`.  On any failure the ones already started are
@@ -101,7 +102,7 @@ def start_workers(
     others hold no session of them. ``lanes`` (model name -> CPU group selector, see
     :mod:`staronnx.workers.lanes`) adds a lane worker on each selected group, after the CPU
     workers, holding those models only; the groups' own workers then run at a lower OS
-    priority, so a lane task preempts theirs."""
+    priority (``lane_preempt``: ``idle`` or ``nice``), so a lane task preempts theirs."""
     from staronnx.workers.cpu import CpuWorker
 
     topology = topology or Topology.from_system()
@@ -111,6 +112,7 @@ def start_workers(
     cpu_slots = [WorkerSlot(f"cpu:{g.name}", "cpu") for g in layout.groups]
     slots += cpu_slots
     lane_plan = plan_lanes(lanes or {}, list(dict.fromkeys(part_models(plan))), cpu_slots)
+    check_preempt(lane_preempt)
     slots += lane_plan.slots(cpu_slots)
     parts = held_part_paths(plan, residency or {}, slots, {len(slots) - len(lane_plan.lanes) + k: models
                                                            for k, (_, models) in enumerate(lane_plan.lanes)})
@@ -127,8 +129,8 @@ def start_workers(
                 pool = worker.pinned_pool
                 workers.append(worker)
         for j, group in enumerate(layout.groups, start=len(layout.cuda)):
-            lowered = LANE_NICE if j - len(layout.cuda) in lane_plan.groups else 0
-            worker = CpuWorker(group, parts[j], topology=topology, name=slots[j].name, nice=lowered)
+            lowered = lane_preempt if j - len(layout.cuda) in lane_plan.groups else None
+            worker = CpuWorker(group, parts[j], topology=topology, name=slots[j].name, lowered=lowered)
             workers.append(worker)
             worker.start()
         for k, (slot, _) in enumerate(lane_plan.lanes):
