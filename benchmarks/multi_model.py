@@ -26,7 +26,7 @@ alike in every configuration). The closing lines check the issue's goals:
 
 each for the target alone (``shared+slo``) and with the lane (``shared+lane``).
 
-    .venv/bin/python benchmarks/multi_model.py [--seconds 4] [--rounds 2] [--groups 0;1]
+    .venv/bin/python benchmarks/multi_model.py [--seconds 4] [--rounds 3] [--groups 0;1]
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ def sample_maker(plan: Any) -> Any:
 
 
 class Setup:
-    """The runtimes and servers of one configuration, kept for every round."""
+    """The runtimes and servers of one configuration, opened for one measurement."""
 
     def __init__(self, name: str, heavy: Any, light: Any, groups: str, slo: float, store: Any,
                  heavy_batch: int, light_batch: int, max_delay: float) -> None:
@@ -168,7 +168,7 @@ def figures(records: list[Any], slo: float, warmup: float) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=4.0, help="seconds per configuration and round")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     pus = sorted(os.sched_getaffinity(0))
     ap.add_argument("--groups", default=";".join(map(str, pus[:2])), help="CPU groups of every runtime")
     ap.add_argument("--heavy-parts", type=int, default=3)
@@ -190,29 +190,31 @@ def main() -> None:
     sizes = sorted({1, 2, 4, args.heavy_batch, args.light_batch})
     longest = calibrate_plans([heavy, light], args.groups, store, sizes)
     slo = args.slo_ms / 1e3
-    setups = {name: Setup(name, heavy, light, args.groups, slo, store, args.heavy_batch, args.light_batch,
-                          args.max_delay) for name in CONFIGS}
-    try:
-        # heavy capacity: alone on the shared runtime, offered far more than it can take
-        probe = drive(setups["shared"], 400.0, 1.0, 2.0 + args.warmup, heavy, light, seed=99)
-        capacity = figures([probe["googlenet"]], slo, args.warmup)["throughput"]
-        heavy_rate = args.heavy_load * capacity
-        print(f"googlenet ({heavy.k} parts) capacity ~{capacity:.1f} samples/s on groups {args.groups!r}; "
-              f"offered {heavy_rate:.1f}/s; light {args.light_rate:g}/s, target {args.slo_ms:g} ms; "
-              f"{args.rounds} rounds x {args.seconds:g} s", flush=True)
-        recs: dict[str, dict[str, list[Any]]] = {c: {"googlenet": [], "light": []} for c in (*CONFIGS, "light solo")}
-        for r in range(args.rounds):
-            for name in CONFIGS:
-                got = drive(setups[name], heavy_rate, args.light_rate, args.seconds + args.warmup, heavy, light,
-                            seed=r)
-                for model, rec in got.items():
-                    recs[name][model].append(rec)
-            got = drive(setups["shared+slo"], 0.0, args.light_rate, args.seconds + args.warmup, heavy, light,
-                        seed=r, with_heavy=False)
-            recs["light solo"]["light"].append(got["light"])
-    finally:
-        for s in setups.values():
-            s.close()
+
+    def measure(name: str, heavy_rate: float, seed: int, seconds: float, with_heavy: bool = True) -> dict[str, Any]:
+        # each configuration's runtimes exist only while it is measured: a runtime with lanes
+        # holds the interpreter's switch interval short while open, which must not help the others
+        setup = Setup(name, heavy, light, args.groups, slo, store, args.heavy_batch, args.light_batch, args.max_delay)
+        try:
+            return drive(setup, heavy_rate, args.light_rate, seconds, heavy,
+                         light, seed=seed, with_heavy=with_heavy)
+        finally:
+            setup.close()
+
+    # heavy capacity: alone on the shared runtime, offered far more than it can take
+    probe = measure("shared", 400.0, 99, 2.0 + args.warmup)
+    capacity = figures([probe["googlenet"]], slo, args.warmup)["throughput"]
+    heavy_rate = args.heavy_load * capacity
+    print(f"googlenet ({heavy.k} parts) capacity ~{capacity:.1f} samples/s on groups {args.groups!r}; "
+          f"offered {heavy_rate:.1f}/s; light {args.light_rate:g}/s, target {args.slo_ms:g} ms; "
+          f"{args.rounds} rounds x {args.seconds:g} s", flush=True)
+    recs: dict[str, dict[str, list[Any]]] = {c: {"googlenet": [], "light": []} for c in (*CONFIGS, "light solo")}
+    for r in range(args.rounds):
+        for name in CONFIGS:
+            for model, rec in measure(name, heavy_rate, r, args.seconds + args.warmup).items():
+                recs[name][model].append(rec)
+        got = measure("shared+slo", 0.0, r, args.seconds + args.warmup, with_heavy=False)
+        recs["light solo"]["light"].append(got["light"])
 
     rows = {c: {m: figures(v, slo, args.warmup) for m, v in models.items() if v} for c, models in recs.items()}
     print(f"\n{'configuration':<12} {'model':<10} {'samples/s':>10} {'p50 ms':>9} {'p99 ms':>9} {'misses':>12}")
