@@ -247,12 +247,16 @@ def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
     NAME one of the models (the selectors are checked against the workers when they exist)."""
     from staronnx.workers.residency import parse_model_workers
 
-    residency = parse_model_workers(items)
-    unknown = [n for n in residency if n not in names]
+    return served_only(parse_model_workers(items), names, "--model-workers")
+
+
+def served_only(per_model: dict[str, str], names: list[str], option: str) -> dict[str, str]:
+    """``per_model`` if every model it names is served, else an error naming the others."""
+    unknown = [n for n in per_model if n not in names]
     if unknown:
-        raise StaronnxError(f"--model-workers names model(s) {', '.join(map(repr, unknown))} that are not served; "
+        raise StaronnxError(f"{option} names model(s) {', '.join(map(repr, unknown))} that are not served; "
                             f"models: {', '.join(names)}")
-    return residency
+    return per_model
 
 
 LANE_HELP = ("Give a model a lane, NAME or NAME=CPU_GROUPS (repeatable; default every CPU group): a worker of "
@@ -271,12 +275,7 @@ def model_lanes(items: list[str], names: list[str]) -> dict[str, str]:
     """``--lane`` items as {model: CPU groups}, every model one that is served."""
     from staronnx.workers.lanes import parse_lanes
 
-    lanes = parse_lanes(items)
-    unknown = [n for n in lanes if n not in names]
-    if unknown:
-        raise StaronnxError(f"--lane names model(s) {', '.join(map(repr, unknown))} that are not served; "
-                            f"models: {', '.join(names)}")
-    return lanes
+    return served_only(parse_lanes(items), names, "--lane")
 
 
 def event_loop_runner() -> tuple[Any, str]:
