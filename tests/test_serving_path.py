@@ -149,6 +149,34 @@ def test_a_real_runtime_worker_does_not_run_request_callbacks(runtime):
     assert futures[0].batch is rec.batches[0] or futures[0].batch.id == rec.batches[0].id
 
 
+def test_a_cpu_only_runtime_hands_out_results_on_its_worker_and_a_cuda_one_on_the_batcher(plan, tmp_path):
+    """With CPU workers only, waking the batcher to resolve each batch cost a thread switch and
+    a GIL hand-over per batch: the worker that finished it resolves it. A CUDA worker's driver
+    thread must not (it would keep the device waiting): the batcher still does there."""
+    from staronnx.workers.cudart import HostRuntime
+
+    pu = str(min(__import__("os").sched_getaffinity(0)))
+    for options, expect in ((dict(cpu_groups=pu), "cpu:"),
+                            (dict(cpu_groups="none", cuda_streams=1,
+                                  cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}), "staronnx-batcher")):
+        with Runtime(plan, policy="eager", store=PerfModelStore(tmp_path), **options) as rt:
+            names: list[str] = []
+            with Server(rt, 4) as server:
+                futures = []
+                for i in range(16):  # a batch leaves with its 4th request: the first 3 have their callbacks
+                    futures.append(server.submit(_sample(i)))
+                    futures[-1].add_done_callback(lambda _f: names.append(threading.current_thread().name))
+                results = [f.result(timeout=30) for f in futures]
+                rec = server.records()
+            # a future already done when its callback is added runs it on the caller's thread
+            ran_elsewhere = [n for n in names if n != threading.current_thread().name]
+            assert ran_elsewhere and all(n.startswith(expect) for n in ran_elsewhere), (expect, names)
+            for i, r in enumerate(results):
+                np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+            assert all(r.done is not None and not r.failed for r in rec.requests)
+            assert all(b.done is not None for b in rec.batches)
+
+
 def test_close_fails_batches_the_runtime_never_finished(stand_in):
     stand_in.gate.clear()  # the stand-in's worker holds the batch
     server = Server(stand_in, 2)

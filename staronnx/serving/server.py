@@ -22,6 +22,11 @@ a worker idle under any load.
 :func:`inflight_window` sizes it from the perf models' times per worker, as sweeps and the
 simulator do.
 
+A batch leaves on the thread of the request that fills it (the batcher thread only when the
+window was full or ``max_delay`` ran out); its results are handed out on the runtime's worker
+thread that finished it when every worker is a CPU worker, and on the batcher thread where a
+CUDA worker's driver thread must get back to its device at once.
+
 Every request and batch is recorded in :mod:`staronnx.serving.records`, the format the
 simulator fills too, so :func:`staronnx.serving.metrics.summarize` reads both.
 """
@@ -308,6 +313,8 @@ class Server:
         # batches the runtime finished, waiting for the batcher thread to hand out their results
         self._completions: list[_Completion] = []
         self._resolving = 0  # completions the batcher took and is resolving (close waits for them)
+        #: hand out results on the runtime's thread that finished the batch (see _completed)
+        self._resolve_inline = _cpu_only(runtime)
         self.keep_records = keep_records
         # deques with maxlen=None are unbounded: one code path for both modes
         self._requests: deque[RequestRecord] = deque(maxlen=keep_records)
@@ -569,23 +576,33 @@ class Server:
         return feeds
 
     def _completed(self, record: BatchRecord, future: Future | BaseException) -> None:  # type: ignore[type-arg]
-        """Runtime callback, on the runtime's thread: queue the batch for the batcher thread
-        (also the launching thread's report of a batch the runtime refused: ``future`` is then
-        the error).
+        """Runtime callback, on the runtime's thread: hand out the batch's results (also the
+        launching thread's report of a batch the runtime refused: ``future`` is then the error).
 
-        Only a list append and a wake-up here: splitting outputs and resolving ``b`` futures
-        (running their callers' callbacks) would hold a worker, a CUDA worker's thread included,
-        away from its next task.
+        Where CUDA workers may run the batch, only a list append and a wake-up here: splitting
+        outputs and resolving ``b`` futures (running their callers' callbacks) would hold a CUDA
+        worker's driver thread away from the device. A runtime of CPU workers only resolves them
+        here instead, on the worker's thread (``_resolve_inline``): waking the batcher to do it
+        cost a thread wake-up and a GIL hand-over per batch, as much CPU as the resolving, and
+        its tail in open loop. The batcher is then woken only when a queued batch may now leave
+        (the window had no room) or close() waits.
         """
         with self._cond:
             batch = self._inflight.pop(record.id, None)
             if batch is None:  # already failed by close(timeout)
                 return
-            self._completions.append((record, batch, future))
-            self._cond.notify_all()
+            if not self._resolve_inline:
+                self._completions.append((record, batch, future))
+                self._cond.notify_all()
+                return
+            self._resolving += 1
+            if self._queue:
+                self._cond.notify_all()  # room in the window for a batch waiting to leave
+        self._resolve([(record, batch, future)])
 
     def _resolve(self, completions: list[_Completion]) -> None:
-        """Hand out the results of finished batches (batcher thread, lock not held)."""
+        """Hand out the results of finished batches (batcher thread, or the runtime's with
+        ``_resolve_inline``; lock not held)."""
         finished: list[tuple[BatchRecord, list[_Request], list[dict[str, np.ndarray]] | None, BaseException | None]] = []
         for record, batch, future in completions:
             outputs, error = _outcome(record, future)
@@ -608,7 +625,8 @@ class Server:
                     else:
                         p._record.done = now
             self._resolving -= len(completions)
-            self._cond.notify_all()  # close() waits for the last ones
+            if self._closing:
+                self._cond.notify_all()  # close() waits for the last ones
         for record, batch, results, error in finished:
             self._settle(record, batch, results, error)
 
@@ -788,6 +806,14 @@ def _batch_done(server: weakref.ref[Server], record: BatchRecord, future: Future
     target = server()
     if target is not None:
         target._completed(record, future)
+
+
+def _cpu_only(runtime: Any) -> bool:
+    """Whether every worker of ``runtime`` is a CPU worker (a staronnx Runtime or a model's
+    handle on one; anything else, a remote server's stand-in included, is not assumed so)."""
+    if not isinstance(runtime, (Runtime, ModelHandle)):
+        return False
+    return all(getattr(w, "kind", "") == "cpu" for w in runtime.workers)
 
 
 def _arrival_of(request: _Request) -> float:
