@@ -28,8 +28,10 @@ Only priorities are *lowered*: an unprivileged process may do that, never raise 
 work without root or ``CAP_SYS_NICE``. The GIL is the other wait: a lane thread that wakes needs
 it, and a thread running Python holds it up to the interpreter's switch interval (5 ms), so a
 runtime with lanes shortens that interval to :data:`LANE_SWITCH_INTERVAL` while it is open
-(:func:`short_switch_interval`; measured: the lane's p99 went from 4-6 ms to 2.2-2.7 ms with
-``SCHED_IDLE``, and the heavy model's throughput did not move).
+(:func:`short_switch_interval`). Measured on the 2-core VM: a waking lane waited up to 4-8 ms on
+the run queue at ``nice`` +10 and up to 5 ms for the GIL; with both remedies
+``benchmarks/multi_model.py`` gives the light model a p99 of 3.2-4.2 ms against 7.5-8.0 ms with
+separate runtimes, the heavy model keeping 0.96x their throughput.
 
 The lane is a worker like any other for the scheduler: same arch (it shares the group's perf
 models) and its own queue. A model with lanes runs on its lanes only: on a group's shared
