@@ -259,12 +259,14 @@ def test_a_ray_replica_opens_its_shared_runtime_with_the_lanes_of_its_models(pla
     from staronnx.ray.spec import ReplicaSpec
 
     heavy, light = plans
-    specs = model_specs([heavy.root, light.root], ["heavy", "light"], {"groups": one_pu(), "home": str(tmp_path)},
+    specs = model_specs([heavy.root, light.root], ["heavy", "light"],
+                        {"groups": one_pu(), "home": str(tmp_path), "lane_preempt": "nice"},
                         capacities={"heavy": 8, "light": 8}, targets={}, lanes={"light": "cpu"})
     assert [s.lane for s in specs] == [None, "cpu"]
     rt = open_runtime(ReplicaSpec(tuple(specs)))
     try:
         assert [w.name.split(":")[0] for w in rt.workers] == ["cpu", "lane"]
         assert rt.stats()["models"]["heavy"]["held_by"] == [rt.workers[0].name]
+        assert rt.workers[0].priority == f"nice {nice_of(rt.workers[0])}"
     finally:
         rt.close()

@@ -118,7 +118,7 @@ def serve_cmd(
 
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
-                                           "engine": engine, "batch_size": batch_size,
+                                           "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
                                            "max_delay": parse_duration(max_delay, allow_zero=True)},
                             capacities=capacities, targets=targets, residency=residency, lanes=lanes)
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,

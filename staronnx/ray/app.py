@@ -29,7 +29,7 @@ _SCALING_ARGS = {"replicas", "autoscale", "replica_cpus", "replica_gpus", "max_o
                  "ingress_replicas"}
 #: settings given once for every model
 _MODEL_ARGS = {"policy", "groups", "cuda_streams", "engine", "batch_size", "max_delay",
-               "calibrate", "home", "save_every", "pin_cpus"}
+               "calibrate", "home", "save_every", "pin_cpus", "lane_preempt"}
 #: settings given once for every model or per model ({name: value}, or "name=value" items)
 _PER_MODEL_ARGS = {"queue_capacity", "slo_ms", "priority"}
 _OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes"}

@@ -285,7 +285,7 @@ def open_runtime(spec: ReplicaSpec) -> Any:
     return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
                    cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
                    calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
-                   lanes=lanes or None)
+                   lanes=lanes or None, lane_preempt=settings["lane_preempt"])
 
 
 def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:

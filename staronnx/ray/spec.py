@@ -26,7 +26,8 @@ INGRESS_NAME = "staronnx-ingress"
 SHARED_NAME = "staronnx-shared"
 #: the ModelSpec fields that set up a replica's runtime (and its process), rather than one
 #: model's batcher: the models sharing a runtime must agree on them
-RUNTIME_FIELDS = ("policy", "groups", "cuda_streams", "engine", "calibrate", "home", "save_every", "pin_cpus")
+RUNTIME_FIELDS = ("policy", "groups", "cuda_streams", "engine", "calibrate", "home", "save_every", "pin_cpus",
+                  "lane_preempt")
 #: what --separate-runtimes refuses: both order the tasks of models sharing one scheduler
 TARGETS_NEED_SHARING = ("latency targets and priorities (--slo-ms, --priority; slo_ms, priority in a Serve config) "
                         "order the tasks of models sharing one runtime; they do not go with --separate-runtimes "
@@ -76,6 +77,8 @@ class ModelSpec:
     workers: str | None = None
     #: the CPU groups of a shared replica that give this model a lane (``--lane``; None: none)
     lane: str | None = None
+    #: how the shared workers of a group with a lane yield to it (``--lane-preempt``)
+    lane_preempt: str = "idle"
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -91,6 +94,9 @@ class ModelSpec:
         from staronnx.workers.groups import policy_reserve
 
         policy_reserve(self.groups)  # its syntax, here: a replica would fail only after Serve's retries
+        from staronnx.workers.lanes import check_preempt
+
+        check_preempt(self.lane_preempt)
         try:
             ServiceTarget.of(self.target())
         except StaronnxError as exc:
