@@ -211,6 +211,7 @@ def test_serve_lane_gives_the_light_model_lanes_and_both_models_answer_their_ref
     try:
         text = "\n".join(s.lines)
         assert "light has lanes lane:" in text, text
+        assert "yield to the lanes (nice " in text, text
         nices = []
         for task in os.listdir(f"/proc/{s.proc.pid}/task"):
             with open(f"/proc/{s.proc.pid}/task/{task}/stat") as f:

@@ -146,7 +146,8 @@ def serve_cmd(
                   + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
                   + "".join(f"; {n} on {', '.join(held[n])} only" for n in residency)
                   + "".join(f"; {n} has lanes {', '.join(w for w in held[n] if w.startswith('lane:'))}"
-                            for n in lanes), flush=True)
+                            for n in lanes)
+                  + _lowered_text(shared.workers), flush=True)
         for model_name, plan in zip(names, loaded):
             if shared is not None:
                 runtime = shared.model(model_name)
@@ -216,6 +217,16 @@ def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) ->
         raise StaronnxError(f"--slo-ms/--priority name model(s) {', '.join(map(repr, unknown))} that are not "
                             f"served; the models are {', '.join(map(repr, names))}")
     return targets
+
+
+def _lowered_text(workers: list[Any]) -> str:
+    """What the start line says of the shared workers that yield to lanes, so an operator sees
+    the priorities ``ps``/``top`` will show (or that the OS refused them)."""
+    lowered = [w for w in workers if getattr(w, "lowered", None)]
+    if not lowered:
+        return ""
+    runs = {w.priority or "unchanged (the OS refused)" for w in lowered}
+    return f"; {', '.join(w.name for w in lowered)} yield to the lanes ({', '.join(sorted(runs))})"
 
 
 def _target_text(fields: dict[str, Any]) -> str:
