@@ -267,6 +267,81 @@ def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
             f.result(timeout=10)
 
 
+def _count_wakes(server):
+    """Count the batcher's wake-ups (``notify_all`` on the server's Condition) from now on."""
+    wakes = [0]
+    notify_all = server._cond.notify_all
+
+    def counting():
+        wakes[0] += 1
+        notify_all()
+
+    server._cond.notify_all = counting  # type: ignore[method-assign]
+    return wakes
+
+
+def test_a_completion_with_room_in_the_window_leaves_the_batcher_asleep(runtime):
+    # at 75 % load most completions find a partial batch being filled: waking the batcher for
+    # it was a thread switch and a GIL hand-over per batch, and it could send nothing
+    with Server(runtime, 4, max_inflight=4) as server:
+        first = [server.submit(_sample(i)) for i in range(4)]  # leaves with its 4th request
+        wakes = _count_wakes(server)
+        partial = [server.submit(_sample(i)) for i in range(4, 6)]
+        for f in first:
+            f.result(timeout=30)
+        time.sleep(0.05)  # the completing worker has handed out the batch and left
+        assert wakes[0] == 0 and server.queue_length == 2
+        server.flush()
+        for i, f in enumerate(first + partial):
+            np.testing.assert_allclose(f.result(timeout=30)["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_a_completion_that_frees_a_full_window_starts_a_waiting_partial_batchs_delay(runtime):
+    # with max_inflight=1 the partial batch's max-delay timer cannot run while the window is
+    # full (the batcher waits for room): the completion that frees it must wake the batcher
+    with Server(runtime, 4, max_inflight=1, max_delay=0.01) as server:
+        futures = [server.submit(_sample(i)) for i in range(5)]
+        for i, f in enumerate(futures):
+            np.testing.assert_allclose(f.result(timeout=10)["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+        rec = server.records()
+    assert sorted(b.size for b in rec.batches) == [1, 4]
+
+
+def test_wait_idle_counts_the_requests_still_without_a_result(stand_in):
+    stand_in.gate.clear()  # the runtime holds every batch
+    with Server(stand_in, 2) as server:
+        futures = [server.submit(_sample(i)) for i in range(3)]  # a batch of 2 leaves, 1 waits
+        assert server.wait_idle(0.05) == 3
+        stand_in.gate.set()
+        assert server.wait_idle(0.3) == 1  # the partial batch waits for a second request
+        server.flush()
+        assert server.wait_idle(10) == 0
+        assert all(f.done() for f in futures)
+
+
+def test_the_generator_keeps_no_future_of_a_request_that_has_its_result(stand_in):
+    # a future (and its result) per request kept to the end of the run made every young
+    # collection walk them, pausing the serving threads longer as the run went on
+    alive: list[weakref.ref] = []
+    counted: list[int] = []
+
+    class Watched(Server):
+        def submit(self, sample, arrival=None, **kw):
+            future = super().submit(sample, arrival, **kw)
+            alive.append(weakref.ref(future))
+            return future
+
+    def on_submit(i, total):
+        if i == total - 1:
+            counted.append(sum(r() is not None and r().done() for r in alive))
+
+    with Watched(stand_in, 2) as server:
+        rec = run_open_loop(server, Constant(4000), _sample, n=200, on_submit=on_submit)
+    assert all(r.done is not None for r in rec.requests) and rec.settings["loadgen"]["pending"] == 0
+    # at most the last batch or two, still in the hands of the thread that resolved them
+    assert len(counted) == 1 and counted[0] <= 4, f"{counted} futures of answered requests were kept"
+
+
 def test_a_one_worker_runtime_gets_a_window_of_four_by_default(plan, tmp_path):
     # two batches for one worker left it idle whenever the batcher's hand-over outlasted its
     # task: open loop congested at 75 % of the closed-loop rate on the serving benchmark
@@ -452,7 +527,9 @@ def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
     with Server(stand_in, 2) as server:
         rec = run_open_loop(server, Constant(2000), make_sample, n=20)
     assert len(rec.requests) == 20 and all(r.done is not None for r in rec.requests)
-    assert all(t[2] == loadgen._QUIET_THRESHOLD2 and frozen > 0 for t, frozen in seen)
+    # young collections go on; the older generations' wait for the end of the run
+    assert all(t == (threshold[0], loadgen._QUIET_THRESHOLD, loadgen._QUIET_THRESHOLD) and frozen > 0
+               for t, frozen in seen)
     assert gc.get_threshold() == threshold and server_module._frozen_users == holders
     assert holders or gc.get_freeze_count() == 0
 
@@ -465,7 +542,7 @@ def test_the_full_collection_stays_held_off_until_the_last_result(stand_in):
 
     def spy(feeds):
         future = submit(feeds)
-        future.add_done_callback(lambda _f: thresholds.append(gc.get_threshold()[2]))
+        future.add_done_callback(lambda _f: thresholds.append(gc.get_threshold()[1:]))
         return future
 
     stand_in.submit = spy
@@ -478,7 +555,7 @@ def test_the_full_collection_stays_held_off_until_the_last_result(stand_in):
     with Server(stand_in, 2) as server:
         rec = run_open_loop(server, Constant(2000), _sample, n=10, on_submit=on_submit)
     assert all(r.done is not None for r in rec.requests)
-    assert thresholds == [loadgen._QUIET_THRESHOLD2] * 5
+    assert thresholds == [(loadgen._QUIET_THRESHOLD, loadgen._QUIET_THRESHOLD)] * 5
 
 
 def test_the_generator_wakes_at_most_once_per_min_wake_and_reports_the_lag(stand_in, monkeypatch):
@@ -504,8 +581,8 @@ def test_collector_quiet_nests_and_restores_on_error():
     with pytest.raises(RuntimeError):
         with loadgen.collector_quiet():
             with loadgen.collector_quiet():
-                assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2
-            assert gc.get_threshold()[2] == loadgen._QUIET_THRESHOLD2  # the outer user still runs
+                assert gc.get_threshold()[1:] == (loadgen._QUIET_THRESHOLD,) * 2
+            assert gc.get_threshold()[1:] == (loadgen._QUIET_THRESHOLD,) * 2  # the outer user still runs
             raise RuntimeError("boom")
     assert gc.get_threshold() == threshold and server_module._frozen_users == holders
     assert holders or gc.get_freeze_count() == 0

@@ -330,6 +330,14 @@ class RemoteServer:
     def flush(self) -> None:
         """Nothing to do: the server batches dynamically, so no request waits for a full batch."""
 
+    def wait_idle(self, timeout: float | None = None) -> int:
+        """Wait until every request sent has its answer; how many still have none after
+        ``timeout`` s (:meth:`Server.wait_idle`)."""
+        with self._lock:
+            futures = list(self._futures)
+        _, pending = wait_futures(futures, timeout=timeout)
+        return len(pending)
+
     def settings(self) -> dict[str, Any]:
         served = self.runtime.served
         return {"batch_size": served.batch_size, "max_delay": served.max_delay,

@@ -19,9 +19,13 @@ at a fixed *offered* rate instead. Three details keep the schedule honest under 
   largest CPU cost of the run (26 us a request against 14 for batching, running and handing
   out the result). An arrival due before the next wake is submitted late, by at most that
   much plus the wake-up's own lateness: its lag is reported and counted like any other;
-- no full cycle collection runs while it injects (:func:`collector_quiet`): one stopped every
-  thread for 50-60 ms on a 2-core host, which was the whole of a 37-100 ms lag p99 at 25 %
-  load.
+- only young cycle collections run while it injects (:func:`collector_quiet`): a full one
+  stopped every thread for 50-60 ms on a 2-core host, the whole of a 37-100 ms lag p99 at
+  25 % load, and the middle generation's, over the run's records, 0.4-17 ms every few tens
+  of ms, most of the p99 at 75 %;
+- it keeps no future: the server records each result, and :meth:`Server.wait_idle` says
+  when the last one is in. A future and its result per request, kept to the end of the run,
+  were most of what those collections walked.
 
 Each request is submitted with its *scheduled* time as its arrival, so time lost by a lagging
 generator counts as queueing delay rather than vanishing (no coordinated omission). The
@@ -37,7 +41,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Future, wait
 from typing import Any
 
 import numpy as np
@@ -67,8 +70,8 @@ def sleep_until(due: float, clock: Callable[[], float] = time.perf_counter, spin
     return now
 
 
-#: the oldest generation's threshold while a run injects: no full collection during a run
-_QUIET_THRESHOLD2 = 1 << 30
+#: the older generations' thresholds while a run injects: only the youngest is collected
+_QUIET_THRESHOLD = 1 << 30
 _quiet_lock = threading.Lock()
 _quiet_users = 0
 _saved_threshold: tuple[int, ...] = ()
@@ -76,23 +79,28 @@ _saved_threshold: tuple[int, ...] = ()
 
 @contextlib.contextmanager
 def collector_quiet() -> Iterator[None]:
-    """No full cycle collection while inside: the process's objects are frozen
-    (:func:`~staronnx.serving.server.hold_frozen`) and the oldest generation's threshold is
+    """Only young cycle collections while inside: the process's objects are frozen
+    (:func:`~staronnx.serving.server.hold_frozen`) and the older generations' thresholds are
     out of reach until the last nested user leaves.
 
-    A full collection stops every Python thread (generator, batcher, workers) while it walks
-    the heap: 50-60 ms on the serving benchmark's 2-core host, so the arrivals it fell on were
-    tens of ms late (generator lag p99 37-100 ms at 25 % load). Freezing what existed before
-    is not enough for a run: the requests it creates (a future and a record each) made the
-    later full collections long again. Young collections go on (a few hundred objects each),
-    and nothing is kept alive: reference counting frees as usual; only cyclic garbage old
-    enough to reach the oldest generation waits for the first full collection after the run.
+    A collection stops every Python thread (generator, batcher, workers) while it walks its
+    generations. A full one took 50-60 ms on the serving benchmark's 2-core host (generator lag
+    p99 37-100 ms at 25 % load); freezing what existed before is not enough for a run, whose
+    records then fill the oldest generation again. The middle one walks everything that
+    survived the last ten young collections, here the records of the ~2,000 requests since:
+    0.4-1 ms with every thread stopped, more when the OS preempts the collecting thread
+    meanwhile (gen-1 pauses p99 4 ms, max 12-17 ms), every 25-65 ms at 40k requests/s. At
+    75 % of the server's capacity a 1 ms stop queues 40 requests that take 3 ms to drain:
+    most of the open-loop p99 there (13-60x p50; 1.5-4.7x with it held off). Young
+    collections go on (a few hundred objects each, p99 0.1 ms): cycles that die young are
+    still freed, and reference counting frees everything else as usual; only cyclic garbage
+    that survived one young collection waits for the first collection after the run.
     """
     global _quiet_users, _saved_threshold
     with _quiet_lock:
         if not _quiet_users:
             _saved_threshold = gc.get_threshold()
-            gc.set_threshold(*_saved_threshold[:2], _QUIET_THRESHOLD2)
+            gc.set_threshold(_saved_threshold[0], _QUIET_THRESHOLD, _QUIET_THRESHOLD)
         _quiet_users += 1
     hold_frozen()
     try:
@@ -134,7 +142,6 @@ def run_open_loop(
     offsets = arrivals.schedule(n=n, duration=duration)
     total = len(offsets)
     clock = server.clock
-    futures: list[Future] = []  # type: ignore[type-arg]
     submitted: list[float] = []
     rejected = 0
     count = 0
@@ -150,7 +157,9 @@ def run_open_loop(
             submitted.append(now)
             count = i + 1
             try:
-                futures.append(server.submit(sample, arrival=due))
+                # the result is the server's to record: keeping the future (and so its result)
+                # to the run's end made every young collection larger (see Server.wait_idle)
+                server.submit(sample, arrival=due)
             except OverloadError:
                 rejected += 1
             except ServerClosed:
@@ -161,12 +170,12 @@ def run_open_loop(
         # in the papers' model the last requests would wait forever for a full batch: send them
         # now (summarize() keeps such a partial batch out of latency figures)
         server.flush()
-        _, pending = wait(futures, timeout=drain_timeout)
+        pending = server.wait_idle(drain_timeout)
     # end = the last result, or now when the drain timed out with requests still pending
     records = server.records(since=t0, offered_rate=arrivals.rate, start=t0)
     records.settings["arrivals"] = repr(arrivals)
     records.settings["loadgen"] = generator_report(arrivals.rate, offsets[:count], np.asarray(submitted[:count]) - t0)
-    records.settings["loadgen"].update(rejected=rejected, drained=not pending, pending=len(pending))
+    records.settings["loadgen"].update(rejected=rejected, drained=not pending, pending=pending)
     return records
 
 

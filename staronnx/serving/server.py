@@ -318,6 +318,7 @@ class Server:
         self.keep_records = keep_records
         # deques with maxlen=None are unbounded: one code path for both modes
         self._requests: deque[RequestRecord] = deque(maxlen=keep_records)
+        self._idle_waiters = 0  # callers in wait_idle(): every result wakes them
         self._batches: deque[BatchRecord] = deque(maxlen=keep_records)
         self._queue_samples: deque[tuple[float, int]] = deque(maxlen=keep_records)
         self._request_ids = itertools.count()
@@ -596,8 +597,13 @@ class Server:
                 self._cond.notify_all()
                 return
             self._resolving += 1
-            if self._queue:
-                self._cond.notify_all()  # room in the window for a batch waiting to leave
+            if self._queue and (len(self._inflight) + 1 >= self.max_inflight or self._flush_left):
+                # the window was full: a batch (or a max-delay timer) may be waiting for this
+                # place. With room in it, nothing queued was held back by it: a full batch left
+                # with its filling request, and the batcher already times a partial one's delay.
+                # Waking it for the partial batch being filled (most completions at 75 % load)
+                # cost a thread switch and a GIL hand-over each, for nothing
+                self._cond.notify_all()
         self._resolve([(record, batch, future)])
 
     def _resolve(self, completions: list[_Completion]) -> None:
@@ -625,8 +631,8 @@ class Server:
                     else:
                         p._record.done = now
             self._resolving -= len(completions)
-            if self._closing:
-                self._cond.notify_all()  # close() waits for the last ones
+            if self._closing or self._idle_waiters:
+                self._cond.notify_all()  # close() or wait_idle() waits for the last ones
         for record, batch, results, error in finished:
             self._settle(record, batch, results, error)
 
@@ -763,11 +769,7 @@ class Server:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-            while self._queue or self._inflight or self._completions or self._resolving:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._cond.wait(left)
+            self._wait_drained(deadline)
             self._abort = True
             self._cond.notify_all()
             leftovers = [*self._queue, *(p for b in self._inflight.values() for p in b),
@@ -786,6 +788,33 @@ class Server:
             frozen, self._frozen = self._frozen, False
         if frozen:
             release_frozen()
+
+    def wait_idle(self, timeout: float | None = None) -> int:
+        """Wait until every request accepted so far has its result (queued ones leave only as
+        batches fill, so :meth:`flush` first at the end of a run); the number of requests still
+        waiting for theirs after ``timeout`` s (0: all done).
+
+        What a load generator waits on instead of keeping a future per request: those, and
+        their results, lived until the end of the run, and each young collection moved them
+        on, so the collections the serving threads stopped for grew with the run.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            self._idle_waiters += 1
+            try:
+                self._wait_drained(deadline)
+            finally:
+                self._idle_waiters -= 1
+            return len(self._queue) + sum(map(len, self._inflight.values())) + sum(len(b) for _, b, _ in self._completions)
+
+    def _wait_drained(self, deadline: float | None) -> None:
+        """(lock held) Until nothing is queued, in flight or being handed out, or ``deadline``
+        (``time.monotonic()``; None: no limit)."""
+        while self._queue or self._inflight or self._completions or self._resolving:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            self._cond.wait(left)
 
     @property
     def closed(self) -> bool:
