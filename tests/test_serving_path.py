@@ -25,7 +25,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture
 from staronnx.serving import Constant, Server, ServerClosed, run_open_loop
-from staronnx.serving import loadgen
+from staronnx.serving import collector, loadgen
 from staronnx.serving import server as server_module
 from staronnx.serving.server import padded_size
 
@@ -528,7 +528,7 @@ def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
         rec = run_open_loop(server, Constant(2000), make_sample, n=20)
     assert len(rec.requests) == 20 and all(r.done is not None for r in rec.requests)
     # young collections go on; the older generations' wait for the end of the run
-    assert all(t == (threshold[0], loadgen._QUIET_THRESHOLD, loadgen._QUIET_THRESHOLD) and frozen > 0
+    assert all(t == (threshold[0], collector.OUT_OF_REACH, collector.OUT_OF_REACH) and frozen > 0
                for t, frozen in seen)
     assert gc.get_threshold() == threshold and server_module._frozen_users == holders
     assert holders or gc.get_freeze_count() == 0
@@ -555,7 +555,7 @@ def test_the_full_collection_stays_held_off_until_the_last_result(stand_in):
     with Server(stand_in, 2) as server:
         rec = run_open_loop(server, Constant(2000), _sample, n=10, on_submit=on_submit)
     assert all(r.done is not None for r in rec.requests)
-    assert thresholds == [(loadgen._QUIET_THRESHOLD, loadgen._QUIET_THRESHOLD)] * 5
+    assert thresholds == [(collector.OUT_OF_REACH, collector.OUT_OF_REACH)] * 5
 
 
 def test_the_generator_wakes_at_most_once_per_min_wake_and_reports_the_lag(stand_in, monkeypatch):
@@ -581,8 +581,8 @@ def test_collector_quiet_nests_and_restores_on_error():
     with pytest.raises(RuntimeError):
         with loadgen.collector_quiet():
             with loadgen.collector_quiet():
-                assert gc.get_threshold()[1:] == (loadgen._QUIET_THRESHOLD,) * 2
-            assert gc.get_threshold()[1:] == (loadgen._QUIET_THRESHOLD,) * 2  # the outer user still runs
+                assert gc.get_threshold()[1:] == (collector.OUT_OF_REACH,) * 2
+            assert gc.get_threshold()[1:] == (collector.OUT_OF_REACH,) * 2  # the outer user still runs
             raise RuntimeError("boom")
     assert gc.get_threshold() == threshold and server_module._frozen_users == holders
     assert holders or gc.get_freeze_count() == 0

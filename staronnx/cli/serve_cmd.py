@@ -47,6 +47,10 @@ def serve_cmd(
     save_every: Annotated[str, typer.Option(
         help="How often the perf models learnt while serving are merged into $STARONNX_HOME (0 = at shutdown "
              "only): a server that is killed loses at most that much of what it learnt.")] = "60s",
+    gc_interval: Annotated[str, typer.Option(
+        help="Python's cycle collector while serving: young objects only, and a full collection this often "
+             "(0 = Python's own thresholds, whose collections of older objects stopped every thread for 5-37 ms "
+             "several times a second under load). Not with --ray (Ray runs the replicas' processes).")] = "30s",
     ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
                                       "(else a local one) behind one KServe v2 HTTP endpoint on --http-port (needs the ray extra).")] = False,
     replicas: Annotated[int | None, typer.Option(help="With --ray: replicas, each hosting every model (default 1; of each model with --separate-runtimes).")] = None,
@@ -113,6 +117,7 @@ def serve_cmd(
     if lanes and (separate_runtimes or len(plans) < 2):
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
+    collect_every = parse_duration(gc_interval, allow_zero=True, option="--gc-interval")
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
@@ -171,7 +176,7 @@ def serve_cmd(
                   + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else ""), flush=True)
         run, loop_name = event_loop_runner()
         print(f"event loop: {loop_name}", flush=True)
-        run(serve(models, metrics, listen, say=lambda line: print(line, flush=True)))
+        run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)

@@ -12,6 +12,7 @@ the process exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import importlib.metadata
@@ -28,7 +29,11 @@ from aiohttp import web
 from staronnx.errors import StaronnxError
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
+from staronnx.serving.collector import young_only
 from staronnx.serving.server import hold_frozen, release_frozen
+
+#: ``staronnx serve --gc-interval``'s default: seconds between full cycle collections
+GC_INTERVAL_S = 30.0
 
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmg]i?b?|b)?\s*$", re.IGNORECASE)
@@ -143,9 +148,11 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
 
 
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
-                say: Callable[[str], None] = print) -> None:
+                say: Callable[[str], None] = print, gc_interval: float = GC_INTERVAL_S) -> None:
     """Serve ``models`` until SIGTERM/SIGINT; then drain and close them. Memory the requests free
-    is kept for the next ones (:func:`keep_freed_memory`)."""
+    is kept for the next ones (:func:`keep_freed_memory`). ``gc_interval`` > 0: only young cycle
+    collections run on their own, and a full one runs that often
+    (:mod:`staronnx.serving.collector`); 0: Python's own thresholds."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
@@ -199,6 +206,11 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # 15-25 ms with every thread stopped, three or four times in five seconds under load (p99)
     gc.collect()
     hold_frozen()
+    young = contextlib.ExitStack()
+    collecting: asyncio.Task[None] | None = None
+    if gc_interval > 0:
+        young.enter_context(young_only())
+        collecting = asyncio.get_running_loop().create_task(_collect_every(gc_interval))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -209,12 +221,17 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     say(f"HTTP (KServe v2) on http://{host}:{http_sock.getsockname()[1]}")
     say(f"gRPC (KServe v2) on {host}:{grpc_port}")
     say(f"metrics on http://{host}:{metrics_sock.getsockname()[1]}/metrics")
+    say(f"cycle collector: young objects only, a full collection every {gc_interval:g} s" if gc_interval > 0
+        else "cycle collector: Python's own thresholds")
     say("ready (SIGTERM or Ctrl-C drains and stops)")
     sys.stdout.flush()
 
     try:
         await stop.wait()
     finally:
+        if collecting is not None:
+            collecting.cancel()
+        young.close()
         release_frozen()
     say("stopping: no new requests; draining the ones accepted")
     sys.stdout.flush()
@@ -234,6 +251,15 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
     say("stopped")
+
+
+async def _collect_every(interval: float) -> None:
+    """The full collection that :func:`~staronnx.serving.collector.young_only` leaves to the
+    server: one walk of everything every ``interval`` s instead of the older generations' walks
+    several times a second under load (each stops every thread, wherever it runs)."""
+    while True:
+        await asyncio.sleep(interval)
+        gc.collect()
 
 
 def _close_models(models: Sequence[ModelEndpoint], timeout: float) -> None:

@@ -21,7 +21,7 @@ from collections import Counter as _Tally
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, UnknownMetricFamily
 
 #: the model version every plan is served as (a plan folder is one immutable version)
@@ -214,6 +214,12 @@ class ServeMetrics:
         self.registry = CollectorRegistry()
         self.collector = ServeCollector([])
         self.registry.register(self.collector)
+        # what every Python exporter shows (prometheus_client's default registry has them):
+        # the process's CPU, memory and file descriptors, and its cycle collections per
+        # generation (python_gc_collections_total), which stop every thread of the server
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         self.batch_size = Histogram(
             "staronnx_batch_size", "Requests per batch the runtime ran (dynamic batching at work)",
             ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=self.registry)

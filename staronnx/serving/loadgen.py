@@ -36,9 +36,7 @@ achieved on the clock, with its lag behind the schedule, in ``records.settings["
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
-import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -46,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.serving.arrivals import ArrivalProcess
+from staronnx.serving.collector import young_only
 from staronnx.serving.records import RunRecords
 from staronnx.serving.server import OverloadError, Server, ServerClosed, hold_frozen, release_frozen
 
@@ -70,47 +69,25 @@ def sleep_until(due: float, clock: Callable[[], float] = time.perf_counter, spin
     return now
 
 
-#: the older generations' thresholds while a run injects: only the youngest is collected
-_QUIET_THRESHOLD = 1 << 30
-_quiet_lock = threading.Lock()
-_quiet_users = 0
-_saved_threshold: tuple[int, ...] = ()
-
-
 @contextlib.contextmanager
 def collector_quiet() -> Iterator[None]:
-    """Only young cycle collections while inside: the process's objects are frozen
-    (:func:`~staronnx.serving.server.hold_frozen`) and the older generations' thresholds are
-    out of reach until the last nested user leaves.
+    """While a run injects: the process's objects frozen
+    (:func:`~staronnx.serving.server.hold_frozen`) and only young cycle collections
+    (:func:`~staronnx.serving.collector.young_only`, whose doc has the figures), until the last
+    nested user leaves.
 
-    A collection stops every Python thread (generator, batcher, workers) while it walks its
-    generations. A full one took 50-60 ms on the serving benchmark's 2-core host (generator lag
-    p99 37-100 ms at 25 % load); freezing what existed before is not enough for a run, whose
-    records then fill the oldest generation again. The middle one walks everything that
-    survived the last ten young collections, here the records of the ~2,000 requests since:
-    0.4-1 ms with every thread stopped, more when the OS preempts the collecting thread
-    meanwhile (gen-1 pauses p99 4 ms, max 12-17 ms), every 25-65 ms at 40k requests/s. At
-    75 % of the server's capacity a 1 ms stop queues 40 requests that take 3 ms to drain:
-    most of the open-loop p99 there (13-60x p50; 1.5-4.7x with it held off). Young
-    collections go on (a few hundred objects each, p99 0.1 ms): cycles that die young are
-    still freed, and reference counting frees everything else as usual; only cyclic garbage
-    that survived one young collection waits for the first collection after the run.
+    A full collection took 50-60 ms on the serving benchmark's 2-core host (generator lag p99
+    37-100 ms at 25 % load); freezing what existed before is not enough for a run, whose
+    records fill the older generations again, and walking those (0.4-17 ms every few tens of
+    ms at 40k requests/s) was most of the open-loop p99 at 75 %. What they would have freed
+    waits for the first collection after the run.
     """
-    global _quiet_users, _saved_threshold
-    with _quiet_lock:
-        if not _quiet_users:
-            _saved_threshold = gc.get_threshold()
-            gc.set_threshold(_saved_threshold[0], _QUIET_THRESHOLD, _QUIET_THRESHOLD)
-        _quiet_users += 1
-    hold_frozen()
-    try:
-        yield
-    finally:
-        release_frozen()
-        with _quiet_lock:
-            _quiet_users -= 1
-            if not _quiet_users:
-                gc.set_threshold(*_saved_threshold)
+    with young_only():
+        hold_frozen()
+        try:
+            yield
+        finally:
+            release_frozen()
 
 
 def run_open_loop(
