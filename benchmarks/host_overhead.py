@@ -15,8 +15,10 @@ threads on the same model, in one process:
 3. ``ort``: N threads, each with its own session and an IOBinding over preallocated arrays,
    ``run_with_iobinding`` in a loop (the hand-written floor): runs/s.
 
-Beside the wall-clock figure, ``cpu us/task`` is the process's CPU time per task (every
-thread: ours, ORT's) over the same rounds: on a shared machine another tenant's load stretches
+The three runtimes are open at once and every row (each stream count's ort, runtime and server
+figures) is measured in turn, ``--rounds`` times, the medians printed, so this VM's drift of
+10-50 % within a minute hits every row alike. Beside the wall-clock figure, ``cpu us/task`` is
+the process's CPU time per task (every thread: ours, ORT's) over the same rounds: on a shared machine another tenant's load stretches
 the wall clock but not the work done per task, so that column still compares two runs taken at
 different times. Targets (issue 19): <= 40 µs per task through the Runtime with one stream,
 and 4 streams never slower than one. Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3]
@@ -25,9 +27,12 @@ and 4 streams never slower than one. Usage: python benchmarks/host_overhead.py [
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -85,6 +90,35 @@ def ort_threads(model: Path, threads: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
+def runtime_rate(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Namespace,
+                 cpu: dict[str, float]) -> float:
+    """Tasks/s of ``--in-flight`` batches submitted at a time, waited for, again; the process's
+    CPU time and the tasks it did are added to ``cpu``."""
+    done = [0]
+
+    def burst() -> int:
+        futs = [rt.submit(feeds) for _ in range(args.in_flight)]
+        for f in futs:
+            f.result()
+        done[0] += args.in_flight
+        return args.in_flight
+
+    c0 = time.process_time()
+    r = rate(burst, args.seconds)
+    cpu["seconds"] += time.process_time() - c0
+    cpu["tasks"] += done[0]
+    return r
+
+
+def served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace) -> int:
+    """Single-sample requests through a Server, as fast as they are accepted."""
+    with Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight) as server:
+        futs = [server.submit(sample) for _ in range(200 * BATCH)]
+        for f in futs:
+            f.result()
+    return 200 * BATCH
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=2.0)
@@ -102,51 +136,33 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.in_flight} batches in flight, median of {args.rounds} rounds of {args.seconds} s")
     print(f"{'streams':>7}  {'ort tasks/s':>11}  {'runtime tasks/s':>15}  {'us/task':>7}  "
           f"{'cpu us/task':>11}  {'vs ort':>6}  {'server req/s':>12}  {'us/req':>6}")
-    per_task: dict[int, float] = {}
-    for n in STREAMS:
-        with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=n, store=store,
-                     cuda_options={"runtime": HostRuntime(), "cuda_graphs": args.cuda_graphs}) as rt:
+    # every stream count's runtime is open at once and the rows are measured in turn, round
+    # after round: this VM's speed drifts by 10-50 % within a minute, and measuring the stream
+    # counts one block after another made "4 streams / 1" a reading of that drift
+    measures: dict[str, Callable[[], float]] = {}
+    cpu: dict[int, dict[str, float]] = {}
+    with contextlib.ExitStack() as stack:
+        for n in STREAMS:
+            rt = stack.enter_context(Runtime(
+                plan, policy="eager", cpu_groups="none", cuda_streams=n, store=store,
+                cuda_options={"runtime": HostRuntime(), "cuda_graphs": args.cuda_graphs}))
             for _ in range(4 * n):
                 rt.run(batch)
             pool = rt.batch_array((BATCH, 16), np.float32)  # a batch in pinned memory, as served
             pool[...] = 1.0
-            pinned = {"x": pool}
-
-            def runtime() -> int:
-                futs = [rt.submit(pinned) for _ in range(args.in_flight)]
-                for f in futs:
-                    f.result()
-                return args.in_flight
-
-            cpu = {"seconds": 0.0, "tasks": 0}
-
-            def runtime_rate() -> float:
-                done = [0]
-
-                def counted() -> int:
-                    done[0] += runtime()
-                    return args.in_flight
-
-                c0 = time.process_time()
-                r = rate(counted, args.seconds)
-                cpu["seconds"] += time.process_time() - c0
-                cpu["tasks"] += done[0]
-                return r
-
-            def served() -> int:
-                with Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight) as server:
-                    futs = [server.submit(sample) for _ in range(200 * BATCH)]
-                    for f in futs:
-                        f.result()
-                return 200 * BATCH
-
-            r = alternate({"ort": lambda: ort_threads(model, n, args.seconds),
-                           "runtime": runtime_rate,
-                           "server": lambda: rate(served, args.seconds)}, args.rounds)
-        per_task[n] = 1e6 / r["runtime"]
-        cpu_us = 1e6 * cpu["seconds"] / max(cpu["tasks"], 1)
-        print(f"{n:>7}  {r['ort']:>11,.0f}  {r['runtime']:>15,.0f}  {per_task[n]:>7.1f}  "
-              f"{cpu_us:>11.1f}  {r['runtime'] / r['ort']:>6.2f}  {r['server']:>12,.0f}  {1e6 / r['server']:>6.1f}")
+            cpu[n] = {"seconds": 0.0, "tasks": 0}
+            measures[f"ort {n}"] = functools.partial(ort_threads, model, n, args.seconds)
+            measures[f"runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[n])
+            measures[f"server {n}"] = functools.partial(rate, functools.partial(served, rt, sample, args),
+                                                        args.seconds)
+        r = alternate(measures, args.rounds)
+    per_task: dict[int, float] = {}
+    for n in STREAMS:
+        per_task[n] = 1e6 / r[f"runtime {n}"]
+        cpu_us = 1e6 * cpu[n]["seconds"] / max(cpu[n]["tasks"], 1)
+        print(f"{n:>7}  {r[f'ort {n}']:>11,.0f}  {r[f'runtime {n}']:>15,.0f}  {per_task[n]:>7.1f}  "
+              f"{cpu_us:>11.1f}  {r[f'runtime {n}'] / r[f'ort {n}']:>6.2f}  {r[f'server {n}']:>12,.0f}  "
+              f"{1e6 / r[f'server {n}']:>6.1f}")
     print(f"one stream: {per_task[1]:.1f} us of host time per task (target <= 40); "
           f"4 streams / 1 stream tasks/s: {per_task[1] / per_task[4]:.2f} (target >= 1.0)")
     return 0

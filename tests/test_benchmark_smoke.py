@@ -1,0 +1,36 @@
+"""The host-cost benchmarks of issue 19 run end to end (short durations, no timing asserted:
+speed is theirs to print), so their rows and goal lines cannot rot between sessions."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, *args: str, tmp: Path) -> str:
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), *args], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "STARONNX_HOME": str(tmp / "home")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_host_overhead_measures_every_stream_count_and_says_the_goals(tmp_path):
+    out = _run("host_overhead.py", "--seconds", "0.2", "--rounds", "1", tmp=tmp_path)
+    rows = {int(m.group(1)): [float(v.replace(",", "")) for v in m.group(2).split()]
+            for m in re.finditer(r"^ +([124]) +([\d,. ]+)$", out, re.MULTILINE)}
+    assert sorted(rows) == [1, 2, 4], out
+    assert all(len(v) == 7 and all(x > 0 for x in v) for v in rows.values()), out
+    assert re.search(r"one stream: [\d.]+ us of host time per task \(target <= 40\); 4 streams / 1 stream "
+                     r"tasks/s: [\d.]+ \(target >= 1.0\)", out), out
+
+
+def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path):
+    out = _run("serving_path.py", "--seconds", "0.5", "--rounds", "1", tmp=tmp_path)
+    assert re.search(r"single requests through the server: [\d,]+ requests/s", out), out
+    assert len(re.findall(r"req/s: [\d,]+/s, p50 [\d.]+ ms, p99 [\d.]+ ms", out)) == 3, out
+    assert re.search(r"goals: host time <= 25 us/request: (met|not met) .*up to 75 %: (met|not met)", out), out
