@@ -478,9 +478,9 @@ def test_only_young_collections_run_while_serving_and_a_full_one_every_gc_interv
         with ThreadPoolExecutor(8) as pool:
             list(pool.map(client, range(8)))
         during = _metrics(s.metrics)
-        # young collections go on, enough of them that Python's thresholds would have run a
-        # middle-generation one (every tenth)
-        assert gen(during, "0") - gen(before, "0") >= 20
+        # young collections go on (24-27 here), more than the ten after which Python's own
+        # thresholds run a middle-generation one (two, with --gc-interval 0)
+        assert gen(during, "0") - gen(before, "0") >= 11
         # none of the middle generation, and no full one but the clock's (one a second)
         assert gen(during, "1") == gen(before, "1")
         assert gen(during, "2") - gen(before, "2") <= time.monotonic() - t0 + 1
