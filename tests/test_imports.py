@@ -8,7 +8,7 @@ function hides a dependency from the reader; it does not remove it.
 Layers, lowest first (a module may import its own layer and those below):
 
 0. leaf utilities that know nothing of plans: errors, fsutil, modelio, ortutil, feeds, zoo,
-   signals, durations
+   signals, durations, process_settings
 1. plan and what reads or builds one: plan, inputs, verify, partition
 2. workers, perfmodels, and calibrate (which runs parts on workers into the perf models)
 3. runtime, engines
@@ -33,6 +33,7 @@ PACKAGE = "staronnx"
 
 LAYERS: dict[str, int] = {
     "errors": 0, "fsutil": 0, "modelio": 0, "ortutil": 0, "feeds": 0, "zoo": 0, "signals": 0, "durations": 0,
+    "process_settings": 0,
     "plan": 1, "inputs": 1, "verify": 1, "partition": 1,
     "workers": 2, "perfmodels": 2, "calibrate": 2,
     "runtime": 3, "engines": 3,

@@ -23,34 +23,21 @@ the last user leaves.
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import threading
-from collections.abc import Iterator
+
+from staronnx.process_settings import SharedSetting
 
 #: the older generations' thresholds while :func:`young_only` holds: never reached
 OUT_OF_REACH = 1 << 30
 
-_lock = threading.Lock()
-_users = 0
-_saved: tuple[int, ...] = ()
+
+def _young_thresholds() -> tuple[int, ...]:
+    found = gc.get_threshold()
+    gc.set_threshold(found[0], OUT_OF_REACH, OUT_OF_REACH)
+    return found
 
 
-@contextlib.contextmanager
-def young_only() -> Iterator[None]:
-    """Only young (generation 0) collections run automatically while inside; nests, and the
-    last user to leave restores the thresholds it found (an explicit ``gc.collect()`` still
-    collects everything)."""
-    global _users, _saved
-    with _lock:
-        if not _users:
-            _saved = gc.get_threshold()
-            gc.set_threshold(_saved[0], OUT_OF_REACH, OUT_OF_REACH)
-        _users += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _users -= 1
-            if not _users:
-                gc.set_threshold(*_saved)
+#: only young (generation 0) collections run automatically while held; nests, and the last
+#: user to leave restores the thresholds the first found (an explicit ``gc.collect()`` still
+#: collects everything)
+young_only = SharedSetting(_young_thresholds, lambda found: gc.set_threshold(*found)).held

@@ -46,14 +46,14 @@ lane (a GPU's equivalent would be a stream of higher priority).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from staronnx.process_settings import SharedSetting
 from staronnx.workers.residency import ResidencyError, WorkerSlot, selects
 
 __all__ = ["LANE_NICE", "LANE_PREEMPT", "LANE_SWITCH_INTERVAL", "LanePlan", "check_preempt", "lower_priority",
@@ -162,25 +162,13 @@ def lower_priority(preempt: str, who: str) -> str | None:
         return None
 
 
-_switch_lock = threading.Lock()
-_switch_users = 0
-_saved_switch = 0.0
+def _short_interval() -> float:
+    found = sys.getswitchinterval()
+    sys.setswitchinterval(min(found, LANE_SWITCH_INTERVAL))
+    return found
 
 
-@contextlib.contextmanager
-def short_switch_interval(seconds: float = LANE_SWITCH_INTERVAL) -> Iterator[None]:
-    """The interpreter's switch interval at most ``seconds`` while inside (process-wide, so
-    counted: the last of nested or concurrent users restores the value found by the first)."""
-    global _switch_users, _saved_switch
-    with _switch_lock:
-        if not _switch_users:
-            _saved_switch = sys.getswitchinterval()
-            sys.setswitchinterval(min(_saved_switch, seconds))
-        _switch_users += 1
-    try:
-        yield
-    finally:
-        with _switch_lock:
-            _switch_users -= 1
-            if not _switch_users:
-                sys.setswitchinterval(_saved_switch)
+#: the interpreter's switch interval at most :data:`LANE_SWITCH_INTERVAL` while held
+#: (process-wide, so counted: the last of nested or concurrent users restores the value the
+#: first found)
+short_switch_interval = SharedSetting(_short_interval, sys.setswitchinterval).held
