@@ -492,8 +492,8 @@ class Server:
         while ``max_inflight`` has room: that thread launches it at once. Handing every full
         batch to the batcher cost a thread wake-up and a GIL hand-over per batch, the largest
         part of what an open-loop request cost beyond a closed-loop one (on a 2-core VM, ~30
-        us of CPU a wake-up, against ~180 us of work in a whole batch of 8). Results are still
-        handed out on the batcher thread only (:meth:`_completed`).
+        us of CPU a wake-up, against ~180 us of work in a whole batch of 8). Where results are
+        handed out is :meth:`_completed`'s business.
         """
         record = BatchRecord(
             id=next(self._batch_ids), size=len(batch), formed=self.clock(),
@@ -772,8 +772,7 @@ class Server:
             self._wait_drained(deadline)
             self._abort = True
             self._cond.notify_all()
-            leftovers = [*self._queue, *(p for b in self._inflight.values() for p in b),
-                         *(p for _, b, _ in self._completions for p in b)]
+            leftovers = self._unanswered()
             self._queue.clear()
             self._inflight.clear()
             self._completions.clear()
@@ -805,7 +804,13 @@ class Server:
                 self._wait_drained(deadline)
             finally:
                 self._idle_waiters -= 1
-            return len(self._queue) + sum(map(len, self._inflight.values())) + sum(len(b) for _, b, _ in self._completions)
+            return len(self._unanswered())
+
+    def _unanswered(self) -> list[_Request]:
+        """(lock held) The requests without a result yet: queued, in flight, or finished and
+        waiting to be handed out."""
+        return [*self._queue, *(p for b in self._inflight.values() for p in b),
+                *(p for _, b, _ in self._completions for p in b)]
 
     def _wait_drained(self, deadline: float | None) -> None:
         """(lock held) Until nothing is queued, in flight or being handed out, or ``deadline``
