@@ -244,29 +244,6 @@ def test_the_request_that_fills_a_batch_launches_it_on_its_own_thread(stand_in):
         np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
 
 
-def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
-    # requests queued behind max_inflight are sent by the completion that frees a place; a
-    # wake-up per such request was a thread switch and a GIL hand-over each, for nothing
-    with Server(stand_in, 2, max_inflight=1, queue_capacity=64) as server:
-        stand_in.gate.clear()
-        held = [server.submit(_sample(i)) for i in range(2)]
-        wakes = 0
-        notify_all = server._cond.notify_all
-
-        def counting():
-            nonlocal wakes
-            wakes += 1
-            notify_all()
-
-        server._cond.notify_all = counting  # type: ignore[method-assign]
-        queued = [server.submit(_sample(i)) for i in range(2, 40)]
-        assert wakes == 0
-        server._cond.notify_all = notify_all  # type: ignore[method-assign]
-        stand_in.gate.set()
-        for f in held + queued:
-            f.result(timeout=10)
-
-
 def _count_wakes(server):
     """Count the batcher's wake-ups (``notify_all`` on the server's Condition) from now on."""
     wakes = [0]
@@ -278,6 +255,20 @@ def _count_wakes(server):
 
     server._cond.notify_all = counting  # type: ignore[method-assign]
     return wakes
+
+
+def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
+    # requests queued behind max_inflight are sent by the completion that frees a place; a
+    # wake-up per such request was a thread switch and a GIL hand-over each, for nothing
+    with Server(stand_in, 2, max_inflight=1, queue_capacity=64) as server:
+        stand_in.gate.clear()
+        held = [server.submit(_sample(i)) for i in range(2)]
+        wakes = _count_wakes(server)
+        queued = [server.submit(_sample(i)) for i in range(2, 40)]
+        assert wakes[0] == 0
+        stand_in.gate.set()
+        for f in held + queued:
+            f.result(timeout=10)
 
 
 def test_a_completion_with_room_in_the_window_leaves_the_batcher_asleep(runtime):
