@@ -18,9 +18,9 @@ threads on the same model, in one process:
 The three runtimes are open at once and every row (each stream count's ort, runtime and server
 figures) is measured in turn, ``--rounds`` times, the medians printed, so this VM's drift of
 10-50 % within a minute hits every row alike. Beside the wall-clock figure, ``cpu us/task`` is
-the process's CPU time per task (every thread: ours, ORT's) over the same rounds: on a shared machine another tenant's load stretches
-the wall clock but not the work done per task, so that column still compares two runs taken at
-different times. Targets (issue 19): <= 40 µs per task through the Runtime with one stream,
+the process's CPU time per task (every thread: ours, ORT's) over the same rounds: on a shared
+machine another tenant's load stretches the wall clock but not the work done per task, so that
+column still compares two runs taken at different times. Targets (issue 19): <= 40 µs per task through the Runtime with one stream,
 and 4 streams never slower than one. Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3]
 """
 
