@@ -13,7 +13,10 @@ threads on the same model, in one process:
 2. ``server``: the same runtime behind :class:`~staronnx.serving.Server` (batch 8), single
    requests as fast as they are accepted: requests/s and host µs per request;
 3. ``ort``: N threads, each with its own session and an IOBinding over preallocated arrays,
-   ``run_with_iobinding`` in a loop (the hand-written floor): runs/s.
+   ``run_with_iobinding`` in a loop (the hand-written floor): runs/s;
+4. ``colocated``: rows 1 and 2 again with the submitting thread (and the server's batcher) on
+   the CUDA driver's core (:meth:`~staronnx.runtime.runtime.Runtime.colocate`): the threads
+   hold the GIL in turn, and a hand-over between two cores costs more than one on the same.
 
 The three runtimes are open at once and every row (each stream count's ort, runtime and server
 figures) is measured in turn, ``--rounds`` times, the medians printed, so this VM's drift of
@@ -91,9 +94,12 @@ def ort_threads(model: Path, threads: int, seconds: float) -> float:
 
 
 def runtime_rate(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Namespace,
-                 cpu: dict[str, float]) -> float:
+                 cpu: dict[str, float], colocate: bool = False) -> float:
     """Tasks/s of ``--in-flight`` batches submitted at a time, waited for, again; the process's
-    CPU time and the tasks it did are added to ``cpu``."""
+    CPU time and the tasks it did are added to ``cpu``. ``colocate``: from the driver's core."""
+    if colocate:
+        with rt.colocate():
+            return runtime_rate(rt, feeds, args, cpu)
     done = [0]
 
     def burst() -> int:
@@ -110,9 +116,17 @@ def runtime_rate(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Names
     return r
 
 
-def served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace) -> int:
-    """Single-sample requests through a Server, as fast as they are accepted."""
-    with Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight) as server:
+def served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace, colocate: bool = False) -> int:
+    """Single-sample requests through a Server, as fast as they are accepted; ``colocate``: the
+    caller and the server's batcher on the driver's core."""
+    if not colocate:
+        return _served(rt, sample, args, False)
+    with rt.colocate():
+        return _served(rt, sample, args, True)
+
+
+def _served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace, colocate: bool) -> int:
+    with Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight, colocate=colocate) as server:
         futs = [server.submit(sample) for _ in range(200 * BATCH)]
         for f in futs:
             f.result()
@@ -155,6 +169,11 @@ def main(argv: list[str] | None = None) -> int:
             measures[f"runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[n])
             measures[f"server {n}"] = functools.partial(rate, functools.partial(served, rt, sample, args),
                                                         args.seconds)
+            cpu[-n] = {"seconds": 0.0, "tasks": 0}
+            measures[f"colocated runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[-n],
+                                                                   colocate=True)
+            measures[f"colocated server {n}"] = functools.partial(
+                rate, functools.partial(served, rt, sample, args, colocate=True), args.seconds)
         r = alternate(measures, args.rounds)
     per_task: dict[int, float] = {}
     for n in STREAMS:

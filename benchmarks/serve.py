@@ -314,7 +314,9 @@ def client_main(args: argparse.Namespace) -> int:
 def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") -> tuple[subprocess.Popen, str, str, str]:
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay,
-           "--groups", args.groups, "--policy", args.policy, "--gc-interval", args.gc_interval]
+           "--groups", args.groups, "--policy", args.policy, "--gc-interval", args.gc_interval,
+           *(["--cuda-streams", str(args.cuda_streams)] if args.cuda_streams else []),
+           *(["--colocate"] if args.colocate else [])]
     # the served plan is a scratch one: its perf models go to a scratch home beside it, not
     # into the user's ~/.cache/staronnx (a benchmark must leave the machine as it found it)
     env = {**os.environ, "STARONNX_HOME": str(plan.parent / "staronnx-home")}
@@ -521,6 +523,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default="heft")
     ap.add_argument("--gc-interval", default="30s",
                     help="the server's --gc-interval (0: Python's own collector thresholds, to compare)")
+    ap.add_argument("--cuda-streams", type=int, default=0,
+                    help="CUDA workers of the server (STARONNX_CUDA_RUNTIME=host runs them on the CPU)")
+    ap.add_argument("--colocate", action="store_true",
+                    help="the server's event loop and batchers on the CUDA driver's core (serve --colocate)")
     ap.add_argument("--json", type=Path, help="also write the figures here")
     ap.add_argument("--client", choices=PATHS, help=argparse.SUPPRESS)  # internal: one row's load
     ap.add_argument("--plan", type=Path, help=argparse.SUPPRESS)

@@ -499,8 +499,39 @@ def test_gc_interval_0_leaves_pythons_thresholds(plans, tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+# -- colocation ----------------------------------------------------------------------------------
+def _affinity(pid: int, tid: int) -> str:
+    for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+        if line.startswith("Cpus_allowed_list:"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError("no Cpus_allowed_list")
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread affinities from /proc")
+def test_colocate_runs_the_event_loop_on_the_cuda_drivers_core(plans, tmp_path, monkeypatch):
+    # CUDA workers on HostRuntime (the CPU stand-in), so this runs without a GPU
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    s = start_server([plans["tiny"].root], tmp_path, "--name", "tiny", "--batch-size", "4", "--max-delay", "1ms",
+                     "--policy", "eager", "--cuda-streams", "1", "--no-cuda-graphs", "--colocate")
+    try:
+        said = [line for line in s.lines if line.startswith("event loop and batchers on")]
+        assert len(said) == 1, s.lines
+        pu = re.search(r"\(PU (\d+)\)", said[0]).group(1)
+        assert _affinity(s.proc.pid, s.proc.pid) == pu  # the main thread runs the event loop
+        # gRPC's threads, started before the loop moved, keep every PU the process has
+        others = {_affinity(s.proc.pid, int(t.name)) for t in Path(f"/proc/{s.proc.pid}/task").iterdir()}
+        assert pu in others and (len(os.sched_getaffinity(0)) == 1 or len(others) > 1)
+        c = thttp.InferenceServerClient(s.http)
+        for i in range(20):
+            x = _x(1, seed=i)
+            _check(plans["tiny"], x, _http_infer(c, x).as_numpy("y"))
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
 # -- the command line --------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
+    (["--colocate"], "--colocate runs the serving threads on a CUDA driver thread's core: it needs --cuda-streams"),
     (["--max-body", "lots"], "sizes look like"),
     (["--name", "a", "--name", "b"], "--name given 2 time(s) for 1 plan(s)"),
     (["--http-port", "70000"], "--http-port must be between"),

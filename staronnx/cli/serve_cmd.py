@@ -35,6 +35,12 @@ def serve_cmd(
         "--cuda-graphs/--no-cuda-graphs",
         help="With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
              "--batch-size) at start-up; partial batches are padded up to them.")] = True,
+    colocate: Annotated[bool, typer.Option(
+        "--colocate", help="With --cuda-streams: run the event loop and the batchers on the CUDA driver thread's core "
+                           "(StarPU's STARPU_MAIN_THREAD_BIND). They hold the GIL in turn with the driver, and a hand-over "
+                           "on one core costs less than one between two; off by default, since a driver running ONNX "
+                           "Runtime without CUDA graphs launches kernels without the GIL, which the loop then no longer "
+                           "overlaps.")] = False,
     batch_size: Annotated[int, typer.Option(help="Largest batch the batcher forms from the clients' samples.")] = 8,
     max_delay: Annotated[str, typer.Option(
         help="Dynamic batching: a partial batch leaves once its oldest sample waited this long (0 = as soon as a "
@@ -118,6 +124,9 @@ def serve_cmd(
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
     collect_every = parse_duration(gc_interval, allow_zero=True, option="--gc-interval")
+    if colocate and (not cuda_streams or ray or engine != "native"):
+        raise StaronnxError("--colocate runs the serving threads on a CUDA driver thread's core: it needs --cuda-streams "
+                            "and the native engine, and does not go with --ray")
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
@@ -164,7 +173,8 @@ def serve_cmd(
                                          queue_capacity=capacities[model_name], metrics=metrics,
                                          settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                                    "engine": engine, "shared_runtime": shared is not None,
-                                                   **_target_settings(targets.get(model_name))})
+                                                   **_target_settings(targets.get(model_name))},
+                                         colocate=colocate)
             except BaseException:
                 runtime.close()
                 raise
@@ -176,7 +186,8 @@ def serve_cmd(
                   + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else ""), flush=True)
         run, loop_name = event_loop_runner()
         print(f"event loop: {loop_name}", flush=True)
-        run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every))
+        run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every,
+                  colocate=models[0].server.runtime.colocate if colocate else None))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)

@@ -148,11 +148,15 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
 
 
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
-                say: Callable[[str], None] = print, gc_interval: float = GC_INTERVAL_S) -> None:
+                say: Callable[[str], None] = print, gc_interval: float = GC_INTERVAL_S,
+                colocate: Callable[[], contextlib.AbstractContextManager[int | None]] | None = None) -> None:
     """Serve ``models`` until SIGTERM/SIGINT; then drain and close them. Memory the requests free
     is kept for the next ones (:func:`keep_freed_memory`). ``gc_interval`` > 0: only young cycle
     collections run on their own, and a full one runs that often
-    (:mod:`staronnx.serving.collector`); 0: Python's own thresholds."""
+    (:mod:`staronnx.serving.collector`); 0: Python's own thresholds. ``colocate``: the block
+    in which the event loop's thread runs on the CUDA driver's core
+    (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), entered once the listeners are up, so
+    gRPC's own threads, started with them, keep every core."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
@@ -207,6 +211,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     gc.collect()
     hold_frozen()
     young = contextlib.ExitStack()
+    core = young.enter_context(colocate()) if colocate is not None else None
     collecting: asyncio.Task[None] | None = None
     if gc_interval > 0:
         young.enter_context(young_only())
@@ -223,6 +228,9 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     say(f"metrics on http://{host}:{metrics_sock.getsockname()[1]}/metrics")
     say(f"cycle collector: young objects only, a full collection every {gc_interval:g} s" if gc_interval > 0
         else "cycle collector: Python's own thresholds")
+    if colocate is not None:
+        say(f"event loop and batchers on the CUDA driver's core (PU {core})" if core is not None
+            else "event loop and batchers where they are: no CUDA driver core to join")
     say("ready (SIGTERM or Ctrl-C drains and stops)")
     sys.stdout.flush()
 

@@ -19,6 +19,7 @@ first request of each batch) and the CPU share from the outside (``staronnx swee
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
 import time
@@ -134,6 +135,12 @@ class MeteredRuntime:
     def tracer(self) -> Any:
         return getattr(self.runtime, "tracer", None)
 
+    def colocate(self) -> contextlib.AbstractContextManager[int | None]:
+        """The runtime's :meth:`~staronnx.runtime.runtime.Runtime.colocate` (nothing for one
+        without it: the starpu engine's, Ray's)."""
+        colocate = getattr(self.runtime, "colocate", None)
+        return colocate() if colocate is not None else contextlib.nullcontext()
+
     def submit(self, feeds: Mapping[str, np.ndarray], **when: float) -> Future:  # type: ignore[type-arg]
         t0 = time.perf_counter()
         future = self.runtime.submit(feeds, **when)
@@ -173,7 +180,8 @@ class ModelEndpoint:
 
     def __init__(self, name: str, runtime: Any, *, batch_size: int, max_delay: float,
                  queue_capacity: int, metrics: ServeMetrics, settings: Mapping[str, Any] | None = None,
-                 keep_records: int | None = RECORDS_KEPT, max_inflight: int | None = None) -> None:
+                 keep_records: int | None = RECORDS_KEPT, max_inflight: int | None = None,
+                 colocate: bool = False) -> None:
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
@@ -190,7 +198,7 @@ class ModelEndpoint:
                                                 cuda_streams=int(self.settings.get("cuda_streams") or 0))
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
                              queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
-                             max_inflight=max_inflight,
+                             max_inflight=max_inflight, colocate=colocate,
                              batch_memory=runtime.batch_array if isinstance(runtime, (Runtime, ModelHandle)) else None)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}

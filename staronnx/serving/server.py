@@ -242,6 +242,11 @@ class Server:
             captured CUDA graphs for; default: the runtime's ``preferred_batch_sizes`` (those
             above ``batch_size`` are ignored). A batch larger than all of them runs as it is.
             Records keep the real size (and ``padded_to``).
+        colocate: run the batcher thread on the runtime's host core, beside its CUDA driver
+            thread (:meth:`~staronnx.runtime.runtime.Runtime.colocate`): both hold the GIL in
+            turn, and a hand-over between two cores costs more than one on the same core. A
+            runtime without CUDA workers (or one without ``colocate``) leaves it where it is.
+            A thread that submits many requests gains more from the same block around its loop.
 
     Results are handed out on the batcher thread, not on the runtime's: the runtime's
     callback only queues the finished batch, so a CUDA worker goes straight back to its GPU
@@ -262,6 +267,7 @@ class Server:
         keep_records: int | None = None,
         batch_memory: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
         pad_to: Sequence[int] | None = None,
+        colocate: bool = False,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise StaronnxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -335,7 +341,8 @@ class Server:
         self._sample_queue()
         #: what the runtime's futures call back through (:func:`_batch_done`)
         self._weak = weakref.ref(self)
-        self._thread = threading.Thread(target=self._batcher, name="staronnx-batcher", daemon=True)
+        self.colocate = colocate
+        self._thread = threading.Thread(target=self._batcher_thread, name="staronnx-batcher", daemon=True)
         hold_frozen()  # released by close()
         self._frozen = True
         self._thread.start()
@@ -466,6 +473,14 @@ class Server:
             self._cond.notify_all()
 
     # -- the batcher --------------------------------------------------------------------------
+    def _batcher_thread(self) -> None:
+        colocate = getattr(self.runtime, "colocate", None) if self.colocate else None
+        if colocate is None:
+            self._batcher()
+            return
+        with colocate():
+            self._batcher()
+
     def _batcher(self) -> None:
         """Form batches and hand them to the runtime; hand out the results of finished ones.
 

@@ -1,0 +1,136 @@
+"""Colocation: the threads that spend their time holding the GIL run on one core.
+
+A CUDA worker's driver thread, a serving batcher, an event loop and the caller submitting to a
+runtime do little but Python between short calls that drop the GIL (a copy, a launch, a wait),
+so they never run Python in parallel however many cores they are given. Spread over several
+cores they pay for it instead: each hand-over of the GIL wakes the next holder on another
+core (an inter-processor wake-up, costly on virtual machines), and every object they share
+(a request, its task, its future) moves between the cores' caches. On the 2-core development
+VM, a caller submitting one-stream tasks to a CUDA worker on :class:`~staronnx.workers.cudart.
+HostRuntime` spent 44-47 µs of host time per task with the two threads on different cores and
+30 µs with both on one (``benchmarks/host_overhead.py``'s ``colocated`` rows).
+
+StarPU binds its main thread to a core when asked (``STARPU_MAIN_THREAD_BIND``); staronnx binds
+such threads to the core of the runtime's first CUDA driver thread (its *host core*), which the
+CPU groups hold back already (see :mod:`staronnx.workers.launch`), when asked: a thread pinned
+to one core pins the threads it starts too (Linux threads inherit their creator's affinity),
+and while the driver runs ONNX Runtime without a CUDA graph it launches kernels without the
+GIL, work that a caller on another core overlaps. Without CPU groups (``none``) no core is held
+back: the drivers are pinned to the last PU this process may use while a block runs there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+__all__ = ["Colocation", "host_core", "colocated"]
+
+log = logging.getLogger(__name__)
+
+
+def _supported() -> bool:
+    return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+
+
+def host_core(workers: Sequence[Any]) -> int | None:
+    """The PU of the first CUDA driver thread among ``workers`` (its ``cpu``), None when there
+    is no CUDA worker or it is not pinned."""
+    for w in workers:
+        if getattr(w, "kind", "") == "cuda":
+            return getattr(w, "cpu", None)
+    return None
+
+
+class Colocation:
+    """A runtime's host core and the blocks that run there (:meth:`block`).
+
+    Where no core is held back for the drivers (CPU groups ``none``), the first block pins the
+    CUDA driver threads to the last PU this process may use and the last block to end gives
+    them back the PUs they had, so a runtime nobody colocates with runs as it always did."""
+
+    def __init__(self, workers: Sequence[Any]) -> None:
+        self._cuda = [w for w in workers if getattr(w, "kind", "") == "cuda"]
+        self._lock = threading.Lock()
+        self._blocks = 0
+        self._pu: int | None = None
+        self._unpin: list[tuple[Any, int, set[int]]] = []  # (worker, thread id, its PUs before)
+
+    @property
+    def core(self) -> int | None:
+        """The PU the drivers run on (None: no CUDA worker, or not pinned now)."""
+        return host_core(self._cuda)
+
+    @contextlib.contextmanager
+    def block(self) -> Iterator[int | None]:
+        """The calling thread on the host core for the block (see :func:`colocated`)."""
+        with self._lock:
+            if not self._blocks:
+                self._pu = self._pin_drivers()
+            self._blocks += 1
+        try:
+            with colocated(self._pu) as pu:
+                yield pu
+        finally:
+            with self._lock:
+                self._blocks -= 1
+                if not self._blocks:
+                    self._unpin_drivers()
+
+    def _pin_drivers(self) -> int | None:
+        """(lock held) The host core, the drivers pinned to one first when none is."""
+        if not self._cuda or not _supported():
+            return None
+        pu = self.core
+        if pu is not None:
+            return pu
+        pu = max(os.sched_getaffinity(0))
+        for w in self._cuda:
+            tid = getattr(w, "native_id", None)
+            if tid is None:
+                continue
+            try:
+                before = os.sched_getaffinity(tid)
+                os.sched_setaffinity(tid, {pu})
+            except OSError as exc:  # the thread has ended (a closed worker): nothing to join
+                log.debug("cannot pin %s's thread to PU %d: %s", getattr(w, "name", w), pu, exc)
+                self._unpin_drivers()
+                return None
+            self._unpin.append((w, tid, before))
+            w.cpu = pu
+        return pu
+
+    def _unpin_drivers(self) -> None:
+        """(lock held) The drivers the first block pinned get their PUs back."""
+        while self._unpin:
+            w, tid, before = self._unpin.pop()
+            w.cpu = None
+            try:
+                os.sched_setaffinity(tid, before)
+            except OSError:  # the thread has ended
+                pass
+
+
+@contextlib.contextmanager
+def colocated(pu: int | None) -> Iterator[int | None]:
+    """Run the calling thread on PU ``pu`` for the block, then give it back the PUs it had
+    (None, or a platform without thread affinity: the block runs where it is)."""
+    if pu is None or not _supported():
+        yield None
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {pu})
+    except OSError as exc:  # a PU outside this process's cpuset
+        log.warning("cannot run this thread on the runtime's host core (PU %d): %s; it runs where it was",
+                    pu, exc)
+        yield None
+        return
+    try:
+        yield pu
+    finally:
+        os.sched_setaffinity(0, before)
