@@ -34,3 +34,12 @@ def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path)
     assert re.search(r"single requests through the server: [\d,]+ requests/s", out), out
     assert len(re.findall(r"req/s: [\d,]+/s, p50 [\d.]+ ms, p99 [\d.]+ ms", out)) == 3, out
     assert re.search(r"goals: host time <= 25 us/request: (met|not met) .*up to 75 %: (met|not met)", out), out
+
+
+def test_colocation_compares_plain_and_colocated_open_loops_and_says_the_goal(tmp_path):
+    out = _run("colocation.py", "--seconds", "0.5", "--rounds", "1", tmp=tmp_path)
+    assert re.search(r"capacity, single requests through a plain Server: [\d,]+ requests/s", out), out
+    rows = re.findall(r"^ +[\d,]+ +(plain|colocated) +[\d,]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+", out, re.MULTILINE)
+    assert rows == ["plain", "colocated"] * 3, out
+    assert re.search(r"goal: colocated, p99 <= 5x p50 and lag p99 <= 1 ms up to 75 %: (met|not met); colocated kept "
+                     r"that where plain did not at: ", out), out

@@ -151,3 +151,25 @@ def test_a_colocated_servers_batcher_runs_on_the_drivers_core(plan, model, tmp_p
         with Server(rt, 4, max_delay=0.001) as plain:  # off by default
             assert plain.submit(sample).result(timeout=10)["y"].shape == (1, 16)
             assert os.sched_getaffinity(plain._thread.native_id) == before
+
+
+def test_an_open_loop_point_colocated_runs_its_generator_and_batcher_on_the_drivers_core(plan, tmp_path):
+    from staronnx.bench.points import measure_point
+
+    before = os.sched_getaffinity(0)
+    seen: set[frozenset[int]] = set()
+    batchers: set[frozenset[int]] = set()
+
+    def on_submit(i: int, n: int) -> None:
+        seen.add(frozenset(os.sched_getaffinity(0)))
+        batchers.update(frozenset(os.sched_getaffinity(t.native_id)) for t in threading.enumerate()
+                        if t.name == "staronnx-batcher" and t.native_id is not None)
+
+    with _runtime(plan, tmp_path) as rt:
+        summary, _ = measure_point(rt, 4, 400.0, [{"x": _x(5)["x"][:1]}], duration=0.5, warmup=0.1,
+                                   max_delay=0.002, on_submit=on_submit, colocate=True)
+        assert summary["throughput"] > 0
+        assert len(seen) == 1 and batchers == seen
+        (pus,) = seen
+        assert len(pus) == 1
+        assert os.sched_getaffinity(0) == before and rt.host_core is None  # all given back after the point

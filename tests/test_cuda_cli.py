@@ -79,3 +79,29 @@ def test_sweep_with_cuda_streams_and_graphs_on_or_off(tiny, tmp_path, host_cuda,
     rows = json.loads((out / "results.json").read_text())
     rows = rows["rows"] if isinstance(rows, dict) else rows
     assert rows and all(r.get("throughput", 0) > 0 for r in rows)
+
+
+def test_sweep_colocate_runs_the_points_from_the_drivers_core(tiny, tmp_path, host_cuda):
+    _, plan = tiny
+    out = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "staronnx", "sweep", str(plan), "--rates", "200", "--batch-sizes", "2",
+         "--duration", "0.5s", "--cuda-streams", "1", "--groups", "none", "--policy", "eager", "--no-plots",
+         "--colocate", "-o", str(out)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "load generator on the CUDA driver core" in proc.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["colocate"] is True
+    assert results["rows"] and all(r.get("throughput", 0) > 0 for r in results["rows"])
+
+
+def test_sweep_colocate_needs_cuda_streams(tiny, tmp_path, host_cuda):
+    _, plan = tiny
+    proc = subprocess.run(
+        [sys.executable, "-m", "staronnx", "sweep", str(plan), "--rates", "200", "--batch-sizes", "2",
+         "--colocate", "--no-plots", "-o", str(tmp_path / "s")],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 2
+    assert "--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams" in proc.stderr
+    assert "Traceback" not in proc.stderr

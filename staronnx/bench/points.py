@@ -8,6 +8,8 @@ next point starts.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -69,6 +71,7 @@ def measure_point(
     max_delay: float | None = None,
     max_inflight: int | None = None,
     server_factory: Callable[..., Any] | None = None,
+    colocate: bool = False,
 ) -> tuple[dict[str, Any], Any]:
     """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
 
@@ -79,7 +82,17 @@ def measure_point(
     full queue (what is cut counts as pending). ``server_factory`` builds the batching front
     end instead of :class:`Server`, with the same arguments
     (:class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
+    ``colocate``: the generator (this thread) and the server's batcher run on the runtime's CUDA
+    driver core for the point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where
+    the threads that hold the GIL in turn hand it over cheapest.
     """
+    if colocate and getattr(runtime, "colocate", None) is not None:
+        with runtime.colocate():
+            return measure_point(runtime, batch_size, rate, samples, duration=duration, warmup=warmup,
+                                 distribution=distribution, seed=seed, queue_capacity=queue_capacity,
+                                 drain_timeout=drain_timeout, on_submit=on_submit, max_delay=max_delay,
+                                 max_inflight=max_inflight,
+                                 server_factory=functools.partial(server_factory or Server, colocate=True))
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)

@@ -174,6 +174,7 @@ def sweep(
     inputs_path: str | os.PathLike[str] | None = None,
     server_factory: Callable[..., Any] | None = None,
     front_end: Mapping[str, Any] | None = None,
+    colocate: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
@@ -208,6 +209,9 @@ def sweep(
         server_factory, front_end: over the network, the batching front end of each point
             (see :func:`~staronnx.bench.points.measure_point`) and what ``settings.front_end``
             records about it (:func:`staronnx.bench.remote.remote_sweep`).
+        colocate: the load generator and the batcher run on the CUDA driver's core during each
+            point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate``
+            records it.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     rates, batch_sizes, warmup = _checked(rates, batch_sizes, distribution=distribution, duration=duration,
@@ -226,6 +230,7 @@ def sweep(
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
         "front_end": dict(front_end) if front_end is not None else {"kind": "in-process"},
+        "colocate": colocate,
     }
     if inputs is not None:
         settings["inputs"] = {"path": None if inputs_path is None else str(inputs_path),
@@ -246,7 +251,7 @@ def sweep(
             results.notes.extend(bound_notes)
         windows = {b: machine_inflight(machine, b) for b in batch_sizes}
     point = dict(distribution=distribution, seed=seed, queue_capacity=queue_capacity, max_delay=max_delay,
-                 server_factory=server_factory)
+                 server_factory=server_factory, colocate=colocate)
 
     own = runtime is None
     if own:

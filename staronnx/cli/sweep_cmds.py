@@ -261,6 +261,10 @@ def sweep_cmd(
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
         help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
+    colocate: Annotated[bool, typer.Option(
+        "--colocate", help="With --cuda-streams: the load generator and the batcher run on the CUDA driver thread's "
+                           "core during each point (they hold the GIL in turn with it; a hand-over on one core costs "
+                           "less than one between two). Not with --url or several models.")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant (the papers) or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Arrivals per point: 10s, 500ms, 2m (longer for slow batch fills).")] = "10s",
     warmup: Annotated[str | None, typer.Option(help="Start of each point left out of the figures (default min(1 s, duration/5)).")] = None,
@@ -306,7 +310,8 @@ def sweep_cmd(
         raise StaronnxError(LANES_NEED_SEVERAL)
     if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
-                                                ("--inputs", inputs), ("--labels", labels)) if value]
+                                                ("--inputs", inputs), ("--labels", labels),
+                                                ("--colocate", colocate)) if value]
         if engine != "native":
             unsupported.append("--engine")
         if unsupported:
@@ -318,6 +323,9 @@ def sweep_cmd(
                        seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
                        model_workers=model_workers or [], lane=lane or [])
         return
+    if colocate and (not cuda_streams or url is not None or engine != "native"):
+        raise StaronnxError("--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams "
+                            "and the native engine, and does not go with --url")
     plandir = plandirs[0]
     auto = rates.strip().lower() == "auto"
     rate_list = [] if auto else parse_rates(rates)
@@ -348,7 +356,8 @@ def sweep_cmd(
     console.print(
         f"sweeping plan {plan.hash} ({plan.k} parts) "
         + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
-           f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}: {len(sizes)} batch size(s) x ") +
+           f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}"
+           f"{', load generator on the CUDA driver core' if colocate else ''}: {len(sizes)} batch size(s) x ") +
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
     )
@@ -361,6 +370,7 @@ def sweep_cmd(
                 progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
                 extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
                 trace=trace, max_delay=delay, inputs=real, inputs_path=inputs,
+                **({"colocate": True} if colocate else {}),
             )
         except BaseException as exc:
             if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
