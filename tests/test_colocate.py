@@ -173,3 +173,14 @@ def test_an_open_loop_point_colocated_runs_its_generator_and_batcher_on_the_driv
         (pus,) = seen
         assert len(pus) == 1
         assert os.sched_getaffinity(0) == before and rt.host_core is None  # all given back after the point
+
+
+def test_workers_without_a_thread_of_ours_leave_the_caller_where_it_was():
+    from staronnx.workers.colocate import Colocation
+
+    class Seen:  # a CUDA worker as another engine shows it: no native thread id, no pin
+        kind, cpu, native_id = "cuda", None, None
+
+    before = os.sched_getaffinity(0)
+    with Colocation([Seen()]).block() as pu:
+        assert pu is None and os.sched_getaffinity(0) == before

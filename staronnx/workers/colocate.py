@@ -102,7 +102,8 @@ class Colocation:
                 return None
             self._unpin.append((w, tid, before))
             w.cpu = pu
-        return pu
+        # no thread of ours to join (another engine's workers, seen through it): stay put
+        return pu if self._unpin else None
 
     def _unpin_drivers(self) -> None:
         """(lock held) The drivers the first block pinned get their PUs back."""
