@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,17 @@ def test_sweep_colocate_needs_cuda_streams(tiny, tmp_path, host_cuda):
     assert proc.returncode == 2
     assert "--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_run_colocate_submits_from_the_drivers_core(tiny, tmp_path, host_cuda):
+    _, plan = tiny
+    proc = subprocess.run(
+        [sys.executable, "-m", "staronnx", "run", str(plan), "--requests", "50", "--batch", "2", "--cuda-streams", "1",
+         "--groups", "none", "--policy", "eager", "--colocate"],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"submitting from the CUDA driver's core \(PU \d+\)", proc.stdout), proc.stdout
+    assert "50 requests x batch 2 with eager" in proc.stdout
+    refused = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan), "--colocate"],
+                             capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert refused.returncode == 2 and "--colocate submits from a CUDA driver thread's core" in refused.stderr

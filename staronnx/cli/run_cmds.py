@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import typer
 from rich.table import Table
 
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
-from staronnx.cli.display import QUIET_HELP, output_console
+from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
@@ -32,6 +33,9 @@ def run_cmd(
         "--cuda-graphs/--no-cuda-graphs",
         help="Capture each (part, batch size) as a CUDA graph at warm-up and replay it (fewer "
              "kernel launches at small batches); on by default where a part can be captured.")] = True,
+    colocate: Annotated[bool, typer.Option(
+        "--colocate", help="With --cuda-streams: submit from the CUDA driver thread's core (this thread and the "
+                           "driver hold the GIL in turn; a hand-over on one core costs less than one between two).")] = False,
     max_in_flight: Annotated[int, typer.Option(help="Requests queued at once.")] = 16,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Perfetto/Chrome trace here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
@@ -49,6 +53,8 @@ def run_cmd(
 
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
+    if colocate and not cuda_streams:
+        raise StaronnxError("--colocate submits from a CUDA driver thread's core: it needs --cuda-streams")
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
     plan = Plan.load(plandir)
@@ -70,7 +76,11 @@ def run_cmd(
                      cuda_options=cuda_options, warmup=(batch,) if cuda_streams else ()) as rt:
             rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
             warm = rt.stats()
-            with progress_bar(quiet) as progress:
+            # the progress bar's thread starts first: only this thread joins the driver's core
+            with progress_bar(quiet) as progress, rt.colocate() if colocate else contextlib.nullcontext() as core:
+                if core is not None:
+                    above(progress, console).print(f"submitting from the CUDA driver's core (PU {core})",
+                                                   highlight=False)
                 done = progress.add_task("requests", total=requests)
                 start = time.perf_counter()
                 inflight = []
