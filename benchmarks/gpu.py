@@ -9,6 +9,10 @@ For each model and batch size, throughput in samples/s with numpy in and numpy o
 - ``graphs``: the same, each (part, batch size) captured as a CUDA graph at warm-up (staronnx's
   default; ``gpu`` is run with ``--no-cuda-graphs``); the row records how many graphs the
   workers captured and replayed, and a "graphs" figure with none replayed fails its check;
+- ``gpu+colo``/``graphs+colo``: ``gpu`` and ``graphs`` with the submitting thread on the CUDA
+  driver's core (``Runtime.colocate``): whether colocation wins on a GPU, with and without
+  graphs (without them the driver launches kernels outside the GIL, which a caller on another
+  core overlaps), is what these rows say;
 - ``gpu+cpu``: the same plan on the CUDA workers plus the CPU groups, dmda;
 - ``split``: the papers' 85/15 METIS plan, heft, CUDA workers plus CPU groups;
 - ``auto``: ``--shares auto`` (the split this machine's speeds call for), heft;
@@ -30,6 +34,7 @@ Usage (GPU host): python benchmarks/gpu.py [--models googlenet,resnet50] [--batc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -190,6 +195,8 @@ def staronnx_setups(path: Path, tmp: Path, args: argparse.Namespace, say: Callab
     else:  # the GPU alone with each (part, batch size) captured as a CUDA graph
         setups["graphs"] = {"plan": one, "policy": "eager", "groups": "none", "cuda_streams": streams,
                             "cuda_graphs": True}
+        for label, base in (("gpu+colo", "gpu"), ("graphs+colo", "graphs")):
+            setups[label] = {**setups[base], "colocate": True}
     return setups
 
 
@@ -236,10 +243,11 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
                          store=store, cuda_options=cuda_options, warmup=(b,) if s["cuda_streams"] else ()) as rt:
                 out = rt.run(feeds)
                 row["errors"][label] = rel_error(next(iter(out.values())), ref)
-                row[label] = b * closed_loop(lambda: rt.submit(feeds), lambda f: f.result(), args.in_flight,
-                                             args.seconds)
-                if b == 1:
-                    row[f"{label}_lat_ms"] = latency_ms(lambda: rt.run(feeds))
+                with rt.colocate() if s.get("colocate") else contextlib.nullcontext():
+                    row[label] = b * closed_loop(lambda: rt.submit(feeds), lambda f: f.result(), args.in_flight,
+                                                 args.seconds)
+                    if b == 1:
+                        row[f"{label}_lat_ms"] = latency_ms(lambda: rt.run(feeds))
                 graphs = [w.get("graphs") for w in rt.stats()["workers"].values() if w.get("graphs")]
                 if graphs:  # what the figure really measured: graphs replayed or not
                     row.setdefault("graphs", {})[label] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
@@ -252,8 +260,8 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
 
 
 # ---------------------------------------------------------------------- report
-COLUMNS = ["ort1", "ort2", "ort4", "gpu", "graphs", "gpu+cpu", "split", "auto", "cpu"]
-STARONNX = ["gpu", "graphs", "gpu+cpu", "split", "auto"]
+COLUMNS = ["ort1", "ort2", "ort4", "gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto", "cpu"]
+STARONNX = ["gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto"]
 
 
 def format_row(row: dict[str, Any]) -> str:
