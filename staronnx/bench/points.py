@@ -9,7 +9,6 @@ next point starts.
 from __future__ import annotations
 
 import functools
-
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence

@@ -370,7 +370,7 @@ def sweep_cmd(
                 progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
                 extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
                 trace=trace, max_delay=delay, inputs=real, inputs_path=inputs,
-                **({"colocate": True} if colocate else {}),
+                **({"colocate": True} if colocate else {}),  # only in process: --url refused it above
             )
         except BaseException as exc:
             if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
