@@ -16,7 +16,8 @@ CPU groups hold back already (see :mod:`staronnx.workers.launch`), when asked: a
 to one core pins the threads it starts too (Linux threads inherit their creator's affinity),
 and while the driver runs ONNX Runtime without a CUDA graph it launches kernels without the
 GIL, work that a caller on another core overlaps. Without CPU groups (``none``) no core is held
-back: the drivers are pinned to the last PU this process may use while a block runs there.
+back: the first driver thread is pinned to the last PU this process may use while a block runs
+there.
 """
 
 from __future__ import annotations
@@ -50,15 +51,15 @@ class Colocation:
     """A runtime's host core and the blocks that run there (:meth:`block`).
 
     Where no core is held back for the drivers (CPU groups ``none``), the first block pins the
-    CUDA driver threads to the last PU this process may use and the last block to end gives
-    them back the PUs they had, so a runtime nobody colocates with runs as it always did."""
+    first CUDA driver thread to the last PU this process may use and the last block to end
+    gives it back the PUs it had, so a runtime nobody colocates with runs as it always did."""
 
     def __init__(self, workers: Sequence[Any]) -> None:
         self._cuda = [w for w in workers if getattr(w, "kind", "") == "cuda"]
         self._lock = threading.Lock()
         self._blocks = 0
         self._pu: int | None = None
-        self._unpin: list[tuple[Any, int, set[int]]] = []  # (worker, thread id, its PUs before)
+        self._unpin: list[tuple[Any, int, set[int]]] = []  # (worker, its thread id, its PUs before)
 
     @property
     def core(self) -> int | None:
@@ -82,28 +83,28 @@ class Colocation:
                     self._unpin_drivers()
 
     def _pin_drivers(self) -> int | None:
-        """(lock held) The host core, the drivers pinned to one first when none is."""
+        """(lock held) The host core, the first driver thread pinned to one first when it is
+        not (the thread that drives a device's streams; with ``thread_per_stream``, the first
+        stream's)."""
         if not self._cuda or not _supported():
             return None
         pu = self.core
         if pu is not None:
             return pu
+        first = self._cuda[0]
+        tid = getattr(first, "native_id", None)
+        if tid is None:  # no thread of ours to join (another engine's workers, seen through it)
+            return None
         pu = max(os.sched_getaffinity(0))
-        for w in self._cuda:
-            tid = getattr(w, "native_id", None)
-            if tid is None:
-                continue
-            try:
-                before = os.sched_getaffinity(tid)
-                os.sched_setaffinity(tid, {pu})
-            except OSError as exc:  # the thread has ended (a closed worker): nothing to join
-                log.debug("cannot pin %s's thread to PU %d: %s", getattr(w, "name", w), pu, exc)
-                self._unpin_drivers()
-                return None
-            self._unpin.append((w, tid, before))
-            w.cpu = pu
-        # no thread of ours to join (another engine's workers, seen through it): stay put
-        return pu if self._unpin else None
+        try:
+            before = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, {pu})
+        except OSError as exc:  # the thread has ended (a closed worker): nothing to join
+            log.debug("cannot pin %s's thread to PU %d: %s", getattr(first, "name", first), pu, exc)
+            return None
+        self._unpin.append((first, tid, before))
+        first.cpu = pu
+        return pu
 
     def _unpin_drivers(self) -> None:
         """(lock held) The drivers the first block pinned get their PUs back."""
