@@ -179,8 +179,17 @@ def test_workers_without_a_thread_of_ours_leave_the_caller_where_it_was():
     from staronnx.workers.colocate import Colocation
 
     class Seen:  # a CUDA worker as another engine shows it: no native thread id, no pin
-        kind, cpu, native_id = "cuda", None, None
+        kind, cpu, native_id, alive = "cuda", None, None, True
 
     before = os.sched_getaffinity(0)
     with Colocation([Seen()]).block() as pu:
         assert pu is None and os.sched_getaffinity(0) == before
+
+
+def test_a_closed_runtime_has_no_core_to_join(plan, tmp_path):
+    from staronnx.runtime.engine import EngineClosed
+
+    rt = _runtime(plan, tmp_path)
+    rt.close()
+    with pytest.raises(EngineClosed, match="the runtime is closed"):
+        rt.colocate()

@@ -252,6 +252,8 @@ class Runtime:
         block runs. Yields that PU, or None where there is no CUDA worker (the block runs where
         it was). Threads started inside the block inherit the pin. Blocks may overlap, in any
         threads (a server's batcher and its caller)."""
+        if self._closed:
+            raise EngineClosed("the runtime is closed; its CUDA driver has no core left to join")
         return self._colocation.block()
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -93,7 +93,9 @@ class Colocation:
             return pu
         first = self._cuda[0]
         tid = getattr(first, "native_id", None)
-        if tid is None:  # no thread of ours to join (another engine's workers, seen through it)
+        # no thread of ours to join (another engine's workers, seen through it), or one that
+        # has ended, whose id the kernel may since have given to another thread
+        if tid is None or not getattr(first, "alive", False):
             return None
         pu = max(os.sched_getaffinity(0))
         try:
