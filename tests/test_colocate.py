@@ -193,3 +193,15 @@ def test_a_closed_runtime_has_no_core_to_join(plan, tmp_path):
     rt.close()
     with pytest.raises(EngineClosed, match="the runtime is closed"):
         rt.colocate()
+
+
+def test_a_colocated_server_on_a_closed_runtime_still_answers_every_request(plan, tmp_path, caplog):
+    from staronnx.runtime.engine import EngineClosed
+
+    rt = _runtime(plan, tmp_path)
+    rt.close()
+    with caplog.at_level(logging.WARNING), Server(rt, 2, max_delay=0.001, colocate=True) as server:
+        fut = server.submit({"x": _x(6)["x"][:1]})
+        with pytest.raises(EngineClosed):
+            fut.result(timeout=10)  # its error, not a hang
+    assert "the batcher runs where it is" in caplog.text

@@ -34,9 +34,11 @@ simulator fills too, so :func:`staronnx.serving.metrics.summarize` reads both.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import gc
 import itertools
+import logging
 import math
 import threading
 import time
@@ -53,6 +55,8 @@ from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, settle_locked
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+
+log = logging.getLogger(__name__)
 
 ON_FULL = ("reject", "block")
 #: the default window's floor (batches in the runtime), whatever the worker count. While the
@@ -475,10 +479,13 @@ class Server:
     # -- the batcher --------------------------------------------------------------------------
     def _batcher_thread(self) -> None:
         colocate = getattr(self.runtime, "colocate", None) if self.colocate else None
-        if colocate is None:
-            self._batcher()
-            return
-        with colocate():
+        block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if colocate is not None:
+            try:
+                block = colocate()
+            except Exception as exc:  # noqa: BLE001 - a closed runtime: the batcher must still answer
+                log.warning("the batcher runs where it is: %s", exc)
+        with block:
             self._batcher()
 
     def _batcher(self) -> None:
