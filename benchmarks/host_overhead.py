@@ -95,12 +95,9 @@ def ort_threads(model: Path, threads: int, seconds: float) -> float:
 
 
 def runtime_rate(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Namespace,
-                 cpu: dict[str, float], colocate: bool = False) -> float:
+                 cpu: dict[str, float] | None = None, colocate: bool = False) -> float:
     """Tasks/s of ``--in-flight`` batches submitted at a time, waited for, again; the process's
     CPU time and the tasks it did are added to ``cpu``. ``colocate``: from the driver's core."""
-    if colocate:
-        with rt.colocate():
-            return runtime_rate(rt, feeds, args, cpu)
     done = [0]
 
     def burst() -> int:
@@ -111,23 +108,19 @@ def runtime_rate(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Names
         return args.in_flight
 
     c0 = time.process_time()
-    r = rate(burst, args.seconds)
-    cpu["seconds"] += time.process_time() - c0
-    cpu["tasks"] += done[0]
+    with rt.colocate() if colocate else contextlib.nullcontext():
+        r = rate(burst, args.seconds)
+    if cpu is not None:
+        cpu["seconds"] += time.process_time() - c0
+        cpu["tasks"] += done[0]
     return r
 
 
 def served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace, colocate: bool = False) -> int:
     """Single-sample requests through a Server, as fast as they are accepted; ``colocate``: the
     caller and the server's batcher on the driver's core."""
-    if not colocate:
-        return _served(rt, sample, args, False)
-    with rt.colocate():
-        return _served(rt, sample, args, True)
-
-
-def _served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace, colocate: bool) -> int:
-    with Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight, colocate=colocate) as server:
+    with rt.colocate() if colocate else contextlib.nullcontext(), \
+            Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight, colocate=colocate) as server:
         futs = [server.submit(sample) for _ in range(200 * BATCH)]
         for f in futs:
             f.result()
@@ -171,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             measures[f"runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[n])
             measures[f"server {n}"] = functools.partial(rate, functools.partial(served, rt, sample, args),
                                                         args.seconds)
-            cpu[-n] = {"seconds": 0.0, "tasks": 0}
-            measures[f"colocated runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[-n],
+            measures[f"colocated runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args,
                                                                    colocate=True)
             measures[f"colocated server {n}"] = functools.partial(
                 rate, functools.partial(served, rt, sample, args, colocate=True), args.seconds)

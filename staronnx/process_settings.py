@@ -16,8 +16,9 @@ from typing import Any
 
 
 class SharedSetting:
-    """A process-wide setting held by nested or concurrent users: ``apply()`` changes it and
-    returns what it found, which ``restore`` gets back once the last user leaves."""
+    """A setting held by nested or concurrent users (process-wide ones here, and a runtime's
+    driver pin in :mod:`staronnx.workers.colocate`): ``apply()`` changes it and returns what it
+    found, which ``restore`` gets back once the last user leaves."""
 
     def __init__(self, apply: Callable[[], Any], restore: Callable[[Any], None]) -> None:
         self._apply = apply
@@ -28,14 +29,16 @@ class SharedSetting:
         self.users = 0
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """The setting applied while inside (by the first of overlapping users)."""
+    def held(self) -> Iterator[Any]:
+        """The setting applied while inside (by the first of overlapping users); yields what
+        that ``apply()`` returned."""
         with self._lock:
             if not self.users:
                 self._saved = self._apply()
             self.users += 1
+            saved = self._saved
         try:
-            yield
+            yield saved
         finally:
             with self._lock:
                 self.users -= 1

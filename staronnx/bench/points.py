@@ -8,6 +8,7 @@ next point starts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import time
@@ -85,24 +86,22 @@ def measure_point(
     driver core for the point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where
     the threads that hold the GIL in turn hand it over cheapest.
     """
+    factory = server_factory or Server
+    block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if colocate and getattr(runtime, "colocate", None) is not None:
-        with runtime.colocate():
-            return measure_point(runtime, batch_size, rate, samples, duration=duration, warmup=warmup,
-                                 distribution=distribution, seed=seed, queue_capacity=queue_capacity,
-                                 drain_timeout=drain_timeout, on_submit=on_submit, max_delay=max_delay,
-                                 max_inflight=max_inflight,
-                                 server_factory=functools.partial(server_factory or Server, colocate=True))
+        block, factory = runtime.colocate(), functools.partial(factory, colocate=True)
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
-    server = (server_factory or Server)(runtime, batch_size=batch_size, max_delay=max_delay,
-                                       max_inflight=max_inflight, queue_capacity=max(queue_capacity, batch_size))
-    try:
-        records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
-                                drain_timeout=drain, on_submit=on_submit)
-    finally:
-        server.close(timeout=2.0)
-        wait_idle(runtime)
+    with block:
+        server = factory(runtime, batch_size=batch_size, max_delay=max_delay, max_inflight=max_inflight,
+                         queue_capacity=max(queue_capacity, batch_size))
+        try:
+            records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
+                                    drain_timeout=drain, on_submit=on_submit)
+        finally:
+            server.close(timeout=2.0)
+            wait_idle(runtime)
     records.settings["distribution"] = distribution
     return summarize(records, warmup=warmup), records
 

@@ -210,11 +210,11 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # 15-25 ms with every thread stopped, three or four times in five seconds under load (p99)
     gc.collect()
     hold_frozen()
-    young = contextlib.ExitStack()
-    core = young.enter_context(colocate()) if colocate is not None else None
+    serving = contextlib.ExitStack()  # what holds while serving: the loop's core, the collector's setting
+    core = serving.enter_context(colocate()) if colocate is not None else None
     collecting: asyncio.Task[None] | None = None
     if gc_interval > 0:
-        young.enter_context(young_only())
+        serving.enter_context(young_only())
         collecting = asyncio.get_running_loop().create_task(_collect_every(gc_interval))
 
     stop = asyncio.Event()
@@ -239,7 +239,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     finally:
         if collecting is not None:
             collecting.cancel()
-        young.close()
+        serving.close()
         release_frozen()
     say("stopping: no new requests; draining the ones accepted")
     sys.stdout.flush()

@@ -25,9 +25,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
+
+from staronnx.process_settings import SharedSetting
 
 __all__ = ["Colocation", "host_core", "colocated"]
 
@@ -56,10 +57,8 @@ class Colocation:
 
     def __init__(self, workers: Sequence[Any]) -> None:
         self._cuda = [w for w in workers if getattr(w, "kind", "") == "cuda"]
-        self._lock = threading.Lock()
-        self._blocks = 0
-        self._pu: int | None = None
-        self._unpin: list[tuple[Any, int, set[int]]] = []  # (worker, its thread id, its PUs before)
+        #: (host core or None, how to undo the driver's pin or None), held by the open blocks
+        self._pin = SharedSetting(self._pin_driver, self._unpin_driver)
 
     @property
     def core(self) -> int | None:
@@ -69,54 +68,46 @@ class Colocation:
     @contextlib.contextmanager
     def block(self) -> Iterator[int | None]:
         """The calling thread on the host core for the block (see :func:`colocated`)."""
-        with self._lock:
-            if not self._blocks:
-                self._pu = self._pin_drivers()
-            self._blocks += 1
-        try:
-            with colocated(self._pu) as pu:
-                yield pu
-        finally:
-            with self._lock:
-                self._blocks -= 1
-                if not self._blocks:
-                    self._unpin_drivers()
+        with self._pin.held() as (pu, _), colocated(pu) as got:
+            yield got
 
-    def _pin_drivers(self) -> int | None:
-        """(lock held) The host core, the first driver thread pinned to one first when it is
-        not (the thread that drives a device's streams; with ``thread_per_stream``, the first
-        stream's)."""
+    def _pin_driver(self) -> tuple[int | None, tuple[Any, int, set[int]] | None]:
+        """The host core, the first driver thread pinned to one first when it is not (the
+        thread that drives a device's streams; with ``thread_per_stream``, the first stream's),
+        and what undoes that pin: (its worker, its thread id, its PUs before)."""
         if not self._cuda or not _supported():
-            return None
+            return None, None
         pu = self.core
         if pu is not None:
-            return pu
+            return pu, None
         first = self._cuda[0]
         tid = getattr(first, "native_id", None)
         # no thread of ours to join (another engine's workers, seen through it), or one that
         # has ended, whose id the kernel may since have given to another thread
         if tid is None or not getattr(first, "alive", False):
-            return None
+            return None, None
         pu = max(os.sched_getaffinity(0))
         try:
             before = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, {pu})
         except OSError as exc:  # the thread has ended (a closed worker): nothing to join
             log.debug("cannot pin %s's thread to PU %d: %s", getattr(first, "name", first), pu, exc)
-            return None
-        self._unpin.append((first, tid, before))
+            return None, None
         first.cpu = pu
-        return pu
+        return pu, (first, tid, before)
 
-    def _unpin_drivers(self) -> None:
-        """(lock held) The drivers the first block pinned get their PUs back."""
-        while self._unpin:
-            w, tid, before = self._unpin.pop()
-            w.cpu = None
-            try:
-                os.sched_setaffinity(tid, before)
-            except OSError:  # the thread has ended
-                pass
+    @staticmethod
+    def _unpin_driver(pinned: tuple[int | None, tuple[Any, int, set[int]] | None]) -> None:
+        """The driver the first block pinned gets its PUs back."""
+        undo = pinned[1]
+        if undo is None:
+            return
+        worker, tid, before = undo
+        worker.cpu = None
+        try:
+            os.sched_setaffinity(tid, before)
+        except OSError:  # the thread has ended
+            pass
 
 
 @contextlib.contextmanager
