@@ -442,6 +442,132 @@ class TestSharedReplica:
         assert "model 'heavy': the request queue is full" in refused["error"], refused
 
 
+# -- Triton's example clients against serve --ray ----------------------------------------------
+class _Served:
+    """What test_triton_compat's example blocks read of a server: its HTTP address, the image
+    model's plan folder (for the reference scores)."""
+
+    def __init__(self, http: str, image_root: Path) -> None:
+        self.http, self.image_root = http, image_root
+
+
+@pytest.fixture(scope="class")
+def triton_models(cluster, tmp_path_factory):
+    """``staronnx serve --ray simple/ image/`` (Triton's example models, built as
+    test_triton_compat builds them), one replica of one core; stopped after the class."""
+    import test_triton_compat as tc
+
+    root = tmp_path_factory.mktemp("ray-triton")
+    onnx.save(tc.simple_model(), str(root / "simple.onnx"))
+    onnx.save(tc.image_model(), str(root / "image.onnx"))
+    simple = partition(root / "simple.onnx", parts=1, costs="estimate", output_dir=root / "simple")
+    image = partition(root / "image.onnx", parts=1, costs="estimate", output_dir=root / "image")
+    (Path(image.root) / "labels.txt").write_text("\n".join(tc.LABELS) + "\n")
+    proc, lines, addr = _start_serve(
+        cluster, root / "home", str(simple.root), str(image.root), "--name", "simple", "--name", "image_classifier",
+        "--replicas", "1", "--replica-cpus", "1", "--groups", "cores=1", "--policy", "eager",
+        "--batch-size", "8", "--max-delay", "1ms")
+    try:
+        yield _Served(addr, Path(image.root))
+    finally:
+        rc = _stop(proc)
+        out = "\n".join(lines)
+        assert rc == 0 and "Traceback" not in out, out
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+class TestTritonClientsOnRay:
+    """Issue 21's items 1-5 through ``serve --ray``: Triton's HTTP example programs (the blocks
+    of test_triton_compat, which repeat them call for call) run unchanged against the Ray
+    ingress, and its statistics and repository index follow Triton's definitions."""
+
+    def test_simple_http_examples(self, triton_models):
+        import test_triton_compat as tc
+
+        tc.test_simple_http_infer_client(triton_models)  # statistics, unknown model, gzip/deflate bodies
+        tc.test_simple_http_async_infer_client(triton_models)
+        tc.test_simple_http_aio_infer_client(triton_models)
+        tc.test_simple_http_health_metadata(triton_models)
+
+    @pytest.mark.parametrize("async_set", [False, True])
+    def test_image_client_over_http(self, triton_models, tmp_path, async_set):
+        """image_client: metadata, Triton's config conventions, batches of 2, classification
+        with labels (the top 3 of each image checked against the plan's reference)."""
+        import test_triton_compat as tc
+        from PIL import Image
+
+        rng = np.random.default_rng(1)
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 255, (40, 48, 3), dtype=np.uint8)).save(tmp_path / f"img{i}.png")
+        tc.test_image_client(triton_models, tmp_path, "HTTP", async_set)
+
+    def test_statistics_sum_the_replicas_and_the_ingress(self, triton_models):
+        """Counts per Triton's definitions: answered requests (with their queue, decode, run and
+        encode times), a request the replica refuses (wrong datatype) and one the ingress
+        refuses (malformed JSON) as failures, samples and batches run; one model's and every
+        model's; another version is Triton's 404."""
+        import test_triton_compat as tc
+        import tritonclient.http as thttp
+        from tritonclient.utils import InferenceServerException
+
+        h = thttp.InferenceServerClient(triton_models.http)
+
+        def stats():
+            (s,) = h.get_inference_statistics("simple")["model_stats"]
+            return s
+
+        before = stats()
+        input0_data, input1_data = tc._data()
+        for _ in range(3):
+            tc._validate(tc._http_test_infer(h, "simple", input0_data, input1_data), input0_data, input1_data)
+        inputs = [thttp.InferInput("INPUT0", [1, 16], "INT32"), thttp.InferInput("INPUT1", [1, 16], "FP32")]
+        inputs[0].set_data_from_numpy(input0_data)
+        inputs[1].set_data_from_numpy(input1_data.astype(np.float32))
+        with pytest.raises(InferenceServerException):
+            h.infer("simple", inputs)  # refused by the replica's checks
+        st, reply = _post_json(triton_models.http, "/v2/models/simple/infer", b'{"inputs": [')
+        assert st == 400 and "malformed JSON" in reply["error"], reply  # refused by the ingress
+        after = stats()
+
+        def d(*keys):
+            return tc._dig(after, keys) - tc._dig(before, keys)
+
+        assert after["name"] == "simple" and after["version"] == "1"
+        assert d("inference_stats", "success", "count") == 3
+        assert d("inference_stats", "fail", "count") == 2
+        assert d("inference_count") == 3 and 1 <= d("execution_count") <= 3
+        for key in ("queue", "compute_input", "compute_infer", "compute_output"):
+            assert d("inference_stats", key, "count") == 3
+        assert d("inference_stats", "success", "ns") >= d("inference_stats", "compute_infer", "ns") > 0
+        assert d("inference_stats", "compute_input", "ns") > 0 and d("inference_stats", "compute_output", "ns") > 0
+        assert sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]
+        assert after["last_inference"] > 0
+        assert {s["name"] for s in h.get_inference_statistics()["model_stats"]} == {"simple", "image_classifier"}
+        with pytest.raises(InferenceServerException) as e:
+            h.get_inference_statistics("simple", model_version="2")
+        assert e.value.status() == "404" and "Request for unknown model" in e.value.message()
+        with pytest.raises(InferenceServerException) as e:
+            h.get_inference_statistics("nope")
+        assert e.value.status() == "404" and e.value.message().startswith("Request for unknown model")
+
+    def test_repository_index_is_read_only_and_extensions_are_listed(self, triton_models):
+        import tritonclient.http as thttp
+        from tritonclient.utils import InferenceServerException
+
+        h = thttp.InferenceServerClient(triton_models.http)
+        assert h.get_model_repository_index() == [
+            {"name": "image_classifier", "version": "1", "state": "READY", "reason": ""},
+            {"name": "simple", "version": "1", "state": "READY", "reason": ""}]
+        for call in (h.load_model, h.unload_model):
+            with pytest.raises(InferenceServerException) as e:
+                call("simple")
+            assert "for the life of the process" in e.value.message(), e.value.message()
+        assert h.is_model_ready("simple")
+        for ext in ("binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"):
+            assert ext in h.get_server_metadata()["extensions"]
+
+
 # -- without a cluster -------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
     (["--replicas", "2"], "go with --ray"),

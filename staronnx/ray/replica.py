@@ -38,6 +38,12 @@ class Reply:
     outputs: dict[str, np.ndarray] = field(default_factory=dict)
     parameters: dict[str, Any] = field(default_factory=dict)
     error: tuple[str, str] | None = None
+    #: the replica that answered (its Serve id)
+    replica: str = ""
+    #: the model's counts on that replica after this request (:meth:`ModelStats.snapshot`):
+    #: the ingress sums the latest of every replica for Triton's statistics, which no single
+    #: replica can give and Serve has no call to gather
+    stats: dict[str, Any] | None = None
 
 
 def cpu_share(local_rank: int, cpus: float, allowed: Sequence[int] | None = None) -> list[int] | None:
@@ -158,31 +164,37 @@ class StaronnxReplica:
     def _endpoint(self, model: str | None) -> Any:
         """The endpoint serving ``model`` (None: the only one); an unknown name is a protocol
         error (not found), though the ingress routes only the names this replica hosts."""
-        from staronnx.serve.protocol import ProtocolError
+        from staronnx.serve.protocol import unknown_model
 
         if model is None and len(self.endpoints) == 1:
             return self.endpoint
         try:
             return self.endpoints[model]  # type: ignore[index]
         except KeyError:
-            raise ProtocolError("not_found", f"unknown model {model!r}; this replica serves "
-                                f"{sorted(self.endpoints)}") from None
+            raise unknown_model(str(model), list(self.endpoints)) from None
 
     # -- requests ---------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
-                    outputs: Sequence[str] | None, model: str | None = None) -> Reply:
+                    outputs: Sequence[str] | None, model: str | None = None,
+                    classes: Mapping[str, int] | None = None) -> Reply:
         """One decoded KServe v2 request for ``model`` through its batcher (see the module
-        docstring). A full queue of one model refuses that model only."""
+        docstring); ``classes``: outputs asked for with Triton's ``classification: k``. A full
+        queue of one model refuses that model only. The reply carries the model's counts here."""
         from staronnx.serve.protocol import ProtocolError
 
+        try:
+            endpoint = self._endpoint(model)
+        except ProtocolError as exc:
+            return Reply(error=(exc.kind, str(exc)), replica=self.replica)
         self._ongoing += 1
         try:
-            answer = await self._endpoint(model).infer(inputs, datatypes, outputs)
+            answer = await endpoint.infer(inputs, datatypes, outputs, classes=classes)
         except ProtocolError as exc:
-            return Reply(error=(exc.kind, str(exc)))
+            return Reply(error=(exc.kind, str(exc)), replica=self.replica, stats=endpoint.stats.snapshot())
         finally:
             self._ongoing -= 1
-        return Reply(answer.outputs, {**answer.parameters, "staronnx_replica": self.replica})
+        return Reply(answer.outputs, {**answer.parameters, "staronnx_replica": self.replica}, replica=self.replica,
+                     stats=endpoint.stats.snapshot())
 
     def metadata(self, model: str | None = None) -> dict[str, Any]:
         return self._endpoint(model).metadata()

@@ -189,24 +189,18 @@ class HttpFrontend:
             return _shutting_down(model)
         t1 = time.perf_counter()
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0,
-                                   classes=_classes(header))
+                                   classes=requested_classes(header))
         t2 = time.perf_counter()
-        args = (model, header.get("id"), answer.outputs, dict(wanted), binary_out, answer.parameters)
-        if _json_values(answer.outputs, dict(wanted), binary_out) < OFFLOAD_VALUES:
-            response = _encode_response(*args)
-        else:  # many values to write as text: on a worker thread, as the decoding
-            response = await asyncio.get_running_loop().run_in_executor(_json_pool(), _encode_response, *args)
+        response = await encode_answer(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
+                                       answer.parameters)
         model.stats.encoded(time.perf_counter() - t2)
         return response
 
     async def _read(self, request: web.Request) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
                                                          list[tuple[str, bool]], bool]:
-        body = await _read_body(request, self.max_body)
-        length = request.headers.get(HEADER_LENGTH)
-        if _json_bytes(body, length) < OFFLOAD_BYTES:
-            return _decode(body, length)
-        # a large JSON document is parsed on a worker thread: the loop goes on serving the others
-        return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, length)
+        body = await _receive_limited(request, self.max_body)
+        return await decode_body(body, request.headers.get("Content-Encoding"), request.headers.get(HEADER_LENGTH),
+                                 self.max_body)
 
 
 def _shutting_down(model: ModelEndpoint) -> web.Response:
@@ -237,19 +231,46 @@ def refused_load(name: str, action: str) -> ProtocolError:
                                     "restart it with the plans to serve")
 
 
-async def _read_body(request: web.Request, max_body: int) -> bytes | bytearray:
-    """The request body, at most ``max_body`` bytes, decompressed (off the event loop, never
-    past ``max_body``) when its Content-Encoding says so."""
+async def _receive_limited(request: web.Request, max_body: int) -> bytes | bytearray:
+    """The request body as sent (still compressed, if it is), refused past ``max_body`` bytes."""
     if request.content_length is not None and request.content_length > max_body:
         raise invalid(f"request body of {request.content_length} bytes is larger than --max-body ({max_body} bytes)")
-    body = await _receive(request, max_body)
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    return await _receive(request, max_body)
+
+
+async def inflate_body(body: bytes | bytearray, encoding: str | None, max_body: int) -> bytes | bytearray:
+    """``body`` decompressed as its Content-Encoding says (off the event loop, never past
+    ``max_body``: a small bomb must not stall the other clients while it inflates)."""
+    encoding = (encoding or "identity").strip().lower()
     if encoding in ("", "identity"):
         return body
     wbits = _ENCODINGS.get(encoding)
     if wbits is None:
         raise invalid(f"Content-Encoding {protocol.shown(encoding)} is not supported (gzip, deflate or none)")
     return await asyncio.get_running_loop().run_in_executor(None, _inflate, body, wbits, max_body)
+
+
+async def decode_body(body: bytes | bytearray, encoding: str | None, header_length: str | None,
+                      max_body: int) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
+                                              list[tuple[str, bool]], bool]:
+    """A received request body as (JSON header, inputs, their datatypes, outputs asked for,
+    binary default): inflated (:func:`inflate_body`), and a large JSON document parsed on a
+    worker thread, so the loop goes on serving the others. Both HTTP front ends (``staronnx
+    serve`` and the Ray ingress) read requests through here, so they accept the same bodies."""
+    body = await inflate_body(body, encoding, max_body)
+    if _json_bytes(body, header_length) < OFFLOAD_BYTES:
+        return _decode(body, header_length)
+    return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, header_length)
+
+
+async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
+                        binary_out: bool, parameters: Mapping[str, Any] | None = None) -> web.Response:
+    """The response to a request (:func:`_encode_response`), written on a worker thread when it
+    has many values to write as text, as large requests are decoded."""
+    args = (model, request_id, outputs, wanted, binary_out, parameters)
+    if _json_values(outputs, wanted, binary_out) < OFFLOAD_VALUES:
+        return _encode_response(*args)
+    return await asyncio.get_running_loop().run_in_executor(_json_pool(), _encode_response, *args)
 
 
 async def _receive(request: web.Request, max_body: int) -> bytes | bytearray:
@@ -308,7 +329,13 @@ def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
 
 async def _read_json_object(request: web.Request, max_body: int) -> dict[str, Any]:
     """A small JSON object body (empty body: ``{}``)."""
-    body = await _read_body(request, max_body)
+    body = await inflate_body(await _receive_limited(request, max_body), request.headers.get("Content-Encoding"),
+                              max_body)
+    return json_object(body)
+
+
+def json_object(body: bytes | bytearray) -> dict[str, Any]:
+    """A small JSON object request body, such as the repository index's (empty: ``{}``)."""
     if not body.strip():
         return {}
     doc = _loads(body)
@@ -326,7 +353,7 @@ def _loads(data: bytes) -> Any:
         raise invalid(f"malformed JSON in the request: {cut(exc)}") from None
 
 
-def _classes(header: Mapping[str, Any]) -> dict[str, Any]:
+def requested_classes(header: Mapping[str, Any]) -> dict[str, Any]:
     """Outputs asked for with Triton's ``classification`` parameter, and their k."""
     out: dict[str, Any] = {}
     for spec in header.get("outputs") or []:

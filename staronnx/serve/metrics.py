@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter as _Tally
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector
@@ -79,6 +79,13 @@ class ModelStats:
         with self._lock:
             self.output_us += seconds * 1e6
 
+    def decoded(self, seconds: float) -> None:
+        """Time a front end spent decoding a request answered by another process's endpoint (the
+        Ray ingress, whose replicas count the rest): part of its duration and of compute_input."""
+        with self._lock:
+            self.request_us += seconds * 1e6
+            self.input_us += seconds * 1e6
+
     def refused(self, reason: str) -> None:
         """A request failed before it was accepted (bad input, full queue)."""
         with self._lock:
@@ -103,6 +110,62 @@ class ModelStats:
                 "last_inference_ms": self.last_inference_ms, "deadline_misses": self.deadline_misses,
                 "batches": {size: tuple(row) for size, row in self.batches.items()},
             }
+
+
+def merge_snapshots(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """One model's counts over several :meth:`ModelStats.snapshot` (the replicas of a Ray
+    deployment and the ingress in front of them): every count and duration summed, the last
+    inference the latest. Each snapshot only ever grows, so a sum of the latest ones does too."""
+    out = ModelStats().snapshot()
+    for s in snapshots:
+        for key, value in s.items():
+            if key == "failure":
+                out[key] = dict(_Tally(out[key]) + _Tally(value))
+            elif key == "batches":
+                merged = dict(out[key])
+                for size, (n, secs) in value.items():
+                    was = merged.get(size, (0, 0.0))
+                    merged[size] = (was[0] + n, was[1] + secs)
+                out[key] = merged
+            elif key == "last_inference_ms":
+                out[key] = max(out[key], value)
+            elif key in out:
+                out[key] += value
+    return out
+
+
+def triton_statistics(name: str, s: Mapping[str, Any]) -> dict[str, Any]:
+    """Triton's statistics extension for model ``name`` from its counts ``s`` (a
+    :meth:`ModelStats.snapshot`): the document ``GET /v2/models/<name>/stats`` and gRPC
+    ``ModelStatistics`` carry.
+
+    As Triton defines them: ``success``/``fail`` count the requests answered and failed with
+    their cumulative end-to-end durations; ``queue`` and ``compute_input``/``compute_infer``/
+    ``compute_output`` the cumulative times of the successful ones (waiting for a batch,
+    decoding the request, their batches' runs, encoding the response); ``inference_count``
+    samples run, ``execution_count`` batches run, and ``batch_stats`` the batches of each size
+    with their cumulative run times. Durations in nanoseconds.
+    """
+    ok = s["success"]
+
+    def d(count: int, us: float) -> dict[str, int]:
+        return {"count": int(count), "ns": int(round(us * 1e3))}
+
+    return {
+        "name": name, "version": VERSION, "last_inference": s["last_inference_ms"],
+        "inference_count": s["inference_count"], "execution_count": s["exec_count"],
+        "inference_stats": {
+            "success": d(ok, s["request_us"]), "fail": d(sum(s["failure"].values()), s["fail_us"]),
+            "queue": d(ok, s["queue_us"]), "compute_input": d(ok, s["input_us"]),
+            "compute_infer": d(ok, s["infer_us"]), "compute_output": d(ok, s["output_us"]),
+            "cache_hit": d(0, 0), "cache_miss": d(0, 0),
+        },
+        "response_stats": {},
+        "batch_stats": [{"batch_size": size, "compute_input": d(n, 0), "compute_infer": d(n, secs * 1e6),
+                         "compute_output": d(n, 0)}
+                        for size, (n, secs) in sorted(s["batches"].items())],
+        "memory_usage": [],
+    }
 
 
 class ServedModel(Protocol):

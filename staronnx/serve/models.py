@@ -35,7 +35,7 @@ from staronnx.errors import InputError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.serve import protocol
-from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics
+from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_statistics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 
@@ -43,6 +43,14 @@ from staronnx.serving.server import OverloadError, Server, ServerClosed
 #: few thousand, enough for any look at recent behaviour, while a server that runs for weeks
 #: keeps a constant footprint (the Prometheus counters hold the totals)
 RECORDS_KEPT = 4096
+
+
+def check_version(name: str, version: str | None) -> None:
+    """Refuse a version of model ``name`` other than the one served, in Triton's wording (a plan
+    folder is one immutable version)."""
+    if version not in (None, "", VERSION):
+        raise ProtocolError("not_found", f"Request for unknown model: {shown(name)} has no version "
+                                         f"{shown(version)} (it serves version {VERSION})")
 
 
 @dataclass
@@ -230,9 +238,7 @@ class ModelEndpoint:
 
     # -- protocol -------------------------------------------------------------------------------
     def check_version(self, version: str | None) -> None:
-        if version not in (None, "", VERSION):
-            raise ProtocolError("not_found", f"Request for unknown model: {shown(self.name)} has no version "
-                                             f"{shown(version)} (it serves version {VERSION})")
+        check_version(self.name, version)
 
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
@@ -291,38 +297,12 @@ class ModelEndpoint:
 
     def statistics(self) -> dict[str, Any]:
         """Triton's statistics extension for this model (``GET /v2/models/<name>/stats``, gRPC
-        ``ModelStatistics``), from the counts the metrics report.
-
-        As Triton defines them: ``success``/``fail`` count the requests answered and failed with
-        their cumulative end-to-end durations; ``queue`` and ``compute_input``/``compute_infer``/
-        ``compute_output`` the cumulative times of the successful ones (waiting for a batch,
-        decoding the request, their batches' runs, encoding the response);
-        ``inference_count`` samples run, ``execution_count`` batches run, and ``batch_stats``
-        the batches of each size with their cumulative run times. Durations in nanoseconds.
-        """
+        ``ModelStatistics``), from the counts the metrics report
+        (:func:`~staronnx.serve.metrics.triton_statistics` has Triton's definitions), with
+        staronnx's own account of how the model is served."""
         s = self.stats.snapshot()
-        ok = s["success"]
-
-        def d(count: int, us: float) -> dict[str, int]:
-            return {"count": int(count), "ns": int(round(us * 1e3))}
-
-        return {
-            "name": self.name, "version": VERSION, "last_inference": s["last_inference_ms"],
-            "inference_count": s["inference_count"], "execution_count": s["exec_count"],
-            "inference_stats": {
-                "success": d(ok, s["request_us"]), "fail": d(sum(s["failure"].values()), s["fail_us"]),
-                "queue": d(ok, s["queue_us"]), "compute_input": d(ok, s["input_us"]),
-                "compute_infer": d(ok, s["infer_us"]), "compute_output": d(ok, s["output_us"]),
-                "cache_hit": d(0, 0), "cache_miss": d(0, 0),
-            },
-            "response_stats": {},
-            "batch_stats": [{"batch_size": size, "compute_input": d(n, 0), "compute_infer": d(n, secs * 1e6),
-                             "compute_output": d(n, 0)}
-                            for size, (n, secs) in sorted(s["batches"].items())],
-            "memory_usage": [],
-            # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
-            "staronnx": self.service(s),
-        }
+        # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
+        return {**triton_statistics(self.name, s), "staronnx": self.service(s)}
 
     def service(self, snapshot: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """How this model is served on its (maybe shared) runtime: its queue, latency target,
