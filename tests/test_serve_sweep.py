@@ -104,6 +104,46 @@ def test_sweep_over_the_network_writes_the_same_results(server, plans, tmp_path)
     assert png.stat().st_size > 0
 
 
+def test_sweep_over_grpc(server, plans, tmp_path):
+    """``--url grpc://``: the same sweep through tritonclient.grpc.aio, the server's batching read
+    from Triton's ModelConfig call, batches rebuilt from the ids in gRPC's typed parameters."""
+    wire = tmp_path / "grpc"
+    done = _staronnx("sweep", str(plans["tiny"].root), "--url", f"grpc://{server.grpc}", "--rates", "60,150",
+                     "--duration", "1.5s", "--no-extend", "--no-plots", "--quiet", "-o", str(wire), home=tmp_path / "home")
+    assert done.returncode == 0, done.stdout + done.stderr
+    doc = json.loads((wire / "results.json").read_text())
+    front = doc["settings"]["front_end"]
+    assert front == {"kind": "network", "url": f"grpc://{server.grpc}", "model": "tiny",
+                     "protocol": "KServe v2 gRPC (Triton's service)", "client": "tritonclient.grpc.aio"}
+    assert doc["settings"]["batch_sizes"] == [BATCH] and doc["settings"]["max_delay_s"] == pytest.approx(0.002)
+    rows = doc["rows"]
+    assert [r["offered_rate"] for r in rows] == [60, 150]
+    for r in rows:
+        assert r["policy"] == "eager" and r["groups"] == _groups()
+        assert r["requests"] > 0 and r["completed"] == r["requests"] and r["failed"] == 0, r
+        assert r["achieved_arrival_rate"] == pytest.approx(r["offered_rate"], rel=0.15), r["loadgen"]
+        assert 0 < r["batches"] <= r["completed"], r
+        # the placement came from gRPC's typed response parameters
+        assert r["cpu_share"] == pytest.approx(1.0) and any(k.startswith("share_part1_cpu") for k in r)
+
+    # through the library: samples sent together share the batch the server names
+    from staronnx.bench.remote import RemoteRuntime, RemoteServer
+
+    with RemoteRuntime(f"grpc://{server.grpc}", plans["tiny"]) as remote:
+        assert remote.protocol == "grpc" and remote.served.batch_size == BATCH
+        x = np.ones((2, 8), np.float32)
+        assert remote.submit({"x": x}).result(30)["y"].shape[0] == 2  # a whole batch, as the warm-up sends
+        front = RemoteServer(remote, BATCH, max_delay=0.002)
+        futures = [front.submit({"x": x[:1]}) for _ in range(BATCH)]
+        for f in futures:
+            f.result(30)
+        rec = front.records()
+        front.close()
+    assert len(rec.requests) == BATCH and all(q.done is not None for q in rec.requests)
+    assert all(b.id >= 0 for b in rec.batches) and len(rec.batches) < BATCH, rec.batches
+    assert all(b.placement for b in rec.batches)
+
+
 @pytest.mark.parametrize("args, says", [
     (["--batch-sizes", "8"], "forms batches of up to 4"),
     (["--max-delay", "5ms"], "max delay of 2 ms"),
@@ -123,7 +163,11 @@ def test_sweep_url_refuses_what_the_server_does_not_do(server, plans, tmp_path, 
 def test_sweep_url_checks_address_and_plan(server, plans, tmp_path, capsys):
     cases = [
         ([str(plans["other"].root), "--url", f"http://{server.http}", "--model", "tiny"], "sweep the plan the server serves"),
-        ([str(plans["tiny"].root), "--url", f"grpc://{server.grpc}"], "give its HTTP address"),
+        ([str(plans["tiny"].root), "--url", f"ftp://{server.http}"], "expected http://HOST:PORT or grpc://HOST:PORT"),
+        ([str(plans["tiny"].root), "--url", f"grpc://{server.grpc}", "--model", "nope"], "serves no model 'nope'"),
+        ([str(plans["other"].root), "--url", f"grpc://{server.grpc}", "--model", "tiny"],
+         "sweep the plan the server serves"),
+        ([str(plans["tiny"].root), "--url", f"grpc://{server.grpc}", "--batch-sizes", "8"], "forms batches of up to 4"),
         ([str(plans["tiny"].root), "--url", "http://127.0.0.1:1"], "cannot reach http://127.0.0.1:1"),
         ([str(plans["tiny"].root), "--model", "tiny"], "give --url too"),
     ]

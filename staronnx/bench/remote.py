@@ -11,9 +11,12 @@ the client's clock (latencies include the network and both ends' encoding); the 
 each sample's batch (``staronnx_batch_id``/``_size``/``_placement``), so the papers' latency and
 the CPU share come from the very same :func:`~staronnx.serving.summarize`.
 
-HTTP, not gRPC: KServe v2's gRPC has no model configuration call, and the sweep must read the
-server's batching. Batch size, max delay, runtime settings and plan hash are the server's: a
-value that disagrees is refused rather than measured under a wrong label.
+Over HTTP (``http://HOST:PORT``, binary tensors, tritonclient.http.aio) or gRPC
+(``grpc://HOST:PORT``, tritonclient.grpc.aio): the sweep reads the server's batching from
+Triton's model configuration, which ``staronnx serve`` answers on both (KServe v2's own gRPC
+service has no such call; Triton's, which ``staronnx serve`` implements, has). Batch size, max
+delay, runtime settings and plan hash are the server's: a value that disagrees is refused
+rather than measured under a wrong label.
 """
 
 from __future__ import annotations
@@ -57,22 +60,58 @@ def _url_error(url: str, why: str) -> RemoteError:
 
 
 def parse_url(url: str) -> str:
-    """``host:port`` of an ``http://host:port`` URL (what tritonclient takes), or one clear line."""
+    """``host:port`` of an ``http://host:port`` or ``grpc://host:port`` URL (what tritonclient
+    takes), or one clear line."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme == "grpc":
-        raise _url_error(url, "the sweep speaks HTTP to the server (KServe v2 over gRPC has no model "
-                              "configuration call); give its HTTP address, http://HOST:PORT (staronnx serve "
-                              "prints it as 'HTTP (KServe v2) on ...')")
-    if parts.scheme != "http":
-        raise _url_error(url, "expected http://HOST:PORT (a staronnx serve HTTP address)")
+    if parts.scheme not in PROTOCOLS:
+        raise _url_error(url, "expected http://HOST:PORT or grpc://HOST:PORT (a staronnx serve address: it prints "
+                              "them as 'HTTP (KServe v2) on ...' and 'gRPC (KServe v2) on ...')")
     if parts.path not in ("", "/") or parts.query or not parts.hostname:
-        raise _url_error(url, "expected http://HOST:PORT with no path; the model is named separately")
+        raise _url_error(url, f"expected {parts.scheme}://HOST:PORT with no path; the model is named separately")
     try:
         port = parts.port
     except ValueError:
         raise _url_error(url, "the port is not a number") from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
     return f"{host}:{port or 80}"
+
+
+def url_protocol(url: str) -> str:
+    """``"http"`` or ``"grpc"``: the protocol a (valid, see :func:`parse_url`) URL names."""
+    return urlsplit(url if "://" in url else f"http://{url}").scheme
+
+
+#: the protocols a remote sweep speaks, by URL scheme: what ``results.json`` records of each
+PROTOCOLS = {
+    "http": {"protocol": "KServe v2 HTTP, binary tensors", "client": "tritonclient.http.aio",
+             "overloaded": "503", "not_found": "404"},
+    "grpc": {"protocol": "KServe v2 gRPC (Triton's service)", "client": "tritonclient.grpc.aio",
+             "overloaded": "StatusCode.UNAVAILABLE", "not_found": "StatusCode.NOT_FOUND"},
+}
+
+
+def _client_module(protocol: str) -> Any:
+    """tritonclient's asynchronous client for ``protocol``, or one line saying what to install."""
+    try:
+        if protocol == "grpc":
+            import tritonclient.grpc.aio as aio_client
+        else:
+            import tritonclient.http.aio as aio_client
+    except ImportError as exc:
+        raise RemoteError(f"a sweep over the network needs tritonclient ({exc.name} is missing): "
+                          f"pip install 'tritonclient[{protocol}]'") from None
+    return aio_client
+
+
+def _parameters(result: Any, protocol: str) -> dict[str, Any]:
+    """The response parameters of an answer, as plain values (gRPC's are typed messages)."""
+    if protocol != "grpc":
+        return result.get_response().get("parameters") or {}
+    out: dict[str, Any] = {}
+    for key, param in result.get_response().parameters.items():
+        kind = param.WhichOneof("parameter_choice")
+        out[key] = getattr(param, kind) if kind else None
+    return out
 
 
 @dataclass(frozen=True)
@@ -111,13 +150,10 @@ class RemoteRuntime:
 
     def __init__(self, url: str, plan: Plan, model: str | None = None, *, connections: int = CONNECTIONS,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        try:
-            import tritonclient.http.aio as aio_client
-        except ImportError as exc:
-            raise RemoteError(f"a sweep over the network needs tritonclient ({exc.name} is missing): "
-                              "pip install 'tritonclient[http]'") from None
         self.url = url
         self.address = parse_url(url)
+        self.protocol = url_protocol(url)
+        aio_client = _client_module(self.protocol)
         self.plan = plan
         self.model = model or Path(plan.root).resolve().name
         self.clock = clock
@@ -129,6 +165,8 @@ class RemoteRuntime:
         self._thread.start()
 
         async def connect() -> Any:
+            if self.protocol == "grpc":  # one HTTP/2 channel carries every request at once
+                return aio_client.InferenceServerClient(self.address)
             return aio_client.InferenceServerClient(self.address, conn_limit=connections,
                                                     conn_timeout=REQUEST_TIMEOUT_S)
 
@@ -166,9 +204,9 @@ class RemoteRuntime:
         from tritonclient.utils import InferenceServerException
 
         try:
-            config = self.call(self.client.get_model_config(self.model))
+            config = self.call(self._config())
         except InferenceServerException as exc:
-            if exc.status() == "404":
+            if exc.status() == PROTOCOLS[self.protocol]["not_found"]:
                 raise RemoteError(f"{self.url} serves no model {self.model!r} ({exc.message()}); name it "
                                   "with model=", cli=f"{self.url} serves no model {self.model!r} "
                                   f"({exc.message()}); name it with --model") from None
@@ -184,10 +222,16 @@ class RemoteRuntime:
                               f"{self.plan.hash} ({self.plan.root}): sweep the plan the server serves")
         return served
 
+    async def _config(self) -> dict[str, Any]:
+        """The served model's configuration, as Triton's JSON (gRPC's message converted)."""
+        if self.protocol == "grpc":
+            return (await self.client.get_model_config(self.model, as_json=True))["config"]
+        return await self.client.get_model_config(self.model)
+
     # -- what the sweep calls ---------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
         """Send ``feeds`` (any batch) as one request; the future resolves to its outputs."""
-        inputs, outputs = encode(self.plan, feeds)
+        inputs, outputs = encode(self.plan, feeds, self.protocol)
 
         async def send() -> dict[str, np.ndarray]:
             result = await self.client.infer(self.model, inputs, outputs=outputs)
@@ -219,21 +263,26 @@ class RemoteRuntime:
         self.close()
 
 
-def encode(plan: Plan, feeds: Mapping[str, np.ndarray]) -> tuple[list[Any], list[Any]]:
-    """tritonclient inputs (binary tensors) for ``feeds``, and every output asked for in binary."""
-    import tritonclient.http as thttp
+def encode(plan: Plan, feeds: Mapping[str, np.ndarray], protocol: str = "http") -> tuple[list[Any], list[Any]]:
+    """tritonclient inputs for ``feeds`` and every output asked for, in ``protocol``'s classes
+    (over HTTP, binary tensors both ways; gRPC's tensors are always raw bytes)."""
     from tritonclient.utils import np_to_triton_dtype
 
+    if protocol == "grpc":
+        import tritonclient.grpc as client
+    else:
+        import tritonclient.http as client
+    binary = {} if protocol == "grpc" else {"binary_data": True}
     inputs = []
     for t in plan.inputs:
         arr = np.ascontiguousarray(feeds[t.name])
         datatype = np_to_triton_dtype(arr.dtype)
         if datatype is None:
             raise RemoteError(f"input {t.name!r}: dtype {arr.dtype} has no KServe v2 datatype")
-        inp = thttp.InferInput(t.name, list(arr.shape), datatype)
-        inp.set_data_from_numpy(arr, binary_data=True)
+        inp = client.InferInput(t.name, list(arr.shape), datatype)
+        inp.set_data_from_numpy(arr, **binary)
         inputs.append(inp)
-    outputs = [thttp.InferRequestedOutput(t.name, binary_data=True) for t in plan.outputs]
+    outputs = [client.InferRequestedOutput(t.name, **binary) for t in plan.outputs]
     return inputs, outputs
 
 
@@ -276,7 +325,7 @@ class RemoteServer:
         # the generator reuses a pool of samples: encode each once (tritonclient only reads them)
         cached = self._encoded.get(id(sample))
         if cached is None or cached[0] is not sample:
-            cached = (sample, *encode(self.runtime.plan, sample))
+            cached = (sample, *encode(self.runtime.plan, sample, self.runtime.protocol))
             self._encoded[id(sample)] = cached
         _, inputs, outputs = cached
         with self._lock:
@@ -300,8 +349,8 @@ class RemoteServer:
                                                      request_id=str(record.id))
         except InferenceServerException as exc:
             with self._lock:
-                # 503: the server's queue was full, as OverloadError in process
-                if exc.status() == "503":
+                # 503 (UNAVAILABLE): the server's queue was full, as OverloadError in process
+                if exc.status() == PROTOCOLS[self.runtime.protocol]["overloaded"]:
                     record.rejected = True
                 else:
                     record.failed = True
@@ -311,7 +360,7 @@ class RemoteServer:
                 record.failed = True
             raise
         done = self.clock()
-        params = result.get_response().get("parameters") or {}
+        params = _parameters(result, self.runtime.protocol)
         with self._lock:
             record.done = done
             batch_id = params.get("staronnx_batch_id")
@@ -446,8 +495,9 @@ def remote_sweep(
                 flag = "--" + key.replace("_", "-")
                 why = f"{url} runs with {flag} {actual[key]}, not {value}: over the network the runtime settings are "
                 raise RemoteError(why + f"the server's (pass {key}=None)", cli=why + f"the server's (leave {flag} out)")
-        front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": "KServe v2 HTTP, binary tensors",
-                     "client": "tritonclient.http.aio"}
+        wire = PROTOCOLS[remote.protocol]
+        front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
+                     "client": wire["client"]}
         streams = actual.get("cuda_streams")
         return sweep(
             plan, rates, [b], policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),

@@ -287,9 +287,9 @@ def sweep_cmd(
         help="Real inputs: an .npz keyed by the model's input names, samples along axis 0 "
              "(numpy.savez); requests cycle through them. Default: random inputs.")] = None,
     url: Annotated[str | None, typer.Option(
-        help="Sweep a running `staronnx serve` over the network (http://HOST:PORT, its HTTP port) through "
-             "tritonclient instead of a runtime in this process; the batch size, max delay and runtime "
-             "settings are then the server's.")] = None,
+        help="Sweep a running `staronnx serve` over the network (http://HOST:PORT, its HTTP port, or "
+             "grpc://HOST:PORT, its gRPC port) through tritonclient instead of a runtime in this process; the "
+             "batch size, max delay and runtime settings are then the server's.")] = None,
     model: Annotated[str | None, typer.Option(
         help="With --url: the served model's name (default: the plan folder's name).")] = None,
     model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
