@@ -327,3 +327,86 @@ def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, mod
     assert started[0]["cuda_options"] == {"provider_options": {"gpu_mem_limit": str(1 << 30)}}
     assert started[1]["cuda_streams"] == 3 and "cuda_options" not in started[1]
     assert started[2]["cuda_streams"] == 0
+
+
+# -- ORT's settings that choose hardware -------------------------------------------------------
+def test_device_id_picks_the_gpu_the_cuda_workers_drive(home, model_path):
+    """The CUDA provider's ``device_id`` is the GPU every CUDA worker drives (it used to be
+    checked, then dropped: every session ran on GPU 0). Run for real on HostRuntime standing in
+    for two GPUs; outputs equal ORT's."""
+    from staronnx.workers.cudart import HostRuntime
+
+    x = np.random.default_rng(0).standard_normal((3, WIDTH)).astype(np.float32)
+    want = ort.InferenceSession(str(model_path)).run(None, {"x": x})[0]
+    for device in (1, 0):
+        with staronnx.InferenceSession(
+                model_path, providers=[("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"],
+                cuda_options={"runtime": HostRuntime(devices=2), "cuda_graphs": False}, cpu_groups="none",
+                partition_options={"costs": "estimate"}) as sess:
+            cuda = [w for w in sess.runtime.workers if getattr(w, "device_id", None) is not None]
+            assert [w.name for w in cuda] == [f"cuda{device}.s0", f"cuda{device}.s1"]
+            assert {w.device_id for w in cuda} == {device} and {w.arch for w in cuda} == {f"cuda{device}"}
+            assert sess.get_providers()[0] == "CUDAExecutionProvider"
+            np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_device_id_that_does_not_exist_falls_back_to_cpu_saying_so(home, model_path, two_groups):
+    from staronnx.workers.cudart import HostRuntime
+
+    with pytest.warns(UserWarning, match="CUDA device 3 does not exist: 2 device"):
+        sess = staronnx.InferenceSession(
+            model_path, providers=[("CUDAExecutionProvider", {"device_id": "3"}), "CPUExecutionProvider"],
+            cuda_options={"runtime": HostRuntime(devices=2)}, cpu_groups=two_groups,
+            partition_options={"costs": "estimate"})
+    with sess:
+        assert all(w.arch.startswith("cpu") for w in sess.runtime.workers)
+    with pytest.raises(ValueError, match="device_id must be a CUDA device ordinal"):
+        staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", {"device_id": "gpu1"})],
+                                  cuda_options={"runtime": HostRuntime()})
+
+
+def test_intra_op_num_threads_bounds_the_cores_the_session_computes_on(home, model_path, two_groups):
+    """``intra_op_num_threads = 1``: one CPU worker on one core, as ORT computes on one thread
+    (it used to be ignored: the session spread over every core). ``cpu_groups`` still decides
+    when given."""
+    x = np.ones((2, WIDTH), np.float32)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    want = ort.InferenceSession(str(model_path), so).run(None, {"x": x})[0]
+    with staronnx.InferenceSession(model_path, so, partition_options={"costs": "estimate"}) as sess:
+        (worker,) = sess.runtime.workers
+        assert worker.group.n_cores == 1 and len(worker.group.pus) == 1
+        assert worker.group.first_pu in os.sched_getaffinity(0)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    with staronnx.InferenceSession(model_path, so, cpu_groups=two_groups, partition_options={"costs": "estimate"}) as sess:
+        assert len(sess.runtime.workers) == 2
+
+
+def test_a_runtime_drives_the_streams_of_every_gpu_it_is_given(tmp_path):
+    """``Runtime(cuda_devices=[0, 1])``: cuda_streams workers on each GPU, each with its own
+    arch (perf models per device), both running tasks; a GPU that does not exist is refused
+    when its worker starts, naming it; a repeated one at once."""
+    from staronnx import Runtime, partition
+    from staronnx.errors import StaronnxError
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.workers.cudart import HostRuntime
+
+    onnx.save(chain(depth=4, width=WIDTH), str(tmp_path / "m.onnx"))
+    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((2, WIDTH)).astype(np.float32) for _ in range(64)]
+    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, cuda_devices=[0, 1],
+                 store=PerfModelStore(tmp_path / "home"),
+                 cuda_options={"runtime": HostRuntime(devices=2), "cuda_graphs": False}) as rt:
+        assert [w.name for w in rt.workers] == ["cuda0.s0", "cuda1.s0"]
+        futures = [rt.submit({"x": x}) for x in xs]
+        for x, f in zip(xs, futures):
+            np.testing.assert_allclose(f.result(30)["y"], plan.run_reference({"x": x})["y"], rtol=1e-5, atol=1e-6)
+        tasks = {name: w["tasks"] for name, w in rt.stats()["workers"].items()}
+        assert tasks["cuda0.s0"] > 0 and tasks["cuda1.s0"] > 0, tasks
+    with pytest.raises(StaronnxError, match="invalid device ordinal 2"):
+        Runtime(plan, cpu_groups="none", cuda_streams=1, cuda_devices=[2], store=PerfModelStore(tmp_path / "home"),
+                cuda_options={"runtime": HostRuntime(devices=2)})
+    with pytest.raises(StaronnxError, match="must name each GPU once"):
+        Runtime(plan, cpu_groups="none", cuda_streams=1, cuda_devices=[0, 0],
+                cuda_options={"runtime": HostRuntime(devices=2)})

@@ -46,6 +46,8 @@ class EngineSettings:
     lanes: Mapping[str, str] = field(default_factory=dict)
     #: how the lanes' groups' shared workers yield to them: "idle" (SCHED_IDLE) or "nice"
     lane_preempt: str = "idle"
+    #: the GPUs whose streams the CUDA workers drive (``cuda_streams`` workers on each)
+    cuda_devices: tuple[int, ...] = (0,)
 
 
 class Engine(Protocol):

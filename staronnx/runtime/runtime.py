@@ -111,6 +111,7 @@ class Runtime:
         lanes: Mapping[str, str] | Sequence[str] | None = None,
         lane_preempt: str = "idle",
         save_every: float = 0.0,
+        cuda_devices: Sequence[int] = (0,),
     ) -> None:
         """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
         a single plan is named after its folder (see :attr:`model_names`). ``residency``:
@@ -124,9 +125,15 @@ class Runtime:
         with lanes is open, the interpreter's switch interval is at most 0.5 ms (a waking lane
         waits that long for the GIL at most). ``save_every``: seconds
         between merges of the perf models learnt while serving into the store (0: at close
-        only), so a server that is killed loses at most that much of what it learnt."""
+        only), so a server that is killed loses at most that much of what it learnt.
+        ``cuda_devices``: the GPUs (CUDA ordinals) that get ``cuda_streams`` workers each; ORT's
+        ``device_id`` provider option picks one (:class:`~staronnx.runtime.session.InferenceSession`)."""
         if save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
+        devices = tuple(int(d) for d in cuda_devices)
+        if not devices or len(set(devices)) != len(devices) or min(devices) < 0:
+            raise StaronnxError(f"cuda_devices must name each GPU once, by its CUDA ordinal (0, 1, ...); got "
+                                f"{list(cuda_devices)}")
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
@@ -147,7 +154,7 @@ class Runtime:
         settings = EngineSettings(
             policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
-            tuple(int(b) for b in warmup), dict(residency or {}), lanes, check_preempt(lane_preempt))
+            tuple(int(b) for b in warmup), dict(residency or {}), lanes, check_preempt(lane_preempt), devices)
         self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch

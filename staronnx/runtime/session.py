@@ -149,14 +149,15 @@ def _arg(t: TensorSpec) -> NodeArg:
 def _providers(
     providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
     provider_options: Sequence[Mapping[str, Any]] | None,
+    cuda_stand_in: bool = False,
 ) -> dict[str, dict[str, str]]:
     """ORT's two provider spellings (names plus a parallel options list, or (name, options)
     tuples) as one ordered {name: options}; providers this ORT lacks are dropped with ORT's
-    own warning, as ORT drops them."""
+    own warning, as ORT drops them (not CUDA's when a stand-in CUDA runtime is given)."""
     items = list(providers or [])
     if provider_options is not None and len(provider_options) != len(items):
         raise ValueError("'providers' and 'provider_options' should be the same length if both are given.")
-    available = ort.get_available_providers()
+    available = ort.get_available_providers() + ([CUDA_EP] if cuda_stand_in else [])
     out: dict[str, dict[str, str]] = {}
     for i, item in enumerate(items):
         if isinstance(item, tuple):
@@ -177,10 +178,13 @@ def _providers(
     return out
 
 
-def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None) -> int:
+def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None,
+                  stand_in: Any = None) -> int:
     """How many CUDA workers to start. ``providers=None`` keeps staronnx's own default (CPU
     groups, plus ``cuda_streams`` when given); providers naming CUDA start CUDA workers where
-    CUDA can run, and otherwise warn and fall back to the CPU, as ORT does."""
+    CUDA can run (on the GPU their ``device_id`` names), and otherwise warn and fall back to
+    the CPU, as ORT does. ``stand_in``: the CUDA runtime given in ``cuda_options`` (a
+    :class:`~staronnx.workers.cudart.HostRuntime`), asked instead of this machine's CUDA."""
     if asked is None:
         return int(cuda_streams or 0)
     if CUDA_EP not in asked:
@@ -190,8 +194,13 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
         return 0
     from staronnx.workers.cuda import cuda_unavailable_reason
 
-    device = asked[CUDA_EP].get("device_id")
-    reason = cuda_unavailable_reason(int(device) if device is not None else None)
+    device = _device_id(asked)
+    if stand_in is None:
+        reason = cuda_unavailable_reason(device)
+    else:
+        count = stand_in.device_count()
+        reason = None if 0 <= device < count else (
+            f"CUDA device {device} does not exist: {count} device(s) visible, 0..{count - 1}")
     if reason is not None:
         warnings.warn(f"{CUDA_EP} cannot run here, falling back to {CPU_EP}: {reason}",
                       UserWarning, stacklevel=3)
@@ -222,6 +231,30 @@ def _load_source(path_or_bytes: str | os.PathLike[str] | bytes) -> tuple[Any, on
             raise InvalidProtobuf(str(exc)) from None
         raise
     return source, loaded.model, loaded.sha256
+
+
+def _device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
+    """The GPU the CUDA provider's options name (ORT's ``device_id``, 0 by default)."""
+    value = (asked.get(CUDA_EP) or {}).get("device_id", 0)
+    try:
+        device = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{CUDA_EP} option device_id must be a CUDA device ordinal (0, 1, ...), "
+                         f"got {value!r}") from None
+    if device < 0:
+        raise ValueError(f"{CUDA_EP} option device_id must be >= 0, got {device}")
+    return device
+
+
+def _cores_for_threads(threads: int) -> str:
+    """ORT's ``intra_op_num_threads`` as CPU groups: one group of the first ``threads`` cores
+    this process may use (one PU each), so the session computes on that many threads as ORT's
+    would, instead of spreading over the machine (all of it, when there are fewer)."""
+    from staronnx.workers.topology import Topology
+
+    topology = Topology.from_system()
+    cores = topology.allowed_cores()[:threads]
+    return ",".join(str(core.allowed_pus(topology.allowed_pus)[0]) for core in cores)
 
 
 def _settings_key(shares: Any, options: Mapping[str, Any], groups: str, cuda_streams: int) -> str:
@@ -367,14 +400,19 @@ class InferenceSession:
         *,
         shares: Sequence[float] | str | None = (0.85, 0.15),
         policy: str = "heft",
-        cpu_groups: str = "numa",
+        cpu_groups: str | None = None,
         cuda_streams: int | None = None,
         partition_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         """``partition_options`` go to :func:`staronnx.partition` when a model is cut (e.g.
         ``{"costs": "estimate"}``, ``{"method": "linear"}``); other keywords go to
-        :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...)."""
+        :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...).
+
+        ORT's settings that choose hardware keep their meaning: the CUDA provider's
+        ``device_id`` is the GPU the CUDA workers drive, and ``sess_options.intra_op_num_threads
+        = N`` (N > 0) gives the session one CPU group of N cores, as ORT computes on N threads
+        (``cpu_groups``, when given, decides instead; default: one group per NUMA node)."""
         self._runtime: Runtime | None = None
         self._scratch: Path | None = None
         if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
@@ -386,10 +424,16 @@ class InferenceSession:
         self._check_runtime_options(runtime_options)
         self._sess_options = sess_options
         self._fallback = int(kwargs.get("enable_fallback", 1)) == 1
-        asked = None if providers is None else _providers(providers, provider_options)
-        streams = _cuda_streams(asked, cuda_streams)
+        stand_in = (runtime_options.get("cuda_options") or {}).get("runtime")
+        asked = None if providers is None else _providers(providers, provider_options, stand_in is not None)
+        streams = _cuda_streams(asked, cuda_streams, stand_in)
         self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
         self._provider_options.setdefault(CPU_EP, {})
+        if streams and asked is not None and "cuda_devices" not in runtime_options:
+            runtime_options["cuda_devices"] = (_device_id(asked),)
+        if cpu_groups is None:
+            threads = int(getattr(sess_options, "intra_op_num_threads", 0) or 0)
+            cpu_groups = _cores_for_threads(threads) if threads > 0 else "numa"
 
         cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
                       if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}

@@ -622,8 +622,10 @@ class HostRuntime:
     With ``ort_device_type = "cpu"`` the CUDA worker binds these buffers to ONNX Runtime's
     CPU provider, so its whole pipeline - staging, buffer caching, output discovery, prefetch,
     error handling, teardown - runs on a machine without a GPU.  It checks logic, not CUDA's
-    stream semantics, plus three things CUDA does that the worker must handle:
+    stream semantics, plus what CUDA does that the worker must handle:
 
+    - ``devices`` GPUs: ``device_count`` says so and ``set_device`` refuses any other ordinal
+      (``cudaErrorInvalidDevice``), so the paths that pick a GPU run here too;
     - ``calls`` counts every call by kind (copies, event records, waits, allocations), so a
       test can hold the per-task budget, and ``copy_threads`` holds the native ids of the
       threads that copied inputs to the device (the threads that launched tasks);
@@ -637,8 +639,10 @@ class HostRuntime:
 
     ort_device_type = "cpu"
 
-    def __init__(self, capture_seconds: float = 0.0) -> None:
+    def __init__(self, capture_seconds: float = 0.0, devices: int = 1) -> None:
         self.stats = AllocationStats()
+        #: how many GPUs it stands in for (``set_device`` refuses the others, as CUDA does)
+        self.devices = int(devices)
         self.calls: Counter[str] = Counter()
         self.copy_threads: set[int] = set()
         self.capture_seconds = capture_seconds
@@ -668,7 +672,7 @@ class HostRuntime:
             _Capture.check_unsafe(name)
 
     def device_count(self) -> int:
-        return 1
+        return self.devices
 
     def loading(self, part: int) -> None:
         """Count a session load; an injected ``session_load`` fault (code 2, out of memory)
@@ -676,7 +680,9 @@ class HostRuntime:
         self._call("session_load")
 
     def set_device(self, device_id: int) -> None:
-        pass
+        if not 0 <= device_id < self.devices:
+            raise CudaError("cudaSetDevice", 101, "cudaErrorInvalidDevice",
+                            f"invalid device ordinal {device_id} ({self.devices} device(s))")
 
     def stream(self, non_blocking: bool = True) -> _HostStream:
         self._call("stream_create", unsafe=True)
