@@ -77,9 +77,12 @@ def test_sweep_with_cuda_streams_and_graphs_on_or_off(tiny, tmp_path, host_cuda,
          *([] if graphs else ["--no-cuda-graphs"]), "-o", str(out)],
         capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    rows = json.loads((out / "results.json").read_text())
-    rows = rows["rows"] if isinstance(rows, dict) else rows
+    doc = json.loads((out / "results.json").read_text())
+    rows = doc["rows"]
     assert rows and all(r.get("throughput", 0) > 0 for r in rows)
+    # the sizes the live Server padded partial batches to (the captured graphs), which the
+    # fidelity replay pads to as well
+    assert doc["settings"]["pad_to"] == ([2] if graphs else [])
 
 
 def test_sweep_colocate_runs_the_points_from_the_drivers_core(tiny, tmp_path, host_cuda):

@@ -341,3 +341,24 @@ def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(p
     assert m["throughput"] == pytest.approx(predicted, rel=0.05)
     assert math.isfinite(m["paper_latency_mean"]) and np.isfinite(m["latency_p99"])
     assert machine.table.sources == {}  # real models, nothing borrowed
+
+
+def test_a_sweeps_fidelity_replay_pads_as_the_live_server_did(plan, tmp_path):
+    """The sweep replays each measured point in simulation with the live server's padding (the
+    runtime's captured sizes): without it a partial batch was priced at its request count while
+    the live one ran, and was timed, at the padded size."""
+    from staronnx.bench.fidelity import simulate_row
+    from staronnx.bench.simulator import build_machine
+
+    store = PerfModelStore(tmp_path)
+    write_models(store, plan, {(0, "cpu4"): lambda b: b * MS, (1, "cpu4"): lambda b: b * MS}, batches=(1, 4, 8))
+    machine = build_machine(plan, groups="numa", topology=topo(CPU4), store=store)
+    row = {"offered_rate": 100.0, "batch_size": 8, "duration_s": 0.5, "latency_p50_ms": 13.0,
+           "throughput": 100.0, "paper_latency_mean_ms": 13.0}
+    common = dict(policy="heft", distribution="constant", seed=0, queue_capacity=64, warmup=0.1, max_delay=5 * MS)
+    plain = simulate_row(machine, row, **common)
+    padded = simulate_row(machine, row, **common, pad_to=[4, 8])
+    # one request per batch (10 ms apart, 5 ms max delay), run as 1 row or, padded, as 4
+    assert plain["sim_latency_p50_ms"] == pytest.approx(5 + 2, rel=0.02)
+    assert padded["sim_latency_p50_ms"] == pytest.approx(5 + 2 * 4, rel=0.02)
+    assert padded["err_latency_p50"] == pytest.approx(padded["sim_latency_p50_ms"] / 13.0 - 1)

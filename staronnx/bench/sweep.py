@@ -259,6 +259,10 @@ def sweep(
                           engine=engine, trace=trace, cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
                           warmup=sorted({s for b in batch_sizes for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
+    # what the live Server pads a partial batch up to (the runtime's captured sizes): the
+    # simulated twin of each point must pad the same way
+    padding = tuple(sorted({int(m) for m in getattr(runtime, "preferred_batch_sizes", ()) or ()}))
+    settings["pad_to"] = list(padding)
     index = 0
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in (getattr(runtime, "workers", ()) or ())]
@@ -281,7 +285,8 @@ def sweep(
                     try:
                         row.update(clean(simulate_row(machine, row, policy=policy, distribution=distribution,
                                                       seed=seed, queue_capacity=queue_capacity,
-                                                      warmup=warmup, max_delay=max_delay)))
+                                                      warmup=warmup, max_delay=max_delay,
+                                                      pad_to=[m for m in padding if m <= b])))
                     except StaronnxError as exc:
                         results.notes.append(f"b={b} @ {rate:g} req/s not simulated: {exc}")
                 results.rows.append(row)
