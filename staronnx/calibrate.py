@@ -67,8 +67,8 @@ def calibrate(
     Interrupted (Ctrl-C, SIGTERM: a ``BaseException`` that is not an ``Exception``), it lets
     each worker finish the run it is in, stores every sample measured so far (the store is
     written atomically), records the signal in ``report.interrupted`` and re-raises; pass
-    ``report`` to read then what was kept. With ``replace``, only the models that took a sample
-    replace their stored ones.
+    ``report`` to read then what was kept. With ``replace``, only the batch sizes that took a
+    sample replace their stored entries: the others keep theirs.
     """
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
@@ -130,7 +130,7 @@ def calibrate(
             if (part, arch) not in measured:
                 continue
             if replace:
-                store.save(plan.hash, model)
+                report.models[(part, arch)] = store.save_measured(plan.hash, model)
             else:
                 report.models[(part, arch)] = store.commit(plan.hash, model)
         raise

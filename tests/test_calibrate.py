@@ -76,3 +76,36 @@ def test_cli_calibrate_show_and_plot(small_plan, tmp_path):
 def test_bad_batch_sizes_is_a_clear_error(small_plan, tmp_path):
     out = _cli("calibrate", str(small_plan.root), "--batch-sizes", "0,x", home=tmp_path)
     assert out.returncode == 2 and "--batch-sizes" in out.stderr
+
+
+def test_an_interrupted_replacing_calibration_keeps_the_batch_sizes_it_did_not_reach(small_plan, tmp_path):
+    """``--replace`` cut short after its first step: that step's footprint replaces the stored
+    one, and every footprint it never reached keeps its calibrated entry (they used to be
+    dropped with the whole stored model, minutes of measurement gone)."""
+    from staronnx.calibrate import CalibrationReport
+
+    store = PerfModelStore(tmp_path)
+    pu = str(sorted(os.sched_getaffinity(0))[0])
+    workers = start_workers(small_plan, groups=pu)
+    try:
+        calibrate(small_plan, [1, 3], workers=workers, store=store)
+        before = {(r.part, r.batch): r for r in store.rows(small_plan.hash)}
+
+        def interrupt(step: str) -> None:
+            raise KeyboardInterrupt
+
+        report = CalibrationReport()
+        with pytest.raises(KeyboardInterrupt):
+            calibrate(small_plan, [1, 3], workers=workers, store=store, replace=True, on_step=interrupt,
+                      report=report)
+        arch = workers[0].arch
+    finally:
+        for w in workers:
+            w.close()
+    assert report.interrupted and report.steps_done == 1 and set(report.runs) == {(0, arch, 1)}
+    after = {(r.part, r.batch): r for r in store.rows(small_plan.hash)}
+    assert set(after) == set(before) == {(p, b) for p in range(small_plan.k) for b in (1, 3)}
+    for key in set(before) - {(0, 1)}:  # never reached: as calibrated before
+        assert (after[key].n, after[key].mean, after[key].calibrated) == (before[key].n, before[key].mean, True), key
+    # the step that ran starts over from its own samples (the first one dropped, as StarPU does)
+    assert after[(0, 1)].n + after[(0, 1)].nerror == report.runs[(0, arch, 1)] - 1

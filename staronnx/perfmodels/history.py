@@ -328,6 +328,15 @@ class HistoryModel:
             self._baseline = stored
             self._fits.clear()
 
+    def overwrite(self, other: HistoryModel) -> None:
+        """Take ``other``'s entries for the footprints it has, keep this model's for the others
+        (StarPU's ``STARPU_CALIBRATE=2`` footprint by footprint: what an interrupted replacing
+        calibration measured replaces the stored entries, what it never reached stays)."""
+        with self._lock:
+            for fp, entry in other.entries().items():
+                self._entries[fp] = entry.copy()
+            self._fits.clear()
+
     # -- predicting ------------------------------------------------------------------------
 
     def predict(self, footprint: Footprint) -> float:

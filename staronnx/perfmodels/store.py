@@ -312,6 +312,16 @@ class PerfModelStore:
             self._load_history_locked(key)  # an unusable file is set aside, not overwritten
             self._write_history(path, key, model.checkpoint())
 
+    def save_measured(self, plan_hash: str, model: HistoryModel) -> HistoryModel:
+        """Overwrite, in the stored model, the footprints ``model`` has, keeping the stored
+        entries of every other one (:meth:`HistoryModel.overwrite`); returns the model written.
+
+        For a replacing calibration cut short: :meth:`save` would drop the batch sizes it had
+        not reached yet, calibrated minutes of measurement that nothing replaced.
+        """
+        key = ModelKey(plan_hash, model.part, model.arch)
+        return self.update(key, lambda disk: disk.overwrite(model))
+
     def _write_history(self, path: Path, key: ModelKey, state: dict[str, Any]) -> None:
         payload = {
             "format": FORMAT,
