@@ -52,6 +52,7 @@ import argparse
 import asyncio
 import gc
 import json
+import math
 import os
 import re
 import signal
@@ -486,16 +487,25 @@ def tail_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, float
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(60)
     report: dict[str, dict[str, float]] = {}
-    print(f"\n{'path':<12} {'row':<11} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8} {'refused':>8}")
+    print(f"\n{'path':<12} {'row':<11} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8} {'refused':>8} "
+          f"{'client us/req':>14} {'server us/req':>14}")
     for path in TAIL_PATHS:
         for name in rows:
             rs = runs[(path, name)]
             p50, p99 = percentiles(rs)
             tput = statistics.median(float(r["throughput"]) for r in rs)
             failed = sum(int(r.get("failed", 0)) for r in rs)
+            # where the CPU of a request goes (client process, server process), over the measured
+            # window: an open-loop client that costs more per request than a closed one leaves the
+            # server less of the machine than the capacity row had
+            client_us = statistics.median(float(r.get("client_cpu_ms_per_sample", math.nan)) * 1e3 for r in rs)
+            server_us = statistics.median(float(r.get("server_cpu_ms_per_sample", math.nan)) * 1e3 for r in rs)
             report[f"{path} / {name}"] = {"throughput": tput, "p50_ms": p50, "p99_ms": p99, "p99_over_p50": p99 / p50,
-                                          "failed": failed, "rounds": [float(r["throughput"]) for r in rs]}
-            print(f"{path:<12} {name:<11} {tput:>9.1f} {p50:>8.2f} {p99:>8.2f} {p99 / p50:>8.1f} {failed:>8d}")
+                                          "failed": failed, "rounds": [float(r["throughput"]) for r in rs],
+                                          "client_cpu_us_per_request": client_us,
+                                          "server_cpu_us_per_request": server_us}
+            print(f"{path:<12} {name:<11} {tput:>9.1f} {p50:>8.2f} {p99:>8.2f} {p99 / p50:>8.1f} {failed:>8d} "
+                  f"{client_us:>14.0f} {server_us:>14.0f}")
     print(f"\nserver exit code after SIGTERM: {rc}")
     for path in TAIL_PATHS:
         p99 = report[f"{path} / {rows[1]}"]["p99_ms"]
