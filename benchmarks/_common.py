@@ -37,3 +37,20 @@ def scratch_dir(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=prefix))
     atexit.register(shutil.rmtree, path, ignore_errors=True)
     return path
+
+
+def cuda_worker_options(device: str, cuda_graphs: bool) -> tuple[dict, str]:
+    """``cuda_options`` for the CUDA workers of a host-cost benchmark, and the words its header
+    says: ``device="host"`` stands HostRuntime in for CUDA (runs anywhere), ``"cuda"`` drives
+    the GPU (ONNX Runtime's CUDA provider), or exits with the one line that says what is
+    missing, so a GPU run measures the real thing or nothing."""
+    if device == "host":
+        from staronnx.workers.cudart import HostRuntime
+
+        return {"runtime": HostRuntime(), "cuda_graphs": cuda_graphs}, "CUDA workers on HostRuntime"
+    from staronnx.workers.cuda import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason(0)
+    if reason is not None:
+        raise SystemExit(f"--device cuda: {reason}")
+    return {"cuda_graphs": cuda_graphs}, "CUDA workers on GPU 0"

@@ -17,7 +17,9 @@ Goal (issue 19's serving goal, on the CUDA path): colocated, p99 <= 5x p50 and g
 p99 <= 1 ms up to 75 % of capacity. The last line says whether it was met, and at which rates
 colocation kept up where the plain run did not.
 
-Usage: python benchmarks/colocation.py [--seconds 3] [--rounds 3] [--batch 8]
+``--device cuda`` runs the same on the GPU (``--cuda-graphs`` with graphs captured).
+
+Usage: python benchmarks/colocation.py [--seconds 3] [--rounds 3] [--batch 8] [--device host|cuda] [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -31,14 +33,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import rate, scratch_dir  # noqa: E402
+from _common import cuda_worker_options, rate, scratch_dir  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
-from staronnx.workers.cudart import HostRuntime  # noqa: E402
 
 FRACTIONS = (0.5, 0.75, 1.0)
 
@@ -69,14 +70,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--device", choices=("host", "cuda"), default="host",
+                    help="host: HostRuntime stands in for CUDA (default, runs anywhere); cuda: the GPU")
+    ap.add_argument("--cuda-graphs", action="store_true", help="CUDA workers with graphs on")
     args = ap.parse_args(argv)
+    cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
     tmp = scratch_dir("staronnx-colocation-")
     plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp / "home"),
-                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}) as rt:
+                 cuda_options=cuda_options) as rt:
         rt.run({"x": np.ones((args.batch, 16), np.float32)})
         cap = capacity(rt, args.batch, args.seconds)
-        print(f"one CUDA worker on HostRuntime (groups none), tiny model, batches of up to {args.batch} "
+        print(f"one stream, {where} (groups none), tiny model, batches of up to {args.batch} "
               f"(max delay 2 ms), {args.rounds} round(s) of {args.seconds:g} s per point")
         print(f"  capacity, single requests through a plain Server: {cap:,.0f} requests/s")
         print(f"  {'offered':>9}  {'mode':<9}  {'achieved':>9}  {'p50 ms':>7}  {'p99 ms':>7}  {'p99/p50':>7}  "

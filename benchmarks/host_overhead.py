@@ -25,7 +25,9 @@ the process's CPU time per task (every thread: ours, ORT's) over the same rounds
 machine another tenant's load stretches the wall clock but not the work done per task, so that
 column still compares two runs taken at different times. Targets (issue 19): <= 40 µs per task
 through the Runtime with one stream, and 4 streams never slower than one; the closing line gives
-both readings (as the runtime is opened, and colocated). Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3]
+both readings (as the runtime is opened, and colocated). ``--device cuda`` measures the same
+rows on the GPU (ORT's rows then use its CUDA provider, inputs and outputs in host memory).
+Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3] [--device host|cuda] [--cuda-graphs]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import alternate, rate, scratch_dir  # noqa: E402
+from _common import alternate, cuda_worker_options, rate, scratch_dir  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
@@ -55,8 +57,10 @@ BATCH = 8
 STREAMS = (1, 2, 4)
 
 
-def ort_threads(model: Path, threads: int, seconds: float) -> float:
-    """Runs/s of ``threads`` plain sessions, each with pinned-style IOBinding, one per thread."""
+def ort_threads(model: Path, threads: int, seconds: float, device: str = "host") -> float:
+    """Runs/s of ``threads`` plain sessions, each with pinned-style IOBinding, one per thread;
+    with ``device="cuda"``, CUDA provider sessions whose bound input and output stay in host
+    memory, so each run copies in and out as a staronnx task does."""
     counts = [0] * threads
     stop = threading.Event()
     ready = threading.Barrier(threads + 1)
@@ -66,7 +70,8 @@ def ort_threads(model: Path, threads: int, seconds: float) -> float:
         so.intra_op_num_threads = 1
         so.inter_op_num_threads = 1
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        sess = ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+        providers = ["CUDAExecutionProvider"] if device == "cuda" else ["CPUExecutionProvider"]
+        sess = ort.InferenceSession(str(model), so, providers=providers)
         x = np.ones((BATCH, 16), np.float32)
         y = np.empty((BATCH, 16), np.float32)
         binding = sess.io_binding()
@@ -133,14 +138,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA workers with graphs on")
+    ap.add_argument("--device", choices=("host", "cuda"), default="host",
+                    help="host: HostRuntime stands in for CUDA (default, runs anywhere); cuda: the GPU")
     args = ap.parse_args(argv)
+    cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
     tmp = scratch_dir("staronnx-host-overhead-")
     model = tiny_model(tmp / "tiny.onnx")
     plan = partition(model, parts=1, output_dir=tmp / "plan", profile_runs=1)
     batch = {"x": np.ones((BATCH, 16), np.float32)}
     sample = {"x": np.ones((1, 16), np.float32)}
     store = PerfModelStore(tmp / "home")
-    print(f"tiny model (16x16 MatMul), batch {BATCH}, CUDA workers on HostRuntime, "
+    print(f"tiny model (16x16 MatMul), batch {BATCH}, {where}, "
           f"{args.in_flight} batches in flight, median of {args.rounds} rounds of {args.seconds} s")
     print(f"{'streams':>7}  {'ort tasks/s':>11}  {'runtime tasks/s':>15}  {'us/task':>7}  "
           f"{'cpu us/task':>11}  {'vs ort':>6}  {'colocated us/task':>17}  {'server req/s':>12}  {'us/req':>6}  "
@@ -154,13 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         for n in STREAMS:
             rt = stack.enter_context(Runtime(
                 plan, policy="eager", cpu_groups="none", cuda_streams=n, store=store,
-                cuda_options={"runtime": HostRuntime(), "cuda_graphs": args.cuda_graphs}))
+                cuda_options=dict(cuda_options, runtime=HostRuntime()) if args.device == "host" else cuda_options))
             for _ in range(4 * n):
                 rt.run(batch)
             pool = rt.batch_array((BATCH, 16), np.float32)  # a batch in pinned memory, as served
             pool[...] = 1.0
             cpu[n] = {"seconds": 0.0, "tasks": 0}
-            measures[f"ort {n}"] = functools.partial(ort_threads, model, n, args.seconds)
+            measures[f"ort {n}"] = functools.partial(ort_threads, model, n, args.seconds, args.device)
             measures[f"runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[n])
             measures[f"server {n}"] = functools.partial(rate, functools.partial(served, rt, sample, args),
                                                         args.seconds)

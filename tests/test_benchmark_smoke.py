@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -43,3 +45,17 @@ def test_colocation_compares_plain_and_colocated_open_loops_and_says_the_goal(tm
     assert rows == ["plain", "colocated"] * 3, out
     assert re.search(r"goal: colocated, p99 <= 5x p50 and lag p99 <= 1 ms up to 75 %: (met|not met); colocated kept "
                      r"that where plain did not at: ", out), out
+
+
+@pytest.mark.parametrize("script", ["host_overhead.py", "colocation.py"])
+def test_host_cost_benchmarks_on_the_gpu_say_what_is_missing_where_there_is_none(script, tmp_path):
+    """``--device cuda`` measures the GPU or nothing: without CUDA, one line naming what is
+    missing (never a HostRuntime figure labelled as a GPU one)."""
+    from staronnx.workers.cuda import cuda_unavailable_reason
+
+    if cuda_unavailable_reason(0) is None:
+        pytest.skip("CUDA is here: the benchmark measures the GPU")
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--device", "cuda", "--seconds", "0.1"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("--device cuda: CUDA workers need"), done.stderr

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Every GPU measurement issues 19 and 20 wait for, in one device call (the device tool allows
+# 10 minutes a call and 30 a session; the host keeps /tmp only ~30 s between calls).
+#
+# On the GPU host, after ../shared/tools/gpu-host-prep.sh's install runs:
+#   . /tmp/gpuhost/host.sh && bash benchmarks/gpu_session.sh        (writes under $OUT)
+#
+# Steps, each under its own time limit so one that hangs cannot take the others' time, each
+# with its output in $OUT/<step>.txt and a line in $OUT/summary.txt (exit code, seconds):
+#   1. pytest -m gpu                        the GPU tests (issue 19's acceptance)
+#   2. host_overhead --device cuda          host us/task, 1/2/4 streams, plain and colocated,
+#      (and again with --cuda-graphs)       against ORT's CUDA provider in threads
+#   3. colocation --device cuda             the open loop plain vs colocated (graphs on)
+#   4. gpu.py                               staronnx vs ORT on googlenet (issue 20's table)
+# SESSION_SECONDS (default 560) bounds the whole; a step that would start with too little left
+# is skipped and says so.
+set -u
+OUT="${OUT:-gpu-session}"
+mkdir -p "$OUT"
+BUDGET="${SESSION_SECONDS:-560}"
+START=$(date +%s)
+PY="${PYTHON:-python3}"
+: > "$OUT/summary.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
+
+step() {  # step NAME SECONDS COMMAND...
+  local name="$1" limit="$2"; shift 2
+  local left=$((BUDGET - ($(date +%s) - START)))
+  if [ "$left" -lt 30 ]; then
+    echo "$name: skipped ($left s of the session's budget left)" | tee -a "$OUT/summary.txt"
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit="$left"
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "$name: exit $rc in $(($(date +%s) - t0)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+  tail -n 4 "$OUT/$name.txt"
+}
+
+step pytest-gpu 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider
+step host-overhead 70 "$PY" benchmarks/host_overhead.py --device cuda --seconds 1 --rounds 2
+step host-overhead-graphs 70 "$PY" benchmarks/host_overhead.py --device cuda --cuda-graphs --seconds 1 --rounds 2
+step colocation 70 "$PY" benchmarks/colocation.py --device cuda --cuda-graphs --seconds 1.5 --rounds 1
+step gpu-table 240 "$PY" benchmarks/gpu.py --models googlenet --batches 1,8,32 --seconds 2 --json "$OUT/gpu.json"
+echo "total: $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
