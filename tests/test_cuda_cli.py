@@ -123,3 +123,92 @@ def test_run_colocate_submits_from_the_drivers_core(tiny, tmp_path, host_cuda):
     refused = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan), "--colocate"],
                              capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert refused.returncode == 2 and "--colocate submits from a CUDA driver thread's core" in refused.stderr
+
+
+# -- --cuda-devices: several GPUs (HostRuntime standing in for two) --------------------------------
+@pytest.fixture
+def two_gpus(monkeypatch, tmp_path):
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host:2")
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+
+
+def _cli(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "staronnx", *args], capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ))
+
+
+def test_run_drives_every_gpu_named(tiny, two_gpus):
+    """``run --cuda-devices 0,1``: a CUDA worker per stream on each GPU, each its own arch, both
+    running tasks (it used to be GPU 0 only: the runtime never asked launch for another)."""
+    _, plan = tiny
+    done = _cli("run", str(plan), "--requests", "60", "--cuda-streams", "1", "--cuda-devices", "0,1",
+                "--groups", "none", "--policy", "eager", "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {m.group(1): int(m.group(2)) for m in re.finditer(r"│ (cuda\d\.s0) +│ cuda\d +│ (\d+) ", done.stdout)}
+    assert set(rows) == {"cuda0.s0", "cuda1.s0"} and all(n > 0 for n in rows.values()), done.stdout
+    again = _cli("run", str(plan), "--requests", "10", "--cuda-streams", "1", "--cuda-devices", "all",
+                 "--groups", "none", "-q")
+    assert again.returncode == 0 and "cuda1.s0" in again.stdout, again.stdout + again.stderr
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--cuda-streams", "1", "--cuda-devices", "0-2"], "--cuda-devices 0-2: no GPU 2 here (2 visible: 0..1)"),
+    (["--cuda-streams", "1", "--cuda-devices", "1,1"], "CUDA ordinals, each once"),
+    (["--cuda-streams", "1", "--cuda-devices", "gpu0"], "CUDA ordinals, each once"),
+    (["--cuda-devices", "0"], "it needs --cuda-streams N"),
+])
+@pytest.mark.parametrize("command", ["run", "calibrate", "serve"])
+def test_cuda_devices_refusals_are_one_line_before_anything_starts(tiny, two_gpus, command, argv, says):
+    _, plan = tiny
+    done = _cli(command, str(plan), *argv, "--groups", "none", timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert says in done.stderr, done.stderr
+
+
+def test_serve_on_ray_leaves_the_gpus_to_ray(tiny, two_gpus):
+    _, plan = tiny
+    done = _cli("serve", str(plan), "--ray", "--cuda-streams", "1", "--cuda-devices", "0", timeout=120)
+    assert done.returncode == 2 and "with --ray each replica drives the GPUs Ray gives it" in done.stderr, done.stderr
+
+
+def test_calibrate_and_serve_on_two_gpus(tiny, tmp_path, two_gpus):
+    """``calibrate --cuda-devices 0,1`` stores a perf model per GPU (cuda0, cuda1); ``serve
+    --cuda-devices 0,1`` answers from both GPUs' workers, as its metrics show."""
+    import tritonclient.http as httpclient
+
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.plan import Plan
+    from test_serve import start_server
+
+    model, plan = tiny
+    done = _cli("calibrate", str(plan), "--batch-sizes", "1", "--cuda-streams", "1", "--cuda-devices", "0,1",
+                "--groups", "none", "--max-runs", "20")
+    assert done.returncode == 0, done.stdout + done.stderr
+    archs = {r.arch for r in PerfModelStore().rows(Plan.load(plan).hash)}
+    assert archs == {"cuda0", "cuda1"}, archs
+    served = start_server([plan], tmp_path, "--name", "tiny", "--policy", "eager", "--cuda-streams", "1",
+                          "--cuda-devices", "0,1", "--groups", "none", "--batch-size", "1", "--max-delay", "0ms")
+    try:
+        client = httpclient.InferenceServerClient(served.http, concurrency=8)
+        ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+        name = ref.get_inputs()[0].name
+        xs = [np.random.default_rng(i).standard_normal((1, 8)).astype(np.float32) for i in range(40)]
+        pending = []
+        for x in xs:
+            inp = httpclient.InferInput(name, list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            pending.append((x, client.async_infer("tiny", [inp])))
+        for x, req in pending:
+            got = req.get_result().as_numpy(ref.get_outputs()[0].name)
+            np.testing.assert_allclose(got, ref.run(None, {name: x})[0], rtol=1e-5, atol=1e-5)
+        client.close()
+        import urllib.request
+
+        text = urllib.request.urlopen(served.metrics, timeout=10).read().decode()
+        # a worker on each GPU serves the model (which of them ran these few tasks is eager's choice)
+        workers = set(re.findall(r'staronnx_worker_busy_ratio\{arch="cuda\d",model="tiny",worker="(cuda\d\.s0)"\}', text))
+        assert workers == {"cuda0.s0", "cuda1.s0"}, text[:3000]
+        assert 'staronnx_tasks_total{arch="cuda' in text
+    finally:
+        rc = served.stop()
+    assert rc == 0, "\n".join(served.lines)

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
@@ -34,6 +35,7 @@ def calibrate_cmd(
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes to calibrate.")] = "1,2,4,8,16",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    cuda_devices: Annotated[Optional[str], typer.Option(help=CUDA_DEVICES_HELP)] = None,
     max_runs: Annotated[int, typer.Option(help="Cap on runs per (worker, part, batch).")] = 60,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
@@ -47,9 +49,10 @@ def calibrate_cmd(
 
     plan = Plan.load(plandir)
     sizes = _batch_sizes(batch_sizes)
+    devices = parse_cuda_devices(cuda_devices, cuda_streams)
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
-    workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams)
+    workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     report = CalibrationReport()  # filled as it goes: what an interruption kept is read from it
     steps = calibration_steps(plan, workers, sizes)
     try:
@@ -84,7 +87,7 @@ def calibrate_cmd(
     console.print(f"models stored under {store.plan_dir(plan.hash)}")
     if bus:
         with console.status("calibrating the bus"):
-            measured = calibrate_bus_if_needed(store, list(range(1)) if cuda_streams > 0 else [])
+            measured = calibrate_bus_if_needed(store, list(devices) if cuda_streams > 0 else [])
         if measured is not None:
             model, names = measured
             console.print(f"bus model for {', '.join(names)} stored in {store.bus_path()}")

@@ -15,6 +15,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
 
@@ -29,6 +30,7 @@ def run_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy: eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft, or static (a placement-method plan run as placed).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy.")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers per GPU.")] = 0,
+    cuda_devices: Annotated[Optional[str], typer.Option(help=CUDA_DEVICES_HELP)] = None,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
         help="Capture each (part, batch size) as a CUDA graph at warm-up and replay it (fewer "
@@ -55,6 +57,7 @@ def run_cmd(
         raise StaronnxError("--batch and --requests must be at least 1")
     if colocate and not cuda_streams:
         raise StaronnxError("--colocate submits from a CUDA driver thread's core: it needs --cuda-streams")
+    devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
     plan = Plan.load(plandir)
@@ -73,7 +76,7 @@ def run_cmd(
     trace_error: OSError | None = None
     try:
         with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
-                     cuda_options=cuda_options, warmup=(batch,) if cuda_streams else ()) as rt:
+                     cuda_options=cuda_options, warmup=(batch,) if cuda_streams else (), cuda_devices=devices) as rt:
             rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
             warm = rt.stats()
             # the progress bar's thread starts first: only this thread joins the driver's core

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Optional
 
 import typer
 
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
 from staronnx.errors import StaronnxError
 
 #: why --slo-ms/--priority are refused with --separate-runtimes (the same words on Ray)
@@ -30,6 +31,8 @@ def serve_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy: eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft, or static.")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    cuda_devices: Annotated[Optional[str], typer.Option(
+        help=CUDA_DEVICES_HELP + " Not with --ray (Ray gives each replica its GPUs: --replica-gpus).")] = None,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
@@ -127,6 +130,10 @@ def serve_cmd(
     if colocate and (not cuda_streams or ray or engine != "native"):
         raise StaronnxError("--colocate runs the serving threads on a CUDA driver thread's core: it needs --cuda-streams "
                             "and the native engine, and does not go with --ray")
+    if ray and cuda_devices is not None:
+        raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
+                            "gives it (--replica-gpus)")
+    devices = parse_cuda_devices(None if ray else cuda_devices, cuda_streams)
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
@@ -150,7 +157,7 @@ def serve_cmd(
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
                    save_every=parse_duration(save_every, allow_zero=True, option="--save-every"),
                    cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
-                   warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
+                   warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
     try:
         if len(loaded) > 1 and not separate_runtimes:
             shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes,
@@ -172,6 +179,8 @@ def serve_cmd(
                 endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
                                          queue_capacity=capacities[model_name], metrics=metrics,
                                          settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+                                                   **({"cuda_devices": ",".join(map(str, devices))}
+                                                      if cuda_streams else {}),
                                                    "engine": engine, "shared_runtime": shared is not None,
                                                    **_target_settings(targets.get(model_name))},
                                          colocate=colocate)

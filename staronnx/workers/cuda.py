@@ -132,6 +132,29 @@ def _preload_cuda_libraries() -> None:
 
 
 # ---------------------------------------------------------------------- availability
+def host_runtime_from_env() -> Any:
+    """A :class:`~staronnx.workers.cudart.HostRuntime` when ``$STARONNX_CUDA_RUNTIME`` asks for
+    one (``host``, or ``host:N`` standing in for N GPUs), else None: the CLI's doors then run
+    the CUDA workers' whole pipeline on a machine without a GPU (the tests' way in)."""
+    value = os.environ.get(HOST_RUNTIME_ENV, "")
+    kind, _, count = value.partition(":")
+    if kind != "host":
+        return None
+    from staronnx.workers.cudart import HostRuntime
+
+    return HostRuntime(devices=int(count) if count.isdigit() and int(count) > 0 else 1)
+
+
+def visible_cuda_devices() -> int:
+    """How many GPUs CUDA workers can use here (0: none, or CUDA missing)."""
+    stand_in = host_runtime_from_env()
+    if stand_in is not None:
+        return int(stand_in.device_count())
+    if cuda_unavailable_reason() is not None:
+        return 0
+    return int(CudaRuntime().device_count())
+
+
 def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
     """``None`` when a CUDA worker can run here, else one message saying what is missing.
 
@@ -465,10 +488,8 @@ class CudaWorker(ThreadWorker):
                              "set by the worker itself (its device and its own stream)")
         if max_slots < 2:
             raise ValueError("max_slots must be >= 2 (prefetch needs two buffer sets)")
-        if runtime is None and os.environ.get(HOST_RUNTIME_ENV) == "host":
-            from staronnx.workers.cudart import HostRuntime
-
-            runtime = HostRuntime()
+        if runtime is None:
+            runtime = host_runtime_from_env()
         if runtime is None:
             reason = cuda_unavailable_reason(device_id)
             if reason is not None:

@@ -452,9 +452,12 @@ def calibrate_bus(
                 model.set(src.name, dst.name, _calibrate_host_pair(src, dst, allocator,
                                                                    bandwidth_bytes, measure))
     if gpus:
+        from staronnx.workers.cuda import host_runtime_from_env
         from staronnx.workers.cudart import CudaRuntime
 
-        rt: GpuRuntime = runtime or CudaRuntime()
+        # the stand-in the CUDA workers run on ($STARONNX_CUDA_RUNTIME), if any: the links of
+        # the GPUs they drive, not of a GPU this machine may not have
+        rt: GpuRuntime = runtime or host_runtime_from_env() or CudaRuntime()
         for gpu in gpus:
             for host in hosts:
                 up, down = _calibrate_host_gpu(host, gpu, allocator, rt, bandwidth_bytes, measure)

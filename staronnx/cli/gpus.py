@@ -1,0 +1,41 @@
+"""``--cuda-devices``: which GPUs the CUDA workers drive, one spelling for every command."""
+
+from __future__ import annotations
+
+from staronnx.errors import StaronnxError
+
+CUDA_DEVICES_HELP = ("GPUs the CUDA workers drive, --cuda-streams workers on each: CUDA ordinals like 0 or "
+                     "0,1 or 0-3, or all (every visible GPU). Default: 0.")
+
+
+def parse_cuda_devices(text: str | None, cuda_streams: int) -> tuple[int, ...]:
+    """The GPUs ``--cuda-devices`` names (``(0,)`` when not given), or one line saying why not.
+
+    Checked here, before any worker starts: a GPU that does not exist fails each CUDA worker of
+    it at start otherwise, after the CPU workers loaded the model.
+    """
+    if text is None:
+        return (0,)
+    if not cuda_streams:
+        raise StaronnxError("--cuda-devices picks the GPUs of the CUDA workers: it needs --cuda-streams N")
+    from staronnx.workers.cuda import visible_cuda_devices
+
+    visible = visible_cuda_devices()
+    if text.strip().lower() == "all":
+        if not visible:
+            raise StaronnxError("--cuda-devices all: no GPU is visible here (see `staronnx topology`)")
+        return tuple(range(visible))
+    devices: list[int] = []
+    try:
+        for item in (t.strip() for t in text.split(",") if t.strip()):
+            first, dash, last = item.partition("-")
+            devices.extend(range(int(first), int(last) + 1) if dash else [int(first)])
+    except ValueError:
+        devices = []
+    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+        raise StaronnxError(f"--cuda-devices takes CUDA ordinals, each once, like 0,1 or 0-3 or all; got {text!r}")
+    missing = [d for d in devices if d >= visible]
+    if missing:
+        raise StaronnxError(f"--cuda-devices {text}: no GPU {', '.join(map(str, missing))} here ({visible} visible"
+                            + (f": 0..{visible - 1})" if visible else ")"))
+    return tuple(devices)
