@@ -149,7 +149,7 @@ def test_calibrate_bus_fills_a_given_model() -> None:
 
 
 def test_calibrate_bus_gpu_links_with_a_host_runtime() -> None:
-    rt = HostRuntime()
+    rt = HostRuntime(devices=2)  # two GPUs stood in for (a third ordinal is refused, as CUDA does)
     nodes = ["numa0", "cuda0", "cuda1"]
     model = calibrate_bus(nodes, runtime=rt, bandwidth_bytes=SMALL_BW, repeats=SMALL_REPEATS)
     links = sorted(str(link) for link in model.links)

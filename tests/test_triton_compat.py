@@ -568,17 +568,7 @@ def test_statistics_count_what_was_sent(served):
     with pytest.raises(InferenceServerException):
         h.infer("simple", inputs)  # a datatype the model does not take: one failure
     after = stats()
-    d = lambda *keys: (lambda a, b: a - b)(*(  # noqa: E731
-        _dig(s, keys) for s in (after, before)))
-    assert after["name"] == "simple" and after["version"] == "1"
-    assert d("inference_stats", "success", "count") == 3
-    assert d("inference_stats", "fail", "count") == 1
-    assert d("inference_count") == 3 and 1 <= d("execution_count") <= 3
-    for key in ("queue", "compute_input", "compute_infer", "compute_output"):
-        assert d("inference_stats", key, "count") == 3
-    assert d("inference_stats", "success", "ns") >= d("inference_stats", "compute_infer", "ns") > 0
-    assert sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]
-    assert after["last_inference"] > 0
+    check_statistics(before, after, "simple", answered=3, failed=1)
     assert {s["name"] for s in h.get_inference_statistics()["model_stats"]} == {"simple", "image_classifier"}
     grpc_stats = g.get_inference_statistics("simple", as_json=True)["model_stats"][0]
     assert int(grpc_stats["inference_stats"]["success"]["count"]) == after["inference_stats"]["success"]["count"]
@@ -589,6 +579,23 @@ def test_statistics_count_what_was_sent(served):
     with pytest.raises(InferenceServerException) as e:
         h.get_inference_statistics("simple", model_version="2")
     assert e.value.status() == "404"
+
+
+def check_statistics(before, after, name: str, *, answered: int, failed: int) -> None:
+    """Triton's definitions, between two statistics documents of one model: ``answered``
+    one-sample requests (their queue, compute and batch counts), ``failed`` failures."""
+    def d(*keys):
+        return _dig(after, keys) - _dig(before, keys)
+
+    assert after["name"] == name and after["version"] == "1"
+    assert d("inference_stats", "success", "count") == answered
+    assert d("inference_stats", "fail", "count") == failed
+    assert d("inference_count") == answered and 1 <= d("execution_count") <= answered
+    for key in ("queue", "compute_input", "compute_infer", "compute_output"):
+        assert d("inference_stats", key, "count") == answered
+    assert d("inference_stats", "success", "ns") >= d("inference_stats", "compute_infer", "ns") > 0
+    assert sum(b["compute_infer"]["count"] for b in after["batch_stats"]) == after["execution_count"]
+    assert after["last_inference"] > 0
 
 
 def _dig(doc, keys):

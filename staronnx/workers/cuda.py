@@ -63,12 +63,14 @@ from staronnx.workers.base import (
 )
 from staronnx.workers.cudart import (
     CAPTURE_THREAD_LOCAL,
+    HOST_RUNTIME_ENV,  # noqa: F401 - re-exported: its old home
     INSTALL_HINT,
     CudaError,
     CudaRuntime,
     GpuRuntime,
     capture_safe,
     is_sticky,
+    host_runtime_from_env,
     runtime_module,
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
@@ -101,9 +103,6 @@ _ORT_TO_NUMPY: dict[str, np.dtype] = {
     }.items()
 }
 
-#: ``STARONNX_CUDA_RUNTIME=host``: CUDA workers run their whole pipeline on HostRuntime (the CPU
-#: provider, host memory), so every command's CUDA path can be driven on a machine without a GPU
-HOST_RUNTIME_ENV = "STARONNX_CUDA_RUNTIME"
 
 #: one capture at a time in the process: a capture is rare (once per part and batch size at
 #: warm-up) and ORT's global-mode capture is the one place two of ours could still collide
@@ -132,19 +131,6 @@ def _preload_cuda_libraries() -> None:
 
 
 # ---------------------------------------------------------------------- availability
-def host_runtime_from_env() -> Any:
-    """A :class:`~staronnx.workers.cudart.HostRuntime` when ``$STARONNX_CUDA_RUNTIME`` asks for
-    one (``host``, or ``host:N`` standing in for N GPUs), else None: the CLI's doors then run
-    the CUDA workers' whole pipeline on a machine without a GPU (the tests' way in)."""
-    value = os.environ.get(HOST_RUNTIME_ENV, "")
-    kind, _, count = value.partition(":")
-    if kind != "host":
-        return None
-    from staronnx.workers.cudart import HostRuntime
-
-    return HostRuntime(devices=int(count) if count.isdigit() and int(count) > 0 else 1)
-
-
 def visible_cuda_devices() -> int:
     """How many GPUs CUDA workers can use here (0: none, or CUDA missing)."""
     stand_in = host_runtime_from_env()

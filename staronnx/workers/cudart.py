@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import os
 import threading
 import time
 from collections import Counter
@@ -741,3 +742,19 @@ class HostRuntime:
             raise CudaError("cudaStreamEndCapture", CAPTURE_INVALIDATED,
                             "cudaErrorStreamCaptureInvalidated",
                             "capture sequence invalidated by another thread's call")
+
+
+#: ``STARONNX_CUDA_RUNTIME=host`` (or ``host:N``): CUDA workers run their whole pipeline on
+#: HostRuntime (the CPU provider, host memory), so every command's CUDA path can be driven on a
+#: machine without a GPU
+HOST_RUNTIME_ENV = "STARONNX_CUDA_RUNTIME"
+
+
+def host_runtime_from_env() -> HostRuntime | None:
+    """A :class:`HostRuntime` when ``$STARONNX_CUDA_RUNTIME`` asks for one (``host``, or
+    ``host:N`` standing in for N GPUs), else None: the CLI's doors then run the CUDA workers'
+    whole pipeline, and the bus calibration, on a machine without a GPU (the tests' way in)."""
+    kind, _, count = os.environ.get(HOST_RUNTIME_ENV, "").partition(":")
+    if kind != "host":
+        return None
+    return HostRuntime(devices=int(count) if count.isdigit() and int(count) > 0 else 1)

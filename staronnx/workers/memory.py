@@ -452,8 +452,7 @@ def calibrate_bus(
                 model.set(src.name, dst.name, _calibrate_host_pair(src, dst, allocator,
                                                                    bandwidth_bytes, measure))
     if gpus:
-        from staronnx.workers.cuda import host_runtime_from_env
-        from staronnx.workers.cudart import CudaRuntime
+        from staronnx.workers.cudart import CudaRuntime, host_runtime_from_env
 
         # the stand-in the CUDA workers run on ($STARONNX_CUDA_RUNTIME), if any: the links of
         # the GPUs they drive, not of a GPU this machine may not have
