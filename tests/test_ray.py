@@ -49,13 +49,15 @@ def _close(got: np.ndarray, want: np.ndarray) -> bool:
 # -- the cluster -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster of 2 CPUs for this module; its GCS address (what RAY_ADDRESS takes)."""
+    """A local Ray cluster of 2 CPUs and 2 (declared) GPUs for this module; its GCS address
+    (what RAY_ADDRESS takes)."""
     ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'staronnx[ray]')")
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
     from ray import serve
 
     try:
-        ctx = ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+        # two GPUs declared (none needed: a replica given them drives HostRuntime stand-ins)
+        ctx = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     except Exception as exc:  # noqa: BLE001 - no Ray here: say why and skip
         pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
     try:
@@ -555,6 +557,35 @@ class TestTritonClientsOnRay:
         assert h.is_model_ready("simple")
         for ext in ("binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"):
             assert ext in h.get_server_metadata()["extensions"]
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(240)
+def test_a_replica_drives_every_gpu_ray_gives_it(cluster, tmp_path):
+    """``--replica-gpus 2 --cuda-streams 1``: the replica's CUDA workers are on both of its GPUs
+    (it used to drive the first only, the other idle). HostRuntime stands in for the GPUs
+    ($STARONNX_CUDA_RUNTIME travels to the replicas as STARONNX_HOME does)."""
+    onnx.save(chain(depth=4, width=8), str(tmp_path / "m.onnx"))
+    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    os.environ["STARONNX_CUDA_RUNTIME"] = "host:2"
+    try:
+        proc, lines, addr = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "two", "--replicas", "1",
+                                         "--replica-cpus", "1", "--replica-gpus", "2", "--cuda-streams", "1",
+                                         "--groups", "none", "--policy", "eager", "--batch-size", "1",
+                                         "--max-delay", "0ms")
+    finally:
+        del os.environ["STARONNX_CUDA_RUNTIME"]
+    try:
+        (replica,) = _replicas("staronnx-two", "staronnx", 1).values()
+        assert replica["gpus"] == 2 and replica["workers"] == ["cuda0.s0", "cuda1.s0"], replica
+        for i in range(4):
+            x = light_x(i)
+            st, reply = _post_json(addr, "/v2/models/two/infer", body(x))
+            assert st == 200, reply
+            assert _close(output(reply, "y"), plan.run_reference({"x": x})["y"])
+    finally:
+        rc = _stop(proc)
+    assert rc == 0, "\n".join(lines)
 
 
 # -- without a cluster -------------------------------------------------------------------------

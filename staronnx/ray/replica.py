@@ -140,7 +140,10 @@ class StaronnxReplica:
         if share is not None:
             pin_process(share)
         self.cpus = sorted(os.sched_getaffinity(0))
-        self.runtime = open_runtime(self.spec)
+        # the GPUs Ray gave this replica (CUDA_VISIBLE_DEVICES holds just those, renumbered from
+        # 0): the CUDA workers drive every one of them, not only the first
+        self.gpus = len(ray.get_gpu_ids())
+        self.runtime = open_runtime(self.spec, tuple(range(self.gpus)) or (0,))
         try:
             self.endpoints = open_endpoints(self.spec, self.runtime, self.replica)
         except BaseException:
@@ -210,6 +213,7 @@ class StaronnxReplica:
         (done, and ``ongoing``: accepted and not yet answered)."""
         stats = self.runtime.stats()
         return {"replica": self.replica, "pid": os.getpid(), "local_rank": self.local_rank, "pus": self.cpus,
+                "gpus": self.gpus,
                 "models": list(self.endpoints), "ongoing": self._ongoing,
                 "workers": sorted(stats.get("workers", {})), "dead_workers": stats.get("dead_workers", []),
                 "problem": self.problem(), "requests_done": stats.get("requests_done")}
@@ -281,9 +285,10 @@ class StaronnxReplica:
             runtime.close(30.0)
 
 
-def open_runtime(spec: ReplicaSpec) -> Any:
+def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     """The runtime of a replica: every model of ``spec`` on one set of workers, each with its
-    service target (a one-model spec is a runtime of one)."""
+    service target (a one-model spec is a runtime of one); ``cuda_streams`` CUDA workers on each
+    of ``cuda_devices`` (the replica's GPUs)."""
     from staronnx.perfmodels import PerfModelStore
     from staronnx.plan import Plan
     from staronnx.runtime.runtime import Runtime
@@ -297,7 +302,7 @@ def open_runtime(spec: ReplicaSpec) -> Any:
     return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
                    cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
                    calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
-                   lanes=lanes or None, lane_preempt=settings["lane_preempt"])
+                   lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices)
 
 
 def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:

@@ -91,9 +91,15 @@ class ModelSpec:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at shutdown only), got {self.save_every}")
         if not self.name or "/" in self.name:
             raise StaronnxError(f"model name {self.name!r} cannot be used in a URL; choose another")
-        from staronnx.workers.groups import policy_reserve
+        from staronnx.workers.groups import GroupError, policy_reserve
+        from staronnx.workers.launch import NO_CPU
 
-        policy_reserve(self.groups)  # its syntax, here: a replica would fail only after Serve's retries
+        # its syntax, here: a replica would fail only after Serve's retries
+        if self.groups.strip().lower() == NO_CPU:  # the GPU alone (launch's own word for it)
+            if not self.cuda_streams:
+                raise GroupError("CPU groups 'none' leaves no worker at all: add CUDA streams (--cuda-streams N)")
+        else:
+            policy_reserve(self.groups)
         from staronnx.workers.lanes import check_preempt
 
         check_preempt(self.lane_preempt)
@@ -301,7 +307,7 @@ class Scaling:
 #: perf models live and how much a replica records (the cluster's own environment otherwise).
 #: Not STARONNX_HOSTNAME: models are kept per machine, and each replica must file its own
 #: under its own machine's name.
-FORWARDED_ENV = ("STARONNX_HOME", "STARONNX_CALIBRATE")
+FORWARDED_ENV = ("STARONNX_HOME", "STARONNX_CALIBRATE", "STARONNX_CUDA_RUNTIME")
 
 
 def forwarded_env() -> dict[str, str]:
