@@ -59,7 +59,7 @@ def serve_cmd(
     gc_interval: Annotated[str, typer.Option(
         help="Python's cycle collector while serving: young objects only, and a full collection this often "
              "(0 = Python's own thresholds, whose collections of older objects stopped every thread for 5-37 ms "
-             "several times a second under load). Not with --ray (Ray runs the replicas' processes).")] = "30s",
+             "several times a second under load); with --ray, in every replica.")] = "30s",
     ray: Annotated[bool, typer.Option("--ray", help="Serve on Ray Serve: replicas on the cluster $RAY_ADDRESS names "
                                       "(else a local one) behind one KServe v2 HTTP endpoint on --http-port (needs the ray extra).")] = False,
     replicas: Annotated[int | None, typer.Option(help="With --ray: replicas, each hosting every model (default 1; of each model with --separate-runtimes).")] = None,
@@ -140,7 +140,10 @@ def serve_cmd(
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
-                                           "max_delay": parse_duration(max_delay, allow_zero=True)},
+                                           "max_delay": parse_duration(max_delay, allow_zero=True),
+                                           "save_every": parse_duration(save_every, allow_zero=True,
+                                                                        option="--save-every"),
+                                           "gc_interval": collect_every},
                             capacities=capacities, targets=targets, residency=residency, lanes=lanes)
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,
                      http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),

@@ -29,7 +29,7 @@ _SCALING_ARGS = {"replicas", "autoscale", "replica_cpus", "replica_gpus", "max_o
                  "ingress_replicas"}
 #: settings given once for every model
 _MODEL_ARGS = {"policy", "groups", "cuda_streams", "engine", "batch_size", "max_delay",
-               "calibrate", "home", "save_every", "pin_cpus", "lane_preempt"}
+               "calibrate", "home", "save_every", "pin_cpus", "lane_preempt", "gc_interval"}
 #: settings given once for every model or per model ({name: value}, or "name=value" items)
 _PER_MODEL_ARGS = {"queue_capacity", "slo_ms", "priority"}
 _OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes"}
@@ -106,7 +106,7 @@ def _model_settings(args: Mapping[str, Any]) -> dict[str, Any]:
     from staronnx.durations import parse_duration
 
     model = {k: args[k] for k in _MODEL_ARGS if k in args}
-    for key in ("max_delay", "save_every"):
+    for key in ("max_delay", "save_every", "gc_interval"):
         if isinstance(model.get(key), str):
             model[key] = parse_duration(model[key], allow_zero=True)
     return model

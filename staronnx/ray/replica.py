@@ -16,6 +16,8 @@ batch sizes its perf models were calibrated at. One batcher also keeps ``staronn
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
 import threading
@@ -25,6 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from staronnx.ray.spec import ReplicaSpec
+from staronnx.serving.collector import young_only
 
 log = logging.getLogger("staronnx.ray")
 
@@ -152,6 +155,11 @@ class StaronnxReplica:
         self._ongoing = 0  # requests inside infer() now (one event loop: no lock)
         self._stop = threading.Event()
         self._saver: threading.Thread | None = None
+        self._collector = contextlib.ExitStack()
+        gc_interval = float(self.spec.runtime_settings()["gc_interval"])
+        if gc_interval > 0:  # as staronnx serve: young collections only, a full one this often
+            self._collector.enter_context(young_only())
+            threading.Thread(target=self._collect_loop, args=(gc_interval,), name="staronnx-gc", daemon=True).start()
         if self.spec.runtime_settings()["save_every"] > 0 and _predictor(self.runtime) is not None:
             self._saver = threading.Thread(target=self._save_loop, name="staronnx-perfmodel-saver", daemon=True)
             self._saver.start()
@@ -213,7 +221,8 @@ class StaronnxReplica:
         (done, and ``ongoing``: accepted and not yet answered)."""
         stats = self.runtime.stats()
         return {"replica": self.replica, "pid": os.getpid(), "local_rank": self.local_rank, "pus": self.cpus,
-                "gpus": self.gpus,
+                "gpus": self.gpus, "gc_thresholds": list(gc.get_threshold()),
+                "save_every": self.spec.runtime_settings()["save_every"],
                 "models": list(self.endpoints), "ongoing": self._ongoing,
                 "workers": sorted(stats.get("workers", {})), "dead_workers": stats.get("dead_workers", []),
                 "problem": self.problem(), "requests_done": stats.get("requests_done")}
@@ -263,6 +272,12 @@ class StaronnxReplica:
         if predictor is not None:
             predictor.save()
 
+    def _collect_loop(self, interval: float) -> None:
+        """The full collection :func:`~staronnx.serving.collector.young_only` leaves to the
+        server: one walk of everything every ``interval`` s (staronnx serve's, in the replica)."""
+        while not self._stop.wait(interval):
+            gc.collect()
+
     def _save_loop(self) -> None:
         while not self._stop.wait(self.spec.runtime_settings()["save_every"]):
             try:
@@ -277,6 +292,9 @@ class StaronnxReplica:
         stop = getattr(self, "_stop", None)
         if stop is not None:
             stop.set()
+        collector = getattr(self, "_collector", None)
+        if collector is not None:
+            collector.close()
         for endpoint in getattr(self, "endpoints", {}).values():
             if endpoint.ready:
                 endpoint.close(30.0)

@@ -27,7 +27,7 @@ SHARED_NAME = "staronnx-shared"
 #: the ModelSpec fields that set up a replica's runtime (and its process), rather than one
 #: model's batcher: the models sharing a runtime must agree on them
 RUNTIME_FIELDS = ("policy", "groups", "cuda_streams", "engine", "calibrate", "home", "save_every", "pin_cpus",
-                  "lane_preempt")
+                  "lane_preempt", "gc_interval")
 #: what --separate-runtimes refuses: both order the tasks of models sharing one scheduler
 TARGETS_NEED_SHARING = ("latency targets and priorities (--slo-ms, --priority; slo_ms, priority in a Serve config) "
                         "order the tasks of models sharing one runtime; they do not go with --separate-runtimes "
@@ -49,6 +49,8 @@ class ModelSpec:
     network filesystem shared by every machine is safe, since models are kept per host and
     merged under a lock. ``save_every`` is how often (seconds) a replica merges what it learnt,
     so a replica that is killed loses at most that much; 0 merges only at shutdown.
+    ``gc_interval``: the replica's cycle collector collects young objects only, and everything
+    this often (seconds; 0: Python's own thresholds), as ``staronnx serve --gc-interval`` does.
     ``pin_cpus`` confines each replica on a machine to its own share of the cores (see
     :func:`staronnx.ray.replica.cpu_share`), so two replicas on one machine never share one.
     ``latency_ms`` and ``priority`` are the model's service target on a shared runtime
@@ -70,6 +72,7 @@ class ModelSpec:
     calibrate: int | None = None
     home: str | None = None
     save_every: float = 60.0
+    gc_interval: float = 30.0
     pin_cpus: bool = True
     latency_ms: float | None = None
     priority: int = 0
@@ -89,6 +92,8 @@ class ModelSpec:
             raise StaronnxError(f"max_delay must be >= 0 seconds, got {self.max_delay}")
         if self.save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at shutdown only), got {self.save_every}")
+        if self.gc_interval < 0:
+            raise StaronnxError(f"gc_interval must be >= 0 seconds (0 = Python's own thresholds), got {self.gc_interval}")
         if not self.name or "/" in self.name:
             raise StaronnxError(f"model name {self.name!r} cannot be used in a URL; choose another")
         from staronnx.workers.groups import GroupError, policy_reserve
