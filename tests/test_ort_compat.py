@@ -410,3 +410,16 @@ def test_a_runtime_drives_the_streams_of_every_gpu_it_is_given(tmp_path):
     with pytest.raises(StaronnxError, match="must name each GPU once"):
         Runtime(plan, cpu_groups="none", cuda_streams=1, cuda_devices=[0, 0],
                 cuda_options={"runtime": HostRuntime(devices=2)})
+
+
+def test_the_cuda_stand_in_of_the_environment_serves_sessions_too(home, model_path, monkeypatch):
+    """$STARONNX_CUDA_RUNTIME=host:2 (the stand-in every CLI door's CUDA workers pick) counts
+    for a session's providers as a ``cuda_options`` runtime does: no fallback, GPU 1 driven."""
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host:2")
+    with staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", {"device_id": 1})],
+                                   cpu_groups="none", cuda_options={"cuda_graphs": False},
+                                   partition_options={"costs": "estimate"}) as sess:
+        assert [w.name for w in sess.runtime.workers] == ["cuda1.s0", "cuda1.s1"]
+        x = np.ones((2, WIDTH), np.float32)
+        want = ort.InferenceSession(str(model_path)).run(None, {"x": x})[0]
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from staronnx.ray.spec import ReplicaSpec
-from staronnx.serving.collector import young_only
+from staronnx.serving.collector import full_collections_every
 
 log = logging.getLogger("staronnx.ray")
 
@@ -158,8 +158,7 @@ class StaronnxReplica:
         self._collector = contextlib.ExitStack()
         gc_interval = float(self.spec.runtime_settings()["gc_interval"])
         if gc_interval > 0:  # as staronnx serve: young collections only, a full one this often
-            self._collector.enter_context(young_only())
-            threading.Thread(target=self._collect_loop, args=(gc_interval,), name="staronnx-gc", daemon=True).start()
+            self._collector.enter_context(full_collections_every(gc_interval))
         if self.spec.runtime_settings()["save_every"] > 0 and _predictor(self.runtime) is not None:
             self._saver = threading.Thread(target=self._save_loop, name="staronnx-perfmodel-saver", daemon=True)
             self._saver.start()
@@ -271,12 +270,6 @@ class StaronnxReplica:
         predictor = _predictor(self.runtime)
         if predictor is not None:
             predictor.save()
-
-    def _collect_loop(self, interval: float) -> None:
-        """The full collection :func:`~staronnx.serving.collector.young_only` leaves to the
-        server: one walk of everything every ``interval`` s (staronnx serve's, in the replica)."""
-        while not self._stop.wait(interval):
-            gc.collect()
 
     def _save_loop(self) -> None:
         while not self._stop.wait(self.spec.runtime_settings()["save_every"]):

@@ -53,6 +53,7 @@ from staronnx.perfmodels.store import default_root
 from staronnx.plan import PLAN_VERSION, Plan, TensorSpec, _numpy_dtype
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture, TaskError
+from staronnx.workers.cudart import host_runtime_from_env
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +184,8 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
     """How many CUDA workers to start. ``providers=None`` keeps staronnx's own default (CPU
     groups, plus ``cuda_streams`` when given); providers naming CUDA start CUDA workers where
     CUDA can run (on the GPU their ``device_id`` names), and otherwise warn and fall back to
-    the CPU, as ORT does. ``stand_in``: the CUDA runtime given in ``cuda_options`` (a
-    :class:`~staronnx.workers.cudart.HostRuntime`), asked instead of this machine's CUDA."""
+    the CPU, as ORT does. ``stand_in``: the CUDA runtime the workers will use instead of this
+    machine's CUDA (a :class:`~staronnx.workers.cudart.HostRuntime`), asked in its place."""
     if asked is None:
         return int(cuda_streams or 0)
     if CUDA_EP not in asked:
@@ -192,15 +193,10 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
             raise ValueError(f"cuda_streams={cuda_streams} needs {CUDA_EP} in providers "
                              f"(providers here: {', '.join(asked) or 'none'})")
         return 0
-    from staronnx.workers.cuda import cuda_unavailable_reason
+    from staronnx.workers.cuda import cuda_unavailable_reason, missing_device
 
     device = _device_id(asked)
-    if stand_in is None:
-        reason = cuda_unavailable_reason(device)
-    else:
-        count = stand_in.device_count()
-        reason = None if 0 <= device < count else (
-            f"CUDA device {device} does not exist: {count} device(s) visible, 0..{count - 1}")
+    reason = cuda_unavailable_reason(device) if stand_in is None else missing_device(device, stand_in.device_count())
     if reason is not None:
         warnings.warn(f"{CUDA_EP} cannot run here, falling back to {CPU_EP}: {reason}",
                       UserWarning, stacklevel=3)
@@ -424,7 +420,9 @@ class InferenceSession:
         self._check_runtime_options(runtime_options)
         self._sess_options = sess_options
         self._fallback = int(kwargs.get("enable_fallback", 1)) == 1
-        stand_in = (runtime_options.get("cuda_options") or {}).get("runtime")
+        # the runtime the CUDA workers will drive instead of CUDA, if any: the one cuda_options
+        # gives them, else $STARONNX_CUDA_RUNTIME's (as CudaWorker picks it)
+        stand_in = (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
         asked = None if providers is None else _providers(providers, provider_options, stand_in is not None)
         streams = _cuda_streams(asked, cuda_streams, stand_in)
         self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)

@@ -29,7 +29,7 @@ from aiohttp import web
 from staronnx.errors import StaronnxError
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
-from staronnx.serving.collector import young_only
+from staronnx.serving.collector import full_collections_every
 from staronnx.serving.server import hold_frozen, release_frozen
 
 #: ``staronnx serve --gc-interval``'s default: seconds between full cycle collections
@@ -212,10 +212,8 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     hold_frozen()
     serving = contextlib.ExitStack()  # what holds while serving: the loop's core, the collector's setting
     core = serving.enter_context(colocate()) if colocate is not None else None
-    collecting: asyncio.Task[None] | None = None
     if gc_interval > 0:
-        serving.enter_context(young_only())
-        collecting = asyncio.get_running_loop().create_task(_collect_every(gc_interval))
+        serving.enter_context(full_collections_every(gc_interval))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -237,8 +235,6 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     try:
         await stop.wait()
     finally:
-        if collecting is not None:
-            collecting.cancel()
         serving.close()
         release_frozen()
     say("stopping: no new requests; draining the ones accepted")
@@ -259,15 +255,6 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
     say("stopped")
-
-
-async def _collect_every(interval: float) -> None:
-    """The full collection that :func:`~staronnx.serving.collector.young_only` leaves to the
-    server: one walk of everything every ``interval`` s instead of the older generations' walks
-    several times a second under load (each stops every thread, wherever it runs)."""
-    while True:
-        await asyncio.sleep(interval)
-        gc.collect()
 
 
 def _close_models(models: Sequence[ModelEndpoint], timeout: float) -> None:

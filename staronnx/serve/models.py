@@ -201,7 +201,8 @@ class ModelEndpoint:
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
-        if max_inflight is None and len(str(self.settings.get("cuda_devices", "0")).split(",")) == 1:
+        gpus = {w.device_id for w in getattr(runtime, "workers", ()) if getattr(w, "device_id", None) is not None}
+        if max_inflight is None and len(gpus) <= 1:
             # (the simulated machine has one GPU: for several, the Server's two per worker)
             max_inflight = inflight_from_models(self.plan, batch_size, groups=self.settings.get("groups"),
                                                 cuda_streams=int(self.settings.get("cuda_streams") or 0))

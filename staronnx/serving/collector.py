@@ -23,7 +23,10 @@ the last user leaves.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import threading
+from collections.abc import Iterator
 
 from staronnx.process_settings import SharedSetting
 
@@ -41,3 +44,25 @@ def _young_thresholds() -> tuple[int, ...]:
 #: user to leave restores the thresholds the first found (an explicit ``gc.collect()`` still
 #: collects everything)
 young_only = SharedSetting(_young_thresholds, lambda found: gc.set_threshold(*found)).held
+
+
+@contextlib.contextmanager
+def full_collections_every(interval: float) -> Iterator[None]:
+    """:func:`young_only` while inside, and the full collection it leaves to the server, on a
+    thread of its own every ``interval`` s: one walk of everything that often instead of the
+    older generations' walks several times a second under load (each stops every thread,
+    wherever it runs). What ``staronnx serve --gc-interval`` holds, in its process or in each
+    Ray replica's."""
+    stop = threading.Event()
+
+    def collect() -> None:
+        while not stop.wait(interval):
+            gc.collect()
+
+    with young_only():
+        collector = threading.Thread(target=collect, name="staronnx-gc", daemon=True)
+        collector.start()
+        try:
+            yield
+        finally:
+            stop.set()

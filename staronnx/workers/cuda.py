@@ -141,6 +141,13 @@ def visible_cuda_devices() -> int:
     return int(CudaRuntime().device_count())
 
 
+def missing_device(device_id: int, count: int) -> str | None:
+    """Why GPU ``device_id`` cannot be used where ``count`` are visible, or None when it can."""
+    if 0 <= device_id < count:
+        return None
+    return f"CUDA device {device_id} does not exist: {count} device(s) visible, 0..{count - 1}"
+
+
 def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
     """``None`` when a CUDA worker can run here, else one message saying what is missing.
 
@@ -170,9 +177,7 @@ def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
     if count == 0:
         return ("no CUDA device is visible (CUDA_VISIBLE_DEVICES="
                 f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-    if device_id is not None and not 0 <= device_id < count:
-        return f"CUDA device {device_id} does not exist: {count} device(s) visible, 0..{count - 1}"
-    return None
+    return None if device_id is None else missing_device(device_id, count)
 
 
 #: cudaErrorMemoryAllocation
