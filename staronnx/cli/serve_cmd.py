@@ -133,7 +133,7 @@ def serve_cmd(
     if ray and cuda_devices is not None:
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
-    devices = parse_cuda_devices(None if ray else cuda_devices, cuda_streams)
+    devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
