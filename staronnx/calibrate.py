@@ -10,9 +10,11 @@ same size) feed one shared model, as StarPU's homogeneous CPU models do.
 
 from __future__ import annotations
 
+import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
@@ -24,6 +26,21 @@ from staronnx.workers.base import Worker
 from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
 from staronnx.workers.topology import Topology
 
+
+
+def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
+                      batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
+    """The ``staronnx calibrate`` line that fills the perf models of workers started with these
+    settings (what a warning or a stale-model note tells the user to run): the GPUs named,
+    since each GPU has perf models of its own."""
+    cmd = f"staronnx calibrate {shlex.quote(str(plandir))} --groups {shlex.quote(groups)}"
+    if batch_sizes:
+        cmd += f" --batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}"
+    if cuda_streams:
+        cmd += f" --cuda-streams {cuda_streams}"
+        if tuple(cuda_devices) != (0,):
+            cmd += f" --cuda-devices {','.join(map(str, cuda_devices))}"
+    return cmd + (" --replace" if replace else "")
 
 @dataclass
 class CalibrationReport:

@@ -27,7 +27,6 @@ prices.
 from __future__ import annotations
 
 import math
-import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -416,17 +415,8 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
 STALE_MARGIN = 1.1
 
 
-def calibrate_command(plan: Plan, groups: str, cuda_streams: int, batch_sizes: Sequence[int]) -> str:
-    """The ``staronnx calibrate`` line that measures these workers' models afresh."""
-    cmd = (f"staronnx calibrate {shlex.quote(str(plan.root))} --groups {shlex.quote(groups)} "
-           f"--batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}")
-    if cuda_streams:
-        cmd += f" --cuda-streams {cuda_streams}"
-    return cmd + " --replace"
-
-
 def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, groups: str,
-                      cuda_streams: int) -> str | None:
+                      cuda_streams: int, cuda_devices: Sequence[int] = (0,)) -> str | None:
     """The remark on measurements above the bound, or None.
 
     The bound is what the perf models allow at best, so a measured throughput above it (by
@@ -435,6 +425,8 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, gro
     the predicted best batch size) is then off, so say it, and how to recalibrate.
     ``points`` are (batch size, measured samples/s, bound samples/s).
     """
+    from staronnx.calibrate import calibrate_command
+
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -448,4 +440,4 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, gro
     where = ", ".join(f"b={b}: {m:.1f} vs {bnd:.1f} samples/s" for b, (m, bnd) in sorted(over.items()))
     return (f"measured throughput above the LP bound ({where}): the perf models are stale (they "
             f"predict the parts slower than they run now); recalibrate with "
-            f"`{calibrate_command(plan, groups, cuda_streams, list(over))}`")
+            f"`{calibrate_command(plan.root, groups, cuda_streams, cuda_devices, list(over), replace=True)}`")

@@ -175,6 +175,7 @@ def sweep_mix(
     policy: str = "heft",
     groups: str = "numa",
     cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     cuda_graphs: bool = True,
     distribution: str = "constant",
     duration: float = 10.0,
@@ -257,7 +258,8 @@ def sweep_mix(
         "models": {m.name: {"plan": str(m.plan.root), "plan_hash": m.plan.hash,
                             "latency_target_ms": None if m.target.latency is None else m.target.latency * 1e3,
                             "priority": m.target.priority} for m in models.models},
-        "policy": policy, "groups": groups, "cuda_streams": cuda_streams, "distribution": distribution,
+        "policy": policy, "groups": groups, "cuda_streams": cuda_streams, "cuda_devices": list(cuda_devices),
+        "distribution": distribution,
         "duration_s": float(duration), "warmup_s": warmup, "seed": seed, "queue_capacity": queue_capacity,
         "min_batches": min_batches, "engine": "native", "simulate": simulate, "max_delay_s": max_delay,
         "mixes": [{"rates": p.rates, "batch_sizes": p.batch_sizes} for p in points],
@@ -279,7 +281,8 @@ def sweep_mix(
     machine = None
     if bound or simulate:
         try:
-            machine = build_machine(models, groups=groups, cuda_streams=cuda_streams, store=store, lanes=lanes)
+            machine = build_machine(models, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                                    store=store, lanes=lanes)
             notes.extend(machine.notes)
         except ResidencyError:
             raise  # a lane the runtime would refuse too: refused now, in its words, before it starts
@@ -294,7 +297,8 @@ def sweep_mix(
         for b in sizes_of[m.name]:
             windows[(m.name, b)] = None if machine is None else machine_inflight(machine, b, m.index, where)
     warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)}) if cuda_streams else ()
-    runtime = Runtime(loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store, trace=trace,
+    runtime = Runtime(loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                      store=store, trace=trace,
                       targets=targets, warmup=warm, residency=residency, lanes=lanes or None,
                       cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None)
     index = 0

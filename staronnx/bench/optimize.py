@@ -182,6 +182,7 @@ def optimize_batch(
     policy: str = "heft",
     groups: str = "numa",
     cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     distribution: str = "constant",
     store: Any = None,
     sim_duration: float = 20.0,
@@ -200,7 +201,8 @@ def optimize_batch(
     Args:
         slo: papers' latency objective in seconds (None: minimize the latency).
         batch_sizes: the candidates.
-        policy, groups, cuda_streams: the runtime's settings, simulated and measured alike.
+        policy, groups, cuda_streams, cuda_devices: the runtime's settings, simulated and measured
+            alike.
         sim_duration: seconds of simulated arrivals per candidate (stretched to
             ``min_batches`` batch fills).
         verify: measure the predicted best and its ``neighbours`` on each side live.
@@ -221,7 +223,8 @@ def optimize_batch(
     say = progress or (lambda msg: None)
     notes: list[str] = []
     if machine is None:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                                store=store)
     notes.extend(machine.notes)
 
     candidates: list[Candidate] = []
@@ -254,7 +257,8 @@ def optimize_batch(
     result.verified = order[max(0, at - neighbours): at + neighbours + 1]
     own = runtime is None
     if own:
-        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store)
+        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
+                          cuda_devices=cuda_devices, store=store)
     try:
         samples = sample_pool(plan, seed=seed)
 
@@ -285,7 +289,7 @@ def optimize_batch(
         result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
     stale = stale_models_note(
         plan, [(b, (result.candidate(b).measured or {}).get("throughput"), result.candidate(b).bound)
-               for b in result.verified], groups=groups, cuda_streams=cuda_streams)
+               for b in result.verified], groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
     if stale:
         result.notes.append(stale)
     return result

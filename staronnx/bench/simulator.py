@@ -60,7 +60,9 @@ class ArchSource:
     (one for every part, or one per part).
 
     ``cpu_fallback`` lends a group size the store never saw the nearest calibrated ``cpu<m>``
-    times m/n (ideal, optimistic scaling, said in :attr:`SimMachine.notes`); ``cuda_scale``
+    times m/n (ideal, optimistic scaling, said in :attr:`SimMachine.notes`), and a GPU the
+    store never saw the times of the lowest calibrated one (``cuda1`` those of ``cuda0``: what
+    a machine with more GPUs of the kind calibrated would do, said in the notes); ``cuda_scale``
     runs CUDA streams at a factor of the widest CPU group's time and wins over stored ``cuda``
     models, so a what-if is never silently replaced; explicit ``arch_sources`` win over both.
     Streams on one GPU are independent workers, as contended as their calibration was.
@@ -220,6 +222,7 @@ def resolve_sources(
     sources: dict[str, ArchSource] = {}
     notes: list[str] = []
     cpu_stored = sorted(int(a[3:]) for a in stored if re.fullmatch(r"cpu[0-9]+", a))
+    gpu_stored = [f"cuda{d}" for d in sorted(int(a[4:]) for a in stored if re.fullmatch(r"cuda[0-9]+", a))]
     cpu_archs = [a for a in dict.fromkeys(archs) if a.startswith("cpu")]
     for arch in cpu_archs:
         if arch in explicit:
@@ -240,33 +243,53 @@ def resolve_sources(
             sources[arch] = base.times(cuda_scale, k)
             notes.append(f"{arch}: what-if, {sources[arch].describe()}"
                          + (" (stored cuda models ignored)" if arch in stored else ""))
+        elif arch.startswith("cuda") and arch not in stored and cpu_fallback and gpu_stored:
+            sources[arch] = ArchSource(gpu_stored[0])
+            notes.append(f"{arch}: no models; using {gpu_stored[0]}'s (a GPU of the same model assumed)")
     return sources, notes
 
 
 # ---------------------------------------------------------------------------- the machine
 def sim_workers(
-    topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0, cuda_device: int = 0
+    topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
 ) -> list[WorkerInfo]:
     """The workers ``Runtime`` would start on ``topology``, as policies see them.
 
-    Same layout as :func:`~staronnx.workers.launch.start_workers` (CUDA streams first, like
-    StarPU's worker ids, which decides dmda's ties; a core held back per device driver thread
-    unless the policy says otherwise), same names, archs and memory nodes as ``Runtime``'s ``_worker_info``.
+    Same layout as :func:`~staronnx.workers.launch.start_workers` (CUDA streams first, GPU by
+    GPU, like StarPU's worker ids, which decides dmda's ties; a core held back per device driver
+    thread unless the policy says otherwise), same names, archs and memory nodes as
+    ``Runtime``'s ``_worker_info``: each GPU of ``cuda_devices`` is an arch (``cuda1``) and a
+    memory node of its own, as the runtime keeps a perf model per GPU.
     """
     from staronnx.workers.launch import worker_layout
 
     if cuda_streams < 0:
         raise SimulationError(f"cuda_streams must be >= 0, got {cuda_streams}")
+    devices = check_cuda_devices(cuda_devices)
     topology = topology if topology is not None else Topology.from_system()
-    layout = worker_layout(topology, groups, cuda_streams, (cuda_device,))
+    layout = worker_layout(topology, groups, cuda_streams, devices)
     infos: list[WorkerInfo] = []
-    for s in range(cuda_streams):
-        dev = f"cuda{cuda_device}"
+    for d, s, _ in layout.cuda:
+        dev = f"cuda{d}"
         infos.append(WorkerInfo(len(infos), f"{dev}.s{s}", dev, "cuda", dev, 1))
     for g in layout.groups:
         numa = g.numa if g.numa is not None else 0
         infos.append(WorkerInfo(len(infos), f"cpu:{g.name}", f"cpu{g.n_cores}", "cpu", f"numa{numa}", g.n_cores))
     return infos
+
+
+def check_cuda_devices(cuda_devices: Sequence[int]) -> tuple[int, ...]:
+    """``cuda_devices`` as CUDA ordinals, each once (the runtime's rule,
+    :func:`~staronnx.workers.launch.cuda_ordinals`), or SimulationError. Not checked against
+    this machine's GPUs: a simulated machine may have more."""
+    from staronnx.workers.launch import cuda_ordinals
+
+    devices = cuda_ordinals(cuda_devices)
+    if devices is None:
+        raise SimulationError(f"cuda_devices must name each GPU once, by its CUDA ordinal (0, 1, ...); got "
+                              f"{list(cuda_devices) if isinstance(cuda_devices, (list, tuple)) else cuda_devices!r}")
+    return devices
 
 
 #: what the simulator and the LP bound leave out of a latency lane (said in every result's notes)
@@ -445,7 +468,7 @@ def build_machine(
     groups: str = "numa",
     topology: Topology | None = None,
     cuda_streams: int = 0,
-    cuda_device: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     store: PerfModelStore | None = None,
     cuda_scale: float | Sequence[float] | None = None,
     cpu_fallback: bool = True,
@@ -454,7 +477,13 @@ def build_machine(
     lanes: Mapping[str, str] | None = None,
 ) -> SimMachine:
     """Workers from ``topology`` (default: this machine) and ``groups``, plus ``cuda_streams``
-    hypothetical or real CUDA workers, with times from ``store`` (default: ``$STARONNX_HOME``).
+    hypothetical or real CUDA workers on each GPU of ``cuda_devices``, with times from
+    ``store`` (default: ``$STARONNX_HOME``).
+
+    Each GPU is its own arch and memory node, as in the runtime. A GPU the store has no models
+    or bus links for (a what-if: four GPUs where one was calibrated) takes those of the lowest
+    calibrated GPU, said in ``notes``; transfers between two GPUs with no measured peer link go
+    through the host (the bus model's routing), as a copy without peer access does.
 
     ``plan`` may be several plans (a :class:`~staronnx.runtime.models.ModelSet` or a mapping
     name -> plan): the machine then serves them as one shared runtime does, every model's
@@ -471,7 +500,8 @@ def build_machine(
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
         ModelSet(dict(plan)) if isinstance(plan, Mapping) else ModelSet.of(plan))
-    workers, lane_of = lane_workers(sim_workers(topology, groups, cuda_streams, cuda_device), lanes,
+    devices = check_cuda_devices(cuda_devices)
+    workers, lane_of = lane_workers(sim_workers(topology, groups, cuda_streams, devices), lanes,
                                     [m.name for m in models.models])
     stored_by_model = {m.name: {key.arch for key in store.list(m.plan.hash)} for m in models.models}
     stored = set().union(*stored_by_model.values())
@@ -489,11 +519,16 @@ def build_machine(
                 )
     first = models.models[0].plan
     parts = None if models.single else [(m.plan.hash, local) for m, local in models.owner]
-    table = PerfTable(PerfPredictor(first.hash, store, bus, parts=parts), sources)
+    # a copy: borrowed GPU links must not change the caller's bus model or the store's
+    predictor = PerfPredictor(first.hash, store, BusModel(bus.links) if bus is not None else None, parts=parts)
+    if cpu_fallback:
+        notes += borrow_gpu_links(predictor.bus, workers)
+    table = PerfTable(predictor, sources)
     settings = {
         "groups": groups,
         "topology": (topology.source if topology is not None else "system") or "system",
         "cuda_streams": cuda_streams,
+        "cuda_devices": list(devices),
         "cuda_scale": cuda_scale if not isinstance(cuda_scale, tuple) else list(cuda_scale),
         "sources": {a: s.describe() for a, s in sources.items()},
     }
@@ -501,6 +536,33 @@ def build_machine(
         settings["lanes"] = dict(lanes or {})
         notes.append(LANE_APPROXIMATION)
     return SimMachine(first, workers, table, notes, settings, models, lane_of)
+
+
+def borrow_gpu_links(bus: BusModel, workers: Sequence[WorkerInfo]) -> list[str]:
+    """Give each GPU of ``workers`` that ``bus`` has no link to or from the links of the lowest
+    GPU that has some (its host links, and its peer links to the other GPUs); returns the notes.
+
+    Why: calibration measures the GPUs it is given (``calibrate --cuda-devices``), so a machine
+    simulated with more GPUs than were calibrated would otherwise price their copies at 0 (the
+    bus model's rule for an unknown route), making the extra GPUs look free to feed. Changes
+    ``bus`` (the machine's own copy)."""
+    gpus = list(dict.fromkeys(w.memory_node for w in workers if w.kind == "cuda"))
+    linked = {n for link in bus.links for n in (link.src, link.dst)}
+    known = sorted((n for n in linked if _CUDA_NAME.fullmatch(n)), key=lambda n: int(n[4:]))
+    missing = [g for g in gpus if g not in linked]
+    if not known or not missing:
+        return []
+    model = known[0]
+    links = bus.links
+    for gpu in missing:
+        for link, cost in links.items():
+            if model not in (link.src, link.dst):
+                continue
+            src = gpu if link.src == model else link.src
+            dst = gpu if link.dst == model else link.dst
+            if src != dst:
+                bus.set(src, dst, cost)
+    return [f"{', '.join(missing)}: no bus links; using {model}'s (a GPU on the same bus assumed)"]
 
 
 # ---------------------------------------------------------------------------- arrivals
@@ -807,6 +869,7 @@ def simulate(
     groups: str = "numa",
     topology: Topology | None = None,
     cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     cuda_scale: float | Sequence[float] | None = None,
     duration: float | None = 10.0,
     n_requests: int | None = None,
@@ -826,7 +889,7 @@ def simulate(
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
 
     ``machine`` (from :func:`build_machine`) replaces ``plan``, ``groups``, ``topology``,
-    ``cuda_streams``, ``cuda_scale`` and ``store`` when given, so a sweep builds it once.
+    ``cuda_streams``, ``cuda_devices``, ``cuda_scale`` and ``store`` when given, so a sweep builds it once.
     Arrivals come from the live generator's processes (``distribution``, ``seed``) for
     ``duration`` seconds or ``n_requests`` requests, or are replayed from ``arrivals``
     (offsets in seconds, sorted). The front end is the live server's: ``queue_capacity``
@@ -843,7 +906,7 @@ def simulate(
         if plan is None:
             raise SimulationError("give a plan or a machine")
         machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                                cuda_scale=cuda_scale, store=store)
+                                cuda_devices=cuda_devices, cuda_scale=cuda_scale, store=store)
     if machine.models is not None and not machine.models.single:
         raise SimulationError("this machine hosts several models: simulate their traffic together with "
                               "simulate_mix (a rate per model)")

@@ -130,12 +130,13 @@ def _checked(rates: Sequence[float], batch_sizes: Sequence[int], *, distribution
     return rates, sizes, warmup
 
 
-def _twin(plan: Plan, *, groups: str, cuda_streams: int, store: Any, notes: list[str],
-          missing: str) -> SimMachine | None:
+def _twin(plan: Plan, *, groups: str, cuda_streams: int, cuda_devices: Sequence[int], store: Any,
+          notes: list[str], missing: str) -> SimMachine | None:
     """The simulated twin of the sweep's runtime (for the LP bound and the simulation), or
     None, noted as ``missing``, where the plan has no perf models to build it from."""
     try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store)
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                                store=store)
     except StaronnxError as exc:
         notes.append(f"{missing}: {exc}")
         return None
@@ -151,6 +152,7 @@ def sweep(
     policy: str = "heft",
     groups: str = "numa",
     cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     cuda_graphs: bool = True,
     distribution: str = "constant",
     duration: float = 10.0,
@@ -183,6 +185,8 @@ def sweep(
         rates: offered single-sample requests per second.
         batch_sizes: the ``b`` of the papers' batches (a batch leaves when full).
         policy, groups, cuda_streams, engine: the runtime's settings.
+        cuda_devices: the GPUs that get ``cuda_streams`` workers each (the runtime's, the
+            simulated twin's and the bound's; ``settings.cuda_devices`` records them).
         cuda_graphs: CUDA workers capture every batch size of the sweep as CUDA graphs at
             warm-up (the default); False runs them without graphs.
         distribution: ``"constant"`` interval (the papers) or ``"poisson"``.
@@ -224,7 +228,8 @@ def sweep(
     total = len(rates) * len(batch_sizes)
     settings: dict[str, Any] = {
         "plan": str(plan.root), "plan_hash": plan.hash, "policy": policy, "groups": groups,
-        "cuda_streams": cuda_streams, "distribution": distribution, "duration_s": float(duration),
+        "cuda_streams": cuda_streams, "cuda_devices": list(cuda_devices), "distribution": distribution,
+        "duration_s": float(duration),
         "warmup_s": warmup, "rates": rates, "batch_sizes": batch_sizes, "seed": seed,
         "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
@@ -242,8 +247,8 @@ def sweep(
     machine = None
     if bound or simulate:
         missing = " and ".join(m for m, on in (("no LP bound", bound), ("no simulation", simulate)) if on)
-        machine = _twin(plan, groups=groups, cuda_streams=cuda_streams, store=store, notes=results.notes,
-                        missing=missing)
+        machine = _twin(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
+                        notes=results.notes, missing=missing)
     windows: dict[int, int] = {}
     if machine is not None:
         if bound:
@@ -255,8 +260,8 @@ def sweep(
 
     own = runtime is None
     if own:
-        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, store=store,
-                          engine=engine, trace=trace, cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
+                          cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
                           warmup=sorted({s for b in batch_sizes for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
@@ -303,7 +308,7 @@ def sweep(
                     break
         stale = stale_models_note(
             plan, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
-            groups=groups, cuda_streams=cuda_streams)
+            groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
         if stale:
             results.notes.append(stale)
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
@@ -411,6 +416,7 @@ def auto_rates(
     policy: str = "heft",
     groups: str = "numa",
     cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     engine: str = "native",
     store: Any = None,
     probe_seconds: float = 1.0,
@@ -426,7 +432,8 @@ def auto_rates(
     """
     sizes = sorted({int(b) for b in batch_sizes})
     try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                                store=store, cpu_fallback=False)
         bounds, _ = batch_bounds(machine, sizes)
     except StaronnxError:
         bounds = {}
@@ -437,20 +444,21 @@ def auto_rates(
         return AutoRates(rates_for(capacity), capacity, "bound",
                          f"the LP bound over the calibrated perf models, {capacity:,.0f} samples/s at b={b}")
     b = sizes[-1]
-    capacity = _probe(plan, b, policy=policy, groups=groups, cuda_streams=cuda_streams, engine=engine,
-                      seconds=probe_seconds, seed=seed)
+    capacity = _probe(plan, b, policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                      engine=engine, seconds=probe_seconds, seed=seed)
     return AutoRates(rates_for(capacity), capacity, "probe",
                      f"a {probe_seconds:g} s closed-loop probe, {capacity:,.0f} samples/s at b={b}; "
                      f"no calibrated perf models for the LP bound")
 
 
-def _probe(plan: Plan, batch: int, *, policy: str, groups: str, cuda_streams: int, engine: str,
-           seconds: float, seed: int) -> float:
+def _probe(plan: Plan, batch: int, *, policy: str, groups: str, cuda_streams: int, cuda_devices: Sequence[int],
+           engine: str, seconds: float, seed: int) -> float:
     """Samples/s the runtime serves with batches of ``batch`` back to back (closed loop)."""
     from staronnx.verify import random_plan_feeds
 
     feeds = random_plan_feeds(plan, batch, seed=seed)
-    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine) as rt:
+    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                 engine=engine) as rt:
         rt.run(feeds)  # warm-up
         depth = max(2, 2 * len(rt.stats()["workers"]))
         inflight = [rt.submit(feeds) for _ in range(depth)]

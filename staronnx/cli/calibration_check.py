@@ -11,7 +11,6 @@ say it there, once per command and not per task, with the command that fixes it.
 
 from __future__ import annotations
 
-import shlex
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,12 +20,12 @@ from typing import Any
 MODEL_FREE_POLICIES = frozenset({"eager", "ws", "lws", "static"})
 
 
-def worker_archs(groups: str, cuda_streams: int = 0) -> list[str]:
+def worker_archs(groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)) -> list[str]:
     """The archs of the workers a runtime with these settings starts on this machine (CUDA
-    streams first, as the runtime numbers them), without starting any."""
+    streams first, as the runtime numbers them; an arch per GPU), without starting any."""
     from staronnx.bench.simulator import sim_workers
 
-    return list(dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams)))
+    return list(dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams, cuda_devices)))
 
 
 def uncalibrated(plan: Any, archs: Iterable[str], store: Any) -> dict[str, list[int]]:
@@ -53,18 +52,13 @@ def describe(missing: dict[str, list[int]]) -> str:
     )
 
 
-def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0) -> str:
-    """The ``staronnx calibrate`` line that fills the models these settings read."""
-    cmd = f"staronnx calibrate {shlex.quote(str(plandir))} --groups {shlex.quote(groups)}"
-    return cmd + (f" --cuda-streams {cuda_streams}" if cuda_streams else "")
-
-
 def warn_uncalibrated(
     plandir: str | Path,
     plan: Any,
     *,
     groups: str,
     cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
     skip_archs: Sequence[str] = (),
     store: Any = None,
 ) -> str | None:
@@ -72,14 +66,15 @@ def warn_uncalibrated(
     workers these settings start lack models for some parts; return it (None when all is
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
+    from staronnx.calibrate import calibrate_command
     from staronnx.perfmodels import PerfModelStore
 
     store = store if store is not None else PerfModelStore()
-    archs = [a for a in worker_archs(groups, cuda_streams) if a not in set(skip_archs)]
+    archs = [a for a in worker_archs(groups, cuda_streams, cuda_devices) if a not in set(skip_archs)]
     missing = uncalibrated(plan, archs, store)
     if not missing:
         return None
     line = (f"staronnx: warning: no calibrated model for {describe(missing)}: "
-            f"run {calibrate_command(plandir, groups, cuda_streams)}")
+            f"run {calibrate_command(plandir, groups, cuda_streams, cuda_devices)}")
     print(line, file=sys.stderr, flush=True)
     return line

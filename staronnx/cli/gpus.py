@@ -8,11 +8,12 @@ CUDA_DEVICES_HELP = ("GPUs the CUDA workers drive, --cuda-streams workers on eac
                      "0,1 or 0-3, or all (every visible GPU). Default: 0.")
 
 
-def parse_cuda_devices(text: str | None, cuda_streams: int) -> tuple[int, ...]:
+def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool = False) -> tuple[int, ...]:
     """The GPUs ``--cuda-devices`` names (``(0,)`` when not given), or one line saying why not.
 
     Checked here, before any worker starts: a GPU that does not exist fails each CUDA worker of
-    it at start otherwise, after the CPU workers loaded the model.
+    it at start otherwise, after the CPU workers loaded the model. ``simulated``: the GPUs of a
+    simulated machine (``staronnx simulate``), which may be more than this one has.
     """
     if text is None:
         return (0,)
@@ -35,7 +36,18 @@ def parse_cuda_devices(text: str | None, cuda_streams: int) -> tuple[int, ...]:
     if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
         raise StaronnxError(f"--cuda-devices takes CUDA ordinals, each once, like 0,1 or 0-3 or all; got {text!r}")
     missing = [d for d in devices if d >= visible]
-    if missing:
+    if missing and not simulated:
         raise StaronnxError(f"--cuda-devices {text}: no GPU {', '.join(map(str, missing))} here ({visible} visible"
                             + (f": 0..{visible - 1})" if visible else ")"))
     return tuple(devices)
+
+
+def cuda_summary(cuda_streams: int, devices: tuple[int, ...]) -> str:
+    """What a command's opening line says of its CUDA workers: ``, 2 CUDA stream(s)``, and on
+    which GPUs when not GPU 0 alone (``, 2 CUDA stream(s) on each of GPUs 0,1``)."""
+    if not cuda_streams:
+        return ""
+    if tuple(devices) == (0,):
+        return f", {cuda_streams} CUDA stream(s)"
+    where = f"GPU {devices[0]}" if len(devices) == 1 else f"each of GPUs {','.join(map(str, devices))}"
+    return f", {cuda_streams} CUDA stream(s) on {where}"

@@ -118,14 +118,15 @@ def _print_rows(rows, plan: Plan) -> None:
     console.print(table)
 
 
-def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int) -> None:
+def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int, cuda_devices: tuple[int, ...]) -> None:
     """Which is predicted faster: this plan on the runtime's workers (the LP bound over the
     calibrated models) or the whole model on the fastest arch alone (the sum of its parts)."""
     from staronnx.bench.bound import machine_bound
     from staronnx.bench.simulator import build_machine
 
     try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
+        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
+                                cpu_fallback=False)
     except StaronnxError as exc:
         console.print(f"no prediction against one part: {exc}", soft_wrap=True)
         return
@@ -152,6 +153,8 @@ def show_cmd(
     plot: Annotated[Optional[Path], typer.Option(help="Also draw time vs batch size to this PNG.")] = None,
     groups: Annotated[str, typer.Option(help="CPU groups of the comparison (as for run/sweep).")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers of the comparison.")] = 0,
+    cuda_devices: Annotated[Optional[str], typer.Option(help="GPUs of the comparison, --cuda-streams workers on "
+                                                             "each (0,1 or 0-3 or all). Default: 0.")] = None,
 ) -> None:
     """Table of every calibrated model of a plan: part, arch, batch, n, mean, stddev, regression;
     then, per batch size, whether the plan on these workers is predicted faster than the whole
@@ -160,6 +163,7 @@ def show_cmd(
 
     if plot is not None:
         check_writable(plot, "--plot")
+    devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)  # models may come from another host
     plan = Plan.load(plandir)
     store = PerfModelStore()
     rows = store.rows(plan.hash)
@@ -169,7 +173,7 @@ def show_cmd(
             f"run `staronnx calibrate {plandir}` first"
         )
     _print_rows(rows, plan)
-    _print_verdict(plan, store, rows, groups, cuda_streams)
+    _print_verdict(plan, store, rows, groups, cuda_streams, devices)
     if plot is not None:
         from staronnx.perfmodels.plot import plot_rows
 

@@ -63,7 +63,7 @@ def run_cmd(
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
-        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
+        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     if real is None:
         pool = [random_plan_feeds(plan, batch, seed=seed + i) for i in range(min(requests, 8))]
     else:

@@ -17,6 +17,7 @@ from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import output_console
+from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
 
@@ -86,6 +87,18 @@ def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
     return out
 
 
+def what_if_gpus(devices: tuple[int, ...], cuda_scale: str | None) -> list[str]:
+    """The GPU archs of a simulation whose times come from elsewhere by design, so that no
+    warning asks to calibrate them: all of them with ``--cuda-scale``, else those this machine
+    lacks (they borrow a calibrated GPU's times; ``calibrate`` could not reach them here)."""
+    from staronnx.workers.cuda import visible_cuda_devices
+
+    if cuda_scale is not None:
+        return [f"cuda{d}" for d in devices]
+    visible = visible_cuda_devices()
+    return [f"cuda{d}" for d in devices if d >= visible]
+
+
 #: why ``--model-workers`` needs several models (sweep says the same)
 MODEL_WORKERS_NEED_SEVERAL = ("--model-workers keeps a model on some workers of a runtime shared by several models; "
                               "give several plans (one plan runs on every worker: choose them with --groups and "
@@ -102,7 +115,8 @@ SIM_LANE_HELP = (LANE_HELP + " Simulated (simulate, sweep --simulate) as one mor
 
 def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None, rates: str | None,
                   names: list[str] | None, slo_ms: list[str], priority: list[str], policy: str, groups: str,
-                  synthetic: str | None, cuda_streams: int, cuda_scale: str | None, distribution: str,
+                  synthetic: str | None, cuda_streams: int, cuda_devices: tuple[int, ...], cuda_scale: str | None,
+                  distribution: str,
                   duration: float, requests: int | None, seed: int, max_delay: float | None, spread: float,
                   queue_capacity: int, model_workers: list[str], lane: list[str]) -> None:
     """Several models on one simulated runtime, each at its own rate: per-model throughput,
@@ -130,11 +144,11 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     lanes = model_lanes(lane, labels)
     if synthetic is None:
         for d, plan in zip(plandirs, plans.values()):
-            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams,
-                              skip_archs=["cuda0"] if cuda_scale is not None else ())
+            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                              skip_archs=what_if_gpus(cuda_devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
     machine = build_machine(plans, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                            cuda_scale=_scale(cuda_scale), lanes=lanes)
+                            cuda_devices=cuda_devices, cuda_scale=_scale(cuda_scale), lanes=lanes)
     result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=duration,
                           distribution=distribution, seed=seed, max_delay=max_delay, spread=spread,
                           queue_capacity=queue_capacity, residency=residency)
@@ -199,7 +213,11 @@ def simulate_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy (numa, package, cores=N, ...).")] = "numa",
     synthetic: Annotated[str | None, typer.Option(help="Simulate a made-up machine, e.g. 'pack:2 numa:2 core:8'.")] = None,
-    cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) on device 0.")] = 0,
+    cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    cuda_devices: Annotated[str | None, typer.Option(help=(
+        "The simulated machine's GPUs, --cuda-streams workers on each: CUDA ordinals like 0,1 or 0-3, or all "
+        "(every GPU visible here). GPUs this machine lacks or never calibrated take the times and bus links of "
+        "the lowest calibrated GPU (a note says so). Default: 0."))] = None,
     cuda_scale: Annotated[str | None, typer.Option(
         help="What-if GPU: its time = this factor x the widest CPU group's (one, or one per part).")] = None,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
@@ -223,6 +241,7 @@ def simulate_cmd(
 
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
+    devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
     if model_workers and len(plandirs) < 2:
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if lane and len(plandirs) < 2:
@@ -230,7 +249,7 @@ def simulate_cmd(
     if len(plandirs) > 1 or rates is not None or slo_ms or priority or name:
         _simulate_mix(plandirs, rate=rate, batch=batch, rates=rates, names=name, slo_ms=slo_ms or [],
                       priority=priority or [], policy=policy, groups=groups, synthetic=synthetic,
-                      cuda_streams=cuda_streams, cuda_scale=cuda_scale, distribution=distribution,
+                      cuda_streams=cuda_streams, cuda_devices=devices, cuda_scale=cuda_scale, distribution=distribution,
                       duration=seconds, requests=requests, seed=seed, max_delay=delay, spread=spread,
                       queue_capacity=queue_capacity, model_workers=model_workers or [], lane=lane or [])
         return
@@ -240,11 +259,11 @@ def simulate_cmd(
     batch_size = _batch(batch)
     plan = Plan.load(plandir)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
-        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams,
-                          skip_archs=["cuda0"] if cuda_scale is not None else ())
+        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
+                          skip_archs=what_if_gpus(devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
     machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                            cuda_scale=_scale(cuda_scale))
+                            cuda_devices=devices, cuda_scale=_scale(cuda_scale))
     result = simulate(
         machine=machine, rate=rate, batch_size=batch_size, policy=policy, duration=seconds,
         n_requests=requests, distribution=distribution, seed=seed, max_delay=delay,

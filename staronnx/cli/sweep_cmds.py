@@ -19,6 +19,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, cuda_summary, parse_cuda_devices
 from staronnx.cli.simulate_cmd import LANES_NEED_SEVERAL, MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, \
     SIM_LANE_HELP, model_lanes, model_residency
 from staronnx.durations import parse_duration
@@ -258,6 +259,7 @@ def sweep_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
         help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
@@ -304,6 +306,10 @@ def sweep_cmd(
 
     from staronnx.bench.mix import is_per_model
 
+    if url is not None and cuda_devices is not None:
+        raise StaronnxError("--cuda-devices picks this process's GPUs; with --url the GPUs are the server's "
+                            "(staronnx serve --cuda-devices)")
+    devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if model_workers and len(plandirs) < 2:
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if lane and len(plandirs) < 2:
@@ -318,7 +324,8 @@ def sweep_cmd(
             raise StaronnxError(f"{', '.join(unsupported)} do(es) not go with several models (a mixed sweep)")
         _sweep_mix_cmd(plandirs, rates=rates, batch_sizes=batch_sizes, names=name, slo_ms=slo_ms or [],
                        priority=priority or [], policy=policy, groups=groups, cuda_streams=cuda_streams,
-                       cuda_graphs=cuda_graphs, distribution=distribution, duration=duration, warmup=warmup,
+                       cuda_devices=devices, cuda_graphs=cuda_graphs, distribution=distribution, duration=duration,
+                       warmup=warmup,
                        output=output, plots=plots, queue_capacity=queue_capacity, min_batches=min_batches,
                        seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
                        model_workers=model_workers or [], lane=lane or [])
@@ -349,14 +356,14 @@ def sweep_cmd(
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if url is None:  # over the network the groups are the server's
-        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams)
+        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     if auto:
         rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                                engine=engine, seed=seed)
+                                cuda_devices=devices, engine=engine, seed=seed)
     console.print(
         f"sweeping plan {plan.hash} ({plan.k} parts) "
         + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
-           f"{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}"
+           f"{cuda_summary(cuda_streams, devices)}"
            f"{', load generator on the CUDA driver core' if colocate else ''}: {len(sizes)} batch size(s) x ") +
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
@@ -366,6 +373,7 @@ def sweep_cmd(
         try:
             rows = run(
                 plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
+                **({"cuda_devices": devices} if url is None else {}),  # over the network: the server's
                 distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
                 progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
                 extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
@@ -386,7 +394,8 @@ def sweep_cmd(
 
 def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names: list[str] | None,
                    slo_ms: list[str], priority: list[str], policy: str, groups: str, cuda_streams: int,
-                   cuda_graphs: bool, distribution: str, duration: str, warmup: str | None, output: Path,
+                   cuda_devices: tuple[int, ...], cuda_graphs: bool, distribution: str, duration: str,
+                   warmup: str | None, output: Path,
                    plots: bool, queue_capacity: int, min_batches: int, seed: int, max_delay: str | None,
                    trace: Path | None, simulate: bool, quiet: bool, model_workers: list[str],
                    lane: list[str]) -> None:
@@ -424,10 +433,10 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
         check_writable(trace, "--trace")
     plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
     for d, plan in zip(plandirs, plans.values()):
-        warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams)
+        warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
     console.print(
         f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
-        f"with {policy}, groups {groups}{f', {cuda_streams} CUDA stream(s)' if cuda_streams else ''}"
+        f"with {policy}, groups {groups}{cuda_summary(cuda_streams, cuda_devices)}"
         + "".join(f", {n} on {sel} only" for n, sel in residency.items())
         + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items()) + ": "
         f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
@@ -435,7 +444,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
         bars = _MixBars(progress)
         try:
             rows = sweep_mix(plans, points, targets=targets, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                             cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
+                             cuda_devices=cuda_devices, cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
                              out_dir=output, progress=bars, seed=seed, queue_capacity=queue_capacity,
                              min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace,
                              residency=residency, lanes=lanes)
@@ -511,7 +520,7 @@ def _mix_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, groups: str,
-                cuda_streams: int, engine: str, seed: int) -> list[float]:
+                cuda_streams: int, cuda_devices: tuple[int, ...], engine: str, seed: int) -> list[float]:
     """``--rates auto``: the range from the LP bound or a closed-loop probe, said on stdout."""
     from staronnx.bench.sweep import auto_rates, rates_for
 
@@ -534,7 +543,7 @@ def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, gr
         return rates
     with console.status("probing the runtime's throughput for --rates auto"):
         chosen = auto_rates(plan, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                            engine=engine, seed=seed)
+                            cuda_devices=cuda_devices, engine=engine, seed=seed)
     console.print(chosen.describe(), highlight=False, soft_wrap=True)
     return chosen.rates
 
@@ -583,6 +592,7 @@ def optimize_batch_cmd(
     policy: Annotated[str, typer.Option(help="Scheduling policy.")] = "heft",
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
+    cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Measure the predicted best and its neighbours live.")] = True,
     sim_duration: Annotated[str, typer.Option(help="Simulated arrivals per candidate.")] = "20s",
@@ -597,13 +607,14 @@ def optimize_batch_cmd(
     from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)
+    devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if json_out is not None:
         check_writable(json_out, "--json")
-    warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams)
+    warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     with console.status("optimizing") as status:
         result = optimize_batch(
             plandir, rate, slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
-            groups=groups, cuda_streams=cuda_streams, distribution=distribution, verify=verify,
+            groups=groups, cuda_streams=cuda_streams, cuda_devices=devices, distribution=distribution, verify=verify,
             sim_duration=parse_duration(sim_duration, option="--sim-duration"),
             verify_duration=parse_duration(verify_duration, option="--verify-duration"),
             max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg),

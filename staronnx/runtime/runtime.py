@@ -65,6 +65,7 @@ from staronnx.runtime.trace import Tracer
 from staronnx.workers.colocate import Colocation
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.lanes import check_preempt, short_switch_interval
+from staronnx.workers.launch import cuda_ordinals
 from staronnx.workers.pinned_pool import PinnedPool
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,8 @@ class Runtime:
         ``device_id`` provider option picks one (:class:`~staronnx.runtime.session.InferenceSession`)."""
         if save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
-        devices = tuple(int(d) for d in cuda_devices)
-        if not devices or len(set(devices)) != len(devices) or min(devices) < 0:
+        devices = cuda_ordinals(cuda_devices)
+        if devices is None:
             raise StaronnxError(f"cuda_devices must name each GPU once, by its CUDA ordinal (0, 1, ...); got "
                                 f"{list(cuda_devices)}")
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads

@@ -162,20 +162,21 @@ class MeteredRuntime:
         return future
 
 
-def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int) -> int | None:
+def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int,
+                         cuda_devices: Sequence[int] = (0,)) -> int | None:
     """The batches to keep in flight on this plan's runtime, from its perf models, as sweeps and
     the simulator size them (:func:`~staronnx.bench.simulator.machine_inflight`).
 
     Why not the Server's default (two per worker): with a GPU and CPU groups, dmda only gives a
     batch to a CPU group once the GPU's queue is longer than that group's whole time, so a
     window too short for that leaves the CPUs idle however high the load. None (the default)
-    where the plan has no models for these workers yet.
+    where the plan has no models for these workers yet (each GPU of ``cuda_devices`` has its own).
     """
     from staronnx.bench.simulator import build_machine, machine_inflight
     from staronnx.errors import StaronnxError
 
     try:
-        machine = build_machine(plan, groups=groups or "numa", cuda_streams=cuda_streams)
+        machine = build_machine(plan, groups=groups or "numa", cuda_streams=cuda_streams, cuda_devices=cuda_devices)
     except StaronnxError:
         return None
     if machine.table.sources:  # some arch's times borrowed from another: no basis for a window
@@ -201,11 +202,12 @@ class ModelEndpoint:
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
-        gpus = {w.device_id for w in getattr(runtime, "workers", ()) if getattr(w, "device_id", None) is not None}
-        if max_inflight is None and len(gpus) <= 1:
-            # (the simulated machine has one GPU: for several, the Server's two per worker)
+        gpus = sorted({w.device_id for w in getattr(runtime, "workers", ())
+                       if getattr(w, "device_id", None) is not None})
+        if max_inflight is None:
             max_inflight = inflight_from_models(self.plan, batch_size, groups=self.settings.get("groups"),
-                                                cuda_streams=int(self.settings.get("cuda_streams") or 0))
+                                                cuda_streams=int(self.settings.get("cuda_streams") or 0),
+                                                cuda_devices=gpus or (0,))
         self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
                              queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
                              max_inflight=max_inflight, colocate=colocate,

@@ -51,6 +51,19 @@ class WorkerLayout:
         return self.groups.policy
 
 
+def cuda_ordinals(cuda_devices: Sequence[int]) -> tuple[int, ...] | None:
+    """``cuda_devices`` as CUDA ordinals, each once, or None when they are not (the one rule of
+    ``Runtime`` and the simulator; neither checks this machine's GPUs here: the runtime's
+    workers do at start, and a simulated machine may have more)."""
+    try:
+        devices = tuple(int(d) for d in cuda_devices)
+    except (TypeError, ValueError):
+        return None
+    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+        return None
+    return devices
+
+
 def worker_layout(
     topology: Topology, groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
     thread_per_stream: bool = False,
