@@ -67,8 +67,10 @@ def _colors(rows: Rows) -> dict[int, str]:
 
 def _title(rows: Rows, what: str) -> str:
     first = rows[0] if rows else {}
+    gpus = first.get("cuda_devices")
     bits = [f"{first.get('policy')}" if first.get("policy") else "", f"groups {first.get('groups')}"
             if first.get("groups") else "", f"{first.get('cuda_streams')} CUDA stream(s)"
+            + (f" on GPUs {gpus}" if gpus and str(gpus) != "0" else "")
             if first.get("cuda_streams") else "", first.get("distribution") or ""]
     extra = ", ".join(b for b in bits if b)
     return f"{what}" + (f"\n({extra})" if extra else "")

@@ -45,7 +45,7 @@ COLUMNS = (
     "queue_mean", "queue_max", "backlog_growth",
     "bound_throughput", "achieved_over_bound",
     "duration_s", "warmup_s", "measured_s",
-    "policy", "groups", "cuda_streams", "distribution", "max_delay_ms",
+    "policy", "groups", "cuda_streams", "cuda_devices", "distribution", "max_delay_ms",
 )
 
 
@@ -102,6 +102,8 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     row["measured_s"] = summary.get("measured_s")
     for key in ("policy", "groups", "cuda_streams", "distribution"):
         row[key] = settings.get(key)
+    devices = settings.get("cuda_devices")  # one CSV cell: "0,1"
+    row["cuda_devices"] = ",".join(map(str, devices)) if devices and settings.get("cuda_streams") else None
     delay = settings.get("max_delay_s")
     row["max_delay_ms"] = None if delay is None else delay * 1e3
     for part, archs in sorted((summary.get("placement") or {}).items()):

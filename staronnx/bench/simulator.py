@@ -174,9 +174,12 @@ class PerfTable:
             mean = model.predict(fp)  # the batch-size regression of the shape family
             if not (math.isfinite(mean) and mean > 0):
                 via = "" if src.arch == arch else f" (taken from {src.describe()})"
+                gpu = _CUDA_NAME.fullmatch(src.arch)
+                workers = "" if gpu is None else " --cuda-streams N" + (
+                    f" --cuda-devices {gpu.group(1)}" if gpu.group(1) != "0" else "")
                 raise SimulationError(
                     f"no perf model for part {part} on {arch}{via} at batch {fp.batch}: "
-                    f"calibrate it (staronnx calibrate PLANDIR --batch-sizes ...{' --cuda-streams N' if src.arch.startswith('cuda') else ''}) "
+                    f"calibrate it (staronnx calibrate PLANDIR --batch-sizes ...{workers}) "
                     "or give a what-if source (cuda_scale / arch_sources)"
                 )
             rel = [

@@ -74,7 +74,9 @@ def warn_uncalibrated(
     missing = uncalibrated(plan, archs, store)
     if not missing:
         return None
+    # the GPUs calibrate can measure: a skipped one (a what-if) would make the command fail
+    reachable = [d for d in cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
     line = (f"staronnx: warning: no calibrated model for {describe(missing)}: "
-            f"run {calibrate_command(plandir, groups, cuda_streams, cuda_devices)}")
+            f"run {calibrate_command(plandir, groups, cuda_streams, reachable)}")
     print(line, file=sys.stderr, flush=True)
     return line
