@@ -64,7 +64,7 @@ def make_session(
     model: onnx.ModelProto | str | os.PathLike[str],
     *,
     optimize: bool = True,
-    providers: Sequence[str] | None = None,
+    providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
     options: ort.SessionOptions | None = None,
 ) -> ort.InferenceSession:
     """An ORT session; models over protobuf's 2 GB limit go through a temporary file."""

@@ -67,6 +67,19 @@ def test_a_costly_transfer_or_task_can_cancel_the_split():
     assert choose_shares(speeds, 8, fixed_cost=0.005).shares == [1.0]  # dilutes the CPU's 10 %
 
 
+def test_several_gpus_add_up_and_leave_the_cpu_a_smaller_tail():
+    """Two H100s beside the same CPU group: the fast class is both GPUs (their rates add up), so
+    the CPU's tail halves; it used to be priced against one GPU, the second ignored."""
+    gpu, cpu = WorkerSpeed("cuda0", "cuda", 8 / 3647), WorkerSpeed("cpu14", "cpu", 8 / 389)
+    one = choose_shares([gpu, cpu], 8)
+    two = choose_shares([gpu, WorkerSpeed("cuda1", "cuda", 8 / 3647), cpu], 8)
+    assert two.predicted["one part"] == pytest.approx(2 * one.predicted["one part"], rel=0.05)
+    assert one.parts == 2 and (two.parts == 1 or two.shares[1] < 0.75 * one.shares[1]), (one.reason, two.reason)
+    assert "cuda0 + cuda1" in two.reason
+    four = choose_shares([WorkerSpeed(f"cuda{d}", "cuda", 8 / 3647) for d in range(4)] + [cpu], 8)
+    assert four.shares == [1.0] and "cuda0 + cuda1 + cuda2 + cuda3 alone" in four.reason
+
+
 def test_bad_speeds_are_refused():
     with pytest.raises(PartitionError, match="> 0"):
         choose_shares([WorkerSpeed("cpu1", "cpu", 0.0)], 1)
@@ -135,6 +148,37 @@ def test_cli_shares_auto_from_a_calibrated_one_part_plan(model, tmp_path, two_gr
     two = _cli("partition", str(model), "--shares", "auto", "--speeds-from", str(out / ".." / "auto"),
                "-o", str(tmp_path / "y"), home=home)
     assert two.returncode == 2  # not calibrated (and 1 part) -> one clear line
+
+
+def test_cli_shares_auto_from_the_models_of_every_gpu_named(model, tmp_path, two_groups):
+    """``partition --shares auto --speeds-from ONE --cuda-streams 1 --cuda-devices 0,1``: a speed
+    per GPU, each from its own models (read, not timed: no GPU needed), and a CPU tail sized
+    against both GPUs: smaller than against GPU 0 alone."""
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.plan import Plan
+    from test_simulator import write_models
+
+    home = tmp_path / "home"
+    one = tmp_path / "one"
+    assert _cli("partition", str(model), "--parts", "1", "-o", str(one), "--profile-runs", "1",
+                home=home).returncode == 0
+    # the whole model: 1 ms a batch of 8 on each GPU, 10 ms on each one-core group
+    write_models(PerfModelStore(home), Plan.load(one), {(0, "cuda0"): 1e-3, (0, "cuda1"): 1e-3, (0, "cpu1"): 1e-2},
+                 batches=(8,))
+    choices = {}
+    for devices in ("0", "0,1"):
+        out = tmp_path / f"auto{devices}"
+        done = _cli("partition", str(model), "--shares", "auto", "--speeds-from", str(one), "--groups", two_groups,
+                    "--cuda-streams", "1", "--cuda-devices", devices, "-o", str(out), home=home)
+        assert done.returncode == 0, done.stderr
+        choices[devices] = json.loads((out / "plan.json").read_text())["settings"]["auto_shares"]
+    assert [s["name"] for s in choices["0,1"]["speeds"]] == ["cuda0", "cuda1", "cpu1"]
+    assert [s["name"] for s in choices["0"]["speeds"]] == ["cuda0", "cpu1"]
+    tail = {d: c["shares"][1] if len(c["shares"]) == 2 else 0.0 for d, c in choices.items()}
+    assert 0 < tail["0"] and tail["0,1"] < tail["0"], choices
+    refused = _cli("partition", str(model), "--shares", "0.5,0.5", "--cuda-devices", "0", "-o", str(tmp_path / "x"),
+                   home=home)
+    assert refused.returncode == 2 and "--shares auto only" in refused.stderr, refused.stderr
 
 
 def test_perfmodel_show_says_whether_the_plan_or_one_part_is_predicted_faster(calibrated_inception, two_groups):

@@ -7,6 +7,8 @@ workers (CUDA streams, pinned CPU groups), many samples each, which is what the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from staronnx.bench.simulator import SimulationError, build_machine
 from staronnx.partition.autoshares import WorkerSpeed
 from staronnx.perfmodels import PerfModelStore
@@ -16,14 +18,17 @@ __all__ = ["speeds_from_plan"]
 
 
 def speeds_from_plan(
-    plan: Plan, *, batch: int, groups: str = "numa", cuda_streams: int = 0, store: PerfModelStore | None = None
+    plan: Plan, *, batch: int, groups: str = "numa", cuda_streams: int = 0, store: PerfModelStore | None = None,
+    cuda_devices: Sequence[int] = (0,),
 ) -> list[WorkerSpeed]:
-    """One :class:`WorkerSpeed` per worker arch of ``Runtime(plan, groups, cuda_streams)``."""
+    """One :class:`WorkerSpeed` per worker arch of ``Runtime(plan, groups, cuda_streams,
+    cuda_devices)``: one per GPU, from its own models."""
     if plan.k != 1:
         why = f"a 1-part plan of the model (partition it with {{}} and calibrate it); {plan.root} has {plan.k} parts"
         raise SimulationError("speeds_from_plan needs " + why.format("parts=1"),
                               cli="--speeds-from needs " + why.format("--parts 1"))
-    machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, store=store, cpu_fallback=False)
+    machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
+                            cpu_fallback=False)
     times = machine.mean_times(batch)[0]
     by_arch: dict[str, WorkerSpeed] = {}
     for worker, seconds in zip(machine.workers, times):

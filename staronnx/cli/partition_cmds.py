@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from staronnx.cli.display import QUIET_HELP, output_console, spinner
+from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.errors import PartitionError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
@@ -65,6 +66,9 @@ def partition_cmd(
              "(default numa), or the devices a placement method places on.")] = None,
     cuda_streams: Annotated[int, typer.Option(
         help="With --shares auto: CUDA workers that will serve the plan (each holds back a core).")] = 0,
+    cuda_devices: Annotated[Optional[str], typer.Option(
+        help="With --shares auto and --cuda-streams: the GPUs that will serve the plan (0,1 or 0-3 or all), "
+             "each timed (or read from --speeds-from), their rates added. Default: 0.")] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
     speeds_from: Annotated[Optional[Path], typer.Option(
         help="With --shares auto: take the speeds from the calibrated perf models of this 1-part "
@@ -80,8 +84,10 @@ def partition_cmd(
     # the library takes typed values: the option strings are read here, errors naming the flags
     targets = shares if shares is None or is_auto(shares) else read_shares(shares, "--shares")
     shapes = read_input_shapes(input_shape or [], "--input-shape")
-    if (speeds_from is not None or cuda_streams) and not is_auto(shares):
-        raise PartitionError("--cuda-streams and --speeds-from apply to --shares auto only")
+    if (speeds_from is not None or cuda_streams or cuda_devices is not None) and not is_auto(shares):
+        raise PartitionError("--cuda-streams, --cuda-devices and --speeds-from apply to --shares auto only")
+    # a plan's GPUs may be read from another host's models (--speeds-from); timing needs them here
+    devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=speeds_from is not None)
     if groups is not None and not is_auto(shares) and method in ("metis", "linear"):
         raise PartitionError("--groups applies to --shares auto and to the placement methods")
     check_writable(output, "--output", folder=True)  # now, not after the whole profiling
@@ -90,7 +96,7 @@ def partition_cmd(
         from staronnx.bench.machine_speeds import speeds_from_plan
 
         speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups or "numa",
-                                  cuda_streams=cuda_streams)
+                                  cuda_streams=cuda_streams, cuda_devices=devices)
     with spinner(quiet) as progress:
         step = progress.add_task("partitioning")
         plan = partition(
@@ -111,6 +117,7 @@ def partition_cmd(
             groups=groups,
             cuda_streams=cuda_streams,
             speeds=speeds,
+            cuda_devices=devices,
         )
     console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
     print_plan(plan)

@@ -83,6 +83,7 @@ def partition(
     cpu_group_sizes: Sequence[int] | None = None,
     transfer: TransferModel | None = None,
     speeds: Sequence[WorkerSpeed] | None = None,
+    cuda_devices: Sequence[int] = (0,),
 ) -> Plan:
     """Cut a model into weighted parts that run in sequence with the whole model's outputs.
 
@@ -93,7 +94,8 @@ def partition(
 
     ``shares="auto"`` chooses the split from this machine's speeds
     (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on CPU
-    workers of ``cpu_group_sizes`` cores, and on the GPU for ``device="cuda"``, or ``speeds``
+    workers of ``cpu_group_sizes`` cores, and on each GPU of ``cuda_devices`` for
+    ``device="cuda"`` (their rates add up), or ``speeds``
     given (e.g. from calibrated perf models); one part where a split cannot pay.  The choice
     and its reason are kept in the plan's settings. A placement method places on ``devices``
     and prices transfers with ``transfer`` (default links when None).
@@ -136,7 +138,8 @@ def partition(
         if placed:
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
         auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=cpu_group_sizes, speeds=speeds,
-                                   batch=profile_batch, runs=profile_runs, seed=seed, say=say)
+                                   batch=profile_batch, runs=profile_runs, seed=seed, say=say,
+                                   cuda_devices=cuda_devices)
         targets = auto_choice.shares
     # a placement method profiles per device itself and makes its own parts (shares do not apply)
     request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
@@ -152,6 +155,7 @@ def partition(
 def _auto_shares(
     graph: ModelGraph, shapes: dict[str, list[int]], *, device: str, group_sizes: Sequence[int] | None,
     speeds: Sequence[WorkerSpeed] | None, batch: int, runs: int, seed: int, say: Callable[[str], None],
+    cuda_devices: Sequence[int] = (0,),
 ) -> SharesChoice:
     """Measure (unless given) the whole model's speed per worker and choose the shares."""
     if speeds is None:
@@ -160,8 +164,8 @@ def _auto_shares(
                                  "give cpu_group_sizes (or speeds)")
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
                                         model=graph.model, seed=seed)
-        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes,
-                                cuda=device == "cuda", runs=max(runs, 3), progress=say)
+        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=device == "cuda",
+                                cuda_devices=cuda_devices, runs=max(runs, 3), progress=say)
     choice = choose_shares(speeds, batch)
     say(f"shares auto: {choice.reason}")
     return choice

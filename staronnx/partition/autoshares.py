@@ -34,7 +34,8 @@ FIXED_TASK_SECONDS = 100e-6
 
 @dataclass(frozen=True)
 class WorkerSpeed:
-    """The whole model's time for one batch on one worker (or on each of ``count`` alike ones)."""
+    """The whole model's time for one batch on one worker (or on each of ``count`` alike ones:
+    CPU groups of one size, GPUs of one model; a GPU's streams share it, so a GPU counts once)."""
 
     name: str  # "cuda0", "cpu4", ...
     kind: str  # "cuda" | "cpu"
@@ -96,8 +97,10 @@ def choose_shares(
             raise PartitionError(f"worker {s.name}: time per batch must be > 0 s, got {s.seconds}")
     fast = min(speeds, key=lambda s: s.seconds)
     slow = [s for s in speeds if s.seconds > latency_ratio * fast.seconds]
-    # the fast class: a GPU's streams share one device, so a GPU counts once; alike CPU groups add up
-    fast_rate = (1 if fast.kind == "cuda" else fast.count) / fast.seconds  # batches/s, no fixed cost
+    # the fast class: every worker within latency_ratio of the fastest (several GPUs, alike CPU
+    # groups), their rates added; a GPU's streams share one device, so a GPU counts once
+    fast_class = [s for s in speeds if s not in slow]
+    fast_rate = sum(s.rate for s in fast_class)  # batches/s, no fixed cost
     alone = {"one part": batch / (1 / fast_rate + fixed_cost)}
     if not slow:
         where = "a single worker" if len(speeds) == 1 and speeds[0].count == 1 else "workers within " \
@@ -114,15 +117,16 @@ def choose_shares(
     predicted = {**alone, "split": split}
     gain = split / alone["one part"] - 1
     slow_names = ", ".join(f"{s.name}x{s.count}" if s.count > 1 else s.name for s in slow)
+    fast_names = " + ".join(f"{s.name}x{s.count}" if s.count > 1 else s.name for s in fast_class)
     if gain < min_gain:
         return SharesChoice(
             [1.0], batch,
-            f"one part: {slow_names} would add {gain:+.1%} to {fast.name} alone, less than the "
+            f"one part: {slow_names} would add {gain:+.1%} to {fast_names} alone, less than the "
             f"{min_gain:.0%} a second task per batch must pay for", list(speeds), predicted)
     return SharesChoice(
         [round(1 - share, 2), share], batch,
         f"{1 - share:.2f}/{share:.2f}: {slow_names} take the last {share:.0%} of each batch, "
-        f"predicted {gain:+.1%} over {fast.name} alone", list(speeds), predicted)
+        f"predicted {gain:+.1%} over {fast_names} alone", list(speeds), predicted)
 
 
 # ---------------------------------------------------------------------- measuring
@@ -147,8 +151,10 @@ def measure_speeds(
     cuda: bool,
     runs: int = 5,
     progress: Callable[[str], None] | None = None,
+    cuda_devices: Sequence[int] = (0,),
 ) -> list[WorkerSpeed]:
-    """Time the whole model on the GPU (``cuda``) and on a CPU group of each size.
+    """Time the whole model on each GPU of ``cuda_devices`` (``cuda``) and on a CPU group of
+    each size (each GPU is timed: one may be another model, or share its PCIe switch).
 
     ``group_sizes`` are the cores of each CPU worker (``[14]`` for one 14-core NUMA group);
     groups of one size are timed once and counted.  The GPU is timed through plain
@@ -159,11 +165,15 @@ def measure_speeds(
     say = progress or (lambda _m: None)
     speeds: list[WorkerSpeed] = []
     if cuda:
-        say("timing the whole model on cuda0")
-        with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
-            sess = make_session(model, providers=providers_for("cuda"))
-            speeds.append(WorkerSpeed("cuda0", "cuda", median_seconds(lambda: sess.run(None, feeds), runs)))
-            del sess
+        providers_for("cuda")  # fails in one line where CUDA is absent
+        for device in cuda_devices:
+            say(f"timing the whole model on cuda{device}")
+            with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
+                sess = make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
+                                                      "CPUExecutionProvider"])
+                speeds.append(WorkerSpeed(f"cuda{device}", "cuda",
+                                          median_seconds(lambda: sess.run(None, feeds), runs)))
+                del sess
     counts: dict[int, int] = {}
     for n in group_sizes:
         counts[n] = counts.get(n, 0) + 1

@@ -41,10 +41,10 @@ def host_devices(groups: str | None = None, *, cuda: bool = False) -> list[Devic
     return devices + ([Device("cuda0", "cuda", "cuda0", 1)] if cuda else [])
 
 
-def cpu_group_sizes(groups: str, cuda_streams: int) -> list[int]:
-    """Cores of each CPU worker ``Runtime`` would start here with these settings (a CUDA
+def cpu_group_sizes(groups: str, cuda_streams: int, cuda_devices: Sequence[int] = (0,)) -> list[int]:
+    """Cores of each CPU worker ``Runtime`` would start here with these settings (each CUDA
     device's driver thread holds back a core), which ``shares="auto"`` times the model on."""
-    return [g.n_cores for g in worker_layout(Topology.from_system(), groups, cuda_streams).groups]
+    return [g.n_cores for g in worker_layout(Topology.from_system(), groups, cuda_streams, cuda_devices).groups]
 
 
 def host_transfer() -> TransferModel:
@@ -75,11 +75,13 @@ def partition(
     groups: str | None = None,
     cuda_streams: int = 0,
     speeds: Sequence[WorkerSpeed] | None = None,
+    cuda_devices: Sequence[int] = (0,),
 ) -> Plan:
     """:func:`staronnx.partition.api.partition` on this host: ``groups`` names the CPU groups
     (as for ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)``) that ``shares="auto"``
     times (default ``numa``) or that a placement method places on, beside the GPU for
-    ``device="cuda"`` (default: one per NUMA node, or two halves of the cores); a placement
+    ``device="cuda"`` (default: one per NUMA node, or two halves of the cores; ``shares="auto"``
+    times each GPU of ``cuda_devices``, whose rates add up); a placement
     method prices transfers with the bus model ``staronnx calibrate`` stored. Only what the
     request uses is read.
     """
@@ -90,6 +92,7 @@ def partition(
         input_shapes=input_shapes, seed=seed, costs=costs, profile_batch=profile_batch, profile_runs=profile_runs,
         tolerance=tolerance, force=force, progress=progress, speeds=speeds,
         devices=host_devices(groups, cuda=device == "cuda") if placed else None,
-        cpu_group_sizes=cpu_group_sizes(groups or "numa", cuda_streams) if timed else None,
+        cpu_group_sizes=cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices) if timed else None,
+        cuda_devices=cuda_devices,
         transfer=host_transfer() if placed else None,
     )
