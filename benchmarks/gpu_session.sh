@@ -14,6 +14,12 @@
 #   4. gpu.py                               staronnx vs ORT on googlenet (issue 20's table)
 # SESSION_SECONDS (default 560) bounds the whole; a step that would start with too little left
 # is skipped and says so.
+#
+# `bash benchmarks/gpu_session.sh host` (a second device call, after the first) runs instead
+# what issue 19 measures without a GPU, on the device's 16 idle cores, where the 2-core
+# development VM's own stalls and wake-up costs cannot decide the figure:
+#   5. host_overhead --device host          host us/task on HostRuntime (goal <= 40, 4 >= 1)
+#   6. serving_path                         us/request through Server, open-loop tail at 25-75 %
 set -u
 OUT="${OUT:-gpu-session}"
 mkdir -p "$OUT"
@@ -38,6 +44,13 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 4 "$OUT/$name.txt"
 }
 
+if [ "${1:-gpu}" = host ]; then
+  nproc > "$OUT/cores.txt"
+  step host-overhead-host 150 "$PY" benchmarks/host_overhead.py --device host --seconds 2 --rounds 3
+  step serving-path 240 "$PY" benchmarks/serving_path.py --seconds 3 --rounds 3
+  echo "total: $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+  exit 0
+fi
 step pytest-gpu 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider
 step host-overhead 70 "$PY" benchmarks/host_overhead.py --device cuda --seconds 1 --rounds 2
 step host-overhead-graphs 70 "$PY" benchmarks/host_overhead.py --device cuda --cuda-graphs --seconds 1 --rounds 2

@@ -59,3 +59,20 @@ def test_host_cost_benchmarks_on_the_gpu_say_what_is_missing_where_there_is_none
                           capture_output=True, text=True, timeout=300, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("--device cuda: CUDA workers need"), done.stderr
+
+
+@pytest.mark.parametrize("which, steps", [
+    ("gpu", ["pytest-gpu", "host-overhead", "host-overhead-graphs", "colocation", "gpu-table"]),
+    ("host", ["host-overhead-host", "serving-path"]),
+])
+def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, tmp_path):
+    """``benchmarks/gpu_session.sh [gpu|host]`` (the device calls of a session with a GPU): every
+    step named in the summary, each skipped here by a budget too small to start it, so the
+    script's flow is checked where one device call could not afford to find it broken."""
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), which], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, env={**os.environ, "OUT": str(out), "SESSION_SECONDS": "5"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = (out / "summary.txt").read_text().splitlines()
+    assert [line.split(":")[0] for line in summary[:-1]] == steps, summary
+    assert all("skipped" in line for line in summary[:-1]) and summary[-1].startswith("total: "), summary
