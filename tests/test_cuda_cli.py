@@ -212,3 +212,42 @@ def test_calibrate_and_serve_on_two_gpus(tiny, tmp_path, two_gpus):
     finally:
         rc = served.stop()
     assert rc == 0, "\n".join(served.lines)
+
+
+def test_a_mixed_sweep_and_optimize_batch_colocate_their_load_generators(tiny, tmp_path, host_cuda):
+    """``--colocate`` on a mixed sweep (every model's generator and batcher) and on
+    optimize-batch's live measurements: each says the core it measured from, the CUDA driver's."""
+
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.plan import Plan
+    from test_simulator import write_models
+
+    model, plan = tiny
+    other = partition(model, parts=1, output_dir=tmp_path / "other", costs="estimate").root
+    out = tmp_path / "mix"
+    done = subprocess.run(
+        [sys.executable, "-m", "staronnx", "sweep", str(plan), str(other), "--name", "a", "--name", "b",
+         "--rates", "a=100,b=100", "--batch-sizes", "2", "--duration", "0.5s", "--cuda-streams", "1",
+         "--groups", "none", "--policy", "eager", "--no-plots", "-q", "--colocate", "-o", str(out)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "load generators on the CUDA driver core" in done.stdout, done.stdout
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["colocate"] is True
+    cores = {r["model"]: r["loadgen"]["core"] for r in results["rows"]}
+    assert set(cores) == {"a", "b"} and len(set(cores.values())) == 1 and isinstance(cores["a"], int), cores
+
+    write_models(PerfModelStore(), Plan.load(plan), {(0, "cuda0"): 1e-3, (1, "cuda0"): 1e-3}, batches=(1, 2))
+    report = tmp_path / "opt.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "staronnx", "optimize-batch", str(plan), "--rate", "100", "--batch-sizes", "1,2",
+         "--cuda-streams", "1", "--groups", "none", "--sim-duration", "1s", "--verify-duration", "0.5s",
+         "--max-verify", "1", "--colocate", "--json", str(report)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert done.returncode == 0, done.stdout + done.stderr
+    core = json.loads(report.read_text())["generator_core"]
+    assert core == cores["a"] and f"on the CUDA driver's core (PU {core})" in done.stdout, done.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "staronnx", "optimize-batch", str(plan), "--rate", "100", "--colocate"],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert refused.returncode == 2 and "it needs --cuda-streams" in refused.stderr, refused.stderr

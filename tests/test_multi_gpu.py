@@ -205,3 +205,24 @@ def test_run_warns_of_the_gpu_left_uncalibrated(plan, two_gpus):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "no calibrated model for parts 0, 1 on cuda1" in done.stderr, done.stderr
     assert "--cuda-streams 1 --cuda-devices 0,1" in done.stderr, done.stderr
+
+
+def test_sweep_over_the_network_takes_the_servers_gpus(plan, tmp_path, two_gpus):
+    """``sweep --url`` against ``serve --cuda-devices 0,1``: the GPUs are the server's (read from
+    its configuration, as its other runtime settings are), so the bound is both GPUs' and
+    results.json names them."""
+    from test_serve import start_server
+
+    write_models(two_gpus, plan, {(p, a): 2 * MS for p in (0, 1) for a in ("cuda0", "cuda1")}, batches=(2,))
+    served = start_server([plan.root], tmp_path, "--name", "tiny", "--cuda-streams", "1", "--cuda-devices", "0,1",
+                          "--groups", "none", "--batch-size", "2", "--max-delay", "2ms")
+    try:
+        out = tmp_path / "wire"
+        done = _cli("sweep", str(plan.root), "--url", f"http://{served.http}", "--model", "tiny", "--rates", "40",
+                    "--duration", "1s", "--no-extend", "--no-plots", "-q", "-o", str(out))
+    finally:
+        assert served.stop() == 0, "\n".join(served.lines)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["settings"]["cuda_devices"] == [0, 1] and results["settings"]["cuda_streams"] == 1
+    assert results["rows"][0]["bound_throughput"] == pytest.approx(1000, rel=1e-3)  # both GPUs

@@ -194,6 +194,7 @@ def sweep_mix(
     trace: str | os.PathLike[str] | None = None,
     residency: Mapping[str, str] | None = None,
     lanes: Mapping[str, str] | None = None,
+    colocate: bool = False,
 ) -> list[dict[str, Any]]:
     """Measure every mix of ``points`` on one runtime hosting every model; return the rows
     (one per point and model; see the module docstring).
@@ -264,7 +265,7 @@ def sweep_mix(
         "min_batches": min_batches, "engine": "native", "simulate": simulate, "max_delay_s": max_delay,
         "mixes": [{"rates": p.rates, "batch_sizes": p.batch_sizes} for p in points],
         "rates": {n: sorted({p.rates[n] for p in points}) for n in names}, "batch_sizes": sizes_of,
-        "residency": residency, "lanes": lanes,
+        "residency": residency, "lanes": lanes, "colocate": colocate,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "front_end": {"kind": "in-process"},
     }
@@ -341,7 +342,7 @@ def sweep_mix(
                     results[n] = measure_point(
                         handles[n], point.batch_sizes[n], point.rates[n], pools[n], duration=length,
                         warmup=warmup, distribution=distribution, seed=seed + i, queue_capacity=queue_capacity,
-                        max_delay=max_delay, max_inflight=windows[(n, point.batch_sizes[n])])
+                        max_delay=max_delay, max_inflight=windows[(n, point.batch_sizes[n])], colocate=colocate)
                 except BaseException as exc:  # noqa: BLE001 - raised again in the sweep's thread
                     errors.append(exc)
 

@@ -94,6 +94,8 @@ class Optimization:
     verified: list[int] = field(default_factory=list)
     slo_met: bool | None = None
     notes: list[str] = field(default_factory=list)
+    #: the PU the live measurements ran their load generator on (``colocate``), else None
+    generator_core: int | None = None
 
     @property
     def objective(self) -> str:
@@ -109,6 +111,7 @@ class Optimization:
             "rate": self.rate, "slo_ms": None if self.slo is None else self.slo * 1e3,
             "objective": self.objective, "predicted_best": self.predicted_best, "best": self.best,
             "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
+            "generator_core": self.generator_core,
             "candidates": [c.row() for c in self.candidates],
         })
 
@@ -195,6 +198,7 @@ def optimize_batch(
     runtime: Any = None,
     machine: Any = None,
     progress: Callable[[str], None] | None = None,
+    colocate: bool = False,
 ) -> Optimization:
     """Choose ``b`` for ``rate`` requests/s (see the module docstring).
 
@@ -211,6 +215,8 @@ def optimize_batch(
         runtime: an open runtime to measure on (it stays open); default: one started here.
         machine: a :class:`~staronnx.bench.simulator.SimMachine` to reuse.
         progress: called with a one-line message at each step.
+        colocate: each live measurement's load generator and batcher run on the CUDA driver's
+            core (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), as ``sweep --colocate``.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if not (_finite(rate) and rate > 0):
@@ -266,9 +272,12 @@ def optimize_batch(
             warm_up(runtime, plan, [b], seed=seed)
             length = point_duration(verify_duration, min(1.0, verify_duration / 5), b, rate, min_batches)
             say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
-            summary, _ = measure_point(runtime, b, rate, samples, duration=length,
-                                       warmup=min(1.0, length / 5), distribution=distribution, seed=seed)
+            summary, records = measure_point(runtime, b, rate, samples, duration=length,
+                                             warmup=min(1.0, length / 5), distribution=distribution, seed=seed,
+                                             colocate=colocate)
             result.candidate(b).measured = dict(summary)
+            if colocate:
+                result.generator_core = records.settings.get("loadgen", {}).get("core")
 
         for b in result.verified:
             measure(b)

@@ -84,7 +84,8 @@ def measure_point(
     (:class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
     ``colocate``: the generator (this thread) and the server's batcher run on the runtime's CUDA
     driver core for the point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where
-    the threads that hold the GIL in turn hand it over cheapest.
+    the threads that hold the GIL in turn hand it over cheapest; the records' ``loadgen``
+    settings name that core (``core``: None when the block had none to give).
     """
     factory = server_factory or Server
     block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -93,7 +94,7 @@ def measure_point(
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
-    with block:
+    with block as core:
         server = factory(runtime, batch_size=batch_size, max_delay=max_delay, max_inflight=max_inflight,
                          queue_capacity=max(queue_capacity, batch_size))
         try:
@@ -103,6 +104,8 @@ def measure_point(
             server.close(timeout=2.0)
             wait_idle(runtime)
     records.settings["distribution"] = distribution
+    if colocate:
+        records.settings.setdefault("loadgen", {})["core"] = core
     return summarize(records, warmup=warmup), records
 
 

@@ -123,7 +123,7 @@ class ServedModel:
     max_delay: float  # seconds
     plan_hash: str
     queue_capacity: int | None
-    runtime: dict[str, str]  # policy, groups, cuda_streams, engine as the server reports them
+    runtime: dict[str, str]  # policy, groups, cuda_streams, cuda_devices, engine as the server reports them
 
     @classmethod
     def from_config(cls, url: str, config: Mapping[str, Any]) -> ServedModel:
@@ -137,7 +137,8 @@ class ServedModel:
             name=str(config.get("name")), batch_size=int(config.get("max_batch_size") or 1),
             max_delay=float(delay_us) / 1e6, plan_hash=params["plan_hash"],
             queue_capacity=int(capacity) if capacity and capacity.isdigit() else None,
-            runtime={k: params[k] for k in ("policy", "groups", "cuda_streams", "engine") if k in params},
+            runtime={k: params[k] for k in ("policy", "groups", "cuda_streams", "cuda_devices", "engine")
+                     if k in params},
         )
 
 
@@ -442,6 +443,17 @@ def _ms(seconds: float | None) -> str:
     return "none (batches leave only when full)" if seconds is None else f"{seconds * 1e3:g} ms"
 
 
+def served_gpus(text: Any) -> tuple[int, ...]:
+    """The GPUs a server's configuration names (``staronnx serve --cuda-devices``: "0,1"), GPU 0
+    when it names none (an older server, or one on GPU 0 alone), so the bound and the results of
+    a sweep over the network are those of the GPUs it serves from."""
+    try:
+        devices = tuple(int(d) for d in str(text).split(",") if d.strip()) if text else ()
+    except ValueError:
+        devices = ()
+    return devices or (0,)
+
+
 def remote_sweep(
     plan: Plan | str | Path,
     url: str,
@@ -502,6 +514,7 @@ def remote_sweep(
         return sweep(
             plan, rates, [b], policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),
             cuda_streams=int(streams) if streams is not None and str(streams).isdigit() else 0,
+            cuda_devices=served_gpus(actual.get("cuda_devices")),
             engine=str(actual.get("engine", "?")), max_delay=served.max_delay,
             queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,
             front_end=front_end, simulate=False, **sweep_kwargs,

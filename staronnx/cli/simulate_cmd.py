@@ -87,14 +87,21 @@ def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
     return out
 
 
-def what_if_gpus(devices: tuple[int, ...], cuda_scale: str | None) -> list[str]:
+def what_if_gpus(plans: Any, devices: tuple[int, ...], cuda_scale: str | None) -> list[str]:
     """The GPU archs of a simulation whose times come from elsewhere by design, so that no
-    warning asks to calibrate them: all of them with ``--cuda-scale``, else those this machine
-    lacks (they borrow a calibrated GPU's times; ``calibrate`` could not reach them here)."""
+    warning asks to calibrate them: all of them with ``--cuda-scale``; else, where some GPU of
+    the simulation is calibrated (the others borrow its times), those this machine lacks
+    (``calibrate`` could not reach them here). With no GPU calibrated at all the warning stands
+    for each: the simulation needs some GPU's models."""
+    from staronnx.perfmodels import PerfModelStore
     from staronnx.workers.cuda import visible_cuda_devices
 
     if cuda_scale is not None:
         return [f"cuda{d}" for d in devices]
+    store = PerfModelStore()
+    calibrated = {row.arch for plan in plans for row in store.rows(plan.hash) if row.calibrated}
+    if not any(f"cuda{d}" in calibrated for d in devices):
+        return []
     visible = visible_cuda_devices()
     return [f"cuda{d}" for d in devices if d >= visible]
 
@@ -145,7 +152,7 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     if synthetic is None:
         for d, plan in zip(plandirs, plans.values()):
             warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                              skip_archs=what_if_gpus(cuda_devices, cuda_scale))
+                              skip_archs=what_if_gpus(plans.values(), cuda_devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
     machine = build_machine(plans, groups=groups, topology=topology, cuda_streams=cuda_streams,
                             cuda_devices=cuda_devices, cuda_scale=_scale(cuda_scale), lanes=lanes)
@@ -260,7 +267,7 @@ def simulate_cmd(
     plan = Plan.load(plandir)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
-                          skip_archs=what_if_gpus(devices, cuda_scale))
+                          skip_archs=what_if_gpus([plan], devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
     machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
                             cuda_devices=devices, cuda_scale=_scale(cuda_scale))

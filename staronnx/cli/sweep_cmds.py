@@ -266,7 +266,8 @@ def sweep_cmd(
     colocate: Annotated[bool, typer.Option(
         "--colocate", help="With --cuda-streams: the load generator and the batcher run on the CUDA driver thread's "
                            "core during each point (they hold the GIL in turn with it; a hand-over on one core costs "
-                           "less than one between two). Not with --url or several models.")] = False,
+                           "less than one between two). Not with --url; with several models, every model's "
+                           "generator and batcher.")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant (the papers) or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Arrivals per point: 10s, 500ms, 2m (longer for slow batch fills).")] = "10s",
     warmup: Annotated[str | None, typer.Option(help="Start of each point left out of the figures (default min(1 s, duration/5)).")] = None,
@@ -316,8 +317,7 @@ def sweep_cmd(
         raise StaronnxError(LANES_NEED_SEVERAL)
     if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
-                                                ("--inputs", inputs), ("--labels", labels),
-                                                ("--colocate", colocate)) if value]
+                                                ("--inputs", inputs), ("--labels", labels)) if value]
         if engine != "native":
             unsupported.append("--engine")
         if unsupported:
@@ -328,7 +328,7 @@ def sweep_cmd(
                        warmup=warmup,
                        output=output, plots=plots, queue_capacity=queue_capacity, min_batches=min_batches,
                        seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
-                       model_workers=model_workers or [], lane=lane or [])
+                       model_workers=model_workers or [], lane=lane or [], colocate=colocate)
         return
     if colocate and (not cuda_streams or url is not None or engine != "native"):
         raise StaronnxError("--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams "
@@ -398,7 +398,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
                    warmup: str | None, output: Path,
                    plots: bool, queue_capacity: int, min_batches: int, seed: int, max_delay: str | None,
                    trace: Path | None, simulate: bool, quiet: bool, model_workers: list[str],
-                   lane: list[str]) -> None:
+                   lane: list[str], colocate: bool = False) -> None:
     """``staronnx sweep a/ b/ --rates a=...,b=...``: every mix on one runtime hosting every
     model (:func:`staronnx.bench.mix.sweep_mix`); a row per point and model. ``--model-workers``
     loads some models on some workers only, in the live runtime, its bound and its simulation;
@@ -409,6 +409,9 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
     from staronnx.plan import Plan
 
     labels = model_names(plandirs, names)
+    if colocate and not cuda_streams:
+        raise StaronnxError("--colocate runs the load generators and the batchers on a CUDA driver thread's core: "
+                            "it needs --cuda-streams")
     if rates.strip().lower() == "auto" or not is_per_model(rates):
         raise StaronnxError(f"several models need rates per model: --rates "
                             f"{','.join(f'{n}=R' for n in labels)} (each like 100 or 50:400:50)")
@@ -438,7 +441,8 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
         f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
         f"with {policy}, groups {groups}{cuda_summary(cuda_streams, cuda_devices)}"
         + "".join(f", {n} on {sel} only" for n, sel in residency.items())
-        + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items()) + ": "
+        + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items())
+        + (", load generators on the CUDA driver core" if colocate else "") + ": "
         f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
     with progress_bar(quiet) as progress:
         bars = _MixBars(progress)
@@ -447,7 +451,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
                              cuda_devices=cuda_devices, cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
                              out_dir=output, progress=bars, seed=seed, queue_capacity=queue_capacity,
                              min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace,
-                             residency=residency, lanes=lanes)
+                             residency=residency, lanes=lanes, colocate=colocate)
         except BaseException as exc:
             if not isinstance(exc, Exception):
                 above(progress, console).print(
@@ -593,6 +597,9 @@ def optimize_batch_cmd(
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
+    colocate: Annotated[bool, typer.Option(
+        "--colocate", help="With --cuda-streams: each live measurement's load generator and batcher run on the CUDA "
+                           "driver thread's core (as sweep --colocate).")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Measure the predicted best and its neighbours live.")] = True,
     sim_duration: Annotated[str, typer.Option(help="Simulated arrivals per candidate.")] = "20s",
@@ -608,6 +615,8 @@ def optimize_batch_cmd(
 
     sizes = parse_batch_sizes(batch_sizes)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    if colocate and not cuda_streams:
+        raise StaronnxError("--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams")
     if json_out is not None:
         check_writable(json_out, "--json")
     warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
@@ -617,7 +626,7 @@ def optimize_batch_cmd(
             groups=groups, cuda_streams=cuda_streams, cuda_devices=devices, distribution=distribution, verify=verify,
             sim_duration=parse_duration(sim_duration, option="--sim-duration"),
             verify_duration=parse_duration(verify_duration, option="--verify-duration"),
-            max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg),
+            max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg), colocate=colocate,
         )
     table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")
     for c in ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
@@ -647,6 +656,9 @@ def optimize_batch_cmd(
     lat = chosen.measured_latency_ms if verify else chosen.predicted_latency_ms
     slo = "" if result.slo_met is None else (" (meets the SLO)" if result.slo_met else " [yellow](SLO not met)[/]")
     console.print(f"batch size {result.best}: {how} papers' latency {_fmt(lat)} ms{slo}")
+    if result.generator_core is not None:
+        console.print(f"measured with the load generator on the CUDA driver's core (PU {result.generator_core})",
+                      highlight=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     if json_out is not None:
