@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linprog
 
-from staronnx.bench.simulator import SimMachine, Where, residency_where
+from staronnx.bench.simulator import SimMachine, Where, lane_groups, residency_where
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.sched import WorkerInfo
@@ -65,8 +65,8 @@ class FlowTensor:
 class Binding:
     """A constraint with no slack at the optimum: what limits the throughput."""
 
-    name: str  # "worker cpu:numa0" or "node numa1 (compute + copies)"
-    kind: str  # "worker" or "node"
+    name: str  # "worker cpu:numa0", "node numa1 (compute + copies)", "cores of cpu:numa0 (with lane:numa0)"
+    kind: str  # "worker", "node" or "cores"
     load: float  # seconds of work per second at the optimum (= its capacity)
     capacity: float
     shadow_price: float  # samples/s gained per extra second/second of this capacity
@@ -109,6 +109,7 @@ def lp_bound(
     transfer: Callable[[str, str, int], float] | None = None,
     host_node: str = HOST_NODE,
     demand: Sequence[float] | None = None,
+    shared_cores: Sequence[tuple[int, int]] = (),
 ) -> Bound:
     """Solve the LP of the module docstring.
 
@@ -121,7 +122,9 @@ def lp_bound(
     ``times[p][w]``: mean seconds of part ``p`` on worker ``w`` at this batch size (NaN or inf:
     cannot run there). ``workers`` give names and memory nodes (default: ``w0, w1, ...`` on the
     host node). ``transfer(src, dst, nbytes)`` prices a copy (e.g. ``BusModel.predict``); with
-    none, or a single memory node, transfers are free.
+    none, or a single memory node, transfers are free. ``shared_cores``: pairs of workers
+    (indices) that run on the same cores, a latency lane and its group's worker: their loads
+    together are at most one (``sum_p t*y`` over both ``<= 1``).
     """
     t = np.asarray(times, dtype=np.float64)
     if t.ndim != 2 or t.size == 0:
@@ -182,6 +185,14 @@ def lp_bound(
         rows.append(row)
         rhs.append(1.0)
         labels.append((f"worker {info.name}", "worker", 1.0))
+    for a, b in shared_cores:
+        row = np.zeros(n_vars)
+        for w in (a, b):
+            for p in range(n_parts):
+                row[y(p, w)] = t[p, w] if usable[p, w] else 0.0
+        rows.append(row)
+        rhs.append(1.0)
+        labels.append((f"cores of {workers[b].name} (with {workers[a].name})", "cores", 1.0))
     if flows:
         for n in nodes:
             mine = [(k, f) for k, f in enumerate(flows) if f[1] == n]
@@ -264,6 +275,7 @@ def machine_bound(machine: SimMachine, batch_size: int) -> Bound:
         times, batch_size, machine.workers,
         tensors=plan_tensors(machine.plan, profile.nbytes),
         transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
+        shared_cores=list(lane_groups(machine.workers).items()),
     )
 
 
@@ -301,7 +313,7 @@ class MixBound:
     spent on ``m`` at the optimum; ``arch_share[m]``: ``"part<p>/<arch>"`` (the model's own
     part numbers) -> fraction of the part's batches there. ``residency``: the models kept on
     some workers only (their parts assigned to those alone), as given; ``lanes``: the machine's
-    latency lanes (model -> CPU groups), each an extra worker of full capacity (see
+    latency lanes (model -> CPU groups), each an extra worker on its group's cores (see
     :func:`mix_bound`).
     """
 
@@ -348,7 +360,8 @@ def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Map
                 None if t.producer is None else m.first_part + t.producer,
                 tuple(m.first_part + c for c in t.consumers)))
     return lp_bound(times, 1, machine.workers, tensors=tensors, demand=demand,
-                    transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n))
+                    transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
+                    shared_cores=list(lane_groups(machine.workers).items()))
 
 
 def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int,
@@ -366,12 +379,10 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     the workers holding it, in the mix and alone (its solo bound is then on those workers).
 
     A machine with latency lanes (``build_machine(..., lanes=...)``) is bounded as the
-    simulator runs it: each lane is one more worker of full capacity (``sum_p t*y <= 1`` of
-    its own) holding the lane models only, and a lane model runs on its lanes alone unless
-    ``residency`` adds workers. The lane and its group's worker share the same cores live, so
-    on the real machine their loads together cannot exceed the group's: this bound (like the
-    simulation, :data:`~staronnx.bench.simulator.LANE_APPROXIMATION`) is higher than the
-    machine's by up to the lanes' load. Kept so that the simulation never exceeds its bound.
+    simulator runs it: each lane is one more worker holding the lane models only (a lane
+    model runs on its lanes alone unless ``residency`` adds workers), and a lane and its
+    group's worker share the group's cores, so their loads together are at most one: a lane
+    buys latency, not throughput (:data:`~staronnx.bench.simulator.LANE_APPROXIMATION`).
     """
     models = machine.models
     assert models is not None

@@ -17,6 +17,7 @@ worker's node. Archs with no models borrow another's, scaled (:class:`ArchSource
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 import re
@@ -295,12 +296,22 @@ def check_cuda_devices(cuda_devices: Sequence[int]) -> tuple[int, ...]:
     return devices
 
 
-#: what the simulator and the LP bound leave out of a latency lane (said in every result's notes)
+#: how the simulator and the LP bound model a latency lane (said in every result's notes)
 LANE_APPROXIMATION = (
-    "lanes are modelled as extra workers on their groups' cores that slow nothing down: the OS preemption of "
-    "a group's shared worker while its lane runs is not modelled, so the simulation and the LP bound count each "
-    "lane's busy time as extra capacity (the heavy models' throughput is overstated by about the lanes' busy "
-    "share; the lane models' latency is what a lane that always gets the core gives)")
+    "lanes are modelled as the live runtime runs them: a lane's task preempts its group's worker, whose task "
+    "stops for as long as the lane runs and then resumes where it stopped (SCHED_IDLE's full preemption), and in "
+    "the LP bound a lane and its group's worker share the group's cores (their loads add up to at most one); not "
+    "modelled: the wake-up of a preempting lane (up to a scheduler tick with --lane-preempt nice) and the GIL, "
+    "so the lane models' latency is what a lane that always gets the core at once gives")
+
+
+def lane_groups(workers: Sequence[WorkerInfo]) -> dict[int, int]:
+    """Lane worker id -> the id of the CPU worker on the same cores (``lane:<g>`` and
+    ``cpu:<g>``, as :func:`lane_workers` and the runtime name them): the pairs that share cores,
+    the group's worker preempted while its lane runs."""
+    by_name = {w.name: w.id for w in workers}
+    return {w.id: by_name["cpu:" + w.name.removeprefix("lane:")] for w in workers
+            if w.name.startswith("lane:") and "cpu:" + w.name.removeprefix("lane:") in by_name}
 
 
 def lane_workers(workers: Sequence[WorkerInfo], lanes: Mapping[str, str] | None,
@@ -314,8 +325,8 @@ def lane_workers(workers: Sequence[WorkerInfo], lanes: Mapping[str, str] | None,
     one model, every model, a selector naming no CPU group) is refused here with its words.
 
     Why a lane is a plain extra worker here: to the scheduler it is one (its own queue, the
-    group's arch). What it is to the OS (it preempts the group's worker, which then waits) is
-    not modelled: see :data:`LANE_APPROXIMATION`."""
+    group's arch). What it is to the OS (it preempts the group's worker, which then waits) the
+    simulation and the LP bound add on top (:func:`lane_groups`, :data:`LANE_APPROXIMATION`)."""
     from staronnx.workers.lanes import plan_lanes
 
     out = list(workers)
@@ -497,8 +508,9 @@ def build_machine(
     :mod:`staronnx.workers.lanes`) adds the runtime's latency lanes (:func:`lane_workers`):
     one more worker per selected group, same arch, holding the lane models only (the
     simulations and bounds over this machine keep them there, :func:`residency_where`). They
-    are checked first, so a bad lane is refused before any perf model is read. Not modelled:
-    the lane preempting its group's worker (:data:`LANE_APPROXIMATION`, in ``notes``).
+    are checked first, so a bad lane is refused before any perf model is read. A lane's task
+    preempts its group's worker in the simulations, and the two share the group's cores in the
+    bounds (:data:`LANE_APPROXIMATION`, in ``notes``, says what is left out).
     """
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
@@ -702,6 +714,11 @@ class _Simulation:
         self.last_done = self.clock.t
         self._dirty = False
         self._first: int | None = None
+        # lanes: group worker id -> its lane's id, and each worker's task in progress
+        # [task, seconds of work, seconds left, resumed at (nan: paused), started at, token, preempted]
+        self._lane_of = {group: lane for lane, group in lane_groups(machine.workers).items()}
+        self._running: dict[int, list[Any]] = {}
+        self._tokens = itertools.count()
 
     def _footprint(self, req: Any, part: int) -> Footprint:
         return self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
@@ -722,7 +739,11 @@ class _Simulation:
             if te <= ta:  # completions before arrivals at the same instant
                 _, kind, payload = self.events.pop()
                 if kind == "done":
-                    self._on_done(*payload)
+                    wid, token = payload
+                    progress = self._running.get(wid)
+                    if progress is not None and progress[5] == token:  # else preempted since
+                        del self._running[wid]
+                        self._on_done(wid, progress[0], t - progress[4] if progress[6] else progress[1])
                 else:
                     self._batcher(self.fronts[payload])
             else:
@@ -813,6 +834,8 @@ class _Simulation:
         for st in order:
             if not st.running and (task := self.core.next_task(st.info.id, now)) is not None:
                 self._start(st.info, task)
+        if self._lane_of:
+            self._preempt()
 
     def _start(self, info: WorkerInfo, task: Task) -> None:
         assert task.view is not None and task.view.footprint is not None
@@ -820,7 +843,31 @@ class _Simulation:
         seconds = self._draw(mean, std * self.spread)
         if self.charge_transfers:
             seconds += self._transfer(task, info.memory_node)
-        self.events.push(self.clock.t + seconds, "done", (info.id, task, seconds))
+        now = self.clock.t
+        token = next(self._tokens)
+        self._running[info.id] = [task, seconds, seconds, now, now, token, False]
+        self.events.push(now + seconds, "done", (info.id, token))
+
+    def _preempt(self) -> None:
+        """A group's worker stops while its lane runs a task and resumes when the lane is idle
+        (what ``SCHED_IDLE`` does live): its task's work left is kept, its completion moved.
+        The time it reports is its wall time, preemption included, as the live engine's."""
+        now = self.clock.t
+        for group, lane in self._lane_of.items():
+            progress = self._running.get(group)
+            if progress is None:
+                continue
+            lane_busy = lane in self._running
+            paused = math.isnan(progress[3])
+            if lane_busy and not paused:
+                progress[2] -= now - progress[3]
+                progress[3] = math.nan
+                progress[5] = next(self._tokens)  # its scheduled completion is void now
+                progress[6] = True
+            elif paused and not lane_busy:
+                progress[3] = now
+                progress[5] = token = next(self._tokens)
+                self.events.push(now + progress[2], "done", (group, token))
 
     def _draw(self, mean: float, std: float) -> float:
         """A normal sample truncated to > 0 (redrawn; the mean after 20 misses)."""
@@ -846,7 +893,8 @@ class _Simulation:
         return total
 
     def _on_done(self, wid: int, task: Task, seconds: float) -> None:
-        """The core's completion (data locations, successors, stats), then the server's."""
+        """The core's completion (data locations, successors, stats), then the server's;
+        ``seconds``: the task's wall time (its work, plus any time a lane preempted it)."""
         now = self.clock.t
         fe = self.fronts[task.request.model]
         nbytes = fe.profiles[task.request.batch].nbytes
