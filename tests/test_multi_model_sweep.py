@@ -514,6 +514,51 @@ def test_a_lane_task_preempts_its_groups_worker_in_the_simulation(plans):
     assert waited.done - waited.arrival > 0.0027
 
 
+def test_the_simulated_schedule_as_a_perfetto_trace(plans, tmp_path):
+    """``simulate_mix(trace=...)``: a lane per worker, each task where it ran (the preempted
+    heavy part in two stretches around light's two parts on the lane), dependency arrows,
+    every batch's fill and run per model, and each queue as a counter."""
+    heavy, light, home = plans
+    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(ONE_CORE),
+                      groups="cores=1", store=PerfModelStore(home), lanes={"light": "cpu"})
+    path = tmp_path / "sim.json"
+    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, duration=0.05, spread=0,
+                       trace=path)
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert lanes == {0: "cpu:numa0.core0", 1: LANE0}
+    tasks = [e for e in events if e["ph"] == "X" and e["cat"] == "task"]
+    first = sorted((e for e in tasks if e["tid"] == 0 and e["name"] == "heavy/part0"), key=lambda e: e["ts"])[:2]
+    # 30 to 33.33 ms, preempted for light's 1 ms on the lane, then 34.33 to 37 ms
+    assert [round(e["ts"] / 1e3, 2) for e in first] == [30.0, 34.33] and first[1]["args"]["preempted_ms"] == \
+        pytest.approx(1.0)
+    assert first[0]["dur"] + first[1]["dur"] == pytest.approx(6000, abs=1)
+    on_lane = [e for e in tasks if e["tid"] == 1]
+    assert on_lane and all(e["name"].startswith("light/part") for e in on_lane)
+    assert sum(1 for e in events if e["ph"] == "s") == sum(1 for e in events if e["ph"] == "f") > 0
+    batches = [e for e in events if e["ph"] == "b" and e["cat"] == "batch"]
+    assert {e["name"].split(":")[0] for e in batches} == {"heavy", "light"}
+    assert len(batches) == sum(len([b for b in r.batches if b.done is not None]) for r in res.records.values())
+    assert {e["name"] for e in events if e["ph"] == "C"} == {"heavy: server queue (requests)",
+                                                             "light: server queue (requests)"}
+
+
+def test_cli_simulate_writes_its_trace(plans, tmp_path):
+    heavy, _, home = plans
+    path = tmp_path / "one.json"
+    out = _invoke(["simulate", str(heavy.root), "--synthetic", "pack:1 numa:1 core:2", "--groups", "cores=1",
+                   "--rate", "200", "--batch", "4", "--duration", "0.5", "--trace", str(path)], home)
+    assert out.exit_code == 0, (out.output, out.exception)
+    assert f"trace: {path}" in out.output
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert names == {"cpu:numa0.core0", "cpu:numa0.core1"}
+    assert any(e["ph"] == "X" and e["name"] == "part1" and e["args"]["simulated"] for e in events)
+    assert any(e["ph"] == "b" and e["name"].startswith("batch ") for e in events)
+    bad = _invoke(["simulate", str(heavy.root), "--rate", "200", "--batch", "4", "--trace", str(tmp_path)], home)
+    assert str(bad.exception).startswith("cannot write --trace"), (bad.output, bad.exception)
+
+
 def test_lanes_in_the_simulator_follow_the_runtimes_residency_rule(plans):
     """``--model-workers light=lane,cpu`` lets the shared workers run a lane model too; a model
     without a lane cannot be put on lanes only; and what the runtime refuses of a lane is

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import random
 import re
 import statistics
@@ -27,6 +28,7 @@ import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -680,9 +682,11 @@ class _Simulation:
         charge_transfers: bool,
         models: ModelSet | None = None,
         where: Where = None,
+        traced: bool = False,
     ) -> None:
         """``where``: per global part, the workers holding it (:func:`residency_where`), handed
-        to the core as the live engine hands it the workers' sessions."""
+        to the core as the live engine hands it the workers' sessions. ``traced``: keep what
+        :meth:`write_trace` draws (each task's running stretches and its dependencies)."""
         self.m = machine
         self.where = where
         self.models = models if models is not None else machine.models
@@ -715,10 +719,16 @@ class _Simulation:
         self._dirty = False
         self._first: int | None = None
         # lanes: group worker id -> its lane's id, and each worker's task in progress
-        # [task, seconds of work, seconds left, resumed at (nan: paused), started at, token, preempted]
+        # [task, seconds of work, seconds left, resumed at (nan: paused), started at, token, preempted,
+        #  the stretches it ran before each preemption]
         self._lane_of = {group: lane for lane, group in lane_groups(machine.workers).items()}
         self._running: dict[int, list[Any]] = {}
         self._tokens = itertools.count()
+        #: per finished task, when traced: (worker id, task, [(start, end) it ran], wall seconds,
+        #: [(worker, end) of each task it waited for]) (read at its end: a finished request's
+        #: tasks are dropped by the core)
+        self.ran: list[tuple[int, Task, list[tuple[float, float]], float, list[tuple[int, float]]]] | None = (
+            [] if traced else None)
 
     def _footprint(self, req: Any, part: int) -> Footprint:
         return self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
@@ -743,6 +753,8 @@ class _Simulation:
                     progress = self._running.get(wid)
                     if progress is not None and progress[5] == token:  # else preempted since
                         del self._running[wid]
+                        if self.ran is not None:
+                            self._keep(wid, progress, t)
                         self._on_done(wid, progress[0], t - progress[4] if progress[6] else progress[1])
                 else:
                     self._batcher(self.fronts[payload])
@@ -756,6 +768,48 @@ class _Simulation:
                     self._batcher(fe)
             if self._dirty:
                 self._dispatch()
+
+    def write_trace(self, path: str | os.PathLike[str]) -> Path:
+        """The simulated schedule as a Perfetto trace, laid out as the live engine and Server
+        lay out theirs (:mod:`staronnx.runtime.trace`): a lane per worker with its tasks (a
+        task a lane preempted shows each stretch it ran), dependency arrows, each batch's fill
+        and run, and the queue length; time 0 is the first arrival. A live trace of the same
+        settings opens beside it, so a schedule the simulator gets wrong can be seen."""
+        from staronnx.runtime.trace import Tracer
+
+        assert self.ran is not None, "write_trace needs a simulation run with traced=True"
+        tracer = Tracer(path, origin=float(self.arrivals[0]))
+        for info in self.m.workers:
+            tracer.lane(info.id, info.name)
+        for wid, task, stretches, wall, deps in self.ran:
+            req = task.request
+            view = task.view
+            args = {"request": req.id, "batch": req.batch, "simulated": True, "measured_ms": wall * 1e3,
+                    "predicted_ms": view.predicted * 1e3 if view is not None and math.isfinite(view.predicted) else None}
+            if len(stretches) > 1:
+                args["preempted_ms"] = (wall - sum(b - a for a, b in stretches)) * 1e3
+            for k, (a, b) in enumerate(stretches):
+                tracer.task(wid, self.models.label(task.part), a, b, args if k == len(stretches) - 1 else
+                            {"request": req.id, "preempted": True})
+            for src_worker, ended in deps:
+                tracer.flow(src_worker, ended, wid, stretches[0][0], f"r{req.id}")
+        several = len(self.fronts) > 1
+        for fe in self.fronts:
+            prefix = f"{self.models.models[fe.model].name}: " if several else ""
+            for record in fe.batches:
+                if not record.request_ids:
+                    continue
+                oldest = fe.requests[record.request_ids[0]].arrival
+                args = {"requests": record.size, **({"padded_to": record.padded_to} if record.padded_to else {})}
+                span = f"{fe.model}.{record.id}"
+                tracer.async_span(f"{prefix}fill {record.id} ({record.size})", "batch fill", span, oldest,
+                                  record.formed, args)
+                if record.done is not None:
+                    tracer.async_span(f"{prefix}batch {record.id} ({record.size})", "batch", span, record.formed,
+                                      record.done, args)
+            for t, q in fe.samples:
+                tracer.counter(f"{prefix}server queue (requests)", t, q)
+        return tracer.save()
 
     # -- the server: queue and batcher -------------------------------------------------------
     def _on_arrival(self, fe: _FrontEnd, i: int, t: float) -> None:
@@ -845,8 +899,17 @@ class _Simulation:
             seconds += self._transfer(task, info.memory_node)
         now = self.clock.t
         token = next(self._tokens)
-        self._running[info.id] = [task, seconds, seconds, now, now, token, False]
+        self._running[info.id] = [task, seconds, seconds, now, now, token, False, []]
         self.events.push(now + seconds, "done", (info.id, token))
+
+    def _keep(self, wid: int, progress: list[Any], t: float) -> None:
+        """What :meth:`write_trace` draws of a task ending now."""
+        assert self.ran is not None
+        task = progress[0]
+        req = task.request
+        deps = [(src.worker, src.ended_at) for dep in self.core.preds[task.part]
+                if (src := req.task(dep)).worker is not None]
+        self.ran.append((wid, task, [*progress[7], (progress[3], t)], t - progress[4], deps))
 
     def _preempt(self) -> None:
         """A group's worker stops while its lane runs a task and resumes when the lane is idle
@@ -861,6 +924,8 @@ class _Simulation:
             paused = math.isnan(progress[3])
             if lane_busy and not paused:
                 progress[2] -= now - progress[3]
+                if now > progress[3]:
+                    progress[7].append((progress[3], now))  # the stretch it ran before the lane came
                 progress[3] = math.nan
                 progress[5] = next(self._tokens)  # its scheduled completion is void now
                 progress[6] = True
@@ -936,6 +1001,7 @@ def simulate(
     charge_transfers: bool = True,
     machine: SimMachine | None = None,
     pad_to: Sequence[int] = (),
+    trace: str | os.PathLike[str] | None = None,
 ) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
 
@@ -951,6 +1017,8 @@ def simulate(
     scales the models' standard deviations (0: every task takes its mean). Deterministic for a
     given ``seed``. ``pad_to``: the live server's padding of partial batches to captured sizes
     (:func:`~staronnx.serving.server.padded_size`); a padded batch costs its padded size.
+    ``trace``: a Perfetto trace of the simulated schedule there, laid out as a live
+    ``Runtime(trace=...)`` behind a Server lays out its own (:meth:`_Simulation.write_trace`).
     """
     t0 = time.perf_counter()
     if machine is None:
@@ -986,8 +1054,10 @@ def simulate(
     machine.check(batch_size)
     front = _FrontEnd(0, batch_size, times, queue_capacity, inflight, max_delay, tuple(sorted(set(pad_to))))
     sim = _Simulation(machine, policy_obj, [front], seed=seed, spread=spread, drain=drain,
-                      charge_transfers=charge_transfers)
+                      charge_transfers=charge_transfers, traced=trace is not None)
     sim.run()
+    if trace is not None:
+        sim.write_trace(trace)
     start = float(times[0])
     end = _end_of(sim, front)
     elapsed = max(end - start, 1e-12)
@@ -1124,6 +1194,7 @@ def simulate_mix(
     drain: bool = True,
     charge_transfers: bool = True,
     residency: Mapping[str, str] | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over several plans) at its own
     rate, as ``staronnx serve`` does on one shared runtime: a server per model (its queue of
@@ -1140,10 +1211,9 @@ def simulate_mix(
     their tasks there alone, their in-flight windows count those workers only, and they need
     perf models only on those workers' archs (what if a model were kept off the GPU, before
     trying it live). A ``machine`` built with lanes (:func:`build_machine`'s ``lanes``) keeps
-    the lane models on their lanes (plus the workers ``residency`` adds for them), each lane
-    an extra worker that slows its group's worker down in no way: the preemption the OS does
-    live is not modelled (:data:`LANE_APPROXIMATION`, in the notes). Other arguments as in
-    :func:`simulate`.
+    the lane models on their lanes (plus the workers ``residency`` adds for them), each lane's
+    task preempting its group's worker as the OS does live (:data:`LANE_APPROXIMATION`, in the
+    notes, says what is left out). Other arguments as in :func:`simulate`.
     """
     t0 = time.perf_counter()
     models = machine.models
@@ -1194,8 +1264,10 @@ def simulate_mix(
         fronts.append(_FrontEnd(m.index, b, times, queue_capacity, window, max_delay))
     policy_obj = _make_policy(policy, policy_options, seed)
     sim = _Simulation(machine, policy_obj, fronts, seed=seed, spread=spread, drain=drain,
-                      charge_transfers=charge_transfers, models=shared, where=where)
+                      charge_transfers=charge_transfers, models=shared, where=where, traced=trace is not None)
     sim.run()
+    if trace is not None:
+        sim.write_trace(trace)
     start = min(float(fe.arrivals[0]) for fe in fronts)
     ends = {m.name: _end_of(sim, fe) for m, fe in zip(models.models, fronts)}
     elapsed = max(max(ends.values()) - start, 1e-12)

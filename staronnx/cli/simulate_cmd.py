@@ -20,6 +20,7 @@ from staronnx.cli.display import output_console
 from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
+from staronnx.fsutil import check_writable
 
 console = output_console()
 
@@ -125,7 +126,7 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
                   synthetic: str | None, cuda_streams: int, cuda_devices: tuple[int, ...], cuda_scale: str | None,
                   distribution: str,
                   duration: float, requests: int | None, seed: int, max_delay: float | None, spread: float,
-                  queue_capacity: int, model_workers: list[str], lane: list[str]) -> None:
+                  queue_capacity: int, model_workers: list[str], lane: list[str], trace: Path | None = None) -> None:
     """Several models on one simulated runtime, each at its own rate: per-model throughput,
     latencies and deadline misses, the LP bound of the mix, each worker's time per model;
     with ``--model-workers``, some models on some workers only (simulation and bound); with
@@ -158,7 +159,7 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
                             cuda_devices=cuda_devices, cuda_scale=_scale(cuda_scale), lanes=lanes)
     result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=duration,
                           distribution=distribution, seed=seed, max_delay=max_delay, spread=spread,
-                          queue_capacity=queue_capacity, residency=residency)
+                          queue_capacity=queue_capacity, residency=residency, trace=trace)
     bound = mix_bound(machine, offered, sizes, residency=residency)
     workers = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
     console.print(f"simulated {len(plans)} model(s) on one runtime with {policy} on {len(result.workers)} "
@@ -199,6 +200,8 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
+    if trace is not None:
+        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
 
 
 def simulate_cmd(
@@ -237,6 +240,9 @@ def simulate_cmd(
     queue_capacity: Annotated[int, typer.Option(help="Server queue capacity, per model (arrivals beyond it are rejected).")] = 1024,
     model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
     lane: Annotated[list[str] | None, typer.Option("--lane", help=SIM_LANE_HELP)] = None,
+    trace: Annotated[Path | None, typer.Option(
+        help="Write the simulated schedule here as a Perfetto trace (ui.perfetto.dev), laid out as run/sweep "
+             "--trace lay out a live one: a lane per worker, tasks, dependencies, batch fills, the queue.")] = None,
 ) -> None:
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
@@ -249,6 +255,8 @@ def simulate_cmd(
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
+    if trace is not None:
+        check_writable(trace, "--trace")
     if model_workers and len(plandirs) < 2:
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if lane and len(plandirs) < 2:
@@ -258,7 +266,8 @@ def simulate_cmd(
                       priority=priority or [], policy=policy, groups=groups, synthetic=synthetic,
                       cuda_streams=cuda_streams, cuda_devices=devices, cuda_scale=cuda_scale, distribution=distribution,
                       duration=seconds, requests=requests, seed=seed, max_delay=delay, spread=spread,
-                      queue_capacity=queue_capacity, model_workers=model_workers or [], lane=lane or [])
+                      queue_capacity=queue_capacity, model_workers=model_workers or [], lane=lane or [],
+                      trace=trace)
         return
     if rate is None:
         raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")
@@ -274,7 +283,7 @@ def simulate_cmd(
     result = simulate(
         machine=machine, rate=rate, batch_size=batch_size, policy=policy, duration=seconds,
         n_requests=requests, distribution=distribution, seed=seed, max_delay=delay,
-        spread=spread, queue_capacity=queue_capacity,
+        spread=spread, queue_capacity=queue_capacity, trace=trace,
     )
     bound = machine_bound(machine, batch_size)
     m = result.metrics()
@@ -316,6 +325,8 @@ def simulate_cmd(
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
+    if trace is not None:
+        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
