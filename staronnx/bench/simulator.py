@@ -658,6 +658,25 @@ class _FrontEnd:
     last_done: float = -math.inf
 
 
+@dataclass(eq=False, slots=True)
+class _Running:
+    """A task in progress on a simulated worker: its work, and what a lane's preemption did to
+    it (a worker with no lane runs each task in one stretch)."""
+
+    task: Task
+    work: float  # seconds it needs on its worker
+    left: float  # seconds of work not done yet (at the last pause)
+    resumed: float  # when it last (re)started running; nan while a lane preempts it
+    started: float
+    token: int  # of its scheduled completion; a stale one (preempted since) is ignored
+    preempted: bool = False
+    stretches: list[tuple[float, float]] = field(default_factory=list)  # (start, end) before each pause
+
+    @property
+    def paused(self) -> bool:
+        return math.isnan(self.resumed)
+
+
 class _Simulation:
     """One run: each model's server (queue and batcher), then the engine's core, on simulated
     time.
@@ -718,11 +737,9 @@ class _Simulation:
         self.last_done = self.clock.t
         self._dirty = False
         self._first: int | None = None
-        # lanes: group worker id -> its lane's id, and each worker's task in progress
-        # [task, seconds of work, seconds left, resumed at (nan: paused), started at, token, preempted,
-        #  the stretches it ran before each preemption]
+        # lanes: group worker id -> its lane's id; each worker's task in progress
         self._lane_of = {group: lane for lane, group in lane_groups(machine.workers).items()}
-        self._running: dict[int, list[Any]] = {}
+        self._running: dict[int, _Running] = {}
         self._tokens = itertools.count()
         #: per finished task, when traced: (worker id, task, [(start, end) it ran], wall seconds,
         #: [(worker, end) of each task it waited for]) (read at its end: a finished request's
@@ -750,12 +767,12 @@ class _Simulation:
                 _, kind, payload = self.events.pop()
                 if kind == "done":
                     wid, token = payload
-                    progress = self._running.get(wid)
-                    if progress is not None and progress[5] == token:  # else preempted since
+                    run = self._running.get(wid)
+                    if run is not None and run.token == token:  # else preempted since
                         del self._running[wid]
                         if self.ran is not None:
-                            self._keep(wid, progress, t)
-                        self._on_done(wid, progress[0], t - progress[4] if progress[6] else progress[1])
+                            self._keep(wid, run, t)
+                        self._on_done(wid, run.task, t - run.started if run.preempted else run.work)
                 else:
                     self._batcher(self.fronts[payload])
             else:
@@ -899,17 +916,16 @@ class _Simulation:
             seconds += self._transfer(task, info.memory_node)
         now = self.clock.t
         token = next(self._tokens)
-        self._running[info.id] = [task, seconds, seconds, now, now, token, False, []]
+        self._running[info.id] = _Running(task, seconds, seconds, now, now, token)
         self.events.push(now + seconds, "done", (info.id, token))
 
-    def _keep(self, wid: int, progress: list[Any], t: float) -> None:
+    def _keep(self, wid: int, run: _Running, t: float) -> None:
         """What :meth:`write_trace` draws of a task ending now."""
         assert self.ran is not None
-        task = progress[0]
-        req = task.request
-        deps = [(src.worker, src.ended_at) for dep in self.core.preds[task.part]
+        req = run.task.request
+        deps = [(src.worker, src.ended_at) for dep in self.core.preds[run.task.part]
                 if (src := req.task(dep)).worker is not None]
-        self.ran.append((wid, task, [*progress[7], (progress[3], t)], t - progress[4], deps))
+        self.ran.append((wid, run.task, [*run.stretches, (run.resumed, t)], t - run.started, deps))
 
     def _preempt(self) -> None:
         """A group's worker stops while its lane runs a task and resumes when the lane is idle
@@ -917,22 +933,21 @@ class _Simulation:
         The time it reports is its wall time, preemption included, as the live engine's."""
         now = self.clock.t
         for group, lane in self._lane_of.items():
-            progress = self._running.get(group)
-            if progress is None:
+            run = self._running.get(group)
+            if run is None:
                 continue
             lane_busy = lane in self._running
-            paused = math.isnan(progress[3])
-            if lane_busy and not paused:
-                progress[2] -= now - progress[3]
-                if now > progress[3]:
-                    progress[7].append((progress[3], now))  # the stretch it ran before the lane came
-                progress[3] = math.nan
-                progress[5] = next(self._tokens)  # its scheduled completion is void now
-                progress[6] = True
-            elif paused and not lane_busy:
-                progress[3] = now
-                progress[5] = token = next(self._tokens)
-                self.events.push(now + progress[2], "done", (group, token))
+            if lane_busy and not run.paused:
+                run.left -= now - run.resumed
+                if now > run.resumed:
+                    run.stretches.append((run.resumed, now))  # what it ran before the lane came
+                run.resumed = math.nan
+                run.token = next(self._tokens)  # its scheduled completion is void now
+                run.preempted = True
+            elif run.paused and not lane_busy:
+                run.resumed = now
+                run.token = token = next(self._tokens)
+                self.events.push(now + run.left, "done", (group, token))
 
     def _draw(self, mean: float, std: float) -> float:
         """A normal sample truncated to > 0 (redrawn; the mean after 20 misses)."""
