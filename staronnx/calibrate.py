@@ -27,7 +27,6 @@ from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: i
 from staronnx.workers.topology import Topology
 
 
-
 def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
                       batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
     """The ``staronnx calibrate`` line that fills the perf models of workers started with these
@@ -41,6 +40,7 @@ def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0, c
         if tuple(cuda_devices) != (0,):
             cmd += f" --cuda-devices {','.join(map(str, cuda_devices))}"
     return cmd + (" --replace" if replace else "")
+
 
 @dataclass
 class CalibrationReport:
