@@ -20,6 +20,12 @@
 # development VM's own stalls and wake-up costs cannot decide the figure:
 #   5. host_overhead --device host          host us/task on HostRuntime (goal <= 40, 4 >= 1)
 #   6. serving_path                         us/request through Server, open-loop tail at 25-75 %
+#
+# `bash benchmarks/gpu_session.sh serve` (carry [".serve-whl"], made here by
+# benchmarks/device_serve_wheels.sh) runs issue 21's serve benchmark on those 16 cores, where the
+# clients no longer compete with the server for two: the tail set (p99 at 64 clients, open loop
+# at 25/50/75 %) and the googlenet set (JSON against binary HTTP).
+#   7. serve.py --suite tail                8. serve.py --suite googlenet
 set -u
 OUT="${OUT:-gpu-session}"
 mkdir -p "$OUT"
@@ -44,6 +50,19 @@ step() {  # step NAME SECONDS COMMAND...
   tail -n 4 "$OUT/$name.txt"
 }
 
+if [ "${1:-gpu}" = serve ]; then
+  nproc > "$OUT/cores.txt"
+  if [ -d .serve-whl ] && [ ! -f /tmp/site/.serve ]; then
+    mkdir -p /tmp/site
+    for w in .serve-whl/*.whl; do "$PY" -m zipfile -e "$w" /tmp/site; done && touch /tmp/site/.serve
+  fi
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  step serve-tail 300 "$PY" benchmarks/serve.py --suite tail --rounds 3 --json "$OUT/serve-tail.json"
+  step serve-googlenet 240 "$PY" benchmarks/serve.py --suite googlenet --rounds 2 --seconds 6 \
+    --json "$OUT/serve-googlenet.json"
+  echo "total: $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"
+  exit 0
+fi
 if [ "${1:-gpu}" = host ]; then
   nproc > "$OUT/cores.txt"
   step host-overhead-host 150 "$PY" benchmarks/host_overhead.py --device host --seconds 2 --rounds 3

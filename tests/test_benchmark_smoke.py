@@ -64,6 +64,7 @@ def test_host_cost_benchmarks_on_the_gpu_say_what_is_missing_where_there_is_none
 @pytest.mark.parametrize("which, steps", [
     ("gpu", ["pytest-gpu", "host-overhead", "host-overhead-graphs", "colocation", "gpu-table"]),
     ("host", ["host-overhead-host", "serving-path"]),
+    ("serve", ["serve-tail", "serve-googlenet"]),
 ])
 def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, tmp_path):
     """``benchmarks/gpu_session.sh [gpu|host]`` (the device calls of a session with a GPU): every
