@@ -382,6 +382,29 @@ def test_intra_op_num_threads_bounds_the_cores_the_session_computes_on(home, mod
         assert len(sess.runtime.workers) == 2
 
 
+def test_intra_op_num_threads_with_cuda_holds_a_core_back_for_the_driver(home, model_path):
+    """With the CUDA provider, ``intra_op_num_threads = 1`` gives the CPU worker one core and
+    the GPU's driver thread another of its own (the default groups' rule), where it floated over
+    the CPU worker's core before."""
+    from staronnx.workers.cudart import HostRuntime
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 allowed PUs: one for the CPU group, one for the driver")
+    x = np.ones((2, WIDTH), np.float32)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    with staronnx.InferenceSession(model_path, so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
+                                   cuda_options={"runtime": HostRuntime()},
+                                   partition_options={"costs": "estimate"}) as sess:
+        *streams, cpu = sess.runtime.workers
+        assert streams and all(w.kind == "cuda" for w in streams) and cpu.kind == "cpu" and cpu.group.n_cores == 1
+        pins = {w.cpu for w in streams}  # the GPU's one driver thread drives every stream
+        assert len(pins) == 1 and None not in pins and cpu.group.first_pu not in pins
+        assert pins <= os.sched_getaffinity(0)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort.InferenceSession(str(model_path)).run(
+            None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
 def test_a_runtime_drives_the_streams_of_every_gpu_it_is_given(tmp_path):
     """``Runtime(cuda_devices=[0, 1])``: cuda_streams workers on each GPU, each with its own
     arch (perf models per device), both running tasks; a GPU that does not exist is refused

@@ -242,15 +242,22 @@ def _device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
     return device
 
 
-def _cores_for_threads(threads: int) -> str:
+def _cores_for_threads(threads: int, cuda_drivers: int = 0) -> str:
     """ORT's ``intra_op_num_threads`` as CPU groups: one group of the first ``threads`` cores
     this process may use (one PU each), so the session computes on that many threads as ORT's
-    would, instead of spreading over the machine (all of it, when there are fewer)."""
+    would, instead of spreading over the machine (all of it, when there are fewer). With
+    ``cuda_drivers`` GPU driver threads, as many more cores are held back for them
+    (``reserve=N``, from the machine's last cores) where the machine has them, as the default
+    groups do: an explicit list alone reserves none, and the driver would float over the
+    group's cores."""
     from staronnx.workers.topology import Topology
 
     topology = Topology.from_system()
-    cores = topology.allowed_cores()[:threads]
-    return ",".join(str(core.allowed_pus(topology.allowed_pus)[0]) for core in cores)
+    allowed = topology.allowed_cores()
+    cores = allowed[:threads]
+    pus = ",".join(str(core.allowed_pus(topology.allowed_pus)[0]) for core in cores)
+    spare = len(allowed) - len(cores)
+    return pus + (f",reserve={min(cuda_drivers, spare)}" if cuda_drivers and spare else "")
 
 
 def _settings_key(shares: Any, options: Mapping[str, Any], groups: str, cuda_streams: int) -> str:
@@ -431,7 +438,8 @@ class InferenceSession:
             runtime_options["cuda_devices"] = (_device_id(asked),)
         if cpu_groups is None:
             threads = int(getattr(sess_options, "intra_op_num_threads", 0) or 0)
-            cpu_groups = _cores_for_threads(threads) if threads > 0 else "numa"
+            drivers = len(runtime_options.get("cuda_devices", (0,))) if streams else 0  # one per GPU
+            cpu_groups = _cores_for_threads(threads, drivers) if threads > 0 else "numa"
 
         cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
                       if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}
