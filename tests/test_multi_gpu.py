@@ -220,9 +220,16 @@ def test_sweep_over_the_network_takes_the_servers_gpus(plan, tmp_path, two_gpus)
         out = tmp_path / "wire"
         done = _cli("sweep", str(plan.root), "--url", f"http://{served.http}", "--model", "tiny", "--rates", "40",
                     "--duration", "1s", "--no-extend", "--no-plots", "-q", "-o", str(out))
+        # --rates auto bounds the server's workers at its batch size (it bounded this command
+        # line's defaults: CPU groups of this host, batch sizes 1-16, and found no model)
+        auto = _cli("sweep", str(plan.root), "--url", f"http://{served.http}", "--model", "tiny", "--rates", "auto",
+                    "--duration", "0.2s", "--min-batches", "2", "--no-extend", "--no-plots", "-q",
+                    "-o", str(tmp_path / "auto"))
     finally:
         assert served.stop() == 0, "\n".join(served.lines)
     assert done.returncode == 0, done.stdout + done.stderr
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["cuda_devices"] == [0, 1] and results["settings"]["cuda_streams"] == 1
     assert results["rows"][0]["bound_throughput"] == pytest.approx(1000, rel=1e-3)  # both GPUs
+    assert auto.returncode == 0, auto.stdout + auto.stderr
+    assert "over the calibrated perf models: 1,000 samples/s" in auto.stdout, auto.stdout

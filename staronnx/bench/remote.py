@@ -443,6 +443,17 @@ def _ms(seconds: float | None) -> str:
     return "none (batches leave only when full)" if seconds is None else f"{seconds * 1e3:g} ms"
 
 
+def served_runtime(url: str, plan: Plan, model: str | None = None) -> ServedModel:
+    """What ``staronnx serve`` at ``url`` says of ``model`` (its batch size and its runtime's
+    settings), checked against ``plan``, without sweeping: what ``--rates auto`` sizes a sweep
+    over the network from, since the workers are the server's, not this command line's."""
+    remote = RemoteRuntime(url, plan, model)
+    try:
+        return remote.served
+    finally:
+        remote.close()
+
+
 def served_gpus(text: Any) -> tuple[int, ...]:
     """The GPUs a server's configuration names (``staronnx serve --cuda-devices``: "0,1"), GPU 0
     when it names none (an older server, or one on GPU 0 alone), so the bound and the results of

@@ -359,7 +359,7 @@ def sweep_cmd(
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     if auto:
         rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                                cuda_devices=devices, engine=engine, seed=seed)
+                                cuda_devices=devices, engine=engine, seed=seed, model=model)
     console.print(
         f"sweeping plan {plan.hash} ({plan.k} parts) "
         + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
@@ -524,17 +524,25 @@ def _mix_table(rows: list[dict[str, Any]]) -> Table:
 
 
 def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, groups: str,
-                cuda_streams: int, cuda_devices: tuple[int, ...], engine: str, seed: int) -> list[float]:
+                cuda_streams: int, cuda_devices: tuple[int, ...], engine: str, seed: int,
+                model: str | None = None) -> list[float]:
     """``--rates auto``: the range from the LP bound or a closed-loop probe, said on stdout."""
     from staronnx.bench.sweep import auto_rates, rates_for
 
     if url is not None:  # the server's runtime cannot be probed from here: its perf models only
-        from staronnx.bench.simulator import build_machine
         from staronnx.bench.bound import batch_bounds
+        from staronnx.bench.remote import served_gpus, served_runtime
+        from staronnx.bench.simulator import build_machine
 
+        # the server's workers and batch size, not this command line's defaults: a server with
+        # CUDA streams bounded as CPU groups alone got rates far below what it serves
+        served = served_runtime(url, plan, model)
+        streams = str(served.runtime.get("cuda_streams", "0"))
         try:
-            bounds, _ = batch_bounds(build_machine(plan, groups=groups, cuda_streams=cuda_streams,
-                                                   cpu_fallback=False), sizes)
+            machine = build_machine(plan, groups=str(served.runtime.get("groups") or groups),
+                                    cuda_streams=int(streams) if streams.isdigit() else 0,
+                                    cuda_devices=served_gpus(served.runtime.get("cuda_devices")), cpu_fallback=False)
+            bounds, _ = batch_bounds(machine, [served.batch_size])
         except StaronnxError:
             bounds = {}
         if not bounds:
