@@ -165,9 +165,14 @@ def test_sweep_on_two_gpus_runs_simulates_and_bounds_both(plan, tmp_path, two_gp
     out = tmp_path / "sweep"
     done = _cli("sweep", str(plan.root), "--rates", "50", "--batch-sizes", "2", "--duration", "1s",
                 "--cuda-streams", "1", "--cuda-devices", "0,1", "--groups", "none", "--policy", "dmda",
-                "--simulate", "--no-plots", "-q", "-o", str(out))
+                "--simulate", "--no-plots", "-q", "-o", str(out), "--trace", str(tmp_path / "t.json"))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 CUDA stream(s) on each of GPUs 0,1" in done.stdout, done.stdout
+    # the simulated schedule beside the live trace, on both GPUs' lanes
+    assert f"simulated schedule: {tmp_path / 't.sim.json'}" in done.stdout, done.stdout
+    sim = json.loads((tmp_path / "t.sim.json").read_text())["traceEvents"]
+    assert {e["tid"] for e in sim if e.get("cat") == "task"} <= {0, 1}
+    assert any(e.get("cat") == "task" for e in sim)
     results = json.loads((out / "results.json").read_text())
     settings = results["settings"]
     assert settings["cuda_devices"] == [0, 1] and settings["workers"] == ["cuda0.s0", "cuda1.s0"]

@@ -285,6 +285,38 @@ def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path,
         assert p["dur"] > 0
 
 
+def test_a_traced_simulated_sweep_draws_each_simulated_point_where_its_live_point_ran(plan, home, tmp_path,
+                                                                                     two_groups):
+    """``sweep(trace=..., simulate=True)`` (``sweep --trace T --simulate``): beside the live trace,
+    ``T.sim.json`` holds the simulated schedules on the live trace's clock and worker lanes, each
+    point's simulated tasks inside its live point's span, so the two open side by side."""
+    from staronnx.bench.sweep import simulated_trace_path
+
+    trace = tmp_path / "sweep.json"
+    sweep(plan, [80, 160], [2], groups=two_groups, duration=0.5, store=PerfModelStore(home), extend=False,
+          trace=trace, bound=False, simulate=True, out_dir=tmp_path / "out")
+    sim_path = simulated_trace_path(trace)
+    assert sim_path == tmp_path / "sweep.sim.json"
+    assert load_results(tmp_path / "out")["settings"]["simulated_trace"] == str(sim_path)
+    live = json.loads(trace.read_text())["traceEvents"]
+    sim = json.loads(sim_path.read_text())["traceEvents"]
+
+    def lanes(events: list) -> dict:
+        return {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+
+    assert {t: n for t, n in lanes(sim).items() if t < 100_000} == {t: n for t, n in lanes(live).items() if t < 100_000}
+    live_points = [e for e in live if e.get("cat") == "sweep point"]
+    sim_points = [e for e in sim if e.get("cat") == "sweep point"]
+    assert [e["name"] for e in sim_points] == [f"{e['name']} (simulated)" for e in live_points]
+    tasks = [e for e in sim if e.get("cat") == "task"]
+    assert tasks and all(e["args"]["simulated"] for e in tasks)
+    for lp, sp in zip(live_points, sim_points):
+        # the simulated arrivals start where the live ones did, inside the live point's span
+        assert lp["ts"] <= sp["ts"] <= lp["ts"] + lp["dur"]
+        inside = [e for e in tasks if sp["ts"] <= e["ts"] <= sp["ts"] + sp["dur"] + 1e6]
+        assert inside, sp
+
+
 def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path, two_groups):
     out = tmp_path / "nosim"
     rows = sweep(plan, [80], [1], groups=two_groups, duration=0.4, out_dir=out, runtime=runtime,

@@ -55,14 +55,15 @@ def relative_error(predicted: Any, measured: Any) -> float | None:
 
 def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribution: str, seed: int,
                  queue_capacity: int, warmup: float, max_delay: float | None = None,
-                 pad_to: Sequence[int] = ()) -> dict[str, Any]:
+                 pad_to: Sequence[int] = (), trace: Any = None) -> dict[str, Any]:
     """The ``sim_*`` and ``err_*`` fields for one measured sweep row.
 
     ``machine`` is a :class:`~staronnx.bench.simulator.SimMachine` of the sweep's plan, groups
     and streams. The point's arrivals last ``row["duration_s"]``, exactly as the live point's
     did, and the same ``warmup`` is cut from the window. ``pad_to``: the sizes the live server
     padded partial batches up to (its runtime's captured CUDA graphs), so each simulated batch
-    is priced at the size that ran, not at its request count.
+    is priced at the size that ran, not at its request count. ``trace``: where the simulated
+    schedule is drawn (:class:`~staronnx.bench.simulator.TraceInto`: a sweep's simulated trace).
     """
     from staronnx.bench.simulator import simulate
 
@@ -70,6 +71,7 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
         machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]), policy=policy,
         duration=float(row["duration_s"]), distribution=distribution, seed=seed,
         queue_capacity=max(queue_capacity, int(row["batch_size"])), max_delay=max_delay, pad_to=tuple(pad_to),
+        trace=trace,
     )
     s = summarize(result.records, warmup=warmup)
 

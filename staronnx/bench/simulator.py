@@ -658,6 +658,16 @@ class _FrontEnd:
     last_done: float = -math.inf
 
 
+@dataclass(frozen=True)
+class TraceInto:
+    """Draw a simulation's schedule into an open :class:`~staronnx.runtime.trace.Tracer`, its
+    simulated times plus ``shift`` (that tracer's clock): a sweep puts each simulated point
+    where its live point ran, in a trace beside the live one."""
+
+    tracer: Any
+    shift: float = 0.0
+
+
 @dataclass(eq=False, slots=True)
 class _Running:
     """A task in progress on a simulated worker: its work, and what a lane's preemption did to
@@ -786,19 +796,27 @@ class _Simulation:
             if self._dirty:
                 self._dispatch()
 
-    def write_trace(self, path: str | os.PathLike[str]) -> Path:
+    def write_trace(self, target: str | os.PathLike[str] | TraceInto) -> Path | None:
         """The simulated schedule as a Perfetto trace, laid out as the live engine and Server
         lay out theirs (:mod:`staronnx.runtime.trace`): a lane per worker with its tasks (a
         task a lane preempted shows each stretch it ran), dependency arrows, each batch's fill
-        and run, and the queue length; time 0 is the first arrival. A live trace of the same
-        settings opens beside it, so a schedule the simulator gets wrong can be seen."""
+        and run, and the queue length. A path: a file of its own, time 0 the first arrival
+        (returned). A :class:`TraceInto`: into that open tracer, simulated time shifted onto
+        its clock (a sweep's simulated points, each where its live point ran; None)."""
         from staronnx.runtime.trace import Tracer
 
         assert self.ran is not None, "write_trace needs a simulation run with traced=True"
-        tracer = Tracer(path, origin=float(self.arrivals[0]))
-        for info in self.m.workers:
-            tracer.lane(info.id, info.name)
-        for wid, task, stretches, wall, deps in self.ran:
+        if isinstance(target, TraceInto):
+            tracer, shift = target.tracer, target.shift
+        else:
+            tracer, shift = Tracer(target, origin=0.0), -float(self.arrivals[0])
+            for info in self.m.workers:
+                tracer.lane(info.id, info.name)
+        self._draw_trace(tracer, shift)
+        return None if isinstance(target, TraceInto) else tracer.save()
+
+    def _draw_trace(self, tracer: Any, shift: float) -> None:
+        for wid, task, stretches, wall, deps in self.ran or ():
             req = task.request
             view = task.view
             args = {"request": req.id, "batch": req.batch, "simulated": True, "measured_ms": wall * 1e3,
@@ -806,10 +824,10 @@ class _Simulation:
             if len(stretches) > 1:
                 args["preempted_ms"] = (wall - sum(b - a for a, b in stretches)) * 1e3
             for k, (a, b) in enumerate(stretches):
-                tracer.task(wid, self.models.label(task.part), a, b, args if k == len(stretches) - 1 else
-                            {"request": req.id, "preempted": True})
+                tracer.task(wid, self.models.label(task.part), a + shift, b + shift,
+                            args if k == len(stretches) - 1 else {"request": req.id, "preempted": True})
             for src_worker, ended in deps:
-                tracer.flow(src_worker, ended, wid, stretches[0][0], f"r{req.id}")
+                tracer.flow(src_worker, ended + shift, wid, stretches[0][0] + shift, f"r{req.id}")
         several = len(self.fronts) > 1
         for fe in self.fronts:
             prefix = f"{self.models.models[fe.model].name}: " if several else ""
@@ -818,15 +836,14 @@ class _Simulation:
                     continue
                 oldest = fe.requests[record.request_ids[0]].arrival
                 args = {"requests": record.size, **({"padded_to": record.padded_to} if record.padded_to else {})}
-                span = f"{fe.model}.{record.id}"
-                tracer.async_span(f"{prefix}fill {record.id} ({record.size})", "batch fill", span, oldest,
-                                  record.formed, args)
+                span = f"{shift:.6f}.{fe.model}.{record.id}"  # unique across a sweep's points
+                tracer.async_span(f"{prefix}fill {record.id} ({record.size})", "batch fill", span, oldest + shift,
+                                  record.formed + shift, args)
                 if record.done is not None:
-                    tracer.async_span(f"{prefix}batch {record.id} ({record.size})", "batch", span, record.formed,
-                                      record.done, args)
+                    tracer.async_span(f"{prefix}batch {record.id} ({record.size})", "batch", span,
+                                      record.formed + shift, record.done + shift, args)
             for t, q in fe.samples:
-                tracer.counter(f"{prefix}server queue (requests)", t, q)
-        return tracer.save()
+                tracer.counter(f"{prefix}server queue (requests)", t + shift, q)
 
     # -- the server: queue and batcher -------------------------------------------------------
     def _on_arrival(self, fe: _FrontEnd, i: int, t: float) -> None:
@@ -1016,7 +1033,7 @@ def simulate(
     charge_transfers: bool = True,
     machine: SimMachine | None = None,
     pad_to: Sequence[int] = (),
-    trace: str | os.PathLike[str] | None = None,
+    trace: str | os.PathLike[str] | TraceInto | None = None,
 ) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
 
@@ -1033,7 +1050,8 @@ def simulate(
     given ``seed``. ``pad_to``: the live server's padding of partial batches to captured sizes
     (:func:`~staronnx.serving.server.padded_size`); a padded batch costs its padded size.
     ``trace``: a Perfetto trace of the simulated schedule there, laid out as a live
-    ``Runtime(trace=...)`` behind a Server lays out its own (:meth:`_Simulation.write_trace`).
+    ``Runtime(trace=...)`` behind a Server lays out its own, or into an open tracer
+    (:class:`TraceInto`; :meth:`_Simulation.write_trace`).
     """
     t0 = time.perf_counter()
     if machine is None:
@@ -1209,7 +1227,7 @@ def simulate_mix(
     drain: bool = True,
     charge_transfers: bool = True,
     residency: Mapping[str, str] | None = None,
-    trace: str | os.PathLike[str] | None = None,
+    trace: str | os.PathLike[str] | TraceInto | None = None,
 ) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over several plans) at its own
     rate, as ``staronnx serve`` does on one shared runtime: a server per model (its queue of

@@ -45,7 +45,7 @@ from staronnx.bench.points import (
     workers_snapshot,
 )
 from staronnx.bench.results import SweepError, clean, make_row, write_results
-from staronnx.bench.simulator import SimMachine, build_machine, machine_inflight
+from staronnx.bench.simulator import SimMachine, TraceInto, build_machine, machine_inflight
 from staronnx.errors import StaronnxError
 from staronnx.inputs import load_inputs, samples as input_samples
 from staronnx.plan import Plan
@@ -261,7 +261,8 @@ def sweep(
     own = runtime is None
     if own:
         runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
-                          cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+                          cuda_devices=cuda_devices, store=store, engine=engine, trace=trace,
+                          cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
                           warmup=sorted({s for b in batch_sizes for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
@@ -280,20 +281,31 @@ def sweep(
         tracer = getattr(runtime, "tracer", None)
         if tracer is not None:
             tracer.lane(POINTS_LANE, "sweep points")
+        # the simulated points' schedules, each where its live point ran, in a trace beside the live one
+        sim_tracer = _simulated_tracer(tracer, runtime) if simulate and machine is not None else None
+        if sim_tracer is not None:
+            settings["simulated_trace"] = str(sim_tracer.path)
         for b in batch_sizes:
             for j, rate in enumerate(rates):
-                row = _point(runtime, samples, b, rate, index, total, notify, tracer=tracer, extend=extend,
-                             length=point_duration(duration, warmup, b, rate, min_batches), warmup=warmup,
-                             window=windows.get(b), settings=settings,
-                             bound=results.bounds.get(b, {}).get("throughput"), **point)
+                row, began = _point(runtime, samples, b, rate, index, total, notify, tracer=tracer, extend=extend,
+                                    length=point_duration(duration, warmup, b, rate, min_batches), warmup=warmup,
+                                    window=windows.get(b), settings=settings,
+                                    bound=results.bounds.get(b, {}).get("throughput"), **point)
                 if simulate and machine is not None:
+                    target = None
+                    if sim_tracer is not None:
+                        target = TraceInto(sim_tracer, began)
+                        sim_tracer.span(POINTS_LANE, f"b={b} @ {rate:g} req/s (simulated)", began,
+                                        began + float(row["duration_s"]), "sweep point")
                     try:
                         row.update(clean(simulate_row(machine, row, policy=policy, distribution=distribution,
                                                       seed=seed, queue_capacity=queue_capacity,
                                                       warmup=warmup, max_delay=max_delay,
-                                                      pad_to=[m for m in padding if m <= b])))
+                                                      pad_to=[m for m in padding if m <= b], trace=target)))
                     except StaronnxError as exc:
                         results.notes.append(f"b={b} @ {rate:g} req/s not simulated: {exc}")
+                    if sim_tracer is not None:
+                        sim_tracer.save()  # after every point, as results.json: a stopped sweep keeps its points
                 results.rows.append(row)
                 index += 1
                 results.save()
@@ -332,8 +344,10 @@ def sweep(
 
 def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, rate: float, index: int,
            total: int, notify: Progress, *, tracer: Any, extend: bool, length: float, warmup: float,
-           window: int | None, settings: Mapping[str, Any], bound: float | None, **point: Any) -> dict[str, Any]:
-    """Measure one point (once more, twice as long, when unstable and ``extend``): its row."""
+           window: int | None, settings: Mapping[str, Any], bound: float | None,
+           **point: Any) -> tuple[dict[str, Any], float]:
+    """Measure one point (once more, twice as long, when unstable and ``extend``): its row, and
+    when the measured attempt's arrivals began (the runtime's clock)."""
     attempt, extended = 1, False
     while True:
         expected = math.ceil(length * rate)
@@ -364,7 +378,28 @@ def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, ra
     row["windows"] = clean(summary.get("windows"))
     row["loadgen"] = clean(records.settings.get("loadgen"))
     row["placement"] = clean(summary.get("placement"))
-    return row
+    return row, records.start
+
+
+def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:
+    """Where a sweep with ``--simulate`` writes its simulated schedule beside the live trace at
+    ``trace``: ``sweep.json`` -> ``sweep.sim.json``."""
+    path = Path(trace)
+    return path.with_name(f"{path.stem}.sim{path.suffix or '.json'}")
+
+
+def _simulated_tracer(tracer: Any, runtime: Any) -> Any:
+    """A tracer for the simulated points, on the live trace's clock and with its worker lanes,
+    so the two traces line up when opened side by side; None without a live trace."""
+    if tracer is None:
+        return None
+    from staronnx.runtime.trace import Tracer
+
+    sim = Tracer(simulated_trace_path(tracer.path), origin=tracer.origin)
+    for i, worker in enumerate(getattr(runtime, "workers", ()) or ()):
+        sim.lane(i, getattr(worker, "name", str(worker)))
+    sim.lane(POINTS_LANE, "sweep points (simulated)")
+    return sim
 
 
 # ---------------------------------------------------------------------------- --rates auto

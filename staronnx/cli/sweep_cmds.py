@@ -473,6 +473,11 @@ def _report(output: Path, rows: Any, table: Any, *, simulate: bool, trace: Path 
     console.print(f"results: {output / 'results.csv'}, {output / 'results.json'}")
     if trace is not None:
         console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
+        from staronnx.bench.sweep import simulated_trace_path
+
+        if simulate and simulated_trace_path(trace).is_file():
+            console.print(f"simulated schedule: {simulated_trace_path(trace)} (each simulated point where its live "
+                          "point ran: open both to compare)", highlight=False)
     if draw is not None:
         draw()
 
