@@ -649,8 +649,20 @@ def test_cli_sweep_mix_with_a_lane_on_one_live_runtime(plans, tmp_path):
     out = tmp_path / "laned"
     done = _cli("sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,light=20",
                 "--batch-sizes", "heavy=4,light=1", "--groups", group, "--duration", "400ms", "--min-batches", "3",
-                "--slo-ms", "light=50", "--lane", "light", "--simulate", "--no-plots", "-o", str(out), home=home)
+                "--slo-ms", "light=50", "--lane", "light", "--simulate", "--no-plots", "-o", str(out),
+                "--trace", str(tmp_path / "mix.json"), home=home)
     assert done.returncode == 0, done.stderr + done.stdout
+    # the live trace marks the mix; the simulated one draws it where it ran, on the same lanes
+    live = json.loads((tmp_path / "mix.json").read_text())["traceEvents"]
+    sim = json.loads((tmp_path / "mix.sim.json").read_text())["traceEvents"]
+    (live_point,) = [e for e in live if e.get("cat") == "sweep point"]
+    (sim_point,) = [e for e in sim if e.get("cat") == "sweep point"]
+    assert sim_point["name"] == live_point["name"] + " (simulated)"
+    assert live_point["ts"] <= sim_point["ts"] <= live_point["ts"] + live_point["dur"]
+    assert {e["args"]["name"] for e in sim if e["ph"] == "M" and e["name"] == "thread_name" and e["tid"] < 100_000} \
+        == {worker, lane}
+    assert {e["name"].split("/")[0] for e in sim if e.get("cat") == "task"} == {"heavy", "light"}
+    assert "simulated schedule: " in done.stdout
     assert "light on lanes (cpu)" in done.stdout.splitlines()[0]
     assert "note: lanes are modelled as the live runtime runs them" in done.stdout
     doc = json.loads((out / "results.json").read_text())

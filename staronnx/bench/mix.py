@@ -223,9 +223,9 @@ def sweep_mix(
     from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up, workers_delta, \
         workers_snapshot
     from staronnx.bench.results import SweepError, clean, make_row, write_results
-    from staronnx.bench.simulator import build_machine, deadline_misses, machine_inflight, residency_where, \
-        simulate_mix
-    from staronnx.bench.sweep import SweepEvent
+    from staronnx.bench.simulator import TraceInto, build_machine, deadline_misses, machine_inflight, \
+        residency_where, simulate_mix
+    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, simulated_tracer
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serving.arrivals import DISTRIBUTIONS
@@ -304,6 +304,13 @@ def sweep_mix(
                       cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None)
     index = 0
     congested: list[MixPoint] = []
+    tracer = getattr(runtime, "tracer", None)
+    if tracer is not None:
+        tracer.lane(POINTS_LANE, "sweep points")
+    # each mix's simulated schedule where its live mix ran, beside the live trace (as a sweep's)
+    sim_tracer = simulated_tracer(tracer, runtime) if simulate and machine is not None else None
+    if sim_tracer is not None:
+        settings["simulated_trace"] = str(sim_tracer.path)
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in runtime.workers]
         for n in names:  # where each model lives (every worker unless residency or lanes say otherwise)
@@ -355,14 +362,25 @@ def sweep_mix(
             if errors:
                 raise errors[0]
             after = workers_snapshot(runtime)
+            began = min(records.start for _, records in results.values())
+            if tracer is not None:
+                tracer.span(POINTS_LANE, point.label, began, max(records.end for _, records in results.values()),
+                            "sweep point")
             sim = None
             if simulate and machine is not None:
+                target = None
+                if sim_tracer is not None:
+                    target = TraceInto(sim_tracer, began)
+                    sim_tracer.span(POINTS_LANE, f"{point.label} (simulated)", began, began + length, "sweep point")
                 try:
                     sim = simulate_mix(machine, point.rates, point.batch_sizes, policy=policy, targets=targets,
                                        duration=length, distribution=distribution, seed=seed,
-                                       queue_capacity=queue_capacity, max_delay=max_delay, residency=residency)
+                                       queue_capacity=queue_capacity, max_delay=max_delay, residency=residency,
+                                       trace=target)
                 except StaronnxError as exc:
                     notes.append(f"{point.label} not simulated: {exc}")
+                if sim_tracer is not None:
+                    sim_tracer.save()
             point_rows = []
             for m in models.models:
                 summary, records = results[m.name]

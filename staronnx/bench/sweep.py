@@ -282,7 +282,7 @@ def sweep(
         if tracer is not None:
             tracer.lane(POINTS_LANE, "sweep points")
         # the simulated points' schedules, each where its live point ran, in a trace beside the live one
-        sim_tracer = _simulated_tracer(tracer, runtime) if simulate and machine is not None else None
+        sim_tracer = simulated_tracer(tracer, runtime) if simulate and machine is not None else None
         if sim_tracer is not None:
             settings["simulated_trace"] = str(sim_tracer.path)
         for b in batch_sizes:
@@ -388,7 +388,7 @@ def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:
     return path.with_name(f"{path.stem}.sim{path.suffix or '.json'}")
 
 
-def _simulated_tracer(tracer: Any, runtime: Any) -> Any:
+def simulated_tracer(tracer: Any, runtime: Any) -> Any:
     """A tracer for the simulated points, on the live trace's clock and with its worker lanes,
     so the two traces line up when opened side by side; None without a live trace."""
     if tracer is None:
