@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 from test_simulator import MS, NO_RESERVE, plan, topo, write_models  # noqa: F401 - plan is a fixture
 
-from staronnx.bench.simulator import SimMachine, build_machine, simulate
+from staronnx.bench.machine import SimMachine, build_machine
+from staronnx.bench.simulator import simulate
 from staronnx.perfmodels import PerfModelStore
 
 #: a 2-part chain: 1 ms per part on the GPU, 20 ms on the 4-core CPU group

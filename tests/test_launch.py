@@ -99,7 +99,7 @@ def test_no_cuda_workers_no_reserve():
 
 
 def test_the_simulator_sees_the_layout_the_runtime_starts():
-    from staronnx.bench.simulator import sim_workers
+    from staronnx.bench.machine import sim_workers
 
     topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")
     infos = sim_workers(topo, "numa", cuda_streams=2)
@@ -215,7 +215,7 @@ def test_groups_none_is_the_gpu_alone():
 
 
 def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
-    from staronnx.bench.simulator import sim_workers
+    from staronnx.bench.machine import sim_workers
     from staronnx.perfmodels import PerfModelStore
 
     assert [w.kind for w in sim_workers(Topology.from_synthetic("core:4 pu:1"), "none", cuda_streams=2)] == ["cuda"] * 2

@@ -14,7 +14,8 @@ import pytest
 
 from staronnx import Runtime, partition
 from staronnx.bench.bound import machine_bound
-from staronnx.bench.simulator import SimulationError, build_machine, sim_workers, simulate
+from staronnx.bench.machine import SimulationError, build_machine, sim_workers
+from staronnx.bench.simulator import simulate
 from staronnx.perfmodels import BusModel, LinkCost, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.serve.models import inflight_from_models

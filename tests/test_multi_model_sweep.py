@@ -21,7 +21,8 @@ import pytest
 from staronnx import partition
 from staronnx.bench.bound import BoundError, machine_bound, mix_bound
 from staronnx.bench.mix import mix_points, split_per_model
-from staronnx.bench.simulator import SimulationError, build_machine, profile_plan, simulate, simulate_mix
+from staronnx.bench.machine import SimulationError, build_machine, profile_plan
+from staronnx.bench.simulator import simulate, simulate_mix
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
@@ -421,7 +422,7 @@ def test_cli_sweep_mix_with_model_workers_on_one_live_runtime(plans, tmp_path):
     the mix's bound (worked by hand: heavy 10 batches/s x 10 ms on its worker, light 20 x 1 ms
     on its: scale min(1/0.1, 1/0.02) = 10, not the 2/0.12 of sharing both) and the simulated
     point all keep them apart, and the results say where each model lived."""
-    from staronnx.bench.simulator import sim_workers
+    from staronnx.bench.machine import sim_workers
 
     pus = sorted(os.sched_getaffinity(0))
     if len(pus) < 2:
@@ -462,7 +463,7 @@ def test_a_lane_is_one_more_worker_on_its_group_holding_the_lane_models_only(pla
     keeps its throughput: 90 % of the core is used either way. The LP bound says the same: the
     lane and the group's worker share the core, so 0.85 + 0.05 s/s binds: scale 1/0.9, as
     shared (a lane buys latency, not throughput)."""
-    from staronnx.bench.simulator import LANE_APPROXIMATION
+    from staronnx.bench.machine import LANE_APPROXIMATION
 
     heavy, light, home = plans
     rates, sizes = {"heavy": 340, "light": 50}, {"heavy": 4, "light": 1}
@@ -640,7 +641,7 @@ def test_cli_sweep_mix_with_a_lane_on_one_live_runtime(plans, tmp_path):
     (worked by hand: heavy 10 batches/s x 10 ms = 0.1 s/s on the group, light 20 x 1 ms on
     the lane: scale 1/0.12, as one shared worker), the simulated point has the same lane, and
     the notes say what the simulation leaves out."""
-    from staronnx.bench.simulator import sim_workers
+    from staronnx.bench.machine import sim_workers
 
     group = str(min(os.sched_getaffinity(0)))
     (worker,) = (w.name for w in sim_workers(groups=group))

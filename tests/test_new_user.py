@@ -463,7 +463,7 @@ def test_sweep_rates_default_to_auto_from_the_lp_bound(calibrated_inception, two
     starts well below what the machine serves (the README's 50:800:50 congested at 50 on a
     small machine: one hollow point per batch size)."""
     from staronnx.bench.bound import machine_bound
-    from staronnx.bench.simulator import build_machine
+    from staronnx.bench.machine import build_machine
     from staronnx.bench.sweep import rates_for
     from staronnx.perfmodels import PerfModelStore
 

@@ -30,7 +30,8 @@ import onnxruntime as ort
 import pytest
 
 from staronnx.bench.simclock import SimClock
-from staronnx.bench.simulator import PerfTable, SimMachine, profile_plan, simulate
+from staronnx.bench.machine import PerfTable, SimMachine, profile_plan
+from staronnx.bench.simulator import simulate
 from staronnx.partition import partition
 from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan

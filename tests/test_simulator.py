@@ -15,13 +15,8 @@ import pytest
 
 from staronnx import partition
 from staronnx.bench.bound import machine_bound
-from staronnx.bench.simulator import (
-    ArchSource,
-    SimulationError,
-    build_machine,
-    profile_plan,
-    simulate,
-)
+from staronnx.bench.machine import ArchSource, SimulationError, build_machine, profile_plan
+from staronnx.bench.simulator import simulate
 from staronnx.perfmodels import BusModel, HistoryModel, LinkCost, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.policies import POLICIES
@@ -348,7 +343,7 @@ def test_a_sweeps_fidelity_replay_pads_as_the_live_server_did(plan, tmp_path):
     runtime's captured sizes): without it a partial batch was priced at its request count while
     the live one ran, and was timed, at the padded size."""
     from staronnx.bench.fidelity import simulate_row
-    from staronnx.bench.simulator import build_machine
+    from staronnx.bench.machine import build_machine
 
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): lambda b: b * MS, (1, "cpu4"): lambda b: b * MS}, batches=(1, 4, 8))

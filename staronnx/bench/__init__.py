@@ -5,7 +5,8 @@
   over the network: :mod:`~staronnx.bench.remote`)
 - :mod:`staronnx.bench.plots`: the papers' figures from sweep folders, and comparisons
 - :mod:`staronnx.bench.optimize`: the batch size for a rate (simulated, then verified live)
-- :mod:`staronnx.bench.simulator`: discrete-event what-if serving from the perf models
+- :mod:`staronnx.bench.simulator`: discrete-event what-if serving from the perf models, on a
+  machine of :mod:`~staronnx.bench.machine` (workers, arch sources, GPUs, lanes, residency)
 - :mod:`staronnx.bench.bound`: the LP upper bound on sustainable throughput
 
 Nothing is imported here, so a sweep does not pull in matplotlib.

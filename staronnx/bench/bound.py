@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linprog
 
-from staronnx.bench.simulator import SimMachine, Where, lane_groups, residency_where
+from staronnx.bench.machine import SimMachine, Where, lane_groups, residency_where
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.sched import WorkerInfo
@@ -267,7 +267,7 @@ def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:
 
 
 def machine_bound(machine: SimMachine, batch_size: int) -> Bound:
-    """The bound for a :class:`~staronnx.bench.simulator.SimMachine` (same workers, same
+    """The bound for a :class:`~staronnx.bench.machine.SimMachine` (same workers, same
     model means and bus as the simulator, so achieved / bound compares like with like)."""
     times = machine.mean_times(batch_size)
     profile = machine.profile(batch_size)
@@ -382,7 +382,7 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     simulator runs it: each lane is one more worker holding the lane models only (a lane
     model runs on its lanes alone unless ``residency`` adds workers), and a lane and its
     group's worker share the group's cores, so their loads together are at most one: a lane
-    buys latency, not throughput (:data:`~staronnx.bench.simulator.LANE_APPROXIMATION`).
+    buys latency, not throughput (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`).
     """
     models = machine.models
     assert models is not None

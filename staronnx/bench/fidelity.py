@@ -58,7 +58,7 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
                  pad_to: Sequence[int] = (), trace: Any = None) -> dict[str, Any]:
     """The ``sim_*`` and ``err_*`` fields for one measured sweep row.
 
-    ``machine`` is a :class:`~staronnx.bench.simulator.SimMachine` of the sweep's plan, groups
+    ``machine`` is a :class:`~staronnx.bench.machine.SimMachine` of the sweep's plan, groups
     and streams. The point's arrivals last ``row["duration_s"]``, exactly as the live point's
     did, and the same ``warmup`` is cut from the window. ``pad_to``: the sizes the live server
     padded partial batches up to (its runtime's captured CUDA graphs), so each simulated batch

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from staronnx.bench.simulator import SimulationError, build_machine
+from staronnx.bench.machine import SimulationError, build_machine
 from staronnx.partition.autoshares import WorkerSpeed
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan

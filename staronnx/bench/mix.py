@@ -13,7 +13,7 @@ rates together fit the machine and by what factor they could all grow.
 Residency (``--model-workers``) and latency lanes (``--lane``) shape the live runtime, its
 bound and its simulation alike; a lane is simulated and bounded as one more worker on its
 group's cores, without the OS preemption of the group's worker that it brings live
-(:data:`~staronnx.bench.simulator.LANE_APPROXIMATION`, in each result's notes).
+(:data:`~staronnx.bench.machine.LANE_APPROXIMATION`, in each result's notes).
 
 Why every combination and not a scale factor on one mix: the question a shared machine asks
 is how one model's load hurts another's latency (the heavy model pushed to saturation while
@@ -31,11 +31,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
-from staronnx.runtime.models import plan_name
 
 __all__ = ["MixPoint", "is_per_model", "mix_label", "mix_points", "model_names", "split_per_model"]
 
@@ -213,7 +210,7 @@ def sweep_mix(
     ``Runtime(lanes=...)``'s; see :mod:`staronnx.workers.lanes`) gives those models latency
     lanes in the live runtime, and the same lanes to its bound and simulation, which model a
     lane as an extra worker on its group's cores and not the OS preempting the group's worker
-    for it (:data:`~staronnx.bench.simulator.LANE_APPROXIMATION`, in the notes): a lane model's
+    for it (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`, in the notes): a lane model's
     simulated latency is a lane's that always gets the core, the heavy models' simulated
     throughput is higher than live by about the lanes' busy share. Other arguments as in
     :func:`staronnx.bench.sweep.sweep`; an unstable point is not measured again here.
@@ -223,8 +220,8 @@ def sweep_mix(
     from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up, workers_delta, \
         workers_snapshot
     from staronnx.bench.results import SweepError, clean, make_row, write_results
-    from staronnx.bench.simulator import TraceInto, build_machine, deadline_misses, machine_inflight, \
-        residency_where, simulate_mix
+    from staronnx.bench.machine import build_machine, machine_inflight, residency_where
+    from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
     from staronnx.bench.sweep import POINTS_LANE, SweepEvent, simulated_tracer
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes

@@ -26,7 +26,8 @@ from typing import Any
 from staronnx.bench.bound import machine_bound, stale_models_note
 from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up
 from staronnx.bench.results import clean
-from staronnx.bench.simulator import build_machine, simulate
+from staronnx.bench.machine import build_machine
+from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
@@ -213,7 +214,7 @@ def optimize_batch(
         verify_duration: seconds per live measurement (stretched likewise).
         max_verify: at most this many live measurements in all (see :func:`next_candidate`).
         runtime: an open runtime to measure on (it stays open); default: one started here.
-        machine: a :class:`~staronnx.bench.simulator.SimMachine` to reuse.
+        machine: a :class:`~staronnx.bench.machine.SimMachine` to reuse.
         progress: called with a one-line message at each step.
         colocate: each live measurement's load generator and batcher run on the CUDA driver's
             core (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), as ``sweep --colocate``.

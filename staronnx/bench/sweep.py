@@ -45,7 +45,8 @@ from staronnx.bench.points import (
     workers_snapshot,
 )
 from staronnx.bench.results import SweepError, clean, make_row, write_results
-from staronnx.bench.simulator import SimMachine, TraceInto, build_machine, machine_inflight
+from staronnx.bench.machine import SimMachine, build_machine, machine_inflight
+from staronnx.bench.simulator import TraceInto
 from staronnx.errors import StaronnxError
 from staronnx.inputs import load_inputs, samples as input_samples
 from staronnx.plan import Plan

@@ -23,7 +23,7 @@ MODEL_FREE_POLICIES = frozenset({"eager", "ws", "lws", "static"})
 def worker_archs(groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)) -> list[str]:
     """The archs of the workers a runtime with these settings starts on this machine (CUDA
     streams first, as the runtime numbers them; an arch per GPU), without starting any."""
-    from staronnx.bench.simulator import sim_workers
+    from staronnx.bench.machine import sim_workers
 
     return list(dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams, cuda_devices)))
 

@@ -122,7 +122,7 @@ def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int, cuda
     """Which is predicted faster: this plan on the runtime's workers (the LP bound over the
     calibrated models) or the whole model on the fastest arch alone (the sum of its parts)."""
     from staronnx.bench.bound import machine_bound
-    from staronnx.bench.simulator import build_machine
+    from staronnx.bench.machine import build_machine
 
     try:
         machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,

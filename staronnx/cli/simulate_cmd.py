@@ -134,7 +134,8 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     OS preemption of the group's worker is not modelled, and a note says so)."""
     from staronnx.bench.bound import mix_bound
     from staronnx.bench.mix import model_names
-    from staronnx.bench.simulator import build_machine, simulate_mix
+    from staronnx.bench.machine import build_machine
+    from staronnx.bench.simulator import simulate_mix
     from staronnx.cli.serve_cmd import service_targets
     from staronnx.plan import Plan
     from staronnx.workers.topology import Topology
@@ -247,7 +248,8 @@ def simulate_cmd(
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
     from staronnx.bench.bound import machine_bound
-    from staronnx.bench.simulator import build_machine, simulate
+    from staronnx.bench.machine import build_machine
+    from staronnx.bench.simulator import simulate
     from staronnx.durations import parse_duration
     from staronnx.plan import Plan
     from staronnx.workers.topology import Topology

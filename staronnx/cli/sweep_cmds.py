@@ -537,7 +537,7 @@ def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, gr
     if url is not None:  # the server's runtime cannot be probed from here: its perf models only
         from staronnx.bench.bound import batch_bounds
         from staronnx.bench.remote import served_gpus, served_runtime
-        from staronnx.bench.simulator import build_machine
+        from staronnx.bench.machine import build_machine
 
         # the server's workers and batch size, not this command line's defaults: a server with
         # CUDA streams bounded as CPU groups alone got rates far below what it serves

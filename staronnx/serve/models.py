@@ -165,14 +165,14 @@ class MeteredRuntime:
 def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int,
                          cuda_devices: Sequence[int] = (0,)) -> int | None:
     """The batches to keep in flight on this plan's runtime, from its perf models, as sweeps and
-    the simulator size them (:func:`~staronnx.bench.simulator.machine_inflight`).
+    the simulator size them (:func:`~staronnx.bench.machine.machine_inflight`).
 
     Why not the Server's default (two per worker): with a GPU and CPU groups, dmda only gives a
     batch to a CPU group once the GPU's queue is longer than that group's whole time, so a
     window too short for that leaves the CPUs idle however high the load. None (the default)
     where the plan has no models for these workers yet (each GPU of ``cuda_devices`` has its own).
     """
-    from staronnx.bench.simulator import build_machine, machine_inflight
+    from staronnx.bench.machine import build_machine, machine_inflight
     from staronnx.errors import StaronnxError
 
     try:

@@ -54,7 +54,7 @@ __all__ = [
     "HostRuntime",
     "INSTALL_HINT",
     "PinnedBuffer",
-    "Runtime",
+    "GpuRuntime",
     "Stream",
     "STICKY_ERRORS",
     "capture_safe",
