@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections import Counter
 
 import pytest
@@ -306,3 +307,26 @@ def test_cli_registers_topology_command() -> None:
     import staronnx.cli as cli
 
     assert "topology_cmd" in cli._COMMAND_MODULES
+
+
+def test_cli_topology_shows_the_workers_a_run_would_start_with_gpus() -> None:
+    """``topology --cuda-streams 1 --cuda-devices 0-3`` on another machine's topology: the groups
+    as the runtime makes them (a core held back per GPU driver thread) and every worker, each
+    CUDA stream with its GPU's arch and memory node and the PU its driver runs on."""
+    result = CliRunner().invoke(_cli(), ["topology", "--synthetic", BIG, "--cuda-streams", "1", "--cuda-devices",
+                                         "0-3"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, (result.output, result.exception)
+    assert "policy 'numa,reserve=4'" in result.output
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"│ (cuda\d\.s0) +│ cuda +│ cuda\d +│ cuda\d +│ ([^│]+)│",
+                                                          result.output)}
+    assert sorted(rows) == ["cuda0.s0", "cuda1.s0", "cuda2.s0", "cuda3.s0"], result.output
+    pus = [int(re.search(r"PU (\d+)", v).group(1)) for v in rows.values()]
+    assert len(set(pus)) == 4  # one core of its own per GPU's driver thread
+    assert "cpu:numa0" in result.output
+    # on this machine, the GPUs named must exist (here stood in for by HostRuntime)
+    here = CliRunner().invoke(_cli(), ["topology", "--cuda-streams", "1", "--cuda-devices", "0,1"],
+                              env={"COLUMNS": "200", "STARONNX_CUDA_RUNTIME": "host:2"})
+    assert here.exit_code == 0 and "GPUs CUDA workers can use here: 2" in here.output, here.output
+    missing = CliRunner().invoke(_cli(), ["topology", "--cuda-streams", "1", "--cuda-devices", "0-2"],
+                                 env={"STARONNX_CUDA_RUNTIME": "host:2"})
+    assert "no GPU 2 here" in str(missing.exception)

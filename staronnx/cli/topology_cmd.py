@@ -2,7 +2,10 @@
 
 Useful before a run (which cores will each CPU worker own? are some PUs disallowed?) and to
 try a policy on another machine's topology: ``--xml`` takes what ``lstopo server.xml`` wrote
-there, ``--synthetic`` a made-up one such as ``"pack:2 numa:2 core:8 pu:2"``.
+there, ``--synthetic`` a made-up one such as ``"pack:2 numa:2 core:8 pu:2"``. With
+``--cuda-streams`` (and ``--cuda-devices``) it shows every worker ``run``/``serve`` would start
+with those settings, as StarPU's ``starpu_machine_display`` does: each CUDA worker's GPU and
+the core its driver thread is pinned to, each CPU group, and the GPUs CUDA sees here.
 """
 
 from __future__ import annotations
@@ -40,6 +43,29 @@ def groups_table(groups: CpuGroups) -> Table:
             "-", "reserved (GPU threads)", str(len(groups.reserved)),
             format_pus(groups.reserved_pus), "-", "-", "-", "-",
         )
+    return table
+
+
+def workers_table(topology: Topology, groups: str, cuda_streams: int, devices: tuple[int, ...]) -> Table:
+    """Every worker a runtime with these settings starts, in its order (CUDA streams first, GPU
+    by GPU), with its arch, memory node and PUs: a CUDA worker's are its driver thread's."""
+    from staronnx.bench.machine import sim_workers
+    from staronnx.workers.launch import worker_layout
+
+    layout = worker_layout(topology, groups, cuda_streams, devices)
+    pins = {f"cuda{d}.s{s}": pu for d, s, pu in layout.cuda}
+    cpus = {f"cpu:{g.name}": format_pus(g.pus) for g in layout.groups}
+    table = Table(title=f"workers for --groups {groups!r}, --cuda-streams {cuda_streams}"
+                        + (f", --cuda-devices {','.join(map(str, devices))}" if cuda_streams else ""))
+    for col in ("worker", "kind", "arch (perf models)", "memory node", "PUs"):
+        table.add_column(col)
+    for w in sim_workers(topology, groups, cuda_streams, devices):
+        if w.kind == "cuda":
+            pu = pins.get(w.name)
+            where = f"driver thread on PU {pu}" if pu is not None else "driver thread not pinned"
+        else:
+            where = cpus.get(w.name, "-")
+        table.add_row(w.name, w.kind, w.arch, w.memory_node, where)
     return table
 
 
@@ -83,12 +109,39 @@ def register(app: typer.Typer) -> None:
             Optional[Path],
             typer.Option("--export-xml", help="Also save the topology as hwloc XML to this file."),
         ] = None,
+        cuda_streams: Annotated[
+            int, typer.Option(help="Also show the workers run/serve would start with this many CUDA streams per GPU.")
+        ] = 0,
+        cuda_devices: Annotated[
+            Optional[str],
+            typer.Option(help="With --cuda-streams: the GPUs (0,1 or 0-3 or all); any ordinal with --synthetic "
+                              "or --xml (another machine's). Default: 0."),
+        ] = None,
     ) -> None:
-        """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups."""
+        """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups; with
+        --cuda-streams, every worker a run would start, CUDA driver threads' cores included."""
+        from staronnx.cli.gpus import parse_cuda_devices
+
         topo = load_topology(synthetic, xml)
-        cpu_groups = make_groups(topo, groups)
+        elsewhere = synthetic is not None or xml is not None
+        devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=elsewhere)
+        if cuda_streams:  # the groups as the runtime makes them: a core held back per GPU driver thread
+            from staronnx.workers.launch import worker_layout
+
+            cpu_groups = worker_layout(topo, groups, cuda_streams, devices).groups
+        else:
+            cpu_groups = make_groups(topo, groups)
         console = Console()
         console.print(topo.rich_tree())
         console.print(groups_table(cpu_groups))
+        if cuda_streams:
+            console.print(workers_table(topo, groups, cuda_streams, devices))
+        if not elsewhere:
+            from staronnx.workers.cuda import cuda_unavailable_reason, visible_cuda_devices
+
+            count = visible_cuda_devices()
+            console.print(f"GPUs CUDA workers can use here: {count}" if count else
+                          f"no GPU for CUDA workers here: {cuda_unavailable_reason()}", highlight=False,
+                          soft_wrap=True)
         if export_xml is not None:
             console.print(f"topology written to {topo.export_xml(export_xml)}")
