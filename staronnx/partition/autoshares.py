@@ -143,6 +143,11 @@ def median_seconds(run: Callable[[], object], runs: int, warmup: int = 2) -> flo
     return statistics.median(times)
 
 
+def _seconds_per_run(session: Any, feeds: dict[str, Any], runs: int) -> float:
+    """:func:`median_seconds` of ``session.run`` on ``feeds``."""
+    return median_seconds(lambda: session.run(None, feeds), runs)
+
+
 def measure_speeds(
     model: Any,
     feeds: dict[str, Any],
@@ -169,11 +174,10 @@ def measure_speeds(
         for device in cuda_devices:
             say(f"timing the whole model on cuda{device}")
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
-                sess = make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
-                                                      "CPUExecutionProvider"])
-                speeds.append(WorkerSpeed(f"cuda{device}", "cuda",
-                                          median_seconds(lambda: sess.run(None, feeds), runs)))
-                del sess
+                gpu = make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
+                                                     "CPUExecutionProvider"])
+                speeds.append(WorkerSpeed(f"cuda{device}", "cuda", _seconds_per_run(gpu, feeds, runs)))
+                del gpu  # its device memory goes back before the next GPU's session
     counts: dict[int, int] = {}
     for n in group_sizes:
         counts[n] = counts.get(n, 0) + 1
@@ -185,8 +189,7 @@ def measure_speeds(
         so.log_severity_level = 3
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = make_session(model, providers=["CPUExecutionProvider"], options=so)
-        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", median_seconds(lambda: sess.run(None, feeds), runs),
-                                  count))
+        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", _seconds_per_run(sess, feeds, runs), count))
         del sess
     if not speeds:
         why = "found no worker to time (no CPU group, no GPU)"
