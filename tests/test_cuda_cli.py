@@ -234,6 +234,7 @@ def test_a_mixed_sweep_and_optimize_batch_colocate_their_load_generators(tiny, t
     assert "load generators on the CUDA driver core" in done.stdout, done.stdout
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["colocate"] is True
+    assert [g["name"].startswith("HostRuntime") for g in results["settings"]["gpus"]] == [True]
     cores = {r["model"]: r["loadgen"]["core"] for r in results["rows"]}
     assert set(cores) == {"a", "b"} and len(set(cores.values())) == 1 and isinstance(cores["a"], int), cores
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,13 @@ def test_cli_partition_shares_auto_times_each_gpu_named(gplan, tmp_path):
     assert part.returncode == 0, part.stderr
     speeds = json.loads((out / "plan.json").read_text())["settings"]["auto_shares"]["speeds"]
     assert speeds[0]["name"] == "cuda0" and speeds[0]["kind"] == "cuda" and speeds[0]["seconds"] > 0
+
+
+def test_the_gpu_is_described_as_results_record_it():
+    """``describe_gpus`` (``staronnx topology``, a sweep's ``settings.gpus``) reads the real GPU:
+    its model, memory and compute capability through cudaGetDeviceProperties."""
+    from staronnx.workers.cuda import describe_gpus
+
+    (first, *_) = describe_gpus([0])
+    assert first["device"] == 0 and first["name"] and "HostRuntime" not in first["name"]
+    assert first["memory_bytes"] > 2**30 and re.fullmatch(r"\d+\.\d+", first["capability"]) and first["sms"] > 0

@@ -177,6 +177,8 @@ def test_sweep_on_two_gpus_runs_simulates_and_bounds_both(plan, tmp_path, two_gp
     results = json.loads((out / "results.json").read_text())
     settings = results["settings"]
     assert settings["cuda_devices"] == [0, 1] and settings["workers"] == ["cuda0.s0", "cuda1.s0"]
+    # which GPUs the figures come from (a stand-in says it is one)
+    assert [(g["device"], g["name"].startswith("HostRuntime")) for g in settings["gpus"]] == [(0, True), (1, True)]
     row = results["rows"][0]
     assert row["bound_throughput"] == pytest.approx(1000, rel=1e-3)  # 2 samples in 4 ms on each GPU
     assert row["cuda_devices"] == "0,1" and "cuda_devices" in (out / "results.csv").read_text().splitlines()[0]

@@ -327,6 +327,18 @@ def test_cli_topology_shows_the_workers_a_run_would_start_with_gpus() -> None:
     here = CliRunner().invoke(_cli(), ["topology", "--cuda-streams", "1", "--cuda-devices", "0,1"],
                               env={"COLUMNS": "200", "STARONNX_CUDA_RUNTIME": "host:2"})
     assert here.exit_code == 0 and "GPUs CUDA workers can use here: 2" in here.output, here.output
+    assert here.output.count("HostRuntime (CPU stand-in") == 2  # a stand-in never reads as a GPU
     missing = CliRunner().invoke(_cli(), ["topology", "--cuda-streams", "1", "--cuda-devices", "0-2"],
                                  env={"STARONNX_CUDA_RUNTIME": "host:2"})
     assert "no GPU 2 here" in str(missing.exception)
+
+
+def test_cli_topology_says_why_no_gpu_is_usable() -> None:
+    from staronnx.workers.cuda import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    if reason is None:
+        pytest.skip("CUDA is here")
+    result = CliRunner().invoke(_cli(), ["topology"], env={"COLUMNS": "400", "STARONNX_CUDA_RUNTIME": ""})
+    assert result.exit_code == 0 and "no GPU for CUDA workers here: " in result.output
+    assert "staronnx[gpu]" in result.output  # printed as text, not read as rich markup

@@ -222,7 +222,7 @@ def sweep_mix(
     from staronnx.bench.results import SweepError, clean, make_row, write_results
     from staronnx.bench.machine import build_machine, machine_inflight, residency_where
     from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
-    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, simulated_tracer
+    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, simulated_tracer
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serving.arrivals import DISTRIBUTIONS
@@ -266,6 +266,8 @@ def sweep_mix(
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "front_end": {"kind": "in-process"},
     }
+    if cuda_streams:
+        settings["gpus"] = gpus_of(cuda_devices)
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     bounds: dict[str, Any] = {}

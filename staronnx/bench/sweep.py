@@ -241,6 +241,8 @@ def sweep(
     if inputs is not None:
         settings["inputs"] = {"path": None if inputs_path is None else str(inputs_path),
                               "samples": input_samples(inputs, plan)}
+    if cuda_streams and server_factory is None:  # which GPUs these figures come from (over the network: unknown)
+        settings["gpus"] = gpus_of(cuda_devices)
     results = _Results(out_dir, settings, fidelity=simulate)
     # one simulated twin of the runtime serves the LP bound, the simulated points and the
     # in-flight window (a slow worker is only chosen behind a long enough queue: the same
@@ -380,6 +382,17 @@ def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, ra
     row["loadgen"] = clean(records.settings.get("loadgen"))
     row["placement"] = clean(summary.get("placement"))
     return row, records.start
+
+
+def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:
+    """The GPUs a sweep runs on as results record them (model, memory, compute capability; a
+    stand-in says it is one), read in CUDA's thread-local capture mode so that a runtime
+    already capturing graphs in this process is not disturbed."""
+    from staronnx.ortutil import cuda_capture_safe
+    from staronnx.workers.cuda import describe_gpus
+
+    with cuda_capture_safe():
+        return describe_gpus(devices)
 
 
 def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:

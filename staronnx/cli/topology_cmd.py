@@ -137,11 +137,20 @@ def register(app: typer.Typer) -> None:
         if cuda_streams:
             console.print(workers_table(topo, groups, cuda_streams, devices))
         if not elsewhere:
-            from staronnx.workers.cuda import cuda_unavailable_reason, visible_cuda_devices
+            from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
 
-            count = visible_cuda_devices()
-            console.print(f"GPUs CUDA workers can use here: {count}" if count else
-                          f"no GPU for CUDA workers here: {cuda_unavailable_reason()}", highlight=False,
-                          soft_wrap=True)
+            gpus = describe_gpus()
+            if not gpus:
+                console.print(f"no GPU for CUDA workers here: {cuda_unavailable_reason()}", highlight=False,
+                              soft_wrap=True, markup=False)  # the reason names staronnx[gpu], not markup
+                return
+            table = Table(title=f"GPUs CUDA workers can use here: {len(gpus)}")
+            for col in ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"):
+                table.add_column(col)
+            for g in gpus:
+                memory = "-" if g["memory_bytes"] is None else f"{g['memory_bytes'] / 2**30:.1f} GiB"
+                table.add_row(f"cuda{g['device']}", g["name"], memory,
+                              *("-" if g[k] is None else str(g[k]) for k in ("capability", "sms", "pci_bus")))
+            console.print(table)
         if export_xml is not None:
             console.print(f"topology written to {topo.export_xml(export_xml)}")

@@ -141,6 +141,23 @@ def visible_cuda_devices() -> int:
     return int(CudaRuntime().device_count())
 
 
+def describe_gpus(devices: Sequence[int] | None = None) -> list[dict[str, Any]]:
+    """Each GPU's model, memory and compute capability (:meth:`CudaRuntime.properties`; the
+    stand-in says it is one), for results and ``staronnx topology``: every visible GPU, or
+    ``devices``. Empty where CUDA is missing; a GPU that cannot be read is left out."""
+    stand_in = host_runtime_from_env()
+    if stand_in is None and cuda_unavailable_reason() is not None:
+        return []
+    runtime: Any = stand_in if stand_in is not None else CudaRuntime()
+    out = []
+    for d in range(int(runtime.device_count())) if devices is None else devices:
+        try:
+            out.append(runtime.properties(int(d)))
+        except DeviceError:
+            continue
+    return out
+
+
 def missing_device(device_id: int, count: int) -> str | None:
     """Why GPU ``device_id`` cannot be used where ``count`` are visible, or None when it can."""
     if 0 <= device_id < count:

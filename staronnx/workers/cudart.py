@@ -399,6 +399,7 @@ class GpuRuntime(Protocol):
     stats: AllocationStats
 
     def device_count(self) -> int: ...
+    def properties(self, device_id: int) -> dict[str, Any]: ...
     def set_device(self, device_id: int) -> None: ...
     def stream(self, non_blocking: bool = True) -> Any: ...
     def event(self, timing: bool = True) -> Any: ...
@@ -433,6 +434,16 @@ class CudaRuntime:
     # -- devices
     def device_count(self) -> int:
         return int(check(self.rt.cudaGetDeviceCount(), "cudaGetDeviceCount"))
+
+    def properties(self, device_id: int) -> dict[str, Any]:
+        """What a result must say of the GPU it ran on (its model, memory, compute capability,
+        SM count, PCI bus): a sweep or a benchmark compares like with like only on the same GPU."""
+        prop = check(self.rt.cudaGetDeviceProperties(device_id), f"cudaGetDeviceProperties({device_id})")
+        name = prop.name
+        return {"device": device_id,
+                "name": (name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(name, bytes) else str(name)),
+                "memory_bytes": int(prop.totalGlobalMem), "capability": f"{prop.major}.{prop.minor}",
+                "sms": int(prop.multiProcessorCount), "pci_bus": int(prop.pciBusID)}
 
     def loading(self, part: int) -> None:
         """A worker is about to load ``part``'s session: nothing to do on a GPU, where ONNX
@@ -674,6 +685,14 @@ class HostRuntime:
 
     def device_count(self) -> int:
         return self.devices
+
+    def properties(self, device_id: int) -> dict[str, Any]:
+        """A stand-in says it is one: a result measured on it must never read as a GPU's."""
+        if not 0 <= device_id < self.devices:
+            raise CudaError(f"cudaGetDeviceProperties({device_id})", 101, "cudaErrorInvalidDevice",
+                            f"invalid device ordinal {device_id} ({self.devices} device(s))")
+        return {"device": device_id, "name": "HostRuntime (CPU stand-in, no GPU)", "memory_bytes": None,
+                "capability": None, "sms": None, "pci_bus": None}
 
     def loading(self, part: int) -> None:
         """Count a session load; an injected ``session_load`` fault (code 2, out of memory)
