@@ -146,3 +146,21 @@ def test_the_gpu_is_described_as_results_record_it():
     (first, *_) = describe_gpus([0])
     assert first["device"] == 0 and first["name"] and "HostRuntime" not in first["name"]
     assert first["memory_bytes"] > 2**30 and re.fullmatch(r"\d+\.\d+", first["capability"]) and first["sms"] > 0
+
+
+def test_serve_exports_tritons_gpu_metrics(gplan, tmp_path):
+    """``serve --cuda-streams 1`` on a GPU: /metrics carries Triton's nv_gpu_* (NVML) for the GPU
+    served from, labelled with its UUID, as Triton's dashboards read them."""
+    import urllib.request
+
+    from test_serve import start_server
+
+    pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra's NVML) is not installed")
+    served = start_server([gplan.root], tmp_path, "--name", "g", "--cuda-streams", "1", "--groups", "none")
+    try:
+        text = urllib.request.urlopen(served.metrics, timeout=10).read().decode()
+    finally:
+        assert served.stop() == 0, "\n".join(served.lines)
+    total = re.search(r'^nv_gpu_memory_total_bytes\{gpu_uuid="(GPU-[0-9a-f-]{36})"\} (\S+)$', text, re.M)
+    assert total and float(total.group(2)) > 2**30, text[-3000:]
+    assert re.search(r'^nv_gpu_utilization\{gpu_uuid="GPU-', text, re.M)

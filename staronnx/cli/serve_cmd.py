@@ -155,6 +155,12 @@ def serve_cmd(
     delay = parse_duration(max_delay, allow_zero=True)
     loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
     metrics = ServeMetrics()
+    if cuda_streams:  # Triton's nv_gpu_* metrics of the GPUs served from (NVML; one line where it is missing)
+        from staronnx.serve.gpu_metrics import gpu_collector
+
+        gpus = gpu_collector(devices)
+        if gpus is not None:
+            metrics.registry.register(gpus)
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,

@@ -414,6 +414,14 @@ class GpuRuntime(Protocol):
     def loading(self, part: int) -> None: ...
 
 
+def gpu_uuid(raw: Any) -> str:
+    """A GPU's UUID as NVML and ``nvidia-smi -L`` spell it (``GPU-`` then 8-4-4-4-12 hex digits),
+    from CUDA's 16 bytes (``cudaUUID_t``): what names one GPU whatever ``CUDA_VISIBLE_DEVICES``
+    renumbers (Triton's metrics label GPUs with it)."""
+    h = bytes(getattr(raw, "bytes", raw))[:16].hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
 class CudaRuntime:
     """Factory for streams, events and buffers, plus the copies the workers issue.
 
@@ -443,7 +451,7 @@ class CudaRuntime:
         return {"device": device_id,
                 "name": (name.split(b"\0", 1)[0].decode(errors="replace") if isinstance(name, bytes) else str(name)),
                 "memory_bytes": int(prop.totalGlobalMem), "capability": f"{prop.major}.{prop.minor}",
-                "sms": int(prop.multiProcessorCount), "pci_bus": int(prop.pciBusID)}
+                "sms": int(prop.multiProcessorCount), "pci_bus": int(prop.pciBusID), "uuid": gpu_uuid(prop.uuid)}
 
     def loading(self, part: int) -> None:
         """A worker is about to load ``part``'s session: nothing to do on a GPU, where ONNX
@@ -692,7 +700,7 @@ class HostRuntime:
             raise CudaError(f"cudaGetDeviceProperties({device_id})", 101, "cudaErrorInvalidDevice",
                             f"invalid device ordinal {device_id} ({self.devices} device(s))")
         return {"device": device_id, "name": "HostRuntime (CPU stand-in, no GPU)", "memory_bytes": None,
-                "capability": None, "sms": None, "pci_bus": None}
+                "capability": None, "sms": None, "pci_bus": None, "uuid": None}
 
     def loading(self, part: int) -> None:
         """Count a session load; an injected ``session_load`` fault (code 2, out of memory)
