@@ -332,8 +332,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'PASS' if held else 'FAIL'}  {text}")
     from staronnx.fsutil import atomic_write_text
 
+    gpus: list[dict[str, Any]] = []
+    if args.device == "cuda":  # which GPU these figures are of (model, memory, capability, UUID)
+        from staronnx.workers.cuda import describe_gpus
+
+        gpus = describe_gpus([0])
+        for g in gpus:
+            print(f"GPU cuda{g['device']}: {g['name']}, capability {g['capability']}, {g['sms']} SMs")
     atomic_write_text(args.json, json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                             "rows": rows, "checks": results}, indent=1))
+                                             "gpus": gpus, "rows": rows, "checks": results}, indent=1))
     print(f"wrote {args.json}")
     return 0
 
