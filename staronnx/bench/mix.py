@@ -222,7 +222,7 @@ def sweep_mix(
     from staronnx.bench.results import SweepError, clean, make_row, write_results
     from staronnx.bench.machine import build_machine, machine_inflight, residency_where
     from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
-    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, simulated_tracer
+    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, point_tracers
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serving.arrivals import DISTRIBUTIONS
@@ -303,13 +303,8 @@ def sweep_mix(
                       cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None)
     index = 0
     congested: list[MixPoint] = []
-    tracer = getattr(runtime, "tracer", None)
-    if tracer is not None:
-        tracer.lane(POINTS_LANE, "sweep points")
     # each mix's simulated schedule where its live mix ran, beside the live trace (as a sweep's)
-    sim_tracer = simulated_tracer(tracer, runtime) if simulate and machine is not None else None
-    if sim_tracer is not None:
-        settings["simulated_trace"] = str(sim_tracer.path)
+    tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
     try:
         settings["workers"] = [getattr(w, "name", str(w)) for w in runtime.workers]
         for n in names:  # where each model lives (every worker unless residency or lanes say otherwise)

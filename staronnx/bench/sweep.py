@@ -281,13 +281,7 @@ def sweep(
             warm_up(runtime, plan, [b], seed=seed, inputs=inputs)
             notify(SweepEvent("warmup", 0, total, batch_size=b))
         samples = sample_pool(plan, seed=seed, inputs=inputs)
-        tracer = getattr(runtime, "tracer", None)
-        if tracer is not None:
-            tracer.lane(POINTS_LANE, "sweep points")
-        # the simulated points' schedules, each where its live point ran, in a trace beside the live one
-        sim_tracer = simulated_tracer(tracer, runtime) if simulate and machine is not None else None
-        if sim_tracer is not None:
-            settings["simulated_trace"] = str(sim_tracer.path)
+        tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
         for b in batch_sizes:
             for j, rate in enumerate(rates):
                 row, began = _point(runtime, samples, b, rate, index, total, notify, tracer=tracer, extend=extend,
@@ -400,6 +394,19 @@ def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:
     ``trace``: ``sweep.json`` -> ``sweep.sim.json``."""
     path = Path(trace)
     return path.with_name(f"{path.stem}.sim{path.suffix or '.json'}")
+
+
+def point_tracers(runtime: Any, *, simulated: bool, settings: dict[str, Any]) -> tuple[Any, Any]:
+    """The live trace of a sweep (the runtime's, with a lane for its points) and, for a
+    ``simulated`` sweep, the trace its simulated points go to (:func:`simulated_tracer`, named
+    in ``settings``); None where there is no live trace."""
+    tracer = getattr(runtime, "tracer", None)
+    if tracer is not None:
+        tracer.lane(POINTS_LANE, "sweep points")
+    sim_tracer = simulated_tracer(tracer, runtime) if simulated else None
+    if sim_tracer is not None:
+        settings["simulated_trace"] = str(sim_tracer.path)
+    return tracer, sim_tracer
 
 
 def simulated_tracer(tracer: Any, runtime: Any) -> Any:
