@@ -60,6 +60,9 @@ def test_serve_captures_its_batch_sizes_and_pads_partial_batches(tiny, tmp_path,
             inp.set_data_from_numpy(x)
             got = client.infer("tiny", [inp]).as_numpy(ref.get_outputs()[0].name)
             np.testing.assert_allclose(got, ref.run(None, {name: x})[0], rtol=1e-5, atol=1e-5)
+        # Triton's preferred_batch_size: the captured sizes a partial batch is padded up to
+        batching = client.get_model_config("tiny")["dynamic_batching"]
+        assert batching.get("preferred_batch_size") == ([1, 2, 4] if graphs else None), batching
         client.close()
     finally:
         rc = served.stop()
@@ -205,6 +208,9 @@ def test_calibrate_and_serve_on_two_gpus(tiny, tmp_path, two_gpus):
         import urllib.request
 
         text = urllib.request.urlopen(served.metrics, timeout=10).read().decode()
+        # Triton's config says where the instances run, and the sizes a partial batch is padded to
+        config = json.loads(urllib.request.urlopen(f"http://{served.http}/v2/models/tiny/config", timeout=10).read())
+        assert config["instance_group"] == [{"name": "tiny_gpu0_1", "kind": "KIND_GPU", "count": 1, "gpus": [0, 1]}]
         # a worker on each GPU serves the model (which of them ran these few tasks is eager's choice)
         workers = set(re.findall(r'staronnx_worker_busy_ratio\{arch="cuda\d",model="tiny",worker="(cuda\d\.s0)"\}', text))
         assert workers == {"cuda0.s0", "cuda1.s0"}, text[:3000]

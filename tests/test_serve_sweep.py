@@ -185,6 +185,8 @@ def test_answers_name_their_batch_and_config_the_batching(server, plans):
     http = thttp.InferenceServerClient(server.http)
     config = http.get_model_config("tiny")
     assert config["max_batch_size"] == BATCH
+    # where the instances run, as Triton's instance_group says it: the CPU workers here
+    assert [(g["kind"], g["count"] > 0) for g in config["instance_group"]] == [("KIND_CPU", True)]
     assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
     assert config["parameters"]["plan_hash"]["string_value"] == plans["tiny"].hash
     assert config["parameters"]["policy"]["string_value"] == "eager"

@@ -290,14 +290,44 @@ class ModelEndpoint:
             if self.labels:
                 entry["label_filename"] = LABELS
             outputs.append(entry)
+        dynamic: dict[str, Any] = {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))}
+        padded = sorted(int(b) for b in getattr(self.runtime, "preferred_batch_sizes", ()) or ())
+        if padded and batching:  # the captured CUDA graph sizes a partial batch is padded up to
+            dynamic["preferred_batch_size"] = padded
         return {
             "name": self.name, "platform": "staronnx", "backend": "staronnx",
             "version_policy": {"latest": {"num_versions": 1}},
             "max_batch_size": self.server.batch_size if batching else 0,
-            "dynamic_batching": {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))},
+            "dynamic_batching": dynamic,
+            "instance_group": self.instance_groups(),
             "input": inputs, "output": outputs,
             "parameters": {k: {"string_value": str(v)} for k, v in params.items()},
         }
+
+    def instance_groups(self) -> list[dict[str, Any]]:
+        """The workers that hold this model, as Triton's ``instance_group`` says where a model's
+        instances run (its tools read it): the CUDA streams per GPU, the GPUs, and the CPU
+        workers (CPU groups and lanes)."""
+        workers = list(getattr(self.runtime, "workers", ()) or ())
+        try:
+            held = set(self.runtime.stats().get("held_by") or [w.name for w in workers])
+        except Exception:  # noqa: BLE001 - a runtime without stats (a stand-in): every worker
+            held = {getattr(w, "name", "") for w in workers}
+        mine = [w for w in workers if getattr(w, "name", "") in held]
+        streams: dict[int, int] = {}
+        for w in mine:
+            if getattr(w, "kind", "") == "cuda":
+                streams[int(w.device_id)] = streams.get(int(w.device_id), 0) + 1
+        groups: list[dict[str, Any]] = []
+        if streams:  # Triton's count is per GPU listed; a GPU with another count gets its own group
+            for count in sorted(set(streams.values())):
+                gpus = sorted(d for d, n in streams.items() if n == count)
+                groups.append({"name": f"{self.name}_gpu{'_'.join(map(str, gpus))}", "kind": "KIND_GPU",
+                               "count": count, "gpus": gpus})
+        cpus = sum(1 for w in mine if getattr(w, "kind", "") != "cuda")
+        if cpus:
+            groups.append({"name": f"{self.name}_cpu", "kind": "KIND_CPU", "count": cpus})
+        return groups
 
     def statistics(self) -> dict[str, Any]:
         """Triton's statistics extension for this model (``GET /v2/models/<name>/stats``, gRPC
