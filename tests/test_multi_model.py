@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import numpy as np
 import onnx
@@ -20,7 +19,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
 from staronnx.serving.server import OverloadError, Server
-from staronnx.zoo import chain, inception, residual
+from staronnx.zoo import inception, residual
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import shutil
@@ -25,7 +24,6 @@ import pytest
 from staronnx.perfmodels import (
     Footprint,
     HistoryModel,
-    ModelKey,
     PerfModelCorruptWarning,
     PerfModelStore,
     PerfModelStoreReadOnly,
