@@ -125,6 +125,24 @@ class ServedModel:
     queue_capacity: int | None
     runtime: dict[str, str]  # policy, groups, cuda_streams, cuda_devices, engine as the server reports them
 
+    @property
+    def cuda_streams(self) -> int:
+        """The server's CUDA streams per GPU (0 where it reports none)."""
+        streams = str(self.runtime.get("cuda_streams", "0"))
+        return int(streams) if streams.isdigit() else 0
+
+    @property
+    def cuda_devices(self) -> tuple[int, ...]:
+        """The GPUs the server's configuration names (``staronnx serve --cuda-devices``: "0,1"),
+        GPU 0 when it names none (an older server, or one on GPU 0 alone), so the bound and the
+        results of a sweep over the network are those of the GPUs it serves from."""
+        text = self.runtime.get("cuda_devices")
+        try:
+            devices = tuple(int(d) for d in str(text).split(",") if d.strip()) if text else ()
+        except ValueError:
+            devices = ()
+        return devices or (0,)
+
     @classmethod
     def from_config(cls, url: str, config: Mapping[str, Any]) -> ServedModel:
         params = {k: str((v or {}).get("string_value", "")) for k, v in (config.get("parameters") or {}).items()}
@@ -454,17 +472,6 @@ def served_runtime(url: str, plan: Plan, model: str | None = None) -> ServedMode
         remote.close()
 
 
-def served_gpus(text: Any) -> tuple[int, ...]:
-    """The GPUs a server's configuration names (``staronnx serve --cuda-devices``: "0,1"), GPU 0
-    when it names none (an older server, or one on GPU 0 alone), so the bound and the results of
-    a sweep over the network are those of the GPUs it serves from."""
-    try:
-        devices = tuple(int(d) for d in str(text).split(",") if d.strip()) if text else ()
-    except ValueError:
-        devices = ()
-    return devices or (0,)
-
-
 def remote_sweep(
     plan: Plan | str | Path,
     url: str,
@@ -521,11 +528,9 @@ def remote_sweep(
         wire = PROTOCOLS[remote.protocol]
         front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
                      "client": wire["client"]}
-        streams = actual.get("cuda_streams")
         return sweep(
             plan, rates, [b], policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),
-            cuda_streams=int(streams) if streams is not None and str(streams).isdigit() else 0,
-            cuda_devices=served_gpus(actual.get("cuda_devices")),
+            cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices,
             engine=str(actual.get("engine", "?")), max_delay=served.max_delay,
             queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,
             front_end=front_end, simulate=False, **sweep_kwargs,

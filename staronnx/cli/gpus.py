@@ -20,6 +20,7 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
     if not cuda_streams:
         raise StaronnxError("--cuda-devices picks the GPUs of the CUDA workers: it needs --cuda-streams N")
     from staronnx.workers.cuda import visible_cuda_devices
+    from staronnx.workers.launch import cuda_ordinals
 
     visible = visible_cuda_devices()
     if text.strip().lower() == "all":
@@ -33,13 +34,14 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
             devices.extend(range(int(first), int(last) + 1) if dash else [int(first)])
     except ValueError:
         devices = []
-    if not devices or min(devices) < 0 or len(set(devices)) != len(devices):
+    ordinals = cuda_ordinals(devices)  # the Runtime's own rule
+    if ordinals is None:
         raise StaronnxError(f"--cuda-devices takes CUDA ordinals, each once, like 0,1 or 0-3 or all; got {text!r}")
-    missing = [d for d in devices if d >= visible]
+    missing = [d for d in ordinals if d >= visible]
     if missing and not simulated:
         raise StaronnxError(f"--cuda-devices {text}: no GPU {', '.join(map(str, missing))} here ({visible} visible"
                             + (f": 0..{visible - 1})" if visible else ")"))
-    return tuple(devices)
+    return ordinals
 
 
 def cuda_summary(cuda_streams: int, devices: tuple[int, ...]) -> str:

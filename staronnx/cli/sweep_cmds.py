@@ -536,17 +536,16 @@ def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, gr
 
     if url is not None:  # the server's runtime cannot be probed from here: its perf models only
         from staronnx.bench.bound import batch_bounds
-        from staronnx.bench.remote import served_gpus, served_runtime
         from staronnx.bench.machine import build_machine
+        from staronnx.bench.remote import served_runtime
 
         # the server's workers and batch size, not this command line's defaults: a server with
         # CUDA streams bounded as CPU groups alone got rates far below what it serves
         served = served_runtime(url, plan, model)
-        streams = str(served.runtime.get("cuda_streams", "0"))
         try:
             machine = build_machine(plan, groups=str(served.runtime.get("groups") or groups),
-                                    cuda_streams=int(streams) if streams.isdigit() else 0,
-                                    cuda_devices=served_gpus(served.runtime.get("cuda_devices")), cpu_fallback=False)
+                                    cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices,
+                                    cpu_fallback=False)
             bounds, _ = batch_bounds(machine, [served.batch_size])
         except StaronnxError:
             bounds = {}

@@ -19,6 +19,7 @@ from rich.table import Table
 
 from staronnx.errors import StaronnxError
 from staronnx.workers.groups import DEFAULT_POLICY, CpuGroup, CpuGroups, make_groups
+from staronnx.workers.launch import WorkerLayout, worker_layout
 from staronnx.workers.topology import Topology, format_pus
 
 
@@ -46,13 +47,13 @@ def groups_table(groups: CpuGroups) -> Table:
     return table
 
 
-def workers_table(topology: Topology, groups: str, cuda_streams: int, devices: tuple[int, ...]) -> Table:
+def workers_table(topology: Topology, groups: str, cuda_streams: int, devices: tuple[int, ...],
+                  layout: WorkerLayout) -> Table:
     """Every worker a runtime with these settings starts, in its order (CUDA streams first, GPU
-    by GPU), with its arch, memory node and PUs: a CUDA worker's are its driver thread's."""
+    by GPU), with its arch, memory node and PUs (``layout``'s): a CUDA worker's are its driver
+    thread's."""
     from staronnx.bench.machine import sim_workers
-    from staronnx.workers.launch import worker_layout
 
-    layout = worker_layout(topology, groups, cuda_streams, devices)
     pins = {f"cuda{d}.s{s}": pu for d, s, pu in layout.cuda}
     cpus = {f"cpu:{g.name}": format_pus(g.pus) for g in layout.groups}
     table = Table(title=f"workers for --groups {groups!r}, --cuda-streams {cuda_streams}"
@@ -125,17 +126,14 @@ def register(app: typer.Typer) -> None:
         topo = load_topology(synthetic, xml)
         elsewhere = synthetic is not None or xml is not None
         devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=elsewhere)
-        if cuda_streams:  # the groups as the runtime makes them: a core held back per GPU driver thread
-            from staronnx.workers.launch import worker_layout
-
-            cpu_groups = worker_layout(topo, groups, cuda_streams, devices).groups
-        else:
-            cpu_groups = make_groups(topo, groups)
+        # with CUDA streams, the groups as the runtime makes them: a core held back per GPU driver thread
+        layout = worker_layout(topo, groups, cuda_streams, devices) if cuda_streams else None
+        cpu_groups = layout.groups if layout is not None else make_groups(topo, groups)
         console = Console()
         console.print(topo.rich_tree())
         console.print(groups_table(cpu_groups))
-        if cuda_streams:
-            console.print(workers_table(topo, groups, cuda_streams, devices))
+        if layout is not None:
+            console.print(workers_table(topo, groups, cuda_streams, devices, layout))
         if not elsewhere:
             from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
 

@@ -84,14 +84,16 @@ def gpu_collector(devices: Sequence[int]) -> GpuCollector | None:
         log.warning("GPU metrics (nv_gpu_*) off: NVML is not usable here (%s); install nvidia-ml-py "
                     "(pip install 'staronnx[gpu]')", exc)
         return None
-    from staronnx.workers.cudart import CudaRuntime
+    from staronnx.workers.cuda import describe_gpus
 
-    runtime = CudaRuntime()
+    gpus = describe_gpus(devices)
+    unread = sorted(set(devices) - {g["device"] for g in gpus})
+    if unread:
+        log.warning("GPU metrics: GPU(s) %s left out: CUDA cannot read their properties", unread)
     handles: dict[str, Any] = {}
-    for d in devices:
+    for g in gpus:
         try:
-            uuid = runtime.properties(d)["uuid"]
-            handles[uuid] = nvml.nvmlDeviceGetHandleByUUID(uuid)
-        except Exception as exc:  # noqa: BLE001 - one GPU unreadable: the others still reported
-            log.warning("GPU metrics: GPU %d left out: %s", d, exc)
+            handles[g["uuid"]] = nvml.nvmlDeviceGetHandleByUUID(g["uuid"])
+        except Exception as exc:  # noqa: BLE001 - one GPU unknown to NVML: the others still reported
+            log.warning("GPU metrics: GPU %d left out: %s", g["device"], exc)
     return GpuCollector(nvml, handles) if handles else None

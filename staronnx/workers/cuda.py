@@ -131,24 +131,28 @@ def _preload_cuda_libraries() -> None:
 
 
 # ---------------------------------------------------------------------- availability
-def visible_cuda_devices() -> int:
-    """How many GPUs CUDA workers can use here (0: none, or CUDA missing)."""
+def _gpu_runtime() -> Any:
+    """What CUDA workers would drive here: ``$STARONNX_CUDA_RUNTIME``'s stand-in, else CUDA
+    itself; None where CUDA is missing."""
     stand_in = host_runtime_from_env()
     if stand_in is not None:
-        return int(stand_in.device_count())
-    if cuda_unavailable_reason() is not None:
-        return 0
-    return int(CudaRuntime().device_count())
+        return stand_in
+    return None if cuda_unavailable_reason() is not None else CudaRuntime()
+
+
+def visible_cuda_devices() -> int:
+    """How many GPUs CUDA workers can use here (0: none, or CUDA missing)."""
+    runtime = _gpu_runtime()
+    return 0 if runtime is None else int(runtime.device_count())
 
 
 def describe_gpus(devices: Sequence[int] | None = None) -> list[dict[str, Any]]:
     """Each GPU's model, memory and compute capability (:meth:`CudaRuntime.properties`; the
     stand-in says it is one), for results and ``staronnx topology``: every visible GPU, or
     ``devices``. Empty where CUDA is missing; a GPU that cannot be read is left out."""
-    stand_in = host_runtime_from_env()
-    if stand_in is None and cuda_unavailable_reason() is not None:
+    runtime = _gpu_runtime()
+    if runtime is None:
         return []
-    runtime: Any = stand_in if stand_in is not None else CudaRuntime()
     out = []
     for d in range(int(runtime.device_count())) if devices is None else devices:
         try:

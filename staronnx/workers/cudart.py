@@ -694,11 +694,15 @@ class HostRuntime:
     def device_count(self) -> int:
         return self.devices
 
+    def _check_ordinal(self, device_id: int, call: str) -> None:
+        """CUDA's answer to an ordinal past the GPUs stood in for."""
+        if not 0 <= device_id < self.devices:
+            raise CudaError(call, 101, "cudaErrorInvalidDevice",
+                            f"invalid device ordinal {device_id} ({self.devices} device(s))")
+
     def properties(self, device_id: int) -> dict[str, Any]:
         """A stand-in says it is one: a result measured on it must never read as a GPU's."""
-        if not 0 <= device_id < self.devices:
-            raise CudaError(f"cudaGetDeviceProperties({device_id})", 101, "cudaErrorInvalidDevice",
-                            f"invalid device ordinal {device_id} ({self.devices} device(s))")
+        self._check_ordinal(device_id, f"cudaGetDeviceProperties({device_id})")
         return {"device": device_id, "name": "HostRuntime (CPU stand-in, no GPU)", "memory_bytes": None,
                 "capability": None, "sms": None, "pci_bus": None, "uuid": None}
 
@@ -708,9 +712,7 @@ class HostRuntime:
         self._call("session_load")
 
     def set_device(self, device_id: int) -> None:
-        if not 0 <= device_id < self.devices:
-            raise CudaError("cudaSetDevice", 101, "cudaErrorInvalidDevice",
-                            f"invalid device ordinal {device_id} ({self.devices} device(s))")
+        self._check_ordinal(device_id, "cudaSetDevice")
 
     def stream(self, non_blocking: bool = True) -> _HostStream:
         self._call("stream_create", unsafe=True)
