@@ -39,6 +39,7 @@ from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView,
 
 #: where model inputs live when a request is submitted
 HOST_NODE = "numa0"
+_ON_HOST = frozenset((HOST_NODE,))
 
 _handle_ids = itertools.count()
 
@@ -50,15 +51,17 @@ class DataHandle:
 
     __slots__ = ("name", "nbytes", "valid_on", "readers_left", "id")
 
-    def __init__(self, name: str, nbytes: int, valid_on: set[str] | None = None, readers_left: int = 0) -> None:
+    def __init__(self, name: str, nbytes: int, valid_on: frozenset[str] = frozenset(), readers_left: int = 0) -> None:
         self.name = name
         self.nbytes = nbytes
-        self.valid_on = valid_on if valid_on is not None else set()
+        #: frozen, and replaced when a node gains a copy: a task's view then shares it instead
+        #: of copying a set per input per task
+        self.valid_on = frozenset(valid_on)
         self.readers_left = readers_left
         self.id = next(_handle_ids)
 
     def view(self) -> DataView:
-        return DataView(self.id, self.name, self.nbytes, frozenset(self.valid_on))
+        return DataView(self.id, self.name, self.nbytes, self.valid_on)
 
     def __repr__(self) -> str:
         return f"DataHandle({self.name!r}, {self.nbytes} B, on {sorted(self.valid_on)})"
@@ -187,10 +190,17 @@ class TaskGraph:
             self._readers.append(dict(readers))
         self._outputs = [set(m.plan.output_names) for m in self.models.models]
         self._targets = [m.target for m in self.models.models]
+        # what submit and push read per request, computed once: a request's cost is the
+        # host's cost per task at small batches (issue 19)
+        self._model_parts = [tuple(m.parts) for m in self.models.models]
+        self._latency = [m.target.latency for m in self.models.models]
+        self._level = [m.target.priority for m in self.models.models]
+        self._waits = [len(p) for p in self.models.preds]
         #: what the core counts per model (same order as ``models.models``)
         self.per_model = [ModelCounters() for _ in self.models.models]
         self.inflight: dict[int, Request] = {}
-        self._queued: dict[int, Task] = {}  # pushed, not yet popped, by TaskView id
+        #: tasks pushed and not popped yet, by TaskView id (empty: no worker need ask for one)
+        self.queue: dict[int, Task] = {}
         #: what each push of the last submit/finish/worker_lost returned: the worker it placed
         #: the task on, or None (a shared queue), or the workers holding its part (a shared
         #: queue, when not every worker does): the engine wakes just those workers
@@ -216,6 +226,9 @@ class TaskGraph:
         #: models (indices) that a lost worker left with a part nobody holds (refused at submit)
         self.stranded: set[int] = set()
         policy.attach(workers, predictor, clock, self.succs, self.where)
+        #: whether the policy keeps accounting around runs (dmda's expected ends): a policy
+        #: that does not (eager, ws, ...) is spared two calls per task
+        self._hooks = type(policy).on_start is not Policy.on_start or type(policy).on_done is not Policy.on_done
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
@@ -224,31 +237,34 @@ class TaskGraph:
         its ready tasks are pushed. ``values`` becomes the request's own (the core drops
         intermediates from it). ``arrival`` (default ``now``) starts its latency target."""
         self.pushed_to.clear()
-        hosted = self.models.models[model]
         readers = self._readers[model]
-        handles = {n: DataHandle(n, nbytes, {HOST_NODE}, readers.get(n, 0)) for n, nbytes in inputs.items()}
-        deadline = self._targets[model].deadline(now if arrival is None else arrival)
-        req = Request(next(self._ids), batch, now, hosted.plan.k, handles, values if values is not None else {},
-                      owner, model=model, first_part=hosted.first_part, deadline=deadline)
-        req.tasks = [Task(req, p, len(self.preds[p])) for p in hosted.parts]
+        handles = {n: DataHandle(n, nbytes, _ON_HOST, readers.get(n, 0)) for n, nbytes in inputs.items()}
+        latency = self._latency[model]
+        deadline = math.inf if latency is None else (now if arrival is None else arrival) + latency
+        parts, waits = self._model_parts[model], self._waits
+        req = Request(next(self._ids), batch, now, len(parts), handles, values if values is not None else {},
+                      owner, model=model, first_part=parts[0], deadline=deadline)
+        req.tasks = tasks = [Task(req, p, waits[p]) for p in parts]
         self.inflight[req.id] = req
         self.per_model[model].in_flight += 1
-        for task in req.tasks:
+        for task in tasks:
             if not task.waiting:
                 self._push(task, now, None)
         return req
 
     def _push(self, task: Task, now: float, releasing: int | None) -> None:
         req = task.request
+        handles = req.handles
         view = TaskView(
             id=next(self._task_ids), part=task.part, batch=req.batch, request=req.id,
-            inputs=[req.handles[n].view() for n in self._part_inputs[task.part]],
+            inputs=[DataView(h.id, h.name, h.nbytes, h.valid_on)
+                    for h in [handles[n] for n in self._part_inputs[task.part]]],
             submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
-            releasing_worker=releasing, deadline=req.deadline, level=self._targets[req.model].priority,
+            releasing_worker=releasing, deadline=req.deadline, level=self._level[req.model],
         )
         task.view = view
         task.ready_at = now
-        self._queued[view.id] = task
+        self.queue[view.id] = task
         target = self.policy.push(view)
         if target is None and self.where is not None:  # a shared queue: wake one that holds it
             self.pushed_to.append(self.where[task.part])
@@ -256,27 +272,30 @@ class TaskGraph:
             self.pushed_to.append(target)
 
     # -- workers -------------------------------------------------------------------------------
-    @property
-    def queued(self) -> int:
-        """Tasks pushed and not popped yet (0: no worker need ask for one)."""
-        return len(self._queued)
-
     def next_task(self, wid: int, now: float) -> Task | None:
         """The task worker ``wid`` must start now, or None; tasks of failed requests are dropped."""
+        policy = self.policy
         while True:
-            view = self.policy.pop(wid)
+            view = policy.pop(wid)
             if view is None:
                 return None
-            task = self._queued.pop(view.id)
-            self.policy.on_start(wid, view, now)
-            if task.request.failed or self.dropped(task.request):
+            task = self.queue.pop(view.id)
+            if self._hooks:
+                policy.on_start(wid, view, now)
+            req = task.request
+            if req.failed or self.dropped(req):
                 # its request failed or was cancelled: keep the policy's accounting, drop it
-                self.policy.on_done(wid, view, 0.0, now)
+                policy.on_done(wid, view, 0.0, now)
                 continue
             task.worker = wid
             self.workers[wid].running.append(task)
-            self.queue_waits.append(now - task.ready_at)
-            self.per_model[task.request.model].queue_waits.append(now - task.ready_at)
+            wait = now - task.ready_at
+            waits = self.queue_waits
+            waits.n += 1
+            waits.total += wait
+            waits = self.per_model[req.model].queue_waits
+            waits.n += 1
+            waits.total += wait
             return task
 
     def finish(self, wid: int, task: Task, now: float, measured: float,
@@ -293,7 +312,8 @@ class TaskGraph:
         task.ended_at = now
         view = task.view
         assert view is not None
-        self.policy.on_done(wid, view, measured, now)
+        if self._hooks:
+            self.policy.on_done(wid, view, measured, now)
         if req.failed:
             return None
         if outputs is None:
@@ -301,16 +321,19 @@ class TaskGraph:
             return req
         node, arch = st.info.memory_node, st.info.arch
         req.placement[self._part_keys[task.part]] = arch
-        self.measured[(task.part, arch)].append(measured)
+        mean = self.measured[(task.part, arch)]
+        mean.n += 1
+        mean.total += measured
         if math.isfinite(view.predicted):
             self.predicted[(task.part, arch)].append(view.predicted)
         readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]
         for name, nbytes in outputs.items():
             if name in readers:  # a handle only for what another part reads
-                req.handles[name] = DataHandle(name, nbytes, {node}, readers[name])
+                req.handles[name] = DataHandle(name, nbytes, frozenset((node,)), readers[name])
         for name in self._part_inputs[task.part]:  # free intermediates nobody else reads
             h = req.handles[name]
-            h.valid_on.add(node)
+            if node not in h.valid_on:
+                h.valid_on = h.valid_on | {node}
             h.readers_left -= 1
             if h.readers_left <= 0 and name not in final and name in produced:
                 req.values.pop(name, None)
@@ -351,7 +374,7 @@ class TaskGraph:
         self.dead_workers.append((st.info.name, error))
         orphans = list(st.running)
         st.running.clear()
-        orphans += [self._queued.pop(view.id) for view in self.policy.remove_worker(wid)]
+        orphans += [self.queue.pop(view.id) for view in self.policy.remove_worker(wid)]
         if not any(w.alive for w in self.workers):
             lost = list(self.inflight.values())
             for req in lost:

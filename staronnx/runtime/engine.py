@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import CancelledError, Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
@@ -124,6 +124,7 @@ class NativeEngine:
         self._last_end = [0.0] * len(workers)
         self._workers = list(workers)
         self._output_names = [m.plan.output_names for m in self.models.models]
+        self._capacity = [m.target.capacity for m in self.models.models]
         self._part_inputs = self.models.part_inputs
         #: per model, the input whose leading dimension is the batch (None: no batch axis)
         self._batch_input = [next((t.name for t in m.plan.inputs if t.shape and not isinstance(t.shape[0], int)), None)
@@ -169,7 +170,7 @@ class NativeEngine:
         name = self._batch_input[model]
         batch = int(feeds[name].shape[0]) if name is not None else 1
         future = RequestFuture(-1, self._future_cond)
-        capacity = self.models.models[model].target.capacity
+        capacity = self._capacity[model]
         with self._lock:
             if self._closed:
                 raise EngineClosed("the runtime is closed; no new requests are accepted")
@@ -182,7 +183,8 @@ class NativeEngine:
                                    dict(feeds), future, model=model, arrival=arrival)
             future.request_id = req.id
             future.placement = req.placement
-            self._wake()
+            if self._idle:
+                self._wake()
         return future
 
     def _wake(self) -> None:
@@ -298,7 +300,7 @@ class NativeEngine:
             got = []
             if not ahead:
                 continue
-            if self.core.queued and len(ahead) < 2 * len(live):  # a stream has room: fill it
+            if self.core.queue and len(ahead) < 2 * len(live):  # a stream has room: fill it
                 with self._lock:  # before waiting (``queued`` is a hint read without the lock)
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 if got:
@@ -341,7 +343,7 @@ class NativeEngine:
         stops asking once nothing is queued (a driver's streams would each ask in vain)."""
         core, states, got = self.core, self.core.workers, []
         for wid in wids:
-            if not core.queued:
+            if not core.queue:
                 break
             if states[wid].alive and (task := core.next_task(wid, now)) is not None:
                 got.append((wid, task))
@@ -392,8 +394,10 @@ class NativeEngine:
     def _launch(self, wid: int, worker: Any, task: Task) -> _Started:
         timed = self._timed(wid, task)
         start = self.clock.now()
+        values = task.request.values
         try:
-            return _Started(start, timed, worker.launch_here(task.part, self._feeds(task), timed))
+            feeds = {n: values[n] for n in self._part_inputs[task.part]}
+            return _Started(start, timed, worker.launch_here(task.part, feeds, timed))
         except WorkerLost:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -434,9 +438,10 @@ class NativeEngine:
         with self._lock:
             if outputs:
                 req.values.update(outputs)
-            sizes = None if error is not None else {n: int(a.nbytes) for n, a in outputs.items()}
+            sizes = None if error is not None else {n: a.nbytes for n, a in outputs.items()}  # type: ignore[union-attr]
             done = self.core.finish(wid, task, end, measured, sizes)
-            self._wake()
+            if self._idle:
+                self._wake()
             if self._closed and not self.core.inflight:
                 self._drained.notify_all()
             nxt = self._take_each(take, end) if take else []
@@ -547,7 +552,7 @@ class _Started:
     start: float
     timed: bool
     handle: Any = None
-    outputs: dict[str, np.ndarray] = field(default_factory=dict)
+    outputs: dict[str, np.ndarray] | None = None  # set once it ran (None while launched)
     error: BaseException | None = None
     compute: float | None = None
 

@@ -102,17 +102,24 @@ class RequestFuture(Future):  # type: ignore[type-arg]
         if self._state in SETTLED:  # read without the lock: a settled state never changes back
             return
         wakeup = _Wakeup()
-        with self._condition:
+        cond = self._condition
+        cond.acquire()  # its lock's C methods: a Condition's __enter__/__exit__ are Python calls
+        try:
             if self._state in SETTLED:
                 return
             waiters = self._waiters
             waiters.append(wakeup)
+        finally:
+            cond.release()
         try:
             wakeup.lock.acquire(timeout=-1 if timeout is None else max(timeout, 0.0))
         finally:
-            with self._condition:
+            cond.acquire()
+            try:
                 if wakeup in waiters:
                     waiters.remove(wakeup)
+            finally:
+                cond.release()
 
     def __await__(self) -> Generator[Any, None, dict[str, np.ndarray]]:
         return asyncio.wrap_future(self).__await__()
@@ -136,10 +143,14 @@ def settle_quietly(future: RequestFuture, value: Any, ok: bool) -> bool:
     blocks; only those already blocked (or called back) hear of it later. A driver thread
     uses it to hand out several results in one wake-up instead of one per task (a wake-up
     costs the woken thread's switch and a GIL hand-over each way)."""
-    with future._condition:
+    cond = future._condition
+    cond.acquire()  # the Condition's lock methods (C) rather than its Python __enter__/__exit__
+    try:
         if not _finish_locked(future, value, ok):
             return False
         return bool(future._waiter_list or future._callback_list)
+    finally:
+        cond.release()
 
 
 def announce(futures: list[RequestFuture]) -> None:

@@ -271,18 +271,17 @@ class _Part:
         )
 
 
-def _run_bound(session: ort.InferenceSession, binding: Any, options: ort.RunOptions) -> None:
-    """``session.run_with_iobinding(binding, options)`` through ORT's native method: the
-    Python wrapper's checks are for WebGPU graph capture (ORT 1.32 reads ``gpu_graph_id``
-    back from the run options and asks the session about WebGPU on every call, 2-4 us with
-    the GIL held), and a CUDA worker's steady run needs none of them. An ORT without these
-    attributes gets its wrapper."""
+def _native_run(session: ort.InferenceSession, binding: Any) -> tuple[Callable[[Any, Any], None], Any]:
+    """``(run, bound)`` such that ``run(bound, options)`` is
+    ``session.run_with_iobinding(binding, options)`` through ORT's native method: the Python
+    wrapper's checks are for WebGPU graph capture (ORT 1.32 reads ``gpu_graph_id`` back from
+    the run options and asks the session about WebGPU on every call, 2-4 us with the GIL
+    held), and a CUDA worker's steady run needs none of them. Looked up once per slot, not
+    per task. An ORT without these attributes gets its wrapper."""
     try:
-        run, bound = session._sess.run_with_iobinding, binding._iobinding
+        return session._sess.run_with_iobinding, binding._iobinding
     except AttributeError:
-        session.run_with_iobinding(binding, options)
-        return
-    run(bound, options)
+        return session.run_with_iobinding, binding
 
 
 # ---------------------------------------------------------------------- buffer slots
@@ -329,6 +328,8 @@ class _Slot:
     inputs: list[_Tensor]
     events: dict[str, Any]
     run_options: Any  # ort.RunOptions: the worker's (gpu_graph_id -1) or the slot's graph id
+    #: ``(run, bound)``: ``run(bound, run_options)`` runs the part on this binding (:func:`_native_run`)
+    native: tuple[Callable[[Any, Any], None], Any] = (None, None)  # type: ignore[assignment]
     outputs: list[_Tensor] | None = None
     bound: list[bool] = field(default_factory=list)  # output i bound to our device buffer
     fixed: bool = False
@@ -856,11 +857,12 @@ class CudaWorker(ThreadWorker):
                 rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
             if timed:
                 ev["run_start"].record(stream)
-            if slot.graph == _GRAPH_REPLAY:
-                _run_bound(part.session, slot.binding, slot.run_options)
-                self.graph_replays += 1
-            elif slot.graph == _NO_GRAPH:
-                _run_bound(part.session, slot.binding, slot.run_options)
+            graph = slot.graph
+            if graph == _NO_GRAPH or graph == _GRAPH_REPLAY:
+                run, bound = slot.native
+                run(bound, slot.run_options)
+                if graph == _GRAPH_REPLAY:
+                    self.graph_replays += 1
             else:
                 self._run_graph_step(slot, part)
             if timed:
@@ -996,6 +998,7 @@ class CudaWorker(ThreadWorker):
                 e.destroy()
             raise
         slot = _Slot(key, part_index, binding, inputs, events, self._run_options)
+        slot.native = _native_run(part.session, binding)
         slot.in_copies = [(t, t.device.ptr, t.nbytes) for t in inputs]
         slot.in_bytes = sum(t.nbytes for t in inputs)
         self._slots.add(slot)
