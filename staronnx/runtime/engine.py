@@ -45,7 +45,7 @@ from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
-from staronnx.runtime.task import RequestFuture, TaskError, announce, settle, settle_quietly
+from staronnx.runtime.task import SETTLED, RequestFuture, TaskError, announce, settle, settle_quietly
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
@@ -141,7 +141,8 @@ class NativeEngine:
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
         self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
                               where=parts_held(workers, self.models.k))
-        self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
+        # cancelled by its caller (``RequestFuture.settled`` read inline: asked of every task popped)
+        self.core.dropped = lambda req: req.owner._state in SETTLED
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)
