@@ -25,7 +25,9 @@ the process's CPU time per task (every thread: ours, ORT's) over the same rounds
 machine another tenant's load stretches the wall clock but not the work done per task, so that
 column still compares two runs taken at different times. Targets (issue 19): <= 40 µs per task
 through the Runtime with one stream, and 4 streams never slower than one; the closing line gives
-both readings (as the runtime is opened, and colocated). ``--device cuda`` measures the same
+both readings (as the runtime is opened, and colocated), and the Python calls per task with one
+stream: a count, not a time (cProfile, which on Python 3.12 sees every thread), so it compares
+two runs whatever else the machine was doing. ``--device cuda`` measures the same
 rows on the GPU (ORT's rows then use its CUDA provider, inputs and outputs in host memory).
 Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3] [--device host|cuda] [--cuda-graphs]
 """
@@ -34,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import functools
+import pstats
 import sys
 import threading
 import time
@@ -121,6 +125,30 @@ def runtime_rate(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Names
     return r
 
 
+def calls_per_task(rt: Runtime, feeds: dict[str, np.ndarray], args: argparse.Namespace,
+                   tasks: int = 4096) -> float | None:
+    """Python function calls (every thread's, ORT's and numpy's C calls included) per task of
+    :func:`runtime_rate`'s loop: what the host's cost per task is made of, counted rather than
+    timed, so two runs on a machine whose speed drifts still compare. None where another
+    profiler holds the interpreter's hooks (a coverage run)."""
+    profile = cProfile.Profile()
+    try:
+        profile.enable()
+    except ValueError:
+        return None
+    done = 0
+    try:
+        while done < tasks:
+            futs = [rt.submit(feeds) for _ in range(args.in_flight)]
+            for f in futs:
+                f.result()
+            done += args.in_flight
+    finally:
+        profile.disable()
+    calls = sum(entry[1] for entry in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+    return calls / done
+
+
 def served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace, colocate: bool = False) -> int:
     """Single-sample requests through a Server, as fast as they are accepted; ``colocate``: the
     caller and the server's batcher on the driver's core."""
@@ -158,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     # counts one block after another made "4 streams / 1" a reading of that drift
     measures: dict[str, Callable[[], float]] = {}
     cpu: dict[int, dict[str, float]] = {}
+    runtimes: dict[int, Runtime] = {}
+    pools: dict[int, np.ndarray] = {}
     with contextlib.ExitStack() as stack:
         for n in STREAMS:
             rt = stack.enter_context(Runtime(
@@ -167,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
                 rt.run(batch)
             pool = rt.batch_array((BATCH, 16), np.float32)  # a batch in pinned memory, as served
             pool[...] = 1.0
+            runtimes[n], pools[n] = rt, pool
             cpu[n] = {"seconds": 0.0, "tasks": 0}
             measures[f"ort {n}"] = functools.partial(ort_threads, model, n, args.seconds, args.device)
             measures[f"runtime {n}"] = functools.partial(runtime_rate, rt, {"x": pool}, args, cpu[n])
@@ -177,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             measures[f"colocated server {n}"] = functools.partial(
                 rate, functools.partial(served, rt, sample, args, colocate=True), args.seconds)
         r = alternate(measures, args.rounds)
+        calls = calls_per_task(runtimes[1], {"x": pools[1]}, args)
     per_task: dict[int, float] = {}
     colocated: dict[int, float] = {}
     for n in STREAMS:
@@ -189,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one stream: {per_task[1]:.1f} us of host time per task, {colocated[1]:.1f} colocated (target <= 40); "
           f"4 streams / 1 stream tasks/s: {per_task[1] / per_task[4]:.2f}, {colocated[1] / colocated[4]:.2f} "
           "colocated (target >= 1.0)")
+    print("python calls per task, one stream (a count: compares runs whatever the machine's speed): "
+          + ("n/a (another profiler is active)" if calls is None else f"{calls:.1f}"))
     return 0
 
 

@@ -29,6 +29,10 @@ def test_host_overhead_measures_every_stream_count_and_says_the_goals(tmp_path):
     assert all(len(v) == 9 and all(x > 0 for x in v) for v in rows.values()), out
     assert re.search(r"one stream: [\d.]+ us of host time per task, [\d.]+ colocated \(target <= 40\); 4 streams / 1 "
                      r"stream tasks/s: [\d.]+, [\d.]+ colocated \(target >= 1.0\)", out), out
+    calls = re.search(r"python calls per task, one stream .*: ([\d.]+|n/a)", out)
+    assert calls, out
+    if calls.group(1) != "n/a":  # a task takes dozens of calls (submit, push, pop, run, finish)
+        assert 20 < float(calls.group(1)) < 1000, out
 
 
 def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path):
