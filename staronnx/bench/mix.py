@@ -221,8 +221,8 @@ def sweep_mix(
         workers_snapshot
     from staronnx.bench.results import SweepError, clean, make_row, write_results
     from staronnx.bench.machine import build_machine, machine_inflight, residency_where
-    from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
-    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, point_tracers
+    from staronnx.bench.simulator import deadline_misses, simulate_mix
+    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, point_tracers, simulated_point
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serving.arrivals import DISTRIBUTIONS
@@ -362,10 +362,7 @@ def sweep_mix(
                             "sweep point")
             sim = None
             if simulate and machine is not None:
-                target = None
-                if sim_tracer is not None:
-                    target = TraceInto(sim_tracer, began)
-                    sim_tracer.span(POINTS_LANE, f"{point.label} (simulated)", began, began + length, "sweep point")
+                target = simulated_point(sim_tracer, point.label, began, length)
                 try:
                     sim = simulate_mix(machine, point.rates, point.batch_sizes, policy=policy, targets=targets,
                                        duration=length, distribution=distribution, seed=seed,

@@ -289,11 +289,7 @@ def sweep(
                                     window=windows.get(b), settings=settings,
                                     bound=results.bounds.get(b, {}).get("throughput"), **point)
                 if simulate and machine is not None:
-                    target = None
-                    if sim_tracer is not None:
-                        target = TraceInto(sim_tracer, began)
-                        sim_tracer.span(POINTS_LANE, f"b={b} @ {rate:g} req/s (simulated)", began,
-                                        began + float(row["duration_s"]), "sweep point")
+                    target = simulated_point(sim_tracer, f"b={b} @ {rate:g} req/s", began, float(row["duration_s"]))
                     try:
                         row.update(clean(simulate_row(machine, row, policy=policy, distribution=distribution,
                                                       seed=seed, queue_capacity=queue_capacity,
@@ -407,6 +403,15 @@ def point_tracers(runtime: Any, *, simulated: bool, settings: dict[str, Any]) ->
     if sim_tracer is not None:
         settings["simulated_trace"] = str(sim_tracer.path)
     return tracer, sim_tracer
+
+
+def simulated_point(sim_tracer: Any, label: str, began: float, length: float) -> TraceInto | None:
+    """Where a simulated point draws its schedule: into ``sim_tracer`` from ``began`` (when
+    its live point began), with the point marked on its lane; None without a simulated trace."""
+    if sim_tracer is None:
+        return None
+    sim_tracer.span(POINTS_LANE, f"{label} (simulated)", began, began + length, "sweep point")
+    return TraceInto(sim_tracer, began)
 
 
 def simulated_tracer(tracer: Any, runtime: Any) -> Any:
