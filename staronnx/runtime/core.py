@@ -60,9 +60,6 @@ class DataHandle:
         self.readers_left = readers_left
         self.id = next(_handle_ids)
 
-    def view(self) -> DataView:
-        return DataView(self.id, self.name, self.nbytes, self.valid_on)
-
     def __repr__(self) -> str:
         return f"DataHandle({self.name!r}, {self.nbytes} B, on {sorted(self.valid_on)})"
 
@@ -189,7 +186,6 @@ class TaskGraph:
             #: parts reading each tensor (a tensor no part reads has no entry)
             self._readers.append(dict(readers))
         self._outputs = [set(m.plan.output_names) for m in self.models.models]
-        self._targets = [m.target for m in self.models.models]
         # what submit and push read per request, computed once: a request's cost is the
         # host's cost per task at small batches (issue 19)
         self._model_parts = [tuple(m.parts) for m in self.models.models]
