@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import shutil
 import statistics
 import tempfile
@@ -20,6 +21,20 @@ def rate(fn: Callable[[], int], seconds: float) -> float:
     while time.perf_counter() - start < seconds:
         done += fn()
     return done / (time.perf_counter() - start)
+
+
+def steal_seconds() -> float | None:
+    """CPU time the hypervisor gave to others while this VM's vCPUs wanted to run (``steal``
+    in /proc/stat, all CPUs), so far; None where the kernel does not say (not Linux). A
+    benchmark prints how much of it fell in a point: on a shared VM a vCPU descheduled for
+    milliseconds stalls every thread at once, which reads as a latency tail of our own
+    unless the point says it happened."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def alternate(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:

@@ -15,7 +15,11 @@ whose compute is negligible (one 16x16 MatMul), so what is left is host cost:
 Goals (issue 19): <= 25 us of host time per request through the server; up to 75 % of its
 capacity, p99 <= 5x p50 and generator lag p99 <= 1 ms. The last lines say which were met.
 On a shared 2-core VM the open-loop tail moves with whatever else runs: compare runs taken
-side by side, and read ``--rounds`` > 1 as the median of that many points per rate.
+side by side, and read ``--rounds`` > 1 as the median of that many points per rate. Each
+point also says how long the hypervisor kept this VM's vCPUs from running (``steal``): a
+vCPU descheduled for milliseconds stalls every thread at once, and on the development VM
+such stalls (tens of ms of steal in a 3 s point) came with the 50-75 % tails while every
+staronnx thread sat waiting for work.
 
 Usage: python benchmarks/serving_path.py [--batch 8] [--seconds 3] [--rounds 3] [--policy eager] [--open-rounds]
 """
@@ -26,13 +30,12 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import alternate, rate, scratch_dir  # noqa: E402
+from _common import alternate, rate, scratch_dir, steal_seconds  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
@@ -81,21 +84,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  single requests through the server: {r['server']:,.0f} requests/s "
               f"({1e6 / r['server']:.1f} us of host time per request), "
               f"ratio {r['server'] / r['batches']:.2f}")
-        print("  open loop (constant arrivals), rate: achieved, p50, p99 (p99/p50), generator lag p99")
+        print("  open loop (constant arrivals), rate: achieved, p50, p99 (p99/p50), generator lag p99, "
+              "time the hypervisor stole from this VM during the point")
         samples = [sample] * 8
         tails_ok = True
         for frac in (0.25, 0.5, 0.75):
             offered = frac * r["server"]
+            stolen = steal_seconds()
             points = [measure_point(rt, args.batch, offered, samples, duration=args.seconds,
                                     warmup=min(1.0, args.seconds / 3))
                       for _ in range(max(1, args.rounds if args.open_rounds else 1))]
+            after = steal_seconds()
+            steal = "" if stolen is None or after is None else f", steal {(after - stolen) * 1e3:.0f} ms"
             summary = {k: statistics.median(s[k] for s, _ in points) for k in ("throughput", "latency_p50", "latency_p99")}
             lag = statistics.median(rec.settings["loadgen"]["lag_p99_s"] for _, rec in points)
             congested = any(s["congested"] for s, _ in points)
             ratio = summary["latency_p99"] / summary["latency_p50"]
             tails_ok &= ratio <= 5 and lag <= 1e-3 and not congested
             print(f"  {offered:>9,.0f} req/s: {summary['throughput']:,.0f}/s, p50 {summary['latency_p50'] * 1e3:.2f} ms, "
-                  f"p99 {summary['latency_p99'] * 1e3:.2f} ms ({ratio:.1f}x), lag p99 {lag * 1e3:.2f} ms"
+                  f"p99 {summary['latency_p99'] * 1e3:.2f} ms ({ratio:.1f}x), lag p99 {lag * 1e3:.2f} ms{steal}"
                   + (" (congested)" if congested else ""))
         host_us = 1e6 / r["server"]
         print(f"  goals: host time <= 25 us/request: {'met' if host_us <= 25 else 'not met'} ({host_us:.1f}); "
