@@ -77,15 +77,18 @@ def calibrate(
     ``max_runs`` bounds the runs per (worker, part, batch) when measurements keep being
     rejected as outliers (a noisy machine); those entries are reported as uncalibrated.
     Samples are merged into ``store`` (atomically, under its lock) at the end. ``replace``
-    starts from empty models and overwrites the stored ones (StarPU's ``STARPU_CALIBRATE=2``):
-    for models that are calibrated but stale (measurements beat their LP bound), which a merge
-    would leave as they are since calibrated entries take no new samples.
+    measures ``batch_sizes`` afresh and overwrites their stored entries: for models that are
+    calibrated but stale (measurements beat their LP bound), which a merge would leave as
+    they are since calibrated entries take no new samples. Unlike StarPU's
+    ``STARPU_CALIBRATE=2``, which drops a whole model, the batch sizes not asked for keep
+    their entries: a calibration names the batch sizes it is about, and the others are
+    minutes of measurement that nothing here would replace.
 
     Interrupted (Ctrl-C, SIGTERM: a ``BaseException`` that is not an ``Exception``), it lets
     each worker finish the run it is in, stores every sample measured so far (the store is
     written atomically), records the signal in ``report.interrupted`` and re-raises; pass
     ``report`` to read then what was kept. With ``replace``, only the batch sizes that took a
-    sample replace their stored entries: the others keep theirs.
+    sample replace their stored entries, as at the end of a whole run.
     """
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
@@ -153,8 +156,7 @@ def calibrate(
         raise
     for (part, arch), model in report.models.items():
         if replace:
-            store.save(plan.hash, model)
-            merged = model
+            merged = store.save_measured(plan.hash, model)
         else:
             merged = store.commit(plan.hash, model)
         report.models[(part, arch)] = merged

@@ -109,3 +109,39 @@ def test_an_interrupted_replacing_calibration_keeps_the_batch_sizes_it_did_not_r
         assert (after[key].n, after[key].mean, after[key].calibrated) == (before[key].n, before[key].mean, True), key
     # the step that ran starts over from its own samples (the first one dropped, as StarPU does)
     assert after[(0, 1)].n + after[(0, 1)].nerror == report.runs[(0, arch, 1)] - 1
+
+
+def test_cli_calibrate_replace_rewrites_the_batch_sizes_named_and_keeps_the_others(small_plan, tmp_path):
+    """``staronnx calibrate --replace --batch-sizes 2`` measures batch 2 afresh and overwrites
+    its entries; batch 1's, calibrated before and not named, stay as they were. (A completed
+    replacing run used to write its fresh, batch-2-only models over the stored ones, so
+    every batch size it was not asked about lost its calibration.)"""
+    from staronnx.perfmodels import HistoryModel
+    from staronnx.perfmodels.store import ModelKey
+
+    home = tmp_path / "home"
+    done = _cli("calibrate", str(small_plan.root), "--batch-sizes", "1,2", home=home)
+    assert done.returncode == 0, done.stderr
+    store = PerfModelStore(home)
+    before = {(r.part, r.arch, r.batch): r for r in store.rows(small_plan.hash)}
+    archs = {arch for _, arch, _ in before}
+    # make batch 2 stale: 100 s a run, as a model measured on a far slower machine would say
+    for part in range(small_plan.k):
+        for arch in archs:
+            key = ModelKey(small_plan.hash, part, arch)
+            stale = HistoryModel(part, arch)
+            for fp in [fp for fp in store.load(small_plan.hash, part, arch).entries() if fp.batch == 2]:
+                for _ in range(12):
+                    stale.record(fp, 100.0)
+            store.update(key, lambda disk, stale=stale: disk.overwrite(stale))
+    assert all(r.mean == pytest.approx(100.0) for r in store.rows(small_plan.hash) if r.batch == 2)
+
+    done = _cli("calibrate", str(small_plan.root), "--batch-sizes", "2", "--replace", home=home)
+    assert done.returncode == 0, done.stderr
+    after = {(r.part, r.arch, r.batch): r for r in store.rows(small_plan.hash)}
+    assert set(after) == set(before)
+    for key, row in after.items():
+        if key[2] == 1:  # not named: as calibrated before
+            assert (row.n, row.mean) == (before[key].n, before[key].mean), key
+        else:  # named: measured afresh, the stale 100 s gone
+            assert row.calibrated and row.mean < 1.0, (key, row)

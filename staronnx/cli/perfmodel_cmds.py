@@ -39,7 +39,7 @@ def calibrate_cmd(
     max_runs: Annotated[int, typer.Option(help="Cap on runs per (worker, part, batch).")] = 60,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
-    replace: Annotated[bool, typer.Option("--replace", help="Measure afresh and replace the stored models (stale ones: measurements above the LP bound).")] = False,
+    replace: Annotated[bool, typer.Option("--replace", help="Measure the batch sizes afresh and replace their stored entries (stale ones: measurements above the LP bound); other batch sizes keep theirs.")] = False,
 ) -> None:
     """Run every part on every worker at each batch size until its perf model is calibrated."""
     from staronnx.calibrate import (

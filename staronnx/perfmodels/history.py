@@ -330,8 +330,9 @@ class HistoryModel:
 
     def overwrite(self, other: HistoryModel) -> None:
         """Take ``other``'s entries for the footprints it has, keep this model's for the others
-        (StarPU's ``STARPU_CALIBRATE=2`` footprint by footprint: what an interrupted replacing
-        calibration measured replaces the stored entries, what it never reached stays)."""
+        (StarPU's ``STARPU_CALIBRATE=2`` footprint by footprint: what a replacing calibration
+        measured replaces the stored entries, what it was not asked about or never reached
+        stays)."""
         with self._lock:
             for fp, entry in other.entries().items():
                 self._entries[fp] = entry.copy()

@@ -316,8 +316,9 @@ class PerfModelStore:
         """Overwrite, in the stored model, the footprints ``model`` has, keeping the stored
         entries of every other one (:meth:`HistoryModel.overwrite`); returns the model written.
 
-        For a replacing calibration cut short: :meth:`save` would drop the batch sizes it had
-        not reached yet, calibrated minutes of measurement that nothing replaced.
+        For a replacing calibration (``calibrate --replace``), whole or cut short: :meth:`save`
+        would drop the batch sizes it was not asked about or had not reached yet, calibrated
+        minutes of measurement that nothing replaced.
         """
         key = ModelKey(plan_hash, model.part, model.arch)
         return self.update(key, lambda disk: disk.overwrite(model))
