@@ -186,11 +186,10 @@ class TaskGraph:
             #: parts reading each tensor (a tensor no part reads has no entry)
             self._readers.append(dict(readers))
         self._outputs = [set(m.plan.output_names) for m in self.models.models]
-        # what submit and push read per request, computed once: a request's cost is the
-        # host's cost per task at small batches (issue 19)
+        self._targets = [m.target for m in self.models.models]
+        # what submit reads per request, computed once: a request's cost is the host's cost
+        # per task at small batches (issue 19)
         self._model_parts = [tuple(m.parts) for m in self.models.models]
-        self._latency = [m.target.latency for m in self.models.models]
-        self._level = [m.target.priority for m in self.models.models]
         self._waits = [len(p) for p in self.models.preds]
         #: what the core counts per model (same order as ``models.models``)
         self.per_model = [ModelCounters() for _ in self.models.models]
@@ -235,8 +234,7 @@ class TaskGraph:
         self.pushed_to.clear()
         readers = self._readers[model]
         handles = {n: DataHandle(n, nbytes, _ON_HOST, readers.get(n, 0)) for n, nbytes in inputs.items()}
-        latency = self._latency[model]
-        deadline = math.inf if latency is None else (now if arrival is None else arrival) + latency
+        deadline = self._targets[model].deadline(now if arrival is None else arrival)
         parts, waits = self._model_parts[model], self._waits
         req = Request(next(self._ids), batch, now, len(parts), handles, values if values is not None else {},
                       owner, model=model, first_part=parts[0], deadline=deadline)
@@ -256,7 +254,7 @@ class TaskGraph:
             inputs=[DataView(h.id, h.name, h.nbytes, h.valid_on)
                     for h in [handles[n] for n in self._part_inputs[task.part]]],
             submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
-            releasing_worker=releasing, deadline=req.deadline, level=self._level[req.model],
+            releasing_worker=releasing, deadline=req.deadline, level=self._targets[req.model].priority,
         )
         task.view = view
         task.ready_at = now
@@ -285,13 +283,8 @@ class TaskGraph:
                 continue
             task.worker = wid
             self.workers[wid].running.append(task)
-            wait = now - task.ready_at
-            waits = self.queue_waits
-            waits.n += 1
-            waits.total += wait
-            waits = self.per_model[req.model].queue_waits
-            waits.n += 1
-            waits.total += wait
+            self.queue_waits.append(now - task.ready_at)
+            self.per_model[req.model].queue_waits.append(now - task.ready_at)
             return task
 
     def finish(self, wid: int, task: Task, now: float, measured: float,
@@ -317,9 +310,7 @@ class TaskGraph:
             return req
         node, arch = st.info.memory_node, st.info.arch
         req.placement[self._part_keys[task.part]] = arch
-        mean = self.measured[(task.part, arch)]
-        mean.n += 1
-        mean.total += measured
+        self.measured[(task.part, arch)].append(measured)
         if math.isfinite(view.predicted):
             self.predicted[(task.part, arch)].append(view.predicted)
         readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]

@@ -45,7 +45,7 @@ from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 from staronnx.runtime.sched import Clock, Policy, WorkerInfo
-from staronnx.runtime.task import SETTLED, RequestFuture, TaskError, announce, settle, settle_quietly
+from staronnx.runtime.task import RequestFuture, TaskError, announce, settle, settle_quietly
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
@@ -141,8 +141,7 @@ class NativeEngine:
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
         self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
                               where=parts_held(workers, self.models.k))
-        # cancelled by its caller (``RequestFuture.settled`` read inline: asked of every task popped)
-        self.core.dropped = lambda req: req.owner._state in SETTLED
+        self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)
@@ -302,7 +301,7 @@ class NativeEngine:
             if not ahead:
                 continue
             if self.core.queue and len(ahead) < 2 * len(live):  # a stream has room: fill it
-                with self._lock:  # before waiting (``queued`` is a hint read without the lock)
+                with self._lock:  # before waiting (``queue`` is a hint read without the lock)
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 if got:
                     continue
@@ -395,10 +394,8 @@ class NativeEngine:
     def _launch(self, wid: int, worker: Any, task: Task) -> _Started:
         timed = self._timed(wid, task)
         start = self.clock.now()
-        values = task.request.values
         try:
-            feeds = {n: values[n] for n in self._part_inputs[task.part]}
-            return _Started(start, timed, worker.launch_here(task.part, feeds, timed))
+            return _Started(start, timed, worker.launch_here(task.part, self._feeds(task), timed))
         except WorkerLost:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only

@@ -138,8 +138,6 @@ class Runtime:
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
-        #: the model ``submit(model=None)`` means (None: several, one must be named)
-        self._only = self.models.models[0] if self.models.single else None
         if engine != "native" and not self.models.single:
             raise StaronnxError(f"the {engine} engine serves one plan; several models share a runtime "
                                 "on the native engine")
@@ -233,7 +231,7 @@ class Runtime:
         counts from there."""
         if self._closed:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
-        hosted = self._only if model is None and self._only is not None else self.models.model(model)
+        hosted = self.models.model(model)
         hosted.plan.check_feeds(feeds)
         if hosted.index == 0 and (arrival is None or not self._native):
             return self._engine.submit(feeds)  # the one-plan call every engine takes

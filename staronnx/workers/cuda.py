@@ -329,7 +329,7 @@ class _Slot:
     events: dict[str, Any]
     run_options: Any  # ort.RunOptions: the worker's (gpu_graph_id -1) or the slot's graph id
     #: ``(run, bound)``: ``run(bound, run_options)`` runs the part on this binding (:func:`_native_run`)
-    native: tuple[Callable[[Any, Any], None], Any] = (None, None)  # type: ignore[assignment]
+    native: tuple[Callable[[Any, Any], None], Any]
     outputs: list[_Tensor] | None = None
     bound: list[bool] = field(default_factory=list)  # output i bound to our device buffer
     fixed: bool = False
@@ -997,8 +997,7 @@ class CudaWorker(ThreadWorker):
             for e in events.values():
                 e.destroy()
             raise
-        slot = _Slot(key, part_index, binding, inputs, events, self._run_options)
-        slot.native = _native_run(part.session, binding)
+        slot = _Slot(key, part_index, binding, inputs, events, self._run_options, _native_run(part.session, binding))
         slot.in_copies = [(t, t.device.ptr, t.nbytes) for t in inputs]
         slot.in_bytes = sum(t.nbytes for t in inputs)
         self._slots.add(slot)
