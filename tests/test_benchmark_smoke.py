@@ -29,10 +29,12 @@ def test_host_overhead_measures_every_stream_count_and_says_the_goals(tmp_path):
     assert all(len(v) == 9 and all(x > 0 for x in v) for v in rows.values()), out
     assert re.search(r"one stream: [\d.]+ us of host time per task, [\d.]+ colocated \(target <= 40\); 4 streams / 1 "
                      r"stream tasks/s: [\d.]+, [\d.]+ colocated \(target >= 1.0\)", out), out
-    calls = re.search(r"python calls per task, one stream .*: ([\d.]+|n/a)", out)
+    calls = re.search(r"python calls per task, 1 and 4 streams .*: (n/a|([\d.]+) and ([\d.]+) \(([\d.]+)x\))", out)
     assert calls, out
     if calls.group(1) != "n/a":  # a task takes dozens of calls (submit, push, pop, run, finish)
-        assert 20 < float(calls.group(1)) < 1000, out
+        one, four, ratio = (float(calls.group(i)) for i in (2, 3, 4))
+        assert 20 < one < 1000 and 20 < four < 1000, out
+        assert ratio == pytest.approx(four / one, abs=0.01), out
 
 
 def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path):
@@ -40,7 +42,10 @@ def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path)
     assert re.search(r"single requests through the server: [\d,]+ requests/s", out), out
     assert len(re.findall(r"req/s: [\d,]+/s, p50 [\d.]+ ms, p99 [\d.]+ ms", out)) == 3, out
     if sys.platform == "linux":  # /proc/stat says how long the hypervisor stole the CPUs
-        assert len(re.findall(r"lag p99 [\d.]+ ms, steal \d+ ms", out)) == 3, out
+        assert len(re.findall(r"lag p99 [\d.]+ ms, CPU [\d.]+ us/request, steal \d+ ms", out)) == 3, out
+    else:
+        assert len(re.findall(r"lag p99 [\d.]+ ms, CPU [\d.]+ us/request", out)) == 3, out
+    assert re.search(r"requests/s \([\d.]+ us of host time per request, [\d.]+ us of CPU\)", out), out
     assert re.search(r"goals: host time <= 25 us/request: (met|not met) .*up to 75 %: (met|not met)", out), out
 
 
