@@ -20,6 +20,8 @@ loop's capacity, and a count of work, unlike the tail, reads the same on a busy 
 
 Goals (issue 19): <= 25 us of host time per request through the server; up to 75 % of its
 capacity, p99 <= 5x p50 and generator lag p99 <= 1 ms. The last lines say which were met.
+The worker here is a CPU worker whose threads float; the same goal on the CUDA worker's path,
+plain and with the generator and batcher on the driver's core, is ``benchmarks/colocation.py``'s.
 On a shared 2-core VM the open-loop tail moves with whatever else runs: compare runs taken
 side by side, and read ``--rounds`` > 1 as the median of that many points per rate. Each
 point also says how long the hypervisor kept this VM's vCPUs from running (``steal``): a
