@@ -26,8 +26,8 @@ machine another tenant's load stretches the wall clock but not the work done per
 column still compares two runs taken at different times. Targets (issue 19): <= 40 µs per task
 through the Runtime with one stream, and 4 streams never slower than one; the closing line gives
 both readings (as the runtime is opened, and colocated), and the Python calls per task with one
-stream and with four: a count, not a time (cProfile, which on Python 3.12 sees every thread), so it compares
-two runs whatever else the machine was doing. ``--device cuda`` measures the same
+stream and with four: a count, not a time (cProfile, which on Python 3.12 sees every thread),
+so it compares two runs, and two stream counts, whatever else the machine was doing. ``--device cuda`` measures the same
 rows on the GPU (ORT's rows then use its CUDA provider, inputs and outputs in host memory).
 Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3] [--device host|cuda] [--cuda-graphs]
 """

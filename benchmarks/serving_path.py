@@ -16,7 +16,7 @@ Beside each rate, the process's CPU time per request over the whole point (gener
 batcher, worker, the records' summary) compares with the closed loop's CPU per request: what
 an open loop costs beyond it (the generator's wake-ups, a worker woken per batch instead of
 kept busy by a burst, GIL hand-overs between cores) is what brings its knee below the closed
-loop's capacity, and a count of work, unlike the tail, reads the same on a busy machine.
+loop's capacity; work done moves less than the tail does on a busy machine.
 
 Goals (issue 19): <= 25 us of host time per request through the server; up to 75 % of its
 capacity, p99 <= 5x p50 and generator lag p99 <= 1 ms. The last lines say which were met.
