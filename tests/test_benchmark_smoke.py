@@ -40,13 +40,15 @@ def test_host_overhead_measures_every_stream_count_and_says_the_goals(tmp_path):
 def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path):
     out = _run("serving_path.py", "--seconds", "0.5", "--rounds", "1", tmp=tmp_path)
     assert re.search(r"single requests through the server: [\d,]+ requests/s", out), out
-    assert len(re.findall(r"req/s: [\d,]+/s, p50 [\d.]+ ms, p99 [\d.]+ ms", out)) == 3, out
+    modes = re.findall(r"req/s +(plain|colocated): [\d,]+/s, p50 [\d.]+ ms, p99 [\d.]+ ms", out)
+    assert modes == ["plain", "colocated"] * 3, out
     if sys.platform == "linux":  # /proc/stat says how long the hypervisor stole the CPUs
-        assert len(re.findall(r"lag p99 [\d.]+ ms, CPU [\d.]+ us/request, steal \d+ ms", out)) == 3, out
+        assert len(re.findall(r"lag p99 [\d.]+ ms, CPU [\d.]+ us/request, steal \d+ ms", out)) == 6, out
     else:
-        assert len(re.findall(r"lag p99 [\d.]+ ms, CPU [\d.]+ us/request", out)) == 3, out
+        assert len(re.findall(r"lag p99 [\d.]+ ms, CPU [\d.]+ us/request", out)) == 6, out
     assert re.search(r"requests/s \([\d.]+ us of host time per request, [\d.]+ us of CPU\)", out), out
-    assert re.search(r"goals: host time <= 25 us/request: (met|not met) .*up to 75 %: (met|not met)", out), out
+    assert re.search(r"goals: host time <= 25 us/request: (met|not met) .*up to 75 %: (met|not met) plain, "
+                     r"(met|not met) colocated \(generator and batcher on the worker's PU \d+\)", out), out
 
 
 def test_colocation_compares_plain_and_colocated_open_loops_and_says_the_goal(tmp_path):

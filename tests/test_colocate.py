@@ -1,5 +1,6 @@
 """Colocation (``Runtime.colocate``, ``Server(colocate=True)``): the threads that hold the GIL in
-turn run on the CUDA driver's core, with real threads and real affinities, on HostRuntime.
+turn run on the CUDA driver's core (or a CPU-only runtime's first CPU worker's), with real threads
+and real affinities, on HostRuntime.
 
 Every figure asserted comes from the threads themselves (``os.sched_getaffinity`` of their
 native ids), never from the machine's core count, so the tests hold on 1 PU or 128.
@@ -119,14 +120,48 @@ def test_the_host_core_is_the_one_held_back_for_the_driver(plan, tmp_path):
             assert rt.run(_x(0))["y"].shape == (4, 16)
 
 
-def test_without_cuda_workers_the_block_runs_where_it_was(plan, tmp_path):
+def test_without_cuda_workers_the_block_runs_on_the_first_cpu_workers_pu(plan, model, tmp_path):
+    """A CPU-only runtime has no driver: the caller, its threads and a colocated server's
+    batcher join the first CPU worker's thread, on its group's first PU."""
+    ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     before = os.sched_getaffinity(0)
-    pus = sorted(before)[:1]
-    with _runtime(plan, tmp_path, groups=str(pus[0]), streams=0) as rt:
-        assert rt.host_core is None
+    pus = sorted(before)
+    groups = ";".join(str(p) for p in (pus[-1:] + pus[:1] if len(pus) > 1 else pus))  # the last PU's group first
+    with _runtime(plan, tmp_path, groups=groups, streams=0) as rt:
+        first = rt.workers[0]
+        assert first.kind == "cpu" and rt.host_core == pus[-1] == first.group.first_pu
         with rt.colocate() as pu:
-            assert pu is None and os.sched_getaffinity(0) == before
-            assert rt.run(_x(1))["y"].shape == (4, 16)
+            assert pu == pus[-1] and os.sched_getaffinity(0) == {pu} == os.sched_getaffinity(first.native_id)
+            np.testing.assert_allclose(rt.run(_x(1))["y"], ref.run(None, _x(1))[0], rtol=1e-5, atol=1e-5)
+        assert os.sched_getaffinity(0) == before
+        assert os.sched_getaffinity(first.native_id) == {pus[-1]}  # the worker keeps its pin
+        with Server(rt, 4, max_delay=0.001, colocate=True) as server:
+            sample = {"x": _x(2)["x"][:1]}
+            np.testing.assert_allclose(server.submit(sample).result(timeout=10)["y"], ref.run(None, sample)[0],
+                                       rtol=1e-5, atol=1e-5)
+            assert os.sched_getaffinity(server._thread.native_id) == {pus[-1]}
+        assert os.sched_getaffinity(0) == before
+
+
+def test_an_open_loop_point_on_cpu_workers_colocated_records_the_workers_pu(plan, tmp_path):
+    from staronnx.bench.points import measure_point
+
+    pu = sorted(os.sched_getaffinity(0))[0]
+    seen: set[frozenset[int]] = set()
+    with _runtime(plan, tmp_path, groups=str(pu), streams=0) as rt:
+        summary, records = measure_point(rt, 4, 400.0, [{"x": _x(5)["x"][:1]}], duration=0.5, warmup=0.1,
+                                         max_delay=0.002, colocate=True,
+                                         on_submit=lambda i, n: seen.add(frozenset(os.sched_getaffinity(0))))
+    assert summary["throughput"] > 0
+    assert seen == {frozenset({pu})} and records.settings["loadgen"]["core"] == pu
+
+
+def test_workers_of_no_kind_of_ours_give_no_core():
+    from staronnx.workers.colocate import Colocation
+
+    before = os.sched_getaffinity(0)
+    with Colocation([]).block() as pu:
+        assert pu is None and os.sched_getaffinity(0) == before
 
 
 def test_a_core_this_process_cannot_use_leaves_the_thread_where_it_was(caplog):

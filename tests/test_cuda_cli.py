@@ -97,21 +97,30 @@ def test_sweep_colocate_runs_the_points_from_the_drivers_core(tiny, tmp_path, ho
          "--colocate", "-o", str(out)],
         capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "load generator on the CUDA driver core" in proc.stdout
+    assert "load generator on the CUDA driver's core" in proc.stdout
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["colocate"] is True
     assert results["rows"] and all(r.get("throughput", 0) > 0 for r in results["rows"])
 
 
-def test_sweep_colocate_needs_cuda_streams(tiny, tmp_path, host_cuda):
+def test_sweep_colocate_without_cuda_streams_runs_the_points_from_the_first_cpu_workers_core(tiny, tmp_path):
     _, plan = tiny
+    pu = sorted(os.sched_getaffinity(0))[-1]
+    out = tmp_path / "s"
     proc = subprocess.run(
         [sys.executable, "-m", "staronnx", "sweep", str(plan), "--rates", "200", "--batch-sizes", "2",
-         "--colocate", "--no-plots", "-o", str(tmp_path / "s")],
+         "--duration", "0.5s", "--groups", str(pu), "--policy", "eager", "--colocate", "--no-plots", "-o", str(out)],
+        capture_output=True, text=True, timeout=240, env=dict(os.environ))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "load generator on the first CPU worker's core" in proc.stdout, proc.stdout
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows and {r["loadgen"]["core"] for r in rows} == {pu}, rows
+    refused = subprocess.run(
+        [sys.executable, "-m", "staronnx", "sweep", str(plan), "--rates", "200", "--batch-sizes", "2", "--colocate",
+         "--url", "http://127.0.0.1:9", "--no-plots", "-o", str(tmp_path / "r")],
         capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert proc.returncode == 2
-    assert "--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert refused.returncode == 2 and "does not go with --url" in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr
 
 
 def test_run_colocate_submits_from_the_drivers_core(tiny, tmp_path, host_cuda):
@@ -123,9 +132,12 @@ def test_run_colocate_submits_from_the_drivers_core(tiny, tmp_path, host_cuda):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert re.search(r"submitting from the CUDA driver's core \(PU \d+\)", proc.stdout), proc.stdout
     assert "50 requests x batch 2 with eager" in proc.stdout
-    refused = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan), "--colocate"],
-                             capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert refused.returncode == 2 and "--colocate submits from a CUDA driver thread's core" in refused.stderr
+    pu = sorted(os.sched_getaffinity(0))[-1]
+    cpu = subprocess.run([sys.executable, "-m", "staronnx", "run", str(plan), "--requests", "20", "--groups", str(pu),
+                          "--policy", "eager", "--colocate"],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert cpu.returncode == 0, cpu.stdout + cpu.stderr
+    assert f"submitting from the first CPU worker's core (PU {pu})" in cpu.stdout, cpu.stdout
 
 
 # -- --cuda-devices: several GPUs (HostRuntime standing in for two) --------------------------------
@@ -240,7 +252,7 @@ def test_a_mixed_sweep_and_optimize_batch_colocate_their_load_generators(tiny, t
          "--groups", "none", "--policy", "eager", "--no-plots", "-q", "--colocate", "-o", str(out)],
         capture_output=True, text=True, timeout=240, env=dict(os.environ))
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "load generators on the CUDA driver core" in done.stdout, done.stdout
+    assert "load generators on the CUDA driver's core" in done.stdout, done.stdout
     results = json.loads((out / "results.json").read_text())
     assert results["settings"]["colocate"] is True
     assert [g["name"].startswith("HostRuntime") for g in results["settings"]["gpus"]] == [True]
@@ -257,7 +269,3 @@ def test_a_mixed_sweep_and_optimize_batch_colocate_their_load_generators(tiny, t
     assert done.returncode == 0, done.stdout + done.stderr
     core = json.loads(report.read_text())["generator_core"]
     assert core == cores["a"] and f"on the CUDA driver's core (PU {core})" in done.stdout, done.stdout
-    refused = subprocess.run(
-        [sys.executable, "-m", "staronnx", "optimize-batch", str(plan), "--rate", "100", "--colocate"],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ))
-    assert refused.returncode == 2 and "it needs --cuda-streams" in refused.stderr, refused.stderr

@@ -508,15 +508,22 @@ def _affinity(pid: int, tid: int) -> str:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads thread affinities from /proc")
-def test_colocate_runs_the_event_loop_on_the_cuda_drivers_core(plans, tmp_path, monkeypatch):
-    # CUDA workers on HostRuntime (the CPU stand-in), so this runs without a GPU
+@pytest.mark.parametrize("workers", ["cuda", "cpu"])
+def test_colocate_runs_the_event_loop_on_the_cuda_drivers_or_first_cpu_workers_core(plans, tmp_path, monkeypatch,
+                                                                                     workers):
+    # CUDA workers on HostRuntime (the CPU stand-in), so this runs without a GPU; without them,
+    # the first CPU worker's core (its group's first PU, named here)
     monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    last = sorted(os.sched_getaffinity(0))[-1]
+    where = (["--cuda-streams", "1", "--no-cuda-graphs"] if workers == "cuda" else ["--groups", str(last)])
     s = start_server([plans["tiny"].root], tmp_path, "--name", "tiny", "--batch-size", "4", "--max-delay", "1ms",
-                     "--policy", "eager", "--cuda-streams", "1", "--no-cuda-graphs", "--colocate")
+                     "--policy", "eager", *where, "--colocate")
     try:
         said = [line for line in s.lines if line.startswith("event loop and batchers on")]
         assert len(said) == 1, s.lines
+        assert ("CUDA driver's core" if workers == "cuda" else "first CPU worker's core") in said[0], said
         pu = re.search(r"\(PU (\d+)\)", said[0]).group(1)
+        assert workers == "cuda" or pu == str(last)
         assert _affinity(s.proc.pid, s.proc.pid) == pu  # the main thread runs the event loop
         # gRPC's threads, started before the loop moved, keep every PU the process has
         others = {_affinity(s.proc.pid, int(t.name)) for t in Path(f"/proc/{s.proc.pid}/task").iterdir()}
@@ -531,7 +538,8 @@ def test_colocate_runs_the_event_loop_on_the_cuda_drivers_core(plans, tmp_path, 
 
 # -- the command line --------------------------------------------------------------------------
 @pytest.mark.parametrize("args, message", [
-    (["--colocate"], "--colocate runs the serving threads on a CUDA driver thread's core: it needs --cuda-streams"),
+    (["--colocate", "--engine", "starpu"], "--colocate runs the serving threads on a worker thread's core: it needs "
+                                           "the native engine"),
     (["--max-body", "lots"], "sizes look like"),
     (["--name", "a", "--name", "b"], "--name given 2 time(s) for 1 plan(s)"),
     (["--http-port", "70000"], "--http-port must be between"),

@@ -44,6 +44,12 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
     return ordinals
 
 
+def host_core_name(cuda_streams: int) -> str:
+    """The core ``--colocate`` joins, as a command says it: a CUDA driver thread's, or without
+    CUDA workers the first CPU worker's (see :mod:`staronnx.workers.colocate`)."""
+    return "CUDA driver's core" if cuda_streams else "first CPU worker's core"
+
+
 def cuda_summary(cuda_streams: int, devices: tuple[int, ...]) -> str:
     """What a command's opening line says of its CUDA workers: ``, 2 CUDA stream(s)``, and on
     which GPUs when not GPU 0 alone (``, 2 CUDA stream(s) on each of GPUs 0,1``)."""

@@ -15,7 +15,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
 
@@ -36,8 +36,9 @@ def run_cmd(
         help="Capture each (part, batch size) as a CUDA graph at warm-up and replay it (fewer "
              "kernel launches at small batches); on by default where a part can be captured.")] = True,
     colocate: Annotated[bool, typer.Option(
-        "--colocate", help="With --cuda-streams: submit from the CUDA driver thread's core (this thread and the "
-                           "driver hold the GIL in turn; a hand-over on one core costs less than one between two).")] = False,
+        "--colocate", help="Submit from the CUDA driver thread's core, or without --cuda-streams from the first CPU "
+                           "worker's (this thread and that one hold the GIL in turn; a hand-over on one core costs "
+                           "less than one between two).")] = False,
     max_in_flight: Annotated[int, typer.Option(help="Requests queued at once.")] = 16,
     trace: Annotated[Optional[Path], typer.Option(help="Write a Perfetto/Chrome trace here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
@@ -55,8 +56,6 @@ def run_cmd(
 
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
-    if colocate and not cuda_streams:
-        raise StaronnxError("--colocate submits from a CUDA driver thread's core: it needs --cuda-streams")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
@@ -82,7 +81,7 @@ def run_cmd(
             # the progress bar's thread starts first: only this thread joins the driver's core
             with progress_bar(quiet) as progress, rt.colocate() if colocate else contextlib.nullcontext() as core:
                 if core is not None:
-                    above(progress, console).print(f"submitting from the CUDA driver's core (PU {core})",
+                    above(progress, console).print(f"submitting from the {host_core_name(cuda_streams)} (PU {core})",
                                                    highlight=False)
                 done = progress.add_task("requests", total=requests)
                 start = time.perf_counter()

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 
 #: why --slo-ms/--priority are refused with --separate-runtimes (the same words on Ray)
@@ -39,8 +39,9 @@ def serve_cmd(
         help="With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
              "--batch-size) at start-up; partial batches are padded up to them.")] = True,
     colocate: Annotated[bool, typer.Option(
-        "--colocate", help="With --cuda-streams: run the event loop and the batchers on the CUDA driver thread's core "
-                           "(StarPU's STARPU_MAIN_THREAD_BIND). They hold the GIL in turn with the driver, and a hand-over "
+        "--colocate", help="Run the event loop and the batchers on the CUDA driver thread's core, or without "
+                           "--cuda-streams on the first CPU worker's, sharing its compute (StarPU's "
+                           "STARPU_MAIN_THREAD_BIND). They hold the GIL in turn with that thread, and a hand-over "
                            "on one core costs less than one between two; off by default, since a driver running ONNX "
                            "Runtime without CUDA graphs launches kernels without the GIL, which the loop then no longer "
                            "overlaps.")] = False,
@@ -127,9 +128,9 @@ def serve_cmd(
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
     collect_every = parse_duration(gc_interval, allow_zero=True, option="--gc-interval")
-    if colocate and (not cuda_streams or ray or engine != "native"):
-        raise StaronnxError("--colocate runs the serving threads on a CUDA driver thread's core: it needs --cuda-streams "
-                            "and the native engine, and does not go with --ray")
+    if colocate and (ray or engine != "native"):
+        raise StaronnxError("--colocate runs the serving threads on a worker thread's core: it needs the native engine, "
+                            "and does not go with --ray")
     if ray and cuda_devices is not None:
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
@@ -205,7 +206,8 @@ def serve_cmd(
         run, loop_name = event_loop_runner()
         print(f"event loop: {loop_name}", flush=True)
         run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every,
-                  colocate=models[0].server.runtime.colocate if colocate else None))
+                  colocate=models[0].server.runtime.colocate if colocate else None,
+                  colocate_on=host_core_name(cuda_streams)))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)

@@ -19,7 +19,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, cuda_summary, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, cuda_summary, host_core_name, parse_cuda_devices
 from staronnx.cli.simulate_cmd import LANES_NEED_SEVERAL, MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, \
     SIM_LANE_HELP, model_lanes, model_residency
 from staronnx.durations import parse_duration
@@ -264,8 +264,9 @@ def sweep_cmd(
         "--cuda-graphs/--no-cuda-graphs",
         help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
     colocate: Annotated[bool, typer.Option(
-        "--colocate", help="With --cuda-streams: the load generator and the batcher run on the CUDA driver thread's "
-                           "core during each point (they hold the GIL in turn with it; a hand-over on one core costs "
+        "--colocate", help="The load generator and the batcher run on the CUDA driver thread's core during each "
+                           "point, or without --cuda-streams on the first CPU worker's (they hold the GIL in turn with "
+                           "it; a hand-over on one core costs "
                            "less than one between two). Not with --url; with several models, every model's "
                            "generator and batcher.")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant (the papers) or poisson.")] = "constant",
@@ -330,9 +331,9 @@ def sweep_cmd(
                        seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
                        model_workers=model_workers or [], lane=lane or [], colocate=colocate)
         return
-    if colocate and (not cuda_streams or url is not None or engine != "native"):
-        raise StaronnxError("--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams "
-                            "and the native engine, and does not go with --url")
+    if colocate and (url is not None or engine != "native"):
+        raise StaronnxError("--colocate runs the load generator on a worker thread's core: it needs the native engine, "
+                            "and does not go with --url")
     plandir = plandirs[0]
     auto = rates.strip().lower() == "auto"
     rate_list = [] if auto else parse_rates(rates)
@@ -364,7 +365,7 @@ def sweep_cmd(
         f"sweeping plan {plan.hash} ({plan.k} parts) "
         + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
            f"{cuda_summary(cuda_streams, devices)}"
-           f"{', load generator on the CUDA driver core' if colocate else ''}: {len(sizes)} batch size(s) x ") +
+           f"{', load generator on the ' + host_core_name(cuda_streams) if colocate else ''}: {len(sizes)} batch size(s) x ") +
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
     )
@@ -409,9 +410,6 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
     from staronnx.plan import Plan
 
     labels = model_names(plandirs, names)
-    if colocate and not cuda_streams:
-        raise StaronnxError("--colocate runs the load generators and the batchers on a CUDA driver thread's core: "
-                            "it needs --cuda-streams")
     if rates.strip().lower() == "auto" or not is_per_model(rates):
         raise StaronnxError(f"several models need rates per model: --rates "
                             f"{','.join(f'{n}=R' for n in labels)} (each like 100 or 50:400:50)")
@@ -442,7 +440,7 @@ def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names:
         f"with {policy}, groups {groups}{cuda_summary(cuda_streams, cuda_devices)}"
         + "".join(f", {n} on {sel} only" for n, sel in residency.items())
         + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items())
-        + (", load generators on the CUDA driver core" if colocate else "") + ": "
+        + (", load generators on the " + host_core_name(cuda_streams) if colocate else "") + ": "
         f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
     with progress_bar(quiet) as progress:
         bars = _MixBars(progress)
@@ -610,8 +608,8 @@ def optimize_batch_cmd(
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     colocate: Annotated[bool, typer.Option(
-        "--colocate", help="With --cuda-streams: each live measurement's load generator and batcher run on the CUDA "
-                           "driver thread's core (as sweep --colocate).")] = False,
+        "--colocate", help="Each live measurement's load generator and batcher run on the CUDA driver thread's core, "
+                           "or without --cuda-streams on the first CPU worker's (as sweep --colocate).")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
     verify: Annotated[bool, typer.Option("--verify/--no-verify", help="Measure the predicted best and its neighbours live.")] = True,
     sim_duration: Annotated[str, typer.Option(help="Simulated arrivals per candidate.")] = "20s",
@@ -627,8 +625,6 @@ def optimize_batch_cmd(
 
     sizes = parse_batch_sizes(batch_sizes)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
-    if colocate and not cuda_streams:
-        raise StaronnxError("--colocate runs the load generator on a CUDA driver thread's core: it needs --cuda-streams")
     if json_out is not None:
         check_writable(json_out, "--json")
     warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
@@ -669,7 +665,7 @@ def optimize_batch_cmd(
     slo = "" if result.slo_met is None else (" (meets the SLO)" if result.slo_met else " [yellow](SLO not met)[/]")
     console.print(f"batch size {result.best}: {how} papers' latency {_fmt(lat)} ms{slo}")
     if result.generator_core is not None:
-        console.print(f"measured with the load generator on the CUDA driver's core (PU {result.generator_core})",
+        console.print(f"measured with the load generator on the {host_core_name(cuda_streams)} (PU {result.generator_core})",
                       highlight=False)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)

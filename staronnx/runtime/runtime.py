@@ -247,8 +247,9 @@ class Runtime:
 
     @property
     def host_core(self) -> int | None:
-        """The PU of the first CUDA driver thread, where :meth:`colocate` runs a caller (None:
-        no CUDA worker, or its thread is not pinned: CPU groups ``none`` outside a block)."""
+        """Where :meth:`colocate` runs a caller: the PU of the first CUDA driver thread (None
+        while it is not pinned: CPU groups ``none`` outside a block), or, without CUDA workers,
+        the first CPU worker's PU (its group's first)."""
         return self._colocation.core
 
     def colocate(self) -> contextlib.AbstractContextManager[int | None]:
@@ -257,11 +258,13 @@ class Runtime:
         the driver hold the GIL in turn, and on one core each hand-over is cheaper (see
         :mod:`staronnx.workers.colocate`; 30 vs 44-47 µs of host time per task on the 2-core
         development VM). Without CPU groups, the driver threads are pinned to a core while a
-        block runs. Yields that PU, or None where there is no CUDA worker (the block runs where
-        it was). Threads started inside the block inherit the pin. Blocks may overlap, in any
-        threads (a server's batcher and its caller)."""
+        block runs. Without CUDA workers, the block runs on the first CPU worker's PU, sharing
+        it with that worker's compute (see :mod:`staronnx.workers.colocate`: worth it for short
+        tasks). Yields that PU, or None where there is none (the block runs where it was).
+        Threads started inside the block inherit the pin. Blocks may overlap, in any threads
+        (a server's batcher and its caller)."""
         if self._closed:
-            raise EngineClosed("the runtime is closed; its CUDA driver has no core left to join")
+            raise EngineClosed("the runtime is closed; its workers have no core left to join")
         return self._colocation.block()
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -149,14 +149,15 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
 
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
                 say: Callable[[str], None] = print, gc_interval: float = GC_INTERVAL_S,
-                colocate: Callable[[], contextlib.AbstractContextManager[int | None]] | None = None) -> None:
+                colocate: Callable[[], contextlib.AbstractContextManager[int | None]] | None = None,
+                colocate_on: str = "CUDA driver's core") -> None:
     """Serve ``models`` until SIGTERM/SIGINT; then drain and close them. Memory the requests free
     is kept for the next ones (:func:`keep_freed_memory`). ``gc_interval`` > 0: only young cycle
     collections run on their own, and a full one runs that often
     (:mod:`staronnx.serving.collector`); 0: Python's own thresholds. ``colocate``: the block
-    in which the event loop's thread runs on the CUDA driver's core
+    in which the event loop's thread runs on the CUDA driver's core, or the first CPU worker's
     (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), entered once the listeners are up, so
-    gRPC's own threads, started with them, keep every core."""
+    gRPC's own threads, started with them, keep every core; ``colocate_on`` says which."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
@@ -227,8 +228,8 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     say(f"cycle collector: young objects only, a full collection every {gc_interval:g} s" if gc_interval > 0
         else "cycle collector: Python's own thresholds")
     if colocate is not None:
-        say(f"event loop and batchers on the CUDA driver's core (PU {core})" if core is not None
-            else "event loop and batchers where they are: no CUDA driver core to join")
+        say(f"event loop and batchers on the {colocate_on} (PU {core})" if core is not None
+            else f"event loop and batchers where they are: no {colocate_on} to join")
     say("ready (SIGTERM or Ctrl-C drains and stops)")
     sys.stdout.flush()
 

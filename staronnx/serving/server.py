@@ -247,9 +247,10 @@ class Server:
             above ``batch_size`` are ignored). A batch larger than all of them runs as it is.
             Records keep the real size (and ``padded_to``).
         colocate: run the batcher thread on the runtime's host core, beside its CUDA driver
-            thread (:meth:`~staronnx.runtime.runtime.Runtime.colocate`): both hold the GIL in
-            turn, and a hand-over between two cores costs more than one on the same core. A
-            runtime without CUDA workers (or one without ``colocate``) leaves it where it is.
+            thread, or its first CPU worker's thread where it has no CUDA worker
+            (:meth:`~staronnx.runtime.runtime.Runtime.colocate`): both hold the GIL in turn,
+            and a hand-over between two cores costs more than one on the same core. A runtime
+            without ``colocate`` (or a worker of its own) leaves it where it is.
             A thread that submits many requests gains more from the same block around its loop.
 
     Results are handed out on the batcher thread, not on the runtime's: the runtime's

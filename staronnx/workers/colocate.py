@@ -18,6 +18,14 @@ and while the driver runs ONNX Runtime without a CUDA graph it launches kernels 
 GIL, work that a caller on another core overlaps. Without CPU groups (``none``) no core is held
 back: the first driver thread is pinned to the last PU this process may use while a block runs
 there.
+
+A runtime without CUDA workers has no driver: there the threads join its first CPU worker's
+thread, which runs its tasks (and its share of ONNX Runtime's intra-op work) pinned to its
+group's first PU. On the 2-core VM an open loop at 75 % of a one-PU worker's capacity had a
+p99 of 2.2x its p50 with the generator and batcher on that PU, against 7-30x with them
+floating (``benchmarks/serving_path.py``'s ``colocated`` rows). The block then shares that PU
+with the worker's compute: a win where tasks are short and host cost decides, a loss where a
+task keeps the group's cores busy for milliseconds, hence a choice the caller makes.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from typing import Any
 
 from staronnx.process_settings import SharedSetting
 
-__all__ = ["Colocation", "host_core", "colocated"]
+__all__ = ["Colocation", "host_core", "cpu_worker_core", "colocated"]
 
 log = logging.getLogger(__name__)
 
@@ -40,11 +48,22 @@ def _supported() -> bool:
 
 
 def host_core(workers: Sequence[Any]) -> int | None:
-    """The PU of the first CUDA driver thread among ``workers`` (its ``cpu``), None when there
-    is no CUDA worker or it is not pinned."""
+    """The PU of the first CUDA driver thread among ``workers`` (its ``cpu``), None when it is
+    not pinned; without CUDA workers, the PU the first CPU worker's thread is pinned to (its
+    group's first), None when there is none either."""
     for w in workers:
         if getattr(w, "kind", "") == "cuda":
             return getattr(w, "cpu", None)
+    return cpu_worker_core(workers)
+
+
+def cpu_worker_core(workers: Sequence[Any]) -> int | None:
+    """The first PU of the first CPU worker's group among ``workers``, where its thread runs
+    (None: no CPU worker of ours, e.g. another engine's workers seen through it)."""
+    for w in workers:
+        if getattr(w, "kind", "") == "cpu":
+            group = getattr(w, "group", None)
+            return getattr(group, "first_pu", None)
     return None
 
 
@@ -53,17 +72,20 @@ class Colocation:
 
     Where no core is held back for the drivers (CPU groups ``none``), the first block pins the
     first CUDA driver thread to the last PU this process may use and the last block to end
-    gives it back the PUs it had, so a runtime nobody colocates with runs as it always did."""
+    gives it back the PUs it had, so a runtime nobody colocates with runs as it always did.
+    Without CUDA workers the host core is the first CPU worker's, pinned already."""
 
     def __init__(self, workers: Sequence[Any]) -> None:
         self._cuda = [w for w in workers if getattr(w, "kind", "") == "cuda"]
+        self._cpu_core = None if self._cuda else cpu_worker_core(workers)
         #: (host core or None, how to undo the driver's pin or None), held by the open blocks
         self._pin = SharedSetting(self._pin_driver, self._unpin_driver)
 
     @property
     def core(self) -> int | None:
-        """The PU the drivers run on (None: no CUDA worker, or not pinned now)."""
-        return host_core(self._cuda)
+        """The PU the drivers run on (None: not pinned now), or without CUDA workers the first
+        CPU worker's (None: no worker of ours)."""
+        return host_core(self._cuda) if self._cuda else self._cpu_core
 
     @contextlib.contextmanager
     def block(self) -> Iterator[int | None]:
@@ -75,8 +97,10 @@ class Colocation:
         """The host core, the first driver thread pinned to one first when it is not (the
         thread that drives a device's streams; with ``thread_per_stream``, the first stream's),
         and what undoes that pin: (its worker, its thread id, its PUs before)."""
-        if not self._cuda or not _supported():
+        if not _supported():
             return None, None
+        if not self._cuda:  # the CPU worker's thread is pinned for its whole life
+            return self._cpu_core, None
         pu = self.core
         if pu is not None:
             return pu, None
