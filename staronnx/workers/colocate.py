@@ -21,9 +21,10 @@ there.
 
 A runtime without CUDA workers has no driver: there the threads join its first CPU worker's
 thread, which runs its tasks (and its share of ONNX Runtime's intra-op work) pinned to its
-group's first PU. On the 2-core VM an open loop at 75 % of a one-PU worker's capacity had a
-p99 of 2.2x its p50 with the generator and batcher on that PU, against 7-30x with them
-floating (``benchmarks/serving_path.py``'s ``colocated`` rows). The block then shares that PU
+group's first PU. On the 2-core VM, an open loop at 75 % of a one-PU worker's capacity (8
+points in turn) had a p99 of 1.8x its p50 (median; 1.8-2.1x in 7 of 8) and a generator lag
+p99 of 0.22 ms with the generator and batcher on that PU, against 3.4x (1.8-7.5x) and 0.54 ms
+with them floating (``benchmarks/serving_path.py``'s ``colocated`` rows). The block shares that PU
 with the worker's compute: a win where tasks are short and host cost decides, a loss where a
 task keeps the group's cores busy for milliseconds, hence a choice the caller makes.
 """
