@@ -82,8 +82,8 @@ def measure_point(
     full queue (what is cut counts as pending). ``server_factory`` builds the batching front
     end instead of :class:`Server`, with the same arguments
     (:class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
-    ``colocate``: the generator (this thread) and the server's batcher run on the runtime's CUDA
-    driver core for the point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where
+    ``colocate``: the generator (this thread) and the server's batcher run on the runtime's host
+    core (its CUDA driver's, or without CUDA workers its first CPU worker's) for the point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where
     the threads that hold the GIL in turn hand it over cheapest; the records' ``loadgen``
     settings name that core (``core``: None when the block had none to give).
     """

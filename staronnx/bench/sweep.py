@@ -214,8 +214,8 @@ def sweep(
         server_factory, front_end: over the network, the batching front end of each point
             (see :func:`~staronnx.bench.points.measure_point`) and what ``settings.front_end``
             records about it (:func:`staronnx.bench.remote.remote_sweep`).
-        colocate: the load generator and the batcher run on the CUDA driver's core during each
-            point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate``
+        colocate: the load generator and the batcher run on the runtime's host core (the CUDA
+            driver's, or without CUDA workers the first CPU worker's) during each point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate``
             records it.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
