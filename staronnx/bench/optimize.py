@@ -217,7 +217,8 @@ def optimize_batch(
         machine: a :class:`~staronnx.bench.machine.SimMachine` to reuse.
         progress: called with a one-line message at each step.
         colocate: each live measurement's load generator and batcher run on the runtime's host
-            core (the CUDA driver's, or the first CPU worker's) (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), as ``sweep --colocate``.
+            core, the CUDA driver's or the first CPU worker's
+            (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), as ``sweep --colocate``.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if not (_finite(rate) and rate > 0):

@@ -83,9 +83,10 @@ def measure_point(
     end instead of :class:`Server`, with the same arguments
     (:class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
     ``colocate``: the generator (this thread) and the server's batcher run on the runtime's host
-    core (its CUDA driver's, or without CUDA workers its first CPU worker's) for the point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where
-    the threads that hold the GIL in turn hand it over cheapest; the records' ``loadgen``
-    settings name that core (``core``: None when the block had none to give).
+    core (its CUDA driver's, or without CUDA workers its first CPU worker's) for the point
+    (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), where the threads that hold the GIL
+    in turn hand it over cheapest; the records' ``loadgen`` settings name that core (``core``:
+    None when the block had none to give).
     """
     factory = server_factory or Server
     block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()

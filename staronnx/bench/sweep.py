@@ -215,8 +215,8 @@ def sweep(
             (see :func:`~staronnx.bench.points.measure_point`) and what ``settings.front_end``
             records about it (:func:`staronnx.bench.remote.remote_sweep`).
         colocate: the load generator and the batcher run on the runtime's host core (the CUDA
-            driver's, or without CUDA workers the first CPU worker's) during each point (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate``
-            records it.
+            driver's, or without CUDA workers the first CPU worker's) during each point
+            (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate`` records it.
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     rates, batch_sizes, warmup = _checked(rates, batch_sizes, distribution=distribution, duration=duration,

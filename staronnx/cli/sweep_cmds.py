@@ -266,8 +266,8 @@ def sweep_cmd(
     colocate: Annotated[bool, typer.Option(
         "--colocate", help="The load generator and the batcher run on the CUDA driver thread's core during each "
                            "point, or without --cuda-streams on the first CPU worker's (they hold the GIL in turn with "
-                           "it; a hand-over on one core costs "
-                           "less than one between two). Not with --url; with several models, every model's "
+                           "it; a hand-over on one core costs less than one between two). Not with --url; with "
+                           "several models, every model's "
                            "generator and batcher.")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant (the papers) or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Arrivals per point: 10s, 500ms, 2m (longer for slow batch fills).")] = "10s",

@@ -23,10 +23,10 @@ A runtime without CUDA workers has no driver: there the threads join its first C
 thread, which runs its tasks (and its share of ONNX Runtime's intra-op work) pinned to its
 group's first PU. On the 2-core VM, an open loop at 75 % of a one-PU worker's capacity (8
 points in turn) had a p99 of 1.8x its p50 (median; 1.8-2.1x in 7 of 8) and a generator lag
-p99 of 0.22 ms with the generator and batcher on that PU, against 3.4x (1.8-7.5x) and 0.54 ms
-with them floating (``benchmarks/serving_path.py``'s ``colocated`` rows). The block shares that PU
-with the worker's compute: a win where tasks are short and host cost decides, a loss where a
-task keeps the group's cores busy for milliseconds, hence a choice the caller makes.
+p99 of 0.22 ms with the generator and batcher on that PU, against 3.4x (1.8-7.5x) and 0.54
+ms with them floating (``benchmarks/serving_path.py``'s ``colocated`` rows). The block shares
+that PU with the worker's compute: a win where tasks are short and host cost decides, a loss
+where a task keeps the group's cores busy for milliseconds, hence a choice the caller makes.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class Colocation:
     Without CUDA workers the host core is the first CPU worker's, pinned already."""
 
     def __init__(self, workers: Sequence[Any]) -> None:
+        self._workers = list(workers)
         self._cuda = [w for w in workers if getattr(w, "kind", "") == "cuda"]
-        self._cpu_core = None if self._cuda else cpu_worker_core(workers)
         #: (host core or None, how to undo the driver's pin or None), held by the open blocks
         self._pin = SharedSetting(self._pin_driver, self._unpin_driver)
 
@@ -86,7 +86,7 @@ class Colocation:
     def core(self) -> int | None:
         """The PU the drivers run on (None: not pinned now), or without CUDA workers the first
         CPU worker's (None: no worker of ours)."""
-        return host_core(self._cuda) if self._cuda else self._cpu_core
+        return host_core(self._workers)
 
     @contextlib.contextmanager
     def block(self) -> Iterator[int | None]:
@@ -101,7 +101,7 @@ class Colocation:
         if not _supported():
             return None, None
         if not self._cuda:  # the CPU worker's thread is pinned for its whole life
-            return self._cpu_core, None
+            return self.core, None
         pu = self.core
         if pu is not None:
             return pu, None
