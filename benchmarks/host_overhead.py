@@ -27,8 +27,9 @@ column still compares two runs taken at different times. Targets (issue 19): <= 
 through the Runtime with one stream, and 4 streams never slower than one; the closing line gives
 both readings (as the runtime is opened, and colocated), and the Python calls per task with one
 stream and with four: a count, not a time (cProfile, which on Python 3.12 sees every thread),
-so it compares two runs, and two stream counts, whatever else the machine was doing. ``--device cuda`` measures the same
-rows on the GPU (ORT's rows then use its CUDA provider, inputs and outputs in host memory).
+so it compares two runs, and two stream counts, whatever else the machine was doing.
+``--device cuda`` measures the same rows on the GPU (ORT's rows then use its CUDA provider,
+inputs and outputs in host memory).
 Usage: python benchmarks/host_overhead.py [--seconds 2] [--rounds 3] [--device host|cuda] [--cuda-graphs]
 """
 
