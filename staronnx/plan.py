@@ -16,10 +16,11 @@ import tempfile
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from staronnx.contract import BatchContract, parse_batch_axes
 from staronnx.errors import InputError, PartFileError, PlanError
 from staronnx.fsutil import atomic_write_text
 from staronnx.modelio import is_fixed
@@ -80,6 +81,9 @@ class Plan:
     #: per input: (name, numpy dtype or None, shape), built once: check_feeds runs per request
     _input_checks: list[tuple[str, Any, list[Any]]] | None = field(default=None, repr=False, compare=False)
     _accepted: set[tuple[Any, ...]] = field(default_factory=set, repr=False, compare=False)
+    _contract: BatchContract | None = field(default=None, repr=False, compare=False)
+    #: batching overrides given at load time (a command's --batch-axis / --no-batching)
+    _batching: tuple[dict[str, int | None], bool] | None = field(default=None, repr=False, compare=False)
 
     # -- persistence ------------------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
@@ -154,6 +158,32 @@ class Plan:
         for part in plan.parts:
             check_part_file(root, part)
         return plan
+
+    # -- batching -------------------------------------------------------------------------
+    @property
+    def contract(self) -> BatchContract:
+        """The model's batching contract (:mod:`staronnx.contract`): read off the plan's shapes,
+        with the overrides given at partition time (its settings) and then at load time
+        (:meth:`set_batching`). Every door batches through this one object."""
+        if self._contract is None:
+            axes = dict(self.settings.get("batch_axes") or {})
+            batching = self.settings.get("batching", True) is not False
+            if self._batching is not None:
+                axes.update(self._batching[0])
+                batching = batching and self._batching[1]
+            self._contract = BatchContract.read({t.name: t.shape for t in self.inputs},
+                                                {t.name: t.shape for t in self.outputs},
+                                                batch_axes=axes, batching=batching)
+        return self._contract
+
+    def set_batching(self, batch_axes: Mapping[str, int | None] | Sequence[str] | None = None,
+                     batching: bool = True) -> "Plan":
+        """Override the contract for this loaded plan (the user knows what the graph cannot
+        tell); raises :class:`~staronnx.contract.ContractError` for an override that does not fit."""
+        self._batching = (parse_batch_axes(batch_axes), batching)
+        self._contract = None
+        self.contract  # noqa: B018 - checked now, where the user gave it
+        return self
 
     # -- structure --------------------------------------------------------------------------
     @property

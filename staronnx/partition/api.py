@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import onnx
 
+from staronnx.contract import parse_batch_axes
 from staronnx.errors import PartitionError
 from staronnx.feeds import random_feeds_for_shapes
 from staronnx.modelio import load_model
@@ -84,6 +85,8 @@ def partition(
     transfer: TransferModel | None = None,
     speeds: Sequence[WorkerSpeed] | None = None,
     cuda_devices: Sequence[int] = (0,),
+    batch_axes: Sequence[str] | Mapping[str, int | None] | None = None,
+    batching: bool = True,
 ) -> Plan:
     """Cut a model into weighted parts that run in sequence with the whole model's outputs.
 
@@ -99,6 +102,10 @@ def partition(
     given (e.g. from calibrated perf models); one part where a split cannot pay.  The choice
     and its reason are kept in the plan's settings. A placement method places on ``devices``
     and prices transfers with ``transfer`` (default links when None).
+
+    ``batch_axes`` (input or output name -> axis, None for none) and ``batching=False`` set the
+    model's batching contract where the graph cannot tell it (:mod:`staronnx.contract`); they are
+    kept in the plan's settings, so every command that loads the plan batches the same way.
 
     The machine comes in typed: ``staronnx.partition()``
     (:func:`staronnx.workers.host.partition`) reads this host's from a CPU group policy.
@@ -119,6 +126,7 @@ def partition(
     if not 0 < tolerance < 1:
         raise PartitionError(f"tolerance must be in (0, 1), got {tolerance}")
     shapes = parse_input_shapes(input_shapes)
+    axes = parse_batch_axes(batch_axes)
     out = output_dir_for(output_dir, force)
     if device == "cuda":
         from staronnx.ortutil import providers_for
@@ -126,7 +134,7 @@ def partition(
         providers_for("cuda")  # fail before any work when CUDA is absent
 
     say("loading model")
-    graph = build_graph(load_model(model_or_path), shapes)
+    graph = build_graph(load_model(model_or_path), shapes, axes)
     if len(targets) > len(graph):
         raise PartitionError(
             f"cannot cut {len(graph)} node(s) into {len(targets)} parts: k must not exceed the node count"
@@ -147,7 +155,8 @@ def partition(
                          devices=devices if placed else None, transfer=transfer, progress=say)
     result = cut(graph, request)
     settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,
-                             auto_shares=auto_choice.to_json() if auto_choice is not None else None)
+                             auto_shares=auto_choice.to_json() if auto_choice is not None else None,
+                             batch_axes=axes or None, batching=None if batching else False)
     say(f"exporting {result.k} parts to {out}")
     return write_plan(graph, result, settings, out)
 

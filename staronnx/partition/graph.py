@@ -19,6 +19,7 @@ import numpy as np
 import onnx
 from onnx import shape_inference
 
+from staronnx import contract
 from staronnx.errors import ModelError, PartitionError
 from staronnx.modelio import LoadedModel, dim_of, dtype_itemsize, is_fixed, strip_weights
 
@@ -60,6 +61,8 @@ class InputSpec:
     name: str
     elem_type: int
     shape: list[int | str | None]
+    #: the axis that carries the batch (the model's batching contract), None: a per-request value
+    batch_axis: int | None = None
 
     @property
     def dtype(self) -> str:
@@ -159,8 +162,9 @@ def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> lis
     return order
 
 
-def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
-    """The inputs users feed (graph inputs that are not initializers)."""
+def model_inputs(model: onnx.ModelProto, batch_axes: dict[str, int | None] | None = None) -> list[InputSpec]:
+    """The inputs users feed (graph inputs that are not initializers), each with its batch axis
+    (:mod:`staronnx.contract`: the symbol the model's tensors share; ``batch_axes`` overrides)."""
     init = {t.name for t in model.graph.initializer}
     specs = []
     for vi in model.graph.input:
@@ -173,13 +177,27 @@ def model_inputs(model: onnx.ModelProto) -> list[InputSpec]:
         if tt.HasField("shape"):
             shape.extend(dim_of(d) for d in tt.shape.dim)
         specs.append(InputSpec(vi.name, tt.elem_type, shape))
+    symbol = contract.batch_symbol({i.name: i.shape for i in specs}, declared_outputs(model))
+    for spec in specs:
+        spec.batch_axis = (batch_axes[spec.name] if batch_axes and spec.name in batch_axes
+                           else contract.axis_of(spec.shape, symbol))
     return specs
+
+
+def declared_outputs(model: onnx.ModelProto) -> dict[str, list[int | str | None] | None]:
+    """The graph outputs' shapes as the model declares them (None where it declares none)."""
+    out: dict[str, list[int | str | None] | None] = {}
+    for vi in model.graph.output:
+        tt = vi.type.tensor_type
+        out[vi.name] = [dim_of(d) for d in tt.shape.dim] if vi.type.HasField("tensor_type") and tt.HasField("shape") else None
+    return out
 
 
 def resolve_input_shapes(
     inputs: list[InputSpec], batch: int, given: dict[str, list[int]] | None
 ) -> dict[str, list[int]]:
-    """Concrete feed shapes at a batch size: axis 0 if dynamic is the batch, the rest from the user.
+    """Concrete feed shapes at a batch size: each input's batch axis (its contract's) takes
+    ``batch``, the rest from the user.
 
     A dynamic dimension other than the batch has no safe default, so it must be given. A given
     ``-1`` means "as the model says": the batch on a dynamic axis 0, the model's size on a fixed
@@ -214,13 +232,13 @@ def resolve_input_shapes(
                         f"model, {u} given"
                     )
                 dims.append(int(d))
-            elif axis == 0:
+            elif axis == spec.batch_axis:
                 dims.append(batch)
             elif is_fixed(u):
                 dims.append(int(u))
             else:
                 example = "x".join(
-                    str(x) if is_fixed(x) else "1" if i == 0 else "N" for i, x in enumerate(spec.shape)
+                    str(x) if is_fixed(x) else "1" if i == spec.batch_axis else "N" for i, x in enumerate(spec.shape)
                 )
                 raise _shape_error(
                     lambda arg: f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis "
@@ -276,7 +294,8 @@ def _concrete(dims: list | None) -> tuple[int, ...] | None:
 
 
 def build_graph(
-    loaded: LoadedModel, input_shapes: dict[str, list[int]] | None = None
+    loaded: LoadedModel, input_shapes: dict[str, list[int]] | None = None,
+    batch_axes: dict[str, int | None] | None = None,
 ) -> ModelGraph:
     """Turn a loaded model into the partitioner's DAG with byte-weighted edges."""
     g = loaded.graph
@@ -291,7 +310,7 @@ def build_graph(
             vertices.append(node)
     if not vertices:
         raise ModelError("the model has only Constant nodes: nothing to partition")
-    inputs = model_inputs(loaded.model)
+    inputs = model_inputs(loaded.model, batch_axes)
     input_names = {i.name for i in inputs}
     node_inputs = []
     for node in vertices:
@@ -325,11 +344,10 @@ def build_graph(
                 "constant); staronnx partitions computed outputs only"
             )
 
-    batch_symbol = "batch"
-    for spec in inputs:
-        if spec.shape and isinstance(spec.shape[0], str):
-            batch_symbol = spec.shape[0]
-            break
+    # the symbol the exported parts' batch axes take: the model's own, "batch" where it has none
+    batch_symbol = next((spec.shape[spec.batch_axis] for spec in inputs if spec.batch_axis is not None
+                         and spec.batch_axis < len(spec.shape) and isinstance(spec.shape[spec.batch_axis], str)),
+                        "batch")
 
     tensors = _tensor_infos(loaded.model, inputs, input_shapes, producer, batch_symbol)
     preds: list[set[int]] = [set() for _ in vertices]
