@@ -185,3 +185,24 @@ def small(tmp_path_factory) -> tuple[Path, Path]:
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
     partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
     return model, root / "plan"
+
+
+@pytest.fixture(scope="session")
+def real_plan(tmp_path_factory):
+    """``real_plan(name, shares=None)``: a plan of ``../shared/models/real/<name>.onnx`` cut in
+    two equal parts (or at ``shares``, e.g. ``"0.85,0.15"``) at its representative shapes,
+    made once per session and shared (load it again with ``Plan.load(plan.root)`` to override
+    its batching without touching the others')."""
+    import realmodels
+
+    made: dict[tuple[str, str | None], Plan] = {}
+
+    def make(name: str, shares: str | None = None) -> Plan:
+        key = (name, shares)
+        if key not in made:
+            out = tmp_path_factory.mktemp(f"real-{name}")
+            made[key] = partition(str(realmodels.path(name)), shares, output_dir=out / "plan", force=True,
+                                  input_shapes=realmodels.input_shapes(name), profile_runs=1, profile_batch=2)
+        return made[key]
+
+    return make
