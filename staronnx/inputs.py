@@ -3,7 +3,9 @@
 Random feeds exercise the arithmetic but not the data: a model whose cost depends on its
 inputs (early exits, NMS, sparse masks, token ids) must be measured on real ones. The file
 is what ``numpy.savez(path, **{input_name: array})`` writes: one array per model input,
-keyed by the input's name, each with a leading batch axis of the same length N (N samples).
+keyed by the input's name, each holding N samples along its batch axis (the plan's batching
+contract: axis 0 mostly, axis 1 of a ``[layers, batch, hidden]`` state; an input without one,
+a scalar sample rate, is passed whole).
 Commands slice it into the batches they need, cycling through the N samples.
 
 Everything is checked against the plan before any work starts, and every mismatch names the
@@ -23,10 +25,10 @@ from staronnx.errors import InputError
 from staronnx.plan import Plan
 
 
-def _batched(plan: Plan, name: str) -> bool:
-    """Whether an input has a batch axis to slice (a dynamic leading dimension)."""
-    spec = plan.tensor(name)
-    return bool(spec.shape) and not isinstance(spec.shape[0], int)
+def _axis(plan: Plan, name: str) -> int | None:
+    """The axis of input ``name`` that holds the samples (None: no batch axis to slice)."""
+    contract = plan.contract
+    return contract.inputs.get(name) if contract.batchable else None
 
 
 def load_inputs(path: str | os.PathLike[str], plan: Plan) -> dict[str, np.ndarray]:
@@ -56,9 +58,10 @@ def load_inputs(path: str | os.PathLike[str], plan: Plan) -> dict[str, np.ndarra
     if unknown or missing:
         bits = ([f"unknown input(s) {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else [])
         raise InputError(f"{where}: {'; '.join(bits)}; the plan's inputs are {plan.input_names}")
-    counts = {n: a.shape[0] for n, a in arrays.items() if _batched(plan, n) and a.ndim}
+    counts = {n: a.shape[ax] for n, a in arrays.items() if (ax := _axis(plan, n)) is not None and a.ndim > ax}
     if len(set(counts.values())) > 1:
-        raise InputError(f"{where}: the inputs hold different numbers of samples along axis 0: {counts}")
+        raise InputError(f"{where}: the inputs hold different numbers of samples along their batch axes: "
+                         + ", ".join(f"{n} has {c} on axis {_axis(plan, n)}" for n, c in counts.items()))
     if any(c == 0 for c in counts.values()):
         raise InputError(f"{where}: input {next(n for n, c in counts.items() if c == 0)!r} holds no sample")
     try:
@@ -70,7 +73,7 @@ def load_inputs(path: str | os.PathLike[str], plan: Plan) -> dict[str, np.ndarra
 
 def samples(inputs: Mapping[str, np.ndarray], plan: Plan) -> int:
     """How many samples the inputs hold (1 when no input has a batch axis)."""
-    counts = [a.shape[0] for n, a in inputs.items() if _batched(plan, n)]
+    counts = [a.shape[ax] for n, a in inputs.items() if (ax := _axis(plan, n)) is not None]
     return counts[0] if counts else 1
 
 
@@ -79,10 +82,11 @@ def batch_of(inputs: Mapping[str, np.ndarray], plan: Plan, batch: int, index: in
     without a batch axis are passed whole."""
     n = samples(inputs, plan)
     rows = np.arange(index * batch, (index + 1) * batch) % n
-    return {
-        name: np.ascontiguousarray(a[rows]) if _batched(plan, name) else a
-        for name, a in inputs.items()
-    }
+    out = {}
+    for name, a in inputs.items():
+        axis = _axis(plan, name)
+        out[name] = a if axis is None else np.ascontiguousarray(np.take(a, rows, axis=axis))
+    return out
 
 
 def batches(inputs: Mapping[str, np.ndarray], plan: Plan, batch: int, count: int) -> list[dict[str, np.ndarray]]:

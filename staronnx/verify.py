@@ -45,11 +45,16 @@ class VerifyReport:
 
 
 def feed_shapes(plan: Plan, batch: int, given: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-    """Concrete input shapes: the batch for axis 0, the rest from the user or the plan's settings.
+    """Concrete input shapes: the batch on each input's own batch axis (the plan's contract), the
+    rest from the user or the plan's settings.
 
     A dynamic dim nobody gave a size for cannot be guessed safely, so it is an error that says
-    which option to pass.
+    which option to pass. So is a batch above 1 for a model that runs one request per task.
     """
+    contract = plan.contract
+    if batch != 1 and not contract.batchable:
+        raise PlanError(f"batch {batch} is impossible for this model: {contract.why_not}; it runs one request "
+                        "per task (use batch 1)")
     recorded = {k: list(v) for k, v in plan.settings.get("input_shapes", {}).items()}
     recorded.update(given or {})
     shapes: dict[str, list[int]] = {}
@@ -57,10 +62,10 @@ def feed_shapes(plan: Plan, batch: int, given: dict[str, list[int]] | None = Non
         dims: list[int] = []
         user = recorded.get(spec.name)
         for axis, d in enumerate(spec.shape):
-            if is_fixed(d):
-                dims.append(int(d))
-            elif axis == 0:
+            if axis == contract.inputs.get(spec.name):
                 dims.append(batch)
+            elif is_fixed(d):
+                dims.append(int(d))
             elif user is not None and axis < len(user) and is_fixed(user[axis]):
                 dims.append(int(user[axis]))
             else:
