@@ -251,9 +251,6 @@ class BatchContract:
             if rows > len(parts):
                 parts += [parts[-1]] * (rows - len(parts))
             first = parts[0]
-            if len(parts) == 1 and first.shape[axis] == rows:
-                feeds[name] = first
-                continue
             shape = first.shape[:axis] + (sum(p.shape[axis] for p in parts),) + first.shape[axis + 1:]
             feeds[name] = np.concatenate(parts, axis=axis, out=alloc(shape, first.dtype))
         return feeds

@@ -97,22 +97,25 @@ def request(name: str, client: int, rows: int = 1) -> dict[str, np.ndarray]:
 
 @functools.lru_cache(maxsize=None)
 def _session(name: str):  # an onnxruntime.InferenceSession
+    """ORT's CPU session of a real model by name, or of any ``.onnx`` file by path."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     so.log_severity_level = 3
-    return ort.InferenceSession(str(path(name)), so, providers=["CPUExecutionProvider"])
+    model = name if str(name).endswith(".onnx") else str(path(name))
+    return ort.InferenceSession(model, so, providers=["CPUExecutionProvider"])
 
 
-def ort_outputs(name: str, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """What plain onnxruntime answers to exactly ``feeds`` (the whole model, CPU)."""
-    sess = _session(name)
+def ort_outputs(name: str | Path, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """What plain onnxruntime answers to exactly ``feeds`` (the whole model, CPU); ``name`` is a
+    real model's name or an ``.onnx`` path."""
+    sess = _session(str(name))
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, dict(feeds))))
 
 
-def assert_own_answer(name: str, feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray],
+def assert_own_answer(name: str | Path, feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray],
                       tol: float = 1e-4) -> None:
     """``got`` is ORT's answer to ``feeds`` (shapes equal, max abs diff <= tol x scale)."""
     want = ort_outputs(name, feeds)
@@ -124,3 +127,27 @@ def assert_own_answer(name: str, feeds: Mapping[str, np.ndarray], got: Mapping[s
             scale = max(1.0, float(np.abs(w).max()))
             diff = float(np.abs(g.astype(np.float64) - w.astype(np.float64)).max())
             assert diff <= tol * scale, f"{name}.{k}: max abs diff {diff} to ORT's answer to these inputs"
+
+
+def fixed_batch_time_major(folder: Path) -> Path:
+    """The issue's OCR model: ``crnn_ocr`` exported with a fixed batch of 1 (input
+    ``[1, 1, 32, width]``) whose output is declared ``[1, seqlen]`` but computed
+    ``[time, 1, 37]`` (its batch on axis 1). Written to ``folder``; the path returned."""
+    import onnx
+
+    model = onnx.load(str(path("crnn_ocr")))
+    dim = model.graph.input[0].type.tensor_type.shape.dim[0]
+    dim.Clear()
+    dim.dim_value = 1
+    shape = model.graph.output[0].type.tensor_type.shape
+    del shape.dim[:]
+    shape.dim.add().dim_value = 1
+    shape.dim.add().dim_param = "seqlen"
+    out = Path(folder) / "ocr_fixed_b1.onnx"
+    onnx.save(model, str(out))
+    return out
+
+
+def fixed_request(client: int) -> dict[str, np.ndarray]:
+    """A request to :func:`fixed_batch_time_major`'s model (one image, width by client % 2)."""
+    return request("crnn_ocr", client)

@@ -126,9 +126,8 @@ class NativeEngine:
         self._output_names = [m.plan.output_names for m in self.models.models]
         self._capacity = [m.target.capacity for m in self.models.models]
         self._part_inputs = self.models.part_inputs
-        #: per model, the input whose leading dimension is the batch (None: no batch axis)
-        self._batch_input = [next((t.name for t in m.plan.inputs if t.shape and not isinstance(t.shape[0], int)), None)
-                             for m in self.models.models]
+        #: per model, its batching contract: where the batch size of a request's feeds is read
+        self._contracts = [m.plan.contract for m in self.models.models]
         self._footprints: dict[tuple[Any, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
         self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
@@ -167,8 +166,7 @@ class NativeEngine:
         ``model`` (its index). ``arrival`` (this engine's clock; default now) is when the
         request arrived, from which its model's latency target counts. Raises
         :class:`ModelOverloaded` when the model already has its capacity in flight."""
-        name = self._batch_input[model]
-        batch = int(feeds[name].shape[0]) if name is not None else 1
+        batch = self._contracts[model].rows(feeds)
         future = RequestFuture(-1, self._future_cond)
         capacity = self._capacity[model]
         with self._lock:

@@ -4,6 +4,12 @@
         fut = server.submit({"x": sample})        # sample: batch dimension 1
         logits = fut.result()["logits"]           # shape [1, ...], this request's row only
 
+Requests are batched by the plan's batching contract (:mod:`staronnx.contract`): only those
+with the same shape signature (every non-batch dimension, and the value of each input without a
+batch axis) share a batch, one queue per signature in effect (Triton's rule), FIFO across them;
+batches are concatenated and split along each tensor's own batch axis; a model that cannot
+batch runs one request per batch. A request's answer is computed from its own inputs only.
+
 Batching follows the StarONNX papers by default: a batch leaves when it holds exactly
 ``batch_size`` requests, so under a low rate the first request of a batch waits for the rest
 (that wait is the papers' latency). With ``max_delay`` the batcher behaves like Triton's
@@ -100,11 +106,14 @@ class _Request(RequestFuture):
     request is two tracked objects, this and its record. ``cancel`` tells the server
     directly, where a done-callback would run on every completion."""
 
-    def __init__(self, server: Server, record: RequestRecord, sample: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, server: Server, record: RequestRecord, sample: Mapping[str, np.ndarray],
+                 signature: Any = None) -> None:
         super().__init__(record.id, server._future_cond)
         self._server = server
         self._record = record
         self._sample = sample
+        #: what requests must share to be batched together (None: every request of the model)
+        self._sig = signature
 
     def cancel(self) -> bool:
         if not super().cancel():
@@ -300,9 +309,15 @@ class Server:
             raise StaronnxError(f"pad_to must be batch sizes (integers >= 1), got {list(pad_to)!r}")
         # never past the batch size (Triton's preferred sizes are <= max_batch_size): a runtime
         # that captured 32 for another server must not turn this one's batch of 3 into 32 rows
-        self.pad_to: tuple[int, ...] = tuple(sorted({int(m) for m in pad_to if m <= batch_size}))
         self.runtime = runtime
         self.plan: Plan = runtime.plan
+        self._contract = self.plan.contract
+        #: the most requests a batch holds: 1 for a model that cannot batch (Triton's
+        #: max_batch_size 0: one request per task, still concurrent over every worker)
+        self._limit = batch_size if self._contract.batchable else 1
+        self.pad_to: tuple[int, ...] = tuple(sorted({int(m) for m in pad_to if m <= self._limit}))
+        if self._limit == 1:
+            self.pad_to = ()
         self.batch_size = batch_size
         self.max_delay = max_delay
         self.queue_capacity = queue_capacity
@@ -314,9 +329,13 @@ class Server:
         #: a model of a shared runtime counts its latency target from each batch's oldest
         #: arrival, which it can only read on the runtime's clock (perf_counter)
         self._pass_arrival = bool(getattr(runtime, "takes_arrival", False)) and clock is time.perf_counter
-        self._batched = {t.name: _is_batched(t.shape) for t in self.plan.inputs}
         self._exact_inputs = _exact_inputs(self.plan)
-        self._out_batched = {t.name: _is_batched(t.shape) for t in self.plan.outputs}
+        #: whether requests can differ in what batching must keep apart (a dynamic non-batch
+        #: size, an input without a batch axis); if not, every request has the same signature
+        self._signed = self._limit > 1 and (self._exact_inputs is None
+                                            or any(a is None for a in self._contract.inputs.values()))
+        #: queued requests per signature (withdrawn ones included until dropped, like the queue)
+        self._groups: dict[Any, int] = {}
         self._cond = threading.Condition()
         self._future_cond = threading.Condition()  # shared by this server's request futures
         self._queue: deque[_Request] = deque()
@@ -372,6 +391,7 @@ class Server:
         or after ``timeout`` seconds of blocking), :class:`ServerClosed` after close().
         """
         self._check_sample(sample)
+        sig = self._contract.signature(sample) if self._signed else None
         with self._cond:
             if self._closing:
                 raise ServerClosed("the server is closed; no new requests are accepted")
@@ -385,16 +405,17 @@ class Server:
                 if self._closing:
                     raise ServerClosed("the server closed while this request waited for room in the queue")
                 raise OverloadError(self.queue_capacity)
-            future = _Request(self, record, sample)
+            future = _Request(self, record, sample, sig)
             self._queue.append(future)
+            self._groups[sig] = alike = self._groups.get(sig, 0) + 1
             self._sample_queue()
             queued = len(self._queue)
             room = len(self._inflight) < self.max_inflight
             batch: list[_Request] = []
             formed: BatchRecord | None = None
-            if queued >= self.batch_size and room and not self._flush_left:
+            if alike >= self._limit and room and not self._flush_left:
                 # the request that fills a batch launches it on this thread (see _form)
-                batch = self._take(self.batch_size)
+                batch = self._take(self._limit, sig)
                 formed = self._form(batch)
             elif (self._flush_left and room) or (queued == 1 and self.max_delay is not None):
                 # the batcher only when it can act: a flush it must send, or a first request
@@ -417,14 +438,16 @@ class Server:
     def _drop_withdrawn(self) -> None:
         """Remove (lock held) the cancelled requests still queued; one pass for many cancels."""
         kept: deque[_Request] = deque()
+        groups: dict[Any, int] = {}
         for p in self._queue:
             if p.cancelled():
                 p._record.withdrawn = True
                 p.set_running_or_notify_cancel()  # wait() and as_completed() count it done now
             else:
                 kept.append(p)
+                groups[p._sig] = groups.get(p._sig, 0) + 1
         self._flush_left = min(self._flush_left, len(kept))
-        self._queue, self._withdrawn = kept, 0
+        self._queue, self._withdrawn, self._groups = kept, 0, groups
         self._sample_queue()
 
     def _wait_for_room(self, timeout: float | None) -> bool:
@@ -460,10 +483,12 @@ class Server:
             except Exception:  # noqa: BLE001 - whatever it is, the full checks below name it
                 pass
         self.plan.check_feeds(sample)
-        for name, batched in self._batched.items():
-            if batched and sample[name].shape[0] != 1:
+        if self._limit == 1:  # one request per task: a request is whatever the model takes
+            return
+        for name, axis in self._contract.inputs.items():
+            if axis is not None and sample[name].shape[axis] != 1:
                 raise InputError(
-                    f"input {name!r}: a request is one sample, so axis 0 must be 1; got shape "
+                    f"input {name!r}: a request is one sample, so axis {axis} (its batch axis) must be 1; got shape "
                     f"{list(sample[name].shape)} (the server forms the batches)"
                 )
 
@@ -545,21 +570,47 @@ class Server:
             if self._withdrawn:
                 self._drop_withdrawn()
             now = self.clock()
+            sig = self._next_group()
             size, due = next_batch_size(
-                queued=len(self._queue), inflight=len(self._inflight), batch_size=self.batch_size,
-                max_inflight=self.max_inflight, flush_left=self._flush_left, closing=self._closing,
-                oldest_arrival=self._queue[0]._record.arrival if self._queue else now,
+                queued=self._groups.get(sig, 0) if self._queue else 0, inflight=len(self._inflight),
+                batch_size=self._limit, max_inflight=self.max_inflight, flush_left=self._flush_left,
+                closing=self._closing, oldest_arrival=self._queue[0]._record.arrival if self._queue else now,
                 max_delay=self.max_delay, now=now)
             if size or self._completions:
                 completions, self._completions = self._completions, []
                 self._resolving += len(completions)
-                return (self._take(size) if size else []), completions
+                return (self._take(size, sig) if size else []), completions
             if self._closing and not self._queue and not self._inflight:
                 return None
             self._cond.wait(None if due == math.inf else due - now)
 
-    def _take(self, count: int) -> list[_Request]:
-        taken = [self._queue.popleft() for _ in range(min(count, len(self._queue)))]
+    def _next_group(self) -> Any:
+        """(lock held) The signature whose requests leave next: a full group if the window held
+        one back, else the oldest request's (its max-delay deadline is the one running)."""
+        if len(self._groups) > 1:
+            for sig, count in self._groups.items():
+                if count >= self._limit:
+                    return sig
+            return self._queue[0]._sig
+        return next(iter(self._groups), None)
+
+    def _take(self, count: int, sig: Any = None) -> list[_Request]:
+        """(lock held) The ``count`` oldest queued requests of signature ``sig``, in order."""
+        queue = self._queue
+        if len(self._groups) <= 1:  # every queued request alike (most models): from the front
+            taken = [queue.popleft() for _ in range(min(count, len(queue)))]
+        else:
+            taken, kept = [], deque()
+            while queue and len(taken) < count:
+                p = queue.popleft()
+                (taken if p._sig == sig else kept).append(p)
+            kept.extend(queue)
+            self._queue = kept
+        left = self._groups.get(sig, 0) - len(taken)
+        if left > 0:
+            self._groups[sig] = left
+        else:
+            self._groups.pop(sig, None)
         self._flush_left = max(0, self._flush_left - len(taken))
         return taken
 
@@ -578,26 +629,9 @@ class Server:
         future.add_done_callback(functools.partial(_batch_done, self._weak, record))
 
     def _concat(self, batch: list[_Request], rows: int) -> dict[str, np.ndarray]:
-        """One array per input holding the batch's samples, the last repeated up to ``rows``."""
-        feeds: dict[str, np.ndarray] = {}
-        for name, batched in self._batched.items():
-            if not batched:
-                feeds[name] = batch[0]._sample[name]
-                continue
-            parts = [p._sample[name] for p in batch]
-            if rows > len(parts):
-                parts += [parts[-1]] * (rows - len(parts))
-            try:
-                first = parts[0]  # every sample is one row: submit checked it
-                out = self._batch_memory((rows, *first.shape[1:]), first.dtype)
-                feeds[name] = np.concatenate(parts, axis=0, out=out)
-            except ValueError:
-                shapes = sorted({tuple(p._sample[name].shape) for p in batch})
-                raise InputError(
-                    f"input {name!r}: the requests of one batch must share every non-batch dimension; "
-                    f"this batch mixes shapes {[list(s) for s in shapes]}"
-                ) from None
-        return feeds
+        """One array per input holding the batch's samples along its batch axis, the last
+        repeated up to ``rows`` (the batch's requests share a signature: their shapes agree)."""
+        return self._contract.concat([p._sample for p in batch], rows, self._batch_memory)
 
     def _completed(self, record: BatchRecord, future: Future | BaseException) -> None:  # type: ignore[type-arg]
         """Runtime callback, on the runtime's thread: hand out the batch's results (also the
@@ -692,21 +726,9 @@ class Server:
         self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", span, record.formed, now, args)
 
     def _split(self, outputs: Mapping[str, np.ndarray], n: int, rows: int) -> list[dict[str, np.ndarray]]:
-        """Row ``i`` of every batched output for request ``i`` (unbatched outputs are shared);
-        rows past ``n`` are the padding's and are dropped."""
-        results: list[dict[str, np.ndarray]] = [{} for _ in range(n)]
-        for name, arr in outputs.items():
-            batched = self._out_batched.get(name, True) and getattr(arr, "ndim", 0) >= 1
-            if not batched:
-                for r in results:
-                    r[name] = arr
-                continue
-            if arr.shape[0] != rows:
-                raise RuntimeError(f"output {name!r} has {arr.shape[0]} rows for a batch of {rows} "
-                                   + ("requests" if rows == n else f"rows ({n} requests, padded)"))
-            for i, r in enumerate(results):
-                r[name] = arr[i : i + 1]
-        return results
+        """Request ``i``'s own row of every output, along each output's batch axis; rows past
+        ``n`` are the padding's and are dropped (a batch of one gets the outputs whole)."""
+        return self._contract.split(outputs, [1] * n, rows)
 
     # -- records ------------------------------------------------------------------------------
     def _sample_queue(self) -> None:
@@ -797,6 +819,7 @@ class Server:
             self._cond.notify_all()
             leftovers = self._unanswered()
             self._queue.clear()
+            self._groups.clear()
             self._inflight.clear()
             self._completions.clear()
             for p in leftovers:
@@ -886,18 +909,16 @@ def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype, tuple[int, ...]]] | N
     """(name, dtype, shape) of a one-sample request per input, when each has exactly one;
     None when some dimension other than the batch axis is free (or a dtype numpy lacks)."""
     exact = []
+    contract = plan.contract
     for t in plan.inputs:
         try:
             dtype = np.dtype(t.dtype)
         except TypeError:
             return None
-        shape = [1 if axis == 0 and _is_batched(t.shape) else d for axis, d in enumerate(t.shape)]
+        axis_of = contract.inputs.get(t.name) if contract.batchable else None
+        shape = [1 if axis == axis_of else d for axis, d in enumerate(t.shape)]
         if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
             return None
         exact.append((t.name, dtype, tuple(shape)))
     return exact
 
-
-def _is_batched(shape: list[int | str | None]) -> bool:
-    """A tensor whose first axis is symbolic carries the batch (the runtime's own rule)."""
-    return bool(shape) and not isinstance(shape[0], int)

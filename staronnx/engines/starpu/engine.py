@@ -295,7 +295,7 @@ class StarpuEngine:
         self._n_sinks = sum(p.sink for p in self._parts)
         self._output_names = list(plan.output_names)
         self._output_set = set(plan.output_names)
-        self._batch_symbol = next((s.shape[0] for s in plan.inputs if s.shape and isinstance(s.shape[0], str)), None)
+        self._batch_symbol = plan.contract.symbol
 
     # -- submission ---------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:
@@ -350,15 +350,12 @@ class StarpuEngine:
     def _shapes(self, feeds: Mapping[str, np.ndarray]) -> tuple[int, dict[str, int], int]:
         """Batch size, values of the plan's symbolic dims, and a hash of the non-batch ones."""
         symbols: dict[str, int] = {}
-        batch = 1
-        found_batch = False
         for spec in self.plan.inputs:
             arr = feeds[spec.name]
             for want, got in zip(spec.shape, arr.shape):
                 if isinstance(want, str):
                     symbols.setdefault(want, int(got))
-            if not found_batch and spec.shape and not isinstance(spec.shape[0], int):
-                batch, found_batch = int(arr.shape[0]), True
+        batch = self.plan.contract.rows(feeds)
         others = sorted((k, v) for k, v in symbols.items() if k != self._batch_symbol)
         shape_hash = zlib.crc32(repr(others).encode()) if others else 0
         return batch, symbols, shape_hash
