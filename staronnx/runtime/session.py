@@ -21,6 +21,16 @@ A model (a file or bytes) is partitioned once and the plan kept under
 the same model and settings reuses it (and its calibrated perf models, which are keyed by the
 plan's hash), and nothing is left in the temporary folder. A plan folder or :class:`Plan` is used
 as it is.
+
+A model with a dynamic size besides the batch (a sequence length, an image's height and width, a
+KV cache's past) needs no option, as ORT needs none: partitioning must run the model at some
+size to time it, and no size is safe to guess (a UNet wants multiples of its strides, a decoder's
+mask must match its cache), so the session is cut at its first run's shapes, which are valid by
+construction, and that one plan then serves every size the model accepts (the size only weighs
+the cut's costs). The workers start with that first run, which therefore takes seconds. The plan
+is kept as any other, under settings that say "cut at a first run": the next session of the model
+finds it and starts at once. ``input_shapes=["image=1x3x256x256"]`` cuts at a size chosen instead,
+when the session opens.
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -44,13 +55,17 @@ import onnx
 import onnxruntime as ort
 from filelock import FileLock
 from google.protobuf.message import DecodeError
+from onnx import helper
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from staronnx.errors import InputError, ModelError, PlanError
-from staronnx.modelio import load_model
+from staronnx.modelio import dim_of, is_fixed, load_model
 from staronnx.ortutil import ort_type_name
+from staronnx.partition.graph import model_inputs
 from staronnx.perfmodels.store import default_root
 from staronnx.plan import PLAN_VERSION, Plan, TensorSpec, _numpy_dtype
+from staronnx.runtime.engine import EngineClosed
+from staronnx.runtime.policies import policy_options
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.workers.cudart import host_runtime_from_env
@@ -68,6 +83,9 @@ _ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_
 _UNSET_VERSION = 2**63 - 1
 #: how long a session waits for another process partitioning the same model (seconds)
 PLAN_LOCK_TIMEOUT = 3600.0
+#: what a session's settings record as its ``input_shapes`` when the model is cut at its first
+#: run: one plan serves every size, so whichever first run made it, the next session reuses it
+AT_FIRST_RUN = "at the first run's shapes"
 
 
 # -- errors of ORT's types ------------------------------------------------------------------
@@ -282,15 +300,74 @@ def _cached_plan(source: Any, sha256: str, folder: Path, make: Callable[..., Pla
     only a staging folder that the next writer sweeps)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
-        if folder.exists():
-            try:
-                plan = Plan.load(folder)
-                if plan.source.get("sha256") == sha256:
-                    return plan
-                log.warning("plan %s is of another model; partitioning again", folder)
-            except PlanError as exc:
-                log.warning("plan %s is unusable (%s); partitioning again", folder, exc)
-        return make(source, output_dir=folder, force=True)
+        plan = _kept_plan(folder, sha256, say=True)
+        return plan if plan is not None else make(source, output_dir=folder, force=True)
+
+
+def _kept_plan(folder: Path, sha256: str, say: bool = False) -> Plan | None:
+    """The plan in ``folder`` when it is this model's and intact, else None (``say``: log why
+    an existing one is not used, before it is made again)."""
+    if not folder.exists():
+        return None
+    try:
+        plan = Plan.load(folder)
+    except PlanError as exc:
+        if say:
+            log.warning("plan %s is unusable (%s); partitioning again", folder, exc)
+        return None
+    if plan.source.get("sha256") != sha256:
+        if say:
+            log.warning("plan %s is of another model; partitioning again", folder)
+        return None
+    return plan
+
+
+def _partition_options(partition_options: Mapping[str, Any] | None,
+                       input_shapes: Sequence[str] | Mapping[str, Sequence[int]] | None) -> dict[str, Any]:
+    """What goes to partition(): ``partition_options`` with ``input_shapes`` (a keyword of its
+    own, as partition's errors name it) in it; given in both places it is refused, not merged."""
+    options = dict(partition_options or {})
+    if input_shapes is not None:
+        if "input_shapes" in options:
+            raise TypeError("input_shapes given twice: as input_shapes= and in partition_options; give it once")
+        options["input_shapes"] = input_shapes
+    placed = sorted({"output_dir", "force"} & options.keys())
+    if placed:
+        raise TypeError(f"partition_options cannot set {placed[0]}: a session's plan lives under "
+                        "STARONNX_HOME; for a plan elsewhere, staronnx.partition(model, "
+                        "output_dir=...) and pass that folder")
+    return options
+
+
+def _unsized(model: onnx.ModelProto) -> list[str]:
+    """The model's dynamic sizes that partition cannot choose itself ("image: height"): every
+    dynamic axis of an input but its batch axis (which partition sets to its profiling batch)."""
+    return [f"{spec.name}: {d or f'axis {axis}'}" for spec in model_inputs(model)
+            for axis, d in enumerate(spec.shape) if not is_fixed(d) and axis != spec.batch_axis]
+
+
+def _first_run_shapes(feeds: Mapping[str, np.ndarray]) -> dict[str, list[int]]:
+    """A first run's feed shapes as partition's ``input_shapes`` (scalars have none to give;
+    a zero size, an empty KV cache at a decoder's prefill, is a size the model runs)."""
+    return {name: [int(d) for d in value.shape] for name, value in feeds.items() if value.ndim}
+
+
+def _declared(model: onnx.ModelProto) -> Plan:
+    """The model's inputs and outputs as it declares them (what ORT's getters report), as a plan
+    with no parts: it answers the getters and checks feeds before the model is cut."""
+    def spec(vi: onnx.ValueInfoProto) -> TensorSpec:
+        tt = vi.type.tensor_type
+        try:
+            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
+        except (KeyError, TypeError):  # an element type numpy has no name for
+            dtype = onnx.TensorProto.DataType.Name(tt.elem_type).lower()
+        shape = [dim_of(d) for d in tt.shape.dim] if tt.HasField("shape") else []
+        return TensorSpec(vi.name, dtype, shape)
+
+    fed = {spec.name for spec in model_inputs(model)}
+    return Plan(root=Path(), parts=[], inputs=[spec(vi) for vi in model.graph.input if vi.name in fed],
+                outputs=[spec(vi) for vi in model.graph.output], crossing=[], cut_bytes_per_sample=0,
+                source={}, settings={})
 
 
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
@@ -371,7 +448,7 @@ class IOBinding:
         except ValueError as exc:
             raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
         results = []
-        for name, array in zip(names or self._session.plan.output_names, arrays):
+        for name, array in zip(names or self._session._io.output_names, arrays):
             bound = self._outputs.get(name)
             if bound is not None:
                 bound.update_inplace(np.ascontiguousarray(array, dtype=array.dtype))
@@ -405,10 +482,14 @@ class InferenceSession:
         policy: str = "heft",
         cpu_groups: str | None = None,
         cuda_streams: int | None = None,
+        input_shapes: Sequence[str] | Mapping[str, Sequence[int]] | None = None,
         partition_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """``partition_options`` go to :func:`staronnx.partition` when a model is cut (e.g.
+        """``input_shapes`` (``["image=1x3x256x256"]``) is the size a model with dynamic sizes
+        is cut at when the session opens; without it such a model is cut at its first run's
+        shapes (see the module's docstring), and either plan serves every size.
+        ``partition_options`` go to :func:`staronnx.partition` when a model is cut (e.g.
         ``{"costs": "estimate"}``, ``{"method": "linear"}``); other keywords go to
         :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...).
 
@@ -417,6 +498,13 @@ class InferenceSession:
         = N`` (N > 0) gives the session one CPU group of N cores, as ORT computes on N threads
         (``cpu_groups``, when given, decides instead; default: one group per NUMA node)."""
         self._runtime: Runtime | None = None
+        self._plan: Plan | None = None
+        #: the source model's declared inputs and outputs (None for a plan given as it is)
+        self._model: Plan | None = None
+        #: cuts the model at a first run's feeds, for a model with dynamic sizes and no input_shapes
+        self._cut: Callable[[Mapping[str, np.ndarray]], Plan] | None = None
+        self._start_lock = threading.Lock()
+        self._closed = False
         self._scratch: Path | None = None
         if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
             hint = (" (staronnx's shares are keyword-only: shares=[...])"
@@ -451,11 +539,16 @@ class InferenceSession:
             runtime_options["cuda_options"] = cuda_options
 
         self._meta: ModelMetadata | None = None
+        self._streams = streams
+        options = _partition_options(partition_options, input_shapes)
         try:
-            self.plan = self._plan(path_or_bytes, shares, dict(partition_options or {}), cpu_groups, streams)
+            self._plan = self._plan_for(path_or_bytes, shares, options, cpu_groups, streams)
             self._profile_path, self._profile_start = self._profiling(sess_options, runtime_options)
-            self._runtime = Runtime(self.plan, policy=policy, cpu_groups=cpu_groups,
-                                    cuda_streams=streams, **runtime_options)
+            self._runtime_args = dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
+            if self._plan is not None:
+                self._runtime = Runtime(self._plan, **self._runtime_args)
+            else:
+                policy_options(policy)  # an unknown policy fails here, not at the first run
         except BaseException:
             self._remove_scratch()
             raise
@@ -472,42 +565,90 @@ class InferenceSession:
                             f"(staronnx options: shares, policy, cpu_groups, cuda_streams, "
                             f"partition_options, {', '.join(sorted(accepted))})")
 
-    def _plan(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str, streams: int) -> Plan:
+    def _plan_for(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str,
+                  streams: int) -> Plan | None:
+        """The plan to run: the one given, the one kept for this model and settings, or a new
+        cut. None when the model is cut at its first run (``self._cut`` then makes it)."""
         if isinstance(path_or_bytes, Plan):
-            plan = path_or_bytes
-        elif not isinstance(path_or_bytes, (bytes, bytearray, memoryview)) and Path(path_or_bytes).is_dir():
-            plan = Plan.load(path_or_bytes)
-        else:
-            if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
-                raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
-            placed = sorted({"output_dir", "force"} & options.keys())
-            if placed:
-                raise TypeError(f"partition_options cannot set {placed[0]}: a session's plan lives under "
-                                "STARONNX_HOME; for a plan elsewhere, staronnx.partition(model, "
-                                "output_dir=...) and pass that folder")
-            source, model, sha256 = _load_source(path_or_bytes)
-            self._meta = ModelMetadata.of(model)
-            if shares is not None and not isinstance(shares, str):
-                shares = [float(s) for s in shares]
-            key = _settings_key(shares, options, groups, streams)
-            from staronnx.workers.host import partition
+            return path_or_bytes
+        if not isinstance(path_or_bytes, (bytes, bytearray, memoryview)) and Path(path_or_bytes).is_dir():
+            return Plan.load(path_or_bytes)
+        if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
+            raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
+        source, model, sha256 = _load_source(path_or_bytes)
+        self._meta = ModelMetadata.of(model)
+        self._model = _declared(model)
+        if shares is not None and not isinstance(shares, str):
+            shares = [float(s) for s in shares]
+        from staronnx.workers.host import partition
 
+        unsized = [] if "input_shapes" in options else _unsized(model)
+        if not unsized:
             def make(src: Any, **where: Any) -> Plan:
                 return partition(src, shares, groups=groups, cuda_streams=streams, **options, **where)
 
-            try:
-                return _cached_plan(source, sha256, session_plan_dir(sha256, key), make)
-            except OSError as exc:
-                if exc.errno not in _READ_ONLY:
-                    raise
-                why = exc.strerror or str(exc)
-            # a home that cannot be written: this session's own plan, removed at close
-            warnings.warn(f"cannot keep plans under {default_root()} ({why}); this "
-                          "session's plan lives in a temporary folder until close(). Set "
-                          "STARONNX_HOME to a writable folder to partition once.", UserWarning, stacklevel=4)
-            self._scratch = Path(tempfile.mkdtemp(prefix="staronnx-session-"))
-            return make(source, output_dir=self._scratch / "plan")
-        return plan
+            return self._kept_or_made(source, sha256, _settings_key(shares, options, groups, streams), make)
+        key = _settings_key(shares, {**options, "input_shapes": AT_FIRST_RUN}, groups, streams)
+        with contextlib.suppress(OSError):  # a home that cannot be read: cut at the first run
+            kept = _kept_plan(session_plan_dir(sha256, key), sha256)
+            if kept is not None:
+                return kept
+
+        def cut(feeds: Mapping[str, np.ndarray]) -> Plan:
+            shapes = _first_run_shapes(feeds)
+            log.info("cutting %s at its first run's shapes %s (its dynamic sizes: %s); the plan serves "
+                     "every size", self._meta.graph_name if self._meta else "the model", shapes, ", ".join(unsized))
+
+            def make(src: Any, **where: Any) -> Plan:
+                return partition(src, shares, groups=groups, cuda_streams=streams, **options,
+                                 input_shapes=shapes, **where)
+
+            return self._kept_or_made(source, sha256, key, make)
+
+        self._cut = cut
+        return None
+
+    def _kept_or_made(self, source: Any, sha256: str, key: str, make: Callable[..., Plan]) -> Plan:
+        """The plan kept under STARONNX_HOME for this model and settings key, made there when
+        absent; where the home cannot be written, this session's own in a temporary folder."""
+        try:
+            return _cached_plan(source, sha256, session_plan_dir(sha256, key), make)
+        except OSError as exc:
+            if exc.errno not in _READ_ONLY:
+                raise
+            why = exc.strerror or str(exc)
+        # a home that cannot be written: this session's own plan, removed at close
+        warnings.warn(f"cannot keep plans under {default_root()} ({why}); this "
+                      "session's plan lives in a temporary folder until close(). Set "
+                      "STARONNX_HOME to a writable folder to partition once.", UserWarning, stacklevel=4)
+        self._scratch = Path(tempfile.mkdtemp(prefix="staronnx-session-"))
+        return make(source, output_dir=self._scratch / "plan")
+
+    @property
+    def plan(self) -> Plan:
+        """The plan this session runs. A model cut at its first run has none before that run."""
+        if self._plan is None:
+            raise RuntimeError("this session's model is cut at its first run's shapes and has not run yet; "
+                               "pass input_shapes=[...] to InferenceSession to cut it when the session opens")
+        return self._plan
+
+    def _started(self, feeds: Mapping[str, np.ndarray]) -> Runtime:
+        """The runtime, started now at ``feeds``' shapes for a model cut at its first run
+        (concurrent first runs wait for one cut). A cut that fails leaves the session as it
+        was: the next run tries again at its own shapes."""
+        runtime = self._runtime
+        if runtime is not None:
+            return runtime
+        with self._start_lock:
+            if self._closed:
+                raise EngineClosed("the session is closed; no new requests are accepted")
+            if self._runtime is None:
+                if self._cut is None:
+                    raise RuntimeError("this InferenceSession failed to start")
+                plan = self._cut(feeds)
+                self._runtime = Runtime(plan, **self._runtime_args)
+                self._plan = plan
+            return self._runtime
 
     def _profiling(self, so: ort.SessionOptions | None,
                    runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
@@ -529,18 +670,26 @@ class InferenceSession:
             self._scratch = None
 
     # -- getters ----------------------------------------------------------------------------
+    @property
+    def _io(self) -> Plan:
+        """The inputs and outputs the getters report and feeds are checked against: the source
+        model's, as it declares them (ORT's), or a plan's given as it is."""
+        return self._model if self._model is not None else self.plan
+
     def get_inputs(self) -> list[NodeArg]:
-        return [_arg(t) for t in self.plan.inputs]
+        return [_arg(t) for t in self._io.inputs]
 
     def get_outputs(self) -> list[NodeArg]:
-        return [_arg(t) for t in self.plan.outputs]
+        return [_arg(t) for t in self._io.outputs]
 
     def get_overridable_initializers(self) -> list[NodeArg]:
         """None: partitioning freezes the initializers into the parts."""
         return []
 
     def get_providers(self) -> list[str]:
-        cuda = any(getattr(w, "device_id", None) is not None for w in self.runtime.workers)
+        if self._runtime is None:  # started at the first run, with the CUDA workers decided now
+            return ([CUDA_EP] if self._streams else []) + [CPU_EP]
+        cuda = any(getattr(w, "device_id", None) is not None for w in self._runtime.workers)
         return ([CUDA_EP] if cuda else []) + [CPU_EP]
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
@@ -550,7 +699,8 @@ class InferenceSession:
         for name in self.get_providers():
             opts = dict(self._provider_options.get(name, {}))
             if name == CUDA_EP:
-                worker = next((w for w in self.runtime.workers if getattr(w, "device_id", None) is not None), None)
+                workers = self._runtime.workers if self._runtime is not None else []
+                worker = next((w for w in workers if getattr(w, "device_id", None) is not None), None)
                 with contextlib.suppress(Exception):
                     opts = dict(worker.provider_options(0).get(CUDA_EP, opts))  # type: ignore[union-attr]
             out[name] = opts
@@ -580,9 +730,10 @@ class InferenceSession:
         """Write the trace so far and return its file name ('' when not profiling, or after
         the first call, as ORT)."""
         path, self._profile_path = self._profile_path, None
-        if path is None or self.runtime.tracer is None:
+        tracer = self._runtime.tracer if self._runtime is not None else None
+        if path is None or tracer is None:
             return ""
-        return str(self.runtime.tracer.save())
+        return str(tracer.save())
 
     def set_providers(self, providers: Any = None, provider_options: Any = None) -> None:
         raise NotImplementedError("staronnx starts its workers once: create a new "
@@ -600,7 +751,8 @@ class InferenceSession:
         """ORT's feed checks and types: a missing input is a ValueError, anything else wrong
         with a feed an InvalidArgument; lists and host OrtValues are accepted as ORT does."""
         names = list(input_feed.keys())
-        required = self.plan.input_names
+        io = self._io
+        required = io.input_names
         missing = [n for n in required if n not in input_feed]
         if missing:
             raise InputError(f"Required inputs ({missing}) are missing from input feed ({names}).")
@@ -610,11 +762,11 @@ class InferenceSession:
                 if isinstance(value, ort.OrtValue):
                     value = _host_array(value, name)
                 else:
-                    spec = next((t for t in self.plan.inputs if t.name == name), None)
+                    spec = next((t for t in io.inputs if t.name == name), None)
                     value = np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
             feeds[name] = value
         try:
-            self.plan.check_feeds(feeds)
+            io.check_feeds(feeds)
         except InputError as exc:
             raise InvalidArgument(str(exc)) from None
         return feeds
@@ -623,18 +775,18 @@ class InferenceSession:
         if isinstance(output_names, str):
             raise TypeError("output_names must be a list of names (or None), not one string")
         if not output_names:
-            return self.plan.output_names
+            return self._io.output_names
         names = list(output_names)
         for n in names:
-            if n not in self.plan.output_names:
-                raise InvalidArgument(f"Invalid output name:{n}; the outputs are {self.plan.output_names}")
+            if n not in self._io.output_names:
+                raise InvalidArgument(f"Invalid output name:{n}; the outputs are {self._io.output_names}")
         return names
 
     def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[np.ndarray]:
         names = self._outputs(output_names)
         feeds = self._feeds(input_feed)
         try:
-            values = self.runtime.run(feeds)
+            values = self._started(feeds).run(feeds)
         except TaskError as exc:
             raise _ort_task_error(exc) from exc.__cause__
         return [values[n] for n in names]
@@ -670,7 +822,14 @@ class InferenceSession:
         except InvalidArgument as exc:  # ORT reports these through the callback
             _call_back(callback, [], user_data, str(exc))
             return
-        future = self.runtime.submit(feeds)
+        try:
+            runtime = self._started(feeds)
+        except EngineClosed:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a first run's cut failed: reported as its run's error
+            _call_back(callback, [], user_data, str(exc))
+            return
+        future = runtime.submit(feeds)
 
         def done(f: RequestFuture) -> None:
             exc = f.exception()
@@ -685,7 +844,8 @@ class InferenceSession:
     def submit(self, input_feed: Mapping[str, Any]) -> RequestFuture:
         """A future (concurrent.futures, awaitable) of the outputs dict: staronnx's own
         asynchronous form, for pipelining many requests without callbacks."""
-        return self.runtime.submit(self._feeds(input_feed))
+        feeds = self._feeds(input_feed)
+        return self._started(feeds).submit(feeds)
 
     def run_with_ort_values(
         self,
@@ -720,12 +880,17 @@ class InferenceSession:
     @property
     def runtime(self) -> Runtime:
         if self._runtime is None:
+            if self._cut is not None and not self._closed:
+                raise RuntimeError("this session's workers start at its first run, which cuts the model at its "
+                                   "shapes; pass input_shapes=[...] to InferenceSession to start them when it opens")
             raise RuntimeError("this InferenceSession failed to start")
         return self._runtime
 
     def close(self) -> None:
         """Stop the workers. A plan kept under ``$STARONNX_HOME`` stays for the next session;
         one made in a temporary folder (read-only home) is removed."""
+        with self._start_lock:  # a first run's cut in progress finishes first; none starts after
+            self._closed = True
         try:
             if self._runtime is not None:
                 self._runtime.close()
