@@ -90,6 +90,18 @@ def axis_of(shape: Shape | None, symbol: str | None) -> int | None:
     return None
 
 
+#: the name partition gives a batch dimension the model left unnamed (``-1`` in the file)
+UNNAMED = "batch"
+
+
+def input_axis(shape: Shape | None, symbol: str | None) -> int | None:
+    """An input's batch axis: where ``symbol`` is; without a shared symbol, an unnamed dynamic
+    axis 0 (files that write -1 for every dynamic size, as Paddle's exporter does)."""
+    if symbol is not None:
+        return axis_of(shape, symbol)
+    return 0 if shape and shape[0] is None else None
+
+
 def parse_batch_axes(items: Sequence[str] | Mapping[str, int | None] | None) -> dict[str, int | None]:
     """``NAME=AXIS`` items (the CLI's ``--batch-axis``; ``none`` for no batch axis) or a mapping,
     as a mapping; a malformed item raises :class:`ContractError` naming it."""
@@ -154,8 +166,10 @@ class BatchContract:
                     raise ContractError(f"batch axis {axis} of {name!r} is fixed to {shape[axis]} in the model "
                                         f"({list(shape)}): it cannot carry the batch")
         symbol = batch_symbol(inputs, outputs)
-        ins = {n: overrides[n] if n in overrides else axis_of(s, symbol) for n, s in inputs.items()}
-        outs = {n: overrides[n] if n in overrides else axis_of(s, symbol) for n, s in outputs.items()}
+        ins = {n: overrides[n] if n in overrides else input_axis(s, symbol) for n, s in inputs.items()}
+        # a plan names an output axis that doubled with the batch at partition time "batch"
+        # where the model left its batch unnamed
+        outs = {n: overrides[n] if n in overrides else axis_of(s, symbol or UNNAMED) for n, s in outputs.items()}
         why: str | None = None
         if not batching:
             why = "batching is off (--no-batching)"

@@ -151,7 +151,9 @@ def _input_specs(graph: ModelGraph, part_inputs: list[list[str]]) -> list[Tensor
             TensorSpec(
                 name=spec.name,
                 dtype=spec.dtype,
-                shape=list(spec.shape),
+                # a batch axis the model left unnamed (-1) takes the plan's batch symbol
+                shape=[graph.batch_symbol if axis == spec.batch_axis and d is None else d
+                       for axis, d in enumerate(spec.shape)],
                 bytes_per_sample=info.bytes_per_sample if info else 0,
                 batched=bool(info and info.batched),
                 producer=None,

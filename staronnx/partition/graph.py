@@ -180,7 +180,7 @@ def model_inputs(model: onnx.ModelProto, batch_axes: dict[str, int | None] | Non
     symbol = contract.batch_symbol({i.name: i.shape for i in specs}, declared_outputs(model))
     for spec in specs:
         spec.batch_axis = (batch_axes[spec.name] if batch_axes and spec.name in batch_axes
-                           else contract.axis_of(spec.shape, symbol))
+                           else contract.input_axis(spec.shape, symbol))
     return specs
 
 
