@@ -46,6 +46,11 @@ def serve_cmd(
                            "Runtime without CUDA graphs launches kernels without the GIL, which the loop then no longer "
                            "overlaps.")] = False,
     batch_size: Annotated[int, typer.Option(help="Largest batch the batcher forms from the clients' samples.")] = 8,
+    batch_axis: Annotated[list[str] | None, typer.Option(
+        "--batch-axis", help=BATCH_AXIS_HELP)] = None,
+    no_batching: Annotated[bool, typer.Option(
+        "--no-batching", help="Run every request alone, one per task (Triton's max_batch_size 0), still "
+                              "concurrently on every worker: for a model whose batch the graph cannot tell.")] = False,
     max_delay: Annotated[str, typer.Option(
         help="Dynamic batching: a partial batch leaves once its oldest sample waited this long (0 = as soon as a "
              "worker slot is free, Triton's default).")] = "0ms",
@@ -106,6 +111,7 @@ def serve_cmd(
     from staronnx.runtime.models import plan_name
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serve.app import Listen, model_names, parse_size, serve
+    from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
 
@@ -138,6 +144,8 @@ def serve_cmd(
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
+        # checked here, on the driver, before any cluster starts; each replica applies them again
+        overrides = apply_batching({n: Plan.load(p) for n, p in zip(names, plans)}, batch_axis or [], no_batching)
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
@@ -145,7 +153,8 @@ def serve_cmd(
                                            "save_every": parse_duration(save_every, allow_zero=True,
                                                                         option="--save-every"),
                                            "gc_interval": collect_every},
-                            capacities=capacities, targets=targets, residency=residency, lanes=lanes)
+                            capacities=capacities, targets=targets, residency=residency, lanes=lanes,
+                            batching=overrides)
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,
                      http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
                      say=lambda line: print(line, flush=True))
@@ -155,6 +164,7 @@ def serve_cmd(
                     drain_timeout=parse_duration(drain_timeout))
     delay = parse_duration(max_delay, allow_zero=True)
     loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
+    apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
     metrics = ServeMetrics()
     if cuda_streams:  # Triton's nv_gpu_* metrics of the GPUs served from (NVML; one line where it is missing)
         from staronnx.serve.gpu_metrics import gpu_collector
@@ -202,7 +212,8 @@ def serve_cmd(
             print(f"model {model_name!r}: plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
                   f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
                   f"{endpoint.server.max_inflight} batches in flight"
-                  + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else ""), flush=True)
+                  + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
+                  + f"; {contract_text(plan)}", flush=True)
         run, loop_name = event_loop_runner()
         print(f"event loop: {loop_name}", flush=True)
         run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every,
@@ -277,6 +288,24 @@ def _target_text(fields: dict[str, Any]) -> str:
 def _target_settings(fields: dict[str, Any] | None) -> dict[str, Any]:
     """What the model's config() reports of its target."""
     return {k: v for k, v in (fields or {}).items() if k in ("latency_ms", "priority")}
+
+
+BATCH_AXIS_HELP = ("The axis of an input or output that carries the batch, where the model cannot tell: NAME=AXIS "
+                   "(state=1), NAME=none for an input without one (a per-request value), MODEL:NAME=AXIS for one "
+                   "of several models (repeatable, or a=0,b=1). Unprefixed, it applies to every model with that "
+                   "tensor.")
+
+
+def contract_text(plan: Any) -> str:
+    """How a model's requests are batched, for its start line."""
+    contract = plan.contract
+    if not contract.batchable:
+        return f"one request per task (max_batch_size 0): {contract.why_not}"
+    off = {n: a for n, a in {**contract.inputs, **contract.outputs}.items() if a != 0}
+    if not off:
+        return "batched on axis 0"
+    return "batched on each tensor's own axis (" + ", ".join(
+        f"{n}: {'none, per request' if a is None else a}" for n, a in off.items()) + "; max_batch_size 0)"
 
 
 def register(app: typer.Typer) -> None:

@@ -32,7 +32,7 @@ _MODEL_ARGS = {"policy", "groups", "cuda_streams", "engine", "batch_size", "max_
                "calibrate", "home", "save_every", "pin_cpus", "lane_preempt", "gc_interval"}
 #: settings given once for every model or per model ({name: value}, or "name=value" items)
 _PER_MODEL_ARGS = {"queue_capacity", "slo_ms", "priority"}
-_OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes"}
+_OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes", "batch_axes", "batching"}
 _KNOWN_ARGS = _SCALING_ARGS | _MODEL_ARGS | _PER_MODEL_ARGS | _OTHER_ARGS
 
 
@@ -80,7 +80,9 @@ def build(args: Mapping[str, Any]) -> Any:
 
     ``queue_capacity`` is one number for every model or ``{name: N}``; ``slo_ms`` and
     ``priority`` are ``{name: value}`` (or ``"name=value"`` items, as on the command line);
-    ``separate_runtimes: true`` gives each model its own deployment (and refuses targets)."""
+    ``separate_runtimes: true`` gives each model its own deployment (and refuses targets);
+    ``batch_axes`` (``[MODEL:]NAME=AXIS`` items) and ``batching: false`` override the plans'
+    batching contracts as ``--batch-axis`` and ``--no-batching`` do."""
     from staronnx.serve.app import model_names
 
     args = dict(args)
@@ -96,9 +98,28 @@ def build(args: Mapping[str, Any]) -> Any:
     names = model_names(paths, args.get("names"))
     model = _model_settings(args)
     own = per_model_settings(names, args)
+    for n, given in _batching(paths, names, args).items():
+        own[n].update(given)
     specs = [ModelSpec(plan=str(p), name=n, **model, **own[n]) for p, n in zip(paths, names)]
     return build_app(specs, _scaling(args), max_body=_max_body(args),
                      separate_runtimes=_flag(args.get("separate_runtimes", False), "separate_runtimes"))
+
+
+def _batching(paths: Sequence[Path], names: Sequence[str], args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A Serve config's ``batch_axes`` (``[MODEL:]NAME=AXIS`` items, as ``--batch-axis``) and
+    ``batching: false`` (``--no-batching``), resolved per model against the plans' tensors."""
+    from staronnx.plan import Plan
+    from staronnx.serve.batching import apply_batching
+
+    items = args.get("batch_axes") or []
+    if isinstance(items, str):
+        items = [items]
+    if not isinstance(items, (list, tuple)) or not all(isinstance(i, str) for i in items):
+        raise StaronnxError(f"'batch_axes' takes '[MODEL:]NAME=AXIS' items, got {items!r}")
+    batching = _flag(args.get("batching", True), "batching")
+    if not items and batching:
+        return {}
+    return apply_batching({n: Plan.load(p) for p, n in zip(paths, names)}, list(items), not batching)
 
 
 def _model_settings(args: Mapping[str, Any]) -> dict[str, Any]:

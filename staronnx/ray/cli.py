@@ -61,19 +61,21 @@ def capacity_problem(scaling: Scaling, deployments: int, resources: Mapping[str,
 def model_specs(plans: list[Path], names: list[str], settings: Mapping[str, Any], *,
                 capacities: Mapping[str, int], targets: Mapping[str, Mapping[str, Any]],
                 residency: Mapping[str, str] | None = None,
-                lanes: Mapping[str, str] | None = None) -> list[ModelSpec]:
+                lanes: Mapping[str, str] | None = None,
+                batching: Mapping[str, Mapping[str, Any]] | None = None) -> list[ModelSpec]:
     """One :class:`ModelSpec` per plan (checked here, before any cluster starts): the settings
     every model shares, its own queue capacity, service target (``latency_ms``, ``priority``)
-    the workers that load it (``workers``, ``--model-workers``) and its lane (``lane``,
-    ``--lane``)."""
-    from staronnx.plan import Plan
-
-    for p in plans:
-        Plan.load(p)
-    return [ModelSpec(plan=str(Path(p).resolve()), name=n, **settings, queue_capacity=capacities[n],
-                      workers=(residency or {}).get(n), lane=(lanes or {}).get(n),
-                      **{k: v for k, v in targets.get(n, {}).items() if k in ("latency_ms", "priority")})
-            for p, n in zip(plans, names)]
+    the workers that load it (``workers``, ``--model-workers``), its lane (``lane``,
+    ``--lane``) and its batching overrides (``batch_axes``, ``batching``: ``--batch-axis``,
+    ``--no-batching``, as :func:`staronnx.serve.batching.apply_batching` resolved them)."""
+    specs = [ModelSpec(plan=str(Path(p).resolve()), name=n, **settings, queue_capacity=capacities[n],
+                       workers=(residency or {}).get(n), lane=(lanes or {}).get(n),
+                       **{k: v for k, v in targets.get(n, {}).items() if k in ("latency_ms", "priority")},
+                       **dict((batching or {}).get(n, {})))
+             for p, n in zip(plans, names)]
+    for spec in specs:
+        spec.load_plan()  # the plan and its overrides, checked where the user is
+    return specs
 
 
 def describe_deployments(groups: list[ReplicaSpec], scaling: Scaling) -> list[str]:

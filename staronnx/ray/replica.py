@@ -301,12 +301,11 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     service target (a one-model spec is a runtime of one); ``cuda_streams`` CUDA workers on each
     of ``cuda_devices`` (the replica's GPUs)."""
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.plan import Plan
     from staronnx.runtime.runtime import Runtime
 
     settings = spec.runtime_settings()
     store = PerfModelStore(settings["home"]) if settings["home"] else None
-    plans = {m.name: Plan.load(m.plan) for m in spec.models}
+    plans = {m.name: m.load_plan() for m in spec.models}  # each with its batching overrides
     targets = {m.name: m.target() for m in spec.models if m.target()}
     residency = {m.name: m.workers for m in spec.models if m.workers} if spec.shared else {}
     lanes = {m.name: m.lane for m in spec.models if m.lane} if spec.shared else {}

@@ -57,7 +57,10 @@ class ModelSpec:
     (``--slo-ms``, ``--priority``; :class:`~staronnx.runtime.models.ServiceTarget`), and
     ``workers`` the workers of that runtime that load it (``--model-workers``; see
     :mod:`staronnx.workers.residency`), ``lane`` the CPU groups that give it a lane
-    (``--lane``; see :mod:`staronnx.workers.lanes`).
+    (``--lane``; see :mod:`staronnx.workers.lanes`). ``batch_axes`` (``NAME=AXIS`` items) and
+    ``batching`` override the plan's batching contract (``--batch-axis``, ``--no-batching``;
+    :mod:`staronnx.contract`): each replica applies them to the plan it loads, so every replica
+    batches (or not) as the user said.
     """
 
     plan: str
@@ -82,8 +85,19 @@ class ModelSpec:
     lane: str | None = None
     #: how the shared workers of a group with a lane yield to it (``--lane-preempt``)
     lane_preempt: str = "idle"
+    #: the batch axes the user gave (``NAME=AXIS`` items, ``--batch-axis``; empty: the plan's)
+    batch_axes: tuple[str, ...] = ()
+    #: False runs each request alone (``--no-batching``)
+    batching: bool = True
 
     def __post_init__(self) -> None:
+        from staronnx.contract import parse_batch_axes
+
+        items = (self.batch_axes,) if isinstance(self.batch_axes, str) else self.batch_axes
+        object.__setattr__(self, "batch_axes", tuple(str(i) for i in items))  # a config's list travels as a tuple
+        parse_batch_axes(self.batch_axes)  # the syntax, here: a replica would fail only after Serve's retries
+        if not isinstance(self.batching, bool):
+            raise StaronnxError(f"batching is true or false, got {self.batching!r}")
         if self.batch_size < 1:
             raise StaronnxError(f"batch_size must be at least 1, got {self.batch_size}")
         if self.queue_capacity < 1:
@@ -121,6 +135,15 @@ class ModelSpec:
         if self.priority:
             out["priority"] = self.priority
         return out
+
+    def load_plan(self) -> Any:
+        """The plan, with the batching overrides of this spec applied (what a replica serves)."""
+        from staronnx.plan import Plan
+
+        plan = Plan.load(self.plan)
+        if self.batch_axes or not self.batching:
+            plan.set_batching(list(self.batch_axes), batching=self.batching)
+        return plan
 
     def runtime_settings(self) -> dict[str, Any]:
         """The fields a replica's runtime is built from (:data:`RUNTIME_FIELDS`)."""

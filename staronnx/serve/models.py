@@ -1,19 +1,26 @@
 """One served model: a plan, its runtime and batching server, and the protocol's view of it.
 
 Both front ends call :meth:`ModelEndpoint.infer` from the event loop with decoded numpy
-tensors. A request may carry a batch of its own (axis 0 of its batched inputs): it is *split*
-into single samples that join the batcher's queue like everyone else's, so requests from many
-clients are coalesced into batches of at most ``batch_size`` whatever their own sizes, and the
-answers are concatenated back in order. Passing a client's batch through whole would bypass
-the batcher (a batch of 64 from one client would run as 64, starving the others and the
-perf models' calibrated sizes).
+tensors. Everything about the batch follows the plan's batching contract (``plan.contract``,
+:mod:`staronnx.contract`), never "axis 0": a ``state [2, batch, 64]`` carries it on axis 1, a
+CTC head's ``[time, batch, classes]`` output too, a scalar ``sample_rate`` has none. A request
+may carry a batch of its own (along each input's batch axis): it is *split* into one-sample
+requests (its per-request values, the inputs without a batch axis, go whole with each) that
+join the batcher's queue like everyone else's, so requests from many clients are coalesced into
+batches of at most ``batch_size`` whatever their own sizes, and the answers are concatenated
+back in order along each output's own batch axis. Passing a client's batch through whole would
+bypass the batcher (a batch of 64 from one client would run as 64, starving the others and the
+perf models' calibrated sizes). A model that cannot batch (a fixed batch of 1, an output whose
+batch axis cannot be told) takes each request whole, as one task: Triton's
+``max_batch_size: 0``.
 
 Each answer to a one-sample request carries, in its response ``parameters``, the batch its
 sample ran in (``staronnx_batch_id``, ``staronnx_batch_size``) and where each part ran
 (``staronnx_placement``): what a client needs to compute the papers' latency (that of the
 first request of each batch) and the CPU share from the outside (``staronnx sweep --url``).
 ``GET /v2/models/<name>/config`` says how the model is batched (Triton's ``max_batch_size`` and
-``dynamic_batching``) and which plan and runtime settings serve it.
+``dynamic_batching``, and the contract in its ``parameters``) and which plan and runtime
+settings serve it.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from staronnx.contract import BatchContract
 from staronnx.errors import InputError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
@@ -128,11 +136,21 @@ class MeteredRuntime:
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self._on_batch = on_batch
-        self._batched = [t.name for t in self.plan.inputs if t.shape and not isinstance(t.shape[0], int)]
+        #: the batch a task holds is read off its feeds along each input's own batch axis
+        self._contract: BatchContract = self.plan.contract
 
     @property
     def workers(self) -> list[Any]:
         return list(getattr(self.runtime, "workers", ()) or ())
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]:
+        """The batch sizes the runtime captured CUDA graphs for (a partial batch is padded up to
+        one): the Server reads them as its default ``pad_to``, so standing in between must not
+        hide them. None for a runtime that captures none (CPU workers, Ray's, the starpu engine)."""
+        if isinstance(self.runtime, (Runtime, ModelHandle)):
+            return tuple(self.runtime.preferred_batch_sizes)
+        return ()
 
     @property
     def takes_arrival(self) -> bool:
@@ -152,7 +170,7 @@ class MeteredRuntime:
     def submit(self, feeds: Mapping[str, np.ndarray], **when: float) -> Future:  # type: ignore[type-arg]
         t0 = time.perf_counter()
         future = self.runtime.submit(feeds, **when)
-        size = int(feeds[self._batched[0]].shape[0]) if self._batched else 1
+        size = self._contract.rows(feeds)
 
         def done(f: Future) -> None:  # type: ignore[type-arg]
             if not (f.cancelled() or f.exception()):
@@ -215,8 +233,8 @@ class ModelEndpoint:
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
-        self._batched_in = {t.name for t in self.plan.inputs if t.shape and not isinstance(t.shape[0], int)}
-        self._batched_out = {t.name for t in self.plan.outputs if t.shape and not isinstance(t.shape[0], int)}
+        #: the model's batching contract (read once: the plan's overrides were applied on load)
+        self.contract: BatchContract = self.plan.contract
         self.labels = _labels(self.plan)
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
@@ -258,47 +276,60 @@ class ModelEndpoint:
         """Triton's model configuration (``GET /v2/models/<name>/config``, gRPC ``ModelConfig``),
         the fields that apply, with Triton's conventions.
 
-        ``max_batch_size`` and ``dynamic_batching`` tell a client how its samples are batched;
-        with ``max_batch_size > 0`` a batched tensor's ``dims`` leave out its batch axis (as
-        Triton's do; the metadata keeps the full shape with -1). An input that looks like an
-        image (C, H, W or H, W, C with 1 or 3 channels) carries its ``format``, every other one
-        ``FORMAT_NONE``; an output with labels (``labels.txt`` in the plan folder) names the file.
-        ``parameters`` (Triton's string-valued form) name the plan (its folder's name and hash,
-        never its path on the server) and the runtime settings, so a remote sweep can check it
-        measures the plan it thinks and record how it was served.
+        ``max_batch_size`` and ``dynamic_batching`` tell a client how its samples are batched.
+        Triton's config can only say "every tensor has the batch on axis 0": so
+        ``max_batch_size`` is the batch size only when the contract batches and every input and
+        output carries the batch on axis 0; then ``dims`` leave out that axis (as Triton's do;
+        the metadata keeps the full shape with -1). Otherwise ``max_batch_size`` is 0 and ``dims``
+        are full shapes: a client sends whole tensors, and the contract is stated in
+        ``parameters`` (``batching``, ``batch_axes``, ``batching_reason``); a model whose batch is
+        not on axis 0 (a state ``[2, batch, 64]``) is still batched along each tensor's own axis
+        (``batching: true``, and ``dynamic_batching`` says how long a partial batch waits). An input
+        that looks like an image (C, H, W or H, W, C with 1 or 3 channels) carries its ``format``,
+        every other one ``FORMAT_NONE``; an output with labels (``labels.txt`` in the plan
+        folder) names the file. ``parameters`` (Triton's string-valued form) also name the plan
+        (its folder's name and hash, never its path on the server) and the runtime settings, so a
+        remote sweep can check it measures the plan it thinks and record how it was served.
         """
         delay = self.server.max_delay
+        contract = self.contract
+        leading = contract.batchable and all(a == 0 for a in (*contract.inputs.values(), *contract.outputs.values()))
         params = {"plan_hash": self.plan.hash, "plan": Path(self.plan.root).name,
                   "queue_capacity": self.server.queue_capacity, "max_inflight": self.server.max_inflight,
                   "workers": len(getattr(self.runtime, "workers", ()) or ()),
+                  "batch_size": self.server.batch_size if contract.batchable else 1,
+                  **_contract_parameters(contract, leading),
                   **self.settings}
-        batching = bool(self._batched_in)
 
-        def dims(t: Any, batched: set[str]) -> list[int]:
+        def dims(t: Any, axis: int | None) -> list[int]:
             shape = protocol.metadata_shape(t.shape)
-            return shape[1:] if batching and t.name in batched else shape
+            return shape[1:] if leading and axis == 0 else shape
 
         inputs = []
         for t in self.plan.inputs:
-            d = dims(t, self._batched_in)
+            d = dims(t, contract.inputs.get(t.name))
             inputs.append({"name": t.name, "data_type": "TYPE_" + self.input_datatypes[t.name],
                            "format": _image_format(d), "dims": d})
         outputs = []
         for t in self.plan.outputs:
             entry: dict[str, Any] = {"name": t.name, "data_type": "TYPE_" + self.output_datatypes[t.name],
-                                     "dims": dims(t, self._batched_out)}
+                                     "dims": dims(t, contract.outputs.get(t.name))}
             if self.labels:
                 entry["label_filename"] = LABELS
             outputs.append(entry)
-        dynamic: dict[str, Any] = {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))}
-        padded = sorted(int(b) for b in getattr(self.runtime, "preferred_batch_sizes", ()) or ())
-        if padded and batching:  # the captured CUDA graph sizes a partial batch is padded up to
-            dynamic["preferred_batch_size"] = padded
-        return {
+        config: dict[str, Any] = {
             "name": self.name, "platform": "staronnx", "backend": "staronnx",
             "version_policy": {"latest": {"num_versions": 1}},
-            "max_batch_size": self.server.batch_size if batching else 0,
-            "dynamic_batching": dynamic,
+            "max_batch_size": self.server.batch_size if leading else 0,
+        }
+        if contract.batchable:  # a model that cannot batch runs each request as it comes
+            dynamic: dict[str, Any] = {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))}
+            padded = sorted(int(b) for b in self.server.runtime.preferred_batch_sizes)
+            if padded:  # the captured CUDA graph sizes a partial batch is padded up to
+                dynamic["preferred_batch_size"] = padded
+            config["dynamic_batching"] = dynamic
+        return {
+            **config,
             "instance_group": self.instance_groups(),
             "input": inputs, "output": outputs,
             "parameters": {k: {"string_value": str(v)} for k, v in params.items()},
@@ -360,7 +391,8 @@ class ModelEndpoint:
         replaced, in place, by its top ``k`` as BYTES ``"value:index[:label]"``."""
         for name, k in classes.items():
             if name in outputs and k:
-                outputs[name] = protocol.classify(outputs[name], k, name in self._batched_out, self.labels)
+                axis = self.contract.outputs.get(name) if self.contract.batchable else None
+                outputs[name] = protocol.classify(outputs[name], k, axis, self.labels)
 
     def check_request(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> int:
         """Names, datatypes, shapes against the plan; returns the request's own batch size."""
@@ -378,13 +410,10 @@ class ModelEndpoint:
             self.plan.check_feeds(inputs)
         except InputError as exc:
             raise invalid(f"model {self.name!r}: {exc}") from None
-        rows = {n: int(inputs[n].shape[0]) for n in self._batched_in}
-        if len(set(rows.values())) > 1:
-            raise invalid(f"model {self.name!r}: the batched inputs disagree on the batch size (axis 0): {rows}")
-        n = next(iter(rows.values()), 1)
-        if n < 1:
-            raise invalid(f"model {self.name!r}: input {next(iter(rows))!r} has an empty batch (axis 0 is 0)")
-        return n
+        try:  # along each input's own batch axis; 1 for a model that takes a request whole
+            return self.contract.check_rows(inputs)
+        except InputError as exc:
+            raise invalid(f"model {self.name!r}: {exc}") from None
 
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, *, decode_s: float = 0.0,
@@ -421,6 +450,10 @@ class ModelEndpoint:
                 rows = [await handoff.watch(futures[0])]
             else:
                 rows = await asyncio.gather(*(handoff.watch(f) for f in futures))
+            # inside the try: a request whose answer cannot be put together is a failed one
+            result = {name: self._join(name, [r[name] for r in rows]) for name in names}
+            if classes:
+                self.classify(result, classes)
         except asyncio.CancelledError:  # the client went away: its samples need not run
             for f in futures:
                 f.cancel()
@@ -429,12 +462,12 @@ class ModelEndpoint:
         except ServerClosed as exc:
             self.stats.finished(ok=False, reason="REJECTED", request_s=time.perf_counter() - started + decode_s)
             raise ProtocolError("unavailable", f"model {self.name!r}: {exc}") from None
+        except ProtocolError:  # an answer that cannot be joined (already worded)
+            self.stats.finished(ok=False, reason="BACKEND", request_s=time.perf_counter() - started + decode_s)
+            raise
         except Exception as exc:  # noqa: BLE001 - a failing part fails this request only
             self.stats.finished(ok=False, reason="BACKEND", request_s=time.perf_counter() - started + decode_s)
             raise ProtocolError("internal", f"model {self.name!r}: inference failed: {exc}") from None
-        result = {name: self._join(name, [r[name] for r in rows]) for name in names}
-        if classes:
-            self.classify(result, classes)
         done = time.perf_counter()
         queue_s, infer_s = _batch_times(futures, started)
         request_s = done - started + decode_s
@@ -457,12 +490,17 @@ class ModelEndpoint:
         return params
 
     def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[Future]:  # type: ignore[type-arg]
-        """One sample per row into the batcher; all or none (a full queue refuses the whole request)."""
+        """One sample per row into the batcher, cut along each input's own batch axis (per-request
+        values whole with every sample); a model that cannot batch takes the request whole. All
+        or none: a full queue refuses the whole request."""
         futures: list[Future] = []  # type: ignore[type-arg]
+        contract = self.contract
         try:
-            for i in range(n):
-                sample = {k: (v[i:i + 1] if k in self._batched_in else v) for k, v in inputs.items()}
-                futures.append(self.server.submit(sample))
+            if not contract.batchable or n == 1:
+                futures.append(self.server.submit(inputs))
+            else:
+                for i in range(n):
+                    futures.append(self.server.submit(contract.take(inputs, i, i + 1)))
         except (OverloadError, ServerClosed) as exc:
             for f in futures:
                 f.cancel()
@@ -475,12 +513,23 @@ class ModelEndpoint:
                 f.cancel()
             self.stats.refused("OTHER")
             raise invalid(f"model {self.name!r}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the batcher failing: this request fails, counted
+            for f in futures:
+                f.cancel()
+            self.stats.refused("BACKEND")
+            raise ProtocolError("internal", f"model {self.name!r}: the batcher refused the request: {exc}") from None
         return futures
 
     def _join(self, name: str, parts: list[np.ndarray]) -> np.ndarray:
-        if len(parts) == 1 or name not in self._batched_out:
+        """Output ``name`` of a client's batch: its samples' answers, in order, along the output's
+        own batch axis (a model that cannot batch answers a request in one piece)."""
+        if len(parts) == 1:
             return parts[0]
-        return np.concatenate(parts, axis=0)
+        axis = self.contract.outputs.get(name)
+        if axis is None:  # the contract refuses to batch such a model, so its requests are whole
+            raise ProtocolError("internal", f"model {self.name!r}: output {name!r} has no batch axis to join "
+                                            f"{len(parts)} samples' answers along")
+        return np.concatenate(parts, axis=axis)
 
     def close(self, timeout: float) -> None:
         """Drain the batcher (every accepted request is answered), then stop the runtime."""
@@ -489,6 +538,23 @@ class ModelEndpoint:
             self.server.close(timeout)
         finally:
             self.runtime.close(timeout)
+
+
+def _contract_parameters(contract: BatchContract, leading: bool) -> dict[str, str]:
+    """The batching contract as config ``parameters`` (Triton's config cannot say it itself):
+    whether requests are batched together, each tensor's batch axis (``none``: a per-request
+    value, or no batch), and why ``max_batch_size`` is 0 where it is."""
+    axes = {**contract.inputs, **contract.outputs}
+    params = {"batching": "true" if contract.batchable else "false",
+              "batch_axes": ",".join(f"{n}={'none' if a is None else a}" for n, a in axes.items())}
+    if not contract.batchable:
+        params["batching_reason"] = f"one request per task: {contract.why_not}"
+    elif not leading:
+        off = [f"{n} on axis {a}" if a is not None else f"{n} has none (a per-request value)"
+               for n, a in axes.items() if a != 0]
+        params["batching_reason"] = ("requests are batched along each tensor's own batch axis, which Triton's "
+                                     f"max_batch_size cannot say ({', '.join(off)}): send full shapes")
+    return params
 
 
 #: the file in a plan folder that names an output's classes, one per line (Triton's label file)

@@ -204,10 +204,14 @@ def to_values(array: np.ndarray) -> list[Any]:
     return array.ravel().tolist()
 
 
-def classify(array: np.ndarray, k: int, batched: bool, labels: Sequence[str] = ()) -> np.ndarray:
-    """Triton's classification extension: the ``k`` largest values of each sample (of the whole
-    tensor when it has no batch axis) as ``b"value:index[:label]"``, largest first."""
-    rows = array.reshape(array.shape[0], -1) if batched and array.ndim > 1 else array.reshape(1, -1)
+def classify(array: np.ndarray, k: int, axis: int | None, labels: Sequence[str] = ()) -> np.ndarray:
+    """Triton's classification extension: the ``k`` largest values of each sample along the
+    output's batch ``axis`` (of the whole tensor when it has none, None) as
+    ``b"value:index[:label]"``, largest first; shape ``[batch, k]``, or ``[k]``."""
+    batched = axis is not None and array.ndim > 1 and axis < array.ndim
+    if batched:
+        array = np.moveaxis(array, axis, 0)  # type: ignore[arg-type]
+    rows = array.reshape(array.shape[0], -1) if batched else array.reshape(1, -1)
     k = min(k, rows.shape[1])
     out = np.empty((rows.shape[0], k), dtype=object)
     for r, row in enumerate(rows):
@@ -215,7 +219,7 @@ def classify(array: np.ndarray, k: int, batched: bool, labels: Sequence[str] = (
         for j, i in enumerate(top):
             text = f"{float(row[i]):f}:{int(i)}" + (f":{labels[i]}" if i < len(labels) else "")
             out[r, j] = text.encode()
-    return out if batched and array.ndim > 1 else out[0]
+    return out if batched else out[0]
 
 
 def select_outputs(available: Sequence[str], requested: Sequence[str] | None, model: str) -> list[str]:
