@@ -58,6 +58,7 @@ from google.protobuf.message import DecodeError
 from onnx import helper
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
+from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError
 from staronnx.modelio import dim_of, is_fixed, load_model
 from staronnx.ortutil import ort_type_name
@@ -339,10 +340,11 @@ def _partition_options(partition_options: Mapping[str, Any] | None,
     return options
 
 
-def _unsized(model: onnx.ModelProto) -> list[str]:
+def _unsized(model: onnx.ModelProto, batch_axes: Mapping[str, int | None]) -> list[str]:
     """The model's dynamic sizes that partition cannot choose itself ("image: height"): every
-    dynamic axis of an input but its batch axis (which partition sets to its profiling batch)."""
-    return [f"{spec.name}: {d or f'axis {axis}'}" for spec in model_inputs(model)
+    dynamic axis of an input but its batch axis (the contract's, with the user's ``batch_axes``),
+    which partition sets to its profiling batch."""
+    return [f"{spec.name}: {d or f'axis {axis}'}" for spec in model_inputs(model, batch_axes)
             for axis, d in enumerate(spec.shape) if not is_fixed(d) and axis != spec.batch_axis]
 
 
@@ -562,7 +564,7 @@ class InferenceSession:
         unknown = sorted(set(options) - accepted)
         if unknown:
             raise TypeError(f"InferenceSession() got an unexpected keyword argument {unknown[0]!r} "
-                            f"(staronnx options: shares, policy, cpu_groups, cuda_streams, "
+                            f"(staronnx options: shares, policy, cpu_groups, cuda_streams, input_shapes, "
                             f"partition_options, {', '.join(sorted(accepted))})")
 
     def _plan_for(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str,
@@ -582,7 +584,7 @@ class InferenceSession:
             shares = [float(s) for s in shares]
         from staronnx.workers.host import partition
 
-        unsized = [] if "input_shapes" in options else _unsized(model)
+        unsized = [] if "input_shapes" in options else _unsized(model, parse_batch_axes(options.get("batch_axes")))
         if not unsized:
             def make(src: Any, **where: Any) -> Plan:
                 return partition(src, shares, groups=groups, cuda_streams=streams, **options, **where)
@@ -645,9 +647,13 @@ class InferenceSession:
             if self._runtime is None:
                 if self._cut is None:
                     raise RuntimeError("this InferenceSession failed to start")
-                plan = self._cut(feeds)
-                self._runtime = Runtime(plan, **self._runtime_args)
-                self._plan = plan
+                try:
+                    plan = self._cut(feeds)
+                    runtime = Runtime(plan, **self._runtime_args)
+                except BaseException:
+                    self._remove_scratch()  # a private plan (read-only home) made before the failure
+                    raise
+                self._plan, self._runtime = plan, runtime
             return self._runtime
 
     def _profiling(self, so: ort.SessionOptions | None,
@@ -812,7 +818,9 @@ class InferenceSession:
     ) -> None:
         """ORT's form: ``callback(results, user_data, err)`` from a worker thread once the
         outputs are ready (``err`` is '' on success; on failure results are [] and ``err`` the
-        message). A missing input raises here, as in ORT. For a future, use :meth:`submit`."""
+        message). A missing input raises here, as in ORT. For a future, use :meth:`submit`.
+        A session whose model is cut at its first run cuts it in this call, at these inputs'
+        shapes, before it returns (a failed cut is reported through the callback)."""
         if callback is None or input_feed is None:
             raise TypeError("run_async(output_names, input_feed, callback, user_data) is ONNX "
                             "Runtime's callback form; for a future of the outputs use submit(input_feed)")
