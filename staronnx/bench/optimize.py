@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from staronnx.bench.bound import machine_bound, stale_models_note
-from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up
+from staronnx.bench.points import measure_point, point_duration, runnable_sizes, sample_pool, warm_up
 from staronnx.bench.results import clean
 from staronnx.bench.machine import build_machine
 from staronnx.bench.simulator import simulate
@@ -79,6 +79,8 @@ class Candidate:
             out[f"{tag}_p99_ms"] = self._ms(m, "latency_p99")
             out[f"{tag}_throughput"] = None if not m else m.get("throughput")
             out[f"{tag}_congested"] = None if not m else bool(m.get("congested"))
+        out["measured_failed"] = None if not self.measured else int(self.measured.get("failed") or 0)
+        out["measured_state"] = None if not self.measured else self.measured.get("state")
         out["latency_error"] = self.latency_error
         return out
 
@@ -121,6 +123,11 @@ def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
+def _failed(metrics: Mapping[str, Any]) -> bool:
+    """Whether a measurement's requests failed: it is never the answer while another served."""
+    return metrics.get("state") == "failed" or bool(metrics.get("failed"))
+
+
 def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
            bounds: Mapping[int, float | None] | None = None) -> tuple[int, bool | None]:
     """The objective of the module docstring over ``{batch size: summarize() figures}``.
@@ -132,8 +139,9 @@ def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
     if not metrics:
         raise OptimizeError("no candidate to choose from")
     bounds = bounds or {}
-    ok = {b: m for b, m in metrics.items() if not m.get("congested") and _finite(m.get(LATENCY))}
-    if not ok:  # everything congested: the most throughput, then the lowest latency
+    ok = {b: m for b, m in metrics.items()
+          if not m.get("congested") and not _failed(m) and _finite(m.get(LATENCY))}
+    if not ok:  # everything congested (or failed): the most throughput, then the lowest latency
         def key(b: int) -> tuple[float, float]:
             thr = metrics[b].get("throughput")
             lat = metrics[b].get(LATENCY)
@@ -166,6 +174,8 @@ def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any
         return None
     best, _ = choose(measured, slo, bounds)
     done = sorted(measured)
+    if _failed(measured[best]):  # even the best failed: no other size is worth measuring blind
+        return None
     if measured[best].get("congested") or not _finite(measured[best].get(LATENCY)):
         bigger = [b for b in order if b > done[-1]]
         return bigger[0] if bigger else None
@@ -228,8 +238,9 @@ def optimize_batch(
     sizes = sorted({int(b) for b in batch_sizes})
     if not sizes or sizes[0] < 1:
         raise OptimizeError(f"batch sizes must be integers >= 1, got {list(batch_sizes)}")
+    sizes, left_out = runnable_sizes(plan, sizes)
     say = progress or (lambda msg: None)
-    notes: list[str] = []
+    notes: list[str] = [left_out] if left_out else []
     if machine is None:
         machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
                                 store=store)
@@ -271,13 +282,17 @@ def optimize_batch(
         samples = sample_pool(plan, seed=seed)
 
         def measure(b: int) -> None:
-            warm_up(runtime, plan, [b], seed=seed)
+            failed = warm_up(runtime, plan, [b], seed=seed)
+            if failed:  # the measurement fails the same way and says so
+                notes.append(f"warm-up failed at {failed}")
             length = point_duration(verify_duration, min(1.0, verify_duration / 5), b, rate, min_batches)
             say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
             summary, records = measure_point(runtime, b, rate, samples, duration=length,
                                              warmup=min(1.0, length / 5), distribution=distribution, seed=seed,
                                              colocate=colocate)
             result.candidate(b).measured = dict(summary)
+            if summary["state"] == "failed":
+                notes.append(f"batch {b} measured live: {summary['notes']}")
             if colocate:
                 result.generator_core = records.settings.get("loadgen", {}).get("core")
 

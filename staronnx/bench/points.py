@@ -4,6 +4,12 @@ Shared by the sweep and the batch-size optimizer's live verification, so both me
 point the same way: a fresh :class:`~staronnx.serving.Server` per point on one shared runtime,
 a point long enough to hold ``min_batches`` batch fills, and the runtime left idle before the
 next point starts.
+
+Every door that measures or simulates batch sizes asks :func:`runnable_sizes` first: a model
+that runs one request per task (``plan.contract.batchable`` is False: a fixed batch of 1, an
+output whose batch axis cannot be told) has only batch 1 to measure, and a figure for a batch
+that never ran would be a lie. Failures are watched too (:func:`measure_point`): a point whose
+requests failed is reported ``failed`` with the first reason, never as a load too high.
 """
 
 from __future__ import annotations
@@ -20,16 +26,45 @@ import numpy as np
 from staronnx.inputs import batch_of, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
+from staronnx.serving.records import error_line
 from staronnx.verify import random_plan_feeds
+
+
+def runnable_sizes(plan: Plan, batch_sizes: Sequence[int]) -> tuple[list[int], str | None]:
+    """The batch sizes of ``batch_sizes`` that mean something for ``plan`` (sorted, distinct),
+    and one line saying which were left out and why (None when none was).
+
+    A model that runs one request per task (:attr:`~staronnx.contract.BatchContract.batchable`
+    False) is measured, simulated and bounded at batch 1 only: its requests never share a task,
+    so a "batch of 4" would be four tasks labelled as one batch.
+    """
+    sizes = sorted({int(b) for b in batch_sizes})
+    contract = plan.contract
+    if contract.batchable or sizes == [1]:
+        return sizes, None
+    left = [b for b in sizes if b != 1]
+    return [1], (f"batch size(s) {', '.join(map(str, left))} left out, batch 1 only: this model runs one request "
+                 f"per task (max_batch_size 0): {contract.why_not}")
 
 
 def sample_pool(plan: Plan, count: int = 16, seed: int = 0,
                 inputs: Mapping[str, np.ndarray] | None = None) -> list[dict[str, np.ndarray]]:
-    """Single-sample requests (batch dimension 1) reused round-robin by the generator: random
-    ones, or each sample of real ``inputs`` (see :mod:`staronnx.inputs`)."""
+    """Single-sample requests (one sample on each input's own batch axis) reused round-robin by
+    the generator: random ones, or each sample of real ``inputs`` (see :mod:`staronnx.inputs`).
+
+    Random requests share their per-request values (the inputs without a batch axis, a scalar
+    ``sample_rate``): the server batches only requests that agree on them (Triton's rule), and a
+    sweep of batch size ``b`` measures batches of ``b``, as its simulation and bound assume,
+    not requests waiting in several queues for a partner of the same value.
+    """
     if inputs is not None:
         return [batch_of(inputs, plan, 1, i) for i in range(input_samples(inputs, plan))]
-    return [random_plan_feeds(plan, 1, seed=seed + i) for i in range(count)]
+    pool = [random_plan_feeds(plan, 1, seed=seed + i) for i in range(count)]
+    shared = [name for name, axis in plan.contract.inputs.items() if axis is None]
+    if plan.contract.batchable and shared:
+        for sample in pool[1:]:
+            sample.update({name: pool[0][name] for name in shared if name in pool[0]})
+    return pool
 
 
 def point_duration(duration: float, warmup: float, batch_size: int, rate: float, min_batches: int) -> float:
@@ -38,21 +73,68 @@ def point_duration(duration: float, warmup: float, batch_size: int, rate: float,
 
 
 def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int = 3, seed: int = 0,
-            inputs: Mapping[str, np.ndarray] | None = None) -> None:
-    """Run bursts of batches of every size through the runtime before measuring.
+            inputs: Mapping[str, np.ndarray] | None = None) -> str | None:
+    """Run bursts of batches of every size through the runtime before measuring; why the first
+    batch that failed did (one line), None when all ran.
 
     Each burst submits more batches than there are workers, so queues build and the policy
     spreads them: every worker meets every size (allocations, kernel choice) before the first
     measured point. Tasks cannot be sent to a given worker directly: the engine's serving
-    loops own the worker threads.
+    loops own the worker threads. A model's failure (ONNX Runtime refusing the batch) is
+    returned, not raised: the points that follow fail the same way and say so, where a raise
+    would end the whole sweep in a traceback.
     """
     n_workers = max(1, len(getattr(runtime, "workers", ()) or ()))
     for b in batch_sizes:
         feeds = random_plan_feeds(plan, b, seed=seed) if inputs is None else batch_of(inputs, plan, b, 0)
         for _ in range(rounds):
             futures = [runtime.submit(feeds) for _ in range(3 * n_workers)]
-            for f in futures:
-                f.result()
+            errors = [f.exception() for f in futures]
+            failed = next((e for e in errors if e is not None), None)
+            if failed is not None:
+                return f"batch {b}: {error_line(failed)}"
+    return None
+
+
+class _Watched:
+    """A point's front end (a :class:`Server` or what stands in for it), with a few of its
+    requests' futures watched for the first failure's reason, for front ends whose records do
+    not say it (a request's ``error``).
+
+    Watching costs a callback per watched request on the serving path, so only the first
+    :attr:`FIRST` requests and then one in :attr:`EVERY` are watched, and none once a reason is
+    known: a model that fails every request is caught at once, a rare failure most often."""
+
+    FIRST = 16
+    EVERY = 64
+
+    def __init__(self, server: Any) -> None:
+        self.server = server
+        self.clock = server.clock
+        self.error: str | None = None
+        self._n = 0
+
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None, **kwargs: Any) -> Any:
+        future = self.server.submit(sample, arrival=arrival, **kwargs)
+        self._n += 1
+        if self.error is None and (self._n <= self.FIRST or self._n % self.EVERY == 0):
+            future.add_done_callback(self._seen)
+        return future
+
+    def _seen(self, future: Any) -> None:
+        if self.error is None and not future.cancelled():
+            exc = future.exception()
+            if exc is not None:
+                self.error = error_line(exc)
+
+    def flush(self) -> None:
+        self.server.flush()
+
+    def wait_idle(self, timeout: float | None = None) -> int:
+        return self.server.wait_idle(timeout)
+
+    def records(self, **kwargs: Any) -> Any:
+        return self.server.records(**kwargs)
 
 
 def measure_point(
@@ -98,12 +180,15 @@ def measure_point(
     with block as core:
         server = factory(runtime, batch_size=batch_size, max_delay=max_delay, max_inflight=max_inflight,
                          queue_capacity=max(queue_capacity, batch_size))
+        watched = _Watched(server)
         try:
-            records = run_open_loop(server, arrivals, lambda i: samples[i % n], duration=duration,
+            records = run_open_loop(watched, arrivals, lambda i: samples[i % n], duration=duration,  # type: ignore[arg-type]
                                     drain_timeout=drain, on_submit=on_submit)
         finally:
             server.close(timeout=2.0)
             wait_idle(runtime)
+    if records.first_error is None:
+        records.first_error = watched.error
     records.settings["distribution"] = distribution
     if colocate:
         records.settings.setdefault("loadgen", {})["core"] = core

@@ -17,6 +17,19 @@ Triton's model configuration, which ``staronnx serve`` answers on both (KServe v
 service has no such call; Triton's, which ``staronnx serve`` implements, has). Batch size, max
 delay, runtime settings and plan hash are the server's: a value that disagrees is refused
 rather than measured under a wrong label.
+
+The served model's batching contract comes from the configuration too: ``max_batch_size`` 0
+with ``batching: false`` in its ``parameters`` is a model served one request per task (a sweep
+then measures batch 1 only, and says so), and ``batch_axes`` names each tensor's batch axis,
+so the one-sample requests carry their sample on each input's own axis (a state
+``[2, batch, 64]`` is sent as ``[2, 1, 64]``) and a scalar whole.
+
+A request that fails is a failed request wherever it is counted: its record says so and why
+(the server's message), and the point is ``failed``. With ``check=`` (``sweep --check
+MODEL.onnx``) every answer is also held against what plain ONNX Runtime answers to that
+request's own inputs (:class:`AnswerCheck`); an answer that differs counts as a failed request,
+the difference in the point's notes: what shows that concurrent clients with different inputs
+each get their own answer, not a neighbour's.
 """
 
 from __future__ import annotations
@@ -39,9 +52,10 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from staronnx.bench.sweep import sweep
+from staronnx.contract import parse_batch_axes
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
-from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 
 #: HTTP connections the client may open at once: requests beyond them wait in the client,
 #: which would hide server queueing behind client queueing (perf_analyzer opens one per request
@@ -124,6 +138,12 @@ class ServedModel:
     plan_hash: str
     queue_capacity: int | None
     runtime: dict[str, str]  # policy, groups, cuda_streams, cuda_devices, engine as the server reports them
+    #: whether requests share tasks (False: Triton's ``max_batch_size: 0``, one request per task)
+    batching: bool = True
+    #: each tensor's batch axis as the server reads it (None: none); empty when it does not say
+    batch_axes: Mapping[str, int | None] = dataclasses.field(default_factory=dict)
+    #: why requests are not batched, or batched along axes Triton's config cannot say
+    batching_reason: str | None = None
 
     @property
     def cuda_streams(self) -> int:
@@ -151,24 +171,114 @@ class ServedModel:
                               "(its configuration names no plan): the sweep needs staronnx's batch records")
         delay_us = (config.get("dynamic_batching") or {}).get("max_queue_delay_microseconds", 0)
         capacity = params.get("queue_capacity")
+        max_batch = int(config.get("max_batch_size") or 0)
+        # max_batch_size 0: Triton's "no batching", or (staronnx serve) batch axes its config
+        # cannot say; the parameters tell which, and the batch size the server forms
+        batching = params["batching"] == "true" if "batching" in params else max_batch > 0
+        size = params.get("batch_size", "")
+        batch_size = int(size) if size.isdigit() and int(size) > 0 else max(max_batch, 1)
+        try:
+            axes = parse_batch_axes([params["batch_axes"]]) if params.get("batch_axes") else {}
+        except StaronnxError:
+            raise RemoteError(f"{url}: model {config.get('name')!r} names batch axes this sweep cannot read: "
+                              f"{params['batch_axes']!r}") from None
         return cls(
-            name=str(config.get("name")), batch_size=int(config.get("max_batch_size") or 1),
+            name=str(config.get("name")), batch_size=batch_size if batching else 1,
             max_delay=float(delay_us) / 1e6, plan_hash=params["plan_hash"],
             queue_capacity=int(capacity) if capacity and capacity.isdigit() else None,
             runtime={k: params[k] for k in ("policy", "groups", "cuda_streams", "cuda_devices", "engine")
                      if k in params},
+            batching=batching, batch_axes=axes, batching_reason=params.get("batching_reason") or None,
         )
+
+    def contract_of(self, plan: Plan) -> Plan:
+        """``plan`` with the batching the server serves it with: the plan itself where they
+        agree, else a fresh load of it with the server's batch axes and batching (a server
+        started with ``--batch-axis``/``--no-batching``), so the requests this sweep sends have
+        the shapes the server expects."""
+        contract = plan.contract
+        ours = {**contract.inputs, **contract.outputs}
+        axes = {n: a for n, a in self.batch_axes.items() if n in ours}
+        if contract.batchable == self.batching and all(ours[n] == a for n, a in axes.items()):
+            return plan
+        return Plan.load(plan.root).set_batching(axes, batching=self.batching)
+
+
+class AnswerCheck:
+    """What plain ONNX Runtime answers to a request's own inputs, to hold a served answer against
+    (``sweep --check MODEL.onnx``).
+
+    One CPU session of the whole model; each request's expected answer is computed once per
+    request object (a sweep reuses a pool of them) off the client's event loop, and compared
+    as ``staronnx plan verify`` compares (relative tolerance on floats, exact on integers)."""
+
+    def __init__(self, model: str | Path, plan: Plan) -> None:
+        import onnxruntime as ort
+
+        from staronnx.ortutil import QUIET, make_session
+
+        path = Path(model)
+        if not path.is_file():
+            raise RemoteError(f"check={str(model)!r}: no such model file",
+                              cli=f"--check {model}: no such model file (give the .onnx the plan was cut from)")
+        options = ort.SessionOptions()
+        options.log_severity_level = QUIET
+        options.intra_op_num_threads = 1  # the client's host also runs the generator
+        try:
+            self.session = make_session(path, options=options)
+        except Exception as exc:  # noqa: BLE001 - ORT's refusal of the file, as one line
+            raise RemoteError(f"check={str(model)!r}: onnxruntime cannot load it: {error_line(exc)}",
+                              cli=f"--check {model}: onnxruntime cannot load it: {error_line(exc)}") from None
+        have = {i.name for i in self.session.get_inputs()}
+        outs = {o.name for o in self.session.get_outputs()}
+        if have != set(plan.input_names) or not set(plan.output_names) <= outs:
+            why = (f"its inputs {sorted(have)} and outputs {sorted(outs)} are not the plan's "
+                   f"({plan.input_names} -> {plan.output_names}): give the model the plan was cut from")
+            raise RemoteError(f"check={str(model)!r}: {why}", cli=f"--check {model}: {why}")
+        self.path = path
+        self.outputs = list(plan.output_names)
+        self._lock = threading.Lock()
+        self._expected: dict[int, tuple[Mapping[str, np.ndarray], dict[str, np.ndarray]]] = {}
+
+    def expected(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """ORT's answer to ``feeds``, remembered with them (their id cannot be reused meanwhile)."""
+        with self._lock:
+            known = self._expected.get(id(feeds))
+        if known is not None and known[0] is feeds:
+            return known[1]
+        answer = dict(zip(self.outputs, self.session.run(self.outputs, dict(feeds))))
+        with self._lock:
+            self._expected[id(feeds)] = (feeds, answer)
+        return answer
+
+    def mismatch(self, feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> str | None:
+        """Why ``got`` is not ORT's answer to ``feeds`` (one line), None when it is."""
+        from staronnx.verify import compare
+
+        for name, want in self.expected(feeds).items():
+            if name not in got:
+                return f"output {name!r} is missing from the answer"
+            answer = np.asarray(got[name])
+            check = compare(name, want, answer)
+            if not check.ok:
+                how = (f"shape {list(answer.shape)}, onnxruntime's {list(want.shape)}" if answer.shape != want.shape
+                       else f"max abs diff {check.max_abs:.3g}")
+                return f"output {name!r} is not onnxruntime's answer to this request's own inputs ({how})"
+        return None
 
 
 class RemoteRuntime:
     """One model of a ``staronnx serve``, as the sweep's runtime: see the module docstring.
 
     Owns an event loop in a daemon thread and the asynchronous tritonclient on it; ``close()``
-    stops both. Checks at once that the server answers, serves ``model`` and serves ``plan``.
+    stops both. Checks at once that the server answers, serves ``model`` and serves ``plan``;
+    ``plan`` then carries the server's batching contract (:meth:`ServedModel.contract_of`).
+    ``check``: hold every answer against ORT's answer to its request (:class:`AnswerCheck`).
     """
 
     def __init__(self, url: str, plan: Plan, model: str | None = None, *, connections: int = CONNECTIONS,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, check: AnswerCheck | None = None) -> None:
+        self.check = check
         self.url = url
         self.address = parse_url(url)
         self.protocol = url_protocol(url)
@@ -190,8 +300,10 @@ class RemoteRuntime:
                                                     conn_timeout=REQUEST_TIMEOUT_S)
 
         self.client = self.call(connect())
+        self._checking: Any = None  # a thread pool for ORT's answers (check=), made on first use
         try:
             self.served = self._check()
+            self.plan = self.served.contract_of(plan)
         except BaseException:
             self.close()
             raise
@@ -249,14 +361,30 @@ class RemoteRuntime:
 
     # -- what the sweep calls ---------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
-        """Send ``feeds`` (any batch) as one request; the future resolves to its outputs."""
+        """Send ``feeds`` (any batch, along each input's own batch axis) as one request; the
+        future resolves to its outputs (with ``check``, fails when they are not ORT's answer)."""
         inputs, outputs = encode(self.plan, feeds, self.protocol)
 
         async def send() -> dict[str, np.ndarray]:
             result = await self.client.infer(self.model, inputs, outputs=outputs)
-            return {o.name(): result.as_numpy(o.name()) for o in outputs}
+            got = {o.name(): result.as_numpy(o.name()) for o in outputs}
+            why = await self.mismatch(feeds, got)
+            if why is not None:
+                raise RemoteError(why)
+            return got
 
         return self.spawn(send())
+
+    async def mismatch(self, feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> str | None:
+        """(On the client's loop) why ``got`` is not ORT's answer to ``feeds``; None when it is,
+        or when answers are not checked. ORT runs in a thread of its own, off the loop."""
+        if self.check is None:
+            return None
+        if self._checking is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._checking = ThreadPoolExecutor(1, thread_name_prefix="staronnx-check")
+        return await self._loop.run_in_executor(self._checking, self.check.mismatch, feeds, got)
 
     def stats(self) -> dict[str, Any]:
         """What :func:`staronnx.bench.sweep.wait_idle` reads: requests still unanswered."""
@@ -274,6 +402,8 @@ class RemoteRuntime:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5.0)
+        if self._checking is not None:
+            self._checking.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> RemoteRuntime:
         return self
@@ -294,7 +424,7 @@ def encode(plan: Plan, feeds: Mapping[str, np.ndarray], protocol: str = "http") 
     binary = {} if protocol == "grpc" else {"binary_data": True}
     inputs = []
     for t in plan.inputs:
-        arr = np.ascontiguousarray(feeds[t.name])
+        arr = np.asarray(feeds[t.name], order="C")  # ascontiguousarray makes a scalar [1]: its rank is kept
         datatype = np_to_triton_dtype(arr.dtype)
         if datatype is None:
             raise RemoteError(f"input {t.name!r}: dtype {arr.dtype} has no KServe v2 datatype")
@@ -350,7 +480,7 @@ class RemoteServer:
         with self._lock:
             record = RequestRecord(id=next(self._ids), arrival=self.clock() if arrival is None else arrival)
             self._requests.append(record)
-        future = self.runtime.spawn(self._send(record, inputs, outputs))
+        future = self.runtime.spawn(self._send(record, sample, inputs, outputs))
         with self._lock:
             self._futures.add(future)
         future.add_done_callback(self._forget)
@@ -360,7 +490,8 @@ class RemoteServer:
         with self._lock:
             self._futures.discard(future)
 
-    async def _send(self, record: RequestRecord, inputs: list[Any], outputs: list[Any]) -> None:
+    async def _send(self, record: RequestRecord, sample: Mapping[str, np.ndarray], inputs: list[Any],
+                    outputs: list[Any]) -> None:
         from tritonclient.utils import InferenceServerException
 
         try:
@@ -373,12 +504,21 @@ class RemoteServer:
                     record.rejected = True
                 else:
                     record.failed = True
+                    record.error = _server_error(exc)
             raise
-        except BaseException:
+        except BaseException as exc:
             with self._lock:
                 record.failed = True
+                record.error = error_line(exc)
             raise
         done = self.clock()
+        if self.runtime.check is not None:  # an answer that is not this request's own is a failure
+            why = await self.runtime.mismatch(sample, {o.name(): result.as_numpy(o.name()) for o in outputs})
+            if why is not None:
+                with self._lock:
+                    record.failed = True
+                    record.error = why
+                raise RemoteError(why)
         params = _parameters(result, self.runtime.protocol)
         with self._lock:
             record.done = done
@@ -450,6 +590,12 @@ class RemoteServer:
             f.cancel()
 
 
+def _server_error(exc: Any) -> str:
+    """A server's refusal as one line: its status and message (tritonclient's exception)."""
+    status = exc.status()
+    return error_line(RuntimeError(f"{status}: {exc.message()}" if status else exc.message() or str(exc)))
+
+
 def _placement(text: Any) -> dict[str, str]:
     """``"part0=cpu,part1=cuda"`` -> {"part0": "cpu", "part1": "cuda"}."""
     if not isinstance(text, str) or not text:
@@ -485,6 +631,7 @@ def remote_sweep(
     cuda_streams: int | None = None,
     engine: str | None = None,
     queue_capacity: int | None = None,
+    check: str | Path | None = None,
     **sweep_kwargs: Any,
 ) -> list[dict[str, Any]]:
     """:func:`~staronnx.bench.sweep.sweep` through the ``staronnx serve`` at ``url``.
@@ -492,10 +639,15 @@ def remote_sweep(
     ``batch_sizes``, ``max_delay``, ``policy``, ``groups``, ``cuda_streams``, ``engine`` and
     ``queue_capacity`` are the server's: None takes them from its configuration (recorded in
     ``results.json``), a value that disagrees with the server's raises :class:`RemoteError`
-    (the server must be restarted to measure another). ``model``: the served model's name
-    (default: the plan folder's name, as ``staronnx serve`` names it). ``trace`` and
-    ``simulate`` need the runtime in this process and are refused. Other keyword arguments
-    are :func:`sweep`'s.
+    (the server must be restarted to measure another). A server that runs the model one
+    request per task (``max_batch_size`` 0, ``batching: false``) is measured at batch 1, the
+    other sizes left out with a note, as an in-process sweep does. ``model``: the served
+    model's name (default: the plan folder's name, as ``staronnx serve`` names it). ``check``:
+    the ONNX model the plan was cut from; every answer (warm-up included) is compared with
+    ORT's answer to its own request, and one that differs counts as a failed request, the
+    difference in the point's notes (:class:`AnswerCheck`; it costs the client an ORT run per
+    distinct request). ``trace`` and ``simulate`` need the runtime in this process and are
+    refused. Other keyword arguments are :func:`sweep`'s.
     """
     for option in ("trace", "simulate"):
         if sweep_kwargs.get(option):
@@ -504,10 +656,14 @@ def remote_sweep(
     for option in ("trace", "simulate", "runtime", "server_factory", "front_end"):
         sweep_kwargs.pop(option, None)
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    with RemoteRuntime(url, plan, model) as remote:
+    answers = None if check is None else AnswerCheck(check, plan)
+    with RemoteRuntime(url, plan, model, check=answers) as remote:
         served = remote.served
         b = served.batch_size
-        if batch_sizes is not None and sorted(set(batch_sizes)) != [b]:
+        sizes = [b]
+        if not served.batching:  # one request per task: batch 1, other sizes noted by the sweep
+            sizes = sorted({1, *(batch_sizes or ())})
+        elif batch_sizes is not None and sorted(set(batch_sizes)) != [b]:
             why = (f"{url} forms batches of up to {b} (staronnx serve --batch-size {b}); a sweep over the network "
                    "measures that size only: ")
             raise RemoteError(why + f"pass batch_sizes=[{b}] or None",
@@ -528,8 +684,12 @@ def remote_sweep(
         wire = PROTOCOLS[remote.protocol]
         front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
                      "client": wire["client"]}
+        if not served.batching or served.batching_reason:  # what Triton's max_batch_size cannot say
+            front_end.update(batching=served.batching, batching_reason=served.batching_reason)
+        if answers is not None:
+            front_end["check"] = str(answers.path)
         return sweep(
-            plan, rates, [b], policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),
+            remote.plan, rates, sizes, policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),
             cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices,
             engine=str(actual.get("engine", "?")), max_delay=served.max_delay,
             queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,

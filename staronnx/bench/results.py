@@ -24,6 +24,7 @@ import numpy as np
 from staronnx.bench.fidelity import COLUMNS as SIM_COLUMNS
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import atomic_write_text
+from staronnx.serving.metrics import point_state
 
 FORMAT = "staronnx-sweep"
 VERSION = 1
@@ -40,12 +41,12 @@ _MS_KEYS = (
 COLUMNS = (
     "batch_size", "offered_rate", "achieved_arrival_rate", "throughput",
     *(f"{k}_ms" for k in _MS_KEYS),
-    "cpu_share", "congested", "stable", "extended",
+    "cpu_share", "state", "congested", "stable", "extended",
     "requests", "completed", "rejected", "failed", "pending", "batches",
     "queue_mean", "queue_max", "backlog_growth",
     "bound_throughput", "achieved_over_bound",
     "duration_s", "warmup_s", "measured_s",
-    "policy", "groups", "cuda_streams", "cuda_devices", "distribution", "max_delay_ms",
+    "policy", "groups", "cuda_streams", "cuda_devices", "distribution", "max_delay_ms", "notes",
 )
 
 
@@ -87,6 +88,9 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
         v = summary.get(key)
         row[f"{key}_ms"] = v * 1e3 if isinstance(v, (int, float)) and math.isfinite(v) else None
     row["cpu_share"] = summary.get("cpu_share")
+    row["state"], row["notes"] = summary.get("state"), summary.get("notes") or ""
+    if row["state"] is None:  # figures summarized before points had a state
+        row["state"], row["notes"] = point_state(summary)
     row["congested"] = bool(summary.get("congested"))
     row["stable"] = bool(summary.get("stable"))
     row["extended"] = bool(extended)
@@ -191,13 +195,21 @@ def load_rows(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return list(load_results(path)["rows"])
 
 
+def row_state(row: Mapping[str, Any]) -> str:
+    """A row's state (:data:`~staronnx.serving.metrics.STATES`), also for results written before
+    rows had one (read off ``failed``, ``congested`` and ``stable``)."""
+    state = row.get("state")
+    return str(state) if state else point_state(dict(row))[0]
+
+
 def best_per_rate(rows: Sequence[Mapping[str, Any]], metric: str = "paper_latency_mean_ms",
                   *, include_congested: bool = False) -> dict[float, dict[str, Any]]:
-    """Per offered rate, the row with the lowest ``metric`` among uncongested points."""
+    """Per offered rate, the row with the lowest ``metric`` among uncongested points (a point
+    whose requests failed is never the best: its latency is that of the few that got through)."""
     best: dict[float, dict[str, Any]] = {}
     for r in rows:
         v = r.get(metric)
-        if v is None or (r.get("congested") and not include_congested):
+        if v is None or row_state(r) == "failed" or (r.get("congested") and not include_congested):
             continue
         rate = float(r["offered_rate"])
         if rate not in best or v < best[rate][metric]:

@@ -39,6 +39,7 @@ from staronnx.bench.fidelity import fidelity_summary, simulate_row
 from staronnx.bench.points import (
     measure_point,
     point_duration,
+    runnable_sizes,
     sample_pool,
     warm_up,
     workers_delta,
@@ -221,6 +222,7 @@ def sweep(
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     rates, batch_sizes, warmup = _checked(rates, batch_sizes, distribution=distribution, duration=duration,
                                           warmup=warmup, min_batches=min_batches, max_delay=max_delay)
+    batch_sizes, left_out = runnable_sizes(plan, batch_sizes)
     if isinstance(inputs, (str, os.PathLike)):
         inputs_path, inputs = inputs, load_inputs(inputs, plan)
     elif inputs is not None:
@@ -244,6 +246,8 @@ def sweep(
     if cuda_streams and server_factory is None:  # which GPUs these figures come from (over the network: unknown)
         settings["gpus"] = gpus_of(cuda_devices)
     results = _Results(out_dir, settings, fidelity=simulate)
+    if left_out:
+        results.notes.append(left_out)
     # one simulated twin of the runtime serves the LP bound, the simulated points and the
     # in-flight window (a slow worker is only chosen behind a long enough queue: the same
     # window the simulator uses, so live and simulated points agree)
@@ -278,7 +282,9 @@ def sweep(
         notify(SweepEvent("start", 0, total))
         results.save()
         for b in batch_sizes:
-            warm_up(runtime, plan, [b], seed=seed, inputs=inputs)
+            failed = warm_up(runtime, plan, [b], seed=seed, inputs=inputs)
+            if failed:  # its points fail the same way and say so: measured, not a traceback
+                results.notes.append(f"warm-up failed at {failed}")
             notify(SweepEvent("warmup", 0, total, batch_size=b))
         samples = sample_pool(plan, seed=seed, inputs=inputs)
         tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
@@ -288,7 +294,9 @@ def sweep(
                                     length=point_duration(duration, warmup, b, rate, min_batches), warmup=warmup,
                                     window=windows.get(b), settings=settings,
                                     bound=results.bounds.get(b, {}).get("throughput"), **point)
-                if simulate and machine is not None:
+                if simulate and machine is not None and row["state"] == "failed":
+                    results.notes.append(f"b={b} @ {rate:g} req/s not simulated: its requests failed")
+                elif simulate and machine is not None:
                     target = simulated_point(sim_tracer, f"b={b} @ {rate:g} req/s", began, float(row["duration_s"]))
                     try:
                         row.update(clean(simulate_row(machine, row, policy=policy, distribution=distribution,
@@ -303,13 +311,15 @@ def sweep(
                 index += 1
                 results.save()
                 notify(SweepEvent("done", index, total, b, rate, row=row, attempt=row["attempts"]))
-                if stop_on_congestion and row["congested"] and j + 1 < len(rates):
+                served_none = row["state"] == "failed" and not row["completed"]
+                if (served_none or (stop_on_congestion and row["congested"])) and j + 1 < len(rates):
+                    # every request failed: higher rates would fail alike (and take as long)
                     rest = rates[j + 1:]
-                    results.skipped.extend({"batch_size": b, "offered_rate": r,
-                                            "reason": f"congested at {rate:g} req/s"} for r in rest)
+                    why = f"every request failed at {rate:g} req/s" if served_none else f"congested at {rate:g} req/s"
+                    results.skipped.extend({"batch_size": b, "offered_rate": r, "reason": why} for r in rest)
                     index += len(rest)
                     results.save()
-                    notify(SweepEvent("skipped", index, total, b, rate, skipped=list(rest)))
+                    notify(SweepEvent("skipped", index, total, b, rate, skipped=list(rest), message=why))
                     break
         stale = stale_models_note(
             plan, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
@@ -359,8 +369,9 @@ def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, ra
         if tracer is not None:
             tracer.span(POINTS_LANE, f"b={b} @ {rate:g} req/s" + (" (again)" if attempt > 1 else ""),
                         began, time.perf_counter(), "sweep point",
-                        {"congested": bool(summary["congested"]), "stable": bool(summary["stable"])})
-        if extend and attempt == 1 and not summary["stable"] and not summary["congested"]:
+                        {"state": summary["state"], "congested": bool(summary["congested"]),
+                         "stable": bool(summary["stable"])})
+        if extend and attempt == 1 and summary["state"] == "unstable":
             attempt, extended, length = 2, True, 2 * length
             continue
         break
@@ -491,7 +502,7 @@ def auto_rates(
     loop on the runtime itself (``probe_seconds`` of batches of the largest size, kept two per
     worker in flight), whose throughput is what the runtime serves at most.
     """
-    sizes = sorted({int(b) for b in batch_sizes})
+    sizes, _ = runnable_sizes(plan, batch_sizes)  # a model of one request per task: batch 1
     try:
         machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
                                 store=store, cpu_fallback=False)

@@ -45,9 +45,14 @@ def _ms(seconds: Any) -> str:
     return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.2f}"
 
 
-def _batch(text: str | None) -> int:
-    """``--batch`` of one plan: one positive integer."""
+def _batch(text: str | None, plan: Any = None) -> int:
+    """``--batch`` of one plan: one positive integer. For a ``plan`` that runs one request per
+    task (its contract cannot batch) batch 1 is the only one that means something, so it is
+    the default (:func:`_one_plan_batch` says when a larger one was asked)."""
+    contract = None if plan is None else plan.contract
     if text is None:
+        if contract is not None and not contract.batchable:
+            return 1
         raise StaronnxError("give --batch (the batch size b)")
     try:
         value = int(text)
@@ -56,6 +61,19 @@ def _batch(text: str | None) -> int:
     if value < 1:
         raise StaronnxError(f"--batch must be >= 1, got {value}")
     return value
+
+
+def _one_plan_batch(text: str | None, plan: Any) -> int:
+    """The batch one plan is simulated at: ``--batch``, or batch 1 for a model that runs one
+    request per task, said in one line (as ``run`` and ``plan verify`` say it), never a
+    figure for a batch its server would never form."""
+    from staronnx.bench.points import runnable_sizes
+
+    asked = _batch(text, plan)
+    sizes, note = runnable_sizes(plan, [asked])
+    if note:
+        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
+    return sizes[0]
 
 
 def mix_batches(text: str | None, names: list[str]) -> dict[str, int]:
@@ -212,7 +230,8 @@ def simulate_cmd(
              "each at its own rate (--rates a=100,b=400).")],
     rate: Annotated[float | None, typer.Option(help="Offered load, single-sample requests per second (one plan).")] = None,
     batch: Annotated[str | None, typer.Option(
-        help="Batch size b (a batch leaves when full); with several plans one for all, or one per model: a=8,b=1.")] = None,
+        help="Batch size b (a batch leaves when full); with several plans one for all, or one per model: a=8,b=1. "
+             "A model that runs one request per task (max_batch_size 0) has batch 1 only, the default.")] = None,
     rates: Annotated[str | None, typer.Option(
         help="Mixed traffic: a rate per model, a=100,b=400 (names: the plan folders' or --name).")] = None,
     name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
@@ -274,8 +293,8 @@ def simulate_cmd(
     if rate is None:
         raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")
     plandir = plandirs[0]
-    batch_size = _batch(batch)
     plan = Plan.load(plandir)
+    batch_size = _one_plan_batch(batch, plan)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
                           skip_archs=what_if_gpus([plan], devices, cuda_scale))

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import Progress, TaskID
 from rich.table import Table
 
@@ -118,17 +119,16 @@ class _Bars:
             row = event.row or {}
             self.measured += 1
             p.update(self.points, completed=event.index)
-            state = "[red]congested[/]" if row.get("congested") else (
-                "stable" if row.get("stable") else "[yellow]unstable[/]")
             above(p, console).print(
                 f"b={row.get('batch_size')} @ {_fmt(row.get('offered_rate'), 0)} req/s: "
                 f"{_fmt(row.get('throughput'), 1)} samples/s, papers' latency "
                 f"{_fmt(row.get('paper_latency_mean_ms'))} ms (std {_fmt(row.get('paper_latency_std_ms'))}), "
-                f"p99 {_fmt(row.get('latency_p99_ms'))} ms, {state}"
+                f"p99 {_fmt(row.get('latency_p99_ms'))} ms, {_state_markup(row)}", highlight=False
             )
         elif event.kind == "skipped":
             p.update(self.points, completed=event.index)
-            above(p, console).print(f"[dim]b={event.batch_size}: congested at {event.rate:g} req/s; skipping "
+            why = event.message or f"congested at {event.rate:g} req/s"
+            above(p, console).print(f"[dim]b={event.batch_size}: {escape(why)}; skipping "
                             f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
         elif event.kind in ("end", "interrupted"):
             if event.kind == "end":
@@ -136,6 +136,26 @@ class _Bars:
             if self.requests is not None:  # the per-point bar means nothing once the sweep stops
                 p.remove_task(self.requests)
                 self.requests = None
+
+
+def _state_markup(row: dict[str, Any]) -> str:
+    """A point's state as the progress line shows it: failed with its reason, in red."""
+    from staronnx.bench.results import row_state
+
+    state = row_state(row)
+    if state == "failed":
+        return f"[red]failed[/] ({escape(str(row.get('notes') or 'its requests failed'))})"
+    return {"congested": "[red]congested[/]", "unstable": "[yellow]unstable[/]"}.get(state, state)
+
+
+def _print_point_notes(rows: list[dict[str, Any]]) -> None:
+    """Each point's own notes (why its requests failed), one line each, under its table."""
+    for r in rows:
+        if r.get("notes"):
+            where = (f"mix {r['mix']} model {r['model']}" if "model" in r
+                     else f"b={r['batch_size']} @ {_fmt(r['offered_rate'], 0)} req/s")
+            console.print(f"{where}: {r.get('state') or 'note'}: {r['notes']}", highlight=False, soft_wrap=True,
+                          markup=False)
 
 
 def _print_fidelity(rows: list[dict[str, Any]]) -> None:
@@ -188,16 +208,18 @@ def _print_notes(output: Path) -> None:
     except (OSError, StaronnxError):
         return
     for note in notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True)
+        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
 
 
 def _summary_table(rows: list[dict[str, Any]]) -> Table:
+    from staronnx.bench.results import row_state
+
     table = Table(title="sweep (papers' latency: first request of each batch)")
     cols = ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state")
     for c in cols:
         table.add_column(c, justify="left" if c == "state" else "right")
     for r in rows:
-        state = "congested" if r.get("congested") else ("stable" if r.get("stable") else "unstable")
+        state = row_state(r)
         table.add_row(
             str(r["batch_size"]), _fmt(r["offered_rate"], 0), _fmt(r.get("throughput"), 1),
             _fmt(r.get("paper_latency_mean_ms")), _fmt(r.get("paper_latency_std_ms")),
@@ -296,12 +318,18 @@ def sweep_cmd(
              "batch size, max delay and runtime settings are then the server's.")] = None,
     model: Annotated[str | None, typer.Option(
         help="With --url: the served model's name (default: the plan folder's name).")] = None,
+    check: Annotated[Path | None, typer.Option(
+        "--check", metavar="MODEL.onnx",
+        help="With --url: hold every answer against plain onnxruntime's answer to that request's own inputs "
+             "(MODEL.onnx: the model the plan was cut from; CPU, one thread, once per distinct request). An "
+             "answer that differs counts as a failed request, the difference in the point's notes.")] = None,
     model_workers: Annotated[list[str] | None, typer.Option("--model-workers", help=MODEL_WORKERS_HELP)] = None,
     lane: Annotated[list[str] | None, typer.Option("--lane", help=SIM_LANE_HELP)] = None,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime (or through a
     `staronnx serve` with --url); write CSV, JSON and the papers' plots."""
+    from staronnx.bench.points import runnable_sizes
     from staronnx.bench.sweep import sweep
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
@@ -318,7 +346,8 @@ def sweep_cmd(
         raise StaronnxError(LANES_NEED_SEVERAL)
     if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
-                                                ("--inputs", inputs), ("--labels", labels)) if value]
+                                                ("--inputs", inputs), ("--labels", labels), ("--check", check))
+                       if value]
         if engine != "native":
             unsupported.append("--engine")
         if unsupported:
@@ -343,6 +372,8 @@ def sweep_cmd(
         run = _sweep_at(url, model, given_on_command_line(ctx))
     elif model is not None:
         raise StaronnxError("--model names a model served at --url; give --url too")
+    elif check is not None:
+        raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
@@ -365,7 +396,8 @@ def sweep_cmd(
         f"sweeping plan {plan.hash} ({plan.k} parts) "
         + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
            f"{cuda_summary(cuda_streams, devices)}"
-           f"{', load generator on the ' + host_core_name(cuda_streams) if colocate else ''}: {len(sizes)} batch size(s) x ") +
+           f"{', load generator on the ' + host_core_name(cuda_streams) if colocate else ''}: "
+           f"{len(runnable_sizes(plan, sizes)[0])} batch size(s) x ") +
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
     )
@@ -380,6 +412,7 @@ def sweep_cmd(
                 extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
                 trace=trace, max_delay=delay, inputs=real, inputs_path=inputs,
                 **({"colocate": True} if colocate else {}),  # only in process: --url refused it above
+                **({"check": check} if check is not None else {}),  # only over the network
             )
         except BaseException as exc:
             if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
@@ -465,6 +498,7 @@ def _report(output: Path, rows: Any, table: Any, *, simulate: bool, trace: Path 
     """What a finished sweep (one model or a mix) prints: its table, notes, the simulator's
     fidelity, where its files and trace are, then its plots."""
     console.print(table)
+    _print_point_notes(rows)
     _print_notes(output)
     if simulate:
         _print_fidelity(rows)
@@ -497,12 +531,14 @@ class _MixBars:
         elif event.kind == "point":
             p.update(self.points, description=f"mix {event.message}")
         elif event.kind == "done":
+            from staronnx.bench.results import row_state
+
             self.measured += 1
             p.update(self.points, completed=event.index)
             lines = "; ".join(
                 f"{r['model']} {_fmt(r.get('throughput'), 1)} samples/s p99 {_fmt(r.get('latency_p99_ms'))} ms"
                 + (f" ({r['deadline_misses']} late)" if r.get("deadline_misses") is not None else "")
-                + (" [red]congested[/]" if r.get("congested") else "")
+                + (f" {_state_markup(r)}" if row_state(r) in ("failed", "congested") else "")
                 for r in event.row["rows"])
             above(p, console).print(f"{event.row['mix']}: {lines}")
         elif event.kind == "skipped":
@@ -517,8 +553,10 @@ def _mix_table(rows: list[dict[str, Any]]) -> Table:
     table = Table(title="mixed sweep (several models on one runtime; latencies in ms)")
     for c in ("mix", "model", "b", "offered", "throughput", "p50", "p99", "target", "late", "LP scale", "state"):
         table.add_column(c, justify="left" if c in ("mix", "model", "state") else "right")
+    from staronnx.bench.results import row_state
+
     for r in rows:
-        state = "congested" if r.get("congested") else ("stable" if r.get("stable") else "unstable")
+        state = row_state(r)
         late = "-" if r.get("deadline_misses") is None else f"{r['deadline_misses']}/{r.get('completed')}"
         table.add_row(str(r["mix"]), str(r["model"]), str(r["batch_size"]), _fmt(r["offered_rate"], 0),
                       _fmt(r.get("throughput"), 1), _fmt(r.get("latency_p50_ms")), _fmt(r.get("latency_p99_ms")),
@@ -651,6 +689,8 @@ def optimize_batch_cmd(
             note.append("congested (sim)")
         if r["measured_congested"]:
             note.append("congested (live)")
+        if r["measured_state"] == "failed":
+            note.append(f"[red]failed (live)[/]: {r['measured_failed']} request(s)")
         table.add_row(
             str(cand.batch_size), _fmt(r["predicted_latency_ms"]), _fmt(r["predicted_p99_ms"]),
             _fmt(r["predicted_throughput"], 1), _fmt(r["measured_latency_ms"]), _fmt(r["measured_p99_ms"]),
@@ -668,7 +708,7 @@ def optimize_batch_cmd(
         console.print(f"measured with the load generator on the {host_core_name(cuda_streams)} (PU {result.generator_core})",
                       highlight=False)
     for note in result.notes:
-        console.print(f"note: {note}", highlight=False)
+        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
     if json_out is not None:
         atomic_write_text(json_out, json.dumps(result.as_dict(), indent=1, default=str) + "\n")
         console.print(f"written to {json_out}")

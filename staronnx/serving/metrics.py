@@ -22,6 +22,10 @@ all counted in latencies, however late they complete.
   groups of equal count; the point is stable when each group's throughput and p50 latency are
   within 10 % of their mean over the three (see :func:`stability_windows` for why batches and
   not time slices).
+- **Failures are failures**: a point where any request failed is ``failed`` (whatever its
+  backlog did: failed requests leave no backlog and complete nothing), its notes saying how many
+  failed and why the first did (:func:`point_state`); throughput counts only the samples whose
+  answers came back.
 - **Whole batches**: latencies (the papers' and per request) come from the batches whose oldest
   request arrived in the window, every request of such a batch included, so a window edge never
   cuts a batch (see :func:`_window_batches`).
@@ -96,7 +100,39 @@ def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
     out["stable"] = is_stable(windows)
     out["warmup_s"] = float(warmup)
     out["measured_s"] = float(span)
+    failed_run = [r for r in records.requests if r.failed]
+    out["state"], out["notes"] = point_state(out, len(failed_run), sum(not r.rejected for r in records.requests),
+                                             first_error(records, failed_run))
     return out
+
+
+def first_error(records: RunRecords, failed: Iterable[RequestRecord] | None = None) -> str | None:
+    """Why the earliest failed request failed: its own record's ``error``, else the run's
+    ``first_error`` (a front end that saw it without recording it per request); None if unsaid."""
+    failed = [r for r in records.requests if r.failed] if failed is None else list(failed)
+    said = min((r for r in failed if r.error), key=lambda r: r.arrival, default=None)
+    return said.error if said is not None else records.first_error
+
+
+#: what a point can be, worst first: its requests failed, its backlog grew, it held or it did not
+STATES = ("failed", "congested", "stable", "unstable")
+
+
+def point_state(summary: dict[str, Any], failed: int | None = None, accepted: int | None = None,
+                first_error: str | None = None) -> tuple[str, str]:
+    """(state, notes) of a point: ``failed`` when any request failed (``failed`` counts the whole
+    run, warm-up and drain included: a failure is one wherever it falls), else ``congested``,
+    ``stable`` or ``unstable``; the notes say how many failed of the ``accepted`` and why the
+    first did (``first_error``), so that a point nobody was served at never reads as a load
+    the machine could not keep up with."""
+    failed = int(summary.get("failed") or 0) if failed is None else int(failed)
+    if failed > 0:
+        of = "" if accepted is None else f" of {accepted}"
+        why = f": {first_error}" if first_error else " (the front end did not say why)"
+        return "failed", f"{failed}{of} request(s) failed{why}"
+    if summary.get("congested"):
+        return "congested", ""
+    return ("stable" if summary.get("stable") else "unstable"), ""
 
 
 # -- the window --------------------------------------------------------------------------------

@@ -27,6 +27,8 @@ class RequestRecord:
     rejected: bool = False  # refused by a full queue (OverloadError)
     failed: bool = False  # its batch's task failed
     withdrawn: bool = False  # cancelled by its caller while queued: it left without running
+    #: why it failed (one line), where the front end that failed it says (None: it did not)
+    error: str | None = None
 
     @property
     def latency(self) -> float | None:
@@ -36,7 +38,7 @@ class RequestRecord:
         """A snapshot of this record: a server copies every record it reports, tens of
         thousands per sweep point, and ``dataclasses.replace`` costs several times as much."""
         return RequestRecord(self.id, self.arrival, self.batch_id, self.first_in_batch, self.done,
-                             self.rejected, self.failed, self.withdrawn)
+                             self.rejected, self.failed, self.withdrawn, self.error)
 
 
 @dataclass(slots=True)
@@ -74,3 +76,14 @@ class RunRecords:
     #: queue length sampled over time: (clock time, requests waiting)
     queue_samples: list[tuple[float, int]] = field(default_factory=list)
     settings: dict = field(default_factory=dict)
+    #: why the first failed request failed (one line), where the front end saw it but its
+    #: records do not say (a request's own ``error`` is read first): a sweep point whose
+    #: requests failed reports it instead of a figure nobody can read
+    first_error: str | None = None
+
+
+def error_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception as one line a report can carry: its message with whitespace runs folded
+    (ONNX Runtime's span several lines), cut at ``limit`` characters; its type when it has none."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[:limit - 3] + "..."
