@@ -219,16 +219,18 @@ class BatchContract:
                     return int(value.shape[axis])
         return 1
 
-    def check_rows(self, feeds: Mapping[str, np.ndarray], what: str = "the request") -> int:
-        """The batch size of ``feeds``, refusing batched inputs that disagree on it, or an empty one."""
+    def check_rows(self, feeds: Mapping[str, np.ndarray], what: str = "the request", *,
+                   empty: bool = False) -> int:
+        """The batch size of ``feeds``, refusing batched inputs that disagree on it, or an empty
+        batch unless ``empty``."""
         if self.why_not is not None:
             return 1
         rows = {n: int(feeds[n].shape[a]) for n, a in self._batched if n in feeds and feeds[n].ndim > a}
         if len(set(rows.values())) > 1:
-            raise InputError(f"{what}'s batched inputs disagree on the batch size: "
+            raise InputError(f"{what}: the batched inputs disagree on the batch size: "
                              + ", ".join(f"{n} has {r} on axis {self.inputs[n]}" for n, r in rows.items()))
         n = next(iter(rows.values()), 1)
-        if n < 1:
+        if n < 1 and not empty:
             name = next(iter(rows))
             raise InputError(f"{what}: input {name!r} has an empty batch (axis {self.inputs[name]} is 0)")
         return n

@@ -265,6 +265,7 @@ class Plan:
                         f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
                         f"got shape {list(value.shape)}"
                     )
+        self.contract.check_rows(feeds, "the feeds", empty=True)  # one batch size on every batch axis
 
     # -- execution --------------------------------------------------------------------------
     def session(self, index: int) -> Any:
