@@ -147,7 +147,7 @@ class MeteredRuntime:
     def preferred_batch_sizes(self) -> tuple[int, ...]:
         """The batch sizes the runtime captured CUDA graphs for (a partial batch is padded up to
         one): the Server reads them as its default ``pad_to``, so standing in between must not
-        hide them. None for a runtime that captures none (CPU workers, Ray's, the starpu engine)."""
+        hide them. Empty for a runtime that captures none (CPU workers only, a stand-in)."""
         if isinstance(self.runtime, (Runtime, ModelHandle)):
             return tuple(self.runtime.preferred_batch_sizes)
         return ()
