@@ -2,7 +2,11 @@
 
 The scheduler places tasks from predictions, so before serving we run every part on every
 worker architecture at every batch size until StarPU's rules call the history calibrated
-(10 accepted samples after the dropped first one). Each part is fed the real tensors its
+(10 accepted samples after the dropped first one), at every footprint asked for (StarPU's
+footprint is the data sizes: a width-200 and a width-320 batch are different work, measured
+apart; ``input_shapes`` lists the sizes). The batch lands on each input's own batch axis (the
+plan's contract: a state ``[2, batch, 64]`` grows on axis 1); a model that runs one request per
+task is calibrated at batch 1 only (:func:`batch_sizes_for`). Each part is fed the real tensors its
 predecessors produce (a reference run of the plan), never random crossing tensors. Workers run
 concurrently, as they will while serving; workers of the same architecture (CPU groups of the
 same size) feed one shared model, as StarPU's homogeneous CPU models do.
@@ -13,6 +17,7 @@ from __future__ import annotations
 import shlex
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -21,7 +26,8 @@ import numpy as np
 
 from staronnx.perfmodels import Footprint, HistoryModel, PerfModelStore
 from staronnx.plan import Plan
-from staronnx.verify import random_plan_feeds
+from staronnx.errors import StaronnxError
+from staronnx.verify import model_failure, random_plan_feeds
 from staronnx.workers.base import Worker
 from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
 from staronnx.workers.topology import Topology
@@ -71,8 +77,11 @@ def calibrate(
     on_step: Callable[[str], None] | None = None,
     replace: bool = False,
     report: CalibrationReport | None = None,
+    input_shapes: Sequence[Mapping[str, Sequence[int]]] = ({},),
 ) -> CalibrationReport:
-    """Run every part on every worker at every batch size until its history is calibrated.
+    """Run every part on every worker at every batch size, at each set of ``input_shapes``
+    (name -> dims for the inputs with dynamic sizes; the batch axis's entry is replaced by each
+    batch size), until its history is calibrated: one footprint per (batch size, set).
 
     ``max_runs`` bounds the runs per (worker, part, batch) when measurements keep being
     rejected as outliers (a noisy machine); those entries are reported as uncalibrated.
@@ -95,6 +104,7 @@ def calibrate(
     report = report if report is not None else CalibrationReport()
     lock = threading.Lock()
     stop = threading.Event()
+    measured_fps: dict[tuple[int, str], set[Footprint]] = {}
     for w in workers:
         for part in range(plan.k):
             key = (part, w.arch)
@@ -110,6 +120,8 @@ def calibrate(
             feeds = plan.part_feeds(part, values)
             model = report.models[(part, arch)]
             fp = Footprint.of_feeds(feeds, batch)  # the engine's footprint, so serving finds these
+            with lock:
+                measured_fps.setdefault((part, arch), set()).add(fp)
             worker.run(part, feeds)  # warm-up: allocations, kernel selection
             runs = 0
             k = (part, arch, batch)
@@ -133,9 +145,11 @@ def calibrate(
         with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="calibrate") as pool:
             try:
                 for batch in batch_sizes:
-                    values = plan.reference_values(random_plan_feeds(plan, batch, seed=seed))
-                    for future in [pool.submit(drive, w, batch, values) for w in workers]:
-                        future.result()
+                    for given in input_shapes:
+                        feeds = random_plan_feeds(plan, batch, {n: list(d) for n, d in given.items()}, seed=seed)
+                        values = _reference(plan, feeds)
+                        for future in [pool.submit(drive, w, batch, values) for w in workers]:
+                            future.result()
             except BaseException:
                 stop.set()  # the pool's exit waits for the runs under way, then nothing more starts
                 raise
@@ -160,16 +174,37 @@ def calibrate(
         else:
             merged = store.commit(plan.hash, model)
         report.models[(part, arch)] = merged
-        for batch in batch_sizes:
-            values_fp = [r for r in merged.rows() if r.batch == batch]
-            if not any(r.calibrated for r in values_fp):
-                report.uncalibrated.append((part, arch, batch))
+        for fp in sorted(measured_fps.get((part, arch), ()), key=lambda f: (f.batch, f.shape_hash)):
+            if merged.needs_samples(fp):
+                report.uncalibrated.append((part, arch, fp.batch))
     return report
 
 
-def calibration_steps(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> int:
-    """Number of (worker, part, batch) steps, for a progress bar."""
-    return len(workers) * plan.k * len(batch_sizes)
+def _reference(plan: Plan, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Every tensor of a reference run on ``feeds``; a model that fails on them is one line
+    naming the input (sizes the model does not accept), not ORT's traceback."""
+    try:
+        return plan.reference_values(feeds)
+    except StaronnxError:
+        raise
+    except Exception as exc:  # ORT's own classes: the model's error at these sizes
+        raise model_failure(plan, feeds, exc) from None
+
+
+def calibration_steps(plan: Plan, workers: Sequence[Worker], batch_sizes: Sequence[int], shape_sets: int = 1) -> int:
+    """Number of (worker, part, batch, input shapes) steps, for a progress bar."""
+    return len(workers) * plan.k * len(batch_sizes) * max(shape_sets, 1)
+
+
+def batch_sizes_for(plan: Plan, batch_sizes: Sequence[int]) -> tuple[list[int], str | None]:
+    """The batch sizes a plan can be calibrated at: all of them, or only 1 for a model that
+    runs one request per task (it never sees another batch), with the line that says so."""
+    sizes = sorted(set(batch_sizes))
+    contract = plan.contract
+    if contract.batchable or sizes == [1]:
+        return sizes, None
+    return [1], (f"this model runs one request per task ({contract.why_not}): only batch 1 is calibrated, "
+                 f"not {','.join(map(str, sizes))}")
 
 
 

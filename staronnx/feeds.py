@@ -52,16 +52,19 @@ def integer_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
 
 def random_array(elem_type: int, shape: Sequence[int], rng: np.random.Generator,
                  value_range: tuple[int, int] | None = None) -> np.ndarray:
-    """One random tensor: normal floats, ints in the valid range, fair booleans."""
+    """One random tensor: normal floats, ints in the valid range, fair booleans.
+
+    Always an array, a rank-0 one for a scalar input (numpy's generators return a numpy scalar
+    there, and ORT refuses a ``numpy.bool`` scalar as a feed)."""
     dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem_type))
     shape = tuple(int(d) for d in shape)
     if dtype == np.bool_:
-        return rng.random(shape) < 0.5
+        return np.asarray(rng.random(shape) < 0.5)
     if np.issubdtype(dtype, np.integer):
         low, high = value_range or (0, 2)
-        return rng.integers(low, high, size=shape).astype(dtype)
+        return np.asarray(rng.integers(low, high, size=shape), dtype=dtype)
     if np.issubdtype(dtype, np.floating):
-        return rng.standard_normal(shape).astype(dtype)
+        return np.asarray(rng.standard_normal(shape), dtype=dtype)
     if dtype.kind in ("U", "S", "O"):
         return np.array(rng.choice(["a", "b", "c"], size=shape), dtype=object)
     raise ValueError(f"cannot make random values of dtype {dtype}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,11 @@ import onnxruntime as ort
 from staronnx.errors import DeviceError
 from staronnx.modelio import PROTOBUF_LIMIT, model_nbytes, save_model
 
+
+#: ORT's log severities: 3 logs errors, 4 only fatal ones. Every error ORT logs while running a
+#: session also comes back to Python as an exception, which staronnx words in one line; the log
+#: would print it a second time, raw and red, on stderr (the C++ logger bypasses Python's).
+QUIET = 4
 
 _ORT_ELEMENT_NAMES = {"float32": "float", "float64": "double", "object": "string", "str": "string"}
 
@@ -67,8 +73,14 @@ def make_session(
     providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
     options: ort.SessionOptions | None = None,
 ) -> ort.InferenceSession:
-    """An ORT session; models over protobuf's 2 GB limit go through a temporary file."""
-    so = options or ort.SessionOptions()
+    """An ORT session; models over protobuf's 2 GB limit go through a temporary file.
+
+    Without ``options``, ORT logs nothing below a fatal error (:data:`QUIET`): its errors reach
+    the caller as exceptions, which partition, verify and the probes summarise in one line."""
+    so = options
+    if so is None:
+        so = ort.SessionOptions()
+        so.log_severity_level = QUIET
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     providers = list(providers or ["CPUExecutionProvider"])
@@ -81,3 +93,33 @@ def make_session(
         save_model(model, path)
         # ORT reads the external weights while building the session, so the folder can go after.
         return ort.InferenceSession(str(path), so, providers=providers)
+
+
+def quiet_ort_log() -> None:
+    """Sessions that set no log level of their own (a plan's reference sessions) log nothing below
+    a fatal error either: a command's user reads ORT's errors as staronnx's one line, not twice."""
+    ort.set_default_logger_severity(QUIET)
+
+
+#: ``[ONNXRuntimeError] : 1 : FAIL : `` before ORT's message (and what a task error put before it)
+_ORT_PREFIX = re.compile(r"^.*?\[ONNXRuntimeError\]\s*:\s*\d+\s*:\s*\w+\s*:\s*", re.DOTALL)
+#: ``Non-zero status code returned while running GRU node. Name:'/gru/GRU' Status Message: ...``
+_NODE_FAILED = re.compile(r"Non-zero status code returned while running (\w+) node\. Name:'([^']*)' "
+                          r"Status Message:\s*(.*)", re.DOTALL)
+#: a C++ source location ORT puts before some messages: ``concatbase.h:135 PrepareForComputeImpl ``
+_SOURCE_LOCATION = re.compile(r"^\S+\.(?:h|cc|cpp|cu):\d+ \S+ ")
+
+
+def ort_failure(exc: BaseException) -> tuple[str | None, str | None, str]:
+    """(op type, node name, message) of an error ONNX Runtime raised while running a model (or a
+    staronnx task error whose cause it is), in one line without ORT's prefixes and source
+    locations; op type and node name are None where ORT named no node."""
+    cause = exc.__cause__ if exc.__cause__ is not None and type(exc.__cause__).__module__.startswith("onnxruntime") \
+        else exc
+    text = _ORT_PREFIX.sub("", str(cause).strip(), count=1)
+    op = node = None
+    found = _NODE_FAILED.search(text)
+    if found is not None:
+        op, node, text = found.group(1), found.group(2), found.group(3)
+    text = _SOURCE_LOCATION.sub("", text.strip())
+    return op, node, " ".join(text.split()) or type(cause).__name__

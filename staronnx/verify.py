@@ -8,16 +8,17 @@ DESIGN.md: max abs diff <= 1e-4 relative to the output's scale for floats, equal
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import numpy as np
 import onnx
 
-from staronnx.errors import PlanError
+from staronnx.errors import InputError, PlanError, StaronnxError
 from staronnx.feeds import random_array
 from staronnx.modelio import is_fixed, load_model
-from staronnx.ortutil import make_session, ort_type_name
+from staronnx.ortutil import make_session, ort_failure, ort_type_name
 from staronnx.plan import Plan
 
 RELATIVE_TOLERANCE = 1e-4
@@ -76,6 +77,17 @@ def feed_shapes(plan: Plan, batch: int, given: dict[str, list[int]] | None = Non
                 )
         shapes[spec.name] = dims
     return shapes
+
+
+def runnable_batch(plan: Plan, batch: int) -> tuple[int, str | None]:
+    """The batch a command can run for a requested ``batch``: itself, or 1 for a model that runs
+    one request per task, with the line that says so (a command never claims a batch it did
+    not run)."""
+    contract = plan.contract
+    if batch == 1 or contract.batchable:
+        return batch, None
+    return 1, (f"batch {batch} is impossible for this model: {contract.why_not}; it runs one request per "
+               "task, so batch 1 is run")
 
 
 def random_plan_feeds(
@@ -146,7 +158,83 @@ def verify_plan(
     if missing:
         raise PlanError(f"the model has no output(s) {missing}: is this the plan's source model?")
     _check_same_inputs(plan, whole)
-    reference = dict(zip(names, whole.run(names, feeds)))
-    chained = plan.run_reference(feeds)
+    try:
+        reference = dict(zip(names, whole.run(names, feeds)))
+        chained = plan.run_reference(feeds)
+    except StaronnxError:
+        raise
+    except Exception as exc:  # ORT's own classes (Fail, InvalidArgument, ...): a model's error
+        raise model_failure(plan, feeds, exc) from None
     checks = [compare(n, reference[n], chained[n]) for n in plan.output_names]
     return VerifyReport(outputs=checks, batch=batch)
+
+
+#: ``Input initial_h must have shape ...``: ORT naming one of the failing node's inputs
+_NODE_INPUT = re.compile(r"\bInput (\w+)\b")
+
+
+def _part_graphs(plan: Plan) -> list[onnx.GraphProto]:
+    return [onnx.load(str(plan.part_path(p.index)), load_external_data=False).graph for p in plan.parts]
+
+
+def inputs_behind(plan: Plan, node_name: str, node_input: str | None = None) -> list[str]:
+    """The model inputs a node of the plan reads, through every part before it: those behind its
+    input ``node_input`` (the name its operator's schema gives it, e.g. GRU's ``initial_h``) where
+    that is known, else behind all its inputs. Empty when no part has the node."""
+    producer: dict[str, onnx.NodeProto] = {}
+    target: onnx.NodeProto | None = None
+    for graph in _part_graphs(plan):
+        for node in graph.node:
+            producer.update((o, node) for o in node.output if o)
+            if node.name == node_name:
+                target = node
+    if target is None:
+        return []
+    starts = list(target.input)
+    if node_input is not None:
+        try:
+            schema = onnx.defs.get_schema(target.op_type, domain=target.domain)
+            index = [i.name for i in schema.inputs].index(node_input)
+            if index < len(target.input) and target.input[index]:
+                starts = [target.input[index]]
+        except (onnx.defs.SchemaError, ValueError):
+            pass
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = [t for t in starts if t]
+    while stack:
+        tensor = stack.pop()
+        if tensor in seen:
+            continue
+        seen.add(tensor)
+        if tensor in plan.input_names:
+            found.add(tensor)
+        elif tensor in producer:
+            stack.extend(t for t in producer[tensor].input if t)
+    return [n for n in plan.input_names if n in found]
+
+
+def model_failure(plan: Plan, feeds: Mapping[str, np.ndarray], exc: BaseException,
+                  what: str = "the model") -> InputError:
+    """One line for a model that fails on ``feeds`` (ORT's error, or a staronnx task error it
+    caused): the model input(s) the failing node reads, with their shapes and batch axes in the
+    plan's contract, and ORT's words for what the node requires. No traceback: the user can act
+    on the input and its axis, not on our stack."""
+    op, node, message = ort_failure(exc)
+    match = _NODE_INPUT.search(message)
+    names = inputs_behind(plan, node, match.group(1) if match else None) if node else []
+    contract = plan.contract
+
+    def say(name: str) -> str:
+        value = feeds.get(name)
+        shape = "?" if value is None else (list(value.shape) if value.ndim else "a scalar")
+        axis = contract.inputs.get(name)
+        where = "no batch axis" if axis is None else f"batch on axis {axis}"
+        return f"{name!r} (shape {shape}; {where} in the plan's contract)"
+
+    shown = names or [n for n in plan.input_names if n in feeds]
+    label = "input" if len(shown) == 1 else "inputs"
+    rows = contract.rows(feeds)
+    batch = f" at batch {rows}" if rows > 1 else ""
+    at = f"{op} node {node!r}: " if node else ""
+    return InputError(f"{what} fails{batch} on {label} {', '.join(say(n) for n in shown)}: {at}{message}")

@@ -12,8 +12,11 @@ output that goes to a file or a pipe, which has no width of its own, is laid out
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import warnings
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import (
@@ -72,3 +75,27 @@ def above(progress: Progress, console: Console) -> Console:
     if progress.live.is_started and progress.console.is_terminal and console.is_terminal:
         return progress.console
     return console
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, worded as staronnx's warnings are (``staronnx: warning: ...``)."""
+    print(f"staronnx: warning: {message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def partition_warnings() -> Iterator[None]:
+    """Partition's warnings in the command line's words (``--parts 1``, not ``parts=1``), each
+    printed once the block ends (after its spinner, never through it); other warnings as usual."""
+    from staronnx.partition.checks import PartitionWarning
+
+    caught: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:  # type: ignore[assignment]
+            warnings.simplefilter("always", PartitionWarning)
+            yield
+    finally:
+        for w in caught:
+            if isinstance(w.message, PartitionWarning):
+                warn(w.message.cli)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from staronnx.cli.display import QUIET_HELP, output_console, spinner
+from staronnx.cli.display import QUIET_HELP, output_console, partition_warnings, spinner
 from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.errors import PartitionError
 from staronnx.fsutil import check_writable
@@ -73,17 +73,27 @@ def partition_cmd(
     speeds_from: Annotated[Optional[Path], typer.Option(
         help="With --shares auto: take the speeds from the calibrated perf models of this 1-part "
              "plan of the same model instead of timing the model now.")] = None,
+    batch_axis: Annotated[Optional[list[str]], typer.Option(
+        help="NAME=AXIS: the axis of input or output NAME that carries the batch, where the graph "
+             "cannot tell (e.g. state=1); NAME=none for a per-request value (repeatable). "
+             "Kept in the plan: every command batches the same way.")] = None,
+    no_batching: Annotated[bool, typer.Option(
+        "--no-batching", help="Never batch requests together: one request per task (Triton's "
+                              "max_batch_size 0), kept in the plan.")] = False,
 ) -> None:
     """Cut MODEL into weighted, acyclic parts and write them as a plan folder."""
+    from staronnx.contract import parse_batch_axes
+    from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
-    from staronnx.workers.host import partition
 
     if method not in _method_names():
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
     # the library takes typed values: the option strings are read here, errors naming the flags
     targets = shares if shares is None or is_auto(shares) else read_shares(shares, "--shares")
     shapes = read_input_shapes(input_shape or [], "--input-shape")
+    axes = parse_batch_axes(batch_axis or [])
+    quiet_ort_log()
     if (speeds_from is not None or cuda_streams or cuda_devices is not None) and not is_auto(shares):
         raise PartitionError("--cuda-streams, --cuda-devices and --speeds-from apply to --shares auto only")
     # a plan's GPUs may be read from another host's models (--speeds-from); timing needs them here
@@ -97,9 +107,9 @@ def partition_cmd(
 
         speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups or "numa",
                                   cuda_streams=cuda_streams, cuda_devices=devices)
-    with spinner(quiet) as progress:
+    with partition_warnings(), spinner(quiet) as progress:
         step = progress.add_task("partitioning")
-        plan = partition(
+        plan = _partition_here(
             model,
             targets,
             parts=parts,
@@ -118,13 +128,37 @@ def partition_cmd(
             cuda_streams=cuda_streams,
             speeds=speeds,
             cuda_devices=devices,
+            batch_axes=axes,
+            batching=not no_batching,
         )
     console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
     print_plan(plan)
 
 
+def _partition_here(model: Path, shares: list[float] | str | None, *, method: str, device: str,
+                    groups: str | None, cuda_streams: int, cuda_devices: tuple[int, ...],
+                    **options: object) -> Plan:
+    """``staronnx.partition()`` (:func:`staronnx.workers.host.partition`: this host's CPU groups,
+    devices and bus model, read only where the request uses them) with the batching contract's
+    overrides, which that door does not pass on yet."""
+    from staronnx.partition import api
+    from staronnx.partition.autoshares import is_auto
+    from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
+    from staronnx.workers.host import cpu_group_sizes, host_devices, host_transfer
+
+    placed = method in PLACEMENT_METHODS
+    timed = is_auto(shares) and options.get("speeds") is None and not placed
+    return api.partition(  # type: ignore[arg-type]
+        model, shares, method=method, device=device, cuda_devices=cuda_devices,
+        devices=host_devices(groups, cuda=device == "cuda") if placed else None,
+        cpu_group_sizes=cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices) if timed else None,
+        transfer=host_transfer() if placed else None, **options,
+    )
+
+
 def print_plan(plan: Plan) -> None:
-    """Parts, op counts, cost shares, crossing tensors and bytes, as tables."""
+    """Parts, op counts, cost shares, crossing tensors and bytes, as tables; then the model's
+    batching contract and what the input shapes given at partition time were for."""
     table = Table(title=f"{plan.root.name}: {plan.k} part(s), hash {plan.hash}")
     for col in ("part", "nodes", "ops", "cost µs", "share", "target", "inputs", "outputs"):
         table.add_column(col, justify="right" if col not in ("ops", "inputs", "outputs") else "left",
@@ -152,6 +186,24 @@ def print_plan(plan: Plan) -> None:
             str(t.producer), ",".join(map(str, t.consumers)),
         )
     console.print(cross)
+    print_contract(plan)
+
+
+def print_contract(plan: Plan) -> None:
+    """The batching contract (where each tensor carries the batch, whether requests share a
+    task) and that the sizes given to partition were for profiling: a plan serves every size
+    the model accepts (its parts keep the model's dynamic dimensions)."""
+    contract = plan.contract
+    set_by = f" (set for {', '.join(contract.overridden)})" if contract.overridden else ""
+    console.print(f"batching contract{set_by}:", highlight=False)
+    for line in contract.describe():
+        console.print(f"  {line}", highlight=False, soft_wrap=True)
+    given = plan.settings.get("input_shapes") or {}
+    if given:
+        sizes = ", ".join(f"{n}={'x'.join(map(str, d)) or 'scalar'}" for n, d in given.items())
+        console.print(f"input shapes {sizes} were for profiling only: the plan serves every size the model "
+                      "accepts (random inputs of plan verify, calibrate and run default to them)",
+                      highlight=False, soft_wrap=True)
 
 
 def _names(names: list[str], limit: int = 3) -> str:
@@ -179,21 +231,28 @@ def verify_cmd(
              "samples along axis 0 (numpy.savez); all its samples form one batch.")] = None,
 ) -> None:
     """Run MODEL and the chained parts on the same inputs (random, or --inputs); exit 0 only
-    when they agree."""
+    when they agree. The batch lands on each input's own batch axis (the plan's contract); a
+    model that runs one request per task is verified at batch 1, and says why."""
+    from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.notation import read_input_shapes
-    from staronnx.verify import RELATIVE_TOLERANCE, verify_plan
+    from staronnx.verify import RELATIVE_TOLERANCE, random_plan_feeds, verify_plan
 
     if batch < 1:
         raise PartitionError(f"--batch must be at least 1, got {batch}")
+    quiet_ort_log()
     plan = Plan.load(plandir)
-    feeds = None
+    given = read_input_shapes(input_shape or [], "--input-shape")
     if inputs is not None:
         from staronnx.inputs import load_inputs, samples
 
         feeds = load_inputs(inputs, plan)
         batch = samples(feeds, plan)
-    report = verify_plan(plan, model, batch=batch, input_shapes=read_input_shapes(input_shape or [], "--input-shape"), seed=seed,
-                         feeds=feeds)
+    else:
+        batch = one_per_task(plan, batch)
+        feeds = random_plan_feeds(plan, batch, given, seed)
+    console.print("inputs: " + ", ".join(f"{n} {_shape(v.shape)}" for n, v in feeds.items()), highlight=False,
+                  soft_wrap=True)
+    report = verify_plan(plan, model, batch=batch, feeds=feeds)
     source = f"{inputs}" if inputs is not None else "random inputs"
     table = Table(title=f"whole model vs {plan.k} chained parts, batch {batch} ({source})")
     for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
@@ -209,6 +268,20 @@ def verify_cmd(
     else:
         console.print("MISMATCH")
         raise typer.Exit(1)
+
+
+def one_per_task(plan: Plan, batch: int) -> int:
+    """:func:`staronnx.verify.runnable_batch`, its note printed in one line."""
+    from staronnx.verify import runnable_batch
+
+    batch, note = runnable_batch(plan, batch)
+    if note is not None:
+        console.print(note, highlight=False, soft_wrap=True)
+    return batch
+
+
+def _shape(shape: tuple[int, ...]) -> str:
+    return "x".join(map(str, shape)) if shape else "scalar"
 
 
 def register(app: typer.Typer) -> None:

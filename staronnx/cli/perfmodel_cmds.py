@@ -40,25 +40,44 @@ def calibrate_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
     replace: Annotated[bool, typer.Option("--replace", help="Measure the batch sizes afresh and replace their stored entries (stale ones: measurements above the LP bound); other batch sizes keep theirs.")] = False,
+    input_shape: Annotated[Optional[list[str]], typer.Option(
+        help="NAME=D1xD2x... for inputs with dynamic sizes, or several sizes NAME=S1,S2 (or the option "
+             "repeated): each is a footprint calibrated apart, e.g. x=1x3x48x200,1x3x48x320. "
+             "Default: the sizes the plan was partitioned at.")] = None,
 ) -> None:
-    """Run every part on every worker at each batch size until its perf model is calibrated."""
+    """Run every part on every worker at each batch size (on each input's own batch axis) and
+    each --input-shape until its perf model is calibrated. A model that runs one request per
+    task is calibrated at batch 1 only."""
     from staronnx.calibrate import (
-        CalibrationReport, calibrate, calibrate_bus_if_needed, calibration_steps, start_workers,
+        CalibrationReport, batch_sizes_for, calibrate, calibrate_bus_if_needed, calibration_steps, start_workers,
     )
+    from staronnx.ortutil import quiet_ort_log
+    from staronnx.partition.notation import read_input_shape_sets
     from staronnx.perfmodels import PerfModelStore
+    from staronnx.verify import random_plan_feeds
 
+    quiet_ort_log()
     plan = Plan.load(plandir)
-    sizes = _batch_sizes(batch_sizes)
+    sizes, note = batch_sizes_for(plan, _batch_sizes(batch_sizes))
+    shape_sets = read_input_shape_sets(input_shape or [], "--input-shape")
+    for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
+        _check_sizes(plan, given)
+        random_plan_feeds(plan, 1, given)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
     workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     report = CalibrationReport()  # filled as it goes: what an interruption kept is read from it
-    steps = calibration_steps(plan, workers, sizes)
+    steps = calibration_steps(plan, workers, sizes, len(shape_sets))
     try:
+        if note is not None:
+            console.print(note, highlight=False, soft_wrap=True)
+        shapes = "; input shapes " + " and ".join(
+            ", ".join(f"{n}={'x'.join(map(str, d))}" for n, d in given.items()) for given in shape_sets
+        ) if any(shape_sets) else ""
         console.print(
             f"calibrating plan {plan.hash} ({plan.k} parts) on "
-            f"{', '.join(w.name for w in workers)}; batch sizes {sizes}"
+            f"{', '.join(w.name for w in workers)}; batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True,
         )
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -70,7 +89,7 @@ def calibrate_cmd(
                 progress.update(task, advance=1, description=msg)
 
             calibrate(plan, sizes, workers=workers, store=store, max_runs=max_runs,
-                      seed=seed, on_step=step, replace=replace, report=report)
+                      seed=seed, on_step=step, replace=replace, report=report, input_shapes=shape_sets)
     except BaseException:
         if report.interrupted:  # Ctrl-C, SIGTERM: the samples measured so far were stored
             console.print(
@@ -101,20 +120,41 @@ def calibrate_cmd(
         )
 
 
+def _check_sizes(plan: Plan, given: dict[str, list[int]]) -> None:
+    """Each ``--input-shape`` names an input of the plan, at its rank."""
+    specs = {t.name: t for t in plan.inputs}
+    for name, dims in given.items():
+        spec = specs.get(name)
+        if spec is None:
+            raise StaronnxError(f"--input-shape names unknown input {name!r}; the plan's inputs are {plan.input_names}")
+        if len(dims) != len(spec.shape):
+            raise StaronnxError(f"--input-shape {name}={'x'.join(map(str, dims))}: rank {len(dims)} given, the "
+                                f"model's input has rank {len(spec.shape)} {spec.shape}")
+
+
 def _fmt_ms(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.3f}"
 
 
 def _print_rows(rows, plan: Plan) -> None:
+    """One row per (part, arch, footprint); a ``sizes`` column (the hash of the input sizes
+    besides the batch, StarPU's footprint) where a part has models of several sizes."""
     table = Table(title=f"perf models of plan {plan.hash} (times in ms)")
-    for col in ("part", "arch", "batch", "n", "mean", "stddev", "outliers", "regression a·n^b+c"):
-        table.add_column(col, justify="right" if col not in ("arch", "regression a·n^b+c") else "left")
-    for r in sorted(rows, key=lambda r: (r.part, r.arch, r.batch)):
+    seen: dict[tuple[int, str], set[str]] = {}
+    for r in rows:
+        seen.setdefault((r.part, r.arch), set()).add(r.shape_hash)
+    families = any(len(hashes) > 1 for hashes in seen.values())
+    columns = ("part", "arch", *(("sizes",) if families else ()), "batch", "n", "mean", "stddev", "outliers",
+               "regression a·n^b+c")
+    for col in columns:
+        table.add_column(col, justify="right" if col not in ("arch", "sizes", "regression a·n^b+c") else "left",
+                         no_wrap=col == "sizes")
+    for r in sorted(rows, key=lambda r: (r.part, r.arch, r.shape_hash, r.batch)):
         reg = r.regression
         fit = (f"{reg.a * 1e3:.3g}·n^{reg.b:.2f}+{reg.c * 1e3:.3g} (r²={reg.r2:.3f})"
                if reg is not None else "-")
-        table.add_row(str(r.part), r.arch, str(r.batch), str(r.n), _fmt_ms(r.mean),
-                      _fmt_ms(r.stddev), str(r.nerror), fit)
+        table.add_row(str(r.part), r.arch, *((r.shape_hash,) if families else ()), str(r.batch), str(r.n),
+                      _fmt_ms(r.mean), _fmt_ms(r.stddev), str(r.nerror), fit)
     console.print(table)
 
 

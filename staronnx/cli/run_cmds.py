@@ -48,35 +48,49 @@ def run_cmd(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Run requests (random inputs, or --inputs) through the runtime; print throughput,
-    latency and placement. One warm-up request runs first and is left out of every figure."""
+    latency and placement. One warm-up request runs first and is left out of every figure.
+    Samples/s counts the samples computed (a model that runs one request per task computes one
+    per request, whatever --batch says); a request that fails is counted failed, never as
+    throughput, and its error is one line."""
     from staronnx.inputs import batches, load_inputs, samples
+    from staronnx.ortutil import quiet_ort_log
     from staronnx.plan import Plan
     from staronnx.runtime.runtime import Runtime
-    from staronnx.verify import random_plan_feeds
+    from staronnx.verify import random_plan_feeds, runnable_batch
 
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
+    quiet_ort_log()
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
         warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+    batch, note = runnable_batch(plan, batch)
+    if note is not None:
+        console.print(note, highlight=False, soft_wrap=True)
     if real is None:
         pool = [random_plan_feeds(plan, batch, seed=seed + i) for i in range(min(requests, 8))]
     else:
         n = samples(real, plan)
         pool = batches(real, plan, batch, min(requests, max(1, math.ceil(n / batch))))
         console.print(f"inputs from {inputs}: {n} sample(s)", highlight=False, soft_wrap=True)
+    rows = [plan.contract.rows(feeds) for feeds in pool]  # the samples each request computes
     latencies: list[float] = []
+    failures: list[tuple[int, BaseException]] = []
+    computed = 0
     cuda_options = {"cuda_graphs": cuda_graphs} if cuda_streams else None
     stats: dict[str, Any] | None = None
     trace_error: OSError | None = None
     try:
         with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
                      cuda_options=cuda_options, warmup=(batch,) if cuda_streams else (), cuda_devices=devices) as rt:
-            rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
+            try:
+                rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
+            except Exception:  # noqa: BLE001 - the requests below fail the same way and are counted
+                pass
             warm = rt.stats()
             # the progress bar's thread starts first: only this thread joins the driver's core
             with progress_bar(quiet) as progress, rt.colocate() if colocate else contextlib.nullcontext() as core:
@@ -85,18 +99,25 @@ def run_cmd(
                                                    highlight=False)
                 done = progress.add_task("requests", total=requests)
                 start = time.perf_counter()
-                inflight = []
+                inflight: list[tuple[int, float, Any]] = []
+
+                def settle(i: int, t0: float, fut: Any) -> None:
+                    nonlocal computed
+                    try:
+                        fut.result()
+                    except Exception as exc:  # noqa: BLE001 - a model's error: counted, said once
+                        failures.append((i, exc))
+                    else:
+                        latencies.append(time.perf_counter() - t0)
+                        computed += rows[i % len(pool)]
+                    progress.advance(done)
+
                 for i in range(requests):
                     if len(inflight) >= max_in_flight:
-                        t0, fut = inflight.pop(0)
-                        fut.result()
-                        latencies.append(time.perf_counter() - t0)
-                        progress.advance(done)
-                    inflight.append((time.perf_counter(), rt.submit(pool[i % len(pool)])))
-                for t0, fut in inflight:
-                    fut.result()
-                    latencies.append(time.perf_counter() - t0)
-                    progress.advance(done)
+                        settle(*inflight.pop(0))
+                    inflight.append((i, time.perf_counter(), rt.submit(pool[i % len(pool)])))
+                for item in inflight:
+                    settle(*item)
                 elapsed = time.perf_counter() - start
             stats = since(warm, rt.stats())
     except OSError as exc:
@@ -105,10 +126,18 @@ def run_cmd(
         if stats is None or trace is None:
             raise
         trace_error = exc
+    completed = len(latencies)
+    failed = f", {len(failures)} failed" if failures else ""
+    if not completed:
+        console.print(f"{requests} requests with {policy} in {elapsed:.2f} s: 0 completed{failed}; 0 samples computed",
+                      highlight=False)
+        raise failure_error(plan, pool, failures, requests)
     lat = np.array(latencies) * 1e3
+    per = rows[0] if len(set(rows)) == 1 else None
+    shape = f" x batch {per}" if per is not None else ""
     console.print(
-        f"{requests} requests x batch {batch} with {policy} in {elapsed:.2f} s: "
-        f"{requests * batch / elapsed:.1f} samples/s; latency ms p50 {np.percentile(lat, 50):.2f} "
+        f"{requests} requests{shape} with {policy} in {elapsed:.2f} s: {completed} completed{failed}; "
+        f"{computed} samples computed, {computed / elapsed:.1f} samples/s; latency ms p50 {np.percentile(lat, 50):.2f} "
         f"p90 {np.percentile(lat, 90):.2f} p99 {np.percentile(lat, 99):.2f} max {lat.max():.2f}",
         highlight=False,
     )
@@ -136,6 +165,19 @@ def run_cmd(
                             + (f" ({where})" if str(where) != str(trace) else ""))
     if trace is not None:
         console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
+    if failures:
+        raise failure_error(plan, pool, failures, requests)
+
+
+def failure_error(plan: Any, pool: list[dict[str, np.ndarray]], failures: list[tuple[int, BaseException]],
+                  requests: int) -> StaronnxError:
+    """The one line for requests that failed: how many, and the first one's error as the model
+    gave it (the input, its axis, what the model requires), never a traceback."""
+    from staronnx.verify import model_failure
+
+    index, exc = failures[0]
+    first = exc if isinstance(exc, StaronnxError) else model_failure(plan, pool[index % len(pool)], exc)
+    return StaronnxError(f"{len(failures)} of {requests} requests failed; the first: {first}")
 
 
 def graph_summary(graphs: dict[str, int] | None) -> str:

@@ -25,6 +25,7 @@ from staronnx.partition.autoshares import (
     is_auto,
     measure_speeds,
 )
+from staronnx.partition.checks import warn_cut
 from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
@@ -107,6 +108,10 @@ def partition(
     model's batching contract where the graph cannot tell it (:mod:`staronnx.contract`); they are
     kept in the plan's settings, so every command that loads the plan batches the same way.
 
+    A cut that runs but does not mean what was asked (a part that computes nothing, a crossing
+    tensor of 0 bytes, an achieved share further than ``tolerance`` from its target) is said
+    with a :class:`~staronnx.partition.checks.PartitionWarning` each, with a way out.
+
     The machine comes in typed: ``staronnx.partition()``
     (:func:`staronnx.workers.host.partition`) reads this host's from a CPU group policy.
     """
@@ -158,7 +163,9 @@ def partition(
                              auto_shares=auto_choice.to_json() if auto_choice is not None else None,
                              batch_axes=axes or None, batching=None if batching else False)
     say(f"exporting {result.k} parts to {out}")
-    return write_plan(graph, result, settings, out)
+    plan = write_plan(graph, result, settings, out)
+    warn_cut(plan, tolerance, shares_cut=not placed)
+    return plan
 
 
 def _auto_shares(

@@ -165,7 +165,7 @@ def measure_speeds(
     groups of one size are timed once and counted.  The GPU is timed through plain
     ``session.run`` with numpy in and out, so its copies are included, as a one-part plan pays them.
     """
-    from staronnx.ortutil import cuda_capture_safe, make_session, providers_for
+    from staronnx.ortutil import QUIET, cuda_capture_safe, make_session, providers_for
 
     say = progress or (lambda _m: None)
     speeds: list[WorkerSpeed] = []
@@ -186,7 +186,7 @@ def measure_speeds(
         so = ort.SessionOptions()
         so.intra_op_num_threads = max(int(cores), 1)
         so.inter_op_num_threads = 1
-        so.log_severity_level = 3
+        so.log_severity_level = QUIET
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = make_session(model, providers=["CPUExecutionProvider"], options=so)
         speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", _seconds_per_run(sess, feeds, runs), count))

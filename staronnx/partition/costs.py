@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +22,8 @@ import onnx
 import onnxruntime as ort
 
 from staronnx.feeds import random_feeds_for_shapes
-from staronnx.ortutil import make_session, providers_for
+from staronnx.ortutil import QUIET, make_session, ort_failure, providers_for
+from staronnx.partition.checks import PartitionWarning
 from staronnx.partition.graph import ModelGraph, TensorInfo, resolve_input_shapes
 
 #: Throughput assumed by the pure estimate when nothing was measured (flop/s, bytes/s).
@@ -108,7 +110,8 @@ def profile_costs(
     costs); None lets ORT use the machine. Two warm-up runs are dropped and the median of the
     rest kept, which resists a preempted run on a busy machine. Falls back to estimates (for
     the nodes it cannot time, or all of them if ORT cannot run the model on this device),
-    never to an exception: costs only steer the cut.
+    never to an exception: costs only steer the cut. A run that fails is said in one
+    :class:`~staronnx.partition.checks.PartitionWarning` (ORT's own log stays quiet).
     """
     providers = providers_for(device)
     shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
@@ -130,8 +133,9 @@ def profile_costs(
             times: dict[str, list[float]] = {}
             for name, us, _provider in kernel_events(Path(sess.end_profiling())):
                 times.setdefault(name, []).append(us)
-        except Exception:  # noqa: BLE001 - costs only steer the cut: fall back to estimates
+        except Exception as exc:  # noqa: BLE001 - costs only steer the cut: fall back to estimates
             times = {}
+            _warn_unprofiled(exc, shapes, device)
     index = {node.name: v for v, node in enumerate(graph.nodes)}
     for name, durations in times.items():
         v = index.get(name)
@@ -146,6 +150,19 @@ def profile_costs(
     return NodeCosts(micros=micros, measured=measured, device=device, batch=batch, runs=runs)
 
 
+def _warn_unprofiled(exc: Exception, shapes: dict[str, list[int]], device: str) -> None:
+    """One line for a profiling run ONNX Runtime refused: where, ORT's reason, what it means."""
+    op, node, message = ort_failure(exc)
+    where = f"{op} node {node!r}: " if node is not None else ""
+    at = ", ".join(f"{n}={'x'.join(map(str, d)) or 'scalar'}" for n, d in shapes.items())
+    why = (f"the model failed to run on {device} at {at} while profiling ({where}{message}): the node costs "
+           "are estimated from FLOPs and bytes")
+    warnings.warn(PartitionWarning(f"{why}; give sizes the model accepts with input_shapes (and batch_axes "
+                                   "where an input carries the batch elsewhere)",
+                                   cli=f"{why}; give sizes the model accepts with --input-shape (and "
+                                       "--batch-axis where an input carries the batch elsewhere)"), stacklevel=4)
+
+
 def estimated_costs(graph: ModelGraph, batch: int = 8) -> NodeCosts:
     """Costs from FLOPs and bytes alone (no run), for a quick or deterministic partition."""
     micros = np.array([estimate_node(graph, v, batch) for v in range(len(graph))]) * 1e6
@@ -158,7 +175,7 @@ def profiling_options(folder: str) -> ort.SessionOptions:
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = os.path.join(folder, "profile")
-    so.log_severity_level = 3
+    so.log_severity_level = QUIET  # a failed run is summarised in one line, not logged raw
     return so
 
 

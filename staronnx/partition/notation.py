@@ -38,6 +38,30 @@ def read_input_shapes(items: Sequence[str], name: str) -> dict[str, list[int]]:
     return shapes
 
 
+def read_input_shape_sets(items: Sequence[str], name: str) -> list[dict[str, list[int]]]:
+    """Several sizes per input, for work measured at each (``calibrate``'s footprints):
+    ``NAME=S1,S2`` or ``NAME=S1`` repeated, each ``S`` a ``D1xD2x...``. Set ``i`` takes each
+    input's ``i``-th size (an input given once keeps it in every set), so inputs that share a
+    dimension (``input_ids`` and ``attention_mask``) change together. One empty set when no
+    item is given."""
+    sizes: dict[str, list[list[int]]] = {}
+    for item in items:
+        tensor, _, text = item.rpartition("=")
+        try:
+            shapes = [read_input_shapes([f"{tensor}={one.strip()}"], name)[tensor] for one in text.split(",")]
+        except PartitionError:
+            raise PartitionError(f"{name} expects NAME=D1xD2x... or NAME=D1xD2x...,D1xD2x... (sizes >= 1, or -1 "
+                                 f"for the model's), got {item!r}") from None
+        sizes.setdefault(tensor, []).extend(shapes)
+    counts = {n: len(v) for n, v in sizes.items()}
+    many = {c for c in counts.values() if c > 1}
+    if len(many) > 1:
+        raise PartitionError(f"{name} gives inputs different numbers of sizes ({counts}): give each input "
+                             "one size, or the same number of sizes as the others")
+    n = max(many, default=1)
+    return [{t: v[i if len(v) > 1 else 0] for t, v in sizes.items()} for i in range(n)]
+
+
 def parse_input_shapes(value: Mapping[str, Sequence[int]] | Sequence[str] | None) -> dict[str, list[int]]:
     """The ``input_shapes`` argument of ``partition()``/``place()``: name -> dims, or the
     ``NAME=D1xD2x...`` strings of :func:`read_input_shapes`."""

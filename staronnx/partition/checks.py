@@ -1,0 +1,116 @@
+"""Cuts that run but do not mean what was asked, said before anyone serves them.
+
+A plan can be valid (every part runs, the chain computes the model) and still be a poor answer
+to the request: a part that computes nothing is a task that only hands tensors on (a model whose
+body is one ``If`` cuts into the ``If`` and its output ``Identity`` nodes); a crossing tensor of
+0 bytes per sample is one whose size shape inference could not tell, so its transfer was never
+weighed; achieved shares far from the targets are not the split the user sized the workers
+for. Partition warns of each with a way out (:class:`PartitionWarning`: one line each, through
+Python's warnings, which the CLI prints as ``staronnx: warning: ...``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from staronnx.plan import Plan
+
+#: ops that compute nothing: a part made only of them is a task that hands its inputs on
+FREE_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Shape", "Size", "Constant",
+                      "Dropout"})
+#: a part below this share of the model's cost has no cost worth a task of its own
+NO_COST_SHARE = 1e-3
+
+
+class PartitionWarning(UserWarning):
+    """A partition that ran but may not mean what was asked; ``cli`` words it with the CLI's flags."""
+
+    def __init__(self, message: str, cli: str | None = None) -> None:
+        super().__init__(message)
+        self.cli = cli if cli is not None else message
+
+
+@dataclass(frozen=True)
+class CutIssue:
+    """One finding: the Python API's words and the command line's."""
+
+    message: str
+    cli: str
+
+
+def _fmt(shares: Sequence[float]) -> str:
+    return ",".join(f"{s:.2f}" for s in shares)
+
+
+def suggested_shares(achieved: Sequence[float]) -> list[float] | None:
+    """The achieved shares rounded to two decimals and summing to exactly 1 (what ``--shares``
+    accepts), or None where a part would round to nothing."""
+    rounded = [round(s, 2) for s in achieved[:-1]]
+    rounded.append(round(1.0 - sum(rounded), 2))
+    return rounded if all(s > 0 for s in rounded) else None
+
+
+def _no_cost(plan: Plan) -> list[CutIssue]:
+    issues = []
+    total = sum(p.cost_us for p in plan.parts)
+    for p in plan.parts:
+        free = set(p.op_counts) <= FREE_OPS
+        if not free and p.share >= NO_COST_SHARE:
+            continue
+        ops = ", ".join(f"{op}×{n}" for op, n in p.op_counts.items())
+        what = "computes nothing" if free else "has no measurable cost"
+        why = (f"part {p.index} {what} ({ops}; {p.cost_us:.3g} of {total:.3g} µs): a task that only "
+               "hands tensors on")
+        issues.append(CutIssue(f"{why}; cut into fewer parts (parts={plan.k - 1})",
+                               f"{why}; cut into fewer parts (--parts {plan.k - 1})"))
+    return issues
+
+
+def _empty_cut(plan: Plan) -> list[CutIssue]:
+    if not plan.crossing:
+        why = f"the cut carries nothing: the {plan.k} parts share no tensor (each is a model of its own)"
+        return [CutIssue(f"{why}; partition with parts=1 and serve them as one", f"{why}; use --parts 1")]
+    empty = [t for t in plan.crossing if t.bytes_per_sample == 0]
+    if not empty:
+        return []
+    names = ", ".join(f"{t.name!r} (part {t.producer} to {','.join(map(str, t.consumers))})" for t in empty)
+    why = (f"crossing tensor(s) {names} carry 0 bytes per sample as far as shape inference can tell "
+           "(a size it could not read, or an empty tensor): the cut's transfers were not weighed")
+    return [CutIssue(f"{why}; other shares or parts=1 avoid them", f"{why}; other --shares or --parts 1 avoid them")]
+
+
+def _missed_shares(plan: Plan, tolerance: float) -> list[CutIssue]:
+    targets = [p.target_share for p in plan.parts]
+    achieved = [p.share for p in plan.parts]
+    worst = max(plan.parts, key=lambda p: abs(p.share - p.target_share))
+    miss = abs(worst.share - worst.target_share)
+    if miss <= tolerance:
+        return []
+    why = (f"achieved shares {_fmt(achieved)} miss the targets {_fmt(targets)} by more than the tolerance "
+           f"{tolerance:g} (part {worst.index} by {miss:.2f}): the nodes' costs do not split closer here")
+    near = suggested_shares(achieved)
+    ask, flag = ((f"shares={near}, ", f"--shares {_fmt(near)}, ") if near is not None else ("other shares, ", "other --shares, "))
+    return [CutIssue(f"{why}; ask for {ask}a larger tolerance, or parts=1",
+                     f"{why}; ask for {flag}a larger --tolerance, or --parts 1")]
+
+
+def cut_issues(plan: Plan, tolerance: float, *, shares_cut: bool = True) -> list[CutIssue]:
+    """What is wrong with a cut of more than one part: parts with no cost, crossing tensors of
+    0 bytes (or none at all), and (for a cut to target shares, ``shares_cut``) an achieved share
+    further than ``tolerance`` from its target."""
+    if plan.k < 2:
+        return []
+    issues = _no_cost(plan) + _empty_cut(plan)
+    if shares_cut:
+        issues += _missed_shares(plan, tolerance)
+    return issues
+
+
+def warn_cut(plan: Plan, tolerance: float, *, shares_cut: bool = True) -> list[CutIssue]:
+    """:func:`cut_issues`, each as a :class:`PartitionWarning`; returned as well."""
+    issues = cut_issues(plan, tolerance, shares_cut=shares_cut)
+    for issue in issues:
+        warnings.warn(PartitionWarning(issue.message, cli=issue.cli), stacklevel=3)
+    return issues
