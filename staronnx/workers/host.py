@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import onnx
 
@@ -76,8 +76,11 @@ def partition(
     cuda_streams: int = 0,
     speeds: Sequence[WorkerSpeed] | None = None,
     cuda_devices: Sequence[int] = (0,),
+    batch_axes: Sequence[str] | Mapping[str, int | None] | None = None,
+    batching: bool = True,
 ) -> Plan:
-    """:func:`staronnx.partition.api.partition` on this host: ``groups`` names the CPU groups
+    """:func:`staronnx.partition.api.partition` on this host (``batch_axes`` and ``batching``
+    set the model's batching contract where the graph cannot tell it): ``groups`` names the CPU groups
     (as for ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)``) that ``shares="auto"``
     times (default ``numa``) or that a placement method places on, beside the GPU for
     ``device="cuda"`` (default: one per NUMA node, or two halves of the cores; ``shares="auto"``
@@ -94,5 +97,5 @@ def partition(
         devices=host_devices(groups, cuda=device == "cuda") if placed else None,
         cpu_group_sizes=cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices) if timed else None,
         cuda_devices=cuda_devices,
-        transfer=host_transfer() if placed else None,
+        transfer=host_transfer() if placed else None, batch_axes=batch_axes, batching=batching,
     )
