@@ -172,7 +172,7 @@ class BatchContract:
         outs = {n: overrides[n] if n in overrides else axis_of(s, symbol or UNNAMED) for n, s in outputs.items()}
         why: str | None = None
         if not batching:
-            why = "batching is off (batching=False, --no-batching)"
+            why = "batching is off (--no-batching)"
         elif not any(a is not None for a in ins.values()):
             fixed = [n for n, s in inputs.items() if s and isinstance(s[0], int)]
             why = ("no input has a dynamic batch dimension" +
