@@ -24,7 +24,7 @@ from onnx import TensorProto, helper, numpy_helper
 from staronnx import Runtime, partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.workers.base import WorkerLost
-from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.cuda import CAPTURE_LOCK, CAPTURE_TRIES, CudaWorker
 from staronnx.workers.cudart import CudaError, HostRuntime, capture_safe, is_sticky
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,14 +172,13 @@ def test_ort_text_of_a_sticky_error_is_recognised():
 # ------------------------------------------------------------------ 3. captures vs other threads
 def _capture_in_background(model: Path, seconds: float) -> tuple[CudaWorker, threading.Thread, threading.Event]:
     worker = CudaWorker(0, 0, [model], runtime=HostRuntime(capture_seconds=seconds)).start()
-    worker.run(0, feeds())  # discovery
-    worker.run(0, feeds())  # ORT's regular run of the new graph id
+    worker.run(0, feeds())  # discovery: the slot gets its graph id
     started = threading.Event()
 
     def capture() -> None:
         started.set()
         try:
-            worker.run(0, feeds())  # the capture, held open `seconds`
+            worker.run(0, feeds())  # ORT's first run of the graph id: the capture, held open `seconds`
         except CudaError:
             pass  # a broken capture: what graph_stats() then says is the test's business
 
@@ -242,6 +241,58 @@ def test_a_failed_capture_is_retried_then_dropped_with_a_warning(model, referenc
     text = caplog.text
     assert "capture of part 0" in text and "901" in text and "runs without a graph" in text
     assert "pre-allocated outputs" not in text
+
+
+def test_the_first_run_of_a_graph_id_is_the_capture_and_waits_for_the_capture_lock(model, reference):
+    """ORT 1.31 captures inside the first run of a new gpu_graph_id (regular run, capture and
+    replay in one call): that run is the one that must take the capture lock, and the counts
+    must agree with what ORT did (a worker that took it for a plain run captured without the
+    lock, and counted one capture late and one replay short)."""
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
+        worker.run(0, feeds())  # discovery: the slot gets its graph id
+        x = feeds(seed=1)
+        with CAPTURE_LOCK:  # another capture is under way somewhere
+            fut = worker.submit(0, x)
+            time.sleep(0.3)
+            assert not fut.done(), "the first run of a graph id captured without the capture lock"
+        check(reference, x, fut.result(timeout=30))
+        assert rt.graph_events == {"captured": 1}
+        assert worker.graph_stats() == {"captured": 1, "failed": 0, "replays": 0}
+        for i in range(3):
+            x = feeds(seed=2 + i)
+            check(reference, x, worker.run(0, x))
+        assert rt.graph_events == {"captured": 1, "replayed": 3}
+        assert worker.graph_stats() == {"captured": 1, "failed": 0, "replays": 3}
+
+
+def test_a_capture_that_fails_at_warm_up_costs_the_graph_not_the_warm_up(model, reference, caplog):
+    """The first run of a graph id fails its capture (each of its tries, on both buffer sets a
+    pipelined worker warms up): warm-up still succeeds, the shape runs without a graph."""
+    rt = HostRuntime()
+    with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
+            CudaWorker(0, 0, [model], runtime=rt) as worker:
+        rt.inject("capture", 901, times=2 * CAPTURE_TRIES)
+        worker.warmup([4], lambda p, b: feeds(b))
+        assert worker.graph_stats() == {"captured": 0, "failed": 2 * CAPTURE_TRIES, "replays": 0}
+        for i in range(3):
+            x = feeds(seed=i)
+            check(reference, x, worker.run(0, x))
+        assert rt.calls["capture"] == 2 * CAPTURE_TRIES and not rt.graph_events
+    assert "runs without a graph" in caplog.text
+
+
+def test_a_capture_that_fails_once_at_warm_up_is_captured_by_its_second_try(model, reference):
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+        rt.inject("capture", 901, times=1)
+        worker.warmup([4], lambda p, b: feeds(b))
+        # the round whose capture failed ran again (the other buffer set replaying), then one more
+        assert worker.graph_stats() == {"captured": 2, "failed": 1, "replays": 3}
+        x = feeds(seed=7)
+        check(reference, x, worker.run(0, x))
+        assert worker.graph_stats()["replays"] == 4
+        assert rt.graph_events == {"captured": 2, "replayed": 4}
 
 
 def test_a_second_try_captures(model, reference):
@@ -352,12 +403,13 @@ def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
         assert rt.stats.device_allocs + rt.stats.pinned_allocs == allocs
 
 
-def test_a_graph_costs_one_regular_run_and_one_capture(model):
+def test_a_graph_costs_one_capture_at_warm_up(model):
     rt = HostRuntime()
     with CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
         worker.warmup([1, 4], lambda p, b: feeds(b))
         assert rt.calls["capture"] == 2  # one per (part, batch size), nothing more exclusive
         assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
+        assert rt.graph_events == {"captured": 2, "replayed": 2}
 
 
 # ------------------------------------------------------------------ 9. install

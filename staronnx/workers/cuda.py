@@ -16,13 +16,15 @@ Buffers, bindings, views and run options are cached per (part, input signature) 
 :class:`_Slot`; eviction, like allocation, happens only when a new slot is made.
 
 CUDA graphs (on by default; at batch 1-8 a GPU waits on launches): a slot whose every buffer is
-fixed gets a graph id of its own (ORT's ``enable_cuda_graph``, ``gpu_graph_id``); ORT's first
-run of that id is a regular run, its second the capture. Captures run one at a time
+fixed gets a graph id of its own (ORT's ``enable_cuda_graph``, ``gpu_graph_id``). ORT 1.31's
+first run of that id is the capture: its regular run(s), the capture and a replay, all in one
+call; every later run is a replay. That call runs one capture at a time
 (:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in thread-local
 capture mode, so nothing else in the process breaks a capture (see
-:mod:`staronnx.workers.cudart`). A failed capture is retried once with a new id, then the slot
-runs without a graph, with a warning naming the CUDA error; :meth:`CudaWorker.graph_stats`
-counts captures, replays and failures.
+:mod:`staronnx.workers.cudart`). A failed capture fails its task and is retried once with a
+new id, then the slot runs without a graph, with a warning naming the CUDA error (warm-up runs
+the shape again instead of failing); :meth:`CudaWorker.graph_stats` counts captures, replays
+and failures.
 
 Errors: a task that fails (bad feed, ORT error, a CUDA error that is not sticky such as out of
 memory or 900/901) fails alone; a sticky CUDA error (the context is lost) raises
@@ -110,9 +112,9 @@ CAPTURE_LOCK = threading.Lock()
 #: captures tried per slot before it runs without a graph
 CAPTURE_TRIES = 2
 
-# A slot's graph state: none (runs with gpu_graph_id -1), the regular run ORT needs before a
-# capture, the capture, replays.
-_NO_GRAPH, _GRAPH_WARM, _GRAPH_CAPTURE, _GRAPH_REPLAY = range(4)
+# A slot's graph state: none (runs with gpu_graph_id -1), the capture (ORT's first run of the
+# slot's graph id: regular run, capture and replay in one call), replays.
+_NO_GRAPH, _GRAPH_CAPTURE, _GRAPH_REPLAY = range(3)
 
 _preloaded = False
 
@@ -328,8 +330,11 @@ class _Slot:
     inputs: list[_Tensor]
     events: dict[str, Any]
     run_options: Any  # ort.RunOptions: the worker's (gpu_graph_id -1) or the slot's graph id
-    #: ``(run, bound)``: ``run(bound, run_options)`` runs the part on this binding (:func:`_native_run`)
+    #: ``(run, bound)``: ``run(bound, run_options)`` runs the part on this binding (:func:`_native_run`;
+    #: with a graph, through the runtime's :meth:`~staronnx.workers.cudart.GpuRuntime.graph_run`)
     native: tuple[Callable[[Any, Any], None], Any]
+    #: ``native``'s run without a graph (what the slot falls back to)
+    plain_run: Callable[[Any, Any], None]
     outputs: list[_Tensor] | None = None
     bound: list[bool] = field(default_factory=list)  # output i bound to our device buffer
     fixed: bool = False
@@ -581,20 +586,58 @@ class CudaWorker(ThreadWorker):
 
         The first run of a shape pays cuDNN's algorithm search and the buffer set-up (it runs
         with ORT-allocated outputs to learn their shapes); the second runs the steady-state
-        path with the worker's own buffers, hence ``repeats=2``; with graphs, ORT's regular
-        run and its capture follow.  With ``prefetch`` tasks run in pairs, so both buffer
-        sets (and graphs) a pipelined worker uses per shape are made now.  Warm-up runs don't
-        call ``on_done`` nor count in :attr:`stats`.  Returns ``(part, batch, compute
-        seconds)`` of the last repeat of each.
+        path with the worker's own buffers, hence ``repeats=2``; with graphs that second run
+        is the capture (ORT 1.31 captures inside the first run of a graph id) and a third one
+        replays. With ``prefetch`` tasks run in pairs, so both buffer sets (and graphs) a
+        pipelined worker uses per shape are made now. A capture that fails does not fail the
+        warm-up: the shape runs again, with a new graph id or without a graph
+        (:data:`CAPTURE_TRIES`). Warm-up runs don't call ``on_done`` nor count in
+        :attr:`stats`. Returns ``(part, batch, compute seconds)`` of the last repeat of each.
         """
-        if self.cuda_graphs:  # discovery, the graph id's regular run, its capture, one replay
-            repeats = max(repeats, 4)
-        return self._warmup(
-            batch_sizes, make_feeds, repeats,
-            lambda part, feeds, b: _Task(part, feeds, CudaWorkerFuture(part, b, self.name), False),
-            lambda fut: fut.compute_seconds,
-            parallel=2 if self.prefetch else 1,
-        )
+        if self.cuda_graphs:  # discovery, the capture, one replay
+            repeats = max(repeats, 3)
+        return self.call(lambda: self._warmup_here(batch_sizes, make_feeds, repeats))
+
+    def _warmup_here(self, batch_sizes: Sequence[int], make_feeds: Callable[[int, int], Feeds],
+                     repeats: int) -> list[tuple[int, int, float]]:
+        """:meth:`warmup`, in the calling thread (the one that will launch this worker's
+        tasks: ORT keeps graphs per thread)."""
+        self.adopt_thread()
+        parallel = 2 if self.prefetch else 1
+        timings = []
+        for part, path in enumerate(self.part_paths):
+            if path is None:
+                continue
+            for b in batch_sizes:
+                timings.append((part, b, self._warm_shape(part, make_feeds(part, b), repeats, parallel)))
+        return timings
+
+    def _warm_shape(self, part: int, feeds: Feeds, repeats: int, parallel: int) -> float:
+        """``repeats`` rounds of ``parallel`` tasks launched together on ``feeds``; a round in
+        which a capture failed runs again (its slot has a new graph id, or none any more), any
+        other error is raised. Returns the compute seconds of the last task."""
+        seconds, done = 0.0, 0
+        while done < repeats:
+            if self.lost is not None:
+                raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+            failures, error = self.graph_failures, None
+            launches = []
+            for _ in range(parallel):
+                try:
+                    launches.append(self._launch(part, feeds, True))
+                except Exception as exc:  # noqa: BLE001 - the others are waited for first
+                    error = error or exc
+            for launch in launches:
+                try:
+                    self._wait(launch)
+                    seconds = self.last_compute_seconds or 0.0
+                except Exception as exc:  # noqa: BLE001
+                    error = error or exc
+            if error is None:
+                done += 1
+            elif self.graph_failures == failures or self.lost is not None:
+                raise self._lost_or(error)
+        return seconds
 
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
         """Run a part from inside this worker's thread (see :meth:`spawn`): copies in, run,
@@ -864,7 +907,7 @@ class CudaWorker(ThreadWorker):
                 if graph == _GRAPH_REPLAY:
                     self.graph_replays += 1
             else:
-                self._run_graph_step(slot, part)
+                self._capture(slot)
             if timed:
                 ev["run_done"].record(stream)
             for dst, src, nbytes in slot.out_copies:
@@ -932,15 +975,15 @@ class CudaWorker(ThreadWorker):
     #: the last untimed launch not yet waited for and with nothing queued behind it
     _unmarked: _Launch | None = None
 
-    def _run_graph_step(self, slot: _Slot, part: _Part) -> None:
-        """ORT's regular run of a new graph id, or its capture (one capture at a time)."""
-        if slot.graph == _GRAPH_WARM:
-            part.session.run_with_iobinding(slot.binding, slot.run_options)
-            slot.graph = _GRAPH_CAPTURE
-            return
+    def _capture(self, slot: _Slot) -> None:
+        """ORT's first run of the slot's graph id: its regular run, the capture (a stream
+        sync, then ``cudaStreamBeginCapture`` in global mode) and a replay all happen inside
+        this one call, so the whole call is the capture: one at a time, and a failure handled
+        here (:meth:`_capture_failed`)."""
+        run, bound = slot.native
         try:
-            with CAPTURE_LOCK, self._runtime.capturing():
-                part.session.run_with_iobinding(slot.binding, slot.run_options)
+            with CAPTURE_LOCK:
+                run(bound, slot.run_options)
         except BaseException as exc:
             if is_sticky(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
@@ -963,14 +1006,22 @@ class CudaWorker(ThreadWorker):
             log.warning("%s: CUDA graph capture of part %d (inputs %s) failed %d times (last: "
                         "%s); this shape runs without a graph", self.name, slot.part,
                         slot.key[1:], slot.capture_tries, exc)
-            slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
+            self._drop_graph(slot)
 
     def _give_graph(self, slot: _Slot) -> None:
-        """After output discovery: a graph id for a slot whose every buffer is fixed."""
+        """After output discovery: a graph id for a slot whose every buffer is fixed; its next
+        run is the capture."""
         slot.graph_id = self._next_graph_id
         self._next_graph_id += 1
         slot.run_options = self._options(slot.graph_id)
-        slot.graph = _GRAPH_WARM
+        session = self._parts[slot.part].session
+        slot.native = (self._runtime.graph_run(session, slot.plain_run, slot.graph_id), slot.native[1])
+        slot.graph = _GRAPH_CAPTURE
+
+    def _drop_graph(self, slot: _Slot) -> None:
+        """The slot runs without a graph from now on."""
+        slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
+        slot.native = (slot.plain_run, slot.native[1])
 
     def _make_slot(self, key: tuple[Any, ...], part_index: int, arrays: list[np.ndarray]) -> _Slot:
         """A new buffer set (the cold path: allocations, and the frees of retired slots)."""
@@ -997,7 +1048,8 @@ class CudaWorker(ThreadWorker):
             for e in events.values():
                 e.destroy()
             raise
-        slot = _Slot(key, part_index, binding, inputs, events, self._run_options, _native_run(part.session, binding))
+        native = _native_run(part.session, binding)
+        slot = _Slot(key, part_index, binding, inputs, events, self._run_options, native, native[0])
         slot.in_copies = [(t, t.device.ptr, t.nbytes) for t in inputs]
         slot.in_bytes = sum(t.nbytes for t in inputs)
         self._slots.add(slot)
@@ -1093,7 +1145,7 @@ class CudaWorker(ThreadWorker):
     def _unbind_outputs(self, slot: _Slot) -> None:
         """Fall back to ORT-allocated outputs for this slot (its shapes were not static)."""
         slot.fixed = False
-        slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
+        self._drop_graph(slot)
         for i, t in enumerate(slot.outputs or []):
             if slot.bound[i]:
                 slot.bound[i] = False

@@ -32,8 +32,9 @@ import importlib
 import os
 import threading
 import time
+import weakref
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -389,6 +390,10 @@ class Buffer(Protocol):
     def free(self) -> None: ...
 
 
+#: ``run(bound, run_options)``: a session's ``run_with_iobinding`` (or ORT's native one)
+SessionRun = Callable[[Any, Any], None]
+
+
 class GpuRuntime(Protocol):
     """What the CUDA worker and the copiers need from a runtime (:class:`CudaRuntime`, or
     :class:`HostRuntime` without a GPU).  Streams, events and buffers are duck-typed alike:
@@ -410,7 +415,7 @@ class GpuRuntime(Protocol):
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None: ...
     def thread_capture_mode(self, mode: int) -> int: ...
-    def capturing(self) -> Any: ...
+    def graph_run(self, session: Any, run: SessionRun, graph_id: int) -> SessionRun: ...
     def loading(self, part: int) -> None: ...
 
 
@@ -500,21 +505,11 @@ class CudaRuntime:
                      "cudaThreadExchangeStreamCaptureMode")
         return int(prev)
 
-    def capturing(self) -> Any:
-        """Around a run in which ONNX Runtime captures a graph: ORT begins and ends the
-        capture itself, so nothing to do here (:class:`HostRuntime` emulates it)."""
-        return _NO_CAPTURE
-
-
-class _NullContext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_CAPTURE = _NullContext()
+    def graph_run(self, session: Any, run: SessionRun, graph_id: int) -> SessionRun:
+        """How a slot runs ``session`` (``run(bound, run_options)``) with CUDA graph
+        ``graph_id``: ``run`` itself, for ONNX Runtime's CUDA provider captures and replays
+        inside it (:class:`HostRuntime` wraps it in what that provider does)."""
+        return run
 
 
 @contextmanager
@@ -654,7 +649,10 @@ class HostRuntime:
     - the capture rules of CUDA's global mode (:meth:`capturing`, :meth:`thread_capture_mode`):
       an unsafe call from a global-mode thread while another thread captures fails with 900
       and the capture with 901.  ``capture_seconds`` holds each capture open that long, so a
-      test can make another thread's calls land inside it.
+      test can make another thread's calls land inside it;
+    - ONNX Runtime's CUDA graphs (:meth:`graph_run`), as its CUDA provider (1.31) makes them:
+      the first run of a graph id is the capture, and :attr:`graph_events` counts captures and
+      replays, so the worker's own counts are checked against what ORT did.
     """
 
     ort_device_type = "cpu"
@@ -668,6 +666,12 @@ class HostRuntime:
         self.capture_seconds = capture_seconds
         self._faults: list[list[Any]] = []  # [call name, code, times left]
         self._lost: CudaError | None = None
+        #: what the emulated CUDA provider did: "captured" (first runs of a graph id, each a
+        #: capture) and "replayed" (runs that only launched a captured graph)
+        self.graph_events: Counter[str] = Counter()
+        #: per session, the graph ids captured (ORT keeps them in the session's CUDA provider)
+        self._graphs: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+        self._graphs_lock = threading.Lock()
 
     # -- emulation
     def inject(self, call: str, code: int, times: int = 1) -> None:
@@ -751,6 +755,31 @@ class HostRuntime:
         prev = _Capture.mode()
         _Capture.modes.mode = mode
         return prev
+
+    def graph_run(self, session: Any, run: SessionRun, graph_id: int) -> SessionRun:
+        """``run`` as ONNX Runtime 1.31's CUDA provider runs ``session`` with ``gpu_graph_id``
+        ``graph_id`` (the CPU provider ignores the id). Its first call with the id is the
+        capture: ``InferenceSession::Run`` runs the model as long as the graph is not captured
+        ("Start another run for necessary memory allocation or graph capture"), the provider
+        captures once its regular runs are done (a stream sync, then
+        ``cudaStreamBeginCapture`` in global mode) and replays the graph it just captured, all
+        in that one call. Here the call is one run inside :meth:`capturing` (CUDA's global-mode
+        rules; an injected ``capture`` fault fails it, and the id then stays uncaptured, so the
+        next call captures again, as in ORT). Every later call replays."""
+        with self._graphs_lock:
+            captured = self._graphs.setdefault(session, set())
+
+        def run_graph(bound: Any, options: Any) -> None:
+            if graph_id in captured:
+                self.graph_events["replayed"] += 1
+                run(bound, options)
+                return
+            with self.capturing():
+                run(bound, options)
+            captured.add(graph_id)
+            self.graph_events["captured"] += 1
+
+        return run_graph
 
     @contextmanager
     def capturing(self) -> Iterator[None]:
