@@ -53,6 +53,7 @@ def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_pat
         # the replica applied the user's axis to the plan it loaded (the graph does not name it)
         params = {k: v["string_value"] for k, v in client.get_model_config(UNNAMED)["parameters"].items()}
         assert "state=1" in params["batch_axes"], params
+        print("batch sizes of the one-sample requests:", {n: sorted(s) for n, s in sizes.items()})
         batched = [n for n in (*LEADING, *OWN_AXIS, UNNAMED) if max(sizes[n]) > 1]
         assert batched, f"no request shared a batch on any model ({sizes}): the split went untested"
     finally:

@@ -155,6 +155,7 @@ def test_each_of_16_concurrent_clients_gets_its_own_answer_over_http_and_grpc(se
     stats = thttp.InferenceServerClient(server.http).get_inference_statistics(name)["model_stats"][0]
     assert int(stats["inference_stats"]["fail"]["count"]) == 0
     assert int(stats["inference_stats"]["success"]["count"]) == 2 * CLIENTS
+    print(f"{name}: batch sizes of the one-sample requests {sorted(sizes)}")
     if name in ALONE:  # one request per task: never batched with another
         assert set(sizes) == {1}, sizes
     else:  # requests of one shape did share batches (so their answers were split)
