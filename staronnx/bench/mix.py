@@ -127,6 +127,27 @@ def mix_label(rates: Mapping[str, float]) -> str:
     return ",".join(f"{n}={r:g}" for n, r in rates.items())
 
 
+def _batch_one_where_needed(plans: Mapping[str, Plan], points: Sequence[MixPoint]) -> tuple[list[MixPoint], list[str]]:
+    """``points`` with batch 1 for every model that runs one request per task (its other sizes
+    mean nothing: :func:`~staronnx.bench.points.runnable_sizes`), points that became equal
+    measured once; and a line per such model saying so."""
+    from staronnx.bench.points import runnable_sizes
+
+    notes = []
+    for name, plan in plans.items():
+        _, note = runnable_sizes(plan, [p.batch_sizes[name] for p in points if name in p.batch_sizes])
+        if note:
+            notes.append(f"{name}: {note}")
+    if not notes:
+        return list(points), []
+    kept: dict[tuple[Any, ...], MixPoint] = {}
+    for p in points:
+        sizes = {n: (b if n not in plans or plans[n].contract.batchable else 1) for n, b in p.batch_sizes.items()}
+        point = MixPoint(p.rates, sizes)
+        kept.setdefault((tuple(point.rates.items()), tuple(sizes.items())), point)
+    return list(kept.values()), notes
+
+
 def mix_points(rates: Mapping[str, Sequence[float]], batch_sizes: Mapping[str, Sequence[int]] | Sequence[int],
                names: Sequence[str]) -> list[MixPoint]:
     """Every combination of the models' rates, for each batch-size setting.
@@ -241,6 +262,7 @@ def sweep_mix(
             raise SweepError(f"{p!r} does not give a rate and a batch size to each model ({', '.join(names)})")
         if any(not (math.isfinite(r) and r > 0) for r in p.rates.values()) or min(p.batch_sizes.values()) < 1:
             raise SweepError(f"{p!r}: rates must be > 0 requests/s and batch sizes >= 1")
+    points, one_per_task = _batch_one_where_needed(loaded, points)
     if distribution not in DISTRIBUTIONS:
         raise SweepError(f"unknown distribution {distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
     if not (math.isfinite(duration) and duration > 0):
@@ -271,7 +293,7 @@ def sweep_mix(
     rows: list[dict[str, Any]] = []
     skipped: list[dict[str, Any]] = []
     bounds: dict[str, Any] = {}
-    notes: list[str] = []
+    notes: list[str] = list(one_per_task)
 
     def save() -> None:
         if out_dir is not None:
@@ -313,7 +335,9 @@ def sweep_mix(
         save()
         handles = {n: runtime.model(n) for n in names}
         for n in names:
-            warm_up(handles[n], loaded[n], sizes_of[n], seed=seed)
+            failed = warm_up(handles[n], loaded[n], sizes_of[n], seed=seed)
+            if failed:  # its rows fail the same way and say so
+                notes.append(f"{n}: warm-up failed at {failed}")
         pools = {n: sample_pool(loaded[n], seed=seed) for n in names}
         for point in points:
             if stop_on_congestion and any(point.dominates(c) for c in congested):

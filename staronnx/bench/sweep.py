@@ -146,6 +146,23 @@ def _twin(plan: Plan, *, groups: str, cuda_streams: int, cuda_devices: Sequence[
     return machine
 
 
+def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | None:
+    """A line saying that the simulation and the LP bound price other shapes than the real
+    ``inputs`` have (a dynamic width or sequence length other than the one the plan was
+    profiled at: another footprint, with other times), None when one sample of each agrees."""
+    from staronnx.inputs import batch_of
+    from staronnx.verify import random_plan_feeds
+
+    ours = batch_of(inputs, plan, 1, 0)
+    profiled = random_plan_feeds(plan, 1)
+    differ = [f"{n} {list(ours[n].shape)} (profiled {list(a.shape)})" for n, a in profiled.items()
+              if n in ours and ours[n].shape != a.shape]
+    if not differ:
+        return None
+    return ("the LP bound and the simulation price the shapes the plan was profiled at, not the --inputs' "
+            "(another footprint, other times): " + ", ".join(differ))
+
+
 def sweep(
     plan: Plan | str | os.PathLike[str],
     rates: Sequence[float],
@@ -257,6 +274,10 @@ def sweep(
         machine = _twin(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
                         notes=results.notes, missing=missing)
     windows: dict[int, int] = {}
+    if machine is not None and inputs is not None:
+        other = _unprofiled_shapes(plan, inputs)
+        if other:
+            results.notes.append(other)
     if machine is not None:
         if bound:
             results.bounds, bound_notes = batch_bounds(machine, batch_sizes)

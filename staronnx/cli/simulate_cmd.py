@@ -63,16 +63,17 @@ def _batch(text: str | None, plan: Any = None) -> int:
     return value
 
 
-def _one_plan_batch(text: str | None, plan: Any) -> int:
-    """The batch one plan is simulated at: ``--batch``, or batch 1 for a model that runs one
-    request per task, said in one line (as ``run`` and ``plan verify`` say it), never a
-    figure for a batch its server would never form."""
+def _one_plan_batch(text: str | None, plan: Any, name: str | None = None) -> int:
+    """The batch one plan (model ``name`` of several) is simulated at: ``--batch``, or batch 1
+    for a model that runs one request per task, said in one line (as ``run`` and ``plan
+    verify`` say it), never a figure for a batch its server would never form."""
     from staronnx.bench.points import runnable_sizes
 
     asked = _batch(text, plan)
     sizes, note = runnable_sizes(plan, [asked])
     if note:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
+        console.print(f"note: {'' if name is None else name + ': '}{note}", highlight=False, soft_wrap=True,
+                      markup=False)
     return sizes[0]
 
 
@@ -165,7 +166,7 @@ def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None
     labels = model_names(plandirs, names)
     plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
     offered = mix_rates(rates, labels)
-    sizes = mix_batches(batch, labels)
+    sizes = {n: _one_plan_batch(str(b), plans[n], n) for n, b in mix_batches(batch, labels).items()}
     targets = service_targets(labels, slo_ms, priority)
     residency = model_residency(model_workers, labels)
     lanes = model_lanes(lane, labels)

@@ -374,6 +374,8 @@ def sweep_cmd(
         raise StaronnxError("--model names a model served at --url; give --url too")
     elif check is not None:
         raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
+    if check is not None and not check.is_file():  # now, not after the header
+        raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
