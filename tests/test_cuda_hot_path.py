@@ -440,6 +440,49 @@ def test_a_runtime_captures_its_warm_up_sizes_one_worker_at_a_time_and_never_whi
         stats = runtime.stats()["workers"]
         warm = 2 * 6  # one replay per buffer set at warm-up
         assert sum(row["graphs"]["replays"] for row in stats.values()) == warm + 30
+        # what the (per-thread) CUDA provider did: every graph replayed where it was captured
+        assert rt.graph_events == {"captured": 12, "replayed": warm + 30}
+
+
+def test_warm_up_captures_on_the_driver_thread_and_serving_there_only_replays(model, reference):
+    """ORT keeps CUDA graphs per thread: a stream worker warmed up on its own thread but
+    driven by another (a device's driver thread) would capture every graph again while
+    serving. ``warmup(driver=...)`` captures on the driver's thread, where tasks then replay."""
+    rt = HostRuntime()
+    with CudaWorker(0, 0, [model], runtime=rt) as driver, CudaWorker(0, 1, [model], runtime=rt) as stream:
+        stream.warmup([4], lambda p, b: feeds(b), driver=driver)
+        assert stream.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
+
+        def serve() -> None:  # what the engine's driver loop does on the driver's thread
+            stream.adopt_thread()
+            for i in range(5):
+                x = feeds(seed=i)
+                check(reference, x, stream.finish_here(stream.launch_here(0, x, timed=False)))
+
+        in_thread(driver, serve)
+        assert stream.graph_stats() == {"captured": 2, "failed": 0, "replays": 7}
+        assert rt.graph_events == {"captured": 2, "replayed": 7}
+
+
+def test_a_graph_replayed_from_another_thread_is_captured_again_and_counted(model, reference, caplog):
+    rt = HostRuntime()
+    with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
+            CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
+        worker.warmup([4], lambda p, b: feeds(b))  # on the worker's own thread
+        assert rt.graph_events == {"captured": 1, "replayed": 1}
+        out: list[dict] = []
+        x = feeds(seed=3)
+        other = threading.Thread(target=lambda: (worker.adopt_thread(), out.append(
+            worker.finish_here(worker.launch_here(0, x, timed=False)))))
+        other.start()
+        other.join(30)
+        check(reference, x, out[0])
+        assert rt.graph_events == {"captured": 2, "replayed": 1}
+        assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 1}
+        check(reference, x, worker.run(0, x))  # back on its own thread: its graph is still there
+        assert rt.graph_events == {"captured": 2, "replayed": 2}
+        assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
+    assert "captured again" in caplog.text and "per thread" in caplog.text
 
 
 def test_without_graphs_there_is_nothing_to_pad_to(plan, tmp_path):

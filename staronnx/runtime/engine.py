@@ -610,9 +610,11 @@ def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngin
 def warm_up(plan: Plan | ModelSet, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> None:
     """Run every part at every batch size on every CUDA worker before the engine starts, one
     worker at a time, so cuDNN's searches and every CUDA graph capture happen now, not in
-    the middle of serving; then freeze capture (a batch size seen later runs without a graph,
-    which is why the Server pads partial batches up to these sizes). Parts get the real
-    tensors their predecessors produce (a reference run), as calibration does."""
+    the middle of serving, and on the thread that will drive the worker (a device's streams
+    share its first worker's thread, :func:`driver_groups`; ORT's graphs are per thread);
+    then freeze capture (a batch size seen later runs without a graph, which is why the
+    Server pads partial batches up to these sizes). Parts get the real tensors their
+    predecessors produce (a reference run), as calibration does."""
     sizes = sorted({int(b) for b in batch_sizes})
     cuda = [w for w in workers if hasattr(w, "warmup") and getattr(w, "kind", "") == "cuda"]
     if not sizes or not cuda:
@@ -629,9 +631,12 @@ def warm_up(plan: Plan | ModelSet, workers: Sequence[Worker], batch_sizes: Seque
         model, local = models.owner[part]
         return model.plan.part_feeds(local, values[(model.index, b)])
 
-    for worker in cuda:
-        worker.warmup(sizes, feeds)
-        worker.capture_on_demand = False
+    for group in driver_groups(workers):  # on the thread that will launch the tasks: ORT
+        driver = workers[group[0]]  # keeps CUDA graphs per thread
+        for worker in (workers[wid] for wid in group):
+            if worker in cuda:
+                worker.warmup(sizes, feeds, driver=driver)
+                worker.capture_on_demand = False
 
 
 register_engine("native", start_native)

@@ -18,7 +18,11 @@ Buffers, bindings, views and run options are cached per (part, input signature) 
 CUDA graphs (on by default; at batch 1-8 a GPU waits on launches): a slot whose every buffer is
 fixed gets a graph id of its own (ORT's ``enable_cuda_graph``, ``gpu_graph_id``). ORT 1.31's
 first run of that id is the capture: its regular run(s), the capture and a replay, all in one
-call; every later run is a replay. That call runs one capture at a time
+call; every later run from the same thread is a replay. ORT keeps graphs per thread (its CUDA
+provider's ``PerThreadContext``), so a slot knows the threads it was captured on: the first run
+from another thread is a capture again (counted, and said: warm up on the thread that will
+replay, as :func:`staronnx.runtime.engine.warm_up` does with ``warmup(driver=...)``). A capture
+runs one at a time
 (:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in thread-local
 capture mode, so nothing else in the process breaks a capture (see
 :mod:`staronnx.workers.cudart`). A failed capture fails its task and is retried once with a
@@ -111,6 +115,8 @@ _ORT_TO_NUMPY: dict[str, np.dtype] = {
 CAPTURE_LOCK = threading.Lock()
 #: captures tried per slot before it runs without a graph
 CAPTURE_TRIES = 2
+#: the calling thread's id, as ORT's CUDA provider tells its per-thread contexts apart
+_thread_id = threading.get_ident
 
 # A slot's graph state: none (runs with gpu_graph_id -1), the capture (ORT's first run of the
 # slot's graph id: regular run, capture and replay in one call), replays.
@@ -342,6 +348,8 @@ class _Slot:
     last_used: int = 0
     graph: int = _NO_GRAPH
     graph_id: int | None = None
+    #: threads (``threading.get_ident()``) on which ORT holds this slot's graph
+    graph_threads: set[int] = field(default_factory=set)
     capture_tries: int = 0
     # per task: (device ptr, nbytes) of each input / output, precomputed
     in_copies: list[tuple[Any, int, int]] = field(default_factory=list)  # (tensor, device ptr, nbytes)
@@ -581,8 +589,13 @@ class CudaWorker(ThreadWorker):
         batch_sizes: Sequence[int],
         make_feeds: Callable[[int, int], Feeds],
         repeats: int = 2,
+        driver: ThreadWorker | None = None,
     ) -> list[tuple[int, int, float]]:
-        """Run every part at every batch size before anything is timed.
+        """Run every part at every batch size before anything is timed, on the thread of
+        ``driver`` (the worker whose thread will launch this one's tasks: an engine drives a
+        device's streams from its first worker's thread), else on this worker's own: ORT keeps
+        CUDA graphs per thread, and a graph captured on another thread than the one that
+        replays it is captured again while serving.
 
         The first run of a shape pays cuDNN's algorithm search and the buffer set-up (it runs
         with ORT-allocated outputs to learn their shapes); the second runs the steady-state
@@ -596,7 +609,7 @@ class CudaWorker(ThreadWorker):
         """
         if self.cuda_graphs:  # discovery, the capture, one replay
             repeats = max(repeats, 3)
-        return self.call(lambda: self._warmup_here(batch_sizes, make_feeds, repeats))
+        return (driver or self).call(lambda: self._warmup_here(batch_sizes, make_feeds, repeats))
 
     def _warmup_here(self, batch_sizes: Sequence[int], make_feeds: Callable[[int, int], Feeds],
                      repeats: int) -> list[tuple[int, int, float]]:
@@ -901,12 +914,14 @@ class CudaWorker(ThreadWorker):
             if timed:
                 ev["run_start"].record(stream)
             graph = slot.graph
-            if graph == _NO_GRAPH or graph == _GRAPH_REPLAY:
+            if graph == _NO_GRAPH:
                 run, bound = slot.native
                 run(bound, slot.run_options)
-                if graph == _GRAPH_REPLAY:
-                    self.graph_replays += 1
-            else:
+            elif graph == _GRAPH_REPLAY and _thread_id() in slot.graph_threads:
+                run, bound = slot.native
+                run(bound, slot.run_options)
+                self.graph_replays += 1
+            else:  # a new graph id, or a thread ORT holds no graph of this slot on
                 self._capture(slot)
             if timed:
                 ev["run_done"].record(stream)
@@ -981,6 +996,11 @@ class CudaWorker(ThreadWorker):
         this one call, so the whole call is the capture: one at a time, and a failure handled
         here (:meth:`_capture_failed`)."""
         run, bound = slot.native
+        if slot.graph_threads:
+            log.warning("%s: the CUDA graph of part %d (inputs %s) is captured again, on thread "
+                        "%s: ORT keeps graphs per thread, and this one was captured on another "
+                        "(warm up on the thread that replays)", self.name, slot.part,
+                        slot.key[1:], threading.current_thread().name)
         try:
             with CAPTURE_LOCK:
                 run(bound, slot.run_options)
@@ -990,6 +1010,7 @@ class CudaWorker(ThreadWorker):
             self._capture_failed(slot, exc)
             raise
         slot.graph = _GRAPH_REPLAY
+        slot.graph_threads.add(_thread_id())
         self.graphs_captured += 1
 
     def _capture_failed(self, slot: _Slot, exc: BaseException) -> None:
@@ -1016,12 +1037,12 @@ class CudaWorker(ThreadWorker):
         slot.run_options = self._options(slot.graph_id)
         session = self._parts[slot.part].session
         slot.native = (self._runtime.graph_run(session, slot.plain_run, slot.graph_id), slot.native[1])
-        slot.graph = _GRAPH_CAPTURE
+        slot.graph, slot.graph_threads = _GRAPH_CAPTURE, set()
 
     def _drop_graph(self, slot: _Slot) -> None:
         """The slot runs without a graph from now on."""
         slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
-        slot.native = (slot.plain_run, slot.native[1])
+        slot.native, slot.graph_threads = (slot.plain_run, slot.native[1]), set()
 
     def _make_slot(self, key: tuple[Any, ...], part_index: int, arrays: list[np.ndarray]) -> _Slot:
         """A new buffer set (the cold path: allocations, and the frees of retired slots)."""

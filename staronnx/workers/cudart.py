@@ -651,8 +651,9 @@ class HostRuntime:
       and the capture with 901.  ``capture_seconds`` holds each capture open that long, so a
       test can make another thread's calls land inside it;
     - ONNX Runtime's CUDA graphs (:meth:`graph_run`), as its CUDA provider (1.31) makes them:
-      the first run of a graph id is the capture, and :attr:`graph_events` counts captures and
-      replays, so the worker's own counts are checked against what ORT did.
+      the first run of a graph id on a thread is the capture (graphs are per thread), and
+      :attr:`graph_events` counts captures and replays, so the worker's own counts are checked
+      against what ORT did.
     """
 
     ort_device_type = "cpu"
@@ -669,8 +670,9 @@ class HostRuntime:
         #: what the emulated CUDA provider did: "captured" (first runs of a graph id, each a
         #: capture) and "replayed" (runs that only launched a captured graph)
         self.graph_events: Counter[str] = Counter()
-        #: per session, the graph ids captured (ORT keeps them in the session's CUDA provider)
-        self._graphs: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+        #: per session, the (graph id, thread) captured: ORT keeps graphs in its CUDA provider's
+        #: per-thread context (``PerThreadContext``: "a separate cuda graph per thread")
+        self._graphs: weakref.WeakKeyDictionary[Any, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
         self._graphs_lock = threading.Lock()
 
     # -- emulation
@@ -765,18 +767,21 @@ class HostRuntime:
         ``cudaStreamBeginCapture`` in global mode) and replays the graph it just captured, all
         in that one call. Here the call is one run inside :meth:`capturing` (CUDA's global-mode
         rules; an injected ``capture`` fault fails it, and the id then stays uncaptured, so the
-        next call captures again, as in ORT). Every later call replays."""
+        next call captures again, as in ORT). Every later call from the same thread replays;
+        graphs are per thread in the CUDA provider, so the first call from another thread
+        captures again."""
         with self._graphs_lock:
             captured = self._graphs.setdefault(session, set())
 
         def run_graph(bound: Any, options: Any) -> None:
-            if graph_id in captured:
+            key = (graph_id, threading.get_ident())
+            if key in captured:
                 self.graph_events["replayed"] += 1
                 run(bound, options)
                 return
             with self.capturing():
                 run(bound, options)
-            captured.add(graph_id)
+            captured.add(key)
             self.graph_events["captured"] += 1
 
         return run_graph
