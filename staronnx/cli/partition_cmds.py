@@ -86,6 +86,7 @@ def partition_cmd(
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
+    from staronnx.workers.host import partition
 
     if method not in _method_names():
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
@@ -109,7 +110,7 @@ def partition_cmd(
                                   cuda_streams=cuda_streams, cuda_devices=devices)
     with partition_warnings(), spinner(quiet) as progress:
         step = progress.add_task("partitioning")
-        plan = _partition_here(
+        plan = partition(
             model,
             targets,
             parts=parts,
@@ -133,27 +134,6 @@ def partition_cmd(
         )
     console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
     print_plan(plan)
-
-
-def _partition_here(model: Path, shares: list[float] | str | None, *, method: str, device: str,
-                    groups: str | None, cuda_streams: int, cuda_devices: tuple[int, ...],
-                    **options: object) -> Plan:
-    """``staronnx.partition()`` (:func:`staronnx.workers.host.partition`: this host's CPU groups,
-    devices and bus model, read only where the request uses them) with the batching contract's
-    overrides, which that door does not pass on yet."""
-    from staronnx.partition import api
-    from staronnx.partition.autoshares import is_auto
-    from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
-    from staronnx.workers.host import cpu_group_sizes, host_devices, host_transfer
-
-    placed = method in PLACEMENT_METHODS
-    timed = is_auto(shares) and options.get("speeds") is None and not placed
-    return api.partition(  # type: ignore[arg-type]
-        model, shares, method=method, device=device, cuda_devices=cuda_devices,
-        devices=host_devices(groups, cuda=device == "cuda") if placed else None,
-        cpu_group_sizes=cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices) if timed else None,
-        transfer=host_transfer() if placed else None, **options,
-    )
 
 
 def print_plan(plan: Plan) -> None:
