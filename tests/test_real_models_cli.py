@@ -126,6 +126,27 @@ def test_partition_warns_of_a_part_that_computes_nothing_and_of_missed_shares(ca
         partition(str(model), output_dir=tmp_path / "api", costs="estimate")
 
 
+def test_a_cut_of_unknown_or_no_bytes_is_named(capfd, tmp_path):
+    """A crossing tensor whose size neither shape inference nor a probe run could tell counts 0
+    bytes per sample (the issue's If model was cut so), and parts that share no tensor carry
+    nothing at all: each is named, with a way out. Here the If's outputs have known sizes, so the
+    plan is altered in memory to hold each case."""
+    from staronnx.partition.checks import cut_issues
+
+    code, _, err = cli(capfd, "partition", _if_body_model(tmp_path / "if_body.onnx"), "-o", tmp_path / "plan",
+                       "--costs", "estimate")
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "plan")
+    assert all(t.bytes_per_sample > 0 for t in plan.crossing)  # sizes known now: no such warning above
+    assert "0 bytes per sample" not in err
+    plan.crossing[0].bytes_per_sample = 0
+    (issue,) = [i for i in cut_issues(plan, 0.02) if "0 bytes per sample" in i.cli]
+    assert f"crossing tensor(s) {plan.crossing[0].name!r} (part 0 to 1) carry 0 bytes" in issue.cli
+    assert "--parts 1" in issue.cli and "parts=1" in issue.message
+    plan.crossing.clear()
+    assert any("the cut carries nothing: the 2 parts share no tensor" in i.cli for i in cut_issues(plan, 0.02))
+
+
 def test_partition_summarises_a_failed_profiling_run_in_one_line_without_ort_log(capfd, tmp_path):
     """UNet heights must be multiples of 4: at 30x30 ONNX Runtime fails inside the graph (a skip
     Concat). Partition falls back to estimated costs and says so once; ORT's red log lines (its

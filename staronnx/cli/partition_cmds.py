@@ -13,6 +13,7 @@ from staronnx.cli.display import QUIET_HELP, output_console, partition_warnings,
 from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.errors import PartitionError
 from staronnx.fsutil import check_writable
+from staronnx.modelio import is_fixed
 from staronnx.plan import Plan
 
 console = output_console()
@@ -178,7 +179,8 @@ def print_contract(plan: Plan) -> None:
     console.print(f"batching contract{set_by}:", highlight=False)
     for line in contract.describe():
         console.print(f"  {line}", highlight=False, soft_wrap=True)
-    given = plan.settings.get("input_shapes") or {}
+    dynamic = {t.name for t in plan.inputs if not all(is_fixed(d) for d in t.shape)}
+    given = {n: d for n, d in (plan.settings.get("input_shapes") or {}).items() if n in dynamic}
     if given:
         sizes = ", ".join(f"{n}={'x'.join(map(str, d)) or 'scalar'}" for n, d in given.items())
         console.print(f"input shapes {sizes} were for profiling only: the plan serves every size the model "

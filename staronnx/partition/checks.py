@@ -11,6 +11,7 @@ Python's warnings, which the CLI prints as ``staronnx: warning: ...``).
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ FREE_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", 
                       "Dropout"})
 #: a part below this share of the model's cost has no cost worth a task of its own
 NO_COST_SHARE = 1e-3
+#: warnings point at the caller's line, past every frame of the package (whichever door it took)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 class PartitionWarning(UserWarning):
@@ -112,5 +115,10 @@ def warn_cut(plan: Plan, tolerance: float, *, shares_cut: bool = True) -> list[C
     """:func:`cut_issues`, each as a :class:`PartitionWarning`; returned as well."""
     issues = cut_issues(plan, tolerance, shares_cut=shares_cut)
     for issue in issues:
-        warnings.warn(PartitionWarning(issue.message, cli=issue.cli), stacklevel=3)
+        say(issue.message, issue.cli)
     return issues
+
+
+def say(message: str, cli: str) -> None:
+    """One :class:`PartitionWarning`, attributed to the first caller outside staronnx."""
+    warnings.warn(PartitionWarning(message, cli=cli), skip_file_prefixes=(_PACKAGE,))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +22,7 @@ import onnxruntime as ort
 
 from staronnx.feeds import random_feeds_for_shapes
 from staronnx.ortutil import QUIET, make_session, ort_failure, providers_for
-from staronnx.partition.checks import PartitionWarning
+from staronnx.partition.checks import say
 from staronnx.partition.graph import ModelGraph, TensorInfo, resolve_input_shapes
 
 #: Throughput assumed by the pure estimate when nothing was measured (flop/s, bytes/s).
@@ -157,10 +156,10 @@ def _warn_unprofiled(exc: Exception, shapes: dict[str, list[int]], device: str) 
     at = ", ".join(f"{n}={'x'.join(map(str, d)) or 'scalar'}" for n, d in shapes.items())
     why = (f"the model failed to run on {device} at {at} while profiling ({where}{message}): the node costs "
            "are estimated from FLOPs and bytes")
-    warnings.warn(PartitionWarning(f"{why}; give sizes the model accepts with input_shapes (and batch_axes "
-                                   "where an input carries the batch elsewhere)",
-                                   cli=f"{why}; give sizes the model accepts with --input-shape (and "
-                                       "--batch-axis where an input carries the batch elsewhere)"), stacklevel=4)
+    say(f"{why}; give sizes the model accepts with input_shapes (and batch_axes where an input carries the "
+        "batch elsewhere)",
+        f"{why}; give sizes the model accepts with --input-shape (and --batch-axis where an input carries the "
+        "batch elsewhere)")
 
 
 def estimated_costs(graph: ModelGraph, batch: int = 8) -> NodeCosts:
