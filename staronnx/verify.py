@@ -174,6 +174,7 @@ _NODE_INPUT = re.compile(r"\bInput (\w+)\b")
 
 
 def _part_graphs(plan: Plan) -> list[onnx.GraphProto]:
+    """Each part's graph without its weights (an error path reads only names, so it stays cheap)."""
     return [onnx.load(str(plan.part_path(p.index)), load_external_data=False).graph for p in plan.parts]
 
 
