@@ -20,8 +20,10 @@ For each model and batch size, throughput in samples/s with numpy in and numpy o
 
 plus batch-1 latency (median of 30 single requests) for ort1 and each staronnx setup, and the
 max relative error of every staronnx setup's outputs against plain ORT's on the same inputs.
-Every staronnx plan is calibrated first (perf models under a fresh ``STARONNX_HOME``).  Prints
-the table with the ratios to the best ortN and the acceptance checks, and writes it as JSON.
+Every staronnx plan is calibrated first (perf models under a fresh ``STARONNX_HOME``).  Each row
+is written to the JSON (with the checks so far) as soon as it is measured, then printed, so a
+run cut short keeps every row it measured; the end adds the acceptance checks (the ratios to
+the best ortN, ...).
 
 Models: ``googlenet`` and ``resnet50`` exported from torchvision (random weights, fp32, dynamic
 batch) where torch is installed, else the project's shared googlenet.  ``--device cpu`` runs the
@@ -217,13 +219,15 @@ def calibrate_setups(setups: dict[str, dict[str, Any]], batches: list[int], stor
                 w.close()
 
 
-def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[[str], None]) -> list[dict[str, Any]]:
+def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[[str], None],
+                  record: Callable[[dict[str, Any]], None]) -> None:
+    """Every batch size's row of ``name``, each handed to ``record`` as soon as it is
+    measured."""
     path = model_path(name, tmp, args.device)
     store = PerfModelStore(tmp / "home")
     setups = staronnx_setups(path, tmp, args, say)
     calibrate_setups(setups, args.batches, store, say)
     ncores = len(Topology.from_system().allowed_cores())
-    rows = []
     for b in args.batches:
         feeds = inputs_for(path, b)
         row: dict[str, Any] = {"model": name, "batch": b}
@@ -254,9 +258,7 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
         if b == 1:
             sess = ort_sessions(path, 1, args.device)[0]
             row["ort1_lat_ms"] = latency_ms(lambda: sess.run(None, feeds))
-        rows.append(row)
-        print(format_row(row), flush=True)
-    return rows
+        record(row)
 
 
 # ---------------------------------------------------------------------- report
@@ -320,29 +322,39 @@ def main(argv: list[str] | None = None) -> int:
     say = lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)  # noqa: E731
     tmp = scratch_dir("staronnx-gpu-bench-")
     os.environ.setdefault("STARONNX_HOME", str(tmp / "home"))
-    print(f"device {args.device}, {args.streams} CUDA stream(s), CPU groups {args.groups}, "
-          f"{args.in_flight} requests in flight, {args.seconds:g} s per figure; samples/s", flush=True)
-    print(header(), flush=True)
-    rows: list[dict[str, Any]] = []
-    for name in args.models.split(","):
-        rows.extend(measure_model(name.strip(), args, tmp, say))
-    print()
-    results = checks(rows)
-    for text, held in results:
-        print(f"{'PASS' if held else 'FAIL'}  {text}")
-    from staronnx.fsutil import atomic_write_text
-
     gpus: list[dict[str, Any]] = []
     if args.device == "cuda":  # which GPU these figures are of (model, memory, capability, UUID)
         from staronnx.workers.cuda import describe_gpus
 
         gpus = describe_gpus([0])
-        for g in gpus:
-            print(f"GPU cuda{g['device']}: {g['name']}, capability {g['capability']}, {g['sms']} SMs")
-    atomic_write_text(args.json, json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                             "gpus": gpus, "rows": rows, "checks": results}, indent=1))
+    print(f"device {args.device}, {args.streams} CUDA stream(s), CPU groups {args.groups}, "
+          f"{args.in_flight} requests in flight, {args.seconds:g} s per figure; samples/s", flush=True)
+    for g in gpus:
+        print(f"GPU cuda{g['device']}: {g['name']}, capability {g['capability']}, {g['sms']} SMs", flush=True)
+    print(header(), flush=True)
+    rows: list[dict[str, Any]] = []
+
+    def record(row: dict[str, Any]) -> None:
+        rows.append(row)
+        write_results(args, gpus, rows)  # first: a run cut short keeps every row it measured
+        print(format_row(row), flush=True)
+
+    for name in args.models.split(","):
+        measure_model(name.strip(), args, tmp, say, record)
+    print()
+    for text, held in checks(rows):
+        print(f"{'PASS' if held else 'FAIL'}  {text}")
+    write_results(args, gpus, rows)
     print(f"wrote {args.json}")
     return 0
+
+
+def write_results(args: argparse.Namespace, gpus: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """The JSON of the rows measured so far, with their checks."""
+    from staronnx.fsutil import atomic_write_text
+
+    atomic_write_text(args.json, json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                             "gpus": gpus, "rows": rows, "checks": checks(rows)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,29 +1,131 @@
-"""benchmarks/gpu.py runs end to end (its CPU smoke mode: same harness, CPU provider, tiny
-model), so the GPU host's benchmark cannot rot between the sessions that have a GPU."""
+"""The GPU session's parts that can rot between the sessions that have a GPU, checked here.
+
+``benchmarks/gpu.py`` runs end to end (its CPU smoke mode: same harness, CPU provider, tiny
+model) and writes each row as it is measured; ``benchmarks/gpu_session.sh`` runs the table
+before anything optional, within its budget; and ``pytest -m gpu`` collects, and skips what it
+cannot run, on a host with only the GPU host's packages (no tritonclient, no ray, no pynvml:
+a ``sitecustomize`` on ``PYTHONPATH`` makes importing them fail, as it does there).
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+#: what the GPU host lacks (its image: python 3.12, numpy, onnx, torch, onnxruntime-gpu)
+ABSENT = ("tritonclient", "ray", "pynvml")
+
+_HIDE = """\
+import sys
+
+ABSENT = {absent!r}
+
+
+class _Absent:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ABSENT:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Absent())
+"""
+
+#: a pytest plugin that lifts the module-level "needs a GPU" skipif, so a GPU test's own
+#: skips (what the host lacks) are reached here
+_GPU_HERE = """\
+import pytest
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        module = item.getparent(pytest.Module)
+        module.own_markers[:] = [m for m in module.own_markers if m.name != "skipif"]
+"""
+
+
+def _gpu_host_env(tmp_path: Path) -> dict[str, str]:
+    site = tmp_path / "gpu-host-site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_HIDE.format(absent=ABSENT))
+    (site / "gpu_here.py").write_text(_GPU_HERE)
+    return {**os.environ, "PYTHONPATH": str(site)}
+
 
 def test_gpu_benchmark_smoke_on_the_cpu(tmp_path):
+    """The table's harness end to end; each row is in the JSON by the time its line is printed
+    (a run cut short by its step's limit keeps every row it measured)."""
     out = tmp_path / "gpu.json"
-    done = subprocess.run(
+    proc = subprocess.Popen(
         [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "tiny", "--batches", "1,2",
          "--seconds", "0.2", "--json", str(out)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")},
     )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "| tiny | 1 |" in done.stdout and "| tiny | 2 |" in done.stdout
+    seen_at_print = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.match(r"^\| tiny \| (\d+) \|", line)
+        if m:
+            seen_at_print[int(m.group(1))] = [r["batch"] for r in json.loads(out.read_text())["rows"]]
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert proc.wait(timeout=600) == 0, stderr[-3000:]
+    assert seen_at_print == {1: [1], 2: [1, 2]}
     data = json.loads(out.read_text())
     assert [r["batch"] for r in data["rows"]] == [1, 2]
     for row in data["rows"]:
         assert all(row[c] > 0 for c in ("ort1", "ort2", "ort4", "gpu", "gpu+cpu", "split", "auto", "cpu"))
         assert max(row["errors"].values()) < 1e-3
     assert any("max relative error" in text for text, _ in data["checks"])
+
+
+def test_the_gpu_session_runs_the_table_before_anything_optional_within_its_budget(tmp_path):
+    """Every step of ``gpu_session.sh`` (a stand-in python that returns at once): the GPU tests,
+    then the table, then the optional measurements, their limits within the session's budget
+    and within run.sh's session step (540 s); the tests run over the modules holding GPU tests."""
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
+    stub.chmod(0o755)
+    out = tmp_path / "out"
+    done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
+                          timeout=60, cwd=REPO, env={**os.environ, "OUT": str(out), "PYTHON": str(stub)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    steps = [re.match(r"^(\S+): exit 0 in \d+ s \(limit (\d+) s\)$", line)
+             for line in (out / "summary.txt").read_text().splitlines()[:-1]]
+    assert all(steps), (out / "summary.txt").read_text()
+    assert [m.group(1) for m in steps] == ["pytest-gpu", "gpu-table", "host-overhead", "host-overhead-graphs",
+                                           "colocation"]
+    assert sum(int(m.group(2)) for m in steps) <= 540
+    pytest_call = calls.read_text().splitlines()[0]
+    assert pytest_call.startswith("-m pytest -m gpu ")
+    assert "tests/test_cuda_worker.py" in pytest_call and "tests/test_gpu_entry_points.py" in pytest_call
+
+
+def test_the_gpu_tests_collect_with_only_the_gpu_hosts_packages(tmp_path):
+    """``pytest -m gpu`` over the whole suite where tritonclient, ray and pynvml are absent:
+    modules that need them are skipped with the reason, none fails to collect."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           "-rs", "tests"], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env=_gpu_host_env(tmp_path))
+    text = done.stdout + done.stderr
+    assert done.returncode == 0 and not re.search(r"^ERROR |\b\d+ errors?\b", text, re.M), text[-4000:]
+    assert "needs Triton's clients" in text, text[-4000:]
+    assert re.search(r"\b[1-9]\d* tests? collected|\d+/\d+ tests collected", text), text[-2000:]
+
+
+def test_a_gpu_test_that_needs_what_the_host_lacks_skips(tmp_path):
+    """``test_serve_exports_tritons_gpu_metrics`` on a host without NVML (nor Triton's clients):
+    skipped, saying why, where it used to fail importing the serving tests' helpers."""
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "gpu_here", "-p", "no:cacheprovider", "-rs", "-q",
+                           "tests/test_gpu_entry_points.py::test_serve_exports_tritons_gpu_metrics"],
+                          capture_output=True, text=True, timeout=300, cwd=REPO, env=_gpu_host_env(tmp_path))
+    text = done.stdout + done.stderr
+    assert done.returncode == 0 and "1 skipped" in text, text[-4000:]
+    assert "nvidia-ml-py" in text, text[-4000:]

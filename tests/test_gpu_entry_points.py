@@ -153,9 +153,13 @@ def test_serve_exports_tritons_gpu_metrics(gplan, tmp_path):
     served from, labelled with its UUID, as Triton's dashboards read them."""
     import urllib.request
 
+    # what it cannot run here is a skip, never an error: NVML first, then the server's own
+    # extra, then the serving tests' helper (which skips where Triton's clients are absent)
+    pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra's NVML) is not installed")
+    for module in ("aiohttp", "grpc", "prometheus_client"):
+        pytest.importorskip(module, reason=f"staronnx serve needs the serve extra ({module} is not installed)")
     from test_serve import start_server
 
-    pytest.importorskip("pynvml", reason="nvidia-ml-py (the gpu extra's NVML) is not installed")
     served = start_server([gplan.root], tmp_path, "--name", "g", "--cuda-streams", "1", "--groups", "none")
     try:
         text = urllib.request.urlopen(served.metrics, timeout=10).read().decode()

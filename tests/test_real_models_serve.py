@@ -22,6 +22,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+# a skip, not a collection error, where Triton's clients are absent (the GPU host)
+pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype

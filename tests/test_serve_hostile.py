@@ -20,6 +20,8 @@ import grpc
 import numpy as np
 import onnx
 import pytest
+# a skip, not a collection error, where Triton's clients are absent (the GPU host)
+pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from test_serve import _check, _m, _metrics, _post, _x, start_server

@@ -29,6 +29,8 @@ import grpc
 import numpy as np
 import onnx
 import pytest
+# a skip, not a collection error, where Triton's clients are absent (the GPU host)
+pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcclient_aio
 import tritonclient.grpc.model_config_pb2 as mc
