@@ -119,7 +119,7 @@ def calibrate(
                 return
             feeds = plan.part_feeds(part, values)
             model = report.models[(part, arch)]
-            fp = Footprint.of_feeds(feeds, batch)  # the engine's footprint, so serving finds these
+            fp = Footprint.of_feeds(feeds, batch, plan.part_batch_axes(part))  # the engine's, so serving finds these
             with lock:
                 measured_fps.setdefault((part, arch), set()).add(fp)
             worker.run(part, feeds)  # warm-up: allocations, kernel selection

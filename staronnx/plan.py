@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from staronnx.contract import BatchContract, parse_batch_axes
+from staronnx.contract import UNNAMED, BatchContract, axis_of, parse_batch_axes
 from staronnx.errors import InputError, PartFileError, PlanError
 from staronnx.fsutil import atomic_write_text
 from staronnx.modelio import is_fixed
@@ -184,6 +184,20 @@ class Plan:
         self._contract = None
         self.contract  # noqa: B018 - checked now, where the user gave it
         return self
+
+    def part_batch_axes(self, index: int) -> dict[str, int]:
+        """The batch axis of each tensor part ``index`` reads (model inputs by the contract,
+        crossing tensors where their shape names the batch), for its perf-model footprint."""
+        contract = self.contract
+        if not contract.batchable:
+            return {}
+        symbol = contract.symbol or UNNAMED
+        axes: dict[str, int] = {}
+        for name in self.parts[index].inputs:
+            axis = contract.inputs[name] if name in contract.inputs else axis_of(self.tensor(name).shape, symbol)
+            if axis is not None:
+                axes[name] = axis
+        return axes
 
     # -- structure --------------------------------------------------------------------------
     @property

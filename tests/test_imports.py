@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "staronnx"
 
 LAYERS: dict[str, int] = {
-    "errors": 0, "fsutil": 0, "modelio": 0, "ortutil": 0, "feeds": 0, "zoo": 0, "signals": 0, "durations": 0,
+    "errors": 0, "contract": 0, "fsutil": 0, "modelio": 0, "ortutil": 0, "feeds": 0, "zoo": 0, "signals": 0, "durations": 0,
     "process_settings": 0,
     "plan": 1, "inputs": 1, "verify": 1, "partition": 1,
     "workers": 2, "perfmodels": 2, "calibrate": 2,

@@ -90,3 +90,24 @@ def test_batch_axis_override_and_no_batching(real_plan):
     for feeds, got in zip(reqs, answers):
         realmodels.assert_own_answer("unet_seg", feeds, got)
     assert {b.size for b in records.batches} == {1}
+
+
+def test_perf_model_footprints_leave_out_each_tensors_batch_axis(real_plan):
+    """StarPU keys a perf model by footprint; staronnx leaves the batch out of it so one family
+    holds every batch size of one set of other sizes. gru_stream's state [2, batch, 64] has its
+    batch on axis 1: batch 1 and 3 are one family for every part, and a wider input is another."""
+    from staronnx.perfmodels import Footprint
+    from staronnx.verify import random_plan_feeds
+
+    plan = real_plan("gru_stream")
+
+    def hashes(b: int) -> list[int]:
+        values = plan.reference_values(random_plan_feeds(plan, b))
+        return [Footprint.of_feeds(plan.part_feeds(p, values), b, plan.part_batch_axes(p)).shape_hash
+                for p in range(plan.k)]
+
+    assert hashes(1) == hashes(3)
+    crnn = real_plan("crnn_ocr")
+    narrow = Footprint.of_feeds({"image": np.zeros((2, 1, 32, 148), np.float32)}, 2, crnn.part_batch_axes(0))
+    wide = Footprint.of_feeds({"image": np.zeros((2, 1, 32, 200), np.float32)}, 2, crnn.part_batch_axes(0))
+    assert narrow.shape_hash != wide.shape_hash

@@ -107,7 +107,8 @@ def profile_plan(plan: Plan, batch: int) -> PlanProfile:
     values = plan.reference_values(random_plan_feeds(plan, batch, seed=0))
     profile = PlanProfile(
         batch=int(batch),
-        footprints=tuple(Footprint.of_feeds(plan.part_feeds(p.index, values), batch) for p in plan.parts),
+        footprints=tuple(Footprint.of_feeds(plan.part_feeds(p.index, values), batch, plan.part_batch_axes(p.index))
+                         for p in plan.parts),
         nbytes={name: int(v.nbytes) for name, v in values.items()},
     )
     with _PROFILES_LOCK:

@@ -62,12 +62,17 @@ class Footprint:
             raise ValueError(f"shape_hash must be a 32-bit unsigned int, got {self.shape_hash!r}")
 
     @classmethod
-    def from_shapes(cls, shapes: ShapesLike, *, batch: int | None = None) -> Footprint:
+    def from_shapes(cls, shapes: ShapesLike, *, batch: int | None = None,
+                    axes: Mapping[str, int] | None = None) -> Footprint:
         """Footprint of a run whose inputs have ``shapes``.
 
         ``shapes`` is a list of shapes (in input order) or a mapping input name -> shape (names
         are sorted, so feed order does not matter). The batch size is ``batch`` or, when
-        omitted, the leading dimension of the first input.
+        omitted, the leading dimension of the first input. The batch dimension is left out of
+        the hash, so every batch size of one set of other sizes is one family (the regression
+        across batch sizes fits it): the axis ``axes`` names for an input (the plan's batching
+        contract: a state ``[2, batch, 64]`` has it on axis 1), else axis 0 where it equals the
+        batch.
         """
         if isinstance(shapes, Mapping):
             named = [(str(k), tuple(operator.index(d) for d in v)) for k, v in shapes.items()]
@@ -83,26 +88,30 @@ class Footprint:
         batch = operator.index(batch)
         parts = []
         for name, dims in ordered:
-            text = ",".join("*" if i == 0 and d == batch else str(d) for i, d in enumerate(dims))
+            star = axes.get(name, 0) if axes else 0
+            text = ",".join("*" if i == star and d == batch else str(d) for i, d in enumerate(dims))
             parts.append(f"{name}[{text}]")
         return cls(batch=batch, shape_hash=zlib.crc32(";".join(parts).encode("utf-8")))
 
     @staticmethod
-    def of_feeds(feeds: Mapping[str, Any], batch: int) -> Footprint:
-        """The footprint of a part's inputs, as the engine, calibration and the simulator key it.
+    def of_feeds(feeds: Mapping[str, Any], batch: int, axes: Mapping[str, int] | None = None) -> Footprint:
+        """The footprint of a part's inputs, as the engine, calibration and the simulator key it
+        (``axes``: each input's batch axis, :meth:`staronnx.plan.Plan.part_batch_axes`).
 
         Serving sees the same few shapes over and over, so footprints are cached by shape: the
         CRC over the shapes is then paid once per shape, not once per task.
         """
-        return _cached_footprint(tuple((n, v.shape) for n, v in feeds.items()), batch)
+        return _cached_footprint(tuple((n, v.shape) for n, v in feeds.items()), batch,
+                                 tuple(sorted(axes.items())) if axes else ())
 
     def __str__(self) -> str:
         return f"{self.batch}/{self.shape_hash:08x}"
 
 
 @functools.lru_cache(maxsize=4096)
-def _cached_footprint(shapes: tuple[tuple[str, tuple[int, ...]], ...], batch: int) -> Footprint:
-    return Footprint.from_shapes(dict(shapes), batch=batch)
+def _cached_footprint(shapes: tuple[tuple[str, tuple[int, ...]], ...], batch: int,
+                      axes: tuple[tuple[str, int], ...] = ()) -> Footprint:
+    return Footprint.from_shapes(dict(shapes), batch=batch, axes=dict(axes))
 
 
 class SampleOutcome(Enum):

@@ -128,6 +128,8 @@ class NativeEngine:
         self._part_inputs = self.models.part_inputs
         #: per model, its batching contract: where the batch size of a request's feeds is read
         self._contracts = [m.plan.contract for m in self.models.models]
+        #: per part (of every model), each input's batch axis (perf-model footprints)
+        self._part_axes = [m.plan.part_batch_axes(p) for m, p in self.models.owner]
         self._footprints: dict[tuple[Any, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
         self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
@@ -157,7 +159,8 @@ class NativeEngine:
         if fp is None:
             if len(self._footprints) > 4096:
                 self._footprints.clear()
-            fp = self._footprints[key] = Footprint.of_feeds({n: values[n] for n in names}, req.batch)
+            fp = self._footprints[key] = Footprint.of_feeds({n: values[n] for n in names}, req.batch,
+                                                            self._part_axes[part])
         return fp
 
     # -- submission ---------------------------------------------------------------------------

@@ -560,7 +560,7 @@ def _make_session(plan: Plan, index: int, group: CpuGroup) -> Any:
     from staronnx.workers.cpu_weights import default_shared_weights
 
     so = ort.SessionOptions()
-    so.log_severity_level = 3
+    so.log_severity_level = 4  # the error reaches Python; no raw log line
     so.intra_op_num_threads = group.n_cores
     so.inter_op_num_threads = 1
     so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
