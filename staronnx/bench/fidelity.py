@@ -110,10 +110,11 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     """Aggregate the simulated rows' errors.
 
     Latency errors count only points where neither the live run nor the simulation is
-    congested; throughput errors count every simulated point. ``congestion_agreement`` is the
-    share of points where both sides call congestion the same way.
+    congested; throughput errors count every simulated point whose requests did not fail (a
+    failed point measured no performance to predict). ``congestion_agreement`` is the share of
+    points where both sides call congestion the same way.
     """
-    simulated = [r for r in rows if "sim_throughput" in r]
+    simulated = [r for r in rows if "sim_throughput" in r and r.get("state") != "failed"]
     steady = [r for r in simulated if not r.get("congested") and not r.get("sim_congested")]
     out: dict[str, Any] = {"target": target, "simulated_points": len(simulated), "steady_points": len(steady)}
     out["throughput"] = _stats([e for r in simulated if (e := r.get("err_throughput")) is not None], target)
