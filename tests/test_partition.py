@@ -817,6 +817,8 @@ def test_bad_input_shapes_raise_partition_error(tmp_path, shapes, says):
         ([0.5, 0.5], 3, "parts=3"),
         (None, 0, "at least 1"),
         ("0.5,zero", None, "comma-separated"),
+        (2, None, "for 2 equal parts pass parts=2"),  # ORT-style positional count: a clear error
+        (0.85, None, "a list of cost shares"),
     ],
 )
 def test_bad_shares_raise_partition_error(tmp_path, shares, parts, says):

@@ -45,6 +45,10 @@ def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> lis
     given. A string is read as comma-separated numbers (the CLI reads its own beforehand)."""
     if isinstance(shares, str):
         shares = read_shares(shares, "shares")
+    if shares is not None and not isinstance(shares, Sequence):
+        hint = f"; for {shares} equal parts pass parts={shares}" if isinstance(shares, int) and shares > 0 else ""
+        raise PartitionError(f"shares must be a list of cost shares summing to 1 (e.g. [0.85, 0.15]) or 'auto', "
+                             f"got {shares!r}{hint}")
     if shares is not None and parts is not None and len(shares) != parts:
         raise PartitionError(f"shares lists {len(shares)} parts but parts={parts}",
                              cli=f"--shares lists {len(shares)} parts but --parts is {parts}")
