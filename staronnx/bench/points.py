@@ -182,8 +182,8 @@ def measure_point(
                          queue_capacity=max(queue_capacity, batch_size))
         watched = _Watched(server)
         try:
-            records = run_open_loop(watched, arrivals, lambda i: samples[i % n], duration=duration,  # type: ignore[arg-type]
-                                    drain_timeout=drain, on_submit=on_submit)
+            records = run_open_loop(watched, arrivals, lambda i: samples[i % n],  # type: ignore[arg-type]
+                                    duration=duration, drain_timeout=drain, on_submit=on_submit)
         finally:
             server.close(timeout=2.0)
             wait_idle(runtime)
