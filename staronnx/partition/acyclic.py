@@ -133,6 +133,10 @@ class Refiner:
         self.loads = np.zeros(self.k)
         for v, r in enumerate(self.rank):
             self.loads[r] += cm.weights[v]
+        #: each vertex's legal ranks, computed when asked and forgotten when a neighbour moves:
+        #: the greedy phases ask for every vertex's after every move (millions of times on a
+        #: 500-node decoder), and a move changes only its neighbours'
+        self._legal: list[range | None] = [None] * cm.n
 
     # -- quantities -------------------------------------------------------------------------
     def deviation(self, loads: np.ndarray | None = None) -> float:
@@ -144,9 +148,13 @@ class Refiner:
         return float(np.abs(loads - self.targets).max() / self.total)
 
     def legal(self, v: int) -> range:
-        lo = max((self.rank[u] for u in self.cm.preds[v]), default=0)
-        hi = min((self.rank[w] for w in self.cm.succs[v]), default=self.k - 1)
-        return range(lo, hi + 1)
+        """The ranks ``v`` may take: between its predecessors' highest and successors' lowest."""
+        known = self._legal[v]
+        if known is None:
+            lo = max((self.rank[u] for u in self.cm.preds[v]), default=0)
+            hi = min((self.rank[w] for w in self.cm.succs[v]), default=self.k - 1)
+            known = self._legal[v] = range(lo, hi + 1)
+        return known
 
     def delta_cut(self, v: int, r: int) -> int:
         tids = self.cm.touching[v]
@@ -166,6 +174,10 @@ class Refiner:
     def move(self, v: int, r: int) -> None:
         self.loads = self.moved_loads(v, r)
         self.rank[v] = r
+        for u in self.cm.preds[v]:
+            self._legal[u] = None
+        for w in self.cm.succs[v]:
+            self._legal[w] = None
 
     def empty_ranks(self) -> list[int]:
         counts = np.bincount(self.rank, minlength=self.k)
