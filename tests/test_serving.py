@@ -327,6 +327,9 @@ def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan, two_group
         rec = server.records()
     assert [r.failed for r in rec.requests] == [False, False, True, True, False, True, False, False, False, False]
     assert all(r.done is None for r in rec.requests if r.failed)
+    # each failed request carries its reason (ORT's, one line), what a sweep point's notes say
+    assert all(r.error and "\n" not in r.error and "MatMul" in r.error for r in rec.requests if r.failed)
+    assert not any(r.error for r in rec.requests if not r.failed)
     summary = summarize(rec)
     assert summary["failed"] == 3 and summary["completed"] == 7
     assert _threads() == before

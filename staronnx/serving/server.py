@@ -60,7 +60,7 @@ from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, settle_locked
-from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
+from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 
 log = logging.getLogger(__name__)
 
@@ -680,11 +680,13 @@ class Server:
                 self._trace(record, batch, failed=results is None)
         now = self.clock()
         with self._cond:
-            for record, batch, results, _ in finished:
+            for record, batch, results, error in finished:
                 record.done = now
+                why = error_line(error) if results is None and error is not None else None
                 for p in batch:
                     if results is None:
                         p._record.failed = True
+                        p._record.error = why  # what a sweep point's notes say
                     else:
                         p._record.done = now
             self._resolving -= len(completions)
@@ -824,6 +826,7 @@ class Server:
             self._completions.clear()
             for p in leftovers:
                 p._record.failed = True
+                p._record.error = "the server closed before this request completed"
         for p in leftovers:
             if p.set_running_or_notify_cancel():
                 p.set_exception(ServerClosed("the server closed before this request completed"))
