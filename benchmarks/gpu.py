@@ -131,6 +131,9 @@ def closed_loop(submit: Callable[[], Any], wait: Callable[[Any], Any], in_flight
 
 
 def ort_sessions(path: Path, n: int, device: str, threads: int | None = None) -> list[ort.InferenceSession]:
+    """N plain sessions; on ``cuda``, refused unless ORT really runs them on its CUDA provider
+    (a CUDA or cuDNN library it cannot load makes it fall back to the CPU with a log line
+    only, and the ortN columns would then be CPU figures in a GPU table)."""
     so = ort.SessionOptions()
     so.log_severity_level = 3
     if threads:
@@ -139,7 +142,19 @@ def ort_sessions(path: Path, n: int, device: str, threads: int | None = None) ->
     providers: list[Any] = ([(CUDA, {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
                             else ["CPUExecutionProvider"])
     with capture_safe():  # never breaks (nor is broken by) a graph staronnx captures meanwhile
-        return [ort.InferenceSession(str(path), so, providers=providers) for _ in range(n)]
+        sessions = [ort.InferenceSession(str(path), so, providers=providers) for _ in range(n)]
+    if device == "cuda":
+        check_on_cuda(sessions[0])
+    return sessions
+
+
+def check_on_cuda(session: ort.InferenceSession) -> None:
+    """Exit (one line) when ``session`` did not get ORT's CUDA provider."""
+    got = session.get_providers()
+    if not got or got[0] != CUDA:
+        raise SystemExit(f"benchmarks/gpu.py: a plain ONNX Runtime session asked for {CUDA} runs on {got}: "
+                         "ORT fell back to the CPU (a CUDA or cuDNN library it could not load; see its "
+                         "warning above), so the ortN baselines would not be GPU figures")
 
 
 def ort_throughput(sessions: list[ort.InferenceSession], feeds: dict[str, np.ndarray], seconds: float) -> float:

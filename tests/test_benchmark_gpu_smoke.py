@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 #: what the GPU host lacks (its image: python 3.12, numpy, onnx, torch, onnxruntime-gpu)
@@ -129,3 +131,28 @@ def test_a_gpu_test_that_needs_what_the_host_lacks_skips(tmp_path):
     text = done.stdout + done.stderr
     assert done.returncode == 0 and "1 skipped" in text, text[-4000:]
     assert "nvidia-ml-py" in text, text[-4000:]
+
+
+def test_a_plain_ort_baseline_that_fell_back_to_the_cpu_is_refused(tmp_path):
+    """ORT asked for its CUDA provider where it cannot start one (a library it cannot load;
+    here, a CPU-only onnxruntime) runs on the CPU with a log line only: the table's ortN
+    baselines refuse such a session, in one line, rather than fill a GPU table with CPU figures."""
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("this onnxruntime has the CUDA provider: no fallback to provoke")
+    code = (
+        "import importlib.util, pathlib\n"
+        f"spec = importlib.util.spec_from_file_location('gpu_bench', {str(REPO / 'benchmarks' / 'gpu.py')!r})\n"
+        "gpu = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(gpu)\n"
+        f"path = gpu.tiny_conv(pathlib.Path({str(tmp_path)!r}))\n"
+        "assert gpu.ort_sessions(path, 2, 'cpu')[0].get_providers()[0] == 'CPUExecutionProvider'\n"
+        "print('ortN on', gpu.ort_sessions(path, 2, 'cuda')[0].get_providers())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 1 and "ortN on" not in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("benchmarks/gpu.py: a plain ONNX Runtime session asked for CUDAExecutionProvider runs on "
+                           "['CPUExecutionProvider']"), done.stderr

@@ -7,11 +7,13 @@ buffers), which checks their bookkeeping, not CUDA itself.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
 from staronnx.perfmodels.bus import BusModel
-from staronnx.workers.cudart import HostRuntime
+from staronnx.workers.cudart import CudaError, HostRuntime
 from staronnx.workers.memory import (
     CopyLog,
     CopyRecord,
@@ -157,6 +159,36 @@ def test_calibrate_bus_gpu_links_with_a_host_runtime() -> None:
                      "numa0->cuda0", "numa0->cuda1"]
     assert all(c.bandwidth > 0 and c.latency >= 0 for c in model.links.values())
     assert rt.stats.live == 0  # every pinned and device buffer was freed
+
+
+def test_calibrating_the_bus_breaks_no_graph_capture_under_way() -> None:
+    """The bus is calibrated (a Runtime does it when it starts) while a CUDA worker captures
+    a graph: every allocation, free and wait it makes, the pinned buffers its helper thread
+    allocates on the host node's cores included, is in thread-local capture mode, so none
+    fails with 900 and the capture is not invalidated (901)."""
+    capturer, rt = HostRuntime(), HostRuntime()
+    opened, release, outcome = threading.Event(), threading.Event(), []
+
+    def capture() -> None:  # a CUDA worker's thread, in the middle of a capture
+        try:
+            with capturer.capturing():
+                opened.set()
+                release.wait(30)
+            outcome.append("captured")
+        except CudaError as exc:
+            outcome.append(exc.code)
+
+    thread = threading.Thread(target=capture)
+    thread.start()
+    try:
+        assert opened.wait(10)
+        model = calibrate_bus(["numa0", "cuda0"], runtime=rt, bandwidth_bytes=SMALL_BW, repeats=SMALL_REPEATS)
+    finally:
+        release.set()
+        thread.join(10)
+    assert outcome == ["captured"]
+    assert sorted(str(link) for link in model.links) == ["cuda0->numa0", "numa0->cuda0"]
+    assert rt.stats.live == 0
 
 
 # ---------------------------------------------------------------- host <-> GPU copier

@@ -272,7 +272,10 @@ def run_on_cpus(cpus: Sequence[int], fn: Callable[[], _T]) -> _T:
     """Run ``fn`` in a helper thread bound to ``cpus`` (here, when there are none), so the
     memory it allocates is first-touched on their NUMA node (Linux places a page where it is
     first written): buffers land on a node without libnuma, and the caller's affinity is left
-    alone. A thread that cannot be bound still runs ``fn``."""
+    alone. A thread that cannot be bound still runs ``fn``. The helper thread is new: per-thread
+    state is at its default there (CUDA's current device, and its global capture mode, in
+    which a pinned allocation breaks another thread's graph capture), so ``fn`` sets what it
+    needs (:func:`staronnx.workers.memory.pinned_near`)."""
     if not cpus or not hasattr(os, "sched_setaffinity"):
         return fn()
 

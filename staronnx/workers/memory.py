@@ -56,6 +56,7 @@ __all__ = [
     "calibrate_bus",
     "copy_host",
     "memory_nodes",
+    "pinned_near",
 ]
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,20 @@ def copy_host(
 
 
 # ---------------------------------------------------------------------------- host <-> GPU
+def pinned_near(runtime: GpuRuntime, cpus: Sequence[int], nbytes: int) -> Buffer:
+    """Pinned memory first touched by a thread bound to ``cpus`` (so its pages land on their
+    NUMA node), allocated in thread-local capture mode: :func:`run_on_cpus`'s helper thread is
+    new, so in CUDA's default global mode, where a ``cudaHostAlloc`` during another thread's
+    graph capture fails (900) and breaks that capture (901)."""
+    from staronnx.workers.cudart import capture_safe
+
+    def allocate() -> Buffer:
+        with capture_safe(runtime):
+            return runtime.pinned(nbytes)
+
+    return run_on_cpus(cpus, allocate)
+
+
 class CudaCopier:
     """Copies between host arrays and one GPU's buffers, through pinned staging, timed.
 
@@ -315,8 +330,7 @@ class CudaCopier:
             if buf is not None:
                 buf.free()
             size = max(nbytes, int(buf.nbytes * 1.5) if buf is not None else 0, 4096)
-            cpus = self._allocator.cpus_of(self.host_node)
-            buf = run_on_cpus(cpus, lambda: self.runtime.pinned(size))
+            buf = pinned_near(self.runtime, self._allocator.cpus_of(self.host_node), size)
             self._staging[direction] = buf
         return buf
 
@@ -457,17 +471,27 @@ def calibrate_bus(
         # the stand-in the CUDA workers run on ($STARONNX_CUDA_RUNTIME), if any: the links of
         # the GPUs they drive, not of a GPU this machine may not have
         rt: GpuRuntime = runtime or host_runtime_from_env() or CudaRuntime()
+        _calibrate_gpus(model, hosts, gpus, allocator, rt, bandwidth_bytes, measure)
+    return model
+
+
+def _calibrate_gpus(model: BusModel, hosts: Sequence[MemoryNode], gpus: Sequence[MemoryNode],
+                    allocator: HostAllocator, rt: GpuRuntime, nbytes: int, measure: _Measure) -> None:
+    """The links of every GPU, in thread-local capture mode: the calibration allocates, frees
+    and synchronises, which in global mode would fail (900) and break any graph a CUDA worker
+    is capturing meanwhile (901)."""
+    from staronnx.workers.cudart import capture_safe
+
+    with capture_safe(rt):
         for gpu in gpus:
             for host in hosts:
-                up, down = _calibrate_host_gpu(host, gpu, allocator, rt, bandwidth_bytes, measure)
+                up, down = _calibrate_host_gpu(host, gpu, allocator, rt, nbytes, measure)
                 model.set(host.name, gpu.name, up)
                 model.set(gpu.name, host.name, down)
         for src in gpus:
             for dst in gpus:
                 if src != dst:
-                    model.set(src.name, dst.name,
-                              _calibrate_peer(src, dst, rt, bandwidth_bytes, measure))
-    return model
+                    model.set(src.name, dst.name, _calibrate_peer(src, dst, rt, nbytes, measure))
 
 
 _Measure = Callable[[Callable[[int], object]], LinkCost]
@@ -491,7 +515,7 @@ def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAlloca
     copier = CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator)
     try:
         device = rt.device_buffer(nbytes)
-        pinned = run_on_cpus(allocator.cpus_of(host), lambda: rt.pinned(nbytes))
+        pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
         try:
             pinned.view(np.uint8, (nbytes,)).fill(1)
             up = measure(lambda n: copier.pinned_to_device(pinned, device, n))

@@ -6,10 +6,12 @@ batch straight into pinned memory, as Triton's pinned-memory pool lets its batch
 worker skips that staging pass over the whole batch (on its own thread, under the GIL) and
 copies to the device from the batch itself.
 
-Buffers come back to the pool when the last view of a batch is garbage, never freed then:
-``cudaFreeHost`` synchronises the device and would break another thread's CUDA graph capture.
-The pool holds at most what was in use at its peak (the batches in flight) and frees it on
-:meth:`PinnedPool.close`.
+Buffers come back to the pool when the last view of a batch is garbage, never freed then, not
+even once the pool is closed: the finalizer runs on whatever thread drops that view, at any
+point (inside a lock, during another runtime's CUDA graph capture), and ``cudaFreeHost``
+synchronises the device, which there would break the capture. The pool holds at most what was
+in use at its peak (the batches in flight) and frees it on :meth:`PinnedPool.close`; a batch
+still in use then is freed by a later call of ``close`` (or goes with the process).
 """
 
 from __future__ import annotations
@@ -98,8 +100,8 @@ class PinnedPool:
             return len(self._leased)
 
     def _give_back(self, buffer: Buffer) -> None:
-        if self._closed:  # the workers are gone: nothing left to synchronise with
-            buffer.free()
+        """(a finalizer: any thread, any moment) Only queue it; the pool frees or reuses it
+        under its lock, from a call of its own."""
         self._returned.append(buffer)
 
     def _take_back(self) -> None:
@@ -114,7 +116,8 @@ class PinnedPool:
                 self._free.setdefault(buffer.nbytes, []).append(buffer)
 
     def close(self) -> None:
-        """Free the buffers not in use; those still leased are freed when they come back."""
+        """Free the buffers not in use. Those still leased are freed by a later call, once
+        they have come back (never by the finalizer that gives them back)."""
         with self._lock:
             self._closed = True
             self._take_back()
