@@ -483,7 +483,7 @@ class Server:
             except Exception:  # noqa: BLE001 - whatever it is, the full checks below name it
                 pass
         self.plan.check_feeds(sample)
-        if self._limit == 1:  # one request per task: a request is whatever the model takes
+        if not self._contract.batchable:  # one request per task: a request is whatever the model takes
             return
         for name, axis in self._contract.inputs.items():
             if axis is not None and sample[name].shape[axis] != 1:
