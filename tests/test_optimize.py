@@ -16,6 +16,8 @@ from staronnx.bench.optimize import (
     choose,
     next_candidate,
     optimize_batch,
+    rejections,
+    shortfall,
 )
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
@@ -58,6 +60,22 @@ def test_choose_when_everything_is_congested_takes_the_most_throughput():
     assert choose(metrics, slo=0.1) == (2, False)
     with pytest.raises(OptimizeError):
         choose({})
+
+
+def test_a_candidate_serving_under_the_rate_is_rejected_and_never_meets_the_slo():
+    """The issue's case: 24.5 samples/s served of 30 offered, not called congested (a short
+    point of large batches), latency under the SLO: it must not be "meets the SLO"."""
+    slow = {"offered_rate": 30.0, "throughput": 24.5, "congested": False, "paper_latency_mean": 0.3,
+            "batch_size": 16, "measured_s": 5.3}
+    assert shortfall(slow) == "served 24.5 samples/s of the 30 offered"
+    assert choose({16: slow}, slo=0.5, rate=30) == (16, False)
+    # another candidate that keeps up is chosen instead, however slower its latency
+    keeps = {"offered_rate": 30.0, "throughput": 26.0, "congested": False, "paper_latency_mean": 0.45,
+             "batch_size": 32, "measured_s": 5.3}  # one batch short of 30 over the window: it kept up
+    assert choose({16: slow, 32: keeps}, slo=0.5, rate=30) == (32, True)
+    assert rejections({16: slow, 32: keeps}) == {16: "served 24.5 samples/s of the 30 offered"}
+    # and the hill-climb looks for more capacity beyond it
+    assert next_candidate([8, 16, 32], {16: slow}, slo=0.5, rate=30) == 32
 
 
 def test_next_candidate_climbs_towards_the_best():
@@ -130,3 +148,54 @@ def test_cli_optimize_batch(plan, home, tmp_path, two_groups):
     assert "predicted best" in done.stdout and "batch size" in done.stdout
     doc = json.loads(out.read_text())
     assert doc["best"] in (1, 2, 4) and doc["verified"] == []
+
+
+@pytest.fixture(scope="module")
+def heavy(tmp_path_factory, two_groups):
+    """A googlenet-like zoo model (a few ms a sample) cut 70/30 and calibrated at batch 32 on
+    two one-PU groups: slow enough that a rate over its LP bound is one the machine cannot
+    serve, with large batches that the backlog test is slow to call congested."""
+    import onnx
+
+    from staronnx import partition
+    from staronnx.calibrate import calibrate, start_workers
+    from staronnx.zoo import inception
+
+    root = tmp_path_factory.mktemp("heavy")
+    onnx.save(inception(blocks=3, channels=32, size=32), str(root / "heavy.onnx"))
+    plan = partition(root / "heavy.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=1)
+    home = root / "home"
+    workers = start_workers(plan, groups=two_groups)
+    try:
+        calibrate(plan, [32], workers=workers, store=PerfModelStore(home), max_runs=30)
+    finally:
+        for w in workers:
+            w.close()
+    return plan, home
+
+
+def test_cli_optimize_batch_rejects_a_batch_size_too_slow_for_the_rate(heavy, two_groups, capsys, tmp_path,
+                                                                        monkeypatch):
+    """Through ``optimize-batch``: a rate over what the perf models say the workers can serve
+    at all (the LP bound) is never answered with "meets the SLO", however generous the SLO;
+    the summary says the candidate was rejected and why, and the JSON says it too."""
+    from _helpers import cli
+
+    from staronnx.bench.bound import machine_bound
+    from staronnx.bench.machine import build_machine
+
+    plan, home = heavy
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "200")
+    bound = machine_bound(build_machine(plan, groups=two_groups, store=PerfModelStore(home)), 32).throughput
+    rate = round(1.5 * bound)
+    out = tmp_path / "opt.json"
+    code, stdout, stderr = cli(capsys, "optimize-batch", plan.root, "--rate", rate, "--slo-ms", 60000,
+                               "--batch-sizes", "32", "--groups", two_groups, "--sim-duration", "1s",
+                               "--verify-duration", "1s", "--max-verify", "1", "--json", out)
+    assert code == 0, stderr + stdout
+    assert "meets the SLO" not in stdout
+    assert f"does not keep up with {rate:g} req/s" in stdout and "rejected" in stdout
+    doc = json.loads(out.read_text())
+    assert doc["best"] == 32 and doc["keeps_up"] is False and doc["slo_met"] is False
+    assert "32" in doc["rejected"] and doc["verified"] == [32]

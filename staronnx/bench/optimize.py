@@ -4,8 +4,12 @@
     print(result.best, result.predicted_best)
 
 **Objective** (:func:`choose`): without an SLO, the lowest papers' latency among the batch
-sizes that sustain the rate; with one, the most headroom (LP bound) among those that meet it;
-when every candidate is congested, the highest throughput.
+sizes that keep up with the rate; with one, the most headroom (LP bound) among those that meet
+it. A candidate keeps up when its requests did not fail, it is not congested and it serves at
+least :data:`KEEP_UP` of the offered rate (:func:`shortfall`): one that served 24.5 samples/s of
+30 offered is rejected, whatever its latency over a short run, and never "meets the SLO". When
+no candidate keeps up, the one that served the most is returned, flagged (``keeps_up`` False,
+the reasons in ``rejected``).
 
 **Prediction, then verification.** The simulator serves the rate at every candidate from the
 perf models, in seconds of wall time. It knows nothing the models do not (the runtime's
@@ -81,6 +85,8 @@ class Candidate:
             out[f"{tag}_congested"] = None if not m else bool(m.get("congested"))
         out["measured_failed"] = None if not self.measured else int(self.measured.get("failed") or 0)
         out["measured_state"] = None if not self.measured else self.measured.get("state")
+        out["predicted_served"] = None if not self.predicted else served_rate(self.predicted)
+        out["measured_served"] = None if not self.measured else served_rate(self.measured)
         out["latency_error"] = self.latency_error
         return out
 
@@ -97,8 +103,17 @@ class Optimization:
     verified: list[int] = field(default_factory=list)
     slo_met: bool | None = None
     notes: list[str] = field(default_factory=list)
+    #: batch size -> why it was rejected (:func:`shortfall`): over the measured candidates when
+    #: verified, else over the predicted ones
+    rejected: dict[int, str] = field(default_factory=dict)
     #: the PU the live measurements ran their load generator on (``colocate``), else None
     generator_core: int | None = None
+
+    @property
+    def keeps_up(self) -> bool:
+        """Whether the answer keeps up with the rate (measured when verified): when it does
+        not, no candidate did and it is only the one that served the most."""
+        return self.best not in self.rejected
 
     @property
     def objective(self) -> str:
@@ -114,6 +129,7 @@ class Optimization:
             "rate": self.rate, "slo_ms": None if self.slo is None else self.slo * 1e3,
             "objective": self.objective, "predicted_best": self.predicted_best, "best": self.best,
             "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
+            "keeps_up": self.keeps_up, "rejected": {str(b): why for b, why in self.rejected.items()},
             "generator_core": self.generator_core,
             "candidates": [c.row() for c in self.candidates],
         })
@@ -128,24 +144,63 @@ def _failed(metrics: Mapping[str, Any]) -> bool:
     return metrics.get("state") == "failed" or bool(metrics.get("failed"))
 
 
+#: a candidate keeps up when it serves at least this share of the offered rate (less one batch
+#: over the measured window: see :func:`shortfall`)
+KEEP_UP = 0.95
+
+
+def served_rate(metrics: Mapping[str, Any]) -> float | None:
+    """Samples/s a run served over its measurement window (its throughput), None if unknown."""
+    thr = metrics.get("throughput")
+    return float(thr) if _finite(thr) else None
+
+
+def shortfall(metrics: Mapping[str, Any], rate: float | None = None) -> str | None:
+    """Why a candidate's run did not keep up with its offered rate (one line), or None when it
+    did: its requests failed, it was congested, or it served under :data:`KEEP_UP` of the rate
+    (``metrics["offered_rate"]``, else ``rate``; neither known: only the first two count).
+
+    Why not only the congestion test: it needs the backlog to grow by two batches and 5 % of
+    the requests over the last half of the run, which a short live point of large batches at a
+    rate 20 % over what the machine serves need not reach; the samples served say it at once.
+    One batch over the window is forgiven (batches complete whole: a window holding ten
+    batches counts nine or eleven by where its edges fall)."""
+    if _failed(metrics):
+        return "its requests failed"
+    if metrics.get("congested"):
+        return "congested"
+    offered = metrics.get("offered_rate", rate)
+    served = served_rate(metrics)
+    span = metrics.get("measured_s")
+    batch = metrics.get("batch_size")
+    slack = batch / span if _finite(span) and span > 0 and _finite(batch) else 0.0
+    if _finite(offered) and offered > 0 and served is not None and served < KEEP_UP * offered - slack:
+        return f"served {served:.1f} samples/s of the {offered:g} offered"
+    if not _finite(metrics.get(LATENCY)):
+        return "no latency measured"
+    return None
+
+
 def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
-           bounds: Mapping[int, float | None] | None = None) -> tuple[int, bool | None]:
+           bounds: Mapping[int, float | None] | None = None, rate: float | None = None) -> tuple[int, bool | None]:
     """The objective of the module docstring over ``{batch size: summarize() figures}``.
 
-    With an SLO (seconds, on the papers' latency), ties in headroom go to the lower latency,
-    and when no size meets it the lowest latency is chosen, flagged as not met. Returns
-    (batch size, whether the SLO is met: None without an SLO).
+    Only the candidates that keep up with the rate (:func:`shortfall`: not failed, not
+    congested, serving the offered rate) can be chosen on latency or meet the SLO. With an
+    SLO (seconds, on the papers' latency), ties in headroom go to the lower latency, and when
+    no size meets it the lowest latency is chosen, flagged as not met. When none keeps up, the
+    one that served the most (then the lowest latency), never meeting an SLO. Returns (batch
+    size, whether the SLO is met: None without an SLO).
     """
     if not metrics:
         raise OptimizeError("no candidate to choose from")
     bounds = bounds or {}
-    ok = {b: m for b, m in metrics.items()
-          if not m.get("congested") and not _failed(m) and _finite(m.get(LATENCY))}
-    if not ok:  # everything congested (or failed): the most throughput, then the lowest latency
-        def key(b: int) -> tuple[float, float]:
-            thr = metrics[b].get("throughput")
+    ok = {b: m for b, m in metrics.items() if shortfall(m, rate) is None}
+    if not ok:  # nothing keeps up (congested, failed, too slow): the most served, then the lowest latency
+        def key(b: int) -> tuple[bool, float, float]:
+            served = served_rate(metrics[b])
             lat = metrics[b].get(LATENCY)
-            return (-(thr if _finite(thr) else 0.0), lat if _finite(lat) else math.inf)
+            return (_failed(metrics[b]), -(served if served is not None else 0.0), lat if _finite(lat) else math.inf)
         return min(metrics, key=key), (False if slo is not None else None)
     fastest = min(ok, key=lambda b: (ok[b][LATENCY], b))
     if slo is None:
@@ -161,22 +216,29 @@ def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
     return min(within, key=headroom), True
 
 
+def rejections(metrics: Mapping[int, Mapping[str, Any] | None], rate: float | None = None) -> dict[int, str]:
+    """Batch size -> why it cannot be the answer (:func:`shortfall`), for those that did not
+    keep up; candidates without figures are left out."""
+    return {b: why for b, m in sorted(metrics.items()) if m and (why := shortfall(m, rate)) is not None}
+
+
 def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any]], slo: float | None = None,
-                   bounds: Mapping[int, float | None] | None = None) -> int | None:
+                   bounds: Mapping[int, float | None] | None = None, rate: float | None = None) -> int | None:
     """The next batch size to measure live, or None when the measured best is confirmed.
 
-    When even the best measured is congested, the rate needs more capacity: the next larger
-    unmeasured size (bigger batches cost less per sample). Otherwise, when the best sits at an
+    When even the best measured does not keep up (congested, or serving under the rate), the
+    rate needs more capacity: the next larger unmeasured size (bigger batches cost less per
+    sample). Otherwise, when the best sits at an
     edge of the measured sizes, the unmeasured neighbour beyond that edge (a smaller size
     lowers the batch-fill wait; a larger one may win at high load or give more headroom).
     """
     if not measured:
         return None
-    best, _ = choose(measured, slo, bounds)
+    best, _ = choose(measured, slo, bounds, rate)
     done = sorted(measured)
     if _failed(measured[best]):  # even the best failed: no other size is worth measuring blind
         return None
-    if measured[best].get("congested") or not _finite(measured[best].get(LATENCY)):
+    if shortfall(measured[best], rate) is not None:  # congested or too slow: more capacity
         bigger = [b for b in order if b > done[-1]]
         return bigger[0] if bigger else None
     i = list(order).index(best)
@@ -265,10 +327,14 @@ def optimize_batch(
     if not candidates:
         raise OptimizeError("no batch size could be simulated: " + "; ".join(notes))
     bounds = {c.batch_size: c.bound for c in candidates}
-    predicted_best, slo_met = choose({c.batch_size: c.predicted for c in candidates}, slo, bounds)
+    predicted = {c.batch_size: c.predicted for c in candidates}
+    predicted_best, slo_met = choose(predicted, slo, bounds, rate)
     result = Optimization(rate=float(rate), slo=slo, candidates=candidates, predicted_best=predicted_best,
-                          best=predicted_best, slo_met=slo_met, notes=notes)
+                          best=predicted_best, slo_met=slo_met, notes=notes, rejected=rejections(predicted, rate))
     if not verify:
+        if not result.keeps_up:
+            most = f"; batch {predicted_best} serves the most" if len(predicted) > 1 else ""
+            notes.append(f"no candidate is predicted to keep up with {rate:g} req/s{most}")
         return result
 
     order = [c.batch_size for c in candidates]
@@ -301,7 +367,7 @@ def optimize_batch(
         # hill-climb (up to max_verify live points): see next_candidate()
         while len(result.verified) < max_verify:
             measured = {b: result.candidate(b).measured for b in result.verified}
-            nxt = next_candidate(order, measured, slo, bounds)  # type: ignore[arg-type]
+            nxt = next_candidate(order, measured, slo, bounds, rate)  # type: ignore[arg-type]
             if nxt is None:
                 break
             measure(nxt)
@@ -310,7 +376,12 @@ def optimize_batch(
         if own:
             runtime.close()
     measured = {b: result.candidate(b).measured for b in result.verified}
-    result.best, result.slo_met = choose(measured, slo, bounds)  # type: ignore[arg-type]
+    result.best, result.slo_met = choose(measured, slo, bounds, rate)  # type: ignore[arg-type]
+    result.rejected = rejections(measured, rate)
+    if not result.keeps_up:
+        most = f"; batch {result.best} served the most" if len(measured) > 1 else ""
+        result.notes.append(f"no measured candidate keeps up with {rate:g} req/s{most}: more capacity or larger "
+                            "batches are needed")
     if result.best != predicted_best:
         result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
     stale = stale_models_note(

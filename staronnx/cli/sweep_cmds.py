@@ -693,6 +693,9 @@ def optimize_batch_cmd(
             note.append("congested (live)")
         if r["measured_state"] == "failed":
             note.append(f"[red]failed (live)[/]: {r['measured_failed']} request(s)")
+        why = result.rejected.get(cand.batch_size)
+        if why is not None and why not in ("congested", "its requests failed"):
+            note.append(f"[yellow]too slow ({'live' if verify else 'sim'})[/]: {escape(why)}")
         table.add_row(
             str(cand.batch_size), _fmt(r["predicted_latency_ms"]), _fmt(r["predicted_p99_ms"]),
             _fmt(r["predicted_throughput"], 1), _fmt(r["measured_latency_ms"]), _fmt(r["measured_p99_ms"]),
@@ -705,7 +708,14 @@ def optimize_batch_cmd(
     how = "measured" if verify else "predicted"
     lat = chosen.measured_latency_ms if verify else chosen.predicted_latency_ms
     slo = "" if result.slo_met is None else (" (meets the SLO)" if result.slo_met else " [yellow](SLO not met)[/]")
+    if not result.keeps_up:  # never "meets the SLO": it did not serve the rate
+        slo = (f" [red]but it does not keep up with {rate:g} req/s[/] ({escape(result.rejected[result.best])}); "
+               "no candidate did")
     console.print(f"batch size {result.best}: {how} papers' latency {_fmt(lat)} ms{slo}")
+    if result.rejected:
+        console.print("rejected (do not keep up with the rate, " + ("measured" if verify else "predicted") + "): "
+                      + "; ".join(f"b={b}: {why}" for b, why in result.rejected.items()), highlight=False,
+                      soft_wrap=True, markup=False)
     if result.generator_core is not None:
         console.print(f"measured with the load generator on the {host_core_name(cuda_streams)} (PU {result.generator_core})",
                       highlight=False)
