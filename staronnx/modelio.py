@@ -10,6 +10,7 @@ on them without serialising the whole model into one protobuf.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,8 @@ import onnx
 from onnx import helper
 
 from staronnx.errors import ModelError
+
+log = logging.getLogger(__name__)
 
 #: protobuf cannot serialise a message over 2 GiB; stay clear of the limit.
 PROTOBUF_LIMIT = 2**31 - 2**24
@@ -92,9 +95,35 @@ def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> Loade
         except Exception as exc:
             raise ModelError(f"{path}: cannot read external data: {exc}") from None
         digest = file_sha256(path, externals)
+    upgrade_ir3(model)
     _check(model, path)
     name_nodes(model.graph)
     return LoadedModel(model=model, path=path, sha256=digest)
+
+
+#: the first IR version in which an initializer need not be a graph input
+_IR_INITIALIZERS_FREE = 4
+
+
+def upgrade_ir3(model: onnx.ModelProto) -> bool:
+    """Write an IR < 4 model as IR 4, in place; True when it was.
+
+    IR 3 wants every initializer listed among the graph inputs, and ONNX Runtime runs such files
+    whether they list them or not (``onnxruntime.datasets``' mul_1.onnx lists none), with each
+    initializer a constant either way. The checker refuses the files that do not list them, and
+    every part cut from either kind would be one (a part carries only the initializers it
+    reads). In IR 4 an initializer need not be an input, and one that is not is a constant, so
+    dropping them from the inputs keeps the meaning ORT gives the file, for the model and for
+    each of its parts."""
+    if model.ir_version >= _IR_INITIALIZERS_FREE:
+        return False
+    constants = {t.name for t in model.graph.initializer}
+    kept = [vi for vi in model.graph.input if vi.name not in constants]
+    if len(kept) != len(model.graph.input):
+        del model.graph.input[:]
+        model.graph.input.extend(kept)
+    model.ir_version = _IR_INITIALIZERS_FREE
+    return True
 
 
 def _stripped_bytes(model: onnx.ModelProto) -> bytes:
@@ -128,7 +157,26 @@ def _check(model: onnx.ModelProto, path: Path | None) -> None:
             onnx.checker.check_model(str(path))  # reads external data by path, no 2 GB limit
     except onnx.checker.ValidationError as exc:
         first = str(exc).strip().splitlines()[0]
-        raise ModelError(f"{where} fails the ONNX checker: {first}") from None
+        refusal = _ort_refusal(model, path)
+        if refusal is not None:
+            raise ModelError(f"{where} fails the ONNX checker ({first}) and ONNX Runtime cannot load it "
+                             f"either: {refusal}") from None
+        # what ONNX Runtime runs, staronnx runs: its parts are checked again when they are cut
+        log.info("%s fails the ONNX checker (%s), but ONNX Runtime loads it: accepted", where, first)
+
+
+def _ort_refusal(model: onnx.ModelProto, path: Path | None) -> str | None:
+    """Why ONNX Runtime cannot load the model (its first line), or None when it can: the
+    acceptance that decides, where the ONNX checker is stricter than the runtime that runs
+    the model (no optimisation: only whether it loads)."""
+    from staronnx.ortutil import make_session  # ortutil reads this module
+
+    try:
+        make_session(model if path is None or model_nbytes(model) < PROTOBUF_LIMIT else path, optimize=False)
+    except Exception as exc:  # noqa: BLE001 - ORT's own classes (Fail, InvalidGraph, ...)
+        text = str(exc).strip()
+        return text.splitlines()[0] if text else type(exc).__name__
+    return None
 
 
 def dim_of(dim: onnx.TensorShapeProto.Dimension) -> int | str | None:

@@ -12,6 +12,7 @@ from typing import Sequence
 
 import onnx
 import onnxruntime as ort
+from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
 from staronnx.errors import DeviceError
 from staronnx.modelio import PROTOBUF_LIMIT, model_nbytes, save_model
@@ -24,10 +25,43 @@ QUIET = 4
 
 _ORT_ELEMENT_NAMES = {"float32": "float", "float64": "double", "object": "string", "str": "string"}
 
+# ``OrtSession`` (imported above) is ONNX Runtime's own class, whatever a program put at
+# ``onnxruntime.InferenceSession`` (``onnxruntime.InferenceSession = staronnx.InferenceSession``,
+# the one-line switch done for a whole program): staronnx's own sessions must be ORT's, or each
+# would partition its model again, with itself.
+
 
 def ort_type_name(dtype: str) -> str:
-    """ORT's NodeArg.type for a numpy dtype name: float32 -> 'tensor(float)', ..."""
+    """ORT's NodeArg.type for a plan's dtype: a numpy name as a tensor's (float32 ->
+    'tensor(float)'), and ORT's own type string as it is for what is not a tensor
+    ('seq(tensor(int64))', 'optional(tensor(float))', 'map(string,tensor(float))')."""
+    if "(" in dtype:
+        return dtype
     return f"tensor({_ORT_ELEMENT_NAMES.get(dtype, dtype)})"
+
+
+def value_type_name(tp: onnx.TypeProto) -> str:
+    """ORT's type string of an ONNX value type ('tensor(float)', 'seq(tensor(int64))',
+    'optional(seq(tensor(float)))', 'map(int64,tensor(float))'), as ``NodeArg.type`` says it."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type":
+        return f"tensor({_element_name(tp.tensor_type.elem_type)})"
+    if kind == "sparse_tensor_type":
+        return f"sparse_tensor({_element_name(tp.sparse_tensor_type.elem_type)})"
+    if kind == "sequence_type":
+        return f"seq({value_type_name(tp.sequence_type.elem_type)})"
+    if kind == "optional_type":
+        return f"optional({value_type_name(tp.optional_type.elem_type)})"
+    if kind == "map_type":
+        return f"map({_element_name(tp.map_type.key_type)},{value_type_name(tp.map_type.value_type)})"
+    return "unknown"
+
+
+def _element_name(elem_type: int) -> str:
+    """ORT's name of an element type: float, double, int64, string, bool, float16, ..."""
+    if elem_type == onnx.TensorProto.UNDEFINED:
+        return "undefined"
+    return onnx.TensorProto.DataType.Name(elem_type).lower()
 
 
 def providers_for(device: str) -> list[str]:
@@ -72,7 +106,7 @@ def make_session(
     optimize: bool = True,
     providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
     options: ort.SessionOptions | None = None,
-) -> ort.InferenceSession:
+) -> OrtSession:
     """An ORT session; models over protobuf's 2 GB limit go through a temporary file.
 
     Without ``options``, ORT logs nothing below a fatal error (:data:`QUIET`): its errors reach
@@ -85,14 +119,14 @@ def make_session(
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     providers = list(providers or ["CPUExecutionProvider"])
     if not isinstance(model, onnx.ModelProto):
-        return ort.InferenceSession(str(model), so, providers=providers)
+        return OrtSession(str(model), so, providers=providers)
     if model_nbytes(model) < PROTOBUF_LIMIT:
-        return ort.InferenceSession(model.SerializeToString(), so, providers=providers)
+        return OrtSession(model.SerializeToString(), so, providers=providers)
     with tempfile.TemporaryDirectory(prefix="staronnx-session-") as tmp:
         path = Path(tmp) / "model.onnx"
         save_model(model, path)
         # ORT reads the external weights while building the session, so the folder can go after.
-        return ort.InferenceSession(str(path), so, providers=providers)
+        return OrtSession(str(path), so, providers=providers)
 
 
 def quiet_ort_log() -> None:
