@@ -16,6 +16,7 @@ from onnx import TensorProto, helper
 from onnxruntime import datasets
 
 import staronnx
+from staronnx.partition.checks import PartitionWarning
 
 FAST = {"costs": "estimate"}
 
@@ -61,6 +62,16 @@ def ort_run(model: Any, feeds: dict[str, Any], output_names: list[str] | None = 
 
 
 # -- models ORT loads, staronnx loads ---------------------------------------------------------
+def test_ir3_model_whose_initializers_are_not_inputs_runs_as_in_ort():
+    """onnxruntime.datasets' mul_1.onnx (IR 3, W an initializer that is no graph input): the
+    ONNX checker refuses it, ORT runs it, so staronnx runs it."""
+    path = datasets.get_example("mul_1.onnx")
+    x = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=np.float32)
+    with session(path) as sess:
+        assert [i.name for i in sess.get_inputs()] == ["X"]
+        np.testing.assert_array_equal(sess.run(["Y"], {"X": x})[0], ort_run(path, {"X": x})[0])
+
+
 @pytest.mark.parametrize("listed", [False, True], ids=["initializers-not-inputs", "initializers-as-inputs"])
 def test_ir3_model_is_cut_into_parts_that_pass_the_checker(tmp_path, listed):
     """An IR-3 model cut in two: each part carries the initializers it reads without listing
@@ -85,3 +96,37 @@ def test_a_model_ort_refuses_is_refused_with_both_reasons(tmp_path):
     path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)]), tmp_path / "dup.onnx")
     with pytest.raises(staronnx.ModelError, match="fails the ONNX checker .* ONNX Runtime cannot load it"):
         session(path)
+
+
+# -- models that cannot be cut run as one part ------------------------------------------------
+def one_node(op: str, elem: int, shape: list[Any], inputs: int = 1, **attrs: Any) -> onnx.ModelProto:
+    names = [f"in{i}" for i in range(inputs)]
+    graph = helper.make_graph([helper.make_node(op, names, ["out"], **attrs)], op.lower(),
+                              [helper.make_tensor_value_info(n, elem, shape) for n in names],
+                              [helper.make_tensor_value_info("out", elem, shape)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_one_node_model_is_served_as_one_part_with_a_warning(tmp_path):
+    """The default split (85/15) of a one-node model: one part, said in a PartitionWarning,
+    never a PartitionError."""
+    model = one_node("And", TensorProto.BOOL, [2, 2], inputs=2)
+    path = save(model, tmp_path / "and.onnx")
+    a = np.array([[True, True], [False, False]])
+    b = np.array([[True, False], [True, False]])
+    with pytest.warns(PartitionWarning, match="served as one part.*1 node"):
+        sess = session(path)
+    with sess:
+        assert sess.plan.k == 1 and sess.plan.settings["method"] == "whole"
+        np.testing.assert_array_equal(sess.run([], {"in0": a, "in1": b})[0], a & b)
+
+
+def test_partition_serves_a_one_node_model_whole_by_default_and_refuses_explicit_parts(tmp_path):
+    """staronnx.partition's default split serves a one-node model whole (warned); parts asked
+    for explicitly are refused, naming the node count."""
+    model = one_node("Relu", TensorProto.FLOAT, ["n", 4])
+    with pytest.warns(PartitionWarning, match="served as one part"):
+        plan = staronnx.partition(model, output_dir=tmp_path / "plan", costs="estimate")
+    assert plan.k == 1 and plan.parts[0].inputs == ["in0"] and plan.contract.batchable
+    with pytest.raises(staronnx.PartitionError, match="cannot cut 1 node"):
+        staronnx.partition(model, parts=2, output_dir=tmp_path / "plan2", costs="estimate")

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
 
 import onnx
 
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import PartitionError
 from staronnx.feeds import random_feeds_for_shapes
-from staronnx.modelio import load_model
+from staronnx.modelio import LoadedModel, load_model
 from staronnx.partition.autoshares import (
     SharesChoice,
     WorkerSpeed,
@@ -25,6 +26,7 @@ from staronnx.partition.autoshares import (
     is_auto,
     measure_speeds,
 )
+from staronnx.partition.checks import say as warn
 from staronnx.partition.checks import warn_cut
 from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
 from staronnx.partition.export import write_plan
@@ -32,6 +34,14 @@ from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shap
 from staronnx.partition.methods.model import Device, TransferModel
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS, PlacementMethod
 from staronnx.partition.notation import parse_input_shapes, read_shares
+from staronnx.partition.whole import (
+    UncuttableError,
+    too_small,
+    vertex_count,
+    whole_reason,
+    whole_settings,
+    write_whole_plan,
+)
 from staronnx.plan import Plan, output_dir_for
 
 #: Every method by name: the share cuts (metis, linear) cut to ``shares`` and leave placement
@@ -112,6 +122,12 @@ def partition(
     model's batching contract where the graph cannot tell it (:mod:`staronnx.contract`); they are
     kept in the plan's settings, so every command that loads the plan batches the same way.
 
+    A model that cannot be cut (inputs or outputs that are not tensors, an output no node
+    computes, a cut that fails) is served whole, as a plan of one part, and so is one with fewer
+    nodes than the default two parts (:mod:`staronnx.partition.whole`); a
+    :class:`~staronnx.partition.checks.PartitionWarning` says so. More parts than nodes asked
+    for explicitly are refused, naming the node count.
+
     A cut that runs but does not mean what was asked (a part that computes nothing, a crossing
     tensor of 0 bytes, an achieved share further than ``tolerance`` from its target) is said
     with a :class:`~staronnx.partition.checks.PartitionWarning` each, with a way out.
@@ -143,11 +159,17 @@ def partition(
         providers_for("cuda")  # fail before any work when CUDA is absent
 
     say("loading model")
-    graph = build_graph(load_model(model_or_path), shapes, axes)
-    if len(targets) > len(graph):
-        raise PartitionError(
-            f"cannot cut {len(graph)} node(s) into {len(targets)} parts: k must not exceed the node count"
-        )
+    loaded = load_model(model_or_path)
+    common = dict(device=device, seed=seed, costs=costs, profile_batch=profile_batch, profile_runs=profile_runs,
+                  input_shapes=shapes, batch_axes=axes or None, batching=None if batching else False)
+    reason = whole_reason(loaded.model)
+    small = too_small(loaded.model, 2 if auto else len(targets))
+    if small is not None and reason is None and not auto and (shares is not None or parts is not None):
+        raise PartitionError(f"cannot cut {vertex_count(loaded.model)} node(s) into {len(targets)} parts: k must "
+                             "not exceed the node count (without shares or parts, the model is served whole)")
+    if reason is not None or small is not None:
+        return _whole(loaded, reason or small, out, say, tolerance=tolerance, **common)
+    graph = build_graph(loaded, shapes, axes)
     cut = METHODS[method]
     placed = isinstance(cut, PlacementMethod)
     auto_choice = None
@@ -162,14 +184,28 @@ def partition(
     request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
                          profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
                          devices=devices if placed else None, transfer=transfer, progress=say)
-    result = cut(graph, request)
-    settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,
-                             auto_shares=auto_choice.to_json() if auto_choice is not None else None,
-                             batch_axes=axes or None, batching=None if batching else False)
-    say(f"exporting {result.k} parts to {out}")
-    plan = write_plan(graph, result, settings, out)
+    try:
+        result = cut(graph, request)
+        settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,
+                                 auto_shares=auto_choice.to_json() if auto_choice is not None else None,
+                                 batch_axes=axes or None, batching=None if batching else False)
+        say(f"exporting {result.k} parts to {out}")
+        plan = write_plan(graph, result, settings, out)
+    except UncuttableError as exc:
+        return _whole(loaded, f"its cut failed ({exc})", out, say, tolerance=tolerance, **common)
     warn_cut(plan, tolerance, shares_cut=not placed)
     return plan
+
+
+def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], say: Callable[[str], None],
+           **settings: Any) -> Plan:
+    """The model served as one part (:mod:`staronnx.partition.whole`), said in one warning:
+    a model that runs is never refused for being uncuttable."""
+    name = loaded.path.name if loaded.path is not None else "the model"
+    message = f"{name} is served as one part, not cut: {reason}"
+    say(message)
+    warn(message, message.replace("one part", "one part (--parts 1)", 1))
+    return write_whole_plan(loaded, whole_settings(reason, **settings), Path(out))
 
 
 def _auto_shares(

@@ -17,19 +17,19 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from staronnx.errors import PartitionError
 from staronnx.feeds import integer_ranges
 from staronnx.fsutil import atomic_dir
 from staronnx.modelio import file_sha256, save_model
 from staronnx.partition.cut import Parts
 from staronnx.partition.graph import ModelGraph
+from staronnx.partition.whole import UncuttableError
 from staronnx.plan import PartSpec, Plan, TensorSpec
 
 
 def _value_info(graph: ModelGraph, name: str) -> onnx.ValueInfoProto:
     info = graph.tensors.get(name)
     if info is None or not info.elem_type:
-        raise PartitionError(f"cannot export tensor {name!r}: its element type is unknown")
+        raise UncuttableError(f"cannot export tensor {name!r}: its element type is unknown")
     return helper.make_tensor_value_info(name, info.elem_type, info.sym_shape)
 
 
@@ -50,8 +50,9 @@ def _part_model(
         initializer=inits,
         sparse_initializer=sparse,
     )
+    # IR 4 at least: a part lists as inputs only what it is fed, never the initializers it carries
     model = helper.make_model(
-        g, opset_imports=list(src.opset_import), producer_name="staronnx", ir_version=src.ir_version
+        g, opset_imports=list(src.opset_import), producer_name="staronnx", ir_version=max(src.ir_version, 4)
     )
     model.functions.extend(src.functions)
     return model
@@ -97,7 +98,7 @@ def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], director
     if (len(ranks) != len(graph) or sorted(set(ranks.tolist())) != list(range(cut.k))
             or any(ranks[u] > ranks[v] for v in range(len(graph)) for u in graph.preds[v])
             or (cut.devices is not None and len(cut.devices) != cut.k)):
-        raise PartitionError(f"method {settings.get('method')!r} produced an invalid cut (a bug: please report)")
+        raise UncuttableError(f"method {settings.get('method')!r} produced an invalid cut (a bug: please report)")
     members, inputs, outputs = build_plan_layout(graph, ranks)
     directory = Path(directory).absolute()
     total = float(costs.micros.sum()) or 1.0
@@ -110,7 +111,8 @@ def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], director
             try:
                 onnx.checker.check_model(str(path))
             except onnx.checker.ValidationError as exc:
-                raise PartitionError(f"part {r} fails the ONNX checker: {exc}") from None
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise UncuttableError(f"part {r} fails the ONNX checker: {first}") from None
             data = path.with_name(path.name + ".data")
             cost = float(costs.micros[nodes].sum())
             specs.append(PartSpec(

@@ -63,6 +63,7 @@ from staronnx.errors import InputError, ModelError, PlanError
 from staronnx.modelio import dim_of, is_fixed, load_model
 from staronnx.ortutil import ort_type_name
 from staronnx.partition.graph import model_inputs
+from staronnx.partition.whole import too_small
 from staronnx.perfmodels.store import default_root
 from staronnx.plan import PLAN_VERSION, Plan, TensorSpec, _numpy_dtype
 from staronnx.runtime.engine import EngineClosed
@@ -80,6 +81,9 @@ CPU_EP = "CPUExecutionProvider"
 DEFAULT_CUDA_STREAMS = 2
 #: ORT keyword arguments accepted for compatibility; staronnx has no use for them
 _ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_from_model"})
+#: the split a session asks for when given none: the StarONNX papers' 85/15. A model with fewer
+#: nodes than that is served whole instead (partition's default split), with a warning
+DEFAULT_SHARES = (0.85, 0.15)
 #: ORT reports an unset ``model_version`` as INT64_MAX
 _UNSET_VERSION = 2**63 - 1
 #: how long a session waits for another process partitioning the same model (seconds)
@@ -480,7 +484,7 @@ class InferenceSession:
         providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None = None,
         provider_options: Sequence[Mapping[str, Any]] | None = None,
         *,
-        shares: Sequence[float] | str | None = (0.85, 0.15),
+        shares: Sequence[float] | str | None = DEFAULT_SHARES,
         policy: str = "heft",
         cpu_groups: str | None = None,
         cuda_streams: int | None = None,
@@ -580,6 +584,8 @@ class InferenceSession:
         source, model, sha256 = _load_source(path_or_bytes)
         self._meta = ModelMetadata.of(model)
         self._model = _declared(model)
+        if shares is DEFAULT_SHARES and too_small(model, len(shares)):
+            shares = None  # partition's default split, which serves a model too small to cut whole
         if shares is not None and not isinstance(shares, str):
             shares = [float(s) for s in shares]
         from staronnx.workers.host import partition
