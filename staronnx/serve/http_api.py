@@ -440,10 +440,11 @@ def _json_pool() -> ThreadPoolExecutor:
 
 def _json_bytes(body: bytes, header_length: str | None) -> int:
     """How many bytes of ``body`` are JSON (all of it, or the binary extension's header part)."""
-    try:
-        return min(int(header_length), len(body)) if header_length is not None else len(body)
-    except ValueError:
+    if header_length is None:
+        return len(body)
+    if not (header_length.isascii() and header_length.isdigit()):
         return 0  # refused by _split_body, at once
+    return min(int(header_length), len(body))
 
 
 def _decode(body: bytes, header_length: str | None) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
@@ -454,7 +455,8 @@ def _decode(body: bytes, header_length: str | None) -> tuple[dict[str, Any], dic
 
 
 def _json_values(outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool], binary_out: bool) -> int:
-    """How many output values a response writes as JSON text."""
+    """How many output values a response writes as JSON text (about: an output that is not
+    finite goes binary after all)."""
     return sum(arr.size for name, arr in outputs.items() if not wanted.get(name, binary_out))
 
 
@@ -463,10 +465,9 @@ def _split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any],
     if header_length is None:
         json_part, tail = body, memoryview(b"")
     else:
-        try:
-            length = int(header_length)
-        except ValueError:
-            raise invalid(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
+        if not (header_length.isascii() and header_length.isdigit()):  # int() takes "+210", "2_10", " 7"
+            raise invalid(f"{HEADER_LENGTH} must be a decimal number of bytes, got {cut(repr(header_length), 40)}")
+        length = int(header_length)
         if not 0 <= length <= len(body):
             raise invalid(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
         view = memoryview(body)
@@ -487,6 +488,15 @@ def _params(obj: Mapping[str, Any], what: str) -> dict[str, Any]:
     if not isinstance(params, dict):
         raise invalid(f"{what}: 'parameters' must be a JSON object")
     return params
+
+
+def _flag(params: Mapping[str, Any], key: str, default: bool, what: str) -> bool:
+    """A boolean parameter (``binary_data``, ``binary_data_output``): JSON ``true`` or ``false``
+    only; the string ``"false"`` is truthy to Python and must not turn binary output on."""
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise invalid(f"{what}: parameter {key!r} must be true or false, got {cut(json.dumps(value), 40)}")
+    return value
 
 
 def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
@@ -521,7 +531,7 @@ def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
         datatypes[name] = datatype
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
-    binary_out = bool(_params(header, "the request").get("binary_data_output", False))
+    binary_out = _flag(_params(header, "the request"), "binary_data_output", False, "the request")
     wanted: list[tuple[str, bool]] = []
     outs = header.get("outputs", [])
     if not isinstance(outs, list):
@@ -529,7 +539,8 @@ def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
     for i, out in enumerate(outs):
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise invalid(f"outputs[{i}] must be an object with a 'name'")
-        wanted.append((out["name"], bool(_params(out, f"output {out['name']!r}").get("binary_data", binary_out))))
+        what = f"output {protocol.shown(out['name'])}"
+        wanted.append((out["name"], _flag(_params(out, what), "binary_data", binary_out, what)))
     return inputs, datatypes, wanted, binary_out
 
 
@@ -541,7 +552,8 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
     for name, arr in outputs.items():
         datatype = protocol.output_datatype(arr, model.output_datatypes[name])
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
-        if wanted.get(name, binary_out):
+        # JSON has no NaN or infinity: such an output goes with the binary extension, exact
+        if wanted.get(name, binary_out) or not jsontensors.finite(arr):
             raw = protocol.to_raw(arr)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)

@@ -9,26 +9,30 @@ ones flattened) into a buffer of doubles or int64 with no Python object per valu
 Writing is the mirror image: ``tolist()`` then ``json.dumps`` formats each float through Python
 (0.6 ms per 1,000 values), orjson formats the numpy array itself (20 µs).
 
-What a request means never changes with the parser:
+What a request means never changes with the parser; the values a datatype takes are strict
+(:func:`staronnx.serve.protocol.from_values`: numbers for FP types, integers in range for INT
+and UINT types, booleans for BOOL, the first other value refused by its position):
 
 * a document simdjson refuses (malformed JSON, ``NaN``/``Infinity`` tokens that Python's json
-  accepts, nesting deeper than simdjson's 1024 levels, integers past 64 bits) is parsed again by
-  :func:`json.loads`, so its result or its error message is exactly what it always was;
+  and tritonclient write, nesting deeper than simdjson's 1024 levels, integers past 64 bits,
+  a number past a double's range) is parsed again by :func:`json.loads`, whose result or error
+  message is then the answer; a number too large for a double stays its text
+  (:class:`~staronnx.serve.protocol.NumberOutOfRange`), refused by position, not an infinity;
 * a ``data`` array takes the fast path only when it is a *rectangular* nest of numbers of the
-  datatype's kind (JSON numbers for FP16/32/64, integers in range for the INT and UINT types):
-  the arrays it holds are counted level by level, and the ``[`` in the document must add up to
-  exactly the arrays found, so a ragged nest (which ``np.asarray`` refuses) or an array hidden
+  datatype's kind (JSON numbers for FP16/32/64 that stay finite in the type, integers in range
+  for the INT and UINT types): the arrays it holds are counted level by level, and the ``[`` in
+  the document must add up to exactly the arrays found, so a ragged nest or an array hidden
   where a number belongs cannot slip through flattened. Anything else (BOOL, strings, ``null``,
   floats in an INT tensor, a value out of the type's range, a ragged nest) is handed on as the
-  Python list ``json.loads`` would have given, and :func:`staronnx.serve.protocol.from_values`
-  converts it, or refuses it with the same message, as before;
+  Python list ``json.loads`` would have given, which ``from_values`` checks value by value;
 * values are parsed to doubles and then cast, as ``np.asarray(list_of_floats, dtype)`` does, so
-  a tensor is bit-equal to the one the old path made.
+  a tensor is bit-equal to the one the list path makes.
 
 Responses: FP16/FP32 outputs are widened to float64 before orjson writes them, so every value
-reads back as the same double ``tolist()`` + ``json.dumps`` gave (shortest round-trip form); a
-non-finite value (which orjson would write as ``null``) or anything orjson cannot write makes
-that response go through ``json.dumps`` as before.
+reads back as the same double ``tolist()`` + ``json.dumps`` gave (shortest round-trip form). An
+output with a NaN or an infinity is never written as JSON text (JSON has no such numbers, and
+``NaN`` tokens break strict parsers): the HTTP front end sends it with the binary extension
+(:func:`staronnx.serve.http_api.encode_answer`), so a response is always valid JSON.
 
 Both run on the JSON thread of :mod:`staronnx.serve.http_api` for large bodies, never on the
 event loop. Each thread keeps its own simdjson parser (one is not safe to share, and a parser
@@ -45,6 +49,8 @@ from typing import Any
 import numpy as np
 import orjson
 import simdjson
+
+from staronnx.serve.protocol import parse_float
 
 #: datatypes whose JSON values are numbers parsed as doubles, then cast
 _FLOATS = {"FP16": np.float16, "FP32": np.float32, "FP64": np.float64}
@@ -71,10 +77,16 @@ def _parser() -> simdjson.Parser:
     return parser
 
 
-def loads(data: bytes | bytearray, fallback: Callable[[bytes], Any] = json.loads) -> Any:
+def strict_loads(data: bytes | bytearray) -> Any:
+    """``json.loads``, with a number past a double's range kept as its text (refused later by
+    position) instead of read as an infinity."""
+    return json.loads(data, parse_float=parse_float)
+
+
+def loads(data: bytes | bytearray, fallback: Callable[[bytes], Any] = strict_loads) -> Any:
     """The JSON document ``data`` as Python objects, each ``inputs[i].data`` of a numeric datatype
     as a numpy array of that datatype where it can be read directly (see the module docstring);
-    ``fallback`` (``json.loads`` by default, raising its own errors) for a document simdjson
+    ``fallback`` (:func:`strict_loads` by default, raising json's errors) for a document simdjson
     refuses, and for a small one (a binary request's header): json.loads takes a few µs there,
     where simdjson's proxies cost more than they save."""
     if len(data) < SMALL_BYTES:
@@ -206,14 +218,18 @@ def _typed(values: Any, datatype: Any) -> Any:
     try:
         if datatype in _FLOATS:
             flat = np.frombuffer(values.as_buffer(of_type="d"), dtype=np.float64)
-            return flat.astype(_FLOATS[datatype])
+            with np.errstate(over="ignore"):
+                cast = flat.astype(_FLOATS[datatype])
+            if datatype != "FP64" and not np.isfinite(cast).all():
+                return values.as_list()  # a number past the type's range: refused by position
+            return cast
         if datatype in _INTS:
             flat = np.frombuffer(values.as_buffer(of_type="i"), dtype=np.int64)
             info = np.iinfo(_INTS[datatype])
             if flat.size and (int(flat.min()) < info.min or int(flat.max()) > info.max):
-                return values.as_list()  # np.asarray raises the out-of-range error, as before
+                return values.as_list()  # refused by position
             return flat.astype(_INTS[datatype])
-    except (TypeError, ValueError, OverflowError):  # a bool, string, null, or a float among ints
+    except (TypeError, ValueError, OverflowError):  # a bool, string, null, a float among ints: refused by position
         pass
     return values.as_list()
 
@@ -221,22 +237,17 @@ def _typed(values: Any, datatype: Any) -> Any:
 def dumps(doc: dict[str, Any]) -> bytes:
     """``doc`` as JSON bytes; numpy arrays in it are written as flat lists of their values, the
     same values ``json.dumps`` of their ``tolist()`` would read back as (FP16/FP32 widened to
-    float64; a non-finite value, which orjson cannot write as Python's json does, sends the whole
-    document through ``json.dumps``)."""
+    float64). Arrays hold finite values only (:func:`json_array`); a float elsewhere that is not
+    finite (a request ``id`` echoed back) is written as ``null``, so the document is valid JSON."""
     try:
-        # subclasses (a _NonFinite list, an IntEnum) go to _refuse: orjson would write them its own way
+        # subclasses (an IntEnum) go to _refuse: orjson would write them its own way
         return orjson.dumps(doc, default=_refuse, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_SUBCLASS)
     except (orjson.JSONEncodeError, _NotPlain):
-        return json.dumps(doc, default=_tolist).encode()
+        return json.dumps(doc, default=_tolist, allow_nan=False).encode()
 
 
 class _NotPlain(Exception):
     """A value orjson cannot write as json.dumps would."""
-
-
-class _NonFinite(list):  # type: ignore[type-arg]
-    """An output's values with a NaN or an infinity: orjson writes those as ``null``, Python's
-    json as ``NaN``/``Infinity`` (what this server always wrote, and what tritonclient reads back)."""
 
 
 def _refuse(value: Any) -> Any:
@@ -249,14 +260,17 @@ def _tolist(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
+def finite(array: np.ndarray) -> bool:
+    """Whether every value of ``array`` can be written as a JSON number (no NaN, no infinity)."""
+    return array.dtype.kind != "f" or bool(np.isfinite(array).all())
+
+
 def json_array(array: np.ndarray) -> Any:
     """An output tensor's ``data`` for :func:`dumps`: a flat, C-contiguous, native-endian array
-    orjson writes directly, or (non-finite floats, which Python's json writes as ``NaN`` and
-    ``Infinity``) the ``tolist()`` that ``json.dumps`` writes."""
+    orjson writes directly. Its values must be :func:`finite` (the caller sends the others with
+    the binary extension)."""
     flat = np.ascontiguousarray(array.reshape(-1))
     if flat.dtype.kind == "f":
-        if not np.isfinite(flat).all():
-            return _NonFinite(flat.tolist())
         flat = flat.astype(np.float64)
     elif flat.dtype.byteorder == ">":
         flat = flat.astype(flat.dtype.newbyteorder("="))

@@ -10,6 +10,7 @@ cannot see the server's logs.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Sequence
 
@@ -53,6 +54,10 @@ KINDS = {
     "internal": (500, "INTERNAL"),
     # a call this server understands and will not do (loading or unloading a model)
     "refused": (400, "FAILED_PRECONDITION"),
+    # a request not answered within --request-timeout (Envoy's route timeout answers 504 too)
+    "timeout": (504, "DEADLINE_EXCEEDED"),
+    # a request whose body arrived too slowly (--body-timeout, --body-min-rate): nginx's 408
+    "slow": (408, "DEADLINE_EXCEEDED"),
 }
 
 #: the most dimensions a tensor may have (numpy's limit): a longer shape is the client's error
@@ -168,18 +173,134 @@ def from_raw(name: str, datatype: Any, shape: Any, raw: bytes | bytearray | memo
 
 
 def from_values(name: str, datatype: Any, shape: Any, values: Any) -> np.ndarray:
-    """A tensor from typed values (HTTP JSON ``data``, flat or nested; gRPC ``contents``)."""
+    """A tensor from typed values (HTTP JSON ``data``, flat or nested; gRPC ``contents``), strictly:
+    numbers for the FP types (integers or not; ``NaN``/``Infinity`` as Python's json and
+    tritonclient write them), integers for the INT and UINT types (a float only where it is
+    integral: ``2.0``), ``true``/``false`` for BOOL, every value within its type's range. The
+    first value that is not is refused (400 / INVALID_ARGUMENT) by its position in the flattened
+    data: a string, a boolean, ``null`` or a truncated float must never become a number the
+    client did not send.
+
+    ``values`` may be a numpy array read straight from the JSON text
+    (:mod:`staronnx.serve.jsontensors`), which only reads arrays already of the right kind.
+    """
     dims = check_shape(name, shape)
     dtype = _dtype_for(name, datatype)
-    try:
-        arr = np.asarray(values, dtype=dtype)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise invalid(f"input {shown(name)}: data is not a (nested) list of {datatype} values: {cut(exc)}") from None
+    if isinstance(values, np.ndarray):
+        arr = values if values.dtype == dtype else np.asarray(values, dtype=dtype)
+    else:
+        arr = _from_list(name, datatype, dtype, values)
     if arr.size != math.prod(dims):
         raise invalid(
             f"input {shown(name)}: {arr.size} values of data, but shape {dims} holds {math.prod(dims)}"
         )
     return arr.reshape(dims)
+
+
+class NumberOutOfRange(str):
+    """A JSON number too large for a double (``1e309``), kept as its text by the parser so that
+    it is refused by position rather than read as an infinity the client did not write."""
+
+
+def parse_float(text: str) -> float | NumberOutOfRange:
+    """``json.loads``'s ``parse_float``: the double, or :class:`NumberOutOfRange` past a double's range."""
+    value = float(text)
+    return NumberOutOfRange(text) if math.isinf(value) else value
+
+
+def _leaves(values: Any) -> list[Any]:
+    """The values of a (nested) list in row-major order; a scalar is one value."""
+    if not isinstance(values, list):
+        return [values]
+    if not any(type(v) is list for v in values):
+        return values
+    out: list[Any] = []
+    stack = [iter(values)]
+    while stack:
+        for v in stack[-1]:
+            if type(v) is list:
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out
+
+
+def _wants(dtype: np.dtype) -> str:
+    """What one value of ``dtype`` must be, in JSON's words."""
+    if dtype.kind == "b":
+        return "true or false"
+    if dtype.kind in "iu":
+        return "an integer"
+    return "a number"
+
+
+def _bad_value(name: str, datatype: str, dtype: np.dtype, index: int, value: Any) -> ProtocolError:
+    """The error naming the input, the position of its first value ``datatype`` cannot take,
+    the value as the client wrote it, and why."""
+    try:
+        text = str(value) if isinstance(value, NumberOutOfRange) else json.dumps(value)
+    except (TypeError, ValueError):
+        text = repr(value)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if dtype.kind in "iu" and number and not (isinstance(value, int) or float(value).is_integer()):
+        why = f"is not an integer ({datatype} takes integers)"
+    elif isinstance(value, NumberOutOfRange) or (number and dtype.kind != "b"):
+        info = np.iinfo(dtype) if dtype.kind in "iu" else np.finfo(dtype)
+        why = f"is out of the range of {datatype} ({info.min:g} to {info.max:g})" if dtype.kind == "f" else (
+            f"is out of the range of {datatype} ({info.min} to {info.max})")
+    else:
+        takes = {"b": "JSON booleans", "i": "JSON integers", "u": "JSON integers"}.get(dtype.kind, "JSON numbers")
+        why = f"is not {_wants(dtype)} ({datatype} takes {takes})"
+    return invalid(f"input {shown(name)}: data[{index}] = {cut(text, 40)} {why}")
+
+
+def _fits(value: Any, dtype: np.dtype) -> bool:
+    """Whether one JSON value is of ``dtype``'s kind and within its range."""
+    t = type(value)
+    if dtype.kind == "b":
+        return t is bool
+    if t is bool or t not in (int, float):
+        return False
+    if dtype.kind == "f":
+        return t is float or abs(value) <= _FLOAT_MAX
+    if t is float and not (math.isfinite(value) and value.is_integer()):
+        return False
+    info = np.iinfo(dtype)
+    return info.min <= value <= info.max
+
+
+#: the largest finite double: an integer past it has no float value at all
+_FLOAT_MAX = float(np.finfo(np.float64).max)
+
+
+def _from_list(name: str, datatype: str, dtype: np.dtype, values: Any) -> np.ndarray:
+    flat = _leaves(values)
+    kinds = set(map(type, flat))
+    fast = (kinds <= {bool} if dtype.kind == "b" else kinds <= {int, float} if dtype.kind == "f" else kinds <= {int})
+    if fast and dtype.kind in "iu" and flat:
+        info = np.iinfo(dtype)
+        fast = info.min <= min(flat) and max(flat) <= info.max
+    if fast and dtype.kind == "f" and int in kinds:
+        fast = all(abs(v) <= _FLOAT_MAX for v in flat if type(v) is int)
+    if not fast:
+        for i, v in enumerate(flat):
+            if not _fits(v, dtype):
+                raise _bad_value(name, datatype, dtype, i, v)
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            arr = np.asarray(values, dtype=dtype)
+    except (TypeError, ValueError, OverflowError) as exc:  # a ragged nest
+        raise invalid(f"input {shown(name)}: data is not a (nested) list of {datatype} values: {cut(exc)}") from None
+    if dtype.kind == "f" and dtype.itemsize < 8:
+        # a finite double past the type's range would become an infinity the client never sent
+        over = np.flatnonzero(np.isinf(arr.reshape(-1)))
+        for i in over:
+            v = flat[int(i)]
+            if not (type(v) is float and math.isinf(v)):
+                raise _bad_value(name, datatype, dtype, int(i), v)
+    return arr
 
 
 def output_datatype(array: np.ndarray, declared: str) -> str:
