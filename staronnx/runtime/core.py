@@ -8,8 +8,12 @@ its lock; the simulator is single-threaded), and it never runs anything itself.
 
 A request is one batch: one task per part, one data handle per tensor. A handle knows the
 memory nodes holding a valid copy (StarPU's MSI states reduced to what a read-mostly inference
-DAG needs: written once on its producer's node, then shared by every node that reads it), so
-policies price transfers and prefer workers where the data already is. A task is pushed to the
+DAG needs: written once on its producer's node, then shared by the nodes that read it), so
+policies price transfers and prefer workers where the data already is. Which copies a task
+makes is decided here, when a worker takes it, by :mod:`staronnx.runtime.datawizard`'s rules
+(the ones the predictor prices): ``Task.copies`` lists them and ``Task.keep`` the fetched
+inputs that stay valid on the worker's node; the driver issues exactly those (the engine), or
+charges their bus time (the simulator). A task is pushed to the
 policy once every part it reads from has finished; the worker whose completion released it is
 passed along (``TaskView.releasing_worker``) for locality-aware stealing.
 
@@ -34,11 +38,10 @@ import numpy as np
 
 from staronnx.perfmodels import Footprint
 from staronnx.plan import Plan
+from staronnx.runtime.datawizard import HOST_NODE, Copy, CopyCost, copy_kind, is_host, produced_on, source
 from staronnx.runtime.models import ModelSet
 from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView, WorkerInfo
 
-#: where model inputs live when a request is submitted
-HOST_NODE = "numa0"
 _ON_HOST = frozenset((HOST_NODE,))
 
 _handle_ids = itertools.count()
@@ -49,7 +52,7 @@ class DataHandle:
 
     A plain class with slots, not a dataclass: one or more are made per task."""
 
-    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "id")
+    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id")
 
     def __init__(self, name: str, nbytes: int, valid_on: frozenset[str] = frozenset(), readers_left: int = 0) -> None:
         self.name = name
@@ -57,7 +60,10 @@ class DataHandle:
         #: frozen, and replaced when a node gains a copy: a task's view then shares it instead
         #: of copying a set per input per task
         self.valid_on = frozenset(valid_on)
+        #: readers not finished (the value is dropped at 0) ...
         self.readers_left = readers_left
+        #: ... and not started: a fetched copy is kept while some reader has yet to start
+        self.unstarted = readers_left
         self.id = next(_handle_ids)
 
     def __repr__(self) -> str:
@@ -75,6 +81,11 @@ class Task:
     ready_at: float = 0.0
     ended_at: float = 0.0
     worker: int | None = None
+    #: the copies it makes on its worker (decided when taken): fetches of its inputs, and the
+    #: write-backs of its final outputs where their sizes are known by then
+    copies: Sequence[Copy] = ()
+    #: its fetched inputs that stay valid on its worker's node (another reader is to come)
+    keep: tuple[str, ...] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -98,6 +109,9 @@ class Request:
     model: int = 0  # its model's index in the core's ModelSet
     first_part: int = 0  # the global number of its model's part 0
     deadline: float = math.inf  # arrival + its model's latency target
+    #: every copy its tasks made: fetches (as decided) and write-backs (as produced); None
+    #: while there is none
+    copies: list[Copy] | None = None
 
     def task(self, part: int) -> Task:
         """Its task of global part ``part``."""
@@ -157,6 +171,39 @@ def _mean(values: Any) -> float:
 
 #: ``footprint(request, part)``: the perf-model key of a part's task (the driver knows shapes)
 FootprintFn = Callable[[Request, int], "Footprint | None"]
+#: ``output_bytes(request, part, footprint)``: bytes of each output of a part's task, where the
+#: driver knows them before it runs (the simulator: its profile). Without it the core learns
+#: them from the first task of each (part, footprint) that ran.
+OutputBytesFn = Callable[[Request, int, "Footprint | None"], "Mapping[str, int] | None"]
+
+
+class CopyCounts:
+    """Copies and bytes per link (``(src, dst)``) the core decided; by kind (``h2d``,
+    ``d2h``, ``peer``, ``host``) in :meth:`snapshot`. Counted per task under the core's lock,
+    so :meth:`add` is the whole cost."""
+
+    __slots__ = ("links",)
+
+    def __init__(self) -> None:
+        self.links: dict[tuple[str, str], list[int]] = {}
+
+    def add(self, copies: Sequence[Copy]) -> None:
+        links = self.links
+        for c in copies:
+            try:
+                entry = links[c[1], c[2]]
+            except KeyError:
+                entry = links[c[1], c[2]] = [0, 0]
+            entry[0] += 1
+            entry[1] += c[3]
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        kinds: dict[str, dict[str, int]] = {}
+        for (src, dst), (n, b) in sorted(self.links.items()):
+            k = kinds.setdefault(copy_kind(src, dst), {"copies": 0, "bytes": 0})
+            k["copies"] += n
+            k["bytes"] += b
+        return dict(sorted(kinds.items()))
 
 
 class TaskGraph:
@@ -164,8 +211,12 @@ class TaskGraph:
     the module docstring."""
 
     def __init__(self, plan: Plan | ModelSet, workers: Sequence[WorkerInfo], policy: Policy, predictor: Predictor,
-                 clock: Clock, footprint: FootprintFn, where: Sequence[Collection[int]] | None = None) -> None:
-        """``where``: per global part, the ids of the workers holding it (None: all of them)."""
+                 clock: Clock, footprint: FootprintFn, where: Sequence[Collection[int]] | None = None,
+                 copy_cost: CopyCost | None = None, output_bytes: OutputBytesFn | None = None) -> None:
+        """``where``: per global part, the ids of the workers holding it (None: all of them).
+        ``copy_cost``: the bus model's ``predict``, which picks the cheapest source of a fetch
+        (the predictor's own choice); ``output_bytes``: see :data:`OutputBytesFn` (without it,
+        write-backs are known only once a task ran)."""
         self.models = ModelSet.of(plan)
         self.plan = self.models.models[0].plan  # the first (or only) model's
         self.policy = policy
@@ -186,6 +237,20 @@ class TaskGraph:
             #: parts reading each tensor (a tensor no part reads has no entry)
             self._readers.append(dict(readers))
         self._outputs = [set(m.plan.output_names) for m in self.models.models]
+        #: per global part, its outputs that are its model's final outputs (written back)
+        self._finals = [tuple(n for n in m.plan.parts[local].outputs if n in self._outputs[m.index])
+                        for m, local in self.models.owner]
+        self.copy_cost = copy_cost
+        self.output_bytes = output_bytes
+        #: (part, batch, shape hash) -> its final outputs' (name, bytes), from a task that ran
+        self._out_sizes: dict[tuple[int, int, int], tuple[tuple[str, int], ...]] = {}
+        #: the few copies serving makes over and over, made once: (name, src, dst, bytes) ->
+        #: fetch; ((name, bytes) pairs, node) -> write-backs
+        self._copy_cache: dict[Any, Any] = {}
+        #: per worker, whether its memory node is a GPU's (its final outputs are written back)
+        self._on_device = [not is_host(w.memory_node) for w in workers]
+        #: every copy decided so far
+        self.copy_counts = CopyCounts()
         self._targets = [m.target for m in self.models.models]
         # what submit reads per request, computed once: a request's cost is the host's cost
         # per task at small batches (issue 19)
@@ -256,6 +321,17 @@ class TaskGraph:
             submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
             releasing_worker=releasing, deadline=req.deadline, level=self._targets[req.model].priority,
         )
+        if self._finals[task.part]:
+            fp = view.footprint
+            if self.output_bytes is not None:
+                sizes = self.output_bytes(req, task.part, fp)
+                if sizes:
+                    view.outputs = tuple((n, sizes[n]) for n in self._finals[task.part] if n in sizes)
+            elif fp is not None:
+                try:
+                    view.outputs = self._out_sizes[task.part, fp.batch, fp.shape_hash]
+                except KeyError:
+                    pass
         task.view = view
         task.ready_at = now
         self.queue[view.id] = task
@@ -282,10 +358,53 @@ class TaskGraph:
                 policy.on_done(wid, view, 0.0, now)
                 continue
             task.worker = wid
+            self._decide_copies(task, self.workers[wid].info.memory_node, self._on_device[wid])
             self.workers[wid].running.append(task)
             self.queue_waits.append(now - task.ready_at)
             self.per_model[req.model].queue_waits.append(now - task.ready_at)
             return task
+
+    def _decide_copies(self, task: Task, node: str, on_device: bool) -> None:
+        """The copies ``task`` makes on ``node`` (:mod:`~staronnx.runtime.datawizard`'s rules,
+        inlined: this runs per task): a fetch per input not valid there, from its cheapest
+        copy, kept while another reader has not started; a write-back per final output where
+        ``node`` is a GPU (where the push knew its size; else booked when it finished)."""
+        handles, cache = task.request.handles, self._copy_cache
+        copies: list[Copy] = []
+        keep: list[str] = []
+        for name in self._part_inputs[task.part]:
+            h = handles[name]
+            h.unstarted -= 1
+            valid = h.valid_on
+            if node in valid or h.nbytes <= 0 or not valid:
+                continue
+            if valid is _ON_HOST:  # a model input (no call: this runs per task)
+                src = HOST_NODE
+            elif len(valid) == 1:
+                for src in valid:
+                    break
+            else:
+                src = source(valid, node, h.nbytes, self.copy_cost)
+            key = (name, src, node, h.nbytes)
+            try:
+                copies.append(cache[key])
+            except KeyError:
+                if len(cache) > 4096:
+                    cache.clear()
+                copies.append(cache.setdefault(key, Copy(*key)))
+            if h.unstarted > 0:
+                keep.append(name)
+        view = task.view
+        if on_device and view is not None and view.outputs:
+            key = (view.outputs, node)
+            try:
+                copies += cache[key]
+            except KeyError:
+                copies += cache.setdefault(key, [Copy(n, node, HOST_NODE, b) for n, b in view.outputs if b > 0])
+        if copies:
+            task.copies = copies
+        if keep:
+            task.keep = tuple(keep)
 
     def finish(self, wid: int, task: Task, now: float, measured: float,
                outputs: Mapping[str, int] | None) -> Request | None:
@@ -314,13 +433,32 @@ class TaskGraph:
         if math.isfinite(view.predicted):
             self.predicted[(task.part, arch)].append(view.predicted)
         readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]
+        copies = task.copies  # fetches and write-backs, booked as they happened
+        if self._on_device[wid] and self._finals[task.part] and not view.outputs:
+            copies = [*copies, *self._writebacks(task, node, outputs)]
+        if copies:
+            links = self.copy_counts.links  # CopyCounts.add, inlined: this runs per task
+            for c in copies:
+                try:
+                    entry = links[c[1], c[2]]
+                except KeyError:
+                    entry = links[c[1], c[2]] = [0, 0]
+                entry[0] += 1
+                entry[1] += c[3]
+            if req.copies is None:
+                req.copies = list(copies)
+            else:
+                req.copies += copies
         for name, nbytes in outputs.items():
             if name in readers:  # a handle only for what another part reads
-                req.handles[name] = DataHandle(name, nbytes, frozenset((node,)), readers[name])
-        for name in self._part_inputs[task.part]:  # free intermediates nobody else reads
+                valid = produced_on(node, True) if name in final else frozenset((node,))
+                req.handles[name] = DataHandle(name, nbytes, valid, readers[name])
+        for name in task.keep:  # fetched copies that stay valid where they were fetched
             h = req.handles[name]
             if node not in h.valid_on:
                 h.valid_on = h.valid_on | {node}
+        for name in self._part_inputs[task.part]:  # free intermediates nobody else reads
+            h = req.handles[name]
             h.readers_left -= 1
             if h.readers_left <= 0 and name not in final and name in produced:
                 req.values.pop(name, None)
@@ -342,6 +480,20 @@ class TaskGraph:
             counters.deadline_misses += 1
         return req
 
+    def _writebacks(self, task: Task, node: str, outputs: Mapping[str, int]) -> list[Copy]:
+        """The write-backs of a task that ran on a GPU whose push did not know its final
+        outputs' sizes; they are kept for the next task of its footprint, whose push then
+        prices them."""
+        fp = None if task.view is None else task.view.footprint
+        if fp is not None and self.output_bytes is None:
+            key = (task.part, fp.batch, fp.shape_hash)
+            if key not in self._out_sizes:
+                if len(self._out_sizes) > 4096:
+                    self._out_sizes.clear()
+                    self._copy_cache.clear()
+                self._out_sizes[key] = tuple((n, outputs[n]) for n in self._finals[task.part] if n in outputs)
+        return [Copy(n, node, HOST_NODE, outputs[n]) for n in self._finals[task.part] if outputs.get(n, 0) > 0]
+
     def fail(self, req: Request) -> None:
         """Fail a request: its queued tasks are dropped when popped."""
         if not req.failed:
@@ -361,6 +513,9 @@ class TaskGraph:
         self.dead_workers.append((st.info.name, error))
         orphans = list(st.running)
         st.running.clear()
+        for task in orphans:  # taken, not run: its reads are still to start
+            for name in self._part_inputs[task.part]:
+                task.request.handles[name].unstarted += 1
         orphans += [self.queue.pop(view.id) for view in self.policy.remove_worker(wid)]
         if not any(w.alive for w in self.workers):
             lost = list(self.inflight.values())
@@ -402,6 +557,7 @@ class TaskGraph:
                         for st in self.workers},
             "tasks": tasks,
             "mean_queue_wait_ms": self.queue_waits.mean() * 1e3,
+            "copies": self.copy_counts.snapshot(),
             "dead_workers": list(self.dead_workers),
             "models": {m.name: self.model_stats(m.index, elapsed) for m in self.models.models},
         }

@@ -8,6 +8,14 @@ the current one. The engine adds only what the simulator does not share: the loc
 core, the real clock, the arrays, the perf models fed while they still need samples (tasks are
 timed only then), the trace, and the futures.
 
+Data lives where the core's decisions (:mod:`staronnx.runtime.datawizard`) say: a request's
+values are its tensors' copies (:mod:`staronnx.workers.replicas`: host arrays, tensors in a
+GPU's memory, or both). A CUDA worker leaves the outputs other parts read on its GPU and
+writes back only the request's final outputs; a task is handed, per input, its copy on the
+worker's node, or the copy its fetch reads (a CUDA worker copies it into its own buffers; a
+CPU worker's fetch from a GPU is downloaded here first), and a fetched copy that later
+readers will want is kept as the handle's own.
+
 Everything here runs per task under the GIL that every worker and the serving threads share,
 so the bookkeeping is kept small: one condition per worker (a task wakes the worker it was
 placed on, or one idle worker for a shared queue, never all of them), footprints and frozen
@@ -40,6 +48,7 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Request, Task, TaskGraph
+from staronnx.runtime.datawizard import is_host
 from staronnx.runtime.models import ModelOverloaded, ModelSet
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
@@ -49,6 +58,8 @@ from staronnx.runtime.task import RequestFuture, TaskError, announce, settle, se
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.launch import start_workers
+from staronnx.workers.pinned_pool import PinnedArray
+from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute, host_copy, replica_on, with_replica
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +143,22 @@ class NativeEngine:
         self._part_axes = [m.plan.part_batch_axes(p) for m, p in self.models.owner]
         self._footprints: dict[tuple[Any, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
+        #: each worker's memory node, and whether it is host memory
+        self._nodes = [w.memory_node for w in workers]
+        self._on_host = [is_host(n) for n in self._nodes]
+        #: the GPUs as memory nodes (node -> its memory): empty when every value is a host array
+        self._memories: dict[str, DeviceMemory] = {}
+        for w in workers:
+            memory = getattr(w, "device_memory", None)
+            if memory is not None:
+                self._memories.setdefault(w.memory_node, memory)
+        #: per part: which outputs a GPU writes back (final) and which it keeps (read by a part)
+        self._routes = [OutputRoute(frozenset(n for n in m.plan.parts[local].outputs if n in finals),
+                                    frozenset(n for n in m.plan.parts[local].outputs if n in read))
+                        for m, local in self.models.owner
+                        for finals, read in [(set(m.plan.output_names),
+                                              {i for part in m.plan.parts for i in part.inputs})]]
+
         self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
         self._loops: list[Future[Any]] = []
         self._stopping = False
@@ -141,7 +168,7 @@ class NativeEngine:
         self.started_at = self.clock.now()
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
         self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
-                              where=parts_held(workers, self.models.k))
+                              where=parts_held(workers, self.models.k), copy_cost=predictor.copy_time)
         self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
@@ -376,27 +403,65 @@ class NativeEngine:
             self._frozen.add(key)
         return needed
 
-    def _feeds(self, task: Task) -> dict[str, np.ndarray]:
+    def _feeds(self, task: Task, wid: int, kept: list[tuple[str, Any]]) -> dict[str, Any]:
+        """The task's inputs as its worker reads them: each one's copy on the worker's node,
+        or, where the core decided a fetch, the copy that fetch reads (a CUDA worker copies it
+        into its own buffers). A CPU worker's fetch from a GPU is downloaded here; a fetch the
+        core keeps (a later reader wants it) is made here as the handle's own copy, and
+        appended to ``kept`` (name, copy) to join the request's values when the task ends."""
         values = task.request.values
-        return {n: values[n] for n in self._part_inputs[task.part]}
+        names = self._part_inputs[task.part]
+        if not self._memories:  # no GPU memory anywhere: every value is a host array
+            return {n: values[n] for n in names}
+        node, on_host, keep = self._nodes[wid], self._on_host[wid], task.keep
+        feeds = {}
+        for n in names:
+            v = values[n]
+            cls = v.__class__
+            if (cls is np.ndarray or cls is PinnedArray or (cls is not DeviceTensor and cls is not Data
+                                                            and isinstance(v, np.ndarray))) and (on_host or n not in keep):
+                feeds[n] = v  # a host array, read as it is
+                continue
+            r = replica_on(v, node)
+            if r is None:  # a fetch: from the source the core chose
+                src = replica_on(v, next(c.src for c in task.copies if c.name == n and c.dst == node))
+                if on_host:
+                    r = src.memory.download(src) if src.__class__ is DeviceTensor else src
+                elif n in keep:
+                    r = self._memories[node].fetch(src)
+                else:
+                    r = src
+                if n in keep:
+                    kept.append((n, r))
+            feeds[n] = r
+        return feeds
 
     def _run(self, wid: int, worker: Any, task: Task) -> _Started:
-        """Run a task to its end on a worker that cannot launch ahead (CPU)."""
+        """Run a task to its end on a worker that cannot launch ahead (CPU). Its fetches from
+        a GPU (downloads) count in its wall time, not in its perf model's compute time."""
         timed = self._timed(wid, task)
         start = self.clock.now()
+        kept: list[tuple[str, Any]] = []
+        compute = None
         try:
-            outputs, error = worker.run_here(task.part, self._feeds(task), timed), None
+            feeds = self._feeds(task, wid, kept)
+            began = self.clock.now()
+            outputs, error = worker.run_here(task.part, feeds, timed), None
+            compute = worker.last_compute_seconds or (self.clock.now() - began if task.copies else None)
         except WorkerLost:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
             outputs, error = {}, exc
-        return _Started(start, timed, None, outputs, error, worker.last_compute_seconds)
+        return _Started(start, timed, None, outputs, error, compute, kept or None)
 
     def _launch(self, wid: int, worker: Any, task: Task) -> _Started:
         timed = self._timed(wid, task)
         start = self.clock.now()
+        kept: list[tuple[str, Any]] = []
         try:
-            return _Started(start, timed, worker.launch_here(task.part, self._feeds(task), timed))
+            feeds = self._feeds(task, wid, kept)
+            route = self._routes[task.part] if self._memories else None
+            return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route), kept=kept or None)
         except WorkerLost:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -438,6 +503,11 @@ class NativeEngine:
             if outputs:
                 req.values.update(outputs)
             sizes = None if error is not None else {n: a.nbytes for n, a in outputs.items()}  # type: ignore[union-attr]
+            if started.kept and error is None:
+                values, node = req.values, info.memory_node
+                for name, copy in started.kept:
+                    values[name] = with_replica(values[name], node, copy)
+
             done = self.core.finish(wid, task, end, measured, sizes)
             if self._idle:
                 self._wake()
@@ -450,7 +520,9 @@ class NativeEngine:
                 err.__cause__ = error
                 value, ok = err, False
             else:
-                value, ok = {n: done.values[n] for n in self._output_names[done.model]}, True
+                values = done.values
+                value, ok = {n: v if (v := values[n]).__class__ is np.ndarray else _host(v)
+                             for n in self._output_names[done.model]}, True
             if defer is None:
                 settle(done.owner, value, ok)
             elif settle_quietly(done.owner, value, ok):
@@ -554,6 +626,18 @@ class _Started:
     outputs: dict[str, np.ndarray] | None = None  # set once it ran (None while launched)
     error: BaseException | None = None
     compute: float | None = None
+    #: fetched inputs kept as the handle's copies on the worker's node: (name, copy)
+    kept: list[tuple[str, Any]] | None = None
+
+
+def _host(value: Any) -> np.ndarray:
+    """A final output's host copy (its producer wrote it back)."""
+    if isinstance(value, np.ndarray):
+        return value
+    host = host_copy(value)
+    if host is None:
+        raise RuntimeError(f"a final output is not on the host: {value!r}")
+    return host
 
 
 def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:

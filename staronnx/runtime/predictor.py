@@ -16,7 +16,6 @@ and joins or leaves a shared runtime without recalibration.
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import TYPE_CHECKING
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, HistoryModel, PerfModelStore
 from staronnx.perfmodels.store import PerfModelStoreReadOnly, PerfModelStoreReadOnlyWarning
+from staronnx.runtime.datawizard import price, task_copies
 from staronnx.runtime.sched import TaskView, WorkerInfo
 
 if TYPE_CHECKING:
@@ -98,14 +98,20 @@ class PerfPredictor:
         return self.model(task.part, worker.arch).predict(fp)
 
     def transfer_time(self, task: TaskView, worker: WorkerInfo) -> float:
-        total = 0.0
-        for data in task.inputs:
-            if worker.memory_node in data.valid_on or data.nbytes == 0:
-                continue
-            costs = [self.bus.predict(src, worker.memory_node, data.nbytes) for src in data.valid_on]
-            costs = [c for c in costs if math.isfinite(c)]
-            total += min(costs) if costs else 0.0
-        return total
+        """The bus time of exactly the copies the engine would issue for ``task`` on
+        ``worker`` (:func:`~staronnx.runtime.datawizard.task_copies`: the fetches of inputs
+        not valid on its node, from their cheapest copies, and the write-backs of final
+        outputs from a GPU)."""
+        node = worker.memory_node
+        if not task.outputs and all(node in d.valid_on or d.nbytes <= 0 for d in task.inputs):
+            return 0.0
+        predict = self.bus.predict
+        copies = task_copies(((d.name, d.nbytes, d.valid_on) for d in task.inputs), node, task.outputs, predict)
+        return price(copies, predict)
+
+    def copy_time(self, src: str, dst: str, nbytes: int) -> float:
+        """The bus model's time for one copy (what the core picks a fetch's source by)."""
+        return self.bus.predict(src, dst, nbytes)
 
     def needs_samples(self, part: int, arch: str, fp: Footprint) -> bool:
         """Whether the engine should record this execution (always, unless ``calibrate`` is 0)."""

@@ -86,6 +86,9 @@ class TaskView:
     footprint: Footprint | None = None
     #: the worker whose completion made this task ready (locality for ws and lws)
     releasing_worker: int | None = None
+    #: its final outputs (name, bytes), where their sizes are known at push: a worker on a GPU
+    #: writes them back to the host, a copy its prediction includes
+    outputs: tuple[tuple[str, int], ...] = ()
     #: what a policy notes on a task for its own accounting and for stats
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -117,8 +120,10 @@ class Predictor(Protocol):
         ...
 
     def transfer_time(self, task: TaskView, worker: WorkerInfo) -> float:
-        """Predicted time to bring the task's inputs to ``worker``'s memory node from their
-        cheapest valid copies (0 when all are already valid there)."""
+        """Predicted time of the copies the task makes on ``worker``: its inputs brought to
+        ``worker``'s memory node from their cheapest valid copies, and its final outputs
+        written back to the host from a GPU (:func:`staronnx.runtime.datawizard.task_copies`;
+        0 when there is nothing to move)."""
         ...
 
 

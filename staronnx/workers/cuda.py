@@ -81,6 +81,7 @@ from staronnx.workers.cudart import (
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 from staronnx.workers.pinned_pool import PinnedPool
+from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute
 
 __all__ = [
     "CAPTURE_LOCK",
@@ -356,6 +357,10 @@ class _Slot:
     out_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (pinned, device ptr, nbytes)
     in_bytes: int = 0
     out_bytes: int = 0
+    #: per :class:`OutputRoute` (by identity): (write-backs as ``out_copies``, outputs kept on
+    #: the device as (name, device ptr, dtype, shape), the tensors the write-backs fill)
+    routes: dict[OutputRoute, tuple[list[tuple[int, int, int]], list[tuple[str, int, np.dtype, tuple[int, ...]]],
+                                    list[_Tensor]]] = field(default_factory=dict)
 
     def free(self) -> None:
         for t in self.inputs + (self.outputs or []):
@@ -443,6 +448,10 @@ class _Launch:
     start: float
     wait_event: Any = None  # None: wait for the whole stream
     outputs: Outputs | None = None  # set when it ran synchronously (the general path)
+    #: the outputs written back (None: all of them) and those kept on the device
+    written: list[_Tensor] | None = None
+    kept: list[tuple[str, DeviceTensor]] | None = None
+    h2d_bytes: int = 0
 
 
 @dataclass
@@ -504,6 +513,7 @@ class CudaWorker(ThreadWorker):
         capture_on_demand: bool = True,
         pinned_pool: PinnedPool | None = None,
         thread_per_stream: bool = False,
+        device_memory: DeviceMemory | None = None,
     ) -> None:
         if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
             raise ValueError(f"cudnn_conv_algo_search must be one of {CONV_ALGO_SEARCHES}, "
@@ -557,6 +567,10 @@ class CudaWorker(ThreadWorker):
         #: (shared by the workers start_workers makes; the worker that made it frees it)
         self.pinned_pool = pinned_pool or PinnedPool(self._allocate_pinned)
         self._owns_pool = pinned_pool is None
+        #: the GPU as a memory node: where outputs other parts read stay (shared by a device's
+        #: streams when start_workers makes them; the worker that made it frees it)
+        self.device_memory = device_memory or DeviceMemory(runtime, device_id, self.pinned_pool)
+        self._owns_memory = device_memory is None
         #: inputs copied to the device straight from pool memory (no staging copy)
         self.staging_skipped = 0
         #: workers with the same key are driven by one engine thread (StarPU's driver thread
@@ -637,7 +651,7 @@ class CudaWorker(ThreadWorker):
             launches = []
             for _ in range(parallel):
                 try:
-                    launches.append(self._launch(part, feeds, True))
+                    launches.append(self._launch(part, feeds, True, None))
                 except Exception as exc:  # noqa: BLE001 - the others are waited for first
                     error = error or exc
             for launch in launches:
@@ -652,24 +666,30 @@ class CudaWorker(ThreadWorker):
                 raise self._lost_or(error)
         return seconds
 
-    def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
+    def run_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> Outputs:
         """Run a part from inside this worker's thread (see :meth:`spawn`): copies in, run,
         copies out, one wait; errors propagate (:class:`WorkerLost` once the context is lost).
 
         ``timed=False`` records no event (nothing to learn: the perf model is calibrated), so
         :attr:`last_compute_seconds` is then None."""
         self._check_own_thread()
-        return self.finish_here(self.launch_here(part, feeds, timed))
+        return self.finish_here(self.launch_here(part, feeds, timed, route))
 
-    def launch_here(self, part: int, feeds: Feeds, timed: bool = True) -> _Launch:
+    def launch_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> _Launch:
         """Queue a part's copies and run on the stream and return without waiting (from the
         worker's thread): an engine launches the next task before it waits for this one, so
         the GPU does not idle while the host finishes a task. A task waits on the whole stream
-        unless another is launched behind it, which then records an event for it first."""
+        unless another is launched behind it, which then records an event for it first.
+
+        A feed is a host array (copied up into the slot's buffer) or a
+        :class:`~staronnx.workers.replicas.DeviceTensor` (on this GPU: a device-local copy
+        into the slot's fixed buffer, no upload; on another: a peer copy). ``route`` says
+        which outputs come back to the host and which stay on this GPU as tensors of
+        :attr:`device_memory` (None: every output comes back)."""
         if self.lost is not None:
             raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
         try:
-            return self._launch(part, feeds, timed)
+            return self._launch(part, feeds, timed, route)
         except BaseException as exc:
             self.stats.failed += 1
             raise self._lost_or(exc) from None
@@ -874,14 +894,14 @@ class CudaWorker(ThreadWorker):
         try:
             if self.lost is not None:
                 raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
-            task.launch = self._launch(task.part, task.feeds, True)
+            task.launch = self._launch(task.part, task.feeds, True, None)
             return True
         except BaseException as exc:  # noqa: BLE001 - fails this task only
             self._fail(task, self._lost_or(exc))
             return False
 
     # -- one task
-    def _launch(self, part_index: int, feeds: Feeds, timed: bool) -> _Launch:
+    def _launch(self, part_index: int, feeds: Feeds, timed: bool, route: OutputRoute | None) -> _Launch:
         start = time.perf_counter()
         behind = self._unmarked
         if behind is not None:  # this task queues behind one not yet waited for: mark its end
@@ -904,13 +924,16 @@ class CudaWorker(ThreadWorker):
             slot = self._make_slot(key, part_index, arrays)
         try:
             if not slot.fixed:
-                return self._launch_general(slot, arrays, timed, start)
+                return self._launch_general(slot, arrays, timed, start, route)
             rt, stream = self._runtime, self._stream
             ev = slot.events
             if timed:
                 ev["h2d_start"].record(stream)
             for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
-                rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+                if a.__class__ is DeviceTensor:
+                    self._copy_in(dst, a, nbytes)
+                else:
+                    rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
             if timed:
                 ev["run_start"].record(stream)
             graph = slot.graph
@@ -925,18 +948,52 @@ class CudaWorker(ThreadWorker):
                 self._capture(slot)
             if timed:
                 ev["run_done"].record(stream)
-            for dst, src, nbytes in slot.out_copies:
-                rt.copy_d2h(dst, src, nbytes, stream)
+            if route is None:
+                for dst, src, nbytes in slot.out_copies:
+                    rt.copy_d2h(dst, src, nbytes, stream)
+                written, kept = None, None
+            else:
+                try:
+                    out_copies, keeps, written = slot.routes[route]
+                except KeyError:
+                    out_copies, keeps, written = self._route(slot, route)
+                for dst, src, nbytes in out_copies:
+                    rt.copy_d2h(dst, src, nbytes, stream)
+                keep = self.device_memory.keep
+                kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps]
             if timed:
                 ev["d2h_done"].record(stream)
-                return _Launch(slot, timed, start, ev["d2h_done"])
-            launch = _Launch(slot, timed, start)
+                launch = _Launch(slot, timed, start, ev["d2h_done"], None, written, kept)
+                launch.h2d_bytes = sum(n for (_, _, n), a in zip(slot.in_copies, arrays) if a.__class__ is not DeviceTensor)
+                return launch
+            launch = _Launch(slot, timed, start, None, None, written, kept)
             self._unmarked = launch
             return launch
         except BaseException as exc:
             self._settle(exc)
             self._slots.release(slot)
             raise
+
+    def _copy_in(self, dst: int, a: DeviceTensor, nbytes: int) -> None:
+        """An input already in GPU memory into the slot's buffer: a device-local copy when it
+        is on this GPU (no upload), a peer copy from another; after the event of the copy that
+        filled it, if that is still pending on another stream."""
+        stream = self._stream
+        if a.ready is not None:
+            stream.wait(a.ready)
+        if a.device == self.device_id:
+            self._runtime.copy_d2d(dst, a.ptr, nbytes, stream)
+        else:
+            self._runtime.copy_peer(dst, self.device_id, a.ptr, a.device, nbytes, stream)
+
+    def _route(self, slot: _Slot, route: OutputRoute) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, np.dtype, tuple[int, ...]]], list[_Tensor]]:
+        """A fixed slot's copy lists for ``route`` (made once per slot and route)."""
+        assert slot.outputs is not None
+        plan = ([(t.pinned.ptr, t.device.ptr, t.nbytes) for t in slot.outputs if t.name in route.host],
+                [(t.name, t.device.ptr, t.dtype, t.shape) for t in slot.outputs if t.name in route.device],
+                [t for t in slot.outputs if t.name in route.host])
+        slot.routes[route] = plan
+        return plan
 
     def _host_source(self, t: _Tensor, a: Any) -> int:
         """Where an input's H2D copy reads: the array itself when it was assembled in pinned
@@ -960,9 +1017,12 @@ class CudaWorker(ThreadWorker):
                     self._unmarked = None
                     self._stream.synchronize()
                 assert slot.outputs is not None
-                outputs = {t.name: t.view.copy() for t in slot.outputs}
+                written = slot.outputs if launch.written is None else launch.written
+                outputs = {t.name: t.view.copy() for t in written}
+                if launch.kept:
+                    self._add_kept(outputs, launch.kept)
             if launch.timed:
-                self._read_timings(slot)
+                self._read_timings(slot, launch)
             else:
                 self.last_compute_seconds = None
                 self._copy_seconds = (None, None)
@@ -973,9 +1033,16 @@ class CudaWorker(ThreadWorker):
         self._slots.release(slot)
         return outputs
 
-    def _read_timings(self, slot: _Slot) -> None:
+    def _add_kept(self, outputs: Outputs, kept: list[tuple[str, DeviceTensor]]) -> None:
+        """The outputs kept on this GPU, beside those written back (an output both read by
+        another part and final is a :class:`Data` of both copies)."""
+        for name, tensor in kept:
+            host = outputs.get(name)
+            outputs[name] = tensor if host is None else Data({self.host_node.name: host, self.node.name: tensor})
+
+    def _read_timings(self, slot: _Slot, launch: _Launch | None = None) -> None:
         """GPU times of the task just waited for (its events are complete), and its copies
-        into the copy log (the bus model's samples)."""
+        into the copy log (the bus model's samples: only what crossed the bus)."""
         ev = slot.events
         self.last_compute_seconds = ev["run_done"].seconds_since(ev["run_start"])
         h2d = ev["run_start"].seconds_since(ev["h2d_start"])
@@ -983,8 +1050,12 @@ class CudaWorker(ThreadWorker):
         self._copy_seconds = (h2d, d2h)
         if self.copy_log is not None:
             host, dev = self.host_node.name, self.node.name
-            self.copy_log.add(CopyRecord(host, dev, slot.in_bytes, h2d))
-            self.copy_log.add(CopyRecord(dev, host, slot.out_bytes, d2h))
+            up = slot.in_bytes if launch is None or launch.outputs is not None else launch.h2d_bytes
+            down = slot.out_bytes if launch is None or launch.written is None else sum(t.nbytes for t in launch.written)
+            if up:
+                self.copy_log.add(CopyRecord(host, dev, up, h2d))
+            if down:
+                self.copy_log.add(CopyRecord(dev, host, down, d2h))
 
     _copy_seconds: tuple[float | None, float | None] = (None, None)
     #: the last untimed launch not yet waited for and with nothing queued behind it
@@ -1076,9 +1147,11 @@ class CudaWorker(ThreadWorker):
         self._slots.add(slot)
         return slot
 
-    def _launch_general(self, slot: _Slot, arrays: list[Any], timed: bool, start: float) -> _Launch:
+    def _launch_general(self, slot: _Slot, arrays: list[Any], timed: bool, start: float,
+                        route: OutputRoute | None) -> _Launch:
         """Output discovery (a slot's first run) and slots with ORT-allocated outputs
-        (data-dependent shapes): synchronous, outputs read back here."""
+        (data-dependent shapes): synchronous, outputs read back here (or kept on the device,
+        as ``route`` says)."""
         part = self._parts[slot.part]
         rt, stream = self._runtime, self._stream
         ev = slot.events
@@ -1086,7 +1159,10 @@ class CudaWorker(ThreadWorker):
         if timed:
             ev["h2d_start"].record(stream)
         for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
-            rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+            if a.__class__ is DeviceTensor:
+                self._copy_in(dst, a, nbytes)
+            else:
+                rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
         discovering = slot.outputs is None
         for i, name in enumerate(part.outputs):
             if discovering or not slot.bound[i]:
@@ -1104,7 +1180,7 @@ class CudaWorker(ThreadWorker):
                         "ORT-allocated outputs for this shape", self.name, slot.part, exc)
             self._settle(exc)  # the slot stays this task's: it runs again below
             self._unbind_outputs(slot)
-            return self._launch_general(slot, arrays, timed, start)
+            return self._launch_general(slot, arrays, timed, start, route)
         if timed:
             ev["run_done"].record(stream)
         # ORT-allocated outputs: read their shapes and addresses now; the kernels filling them
@@ -1128,16 +1204,25 @@ class CudaWorker(ThreadWorker):
                 t.pinned = rt.pinned(max(t.nbytes, int(old.nbytes * 1.5) if old is not None else 0))
                 if old is not None:
                     old.free()
+        written = slot.outputs if route is None else [t for t in slot.outputs if t.name in route.host]
         for t, src in zip(slot.outputs, sources):
-            rt.copy_d2h(t.pinned.ptr, src, t.nbytes, stream)
+            if route is None or t.name in route.host:
+                rt.copy_d2h(t.pinned.ptr, src, t.nbytes, stream)
+        kept = None if route is None else [
+            (t.name, self.device_memory.keep(src, t.dtype, t.shape, stream))
+            for t, src in zip(slot.outputs, sources) if t.name in route.device]
         if timed:
             ev["d2h_done"].record(stream)
         stream.synchronize()
         del produced  # ORT's own output buffers may go back to its arena now
-        outputs = {t.name: np.array(t.pinned.view(t.dtype, t.shape), copy=True) for t in slot.outputs}
+        outputs = {t.name: np.array(t.pinned.view(t.dtype, t.shape), copy=True) for t in written}
+        if kept:
+            self._add_kept(outputs, kept)
         if discovering:
             self._bind_static_outputs(slot, part)
-        return _Launch(slot, timed, start, None, outputs)
+        launch = _Launch(slot, timed, start, None, outputs, written, kept)
+        launch.h2d_bytes = sum(n for (_, _, n), a in zip(slot.in_copies, arrays) if a.__class__ is not DeviceTensor)
+        return launch
 
     def _bind_static_outputs(self, slot: _Slot, part: _Part) -> None:
         """After the first run: give shape-determined outputs device and pinned buffers of
@@ -1158,6 +1243,7 @@ class CudaWorker(ThreadWorker):
             slot.bound[i] = True
         if slot.bound and all(slot.bound):
             slot.fixed = True
+            slot.routes.clear()
             slot.out_copies = [(t.pinned.ptr, t.device.ptr, t.nbytes) for t in slot.outputs]
             slot.out_bytes = sum(t.nbytes for t in slot.outputs)
             if self.cuda_graphs and self.capture_on_demand and slot.part in self.graph_parts:
@@ -1166,6 +1252,7 @@ class CudaWorker(ThreadWorker):
     def _unbind_outputs(self, slot: _Slot) -> None:
         """Fall back to ORT-allocated outputs for this slot (its shapes were not static)."""
         slot.fixed = False
+        slot.routes.clear()
         self._drop_graph(slot)
         for i, t in enumerate(slot.outputs or []):
             if slot.bound[i]:
@@ -1197,6 +1284,11 @@ class CudaWorker(ThreadWorker):
             self._slots.close()  # drops the IOBindings (they hold the sessions) and buffers
         except Exception as exc:  # noqa: BLE001
             log.warning("%s: freeing buffers at close failed: %s", self.name, exc)
+        if self._owns_memory:
+            try:
+                self.device_memory.close()
+            except Exception as exc:  # noqa: BLE001
+                log.warning("%s: freeing device memory at close failed: %s", self.name, exc)
         if self._owns_pool:
             self.pinned_pool.close()
         refs = [weakref.ref(p.session) for p in self._parts if p is not None]
@@ -1238,7 +1330,7 @@ def _check_feeds(part: _Part, index: int, feeds: Feeds) -> list[np.ndarray]:
     arrays = []
     for name, dtype, shape in zip(part.inputs, part.input_dtypes, part.input_shapes):
         a = feeds[name]
-        if not isinstance(a, np.ndarray):  # (a pool batch keeps its pinned_ptr)
+        if not isinstance(a, (np.ndarray, DeviceTensor)):  # (a pool batch keeps its pinned_ptr)
             a = np.asarray(a)
         if dtype is None:
             raise InputError(f"input {name!r} of part {index} has a type the CUDA worker "
@@ -1246,7 +1338,7 @@ def _check_feeds(part: _Part, index: int, feeds: Feeds) -> list[np.ndarray]:
         if a.dtype != dtype:
             raise InputError(f"input {name!r} of part {index} must be {dtype}, got {a.dtype}")
         fixed_dims_differ = any(isinstance(d, int) and d != n for d, n in zip(shape, a.shape))
-        if len(shape) != a.ndim or fixed_dims_differ:
+        if len(shape) != len(a.shape) or fixed_dims_differ:
             raise InputError(f"input {name!r} of part {index} must have shape {shape}, "
                              f"got {list(a.shape)}")
         arrays.append(a)

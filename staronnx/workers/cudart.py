@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib
+import itertools
 import os
 import threading
 import time
@@ -406,12 +407,14 @@ class GpuRuntime(Protocol):
     def device_count(self) -> int: ...
     def properties(self, device_id: int) -> dict[str, Any]: ...
     def set_device(self, device_id: int) -> None: ...
+    def get_device(self) -> int: ...
     def stream(self, non_blocking: bool = True) -> Any: ...
     def event(self, timing: bool = True) -> Any: ...
     def pinned(self, nbytes: int) -> Buffer: ...
     def device_buffer(self, nbytes: int) -> Buffer: ...
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None: ...
     def thread_capture_mode(self, mode: int) -> int: ...
@@ -443,6 +446,7 @@ class CudaRuntime:
         kinds = self.rt.cudaMemcpyKind
         self._h2d = kinds.cudaMemcpyHostToDevice
         self._d2h = kinds.cudaMemcpyDeviceToHost
+        self._d2d = kinds.cudaMemcpyDeviceToDevice
 
     # -- devices
     def device_count(self) -> int:
@@ -465,6 +469,10 @@ class CudaRuntime:
 
     def set_device(self, device_id: int) -> None:
         check(self.rt.cudaSetDevice(device_id), f"cudaSetDevice({device_id})")
+
+    def get_device(self) -> int:
+        """The calling thread's current device."""
+        return int(check(self.rt.cudaGetDevice(), "cudaGetDevice"))
 
     # -- objects
     def stream(self, non_blocking: bool = True) -> Stream:
@@ -489,6 +497,12 @@ class CudaRuntime:
         if nbytes:
             check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2h, stream.raw),
                   "cudaMemcpyAsync(device->host)")
+
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        """Within one GPU's memory (a handle's copy into a graph slot's fixed buffer)."""
+        if nbytes:
+            check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2d, stream.raw),
+                  "cudaMemcpyAsync(device->device)")
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Stream) -> None:
@@ -644,6 +658,9 @@ class HostRuntime:
     - ``calls`` counts every call by kind (copies, event records, waits, allocations), so a
       test can hold the per-task budget, and ``copy_threads`` holds the native ids of the
       threads that copied inputs to the device (the threads that launched tasks);
+    - :attr:`copies` counts the copies that moved bytes, by kind (``h2d``, ``d2h``, ``peer``
+      between GPUs, ``d2d`` within one), with their bytes (:meth:`copy_counts`): what the
+      runtime's copy decisions are checked against, copy for copy;
     - :meth:`inject` makes a later call fail with a CUDA error code; a sticky code (700, ...)
       then fails every call, as a lost context does;
     - the capture rules of CUDA's global mode (:meth:`capturing`, :meth:`thread_capture_mode`):
@@ -663,6 +680,14 @@ class HostRuntime:
         #: how many GPUs it stands in for (``set_device`` refuses the others, as CUDA does)
         self.devices = int(devices)
         self.calls: Counter[str] = Counter()
+        #: copies of at least one byte by (kind, bytes): kinds h2d, d2h, peer (between GPUs),
+        #: d2d (within one); see :meth:`copy_counts`. An ``itertools.count`` each, whose
+        #: ``next`` is one atomic call per copy (the stand-in's own cost counts in what the
+        #: host-overhead benchmark measures)
+        self._tallies: dict[tuple[str, int], itertools.count[int]] = {}
+        self._copy_lock = threading.Lock()
+        #: each thread's current device (CUDA keeps it per thread)
+        self._current = threading.local()
         self.copy_threads: set[int] = set()
         self.capture_seconds = capture_seconds
         self._faults: list[list[Any]] = []  # [call name, code, times left]
@@ -719,6 +744,26 @@ class HostRuntime:
 
     def set_device(self, device_id: int) -> None:
         self._check_ordinal(device_id, "cudaSetDevice")
+        self._current.device = device_id
+
+    def get_device(self) -> int:
+        return getattr(self._current, "device", 0)
+
+    def copy_counts(self) -> dict[str, tuple[int, int]]:
+        """``kind -> (copies, bytes)`` so far (kinds: h2d, d2h, peer, d2d)."""
+        out: dict[str, tuple[int, int]] = {}
+        with self._copy_lock:
+            tallies = list(self._tallies.items())
+        for (kind, nbytes), counter in tallies:
+            n = int(repr(counter)[6:-1])  # 'count(N)': how far it counted (no call moves it)
+            copies, total = out.get(kind, (0, 0))
+            out[kind] = (copies + n, total + n * nbytes)
+        return out
+
+    def _tally_new(self, kind: str, nbytes: int) -> None:
+        """The first copy of its (kind, size)."""
+        with self._copy_lock:
+            next(self._tallies.setdefault((kind, nbytes), itertools.count()))
 
     def stream(self, non_blocking: bool = True) -> _HostStream:
         self._call("stream_create", unsafe=True)
@@ -740,17 +785,38 @@ class HostRuntime:
         self._call("copy_h2d")
         self.copy_threads.add(threading.get_native_id())
         if nbytes:
+            try:
+                next(self._tallies["h2d", nbytes])
+            except KeyError:
+                self._tally_new("h2d", nbytes)
             ctypes.memmove(dst, src, nbytes)
 
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
         self._call("copy_d2h")
         if nbytes:
+            try:
+                next(self._tallies["d2h", nbytes])
+            except KeyError:
+                self._tally_new("d2h", nbytes)
+            ctypes.memmove(dst, src, nbytes)
+
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self._call("copy_d2d")
+        if nbytes:
+            try:
+                next(self._tallies["d2d", nbytes])
+            except KeyError:
+                self._tally_new("d2d", nbytes)
             ctypes.memmove(dst, src, nbytes)
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None:
         self._call("copy_peer")
         if nbytes:
+            try:
+                next(self._tallies["peer", nbytes])
+            except KeyError:
+                self._tally_new("peer", nbytes)
             ctypes.memmove(dst, src, nbytes)
 
     def thread_capture_mode(self, mode: int) -> int:

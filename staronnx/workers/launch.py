@@ -135,11 +135,14 @@ def start_workers(
             from staronnx.workers.cuda import CudaWorker
 
             pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
+            memories: dict[int, Any] = {}  # one memory node per GPU, shared by its streams
             for i, (device, stream, pu) in enumerate(layout.cuda):
                 make = functools.partial(CudaWorker, device, stream, cpu=pu, pinned_pool=pool, name=slots[i].name,
+                                         device_memory=memories.get(device),
                                          **(cuda_options or {}))  # given its part paths
                 worker = start_fitting(make, parts[i], plan)
                 pool = worker.pinned_pool
+                memories.setdefault(device, worker.device_memory)
                 workers.append(worker)
         for j, group in enumerate(layout.groups, start=len(layout.cuda)):
             lowered = lane_preempt if j - len(layout.cuda) in lane_plan.groups else None

@@ -1,0 +1,167 @@
+"""Which copies a placement needs: the one rule the engine, the predictor, the simulator and
+the LP bound share (StarPU's datawizard decisions, ``src/datawizard/coherency.c``).
+
+A request's tensor is a data handle whose valid copies live on memory nodes (``numa0``: host
+RAM; ``cuda1``: a GPU's memory), StarPU's MSI states reduced to what an inference DAG needs:
+a tensor is written once, by its producer, and only read after that.
+
+- A model input starts valid on the host (:data:`HOST_NODE`).
+- A part's output is valid where it was produced, and stays there: a GPU-to-GPU chain keeps
+  its intermediates on the device. A request's final output is also written back to the host
+  by its producer (:func:`writeback`): that, and only that, comes down at the end.
+- A task whose input is not valid on its worker's node fetches it (:func:`fetch`) from the
+  cheapest valid copy (:func:`source`, priced by the bus model). The fetched copy is kept as a
+  new valid copy on that node when another reader has not started yet (:func:`kept`), so a
+  node fetches a tensor once; a lone reader's copy goes straight into the buffers it runs on.
+- A tensor of zero bytes is never copied.
+
+This module decides; it moves no byte. The engine executes these decisions
+(:mod:`staronnx.workers.replicas` and the CUDA worker issue exactly these copies, which
+``HostRuntime`` counts), the task-graph core records them per task, the predictor and the
+simulator price them with the bus model, and :func:`request_copies` lists them for a whole
+placement (what ``benchmarks/data_movement.py`` sets beside the counted copies).
+
+Host nodes are one address space to the workers: a CPU worker on ``numa1`` reads an array on
+``numa0`` in place. Such a copy is still decided and priced (a remote NUMA read costs what
+the copy would), but nothing moves.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+#: where model inputs are when a request is submitted, and where final outputs are written back
+HOST_NODE = "numa0"
+
+#: ``cost(src, dst, nbytes)`` in seconds: the bus model's ``predict``
+CopyCost = Callable[[str, str, int], float]
+
+
+class Copy(NamedTuple):
+    """One copy of one tensor from a memory node to another."""
+
+    name: str
+    src: str
+    dst: str
+    nbytes: int
+
+    @property
+    def kind(self) -> str:
+        """``h2d``, ``d2h``, ``peer`` (GPU to GPU) or ``host`` (between host nodes)."""
+        return copy_kind(self.src, self.dst)
+
+
+def is_host(node: str) -> bool:
+    """Whether ``node`` is host RAM (``numa<i>``) rather than a GPU's memory."""
+    return node.startswith("numa")
+
+
+def copy_kind(src: str, dst: str) -> str:
+    """The kind of a ``src -> dst`` copy (what ``HostRuntime`` counts it as)."""
+    if is_host(src):
+        return "host" if is_host(dst) else "h2d"
+    return "d2h" if is_host(dst) else "peer"
+
+
+def source(valid_on: Collection[str], dst: str, nbytes: int, cost: CopyCost | None = None) -> str:
+    """The valid copy a fetch to ``dst`` reads: the cheapest by ``cost``; on a tie (or without
+    a bus model) a host copy first, then by name, so every caller picks the same one."""
+    if len(valid_on) == 1:
+        return next(iter(valid_on))
+    order = sorted(valid_on, key=lambda n: (not is_host(n), n))
+    if cost is None:
+        return order[0]
+    best, best_cost = order[0], math.inf
+    for node in order:
+        c = cost(node, dst, nbytes)
+        c = c if math.isfinite(c) else math.inf
+        if c < best_cost:
+            best, best_cost = node, c
+    return best
+
+
+def fetch(name: str, nbytes: int, valid_on: Collection[str], dst: str, cost: CopyCost | None = None) -> Copy | None:
+    """The copy a reader on ``dst`` needs of a tensor valid on ``valid_on``, or None (valid
+    there already, empty, or nowhere valid: nothing to read from)."""
+    if dst in valid_on or nbytes <= 0 or not valid_on:
+        return None
+    return Copy(name, source(valid_on, dst, nbytes, cost), dst, nbytes)
+
+
+def kept(readers_not_started: int) -> bool:
+    """Whether a fetched copy stays valid on its node after its reader: when another reader of
+    the tensor has not started yet (it may run on that node and find it there)."""
+    return readers_not_started > 0
+
+
+def writeback(name: str, nbytes: int, node: str, host: str = HOST_NODE) -> Copy | None:
+    """The copy of a request's final output produced on ``node`` to the host, or None."""
+    if is_host(node) or nbytes <= 0:
+        return None
+    return Copy(name, node, host, nbytes)
+
+
+def produced_on(node: str, final: bool, host: str = HOST_NODE) -> frozenset[str]:
+    """Where a part's output is valid once its producer ran on ``node``: there, and on the
+    host too when it is a final output (written back by its producer)."""
+    if final and not is_host(node):
+        return frozenset((node, host))
+    return frozenset((node,))
+
+
+def price(copies: Iterable[Copy], cost: CopyCost) -> float:
+    """Seconds the bus model gives these copies (one after the other; unknown links: 0)."""
+    total = 0.0
+    for c in copies:
+        t = cost(c.src, c.dst, c.nbytes)
+        if math.isfinite(t):
+            total += t
+    return total
+
+
+def task_copies(inputs: Iterable[tuple[str, int, Collection[str]]], node: str,
+                outputs: Iterable[tuple[str, int]] = (), cost: CopyCost | None = None) -> list[Copy]:
+    """The copies a task running on ``node`` issues: a fetch per input (name, bytes, valid
+    nodes) not valid there, a write-back per final output (name, bytes) when ``node`` is a
+    GPU. What the predictor prices for a candidate worker and the simulator charges."""
+    out = [c for name, nbytes, valid in inputs if (c := fetch(name, nbytes, valid, node, cost)) is not None]
+    out += [c for name, nbytes in outputs if (c := writeback(name, nbytes, node)) is not None]
+    return out
+
+
+def request_copies(parts: Sequence[tuple[Sequence[str], Sequence[str]]], nodes: Sequence[str],
+                   nbytes: Mapping[str, int], finals: Collection[str], cost: CopyCost | None = None,
+                   host: str = HOST_NODE) -> list[Copy]:
+    """Every copy one request makes when its parts (``(inputs, outputs)`` each, producers
+    first) run on ``nodes``, one after the other: the rules above, applied in the order the
+    core applies them. What a placement costs in copies, before anything runs."""
+    readers: Counter[str] = Counter(n for ins, _ in parts for n in ins)
+    produced = {n for _, outs in parts for n in outs}
+    valid: dict[str, frozenset[str]] = {n: frozenset((host,)) for n in readers if n not in produced}
+    copies: list[Copy] = []
+    for (ins, outs), node in zip(parts, nodes):
+        for name in ins:
+            readers[name] -= 1
+            c = fetch(name, nbytes.get(name, 0), valid.get(name, ()), node, cost)
+            if c is not None:
+                copies.append(c)
+                if kept(readers[name]):
+                    valid[name] = valid[name] | {node}
+        for name in outs:
+            final = name in finals
+            valid[name] = produced_on(node, final, host)
+            if final and (w := writeback(name, nbytes.get(name, 0), node, host)) is not None:
+                copies.append(w)
+    return copies
+
+
+def tally(copies: Iterable[Copy]) -> dict[str, tuple[int, int]]:
+    """``kind -> (copies, bytes)``: what a benchmark sets beside ``HostRuntime``'s counts."""
+    out: dict[str, tuple[int, int]] = {}
+    for c in copies:
+        n, b = out.get(c.kind, (0, 0))
+        out[c.kind] = (n + 1, b + c.nbytes)
+    return out

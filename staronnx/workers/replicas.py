@@ -1,0 +1,268 @@
+"""A data handle's copies, and the memory of a GPU node they live in (StarPU's datawizard,
+the part that moves bytes; :mod:`staronnx.runtime.datawizard` decides which).
+
+A request's tensor may be valid on several memory nodes at once. Its copy on the host is a
+numpy array (pinned when it came from a GPU, or from the serving pool); its copy on a GPU is a
+:class:`DeviceTensor`, a buffer of that GPU's :class:`DeviceMemory`. A tensor with copies on
+more than one node is a :class:`Data` (a node -> copy map); one with a single copy is that copy
+itself, so the common case (a model input on the host, a final output come back) costs no
+wrapper per task.
+
+:class:`DeviceMemory` is one GPU as a memory node: an arena of device buffers (reused by size:
+nothing is allocated per task in the steady state, and nothing freed while serving, since
+``cudaFree`` synchronises the device), and the copies the runtime issues to and from it
+outside a task's own launch: a fetch kept for later readers, a copy from another GPU, a
+download for a CPU reader. Each runs on the node's own copy stream, in thread-local capture
+mode (no CUDA call of ours may break a graph another thread is capturing), and restores the
+calling thread's current device. A :class:`DeviceTensor`'s buffer goes back to the arena when
+the tensor is garbage: its last reader is done (the engine drops a request's intermediates
+then), or its request failed.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from staronnx.workers.cudart import capture_safe
+
+if TYPE_CHECKING:
+    from staronnx.workers.cudart import Buffer, GpuRuntime
+    from staronnx.workers.pinned_pool import PinnedPool
+
+__all__ = ["Data", "DeviceMemory", "DeviceTensor", "OutputRoute", "host_copy", "replica_on", "with_replica"]
+
+
+class DeviceTensor:
+    """A tensor in one GPU's memory: its buffer, dtype, shape, and the node it is on.
+
+    ``ready`` is None once the copy or run that filled it is complete as far as a reader on
+    another stream is concerned, else an event that reader's stream waits on first."""
+
+    __slots__ = ("buffer", "ptr", "nbytes", "dtype", "shape", "node", "device", "memory", "ready")
+
+    def __init__(self, memory: DeviceMemory, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...]) -> None:
+        self.memory = memory
+        self.buffer = buffer
+        self.ptr = buffer.ptr
+        self.dtype = dtype
+        self.shape = shape
+        self.nbytes = math.prod(shape) * dtype.itemsize
+        self.node = memory.node
+        self.device = memory.device_id
+        self.ready: Any = None
+
+    def __del__(self) -> None:  # any thread, any moment: only queues the buffer back
+        self.memory.give_back(self.buffer)
+
+    def __repr__(self) -> str:
+        return f"DeviceTensor({self.node}, {self.shape}, {self.dtype}, 0x{self.ptr:x})"
+
+
+class OutputRoute:
+    """Where a part's outputs go after a run on a GPU: ``host`` ones are written back (the
+    request's final outputs), ``device`` ones stay on the GPU as the handle's copy (what other
+    parts read); a name may be in both, and one in neither (read by nobody) is not copied at
+    all. One per part, made once by the engine: a worker caches its copy lists per route
+    (hashed by identity)."""
+
+    __slots__ = ("host", "device")
+
+    def __init__(self, host: frozenset[str], device: frozenset[str]) -> None:
+        self.host = frozenset(host)
+        self.device = frozenset(device)
+
+    def __repr__(self) -> str:
+        return f"OutputRoute(host={sorted(self.host)}, device={sorted(self.device)})"
+
+
+class Data:
+    """A tensor valid on several memory nodes: node name -> its copy there (an array on a
+    host node, a :class:`DeviceTensor` on a GPU)."""
+
+    __slots__ = ("copies", "nbytes", "dtype", "shape")
+
+    def __init__(self, copies: dict[str, Any]) -> None:
+        self.copies = copies
+        first = next(iter(copies.values()))
+        self.nbytes, self.dtype, self.shape = int(first.nbytes), first.dtype, tuple(first.shape)
+
+    def __repr__(self) -> str:
+        return f"Data({sorted(self.copies)}, {self.shape}, {self.dtype})"
+
+
+def _on_host(node: str) -> bool:
+    return node.startswith("numa")
+
+
+def replica_on(value: Any, node: str) -> Any:
+    """``value``'s copy on ``node`` (an array for any host node: host memory is one address
+    space to the workers), or None when it has none there."""
+    cls = value.__class__
+    if cls is DeviceTensor:
+        return value if value.node == node else None
+    if cls is Data:
+        copy = value.copies.get(node)
+        if copy is None and _on_host(node):
+            copy = next((c for n, c in value.copies.items() if _on_host(n)), None)
+        return copy
+    return value if _on_host(node) else None  # an array
+
+
+def with_replica(value: Any, node: str, copy: Any) -> Any:
+    """``value`` with ``copy`` added as its copy on ``node`` (one of the two on a GPU: a host
+    array stands for the host, ``numa0``, where it is alone)."""
+    if value.__class__ is Data:
+        value.copies.setdefault(node, copy)
+        return value
+    here = value.node if value.__class__ is DeviceTensor else "numa0"
+    if here == node or (_on_host(here) and _on_host(node)):
+        return value
+    return Data({here: value, node: copy})
+
+
+def host_copy(value: Any) -> np.ndarray | None:
+    """``value``'s copy in host memory, or None."""
+    cls = value.__class__
+    if cls is DeviceTensor:
+        return None
+    if cls is Data:
+        return next((c for n, c in value.copies.items() if _on_host(n)), None)
+    return value
+
+
+class DeviceMemory:
+    """One GPU as a memory node: its buffer arena and the runtime's copies to and from it."""
+
+    def __init__(self, runtime: GpuRuntime, device_id: int, pinned_pool: PinnedPool | None = None) -> None:
+        self.runtime = runtime
+        self.device_id = device_id
+        self.node = f"cuda{device_id}"
+        #: where downloads land (pinned, so a GPU reads them again without staging); None:
+        #: plain arrays
+        self.pinned_pool = pinned_pool
+        self._lock = threading.Lock()  # the arena's free lists
+        self._copying = threading.Lock()  # the copy stream: one runtime copy at a time
+        self._free: dict[int, list[Buffer]] = {}
+        #: buffers of dead tensors: a finalizer only appends here; the arena takes them back
+        self._returned: deque[Buffer] = deque()
+        self._stream: Any = None
+        self._closed = False
+        #: buffers ever allocated (reuse keeps it at the peak in use)
+        self.allocated = 0
+
+    # -- the arena
+    def tensor(self, dtype: np.dtype, shape: tuple[int, ...]) -> DeviceTensor:
+        """An uninitialised tensor in this GPU's memory (the calling thread's current device
+        must be this one, in thread-local capture mode: a worker's or :meth:`_on_device`)."""
+        nbytes = max(math.prod(shape) * np.dtype(dtype).itemsize, 1)
+        with self._lock:
+            self._take_back()
+            free = self._free.get(nbytes)
+            buffer = free.pop() if free else None
+        if buffer is None:
+            buffer = self.runtime.device_buffer(nbytes)
+            self.allocated += 1
+        return DeviceTensor(self, buffer, np.dtype(dtype), tuple(shape))
+
+    def give_back(self, buffer: Buffer) -> None:
+        """(a finalizer: any thread) Queue a dead tensor's buffer for reuse."""
+        self._returned.append(buffer)
+
+    def _take_back(self) -> None:
+        """(lock held) Returned buffers are free again, or freed once closed."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            if self._closed:
+                buffer.free()
+            else:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    # -- copies the runtime issues
+    @contextmanager
+    def _on_device(self) -> Iterator[Any]:
+        """This device current and thread-local capture mode in the calling thread, the copy
+        stream made on first use; the thread's device and mode are restored after."""
+        rt = self.runtime
+        with capture_safe(rt):
+            before = rt.get_device()
+            rt.set_device(self.device_id)
+            try:
+                if self._stream is None:
+                    self._stream = rt.stream(non_blocking=True)
+                yield self._stream
+            finally:
+                if before != self.device_id:
+                    rt.set_device(before)
+
+    def keep(self, src: int, dtype: np.dtype, shape: tuple[int, ...], stream: Any) -> DeviceTensor:
+        """A handle's own copy of ``src`` (device memory of this GPU, e.g. a graph slot's
+        output) made on ``stream`` after what is queued there (a worker keeping an output on
+        its device; the caller's thread is that worker's)."""
+        t = self.tensor(dtype, shape)
+        self.runtime.copy_d2d(t.ptr, src, t.nbytes, stream)
+        return t
+
+    def fetch(self, value: Any) -> DeviceTensor:
+        """A copy on this GPU of ``value`` (a host array, or a tensor on another GPU), made and
+        waited for: the fetch of a reader whose copy stays for the readers to come."""
+        with self._copying, self._on_device() as stream:
+            if value.__class__ is DeviceTensor:
+                t = self.tensor(value.dtype, value.shape)
+                self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
+            else:
+                array = np.ascontiguousarray(value)
+                t = self.tensor(array.dtype, array.shape)
+                src, staging = self._pinned_source(array)
+                self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
+            stream.synchronize()  # (the staging buffer may go once the copy is done)
+        return t
+
+    def download(self, tensor: DeviceTensor) -> np.ndarray:
+        """``tensor``'s bytes in host memory (pinned, from the pool where there is one): the
+        fetch of a CPU reader, waited for."""
+        out = (self.pinned_pool.array(tensor.shape, tensor.dtype) if self.pinned_pool is not None
+               else np.empty(tensor.shape, tensor.dtype))
+        dst = getattr(out, "pinned_ptr", None) or out.ctypes.data
+        with self._copying, self._on_device() as stream:
+            self.runtime.copy_d2h(int(dst), tensor.ptr, tensor.nbytes, stream)
+            stream.synchronize()
+        return out
+
+    def _pinned_source(self, array: np.ndarray) -> tuple[int, Any]:
+        """Where an upload reads ``array``: itself when it is pinned pool memory, else a pinned
+        staging copy (returned too, to live until the copy is done)."""
+        ptr = getattr(array, "pinned_ptr", None)
+        if ptr is not None or self.pinned_pool is None:
+            return int(ptr if ptr is not None else array.ctypes.data), None
+        staging = self.pinned_pool.array(array.shape, array.dtype)
+        np.copyto(staging, array)
+        return int(staging.pinned_ptr or staging.ctypes.data), staging
+
+    def close(self) -> None:
+        """Free the arena's idle buffers and the copy stream; buffers of tensors still alive
+        are freed by a later call, once they have come back."""
+        with self._copying, self._lock:
+            self._closed = True
+            self._take_back()
+            buffers = [b for bs in self._free.values() for b in bs]
+            self._free.clear()
+            stream, self._stream = self._stream, None
+        with capture_safe(self.runtime):
+            before = self.runtime.get_device()
+            self.runtime.set_device(self.device_id)
+            try:
+                if stream is not None:
+                    stream.synchronize()
+                    stream.destroy()
+                for b in buffers:
+                    b.free()
+            finally:
+                if before != self.device_id:
+                    self.runtime.set_device(before)
