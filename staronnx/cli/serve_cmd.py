@@ -24,7 +24,11 @@ def _port(value: int, flag: str) -> int:
 def serve_cmd(
     plans: Annotated[list[Path], typer.Argument(help="Plan folder(s); each is served as a model named after its folder.")],
     name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
-    host: Annotated[str, typer.Option(help="Address to listen on (0.0.0.0 exposes the server to the network).")] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Address to listen on; an address other machines reach (0.0.0.0, ::, a "
+                                           "LAN address) also needs --insecure.")] = "127.0.0.1",
+    insecure: Annotated[bool, typer.Option(
+        "--insecure", help="Listen on a --host other machines reach, with no TLS and no authentication (put a "
+                           "TLS-terminating proxy in front, as Triton and KServe expect).")] = False,
     http_port: Annotated[int, typer.Option(help="KServe v2 HTTP/REST port; 0 = a free port (printed).")] = 8000,
     grpc_port: Annotated[int, typer.Option(help="KServe v2 gRPC port; 0 = a free port (printed).")] = 8001,
     metrics_port: Annotated[int, typer.Option(help="Prometheus /metrics port; 0 = a free port (printed).")] = 8002,
@@ -58,7 +62,32 @@ def serve_cmd(
         help="Samples waiting for a batch, per model; beyond it that model's requests get 503 / UNAVAILABLE. "
              "N for every model, NAME=N for one (repeatable; default 1024).")] = None,
     max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
-    drain_timeout: Annotated[str, typer.Option(help="On SIGTERM/SIGINT, how long accepted requests may take to finish.")] = "30s",
+    drain_timeout: Annotated[str, typer.Option(
+        help="On SIGTERM/SIGINT, how long accepted requests may take to finish; those still queued then are "
+             "answered 503 / UNAVAILABLE.")] = "30s",
+    header_timeout: Annotated[str, typer.Option(
+        help="How long a connection has to send a whole request head, from its accept or its first byte after a "
+             "keep-alive pause (nginx's client_header_timeout); also gRPC's handshake.")] = "10s",
+    body_timeout: Annotated[str, typer.Option(
+        help="Longest pause in a request body; once it has passed, the body must also average --body-min-rate "
+             "(408, connection closed).")] = "30s",
+    body_min_rate: Annotated[str, typer.Option(
+        help="Bytes per second a request body must average after --body-timeout (a slowloris sending a byte a "
+             "second is closed); 0 = pauses only.")] = "1KiB",
+    idle_timeout: Annotated[str, typer.Option(
+        help="How long a keep-alive connection (HTTP) or a connection with no call (gRPC) may idle.")] = "75s",
+    request_timeout: Annotated[str, typer.Option(
+        help="Deadline of a whole inference request (body, queue, inference): later, it is withdrawn and "
+             "answered 504 / DEADLINE_EXCEEDED; 0 = none.")] = "120s",
+    max_connections: Annotated[Optional[int], typer.Option(
+        help="Connections each protocol holds; past it HTTP answers 503 and gRPC's core closes the connection. "
+             "Default: from the open-file limit, which is raised to its hard limit at start.")] = None,
+    receive_budget: Annotated[Optional[str], typer.Option(
+        help="Bytes of request bodies being received at once over all connections (memory is taken as bytes "
+             "arrive); a body past it gets 503. Default: 16 x --max-body.")] = None,
+    grpc_max_streams: Annotated[int, typer.Option(
+        help="Concurrent gRPC calls per connection (HTTP/2 max_concurrent_streams): a client queues the rest, "
+             "and a rapid-reset flood is refused past it on its own connection.")] = 4096,
     save_every: Annotated[str, typer.Option(
         help="How often the perf models learnt while serving are merged into $STARONNX_HOME (0 = at shutdown "
              "only): a server that is killed loses at most that much of what it learnt.")] = "60s",
@@ -110,12 +139,13 @@ def serve_cmd(
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
     from staronnx.runtime.runtime import Runtime, warmup_sizes
-    from staronnx.serve.app import Listen, model_names, parse_size, serve
+    from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
 
     names = model_names(plans, name)
+    check_exposure(host, insecure)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
     capacities = queue_capacities(names, queue_capacity or [])
@@ -161,7 +191,9 @@ def serve_cmd(
         return
     listen = Listen(host=host, http_port=_port(http_port, "http-port"), grpc_port=_port(grpc_port, "grpc-port"),
                     metrics_port=_port(metrics_port, "metrics-port"), max_body=parse_size(max_body),
-                    drain_timeout=parse_duration(drain_timeout))
+                    drain_timeout=parse_duration(drain_timeout, option="--drain-timeout"),
+                    limits=serve_limits(header_timeout, body_timeout, body_min_rate, idle_timeout, request_timeout,
+                                        max_connections, receive_budget, grpc_max_streams, parse_size(max_body)))
     delay = parse_duration(max_delay, allow_zero=True)
     loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
     apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
@@ -224,6 +256,32 @@ def serve_cmd(
             m.close(1.0)
         if shared is not None:
             shared.close(1.0)
+
+
+def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idle_timeout: str,
+                 request_timeout: str, max_connections: int | None, receive_budget: str | None,
+                 grpc_max_streams: int, max_body: int) -> Any:
+    """The flags of what each connection and request is held to, as
+    :class:`~staronnx.serve.limits.Limits` (the derived ones left 0: filled in at start)."""
+    from staronnx.durations import parse_duration
+    from staronnx.serve.app import parse_size
+    from staronnx.serve.limits import Limits
+
+    if max_connections is not None and max_connections < 1:
+        raise StaronnxError(f"--max-connections must be at least 1, got {max_connections}")
+    if grpc_max_streams < 1:
+        raise StaronnxError(f"--grpc-max-streams must be at least 1, got {grpc_max_streams}")
+    rate = 0 if body_min_rate.strip() in ("0", "0B") else parse_size(body_min_rate)
+    budget = parse_size(receive_budget) if receive_budget is not None else 0
+    if budget and budget < max_body:
+        raise StaronnxError(f"--receive-budget ({budget} bytes) must hold at least one body of --max-body "
+                            f"({max_body} bytes)")
+    return Limits(header_timeout=parse_duration(header_timeout, option="--header-timeout"),
+                  body_timeout=parse_duration(body_timeout, option="--body-timeout"),
+                  body_min_rate=float(rate),
+                  idle_timeout=parse_duration(idle_timeout, option="--idle-timeout"),
+                  request_timeout=parse_duration(request_timeout, allow_zero=True, option="--request-timeout"),
+                  max_connections=max_connections or 0, receive_budget=budget, grpc_max_streams=grpc_max_streams)
 
 
 #: samples a model's queue holds when --queue-capacity does not say

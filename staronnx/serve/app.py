@@ -2,11 +2,19 @@
 
 One asyncio loop runs the HTTP API, the gRPC API and the metrics endpoint; the batchers and
 the runtimes run in their own threads, and the loop only awaits their futures, so a slow
-model never blocks the listeners. On SIGTERM/SIGINT readiness turns false; a request whose
-body is still arriving, and every inference request sent from then on, is answered 503 /
-UNAVAILABLE (never reset, never held); once every request already accepted is answered (or
-``--drain-timeout`` passed) the listeners close, each batcher drains, each runtime closes, and
-the process exits 0.
+model never blocks the listeners. The limits every connection and request is held to
+(:mod:`staronnx.serve.limits`) are set here: the open-file limit raised, the connection cap
+derived from it, one guard shared by both front ends.
+
+Shutdown answers every request it accepted. On SIGTERM/SIGINT readiness turns false; a request
+whose body is still arriving, and every inference request sent from then on, is answered 503 /
+UNAVAILABLE with ``Connection: close`` (never reset, never held). Each batcher runs what it
+holds for up to ``--drain-timeout``; what is still queued then is answered 503 / UNAVAILABLE
+(the batcher fails it with ``ServerClosed``). Once every handler has sent its answer (and
+refused uploads have finished sending, within the drain), the HTTP listener takes the
+connections already waiting in its accept queue (closing a listener resets them) and answers
+them too, then the listeners close, each runtime closes, and the process exits 0 with one line
+saying how many inference requests were answered, refused and dropped (0).
 """
 
 from __future__ import annotations
@@ -16,17 +24,22 @@ import contextlib
 import ctypes
 import gc
 import importlib.metadata
+import ipaddress
+import logging
 import re
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from staronnx.errors import StaronnxError
+from staronnx.serve.limits import Guard, Limits, RefusalCollector, raise_open_files
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serving.collector import full_collections_every
@@ -76,6 +89,37 @@ class Listen:
     metrics_port: int = 8002
     max_body: int = 64 * 2**20
     drain_timeout: float = 30.0
+    limits: Limits = field(default_factory=Limits)
+
+
+#: the listen backlog of the HTTP and metrics sockets (aiohttp's own default is 128)
+BACKLOG = 1024
+
+#: after the batchers are closed, how long refused uploads may go on sending (at least) before
+#: the connections close; and how long a connection taken from the accept queue at the end has
+#: to send its request and read its 503
+LINGER_S = 2.0
+
+#: addresses that only this machine reaches (``--host`` may name them without ``--insecure``)
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+def check_exposure(host: str, insecure: bool) -> None:
+    """Refuse to listen on an address other machines reach unless ``--insecure`` says so: the
+    server has no TLS and no authentication, and anyone who reaches it can run the models (and
+    read their configuration). Triton and KServe leave both to a proxy or a service mesh in
+    front; so does staronnx."""
+    if insecure:
+        return
+    try:
+        loopback = all(ipaddress.ip_address(info[4][0]).is_loopback
+                       for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM))
+    except (OSError, ValueError):
+        loopback = host in LOOPBACK
+    if not loopback:
+        raise StaronnxError(f"--host {host} would expose the server to other machines with no TLS and no "
+                            "authentication: put a TLS-terminating proxy (nginx, Envoy, a service mesh) in front, and "
+                            "pass --insecure to listen there anyway")
 
 
 #: the protocol extensions this server serves, by Triton's names (a client may test for them):
@@ -138,10 +182,12 @@ def keep_freed_memory(blocks: int = KEEP_BLOCKS_UP_TO, free: int = KEEP_FREE_UP_
 
 
 def _bind(host: str, port: int, what: str) -> socket.socket:
-    """A listening socket, or one clear line naming the port and the flag to change."""
+    """A listening socket, or one clear line naming the port and the flag to change. ``::``
+    listens on IPv4 too where the system can (as gRPC's listener does)."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        return socket.create_server((host, port), family=family, backlog=1024)
+        dual = family == socket.AF_INET6 and host in ("::", "") and socket.has_dualstack_ipv6()
+        return socket.create_server((host, port), family=family, backlog=BACKLOG, dualstack_ipv6=dual)
     except (OSError, socket.gaierror) as exc:
         raise StaronnxError(f"cannot listen on {host}:{port} for {what}: {exc.strerror or exc} "
                             f"(choose another --{what}-port, or 0 for a free one)") from None
@@ -171,10 +217,16 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     def is_ready() -> bool:
         return state["ready"]
 
+    open_files = raise_open_files()
+    limits = listen.limits.resolved(listen.max_body, open_files)
+    guard = Guard.make(limits, logging.getLogger("staronnx.serve"))
+    metrics.registry.register(RefusalCollector(guard.refusals, guard.budget))
+
     # bind everything first: a port in use fails the start before anything is announced
     http_sock = _bind(listen.host, listen.http_port, "http")
     metrics_sock = _bind(listen.host, listen.metrics_port, "metrics")
-    grpc_server = make_server(GrpcFrontend(by_name, meta, is_ready), listen.max_body)
+    grpc_front = GrpcFrontend(by_name, meta, is_ready, guard)
+    grpc_server = make_server(grpc_front, listen.max_body, limits)
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
     try:
         grpc_port = grpc_server.add_insecure_port(f"{target}:{listen.grpc_port}")
@@ -189,7 +241,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         raise StaronnxError(f"cannot listen on {listen.host}:{listen.grpc_port} for grpc{cause} "
                             "(choose another --grpc-port, or 0 for a free one)")
 
-    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready)
+    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard)
     http_runner = http_front.runner(listen.drain_timeout)
 
     async def metrics_handler(request: web.Request) -> web.Response:
@@ -199,12 +251,14 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     metrics_app = web.Application()
     metrics_app.router.add_get("/metrics", metrics_handler)
     metrics_app.on_response_prepare.append(_server_header)
-    metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False, shutdown_timeout=1.0)
+    metrics_runner = web.AppRunner(metrics_app, access_log=None, handle_signals=False, shutdown_timeout=1.0,
+                                   keepalive_timeout=limits.idle_timeout)
 
     await http_runner.setup()
     await metrics_runner.setup()
-    await web.SockSite(http_runner, http_sock).start()
-    await web.SockSite(metrics_runner, metrics_sock).start()
+    http_site = web.SockSite(http_runner, http_sock, backlog=BACKLOG)
+    await http_site.start()
+    await web.SockSite(metrics_runner, metrics_sock, backlog=BACKLOG).start()
     await grpc_server.start()
     # what exists now (aiohttp's and gRPC's machinery, the imports since the batchers froze the
     # process) lives as long as the server: out of the cycle collector's full walks, which took
@@ -220,11 +274,13 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    log_flusher = loop.create_task(_flush_log_every(guard))
 
     host = target
     say(f"HTTP (KServe v2) on http://{host}:{http_sock.getsockname()[1]}")
     say(f"gRPC (KServe v2) on {host}:{grpc_port}")
     say(f"metrics on http://{host}:{metrics_sock.getsockname()[1]}/metrics")
+    say(limits_text(limits, open_files))
     say(f"cycle collector: young objects only, a full collection every {gc_interval:g} s" if gc_interval > 0
         else "cycle collector: Python's own thresholds")
     if colocate is not None:
@@ -241,21 +297,98 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     say("stopping: no new requests; draining the ones accepted")
     sys.stdout.flush()
     state["ready"] = False
-    # requests still arriving are answered 503 / UNAVAILABLE (never reset, never held); the
-    # listeners stay open, answering so, until every accepted request is answered (or
-    # drain_timeout), then close, each waiting for the handlers still encoding their answers
+    drain_end = loop.time() + listen.drain_timeout
+    # 1. requests still arriving are answered 503 now; each batcher runs what it holds until
+    #    the drain ends, and what is still queued then is answered 503 / UNAVAILABLE
     http_front.shutting_down()
-    deadline = loop.time() + listen.drain_timeout
-    while any(m.stats.snapshot()["pending"] for m in models) and loop.time() < deadline:
-        await asyncio.sleep(0.01)
-    left = max(deadline - loop.time(), 1.0)
-    http_runner._shutdown_timeout = left  # what remains of drain_timeout
-    await asyncio.gather(grpc_server.stop(left), http_runner.cleanup())
+    await loop.run_in_executor(None, _close_batchers, models, listen.drain_timeout)
+    # 2. every handler has its outcome now: let each send it, and refused uploads finish sending
+    await _until(lambda: not http_front.unanswered and not grpc_front.unanswered, loop.time() + LINGER_S)
+    await _until(lambda: not http_front.running, max(drain_end, loop.time() + LINGER_S))
+    # 3. the HTTP listener answers the connections waiting in its accept queue, then every
+    #    listener closes; a handler still running now is cut (counted dropped)
+    await _close_listener(http_site, http_sock, http_runner, http_front)
+    http_front.closing = grpc_front.closing = True
+    http_runner._shutdown_timeout = 1.0  # handlers were waited for above
+    await asyncio.gather(grpc_server.stop(1.0), http_runner.cleanup())
+    log_flusher.cancel()
+    guard.log.flush()
     await loop.run_in_executor(None, _close_models, models, listen.drain_timeout)
     await metrics_runner.cleanup()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
+    say(summary_text(guard))
     say("stopped")
+
+
+def limits_text(limits: Limits, open_files: int) -> str:
+    """The start line that says what each connection and request is held to."""
+    deadline = f"{limits.request_timeout:g} s" if limits.request_timeout > 0 else "none"
+    return (f"limits: {limits.max_connections} connections per protocol (open files {open_files}), "
+            f"request head {limits.header_timeout:g} s, body pauses {limits.body_timeout:g} s and at least "
+            f"{limits.body_min_rate:g} bytes/s, keep-alive idle {limits.idle_timeout:g} s, request deadline {deadline}, "
+            f"{limits.receive_budget} bytes of bodies in reception, {limits.grpc_max_streams} gRPC streams per "
+            "connection")
+
+
+def summary_text(guard: Guard) -> str:
+    """The exit line: how the inference requests ended, over both protocols."""
+    r = guard.refusals
+    return (f"inference requests: {r.total('answered')} answered, {r.total('refused')} refused (503 / UNAVAILABLE), "
+            f"{r.total('failed')} failed (another error), {r.total('cancelled')} cancelled by their client, "
+            f"{r.total('dropped')} dropped unanswered")
+
+
+async def _flush_log_every(guard: Guard) -> None:
+    """Sum up the log lines held back (:class:`~staronnx.serve.limits.LogLimiter`) every window."""
+    while True:
+        await asyncio.sleep(guard.log.window)
+        guard.log.flush()
+
+
+async def _until(done: Callable[[], bool], deadline: float) -> None:
+    """Wait (polling: the front ends' sets change on the loop) until ``done()`` or ``deadline``."""
+    loop = asyncio.get_running_loop()
+    while not done() and loop.time() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.AppRunner, front: Any) -> None:
+    """Stop listening for HTTP without resetting anyone: the connections the kernel already
+    accepted into the listen queue are taken and handled (each request answered 503 with
+    ``Connection: close``) before the listener closes in the same step (closing a listener
+    resets the connections still queued on it), and given :data:`LINGER_S` to be answered."""
+    loop = asyncio.get_running_loop()
+    queued: list[socket.socket] = []
+    try:
+        sock.setblocking(False)
+        while True:
+            conn, _ = sock.accept()
+            queued.append(conn)
+    except OSError:  # BlockingIOError: the queue is empty; anything else: nothing more to take
+        pass
+    await site.stop()  # no await between the last accept and the close
+    sock.close()
+    if not queued:
+        return
+    before = runner.server.requests_count if runner.server is not None else 0
+    for conn in queued:
+        conn.setblocking(False)
+        try:
+            await loop.connect_accepted_socket(runner.server, conn)  # type: ignore[arg-type]
+        except OSError:
+            conn.close()
+    await _until(lambda: runner.server is None or (runner.server.requests_count - before >= len(queued)
+                                                   and not front.running),
+                 loop.time() + LINGER_S)
+
+
+def _close_batchers(models: Sequence[ModelEndpoint], timeout: float) -> None:
+    """Each batcher runs what it holds for what remains of ``timeout``, then fails the rest
+    with ``ServerClosed`` (each request answered 503 / UNAVAILABLE by its front end)."""
+    deadline = time.monotonic() + timeout
+    for m in models:
+        m.server.close(max(deadline - time.monotonic(), 0.0))
 
 
 def _close_models(models: Sequence[ModelEndpoint], timeout: float) -> None:

@@ -7,25 +7,42 @@ depends on it already.
 
 The binary extension: with an ``Inference-Header-Content-Length: L`` header the body is L bytes
 of JSON followed by the raw bytes of every input whose ``parameters.binary_data_size`` says
-how many, in input order; outputs asked for with ``binary_data`` (or every output, with the
-request parameter ``binary_data_output``) come back the same way.
+how many, in input order (the header given once, in decimal digits); outputs asked for with
+``binary_data: true`` (or every output, with the request parameter ``binary_data_output: true``;
+JSON booleans only) come back the same way. So does an output holding a NaN or an infinity,
+whatever was asked: JSON has no such numbers, and a response is always valid JSON (Triton's
+clients read either form; a client of JSON only sees the output's ``binary_data_size``).
 
 Triton's extensions served here: model configuration (``/config``), statistics (``/stats``),
 classification (an output's ``classification: k`` parameter), and the repository index
 (``POST /v2/repository/index``; loading and unloading are refused: a plan is served for the
 life of the process).
 
-What a hostile client meets: a body is read whole up to ``--max-body`` and decompressed
-(gzip, deflate) by this module, off the event loop, never past ``--max-body``; JSON nested too
-deep, shapes of more than 64 dimensions, request lines or headers over aiohttp's limits all
-answer 400 with the protocol's JSON error and one log line; a client that disconnects has its
-request withdrawn (counted CANCELED); the ``Server`` header names staronnx only, and a 500 says
-no more than that the log has the details.
+What a hostile or careless client meets (:mod:`staronnx.serve.limits` has the bounds and why):
+a body is read into buffers that grow with what has arrived, within the server's receive budget
+(503 past it), up to ``--max-body``, and must keep arriving (``--body-timeout``,
+``--body-min-rate``: 408 and the connection closes); a request head must arrive whole within
+``--header-timeout``, a keep-alive connection may idle ``--idle-timeout``, and a request is
+answered within ``--request-timeout`` (504) or withdrawn; past ``--max-connections`` a
+connection's request is answered 503 and the connection closed; ``Expect: 100-continue`` gets
+its ``100 Continue`` only for a request that will be read (else the error at once). A body is
+decompressed (gzip, every member; deflate) off the event loop, never past ``--max-body``; JSON
+nested too deep, shapes of more than 64 dimensions, request lines or headers over aiohttp's
+limits, values a datatype does not take (:func:`staronnx.serve.protocol.from_values`) answer 400
+with the protocol's JSON error; such refusals are logged a few lines per window with a count of
+the rest. A client that disconnects has its request withdrawn (counted CANCELED); the
+``Server`` header names staronnx only, and a 500 says no more than that the log has the details.
+
+At shutdown (:meth:`HttpFrontend.shutting_down`), a request whose body is still arriving, and
+every request sent from then on, is answered 503 with ``Connection: close`` at once, and the
+rest of its body read and dropped as it arrives (under the body's time limits) so the client
+reads the answer instead of a reset; every other answer from then on closes its connection too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -36,10 +53,12 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
+from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from staronnx.serve import jsontensors, protocol
+from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.protocol import ProtocolError, cut, invalid, unknown_model
@@ -51,9 +70,11 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 #: what the ``Server`` header of every response says (aiohttp's default names Python's and its own versions)
 SERVER_HEADER = "staronnx"
 
-#: how long a connection answered before its body arrived whole (an error, a shutdown) keeps
-#: reading and discarding the rest before it closes (aiohttp's default: 10 s), so that the
-#: client reads the answer rather than a reset
+#: how long a connection answered before its body arrived whole keeps reading and discarding
+#: the rest before it closes, where the front end does not drain it itself (an oversize body,
+#: an unknown route; aiohttp's default: 10 s), so that the client reads the answer rather than
+#: a reset. An inference request refused while its body arrives (a shutdown, the receive
+#: budget) is drained by its handler for as long as the body keeps arriving.
 LINGER_S = 1.0
 
 #: a request whose JSON part is at least this long is parsed on a worker thread (googlenet's
@@ -69,41 +90,58 @@ _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "defla
 
 
 class HttpFrontend:
-    """The REST routes over a set of models; ``app()`` builds the aiohttp application."""
+    """The REST routes over a set of models; ``app()`` builds the aiohttp application.
+
+    ``guard`` holds the limits, the receive budget and the counts shared with the gRPC front end
+    (a default one, with :class:`~staronnx.serve.limits.Limits`'s defaults, where none is given)."""
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
-                 is_ready: Callable[[], bool]) -> None:
+                 is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
         self.models = models
         self.server_meta = server_meta
         self.max_body = max_body
         self.is_ready = is_ready
+        self.guard = guard if guard is not None else Guard.make(Limits().resolved(max_body, 1024), log)
         self._reading: set[asyncio.Task[Any]] = set()  # inference handlers still receiving their body
-        self._stopped: set[asyncio.Task[Any]] = set()  # those of them stopped by shutting_down()
+        #: inference handlers cut short by the server, and why ("stopping", "slow", "deadline")
+        self._cuts: dict[asyncio.Task[Any], str] = {}
+        #: inference handlers that have not answered yet (what a shutdown waits for)
+        self.unanswered: set[asyncio.Task[Any]] = set()
+        #: every inference handler still running (answered ones may still drop a refused body)
+        self.running: set[asyncio.Task[Any]] = set()
+        #: set once the server closes its connections: a handler cancelled then was dropped
+        self.closing = False
 
     def shutting_down(self) -> int:
         """At SIGTERM (readiness already false): every inference request still arriving (its body
         not all received) is answered 503 now, instead of holding its connection for the whole
         drain and closing it unanswered. Returns how many."""
-        for task in list(self._reading):
-            self._stopped.add(task)
+        reading = list(self._reading)
+        for task in reading:
+            self._cut(task, "stopping")
+        return len(reading)
+
+    def _cut(self, task: asyncio.Task[Any], why: str) -> None:
+        """Cut ``task`` (an inference handler) short for ``why``; its handler answers for it."""
+        if task not in self._cuts and not task.done():
+            self._cuts[task] = why
             task.cancel()
-        return len(self._stopped)
 
     def app(self) -> web.Application:
         # bodies are read by _receive, which refuses those over max_body (client_max_size: what
         # aiohttp's own request.read() would allow, for any handler that calls it)
-        app = web.Application(client_max_size=self.max_body, middlewares=[_errors])
+        app = web.Application(client_max_size=self.max_body, middlewares=[self._errors])
         app.on_response_prepare.append(_server_header)
         r = app.router
         # inference first: aiohttp tries a path's routes in order, each a regular expression, and
         # inference is nearly every request a busy server sees
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            r.add_post(prefix + "/infer", self.infer)
+            r.add_post(prefix + "/infer", self.infer, expect_handler=self._expect)
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
         r.add_get("/v2/models/stats", self.statistics)  # before /v2/models/{model}: every model's
-        r.add_post("/v2/repository/index", self.repository_index)
+        r.add_post("/v2/repository/index", self.repository_index, expect_handler=self._expect)
         r.add_post("/v2/repository/models/{model}/load", self.refuse_load)
         r.add_post("/v2/repository/models/{model}/unload", self.refuse_load)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
@@ -115,9 +153,51 @@ class HttpFrontend:
 
     def runner(self, drain_timeout: float) -> web.AppRunner:
         """The app's runner: handlers cancelled when their client goes away (its request is
-        withdrawn), bodies left compressed for :meth:`_read`, malformed HTTP answered in JSON."""
-        return _Runner(self.app(), access_log=None, handle_signals=False, shutdown_timeout=drain_timeout,
-                       handler_cancellation=True, auto_decompress=False, lingering_time=LINGER_S)
+        withdrawn), bodies left compressed for :meth:`_read`, malformed HTTP answered in JSON,
+        each connection held to the guard's time limits and connection cap (:class:`_Handler`)."""
+        return _Runner(self.app(), self.guard, access_log=None, handle_signals=False, shutdown_timeout=drain_timeout,
+                       handler_cancellation=True, auto_decompress=False, lingering_time=LINGER_S,
+                       keepalive_timeout=self.guard.limits.idle_timeout)
+
+    @web.middleware
+    async def _errors(self, request: web.Request,
+                      handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        """Every error as the protocol's ``{"error": "..."}`` with its status, never a traceback;
+        once the server is stopping, every answer closes its connection."""
+        response = await _errors(request, handler)
+        if response.status == 408 or not self.is_ready():  # 408: the rest of a late body is not waited for
+            response.force_close()
+        return response
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: the ``100 Continue`` only for a body this server will read;
+        an unknown model, a body over ``--max-body`` or a stopping server is answered at once,
+        so the client never sends a body only to have it refused."""
+        if request.headers.get("Expect", "").lower() != "100-continue" or request.version != HttpVersion11:
+            return web.json_response({"error": f"Expect: {protocol.cut(request.headers.get('Expect'), 40)} is not "
+                                               "supported (only 100-continue)"}, status=417)
+        refusal: ProtocolError | None = None
+        model = None
+        try:
+            if "model" in request.match_info:
+                model = self._model(request)
+            _check_length(request, self.max_body)
+            if not self.is_ready():
+                refusal = ProtocolError("unavailable", "the server is shutting down; send the request to another "
+                                                       "replica")
+        except ProtocolError as exc:
+            refusal = exc
+        if refusal is not None:
+            if model is not None:
+                model.stats.refused("REJECTED" if refusal.kind == "unavailable" else "OTHER")
+            self.guard.refusals.outcome("http", "refused" if refusal.kind == "unavailable" else "failed")
+            response = web.json_response({"error": str(refusal)}, status=refusal.http_status)
+            response.force_close()
+            return response
+        request["continued"] = True
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own headers are still to come
+        return None
 
     # -- health and metadata --------------------------------------------------------------------
     async def server_metadata(self, request: web.Request) -> web.Response:
@@ -156,35 +236,83 @@ class HttpFrontend:
     async def repository_index(self, request: web.Request) -> web.Response:
         """Triton's repository index (read-only): every served model, its version and state;
         ``{"ready": true}`` lists only the ready ones."""
-        body = await _read_json_object(request, self.max_body)
-        only_ready = bool(body.get("ready", False))
+        body = await inflate_body(await self._receive_body(request), request.headers.get("Content-Encoding"),
+                                  self.max_body)
+        only_ready = json_object(body).get("ready", False)
+        if not isinstance(only_ready, bool):
+            raise invalid(f"'ready' must be true or false, got {protocol.cut(json.dumps(only_ready), 40)}")
         return web.json_response(repository_index(self.models, self.is_ready(), only_ready))
 
     async def refuse_load(self, request: web.Request) -> web.Response:
         raise refused_load(request.match_info["model"], request.path.rsplit("/", 1)[-1])
 
     # -- inference ------------------------------------------------------------------------------
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        """One inference request, answered whatever happens to it: its outcome is counted
+        (answered, refused, failed, cancelled by its client, dropped by a closing server), and
+        a request cut short by the server (a shutdown while its body arrives, a body too slow,
+        ``--request-timeout``) answers 503, 408 or 504 rather than a reset."""
+        task = asyncio.current_task()
+        assert task is not None
+        refusals = self.guard.refusals
+        loop = asyncio.get_running_loop()
+        deadline = self.guard.limits.request_timeout
+        timer = loop.call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
+        watch = _BodyWatch(loop, self.guard.limits, functools.partial(self._cut, task, "slow"))
+        self.unanswered.add(task)
+        self.running.add(task)
+        try:
+            response = await self._infer(request, task, watch)
+        except ProtocolError as exc:
+            refusals.outcome("http", "refused" if exc.kind == "unavailable" else "failed")
+            raise
+        except asyncio.CancelledError:
+            why = self._cuts.pop(task, None)
+            if why is None:  # the client went away, or the server is closing the connection
+                refusals.outcome("http", "dropped" if self.closing else "cancelled")
+                raise
+            task.uncancel()
+            response = await self._cut_short(request, why, watch)
+        except BaseException:
+            refusals.outcome("http", "failed")
+            raise
+        else:
+            refusals.outcome("http", "answered" if response.status < 400 else
+                             "refused" if response.status == 503 else "failed")
+        finally:
+            self.unanswered.discard(task)
+            self.running.discard(task)
+            self._cuts.pop(task, None)
+            watch.stop()
+            if timer is not None:
+                timer.cancel()
+        return response
+
+    async def _infer(self, request: web.Request, task: asyncio.Task[Any], watch: _BodyWatch) -> web.StreamResponse:
         model = self._model(request)
         t0 = time.perf_counter()
         if not self.is_ready():
-            return _shutting_down(model)
-        task = asyncio.current_task()
-        assert task is not None
+            self.guard.refusals.refuse("http", "shutting_down")
+            return await self._refuse_body(request, _shutting_down(model), watch)
         self._reading.add(task)
         try:
-            header, inputs, datatypes, wanted, binary_out = await self._read(request)
-        except ProtocolError:
-            model.stats.refused("OTHER")  # counted as Triton does: a failed request of this model
+            header, inputs, datatypes, wanted, binary_out = await self._read(request, watch)
+        except ProtocolError as exc:
+            model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")  # as Triton counts it
+            if exc.kind == "unavailable":  # the receive budget: answered now, the rest of the body dropped
+                self.guard.refusals.refuse("http", "receive_budget")
+                self.guard.log.warning("refused request bodies", "refused a request body from %s: %s",
+                                       request.remote, exc)
+                return await self._refuse_body(request, web.json_response({"error": str(exc)}, status=503), watch)
             raise
         except asyncio.CancelledError:
-            if task not in self._stopped:  # the client went away
-                raise
-            task.uncancel()
-            return _shutting_down(model)
+            why = self._cuts.get(task)
+            if why is not None:
+                model.stats.refused("REJECTED" if why == "stopping" else "OTHER")
+            raise
         finally:
             self._reading.discard(task)
-            self._stopped.discard(task)
+            watch.stop()
         if not self.is_ready():  # SIGTERM came while its body was decoded
             return _shutting_down(model)
         t1 = time.perf_counter()
@@ -196,11 +324,86 @@ class HttpFrontend:
         model.stats.encoded(time.perf_counter() - t2)
         return response
 
-    async def _read(self, request: web.Request) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
-                                                         list[tuple[str, bool]], bool]:
-        body = await _receive_limited(request, self.max_body)
-        return await decode_body(body, request.headers.get("Content-Encoding"), request.headers.get(HEADER_LENGTH),
+    async def _cut_short(self, request: web.Request, why: str, watch: _BodyWatch) -> web.StreamResponse:
+        """The answer to a request the server cut short: 503 at a shutdown (the rest of the body
+        dropped as it arrives), 408 for a body too slow, 504 past ``--request-timeout``."""
+        refusals = self.guard.refusals
+        if why == "stopping":
+            refusals.outcome("http", "refused")
+            refusals.refuse("http", "shutting_down")
+            response = web.json_response({"error": "the server is shutting down; send the request to another "
+                                                   "replica"}, status=503)
+            return await self._refuse_body(request, response, watch)
+        refusals.outcome("http", "failed")
+        limits = self.guard.limits
+        if why == "slow":
+            refusals.refuse("http", "body_timeout")
+            error = ProtocolError("slow", f"the request body arrived too slowly ({watch.got} of "
+                                          f"{request.content_length if request.content_length is not None else '?'} "
+                                          f"bytes in {watch.elapsed():.1f} s; --body-timeout {limits.body_timeout:g} s, "
+                                          f"--body-min-rate {limits.body_min_rate:g} bytes/s)")
+        else:
+            refusals.refuse("http", "request_timeout")
+            error = ProtocolError("timeout", f"the request was not answered within --request-timeout "
+                                             f"({limits.request_timeout:g} s); it was withdrawn")
+        self.guard.log.warning("requests cut short", "cut short a request from %s: %s", request.remote, error)
+        response = web.json_response({"error": str(error)}, status=error.http_status)
+        if not request.content.is_eof():
+            response.force_close()
+        return response
+
+    async def _refuse_body(self, request: web.Request, response: web.Response, watch: _BodyWatch) -> web.Response:
+        """Send ``response`` (a refusal) now and close the connection after it; first read and
+        drop what remains of the body for as long as it keeps arriving (the body's time limits),
+        so that a client still sending reads the answer instead of a reset. A client that asked
+        for ``100 Continue`` and was not given it sends no body: nothing to wait for."""
+        response.force_close()
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionError:
+            return response
+        task = asyncio.current_task()
+        assert task is not None
+        self.unanswered.discard(task)
+        if request.headers.get("Expect", "").lower() == "100-continue" and not request.get("continued"):
+            return response
+        try:
+            await _discard(request.content, watch)
+        except asyncio.CancelledError:  # answered already: whoever cuts it short now, nothing is lost
+            task.uncancel()
+            self._cuts.pop(task, None)
+        return response
+
+    async def _read(self, request: web.Request, watch: _BodyWatch) -> tuple[
+            dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]:
+        lengths = request.headers.getall(HEADER_LENGTH, [])
+        if len(lengths) > 1:
+            raise invalid(f"{HEADER_LENGTH} is given {len(lengths)} times; give it once")
+        body = await self._receive_body(request, watch)
+        return await decode_body(body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None,
                                  self.max_body)
+
+    async def _receive_body(self, request: web.Request, watch: _BodyWatch | None = None) -> bytes | bytearray:
+        """The body as sent (still compressed, if it is), within the limits (:func:`_receive`);
+        without ``watch`` (a small JSON body, the repository index's) one is made for it."""
+        _check_length(request, self.max_body)
+        if watch is not None:
+            return await _receive(request, self.max_body, self.guard.budget, watch)
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
+        try:
+            return await _receive(request, self.max_body, self.guard.budget, watch)
+        except asyncio.CancelledError:
+            if not watch.expired:
+                raise
+            task.uncancel()
+            self.guard.refusals.refuse("http", "body_timeout")
+            raise ProtocolError("slow", f"the request body arrived too slowly ({watch.got} bytes in "
+                                        f"{watch.elapsed():.1f} s; --body-timeout, --body-min-rate)") from None
+        finally:
+            watch.stop()
 
 
 def _shutting_down(model: ModelEndpoint) -> web.Response:
@@ -231,11 +434,10 @@ def refused_load(name: str, action: str) -> ProtocolError:
                                     "restart it with the plans to serve")
 
 
-async def _receive_limited(request: web.Request, max_body: int) -> bytes | bytearray:
-    """The request body as sent (still compressed, if it is), refused past ``max_body`` bytes."""
+def _check_length(request: web.Request, max_body: int) -> None:
+    """Refuse a body announced larger than ``max_body`` before reading any of it."""
     if request.content_length is not None and request.content_length > max_body:
         raise invalid(f"request body of {request.content_length} bytes is larger than --max-body ({max_body} bytes)")
-    return await _receive(request, max_body)
 
 
 async def inflate_body(body: bytes | bytearray, encoding: str | None, max_body: int) -> bytes | bytearray:
@@ -273,65 +475,169 @@ async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.nd
     return await asyncio.get_running_loop().run_in_executor(_json_pool(), _encode_response, *args)
 
 
-async def _receive(request: web.Request, max_body: int) -> bytes | bytearray:
-    """The body's bytes as they arrive, into one buffer of the announced Content-Length.
+class _BodyWatch:
+    """The time limits of a body being received: no pause longer than ``body_timeout``, and,
+    once ``body_timeout`` has passed, at least ``body_min_rate`` bytes/s on average since the
+    head arrived (nginx's ``client_body_timeout`` and Apache's ``MinRate``; a slowloris that
+    sends a byte a second keeps a pause rule happy forever). One timer per request, moved
+    forward lazily: a chunk only notes its size and time, the timer re-arms itself when it
+    fires early, and ``expire`` is called once the body is late."""
 
-    Why not ``request.read()``: it grows a bytearray chunk by chunk (each growth past the
-    allocator's in-place limit copies all that came before: ~1 ms of a 3 MB JSON tensor's
-    request, on the event loop) and then copies the whole into ``bytes``. A chunked body (no
-    length announced) is joined once at the end.
+    __slots__ = ("_loop", "_timeout", "_rate", "start", "last", "got", "_handle", "_expire", "expired")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any] | None) -> None:
+        self._loop = loop
+        self._timeout = limits.body_timeout
+        self._rate = limits.body_min_rate
+        self.start = self.last = loop.time()
+        self.got = 0
+        self._expire = expire
+        self.expired = False
+        self._handle: asyncio.TimerHandle | None = None
+        if expire is not None:
+            self._handle = loop.call_at(self.deadline(), self._check)
+
+    def deadline(self) -> float:
+        """When the body is late, in the loop's time, given what has arrived so far."""
+        late = self.last + self._timeout
+        if self._rate > 0:
+            late = min(late, self.start + self._timeout + self.got / self._rate)
+        return late
+
+    def arrived(self, n: int) -> None:
+        self.got += n
+        self.last = self._loop.time()
+
+    def elapsed(self) -> float:
+        return self._loop.time() - self.start
+
+    def _check(self) -> None:
+        when = self.deadline()
+        if self._loop.time() < when:
+            self._handle = self._loop.call_at(when, self._check)
+            return
+        self._handle = None
+        self.expired = True
+        assert self._expire is not None
+        self._expire()
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+
+def _over_budget(budget: ReceiveBudget) -> ProtocolError:
+    return ProtocolError("unavailable", f"the server is receiving as many request bodies as it holds at once "
+                                        f"(--receive-budget, {budget.limit} bytes); retry later")
+
+
+async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, watch: _BodyWatch) -> bytes | bytearray:
+    """The body's bytes as they arrive, the memory held growing with them.
+
+    A body announced with a Content-Length is kept as the chunks that arrived until half of it
+    is there; then one buffer of the whole length is taken, what came is copied in once, and the
+    rest is read straight into it (no growth copies: a 3 MB JSON tensor's request costs the loop
+    ~1 ms more with a growing bytearray). A body that arrives at once is returned as its one
+    chunk, with no copy. A chunked body (no length announced) is joined once at the end. Every
+    byte held counts against ``budget`` until the body is whole (503 past it), and ``watch``
+    notes each chunk (its timer cuts a body that arrives too slowly).
+
+    Why not a buffer of the announced length at once: 30 connections that each announced 64 MiB
+    and sent nothing held 2 GB.
     """
     content = request.content
     length = request.content_length
-    if length is not None:
-        buf = bytearray(length)
-        view = memoryview(buf)
-        got = 0
+    limit = length if length is not None else max_body
+    chunks: list[bytes] = []
+    got = held = 0
+    buf: bytearray | None = None
+    view: memoryview | None = None
+    try:
         while True:
             chunk = await content.readany()
             if not chunk:
                 break
-            end = got + len(chunk)
-            if end > length:  # aiohttp's parser never passes Content-Length; refuse rather than guess
-                raise invalid(f"the request body is longer than its Content-Length ({length} bytes)")
-            view[got:end] = chunk
-            got = end
-        view.release()
-        if got != length:  # the client went away mid-body
+            n = len(chunk)
+            got += n
+            watch.arrived(n)
+            if got > limit:  # aiohttp's parser never passes Content-Length; refuse rather than guess
+                raise invalid(f"the request body is longer than its Content-Length ({length} bytes)" if length is not None
+                              else f"request body is larger than --max-body ({max_body} bytes)")
+            if view is not None:
+                view[got - n:got] = chunk
+                continue
+            if length is not None and 2 * got >= length and got < length:
+                # half of it is here: one buffer for the whole body, the rest read straight into it
+                if not budget.take(length - held):
+                    raise _over_budget(budget)
+                held = length
+                buf = bytearray(length)
+                view = memoryview(buf)
+                pos = 0
+                for c in chunks:
+                    view[pos:pos + len(c)] = c
+                    pos += len(c)
+                view[pos:got] = chunk
+                chunks = []
+                continue
+            if not budget.take(n):
+                raise _over_budget(budget)
+            held += n
+            chunks.append(chunk)
+        if length is not None and got != length:  # the client went away mid-body
             raise ConnectionError("the request body ended before its Content-Length")
-        return buf
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        chunk = await content.readany()
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > max_body:
-            raise invalid(f"request body is larger than --max-body ({max_body} bytes)")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        if buf is not None:
+            return buf
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        if view is not None:
+            view.release()
+        budget.give(held)
+
+
+async def _discard(content: Any, watch: _BodyWatch) -> None:
+    """Read and drop the rest of a body, for as long as it keeps arriving within ``watch``'s
+    limits (no memory held: each chunk is dropped as it comes)."""
+    watch.stop()
+    try:
+        while not content.is_eof():
+            async with asyncio.timeout_at(watch.deadline()):
+                chunk = await content.readany()
+            if not chunk:
+                return
+            watch.arrived(len(chunk))
+    except (TimeoutError, ConnectionError, RuntimeError):
+        return
 
 
 def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
-    """``data`` decompressed; stops (400) as soon as the output passes ``max_body`` bytes."""
-    d = zlib.decompressobj(wbits)
-    try:
-        out = d.decompress(data, max_body + 1)
-    except zlib.error as exc:
-        raise invalid(f"the request body is not valid compressed data: {exc}") from None
-    if len(out) > max_body:
-        raise invalid(f"the request body decompresses to more than --max-body ({max_body} bytes)")
-    if not d.eof:
-        raise invalid("the compressed request body is truncated")
-    return out
+    """``data`` decompressed; stops (400) as soon as the output passes ``max_body`` bytes.
 
-
-async def _read_json_object(request: web.Request, max_body: int) -> dict[str, Any]:
-    """A small JSON object body (empty body: ``{}``)."""
-    body = await inflate_body(await _receive_limited(request, max_body), request.headers.get("Content-Encoding"),
-                              max_body)
-    return json_object(body)
+    A gzip body is every member of it, concatenated (RFC 1952: a gzip file is a series of
+    members, as ``gzip`` and ``cat a.gz b.gz`` make them); anything after the last member, or
+    after a deflate stream, that is not a whole member is refused, never ignored."""
+    out: list[bytes] = []
+    size = 0
+    rest = data
+    while True:
+        d = zlib.decompressobj(wbits)
+        try:
+            part = d.decompress(rest, max_body + 1 - size)
+        except zlib.error as exc:
+            what = "the request body" if not out else f"what follows gzip member {len(out)} of the request body"
+            raise invalid(f"{what} is not valid compressed data: {exc}") from None
+        size += len(part)
+        out.append(part)
+        if size > max_body:
+            raise invalid(f"the request body decompresses to more than --max-body ({max_body} bytes)")
+        if not d.eof:
+            raise invalid("the compressed request body is truncated")
+        rest = d.unused_data
+        if not rest:
+            return out[0] if len(out) == 1 else b"".join(out)
+        if wbits != _ENCODINGS["gzip"]:
+            raise invalid(f"{len(rest)} bytes follow the end of the deflate stream in the request body")
 
 
 def json_object(body: bytes | bytearray) -> dict[str, Any]:
@@ -368,8 +674,111 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
 
 
 class _Handler(RequestHandler):
-    """aiohttp's connection handler, answering a request it cannot parse (a line or header over
-    its limits, a bad Content-Length) with the protocol's JSON error and one log line."""
+    """aiohttp's connection handler, held to the guard's limits.
+
+    * a request it cannot parse (a line or header over its limits, a bad Content-Length) is
+      answered with the protocol's JSON error, logged a few lines per window;
+    * a connection has ``header_timeout`` to send a whole request head, from its accept or from
+      the first byte after a keep-alive pause (a partial head is answered 408, a connection that
+      sent nothing is closed); between requests it may idle ``idle_timeout`` (aiohttp's
+      keep-alive timer, which aiohttp also starts at the accept: replaced there by this one);
+    * past ``max_connections`` open connections, a new connection's request is answered 503
+      with ``Connection: close`` (read whole first, so the client reads the answer, not a reset).
+    """
+
+    __slots__ = ("_guard", "_head_timer", "_over", "_partial", "_counted")
+
+    def __init__(self, manager: Server, *, guard: Guard, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._guard = guard
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._over = False
+        self._partial = False
+        self._counted = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if self._keepalive_handle is not None:  # aiohttp's idle timer from the accept: the head timer instead
+            self._keepalive_handle.cancel()
+            self._keepalive_handle = None
+        refusals = self._guard.refusals
+        refusals.connections["http"] += 1
+        self._counted = True
+        if refusals.connections["http"] > self._guard.limits.max_connections:
+            self._over = True
+            refusals.refuse("http", "too_many_connections")
+            self._guard.log.warning("connections refused", "refused a connection from %s: %d connections are open "
+                                    "(--max-connections %d)", self.peername, refusals.connections["http"],
+                                    self._guard.limits.max_connections)
+        self._arm_head()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._counted:
+            self._counted = False
+            self._guard.refusals.connections["http"] -= 1
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _waiting(self) -> bool:
+        """Whether the connection waits for a request head (none parsed, none being handled)."""
+        return self._waiter is not None and not self._waiter.done() and not self._messages
+
+    def _arm_head(self) -> None:
+        self._head_timer = self._loop.call_later(self._guard.limits.header_timeout, self._head_late)
+
+    def data_received(self, data: bytes) -> None:
+        if data and self._waiting():
+            self._partial = True
+            if self._head_timer is None:  # the first bytes after a keep-alive pause: a head is on its way
+                if self._keepalive_handle is not None:
+                    self._keepalive_handle.cancel()
+                    self._keepalive_handle = None
+                self._arm_head()
+        count = self._request_count
+        super().data_received(data)
+        if self._request_count != count:  # a whole head arrived
+            self._partial = False
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+                self._head_timer = None
+
+    def _head_late(self) -> None:
+        """``header_timeout`` passed: close a connection still waiting for (the rest of) a head;
+        one that sent part of one is told 408 first."""
+        self._head_timer = None
+        if self.transport is None or self._force_close or not self._waiting():
+            return
+        reason = "header_timeout" if self._partial else "idle_timeout"
+        self._guard.refusals.refuse("http", reason)
+        if self._partial:
+            self._guard.log.warning("requests cut short", "closed a connection from %s: its request head did not "
+                                    "arrive whole within --header-timeout (%g s)", self.peername,
+                                    self._guard.limits.header_timeout)
+            self.transport.write(_canned(408, "the request head did not arrive whole within --header-timeout "
+                                              f"({self._guard.limits.header_timeout:g} s)"))
+        self.force_close()
+
+    def _process_keepalive(self) -> None:
+        transport = self.transport
+        super()._process_keepalive()
+        if transport is not None and self.transport is None:
+            self._guard.refusals.refuse("http", "idle_timeout")
+
+    async def _handle_request(self, request: Any, start_time: float | None,
+                              request_handler: Callable[[Any], Awaitable[web.StreamResponse]]) -> Any:
+        if self._over:
+            request_handler = self._too_many
+        return await super()._handle_request(request, start_time, request_handler)
+
+    async def _too_many(self, request: Any) -> web.StreamResponse:
+        limit = self._guard.limits.max_connections
+        resp = web.json_response({"error": f"too many connections: this server holds at most {limit} "
+                                           "(--max-connections); retry later, or reuse a connection"},
+                                 status=503, headers={"Server": SERVER_HEADER})
+        resp.force_close()
+        return resp
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -382,21 +791,38 @@ class _Handler(RequestHandler):
         else:
             why = " ".join(str(message or (exc and getattr(exc, "message", exc)) or "unreadable").split())
             text = f"malformed HTTP request: {cut(why)}"
-            log.warning("%s (from %s; answered %d)", text, request.remote, status)
+            self._guard.refusals.refuse("http", "malformed")
+            self._guard.log.warning("malformed HTTP requests", "%s (from %s; answered %d)", text, request.remote,
+                                    status)
         resp = web.json_response({"error": text}, status=status, headers={"Server": SERVER_HEADER})
         resp.force_close()
         return resp
 
 
+def _canned(status: int, error: str) -> bytes:
+    """A whole JSON error response, as bytes for a connection with no request to answer."""
+    body = json.dumps({"error": error}).encode()
+    reason = {408: "Request Timeout", 503: "Service Unavailable"}.get(status, "Error")
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json; charset=utf-8\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\nServer: {SERVER_HEADER}\r\n\r\n").encode() + body
+
+
 class _Server(Server):
+    guard: Guard
+
     def __call__(self) -> RequestHandler:
-        return _Handler(self, loop=self._loop, **self._kwargs)
+        return _Handler(self, loop=self._loop, guard=self.guard, **self._kwargs)
 
 
 class _Runner(web.AppRunner):
+    def __init__(self, app: web.Application, guard: Guard, **kwargs: Any) -> None:
+        super().__init__(app, **kwargs)
+        self.guard = guard
+
     async def _make_server(self) -> Server:
         server = await super()._make_server()
         server.__class__ = _Server
+        server.guard = self.guard  # type: ignore[attr-defined]
         return server
 
 
