@@ -151,10 +151,17 @@ class KServeIngress:
         return triton_statistics(name, merge_snapshots([self._stats[name].snapshot(), *replicas]))
 
     def _note(self, name: str, reply: Any) -> None:
-        """Keep the counts a replica's reply carries (an older replica's reply has none)."""
+        """Keep the counts a replica's reply carries (an older replica's reply has none), the
+        newest of them: concurrent replies arrive in any order, and one taken before another
+        request finished must not replace the counts that include it (a client that read the
+        statistics after its last answer saw one request fewer)."""
         stats = getattr(reply, "stats", None)
-        if stats is not None:
-            self._replica_stats[(getattr(reply, "replica", ""), name)] = stats
+        if stats is None:
+            return
+        key = (getattr(reply, "replica", ""), name)
+        kept = self._replica_stats.get(key)
+        if kept is None or _progress(stats) >= _progress(kept):
+            self._replica_stats[key] = stats
 
     async def _repository_index(self, request: Any) -> list[dict[str, str]]:
         """Triton's repository index, read-only: every model, READY when a replica answers ready;
@@ -276,3 +283,8 @@ def _check_version(name: str, version: str | None) -> None:
     from staronnx.serve.models import check_version
 
     check_version(name, version)
+
+
+def _progress(snapshot: Mapping[str, Any]) -> tuple[int, int]:
+    """How far a replica's counts have come (they only grow): answered, then failed requests."""
+    return int(snapshot.get("success", 0)), sum(int(n) for n in (snapshot.get("failure") or {}).values())
