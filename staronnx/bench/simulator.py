@@ -45,6 +45,7 @@ from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.perfmodels import Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Task, TaskGraph
+from staronnx.runtime.datawizard import price
 from staronnx.runtime.models import ModelSet, ServiceTarget
 from staronnx.runtime.sched import Policy, WorkerInfo
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
@@ -211,7 +212,8 @@ class _Simulation:
             fe.last_done = self.clock.t
         # the engine's own core: the same tasks, handles, policy calls and statistics
         self.core = TaskGraph(self.models, machine.workers, policy, machine.table, self.clock, self._footprint,
-                              where=where)
+                              where=where, copy_cost=machine.table.bus.predict,
+                              output_bytes=lambda req, part, fp: self.fronts[req.model].profiles[req.batch].nbytes)
         self.part_inputs = self.models.part_inputs
         self.part_outputs = [list(m.plan.parts[local].outputs) for m, local in self.models.owner]
         self.notes: list[str] = []
@@ -449,17 +451,10 @@ class _Simulation:
         return mean
 
     def _transfer(self, task: Task, node: str) -> float:
-        """Bus time to bring the task's inputs to ``node`` from their cheapest valid copies
-        (the predictor's rule, on the copies valid now rather than at push)."""
-        total = 0.0
-        bus = self.m.table.bus
-        for name in self.part_inputs[task.part]:
-            handle = task.request.handles[name]
-            if node in handle.valid_on or handle.nbytes == 0:
-                continue
-            costs = [c for c in (bus.predict(s, node, handle.nbytes) for s in handle.valid_on) if math.isfinite(c)]
-            total += min(costs) if costs else 0.0
-        return total
+        """Bus time of the copies the core decided for the task when its worker took it
+        (:mod:`staronnx.runtime.datawizard`: the fetches of its inputs from their cheapest
+        valid copies, the write-backs of final outputs from a GPU), as the engine issues them."""
+        return price(task.copies, self.m.table.bus.predict)
 
     def _on_done(self, wid: int, task: Task, seconds: float) -> None:
         """The core's completion (data locations, successors, stats), then the server's;
