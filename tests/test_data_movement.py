@@ -223,3 +223,17 @@ def test_a_real_model_split_on_one_gpu_moves_only_its_inputs_up_and_its_outputs_
     up = sum(a.nbytes for a in x.values())
     down = sum(a.nbytes for a in want.values())
     assert counted == {"h2d": (len(x), up), "d2h": (len(want), down)}
+
+
+def test_the_bound_charges_a_gpu_worker_the_write_back_of_final_outputs(two_parts):
+    """The LP bound prices what the engine issues: the part that produces y pays its download
+    on a GPU worker, not on a CPU worker; the other part pays nothing."""
+    from staronnx.runtime.datawizard import with_writebacks
+
+    bus = _bus()
+    workers = [WorkerInfo(0, "cpu:numa0", "cpu2", "cpu", "numa0", 2), WorkerInfo(1, "cuda0.s0", "cuda0", "cuda", "cuda0")]
+    times = [[1e-3, 2e-4], [1e-3, 2e-4]]
+    nbytes = {"y": 4096}
+    got = with_writebacks(times, two_parts, workers, nbytes, bus.predict)
+    assert got[0] == times[0]
+    assert got[1] == [1e-3, pytest.approx(2e-4 + bus.predict("cuda0", "numa0", 4096))]

@@ -37,6 +37,7 @@ from scipy.optimize import linprog
 from staronnx.bench.machine import SimMachine, Where, lane_groups, residency_where
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
+from staronnx.runtime.datawizard import with_writebacks
 from staronnx.runtime.sched import WorkerInfo
 
 #: relative slack under which a constraint counts as binding
@@ -271,6 +272,7 @@ def machine_bound(machine: SimMachine, batch_size: int) -> Bound:
     model means and bus as the simulator, so achieved / bound compares like with like)."""
     times = machine.mean_times(batch_size)
     profile = machine.profile(batch_size)
+    times = with_writebacks(times, machine.plan, machine.workers, profile.nbytes, machine.table.bus.predict)
     return lp_bound(
         times, batch_size, machine.workers,
         tensors=plan_tensors(machine.plan, profile.nbytes),
@@ -354,6 +356,7 @@ def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Map
     tensors: list[FlowTensor] = []
     for m in models.models:
         nbytes = machine.profile(int(sizes[m.name]), m.index).nbytes
+        times = with_writebacks(times, m.plan, machine.workers, nbytes, machine.table.bus.predict, first=m.first_part)
         for t in plan_tensors(m.plan, nbytes):  # names kept apart, parts made global
             tensors.append(FlowTensor(
                 t.name if models.single else f"{m.name}/{t.name}", t.nbytes,

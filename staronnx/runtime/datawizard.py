@@ -165,3 +165,24 @@ def tally(copies: Iterable[Copy]) -> dict[str, tuple[int, int]]:
         n, b = out.get(c.kind, (0, 0))
         out[c.kind] = (n + 1, b + c.nbytes)
     return out
+
+
+def with_writebacks(times: Sequence[Sequence[float]], plan: object, workers: Sequence[object],
+                    nbytes: Mapping[str, int], cost: CopyCost, first: int = 0) -> list[list[float]]:
+    """``times[p][w]`` (seconds of part ``p`` on worker ``w``; rows ``first..`` are ``plan``'s
+    parts) plus, on a worker whose memory node is a GPU, the bus time of writing the part's
+    final outputs back to the host: the copy its task issues on that worker (what the LP
+    bound charges the worker, as the engine and the simulator do). ``plan`` has ``parts``
+    (each with ``outputs``) and ``output_names``; workers have ``memory_node``."""
+    out = [list(row) for row in times]
+    finals = set(plan.output_names)  # type: ignore[attr-defined]
+    for local, part in enumerate(plan.parts):  # type: ignore[attr-defined]
+        names = [n for n in part.outputs if n in finals]
+        if not names:
+            continue
+        row = out[first + local]
+        for w, worker in enumerate(workers):
+            node = worker.memory_node  # type: ignore[attr-defined]
+            if not is_host(node) and math.isfinite(row[w]):
+                row[w] += price([c for n in names if (c := writeback(n, nbytes.get(n, 0), node)) is not None], cost)
+    return out
