@@ -112,7 +112,11 @@ def test_a_sticky_cuda_error_moves_the_workers_tasks_to_the_others(plan, referen
         with Runtime(plan, policy=policy, workers=workers, store=PerfModelStore(tmp_path)) as rt:
             for _ in range(4):
                 rt.run(feeds())
-            runtimes[1].inject("copy_h2d", 700)  # an illegal address: the context is lost
+            # an illegal address in the doomed worker's own copy of an input: the context is lost
+            # mid-copy. Under eager that is its upload; dmda places at push, so the upload was
+            # prefetched on the node's copy stream and the worker's copy is the device-local one
+            # into its graph slot
+            runtimes[1].inject("copy_h2d" if policy == "eager" else "copy_d2d", 700)
             for wave in range(40):  # until the policy has given the doomed worker a task
                 xs = [feeds(seed=i) for i in range(50)]
                 futs = [rt.submit(x) for x in xs]

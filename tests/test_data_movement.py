@@ -237,3 +237,86 @@ def test_the_bound_charges_a_gpu_worker_the_write_back_of_final_outputs(two_part
     got = with_writebacks(times, two_parts, workers, nbytes, bus.predict)
     assert got[0] == times[0]
     assert got[1] == [1e-3, pytest.approx(2e-4 + bus.predict("cuda0", "numa0", 4096))]
+
+
+# -- 5. prefetch at push -------------------------------------------------------------------------
+def test_a_policy_that_places_at_push_starts_the_inputs_copy_then(one_part, model, tmp_path):
+    """dmda decides the worker when a task is pushed: the upload starts then, on the submitting
+    thread (the node's copy stream), not when the worker takes the task; the worker copies
+    the prefetched tensor into its graph slot on the device, and every task found its input
+    on its node when it started (a prefetch hit: HostRuntime's copies are done at once)."""
+    import threading
+
+    rt = HostRuntime()
+    n = 10
+    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}) as runtime:
+        counted = serve(runtime, rt, model, n)
+        stats = runtime.stats()
+    assert threading.get_native_id() in rt.copy_threads  # uploads issued by the pushing thread
+    assert counted == {"h2d": (n, n * 128), "d2d": (n, n * 128), "d2h": (n, n * 128)}
+    assert {k: (v["copies"], v["bytes"]) for k, v in stats["copies"].items()} == bus_copies(counted)
+    assert stats["prefetch"] == {"tasks": n, "moved": n, "hits": n, "on_node": 1.0}
+
+
+def test_eager_places_nothing_at_push_so_the_worker_uploads(one_part, model, tmp_path):
+    import threading
+
+    rt = HostRuntime()
+    with Runtime(one_part, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}) as runtime:
+        counted = serve(runtime, rt, model, 4)
+        assert "prefetch" not in runtime.stats()
+    assert threading.get_native_id() not in rt.copy_threads
+    assert counted == {"h2d": (4, 4 * 128), "d2h": (4, 4 * 128)}
+
+
+def test_a_task_whose_prefetch_is_still_in_flight_waits_on_its_event_not_on_the_host(one_part, model, tmp_path):
+    """The copy is not done when the worker starts the task (HostRuntime holds its events'
+    answers): the task is a prefetch miss, and its stream waits on the copy's event before
+    reading the tensor (one stream wait per task, no host wait on the copy)."""
+    rt = HostRuntime()
+    n = 6
+    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}) as runtime:
+        runtime.run(feeds(99))
+        rt.hold_events(10 ** 6)
+        waits, syncs = rt.calls["stream_wait"], rt.calls["event_sync"] + rt.calls["stream_sync"]
+        counted = serve(runtime, rt, model, n)
+        stats = runtime.stats()
+        waits = rt.calls["stream_wait"] - waits
+        syncs = rt.calls["event_sync"] + rt.calls["stream_sync"] - syncs
+        rt.hold_events(0)
+    assert stats["prefetch"]["hits"] == 1 and stats["prefetch"]["moved"] == n + 1  # only the first one
+    assert waits == n
+    assert syncs == n  # the host waits once per task, for its end, as without a prefetch: never for a copy
+    assert counted["h2d"] == (n, n * 128)
+
+
+def test_a_cpu_task_placed_at_push_gets_its_gpu_input_prefetched_down_once(two_parts, model, tmp_path):
+    rt = HostRuntime()
+    workers, pinned = _placed(two_parts, rt, ["cuda", "cpu"])
+    n = 5
+    try:
+        with Runtime(two_parts, policy="static", policy_options={"devices": pinned}, workers=workers,
+                     store=PerfModelStore(tmp_path)) as runtime:
+            counted = bus_copies(serve(runtime, rt, model, n))
+            stats = runtime.stats()
+    finally:
+        for w in workers:
+            w.close()
+    assert counted == {"h2d": (n, n * 128), "d2h": (n, n * 128)}
+    assert stats["prefetch"]["moved"] == 2 * n and stats["prefetch"]["hits"] == 2 * n
+
+
+def test_a_prefetch_that_fails_leaves_the_task_to_fetch_its_input_and_loses_no_request(one_part, model, tmp_path):
+    rt = HostRuntime()
+    n = 4
+    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}) as runtime:
+        rt.inject("copy_h2d", 2)  # out of memory on the copy stream: the first prefetch fails
+        counted = serve(runtime, rt, model, n)  # every answer checked
+        stats = runtime.stats()
+    assert stats["requests_failed"] == 0
+    assert counted["h2d"] == (n, n * 128)  # n - 1 prefetched, one fetched by its worker
+    assert stats["prefetch"]["moved"] == n and stats["prefetch"]["hits"] == n - 1

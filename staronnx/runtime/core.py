@@ -86,6 +86,8 @@ class Task:
     copies: Sequence[Copy] = ()
     #: its fetched inputs that stay valid on its worker's node (another reader is to come)
     keep: tuple[str, ...] = ()
+    #: the copies to its worker's node started when the policy placed it (prefetches)
+    prefetched: Sequence[Copy] = ()
 
 
 @dataclass(eq=False, slots=True)
@@ -212,11 +214,15 @@ class TaskGraph:
 
     def __init__(self, plan: Plan | ModelSet, workers: Sequence[WorkerInfo], policy: Policy, predictor: Predictor,
                  clock: Clock, footprint: FootprintFn, where: Sequence[Collection[int]] | None = None,
-                 copy_cost: CopyCost | None = None, output_bytes: OutputBytesFn | None = None) -> None:
+                 copy_cost: CopyCost | None = None, output_bytes: OutputBytesFn | None = None,
+                 prefetch: bool = False) -> None:
         """``where``: per global part, the ids of the workers holding it (None: all of them).
         ``copy_cost``: the bus model's ``predict``, which picks the cheapest source of a fetch
         (the predictor's own choice); ``output_bytes``: see :data:`OutputBytesFn` (without it,
-        write-backs are known only once a task ran)."""
+        write-backs are known only once a task ran). ``prefetch``: when the policy places a
+        task at push time, its inputs' copies to that worker's node are decided then (StarPU's
+        prefetch: ``prefetches`` lists them for the driver to start at once; the copies are
+        valid there from then on, so the task's own fetches are those that could not be)."""
         self.models = ModelSet.of(plan)
         self.plan = self.models.models[0].plan  # the first (or only) model's
         self.policy = policy
@@ -251,6 +257,10 @@ class TaskGraph:
         self._on_device = [not is_host(w.memory_node) for w in workers]
         #: every copy decided so far
         self.copy_counts = CopyCounts()
+        self.prefetch = prefetch and policy.places_at_push
+        #: (task, copy) prefetches the last submit/finish/worker_lost decided: the driver starts
+        #: them, and clears the list
+        self.prefetches: list[tuple[Task, Copy]] = []
         self._targets = [m.target for m in self.models.models]
         # what submit reads per request, computed once: a request's cost is the host's cost
         # per task at small batches (issue 19)
@@ -336,10 +346,47 @@ class TaskGraph:
         task.ready_at = now
         self.queue[view.id] = task
         target = self.policy.push(view)
+        if self.prefetch and target.__class__ is int:
+            self._prefetch(task, self.workers[target].info.memory_node)  # type: ignore[index]
         if target is None and self.where is not None:  # a shared queue: wake one that holds it
             self.pushed_to.append(self.where[task.part])
         else:
             self.pushed_to.append(target)
+
+    def _prefetch(self, task: Task, node: str) -> None:
+        """The copies of ``task``'s inputs to ``node``, the node of the worker the policy placed
+        it on, decided now: each becomes a valid copy there at once (in flight: the reader's
+        stream waits on its event), booked, and listed in :attr:`prefetches` for the driver."""
+        req = task.request
+        handles, cache = req.handles, self._copy_cache
+        done: list[Copy] = []
+        for name in self._part_inputs[task.part]:
+            h = handles[name]
+            valid = h.valid_on
+            if node in valid or h.nbytes <= 0 or not valid:
+                continue
+            key = (name, source(valid, node, h.nbytes, self.copy_cost), node, h.nbytes)
+            try:
+                copy = cache[key]
+            except KeyError:
+                copy = cache.setdefault(key, Copy(*key))
+            done.append(copy)
+            h.valid_on = valid | {node}
+            self.prefetches.append((task, copy))
+        if done:
+            task.prefetched = done
+            links = self.copy_counts.links
+            for c in done:
+                try:
+                    entry = links[c[1], c[2]]
+                except KeyError:
+                    entry = links[c[1], c[2]] = [0, 0]
+                entry[0] += 1
+                entry[1] += c[3]
+            if req.copies is None:
+                req.copies = list(done)
+            else:
+                req.copies += done
 
     # -- workers -------------------------------------------------------------------------------
     def next_task(self, wid: int, now: float) -> Task | None:

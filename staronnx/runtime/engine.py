@@ -14,7 +14,12 @@ GPU's memory, or both). A CUDA worker leaves the outputs other parts read on its
 writes back only the request's final outputs; a task is handed, per input, its copy on the
 worker's node, or the copy its fetch reads (a CUDA worker copies it into its own buffers; a
 CPU worker's fetch from a GPU is downloaded here first), and a fetched copy that later
-readers will want is kept as the handle's own.
+readers will want is kept as the handle's own. Where the policy places a task when it is
+pushed (dmda, heft, random, static), its inputs' copies to that worker's node start at once
+(StarPU's prefetch: :meth:`NativeEngine._start_prefetches`, on the node's copy stream), so
+they overlap the worker's current task; the task's stream waits on their events, not the
+host. ``stats()["prefetch"]`` counts the tasks that found their inputs on their node when
+they started.
 
 Everything here runs per task under the GIL that every worker and the serving threads share,
 so the bookkeeping is kept small: one condition per worker (a task wakes the worker it was
@@ -168,7 +173,11 @@ class NativeEngine:
         self.started_at = self.clock.now()
         infos = [worker_info(i, w) for i, w in enumerate(workers)]
         self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
-                              where=parts_held(workers, self.models.k), copy_cost=predictor.copy_time)
+                              where=parts_held(workers, self.models.k), copy_cost=predictor.copy_time,
+                              prefetch=bool(self._memories))
+        #: per worker (each counted by its own thread): tasks started, those that needed an
+        #: input moved to their node, and those whose moves were all done when they started
+        self._starts = [[0, 0, 0] for _ in workers]
         self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
@@ -209,11 +218,57 @@ class NativeEngine:
                                    "that held one of its parts was lost")
             req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
                                    dict(feeds), future, model=model, arrival=arrival)
+            if self.core.prefetches:
+                self._start_prefetches()
             future.request_id = req.id
             future.placement = req.placement
             if self._idle:
                 self._wake()
         return future
+
+    def _start_prefetches(self) -> None:
+        """(lock held) Start the copies the core decided when its policy placed tasks (its
+        :attr:`~TaskGraph.prefetches`): on the destination GPU's copy stream, or down from a
+        GPU into pinned memory for a CPU worker, none waited for; each joins its request's
+        values as the tensor's copy there. One that cannot start is no longer valid there
+        (the task then fetches it when it starts)."""
+        for task, copy in self.core.prefetches:
+            name, dst = copy[0], copy[2]
+            values = task.request.values
+            value = values.get(name)
+            src = None if value is None else replica_on(value, copy[1])
+            if src is None or (is_host(dst) and src.__class__ is not DeviceTensor):
+                continue  # gone (a failed request), or host memory: read in place
+            try:
+                got = src.memory.prefetch_to_host(src) if is_host(dst) else self._memories[dst].prefetch(src)
+            except Exception as exc:  # noqa: BLE001 - the task's own fetch will say what fails
+                log.debug("prefetch of %s to %s failed: %s", name, dst, exc)
+                h = task.request.handles[name]
+                h.valid_on = h.valid_on - {dst}
+                task.prefetched = [c for c in task.prefetched if c is not copy]
+                continue
+            values[name] = with_replica(value, dst, got)
+        self.core.prefetches.clear()
+
+    def _count_start(self, task: Task, wid: int) -> None:
+        """Whether ``task`` found its inputs on its worker's node as it starts: nothing to
+        fetch now, and every prefetch of its done (a prefetch hit), counted per worker."""
+        counts = self._starts[wid]
+        counts[0] += 1
+        node = self._nodes[wid]
+        if any(c[2] == node for c in task.copies):
+            counts[1] += 1
+            return
+        if not task.prefetched:
+            return
+        counts[1] += 1
+        values = task.request.values
+        for c in task.prefetched:
+            r = replica_on(values[c[0]], node)
+            if r is not None and r.ready is not None and not (r.memory if r.__class__ is DeviceTensor
+                                                               else r.ready_pool).settled(r):
+                return
+        counts[2] += 1
 
     def _wake(self) -> None:
         """(lock held) Wake the workers the last core call gave work to: the one a task was
@@ -423,6 +478,9 @@ class NativeEngine:
                 feeds[n] = v  # a host array, read as it is
                 continue
             r = replica_on(v, node)
+            if on_host and r is not None and r.__class__ is PinnedArray and r.ready is not None:
+                r.ready.synchronize()  # a prefetch from a GPU still coming down
+                r.ready_pool.settled(r)
             if r is None:  # a fetch: from the source the core chose
                 src = replica_on(v, next(c.src for c in task.copies if c.name == n and c.dst == node))
                 if on_host:
@@ -443,6 +501,8 @@ class NativeEngine:
         start = self.clock.now()
         kept: list[tuple[str, Any]] = []
         compute = None
+        if self.core.prefetch:
+            self._count_start(task, wid)
         try:
             feeds = self._feeds(task, wid, kept)
             began = self.clock.now()
@@ -458,6 +518,8 @@ class NativeEngine:
         timed = self._timed(wid, task)
         start = self.clock.now()
         kept: list[tuple[str, Any]] = []
+        if self.core.prefetch:
+            self._count_start(task, wid)
         try:
             feeds = self._feeds(task, wid, kept)
             route = self._routes[task.part] if self._memories else None
@@ -509,6 +571,8 @@ class NativeEngine:
                     values[name] = with_replica(values[name], node, copy)
 
             done = self.core.finish(wid, task, end, measured, sizes)
+            if self.core.prefetches:
+                self._start_prefetches()
             if self._idle:
                 self._wake()
             if self._closed and not self.core.inflight:
@@ -546,6 +610,8 @@ class NativeEngine:
         log.error("worker %s died: %s; its queued tasks go to the other workers", name, exc)
         with self._lock:
             lost = self.core.worker_lost(wid, repr(exc), self.clock.now())
+            if self.core.prefetches:
+                self._start_prefetches()
             self._wake_all()  # re-placed tasks may be anyone's now
             self._drained.notify_all()
         for req in lost:
@@ -594,6 +660,10 @@ class NativeEngine:
         """Busy fraction per worker, tasks per (part, arch), queue wait, predicted vs measured."""
         with self._lock:
             out = self.core.stats(self.clock.now() - self.started_at)
+        if self.core.prefetch:  # StarPU's prefetch hits: inputs on the node as a task started
+            tasks, moved, hits = (sum(c[i] for c in self._starts) for i in range(3))
+            out["prefetch"] = {"tasks": tasks, "moved": moved, "hits": hits,
+                               "on_node": (tasks - moved + hits) / tasks if tasks else None}
         for w in self._workers:  # CUDA graphs per worker: what `staronnx run` reports
             graphs = getattr(w, "graph_stats", None)
             if graphs is not None and getattr(w, "cuda_graphs", False) and w.name in out["workers"]:

@@ -614,7 +614,7 @@ class _HostEvent:
 
     def query(self) -> bool:
         self._rt._call("event_query")
-        return True
+        return self._rt._in_flight()
 
     def seconds_since(self, start: _HostEvent) -> float:
         self._rt._call("event_elapsed")
@@ -663,6 +663,9 @@ class HostRuntime:
       runtime's copy decisions are checked against, copy for copy;
     - :meth:`inject` makes a later call fail with a CUDA error code; a sticky code (700, ...)
       then fails every call, as a lost context does;
+    - :meth:`hold_events` makes the next event queries answer "not done yet" (a copy still in
+      flight on its stream: host copies are done at once), so what waits on an event can be
+      made to;
     - the capture rules of CUDA's global mode (:meth:`capturing`, :meth:`thread_capture_mode`):
       an unsafe call from a global-mode thread while another thread captures fails with 900
       and the capture with 901.  ``capture_seconds`` holds each capture open that long, so a
@@ -691,6 +694,7 @@ class HostRuntime:
         self.copy_threads: set[int] = set()
         self.capture_seconds = capture_seconds
         self._faults: list[list[Any]] = []  # [call name, code, times left]
+        self._held_queries = 0
         self._lost: CudaError | None = None
         #: what the emulated CUDA provider did: "captured" (first runs of a graph id, each a
         #: capture) and "replayed" (runs that only launched a captured graph)
@@ -705,6 +709,18 @@ class HostRuntime:
         """Make the next ``times`` calls named ``call`` (a key of :attr:`calls`) fail with
         ``code``."""
         self._faults.append([call, code, times])
+
+    def hold_events(self, queries: int) -> None:
+        """The next ``queries`` event queries answer False: the work they ask about is still in
+        flight (as a prefetch on a real copy stream may be)."""
+        self._held_queries = queries
+
+    def _in_flight(self) -> bool:
+        """An event query's answer: True (done), unless queries are held."""
+        if self._held_queries > 0:
+            self._held_queries -= 1
+            return False
+        return True
 
     def _call(self, name: str, unsafe: bool = False) -> None:
         self.calls[name] += 1

@@ -22,6 +22,7 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -35,6 +36,10 @@ class PinnedArray(np.ndarray):
     pool (a lock and a scan) for every input of every task."""
 
     pinned_ptr: int | None = None
+    #: an event a reader waits on first when the array is a copy still in flight (a prefetch
+    #: from a GPU), with the memory node that lends it (``ready_pool.give_event``); None: ready
+    ready: Any = None
+    ready_pool: Any = None
 
 
 def _size_class(nbytes: int) -> int:

@@ -43,9 +43,11 @@ class DeviceTensor:
     """A tensor in one GPU's memory: its buffer, dtype, shape, and the node it is on.
 
     ``ready`` is None once the copy or run that filled it is complete as far as a reader on
-    another stream is concerned, else an event that reader's stream waits on first."""
+    another stream is concerned, else an event that reader's stream waits on first (a
+    prefetch in flight; :meth:`DeviceMemory.settled` clears it); ``source`` keeps what such a
+    copy reads alive until then (a pinned staging copy)."""
 
-    __slots__ = ("buffer", "ptr", "nbytes", "dtype", "shape", "node", "device", "memory", "ready")
+    __slots__ = ("buffer", "ptr", "nbytes", "dtype", "shape", "node", "device", "memory", "ready", "source")
 
     def __init__(self, memory: DeviceMemory, buffer: Buffer, dtype: np.dtype, shape: tuple[int, ...]) -> None:
         self.memory = memory
@@ -57,9 +59,12 @@ class DeviceTensor:
         self.node = memory.node
         self.device = memory.device_id
         self.ready: Any = None
+        self.source: Any = None
 
-    def __del__(self) -> None:  # any thread, any moment: only queues the buffer back
+    def __del__(self) -> None:  # any thread, any moment: only queues the buffer (and event) back
         self.memory.give_back(self.buffer)
+        if self.ready is not None:
+            self.memory.give_event(self.ready)
 
     def __repr__(self) -> str:
         return f"DeviceTensor({self.node}, {self.shape}, {self.dtype}, 0x{self.ptr:x})"
@@ -153,6 +158,9 @@ class DeviceMemory:
         #: buffers of dead tensors: a finalizer only appends here; the arena takes them back
         self._returned: deque[Buffer] = deque()
         self._stream: Any = None
+        #: events of prefetches, reused (an event is never destroyed while serving: a finalizer
+        #: may give one back on any thread, and cudaEventDestroy there could break a capture)
+        self._events: deque[Any] = deque()
         self._closed = False
         #: buffers ever allocated (reuse keeps it at the peak in use)
         self.allocated = 0
@@ -215,6 +223,8 @@ class DeviceMemory:
         with self._copying, self._on_device() as stream:
             if value.__class__ is DeviceTensor:
                 t = self.tensor(value.dtype, value.shape)
+                if value.ready is not None:
+                    stream.wait(value.ready)
                 self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
             else:
                 array = np.ascontiguousarray(value)
@@ -224,6 +234,67 @@ class DeviceMemory:
             stream.synchronize()  # (the staging buffer may go once the copy is done)
         return t
 
+    def prefetch(self, value: Any) -> DeviceTensor:
+        """A copy on this GPU of ``value`` (a host array, or a tensor on another GPU), started
+        on this node's copy stream and not waited for: its ``ready`` event is what a reader's
+        stream waits on (StarPU's prefetch, at push time, while the worker runs its current
+        task)."""
+        with self._copying, self._on_device() as stream:
+            if value.__class__ is DeviceTensor:
+                t = self.tensor(value.dtype, value.shape)
+                if value.ready is not None:
+                    stream.wait(value.ready)
+                self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
+                t.source = value
+            else:
+                array = np.ascontiguousarray(value)
+                t = self.tensor(array.dtype, array.shape)
+                src, t.source = self._pinned_source(array)
+                self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
+            t.ready = self._event()
+            t.ready.record(stream)
+        return t
+
+    def prefetch_to_host(self, tensor: DeviceTensor) -> np.ndarray:
+        """``tensor``'s bytes coming down into a pinned array, started and not waited for: the
+        array's ``ready`` event is what its (CPU) reader waits on. Synchronous where there is
+        no pinned pool (a copy to pageable memory is)."""
+        if self.pinned_pool is None:
+            return self.download(tensor)
+        out = self.pinned_pool.array(tensor.shape, tensor.dtype)
+        with self._copying, self._on_device() as stream:
+            if tensor.ready is not None:
+                stream.wait(tensor.ready)
+            self.runtime.copy_d2h(int(out.pinned_ptr or out.ctypes.data), tensor.ptr, tensor.nbytes, stream)
+            ready = self._event()
+            ready.record(stream)
+        out.ready, out.ready_pool = ready, self
+        return out
+
+    def settled(self, copy: Any) -> bool:
+        """Whether the copy ``copy`` (a prefetched tensor or pinned array) is complete; once it
+        is, its event goes back and a reader no longer waits on it."""
+        ready = copy.ready
+        if ready is None:
+            return True
+        with capture_safe(self.runtime):
+            done = bool(ready.query())
+        if done:
+            copy.ready = None
+            self.give_event(ready)
+        return done
+
+    def _event(self) -> Any:
+        """(in :meth:`_on_device`) An event for a prefetch, reused where one came back."""
+        try:
+            return self._events.popleft()
+        except IndexError:
+            return self.runtime.event(timing=False)
+
+    def give_event(self, event: Any) -> None:
+        """(any thread) An event no reader waits on any more."""
+        self._events.append(event)
+
     def download(self, tensor: DeviceTensor) -> np.ndarray:
         """``tensor``'s bytes in host memory (pinned, from the pool where there is one): the
         fetch of a CPU reader, waited for."""
@@ -231,6 +302,8 @@ class DeviceMemory:
                else np.empty(tensor.shape, tensor.dtype))
         dst = getattr(out, "pinned_ptr", None) or out.ctypes.data
         with self._copying, self._on_device() as stream:
+            if tensor.ready is not None:
+                stream.wait(tensor.ready)
             self.runtime.copy_d2h(int(dst), tensor.ptr, tensor.nbytes, stream)
             stream.synchronize()
         return out
@@ -254,6 +327,8 @@ class DeviceMemory:
             buffers = [b for bs in self._free.values() for b in bs]
             self._free.clear()
             stream, self._stream = self._stream, None
+            events = list(self._events)
+            self._events.clear()
         with capture_safe(self.runtime):
             before = self.runtime.get_device()
             self.runtime.set_device(self.device_id)
@@ -263,6 +338,8 @@ class DeviceMemory:
                     stream.destroy()
                 for b in buffers:
                     b.free()
+                for e in events:
+                    e.destroy()
             finally:
                 if before != self.device_id:
                     self.runtime.set_device(before)
