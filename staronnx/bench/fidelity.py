@@ -112,11 +112,15 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     Latency errors count only points where neither the live run nor the simulation is
     congested; throughput errors count every simulated point whose requests did not fail (a
     failed point measured no performance to predict). ``congestion_agreement`` is the share of
-    points where both sides call congestion the same way.
+    points where both sides call congestion the same way. Points measured beside other work
+    (``machine_busy``: :mod:`staronnx.bench.cpuload`) are left out of every figure, and counted in
+    ``busy_points``: their error is the other work's as much as the simulator's.
     """
-    simulated = [r for r in rows if "sim_throughput" in r and r.get("state") != "failed"]
+    candidates = [r for r in rows if "sim_throughput" in r and r.get("state") != "failed"]
+    simulated = [r for r in candidates if not r.get("machine_busy")]
     steady = [r for r in simulated if not r.get("congested") and not r.get("sim_congested")]
-    out: dict[str, Any] = {"target": target, "simulated_points": len(simulated), "steady_points": len(steady)}
+    out: dict[str, Any] = {"target": target, "simulated_points": len(simulated), "steady_points": len(steady),
+                           "busy_points": len(candidates) - len(simulated)}
     out["throughput"] = _stats([e for r in simulated if (e := r.get("err_throughput")) is not None], target)
     out["latency_p50"] = _stats([e for r in steady if (e := r.get("err_latency_p50")) is not None], target)
     out["paper_latency"] = _stats([e for r in steady if (e := r.get("err_paper_latency")) is not None], target)

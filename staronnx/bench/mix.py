@@ -238,12 +238,13 @@ def sweep_mix(
     """
     from staronnx.bench.bound import mix_bound
     from staronnx.bench.fidelity import fidelity_summary
-    from staronnx.bench.points import measure_point, point_duration, sample_pool, warm_up, workers_delta, \
-        workers_snapshot
+    from staronnx.bench.cpuload import LoadWatch
+    from staronnx.bench.points import measure_point, point_duration, sample_pool, task_time_ratio, tasks_snapshot, \
+        warm_up, workers_delta, workers_snapshot
     from staronnx.bench.results import SweepError, clean, make_row, write_results
     from staronnx.bench.machine import build_machine, machine_inflight, residency_where
     from staronnx.bench.simulator import deadline_misses, simulate_mix
-    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, point_tracers, simulated_point
+    from staronnx.bench.sweep import POINTS_LANE, SweepEvent, gpus_of, load_columns, point_tracers, simulated_point
     from staronnx.runtime.models import ModelSet
     from staronnx.runtime.runtime import Runtime, warmup_sizes
     from staronnx.serving.arrivals import DISTRIBUTIONS
@@ -358,7 +359,7 @@ def sweep_mix(
                     bounds[f"{point.label} b {mix_label(point.batch_sizes)}"] = mix.as_dict()
                 except StaronnxError as exc:
                     notes.append(f"no LP bound for {point.label}: {exc}")
-            before = workers_snapshot(runtime)
+            before, tasks_before, watch = workers_snapshot(runtime), tasks_snapshot(runtime), LoadWatch()
             results: dict[str, tuple[dict[str, Any], Any]] = {}
             errors: list[BaseException] = []
 
@@ -379,7 +380,9 @@ def sweep_mix(
                 t.join()
             if errors:
                 raise errors[0]
+            load = watch.stop()
             after = workers_snapshot(runtime)
+            machine_columns = load_columns(load, task_time_ratio(tasks_before, tasks_snapshot(runtime)))
             began = min(records.start for _, records in results.values())
             if tracer is not None:
                 tracer.span(POINTS_LANE, point.label, began, max(records.end for _, records in results.values()),
@@ -417,6 +420,7 @@ def sweep_mix(
                 row["label"] = settings["label"]
                 row["attempts"] = 1
                 row["workers"] = clean(workers_delta(before, after, records.end - records.start))
+                row.update(machine_columns)
                 row["loadgen"] = clean(records.settings.get("loadgen"))
                 row["placement"] = clean(summary.get("placement"))
                 if sim is not None:

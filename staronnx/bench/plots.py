@@ -2,7 +2,8 @@
 
 - :func:`figure_latency_throughput`: the papers' latency (first request of each batch, mean
   with its std as error bars) against achieved throughput, one curve per batch size (their
-  Fig. 2a); congested points are drawn hollow.
+  Fig. 2a); congested points are drawn hollow, points measured beside other work
+  (``machine_busy``) ringed in orange, here and in the simulator's figure.
 - :func:`figure_best_batch`: per offered rate, the batch size with the lowest papers' latency
   among uncongested points, and that latency (their Fig. 2b).
 - :func:`figure_cpu_share`: share of part-tasks run on a CPU, per batch size, against the rate
@@ -76,6 +77,29 @@ def _title(rows: Rows, what: str) -> str:
     return f"{what}" + (f"\n({extra})" if extra else "")
 
 
+#: how a point measured beside other work is marked (``machine_busy``: :mod:`staronnx.bench.cpuload`)
+BUSY_MARK = {"marker": "o", "ms": 12, "mfc": "none", "mec": "darkorange", "mew": 1.5, "ls": "none"}
+BUSY_LABEL = "measured beside other work"
+
+
+def _mark_busy(ax: Any, xs: Sequence[float], ys: Sequence[float], pts: Rows) -> bool:
+    """Ring the points of ``pts`` measured beside other work; whether any was."""
+    busy = [(x, y) for x, y, r in zip(xs, ys, pts, strict=True) if r.get("machine_busy") and math.isfinite(y)]
+    if busy:
+        ax.plot(*zip(*busy, strict=True), zorder=4, **BUSY_MARK)
+    return bool(busy)
+
+
+def _busy_legend(ax: Any, **kwargs: Any) -> None:
+    """The axes' legend, with one entry for the busy ring."""
+    from matplotlib.lines import Line2D
+
+    handles, labels = ax.get_legend_handles_labels()
+    handles.append(Line2D([], [], **BUSY_MARK))
+    labels.append(BUSY_LABEL)
+    ax.legend(handles, labels, **kwargs)
+
+
 def _need(rows: Rows) -> None:
     if not rows:
         raise PlotError("no sweep rows to plot")
@@ -89,6 +113,7 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
     fig, ax = plt.subplots(figsize=(7.5, 5))
     series: list[str] = []
     colors = _colors(rows)
+    busy = False
     for b, pts in _by_batch(rows).items():
         xs = [_num(r.get("throughput")) for r in pts]
         ys = [_num(r.get(latency)) for r in pts]
@@ -105,6 +130,7 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
         hot = [(x, y) for x, y, r in zip(xs, ys, pts, strict=True) if r.get("congested")]
         if hot:
             ax.plot(*zip(*hot, strict=True), "o", ms=8, mfc="white", mec=color, zorder=3)
+        busy = _mark_busy(ax, xs, ys, pts) or busy
         series.append(label)
     if not series:
         plt.close(fig)
@@ -114,7 +140,10 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
     if log_y:
         ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(title="batch size (hollow: congested)", fontsize=8)
+    if busy:
+        _busy_legend(ax, title="batch size (hollow: congested)", fontsize=8)
+    else:
+        ax.legend(title="batch size (hollow: congested)", fontsize=8)
     ax.set_title(_title(rows, "latency vs throughput per batch size"))
     fig.tight_layout()
     return fig, series
@@ -193,13 +222,17 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     series: list[str] = []
     colors = _colors(rows)
+    busy = False
     for b, pts in _by_batch(simulated).items():
         xs = [_num(r.get("offered_rate")) for r in pts]
         color = colors[b]
-        left.plot(xs, [_num(r.get("throughput")) for r in pts], "o-", ms=4, color=color, label=f"b = {b} measured")
+        measured = [_num(r.get("throughput")) for r in pts]
+        left.plot(xs, measured, "o-", ms=4, color=color, label=f"b = {b} measured")
         left.plot(xs, [_num(r.get("sim_throughput")) for r in pts], "x--", color=color, label=f"b = {b} simulated")
-        right.plot(xs, [_num(r.get("latency_p50_ms")) for r in pts], "o-", ms=4, color=color)
+        p50 = [_num(r.get("latency_p50_ms")) for r in pts]
+        right.plot(xs, p50, "o-", ms=4, color=color)
         right.plot(xs, [_num(r.get("sim_latency_p50_ms")) for r in pts], "x--", color=color)
+        busy = _mark_busy(left, xs, measured, pts) | _mark_busy(right, xs, p50, pts) or busy
         series.append(f"b = {b}")
     left.set_xlabel("offered rate (requests/s)")
     left.set_ylabel("throughput (samples/s)")
@@ -208,7 +241,10 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
     right.set_yscale("log")
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
-    left.legend(fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
+    if busy:
+        _busy_legend(left, fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
+    else:
+        left.legend(fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
     fig.suptitle(_title(rows, "simulator vs measurement"))
     fig.tight_layout()
     return fig, series

@@ -221,6 +221,39 @@ def workers_snapshot(runtime: Any) -> dict[str, tuple[int, float]]:
             for name, w in (stats.get("workers") or {}).items()}
 
 
+def tasks_snapshot(runtime: Any) -> dict[str, tuple[int, float, float]]:
+    """``"part<p>/<arch>"`` -> (tasks, measured seconds, predicted seconds) so far, from
+    ``Runtime.stats()`` (means times counts: the predictions of the tasks that had one)."""
+    try:
+        stats = runtime.stats()
+    except Exception:  # noqa: BLE001 - a stand-in runtime without stats
+        return {}
+    out = {}
+    for key, row in (stats.get("tasks") or {}).items():
+        n = int(row.get("tasks") or 0)
+        measured = row.get("measured_ms")
+        predicted = row.get("predicted_ms")
+        out[key] = (n, (measured or 0.0) * n / 1e3,
+                    predicted * n / 1e3 if isinstance(predicted, (int, float)) and math.isfinite(predicted) else math.nan)
+    return out
+
+
+def task_time_ratio(before: Mapping[str, tuple[int, float, float]],
+                    after: Mapping[str, tuple[int, float, float]]) -> float | None:
+    """The tasks' measured time over their perf models' predictions between two
+    :func:`tasks_snapshot` (every task run meanwhile, weighted by its time): 1.0 where the
+    models still fit the machine, above it where tasks ran slower than calibrated (others on
+    the cores, or models calibrated on a quieter machine); None without predictions."""
+    measured = predicted = 0.0
+    for key, (n, m, p) in after.items():
+        n0, m0, p0 = before.get(key, (0, 0.0, 0.0))
+        if n <= n0 or not (math.isfinite(p) and math.isfinite(p0)):
+            continue
+        measured += m - m0
+        predicted += p - p0
+    return measured / predicted if predicted > 0 else None
+
+
 def workers_delta(before: Mapping[str, tuple[int, float]], after: Mapping[str, tuple[int, float]],
                   seconds: float) -> dict[str, dict[str, float]]:
     """Per worker, what it did between two :func:`workers_snapshot`: tasks, share of the

@@ -35,12 +35,15 @@ from typing import Any
 import numpy as np
 
 from staronnx.bench.bound import batch_bounds, stale_models_note
+from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
 from staronnx.bench.fidelity import fidelity_summary, simulate_row
 from staronnx.bench.points import (
     measure_point,
     point_duration,
     runnable_sizes,
     sample_pool,
+    task_time_ratio,
+    tasks_snapshot,
     warm_up,
     workers_delta,
     workers_snapshot,
@@ -302,11 +305,15 @@ def sweep(
         settings["workers"] = [getattr(w, "name", str(w)) for w in (getattr(runtime, "workers", ()) or ())]
         notify(SweepEvent("start", 0, total))
         results.save()
+        tasks_before, watch = tasks_snapshot(runtime), LoadWatch()
         for b in batch_sizes:
             failed = warm_up(runtime, plan, [b], seed=seed, inputs=inputs)
             if failed:  # its points fail the same way and say so: measured, not a traceback
                 results.notes.append(f"warm-up failed at {failed}")
             notify(SweepEvent("warmup", 0, total, batch_size=b))
+        check = calibration_check(task_time_ratio(tasks_before, tasks_snapshot(runtime)), watch.stop())
+        settings["calibration_check"] = check.pop("settings")
+        results.notes.extend(check["notes"])
         samples = sample_pool(plan, seed=seed, inputs=inputs)
         tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
         for b in batch_sizes:
@@ -342,6 +349,9 @@ def sweep(
                     results.save()
                     notify(SweepEvent("skipped", index, total, b, rate, skipped=list(rest), message=why))
                     break
+        busy = busy_note(results.rows)
+        if busy:
+            results.notes.append(busy)
         stale = stale_models_note(
             plan, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
             groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
@@ -382,11 +392,13 @@ def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, ra
             if (i + 1) % step == 0 or i + 1 == n:
                 notify(SweepEvent("requests", index, total, b, rate, requests=n, submitted=i + 1, attempt=_attempt))
 
-        before = workers_snapshot(runtime)
+        before, tasks_before = workers_snapshot(runtime), tasks_snapshot(runtime)
+        watch = LoadWatch()
         began = time.perf_counter()
         summary, records = measure_point(runtime, b, rate, samples, duration=length, warmup=warmup,
                                          on_submit=on_submit, max_inflight=window, **point)
-        after = workers_snapshot(runtime)
+        load = watch.stop()
+        after, tasks_after = workers_snapshot(runtime), tasks_snapshot(runtime)
         if tracer is not None:
             tracer.span(POINTS_LANE, f"b={b} @ {rate:g} req/s" + (" (again)" if attempt > 1 else ""),
                         began, time.perf_counter(), "sweep point",
@@ -403,7 +415,64 @@ def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, ra
     row["windows"] = clean(summary.get("windows"))
     row["loadgen"] = clean(records.settings.get("loadgen"))
     row["placement"] = clean(summary.get("placement"))
+    row.update(load_columns(load, task_time_ratio(tasks_before, tasks_after)))
     return row, records.start
+
+
+#: tasks' measured time over their perf models' beyond which the calibration check speaks
+#: (either way: 1.25 or 1 / 1.25)
+DRIFT = 1.25
+
+
+def calibration_check(ratio: float | None, load: MachineLoad | None) -> dict[str, Any]:
+    """The sweep's check of its perf models against a quick re-measure: the warm-up's tasks
+    (every batch size, every worker) timed by the engine against what the models predicted.
+    Returns ``settings`` (what ``settings.calibration_check`` keeps) and ``notes`` (a line when
+    the models and the machine disagree by more than :data:`DRIFT`, or the warm-up ran beside
+    other work): predictions, the bound and the simulation are off by as much."""
+    out: dict[str, Any] = {"settings": clean({"task_time_ratio": ratio,
+                                               "machine": None if load is None else load.as_dict()}), "notes": []}
+    if ratio is not None and not (1 / DRIFT <= ratio <= DRIFT):
+        how = "slower" if ratio > 1 else "faster"
+        why = ("others use the cores now (see the warm-up's reading)" if load is not None and load.busy
+               else "the models were calibrated on a " + ("quieter" if ratio > 1 else "busier") + " machine")
+        out["notes"].append(f"calibration check: the warm-up's tasks ran x{ratio:.2f} their perf models' times "
+                            f"({how}): {why}; the bound and the simulation are off by as much (recalibrate on a "
+                            "quiet machine: staronnx calibrate --replace)")
+    if load is not None and load.busy:
+        out["notes"].append(f"warm-up {load.why}")
+    return out
+
+
+def busy_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
+    """One line when some points were measured beside other work (``machine_busy``)."""
+    busy = [r for r in rows if r.get("machine_busy")]
+    if not busy:
+        return None
+    worst = max(busy, key=lambda r: (r.get("others_cpu_share") or 0.0) + (r.get("steal_share") or 0.0))
+    share = (worst.get("others_cpu_share") or 0.0) + (worst.get("steal_share") or 0.0)
+    return (f"{len(busy)} of {len(rows)} point(s) measured beside other work (machine_busy: other processes or the "
+            f"hypervisor took over {BUSY_SHARE:.0%} of the CPUs, up to {share:.0%} at b={worst['batch_size']} @ "
+            f"{worst['offered_rate']:g} req/s): their figures are the machine's as much as the plan's, and the "
+            "simulator's error summary leaves them out")
+
+
+def load_columns(load: MachineLoad | None, ratio: float | None) -> dict[str, Any]:
+    """What a row records of the machine while its point was measured
+    (:mod:`staronnx.bench.cpuload`): ``machine_busy`` (others or the hypervisor took more than
+    :data:`~staronnx.bench.cpuload.BUSY_SHARE` of the CPUs), ``others_cpu_share``,
+    ``steal_share``, ``own_cpu_cores`` (the run's own CPU, cores' worth), ``task_time_ratio``
+    (tasks' measured time over their perf models'), ``busy_why`` and the whole reading under
+    ``machine``; None everywhere where ``/proc/stat`` could not be read."""
+    return clean({
+        "machine_busy": None if load is None else load.busy,
+        "others_cpu_share": None if load is None else load.others_share,
+        "steal_share": None if load is None else load.steal_share,
+        "own_cpu_cores": None if load is None else load.own_cores,
+        "task_time_ratio": ratio,
+        "busy_why": None if load is None else load.why,
+        "machine": None if load is None else load.as_dict(),
+    })
 
 
 def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:

@@ -148,6 +148,14 @@ def _state_markup(row: dict[str, Any]) -> str:
     return {"congested": "[red]congested[/]", "unstable": "[yellow]unstable[/]"}.get(state, state)
 
 
+def _busy_cell(row: dict[str, Any]) -> str:
+    """``busy (others 47%)`` for a point measured beside other work, else empty."""
+    if not row.get("machine_busy"):
+        return ""
+    share = (row.get("others_cpu_share") or 0.0) + (row.get("steal_share") or 0.0)
+    return f"busy (others {share:.0%})"
+
+
 def _print_point_notes(rows: list[dict[str, Any]]) -> None:
     """Each point's own notes (why its requests failed), one line each, under its table."""
     for r in rows:
@@ -169,7 +177,7 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
     table = Table(title="simulator vs measurement (error = simulated / measured - 1)")
     mixed = any("model" in r for r in simulated)  # a mixed sweep: a row per mix and model
     for c in (*(("mix", "model") if mixed else ()), "b", "offered", "thr. live", "thr. sim", "error", "p50 live",
-              "p50 sim", "error", "latency live", "latency sim", "error", "congested live/sim"):
+              "p50 sim", "error", "latency live", "latency sim", "error", "congested live/sim", "machine"):
         table.add_column(c, justify="left" if c in ("mix", "model") else "right")
 
     def pct(v: Any) -> str:
@@ -182,10 +190,17 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
             _fmt(r.get("sim_throughput"), 1), pct(r.get("err_throughput")), _fmt(r.get("latency_p50_ms")),
             _fmt(r.get("sim_latency_p50_ms")), pct(r.get("err_latency_p50")), _fmt(r.get("paper_latency_mean_ms")),
             _fmt(r.get("sim_paper_latency_mean_ms")), pct(r.get("err_paper_latency")),
-            f"{_fmt(bool(r.get('congested')))}/{_fmt(bool(r.get('sim_congested')))}",
+            f"{_fmt(bool(r.get('congested')))}/{_fmt(bool(r.get('sim_congested')))}", _busy_cell(r),
         )
     console.print(table)
     f = fidelity_summary(rows)
+    if f.get("busy_points") and not f["simulated_points"]:  # nothing quiet to judge by: say so, show them all
+        console.print(f"[yellow]every point was measured beside other work: the errors below are the other work's "
+                      "as much as the simulator's[/]")
+        f = fidelity_summary([{**r, "machine_busy": False} for r in rows])
+    elif f.get("busy_points"):
+        console.print(f"[yellow]{f['busy_points']} point(s) measured beside other work left out of the errors "
+                      "below[/] (their error is the other work's as much as the simulator's)")
     for key, name in (("throughput", "throughput (all points)"), ("latency_p50", "p50 latency (steady points)"),
                       ("paper_latency", "papers' latency (steady points)")):
         st = f[key]
@@ -216,8 +231,9 @@ def _summary_table(rows: list[dict[str, Any]]) -> Table:
 
     table = Table(title="sweep (papers' latency: first request of each batch)")
     cols = ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state")
-    for c in cols:
-        table.add_column(c, justify="left" if c == "state" else "right")
+    busy = any(r.get("machine_busy") for r in rows)
+    for c in cols + (("machine",) if busy else ()):
+        table.add_column(c, justify="left" if c in ("state", "machine") else "right")
     for r in rows:
         state = row_state(r)
         table.add_row(
@@ -226,7 +242,7 @@ def _summary_table(rows: list[dict[str, Any]]) -> Table:
             _fmt(r.get("latency_p50_ms")), _fmt(r.get("latency_p99_ms")),
             "-" if r.get("cpu_share") is None else f"{r['cpu_share']:.0%}",
             "-" if r.get("achieved_over_bound") is None else f"{r['achieved_over_bound']:.0%}",
-            state,
+            state, *((_busy_cell(r),) if busy else ()),
         )
     return table
 
