@@ -10,21 +10,28 @@ task is calibrated at batch 1 only (:func:`batch_sizes_for`). Each part is fed t
 predecessors produce (a reference run of the plan), never random crossing tensors. Workers run
 concurrently, as they will while serving; workers of the same architecture (CPU groups of the
 same size) feed one shared model, as StarPU's homogeneous CPU models do.
+
+Calibration reads the machine's load while it measures (:mod:`staronnx.bench.cpuload`): samples
+taken beside other work are that work's as much as the plan's, and :attr:`CalibrationReport.busy`
+says so. :func:`calibrate_host` then measures what serving costs the host beyond the parts
+(:mod:`staronnx.perfmodels.host`), which the simulator and the LP bound add to the models.
 """
 
 from __future__ import annotations
 
+import math
 import shlex
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from staronnx.perfmodels import Footprint, HistoryModel, PerfModelStore
+from staronnx.perfmodels import Footprint, HistoryModel, HostCosts, HostModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.errors import StaronnxError
 from staronnx.verify import model_failure, random_plan_feeds
@@ -59,6 +66,18 @@ class CalibrationReport:
     steps_done: int = 0
     #: the signal (SIGINT, SIGTERM) that stopped the calibration, or None
     interrupted: str | None = None
+    #: the machine's load while it measured (:class:`~staronnx.bench.cpuload.MachineLoad` as a
+    #: dict: others' CPU, steal, its own), None where /proc/stat cannot be read
+    machine: dict[str, Any] | None = None
+
+    @property
+    def busy(self) -> str | None:
+        """One line when its samples were taken beside other work (they are then the other
+        work's as much as the plan's: every prediction built on them is off), else None."""
+        if not self.machine or not self.machine.get("busy"):
+            return None
+        return (f"calibration {self.machine.get('why')}; its times are inflated by as much: calibrate again on a "
+                "quiet machine (--replace)")
 
     @property
     def samples(self) -> int:
@@ -99,9 +118,12 @@ def calibrate(
     ``report`` to read then what was kept. With ``replace``, only the batch sizes that took a
     sample replace their stored entries, as at the end of a whole run.
     """
+    from staronnx.bench.cpuload import LoadWatch
+
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
     report = report if report is not None else CalibrationReport()
+    watch = LoadWatch()
     lock = threading.Lock()
     stop = threading.Event()
     measured_fps: dict[tuple[int, str], set[Footprint]] = {}
@@ -156,6 +178,8 @@ def calibrate(
     except BaseException as exc:
         if isinstance(exc, Exception):
             raise
+        load = watch.stop()
+        report.machine = None if load is None else load.as_dict()
         from staronnx.signals import signal_name
 
         report.interrupted = signal_name(exc)
@@ -168,6 +192,8 @@ def calibrate(
             else:
                 report.models[(part, arch)] = store.commit(plan.hash, model)
         raise
+    load = watch.stop()
+    report.machine = None if load is None else load.as_dict()
     for (part, arch), model in report.models.items():
         if replace:
             merged = store.save_measured(plan.hash, model)
@@ -227,3 +253,235 @@ def calibrate_bus_if_needed(
     bus = calibrate_bus(nodes, topology=topology)
     store.save_bus(bus)
     return bus, [n.name for n in nodes]
+
+
+# ---------------------------------------------------------------------------- the host's own work
+#: the host-cost probe's load, a share of the LP bound: low enough that each batch meets idle
+#: workers (what the costs are defined on), high enough to be over in a few seconds
+HOST_PROBE_LOAD = 0.2
+#: batches the probe serves per batch size (fewer when that takes over ``max_seconds``)
+HOST_PROBE_BATCHES = 20
+
+
+def probe_sizes(sizes: Sequence[int]) -> list[int]:
+    """The batch sizes the host probe measures: the smallest, the largest and the one nearest
+    their geometric middle (the costs of a size between are those of the nearest measured:
+    they grow slowly with the batch, and three sizes keep the probe to seconds)."""
+    sizes = sorted(set(sizes))
+    if len(sizes) <= 3:
+        return sizes
+    middle = min(sizes[1:-1], key=lambda b: abs(math.log(b) - (math.log(sizes[0]) + math.log(sizes[-1])) / 2))
+    return [sizes[0], middle, sizes[-1]]
+
+
+def calibrate_host(
+    plan: Plan,
+    batch_sizes: Sequence[int],
+    *,
+    groups: str = "numa",
+    cuda_streams: int = 0,
+    cuda_devices: Sequence[int] = (0,),
+    store: PerfModelStore | None = None,
+    workers: Sequence[Worker] | None = None,
+    policy: str = "heft",
+    seed: int = 0,
+    batches: int = HOST_PROBE_BATCHES,
+    max_seconds: float = 4.0,
+    calibration_machine: Mapping[str, Any] | None = None,
+    on_step: Callable[[str], None] | None = None,
+) -> HostModel:
+    """Measure what serving costs the host beyond the parts' ONNX Runtime time, per batch size
+    (:class:`~staronnx.perfmodels.host.HostCosts`), and store it beside the plan's perf models
+    for these workers. Needs the plan calibrated (its LP bound sets the probe's rate).
+
+    Per batch size (:func:`probe_sizes` of them): a short open-loop run at :data:`HOST_PROBE_LOAD`
+    of the LP bound, through
+    the very Server, load generator and runtime a sweep point uses (``workers``: already
+    started ones, else the runtime starts its own), traced. Each batch that ran alone gives its
+    launch (formed -> first task), its hand-overs (a task's end -> its successor's start, on
+    the same worker or another, idle one), its finish (last task's end -> answered) and its
+    tasks' time against their models; the generator reports its lag; the process's CPU time
+    less the CPU workers' task time is the host's CPU. The machine's load meanwhile
+    (:mod:`staronnx.bench.cpuload`) is kept with them, and ``calibration_machine`` (the
+    calibration's, :attr:`CalibrationReport.machine`).
+    """
+    import tempfile
+
+    from staronnx.bench.bound import machine_bound
+    from staronnx.bench.cpuload import LoadWatch, _own_cpu, compute_threads, thread_cpu
+    from staronnx.bench.machine import build_machine, free_pus
+    from staronnx.bench.points import measure_point, sample_pool, warm_up
+    from staronnx.runtime.runtime import Runtime
+
+    store = store if store is not None else PerfModelStore()
+    say = on_step or (lambda msg: None)
+    machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
+                            cpu_fallback=False, host=False)
+    sizes = probe_sizes(batch_sizes_for(plan, batch_sizes)[0])
+    bounds = {b: machine_bound(machine, b, host_costs=False).throughput for b in sizes}
+    runs: list[_ProbeRun] = []
+    with tempfile.TemporaryDirectory(prefix="staronnx-host-") as tmp:
+        trace = Path(tmp) / "probe.json"
+        # the probe's runtime reads a copy of the models: what it learns (the flush's partial
+        # batches, sizes nobody calibrated) must not land in the store as half-filled entries
+        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                          store=_scratch_store(store, plan.hash, Path(tmp) / "home"), workers=workers, trace=trace)
+        try:
+            names = [w.name for w in runtime.workers]
+            inline = all(w.kind == "cpu" for w in machine.workers)  # the Server resolves on the worker's thread
+            compute = compute_threads(names)
+            samples = sample_pool(plan, seed=seed)
+            total = LoadWatch()
+            for b in sizes:
+                rate = HOST_PROBE_LOAD * bounds[b]
+                seconds = min(max_seconds, max(0.3, batches * b / rate))
+                say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
+                warm_up(runtime, plan, [b], rounds=1, seed=seed)
+                own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
+                _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
+                host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
+                runs.append(_ProbeRun(b, records, host_cpu, inline))
+            probe_load = total.stop()
+            assert runtime.tracer is not None
+            origin = runtime.tracer.origin
+            runtime.tracer.save()
+            events = _trace_tasks(trace)
+        finally:
+            runtime.close()
+    deps = plan.dependencies()
+    costs = {run.batch: _host_costs(run, events, origin, deps) for run in runs}
+    _fit_cpu_per_request(costs)
+    model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
+                      probe_machine=None if probe_load is None else probe_load.as_dict(),
+                      calibration_machine=dict(calibration_machine) if calibration_machine else None,
+                      measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    store.save_host(plan.hash, model)
+    return model
+
+
+def _scratch_store(store: PerfModelStore, plan_hash: str, root: Path) -> PerfModelStore:
+    """A store under ``root`` holding a copy of ``store``'s models of the plan and its bus."""
+    import shutil
+
+    scratch = PerfModelStore(root, host=store.host)
+    if store.plan_dir(plan_hash).is_dir():
+        shutil.copytree(store.plan_dir(plan_hash), scratch.plan_dir(plan_hash))
+    if store.bus_path().is_file():
+        scratch.bus_path().parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(store.bus_path(), scratch.bus_path())
+    return scratch
+
+
+@dataclass
+class _ProbeRun:
+    """One batch size's probe: its records, the CPU its threads other than the workers' used
+    (seconds), whether the Server answered on the workers' threads (a CPU-only runtime)."""
+
+    batch: int
+    records: Any
+    host_cpu_s: float
+    inline: bool
+
+
+@dataclass
+class _TraceTask:
+    request: int
+    part: int
+    worker: int
+    start: float  # seconds on the tracer's clock (from its origin)
+    end: float
+    predicted: float | None  # seconds
+
+
+def _trace_tasks(path: Path) -> list[_TraceTask]:
+    """The task events of a runtime trace (:mod:`staronnx.runtime.trace`)."""
+    import json
+
+    data = json.loads(path.read_text())
+    out = []
+    for e in data.get("traceEvents", []):
+        if e.get("ph") != "X" or e.get("cat") != "task" or not str(e.get("name", "")).startswith("part"):
+            continue
+        args = e.get("args") or {}
+        if args.get("failed"):
+            continue
+        start = e["ts"] / 1e6
+        predicted = args.get("predicted_ms")
+        out.append(_TraceTask(int(args.get("request", -1)), int(e["name"][4:]), int(e["tid"]), start,
+                              start + e["dur"] / 1e6, None if predicted is None else predicted / 1e3))
+    return out
+
+
+def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, deps: Sequence[set[int]]) -> HostCosts:
+    """The costs of one probe run: per batch that ran alone, launch, hand-overs and finish
+    read off the trace (medians), the tasks' time over their models, the generator's lag and
+    the host's CPU per batch."""
+    import statistics
+
+    records = run.records
+    t0, t1 = records.start - origin, records.end - origin + 1.0
+    by_request: dict[int, list[_TraceTask]] = {}
+    for ev in events:
+        if t0 <= ev.start <= t1:
+            by_request.setdefault(ev.request, []).append(ev)
+    batches = sorted((b for b in records.batches if b.done is not None), key=lambda b: b.formed)
+    launch, wake, gap, finish = [], [], [], []
+    measured = predicted = 0.0
+    groups = sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
+    alone = 0
+    for i, record in enumerate(batches):
+        formed, done = record.formed - origin, record.done - origin
+        previous_done = batches[i - 1].done - origin if i else -math.inf
+        following = batches[i + 1].formed - origin if i + 1 < len(batches) else math.inf
+        if previous_done > formed or following < done:  # not alone: another batch overlapped it
+            continue
+        tasks = next((ts for ts in groups if formed <= min(t.start for t in ts) and max(t.end for t in ts) <= done),
+                     None)
+        if tasks is None or len({t.part for t in tasks}) != len(deps):
+            continue
+        alone += 1
+        part = {t.part: t for t in tasks}
+        launch.append(min(t.start for t in tasks) - formed)
+        finish.append(done - max(t.end for t in tasks))
+        for t in tasks:
+            if not deps[t.part]:
+                continue
+            pred = max((part[d] for d in deps[t.part]), key=lambda x: x.end)
+            (gap if pred.worker == t.worker else wake).append(max(t.start - pred.end, 0.0))
+            if t.predicted:
+                measured += t.end - t.start
+                predicted += t.predicted
+        for t in tasks:
+            if not deps[t.part] and t.predicted:
+                measured += t.end - t.start
+                predicted += t.predicted
+
+    def median(xs: list[float], default: float = 0.0) -> float:
+        return statistics.median(xs) if xs else default
+
+    launch_s = median(launch)
+    lag = (records.settings.get("loadgen") or {}).get("lag_mean_s")
+    done_batches = sum(1 for b in records.batches if b.done is not None)
+    return HostCosts(
+        batch=run.batch, launch_s=launch_s, wake_s=median(wake, launch_s / 2), gap_s=median(gap),
+        finish_s=median(finish), lag_s=float(lag) if isinstance(lag, (int, float)) and math.isfinite(lag) else 0.0,
+        cpu_per_batch_s=max(run.host_cpu_s / done_batches, 0.0) if done_batches else 0.0,
+        task_scale=measured / predicted if predicted > 0 else 1.0, batches=alone, finish_on_worker=run.inline)
+
+
+def _fit_cpu_per_request(costs: dict[int, HostCosts]) -> None:
+    """Split each size's host CPU per batch into a per-request and a per-batch part: the slope
+    of CPU per batch over the batch size (least squares over the sizes measured, at least 0);
+    one size alone: a request's share as if the batch cost one request more."""
+    import dataclasses
+
+    sizes = sorted(costs)
+    if len(sizes) >= 2:
+        xs = np.array(sizes, dtype=np.float64)
+        ys = np.array([costs[b].cpu_per_batch_s for b in sizes])
+        slope = float(np.polyfit(xs, ys, 1)[0])
+        per_request = {b: min(max(slope, 0.0), costs[b].cpu_per_batch_s / b) for b in sizes}
+    else:
+        per_request = {b: costs[b].cpu_per_batch_s / (b + 1) for b in sizes}
+    for b in sizes:
+        costs[b] = dataclasses.replace(costs[b], cpu_per_request_s=per_request[b])

@@ -67,7 +67,7 @@ class Binding:
     """A constraint with no slack at the optimum: what limits the throughput."""
 
     name: str  # "worker cpu:numa0", "node numa1 (compute + copies)", "cores of cpu:numa0 (with lane:numa0)"
-    kind: str  # "worker", "node" or "cores"
+    kind: str  # "worker", "node", "cores" or "host"
     load: float  # seconds of work per second at the optimum (= its capacity)
     capacity: float
     shadow_price: float  # samples/s gained per extra second/second of this capacity
@@ -111,6 +111,8 @@ def lp_bound(
     host_node: str = HOST_NODE,
     demand: Sequence[float] | None = None,
     shared_cores: Sequence[tuple[int, int]] = (),
+    host_cpu: float = 0.0,
+    host_cores: Sequence[tuple[int, int]] = (),
 ) -> Bound:
     """Solve the LP of the module docstring.
 
@@ -126,6 +128,13 @@ def lp_bound(
     none, or a single memory node, transfers are free. ``shared_cores``: pairs of workers
     (indices) that run on the same cores, a latency lane and its group's worker: their loads
     together are at most one (``sum_p t*y`` over both ``<= 1``).
+
+    ``host_cpu``: CPU seconds the host's own threads spend per unit of ``R`` (per batch: the
+    generator, the batcher, the engine's hand-overs; :mod:`staronnx.perfmodels.host`), taken
+    from the cores of ``host_cores`` (pairs of worker index and its cores: the CPU workers, on
+    a machine with no PU outside their groups): ``sum_w cores_w * sum_p t*y + host_cpu * R <=
+    sum_w cores_w``. Without them the host's work is free, as on a machine that keeps a core
+    for it.
     """
     t = np.asarray(times, dtype=np.float64)
     if t.ndim != 2 or t.size == 0:
@@ -194,6 +203,16 @@ def lp_bound(
         rows.append(row)
         rhs.append(1.0)
         labels.append((f"cores of {workers[b].name} (with {workers[a].name})", "cores", 1.0))
+    if host_cpu > 0 and host_cores:
+        row = np.zeros(n_vars)
+        row[0] = host_cpu
+        for w, cores in host_cores:
+            for p in range(n_parts):
+                row[y(p, w)] = cores * t[p, w] if usable[p, w] else 0.0
+        rows.append(row)
+        total = float(sum(cores for _, cores in host_cores))
+        rhs.append(total)
+        labels.append(("cores shared with the host's threads", "host", total))
     if flows:
         for n in nodes:
             mine = [(k, f) for k, f in enumerate(flows) if f[1] == n]
@@ -267,17 +286,33 @@ def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:
     ]
 
 
-def machine_bound(machine: SimMachine, batch_size: int) -> Bound:
+def machine_bound(machine: SimMachine, batch_size: int, host_costs: bool = True) -> Bound:
     """The bound for a :class:`~staronnx.bench.machine.SimMachine` (same workers, same
-    model means and bus as the simulator, so achieved / bound compares like with like)."""
+    model means and bus as the simulator, so achieved / bound compares like with like).
+
+    With the machine's host costs (``host_costs``, where calibration measured them), as the
+    simulator runs them under load: each task's time at the measured serving/calibration
+    ratio plus the engine's gap between two tasks, the last part's plus the batch's answer
+    where its worker gives it (a runtime of CPU workers), and, where the host's threads share
+    the CPU workers' cores, their CPU per batch taken from those cores."""
     times = machine.mean_times(batch_size)
     profile = machine.profile(batch_size)
     times = with_writebacks(times, machine.plan, machine.workers, profile.nbytes, machine.table.bus.predict)
+    host = machine.host_costs(batch_size) if host_costs else None
+    if host is not None:  # each task also costs its worker the engine's gap; a batch its answer
+        sinks = {p for p in range(len(times)) if not any(p in d for d in machine.plan.dependencies())}
+        times = [[x * host.task_scale + host.gap_s
+                  + (host.finish_s if host.finish_on_worker and p in sinks else 0.0) for x in row]
+                 for p, row in enumerate(times)]
+    shares = host is not None and machine.host_shares_cores
     return lp_bound(
         times, batch_size, machine.workers,
         tensors=plan_tensors(machine.plan, profile.nbytes),
         transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
         shared_cores=list(lane_groups(machine.workers).items()),
+        host_cpu=host.cpu_per_batch_s if shares and host is not None else 0.0,
+        host_cores=[(w.id, w.ncores) for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
+        if shares else (),
     )
 
 

@@ -55,7 +55,7 @@ def relative_error(predicted: Any, measured: Any) -> float | None:
 
 def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribution: str, seed: int,
                  queue_capacity: int, warmup: float, max_delay: float | None = None,
-                 pad_to: Sequence[int] = (), trace: Any = None) -> dict[str, Any]:
+                 pad_to: Sequence[int] = (), trace: Any = None, host_costs: bool = True) -> dict[str, Any]:
     """The ``sim_*`` and ``err_*`` fields for one measured sweep row.
 
     ``machine`` is a :class:`~staronnx.bench.machine.SimMachine` of the sweep's plan, groups
@@ -64,6 +64,8 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
     padded partial batches up to (its runtime's captured CUDA graphs), so each simulated batch
     is priced at the size that ran, not at its request count. ``trace``: where the simulated
     schedule is drawn (:class:`~staronnx.bench.simulator.TraceInto`: a sweep's simulated trace).
+    ``host_costs``: simulate what serving costs the host beyond the tasks, where calibration
+    measured it (:func:`~staronnx.bench.simulator.simulate`); False: the tasks alone.
     """
     from staronnx.bench.simulator import simulate
 
@@ -71,7 +73,7 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
         machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]), policy=policy,
         duration=float(row["duration_s"]), distribution=distribution, seed=seed,
         queue_capacity=max(queue_capacity, int(row["batch_size"])), max_delay=max_delay, pad_to=tuple(pad_to),
-        trace=trace,
+        trace=trace, host_costs=host_costs,
     )
     s = summarize(result.records, warmup=warmup)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from staronnx.errors import StaronnxError
-from staronnx.perfmodels import BusModel, Footprint, PerfModelStore
+from staronnx.perfmodels import BusModel, Footprint, HostCosts, HostModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet
 from staronnx.runtime.predictor import PerfPredictor
@@ -349,6 +349,12 @@ class SimMachine:
     models: ModelSet | None = None
     #: the workers that are latency lanes (:func:`lane_workers`): worker id -> the models it holds
     lanes: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    #: what serving costs the host beyond the tasks, per batch size, as calibration measured it
+    #: on these workers (:mod:`staronnx.perfmodels.host`); None: left out (said in ``notes``)
+    host: HostModel | None = None
+    #: PUs outside every CPU group (and every CUDA driver's core): where the host's threads
+    #: run without taking a worker's time; 0 when the groups cover every core
+    free_pus: int = 1
 
     def __post_init__(self) -> None:
         if self.models is None:
@@ -362,6 +368,21 @@ class SimMachine:
         """One model of the machine, by index or name."""
         assert self.models is not None
         return self.models.model(model) if isinstance(model, str) else self.models.models[model]
+
+    def host_costs(self, batch: int) -> HostCosts | None:
+        """The host's costs around a batch of ``batch`` (the nearest measured size), None
+        where none were measured or the machine hosts several models (their costs are each
+        plan's alone, measured apart)."""
+        assert self.models is not None
+        if self.host is None or not self.models.single:
+            return None
+        return self.host.at(batch)
+
+    @property
+    def host_shares_cores(self) -> bool:
+        """Whether the host's threads run on the CPU workers' cores (no PU left outside the
+        groups), so their CPU time comes out of the workers'."""
+        return self.free_pus == 0 and any(w.kind == "cpu" for w in self.workers)
 
     def profile(self, batch: int, model: int | str = 0) -> PlanProfile:
         return profile_plan(self.hosted(model).plan, batch)
@@ -403,6 +424,42 @@ class SimMachine:
              for i, w in enumerate(self.workers)]
             for p in range(hosted.plan.k)
         ]
+
+
+def free_pus(topology: Topology | None, groups: str, cuda_streams: int = 0,
+             cuda_devices: Sequence[int] = (0,)) -> int:
+    """PUs the process may run on that no CPU group owns and no CUDA driver thread is pinned
+    to (:func:`~staronnx.workers.launch.worker_layout`'s): where the load generator, the
+    batcher and the engine's hand-overs run without taking a worker's core."""
+    from staronnx.workers.launch import worker_layout
+
+    topology = topology if topology is not None else Topology.from_system()
+    layout = worker_layout(topology, groups, cuda_streams, check_cuda_devices(cuda_devices))
+    used = {p for g in layout.groups for p in g.pus}
+    used |= {p for pus in layout.groups.reserved for p in pus}
+    return len(set(topology.allowed_pus) - used)
+
+
+#: said where a machine has no host costs (not calibrated, or several models)
+NO_HOST_COSTS = ("host costs not measured for these workers (staronnx calibrate measures them): the simulation "
+                 "and the LP bound leave out what serving costs the host beyond the tasks (the generator's lag, "
+                 "batching, hand-overs between threads, their CPU), so they are optimistic at low rates")
+
+
+def host_notes(machine: SimMachine) -> list[str]:
+    """What the machine's host costs say, one line each (for a sweep's or a simulation's
+    notes)."""
+    host = machine.host
+    if host is None:
+        return [NO_HOST_COSTS]
+    where = ("the host's threads share the workers' cores (no PU outside the CPU groups): their CPU is taken from "
+             "the workers'" if machine.host_shares_cores else f"{machine.free_pus} PU(s) outside the CPU groups "
+             "run the host's threads")
+    lines = [f"host costs ({where}): " + "; ".join(c.describe() for _, c in sorted(host.costs.items()))]
+    for what, load in (("measured", host.probe_machine), ("perf models calibrated", host.calibration_machine)):
+        if load and load.get("busy"):
+            lines.append(f"host costs {what} on a busy machine: {load.get('why')}")
+    return lines
 
 
 def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, where: Where = None) -> int:
@@ -476,6 +533,7 @@ def build_machine(
     arch_sources: Mapping[str, ArchSource] | None = None,
     bus: BusModel | None = None,
     lanes: Mapping[str, str] | None = None,
+    host: HostModel | bool = True,
 ) -> SimMachine:
     """Workers from ``topology`` (default: this machine) and ``groups``, plus ``cuda_streams``
     hypothetical or real CUDA workers on each GPU of ``cuda_devices``, with times from
@@ -498,6 +556,11 @@ def build_machine(
     are checked first, so a bad lane is refused before any perf model is read. A lane's task
     preempts its group's worker in the simulations, and the two share the group's cores in the
     bounds (:data:`LANE_APPROXIMATION`, in ``notes``, says what is left out).
+
+    ``host``: what serving costs the host beyond the tasks (:mod:`staronnx.perfmodels.host`):
+    True reads what calibration measured on exactly these workers from ``store`` (none: said
+    in ``notes``), False leaves it out, a :class:`HostModel` is used as given (a what-if).
+    Several models: left out (each plan's costs were measured alone).
     """
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
@@ -537,7 +600,15 @@ def build_machine(
     if lane_of:
         settings["lanes"] = dict(lanes or {})
         notes.append(LANE_APPROXIMATION)
-    return SimMachine(first, workers, table, notes, settings, models, lane_of)
+    costs = (host if isinstance(host, HostModel) else
+             store.load_host(first.hash, [w.name for w in workers]) if host and models.single else None)
+    spare = free_pus(topology, groups, cuda_streams, devices)
+    settings["host_costs"] = None if costs is None else costs.layout
+    settings["free_pus"] = spare
+    machine = SimMachine(first, workers, table, notes, settings, models, lane_of, costs, spare)
+    if host is not False and models.single:
+        notes.extend(host_notes(machine))
+    return machine
 
 
 def borrow_gpu_links(bus: BusModel, workers: Sequence[WorkerInfo]) -> list[str]:

@@ -42,7 +42,7 @@ from staronnx.bench.machine import (
     residency_where,
 )
 from staronnx.bench.simclock import EventQueue, SimClock
-from staronnx.perfmodels import Footprint, PerfModelStore
+from staronnx.perfmodels import Footprint, HostCosts, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Task, TaskGraph
 from staronnx.runtime.datawizard import price
@@ -129,6 +129,10 @@ class _FrontEnd:
     samples: list[tuple[float, int]] = field(default_factory=list)
     profiles: dict[int, PlanProfile] = field(default_factory=dict)  # batch size -> footprints, bytes
     last_done: float = -math.inf
+    #: what serving costs the host around this server's batches (None: left out); its
+    #: ``lag_s`` is already in ``arrivals`` (when the generator submitted each request)
+    host: HostCosts | None = None
+    launching: int = 0  # batches formed and not yet submitted to the runtime (host's launch time)
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,7 @@ class _Running:
     started: float
     token: int  # of its scheduled completion; a stale one (preempted since) is ignored
     preempted: bool = False
+    stolen: float = 0.0  # seconds of its core the host's threads took while it ran
     stretches: list[tuple[float, float]] = field(default_factory=list)  # (start, end) before each pause
 
     @property
@@ -221,6 +226,15 @@ class _Simulation:
         self.last_done = self.clock.t
         self._dirty = False
         self._first: int | None = None
+        # the host's threads take their CPU from the CPU workers' cores (none left outside the
+        # groups): round-robin over the busy ones
+        self._host_cores = machine.host_shares_cores
+        self._cpu_workers = [w.id for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
+        self._steal_turn = 0
+        #: worker id -> until when its core runs the host's work instead of a task (it answers a
+        #: finished batch on its own thread, the Server's inline split and settle in a CPU-only
+        #: runtime, or the host's other threads took its idle core): it takes no task meanwhile
+        self._hosting: dict[int, float] = {}
         # lanes: group worker id -> its lane's id; each worker's task in progress
         self._lane_of = {group: lane for lane, group in lane_groups(machine.workers).items()}
         self._running: dict[int, _Running] = {}
@@ -256,7 +270,13 @@ class _Simulation:
                         del self._running[wid]
                         if self.ran is not None:
                             self._keep(wid, run, t)
-                        self._on_done(wid, run.task, t - run.started if run.preempted else run.work)
+                        self._on_done(wid, run.task, t - run.started if run.preempted or run.stolen else run.work)
+                elif kind == "launch":
+                    self._launch(*payload)
+                elif kind == "hosted":
+                    if self._hosting.get(payload, math.inf) <= t:
+                        del self._hosting[payload]
+                        self._first, self._dirty = payload, True  # awake: it takes its next task at once
                 else:
                     self._batcher(self.fronts[payload])
             else:
@@ -321,8 +341,12 @@ class _Simulation:
 
     # -- the server: queue and batcher -------------------------------------------------------
     def _on_arrival(self, fe: _FrontEnd, i: int, t: float) -> None:
-        rec = RequestRecord(id=i, arrival=t)
+        """A request submitted at ``t``: recorded at its scheduled time, ``t`` less the
+        generator's lag, as the live generator records it."""
+        rec = RequestRecord(id=i, arrival=t - fe.host.lag_s if fe.host is not None else t)
         fe.requests.append(rec)
+        if fe.host is not None:
+            self._steal(fe.host.cpu_split()[0])
         if fe.capacity is not None and len(fe.queue) >= fe.capacity:
             rec.rejected = True
             return
@@ -336,7 +360,7 @@ class _Simulation:
         counters = self.core.per_model[fe.model]
         while True:
             size, due = next_batch_size(
-                queued=len(fe.queue), inflight=counters.in_flight, batch_size=fe.batch_size,
+                queued=len(fe.queue), inflight=counters.in_flight + fe.launching, batch_size=fe.batch_size,
                 max_inflight=fe.max_inflight, flush_left=fe.flush_left, closing=False,
                 oldest_arrival=fe.requests[fe.queue[0]].arrival if fe.queue else t,
                 max_delay=fe.max_delay, now=t)
@@ -378,10 +402,23 @@ class _Simulation:
             fe.requests[rid].batch_id = bid
             fe.requests[rid].first_in_batch = j == 0
         fe.samples.append((t, len(fe.queue)))
+        if fe.host is None:
+            self._launch(fe, record, rows)
+            return
+        # the host concatenates and submits: the runtime sees the batch that much later
+        fe.launching += 1
+        self._steal(fe.host.cpu_split()[1] / 2)
+        self.events.push(t + fe.host.submit_s, "launch", (fe, record, rows))
+
+    def _launch(self, fe: _FrontEnd, record: BatchRecord, rows: int) -> None:
+        """Submit a formed batch to the core (at once, or after the host's launch time)."""
+        if fe.host is not None:
+            fe.launching -= 1
         plan = self.models.models[fe.model].plan
+        profile = fe.profiles[rows]
         # the Server passes the batch's oldest arrival, from which a latency target counts
-        req = self.core.submit(rows, {n: profile.nbytes[n] for n in plan.input_names}, t, owner=record,
-                               model=fe.model, arrival=fe.requests[ids[0]].arrival)
+        req = self.core.submit(rows, {n: profile.nbytes[n] for n in plan.input_names}, self.clock.t, owner=record,
+                               model=fe.model, arrival=fe.requests[record.request_ids[0]].arrival)
         record.placement = req.placement
         self._dirty = True
 
@@ -394,21 +431,62 @@ class _Simulation:
         order = workers if first is None else [workers[first]] + [w for w in workers if w.info.id != first]
         now = self.clock.t
         for st in order:
+            if st.info.id in self._hosting:
+                continue
             if not st.running and (task := self.core.next_task(st.info.id, now)) is not None:
-                self._start(st.info, task)
+                self._start(st.info, task, awake=st.info.id == first)
         if self._lane_of:
             self._preempt()
 
-    def _start(self, info: WorkerInfo, task: Task) -> None:
+    def _start(self, info: WorkerInfo, task: Task, awake: bool = False) -> None:
+        """Run ``task`` on ``info``'s worker: its perf model's time (scaled as the host costs
+        say tasks run while serving), its transfers, after the worker's wake-up (an idle
+        worker) or the engine's gap between two tasks (``awake``: it just finished one)."""
         assert task.view is not None and task.view.footprint is not None
         mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
-        seconds = self._draw(mean, std * self.spread)
+        host = self.fronts[task.request.model].host
+        scale = host.task_scale if host is not None else 1.0
+        seconds = self._draw(mean * scale, std * scale * self.spread)
         if self.charge_transfers:
             seconds += self._transfer(task, info.memory_node)
-        now = self.clock.t
+        delay = 0.0 if host is None else (host.gap_s if awake else host.wake_s)
+        begins = self.clock.t + delay
         token = next(self._tokens)
-        self._running[info.id] = _Running(task, seconds, seconds, now, now, token)
-        self.events.push(now + seconds, "done", (info.id, token))
+        self._running[info.id] = _Running(task, seconds, seconds, begins, begins, token)
+        self.events.push(begins + seconds, "done", (info.id, token))
+
+    def _steal(self, seconds: float) -> None:
+        """The host's threads take ``seconds`` of CPU now, where they share the workers' cores:
+        an idle CPU worker's core if there is one (that worker then takes no task until it is
+        done), else a running CPU worker's (round-robin), whose task ends that much later."""
+        if seconds <= 0 or not self._host_cores:
+            return
+        cpu = self._cpu_workers
+        now = self.clock.t
+        idle = [w for w in cpu if w not in self._running]
+        if idle:
+            wid = min(idle, key=lambda w: self._hosting.get(w, now))  # the core free soonest
+            self._host(wid, seconds)
+            return
+        for k in range(len(cpu)):
+            wid = cpu[(self._steal_turn + k) % len(cpu)]
+            run = self._running[wid]
+            if not run.paused:  # a lane's preempted task is not on the core now
+                break
+        else:
+            return
+        self._steal_turn = (self._steal_turn + k + 1) % len(cpu)
+        run.left += seconds
+        run.stolen += seconds
+        run.token = token = next(self._tokens)
+        self.events.push(run.resumed + run.left, "done", (wid, token))  # (left: its work since it resumed)
+
+    def _host(self, wid: int, seconds: float) -> None:
+        """Worker ``wid``'s core runs ``seconds`` of the host's work (after what it already
+        has): the worker takes no task until then."""
+        until = max(self.clock.t, self._hosting.get(wid, self.clock.t)) + seconds
+        self._hosting[wid] = until
+        self.events.push(until, "hosted", wid)
 
     def _keep(self, wid: int, run: _Running, t: float) -> None:
         """What :meth:`write_trace` draws of a task ending now."""
@@ -429,7 +507,7 @@ class _Simulation:
                 continue
             lane_busy = lane in self._running
             if lane_busy and not run.paused:
-                run.left -= now - run.resumed
+                run.left -= max(now - run.resumed, 0.0)  # (not before it began: still waking up)
                 if now > run.resumed:
                     run.stretches.append((run.resumed, now))  # what it ran before the lane came
                 run.resumed = math.nan
@@ -466,11 +544,17 @@ class _Simulation:
         self._dirty = True
         self._first = wid
         if req is not None:
+            # answered once the host has split the outputs and settled the futures
+            answered = now + (fe.host.finish_s if fe.host is not None else 0.0)
+            if fe.host is not None:
+                self._steal(fe.host.cpu_split()[1] / 2)
+                if fe.host.finish_on_worker and fe.host.finish_s > 0:  # on this worker's thread
+                    self._host(wid, fe.host.finish_s)
             record: BatchRecord = req.owner
-            record.done = now
+            record.done = answered
             for rid in record.request_ids:
-                fe.requests[rid].done = now
-            self.last_done = fe.last_done = now
+                fe.requests[rid].done = answered
+            self.last_done = fe.last_done = max(fe.last_done, answered)
             self._batcher(fe)
 
 
@@ -501,6 +585,7 @@ def simulate(
     machine: SimMachine | None = None,
     pad_to: Sequence[int] = (),
     trace: str | os.PathLike[str] | TraceInto | None = None,
+    host_costs: bool = True,
 ) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
 
@@ -519,6 +604,18 @@ def simulate(
     ``trace``: a Perfetto trace of the simulated schedule there, laid out as a live
     ``Runtime(trace=...)`` behind a Server lays out its own, or into an open tracer
     (:class:`TraceInto`; :meth:`_Simulation.write_trace`).
+
+    ``host_costs`` (default): what serving costs the host beyond the tasks, as calibration
+    measured it on these workers (``machine.host``, :mod:`staronnx.perfmodels.host`), is
+    simulated: each request reaches the server the generator's lag late (its latency counted
+    from its scheduled time, as live), a formed batch reaches the runtime after the host's
+    launch time, an idle worker starts a task after its wake-up and a busy one after the
+    engine's gap, a batch is answered the host's finish time after its last task, tasks run at
+    the measured serving/calibration ratio, a runtime of CPU workers only answers a batch on its
+    last worker's thread (which takes no task meanwhile), and where no PU is left outside the
+    CPU groups the host's other threads' CPU (per request and per batch) is taken from a
+    running CPU worker's task when none is idle. False (or a machine without them) leaves all
+    of it out.
     """
     t0 = time.perf_counter()
     if machine is None:
@@ -552,7 +649,10 @@ def simulate(
             raise SimulationError("no arrival falls in the duration; lengthen it or raise the rate")
     policy_obj = _make_policy(policy, policy_options, seed)
     machine.check(batch_size)
-    front = _FrontEnd(0, batch_size, times, queue_capacity, inflight, max_delay, tuple(sorted(set(pad_to))))
+    host = machine.host_costs(batch_size) if host_costs else None
+    submitted = times + host.lag_s if host is not None else times  # when the generator got them in
+    front = _FrontEnd(0, batch_size, submitted, queue_capacity, inflight, max_delay, tuple(sorted(set(pad_to))),
+                      host=host)
     sim = _Simulation(machine, policy_obj, [front], seed=seed, spread=spread, drain=drain,
                       charge_transfers=charge_transfers, traced=trace is not None)
     sim.run()
@@ -573,6 +673,7 @@ def simulate(
         "max_inflight": inflight,
         "pad_to": sorted(set(pad_to)),
         "spread": spread,
+        "host": None if host is None else host.as_dict(),
         "plan_hash": machine.plan.hash,
         "workers": [w.name for w in machine.workers],
         **machine.settings,

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -40,6 +41,10 @@ def calibrate_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
     replace: Annotated[bool, typer.Option("--replace", help="Measure the batch sizes afresh and replace their stored entries (stale ones: measurements above the LP bound); other batch sizes keep theirs.")] = False,
+    host: Annotated[bool, typer.Option("--host/--no-host", help="Also measure what serving costs the host beyond the "
+                                       "parts (the generator's lag, batching, hand-overs between threads, their CPU) "
+                                       "with a few seconds of low-rate serving per batch size: the simulator and the "
+                                       "LP bound add it.")] = True,
     input_shape: Annotated[Optional[list[str]], typer.Option(
         help="NAME=D1xD2x... for inputs with dynamic sizes, or several sizes NAME=S1,S2 (or the option "
              "repeated): each is a footprint calibrated apart, e.g. x=1x3x48x200,1x3x48x320. "
@@ -90,6 +95,11 @@ def calibrate_cmd(
 
             calibrate(plan, sizes, workers=workers, store=store, max_runs=max_runs,
                       seed=seed, on_step=step, replace=replace, report=report, input_shapes=shape_sets)
+        if report.busy:
+            console.print(f"[yellow]warning:[/] {escape(report.busy)}", soft_wrap=True, highlight=False)
+        if host and not report.uncalibrated:
+            _measure_host(plan, sizes, report, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
+                          store=store, workers=workers, seed=seed)
     except BaseException:
         if report.interrupted:  # Ctrl-C, SIGTERM: the samples measured so far were stored
             console.print(
@@ -118,6 +128,29 @@ def calibrate_cmd(
             f"[yellow]not calibrated (too many outliers within {max_runs} runs):[/] "
             + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated)
         )
+
+
+def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_streams: int,
+                  cuda_devices: tuple[int, ...], store, workers, seed: int) -> None:
+    """The host-cost probe (:func:`staronnx.calibrate.calibrate_host`) on the calibration's
+    workers, with what it found; a failure is one line (the perf models are kept anyway)."""
+    from staronnx.calibrate import calibrate_host
+
+    try:
+        with console.status("measuring the host's own work per batch") as status:
+            model = calibrate_host(plan, sizes, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                                   store=store, workers=workers, seed=seed, calibration_machine=report.machine,
+                                   on_step=lambda msg: status.update(msg))
+    except StaronnxError as exc:
+        console.print(f"[yellow]host costs not measured:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
+        return
+    for _, costs in sorted(model.costs.items()):
+        console.print(f"host costs {costs.describe()}", highlight=False, soft_wrap=True)
+    load = model.probe_machine or {}
+    if load.get("busy"):
+        console.print(f"[yellow]warning:[/] host costs {escape(str(load.get('why')))}", soft_wrap=True,
+                      highlight=False)
+    console.print(f"host costs stored in {store.host_path(plan.hash)}", highlight=False)
 
 
 def _check_sizes(plan: Plan, given: dict[str, list[int]]) -> None:

@@ -3,7 +3,8 @@
 Pure Python and numpy (no ONNX Runtime), so the simulator can replay the very same models.
 All times are seconds; bandwidths are bytes per second. See ``history`` for StarPU's rules
 (first sample dropped, ±50 % outliers, NaN until 10 samples), ``regression`` for the
-``a*n**b + c`` batch-size fit, ``bus`` for transfer times and ``store`` for the on-disk layout.
+``a*n**b + c`` batch-size fit, ``bus`` for transfer times, ``host`` for what serving costs the
+host beyond the parts' time, and ``store`` for the on-disk layout.
 """
 
 from staronnx.perfmodels.bus import (
@@ -25,6 +26,7 @@ from staronnx.perfmodels.history import (
     PerfRow,
     SampleOutcome,
 )
+from staronnx.perfmodels.host import HostCosts, HostModel
 from staronnx.perfmodels.regression import NLRegression, PowerLaw, fit_nl_regression, fit_power_law
 from staronnx.perfmodels.store import (
     ModelKey,
@@ -43,6 +45,8 @@ __all__ = [
     "Footprint",
     "HistoryEntry",
     "HistoryModel",
+    "HostCosts",
+    "HostModel",
     "Link",
     "LinkCost",
     "ModelKey",

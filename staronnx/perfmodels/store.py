@@ -3,6 +3,7 @@
 Under ``$STARONNX_HOME`` (else ``~/.cache/staronnx``)::
 
     perfmodels/<host>/<plan_hash>/part<k>.<arch>.json   one history model
+    perfmodels/<host>/<plan_hash>/host.json             its host costs, per worker layout
     bus/<host>.json                                       the host's bus model
 
 Per host (``$STARONNX_HOSTNAME`` overrides it) and per plan hash, because times say nothing
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ from filelock import FileLock
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import atomic_write_text
 from staronnx.perfmodels.bus import BusModel
+from staronnx.perfmodels.host import HostModel, layout_key
 from staronnx.perfmodels.history import (
     CALIBRATE_MINIMUM,
     HISTORY_MAX_ERROR,
@@ -424,6 +426,54 @@ class PerfModelStore:
             except (_Unusable, ValueError) as exc:
                 self._quarantine(path, str(exc))  # keep the evidence the new model replaces
             atomic_write_json(path, payload)
+
+    # -- host costs ------------------------------------------------------------------------
+
+    def host_path(self, plan_hash: str) -> Path:
+        """The JSON file of a plan's host costs (:mod:`staronnx.perfmodels.host`)."""
+        return self.plan_dir(plan_hash) / "host.json"
+
+    def _read_hosts(self, path: Path) -> dict[str, HostModel]:
+        """The host models of a file by layout; raises ``_Unusable`` on a bad file."""
+        data = self._read(path, "host")
+        if data is None:
+            return {}
+        try:
+            return {k: HostModel.from_dict(v) for k, v in (data.get("layouts") or {}).items()}
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise _Unusable(f"not a host-cost file ({exc})") from None
+
+    def load_hosts(self, plan_hash: str) -> dict[str, HostModel]:
+        """Every host model stored for a plan, by worker layout ({} when none or unusable:
+        a warning says so once)."""
+        path = self.host_path(plan_hash)
+        try:
+            return self._read_hosts(path)
+        except _Unusable as exc:
+            _warn_once(_file_id(path), f"host costs {path} are {exc}; ignored (calibrate again to measure them)",
+                       PerfModelCorruptWarning)
+            return {}
+
+    def load_host(self, plan_hash: str, workers: Sequence[str]) -> HostModel | None:
+        """The host costs measured on exactly these workers (names, the runtime's order), or
+        None."""
+        return self.load_hosts(plan_hash).get(layout_key(list(workers)))
+
+    def save_host(self, plan_hash: str, model: HostModel) -> None:
+        """Store ``model`` under its layout, keeping the other layouts' (locked, atomic)."""
+        path = self.host_path(plan_hash)
+        with self._locked(path):
+            try:
+                models = self._read_hosts(path)
+            except _Unusable as exc:
+                self._quarantine(path, str(exc))
+                models = {}
+            models[model.layout] = model
+            atomic_write_json(path, {
+                "format": FORMAT, "version": VERSION, "kind": "host", "host": self.host, "plan_hash": plan_hash,
+                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "layouts": {k: m.as_dict() for k, m in sorted(models.items())},
+            })
 
     # Defined last: inside the class body ``list`` is this method, hence ``builtins.list``.
     def list(self, plan_hash: str) -> builtins.list[ModelKey]:

@@ -1,0 +1,136 @@
+"""The host's own work per batch: what serving costs beyond ONNX Runtime's time in the parts.
+
+The perf models time each part inside ONNX Runtime. A served request costs more: the load
+generator submits it a little late (a sleeping thread wakes tens of microseconds after its
+time), the server concatenates the batch's samples and submits it, the policy places each
+task, a worker thread is woken and takes the GIL, the finished task's successors are pushed and
+another worker woken, the batch's outputs are split and each request's future settled. At low
+rates that is the whole gap between a simulated latency and a live one (11.3 ms simulated
+against 11.6-12.6 ms live, googlenet at batch 1); near the knee its CPU time matters more:
+where the CPU groups cover every core, the generator's, the batcher's and the engine's threads
+run on the workers' cores, and their CPU comes out of the workers' time.
+
+``staronnx calibrate`` measures them (:func:`staronnx.calibrate.calibrate_host`: a short
+low-rate serving run per batch size through the real Server and runtime, traced) and keeps
+them beside the plan's perf models (:meth:`PerfModelStore.save_host`), per worker layout and
+batch size, as :class:`HostCosts`. The simulator and the LP bound read them
+(:mod:`staronnx.bench.machine`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    """What serving a batch of ``batch`` costs the host beyond its tasks' ONNX Runtime time
+    (seconds; medians over the probe's batches, each measured on idle workers)."""
+
+    batch: int
+    #: the batch formed -> its first task starts: concatenation, submit, the policy, and the
+    #: wake-up of an idle worker (:attr:`wake_s` of it)
+    launch_s: float
+    #: a task pushed to an idle worker -> it starts running (thread wake-up and the GIL): a
+    #: successor on another worker than its predecessor's waits this long
+    wake_s: float
+    #: a task's end -> the next task of the same request on the same worker starts (the
+    #: engine's bookkeeping between two tasks, no wake-up)
+    gap_s: float
+    #: the last task's end -> the batch's requests answered (split, futures settled)
+    finish_s: float
+    #: the load generator's mean lateness behind its schedule (counted in latencies, as live)
+    lag_s: float
+    #: host CPU per batch on the threads other than the workers' (the load generator, the
+    #: batcher, the callers), of which :attr:`cpu_per_request_s` per request; the rest is per
+    #: batch. What the workers' own threads do between tasks is :attr:`gap_s` and, where
+    #: :attr:`finish_on_worker`, :attr:`finish_s`
+    cpu_per_batch_s: float
+    cpu_per_request_s: float = 0.0
+    #: the tasks' wall time while serving over their perf models' mean (1: the models hold)
+    task_scale: float = 1.0
+    #: batches the medians are over
+    batches: int = 0
+    #: whether the batch's last worker answers it on its own thread (a runtime of CPU workers
+    #: only: the Server splits and settles there), which keeps that worker from its next task
+    #: for :attr:`finish_s`; else the batcher's thread does it
+    finish_on_worker: bool = False
+
+    @property
+    def submit_s(self) -> float:
+        """The CPU part of :attr:`launch_s`: the batch's launch less the wake-up."""
+        return max(self.launch_s - self.wake_s, 0.0)
+
+    def cpu_split(self) -> tuple[float, float]:
+        """(per request, per batch beyond its requests') host CPU seconds."""
+        per_request = max(self.cpu_per_request_s, 0.0)
+        return per_request, max(self.cpu_per_batch_s - per_request * self.batch, 0.0)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HostCosts:
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        for k, v in values.items():
+            if k not in ("batch", "finish_on_worker") and not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise ValueError(f"host cost {k} must be a finite number, got {v!r}")
+        return cls(**values)
+
+    def describe(self) -> str:
+        """One line of what it says, in microseconds."""
+        return (f"b={self.batch}: launch {self.launch_s * 1e6:.0f} us (wake-up {self.wake_s * 1e6:.0f}), "
+                f"same-worker gap {self.gap_s * 1e6:.0f} us, finish {self.finish_s * 1e6:.0f} us, generator lag "
+                f"{self.lag_s * 1e6:.0f} us, host CPU {self.cpu_per_batch_s * 1e6:.0f} us a batch "
+                f"({self.cpu_per_request_s * 1e6:.0f} a request), tasks x{self.task_scale:.3f} their models")
+
+
+@dataclass
+class HostModel:
+    """A plan's host costs on one worker layout, per batch size, with how they were taken."""
+
+    workers: list[str]
+    #: PUs the process could run on outside every CPU group (0: the host's threads share the
+    #: workers' cores, and their CPU comes out of the workers' time)
+    free_pus: int
+    costs: dict[int, HostCosts] = field(default_factory=dict)
+    #: the machine's load while they were measured (:class:`~staronnx.bench.cpuload.MachineLoad`
+    #: as a dict), and while the plan's perf models were calibrated
+    probe_machine: dict[str, Any] | None = None
+    calibration_machine: dict[str, Any] | None = None
+    measured_at: str | None = None
+
+    @property
+    def layout(self) -> str:
+        return layout_key(self.workers)
+
+    def at(self, batch: int) -> HostCosts | None:
+        """The costs of the measured batch size nearest ``batch`` (on a log scale; ties: the
+        larger), None when nothing was measured. A batch size between two measured ones takes
+        the per-request CPU of the nearest and its other figures: the probe's sizes are the
+        calibration's, so what serving runs was measured."""
+        if not self.costs:
+            return None
+        best = min(self.costs, key=lambda b: (abs(math.log(b / batch)), -b))
+        return self.costs[best]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"workers": list(self.workers), "free_pus": self.free_pus,
+                "costs": {str(b): c.as_dict() for b, c in sorted(self.costs.items())},
+                "probe_machine": self.probe_machine, "calibration_machine": self.calibration_machine,
+                "measured_at": self.measured_at}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HostModel:
+        costs = {int(b): HostCosts.from_dict(c) for b, c in (data.get("costs") or {}).items()}
+        return cls(list(data.get("workers") or []), int(data.get("free_pus") or 0), costs,
+                   data.get("probe_machine"), data.get("calibration_machine"), data.get("measured_at"))
+
+
+def layout_key(workers: list[str] | tuple[str, ...]) -> str:
+    """The key host costs are kept under: the workers' names, in the runtime's order."""
+    return ",".join(workers)

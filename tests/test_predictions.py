@@ -1,0 +1,222 @@
+"""Predictions that say when the machine lied, count the host's own work, and schedules a person
+can read (issue 40). No timing is asserted: the rules are (a point beside a busy loop is
+flagged, a reading says busy or quiet, host costs only add time, a legend stays off the tasks).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from _helpers import cli
+
+from staronnx.bench import cpuload
+from staronnx.bench.bound import machine_bound
+from staronnx.bench.machine import NO_HOST_COSTS, build_machine
+from staronnx.bench.results import load_results
+from staronnx.bench.simulator import simulate
+from staronnx.bench.sweep import sweep
+from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore
+from staronnx.runtime.runtime import Runtime
+
+
+# -- readings ------------------------------------------------------------------------------------
+def _stat(busy: int, idle: int, steal: int = 0, cpus: int = 2) -> str:
+    """A /proc/stat text whose every CPU has these cumulative ticks."""
+    lines = [f"cpu  {busy * cpus} 0 0 {idle * cpus} 0 0 0 {steal * cpus} 0 0"]
+    lines += [f"cpu{i} {busy} 0 0 {idle} 0 0 0 {steal} 0 0" for i in range(cpus)]
+    return "\n".join(lines) + "\nintr 0\n"
+
+
+class Reading:
+    """An injected kernel: each read advances every CPU by ``busy`` and ``steal`` ticks (of 100
+    per second) and this process's CPU by ``own`` seconds."""
+
+    def __init__(self, busy: int, idle: int, steal: int = 0, own: float = 0.0) -> None:
+        self.step = (busy, idle, steal)
+        self.own_step = own
+        self.n = 0
+
+    def read(self) -> str:
+        self.n += 1
+        busy, idle, steal = self.step
+        return _stat(busy * self.n, idle * self.n, steal * self.n)
+
+    def own(self) -> float:
+        return self.own_step * self.n
+
+
+def test_a_reading_says_busy_when_others_or_the_hypervisor_take_the_cpus():
+    cpus = (0, 1)
+    tick = 1.0 / os.sysconf("SC_CLK_TCK")
+    quiet = Reading(busy=1, idle=99)  # 1 % of each CPU busy, all of it ours
+    quiet.own_step = 2 * tick
+    load = cpuload.machine_load(cpuload.snapshot(quiet.read, quiet.own), cpuload.snapshot(quiet.read, quiet.own), cpus)
+    assert load is not None and not load.busy and load.why is None
+    assert load.others_cpu_s == pytest.approx(0.0) and load.own_cpu_s == pytest.approx(2 * tick)
+
+    other = Reading(busy=60, idle=40)  # 60 % busy, none of it ours: another process
+    load = cpuload.machine_load(cpuload.snapshot(other.read, other.own), cpuload.snapshot(other.read, other.own), cpus)
+    assert load.busy and load.others_cpu_s == pytest.approx(120 * tick)
+    assert "other processes used" in load.why and "0,1" in load.why
+
+    stolen = Reading(busy=2, idle=88, steal=10)  # the hypervisor took 10 %
+    stolen.own_step = 4 * tick
+    load = cpuload.machine_load(cpuload.snapshot(stolen.read, stolen.own), cpuload.snapshot(stolen.read, stolen.own),
+                                cpus)
+    assert load.busy and load.steal_s == pytest.approx(20 * tick) and "hypervisor stole" in load.why
+    assert load.as_dict()["busy"] is True
+    # no /proc/stat (not Linux): nothing said, nothing flagged
+    assert cpuload.snapshot(lambda: (_ for _ in ()).throw(OSError("no /proc"))) is None
+    assert cpuload.machine_load(None, None) is None
+
+
+# -- sweeps flag points measured beside other work -------------------------------------------------
+@pytest.fixture(scope="module")
+def plan(calibrated_inception):
+    return calibrated_inception[0]
+
+
+@pytest.fixture(scope="module")
+def home(calibrated_inception):
+    return calibrated_inception[1]
+
+
+@contextlib.contextmanager
+def busy_loop(cpu: int):
+    """Another process spinning on ``cpu`` while the block runs."""
+    code = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(cpu)])
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_cli_sweep_flags_a_point_measured_beside_a_busy_loop(plan, home, two_groups, capsys, tmp_path, monkeypatch):
+    """Through ``sweep --simulate``: with another process spinning on a worker's core, the point
+    is flagged busy in the table, in results.json (with others' share and why) and in the
+    notes, and the simulator's error summary leaves it out, saying so."""
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "220")
+    out = tmp_path / "busy"
+    first = int(two_groups.split(";")[0])
+    with busy_loop(first):
+        code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", "100", "--batch-sizes", "1", "--groups",
+                                   two_groups, "--duration", "600ms", "--simulate", "--no-plots", "-o", out)
+    assert code == 0, stderr + stdout
+    doc = load_results(out)
+    (row,) = doc["rows"]
+    assert row["machine_busy"] is True
+    assert row["others_cpu_share"] > cpuload.BUSY_SHARE and "other processes used" in row["busy_why"]
+    assert row["machine"]["cpus"] and row["own_cpu_cores"] > 0
+    assert "busy (others" in stdout
+    assert any("measured beside other work" in n for n in doc["notes"])
+    assert doc["fidelity"]["busy_points"] == 1 and doc["fidelity"]["simulated_points"] == 0
+    assert "every point was measured beside other work" in stdout
+    assert "machine_busy" in (out / "results.csv").read_text().splitlines()[0]
+
+
+def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_path, monkeypatch):
+    """The flag follows the reading: a kernel that says the hypervisor stole 30 % flags the
+    point (on any machine), one that says nothing else ran leaves it unflagged."""
+    with Runtime(plan, cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
+        stolen = Reading(busy=0, idle=70, steal=30)
+        monkeypatch.setattr(cpuload, "_read_proc_stat", stolen.read)
+        (row,) = sweep(plan, [100], [1], duration=0.4, runtime=rt, bound=False, extend=False, out_dir=tmp_path / "a")
+        assert row["machine_busy"] is True and row["steal_share"] > 0.2 and "hypervisor stole" in row["busy_why"]
+        quiet = Reading(busy=0, idle=100)  # nothing busy at all: our own CPU is all there was
+        monkeypatch.setattr(cpuload, "_read_proc_stat", quiet.read)
+        (row,) = sweep(plan, [100], [1], duration=0.4, runtime=rt, bound=False, extend=False, out_dir=tmp_path / "b")
+        assert row["machine_busy"] is False and row["busy_why"] is None
+        assert row["others_cpu_share"] == pytest.approx(0.0)
+        # the engine's own check of its tasks against their perf models, per point
+        assert row["task_time_ratio"] is not None and row["task_time_ratio"] > 0
+        assert "calibration_check" in load_results(tmp_path / "b")["settings"]
+
+
+def test_calibration_warns_when_its_samples_were_taken_on_a_busy_machine(plan, two_groups, capsys, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    busy = Reading(busy=80, idle=20)
+    monkeypatch.setattr(cpuload, "_read_proc_stat", busy.read)
+    code, stdout, stderr = cli(capsys, "calibrate", plan.root, "--groups", two_groups, "--batch-sizes", "1",
+                               "--no-host", "--max-runs", "30")
+    assert code == 0, stderr + stdout
+    assert "warning: calibration measured beside other work" in stdout and "--replace" in stdout
+
+
+# -- the host's own work -------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def crnn_calibrated(real_plan, tmp_path_factory, two_groups):
+    """crnn_ocr (a real exported model) cut 85/15 and calibrated through ``staronnx calibrate``
+    at batch 1 and 2 on two one-PU groups, host costs included: (plan, home, stdout)."""
+    plan = real_plan("crnn_ocr", "0.85,0.15")
+    home = tmp_path_factory.mktemp("crnn-home")
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    done = subprocess.run([sys.executable, "-m", "staronnx", "calibrate", str(plan.root), "--groups", two_groups,
+                           "--batch-sizes", "1,2", "--max-runs", "40"], capture_output=True, text=True, env=env,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr + done.stdout
+    return plan, home, done.stdout
+
+
+def test_calibrate_measures_the_hosts_work_and_the_simulator_adds_it(crnn_calibrated, two_groups):
+    plan, home, stdout = crnn_calibrated
+    assert "host costs b=1:" in stdout and "host costs b=2:" in stdout and "host costs stored in" in stdout
+    store = PerfModelStore(home)
+    machine = build_machine(plan, groups=two_groups, store=store)
+    assert machine.host is not None and sorted(machine.host.costs) == [1, 2]
+    assert machine.host.workers == [w.name for w in machine.workers]
+    for costs in machine.host.costs.values():
+        for value in (costs.launch_s, costs.wake_s, costs.gap_s, costs.finish_s, costs.lag_s, costs.cpu_per_batch_s):
+            assert value >= 0
+        assert costs.task_scale > 0 and costs.finish_on_worker  # CPU workers only: answered on their threads
+    assert machine.host.probe_machine is not None and machine.host.calibration_machine is not None
+    assert any(n.startswith("host costs (") for n in machine.notes)
+    # every cost only adds time: with spread 0 (each task its mean) the same arrivals are
+    # answered no sooner, and the bound can only fall
+    plain = build_machine(plan, groups=two_groups, store=store, host=False)
+    for b in (1, 2):
+        kw = dict(rate=50.0, batch_size=b, duration=1.0, spread=0.0, seed=1)
+        with_host = simulate(machine=machine, **kw).metrics()
+        without = simulate(machine=plain, **kw).metrics()
+        assert with_host["latency_p50"] >= without["latency_p50"]
+        assert with_host["paper_latency_mean"] >= without["paper_latency_mean"]
+        assert machine_bound(machine, b).throughput <= machine_bound(plain, b).throughput
+    assert simulate(machine=machine, rate=50.0, batch_size=1, duration=0.5).records.settings["host"]["batch"] == 1
+
+
+def test_host_costs_belong_to_the_workers_they_were_measured_on(crnn_calibrated, two_groups):
+    """Other workers (one group instead of two) have no host costs: the notes say what the
+    simulation then leaves out, rather than borrowing another layout's."""
+    plan, home, _ = crnn_calibrated
+    one = two_groups.split(";")[0]
+    machine = build_machine(plan, groups=one, store=PerfModelStore(home))
+    assert machine.host is None and NO_HOST_COSTS in machine.notes
+
+
+def test_host_cpu_is_taken_from_busy_workers_only_where_no_core_is_left(crnn_calibrated, two_groups):
+    """A hand-made what-if: a large host CPU per request slows the simulation down (and lowers
+    the bound) only when the groups cover every core; with a PU left for the host it is free."""
+    import dataclasses
+
+    plan, home, _ = crnn_calibrated
+    store = PerfModelStore(home)
+    costs = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0,
+                      cpu_per_batch_s=0.002, cpu_per_request_s=0.002)
+    base = build_machine(plan, groups=two_groups, store=store, host=False)
+    model = HostModel([w.name for w in base.workers], 0, {1: costs})
+    shared = dataclasses.replace(build_machine(plan, groups=two_groups, store=store, host=model), free_pus=0)
+    spare = dataclasses.replace(shared, free_pus=1)
+    assert shared.host_shares_cores and not spare.host_shares_cores
+    assert machine_bound(shared, 1).throughput < machine_bound(spare, 1).throughput
+    assert any(b.kind == "host" for b in machine_bound(shared, 1).binding)
+    rate = 0.9 * machine_bound(spare, 1).throughput  # the cores alone would keep up
+    kw = dict(rate=rate, batch_size=1, duration=1.0, spread=0.0, seed=2)
+    assert simulate(machine=shared, **kw).metrics()["throughput"] < simulate(machine=spare, **kw).metrics()["throughput"]
