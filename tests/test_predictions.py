@@ -220,3 +220,66 @@ def test_host_cpu_is_taken_from_busy_workers_only_where_no_core_is_left(crnn_cal
     rate = 0.9 * machine_bound(spare, 1).throughput  # the cores alone would keep up
     kw = dict(rate=rate, batch_size=1, duration=1.0, spread=0.0, seed=2)
     assert simulate(machine=shared, **kw).metrics()["throughput"] < simulate(machine=spare, **kw).metrics()["throughput"]
+
+
+# -- schedules a person can read ------------------------------------------------------------------
+def test_trace_plot_of_a_sweep_and_its_simulated_twin(plan, home, two_groups, tmp_path, capsys, monkeypatch):
+    """``trace plot`` on a sweep's trace draws its simulated twin row by row; points in numeric
+    order (20 before 100), one colour each, live and simulated twins alike; the legend right of
+    the plot; every worker's whole name."""
+    from staronnx.runtime.gantt import gantt_figure
+
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    trace = tmp_path / "T.json"
+    code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", "20,100", "--batch-sizes", "1,2", "--groups",
+                               two_groups, "--duration", "300ms", "--min-batches", "3", "--simulate", "--no-plots",
+                               "--trace", trace, "-o", tmp_path / "res")
+    assert code == 0, stderr + stdout
+    assert (tmp_path / "T.sim.json").is_file()
+    code, stdout, stderr = cli(capsys, "trace", "plot", trace, "-o", tmp_path / "g.png")
+    assert code == 0 and (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG", stderr + stdout
+    fig, info = gantt_figure(trace, compare=tmp_path / "T.sim.json")
+    names = [e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"]
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and e["tid"] != 100_000]
+    assert info.rows[0] == "sweep points"
+    for name in names:  # each worker whole, live above its simulated twin
+        assert info.rows.index(f"{name} (live)") + 1 == info.rows.index(f"{name} (sim)")
+    measured = [p for p in info.points if "(again)" not in p]
+    assert measured[:2] == ["b=1 @ 20 req/s", "b=1 @ 100 req/s"] and measured[2].startswith("b=2 @ 20")
+    assert len({info.colours[p] for p in info.points}) == len(info.points)  # one colour per point
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    ax = fig.axes[0]
+    legend = ax.get_legend().get_window_extent(renderer)
+    assert legend.x0 >= ax.get_window_extent(renderer).x1  # beside the tasks, not over them
+    assert legend.x1 <= fig.bbox.x1 + 1  # and inside the picture
+    for label in ax.get_yticklabels():
+        box = label.get_window_extent(renderer)
+        assert box.x0 >= 0 and label.get_text() in info.rows  # whole, not cut by the figure's edge
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
+def test_trace_plot_keeps_long_worker_names_whole(tmp_path):
+    """A hand-written trace with long lane names and no points: colour by part, names whole."""
+    from staronnx.runtime.gantt import gantt_figure
+
+    lanes = ["pu:numa0.core1", "cpu:numa0.core0-core7,pkg0", "cuda0.s1"]
+    events = []
+    for tid, name in enumerate(lanes):
+        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid, "args": {"name": name}})
+        for k in range(3):
+            events.append({"ph": "X", "name": f"part{k % 2}", "cat": "task", "pid": 1, "tid": tid,
+                           "ts": 1000.0 * (k + tid), "dur": 800.0, "args": {}})
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    fig, info = gantt_figure(path)
+    assert info.rows == lanes and info.parts == ["part0", "part1"] and not info.points
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for label in fig.axes[0].get_yticklabels():
+        assert label.get_window_extent(renderer).x0 >= 0
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -217,12 +217,17 @@ def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 def plot_cmd(
     trace: Annotated[Path, typer.Argument(help="Trace JSON written by --trace.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="PNG to write.")] = Path("gantt.png"),
+    compare: Annotated[Optional[Path], typer.Option(
+        help="Another trace on the same clock to draw row by row with this one (default: a sweep's simulated "
+             "twin T.sim.json beside T.json, or the live T.json beside T.sim.json).")] = None,
+    alone: Annotated[bool, typer.Option("--alone", help="Draw this trace only, not its twin.")] = False,
 ) -> None:
-    """Draw a runtime trace as a Gantt chart (one row per worker)."""
+    """Draw a runtime trace as a Gantt chart (one row per worker; a sweep's tasks coloured by
+    point in numeric order; live and simulated rows side by side when both traces exist)."""
     from staronnx.runtime.gantt import plot_trace
 
     check_writable(output, "--output")
-    console.print(f"wrote {plot_trace(trace, output)}")
+    console.print(f"wrote {plot_trace(trace, output, compare=compare, twin=not alone)}")
 
 
 def register(app: typer.Typer) -> None:
