@@ -320,3 +320,18 @@ def test_a_prefetch_that_fails_leaves_the_task_to_fetch_its_input_and_loses_no_r
     assert stats["requests_failed"] == 0
     assert counted["h2d"] == (n, n * 128)  # n - 1 prefetched, one fetched by its worker
     assert stats["prefetch"]["moved"] == n and stats["prefetch"]["hits"] == n - 1
+
+
+def test_a_scalar_tensor_prefetched_to_a_gpu_keeps_its_shape():
+    """A 0-d tensor (bert's gathered sizes cross a cut so) is uploaded as a 0-d tensor."""
+    from staronnx.workers.replicas import DeviceMemory
+
+    rt = HostRuntime()
+    memory = DeviceMemory(rt, 0)
+    try:
+        for copy in (memory.prefetch, memory.fetch):
+            t = copy(np.array(7, dtype=np.int64))
+            assert t.shape == () and t.nbytes == 8
+            assert memory.download(t).shape == ()
+    finally:
+        memory.close()

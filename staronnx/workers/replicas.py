@@ -142,6 +142,13 @@ def host_copy(value: Any) -> np.ndarray | None:
     return value
 
 
+def _contiguous(value: Any) -> np.ndarray:
+    """``value`` as a C-contiguous array of its own shape (``np.ascontiguousarray`` makes a
+    0-d array 1-d: a scalar tensor would come out [1])."""
+    array = np.asarray(value)
+    return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
+
+
 class DeviceMemory:
     """One GPU as a memory node: its buffer arena and the runtime's copies to and from it."""
 
@@ -227,7 +234,7 @@ class DeviceMemory:
                     stream.wait(value.ready)
                 self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
             else:
-                array = np.ascontiguousarray(value)
+                array = _contiguous(value)
                 t = self.tensor(array.dtype, array.shape)
                 src, staging = self._pinned_source(array)
                 self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
@@ -247,7 +254,7 @@ class DeviceMemory:
                 self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
                 t.source = value
             else:
-                array = np.ascontiguousarray(value)
+                array = _contiguous(value)
                 t = self.tensor(array.dtype, array.shape)
                 src, t.source = self._pinned_source(array)
                 self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
