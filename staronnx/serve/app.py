@@ -100,6 +100,11 @@ BACKLOG = 1024
 #: to send its request and read its 503
 LINGER_S = 2.0
 
+#: at the end of a shutdown, how long an HTTP connection must have been silent (since its accept
+#: or its last bytes) before it is closed (a client that just connected sends its request within
+#: it), and how long gRPC calls are held before its listener stops
+QUIET_S = 0.25
+
 #: addresses that only this machine reaches (``--host`` may name them without ``--insecure``)
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
@@ -305,12 +310,24 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # 2. every handler has its outcome now: let each send it, and refused uploads finish sending
     await _until(lambda: not http_front.unanswered and not grpc_front.unanswered, loop.time() + LINGER_S)
     await _until(lambda: not http_front.running, max(drain_end, loop.time() + LINGER_S))
-    # 3. the HTTP listener answers the connections waiting in its accept queue, then every
-    #    listener closes; a handler still running now is cut (counted dropped)
+    # 3. the HTTP listener answers the connections waiting in its accept queue, then closes;
+    #    each connection closes once no request is on its way on it; gRPC's calls are held
+    #    meanwhile and answered once its stop has begun (grpcio cancels a call that reaches its
+    #    core as it stops: one per busy client, CANCELLED, unless held). A handler still running
+    #    now is cut (counted dropped)
+    grpc_front.hold()  # gRPC calls from now on wait, and are answered just before its listener stops
+    held_until = loop.time() + QUIET_S  # long enough for every busy client's next call to be held
     await _close_listener(http_site, http_sock, http_runner, http_front)
+    await _quiet_connections(http_runner, loop.time() + LINGER_S)
+    await asyncio.sleep(max(0.0, held_until - loop.time()))
     http_front.closing = grpc_front.closing = True
     http_runner._shutdown_timeout = 1.0  # handlers were waited for above
-    await asyncio.gather(grpc_server.stop(1.0), http_runner.cleanup())
+    # gRPC: the stop first (its GOAWAY: a client's next call goes to the closed port), then the
+    # held calls are answered UNAVAILABLE within its grace
+    stopping = asyncio.ensure_future(grpc_server.stop(1.0))
+    await asyncio.sleep(0)
+    grpc_front.release()
+    await asyncio.gather(stopping, http_runner.cleanup())
     log_flusher.cancel()
     guard.log.flush()
     await loop.run_in_executor(None, _close_models, models, listen.drain_timeout)
@@ -381,6 +398,16 @@ async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.A
     await _until(lambda: runner.server is None or (runner.server.requests_count - before >= len(queued)
                                                    and not front.running),
                  loop.time() + LINGER_S)
+
+
+async def _quiet_connections(runner: web.AppRunner, until: float) -> None:
+    """Wait until no HTTP connection is busy (:meth:`~staronnx.serve.http_api._Handler.busy`: a
+    request being received or answered, or bytes less than :data:`QUIET_S` ago), or ``until``:
+    closing a connection whose request is on its way resets it unanswered."""
+    server = runner.server
+    if server is None:
+        return
+    await _until(lambda: not any(h.busy(QUIET_S) for h in server.connections), until)
 
 
 def _close_batchers(models: Sequence[ModelEndpoint], timeout: float) -> None:

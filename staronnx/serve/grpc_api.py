@@ -69,6 +69,37 @@ class GrpcFrontend:
         self.unanswered = 0
         #: set once the server stops: a call cancelled then was dropped, not cancelled by its client
         self.closing = False
+        #: while set (the last moments of a shutdown), calls wait for it before they are refused
+        self._held: asyncio.Event | None = None
+
+    def hold(self) -> None:
+        """From now on, calls to a stopping server wait before they are answered UNAVAILABLE,
+        until :meth:`release`. Why: grpcio cancels (CANCELLED, not UNAVAILABLE) every call that
+        reaches its core while the server stops, and a client told UNAVAILABLE at once sends its
+        next call at once; held, every busy client's call is in a handler when the stop begins
+        (its GOAWAY sent), and is answered then, within the stop's grace: the client's next call
+        goes to the closed port (measured: 30 of 32 tight-loop clients lost a call to CANCELLED
+        at the stop; none with the hold)."""
+        self._held = asyncio.Event()
+
+    async def held(self) -> None:
+        """Wait while a hold is on (at once otherwise)."""
+        if self._held is not None:
+            await self._held.wait()
+
+    def release(self) -> None:
+        """Answer the held calls (once :meth:`grpc.aio.Server.stop` has begun)."""
+        if self._held is not None:
+            self._held.set()
+
+    async def _refuse_stopping(self, model: ModelEndpoint | None) -> None:
+        """A call to a stopping server: UNAVAILABLE (after the hold, if one is on)."""
+        await self.held()
+        if model is not None:
+            model.stats.refused("REJECTED")
+        self.guard.refusals.refuse("grpc", "shutting_down")
+        raise ProtocolError("unavailable", f"{'model ' + repr(model.name) + ': ' if model else ''}the server is "
+                                           "shutting down; send the request to another replica")
 
     def _model(self, name: str, version: str) -> ModelEndpoint:
         model = self.models.get(name)
@@ -178,10 +209,7 @@ class GrpcFrontend:
             raise invalid(_undecodable_text(request, "ModelInfer"))
         model = self._model(request.model_name, request.model_version)
         if not self.is_ready():  # stopping: answered, never reset
-            model.stats.refused("REJECTED")
-            self.guard.refusals.refuse("grpc", "shutting_down")
-            raise ProtocolError("unavailable", f"model {model.name!r}: the server is shutting down; "
-                                               "send the request to another replica")
+            await self._refuse_stopping(model)
         t0 = time.perf_counter()
         try:
             inputs, datatypes = _decode_inputs(request)
@@ -280,10 +308,14 @@ async def _refuse_undecodable(context: grpc.aio.ServicerContext, request: _Undec
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_text(request, rpc))
 
 
-def _checked(method: Callable[[Any, grpc.aio.ServicerContext], Any], rpc: str) -> Callable[..., Any]:
+def _checked(frontend: GrpcFrontend, method: Callable[[Any, grpc.aio.ServicerContext], Any],
+             rpc: str) -> Callable[..., Any]:
+    """``method`` answering an undecodable request INVALID_ARGUMENT, and held with the
+    inference calls at the end of a shutdown (:meth:`GrpcFrontend.hold`)."""
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
             await _refuse_undecodable(context, request, rpc)
+        await frontend.held()
         return await method(request, context)
     return handler
 
@@ -334,7 +366,7 @@ def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = N
         method = service.methods_by_name[rpc]
         method_handler = getattr(frontend, rpc)
         handlers[rpc] = grpc.unary_unary_rpc_method_handler(
-            method_handler if rpc in _SELF_CHECKED else _checked(method_handler, rpc),
+            method_handler if rpc in _SELF_CHECKED else _checked(frontend, method_handler, rpc),
             request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
             response_serializer=getattr(pb, method.output_type.name).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -686,7 +686,7 @@ class _Handler(RequestHandler):
       with ``Connection: close`` (read whole first, so the client reads the answer, not a reset).
     """
 
-    __slots__ = ("_guard", "_head_timer", "_over", "_partial", "_counted")
+    __slots__ = ("_guard", "_head_timer", "_over", "_partial", "_counted", "_last_data")
 
     def __init__(self, manager: Server, *, guard: Guard, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
@@ -695,8 +695,19 @@ class _Handler(RequestHandler):
         self._over = False
         self._partial = False
         self._counted = False
+        self._last_data = 0.0  # loop time of the accept, then of the last bytes received
+
+    def busy(self, quiet: float) -> bool:
+        """Whether closing this connection now could cut a request: one is being received or
+        handled, or bytes came (or the connection was accepted) less than ``quiet`` s ago, so a
+        request may be on its way. A shutdown closes a connection only once it is not busy."""
+        if self.transport is None:
+            return False
+        return (self._request_in_progress or bool(self._messages) or self._partial
+                or self._loop.time() - self._last_data < quiet)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._last_data = self._loop.time()
         super().connection_made(transport)
         if self._keepalive_handle is not None:  # aiohttp's idle timer from the accept: the head timer instead
             self._keepalive_handle.cancel()
@@ -729,6 +740,7 @@ class _Handler(RequestHandler):
         self._head_timer = self._loop.call_later(self._guard.limits.header_timeout, self._head_late)
 
     def data_received(self, data: bytes) -> None:
+        self._last_data = self._loop.time()
         if data and self._waiting():
             self._partial = True
             if self._head_timer is None:  # the first bytes after a keep-alive pause: a head is on its way
