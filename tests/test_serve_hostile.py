@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import http.client
 import json
+import os
+import re
+import resource
+import signal
 import socket
+import struct
+import threading
 import time
 import urllib.request
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import numpy as np
@@ -24,6 +32,7 @@ import pytest
 pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
+from onnx import TensorProto, helper
 from test_serve import _check, _m, _metrics, _post, _x, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
@@ -385,18 +394,6 @@ def _raw_reply(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
 # Issue 36: hostile and careless clients. Each test sends the issue's request (scaled down where
 # the issue used thousands) to a server started with short limits by its flags.
 # ===============================================================================================
-import http.client
-import json as _json
-import os
-import re
-import resource
-import signal
-import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
-from onnx import TensorProto, helper
-
 #: the issue's request: a 64 MiB body announced, never sent (no model name needed)
 ANNOUNCE_64MIB = b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n"
 
@@ -618,7 +615,7 @@ def test_i36_request_deadline_is_504_and_deadline_exceeded(plan, tmp_path):
     s = start_server([plan.root], tmp_path, "--name", "tiny", "--policy", "eager", "--batch-size", "4",
                      "--max-delay", "30s", "--request-timeout", "1s")
     try:
-        body = _json.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]})
+        body = json.dumps({"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0.0] * 8}]})
         status, doc = _post(s.http, "/v2/models/tiny/infer", body.encode())
         assert status == 504 and "--request-timeout" in doc["error"], doc
         stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(s.grpc))
@@ -679,8 +676,8 @@ SLOW_ROWS = 64
 
 
 def _slow_request(width: int = 256) -> bytes:
-    return _json.dumps({"inputs": [{"name": "x", "shape": [SLOW_ROWS, width], "datatype": "FP32",
-                                    "data": [0.5] * (SLOW_ROWS * width)}]}).encode()
+    return json.dumps({"inputs": [{"name": "x", "shape": [SLOW_ROWS, width], "datatype": "FP32",
+                                   "data": [0.5] * (SLOW_ROWS * width)}]}).encode()
 
 
 def _slow_grpc_request(width: int = 256):
@@ -1007,7 +1004,7 @@ def test_i36_integral_numbers_and_booleans_where_they_belong_are_accepted(guarde
 def _strict_json(data: bytes):
     def refuse(token: str):
         raise ValueError(f"{token} is not JSON")
-    return _json.loads(data, parse_constant=refuse)
+    return json.loads(data, parse_constant=refuse)
 
 
 def test_i36_non_finite_outputs_go_binary_and_the_json_part_is_valid_json(guarded):
@@ -1068,7 +1065,7 @@ def _post_raw_headers(addr: str, body: bytes, headers: list[tuple[str, str]]) ->
             conn.putheader(k, v.encode("utf-8"))
         conn.endheaders(body)
         resp = conn.getresponse()
-        return resp.status, _json.loads(resp.read())
+        return resp.status, json.loads(resp.read())
     finally:
         conn.close()
 

@@ -92,14 +92,13 @@ class GrpcFrontend:
         if self._held is not None:
             self._held.set()
 
-    async def _refuse_stopping(self, model: ModelEndpoint | None) -> None:
+    async def _refuse_stopping(self, model: ModelEndpoint) -> None:
         """A call to a stopping server: UNAVAILABLE (after the hold, if one is on)."""
         await self.held()
-        if model is not None:
-            model.stats.refused("REJECTED")
+        model.stats.refused("REJECTED")
         self.guard.refusals.refuse("grpc", "shutting_down")
-        raise ProtocolError("unavailable", f"{'model ' + repr(model.name) + ': ' if model else ''}the server is "
-                                           "shutting down; send the request to another replica")
+        raise ProtocolError("unavailable", f"model {model.name!r}: the server is shutting down; send the request to "
+                                           "another replica")
 
     def _model(self, name: str, version: str) -> ModelEndpoint:
         model = self.models.get(name)
