@@ -261,10 +261,14 @@ class Plan:
             raise InputError(f"unknown input(s) {unknown}; the plan's inputs are {self.input_names}")
         for (name, dtype, _), spec in zip(checks, self.inputs):
             value = feeds[name]
+            if "(" in spec.dtype:  # a sequence, optional or map (ORT's type string): ORT checks its own
+                continue
             if not isinstance(value, np.ndarray):
                 raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(value).__name__}")
             # comparing dtype objects is a C call; dtype.name runs Python code in numpy
-            if (value.dtype != dtype) if dtype is not None else (value.dtype.name != spec.dtype):
+            mismatch = (value.dtype != dtype) if dtype is not None else (value.dtype.name != spec.dtype)
+            # a string tensor: ORT takes numpy's str_, bytes_ and void arrays as it takes objects
+            if mismatch and not (dtype == _STRINGS and value.dtype.kind in _STRING_KINDS):
                 raise InputError(
                     f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype.name}"
                 )
@@ -395,6 +399,11 @@ def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Pa
     out = Path(output_dir)
     check_output_dir(out, force)
     return out
+
+
+#: a string tensor's dtype in a plan (numpy's for ONNX strings), and the numpy kinds ORT takes for one
+_STRINGS = np.dtype(object)
+_STRING_KINDS = frozenset("OUSV")
 
 
 def _numpy_dtype(name: str) -> np.dtype | None:

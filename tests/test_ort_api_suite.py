@@ -130,3 +130,93 @@ def test_partition_serves_a_one_node_model_whole_by_default_and_refuses_explicit
     assert plan.k == 1 and plan.parts[0].inputs == ["in0"] and plan.contract.batchable
     with pytest.raises(staronnx.PartitionError, match="cannot cut 1 node"):
         staronnx.partition(model, parts=2, output_dir=tmp_path / "plan2", costs="estimate")
+
+
+# -- strings, sequences, optionals, pass-through outputs ------------------------------------
+@pytest.mark.parametrize("x", [
+    np.array([["Olá", "你好"], ["여보세요", "hello"]], dtype=str),
+    np.array([[b"this", b"is"], [b"identity", b"test"]]),
+    np.array([["a", "b"], ["c", "d"]], dtype=object),
+], ids=["str_", "bytes_", "object"])
+def test_string_tensors_are_fed_as_numpy_gives_them(tmp_path, x):
+    """numpy's str_ and bytes_ arrays are string tensors to ORT, not a wrong dtype."""
+    path = save(one_node("Identity", TensorProto.STRING, [2, 2]), tmp_path / "strings.onnx")
+    with session(path) as sess:
+        assert sess.get_inputs()[0].type == "tensor(string)"
+        np.testing.assert_array_equal(sess.run(None, {"in0": x})[0], ort_run(path, {"in0": x})[0])
+
+
+def sequence_model() -> onnx.ModelProto:
+    """A sequence in, a tensor inserted, the sequence and its length out."""
+    seq = helper.make_tensor_sequence_value_info("seq", TensorProto.INT64, None)
+    nodes = [helper.make_node("SequenceInsert", ["seq", "t"], ["out_seq"]),
+             helper.make_node("SequenceLength", ["out_seq"], ["length"])]
+    graph = helper.make_graph(nodes, "sequences", [seq, helper.make_tensor_value_info("t", TensorProto.INT64, [2, 3])],
+                              [helper.make_tensor_sequence_value_info("out_seq", TensorProto.INT64, None),
+                               helper.make_tensor_value_info("length", TensorProto.INT64, [])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_sequence_inputs_and_outputs_run_as_one_part(tmp_path):
+    """Sequences in and out: the model is served whole (warned) and answers as ORT does, its
+    getters saying ORT's types."""
+    path = save(sequence_model(), tmp_path / "seq.onnx")
+    t = np.arange(6, dtype=np.int64).reshape(2, 3)
+    feeds = {"seq": [t + 1], "t": t}
+    with pytest.warns(PartitionWarning, match="input 'seq' is a seq\\(tensor\\(int64\\)\\)"):
+        sess = session(path)
+    with sess:
+        assert [(i.name, i.type, i.shape) for i in sess.get_inputs()] == [
+            ("seq", "seq(tensor(int64))", []), ("t", "tensor(int64)", [2, 3])]
+        assert sess.get_outputs()[0].type == "seq(tensor(int64))"
+        got, want = sess.run(None, feeds), ort_run(path, feeds)
+        assert len(got[0]) == 2 and int(got[1]) == 2
+        for a, b in zip(got[0], want[0]):
+            np.testing.assert_array_equal(a, b)
+        results: list[Any] = []
+        sess.run_async(["length"], feeds, lambda res, data, err: results.append((res, err)), None)
+        assert int(results[0][0][0]) == 2 and results[0][1] == ""
+
+
+def test_optional_input_and_output_run_as_one_part(tmp_path):
+    """An optional sequence passed through Identity: fed a list, it returns the list."""
+    opt = helper.make_optional_type_proto(helper.make_sequence_type_proto(
+        helper.make_tensor_type_proto(TensorProto.FLOAT, None)))
+    graph = helper.make_graph([helper.make_node("Identity", ["opt_in"], ["opt_out"])], "opt",
+                              [helper.make_value_info("opt_in", opt)], [helper.make_value_info("opt_out", opt)])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)]), tmp_path / "opt.onnx")
+    x = [np.array([1, 2, 3, 4, 5], dtype=np.float32)]
+    with session(path) as sess:
+        assert sess.get_inputs()[0].type == "optional(seq(tensor(float)))"
+        np.testing.assert_array_equal(sess.run(None, {"opt_in": x})[0], x)
+
+
+def test_a_map_output_of_a_shipped_classifier_runs(tmp_path):
+    """onnxruntime.datasets' logreg_iris.onnx: a ZipMap output (a sequence of maps)."""
+    path = datasets.get_example("logreg_iris.onnx")
+    x = np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32)
+    with pytest.warns(PartitionWarning, match="probabilities"):
+        sess = session(path)
+    with sess:
+        assert sess.get_outputs()[1].type == "seq(map(int64,tensor(float)))"
+        got, want = sess.run(None, {"float_input": x}), ort_run(path, {"float_input": x})
+        np.testing.assert_array_equal(got[0], want[0])
+        assert got[1] == want[1]
+
+
+def test_an_input_returned_as_an_output_is_returned(tmp_path):
+    """A graph input that is also a graph output (no node computes it): served whole (by one
+    ORT session: staronnx's engine tracks a tensor from the part that writes it), the input
+    comes back as it went in."""
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Neg", ["r"], ["y"])], "pass",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4]),
+                               helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "pass.onnx")
+    x = np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)
+    with pytest.warns(PartitionWarning, match="output 'x' is the input returned as it is"):
+        sess = session(path)
+    with sess:
+        y, back = sess.run(None, {"x": x})
+        np.testing.assert_array_equal(y, -np.maximum(x, 0))
+        np.testing.assert_array_equal(back, x)

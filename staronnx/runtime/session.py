@@ -61,9 +61,9 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError
 from staronnx.modelio import dim_of, is_fixed, load_model
-from staronnx.ortutil import ort_type_name
+from staronnx.ortutil import QUIET, OrtSession, ort_type_name
 from staronnx.partition.graph import model_inputs
-from staronnx.partition.whole import too_small
+from staronnx.partition.whole import io_specs, too_small, whole_reason
 from staronnx.perfmodels.store import default_root
 from staronnx.plan import PLAN_VERSION, Plan, TensorSpec, _numpy_dtype
 from staronnx.runtime.engine import EngineClosed
@@ -347,7 +347,10 @@ def _partition_options(partition_options: Mapping[str, Any] | None,
 def _unsized(model: onnx.ModelProto, batch_axes: Mapping[str, int | None]) -> list[str]:
     """The model's dynamic sizes that partition cannot choose itself ("image: height"): every
     dynamic axis of an input but its batch axis (the contract's, with the user's ``batch_axes``),
-    which partition sets to its profiling batch."""
+    which partition sets to its profiling batch. None for a model served whole, which is not
+    profiled (:mod:`staronnx.partition.whole`)."""
+    if whole_reason(model) is not None:
+        return []
     return [f"{spec.name}: {d or f'axis {axis}'}" for spec in model_inputs(model, batch_axes)
             for axis, d in enumerate(spec.shape) if not is_fixed(d) and axis != spec.batch_axis]
 
@@ -359,21 +362,61 @@ def _first_run_shapes(feeds: Mapping[str, np.ndarray]) -> dict[str, list[int]]:
 
 
 def _declared(model: onnx.ModelProto) -> Plan:
-    """The model's inputs and outputs as it declares them (what ORT's getters report), as a plan
-    with no parts: it answers the getters and checks feeds before the model is cut."""
-    def spec(vi: onnx.ValueInfoProto) -> TensorSpec:
-        tt = vi.type.tensor_type
-        try:
-            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
-        except (KeyError, TypeError):  # an element type numpy has no name for
-            dtype = onnx.TensorProto.DataType.Name(tt.elem_type).lower()
-        shape = [dim_of(d) for d in tt.shape.dim] if tt.HasField("shape") else []
-        return TensorSpec(vi.name, dtype, shape)
-
-    fed = {spec.name for spec in model_inputs(model)}
-    return Plan(root=Path(), parts=[], inputs=[spec(vi) for vi in model.graph.input if vi.name in fed],
-                outputs=[spec(vi) for vi in model.graph.output], crossing=[], cut_bytes_per_sample=0,
+    """The model's inputs and outputs as it declares them (what ORT's getters report: sequences,
+    optionals and maps by ORT's type string), as a plan with no parts: it answers the getters
+    and checks feeds before the model is cut."""
+    inputs, outputs = io_specs(model)
+    return Plan(root=Path(), parts=[], inputs=inputs, outputs=outputs, crossing=[], cut_bytes_per_sample=0,
                 source={}, settings={})
+
+
+def _runs_on_workers(plan: Plan) -> str | None:
+    """Why staronnx's workers cannot run the plan, or None when they can: they hand tensors
+    between parts and price them by their bytes (a sequence has none to give), and the engine
+    tracks each tensor from the one part that writes it (an input returned as an output is
+    written by none)."""
+    odd = next((t for t in (*plan.inputs, *plan.outputs) if "(" in t.dtype), None)
+    if odd is not None:
+        return f"{odd.name!r} is a {odd.dtype}, and staronnx's workers hand on tensors only"
+    fed = set(plan.input_names)
+    passed = next((n for n in plan.output_names if n in fed), None)
+    if passed is not None:
+        return f"output {passed!r} is an input returned as it is, which staronnx's engine does not track"
+    return None
+
+
+class _OrtPart:
+    """The one part of a plan that staronnx's workers cannot run (:func:`_runs_on_workers`:
+    a sequence, an optional or a map among its inputs or outputs, an input returned as an
+    output), run by one ONNX Runtime session in this process, on the CPU. It answers what a
+    session asks of its Runtime."""
+
+    def __init__(self, plan: Plan, threads: int = 0) -> None:
+        so = ort.SessionOptions()
+        so.log_severity_level = QUIET  # its errors reach the caller as exceptions
+        if threads > 0:
+            so.intra_op_num_threads = threads
+        self._session: OrtSession | None = OrtSession(str(plan.part_path(0)), so, providers=[CPU_EP])
+        self._outputs = plan.output_names
+        self.workers: list[Any] = []
+        self.tracer = None
+
+    def run(self, feeds: Mapping[str, Any]) -> dict[str, Any]:
+        if self._session is None:
+            raise EngineClosed("the session is closed; no new requests are accepted")
+        return dict(zip(self._outputs, self._session.run(self._outputs, dict(feeds))))
+
+    def submit(self, feeds: Mapping[str, Any]) -> RequestFuture:
+        """The outputs, computed in this call, as a settled future."""
+        future = RequestFuture(-1)
+        try:
+            future.set_result(self.run(feeds))
+        except Exception as exc:  # noqa: BLE001 - the future carries it, as a worker's would
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        self._session = None
 
 
 _READ_ONLY = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
@@ -530,8 +573,9 @@ class InferenceSession:
         self._provider_options.setdefault(CPU_EP, {})
         if streams and asked is not None and "cuda_devices" not in runtime_options:
             runtime_options["cuda_devices"] = (_device_id(asked),)
+        threads = int(getattr(sess_options, "intra_op_num_threads", 0) or 0)
+        self._threads = threads
         if cpu_groups is None:
-            threads = int(getattr(sess_options, "intra_op_num_threads", 0) or 0)
             drivers = len(runtime_options.get("cuda_devices", (0,))) if streams else 0  # one per GPU
             cpu_groups = _cores_for_threads(threads, drivers) if threads > 0 else "numa"
 
@@ -552,12 +596,25 @@ class InferenceSession:
             self._profile_path, self._profile_start = self._profiling(sess_options, runtime_options)
             self._runtime_args = dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
             if self._plan is not None:
-                self._runtime = Runtime(self._plan, **self._runtime_args)
+                self._runtime = self._start(self._plan)
             else:
                 policy_options(policy)  # an unknown policy fails here, not at the first run
         except BaseException:
             self._remove_scratch()
             raise
+
+    def _start(self, plan: Plan) -> Any:
+        """What runs the plan: a :class:`Runtime` over staronnx's workers, or for a plan they
+        cannot run (served whole: :func:`_runs_on_workers`), one ORT session (:class:`_OrtPart`),
+        said in the log (and warned of where CUDA was asked for: it runs on the CPU)."""
+        why = _runs_on_workers(plan)
+        if why is None:
+            return Runtime(plan, **self._runtime_args)
+        if self._streams:
+            warnings.warn(f"{CUDA_EP} is not used for this model: it runs as one ONNX Runtime session on the "
+                          f"CPU ({why})", UserWarning, stacklevel=4)
+        log.info("running the model as one ONNX Runtime session in this process: %s", why)
+        return _OrtPart(plan, self._threads)
 
     @staticmethod
     def _check_runtime_options(options: Mapping[str, Any]) -> None:
@@ -655,7 +712,7 @@ class InferenceSession:
                     raise RuntimeError("this InferenceSession failed to start")
                 try:
                     plan = self._cut(feeds)
-                    runtime = Runtime(plan, **self._runtime_args)
+                    runtime = self._start(plan)
                 except BaseException:
                     self._remove_scratch()  # a private plan (read-only home) made before the failure
                     raise
@@ -775,7 +832,8 @@ class InferenceSession:
                     value = _host_array(value, name)
                 else:
                     spec = next((t for t in io.inputs if t.name == name), None)
-                    value = np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
+                    if spec is None or "(" not in spec.dtype:  # a sequence, optional or map goes as given
+                        value = np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
             feeds[name] = value
         try:
             io.check_feeds(feeds)
