@@ -111,9 +111,6 @@ class Request:
     model: int = 0  # its model's index in the core's ModelSet
     first_part: int = 0  # the global number of its model's part 0
     deadline: float = math.inf  # arrival + its model's latency target
-    #: every copy its tasks made: fetches (as decided) and write-backs (as produced); None
-    #: while there is none
-    copies: list[Copy] | None = None
 
     def task(self, part: int) -> Task:
         """Its task of global part ``part``."""
@@ -383,10 +380,6 @@ class TaskGraph:
                     entry = links[c[1], c[2]] = [0, 0]
                 entry[0] += 1
                 entry[1] += c[3]
-            if req.copies is None:
-                req.copies = list(done)
-            else:
-                req.copies += done
 
     # -- workers -------------------------------------------------------------------------------
     def next_task(self, wid: int, now: float) -> Task | None:
@@ -492,10 +485,6 @@ class TaskGraph:
                     entry = links[c[1], c[2]] = [0, 0]
                 entry[0] += 1
                 entry[1] += c[3]
-            if req.copies is None:
-                req.copies = list(copies)
-            else:
-                req.copies += copies
         for name, nbytes in outputs.items():
             if name in readers:  # a handle only for what another part reads
                 valid = produced_on(node, True) if name in final else frozenset((node,))
