@@ -460,11 +460,16 @@ def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, dep
         return statistics.median(xs) if xs else default
 
     launch_s = median(launch)
-    lag = (records.settings.get("loadgen") or {}).get("lag_mean_s")
+    # the generator's lag, per batch: a full batch forms as its last request is submitted, so
+    # formed - that request's scheduled arrival is how late the generator was (a median: one
+    # descheduled wake-up on a shared machine must not set it)
+    arrivals = {r.id: r.arrival for r in records.requests}
+    lags = [b.formed - max(arrivals[i] for i in b.request_ids) for b in records.batches
+            if b.size == run.batch and all(i in arrivals for i in b.request_ids)]
     done_batches = sum(1 for b in records.batches if b.done is not None)
     return HostCosts(
         batch=run.batch, launch_s=launch_s, wake_s=median(wake, launch_s / 2), gap_s=median(gap),
-        finish_s=median(finish), lag_s=float(lag) if isinstance(lag, (int, float)) and math.isfinite(lag) else 0.0,
+        finish_s=median(finish), lag_s=max(median(lags), 0.0),
         cpu_per_batch_s=max(run.host_cpu_s / done_batches, 0.0) if done_batches else 0.0,
         task_scale=measured / predicted if predicted > 0 else 1.0, batches=alone, finish_on_worker=run.inline)
 

@@ -151,6 +151,23 @@ def test_calibration_warns_when_its_samples_were_taken_on_a_busy_machine(plan, t
     assert "warning: calibration measured beside other work" in stdout and "--replace" in stdout
 
 
+def test_the_error_summary_sets_busy_and_knee_points_apart():
+    """Hand-made rows: a busy point is out of every figure (counted), a steady point offered
+    90 % of its bound is at the knee (counted, and out of the below-the-knee figures)."""
+    from staronnx.bench.fidelity import fidelity_summary
+
+    def row(rate: float, err: float, **kw) -> dict:
+        return {"offered_rate": rate, "bound_throughput": 100.0, "sim_throughput": rate, "throughput": rate,
+                "err_throughput": 0.0, "err_latency_p50": err, "err_paper_latency": err, "congested": False,
+                "sim_congested": False, "state": "stable", **kw}
+
+    rows = [row(20, 0.02), row(50, -0.04), row(90, -0.6), row(60, 0.5, machine_busy=True)]
+    f = fidelity_summary(rows)
+    assert f["busy_points"] == 1 and f["simulated_points"] == 3 and f["knee_points"] == 1
+    assert f["paper_latency"]["max_abs"] == pytest.approx(0.6)
+    assert f["paper_latency_below_knee"]["points"] == 2 and f["paper_latency_below_knee"]["max_abs"] == pytest.approx(0.04)
+
+
 # -- the host's own work -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def crnn_calibrated(real_plan, tmp_path_factory, two_groups):

@@ -27,6 +27,10 @@ from staronnx.serving.metrics import summarize
 
 #: the simulator-vs-live target of issue 5 (relative error of throughput and p50 latency)
 TARGET = 0.15
+#: offered load, as a share of the LP bound (the host's costs included), from which a point is
+#: at the knee: there a few per cent of capacity (the machine's drift, others' CPU) move the
+#: latency by tens of per cent, and the simulator's latency is an estimate, not a prediction
+KNEE = 0.85
 
 #: (row key written by the simulator, measured row key it is compared with, error key)
 COMPARED = (
@@ -108,6 +112,13 @@ def _stats(errors: Sequence[float], target: float) -> dict[str, Any]:
     }
 
 
+def at_knee(row: Mapping[str, Any]) -> bool:
+    """Whether a point was offered at least :data:`KNEE` of its LP bound (the host's costs in
+    it where calibration measured them); False without a bound."""
+    bound, offered = _finite(row.get("bound_throughput")), _finite(row.get("offered_rate"))
+    return bound is not None and offered is not None and bound > 0 and offered >= KNEE * bound
+
+
 def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) -> dict[str, Any]:
     """Aggregate the simulated rows' errors.
 
@@ -116,7 +127,9 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     failed point measured no performance to predict). ``congestion_agreement`` is the share of
     points where both sides call congestion the same way. Points measured beside other work
     (``machine_busy``: :mod:`staronnx.bench.cpuload`) are left out of every figure, and counted in
-    ``busy_points``: their error is the other work's as much as the simulator's.
+    ``busy_points``: their error is the other work's as much as the simulator's. The steady
+    points offered :data:`KNEE` of their bound or more are at the knee (``knee_points``): the
+    latency errors are also given without them (``*_below_knee``).
     """
     candidates = [r for r in rows if "sim_throughput" in r and r.get("state") != "failed"]
     simulated = [r for r in candidates if not r.get("machine_busy")]
@@ -126,6 +139,12 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     out["throughput"] = _stats([e for r in simulated if (e := r.get("err_throughput")) is not None], target)
     out["latency_p50"] = _stats([e for r in steady if (e := r.get("err_latency_p50")) is not None], target)
     out["paper_latency"] = _stats([e for r in steady if (e := r.get("err_paper_latency")) is not None], target)
+    # the same below the knee (offered < KNEE x the bound), and how many steady points were at it
+    calm = [r for r in steady if not at_knee(r)]
+    out["knee_points"] = len(steady) - len(calm)
+    out["latency_p50_below_knee"] = _stats([e for r in calm if (e := r.get("err_latency_p50")) is not None], target)
+    out["paper_latency_below_knee"] = _stats([e for r in calm if (e := r.get("err_paper_latency")) is not None],
+                                             target)
     agree = [bool(r.get("congested")) == bool(r.get("sim_congested")) for r in simulated]
     out["congestion_agreement"] = sum(agree) / len(agree) if agree else None
     return out

@@ -168,7 +168,7 @@ def _print_point_notes(rows: list[dict[str, Any]]) -> None:
 
 def _print_fidelity(rows: list[dict[str, Any]]) -> None:
     """Simulated vs measured, point by point, then the aggregate errors."""
-    from staronnx.bench.fidelity import fidelity_summary
+    from staronnx.bench.fidelity import KNEE, fidelity_summary
 
     simulated = [r for r in rows if "sim_throughput" in r]
     if not simulated:
@@ -209,6 +209,12 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
         console.print(
             f"{name}: median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}, "
             f"{st['within_target']:.0%} of {st['points']} point(s) within {f['target']:.0%}", highlight=False)
+    if f.get("knee_points"):
+        st = f["paper_latency_below_knee"]
+        below = (f"; below it, papers' latency median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}"
+                 if st["points"] else "")
+        console.print(f"{f['knee_points']} steady point(s) at the knee (offered >= {KNEE:.0%} of the LP bound: a few "
+                      f"per cent of capacity move their latency by tens of per cent){below}", highlight=False)
     if f["congestion_agreement"] is not None:
         console.print(f"congestion called alike on {f['congestion_agreement']:.0%} of points", highlight=False)
 
