@@ -1,33 +1,63 @@
-"""Simulator vs measurement on the same points, and the LP throughput bound (issue 5).
+"""Simulator vs measurement on the same points, and the LP throughput bound (issues 5 and 40).
 
-Partitions a model (googlenet 85/15 by default), calibrates it on the chosen groups, then runs
-a live sweep with ``simulate=True``: every measured (batch size, rate) point is replayed in the
-discrete-event simulator from the perf models, same arrivals and window. Prints, per point, the
-measured and simulated throughput and p50 latency with the relative error, the aggregate errors
-(target within 15 %), the LP bound per batch size and achieved / bound at the saturating rate.
+For each model of ``--models`` (default: googlenet and two real exported models of
+``../shared/models/real/`` at a fixed shape each): partition it in 2 parts (``--shares``,
+85/15), calibrate it on two one-core CPU groups (``--groups cores=1``: on a 2-core machine
+they cover every core, so the host's own threads run on the workers' cores) at batch 1 and 4,
+with the host's costs (:func:`staronnx.calibrate.calibrate_host`), then run a live sweep with
+``simulate=True`` at ``--rates auto`` (from the LP bound up to 110 % of it, ``--duration`` s a
+point): every measured (batch size, rate) point is replayed in the discrete-event simulator,
+same arrivals and window, and replayed once more without the host's costs (the simulator as it
+was before them: the tasks alone).
 
-Usage: python benchmarks/simulator.py [--plan DIR] [--rates 10,30,50,70] [--batch-sizes 1,4]
-       [--groups cores=1] [--duration 6] [-o results-sim/]
-With ``--plan`` an existing plan is used and calibrated in ``$STARONNX_HOME`` unless already.
+Per model it prints each point (measured, simulated, error; ``busy`` where the point was
+measured beside other work: :mod:`staronnx.bench.cpuload`), then, for the simulator with and
+without the host's costs, the median and max |error| of throughput (every point), p50 and the
+papers' latency (steady points: neither side congested), the share of points whose congestion
+is called alike, the LP bound over the measured capacity per batch size (the most the sweep
+served at that size), and how many points were flagged busy and left out of the errors.
+Goals (issue 40), on a quiet machine: papers' latency median |error| <= 3 %, max <= 15 %;
+congestion called alike on >= 95 % of points; bound / capacity within 1.0-1.1.
+
+``--busy`` runs a competing CPU load (a busy loop in another process, pinned to the workers'
+first core) during the sweeps: the points must come out flagged busy.
+
+Usage: python benchmarks/simulator.py [--models googlenet,crnn_ocr,unet_seg] [--rates auto]
+       [--batch-sizes 1,4] [--groups cores=1] [--duration 3] [--busy] [--json out.json] [-o DIR]
+       [--plan DIR]   (one existing plan instead of --models, calibrated in $STARONNX_HOME unless already)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import os
+import subprocess
 import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, scratch_dir  # noqa: E402
+from _common import GOOGLENET, REPO, scratch_dir  # noqa: E402
 
 from staronnx import partition  # noqa: E402
-from staronnx.bench.fidelity import TARGET, fidelity_summary  # noqa: E402
+from staronnx.bench.fidelity import KNEE, TARGET, fidelity_summary, simulate_row  # noqa: E402
+from staronnx.bench.machine import build_machine  # noqa: E402
 from staronnx.bench.results import load_results  # noqa: E402
-from staronnx.bench.sweep import sweep  # noqa: E402
+from staronnx.bench.sweep import auto_rates, sweep  # noqa: E402
+from staronnx.calibrate import calibrate, calibrate_host, start_workers  # noqa: E402
 from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates  # noqa: E402
-from staronnx.calibrate import calibrate, start_workers  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
+
+REAL = REPO.parent / "shared" / "models" / "real"
+DEFAULT_MODELS = "googlenet,crnn_ocr,unet_seg"
+#: goals on a quiet machine (issue 40)
+GOALS = {"paper_median": 0.03, "paper_max": 0.15, "congestion": 0.95, "bound": (1.0, 1.1)}
 
 
 def _pct(v: float | None) -> str:
@@ -38,71 +68,234 @@ def _num(v: float | None, digits: int = 1) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=GOOGLENET)
-    ap.add_argument("--shares", default="0.85,0.15")
-    ap.add_argument("--plan", type=Path, default=None, help="use this plan instead of partitioning --model")
-    ap.add_argument("--rates", default="10,30,50,70")
-    ap.add_argument("--batch-sizes", default="1,4")
-    ap.add_argument("--groups", default="cores=1")
-    ap.add_argument("--policy", default="heft")
-    ap.add_argument("--duration", type=float, default=6.0)
-    ap.add_argument("--min-batches", type=int, default=6)
-    ap.add_argument("-o", "--output", type=Path, default=None)
-    args = ap.parse_args(argv)
-    rates, sizes = parse_rates(args.rates), parse_batch_sizes(args.batch_sizes)
-    tmp = scratch_dir("staronnx-bench-sim-")
-    if args.plan is not None:
-        plan, store = Plan.load(args.plan), PerfModelStore()
+def model_path(name: str) -> tuple[Path, list[str]]:
+    """A model of the set and its ``--input-shape`` items (one fixed shape: the reference's
+    sizes at batch 1, a state's batch on its axis 1)."""
+    if name == "googlenet":
+        return GOOGLENET, []
+    path = REAL / f"{name}.onnx"
+    if not path.is_file():
+        raise SystemExit(f"{path} is absent: the real models live in ../shared/models/real/")
+    shapes = []
+    with np.load(REAL / f"{name}.npz") as z:
+        for key in z.files:
+            if not key.startswith("in:") or z[key].ndim == 0:
+                continue
+            dims = list(z[key].shape)
+            dims[1 if name == "gru_stream" and key == "in:state" else 0] = 1
+            shapes.append(f"{key[3:]}={'x'.join(map(str, dims))}")
+    return path, shapes
+
+
+@contextlib.contextmanager
+def competing_load(on: bool, cpu: int | None) -> Iterator[None]:
+    """A busy loop in another process (pinned to ``cpu``) while the block runs, when ``on``."""
+    if not on:
+        yield
+        return
+    code = "import os, sys\nif sys.argv[1] != '-': os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+    proc = subprocess.Popen([sys.executable, "-c", code, "-" if cpu is None else str(cpu)])
+    try:
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
+                            policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
+    """The rows again, their ``sim_*``/``err_*`` fields from the simulator without the host's
+    costs (the tasks alone: the simulator before issue 40)."""
+    machine = build_machine(plan, groups=groups, store=store, host=False)
+    out = []
+    for r in rows:
+        if "sim_throughput" not in r or r.get("state") == "failed":
+            out.append(dict(r))
+            continue
+        sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
+                           queue_capacity=1024, warmup=duration_warmup, host_costs=False)
+        out.append({**r, **sim})
+    return out
+
+
+def capacity_ratio(rows: Sequence[Mapping[str, Any]], bounds: Mapping[str, Any]) -> dict[int, tuple[float, float]]:
+    """Per batch size: (LP bound, the most the sweep served at that size)."""
+    out = {}
+    for b, bound in bounds.items():
+        served = [r["throughput"] for r in rows if r["batch_size"] == int(b) and r.get("throughput") is not None
+                  and r.get("state") != "failed"]
+        if served and bound.get("throughput"):
+            out[int(b)] = (float(bound["throughput"]), max(served))
+    return out
+
+
+def summary_line(f: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures of one fidelity summary the closing table prints."""
+    def st(key: str) -> tuple[float | None, float | None, int]:
+        s = f[key]
+        return s["median_abs"], s["max_abs"], s["points"]
+
+    return {"throughput": st("throughput"), "latency_p50": st("latency_p50"), "paper_latency": st("paper_latency"),
+            "paper_latency_below_knee": st("paper_latency_below_knee"), "knee_points": f["knee_points"],
+            "congestion": f["congestion_agreement"], "simulated": f["simulated_points"], "busy": f["busy_points"]}
+
+
+def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]]) -> None:
+    print(f"\n{'b':>2} {'rate':>6} | {'thr live':>8} {'sim':>8} {'err':>6} | {'p50 live':>8} {'sim':>8} {'err':>6} | "
+          f"{'paper live':>10} {'sim':>8} {'err':>6} {'w/o host':>8} | cong. live/sim | machine")
+    for r, old in zip(rows, before):
+        if "sim_throughput" not in r:
+            continue
+        busy = f"busy {(r.get('others_cpu_share') or 0) + (r.get('steal_share') or 0):.0%}" if r.get("machine_busy") \
+            else ""
+        print(f"{r['batch_size']:>2} {r['offered_rate']:>6g} | {_num(r['throughput']):>8} {_num(r['sim_throughput']):>8} "
+              f"{_pct(r['err_throughput'])} | {_num(r['latency_p50_ms'], 2):>8} {_num(r['sim_latency_p50_ms'], 2):>8} "
+              f"{_pct(r['err_latency_p50'])} | {_num(r['paper_latency_mean_ms'], 2):>10} "
+              f"{_num(r['sim_paper_latency_mean_ms'], 2):>8} {_pct(r['err_paper_latency'])} "
+              f"{_pct(old.get('err_paper_latency'))} | {'yes' if r['congested'] else 'no':>4}/"
+              f"{'yes' if r['sim_congested'] else 'no':<4}     | {busy}")
+
+
+def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list[str], args: argparse.Namespace,
+              tmp: Path) -> dict[str, Any]:
+    sizes = parse_batch_sizes(args.batch_sizes)
+    if plan_dir is not None:
+        plan, store = Plan.load(plan_dir), PerfModelStore()
     else:
-        plan = partition(args.model, [float(x) for x in args.shares.split(",")], output_dir=tmp / "plan")
-        store = PerfModelStore(tmp / "home")
-    print(f"plan {plan.root}: shares {[round(p.share, 3) for p in plan.parts]}, groups {args.groups}, {args.policy}")
+        plan = partition(model, [float(x) for x in args.shares.split(",")], output_dir=tmp / name / "plan",
+                         input_shapes=shapes or None, profile_runs=3)
+        store = PerfModelStore(tmp / name / "home")
+    print(f"\n=== {name}: plan {plan.root}: shares {[round(p.share, 3) for p in plan.parts]}, groups {args.groups}, "
+          f"{args.policy}", flush=True)
     workers = start_workers(plan, groups=args.groups)
     try:
-        calibrate(plan, sizes, workers=workers, store=store)
+        report = calibrate(plan, sizes, workers=workers, store=store)
+        if report.busy:
+            print(f"warning: {report.busy}")
+        host = calibrate_host(plan, sizes, groups=args.groups, store=store, workers=workers, policy=args.policy,
+                              calibration_machine=report.machine)
     finally:
         for w in workers:
             w.close()
-    out = args.output or tmp / "sweep"
-    rows = sweep(plan, rates, sizes, policy=args.policy, groups=args.groups, duration=args.duration,
-                 min_batches=args.min_batches, out_dir=out, store=store, simulate=True,
-                 stop_on_congestion=True)
-    print(f"\n{'b':>2} {'rate':>5} | {'thr live':>8} {'thr sim':>8} {'err':>6} | {'p50 live':>9} {'p50 sim':>9} "
-          f"{'err':>6} | {'paper live':>10} {'paper sim':>9} {'err':>6} | congested live/sim | /bound")
-    for r in rows:
-        if "sim_throughput" not in r:
-            continue
-        print(f"{r['batch_size']:>2} {r['offered_rate']:>5g} | {_num(r['throughput']):>8} {_num(r['sim_throughput']):>8} "
-              f"{_pct(r['err_throughput'])} | {_num(r['latency_p50_ms']):>9} {_num(r['sim_latency_p50_ms']):>9} "
-              f"{_pct(r['err_latency_p50'])} | {_num(r['paper_latency_mean_ms']):>10} "
-              f"{_num(r['sim_paper_latency_mean_ms']):>9} {_pct(r['err_paper_latency'])} | "
-              f"{'yes' if r['congested'] else 'no':>4}/{'yes' if r['sim_congested'] else 'no':<4}"
-              f"{'':9}| {_num(None if r['achieved_over_bound'] is None else 100 * r['achieved_over_bound'], 0)} %")
-    f = fidelity_summary(rows)
-    print()
-    for key, name in (("throughput", "throughput, every point"), ("latency_p50", "p50 latency, steady points"),
-                      ("paper_latency", "papers' latency, steady points")):
-        st = f[key]
-        if st["points"]:
-            print(f"{name}: median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}, "
-                  f"{st['within_target']:.0%} of {st['points']} within {TARGET:.0%}")
-    if f["congestion_agreement"] is not None:
-        print(f"congestion called alike on {f['congestion_agreement']:.0%} of {f['simulated_points']} points")
+    for _, costs in sorted(host.costs.items()):
+        print(f"host costs {costs.describe()}")
+    if (host.probe_machine or {}).get("busy"):
+        print(f"warning: host costs {host.probe_machine['why']}")
+    if args.rates == "auto":
+        auto = auto_rates(plan, sizes, policy=args.policy, groups=args.groups, store=store)
+        rates = auto.rates
+        print(auto.describe())
+    else:
+        rates = parse_rates(args.rates)
+    out = (args.output or tmp) / name / "sweep"
+    first_core = min(os.sched_getaffinity(0))
+    with competing_load(args.busy, first_core):
+        rows = sweep(plan, rates, sizes, policy=args.policy, groups=args.groups, duration=args.duration,
+                     min_batches=args.min_batches, out_dir=out, store=store, simulate=True, stop_on_congestion=True)
     doc = load_results(out)
-    for b, bound in sorted(doc["bounds"].items(), key=lambda kv: int(kv[0])):
-        mine = [r for r in rows if r["batch_size"] == int(b)]
-        top = max(mine, key=lambda r: r["offered_rate"]) if mine else None
-        if top is None:
-            continue
-        ratio = top.get("achieved_over_bound")
-        print(f"LP bound b={b}: {bound['throughput']:.1f} samples/s; at {top['offered_rate']:g} req/s "
-              f"({'congested' if top['congested'] else 'not congested'}) achieved {top['throughput']:.1f} "
-              f"= {ratio:.1%} of the bound" if ratio is not None else "")
+    warmup = float(doc["settings"]["warmup_s"])
+    before = resimulate_without_host(plan, rows, groups=args.groups, store=store, policy=args.policy,
+                                     duration_warmup=warmup)
+    print_points(rows, before)
+    after_f, before_f = fidelity_summary(rows), fidelity_summary(before)
+    # the same, busy points counted too (what the errors would say if nobody looked)
+    every_after = fidelity_summary([{**r, "machine_busy": False} for r in rows])
+    every_before = fidelity_summary([{**r, "machine_busy": False} for r in before])
+    ratios = capacity_ratio(rows, doc["bounds"])
+    for tag, f in (("with host costs", after_f), ("tasks alone (before)", before_f),
+                   ("with host costs, busy points too", every_after), ("tasks alone, busy points too", every_before)):
+        print(f"simulator {tag}:")
+        for key, label in (("throughput", "throughput, every point"), ("latency_p50", "p50 latency, steady points"),
+                           ("paper_latency", "papers' latency, steady points")):
+            st = f[key]
+            if st["points"]:
+                print(f"  {label}: median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}, "
+                      f"{st['within_target']:.0%} of {st['points']} within {TARGET:.0%}")
+        st = f["paper_latency_below_knee"]
+        if f["knee_points"] and st["points"]:
+            print(f"  papers' latency below the knee ({f['knee_points']} steady point(s) at it left out): median "
+                  f"|error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}")
+        if f["congestion_agreement"] is not None:
+            print(f"  congestion called alike on {f['congestion_agreement']:.0%} of {f['simulated_points']} points")
+    bound_nohost = {}
+    machine_old = build_machine(plan, groups=args.groups, store=store, host=False)
+    from staronnx.bench.bound import machine_bound
+
+    for b in ratios:
+        bound_nohost[b] = machine_bound(machine_old, b, host_costs=False).throughput
+    for b, (bound, served) in sorted(ratios.items()):
+        print(f"LP bound b={b}: {bound:.1f} samples/s (tasks alone {bound_nohost[b]:.1f}); the sweep served at most "
+              f"{served:.1f}: bound / capacity {bound / served:.2f} (tasks alone {bound_nohost[b] / served:.2f})")
+    busy = sum(1 for r in rows if r.get("machine_busy"))
+    print(f"points measured beside other work (busy): {busy} of {len(rows)}")
     for note in doc["notes"]:
         print(f"note: {note}")
-    print(f"results: {out}")
+    return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
+            "before": summary_line(before_f), "after_all": summary_line(every_after),
+            "before_all": summary_line(every_before),
+            "bound_over_capacity": {b: bound / served for b, (bound, served) in ratios.items()},
+            "bound_over_capacity_before": {b: bound_nohost[b] / served for b, (_, served) in ratios.items()},
+            "host_costs": {b: c.as_dict() for b, c in host.costs.items()},
+            "calibration_busy": bool((report.machine or {}).get("busy")),
+            "probe_busy": bool((host.probe_machine or {}).get("busy")), "results": str(out)}
+
+
+def print_closing(results: list[dict[str, Any]]) -> None:
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{v:.1%}"
+
+    print(f"\n{'model':<12} {'simulator':<12} | {'thr med/max':>13} | {'p50 med/max':>13} | {'paper med/max':>13} | "
+          f"{'<knee med/max':>13} | {'cong.':>5} | {'bound/cap':>12} | busy")
+    names = {"before": "tasks alone", "after": "host costs", "before_all": "tasks alone*", "after_all": "host costs*"}
+    for res in results:
+        for tag in ("before", "after", "before_all", "after_all"):
+            s = res[tag]
+            ratio = res["bound_over_capacity" if tag.startswith("after") else "bound_over_capacity_before"]
+            print(f"{res['model']:<12} {names[tag]:<12} | "
+                  f"{pct(s['throughput'][0]):>6}/{pct(s['throughput'][1]):>6} | "
+                  f"{pct(s['latency_p50'][0]):>6}/{pct(s['latency_p50'][1]):>6} | "
+                  f"{pct(s['paper_latency'][0]):>6}/{pct(s['paper_latency'][1]):>6} | "
+                  f"{pct(s['paper_latency_below_knee'][0]):>6}/{pct(s['paper_latency_below_knee'][1]):>6} | "
+                  f"{pct(s['congestion']):>5} | {' '.join(f'{v:.2f}' for _, v in sorted(ratio.items())):>12} | "
+                  f"{res['busy_points']}/{res['rows']}")
+    print("*: busy points counted too (the others leave them out); <knee: steady points offered under "
+          f"{KNEE:.0%} of the LP bound")
+    print(f"goals (quiet machine): papers' latency median <= {GOALS['paper_median']:.0%}, max <= "
+          f"{GOALS['paper_max']:.0%}; congestion alike >= {GOALS['congestion']:.0%}; bound/capacity "
+          f"{GOALS['bound'][0]}-{GOALS['bound'][1]}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help="googlenet and/or names of ../shared/models/real/ (comma-separated)")
+    ap.add_argument("--model", type=Path, default=None, help="one model file instead of --models")
+    ap.add_argument("--shares", default="0.85,0.15")
+    ap.add_argument("--plan", type=Path, default=None, help="use this plan instead of partitioning a model")
+    ap.add_argument("--rates", default="auto")
+    ap.add_argument("--batch-sizes", default="1,4")
+    ap.add_argument("--groups", default="cores=1")
+    ap.add_argument("--policy", default="heft")
+    ap.add_argument("--duration", type=float, default=3.0)
+    ap.add_argument("--min-batches", type=int, default=6)
+    ap.add_argument("--busy", action="store_true", help="run a competing CPU load during the sweeps")
+    ap.add_argument("--json", type=Path, default=None, help="write the per-model figures here")
+    ap.add_argument("-o", "--output", type=Path, default=None)
+    args = ap.parse_args(argv)
+    tmp = scratch_dir("staronnx-bench-sim-")
+    results = []
+    if args.plan is not None:
+        results.append(run_model(args.plan.name, None, args.plan, [], args, tmp))
+    elif args.model is not None:
+        results.append(run_model(args.model.stem, args.model, None, [], args, tmp))
+    else:
+        for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+            path, shapes = model_path(name)
+            results.append(run_model(name, path, None, shapes, args, tmp))
+    print_closing(results)
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        print(f"figures: {args.json}")
     return 0
 
 
