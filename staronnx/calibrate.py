@@ -11,6 +11,10 @@ predecessors produce (a reference run of the plan), never random crossing tensor
 concurrently, as they will while serving; workers of the same architecture (CPU groups of the
 same size) feed one shared model, as StarPU's homogeneous CPU models do.
 
+Each run is a task pinned to its worker through the native engine
+(:meth:`~staronnx.runtime.engine.NativeEngine.run_on`, StarPU's ``execute_on_specific_worker``):
+the same launch, copies and wait as serving, on the thread that drives the worker.
+
 Calibration reads the machine's load while it measures (:mod:`staronnx.bench.cpuload`): samples
 taken beside other work are that work's as much as the plan's, and :attr:`CalibrationReport.busy`
 says so. :func:`calibrate_host` then measures what serving costs the host beyond the parts
@@ -134,7 +138,8 @@ def calibrate(
                 report.models[key] = (HistoryModel(part, key[1]) if replace
                                       else store.load(plan.hash, part, key[1]))
 
-    def drive(worker: Worker, batch: int, values: dict[str, np.ndarray]) -> None:
+    def drive(wid: int, batch: int, values: dict[str, np.ndarray]) -> None:
+        worker = workers[wid]
         arch = worker.arch
         for part in range(plan.k):
             if stop.is_set():
@@ -144,15 +149,14 @@ def calibrate(
             fp = Footprint.of_feeds(feeds, batch, plan.part_batch_axes(part))  # the engine's, so serving finds these
             with lock:
                 measured_fps.setdefault((part, arch), set()).add(fp)
-            worker.run(part, feeds)  # warm-up: allocations, kernel selection
+            engine.run_on(wid, part, feeds).result()  # warm-up: allocations, kernel selection
             runs = 0
             k = (part, arch, batch)
             while model.needs_samples(fp) and runs < max_runs and not stop.is_set():
-                future = worker.submit(part, feeds)
-                future.result()
+                ran = engine.run_on(wid, part, feeds).result()
                 # kernel time only for CUDA workers: copies are the bus model's business
                 with lock:  # (the model is shared by the workers of one arch)
-                    model.record(fp, getattr(future, "compute_seconds", None) or future.seconds)
+                    model.record(fp, ran.seconds)
                     report.runs[k] = report.runs.get(k, 0) + 1
                 runs += 1
             if stop.is_set():
@@ -163,6 +167,7 @@ def calibrate(
             if on_step:
                 on_step(f"{worker.name} part {part} batch {batch}: {runs} runs")
 
+    engine = _pinning_engine(plan, workers)  # every run is a task pinned to its worker
     try:
         with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="calibrate") as pool:
             try:
@@ -170,7 +175,7 @@ def calibrate(
                     for given in input_shapes:
                         feeds = random_plan_feeds(plan, batch, {n: list(d) for n, d in given.items()}, seed=seed)
                         values = _reference(plan, feeds)
-                        for future in [pool.submit(drive, w, batch, values) for w in workers]:
+                        for future in [pool.submit(drive, wid, batch, values) for wid in range(len(workers))]:
                             future.result()
             except BaseException:
                 stop.set()  # the pool's exit waits for the runs under way, then nothing more starts
@@ -192,6 +197,8 @@ def calibrate(
             else:
                 report.models[(part, arch)] = store.commit(plan.hash, model)
         raise
+    finally:
+        engine.close()
     load = watch.stop()
     report.machine = None if load is None else load.as_dict()
     for (part, arch), model in report.models.items():
@@ -204,6 +211,19 @@ def calibrate(
             if merged.needs_samples(fp):
                 report.uncalibrated.append((part, arch, fp.batch))
     return report
+
+
+def _pinning_engine(plan: Plan, workers: Sequence[Worker]) -> Any:
+    """The native engine over ``workers``, for tasks pinned to them
+    (:meth:`~staronnx.runtime.engine.NativeEngine.run_on`): calibration runs each part through
+    the same launch, copies and wait as serving does (on a CUDA worker, on the thread that
+    drives it), with no request, no policy decision, and a perf model of its own that is
+    never saved (the report's models are what calibration keeps)."""
+    from staronnx.runtime.engine import NativeEngine
+    from staronnx.runtime.policies import make_policy
+    from staronnx.runtime.predictor import PerfPredictor
+
+    return NativeEngine(plan, workers, make_policy("eager"), PerfPredictor(plan.hash, None))
 
 
 def _reference(plan: Plan, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -145,3 +145,24 @@ def test_cli_calibrate_replace_rewrites_the_batch_sizes_named_and_keeps_the_othe
             assert (row.n, row.mean) == (before[key].n, before[key].mean), key
         else:  # named: measured afresh, the stale 100 s gone
             assert row.calibrated and row.mean < 1.0, (key, row)
+
+
+def test_calibration_runs_as_tasks_pinned_to_each_worker_through_the_engine(small_plan, tmp_path):
+    """Calibration goes the way serving goes (StarPU's execute_on_specific_worker): a device's
+    two CUDA streams are driven by one engine thread, so every upload of the calibration comes
+    from that one thread (each worker's own queue would have used its own two), and each
+    arch's perf models (the streams share one) are filled with kernel times."""
+    from staronnx.workers.cudart import HostRuntime
+
+    rt = HostRuntime()
+    store = PerfModelStore(tmp_path)
+    workers = start_workers(small_plan, groups="none", cuda_streams=2, cuda_options={"runtime": rt})
+    try:
+        report = calibrate(small_plan, [2], workers=workers, store=store, max_runs=30)
+    finally:
+        for w in workers:
+            w.close()
+    assert [w.name for w in workers] == ["cuda0.s0", "cuda0.s1"]
+    assert len(rt.copy_threads) == 1
+    assert report.samples >= small_plan.k * 10 and not report.uncalibrated  # one model per arch
+    assert {(r.part, r.arch) for r in store.rows(small_plan.hash)} == {(p, "cuda0") for p in range(small_plan.k)}

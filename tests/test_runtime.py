@@ -366,3 +366,48 @@ def test_a_trace_that_cannot_be_written_still_closes_the_workers(plan3, store, t
     with pytest.raises(OSError):
         rt.close()
     assert not any(w.alive for w in workers)
+
+
+# -- tasks pinned to a worker (StarPU's execute_on_specific_worker) ---------------------------
+def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, store):
+    """The static policy sends every task of part 0 to the CUDA stream; a task pinned to the
+    CPU worker runs there (no copy on the stand-in GPU), between the scheduled ones, with the
+    reference's answer and its time; a task pinned to a worker that does not exist or is gone
+    is refused."""
+    from staronnx.runtime.engine import NativeEngine
+    from staronnx.runtime.policies import make_policy
+    from staronnx.runtime.predictor import PerfPredictor
+    from staronnx.workers.base import WorkerLost
+    from staronnx.workers.cudart import HostRuntime
+
+    rt = HostRuntime()
+    workers = start_workers(plan3, groups="1", cuda_streams=1, cuda_options={"runtime": rt})
+    gpu, cpu = (next(i for i, w in enumerate(workers) if w.kind == k) for k in ("cuda", "cpu"))
+    policy = make_policy("static", devices={p: workers[gpu].name for p in range(plan3.k)})
+    engine = NativeEngine(plan3, workers, policy, PerfPredictor(plan3.hash, store), own_workers=True)
+    try:
+        x = random_plan_feeds(plan3, 2, seed=3)
+        want = plan3.reference_values(x)
+        scheduled = [engine.submit(x) for _ in range(4)]
+        before = rt.copy_counts()
+        pinned = [engine.run_on(cpu, 0, plan3.part_feeds(0, want)) for _ in range(3)]
+        for fut in pinned:
+            got = fut.result(timeout=60)
+            for name, value in got.outputs.items():
+                np.testing.assert_allclose(value, want[name], rtol=1e-5, atol=1e-5)
+            assert got.seconds > 0 and got.wall >= got.seconds * 0.5
+        for fut in scheduled:
+            np.testing.assert_allclose(fut.result(timeout=60)["logits"], want["logits"], rtol=1e-4, atol=1e-4)
+        assert engine.stats()["workers"][workers[cpu].name]["tasks"] == 0  # pinned tasks are no request's
+        # the scheduled tasks copied on the GPU, the pinned ones nothing
+        assert rt.copy_counts().get("h2d", (0, 0))[0] - before.get("h2d", (0, 0))[0] <= 4
+        on_gpu = engine.run_on(gpu, 1, plan3.part_feeds(1, want)).result(timeout=60)
+        np.testing.assert_allclose(on_gpu.outputs[plan3.parts[1].outputs[0]], want[plan3.parts[1].outputs[0]],
+                                   rtol=1e-5, atol=1e-5)
+        with pytest.raises(IndexError):
+            engine.run_on(len(workers), 0, plan3.part_feeds(0, want))
+        engine._worker_died(cpu, WorkerLost("gone"))
+        with pytest.raises(WorkerLost):
+            engine.run_on(cpu, 0, plan3.part_feeds(0, want))
+    finally:
+        engine.close()

@@ -29,6 +29,11 @@ launches ahead settles futures at once but wakes their callers in groups (see
 :meth:`NativeEngine._drive`): before it waits for the device, goes idle, or after
 :data:`ANNOUNCE_EVERY` results or :data:`ANNOUNCE_AFTER_S` seconds.
 
+A task may also be pinned to one worker (:meth:`NativeEngine.run_on`, StarPU's
+``execute_on_specific_worker``): one part on given arrays, run by that worker's loop before
+its next scheduled task, through the same launch, wait and copies as every task. Calibration
+and warm-up are such tasks: there is one way to run a task.
+
 A failing task fails only its own request (the other tasks of that request are dropped when
 popped); a worker that raises :class:`~staronnx.workers.base.WorkerLost` (a lost CUDA
 context), or whose loop dies, is reported and its task in hand and queued tasks are placed on
@@ -71,6 +76,29 @@ log = logging.getLogger(__name__)
 
 class EngineClosed(RuntimeError):
     """Submitting to an engine (or Runtime) after close()."""
+
+
+@dataclass(eq=False, slots=True)
+class Pinned:
+    """A task pinned to one worker: part ``part`` on ``feeds`` (host arrays; every output comes
+    back to the host), outside any request and any policy. ``future`` resolves to a
+    :class:`PinnedResult`, or to the task's error."""
+
+    part: int
+    feeds: Mapping[str, np.ndarray]
+    future: Future[PinnedResult]
+    timed: bool = True
+
+
+@dataclass(frozen=True)
+class PinnedResult:
+    """What a pinned task gave: its outputs, and its time: ``seconds`` is what a perf model
+    learns (a CUDA worker's kernel time between events, copies excluded; a CPU worker's wall
+    time), ``wall`` from its start to its outputs on the host."""
+
+    outputs: dict[str, np.ndarray]
+    seconds: float
+    wall: float
 
 
 def worker_info(index: int, worker: Worker) -> WorkerInfo:
@@ -178,6 +206,10 @@ class NativeEngine:
         #: per worker (each counted by its own thread): tasks started, those that needed an
         #: input moved to their node, and those whose moves were all done when they started
         self._starts = [[0, 0, 0] for _ in workers]
+        #: per worker, the tasks pinned to it (run before its next scheduled one), and how
+        #: many are queued in all (a hint read without the lock, as ``core.queue``)
+        self._pinned: list[deque[Pinned]] = [deque() for _ in workers]
+        self._pinned_count = 0
         self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
         if tracer is not None:
             for info in infos:
@@ -225,6 +257,35 @@ class NativeEngine:
             if self._idle:
                 self._wake()
         return future
+
+    def run_on(self, wid: int, part: int, feeds: Mapping[str, np.ndarray], timed: bool = True) -> Future[PinnedResult]:
+        """Run ``part`` on ``feeds`` on worker ``wid`` (an index of :attr:`workers`), before the
+        tasks the policy has for it: StarPU's ``execute_on_specific_worker``, what calibration
+        and warm-up run. The same launch, copies and wait as every task (on a CUDA worker, on
+        the thread that drives it: its graphs are captured there); no request, no policy, no
+        perf model fed. ``timed``: record the CUDA events that time it."""
+        return self.pin(wid, part, feeds, 1, timed)[0]
+
+    def pin(self, wid: int, part: int, feeds: Mapping[str, np.ndarray], n: int = 1,
+            timed: bool = True) -> list[Future[PinnedResult]]:
+        """:meth:`run_on` ``n`` times, queued at once: a CUDA worker launches the second before
+        it waits for the first, as it does its scheduled tasks (so a warm-up makes both buffer
+        sets a pipelined stream uses per shape)."""
+        holds = getattr(self._workers[wid], "holds", None)
+        if holds is not None and part not in holds:
+            raise StaronnxError(f"{self._workers[wid].name} does not hold part {part}")
+        items = [Pinned(part, dict(feeds), Future(), timed) for _ in range(n)]
+        with self._lock:
+            if self._closed:
+                raise EngineClosed("the runtime is closed; no new tasks are accepted")
+            if not self.core.workers[wid].alive:
+                raise WorkerLost(f"{self._workers[wid].name} was lost")
+            self._pinned[wid].extend(items)
+            self._pinned_count += n
+            self._idle.difference_update(self._group_of[wid])
+            self.idle = len(self._idle)
+            self._conds[wid].notify()
+        return [item.future for item in items]
 
     def _start_prefetches(self) -> None:
         """(lock held) Start the copies the core decided when its policy placed tasks (its
@@ -306,7 +367,10 @@ class NativeEngine:
         def loop() -> None:
             try:
                 while (task := self._next_task(wid)) is not None:
-                    self._end(wid, task, self._run(wid, worker, task))
+                    if task.__class__ is Pinned:
+                        self._end_pinned(wid, task, self._run_pinned(wid, worker, task))  # type: ignore[arg-type]
+                    else:
+                        self._end(wid, task, self._run(wid, worker, task))  # type: ignore[arg-type]
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
@@ -362,6 +426,8 @@ class NativeEngine:
             live.remove(wid)
             for entry in [e for e in ahead if e[0] == wid]:
                 ahead.remove(entry)
+                if entry[1].__class__ is Pinned:
+                    entry[1].future.set_exception(exc)
             launched[wid] = 0
             self._worker_died(wid, exc)
 
@@ -383,7 +449,7 @@ class NativeEngine:
             got = []
             if not ahead:
                 continue
-            if self.core.queue and len(ahead) < 2 * len(live):  # a stream has room: fill it
+            if (self.core.queue or self._pinned_count) and len(ahead) < 2 * len(live):  # a stream has room: fill it
                 with self._lock:  # before waiting (``queue`` is a hint read without the lock)
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 if got:
@@ -400,6 +466,11 @@ class NativeEngine:
                 lost(wid, exc)
                 continue
             waiting = len(deferred)
+            if task.__class__ is Pinned:
+                self._end_pinned(wid, task, done)  # type: ignore[arg-type]
+                with self._lock:
+                    got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
+                continue
             got = self._end(wid, task, done, take=[w for w in live if launched[w] < 2], defer=deferred)
             if not waiting and deferred:
                 since = time.perf_counter()
@@ -426,15 +497,24 @@ class NativeEngine:
         stops asking once nothing is queued (a driver's streams would each ask in vain)."""
         core, states, got = self.core, self.core.workers, []
         for wid in wids:
+            if self._pinned_count and self._pinned[wid] and states[wid].alive:
+                self._pinned_count -= 1
+                got.append((wid, self._pinned[wid].popleft()))
+                continue
             if not core.queue:
+                if self._pinned_count:
+                    continue
                 break
             if states[wid].alive and (task := core.next_task(wid, now)) is not None:
                 got.append((wid, task))
         return got
 
-    def _next_task(self, wid: int) -> Task | None:
+    def _next_task(self, wid: int) -> Task | Pinned | None:
         with self._lock:
             while self.core.workers[wid].alive:
+                if self._pinned[wid]:
+                    self._pinned_count -= 1
+                    return self._pinned[wid].popleft()
                 task = self.core.next_task(wid, self.clock.now())
                 if task is not None or self._stopping:
                     return task
@@ -514,8 +594,10 @@ class NativeEngine:
             outputs, error = {}, exc
         return _Started(start, timed, None, outputs, error, compute, kept or None)
 
-    def _launch(self, wid: int, worker: Any, task: Task) -> _Started:
-        timed = self._timed(wid, task)
+    def _launch(self, wid: int, worker: Any, task: Task | Pinned) -> _Started:
+        if task.__class__ is Pinned:
+            return self._launch_pinned(worker, task)  # type: ignore[arg-type]
+        timed = self._timed(wid, task)  # type: ignore[arg-type]
         start = self.clock.now()
         kept: list[tuple[str, Any]] = []
         if self.core.prefetch:
@@ -528,6 +610,36 @@ class NativeEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
             return _Started(start, timed, None, {}, exc)
+
+    def _launch_pinned(self, worker: Any, item: Pinned) -> _Started:
+        start = self.clock.now()
+        try:
+            return _Started(start, item.timed, worker.launch_here(item.part, item.feeds, item.timed))
+        except WorkerLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fails this task only
+            return _Started(start, item.timed, None, {}, exc)
+
+    def _run_pinned(self, wid: int, worker: Any, item: Pinned) -> _Started:
+        start = self.clock.now()
+        try:
+            outputs, error = worker.run_here(item.part, item.feeds, item.timed), None
+        except WorkerLost:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fails this task only
+            outputs, error = {}, exc
+        return _Started(start, item.timed, None, outputs, error, worker.last_compute_seconds)
+
+    def _end_pinned(self, wid: int, item: Pinned, started: _Started) -> None:
+        """Settle a pinned task's future: its outputs and time, or its error."""
+        end = self.clock.now()
+        start = max(started.start, self._last_end[wid])  # launched behind another: from its end
+        self._last_end[wid] = end
+        if started.error is not None:
+            item.future.set_exception(started.error)
+        else:
+            item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
+                                                end - start))
 
     def _complete(self, worker: Any, started: _Started) -> _Started:
         if started.error is None:
@@ -609,6 +721,9 @@ class NativeEngine:
         name = self.core.workers[wid].info.name
         log.error("worker %s died: %s; its queued tasks go to the other workers", name, exc)
         with self._lock:
+            pinned = list(self._pinned[wid])
+            self._pinned[wid].clear()
+            self._pinned_count -= len(pinned)
             lost = self.core.worker_lost(wid, repr(exc), self.clock.now())
             if self.core.prefetches:
                 self._start_prefetches()
@@ -616,6 +731,8 @@ class NativeEngine:
             self._drained.notify_all()
         for req in lost:
             settle(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
+        for item in pinned:  # tasks pinned to it cannot run elsewhere
+            item.future.set_exception(WorkerLost(f"{name} was lost: {exc}"))
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -643,6 +760,9 @@ class NativeEngine:
                 loop.result(timeout=None if timeout is None else max(timeout, 1.0) + 60)
             except Exception:  # noqa: BLE001 - reported by _worker_died already
                 pass
+        for queue in self._pinned:  # pinned after the loops ended: nothing will run them
+            while queue:
+                queue.popleft().future.cancel()
         try:  # a perf model or trace that cannot be written must not leave the workers running
             self.predictor.save()
             if self.tracer is not None:
@@ -750,50 +870,72 @@ def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngin
         cuda_options=dict(settings.cuda_options), residency=dict(settings.residency),
         lanes=dict(settings.lanes), lane_preempt=settings.lane_preempt, cuda_devices=settings.cuda_devices)
     try:
-        warm_up(models, workers, settings.warmup)
         store = settings.store if settings.store is not None else PerfModelStore()
         predictor = PerfPredictor.for_models(models, store, calibrate=mode)
         tracer = Tracer(settings.trace, origin=0.0) if settings.trace is not None else None
         engine = NativeEngine(models, workers, policy, predictor, tracer, own_workers=own)
-        if tracer is not None:
-            tracer.origin = engine.started_at
-        return engine
     except BaseException:
         if own:
             _close_all(workers)
         raise
+    try:
+        warm_up(engine, settings.warmup)
+    except BaseException:
+        engine.close()  # (closes the workers it owns)
+        raise
+    engine.started_at = engine.clock.now()  # its statistics start with serving, not warm-up
+    if tracer is not None:
+        tracer.origin = engine.started_at
+    return engine
 
 
-def warm_up(plan: Plan | ModelSet, workers: Sequence[Worker], batch_sizes: Sequence[int]) -> None:
-    """Run every part at every batch size on every CUDA worker before the engine starts, one
-    worker at a time, so cuDNN's searches and every CUDA graph capture happen now, not in
-    the middle of serving, and on the thread that will drive the worker (a device's streams
-    share its first worker's thread, :func:`driver_groups`; ORT's graphs are per thread);
-    then freeze capture (a batch size seen later runs without a graph, which is why the
-    Server pads partial batches up to these sizes). Parts get the real tensors their
-    predecessors produce (a reference run), as calibration does."""
+def warm_up(engine: NativeEngine, batch_sizes: Sequence[int]) -> None:
+    """Run every part at every batch size on every CUDA worker, as tasks pinned to it
+    (:meth:`NativeEngine.pin`), before anything is served, one worker at a time: cuDNN's
+    searches and every CUDA graph capture happen now, not in the middle of serving, and on
+    the thread that drives the worker (ORT keeps graphs per thread). Each shape runs in pairs
+    launched together (the two buffer sets a pipelined stream uses), the discovery run, the
+    capture and a replay; a round in which a capture failed runs again (a new graph id, or no
+    graph after ``CAPTURE_TRIES``). Then capture is frozen (a batch size seen later runs
+    without a graph, which is why the Server pads partial batches up to these sizes). Parts
+    get the real tensors their predecessors produce (a reference run), as calibration does."""
     sizes = sorted({int(b) for b in batch_sizes})
-    cuda = [w for w in workers if hasattr(w, "warmup") and getattr(w, "kind", "") == "cuda"]
+    workers = engine.workers
+    cuda = [wid for wid, w in enumerate(workers) if getattr(w, "kind", "") == "cuda" and hasattr(w, "graph_failures")]
     if not sizes or not cuda:
         return
     if sizes[0] < 1:
         raise StaronnxError(f"warm-up batch sizes must be >= 1, got {sizes[0]}")
     from staronnx.verify import random_plan_feeds
 
-    models = ModelSet.of(plan)
+    models = engine.models
     values = {(m.index, b): m.plan.reference_values(random_plan_feeds(m.plan, b, seed=b))
               for m in models.models for b in sizes}
+    for wid in cuda:
+        worker = workers[wid]
+        repeats = 3 if worker.cuda_graphs else 2  # discovery, the capture, one replay
+        for part in range(models.k):
+            if worker.part_paths[part] is None:
+                continue
+            model, local = models.owner[part]
+            for b in sizes:
+                _warm_shape(engine, wid, part, model.plan.part_feeds(local, values[(model.index, b)]), repeats)
+        worker.capture_on_demand = False
 
-    def feeds(part: int, b: int) -> dict[str, np.ndarray]:
-        model, local = models.owner[part]
-        return model.plan.part_feeds(local, values[(model.index, b)])
 
-    for group in driver_groups(workers):  # on the thread that will launch the tasks: ORT
-        driver = workers[group[0]]  # keeps CUDA graphs per thread
-        for worker in (workers[wid] for wid in group):
-            if worker in cuda:
-                worker.warmup(sizes, feeds, driver=driver)
-                worker.capture_on_demand = False
+def _warm_shape(engine: NativeEngine, wid: int, part: int, feeds: Mapping[str, np.ndarray], repeats: int) -> None:
+    """``repeats`` rounds of two pinned tasks; a round in which a capture failed runs again,
+    any other error is raised."""
+    worker = engine.workers[wid]
+    done = 0
+    while done < repeats:
+        failures = worker.graph_failures
+        errors = [f.exception() for f in engine.pin(wid, part, feeds, 2)]
+        error = next((e for e in errors if e is not None), None)
+        if error is None:
+            done += 1
+        elif worker.graph_failures == failures or worker.lost is not None:
+            raise error
 
 
 register_engine("native", start_native)
