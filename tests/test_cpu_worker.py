@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from staronnx.errors import DeviceError, ModelError
-from staronnx.workers.cpu import CpuWorker, WorkerFuture
+from staronnx.workers.cpu import CpuWorker
 from staronnx.workers.cpu_weights import SharedWeights, process_memory
 from staronnx.workers.groups import CpuGroup, make_groups
 from staronnx.workers.topology import Topology
@@ -132,35 +132,18 @@ def test_results_equal_plain_ort(
             assert w.input_names(0) == ["x"] and w.output_names(1) == ["z"]
 
 
-def test_future_carries_timing_and_on_done_is_called(
+def test_tasks_run_in_the_worker_thread(
     single_core_groups: list[CpuGroup], parts: list[Path], weights: SharedWeights
 ) -> None:
-    calls: list[tuple[int, int, float, str]] = []
-
-    def on_done(part: int, batch: int, seconds: float) -> None:
-        calls.append((part, batch, seconds, threading.current_thread().name))
-
-    with CpuWorker(single_core_groups[0], parts, name="w0", weights=weights, on_done=on_done) as w:
-        fut = w.submit(0, {"x": x_of(5)})
-        assert isinstance(fut, WorkerFuture)
-        fut.result()
-        assert fut.part == 0 and fut.batch == 5 and fut.worker == "w0"
-        assert fut.seconds is not None and 0 < fut.seconds < 5
-        w.run(1, {"y": np.zeros((2, 8), np.float32)})
-    assert [(p, b) for p, b, _, _ in calls] == [(0, 5), (1, 2)]
-    assert calls[0][2] == pytest.approx(fut.seconds)
-    assert {name for *_, name in calls} == {"w0"}  # called from the worker thread
-    assert w.stats.done == 2 and w.stats.busy_seconds > 0
-
-
-def test_broken_on_done_hook_does_not_fail_the_task(
-    single_core_groups: list[CpuGroup], parts: list[Path], weights: SharedWeights
-) -> None:
-    def boom(*_: object) -> None:
-        raise RuntimeError("hook bug")
-
-    with CpuWorker(single_core_groups[0], parts, weights=weights, on_done=boom) as w:
-        assert w.run(0, {"x": x_of(2)})["y"].shape == (2, 8)
+    """A task runs in the worker's own thread (its sessions' pool threads inherit its
+    affinity), whether spawned there by an engine's loop (``run_here``) or submitted to a
+    worker used alone; run_here refuses any other thread."""
+    with CpuWorker(single_core_groups[0], parts, name="w0", weights=weights) as w:
+        ran_in = w.call(lambda: (threading.current_thread().name, w.run_here(0, {"x": x_of(5)})["y"].shape))
+        assert ran_in == ("w0", (5, 8))
+        assert w.submit(1, {"y": np.zeros((2, 8), np.float32)}).result()["z"].shape == (2, 8)
+        with pytest.raises(RuntimeError, match="outside w0's thread"):
+            w.run_here(0, {"x": x_of(1)})
 
 
 def test_many_concurrent_submitters(
@@ -182,7 +165,6 @@ def test_many_concurrent_submitters(
         assert len(results) == 80
         for seed, y in results.items():
             np.testing.assert_allclose(y, reference(parts[0], {"x": x_of(2, seed)})[0], rtol=1e-5, atol=1e-6)
-        assert w.stats.done == 80
 
 
 # ------------------------------------------------------------------------- failures
@@ -200,7 +182,6 @@ def test_failing_feed_fails_only_its_future(
             assert bad.exception() is not None
         assert good2.result()["y"].shape == (3, 8)
         assert w.run(1, {"y": np.zeros((1, 8), np.float32)})["z"].tolist() == [[1.0] * 8]
-        assert w.stats.failed == 3 and w.stats.done == 3
 
 
 def test_misuse_raises_clearly(
@@ -315,21 +296,6 @@ def test_close_can_cancel_queued_tasks(
     blocker.join(30)
     assert all(f.cancelled() for f in queued)
     assert not w.alive
-
-
-def test_warmup_runs_every_part_and_size_off_the_books(
-    single_core_groups: list[CpuGroup], parts: list[Path], weights: SharedWeights
-) -> None:
-    calls: list[object] = []
-    with CpuWorker(single_core_groups[0], parts, weights=weights, on_done=lambda *a: calls.append(a)) as w:
-
-        def make_feeds(part: int, batch: int) -> dict[str, np.ndarray]:
-            return {w.input_names(part)[0]: np.zeros((batch, 16 if part == 0 else 8), np.float32)}
-
-        timings = w.warmup([1, 4, 16], make_feeds, repeats=2)
-        assert [(p, b) for p, b, _ in timings] == [(p, b) for p in (0, 1) for b in (1, 4, 16)]
-        assert all(s > 0 for *_, s in timings)
-        assert calls == [] and w.stats.done == 0
 
 
 def test_spinning_is_turned_off_when_workers_share_cores(

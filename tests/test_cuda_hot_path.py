@@ -253,7 +253,7 @@ def test_the_first_run_of_a_graph_id_is_the_capture_and_waits_for_the_capture_lo
     must agree with what ORT did (a worker that took it for a plain run captured without the
     lock, and counted one capture late and one replay short)."""
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
+    with CudaWorker(0, 0, [model], runtime=rt) as worker:
         worker.run(0, feeds())  # discovery: the slot gets its graph id
         x = feeds(seed=1)
         with CAPTURE_LOCK:  # another capture is under way somewhere
@@ -395,7 +395,7 @@ def test_through_a_runtime_events_stop_once_the_perf_model_is_calibrated(plan, r
 # ------------------------------------------------------------------ 7/8. nothing allocated or freed per task
 def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False, max_slots=2, prefetch=False) as worker:
+    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False, max_slots=2) as worker:
         for b in (1, 2, 3):  # the third signature retires the least recently used slot
             worker.run(0, feeds(b))
         frees = rt.stats.device_frees + rt.stats.pinned_frees
@@ -409,8 +409,8 @@ def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
 
 def test_a_graph_costs_one_capture_at_warm_up(model):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
-        worker.warmup([1, 4], lambda p, b: feeds(b))
+    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+        worker.warmup([1, 4], lambda p, b: feeds(b), parallel=1)
         assert rt.calls["capture"] == 2  # one per (part, batch size), nothing more exclusive
         assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
         assert rt.graph_events == {"captured": 2, "replayed": 2}
@@ -471,8 +471,8 @@ def test_warm_up_captures_on_the_driver_thread_and_serving_there_only_replays(mo
 def test_a_graph_replayed_from_another_thread_is_captured_again_and_counted(model, reference, caplog):
     rt = HostRuntime()
     with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
-            CudaWorker(0, 0, [model], runtime=rt, prefetch=False) as worker:
-        worker.warmup([4], lambda p, b: feeds(b))  # on the worker's own thread
+            CudaWorker(0, 0, [model], runtime=rt) as worker:
+        worker.warmup([4], lambda p, b: feeds(b), parallel=1)  # on the worker's own thread
         assert rt.graph_events == {"captured": 1, "replayed": 1}
         out: list[dict] = []
         x = feeds(seed=3)

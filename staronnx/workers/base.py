@@ -1,17 +1,21 @@
-"""What every worker thread shares: a queue, one thread that owns the sessions, a clean close.
+"""What every worker thread shares: one thread that owns the sessions, a clean close.
 
 A worker (:class:`~staronnx.workers.cpu.CpuWorker`, :class:`~staronnx.workers.cuda.CudaWorker`)
-is one thread that builds its ONNX Runtime sessions itself and then serves a FIFO queue. The
-sessions must be built, run and dropped in that thread: its affinity is what ORT's pool threads
-inherit, its memory binding decides where weights are first touched, and a CUDA worker's
-device context, streams and buffers belong to it. So the lifecycle (``start`` waits for the
-sessions and re-raises what failed; ``close`` finishes or cancels the queue, tears down in the
-thread and joins it; an ``atexit`` hook closes forgotten workers, whose threads are daemons),
-the queue (tasks, and ``call``/``spawn`` of functions between tasks: an engine's serving loop
-runs there and calls ``run_here`` per task) and the task bookkeeping (a failed task fails its
-own future only, with its traceback's frames cleared since they hold the session) live here.
-A subclass supplies :meth:`ThreadWorker._setup_thread` (pin, bind, build sessions),
-:meth:`ThreadWorker._run_task` and :meth:`ThreadWorker._teardown`, all in the worker thread.
+is one thread that builds its ONNX Runtime sessions itself and then runs the functions it is
+given. The sessions must be built, run and dropped in that thread: its affinity is what ORT's
+pool threads inherit, its memory binding decides where weights are first touched, and a CUDA
+worker's device context, streams and buffers belong to it. So the lifecycle (``start`` waits
+for the sessions and re-raises what failed; ``close`` finishes or cancels what is queued, tears
+down in the thread and joins it; an ``atexit`` hook closes forgotten workers, whose threads are
+daemons) and the queue of functions (``call``/``spawn``) live here.
+
+There is one way to run a task: an engine spawns its serving loop in the worker's thread, and
+the loop runs each task with ``run_here`` (or ``launch_here``/``finish_here``), scheduled
+tasks and tasks pinned to the worker (calibration, warm-up) alike
+(:mod:`staronnx.runtime.engine`). ``submit``/``run`` are that same ``run_here`` spawned in the
+thread, for a worker used on its own. A subclass supplies
+:meth:`ThreadWorker._setup_thread` (pin, bind, build sessions), ``run_here`` and
+:meth:`ThreadWorker._teardown`, all in the worker thread.
 """
 
 from __future__ import annotations
@@ -22,14 +26,11 @@ import logging
 import os
 import queue
 import threading
-import time
 import traceback
 import weakref
 from abc import ABC, abstractmethod
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Self
 
@@ -37,12 +38,10 @@ import numpy as np
 
 from staronnx.errors import DeviceError, ModelError
 
-__all__ = ["OnDone", "ThreadWorker", "Worker", "WorkerFuture", "WorkerLost", "WorkerStats", "WorkerTask"]
+__all__ = ["ThreadWorker", "Worker", "WorkerLost"]
 
 Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
-#: ``on_done(part, batch, seconds)``: called in the worker thread after each successful task.
-OnDone = Callable[[int, int, float], None]
 
 
 class WorkerLost(DeviceError):
@@ -51,9 +50,9 @@ class WorkerLost(DeviceError):
 
 
 class Worker(Protocol):
-    """What engines and calibration need of a worker (:class:`ThreadWorker`'s subclasses, or
-    a stand-in): its identity for the policy, tasks queued (``submit``/``run``) or run from
-    inside its own thread (``spawn`` an engine's loop there, then ``run_here`` per task).
+    """What engines need of a worker (:class:`ThreadWorker`'s subclasses, or a stand-in): its
+    identity for the policy, and tasks run from inside its own thread (``spawn`` an engine's
+    loop there, then ``run_here`` per task).
 
     ``run_here(..., timed=False)`` may skip timing (nothing to learn: the perf model is
     calibrated). A worker that can start a task without waiting for it also offers
@@ -71,52 +70,9 @@ class Worker(Protocol):
     n_cores: int
     last_compute_seconds: float | None  # kernel time of the last run_here (CUDA), else None
 
-    def submit(self, part: int, feeds: Feeds) -> WorkerFuture: ...
-    def run(self, part: int, feeds: Feeds) -> Outputs: ...
     def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs: ...
     def close(self) -> None: ...
-
-
-class WorkerFuture(Future):  # type: ignore[type-arg]
-    """A Future of ``{output name: array}`` that also says when and where the task ran.
-
-    ``start``/``end`` are ``time.perf_counter()`` stamps taken around ``session.run`` (set
-    before the result, so done-callbacks can read them); ``seconds`` is their difference.
-    """
-
-    def __init__(self, part: int, batch: int, worker: str) -> None:
-        super().__init__()
-        self.part = part
-        self.batch = batch
-        self.worker = worker
-        self.start: float | None = None
-        self.end: float | None = None
-
-    @property
-    def seconds(self) -> float | None:
-        if self.start is None or self.end is None:
-            return None
-        return self.end - self.start
-
-
-@dataclass
-class WorkerStats:
-    """Counters a scheduler or a benchmark may read (updated by the worker thread only)."""
-
-    done: int = 0
-    failed: int = 0
-    busy_seconds: float = 0.0
-
-
-@dataclass
-class WorkerTask:
-    """One queued run of a part; ``record=False`` (warm-up) keeps it out of stats and on_done."""
-
-    part: int
-    feeds: Feeds
-    fut: WorkerFuture
-    record: bool
 
 
 _STOP = object()
@@ -144,12 +100,7 @@ class ThreadWorker(ABC):
     n_cores: int
     last_compute_seconds: float | None = None  # CPU: wall time is compute time
 
-    def __init__(
-        self,
-        part_paths: Sequence[str | os.PathLike[str] | None],
-        name: str,
-        on_done: OnDone | None,
-    ) -> None:
+    def __init__(self, part_paths: Sequence[str | os.PathLike[str] | None], name: str) -> None:
         if not any(p is not None for p in part_paths):
             raise ModelError(f"a {self.kind.upper()} worker needs at least one part (.onnx file)")
         #: by part number; None for a part this worker does not hold (no session: a runtime
@@ -160,13 +111,9 @@ class ThreadWorker(ABC):
             None if all(p is not None for p in self.part_paths)
             else frozenset(i for i, p in enumerate(self.part_paths) if p is not None))
         self.name = name
-        self.on_done = on_done
-        self.stats = WorkerStats()
         self.native_id: int | None = None
-        #: items: ("run", WorkerTask), ("call", fn, Future) or _STOP.
+        #: items: (fn, Future) or _STOP.
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        #: items taken from the queue ahead of their turn (see _hold_next), served first.
-        self._held: deque[Any] = deque()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -187,8 +134,9 @@ class ThreadWorker(ABC):
         """In the worker thread, before serving: pin, bind, build the sessions."""
 
     @abstractmethod
-    def _run_task(self, task: Any) -> None:
-        """In the worker thread: run one queued task and resolve its future (never raise)."""
+    def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
+        """Run a part from inside the worker's thread and return its outputs; errors
+        propagate (the caller fails that task only)."""
 
     def _teardown(self) -> None:
         """In the worker thread, last: free what :meth:`_setup_thread` built (maybe half)."""
@@ -261,9 +209,13 @@ class ThreadWorker(ABC):
         _live.discard(self)
 
     # ------------------------------------------------------------------ queue
-    @abstractmethod
-    def submit(self, part: int, feeds: Feeds) -> WorkerFuture:
-        """Queue ``part`` on ``feeds``; the future resolves to ``{output name: array}``."""
+    def submit(self, part: int, feeds: Feeds) -> Future[Outputs]:
+        """``run_here(part, feeds)`` in the worker's thread, for a worker used on its own (an
+        engine runs tasks from its loop, in that thread); the future resolves to ``{output
+        name: array}``, or to the task's error (a failed task fails alone)."""
+        self._check_open()
+        self._check_part(part)
+        return self.spawn(lambda: self.run_here(part, feeds))
 
     def run(self, part: int, feeds: Feeds) -> Outputs:
         """Synchronous :meth:`submit` (still executed by the worker thread)."""
@@ -281,7 +233,7 @@ class ThreadWorker(ABC):
         before :meth:`close` can finish.
         """
         fut: Future[Any] = Future()
-        self._put(("call", fn, fut))
+        self._put((fn, fut))
         return fut
 
     def _check_started(self) -> None:
@@ -311,37 +263,6 @@ class ThreadWorker(ABC):
                 raise RuntimeError(f"{self.name} is closed; cannot accept new tasks")
             self._queue.put(item)
 
-    def _warmup(
-        self,
-        batch_sizes: Sequence[int],
-        make_feeds: Callable[[int, int], Feeds],
-        repeats: int,
-        new_task: Callable[[int, Feeds, int], WorkerTask],
-        seconds: Callable[[Any], float | None],
-        parallel: int = 1,
-    ) -> list[tuple[int, int, float]]:
-        """Queue ``repeats`` unrecorded runs of every part at every batch size, ``parallel``
-        at a time (a worker that launches the next task before waiting needs that many buffer
-        sets per shape, all of them warm).
-
-        ``new_task(part, feeds, batch)`` builds the task; returns ``(part, batch,
-        seconds(future))`` of the last repeat of each.
-        """
-        timings = []
-        for part in range(len(self.part_paths)):
-            if self.part_paths[part] is None:
-                continue
-            for b in batch_sizes:
-                feeds = make_feeds(part, b)
-                for _ in range(max(1, repeats)):
-                    tasks = [new_task(part, feeds, b) for _ in range(max(1, parallel))]
-                    for task in tasks:
-                        self._put(("run", task))
-                    for task in tasks:
-                        task.fut.result()
-                timings.append((part, b, seconds(tasks[-1].fut) or 0.0))
-        return timings
-
     def _cancel_queued(self) -> None:
         stop_seen = False
         while True:
@@ -351,10 +272,8 @@ class ThreadWorker(ABC):
                 break
             if item is _STOP:
                 stop_seen = True
-            elif item[0] == "run":
-                item[1].fut.cancel()
-            else:  # ("call", fn, future)
-                item[-1].cancel()
+            else:  # (fn, future)
+                item[1].cancel()
         if stop_seen:
             self._queue.put(_STOP)
 
@@ -390,28 +309,10 @@ class ThreadWorker(ABC):
 
     def _serve(self) -> None:
         while True:
-            item = self._held.popleft() if self._held else self._queue.get()
+            item = self._queue.get()
             if item is _STOP:
                 return
-            if item[0] == "call":
-                self._do_call(item[1], item[2])
-            else:
-                self._run_task(item[1])
-
-    def _hold_next(self) -> Any:
-        """Take the next queued item now (it is still served next); its task, if it is one.
-
-        What a worker needs to prepare the next task while the current one runs (CUDA
-        prefetch); ``None`` when the queue is empty or the item is a call or the stop marker.
-        """
-        try:
-            item = self._queue.get_nowait()
-        except queue.Empty:
-            return None
-        self._held.append(item)
-        if item is not _STOP and item[0] == "run":
-            return item[1]
-        return None
+            self._do_call(*item)
 
     @staticmethod
     def _do_call(fn: Callable[[], Any], fut: Future[Any]) -> None:
@@ -419,6 +320,10 @@ class ThreadWorker(ABC):
             try:
                 fut.set_result(fn())
             except BaseException as exc:  # noqa: BLE001
+                # the traceback's frames hold the ORT session (``self`` of its run wrapper):
+                # kept in the future they would keep the session - its thread pool, arena,
+                # stream - alive after close(); the error's message says what went wrong
+                traceback.clear_frames(exc.__traceback__)
                 fut.set_exception(exc)
 
     def _pin(self, pu: int) -> None:
@@ -432,40 +337,3 @@ class ThreadWorker(ABC):
     def _pin_hint(self) -> str:
         """Appended to the error when :meth:`_pin` fails."""
         return ""
-
-    def _record_done(self, task: WorkerTask, seconds: float) -> None:
-        """Count a successful task (unless it is a warm-up) and call ``on_done``."""
-        if not task.record:
-            return
-        self.stats.done += 1
-        self.stats.busy_seconds += seconds
-        self._call_on_done(task.part, task.fut.batch, seconds)
-
-    def _call_on_done(self, part: int, batch: int, seconds: float) -> None:
-        if self.on_done is not None:
-            try:
-                self.on_done(part, batch, seconds)
-            except Exception:  # noqa: BLE001 - a broken hook must not fail the task
-                self._log.exception("%s: on_done hook failed", self.name)
-
-    def _fail(self, task: WorkerTask, exc: BaseException) -> None:
-        """Fail this task's future only."""
-        task.fut.end = task.fut.end or time.perf_counter()
-        if task.record:
-            self.stats.failed += 1
-        # The traceback's frames hold the ORT session (``self`` of its run wrapper): kept in
-        # the future they would keep the session - its thread pool, arena, stream - alive
-        # after close().  ORT's message says what went wrong; the locals can go.
-        traceback.clear_frames(exc.__traceback__)
-        task.fut.set_exception(exc)
-
-
-# ---------------------------------------------------------------------- helpers
-def _batch_of(feeds: Feeds, input_names: Sequence[str]) -> int:
-    """The batch size: leading dimension of the first model input present in the feeds."""
-    for name in list(input_names) + list(feeds):
-        arr = feeds.get(name)
-        if arr is not None:
-            shape: tuple[int, ...] = tuple(getattr(arr, "shape", ()))
-            return int(shape[0]) if shape else 1
-    return 0

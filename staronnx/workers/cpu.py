@@ -17,31 +17,21 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import onnxruntime as ort
 
 from staronnx.errors import ModelError
-from staronnx.workers.base import (
-    Feeds,
-    OnDone,
-    Outputs,
-    WorkerTask,
-    ThreadWorker,
-    WorkerFuture,
-    WorkerStats,  # noqa: F401 - defined here before base.py; still importable from here
-    _batch_of,
-)
+from staronnx.workers.base import Feeds, Outputs, ThreadWorker
 from staronnx.workers.cpu_weights import SharedWeights, default_shared_weights
 from staronnx.workers.groups import CpuGroup
 from staronnx.workers.lanes import lower_priority
 from staronnx.workers.topology import Topology, format_pus
 
-__all__ = ["CpuWorker", "OnDone", "WorkerFuture"]
+__all__ = ["CpuWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +67,9 @@ class CpuWorker(ThreadWorker):
     uses :class:`~staronnx.workers.cpu_weights.SharedWeights` (``weights`` or the process-wide
     one); ``topology`` is only used for memory binding (default: this system's, loaded once).
 
-    The thread, queue, ``start``/``close``, ``call``/``spawn`` and the task bookkeeping are
-    :class:`~staronnx.workers.base.ThreadWorker`'s; this class pins, binds memory, builds the
-    sessions and runs them.  Its sessions are dropped in the worker thread at close, which
+    The thread, ``start``/``close`` and ``call``/``spawn`` (``submit``/``run`` for a worker
+    used on its own) are :class:`~staronnx.workers.base.ThreadWorker`'s; this class pins,
+    binds memory, builds the sessions and runs them (:meth:`run_here`).  Its sessions are dropped in the worker thread at close, which
     joins ORT's pool threads, so no thread is left behind.
     """
 
@@ -96,10 +86,9 @@ class CpuWorker(ThreadWorker):
         topology: Topology | None = None,
         share_weights: bool = True,
         weights: SharedWeights | None = None,
-        on_done: OnDone | None = None,
         lowered: str | None = None,
     ) -> None:
-        super().__init__(part_paths, name or f"cpu:{group.name}", on_done)
+        super().__init__(part_paths, name or f"cpu:{group.name}")
         #: how its threads yield to a latency lane on the same cores (``"idle"`` or ``"nice"``,
         #: see :mod:`staronnx.workers.lanes`); None: they run at their starter's priority
         self.lowered = lowered
@@ -146,34 +135,6 @@ class CpuWorker(ThreadWorker):
         return self.group.describe()
 
     # ------------------------------------------------------------------ tasks
-    def submit(self, part: int, feeds: Feeds) -> WorkerFuture:
-        """Queue ``part`` on ``feeds``; the future resolves to ``{output name: array}``.
-
-        A task that raises (bad shape, wrong dtype, missing input) fails its own future only.
-        """
-        self._check_started()
-        self._check_part(part)
-        fut = WorkerFuture(part, _batch_of(feeds, self._inputs[part]), self.name)
-        self._put(("run", WorkerTask(part, feeds, fut, True)))
-        return fut
-
-    def warmup(
-        self,
-        batch_sizes: Sequence[int],
-        make_feeds: Callable[[int, int], Feeds],
-        repeats: int = 1,
-    ) -> list[tuple[int, int, float]]:
-        """Run every part at every batch size so first-run costs don't reach the perf models.
-
-        ``make_feeds(part, batch)`` builds the feeds.  Warm-up runs don't call ``on_done`` nor
-        count in :attr:`stats`.  Returns ``(part, batch, seconds)`` of the last repeat of each.
-        """
-        return self._warmup(
-            batch_sizes, make_feeds, repeats,
-            lambda part, feeds, b: WorkerTask(part, feeds, WorkerFuture(part, b, self.name), False),
-            lambda fut: fut.seconds,
-        )
-
     def affinity(self) -> set[int]:
         """What ``os.sched_getaffinity(0)`` reports inside the worker thread."""
         return self.call(lambda: os.sched_getaffinity(0))
@@ -188,7 +149,6 @@ class CpuWorker(ThreadWorker):
         try:
             values = self._sessions[part].run(None, dict(feeds))
         except BaseException as exc:
-            self.stats.failed += 1
             traceback.clear_frames(exc.__traceback__)
             raise
         return dict(zip(self._outputs[part], values))
@@ -253,20 +213,6 @@ class CpuWorker(ThreadWorker):
             return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             raise ModelError(f"ONNX Runtime cannot load part {index} ({path}): {exc}") from None
-
-    def _run_task(self, task: WorkerTask) -> None:
-        fut = task.fut
-        if not fut.set_running_or_notify_cancel():
-            return
-        fut.start = time.perf_counter()
-        try:
-            values = self._sessions[task.part].run(None, dict(task.feeds))
-        except BaseException as exc:  # noqa: BLE001 - fails this task only
-            self._fail(task, exc)
-            return
-        fut.end = time.perf_counter()
-        self._record_done(task, fut.end - fut.start)
-        fut.set_result(dict(zip(self._outputs[task.part], values)))
 
 
 # ---------------------------------------------------------------------- helpers

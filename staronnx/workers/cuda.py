@@ -2,18 +2,26 @@
 
 A :class:`CudaWorker` is one of StarPU's ``STARPU_NWORKER_PER_CUDA`` workers
 (STARPU_MODEL.md §4): a **non-blocking** stream of its own (never serialised with stream 0 or
-another worker's), bound to each part's session (``user_compute_stream``).
+another worker's), bound to each part's session (``user_compute_stream``). It is a driver: it
+launches a task's copies and run on its stream and waits for them (``launch_here``,
+``finish_here``), from the thread of the engine that drives it; the engine decides which copies
+(:mod:`staronnx.runtime.datawizard`) and hands it each input where it is (a host array, or a
+tensor already in GPU memory). Beside it: the buffer slots and their graph state
+(:mod:`staronnx.workers.slots`), the GPU as a memory node and a handle's copies
+(:mod:`staronnx.workers.replicas`), and whether CUDA workers can run here at all
+(:mod:`staronnx.workers.cuda_env`).
 
 Everything Python does per task holds the GIL that every worker shares, so on a GPU server the
-host cost of a task, not the GPU, caps tasks/s at small batches. A task is therefore: inputs
-copied to the device with one async copy each (straight from a batch the serving pool
-assembled in pinned memory, else through the slot's pinned staging buffer), one ORT run (or
-CUDA graph replay), one async copy back per output, one wait; all on the worker's stream, so
-no event orders them. ORT synchronises its stream at the end of every run unless told not to
+host cost of a task, not the GPU, caps tasks/s at small batches. A task is therefore: one
+async copy per input into the slot's fixed buffers (up from a batch the serving pool assembled
+in pinned memory, else through the slot's pinned staging buffer; or within the GPU from a
+tensor already there, after the event of a prefetch still in flight), one ORT run (or CUDA
+graph replay), one async copy back per output the request needs on the host (the outputs
+other parts read stay on the GPU), one wait; all on the worker's stream. ORT synchronises its stream at the end of every run unless told not to
 (``disable_synchronize_execution_providers``): that is set, and the worker's own wait is the
 only one. Timing events are recorded only while a perf model still needs samples (``timed``).
 Buffers, bindings, views and run options are cached per (part, input signature) in a
-:class:`_Slot`; eviction, like allocation, happens only when a new slot is made.
+:class:`Slot`; eviction, like allocation, happens only when a new slot is made.
 
 CUDA graphs (on by default; at batch 1-8 a GPU waits on launches): a slot whose every buffer is
 fixed gets a graph id of its own (ORT's ``enable_cuda_graph``, ``gpu_graph_id``). ORT 1.31's
@@ -21,7 +29,8 @@ first run of that id is the capture: its regular run(s), the capture and a repla
 call; every later run from the same thread is a replay. ORT keeps graphs per thread (its CUDA
 provider's ``PerThreadContext``), so a slot knows the threads it was captured on: the first run
 from another thread is a capture again (counted, and said: warm up on the thread that will
-replay, as :func:`staronnx.runtime.engine.warm_up` does with ``warmup(driver=...)``). A capture
+replay: :func:`staronnx.runtime.engine.warm_up` runs its shapes as tasks pinned to the worker,
+on its driver's thread; :meth:`CudaWorker.warmup` does it for a worker used alone). A capture
 runs one at a time
 (:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in thread-local
 capture mode, so nothing else in the process breaks a capture (see
@@ -35,80 +44,78 @@ memory or 900/901) fails alone; a sticky CUDA error (the context is lost) raises
 :class:`~staronnx.workers.base.WorkerLost`, and an engine then moves the worker's tasks to the
 others.
 
-:attr:`CudaWorkerFuture.compute_seconds`, what the perf models learn, is GPU time between
-events on the stream: input transfers are the bus model's, as in StarPU.
+:attr:`CudaWorker.last_compute_seconds`, what the perf models learn, is GPU time between
+events on the stream: transfers are the bus model's, as in StarPU.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
 import os
 import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnxruntime as ort
 
-from staronnx.errors import DeviceError, InputError, ModelError
-from staronnx.workers.base import (
-    Feeds,
-    OnDone,
-    Outputs,
-    ThreadWorker,
-    WorkerFuture,
-    WorkerLost,
-    WorkerTask,
-    _batch_of,
+from staronnx.errors import DeviceError, ModelError
+from staronnx.workers.base import Feeds, Outputs, ThreadWorker, WorkerLost
+from staronnx.workers.cuda_env import (  # noqa: F401 - re-exported: their old home
+    CUDA_EP,
+    CUDA_OUT_OF_MEMORY,
+    PartDoesNotFit,
+    _out_of_memory,
+    cuda_unavailable_reason,
+    describe_gpus,
+    missing_device,
+    visible_cuda_devices,
 )
 from staronnx.workers.cudart import (
     CAPTURE_THREAD_LOCAL,
     HOST_RUNTIME_ENV,  # noqa: F401 - re-exported: its old home
-    INSTALL_HINT,
     CudaError,
     CudaRuntime,
     GpuRuntime,
     capture_safe,
     is_sticky,
     host_runtime_from_env,
-    runtime_module,
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 from staronnx.workers.pinned_pool import PinnedPool
 from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute
+from staronnx.workers.slots import (
+    GRAPH_CAPTURE,
+    GRAPH_REPLAY,
+    NO_GRAPH,
+    Part,
+    Slot,
+    SlotCache,
+    SlotTensor,
+    check_feeds,
+    native_run,
+    numpy_type,
+)
 
 __all__ = [
     "CAPTURE_LOCK",
     "CONV_ALGO_SEARCHES",
     "CudaWorker",
-    "CudaWorkerFuture",
     "PartDoesNotFit",
     "cuda_unavailable_reason",
 ]
 
 log = logging.getLogger(__name__)
 
-CUDA_EP = "CUDAExecutionProvider"
 CONV_ALGO_SEARCHES = ("EXHAUSTIVE", "HEURISTIC", "DEFAULT")
 #: Provider options the worker owns; letting callers override them would break the stream model.
 _RESERVED_OPTIONS = {"device_id", "user_compute_stream", "has_user_compute_stream"}
 
-#: ONNX Runtime type strings -> numpy dtypes the worker can stage and return.
-_ORT_TO_NUMPY: dict[str, np.dtype] = {
-    f"tensor({k})": np.dtype(v)
-    for k, v in {
-        "float": np.float32, "float16": np.float16, "double": np.float64,
-        "int8": np.int8, "int16": np.int16, "int32": np.int32, "int64": np.int64,
-        "uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32, "uint64": np.uint64,
-        "bool": np.bool_,
-    }.items()
-}
 
 
 #: one capture at a time in the process: a capture is rare (once per part and batch size at
@@ -119,348 +126,19 @@ CAPTURE_TRIES = 2
 #: the calling thread's id, as ORT's CUDA provider tells its per-thread contexts apart
 _thread_id = threading.get_ident
 
-# A slot's graph state: none (runs with gpu_graph_id -1), the capture (ORT's first run of the
-# slot's graph id: regular run, capture and replay in one call), replays.
-_NO_GRAPH, _GRAPH_CAPTURE, _GRAPH_REPLAY = range(3)
-
-_preloaded = False
-
-
-def _preload_cuda_libraries() -> None:
-    """Load the CUDA and cuDNN libraries that pip's nvidia-* wheels bring (ORT >= 1.21 offers
-    ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH."""
-    global _preloaded
-    if _preloaded or not hasattr(ort, "preload_dlls"):
-        return
-    _preloaded = True
-    try:
-        ort.preload_dlls()
-    except Exception as exc:  # noqa: BLE001 - libraries from the system may still be found
-        log.debug("onnxruntime.preload_dlls() failed: %s", exc)
-
-
-# ---------------------------------------------------------------------- availability
-def _gpu_runtime() -> Any:
-    """What CUDA workers would drive here: ``$STARONNX_CUDA_RUNTIME``'s stand-in, else CUDA
-    itself; None where CUDA is missing."""
-    stand_in = host_runtime_from_env()
-    if stand_in is not None:
-        return stand_in
-    return None if cuda_unavailable_reason() is not None else CudaRuntime()
-
-
-def visible_cuda_devices() -> int:
-    """How many GPUs CUDA workers can use here (0: none, or CUDA missing)."""
-    runtime = _gpu_runtime()
-    return 0 if runtime is None else int(runtime.device_count())
-
-
-def describe_gpus(devices: Sequence[int] | None = None) -> list[dict[str, Any]]:
-    """Each GPU's model, memory and compute capability (:meth:`CudaRuntime.properties`; the
-    stand-in says it is one), for results and ``staronnx topology``: every visible GPU, or
-    ``devices``. Empty where CUDA is missing; a GPU that cannot be read is left out."""
-    runtime = _gpu_runtime()
-    if runtime is None:
-        return []
-    out = []
-    for d in range(int(runtime.device_count())) if devices is None else devices:
-        try:
-            out.append(runtime.properties(int(d)))
-        except DeviceError:
-            continue
-    return out
-
-
-def missing_device(device_id: int, count: int) -> str | None:
-    """Why GPU ``device_id`` cannot be used where ``count`` are visible, or None when it can."""
-    if 0 <= device_id < count:
-        return None
-    return f"CUDA device {device_id} does not exist: {count} device(s) visible, 0..{count - 1}"
-
-
-def cuda_unavailable_reason(device_id: int | None = None) -> str | None:
-    """``None`` when a CUDA worker can run here, else one message saying what is missing.
-
-    Checks, in order: ONNX Runtime's CUDA execution provider, cuda-bindings, then (only when
-    both are there) the CUDA driver and ``device_id``.
-    """
-    missing = []
-    providers = ort.get_available_providers()
-    if CUDA_EP not in providers:
-        missing.append(
-            f"ONNX Runtime's {CUDA_EP} (onnxruntime {ort.__version__} here offers only "
-            f"{', '.join(providers) or 'no provider'}; the GPU build is the onnxruntime-gpu "
-            "package, which replaces onnxruntime: pip uninstall onnxruntime first)"
-        )
-    try:
-        runtime_module()
-    except DeviceError:
-        missing.append("NVIDIA's cuda-bindings (the module cuda.bindings.runtime)")
-    if missing:
-        return f"CUDA workers need {' and '.join(missing)}. Install them with: {INSTALL_HINT}"
-    _preload_cuda_libraries()
-    try:
-        count = CudaRuntime().device_count()
-    except CudaError as exc:
-        return (f"the CUDA runtime cannot see a GPU ({exc}); check the NVIDIA driver, and that "
-                "cuda-bindings' major version is not newer than the driver's CUDA version")
-    if count == 0:
-        return ("no CUDA device is visible (CUDA_VISIBLE_DEVICES="
-                f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})")
-    return None if device_id is None else missing_device(device_id, count)
-
-
-#: cudaErrorMemoryAllocation
-CUDA_OUT_OF_MEMORY = 2
-
-
-class PartDoesNotFit(DeviceError):
-    """A part's session could not be loaded for lack of GPU memory. A runtime of several
-    models then leaves that model off this worker (its other workers run it) rather than
-    failing to start (see :func:`staronnx.workers.launch.start_workers`)."""
-
-    def __init__(self, worker: str, part: int, path: Path, cause: str) -> None:
-        self.worker = worker
-        self.part = part
-        super().__init__(f"{worker}: part {part} ({path}) does not fit in the GPU's memory: {cause}")
-
-
-def _out_of_memory(text: str) -> bool:
-    """Whether ONNX Runtime's error text says the device ran out of memory (its CUDA
-    allocator's "Failed to allocate memory", cudaErrorMemoryAllocation, "CUDA failure 2")."""
-    low = text.lower()
-    return ("out of memory" in low or "failed to allocate memory" in low or "cudaerrormemoryallocation" in low
-            or "cuda failure 2:" in low)
-
-
-# ---------------------------------------------------------------------- futures, parts
-class CudaWorkerFuture(WorkerFuture):
-    """A :class:`~staronnx.workers.base.WorkerFuture` that also reports the task's transfers.
-
-    ``start``/``end`` are host ``perf_counter`` stamps from the start of the task's execution
-    to its outputs being on the host; ``compute_seconds``, ``h2d_seconds`` and
-    ``d2h_seconds`` are GPU times measured with CUDA events.
-    """
-
-    def __init__(self, part: int, batch: int, worker: str) -> None:
-        super().__init__(part, batch, worker)
-        self.compute_seconds: float | None = None
-        self.h2d_seconds: float | None = None
-        self.d2h_seconds: float | None = None
-        self.h2d_bytes = 0
-        self.d2h_bytes = 0
-
-
-@dataclass
-class _Part:
-    """One part's session and what the worker needs to know about its signature."""
-
-    session: ort.InferenceSession
-    inputs: list[str]
-    input_dtypes: list[np.dtype | None]
-    input_shapes: list[list[int | str | None]]
-    outputs: list[str]
-    #: per output: its shape is determined by the input shapes (so it may be pre-allocated).
-    static_outputs: list[bool]
-
-    @classmethod
-    def of(cls, session: ort.InferenceSession) -> _Part:
-        ins, outs = session.get_inputs(), session.get_outputs()
-        symbols = {d for i in ins for d in i.shape if isinstance(d, str)}
-        return cls(
-            session=session,
-            inputs=[i.name for i in ins],
-            input_dtypes=[_ORT_TO_NUMPY.get(i.type) for i in ins],
-            input_shapes=[list(i.shape) for i in ins],
-            outputs=[o.name for o in outs],
-            static_outputs=[
-                all(isinstance(d, int) or (isinstance(d, str) and d in symbols) for d in o.shape)
-                for o in outs
-            ],
-        )
-
-
-def _native_run(session: ort.InferenceSession, binding: Any) -> tuple[Callable[[Any, Any], None], Any]:
-    """``(run, bound)`` such that ``run(bound, options)`` is
-    ``session.run_with_iobinding(binding, options)`` through ORT's native method: the Python
-    wrapper's checks are for WebGPU graph capture (ORT 1.32 reads ``gpu_graph_id`` back from
-    the run options and asks the session about WebGPU on every call, 2-4 us with the GIL
-    held), and a CUDA worker's steady run needs none of them. Looked up once per slot, not
-    per task. An ORT without these attributes gets its wrapper."""
-    try:
-        return session._sess.run_with_iobinding, binding._iobinding
-    except AttributeError:
-        return session.run_with_iobinding, binding
-
-
-# ---------------------------------------------------------------------- buffer slots
-@dataclass(eq=False)
-class _Tensor:
-    """A tensor's staging: pinned host buffer (and a numpy view of it), device buffer (None:
-    ORT allocates), shape; sizes and views computed once, not per task."""
-
-    name: str
-    dtype: np.dtype
-    shape: tuple[int, ...]
-    pinned: Any = None  # PinnedBuffer
-    device: Any = None  # DeviceBuffer
-    view: np.ndarray | None = None  # of ``pinned``, with this dtype and shape
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
-
-    def stage(self, pinned: Any) -> None:
-        """Take ``pinned`` as the host buffer and make the view over it."""
-        self.pinned = pinned
-        self.view = pinned.view(self.dtype, self.shape)
-
-    def free(self) -> None:
-        self.view = None
-        for buf in (self.pinned, self.device):
-            if buf is not None:
-                buf.free()
-        self.pinned = self.device = None
-
-
-@dataclass(eq=False)
-class _Slot:
-    """Everything one (part, input signature) needs, reused call after call.
-
-    ``outputs`` is None until the first run has shown the output shapes and types; ``fixed``
-    once every output is bound to a buffer of ours (the fast path).
-    """
-
-    key: tuple[Any, ...]
-    part: int
-    binding: Any  # ort.IOBinding
-    inputs: list[_Tensor]
-    events: dict[str, Any]
-    run_options: Any  # ort.RunOptions: the worker's (gpu_graph_id -1) or the slot's graph id
-    #: ``(run, bound)``: ``run(bound, run_options)`` runs the part on this binding (:func:`_native_run`;
-    #: with a graph, through the runtime's :meth:`~staronnx.workers.cudart.GpuRuntime.graph_run`)
-    native: tuple[Callable[[Any, Any], None], Any]
-    #: ``native``'s run without a graph (what the slot falls back to)
-    plain_run: Callable[[Any, Any], None]
-    outputs: list[_Tensor] | None = None
-    bound: list[bool] = field(default_factory=list)  # output i bound to our device buffer
-    fixed: bool = False
-    busy: bool = False
-    last_used: int = 0
-    graph: int = _NO_GRAPH
-    graph_id: int | None = None
-    #: threads (``threading.get_ident()``) on which ORT holds this slot's graph
-    graph_threads: set[int] = field(default_factory=set)
-    capture_tries: int = 0
-    # per task: (device ptr, nbytes) of each input / output, precomputed
-    in_copies: list[tuple[Any, int, int]] = field(default_factory=list)  # (tensor, device ptr, nbytes)
-    out_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (pinned, device ptr, nbytes)
-    in_bytes: int = 0
-    out_bytes: int = 0
-    #: per :class:`OutputRoute` (by identity): (write-backs as ``out_copies``, outputs kept on
-    #: the device as (name, device ptr, dtype, shape), the tensors the write-backs fill)
-    routes: dict[OutputRoute, tuple[list[tuple[int, int, int]], list[tuple[str, int, np.dtype, tuple[int, ...]]],
-                                    list[_Tensor]]] = field(default_factory=dict)
-
-    def free(self) -> None:
-        for t in self.inputs + (self.outputs or []):
-            t.free()
-        for ev in self.events.values():
-            ev.destroy()
-        self.events.clear()
-        self.binding = None
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(t.device.nbytes for t in self.inputs + (self.outputs or []) if t.device)
-
-
-class _SlotCache:
-    """Slots per key; past ``max_slots``, the least recently used idle ones are retired when a
-    new slot is made (never on the hot path: freeing device memory synchronises the device),
-    and freed by :meth:`free_retired` on the next slot creation or at close."""
-
-    def __init__(self, max_slots: int) -> None:
-        self.max_slots = max_slots
-        self._slots: dict[tuple[Any, ...], list[_Slot]] = {}
-        self._clock = 0
-        self._count = 0
-        self.created = 0
-        self.retired: list[_Slot] = []
-
-    def take(self, key: tuple[Any, ...]) -> _Slot | None:
-        """An idle slot for ``key``, marked busy; None when there is none (make one)."""
-        for slot in self._slots.get(key, ()):
-            if not slot.busy:
-                self._clock += 1
-                slot.busy = True
-                slot.last_used = self._clock
-                return slot
-        return None
-
-    def add(self, slot: _Slot) -> None:
-        """Register a new (busy) slot, retiring idle ones beyond ``max_slots``."""
-        self._clock += 1
-        slot.busy = True
-        slot.last_used = self._clock
-        self._slots.setdefault(slot.key, []).append(slot)
-        self._count += 1
-        self.created += 1
-        excess = self._count - self.max_slots
-        if excess > 0:
-            idle = sorted((s for ss in self._slots.values() for s in ss if not s.busy),
-                          key=lambda s: s.last_used)
-            for old in idle[:excess]:
-                self._slots[old.key].remove(old)
-                if not self._slots[old.key]:
-                    del self._slots[old.key]
-                self._count -= 1
-                self.retired.append(old)
-
-    def free_retired(self) -> None:
-        while self.retired:
-            self.retired.pop().free()
-
-    @staticmethod
-    def release(slot: _Slot) -> None:
-        slot.busy = False
-
-    def __len__(self) -> int:
-        return self._count
-
-    def all(self) -> list[_Slot]:
-        return [s for ss in list(self._slots.values()) for s in ss]
-
-    def close(self) -> None:
-        for slot in self.all():
-            slot.free()
-        self._slots.clear()
-        self._count = 0
-        self.free_retired()
-
-
 @dataclass(eq=False, slots=True)
 class _Launch:
     """A task whose copies and run are queued on the stream: what waiting for it needs."""
 
-    slot: _Slot
+    slot: Slot
     timed: bool
     start: float
     wait_event: Any = None  # None: wait for the whole stream
     outputs: Outputs | None = None  # set when it ran synchronously (the general path)
     #: the outputs written back (None: all of them) and those kept on the device
-    written: list[_Tensor] | None = None
+    written: list[SlotTensor] | None = None
     kept: list[tuple[str, DeviceTensor]] | None = None
     h2d_bytes: int = 0
-
-
-@dataclass
-class _Task(WorkerTask):
-    """A :class:`~staronnx.workers.base.WorkerTask` with its launch state (queued path)."""
-
-    fut: CudaWorkerFuture
-    launch: _Launch | None = None
-    dead: bool = False  # failed or cancelled while launched ahead
 
 
 # ---------------------------------------------------------------------- the worker
@@ -470,9 +148,7 @@ class CudaWorker(ThreadWorker):
     ``cudnn_conv_algo_search``: EXHAUSTIVE (ORT's default: best kernels, slow first run per
     shape), HEURISTIC or DEFAULT.  ``provider_options`` adds CUDA provider options (e.g.
     ``gpu_mem_limit``); device and stream are the worker's own.  ``cpu`` pins the worker thread
-    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``prefetch`` launches the
-    next queued task before waiting for the current one, so the GPU never waits for the host
-    between them.  ``copy_log`` receives a :class:`~staronnx.workers.memory.CopyRecord` per
+    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``copy_log`` receives a :class:`~staronnx.workers.memory.CopyRecord` per
     timed task and direction, with ``host_node`` as the host end.  ``max_slots`` bounds how
     many (part, batch size) buffer sets stay cached.  ``cuda_graphs`` (default on) captures
     each (part, batch size) buffer set whose outputs are fixed as a CUDA graph and replays it;
@@ -485,9 +161,11 @@ class CudaWorker(ThreadWorker):
     GPU; ``STARONNX_CUDA_RUNTIME=host`` makes it the default, for the CLI).  Without one, the constructor raises :class:`DeviceError` when ONNX Runtime's CUDA
     provider, cuda-bindings or the device is missing.
 
-    The thread, queue, ``start``/``close``, ``call``/``spawn`` and the task bookkeeping are
-    :class:`~staronnx.workers.base.ThreadWorker`'s; this class sets up the device, stream and
-    sessions, runs tasks, and tears it all down in its thread.
+    The thread, ``start``/``close`` and ``call``/``spawn`` (``submit``/``run`` for a worker used
+    alone) are :class:`~staronnx.workers.base.ThreadWorker`'s; this class sets up the device,
+    stream and sessions, runs tasks (``launch_here``/``finish_here``, ``run_here``), and tears it
+    all down in its thread. ``device_memory`` is the GPU as a memory node (a device's streams
+    share one; by default the worker makes its own).
     """
 
     kind = "cuda"
@@ -503,11 +181,9 @@ class CudaWorker(ThreadWorker):
         *,
         cpu: int | None = None,
         provider_options: Mapping[str, str] | None = None,
-        prefetch: bool = True,
         copy_log: CopyLog | None = None,
         host_node: MemoryNode | str = "numa0",
         max_slots: int = 64,
-        on_done: OnDone | None = None,
         runtime: GpuRuntime | None = None,
         cuda_graphs: bool = True,
         capture_on_demand: bool = True,
@@ -523,7 +199,7 @@ class CudaWorker(ThreadWorker):
             raise ValueError(f"provider option(s) {sorted(_RESERVED_OPTIONS & extra.keys())} are "
                              "set by the worker itself (its device and its own stream)")
         if max_slots < 2:
-            raise ValueError("max_slots must be >= 2 (prefetch needs two buffer sets)")
+            raise ValueError("max_slots must be >= 2 (a task launched ahead needs a second buffer set)")
         if runtime is None:
             runtime = host_runtime_from_env()
         if runtime is None:
@@ -531,7 +207,7 @@ class CudaWorker(ThreadWorker):
             if reason is not None:
                 raise DeviceError(reason)
             runtime = CudaRuntime()
-        super().__init__(part_paths, name or f"cuda{device_id}.s{stream_index}", on_done)
+        super().__init__(part_paths, name or f"cuda{device_id}.s{stream_index}")
         self._runtime: GpuRuntime = runtime
         self.device_id = device_id
         self.arch = self.memory_node = f"cuda{device_id}"
@@ -541,15 +217,14 @@ class CudaWorker(ThreadWorker):
         self.node = MemoryNode("cuda", device_id)
         self.host_node = MemoryNode.parse(host_node)
         self.cpu = cpu
-        self.prefetch = prefetch
         self.copy_log = copy_log
         #: the stream's cudaStream_t value (set by start()).
         self.stream_handle: int | None = None
         self._extra_options = extra
         self._device_type = runtime.ort_device_type
         self._bind_device = device_id if self._device_type == "cuda" else 0
-        self._slots = _SlotCache(max_slots)
-        self._parts: list[_Part] = []
+        self._slots = SlotCache(max_slots)
+        self._parts: list[Part] = []
         self._stream: Any = None
         self._run_options: ort.RunOptions | None = None
         #: the sticky CUDA error that made this worker unusable (it then leaves the pool)
@@ -586,24 +261,13 @@ class CudaWorker(ThreadWorker):
         return f"device {self.device_id}"
 
     # ------------------------------------------------------------------ tasks
-    def submit(self, part: int, feeds: Feeds) -> CudaWorkerFuture:
-        """Queue ``part`` on ``feeds`` (host arrays); resolves to ``{output name: array}``.
-
-        A task that fails (bad feed, ORT error, a CUDA error that is not sticky) fails its own
-        future only; after a sticky CUDA error every task fails with :class:`WorkerLost`.
-        """
-        self._check_open()
-        self._check_part(part)
-        fut = CudaWorkerFuture(part, _batch_of(feeds, self._parts[part].inputs), self.name)
-        self._put(("run", _Task(part, feeds, fut, True)))
-        return fut
-
     def warmup(
         self,
         batch_sizes: Sequence[int],
         make_feeds: Callable[[int, int], Feeds],
         repeats: int = 2,
         driver: ThreadWorker | None = None,
+        parallel: int = 2,
     ) -> list[tuple[int, int, float]]:
         """Run every part at every batch size before anything is timed, on the thread of
         ``driver`` (the worker whose thread will launch this one's tasks: an engine drives a
@@ -615,22 +279,20 @@ class CudaWorker(ThreadWorker):
         with ORT-allocated outputs to learn their shapes); the second runs the steady-state
         path with the worker's own buffers, hence ``repeats=2``; with graphs that second run
         is the capture (ORT 1.31 captures inside the first run of a graph id) and a third one
-        replays. With ``prefetch`` tasks run in pairs, so both buffer sets (and graphs) a
-        pipelined worker uses per shape are made now. A capture that fails does not fail the
+        replays. Tasks run ``parallel`` at a time (default in pairs, so both buffer sets, and
+        graphs, a pipelined worker uses per shape are made now). A capture that fails does not fail the
         warm-up: the shape runs again, with a new graph id or without a graph
-        (:data:`CAPTURE_TRIES`). Warm-up runs don't call ``on_done`` nor count in
-        :attr:`stats`. Returns ``(part, batch, compute seconds)`` of the last repeat of each.
+        (:data:`CAPTURE_TRIES`). Returns ``(part, batch, compute seconds)`` of the last repeat of each.
         """
         if self.cuda_graphs:  # discovery, the capture, one replay
             repeats = max(repeats, 3)
-        return (driver or self).call(lambda: self._warmup_here(batch_sizes, make_feeds, repeats))
+        return (driver or self).call(lambda: self._warmup_here(batch_sizes, make_feeds, repeats, parallel))
 
     def _warmup_here(self, batch_sizes: Sequence[int], make_feeds: Callable[[int, int], Feeds],
-                     repeats: int) -> list[tuple[int, int, float]]:
+                     repeats: int, parallel: int) -> list[tuple[int, int, float]]:
         """:meth:`warmup`, in the calling thread (the one that will launch this worker's
         tasks: ORT keeps graphs per thread)."""
         self.adopt_thread()
-        parallel = 2 if self.prefetch else 1
         timings = []
         for part, path in enumerate(self.part_paths):
             if path is None:
@@ -691,21 +353,14 @@ class CudaWorker(ThreadWorker):
         try:
             return self._launch(part, feeds, timed, route)
         except BaseException as exc:
-            self.stats.failed += 1
             raise self._lost_or(exc) from None
 
     def finish_here(self, launch: _Launch) -> Outputs:
         """Wait for a launched task and return its outputs (from the worker's thread)."""
         try:
-            outputs = self._wait(launch)
+            return self._wait(launch)
         except BaseException as exc:
-            self.stats.failed += 1
             raise self._lost_or(exc) from None
-        self.stats.done += 1
-        self.stats.busy_seconds += self.last_compute_seconds or (time.perf_counter() - launch.start)
-        if self.on_done is not None and launch.timed and self.last_compute_seconds is not None:
-            self._call_on_done(launch.slot.part, _batch_of_slot(launch.slot), self.last_compute_seconds)
-        return outputs
 
     def ready(self, launch: _Launch) -> bool:
         """Whether :meth:`finish_here` would return without blocking (the launch's work is
@@ -782,7 +437,7 @@ class CudaWorker(ThreadWorker):
         self._run_options = self._options(-1)
         for i, path in enumerate(self.part_paths):
             # a part this worker does not hold: no session, no device memory
-            held = None if path is None else _Part.of(self._load_with_graphs(i, path))
+            held = None if path is None else Part.of(self._load_with_graphs(i, path))
             self._parts.append(held)  # type: ignore[arg-type]
 
     @staticmethod
@@ -858,48 +513,6 @@ class CudaWorker(ThreadWorker):
             )
         return session
 
-    # -- the queued path (submit, warmup, calibration): always timed
-    def _run_task(self, task: _Task) -> None:
-        """Launch the task (unless it was launched ahead), launch the next queued one, then
-        wait for this one."""
-        if task.dead:
-            return
-        if task.launch is None and not self._begin(task):
-            return
-        if self.prefetch and not self._held:
-            nxt = self._hold_next()
-            if nxt is not None and not self._begin(nxt):
-                nxt.dead = True
-        launch = task.launch
-        assert launch is not None
-        fut = task.fut
-        try:
-            fut.start = launch.start
-            values = self._wait(launch)
-            fut.end = time.perf_counter()
-        except BaseException as exc:  # noqa: BLE001 - fails this task only
-            self._fail(task, self._lost_or(exc))
-            return
-        slot = launch.slot
-        fut.h2d_bytes, fut.d2h_bytes = slot.in_bytes, slot.out_bytes
-        fut.compute_seconds = self.last_compute_seconds
-        fut.h2d_seconds, fut.d2h_seconds = self._copy_seconds
-        self._record_done(task, fut.compute_seconds or 0.0)
-        fut.set_result(values)
-
-    def _begin(self, task: _Task) -> bool:
-        """Mark the task running and launch it; False when it is cancelled or failed."""
-        if not task.fut.set_running_or_notify_cancel():
-            return False
-        try:
-            if self.lost is not None:
-                raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
-            task.launch = self._launch(task.part, task.feeds, True, None)
-            return True
-        except BaseException as exc:  # noqa: BLE001 - fails this task only
-            self._fail(task, self._lost_or(exc))
-            return False
-
     # -- one task
     def _launch(self, part_index: int, feeds: Feeds, timed: bool, route: OutputRoute | None) -> _Launch:
         start = time.perf_counter()
@@ -914,13 +527,13 @@ class CudaWorker(ThreadWorker):
             arrays = [feeds[n] for n in part.inputs]
             key = (part_index, *[(a.dtype, a.shape) for a in arrays])
         except (KeyError, AttributeError, TypeError):
-            arrays = _check_feeds(part, part_index, feeds)
+            arrays = check_feeds(part, part_index, feeds)
             key = (part_index, *[(a.dtype, a.shape) for a in arrays])
         if len(feeds) != len(arrays):
-            _check_feeds(part, part_index, feeds)  # unknown names: its message
+            check_feeds(part, part_index, feeds)  # unknown names: its message
         slot = self._slots.take(key)
         if slot is None:  # a new signature (checked once), or every slot of it is in use
-            arrays = _check_feeds(part, part_index, feeds)
+            arrays = check_feeds(part, part_index, feeds)
             slot = self._make_slot(key, part_index, arrays)
         try:
             if not slot.fixed:
@@ -937,10 +550,10 @@ class CudaWorker(ThreadWorker):
             if timed:
                 ev["run_start"].record(stream)
             graph = slot.graph
-            if graph == _NO_GRAPH:
+            if graph == NO_GRAPH:
                 run, bound = slot.native
                 run(bound, slot.run_options)
-            elif graph == _GRAPH_REPLAY and _thread_id() in slot.graph_threads:
+            elif graph == GRAPH_REPLAY and _thread_id() in slot.graph_threads:
                 run, bound = slot.native
                 run(bound, slot.run_options)
                 self.graph_replays += 1
@@ -956,7 +569,7 @@ class CudaWorker(ThreadWorker):
                 try:
                     out_copies, keeps, written = slot.routes[route]
                 except KeyError:
-                    out_copies, keeps, written = self._route(slot, route)
+                    out_copies, keeps, written = slot.route_plan(route)
                 for dst, src, nbytes in out_copies:
                     rt.copy_d2h(dst, src, nbytes, stream)
                 keep = self.device_memory.keep
@@ -986,16 +599,7 @@ class CudaWorker(ThreadWorker):
         else:
             self._runtime.copy_peer(dst, self.device_id, a.ptr, a.device, nbytes, stream)
 
-    def _route(self, slot: _Slot, route: OutputRoute) -> tuple[list[tuple[int, int, int]], list[tuple[str, int, np.dtype, tuple[int, ...]]], list[_Tensor]]:
-        """A fixed slot's copy lists for ``route`` (made once per slot and route)."""
-        assert slot.outputs is not None
-        plan = ([(t.pinned.ptr, t.device.ptr, t.nbytes) for t in slot.outputs if t.name in route.host],
-                [(t.name, t.device.ptr, t.dtype, t.shape) for t in slot.outputs if t.name in route.device],
-                [t for t in slot.outputs if t.name in route.host])
-        slot.routes[route] = plan
-        return plan
-
-    def _host_source(self, t: _Tensor, a: Any) -> int:
+    def _host_source(self, t: SlotTensor, a: Any) -> int:
         """Where an input's H2D copy reads: the array itself when it was assembled in pinned
         memory (a pool batch: no staging pass), else the slot's pinned buffer, filled here."""
         src = getattr(a, "pinned_ptr", None)
@@ -1040,7 +644,7 @@ class CudaWorker(ThreadWorker):
             host = outputs.get(name)
             outputs[name] = tensor if host is None else Data({self.host_node.name: host, self.node.name: tensor})
 
-    def _read_timings(self, slot: _Slot, launch: _Launch | None = None) -> None:
+    def _read_timings(self, slot: Slot, launch: _Launch | None = None) -> None:
         """GPU times of the task just waited for (its events are complete), and its copies
         into the copy log (the bus model's samples: only what crossed the bus)."""
         ev = slot.events
@@ -1061,7 +665,7 @@ class CudaWorker(ThreadWorker):
     #: the last untimed launch not yet waited for and with nothing queued behind it
     _unmarked: _Launch | None = None
 
-    def _capture(self, slot: _Slot) -> None:
+    def _capture(self, slot: Slot) -> None:
         """ORT's first run of the slot's graph id: its regular run, the capture (a stream
         sync, then ``cudaStreamBeginCapture`` in global mode) and a replay all happen inside
         this one call, so the whole call is the capture: one at a time, and a failure handled
@@ -1080,11 +684,11 @@ class CudaWorker(ThreadWorker):
                 raise
             self._capture_failed(slot, exc)
             raise
-        slot.graph = _GRAPH_REPLAY
+        slot.graph = GRAPH_REPLAY
         slot.graph_threads.add(_thread_id())
         self.graphs_captured += 1
 
-    def _capture_failed(self, slot: _Slot, exc: BaseException) -> None:
+    def _capture_failed(self, slot: Slot, exc: BaseException) -> None:
         """A capture that failed (900/901: another thread's CUDA call; an op ORT cannot
         capture) fails its task; the slot tries once more with a new graph id, then runs
         without a graph. Said out loud: a "graphs" figure must not silently measure none."""
@@ -1100,7 +704,7 @@ class CudaWorker(ThreadWorker):
                         slot.key[1:], slot.capture_tries, exc)
             self._drop_graph(slot)
 
-    def _give_graph(self, slot: _Slot) -> None:
+    def _give_graph(self, slot: Slot) -> None:
         """After output discovery: a graph id for a slot whose every buffer is fixed; its next
         run is the capture."""
         slot.graph_id = self._next_graph_id
@@ -1108,24 +712,24 @@ class CudaWorker(ThreadWorker):
         slot.run_options = self._options(slot.graph_id)
         session = self._parts[slot.part].session
         slot.native = (self._runtime.graph_run(session, slot.plain_run, slot.graph_id), slot.native[1])
-        slot.graph, slot.graph_threads = _GRAPH_CAPTURE, set()
+        slot.graph, slot.graph_threads = GRAPH_CAPTURE, set()
 
-    def _drop_graph(self, slot: _Slot) -> None:
+    def _drop_graph(self, slot: Slot) -> None:
         """The slot runs without a graph from now on."""
-        slot.graph, slot.graph_id, slot.run_options = _NO_GRAPH, None, self._run_options
+        slot.graph, slot.graph_id, slot.run_options = NO_GRAPH, None, self._run_options
         slot.native, slot.graph_threads = (slot.plain_run, slot.native[1]), set()
 
-    def _make_slot(self, key: tuple[Any, ...], part_index: int, arrays: list[np.ndarray]) -> _Slot:
+    def _make_slot(self, key: tuple[Any, ...], part_index: int, arrays: list[np.ndarray]) -> Slot:
         """A new buffer set (the cold path: allocations, and the frees of retired slots)."""
         self._slots.free_retired()
         part = self._parts[part_index]
         rt = self._runtime
-        inputs: list[_Tensor] = []
+        inputs: list[SlotTensor] = []
         events: dict[str, Any] = {}
         try:
             binding = part.session.io_binding()
             for name, a in zip(part.inputs, arrays):
-                t = _Tensor(name, a.dtype, tuple(a.shape))
+                t = SlotTensor(name, a.dtype, tuple(a.shape))
                 inputs.append(t)
                 t.stage(rt.pinned(t.nbytes))
                 t.device = rt.device_buffer(t.nbytes)
@@ -1140,14 +744,14 @@ class CudaWorker(ThreadWorker):
             for e in events.values():
                 e.destroy()
             raise
-        native = _native_run(part.session, binding)
-        slot = _Slot(key, part_index, binding, inputs, events, self._run_options, native, native[0])
+        native = native_run(part.session, binding)
+        slot = Slot(key, part_index, binding, inputs, events, self._run_options, native, native[0])
         slot.in_copies = [(t, t.device.ptr, t.nbytes) for t in inputs]
         slot.in_bytes = sum(t.nbytes for t in inputs)
         self._slots.add(slot)
         return slot
 
-    def _launch_general(self, slot: _Slot, arrays: list[Any], timed: bool, start: float,
+    def _launch_general(self, slot: Slot, arrays: list[Any], timed: bool, start: float,
                         route: OutputRoute | None) -> _Launch:
         """Output discovery (a slot's first run) and slots with ORT-allocated outputs
         (data-dependent shapes): synchronous, outputs read back here (or kept on the device,
@@ -1187,7 +791,7 @@ class CudaWorker(ThreadWorker):
         # may still be running (the copies below are ordered after them on the stream).
         produced: list[Any] = binding.get_outputs()
         if discovering:
-            slot.outputs = [_Tensor(n, _numpy_type(v, n), tuple(v.shape()))
+            slot.outputs = [SlotTensor(n, numpy_type(v, n), tuple(v.shape()))
                             for n, v in zip(part.outputs, produced)]
             slot.bound = [False] * len(part.outputs)
         assert slot.outputs is not None
@@ -1197,7 +801,7 @@ class CudaWorker(ThreadWorker):
                 sources.append(t.device.ptr)
                 continue
             v = produced[i]
-            t.dtype, t.shape = _numpy_type(v, t.name), tuple(v.shape())
+            t.dtype, t.shape = numpy_type(v, t.name), tuple(v.shape())
             sources.append(v.data_ptr())
             if t.pinned is None or t.pinned.nbytes < t.nbytes:
                 old = t.pinned
@@ -1224,7 +828,7 @@ class CudaWorker(ThreadWorker):
         launch.h2d_bytes = sum(n for (_, _, n), a in zip(slot.in_copies, arrays) if a.__class__ is not DeviceTensor)
         return launch
 
-    def _bind_static_outputs(self, slot: _Slot, part: _Part) -> None:
+    def _bind_static_outputs(self, slot: Slot, part: Part) -> None:
         """After the first run: give shape-determined outputs device and pinned buffers of
         their own; a slot whose outputs are all ours takes the fast path (and maybe a graph)."""
         assert slot.outputs is not None
@@ -1249,7 +853,7 @@ class CudaWorker(ThreadWorker):
             if self.cuda_graphs and self.capture_on_demand and slot.part in self.graph_parts:
                 self._give_graph(slot)
 
-    def _unbind_outputs(self, slot: _Slot) -> None:
+    def _unbind_outputs(self, slot: Slot) -> None:
         """Fall back to ORT-allocated outputs for this slot (its shapes were not static)."""
         slot.fixed = False
         slot.routes.clear()
@@ -1308,47 +912,3 @@ class CudaWorker(ThreadWorker):
                 except Exception as exc:  # noqa: BLE001
                     log.warning("%s: destroying the stream failed: %s", self.name, exc)
             self._stream = None
-
-
-def _batch_of_slot(slot: _Slot) -> int:
-    """The batch size of a slot's tasks: leading dimension of its first input."""
-    shape = slot.key[1][1] if len(slot.key) > 1 else ()
-    return int(shape[0]) if shape else 1
-
-
-# ---------------------------------------------------------------------- helpers
-def _check_feeds(part: _Part, index: int, feeds: Feeds) -> list[np.ndarray]:
-    """The feeds as arrays in the session's input order, or an :class:`InputError`."""
-    unknown = sorted(set(feeds) - set(part.inputs))
-    missing = [n for n in part.inputs if n not in feeds]
-    if unknown or missing:
-        raise InputError(
-            f"part {index} takes inputs {part.inputs}"
-            + (f"; missing {missing}" if missing else "")
-            + (f"; unknown {unknown}" if unknown else "")
-        )
-    arrays = []
-    for name, dtype, shape in zip(part.inputs, part.input_dtypes, part.input_shapes):
-        a = feeds[name]
-        if not isinstance(a, (np.ndarray, DeviceTensor)):  # (a pool batch keeps its pinned_ptr)
-            a = np.asarray(a)
-        if dtype is None:
-            raise InputError(f"input {name!r} of part {index} has a type the CUDA worker "
-                             "cannot stage (only numeric and bool tensors)")
-        if a.dtype != dtype:
-            raise InputError(f"input {name!r} of part {index} must be {dtype}, got {a.dtype}")
-        fixed_dims_differ = any(isinstance(d, int) and d != n for d, n in zip(shape, a.shape))
-        if len(shape) != len(a.shape) or fixed_dims_differ:
-            raise InputError(f"input {name!r} of part {index} must have shape {shape}, "
-                             f"got {list(a.shape)}")
-        arrays.append(a)
-    return arrays
-
-
-def _numpy_type(value: Any, name: str) -> np.dtype:
-    kind = value.data_type()
-    dtype = _ORT_TO_NUMPY.get(kind)
-    if dtype is None:
-        raise ModelError(f"output {name!r} is a {kind}, which the CUDA worker cannot return "
-                         "as a numpy array")
-    return dtype
