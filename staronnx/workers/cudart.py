@@ -614,7 +614,7 @@ class _HostEvent:
 
     def query(self) -> bool:
         self._rt._call("event_query")
-        return self._rt._in_flight()
+        return not self._rt._held_queries or self._rt._in_flight()
 
     def seconds_since(self, start: _HostEvent) -> float:
         self._rt._call("event_elapsed")
