@@ -49,27 +49,37 @@ class Reading:
     def own(self) -> float:
         return self.own_step * self.n
 
+    def clock(self) -> float:
+        """One second per read: the ticks above are per second."""
+        return float(self.n)
+
+    def snap(self) -> cpuload.CpuSnapshot | None:
+        return cpuload.snapshot(self.read, self.own, self.clock)
+
 
 def test_a_reading_says_busy_when_others_or_the_hypervisor_take_the_cpus():
     cpus = (0, 1)
     tick = 1.0 / os.sysconf("SC_CLK_TCK")
     quiet = Reading(busy=1, idle=99)  # 1 % of each CPU busy, all of it ours
     quiet.own_step = 2 * tick
-    load = cpuload.machine_load(cpuload.snapshot(quiet.read, quiet.own), cpuload.snapshot(quiet.read, quiet.own), cpus)
+    load = cpuload.machine_load(quiet.snap(), quiet.snap(), cpus)
     assert load is not None and not load.busy and load.why is None
     assert load.others_cpu_s == pytest.approx(0.0) and load.own_cpu_s == pytest.approx(2 * tick)
 
     other = Reading(busy=60, idle=40)  # 60 % busy, none of it ours: another process
-    load = cpuload.machine_load(cpuload.snapshot(other.read, other.own), cpuload.snapshot(other.read, other.own), cpus)
-    assert load.busy and load.others_cpu_s == pytest.approx(120 * tick)
+    load = cpuload.machine_load(other.snap(), other.snap(), cpus)
+    assert load.busy and load.others_cpu_s == pytest.approx(120 * tick) and load.seconds == pytest.approx(1.0)
     assert "other processes used" in load.why and "0,1" in load.why
 
     stolen = Reading(busy=2, idle=88, steal=10)  # the hypervisor took 10 %
     stolen.own_step = 4 * tick
-    load = cpuload.machine_load(cpuload.snapshot(stolen.read, stolen.own), cpuload.snapshot(stolen.read, stolen.own),
-                                cpus)
+    load = cpuload.machine_load(stolen.snap(), stolen.snap(), cpus)
     assert load.busy and load.steal_s == pytest.approx(20 * tick) and "hypervisor stole" in load.why
     assert load.as_dict()["busy"] is True
+    # a reading over a few ticks says nothing: one tick there is tens of per cent
+    brief = Reading(busy=60, idle=40)
+    first = brief.snap()
+    assert not cpuload.machine_load(first, cpuload.snapshot(brief.read, brief.own, lambda: 1.0 + 0.01), cpus).busy
     # no /proc/stat (not Linux): nothing said, nothing flagged
     assert cpuload.snapshot(lambda: (_ for _ in ()).throw(OSError("no /proc"))) is None
     assert cpuload.machine_load(None, None) is None
@@ -145,6 +155,7 @@ def test_calibration_warns_when_its_samples_were_taken_on_a_busy_machine(plan, t
     monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
     busy = Reading(busy=80, idle=20)
     monkeypatch.setattr(cpuload, "_read_proc_stat", busy.read)
+    monkeypatch.setattr(cpuload, "_clock", busy.clock)  # a second a reading, however fast this calibrates
     code, stdout, stderr = cli(capsys, "calibrate", plan.root, "--groups", two_groups, "--batch-sizes", "1",
                                "--no-host", "--max-runs", "30")
     assert code == 0, stderr + stdout

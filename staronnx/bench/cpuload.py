@@ -15,7 +15,7 @@ measurement reads ``/proc/stat`` (per CPU: busy and steal ticks) and this proces
 - ``own_cpu_s``: what the measured run itself used (its cores' worth: ``own_cores``).
 
 A measurement is **busy** when others and steal together took more than :data:`BUSY_SHARE` of
-the CPUs' time (on a quiet VM the kernel's threads and daemons take about 1 %; one other busy
+the CPUs' time (over at least :data:`MIN_CAPACITY_S` CPU-seconds: shorter, ticks are noise) (on a quiet VM the kernel's threads and daemons take about 1 %; one other busy
 process on 2 cores takes 50 %). Where ``/proc/stat`` cannot be read (not Linux), nothing is
 said: :func:`snapshot` returns None and so does :func:`machine_load`.
 """
@@ -31,6 +31,10 @@ from typing import Any
 #: others' CPU plus steal, as a share of the measured CPUs' time, above which a measurement is
 #: called busy
 BUSY_SHARE = 0.05
+
+#: CPU-seconds a reading must span to say anything: /proc/stat counts 10 ms ticks, so over a
+#: few ticks one tick is tens of per cent
+MIN_CAPACITY_S = 0.5
 
 #: /proc/stat columns after the cpu name: user nice system idle iowait irq softirq steal ...
 _BUSY_COLUMNS = (0, 1, 2, 5, 6)
@@ -109,10 +113,15 @@ def compute_threads(worker_names: Collection[str]) -> set[int]:
     return {tid for tid in alive if tid not in python or python[tid] in names}
 
 
-def snapshot(read: Callable[[], str] | None = None, own: Callable[[], float] | None = None) -> CpuSnapshot | None:
-    """The CPU times now, None where ``/proc/stat`` cannot be read. ``read`` and ``own`` stand
-    in for the kernel (an injected reading); by default the module's readers, looked up at each
-    call."""
+def _clock() -> float:
+    return time.monotonic()
+
+
+def snapshot(read: Callable[[], str] | None = None, own: Callable[[], float] | None = None,
+             clock: Callable[[], float] | None = None) -> CpuSnapshot | None:
+    """The CPU times now, None where ``/proc/stat`` cannot be read. ``read``, ``own`` and
+    ``clock`` stand in for the kernel (an injected reading); by default the module's readers,
+    looked up at each call."""
     try:
         text = (read or _read_proc_stat)()
         tick = 1.0 / os.sysconf("SC_CLK_TCK")
@@ -121,7 +130,7 @@ def snapshot(read: Callable[[], str] | None = None, own: Callable[[], float] | N
     busy, steal = parse_proc_stat(text, tick)
     if not busy:
         return None
-    return CpuSnapshot(time.monotonic(), busy, steal, float((own or _own_cpu)()))
+    return CpuSnapshot((clock or _clock)(), busy, steal, float((own or _own_cpu)()))
 
 
 @dataclass(frozen=True)
@@ -179,6 +188,8 @@ def machine_load(before: CpuSnapshot | None, after: CpuSnapshot | None, cpus: Co
     capacity = seconds * len(chosen)
     share = (others + steal) / capacity
     why = None
+    if capacity < MIN_CAPACITY_S:  # too short to tell a tick from a neighbour
+        share = 0.0
     if share > threshold:
         parts = [f"other processes used {others:.2f} of {capacity:.2f} CPU-seconds ({others / capacity:.0%})"]
         if steal > 0:

@@ -446,6 +446,13 @@ NO_HOST_COSTS = ("host costs not measured for these workers (staronnx calibrate 
                  "batching, hand-overs between threads, their CPU), so they are optimistic at low rates")
 
 
+#: what the host-cost model leaves out (said beside the costs)
+HOST_APPROXIMATION = (
+    "host costs are measured on idle workers and added as they were measured; not modelled: contention for the "
+    "GIL between the host's threads and the workers' bookkeeping, and task times more variable than at "
+    "calibration (others on the cores), which near the knee move the latency most")
+
+
 def host_notes(machine: SimMachine) -> list[str]:
     """What the machine's host costs say, one line each (for a sweep's or a simulation's
     notes)."""
@@ -455,10 +462,12 @@ def host_notes(machine: SimMachine) -> list[str]:
     where = ("the host's threads share the workers' cores (no PU outside the CPU groups): their CPU is taken from "
              "the workers'" if machine.host_shares_cores else f"{machine.free_pus} PU(s) outside the CPU groups "
              "run the host's threads")
-    lines = [f"host costs ({where}): " + "; ".join(c.describe() for _, c in sorted(host.costs.items()))]
-    for what, load in (("measured", host.probe_machine), ("perf models calibrated", host.calibration_machine)):
+    lines = [f"host costs ({where}): " + "; ".join(c.describe() for _, c in sorted(host.costs.items())),
+             HOST_APPROXIMATION]
+    for what, load in (("host costs measured", host.probe_machine),
+                       ("perf models calibrated", host.calibration_machine)):
         if load and load.get("busy"):
-            lines.append(f"host costs {what} on a busy machine: {load.get('why')}")
+            lines.append(f"{what} on a busy machine: {load.get('why')}")
     return lines
 
 

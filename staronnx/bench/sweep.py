@@ -434,13 +434,13 @@ def calibration_check(ratio: float | None, load: MachineLoad | None) -> dict[str
                                                "machine": None if load is None else load.as_dict()}), "notes": []}
     if ratio is not None and not (1 / DRIFT <= ratio <= DRIFT):
         how = "slower" if ratio > 1 else "faster"
-        why = ("others use the cores now (see the warm-up's reading)" if load is not None and load.busy
+        why = ("others use the cores now (see the next note)" if load is not None and load.busy
                else "the models were calibrated on a " + ("quieter" if ratio > 1 else "busier") + " machine")
         out["notes"].append(f"calibration check: the warm-up's tasks ran x{ratio:.2f} their perf models' times "
                             f"({how}): {why}; the bound and the simulation are off by as much (recalibrate on a "
                             "quiet machine: staronnx calibrate --replace)")
     if load is not None and load.busy:
-        out["notes"].append(f"warm-up {load.why}")
+        out["notes"].append(f"calibration check: the runs before the first point were {load.why}")
     return out
 
 
@@ -452,7 +452,7 @@ def busy_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
     worst = max(busy, key=lambda r: (r.get("others_cpu_share") or 0.0) + (r.get("steal_share") or 0.0))
     share = (worst.get("others_cpu_share") or 0.0) + (worst.get("steal_share") or 0.0)
     return (f"{len(busy)} of {len(rows)} point(s) measured beside other work (machine_busy: other processes or the "
-            f"hypervisor took over {BUSY_SHARE:.0%} of the CPUs, up to {share:.0%} at b={worst['batch_size']} @ "
+            f"hypervisor took over {BUSY_SHARE:.0%} of the CPUs, up to {share:.1%} at b={worst['batch_size']} @ "
             f"{worst['offered_rate']:g} req/s): their figures are the machine's as much as the plan's, and the "
             "simulator's error summary leaves them out")
 
