@@ -335,3 +335,23 @@ def test_a_scalar_tensor_prefetched_to_a_gpu_keeps_its_shape():
             assert memory.download(t).shape == ()
     finally:
         memory.close()
+
+
+def test_a_gpu_memory_node_reuses_its_buffers_and_does_not_keep_every_size_forever():
+    """Tensors that die give their buffers back (no allocation per task in the steady state);
+    sizes that keep changing (a sequence length) do not hold the device's memory forever."""
+    from staronnx.workers.replicas import DeviceMemory
+
+    rt = HostRuntime()
+    memory = DeviceMemory(rt, 0)
+    memory.max_idle = 4
+    try:
+        for _ in range(10):
+            memory.tensor(np.dtype(np.float32), (8, 16))  # dies at once: its buffer comes back
+        assert memory.allocated == 1
+        for n in range(1, 20):
+            memory.tensor(np.dtype(np.float32), (n, 3))
+        assert rt.stats.device_allocs - rt.stats.device_frees <= memory.max_idle + 1
+    finally:
+        memory.close()
+    assert rt.stats.device_allocs == rt.stats.device_frees

@@ -171,6 +171,8 @@ class DeviceMemory:
         self._closed = False
         #: buffers ever allocated (reuse keeps it at the peak in use)
         self.allocated = 0
+        #: idle buffers kept for reuse, at most (past it, a new allocation frees the oldest)
+        self.max_idle = 64
 
     # -- the arena
     def tensor(self, dtype: np.dtype, shape: tuple[int, ...]) -> DeviceTensor:
@@ -181,10 +183,30 @@ class DeviceMemory:
             self._take_back()
             free = self._free.get(nbytes)
             buffer = free.pop() if free else None
+            surplus = self._surplus() if buffer is None else []
+        for old in surplus:  # (the cold path: a size not seen lately)
+            old.free()
         if buffer is None:
             buffer = self.runtime.device_buffer(nbytes)
             self.allocated += 1
         return DeviceTensor(self, buffer, np.dtype(dtype), tuple(shape))
+
+    def _surplus(self) -> list[Buffer]:
+        """(lock held) Idle buffers past :attr:`max_idle`, of the sizes least recently given
+        back, taken out to be freed: shapes that vary (a sequence length) must not keep the
+        device's memory forever; freeing synchronises the device, so it happens only when a
+        new buffer is made anyway."""
+        idle = sum(len(bs) for bs in self._free.values())
+        out: list[Buffer] = []
+        for size in list(self._free):  # insertion order: the sizes first given back first
+            if idle - len(out) <= self.max_idle:
+                break
+            bufs = self._free[size]
+            while bufs and idle - len(out) > self.max_idle:
+                out.append(bufs.pop(0))
+            if not bufs:
+                del self._free[size]
+        return out
 
     def give_back(self, buffer: Buffer) -> None:
         """(a finalizer: any thread) Queue a dead tensor's buffer for reuse."""
