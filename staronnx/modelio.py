@@ -12,12 +12,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from staronnx.errors import ModelError
 
@@ -65,11 +66,17 @@ def _all_initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:
     return list(model.graph.initializer)
 
 
-def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> LoadedModel:
-    """Load and validate a model; raise :class:`ModelError` naming the cause when it is unusable."""
+def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str],
+               supplied: Mapping[str, np.ndarray] | None = None) -> LoadedModel:
+    """Load and validate a model; raise :class:`ModelError` naming the cause when it is unusable.
+
+    ``supplied``: initializer values given in memory (ORT's ``add_initializer`` and
+    ``add_external_initializers``), which replace the model's own, external or not (an external
+    file of theirs need not exist); the hash covers them, as another model's would."""
     if isinstance(model_or_path, onnx.ModelProto):
         model = onnx.ModelProto()
         model.CopyFrom(model_or_path)
+        _supply(model, supplied)
         digest = hashlib.sha256(_stripped_bytes(model)).hexdigest()
         path = None
     else:
@@ -86,6 +93,7 @@ def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> Loade
             raise ModelError(
                 f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}"
             ) from None
+        _supply(model, supplied)
         externals = _external_files(model, path.parent)
         missing = [p for p in externals if not p.exists()]
         if missing:
@@ -95,6 +103,8 @@ def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str]) -> Loade
         except Exception as exc:
             raise ModelError(f"{path}: cannot read external data: {exc}") from None
         digest = file_sha256(path, externals)
+        if supplied:
+            digest = hashlib.sha256((digest + values_digest(supplied)).encode()).hexdigest()
     upgrade_ir3(model)
     _check(model, path)
     name_nodes(model.graph)
@@ -124,6 +134,37 @@ def upgrade_ir3(model: onnx.ModelProto) -> bool:
         model.graph.input.extend(kept)
     model.ir_version = _IR_INITIALIZERS_FREE
     return True
+
+
+def missing_external(model: onnx.ModelProto, base: Path) -> set[str]:
+    """The initializers whose external data file is not in ``base`` (a model read without its
+    external data)."""
+    names = set()
+    for tensor in _all_initializers(model):
+        if tensor.data_location == onnx.TensorProto.EXTERNAL:
+            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
+            if not (base / location).is_file():
+                names.add(tensor.name)
+    return names
+
+
+def _supply(model: onnx.ModelProto, supplied: Mapping[str, np.ndarray] | None) -> None:
+    """Replace the named initializers' values, in place (their data then lives in the model)."""
+    if not supplied:
+        return
+    for tensor in model.graph.initializer:
+        if tensor.name in supplied:
+            tensor.CopyFrom(numpy_helper.from_array(np.asarray(supplied[tensor.name]), tensor.name))
+
+
+def values_digest(values: Mapping[str, np.ndarray]) -> str:
+    """A digest of named values (initializers given in memory): what tells two variants apart."""
+    digest = hashlib.sha256()
+    for name in sorted(values):
+        array = np.ascontiguousarray(values[name])
+        digest.update(f"{name}:{array.dtype.str}:{array.shape}".encode())
+        digest.update(array.tobytes() if array.dtype != object else repr(array.tolist()).encode())
+    return digest.hexdigest()
 
 
 def _stripped_bytes(model: onnx.ModelProto) -> bytes:

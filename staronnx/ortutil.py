@@ -1,8 +1,10 @@
-"""Creating ONNX Runtime sessions from in-memory or on-disk models, large ones included."""
+"""Creating ONNX Runtime sessions from in-memory or on-disk models, large ones included, and
+asking ONNX Runtime what a SessionOptions or RunOptions changes in a model."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import re
 import tempfile
@@ -10,8 +12,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper
 from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
 from staronnx.errors import DeviceError
@@ -157,3 +161,144 @@ def ort_failure(exc: BaseException) -> tuple[str | None, str | None, str]:
         op, node, text = found.group(1), found.group(2), found.group(3)
     text = _SOURCE_LOCATION.sub("", text.strip())
     return op, node, " ".join(text.split()) or type(cause).__name__
+
+
+# -- what a SessionOptions or RunOptions changes, asked of ONNX Runtime -----------------------
+# ORT keeps some options where Python cannot read them back (add_initializer,
+# add_external_initializers, the free dimension overrides, a RunOptions' active LoRA adapters).
+# A session that runs the model elsewhere (staronnx's parts) asks ORT itself what they change: a
+# probe model of the model's interface only (its inputs, and one Identity per initializer whose
+# placeholder holds nothing), loaded with the user's options, answers with what ORT put in place.
+
+#: a probe's placeholder for an initializer: empty, so what comes back non-empty was put there
+_PLACEHOLDER_DIMS = (0,)
+#: the opset of the probes' Identity nodes (every element type ORT has)
+_PROBE_OPSET = 21
+
+
+@contextlib.contextmanager
+def borrowed(so: ort.SessionOptions, **values: object) -> Iterator[ort.SessionOptions]:
+    """The caller's SessionOptions with ``values`` set for the block and restored after: a probe
+    or a writer session must not profile, write the optimised model or log as the user's does.
+    (ORT's SessionOptions cannot be copied; a session opened on the same object in another
+    thread meanwhile sees the borrowed values.)"""
+    saved = {name: getattr(so, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(so, name, value)
+        yield so
+    finally:
+        for name, value in saved.items():
+            setattr(so, name, value)
+
+
+def _quietly(so: ort.SessionOptions) -> contextlib.AbstractContextManager[ort.SessionOptions]:
+    """``so`` as a probe uses it: writing no file, logging nothing, optimising nothing (ORT
+    would fold an Identity of a constant before the initializer given replaces it)."""
+    return borrowed(so, optimized_model_filepath="", enable_profiling=False, log_severity_level=QUIET,
+                    graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
+
+
+@dataclasses.dataclass
+class OptionEffects:
+    """What a SessionOptions changes in the model ORT builds from it: initializer values given
+    in memory (``add_initializer``, ``add_external_initializers``, external files given in memory),
+    and input shapes the free dimension overrides fixed (only the inputs they changed)."""
+
+    initializers: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+    shapes: dict[str, list[int | str | None]] = dataclasses.field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.initializers or self.shapes)
+
+
+def _probe_model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[str],
+                 initializers: list[onnx.TensorProto]) -> bytes:
+    graph = helper.make_graph(nodes, "staronnx_probe", inputs, [helper.make_value_info(n, onnx.TypeProto())
+                                                                 for n in outputs], initializers)
+    for out, init in zip(graph.output, initializers):
+        out.type.tensor_type.elem_type = init.data_type
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _PROBE_OPSET)]).SerializeToString()
+
+
+def _placeholder(tensor: onnx.TensorProto, missing: bool) -> onnx.TensorProto:
+    """An initializer's stand-in in a probe: empty, or for one whose external file is missing,
+    the reference itself (ORT fills it from what the options give, or refuses the probe)."""
+    if missing:
+        stand_in = onnx.TensorProto()
+        stand_in.CopyFrom(tensor)
+        return stand_in
+    return helper.make_tensor(tensor.name, tensor.data_type, list(_PLACEHOLDER_DIMS), [])
+
+
+def option_effects(so: ort.SessionOptions, model: onnx.ModelProto, missing: set[str]) -> OptionEffects:
+    """Ask ORT what ``so`` changes in ``model`` (read without its external data; ``missing``:
+    the initializers whose external file is absent): the initializer values it supplies and the
+    input dimensions it fixes. Raises ORT's own error where ORT would refuse the options."""
+    effects = OptionEffects()
+    inits = [t for t in model.graph.initializer]
+    if inits:
+        probes = [f"__staronnx_probe_{i}" for i in range(len(inits))]
+        nodes = [helper.make_node("Identity", [t.name], [p]) for t, p in zip(inits, probes)]
+        data = _probe_model(nodes, [], probes, [_placeholder(t, t.name in missing) for t in inits])
+        with _quietly(so):
+            values = OrtSession(data, so, providers=["CPUExecutionProvider"]).run(probes, {})
+        for tensor, value in zip(inits, values):
+            if tensor.name in missing or tuple(np.shape(value)) != _PLACEHOLDER_DIMS:
+                effects.initializers[tensor.name] = np.asarray(value)
+    constants = {t.name for t in inits}
+    free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
+            and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
+    if free:
+        probes = [f"__staronnx_probe_{vi.name}" for vi in free]
+        nodes = [helper.make_node("Identity", [vi.name], [p]) for vi, p in zip(free, probes)]
+        graph = helper.make_graph(nodes, "staronnx_probe", list(free),
+                                  [helper.make_value_info(p, onnx.TypeProto()) for p in probes])
+        for out, vi in zip(graph.output, free):
+            out.type.tensor_type.elem_type = vi.type.tensor_type.elem_type
+        data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _PROBE_OPSET)]).SerializeToString()
+        with _quietly(so):
+            told = {arg.name: list(arg.shape) for arg in OrtSession(data, so, providers=["CPUExecutionProvider"])
+                    .get_inputs()}
+        for vi in free:
+            declared = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
+            fixed = [t if isinstance(t, int) and d is None else None for d, t in zip(declared, told[vi.name])]
+            if any(f is not None for f in fixed):
+                effects.shapes[vi.name] = fixed
+    return effects
+
+
+class AdapterProbe:
+    """The values a RunOptions' active LoRA adapters give the model's overridable initializers
+    (IR >= 4 initializers that are also graph inputs), read from ORT: ``run_options`` keeps its
+    adapters where Python cannot see them."""
+
+    def __init__(self, overridable: Sequence[onnx.TensorProto]) -> None:
+        self.names = [t.name for t in overridable]
+        self._probes = [f"__staronnx_probe_{i}" for i in range(len(self.names))]
+        placeholders = [_placeholder(t, False) for t in overridable]
+        inputs = [helper.make_tensor_value_info(t.name, t.data_type, None) for t in overridable]
+        nodes = [helper.make_node("Identity", [n], [p]) for n, p in zip(self.names, self._probes)]
+        so = ort.SessionOptions()
+        so.log_severity_level = QUIET
+        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        self._session = OrtSession(_probe_model(nodes, inputs, self._probes, placeholders), so,
+                                   providers=["CPUExecutionProvider"])
+
+    def values(self, run_options: ort.RunOptions) -> dict[str, np.ndarray]:
+        """The overridable initializers the active adapters set, by name ({} with none active)."""
+        out = self._session.run(self._probes, {}, run_options)
+        return {n: np.asarray(v) for n, v in zip(self.names, out) if tuple(np.shape(v)) != _PLACEHOLDER_DIMS}
+
+
+def write_optimized(model: str | bytes, so: ort.SessionOptions, providers: Sequence[str],
+                    optimization_level: ort.GraphOptimizationLevel | None = None) -> None:
+    """Have ORT write ``so.optimized_model_filepath`` as it would for its own session (the whole
+    model, optimised at the options' level for ``providers``, with the options' external
+    initializer settings): a session opened for that and dropped. It neither profiles nor reads
+    the model's embedded config (``optimization_level``: the level that config set, if any)."""
+    values: dict[str, object] = {"enable_profiling": False}
+    if optimization_level is not None:
+        values["graph_optimization_level"] = optimization_level
+    with borrowed(so, **values):
+        OrtSession(model, so, providers=list(providers), read_config_from_model=0)

@@ -220,3 +220,169 @@ def test_an_input_returned_as_an_output_is_returned(tmp_path):
         y, back = sess.run(None, {"x": x})
         np.testing.assert_array_equal(y, -np.maximum(x, 0))
         np.testing.assert_array_equal(back, x)
+
+
+# -- SessionOptions and RunOptions: honoured, or said ------------------------------------------
+def lora_model() -> onnx.ModelProto:
+    """y = x @ w + (x @ a) @ b, with a and b overridable initializers (IR >= 4 initializers that
+    are graph inputs too): what a LoRA adapter sets."""
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel())
+    a = helper.make_tensor("a", TensorProto.FLOAT, [4, 1], np.zeros(4, dtype=np.float32))
+    b = helper.make_tensor("b", TensorProto.FLOAT, [1, 4], np.zeros(4, dtype=np.float32))
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["xw"]), helper.make_node("MatMul", ["x", "a"], ["xa"]),
+             helper.make_node("MatMul", ["xa", "b"], ["xab"]), helper.make_node("Add", ["xw", "xab"], ["y"])]
+    graph = helper.make_graph(nodes, "lora", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4]),
+                                              helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, "rank"]),
+                                              helper.make_tensor_value_info("b", TensorProto.FLOAT, ["rank", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])], [w, a, b])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_optimized_model_filepath_is_written_as_ort_writes_it(tmp_path):
+    """optimized_model_filepath: the whole model, optimised by ORT for these options (with the
+    external initializers file its config entries ask for), where ORT writes it."""
+    so = ort.SessionOptions()
+    so.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    so.add_session_config_entry("session.optimized_model_external_initializers_file_name", "weights.bin")
+    so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "10")
+    path = save(ir3_chain(False), tmp_path / "ir3.onnx")
+    with session(path, so):
+        written = onnx.load(so.optimized_model_filepath)
+        assert (tmp_path / "weights.bin").is_file()
+        assert [vi.name for vi in written.graph.input] == ["x"]
+    assert not any(p.name.startswith("onnxruntime_profile") for p in Path.cwd().iterdir())
+
+
+def test_add_initializer_replaces_the_models_own():
+    """SessionOptions.add_initializer: the parts carry the value given, as ORT's session does."""
+    so = ort.SessionOptions()
+    w = ort.OrtValue.ortvalue_from_numpy(np.array([[2.0, 1.0], [4.0, 3.0], [6.0, 5.0]], dtype=np.float32))
+    so.add_initializer("W", w)
+    path = datasets.get_example("mul_1.onnx")
+    x = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], dtype=np.float32)
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"X": x})[0]
+    with session(path, so) as sess:
+        got = sess.run(None, {"X": x})[0]
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got, x * w.numpy())
+
+
+@pytest.mark.parametrize("how", ["by name", "as a file in memory"])
+def test_external_initializers_given_in_memory_stand_for_a_missing_file(tmp_path, how):
+    """An initializer whose external file is absent, given through the options (by name, or the
+    file's bytes): the model loads and computes with those values. (The initializer is a graph
+    input too, as in ORT's own test model: ONNX's shape inference cannot read external data.)"""
+    pads = np.array([0, 0, 1, 1], dtype=np.int64)
+    tensor = onnx.TensorProto(name="pads", data_type=TensorProto.INT64, dims=[4],
+                              data_location=TensorProto.EXTERNAL)
+    tensor.external_data.add(key="location", value="pads_not_on_disk.bin")
+    tensor.external_data.add(key="offset", value="0")
+    tensor.external_data.add(key="length", value=str(pads.nbytes))
+    graph = helper.make_graph([helper.make_node("Pad", ["x", "pads"], ["y"])], "pad",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2]),
+                               helper.make_tensor_value_info("pads", TensorProto.INT64, [4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], [tensor])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "pad.onnx")
+    so = ort.SessionOptions()
+    if how == "by name":
+        so.add_external_initializers(["pads"], [ort.OrtValue.ortvalue_from_numpy(pads)])
+    else:
+        content = pads.tobytes()  # ORT reads it where it is: it must outlive the sessions
+        so.add_external_initializers_from_files_in_memory(["pads_not_on_disk.bin"], [content], [len(content)])
+    x = np.array([[1.0, 2.0]], dtype=np.float32)
+    want = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    with session(path, so) as sess:
+        np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+    np.testing.assert_array_equal(want, np.pad(x, [(0, 1), (0, 1)]))
+    with pytest.raises(staronnx.ModelError, match="external data file missing"):
+        session(path, ort.SessionOptions())
+
+
+@pytest.mark.parametrize("how", ["name", "denotation"])
+def test_free_dimension_overrides_fix_the_inputs(tmp_path, how):
+    """Free dimension overrides (by name or by denotation) fix the inputs' sizes, as ORT's
+    get_inputs reports them, and feeds are checked against them."""
+    model = one_node("Abs", TensorProto.FLOAT, ["Dim1", "Dim2", 5])
+    dims = model.graph.input[0].type.tensor_type.shape.dim
+    dims[0].denotation, dims[1].denotation = "DATA_BATCH", "DATA_CHANNEL"
+    path = save(model, tmp_path / "abs.onnx")
+    so = ort.SessionOptions()
+    if how == "name":
+        so.add_free_dimension_override_by_name("Dim1", 4)
+        so.add_free_dimension_override_by_name("Dim2", 6)
+    else:
+        so.add_free_dimension_override_by_denotation("DATA_BATCH", 4)
+        so.add_free_dimension_override_by_denotation("DATA_CHANNEL", 6)
+    with session(path, so) as sess:
+        assert sess.get_inputs()[0].shape == ort.InferenceSession(path, so).get_inputs()[0].shape == [4, 6, 5]
+        x = -np.ones((4, 6, 5), dtype=np.float32)
+        np.testing.assert_array_equal(sess.run(None, {"in0": x})[0], -x)
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="axis 0 must be 4"):
+            sess.run(None, {"in0": x[:2]})
+
+
+def test_the_ort_config_in_a_model_is_read_where_ort_reads_it(tmp_path, monkeypatch):
+    """A model's ort_config metadata: read with ORT_LOAD_CONFIG_FROM_MODEL=1 (profiling starts,
+    the thread counts are the session's), ignored without, as ORT does."""
+    model = ir3_chain(False)
+    helper.set_model_props(model, {"ort_config": '{"session_options": {"inter_op_num_threads": 5, '
+                                                 '"intra_op_num_threads": 1, "enable_profiling": 1}}'})
+    path = save(model, tmp_path / "config.onnx")
+    monkeypatch.chdir(tmp_path)
+    with session(path) as plain:
+        assert plain.get_session_options().inter_op_num_threads == 0
+    monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "1")
+    with pytest.warns(staronnx.runtime.session.OptionNotApplied, match="inter_op_num_threads=5"):
+        sess = session(path)
+    with sess:
+        options = sess.get_session_options()
+        assert (options.inter_op_num_threads, options.intra_op_num_threads, options.enable_profiling) == (5, 1, True)
+        sess.run(None, {"x": np.ones((3, 4), dtype=np.float32)})
+        assert Path(sess.end_profiling()).is_file()
+
+
+def test_options_the_workers_do_not_apply_are_said():
+    """Performance settings of ORT's own pools are warned of, each named, not silently dropped."""
+    so = ort.SessionOptions()
+    so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
+    so.enable_mem_pattern = False
+    with pytest.warns(staronnx.runtime.session.OptionNotApplied, match="execution_mode=.*enable_mem_pattern=False"):
+        session(datasets.get_example("mul_1.onnx"), so).close()
+
+
+def test_a_lora_adapter_in_run_options_is_applied(tmp_path):
+    """RunOptions.add_active_adapter: the adapter's parameters replace the overridable
+    initializers for that run (a variant of the model, cut once); without it the base model
+    answers; feeding them by name does the same, as ORT allows."""
+    model = lora_model()
+    path = save(model, tmp_path / "lora.onnx")
+    adapter_file = tmp_path / "lora.onnx_adapter"
+    params = {"a": np.ones((4, 1), dtype=np.float32), "b": np.full((1, 4), 2.0, dtype=np.float32)}
+    adapter = ort.AdapterFormat()
+    adapter.set_adapter_version(1)
+    adapter.set_model_version(1)
+    adapter.set_parameters({k: ort.OrtValue.ortvalue_from_numpy(v) for k, v in params.items()})
+    adapter.export_adapter(str(adapter_file))
+    lora = ort.LoraAdapter()
+    lora.Load(str(adapter_file))
+    with_adapter = ort.RunOptions()
+    with_adapter.add_active_adapter(lora)
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    reference = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    with session(path) as sess:
+        assert [i.name for i in sess.get_overridable_initializers()] == ["a", "b"]
+        np.testing.assert_allclose(sess.run(None, {"x": x}, ort.RunOptions())[0], x)
+        adapted = sess.run(None, {"x": x}, with_adapter)[0]
+        np.testing.assert_allclose(adapted, reference.run(None, {"x": x}, with_adapter)[0])
+        np.testing.assert_allclose(adapted, x + (x @ params["a"]) @ params["b"])
+        np.testing.assert_allclose(sess.run(None, {"x": x, **params})[0], adapted)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], x)
+
+
+def test_run_options_terminate_stops_the_run():
+    """RunOptions.terminate: the run does not start, with ORT's words."""
+    options = ort.RunOptions()
+    options.terminate = True
+    x = np.ones((3, 2), dtype=np.float32)
+    with session(datasets.get_example("mul_1.onnx")) as sess, pytest.raises(RuntimeError, match="terminate flag"):
+        sess.run(None, {"X": x}, options)

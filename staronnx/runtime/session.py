@@ -60,10 +60,18 @@ from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError
-from staronnx.modelio import dim_of, is_fixed, load_model
-from staronnx.ortutil import QUIET, OrtSession, ort_type_name
+from staronnx.modelio import is_fixed, load_model, missing_external, values_digest
+from staronnx.ortutil import (
+    QUIET,
+    AdapterProbe,
+    OptionEffects,
+    OrtSession,
+    option_effects,
+    ort_type_name,
+    write_optimized,
+)
 from staronnx.partition.graph import model_inputs
-from staronnx.partition.whole import io_specs, too_small, whole_reason
+from staronnx.partition.whole import io_specs, too_small, value_spec, whole_reason
 from staronnx.perfmodels.store import default_root
 from staronnx.plan import PLAN_VERSION, Plan, TensorSpec, _numpy_dtype
 from staronnx.runtime.engine import EngineClosed
@@ -84,6 +92,8 @@ _ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_
 #: the split a session asks for when given none: the StarONNX papers' 85/15. A model with fewer
 #: nodes than that is served whole instead (partition's default split), with a warning
 DEFAULT_SHARES = (0.85, 0.15)
+#: variants of a model (other initializers: LoRA adapters) whose runtimes a session keeps
+MAX_VARIANTS = 4
 #: ORT reports an unset ``model_version`` as INT64_MAX
 _UNSET_VERSION = 2**63 - 1
 #: how long a session waits for another process partitioning the same model (seconds)
@@ -228,9 +238,13 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
 
 
 # -- plans made for a session ---------------------------------------------------------------
-def _load_source(path_or_bytes: str | os.PathLike[str] | bytes) -> tuple[Any, onnx.ModelProto, str]:
+def _load_source(path_or_bytes: str | os.PathLike[str] | bytes,
+                 so: ort.SessionOptions | None = None) -> tuple[Any, onnx.ModelProto, str]:
     """The model as partition() takes it (the path, so the plan records it, or the parsed
-    bytes), the validated model, and its hash; fails before anything is written."""
+    bytes), the validated model, and its hash; fails before anything is written. With ``so``,
+    the model ORT would build from those options: initializers it supplies in memory and input
+    dimensions it fixes (:func:`staronnx.ortutil.option_effects`), a model of its own (its hash
+    covers them)."""
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         proto = onnx.ModelProto()
         try:
@@ -243,13 +257,144 @@ def _load_source(path_or_bytes: str | os.PathLike[str] | bytes) -> tuple[Any, on
         if not path.exists():
             raise NoSuchFile(f"Load model from {path} failed: File doesn't exist")
         source = path
+    effects = _option_effects(source, so) if so is not None else None
     try:
-        loaded = load_model(source)
+        loaded = load_model(source, supplied=effects.initializers if effects else None)
     except ModelError as exc:
         if isinstance(exc.__context__, DecodeError):
             raise InvalidProtobuf(str(exc)) from None
         raise
-    return source, loaded.model, loaded.sha256
+    if not effects:
+        return source, loaded.model, loaded.sha256
+    model = loaded.model
+    for vi in model.graph.input:
+        for dim, size in zip(vi.type.tensor_type.shape.dim, effects.shapes.get(vi.name, [])):
+            if size is not None:
+                dim.dim_value = int(size)  # a dim_param or an unknown size that ORT fixed
+    fixed = json.dumps(effects.shapes, sort_keys=True)
+    sha256 = hashlib.sha256((loaded.sha256 + fixed).encode()).hexdigest()
+    log.info("the session options change the model: initializers %s given, inputs %s fixed",
+             sorted(effects.initializers), sorted(effects.shapes))
+    return model, model, sha256
+
+
+def _option_effects(source: Path | onnx.ModelProto, so: ort.SessionOptions) -> OptionEffects | None:
+    """What ``so`` changes in the model, asked of ORT (None where the model cannot be read yet:
+    load_model then says why). A probe ORT refuses is ORT's own error, as its session's would be,
+    except for an external file that is missing and not given: load_model names that file."""
+    if isinstance(source, onnx.ModelProto):
+        proto, base = source, Path.cwd()
+    else:
+        try:
+            proto, base = onnx.load(str(source), load_external_data=False), source.parent
+        except Exception:  # noqa: BLE001 - not a model: load_model words it
+            return None
+    missing = missing_external(proto, base)
+    try:
+        return option_effects(so, proto, missing)
+    except Exception:
+        if missing:
+            return None
+        raise
+# -- ORT's SessionOptions, honoured or said ---------------------------------------------------
+#: what an ORT config embedded in a model (metadata "ort_config": {"session_options": {...}})
+#: may set, as ORT reads it, each with the type its value takes
+_CONFIG_OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "intra_op_num_threads": int,
+    "inter_op_num_threads": int,
+    "execution_mode": lambda v: ort.ExecutionMode(int(v)),
+    "graph_optimization_level": lambda v: ort.GraphOptimizationLevel(int(v)),
+    "enable_profiling": lambda v: bool(int(v)),
+}
+#: SessionOptions attributes that a copy carries (ORT's object cannot be copied)
+_COPIED = ("intra_op_num_threads", "inter_op_num_threads", "execution_mode", "execution_order",
+           "graph_optimization_level", "enable_profiling", "profile_file_prefix", "optimized_model_filepath",
+           "log_severity_level", "log_verbosity_level", "logid", "enable_cpu_mem_arena", "enable_mem_pattern",
+           "enable_mem_reuse", "use_deterministic_compute", "use_per_session_threads")
+
+
+class OptionNotApplied(UserWarning):
+    """A SessionOptions setting staronnx's workers do not apply (a performance or memory
+    setting of ORT's own pools and allocators: each worker sets its own for its cores)."""
+
+
+def _reads_config(kwargs: Mapping[str, Any]) -> bool:
+    """Whether ORT would read the model's embedded config: ``read_config_from_model=1``, or
+    else ``$ORT_LOAD_CONFIG_FROM_MODEL`` == "1" (ORT's rule)."""
+    if "read_config_from_model" in kwargs:
+        return int(kwargs["read_config_from_model"]) == 1
+    return os.environ.get("ORT_LOAD_CONFIG_FROM_MODEL") == "1"
+
+
+def _model_config(model: onnx.ModelProto) -> dict[str, Any]:
+    """The session options an ORT config embedded in the model sets ({} without one)."""
+    text = next((p.value for p in model.metadata_props if p.key == "ort_config"), None)
+    if text is None:
+        return {}
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"the model's ort_config metadata is not JSON: {exc}") from None
+    options = config.get("session_options", {}) if isinstance(config, dict) else {}
+    unknown = sorted(set(options) - set(_CONFIG_OPTIONS))
+    if unknown:
+        raise ModelError(f"the model's ort_config sets {unknown[0]!r}, which ONNX Runtime does not read from a "
+                         f"model (it reads {', '.join(_CONFIG_OPTIONS)})")
+    return {key: _CONFIG_OPTIONS[key](value) for key, value in options.items()}
+
+
+def _with_config(so: ort.SessionOptions | None, config: Mapping[str, Any]) -> ort.SessionOptions | None:
+    """The options a session runs with: ``so`` with the model's config over it, as ORT applies
+    it (a copy: the caller's object is not changed, and its config entries are not carried)."""
+    if not config:
+        return so
+    effective = ort.SessionOptions()
+    if so is not None:
+        for name in _COPIED:
+            setattr(effective, name, getattr(so, name))
+    for name, value in config.items():
+        setattr(effective, name, value)
+    return effective
+
+
+def _config_entry(so: ort.SessionOptions, key: str) -> str | None:
+    try:
+        return so.get_session_config_entry(key)
+    except RuntimeError:  # ORT's answer for a key never set
+        return None
+
+
+def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
+    """Options staronnx cannot honour and that change what runs: a NotImplementedError naming
+    each, before anything is done."""
+    if isinstance(path_or_bytes, (str, os.PathLike)) and str(path_or_bytes).endswith(".ort") or (
+            so is not None and _config_entry(so, "session.load_model_format") == "ORT"):
+        raise NotImplementedError("session.load_model_format=ORT: staronnx cuts ONNX models; an ORT-format model "
+                                  "cannot be partitioned (give the .onnx file it was converted from)")
+    if so is not None and so.has_providers():
+        raise NotImplementedError("SessionOptions.add_provider / add_provider_for_devices: staronnx starts its "
+                                  "workers from InferenceSession(..., providers=[...]); name the providers there")
+
+
+def _unapplied(so: ort.SessionOptions | None) -> list[str]:
+    """The settings of ``so`` that staronnx's workers do not apply (each part's ORT session is a
+    worker's, sized to its CPU group and run one operator at a time), each with why."""
+    if so is None:
+        return []
+    defaults = ort.SessionOptions()
+    why = {
+        "inter_op_num_threads": "parts run in parallel on staronnx's workers; each part's operators run in sequence",
+        "execution_mode": "parts run in parallel on staronnx's workers; each part's operators run in sequence",
+        "execution_order": "each part's session orders its own operators",
+        "graph_optimization_level": "each part's session optimises at ORT's full level (optimized_model_filepath "
+                                    "is written at the level asked)",
+        "enable_cpu_mem_arena": "each worker's session keeps ORT's default allocator",
+        "enable_mem_pattern": "each worker's session keeps ORT's default allocator",
+        "enable_mem_reuse": "each worker's session keeps ORT's default allocator",
+        "use_deterministic_compute": "each part's session uses ORT's default kernels",
+    }
+    return [f"{name}={getattr(so, name)!s} ({reason})" for name, reason in why.items()
+            if getattr(so, name) != getattr(defaults, name)]
 
 
 def _device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
@@ -368,6 +513,15 @@ def _declared(model: onnx.ModelProto) -> Plan:
     inputs, outputs = io_specs(model)
     return Plan(root=Path(), parts=[], inputs=inputs, outputs=outputs, crossing=[], cut_bytes_per_sample=0,
                 source={}, settings={})
+
+
+def _overridable(model: onnx.ModelProto) -> list[onnx.TensorProto]:
+    """The initializers a run may override (IR >= 4: those also listed as graph inputs), as ORT's
+    ``get_overridable_initializers`` lists them; what a LoRA adapter sets."""
+    if model.ir_version < 4:
+        return []
+    listed = {vi.name for vi in model.graph.input}
+    return [t for t in model.graph.initializer if t.name in listed]
 
 
 def _runs_on_workers(plan: Plan) -> str | None:
@@ -562,8 +716,26 @@ class InferenceSession:
                             f"{type(sess_options).__name__}{hint}")
         runtime_options = {k: v for k, v in kwargs.items() if k not in _ORT_KWARGS}
         self._check_runtime_options(runtime_options)
+        _refuse_options(sess_options, path_or_bytes)
         self._sess_options = sess_options
         self._fallback = int(kwargs.get("enable_fallback", 1)) == 1
+        self._meta: ModelMetadata | None = None
+        self._overridable: list[onnx.TensorProto] = []
+        self._adapters: AdapterProbe | None = None
+        #: the model as loaded (source, model, hash), and how this session cuts it (None for a plan)
+        self._loaded: tuple[Any, onnx.ModelProto, str] | None = None
+        self._cut_model: Callable[..., Plan] | None = None
+        #: runtimes of variants of the model with other initializers (a LoRA adapter's), by their values
+        self._variants: dict[str, Any] = {}
+        source = self._source(path_or_bytes, sess_options)
+        config = _model_config(source[1]) if source is not None and _reads_config(kwargs) else {}
+        effective = _with_config(sess_options, config)
+        #: the options this session runs with (the caller's, with the model's embedded config over them)
+        self._options = effective
+        unapplied = _unapplied(effective)
+        if unapplied:
+            warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply sess_options."
+                                           + "; ".join(unapplied)), stacklevel=2)
         # the runtime the CUDA workers will drive instead of CUDA, if any: the one cuda_options
         # gives them, else $STARONNX_CUDA_RUNTIME's (as CudaWorker picks it)
         stand_in = (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
@@ -573,7 +745,7 @@ class InferenceSession:
         self._provider_options.setdefault(CPU_EP, {})
         if streams and asked is not None and "cuda_devices" not in runtime_options:
             runtime_options["cuda_devices"] = (_device_id(asked),)
-        threads = int(getattr(sess_options, "intra_op_num_threads", 0) or 0)
+        threads = int(effective.intra_op_num_threads) if effective is not None else 0
         self._threads = threads
         if cpu_groups is None:
             drivers = len(runtime_options.get("cuda_devices", (0,))) if streams else 0  # one per GPU
@@ -588,12 +760,17 @@ class InferenceSession:
             cuda_options["provider_options"] = {**cuda_given, **dict(cuda_options.get("provider_options") or {})}
             runtime_options["cuda_options"] = cuda_options
 
-        self._meta: ModelMetadata | None = None
+        if source is not None and effective is not None and effective.optimized_model_filepath:
+            # the whole model, optimised as ORT writes it for these options (staronnx's parts are not it)
+            model_arg = bytes(path_or_bytes) if isinstance(path_or_bytes, (bytes, bytearray, memoryview)) \
+                else str(path_or_bytes)
+            write_optimized(model_arg, sess_options or effective, list(self._provider_options),
+                            config.get("graph_optimization_level"))
         self._streams = streams
         options = _partition_options(partition_options, input_shapes)
         try:
-            self._plan = self._plan_for(path_or_bytes, shares, options, cpu_groups, streams)
-            self._profile_path, self._profile_start = self._profiling(sess_options, runtime_options)
+            self._plan = self._plan_for(path_or_bytes, source, shares, options, cpu_groups, streams)
+            self._profile_path, self._profile_start = self._profiling(effective, runtime_options)
             self._runtime_args = dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
             if self._plan is not None:
                 self._runtime = self._start(self._plan)
@@ -602,6 +779,21 @@ class InferenceSession:
         except BaseException:
             self._remove_scratch()
             raise
+
+    def _source(self, path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any, onnx.ModelProto, str] | None:
+        """The model to cut (as partition takes it), itself and its hash, with what ``so``
+        changes in it; None for a plan (a Plan or a plan folder), which runs as it is."""
+        if isinstance(path_or_bytes, Plan):
+            return None
+        if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
+            raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
+        if not isinstance(path_or_bytes, (bytes, bytearray, memoryview)) and Path(path_or_bytes).is_dir():
+            return None
+        source, model, sha256 = _load_source(path_or_bytes, so)
+        self._meta = ModelMetadata.of(model)
+        self._model = _declared(model)
+        self._overridable = _overridable(model)
+        return source, model, sha256
 
     def _start(self, plan: Plan) -> Any:
         """What runs the plan: a :class:`Runtime` over staronnx's workers, or for a plan they
@@ -628,19 +820,13 @@ class InferenceSession:
                             f"(staronnx options: shares, policy, cpu_groups, cuda_streams, input_shapes, "
                             f"partition_options, {', '.join(sorted(accepted))})")
 
-    def _plan_for(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str,
-                  streams: int) -> Plan | None:
+    def _plan_for(self, path_or_bytes: Any, loaded: tuple[Any, onnx.ModelProto, str] | None, shares: Any,
+                  options: dict[str, Any], groups: str, streams: int) -> Plan | None:
         """The plan to run: the one given, the one kept for this model and settings, or a new
         cut. None when the model is cut at its first run (``self._cut`` then makes it)."""
-        if isinstance(path_or_bytes, Plan):
-            return path_or_bytes
-        if not isinstance(path_or_bytes, (bytes, bytearray, memoryview)) and Path(path_or_bytes).is_dir():
-            return Plan.load(path_or_bytes)
-        if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
-            raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
-        source, model, sha256 = _load_source(path_or_bytes)
-        self._meta = ModelMetadata.of(model)
-        self._model = _declared(model)
+        if loaded is None:
+            return path_or_bytes if isinstance(path_or_bytes, Plan) else Plan.load(path_or_bytes)
+        source, model, sha256 = self._loaded = loaded
         if shares is DEFAULT_SHARES and too_small(model, len(shares)):
             shares = None  # partition's default split, which serves a model too small to cut whole
         if shares is not None and not isinstance(shares, str):
@@ -648,11 +834,24 @@ class InferenceSession:
         from staronnx.workers.host import partition
 
         unsized = [] if "input_shapes" in options else _unsized(model, parse_batch_axes(options.get("batch_axes")))
-        if not unsized:
-            def make(src: Any, **where: Any) -> Plan:
-                return partition(src, shares, groups=groups, cuda_streams=streams, **options, **where)
 
-            return self._kept_or_made(source, sha256, _settings_key(shares, options, groups, streams), make)
+        def cut_model(src: Any, sha: str, feeds: Mapping[str, Any] | None = None) -> Plan:
+            """``src`` (this model, or a variant of it with other initializers) cut with this
+            session's settings: at ``feeds``' shapes for a model with dynamic sizes."""
+            settings, asked = dict(options), dict(options)
+            if unsized:
+                if feeds is None:
+                    raise RuntimeError("a model with dynamic sizes is cut at a run's shapes")
+                settings["input_shapes"], asked["input_shapes"] = _first_run_shapes(feeds), AT_FIRST_RUN
+
+            def make(s: Any, **where: Any) -> Plan:
+                return partition(s, shares, groups=groups, cuda_streams=streams, **settings, **where)
+
+            return self._kept_or_made(src, sha, _settings_key(shares, asked, groups, streams), make)
+
+        self._cut_model = cut_model
+        if not unsized:
+            return cut_model(source, sha256)
         key = _settings_key(shares, {**options, "input_shapes": AT_FIRST_RUN}, groups, streams)
         with contextlib.suppress(OSError):  # a home that cannot be read: cut at the first run
             kept = _kept_plan(session_plan_dir(sha256, key), sha256)
@@ -660,15 +859,10 @@ class InferenceSession:
                 return kept
 
         def cut(feeds: Mapping[str, np.ndarray]) -> Plan:
-            shapes = _first_run_shapes(feeds)
-            log.info("cutting %s at its first run's shapes %s (its dynamic sizes: %s); the plan serves "
-                     "every size", self._meta.graph_name if self._meta else "the model", shapes, ", ".join(unsized))
-
-            def make(src: Any, **where: Any) -> Plan:
-                return partition(src, shares, groups=groups, cuda_streams=streams, **options,
-                                 input_shapes=shapes, **where)
-
-            return self._kept_or_made(source, sha256, key, make)
+            log.info("cutting %s at its first run's shapes %s (its dynamic sizes: %s); the plan serves every size",
+                     self._meta.graph_name if self._meta else "the model", _first_run_shapes(feeds),
+                     ", ".join(unsized))
+            return cut_model(source, sha256, feeds)
 
         self._cut = cut
         return None
@@ -752,8 +946,11 @@ class InferenceSession:
         return [_arg(t) for t in self._io.outputs]
 
     def get_overridable_initializers(self) -> list[NodeArg]:
-        """None: partitioning freezes the initializers into the parts."""
-        return []
+        """The initializers a run may replace (IR >= 4 ones listed as graph inputs), as the
+        model declares them: fed by name or set by a LoRA adapter, they make a variant of the
+        model (see :meth:`run`)."""
+        declared = {vi.name: vi for vi in self._loaded[1].graph.input} if self._loaded is not None else {}
+        return [_arg(value_spec(declared[t.name])) for t in self._overridable if t.name in declared]
 
     def get_providers(self) -> list[str]:
         if self._runtime is None:  # started at the first run, with the CUDA workers decided now
@@ -776,9 +973,9 @@ class InferenceSession:
         return out
 
     def get_session_options(self) -> ort.SessionOptions:
-        """The options given (staronnx's workers size their own thread pools to their CPU
-        groups, so only ``enable_profiling`` and ``profile_file_prefix`` take effect)."""
-        return self._sess_options if self._sess_options is not None else ort.SessionOptions()
+        """The options this session runs with: those given, with the model's embedded ORT
+        config over them where ORT would read it (see the module's table of what each does)."""
+        return self._options if self._options is not None else ort.SessionOptions()
 
     def get_modelmeta(self) -> ModelMetadata:
         """The source model's metadata: from the model given, or for a plan from the model
@@ -852,11 +1049,53 @@ class InferenceSession:
                 raise InvalidArgument(f"Invalid output name:{n}; the outputs are {self._io.output_names}")
         return names
 
-    def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any]) -> list[np.ndarray]:
+    def _split(self, input_feed: Mapping[str, Any],
+               run_options: ort.RunOptions | None) -> tuple[Mapping[str, Any], dict[str, np.ndarray]]:
+        """The feeds, and the overridable initializers this run replaces (ORT's two ways: fed
+        by name, or set by ``run_options``' active LoRA adapters, read back from ORT)."""
+        if run_options is not None and run_options.terminate:
+            raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
+        if not self._overridable:
+            return input_feed, {}  # as given: a feed that is no mapping fails where ORT's does
+        names = {t.name for t in self._overridable}
+        overrides: dict[str, np.ndarray] = {}
+        if run_options is not None:
+            if self._adapters is None:
+                self._adapters = AdapterProbe(self._overridable)
+            overrides.update(self._adapters.values(run_options))
+        for name in names & input_feed.keys():
+            value = input_feed[name]
+            overrides[name] = _host_array(value, name) if isinstance(value, ort.OrtValue) else np.asarray(value)
+        return {k: v for k, v in input_feed.items() if k not in names}, overrides
+
+    def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Any:
+        """What runs this request: the session's runtime, or with initializers overridden, the
+        runtime of that variant of the model (cut once, kept for the next runs that give the
+        same values; the :data:`MAX_VARIANTS` last used are kept)."""
+        if not overrides:
+            return self._started(feeds)
+        key = values_digest(overrides)
+        with self._start_lock:
+            if self._closed:
+                raise EngineClosed("the session is closed; no new requests are accepted")
+            runner = self._variants.pop(key, None)
+            if runner is None:
+                assert self._loaded is not None and self._cut_model is not None
+                variant = load_model(self._loaded[1], supplied=overrides)
+                log.info("initializers %s overridden: running a variant of the model", sorted(overrides))
+                runner = self._start(self._cut_model(variant.model, variant.sha256, feeds))
+            self._variants[key] = runner  # the most recently used last
+            while len(self._variants) > MAX_VARIANTS:
+                self._variants.pop(next(iter(self._variants))).close()
+        return runner
+
+    def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+             run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
         names = self._outputs(output_names)
-        feeds = self._feeds(input_feed)
+        rest, overrides = self._split(input_feed, run_options)
+        feeds = self._feeds(rest)
         try:
-            values = self._started(feeds).run(feeds)
+            values = self._runner(feeds, overrides).run(feeds)
         except TaskError as exc:
             raise _ort_task_error(exc) from exc.__cause__
         return [values[n] for n in names]
@@ -868,9 +1107,10 @@ class InferenceSession:
         run_options: ort.RunOptions | None = None,
     ) -> list[np.ndarray]:
         """Outputs in the order asked (all, in the model's order, for None or []), as ORT
-        returns them. ``run_options`` are accepted and unused: a request is one batch's tasks
-        on workers that other requests share."""
-        return self._run(output_names, input_feed)
+        returns them. Of ``run_options``, what changes the answer is honoured: an active LoRA
+        adapter (a variant of the model with its parameters) and ``terminate``; its log and
+        memory settings are ORT's own sessions' (the workers')."""
+        return self._run(output_names, input_feed, run_options)
 
     def run_async(
         self,
@@ -890,12 +1130,13 @@ class InferenceSession:
                             "Runtime's callback form; for a future of the outputs use submit(input_feed)")
         try:
             names = self._outputs(output_names)
-            feeds = self._feeds(input_feed)
+            rest, overrides = self._split(input_feed, run_options)
+            feeds = self._feeds(rest)
         except InvalidArgument as exc:  # ORT reports these through the callback
             _call_back(callback, [], user_data, str(exc))
             return
         try:
-            runtime = self._started(feeds)
+            runtime = self._runner(feeds, overrides)
         except EngineClosed:
             raise
         except Exception as exc:  # noqa: BLE001 - a first run's cut failed: reported as its run's error
@@ -916,8 +1157,9 @@ class InferenceSession:
     def submit(self, input_feed: Mapping[str, Any]) -> RequestFuture:
         """A future (concurrent.futures, awaitable) of the outputs dict: staronnx's own
         asynchronous form, for pipelining many requests without callbacks."""
-        feeds = self._feeds(input_feed)
-        return self._started(feeds).submit(feeds)
+        rest, overrides = self._split(input_feed, None)
+        feeds = self._feeds(rest)
+        return self._runner(feeds, overrides).submit(feeds)
 
     def run_with_ort_values(
         self,
@@ -927,7 +1169,7 @@ class InferenceSession:
     ) -> list[ort.OrtValue]:
         """Host OrtValues in, host OrtValues out."""
         feeds = {k: _host_array(v, k) for k, v in input_dict_ort_values.items()}
-        return [ort.OrtValue.ortvalue_from_numpy(a) for a in self._run(output_names, feeds)]
+        return [ort.OrtValue.ortvalue_from_numpy(a) for a in self._run(output_names, feeds, run_options)]
 
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
@@ -964,6 +1206,9 @@ class InferenceSession:
         with self._start_lock:  # a first run's cut in progress finishes first; none starts after
             self._closed = True
         try:
+            for runner in self._variants.values():
+                runner.close()
+            self._variants.clear()
             if self._runtime is not None:
                 self._runtime.close()
         finally:
