@@ -3,7 +3,7 @@
 - :func:`figure_latency_throughput`: the papers' latency (first request of each batch, mean
   with its std as error bars) against achieved throughput, one curve per batch size (their
   Fig. 2a); congested points are drawn hollow, points measured beside other work
-  (``machine_busy``) ringed in orange, here and in the simulator's figure.
+  (``machine_busy``) ringed in black, here and in the simulator's figure.
 - :func:`figure_best_batch`: per offered rate, the batch size with the lowest papers' latency
   among uncongested points, and that latency (their Fig. 2b).
 - :func:`figure_cpu_share`: share of part-tasks run on a CPU, per batch size, against the rate
@@ -78,7 +78,7 @@ def _title(rows: Rows, what: str) -> str:
 
 
 #: how a point measured beside other work is marked (``machine_busy``: :mod:`staronnx.bench.cpuload`)
-BUSY_MARK = {"marker": "o", "ms": 12, "mfc": "none", "mec": "darkorange", "mew": 1.5, "ls": "none"}
+BUSY_MARK = {"marker": "o", "ms": 12, "mfc": "none", "mec": "black", "mew": 1.2, "ls": "none"}
 BUSY_LABEL = "measured beside other work"
 
 
