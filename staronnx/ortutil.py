@@ -122,15 +122,16 @@ def make_session(
     if not optimize:
         so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     providers = list(providers or ["CPUExecutionProvider"])
+    # a model's embedded ORT config is its serving session's, not this one's (which would profile)
     if not isinstance(model, onnx.ModelProto):
-        return OrtSession(str(model), so, providers=providers)
+        return OrtSession(str(model), so, providers=providers, read_config_from_model=0)
     if model_nbytes(model) < PROTOBUF_LIMIT:
-        return OrtSession(model.SerializeToString(), so, providers=providers)
+        return OrtSession(model.SerializeToString(), so, providers=providers, read_config_from_model=0)
     with tempfile.TemporaryDirectory(prefix="staronnx-session-") as tmp:
         path = Path(tmp) / "model.onnx"
         save_model(model, path)
         # ORT reads the external weights while building the session, so the folder can go after.
-        return OrtSession(str(path), so, providers=providers)
+        return OrtSession(str(path), so, providers=providers, read_config_from_model=0)
 
 
 def quiet_ort_log() -> None:

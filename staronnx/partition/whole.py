@@ -136,6 +136,20 @@ def whole_settings(reason: str, *, device: str, seed: int, costs: str, profile_b
     }
 
 
+def _without_ort_config(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model without the ORT config it may embed: the session that serves the plan reads
+    that config; each worker's session of the part would read it again (ORT does where
+    ``ORT_LOAD_CONFIG_FROM_MODEL=1``) and profile, or size its pools, on its own."""
+    kept = [p for p in model.metadata_props if p.key != "ort_config"]
+    if len(kept) == len(model.metadata_props):
+        return model
+    part = onnx.ModelProto()
+    part.CopyFrom(model)
+    del part.metadata_props[:]
+    part.metadata_props.extend(kept)
+    return part
+
+
 def write_whole_plan(loaded: LoadedModel, settings: dict[str, Any], directory: Path) -> Plan:
     """The model itself as part 0 of a one-part plan in ``directory`` (written atomically, as
     every plan is); return the loaded Plan."""
@@ -154,7 +168,7 @@ def write_whole_plan(loaded: LoadedModel, settings: dict[str, Any], directory: P
         ops[node.op_type] = ops.get(node.op_type, 0) + 1
     with atomic_dir(directory) as staging:
         path = staging / "part0.onnx"
-        save_model(model, path)
+        save_model(_without_ort_config(model), path)
         data = path.with_name(path.name + ".data")
         part = PartSpec(index=0, file=path.name, inputs=[t.name for t in inputs],
                         outputs=[t.name for t in outputs], nodes=len(model.graph.node),
