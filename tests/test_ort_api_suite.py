@@ -386,3 +386,128 @@ def test_run_options_terminate_stops_the_run():
     x = np.ones((3, 2), dtype=np.float32)
     with session(datasets.get_example("mul_1.onnx")) as sess, pytest.raises(RuntimeError, match="terminate flag"):
         sess.run(None, {"X": x}, options)
+
+
+# -- ORT's methods ---------------------------------------------------------------------------
+def add_mul_add(tmp_path: Path) -> str:
+    nodes = [helper.make_node("Add", ["a", "b"], ["s"], name="add_0"),
+             helper.make_node("Mul", ["s", "b"], ["m"], name="mul_0"),
+             helper.make_node("Add", ["m", "a"], ["c"], name="add_1")]
+    graph = helper.make_graph(nodes, "add_mul_add", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 2])
+                                                     for n in "ab"],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [2, 2])])
+    return save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "amd.onnx")
+
+
+def test_memory_infos_and_ep_devices_say_host_memory(tmp_path):
+    path = add_mul_add(tmp_path)
+    reference = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    with session(path) as sess:
+        for get in ("get_input_memory_infos", "get_output_memory_infos"):
+            got, want = getattr(sess, get)(), getattr(reference, get)()
+            assert [(m.name, m.device_id, m.mem_type) for m in got] == [(m.name, m.device_id, m.mem_type) for m in want]
+        assert [d.ep_name for d in sess.get_input_epdevices()] == [d.ep_name for d in reference.get_input_epdevices()]
+
+
+def test_graph_assignment_info_is_ort_answer_for_the_parts(tmp_path):
+    """With ORT's config entry, which provider runs each node of each part (all three nodes,
+    over both parts, on the CPU); without it, ORT's Fail with ORT's words."""
+    path = add_mul_add(tmp_path)
+    with session(path) as sess, pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail,
+                                              match="record_ep_graph_assignment_info' must be set"):
+        sess.get_provider_graph_assignment_info()
+    so = ort.SessionOptions()
+    so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    with session(path, so) as sess:
+        assert sess.plan.k == 2
+        subgraphs = sess.get_provider_graph_assignment_info()
+        assert {s.ep_name for s in subgraphs} == {"CPUExecutionProvider"}
+        assert sorted(f"{n.op_type}/{n.name}" for s in subgraphs for n in s.get_nodes()) == [
+            "Add/add_0", "Add/add_1", "Mul/mul_0"]
+
+
+def test_set_providers_starts_the_workers_again(tmp_path):
+    """set_providers: a provider ORT does not know is ORT's RuntimeError; a known one starts
+    the workers again, on the same plan, and the session answers as before."""
+    path = add_mul_add(tmp_path)
+    feeds = {"a": np.ones((2, 2), np.float32), "b": np.full((2, 2), 2.0, np.float32)}
+    with session(path) as sess:
+        before, first = sess.run(None, feeds)[0], sess.runtime
+        with pytest.raises(RuntimeError, match="Unknown Provider Type: InvalidProvider"):
+            sess.set_providers(["InvalidProvider"])
+        sess.set_providers(["CPUExecutionProvider"])
+        assert sess.runtime is not first and sess.get_providers() == ["CPUExecutionProvider"]
+        np.testing.assert_array_equal(sess.run(None, feeds)[0], before)
+        with pytest.raises(staronnx.runtime.engine.EngineClosed):
+            first.run(feeds)
+
+
+def test_the_c_session_run_with_ort_values_answers_an_ort_value_vector(tmp_path):
+    path = add_mul_add(tmp_path)
+    feeds = {n: ort.OrtValue.ortvalue_from_numpy(np.ones((2, 2), np.float32)) for n in "ab"}
+    with session(path) as sess:
+        vector = sess._sess.run_with_ort_values({n: v._get_c_value() for n, v in feeds.items()}, ["c"],
+                                               ort.RunOptions())
+        assert isinstance(vector, ort.capi.onnxruntime_pybind11_state.OrtValueVector) and len(vector) == 1
+
+
+# -- sessions clean up as ORT's do -----------------------------------------------------------
+def run_script(tmp_path: Path, body: str) -> str:
+    """Run ``body`` in a fresh Python (its STARONNX_HOME private) and return its stdout."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(body))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                          env={**__import__("os").environ, "STARONNX_HOME": str(tmp_path / "home")})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_a_session_never_closed_stops_its_workers_before_the_process_waits_on_them(tmp_path):
+    """ORT's users never call close(): at exit, the workers are stopped before Python's exit
+    hooks run (the workers' own hook then has no worker left to wait 5 s for), and a session
+    garbage-collected stops its workers' threads."""
+    out = run_script(tmp_path, f"""
+        import atexit, gc, threading
+        import numpy as np
+        import staronnx
+
+        def open_one():
+            sess = staronnx.InferenceSession({add_mul_add(tmp_path)!r}, providers=["CPUExecutionProvider"],
+                                             partition_options={{"costs": "estimate"}})
+            sess.run(None, {{"a": np.ones((2, 2), np.float32), "b": np.ones((2, 2), np.float32)}})
+            return sess, {{w.name for w in sess.runtime.workers}}
+
+        def alive(names):
+            return sorted(t.name for t in threading.enumerate() if t.name in names)
+
+        dropped, names = open_one()
+        assert alive(names), "the workers run while the session is open"
+        del dropped
+        gc.collect()
+        print("after gc:", alive(names))
+        kept, names = open_one()
+        atexit.register(lambda: print("at exit:", alive(names), flush=True))  # runs before the workers' own hook
+    """)
+    assert "after gc: []" in out and "at exit: []" in out, out
+
+
+def test_a_program_that_makes_staronnx_its_ort_session_class_still_runs(tmp_path):
+    """onnxruntime.InferenceSession = staronnx.InferenceSession for a whole program: staronnx's
+    own sessions of the parts stay ORT's (they partitioned again and deadlocked on their plan's
+    lock)."""
+    out = run_script(tmp_path, f"""
+        import numpy as np
+        import onnxruntime
+        import staronnx
+
+        onnxruntime.InferenceSession = staronnx.InferenceSession
+        sess = onnxruntime.InferenceSession({add_mul_add(tmp_path)!r}, providers=["CPUExecutionProvider"],
+                                            partition_options={{"costs": "estimate"}})
+        out = sess.run(None, {{"a": np.ones((2, 2), np.float32), "b": np.ones((2, 2), np.float32)}})[0]
+        print(type(sess).__module__, sess.plan.k, out.tolist())
+    """)
+    assert out.strip() == "staronnx.runtime.session 2 [[3.0, 3.0], [3.0, 3.0]]"

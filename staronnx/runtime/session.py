@@ -38,14 +38,17 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import inspect
 import json
 import logging
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -55,11 +58,10 @@ import onnx
 import onnxruntime as ort
 from filelock import FileLock
 from google.protobuf.message import DecodeError
-from onnx import helper
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 
 from staronnx.contract import parse_batch_axes
-from staronnx.errors import InputError, ModelError, PlanError
+from staronnx.errors import InputError, ModelError, PlanError, StaronnxError
 from staronnx.modelio import is_fixed, load_model, missing_external, values_digest
 from staronnx.ortutil import (
     QUIET,
@@ -116,6 +118,13 @@ class NoSuchFile(ModelError, _ort_state.NoSuchFile):
 class InvalidProtobuf(ModelError, _ort_state.InvalidProtobuf):
     """The model is not a parsable ONNX protobuf (ORT's INVALID_PROTOBUF)."""
 
+
+class NotRecorded(StaronnxError, _ort_state.Fail):
+    """get_provider_graph_assignment_info() without the config entry that records it (ORT's Fail)."""
+
+
+#: the config entry that makes a session record which provider runs each node (ORT's)
+RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 
 _task_error_types: dict[type, type] = {}
 
@@ -581,10 +590,6 @@ _REFUSED: dict[str, str] = {
     "run_with_ortvaluevector": "use run_with_ort_values(output_names, {name: OrtValue})",
     "get_tuning_results": "kernel tuning is per worker session; staronnx tunes nothing across them",
     "set_tuning_results": "kernel tuning is per worker session; staronnx tunes nothing across them",
-    "get_input_memory_infos": "inputs are host memory; workers copy them to their devices",
-    "get_output_memory_infos": "outputs are returned in host memory",
-    "get_input_epdevices": "each worker has its own device; see runtime.workers",
-    "get_provider_graph_assignment_info": "parts are placed per batch by the policy; see runtime.stats()",
     "release_captured_graph": "CUDA graphs belong to the CUDA workers (cuda_options={'cuda_graphs': False})",
     "create_ortvalue_from_shape_and_type": "use onnxruntime.OrtValue.ortvalue_from_shape_and_type (host memory)",
     "set_ep_dynamic_options": "providers are fixed when the workers start; create a new session",
@@ -661,6 +666,45 @@ class IOBinding:
         self._results = results
 
 
+def _host_memory() -> ort.OrtMemoryInfo:
+    """Host memory as ORT's CPU provider describes it."""
+    return ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+
+
+class _CSession:
+    """The part of ORT's C session (``InferenceSession._sess``) that scripts call directly:
+    ``run_with_ort_values`` on C OrtValues, answered with ORT's OrtValueVector, and ``run``."""
+
+    def __init__(self, session: "InferenceSession") -> None:
+        self._session = session
+
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+        return self._session.run(output_names, input_feed, run_options)
+
+    def run_with_ort_values(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None,
+                            run_options: ort.RunOptions | None = None) -> Any:
+        arrays = {name: value.numpy() for name, value in feeds.items()}
+        vector = _ort_state.OrtValueVector()
+        for array in self._session._run(output_names, arrays, run_options):
+            vector.push_back(_owned(array)._ortvalue)
+        return vector
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"staronnx.InferenceSession._sess has no {name!r}: it stands for ORT's C session only in "
+                             "run and run_with_ort_values; use the session's own methods")
+
+
+def _owned(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue holding its own copy of ``array`` (one that points into a numpy array
+    would outlive it inside an OrtValueVector)."""
+    if array.dtype == object:
+        return ort.OrtValue.ortvalue_from_numpy(array)  # ORT copies strings into its own tensor
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype)
+    value.update_inplace(np.ascontiguousarray(array))
+    return value
+
+
 def _host_array(value: Any, name: str) -> np.ndarray:
     """An OrtValue's data as a host array; device OrtValues are refused, since staronnx's
     workers copy to their own device themselves."""
@@ -670,9 +714,113 @@ def _host_array(value: Any, name: str) -> np.ndarray:
     return value.numpy()
 
 
+# -- what a session holds, released without close() too ----------------------------------------
+class _Held:
+    """What a session started and must stop: its runners (a :class:`Runtime`, an
+    :class:`_OrtPart`) and a temporary plan folder. Kept apart from the session, so that a
+    finalizer stops them when the session is garbage-collected, or when the interpreter exits,
+    without ``close()`` (ORT's users never call it): the workers' threads then neither outlive
+    the session nor hold the process at exit."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._runners: list[Any] = []
+        #: a private plan's folder (read-only home), and where a trace ended goes at close
+        self.scratch: list[Path] = []
+
+    def add(self, runner: Any) -> Any:
+        with self._lock:
+            self._runners.append(runner)
+        return runner
+
+    def stop(self, runner: Any) -> None:
+        with self._lock:
+            if runner in self._runners:
+                self._runners.remove(runner)
+        runner.close()
+
+    def temporary(self, prefix: str) -> Path:
+        """A new temporary folder, removed with the rest."""
+        folder = Path(tempfile.mkdtemp(prefix=prefix))
+        self.scratch.append(folder)
+        return folder
+
+    def remove_scratch(self) -> None:
+        while self.scratch:
+            shutil.rmtree(self.scratch.pop(), ignore_errors=True)
+
+    def release(self) -> None:
+        """Stop every runner (one that fails to stop is logged, the others still stop), then
+        remove the temporary plan folder."""
+        with self._lock:
+            runners, self._runners = self._runners, []
+        try:
+            for runner in runners:
+                try:
+                    runner.close()
+                except Exception:  # noqa: BLE001 - the next runner must stop too
+                    log.exception("stopping a session's workers failed")
+        finally:
+            self.remove_scratch()
+
+
+#: the finalizers of the sessions alive: run before the interpreter joins its threads at exit
+_FINALIZERS: set[weakref.finalize] = set()
+_FINALIZERS_LOCK = threading.Lock()
+
+
+def _release_all() -> None:
+    """At exit, before Python waits for non-daemon threads: stop what every session still holds
+    (a plain ORT session holds no thread, and its process exits at once; so does this one's)."""
+    with _FINALIZERS_LOCK:
+        finalizers = list(_FINALIZERS)
+        _FINALIZERS.clear()
+    for finalizer in finalizers:
+        finalizer()
+
+
+# threading's own exit hook (concurrent.futures uses it for its workers): atexit runs only after
+# the interpreter has joined every non-daemon thread, which the workers are
+threading._register_atexit(_release_all)
+
+
+def _watch(session: object, held: _Held) -> weakref.finalize:
+    """A finalizer that releases ``held`` when ``session`` is collected or at exit."""
+    finalizer = weakref.finalize(session, held.release)
+    with _FINALIZERS_LOCK:
+        for dead in [f for f in _FINALIZERS if not f.alive]:
+            _FINALIZERS.discard(dead)
+        _FINALIZERS.add(finalizer)
+    return finalizer
+
+
 # -- the session ------------------------------------------------------------------------------
+def _called_from_staronnx(depth: int = 3) -> bool:
+    """Whether the construction comes from staronnx's own code (a worker, a plan's reference
+    session), within ``depth`` frames of the caller (a program's wrapper around the class may
+    stand between)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        module = frame.f_globals.get("__name__", "")
+        if module.startswith("staronnx.") and module != __name__:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class InferenceSession:
     """Drop-in for ``onnxruntime.InferenceSession`` backed by the staronnx runtime."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        """Where a program made this class ``onnxruntime.InferenceSession`` (the one-line switch,
+        done for the whole program), staronnx's own code asking that name for a part's session
+        gets ORT's: a part cut again by staronnx would partition without end, each session
+        waiting on its own plan's lock."""
+        if ort.InferenceSession is not OrtSession and _called_from_staronnx():
+            return OrtSession(*args, **kwargs)
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -708,7 +856,8 @@ class InferenceSession:
         self._cut: Callable[[Mapping[str, np.ndarray]], Plan] | None = None
         self._start_lock = threading.Lock()
         self._closed = False
-        self._scratch: Path | None = None
+        self._held = _Held()
+        self._finalizer = _watch(self, self._held)
         if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
             hint = (" (staronnx's shares are keyword-only: shares=[...])"
                     if isinstance(sess_options, (list, tuple)) else "")
@@ -724,6 +873,7 @@ class InferenceSession:
         self._adapters: AdapterProbe | None = None
         #: the model as loaded (source, model, hash), and how this session cuts it (None for a plan)
         self._loaded: tuple[Any, onnx.ModelProto, str] | None = None
+        self._assignments: tuple[list[OrtSession], list[Any]] | None = None
         self._cut_model: Callable[..., Plan] | None = None
         #: runtimes of variants of the model with other initializers (a LoRA adapter's), by their values
         self._variants: dict[str, Any] = {}
@@ -736,29 +886,11 @@ class InferenceSession:
         if unapplied:
             warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply sess_options."
                                            + "; ".join(unapplied)), stacklevel=2)
-        # the runtime the CUDA workers will drive instead of CUDA, if any: the one cuda_options
-        # gives them, else $STARONNX_CUDA_RUNTIME's (as CudaWorker picks it)
-        stand_in = (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
-        asked = None if providers is None else _providers(providers, provider_options, stand_in is not None)
-        streams = _cuda_streams(asked, cuda_streams, stand_in)
-        self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
-        self._provider_options.setdefault(CPU_EP, {})
-        if streams and asked is not None and "cuda_devices" not in runtime_options:
-            runtime_options["cuda_devices"] = (_device_id(asked),)
-        threads = int(effective.intra_op_num_threads) if effective is not None else 0
-        self._threads = threads
-        if cpu_groups is None:
-            drivers = len(runtime_options.get("cuda_devices", (0,))) if streams else 0  # one per GPU
-            cpu_groups = _cores_for_threads(threads, drivers) if threads > 0 else "numa"
-
-        cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
-                      if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}
-        if streams and cuda_given:
-            # ORT's CUDA options (gpu_mem_limit, arena settings, ...) go to every CUDA worker;
-            # the device and the stream are each worker's own, so those are not passed
-            cuda_options = dict(runtime_options.get("cuda_options") or {})
-            cuda_options["provider_options"] = {**cuda_given, **dict(cuda_options.get("provider_options") or {})}
-            runtime_options["cuda_options"] = cuda_options
+        self._threads = int(effective.intra_op_num_threads) if effective is not None else 0
+        #: what the workers were asked (set_providers starts them again from here, with other providers)
+        self._asked = (cuda_streams, dict(runtime_options), cpu_groups, policy)
+        streams, runtime_options, cpu_groups = self._workers(providers, provider_options, cuda_streams,
+                                                             runtime_options, cpu_groups)
 
         if source is not None and effective is not None and effective.optimized_model_filepath:
             # the whole model, optimised as ORT writes it for these options (staronnx's parts are not it)
@@ -777,8 +909,37 @@ class InferenceSession:
             else:
                 policy_options(policy)  # an unknown policy fails here, not at the first run
         except BaseException:
-            self._remove_scratch()
+            self._finalizer()  # what was started before the failure, and a private plan
             raise
+
+    def _workers(self, providers: Any, provider_options: Any, cuda_streams: int | None,
+                 runtime_options: Mapping[str, Any], cpu_groups: str | None) -> tuple[int, dict[str, Any], str]:
+        """The workers ORT's provider arguments ask for: CUDA streams, the Runtime's options
+        (the GPU the CUDA provider names, its options for every CUDA worker) and the CPU groups
+        (``intra_op_num_threads`` cores, else one group per NUMA node); ``self._provider_options``
+        records the providers in use."""
+        runtime_options = dict(runtime_options)
+        # the runtime the CUDA workers will drive instead of CUDA, if any: the one cuda_options
+        # gives them, else $STARONNX_CUDA_RUNTIME's (as CudaWorker picks it)
+        stand_in = (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
+        asked = None if providers is None else _providers(providers, provider_options, stand_in is not None)
+        streams = _cuda_streams(asked, cuda_streams, stand_in)
+        self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
+        self._provider_options.setdefault(CPU_EP, {})
+        if streams and asked is not None and "cuda_devices" not in runtime_options:
+            runtime_options["cuda_devices"] = (_device_id(asked),)
+        if cpu_groups is None:
+            drivers = len(runtime_options.get("cuda_devices", (0,))) if streams else 0  # one per GPU
+            cpu_groups = _cores_for_threads(self._threads, drivers) if self._threads > 0 else "numa"
+        cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
+                      if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}
+        if streams and cuda_given:
+            # ORT's CUDA options (gpu_mem_limit, arena settings, ...) go to every CUDA worker;
+            # the device and the stream are each worker's own, so those are not passed
+            cuda_options = dict(runtime_options.get("cuda_options") or {})
+            cuda_options["provider_options"] = {**cuda_given, **dict(cuda_options.get("provider_options") or {})}
+            runtime_options["cuda_options"] = cuda_options
+        return streams, runtime_options, cpu_groups
 
     def _source(self, path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any, onnx.ModelProto, str] | None:
         """The model to cut (as partition takes it), itself and its hash, with what ``so``
@@ -801,17 +962,15 @@ class InferenceSession:
         said in the log (and warned of where CUDA was asked for: it runs on the CPU)."""
         why = _runs_on_workers(plan)
         if why is None:
-            return Runtime(plan, **self._runtime_args)
+            return self._held.add(Runtime(plan, **self._runtime_args))
         if self._streams:
             warnings.warn(f"{CUDA_EP} is not used for this model: it runs as one ONNX Runtime session on the "
                           f"CPU ({why})", UserWarning, stacklevel=4)
         log.info("running the model as one ONNX Runtime session in this process: %s", why)
-        return _OrtPart(plan, self._threads)
+        return self._held.add(_OrtPart(plan, self._threads))
 
     @staticmethod
     def _check_runtime_options(options: Mapping[str, Any]) -> None:
-        import inspect
-
         accepted = set(inspect.signature(Runtime.__init__).parameters) - {"self", "plan", "policy",
                                                                           "cpu_groups", "cuda_streams"}
         unknown = sorted(set(options) - accepted)
@@ -880,8 +1039,7 @@ class InferenceSession:
         warnings.warn(f"cannot keep plans under {default_root()} ({why}); this "
                       "session's plan lives in a temporary folder until close(). Set "
                       "STARONNX_HOME to a writable folder to partition once.", UserWarning, stacklevel=4)
-        self._scratch = Path(tempfile.mkdtemp(prefix="staronnx-session-"))
-        return make(source, output_dir=self._scratch / "plan")
+        return make(source, output_dir=self._held.temporary("staronnx-session-") / "plan")
 
     @property
     def plan(self) -> Plan:
@@ -928,9 +1086,7 @@ class InferenceSession:
         return path, time.time_ns()
 
     def _remove_scratch(self) -> None:
-        if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
-            self._scratch = None
+        self._held.remove_scratch()
 
     # -- getters ----------------------------------------------------------------------------
     @property
@@ -999,11 +1155,81 @@ class InferenceSession:
         tracer = self._runtime.tracer if self._runtime is not None else None
         if path is None or tracer is None:
             return ""
-        return str(tracer.save())
+        saved = tracer.save()
+        # profiling ends here, as ORT's does: the trace the runtime writes again when it stops
+        # goes to a folder removed then, not over the file the caller now owns (or removed)
+        tracer.path = self._held.temporary("staronnx-trace-") / saved.name
+        return str(saved)
 
     def set_providers(self, providers: Any = None, provider_options: Any = None) -> None:
-        raise NotImplementedError("staronnx starts its workers once: create a new "
-                                  "InferenceSession(model, providers=[...]) instead")
+        """ORT's: the workers start again for these providers (all available ones for None),
+        on the same plan; a provider ORT does not know is refused with ORT's RuntimeError.
+        Requests in flight finish on the workers they started on."""
+        stand_in = (self._asked[1].get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
+        known = set(ort.get_all_providers()) | ({CUDA_EP} if stand_in is not None else set())
+        if providers is None:
+            providers = ort.get_available_providers()
+        for item in providers:
+            name = item[0] if isinstance(item, tuple) else item
+            if name not in known:
+                raise RuntimeError(f"Unknown Provider Type: {name}")  # ORT's words and type
+        cuda_streams, runtime_options, cpu_groups, policy = self._asked
+        names = [item[0] if isinstance(item, tuple) else item for item in providers]
+        streams, runtime_options, groups = self._workers(providers, provider_options,
+                                                         cuda_streams if CUDA_EP in names else None,
+                                                         runtime_options, cpu_groups)
+        with self._start_lock:
+            if self._closed:
+                raise EngineClosed("the session is closed")
+            old = [*self._variants.values(), *([self._runtime] if self._runtime is not None else [])]
+            self._variants.clear()
+            self._streams = streams
+            self._runtime_args = dict(policy=policy, cpu_groups=groups, cuda_streams=streams, **runtime_options)
+            self._runtime = self._start(self._plan) if self._plan is not None else None
+        for runner in old:
+            self._held.stop(runner)
+
+    def get_input_memory_infos(self) -> list[ort.OrtMemoryInfo]:
+        """Where each input is taken from: host memory (the workers copy it to their device)."""
+        return [_host_memory() for _ in self._io.inputs]
+
+    def get_output_memory_infos(self) -> list[ort.OrtMemoryInfo]:
+        """Where each output is returned: host memory."""
+        return [_host_memory() for _ in self._io.outputs]
+
+    def get_input_epdevices(self) -> list[Any]:
+        """The device each input is taken on: the CPU execution provider's (host memory)."""
+        cpu = next((d for d in ort.get_ep_devices() if d.ep_name == CPU_EP), None)
+        return [cpu for _ in self._io.inputs]
+
+    def get_provider_graph_assignment_info(self) -> list[Any]:
+        """Which provider runs each node, as ORT answers it for each part's session on a CPU
+        worker (the parts' nodes are the model's, a part after another). Needs the config entry
+        ORT needs (else ORT's Fail); a session with CUDA workers is refused: there each part runs
+        on the CPU or the GPU as the policy places its batch."""
+        given = self._sess_options
+        if given is None or _config_entry(given, RECORD_ASSIGNMENT) != "1":
+            raise NotRecorded(f"[ONNXRuntimeError] : 1 : FAIL : Session configuration entry '{RECORD_ASSIGNMENT}' "
+                              'must be set to "1" to retrieve EP graph assignment information.')
+        if self._streams:
+            raise NotImplementedError("get_provider_graph_assignment_info: with CUDA workers each part runs where "
+                                      "the policy places its batch (runtime.stats() counts where they ran)")
+        if self._assignments is None:
+            sessions = []
+            for index in range(self.plan.k):
+                so = ort.SessionOptions()
+                so.log_severity_level = QUIET
+                so.add_session_config_entry(RECORD_ASSIGNMENT, "1")
+                sessions.append(OrtSession(str(self.plan.part_path(index)), so, providers=[CPU_EP]))
+            # the answers point into their sessions: the sessions live as long as this one
+            self._assignments = (sessions, [s for session in sessions
+                                            for s in session.get_provider_graph_assignment_info()])
+        return list(self._assignments[1])
+
+    @property
+    def _sess(self) -> "_CSession":
+        """What scripts reach as ORT's C session (``session._sess.run_with_ort_values``)."""
+        return _CSession(self)
 
     def disable_fallback(self) -> None:
         """Fallback happens at construction only (CUDA missing -> CPU workers)."""
@@ -1086,7 +1312,7 @@ class InferenceSession:
                 runner = self._start(self._cut_model(variant.model, variant.sha256, feeds))
             self._variants[key] = runner  # the most recently used last
             while len(self._variants) > MAX_VARIANTS:
-                self._variants.pop(next(iter(self._variants))).close()
+                self._held.stop(self._variants.pop(next(iter(self._variants))))
         return runner
 
     def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
@@ -1205,20 +1431,19 @@ class InferenceSession:
         one made in a temporary folder (read-only home) is removed."""
         with self._start_lock:  # a first run's cut in progress finishes first; none starts after
             self._closed = True
-        try:
-            for runner in self._variants.values():
-                runner.close()
             self._variants.clear()
-            if self._runtime is not None:
-                self._runtime.close()
-        finally:
-            self._remove_scratch()
+        self._finalizer()  # stops every runner, once
 
     def __enter__(self) -> "InferenceSession":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# the constructor's signature is __init__'s, ORT's (__new__ only hands staronnx's own calls to ORT)
+InferenceSession.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+    list(inspect.signature(InferenceSession.__init__).parameters.values())[1:])
 
 
 def _call_back(callback: Callable[..., None], results: list[np.ndarray], user_data: Any, err: str) -> None:
