@@ -5,6 +5,7 @@ what comes back, or checks that an option staronnx cannot honour is refused, nam
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -511,3 +512,48 @@ def test_a_program_that_makes_staronnx_its_ort_session_class_still_runs(tmp_path
         print(type(sess).__module__, sess.plan.k, out.tolist())
     """)
     assert out.strip() == "staronnx.runtime.session 2 [[3.0, 3.0], [3.0, 3.0]]"
+
+
+# -- every model of onnx's backend test data that ORT runs ------------------------------------
+BACKEND = Path(onnx.__file__).parent / "backend" / "test" / "data"
+
+
+def backend_case(folder: Path) -> tuple[dict[str, np.ndarray], list[Any]] | None:
+    """(feeds, ORT's outputs) of a backend test model's first data set, None where ORT cannot
+    run it (there staronnx owes nothing)."""
+    model = onnx.load(str(folder / "model.onnx"))
+    constants = {t.name for t in model.graph.initializer}
+    names = [vi.name for vi in model.graph.input if vi.name not in constants]
+    feeds = {}
+    for name, file in zip(names, sorted((folder / "test_data_set_0").glob("input_*.pb"))):
+        tensor = onnx.TensorProto()
+        tensor.ParseFromString(file.read_bytes())
+        feeds[name] = onnx.numpy_helper.to_array(tensor)
+    so = ort.SessionOptions()
+    so.log_severity_level = 4
+    try:
+        return feeds, ort.InferenceSession(str(folder / "model.onnx"), so, providers=["CPUExecutionProvider"]).run(
+            None, feeds)
+    except Exception:  # noqa: BLE001 - ORT's refusal: not a case
+        return None
+
+
+@pytest.mark.parametrize("folder", sorted(p.parent for p in BACKEND.glob("*/*/model.onnx")),
+                         ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_backend_test_model_ort_runs_runs_with_ort_answer(folder):
+    """Each model of onnx's backend test data (as this onnx wheel ships it) that ORT runs:
+    staronnx's session opens it (cut, or served whole) and answers ORT's answer."""
+    case = backend_case(folder)
+    if case is None:
+        pytest.skip("ONNX Runtime cannot run this model either")
+    feeds, want = case
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PartitionWarning)
+        sess = session(str(folder / "model.onnx"))
+    with sess:
+        got = sess.run(None, feeds)
+    for a, b in zip(got, want):
+        if np.asarray(b).dtype == object:
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, equal_nan=True)

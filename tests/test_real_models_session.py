@@ -293,3 +293,16 @@ def test_run_async_callers_of_a_fixed_batch_1_time_major_model_each_get_their_ow
             assert_each_own("ocr_b1", sess, requests, answers, reference)
             assert all(got[0].shape[1] == 1 for _, got in answers)  # [time, 1, 37]
         assert not sess.plan.contract.batchable
+
+
+@pytest.mark.parametrize("shares", [None, "0.85,0.15"], ids=["halves", "85-15"])
+@pytest.mark.parametrize("name", rm.NAMES)
+def test_every_real_model_is_cut_into_parts_the_checker_and_ort_accept(real_plan, name, shares):
+    """Each real model is cut, not served whole (a cut that fails falls back to one part, with a
+    warning: this catches it), into parts the ONNX checker accepts with full shape inference
+    and ONNX Runtime loads."""
+    plan = real_plan(name, shares)
+    assert plan.k == 2 and plan.settings["method"] != "whole", plan.settings.get("whole")
+    for index in range(plan.k):
+        onnx.checker.check_model(str(plan.part_path(index)), full_check=True)
+        ort.InferenceSession(str(plan.part_path(index)), providers=["CPUExecutionProvider"])
