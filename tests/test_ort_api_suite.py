@@ -343,12 +343,24 @@ def test_the_ort_config_in_a_model_is_read_where_ort_reads_it(tmp_path, monkeypa
 
 
 def test_options_the_workers_do_not_apply_are_said():
-    """Performance settings of ORT's own pools are warned of, each named, not silently dropped."""
+    """Performance settings of ORT's own pools are warned of, each named, not silently dropped:
+    the session's, and a run's (once per session)."""
     so = ort.SessionOptions()
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
     so.enable_mem_pattern = False
-    with pytest.warns(staronnx.runtime.session.OptionNotApplied, match="execution_mode=.*enable_mem_pattern=False"):
-        session(datasets.get_example("mul_1.onnx"), so).close()
+    so.add_session_config_entry("session.use_env_allocators", "1")
+    with pytest.warns(staronnx.runtime.session.OptionNotApplied,
+                      match="execution_mode=.*enable_mem_pattern=False.*session.use_env_allocators=1"):
+        sess = session(datasets.get_example("mul_1.onnx"), so)
+    run = ort.RunOptions()
+    run.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+    x = np.ones((3, 2), dtype=np.float32)
+    with sess:
+        with pytest.warns(staronnx.runtime.session.OptionNotApplied, match="enable_memory_arena_shrinkage=cpu:0"):
+            sess.run(None, {"X": x}, run)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", staronnx.runtime.session.OptionNotApplied)
+            sess.run(None, {"X": x}, run)
 
 
 def test_a_lora_adapter_in_run_options_is_applied(tmp_path):

@@ -31,6 +31,50 @@ the cut's costs). The workers start with that first run, which therefore takes s
 is kept as any other, under settings that say "cut at a first run": the next session of the model
 finds it and starts at once. ``input_shapes=["image=1x3x256x256"]`` cuts at a size chosen instead,
 when the session opens.
+
+Whatever ONNX Runtime runs, the session runs: a model that cannot be cut (a sequence, optional or
+map among its inputs or outputs, an input returned as an output, fewer nodes than the split) is
+served whole (:mod:`staronnx.partition.whole`, said in a PartitionWarning); one whose inputs or
+outputs staronnx's workers cannot carry runs as one ORT session in this process.
+
+ONNX Runtime's options, each honoured, said (``OptionNotApplied``, a warning naming it: settings
+of ORT's own pools, allocators and logs, which each worker sets for its cores), or refused
+(``NotImplementedError`` naming it):
+
+==============================================  ==========================================================
+option                                          here
+==============================================  ==========================================================
+``providers``, ``provider_options``             honoured: CUDA workers (``device_id``, CUDA's options) or CPU
+``intra_op_num_threads``                        honoured: one CPU group of that many cores
+``enable_profiling``, ``profile_file_prefix``   honoured: staronnx's trace, in ORT's format and file name
+``optimized_model_filepath`` (+ its config      honoured: ORT writes the whole optimised model for these
+entries for external initializers)              options (the parts are not it)
+``add_initializer``                             honoured: the value replaces the model's before the cut
+``add_external_initializers`` (and ``..._from_  honoured: the values stand for the external data
+files_in_memory``)
+``add_free_dimension_override_by_name`` /       honoured: the inputs' sizes are fixed before the cut
+``..._by_denotation``
+the model's ``ort_config`` (where ORT reads     honoured: read as ORT reads it (``get_session_options``)
+it: ``ORT_LOAD_CONFIG_FROM_MODEL=1``)
+``session.record_ep_graph_assignment_info``     honoured: ``get_provider_graph_assignment_info`` (CPU)
+``inter_op_num_threads``, ``execution_mode``,   said: parts run in parallel on the workers, each part's
+``execution_order``                             operators in sequence
+``graph_optimization_level``                    said: the parts' sessions optimise at ORT's full level
+``enable_cpu_mem_arena``, ``enable_mem_pattern``said: each worker's session keeps ORT's allocators
+``enable_mem_reuse``, ``use_deterministic_...`` said
+``log_severity_level`` < 2, verbosity           said: the parts' sessions log only fatal errors
+pool/allocator config entries (``session.use_   said
+env_allocators``, spinning, affinities, ...)
+``session.load_model_format=ORT``, ``.ort``     refused: an ORT-format model cannot be cut
+``add_provider``/``add_provider_for_devices``   refused: name the providers to InferenceSession
+``register_custom_ops_library``                 not read back: a model needing it is refused at load
+                                                (the checker and ORT both refuse it)
+RunOptions: an active LoRA adapter;             honoured: a variant of the model with the adapter's
+overridable initializers fed by name            parameters (cut once; the last 4 kept)
+RunOptions ``terminate``                        honoured: the run does not start
+RunOptions log levels, arena shrinkage,         said (once per session)
+``gpu_graph_id``
+==============================================  ==========================================================
 """
 
 from __future__ import annotations
@@ -323,8 +367,10 @@ _COPIED = ("intra_op_num_threads", "inter_op_num_threads", "execution_mode", "ex
 
 
 class OptionNotApplied(UserWarning):
-    """A SessionOptions setting staronnx's workers do not apply (a performance or memory
-    setting of ORT's own pools and allocators: each worker sets its own for its cores)."""
+    """A SessionOptions or RunOptions setting staronnx's workers do not apply (a performance,
+    memory or logging setting of ORT's own pools, allocators and logs: each worker sets its own
+    for its cores). Settings that change what a model computes are applied, or refused with a
+    NotImplementedError naming them."""
 
 
 def _reads_config(kwargs: Mapping[str, Any]) -> bool:
@@ -385,10 +431,11 @@ def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
                                   "workers from InferenceSession(..., providers=[...]); name the providers there")
 
 
-def _unapplied(so: ort.SessionOptions | None) -> list[str]:
-    """The settings of ``so`` that staronnx's workers do not apply (each part's ORT session is a
-    worker's, sized to its CPU group and run one operator at a time), each with why."""
-    if so is None:
+def _unapplied(so: ort.SessionOptions | None, given: ort.SessionOptions | None) -> list[str]:
+    """The settings of ``so`` (config entries: of ``given``, the caller's object, which a copy
+    does not carry) that staronnx's workers do not apply (each part's ORT session is a worker's,
+    sized to its CPU group and run one operator at a time), each with why."""
+    if so is None or given is None:
         return []
     defaults = ort.SessionOptions()
     why = {
@@ -402,8 +449,50 @@ def _unapplied(so: ort.SessionOptions | None) -> list[str]:
         "enable_mem_reuse": "each worker's session keeps ORT's default allocator",
         "use_deterministic_compute": "each part's session uses ORT's default kernels",
     }
-    return [f"{name}={getattr(so, name)!s} ({reason})" for name, reason in why.items()
+    said = [f"{name}={getattr(so, name)!s} ({reason})" for name, reason in why.items()
             if getattr(so, name) != getattr(defaults, name)]
+    if 0 <= so.log_severity_level < 2 or so.log_verbosity_level > 0:
+        said.append(f"log_severity_level={so.log_severity_level} (each part's session logs only fatal errors: "
+                    "its errors reach Python as exceptions)")
+    for key, reason in _CONFIG_ENTRIES.items():
+        value = _config_entry(given, key)
+        if value is not None:
+            said.append(f"config entry {key}={value} ({reason})")
+    return said
+
+
+#: SessionOptions config entries that staronnx's workers do not apply, each with why (those it
+#: applies: the optimized model's external initializer settings, the graph assignment record)
+_CONFIG_ENTRIES = {
+    "session.use_env_allocators": "each worker's session keeps its own allocator",
+    "session.disable_prepacking": "each worker's session prepacks its part's weights (or shares them)",
+    "session.intra_op.allow_spinning": "each worker decides its pool's spinning",
+    "session.inter_op.allow_spinning": "each worker decides its pool's spinning",
+    "session.intra_op_thread_affinities": "each worker pins its pool to its CPU group",
+    "session.set_denormal_as_zero": "each part's session keeps ORT's default",
+    "session.disable_cpu_ep_fallback": "parts run on CPU workers whatever the providers",
+}
+#: RunOptions config entries that staronnx's workers do not apply, each with why
+_RUN_ENTRIES = {
+    "memory.enable_memory_arena_shrinkage": "each worker's session keeps its arena",
+    "gpu_graph_id": "the CUDA workers choose their own graphs",
+    "run.disable_synchronize_execution_providers": "the workers synchronise their own devices",
+}
+
+
+def _run_unapplied(run_options: ort.RunOptions) -> list[str]:
+    """The settings of ``run_options`` that a request on staronnx's workers does not carry."""
+    said = []
+    if 0 <= run_options.log_severity_level < 2 or run_options.log_verbosity_level > 0:
+        said.append(f"log_severity_level={run_options.log_severity_level} (each part's session logs only fatal "
+                    "errors)")
+    for key, reason in _RUN_ENTRIES.items():
+        try:
+            value = run_options.get_run_config_entry(key)
+        except RuntimeError:  # ORT's answer for a key never set
+            continue
+        said.append(f"config entry {key}={value} ({reason})")
+    return said
 
 
 def _device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
@@ -874,6 +963,8 @@ class InferenceSession:
         #: the model as loaded (source, model, hash), and how this session cuts it (None for a plan)
         self._loaded: tuple[Any, onnx.ModelProto, str] | None = None
         self._assignments: tuple[list[OrtSession], list[Any]] | None = None
+        #: the RunOptions settings not applied that this session has warned of
+        self._said: set[str] = set()
         self._cut_model: Callable[..., Plan] | None = None
         #: runtimes of variants of the model with other initializers (a LoRA adapter's), by their values
         self._variants: dict[str, Any] = {}
@@ -882,7 +973,7 @@ class InferenceSession:
         effective = _with_config(sess_options, config)
         #: the options this session runs with (the caller's, with the model's embedded config over them)
         self._options = effective
-        unapplied = _unapplied(effective)
+        unapplied = _unapplied(effective, sess_options or effective)
         if unapplied:
             warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply sess_options."
                                            + "; ".join(unapplied)), stacklevel=2)
@@ -1281,6 +1372,12 @@ class InferenceSession:
         by name, or set by ``run_options``' active LoRA adapters, read back from ORT)."""
         if run_options is not None and run_options.terminate:
             raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
+        if run_options is not None:
+            said = [item for item in _run_unapplied(run_options) if item not in self._said]
+            if said:
+                self._said.update(said)  # once per session each
+                warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply run_options."
+                                               + "; ".join(said)), stacklevel=3)
         if not self._overridable:
             return input_feed, {}  # as given: a feed that is no mapping fails where ORT's does
         names = {t.name for t in self._overridable}
