@@ -209,11 +209,18 @@ def _check(model: onnx.ModelProto, path: Path | None) -> None:
 def _ort_refusal(model: onnx.ModelProto, path: Path | None) -> str | None:
     """Why ONNX Runtime cannot load the model (its first line), or None when it can: the
     acceptance that decides, where the ONNX checker is stricter than the runtime that runs
-    the model (no optimisation: only whether it loads)."""
-    from staronnx.ortutil import make_session  # ortutil reads this module
+    the model (no optimisation: only whether it loads; ORT's own session class, whatever a
+    program put at ``onnxruntime.InferenceSession``)."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
+    so = ort.SessionOptions()
+    so.log_severity_level = 4  # its refusal comes back as the exception, worded here
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    whole = path is None or model_nbytes(model) < PROTOBUF_LIMIT
     try:
-        make_session(model if path is None or model_nbytes(model) < PROTOBUF_LIMIT else path, optimize=False)
+        OrtSession(model.SerializeToString() if whole else str(path), so, providers=["CPUExecutionProvider"],
+                   read_config_from_model=0)
     except Exception as exc:  # noqa: BLE001 - ORT's own classes (Fail, InvalidGraph, ...)
         text = str(exc).strip()
         return text.splitlines()[0] if text else type(exc).__name__
