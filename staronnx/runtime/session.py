@@ -937,7 +937,8 @@ class InferenceSession:
         ``device_id`` is the GPU the CUDA workers drive, and ``sess_options.intra_op_num_threads
         = N`` (N > 0) gives the session one CPU group of N cores, as ORT computes on N threads
         (``cpu_groups``, when given, decides instead; default: one group per NUMA node)."""
-        self._runtime: Runtime | None = None
+        #: what runs the plan: a Runtime over the workers, or for a plan they cannot run, an _OrtPart
+        self._runtime: Runtime | _OrtPart | None = None
         self._plan: Plan | None = None
         #: the source model's declared inputs and outputs (None for a plan given as it is)
         self._model: Plan | None = None
@@ -1515,7 +1516,7 @@ class InferenceSession:
         return refused
 
     @property
-    def runtime(self) -> Runtime:
+    def runtime(self) -> Runtime | _OrtPart:
         if self._runtime is None:
             if self._cut is not None and not self._closed:
                 raise RuntimeError("this session's workers start at its first run, which cuts the model at its "
