@@ -572,8 +572,11 @@ class CudaWorker(ThreadWorker):
                     out_copies, keeps, written = slot.route_plan(route)
                 for dst, src, nbytes in out_copies:
                     rt.copy_d2h(dst, src, nbytes, stream)
-                keep = self.device_memory.keep
-                kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps]
+                if keeps:
+                    keep = self.device_memory.keep
+                    kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps]
+                else:
+                    kept = None
             if timed:
                 ev["d2h_done"].record(stream)
                 launch = _Launch(slot, timed, start, ev["d2h_done"], None, written, kept)
