@@ -177,7 +177,7 @@ def show(row: dict[str, Any], n: int, model_in: int, model_out: int) -> str:
         if source is None:
             return "-"
         c, b = source.get(kind, (0, 0))
-        return f"{c / n:g}/{b / n / 1024:,.1f}"
+        return f"{c / n:.3g}/{b / n / 1024:,.1f}"
 
     counted, pred = row["counted"], row["predicted"]
     same = "-" if counted is None or pred is None else (
