@@ -24,7 +24,6 @@ says so. :func:`calibrate_host` then measures what serving costs the host beyond
 from __future__ import annotations
 
 import math
-import shlex
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -36,27 +35,13 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from staronnx.perfmodels import Footprint, HistoryModel, HostCosts, HostModel, PerfModelStore
+from staronnx.perfmodels.store import calibrate_command  # noqa: F401 - its old home
 from staronnx.plan import Plan
 from staronnx.errors import StaronnxError
 from staronnx.verify import model_failure, random_plan_feeds
 from staronnx.workers.base import Worker
 from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
 from staronnx.workers.topology import Topology
-
-
-def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
-                      batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
-    """The ``staronnx calibrate`` line that fills the perf models of workers started with these
-    settings (what a warning or a stale-model note tells the user to run): the GPUs named,
-    since each GPU has perf models of its own."""
-    cmd = f"staronnx calibrate {shlex.quote(str(plandir))} --groups {shlex.quote(groups)}"
-    if batch_sizes:
-        cmd += f" --batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}"
-    if cuda_streams:
-        cmd += f" --cuda-streams {cuda_streams}"
-        if tuple(cuda_devices) != (0,):
-            cmd += f" --cuda-devices {','.join(map(str, cuda_devices))}"
-    return cmd + (" --replace" if replace else "")
 
 
 @dataclass

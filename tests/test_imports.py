@@ -35,9 +35,9 @@ LAYERS: dict[str, int] = {
     "errors": 0, "contract": 0, "fsutil": 0, "modelio": 0, "ortutil": 0, "feeds": 0, "zoo": 0, "signals": 0, "durations": 0,
     "process_settings": 0,
     "plan": 1, "inputs": 1, "verify": 1, "partition": 1,
-    "workers": 2, "perfmodels": 2, "calibrate": 2,
+    "workers": 2, "perfmodels": 2,
     "runtime": 3, "engines": 3,
-    "bench": 4, "serving": 4,
+    "bench": 4, "serving": 4, "calibrate": 4,
     "serve": 5, "ray": 5,
     "cli": 6, "__main__": 6, "demo": 6, "": 6,
 }

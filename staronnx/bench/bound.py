@@ -474,7 +474,7 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, gro
     the predicted best batch size) is then off, so say it, and how to recalibrate.
     ``points`` are (batch size, measured samples/s, bound samples/s).
     """
-    from staronnx.calibrate import calibrate_command
+    from staronnx.perfmodels.store import calibrate_command
 
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)

@@ -66,7 +66,7 @@ def warn_uncalibrated(
     workers these settings start lack models for some parts; return it (None when all is
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
-    from staronnx.calibrate import calibrate_command
+    from staronnx.perfmodels.store import calibrate_command
     from staronnx.perfmodels import PerfModelStore
 
     store = store if store is not None else PerfModelStore()

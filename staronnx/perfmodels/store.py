@@ -23,6 +23,7 @@ import errno
 import json
 import os
 import re
+import shlex
 import socket
 import tempfile
 import threading
@@ -493,3 +494,18 @@ def _check_host(host: str) -> str:
     if not isinstance(host, str) or not re.match(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$", host):
         raise ValueError(f"host must be a file-name-safe string, got {host!r}")
     return host
+
+
+def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
+                      batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
+    """The ``staronnx calibrate`` line that fills the perf models of workers started with these
+    settings (what a warning or a stale-model note tells the user to run): the GPUs named,
+    since each GPU has perf models of its own."""
+    cmd = f"staronnx calibrate {shlex.quote(str(plandir))} --groups {shlex.quote(groups)}"
+    if batch_sizes:
+        cmd += f" --batch-sizes {','.join(str(b) for b in sorted(batch_sizes))}"
+    if cuda_streams:
+        cmd += f" --cuda-streams {cuda_streams}"
+        if tuple(cuda_devices) != (0,):
+            cmd += f" --cuda-devices {','.join(map(str, cuda_devices))}"
+    return cmd + (" --replace" if replace else "")
