@@ -372,14 +372,7 @@ class TaskGraph:
             self.prefetches.append((task, copy))
         if done:
             task.prefetched = done
-            links = self.copy_counts.links
-            for c in done:
-                try:
-                    entry = links[c[1], c[2]]
-                except KeyError:
-                    entry = links[c[1], c[2]] = [0, 0]
-                entry[0] += 1
-                entry[1] += c[3]
+            self.copy_counts.add(done)
 
     # -- workers -------------------------------------------------------------------------------
     def next_task(self, wid: int, now: float) -> Task | None:
