@@ -250,17 +250,8 @@ class DeviceMemory:
         """A copy on this GPU of ``value`` (a host array, or a tensor on another GPU), made and
         waited for: the fetch of a reader whose copy stays for the readers to come."""
         with self._copying, self._on_device() as stream:
-            if value.__class__ is DeviceTensor:
-                t = self.tensor(value.dtype, value.shape)
-                if value.ready is not None:
-                    stream.wait(value.ready)
-                self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
-            else:
-                array = _contiguous(value)
-                t = self.tensor(array.dtype, array.shape)
-                src, staging = self._pinned_source(array)
-                self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
-            stream.synchronize()  # (the staging buffer may go once the copy is done)
+            t, source = self._copy_in(value, stream)
+            stream.synchronize()  # (the staging buffer, ``source``, may go once the copy is done)
         return t
 
     def prefetch(self, value: Any) -> DeviceTensor:
@@ -269,20 +260,26 @@ class DeviceMemory:
         stream waits on (StarPU's prefetch, at push time, while the worker runs its current
         task)."""
         with self._copying, self._on_device() as stream:
-            if value.__class__ is DeviceTensor:
-                t = self.tensor(value.dtype, value.shape)
-                if value.ready is not None:
-                    stream.wait(value.ready)
-                self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
-                t.source = value
-            else:
-                array = _contiguous(value)
-                t = self.tensor(array.dtype, array.shape)
-                src, t.source = self._pinned_source(array)
-                self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
+            t, t.source = self._copy_in(value, stream)
             t.ready = self._event()
             t.ready.record(stream)
         return t
+
+    def _copy_in(self, value: Any, stream: Any) -> tuple[DeviceTensor, Any]:
+        """(copy lock held, on this device) A new tensor here and the copy of ``value`` into it,
+        enqueued on ``stream`` behind ``value``'s own ready event; with what must stay alive
+        until the copy is done (the source tensor, or the pinned staging of a host array)."""
+        if value.__class__ is DeviceTensor:
+            t = self.tensor(value.dtype, value.shape)
+            if value.ready is not None:
+                stream.wait(value.ready)
+            self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
+            return t, value
+        array = _contiguous(value)
+        t = self.tensor(array.dtype, array.shape)
+        src, staging = self._pinned_source(array)
+        self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
+        return t, staging
 
     def prefetch_to_host(self, tensor: DeviceTensor) -> np.ndarray:
         """``tensor``'s bytes coming down into a pinned array, started and not waited for: the
