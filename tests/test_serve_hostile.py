@@ -464,6 +464,22 @@ def _connect(addr: str, timeout: float = 30.0) -> socket.socket:
     return socket.create_connection((host, int(port)), timeout=timeout)
 
 
+def _trickle(sock: socket.socket, byte: bytes) -> bytes:
+    """Send ``byte`` every 0.1 s (30 s at most) until the server answers or closes; its answer
+    (empty when it closed without one)."""
+    sock.settimeout(0.1)
+    for _ in range(300):
+        try:
+            sock.sendall(byte)
+        except OSError:
+            return b""
+        try:
+            return sock.recv(65536)
+        except socket.timeout:
+            continue
+    return b""
+
+
 def _read_all(sock: socket.socket) -> bytes:
     """Everything the server sends until it closes the connection (a reset counts as a close)."""
     out = b""
@@ -560,19 +576,8 @@ def test_i36_idle_connection_is_closed_after_header_timeout(guarded):
 def test_i36_slowloris_head_is_answered_408_and_closed(guarded):
     """A request head trickling in (the issue: 1,000 connections at 1 byte/s, none closed)."""
     with _connect(guarded.http) as c:
-        c.settimeout(0.1)
-        reply = b""
         c.sendall(b"GET /v2 HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        for _ in range(300):  # 30 s at most; the head timeout is 1 s
-            try:
-                c.sendall(b"a")
-            except OSError:
-                break
-            try:
-                reply = c.recv(65536)
-                break
-            except socket.timeout:
-                continue
+        reply = _trickle(c, b"a")  # the head timeout is 1 s
         assert _status(reply) == 408 and b"header-timeout" in reply, reply[:300]
 
 
@@ -588,18 +593,7 @@ def test_i36_body_at_a_few_bytes_a_second_is_cut_by_the_minimum_rate(guarded):
     """A body that never pauses long but averages far below --body-min-rate (1 KiB/s)."""
     with _connect(guarded.http) as c:
         c.sendall(b"POST /v2/models/echo/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n")
-        c.settimeout(0.1)
-        reply = b""
-        for _ in range(300):
-            try:
-                c.sendall(b" ")
-            except OSError:
-                break
-            try:
-                reply = c.recv(65536)
-                break
-            except socket.timeout:
-                continue
+        reply = _trickle(c, b" ")
     assert _status(reply) == 408 and b"--body-min-rate" in reply and b"connection: close" in reply.lower(), reply[:400]
 
 
