@@ -99,9 +99,7 @@ class SimResult:
 
     def share(self, part: int) -> dict[str, float]:
         """Fraction of ``part``'s tasks run on each arch."""
-        counts = {a: n for (p, a), n in self.placement.items() if p == part}
-        total = sum(counts.values())
-        return {a: n / total for a, n in sorted(counts.items())} if total else {}
+        return _share(self.placement, part)
 
     def metrics(self, warmup: float = 0.0) -> dict[str, Any]:
         """Throughput, the papers' latency, percentiles, congestion: the live runs' own metrics."""
@@ -587,7 +585,8 @@ def simulate(
     trace: str | os.PathLike[str] | TraceInto | None = None,
     host_costs: bool = True,
 ) -> SimResult:
-    """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation.
+    """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation:
+    :func:`simulate_mix` of a set of one model, read as one model's result.
 
     ``machine`` (from :func:`build_machine`) replaces ``plan``, ``groups``, ``topology``,
     ``cuda_streams``, ``cuda_devices``, ``cuda_scale`` and ``store`` when given, so a sweep builds it once.
@@ -617,82 +616,25 @@ def simulate(
     running CPU worker's task when none is idle. False (or a machine without them) leaves all
     of it out.
     """
-    t0 = time.perf_counter()
     if machine is None:
         if plan is None:
             raise SimulationError("give a plan or a machine")
         machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
                                 cuda_devices=cuda_devices, cuda_scale=cuda_scale, store=store)
-    if machine.models is not None and not machine.models.single:
+    assert machine.models is not None
+    if not machine.models.single:
         raise SimulationError("this machine hosts several models: simulate their traffic together with "
                               "simulate_mix (a rate per model)")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise SimulationError(f"batch_size must be an int >= 1, got {batch_size!r}")
-    if max_delay is not None and not max_delay >= 0:
-        raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
-    if not (math.isfinite(spread) and spread >= 0):
-        raise SimulationError(f"spread must be >= 0, got {spread!r}")
-    if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else batch_size):
-        raise SimulationError(f"queue_capacity must be >= 1 and >= batch_size without max_delay, got {queue_capacity}")
-    inflight = machine_inflight(machine, batch_size) if max_inflight is None else int(max_inflight)
-    if inflight < 1:
-        raise SimulationError(f"max_inflight must be >= 1, got {max_inflight}")
-    if arrivals is not None:
-        times = np.asarray(arrivals, dtype=np.float64)
-        if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
-            raise SimulationError("arrivals must be a non-empty, sorted list of finite times")
-        process = f"replay({times.size} arrivals)"
-    else:
-        times, process = arrival_schedule(rate, duration=duration, n_requests=n_requests,
-                                          distribution=distribution, seed=seed)
-        if times.size == 0:
-            raise SimulationError("no arrival falls in the duration; lengthen it or raise the rate")
-    policy_obj = _make_policy(policy, policy_options, seed)
-    machine.check(batch_size)
-    host = machine.host_costs(batch_size) if host_costs else None
-    submitted = times + host.lag_s if host is not None else times  # when the generator got them in
-    front = _FrontEnd(0, batch_size, submitted, queue_capacity, inflight, max_delay, tuple(sorted(set(pad_to))),
-                      host=host)
-    sim = _Simulation(machine, policy_obj, [front], seed=seed, spread=spread, drain=drain,
-                      charge_transfers=charge_transfers, traced=trace is not None)
-    sim.run()
-    if trace is not None:
-        sim.write_trace(trace)
-    start = float(times[0])
-    end = _end_of(sim, front)
-    elapsed = max(end - start, 1e-12)
-    settings = {
-        "engine": "simulator",
-        "policy": policy_obj.name,
-        "batch_size": batch_size,
-        "arrivals": process,
-        "distribution": distribution if arrivals is None else "replay",
-        "seed": seed,
-        "max_delay": max_delay,
-        "queue_capacity": queue_capacity,
-        "max_inflight": inflight,
-        "pad_to": sorted(set(pad_to)),
-        "spread": spread,
-        "host": None if host is None else host.as_dict(),
-        "plan_hash": machine.plan.hash,
-        "workers": [w.name for w in machine.workers],
-        **machine.settings,
-    }
-    records = RunRecords(
-        requests=front.requests, batches=front.batches,
-        offered_rate=float(rate) if arrivals is None else _mean_rate(times),
-        batch_size=batch_size, start=start, end=end, queue_samples=front.samples, settings=settings,
-    )
-    return SimResult(
-        records=records,
-        placement={key: len(times) for key, times in sorted(sim.core.measured.items())},
-        busy={st.info.name: st.busy_seconds / elapsed for st in sim.core.workers},
-        workers=list(machine.workers),
-        notes=list(machine.notes) + sim.notes,
-        events=sim.n_events,
-        wall_seconds=time.perf_counter() - t0,
-        mean_queue_wait=sim.core.queue_waits.mean(),
-    )
+    name = machine.models.models[0].name
+    mix = simulate_mix(
+        machine, {name: rate}, {name: batch_size}, policy=policy, policy_options=policy_options,
+        duration=duration, n_requests=n_requests, arrivals=None if arrivals is None else {name: arrivals},
+        distribution=distribution, seed=seed, max_delay=max_delay, queue_capacity=queue_capacity,
+        max_inflight=None if max_inflight is None else {name: max_inflight}, spread=spread, drain=drain,
+        charge_transfers=charge_transfers, pad_to=pad_to, trace=trace, host_costs=host_costs)
+    return SimResult(records=mix.records[name], placement=mix.placement, busy=mix.busy, workers=mix.workers,
+                     notes=mix.notes, events=mix.events, wall_seconds=mix.wall_seconds,
+                     mean_queue_wait=mix.mean_queue_wait)
 
 
 def _end_of(sim: _Simulation, front: _FrontEnd) -> float:
@@ -762,6 +704,7 @@ class MixResult:
     models: ModelSet
     #: model -> the workers holding it (every worker unless a residency said otherwise)
     held_by: dict[str, list[str]] = field(default_factory=dict)
+    mean_queue_wait: float = 0.0  # seconds from a task being ready to its start, averaged
 
     def metrics(self, model: str, warmup: float = 0.0) -> dict[str, Any]:
         """Throughput, latencies, congestion and deadline misses of ``model`` (see
@@ -770,10 +713,32 @@ class MixResult:
 
     def share(self, model: str, part: int) -> dict[str, float]:
         """Fraction of ``model``'s part ``part`` (its own numbering) run on each arch."""
-        glob = self.models.model(model).first_part + part
-        counts = {a: n for (p, a), n in self.placement.items() if p == glob}
-        total = sum(counts.values())
-        return {a: n / total for a, n in sorted(counts.items())} if total else {}
+        return _share(self.placement, self.models.model(model).first_part + part)
+
+
+def _share(placement: Mapping[tuple[int, str], int], part: int) -> dict[str, float]:
+    """Fraction of global part ``part``'s tasks run on each arch."""
+    counts = {a: n for (p, a), n in placement.items() if p == part}
+    total = sum(counts.values())
+    return {a: n / total for a, n in sorted(counts.items())} if total else {}
+
+
+def _times(machine: SimMachine, name: str, index: int, rate: float, *, arrivals: Mapping[str, Sequence[float]] | None,
+           duration: float | None, n_requests: int | None, distribution: str, seed: int) -> tuple[np.ndarray, str]:
+    """One model's scheduled arrivals (replayed, or drawn with seed ``seed + index``) and
+    their process's description."""
+    who = "" if machine.models is not None and machine.models.single else f"{name}: "
+    if arrivals is not None and name in arrivals:
+        times = np.asarray(arrivals[name], dtype=np.float64)
+        if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
+            raise SimulationError(f"{who}arrivals must be a non-empty, sorted list of finite times")
+        return times, f"replay({times.size} arrivals)"
+    times, process = arrival_schedule(rate, duration=duration, n_requests=n_requests, distribution=distribution,
+                                      seed=seed + index)
+    if times.size == 0:
+        raise SimulationError(f"{who}no arrival falls in the duration; lengthen it or raise "
+                              f"{'its' if who else 'the'} rate")
+    return times, process
 
 
 def simulate_mix(
@@ -785,6 +750,7 @@ def simulate_mix(
     policy_options: Mapping[str, Any] | None = None,
     targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
     duration: float | None = 10.0,
+    n_requests: int | None = None,
     arrivals: Mapping[str, Sequence[float]] | None = None,
     distribution: str = "constant",
     seed: int = 0,
@@ -795,13 +761,16 @@ def simulate_mix(
     drain: bool = True,
     charge_transfers: bool = True,
     residency: Mapping[str, str] | None = None,
+    pad_to: Sequence[int] = (),
     trace: str | os.PathLike[str] | TraceInto | None = None,
+    host_costs: bool = True,
 ) -> MixResult:
-    """Serve every model of ``machine`` (:func:`build_machine` over several plans) at its own
-    rate, as ``staronnx serve`` does on one shared runtime: a server per model (its queue of
-    ``queue_capacity``, batches of its ``batch_sizes`` entry, its in-flight window) feeding one
-    core, one policy and one set of workers, the models' ``targets`` (latency, priority) turned
-    into deadlines and levels that order the ready tasks, exactly as the engine does.
+    """Serve every model of ``machine`` (:func:`build_machine` over one plan or several) at
+    its own rate, as ``staronnx serve`` does on one shared runtime: a server per model (its
+    queue of ``queue_capacity``, batches of its ``batch_sizes`` entry, its in-flight window)
+    feeding one core, one policy and one set of workers, the models' ``targets`` (latency,
+    priority) turned into deadlines and levels that order the ready tasks, exactly as the
+    engine does. :func:`simulate` is this over a set of one model.
 
     Model ``i`` (in the machine's order) draws its arrivals with seed ``seed + i``, so two
     Poisson streams are independent and a live mixed sweep replays the same ones. ``arrivals``
@@ -814,7 +783,9 @@ def simulate_mix(
     trying it live). A ``machine`` built with lanes (:func:`build_machine`'s ``lanes``) keeps
     the lane models on their lanes (plus the workers ``residency`` adds for them), each lane's
     task preempting its group's worker as the OS does live (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`, in the
-    notes, says what is left out). Other arguments as in :func:`simulate`.
+    notes, says what is left out). The host's costs (``host_costs``) are calibration's of one
+    plan alone, so a machine of several models leaves them out. Other arguments as in
+    :func:`simulate`.
     """
     t0 = time.perf_counter()
     models = machine.models
@@ -831,11 +802,12 @@ def simulate_mix(
     if set(sizes) != set(names):
         raise SimulationError(f"give a batch size for each model ({', '.join(names)}), got {sorted(sizes)}")
     for n, b in sizes.items():
+        who = "" if models.single else f"{n}: "
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise SimulationError(f"{n}: batch_size must be an int >= 1, got {b!r}")
+            raise SimulationError(f"{who}batch_size must be an int >= 1, got {b!r}")
         if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else b):
-            raise SimulationError(f"queue_capacity must be >= 1 and >= every batch size without max_delay, "
-                                  f"got {queue_capacity}")
+            raise SimulationError(f"queue_capacity must be >= 1 and >= {'batch_size' if models.single else 'every batch size'}"
+                                  f" without max_delay, got {queue_capacity}")
     if max_delay is not None and not max_delay >= 0:
         raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
     if not (math.isfinite(spread) and spread >= 0):
@@ -843,52 +815,52 @@ def simulate_mix(
     # the core's view: the same plans in the same order (same global parts), with the targets
     shared = ModelSet({m.name: m.plan for m in models.models}, targets)
     where = residency_where(machine, residency)
+    padding = tuple(sorted(set(pad_to)))
     fronts: list[_FrontEnd] = []
+    scheduled: list[np.ndarray] = []  # each model's arrivals as scheduled (before the host's lag)
     processes: dict[str, str] = {}
     for m in models.models:
         b = sizes[m.name]
+        who = "" if models.single else f"{m.name}: "
         machine.check(b, m.index, where)
         window = (machine_inflight(machine, b, m.index, where) if max_inflight is None or m.name not in max_inflight
                   else int(max_inflight[m.name]))
         if window < 1:
-            raise SimulationError(f"{m.name}: max_inflight must be >= 1, got {window}")
-        if arrivals is not None and m.name in arrivals:
-            times = np.asarray(arrivals[m.name], dtype=np.float64)
-            if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
-                raise SimulationError(f"{m.name}: arrivals must be a non-empty, sorted list of finite times")
-            processes[m.name] = f"replay({times.size} arrivals)"
-        else:
-            times, processes[m.name] = arrival_schedule(float(rates[m.name]), duration=duration,
-                                                        distribution=distribution, seed=seed + m.index)
-            if times.size == 0:
-                raise SimulationError(f"{m.name}: no arrival falls in the duration; lengthen it or raise its rate")
-        fronts.append(_FrontEnd(m.index, b, times, queue_capacity, window, max_delay))
+            raise SimulationError(f"{who}max_inflight must be >= 1, got {window}")
+        times, processes[m.name] = _times(machine, m.name, m.index, rates[m.name], arrivals=arrivals,
+                                          duration=duration, n_requests=n_requests, distribution=distribution,
+                                          seed=seed)
+        host = machine.host_costs(b) if host_costs else None
+        scheduled.append(times)
+        fronts.append(_FrontEnd(m.index, b, times + host.lag_s if host is not None else times, queue_capacity,
+                                window, max_delay, padding, host=host))
     policy_obj = _make_policy(policy, policy_options, seed)
     sim = _Simulation(machine, policy_obj, fronts, seed=seed, spread=spread, drain=drain,
                       charge_transfers=charge_transfers, models=shared, where=where, traced=trace is not None)
     sim.run()
     if trace is not None:
         sim.write_trace(trace)
-    start = min(float(fe.arrivals[0]) for fe in fronts)
+    start = min(float(times[0]) for times in scheduled)
     ends = {m.name: _end_of(sim, fe) for m, fe in zip(models.models, fronts)}
     elapsed = max(max(ends.values()) - start, 1e-12)
     records: dict[str, RunRecords] = {}
     holders = {m.name: held_by(machine, where, m.index) for m in models.models}
-    for m, fe in zip(shared.models, fronts):
+    for m, fe, times in zip(shared.models, fronts, scheduled):
+        replayed = arrivals is not None and m.name in arrivals
         settings = {
             "engine": "simulator", "policy": policy_obj.name, "model": m.name, "batch_size": fe.batch_size,
-            "arrivals": processes[m.name], "distribution": distribution if arrivals is None else "replay",
+            "arrivals": processes[m.name], "distribution": "replay" if replayed else distribution,
             "seed": seed + m.index, "max_delay": max_delay, "queue_capacity": queue_capacity,
-            "max_inflight": fe.max_inflight, "spread": spread, "plan_hash": m.plan.hash,
+            "max_inflight": fe.max_inflight, "pad_to": list(padding), "spread": spread,
+            "host": None if fe.host is None else fe.host.as_dict(), "plan_hash": m.plan.hash,
             "target": {"latency": m.target.latency, "priority": m.target.priority},
             "workers": [w.name for w in machine.workers], "residency": dict(residency or {}),
             "held_by": holders[m.name], **machine.settings,
         }
-        offered = (float(rates[m.name]) if arrivals is None or m.name not in arrivals
-                   else _mean_rate(fe.arrivals))
         records[m.name] = RunRecords(
-            requests=fe.requests, batches=fe.batches, offered_rate=offered, batch_size=fe.batch_size,
-            start=float(fe.arrivals[0]), end=ends[m.name], queue_samples=fe.samples, settings=settings)
+            requests=fe.requests, batches=fe.batches,
+            offered_rate=_mean_rate(times) if replayed else float(rates[m.name]), batch_size=fe.batch_size,
+            start=float(times[0]), end=ends[m.name], queue_samples=fe.samples, settings=settings)
     return MixResult(
         records=records,
         targets={m.name: m.target for m in shared.models},
@@ -902,4 +874,5 @@ def simulate_mix(
         wall_seconds=time.perf_counter() - t0,
         models=shared,
         held_by=holders,
+        mean_queue_wait=sim.core.queue_waits.mean(),
     )
