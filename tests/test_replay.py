@@ -40,6 +40,7 @@ from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving import Server
+from staronnx.workers.base import Worker
 from staronnx.zoo import chain
 
 U = 2.0**-14  # the time quantum: every time below is a whole number of U
@@ -121,8 +122,9 @@ class Conductor:
         event.set()
 
 
-class ClockedWorker:
-    """A worker (the engine's Worker protocol) with real ORT sessions whose time is virtual."""
+class ClockedWorker(Worker):
+    """A worker (the engine's Worker protocol, whose defaults it takes) with real ORT sessions
+    whose time is virtual."""
 
     kind = "cpu"
     memory_node = "numa0"

@@ -255,7 +255,9 @@ def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
 
 
 # ----------------------------------------------------------------------------- API parity
-def test_map_futures_and_trace(starpu, plan3, tmp_path):
+def test_map_futures_trace_and_model_stats(starpu, plan3, tmp_path):
+    """Also the Engine contract's model view (Runtime.model_stats, a model's handle): StarPU's
+    one plan is the whole machine's work, with no target and so no deadline misses."""
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(12)]
     trace = tmp_path / "trace.json"
     with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu", trace=trace) as rt:
@@ -265,6 +267,15 @@ def test_map_futures_and_trace(starpu, plan3, tmp_path):
             return await asyncio.gather(*(rt.submit(f) for f in feeds[:3]))
 
         awaited = asyncio.run(main())
+        model, handle = rt.model_stats(), rt.model().stats()
+        rt.save_perf_models()  # StarPU keeps its own perf models: nothing to merge, no error
+        with pytest.raises(StaronnxError, match="one plan"):
+            rt._engine.submit(feeds[0], model=1)
+    assert model["requests_done"] == handle["requests_done"] == 15
+    assert model["requests_failed"] == 0 and model["in_flight"] == 0 and model["deadline_misses"] == 0
+    assert len(model["workers"]) == len(GROUPS.split(";")) and model["held_by"] == list(model["workers"])
+    assert sum(row["tasks"] for row in model["tasks"].values()) == 15 * plan3.k
+    assert handle["policy"] == "dmda"
     for f, r in zip(feeds, out):
         np.testing.assert_array_equal(r["logits"], plan3.run_reference(f)["logits"])
     assert len(awaited) == 3

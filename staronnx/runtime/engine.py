@@ -67,6 +67,7 @@ from staronnx.runtime.sched import Clock, Policy, WorkerInfo
 from staronnx.runtime.task import RequestFuture, TaskError, announce, settle, settle_quietly
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
+from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.launch import start_workers
 from staronnx.workers.pinned_pool import PinnedArray
 from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute, host_copy, replica_on, with_replica
@@ -108,9 +109,9 @@ def worker_info(index: int, worker: Worker) -> WorkerInfo:
 
 def parts_held(workers: Sequence[Worker], k: int) -> list[frozenset[int]] | None:
     """Per part, the workers (indices) that hold a session for it, from each worker's
-    ``holds`` (None, or no such attribute: every part); None when every worker holds every
-    part, so the policies keep their unrestricted fast path."""
-    holds = [getattr(w, "holds", None) for w in workers]
+    ``holds`` (None: every part); None when every worker holds every part, so the policies
+    keep their unrestricted fast path."""
+    holds = [w.holds for w in workers]
     if all(h is None for h in holds):
         return None
     return [frozenset(i for i, h in enumerate(holds) if h is None or p in h) for p in range(k)]
@@ -156,12 +157,9 @@ class NativeEngine:
         #: (StarPU's ``STARPU_CUDA_THREAD_PER_DEV``), every other worker has its own
         self.drivers = driver_groups(workers)
         #: one condition per thread on the one lock, so a task wakes only the thread it is for
-        self._conds: list[threading.Condition] = [None] * len(workers)  # type: ignore[list-item]
-        for group in self.drivers:
-            cond = threading.Condition(self._lock)
-            for wid in group:
-                self._conds[wid] = cond
         self._group_of = {wid: group for group in self.drivers for wid in group}
+        conds = [threading.Condition(self._lock) for _ in self.drivers]
+        self._conds = [conds[self.drivers.index(self._group_of[wid])] for wid in range(len(workers))]
         self._drained = threading.Condition(self._lock)  # close() waits on it
         self._future_cond = threading.Condition()  # shared by the request futures (light ones)
         self._idle: set[int] = set()
@@ -182,9 +180,8 @@ class NativeEngine:
         #: the GPUs as memory nodes (node -> its memory): empty when every value is a host array
         self._memories: dict[str, DeviceMemory] = {}
         for w in workers:
-            memory = getattr(w, "device_memory", None)
-            if memory is not None:
-                self._memories.setdefault(w.memory_node, memory)
+            if isinstance(w, CudaWorker):
+                self._memories.setdefault(w.memory_node, w.device_memory)
         #: per part: which outputs a GPU writes back (final) and which it keeps (read by a part)
         self._routes = [OutputRoute(frozenset(n for n in m.plan.parts[local].outputs if n in finals),
                                     frozenset(n for n in m.plan.parts[local].outputs if n in read))
@@ -216,7 +213,7 @@ class NativeEngine:
                 tracer.lane(info.id, info.name)
         for group in self.drivers:
             first = self._workers[group[0]]
-            loop = self._make_driver(group) if hasattr(first, "launch_here") else self._make_loop(group[0])
+            loop = self._make_driver(group) if first.launches_ahead else self._make_loop(group[0])
             self._loops.append(first.spawn(loop))
 
     def _footprint(self, req: Request, part: int) -> Footprint:
@@ -271,7 +268,7 @@ class NativeEngine:
         """:meth:`run_on` ``n`` times, queued at once: a CUDA worker launches the second before
         it waits for the first, as it does its scheduled tasks (so a warm-up makes both buffer
         sets a pipelined stream uses per shape)."""
-        holds = getattr(self._workers[wid], "holds", None)
+        holds = self._workers[wid].holds
         if holds is not None and part not in holds:
             raise StaronnxError(f"{self._workers[wid].name} does not hold part {part}")
         items = [Pinned(part, dict(feeds), Future(), timed) for _ in range(n)]
@@ -339,11 +336,11 @@ class NativeEngine:
             if target is None:
                 if self._idle:
                     self._notify(next(iter(self._idle)))
-            elif target.__class__ is int:
+            elif isinstance(target, int):
                 if target in self._idle:
-                    self._notify(target)  # type: ignore[arg-type]
+                    self._notify(target)
             elif self._idle:  # a shared queue's task that only these workers hold
-                idle = next((w for w in self._idle if w in target), None)  # type: ignore[operator]
+                idle = next((w for w in self._idle if w in target), None)
                 if idle is not None:
                     self._notify(idle)
 
@@ -367,10 +364,10 @@ class NativeEngine:
         def loop() -> None:
             try:
                 while (task := self._next_task(wid)) is not None:
-                    if task.__class__ is Pinned:
-                        self._end_pinned(wid, task, self._run_pinned(wid, worker, task))  # type: ignore[arg-type]
+                    if isinstance(task, Pinned):
+                        self._end_pinned(wid, task, self._run_pinned(wid, worker, task))
                     else:
-                        self._end(wid, task, self._run(wid, worker, task))  # type: ignore[arg-type]
+                        self._end(wid, task, self._run(wid, worker, task))
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
@@ -417,7 +414,7 @@ class NativeEngine:
         the device has not finished: the woken callers then run while it waits), else
         after :data:`ANNOUNCE_EVERY` results or :data:`ANNOUNCE_AFTER_S` seconds."""
         workers = self._workers
-        ahead: deque[tuple[int, Task, _Started]] = deque()  # in launch order, all streams
+        ahead: deque[tuple[int, Task | Pinned, _Started]] = deque()  # in launch order, all streams
         launched = dict.fromkeys(wids, 0)
         live = list(wids)
         since = 0.0  # when the oldest deferred result was settled
@@ -426,20 +423,21 @@ class NativeEngine:
             live.remove(wid)
             for entry in [e for e in ahead if e[0] == wid]:
                 ahead.remove(entry)
-                if entry[1].__class__ is Pinned:
-                    entry[1].future.set_exception(exc)
+                if isinstance(pinned := entry[1], Pinned):
+                    pinned.future.set_exception(exc)
             launched[wid] = 0
             self._worker_died(wid, exc)
 
-        got: list[tuple[int, Task]] | None = []
+        got: list[tuple[int, Task | Pinned]] = []
         while live:
             if not got and not ahead:
                 if deferred:  # about to wait for work
                     announce(deferred)
                     deferred.clear()
-                got = self._take(live, group=wids)
-                if got is None:
+                taken = self._take(live, group=wids)
+                if taken is None:
                     return
+                got = taken
             for wid, task in got:
                 try:
                     ahead.append((wid, task, self._launch(wid, workers[wid], task)))
@@ -466,8 +464,8 @@ class NativeEngine:
                 lost(wid, exc)
                 continue
             waiting = len(deferred)
-            if task.__class__ is Pinned:
-                self._end_pinned(wid, task, done)  # type: ignore[arg-type]
+            if isinstance(task, Pinned):
+                self._end_pinned(wid, task, done)
                 with self._lock:
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 continue
@@ -475,7 +473,7 @@ class NativeEngine:
             if not waiting and deferred:
                 since = time.perf_counter()
 
-    def _take(self, wids: list[int], group: list[int]) -> list[tuple[int, Task]] | None:
+    def _take(self, wids: list[int], group: list[int]) -> list[tuple[int, Task | Pinned]] | None:
         """A task for each of ``wids`` that has one, in one lock hold, waiting until one
         does. None: the engine is stopping (or the group has no live worker)."""
         with self._lock:
@@ -492,10 +490,11 @@ class NativeEngine:
                 self._idle.difference_update(group)
                 self.idle = len(self._idle)
 
-    def _take_each(self, wids: Sequence[int], now: float) -> list[tuple[int, Task]]:
+    def _take_each(self, wids: Sequence[int], now: float) -> list[tuple[int, Task | Pinned]]:
         """(lock held) A task for each live worker of ``wids`` that the policy has one for;
         stops asking once nothing is queued (a driver's streams would each ask in vain)."""
-        core, states, got = self.core, self.core.workers, []
+        core, states = self.core, self.core.workers
+        got: list[tuple[int, Task | Pinned]] = []
         for wid in wids:
             if self._pinned_count and self._pinned[wid] and states[wid].alive:
                 self._pinned_count -= 1
@@ -574,7 +573,7 @@ class NativeEngine:
             feeds[n] = r
         return feeds
 
-    def _run(self, wid: int, worker: Any, task: Task) -> _Started:
+    def _run(self, wid: int, worker: Worker, task: Task) -> _Started:
         """Run a task to its end on a worker that cannot launch ahead (CPU). Its fetches from
         a GPU (downloads) count in its wall time, not in its perf model's compute time."""
         timed = self._timed(wid, task)
@@ -594,10 +593,10 @@ class NativeEngine:
             outputs, error = {}, exc
         return _Started(start, timed, None, outputs, error, compute, kept or None)
 
-    def _launch(self, wid: int, worker: Any, task: Task | Pinned) -> _Started:
-        if task.__class__ is Pinned:
-            return self._launch_pinned(worker, task)  # type: ignore[arg-type]
-        timed = self._timed(wid, task)  # type: ignore[arg-type]
+    def _launch(self, wid: int, worker: Worker, task: Task | Pinned) -> _Started:
+        if isinstance(task, Pinned):
+            return self._launch_pinned(worker, task)
+        timed = self._timed(wid, task)
         start = self.clock.now()
         kept: list[tuple[str, Any]] = []
         if self.core.prefetch:
@@ -611,7 +610,7 @@ class NativeEngine:
         except Exception as exc:  # noqa: BLE001 - fails this request only
             return _Started(start, timed, None, {}, exc)
 
-    def _launch_pinned(self, worker: Any, item: Pinned) -> _Started:
+    def _launch_pinned(self, worker: Worker, item: Pinned) -> _Started:
         start = self.clock.now()
         try:
             return _Started(start, item.timed, worker.launch_here(item.part, item.feeds, item.timed))
@@ -620,7 +619,7 @@ class NativeEngine:
         except Exception as exc:  # noqa: BLE001 - fails this task only
             return _Started(start, item.timed, None, {}, exc)
 
-    def _run_pinned(self, wid: int, worker: Any, item: Pinned) -> _Started:
+    def _run_pinned(self, wid: int, worker: Worker, item: Pinned) -> _Started:
         start = self.clock.now()
         try:
             outputs, error = worker.run_here(item.part, item.feeds, item.timed), None
@@ -641,7 +640,7 @@ class NativeEngine:
             item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
                                                 end - start))
 
-    def _complete(self, worker: Any, started: _Started) -> _Started:
+    def _complete(self, worker: Worker, started: _Started) -> _Started:
         if started.error is None:
             try:
                 started.outputs = worker.finish_here(started.handle)
@@ -653,7 +652,7 @@ class NativeEngine:
         return started
 
     def _end(self, wid: int, task: Task, started: _Started, take: Sequence[int] = (),
-             defer: list[RequestFuture] | None = None) -> list[tuple[int, Task]]:
+             defer: list[RequestFuture] | None = None) -> list[tuple[int, Task | Pinned]]:
         """Book a finished task: perf model, trace, the core (successors), the request; with
         ``take``, also take a task for each of those workers that has one ready, under the same
         lock (what a pipelined loop launches next). With ``defer``, a finished request's future
@@ -691,10 +690,10 @@ class NativeEngine:
                 self._drained.notify_all()
             nxt = self._take_each(take, end) if take else []
         if done is not None:
+            value: TaskError | dict[str, np.ndarray]
             if error is not None:
-                err = TaskError(task.part, info.name, error)
-                err.__cause__ = error
-                value, ok = err, False
+                value, ok = TaskError(task.part, info.name, error), False
+                value.__cause__ = error
             else:
                 values = done.values
                 value, ok = {n: v if (v := values[n]).__class__ is np.ndarray else _host(v)
@@ -785,9 +784,8 @@ class NativeEngine:
             out["prefetch"] = {"tasks": tasks, "moved": moved, "hits": hits,
                                "on_node": (tasks - moved + hits) / tasks if tasks else None}
         for w in self._workers:  # CUDA graphs per worker: what `staronnx run` reports
-            graphs = getattr(w, "graph_stats", None)
-            if graphs is not None and getattr(w, "cuda_graphs", False) and w.name in out["workers"]:
-                out["workers"][w.name]["graphs"] = graphs()
+            if isinstance(w, CudaWorker) and w.cuda_graphs and w.name in out["workers"]:
+                out["workers"][w.name]["graphs"] = w.graph_stats()
         return out
 
     def model_stats(self, model: int) -> dict[str, Any]:
@@ -796,13 +794,10 @@ class NativeEngine:
             return self.core.model_stats(model, self.clock.now() - self.started_at)
 
 
-def _finished(worker: Any, started: _Started) -> bool:
+def _finished(worker: Worker, started: _Started) -> bool:
     """Whether waiting for ``started`` would return at once (failed at launch, ran to its end,
-    or the device says so); False where the worker cannot tell."""
-    if started.error is not None or started.handle is None:
-        return True
-    ready = getattr(worker, "ready", None)
-    return bool(ready(started.handle)) if ready is not None else False
+    or the device says so)."""
+    return started.error is not None or started.handle is None or worker.ready(started.handle)
 
 
 @dataclass(eq=False, slots=True)
@@ -837,7 +832,7 @@ def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
     groups: list[list[int]] = []
     by_key: dict[Any, list[int]] = {}
     for wid, w in enumerate(workers):
-        key = getattr(w, "driver_key", None) if hasattr(w, "launch_here") else None
+        key = w.driver_key if w.launches_ahead else None
         if key is None:
             groups.append([wid])
         elif key in by_key:
@@ -901,7 +896,7 @@ def warm_up(engine: NativeEngine, batch_sizes: Sequence[int]) -> None:
     get the real tensors their predecessors produce (a reference run), as calibration does."""
     sizes = sorted({int(b) for b in batch_sizes})
     workers = engine.workers
-    cuda = [wid for wid, w in enumerate(workers) if getattr(w, "kind", "") == "cuda" and hasattr(w, "graph_failures")]
+    cuda = [(wid, w) for wid, w in enumerate(workers) if isinstance(w, CudaWorker)]
     if not sizes or not cuda:
         return
     if sizes[0] < 1:
@@ -911,22 +906,21 @@ def warm_up(engine: NativeEngine, batch_sizes: Sequence[int]) -> None:
     models = engine.models
     values = {(m.index, b): m.plan.reference_values(random_plan_feeds(m.plan, b, seed=b))
               for m in models.models for b in sizes}
-    for wid in cuda:
-        worker = workers[wid]
+    for wid, worker in cuda:
         repeats = 3 if worker.cuda_graphs else 2  # discovery, the capture, one replay
         for part in range(models.k):
             if worker.part_paths[part] is None:
                 continue
             model, local = models.owner[part]
             for b in sizes:
-                _warm_shape(engine, wid, part, model.plan.part_feeds(local, values[(model.index, b)]), repeats)
+                _warm_shape(engine, wid, worker, part, model.plan.part_feeds(local, values[(model.index, b)]), repeats)
         worker.capture_on_demand = False
 
 
-def _warm_shape(engine: NativeEngine, wid: int, part: int, feeds: Mapping[str, np.ndarray], repeats: int) -> None:
-    """``repeats`` rounds of two pinned tasks; a round in which a capture failed runs again,
-    any other error is raised."""
-    worker = engine.workers[wid]
+def _warm_shape(engine: NativeEngine, wid: int, worker: CudaWorker, part: int, feeds: Mapping[str, np.ndarray],
+                repeats: int) -> None:
+    """``repeats`` rounds of two pinned tasks on ``worker`` (``wid``); a round in which a
+    capture failed runs again, any other error is raised."""
     done = 0
     while done < repeats:
         failures = worker.graph_failures

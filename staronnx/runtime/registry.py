@@ -18,6 +18,8 @@ import numpy as np
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
+from staronnx.runtime.models import ModelSet
+from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 
@@ -54,20 +56,31 @@ class Engine(Protocol):
     """What ``Runtime`` drives: the contract both the native and the starpu engine keep."""
 
     tracer: Tracer | None
+    #: the perf models it learns into staronnx's store (None: the engine keeps its own, as
+    #: StarPU does)
+    predictor: PerfPredictor | None
 
     @property
-    def workers(self) -> list[Any]: ...  # what tasks run on, each with ``name`` and ``arch``
+    def workers(self) -> list[Any]: ...  # what tasks run on, each with ``name``, ``kind`` and ``arch``
 
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture: ...
+    def submit(self, feeds: Mapping[str, np.ndarray], model: int = 0, arrival: float | None = None) -> RequestFuture:
+        """Queue one batch of hosted model ``model`` (its index), whose oldest request arrived
+        at ``arrival`` (``time.perf_counter()``; None: now); inputs are already checked."""
+        ...
 
     def stats(self) -> dict[str, Any]: ...
+
+    def model_stats(self, model: int) -> dict[str, Any]:
+        """One hosted model's requests, deadline misses, busy shares and tasks."""
+        ...
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Drain or cancel the requests, stop the engine and free the workers it started."""
         ...
 
 
-EngineFactory = Callable[[Plan, EngineSettings], Engine]
+#: an engine's factory: every model to host (a plan is a set of one), and the settings
+EngineFactory = Callable[[Plan | ModelSet, EngineSettings], Engine]
 _FACTORIES: dict[str, EngineFactory] = {}
 
 

@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Protocol, Self
 import numpy as np
 
 from staronnx.errors import DeviceError, ModelError
+from staronnx.workers.replicas import OutputRoute
 
 __all__ = ["ThreadWorker", "Worker", "WorkerLost"]
 
@@ -50,18 +51,18 @@ class WorkerLost(DeviceError):
 
 
 class Worker(Protocol):
-    """What engines need of a worker (:class:`ThreadWorker`'s subclasses, or a stand-in): its
-    identity for the policy, and tasks run from inside its own thread (``spawn`` an engine's
-    loop there, then ``run_here`` per task).
+    """What engines need of a worker (:class:`ThreadWorker`'s subclasses, or a stand-in that
+    subclasses this protocol for its defaults): its identity for the policy, and tasks run from
+    inside its own thread (``spawn`` an engine's loop there, then ``run_here`` per task).
 
     ``run_here(..., timed=False)`` may skip timing (nothing to learn: the perf model is
-    calibrated). A worker that can start a task without waiting for it also offers
-    ``launch_here(part, feeds, timed) -> handle`` and ``finish_here(handle) -> outputs`` (the
-    CUDA worker does), and the native engine then launches its next task before waiting. Such
-    workers with the same ``driver_key`` (a CUDA device's streams) are driven by one engine
-    thread, which calls each one's ``adopt_thread()`` first (StarPU's driver thread per
-    device). Any of them may raise :class:`WorkerLost`: the engine then moves the worker's
-    tasks elsewhere."""
+    calibrated). A worker that :attr:`launches_ahead` starts a task with ``launch_here(part,
+    feeds, timed, route) -> handle`` and waits for it with ``finish_here(handle) -> outputs``
+    (the CUDA worker does), and the native engine then launches its next task before waiting;
+    the defaults here run the task to its end at launch. Such workers with the same
+    ``driver_key`` (a CUDA device's streams) are driven by one engine thread, which calls each
+    one's ``adopt_thread()`` first (StarPU's driver thread per device). Any of them may raise
+    :class:`WorkerLost`: the engine then moves the worker's tasks elsewhere."""
 
     name: str
     kind: str  # "cpu" or "cuda"
@@ -69,10 +70,37 @@ class Worker(Protocol):
     memory_node: str  # "numa0", "cuda0", ...
     n_cores: int
     last_compute_seconds: float | None  # kernel time of the last run_here (CUDA), else None
+    #: the parts it holds a session for; None: every part (the scheduler's fast path)
+    holds: frozenset[int] | None = None
+    #: workers that launch ahead with the same key share one engine thread (None: its own)
+    driver_key: str | None = None
+
+    @property
+    def launches_ahead(self) -> bool:
+        """Whether ``launch_here`` returns before the task has run (a CUDA stream's queue): the
+        engine then keeps up to two tasks launched per worker. A CUDA worker is the one kind
+        that does."""
+        return self.kind == "cuda"
 
     def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs: ...
     def close(self) -> None: ...
+
+    def launch_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> Any:
+        """Start a task and return a handle for :meth:`finish_here` (by default: run it)."""
+        return self.run_here(part, feeds, timed)
+
+    def finish_here(self, launch: Any) -> Outputs:
+        """Wait for a launched task and return its outputs."""
+        outputs: Outputs = launch
+        return outputs
+
+    def ready(self, launch: Any) -> bool:
+        """Whether :meth:`finish_here` would return at once."""
+        return True
+
+    def adopt_thread(self) -> None:
+        """Make the calling thread fit to launch this worker's tasks (nothing by default)."""
 
 
 _STOP = object()
@@ -86,18 +114,14 @@ def _close_all() -> None:
             worker.close(timeout=5.0, cancel_pending=True)
 
 
-class ThreadWorker(ABC):
+class ThreadWorker(Worker, ABC):
     """The thread, queue and lifecycle of a worker; subclasses run the tasks.
 
     Each worker has one thread named after it (``name``) that runs everything touching its
     sessions.  ``_log`` is the subclass's module logger, so its messages keep their origin.
     """
 
-    kind: ClassVar[str]
     _log: ClassVar[logging.Logger]
-    arch: str  # the rest of the Worker protocol's identity is set by the subclass
-    memory_node: str
-    n_cores: int
     last_compute_seconds: float | None = None  # CPU: wall time is compute time
 
     def __init__(self, part_paths: Sequence[str | os.PathLike[str] | None], name: str) -> None:
@@ -106,8 +130,7 @@ class ThreadWorker(ABC):
         #: by part number; None for a part this worker does not hold (no session: a runtime
         #: whose workers cannot all load every model gives each only some)
         self.part_paths: list[Path | None] = [None if p is None else Path(p) for p in part_paths]
-        #: the parts it holds; None when it holds every part (the scheduler's fast path)
-        self.holds: frozenset[int] | None = (
+        self.holds = (
             None if all(p is not None for p in self.part_paths)
             else frozenset(i for i, p in enumerate(self.part_paths) if p is not None))
         self.name = name

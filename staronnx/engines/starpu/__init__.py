@@ -18,20 +18,24 @@ import os
 
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
+from staronnx.runtime.models import ModelSet
 from staronnx.runtime.predictor import calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 
 from .engine import POLICY_ALIASES, StarpuEngine
 
 
-def start_starpu(plan: Plan, settings: EngineSettings) -> StarpuEngine:
-    """The ``starpu`` engine: StarPU's own workers, schedulers and perf models."""
+def start_starpu(plan: Plan | ModelSet, settings: EngineSettings) -> StarpuEngine:
+    """The ``starpu`` engine: StarPU's own workers, schedulers and perf models, for one plan."""
+    models = ModelSet.of(plan)
+    if not models.single:
+        raise StaronnxError("the starpu engine serves one plan; several models share a runtime on the native engine")
     if settings.workers is not None:
         raise StaronnxError("engine='starpu' starts its own StarPU workers; workers= is for engine='native'")
     options = dict(settings.policy_options)
     if "calibrate" not in options and (settings.calibrate is not None or "STARONNX_CALIBRATE" in os.environ):
         options["calibrate"] = calibrate_mode(settings.calibrate)
-    return StarpuEngine(plan, settings.policy, settings.cpu_groups, settings.cuda_streams,
+    return StarpuEngine(models.models[0].plan, settings.policy, settings.cpu_groups, settings.cuda_streams,
                         settings.trace, options)
 
 

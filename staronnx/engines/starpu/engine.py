@@ -44,6 +44,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.runtime.core import per_part_arch
+from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.groups import CpuGroup, make_groups
 from staronnx.workers.topology import Topology
@@ -114,6 +115,7 @@ class _Worker:
     name: str
     group: CpuGroup
     arch: str
+    kind: str = "cpu"  # StarPU's workers here are CPU workers (no CUDA codelets)
     sessions: list[Any] = field(default_factory=list)
     tasks: int = 0
     busy: float = 0.0
@@ -123,7 +125,11 @@ class _Worker:
 
 # ----------------------------------------------------------------------------- the engine
 class StarpuEngine:
-    """Runs a plan on StarPU; same ``submit``/``stats``/``close`` contract as the native engine."""
+    """Runs a plan on StarPU; the native engine's contract (:class:`~staronnx.runtime.registry.Engine`)."""
+
+    #: StarPU learns and keeps its perf models itself (``starpu_perfmodel_display`` reads them)
+    predictor: PerfPredictor | None = None
+    tracer: Tracer | None = None
 
     def __init__(
         self,
@@ -298,8 +304,11 @@ class StarpuEngine:
         self._batch_symbol = plan.contract.symbol
 
     # -- submission ---------------------------------------------------------------------------
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> RequestFuture:
-        """Register the request's tensors and submit one task per part; inputs are pre-checked."""
+    def submit(self, feeds: Mapping[str, np.ndarray], model: int = 0, arrival: float | None = None) -> RequestFuture:
+        """Register the request's tensors and submit one task per part; inputs are pre-checked.
+        ``model`` must be 0 (StarPU serves one plan here); ``arrival`` is not used: StarPU
+        orders tasks by its own priorities, with no latency targets."""
+        _one_model(model)
         lib, ffi, plan = self._lib, self._ffi, self.plan
         with self._submit_lock:
             if self._closed:
@@ -499,9 +508,8 @@ class StarpuEngine:
                 self._lib.sx_codelet_free(p.codelet)
             self._parts.clear()
             self._inflight.clear()
-            tracer = getattr(self, "tracer", None)
-            if tracer is not None:
-                tracer.save()
+            if self.tracer is not None:  # None until started, also on a failed start
+                self.tracer.save()
             with _active_lock:
                 if _active is self:
                     _active = None
@@ -536,6 +544,17 @@ class StarpuEngine:
                 "dead_workers": [],
                 "perfmodels": [p.symbol for p in self._parts] or list(self.perfmodel_symbols),
             }
+
+    def model_stats(self, model: int) -> dict[str, Any]:
+        """The plan's share of the machine, in the native engine's terms: all of it (StarPU
+        serves one plan here), with no latency target, hence no deadline misses."""
+        _one_model(model)
+        s = self.stats()
+        return {"elapsed_s": s["elapsed_s"], "requests_done": s["requests_done"],
+                "requests_failed": s["requests_failed"], "in_flight": s["in_flight"], "deadline_misses": 0,
+                "target": None, "workers": {name: {"arch": row["arch"], "busy": row["busy"], "alive": True}
+                                            for name, row in s["workers"].items()},
+                "tasks": s["tasks"], "mean_queue_wait_ms": s["mean_queue_wait_ms"], "held_by": list(s["workers"])}
 
     @property
     def perfmodel_symbols(self) -> list[str]:
@@ -659,6 +678,12 @@ def _environ(values: Mapping[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _one_model(model: int) -> None:
+    if model != 0:
+        raise StaronnxError(f"the starpu engine serves one plan (model 0), not model {model}; several models "
+                            "share a runtime on the native engine")
 
 
 def _errno_name(ret: int) -> str:
