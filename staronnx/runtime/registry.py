@@ -55,10 +55,13 @@ class EngineSettings:
 class Engine(Protocol):
     """What ``Runtime`` drives: the contract both the native and the starpu engine keep."""
 
-    tracer: Tracer | None
-    #: the perf models it learns into staronnx's store (None: the engine keeps its own, as
-    #: StarPU does)
-    predictor: PerfPredictor | None
+    @property
+    def tracer(self) -> Tracer | None: ...
+
+    @property
+    def predictor(self) -> PerfPredictor | None:
+        """The perf models it learns into staronnx's store (None: it keeps its own, as StarPU does)."""
+        ...
 
     @property
     def workers(self) -> list[Any]: ...  # what tasks run on, each with ``name``, ``kind`` and ``arch``
