@@ -18,7 +18,7 @@ from staronnx.errors import (
     StaronnxError,
 )
 from staronnx.plan import Plan
-from staronnx.workers.host import partition  # noqa: E402  (shadows the subpackage name on purpose)
+from staronnx.partition.api import partition  # shadows the subpackage name on purpose
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.session import InferenceSession

@@ -9,8 +9,9 @@ Layers, lowest first (a module may import its own layer and those below):
 
 0. leaf utilities that know nothing of plans: errors, fsutil, modelio, ortutil, feeds, zoo,
    signals, durations, process_settings
-1. plan and what reads or builds one: plan, inputs, verify, partition
-2. workers, perfmodels, and calibrate (which runs parts on workers into the perf models)
+1. plan and what reads or builds one: plan, inputs, verify
+2. workers, perfmodels, and partition (``staronnx.partition()`` cuts for this host: its CPU
+   groups as the runtime lays them out, its calibrated bus)
 3. runtime, engines
 4. bench, serving
 5. serve, ray
@@ -34,8 +35,8 @@ PACKAGE = "staronnx"
 LAYERS: dict[str, int] = {
     "errors": 0, "contract": 0, "fsutil": 0, "modelio": 0, "ortutil": 0, "feeds": 0, "zoo": 0, "signals": 0, "durations": 0,
     "process_settings": 0,
-    "plan": 1, "inputs": 1, "verify": 1, "partition": 1,
-    "workers": 2, "perfmodels": 2,
+    "plan": 1, "inputs": 1, "verify": 1,
+    "workers": 2, "perfmodels": 2, "partition": 2,
     "runtime": 3, "engines": 3,
     "bench": 4, "serving": 4, "calibrate": 4,
     "serve": 5, "ray": 5,

@@ -22,7 +22,8 @@ from staronnx import Runtime
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.groups import GroupError, policy_reserve
-from staronnx.workers.launch import start_workers, worker_layout
+from staronnx.workers.launch import start_workers
+from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 from staronnx.zoo import inception
 
@@ -37,6 +38,16 @@ def plan2(tmp_path_factory):
 
 def _allowed_pus() -> list[int]:
     return sorted(os.sched_getaffinity(0))
+
+
+def worker_layout(topo: Topology, groups: str, cuda_streams: int = 0, cuda_devices=(0,),
+                  thread_per_stream: bool = False) -> Layout:
+    return layout(MachineSpec(groups, cuda_streams, cuda_devices, thread_per_stream=thread_per_stream), topo)
+
+
+def cuda_pins(laid: Layout) -> list[tuple[int | None, int, int | None]]:
+    """(device, stream, PU of its driver thread) of each CUDA worker, in worker order."""
+    return [(w.device, w.stream, w.pu) for w in laid.cuda]
 
 
 # ------------------------------------------------------------------ layout (synthetic machines)
@@ -55,7 +66,7 @@ def test_one_core_held_back_per_device_driver_thread_and_its_streams_pinned_to_i
     layout = worker_layout(topo, "numa", cuda_streams=2, cuda_devices=(0, 1))
     assert layout.policy == "numa,reserve=2"
     assert sum(g.n_cores for g in layout.groups) == 14
-    pins = {(d, s): pu for d, s, pu in layout.cuda}
+    pins = {(d, s): pu for d, s, pu in cuda_pins(layout)}
     assert pins[(0, 0)] == pins[(0, 1)] != pins[(1, 0)] == pins[(1, 1)]
     assert set(pins.values()) == set(layout.groups.reserved_pus)
     assert not set(pins.values()) & {p for g in layout.groups for p in g.pus}
@@ -67,8 +78,8 @@ def test_one_core_held_back_per_cuda_worker_with_a_thread_per_stream():
     assert layout.policy == "numa,reserve=4"
     assert len(layout.groups.reserved) == 4
     assert sum(g.n_cores for g in layout.groups) == 12
-    pins = [pu for _, _, pu in layout.cuda]
-    assert [(d, s) for d, s, _ in layout.cuda] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    pins = [pu for _, _, pu in cuda_pins(layout)]
+    assert [(d, s) for d, s, _ in cuda_pins(layout)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert len(set(pins)) == 4 and set(pins) == set(layout.groups.reserved_pus)
     assert not set(pins) & {p for g in layout.groups for p in g.pus}
 
@@ -77,11 +88,11 @@ def test_a_policy_that_names_its_reserve_or_its_pus_is_kept():
     topo = Topology.from_synthetic("numa:2 core:4 pu:1")
     assert worker_layout(topo, "numa,reserve=1", cuda_streams=3).policy == "numa,reserve=1"
     kept = worker_layout(topo, "numa,reserve=0", cuda_streams=2)
-    assert kept.groups.reserved == () and all(pu is None for _, _, pu in kept.cuda)
+    assert kept.groups.reserved == () and all(pu is None for _, _, pu in cuda_pins(kept))
     explicit = worker_layout(topo, "0-3;4-7", cuda_streams=2)
     assert explicit.groups.reserved == () and len(explicit.groups) == 2
     one = worker_layout(topo, "numa,reserve=1", cuda_streams=3)
-    assert len({pu for _, _, pu in one.cuda}) == 1  # three workers share the one reserved core
+    assert len({pu for _, _, pu in cuda_pins(one)}) == 1  # three workers share the one reserved core
 
 
 def test_a_small_machine_keeps_at_least_one_core_for_the_cpu_groups():
@@ -89,7 +100,7 @@ def test_a_small_machine_keeps_at_least_one_core_for_the_cpu_groups():
     layout = worker_layout(topo, "numa", cuda_streams=4, thread_per_stream=True)
     assert len(layout.groups.reserved) == 1 and sum(g.n_cores for g in layout.groups) == 1
     single = worker_layout(Topology.from_synthetic("core:1 pu:1"), "numa", cuda_streams=2)
-    assert single.groups.reserved == () and [pu for *_, pu in single.cuda] == [None, None]
+    assert single.groups.reserved == () and [pu for *_, pu in cuda_pins(single)] == [None, None]
 
 
 def test_no_cuda_workers_no_reserve():
@@ -209,7 +220,7 @@ def test_the_starpu_engine_refuses_cuda_streams_in_one_line_whether_starpu_is_he
 def test_groups_none_is_the_gpu_alone():
     topo = Topology.from_synthetic("numa:2 core:4 pu:1")
     layout = worker_layout(topo, "none", cuda_streams=2)
-    assert len(layout.groups) == 0 and [(d, s) for d, s, _ in layout.cuda] == [(0, 0), (0, 1)]
+    assert len(layout.groups) == 0 and [(d, s) for d, s, _ in cuda_pins(layout)] == [(0, 0), (0, 1)]
     with pytest.raises(GroupError, match="no worker"):
         worker_layout(topo, "none", cuda_streams=0)
 

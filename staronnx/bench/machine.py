@@ -4,11 +4,10 @@ LP bound over it (a sweep's).
 
 Split from :mod:`staronnx.bench.simulator` (the run itself) because the LP bound
 (:mod:`staronnx.bench.bound`), the serve window and the calibration checks need the machine but
-never simulate. What it shares with the live runtime: the worker layout
-(:func:`~staronnx.workers.launch.worker_layout`: names, archs, memory nodes, a perf-model arch
-per GPU), the lanes' planning (:func:`~staronnx.workers.lanes.plan_lanes`) and the residency
-rule (:func:`~staronnx.workers.launch.held_part_paths`), so a machine the runtime would refuse
-is refused here in its words. Archs with no models borrow another's, scaled
+never simulate. What it shares with the live runtime: the layout of its
+:class:`~staronnx.workers.layout.MachineSpec` (names, archs, memory nodes, a perf-model arch per
+GPU, the lanes) and its residency rule, so a machine the runtime would refuse is refused here
+in its words. Archs with no models borrow another's, scaled
 (:class:`ArchSource`), and GPUs never calibrated borrow a calibrated GPU's times and bus links.
 """
 
@@ -28,7 +27,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import TaskView, WorkerInfo
-from staronnx.workers.residency import WorkerSlot
+from staronnx.workers.layout import Layout, MachineError, MachineSpec, layout
 from staronnx.workers.topology import Topology
 
 
@@ -241,46 +240,27 @@ def resolve_sources(
 
 
 # ---------------------------------------------------------------------------- the machine
-def sim_workers(
-    topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
-) -> list[WorkerInfo]:
-    """The workers ``Runtime`` would start on ``topology``, as policies see them.
-
-    Same layout as :func:`~staronnx.workers.launch.start_workers` (CUDA streams first, GPU by
-    GPU, like StarPU's worker ids, which decides dmda's ties; a core held back per device driver
-    thread unless the policy says otherwise), same names, archs and memory nodes as
-    ``Runtime``'s ``_worker_info``: each GPU of ``cuda_devices`` is an arch (``cuda1``) and a
-    memory node of its own, as the runtime keeps a perf model per GPU.
-    """
-    from staronnx.workers.launch import worker_layout
-
-    if cuda_streams < 0:
-        raise SimulationError(f"cuda_streams must be >= 0, got {cuda_streams}")
-    devices = check_cuda_devices(cuda_devices)
-    topology = topology if topology is not None else Topology.from_system()
-    layout = worker_layout(topology, groups, cuda_streams, devices)
-    infos: list[WorkerInfo] = []
-    for d, s, _ in layout.cuda:
-        dev = f"cuda{d}"
-        infos.append(WorkerInfo(len(infos), f"{dev}.s{s}", dev, "cuda", dev, 1))
-    for g in layout.groups:
-        numa = g.numa if g.numa is not None else 0
-        infos.append(WorkerInfo(len(infos), f"cpu:{g.name}", f"cpu{g.n_cores}", "cpu", f"numa{numa}", g.n_cores))
-    return infos
+def machine_spec(groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
+                 lanes: Mapping[str, str] | None = None) -> MachineSpec:
+    """The :class:`~staronnx.workers.layout.MachineSpec` of these settings, refused as a
+    :class:`SimulationError` in the runtime's words (the GPUs are not checked against this
+    machine's: a simulated machine may have more)."""
+    try:
+        return MachineSpec(groups, cuda_streams, cuda_devices, lanes=dict(lanes or {}))
+    except MachineError as exc:
+        raise SimulationError(str(exc)) from None
 
 
-def check_cuda_devices(cuda_devices: Sequence[int]) -> tuple[int, ...]:
-    """``cuda_devices`` as CUDA ordinals, each once (the runtime's rule,
-    :func:`~staronnx.workers.launch.cuda_ordinals`), or SimulationError. Not checked against
-    this machine's GPUs: a simulated machine may have more."""
-    from staronnx.workers.launch import cuda_ordinals
+def worker_infos(laid: Layout) -> list[WorkerInfo]:
+    """The workers of a layout as policies see them (a lane is a CPU worker to them)."""
+    return [WorkerInfo(i, w.name, w.arch, w.policy_kind, w.memory_node, w.n_cores) for i, w in enumerate(laid.workers)]
 
-    devices = cuda_ordinals(cuda_devices)
-    if devices is None:
-        raise SimulationError(f"cuda_devices must name each GPU once, by its CUDA ordinal (0, 1, ...); got "
-                              f"{list(cuda_devices) if isinstance(cuda_devices, (list, tuple)) else cuda_devices!r}")
-    return devices
+
+def sim_workers(topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0,
+                cuda_devices: Sequence[int] = (0,)) -> list[WorkerInfo]:
+    """The workers ``Runtime`` would start on ``topology`` (default: this machine), as policies
+    see them: :func:`~staronnx.workers.layout.layout`'s, the runtime's own."""
+    return worker_infos(layout(machine_spec(groups, cuda_streams, cuda_devices), topology or Topology.from_system()))
 
 
 #: how the simulator and the LP bound model a latency lane (said in every result's notes)
@@ -293,42 +273,12 @@ LANE_APPROXIMATION = (
 
 
 def lane_groups(workers: Sequence[WorkerInfo]) -> dict[int, int]:
-    """Lane worker id -> the id of the CPU worker on the same cores (``lane:<g>`` and
-    ``cpu:<g>``, as :func:`lane_workers` and the runtime name them): the pairs that share cores,
-    the group's worker preempted while its lane runs."""
+    """Lane worker id -> the id of the CPU worker on the same cores, read from their names
+    (``lane:<g>``, ``cpu:<g>``) for callers that hold only the workers; a machine of
+    :func:`build_machine` knows it without names: ``machine.layout.lane_groups()``."""
     by_name = {w.name: w.id for w in workers}
     return {w.id: by_name["cpu:" + w.name.removeprefix("lane:")] for w in workers
             if w.name.startswith("lane:") and "cpu:" + w.name.removeprefix("lane:") in by_name}
-
-
-def lane_workers(workers: Sequence[WorkerInfo], lanes: Mapping[str, str] | None,
-                 model_names: Sequence[str]) -> tuple[list[WorkerInfo], dict[int, tuple[str, ...]]]:
-    """``workers`` plus the latency lanes ``lanes`` (model -> CPU group selector, as
-    ``Runtime(lanes=...)`` and ``--lane`` take it) asks for, as the live runtime adds them: one
-    per selected CPU group, after every other worker, named ``lane:<group>``, with its group's
-    arch, memory node and cores (a lane is a CPU worker on the same cores, so it runs on the
-    group's perf models). Also, per lane's worker id, the models it holds. The runtime's own
-    planning (:func:`~staronnx.workers.lanes.plan_lanes`), so what it refuses (an unknown model,
-    one model, every model, a selector naming no CPU group) is refused here with its words.
-
-    Why a lane is a plain extra worker here: to the scheduler it is one (its own queue, the
-    group's arch). What it is to the OS (it preempts the group's worker, which then waits) the
-    simulation and the LP bound add on top (:func:`lane_groups`, :data:`LANE_APPROXIMATION`)."""
-    from staronnx.workers.lanes import plan_lanes
-
-    out = list(workers)
-    if not lanes:
-        return out, {}
-    cpu = [i for i, w in enumerate(workers) if w.kind == "cpu" and not w.name.startswith("lane:")]
-    slots = worker_slots(workers)
-    cpu_slots = [slots[i] for i in cpu]
-    plan = plan_lanes(lanes, list(model_names), cpu_slots)
-    held: dict[int, tuple[str, ...]] = {}
-    for slot, (group, models) in zip(plan.slots(cpu_slots), plan.lanes):
-        g = workers[cpu[group]]
-        held[len(out)] = tuple(models)
-        out.append(WorkerInfo(len(out), slot.name, g.arch, g.kind, g.memory_node, g.ncores))
-    return out, held
 
 
 @dataclass
@@ -347,7 +297,7 @@ class SimMachine:
     #: the models sharing the machine, their parts numbered as the runtime numbers them (the
     #: table is keyed by those global parts); one plan is a set of one, global = own part
     models: ModelSet | None = None
-    #: the workers that are latency lanes (:func:`lane_workers`): worker id -> the models it holds
+    #: the workers that are latency lanes: worker id -> the models it holds
     lanes: dict[int, tuple[str, ...]] = field(default_factory=dict)
     #: what serving costs the host beyond the tasks, per batch size, as calibration measured it
     #: on these workers (:mod:`staronnx.perfmodels.host`); None: left out (said in ``notes``)
@@ -355,6 +305,8 @@ class SimMachine:
     #: PUs outside every CPU group (and every CUDA driver's core): where the host's threads
     #: run without taking a worker's time; 0 when the groups cover every core
     free_pus: int = 1
+    #: the runtime's layout these workers are (None: workers made by hand)
+    layout: Layout | None = None
 
     def __post_init__(self) -> None:
         if self.models is None:
@@ -428,16 +380,9 @@ class SimMachine:
 
 def free_pus(topology: Topology | None, groups: str, cuda_streams: int = 0,
              cuda_devices: Sequence[int] = (0,)) -> int:
-    """PUs the process may run on that no CPU group owns and no CUDA driver thread is pinned
-    to (:func:`~staronnx.workers.launch.worker_layout`'s): where the load generator, the
-    batcher and the engine's hand-overs run without taking a worker's core."""
-    from staronnx.workers.launch import worker_layout
-
-    topology = topology if topology is not None else Topology.from_system()
-    layout = worker_layout(topology, groups, cuda_streams, check_cuda_devices(cuda_devices))
-    used = {p for g in layout.groups for p in g.pus}
-    used |= {p for pus in layout.groups.reserved for p in pus}
-    return len(set(topology.allowed_pus) - used)
+    """PUs no CPU group owns and no CUDA driver thread is pinned to (:class:`Layout`'s)."""
+    spec = machine_spec(groups, cuda_streams, cuda_devices)
+    return layout(spec, topology if topology is not None else Topology.from_system()).free_pus
 
 
 #: said where a machine has no host costs (not calibrated, or several models)
@@ -488,37 +433,20 @@ def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, wher
     return inflight_window([sum(times[p][w] for p in range(len(times))) for w in mine])
 
 
-def worker_slots(workers: Sequence[WorkerInfo]) -> list[WorkerSlot]:
-    """The workers as a residency selector sees them (:mod:`staronnx.workers.residency`):
-    the runtime's names and kinds, a CUDA worker's GPU read from its name (``cuda1.s0``), a
-    lane (``lane:<group>``, a CPU worker to the policies) of kind ``lane``, as the runtime's
-    residency sees it, so that ``cpu`` does not select it and ``lane`` does."""
-    slots = []
-    for w in workers:
-        m = _CUDA_NAME.match(w.name) if w.kind == "cuda" else None
-        kind = "lane" if w.kind == "cpu" and w.name.startswith("lane:") else w.kind
-        slots.append(WorkerSlot(w.name, kind, int(m.group(1)) if m else None))
-    return slots
-
-
 def residency_where(machine: SimMachine, residency: Mapping[str, str] | None) -> list[frozenset[int]] | None:
     """Per global part of ``machine``, the ids of the workers that hold it when ``residency``
     (model name -> worker selector, as ``Runtime(residency=...)`` and ``--model-workers`` take
-    it) keeps some models on some workers only, or the machine has lanes (a lane holds its
-    models only, and a model with lanes is held by its lanes alone unless ``residency`` names
-    other workers too); None with neither (every worker holds every part: the policies'
-    unrestricted path). The live runtime's own rule
-    (:func:`~staronnx.workers.launch.held_part_paths`), so an unknown model, a selector that
-    matches no worker or a model left on lanes that do not hold it is refused here as
-    ``staronnx serve`` refuses it."""
-    from staronnx.workers.launch import held_part_paths
-
+    it) keeps some models on some workers only, or the machine has lanes; None with neither
+    (every worker holds every part: the policies' unrestricted path). The live runtime's own
+    rule (:meth:`~staronnx.workers.layout.Layout.holds`), so what ``staronnx serve`` refuses is
+    refused here in its words."""
     if not residency and not machine.lanes:
         return None
     models = machine.models
-    assert models is not None
-    held = held_part_paths(models, dict(residency or {}), worker_slots(machine.workers), machine.lanes)
-    return [frozenset(w for w, paths in enumerate(held) if paths[p] is not None) for p in range(models.k)]
+    if models is None or machine.layout is None:
+        raise SimulationError("residency and lanes need a machine laid out by build_machine")
+    held = machine.layout.holds([m.name for m, _ in models.owner], dict(residency or {}))
+    return [frozenset(w for w, row in enumerate(held) if row[p]) for p in range(models.k)]
 
 
 def held_by(machine: SimMachine, where: Where, model: int | str) -> list[str]:
@@ -531,6 +459,7 @@ def held_by(machine: SimMachine, where: Where, model: int | str) -> list[str]:
 
 def build_machine(
     plan: Plan | ModelSet | Mapping[str, Plan],
+    spec: MachineSpec | None = None,
     *,
     groups: str = "numa",
     topology: Topology | None = None,
@@ -544,9 +473,9 @@ def build_machine(
     lanes: Mapping[str, str] | None = None,
     host: HostModel | bool = True,
 ) -> SimMachine:
-    """Workers from ``topology`` (default: this machine) and ``groups``, plus ``cuda_streams``
-    hypothetical or real CUDA workers on each GPU of ``cuda_devices``, with times from
-    ``store`` (default: ``$STARONNX_HOME``).
+    """Workers from ``topology`` (default: this machine) and ``spec`` (else ``groups``, plus
+    ``cuda_streams`` hypothetical or real CUDA workers on each GPU of ``cuda_devices``, and
+    ``lanes``), with times from ``store`` (default: ``$STARONNX_HOME``).
 
     Each GPU is its own arch and memory node, as in the runtime. A GPU the store has no models
     or bus links for (a what-if: four GPUs where one was calibrated) takes those of the lowest
@@ -559,8 +488,8 @@ def build_machine(
     recalibrated for sharing). A per-part ``cuda_scale`` then has one factor per global part.
 
     ``lanes`` (model name -> CPU group selector, ``Runtime(lanes=...)``'s; see
-    :mod:`staronnx.workers.lanes`) adds the runtime's latency lanes (:func:`lane_workers`):
-    one more worker per selected group, same arch, holding the lane models only (the
+    :mod:`staronnx.workers.lanes`) adds the runtime's latency lanes: one more worker per
+    selected group, same arch, holding the lane models only (the
     simulations and bounds over this machine keep them there, :func:`residency_where`). They
     are checked first, so a bad lane is refused before any perf model is read. A lane's task
     preempts its group's worker in the simulations, and the two share the group's cores in the
@@ -574,9 +503,10 @@ def build_machine(
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
         ModelSet(dict(plan)) if isinstance(plan, Mapping) else ModelSet.of(plan))
-    devices = check_cuda_devices(cuda_devices)
-    workers, lane_of = lane_workers(sim_workers(topology, groups, cuda_streams, devices), lanes,
-                                    [m.name for m in models.models])
+    spec = spec or machine_spec(groups, cuda_streams, cuda_devices, lanes)
+    laid = layout(spec, topology if topology is not None else Topology.from_system(), [m.name for m in models.models])
+    workers = worker_infos(laid)
+    lane_of = {i: w.models for i, w in enumerate(laid.workers) if w.kind == "lane"}
     stored_by_model = {m.name: {key.arch for key in store.list(m.plan.hash)} for m in models.models}
     stored = set().union(*stored_by_model.values())
     sources, notes = resolve_sources(
@@ -599,22 +529,21 @@ def build_machine(
         notes += borrow_gpu_links(predictor.bus, workers)
     table = PerfTable(predictor, sources)
     settings = {
-        "groups": groups,
+        "groups": spec.groups,
         "topology": (topology.source if topology is not None else "system") or "system",
-        "cuda_streams": cuda_streams,
-        "cuda_devices": list(devices),
+        "cuda_streams": spec.cuda_streams,
+        "cuda_devices": list(spec.cuda_devices),
         "cuda_scale": cuda_scale if not isinstance(cuda_scale, tuple) else list(cuda_scale),
         "sources": {a: s.describe() for a, s in sources.items()},
     }
     if lane_of:
-        settings["lanes"] = dict(lanes or {})
+        settings["lanes"] = dict(spec.lanes)
         notes.append(LANE_APPROXIMATION)
     costs = (host if isinstance(host, HostModel) else
              store.load_host(first.hash, [w.name for w in workers]) if host and models.single else None)
-    spare = free_pus(topology, groups, cuda_streams, devices)
     settings["host_costs"] = None if costs is None else costs.layout
-    settings["free_pus"] = spare
-    machine = SimMachine(first, workers, table, notes, settings, models, lane_of, costs, spare)
+    settings["free_pus"] = laid.free_pus
+    machine = SimMachine(first, workers, table, notes, settings, models, lane_of, costs, laid.free_pus, laid)
     if host is not False and models.single:
         notes.extend(host_notes(machine))
     return machine

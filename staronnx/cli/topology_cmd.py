@@ -19,7 +19,7 @@ from rich.table import Table
 
 from staronnx.errors import StaronnxError
 from staronnx.workers.groups import DEFAULT_POLICY, CpuGroup, CpuGroups, make_groups
-from staronnx.workers.launch import WorkerLayout, worker_layout
+from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology, format_pus
 
 
@@ -47,25 +47,19 @@ def groups_table(groups: CpuGroups) -> Table:
     return table
 
 
-def workers_table(topology: Topology, groups: str, cuda_streams: int, devices: tuple[int, ...],
-                  layout: WorkerLayout) -> Table:
-    """Every worker a runtime with these settings starts, in its order (CUDA streams first, GPU
-    by GPU), with its arch, memory node and PUs (``layout``'s): a CUDA worker's are its driver
-    thread's."""
-    from staronnx.bench.machine import sim_workers
-
-    pins = {f"cuda{d}.s{s}": pu for d, s, pu in layout.cuda}
-    cpus = {f"cpu:{g.name}": format_pus(g.pus) for g in layout.groups}
-    table = Table(title=f"workers for --groups {groups!r}, --cuda-streams {cuda_streams}"
-                        + (f", --cuda-devices {','.join(map(str, devices))}" if cuda_streams else ""))
+def workers_table(laid: Layout) -> Table:
+    """Every worker a runtime of ``laid``'s spec starts, in its order (CUDA streams first, GPU
+    by GPU), with its arch, memory node and PUs: a CUDA worker's are its driver thread's."""
+    spec = laid.spec
+    table = Table(title=f"workers for --groups {spec.groups!r}, --cuda-streams {spec.cuda_streams}"
+                        + (f", --cuda-devices {','.join(map(str, spec.cuda_devices))}" if spec.cuda_streams else ""))
     for col in ("worker", "kind", "arch (perf models)", "memory node", "PUs"):
         table.add_column(col)
-    for w in sim_workers(topology, groups, cuda_streams, devices):
-        if w.kind == "cuda":
-            pu = pins.get(w.name)
-            where = f"driver thread on PU {pu}" if pu is not None else "driver thread not pinned"
+    for w in laid.workers:
+        if w.group is not None:
+            where = format_pus(w.group.pus)
         else:
-            where = cpus.get(w.name, "-")
+            where = f"driver thread on PU {w.pu}" if w.pu is not None else "driver thread not pinned"
         table.add_row(w.name, w.kind, w.arch, w.memory_node, where)
     return table
 
@@ -127,13 +121,12 @@ def register(app: typer.Typer) -> None:
         elsewhere = synthetic is not None or xml is not None
         devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=elsewhere)
         # with CUDA streams, the groups as the runtime makes them: a core held back per GPU driver thread
-        layout = worker_layout(topo, groups, cuda_streams, devices) if cuda_streams else None
-        cpu_groups = layout.groups if layout is not None else make_groups(topo, groups)
+        laid = layout(MachineSpec(groups, cuda_streams, devices), topo) if cuda_streams else None
         console = Console()
         console.print(topo.rich_tree())
-        console.print(groups_table(cpu_groups))
-        if layout is not None:
-            console.print(workers_table(topo, groups, cuda_streams, devices, layout))
+        console.print(groups_table(laid.groups if laid is not None else make_groups(topo, groups)))
+        if laid is not None:
+            console.print(workers_table(laid))
         if not elsewhere:
             from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
 

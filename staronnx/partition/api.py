@@ -1,4 +1,4 @@
-"""``partition()``: a model in, a k-part acyclic plan out (``staronnx.partition()`` on this host).
+"""``staronnx.partition()``: a model in, a k-part acyclic plan out, cut for this host.
 
 The steps are the ones DESIGN.md lists: check the request, load and shape-infer the model,
 choose the shares (``shares="auto"``), run the method's :class:`~staronnx.partition.cut.Cut`
@@ -29,10 +29,10 @@ from staronnx.partition.autoshares import (
 from staronnx.partition.checks import say as warn
 from staronnx.partition.checks import warn_cut
 from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
+from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
-from staronnx.partition.methods.model import Device, TransferModel
-from staronnx.partition.methods.pipeline import PLACEMENT_METHODS, PlacementMethod
+from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
 from staronnx.partition.notation import parse_input_shapes, read_shares
 from staronnx.partition.whole import (
     UncuttableError,
@@ -95,9 +95,8 @@ def partition(
     tolerance: float = 0.02,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
-    devices: Sequence[Device] | None = None,
-    cpu_group_sizes: Sequence[int] | None = None,
-    transfer: TransferModel | None = None,
+    groups: str | None = None,
+    cuda_streams: int = 0,
     speeds: Sequence[WorkerSpeed] | None = None,
     cuda_devices: Sequence[int] = (0,),
     batch_axes: Sequence[str] | Mapping[str, int | None] | None = None,
@@ -111,12 +110,15 @@ def partition(
     ``output_dir`` the plan is written to a new temporary folder.
 
     ``shares="auto"`` chooses the split from this machine's speeds
-    (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on CPU
-    workers of ``cpu_group_sizes`` cores, and on each GPU of ``cuda_devices`` for
-    ``device="cuda"`` (their rates add up), or ``speeds``
-    given (e.g. from calibrated perf models); one part where a split cannot pay.  The choice
-    and its reason are kept in the plan's settings. A placement method places on ``devices``
-    and prices transfers with ``transfer`` (default links when None).
+    (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on the
+    CPU workers ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)`` would start here
+    (default ``numa``), and on each GPU of ``cuda_devices`` for ``device="cuda"`` (their rates
+    add up), or ``speeds`` given (e.g. from calibrated perf models); one part where a split
+    cannot pay. The choice and its reason are kept in the plan's settings. A placement method
+    places on the CPU groups of ``groups`` (default: one per NUMA node, or two halves of the
+    cores), beside the GPU for ``device="cuda"``, and prices transfers with the bus model
+    ``staronnx calibrate`` stored (:mod:`staronnx.partition.host`). Only what the request uses
+    is read of this host.
 
     ``batch_axes`` (input or output name -> axis, None for none) and ``batching=False`` set the
     model's batching contract where the graph cannot tell it (:mod:`staronnx.contract`); they are
@@ -131,10 +133,12 @@ def partition(
     A cut that runs but does not mean what was asked (a part that computes nothing, a crossing
     tensor of 0 bytes, an achieved share further than ``tolerance`` from its target) is said
     with a :class:`~staronnx.partition.checks.PartitionWarning` each, with a way out.
-
-    The machine comes in typed: ``staronnx.partition()``
-    (:func:`staronnx.workers.host.partition`) reads this host's from a CPU group policy.
     """
+    placed = method in PLACEMENT_METHODS
+    devices = host_devices(groups, cuda=device == "cuda") if placed else None
+    group_sizes = (cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices)
+                   if is_auto(shares) and speeds is None and not placed else None)
+    transfer = host_transfer() if placed else None
     say = progress or (lambda _msg: None)
     auto = is_auto(shares)
     if auto and parts is not None:
@@ -171,19 +175,18 @@ def partition(
         return _whole(loaded, reason or small, out, say, tolerance=tolerance, **common)
     graph = build_graph(loaded, shapes, axes)
     cut = METHODS[method]
-    placed = isinstance(cut, PlacementMethod)
     auto_choice = None
     if auto:
         if placed:
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
-        auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=cpu_group_sizes, speeds=speeds,
+        auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=group_sizes, speeds=speeds,
                                    batch=profile_batch, runs=profile_runs, seed=seed, say=say,
                                    cuda_devices=cuda_devices)
         targets = auto_choice.shares
     # a placement method profiles per device itself and makes its own parts (shares do not apply)
     request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
                          profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
-                         devices=devices if placed else None, transfer=transfer, progress=say)
+                         devices=devices, transfer=transfer, progress=say)
     try:
         result = cut(graph, request)
         settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,

@@ -64,8 +64,8 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.colocate import Colocation
 from staronnx.workers.cuda import CudaWorker
-from staronnx.workers.lanes import check_preempt, short_switch_interval
-from staronnx.workers.launch import cuda_ordinals
+from staronnx.workers.lanes import short_switch_interval
+from staronnx.workers.layout import MachineSpec
 from staronnx.workers.pinned_pool import PinnedPool
 
 log = logging.getLogger(__name__)
@@ -131,10 +131,14 @@ class Runtime:
         ``device_id`` provider option picks one (:class:`~staronnx.runtime.session.InferenceSession`)."""
         if save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
-        devices = cuda_ordinals(cuda_devices)
-        if devices is None:
-            raise StaronnxError(f"cuda_devices must name each GPU once, by its CUDA ordinal (0, 1, ...); got "
-                                f"{list(cuda_devices)}")
+        options = dict(cuda_options or {})
+        if isinstance(lanes, str):
+            lanes = [lanes]
+        #: the workers this runtime asked for, as one value (its engine starts them)
+        self.machine = MachineSpec(
+            cpu_groups, cuda_streams, cuda_devices, bool(options.get("cuda_graphs", True)),
+            bool(options.get("thread_per_stream", False)), dict(residency or {}),
+            dict(lanes) if isinstance(lanes, Mapping) else {name: "cpu" for name in lanes or ()}, lane_preempt)
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, self._single = load_plans(plan)
         self.models = ModelSet(plans, targets)
@@ -144,18 +148,15 @@ class Runtime:
         if residency and (engine != "native" or workers is not None):
             raise StaronnxError("residency chooses the workers that load each model when the native engine "
                                 "starts them; it does not go with engine='starpu' or workers=[...]")
-        if isinstance(lanes, str):
-            lanes = [lanes]
-        lanes = dict(lanes) if isinstance(lanes, Mapping) else {name: "cpu" for name in lanes or ()}
-        if lanes and (engine != "native" or workers is not None):
+        if self.machine.lanes and (engine != "native" or workers is not None):
             raise StaronnxError("lanes are workers the native engine starts; they do not go with engine='starpu' "
                                 "or workers=[...]")
         self.policy_name = policy
-        self._native = engine == "native"
+        machine = self.machine
         settings = EngineSettings(
-            policy, cpu_groups, cuda_streams, trace, store, dict(policy_options or {}),
-            None if workers is None else list(workers), calibrate, dict(cuda_options or {}),
-            tuple(int(b) for b in warmup), dict(residency or {}), lanes, check_preempt(lane_preempt), devices)
+            policy, machine.groups, machine.cuda_streams, trace, store, dict(policy_options or {}),
+            None if workers is None else list(workers), calibrate, options, tuple(int(b) for b in warmup),
+            machine.residency, machine.lanes, machine.lane_preempt, tuple(machine.cuda_devices))
         self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
@@ -166,12 +167,12 @@ class Runtime:
         self._colocation = Colocation(self._engine.workers)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._switch = short_switch_interval() if lanes else None
+        self._switch = short_switch_interval() if self.machine.lanes else None
         if self._switch is not None:
             self._switch.__enter__()
         self._stop_saving = threading.Event()
         self._saver: threading.Thread | None = None
-        if save_every > 0 and getattr(self._engine, "predictor", None) is not None:
+        if save_every > 0 and self._engine.predictor is not None:
             self._saver = threading.Thread(target=self._save_loop, args=(float(save_every),),
                                            name="staronnx-perfmodel-saver", daemon=True)
             self._saver.start()
@@ -180,9 +181,8 @@ class Runtime:
     def save_perf_models(self) -> None:
         """Merge the perf-model samples learnt since the last merge into the store now
         (atomically, under the store's lock; the native engine's, StarPU keeps its own)."""
-        predictor = getattr(self._engine, "predictor", None)
-        if predictor is not None:
-            predictor.save()
+        if self._engine.predictor is not None:
+            self._engine.predictor.save()
 
     def _save_loop(self, every: float) -> None:
         while not self._stop_saving.wait(every):
@@ -233,8 +233,6 @@ class Runtime:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
         hosted = self.models.model(model)
         hosted.plan.check_feeds(feeds)
-        if hosted.index == 0 and (arrival is None or not self._native):
-            return self._engine.submit(feeds)  # the one-plan call every engine takes
         return self._engine.submit(feeds, hosted.index, arrival)
 
     def batch_array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
@@ -269,7 +267,8 @@ class Runtime:
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Submit one batch and wait for its outputs."""
-        return self.submit(feeds).result()
+        outputs: dict[str, np.ndarray] = self.submit(feeds).result()
+        return outputs
 
     def map(self, feeds: Iterable[Mapping[str, np.ndarray]], max_in_flight: int = 8) -> Iterator[dict[str, np.ndarray]]:
         """Results in input order, with at most ``max_in_flight`` requests queued (backpressure)."""
@@ -344,7 +343,8 @@ class ModelHandle:
         return self.runtime.submit(feeds, self.name, arrival=arrival)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.submit(feeds).result()
+        outputs: dict[str, np.ndarray] = self.submit(feeds).result()
+        return outputs
 
     def batch_array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
         return self.runtime.batch_array(shape, dtype)

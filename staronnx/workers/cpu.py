@@ -79,7 +79,7 @@ class CpuWorker(ThreadWorker):
     def __init__(
         self,
         group: CpuGroup,
-        part_paths: Sequence[str | os.PathLike[str]],
+        part_paths: Sequence[str | os.PathLike[str] | None],
         name: str | None = None,
         spin: bool | None = None,
         *,
@@ -137,7 +137,8 @@ class CpuWorker(ThreadWorker):
     # ------------------------------------------------------------------ tasks
     def affinity(self) -> set[int]:
         """What ``os.sched_getaffinity(0)`` reports inside the worker thread."""
-        return self.call(lambda: os.sched_getaffinity(0))
+        pus: set[int] = self.call(lambda: os.sched_getaffinity(0))
+        return pus
 
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
         """Run a part in the calling thread, which must be this worker's own (see :meth:`spawn`).
@@ -168,7 +169,7 @@ class CpuWorker(ThreadWorker):
         self.membind = _bind_memory(self._topology, self.group)
         for i, path in enumerate(self.part_paths):
             if path is None:  # a part this worker does not hold: no session, no memory
-                self._sessions.append(None)  # type: ignore[arg-type]
+                self._sessions.append(None)
                 self._inputs.append([])
                 self._outputs.append([])
                 continue

@@ -175,7 +175,7 @@ class CudaWorker(ThreadWorker):
         self,
         device_id: int,
         stream_index: int,
-        part_paths: Sequence[str | os.PathLike[str]],
+        part_paths: Sequence[str | os.PathLike[str] | None],
         cudnn_conv_algo_search: str = "EXHAUSTIVE",
         name: str | None = None,
         *,
