@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from staronnx.serving.server import StandInRuntime
+
 
 def cli(capsys, *args: object) -> tuple[int, str, str]:
     """Run the staronnx CLI in-process, as ``staronnx ARGS`` would; return (exit code, stdout,
@@ -18,7 +20,7 @@ def cli(capsys, *args: object) -> tuple[int, str, str]:
     return code, out, err
 
 
-class Gated:
+class Gated(StandInRuntime):
     """A runtime behind a gate: no batch it is given completes before ``gate`` is set, so a
     test can place callbacks or cancel requests first. ``submit`` returns at once (a server
     may launch a batch on the thread that submits its last request); the batch is submitted

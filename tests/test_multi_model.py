@@ -18,7 +18,7 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
-from staronnx.serving.server import OverloadError, Server
+from staronnx.serving.server import OverloadError, Server, StandInRuntime
 from staronnx.zoo import inception, residual
 
 
@@ -174,7 +174,7 @@ def test_servers_over_one_runtime_overload_one_model_only(plans, two_groups, tmp
     with Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, store=PerfModelStore(tmp_path)) as rt:
         gate = threading.Event()
 
-        class Held:  # the heavy model's batches wait at the gate: its queue fills for sure
+        class Held(StandInRuntime):  # the heavy model's batches wait at the gate: its queue fills for sure
             plan = heavy
             workers = rt.workers
 

@@ -40,6 +40,7 @@ from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
 from staronnx.serving import Server
+from staronnx.serving.server import StandInRuntime
 from staronnx.workers.base import Worker
 from staronnx.zoo import chain
 
@@ -151,7 +152,7 @@ class ClockedWorker(Worker):
         self.pool.shutdown()
 
 
-class CountingRuntime:
+class CountingRuntime(StandInRuntime):
     """What the server sees: the engine, counting the batches it has taken (once pushed)."""
 
     def __init__(self, engine: NativeEngine) -> None:

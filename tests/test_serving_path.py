@@ -27,7 +27,7 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.serving import Constant, Server, ServerClosed, run_open_loop
 from staronnx.serving import collector, loadgen
 from staronnx.serving import server as server_module
-from staronnx.serving.server import padded_size
+from staronnx.serving.server import StandInRuntime, padded_size
 
 W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
 
@@ -60,7 +60,7 @@ def _sample(i: int) -> dict[str, np.ndarray]:
     return {"x": np.full((1, 16), float(i), np.float32) + np.arange(16, dtype=np.float32)}
 
 
-class _OwnThreadRuntime:
+class _OwnThreadRuntime(StandInRuntime):
     """A stand-in BatchRuntime that runs every batch on a thread of its own, as a worker does:
     y = x @ W, the shapes it was given kept in ``seen``, the completing thread in ``threads``."""
 
@@ -579,19 +579,21 @@ def test_collector_quiet_nests_and_restores_on_error():
     assert holders or gc.get_freeze_count() == 0
 
 
-def test_a_server_keeps_the_heap_it_started_with_frozen_until_closed(stand_in):
-    holders = server_module._frozen_users
+def test_a_server_leaves_the_collector_to_its_caller_who_holds_the_heap_frozen(stand_in):
+    """No process-wide side effect from a constructor: a Server freezes nothing; ``staronnx
+    serve`` and the load generator hold the heap frozen (``hold_frozen``, nested: the last
+    holder unfreezes)."""
+    holders, frozen = server_module._frozen_users, gc.get_freeze_count()
+    with Server(stand_in, 1) as server:
+        assert server.submit(_sample(0)).result(timeout=10)["y"].shape == (1, 16)
+        assert server_module._frozen_users == holders and gc.get_freeze_count() == frozen
     loaded = [object() for _ in range(10)]  # "the model": tracked objects there before serving
-    a = Server(stand_in, 1)
-    assert server_module._frozen_users == holders + 1 and gc.get_freeze_count() >= len(loaded)
-    b = Server(stand_in, 1)
-    a.close()
-    a.close()  # twice: released once
-    assert server_module._frozen_users == holders + 1 and gc.get_freeze_count() > 0  # b still serves
-    b.submit(_sample(0)).add_done_callback(lambda f: b.close())  # closed on its batcher thread
-    deadline = time.monotonic() + 10
-    while server_module._frozen_users != holders and time.monotonic() < deadline:
-        time.sleep(0.01)
+    server_module.hold_frozen()
+    server_module.hold_frozen()
+    assert server_module._frozen_users == holders + 2 and gc.get_freeze_count() >= len(loaded)
+    server_module.release_frozen()
+    assert server_module._frozen_users == holders + 1 and gc.get_freeze_count() > 0  # one still holds
+    server_module.release_frozen()
     assert server_module._frozen_users == holders
     assert holders or gc.get_freeze_count() == 0
 

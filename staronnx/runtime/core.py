@@ -343,8 +343,8 @@ class TaskGraph:
         task.ready_at = now
         self.queue[view.id] = task
         target = self.policy.push(view)
-        if self.prefetch and target.__class__ is int:
-            self._prefetch(task, self.workers[target].info.memory_node)  # type: ignore[index]
+        if self.prefetch and isinstance(target, int):
+            self._prefetch(task, self.workers[target].info.memory_node)
         if target is None and self.where is not None:  # a shared queue: wake one that holds it
             self.pushed_to.append(self.where[task.part])
         else:
@@ -429,11 +429,11 @@ class TaskGraph:
                 keep.append(name)
         view = task.view
         if on_device and view is not None and view.outputs:
-            key = (view.outputs, node)
+            back = (view.outputs, node)
             try:
-                copies += cache[key]
+                copies += cache[back]
             except KeyError:
-                copies += cache.setdefault(key, [Copy(n, node, HOST_NODE, b) for n, b in view.outputs if b > 0])
+                copies += cache.setdefault(back, [Copy(n, node, HOST_NODE, b) for n, b in view.outputs if b > 0])
         if copies:
             task.copies = copies
         if keep:
@@ -470,14 +470,7 @@ class TaskGraph:
         if self._on_device[wid] and self._finals[task.part] and not view.outputs:
             copies = [*copies, *self._writebacks(task, node, outputs)]
         if copies:
-            links = self.copy_counts.links  # CopyCounts.add, inlined: this runs per task
-            for c in copies:
-                try:
-                    entry = links[c[1], c[2]]
-                except KeyError:
-                    entry = links[c[1], c[2]] = [0, 0]
-                entry[0] += 1
-                entry[1] += c[3]
+            self.copy_counts.add(copies)
         for name, nbytes in outputs.items():
             if name in readers:  # a handle only for what another part reads
                 valid = produced_on(node, True) if name in final else frozenset((node,))

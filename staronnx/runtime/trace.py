@@ -17,7 +17,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from staronnx.plan import atomic_write_text
+from staronnx.fsutil import atomic_write_text
 
 
 class Tracer:

@@ -26,7 +26,6 @@ settings serve it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import threading
 import time
@@ -42,10 +41,12 @@ from staronnx.contract import BatchContract
 from staronnx.errors import InputError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
+from staronnx.runtime.task import RequestFuture
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_statistics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
 from staronnx.serving.server import OverloadError, Server, ServerClosed
+from staronnx.workers.cuda import CudaWorker
 
 #: requests (and batches, and queue samples) whose records a served model keeps: the latest
 #: few thousand, enough for any look at recent behaviour, while a server that runs for weeks
@@ -85,16 +86,16 @@ class Handoff:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._lock = threading.Lock()
-        self._items: list[tuple[asyncio.Future[Any], Future]] = []  # type: ignore[type-arg]
+        self._items: list[tuple[asyncio.Future[Any], Future[Any]]] = []
         self._scheduled = False
 
-    def watch(self, future: Future) -> asyncio.Future[Any]:  # type: ignore[type-arg]
+    def watch(self, future: Future[Any]) -> asyncio.Future[Any]:
         """An asyncio future (of this loop) that takes ``future``'s outcome once it is done."""
         waiter = self.loop.create_future()
         future.add_done_callback(functools.partial(self._post, waiter))
         return waiter
 
-    def _post(self, waiter: asyncio.Future[Any], future: Future) -> None:  # type: ignore[type-arg]
+    def _post(self, waiter: asyncio.Future[Any], future: Future[Any]) -> None:
         """(Any thread: the batcher's, or the loop's for a cancel.) Queue; wake the loop if idle."""
         with self._lock:
             self._items.append((waiter, future))
@@ -124,62 +125,6 @@ class Handoff:
                 waiter.set_result(future.result())
 
 
-class MeteredRuntime:
-    """The runtime as the batcher sees it, counting every batch it is handed.
-
-    The batching :class:`~staronnx.serving.server.Server` talks to a runtime through
-    ``submit(feeds)``; standing in between is how the executions and their sizes are counted
-    without reaching into the server.
-    """
-
-    def __init__(self, runtime: Any, on_batch: Any) -> None:
-        self.runtime = runtime
-        self.plan: Plan = runtime.plan
-        self._on_batch = on_batch
-        #: the batch a task holds is read off its feeds along each input's own batch axis
-        self._contract: BatchContract = self.plan.contract
-
-    @property
-    def workers(self) -> list[Any]:
-        return list(getattr(self.runtime, "workers", ()) or ())
-
-    @property
-    def preferred_batch_sizes(self) -> tuple[int, ...]:
-        """The batch sizes the runtime captured CUDA graphs for (a partial batch is padded up to
-        one): the Server reads them as its default ``pad_to``, so standing in between must not
-        hide them. Empty for a runtime that captures none (CPU workers only, a stand-in)."""
-        if isinstance(self.runtime, (Runtime, ModelHandle)):
-            return tuple(self.runtime.preferred_batch_sizes)
-        return ()
-
-    @property
-    def takes_arrival(self) -> bool:
-        """Whether the runtime starts a latency target at the batch's arrival (a shared one)."""
-        return bool(getattr(self.runtime, "takes_arrival", False))
-
-    @property
-    def tracer(self) -> Any:
-        return getattr(self.runtime, "tracer", None)
-
-    def colocate(self) -> contextlib.AbstractContextManager[int | None]:
-        """The runtime's :meth:`~staronnx.runtime.runtime.Runtime.colocate` (nothing for one
-        without it: the starpu engine's, Ray's)."""
-        colocate = getattr(self.runtime, "colocate", None)
-        return colocate() if colocate is not None else contextlib.nullcontext()
-
-    def submit(self, feeds: Mapping[str, np.ndarray], **when: float) -> Future:  # type: ignore[type-arg]
-        t0 = time.perf_counter()
-        future = self.runtime.submit(feeds, **when)
-        size = self._contract.rows(feeds)
-
-        def done(f: Future) -> None:  # type: ignore[type-arg]
-            if not (f.cancelled() or f.exception()):
-                self._on_batch(size, time.perf_counter() - t0)
-
-        future.add_done_callback(done)
-        return future
-
-
 def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int,
                          cuda_devices: Sequence[int] = (0,)) -> int | None:
     """The batches to keep in flight on this plan's runtime, from its perf models, as sweeps and
@@ -205,31 +150,28 @@ def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cud
 class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
-    def __init__(self, name: str, runtime: Any, *, batch_size: int, max_delay: float,
+    def __init__(self, name: str, runtime: Runtime | ModelHandle, *, batch_size: int, max_delay: float,
                  queue_capacity: int, metrics: ServeMetrics, settings: Mapping[str, Any] | None = None,
                  keep_records: int | None = RECORDS_KEPT, max_inflight: int | None = None,
                  colocate: bool = False) -> None:
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
-        target = getattr(runtime, "target", None)  # a model of a shared runtime has one
         #: seconds a request may take (--slo-ms); later answers count as deadline misses
-        self.latency_target: float | None = getattr(target, "latency", None)
+        self.latency_target = None if runtime.target is None else runtime.target.latency
         self.plan: Plan = runtime.plan
         self.stats = ModelStats()
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
-        gpus = sorted({w.device_id for w in getattr(runtime, "workers", ())
-                       if getattr(w, "device_id", None) is not None})
+        gpus = sorted({w.device_id for w in runtime.workers if isinstance(w, CudaWorker)})
         if max_inflight is None:
             max_inflight = inflight_from_models(self.plan, batch_size, groups=self.settings.get("groups"),
                                                 cuda_streams=int(self.settings.get("cuda_streams") or 0),
                                                 cuda_devices=gpus or (0,))
-        self.server = Server(MeteredRuntime(runtime, self._executed), batch_size, max_delay=max_delay,
-                             queue_capacity=queue_capacity, on_full="reject", keep_records=keep_records,
-                             max_inflight=max_inflight, colocate=colocate,
-                             batch_memory=runtime.batch_array if isinstance(runtime, (Runtime, ModelHandle)) else None)
+        self.server = Server(runtime, batch_size, max_delay=max_delay, queue_capacity=queue_capacity,
+                             on_full="reject", keep_records=keep_records, max_inflight=max_inflight,
+                             colocate=colocate, on_executed=self._executed)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}
@@ -296,7 +238,7 @@ class ModelEndpoint:
         leading = contract.batchable and all(a == 0 for a in (*contract.inputs.values(), *contract.outputs.values()))
         params = {"plan_hash": self.plan.hash, "plan": Path(self.plan.root).name,
                   "queue_capacity": self.server.queue_capacity, "max_inflight": self.server.max_inflight,
-                  "workers": len(getattr(self.runtime, "workers", ()) or ()),
+                  "workers": len(self.runtime.workers),
                   "batch_size": self.server.batch_size if contract.batchable else 1,
                   **_contract_parameters(contract, leading),
                   **self.settings}
@@ -324,7 +266,7 @@ class ModelEndpoint:
         }
         if contract.batchable:  # a model that cannot batch runs each request as it comes
             dynamic: dict[str, Any] = {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))}
-            padded = sorted(int(b) for b in self.server.runtime.preferred_batch_sizes)
+            padded = sorted(int(b) for b in self.runtime.preferred_batch_sizes)
             if padded:  # the captured CUDA graph sizes a partial batch is padded up to
                 dynamic["preferred_batch_size"] = padded
             config["dynamic_batching"] = dynamic
@@ -339,23 +281,23 @@ class ModelEndpoint:
         """The workers that hold this model, as Triton's ``instance_group`` says where a model's
         instances run (its tools read it): the CUDA streams per GPU, the GPUs, and the CPU
         workers (CPU groups and lanes)."""
-        workers = list(getattr(self.runtime, "workers", ()) or ())
+        workers = self.runtime.workers
         try:
             held = set(self.runtime.stats().get("held_by") or [w.name for w in workers])
-        except Exception:  # noqa: BLE001 - a runtime without stats (a stand-in): every worker
-            held = {getattr(w, "name", "") for w in workers}
-        mine = [w for w in workers if getattr(w, "name", "") in held]
+        except Exception:  # noqa: BLE001 - a closing runtime: every worker
+            held = {w.name for w in workers}
+        mine = [w for w in workers if w.name in held]
         streams: dict[int, int] = {}
         for w in mine:
-            if getattr(w, "kind", "") == "cuda":
-                streams[int(w.device_id)] = streams.get(int(w.device_id), 0) + 1
+            if isinstance(w, CudaWorker):
+                streams[w.device_id] = streams.get(w.device_id, 0) + 1
         groups: list[dict[str, Any]] = []
         if streams:  # Triton's count is per GPU listed; a GPU with another count gets its own group
             for count in sorted(set(streams.values())):
                 gpus = sorted(d for d, n in streams.items() if n == count)
                 groups.append({"name": f"{self.name}_gpu{'_'.join(map(str, gpus))}", "kind": "KIND_GPU",
                                "count": count, "gpus": gpus})
-        cpus = sum(1 for w in mine if getattr(w, "kind", "") != "cuda")
+        cpus = sum(1 for w in mine if w.kind != "cuda")
         if cpus:
             groups.append({"name": f"{self.name}_cpu", "kind": "KIND_CPU", "count": cpus})
         return groups
@@ -476,11 +418,11 @@ class ModelEndpoint:
         self._latency_hist.observe(done - started + decode_s)
         return Answer(result, self._parameters(futures))
 
-    def _parameters(self, futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]
+    def _parameters(self, futures: Sequence[RequestFuture]) -> dict[str, int | str]:
         """:func:`_batch_parameters`, formatted once per batch: a batch's requests are answered one
         after the other, so the last batch's are kept and its other requests get the same dict
         (shared: the front ends only read it)."""
-        batch = getattr(futures[0], "batch", None) if len(futures) == 1 else None
+        batch = futures[0].batch if len(futures) == 1 else None
         last = self._last_parameters
         if batch is not None and last is not None and last[0] is batch:
             return last[1]
@@ -489,11 +431,11 @@ class ModelEndpoint:
             self._last_parameters = (batch, params)
         return params
 
-    def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[Future]:  # type: ignore[type-arg]
+    def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[RequestFuture]:
         """One sample per row into the batcher, cut along each input's own batch axis (per-request
         values whole with every sample); a model that cannot batch takes the request whole. All
         or none: a full queue refuses the whole request."""
-        futures: list[Future] = []  # type: ignore[type-arg]
+        futures: list[RequestFuture] = []
         contract = self.contract
         try:
             if not contract.batchable or n == 1:
@@ -579,12 +521,12 @@ def _image_format(dims: Sequence[int]) -> str:
     return "FORMAT_NONE"
 
 
-def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # type: ignore[type-arg]
+def _batch_parameters(futures: Sequence[RequestFuture]) -> dict[str, int | str]:
     """The batch of a one-sample request, as response parameters (none for a client batch,
     whose samples may have run in several batches)."""
     if len(futures) != 1:
         return {}
-    batch = getattr(futures[0], "batch", None)
+    batch = futures[0].batch
     if batch is None:
         return {}
     params: dict[str, int | str] = {"staronnx_batch_id": int(batch.id), "staronnx_batch_size": int(batch.size)}
@@ -593,15 +535,15 @@ def _batch_parameters(futures: Sequence[Future]) -> dict[str, int | str]:  # typ
     return params
 
 
-def _batch_times(futures: Sequence[Future], started: float) -> tuple[float, float]:  # type: ignore[type-arg]
+def _batch_times(futures: Sequence[RequestFuture], started: float) -> tuple[float, float]:
     """(queue, compute) seconds of a request: until its last sample's batch formed, and that
     batch's run (from the batch records the server attaches to each sample's future)."""
     if len(futures) == 1:  # most requests: no lists
-        b = getattr(futures[0], "batch", None)
+        b = futures[0].batch
         if b is None or b.formed is None or b.done is None:
             return 0.0, 0.0
         return max(b.formed - started, 0.0), max(b.done - b.formed, 0.0)
-    batches = [getattr(f, "batch", None) for f in futures]
+    batches = [f.batch for f in futures]
     formed = [b.formed for b in batches if b is not None and b.formed is not None]
     done = [b.done for b in batches if b is not None and b.done is not None]
     if not formed or not done:

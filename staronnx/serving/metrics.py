@@ -69,7 +69,7 @@ def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
     excluded = _flush_batches(records)
     by_id = {r.id: r for r in records.requests}
     measured = _window_batches(records.batches, by_id, w0, w1, excluded)
-    latencies = np.array([r.done - r.arrival for bt in measured for r in _members(bt, by_id)  # type: ignore[operator]
+    latencies = np.array([r.done - r.arrival for bt in measured for r in _members(bt, by_id)
                           if r.done is not None], dtype=np.float64)
     firsts = _first_latencies(measured, by_id)
     completions = np.array([r.done for r in records.requests if r.done is not None], dtype=np.float64)

@@ -8,6 +8,7 @@ discrete-event simulator must fill them the same way: times in seconds on one cl
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -75,7 +76,7 @@ class RunRecords:
     end: float  # clock time when the run stopped (last result, or the deadline)
     #: queue length sampled over time: (clock time, requests waiting)
     queue_samples: list[tuple[float, int]] = field(default_factory=list)
-    settings: dict = field(default_factory=dict)
+    settings: dict[str, Any] = field(default_factory=dict)
     #: why the first failed request failed (one line), where the front end saw it but its
     #: records do not say (a request's own ``error`` is read first): a sweep point whose
     #: requests failed reports it instead of a figure nobody can read

@@ -60,6 +60,7 @@ from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, settle_locked
+from staronnx.runtime.trace import Tracer
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 
 log = logging.getLogger(__name__)
@@ -92,13 +93,62 @@ class ServerClosed(StaronnxError, RuntimeError):
     """Submitting to a server after close(), or a request still queued when close gave up."""
 
 
+Outputs = dict[str, np.ndarray]
+
+
 class BatchRuntime(Protocol):
-    """What the server needs from a runtime (:class:`staronnx.Runtime` or a stand-in)."""
+    """What the server needs from a runtime: :class:`~staronnx.runtime.runtime.Runtime`, a
+    model's handle on a shared one, or a stand-in (:class:`StandInRuntime` gives the defaults
+    of one that only runs batches)."""
+
+    @property
+    def plan(self) -> Plan: ...  # checks every request at submit
+
+    @property
+    def workers(self) -> Sequence[Any]: ...  # each with ``name`` and ``kind``; sizes the window
+
+    @property
+    def takes_arrival(self) -> bool:
+        """Whether ``submit`` takes ``arrival``, the batch's oldest arrival
+        (``time.perf_counter()``), from which a model's latency target counts."""
+        ...
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]: ...  # its captured CUDA graphs' sizes
+
+    @property
+    def tracer(self) -> Tracer | None: ...  # where the server's batch spans go too
+
+    def submit(self, feeds: Mapping[str, np.ndarray], *, arrival: float | None = None) -> Future[Outputs]: ...
+
+    def batch_array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """Memory to assemble a batch in (pinned where CUDA workers copy from it)."""
+        ...
+
+    def colocate(self) -> contextlib.AbstractContextManager[int | None]:
+        """A block on the runtime's host core (see :meth:`Runtime.colocate`)."""
+        ...
+
+
+class StandInRuntime:
+    """The :class:`BatchRuntime` defaults of a runtime that only runs batches (a test's, a
+    benchmark's): no workers to size the window by, no latency targets, no CUDA graphs, no
+    trace, numpy's memory, no core to join. A subclass sets ``plan`` and ``submit``."""
 
     plan: Plan
+    workers: Sequence[Any] = ()
+    takes_arrival = False
+    preferred_batch_sizes: tuple[int, ...] = ()
+    tracer: Tracer | None = None
 
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
-        ...
+    def submit(self, feeds: Mapping[str, np.ndarray], *, arrival: float | None = None) -> Future[Outputs]:
+        raise NotImplementedError
+
+    def batch_array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        return np.empty(shape, dtype)
+
+    def colocate(self) -> contextlib.AbstractContextManager[int | None]:
+        return contextlib.nullcontext()
 
 
 class _Request(RequestFuture):
@@ -124,10 +174,10 @@ class _Request(RequestFuture):
 
 #: a finished batch for the batcher thread: (its record, its requests, the runtime's future or
 #: the error that kept it from being submitted)
-_Completion = tuple[BatchRecord, list[_Request], "Future | BaseException"]  # type: ignore[type-arg]
+_Completion = tuple[BatchRecord, list[_Request], "Future[Outputs] | BaseException"]
 
 
-def _outcome(record: BatchRecord, future: Future | BaseException) -> tuple[Mapping[str, np.ndarray] | None, BaseException | None]:  # type: ignore[type-arg]
+def _outcome(record: BatchRecord, future: Future[Outputs] | BaseException) -> tuple[Outputs | None, BaseException | None]:
     """(outputs, None) or (None, error) of a finished batch; notes its placement on ``record``."""
     if isinstance(future, BaseException):
         return None, future
@@ -136,9 +186,8 @@ def _outcome(record: BatchRecord, future: Future | BaseException) -> tuple[Mappi
     exc = future.exception()
     if exc is not None:
         return None, exc
-    placement = getattr(future, "placement", None)  # per-batch (part -> arch), if the runtime says
-    if isinstance(placement, Mapping):
-        record.placement = {str(k): str(v) for k, v in placement.items()}
+    if isinstance(future, RequestFuture) and future.placement:  # a staronnx runtime's: part -> arch
+        record.placement = dict(future.placement)
     return future.result(), None
 
 
@@ -152,7 +201,9 @@ _frozen_users = 0
 
 
 def hold_frozen() -> None:
-    """Freeze (``gc.freeze``) what the process holds now, until every holder has let go.
+    """Freeze (``gc.freeze``) what the process holds now, until every holder has let go: what
+    ``staronnx serve`` and a load generator (:func:`~staronnx.serving.loadgen.collector_quiet`)
+    do while they serve, never a Server by itself (the process is its caller's).
 
     A full cycle collection walks every tracked object with every Python thread stopped: with
     a model and a runtime loaded that was 50-60 ms on the serving benchmark's host, long
@@ -249,7 +300,7 @@ class Server:
             long-running server (``staronnx serve``) does not grow without bound.
         batch_memory: ``(shape, dtype) -> array`` where each batch is assembled; default: the
             runtime's :meth:`~staronnx.runtime.runtime.Runtime.batch_array` (pinned memory
-            its CUDA workers copy to the device without staging) for a Runtime, else numpy's.
+            its CUDA workers copy to the device without staging).
         pad_to: batch sizes a partial batch is padded up to (the last request's rows repeated,
             dropped again when the outputs are split), so the runtime only meets sizes it has
             captured CUDA graphs for; default: the runtime's ``preferred_batch_sizes`` (those
@@ -261,6 +312,9 @@ class Server:
             and a hand-over between two cores costs more than one on the same core. A runtime
             without ``colocate`` (or a worker of its own) leaves it where it is.
             A thread that submits many requests gains more from the same block around its loop.
+        on_executed: called with the rows of each batch that succeeded (padding included) and
+            the seconds from its submission to its outputs, on the runtime's thread (what
+            ``staronnx serve`` counts as executions).
 
     Results are handed out on the batcher thread, not on the runtime's: the runtime's
     callback only queues the finished batch, so a CUDA worker goes straight back to its GPU
@@ -279,9 +333,10 @@ class Server:
         max_inflight: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
         keep_records: int | None = None,
-        batch_memory: Callable[[tuple[int, ...], np.dtype], np.ndarray] | None = None,
+        batch_memory: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
         pad_to: Sequence[int] | None = None,
         colocate: bool = False,
+        on_executed: Callable[[int, float], None] | None = None,
     ) -> None:
         if not isinstance(batch_size, int) or batch_size < 1:
             raise StaronnxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
@@ -298,13 +353,13 @@ class Server:
         if on_full not in ON_FULL:
             raise StaronnxError(f"on_full must be one of {', '.join(ON_FULL)}, got {on_full!r}")
         if max_inflight is None:
-            max_inflight = max(MIN_INFLIGHT, 2 * len(getattr(runtime, "workers", ()) or ()))
+            max_inflight = max(MIN_INFLIGHT, 2 * len(runtime.workers))
         if max_inflight < 1:
             raise StaronnxError(f"max_inflight must be >= 1, got {max_inflight}")
         if keep_records is not None and (not isinstance(keep_records, int) or keep_records < 1):
             raise StaronnxError(f"keep_records must be None (keep all) or an integer >= 1, got {keep_records!r}")
         if pad_to is None:
-            pad_to = tuple(getattr(runtime, "preferred_batch_sizes", ()) or ())
+            pad_to = runtime.preferred_batch_sizes
         if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 for m in pad_to):
             raise StaronnxError(f"pad_to must be batch sizes (integers >= 1), got {list(pad_to)!r}")
         # never past the batch size (Triton's preferred sizes are <= max_batch_size): a runtime
@@ -324,11 +379,11 @@ class Server:
         self.on_full = on_full
         self.max_inflight = max_inflight
         self.clock = clock
-        self._batch_memory = batch_memory or (runtime.batch_array if isinstance(runtime, (Runtime, ModelHandle))
-                                              else np.empty)
+        self._batch_memory = batch_memory or runtime.batch_array
+        self._on_executed = on_executed
         #: a model of a shared runtime counts its latency target from each batch's oldest
         #: arrival, which it can only read on the runtime's clock (perf_counter)
-        self._pass_arrival = bool(getattr(runtime, "takes_arrival", False)) and clock is time.perf_counter
+        self._pass_arrival = runtime.takes_arrival and clock is time.perf_counter
         self._exact_inputs = _exact_inputs(self.plan)
         #: whether requests can differ in what batching must keep apart (a dynamic non-batch
         #: size, an input without a batch axis); if not, every request has the same signature
@@ -359,16 +414,13 @@ class Server:
         self._flush_left = 0  # the queue's first requests that leave without waiting to fill
         self.created = clock()
         # a traced runtime gets the server's view too, if both read the same clock
-        tracer = getattr(runtime, "tracer", None)
-        self._tracer = tracer if clock is time.perf_counter else None
+        self._tracer = runtime.tracer if clock is time.perf_counter else None
         self._serial = next(_SERVER_SERIALS)  # keeps trace ids unique across servers
         self._sample_queue()
         #: what the runtime's futures call back through (:func:`_batch_done`)
         self._weak = weakref.ref(self)
         self.colocate = colocate
         self._thread = threading.Thread(target=self._batcher_thread, name="staronnx-batcher", daemon=True)
-        hold_frozen()  # released by close()
-        self._frozen = True
         self._thread.start()
 
     # -- context manager ---------------------------------------------------------------------
@@ -504,11 +556,10 @@ class Server:
 
     # -- the batcher --------------------------------------------------------------------------
     def _batcher_thread(self) -> None:
-        colocate = getattr(self.runtime, "colocate", None) if self.colocate else None
         block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if colocate is not None:
+        if self.colocate:
             try:
-                block = colocate()
+                block = self.runtime.colocate()
             except Exception as exc:  # noqa: BLE001 - a closed runtime: the batcher must still answer
                 log.warning("the batcher runs where it is: %s", exc)
         with block:
@@ -600,7 +651,8 @@ class Server:
         if len(self._groups) <= 1:  # every queued request alike (most models): from the front
             taken = [queue.popleft() for _ in range(min(count, len(queue)))]
         else:
-            taken, kept = [], deque()
+            taken = []
+            kept: deque[_Request] = deque()
             while queue and len(taken) < count:
                 p = queue.popleft()
                 (taken if p._sig == sig else kept).append(p)
@@ -618,6 +670,7 @@ class Server:
         """Concatenate the samples, submit the batch; the runtime's callback queues it back."""
         try:
             feeds = self._concat(batch, record.padded_to or len(batch))
+            started = time.perf_counter()
             if self._pass_arrival:
                 future = self.runtime.submit(feeds, arrival=min(p._record.arrival for p in batch))
             else:
@@ -626,14 +679,14 @@ class Server:
             # on whichever thread launched it (a submitter's too): the batcher hands it out
             self._completed(record, exc)
             return
-        future.add_done_callback(functools.partial(_batch_done, self._weak, record))
+        future.add_done_callback(functools.partial(_batch_done, self._weak, record, started))
 
     def _concat(self, batch: list[_Request], rows: int) -> dict[str, np.ndarray]:
         """One array per input holding the batch's samples along its batch axis, the last
         repeated up to ``rows`` (the batch's requests share a signature: their shapes agree)."""
         return self._contract.concat([p._sample for p in batch], rows, self._batch_memory)
 
-    def _completed(self, record: BatchRecord, future: Future | BaseException) -> None:  # type: ignore[type-arg]
+    def _completed(self, record: BatchRecord, future: Future[Outputs] | BaseException) -> None:
         """Runtime callback, on the runtime's thread: hand out the batch's results (also the
         launching thread's report of a batch the runtime refused: ``future`` is then the error).
 
@@ -763,7 +816,7 @@ class Server:
             "on_full": self.on_full,
             "max_inflight": self.max_inflight,
             "pad_to": list(self.pad_to),
-            "policy": getattr(self.runtime, "policy_name", None),
+            "policy": self.runtime.policy_name if isinstance(self.runtime, Runtime) else None,
             "plan_hash": self.plan.hash,
         }
 
@@ -832,10 +885,6 @@ class Server:
                 p.set_exception(ServerClosed("the server closed before this request completed"))
         if not on_batcher:
             self._thread.join(timeout=None if timeout is None else max(_time_left(deadline), 1.0))
-        with self._cond:
-            frozen, self._frozen = self._frozen, False
-        if frozen:
-            release_frozen()
 
     def wait_idle(self, timeout: float | None = None) -> int:
         """Wait until every request accepted so far has its result (queued ones leave only as
@@ -875,8 +924,10 @@ class Server:
         return self._closing and not self._thread.is_alive()
 
 
-def _batch_done(server: weakref.ref[Server], record: BatchRecord, future: Future) -> None:  # type: ignore[type-arg]
-    """A batch's done-callback: :meth:`Server._completed`, through a weak reference.
+def _batch_done(server: weakref.ref[Server], record: BatchRecord, started: float, future: Future[Outputs]) -> None:
+    """A batch's done-callback: the server's ``on_executed`` (for a batch that succeeded,
+    ``started`` being its submission's ``perf_counter``), then :meth:`Server._completed`,
+    through a weak reference.
 
     A runtime keeps its last request's future (and so its callbacks) for as long as the worker
     that ran it waits for the next one. A strong reference there kept a closed server alive,
@@ -887,16 +938,17 @@ def _batch_done(server: weakref.ref[Server], record: BatchRecord, future: Future
     server goes when its owner lets go of it, on the owner's thread.
     """
     target = server()
-    if target is not None:
-        target._completed(record, future)
+    if target is None:
+        return
+    if target._on_executed is not None and not future.cancelled() and future.exception() is None:
+        target._on_executed(record.padded_to or record.size, time.perf_counter() - started)
+    target._completed(record, future)
 
 
-def _cpu_only(runtime: Any) -> bool:
+def _cpu_only(runtime: BatchRuntime) -> bool:
     """Whether every worker of ``runtime`` is a CPU worker (a staronnx Runtime or a model's
     handle on one; anything else, a remote server's stand-in included, is not assumed so)."""
-    if not isinstance(runtime, (Runtime, ModelHandle)):
-        return False
-    return all(getattr(w, "kind", "") == "cpu" for w in runtime.workers)
+    return isinstance(runtime, (Runtime, ModelHandle)) and all(w.kind == "cpu" for w in runtime.workers)
 
 
 def _arrival_of(request: _Request) -> float:
@@ -908,10 +960,10 @@ def _time_left(deadline: float | None) -> float:
     return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
-def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype, tuple[int, ...]]] | None:
+def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]] | None:
     """(name, dtype, shape) of a one-sample request per input, when each has exactly one;
     None when some dimension other than the batch axis is free (or a dtype numpy lacks)."""
-    exact = []
+    exact: list[tuple[str, np.dtype[Any], tuple[int, ...]]] = []
     contract = plan.contract
     for t in plan.inputs:
         try:
@@ -920,8 +972,9 @@ def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype, tuple[int, ...]]] | N
             return None
         axis_of = contract.inputs.get(t.name) if contract.batchable else None
         shape = [1 if axis == axis_of else d for axis, d in enumerate(t.shape)]
-        if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+        fixed = [d for d in shape if isinstance(d, int) and not isinstance(d, bool) and d >= 0]
+        if len(fixed) < len(shape):
             return None
-        exact.append((t.name, dtype, tuple(shape)))
+        exact.append((t.name, dtype, tuple(fixed)))
     return exact
 

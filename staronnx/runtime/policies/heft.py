@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import math
 from graphlib import TopologicalSorter
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from staronnx.runtime.policies.dmda import DmdasPolicy
 from staronnx.runtime.sched import TaskView, WorkerInfo
+
+if TYPE_CHECKING:
+    from staronnx.perfmodels import Footprint
 
 
 def upward_ranks(successors: Sequence[Sequence[int]], weights: Sequence[float]) -> list[float]:
@@ -42,17 +45,10 @@ class HeftPolicy(DmdasPolicy):
     """heft = dmdas + upward-rank priorities (see the module docstring)."""
 
     name = "heft"
-
-    def __init__(
-        self,
-        alpha: float = 1.0,
-        beta: float = 1.0,
-        gamma: float = 1000.0,
-        idle_power: float = 0.0,
-    ) -> None:
-        super().__init__(alpha=alpha, beta=beta, gamma=gamma, idle_power=idle_power)
-        self._ranks: dict[int, list[float]] = {}
-        self._footprints: dict[tuple[int, int], object] = {}
+    #: (set up with the workers) upward ranks per batch size, and the footprint last seen per
+    #: (part, batch size), with which the other parts' models are probed
+    _ranks: dict[int, list[float]]
+    _footprints: dict[tuple[int, int], Footprint | None]
 
     def setup(self) -> None:
         super().setup()

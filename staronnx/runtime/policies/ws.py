@@ -118,11 +118,11 @@ class WorkStealingPolicy(Policy):
 
     def push(self, task: TaskView) -> int | None:
         releasing = task.releasing_worker
-        if releasing in self._deques and self.can_run(releasing, task.part):  # type: ignore[arg-type]
+        if releasing is not None and releasing in self._deques and self.can_run(releasing, task.part):
             wid = releasing
         else:
             wid = self._round_robin(task.part)
-        self._deques[wid].push_back(task)  # type: ignore[index]
+        self._deques[wid].push_back(task)
         return None
 
     # -- pop --------------------------------------------------------------------------------
