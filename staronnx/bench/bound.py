@@ -287,33 +287,22 @@ def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:
 
 
 def machine_bound(machine: SimMachine, batch_size: int, host_costs: bool = True) -> Bound:
-    """The bound for a :class:`~staronnx.bench.machine.SimMachine` (same workers, same
-    model means and bus as the simulator, so achieved / bound compares like with like).
+    """The bound for a :class:`~staronnx.bench.machine.SimMachine` of one plan (same workers,
+    same model means and bus as the simulator, so achieved / bound compares like with like):
+    :func:`_lp` over a set of one model, at one batch per unit of throughput.
 
     With the machine's host costs (``host_costs``, where calibration measured them), as the
     simulator runs them under load: each task's time at the measured serving/calibration
     ratio plus the engine's gap between two tasks, the last part's plus the batch's answer
     where its worker gives it (a runtime of CPU workers), and, where the host's threads share
     the CPU workers' cores, their CPU per batch taken from those cores."""
-    times = machine.mean_times(batch_size)
-    profile = machine.profile(batch_size)
-    times = with_writebacks(times, machine.plan, machine.workers, profile.nbytes, machine.table.bus.predict)
-    host = machine.host_costs(batch_size) if host_costs else None
-    if host is not None:  # each task also costs its worker the engine's gap; a batch its answer
-        sinks = {p for p in range(len(times)) if not any(p in d for d in machine.plan.dependencies())}
-        times = [[x * host.task_scale + host.gap_s
-                  + (host.finish_s if host.finish_on_worker and p in sinks else 0.0) for x in row]
-                 for p, row in enumerate(times)]
-    shares = host is not None and machine.host_shares_cores
-    return lp_bound(
-        times, batch_size, machine.workers,
-        tensors=plan_tensors(machine.plan, profile.nbytes),
-        transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
-        shared_cores=list(lane_groups(machine.workers).items()),
-        host_cpu=host.cpu_per_batch_s if shares and host is not None else 0.0,
-        host_cores=[(w.id, w.ncores) for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
-        if shares else (),
-    )
+    assert machine.models is not None
+    if not machine.models.single:
+        raise BoundError("this machine hosts several models: bound their traffic together with mix_bound "
+                         "(a rate per model)")
+    name = machine.models.models[0].name
+    return _lp(machine, {name: batch_size}, {name: 1.0}, batch_size=batch_size,
+               host_costs=host_costs)
 
 
 def batch_bounds(machine: SimMachine, batch_sizes: Sequence[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:
@@ -380,10 +369,12 @@ class MixBound:
                 "residency": dict(self.residency), "lanes": dict(self.lanes)}
 
 
-def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float],
-            where: Where = None) -> Bound:
-    """The LP over every global part of ``machine``, each part's demand its model's; a part
-    runs only on the workers ``where`` says hold it (infinite time elsewhere)."""
+def _lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float],
+        where: Where = None, *, batch_size: int = 1, host_costs: bool = False) -> Bound:
+    """The LP over every global part of ``machine``, each part's demand its model's (batches
+    per unit of throughput, whose samples are ``batch_size``); a part runs only on the workers
+    ``where`` says hold it (infinite time elsewhere). ``host_costs``: the host's, where the
+    machine has them (one plan: :meth:`~staronnx.bench.machine.SimMachine.host_costs`)."""
     models = machine.models
     assert models is not None
     times = machine.mean_times(dict(sizes), where=where)
@@ -397,9 +388,18 @@ def _mix_lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Map
                 t.name if models.single else f"{m.name}/{t.name}", t.nbytes,
                 None if t.producer is None else m.first_part + t.producer,
                 tuple(m.first_part + c for c in t.consumers)))
-    return lp_bound(times, 1, machine.workers, tensors=tensors, demand=demand,
+    host = machine.host_costs(batch_size) if host_costs else None
+    if host is not None:  # each task also costs its worker the engine's gap; a batch its answer
+        times = [[x * host.task_scale + host.gap_s
+                  + (host.finish_s if host.finish_on_worker and not models.succs[p] else 0.0) for x in row]
+                 for p, row in enumerate(times)]
+    shares = host is not None and machine.host_shares_cores
+    return lp_bound(times, batch_size, machine.workers, tensors=tensors, demand=demand,
                     transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
-                    shared_cores=list(lane_groups(machine.workers).items()))
+                    shared_cores=list(lane_groups(machine.workers).items()),
+                    host_cpu=host.cpu_per_batch_s if shares and host is not None else 0.0,
+                    host_cores=[(w.id, w.ncores) for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
+                    if shares else ())
 
 
 def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int,
@@ -439,9 +439,9 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
             raise BoundError(f"{n}: the batch size must be >= 1, got {sizes[n]!r}")
     where = residency_where(machine, residency)
     demand = {n: float(rates[n]) / sizes[n] for n in names}
-    lp = _mix_lp(machine, sizes, demand, where)
+    lp = _lp(machine, sizes, demand, where)
     scale = lp.batches_per_s
-    solo = {n: _mix_lp(machine, sizes, {n: 1.0 / sizes[n]}, where).batches_per_s for n in names}
+    solo = {n: _lp(machine, sizes, {n: 1.0 / sizes[n]}, where).batches_per_s for n in names}
     busy: dict[str, dict[str, float]] = {}
     shares: dict[str, dict[str, float]] = {}
     for m in models.models:

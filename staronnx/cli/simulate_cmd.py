@@ -9,6 +9,7 @@ throughput bound (:mod:`staronnx.bench.bound`).
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -54,13 +55,11 @@ def _batch(text: str | None, plan: Any = None) -> int:
         if contract is not None and not contract.batchable:
             return 1
         raise StaronnxError("give --batch (the batch size b)")
-    try:
-        value = int(text)
-    except ValueError:
-        raise StaronnxError(f"--batch expects a positive integer (or NAME=B,... for several models), got {text!r}") from None
-    if value < 1:
-        raise StaronnxError(f"--batch must be >= 1, got {value}")
-    return value
+    if not re.fullmatch(r"\s*[+-]?\d+\s*", text):
+        raise StaronnxError(f"--batch expects a positive integer (or NAME=B,... for several models), got {text!r}")
+    if int(text) < 1:
+        raise StaronnxError(f"--batch must be >= 1, got {int(text)}")
+    return int(text)
 
 
 def _one_plan_batch(text: str | None, plan: Any, name: str | None = None) -> int:
@@ -140,90 +139,6 @@ SIM_LANE_HELP = (LANE_HELP + " Simulated (simulate, sweep --simulate) as one mor
                  "lane models only; the OS preemption of the group's worker is not modelled (see the notes).")
 
 
-def _simulate_mix(plandirs: list[Path], *, rate: float | None, batch: str | None, rates: str | None,
-                  names: list[str] | None, slo_ms: list[str], priority: list[str], policy: str, groups: str,
-                  synthetic: str | None, cuda_streams: int, cuda_devices: tuple[int, ...], cuda_scale: str | None,
-                  distribution: str,
-                  duration: float, requests: int | None, seed: int, max_delay: float | None, spread: float,
-                  queue_capacity: int, model_workers: list[str], lane: list[str], trace: Path | None = None) -> None:
-    """Several models on one simulated runtime, each at its own rate: per-model throughput,
-    latencies and deadline misses, the LP bound of the mix, each worker's time per model;
-    with ``--model-workers``, some models on some workers only (simulation and bound); with
-    ``--lane``, lane workers for some models (an extra worker per CPU group holding them; the
-    OS preemption of the group's worker is not modelled, and a note says so)."""
-    from staronnx.bench.bound import mix_bound
-    from staronnx.bench.mix import model_names
-    from staronnx.bench.machine import build_machine
-    from staronnx.bench.simulator import simulate_mix
-    from staronnx.cli.serve_cmd import service_targets
-    from staronnx.plan import Plan
-    from staronnx.workers.topology import Topology
-
-    if rate is not None:
-        raise StaronnxError("--rate is for one plan; give each model its rate with --rates a=100,b=400")
-    if requests is not None:
-        raise StaronnxError("--requests is for one plan; several models run for --duration")
-    labels = model_names(plandirs, names)
-    plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
-    offered = mix_rates(rates, labels)
-    sizes = {n: _one_plan_batch(str(b), plans[n], n) for n, b in mix_batches(batch, labels).items()}
-    targets = service_targets(labels, slo_ms, priority)
-    residency = model_residency(model_workers, labels)
-    lanes = model_lanes(lane, labels)
-    if synthetic is None:
-        for d, plan in zip(plandirs, plans.values()):
-            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                              skip_archs=what_if_gpus(plans.values(), cuda_devices, cuda_scale))
-    topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
-    machine = build_machine(plans, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                            cuda_devices=cuda_devices, cuda_scale=_scale(cuda_scale), lanes=lanes)
-    result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=duration,
-                          distribution=distribution, seed=seed, max_delay=max_delay, spread=spread,
-                          queue_capacity=queue_capacity, residency=residency, trace=trace)
-    bound = mix_bound(machine, offered, sizes, residency=residency)
-    workers = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
-    console.print(f"simulated {len(plans)} model(s) on one runtime with {policy} on {len(result.workers)} "
-                  f"worker(s): {workers}"
-                  + "".join(f"; {n} on {', '.join(result.held_by[n])} only" for n in residency if n not in lanes)
-                  + "".join(f"; {n} on lanes {', '.join(w for w in result.held_by[n] if w.startswith('lane:'))}"
-                            + (f" and {', '.join(others)}" if (others := [w for w in result.held_by[n]
-                                                                          if not w.startswith('lane:')]) else "")
-                            for n in lanes), highlight=False)
-    table = Table(title="per model (latencies in ms; misses: answers later than the target)")
-    for col in ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
-                "rejected", "load"):
-        table.add_column(col, justify="left" if col in ("model", "load") else "right")
-    for n in labels:
-        m = result.metrics(n)
-        target = result.targets[n]
-        misses = "-" if m["deadline_misses"] is None else f"{m['deadline_misses']}/{m['completed']}"
-        bits = [f"{target.latency * 1e3:g} ms" if target.latency is not None else "",
-                f"prio {target.priority}" if target.priority else ""]
-        table.add_row(n, str(sizes[n]), f"{m['offered_rate']:.1f}", f"{m['throughput']:.1f}", _ms(m["latency_p50"]),
-                      _ms(m["latency_p99"]), _ms(m["paper_latency_mean"]), " ".join(b for b in bits if b) or "-",
-                      misses, str(m["rejected"]), "CONGESTED" if m["congested"] else "stable")
-    console.print(table)
-    verdict = "the rates fit together" if bound.feasible else "[red]the rates together exceed the machine[/]"
-    console.print(
-        f"LP bound of the mix: scale x{bound.scale:.4g} ({verdict}; every rate could be multiplied by "
-        f"{bound.scale:.4g}); binding: {', '.join(b.name for b in bound.binding) or '-'}", highlight=False)
-    console.print("LP per model: " + "; ".join(
-        f"{n} {bound.throughput[n]:.1f} samples/s at that scale, {bound.solo[n]:.1f} alone" for n in labels),
-        highlight=False)
-    busy = Table(title="workers (busy share per model: simulated / LP at the bound)")
-    for col in ("worker", "arch", "busy", *labels):
-        busy.add_column(col, overflow="fold")
-    for w in result.workers:
-        busy.add_row(w.name, w.arch, f"{result.busy[w.name]:.0%}",
-                     *(f"{result.busy_by_model[n][w.name]:.0%} / {bound.busy[n][w.name]:.0%}" for n in labels))
-    console.print(busy)
-    for note in result.notes:
-        console.print(f"note: {note}", highlight=False)
-    console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
-    if trace is not None:
-        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
-
-
 def simulate_cmd(
     plandirs: Annotated[list[Path], typer.Argument(
         metavar="PLANDIR...",
@@ -267,11 +182,13 @@ def simulate_cmd(
 ) -> None:
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
-    from staronnx.bench.bound import machine_bound
     from staronnx.bench.machine import build_machine
-    from staronnx.bench.simulator import simulate
+    from staronnx.bench.mix import model_names
+    from staronnx.bench.simulator import simulate_mix
+    from staronnx.cli.serve_cmd import service_targets
     from staronnx.durations import parse_duration
     from staronnx.plan import Plan
+    from staronnx.runtime.models import plan_name
     from staronnx.workers.topology import Topology
 
     seconds = parse_duration(duration, option="--duration")
@@ -283,34 +200,58 @@ def simulate_cmd(
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if lane and len(plandirs) < 2:
         raise StaronnxError(LANES_NEED_SEVERAL)
-    if len(plandirs) > 1 or rates is not None or slo_ms or priority or name:
-        _simulate_mix(plandirs, rate=rate, batch=batch, rates=rates, names=name, slo_ms=slo_ms or [],
-                      priority=priority or [], policy=policy, groups=groups, synthetic=synthetic,
-                      cuda_streams=cuda_streams, cuda_devices=devices, cuda_scale=cuda_scale, distribution=distribution,
-                      duration=seconds, requests=requests, seed=seed, max_delay=delay, spread=spread,
-                      queue_capacity=queue_capacity, model_workers=model_workers or [], lane=lane or [],
-                      trace=trace)
-        return
-    if rate is None:
+    several = bool(len(plandirs) > 1 or rates is not None or slo_ms or priority or name)
+    if several:  # a rate and a batch per model, the models' targets, residency and lanes
+        if rate is not None:
+            raise StaronnxError("--rate is for one plan; give each model its rate with --rates a=100,b=400")
+        if requests is not None:
+            raise StaronnxError("--requests is for one plan; several models run for --duration")
+        labels = model_names(plandirs, name)
+        plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
+        offered = mix_rates(rates, labels)
+        sizes = {n: _one_plan_batch(str(b), plans[n], n) for n, b in mix_batches(batch, labels).items()}
+        targets = service_targets(labels, slo_ms or [], priority or [])
+        residency = model_residency(model_workers or [], labels)
+        lanes = model_lanes(lane or [], labels)
+    elif rate is None:
         raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")
-    plandir = plandirs[0]
-    plan = Plan.load(plandir)
-    batch_size = _one_plan_batch(batch, plan)
+    else:  # one plan: a set of one, named as its machine names it
+        plan = Plan.load(plandirs[0])
+        labels = [plan_name(plan)]
+        plans, offered = {labels[0]: plan}, {labels[0]: rate}
+        sizes = {labels[0]: _one_plan_batch(batch, plan)}
+        targets, residency, lanes = {}, {}, {}
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
-        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
-                          skip_archs=what_if_gpus([plan], devices, cuda_scale))
+        for d, plan in zip(plandirs, plans.values()):
+            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
+                              skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
-    machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                            cuda_devices=devices, cuda_scale=_scale(cuda_scale))
-    result = simulate(
-        machine=machine, rate=rate, batch_size=batch_size, policy=policy, duration=seconds,
-        n_requests=requests, distribution=distribution, seed=seed, max_delay=delay,
-        spread=spread, queue_capacity=queue_capacity, trace=trace,
-    )
+    machine = build_machine(plans if several else plans[labels[0]], groups=groups, topology=topology,
+                            cuda_streams=cuda_streams, cuda_devices=devices, cuda_scale=_scale(cuda_scale),
+                            lanes=lanes)
+    result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=seconds,
+                          n_requests=requests, distribution=distribution, seed=seed, max_delay=delay, spread=spread,
+                          queue_capacity=queue_capacity, residency=residency, trace=trace)
+    if several:
+        _print_mix(result, machine, labels, offered, sizes, residency, lanes, policy)
+    else:
+        _print_one(result, machine, labels[0], sizes[labels[0]], policy)
+    for note in result.notes:
+        console.print(f"note: {note}", highlight=False)
+    console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
+    if trace is not None:
+        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
+
+
+def _print_one(result: Any, machine: Any, label: str, batch_size: int, policy: str) -> None:
+    """One plan's figures: throughput and latencies against the LP bound, placement and
+    workers, simulated beside the LP optimum."""
+    from staronnx.bench.bound import machine_bound
+
     bound = machine_bound(machine, batch_size)
-    m = result.metrics()
+    m = result.metrics(label)
     names = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
-    console.print(f"simulated {plan.root} with {policy} on {len(result.workers)} worker(s): {names}",
+    console.print(f"simulated {machine.plan.root} with {policy} on {len(result.workers)} worker(s): {names}",
                   highlight=False)
     console.print(
         f"offered {m['offered_rate']:.1f} req/s, batch {batch_size}: throughput {m['throughput']:.1f} samples/s; "
@@ -326,16 +267,13 @@ def simulate_cmd(
         f"(achieved / bound {achieved:.1%}); binding: {binding}",
         highlight=False,
     )
-
     table = Table(title="placement (simulated vs LP optimum)")
     for col in ("part", "arch", "tasks", "share", "LP share"):
         table.add_column(col, overflow="fold")
     lp_share = bound.arch_share()
-    keys = sorted(set(result.placement) | set(lp_share))
-    for part, arch in keys:
-        n = result.placement.get((part, arch), 0)
-        share = result.share(part).get(arch, 0.0)
-        table.add_row(str(part), arch, str(n), f"{share:.0%}", f"{lp_share.get((part, arch), 0.0):.0%}")
+    for part, arch in sorted(set(result.placement) | set(lp_share)):
+        table.add_row(str(part), arch, str(result.placement.get((part, arch), 0)),
+                      f"{result.share(label, part).get(arch, 0.0):.0%}", f"{lp_share.get((part, arch), 0.0):.0%}")
     console.print(table)
     workers = Table(title="workers")
     for col in ("worker", "arch", "memory node", "busy", "LP busy"):
@@ -344,11 +282,53 @@ def simulate_cmd(
         workers.add_row(w.name, w.arch, w.memory_node, f"{result.busy[w.name]:.0%}",
                         f"{bound.utilization.get(w.name, 0.0):.0%}")
     console.print(workers)
-    for note in result.notes:
-        console.print(f"note: {note}", highlight=False)
-    console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
-    if trace is not None:
-        console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
+
+
+def _print_mix(result: Any, machine: Any, labels: list[str], offered: dict[str, float], sizes: dict[str, int],
+               residency: dict[str, str], lanes: dict[str, str], policy: str) -> None:
+    """Several models on one simulated runtime: per-model throughput, latencies and deadline
+    misses, the LP bound of the mix, each worker's time per model; with ``--model-workers``,
+    where each model was kept; with ``--lane``, its lanes (an extra worker per CPU group
+    holding them; the OS preemption of the group's worker is not modelled, a note says so)."""
+    from staronnx.bench.bound import mix_bound
+
+    bound = mix_bound(machine, offered, sizes, residency=residency)
+    workers = ", ".join(f"{w.name} ({w.arch})" for w in result.workers)
+    console.print(f"simulated {len(labels)} model(s) on one runtime with {policy} on {len(result.workers)} "
+                  f"worker(s): {workers}"
+                  + "".join(f"; {n} on {', '.join(result.held_by[n])} only" for n in residency if n not in lanes)
+                  + "".join(f"; {n} on lanes {', '.join(w for w in result.held_by[n] if w.startswith('lane:'))}"
+                            + (f" and {', '.join(others)}" if (others := [w for w in result.held_by[n]
+                                                                          if not w.startswith('lane:')]) else "")
+                            for n in lanes), highlight=False)
+    table = Table(title="per model (latencies in ms; misses: answers later than the target)")
+    for col in ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
+                "rejected", "load"):
+        table.add_column(col, justify="left" if col in ("model", "load") else "right")
+    for n in labels:
+        m = result.metrics(n)
+        target = result.targets[n]
+        misses = "-" if m["deadline_misses"] is None else f"{m['deadline_misses']}/{m['completed']}"
+        bits = [f"{target.latency * 1e3:g} ms" if target.latency is not None else "",
+                f"prio {target.priority}" if target.priority else ""]
+        table.add_row(n, str(sizes[n]), f"{m['offered_rate']:.1f}", f"{m['throughput']:.1f}", _ms(m["latency_p50"]),
+                      _ms(m["latency_p99"]), _ms(m["paper_latency_mean"]), " ".join(b for b in bits if b) or "-",
+                      misses, str(m["rejected"]), "CONGESTED" if m["congested"] else "stable")
+    console.print(table)
+    verdict = "the rates fit together" if bound.feasible else "[red]the rates together exceed the machine[/]"
+    console.print(
+        f"LP bound of the mix: scale x{bound.scale:.4g} ({verdict}; every rate could be multiplied by "
+        f"{bound.scale:.4g}); binding: {', '.join(b.name for b in bound.binding) or '-'}", highlight=False)
+    console.print("LP per model: " + "; ".join(
+        f"{n} {bound.throughput[n]:.1f} samples/s at that scale, {bound.solo[n]:.1f} alone" for n in labels),
+        highlight=False)
+    busy = Table(title="workers (busy share per model: simulated / LP at the bound)")
+    for col in ("worker", "arch", "busy", *labels):
+        busy.add_column(col, overflow="fold")
+    for w in result.workers:
+        busy.add_row(w.name, w.arch, f"{result.busy[w.name]:.0%}",
+                     *(f"{result.busy_by_model[n][w.name]:.0%} / {bound.busy[n][w.name]:.0%}" for n in labels))
+    console.print(busy)
 
 
 def register(app: typer.Typer) -> None:
