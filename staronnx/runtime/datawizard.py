@@ -31,7 +31,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from staronnx.plan import Plan
 
 #: where model inputs are when a request is submitted, and where final outputs are written back
 HOST_NODE = "numa0"
@@ -167,22 +170,29 @@ def tally(copies: Iterable[Copy]) -> dict[str, tuple[int, int]]:
     return out
 
 
-def with_writebacks(times: Sequence[Sequence[float]], plan: object, workers: Sequence[object],
+class OnNode(Protocol):
+    """Anything placed on a memory node (a worker, as the policies or the bound see it)."""
+
+    @property
+    def memory_node(self) -> str: ...
+
+
+def with_writebacks(times: Sequence[Sequence[float]], plan: Plan, workers: Sequence[OnNode],
                     nbytes: Mapping[str, int], cost: CopyCost, first: int = 0) -> list[list[float]]:
     """``times[p][w]`` (seconds of part ``p`` on worker ``w``; rows ``first..`` are ``plan``'s
     parts) plus, on a worker whose memory node is a GPU, the bus time of writing the part's
     final outputs back to the host: the copy its task issues on that worker (what the LP
     bound charges the worker, as the engine and the simulator do). ``plan`` has ``parts``
-    (each with ``outputs``) and ``output_names``; workers have ``memory_node``."""
+    (each with ``outputs``) and ``output_names``."""
     out = [list(row) for row in times]
-    finals = set(plan.output_names)  # type: ignore[attr-defined]
-    for local, part in enumerate(plan.parts):  # type: ignore[attr-defined]
+    finals = set(plan.output_names)
+    for local, part in enumerate(plan.parts):
         names = [n for n in part.outputs if n in finals]
         if not names:
             continue
         row = out[first + local]
         for w, worker in enumerate(workers):
-            node = worker.memory_node  # type: ignore[attr-defined]
+            node = worker.memory_node
             if not is_host(node) and math.isfinite(row[w]):
                 row[w] += price([c for n in names if (c := writeback(n, nbytes.get(n, 0), node)) is not None], cost)
     return out

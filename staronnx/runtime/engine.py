@@ -675,7 +675,7 @@ class NativeEngine:
         with self._lock:
             if outputs:
                 req.values.update(outputs)
-            sizes = None if error is not None else {n: a.nbytes for n, a in outputs.items()}  # type: ignore[union-attr]
+            sizes = None if error is not None else {n: a.nbytes for n, a in (outputs or {}).items()}
             if started.kept and error is None:
                 values, node = req.values, info.memory_node
                 for name, copy in started.kept:

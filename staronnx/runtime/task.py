@@ -17,7 +17,7 @@ import numpy as np
 SETTLED = (CANCELLED, CANCELLED_AND_NOTIFIED, FINISHED)
 
 
-class RequestFuture(Future):  # type: ignore[type-arg]
+class RequestFuture(Future[Any]):
     """A concurrent.futures.Future of a request's outputs, also awaitable from asyncio; a
     light one.
 
@@ -53,7 +53,7 @@ class RequestFuture(Future):  # type: ignore[type-arg]
     # (appends, removals, the loops of set_result and friends) or once the future is settled
     # (_invoke_callbacks), so making them on first use cannot race.
     @property
-    def _waiters(self) -> list[Any]:
+    def _waiters(self) -> list[Any]:  # type: ignore[override]  # an attribute of Future.__init__, skipped here
         if self._waiter_list is None:
             self._waiter_list = []
         return self._waiter_list
@@ -133,7 +133,7 @@ def settle(future: RequestFuture, value: Any, ok: bool) -> None:
     with future._condition:
         callbacks = settle_locked(future, value, ok)
     if callbacks:
-        future._invoke_callbacks()
+        run_callbacks(future)
 
 
 def settle_quietly(future: RequestFuture, value: Any, ok: bool) -> bool:
@@ -168,7 +168,12 @@ def announce(futures: list[RequestFuture]) -> None:
         cond.release()
     for f in futures:
         if f._callback_list:
-            f._invoke_callbacks()
+            run_callbacks(f)
+
+
+def run_callbacks(future: RequestFuture) -> None:
+    """Run a settled future's callbacks, as ``set_result`` does once it released the lock."""
+    future._invoke_callbacks()  # type: ignore[attr-defined]  # Future's own runner, private: not in typeshed
 
 
 def settle_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
@@ -223,7 +228,7 @@ class _Wakeup:
         self.lock = threading.Lock()
         self.lock.acquire()
 
-    def add_result(self, future: Future) -> None:  # type: ignore[type-arg]
+    def add_result(self, future: Future[Any]) -> None:
         try:
             self.lock.release()
         except RuntimeError:  # woken already (a cancel, then its notification)

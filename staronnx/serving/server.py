@@ -59,7 +59,7 @@ import numpy as np
 from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
-from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, settle_locked
+from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, run_callbacks, settle_locked
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 
@@ -762,12 +762,11 @@ class Server:
             for i, p in enumerate(batch):
                 if p._state not in _SETTLED:
                     p.batch = record
-                ok = results is not None
-                if settle_locked(p, results[i] if ok else error, ok):  # type: ignore[index]
+                if settle_locked(p, error if results is None else results[i], results is not None):
                     settled.append(p)
             self._future_cond.notify_all()
         for p in settled:
-            p._invoke_callbacks()
+            run_callbacks(p)
 
     def _trace(self, record: BatchRecord, batch: list[_Request], *, failed: bool) -> None:
         assert self._tracer is not None

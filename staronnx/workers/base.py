@@ -101,6 +101,7 @@ class Worker(Protocol):
 
     def adopt_thread(self) -> None:
         """Make the calling thread fit to launch this worker's tasks (nothing by default)."""
+        return None
 
 
 _STOP = object()

@@ -7,6 +7,7 @@ Kept free of any policy logic so each policy module reads on its own.
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 from staronnx.errors import StaronnxError
 from staronnx.runtime.sched import TaskView, runs_before
@@ -16,14 +17,14 @@ class PolicyError(StaronnxError, ValueError):
     """An unknown policy name or a bad policy option (user input, hence a StaronnxError)."""
 
 
-def check_weight(name: str, value: object) -> float:
+def check_weight(name: str, value: Any) -> float:
     """A finite, non-negative float, or a PolicyError naming the option.
 
     StarPU asserts its alpha/beta/gamma knobs are normal floats; a negative weight would
     *reward* late ends or transfers, which no user means, so we refuse it at construction.
     """
     try:
-        x = float(value)  # type: ignore[arg-type]
+        x = float(value)
     except (TypeError, ValueError):
         raise PolicyError(f"policy option {name} must be a number, got {value!r}") from None
     if not (x >= 0.0 and x != float("inf")):
