@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import Future
 
 import numpy as np
 import onnx
@@ -179,24 +180,38 @@ def test_servers_over_one_runtime_overload_one_model_only(plans, two_groups, tmp
             workers = rt.workers
 
             def submit(self, feeds, **kw):
-                gate.wait(60)
-                return rt.model("heavy").submit(feeds, **kw)
+                # returns at once: the server may launch a batch on the thread that submits its
+                # last request (this test's own), which must not block at the gate (it did, for
+                # the gate's whole timeout, and then the heavy batch ran while light was checked)
+                held: Future = Future()
+
+                def run() -> None:
+                    gate.wait(300)
+                    try:
+                        held.set_result(rt.model("heavy").submit(feeds, **kw).result())
+                    except BaseException as exc:  # noqa: BLE001 - handed on as the batch's error
+                        held.set_exception(exc)
+
+                threading.Thread(target=run, name="held-heavy", daemon=True).start()
+                return held
 
         with Server(Held(), 2, max_inflight=1, queue_capacity=4) as hs, \
                 Server(rt.model("light"), 2, max_delay=0.001) as ls:
             accepted, refused = [], 0
-            for i in range(20):
-                try:
-                    accepted.append(hs.submit(heavy_feeds(1, i)))
-                except OverloadError:
-                    refused += 1
-            assert refused >= 20 - 4 - 2 * 2  # queue capacity plus what the batcher holds
-            samples = [light_feeds(1, i) for i in range(6)]
-            answers = [ls.submit(s) for s in samples]
-            for a, s in zip(answers, samples):
-                assert_close(a.result(timeout=60), light.run_reference(s))
-            assert not any(f.done() for f in accepted)  # heavy still held: light did not wait
-            gate.set()
+            try:
+                for i in range(20):
+                    try:
+                        accepted.append(hs.submit(heavy_feeds(1, i)))
+                    except OverloadError:
+                        refused += 1
+                assert refused >= 20 - 4 - 2 * 2  # queue capacity plus what the batcher holds
+                samples = [light_feeds(1, i) for i in range(6)]
+                answers = [ls.submit(s) for s in samples]
+                for a, s in zip(answers, samples):
+                    assert_close(a.result(timeout=60), light.run_reference(s))
+                assert not any(f.done() for f in accepted)  # heavy still held: light did not wait
+            finally:
+                gate.set()  # a failed check must not leave the server's close waiting on the gate
             for f in accepted:
                 f.result(timeout=120)
 
