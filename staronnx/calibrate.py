@@ -264,6 +264,10 @@ def calibrate_bus_if_needed(
 #: the host-cost probe's load, a share of the LP bound: low enough that each batch meets idle
 #: workers (what the costs are defined on), high enough to be over in a few seconds
 HOST_PROBE_LOAD = 0.2
+#: ... and again at this share, where the threads stay awake (:mod:`staronnx.perfmodels.host`:
+#: the costs fall with the load); under the capacity once the host's costs are counted, unless
+#: they are most of a request's time (then that probe falls behind and is left out)
+HOST_PROBE_LOADED = 0.5
 #: batches the probe serves per batch size (fewer when that takes over ``max_seconds``)
 HOST_PROBE_BATCHES = 20
 
@@ -338,14 +342,15 @@ def calibrate_host(
             samples = sample_pool(plan, seed=seed)
             total = LoadWatch()
             for b in sizes:
-                rate = HOST_PROBE_LOAD * bounds[b]
-                seconds = min(max_seconds, max(0.3, batches * b / rate))
-                say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
                 warm_up(runtime, plan, [b], rounds=1, seed=seed)
-                own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
-                _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
-                host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
-                runs.append(_ProbeRun(b, records, host_cpu, inline))
+                for load, shortest in ((HOST_PROBE_LOAD, 0.3), (HOST_PROBE_LOADED, 1.0)):
+                    rate = load * bounds[b]
+                    seconds = min(max_seconds, max(shortest, batches * b / rate))
+                    say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
+                    own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
+                    _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
+                    host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
+                    runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds))
             probe_load = total.stop()
             assert runtime.tracer is not None
             origin = runtime.tracer.origin
@@ -354,8 +359,11 @@ def calibrate_host(
         finally:
             runtime.close()
     deps = plan.dependencies()
-    costs = {run.batch: _host_costs(run, events, origin, deps) for run in runs}
-    _fit_cpu_per_request(costs)
+    light = {run.batch: _host_costs(run, events, origin, deps) for run in runs[0::2]}
+    loaded = {run.batch: _host_costs(run, events, origin, deps) for run in runs[1::2] if _kept_up(run)}
+    _fit_cpu_per_request(light)
+    _fit_cpu_per_request(loaded)
+    costs = {b: _two_loads(light[b], loaded.get(b)) for b in light}
     model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
                       calibration_machine=dict(calibration_machine) if calibration_machine else None,
@@ -379,13 +387,36 @@ def _scratch_store(store: PerfModelStore, plan_hash: str, root: Path) -> PerfMod
 
 @dataclass
 class _ProbeRun:
-    """One batch size's probe: its records, the CPU its threads other than the workers' used
-    (seconds), whether the Server answered on the workers' threads (a CPU-only runtime)."""
+    """One batch size's probe at one rate: its records, the CPU its threads other than the
+    workers' used (seconds), whether the Server answered on the workers' threads (a CPU-only
+    runtime), the offered rate and how long it was offered."""
 
     batch: int
     records: Any
     host_cpu_s: float
     inline: bool
+    rate: float
+    seconds: float
+
+
+def _kept_up(run: _ProbeRun) -> bool:
+    """Whether the probe served what it was offered (a loaded probe past the capacity measures
+    a queue, not the host's costs)."""
+    answered = sum(1 for r in run.records.requests if r.done is not None)
+    return answered >= 0.9 * run.rate * run.seconds
+
+
+def _two_loads(light: HostCosts, loaded: HostCosts | None) -> HostCosts:
+    """The loaded figures with the light ones beside them; hand-overs the loaded probe could
+    not see (no batch ran alone) are the light probe's."""
+    import dataclasses
+
+    if loaded is None:
+        return light
+    if not loaded.batches:
+        loaded = dataclasses.replace(loaded, launch_s=light.launch_s, wake_s=light.wake_s, gap_s=light.gap_s,
+                                     finish_s=light.finish_s)
+    return dataclasses.replace(loaded, lighter=light)
 
 
 @dataclass
@@ -424,7 +455,8 @@ def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, dep
     import statistics
 
     records = run.records
-    t0, t1 = records.start - origin, records.end - origin + 1.0
+    # the run's tasks start before its last result (the next probe follows at once)
+    t0, t1 = records.start - origin, records.end - origin
     by_request: dict[int, list[_TraceTask]] = {}
     for ev in events:
         if t0 <= ev.start <= t1:
@@ -453,11 +485,11 @@ def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, dep
                 continue
             pred = max((part[d] for d in deps[t.part]), key=lambda x: x.end)
             (gap if pred.worker == t.worker else wake).append(max(t.start - pred.end, 0.0))
+    # the tasks' time over their models: every task of the run, alone or not (at load, tasks
+    # on other cores share the memory bus and caches, and that is what serving at load costs)
+    for ts in groups:
+        for t in ts:
             if t.predicted:
-                measured += t.end - t.start
-                predicted += t.predicted
-        for t in tasks:
-            if not deps[t.part] and t.predicted:
                 measured += t.end - t.start
                 predicted += t.predicted
 
@@ -476,7 +508,8 @@ def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, dep
         batch=run.batch, launch_s=launch_s, wake_s=median(wake, launch_s / 2), gap_s=median(gap),
         finish_s=median(finish), lag_s=max(median(lags), 0.0),
         cpu_per_batch_s=max(run.host_cpu_s / done_batches, 0.0) if done_batches else 0.0,
-        task_scale=measured / predicted if predicted > 0 else 1.0, batches=alone, finish_on_worker=run.inline)
+        task_scale=measured / predicted if predicted > 0 else 1.0, batches=alone, finish_on_worker=run.inline,
+        rate=run.rate)
 
 
 def _fit_cpu_per_request(costs: dict[int, HostCosts]) -> None:

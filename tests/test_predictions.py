@@ -250,6 +250,69 @@ def test_host_cpu_is_taken_from_busy_workers_only_where_no_core_is_left(crnn_cal
     assert simulate(machine=shared, **kw).metrics()["throughput"] < simulate(machine=spare, **kw).metrics()["throughput"]
 
 
+def test_calibrate_measures_the_hosts_costs_at_a_light_and_a_loaded_rate(crnn_calibrated, two_groups):
+    """The host probe serves each batch size twice; the stored costs are the loaded ones with the
+    light ones beside them, at the rates they were offered (or calibrate says why the loaded
+    probe was left out: on a busy machine it can fall behind)."""
+    plan, home, stdout = crnn_calibrated
+    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    assert machine.host is not None
+    for b, costs in machine.host.costs.items():
+        assert costs.rate > 0
+        if costs.lighter is None:
+            assert f"host costs: batch {b}: the loaded probe fell behind" in stdout
+            continue
+        assert 0 < costs.lighter.rate < costs.rate and costs.lighter.batch == b
+        assert costs.at_rate(costs.lighter.rate / 2).cpu_per_batch_s == costs.lighter.cpu_per_batch_s
+        assert costs.at_rate(costs.rate * 2).cpu_per_batch_s == costs.cpu_per_batch_s
+        assert f"at {costs.lighter.rate:.4g} req/s" in stdout
+
+
+def _costs(task_scale: float, cpu: float, rate: float, lighter: HostCosts | None = None) -> HostCosts:
+    return HostCosts(batch=1, launch_s=1e-4, wake_s=5e-5, gap_s=2e-5, finish_s=3e-5, lag_s=1e-4,
+                     cpu_per_batch_s=cpu, cpu_per_request_s=cpu / 2, task_scale=task_scale, rate=rate, lighter=lighter)
+
+
+def test_host_costs_between_two_loads_follow_the_offered_rate():
+    """Below the light probe's rate its figures, above the loaded one's those, linear between;
+    the generator's lag stays the loaded one's (it is already in the arrival times); a store
+    written before the two loads (no rate, no lighter) reads as one load."""
+    light = _costs(2.0, 4e-4, rate=100.0)
+    loaded = _costs(1.0, 2e-4, rate=300.0, lighter=light)
+    assert loaded.at_rate(50.0).task_scale == 2.0 and loaded.at_rate(50.0).cpu_per_batch_s == 4e-4
+    assert loaded.at_rate(1000.0).task_scale == 1.0 and loaded.at_rate(1000.0).lighter is None
+    mid = loaded.at_rate(200.0)
+    assert mid.task_scale == pytest.approx(1.5) and mid.cpu_per_request_s == pytest.approx(1.5e-4)
+    assert mid.rate == 200.0 and mid.lag_s == loaded.lag_s
+    assert HostCosts.from_dict(json.loads(json.dumps(loaded.as_dict()))) == loaded
+    old = {k: v for k, v in light.as_dict().items() if k not in ("rate", "lighter")}
+    assert HostCosts.from_dict(old).at_rate(1e6) == HostCosts.from_dict(old)
+    with pytest.raises(ValueError, match="task_scale"):
+        HostCosts.from_dict({**loaded.as_dict(), "lighter": {**light.as_dict(), "task_scale": "x"}})
+
+
+def test_a_simulation_takes_the_host_costs_of_its_own_rate(crnn_calibrated, two_groups):
+    """Tasks twice as slow at the light rate as at the loaded one: a simulation at the light rate
+    answers later than one whose costs never change with the load; at the loaded rate alike;
+    the LP bound (the capacity) reads the loaded figures."""
+    plan, home, _ = crnn_calibrated
+    store = PerfModelStore(home)
+    base = build_machine(plan, groups=two_groups, store=store, host=False)
+    names = [w.name for w in base.workers]
+    two = _costs(1.0, 1e-4, rate=400.0, lighter=_costs(2.0, 1e-4, rate=40.0))
+    one = _costs(1.0, 1e-4, rate=400.0)
+    varying = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: two}))
+    steady = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: one}))
+    kw = dict(batch_size=1, duration=1.0, spread=0.0, seed=3)
+    light_v = simulate(machine=varying, rate=20.0, **kw).metrics()["latency_p50"]
+    light_s = simulate(machine=steady, rate=20.0, **kw).metrics()["latency_p50"]
+    assert light_v > light_s * 1.3
+    loaded_v = simulate(machine=varying, rate=450.0, **kw).metrics()["latency_p50"]
+    loaded_s = simulate(machine=steady, rate=450.0, **kw).metrics()["latency_p50"]
+    assert loaded_v == pytest.approx(loaded_s)
+    assert machine_bound(varying, 1).throughput == pytest.approx(machine_bound(steady, 1).throughput)
+
+
 # -- schedules a person can read ------------------------------------------------------------------
 def test_trace_plot_of_a_sweep_and_its_simulated_twin(plan, home, two_groups, tmp_path, capsys, monkeypatch):
     """``trace plot`` on a sweep's trace draws its simulated twin row by row; points in numeric

@@ -197,6 +197,9 @@ class _Simulation:
         self.models = models if models is not None else machine.models
         assert self.models is not None
         self.fronts = list(fronts)
+        for fe in self.fronts:  # the host's costs at the rate this server is offered
+            if fe.host is not None and len(fe.arrivals) > 1 and fe.arrivals[-1] > fe.arrivals[0]:
+                fe.host = fe.host.at_rate((len(fe.arrivals) - 1) / float(fe.arrivals[-1] - fe.arrivals[0]))
         self.policy = policy
         self.spread = spread
         self.drain = drain

@@ -144,8 +144,11 @@ def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_str
     except StaronnxError as exc:
         console.print(f"[yellow]host costs not measured:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
         return
-    for _, costs in sorted(model.costs.items()):
+    for b, costs in sorted(model.costs.items()):
         console.print(f"host costs {costs.describe()}", highlight=False, soft_wrap=True)
+        if costs.lighter is None:
+            console.print(f"host costs: batch {b}: the loaded probe fell behind (the machine could not serve its "
+                          "rate); the light probe's figures stand for every rate", highlight=False, soft_wrap=True)
     load = model.probe_machine or {}
     if load.get("busy"):
         console.print(f"[yellow]warning:[/] host costs {escape(str(load.get('why')))}", soft_wrap=True,

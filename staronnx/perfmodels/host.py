@@ -10,6 +10,14 @@ against 11.6-12.6 ms live, googlenet at batch 1); near the knee its CPU time mat
 where the CPU groups cover every core, the generator's, the batcher's and the engine's threads
 run on the workers' cores, and their CPU comes out of the workers' time.
 
+Those costs fall as the load rises: at a low rate every request wakes the generator, the
+batcher and a worker from sleep, and the tasks run on cold caches; near the capacity the
+threads stay awake and a request's share of that work shrinks (crnn_ocr at batch 4: the
+process's CPU per request fell from 0.89 to 0.64 ms between 10 % and 100 % of the capacity).
+So the probe measures each batch size twice, at a light and at a loaded rate, and a simulation
+at rate ``r`` takes the figures between them (:meth:`HostCosts.at_rate`); the LP bound, which
+is about the capacity, takes the loaded ones.
+
 ``staronnx calibrate`` measures them (:func:`staronnx.calibrate.calibrate_host`: a short
 low-rate serving run per batch size through the real Server and runtime, traced) and keeps
 them beside the plan's perf models (:meth:`PerfModelStore.save_host`), per worker layout and
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 
@@ -58,6 +66,10 @@ class HostCosts:
     #: only: the Server splits and settles there), which keeps that worker from its next task
     #: for :attr:`finish_s`; else the batcher's thread does it
     finish_on_worker: bool = False
+    #: the offered rate (requests/s) they were measured at (0: unknown, an older store)
+    rate: float = 0.0
+    #: the same figures measured at a lower rate (None: one load only); these are the loaded ones
+    lighter: HostCosts | None = None
 
     @property
     def submit_s(self) -> float:
@@ -69,24 +81,53 @@ class HostCosts:
         per_request = max(self.cpu_per_request_s, 0.0)
         return per_request, max(self.cpu_per_batch_s - per_request * self.batch, 0.0)
 
+    def at_rate(self, rate: float) -> HostCosts:
+        """The costs of serving ``rate`` requests/s: the lighter figures at or below their rate,
+        the loaded ones at or above theirs, linear between (the generator's lag excepted: it
+        is already in a simulation's arrival times, and barely moves with the load)."""
+        light = self.lighter
+        if light is None or self.rate <= light.rate:
+            return self
+        if rate <= light.rate:
+            return replace(light, lag_s=self.lag_s, lighter=None)
+        if rate >= self.rate:
+            return replace(self, lighter=None)
+        f = (rate - light.rate) / (self.rate - light.rate)
+        low, high = vars(light), vars(self)
+        mixed = {name: (1 - f) * low[name] + f * high[name] for name in _BLENDED}
+        return replace(self, rate=rate, lighter=None, **mixed)
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["lighter"] = None if self.lighter is None else self.lighter.as_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HostCosts:
         known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in known}
+        values = {k: v for k, v in data.items() if k in known and k != "lighter"}
         for k, v in values.items():
             if k not in ("batch", "finish_on_worker") and not (isinstance(v, (int, float)) and math.isfinite(v)):
                 raise ValueError(f"host cost {k} must be a finite number, got {v!r}")
-        return cls(**values)
+        lighter = data.get("lighter")
+        return cls(**values, lighter=None if lighter is None else cls.from_dict(lighter))
 
     def describe(self) -> str:
-        """One line of what it says, in microseconds."""
-        return (f"b={self.batch}: launch {self.launch_s * 1e6:.0f} us (wake-up {self.wake_s * 1e6:.0f}), "
+        """One line of what it says, in microseconds (the lighter load's figures after the
+        loaded ones)."""
+        at = f" (at {self.rate:.4g} req/s)" if self.rate else ""
+        light = "" if self.lighter is None else f"; at {self.lighter.rate:.4g} req/s: " + self.lighter._figures()
+        return f"b={self.batch}: {self._figures()}{at}{light}"
+
+    def _figures(self) -> str:
+        return (f"launch {self.launch_s * 1e6:.0f} us (wake-up {self.wake_s * 1e6:.0f}), "
                 f"same-worker gap {self.gap_s * 1e6:.0f} us, finish {self.finish_s * 1e6:.0f} us, generator lag "
                 f"{self.lag_s * 1e6:.0f} us, host CPU {self.cpu_per_batch_s * 1e6:.0f} us a batch "
                 f"({self.cpu_per_request_s * 1e6:.0f} a request), tasks x{self.task_scale:.3f} their models")
+
+
+#: the figures :meth:`HostCosts.at_rate` interpolates between two loads
+_BLENDED = ("launch_s", "wake_s", "gap_s", "finish_s", "cpu_per_batch_s", "cpu_per_request_s", "task_scale")
 
 
 @dataclass
