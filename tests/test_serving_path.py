@@ -455,11 +455,16 @@ def test_padded_size():
 
 
 def test_a_partial_batch_is_padded_and_its_callers_get_their_own_rows(stand_in):
-    with Server(stand_in, 8, max_delay=0.05, pad_to=(8, 1, 4, 2)) as server:
+    """Also the Server's on_executed hook (what ``staronnx serve`` counts): the rows the
+    runtime ran, padding included, and a time, once per batch that succeeded."""
+    executed: list[tuple[int, float]] = []
+    with Server(stand_in, 8, max_delay=0.05, pad_to=(8, 1, 4, 2),
+                on_executed=lambda rows, seconds: executed.append((rows, seconds))) as server:
         futures = [server.submit(_sample(i)) for i in range(3)]
         results = [f.result(timeout=10) for f in futures]
         rec = server.records()
     assert stand_in.seen == [(4, 16)]  # the runtime met a captured size only
+    assert len(executed) == 1 and executed[0][0] == 4 and executed[0][1] > 0
     for i, r in enumerate(results):
         assert r["y"].shape == (1, 16)
         np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
