@@ -455,6 +455,7 @@ def load_binding() -> tuple[Any, Any, StarpuInstall]:
         # starpu_init on exactly that).  The binding and its dependencies resolve in their own
         # scope first; Python's API still comes from the global scope.
         old_flags = sys.getdlopenflags()
+        # getattr: RTLD_DEEPBIND is glibc's (musl's and macOS' os module have none)
         sys.setdlopenflags(os.RTLD_NOW | os.RTLD_LOCAL | getattr(os, "RTLD_DEEPBIND", 0))
         try:
             module = importlib.util.module_from_spec(spec)  # dlopen() happens here
