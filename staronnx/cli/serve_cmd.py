@@ -125,8 +125,10 @@ def serve_cmd(
     Several plans share one runtime: one set of workers runs every model's parts under one
     policy, each model with its own batcher and queue (a full queue refuses that model only).
     With --ray, each replica of one deployment is such a shared runtime."""
+    import contextlib
+
     from staronnx.durations import parse_duration
-    from staronnx.workers.lanes import check_preempt
+    from staronnx.workers.lanes import check_preempt, short_switch_interval
 
     try:
         import aiohttp  # noqa: F401
@@ -248,9 +250,11 @@ def serve_cmd(
                   + f"; {contract_text(plan)}", flush=True)
         run, loop_name = event_loop_runner()
         print(f"event loop: {loop_name}", flush=True)
-        run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every,
-                  colocate=models[0].server.runtime.colocate if colocate else None,
-                  colocate_on=host_core_name(cuda_streams)))
+        # lanes: a waking lane waits for the GIL at most the switch interval, held short while serving
+        with short_switch_interval() if lanes else contextlib.nullcontext():
+            run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every,
+                      colocate=models[0].server.runtime.colocate if colocate else None,
+                      colocate_on=host_core_name(cuda_streams)))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)
