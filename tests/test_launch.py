@@ -119,6 +119,47 @@ def test_the_simulator_sees_the_layout_the_runtime_starts():
     assert sorted(w.ncores for w in infos[2:]) == [3, 4, 4, 4]
 
 
+def test_the_layout_names_every_worker_once_lanes_and_residency_included():
+    """One layout says each worker's name, kind, arch, memory node and cores, the lanes' places
+    beside their group's worker (which runs lowered) and which worker holds which part: what the
+    runtime starts, the simulator simulates and ``staronnx topology`` shows."""
+    topo = Topology.from_synthetic("numa:2 core:2 pu:1")  # the driver's core is held back from numa1
+    laid = layout(MachineSpec("numa", 1, lanes={"light": "cpu:numa1"}), topo, ["heavy", "light"])
+    assert [(w.name, w.kind, w.arch, w.memory_node, w.policy_kind) for w in laid.workers] == [
+        ("cuda0.s0", "cuda", "cuda0", "cuda0", "cuda"), ("cpu:numa0", "cpu", "cpu2", "numa0", "cpu"),
+        ("cpu:numa1", "cpu", "cpu1", "numa1", "cpu"), ("lane:numa1", "lane", "cpu1", "numa1", "cpu")]
+    assert laid.lane_groups() == {3: 2} and [w.lowered for w in laid.workers] == [False, False, True, False]
+    assert laid.workers[0].pu == laid.groups.reserved_pus[0] and laid.free_pus == 0
+    owner = ["heavy", "heavy", "light"]  # the global parts' models
+    assert laid.holds(owner) == [[True, True, False]] * 3 + [[False, False, True]]
+    # residency adds the shared CPU workers to the lane model, and keeps the heavy one off the GPU
+    assert laid.holds(owner, {"light": "lane,cpu", "heavy": "cpu"}) == [
+        [False, False, False], [True, True, True], [True, True, True], [False, False, True]]
+    from staronnx.bench.machine import sim_workers
+
+    assert [(w.name, w.arch) for w in sim_workers(topo, "numa", 1)] == [(w.name, w.arch) for w in laid.workers[:3]]
+
+
+@pytest.mark.parametrize("bad", [{"cuda_streams": -1}, {"cuda_devices": (0, 0)}, {"cuda_devices": ("gpu0",)}])
+def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tmp_path, bad):
+    import re
+
+    from staronnx.bench.machine import SimulationError, build_machine
+    from staronnx.errors import StaronnxError
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.workers.layout import MachineError
+
+    with pytest.raises(MachineError) as refused:
+        MachineSpec("numa", **bad)
+    words = re.escape(str(refused.value))
+    with pytest.raises(StaronnxError, match=words):
+        Runtime(plan2, cpu_groups="numa", store=PerfModelStore(tmp_path), **bad)
+    with pytest.raises(SimulationError, match=words):
+        build_machine(plan2, groups="numa", store=PerfModelStore(tmp_path), **bad)
+    with pytest.raises(MachineError, match=words):
+        start_workers(plan2, groups="numa", **bad)
+
+
 # ------------------------------------------------------------------ started workers, real threads
 @pytest.mark.skipif(len(_allowed_pus()) < 2, reason="needs 2 allowed PUs to hold one back")
 def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):

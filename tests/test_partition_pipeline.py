@@ -23,7 +23,7 @@ from staronnx.partition.export import write_plan
 from staronnx.partition.graph import build_graph
 from staronnx.partition.methods import place
 from staronnx.plan import Plan
-from staronnx.workers.host import host_devices
+from staronnx.partition.host import host_devices
 from _helpers import cli
 
 PACKAGE = Path(staronnx.__file__).parent / "partition"

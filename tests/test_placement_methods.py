@@ -34,7 +34,7 @@ from staronnx.partition.methods.optimal import optimal
 from staronnx.perfmodels import BusModel, LinkCost, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.verify import verify_plan
-from staronnx.workers.host import cpu_group_sizes, host_devices, host_transfer
+from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 
 GOOGLENET = Path(__file__).resolve().parents[2] / "shared" / "models" / "googlenet.onnx"
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -451,9 +451,10 @@ def test_partition_api_records_devices_and_predictions(tmp_path: Path) -> None:
     assert "placement" not in metis.settings
 
 
-def test_partition_takes_the_machine_typed_and_prices_transfers_with_a_bus_model(tmp_path: Path) -> None:
-    # partition sits below workers and perfmodels: it places on the devices it is given and
-    # prices transfers with any bus model (here perfmodels' own), whatever host runs the test
+def test_placement_takes_the_machine_typed_and_prices_transfers_with_a_bus_model(tmp_path: Path) -> None:
+    # a placement method places on the devices it is given and prices transfers with any bus
+    # model (here perfmodels' own), whatever host runs the test (staronnx.partition() gives it
+    # this host's, tested below)
     two_nodes = [Device("cpu:a", "cpu", "numa0", 1), Device("cpu:b", "cpu", "numa1", 1)]
     model = zoo.multi_head_detector()
 
@@ -464,16 +465,16 @@ def test_partition_takes_the_machine_typed_and_prices_transfers_with_a_bus_model
         return TransferModel(bus=model)
 
     # transfers cost next to nothing: both groups work; 1 kB/s between the nodes: never worth crossing
-    fast = partition(model, method="duet", output_dir=tmp_path / "fast", costs="estimate", devices=two_nodes,
-                     transfer=bus(1e12))
-    slow = partition(model, method="duet", output_dir=tmp_path / "slow", costs="estimate", devices=two_nodes,
-                     transfer=bus(1e3))
+    fast = place(model, "duet", output_dir=tmp_path / "fast", costs="estimate", devices=two_nodes,
+                 transfer=bus(1e12))
+    slow = place(model, "duet", output_dir=tmp_path / "slow", costs="estimate", devices=two_nodes,
+                 transfer=bus(1e3))
     assert {p.device for p in fast.parts} == {"cpu:a", "cpu:b"}
     assert [d["name"] for d in fast.settings["placement"]["devices"]] == ["cpu:a", "cpu:b"]
     assert len({p.device for p in slow.parts}) == 1
     # a group policy names this machine's groups, which only the doors read
     with pytest.raises(PartitionError, match="host_devices"):
-        partition(model, method="duet", output_dir=tmp_path / "policy", costs="estimate", devices="cores=1")
+        place(model, "duet", output_dir=tmp_path / "policy", costs="estimate", devices="cores=1")
 
 
 def test_the_host_door_reads_groups_and_the_stored_bus(tmp_path: Path, two_groups: str, monkeypatch) -> None:

@@ -13,7 +13,7 @@ from staronnx.runtime.policies import PolicyError, make_policy
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.verify import random_plan_feeds
-from staronnx.workers.host import host_devices
+from staronnx.partition.host import host_devices
 from staronnx.zoo import wide_fanout
 from staronnx import partition
 

@@ -85,33 +85,20 @@ def register(app: typer.Typer) -> None:
 
     @app.command("topology")
     def topology(
-        synthetic: Annotated[
-            Optional[str],
-            typer.Option("--synthetic", help="hwloc synthetic description, e.g. 'pack:2 numa:2 core:8 pu:2'."),
-        ] = None,
-        xml: Annotated[
-            Optional[Path],
-            typer.Option("--xml", help="Topology XML written by 'lstopo FILE.xml' or --export-xml."),
-        ] = None,
-        groups: Annotated[
-            str,
-            typer.Option(
-                "--groups",
-                help="CPU group policy: numa, package, cores=N or '0-3;4-7', optionally ',reserve=N'.",
-            ),
-        ] = DEFAULT_POLICY,
-        export_xml: Annotated[
-            Optional[Path],
-            typer.Option("--export-xml", help="Also save the topology as hwloc XML to this file."),
-        ] = None,
-        cuda_streams: Annotated[
-            int, typer.Option(help="Also show the workers run/serve would start with this many CUDA streams per GPU.")
-        ] = 0,
-        cuda_devices: Annotated[
-            Optional[str],
-            typer.Option(help="With --cuda-streams: the GPUs (0,1 or 0-3 or all); any ordinal with --synthetic "
-                              "or --xml (another machine's). Default: 0."),
-        ] = None,
+        synthetic: Annotated[Optional[str], typer.Option(
+            "--synthetic", help="hwloc synthetic description, e.g. 'pack:2 numa:2 core:8 pu:2'.")] = None,
+        xml: Annotated[Optional[Path], typer.Option(
+            "--xml", help="Topology XML written by 'lstopo FILE.xml' or --export-xml.")] = None,
+        groups: Annotated[str, typer.Option(
+            "--groups", help="CPU group policy: numa, package, cores=N or '0-3;4-7', optionally ',reserve=N'.",
+        )] = DEFAULT_POLICY,
+        export_xml: Annotated[Optional[Path], typer.Option(
+            "--export-xml", help="Also save the topology as hwloc XML to this file.")] = None,
+        cuda_streams: Annotated[int, typer.Option(
+            help="Also show the workers run/serve would start with this many CUDA streams per GPU.")] = 0,
+        cuda_devices: Annotated[Optional[str], typer.Option(
+            help="With --cuda-streams: the GPUs (0,1 or 0-3 or all); any ordinal with --synthetic or --xml "
+                 "(another machine's). Default: 0.")] = None,
     ) -> None:
         """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups; with
         --cuda-streams, every worker a run would start, CUDA driver threads' cores included."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -183,6 +184,13 @@ class Refiner:
         counts = np.bincount(self.rank, minlength=self.k)
         return [r for r in range(self.k) if counts[r] == 0]
 
+    def moves(self) -> Iterator[tuple[int, int]]:
+        """(vertex, new rank) of every legal move that empties no rank."""
+        counts = np.bincount(self.rank, minlength=self.k)
+        for v in range(self.cm.n):
+            if counts[self.rank[v]] > 1:
+                yield from ((v, r) for r in self.legal(v) if r != self.rank[v])
+
     # -- phases ------------------------------------------------------------------------------
     def fill_empty(self) -> None:
         """Give every empty rank one vertex (cheapest cut increase), so every part exists."""
@@ -190,16 +198,12 @@ class Refiner:
             empty = self.empty_ranks()
             if not empty:
                 return
-            counts = np.bincount(self.rank, minlength=self.k)
             best = None
-            for v in range(self.cm.n):
-                if counts[self.rank[v]] <= 1:
-                    continue
-                for r in self.legal(v):
-                    if r in empty:
-                        key = (self.delta_cut(v, r), self.deviation(self.moved_loads(v, r)))
-                        if best is None or key < best[0]:
-                            best = (key, v, r)
+            for v, r in self.moves():
+                if r in empty:
+                    key = (self.delta_cut(v, r), self.deviation(self.moved_loads(v, r)))
+                    if best is None or key < best[0]:
+                        best = (key, v, r)
             if best is None:
                 return
             self.move(best[1], best[2])
@@ -211,21 +215,15 @@ class Refiner:
             if self.max_deviation() <= self.tol:
                 return
             dev = self.deviation()
-            counts = np.bincount(self.rank, minlength=self.k)
             best = None
-            for v in range(self.cm.n):
-                if counts[self.rank[v]] <= 1:
+            for v, r in self.moves():
+                new_dev = self.deviation(self.moved_loads(v, r))
+                if new_dev >= dev - 1e-12:
                     continue
-                for r in self.legal(v):
-                    if r == self.rank[v]:
-                        continue
-                    new_dev = self.deviation(self.moved_loads(v, r))
-                    if new_dev >= dev - 1e-12:
-                        continue
-                    dc = self.delta_cut(v, r)
-                    key = (dc, new_dev) if self.greedy == "cut" else (new_dev, dc)
-                    if best is None or key < best[0]:
-                        best = (key, v, r)
+                dc = self.delta_cut(v, r)
+                key = (dc, new_dev) if self.greedy == "cut" else (new_dev, dc)
+                if best is None or key < best[0]:
+                    best = (key, v, r)
             if best is None:
                 return
             self.move(best[1], best[2])

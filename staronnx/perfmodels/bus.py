@@ -26,6 +26,7 @@ import math
 import os
 import re
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,12 +51,6 @@ _NODE_RE = re.compile(r"^[a-z][a-z_]*[0-9]+$")
 _T = TypeVar("_T")
 
 
-def _check_node(name: str) -> str:
-    if not isinstance(name, str) or not _NODE_RE.match(name):
-        raise ValueError(f"memory node names look like 'numa0' or 'cuda1', got {name!r}")
-    return name
-
-
 @dataclass(frozen=True, order=True)
 class Link:
     """A directed link between two memory nodes (copies may be asymmetric)."""
@@ -64,13 +59,18 @@ class Link:
     dst: str
 
     def __post_init__(self) -> None:
-        _check_node(self.src)
-        _check_node(self.dst)
-        if self.src == self.dst:
+        if _check_node(self.src) == _check_node(self.dst):
             raise ValueError(f"a link joins two different nodes, got {self.src} -> {self.dst}")
 
     def __str__(self) -> str:
         return f"{self.src}->{self.dst}"
+
+
+def _check_node(name: str) -> str:
+    """``name`` when it names a memory node, else a ValueError saying what one looks like."""
+    if not isinstance(name, str) or not _NODE_RE.match(name):
+        raise ValueError(f"memory node names look like 'numa0' or 'cuda1', got {name!r}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def host_numa_nodes(sysfs: str | Path = "/sys/devices/system/node") -> dict[int,
     Falls back to a single node 0 with every allowed CPU when sysfs has no NUMA information
     (non-Linux, containers hiding it).
     """
-    allowed = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set()
+    allowed = set(os.sched_getaffinity(0)) if sys.platform == "linux" else set()  # Linux has affinities
     nodes: dict[int, list[int]] = {}
     root = Path(sysfs)
     for entry in sorted(root.glob("node[0-9]*")) if root.is_dir() else []:
@@ -276,7 +276,7 @@ def run_on_cpus(cpus: Sequence[int], fn: Callable[[], _T]) -> _T:
     state is at its default there (CUDA's current device, and its global capture mode, in
     which a pinned allocation breaks another thread's graph capture), so ``fn`` sets what it
     needs (:func:`staronnx.workers.memory.pinned_near`)."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
+    if not cpus or sys.platform != "linux":  # binding a thread to CPUs is Linux's
         return fn()
 
     def bound() -> _T:

@@ -34,38 +34,37 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from staronnx.process_settings import SharedSetting
+from staronnx.workers.cpu import CpuWorker
+from staronnx.workers.cuda import CudaWorker
 
 __all__ = ["Colocation", "host_core", "cpu_worker_core", "colocated"]
 
 log = logging.getLogger(__name__)
 
 
-def _supported() -> bool:
-    return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+#: thread affinity is Linux's (os.sched_setaffinity exists nowhere else)
+_SUPPORTED = sys.platform == "linux"
 
 
 def host_core(workers: Sequence[Any]) -> int | None:
     """The PU of the first CUDA driver thread among ``workers`` (its ``cpu``), None when it is
     not pinned; without CUDA workers, the PU the first CPU worker's thread is pinned to (its
-    group's first), None when there is none either."""
-    for w in workers:
-        if getattr(w, "kind", "") == "cuda":
-            return getattr(w, "cpu", None)
-    return cpu_worker_core(workers)
+    group's first), None when there is none either. Workers of another engine (StarPU's, seen
+    through it) are none of ours: they have no PU here."""
+    cuda = next((w for w in workers if isinstance(w, CudaWorker)), None)
+    return cuda.cpu if cuda is not None else cpu_worker_core(workers)
 
 
 def cpu_worker_core(workers: Sequence[Any]) -> int | None:
     """The first PU of the first CPU worker's group among ``workers``, where its thread runs
     (None: no CPU worker of ours, e.g. another engine's workers seen through it)."""
-    for w in workers:
-        if getattr(w, "kind", "") == "cpu":
-            group = getattr(w, "group", None)
-            return getattr(group, "first_pu", None)
-    return None
+    cpu = next((w for w in workers if isinstance(w, CpuWorker)), None)
+    return cpu.group.first_pu if cpu is not None else None
 
 
 class Colocation:
@@ -78,7 +77,7 @@ class Colocation:
 
     def __init__(self, workers: Sequence[Any]) -> None:
         self._workers = list(workers)
-        self._cuda = [w for w in workers if getattr(w, "kind", "") == "cuda"]
+        self._cuda = [w for w in workers if isinstance(w, CudaWorker)]
         #: (host core or None, how to undo the driver's pin or None), held by the open blocks
         self._pin = SharedSetting(self._pin_driver, self._unpin_driver)
 
@@ -94,11 +93,11 @@ class Colocation:
         with self._pin.held() as (pu, _), colocated(pu) as got:
             yield got
 
-    def _pin_driver(self) -> tuple[int | None, tuple[Any, int, set[int]] | None]:
+    def _pin_driver(self) -> tuple[int | None, tuple[CudaWorker, int, set[int]] | None]:
         """The host core, the first driver thread pinned to one first when it is not (the
         thread that drives a device's streams; with ``thread_per_stream``, the first stream's),
         and what undoes that pin: (its worker, its thread id, its PUs before)."""
-        if not _supported():
+        if not _SUPPORTED:
             return None, None
         if not self._cuda:  # the CPU worker's thread is pinned for its whole life
             return self.core, None
@@ -106,23 +105,23 @@ class Colocation:
         if pu is not None:
             return pu, None
         first = self._cuda[0]
-        tid = getattr(first, "native_id", None)
-        # no thread of ours to join (another engine's workers, seen through it), or one that
-        # has ended, whose id the kernel may since have given to another thread
-        if tid is None or not getattr(first, "alive", False):
+        tid = first.native_id
+        # no thread to join yet, or one that has ended, whose id the kernel may since have given
+        # to another thread
+        if tid is None or not first.alive:
             return None, None
         pu = max(os.sched_getaffinity(0))
         try:
             before = os.sched_getaffinity(tid)
             os.sched_setaffinity(tid, {pu})
         except OSError as exc:  # the thread has ended (a closed worker): nothing to join
-            log.debug("cannot pin %s's thread to PU %d: %s", getattr(first, "name", first), pu, exc)
+            log.debug("cannot pin %s's thread to PU %d: %s", first.name, pu, exc)
             return None, None
         first.cpu = pu
         return pu, (first, tid, before)
 
     @staticmethod
-    def _unpin_driver(pinned: tuple[int | None, tuple[Any, int, set[int]] | None]) -> None:
+    def _unpin_driver(pinned: tuple[int | None, tuple[CudaWorker, int, set[int]] | None]) -> None:
         """The driver the first block pinned gets its PUs back."""
         undo = pinned[1]
         if undo is None:
@@ -139,7 +138,7 @@ class Colocation:
 def colocated(pu: int | None) -> Iterator[int | None]:
     """Run the calling thread on PU ``pu`` for the block, then give it back the PUs it had
     (None, or a platform without thread affinity: the block runs where it is)."""
-    if pu is None or not _supported():
+    if pu is None or not _SUPPORTED:
         yield None
         return
     before = os.sched_getaffinity(0)

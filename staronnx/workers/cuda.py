@@ -87,7 +87,7 @@ from staronnx.workers.cudart import (
     host_runtime_from_env,
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
-from staronnx.workers.pinned_pool import PinnedPool
+from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
 from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute
 from staronnx.workers.slots import (
     GRAPH_CAPTURE,
@@ -286,7 +286,9 @@ class CudaWorker(ThreadWorker):
         """
         if self.cuda_graphs:  # discovery, the capture, one replay
             repeats = max(repeats, 3)
-        return (driver or self).call(lambda: self._warmup_here(batch_sizes, make_feeds, repeats, parallel))
+        timings: list[tuple[int, int, float]] = (driver or self).call(
+            lambda: self._warmup_here(batch_sizes, make_feeds, repeats, parallel))
+        return timings
 
     def _warmup_here(self, batch_sizes: Sequence[int], make_feeds: Callable[[int, int], Feeds],
                      repeats: int, parallel: int) -> list[tuple[int, int, float]]:
@@ -540,13 +542,7 @@ class CudaWorker(ThreadWorker):
                 return self._launch_general(slot, arrays, timed, start, route)
             rt, stream = self._runtime, self._stream
             ev = slot.events
-            if timed:
-                ev["h2d_start"].record(stream)
-            for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
-                if a.__class__ is DeviceTensor:
-                    self._copy_in(dst, a, nbytes)
-                else:
-                    rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+            self._copy_inputs(slot, arrays, timed)
             if timed:
                 ev["run_start"].record(stream)
             graph = slot.graph
@@ -605,7 +601,7 @@ class CudaWorker(ThreadWorker):
     def _host_source(self, t: SlotTensor, a: Any) -> int:
         """Where an input's H2D copy reads: the array itself when it was assembled in pinned
         memory (a pool batch: no staging pass), else the slot's pinned buffer, filled here."""
-        src = getattr(a, "pinned_ptr", None)
+        src = a.pinned_ptr if a.__class__ is PinnedArray else None
         if src is None:
             np.copyto(t.view, a)
             return int(t.pinned.ptr)
@@ -645,7 +641,8 @@ class CudaWorker(ThreadWorker):
         another part and final is a :class:`Data` of both copies)."""
         for name, tensor in kept:
             host = outputs.get(name)
-            outputs[name] = tensor if host is None else Data({self.host_node.name: host, self.node.name: tensor})
+            outputs[name] = (tensor if host is None  # type: ignore[assignment]  # Outputs (workers/base.py) says
+                             else Data({self.host_node.name: host, self.node.name: tensor}))  # host arrays only
 
     def _read_timings(self, slot: Slot, launch: _Launch | None = None) -> None:
         """GPU times of the task just waited for (its events are complete), and its copies
@@ -754,6 +751,18 @@ class CudaWorker(ThreadWorker):
         self._slots.add(slot)
         return slot
 
+    def _copy_inputs(self, slot: Slot, arrays: list[Any], timed: bool) -> None:
+        """Enqueue a slot's input copies on the stream (a device tensor's from its GPU, a host
+        array's from pinned memory), after the ``h2d_start`` event when timed."""
+        stream = self._stream
+        if timed:
+            slot.events["h2d_start"].record(stream)
+        for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
+            if a.__class__ is DeviceTensor:
+                self._copy_in(dst, a, nbytes)
+            else:
+                self._runtime.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+
     def _launch_general(self, slot: Slot, arrays: list[Any], timed: bool, start: float,
                         route: OutputRoute | None) -> _Launch:
         """Output discovery (a slot's first run) and slots with ORT-allocated outputs
@@ -763,13 +772,7 @@ class CudaWorker(ThreadWorker):
         rt, stream = self._runtime, self._stream
         ev = slot.events
         binding = slot.binding
-        if timed:
-            ev["h2d_start"].record(stream)
-        for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
-            if a.__class__ is DeviceTensor:
-                self._copy_in(dst, a, nbytes)
-            else:
-                rt.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+        self._copy_inputs(slot, arrays, timed)
         discovering = slot.outputs is None
         for i, name in enumerate(part.outputs):
             if discovering or not slot.bound[i]:

@@ -38,7 +38,7 @@ def _preload_cuda_libraries() -> None:
     """Load the CUDA and cuDNN libraries that pip's nvidia-* wheels bring (ORT >= 1.21 offers
     ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH."""
     global _preloaded
-    if _preloaded or not hasattr(ort, "preload_dlls"):
+    if _preloaded or not hasattr(ort, "preload_dlls"):  # an ORT older than 1.21 has none
         return
     _preloaded = True
     try:

@@ -426,6 +426,7 @@ def gpu_uuid(raw: Any) -> str:
     """A GPU's UUID as NVML and ``nvidia-smi -L`` spell it (``GPU-`` then 8-4-4-4-12 hex digits),
     from CUDA's 16 bytes (``cudaUUID_t``): what names one GPU whatever ``CUDA_VISIBLE_DEVICES``
     renumbers (Triton's metrics label GPUs with it)."""
+    # cuda-bindings' cudaUUID_t holds its 16 bytes in .bytes; plain bytes are taken as they are
     h = bytes(getattr(raw, "bytes", raw))[:16].hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
@@ -545,17 +546,24 @@ def capture_safe(runtime: GpuRuntime | None = None) -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------- host stand-in
+class _PerThread(threading.local):
+    """CUDA's per-thread state, at CUDA's defaults in a thread that set none."""
+
+    device = 0
+    mode = CAPTURE_GLOBAL
+
+
 class _Capture:
     """CUDA's process-wide view of stream captures, as :class:`HostRuntime` emulates it."""
 
     lock = threading.Lock()
     #: thread id -> "invalidated" flag of the global-mode capture that thread runs
     active: dict[int, bool] = {}
-    modes = threading.local()
+    modes = _PerThread()
 
     @classmethod
     def mode(cls) -> int:
-        return getattr(cls.modes, "mode", CAPTURE_GLOBAL)
+        return cls.modes.mode
 
     @classmethod
     def check_unsafe(cls, call: str) -> None:
@@ -690,7 +698,7 @@ class HostRuntime:
         self._tallies: dict[tuple[str, int], itertools.count[int]] = {}
         self._copy_lock = threading.Lock()
         #: each thread's current device (CUDA keeps it per thread)
-        self._current = threading.local()
+        self._current = _PerThread()
         self.copy_threads: set[int] = set()
         self.capture_seconds = capture_seconds
         self._faults: list[list[Any]] = []  # [call name, code, times left]
@@ -763,7 +771,7 @@ class HostRuntime:
         self._current.device = device_id
 
     def get_device(self) -> int:
-        return getattr(self._current, "device", 0)
+        return self._current.device
 
     def copy_counts(self) -> dict[str, tuple[int, int]]:
         """``kind -> (copies, bytes)`` so far (kinds: h2d, d2h, peer, d2d)."""
@@ -797,43 +805,30 @@ class HostRuntime:
         self._call("alloc_device", unsafe=True)
         return HostBuffer("device", nbytes, self.stats, self)
 
-    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._call("copy_h2d")
-        self.copy_threads.add(threading.get_native_id())
+    def _copy(self, kind: str, dst: int, src: int, nbytes: int) -> None:
+        """A copy (host memory stands for every node), counted per (kind, size): lock-free
+        after the first of its size, ``next`` on a count being atomic under the GIL."""
+        self._call("copy_" + kind)
         if nbytes:
             try:
-                next(self._tallies["h2d", nbytes])
+                next(self._tallies[kind, nbytes])
             except KeyError:
-                self._tally_new("h2d", nbytes)
+                self._tally_new(kind, nbytes)
             ctypes.memmove(dst, src, nbytes)
+
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        self.copy_threads.add(threading.get_native_id())
+        self._copy("h2d", dst, src, nbytes)
 
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._call("copy_d2h")
-        if nbytes:
-            try:
-                next(self._tallies["d2h", nbytes])
-            except KeyError:
-                self._tally_new("d2h", nbytes)
-            ctypes.memmove(dst, src, nbytes)
+        self._copy("d2h", dst, src, nbytes)
 
     def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
-        self._call("copy_d2d")
-        if nbytes:
-            try:
-                next(self._tallies["d2d", nbytes])
-            except KeyError:
-                self._tally_new("d2d", nbytes)
-            ctypes.memmove(dst, src, nbytes)
+        self._copy("d2d", dst, src, nbytes)
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Any) -> None:
-        self._call("copy_peer")
-        if nbytes:
-            try:
-                next(self._tallies["peer", nbytes])
-            except KeyError:
-                self._tally_new("peer", nbytes)
-            ctypes.memmove(dst, src, nbytes)
+        self._copy("peer", dst, src, nbytes)
 
     def thread_capture_mode(self, mode: int) -> int:
         prev = _Capture.mode()

@@ -126,11 +126,16 @@ class Layout:
     """The workers of a :class:`MachineSpec` on one topology, in the runtime's order."""
 
     spec: MachineSpec
+    topology: Topology
     groups: CpuGroups
     workers: tuple[WorkerPlace, ...]
-    #: PUs the process may run on that no CPU group owns and no CUDA driver thread is pinned
-    #: to: where the load generator, the batcher and the engine's hand-overs run
-    free_pus: int
+
+    @property
+    def free_pus(self) -> int:
+        """PUs the process may run on that no CPU group owns and no CUDA driver thread is pinned
+        to: where the load generator, the batcher and the engine's hand-overs run."""
+        used = {p for g in self.groups for p in g.pus} | set(self.groups.reserved_pus)
+        return len(set(self.topology.allowed_pus) - used)
 
     @property
     def policy(self) -> str:
@@ -207,5 +212,4 @@ def layout(spec: MachineSpec, topology: Topology, models: Sequence[str] = ()) ->
     laned = lane_plan.groups
     places += [_cpu_place(g, lowered=i in laned) for i, g in enumerate(groups)]
     places += [_cpu_place(groups[i], "lane", beside=first_cpu + i, models=held) for i, held in lane_plan.lanes]
-    used = {p for g in groups for p in g.pus} | set(groups.reserved_pus)
-    return Layout(spec, groups, tuple(places), len(set(topology.allowed_pus) - used))
+    return Layout(spec, topology, groups, tuple(places))

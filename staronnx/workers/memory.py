@@ -340,14 +340,10 @@ class CudaCopier:
         if src.nbytes > dst.nbytes:
             raise ValueError(f"{src.nbytes} B do not fit in a {dst.nbytes} B device buffer")
         with self._lock:
-            self._check_open()
-            self.runtime.set_device(self.device_id)
-            start = time.perf_counter()
+            start = self._begin()
             staging = self._stage("up", src.nbytes)
             np.copyto(staging.view(src.dtype, src.shape), src)
-            self.runtime.copy_h2d(dst.ptr, staging.ptr, src.nbytes, self._up)
-            self._up_done.record(self._up)
-            self._up_done.synchronize()
+            self._copy(True, dst.ptr, staging.ptr, src.nbytes)
             seconds = time.perf_counter() - start
         return self._record(self.host_node.name, self.node.name, src.nbytes, seconds, start)
 
@@ -358,13 +354,9 @@ class CudaCopier:
         if dst.nbytes > src.nbytes:
             raise ValueError(f"a {src.nbytes} B device buffer cannot fill {dst.nbytes} B")
         with self._lock:
-            self._check_open()
-            self.runtime.set_device(self.device_id)
-            start = time.perf_counter()
+            start = self._begin()
             staging = self._stage("down", dst.nbytes)
-            self.runtime.copy_d2h(staging.ptr, src.ptr, dst.nbytes, self._down)
-            self._down_done.record(self._down)
-            self._down_done.synchronize()
+            self._copy(False, staging.ptr, src.ptr, dst.nbytes)
             np.copyto(dst, staging.view(dst.dtype, dst.shape))
             seconds = time.perf_counter() - start
         return self._record(self.node.name, self.host_node.name, dst.nbytes, seconds, start)
@@ -372,23 +364,28 @@ class CudaCopier:
     def pinned_to_device(self, src: Buffer, dst: Buffer, nbytes: int) -> float:
         """Copy already-pinned bytes and wait; returns seconds (what bus calibration times)."""
         with self._lock:
-            self._check_open()
-            self.runtime.set_device(self.device_id)
-            start = time.perf_counter()
-            self.runtime.copy_h2d(dst.ptr, src.ptr, nbytes, self._up)
-            self._up_done.record(self._up)
-            self._up_done.synchronize()
+            start = self._begin()
+            self._copy(True, dst.ptr, src.ptr, nbytes)
             return time.perf_counter() - start
 
     def device_to_pinned(self, src: Buffer, dst: Buffer, nbytes: int) -> float:
         with self._lock:
-            self._check_open()
-            self.runtime.set_device(self.device_id)
-            start = time.perf_counter()
-            self.runtime.copy_d2h(dst.ptr, src.ptr, nbytes, self._down)
-            self._down_done.record(self._down)
-            self._down_done.synchronize()
+            start = self._begin()
+            self._copy(False, dst.ptr, src.ptr, nbytes)
             return time.perf_counter() - start
+
+    def _begin(self) -> float:
+        """A timed copy's start, under the lock: refused once closed, on this memory's GPU."""
+        self._check_open()
+        self.runtime.set_device(self.device_id)
+        return time.perf_counter()
+
+    def _copy(self, up: bool, dst: int, src: int, nbytes: int) -> None:
+        """One copy on its direction's stream, waited for."""
+        stream, done = (self._up, self._up_done) if up else (self._down, self._down_done)
+        (self.runtime.copy_h2d if up else self.runtime.copy_d2h)(dst, src, nbytes, stream)
+        done.record(stream)
+        done.synchronize()
 
     def _record(self, src: str, dst: str, nbytes: int, seconds: float, start: float) -> CopyRecord:
         rec = CopyRecord(src, dst, int(nbytes), seconds, start)

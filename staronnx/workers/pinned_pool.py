@@ -62,14 +62,14 @@ class PinnedPool:
         self._closed = False
         self.allocated = 0  # buffers ever allocated (reuse keeps it at the peak in use)
 
-    def array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:  # a PinnedArray
+    def array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> PinnedArray:
         """An uninitialised C-contiguous array in pinned memory, returned to the pool when it
         (and every view of it) is garbage."""
         dt = np.dtype(dtype)
         count = math.prod(shape)
         nbytes = count * dt.itemsize
-        if nbytes == 0 or self._closed:
-            return np.empty(shape, dtype=dt)
+        if nbytes == 0 or self._closed:  # plain memory (pinned_ptr None)
+            return np.empty(shape, dtype=dt).view(PinnedArray)
         size = _size_class(nbytes)
         with self._lock:
             self._take_back()

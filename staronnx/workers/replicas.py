@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from staronnx.workers.cudart import capture_safe
+from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
 
 if TYPE_CHECKING:
     from staronnx.workers.cudart import Buffer, GpuRuntime
-    from staronnx.workers.pinned_pool import PinnedPool
 
 __all__ = ["Data", "DeviceMemory", "DeviceTensor", "OutputRoute", "host_copy", "replica_on", "with_replica"]
 
@@ -138,8 +138,10 @@ def host_copy(value: Any) -> np.ndarray | None:
     if cls is DeviceTensor:
         return None
     if cls is Data:
-        return next((c for n, c in value.copies.items() if _on_host(n)), None)
-    return value
+        found: np.ndarray | None = next((c for n, c in value.copies.items() if _on_host(n)), None)
+        return found
+    array: np.ndarray = value
+    return array
 
 
 def _contiguous(value: Any) -> np.ndarray:
@@ -260,7 +262,8 @@ class DeviceMemory:
         stream waits on (StarPU's prefetch, at push time, while the worker runs its current
         task)."""
         with self._copying, self._on_device() as stream:
-            t, t.source = self._copy_in(value, stream)
+            t, source = self._copy_in(value, stream)
+            t.source = source
             t.ready = self._event()
             t.ready.record(stream)
         return t
@@ -326,7 +329,7 @@ class DeviceMemory:
         fetch of a CPU reader, waited for."""
         out = (self.pinned_pool.array(tensor.shape, tensor.dtype) if self.pinned_pool is not None
                else np.empty(tensor.shape, tensor.dtype))
-        dst = getattr(out, "pinned_ptr", None) or out.ctypes.data
+        dst = out.pinned_ptr if isinstance(out, PinnedArray) and out.pinned_ptr else out.ctypes.data
         with self._copying, self._on_device() as stream:
             if tensor.ready is not None:
                 stream.wait(tensor.ready)
@@ -337,7 +340,7 @@ class DeviceMemory:
     def _pinned_source(self, array: np.ndarray) -> tuple[int, Any]:
         """Where an upload reads ``array``: itself when it is pinned pool memory, else a pinned
         staging copy (returned too, to live until the copy is done)."""
-        ptr = getattr(array, "pinned_ptr", None)
+        ptr = array.pinned_ptr if isinstance(array, PinnedArray) else None
         if ptr is not None or self.pinned_pool is None:
             return int(ptr if ptr is not None else array.ctypes.data), None
         staging = self.pinned_pool.array(array.shape, array.dtype)

@@ -90,6 +90,8 @@ def native_run(session: ort.InferenceSession, binding: Any) -> tuple[Callable[[A
 
 
 # ---------------------------------------------------------------------- buffer slots
+_UNSTAGED = np.empty(0, np.uint8)
+
 @dataclass(eq=False)
 class SlotTensor:
     """A tensor's staging: pinned host buffer (and a numpy view of it), device buffer (None:
@@ -100,7 +102,8 @@ class SlotTensor:
     shape: tuple[int, ...]
     pinned: Any = None  # PinnedBuffer
     device: Any = None  # DeviceBuffer
-    view: np.ndarray | None = None  # of ``pinned``, with this dtype and shape
+    #: of ``pinned``, with this dtype and shape (empty until staged: nothing fits in it)
+    view: np.ndarray = field(default_factory=lambda: _UNSTAGED)
 
     @property
     def nbytes(self) -> int:
@@ -112,7 +115,7 @@ class SlotTensor:
         self.view = pinned.view(self.dtype, self.shape)
 
     def free(self) -> None:
-        self.view = None
+        self.view = _UNSTAGED
         for buf in (self.pinned, self.device):
             if buf is not None:
                 buf.free()

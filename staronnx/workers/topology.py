@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import io
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -119,9 +120,8 @@ class Topology:
     def from_system(cls) -> Topology:
         """This machine, restricted to the PUs this process may run on."""
         hw = _load(pyhwloc.Topology.from_this_system(), "the topology of this system")
-        affinity = os.sched_getaffinity(os.getpid()) if hasattr(os, "sched_getaffinity") else None
-        if affinity is not None:
-            allowed = set(hw.allowed_cpuset) & affinity
+        if sys.platform == "linux":  # the one platform with a process's CPU affinity
+            allowed = set(hw.allowed_cpuset) & os.sched_getaffinity(os.getpid())
             if allowed and allowed != set(hw.allowed_cpuset):
                 # Record the restriction inside hwloc too, so that to_xml() carries it.
                 hw.allow(Bitmap.from_sched_set(allowed), None, AllowFlags.CUSTOM)
@@ -286,7 +286,8 @@ def format_pus(pus: Iterable[int]) -> str:
         return "none"
     parts: list[str] = []
     start = prev = ordered[0]
-    for p in ordered[1:] + [None]:  # type: ignore[list-item]
+    tail: list[int | None] = [*ordered[1:], None]
+    for p in tail:
         if p is not None and p == prev + 1:
             prev = p
             continue
@@ -309,13 +310,17 @@ def _build(hw: pyhwloc.Topology, *, source: str, is_this_system: bool = False) -
     allowed = frozenset(hw.allowed_cpuset) & frozenset(hw.cpuset)
 
     numa_objs = [n for n in hw.iter_numa_nodes() if n.cpuset is not None and n.cpuset.weight() > 0]
-    numa_sets = {n.os_index: frozenset(n.cpuset) for n in numa_objs}
+    numa_sets = {n.os_index: frozenset(n.cpuset or ()) for n in numa_objs}
 
     def closest_numa(cpus: frozenset[int]) -> int | None:
         # The smallest NUMA node containing the core; ties (DDR + HBM with one cpuset) go to
         # the lowest OS index, which is the DDR node on the machines we know of.
         candidates = [(len(s), idx) for idx, s in numa_sets.items() if cpus <= s]
         return min(candidates)[1] if candidates else None
+
+    def pu_rank(os_index: int) -> int:
+        pu = hw.get_pu_obj_by_os_index(os_index)
+        return os_index if pu is None else pu.logical_index
 
     def package_of(obj: Any) -> int | None:
         pkg = obj.get_ancestor_obj_by_type(ObjType.PACKAGE)
@@ -331,17 +336,17 @@ def _build(hw: pyhwloc.Topology, *, source: str, is_this_system: bool = False) -
         cores.append(
             CoreInfo(
                 index=core.logical_index,
-                pus=tuple(sorted(cpus, key=lambda p: hw.get_pu_obj_by_os_index(p).logical_index)),
+                pus=tuple(sorted(cpus, key=pu_rank)),
                 numa=closest_numa(cpus),
                 package=package_of(core),
             )
         )
     for pu in hw.iter_cpus():
-        core = pu.get_ancestor_obj_by_type(ObjType.CORE)
-        if core is None:
+        owner = pu.get_ancestor_obj_by_type(ObjType.CORE)
+        if owner is None:
             pseudo.append(pu)
             continue
-        pus.append(PuInfo(pu.os_index, pu.logical_index, core_index_of_obj[core.logical_index],
+        pus.append(PuInfo(pu.os_index, pu.logical_index, core_index_of_obj[owner.logical_index],
                           pu.os_index in allowed))
     for pu in pseudo:
         idx = len(cores)

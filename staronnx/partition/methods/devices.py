@@ -34,12 +34,11 @@ CostOverride = float | Mapping[str, float] | Sequence[float] | np.ndarray | Call
 def parse_devices(spec: Sequence[Device | str | Mapping[str, Any]] | None) -> list[Device]:
     """Devices from a list of :class:`Device`, dicts, or names (``"cuda0"``, ``"cpu:g0"``).
 
-    A CPU group policy (``"cores=1"``) names this machine's groups, which partition does not
-    read (it sits below workers): the doors turn one into devices
-    (:func:`staronnx.workers.host.host_devices`)."""
+    A CPU group policy (``"cores=1"``) names this machine's groups: ``staronnx.partition()``
+    turns one into devices (:func:`staronnx.partition.host.host_devices`)."""
     if spec is None or isinstance(spec, str):
         raise PartitionError(f"placement needs a list of devices, got {spec!r}; a CPU group policy "
-                             "is read by staronnx.workers.host.host_devices()")
+                             "is read by staronnx.partition.host.host_devices()")
     out: list[Device] = []
     for item in spec:
         if isinstance(item, Device):

@@ -1,7 +1,7 @@
 """From a model to a placed plan: costs per device, a device per node, parts, export.
 
     from staronnx.partition.methods import place
-    from staronnx.workers.host import host_devices
+    from staronnx.partition.host import host_devices
     plan = place("model.onnx", "comm-sd", output_dir="plan/", devices=host_devices("cores=1"),
                  device_costs={"cpu:numa0.core1": 0.5}, options={"alpha_us": 100})
 
