@@ -267,7 +267,7 @@ HOST_PROBE_LOAD = 0.2
 #: ... and again at this share, where the threads stay awake (:mod:`staronnx.perfmodels.host`:
 #: the costs fall with the load); under the capacity once the host's costs are counted, unless
 #: they are most of a request's time (then that probe falls behind and is left out)
-HOST_PROBE_LOADED = 0.5
+HOST_PROBE_LOADED = 0.4
 #: batches the probe serves per batch size (fewer when that takes over ``max_seconds``)
 HOST_PROBE_BATCHES = 20
 
@@ -303,8 +303,9 @@ def calibrate_host(
     (:class:`~staronnx.perfmodels.host.HostCosts`), and store it beside the plan's perf models
     for these workers. Needs the plan calibrated (its LP bound sets the probe's rate).
 
-    Per batch size (:func:`probe_sizes` of them): a short open-loop run at :data:`HOST_PROBE_LOAD`
-    of the LP bound, through
+    Per batch size (:func:`probe_sizes` of them): two short open-loop runs, at
+    :data:`HOST_PROBE_LOAD` and at :data:`HOST_PROBE_LOADED` of the LP bound (the costs fall with
+    the load: :meth:`HostCosts.at_rate`), through
     the very Server, load generator and runtime a sweep point uses (``workers``: already
     started ones, else the runtime starts its own), traced. Each batch that ran alone gives its
     launch (formed -> first task), its hand-overs (a task's end -> its successor's start, on
@@ -408,11 +409,14 @@ def _kept_up(run: _ProbeRun) -> bool:
 
 def _two_loads(light: HostCosts, loaded: HostCosts | None) -> HostCosts:
     """The loaded figures with the light ones beside them; hand-overs the loaded probe could
-    not see (no batch ran alone) are the light probe's."""
+    not see (no batch ran alone) are the light probe's, and so is the tasks' time over their
+    models: at load the host's threads preempt the tasks on the cores they share, and a task's
+    wall time then counts CPU the simulator already takes from the workers (``_steal``)."""
     import dataclasses
 
     if loaded is None:
         return light
+    loaded = dataclasses.replace(loaded, task_scale=light.task_scale)
     if not loaded.batches:
         loaded = dataclasses.replace(loaded, launch_s=light.launch_s, wake_s=light.wake_s, gap_s=light.gap_s,
                                      finish_s=light.finish_s)
