@@ -79,19 +79,28 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
         queue_capacity=max(queue_capacity, int(row["batch_size"])), max_delay=max_delay, pad_to=tuple(pad_to),
         trace=trace, host_costs=host_costs,
     )
-    s = summarize(result.records, warmup=warmup)
+    return sim_columns(summarize(result.records, warmup=warmup), row)
+
+
+def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlines: bool = False) -> dict[str, Any]:
+    """The ``sim_*`` and ``err_*`` fields of a measured ``row`` from the ``simulated`` metrics
+    of its point (:func:`~staronnx.serving.summarize`'s, or
+    :func:`~staronnx.bench.simulator.model_metrics`' with ``deadlines``: then also
+    ``sim_deadline_misses``, as a mixed sweep's rows have it)."""
 
     def ms(key: str) -> float | None:
-        v = _finite(s.get(key))
+        v = _finite(simulated.get(key))
         return None if v is None else v * 1e3
 
     out: dict[str, Any] = {
-        "sim_throughput": _finite(s.get("throughput")),
+        "sim_throughput": _finite(simulated.get("throughput")),
         "sim_latency_p50_ms": ms("latency_p50"),
         "sim_latency_p99_ms": ms("latency_p99"),
         "sim_paper_latency_mean_ms": ms("paper_latency_mean"),
-        "sim_congested": bool(s.get("congested")),
+        "sim_congested": bool(simulated.get("congested")),
     }
+    if deadlines:
+        out["sim_deadline_misses"] = simulated.get("deadline_misses")
     for sim_key, live_key, err_key in COMPARED:
         out[err_key] = relative_error(out[sim_key], row.get(live_key))
     return out

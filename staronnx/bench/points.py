@@ -84,7 +84,7 @@ def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int
     returned, not raised: the points that follow fail the same way and say so, where a raise
     would end the whole sweep in a traceback.
     """
-    n_workers = max(1, len(getattr(runtime, "workers", ()) or ()))
+    n_workers = max(1, len(runtime.workers))
     for b in batch_sizes:
         feeds = random_plan_feeds(plan, b, seed=seed) if inputs is None else batch_of(inputs, plan, b, 0)
         for _ in range(rounds):
@@ -172,7 +172,7 @@ def measure_point(
     """
     factory = server_factory or Server
     block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if colocate and getattr(runtime, "colocate", None) is not None:
+    if colocate:
         block, factory = runtime.colocate(), functools.partial(factory, colocate=True)
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout

@@ -124,7 +124,7 @@ def _parameters(result: Any, protocol: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, param in result.get_response().parameters.items():
         kind = param.WhichOneof("parameter_choice")
-        out[key] = getattr(param, kind) if kind else None
+        out[key] = getattr(param, kind) if kind else None  # a oneof: the field set is named at run time
     return out
 
 
@@ -276,6 +276,12 @@ class RemoteRuntime:
     ``check``: hold every answer against ORT's answer to its request (:class:`AnswerCheck`).
     """
 
+    #: what a sweep reads of an in-process runtime (:class:`~staronnx.bench.sweep.SweptRuntime`):
+    #: no trace here (``trace`` is refused over the network), and the server pads its batches
+    #: itself, out of the sweep's sight
+    tracer: Any = None
+    preferred_batch_sizes: tuple[int, ...] = ()
+
     def __init__(self, url: str, plan: Plan, model: str | None = None, *, connections: int = CONNECTIONS,
                  clock: Callable[[], float] = time.perf_counter, check: AnswerCheck | None = None) -> None:
         self.check = check
@@ -287,6 +293,7 @@ class RemoteRuntime:
         self.model = model or Path(plan.root).resolve().name
         self.clock = clock
         self.workers: list[Any] = []  # the server's own; the sweep's warm-up sizes its bursts from this
+        self.client: Any = None
         self._lock = threading.Lock()
         self._in_flight = 0
         self._loop = asyncio.new_event_loop()
@@ -396,7 +403,7 @@ class RemoteRuntime:
         if not self._loop.is_running():
             return
         try:
-            if getattr(self, "client", None) is not None:
+            if self.client is not None:
                 self.call(self.client.close(), timeout=5.0)
         except Exception:  # noqa: BLE001 - closing is best effort
             pass
@@ -646,14 +653,14 @@ def remote_sweep(
     the ONNX model the plan was cut from; every answer (warm-up included) is compared with
     ORT's answer to its own request, and one that differs counts as a failed request, the
     difference in the point's notes (:class:`AnswerCheck`; it costs the client an ORT run per
-    distinct request). ``trace`` and ``simulate`` need the runtime in this process and are
+    distinct request). ``trace``, ``simulate`` and ``colocate`` need the runtime in this process and are
     refused. Other keyword arguments are :func:`sweep`'s.
     """
-    for option in ("trace", "simulate"):
+    for option in ("trace", "simulate", "colocate"):
         if sweep_kwargs.get(option):
             raise RemoteError(f"{option}= needs the runtime in this process; it cannot be used over the network",
                               cli=f"--{option} needs the runtime in this process; it cannot be used with --url")
-    for option in ("trace", "simulate", "runtime", "server_factory", "front_end"):
+    for option in ("trace", "simulate", "colocate", "runtime", "server_factory", "front_end"):
         sweep_kwargs.pop(option, None)
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     answers = None if check is None else AnswerCheck(check, plan)

@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from staronnx.bench.bound import batch_bounds, stale_models_note
+from staronnx.bench.bound import MixBound, batch_bounds, mix_bound, stale_models_note
 from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
-from staronnx.bench.fidelity import fidelity_summary, simulate_row
+from staronnx.bench.fidelity import fidelity_summary, sim_columns
+from staronnx.bench.machine import build_machine, machine_inflight, residency_where
+from staronnx.bench.mix import MixPoint, batch_one_where_needed, mix_label, mix_points
 from staronnx.bench.points import (
     measure_point,
     point_duration,
@@ -49,14 +52,16 @@ from staronnx.bench.points import (
     workers_snapshot,
 )
 from staronnx.bench.results import SweepError, clean, make_row, write_results
-from staronnx.bench.machine import SimMachine, build_machine, machine_inflight
-from staronnx.bench.simulator import TraceInto
+from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
 from staronnx.errors import StaronnxError
 from staronnx.inputs import load_inputs, samples as input_samples
 from staronnx.plan import Plan
+from staronnx.runtime.models import HostedModel, ModelSet, load_plans
 from staronnx.runtime.runtime import Runtime, warmup_sizes
 from staronnx.serving.arrivals import DISTRIBUTIONS
+from staronnx.serving.records import RunRecords
 from staronnx.signals import signal_name
+from staronnx.workers.residency import ResidencyError
 
 #: trace lane (thread id) of the sweep's points, clear of the workers' lanes
 POINTS_LANE = 100_000
@@ -90,6 +95,27 @@ class SweepEvent:
 Progress = Callable[[SweepEvent], None]
 
 
+class SweptRuntime(Protocol):
+    """What a sweep measures through: a :class:`~staronnx.runtime.runtime.Runtime` (its
+    :class:`~staronnx.runtime.runtime.ModelHandle` for one model of several) or a served one
+    (:class:`~staronnx.bench.remote.RemoteRuntime`)."""
+
+    @property
+    def workers(self) -> list[Any]: ...  # each with a ``name``
+
+    @property
+    def tracer(self) -> Any: ...  # the trace being recorded, or None
+
+    @property
+    def preferred_batch_sizes(self) -> tuple[int, ...]: ...  # what a partial batch is padded to
+
+    def submit(self, feeds: Mapping[str, np.ndarray]) -> Any: ...
+
+    def model(self, name: str | None = None) -> Any: ...
+
+    def close(self) -> None: ...
+
+
 @dataclass
 class _Results:
     """What the sweep has so far, rewritten to ``out_dir`` after every point."""
@@ -99,7 +125,7 @@ class _Results:
     fidelity: bool
     rows: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, Any]] = field(default_factory=list)
-    bounds: dict[int, dict[str, Any]] = field(default_factory=dict)
+    bounds: dict[Any, dict[str, Any]] = field(default_factory=dict)  # batch size (one model) or mix -> its bound
     notes: list[str] = field(default_factory=list)
 
     def save(self) -> None:
@@ -109,17 +135,31 @@ class _Results:
                           fidelity=fidelity_summary(self.rows) if self.fidelity else None)
 
 
-def _checked(rates: Sequence[float], batch_sizes: Sequence[int], *, distribution: str, duration: float,
-             warmup: float | None, min_batches: int, max_delay: float | None
-             ) -> tuple[list[float], list[int], float]:
-    """Sorted distinct rates and batch sizes and the warm-up seconds; SweepError naming the
-    argument otherwise."""
+def _check_grid(rates: Sequence[float], batch_sizes: Sequence[int]) -> tuple[list[float], list[int]]:
+    """One model's sorted distinct rates and batch sizes; SweepError naming the argument otherwise."""
     rates = sorted({float(r) for r in rates})
     sizes = sorted({int(b) for b in batch_sizes})
     if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
         raise SweepError(f"rates must be positive numbers of requests/s, got {rates}")
     if not sizes or sizes[0] < 1:
         raise SweepError(f"batch sizes must be integers >= 1, got {sizes}")
+    return rates, sizes
+
+
+def _check_mixes(names: Sequence[str], points: Sequence[MixPoint]) -> None:
+    """Every mix gives each model a rate > 0 and a batch size >= 1; SweepError otherwise."""
+    if not points:
+        raise SweepError("no mix to measure")
+    for p in points:
+        if list(p.rates) != list(names) or list(p.batch_sizes) != list(names):
+            raise SweepError(f"{p!r} does not give a rate and a batch size to each model ({', '.join(names)})")
+        if any(not (math.isfinite(r) and r > 0) for r in p.rates.values()) or min(p.batch_sizes.values()) < 1:
+            raise SweepError(f"{p!r}: rates must be > 0 requests/s and batch sizes >= 1")
+
+
+def _check_run(*, distribution: str, duration: float, warmup: float | None, min_batches: int,
+               max_delay: float | None) -> float:
+    """The warm-up seconds of each point; SweepError naming the argument that cannot be run."""
     if distribution not in DISTRIBUTIONS:
         raise SweepError(f"unknown distribution {distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not (
@@ -132,21 +172,7 @@ def _checked(rates: Sequence[float], batch_sizes: Sequence[int], *, distribution
         raise SweepError(f"min_batches must be >= 1, got {min_batches}")
     if max_delay is not None and not (math.isfinite(max_delay) and max_delay >= 0):
         raise SweepError(f"max_delay must be >= 0 seconds, got {max_delay}")
-    return rates, sizes, warmup
-
-
-def _twin(plan: Plan, *, groups: str, cuda_streams: int, cuda_devices: Sequence[int], store: Any,
-          notes: list[str], missing: str) -> SimMachine | None:
-    """The simulated twin of the sweep's runtime (for the LP bound and the simulation), or
-    None, noted as ``missing``, where the plan has no perf models to build it from."""
-    try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                                store=store)
-    except StaronnxError as exc:
-        notes.append(f"{missing}: {exc}")
-        return None
-    notes.extend(machine.notes)
-    return machine
+    return warmup
 
 
 def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | None:
@@ -167,7 +193,7 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
 
 
 def sweep(
-    plan: Plan | str | os.PathLike[str],
+    plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
     rates: Sequence[float],
     batch_sizes: Sequence[int],
     *,
@@ -189,7 +215,7 @@ def sweep(
     stop_on_congestion: bool = True,
     bound: bool = True,
     engine: str = "native",
-    runtime: Any = None,
+    runtime: SweptRuntime | None = None,
     label: str | None = None,
     simulate: bool = False,
     max_delay: float | None = None,
@@ -199,8 +225,17 @@ def sweep(
     server_factory: Callable[..., Any] | None = None,
     front_end: Mapping[str, Any] | None = None,
     colocate: bool = False,
+    points: Sequence[MixPoint] = (),
+    targets: Mapping[str, Any] | None = None,
+    residency: Mapping[str, str] | None = None,
+    lanes: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
+
+    One body for one model and several: a plan is a set of one model, whose points are its
+    (batch size, rate) pairs; several (``plan`` a mapping name -> plan, with ``points``,
+    ``targets``, ``residency`` and ``lanes``: :func:`~staronnx.bench.mix.sweep_mix`) share the
+    runtime, one generator and server per model.
 
     Args:
         plan: a plan or its folder.
@@ -239,136 +274,174 @@ def sweep(
             driver's, or without CUDA workers the first CPU worker's) during each point
             (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate`` records it.
     """
-    plan = plan if isinstance(plan, Plan) else Plan.load(plan)
-    rates, batch_sizes, warmup = _checked(rates, batch_sizes, distribution=distribution, duration=duration,
-                                          warmup=warmup, min_batches=min_batches, max_delay=max_delay)
-    batch_sizes, left_out = runnable_sizes(plan, batch_sizes)
+    loaded, one = load_plans(plan)
+    models = ModelSet(loaded, targets)  # checks the targets' names
+    names, first = list(loaded), models.models[0].plan
+    residency, lanes = dict(residency or {}), dict(lanes or {})
+    notes: list[str] = []
+    if one:
+        rates, sizes = _check_grid(rates, batch_sizes)
+        sizes, left_out = runnable_sizes(first, sizes)
+        notes += [left_out] if left_out else []
+        points = mix_points({names[0]: rates}, sizes, names)
+    else:
+        _check_mixes(names, points)
+        points, notes = batch_one_where_needed(loaded, points)
+    warmup = _check_run(distribution=distribution, duration=duration, warmup=warmup, min_batches=min_batches,
+                        max_delay=max_delay)
     if isinstance(inputs, (str, os.PathLike)):
-        inputs_path, inputs = inputs, load_inputs(inputs, plan)
+        inputs_path, inputs = inputs, load_inputs(inputs, first)
     elif inputs is not None:
-        plan.check_feeds(inputs)
+        first.check_feeds(inputs)
     notify = progress or (lambda event: None)
-    total = len(rates) * len(batch_sizes)
+    total = len(points)
+    rates_of = {n: sorted({p.rates[n] for p in points}) for n in names}
+    sizes_of = {n: sorted({p.batch_sizes[n] for p in points}) for n in names}
     settings: dict[str, Any] = {
-        "plan": str(plan.root), "plan_hash": plan.hash, "policy": policy, "groups": groups,
-        "cuda_streams": cuda_streams, "cuda_devices": list(cuda_devices), "distribution": distribution,
-        "duration_s": float(duration),
-        "warmup_s": warmup, "rates": rates, "batch_sizes": batch_sizes, "seed": seed,
-        "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
+        "plan": str(first.root) if one else None, "plan_hash": first.hash if one else None, "policy": policy,
+        "groups": groups, "cuda_streams": cuda_streams, "cuda_devices": list(cuda_devices),
+        "distribution": distribution, "duration_s": float(duration), "warmup_s": warmup,
+        "rates": rates_of[names[0]] if one else rates_of, "batch_sizes": sizes_of[names[0]] if one else sizes_of,
+        "seed": seed, "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
         "front_end": dict(front_end) if front_end is not None else {"kind": "in-process"},
         "colocate": colocate,
     }
+    if not one:
+        settings.update(mixed=True, residency=residency, lanes=lanes, mixes=[
+            {"rates": p.rates, "batch_sizes": p.batch_sizes} for p in points], models={
+            m.name: {"plan": str(m.plan.root), "plan_hash": m.plan.hash, "priority": m.target.priority,
+                     "latency_target_ms": None if m.target.latency is None else m.target.latency * 1e3}
+            for m in models.models})
     if inputs is not None:
         settings["inputs"] = {"path": None if inputs_path is None else str(inputs_path),
-                              "samples": input_samples(inputs, plan)}
+                              "samples": input_samples(inputs, first)}
     if cuda_streams and server_factory is None:  # which GPUs these figures come from (over the network: unknown)
         settings["gpus"] = gpus_of(cuda_devices)
-    results = _Results(out_dir, settings, fidelity=simulate)
-    if left_out:
-        results.notes.append(left_out)
+    results = _Results(out_dir, settings, fidelity=simulate, notes=notes)
     # one simulated twin of the runtime serves the LP bound, the simulated points and the
     # in-flight window (a slow worker is only chosen behind a long enough queue: the same
     # window the simulator uses, so live and simulated points agree)
     machine = None
     if bound or simulate:
-        missing = " and ".join(m for m, on in (("no LP bound", bound), ("no simulation", simulate)) if on)
-        machine = _twin(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
-                        notes=results.notes, missing=missing)
-    windows: dict[int, int] = {}
+        try:
+            machine = build_machine(models, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+                                    store=store, lanes=lanes or None)
+            results.notes.extend(machine.notes)
+        except ResidencyError:
+            raise  # a lane the runtime would refuse too: refused now, in its words, before it starts
+        except StaronnxError as exc:
+            missing = " and ".join(m for m, on in (("no LP bound", bound), ("no simulation", simulate)) if on)
+            results.notes.append(f"{missing}: {exc}")
+    # a model's holders, as the runtime will choose them (a selector matching no worker is
+    # refused here, before the runtime starts, with the runtime's own message)
+    where = None if machine is None else residency_where(machine, residency)
+    windows = {(m.name, b): None if machine is None else machine_inflight(machine, b, m.index, where)
+               for m in models.models for b in sizes_of[m.name]}
     if machine is not None and inputs is not None:
-        other = _unprofiled_shapes(plan, inputs)
-        if other:
-            results.notes.append(other)
-    if machine is not None:
-        if bound:
-            results.bounds, bound_notes = batch_bounds(machine, batch_sizes)
-            results.notes.extend(bound_notes)
-        windows = {b: machine_inflight(machine, b) for b in batch_sizes}
-    point = dict(distribution=distribution, seed=seed, queue_capacity=queue_capacity, max_delay=max_delay,
-                 server_factory=server_factory, colocate=colocate)
-
+        other = _unprofiled_shapes(first, inputs)
+        results.notes += [other] if other else []
+    if machine is not None and bound and one:
+        results.bounds, bound_notes = batch_bounds(machine, sizes_of[names[0]])
+        results.notes.extend(bound_notes)
     own = runtime is None
-    if own:
-        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
-                          cuda_devices=cuda_devices, store=store, engine=engine, trace=trace,
+    if runtime is None:
+        runtime = Runtime(first if one else loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
+                          cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, targets=targets,
+                          residency=residency, lanes=lanes or None,
                           cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
-                          warmup=sorted({s for b in batch_sizes for s in warmup_sizes(b, max_delay)})
+                          warmup=sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
     # simulated twin of each point must pad the same way
-    padding = tuple(sorted({int(m) for m in getattr(runtime, "preferred_batch_sizes", ()) or ()}))
+    padding = tuple(sorted({int(m) for m in runtime.preferred_batch_sizes}))
     settings["pad_to"] = list(padding)
-    index = 0
+    run = _Run(runtime, models, one, notify, total, results, windows, extend=extend, warmup=warmup,
+               point=dict(distribution=distribution, seed=seed, queue_capacity=queue_capacity, max_delay=max_delay,
+                          server_factory=server_factory, colocate=colocate))
     try:
-        settings["workers"] = [getattr(w, "name", str(w)) for w in (getattr(runtime, "workers", ()) or ())]
+        settings["workers"] = [w.name for w in runtime.workers]
+        for n in ([] if one else names):  # where each model lives (every worker unless residency or lanes say otherwise)
+            settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
         notify(SweepEvent("start", 0, total))
         results.save()
         tasks_before, watch = tasks_snapshot(runtime), LoadWatch()
-        for b in batch_sizes:
-            failed = warm_up(runtime, plan, [b], seed=seed, inputs=inputs)
-            if failed:  # its points fail the same way and say so: measured, not a traceback
-                results.notes.append(f"warm-up failed at {failed}")
-            notify(SweepEvent("warmup", 0, total, batch_size=b))
+        for m in models.models:
+            for b in sizes_of[m.name]:
+                failed = warm_up(run.handles[m.name], m.plan, [b], seed=seed, inputs=inputs)
+                if failed:  # its points fail the same way and say so: measured, not a traceback
+                    results.notes.append(f"{run.who(m.name)}warm-up failed at {failed}")
+                notify(SweepEvent("warmup", 0, total, batch_size=b))
         check = calibration_check(task_time_ratio(tasks_before, tasks_snapshot(runtime)), watch.stop())
         settings["calibration_check"] = check.pop("settings")
         results.notes.extend(check["notes"])
-        samples = sample_pool(plan, seed=seed, inputs=inputs)
+        run.pools = {m.name: sample_pool(m.plan, seed=seed, inputs=inputs) for m in models.models}
         tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
-        for b in batch_sizes:
-            for j, rate in enumerate(rates):
-                row, began = _point(runtime, samples, b, rate, index, total, notify, tracer=tracer, extend=extend,
-                                    length=point_duration(duration, warmup, b, rate, min_batches), warmup=warmup,
-                                    window=windows.get(b), settings=settings,
-                                    bound=results.bounds.get(b, {}).get("throughput"), **point)
-                if simulate and machine is not None and row["state"] == "failed":
-                    results.notes.append(f"b={b} @ {rate:g} req/s not simulated: its requests failed")
-                elif simulate and machine is not None:
-                    target = simulated_point(sim_tracer, f"b={b} @ {rate:g} req/s", began, float(row["duration_s"]))
-                    try:
-                        row.update(clean(simulate_row(machine, row, policy=policy, distribution=distribution,
-                                                      seed=seed, queue_capacity=queue_capacity,
-                                                      warmup=warmup, max_delay=max_delay,
-                                                      pad_to=[m for m in padding if m <= b], trace=target)))
-                    except StaronnxError as exc:
-                        results.notes.append(f"b={b} @ {rate:g} req/s not simulated: {exc}")
-                    if sim_tracer is not None:
-                        sim_tracer.save()  # after every point, as results.json: a stopped sweep keeps its points
-                results.rows.append(row)
-                index += 1
-                results.save()
-                notify(SweepEvent("done", index, total, b, rate, row=row, attempt=row["attempts"]))
-                served_none = row["state"] == "failed" and not row["completed"]
-                if (served_none or (stop_on_congestion and row["congested"])) and j + 1 < len(rates):
-                    # every request failed: higher rates would fail alike (and take as long)
-                    rest = rates[j + 1:]
-                    why = f"every request failed at {rate:g} req/s" if served_none else f"congested at {rate:g} req/s"
-                    results.skipped.extend({"batch_size": b, "offered_rate": r, "reason": why} for r in rest)
-                    index += len(rest)
-                    results.save()
-                    notify(SweepEvent("skipped", index, total, b, rate, skipped=list(rest), message=why))
-                    break
+        skipped: set[int] = set()
+        for i, point in enumerate(points):
+            if i in skipped:
+                continue
+            label_ = run.label(point)
+            mix = None
+            if bound and machine is not None and not one:
+                try:
+                    mix = mix_bound(machine, point.rates, point.batch_sizes, residency)
+                    results.bounds[f"{point.label} b {mix_label(point.batch_sizes)}"] = mix.as_dict()
+                except StaronnxError as exc:
+                    results.notes.append(f"no LP bound for {point.label}: {exc}")
+            bounds = ({n: results.bounds.get(point.batch_sizes[n], {}).get("throughput") for n in names} if one
+                      else {n: None if mix is None else mix.throughput[n] for n in names})
+            rows, began = run.measure(point, tracer, length=max(
+                point_duration(duration, warmup, point.batch_sizes[n], point.rates[n], min_batches) for n in names),
+                bounds=bounds)
+            for m, row in zip(models.models, rows):
+                if not one:
+                    row.update(_mix_columns(m, run.records[m.name], run.index, point, mix))
+            if simulate and machine is not None and all(r["state"] == "failed" for r in rows):
+                results.notes.append(f"{label_} not simulated: its requests failed")
+            elif simulate and machine is not None:
+                length = float(rows[0]["duration_s"])
+                target = simulated_point(sim_tracer, label_, began, length)
+                try:
+                    sim = simulate_mix(machine, point.rates, point.batch_sizes, policy=policy, targets=targets,
+                                       duration=length, distribution=distribution, seed=seed,
+                                       queue_capacity=max(queue_capacity, *point.batch_sizes.values()),
+                                       max_delay=max_delay, residency=residency, trace=target,
+                                       pad_to=[m for m in padding if m <= max(point.batch_sizes.values())] if one else ())
+                    for m, row in zip(models.models, rows):
+                        row.update(clean(sim_columns(sim.metrics(m.name, warmup=warmup), row, deadlines=not one)))
+                except StaronnxError as exc:
+                    results.notes.append(f"{label_} not simulated: {exc}")
+                if sim_tracer is not None:
+                    sim_tracer.save()  # after every point, as results.json: a stopped sweep keeps its points
+            run.done(point, rows)
+            served_none = all(r["state"] == "failed" and not r["completed"] for r in rows)
+            if served_none or (stop_on_congestion and any(r["congested"] for r in rows)):
+                # every request failed: higher rates would fail alike (and take as long)
+                rest = [j for j in range(i + 1, total) if j not in skipped and points[j].dominates(point)]
+                skipped.update(rest)
+                run.skip(point, [points[j] for j in rest], served_none)
         busy = busy_note(results.rows)
         if busy:
             results.notes.append(busy)
-        stale = stale_models_note(
-            plan, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
-            groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
-        if stale:
-            results.notes.append(stale)
+        if one:
+            stale = stale_models_note(
+                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
+                groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
+            results.notes += [stale] if stale else []
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results.save()
-        notify(SweepEvent("end", index, total))
+        notify(SweepEvent("end", run.index, total))
     except BaseException as exc:
         if isinstance(exc, Exception):
             raise
         # Ctrl-C, SIGTERM: the finished points are on disk already; record that the sweep
         # stopped early, so nobody mistakes a partial sweep for a whole one
-        settings["interrupted"] = {"signal": signal_name(exc), "points_measured": len(results.rows),
+        settings["interrupted"] = {"signal": signal_name(exc), "points_measured": len(results.rows) // len(names),
                                    "points_planned": total}
         results.save()
-        notify(SweepEvent("interrupted", index, total, message=signal_name(exc)))
+        notify(SweepEvent("interrupted", run.index, total, message=signal_name(exc)))
         raise
     finally:
         if own:
@@ -376,47 +449,159 @@ def sweep(
     return results.rows
 
 
-def _point(runtime: Any, samples: Sequence[Mapping[str, np.ndarray]], b: int, rate: float, index: int,
-           total: int, notify: Progress, *, tracer: Any, extend: bool, length: float, warmup: float,
-           window: int | None, settings: Mapping[str, Any], bound: float | None,
-           **point: Any) -> tuple[dict[str, Any], float]:
-    """Measure one point (once more, twice as long, when unstable and ``extend``): its row, and
-    when the measured attempt's arrivals began (the runtime's clock)."""
-    attempt, extended = 1, False
-    while True:
-        expected = math.ceil(length * rate)
-        notify(SweepEvent("point", index, total, b, rate, requests=expected, attempt=attempt))
-        step = max(1, expected // 100)
+def _mix_columns(m: HostedModel, records: RunRecords, index: int, point: MixPoint,
+                 mix: MixBound | None) -> dict[str, Any]:
+    """The columns a model's row of a mixed sweep adds: which model and mix, its deadline
+    misses, and the mix's LP bound."""
+    latency = m.target.latency
+    answered = sum(1 for r in records.requests if r.done is not None)
+    misses = deadline_misses(records, latency)
+    return clean({
+        "model": m.name, "mix": point.label, "point": index,
+        "latency_target_ms": None if latency is None else latency * 1e3,
+        "deadline_misses": misses,
+        "deadline_miss_rate": None if misses is None or not answered else misses / answered,
+        "bound_scale": None if mix is None else mix.scale,
+        "bound_feasible": None if mix is None else mix.feasible,
+        "solo_bound_throughput": None if mix is None else mix.solo[m.name],
+    })
 
-        def on_submit(i: int, n: int, _attempt: int = attempt) -> None:
-            if (i + 1) % step == 0 or i + 1 == n:
-                notify(SweepEvent("requests", index, total, b, rate, requests=n, submitted=i + 1, attempt=_attempt))
 
-        before, tasks_before = workers_snapshot(runtime), tasks_snapshot(runtime)
-        watch = LoadWatch()
-        began = time.perf_counter()
-        summary, records = measure_point(runtime, b, rate, samples, duration=length, warmup=warmup,
-                                         on_submit=on_submit, max_inflight=window, **point)
-        load = watch.stop()
-        after, tasks_after = workers_snapshot(runtime), tasks_snapshot(runtime)
-        if tracer is not None:
-            tracer.span(POINTS_LANE, f"b={b} @ {rate:g} req/s" + (" (again)" if attempt > 1 else ""),
-                        began, time.perf_counter(), "sweep point",
-                        {"state": summary["state"], "congested": bool(summary["congested"]),
-                         "stable": bool(summary["stable"])})
-        if extend and attempt == 1 and summary["state"] == "unstable":
-            attempt, extended, length = 2, True, 2 * length
-            continue
-        break
-    row = make_row(summary, settings, duration=length, extended=extended, bound=bound)
-    row["label"] = settings["label"]
-    row["attempts"] = attempt
-    row["workers"] = clean(workers_delta(before, after, records.end - records.start))
-    row["windows"] = clean(summary.get("windows"))
-    row["loadgen"] = clean(records.settings.get("loadgen"))
-    row["placement"] = clean(summary.get("placement"))
-    row.update(load_columns(load, task_time_ratio(tasks_before, tasks_after)))
-    return row, records.start
+class _Run:
+    """What measuring a sweep's points needs between them: the runtime and each model's
+    handle, samples and in-flight windows, the results so far and the progress count."""
+
+    def __init__(self, runtime: SweptRuntime, models: ModelSet, one: bool, notify: Progress, total: int,
+                 results: _Results, windows: Mapping[tuple[str, int], int | None], *, extend: bool,
+                 warmup: float, point: Mapping[str, Any]) -> None:
+        self.runtime, self.models, self.one, self.notify, self.total = runtime, models, one, notify, total
+        self.results, self.windows, self.extend, self.warmup, self.point = results, windows, extend, warmup, point
+        # one model: the runtime itself is its handle (a runtime passed in may serve no other)
+        self.handles = {models.models[0].name: runtime} if one else {
+            m.name: runtime.model(m.name) for m in models.models}
+        self.pools: dict[str, list[dict[str, np.ndarray]]] = {}
+        self.records: dict[str, RunRecords] = {}  # each model's at the last point
+        self.index = 0
+
+    def who(self, name: str) -> str:
+        return "" if self.one else f"{name}: "
+
+    def label(self, point: MixPoint) -> str:
+        """``b=4 @ 100 req/s`` for one model, the mix (``a=100,b=400``) for several."""
+        if not self.one:
+            return point.label
+        (b,), (rate,) = point.batch_sizes.values(), point.rates.values()
+        return f"b={b} @ {rate:g} req/s"
+
+    def measure(self, point: MixPoint, tracer: Any, *, length: float,
+                bounds: Mapping[str, float | None]) -> tuple[list[dict[str, Any]], float]:
+        """Measure one point (once more, twice as long, when unstable and ``extend``): a row per
+        model, and when the measured attempt's arrivals began (the runtime's clock)."""
+        attempt, extended = 1, False
+        names = list(self.handles)
+        b, rate = (point.batch_sizes[names[0]], point.rates[names[0]]) if self.one else (None, None)
+        while True:
+            expected = math.ceil(length * sum(point.rates.values()))
+            self.notify(SweepEvent("point", self.index, self.total, b, rate, requests=expected, attempt=attempt,
+                                   message="" if self.one else point.label))
+            step = max(1, expected // 100)
+
+            def on_submit(i: int, n: int, _attempt: int = attempt) -> None:
+                if (i + 1) % step == 0 or i + 1 == n:
+                    self.notify(SweepEvent("requests", self.index, self.total, b, rate, requests=n, submitted=i + 1,
+                                           attempt=_attempt))
+
+            before, tasks_before = workers_snapshot(self.runtime), tasks_snapshot(self.runtime)
+            watch = LoadWatch()
+            began = time.perf_counter()
+            measured = self._measure_models(point, length, on_submit)
+            load = watch.stop()
+            after, tasks_after = workers_snapshot(self.runtime), tasks_snapshot(self.runtime)
+            first = measured[names[0]][0]
+            if tracer is not None:
+                tracer.span(POINTS_LANE, self.label(point) + (" (again)" if attempt > 1 else ""), began,
+                            time.perf_counter(), "sweep point",
+                            {"state": first["state"], "congested": bool(first["congested"]),
+                             "stable": bool(first["stable"])} if self.one else None)
+            if self.extend and attempt == 1 and any(s["state"] == "unstable" for s, _ in measured.values()):
+                attempt, extended, length = 2, True, 2 * length
+                continue
+            break
+        rows = []
+        machine_columns = load_columns(load, task_time_ratio(tasks_before, tasks_after))
+        for n in names:
+            summary, records = measured[n]
+            self.records[n] = records
+            row = make_row(summary, self.results.settings, duration=length, extended=extended, bound=bounds[n])
+            row.update(label=self.results.settings["label"], attempts=attempt,
+                       workers=clean(workers_delta(before, after, records.end - records.start)),
+                       windows=clean(summary.get("windows")), loadgen=clean(records.settings.get("loadgen")),
+                       placement=clean(summary.get("placement")), **machine_columns)
+            rows.append(row)
+        return rows, min(records.start for _, records in measured.values())
+
+    def _measure_models(self, point: MixPoint, length: float, on_submit: Callable[[int, int], None]
+                        ) -> dict[str, tuple[dict[str, Any], Any]]:
+        """Every model's open loop at its rate, for ``length`` seconds: model ``i`` seeded
+        ``seed + i`` (as :func:`~staronnx.bench.simulator.simulate_mix` draws them), each in a
+        thread of its own; one model's in this thread, which a signal stops."""
+        out: dict[str, tuple[dict[str, Any], Any]] = {}
+        errors: list[BaseException] = []
+
+        def measure(i: int, n: str) -> None:
+            try:
+                b = point.batch_sizes[n]
+                out[n] = measure_point(
+                    self.handles[n], b, point.rates[n], self.pools[n], duration=length, warmup=self.warmup,
+                    on_submit=on_submit if self.one else None, max_inflight=self.windows.get((n, b)),
+                    **{**self.point, "seed": self.point["seed"] + i})
+            except BaseException as exc:  # noqa: BLE001 - raised again in the sweep's thread
+                errors.append(exc)
+
+        if self.one:
+            measure(0, next(iter(self.handles)))
+        else:
+            threads = [threading.Thread(target=measure, args=(i, n), name=f"staronnx-mix-{n}", daemon=True)
+                       for i, n in enumerate(self.handles)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        if errors:
+            raise errors[0]
+        return out
+
+    def done(self, point: MixPoint, rows: list[dict[str, Any]]) -> None:
+        """Keep a measured point's rows and say so."""
+        self.results.rows.extend(rows)
+        self.index += 1
+        self.results.save()
+        b, rate = (rows[0]["batch_size"], rows[0]["offered_rate"]) if self.one else (None, None)
+        self.notify(SweepEvent("done", self.index, self.total, b, rate,
+                               row=rows[0] if self.one else {"mix": point.label, "rows": rows},
+                               attempt=rows[0]["attempts"]))
+
+    def skip(self, stopped: MixPoint, rest: list[MixPoint], served_none: bool) -> None:
+        """Leave out the points that exceed ``stopped`` in every rate (its batch size's higher
+        rates, for one model): they would congest, or fail, alike."""
+        if not rest:
+            return
+        if self.one:
+            (name,) = stopped.rates
+            rate, b = stopped.rates[name], stopped.batch_sizes[name]
+            why = f"every request failed at {rate:g} req/s" if served_none else f"congested at {rate:g} req/s"
+            self.results.skipped.extend({"batch_size": b, "offered_rate": p.rates[name], "reason": why} for p in rest)
+            self.index += len(rest)
+            self.results.save()
+            self.notify(SweepEvent("skipped", self.index, self.total, b, rate, skipped=[p.rates[name] for p in rest],
+                                   message=why))
+            return
+        for p in rest:
+            self.results.skipped.append({"mix": p.label, "batch_sizes": p.batch_sizes,
+                                         "reason": "a mix it exceeds in every rate was congested"})
+            self.index += 1
+            self.results.save()
+            self.notify(SweepEvent("skipped", self.index, self.total, skipped=[], message=p.label))
 
 
 #: tasks' measured time over their perf models' beyond which the calibration check speaks
@@ -493,11 +678,11 @@ def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:
     return path.with_name(f"{path.stem}.sim{path.suffix or '.json'}")
 
 
-def point_tracers(runtime: Any, *, simulated: bool, settings: dict[str, Any]) -> tuple[Any, Any]:
+def point_tracers(runtime: SweptRuntime, *, simulated: bool, settings: dict[str, Any]) -> tuple[Any, Any]:
     """The live trace of a sweep (the runtime's, with a lane for its points) and, for a
     ``simulated`` sweep, the trace its simulated points go to (:func:`simulated_tracer`, named
     in ``settings``); None where there is no live trace."""
-    tracer = getattr(runtime, "tracer", None)
+    tracer = runtime.tracer
     if tracer is not None:
         tracer.lane(POINTS_LANE, "sweep points")
     sim_tracer = simulated_tracer(tracer, runtime) if simulated else None
@@ -515,7 +700,7 @@ def simulated_point(sim_tracer: Any, label: str, began: float, length: float) ->
     return TraceInto(sim_tracer, began)
 
 
-def simulated_tracer(tracer: Any, runtime: Any) -> Any:
+def simulated_tracer(tracer: Any, runtime: SweptRuntime) -> Any:
     """A tracer for the simulated points, on the live trace's clock and with its worker lanes,
     so the two traces line up when opened side by side; None without a live trace."""
     if tracer is None:
@@ -523,8 +708,8 @@ def simulated_tracer(tracer: Any, runtime: Any) -> Any:
     from staronnx.runtime.trace import Tracer
 
     sim = Tracer(simulated_trace_path(tracer.path), origin=tracer.origin)
-    for i, worker in enumerate(getattr(runtime, "workers", ()) or ()):
-        sim.lane(i, getattr(worker, "name", str(worker)))
+    for i, worker in enumerate(runtime.workers):
+        sim.lane(i, worker.name)
     sim.lane(POINTS_LANE, "sweep points (simulated)")
     return sim
 
