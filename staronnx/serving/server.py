@@ -99,35 +99,22 @@ Outputs = dict[str, np.ndarray]
 class BatchRuntime(Protocol):
     """What the server needs from a runtime: :class:`~staronnx.runtime.runtime.Runtime`, a
     model's handle on a shared one, or a stand-in (:class:`StandInRuntime` gives the defaults
-    of one that only runs batches)."""
+    of one that only runs batches). ``takes_arrival``: ``submit`` takes the batch's oldest
+    arrival (``time.perf_counter()``), from which a model's latency target counts."""
 
     @property
     def plan(self) -> Plan: ...  # checks every request at submit
-
     @property
     def workers(self) -> Sequence[Any]: ...  # each with ``name`` and ``kind``; sizes the window
-
     @property
-    def takes_arrival(self) -> bool:
-        """Whether ``submit`` takes ``arrival``, the batch's oldest arrival
-        (``time.perf_counter()``), from which a model's latency target counts."""
-        ...
-
+    def takes_arrival(self) -> bool: ...
     @property
     def preferred_batch_sizes(self) -> tuple[int, ...]: ...  # its captured CUDA graphs' sizes
-
     @property
     def tracer(self) -> Tracer | None: ...  # where the server's batch spans go too
-
     def submit(self, feeds: Mapping[str, np.ndarray], *, arrival: float | None = None) -> Future[Outputs]: ...
-
-    def batch_array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        """Memory to assemble a batch in (pinned where CUDA workers copy from it)."""
-        ...
-
-    def colocate(self) -> contextlib.AbstractContextManager[int | None]:
-        """A block on the runtime's host core (see :meth:`Runtime.colocate`)."""
-        ...
+    def batch_array(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray: ...  # pinned for CUDA
+    def colocate(self) -> contextlib.AbstractContextManager[int | None]: ...  # see Runtime.colocate
 
 
 class StandInRuntime:

@@ -86,21 +86,18 @@ class Worker(Protocol):
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs: ...
     def close(self) -> None: ...
 
+    # the defaults of a worker that runs a task to its end at launch (the handle is the outputs)
     def launch_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> Any:
-        """Start a task and return a handle for :meth:`finish_here` (by default: run it)."""
         return self.run_here(part, feeds, timed)
 
     def finish_here(self, launch: Any) -> Outputs:
-        """Wait for a launched task and return its outputs."""
         outputs: Outputs = launch
         return outputs
 
-    def ready(self, launch: Any) -> bool:
-        """Whether :meth:`finish_here` would return at once."""
+    def ready(self, launch: Any) -> bool:  # whether finish_here returns at once
         return True
 
-    def adopt_thread(self) -> None:
-        """Make the calling thread fit to launch this worker's tasks (nothing by default)."""
+    def adopt_thread(self) -> None:  # ready the calling thread to launch this worker's tasks
         return None
 
 
