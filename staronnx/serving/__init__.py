@@ -30,7 +30,7 @@ from staronnx.serving.metrics import (
     summarize,
 )
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
-from staronnx.serving.server import BatchRuntime, OverloadError, Server, ServerClosed
+from staronnx.serving.server import BatchRuntime, OverloadError, Server, ServerClosed, StandInRuntime
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -46,6 +46,7 @@ __all__ = [
     "RunRecords",
     "Server",
     "ServerClosed",
+    "StandInRuntime",
     "backlog",
     "cpu_share",
     "generator_report",
