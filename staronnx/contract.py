@@ -284,7 +284,7 @@ class BatchContract:
             if len(counts) == 1 and rows == total:
                 results[0][name] = arr
                 continue
-            if axis is None or getattr(arr, "ndim", 0) <= axis:
+            if axis is None or np.ndim(arr) <= axis:
                 raise RuntimeError(f"output {name!r} has no batch axis, so its rows cannot be split per request")
             if arr.shape[axis] != rows:
                 raise RuntimeError(f"output {name!r} has {arr.shape[axis]} rows on its batch axis {axis} for a batch "
@@ -295,11 +295,3 @@ class BatchContract:
                 r[name] = arr[lead + (slice(start, start + n),)]
                 start += n
         return results
-
-    def shape_at(self, name: str, shape: Sequence[int], batch: int) -> list[int]:
-        """``shape`` (a one-sample shape of input ``name``) with ``batch`` rows on its batch axis."""
-        out = list(shape)
-        axis = self.inputs.get(name)
-        if axis is not None and self.why_not is None and axis < len(out):
-            out[axis] = batch
-        return out

@@ -8,9 +8,9 @@ import dataclasses
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import onnx
@@ -177,13 +177,19 @@ _PLACEHOLDER_DIMS = (0,)
 _PROBE_OPSET = 21
 
 
+def option_values(so: ort.SessionOptions, names: Iterable[str]) -> dict[str, Any]:
+    """``so``'s attributes ``names``, by name."""
+    # ORT's SessionOptions is a pybind11 object with no __dict__ and no copy: read by name
+    return {name: getattr(so, name) for name in names}
+
+
 @contextlib.contextmanager
 def borrowed(so: ort.SessionOptions, **values: object) -> Iterator[ort.SessionOptions]:
     """The caller's SessionOptions with ``values`` set for the block and restored after: a probe
     or a writer session must not profile, write the optimised model or log as the user's does.
     (ORT's SessionOptions cannot be copied; a session opened on the same object in another
     thread meanwhile sees the borrowed values.)"""
-    saved = {name: getattr(so, name) for name in values}
+    saved = option_values(so, values)
     try:
         for name, value in values.items():
             setattr(so, name, value)

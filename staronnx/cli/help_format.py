@@ -11,37 +11,39 @@ not remember ``metavar=""`` on each flag.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
-from typer.core import TyperGroup
+import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
 
 
-def plain_flags(command: Any, ctx: Any) -> None:
+def _untyped(params: Iterable[Any]) -> None:
+    """An empty metavar for every flag among ``params`` that has none chosen on purpose."""
+    for param in params:
+        if isinstance(param, TyperOption) and param.is_flag and param.metavar is None:
+            param.metavar = ""
+
+
+def plain_flags(command: TyperCommand | TyperGroup, ctx: typer.Context) -> None:
     """Give every flag of ``command`` (its ``--help`` too, and its sub-commands' when it is a
     group) an empty metavar, unless one was chosen on purpose."""
-    params = list(getattr(command, "params", ()))
-    get_help = getattr(command, "get_help_option", None)
-    help_option = get_help(ctx) if get_help is not None else None
-    if help_option is not None:
-        params.append(help_option)
-    for param in params:
-        if getattr(param, "is_flag", False) and getattr(param, "metavar", None) is None:
-            param.metavar = ""
-    for sub in (getattr(command, "commands", None) or {}).values():
+    help_option = command.get_help_option(ctx)
+    _untyped([*command.params, *([help_option] if help_option is not None else [])])
+    for sub in command.commands.values() if isinstance(command, TyperGroup) else ():
         plain_flags(sub, ctx)
 
 
 class PlainFlagsGroup(TyperGroup):
-    """The ``staronnx`` group: its own flags and every command it resolves print no type."""
+    """The ``staronnx`` group: its own flags and every command it resolves print no type
+    (Typer's vendored Click: its classes are Typer's, not the ``click`` package's)."""
 
-    def get_params(self, ctx: Any) -> list[Any]:
+    def get_params(self, ctx: typer.Context) -> list[Any]:
         params = super().get_params(ctx)
-        for param in params:
-            if getattr(param, "is_flag", False) and getattr(param, "metavar", None) is None:
-                param.metavar = ""
+        _untyped(params)
         return params
 
-    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             plain_flags(command, ctx)

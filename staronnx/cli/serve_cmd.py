@@ -9,6 +9,7 @@ import typer
 
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
+from staronnx.serve.batching import served_only
 
 #: why --slo-ms/--priority are refused with --separate-runtimes (the same words on Ray)
 TARGETS_NEED_SHARING = ("--slo-ms and --priority order the tasks of models sharing one runtime; they do not go "
@@ -38,17 +39,8 @@ def serve_cmd(
     cuda_devices: Annotated[Optional[str], typer.Option(
         help=CUDA_DEVICES_HELP + " Not with --ray (Ray gives each replica its GPUs: --replica-gpus).")] = None,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
-    cuda_graphs: Annotated[bool, typer.Option(
-        "--cuda-graphs/--no-cuda-graphs",
-        help="With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
-             "--batch-size) at start-up; partial batches are padded up to them.")] = True,
-    colocate: Annotated[bool, typer.Option(
-        "--colocate", help="Run the event loop and the batchers on the CUDA driver thread's core, or without "
-                           "--cuda-streams on the first CPU worker's, sharing its compute (StarPU's "
-                           "STARPU_MAIN_THREAD_BIND). They hold the GIL in turn with that thread, and a hand-over "
-                           "on one core costs less than one between two; off by default, since a driver running ONNX "
-                           "Runtime without CUDA graphs launches kernels without the GIL, which the loop then no longer "
-                           "overlaps.")] = False,
+    cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help=HELP["cuda_graphs"])] = True,
+    colocate: Annotated[bool, typer.Option("--colocate", help=HELP["colocate"])] = False,
     batch_size: Annotated[int, typer.Option(help="Largest batch the batcher forms from the clients' samples.")] = 8,
     batch_axis: Annotated[list[str] | None, typer.Option(
         "--batch-axis", help=BATCH_AXIS_HELP)] = None,
@@ -62,23 +54,12 @@ def serve_cmd(
         help="Samples waiting for a batch, per model; beyond it that model's requests get 503 / UNAVAILABLE. "
              "N for every model, NAME=N for one (repeatable; default 1024).")] = None,
     max_body: Annotated[str, typer.Option(help="Largest request body (HTTP) or message (gRPC): 64MiB, 10MB, ...")] = "64MiB",
-    drain_timeout: Annotated[str, typer.Option(
-        help="On SIGTERM/SIGINT, how long accepted requests may take to finish; those still queued then are "
-             "answered 503 / UNAVAILABLE.")] = "30s",
-    header_timeout: Annotated[str, typer.Option(
-        help="How long a connection has to send a whole request head, from its accept or its first byte after a "
-             "keep-alive pause (nginx's client_header_timeout); also gRPC's handshake.")] = "10s",
-    body_timeout: Annotated[str, typer.Option(
-        help="Longest pause in a request body; once it has passed, the body must also average --body-min-rate "
-             "(408, connection closed).")] = "30s",
-    body_min_rate: Annotated[str, typer.Option(
-        help="Bytes per second a request body must average after --body-timeout (a slowloris sending a byte a "
-             "second is closed); 0 = pauses only.")] = "1KiB",
-    idle_timeout: Annotated[str, typer.Option(
-        help="How long a keep-alive connection (HTTP) or a connection with no call (gRPC) may idle.")] = "75s",
-    request_timeout: Annotated[str, typer.Option(
-        help="Deadline of a whole inference request (body, queue, inference): later, it is withdrawn and "
-             "answered 504 / DEADLINE_EXCEEDED; 0 = none.")] = "120s",
+    drain_timeout: Annotated[str, typer.Option(help=HELP["drain_timeout"])] = "30s",
+    header_timeout: Annotated[str, typer.Option(help=HELP["header_timeout"])] = "10s",
+    body_timeout: Annotated[str, typer.Option(help=HELP["body_timeout"])] = "30s",
+    body_min_rate: Annotated[str, typer.Option(help=HELP["body_min_rate"])] = "1KiB",
+    idle_timeout: Annotated[str, typer.Option(help=HELP["idle_timeout"])] = "75s",
+    request_timeout: Annotated[str, typer.Option(help=HELP["request_timeout"])] = "120s",
     max_connections: Annotated[Optional[int], typer.Option(
         help="Connections each protocol holds; past it HTTP answers 503 and gRPC's core closes the connection. "
              "Default: from the open-file limit, which is raised to its hard limit at start.")] = None,
@@ -173,6 +154,14 @@ def serve_cmd(
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    delay = parse_duration(max_delay, allow_zero=True)
+    save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
+    body = parse_size(max_body)
+    http_port = _port(http_port, "http-port")
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
@@ -181,22 +170,17 @@ def serve_cmd(
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
-                                           "max_delay": parse_duration(max_delay, allow_zero=True),
-                                           "save_every": parse_duration(save_every, allow_zero=True,
-                                                                        option="--save-every"),
-                                           "gc_interval": collect_every},
+                                           "max_delay": delay, "save_every": save_s, "gc_interval": collect_every},
                             capacities=capacities, targets=targets, residency=residency, lanes=lanes,
                             batching=overrides)
-        serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host,
-                     http_port=_port(http_port, "http-port"), max_body=parse_size(max_body),
-                     say=lambda line: print(line, flush=True))
+        serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
+                     max_body=body, say=say)
         return
-    listen = Listen(host=host, http_port=_port(http_port, "http-port"), grpc_port=_port(grpc_port, "grpc-port"),
-                    metrics_port=_port(metrics_port, "metrics-port"), max_body=parse_size(max_body),
+    listen = Listen(host=host, http_port=http_port, grpc_port=_port(grpc_port, "grpc-port"),
+                    metrics_port=_port(metrics_port, "metrics-port"), max_body=body,
                     drain_timeout=parse_duration(drain_timeout, option="--drain-timeout"),
                     limits=serve_limits(header_timeout, body_timeout, body_min_rate, idle_timeout, request_timeout,
-                                        max_connections, receive_budget, grpc_max_streams, parse_size(max_body)))
-    delay = parse_duration(max_delay, allow_zero=True)
+                                        max_connections, receive_budget, grpc_max_streams, body))
     loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
     apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
     metrics = ServeMetrics()
@@ -209,7 +193,7 @@ def serve_cmd(
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
-                   save_every=parse_duration(save_every, allow_zero=True, option="--save-every"),
+                   save_every=save_s,
                    cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
     try:
@@ -217,12 +201,11 @@ def serve_cmd(
             shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes,
                              lane_preempt=lane_preempt, **options)
             held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}
-            print(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
-                  + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
-                  + "".join(f"; {n} on {', '.join(held[n])} only" for n in residency)
-                  + "".join(f"; {n} has lanes {', '.join(w for w in held[n] if w.startswith('lane:'))}"
-                            for n in lanes)
-                  + _lowered_text(shared.workers), flush=True)
+            say(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
+                + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
+                + "".join(f"; {n} on {', '.join(held[n])} only" for n in residency)
+                + "".join(f"; {n} has lanes {', '.join(w for w in held[n] if w.startswith('lane:'))}" for n in lanes)
+                + _lowered_text(shared.workers))
         for model_name, plan in zip(names, loaded):
             if shared is not None:
                 runtime = shared.model(model_name)
@@ -236,23 +219,23 @@ def serve_cmd(
                                                    **({"cuda_devices": ",".join(map(str, devices))}
                                                       if cuda_streams else {}),
                                                    "engine": engine, "shared_runtime": shared is not None,
-                                                   **_target_settings(targets.get(model_name))},
+                                                   **targets.get(model_name, {})},
                                          colocate=colocate)
             except BaseException:
                 runtime.close()
                 raise
             models.append(endpoint)
             graphs = runtime.preferred_batch_sizes if isinstance(runtime, Runtime) else ()
-            print(f"model {model_name!r}: plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
-                  f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
-                  f"{endpoint.server.max_inflight} batches in flight"
-                  + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
-                  + f"; {contract_text(plan)}", flush=True)
+            say(f"model {model_name!r}: plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
+                f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
+                f"{endpoint.server.max_inflight} batches in flight"
+                + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
+                + f"; {contract_text(plan)}")
         run, loop_name = event_loop_runner()
-        print(f"event loop: {loop_name}", flush=True)
+        say(f"event loop: {loop_name}")
         # lanes: a waking lane waits for the GIL at most the switch interval, held short while serving
         with short_switch_interval() if lanes else contextlib.nullcontext():
-            run(serve(models, metrics, listen, say=lambda line: print(line, flush=True), gc_interval=collect_every,
+            run(serve(models, metrics, listen, say=say, gc_interval=collect_every,
                       colocate=models[0].server.runtime.colocate if colocate else None,
                       colocate_on=host_core_name(cuda_streams)))
     finally:
@@ -294,24 +277,17 @@ DEFAULT_QUEUE_CAPACITY = 1024
 
 def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
     """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
-    default, own = DEFAULT_QUEUE_CAPACITY, {}
-    for spec in specs:
-        for item in (s.strip() for s in spec.split(",") if s.strip()):
-            name, sep, value = item.rpartition("=")
-            try:
-                n = int(value)
-            except ValueError:
-                raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}") from None
-            if n < 1:
-                raise StaronnxError(f"--queue-capacity must be at least 1, got {item!r}")
-            if not sep:
-                default = n
-            elif name not in names:
-                raise StaronnxError(f"--queue-capacity names model {name!r}, which is not served; "
-                                    f"the models are {', '.join(map(repr, names))}")
-            else:
-                own[name] = n
-    return {n: own.get(n, default) for n in names}
+    given: dict[str, int] = {}  # NAME -> N, and "" -> every model's N
+    for item in (s.strip() for spec in specs for s in spec.split(",") if s.strip()):
+        name, _, value = item.rpartition("=")
+        n = int(value) if value.strip().lstrip("+-").isdigit() else None
+        if n is None or n < 1:
+            raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}" if n is None
+                                else f"--queue-capacity must be at least 1, got {item!r}")
+        given[name] = n
+    default = given.pop("", DEFAULT_QUEUE_CAPACITY)
+    served_only(given, names, "--queue-capacity")
+    return {n: given.get(n, default) for n in names}
 
 
 def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) -> dict[str, dict[str, Any]]:
@@ -321,17 +297,15 @@ def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) ->
     targets = parse_targets(slo_ms, "latency_ms")
     for name, fields in parse_targets(priority, "priority").items():
         targets.setdefault(name, {}).update(fields)
-    unknown = sorted(set(targets) - set(names))
-    if unknown:
-        raise StaronnxError(f"--slo-ms/--priority name model(s) {', '.join(map(repr, unknown))} that are not "
-                            f"served; the models are {', '.join(map(repr, names))}")
-    return targets
+    return served_only(targets, names, "--slo-ms/--priority")
 
 
 def _lowered_text(workers: list[Any]) -> str:
     """What the start line says of the shared workers that yield to lanes, so an operator sees
     the priorities ``ps``/``top`` will show (or that the OS refused them)."""
-    lowered = [w for w in workers if getattr(w, "lowered", None)]
+    from staronnx.workers.cpu import CpuWorker
+
+    lowered = [w for w in workers if isinstance(w, CpuWorker) and w.lowered]
     if not lowered:
         return ""
     runs = {w.priority or "unchanged (the OS refused)" for w in lowered}
@@ -347,9 +321,27 @@ def _target_text(fields: dict[str, Any]) -> str:
     return ", ".join(parts) or "no target"
 
 
-def _target_settings(fields: dict[str, Any] | None) -> dict[str, Any]:
-    """What the model's config() reports of its target."""
-    return {k: v for k, v in (fields or {}).items() if k in ("latency_ms", "priority")}
+#: the help of the options whose text is too long to stand in the signature
+HELP = {
+    "cuda_graphs": ("With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
+                    "--batch-size) at start-up; partial batches are padded up to them."),
+    "colocate": ("Run the event loop and the batchers on the CUDA driver thread's core, or without --cuda-streams "
+                 "on the first CPU worker's, sharing its compute (StarPU's STARPU_MAIN_THREAD_BIND). They hold the "
+                 "GIL in turn with that thread, and a hand-over on one core costs less than one between two; off by "
+                 "default, since a driver running ONNX Runtime without CUDA graphs launches kernels without the "
+                 "GIL, which the loop then no longer overlaps."),
+    "drain_timeout": ("On SIGTERM/SIGINT, how long accepted requests may take to finish; those still queued then "
+                      "are answered 503 / UNAVAILABLE."),
+    "header_timeout": ("How long a connection has to send a whole request head, from its accept or its first byte "
+                       "after a keep-alive pause (nginx's client_header_timeout); also gRPC's handshake."),
+    "body_timeout": ("Longest pause in a request body; once it has passed, the body must also average "
+                     "--body-min-rate (408, connection closed)."),
+    "body_min_rate": ("Bytes per second a request body must average after --body-timeout (a slowloris sending a "
+                      "byte a second is closed); 0 = pauses only."),
+    "idle_timeout": "How long a keep-alive connection (HTTP) or a connection with no call (gRPC) may idle.",
+    "request_timeout": ("Deadline of a whole inference request (body, queue, inference): later, it is withdrawn and "
+                        "answered 504 / DEADLINE_EXCEEDED; 0 = none."),
+}
 
 
 BATCH_AXIS_HELP = ("The axis of an input or output that carries the batch, where the model cannot tell: NAME=AXIS "
@@ -388,13 +380,6 @@ def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
     return served_only(parse_model_workers(items), names, "--model-workers")
 
 
-def served_only(per_model: dict[str, str], names: list[str], option: str) -> dict[str, str]:
-    """``per_model`` if every model it names is served, else an error naming the others."""
-    unknown = [n for n in per_model if n not in names]
-    if unknown:
-        raise StaronnxError(f"{option} names model(s) {', '.join(map(repr, unknown))} that are not served; "
-                            f"models: {', '.join(names)}")
-    return per_model
 
 
 LANE_HELP = ("Give a model a lane, NAME or NAME=CPU_GROUPS (repeatable; default every CPU group): a worker of "

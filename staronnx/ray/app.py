@@ -177,6 +177,7 @@ def _by_name(value: Any, key: str, names: Sequence[str]) -> dict[str, Any]:
     """``{name: value}`` from a mapping or ``"name=value"`` items (a string or a list), each
     value checked to be a number (a whole one for a capacity or a priority)."""
     from staronnx.runtime.models import parse_targets
+    from staronnx.serve.batching import served_only
 
     if isinstance(value, Mapping):
         items = [f"{n}={v}" for n, v in value.items()]
@@ -191,11 +192,7 @@ def _by_name(value: Any, key: str, names: Sequence[str]) -> dict[str, Any]:
         parsed = {n: fields[kind] for n, fields in parse_targets(items, kind).items()}
     except StaronnxError as exc:
         raise StaronnxError(f"{key!r}: {exc}") from None
-    unknown = sorted(set(parsed) - set(names))
-    if unknown:
-        raise StaronnxError(f"{key!r} names model(s) {', '.join(map(repr, unknown))} that are not served; "
-                            f"the models are {', '.join(map(repr, names))}")
-    return parsed
+    return served_only(parsed, names, repr(key))
 
 
 def free_port(host: str) -> int:

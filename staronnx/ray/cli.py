@@ -70,7 +70,7 @@ def model_specs(plans: list[Path], names: list[str], settings: Mapping[str, Any]
     ``--no-batching``, as :func:`staronnx.serve.batching.apply_batching` resolved them)."""
     specs = [ModelSpec(plan=str(Path(p).resolve()), name=n, **settings, queue_capacity=capacities[n],
                        workers=(residency or {}).get(n), lane=(lanes or {}).get(n),
-                       **{k: v for k, v in targets.get(n, {}).items() if k in ("latency_ms", "priority")},
+                       **targets.get(n, {}),
                        **dict((batching or {}).get(n, {})))
              for p, n in zip(plans, names)]
     for spec in specs:

@@ -32,7 +32,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from staronnx.ray.replica import Reply
+from staronnx.serve.frontend import refused_load, repository_index
 from staronnx.serve.metrics import ModelStats
+from staronnx.serve.models import check_version
 from staronnx.serve.protocol import ProtocolError, cut, invalid, shown, unknown_model
 
 log = logging.getLogger("staronnx.ray")
@@ -99,7 +102,6 @@ class KServeIngress:
         from starlette.responses import JSONResponse, Response
 
         from staronnx.serve.app import EXTENSIONS, server_metadata
-        from staronnx.serve.http_api import refused_load
 
         path, method = request.url.path, request.method
         if path in ("/v2", "/v2/"):
@@ -128,7 +130,7 @@ class KServeIngress:
         name, tail = m.group("model"), m.group("tail") or ""
         if name not in self.models:
             raise unknown_model(name, list(self.models))
-        _check_version(name, m.group("version"))
+        check_version(name, m.group("version"))
         if tail == "/infer":
             _only(method, "POST", path)
             return await self._infer(name, request)
@@ -150,32 +152,27 @@ class KServeIngress:
         replicas = [snap for (_, model), snap in self._replica_stats.items() if model == name]
         return triton_statistics(name, merge_snapshots([self._stats[name].snapshot(), *replicas]))
 
-    def _note(self, name: str, reply: Any) -> None:
-        """Keep the counts a replica's reply carries (an older replica's reply has none), the
+    def _note(self, name: str, reply: Reply) -> None:
+        """Keep the counts a replica's reply carries (none where no model answered), the
         newest of them: concurrent replies arrive in any order, and one taken before another
         request finished must not replace the counts that include it (a client that read the
         statistics after its last answer saw one request fewer)."""
-        stats = getattr(reply, "stats", None)
-        if stats is None:
+        if reply.stats is None:
             return
-        key = (getattr(reply, "replica", ""), name)
+        key = (reply.replica, name)
         kept = self._replica_stats.get(key)
-        if kept is None or _progress(stats) >= _progress(kept):
-            self._replica_stats[key] = stats
+        if kept is None or _progress(reply.stats) >= _progress(kept):
+            self._replica_stats[key] = reply.stats
 
     async def _repository_index(self, request: Any) -> list[dict[str, str]]:
         """Triton's repository index, read-only: every model, READY when a replica answers ready;
         ``{"ready": true}`` lists only those."""
-        from staronnx.serve.http_api import inflate_body, json_object
-        from staronnx.serve.metrics import VERSION
+        from staronnx.serve.http_api import index_ready
 
-        body = await inflate_body(await self._body(request), request.headers.get("content-encoding"), self.max_body)
-        only_ready = bool(json_object(body).get("ready", False))
-        names = sorted(self.models)
-        ready = await asyncio.gather(*(self._ready(n) for n in names))
-        return [{"name": n, "version": VERSION, "state": "READY" if ok else "UNAVAILABLE",
-                 "reason": "" if ok else "no replica of the model answers ready"}
-                for n, ok in zip(names, ready) if ok or not only_ready]
+        only_ready = await index_ready(await self._body(request), request.headers.get("content-encoding"),
+                                      self.max_body)
+        ready = await asyncio.gather(*(self._ready(n) for n in self.models))
+        return repository_index(dict(zip(self.models, ready)), "no replica of the model answers ready", only_ready)
 
     async def _body(self, request: Any) -> bytes:
         length = request.headers.get("content-length")
@@ -227,7 +224,7 @@ class KServeIngress:
         from ray.exceptions import RayTaskError
         from ray.serve.exceptions import BackPressureError
 
-        handle = getattr(self.models[name], method)
+        handle = self.models[name].options(method_name=method)
         first: BaseException | None = None
         for attempt in (1, 2):
             try:
@@ -277,12 +274,6 @@ class _MethodNotAllowed(Exception):
 def _only(method: str, allowed: str, path: str) -> None:
     if method != allowed:
         raise _MethodNotAllowed(f"method {method} not allowed on {path}")
-
-
-def _check_version(name: str, version: str | None) -> None:
-    from staronnx.serve.models import check_version
-
-    check_version(name, version)
 
 
 def _progress(snapshot: Mapping[str, Any]) -> tuple[int, int]:

@@ -20,14 +20,16 @@ import contextlib
 import gc
 import logging
 import os
-import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
 
 from staronnx.ray.spec import ReplicaSpec
 from staronnx.serving.collector import full_collections_every
+
+if TYPE_CHECKING:
+    from staronnx.serve.models import ModelEndpoint
 
 log = logging.getLogger("staronnx.ray")
 
@@ -84,26 +86,23 @@ def pin_process(pus: Sequence[int]) -> None:
             pass
 
 
-def health_problem(endpoint: Any, runtime: Any = None) -> str | None:
+def health_problem(endpoint: ModelEndpoint, runtime: Any = None) -> str | None:
     """Why the replica serving ``endpoint`` cannot answer requests, or None when it can.
 
     ``runtime`` is the runtime behind it (default: the endpoint's own; a shared runtime for a
     model hosted beside others, whose handle has no workers of its own to check). Only all
     workers dead makes it unhealthy: with some left it keeps serving (the runtime re-places
     the dead ones' tasks), as :meth:`StaronnxReplica.describe` reports."""
-    if not getattr(endpoint, "ready", False):
+    if not endpoint.ready:
         return "the model endpoint is closed"
-    server = endpoint.server
-    thread = getattr(server, "_thread", None)
-    if server.closed or (thread is not None and not thread.is_alive()):
+    # Server has no public word for a batcher thread that ended without being closed
+    if endpoint.server.closed or not endpoint.server._thread.is_alive():
         return "the batcher has stopped"
     return runtime_problem(endpoint.runtime if runtime is None else runtime)
 
 
 def runtime_problem(runtime: Any) -> str | None:
-    """Why ``runtime`` cannot run tasks (closed, or every worker dead), or None."""
-    if getattr(runtime, "_closed", False):
-        return "the runtime is closed"
+    """Why ``runtime`` cannot run tasks (every worker dead, or no state to report), or None."""
     try:
         stats = runtime.stats()
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot report is not healthy
@@ -113,12 +112,6 @@ def runtime_problem(runtime: Any) -> str | None:
         dead = "; ".join(f"{n}: {e}" for n, e in stats.get("dead_workers", [])) or "no detail"
         return f"every worker died ({dead})"
     return None
-
-
-def _predictor(runtime: Any) -> Any:
-    """The native engine's perf-model predictor (None for the starpu engine, whose StarPU
-    keeps its own models)."""
-    return getattr(getattr(runtime, "_engine", None), "predictor", None)
 
 
 class StaronnxReplica:
@@ -131,12 +124,16 @@ class StaronnxReplica:
     """
 
     def __init__(self, spec: Mapping[str, Any]) -> None:
+        #: what Serve's shutdown stops (:meth:`__del__`), the last opened first; made before
+        #: anything can fail, since __del__ runs after a failed __init__ too
+        self._open = contextlib.ExitStack()
         import ray
         from ray import serve
 
         self.spec = ReplicaSpec.of(spec)
         ctx = serve.get_replica_context()
         self.replica = ctx.replica_id.unique_id
+        # a replica's rank on its node came with Ray 2.5x's ReplicaRank: 0 on a Ray without it
         self.local_rank = int(getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0)
         cpus = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
         share = cpu_share(self.local_rank, cpus) if self.spec.runtime_settings()["pin_cpus"] else None
@@ -147,21 +144,17 @@ class StaronnxReplica:
         # 0): the CUDA workers drive every one of them, not only the first
         self.gpus = len(ray.get_gpu_ids())
         self.runtime = open_runtime(self.spec, tuple(range(self.gpus)) or (0,))
+        self._open.callback(self.runtime.close, 30.0)  # which merges the perf models learnt since the last save
         try:
             self.endpoints = open_endpoints(self.spec, self.runtime, self.replica)
         except BaseException:
-            self.runtime.close(1.0)
+            self._open.close()
             raise
+        self._open.callback(self._drain)
         self._ongoing = 0  # requests inside infer() now (one event loop: no lock)
-        self._stop = threading.Event()
-        self._saver: threading.Thread | None = None
-        self._collector = contextlib.ExitStack()
         gc_interval = float(self.spec.runtime_settings()["gc_interval"])
         if gc_interval > 0:  # as staronnx serve: young collections only, a full one this often
-            self._collector.enter_context(full_collections_every(gc_interval))
-        if self.spec.runtime_settings()["save_every"] > 0 and _predictor(self.runtime) is not None:
-            self._saver = threading.Thread(target=self._save_loop, name="staronnx-perfmodel-saver", daemon=True)
-            self._saver.start()
+            self._open.enter_context(full_collections_every(gc_interval))
         log.info("staronnx replica %s: models %s on one runtime, PUs %s, %d workers", self.replica,
                  ", ".join(f"{m.name!r} (plan {m.plan})" for m in self.spec.models), self.cpus,
                  len(self.runtime.workers))
@@ -249,7 +242,9 @@ class StaronnxReplica:
         """This replica's in-memory perf models: ``{"part.arch": {batch: [n, nerror]}}`` (keys
         ``"model/part.arch"`` when it hosts several models), and how many samples wait to be
         merged into the store."""
-        predictor = _predictor(self.runtime)
+        # the native engine's perf-model predictor (None for the starpu engine, whose StarPU keeps
+        # its own); Runtime has no public word for its engine's
+        predictor = self.runtime._engine.predictor
         out: dict[str, Any] = {"replica": self.replica, "models": {}, "unsaved": 0}
         if predictor is None:
             return out
@@ -267,33 +262,18 @@ class StaronnxReplica:
 
     def save_perf_models(self) -> None:
         """Merge what this replica learnt into the store (under the store's lock)."""
-        predictor = _predictor(self.runtime)
-        if predictor is not None:
-            predictor.save()
-
-    def _save_loop(self) -> None:
-        while not self._stop.wait(self.spec.runtime_settings()["save_every"]):
-            try:
-                self.save_perf_models()
-            except Exception:  # noqa: BLE001 - the next round (or shutdown) tries again
-                log.exception("staronnx replica %s: merging perf models failed", self.replica)
+        self.runtime.save_perf_models()
 
     # -- shutdown ---------------------------------------------------------------------------------
+    def _drain(self) -> None:
+        for endpoint in self.endpoints.values():
+            if endpoint.ready:
+                endpoint.close(30.0)
+
     def __del__(self) -> None:
         """Serve's graceful shutdown: drain every model's batcher, then close the runtime
         (which merges the perf models learnt since the last save)."""
-        stop = getattr(self, "_stop", None)
-        if stop is not None:
-            stop.set()
-        collector = getattr(self, "_collector", None)
-        if collector is not None:
-            collector.close()
-        for endpoint in getattr(self, "endpoints", {}).values():
-            if endpoint.ready:
-                endpoint.close(30.0)
-        runtime = getattr(self, "runtime", None)
-        if runtime is not None:
-            runtime.close(30.0)
+        self._open.close()
 
 
 def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
@@ -311,6 +291,7 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     lanes = {m.name: m.lane for m in spec.models if m.lane} if spec.shared else {}
     return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
                    cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
+                   save_every=float(settings["save_every"]),
                    calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
                    lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices)
 
@@ -327,8 +308,7 @@ def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, A
     try:
         for m in spec.models:
             settings = {"policy": m.policy, "groups": m.groups, "cuda_streams": m.cuda_streams, "engine": m.engine,
-                        "replica": replica, "shared_runtime": spec.shared,
-                        **{k: v for k, v in m.target().items() if k in ("latency_ms", "priority")}}
+                        "replica": replica, "shared_runtime": spec.shared, **m.target()}
             endpoints[m.name] = ModelEndpoint(
                 m.name, runtime.model(m.name), batch_size=m.batch_size, max_delay=m.max_delay,
                 queue_capacity=m.queue_capacity, metrics=metrics, keep_records=RECORDS_KEPT, settings=settings)

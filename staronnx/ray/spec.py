@@ -17,6 +17,7 @@ from typing import Any, Mapping, Sequence
 
 from staronnx.errors import StaronnxError
 from staronnx.runtime.models import ServiceTarget
+from staronnx.serve.batching import check_names
 
 #: the name of the Serve application ``staronnx serve --ray`` deploys
 APP_NAME = "staronnx"
@@ -65,30 +66,32 @@ class ModelSpec:
 
     plan: str
     name: str
-    policy: str = "heft"
-    groups: str = "numa"
-    cuda_streams: int = 0
-    engine: str = "native"
+    # the model's own: its batcher, target, workers and batching
     batch_size: int = 8
     max_delay: float = 0.0
     queue_capacity: int = 1024
-    calibrate: int | None = None
-    home: str | None = None
-    save_every: float = 60.0
-    gc_interval: float = 30.0
-    pin_cpus: bool = True
     latency_ms: float | None = None
     priority: int = 0
     #: the workers of a shared replica that load this model (``--model-workers``; None: all)
     workers: str | None = None
     #: the CPU groups of a shared replica that give this model a lane (``--lane``; None: none)
     lane: str | None = None
-    #: how the shared workers of a group with a lane yield to it (``--lane-preempt``)
-    lane_preempt: str = "idle"
     #: the batch axes the user gave (``NAME=AXIS`` items, ``--batch-axis``; empty: the plan's)
     batch_axes: tuple[str, ...] = ()
     #: False runs each request alone (``--no-batching``)
     batching: bool = True
+    # the replica's runtime's (:data:`RUNTIME_FIELDS`), which models sharing it must agree on
+    policy: str = "heft"
+    groups: str = "numa"
+    cuda_streams: int = 0
+    engine: str = "native"
+    calibrate: int | None = None
+    pin_cpus: bool = True
+    home: str | None = None
+    save_every: float = 60.0
+    gc_interval: float = 30.0
+    #: how the shared workers of a group with a lane yield to it (``--lane-preempt``)
+    lane_preempt: str = "idle"
 
     def __post_init__(self) -> None:
         from staronnx.contract import parse_batch_axes
@@ -108,8 +111,7 @@ class ModelSpec:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at shutdown only), got {self.save_every}")
         if self.gc_interval < 0:
             raise StaronnxError(f"gc_interval must be >= 0 seconds (0 = Python's own thresholds), got {self.gc_interval}")
-        if not self.name or "/" in self.name:
-            raise StaronnxError(f"model name {self.name!r} cannot be used in a URL; choose another")
+        check_names([self.name])
         from staronnx.workers.groups import GroupError, policy_reserve
         from staronnx.workers.launch import NO_CPU
 
@@ -147,7 +149,7 @@ class ModelSpec:
 
     def runtime_settings(self) -> dict[str, Any]:
         """The fields a replica's runtime is built from (:data:`RUNTIME_FIELDS`)."""
-        return {f: getattr(self, f) for f in RUNTIME_FIELDS}
+        return {f: v for f, v in asdict(self).items() if f in RUNTIME_FIELDS}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -179,7 +181,7 @@ class ReplicaSpec:
         refuse_duplicates(self.models)
         first = self.models[0]
         for field_name in RUNTIME_FIELDS:
-            values = {repr(getattr(m, field_name)) for m in self.models}
+            values = {repr(m.runtime_settings()[field_name]) for m in self.models}
             if len(values) > 1:
                 raise StaronnxError(
                     f"models sharing a runtime share its {field_name!r}, but they give {', '.join(sorted(values))}; "
@@ -245,10 +247,7 @@ def refuse_duplicates(specs: Sequence[ModelSpec]) -> None:
     """No plan to serve, or two served under one name (one URL): refused, saying how to fix it."""
     if not specs:
         raise StaronnxError("no plan to serve")
-    names = [s.name for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
+    check_names([s.name for s in specs])
 
 
 _AUTOSCALE = re.compile(r"^\s*(\d+)\s*:\s*(\d+)\s*$")

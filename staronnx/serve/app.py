@@ -39,6 +39,7 @@ from typing import Any
 from aiohttp import web
 
 from staronnx.errors import StaronnxError
+from staronnx.serve.batching import check_names
 from staronnx.serve.limits import Guard, Limits, RefusalCollector, raise_open_files
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
@@ -70,12 +71,7 @@ def model_names(plans: list[Path], names: list[str] | None) -> list[str]:
     if names and len(names) != len(plans):
         raise StaronnxError(f"--name given {len(names)} time(s) for {len(plans)} plan(s): give one per plan, in order")
     out = list(names) if names else [p.resolve().name for p in plans]
-    for n in out:
-        if not n or "/" in n:
-            raise StaronnxError(f"model name {n!r} cannot be used in a URL; choose another with --name")
-    dupes = sorted({n for n in out if out.count(n) > 1})
-    if dupes:
-        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
+    check_names(out)
     return out
 
 
@@ -233,13 +229,11 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     grpc_front = GrpcFrontend(by_name, meta, is_ready, guard)
     grpc_server = make_server(grpc_front, listen.max_body, limits)
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
+    cause = ""
     try:
         grpc_port = grpc_server.add_insecure_port(f"{target}:{listen.grpc_port}")
     except RuntimeError as exc:
-        grpc_port = 0
-        cause = f": {exc}"
-    else:
-        cause = ""
+        grpc_port, cause = 0, f": {exc}"
     if grpc_port == 0:
         http_sock.close()
         metrics_sock.close()

@@ -1,4 +1,5 @@
-"""The batching overrides a served model is given (``--batch-axis``, ``--no-batching``).
+"""The batching overrides a served model is given (``--batch-axis``, ``--no-batching``), and the
+checks of the served models' names (each one URL) and of the per-model settings that name them.
 
 A plan's batching contract (:mod:`staronnx.contract`) is read off the model, with the overrides
 stored at partition time. Serving may add the user's word where the graph cannot tell (a state
@@ -10,9 +11,30 @@ the served models' tensors, before anything starts, so a misfit is one line nami
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from staronnx.errors import StaronnxError
+
+_PerModel = TypeVar("_PerModel", bound=Mapping[str, Any])
+
+
+def served_only(per_model: _PerModel, names: Sequence[str], option: str) -> _PerModel:
+    """``per_model`` if every model it names is served, else an error naming the others."""
+    unknown = sorted(set(per_model) - set(names))
+    if unknown:
+        raise StaronnxError(f"{option} names model(s) {', '.join(map(repr, unknown))} that are not served; "
+                            f"the models are {', '.join(map(repr, names))}")
+    return per_model
+
+
+def check_names(names: Sequence[str]) -> None:
+    """Every model name usable in a URL, and no two plans served under one (one URL each)."""
+    for n in names:
+        if not n or "/" in n:
+            raise StaronnxError(f"model name {n!r} cannot be used in a URL; choose another with --name")
+    dupes = sorted({n for n in names if list(names).count(n) > 1})
+    if dupes:
+        raise StaronnxError(f"two plans would be served as {dupes[0]!r}; tell them apart with --name")
 
 
 def batching_overrides(items: Sequence[str], tensors: Mapping[str, set[str]]) -> dict[str, list[str]]:

@@ -33,44 +33,49 @@ separate processes.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import numpy as np
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
 
 from staronnx.serve import protocol
+from staronnx.serve.frontend import Frontend, refused_load
 from staronnx.serve.limits import Guard, Limits
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
-from staronnx.serve.protocol import ProtocolError, invalid, shown, unknown_model
+from staronnx.serve.protocol import ProtocolError, invalid, shown
 
 SERVICE = "inference.GRPCInferenceService"
 
-log = logging.getLogger("staronnx.serve")
 
+class GrpcFrontend(Frontend):
+    """The servicer: the RPCs of :meth:`served`, errors as gRPC status codes."""
 
-class GrpcFrontend:
-    """The servicer: the RPCs of :data:`SERVED`, errors as gRPC status codes."""
+    protocol = "grpc"
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any],
                  is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
-        self.models = models
-        self.server_meta = server_meta
-        self.is_ready = is_ready
-        self.guard = guard if guard is not None else Guard.make(Limits().resolved(64 * 2**20, 1024), log)
+        super().__init__(models, server_meta, is_ready, guard, 64 * 2**20)
         #: inference calls not answered yet (what a shutdown waits for before the listener closes)
         self.unanswered = 0
-        #: set once the server stops: a call cancelled then was dropped, not cancelled by its client
-        self.closing = False
         #: while set (the last moments of a shutdown), calls wait for it before they are refused
         self._held: asyncio.Event | None = None
+
+    def served(self) -> dict[str, Callable[[Any, grpc.aio.ServicerContext], Any]]:
+        """The RPCs served, by name (the rest of Triton's service answers UNIMPLEMENTED from
+        gRPC's core)."""
+        return {"ServerLive": self.ServerLive, "ServerReady": self.ServerReady, "ModelReady": self.ModelReady,
+                "ServerMetadata": self.ServerMetadata, "ModelMetadata": self.ModelMetadata,
+                "ModelInfer": self.ModelInfer, "ModelConfig": self.ModelConfig,
+                "ModelStatistics": self.ModelStatistics, "RepositoryIndex": self.RepositoryIndex,
+                "RepositoryModelLoad": self.RepositoryModelLoad, "RepositoryModelUnload": self.RepositoryModelUnload}
 
     def hold(self) -> None:
         """From now on, calls to a stopping server wait before they are answered UNAVAILABLE,
@@ -92,21 +97,6 @@ class GrpcFrontend:
         if self._held is not None:
             self._held.set()
 
-    async def _refuse_stopping(self, model: ModelEndpoint) -> None:
-        """A call to a stopping server: UNAVAILABLE (after the hold, if one is on)."""
-        await self.held()
-        model.stats.refused("REJECTED")
-        self.guard.refusals.refuse("grpc", "shutting_down")
-        raise ProtocolError("unavailable", f"model {model.name!r}: the server is shutting down; send the request to "
-                                           "another replica")
-
-    def _model(self, name: str, version: str) -> ModelEndpoint:
-        model = self.models.get(name)
-        if model is None:
-            raise unknown_model(name, list(self.models))
-        model.check_version(version)
-        return model
-
     async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
@@ -118,56 +108,39 @@ class GrpcFrontend:
         return pb.ServerMetadataResponse(**self.server_meta)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
-        model = await _guard(context, lambda: self._model(request.name, request.version))
+        model = self.model(request.name, request.version)
         return pb.ModelReadyResponse(ready=model.ready and self.is_ready())
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest,
                             context: grpc.aio.ServicerContext) -> pb.ModelMetadataResponse:
-        model = await _guard(context, lambda: self._model(request.name, request.version))
-        meta = model.metadata()
+        meta = self.model(request.name, request.version).metadata()
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
 
     async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
-        model = await _guard(context, lambda: self._model(request.name, request.version))
-        return pb.ModelConfigResponse(config=json_format.ParseDict(model.config(), mc.ModelConfig()))
+        config = self.model(request.name, request.version).config()
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, mc.ModelConfig()))
 
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
                               context: grpc.aio.ServicerContext) -> pb.ModelStatisticsResponse:
-        """One model's statistics (by name), or every model's (no name), as Triton's."""
-        if request.name:
-            models = [await _guard(context, lambda: self._model(request.name, request.version))]
-        else:
-            models = [self.models[n] for n in sorted(self.models)]
         # ignore_unknown_fields: the "staronnx" section (targets, busy shares) has no field in
         # Triton's message; HTTP clients get it
-        return json_format.ParseDict({"model_stats": [m.statistics() for m in models]}, pb.ModelStatisticsResponse(),
+        return json_format.ParseDict(self.statistics(request.name, request.version), pb.ModelStatisticsResponse(),
                                      ignore_unknown_fields=True)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
                               context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
-        from staronnx.serve.http_api import repository_index
-
-        entries = repository_index(self.models, self.is_ready(), request.ready)
-        return json_format.ParseDict({"models": entries}, pb.RepositoryIndexResponse())
+        return json_format.ParseDict({"models": self.repository_entries(request.ready)}, pb.RepositoryIndexResponse())
 
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: grpc.aio.ServicerContext) -> pb.RepositoryModelLoadResponse:
-        from staronnx.serve.http_api import refused_load
-
-        exc = refused_load(request.model_name, "load")
-        await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
-        raise AssertionError("unreachable")
+        raise refused_load(request.model_name, "load")
 
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
                                     context: grpc.aio.ServicerContext) -> pb.RepositoryModelUnloadResponse:
-        from staronnx.serve.http_api import refused_load
-
-        exc = refused_load(request.model_name, "unload")
-        await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
-        raise AssertionError("unreachable")
+        raise refused_load(request.model_name, "unload")
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         """Registered as it is, not behind :func:`_checked` (a coroutine more per request on the
@@ -179,21 +152,17 @@ class GrpcFrontend:
         try:
             deadline = self.guard.limits.request_timeout
             try:
-                if deadline > 0:
-                    async with asyncio.timeout(deadline):
-                        response = await self._infer(request, context)
-                else:
+                async with asyncio.timeout(deadline if deadline > 0 else None):
                     response = await self._infer(request, context)
             except TimeoutError:
                 refusals.refuse("grpc", "request_timeout")
                 raise ProtocolError("timeout", f"the request was not answered within --request-timeout "
                                                f"({deadline:g} s); it was withdrawn") from None
         except ProtocolError as exc:
-            refusals.outcome("grpc", "refused" if exc.kind == "unavailable" else "failed")
-            await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
-            raise AssertionError("unreachable") from None
+            self.refused(exc)
+            await _abort(context, exc)
         except asyncio.CancelledError:
-            refusals.outcome("grpc", "dropped" if self.closing else "cancelled")
+            self.cancelled()
             raise
         except BaseException:
             refusals.outcome("grpc", "failed")
@@ -206,9 +175,10 @@ class GrpcFrontend:
     async def _infer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
         if type(request) is _Undecodable:
             raise invalid(_undecodable_text(request, "ModelInfer"))
-        model = self._model(request.model_name, request.model_version)
-        if not self.is_ready():  # stopping: answered, never reset
-            await self._refuse_stopping(model)
+        model = self.model(request.model_name, request.model_version)
+        if not self.is_ready():  # stopping: answered UNAVAILABLE (after the hold, if one is on), never reset
+            await self.held()
+            raise self.stopping(model)
         t0 = time.perf_counter()
         try:
             inputs, datatypes = _decode_inputs(request)
@@ -234,11 +204,10 @@ class GrpcFrontend:
         return response
 
 
-async def _guard(context: grpc.aio.ServicerContext, fn: Callable[[], Any]) -> Any:
-    try:
-        return fn()
-    except ProtocolError as exc:
-        await context.abort(getattr(grpc.StatusCode, exc.grpc_code), str(exc))
+async def _abort(context: grpc.aio.ServicerContext, exc: ProtocolError) -> NoReturn:
+    """End the call with ``exc``'s status code and message (``abort`` raises)."""
+    await context.abort(grpc.StatusCode[exc.grpc_code], str(exc))
+    raise AssertionError("unreachable")
 
 
 def _decode_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], dict[str, str]]:
@@ -264,6 +233,7 @@ def _decode_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray]
                 if tensor.datatype in protocol.DATATYPES:
                     raise invalid(f"input {shown(name)}: {tensor.datatype} travels only in raw_input_contents")
                 protocol.from_values(name, tensor.datatype, shape, [])  # raises: unknown datatype
+            # the contents field is named by the datatype (protobuf has no other way to read one by name)
             inputs[name] = protocol.from_values(name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
         datatypes[name] = tensor.datatype
     if not inputs:
@@ -275,10 +245,6 @@ def _decode_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray]
 #: queue of a few connections' full streams before calls are rejected at random (its soft
 #: limit; twice that, its hard limit)
 PENDING_PER_STREAM_LIMIT = 4
-
-#: the RPCs served (the rest of Triton's service answers UNIMPLEMENTED from gRPC's core)
-SERVED = ("ServerLive", "ServerReady", "ModelReady", "ServerMetadata", "ModelMetadata", "ModelInfer", "ModelConfig",
-          "ModelStatistics", "RepositoryIndex", "RepositoryModelLoad", "RepositoryModelUnload")
 
 
 class _Undecodable:
@@ -303,24 +269,19 @@ def _undecodable_text(request: _Undecodable, rpc: str) -> str:
             f"{protocol.cut(request.error, 100)}")
 
 
-async def _refuse_undecodable(context: grpc.aio.ServicerContext, request: _Undecodable, rpc: str) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, _undecodable_text(request, rpc))
-
-
 def _checked(frontend: GrpcFrontend, method: Callable[[Any, grpc.aio.ServicerContext], Any],
              rpc: str) -> Callable[..., Any]:
-    """``method`` answering an undecodable request INVALID_ARGUMENT, and held with the
-    inference calls at the end of a shutdown (:meth:`GrpcFrontend.hold`)."""
+    """``method`` answering an undecodable request INVALID_ARGUMENT and a protocol error with its
+    status, and held with the inference calls at the end of a shutdown (:meth:`GrpcFrontend.hold`)."""
     async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
         if isinstance(request, _Undecodable):
-            await _refuse_undecodable(context, request, rpc)
+            await _abort(context, invalid(_undecodable_text(request, rpc)))
         await frontend.held()
-        return await method(request, context)
+        try:
+            return await method(request, context)
+        except ProtocolError as exc:
+            await _abort(context, exc)
     return handler
-
-
-#: the RPCs that answer an undecodable request themselves (registered without _checked)
-_SELF_CHECKED = ("ModelInfer",)
 
 
 def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = None) -> grpc.aio.Server:
@@ -361,12 +322,12 @@ def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = N
     server = grpc.aio.server(options=options)
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
-    for rpc in SERVED:
+    for rpc, method_handler in frontend.served().items():
         method = service.methods_by_name[rpc]
-        method_handler = getattr(frontend, rpc)
         handlers[rpc] = grpc.unary_unary_rpc_method_handler(
-            method_handler if rpc in _SELF_CHECKED else _checked(frontend, method_handler, rpc),
-            request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
-            response_serializer=getattr(pb, method.output_type.name).SerializeToString)
+            # ModelInfer answers an undecodable request itself (see its docstring)
+            method_handler if rpc == "ModelInfer" else _checked(frontend, method_handler, rpc),
+            request_deserializer=_deserializer(GetMessageClass(method.input_type)),
+            response_serializer=GetMessageClass(method.output_type).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     return server

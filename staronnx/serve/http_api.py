@@ -53,15 +53,16 @@ from typing import Any
 
 import numpy as np
 from aiohttp import web
-from aiohttp.http import HttpVersion11
+from aiohttp.http import HttpProcessingError, HttpVersion11
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from staronnx.serve import jsontensors, protocol
+from staronnx.serve.frontend import Frontend, refused_load, shutting_down
 from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
-from staronnx.serve.protocol import ProtocolError, cut, invalid, unknown_model
+from staronnx.serve.protocol import ProtocolError, cut, invalid
 
 log = logging.getLogger("staronnx.serve")
 
@@ -89,19 +90,15 @@ OFFLOAD_VALUES = 16384
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-class HttpFrontend:
-    """The REST routes over a set of models; ``app()`` builds the aiohttp application.
+class HttpFrontend(Frontend):
+    """The REST routes over a set of models; ``app()`` builds the aiohttp application."""
 
-    ``guard`` holds the limits, the receive budget and the counts shared with the gRPC front end
-    (a default one, with :class:`~staronnx.serve.limits.Limits`'s defaults, where none is given)."""
+    protocol = "http"
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
                  is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
-        self.models = models
-        self.server_meta = server_meta
+        super().__init__(models, server_meta, is_ready, guard, max_body)
         self.max_body = max_body
-        self.is_ready = is_ready
-        self.guard = guard if guard is not None else Guard.make(Limits().resolved(max_body, 1024), log)
         self._reading: set[asyncio.Task[Any]] = set()  # inference handlers still receiving their body
         #: inference handlers cut short by the server, and why ("stopping", "slow", "deadline")
         self._cuts: dict[asyncio.Task[Any], str] = {}
@@ -109,8 +106,6 @@ class HttpFrontend:
         self.unanswered: set[asyncio.Task[Any]] = set()
         #: every inference handler still running (answered ones may still drop a refused body)
         self.running: set[asyncio.Task[Any]] = set()
-        #: set once the server closes its connections: a handler cancelled then was dropped
-        self.closing = False
 
     def shutting_down(self) -> int:
         """At SIGTERM (readiness already false): every inference request still arriving (its body
@@ -140,7 +135,7 @@ class HttpFrontend:
         r.add_get("/v2", self.server_metadata)
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
-        r.add_get("/v2/models/stats", self.statistics)  # before /v2/models/{model}: every model's
+        r.add_get("/v2/models/stats", self.model_statistics)  # before /v2/models/{model}: every model's
         r.add_post("/v2/repository/index", self.repository_index, expect_handler=self._expect)
         r.add_post("/v2/repository/models/{model}/load", self.refuse_load)
         r.add_post("/v2/repository/models/{model}/unload", self.refuse_load)
@@ -148,7 +143,7 @@ class HttpFrontend:
             r.add_get(prefix, self.model_metadata)
             r.add_get(prefix + "/ready", self.model_ready)
             r.add_get(prefix + "/config", self.model_config)
-            r.add_get(prefix + "/stats", self.statistics)
+            r.add_get(prefix + "/stats", self.model_statistics)
         return app
 
     def runner(self, drain_timeout: float) -> web.AppRunner:
@@ -164,7 +159,7 @@ class HttpFrontend:
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Every error as the protocol's ``{"error": "..."}`` with its status, never a traceback;
         once the server is stopping, every answer closes its connection."""
-        response = await _errors(request, handler)
+        response = await _as_protocol_error(request, handler)
         if response.status == 408 or not self.is_ready():  # 408: the rest of a late body is not waited for
             response.force_close()
         return response
@@ -183,15 +178,14 @@ class HttpFrontend:
                 model = self._model(request)
             _check_length(request, self.max_body)
             if not self.is_ready():
-                refusal = ProtocolError("unavailable", "the server is shutting down; send the request to another "
-                                                       "replica")
+                refusal = shutting_down()
         except ProtocolError as exc:
             refusal = exc
         if refusal is not None:
             if model is not None:
                 model.stats.refused("REJECTED" if refusal.kind == "unavailable" else "OTHER")
-            self.guard.refusals.outcome("http", "refused" if refusal.kind == "unavailable" else "failed")
-            response = web.json_response({"error": str(refusal)}, status=refusal.http_status)
+            self.refused(refusal)
+            response = _answer(refusal)
             response.force_close()
             return response
         request["continued"] = True
@@ -210,12 +204,7 @@ class HttpFrontend:
         return web.Response(status=200 if self.is_ready() else 503)
 
     def _model(self, request: web.Request) -> ModelEndpoint:
-        name = request.match_info["model"]
-        model = self.models.get(name)
-        if model is None:
-            raise unknown_model(name, list(self.models))
-        model.check_version(request.match_info.get("version"))
-        return model
+        return self.model(request.match_info["model"], request.match_info.get("version"))
 
     async def model_metadata(self, request: web.Request) -> web.Response:
         return web.json_response(self._model(request).metadata())
@@ -227,21 +216,15 @@ class HttpFrontend:
         model = self._model(request)
         return web.Response(status=200 if model.ready and self.is_ready() else 503)
 
-    async def statistics(self, request: web.Request) -> web.Response:
-        """Triton's statistics extension: one model's (by name), or every model's."""
-        models = [self._model(request)] if "model" in request.match_info else [
-            self.models[n] for n in sorted(self.models)]
-        return web.json_response({"model_stats": [m.statistics() for m in models]})
+    async def model_statistics(self, request: web.Request) -> web.Response:
+        return web.json_response(self.statistics(request.match_info.get("model"), request.match_info.get("version")))
 
     async def repository_index(self, request: web.Request) -> web.Response:
         """Triton's repository index (read-only): every served model, its version and state;
         ``{"ready": true}`` lists only the ready ones."""
-        body = await inflate_body(await self._receive_body(request), request.headers.get("Content-Encoding"),
-                                  self.max_body)
-        only_ready = json_object(body).get("ready", False)
-        if not isinstance(only_ready, bool):
-            raise invalid(f"'ready' must be true or false, got {protocol.cut(json.dumps(only_ready), 40)}")
-        return web.json_response(repository_index(self.models, self.is_ready(), only_ready))
+        only_ready = await index_ready(await self._receive_body(request), request.headers.get("Content-Encoding"),
+                                       self.max_body)
+        return web.json_response(self.repository_entries(only_ready))
 
     async def refuse_load(self, request: web.Request) -> web.Response:
         raise refused_load(request.match_info["model"], request.path.rsplit("/", 1)[-1])
@@ -264,12 +247,12 @@ class HttpFrontend:
         try:
             response = await self._infer(request, task, watch)
         except ProtocolError as exc:
-            refusals.outcome("http", "refused" if exc.kind == "unavailable" else "failed")
+            self.refused(exc)
             raise
         except asyncio.CancelledError:
             why = self._cuts.pop(task, None)
             if why is None:  # the client went away, or the server is closing the connection
-                refusals.outcome("http", "dropped" if self.closing else "cancelled")
+                self.cancelled()
                 raise
             task.uncancel()
             response = await self._cut_short(request, why, watch)
@@ -292,8 +275,7 @@ class HttpFrontend:
         model = self._model(request)
         t0 = time.perf_counter()
         if not self.is_ready():
-            self.guard.refusals.refuse("http", "shutting_down")
-            return await self._refuse_body(request, _shutting_down(model), watch)
+            return await self._refuse_body(request, _answer(self.stopping(model)), watch)
         self._reading.add(task)
         try:
             header, inputs, datatypes, wanted, binary_out = await self._read(request, watch)
@@ -303,7 +285,7 @@ class HttpFrontend:
                 self.guard.refusals.refuse("http", "receive_budget")
                 self.guard.log.warning("refused request bodies", "refused a request body from %s: %s",
                                        request.remote, exc)
-                return await self._refuse_body(request, web.json_response({"error": str(exc)}, status=503), watch)
+                return await self._refuse_body(request, _answer(exc), watch)
             raise
         except asyncio.CancelledError:
             why = self._cuts.get(task)
@@ -313,8 +295,10 @@ class HttpFrontend:
         finally:
             self._reading.discard(task)
             watch.stop()
-        if not self.is_ready():  # SIGTERM came while its body was decoded
-            return _shutting_down(model)
+        if not self.is_ready():  # SIGTERM came while its body was decoded: the connection closes after it
+            response = _answer(self.stopping(model))
+            response.force_close()
+            return response
         t1 = time.perf_counter()
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0,
                                    classes=requested_classes(header))
@@ -331,9 +315,7 @@ class HttpFrontend:
         if why == "stopping":
             refusals.outcome("http", "refused")
             refusals.refuse("http", "shutting_down")
-            response = web.json_response({"error": "the server is shutting down; send the request to another "
-                                                   "replica"}, status=503)
-            return await self._refuse_body(request, response, watch)
+            return await self._refuse_body(request, _answer(shutting_down()), watch)
         refusals.outcome("http", "failed")
         limits = self.guard.limits
         if why == "slow":
@@ -347,7 +329,7 @@ class HttpFrontend:
             error = ProtocolError("timeout", f"the request was not answered within --request-timeout "
                                              f"({limits.request_timeout:g} s); it was withdrawn")
         self.guard.log.warning("requests cut short", "cut short a request from %s: %s", request.remote, error)
-        response = web.json_response({"error": str(error)}, status=error.http_status)
+        response = _answer(error)
         if not request.content.is_eof():
             response.force_close()
         return response
@@ -406,32 +388,9 @@ class HttpFrontend:
             watch.stop()
 
 
-def _shutting_down(model: ModelEndpoint) -> web.Response:
-    """503 to a request that arrives (or is still arriving) once the server is stopping; the
-    connection closes after it (no waiting for the rest of a body)."""
-    model.stats.refused("REJECTED")
-    resp = web.json_response({"error": f"model {model.name!r}: the server is shutting down; send the request "
-                                       "to another replica"}, status=503)
-    resp.force_close()
-    return resp
-
-
-def repository_index(models: Mapping[str, ModelEndpoint], server_ready: bool, only_ready: bool) -> list[dict[str, str]]:
-    """Triton's repository index entries: name, version, state (READY or UNAVAILABLE), reason."""
-    out = []
-    for name in sorted(models):
-        ready = models[name].ready and server_ready
-        if only_ready and not ready:
-            continue
-        out.append({"name": name, "version": VERSION, "state": "READY" if ready else "UNAVAILABLE",
-                    "reason": "" if ready else "the server is shutting down"})
-    return out
-
-
-def refused_load(name: str, action: str) -> ProtocolError:
-    return ProtocolError("refused", f"cannot {action} model {protocol.shown(name)}: staronnx serve serves the plans "
-                                    "it was started with for the life of the process (no model control); "
-                                    "restart it with the plans to serve")
+def _answer(exc: ProtocolError) -> web.Response:
+    """The protocol's JSON error with its HTTP status."""
+    return web.json_response({"error": str(exc)}, status=exc.http_status)
 
 
 def _check_length(request: web.Request, max_body: int) -> None:
@@ -460,9 +419,16 @@ async def decode_body(body: bytes | bytearray, encoding: str | None, header_leng
     worker thread, so the loop goes on serving the others. Both HTTP front ends (``staronnx
     serve`` and the Ray ingress) read requests through here, so they accept the same bodies."""
     body = await inflate_body(body, encoding, max_body)
-    if _json_bytes(body, header_length) < OFFLOAD_BYTES:
-        return _decode(body, header_length)
-    return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, header_length)
+    length = len(body)
+    if header_length is not None:  # the binary extension: the JSON header is the first ``length`` bytes
+        if not (header_length.isascii() and header_length.isdigit()):  # int() takes "+210", "2_10", " 7"
+            raise invalid(f"{HEADER_LENGTH} must be a decimal number of bytes, got {cut(repr(header_length), 40)}")
+        length = int(header_length)
+        if length > len(body):
+            raise invalid(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
+    if length < OFFLOAD_BYTES:
+        return _decode(body, length)
+    return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, length)
 
 
 async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
@@ -640,23 +606,26 @@ def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
             raise invalid(f"{len(rest)} bytes follow the end of the deflate stream in the request body")
 
 
-def json_object(body: bytes | bytearray) -> dict[str, Any]:
-    """A small JSON object request body, such as the repository index's (empty: ``{}``)."""
-    if not body.strip():
-        return {}
-    doc = _loads(body)
+async def index_ready(body: bytes | bytearray, encoding: str | None, max_body: int) -> bool:
+    """Whether a repository index request (``{"ready": true}``; an empty body is ``{}``) lists
+    only the ready models (both HTTP front ends read it here)."""
+    body = await inflate_body(body, encoding, max_body)
+    doc = _parse_json(body, "the request", json.loads) if body.strip() else {}
     if not isinstance(doc, dict):
         raise invalid("the request body must be a JSON object")
-    return doc
+    only_ready = doc.get("ready", False)
+    if not isinstance(only_ready, bool):
+        raise invalid(f"'ready' must be true or false, got {protocol.cut(json.dumps(only_ready), 40)}")
+    return only_ready
 
 
-def _loads(data: bytes) -> Any:
+def _parse_json(data: bytes | bytearray, what: str, loads: Callable[[bytes | bytearray], Any]) -> Any:
     try:
-        return json.loads(data)
+        return loads(data)
     except RecursionError:
-        raise invalid("malformed JSON in the request: nested too deeply") from None
+        raise invalid(f"malformed JSON in {what}: nested too deeply") from None
     except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"malformed JSON in the request: {cut(exc)}") from None
+        raise invalid(f"malformed JSON in {what}: {cut(exc)}") from None
 
 
 def requested_classes(header: Mapping[str, Any]) -> dict[str, Any]:
@@ -801,7 +770,8 @@ class _Handler(RequestHandler):
                       cut(exc if exc is not None else message))
             text = "internal server error (the server's log has the details)"
         else:
-            why = " ".join(str(message or (exc and getattr(exc, "message", exc)) or "unreadable").split())
+            said = exc.message if isinstance(exc, HttpProcessingError) else exc
+            why = " ".join(str(message or said or "unreadable").split())
             text = f"malformed HTTP request: {cut(why)}"
             self._guard.refusals.refuse("http", "malformed")
             self._guard.log.warning("malformed HTTP requests", "%s (from %s; answered %d)", text, request.remote,
@@ -838,13 +808,12 @@ class _Runner(web.AppRunner):
         return server
 
 
-@web.middleware
-async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """Every error as the protocol's ``{"error": "..."}`` with its status; never a traceback."""
+async def _as_protocol_error(request: web.Request,
+                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     try:
         return await handler(request)
     except ProtocolError as exc:
-        return web.json_response({"error": str(exc)}, status=exc.http_status)
+        return _answer(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -876,49 +845,22 @@ def _json_pool() -> ThreadPoolExecutor:
     return _JSON_POOL
 
 
-def _json_bytes(body: bytes, header_length: str | None) -> int:
-    """How many bytes of ``body`` are JSON (all of it, or the binary extension's header part)."""
-    if header_length is None:
-        return len(body)
-    if not (header_length.isascii() and header_length.isdigit()):
-        return 0  # refused by _split_body, at once
-    return min(int(header_length), len(body))
-
-
-def _decode(body: bytes, header_length: str | None) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
-                                                             list[tuple[str, bool]], bool]:
-    """A request body as (JSON header, inputs, their datatypes, outputs asked for, binary default)."""
-    header, binary = _split_body(body, header_length)
-    return (header, *_decode_request(header, binary))
+def _decode(body: bytes | bytearray, length: int) -> tuple[
+        dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]:
+    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors,
+    as (JSON header, inputs, their datatypes, outputs asked for, binary default)."""
+    view = memoryview(body)
+    header = _parse_json(body if length == len(body) else bytes(view[:length]), "the inference request",
+                         jsontensors.loads)
+    if not isinstance(header, dict):
+        raise invalid("the inference request must be a JSON object")
+    return (header, *_decode_request(header, view[length:]))
 
 
 def _json_values(outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool], binary_out: bool) -> int:
     """How many output values a response writes as JSON text (about: an output that is not
     finite goes binary after all)."""
     return sum(arr.size for name, arr in outputs.items() if not wanted.get(name, binary_out))
-
-
-def _split_body(body: bytes, header_length: str | None) -> tuple[dict[str, Any], memoryview]:
-    """The JSON header (parsed) and the binary tail of a request body."""
-    if header_length is None:
-        json_part, tail = body, memoryview(b"")
-    else:
-        if not (header_length.isascii() and header_length.isdigit()):  # int() takes "+210", "2_10", " 7"
-            raise invalid(f"{HEADER_LENGTH} must be a decimal number of bytes, got {cut(repr(header_length), 40)}")
-        length = int(header_length)
-        if not 0 <= length <= len(body):
-            raise invalid(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
-        view = memoryview(body)
-        json_part, tail = bytes(view[:length]), view[length:]
-    try:
-        header = jsontensors.loads(json_part)
-    except RecursionError:
-        raise invalid("malformed JSON in the inference request: nested too deeply") from None
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise invalid(f"malformed JSON in the inference request: {cut(exc)}") from None
-    if not isinstance(header, dict):
-        raise invalid("the inference request must be a JSON object")
-    return header, tail
 
 
 def _params(obj: Mapping[str, Any], what: str) -> dict[str, Any]:

@@ -67,14 +67,19 @@ SMALL_BYTES = 4096
 #: the byte "["
 _OPEN = ord("[")
 
-_local = threading.local()
+class _Local(threading.local):
+    """Each thread's parser (None until its first document)."""
+
+    parser: simdjson.Parser | None = None
+
+
+_local = _Local()
 
 
 def _parser() -> simdjson.Parser:
-    parser = getattr(_local, "parser", None)
-    if parser is None:
-        parser = _local.parser = simdjson.Parser()
-    return parser
+    if _local.parser is None:
+        _local.parser = simdjson.Parser()
+    return _local.parser
 
 
 def strict_loads(data: bytes | bytearray) -> Any:

@@ -34,7 +34,7 @@ import resource
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -66,10 +66,8 @@ class Limits:
     def resolved(self, max_body: int, open_files: int) -> Limits:
         """These limits with the derived ones filled in: the connection cap from the open-file
         limit, the receive budget 16 bodies of ``max_body`` (at least one)."""
-        cap = self.max_connections or connection_cap(open_files)
-        budget = self.receive_budget or 16 * max_body
-        return Limits(self.header_timeout, self.body_timeout, self.body_min_rate, self.idle_timeout,
-                      self.request_timeout, cap, max(budget, max_body), self.grpc_max_streams)
+        return replace(self, max_connections=self.max_connections or connection_cap(open_files),
+                       receive_budget=max(self.receive_budget or 16 * max_body, max_body))
 
 
 def raise_open_files() -> int:

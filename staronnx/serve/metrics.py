@@ -19,6 +19,7 @@ import threading
 import time
 from collections import Counter as _Tally
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, GCCollector, Histogram, PlatformCollector, ProcessCollector
@@ -31,25 +32,26 @@ VERSION = "1"
 REASONS = ("REJECTED", "BACKEND", "OTHER", "CANCELED")
 
 
+@dataclass
 class ModelStats:
-    """Cumulative request counts and durations of one model (what Triton's counters report)."""
+    """Cumulative request counts and durations of one model (what Triton's counters report),
+    under a lock: one request touches several of them at once."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.success = 0
-        self.failure: _Tally[str] = _Tally()
-        self.inference_count = 0  # samples run (a batch of 8 counts 8)
-        self.exec_count = 0  # batches run: inference_count / exec_count = mean batch size
-        self.pending = 0  # requests accepted and not yet answered
-        self.request_us = 0.0
-        self.queue_us = 0.0
-        self.input_us = 0.0
-        self.infer_us = 0.0
-        self.output_us = 0.0
-        self.fail_us = 0.0  # cumulative duration of the failed requests (Triton's fail.ns)
-        self.last_inference_ms = 0  # wall clock of the last answer, ms since the epoch (0: none yet)
-        self.batches: dict[int, list[float]] = {}  # batch size -> [executions, cumulative run seconds]
-        self.deadline_misses = 0  # requests answered later than the model's latency target
+    success: int = 0
+    failure: _Tally[str] = field(default_factory=_Tally)
+    inference_count: int = 0  # samples run (a batch of 8 counts 8)
+    exec_count: int = 0  # batches run: inference_count / exec_count = mean batch size
+    pending: int = 0  # requests accepted and not yet answered
+    request_us: float = 0.0
+    queue_us: float = 0.0
+    input_us: float = 0.0
+    infer_us: float = 0.0
+    output_us: float = 0.0
+    fail_us: float = 0.0  # cumulative duration of the failed requests (Triton's fail.ns)
+    last_inference_ms: int = 0  # wall clock of the last answer, ms since the epoch (0: none yet)
+    deadline_misses: int = 0  # requests answered later than the model's latency target
+    batches: dict[int, list[float]] = field(default_factory=dict)  # batch size -> [executions, run seconds]
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def started(self) -> None:
         with self._lock:
@@ -102,14 +104,9 @@ class ModelStats:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {
-                "success": self.success, "failure": dict(self.failure), "inference_count": self.inference_count,
-                "exec_count": self.exec_count, "pending": self.pending, "request_us": self.request_us,
-                "queue_us": self.queue_us, "input_us": self.input_us, "infer_us": self.infer_us,
-                "output_us": self.output_us, "fail_us": self.fail_us,
-                "last_inference_ms": self.last_inference_ms, "deadline_misses": self.deadline_misses,
-                "batches": {size: tuple(row) for size, row in self.batches.items()},
-            }
+            counts = {k: v for k, v in vars(self).items() if k != "_lock"}
+            return {**counts, "failure": dict(self.failure),
+                    "batches": {size: tuple(row) for size, row in self.batches.items()}}
 
 
 def merge_snapshots(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -186,7 +183,8 @@ class ServedModel(Protocol):
 
 
 _TRITON = (
-    # (name, help, snapshot key, scale)
+    # (name, help, snapshot key): untyped, labelled by model and version
+    ("nv_inference_request_success", "Number of successful inference requests", "success"),
     ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", "inference_count"),
     ("nv_inference_exec_count", "Number of model executions (batches) performed", "exec_count"),
     ("nv_inference_request_duration_us", "Cumulative inference request duration in microseconds (queue + compute)",
@@ -211,14 +209,11 @@ class ServeCollector:
     def collect(self) -> Iterator[Any]:
         labels = ["model", "version"]
         snaps = [(m, m.stats.snapshot()) for m in self.models]
-        ok = UnknownMetricFamily("nv_inference_request_success", "Number of successful inference requests", labels=labels)
         fail = UnknownMetricFamily("nv_inference_request_failure", "Number of failed inference requests, by reason",
                                    labels=[*labels, "reason"])
         for m, s in snaps:
-            ok.add_metric([m.name, VERSION], s["success"])
             for reason in REASONS:
                 fail.add_metric([m.name, VERSION, reason], s["failure"].get(reason, 0))
-        yield ok
         yield fail
         for name, doc, key in _TRITON:
             fam = UnknownMetricFamily(name, doc, labels=labels)

@@ -1,0 +1,87 @@
+"""What the HTTP and gRPC front ends of ``staronnx serve`` share: the models and the server's
+state, and every answer that does not depend on the transport (a model looked up, Triton's
+statistics and repository index, a stopping server's refusal, how a request ended), so that
+the two protocols answer alike and count alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from staronnx.serve.limits import Guard, Limits
+from staronnx.serve.metrics import VERSION
+from staronnx.serve.models import ModelEndpoint
+from staronnx.serve.protocol import ProtocolError, shown, unknown_model
+
+log = logging.getLogger("staronnx.serve")
+
+
+class Frontend:
+    """The state one front end answers from. ``guard`` holds the limits, the receive budget and
+    the counts shared by both front ends (a default one, with
+    :class:`~staronnx.serve.limits.Limits`'s defaults, where none is given)."""
+
+    #: the protocol label of this front end's counts (``staronnx_requests_total{protocol}``)
+    protocol = ""
+
+    def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any],
+                 is_ready: Callable[[], bool], guard: Guard | None, max_body: int) -> None:
+        self.models = models
+        self.server_meta = server_meta
+        self.is_ready = is_ready
+        self.guard = guard if guard is not None else Guard.make(Limits().resolved(max_body, 1024), log)
+        #: set once the server closes its connections: a call cancelled then was dropped
+        self.closing = False
+
+    def model(self, name: str, version: str | None) -> ModelEndpoint:
+        """The model served as ``name`` (and ``version``), or Triton's not-found answer."""
+        model = self.models.get(name)
+        if model is None:
+            raise unknown_model(name, list(self.models))
+        model.check_version(version)
+        return model
+
+    def statistics(self, name: str | None, version: str | None = None) -> dict[str, Any]:
+        """Triton's statistics extension: one model's (by name), or every model's (no name)."""
+        models = [self.model(name, version)] if name else [self.models[n] for n in sorted(self.models)]
+        return {"model_stats": [m.statistics() for m in models]}
+
+    def repository_entries(self, only_ready: bool) -> list[dict[str, str]]:
+        ready = {n: m.ready and self.is_ready() for n, m in self.models.items()}
+        return repository_index(ready, "the server is shutting down", only_ready)
+
+    def stopping(self, model: ModelEndpoint) -> ProtocolError:
+        """The refusal of a request to a stopping server, counted (as Triton counts it, and here)."""
+        model.stats.refused("REJECTED")
+        self.guard.refusals.refuse(self.protocol, "shutting_down")
+        return shutting_down(model.name)
+
+    def refused(self, exc: ProtocolError) -> None:
+        """Count a request answered with ``exc``: refused (503 / UNAVAILABLE) or failed."""
+        self.guard.refusals.outcome(self.protocol, "refused" if exc.kind == "unavailable" else "failed")
+
+    def cancelled(self) -> None:
+        """Count a request whose handler was cancelled: by its client, or by a closing server."""
+        self.guard.refusals.outcome(self.protocol, "dropped" if self.closing else "cancelled")
+
+
+def shutting_down(model: str | None = None) -> ProtocolError:
+    """503 / UNAVAILABLE to a request that reaches a stopping server."""
+    whose = f"model {model!r}: " if model is not None else ""
+    return ProtocolError("unavailable", f"{whose}the server is shutting down; send the request to another replica")
+
+
+def repository_index(ready: Mapping[str, bool], why_not: str, only_ready: bool) -> list[dict[str, str]]:
+    """Triton's repository index entries of the models ``ready`` names (each ready or not, and
+    ``why_not``): name, version, state (READY or UNAVAILABLE), reason; only the ready ones for
+    ``only_ready``."""
+    return [{"name": n, "version": VERSION, "state": "READY" if ready[n] else "UNAVAILABLE",
+             "reason": "" if ready[n] else why_not} for n in sorted(ready) if ready[n] or not only_ready]
+
+
+def refused_load(name: str, action: str) -> ProtocolError:
+    return ProtocolError("refused", f"cannot {action} model {shown(name)}: staronnx serve serves the plans "
+                                    "it was started with for the life of the process (no model control); "
+                                    "restart it with the plans to serve")
