@@ -139,6 +139,17 @@ SIM_LANE_HELP = (LANE_HELP + " Simulated (simulate, sweep --simulate) as one mor
                  "lane models only; the OS preemption of the group's worker is not modelled (see the notes).")
 
 
+#: the options ``simulate`` and ``sweep`` share (one text each, one parse)
+NameOption = Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable; several plans).")]
+SloOption = Annotated[list[str] | None, typer.Option(
+    "--slo-ms", help="A model's latency target in ms, NAME=MS (repeatable, or a=50,b=20): its tasks are ordered by "
+                     "deadline, and answers later than the target are counted as deadline misses.")]
+PriorityOption = Annotated[list[str] | None, typer.Option(
+    "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower priority.")]
+PolicyOption = Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")]
+GroupsOption = Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")]
+
+
 def simulate_cmd(
     plandirs: Annotated[list[Path], typer.Argument(
         metavar="PLANDIR...",
@@ -150,14 +161,11 @@ def simulate_cmd(
              "A model that runs one request per task (max_batch_size 0) has batch 1 only, the default.")] = None,
     rates: Annotated[str | None, typer.Option(
         help="Mixed traffic: a rate per model, a=100,b=400 (names: the plan folders' or --name).")] = None,
-    name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
-    slo_ms: Annotated[list[str] | None, typer.Option(
-        "--slo-ms", help="A model's latency target in ms, NAME=MS (repeatable, or a=50,b=20): its tasks are "
-                         "ordered by deadline, and answers later than the target are counted as misses.")] = None,
-    priority: Annotated[list[str] | None, typer.Option(
-        "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower priority.")] = None,
-    policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
-    groups: Annotated[str, typer.Option(help="CPU grouping policy (numa, package, cores=N, ...).")] = "numa",
+    name: NameOption = None,
+    slo_ms: SloOption = None,
+    priority: PriorityOption = None,
+    policy: PolicyOption = "heft",
+    groups: GroupsOption = "numa",
     synthetic: Annotated[str | None, typer.Option(help="Simulate a made-up machine, e.g. 'pack:2 numa:2 core:8'.")] = None,
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=(

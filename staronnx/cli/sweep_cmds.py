@@ -22,7 +22,7 @@ from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, cuda_summary, host_core_name, parse_cuda_devices
 from staronnx.cli.simulate_cmd import LANES_NEED_SEVERAL, MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, \
-    SIM_LANE_HELP, model_lanes, model_residency
+    SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, PriorityOption, SloOption, model_lanes, model_residency
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -91,10 +91,13 @@ def _labels(text: str | None, count: int) -> list[str] | None:
 
 
 class _Bars:
-    """Rich progress bars driven by the sweep's :class:`~staronnx.bench.sweep.SweepEvent`."""
+    """Rich progress bars driven by the sweep's :class:`~staronnx.bench.sweep.SweepEvent`: a bar
+    over the points and one over a point's requests; a line per measured point (per mix, with a
+    part per model, for several models)."""
 
-    def __init__(self, progress: Progress) -> None:
+    def __init__(self, progress: Progress, mixed: bool = False) -> None:
         self.progress = progress
+        self.mixed = mixed
         self.points: TaskID | None = None
         self.requests: TaskID | None = None
         #: points measured and planned so far, for the interruption message
@@ -105,37 +108,49 @@ class _Bars:
         p = self.progress
         if event.kind == "start":
             self.total = event.total
-            self.points = p.add_task("sweep points", total=event.total)
-            self.requests = p.add_task("warming up", total=None)
-        elif event.kind == "warmup":
+            self.points = p.add_task("mixes" if self.mixed else "sweep points", total=event.total)
+            self.requests = None if self.mixed else p.add_task("warming up", total=None)
+        elif event.kind == "point" and self.mixed:
+            p.update(self.points, description=f"mix {event.message}")
+        elif event.kind == "warmup" and not self.mixed:
             p.update(self.requests, description=f"warmed up batch {event.batch_size}")
         elif event.kind == "point":
             again = " (again, longer: unstable)" if event.attempt > 1 else ""
             p.reset(self.requests, total=event.requests,
                     description=f"b={event.batch_size} @ {event.rate:g} req/s{again}")
-        elif event.kind == "requests":
+        elif event.kind == "requests" and not self.mixed:
             p.update(self.requests, completed=event.submitted, total=event.requests)
         elif event.kind == "done":
-            row = event.row or {}
             self.measured += 1
             p.update(self.points, completed=event.index)
-            above(p, console).print(
-                f"b={row.get('batch_size')} @ {_fmt(row.get('offered_rate'), 0)} req/s: "
-                f"{_fmt(row.get('throughput'), 1)} samples/s, papers' latency "
-                f"{_fmt(row.get('paper_latency_mean_ms'))} ms (std {_fmt(row.get('paper_latency_std_ms'))}), "
-                f"p99 {_fmt(row.get('latency_p99_ms'))} ms, {_state_markup(row)}", highlight=False
-            )
+            above(p, console).print(_done_line(event.row or {}, self.mixed), highlight=False)
         elif event.kind == "skipped":
             p.update(self.points, completed=event.index)
             why = event.message or f"congested at {event.rate:g} req/s"
-            above(p, console).print(f"[dim]b={event.batch_size}: {escape(why)}; skipping "
-                            f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
+            above(p, console).print(f"[dim]{event.message}: skipped (a lower mix was congested)[/]" if self.mixed else
+                                    f"[dim]b={event.batch_size}: {escape(why)}; skipping "
+                                    f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
         elif event.kind in ("end", "interrupted"):
             if event.kind == "end":
                 p.update(self.points, completed=event.total)
             if self.requests is not None:  # the per-point bar means nothing once the sweep stops
                 p.remove_task(self.requests)
                 self.requests = None
+
+
+def _done_line(row: dict[str, Any], mixed: bool) -> str:
+    """What a measured point prints: its figures (a mix: each model's)."""
+    from staronnx.bench.results import row_state
+
+    if mixed:
+        return f"{row['mix']}: " + "; ".join(
+            f"{r['model']} {_fmt(r.get('throughput'), 1)} samples/s p99 {_fmt(r.get('latency_p99_ms'))} ms"
+            + (f" ({r['deadline_misses']} late)" if r.get("deadline_misses") is not None else "")
+            + (f" {_state_markup(r)}" if row_state(r) in ("failed", "congested") else "") for r in row["rows"])
+    return (f"b={row.get('batch_size')} @ {_fmt(row.get('offered_rate'), 0)} req/s: "
+            f"{_fmt(row.get('throughput'), 1)} samples/s, papers' latency "
+            f"{_fmt(row.get('paper_latency_mean_ms'))} ms (std {_fmt(row.get('paper_latency_std_ms'))}), "
+            f"p99 {_fmt(row.get('latency_p99_ms'))} ms, {_state_markup(row)}")
 
 
 def _state_markup(row: dict[str, Any]) -> str:
@@ -294,14 +309,11 @@ def sweep_cmd(
                                             "combination is a point).")] = "auto",
     batch_sizes: Annotated[str, typer.Option(help="Batch sizes b (a batch leaves when full); several models: each size "
                                                   "for all at once, or per model, a=4,8,b=1.")] = "1,2,4,8,16",
-    name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable; several plans).")] = None,
-    slo_ms: Annotated[list[str] | None, typer.Option(
-        "--slo-ms", help="A model's latency target in ms, NAME=MS (repeatable): its tasks are ordered by deadline; "
-                         "answers later than it are counted as deadline misses.")] = None,
-    priority: Annotated[list[str] | None, typer.Option(
-        "--priority", help="A model's priority, NAME=N (repeatable): its tasks run before those of lower priority.")] = None,
-    policy: Annotated[str, typer.Option(help="Scheduling policy (eager, random, ws, lws, dm, dmda, dmdar, dmdas, heft).")] = "heft",
-    groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
+    name: NameOption = None,
+    slo_ms: SloOption = None,
+    priority: PriorityOption = None,
+    policy: PolicyOption = "heft",
+    groups: GroupsOption = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     cuda_graphs: Annotated[bool, typer.Option(
@@ -350,13 +362,17 @@ def sweep_cmd(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help=QUIET_HELP)] = False,
 ) -> None:
     """Measure latency and throughput over rates x batch sizes on the live runtime (or through a
-    `staronnx serve` with --url); write CSV, JSON and the papers' plots."""
+    `staronnx serve` with --url); write CSV, JSON and the papers' plots. Several plans: every
+    mix on one runtime hosting every model (:func:`staronnx.bench.mix.sweep_mix`), a row per
+    point and model; ``--model-workers`` loads some models on some workers only, in the live
+    runtime, its bound and its simulation; ``--lane`` gives models latency lanes, in all three
+    alike (the bound and the simulation without the OS preemption: a note says so)."""
+    from staronnx.bench.mix import is_per_model, model_names, sweep_mix
     from staronnx.bench.points import runnable_sizes
     from staronnx.bench.sweep import sweep
+    from staronnx.cli.serve_cmd import service_targets
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
-
-    from staronnx.bench.mix import is_per_model
 
     if url is not None and cuda_devices is not None:
         raise StaronnxError("--cuda-devices picks this process's GPUs; with --url the GPUs are the server's "
@@ -366,38 +382,34 @@ def sweep_cmd(
         raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
     if lane and len(plandirs) < 2:
         raise StaronnxError(LANES_NEED_SEVERAL)
-    if len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority:
+    mixed = bool(len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority)
+    if mixed:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
                                                 ("--inputs", inputs), ("--labels", labels), ("--check", check))
-                       if value]
-        if engine != "native":
-            unsupported.append("--engine")
+                       if value] + (["--engine"] if engine != "native" else [])
         if unsupported:
             raise StaronnxError(f"{', '.join(unsupported)} do(es) not go with several models (a mixed sweep)")
-        _sweep_mix_cmd(plandirs, rates=rates, batch_sizes=batch_sizes, names=name, slo_ms=slo_ms or [],
-                       priority=priority or [], policy=policy, groups=groups, cuda_streams=cuda_streams,
-                       cuda_devices=devices, cuda_graphs=cuda_graphs, distribution=distribution, duration=duration,
-                       warmup=warmup,
-                       output=output, plots=plots, queue_capacity=queue_capacity, min_batches=min_batches,
-                       seed=seed, max_delay=max_delay, trace=trace, simulate=simulate, quiet=quiet,
-                       model_workers=model_workers or [], lane=lane or [], colocate=colocate)
-        return
-    if colocate and (url is not None or engine != "native"):
+        labels_ = model_names(plandirs, name)
+        points = _mix_points(rates, batch_sizes, labels_)
+        targets = service_targets(labels_, slo_ms or [], priority or [])
+        residency = model_residency(model_workers or [], labels_)
+        lanes = model_lanes(lane or [], labels_)
+    elif colocate and (url is not None or engine != "native"):
         raise StaronnxError("--colocate runs the load generator on a worker thread's core: it needs the native engine, "
                             "and does not go with --url")
-    plandir = plandirs[0]
-    auto = rates.strip().lower() == "auto"
-    rate_list = [] if auto else parse_rates(rates)
-    sizes = parse_batch_sizes(batch_sizes)
-    run = sweep
-    if url is not None:  # over the network: the server's settings, except those named on the command line
-        run = _sweep_at(url, model, given_on_command_line(ctx))
-    elif model is not None:
-        raise StaronnxError("--model names a model served at --url; give --url too")
-    elif check is not None:
-        raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
-    if check is not None and not check.is_file():  # now, not after the header
-        raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
+    else:
+        auto = rates.strip().lower() == "auto"
+        rate_list = [] if auto else parse_rates(rates)
+        sizes = parse_batch_sizes(batch_sizes)
+        run = sweep
+        if url is not None:  # over the network: the server's settings, except those named on the command line
+            run = _sweep_at(url, model, given_on_command_line(ctx))
+        elif model is not None:
+            raise StaronnxError("--model names a model served at --url; give --url too")
+        elif check is not None:
+            raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
+        if check is not None and not check.is_file():  # now, not after the header
+            raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
@@ -409,10 +421,30 @@ def sweep_cmd(
     check_writable(output, "--output", folder=True)  # now, not after the first point
     if trace is not None:
         check_writable(trace, "--trace")
-    plan = Plan.load(plandir)
+    plans = {n: Plan.load(d) for n, d in zip(labels_ if mixed else [""], plandirs)}
+    for d, plan in zip(plandirs, plans.values()):
+        if url is None:  # over the network the groups are the server's
+            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+    common = dict(policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
+                  distribution=distribution, duration=seconds, warmup=warm, out_dir=output, seed=seed,
+                  queue_capacity=queue_capacity, min_batches=min_batches, simulate=simulate, max_delay=delay,
+                  trace=trace)
+    if mixed:
+        console.print(
+            f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
+            f"with {policy}, groups {groups}{cuda_summary(cuda_streams, devices)}"
+            + "".join(f", {n} on {sel} only" for n, sel in residency.items())
+            + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items())
+            + (", load generators on the " + host_core_name(cuda_streams) if colocate else "") + ": "
+            f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
+        rows = _with_bars(quiet, True, output, lambda bars: sweep_mix(
+            plans, points, targets=targets, cuda_devices=devices, progress=bars, residency=residency, lanes=lanes,
+            colocate=colocate, **common))
+        _report(output, rows, _mix_table(rows), simulate=simulate, trace=trace,
+                draw=(lambda: _draw(output, [], None, output / "compare.png")) if plots and rows else None)
+        return
+    plan = plans[""]
     real = None if inputs is None else load_inputs(inputs, plan)
-    if url is None:  # over the network the groups are the server's
-        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     if auto:
         rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
                                 cuda_devices=devices, engine=engine, seed=seed, model=model)
@@ -425,96 +457,48 @@ def sweep_cmd(
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
         highlight=False,
     )
-    with progress_bar(quiet) as progress:
-        bars = _Bars(progress)
-        try:
-            rows = run(
-                plan, rate_list, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
-                **({"cuda_devices": devices} if url is None else {}),  # over the network: the server's
-                distribution=distribution, duration=seconds, warmup=warm, out_dir=output,
-                progress=bars, seed=seed, queue_capacity=queue_capacity, min_batches=min_batches,
-                extend=extend, engine=engine, label=names[0] if names else None, simulate=simulate,
-                trace=trace, max_delay=delay, inputs=real, inputs_path=inputs,
-                **({"colocate": True} if colocate else {}),  # only in process: --url refused it above
-                **({"check": check} if check is not None else {}),  # only over the network
-            )
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
-                above(progress, console).print(
-                    f"sweep interrupted: kept {bars.measured} of {bars.total} point(s) in "
-                    f"{output / 'results.csv'} and {output / 'results.json'}",
-                    highlight=False, soft_wrap=True,
-                )
-            raise
+    rows = _with_bars(quiet, False, output, lambda bars: run(
+        plan, rate_list, sizes, progress=bars, extend=extend, engine=engine, label=names[0] if names else None,
+        inputs=real, inputs_path=inputs,
+        **({"cuda_devices": devices} if url is None else {}),  # over the network: the server's
+        **({"colocate": True} if colocate else {}),  # only in process: --url refused it above
+        **({"check": check} if check is not None else {}),  # only over the network
+        **common))
     _report(output, rows, _summary_table(rows), simulate=simulate, trace=trace,
             draw=(lambda: _draw(output, extra, names, output / "compare.png")) if plots and rows else None)
 
 
-def _sweep_mix_cmd(plandirs: list[Path], *, rates: str, batch_sizes: str, names: list[str] | None,
-                   slo_ms: list[str], priority: list[str], policy: str, groups: str, cuda_streams: int,
-                   cuda_devices: tuple[int, ...], cuda_graphs: bool, distribution: str, duration: str,
-                   warmup: str | None, output: Path,
-                   plots: bool, queue_capacity: int, min_batches: int, seed: int, max_delay: str | None,
-                   trace: Path | None, simulate: bool, quiet: bool, model_workers: list[str],
-                   lane: list[str], colocate: bool = False) -> None:
-    """``staronnx sweep a/ b/ --rates a=...,b=...``: every mix on one runtime hosting every
-    model (:func:`staronnx.bench.mix.sweep_mix`); a row per point and model. ``--model-workers``
-    loads some models on some workers only, in the live runtime, its bound and its simulation;
-    ``--lane`` gives models latency lanes, in all three alike (the bound and the simulation
-    without the OS preemption: a note says so)."""
-    from staronnx.bench.mix import check_names, is_per_model, mix_points, model_names, split_per_model, sweep_mix
-    from staronnx.cli.serve_cmd import service_targets
-    from staronnx.plan import Plan
+def _mix_points(rates: str, batch_sizes: str, names: list[str]) -> list[Any]:
+    """``--rates a=...,b=...`` and ``--batch-sizes`` (one list for all, or per model) as the
+    mixes of a mixed sweep: every combination."""
+    from staronnx.bench.mix import check_names, is_per_model, mix_points, split_per_model
 
-    labels = model_names(plandirs, names)
     if rates.strip().lower() == "auto" or not is_per_model(rates):
         raise StaronnxError(f"several models need rates per model: --rates "
-                            f"{','.join(f'{n}=R' for n in labels)} (each like 100 or 50:400:50)")
+                            f"{','.join(f'{n}=R' for n in names)} (each like 100 or 50:400:50)")
     per_rates = split_per_model(rates, "--rates")
-    check_names(per_rates, labels, "--rates")
-    rate_lists = {n: parse_rates(per_rates[n]) for n in labels}
-    if is_per_model(batch_sizes):
+    check_names(per_rates, names, "--rates")
+    sizes: Any = parse_batch_sizes(batch_sizes) if not is_per_model(batch_sizes) else None
+    if sizes is None:
         per_sizes = split_per_model(batch_sizes, "--batch-sizes")
-        check_names(per_sizes, labels, "--batch-sizes")
-        sizes: Any = {n: parse_batch_sizes(per_sizes[n]) for n in labels}
-    else:
-        sizes = parse_batch_sizes(batch_sizes)
-    points = mix_points(rate_lists, sizes, labels)
-    targets = service_targets(labels, slo_ms, priority)
-    residency = model_residency(model_workers, labels)
-    lanes = model_lanes(lane, labels)
-    seconds = parse_duration(duration, option="--duration")
-    warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
-    delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
-    check_writable(output, "--output", folder=True)
-    if trace is not None:
-        check_writable(trace, "--trace")
-    plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
-    for d, plan in zip(plandirs, plans.values()):
-        warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
-    console.print(
-        f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
-        f"with {policy}, groups {groups}{cuda_summary(cuda_streams, cuda_devices)}"
-        + "".join(f", {n} on {sel} only" for n, sel in residency.items())
-        + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items())
-        + (", load generators on the " + host_core_name(cuda_streams) if colocate else "") + ": "
-        f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
+        check_names(per_sizes, names, "--batch-sizes")
+        sizes = {n: parse_batch_sizes(per_sizes[n]) for n in names}
+    return mix_points({n: parse_rates(per_rates[n]) for n in names}, sizes, names)
+
+
+def _with_bars(quiet: bool, mixed: bool, output: Path, run: Callable[[_Bars], list[dict[str, Any]]]
+               ) -> list[dict[str, Any]]:
+    """``run`` the sweep under progress bars; interrupted (Ctrl-C, SIGTERM), say what is kept."""
     with progress_bar(quiet) as progress:
-        bars = _MixBars(progress)
+        bars = _Bars(progress, mixed)
         try:
-            rows = sweep_mix(plans, points, targets=targets, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                             cuda_devices=cuda_devices, cuda_graphs=cuda_graphs, distribution=distribution, duration=seconds, warmup=warm,
-                             out_dir=output, progress=bars, seed=seed, queue_capacity=queue_capacity,
-                             min_batches=min_batches, simulate=simulate, max_delay=delay, trace=trace,
-                             residency=residency, lanes=lanes, colocate=colocate)
+            return run(bars)
         except BaseException as exc:
-            if not isinstance(exc, Exception):
+            if not isinstance(exc, Exception):  # Ctrl-C, SIGTERM: say what is kept, then stop
                 above(progress, console).print(
-                    f"sweep interrupted: kept {bars.measured} of {bars.total} mix(es) in "
+                    f"sweep interrupted: kept {bars.measured} of {bars.total} {'mix(es)' if mixed else 'point(s)'} in "
                     f"{output / 'results.csv'} and {output / 'results.json'}", highlight=False, soft_wrap=True)
             raise
-    _report(output, rows, _mix_table(rows), simulate=simulate, trace=trace,
-            draw=(lambda: _draw(output, [], None, output / "compare.png")) if plots and rows else None)
 
 
 def _report(output: Path, rows: Any, table: Any, *, simulate: bool, trace: Path | None,
@@ -536,40 +520,6 @@ def _report(output: Path, rows: Any, table: Any, *, simulate: bool, trace: Path 
                           "point ran: open both to compare)", highlight=False)
     if draw is not None:
         draw()
-
-
-class _MixBars:
-    """Progress of a mixed sweep: one bar over the mixes, a line per measured mix."""
-
-    def __init__(self, progress: Progress) -> None:
-        self.progress = progress
-        self.points: TaskID | None = None
-        self.measured = 0
-        self.total = 0
-
-    def __call__(self, event: Any) -> None:
-        p = self.progress
-        if event.kind == "start":
-            self.total = event.total
-            self.points = p.add_task("mixes", total=event.total)
-        elif event.kind == "point":
-            p.update(self.points, description=f"mix {event.message}")
-        elif event.kind == "done":
-            from staronnx.bench.results import row_state
-
-            self.measured += 1
-            p.update(self.points, completed=event.index)
-            lines = "; ".join(
-                f"{r['model']} {_fmt(r.get('throughput'), 1)} samples/s p99 {_fmt(r.get('latency_p99_ms'))} ms"
-                + (f" ({r['deadline_misses']} late)" if r.get("deadline_misses") is not None else "")
-                + (f" {_state_markup(r)}" if row_state(r) in ("failed", "congested") else "")
-                for r in event.row["rows"])
-            above(p, console).print(f"{event.row['mix']}: {lines}")
-        elif event.kind == "skipped":
-            p.update(self.points, completed=event.index)
-            above(p, console).print(f"[dim]{event.message}: skipped (a lower mix was congested)[/]")
-        elif event.kind == "end":
-            p.update(self.points, completed=event.total)
 
 
 def _mix_table(rows: list[dict[str, Any]]) -> Table:
@@ -666,7 +616,7 @@ def optimize_batch_cmd(
     slo_ms: Annotated[float | None, typer.Option(help="Papers'-latency objective in ms: maximize headroom under it.")] = None,
     batch_sizes: Annotated[str, typer.Option(help="Candidate batch sizes.")] = "1,2,4,8,16",
     policy: Annotated[str, typer.Option(help="Scheduling policy.")] = "heft",
-    groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
+    groups: GroupsOption = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     colocate: Annotated[bool, typer.Option(
