@@ -399,12 +399,12 @@ class StarpuEngine:
                     feeds[name] = req.side[name]
             values = w.sessions[part_index].run(part.outputs, feeds)
             for name, arr in zip(part.outputs, values):
-                slot = part.out_slots.get(name)
-                if slot is not None:
+                out = part.out_slots.get(name)
+                if out is not None:
                     lay = req.layouts.get(name)
                     if (lay is not None and isinstance(arr, np.ndarray) and arr.shape == lay.shape
-                            and arr.dtype == lay.dtype and sizes[slot] == lay.nbytes):
-                        np.copyto(self._view(ptrs[slot], sizes[slot], lay), arr)
+                            and arr.dtype == lay.dtype and sizes[out] == lay.nbytes):
+                        np.copyto(self._view(ptrs[out], sizes[out], lay), arr)
                     else:
                         req.side[name] = arr
                 if name in self._output_set:
@@ -645,19 +645,19 @@ def _install_externs(ffi: Any) -> None:
         log.error("exception in a StarPU callback", exc_info=(exc_type, exc, tb))
 
     @ffi.def_extern(onerror=onerror)
-    def sx_py_run(key, wid, ptrs, sizes, n, predicted):  # type: ignore[no-untyped-def]
+    def sx_py_run(key: int, wid: int, ptrs: Any, sizes: Any, n: int, predicted: float) -> None:
         engine = _active
         if engine is not None:
             engine._run(key, wid, ptrs, sizes, n, predicted)
 
     @ffi.def_extern(onerror=onerror)
-    def sx_py_done(key):  # type: ignore[no-untyped-def]
+    def sx_py_done(key: int) -> None:
         engine = _active
         if engine is not None:
             engine._task_done(key)
 
     @ffi.def_extern(onerror=onerror)
-    def sx_py_worker_init(wid):  # type: ignore[no-untyped-def]
+    def sx_py_worker_init(wid: int) -> None:
         engine = _active
         if engine is not None:
             engine._worker_init(wid)
