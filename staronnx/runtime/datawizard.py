@@ -31,10 +31,11 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from staronnx.plan import Plan
+    from staronnx.runtime.sched import WorkerInfo
 
 #: where model inputs are when a request is submitted, and where final outputs are written back
 HOST_NODE = "numa0"
@@ -170,14 +171,7 @@ def tally(copies: Iterable[Copy]) -> dict[str, tuple[int, int]]:
     return out
 
 
-class OnNode(Protocol):
-    """Anything placed on a memory node (a worker, as the policies or the bound see it)."""
-
-    @property
-    def memory_node(self) -> str: ...
-
-
-def with_writebacks(times: Sequence[Sequence[float]], plan: Plan, workers: Sequence[OnNode],
+def with_writebacks(times: Sequence[Sequence[float]], plan: Plan, workers: Sequence[WorkerInfo],
                     nbytes: Mapping[str, int], cost: CopyCost, first: int = 0) -> list[list[float]]:
     """``times[p][w]`` (seconds of part ``p`` on worker ``w``; rows ``first..`` are ``plan``'s
     parts) plus, on a worker whose memory node is a GPU, the bus time of writing the part's
