@@ -22,7 +22,7 @@ import operator
 import threading
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -156,10 +156,12 @@ class HistoryEntry:
                     self.n, self.sum, self.sum2, self.nerror = 0, 0.0, 0.0, 0
                     return SampleOutcome.RESET
                 return SampleOutcome.OUTLIER
-        self.n += 1
-        self.sum += seconds
-        self.sum2 += seconds * seconds
+        self.accept(seconds)
         return SampleOutcome.ACCEPTED
+
+    def accept(self, seconds: float) -> None:
+        """Average one sample in, unjudged (the judging is :meth:`add`'s, or a merged run's)."""
+        self.n, self.sum, self.sum2 = self.n + 1, self.sum + seconds, self.sum2 + seconds * seconds
 
     def copy(self) -> HistoryEntry:
         """An independent copy (entries are mutable)."""
@@ -253,23 +255,18 @@ class HistoryModel:
         value = _check_seconds(seconds)
         with self._lock:
             created = footprint not in self._entries
-            outcome = self._apply(self._entries, footprint, value)
+            outcome = self._apply(footprint, value)
             self._unsaved.append(PendingSample(footprint, None if created else value, outcome))
             return outcome
 
-    def _apply(
-        self, entries: dict[Footprint, HistoryEntry], footprint: Footprint, seconds: float | None
-    ) -> SampleOutcome:
-        entry = entries.get(footprint)
+    def _apply(self, footprint: Footprint, seconds: float) -> SampleOutcome:
+        entry = self._entries.get(footprint)
         if entry is None:
-            entries[footprint] = HistoryEntry()
-            return SampleOutcome.DROPPED_FIRST
-        if seconds is None:  # replayed "entry created" marker: nothing to add
+            self._entries[footprint] = HistoryEntry()
             return SampleOutcome.DROPPED_FIRST
         outcome = entry.add(seconds, self.max_error)
         if outcome is SampleOutcome.RESET or entry.n >= self.calibrate_minimum:
-            if entries is self._entries:
-                self._fits.pop(footprint.shape_hash, None)
+            self._fits.pop(footprint.shape_hash, None)
         return outcome
 
     def replay(
@@ -410,24 +407,16 @@ class HistoryModel:
         """Display rows, sorted by shape family then batch size."""
         with self._lock:
             rows = []
-            for fp in sorted(self._entries, key=lambda f: (f.shape_hash, f.batch)):
-                e = self._entries[fp]
-                rows.append(
-                    PerfRow(
-                        part=self.part,
-                        arch=self.arch,
-                        batch=fp.batch,
-                        shape_hash=f"{fp.shape_hash:08x}",
-                        n=e.n,
-                        mean=e.mean,
-                        stddev=e.stddev,
-                        nerror=e.nerror,
-                        calibrated=e.n >= self.calibrate_minimum,
-                        prediction=self.predict(fp),
-                        regression=self.regression(fp.shape_hash),
-                    )
-                )
+            for fp, e in self._by_family():
+                rows.append(PerfRow(part=self.part, arch=self.arch, batch=fp.batch, shape_hash=f"{fp.shape_hash:08x}",
+                                    n=e.n, mean=e.mean, stddev=e.stddev, nerror=e.nerror,
+                                    calibrated=e.n >= self.calibrate_minimum, prediction=self.predict(fp),
+                                    regression=self.regression(fp.shape_hash)))
             return rows
+
+    def _by_family(self) -> list[tuple[Footprint, HistoryEntry]]:
+        """The entries sorted by shape family, then batch size: how tables and files list them."""
+        return sorted(self._entries.items(), key=lambda kv: (kv[0].shape_hash, kv[0].batch))
 
     # -- serialization ---------------------------------------------------------------------
 
@@ -440,19 +429,9 @@ class HistoryModel:
 
         with self._lock:
             entries = [
-                {
-                    "batch": fp.batch,
-                    "shape_hash": f"{fp.shape_hash:08x}",
-                    "n": e.n,
-                    "sum": e.sum,
-                    "sum2": e.sum2,
-                    "nerror": e.nerror,
-                    "mean": num(e.mean),
-                    "stddev": num(e.stddev),
-                }
-                for fp, e in sorted(
-                    self._entries.items(), key=lambda kv: (kv[0].shape_hash, kv[0].batch)
-                )
+                {"batch": fp.batch, "shape_hash": f"{fp.shape_hash:08x}", **asdict(e), "mean": num(e.mean),
+                 "stddev": num(e.stddev)}
+                for fp, e in self._by_family()
             ]
             families = sorted({fp.shape_hash for fp in self._entries})
             regressions = []
@@ -484,12 +463,8 @@ class HistoryModel:
             model = cls(part, arch, **options)
             for raw in data["entries"]:
                 fp = Footprint(_as_int(raw["batch"]), int(str(raw["shape_hash"]), 16))
-                entry = HistoryEntry(
-                    n=_as_int(raw["n"]),
-                    sum=_as_float(raw["sum"]),
-                    sum2=_as_float(raw["sum2"]),
-                    nerror=_as_int(raw["nerror"]),
-                )
+                entry = HistoryEntry(_as_int(raw["n"]), _as_float(raw["sum"]), _as_float(raw["sum2"]),
+                                     _as_int(raw["nerror"]))
                 if entry.n < 0 or entry.nerror < 0 or entry.sum < 0 or entry.sum2 < 0:
                     raise PerfModelFormatError(f"negative statistics for footprint {fp}")
                 if fp in model._entries:
@@ -523,13 +498,11 @@ def _merge(
         if outcome is None:  # no verdict recorded: judge it against this history
             outcome = entry.add(seconds, max_error)
             if outcome is SampleOutcome.ACCEPTED:
-                mine.n, mine.sum, mine.sum2 = mine.n + 1, mine.sum + seconds, mine.sum2 + seconds**2
+                mine.accept(seconds)
             continue
         if outcome is SampleOutcome.ACCEPTED:
-            for e in (entry, mine):
-                e.n += 1
-                e.sum += seconds
-                e.sum2 += seconds * seconds
+            entry.accept(seconds)
+            mine.accept(seconds)
         elif outcome is SampleOutcome.OUTLIER:
             entry.nerror += 1
             mine.nerror += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -56,30 +56,7 @@ class NLRegression:
 
     def to_dict(self) -> dict[str, float | int]:
         """JSON-able form (for files and display; loading refits rather than trusting it)."""
-        return {
-            "a": self.a,
-            "b": self.b,
-            "c": self.c,
-            "r2": self.r2,
-            "rel_rmse": self.rel_rmse,
-            "npoints": self.npoints,
-            "min_batch": self.min_batch,
-            "max_batch": self.max_batch,
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict[str, float | int]) -> NLRegression:
-        """Inverse of :meth:`to_dict`."""
-        return cls(
-            a=float(data["a"]),
-            b=float(data["b"]),
-            c=float(data["c"]),
-            r2=float(data["r2"]),
-            rel_rmse=float(data["rel_rmse"]),
-            npoints=int(data["npoints"]),
-            min_batch=int(data["min_batch"]),
-            max_batch=int(data["max_batch"]),
-        )
+        return asdict(self)
 
 
 def _solve_ac(
@@ -127,6 +104,16 @@ def _solve_ac(
     return best_a, best_c, best_e
 
 
+def _positive_points(batches: Sequence[float], seconds: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    """The (batch size, seconds) points a fit can take the logarithm of: finite and positive."""
+    x = np.asarray(batches, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1:
+        raise ValueError("batches and seconds must be 1-D sequences of equal length")
+    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
+    return x[keep], y[keep]
+
+
 def fit_nl_regression(
     batches: Sequence[float],
     seconds: Sequence[float],
@@ -140,12 +127,7 @@ def fit_nl_regression(
     points than parameters the curve is not determined, and a wrong curve would mislead the
     scheduler more than an honest "uncalibrated".
     """
-    x = np.asarray(batches, dtype=np.float64)
-    y = np.asarray(seconds, dtype=np.float64)
-    if x.shape != y.shape or x.ndim != 1:
-        raise ValueError("batches and seconds must be 1-D sequences of equal length")
-    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
-    x, y = x[keep], y[keep]
+    x, y = _positive_points(batches, seconds)
     if len(np.unique(x)) < max(min_sizes, 2):
         return None
     w = 1.0 / (y * y)
@@ -153,6 +135,9 @@ def fit_nl_regression(
 
     def profile(bs: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return _solve_ac(np.exp(bs[:, None] * lnx[None, :]), y, w)
+
+    def error(b: float) -> float:
+        return float(profile(np.array([b]))[2][0])
 
     lo, hi = b_range
     grid = np.linspace(lo, hi, _GRID_POINTS)
@@ -163,17 +148,16 @@ def fit_nl_regression(
     ratio = (math.sqrt(5.0) - 1.0) / 2.0
     p = right - ratio * (right - left)
     q = left + ratio * (right - left)
-    fp = float(profile(np.array([p]))[2][0])
-    fq = float(profile(np.array([q]))[2][0])
+    fp, fq = error(p), error(q)
     for _ in range(_GOLDEN_ITERATIONS):
         if fp <= fq:
             right, q, fq = q, p, fp
             p = right - ratio * (right - left)
-            fp = float(profile(np.array([p]))[2][0])
+            fp = error(p)
         else:
             left, p, fp = p, q, fq
             q = left + ratio * (right - left)
-            fq = float(profile(np.array([q]))[2][0])
+            fq = error(q)
     candidates = np.array([grid[k], p, q])
     a_s, c_s, e_s = profile(candidates)
     j = int(np.argmin(e_s))
@@ -184,16 +168,8 @@ def fit_nl_regression(
     ss_tot = float(((y - y.mean()) ** 2).sum())
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res == 0 else 0.0)
     rel_rmse = float(np.sqrt((((pred - y) / y) ** 2).mean()))
-    return NLRegression(
-        a=a,
-        b=b,
-        c=c,
-        r2=r2,
-        rel_rmse=rel_rmse,
-        npoints=int(len(x)),
-        min_batch=int(x.min()),
-        max_batch=int(x.max()),
-    )
+    return NLRegression(a, b, c, r2=r2, rel_rmse=rel_rmse, npoints=int(len(x)), min_batch=int(x.min()),
+                        max_batch=int(x.max()))
 
 
 @dataclass(frozen=True)
@@ -225,10 +201,7 @@ def fit_power_law(
     Valid, as in StarPU, only with at least ``min_samples`` samples and ``minx < 0.9*maxx``
     (otherwise the slope is noise); returns ``None`` when invalid.
     """
-    x = np.asarray(batches, dtype=np.float64)
-    y = np.asarray(seconds, dtype=np.float64)
-    keep = np.isfinite(x) & np.isfinite(y) & (x > 0) & (y > 0)
-    x, y = x[keep], y[keep]
+    x, y = _positive_points(batches, seconds)
     if len(x) < min_samples or not x.min() < 0.9 * x.max():
         return None
     lx, ly = np.log(x), np.log(y)
@@ -236,10 +209,4 @@ def fit_power_law(
     sx, sy, sxx, sxy = lx.sum(), ly.sum(), (lx * lx).sum(), (lx * ly).sum()
     beta = float((n * sxy - sx * sy) / (n * sxx - sx * sx))
     alpha = float(math.exp((sy - beta * sx) / n))
-    return PowerLaw(
-        alpha=alpha,
-        beta=beta,
-        nsamples=n,
-        min_batch=float(x.min()),
-        max_batch=float(x.max()),
-    )
+    return PowerLaw(alpha, beta, nsamples=n, min_batch=float(x.min()), max_batch=float(x.max()))
