@@ -11,7 +11,7 @@ Inputs are checked against the plan's signature before any task exists, so a bad
 raises ValueError (InputError) at once and never reaches a worker.
 
 ``cuda_streams=N`` starts N CUDA workers (streams) per GPU, driven by one engine thread per
-GPU on a core held back from the CPU groups (see :mod:`staronnx.workers.launch`);
+GPU on a core held back from the CPU groups (see :mod:`staronnx.workers.layout`);
 ``cuda_options`` go to every :class:`~staronnx.workers.cuda.CudaWorker`
 (``cudnn_conv_algo_search``, ``provider_options`` such as ``gpu_mem_limit``, ``prefetch``,
 ``cuda_graphs=False``, ``thread_per_stream=True``: a thread and a core per stream). ``warmup=(1, 2, 4, 8)`` runs

@@ -12,7 +12,7 @@ HostRuntime` spent 44-47 µs of host time per task with the two threads on diffe
 
 StarPU binds its main thread to a core when asked (``STARPU_MAIN_THREAD_BIND``); staronnx binds
 such threads to the core of the runtime's first CUDA driver thread (its *host core*), which the
-CPU groups hold back already (see :mod:`staronnx.workers.launch`), when asked: a thread pinned
+CPU groups hold back already (see :mod:`staronnx.workers.layout`), when asked: a thread pinned
 to one core pins the threads it starts too (Linux threads inherit their creator's affinity),
 and while the driver runs ONNX Runtime without a CUDA graph it launches kernels without the
 GIL, work that a caller on another core overlaps. Without CPU groups (``none``) no core is held
