@@ -4,6 +4,7 @@ temporary folder, even by a construction that fails (issue 22, defect 3)."""
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import tempfile
 import threading
@@ -14,11 +15,12 @@ import onnx
 import pytest
 
 import staronnx
-import staronnx.workers.host as host
 from staronnx.errors import ModelError, PartitionError
 from staronnx.zoo import chain
 
 PATTERN = os.path.join(tempfile.gettempdir(), "staronnx-session-*")
+#: where a session's partition() lives (``staronnx.partition`` is the function itself)
+api = importlib.import_module("staronnx.partition.api")
 
 
 @pytest.fixture
@@ -41,13 +43,13 @@ def model_path(tmp_path) -> Path:
 def partitions(monkeypatch) -> list[Path]:
     """Counts the partitions sessions make (their output folders)."""
     made: list[Path] = []
-    real = host.partition
+    real = api.partition
 
     def counting(*args, **kwargs):
         made.append(Path(kwargs["output_dir"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(host, "partition", counting)
+    monkeypatch.setattr(api, "partition", counting)
     return made
 
 

@@ -91,11 +91,13 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import warnings
 import weakref
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import numpy as np
 import onnx
@@ -103,19 +105,13 @@ import onnxruntime as ort
 from filelock import FileLock
 from google.protobuf.message import DecodeError
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
+from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError, StaronnxError
 from staronnx.modelio import is_fixed, load_model, missing_external, values_digest
-from staronnx.ortutil import (
-    QUIET,
-    AdapterProbe,
-    OptionEffects,
-    OrtSession,
-    option_effects,
-    ort_type_name,
-    write_optimized,
-)
+from staronnx.ortutil import (QUIET, AdapterProbe, OptionEffects, option_effects, option_values, ort_type_name,
+                              write_optimized)
 from staronnx.partition.graph import model_inputs
 from staronnx.partition.whole import io_specs, too_small, value_spec, whole_reason
 from staronnx.perfmodels.store import default_root
@@ -124,6 +120,7 @@ from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.policies import policy_options
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture, TaskError
+from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.cudart import host_runtime_from_env
 
 log = logging.getLogger(__name__)
@@ -149,28 +146,28 @@ PLAN_LOCK_TIMEOUT = 3600.0
 AT_FIRST_RUN = "at the first run's shapes"
 
 
-# -- errors of ORT's types ------------------------------------------------------------------
-class InvalidArgument(InputError, _ort_state.InvalidArgument):
+# -- errors of ORT's types (ORT's pybind11 classes have no type stubs: Any to mypy) ------------
+class InvalidArgument(InputError, _ort_state.InvalidArgument):  # type: ignore[misc]
     """A feed or output name ORT would reject with INVALID_ARGUMENT; caught by either
     ``except onnxruntime...InvalidArgument`` (ORT scripts) or ``except ValueError`` (staronnx's)."""
 
 
-class NoSuchFile(ModelError, _ort_state.NoSuchFile):
+class NoSuchFile(ModelError, _ort_state.NoSuchFile):  # type: ignore[misc]
     """The model file does not exist (ORT's NO_SUCHFILE)."""
 
 
-class InvalidProtobuf(ModelError, _ort_state.InvalidProtobuf):
+class InvalidProtobuf(ModelError, _ort_state.InvalidProtobuf):  # type: ignore[misc]
     """The model is not a parsable ONNX protobuf (ORT's INVALID_PROTOBUF)."""
 
 
-class NotRecorded(StaronnxError, _ort_state.Fail):
+class NotRecorded(StaronnxError, _ort_state.Fail):  # type: ignore[misc]
     """get_provider_graph_assignment_info() without the config entry that records it (ORT's Fail)."""
 
 
 #: the config entry that makes a session record which provider runs each node (ORT's)
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 
-_task_error_types: dict[type, type] = {}
+_task_error_types: dict[type, type[TaskError]] = {}
 
 
 def _ort_task_error(exc: TaskError) -> TaskError:
@@ -183,11 +180,12 @@ def _ort_task_error(exc: TaskError) -> TaskError:
     compat = _task_error_types.get(kind)
     if compat is None:
         try:
-            compat = type(kind.__name__, (TaskError, kind), {"__module__": __name__})
+            compat = types.new_class(kind.__name__, (TaskError, kind), exec_body=lambda ns: ns.update(
+                __module__=__name__))
         except TypeError:  # an ORT class that cannot be a base: keep staronnx's own
             return exc
         _task_error_types[kind] = compat
-    err = compat.__new__(compat)
+    err: TaskError = compat.__new__(compat)
     TaskError.__init__(err, exc.part, exc.worker, cause)
     return err
 
@@ -247,14 +245,12 @@ def _providers(
     available = ort.get_available_providers() + ([CUDA_EP] if cuda_stand_in else [])
     out: dict[str, dict[str, str]] = {}
     for i, item in enumerate(items):
-        if isinstance(item, tuple):
-            if len(item) != 2 or not isinstance(item[0], str) or not isinstance(item[1], Mapping):
-                raise ValueError("Only string values for 'providers' or (name, options) tuples are supported.")
+        if isinstance(item, str):
+            name, opts = item, (provider_options[i] if provider_options is not None else {})
+        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Mapping):
             if provider_options is not None:
                 raise ValueError("'providers' values must be strings when 'provider_options' is given.")
             name, opts = item
-        elif isinstance(item, str):
-            name, opts = item, (provider_options[i] if provider_options is not None else {})
         else:
             raise ValueError("Only string values for 'providers' or (name, options) tuples are supported.")
         if name not in available:
@@ -279,7 +275,8 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
             raise ValueError(f"cuda_streams={cuda_streams} needs {CUDA_EP} in providers "
                              f"(providers here: {', '.join(asked) or 'none'})")
         return 0
-    from staronnx.workers.cuda import cuda_unavailable_reason, missing_device
+    from staronnx.workers.cuda import cuda_unavailable_reason
+    from staronnx.workers.cuda_env import missing_device
 
     device = _device_id(asked)
     reason = cuda_unavailable_reason(device) if stand_in is None else missing_device(device, stand_in.device_count())
@@ -291,7 +288,7 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
 
 
 # -- plans made for a session ---------------------------------------------------------------
-def _load_source(path_or_bytes: str | os.PathLike[str] | bytes,
+def _load_source(path_or_bytes: str | os.PathLike[str] | bytes | bytearray | memoryview,
                  so: ort.SessionOptions | None = None) -> tuple[Any, onnx.ModelProto, str]:
     """The model as partition() takes it (the path, so the plan records it, or the parsed
     bytes), the validated model, and its hash; fails before anything is written. With ``so``,
@@ -404,19 +401,34 @@ def _with_config(so: ort.SessionOptions | None, config: Mapping[str, Any]) -> or
     if not config:
         return so
     effective = ort.SessionOptions()
-    if so is not None:
-        for name in _COPIED:
-            setattr(effective, name, getattr(so, name))
-    for name, value in config.items():
+    for name, value in {**(option_values(so, _COPIED) if so is not None else {}), **config}.items():
         setattr(effective, name, value)
     return effective
 
 
-def _config_entry(so: ort.SessionOptions, key: str) -> str | None:
+def _config_entry(so: ort.SessionOptions | ort.RunOptions, key: str) -> str | None:
     try:
-        return so.get_session_config_entry(key)
+        if isinstance(so, ort.RunOptions):
+            value: str = so.get_run_config_entry(key)
+        else:
+            value = so.get_session_config_entry(key)
     except RuntimeError:  # ORT's answer for a key never set
         return None
+    return value
+
+
+def _logs_and_entries(options: ort.SessionOptions | ort.RunOptions, logs: str, entries: Mapping[str, str],
+                      given: ort.SessionOptions | ort.RunOptions) -> list[str]:
+    """What ``options`` set that the parts' sessions do not apply: a log level below warnings
+    (``logs``: why), and the config entries of ``given`` among ``entries`` (each with why)."""
+    said = []
+    if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0:
+        said.append(f"log_severity_level={options.log_severity_level} ({logs})")
+    for key, reason in entries.items():
+        value = _config_entry(given, key)
+        if value is not None:
+            said.append(f"config entry {key}={value} ({reason})")
+    return said
 
 
 def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
@@ -437,7 +449,6 @@ def _unapplied(so: ort.SessionOptions | None, given: ort.SessionOptions | None) 
     sized to its CPU group and run one operator at a time), each with why."""
     if so is None or given is None:
         return []
-    defaults = ort.SessionOptions()
     why = {
         "inter_op_num_threads": "parts run in parallel on staronnx's workers; each part's operators run in sequence",
         "execution_mode": "parts run in parallel on staronnx's workers; each part's operators run in sequence",
@@ -449,16 +460,10 @@ def _unapplied(so: ort.SessionOptions | None, given: ort.SessionOptions | None) 
         "enable_mem_reuse": "each worker's session keeps ORT's default allocator",
         "use_deterministic_compute": "each part's session uses ORT's default kernels",
     }
-    said = [f"{name}={getattr(so, name)!s} ({reason})" for name, reason in why.items()
-            if getattr(so, name) != getattr(defaults, name)]
-    if 0 <= so.log_severity_level < 2 or so.log_verbosity_level > 0:
-        said.append(f"log_severity_level={so.log_severity_level} (each part's session logs only fatal errors: "
-                    "its errors reach Python as exceptions)")
-    for key, reason in _CONFIG_ENTRIES.items():
-        value = _config_entry(given, key)
-        if value is not None:
-            said.append(f"config entry {key}={value} ({reason})")
-    return said
+    values, defaults = option_values(so, why), option_values(ort.SessionOptions(), why)
+    said = [f"{name}={values[name]!s} ({reason})" for name, reason in why.items() if values[name] != defaults[name]]
+    return said + _logs_and_entries(so, "each part's session logs only fatal errors: its errors reach Python as "
+                                        "exceptions", _CONFIG_ENTRIES, given)
 
 
 #: SessionOptions config entries that staronnx's workers do not apply, each with why (those it
@@ -480,19 +485,10 @@ _RUN_ENTRIES = {
 }
 
 
-def _run_unapplied(run_options: ort.RunOptions) -> list[str]:
-    """The settings of ``run_options`` that a request on staronnx's workers does not carry."""
-    said = []
-    if 0 <= run_options.log_severity_level < 2 or run_options.log_verbosity_level > 0:
-        said.append(f"log_severity_level={run_options.log_severity_level} (each part's session logs only fatal "
-                    "errors)")
-    for key, reason in _RUN_ENTRIES.items():
-        try:
-            value = run_options.get_run_config_entry(key)
-        except RuntimeError:  # ORT's answer for a key never set
-            continue
-        said.append(f"config entry {key}={value} ({reason})")
-    return said
+def _stand_in(runtime_options: Mapping[str, Any]) -> Any:
+    """The runtime the CUDA workers will drive instead of CUDA, if any: the one ``cuda_options``
+    gives them, else ``$STARONNX_CUDA_RUNTIME``'s (as CudaWorker picks it)."""
+    return (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
 
 
 def _device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
@@ -587,7 +583,7 @@ def _partition_options(partition_options: Mapping[str, Any] | None,
     return options
 
 
-def _unsized(model: onnx.ModelProto, batch_axes: Mapping[str, int | None]) -> list[str]:
+def _unsized(model: onnx.ModelProto, batch_axes: dict[str, int | None]) -> list[str]:
     """The model's dynamic sizes that partition cannot choose itself ("image: height"): every
     dynamic axis of an input but its batch axis (the contract's, with the user's ``batch_axes``),
     which partition sets to its profiling batch. None for a model served whole, which is not
@@ -800,10 +796,14 @@ def _host_array(value: Any, name: str) -> np.ndarray:
     if value.device_name().lower() != "cpu":
         raise NotImplementedError(f"{name!r}: staronnx takes host OrtValues only (this one is on "
                                   f"{value.device_name()}); pass OrtValue.ortvalue_from_numpy(array)")
-    return value.numpy()
+    array: np.ndarray = value.numpy()
+    return array
 
 
 # -- what a session holds, released without close() too ----------------------------------------
+_R = TypeVar("_R")
+
+
 class _Held:
     """What a session started and must stop: its runners (a :class:`Runtime`, an
     :class:`_OrtPart`) and a temporary plan folder. Kept apart from the session, so that a
@@ -817,7 +817,7 @@ class _Held:
         #: a private plan's folder (read-only home), and where a trace ended goes at close
         self.scratch: list[Path] = []
 
-    def add(self, runner: Any) -> Any:
+    def add(self, runner: _R) -> _R:
         with self._lock:
             self._runners.append(runner)
         return runner
@@ -854,7 +854,7 @@ class _Held:
 
 
 #: the finalizers of the sessions alive: run before the interpreter joins its threads at exit
-_FINALIZERS: set[weakref.finalize] = set()
+_FINALIZERS: set[weakref.finalize[[], object]] = set()
 _FINALIZERS_LOCK = threading.Lock()
 
 
@@ -870,10 +870,10 @@ def _release_all() -> None:
 
 # threading's own exit hook (concurrent.futures uses it for its workers): atexit runs only after
 # the interpreter has joined every non-daemon thread, which the workers are
-threading._register_atexit(_release_all)
+threading._register_atexit(_release_all)  # type: ignore[attr-defined]
 
 
-def _watch(session: object, held: _Held) -> weakref.finalize:
+def _watch(session: object, held: _Held) -> weakref.finalize[[], object]:
     """A finalizer that releases ``held`` when ``session`` is collected or at exit."""
     finalizer = weakref.finalize(session, held.release)
     with _FINALIZERS_LOCK:
@@ -888,7 +888,7 @@ def _called_from_staronnx(depth: int = 3) -> bool:
     """Whether the construction comes from staronnx's own code (a worker, a plan's reference
     session), within ``depth`` frames of the caller (a program's wrapper around the class may
     stand between)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
             return False
@@ -968,7 +968,7 @@ class InferenceSession:
         self._said: set[str] = set()
         self._cut_model: Callable[..., Plan] | None = None
         #: runtimes of variants of the model with other initializers (a LoRA adapter's), by their values
-        self._variants: dict[str, Any] = {}
+        self._variants: dict[str, Runtime | _OrtPart] = {}
         source = self._source(path_or_bytes, sess_options)
         config = _model_config(source[1]) if source is not None and _reads_config(kwargs) else {}
         effective = _with_config(sess_options, config)
@@ -981,8 +981,7 @@ class InferenceSession:
         self._threads = int(effective.intra_op_num_threads) if effective is not None else 0
         #: what the workers were asked (set_providers starts them again from here, with other providers)
         self._asked = (cuda_streams, dict(runtime_options), cpu_groups, policy)
-        streams, runtime_options, cpu_groups = self._workers(providers, provider_options, cuda_streams,
-                                                             runtime_options, cpu_groups)
+        self._streams, self._runtime_args = self._workers(providers, provider_options, cuda_streams)
 
         if source is not None and effective is not None and effective.optimized_model_filepath:
             # the whole model, optimised as ORT writes it for these options (staronnx's parts are not it)
@@ -990,12 +989,11 @@ class InferenceSession:
                 else str(path_or_bytes)
             write_optimized(model_arg, sess_options or effective, list(self._provider_options),
                             config.get("graph_optimization_level"))
-        self._streams = streams
         options = _partition_options(partition_options, input_shapes)
         try:
-            self._plan = self._plan_for(path_or_bytes, source, shares, options, cpu_groups, streams)
-            self._profile_path, self._profile_start = self._profiling(effective, runtime_options)
-            self._runtime_args = dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
+            self._plan = self._plan_for(path_or_bytes, source, shares, options, self._runtime_args["cpu_groups"],
+                                        self._streams)
+            self._profile_path, self._profile_start = self._profiling(effective, self._runtime_args)
             if self._plan is not None:
                 self._runtime = self._start(self._plan)
             else:
@@ -1004,16 +1002,14 @@ class InferenceSession:
             self._finalizer()  # what was started before the failure, and a private plan
             raise
 
-    def _workers(self, providers: Any, provider_options: Any, cuda_streams: int | None,
-                 runtime_options: Mapping[str, Any], cpu_groups: str | None) -> tuple[int, dict[str, Any], str]:
-        """The workers ORT's provider arguments ask for: CUDA streams, the Runtime's options
-        (the GPU the CUDA provider names, its options for every CUDA worker) and the CPU groups
-        (``intra_op_num_threads`` cores, else one group per NUMA node); ``self._provider_options``
-        records the providers in use."""
-        runtime_options = dict(runtime_options)
-        # the runtime the CUDA workers will drive instead of CUDA, if any: the one cuda_options
-        # gives them, else $STARONNX_CUDA_RUNTIME's (as CudaWorker picks it)
-        stand_in = (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
+    def _workers(self, providers: Any, provider_options: Any, cuda_streams: int | None) -> tuple[int, dict[str, Any]]:
+        """The workers ORT's provider arguments ask for, with what the session was given
+        (``self._asked``): CUDA streams, and the Runtime's arguments (the GPU the CUDA provider
+        names, its options for every CUDA worker, the CPU groups: ``intra_op_num_threads`` cores,
+        else one group per NUMA node); ``self._provider_options`` records the providers in use."""
+        _, given, cpu_groups, policy = self._asked
+        runtime_options = dict(given)
+        stand_in = _stand_in(runtime_options)
         asked = None if providers is None else _providers(providers, provider_options, stand_in is not None)
         streams = _cuda_streams(asked, cuda_streams, stand_in)
         self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
@@ -1031,7 +1027,7 @@ class InferenceSession:
             cuda_options = dict(runtime_options.get("cuda_options") or {})
             cuda_options["provider_options"] = {**cuda_given, **dict(cuda_options.get("provider_options") or {})}
             runtime_options["cuda_options"] = cuda_options
-        return streams, runtime_options, cpu_groups
+        return streams, dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
 
     def _source(self, path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any, onnx.ModelProto, str] | None:
         """The model to cut (as partition takes it), itself and its hash, with what ``so``
@@ -1048,7 +1044,7 @@ class InferenceSession:
         self._overridable = _overridable(model)
         return source, model, sha256
 
-    def _start(self, plan: Plan) -> Any:
+    def _start(self, plan: Plan) -> Runtime | _OrtPart:
         """What runs the plan: a :class:`Runtime` over staronnx's workers, or for a plan they
         cannot run (served whole: :func:`_runs_on_workers`), one ORT session (:class:`_OrtPart`),
         said in the log (and warned of where CUDA was asked for: it runs on the CPU)."""
@@ -1082,7 +1078,7 @@ class InferenceSession:
             shares = None  # partition's default split, which serves a model too small to cut whole
         if shares is not None and not isinstance(shares, str):
             shares = [float(s) for s in shares]
-        from staronnx.workers.host import partition
+        from staronnx.partition.api import partition
 
         unsized = [] if "input_shapes" in options else _unsized(model, parse_batch_axes(options.get("batch_axes")))
 
@@ -1141,7 +1137,7 @@ class InferenceSession:
                                "pass input_shapes=[...] to InferenceSession to cut it when the session opens")
         return self._plan
 
-    def _started(self, feeds: Mapping[str, np.ndarray]) -> Runtime:
+    def _started(self, feeds: Mapping[str, np.ndarray]) -> Runtime | _OrtPart:
         """The runtime, started now at ``feeds``' shapes for a model cut at its first run
         (concurrent first runs wait for one cut). A cut that fails leaves the session as it
         was: the next run tries again at its own shapes."""
@@ -1158,7 +1154,7 @@ class InferenceSession:
                     plan = self._cut(feeds)
                     runtime = self._start(plan)
                 except BaseException:
-                    self._remove_scratch()  # a private plan (read-only home) made before the failure
+                    self._held.remove_scratch()  # a private plan (read-only home) made before the failure
                     raise
                 self._plan, self._runtime = plan, runtime
             return self._runtime
@@ -1176,9 +1172,6 @@ class InferenceSession:
         path = Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json")
         runtime_options["trace"] = path
         return path, time.time_ns()
-
-    def _remove_scratch(self) -> None:
-        self._held.remove_scratch()
 
     # -- getters ----------------------------------------------------------------------------
     @property
@@ -1203,7 +1196,7 @@ class InferenceSession:
     def get_providers(self) -> list[str]:
         if self._runtime is None:  # started at the first run, with the CUDA workers decided now
             return ([CUDA_EP] if self._streams else []) + [CPU_EP]
-        cuda = any(getattr(w, "device_id", None) is not None for w in self._runtime.workers)
+        cuda = any(isinstance(w, CudaWorker) for w in self._runtime.workers)
         return ([CUDA_EP] if cuda else []) + [CPU_EP]
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
@@ -1214,9 +1207,10 @@ class InferenceSession:
             opts = dict(self._provider_options.get(name, {}))
             if name == CUDA_EP:
                 workers = self._runtime.workers if self._runtime is not None else []
-                worker = next((w for w in workers if getattr(w, "device_id", None) is not None), None)
+                worker = next((w for w in workers if isinstance(w, CudaWorker)), None)
                 with contextlib.suppress(Exception):
-                    opts = dict(worker.provider_options(0).get(CUDA_EP, opts))  # type: ignore[union-attr]
+                    if worker is not None:
+                        opts = dict(worker.provider_options(0).get(CUDA_EP, opts))
             out[name] = opts
         return out
 
@@ -1257,26 +1251,20 @@ class InferenceSession:
         """ORT's: the workers start again for these providers (all available ones for None),
         on the same plan; a provider ORT does not know is refused with ORT's RuntimeError.
         Requests in flight finish on the workers they started on."""
-        stand_in = (self._asked[1].get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
-        known = set(ort.get_all_providers()) | ({CUDA_EP} if stand_in is not None else set())
+        known = set(ort.get_all_providers()) | ({CUDA_EP} if _stand_in(self._asked[1]) is not None else set())
         if providers is None:
             providers = ort.get_available_providers()
-        for item in providers:
-            name = item[0] if isinstance(item, tuple) else item
+        names = [item[0] if isinstance(item, tuple) else item for item in providers]
+        for name in names:
             if name not in known:
                 raise RuntimeError(f"Unknown Provider Type: {name}")  # ORT's words and type
-        cuda_streams, runtime_options, cpu_groups, policy = self._asked
-        names = [item[0] if isinstance(item, tuple) else item for item in providers]
-        streams, runtime_options, groups = self._workers(providers, provider_options,
-                                                         cuda_streams if CUDA_EP in names else None,
-                                                         runtime_options, cpu_groups)
+        started = self._workers(providers, provider_options, self._asked[0] if CUDA_EP in names else None)
         with self._start_lock:
             if self._closed:
                 raise EngineClosed("the session is closed")
             old = [*self._variants.values(), *([self._runtime] if self._runtime is not None else [])]
             self._variants.clear()
-            self._streams = streams
-            self._runtime_args = dict(policy=policy, cpu_groups=groups, cuda_streams=streams, **runtime_options)
+            self._streams, self._runtime_args = started
             self._runtime = self._start(self._plan) if self._plan is not None else None
         for runner in old:
             self._held.stop(runner)
@@ -1368,19 +1356,21 @@ class InferenceSession:
         return names
 
     def _split(self, input_feed: Mapping[str, Any],
-               run_options: ort.RunOptions | None) -> tuple[Mapping[str, Any], dict[str, np.ndarray]]:
-        """The feeds, and the overridable initializers this run replaces (ORT's two ways: fed
-        by name, or set by ``run_options``' active LoRA adapters, read back from ORT)."""
+               run_options: ort.RunOptions | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+        """The feeds (checked: :meth:`_feeds`), and the overridable initializers this run
+        replaces (ORT's two ways: fed by name, or set by ``run_options``' active LoRA adapters,
+        read back from ORT)."""
         if run_options is not None and run_options.terminate:
             raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
         if run_options is not None:
-            said = [item for item in _run_unapplied(run_options) if item not in self._said]
+            said = [item for item in _logs_and_entries(run_options, "each part's session logs only fatal errors",
+                                                       _RUN_ENTRIES, run_options) if item not in self._said]
             if said:
                 self._said.update(said)  # once per session each
                 warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply run_options."
                                                + "; ".join(said)), stacklevel=3)
         if not self._overridable:
-            return input_feed, {}  # as given: a feed that is no mapping fails where ORT's does
+            return self._feeds(input_feed), {}  # as given: a feed that is no mapping fails where ORT's does
         names = {t.name for t in self._overridable}
         overrides: dict[str, np.ndarray] = {}
         if run_options is not None:
@@ -1390,9 +1380,9 @@ class InferenceSession:
         for name in names & input_feed.keys():
             value = input_feed[name]
             overrides[name] = _host_array(value, name) if isinstance(value, ort.OrtValue) else np.asarray(value)
-        return {k: v for k, v in input_feed.items() if k not in names}, overrides
+        return self._feeds({k: v for k, v in input_feed.items() if k not in names}), overrides
 
-    def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Any:
+    def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Runtime | _OrtPart:
         """What runs this request: the session's runtime, or with initializers overridden, the
         runtime of that variant of the model (cut once, kept for the next runs that give the
         same values; the :data:`MAX_VARIANTS` last used are kept)."""
@@ -1416,8 +1406,7 @@ class InferenceSession:
     def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
              run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
         names = self._outputs(output_names)
-        rest, overrides = self._split(input_feed, run_options)
-        feeds = self._feeds(rest)
+        feeds, overrides = self._split(input_feed, run_options)
         try:
             values = self._runner(feeds, overrides).run(feeds)
         except TaskError as exc:
@@ -1454,8 +1443,7 @@ class InferenceSession:
                             "Runtime's callback form; for a future of the outputs use submit(input_feed)")
         try:
             names = self._outputs(output_names)
-            rest, overrides = self._split(input_feed, run_options)
-            feeds = self._feeds(rest)
+            feeds, overrides = self._split(input_feed, run_options)
         except InvalidArgument as exc:  # ORT reports these through the callback
             _call_back(callback, [], user_data, str(exc))
             return
@@ -1468,7 +1456,7 @@ class InferenceSession:
             return
         future = runtime.submit(feeds)
 
-        def done(f: RequestFuture) -> None:
+        def done(f: Future[Any]) -> None:
             exc = f.exception()
             if exc is not None:
                 _call_back(callback, [], user_data, str(exc))
@@ -1481,8 +1469,7 @@ class InferenceSession:
     def submit(self, input_feed: Mapping[str, Any]) -> RequestFuture:
         """A future (concurrent.futures, awaitable) of the outputs dict: staronnx's own
         asynchronous form, for pipelining many requests without callbacks."""
-        rest, overrides = self._split(input_feed, None)
-        feeds = self._feeds(rest)
+        feeds, overrides = self._split(input_feed, None)
         return self._runner(feeds, overrides).submit(feeds)
 
     def run_with_ort_values(
