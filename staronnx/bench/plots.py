@@ -314,7 +314,9 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
 
     ``out_dir`` defaults to the result folder. Writes ``latency_throughput.png``,
     ``best_batch.png``, ``cpu_share.png`` and, for a simulated sweep, ``simulator.png``; a figure with nothing to show (every point
-    congested, no placement recorded) is left out rather than failing the others.
+    congested, no placement recorded) is left out rather than failing the others. A mixed
+    sweep: ``models.png`` (:func:`figure_models`), then those figures over each model's own
+    rows (``latency_throughput_<model>.png``, ...; no best batch: one row per mix).
     """
     rows = _rows_of(source)
     if out_dir is None:
@@ -322,20 +324,23 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
             raise PlotError("give out_dir when plotting rows")
         out_dir = source
     out = Path(out_dir)
-    if any("model" in r for r in rows):
-        return _plot_mixed(rows, out)
-    written = []
-    for name, build in (("latency_throughput.png", figure_latency_throughput),
-                        ("best_batch.png", figure_best_batch),
-                        ("cpu_share.png", figure_cpu_share),
-                        ("simulator.png", figure_simulator)):
-        try:
-            fig, _ = build(rows)
-        except PlotError:
-            if name == "latency_throughput.png":
-                raise
-            continue
-        written.append(save(fig, out / name))
+    # one model is a set of one: a mixed sweep draws models.png, then the same figures per model
+    mixed = any("model" in r for r in rows)
+    written = [save(figure_models(rows)[0], out / "models.png")] if mixed else []
+    per_model = ({n: [r for r in rows if r["model"] == n] for n in dict.fromkeys(str(r["model"]) for r in rows)}
+                 if mixed else {"": rows})
+    for name, mine in per_model.items():
+        for stem, build in (("latency_throughput", figure_latency_throughput), ("best_batch", figure_best_batch),
+                            ("cpu_share", figure_cpu_share), ("simulator", figure_simulator)):
+            if mixed and stem == "best_batch":  # one row per mix: no best batch per rate to tell
+                continue
+            try:
+                fig, _ = build(mine)
+            except PlotError:
+                if stem == "latency_throughput" and not mixed:
+                    raise
+                continue
+            written.append(save(fig, out / (f"{stem}_{name}.png" if mixed else f"{stem}.png")))
     return written
 
 
@@ -377,23 +382,6 @@ def figure_models(rows: Rows) -> tuple[Figure, list[str]]:
     thr.legend(fontsize="small")
     fig.tight_layout()
     return fig, series
-
-
-def _plot_mixed(rows: Rows, out: Path) -> list[Path]:
-    """A mixed sweep's figures: ``models.png`` (:func:`figure_models`), then the single-model
-    figures drawn over each model's own rows (``latency_throughput_<model>.png``, ...)."""
-    fig, _ = figure_models(rows)
-    written = [save(fig, out / "models.png")]
-    for name in dict.fromkeys(str(r["model"]) for r in rows):
-        mine = [r for r in rows if r["model"] == name]
-        for stem, build in (("latency_throughput", figure_latency_throughput), ("cpu_share", figure_cpu_share),
-                            ("simulator", figure_simulator)):
-            try:
-                fig, _ = build(mine)
-            except PlotError:
-                continue
-            written.append(save(fig, out / f"{stem}_{name}.png"))
-    return written
 
 
 def compare(result_dirs: Sequence[str | os.PathLike[str]], labels: Sequence[str] | None = None,

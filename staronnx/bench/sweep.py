@@ -760,22 +760,23 @@ def auto_rates(
     plan: Plan,
     batch_sizes: Sequence[int],
     *,
+    seed: int = 0,
+    store: Any = None,
+    probe_seconds: float | None = 1.0,
     policy: str = "heft",
     groups: str = "numa",
     cuda_streams: int = 0,
     cuda_devices: Sequence[int] = (0,),
     engine: str = "native",
-    store: Any = None,
-    probe_seconds: float = 1.0,
-    seed: int = 0,
-) -> AutoRates:
+) -> AutoRates | None:
     """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
     batch size's curve up to where it congests instead of one congested point per batch size.
 
     From the LP throughput bound over the calibrated perf models (the largest over
     ``batch_sizes``) where the plan is calibrated for these workers; else from a short closed
     loop on the runtime itself (``probe_seconds`` of batches of the largest size, kept two per
-    worker in flight), whose throughput is what the runtime serves at most.
+    worker in flight), whose throughput is what the runtime serves at most; None where there
+    is no bound and ``probe_seconds`` is None (a served runtime cannot be probed from here).
     """
     sizes, _ = runnable_sizes(plan, batch_sizes)  # a model of one request per task: batch 1
     try:
@@ -790,6 +791,8 @@ def auto_rates(
         capacity = bounds[b]
         return AutoRates(rates_for(capacity), capacity, "bound",
                          f"the LP bound over the calibrated perf models, {capacity:,.0f} samples/s at b={b}")
+    if probe_seconds is None:
+        return None
     b = sizes[-1]
     capacity = _probe(plan, b, policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
                       engine=engine, seconds=probe_seconds, seed=seed)

@@ -76,15 +76,16 @@ def _one_plan_batch(text: str | None, plan: Any, name: str | None = None) -> int
     return sizes[0]
 
 
-def mix_batches(text: str | None, names: list[str]) -> dict[str, int]:
-    """``--batch`` of several models: one size for all (``4``) or one per model (``a=8,b=1``)."""
+def _batches(text: str | None, plans: dict[str, Any], several: bool) -> dict[str, int]:
+    """``--batch`` per model: one size for all (``4``) or one per model (``a=8,b=1``), each
+    read as :func:`_one_plan_batch` reads one plan's."""
     from staronnx.bench.mix import check_names, is_per_model, split_per_model
 
-    if not is_per_model(text):
-        return {n: _batch(text) for n in names}
-    per = split_per_model(str(text), "--batch")
-    check_names(per, names, "--batch")
-    return {n: _batch(v) for n, v in per.items()}
+    texts = dict.fromkeys(plans, text)
+    if is_per_model(text):
+        texts = split_per_model(str(text), "--batch")
+        check_names(texts, list(plans), "--batch")
+    return {n: _one_plan_batch(texts[n], plan, n if several else None) for n, plan in plans.items()}
 
 
 def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
@@ -217,7 +218,6 @@ def simulate_cmd(
         labels = model_names(plandirs, name)
         plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
         offered = mix_rates(rates, labels)
-        sizes = {n: _one_plan_batch(str(b), plans[n], n) for n, b in mix_batches(batch, labels).items()}
         targets = service_targets(labels, slo_ms or [], priority or [])
         residency = model_residency(model_workers or [], labels)
         lanes = model_lanes(lane or [], labels)
@@ -227,8 +227,8 @@ def simulate_cmd(
         plan = Plan.load(plandirs[0])
         labels = [plan_name(plan)]
         plans, offered = {labels[0]: plan}, {labels[0]: rate}
-        sizes = {labels[0]: _one_plan_batch(batch, plan)}
         targets, residency, lanes = {}, {}, {}
+    sizes = _batches(batch, plans, several)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         for d, plan in zip(plandirs, plans.values()):
             warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,

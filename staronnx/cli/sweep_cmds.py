@@ -542,34 +542,27 @@ def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, gr
                 cuda_streams: int, cuda_devices: tuple[int, ...], engine: str, seed: int,
                 model: str | None = None) -> list[float]:
     """``--rates auto``: the range from the LP bound or a closed-loop probe, said on stdout."""
-    from staronnx.bench.sweep import auto_rates, rates_for
+    from staronnx.bench.sweep import auto_rates
 
     if url is not None:  # the server's runtime cannot be probed from here: its perf models only
-        from staronnx.bench.bound import batch_bounds
-        from staronnx.bench.machine import build_machine
         from staronnx.bench.remote import served_runtime
 
         # the server's workers and batch size, not this command line's defaults: a server with
         # CUDA streams bounded as CPU groups alone got rates far below what it serves
         served = served_runtime(url, plan, model)
-        try:
-            machine = build_machine(plan, groups=str(served.runtime.get("groups") or groups),
-                                    cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices,
-                                    cpu_fallback=False)
-            bounds, _ = batch_bounds(machine, [served.batch_size])
-        except StaronnxError:
-            bounds = {}
-        if not bounds:
+        chosen = auto_rates(plan, [served.batch_size], groups=str(served.runtime.get("groups") or groups),
+                            cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices, probe_seconds=None)
+        if chosen is None:
             raise StaronnxError("--rates auto with --url needs the plan's calibrated perf models on this "
                                 "host (staronnx calibrate); or give --rates, e.g. 10:100:10")
-        capacity = max(v["throughput"] for v in bounds.values())
-        rates = rates_for(capacity)
+        rates = chosen.rates
         console.print(f"rates auto: {len(rates)} rates from {rates[0]:g} to {rates[-1]:g} req/s (the LP bound "
-                      f"over the calibrated perf models: {capacity:,.0f} samples/s)", highlight=False)
+                      f"over the calibrated perf models: {chosen.capacity:,.0f} samples/s)", highlight=False)
         return rates
     with console.status("probing the runtime's throughput for --rates auto"):
         chosen = auto_rates(plan, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
                             cuda_devices=cuda_devices, engine=engine, seed=seed)
+    assert chosen is not None  # probed where there is no bound
     console.print(chosen.describe(), highlight=False, soft_wrap=True)
     return chosen.rates
 

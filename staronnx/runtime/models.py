@@ -135,8 +135,8 @@ class ModelSet:
             for deps in m.plan.dependencies():
                 self.preds.append(sorted(m.first_part + d for d in deps))
         self.succs: list[list[int]] = [[] for _ in self.owner]
-        for p, deps in enumerate(self.preds):
-            for d in deps:
+        for p, preds in enumerate(self.preds):
+            for d in preds:
                 self.succs[d].append(p)
 
     @classmethod
@@ -189,8 +189,7 @@ class ModelSet:
 
 def plan_name(plan: Plan) -> str:
     """A plan's default model name: its folder's name (``model`` when it has none)."""
-    root = getattr(plan, "root", None)
-    return Path(root).name if root else "model"
+    return Path(plan.root).name or "model"
 
 
 def load_plans(plans: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]]) -> tuple[dict[str, Plan], bool]:
