@@ -98,21 +98,9 @@ def run_demo(
             fut.result()
         t4 = time.perf_counter()
         stats = rt.stats()
-    return DemoResult(
-        model_path=model_path,
-        model_nodes=len(model.graph.node),
-        plan=plan,
-        metis_cut=plan.cut_bytes_per_sample,
-        linear_cut=linear.cut_bytes_per_sample,
-        report=report,
-        batch=batch,
-        batches=batches,
-        whole_seconds=(t1 - t0) / batches,
-        chained_seconds=(t2 - t1) / batches,
-        runtime_seconds=(t4 - t3) / batches,
-        groups=groups,
-        stats=stats,
-    )
+    return DemoResult(model_path, len(model.graph.node), plan, plan.cut_bytes_per_sample, linear.cut_bytes_per_sample,
+                      report, batch, batches, whole_seconds=(t1 - t0) / batches, chained_seconds=(t2 - t1) / batches,
+                      runtime_seconds=(t4 - t3) / batches, groups=groups, stats=stats)
 
 
 def default_demo_groups() -> str:

@@ -379,25 +379,19 @@ def check_part_file(root: Path, part: PartSpec) -> None:
                     raise part_file_error(root, part, f"missing its weights file {entry.value}")
 
 
-def check_output_dir(directory: Path, force: bool) -> None:
-    """Refuse to clobber an existing plan unless asked, before any work is done."""
-    if directory.exists():
-        if not directory.is_dir():
-            raise PlanError(f"output path exists and is not a folder: {directory}")
-        if any(directory.iterdir()) and not force:
-            why = f"output folder {directory} exists and is not empty"
-            raise PlanError(f"{why}; use force=True to replace it",
-                            cli=f"{why}; use --force to replace it")
-
-
 def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Path:
-    """Where a new plan goes: ``output_dir`` once :func:`check_output_dir` allows it, or a
-    fresh name in the temporary folder when none is given. Nothing is created there until the
-    plan is written (atomically, as every plan is), so a partition that fails leaves nothing."""
+    """Where a new plan goes: ``output_dir``, refused before any work is done when it holds
+    something and ``force`` is not given, or a fresh name in the temporary folder when none is
+    given. Nothing is created there until the plan is written (atomically, as every plan is),
+    so a partition that fails leaves nothing."""
     if output_dir is None:
         return Path(tempfile.gettempdir()) / f"staronnx-plan-{uuid.uuid4().hex[:12]}"
     out = Path(output_dir)
-    check_output_dir(out, force)
+    if out.exists() and not out.is_dir():
+        raise PlanError(f"output path exists and is not a folder: {out}")
+    if out.exists() and any(out.iterdir()) and not force:
+        why = f"output folder {out} exists and is not empty"
+        raise PlanError(f"{why}; use force=True to replace it", cli=f"{why}; use --force to replace it")
     return out
 
 

@@ -194,12 +194,8 @@ def machine_load(before: CpuSnapshot | None, after: CpuSnapshot | None, cpus: Co
         parts = [f"other processes used {others:.2f} of {capacity:.2f} CPU-seconds ({others / capacity:.0%})"]
         if steal > 0:
             parts.append(f"the hypervisor stole {steal / capacity:.0%}")
-        why = f"measured beside other work on CPU(s) {_cpu_list(chosen)}: {', '.join(parts)}"
+        why = f"measured beside other work on CPU(s) {','.join(map(str, chosen))}: {', '.join(parts)}"
     return MachineLoad(seconds, chosen, own, others, max(steal, 0.0), share > threshold, why)
-
-
-def _cpu_list(cpus: tuple[int, ...]) -> str:
-    return ",".join(map(str, cpus))
 
 
 class LoadWatch:

@@ -8,6 +8,7 @@ workers are cleaned up), one line names the signal, and the exit code is 130 or 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib
 import sys
@@ -17,6 +18,7 @@ from typing import Any
 import typer
 
 from staronnx.errors import StaronnxError
+from staronnx.cli.display import warn
 from staronnx.cli.help_format import PlainFlagsGroup
 from staronnx.signals import Interrupted, handle_signals
 
@@ -52,13 +54,10 @@ def _version(value: bool) -> None:
 
         from staronnx import __version__
 
-        try:
-            ort = version("onnxruntime-gpu")
-        except PackageNotFoundError:
-            try:
-                ort = version("onnxruntime")
-            except PackageNotFoundError:
-                ort = "not installed"
+        ort = "not installed"
+        for dist in ("onnxruntime", "onnxruntime-gpu"):  # the GPU build's name wins when both are
+            with contextlib.suppress(PackageNotFoundError):
+                ort = version(dist)
         print(f"staronnx {__version__} (onnxruntime {ort}, Python {sys.version.split()[0]})")
         raise typer.Exit()
 
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         """staronnx's own warnings read like its errors, one line to act on; other libraries'
         keep Python's form, which says where they come from."""
         if category.__module__.split(".")[0] == "staronnx":
-            print(f"staronnx: warning: {message}", file=sys.stderr)
+            warn(str(message))
         else:
             shown(message, category, *where)
 

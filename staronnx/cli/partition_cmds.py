@@ -87,7 +87,7 @@ def partition_cmd(
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
-    from staronnx.workers.host import partition
+    from staronnx.partition.api import partition
 
     if method not in _method_names():
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
@@ -111,28 +111,12 @@ def partition_cmd(
                                   cuda_streams=cuda_streams, cuda_devices=devices)
     with partition_warnings(), spinner(quiet) as progress:
         step = progress.add_task("partitioning")
-        plan = partition(
-            model,
-            targets,
-            parts=parts,
-            output_dir=output,
-            method=method,
-            device=device.value,
-            input_shapes=shapes,
-            seed=seed,
-            costs=costs.value,
-            profile_batch=profile_batch,
-            profile_runs=profile_runs,
-            tolerance=tolerance,
-            force=force,
-            progress=lambda msg: progress.update(step, description=msg),
-            groups=groups,
-            cuda_streams=cuda_streams,
-            speeds=speeds,
-            cuda_devices=devices,
-            batch_axes=axes,
-            batching=not no_batching,
-        )
+        plan = partition(model, targets, parts=parts, output_dir=output, method=method, device=device.value,
+                         input_shapes=shapes, seed=seed, costs=costs.value, profile_batch=profile_batch,
+                         profile_runs=profile_runs, tolerance=tolerance, force=force,
+                         progress=lambda msg: progress.update(step, description=msg), groups=groups,
+                         cuda_streams=cuda_streams, speeds=speeds, cuda_devices=devices, batch_axes=axes,
+                         batching=not no_batching)
     console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
     print_plan(plan)
 

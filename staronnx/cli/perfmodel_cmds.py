@@ -9,26 +9,17 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from staronnx.cli.display import bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
+from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
 
 console = Console()
 perfmodel_app = typer.Typer(help="Inspect calibrated performance models.", no_args_is_help=True)
-
-
-def _batch_sizes(text: str) -> list[int]:
-    try:
-        sizes = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        sizes = []
-    if not sizes or any(s < 1 for s in sizes):
-        raise StaronnxError(f"--batch-sizes expects positive integers like 1,2,4,8, got {text!r}")
-    return sorted(set(sizes))
 
 
 def calibrate_cmd(
@@ -63,7 +54,7 @@ def calibrate_cmd(
 
     quiet_ort_log()
     plan = Plan.load(plandir)
-    sizes, note = batch_sizes_for(plan, _batch_sizes(batch_sizes))
+    sizes, note = batch_sizes_for(plan, parse_batch_sizes(batch_sizes))
     shape_sets = read_input_shape_sets(input_shape or [], "--input-shape")
     for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
         _check_sizes(plan, given)
@@ -84,10 +75,7 @@ def calibrate_cmd(
             f"calibrating plan {plan.hash} ({plan.k} parts) on "
             f"{', '.join(w.name for w in workers)}; batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True,
         )
-        with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console,
-        ) as progress:
+        with bar(quiet=False) as progress:  # on stderr, as every command's progress
             task = progress.add_task("calibrating", total=steps)
 
             def step(msg: str) -> None:
