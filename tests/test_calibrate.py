@@ -107,8 +107,11 @@ def test_an_interrupted_replacing_calibration_keeps_the_batch_sizes_it_did_not_r
     assert set(after) == set(before) == {(p, b) for p in range(small_plan.k) for b in (1, 3)}
     for key in set(before) - {(0, 1)}:  # never reached: as calibrated before
         assert (after[key].n, after[key].mean, after[key].calibrated) == (before[key].n, before[key].mean, True), key
-    # the step that ran starts over from its own samples (the first one dropped, as StarPU does)
-    assert after[(0, 1)].n + after[(0, 1)].nerror == report.runs[(0, arch, 1)] - 1
+    # the step that ran starts over from its own samples (the first one dropped, as StarPU does),
+    # not merged into the stored ones; fewer where StarPU's reset (outliers >= samples) emptied
+    # the entry mid-run, which 40 us tasks on a busy machine can meet
+    fresh = after[(0, 1)].n + after[(0, 1)].nerror
+    assert before[(0, 1)].n > 0 and 0 < fresh <= report.runs[(0, arch, 1)] - 1
 
 
 def test_cli_calibrate_replace_rewrites_the_batch_sizes_named_and_keeps_the_others(small_plan, tmp_path):
