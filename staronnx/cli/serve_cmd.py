@@ -9,7 +9,7 @@ import typer
 
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
-from staronnx.serve.batching import served_only
+from staronnx.serve.batching import served_only, target_words
 
 #: why --slo-ms/--priority are refused with --separate-runtimes (the same words on Ray)
 TARGETS_NEED_SHARING = ("--slo-ms and --priority order the tasks of models sharing one runtime; they do not go "
@@ -202,7 +202,7 @@ def serve_cmd(
                              lane_preempt=lane_preempt, **options)
             held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}
             say(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
-                + "".join(f"; {n}: {_target_text(t)}" for n, t in targets.items())
+                + "".join(f"; {n}: {', '.join(target_words(t)) or 'no target'}" for n, t in targets.items())
                 + "".join(f"; {n} on {', '.join(held[n])} only" for n in residency)
                 + "".join(f"; {n} has lanes {', '.join(w for w in held[n] if w.startswith('lane:'))}" for n in lanes)
                 + _lowered_text(shared.workers))
@@ -310,15 +310,6 @@ def _lowered_text(workers: list[Any]) -> str:
         return ""
     runs = {w.priority or "unchanged (the OS refused)" for w in lowered}
     return f"; {', '.join(w.name for w in lowered)} yield to the lanes ({', '.join(sorted(runs))})"
-
-
-def _target_text(fields: dict[str, Any]) -> str:
-    parts = []
-    if "latency_ms" in fields:
-        parts.append(f"latency target {fields['latency_ms']:g} ms")
-    if fields.get("priority"):
-        parts.append(f"priority {fields['priority']}")
-    return ", ".join(parts) or "no target"
 
 
 #: the help of the options whose text is too long to stand in the signature

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from staronnx.errors import StaronnxError
+from staronnx.serve.batching import target_words
 from staronnx.ray.spec import (APP_NAME, ModelSpec, ReplicaSpec, Scaling, forwarded_env, group_models,
                                parse_autoscale)
 
@@ -91,15 +92,8 @@ def describe_deployments(groups: list[ReplicaSpec], scaling: Scaling) -> list[st
         for spec in group.models:
             where = "on the shared replicas" if group.shared else f"{each}, groups {spec.groups}"
             lines.append(f"model {spec.name!r}: plan {spec.plan}, {where}, batches of up to {spec.batch_size}, "
-                         f"queue {spec.queue_capacity}" + _target_text(spec))
+                         f"queue {spec.queue_capacity}" + "".join(f", {w}" for w in target_words(spec.target())))
     return lines
-
-
-def _target_text(spec: ModelSpec) -> str:
-    """``, latency target 50 ms, priority 1`` (empty without a target)."""
-    parts = ([f"latency target {spec.latency_ms:g} ms"] if spec.latency_ms is not None else []) + (
-        [f"priority {spec.priority}"] if spec.priority else [])
-    return "".join(f", {p}" for p in parts)
 
 
 def serve_on_ray(specs: list[ModelSpec], scaling: Scaling, *, separate_runtimes: bool, host: str,

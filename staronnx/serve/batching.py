@@ -27,6 +27,13 @@ def served_only(per_model: _PerModel, names: Sequence[str], option: str) -> _Per
     return per_model
 
 
+def target_words(target: Mapping[str, Any]) -> list[str]:
+    """A model's service target (ServiceTarget fields) in words: ``latency target 50 ms``,
+    ``priority 1`` (none for no target)."""
+    return ([f"latency target {target['latency_ms']:g} ms"] if target.get("latency_ms") is not None else []) + (
+        [f"priority {target['priority']}"] if target.get("priority") else [])
+
+
 def check_names(names: Sequence[str]) -> None:
     """Every model name usable in a URL, and no two plans served under one (one URL each)."""
     for n in names:
