@@ -20,14 +20,6 @@ from typing import Any
 MODEL_FREE_POLICIES = frozenset({"eager", "ws", "lws", "static"})
 
 
-def worker_archs(groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,)) -> list[str]:
-    """The archs of the workers a runtime with these settings starts on this machine (CUDA
-    streams first, as the runtime numbers them; an arch per GPU), without starting any."""
-    from staronnx.bench.machine import sim_workers
-
-    return list(dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams, cuda_devices)))
-
-
 def uncalibrated(plan: Any, archs: Iterable[str], store: Any) -> dict[str, list[int]]:
     """Per arch, the parts whose model has no calibrated entry at any batch size.
 
@@ -36,20 +28,8 @@ def uncalibrated(plan: Any, archs: Iterable[str], store: Any) -> dict[str, list[
     is what leaves a whole run uninformed, so that is what is reported.
     """
     calibrated = {(row.part, row.arch) for row in store.rows(plan.hash) if row.calibrated}
-    out: dict[str, list[int]] = {}
-    for arch in archs:
-        missing = [p for p in range(plan.k) if (p, arch) not in calibrated]
-        if missing:
-            out[arch] = missing
-    return out
-
-
-def describe(missing: dict[str, list[int]]) -> str:
-    """``part 1 on cpu1, parts 0, 1 on cuda0``."""
-    return ", ".join(
-        f"{'part' if len(parts) == 1 else 'parts'} {', '.join(map(str, parts))} on {arch}"
-        for arch, parts in missing.items()
-    )
+    missing = {arch: [p for p in range(plan.k) if (p, arch) not in calibrated] for arch in archs}
+    return {arch: parts for arch, parts in missing.items() if parts}
 
 
 def warn_uncalibrated(
@@ -66,17 +46,20 @@ def warn_uncalibrated(
     workers these settings start lack models for some parts; return it (None when all is
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
-    from staronnx.perfmodels.store import calibrate_command
-    from staronnx.perfmodels import PerfModelStore
+    from staronnx.bench.machine import sim_workers
+    from staronnx.perfmodels.store import PerfModelStore, calibrate_command
 
     store = store if store is not None else PerfModelStore()
-    archs = [a for a in worker_archs(groups, cuda_streams, cuda_devices) if a not in set(skip_archs)]
-    missing = uncalibrated(plan, archs, store)
+    # the archs of the workers these settings start here (an arch per GPU), without starting any
+    archs = dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams, cuda_devices))
+    missing = uncalibrated(plan, [a for a in archs if a not in set(skip_archs)], store)
     if not missing:
         return None
+    where = ", ".join(f"{'part' if len(parts) == 1 else 'parts'} {', '.join(map(str, parts))} on {arch}"
+                      for arch, parts in missing.items())  # part 1 on cpu1, parts 0, 1 on cuda0
     # the GPUs calibrate can measure: a skipped one (a what-if) would make the command fail
     reachable = [d for d in cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
-    line = (f"staronnx: warning: no calibrated model for {describe(missing)}: "
+    line = (f"staronnx: warning: no calibrated model for {where}: "
             f"run {calibrate_command(plandir, groups, cuda_streams, reachable)}")
     print(line, file=sys.stderr, flush=True)
     return line

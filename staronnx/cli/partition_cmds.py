@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 from rich.table import Table
@@ -20,22 +19,6 @@ console = output_console()
 plan_app = typer.Typer(help="Inspect and check plans.", no_args_is_help=True)
 
 
-class Device(str, Enum):
-    cpu = "cpu"
-    cuda = "cuda"
-
-
-class Costs(str, Enum):
-    profile = "profile"
-    estimate = "estimate"
-
-
-def _method_names() -> list[str]:
-    from staronnx.partition.api import METHODS
-
-    return list(METHODS)
-
-
 def partition_cmd(
     model: Annotated[Path, typer.Argument(help="ONNX model file to cut.")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Plan folder to write.")],
@@ -48,7 +31,7 @@ def partition_cmd(
     parts: Annotated[Optional[int], typer.Option(
         help="Number of equal parts, instead of --shares (with it, the two must agree). "
              "Default: 2 when neither is given.")] = None,
-    device: Annotated[Device, typer.Option(help="Device whose node costs weight the cut.")] = Device.cpu,
+    device: Annotated[Literal["cpu", "cuda"], typer.Option(help="Device whose node costs weight the cut.")] = "cpu",
     input_shape: Annotated[
         Optional[list[str]],
         typer.Option(help="NAME=D1xD2x... for inputs with dynamic non-batch dims (repeatable)."),
@@ -57,7 +40,8 @@ def partition_cmd(
         help="metis or linear (cut to --shares, placed dynamically), or a placement method that "
              "also picks a device per part: comm-sd, duet, overseer, optimal, ort-static.")] = "metis",
     seed: Annotated[int, typer.Option(help="Seed for METIS and random feeds.")] = 0,
-    costs: Annotated[Costs, typer.Option(help="profile (ORT profiler) or estimate (FLOPs).")] = Costs.profile,
+    costs: Annotated[Literal["profile", "estimate"],
+                     typer.Option(help="profile (ORT profiler) or estimate (FLOPs).")] = "profile",
     profile_batch: Annotated[int, typer.Option(help="Batch size used while profiling.")] = 8,
     profile_runs: Annotated[int, typer.Option(help="Profiled runs averaged (after one warm-up).")] = 5,
     tolerance: Annotated[float, typer.Option(help="Allowed share deviation per part.")] = 0.02,
@@ -87,10 +71,10 @@ def partition_cmd(
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
-    from staronnx.partition.api import partition
+    from staronnx.partition.api import METHODS, partition
 
-    if method not in _method_names():
-        raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(_method_names())}")
+    if method not in METHODS:
+        raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     # the library takes typed values: the option strings are read here, errors naming the flags
     targets = shares if shares is None or is_auto(shares) else read_shares(shares, "--shares")
     shapes = read_input_shapes(input_shape or [], "--input-shape")
@@ -111,8 +95,8 @@ def partition_cmd(
                                   cuda_streams=cuda_streams, cuda_devices=devices)
     with partition_warnings(), spinner(quiet) as progress:
         step = progress.add_task("partitioning")
-        plan = partition(model, targets, parts=parts, output_dir=output, method=method, device=device.value,
-                         input_shapes=shapes, seed=seed, costs=costs.value, profile_batch=profile_batch,
+        plan = partition(model, targets, parts=parts, output_dir=output, method=method, device=device,
+                         input_shapes=shapes, seed=seed, costs=costs, profile_batch=profile_batch,
                          profile_runs=profile_runs, tolerance=tolerance, force=force,
                          progress=lambda msg: progress.update(step, description=msg), groups=groups,
                          cuda_streams=cuda_streams, speeds=speeds, cuda_devices=devices, batch_axes=axes,

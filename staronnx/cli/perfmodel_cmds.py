@@ -164,10 +164,7 @@ def _print_rows(rows, plan: Plan) -> None:
     """One row per (part, arch, footprint); a ``sizes`` column (the hash of the input sizes
     besides the batch, StarPU's footprint) where a part has models of several sizes."""
     table = Table(title=f"perf models of plan {plan.hash} (times in ms)")
-    seen: dict[tuple[int, str], set[str]] = {}
-    for r in rows:
-        seen.setdefault((r.part, r.arch), set()).add(r.shape_hash)
-    families = any(len(hashes) > 1 for hashes in seen.values())
+    families = len({(r.part, r.arch, r.shape_hash) for r in rows}) > len({(r.part, r.arch) for r in rows})
     columns = ("part", "arch", *(("sizes",) if families else ()), "batch", "n", "mean", "stddev", "outliers",
                "regression a·n^b+c")
     for col in columns:
