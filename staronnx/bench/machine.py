@@ -274,8 +274,8 @@ LANE_APPROXIMATION = (
 
 def lane_groups(workers: Sequence[WorkerInfo]) -> dict[int, int]:
     """Lane worker id -> the id of the CPU worker on the same cores, read from their names
-    (``lane:<g>``, ``cpu:<g>``) for callers that hold only the workers; a machine of
-    :func:`build_machine` knows it without names: ``machine.layout.lane_groups()``."""
+    (``lane:<g>``, ``cpu:<g>``); a machine knows it without names: :attr:`SimMachine.lane_groups`
+    (the simulator and the bound still call this; then it goes)."""
     by_name = {w.name: w.id for w in workers}
     return {w.id: by_name["cpu:" + w.name.removeprefix("lane:")] for w in workers
             if w.name.startswith("lane:") and "cpu:" + w.name.removeprefix("lane:") in by_name}
@@ -311,6 +311,12 @@ class SimMachine:
     def __post_init__(self) -> None:
         if self.models is None:
             self.models = ModelSet.of(self.plan)
+
+    @property
+    def lane_groups(self) -> dict[int, int]:
+        """Lane worker id -> the id of the CPU worker on the same cores, which the lane preempts
+        (the layout's: workers made by hand have no lane)."""
+        return self.layout.lane_groups() if self.layout is not None else {}
 
     @property
     def archs(self) -> list[str]:
