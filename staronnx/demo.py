@@ -63,9 +63,7 @@ def run_demo(
 
     say(f"partitioning with METIS into shares {shares} (costs profiled on the CPU)")
     plan = partition(model_path, list(shares), output_dir=root / "plan", force=True)
-    linear = partition(
-        model_path, list(shares), output_dir=root / "plan-linear", method="linear", force=True
-    )
+    linear = partition(model_path, list(shares), output_dir=root / "plan-linear", method="linear", force=True)
 
     say(f"verifying the {plan.k} chained parts against the whole model at batch {batch}")
     report = verify_plan(plan, model_path, batch=batch)
@@ -119,20 +117,11 @@ def summary_lines(result: DemoResult) -> list[str]:
         f"model: {result.model_path.name}, {result.model_nodes} nodes",
         f"plan: {plan.root} ({plan.k} parts, hash {plan.hash}, {plan.cost_source})",
     ]
-    for p in plan.parts:
-        lines.append(
-            f"  part {p.index}: {p.nodes} nodes, share {p.share:.3f} (target {p.target_share:.2f}), "
-            f"{len(p.inputs)} input(s), {len(p.outputs)} output(s)"
-        )
-    lines.append(
-        f"cut: {result.metis_cut:,} bytes/sample with METIS vs {result.linear_cut:,} with the "
-        f"linear split"
-    )
-    for o in result.report.outputs:
-        lines.append(
-            f"verify {o.name}: max abs diff {o.max_abs:.3g}, rel {o.max_rel:.3g} -> "
-            f"{'OK' if o.ok else 'MISMATCH'}"
-        )
+    lines += [f"  part {p.index}: {p.nodes} nodes, share {p.share:.3f} (target {p.target_share:.2f}), "
+              f"{len(p.inputs)} input(s), {len(p.outputs)} output(s)" for p in plan.parts]
+    lines.append(f"cut: {result.metis_cut:,} bytes/sample with METIS vs {result.linear_cut:,} with the linear split")
+    lines += [f"verify {o.name}: max abs diff {o.max_abs:.3g}, rel {o.max_rel:.3g} -> {'OK' if o.ok else 'MISMATCH'}"
+              for o in result.report.outputs]
     per_sample_whole = result.whole_seconds / result.batch * 1e3
     per_sample_chain = result.chained_seconds / result.batch * 1e3
     lines.append(
@@ -145,12 +134,9 @@ def summary_lines(result: DemoResult) -> list[str]:
         f"runtime (heft, groups {result.groups}): {per_sample_rt:.2f} ms/sample, "
         f"{result.whole_seconds / result.runtime_seconds:.2f}x the whole model's throughput"
     )
-    for key, row in result.stats["tasks"].items():
-        pred = row["predicted_ms"]
-        lines.append(
-            f"  {key}: {row['tasks']} tasks, measured {row['measured_ms']:.2f} ms"
-            + ("" if pred is None else f", predicted {pred:.2f} ms")
-        )
-    for name, row in result.stats["workers"].items():
-        lines.append(f"  worker {name}: {row['tasks']} tasks, busy {row['busy']:.0%}")
+    lines += [f"  {key}: {row['tasks']} tasks, measured {row['measured_ms']:.2f} ms"
+              + ("" if row["predicted_ms"] is None else f", predicted {row['predicted_ms']:.2f} ms")
+              for key, row in result.stats["tasks"].items()]
+    lines += [f"  worker {name}: {row['tasks']} tasks, busy {row['busy']:.0%}"
+              for name, row in result.stats["workers"].items()]
     return lines
