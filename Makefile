@@ -9,8 +9,13 @@ STAMP  := $(VENV)/.installed-stamp
 demo: $(STAMP)
 	$(VENV)/bin/staronnx demo
 
+# The suite runs on TEST_WORKERS pytest-xdist workers: its tests mostly wait on servers, threads
+# and subprocesses, so more workers than cores pays. Each module runs on one worker (its fixtures
+# made once; see tests/conftest.py); `make test TEST_WORKERS=0` runs it in this one process.
+TEST_WORKERS ?= 4
+
 test: $(STAMP)
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 venv: $(STAMP)
 

@@ -7,6 +7,10 @@ fails the run when the real home (``$STARONNX_HOME`` as it was before pytest sta
 ``~/.cache/staronnx``) changed, or when the suite left ``staronnx-*`` temporaries behind, then
 removes the private folder. Only what this session made is looked at: other processes using
 ``/tmp`` or the real home meanwhile cannot make it fail.
+
+Under pytest-xdist (``make test`` runs ``-n``), the controller makes the private folder and
+each worker a home and a TMPDIR of its own inside it (``<private>/gw0/home``, ...), so tests in
+different workers never share a store; the controller checks them all when the run ends.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.zoo import fragile, inception
 
+#: the controller's private folder and the real home, handed to xdist workers (which inherit
+#: the controller's environment, STARONNX_HOME already private)
+PRIVATE_ENV, REAL_HOME_ENV = "STARONNX_TEST_PRIVATE", "STARONNX_TEST_REAL_HOME"
 #: the store a user's commands write to, as it was before pytest changed STARONNX_HOME
-REAL_HOME = Path(os.environ.get("STARONNX_HOME") or Path.home() / ".cache" / "staronnx").expanduser()
+REAL_HOME = Path(os.environ.get(REAL_HOME_ENV) or os.environ.get("STARONNX_HOME")
+                 or Path.home() / ".cache" / "staronnx").expanduser()
 #: names of the temporaries staronnx makes (tempfile.mkdtemp(prefix="staronnx-..."))
 TEMP_PREFIX = "staronnx-"
 
@@ -88,32 +96,48 @@ def leaked_temporaries(tmp: Path) -> list[str]:
     return sorted(p.name for p in tmp.glob(f"{TEMP_PREFIX}*")) if tmp.is_dir() else []
 
 
+def _use_private(root: Path) -> None:
+    """Point STARONNX_HOME and TMPDIR at ``root/home`` and ``root/tmp`` (made here)."""
+    (root / "home").mkdir(parents=True)
+    (root / "tmp").mkdir()
+    os.environ["STARONNX_HOME"] = str(root / "home")
+    os.environ["TMPDIR"] = str(root / "tmp")
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """A private STARONNX_HOME and TMPDIR for the session (inherited by every subprocess)."""
     if getattr(config, "_staronnx_private", None) is not None:
         return
+    # an xdist worker (the documented marker: config.workerinput) under a controller that made
+    # the private folder: a home and temporaries of its own there, checked by the controller
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    shared = os.environ.get(PRIVATE_ENV)
+    if worker and shared and Path(shared).is_dir():
+        _use_private(Path(shared) / worker)
+        config._staronnx_private = False  # the controller checks and removes it
+        return
     # pytest's own folders (tmp_path) stay where they were, so they are kept for debugging
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
     base = Path(tempfile.mkdtemp(prefix="pytest-private-"))
-    (base / "home").mkdir()
-    (base / "tmp").mkdir()
     before = snapshot(REAL_HOME)
     config._staronnx_private = (base, before, live_owners(before))
-    os.environ["STARONNX_HOME"] = str(base / "home")
-    os.environ["TMPDIR"] = str(base / "tmp")
-    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    _use_private(base)
+    os.environ[PRIVATE_ENV] = str(base)
+    os.environ[REAL_HOME_ENV] = str(REAL_HOME)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the run if it wrote into the real home or left staronnx temporaries; clean up."""
     private = getattr(session.config, "_staronnx_private", None)
-    if private is None:
+    if not private:  # not configured, or an xdist worker (its controller checks)
         return
     base, before, concurrent = private
     problems = [f"the suite changed the real STARONNX_HOME {REAL_HOME}: {c}"
                 for c in home_changes(before, snapshot(REAL_HOME), concurrent)]
-    problems += [f"the suite left {base / 'tmp' / name} (a temporary nobody removed)"
-                 for name in leaked_temporaries(base / "tmp")]
+    # the session's own TMPDIR and each xdist worker's (<base>/<worker>/tmp)
+    problems += [f"the suite left {tmp / name} (a temporary nobody removed)"
+                 for tmp in [base / "tmp", *sorted(base.glob("*/tmp"))] for name in leaked_temporaries(tmp)]
     shutil.rmtree(base, ignore_errors=True)
     if problems:
         writer = session.config.get_terminal_writer()
@@ -206,3 +230,29 @@ def real_plan(tmp_path_factory):
         return made[key]
 
     return make
+
+
+# -- running under pytest-xdist (`make test`: -n N --dist loadgroup) ------------------------------
+#: test modules that share one xdist group across files: the Ray tests start a local Ray
+#: cluster per module (test_real_models_ray imports test_ray's fixture), and two clusters at
+#: once on this host would contend for its CPUs and Serve's HTTP proxy
+SHARED_GROUPS = {"test_ray.py": "ray", "test_real_models_ray.py": "ray"}
+#: modules whose tests take longest, started first so that no worker ends on one of them alone
+#: (ordering only: a module missing here is just scheduled later)
+LONG_FIRST = ("test_readme.py", "test_ray.py", "test_real_models_ray.py", "test_serve_hostile.py",
+              "test_real_models_serve.py", "test_cli_signals.py", "test_multi_model_sweep.py", "test_serve.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``--dist loadgroup`` every test runs on the worker of its module's group (its
+    module, unless :data:`SHARED_GROUPS` or its own ``xdist_group`` mark says otherwise), so a
+    module's fixtures are made once and a module's tests never run beside each other; the
+    modules of :data:`LONG_FIRST` are queued first. Runs before xdist reads the marks."""
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept otherwise
+    if not config.pluginmanager.hasplugin("xdist"):  # its mark is unknown without it (--strict-markers)
+        return
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(item.path.name, item.path.name)))
