@@ -140,7 +140,7 @@ class Runtime:
             bool(options.get("thread_per_stream", False)), dict(residency or {}),
             dict(lanes) if isinstance(lanes, Mapping) else {name: "cpu" for name in lanes or ()}, lane_preempt)
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
-        plans, self._single = load_plans(plan)
+        plans, _ = load_plans(plan)
         self.models = ModelSet(plans, targets)
         if engine != "native" and not self.models.single:
             raise StaronnxError(f"the {engine} engine serves one plan; several models share a runtime "
