@@ -1,7 +1,5 @@
-"""Moved to :mod:`staronnx.partition.api` (``partition``) and :mod:`staronnx.partition.host`;
-kept while runtime/session.py, cli/partition_cmds.py and benchmarks/placement.py import from here."""
+"""Moved to :mod:`staronnx.partition.host`; kept while benchmarks/placement.py imports from here."""
 
-from staronnx.partition.api import partition
-from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
+from staronnx.partition.host import host_devices, host_transfer
 
-__all__ = ["partition", "cpu_group_sizes", "host_devices", "host_transfer"]
+__all__ = ["host_devices", "host_transfer"]
