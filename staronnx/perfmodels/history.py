@@ -216,16 +216,9 @@ class HistoryModel:
     lock, so concurrent processes add up their samples instead of overwriting each other.
     """
 
-    def __init__(
-        self,
-        part: int,
-        arch: str,
-        *,
-        calibrate_minimum: int = CALIBRATE_MINIMUM,
-        max_error: float = HISTORY_MAX_ERROR,
-        use_regression: bool = True,
-        min_regression_sizes: int = MIN_SIZES,
-    ) -> None:
+    def __init__(self, part: int, arch: str, *, calibrate_minimum: int = CALIBRATE_MINIMUM,
+                 max_error: float = HISTORY_MAX_ERROR, use_regression: bool = True,
+                 min_regression_sizes: int = MIN_SIZES) -> None:
         if not isinstance(part, int) or part < 0:
             raise ValueError(f"part must be a non-negative int, got {part!r}")
         if not arch or not isinstance(arch, str):
@@ -254,26 +247,18 @@ class HistoryModel:
         """Fold in one measured execution time, in seconds, and journal it for saving."""
         value = _check_seconds(seconds)
         with self._lock:
-            created = footprint not in self._entries
-            outcome = self._apply(footprint, value)
-            self._unsaved.append(PendingSample(footprint, None if created else value, outcome))
+            entry = self._entries.get(footprint)
+            if entry is None:  # the journal says "created", so a merge drops the warm-up sample too
+                self._entries[footprint] = HistoryEntry()
+                self._unsaved.append(PendingSample(footprint, None, SampleOutcome.DROPPED_FIRST))
+                return SampleOutcome.DROPPED_FIRST
+            outcome = entry.add(value, self.max_error)
+            if outcome is SampleOutcome.RESET or entry.n >= self.calibrate_minimum:
+                self._fits.pop(footprint.shape_hash, None)
+            self._unsaved.append(PendingSample(footprint, value, outcome))
             return outcome
 
-    def _apply(self, footprint: Footprint, seconds: float) -> SampleOutcome:
-        entry = self._entries.get(footprint)
-        if entry is None:
-            self._entries[footprint] = HistoryEntry()
-            return SampleOutcome.DROPPED_FIRST
-        outcome = entry.add(seconds, self.max_error)
-        if outcome is SampleOutcome.RESET or entry.n >= self.calibrate_minimum:
-            self._fits.pop(footprint.shape_hash, None)
-        return outcome
-
-    def replay(
-        self,
-        samples: Iterable[PendingSample],
-        baseline: Mapping[Footprint, HistoryEntry] | None = None,
-    ) -> None:
+    def replay(self, samples: Iterable[PendingSample], baseline: Mapping[Footprint, HistoryEntry] | None = None) -> None:
         """Apply another model's journal to this one (the on-disk merge), without journaling.
 
         The recording run's verdicts stand: its accepted samples are added, its outliers
@@ -375,16 +360,10 @@ class HistoryModel:
             return None
         with self._lock:
             if shape_hash not in self._fits:
-                points = [
-                    (fp.batch, e.mean)
-                    for fp, e in self._entries.items()
-                    if fp.shape_hash == shape_hash and e.n >= self.calibrate_minimum
-                ]
-                fit = None
-                if len(points) >= self.min_regression_sizes:
-                    xs, ys = zip(*points, strict=True)
-                    fit = fit_nl_regression(xs, ys, min_sizes=self.min_regression_sizes)
-                self._fits[shape_hash] = fit
+                calibrated = {fp.batch: e.mean for fp, e in self._entries.items()
+                              if fp.shape_hash == shape_hash and e.n >= self.calibrate_minimum}
+                self._fits[shape_hash] = fit_nl_regression(list(calibrated), list(calibrated.values()),
+                                                           min_sizes=self.min_regression_sizes)
             return self._fits[shape_hash]
 
     # -- inspection ------------------------------------------------------------------------
@@ -406,13 +385,10 @@ class HistoryModel:
     def rows(self) -> list[PerfRow]:
         """Display rows, sorted by shape family then batch size."""
         with self._lock:
-            rows = []
-            for fp, e in self._by_family():
-                rows.append(PerfRow(part=self.part, arch=self.arch, batch=fp.batch, shape_hash=f"{fp.shape_hash:08x}",
-                                    n=e.n, mean=e.mean, stddev=e.stddev, nerror=e.nerror,
-                                    calibrated=e.n >= self.calibrate_minimum, prediction=self.predict(fp),
-                                    regression=self.regression(fp.shape_hash)))
-            return rows
+            return [PerfRow(part=self.part, arch=self.arch, batch=fp.batch, shape_hash=f"{fp.shape_hash:08x}", n=e.n,
+                            mean=e.mean, stddev=e.stddev, nerror=e.nerror, calibrated=e.n >= self.calibrate_minimum,
+                            prediction=self.predict(fp), regression=self.regression(fp.shape_hash))
+                    for fp, e in self._by_family()]
 
     def _by_family(self) -> list[tuple[Footprint, HistoryEntry]]:
         """The entries sorted by shape family, then batch size: how tables and files list them."""
@@ -478,12 +454,8 @@ class HistoryModel:
             raise PerfModelFormatError(f"malformed history model: {exc!r}") from exc
 
 
-def _merge(
-    entries: dict[Footprint, HistoryEntry],
-    samples: Iterable[PendingSample],
-    baseline: Mapping[Footprint, HistoryEntry],
-    max_error: float,
-) -> None:
+def _merge(entries: dict[Footprint, HistoryEntry], samples: Iterable[PendingSample],
+           baseline: Mapping[Footprint, HistoryEntry], max_error: float) -> None:
     """Fold a run's journal into ``entries`` with the run's own verdicts (see
     :meth:`HistoryModel.replay`); ``baseline`` is what the run had loaded."""
     seen = {fp: e.copy() for fp, e in baseline.items()}  # what the run saw, per footprint
