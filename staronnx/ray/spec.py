@@ -58,10 +58,11 @@ class ModelSpec:
     (``--slo-ms``, ``--priority``; :class:`~staronnx.runtime.models.ServiceTarget`), and
     ``workers`` the workers of that runtime that load it (``--model-workers``; see
     :mod:`staronnx.workers.residency`), ``lane`` the CPU groups that give it a lane
-    (``--lane``; see :mod:`staronnx.workers.lanes`). ``batch_axes`` (``NAME=AXIS`` items) and
-    ``batching`` override the plan's batching contract (``--batch-axis``, ``--no-batching``;
-    :mod:`staronnx.contract`): each replica applies them to the plan it loads, so every replica
-    batches (or not) as the user said.
+    (``--lane``; see :mod:`staronnx.workers.lanes`), ``lane_preempt`` how the shared workers of
+    a group with a lane yield to it (``--lane-preempt``). ``batch_axes`` (``NAME=AXIS`` items)
+    and ``batching`` (False: each request alone) override the plan's batching contract
+    (``--batch-axis``, ``--no-batching``; :mod:`staronnx.contract`): each replica applies them
+    to the plan it loads, so every replica batches (or not) as the user said.
     """
 
     plan: str
@@ -72,13 +73,9 @@ class ModelSpec:
     queue_capacity: int = 1024
     latency_ms: float | None = None
     priority: int = 0
-    #: the workers of a shared replica that load this model (``--model-workers``; None: all)
-    workers: str | None = None
-    #: the CPU groups of a shared replica that give this model a lane (``--lane``; None: none)
-    lane: str | None = None
-    #: the batch axes the user gave (``NAME=AXIS`` items, ``--batch-axis``; empty: the plan's)
-    batch_axes: tuple[str, ...] = ()
-    #: False runs each request alone (``--no-batching``)
+    workers: str | None = None  # None: every worker of the runtime
+    lane: str | None = None  # None: no lane
+    batch_axes: tuple[str, ...] = ()  # empty: the plan's
     batching: bool = True
     # the replica's runtime's (:data:`RUNTIME_FIELDS`), which models sharing it must agree on
     policy: str = "heft"
@@ -90,7 +87,6 @@ class ModelSpec:
     home: str | None = None
     save_every: float = 60.0
     gc_interval: float = 30.0
-    #: how the shared workers of a group with a lane yield to it (``--lane-preempt``)
     lane_preempt: str = "idle"
 
     def __post_init__(self) -> None:

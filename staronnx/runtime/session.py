@@ -537,17 +537,6 @@ def session_plan_dir(model_sha256: str, settings_key: str, root: Path | None = N
     return (root or default_root()) / "plans" / f"{model_sha256[:16]}-{settings_key}"
 
 
-def _cached_plan(source: Any, sha256: str, folder: Path, make: Callable[..., Plan]) -> Plan:
-    """The plan in ``folder`` when it is this model's and intact, else a new one written
-    there. The lock makes concurrent sessions of one model partition it once: the others wait
-    and load it (partition itself publishes the folder atomically, so a killed run leaves
-    only a staging folder that the next writer sweeps)."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
-        plan = _kept_plan(folder, sha256, say=True)
-        return plan if plan is not None else make(source, output_dir=folder, force=True)
-
-
 def _kept_plan(folder: Path, sha256: str, say: bool = False) -> Plan | None:
     """The plan in ``folder`` when it is this model's and intact, else None (``say``: log why
     an existing one is not used, before it is made again)."""
@@ -1115,10 +1104,17 @@ class InferenceSession:
         return None
 
     def _kept_or_made(self, source: Any, sha256: str, key: str, make: Callable[..., Plan]) -> Plan:
-        """The plan kept under STARONNX_HOME for this model and settings key, made there when
-        absent; where the home cannot be written, this session's own in a temporary folder."""
+        """The plan kept under STARONNX_HOME for this model and settings key when it is this
+        model's and intact, else made there; where the home cannot be written, this session's own
+        in a temporary folder. The lock makes concurrent sessions of one model partition it once:
+        the others wait and load it (partition itself publishes the folder atomically, so a
+        killed run leaves only a staging folder that the next writer sweeps)."""
+        folder = session_plan_dir(sha256, key)
         try:
-            return _cached_plan(source, sha256, session_plan_dir(sha256, key), make)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
+                plan = _kept_plan(folder, sha256, say=True)
+                return plan if plan is not None else make(source, output_dir=folder, force=True)
         except OSError as exc:
             if exc.errno not in _READ_ONLY:
                 raise
@@ -1194,9 +1190,9 @@ class InferenceSession:
         return [_arg(value_spec(declared[t.name])) for t in self._overridable if t.name in declared]
 
     def get_providers(self) -> list[str]:
-        if self._runtime is None:  # started at the first run, with the CUDA workers decided now
-            return ([CUDA_EP] if self._streams else []) + [CPU_EP]
-        cuda = any(isinstance(w, CudaWorker) for w in self._runtime.workers)
+        # a session started at its first run has its CUDA workers decided already
+        runtime = self._runtime
+        cuda = bool(self._streams) if runtime is None else any(isinstance(w, CudaWorker) for w in runtime.workers)
         return ([CUDA_EP] if cuda else []) + [CPU_EP]
 
     def get_provider_options(self) -> dict[str, dict[str, str]]:
