@@ -44,14 +44,8 @@ class DemoResult:
     stats: dict
 
 
-def run_demo(
-    workdir: Path | None = None,
-    shares: tuple[float, ...] = (0.85, 0.15),
-    batch: int = 8,
-    batches: int = 10,
-    say: Callable[[str], None] = lambda _m: None,
-    groups: str | None = None,
-) -> DemoResult:
+def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.15), batch: int = 8, batches: int = 10,
+             say: Callable[[str], None] = lambda _m: None, groups: str | None = None) -> DemoResult:
     """Build, partition, verify, calibrate and serve the demo model; return what happened."""
     groups = groups or default_demo_groups()
     root = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="staronnx-demo-"))

@@ -133,10 +133,8 @@ class Plan:
         if data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{meta} is not a staronnx plan (format {data.get('format')!r})")
         if data.get("version") != PLAN_VERSION:
-            raise PlanError(
-                f"{meta} has plan version {data.get('version')}, this staronnx reads "
-                f"version {PLAN_VERSION}; partition the model again"
-            )
+            raise PlanError(f"{meta} has plan version {data.get('version')}, this staronnx reads "
+                            f"version {PLAN_VERSION}; partition the model again")
         try:
             plan = cls(
                 root=root,
@@ -269,20 +267,14 @@ class Plan:
             mismatch = (value.dtype != dtype) if dtype is not None else (value.dtype.name != spec.dtype)
             # a string tensor: ORT takes numpy's str_, bytes_ and void arrays as it takes objects
             if mismatch and not (dtype == _STRINGS and value.dtype.kind in _STRING_KINDS):
-                raise InputError(
-                    f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype.name}"
-                )
+                raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype.name}")
             if len(spec.shape) != value.ndim:
-                raise InputError(
-                    f"input {spec.name!r}: expected rank {len(spec.shape)} {spec.shape}, "
-                    f"got shape {list(value.shape)}"
-                )
+                raise InputError(f"input {spec.name!r}: expected rank {len(spec.shape)} {spec.shape}, "
+                                 f"got shape {list(value.shape)}")
             for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
                 if is_fixed(want) and want != got:
-                    raise InputError(
-                        f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
-                        f"got shape {list(value.shape)}"
-                    )
+                    raise InputError(f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
+                                     f"got shape {list(value.shape)}")
         self.contract.check_rows(feeds, "the feeds", empty=True)  # one batch size on every batch axis
 
     # -- execution --------------------------------------------------------------------------
@@ -296,9 +288,8 @@ class Plan:
             # a pool left spinning after its Run() would steal the cores from the next part
             so.add_session_config_entry("session.force_spinning_stop", "1")
             try:
-                self._sessions[index] = ort.InferenceSession(
-                    str(self.part_path(index)), so, providers=["CPUExecutionProvider"]
-                )
+                self._sessions[index] = ort.InferenceSession(str(self.part_path(index)), so,
+                                                             providers=["CPUExecutionProvider"])
             except Exception as exc:  # ORT raises its own classes (InvalidProtobuf, Fail, ...)
                 # the file was checked when the plan was loaded: it changed since
                 raise part_file_error(self.root, self.parts[index],
@@ -331,10 +322,8 @@ class Plan:
 
 def part_file_error(root: Path, part: PartSpec, why: str) -> PartFileError:
     """The one error for an unusable part file: which file, why, and what to do."""
-    return PartFileError(
-        f"plan {root}: part file {part.file} is {why}; partition the model again to re-create "
-        "the plan"
-    )
+    return PartFileError(f"plan {root}: part file {part.file} is {why}; partition the model again to re-create "
+                         "the plan")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -362,9 +351,8 @@ def check_part_file(root: Path, part: PartSpec) -> None:
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception as exc:  # protobuf's DecodeError and friends: any parse failure
-        raise part_file_error(
-            root, part, f"not a readable ONNX model (truncated or overwritten: {_first_line(exc)})"
-        ) from None
+        why = f"not a readable ONNX model (truncated or overwritten: {_first_line(exc)})"
+        raise part_file_error(root, part, why) from None
     graph_inputs = {i.name for i in model.graph.input}
     graph_outputs = {o.name for o in model.graph.output}
     lost = [n for n in part.inputs if n not in graph_inputs]

@@ -32,16 +32,9 @@ def uncalibrated(plan: Any, archs: Iterable[str], store: Any) -> dict[str, list[
     return {arch: parts for arch, parts in missing.items() if parts}
 
 
-def warn_uncalibrated(
-    plandir: str | Path,
-    plan: Any,
-    *,
-    groups: str,
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
-    skip_archs: Sequence[str] = (),
-    store: Any = None,
-) -> str | None:
+def warn_uncalibrated(plandir: str | Path, plan: Any, *, groups: str, cuda_streams: int = 0,
+                      cuda_devices: Sequence[int] = (0,), skip_archs: Sequence[str] = (),
+                      store: Any = None) -> str | None:
     """Print one ``staronnx: warning: no calibrated model for ...`` line on stderr when the
     workers these settings start lack models for some parts; return it (None when all is
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if

@@ -19,16 +19,8 @@ import warnings
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    ProgressColumn,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn,
+                           TimeElapsedColumn, TimeRemainingColumn)
 
 #: the width of output to a file or a pipe (where no terminal gives one)
 PIPE_WIDTH = 200

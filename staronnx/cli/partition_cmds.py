@@ -116,10 +116,8 @@ def print_plan(plan: Plan) -> None:
         ops = ", ".join(f"{op}×{n}" for op, n in list(p.op_counts.items())[:5])
         if len(p.op_counts) > 5:
             ops += ", …"
-        table.add_row(
-            str(p.index), str(p.nodes), ops, f"{p.cost_us:,.0f}", f"{p.share:.3f}",
-            f"{p.target_share:.3f}", _names(p.inputs), _names(p.outputs),
-        )
+        table.add_row(str(p.index), str(p.nodes), ops, f"{p.cost_us:,.0f}", f"{p.share:.3f}", f"{p.target_share:.3f}",
+                      _names(p.inputs), _names(p.outputs))
     console.print(table)
     auto = plan.settings.get("auto_shares")
     if auto:
@@ -130,10 +128,8 @@ def print_plan(plan: Plan) -> None:
     for col in ("tensor", "dtype", "shape", "bytes/sample", "from", "to"):
         cross.add_column(col, overflow="fold")
     for t in plan.crossing:
-        cross.add_row(
-            t.name, t.dtype, "x".join(str(d) for d in t.shape), f"{t.bytes_per_sample:,}",
-            str(t.producer), ",".join(map(str, t.consumers)),
-        )
+        cross.add_row(t.name, t.dtype, "x".join(str(d) for d in t.shape), f"{t.bytes_per_sample:,}", str(t.producer),
+                      ",".join(map(str, t.consumers)))
     console.print(cross)
     print_contract(plan)
 
@@ -185,7 +181,7 @@ def verify_cmd(
     model that runs one request per task is verified at batch 1, and says why."""
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.notation import read_input_shapes
-    from staronnx.verify import RELATIVE_TOLERANCE, random_plan_feeds, verify_plan
+    from staronnx.verify import RELATIVE_TOLERANCE, random_plan_feeds, runnable_batch, verify_plan
 
     if batch < 1:
         raise PartitionError(f"--batch must be at least 1, got {batch}")
@@ -198,7 +194,9 @@ def verify_cmd(
         feeds = load_inputs(inputs, plan)
         batch = samples(feeds, plan)
     else:
-        batch = one_per_task(plan, batch)
+        batch, note = runnable_batch(plan, batch)  # 1 for a model that runs one request per task
+        if note is not None:
+            console.print(note, highlight=False, soft_wrap=True)
         feeds = random_plan_feeds(plan, batch, given, seed)
     console.print("inputs: " + ", ".join(f"{n} {_shape(v.shape)}" for n, v in feeds.items()), highlight=False,
                   soft_wrap=True)
@@ -208,26 +206,14 @@ def verify_cmd(
     for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
         table.add_column(col, overflow="fold")
     for o in report.outputs:
-        table.add_row(
-            o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",
-            "[green]OK[/]" if o.ok else "[red]MISMATCH[/]",
-        )
+        table.add_row(o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",
+                      "[green]OK[/]" if o.ok else "[red]MISMATCH[/]")
     console.print(table)
     if report.ok:
         console.print(f"OK (tolerance {RELATIVE_TOLERANCE:g} relative to each output's scale)")
     else:
         console.print("MISMATCH")
         raise typer.Exit(1)
-
-
-def one_per_task(plan: Plan, batch: int) -> int:
-    """:func:`staronnx.verify.runnable_batch`, its note printed in one line."""
-    from staronnx.verify import runnable_batch
-
-    batch, note = runnable_batch(plan, batch)
-    if note is not None:
-        console.print(note, highlight=False, soft_wrap=True)
-    return batch
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -44,9 +44,8 @@ def calibrate_cmd(
     """Run every part on every worker at each batch size (on each input's own batch axis) and
     each --input-shape until its perf model is calibrated. A model that runs one request per
     task is calibrated at batch 1 only."""
-    from staronnx.calibrate import (
-        CalibrationReport, batch_sizes_for, calibrate, calibrate_bus_if_needed, calibration_steps, start_workers,
-    )
+    from staronnx.calibrate import (CalibrationReport, batch_sizes_for, calibrate, calibrate_bus_if_needed,
+                                    calibration_steps, start_workers)
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.notation import read_input_shape_sets
     from staronnx.perfmodels import PerfModelStore
@@ -71,10 +70,8 @@ def calibrate_cmd(
         shapes = "; input shapes " + " and ".join(
             ", ".join(f"{n}={'x'.join(map(str, d))}" for n, d in given.items()) for given in shape_sets
         ) if any(shape_sets) else ""
-        console.print(
-            f"calibrating plan {plan.hash} ({plan.k} parts) on "
-            f"{', '.join(w.name for w in workers)}; batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True,
-        )
+        console.print(f"calibrating plan {plan.hash} ({plan.k} parts) on {', '.join(w.name for w in workers)}; "
+                      f"batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True)
         with bar(quiet=False) as progress:  # on stderr, as every command's progress
             task = progress.add_task("calibrating", total=steps)
 
@@ -90,13 +87,10 @@ def calibrate_cmd(
                           store=store, workers=workers, seed=seed)
     except BaseException:
         if report.interrupted:  # Ctrl-C, SIGTERM: the samples measured so far were stored
-            console.print(
-                f"calibration interrupted: kept {report.samples} sample(s) measured in "
-                f"{report.steps_done} of {steps} step(s) (worker x part x batch size) under "
-                f"{store.plan_dir(plan.hash)}; run the same command again to finish "
-                f"(what is calibrated already is not measured again)",
-                highlight=False, soft_wrap=True,
-            )
+            console.print(f"calibration interrupted: kept {report.samples} sample(s) measured in "
+                          f"{report.steps_done} of {steps} step(s) (worker x part x batch size) under "
+                          f"{store.plan_dir(plan.hash)}; run the same command again to finish "
+                          f"(what is calibrated already is not measured again)", highlight=False, soft_wrap=True)
         raise
     finally:
         for w in workers:
@@ -105,17 +99,14 @@ def calibrate_cmd(
     if bus:
         with console.status("calibrating the bus"):
             measured = calibrate_bus_if_needed(store, list(devices) if cuda_streams > 0 else [])
-        if measured is not None:
-            model, names = measured
-            console.print(f"bus model for {', '.join(names)} stored in {store.bus_path()}")
+        if measured is not None:  # (the model, the memory nodes it links)
+            console.print(f"bus model for {', '.join(measured[1])} stored in {store.bus_path()}")
         else:
             console.print("bus: one memory node or already calibrated (nothing to measure)")
     _print_rows(store.rows(plan.hash), plan)
     if report.uncalibrated:
-        console.print(
-            f"[yellow]not calibrated (too many outliers within {max_runs} runs):[/] "
-            + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated)
-        )
+        console.print(f"[yellow]not calibrated (too many outliers within {max_runs} runs):[/] "
+                      + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated))
 
 
 def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_streams: int,
@@ -229,10 +220,8 @@ def show_cmd(
     store = PerfModelStore()
     rows = store.rows(plan.hash)
     if not rows:
-        raise StaronnxError(
-            f"no perf models for plan {plan.hash} under {store.plan_dir(plan.hash)}; "
-            f"run `staronnx calibrate {plandir}` first"
-        )
+        raise StaronnxError(f"no perf models for plan {plan.hash} under {store.plan_dir(plan.hash)}; "
+                            f"run `staronnx calibrate {plandir}` first")
     _print_rows(rows, plan)
     _print_verdict(plan, store, rows, groups, cuda_streams, devices)
     if plot is not None:

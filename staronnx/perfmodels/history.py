@@ -258,7 +258,8 @@ class HistoryModel:
             self._unsaved.append(PendingSample(footprint, value, outcome))
             return outcome
 
-    def replay(self, samples: Iterable[PendingSample], baseline: Mapping[Footprint, HistoryEntry] | None = None) -> None:
+    def replay(self, samples: Iterable[PendingSample],
+               baseline: Mapping[Footprint, HistoryEntry] | None = None) -> None:
         """Apply another model's journal to this one (the on-disk merge), without journaling.
 
         The recording run's verdicts stand: its accepted samples are added, its outliers
@@ -409,19 +410,10 @@ class HistoryModel:
                  "stddev": num(e.stddev)}
                 for fp, e in self._by_family()
             ]
-            families = sorted({fp.shape_hash for fp in self._entries})
-            regressions = []
-            for h in families:
-                fit = self.regression(h)
-                if fit is not None:
-                    regressions.append({"shape_hash": f"{h:08x}", **fit.to_dict()})
-            return {
-                "part": self.part,
-                "arch": self.arch,
-                "unit": "seconds",
-                "entries": entries,
-                "regressions": regressions,
-            }
+            fits = {h: self.regression(h) for h in sorted({fp.shape_hash for fp in self._entries})}
+            regressions = [{"shape_hash": f"{h:08x}", **fit.to_dict()} for h, fit in fits.items() if fit is not None]
+            return {"part": self.part, "arch": self.arch, "unit": "seconds", "entries": entries,
+                    "regressions": regressions}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], **options: Any) -> HistoryModel:

@@ -59,9 +59,7 @@ class NLRegression:
         return asdict(self)
 
 
-def _solve_ac(
-    u: np.ndarray, y: np.ndarray, w: np.ndarray
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _solve_ac(u: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Best ``(a, c)`` with ``a, c >= 0`` for each row of ``u`` (shape ``(nb, npts)``).
 
     Returns ``a``, ``c`` and the weighted squared error, all of shape ``(nb,)``. The
@@ -114,13 +112,8 @@ def _positive_points(batches: Sequence[float], seconds: Sequence[float]) -> tupl
     return x[keep], y[keep]
 
 
-def fit_nl_regression(
-    batches: Sequence[float],
-    seconds: Sequence[float],
-    *,
-    min_sizes: int = MIN_SIZES,
-    b_range: tuple[float, float] = B_RANGE,
-) -> NLRegression | None:
+def fit_nl_regression(batches: Sequence[float], seconds: Sequence[float], *, min_sizes: int = MIN_SIZES,
+                      b_range: tuple[float, float] = B_RANGE) -> NLRegression | None:
     """Fit ``t(n) = a*n**b + c`` to (batch size, seconds) points by relative least squares.
 
     Returns ``None`` when there are fewer than ``min_sizes`` distinct batch sizes: with fewer
@@ -193,9 +186,7 @@ class PowerLaw:
         return self.alpha * float(batch) ** self.beta
 
 
-def fit_power_law(
-    batches: Sequence[float], seconds: Sequence[float], *, min_samples: int = 10
-) -> PowerLaw | None:
+def fit_power_law(batches: Sequence[float], seconds: Sequence[float], *, min_samples: int = 10) -> PowerLaw | None:
     """Least squares in log space over individual samples (StarPU's ``REGRESSION_BASED``).
 
     Valid, as in StarPU, only with at least ``min_samples`` samples and ``minx < 0.9*maxx``
