@@ -103,6 +103,8 @@ def test_mix_bound_of_one_model_is_its_plain_bound(plans):
         mix_bound(machine(plans), {"heavy": 50}, 4)
     with pytest.raises(BoundError, match="rate must be > 0"):
         mix_bound(m, {"heavy": 0}, 4)
+    with pytest.raises(BoundError, match="several models: bound their traffic together with mix_bound"):
+        machine_bound(machine(plans), 4)  # the plain bound is the mix LP over a set of one
 
 
 # -- the simulator driving one shared core ----------------------------------------------------

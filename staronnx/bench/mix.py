@@ -127,14 +127,14 @@ def mix_label(rates: Mapping[str, float]) -> str:
 def batch_one_where_needed(plans: Mapping[str, Plan], points: Sequence[MixPoint]) -> tuple[list[MixPoint], list[str]]:
     """``points`` with batch 1 for every model that runs one request per task (its other sizes
     mean nothing: :func:`~staronnx.bench.points.runnable_sizes`), points that became equal
-    measured once; and a line per such model saying so."""
+    measured once; and a line per such model saying so (named where there are several)."""
     from staronnx.bench.points import runnable_sizes
 
     notes = []
     for name, plan in plans.items():
         _, note = runnable_sizes(plan, [p.batch_sizes[name] for p in points if name in p.batch_sizes])
         if note:
-            notes.append(f"{name}: {note}")
+            notes.append(note if len(plans) == 1 else f"{name}: {note}")
     if not notes:
         return list(points), []
     kept: dict[tuple[Any, ...], MixPoint] = {}

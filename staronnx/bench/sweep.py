@@ -135,19 +135,15 @@ class _Results:
                           fidelity=fidelity_summary(self.rows) if self.fidelity else None)
 
 
-def _check_grid(rates: Sequence[float], batch_sizes: Sequence[int]) -> tuple[list[float], list[int]]:
-    """One model's sorted distinct rates and batch sizes; SweepError naming the argument otherwise."""
-    rates = sorted({float(r) for r in rates})
-    sizes = sorted({int(b) for b in batch_sizes})
-    if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
-        raise SweepError(f"rates must be positive numbers of requests/s, got {rates}")
-    if not sizes or sizes[0] < 1:
-        raise SweepError(f"batch sizes must be integers >= 1, got {sizes}")
-    return rates, sizes
-
-
 def _check_mixes(names: Sequence[str], points: Sequence[MixPoint]) -> None:
-    """Every mix gives each model a rate > 0 and a batch size >= 1; SweepError otherwise."""
+    """Every mix gives each model a rate > 0 and a batch size >= 1; SweepError otherwise (one
+    model's points: its rates and batch sizes named as such)."""
+    if len(names) == 1:
+        rates, sizes = sorted({p.rates[names[0]] for p in points}), sorted({p.batch_sizes[names[0]] for p in points})
+        if not rates or any(not (math.isfinite(r) and r > 0) for r in rates):
+            raise SweepError(f"rates must be positive numbers of requests/s, got {rates}")
+        if not sizes or sizes[0] < 1:
+            raise SweepError(f"batch sizes must be integers >= 1, got {sizes}")
     if not points:
         raise SweepError("no mix to measure")
     for p in points:
@@ -278,15 +274,11 @@ def sweep(
     models = ModelSet(loaded, targets)  # checks the targets' names
     names, first = list(loaded), models.models[0].plan
     residency, lanes = dict(residency or {}), dict(lanes or {})
-    notes: list[str] = []
-    if one:
-        rates, sizes = _check_grid(rates, batch_sizes)
-        sizes, left_out = runnable_sizes(first, sizes)
-        notes += [left_out] if left_out else []
-        points = mix_points({names[0]: rates}, sizes, names)
-    else:
-        _check_mixes(names, points)
-        points, notes = batch_one_where_needed(loaded, points)
+    if one:  # a set of one model: its points are its (batch size, rate) pairs
+        points = mix_points({names[0]: sorted({float(r) for r in rates})}, sorted({int(b) for b in batch_sizes}),
+                            names)
+    _check_mixes(names, points)
+    points, notes = batch_one_where_needed(loaded, points)
     warmup = _check_run(distribution=distribution, duration=duration, warmup=warmup, min_batches=min_batches,
                         max_delay=max_delay)
     if isinstance(inputs, (str, os.PathLike)):
