@@ -32,6 +32,7 @@ each for the target alone (``shared+slo``) and with the lane (``shared+lane``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -186,6 +187,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from staronnx.perfmodels import PerfModelStore
+    from staronnx.workers.lanes import short_switch_interval
 
     root = scratch_dir("staronnx-multi-")
     heavy, light = build_plans(root, args.heavy_parts)
@@ -195,12 +197,14 @@ def main() -> None:
     slo = args.slo_ms / 1e3
 
     def measure(name: str, heavy_rate: float, seed: int, seconds: float, with_heavy: bool = True) -> dict[str, Any]:
-        # each configuration's runtimes exist only while it is measured: a runtime with lanes
-        # holds the interpreter's switch interval short while open, which must not help the others
+        # each configuration's runtimes exist only while it is measured; the interpreter's switch
+        # interval is held short while a runtime with lanes serves (as serve --lane does), and
+        # only then, so that it helps no other configuration
         setup = Setup(name, heavy, light, args.groups, slo, store, args.heavy_batch, args.light_batch, args.max_delay)
         try:
-            return drive(setup, heavy_rate, args.light_rate, seconds, heavy,
-                         light, seed=seed, with_heavy=with_heavy)
+            with short_switch_interval() if name == "shared+lane" else contextlib.nullcontext():
+                return drive(setup, heavy_rate, args.light_rate, seconds, heavy,
+                             light, seed=seed, with_heavy=with_heavy)
         finally:
             setup.close()
 

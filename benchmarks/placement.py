@@ -51,6 +51,7 @@ from staronnx.partition.costs import NodeCosts
 from staronnx.partition.cut import Parts
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import build_graph
+from staronnx.partition.host import host_devices, host_transfer
 from staronnx.partition.methods.model import predicted_makespan
 from staronnx.partition.methods.pipeline import (
     PART_OVERHEAD_US,
@@ -61,7 +62,6 @@ from staronnx.partition.methods.pipeline import (
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.verify import random_plan_feeds, verify_plan
-from staronnx.workers.host import host_devices, host_transfer
 from staronnx.workers.topology import Topology
 
 SHARES_METHODS = ("metis", "linear")

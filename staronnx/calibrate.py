@@ -39,9 +39,18 @@ from staronnx.perfmodels.store import calibrate_command  # noqa: F401 - its old 
 from staronnx.plan import Plan
 from staronnx.errors import StaronnxError
 from staronnx.verify import model_failure, random_plan_feeds
-from staronnx.workers.base import Worker
-from staronnx.workers.launch import start_workers  # noqa: F401 - re-exported: its old home
+from staronnx.workers import launch
+from staronnx.workers.base import ThreadWorker, Worker
+from staronnx.workers.layout import MachineSpec
 from staronnx.workers.topology import Topology
+
+
+def start_workers(plan: Plan, spec: MachineSpec | None = None, *, cuda_options: dict[str, Any] | None = None,
+                  topology: Topology | None = None, **machine: Any) -> list[ThreadWorker]:
+    """Started workers to calibrate ``plan`` on: ``spec``, or its fields as keywords
+    (``groups="numa", cuda_streams=2``: scripts' and tests' short form); see
+    :func:`staronnx.workers.launch.start_workers`."""
+    return launch.start_workers(plan, spec or MachineSpec(**machine), topology=topology, cuda_options=cuda_options)
 
 
 @dataclass

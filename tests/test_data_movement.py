@@ -16,13 +16,13 @@ import onnxruntime as ort
 import pytest
 
 from staronnx import Runtime, partition
+from staronnx.calibrate import start_workers
 from staronnx.perfmodels import BusModel, LinkCost, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import Copy, request_copies, tally, task_copies, price
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import DataView, TaskView, WorkerInfo
 from staronnx.workers.cudart import HostRuntime
-from staronnx.workers.launch import start_workers
 from staronnx.zoo import chain
 
 pytestmark = pytest.mark.timeout(300)

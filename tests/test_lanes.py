@@ -19,8 +19,10 @@ import pytest
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
-from staronnx.workers.lanes import LANE_NICE, LANE_SWITCH_INTERVAL, parse_lanes, plan_lanes
+from staronnx.workers.lanes import LANE_NICE, LANE_SWITCH_INTERVAL, parse_lanes, plan_lanes, short_switch_interval
+from staronnx.workers.layout import MachineSpec, layout
 from staronnx.workers.residency import ResidencyError, WorkerSlot
+from staronnx.workers.topology import Topology
 from staronnx.zoo import chain, inception
 
 pytestmark = pytest.mark.timeout(180)
@@ -67,7 +69,10 @@ def test_lane_options_parse_and_refuse_what_cannot_be_a_lane():
     cpu = [WorkerSlot("cpu:pus0", "cpu"), WorkerSlot("cpu:pus1", "cpu")]
     plan = plan_lanes({"a": "cpu", "b": "cpu:pus1"}, ["a", "b", "c"], cpu)
     assert plan.lanes == ((0, ("a",)), (1, ("a", "b")))
-    assert [s.name for s in plan.slots(cpu)] == ["lane:pus0", "lane:pus1"]
+    laid = layout(MachineSpec("0;1", lanes={"a": "cpu", "b": "cpu:pus1"}),
+                  Topology.from_synthetic("pack:1 core:2 pu:1"), ["a", "b", "c"])
+    assert [(w.name, w.kind, w.models) for w in laid.workers] == [
+        ("cpu:pus0", "cpu", ()), ("cpu:pus1", "cpu", ()), ("lane:pus0", "lane", ("a",)), ("lane:pus1", "lane", ("a", "b"))]
     assert plan_lanes({}, ["a"], cpu).lanes == ()
     for lanes, names, slots, message in (
             ({"z": "cpu"}, ["a", "b"], cpu, "unknown model.*'z'"),
@@ -87,6 +92,10 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
     interval = sys.getswitchinterval()
     with Runtime({"heavy": heavy, "light": light}, policy="heft", cpu_groups=one_pu(),
                  store=PerfModelStore(tmp_path), lanes=["light"], lane_preempt=preempt) as rt:
+        assert sys.getswitchinterval() == interval  # a runtime leaves process-wide settings alone:
+        with short_switch_interval():  # the caller holds it while serving (serve --lane does)
+            assert sys.getswitchinterval() == pytest.approx(min(interval, LANE_SWITCH_INTERVAL))
+        assert sys.getswitchinterval() == interval  # given back when the block ends
         group, lane = rt.workers
         assert lane.name == "lane:" + group.name.removeprefix("cpu:")
         assert lane.group.pus == group.group.pus  # the same cores
@@ -96,7 +105,6 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
         else:
             assert nice_of(group) == min(mine + LANE_NICE, 19) and group.priority == f"nice {nice_of(group)}"
         assert nice_of(lane) == mine and policy_of(lane) == os.SCHED_OTHER
-        assert sys.getswitchinterval() == pytest.approx(min(interval, LANE_SWITCH_INTERVAL))
         models = rt.stats()["models"]
         assert models["light"]["held_by"] == [lane.name]
         assert models["heavy"]["held_by"] == [group.name]
@@ -109,7 +117,7 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
         ref = heavy.run_reference(f)
         for name, want in ref.items():
             np.testing.assert_allclose(got[name], want, rtol=1e-3, atol=1e-3)
-    assert sys.getswitchinterval() == interval  # given back at close
+    assert sys.getswitchinterval() == interval  # and closing leaves it alone too
 
 
 def thread_policies() -> list[int]:

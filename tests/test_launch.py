@@ -19,10 +19,10 @@ import pytest
 
 from staronnx import partition
 from staronnx import Runtime
+from staronnx.calibrate import start_workers
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.groups import GroupError, policy_reserve
-from staronnx.workers.launch import start_workers
 from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 from staronnx.zoo import inception

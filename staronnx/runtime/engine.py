@@ -861,9 +861,7 @@ def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngin
     mode = calibrate_mode(settings.calibrate)
     own = settings.workers is None
     workers = list(settings.workers) if settings.workers is not None else start_workers(
-        models, groups=settings.cpu_groups, cuda_streams=settings.cuda_streams,
-        cuda_options=dict(settings.cuda_options), residency=dict(settings.residency),
-        lanes=dict(settings.lanes), lane_preempt=settings.lane_preempt, cuda_devices=settings.cuda_devices)
+        models, settings.machine, cuda_options=dict(settings.cuda_options))
     try:
         store = settings.store if settings.store is not None else PerfModelStore()
         predictor = PerfPredictor.for_models(models, store, calibrate=mode)

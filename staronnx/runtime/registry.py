@@ -22,6 +22,7 @@ from staronnx.runtime.models import ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
+from staronnx.workers.layout import MachineSpec
 
 #: engine name -> module that registers it when imported
 ENGINE_MODULES = {"native": "staronnx.runtime.engine", "starpu": "staronnx.engines.starpu"}
@@ -32,8 +33,8 @@ class EngineSettings:
     """What ``Runtime`` was asked for, handed whole to the engine's factory."""
 
     policy: str = "heft"
-    cpu_groups: str = "numa"
-    cuda_streams: int = 0
+    #: the workers to start (unless ``workers`` are given): CPU groups, CUDA streams, lanes, ...
+    machine: MachineSpec = field(default_factory=MachineSpec)
     trace: str | os.PathLike[str] | None = None
     store: PerfModelStore | None = None
     policy_options: Mapping[str, Any] = field(default_factory=dict)
@@ -42,14 +43,6 @@ class EngineSettings:
     cuda_options: Mapping[str, Any] = field(default_factory=dict)
     #: batch sizes every CUDA worker runs (and captures as CUDA graphs) before serving
     warmup: tuple[int, ...] = ()
-    #: model name -> the workers that load it (:mod:`staronnx.workers.residency`); others: all
-    residency: Mapping[str, str] = field(default_factory=dict)
-    #: model name -> the CPU groups that get a lane for it (:mod:`staronnx.workers.lanes`)
-    lanes: Mapping[str, str] = field(default_factory=dict)
-    #: how the lanes' groups' shared workers yield to them: "idle" (SCHED_IDLE) or "nice"
-    lane_preempt: str = "idle"
-    #: the GPUs whose streams the CUDA workers drive (``cuda_streams`` workers on each)
-    cuda_devices: tuple[int, ...] = (0,)
 
 
 class Engine(Protocol):

@@ -64,7 +64,6 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.colocate import Colocation
 from staronnx.workers.cuda import CudaWorker
-from staronnx.workers.lanes import short_switch_interval
 from staronnx.workers.layout import MachineSpec
 from staronnx.workers.pinned_pool import PinnedPool
 
@@ -122,11 +121,12 @@ class Runtime:
         by default) that get a worker of their own on those groups, which the OS lets preempt
         the other models' tasks (see :mod:`staronnx.workers.lanes`); ``lane_preempt``: how
         those groups' shared workers yield to them, ``"idle"`` (``SCHED_IDLE``: preempted at
-        once) or ``"nice"`` (nice +10: for machines shared with other work). While a runtime
-        with lanes is open, the interpreter's switch interval is at most 0.5 ms (a waking lane
-        waits that long for the GIL at most). ``save_every``: seconds
-        between merges of the perf models learnt while serving into the store (0: at close
-        only), so a server that is killed loses at most that much of what it learnt.
+        once) or ``"nice"`` (nice +10: for machines shared with other work); the caller holds
+        :func:`~staronnx.workers.lanes.short_switch_interval` while it serves, so that a waking
+        lane waits at most 0.5 ms for the GIL (a process-wide setting: the runtime leaves it
+        alone). ``save_every``: seconds between merges of the perf models learnt while serving
+        into the store (0: at close only), so a server that is killed loses at most that much
+        of what it learnt.
         ``cuda_devices``: the GPUs (CUDA ordinals) that get ``cuda_streams`` workers each; ORT's
         ``device_id`` provider option picks one (:class:`~staronnx.runtime.session.InferenceSession`)."""
         if save_every < 0:
@@ -136,8 +136,8 @@ class Runtime:
             lanes = [lanes]
         #: the workers this runtime asked for, as one value (its engine starts them)
         self.machine = MachineSpec(
-            cpu_groups, cuda_streams, cuda_devices, bool(options.get("cuda_graphs", True)),
-            bool(options.get("thread_per_stream", False)), dict(residency or {}),
+            cpu_groups, cuda_streams, cuda_devices, bool(options.pop("cuda_graphs", True)),
+            bool(options.pop("thread_per_stream", False)), dict(residency or {}),
             dict(lanes) if isinstance(lanes, Mapping) else {name: "cpu" for name in lanes or ()}, lane_preempt)
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, _ = load_plans(plan)
@@ -152,11 +152,9 @@ class Runtime:
             raise StaronnxError("lanes are workers the native engine starts; they do not go with engine='starpu' "
                                 "or workers=[...]")
         self.policy_name = policy
-        machine = self.machine
         settings = EngineSettings(
-            policy, machine.groups, machine.cuda_streams, trace, store, dict(policy_options or {}),
-            None if workers is None else list(workers), calibrate, options, tuple(int(b) for b in warmup),
-            machine.residency, machine.lanes, machine.lane_preempt, tuple(machine.cuda_devices))
+            policy, self.machine, trace, store, dict(policy_options or {}),
+            None if workers is None else list(workers), calibrate, options, tuple(int(b) for b in warmup))
         self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
@@ -167,9 +165,6 @@ class Runtime:
         self._colocation = Colocation(self._engine.workers)
         self._closed = False
         self._close_lock = threading.Lock()
-        self._switch = short_switch_interval() if self.machine.lanes else None
-        if self._switch is not None:
-            self._switch.__enter__()
         self._stop_saving = threading.Event()
         self._saver: threading.Thread | None = None
         if save_every > 0 and self._engine.predictor is not None:
@@ -319,8 +314,6 @@ class Runtime:
         if self._saver is not None:
             self._saver.join()
         self._engine.close(timeout)  # merges what was learnt since the last save
-        if self._switch is not None:
-            self._switch.__exit__(None, None, None)
 
 
 class ModelHandle:

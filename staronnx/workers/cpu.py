@@ -186,34 +186,40 @@ class CpuWorker(ThreadWorker):
                 "Build groups from Topology.from_system(), not from a synthetic or XML topology.")
 
     def _load(self, index: int, path: Path) -> ort.InferenceSession:
-        so = ort.SessionOptions()
-        so.log_severity_level = 4  # a failing run raises its error in Python: no raw red log line beside it
-        so.intra_op_num_threads = self.group.n_cores
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        affinities = self.group.ort_thread_affinities()
-        if affinities:
-            so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
-        # Each part's session has its own pool on the same cores and only one runs at a time:
-        # spin while a Run() is active, never after, or idle pools would steal the cores.
-        so.add_session_config_entry("session.force_spinning_stop", "1")
-        model = path
-        if self.share_weights:
-            try:
-                weights = self._weights or default_shared_weights()
-                model = weights.model_for(path, self.group.numa)
-                # Already optimised (and prepacked): optimising again would only cost time.
-                so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-                self.weights_shared[index] = True
-            except Exception as exc:  # noqa: BLE001 - fall back to a private copy
-                log.warning("%s: weights of %s not shared (%s); loading a private copy",
-                            self.name, path, exc)
-                model = path
+        weights = (self._weights or default_shared_weights()) if self.share_weights else None
         try:
-            return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
+            session, self.weights_shared[index] = cpu_session(path, self.group, bool(self.spin), weights, self.name)
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             raise ModelError(f"ONNX Runtime cannot load part {index} ({path}): {exc}") from None
+        return session
+
+
+def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True, weights: SharedWeights | None = None,
+                who: str = "") -> tuple[ort.InferenceSession, bool]:
+    """One part's ONNX Runtime session on ``group``'s cores, as a CPU worker runs it (ours, or
+    a StarPU CPU worker's codelet), with its weights from ``weights``' mapped copy (None: a
+    private copy); and whether they are shared."""
+    so = ort.SessionOptions()
+    so.log_severity_level = 4  # a failing run raises its error in Python: no raw red log line beside it
+    so.intra_op_num_threads = group.n_cores
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    affinities = group.ort_thread_affinities()
+    if affinities:
+        so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    # Each part's session has its own pool on the same cores and only one runs at a time:
+    # spin while a Run() is active, never after, or idle pools would steal the cores.
+    so.add_session_config_entry("session.force_spinning_stop", "1")
+    model, shared = path, False
+    if weights is not None:
+        try:
+            model, shared = weights.model_for(path, group.numa), True
+            # Already optimised (and prepacked): optimising again would only cost time.
+            so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        except Exception as exc:  # noqa: BLE001 - fall back to a private copy
+            log.warning("%s: weights of %s not shared (%s); loading a private copy", who, path, exc)
+    return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"]), shared
 
 
 # ---------------------------------------------------------------------- helpers

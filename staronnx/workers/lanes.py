@@ -26,9 +26,10 @@ the rest of the time, so the heavy model keeps its throughput. How much lower (`
 
 Only priorities are *lowered*: an unprivileged process may do that, never raise one, so lanes
 work without root or ``CAP_SYS_NICE``. The GIL is the other wait: a lane thread that wakes needs
-it, and a thread running Python holds it up to the interpreter's switch interval (5 ms), so a
-runtime with lanes shortens that interval to :data:`LANE_SWITCH_INTERVAL` while it is open
-(:func:`short_switch_interval`). Measured on the 2-core VM: a waking lane waited up to 4-8 ms on
+it, and a thread running Python holds it up to the interpreter's switch interval (5 ms), so
+whoever serves a runtime with lanes shortens that interval to :data:`LANE_SWITCH_INTERVAL`
+while it serves (``with short_switch_interval():``; ``staronnx serve --lane`` does): a
+process-wide setting is the caller's choice, not a ``Runtime``'s side effect. Measured on the 2-core VM: a waking lane waited up to 4-8 ms on
 the run queue at ``nice`` +10 and up to 5 ms for the GIL; with both remedies
 ``benchmarks/multi_model.py`` gives the light model a p99 of 3.2-4.2 ms against 7.5-8.0 ms with
 separate runtimes, the heavy model keeping 0.96x their throughput.
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 LANE_NICE = 10
 #: how a group's shared workers yield to its lane: ``idle`` (SCHED_IDLE) or ``nice`` (+LANE_NICE)
 LANE_PREEMPT = ("idle", "nice")
-#: the interpreter's switch interval while a runtime with lanes is open (seconds)
+#: the interpreter's switch interval while a runtime with lanes serves (seconds)
 LANE_SWITCH_INTERVAL = 0.0005
 
 
@@ -96,10 +97,6 @@ class LanePlan:
     def groups(self) -> frozenset[int]:
         """The CPU slots whose workers run lowered (they share their cores with a lane)."""
         return frozenset(slot for slot, _ in self.lanes)
-
-    def slots(self, cpu_slots: Sequence[WorkerSlot]) -> list[WorkerSlot]:
-        """The lanes as residency sees them: kind ``lane``, named ``lane:<group>``."""
-        return [WorkerSlot("lane:" + cpu_slots[slot].name.removeprefix("cpu:"), "lane") for slot, _ in self.lanes]
 
 
 def plan_lanes(lanes: Mapping[str, str], model_names: Sequence[str], cpu_slots: Sequence[WorkerSlot]) -> LanePlan:

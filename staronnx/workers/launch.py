@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,20 +43,16 @@ class ServedModels(Protocol):
 
 def start_workers(plan: Plan | ServedModels, spec: MachineSpec | None = None, *, topology: Topology | None = None,
                   cuda_options: dict[str, Any] | None = None, **machine: Any) -> list[ThreadWorker]:
-    """Started workers for ``plan`` laid out as ``spec`` asks (or as the ``machine`` keywords,
-    :class:`MachineSpec`'s fields, ask: the callers that do not yet hold a spec). On any failure
-    the ones already started are closed, so a bad request leaves no thread behind.
-    ``cuda_options`` go to every :class:`~staronnx.workers.cuda.CudaWorker` (e.g.
-    ``runtime=HostRuntime()`` to run the CUDA pipeline on the CPU provider); their
-    ``cuda_graphs`` and ``thread_per_stream`` are the spec's. A model that ``residency`` keeps
-    off a worker has no session there; a lane holds its models only, and the CPU workers of
-    its group run lowered (``lane_preempt``) so that a lane task preempts theirs."""
+    """Started workers for ``plan`` laid out as ``spec`` asks. On any failure the ones already
+    started are closed, so a bad request leaves no thread behind. ``cuda_options`` go to every
+    :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
+    pipeline on the CPU provider). A model that ``residency`` keeps off a worker has no session
+    there; a lane holds its models only, and the CPU workers of its group run lowered
+    (``lane_preempt``) so that a lane task preempts theirs."""
     from staronnx.workers.cpu import CpuWorker
 
     options = dict(cuda_options or {})
-    spec = spec or MachineSpec(**machine)
-    spec = replace(spec, cuda_graphs=options.pop("cuda_graphs", spec.cuda_graphs),
-                   thread_per_stream=options.pop("thread_per_stream", spec.thread_per_stream))
+    spec = spec or MachineSpec(**machine)  # (for benchmarks/gpu.py and data_movement.py until they import calibrate's)
     topology = topology or Topology.from_system()
     owner = part_models(plan)
     laid = layout(spec, topology, list(dict.fromkeys(owner)))

@@ -35,7 +35,7 @@ def start_starpu(plan: Plan | ModelSet, settings: EngineSettings) -> StarpuEngin
     options = dict(settings.policy_options)
     if "calibrate" not in options and (settings.calibrate is not None or "STARONNX_CALIBRATE" in os.environ):
         options["calibrate"] = calibrate_mode(settings.calibrate)
-    return StarpuEngine(models.models[0].plan, settings.policy, settings.cpu_groups, settings.cuda_streams,
+    return StarpuEngine(models.models[0].plan, settings.policy, settings.machine.groups, settings.machine.cuda_streams,
                         settings.trace, options)
 
 

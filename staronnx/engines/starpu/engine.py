@@ -247,10 +247,12 @@ class StarpuEngine:
             return
         w.native_id = threading.get_native_id()
         try:
-            from staronnx.workers.cpu import _bind_memory
+            from staronnx.workers.cpu import _bind_memory, cpu_session
+            from staronnx.workers.cpu_weights import default_shared_weights
 
             w.membind = _bind_memory(None, w.group)
-            w.sessions = [_make_session(self.plan, i, w.group) for i in range(self.plan.k)]
+            w.sessions = [cpu_session(self.plan.part_path(i), w.group, True, default_shared_weights(), w.name)[0]
+                          for i in range(self.plan.k)]
         except BaseException as exc:  # noqa: BLE001 - reported by __init__
             self._init_errors.append(f"{w.name}: {exc}")
 
@@ -572,33 +574,6 @@ class StarpuEngine:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _make_session(plan: Plan, index: int, group: CpuGroup) -> Any:
-    """An ORT session for one part on one group, configured as the native CPU worker does."""
-    import onnxruntime as ort
-
-    from staronnx.workers.cpu_weights import default_shared_weights
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 4  # the error reaches Python; no raw log line
-    so.intra_op_num_threads = group.n_cores
-    so.inter_op_num_threads = 1
-    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-    affinities = group.ort_thread_affinities()
-    if affinities:
-        so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
-    so.add_session_config_entry("session.intra_op.allow_spinning", "1")
-    so.add_session_config_entry("session.force_spinning_stop", "1")
-    path = plan.part_path(index)
-    model = path
-    try:
-        model = default_shared_weights().model_for(path, group.numa)
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    except Exception as exc:  # noqa: BLE001 - fall back to a private copy
-        log.warning("weights of %s not shared (%s); loading a private copy", path, exc)
-        model = path
-    return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"])
-
-
 def _layout(dtype: str, shape: list[Any], batched: bool, symbols: Mapping[str, int], batch: int) -> _Layout | None:
     """The crossing tensor's layout when known before its producer runs, else None.
 
