@@ -362,16 +362,13 @@ class HttpFrontend(Frontend):
         lengths = request.headers.getall(HEADER_LENGTH, [])
         if len(lengths) > 1:
             raise invalid(f"{HEADER_LENGTH} is given {len(lengths)} times; give it once")
-        body = await self._receive_body(request, watch)
+        body = await _receive(request, self.max_body, self.guard.budget, watch)
         return await decode_body(body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None,
                                  self.max_body)
 
-    async def _receive_body(self, request: web.Request, watch: _BodyWatch | None = None) -> bytes | bytearray:
-        """The body as sent (still compressed, if it is), within the limits (:func:`_receive`);
-        without ``watch`` (a small JSON body, the repository index's) one is made for it."""
-        _check_length(request, self.max_body)
-        if watch is not None:
-            return await _receive(request, self.max_body, self.guard.budget, watch)
+    async def _receive_body(self, request: web.Request) -> bytes | bytearray:
+        """A small body (the repository index's) as sent, within the limits (:func:`_receive`),
+        under a watch of its own: one too slow is answered 408."""
         task = asyncio.current_task()
         assert task is not None
         watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
@@ -507,11 +504,13 @@ async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, w
     ~1 ms more with a growing bytearray). A body that arrives at once is returned as its one
     chunk, with no copy. A chunked body (no length announced) is joined once at the end. Every
     byte held counts against ``budget`` until the body is whole (503 past it), and ``watch``
-    notes each chunk (its timer cuts a body that arrives too slowly).
+    notes each chunk (its timer cuts a body that arrives too slowly). A body announced larger
+    than ``max_body`` is refused before any of it is read.
 
     Why not a buffer of the announced length at once: 30 connections that each announced 64 MiB
     and sent nothing held 2 GB.
     """
+    _check_length(request, max_body)
     content = request.content
     length = request.content_length
     limit = length if length is not None else max_body
