@@ -9,9 +9,9 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from staronnx.cli.display import bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
 from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
@@ -72,7 +72,8 @@ def calibrate_cmd(
         ) if any(shape_sets) else ""
         console.print(f"calibrating plan {plan.hash} ({plan.k} parts) on {', '.join(w.name for w in workers)}; "
                       f"batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True)
-        with bar(quiet=False) as progress:  # on stderr, as every command's progress
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console) as progress:  # the steps on stdout, where the results are
             task = progress.add_task("calibrating", total=steps)
 
             def step(msg: str) -> None:
