@@ -1454,11 +1454,8 @@ class InferenceSession:
 
         def done(f: Future[Any]) -> None:
             exc = f.exception()
-            if exc is not None:
-                _call_back(callback, [], user_data, str(exc))
-            else:
-                values = f.result()
-                _call_back(callback, [values[n] for n in names], user_data, "")
+            _call_back(callback, [] if exc is not None else [f.result()[n] for n in names], user_data,
+                       "" if exc is None else str(exc))
 
         future.add_done_callback(done)
 
