@@ -628,7 +628,6 @@ class CudaWorker(ThreadWorker):
                 self._read_timings(slot, launch)
             else:
                 self.last_compute_seconds = None
-                self._copy_seconds = (None, None)
         except BaseException as exc:
             self._settle(exc)
             self._slots.release(slot)
@@ -651,7 +650,6 @@ class CudaWorker(ThreadWorker):
         self.last_compute_seconds = ev["run_done"].seconds_since(ev["run_start"])
         h2d = ev["run_start"].seconds_since(ev["h2d_start"])
         d2h = ev["d2h_done"].seconds_since(ev["run_done"])
-        self._copy_seconds = (h2d, d2h)
         if self.copy_log is not None:
             host, dev = self.host_node.name, self.node.name
             up = slot.in_bytes if launch is None or launch.outputs is not None else launch.h2d_bytes
@@ -661,7 +659,6 @@ class CudaWorker(ThreadWorker):
             if down:
                 self.copy_log.add(CopyRecord(dev, host, down, d2h))
 
-    _copy_seconds: tuple[float | None, float | None] = (None, None)
     #: the last untimed launch not yet waited for and with nothing queued behind it
     _unmarked: _Launch | None = None
 

@@ -82,7 +82,7 @@ STICKY_ERRORS = frozenset({
 })
 
 #: cudaStreamCaptureMode values (the same in every CUDA version)
-CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL, CAPTURE_RELAXED = 0, 1, 2
+CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL = 0, 1
 #: error codes of the capture rules
 CAPTURE_UNSUPPORTED, CAPTURE_INVALIDATED = 900, 901
 
@@ -198,14 +198,7 @@ class AllocationStats:
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
-            return {
-                "pinned_allocs": self.pinned_allocs,
-                "pinned_frees": self.pinned_frees,
-                "pinned_bytes": self.pinned_bytes,
-                "device_allocs": self.device_allocs,
-                "device_frees": self.device_frees,
-                "device_bytes": self.device_bytes,
-            }
+            return {name: count for name, count in vars(self).items() if name != "_lock"}
 
 
 def _done(rt: ModuleType, result: Any, call: str) -> bool:

@@ -55,7 +55,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from staronnx.process_settings import SharedSetting
-from staronnx.workers.residency import ResidencyError, WorkerSlot, selects
+from staronnx.workers.residency import ResidencyError, WorkerSlot, parse_named, selects
 
 __all__ = ["LANE_NICE", "LANE_PREEMPT", "LANE_SWITCH_INTERVAL", "LanePlan", "check_preempt", "lower_priority",
            "parse_lanes", "plan_lanes", "short_switch_interval"]
@@ -73,17 +73,8 @@ LANE_SWITCH_INTERVAL = 0.0005
 
 def parse_lanes(items: Iterable[str]) -> dict[str, str]:
     """``NAME`` or ``NAME=CPU_GROUPS`` options (the CLI's ``--lane``) as {model: selector}; a bare
-    name means every CPU group (``cpu``); a model named twice is an error."""
-    out: dict[str, str] = {}
-    for item in items:
-        name, sep, selector = item.partition("=")
-        name, selector = name.strip(), selector.strip()
-        if not name or (sep and not selector):
-            raise ResidencyError(f"--lane takes NAME or NAME=CPU_GROUPS (e.g. ocr or ocr=cpu:numa0), got {item!r}")
-        if name in out:
-            raise ResidencyError(f"--lane names model {name!r} twice")
-        out[name] = selector or "cpu"
-    return out
+    name means every CPU group (``cpu``)."""
+    return parse_named(items, "--lane", "NAME or NAME=CPU_GROUPS (e.g. ocr or ocr=cpu:numa0)", "cpu")
 
 
 @dataclass(frozen=True)

@@ -43,18 +43,23 @@ class WorkerSlot:
 
 
 def parse_model_workers(items: Iterable[str]) -> dict[str, str]:
-    """``NAME=SELECTOR`` options (the CLI's ``--model-workers``) as a mapping; a model named
-    twice is an error, not a silent override."""
+    """``NAME=SELECTOR`` options (the CLI's ``--model-workers``) as a mapping."""
+    return parse_named(items, "--model-workers", "NAME=WORKERS (e.g. ocr=cpu or big=cuda0,cpu:numa0)")
+
+
+def parse_named(items: Iterable[str], option: str, usage: str, default: str | None = None) -> dict[str, str]:
+    """``NAME=VALUE`` options as {name: value} (``default``: a bare ``NAME``'s value; None: the
+    value is required); a model named twice is an error, not a silent override. ``usage``
+    says what ``option`` takes, in its error."""
     out: dict[str, str] = {}
     for item in items:
-        name, sep, selector = item.partition("=")
-        name, selector = name.strip(), selector.strip()
-        if not sep or not name or not selector:
-            raise ResidencyError(f"--model-workers takes NAME=WORKERS (e.g. ocr=cpu or big=cuda0,cpu:numa0), "
-                                 f"got {item!r}")
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not name or (sep and not value) or (not sep and default is None):
+            raise ResidencyError(f"{option} takes {usage}, got {item!r}")
         if name in out:
-            raise ResidencyError(f"--model-workers names model {name!r} twice")
-        out[name] = selector
+            raise ResidencyError(f"{option} names model {name!r} twice")
+        out[name] = value or default or ""
     return out
 
 

@@ -44,6 +44,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.runtime.core import per_part_arch
+from staronnx.runtime.policies import upward_ranks
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.groups import CpuGroup, make_groups
@@ -258,15 +259,10 @@ class StarpuEngine:
 
     def _build_codelets(self) -> None:
         lib, ffi, plan = self._lib, self._ffi, self.plan
-        tag = plan.hash or plan.compute_hash()
         registered = {t.name for t in (*plan.inputs, *plan.crossing)}
-        succs: list[list[int]] = [[] for _ in plan.parts]
         deps = plan.dependencies()
-        for p, ds in enumerate(deps):
-            for d in ds:
-                succs[d].append(p)
-        for spec in plan.parts:
-            symbol = f"staronnx_{tag}_part{spec.index}"
+        succs = [[p for p, ds in enumerate(deps) if d in ds] for d in range(plan.k)]
+        for spec, symbol in zip(plan.parts, self.perfmodel_symbols):
             cl = lib.sx_codelet_new(f"part{spec.index}".encode(), symbol.encode())
             if cl == ffi.NULL:
                 raise MemoryError("sx_codelet_new")
@@ -281,9 +277,7 @@ class StarpuEngine:
                 preds=sorted(deps[spec.index]), sink=not succs[spec.index],
             ))
         if self.policy == "heft":  # staronnx's heft: dmdas + upward-rank priorities
-            rank: dict[int, float] = {}
-            for p in reversed(range(plan.k)):
-                rank[p] = plan.parts[p].cost_us + max((rank[s] for s in succs[p]), default=0.0)
+            rank = upward_ranks(succs, [part.cost_us for part in plan.parts])
             order = sorted(range(plan.k), key=lambda p: rank[p])
             lo, hi = lib.starpu_sched_get_min_priority(), lib.starpu_sched_get_max_priority()
             for prio, p in enumerate(order):
