@@ -29,18 +29,14 @@ def integer_ranges(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     const = {n.output[0]: n.attribute[0].t for n in model.graph.node if n.op_type == "Constant"
              and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR}
     ranges: dict[str, tuple[int, int]] = {}
-    int_types = {
-        onnx.TensorProto.INT64, onnx.TensorProto.INT32, onnx.TensorProto.INT16,
-        onnx.TensorProto.INT8, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
-        onnx.TensorProto.UINT32, onnx.TensorProto.UINT64,
-    }
+    t = onnx.TensorProto
+    int_types = {t.INT64, t.INT32, t.INT16, t.INT8, t.UINT8, t.UINT16, t.UINT32, t.UINT64}
     for vi in model.graph.input:
         if vi.name in init or vi.type.tensor_type.elem_type not in int_types:
             continue
         high = 2
         for node in model.graph.node:
-            if node.op_type in ("Gather", "GatherElements") and len(node.input) > 1 \
-                    and node.input[1] == vi.name:
+            if node.op_type in ("Gather", "GatherElements") and len(node.input) > 1 and node.input[1] == vi.name:
                 table = init.get(node.input[0]) or const.get(node.input[0])
                 if table is not None and len(table.dims):
                     axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
@@ -70,19 +66,11 @@ def random_array(elem_type: int, shape: Sequence[int], rng: np.random.Generator,
     raise ValueError(f"cannot make random values of dtype {dtype}")
 
 
-def random_feeds_for_shapes(
-    inputs: Sequence[_Spec],
-    shapes: dict[str, list[int]],
-    *,
-    model: onnx.ModelProto | None = None,
-    ranges: dict[str, tuple[int, int]] | None = None,
-    seed: int = 0,
-) -> dict[str, np.ndarray]:
+def random_feeds_for_shapes(inputs: Sequence[_Spec], shapes: dict[str, list[int]], *,
+                            model: onnx.ModelProto | None = None, ranges: dict[str, tuple[int, int]] | None = None,
+                            seed: int = 0) -> dict[str, np.ndarray]:
     """Random feeds for every input at the given concrete shapes."""
     rng = np.random.default_rng(seed)
     if ranges is None:
         ranges = integer_ranges(model) if model is not None else {}
-    return {
-        spec.name: random_array(spec.elem_type, shapes[spec.name], rng, ranges.get(spec.name))
-        for spec in inputs
-    }
+    return {spec.name: random_array(spec.elem_type, shapes[spec.name], rng, ranges.get(spec.name)) for spec in inputs}

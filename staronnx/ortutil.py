@@ -104,13 +104,9 @@ def cuda_capture_safe() -> Iterator[None]:
             cudart.cudaThreadExchangeStreamCaptureMode(prev)
 
 
-def make_session(
-    model: onnx.ModelProto | str | os.PathLike[str],
-    *,
-    optimize: bool = True,
-    providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
-    options: ort.SessionOptions | None = None,
-) -> OrtSession:
+def make_session(model: onnx.ModelProto | str | os.PathLike[str], *, optimize: bool = True,
+                 providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
+                 options: ort.SessionOptions | None = None) -> OrtSession:
     """An ORT session; models over protobuf's 2 GB limit go through a temporary file.
 
     Without ``options``, ORT logs nothing below a fatal error (:data:`QUIET`): its errors reach

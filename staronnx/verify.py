@@ -71,10 +71,8 @@ def feed_shapes(plan: Plan, batch: int, given: dict[str, list[int]] | None = Non
                 dims.append(int(user[axis]))
             else:
                 why = f"input {spec.name!r} has dynamic dimension {d or '?'!r} at axis {axis}"
-                raise PlanError(
-                    f"{why}; give its size with input_shapes={{{spec.name!r}: [...]}}",
-                    cli=f"{why}; give its size with --input-shape {spec.name}=...",
-                )
+                raise PlanError(f"{why}; give its size with input_shapes={{{spec.name!r}: [...]}}",
+                                cli=f"{why}; give its size with --input-shape {spec.name}=...")
         shapes[spec.name] = dims
     return shapes
 
@@ -90,9 +88,8 @@ def runnable_batch(plan: Plan, batch: int) -> tuple[int, str | None]:
                "task, so batch 1 is run")
 
 
-def random_plan_feeds(
-    plan: Plan, batch: int, given: dict[str, list[int]] | None = None, seed: int = 0
-) -> dict[str, np.ndarray]:
+def random_plan_feeds(plan: Plan, batch: int, given: dict[str, list[int]] | None = None,
+                      seed: int = 0) -> dict[str, np.ndarray]:
     """Random feeds matching a plan's signature at a batch size."""
     shapes = feed_shapes(plan, batch, given)
     rng = np.random.default_rng(seed)
@@ -124,25 +121,16 @@ def _check_same_inputs(plan: Plan, session: Any) -> None:
     for spec in plan.inputs:
         arg = got.get(spec.name)
         if arg is None:
-            raise PlanError(
-                f"the model has no input {spec.name!r} (it takes {sorted(got)}): "
-                "is this the plan's source model?"
-            )
+            raise PlanError(f"the model has no input {spec.name!r} (it takes {sorted(got)}): is this the plan's "
+                            "source model?")
         if len(arg.shape) != len(spec.shape) or arg.type != ort_type_name(spec.dtype):
-            raise PlanError(
-                f"the model's input {spec.name!r} is {arg.type} of rank {len(arg.shape)}, the "
-                f"plan's is {spec.dtype} {spec.shape}: is this the plan's source model?"
-            )
+            raise PlanError(f"the model's input {spec.name!r} is {arg.type} of rank {len(arg.shape)}, the plan's is "
+                            f"{spec.dtype} {spec.shape}: is this the plan's source model?")
 
 
-def verify_plan(
-    plan: Plan,
-    model: onnx.ModelProto | str | os.PathLike[str],
-    batch: int = 1,
-    input_shapes: dict[str, list[int]] | None = None,
-    seed: int = 0,
-    feeds: Mapping[str, np.ndarray] | None = None,
-) -> VerifyReport:
+def verify_plan(plan: Plan, model: onnx.ModelProto | str | os.PathLike[str], batch: int = 1,
+                input_shapes: dict[str, list[int]] | None = None, seed: int = 0,
+                feeds: Mapping[str, np.ndarray] | None = None) -> VerifyReport:
     """Run the whole model and the chained parts on the same feeds and compare: random ones
     at ``batch``, or ``feeds`` (real inputs, which exercise the paths real data takes)."""
     loaded = load_model(model)

@@ -68,14 +68,8 @@ class _GraphBuilder:
     unless ``out`` names the output explicitly (for graph outputs such as ``"y"``).
     """
 
-    def __init__(
-        self,
-        name: str,
-        seed: int = 0,
-        *,
-        rng: np.random.Generator | None = None,
-        namer: _Namer | None = None,
-    ) -> None:
+    def __init__(self, name: str, seed: int = 0, *, rng: np.random.Generator | None = None,
+                 namer: _Namer | None = None) -> None:
         self.name = name
         self.rng = rng if rng is not None else np.random.default_rng(seed)
         self.fresh = namer if namer is not None else _Namer()
@@ -139,24 +133,13 @@ class _GraphBuilder:
         y = self.op("Add", y, self.bias(n_out))
         return self.op(act, y, out=out)
 
-    def conv(
-        self,
-        x: str,
-        c_in: int,
-        c_out: int,
-        k: int = 3,
-        stride: int = 1,
-        act: bool = True,
-        gain: float = 2.0,
-        hint: str = "conv",
-    ) -> str:
+    def conv(self, x: str, c_in: int, c_out: int, k: int = 3, stride: int = 1, act: bool = True, gain: float = 2.0,
+             hint: str = "conv") -> str:
         """``Conv(x)`` with 'same' padding (``k`` odd), He-initialised, then Relu if ``act``."""
         w = self.weight([c_out, c_in, k, k], c_in * k * k, gain, hint=f"{hint}_w")
         p = k // 2
-        y = self.op(
-            "Conv", x, w, self.bias(c_out, hint=f"{hint}_b"),
-            hint=hint, kernel_shape=[k, k], pads=[p, p, p, p], strides=[stride, stride],
-        )
+        y = self.op("Conv", x, w, self.bias(c_out, hint=f"{hint}_b"), hint=hint, kernel_shape=[k, k],
+                    pads=[p, p, p, p], strides=[stride, stride])
         return self.op("Relu", y) if act else y
 
     # -- result -----------------------------------------------------------------------------
@@ -167,13 +150,8 @@ class _GraphBuilder:
 
     def model(self, doc: str = "") -> onnx.ModelProto:
         """Wrap the graph in a model at the zoo's opset and IR version."""
-        return helper.make_model(
-            self.graph(),
-            opset_imports=[helper.make_opsetid("", OPSET)],
-            ir_version=IR_VERSION,
-            producer_name="staronnx.zoo",
-            doc_string=doc,
-        )
+        return helper.make_model(self.graph(), opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
+                                 producer_name="staronnx.zoo", doc_string=doc)
 
 
 def _same_pad_out(n: int, stride: int) -> int:
@@ -230,9 +208,7 @@ def residual(blocks: int = 3, channels: int = 8, size: int = 16, seed: int = 0) 
     return g.model(residual.__doc__ or "")
 
 
-def inception(
-    blocks: int = 3, channels: int = 16, size: int = 32, seed: int = 0, classes: int = 10
-) -> onnx.ModelProto:
+def inception(blocks: int = 3, channels: int = 16, size: int = 32, seed: int = 0, classes: int = 10) -> onnx.ModelProto:
     """Inception-style CNN: ``x`` [batch, 3, size, size] -> ``logits`` [batch, classes].
 
     A 3x3 stem conv, then ``blocks`` inception blocks, each with four parallel branches
@@ -310,9 +286,7 @@ def transformer_block(d_model: int = 64, heads: int = 4, ff: int = 128, seed: in
     # --- self-attention ---
     ln1 = layer_norm(x, "ln1")
     split_shape = g.const([0, 0, heads, dh], "split_heads_shape")
-    q, k, v = (
-        g.op("Reshape", proj(ln1, d_model, d_model, n), split_shape, hint=f"{n}_split") for n in "qkv"
-    )
+    q, k, v = (g.op("Reshape", proj(ln1, d_model, d_model, n), split_shape, hint=f"{n}_split") for n in "qkv")
     q = g.op("Transpose", q, hint="q_heads", perm=[0, 2, 1, 3])  # [b, h, s, dh]
     k = g.op("Transpose", k, hint="k_heads_t", perm=[0, 2, 3, 1])  # [b, h, dh, s]
     v = g.op("Transpose", v, hint="v_heads", perm=[0, 2, 1, 3])  # [b, h, s, dh]

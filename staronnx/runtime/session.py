@@ -215,15 +215,10 @@ class ModelMetadata:
 
     @classmethod
     def of(cls, model: onnx.ModelProto) -> "ModelMetadata":
-        return cls(
-            producer_name=model.producer_name,
-            graph_name=model.graph.name,
-            domain=model.domain,
-            description=model.doc_string,
-            graph_description=model.graph.doc_string,
-            version=model.model_version if model.HasField("model_version") else _UNSET_VERSION,
-            custom_metadata_map={p.key: p.value for p in model.metadata_props},
-        )
+        return cls(producer_name=model.producer_name, graph_name=model.graph.name, domain=model.domain,
+                   description=model.doc_string, graph_description=model.graph.doc_string,
+                   version=model.model_version if model.HasField("model_version") else _UNSET_VERSION,
+                   custom_metadata_map={p.key: p.value for p in model.metadata_props})
 
 
 def _arg(t: TensorSpec) -> NodeArg:
@@ -231,11 +226,9 @@ def _arg(t: TensorSpec) -> NodeArg:
 
 
 # -- providers -> workers -------------------------------------------------------------------
-def _providers(
-    providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
-    provider_options: Sequence[Mapping[str, Any]] | None,
-    cuda_stand_in: bool = False,
-) -> dict[str, dict[str, str]]:
+def _providers(providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
+               provider_options: Sequence[Mapping[str, Any]] | None,
+               cuda_stand_in: bool = False) -> dict[str, dict[str, str]]:
     """ORT's two provider spellings (names plus a parallel options list, or (name, options)
     tuples) as one ordered {name: options}; providers this ORT lacks are dropped with ORT's
     own warning, as ORT drops them (not CUDA's when a stand-in CUDA runtime is given)."""
@@ -1409,12 +1402,8 @@ class InferenceSession:
             raise _ort_task_error(exc) from exc.__cause__
         return [values[n] for n in names]
 
-    def run(
-        self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any],
-        run_options: ort.RunOptions | None = None,
-    ) -> list[np.ndarray]:
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
         """Outputs in the order asked (all, in the model's order, for None or []), as ORT
         returns them. Of ``run_options``, what changes the answer is honoured: an active LoRA
         adapter (a variant of the model with its parameters) and ``terminate``; its log and
@@ -1465,12 +1454,8 @@ class InferenceSession:
         feeds, overrides = self._split(input_feed, None)
         return self._runner(feeds, overrides).submit(feeds)
 
-    def run_with_ort_values(
-        self,
-        output_names: Sequence[str] | None,
-        input_dict_ort_values: Mapping[str, ort.OrtValue],
-        run_options: ort.RunOptions | None = None,
-    ) -> list[ort.OrtValue]:
+    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, ort.OrtValue],
+                            run_options: ort.RunOptions | None = None) -> list[ort.OrtValue]:
         """Host OrtValues in, host OrtValues out."""
         feeds = {k: _host_array(v, k) for k, v in input_dict_ort_values.items()}
         return [ort.OrtValue.ortvalue_from_numpy(a) for a in self._run(output_names, feeds, run_options)]
