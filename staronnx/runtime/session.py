@@ -180,8 +180,8 @@ def _ort_task_error(exc: TaskError) -> TaskError:
     compat = _task_error_types.get(kind)
     if compat is None:
         try:
-            compat = types.new_class(kind.__name__, (TaskError, kind), exec_body=lambda ns: ns.update(
-                __module__=__name__))
+            compat = types.new_class(kind.__name__, (TaskError, kind),
+                                     exec_body=lambda ns: ns.update(__module__=__name__))
         except TypeError:  # an ORT class that cannot be a base: keep staronnx's own
             return exc
         _task_error_types[kind] = compat
