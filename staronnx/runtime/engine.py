@@ -364,10 +364,11 @@ class NativeEngine:
         def loop() -> None:
             try:
                 while (task := self._next_task(wid)) is not None:
+                    started = self._start(wid, worker, task, False)
                     if isinstance(task, Pinned):
-                        self._end_pinned(wid, task, self._run_pinned(wid, worker, task))
+                        self._end_pinned(wid, task, started)
                     else:
-                        self._end(wid, task, self._run(wid, worker, task))
+                        self._end(wid, task, started)
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
@@ -440,7 +441,7 @@ class NativeEngine:
                 got = taken
             for wid, task in got:
                 try:
-                    ahead.append((wid, task, self._launch(wid, workers[wid], task)))
+                    ahead.append((wid, task, self._start(wid, workers[wid], task, True)))
                     launched[wid] += 1
                 except WorkerLost as exc:
                     lost(wid, exc)
@@ -573,61 +574,30 @@ class NativeEngine:
             feeds[n] = r
         return feeds
 
-    def _run(self, wid: int, worker: Worker, task: Task) -> _Started:
-        """Run a task to its end on a worker that cannot launch ahead (CPU). Its fetches from
-        a GPU (downloads) count in its wall time, not in its perf model's compute time."""
-        timed = self._timed(wid, task)
+    def _start(self, wid: int, worker: Worker, task: Task | Pinned, ahead: bool) -> _Started:
+        """Hand ``task`` to its worker: launched (``ahead``: a worker that launches ahead;
+        :meth:`_complete` waits for it) or run to its end (CPU). A scheduled task's fetches
+        from a GPU (a CPU worker's downloads) count in its wall time, not in its perf model's
+        compute time; a pinned task reads its feeds as they are."""
+        timed = task.timed if isinstance(task, Pinned) else self._timed(wid, task)
         start = self.clock.now()
         kept: list[tuple[str, Any]] = []
-        compute = None
-        if self.core.prefetch:
+        if self.core.prefetch and isinstance(task, Task):
             self._count_start(task, wid)
         try:
-            feeds = self._feeds(task, wid, kept)
+            feeds = task.feeds if isinstance(task, Pinned) else self._feeds(task, wid, kept)
+            if ahead:
+                route = self._routes[task.part] if self._memories and isinstance(task, Task) else None
+                return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route), kept=kept or None)
             began = self.clock.now()
-            outputs, error = worker.run_here(task.part, feeds, timed), None
-            compute = worker.last_compute_seconds or (self.clock.now() - began if task.copies else None)
+            outputs = worker.run_here(task.part, feeds, timed)
+            copied = isinstance(task, Task) and bool(task.copies)
+            compute = worker.last_compute_seconds or (self.clock.now() - began if copied else None)
+            return _Started(start, timed, None, outputs, None, compute, kept or None)
         except WorkerLost:
             raise
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            outputs, error = {}, exc
-        return _Started(start, timed, None, outputs, error, compute, kept or None)
-
-    def _launch(self, wid: int, worker: Worker, task: Task | Pinned) -> _Started:
-        if isinstance(task, Pinned):
-            return self._launch_pinned(worker, task)
-        timed = self._timed(wid, task)
-        start = self.clock.now()
-        kept: list[tuple[str, Any]] = []
-        if self.core.prefetch:
-            self._count_start(task, wid)
-        try:
-            feeds = self._feeds(task, wid, kept)
-            route = self._routes[task.part] if self._memories else None
-            return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route), kept=kept or None)
-        except WorkerLost:
-            raise
-        except Exception as exc:  # noqa: BLE001 - fails this request only
+        except Exception as exc:  # noqa: BLE001 - fails this request (or pinned task) only
             return _Started(start, timed, None, {}, exc)
-
-    def _launch_pinned(self, worker: Worker, item: Pinned) -> _Started:
-        start = self.clock.now()
-        try:
-            return _Started(start, item.timed, worker.launch_here(item.part, item.feeds, item.timed))
-        except WorkerLost:
-            raise
-        except Exception as exc:  # noqa: BLE001 - fails this task only
-            return _Started(start, item.timed, None, {}, exc)
-
-    def _run_pinned(self, wid: int, worker: Worker, item: Pinned) -> _Started:
-        start = self.clock.now()
-        try:
-            outputs, error = worker.run_here(item.part, item.feeds, item.timed), None
-        except WorkerLost:
-            raise
-        except Exception as exc:  # noqa: BLE001 - fails this task only
-            outputs, error = {}, exc
-        return _Started(start, item.timed, None, outputs, error, worker.last_compute_seconds)
 
     def _end_pinned(self, wid: int, item: Pinned, started: _Started) -> None:
         """Settle a pinned task's future: its outputs and time, or its error."""
