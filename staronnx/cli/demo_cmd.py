@@ -15,10 +15,6 @@ from staronnx.fsutil import check_writable
 console = Console(log_path=False)
 
 
-def _size(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
-
-
 def demo_cmd(
     workdir: Annotated[
         Optional[Path], typer.Option(help="Folder for the model and plans, kept afterwards (default: a "
@@ -45,7 +41,7 @@ def demo_cmd(
             console.print(line, highlight=False)
     finally:
         if workdir is None:  # the model and plans (megabytes) do not outlive the demo
-            size = _size(root)
+            size = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
             shutil.rmtree(root, ignore_errors=True)
             console.print(f"removed the demo's temporary folder {root} ({size / 1e6:.0f} MB); "
                           f"--workdir DIR keeps the model and plans", highlight=False, soft_wrap=True)
