@@ -30,6 +30,8 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from staronnx.perfmodels.store import default_root
+
 __all__ = ["SharedWeights", "default_shared_weights", "process_memory"]
 
 _MODEL = "model.onnx"
@@ -147,8 +149,7 @@ class SharedWeights:
         if self._root_arg is not None:
             self._root_arg.mkdir(parents=True, exist_ok=True)
             return self._root_arg
-        home = Path(os.environ.get("STARONNX_HOME", Path.home() / ".cache" / "staronnx"))
-        base = home / "weights"
+        base = default_root() / "weights"
         try:
             base.mkdir(parents=True, exist_ok=True)
             root = Path(tempfile.mkdtemp(prefix=f"pid{os.getpid()}-", dir=base))

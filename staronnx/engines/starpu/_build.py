@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels.store import default_root
 
 INSTALL_HINT = (
     "install it with `apt-get install libstarpu-dev` (Debian/Ubuntu; `starpu-tools` adds "
@@ -401,12 +402,6 @@ _lock = threading.Lock()
 _loaded: Any = None
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("STARONNX_HOME")
-    home = Path(env).expanduser() if env else Path.home() / ".cache" / "staronnx"
-    return home / "starpu-cffi"
-
-
 def _compiler() -> list[str]:
     cc = shlex.split(os.environ.get("CC", "") or "cc")
     if shutil.which(cc[0]) is None:
@@ -441,7 +436,7 @@ def load_binding() -> tuple[Any, Any, StarpuInstall]:
                              " ".join(cc)])
         key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
         modname = f"_staronnx_starpu_{key}"
-        folder = _cache_root() / key
+        folder = default_root() / "starpu-cffi" / key
         suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
         so_path = folder / f"{modname}{suffix}"
         if not so_path.exists():
