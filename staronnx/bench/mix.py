@@ -166,28 +166,21 @@ def sweep_mix(plans: Mapping[str, Plan | str | os.PathLike[str]], points: Sequen
               **options: Any) -> list[dict[str, Any]]:
     """Measure every mix of ``points`` on one runtime hosting every model; return the rows
     (one per point and model; see the module docstring): :func:`staronnx.bench.sweep.sweep`
-    over several models.
+    over several models, whose other ``options`` these are.
 
-    Each point runs a :class:`~staronnx.serving.Server` per model over ``runtime.model(name)``
-    and an open-loop generator per model (model ``i`` seeded ``seed + i``, as
-    :func:`~staronnx.bench.simulator.simulate_mix` draws them), all for the same length:
-    ``duration`` stretched to ``min_batches`` fills of the slowest-filling model. A point is
-    congested when any model is; with ``stop_on_congestion`` the points that dominate a
-    congested one (same batch sizes, every rate at least as high) are skipped. ``bound``: the
-    LP bound of each mix (:func:`~staronnx.bench.bound.mix_bound`) beside it; ``simulate``:
-    each point simulated too, its figures and errors in every model's row. ``targets``: each
-    model's service target (:class:`~staronnx.runtime.models.ServiceTarget`). ``residency``
-    (model name -> worker selector, ``Runtime(residency=...)``'s) loads those models on the
-    selected workers only, in the runtime and in its bound and simulation alike; each model's
-    ``held_by`` is in the settings. ``lanes`` (model name -> CPU group selector,
-    ``Runtime(lanes=...)``'s; see :mod:`staronnx.workers.lanes`) gives those models latency
-    lanes in the live runtime, and the same lanes to its bound and simulation, which model a
-    lane as an extra worker on its group's cores and not the OS preempting the group's worker
-    for it (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`, in the notes): a lane model's
-    simulated latency is a lane's that always gets the core, the heavy models' simulated
-    throughput is higher than live by about the lanes' busy share. Other ``options`` as in
-    :func:`staronnx.bench.sweep.sweep`; an unstable point is not measured again here
-    (``extend`` False unless given).
+    Each point runs a :class:`~staronnx.serving.Server` and an open-loop generator per model
+    (model ``i`` seeded ``seed + i``, as :func:`~staronnx.bench.simulator.simulate_mix` draws
+    them), all for the same length: ``duration`` stretched to ``min_batches`` fills of the
+    slowest-filling model. A point is congested when any model is; with
+    ``stop_on_congestion`` the points that dominate a congested one (same batch sizes, every
+    rate at least as high) are skipped. ``bound``: the LP bound of each mix
+    (:func:`~staronnx.bench.bound.mix_bound`) beside it; ``simulate``: each point simulated
+    too, its figures and errors in every model's row. ``targets`` (each model's
+    :class:`~staronnx.runtime.models.ServiceTarget`), ``residency`` and ``lanes`` (model name
+    -> worker or CPU group selector, ``Runtime(residency=..., lanes=...)``'s) shape the live
+    runtime, its bound and its simulation alike (a lane simulated and bounded as
+    :func:`~staronnx.bench.simulator.simulate_mix` says); each model's ``held_by`` is in the
+    settings. An unstable point is not measured again (``extend`` False unless given).
     """
     from staronnx.bench.sweep import sweep
 

@@ -195,16 +195,20 @@ def measure_point(
     return summarize(records, warmup=warmup), records
 
 
+def _stats(runtime: Any) -> dict[str, Any]:
+    """``runtime.stats()``, or {} for a stand-in runtime that keeps none."""
+    try:
+        return dict(runtime.stats())
+    except Exception:  # noqa: BLE001 - a stand-in runtime without stats
+        return {}
+
+
 def wait_idle(runtime: Any, timeout: float = 30.0) -> bool:
     """Wait until the runtime has no request in flight (a cut-off point's batches finish), so
     the next point starts on idle workers; False after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            busy = int(runtime.stats().get("in_flight", 0))
-        except Exception:  # noqa: BLE001 - a stand-in runtime without stats
-            return True
-        if busy == 0:
+        if int(_stats(runtime).get("in_flight", 0)) == 0:
             return True
         time.sleep(0.01)
     return False
@@ -212,10 +216,7 @@ def wait_idle(runtime: Any, timeout: float = 30.0) -> bool:
 
 def workers_snapshot(runtime: Any) -> dict[str, tuple[int, float]]:
     """worker name -> (tasks done, busy seconds) so far, from ``Runtime.stats()``."""
-    try:
-        stats = runtime.stats()
-    except Exception:  # noqa: BLE001 - a stand-in runtime without stats
-        return {}
+    stats = _stats(runtime)
     elapsed = float(stats.get("elapsed_s", 0.0))
     return {name: (int(w.get("tasks", 0)), float(w.get("busy", 0.0)) * elapsed)
             for name, w in (stats.get("workers") or {}).items()}
@@ -224,12 +225,8 @@ def workers_snapshot(runtime: Any) -> dict[str, tuple[int, float]]:
 def tasks_snapshot(runtime: Any) -> dict[str, tuple[int, float, float]]:
     """``"part<p>/<arch>"`` -> (tasks, measured seconds, predicted seconds) so far, from
     ``Runtime.stats()`` (means times counts: the predictions of the tasks that had one)."""
-    try:
-        stats = runtime.stats()
-    except Exception:  # noqa: BLE001 - a stand-in runtime without stats
-        return {}
     out = {}
-    for key, row in (stats.get("tasks") or {}).items():
+    for key, row in (_stats(runtime).get("tasks") or {}).items():
         n = int(row.get("tasks") or 0)
         measured = row.get("measured_ms")
         predicted = row.get("predicted_ms")

@@ -135,6 +135,28 @@ MODEL_WORKERS_NEED_SEVERAL = ("--model-workers keeps a model on some workers of 
 LANES_NEED_SEVERAL = ("--lane gives a model a worker that preempts the other models' tasks on a runtime shared by "
                       "several models; give several plans (one plan has no other model to preempt)")
 
+def check_models_options(plandirs: list[Path], model_workers: list[str] | None, lane: list[str] | None) -> None:
+    """Refuse ``--model-workers`` and ``--lane`` for one plan (``simulate`` and ``sweep`` alike)."""
+    if model_workers and len(plandirs) < 2:
+        raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
+    if lane and len(plandirs) < 2:
+        raise StaronnxError(LANES_NEED_SEVERAL)
+
+
+def models_options(plandirs: list[Path], *, names: list[str] | None, slo_ms: list[str] | None,
+                   priority: list[str] | None, model_workers: list[str] | None, lane: list[str] | None
+                   ) -> tuple[list[str], dict[str, Any], dict[str, str], dict[str, str]]:
+    """The options of several models, read once for ``simulate`` and ``sweep``: each model's
+    name (``--name``, else its folder's), service target (``--slo-ms``, ``--priority``),
+    residency (``--model-workers``) and lanes (``--lane``)."""
+    from staronnx.bench.mix import model_names
+    from staronnx.cli.serve_cmd import service_targets
+
+    labels = model_names(plandirs, names)
+    return (labels, service_targets(labels, slo_ms or [], priority or []),
+            model_residency(model_workers or [], labels), model_lanes(lane or [], labels))
+
+
 #: the lane help of ``simulate`` and ``sweep``: ``staronnx serve``'s, plus what the simulation leaves out
 SIM_LANE_HELP = (LANE_HELP + " Simulated (simulate, sweep --simulate) as one more worker per group holding the "
                  "lane models only; the OS preemption of the group's worker is not modelled (see the notes).")
@@ -192,9 +214,7 @@ def simulate_cmd(
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
     from staronnx.bench.machine import build_machine
-    from staronnx.bench.mix import model_names
     from staronnx.bench.simulator import simulate_mix
-    from staronnx.cli.serve_cmd import service_targets
     from staronnx.durations import parse_duration
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
@@ -205,22 +225,17 @@ def simulate_cmd(
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
     if trace is not None:
         check_writable(trace, "--trace")
-    if model_workers and len(plandirs) < 2:
-        raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
-    if lane and len(plandirs) < 2:
-        raise StaronnxError(LANES_NEED_SEVERAL)
+    check_models_options(plandirs, model_workers, lane)
     several = bool(len(plandirs) > 1 or rates is not None or slo_ms or priority or name)
     if several:  # a rate and a batch per model, the models' targets, residency and lanes
         if rate is not None:
             raise StaronnxError("--rate is for one plan; give each model its rate with --rates a=100,b=400")
         if requests is not None:
             raise StaronnxError("--requests is for one plan; several models run for --duration")
-        labels = model_names(plandirs, name)
+        labels, targets, residency, lanes = models_options(plandirs, names=name, slo_ms=slo_ms, priority=priority,
+                                                           model_workers=model_workers, lane=lane)
         plans = {n: Plan.load(d) for n, d in zip(labels, plandirs)}
         offered = mix_rates(rates, labels)
-        targets = service_targets(labels, slo_ms or [], priority or [])
-        residency = model_residency(model_workers or [], labels)
-        lanes = model_lanes(lane or [], labels)
     elif rate is None:
         raise StaronnxError("give --rate (requests/s), or --rates NAME=R,... for several models")
     else:  # one plan: a set of one, named as its machine names it

@@ -21,8 +21,8 @@ from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, cuda_summary, host_core_name, parse_cuda_devices
-from staronnx.cli.simulate_cmd import LANES_NEED_SEVERAL, MODEL_WORKERS_HELP, MODEL_WORKERS_NEED_SEVERAL, \
-    SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, PriorityOption, SloOption, model_lanes, model_residency
+from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, \
+    PriorityOption, SloOption, check_models_options, models_options
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -367,10 +367,9 @@ def sweep_cmd(
     point and model; ``--model-workers`` loads some models on some workers only, in the live
     runtime, its bound and its simulation; ``--lane`` gives models latency lanes, in all three
     alike (the bound and the simulation without the OS preemption: a note says so)."""
-    from staronnx.bench.mix import is_per_model, model_names, sweep_mix
+    from staronnx.bench.mix import is_per_model, sweep_mix
     from staronnx.bench.points import runnable_sizes
     from staronnx.bench.sweep import sweep
-    from staronnx.cli.serve_cmd import service_targets
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
 
@@ -378,10 +377,7 @@ def sweep_cmd(
         raise StaronnxError("--cuda-devices picks this process's GPUs; with --url the GPUs are the server's "
                             "(staronnx serve --cuda-devices)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
-    if model_workers and len(plandirs) < 2:
-        raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
-    if lane and len(plandirs) < 2:
-        raise StaronnxError(LANES_NEED_SEVERAL)
+    check_models_options(plandirs, model_workers, lane)
     mixed = bool(len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority)
     if mixed:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
@@ -389,11 +385,9 @@ def sweep_cmd(
                        if value] + (["--engine"] if engine != "native" else [])
         if unsupported:
             raise StaronnxError(f"{', '.join(unsupported)} do(es) not go with several models (a mixed sweep)")
-        labels_ = model_names(plandirs, name)
+        labels_, targets, residency, lanes = models_options(plandirs, names=name, slo_ms=slo_ms, priority=priority,
+                                                            model_workers=model_workers, lane=lane)
         points = _mix_points(rates, batch_sizes, labels_)
-        targets = service_targets(labels_, slo_ms or [], priority or [])
-        residency = model_residency(model_workers or [], labels_)
-        lanes = model_lanes(lane or [], labels_)
     elif colocate and (url is not None or engine != "native"):
         raise StaronnxError("--colocate runs the load generator on a worker thread's core: it needs the native engine, "
                             "and does not go with --url")
