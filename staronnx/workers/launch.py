@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -46,13 +47,17 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec | None = None, *,
     """Started workers for ``plan`` laid out as ``spec`` asks. On any failure the ones already
     started are closed, so a bad request leaves no thread behind. ``cuda_options`` go to every
     :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
-    pipeline on the CPU provider). A model that ``residency`` keeps off a worker has no session
+    pipeline on the CPU provider); their ``cuda_graphs`` and ``thread_per_stream``, where
+    given, override the spec's. A model that ``residency`` keeps off a worker has no session
     there; a lane holds its models only, and the CPU workers of its group run lowered
     (``lane_preempt``) so that a lane task preempts theirs."""
     from staronnx.workers.cpu import CpuWorker
 
     options = dict(cuda_options or {})
     spec = spec or MachineSpec(**machine)  # (for benchmarks/gpu.py and data_movement.py until they import calibrate's)
+    # the CUDA worker options that are the machine's (cuda_options={"cuda_graphs": False}, as before)
+    spec = replace(spec, cuda_graphs=options.pop("cuda_graphs", spec.cuda_graphs),
+                   thread_per_stream=options.pop("thread_per_stream", spec.thread_per_stream))
     topology = topology or Topology.from_system()
     owner = part_models(plan)
     laid = layout(spec, topology, list(dict.fromkeys(owner)))
