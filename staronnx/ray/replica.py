@@ -95,8 +95,7 @@ def health_problem(endpoint: ModelEndpoint, runtime: Any = None) -> str | None:
     the dead ones' tasks), as :meth:`StaronnxReplica.describe` reports."""
     if not endpoint.ready:
         return "the model endpoint is closed"
-    # Server has no public word for a batcher thread that ended without being closed
-    if endpoint.server.closed or not endpoint.server._thread.is_alive():
+    if endpoint.server.closed or not endpoint.server.batching:
         return "the batcher has stopped"
     return runtime_problem(endpoint.runtime if runtime is None else runtime)
 

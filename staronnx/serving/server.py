@@ -909,6 +909,13 @@ class Server:
     def closed(self) -> bool:
         return self._closing and not self._thread.is_alive()
 
+    @property
+    def batching(self) -> bool:
+        """Whether the batcher thread still runs: False once closed, and also where it ended
+        by an error nobody closed it after (a health check's question: requests would queue
+        and never leave)."""
+        return self._thread.is_alive()
+
 
 def _batch_done(server: weakref.ref[Server], record: BatchRecord, started: float, future: Future[Outputs]) -> None:
     """A batch's done-callback: the server's ``on_executed`` (for a batch that succeeded,
