@@ -70,7 +70,7 @@ from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.launch import start_workers
 from staronnx.workers.pinned_pool import PinnedArray
-from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute, host_copy, replica_on, with_replica
+from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute, replica_on, with_replica
 
 log = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ class NativeEngine:
             if src is None or (is_host(dst) and src.__class__ is not DeviceTensor):
                 continue  # gone (a failed request), or host memory: read in place
             try:
-                got = src.memory.prefetch_to_host(src) if is_host(dst) else self._memories[dst].prefetch(src)
+                got = src.memory.download(src, wait=False) if is_host(dst) else self._memories[dst].prefetch(src)
             except Exception as exc:  # noqa: BLE001 - the task's own fetch will say what fails
                 log.debug("prefetch of %s to %s failed: %s", name, dst, exc)
                 h = task.request.handles[name]
@@ -787,9 +787,7 @@ class _Started:
 
 def _host(value: Any) -> np.ndarray:
     """A final output's host copy (its producer wrote it back)."""
-    if isinstance(value, np.ndarray):
-        return value
-    host = host_copy(value)
+    host: np.ndarray | None = replica_on(value, "numa0")  # (any host node's)
     if host is None:
         raise RuntimeError(f"a final output is not on the host: {value!r}")
     return host

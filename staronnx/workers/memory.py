@@ -361,17 +361,12 @@ class CudaCopier:
             seconds = time.perf_counter() - start
         return self._record(self.node.name, self.host_node.name, dst.nbytes, seconds, start)
 
-    def pinned_to_device(self, src: Buffer, dst: Buffer, nbytes: int) -> float:
-        """Copy already-pinned bytes and wait; returns seconds (what bus calibration times)."""
+    def copy_pinned(self, up: bool, src: Buffer, dst: Buffer, nbytes: int) -> float:
+        """Copy already-pinned bytes to the device (``up``) or back and wait; returns seconds
+        (what bus calibration times)."""
         with self._lock:
             start = self._begin()
-            self._copy(True, dst.ptr, src.ptr, nbytes)
-            return time.perf_counter() - start
-
-    def device_to_pinned(self, src: Buffer, dst: Buffer, nbytes: int) -> float:
-        with self._lock:
-            start = self._begin()
-            self._copy(False, dst.ptr, src.ptr, nbytes)
+            self._copy(up, dst.ptr, src.ptr, nbytes)
             return time.perf_counter() - start
 
     def _begin(self) -> float:
@@ -515,8 +510,8 @@ def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAlloca
         pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
         try:
             pinned.view(np.uint8, (nbytes,)).fill(1)
-            up = measure(lambda n: copier.pinned_to_device(pinned, device, n))
-            down = measure(lambda n: copier.device_to_pinned(device, pinned, n))
+            up = measure(lambda n: copier.copy_pinned(True, pinned, device, n))
+            down = measure(lambda n: copier.copy_pinned(False, device, pinned, n))
             return up, down
         finally:
             pinned.free()

@@ -36,7 +36,7 @@ from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
 if TYPE_CHECKING:
     from staronnx.workers.cudart import Buffer, GpuRuntime
 
-__all__ = ["Data", "DeviceMemory", "DeviceTensor", "OutputRoute", "host_copy", "replica_on", "with_replica"]
+__all__ = ["Data", "DeviceMemory", "DeviceTensor", "OutputRoute", "replica_on", "with_replica"]
 
 
 class DeviceTensor:
@@ -130,18 +130,6 @@ def with_replica(value: Any, node: str, copy: Any) -> Any:
     if here == node or (_on_host(here) and _on_host(node)):
         return value
     return Data({here: value, node: copy})
-
-
-def host_copy(value: Any) -> np.ndarray | None:
-    """``value``'s copy in host memory, or None."""
-    cls = value.__class__
-    if cls is DeviceTensor:
-        return None
-    if cls is Data:
-        found: np.ndarray | None = next((c for n, c in value.copies.items() if _on_host(n)), None)
-        return found
-    array: np.ndarray = value
-    return array
 
 
 def _contiguous(value: Any) -> np.ndarray:
@@ -284,22 +272,6 @@ class DeviceMemory:
         self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
         return t, staging
 
-    def prefetch_to_host(self, tensor: DeviceTensor) -> np.ndarray:
-        """``tensor``'s bytes coming down into a pinned array, started and not waited for: the
-        array's ``ready`` event is what its (CPU) reader waits on. Synchronous where there is
-        no pinned pool (a copy to pageable memory is)."""
-        if self.pinned_pool is None:
-            return self.download(tensor)
-        out = self.pinned_pool.array(tensor.shape, tensor.dtype)
-        with self._copying, self._on_device() as stream:
-            if tensor.ready is not None:
-                stream.wait(tensor.ready)
-            self.runtime.copy_d2h(int(out.pinned_ptr or out.ctypes.data), tensor.ptr, tensor.nbytes, stream)
-            ready = self._event()
-            ready.record(stream)
-        out.ready, out.ready_pool = ready, self
-        return out
-
     def settled(self, copy: Any) -> bool:
         """Whether the copy ``copy`` (a prefetched tensor or pinned array) is complete; once it
         is, its event goes back and a reader no longer waits on it."""
@@ -324,17 +296,24 @@ class DeviceMemory:
         """(any thread) An event no reader waits on any more."""
         self._events.append(event)
 
-    def download(self, tensor: DeviceTensor) -> np.ndarray:
-        """``tensor``'s bytes in host memory (pinned, from the pool where there is one): the
-        fetch of a CPU reader, waited for."""
-        out = (self.pinned_pool.array(tensor.shape, tensor.dtype) if self.pinned_pool is not None
-               else np.empty(tensor.shape, tensor.dtype))
+    def download(self, tensor: DeviceTensor, wait: bool = True) -> np.ndarray:
+        """``tensor``'s bytes in host memory (pinned, from the pool where there is one): waited
+        for (the fetch of a CPU reader), or, with ``wait=False``, only started (a prefetch: the
+        array's ``ready`` event is what its reader waits on; synchronous without a pinned pool,
+        as a copy to pageable memory is)."""
+        pool = self.pinned_pool
+        out = pool.array(tensor.shape, tensor.dtype) if pool is not None else np.empty(tensor.shape, tensor.dtype)
         dst = out.pinned_ptr if isinstance(out, PinnedArray) and out.pinned_ptr else out.ctypes.data
         with self._copying, self._on_device() as stream:
             if tensor.ready is not None:
                 stream.wait(tensor.ready)
             self.runtime.copy_d2h(int(dst), tensor.ptr, tensor.nbytes, stream)
-            stream.synchronize()
+            if wait or not isinstance(out, PinnedArray):
+                stream.synchronize()
+                return out
+            ready = self._event()
+            ready.record(stream)
+        out.ready, out.ready_pool = ready, self
         return out
 
     def _pinned_source(self, array: np.ndarray) -> tuple[int, Any]:
