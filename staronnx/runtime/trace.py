@@ -1,9 +1,8 @@
-"""Chrome/Perfetto traces of what the engine did: one lane per worker, tasks, transfers, flows.
+"""Chrome/Perfetto traces of what the engine did: one lane per worker, tasks, flows.
 
 Open the JSON in https://ui.perfetto.dev or chrome://tracing. Each task is a complete event
 ("X") on its worker's lane; each dependency is a flow arrow from the producing task's end to
-the consuming task's start; transfers (when a worker reports them) are events on a
-"<worker> copies" lane. A :class:`~staronnx.serving.Server` on a traced runtime adds its own
+the consuming task's start. A :class:`~staronnx.serving.Server` on a traced runtime adds its own
 lanes (each batch's fill, from its oldest request's arrival to its formation, then the batch
 from formation to result) and a queue-length counter; a traced sweep marks its points. Events
 are kept in memory and written atomically at close.
@@ -42,16 +41,7 @@ class Tracer:
                                  "tid": tid, "args": {"sort_index": tid}})
 
     def task(self, tid: int, name: str, start: float, end: float, args: dict[str, Any]) -> None:
-        with self._lock:
-            self._events.append({"ph": "X", "name": name, "cat": "task", "pid": self._pid,
-                                 "tid": tid, "ts": self._us(start), "dur": self._us(end) - self._us(start),
-                                 "args": args})
-
-    def transfer(self, tid: int, name: str, start: float, end: float, nbytes: int) -> None:
-        with self._lock:
-            self._events.append({"ph": "X", "name": name, "cat": "transfer", "pid": self._pid,
-                                 "tid": tid, "ts": self._us(start), "dur": self._us(end) - self._us(start),
-                                 "args": {"bytes": nbytes}})
+        self.span(tid, name, start, end, "task", args)
 
     def flow(self, src_tid: int, src_time: float, dst_tid: int, dst_time: float, name: str) -> None:
         """A dependency arrow from the end of one task to the start of another."""
@@ -64,7 +54,7 @@ class Tracer:
                                  "pid": self._pid, "tid": dst_tid, "ts": self._us(dst_time)})
 
     def span(self, tid: int, name: str, start: float, end: float, cat: str, args: dict[str, Any] | None = None) -> None:
-        """Any other complete event (the server's batch fills and batches, sweep points)."""
+        """A complete event: a task, or the server's batch fills and batches, sweep points."""
         with self._lock:
             self._events.append({"ph": "X", "name": name, "cat": cat, "pid": self._pid, "tid": tid,
                                  "ts": self._us(start), "dur": self._us(end) - self._us(start), "args": args or {}})

@@ -213,15 +213,15 @@ class DeviceMemory:
 
     # -- copies the runtime issues
     @contextmanager
-    def _on_device(self) -> Iterator[Any]:
+    def _on_device(self, stream: bool = True) -> Iterator[Any]:
         """This device current and thread-local capture mode in the calling thread, the copy
-        stream made on first use; the thread's device and mode are restored after."""
+        stream (``stream``) made on first use; the thread's device and mode are restored after."""
         rt = self.runtime
         with capture_safe(rt):
             before = rt.get_device()
             rt.set_device(self.device_id)
             try:
-                if self._stream is None:
+                if stream and self._stream is None:
                     self._stream = rt.stream(non_blocking=True)
                 yield self._stream
             finally:
@@ -337,17 +337,11 @@ class DeviceMemory:
             stream, self._stream = self._stream, None
             events = list(self._events)
             self._events.clear()
-        with capture_safe(self.runtime):
-            before = self.runtime.get_device()
-            self.runtime.set_device(self.device_id)
-            try:
-                if stream is not None:
-                    stream.synchronize()
-                    stream.destroy()
-                for b in buffers:
-                    b.free()
-                for e in events:
-                    e.destroy()
-            finally:
-                if before != self.device_id:
-                    self.runtime.set_device(before)
+        with self._on_device(stream=False):
+            if stream is not None:
+                stream.synchronize()
+                stream.destroy()
+            for b in buffers:
+                b.free()
+            for e in events:
+                e.destroy()
