@@ -181,6 +181,22 @@ def test_verify_runs_the_batch_it_names_on_each_inputs_own_axis(capfd, real_plan
     assert "batch 3 (random inputs)" in out and "2x3x64" in out and "OK (tolerance" in out
 
 
+def test_verify_refuses_an_input_shape_for_an_input_the_plan_lacks_or_at_another_rank(capfd, real_plan):
+    """``plan verify --input-shape`` used to ignore a name the plan has no input of (a typo ran
+    the recorded shape and said OK); now it is one line, as calibrate's, in both doors."""
+    from staronnx.errors import PlanError
+    from staronnx.verify import feed_shapes
+
+    plan = real_plan("crnn_ocr")
+    for given, words in (("imgae=1x1x32x148", "--input-shape names unknown input 'imgae'; the plan's inputs are"),
+                         ("image=1x32x148", "--input-shape image=1x32x148: rank 3 given")):
+        code, out, err = cli(capfd, "plan", "verify", plan.root, "--model", realmodels.path("crnn_ocr"),
+                             "--input-shape", given)
+        assert code == 2 and words in _one_line_error(err), err + out
+    with pytest.raises(PlanError, match="input_shapes names unknown input 'imgae'"):
+        feed_shapes(plan, 1, {"imgae": [1, 1, 32, 148]})
+
+
 @pytest.mark.parametrize("name", realmodels.ONE_PER_TASK)
 def test_verify_of_a_model_that_runs_one_request_per_task_verifies_batch_1_and_says_why(capfd, real_plan, name):
     plan = real_plan(name)

@@ -56,7 +56,6 @@ def calibrate_cmd(
     sizes, note = batch_sizes_for(plan, parse_batch_sizes(batch_sizes))
     shape_sets = read_input_shape_sets(input_shape or [], "--input-shape")
     for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
-        _check_sizes(plan, given)
         random_plan_feeds(plan, 1, given)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     store = PerfModelStore()
@@ -134,18 +133,6 @@ def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_str
         console.print(f"[yellow]warning:[/] host costs {escape(str(load.get('why')))}", soft_wrap=True,
                       highlight=False)
     console.print(f"host costs stored in {store.host_path(plan.hash)}", highlight=False)
-
-
-def _check_sizes(plan: Plan, given: dict[str, list[int]]) -> None:
-    """Each ``--input-shape`` names an input of the plan, at its rank."""
-    specs = {t.name: t for t in plan.inputs}
-    for name, dims in given.items():
-        spec = specs.get(name)
-        if spec is None:
-            raise StaronnxError(f"--input-shape names unknown input {name!r}; the plan's inputs are {plan.input_names}")
-        if len(dims) != len(spec.shape):
-            raise StaronnxError(f"--input-shape {name}={'x'.join(map(str, dims))}: rank {len(dims)} given, the "
-                                f"model's input has rank {len(spec.shape)} {spec.shape}")
 
 
 def _fmt_ms(seconds: float) -> str:
