@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator, overload
 
 from staronnx.errors import StaronnxError
@@ -272,12 +272,9 @@ def make_groups(topology: Topology, policy: str = DEFAULT_POLICY) -> CpuGroups:
     usable = [c for c in usable if c.index not in reserved_ids]
 
     groups: list[CpuGroup] = []
-    if spec.kind == "numa":
-        for numa, cores in _by_key(usable, lambda c: c.numa):
-            groups.append(_group(len(groups), f"numa{numa}" if numa is not None else "machine", cores, allowed))
-    elif spec.kind == "package":
-        for pkg, cores in _by_key(usable, lambda c: c.package):
-            groups.append(_group(len(groups), f"package{pkg}" if pkg is not None else "machine", cores, allowed))
+    if spec.kind in ("numa", "package"):
+        for at, cores in _by_key(usable, lambda c: c.numa if spec.kind == "numa" else c.package):
+            groups.append(_group(len(groups), f"{spec.kind}{at}" if at is not None else "machine", cores, allowed))
     elif spec.kind == "cores":
         for numa, cores in _by_key(usable, lambda c: c.numa):
             for start in range(0, len(cores), spec.size):
@@ -340,14 +337,5 @@ def _explicit_groups(
                 core_pus[core.index] = []
             core_pus[core.index].append(p)
         base = _group(gid, f"pus{format_pus(pus)}", core_order, topo.allowed_pus)
-        groups.append(
-            CpuGroup(
-                id=base.id,
-                name=base.name,
-                cores=base.cores,
-                core_pus=tuple(tuple(core_pus[c.index]) for c in core_order),
-                numa_nodes=base.numa_nodes,
-                package=base.package,
-            )
-        )
+        groups.append(replace(base, core_pus=tuple(tuple(core_pus[c.index]) for c in core_order)))
     return groups
