@@ -217,30 +217,26 @@ class Stream:
     def __init__(self, rt: ModuleType, non_blocking: bool = True) -> None:
         self._rt = rt
         flags = rt.cudaStreamNonBlocking if non_blocking else rt.cudaStreamDefault
-        self._stream = check(rt.cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags")
-        self.handle: int = int(self._stream)  # the cudaStream_t value, what ORT expects
+        #: the cuda-python ``cudaStream_t`` object, for calls this wrapper does not cover
+        self.raw: Any = check(rt.cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags")
+        self.handle: int = int(self.raw)  # the cudaStream_t value, what ORT expects
         self._alive = True
-
-    @property
-    def raw(self) -> Any:
-        """The cuda-python ``cudaStream_t`` object, for calls this wrapper does not cover."""
-        return self._stream
 
     def wait(self, event: Event) -> None:
         """Make work queued on this stream after now wait for ``event`` (no host blocking)."""
-        check(self._rt.cudaStreamWaitEvent(self._stream, event.raw, 0), "cudaStreamWaitEvent")
+        check(self._rt.cudaStreamWaitEvent(self.raw, event.raw, 0), "cudaStreamWaitEvent")
 
     def synchronize(self) -> None:
-        check(self._rt.cudaStreamSynchronize(self._stream), "cudaStreamSynchronize")
+        check(self._rt.cudaStreamSynchronize(self.raw), "cudaStreamSynchronize")
 
     def query(self) -> bool:
         """True when all work queued on the stream is done, False while some is pending."""
-        return _done(self._rt, self._rt.cudaStreamQuery(self._stream), "cudaStreamQuery")
+        return _done(self._rt, self._rt.cudaStreamQuery(self.raw), "cudaStreamQuery")
 
     def destroy(self) -> None:
         if self._alive:
             self._alive = False
-            check(self._rt.cudaStreamDestroy(self._stream), "cudaStreamDestroy")
+            check(self._rt.cudaStreamDestroy(self.raw), "cudaStreamDestroy")
 
     def __repr__(self) -> str:
         return f"Stream(0x{self.handle:x})"
@@ -252,34 +248,30 @@ class Event:
     def __init__(self, rt: ModuleType, timing: bool = True) -> None:
         self._rt = rt
         flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
-        self._event = check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+        self.raw: Any = check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
         self.timing = timing
         self._alive = True
 
-    @property
-    def raw(self) -> Any:
-        return self._event
-
     def record(self, stream: Stream) -> None:
-        check(self._rt.cudaEventRecord(self._event, stream.raw), "cudaEventRecord")
+        check(self._rt.cudaEventRecord(self.raw, stream.raw), "cudaEventRecord")
 
     def synchronize(self) -> None:
         """Block the calling thread (without the GIL) until the recorded work is done."""
-        check(self._rt.cudaEventSynchronize(self._event), "cudaEventSynchronize")
+        check(self._rt.cudaEventSynchronize(self.raw), "cudaEventSynchronize")
 
     def query(self) -> bool:
         """True when the recorded work is done, False while it is pending."""
-        return _done(self._rt, self._rt.cudaEventQuery(self._event), "cudaEventQuery")
+        return _done(self._rt, self._rt.cudaEventQuery(self.raw), "cudaEventQuery")
 
     def seconds_since(self, start: Event) -> float:
         """GPU time between ``start`` and this event (both recorded, completed, timing)."""
-        ms = check(self._rt.cudaEventElapsedTime(start.raw, self._event), "cudaEventElapsedTime")
+        ms = check(self._rt.cudaEventElapsedTime(start.raw, self.raw), "cudaEventElapsedTime")
         return float(ms) / 1000.0
 
     def destroy(self) -> None:
         if self._alive:
             self._alive = False
-            check(self._rt.cudaEventDestroy(self._event), "cudaEventDestroy")
+            check(self._rt.cudaEventDestroy(self.raw), "cudaEventDestroy")
 
 
 class _Buffer:
