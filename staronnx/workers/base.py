@@ -234,9 +234,8 @@ class ThreadWorker(Worker, ABC):
         """``run_here(part, feeds)`` in the worker's thread, for a worker used on its own (an
         engine runs tasks from its loop, in that thread); the future resolves to ``{output
         name: array}``, or to the task's error (a failed task fails alone)."""
-        self._check_open()
         self._check_part(part)
-        return self.spawn(lambda: self.run_here(part, feeds))
+        return self.spawn(lambda: self.run_here(part, feeds))  # (refused once closed)
 
     def run(self, part: int, feeds: Feeds) -> Outputs:
         """Synchronous :meth:`submit` (still executed by the worker thread)."""
@@ -260,11 +259,6 @@ class ThreadWorker(Worker, ABC):
     def _check_started(self) -> None:
         if self._thread is None:
             raise RuntimeError(f"{self.name} is not started; call start() first")
-
-    def _check_open(self) -> None:
-        self._check_started()
-        if self._closed:
-            raise RuntimeError(f"{self.name} is closed; cannot accept new tasks")
 
     def _check_part(self, part: int) -> None:
         if not 0 <= part < len(self.part_paths):
