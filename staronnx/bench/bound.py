@@ -101,19 +101,11 @@ class Bound:
         return dict(sorted(out.items()))
 
 
-def lp_bound(
-    times: Sequence[Sequence[float]],
-    batch_size: int,
-    workers: Sequence[WorkerInfo] | None = None,
-    *,
-    tensors: Sequence[FlowTensor] = (),
-    transfer: Callable[[str, str, int], float] | None = None,
-    host_node: str = HOST_NODE,
-    demand: Sequence[float] | None = None,
-    shared_cores: Sequence[tuple[int, int]] = (),
-    host_cpu: float = 0.0,
-    host_cores: Sequence[tuple[int, int]] = (),
-) -> Bound:
+def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequence[WorkerInfo] | None = None, *,
+             tensors: Sequence[FlowTensor] = (), transfer: Callable[[str, str, int], float] | None = None,
+             host_node: str = HOST_NODE, demand: Sequence[float] | None = None,
+             shared_cores: Sequence[tuple[int, int]] = (), host_cpu: float = 0.0,
+             host_cores: Sequence[tuple[int, int]] = ()) -> Bound:
     """Solve the LP of the module docstring.
 
     ``demand[p]`` (default 1 for every part): batches of part ``p`` needed per unit of ``R``,

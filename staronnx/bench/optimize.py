@@ -249,30 +249,13 @@ def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any
     return None
 
 
-def optimize_batch(
-    plan: Plan | str | os.PathLike[str],
-    rate: float,
-    *,
-    slo: float | None = None,
-    batch_sizes: Sequence[int] = (1, 2, 4, 8, 16),
-    policy: str = "heft",
-    groups: str = "numa",
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
-    distribution: str = "constant",
-    store: Any = None,
-    sim_duration: float = 20.0,
-    verify: bool = True,
-    verify_duration: float = 3.0,
-    neighbours: int = 1,
-    max_verify: int = 4,
-    min_batches: int = 10,
-    seed: int = 0,
-    runtime: Any = None,
-    machine: Any = None,
-    progress: Callable[[str], None] | None = None,
-    colocate: bool = False,
-) -> Optimization:
+def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: float | None = None,
+                   batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), policy: str = "heft", groups: str = "numa",
+                   cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,), distribution: str = "constant",
+                   store: Any = None, sim_duration: float = 20.0, verify: bool = True, verify_duration: float = 3.0,
+                   neighbours: int = 1, max_verify: int = 4, min_batches: int = 10, seed: int = 0, runtime: Any = None,
+                   machine: Any = None, progress: Callable[[str], None] | None = None,
+                   colocate: bool = False) -> Optimization:
     """Choose ``b`` for ``rate`` requests/s (see the module docstring).
 
     Args:

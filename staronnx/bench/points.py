@@ -137,24 +137,12 @@ class _Watched:
         return self.server.records(**kwargs)
 
 
-def measure_point(
-    runtime: Any,
-    batch_size: int,
-    rate: float,
-    samples: Sequence[Mapping[str, np.ndarray]],
-    *,
-    duration: float,
-    warmup: float,
-    distribution: str = "constant",
-    seed: int = 0,
-    queue_capacity: int = 1024,
-    drain_timeout: float | None = None,
-    on_submit: Callable[[int, int], None] | None = None,
-    max_delay: float | None = None,
-    max_inflight: int | None = None,
-    server_factory: Callable[..., Any] | None = None,
-    colocate: bool = False,
-) -> tuple[dict[str, Any], Any]:
+def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[Mapping[str, np.ndarray]], *,
+                  duration: float, warmup: float, distribution: str = "constant", seed: int = 0,
+                  queue_capacity: int = 1024, drain_timeout: float | None = None,
+                  on_submit: Callable[[int, int], None] | None = None, max_delay: float | None = None,
+                  max_inflight: int | None = None, server_factory: Callable[..., Any] | None = None,
+                  colocate: bool = False) -> tuple[dict[str, Any], Any]:
     """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
 
     Batches leave only when full, or, with ``max_delay`` (Triton's dynamic batching), once

@@ -625,22 +625,11 @@ def served_runtime(url: str, plan: Plan, model: str | None = None) -> ServedMode
         remote.close()
 
 
-def remote_sweep(
-    plan: Plan | str | Path,
-    url: str,
-    rates: Sequence[float],
-    batch_sizes: Sequence[int] | None = None,
-    *,
-    model: str | None = None,
-    max_delay: float | None = None,
-    policy: str | None = None,
-    groups: str | None = None,
-    cuda_streams: int | None = None,
-    engine: str | None = None,
-    queue_capacity: int | None = None,
-    check: str | Path | None = None,
-    **sweep_kwargs: Any,
-) -> list[dict[str, Any]]:
+def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batch_sizes: Sequence[int] | None = None, *,
+                 model: str | None = None, max_delay: float | None = None, policy: str | None = None,
+                 groups: str | None = None, cuda_streams: int | None = None, engine: str | None = None,
+                 queue_capacity: int | None = None, check: str | Path | None = None,
+                 **sweep_kwargs: Any) -> list[dict[str, Any]]:
     """:func:`~staronnx.bench.sweep.sweep` through the ``staronnx serve`` at ``url``.
 
     ``batch_sizes``, ``max_delay``, ``policy``, ``groups``, ``cuda_streams``, ``engine`` and

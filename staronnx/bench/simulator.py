@@ -30,17 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from staronnx.bench.machine import (
-    PlanProfile,
-    SimMachine,
-    SimulationError,
-    Where,
-    build_machine,
-    held_by,
-    lane_groups,
-    machine_inflight,
-    residency_where,
-)
+from staronnx.bench.machine import (PlanProfile, SimMachine, SimulationError, Where, build_machine, held_by,
+                                    lane_groups, machine_inflight, residency_where)
 from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.perfmodels import Footprint, HostCosts, PerfModelStore
 from staronnx.plan import Plan
@@ -56,14 +47,8 @@ from staronnx.workers.topology import Topology
 
 
 # ---------------------------------------------------------------------------- arrivals
-def arrival_schedule(
-    rate: float,
-    *,
-    duration: float | None = 10.0,
-    n_requests: int | None = None,
-    distribution: str = "constant",
-    seed: int = 0,
-) -> tuple[np.ndarray, str]:
+def arrival_schedule(rate: float, *, duration: float | None = 10.0, n_requests: int | None = None,
+                     distribution: str = "constant", seed: int = 0) -> tuple[np.ndarray, str]:
     """Arrival offsets (s, the first at 0) and a description of the process.
 
     The live load generator's own processes (:mod:`staronnx.serving.arrivals`) draw the
@@ -559,35 +544,16 @@ class _Simulation:
             self._batcher(fe)
 
 
-def simulate(
-    plan: Plan | None = None,
-    *,
-    rate: float,
-    batch_size: int,
-    policy: str | Policy = "heft",
-    policy_options: Mapping[str, Any] | None = None,
-    groups: str = "numa",
-    topology: Topology | None = None,
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
-    cuda_scale: float | Sequence[float] | None = None,
-    duration: float | None = 10.0,
-    n_requests: int | None = None,
-    arrivals: Sequence[float] | None = None,
-    distribution: str = "constant",
-    seed: int = 0,
-    store: PerfModelStore | None = None,
-    max_delay: float | None = None,
-    queue_capacity: int | None = 1024,
-    max_inflight: int | None = None,
-    spread: float = 1.0,
-    drain: bool = True,
-    charge_transfers: bool = True,
-    machine: SimMachine | None = None,
-    pad_to: Sequence[int] = (),
-    trace: str | os.PathLike[str] | TraceInto | None = None,
-    host_costs: bool = True,
-) -> SimResult:
+def simulate(plan: Plan | None = None, *, rate: float, batch_size: int, policy: str | Policy = "heft",
+             policy_options: Mapping[str, Any] | None = None, groups: str = "numa", topology: Topology | None = None,
+             cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
+             cuda_scale: float | Sequence[float] | None = None, duration: float | None = 10.0,
+             n_requests: int | None = None, arrivals: Sequence[float] | None = None, distribution: str = "constant",
+             seed: int = 0, store: PerfModelStore | None = None, max_delay: float | None = None,
+             queue_capacity: int | None = 1024, max_inflight: int | None = None, spread: float = 1.0,
+             drain: bool = True, charge_transfers: bool = True, machine: SimMachine | None = None,
+             pad_to: Sequence[int] = (), trace: str | os.PathLike[str] | TraceInto | None = None,
+             host_costs: bool = True) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation:
     :func:`simulate_mix` of a set of one model, read as one model's result.
 
@@ -744,30 +710,15 @@ def _times(machine: SimMachine, name: str, index: int, rate: float, *, arrivals:
     return times, process
 
 
-def simulate_mix(
-    machine: SimMachine,
-    rates: Mapping[str, float],
-    batch_sizes: Mapping[str, int] | int,
-    *,
-    policy: str | Policy = "heft",
-    policy_options: Mapping[str, Any] | None = None,
-    targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
-    duration: float | None = 10.0,
-    n_requests: int | None = None,
-    arrivals: Mapping[str, Sequence[float]] | None = None,
-    distribution: str = "constant",
-    seed: int = 0,
-    max_delay: float | None = None,
-    queue_capacity: int | None = 1024,
-    max_inflight: Mapping[str, int] | None = None,
-    spread: float = 1.0,
-    drain: bool = True,
-    charge_transfers: bool = True,
-    residency: Mapping[str, str] | None = None,
-    pad_to: Sequence[int] = (),
-    trace: str | os.PathLike[str] | TraceInto | None = None,
-    host_costs: bool = True,
-) -> MixResult:
+def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int, *,
+                 policy: str | Policy = "heft", policy_options: Mapping[str, Any] | None = None,
+                 targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None, duration: float | None = 10.0,
+                 n_requests: int | None = None, arrivals: Mapping[str, Sequence[float]] | None = None,
+                 distribution: str = "constant", seed: int = 0, max_delay: float | None = None,
+                 queue_capacity: int | None = 1024, max_inflight: Mapping[str, int] | None = None, spread: float = 1.0,
+                 drain: bool = True, charge_transfers: bool = True, residency: Mapping[str, str] | None = None,
+                 pad_to: Sequence[int] = (), trace: str | os.PathLike[str] | TraceInto | None = None,
+                 host_costs: bool = True) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over one plan or several) at
     its own rate, as ``staronnx serve`` does on one shared runtime: a server per model (its
     queue of ``queue_capacity``, batches of its ``batch_sizes`` entry, its in-flight window)

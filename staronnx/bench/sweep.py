@@ -40,17 +40,8 @@ from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
 from staronnx.bench.fidelity import fidelity_summary, sim_columns
 from staronnx.bench.machine import build_machine, machine_inflight, residency_where
 from staronnx.bench.mix import MixPoint, batch_one_where_needed, mix_label, mix_points
-from staronnx.bench.points import (
-    measure_point,
-    point_duration,
-    runnable_sizes,
-    sample_pool,
-    task_time_ratio,
-    tasks_snapshot,
-    warm_up,
-    workers_delta,
-    workers_snapshot,
-)
+from staronnx.bench.points import (measure_point, point_duration, runnable_sizes, sample_pool, task_time_ratio,
+                                   tasks_snapshot, warm_up, workers_delta, workers_snapshot)
 from staronnx.bench.results import SweepError, clean, make_row, write_results
 from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
 from staronnx.errors import StaronnxError
@@ -188,44 +179,19 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
             "(another footprint, other times): " + ", ".join(differ))
 
 
-def sweep(
-    plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
-    rates: Sequence[float],
-    batch_sizes: Sequence[int],
-    *,
-    policy: str = "heft",
-    groups: str = "numa",
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
-    cuda_graphs: bool = True,
-    distribution: str = "constant",
-    duration: float = 10.0,
-    warmup: float | None = None,
-    out_dir: str | os.PathLike[str] | None = None,
-    store: Any = None,
-    progress: Progress | None = None,
-    seed: int = 0,
-    queue_capacity: int = 1024,
-    min_batches: int = 10,
-    extend: bool = True,
-    stop_on_congestion: bool = True,
-    bound: bool = True,
-    engine: str = "native",
-    runtime: SweptRuntime | None = None,
-    label: str | None = None,
-    simulate: bool = False,
-    max_delay: float | None = None,
-    trace: str | os.PathLike[str] | None = None,
-    inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
-    inputs_path: str | os.PathLike[str] | None = None,
-    server_factory: Callable[..., Any] | None = None,
-    front_end: Mapping[str, Any] | None = None,
-    colocate: bool = False,
-    points: Sequence[MixPoint] = (),
-    targets: Mapping[str, Any] | None = None,
-    residency: Mapping[str, str] | None = None,
-    lanes: Mapping[str, str] | None = None,
-) -> list[dict[str, Any]]:
+def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]], rates: Sequence[float],
+          batch_sizes: Sequence[int], *, policy: str = "heft", groups: str = "numa", cuda_streams: int = 0,
+          cuda_devices: Sequence[int] = (0,), cuda_graphs: bool = True, distribution: str = "constant",
+          duration: float = 10.0, warmup: float | None = None, out_dir: str | os.PathLike[str] | None = None,
+          store: Any = None, progress: Progress | None = None, seed: int = 0, queue_capacity: int = 1024,
+          min_batches: int = 10, extend: bool = True, stop_on_congestion: bool = True, bound: bool = True,
+          engine: str = "native", runtime: SweptRuntime | None = None, label: str | None = None, simulate: bool = False,
+          max_delay: float | None = None, trace: str | os.PathLike[str] | None = None,
+          inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
+          inputs_path: str | os.PathLike[str] | None = None, server_factory: Callable[..., Any] | None = None,
+          front_end: Mapping[str, Any] | None = None, colocate: bool = False, points: Sequence[MixPoint] = (),
+          targets: Mapping[str, Any] | None = None, residency: Mapping[str, str] | None = None,
+          lanes: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
     One body for one model and several: a plan is a set of one model, whose points are its
@@ -748,19 +714,9 @@ def rates_for(capacity: float, count: int = AUTO_RATES, top: float = AUTO_TOP) -
     return [round(step * i, 9) for i in range(1, n + 1)]
 
 
-def auto_rates(
-    plan: Plan,
-    batch_sizes: Sequence[int],
-    *,
-    seed: int = 0,
-    store: Any = None,
-    probe_seconds: float | None = 1.0,
-    policy: str = "heft",
-    groups: str = "numa",
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
-    engine: str = "native",
-) -> AutoRates | None:
+def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: Any = None,
+               probe_seconds: float | None = 1.0, policy: str = "heft", groups: str = "numa", cuda_streams: int = 0,
+               cuda_devices: Sequence[int] = (0,), engine: str = "native") -> AutoRates | None:
     """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
     batch size's curve up to where it congests instead of one congested point per batch size.
 
