@@ -710,12 +710,7 @@ class NativeEngine:
             if self._closed and self._stopping:
                 return
             self._closed = True
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while self.core.inflight:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self._drained.wait(left if left is None else min(left, 0.5))
+            self._drained.wait_for(lambda: not self.core.inflight, timeout)  # (notified as requests end)
             cancelled = list(self.core.inflight.values())
             for req in cancelled:
                 self.core.fail(req)

@@ -479,12 +479,7 @@ class StarpuEngine:
                 return
             self._closed = True
         with self._cond:
-            deadline = None if timeout is None else time.perf_counter() + timeout
-            while self._inflight:
-                left = None if deadline is None else deadline - time.perf_counter()
-                if left is not None and left <= 0:
-                    break
-                self._cond.wait(0.5 if left is None else min(left, 0.5))
+            self._cond.wait_for(lambda: not self._inflight, timeout)  # (notified as requests leave)
             for req in list(self._inflight.values()):
                 req.failed = True  # its remaining tasks skip their work
                 if not req.future.cancel() and not req.future.done():
