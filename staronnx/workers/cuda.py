@@ -89,26 +89,10 @@ from staronnx.workers.cudart import (
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
 from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute
-from staronnx.workers.slots import (
-    GRAPH_CAPTURE,
-    GRAPH_REPLAY,
-    NO_GRAPH,
-    Part,
-    Slot,
-    SlotCache,
-    SlotTensor,
-    check_feeds,
-    native_run,
-    numpy_type,
-)
+from staronnx.workers.slots import (GRAPH_CAPTURE, GRAPH_REPLAY, NO_GRAPH, Part, Slot, SlotCache, SlotTensor,
+                                    check_feeds, native_run, numpy_type)
 
-__all__ = [
-    "CAPTURE_LOCK",
-    "CONV_ALGO_SEARCHES",
-    "CudaWorker",
-    "PartDoesNotFit",
-    "cuda_unavailable_reason",
-]
+__all__ = ["CAPTURE_LOCK", "CONV_ALGO_SEARCHES", "CudaWorker", "PartDoesNotFit", "cuda_unavailable_reason"]
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,7 @@ from typing import Any
 import onnxruntime as ort
 
 from staronnx.errors import DeviceError
-from staronnx.workers.cudart import (
-    INSTALL_HINT,
-    CudaError,
-    CudaRuntime,
-    host_runtime_from_env,
-    runtime_module,
-)
+from staronnx.workers.cudart import INSTALL_HINT, CudaError, CudaRuntime, host_runtime_from_env, runtime_module
 
 __all__ = ["CUDA_EP", "PartDoesNotFit", "cuda_unavailable_reason", "describe_gpus", "missing_device",
            "visible_cuda_devices"]

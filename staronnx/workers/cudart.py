@@ -45,25 +45,9 @@ import numpy as np
 
 from staronnx.errors import DeviceError
 
-__all__ = [
-    "AllocationStats",
-    "Buffer",
-    "CudaError",
-    "CudaRuntime",
-    "DeviceBuffer",
-    "Event",
-    "HostBuffer",
-    "HostRuntime",
-    "INSTALL_HINT",
-    "PinnedBuffer",
-    "GpuRuntime",
-    "Stream",
-    "STICKY_ERRORS",
-    "capture_safe",
-    "check",
-    "is_sticky",
-    "runtime_module",
-]
+__all__ = ["AllocationStats", "Buffer", "CudaError", "CudaRuntime", "DeviceBuffer", "Event", "HostBuffer",
+           "HostRuntime", "INSTALL_HINT", "PinnedBuffer", "GpuRuntime", "Stream", "STICKY_ERRORS", "capture_safe",
+           "check", "is_sticky", "runtime_module"]
 
 INSTALL_HINT = "pip install 'staronnx[gpu]'"
 

@@ -33,31 +33,15 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from staronnx.perfmodels.bus import (
-    BANDWIDTH_BYTES,
-    LATENCY_BYTES,
-    REPEATS,
-    BusModel,
-    LinkCost,
-    calibrate_link,
-    run_on_cpus,
-)
+from staronnx.perfmodels.bus import (BANDWIDTH_BYTES, LATENCY_BYTES, REPEATS, BusModel, LinkCost, calibrate_link,
+                                     run_on_cpus)
 
 if TYPE_CHECKING:
     from staronnx.workers.cudart import Buffer, GpuRuntime
     from staronnx.workers.topology import Topology
 
-__all__ = [
-    "CopyLog",
-    "CopyRecord",
-    "CudaCopier",
-    "HostAllocator",
-    "MemoryNode",
-    "calibrate_bus",
-    "copy_host",
-    "memory_nodes",
-    "pinned_near",
-]
+__all__ = ["CopyLog", "CopyRecord", "CudaCopier", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
+           "memory_nodes", "pinned_near"]
 
 log = logging.getLogger(__name__)
 

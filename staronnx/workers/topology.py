@@ -32,15 +32,7 @@ from staronnx.errors import StaronnxError
 if TYPE_CHECKING:
     from rich.tree import Tree
 
-__all__ = [
-    "CoreInfo",
-    "NumaInfo",
-    "PackageInfo",
-    "PuInfo",
-    "Topology",
-    "TopologyError",
-    "format_pus",
-]
+__all__ = ["CoreInfo", "NumaInfo", "PackageInfo", "PuInfo", "Topology", "TopologyError", "format_pus"]
 
 
 class TopologyError(StaronnxError, ValueError):

@@ -7,13 +7,7 @@ compiles the cffi binding on first use (:mod:`._build`), raising :class:`StarpuU
 
 from __future__ import annotations
 
-from ._build import (
-    INSTALL_HINT,
-    StarpuInstall,
-    StarpuUnavailable,
-    find_starpu,
-    load_binding,
-)
+from ._build import INSTALL_HINT, StarpuInstall, StarpuUnavailable, find_starpu, load_binding
 import os
 
 from staronnx.errors import StaronnxError
@@ -51,13 +45,5 @@ def starpu_available() -> bool:
     return True
 
 
-__all__ = [
-    "INSTALL_HINT",
-    "POLICY_ALIASES",
-    "StarpuEngine",
-    "StarpuInstall",
-    "StarpuUnavailable",
-    "find_starpu",
-    "load_binding",
-    "starpu_available",
-]
+__all__ = ["INSTALL_HINT", "POLICY_ALIASES", "StarpuEngine", "StarpuInstall", "StarpuUnavailable", "find_starpu",
+           "load_binding", "starpu_available"]

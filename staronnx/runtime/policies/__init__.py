@@ -68,20 +68,6 @@ def _lookup(name: str) -> Callable[..., Policy]:
     return factory
 
 
-__all__ = [
-    "POLICIES",
-    "DmPolicy",
-    "DmdaPolicy",
-    "DmdarPolicy",
-    "DmdasPolicy",
-    "EagerPolicy",
-    "HeftPolicy",
-    "LocalityWorkStealingPolicy",
-    "PolicyError",
-    "RandomPolicy",
-    "StaticPolicy",
-    "WorkStealingPolicy",
-    "make_policy",
-    "policy_options",
-    "upward_ranks",
-]
+__all__ = ["POLICIES", "DmPolicy", "DmdaPolicy", "DmdarPolicy", "DmdasPolicy", "EagerPolicy", "HeftPolicy",
+           "LocalityWorkStealingPolicy", "PolicyError", "RandomPolicy", "StaticPolicy", "WorkStealingPolicy",
+           "make_policy", "policy_options", "upward_ranks"]
