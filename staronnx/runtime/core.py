@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,14 +231,8 @@ class TaskGraph:
         self.succs = self.models.succs
         # per model, by its own tensor names (two models may both read "input")
         self._producer = [set(m.plan.producers()) for m in self.models.models]
-        self._readers: list[dict[str, int]] = []
-        for m in self.models.models:
-            readers: dict[str, int] = defaultdict(int)
-            for part in m.plan.parts:
-                for name in part.inputs:
-                    readers[name] += 1
-            #: parts reading each tensor (a tensor no part reads has no entry)
-            self._readers.append(dict(readers))
+        #: parts reading each tensor (a tensor no part reads has no entry)
+        self._readers = [dict(Counter(n for part in m.plan.parts for n in part.inputs)) for m in self.models.models]
         self._outputs = [set(m.plan.output_names) for m in self.models.models]
         #: per global part, its outputs that are its model's final outputs (written back)
         self._finals = [tuple(n for n in m.plan.parts[local].outputs if n in self._outputs[m.index])
