@@ -33,6 +33,9 @@ from staronnx.zoo import fragile, inception
 #: the controller's private folder and the real home, handed to xdist workers (which inherit
 #: the controller's environment, STARONNX_HOME already private)
 PRIVATE_ENV, REAL_HOME_ENV = "STARONNX_TEST_PRIVATE", "STARONNX_TEST_REAL_HOME"
+#: the controller's COLUMNS ("" where unset): an xdist worker finds COLUMNS=80 in its environment,
+#: which the CLI's consoles (made at import) and every subprocess would take as the width
+COLUMNS_ENV = "STARONNX_TEST_COLUMNS"
 #: the store a user's commands write to, as it was before pytest changed STARONNX_HOME
 REAL_HOME = Path(os.environ.get(REAL_HOME_ENV) or os.environ.get("STARONNX_HOME")
                  or Path.home() / ".cache" / "staronnx").expanduser()
@@ -115,6 +118,11 @@ def pytest_configure(config: pytest.Config) -> None:
     shared = os.environ.get(PRIVATE_ENV)
     if worker and shared and Path(shared).is_dir():
         _use_private(Path(shared) / worker)
+        columns = os.environ.get(COLUMNS_ENV, "")
+        if columns:
+            os.environ["COLUMNS"] = columns
+        else:
+            os.environ.pop("COLUMNS", None)
         config._staronnx_private = False  # the controller checks and removes it
         return
     # pytest's own folders (tmp_path) stay where they were, so they are kept for debugging
@@ -125,6 +133,7 @@ def pytest_configure(config: pytest.Config) -> None:
     _use_private(base)
     os.environ[PRIVATE_ENV] = str(base)
     os.environ[REAL_HOME_ENV] = str(REAL_HOME)
+    os.environ[COLUMNS_ENV] = os.environ.get("COLUMNS", "")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
