@@ -864,22 +864,22 @@ class CudaWorker(ThreadWorker):
             if is_sticky(err) and self.lost is None:
                 self.lost = err
 
-    def _teardown(self) -> None:
-        """Free everything, in an order that never leaves ORT holding a destroyed stream."""
-        if self._stream is not None:
-            try:
-                self._stream.synchronize()
-            except Exception as exc:  # noqa: BLE001 - keep freeing what we can
-                log.warning("%s: synchronising the stream at close failed: %s", self.name, exc)
+    def _try(self, what: str, step: Callable[[], Any] | None) -> None:
+        """``step()`` (None: nothing to do), a failure logged: keep freeing what we can."""
+        if step is None:
+            return
         try:
-            self._slots.close()  # drops the IOBindings (they hold the sessions) and buffers
+            step()
         except Exception as exc:  # noqa: BLE001
-            log.warning("%s: freeing buffers at close failed: %s", self.name, exc)
-        if self._owns_memory:
-            try:
-                self.device_memory.close()
-            except Exception as exc:  # noqa: BLE001
-                log.warning("%s: freeing device memory at close failed: %s", self.name, exc)
+            log.warning("%s: %s failed: %s", self.name, what, exc)
+
+    def _teardown(self) -> None:
+        """Free everything, in an order that never leaves ORT holding a destroyed stream; a step
+        that fails is logged and the next ones still run."""
+        stream = self._stream
+        self._try("synchronising the stream at close", None if stream is None else stream.synchronize)
+        self._try("freeing buffers at close", self._slots.close)  # drops the IOBindings (they hold the sessions)
+        self._try("freeing device memory at close", self.device_memory.close if self._owns_memory else None)
         if self._owns_pool:
             self.pinned_pool.close()
         refs = [weakref.ref(p.session) for p in self._parts if p is not None]
@@ -894,8 +894,5 @@ class CudaWorker(ThreadWorker):
                 log.warning("%s: a session outlives the worker; its stream is not destroyed",
                             self.name)
             else:
-                try:
-                    self._stream.destroy()
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("%s: destroying the stream failed: %s", self.name, exc)
+                self._try("destroying the stream", self._stream.destroy)
             self._stream = None
