@@ -167,7 +167,14 @@ def heavy(tmp_path_factory, two_groups):
     home = root / "home"
     workers = start_workers(plan, groups=two_groups)
     try:
-        calibrate(plan, [32], workers=workers, store=PerfModelStore(home), max_runs=30)
+        report = calibrate(plan, [32], workers=workers, store=PerfModelStore(home), max_runs=30)
+        # on a loaded host the outlier rule can keep an entry from 10 accepted samples within
+        # 30 runs (then optimize-batch has no model at batch 32): go on until every entry has
+        for _ in range(4):
+            if not report.uncalibrated:
+                break
+            report = calibrate(plan, [32], workers=workers, store=PerfModelStore(home), max_runs=200)
+        assert not report.uncalibrated, f"could not calibrate {report.uncalibrated} (machine too noisy?)"
     finally:
         for w in workers:
             w.close()
