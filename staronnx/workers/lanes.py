@@ -29,10 +29,11 @@ work without root or ``CAP_SYS_NICE``. The GIL is the other wait: a lane thread 
 it, and a thread running Python holds it up to the interpreter's switch interval (5 ms), so
 whoever serves a runtime with lanes shortens that interval to :data:`LANE_SWITCH_INTERVAL`
 while it serves (``with short_switch_interval():``; ``staronnx serve --lane`` does): a
-process-wide setting is the caller's choice, not a ``Runtime``'s side effect. Measured on the 2-core VM: a waking lane waited up to 4-8 ms on
-the run queue at ``nice`` +10 and up to 5 ms for the GIL; with both remedies
-``benchmarks/multi_model.py`` gives the light model a p99 of 3.2-4.2 ms against 7.5-8.0 ms with
-separate runtimes, the heavy model keeping 0.96x their throughput.
+process-wide setting is the caller's choice, not a ``Runtime``'s side effect. Measured on the
+2-core VM: a waking lane waited up to 4-8 ms on the run queue at ``nice`` +10 and up to 5 ms
+for the GIL; with both remedies ``benchmarks/multi_model.py`` gives the light model a p99 of
+3.2-4.2 ms against 7.5-8.0 ms with separate runtimes, the heavy model keeping 0.96x their
+throughput.
 
 The lane is a worker like any other for the scheduler: same arch (it shares the group's perf
 models) and its own queue. A model with lanes runs on its lanes only: on a group's shared
