@@ -248,20 +248,27 @@ def real_plan(tmp_path_factory):
 SHARED_GROUPS = {"test_ray.py": "ray", "test_real_models_ray.py": "ray"}
 #: modules whose tests take longest, started first so that no worker ends on one of them alone
 #: (ordering only: a module missing here is just scheduled later)
-LONG_FIRST = ("test_readme.py", "test_ray.py", "test_real_models_ray.py", "test_serve_hostile.py",
-              "test_real_models_serve.py", "test_cli_signals.py", "test_multi_model_sweep.py", "test_serve.py")
+LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_readme.py", "test_cli_rough_edges.py",
+              "test_multi_model_sweep.py", "test_cli_usability.py", "test_new_user.py", "test_calibrate.py",
+              "test_sweep.py", "test_cuda_cli.py", "test_serve_hostile.py", "test_real_models_serve.py",
+              "test_cli_signals.py", "test_serve.py")
+#: modules of slow, independent tests whose fixtures are cheap (or session-wide): their tests
+#: are spread over the workers one by one rather than kept on their module's worker
+SPREAD = {"test_cli_rough_edges.py", "test_multi_model_sweep.py", "test_cli_usability.py", "test_new_user.py",
+          "test_calibrate.py", "test_sweep.py", "test_cuda_cli.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under ``--dist loadgroup`` every test runs on the worker of its module's group (its
     module, unless :data:`SHARED_GROUPS` or its own ``xdist_group`` mark says otherwise), so a
-    module's fixtures are made once and a module's tests never run beside each other; the
-    modules of :data:`LONG_FIRST` are queued first. Runs before xdist reads the marks."""
+    module's fixtures are made once and a module's tests never run beside each other, except
+    the modules of :data:`SPREAD`, whose tests go one by one; the modules of :data:`LONG_FIRST`
+    are queued first. Runs before xdist reads the marks."""
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept otherwise
     if not config.pluginmanager.hasplugin("xdist"):  # its mark is unknown without it (--strict-markers)
         return
     for item in items:
-        if item.get_closest_marker("xdist_group") is None:
+        if item.get_closest_marker("xdist_group") is None and item.path.name not in SPREAD:
             item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(item.path.name, item.path.name)))
