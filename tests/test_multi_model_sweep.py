@@ -278,8 +278,11 @@ def test_cli_sweep_mixed_traffic_on_one_live_runtime(plans, tmp_path):
     assert (tmp_path / "figs" / "models.png").read_bytes()[:8] == PNG
 
 
-def test_cli_sweep_mixed_traffic_mistakes(plans, tmp_path):
+def test_cli_sweep_mixed_traffic_mistakes(plans, tmp_path, capsys, monkeypatch):
+    from _helpers import cli  # the CLI in this process: six refusals need no six interpreters
+
     heavy, light, home = plans
+    monkeypatch.setenv("STARONNX_HOME", str(home))
     base = ("sweep", str(heavy.root), str(light.root), "-o", str(tmp_path / "x"))
     for args, words in (
         (("--rates", "100"), "rates per model"),
@@ -289,8 +292,8 @@ def test_cli_sweep_mixed_traffic_mistakes(plans, tmp_path):
         (("--rates", "heavy=10,light=5", "--name", "a"), "--name given 1 time(s) for 2 plan(s)"),
         (("--rates", "heavy=10,light=5", "--slo-ms", "nope=3"), "not served"),
     ):
-        bad = _cli(*base, *args, home=home)
-        assert bad.returncode == 2 and words in bad.stderr, (args, bad.stderr)
+        code, _, err = cli(capsys, *base, *args)
+        assert code == 2 and words in " ".join(err.split()), (args, err)
 
 
 # -- residency (issue 23): some models on some workers only -------------------------------------
