@@ -261,8 +261,7 @@ def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequenc
         throughput=r * batch_size, batches_per_s=r, batch_size=batch_size, assignment=assignment,
         binding=binding, utilization=utilization, transfers=transfers, workers=list(workers),
         loads=[[float(t[p, w] * x[y(p, w)]) if usable[p, w] else 0.0 for w in range(n_workers)]
-               for p in range(n_parts)],
-    )
+               for p in range(n_parts)])
 
 
 def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:

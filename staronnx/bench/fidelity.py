@@ -77,8 +77,7 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribut
         machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]), policy=policy,
         duration=float(row["duration_s"]), distribution=distribution, seed=seed,
         queue_capacity=max(queue_capacity, int(row["batch_size"])), max_delay=max_delay, pad_to=tuple(pad_to),
-        trace=trace, host_costs=host_costs,
-    )
+        trace=trace, host_costs=host_costs)
     return sim_columns(summarize(result.records, warmup=warmup), row)
 
 
@@ -93,12 +92,9 @@ def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlin
         return None if v is None else v * 1e3
 
     out: dict[str, Any] = {
-        "sim_throughput": _finite(simulated.get("throughput")),
-        "sim_latency_p50_ms": ms("latency_p50"),
-        "sim_latency_p99_ms": ms("latency_p99"),
-        "sim_paper_latency_mean_ms": ms("paper_latency_mean"),
-        "sim_congested": bool(simulated.get("congested")),
-    }
+        "sim_throughput": _finite(simulated.get("throughput")), "sim_latency_p50_ms": ms("latency_p50"),
+        "sim_latency_p99_ms": ms("latency_p99"), "sim_paper_latency_mean_ms": ms("paper_latency_mean"),
+        "sim_congested": bool(simulated.get("congested"))}
     if deadlines:
         out["sim_deadline_misses"] = simulated.get("deadline_misses")
     for sim_key, live_key, err_key in COMPARED:

@@ -188,8 +188,7 @@ class ServedModel:
             queue_capacity=int(capacity) if capacity and capacity.isdigit() else None,
             runtime={k: params[k] for k in ("policy", "groups", "cuda_streams", "cuda_devices", "engine")
                      if k in params},
-            batching=batching, batch_axes=axes, batching_reason=params.get("batching_reason") or None,
-        )
+            batching=batching, batch_axes=axes, batching_reason=params.get("batching_reason") or None)
 
     def contract_of(self, plan: Plan) -> Plan:
         """``plan`` with the batching the server serves it with: the plan itself where they
@@ -689,5 +688,4 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
             cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices,
             engine=str(actual.get("engine", "?")), max_delay=served.max_delay,
             queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,
-            front_end=front_end, simulate=False, **sweep_kwargs,
-        )
+            front_end=front_end, simulate=False, **sweep_kwargs)

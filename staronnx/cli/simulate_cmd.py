@@ -281,15 +281,13 @@ def _print_one(result: Any, machine: Any, label: str, batch_size: int, policy: s
         f"papers' latency {_ms(m['paper_latency_mean'])} ms (std {_ms(m['paper_latency_std'])}); "
         f"per request p50 {_ms(m['latency_p50'])} ms, p99 {_ms(m['latency_p99'])} ms; "
         f"{m['rejected']} rejected; {'CONGESTED' if m['congested'] else 'stable load'}",
-        highlight=False,
-    )
+        highlight=False)
     achieved = m["throughput"] / bound.throughput if bound.throughput > 0 else math.nan
     binding = ", ".join(b.name for b in bound.binding) or "-"
     console.print(
         f"LP bound {bound.throughput:.1f} samples/s at batch {batch_size} "
         f"(achieved / bound {achieved:.1%}); binding: {binding}",
-        highlight=False,
-    )
+        highlight=False)
     table = Table(title="placement (simulated vs LP optimum)")
     for col in ("part", "arch", "tasks", "share", "LP share"):
         table.add_column(col, overflow="fold")

@@ -205,8 +205,7 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
             _fmt(r.get("sim_throughput"), 1), pct(r.get("err_throughput")), _fmt(r.get("latency_p50_ms")),
             _fmt(r.get("sim_latency_p50_ms")), pct(r.get("err_latency_p50")), _fmt(r.get("paper_latency_mean_ms")),
             _fmt(r.get("sim_paper_latency_mean_ms")), pct(r.get("err_paper_latency")),
-            f"{_fmt(bool(r.get('congested')))}/{_fmt(bool(r.get('sim_congested')))}", _busy_cell(r),
-        )
+            f"{_fmt(bool(r.get('congested')))}/{_fmt(bool(r.get('sim_congested')))}", _busy_cell(r))
     console.print(table)
     f = fidelity_summary(rows)
     if f.get("busy_points") and not f["simulated_points"]:  # nothing quiet to judge by: say so, show them all
@@ -263,8 +262,7 @@ def _summary_table(rows: list[dict[str, Any]]) -> Table:
             _fmt(r.get("latency_p50_ms")), _fmt(r.get("latency_p99_ms")),
             "-" if r.get("cpu_share") is None else f"{r['cpu_share']:.0%}",
             "-" if r.get("achieved_over_bound") is None else f"{r['achieved_over_bound']:.0%}",
-            state, *((_busy_cell(r),) if busy else ()),
-        )
+            state, *((_busy_cell(r),) if busy else ()))
     return table
 
 
@@ -449,8 +447,7 @@ def sweep_cmd(
            f"{', load generator on the ' + host_core_name(cuda_streams) if colocate else ''}: "
            f"{len(runnable_sizes(plan, sizes)[0])} batch size(s) x ") +
         f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
-        highlight=False,
-    )
+        highlight=False)
     rows = _with_bars(quiet, False, output, lambda bars: run(
         plan, rate_list, sizes, progress=bars, extend=extend, engine=engine, label=names[0] if names else None,
         inputs=real, inputs_path=inputs,
@@ -633,8 +630,7 @@ def optimize_batch_cmd(
             groups=groups, cuda_streams=cuda_streams, cuda_devices=devices, distribution=distribution, verify=verify,
             sim_duration=parse_duration(sim_duration, option="--sim-duration"),
             verify_duration=parse_duration(verify_duration, option="--verify-duration"),
-            max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg), colocate=colocate,
-        )
+            max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg), colocate=colocate)
     table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")
     for c in ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
               "error", "LP bound", "note"):
@@ -660,8 +656,7 @@ def optimize_batch_cmd(
             _fmt(r["predicted_throughput"], 1), _fmt(r["measured_latency_ms"]), _fmt(r["measured_p99_ms"]),
             _fmt(r["measured_throughput"], 1),
             "-" if r["latency_error"] is None else f"{r['latency_error']:+.0%}",
-            _fmt(r["bound_throughput"], 0), ", ".join(note),
-        )
+            _fmt(r["bound_throughput"], 0), ", ".join(note))
     console.print(table)
     chosen = result.candidate(result.best)
     how = "measured" if verify else "predicted"
