@@ -433,17 +433,11 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     lp = _lp(machine, sizes, demand, where)
     scale = lp.batches_per_s
     solo = {n: _lp(machine, sizes, {n: 1.0 / sizes[n]}, where).batches_per_s for n in names}
-    busy: dict[str, dict[str, float]] = {}
-    shares: dict[str, dict[str, float]] = {}
-    for m in models.models:
-        busy[m.name] = {w.name: sum(lp.loads[p][i] for p in m.parts) for i, w in enumerate(machine.workers)}
-        arch = {w.name: w.arch for w in machine.workers}
-        own: dict[str, float] = {}
-        for (p, wname), frac in lp.assignment.items():
-            if p in m.parts:
-                key = f"part{p - m.first_part}/{arch[wname]}"
-                own[key] = own.get(key, 0.0) + frac
-        shares[m.name] = dict(sorted(own.items()))
+    busy = {m.name: {w.name: sum(lp.loads[p][i] for p in m.parts) for i, w in enumerate(machine.workers)}
+            for m in models.models}
+    # each model's parts in its own numbering, as batch_bounds writes a single plan's
+    shares = {m.name: {f"part{p - m.first_part}/{a}": x for (p, a), x in lp.arch_share().items() if p in m.parts}
+              for m in models.models}
     return MixBound(
         scale=scale, rates={n: float(rates[n]) for n in names}, batch_sizes=sizes,
         throughput={n: scale * float(rates[n]) for n in names}, solo=solo, binding=lp.binding,
