@@ -48,7 +48,7 @@ from staronnx.plan import Plan  # noqa: E402
 from staronnx.runtime.runtime import Runtime  # noqa: E402
 from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
-from staronnx.workers.launch import start_workers  # noqa: E402
+from staronnx.calibrate import start_workers  # noqa: E402
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "models" / "real"
 

@@ -58,7 +58,7 @@ from staronnx.calibrate import calibrate  # noqa: E402
 from staronnx.partition.autoshares import median_seconds  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.workers.cudart import capture_safe  # noqa: E402
-from staronnx.workers.launch import start_workers  # noqa: E402
+from staronnx.calibrate import start_workers  # noqa: E402
 from staronnx.workers.topology import Topology  # noqa: E402
 
 CUDA = "CUDAExecutionProvider"

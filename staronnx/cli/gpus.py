@@ -20,7 +20,7 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
     if not cuda_streams:
         raise StaronnxError("--cuda-devices picks the GPUs of the CUDA workers: it needs --cuda-streams N")
     from staronnx.workers.cuda import visible_cuda_devices
-    from staronnx.workers.launch import cuda_ordinals
+    from staronnx.workers.layout import cuda_ordinals
 
     visible = visible_cuda_devices()
     if text.strip().lower() == "all":

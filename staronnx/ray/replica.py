@@ -27,8 +27,10 @@ import numpy as np
 
 from staronnx.ray.spec import ReplicaSpec
 from staronnx.serving.collector import full_collections_every
+from staronnx.workers.lanes import short_switch_interval
 
 if TYPE_CHECKING:
+    from staronnx.runtime.runtime import ModelHandle, Runtime
     from staronnx.serve.models import ModelEndpoint
 
 log = logging.getLogger("staronnx.ray")
@@ -100,8 +102,10 @@ def health_problem(endpoint: ModelEndpoint, runtime: Any = None) -> str | None:
     return runtime_problem(endpoint.runtime if runtime is None else runtime)
 
 
-def runtime_problem(runtime: Any) -> str | None:
-    """Why ``runtime`` cannot run tasks (every worker dead, or no state to report), or None."""
+def runtime_problem(runtime: Runtime | ModelHandle) -> str | None:
+    """Why ``runtime`` cannot run tasks (closed, every worker dead, or no state to report), or None."""
+    if runtime.closed:
+        return "the runtime is closed"
     try:
         stats = runtime.stats()
     except Exception as exc:  # noqa: BLE001 - a runtime that cannot report is not healthy
@@ -144,6 +148,8 @@ class StaronnxReplica:
         self.gpus = len(ray.get_gpu_ids())
         self.runtime = open_runtime(self.spec, tuple(range(self.gpus)) or (0,))
         self._open.callback(self.runtime.close, 30.0)  # which merges the perf models learnt since the last save
+        if self.runtime.machine.lanes:  # a lane preempts its group's workers within 0.5 ms (staronnx serve's rule)
+            self._open.enter_context(short_switch_interval())
         try:
             self.endpoints = open_endpoints(self.spec, self.runtime, self.replica)
         except BaseException:
@@ -241,9 +247,7 @@ class StaronnxReplica:
         """This replica's in-memory perf models: ``{"part.arch": {batch: [n, nerror]}}`` (keys
         ``"model/part.arch"`` when it hosts several models), and how many samples wait to be
         merged into the store."""
-        # the native engine's perf-model predictor (None for the starpu engine, whose StarPU keeps
-        # its own); Runtime has no public word for its engine's
-        predictor = self.runtime._engine.predictor
+        predictor = self.runtime.predictor
         out: dict[str, Any] = {"replica": self.replica, "models": {}, "unsaved": 0}
         if predictor is None:
             return out

@@ -109,7 +109,7 @@ class ModelSpec:
             raise StaronnxError(f"gc_interval must be >= 0 seconds (0 = Python's own thresholds), got {self.gc_interval}")
         check_names([self.name])
         from staronnx.workers.groups import GroupError, policy_reserve
-        from staronnx.workers.launch import NO_CPU
+        from staronnx.workers.layout import NO_CPU
 
         # its syntax, here: a replica would fail only after Serve's retries
         if self.groups.strip().lower() == NO_CPU:  # the GPU alone (launch's own word for it)

@@ -60,6 +60,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.models import HostedModel, ModelSet, ServiceTarget, load_plans
 from staronnx.runtime.registry import EngineSettings, engine_factory
+from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.colocate import Colocation
@@ -298,12 +299,24 @@ class Runtime:
         return self._engine.tracer
 
     @property
+    def predictor(self) -> PerfPredictor | None:
+        """The perf models the native engine learns from every task (None for the starpu
+        engine, whose StarPU keeps its own): what a replica reports of its models."""
+        return self._engine.predictor
+
+    @property
     def workers(self) -> list[Any]:
         """The workers tasks run on (each with ``name`` and ``arch``): staronnx's own, or
         StarPU's as seen through the engine, so sweeps and warm-ups size themselves alike."""
         return self._engine.workers
 
     # -- shutdown -----------------------------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: it takes no request after (a health check's
+        question, before it asks the workers)."""
+        return self._closed
+
     def close(self, timeout: float | None = 30.0) -> None:
         """Drain in-flight work for up to ``timeout`` s, cancel the rest, stop every thread."""
         with self._close_lock:
@@ -361,6 +374,11 @@ class ModelHandle:
     @property
     def tracer(self) -> Tracer | None:
         return self.runtime.tracer
+
+    @property
+    def closed(self) -> bool:
+        """The shared runtime's :attr:`Runtime.closed`."""
+        return self.runtime.closed
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Nothing to free: the shared runtime is closed by its owner."""

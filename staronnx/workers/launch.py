@@ -15,11 +15,10 @@ from typing import Any, Protocol
 from staronnx.plan import Plan
 from staronnx.workers.base import ThreadWorker
 from staronnx.workers.groups import GroupError
-from staronnx.workers.layout import NO_CPU, MachineSpec, cuda_ordinals, layout
+from staronnx.workers.layout import MachineSpec, layout
 from staronnx.workers.topology import Topology
 
-#: NO_CPU and cuda_ordinals: still imported from here by ray/spec.py and cli/gpus.py
-__all__ = ["NO_CPU", "ServedModels", "cuda_ordinals", "start_workers", "part_models"]
+__all__ = ["ServedModels", "start_workers", "part_models"]
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +41,8 @@ class ServedModels(Protocol):
     def part_path(self, part: int) -> Path: ...
 
 
-def start_workers(plan: Plan | ServedModels, spec: MachineSpec | None = None, *, topology: Topology | None = None,
-                  cuda_options: dict[str, Any] | None = None, **machine: Any) -> list[ThreadWorker]:
+def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Topology | None = None,
+                  cuda_options: dict[str, Any] | None = None) -> list[ThreadWorker]:
     """Started workers for ``plan`` laid out as ``spec`` asks. On any failure the ones already
     started are closed, so a bad request leaves no thread behind. ``cuda_options`` go to every
     :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
@@ -54,7 +53,6 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec | None = None, *,
     from staronnx.workers.cpu import CpuWorker
 
     options = dict(cuda_options or {})
-    spec = spec or MachineSpec(**machine)  # (for benchmarks/gpu.py and data_movement.py until they import calibrate's)
     # the CUDA worker options that are the machine's (cuda_options={"cuda_graphs": False}, as before)
     spec = replace(spec, cuda_graphs=options.pop("cuda_graphs", spec.cuda_graphs),
                    thread_per_stream=options.pop("thread_per_stream", spec.thread_per_stream))
