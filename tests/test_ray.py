@@ -675,7 +675,7 @@ def test_cpu_share_gives_each_replica_on_a_machine_its_own_cores():
 
 
 def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
-    from staronnx.ray.replica import health_problem
+    from staronnx.ray.replica import health_problem, runtime_problem
     from staronnx.runtime.runtime import Runtime
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
@@ -691,6 +691,7 @@ def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
     assert health_problem(endpoint) == "the model endpoint is closed"
     endpoint.ready = True  # a closed batcher and runtime behind an endpoint that says ready
     assert health_problem(endpoint) == "the batcher has stopped"
+    assert runtime_problem(endpoint.runtime) == "the runtime is closed"
 
 
 def test_serve_config_and_rayservice_build_the_app(tmp_path):
