@@ -187,10 +187,16 @@ def crnn_calibrated(real_plan, tmp_path_factory, two_groups):
     plan = real_plan("crnn_ocr", "0.85,0.15")
     home = tmp_path_factory.mktemp("crnn-home")
     env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
-    done = subprocess.run([sys.executable, "-m", "staronnx", "calibrate", str(plan.root), "--groups", two_groups,
-                           "--batch-sizes", "1,2", "--max-runs", "40"], capture_output=True, text=True, env=env,
-                          timeout=300, check=False)
-    assert done.returncode == 0, done.stderr + done.stdout
+    for max_runs in (40, 200, 200, 200):
+        done = subprocess.run([sys.executable, "-m", "staronnx", "calibrate", str(plan.root), "--groups", two_groups,
+                               "--batch-sizes", "1,2", "--max-runs", str(max_runs)], capture_output=True, text=True,
+                              env=env, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr + done.stdout
+        # on a loaded host the outlier rule can leave an entry short of its samples within
+        # the cap (then there is no model to simulate): calibrate again, the store keeps the rest
+        if "not calibrated (" not in done.stdout:
+            break
+    assert "not calibrated (" not in done.stdout, done.stdout
     return plan, home, done.stdout
 
 
