@@ -255,7 +255,7 @@ LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_readme.py", "test_
 #: modules of slow, independent tests whose fixtures are cheap (or session-wide): their tests
 #: are spread over the workers one by one rather than kept on their module's worker
 SPREAD = {"test_cli_rough_edges.py", "test_multi_model_sweep.py", "test_cli_usability.py", "test_new_user.py",
-          "test_calibrate.py", "test_sweep.py", "test_cuda_cli.py"}
+          "test_calibrate.py", "test_sweep.py", "test_cuda_cli.py", "test_cli_signals.py"}
 
 
 @pytest.hookimpl(tryfirst=True)
