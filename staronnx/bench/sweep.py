@@ -24,6 +24,7 @@ Why it runs the way it does:
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import threading
@@ -39,7 +40,6 @@ from staronnx.bench.bound import MixBound, batch_bounds, mix_bound, stale_models
 from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
 from staronnx.bench.fidelity import fidelity_summary, sim_columns
 from staronnx.bench.machine import build_machine, machine_inflight, residency_where
-from staronnx.bench.mix import MixPoint, batch_one_where_needed, mix_label, mix_points
 from staronnx.bench.points import (measure_point, point_duration, runnable_sizes, sample_pool, task_time_ratio,
                                    tasks_snapshot, warm_up, workers_delta, workers_snapshot)
 from staronnx.bench.results import SweepError, clean, make_row, write_results
@@ -124,6 +124,74 @@ class _Results:
             write_results(self.out_dir, self.rows, settings=self.settings, bounds=self.bounds,
                           skipped=self.skipped, notes=self.notes,
                           fidelity=fidelity_summary(self.rows) if self.fidelity else None)
+
+
+# ---------------------------------------------------------------------------- points
+# A point is a rate and a batch size per model (one model: a (batch size, rate) pair of the
+# grid); several models' points are their mixes (:mod:`staronnx.bench.mix` reads them off
+# the command line).
+class MixPoint:
+    """One point of mixed traffic: a rate (single-sample requests/s) and a batch size per model."""
+
+    __slots__ = ("rates", "batch_sizes")
+
+    def __init__(self, rates: Mapping[str, float], batch_sizes: Mapping[str, int]) -> None:
+        self.rates = {n: float(r) for n, r in rates.items()}
+        self.batch_sizes = {n: int(b) for n, b in batch_sizes.items()}
+
+    @property
+    def label(self) -> str:
+        return mix_label(self.rates)
+
+    def dominates(self, other: MixPoint) -> bool:
+        """Same batch sizes and every rate at least ``other``'s: congested wherever it is."""
+        return (self.batch_sizes == other.batch_sizes
+                and all(self.rates[n] >= other.rates[n] for n in self.rates))
+
+    def __repr__(self) -> str:
+        return f"MixPoint({self.label}, b {self.batch_sizes})"
+
+
+def mix_label(rates: Mapping[str, float]) -> str:
+    """``"a=100,b=400"``: a mix as the command line writes it."""
+    return ",".join(f"{n}={r:g}" for n, r in rates.items())
+
+
+def batch_one_where_needed(plans: Mapping[str, Plan], points: Sequence[MixPoint]) -> tuple[list[MixPoint], list[str]]:
+    """``points`` with batch 1 for every model that runs one request per task (its other sizes
+    mean nothing: :func:`~staronnx.bench.points.runnable_sizes`), points that became equal
+    measured once; and a line per such model saying so (named where there are several)."""
+    from staronnx.bench.points import runnable_sizes
+
+    notes = []
+    for name, plan in plans.items():
+        _, note = runnable_sizes(plan, [p.batch_sizes[name] for p in points if name in p.batch_sizes])
+        if note:
+            notes.append(note if len(plans) == 1 else f"{name}: {note}")
+    if not notes:
+        return list(points), []
+    kept: dict[tuple[Any, ...], MixPoint] = {}
+    for p in points:
+        sizes = {n: (b if n not in plans or plans[n].contract.batchable else 1) for n, b in p.batch_sizes.items()}
+        point = MixPoint(p.rates, sizes)
+        kept.setdefault((tuple(point.rates.items()), tuple(sizes.items())), point)
+    return list(kept.values()), notes
+
+
+def mix_points(rates: Mapping[str, Sequence[float]], batch_sizes: Mapping[str, Sequence[int]] | Sequence[int],
+               names: Sequence[str]) -> list[MixPoint]:
+    """Every combination of the models' rates, for each batch-size setting.
+
+    ``batch_sizes`` per model (every combination too), or one list whose each size applies to
+    every model at once. Ordered by batch sizes, then rates ascending (the first model's rate
+    varying slowest), so a congested point is met before the points that dominate it.
+    """
+    if isinstance(batch_sizes, Mapping):
+        settings = [dict(zip(names, combo)) for combo in itertools.product(*(sorted(batch_sizes[n]) for n in names))]
+    else:
+        settings = [{n: int(b) for n in names} for b in sorted(batch_sizes)]
+    combos = list(itertools.product(*(sorted(rates[n]) for n in names)))
+    return [MixPoint(dict(zip(names, combo)), b) for b in settings for combo in combos]
 
 
 def _check_mixes(names: Sequence[str], points: Sequence[MixPoint]) -> None:
