@@ -579,19 +579,24 @@ class NativeEngine:
         :meth:`_complete` waits for it) or run to its end (CPU). A scheduled task's fetches
         from a GPU (a CPU worker's downloads) count in its wall time, not in its perf model's
         compute time; a pinned task reads its feeds as they are."""
-        timed = task.timed if isinstance(task, Pinned) else self._timed(wid, task)
+        # one class test a task (this is the hot path): ``scheduled`` is the task, or None when pinned
+        if isinstance(task, Pinned):
+            scheduled, timed, given = None, task.timed, task.feeds
+        else:
+            scheduled, timed, given = task, self._timed(wid, task), None
         start = self.clock.now()
         kept: list[tuple[str, Any]] = []
-        if self.core.prefetch and isinstance(task, Task):
-            self._count_start(task, wid)
+        if self.core.prefetch and scheduled is not None:
+            self._count_start(scheduled, wid)
         try:
-            feeds = task.feeds if isinstance(task, Pinned) else self._feeds(task, wid, kept)
+            feeds = self._feeds(scheduled, wid, kept) if scheduled is not None else given
+            assert feeds is not None
             if ahead:
-                route = self._routes[task.part] if self._memories and isinstance(task, Task) else None
+                route = self._routes[task.part] if self._memories and scheduled is not None else None
                 return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route), kept=kept or None)
             began = self.clock.now()
             outputs = worker.run_here(task.part, feeds, timed)
-            copied = isinstance(task, Task) and bool(task.copies)
+            copied = scheduled is not None and bool(scheduled.copies)
             compute = worker.last_compute_seconds or (self.clock.now() - began if copied else None)
             return _Started(start, timed, None, outputs, None, compute, kept or None)
         except WorkerLost:
