@@ -228,6 +228,15 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
               f"{served:.1f}: bound / capacity {bound / served:.2f} (tasks alone {bound_nohost[b] / served:.2f})")
     busy = sum(1 for r in rows if r.get("machine_busy"))
     print(f"points measured beside other work (busy): {busy} of {len(rows)}")
+    # the simulator's own speed: a what-if must answer in seconds (target: 10 s of serving at the
+    # bound's rate, batch 1, simulated in under 5 s; a timed unit test would fail on a busy host)
+    from staronnx.bench.simulator import simulate
+
+    machine_now = build_machine(plan, groups=args.groups, store=store)
+    rate = min(ratios[min(ratios)][0], 500.0) if ratios else 100.0
+    res = simulate(machine=machine_now, rate=rate, batch_size=1, duration=10.0)
+    print(f"simulator speed: 10 s of serving at {rate:.0f} req/s ({res.metrics()['completed']} requests) simulated in "
+          f"{res.wall_seconds:.2f} s (target < 5 s)")
     for note in doc["notes"]:
         print(f"note: {note}")
     return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
