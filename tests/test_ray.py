@@ -55,6 +55,12 @@ def cluster():
     pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
     from ray import serve
 
+    # Serve kills an HTTP proxy actor not ready within 5 s (and one whose health check takes
+    # over 10 s): on a busy 2-core host the proxy's process takes longer to start, and every
+    # `serve --ray` failed. The cluster's processes and the CLI's inherit these.
+    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+    saved = {k: os.environ.get(k) for k in patience}
+    os.environ.update(patience)
     try:
         # two GPUs declared (none needed: a replica given them drives HostRuntime stand-ins)
         ctx = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
@@ -67,6 +73,11 @@ def cluster():
             serve.shutdown()
         finally:
             ray.shutdown()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def _replicas(deployment: str, app: str, want: int, timeout: float = 60.0,
