@@ -14,7 +14,9 @@ demo: $(STAMP)
 # made once; see tests/conftest.py); `make test TEST_WORKERS=0` runs it in this one process.
 TEST_WORKERS ?= 4
 
+# mypy first (mypy.ini: strict where the engine, its workers and the batcher meet), then the suite
 test: $(STAMP)
+	$(VENV)/bin/mypy
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
 venv: $(STAMP)
