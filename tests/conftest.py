@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -29,6 +30,16 @@ from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.zoo import fragile, inception
+
+
+@pytest.fixture(autouse=True)
+def _sigint_not_ignored():
+    """Each test starts with SIGINT handled as Python's default: a library an earlier test of
+    the same (xdist) worker process started may have left it ignored, and a child process
+    inherits an ignored SIGINT, so the Ctrl-C tests' commands would never see theirs."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
 
 #: the controller's private folder and the real home, handed to xdist workers (which inherit
 #: the controller's environment, STARONNX_HOME already private)
