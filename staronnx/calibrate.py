@@ -360,7 +360,7 @@ def calibrate_host(
                     own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
                     _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
                     host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
-                    runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds))
+                    runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds, load == HOST_PROBE_LOADED))
             probe_load = total.stop()
             assert runtime.tracer is not None
             origin = runtime.tracer.origin
@@ -369,8 +369,8 @@ def calibrate_host(
         finally:
             runtime.close()
     deps = plan.dependencies()
-    light = {run.batch: _host_costs(run, events, origin, deps) for run in runs[0::2]}
-    loaded = {run.batch: _host_costs(run, events, origin, deps) for run in runs[1::2] if _kept_up(run)}
+    light = {run.batch: _host_costs(run, events, origin, deps) for run in runs if not run.loaded}
+    loaded = {run.batch: _host_costs(run, events, origin, deps) for run in runs if run.loaded and _kept_up(run)}
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
     costs = {b: _two_loads(light[b], loaded.get(b)) for b in light}
@@ -399,7 +399,7 @@ def _scratch_store(store: PerfModelStore, plan_hash: str, root: Path) -> PerfMod
 class _ProbeRun:
     """One batch size's probe at one rate: its records, the CPU its threads other than the
     workers' used (seconds), whether the Server answered on the workers' threads (a CPU-only
-    runtime), the offered rate and how long it was offered."""
+    runtime), the offered rate and how long it was offered, and whether it was the loaded one."""
 
     batch: int
     records: Any
@@ -407,6 +407,7 @@ class _ProbeRun:
     inline: bool
     rate: float
     seconds: float
+    loaded: bool
 
 
 def _kept_up(run: _ProbeRun) -> bool:
