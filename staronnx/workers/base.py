@@ -256,10 +256,6 @@ class ThreadWorker(Worker, ABC):
         self._put((fn, fut))
         return fut
 
-    def _check_started(self) -> None:
-        if self._thread is None:
-            raise RuntimeError(f"{self.name} is not started; call start() first")
-
     def _check_part(self, part: int) -> None:
         if not 0 <= part < len(self.part_paths):
             raise IndexError(f"{self.name} has parts 0..{len(self.part_paths) - 1}, not {part}")
@@ -272,7 +268,8 @@ class ThreadWorker(Worker, ABC):
             raise RuntimeError(f"run_here called outside {self.name}'s thread")
 
     def _put(self, item: tuple[Any, ...]) -> None:
-        self._check_started()
+        if self._thread is None:
+            raise RuntimeError(f"{self.name} is not started; call start() first")
         with self._lock:
             if self._closed:
                 raise RuntimeError(f"{self.name} is closed; cannot accept new tasks")
@@ -318,28 +315,20 @@ class ThreadWorker(Worker, ABC):
             return
         self._ready.set()
         try:
-            self._serve()
+            while (item := self._queue.get()) is not _STOP:
+                fn, fut = item
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # noqa: BLE001
+                    # the traceback's frames hold the ORT session (``self`` of its run wrapper):
+                    # kept in the future they would keep the session - its thread pool, arena,
+                    # stream - alive after close(); the error's message says what went wrong
+                    traceback.clear_frames(exc.__traceback__)
+                    fut.set_exception(exc)
         finally:
             self._teardown()
-
-    def _serve(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is _STOP:
-                return
-            self._do_call(*item)
-
-    @staticmethod
-    def _do_call(fn: Callable[[], Any], fut: Future[Any]) -> None:
-        if fut.set_running_or_notify_cancel():
-            try:
-                fut.set_result(fn())
-            except BaseException as exc:  # noqa: BLE001
-                # the traceback's frames hold the ORT session (``self`` of its run wrapper):
-                # kept in the future they would keep the session - its thread pool, arena,
-                # stream - alive after close(); the error's message says what went wrong
-                traceback.clear_frames(exc.__traceback__)
-                fut.set_exception(exc)
 
     def _pin(self, pu: int) -> None:
         """Pin the calling thread (on Linux, ``sched_setaffinity(0)`` is per thread) to ``pu``."""

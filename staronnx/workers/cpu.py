@@ -29,7 +29,7 @@ from staronnx.workers.base import Feeds, Outputs, ThreadWorker
 from staronnx.workers.cpu_weights import SharedWeights, default_shared_weights
 from staronnx.workers.groups import CpuGroup
 from staronnx.workers.lanes import lower_priority
-from staronnx.workers.topology import Topology, format_pus
+from staronnx.workers.topology import Topology, bind_memory, format_pus
 
 __all__ = ["CpuWorker"]
 
@@ -166,7 +166,7 @@ class CpuWorker(ThreadWorker):
         self._pin(self.group.first_pu)
         if self.lowered:  # before the sessions: ORT's pool threads inherit this thread's priority
             self.priority = lower_priority(self.lowered, self.name)
-        self.membind = _bind_memory(self._topology, self.group)
+        self.membind = bind_memory(self._topology, self.group.numa_nodes)
         for i, path in enumerate(self.part_paths):
             if path is None:  # a part this worker does not hold: no session, no memory
                 self._sessions.append(None)
@@ -220,41 +220,3 @@ def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True
         except Exception as exc:  # noqa: BLE001 - fall back to a private copy
             log.warning("%s: weights of %s not shared (%s); loading a private copy", who, path, exc)
     return ort.InferenceSession(str(model), so, providers=["CPUExecutionProvider"]), shared
-
-
-# ---------------------------------------------------------------------- helpers
-_system_topology: Topology | None = None
-_system_lock = threading.Lock()
-
-
-def _bind_memory(topology: Topology | None, group: CpuGroup) -> str:
-    """Bind this thread's future allocations to the group's NUMA node(s); never raises.
-
-    One node: hwloc BIND.  Several (a package group): INTERLEAVE, so that weights and
-    activations spread over the nodes whose cores use them.
-    """
-    global _system_topology
-    try:
-        if topology is None:
-            with _system_lock:
-                if _system_topology is None:
-                    _system_topology = Topology.from_system()
-                topology = _system_topology
-        if not topology.is_this_system or topology.hw is None:
-            return "skipped: the topology is not this system's"
-        if len(topology.numa_nodes) <= 1:
-            return "skipped: one NUMA node"
-        if not group.numa_nodes:
-            return "skipped: the group has no NUMA node"
-        from pyhwloc.bitmap import Bitmap
-        from pyhwloc.topology import MemBindFlags, MemBindPolicy
-
-        policy = MemBindPolicy.BIND if len(group.numa_nodes) == 1 else MemBindPolicy.INTERLEAVE
-        topology.hw.set_membind(
-            Bitmap.from_sched_set(set(group.numa_nodes)),
-            policy,
-            MemBindFlags.THREAD | MemBindFlags.BYNODESET,
-        )
-        return f"{policy.name.lower()} to NUMA {','.join(map(str, group.numa_nodes))}"
-    except Exception as exc:  # noqa: BLE001 - best effort by design
-        return f"failed: {exc}"

@@ -73,12 +73,10 @@ from staronnx.workers.cuda_env import (  # noqa: F401 - re-exported: their old h
     _out_of_memory,
     cuda_unavailable_reason,
     describe_gpus,
-    missing_device,
     visible_cuda_devices,
 )
 from staronnx.workers.cudart import (
     CAPTURE_THREAD_LOCAL,
-    HOST_RUNTIME_ENV,  # noqa: F401 - re-exported: its old home
     CudaError,
     CudaRuntime,
     GpuRuntime,
@@ -270,21 +268,13 @@ class CudaWorker(ThreadWorker):
         """
         if self.cuda_graphs:  # discovery, the capture, one replay
             repeats = max(repeats, 3)
-        timings: list[tuple[int, int, float]] = (driver or self).call(
-            lambda: self._warmup_here(batch_sizes, make_feeds, repeats, parallel))
-        return timings
 
-    def _warmup_here(self, batch_sizes: Sequence[int], make_feeds: Callable[[int, int], Feeds],
-                     repeats: int, parallel: int) -> list[tuple[int, int, float]]:
-        """:meth:`warmup`, in the calling thread (the one that will launch this worker's
-        tasks: ORT keeps graphs per thread)."""
-        self.adopt_thread()
-        timings = []
-        for part, path in enumerate(self.part_paths):
-            if path is None:
-                continue
-            for b in batch_sizes:
-                timings.append((part, b, self._warm_shape(part, make_feeds(part, b), repeats, parallel)))
+        def here() -> list[tuple[int, int, float]]:  # on the thread that will launch the tasks
+            self.adopt_thread()
+            return [(part, b, self._warm_shape(part, make_feeds(part, b), repeats, parallel))
+                    for part, path in enumerate(self.part_paths) if path is not None for b in batch_sizes]
+
+        timings: list[tuple[int, int, float]] = (driver or self).call(here)
         return timings
 
     def _warm_shape(self, part: int, feeds: Feeds, repeats: int, parallel: int) -> float:
@@ -294,7 +284,7 @@ class CudaWorker(ThreadWorker):
         seconds, done = 0.0, 0
         while done < repeats:
             if self.lost is not None:
-                raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+                raise self._unusable()
             failures, error = self.graph_failures, None
             launches = []
             for _ in range(parallel):
@@ -335,7 +325,7 @@ class CudaWorker(ThreadWorker):
         which outputs come back to the host and which stay on this GPU as tensors of
         :attr:`device_memory` (None: every output comes back)."""
         if self.lost is not None:
-            raise WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+            raise self._unusable()
         try:
             return self._launch(part, feeds, timed, route)
         except BaseException as exc:
@@ -368,10 +358,13 @@ class CudaWorker(ThreadWorker):
         self._runtime.thread_capture_mode(CAPTURE_THREAD_LOCAL)
         self._runtime.set_device(self.device_id)
 
+    def _unusable(self) -> WorkerLost:
+        return WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+
     def _lost_or(self, exc: BaseException) -> BaseException:
         """``exc``, or :class:`WorkerLost` when it (or what followed) lost the CUDA context."""
         if self.lost is not None and not isinstance(exc, WorkerLost):
-            lost = WorkerLost(f"{self.name} is unusable after a CUDA error: {self.lost}")
+            lost = self._unusable()
             lost.__cause__ = exc
             return lost
         return exc
@@ -526,7 +519,7 @@ class CudaWorker(ThreadWorker):
                 return self._launch_general(slot, arrays, timed, start, route)
             rt, stream = self._runtime, self._stream
             ev = slot.events
-            self._copy_inputs(slot, arrays, timed)
+            up = self._copy_inputs(slot, arrays, timed)
             if timed:
                 ev["run_start"].record(stream)
             graph = slot.graph
@@ -542,26 +535,16 @@ class CudaWorker(ThreadWorker):
             if timed:
                 ev["run_done"].record(stream)
             if route is None:
-                for dst, src, nbytes in slot.out_copies:
-                    rt.copy_d2h(dst, src, nbytes, stream)
-                written, kept = None, None
+                out_copies, keeps, written = slot.out_copies, None, None
             else:
-                try:
-                    out_copies, keeps, written = slot.routes[route]
-                except KeyError:
-                    out_copies, keeps, written = slot.route_plan(route)
-                for dst, src, nbytes in out_copies:
-                    rt.copy_d2h(dst, src, nbytes, stream)
-                if keeps:
-                    keep = self.device_memory.keep
-                    kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps]
-                else:
-                    kept = None
+                out_copies, keeps, written = slot.routes.get(route) or slot.route_plan(route)
+            for dst, src, nbytes in out_copies:
+                rt.copy_d2h(dst, src, nbytes, stream)
+            keep = self.device_memory.keep
+            kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps] if keeps else None
             if timed:
                 ev["d2h_done"].record(stream)
-                launch = _Launch(slot, timed, start, ev["d2h_done"], None, written, kept)
-                launch.h2d_bytes = sum(n for (_, _, n), a in zip(slot.in_copies, arrays) if a.__class__ is not DeviceTensor)
-                return launch
+                return _Launch(slot, timed, start, ev["d2h_done"], None, written, kept, up)
             launch = _Launch(slot, timed, start, None, None, written, kept)
             self._unmarked = launch
             return launch
@@ -614,9 +597,9 @@ class CudaWorker(ThreadWorker):
                 self.last_compute_seconds = None
         except BaseException as exc:
             self._settle(exc)
-            self._slots.release(slot)
             raise
-        self._slots.release(slot)
+        finally:
+            self._slots.release(slot)
         return outputs
 
     def _add_kept(self, outputs: Outputs, kept: list[tuple[str, DeviceTensor]]) -> None:
@@ -627,7 +610,7 @@ class CudaWorker(ThreadWorker):
             outputs[name] = (tensor if host is None  # type: ignore[assignment]  # Outputs (workers/base.py) says
                              else Data({self.host_node.name: host, self.node.name: tensor}))  # host arrays only
 
-    def _read_timings(self, slot: Slot, launch: _Launch | None = None) -> None:
+    def _read_timings(self, slot: Slot, launch: _Launch) -> None:
         """GPU times of the task just waited for (its events are complete), and its copies
         into the copy log (the bus model's samples: only what crossed the bus)."""
         ev = slot.events
@@ -636,8 +619,8 @@ class CudaWorker(ThreadWorker):
         d2h = ev["d2h_done"].seconds_since(ev["run_done"])
         if self.copy_log is not None:
             host, dev = self.host_node.name, self.node.name
-            up = slot.in_bytes if launch is None or launch.outputs is not None else launch.h2d_bytes
-            down = slot.out_bytes if launch is None or launch.written is None else sum(t.nbytes for t in launch.written)
+            up = slot.in_bytes if launch.outputs is not None else launch.h2d_bytes
+            down = slot.out_bytes if launch.written is None else sum(t.nbytes for t in launch.written)
             if up:
                 self.copy_log.add(CopyRecord(host, dev, up, h2d))
             if down:
@@ -732,17 +715,21 @@ class CudaWorker(ThreadWorker):
         self._slots.add(slot)
         return slot
 
-    def _copy_inputs(self, slot: Slot, arrays: list[Any], timed: bool) -> None:
+    def _copy_inputs(self, slot: Slot, arrays: list[Any], timed: bool) -> int:
         """Enqueue a slot's input copies on the stream (a device tensor's from its GPU, a host
-        array's from pinned memory), after the ``h2d_start`` event when timed."""
+        array's from pinned memory), after the ``h2d_start`` event when timed; returns the
+        bytes uploaded from the host (what the bus model learns from)."""
         stream = self._stream
         if timed:
             slot.events["h2d_start"].record(stream)
+        up = 0
         for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
             if a.__class__ is DeviceTensor:
                 self._copy_in(dst, a, nbytes)
             else:
                 self._runtime.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
+                up += nbytes
+        return up
 
     def _launch_general(self, slot: Slot, arrays: list[Any], timed: bool, start: float,
                         route: OutputRoute | None) -> _Launch:
@@ -811,9 +798,7 @@ class CudaWorker(ThreadWorker):
             self._add_kept(outputs, kept)
         if discovering:
             self._bind_static_outputs(slot, part)
-        launch = _Launch(slot, timed, start, None, outputs, written, kept)
-        launch.h2d_bytes = sum(n for (_, _, n), a in zip(slot.in_copies, arrays) if a.__class__ is not DeviceTensor)
-        return launch
+        return _Launch(slot, timed, start, None, outputs, written, kept)
 
     def _bind_static_outputs(self, slot: Slot, part: Part) -> None:
         """After the first run: give shape-determined outputs device and pinned buffers of
@@ -824,11 +809,7 @@ class CudaWorker(ThreadWorker):
             if not part.static_outputs[i]:
                 continue
             t.device = rt.device_buffer(t.nbytes)
-            if t.pinned is None or t.pinned.nbytes < t.nbytes:
-                if t.pinned is not None:
-                    t.pinned.free()
-                t.pinned = rt.pinned(t.nbytes)
-            t.view = t.pinned.view(t.dtype, t.shape)
+            t.view = t.pinned.view(t.dtype, t.shape)  # (discovery gave every output a pinned buffer that fits)
             slot.binding.bind_output(t.name, self._device_type, self._bind_device, t.dtype.type,
                                      list(t.shape), t.device.ptr)
             slot.bound[i] = True

@@ -157,23 +157,17 @@ class AllocationStats:
     device_bytes: int = 0  # currently allocated
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def count(self, kind: str, nbytes: int, freed: bool = False) -> None:
+        """One allocation of ``nbytes`` of ``kind`` memory (``pinned`` or ``device``), or its free."""
         with self._lock:
             if kind == "pinned":
-                self.pinned_allocs += 1
-                self.pinned_bytes += nbytes
+                self.pinned_allocs += not freed
+                self.pinned_frees += freed
+                self.pinned_bytes += -nbytes if freed else nbytes
             else:
-                self.device_allocs += 1
-                self.device_bytes += nbytes
-
-    def remove(self, kind: str, nbytes: int) -> None:
-        with self._lock:
-            if kind == "pinned":
-                self.pinned_frees += 1
-                self.pinned_bytes -= nbytes
-            else:
-                self.device_frees += 1
-                self.device_bytes -= nbytes
+                self.device_allocs += not freed
+                self.device_frees += freed
+                self.device_bytes += -nbytes if freed else nbytes
 
     @property
     def live(self) -> int:
@@ -267,11 +261,14 @@ class _Buffer:
         self._stats = stats
         self._alive = True
         if stats is not None:
-            stats.add(self.kind, nbytes)
+            stats.count(self.kind, nbytes)
 
-    @property
-    def alive(self) -> bool:
-        return self._alive
+    def view(self, dtype: np.dtype | type, shape: tuple[int, ...]) -> np.ndarray:
+        """A writable numpy view of the first ``prod(shape)`` elements (no copy).
+
+        The view must not outlive the buffer: copy what you hand out.
+        """
+        return host_view(self.ptr, self.nbytes, dtype, shape)
 
     def _release(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -284,7 +281,7 @@ class _Buffer:
                 self._release()
             finally:
                 if self._stats is not None:
-                    self._stats.remove(self.kind, self.nbytes)
+                    self._stats.count(self.kind, self.nbytes, freed=True)
 
     def __repr__(self) -> str:
         state = "" if self._alive else ", freed"
@@ -305,13 +302,6 @@ class PinnedBuffer(_Buffer):
         # Portable: pinned for every CUDA context, so one buffer can feed several GPUs.
         ptr = check(rt.cudaHostAlloc(max(nbytes, 1), rt.cudaHostAllocPortable), "cudaHostAlloc")
         super().__init__(ptr, nbytes, stats)
-
-    def view(self, dtype: np.dtype | type, shape: tuple[int, ...]) -> np.ndarray:
-        """A writable numpy view of the first ``prod(shape)`` elements (no copy).
-
-        The view must not outlive the buffer: copy what you hand out.
-        """
-        return host_view(self.ptr, self.nbytes, dtype, shape)
 
     def _release(self) -> None:
         check(self._rt.cudaFreeHost(self.ptr), "cudaFreeHost")
@@ -413,10 +403,7 @@ class CudaRuntime:
     def __init__(self) -> None:
         self.rt = runtime_module()
         self.stats = AllocationStats()
-        kinds = self.rt.cudaMemcpyKind
-        self._h2d = kinds.cudaMemcpyHostToDevice
-        self._d2h = kinds.cudaMemcpyDeviceToHost
-        self._d2d = kinds.cudaMemcpyDeviceToDevice
+        self._kinds = self.rt.cudaMemcpyKind
 
     # -- devices
     def device_count(self) -> int:
@@ -458,21 +445,20 @@ class CudaRuntime:
         return DeviceBuffer(self.rt, nbytes, self.stats)
 
     # -- copies (asynchronous: order them with events, wait with Event/Stream.synchronize)
-    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    def _memcpy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Stream, what: str) -> None:
         if nbytes:
-            check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._h2d, stream.raw),
-                  "cudaMemcpyAsync(host->device)")
+            check(self.rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream.raw),
+                  f"cudaMemcpyAsync({what})")
+
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+        self._memcpy(dst, src, nbytes, self._kinds.cudaMemcpyHostToDevice, stream, "host->device")
 
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
-        if nbytes:
-            check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2h, stream.raw),
-                  "cudaMemcpyAsync(device->host)")
+        self._memcpy(dst, src, nbytes, self._kinds.cudaMemcpyDeviceToHost, stream, "device->host")
 
     def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
         """Within one GPU's memory (a handle's copy into a graph slot's fixed buffer)."""
-        if nbytes:
-            check(self.rt.cudaMemcpyAsync(dst, src, nbytes, self._d2d, stream.raw),
-                  "cudaMemcpyAsync(device->device)")
+        self._memcpy(dst, src, nbytes, self._kinds.cudaMemcpyDeviceToDevice, stream, "device->device")
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
                   stream: Stream) -> None:
@@ -531,15 +517,11 @@ class _Capture:
     modes = _PerThread()
 
     @classmethod
-    def mode(cls) -> int:
-        return cls.modes.mode
-
-    @classmethod
     def check_unsafe(cls, call: str) -> None:
         """CUDA's rule: a thread in global mode may not make a potentially unsafe call (allocate,
         free, create or destroy streams and events, synchronise the device) while another
         thread captures in global mode; the call fails with 900 and invalidates that capture."""
-        if cls.mode() != CAPTURE_GLOBAL or not cls.active:
+        if cls.modes.mode != CAPTURE_GLOBAL or not cls.active:
             return
         me = threading.get_ident()
         with cls.lock:
@@ -591,7 +573,10 @@ class _HostEvent:
 
     def query(self) -> bool:
         self._rt._call("event_query")
-        return not self._rt._held_queries or self._rt._in_flight()
+        if self._rt._held_queries > 0:  # (see HostRuntime.hold_events)
+            self._rt._held_queries -= 1
+            return False
+        return True
 
     def seconds_since(self, start: _HostEvent) -> float:
         self._rt._call("event_elapsed")
@@ -612,9 +597,6 @@ class HostBuffer(_Buffer):
         self._rt = rt
         self._array = np.zeros(max(nbytes, 1), dtype=np.uint8)
         super().__init__(self._array.ctypes.data, nbytes, stats)
-
-    def view(self, dtype: np.dtype | type, shape: tuple[int, ...]) -> np.ndarray:
-        return host_view(self.ptr, self.nbytes, dtype, shape)
 
     def _release(self) -> None:
         if self._rt is not None:
@@ -692,13 +674,6 @@ class HostRuntime:
         flight (as a prefetch on a real copy stream may be)."""
         self._held_queries = queries
 
-    def _in_flight(self) -> bool:
-        """An event query's answer: True (done), unless queries are held."""
-        if self._held_queries > 0:
-            self._held_queries -= 1
-            return False
-        return True
-
     def _call(self, name: str, unsafe: bool = False) -> None:
         self.calls[name] += 1
         if self._lost is not None:
@@ -753,11 +728,6 @@ class HostRuntime:
             out[kind] = (copies + n, total + n * nbytes)
         return out
 
-    def _tally_new(self, kind: str, nbytes: int) -> None:
-        """The first copy of its (kind, size)."""
-        with self._copy_lock:
-            next(self._tallies.setdefault((kind, nbytes), itertools.count()))
-
     def stream(self, non_blocking: bool = True) -> _HostStream:
         self._call("stream_create", unsafe=True)
         return _HostStream(self)
@@ -781,8 +751,9 @@ class HostRuntime:
         if nbytes:
             try:
                 next(self._tallies[kind, nbytes])
-            except KeyError:
-                self._tally_new(kind, nbytes)
+            except KeyError:  # the first copy of its (kind, size)
+                with self._copy_lock:
+                    next(self._tallies.setdefault((kind, nbytes), itertools.count()))
             ctypes.memmove(dst, src, nbytes)
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
@@ -800,8 +771,7 @@ class HostRuntime:
         self._copy("peer", dst, src, nbytes)
 
     def thread_capture_mode(self, mode: int) -> int:
-        prev = _Capture.mode()
-        _Capture.modes.mode = mode
+        prev, _Capture.modes.mode = _Capture.modes.mode, mode
         return prev
 
     def graph_run(self, session: Any, run: SessionRun, graph_id: int) -> SessionRun:

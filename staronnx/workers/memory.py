@@ -36,9 +36,10 @@ import numpy as np
 from staronnx.perfmodels.bus import (BANDWIDTH_BYTES, LATENCY_BYTES, REPEATS, BusModel, LinkCost, calibrate_link,
                                      run_on_cpus)
 
+from staronnx.workers.topology import Topology, bind_memory, system_topology
+
 if TYPE_CHECKING:
     from staronnx.workers.cudart import Buffer, GpuRuntime
-    from staronnx.workers.topology import Topology
 
 __all__ = ["CopyLog", "CopyRecord", "CudaCopier", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
            "memory_nodes", "pinned_near"]
@@ -162,70 +163,35 @@ class CopyLog:
 
 
 # ---------------------------------------------------------------------------- host memory
-def _system_topology() -> Topology | None:
-    try:
-        from staronnx.workers.topology import Topology
-
-        return Topology.from_system()
-    except Exception as exc:  # noqa: BLE001 - placement is best effort
-        log.debug("no hwloc topology of this system (%s); host buffers are not bound", exc)
-        return None
-
-
 class HostAllocator:
     """Allocates host buffers on a given NUMA node, as far as this machine allows.
 
     ``topology`` defaults to this system's (loaded on first use).  :attr:`outcomes` maps each
-    node name to what happened the last time ("bound", "skipped: ...", "failed: ...").
+    node name to what happened the last time ("bind to NUMA 1", "skipped: ...", "failed: ...").
     """
 
     def __init__(self, topology: Topology | None = None) -> None:
         self._topology = topology
-        self._loaded = topology is not None
-        self._lock = threading.Lock()
         self.outcomes: dict[str, str] = {}
 
     @property
     def topology(self) -> Topology | None:
-        with self._lock:
-            if not self._loaded:
-                self._topology = _system_topology()
-                self._loaded = True
-            return self._topology
+        if self._topology is None:
+            try:
+                self._topology = system_topology()
+            except Exception as exc:  # noqa: BLE001 - placement is best effort
+                log.debug("no hwloc topology of this system (%s); host buffers are not bound", exc)
+        return self._topology
 
     def empty(self, node: MemoryNode, nbytes: int) -> np.ndarray:
         """A 1-D uint8 buffer of ``nbytes`` whose pages were first touched after binding."""
         if not node.is_host:
             raise ValueError(f"{node} is not host memory")
         buf = np.empty(nbytes, dtype=np.uint8)
-        self.outcomes[node.name] = self._bind(buf, node)
+        self.outcomes[node.name] = (bind_memory(self._topology, [node.index], memoryview(buf)) if nbytes
+                                    else "skipped: empty buffer")
         buf.fill(0)  # first touch: the kernel places the pages now, under the binding
         return buf
-
-    def _bind(self, buf: np.ndarray, node: MemoryNode) -> str:
-        topo = self.topology
-        if topo is None or topo.hw is None or not topo.is_this_system:
-            return "skipped: no hwloc topology of this system"
-        nodes = {n.os_index for n in topo.numa_nodes}
-        if len(nodes) <= 1:
-            return "skipped: one NUMA node"
-        if node.index not in nodes:
-            return f"skipped: this machine has no NUMA node {node.index}"
-        if buf.nbytes == 0:
-            return "skipped: empty buffer"
-        try:
-            from pyhwloc.bitmap import Bitmap
-            from pyhwloc.topology import MemBindFlags, MemBindPolicy
-
-            topo.hw.set_area_membind(
-                memoryview(buf),
-                Bitmap.from_sched_set({node.index}),
-                MemBindPolicy.BIND,
-                MemBindFlags.BYNODESET | MemBindFlags.MIGRATE,
-            )
-            return "bound"
-        except Exception as exc:  # noqa: BLE001 - best effort by design
-            return f"failed: {exc}"
 
     def cpus_of(self, node: MemoryNode) -> list[int]:
         """Allowed PUs closest to a host node (empty when unknown)."""
@@ -355,7 +321,8 @@ class CudaCopier:
 
     def _begin(self) -> float:
         """A timed copy's start, under the lock: refused once closed, on this memory's GPU."""
-        self._check_open()
+        if self._closed:
+            raise RuntimeError(f"the copier of {self.node} is closed")
         self.runtime.set_device(self.device_id)
         return time.perf_counter()
 
@@ -371,10 +338,6 @@ class CudaCopier:
         if self.log is not None:
             self.log.add(rec)
         return rec
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"the copier of {self.node} is closed")
 
     def close(self) -> None:
         """Wait for pending copies and free the staging buffers, events and streams."""

@@ -15,12 +15,13 @@ process can run on; disallowed PUs stay in the tree (INCLUDE_DISALLOWED) so ``re
 from __future__ import annotations
 
 import copy
+import functools
 import io
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 import pyhwloc
 from pyhwloc.bitmap import Bitmap
@@ -32,7 +33,8 @@ from staronnx.errors import StaronnxError
 if TYPE_CHECKING:
     from rich.tree import Tree
 
-__all__ = ["CoreInfo", "NumaInfo", "PackageInfo", "PuInfo", "Topology", "TopologyError", "format_pus"]
+__all__ = ["CoreInfo", "NumaInfo", "PackageInfo", "PuInfo", "Topology", "TopologyError", "bind_memory", "format_pus",
+           "system_topology"]
 
 
 class TopologyError(StaronnxError, ValueError):
@@ -271,6 +273,41 @@ class Topology:
 
 
 # -------------------------------------------------------------------- helpers
+@functools.cache
+def system_topology() -> Topology:
+    """This machine's topology, loaded once per process (what memory binding reads)."""
+    return Topology.from_system()
+
+
+def bind_memory(topology: Topology | None, nodes: Sequence[int], area: memoryview | None = None) -> str:
+    """Bind ``area`` (None: the calling thread's later allocations) to the NUMA ``nodes`` of
+    ``topology`` (None: this system's): one node BIND, several INTERLEAVE, so pages spread over
+    the nodes whose cores use them. Best effort by design, so it never raises: it says what
+    happened ("bind to NUMA 1", "skipped: ...", "failed: ...")."""
+    try:
+        topology = topology or system_topology()
+        if not topology.is_this_system or topology.hw is None:
+            return "skipped: the topology is not this system's"
+        existing = {n.os_index for n in topology.numa_nodes}
+        if len(existing) <= 1:
+            return "skipped: one NUMA node"
+        if not nodes:
+            return "skipped: the group has no NUMA node"
+        if not set(nodes) <= existing:
+            return f"skipped: this machine has no NUMA node {format_pus(set(nodes) - existing)}"
+        from pyhwloc.topology import MemBindFlags, MemBindPolicy
+
+        policy = MemBindPolicy.BIND if len(nodes) == 1 else MemBindPolicy.INTERLEAVE
+        where = Bitmap.from_sched_set(set(nodes))
+        if area is None:
+            topology.hw.set_membind(where, policy, MemBindFlags.THREAD | MemBindFlags.BYNODESET)
+        else:
+            topology.hw.set_area_membind(area, where, policy, MemBindFlags.BYNODESET | MemBindFlags.MIGRATE)
+        return f"{policy.name.lower()} to NUMA {','.join(map(str, nodes))}"
+    except Exception as exc:  # noqa: BLE001 - best effort by design
+        return f"failed: {exc}"
+
+
 def format_pus(pus: Iterable[int]) -> str:
     """Compact PU list, e.g. ``0-3,8,10-11`` (the syntax of taskset and hwloc)."""
     ordered = sorted(set(pus))
