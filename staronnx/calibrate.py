@@ -23,6 +23,7 @@ says so. :func:`calibrate_host` then measures what serving costs the host beyond
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
@@ -35,7 +36,6 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from staronnx.perfmodels import Footprint, HistoryModel, HostCosts, HostModel, PerfModelStore
-from staronnx.perfmodels.store import calibrate_command  # noqa: F401 - its old home
 from staronnx.plan import Plan
 from staronnx.errors import StaronnxError
 from staronnx.verify import model_failure, random_plan_feeds
@@ -161,6 +161,7 @@ def calibrate(
             if on_step:
                 on_step(f"{worker.name} part {part} batch {batch}: {runs} runs")
 
+    interrupted: BaseException | None = None  # Ctrl-C, SIGTERM: what was measured is kept, then re-raised
     engine = _pinning_engine(plan, workers)  # every run is a task pinned to its worker
     try:
         with ThreadPoolExecutor(max_workers=len(workers), thread_name_prefix="calibrate") as pool:
@@ -174,36 +175,29 @@ def calibrate(
             except BaseException:
                 stop.set()  # the pool's exit waits for the runs under way, then nothing more starts
                 raise
-    except BaseException as exc:
-        if isinstance(exc, Exception):
-            raise
-        load = watch.stop()
-        report.machine = None if load is None else load.as_dict()
-        from staronnx.signals import signal_name
-
-        report.interrupted = signal_name(exc)
-        measured = {(part, arch) for (part, arch, _b), n in report.runs.items() if n}
-        for (part, arch), model in report.models.items():
-            if (part, arch) not in measured:
-                continue
-            if replace:
-                report.models[(part, arch)] = store.save_measured(plan.hash, model)
-            else:
-                report.models[(part, arch)] = store.commit(plan.hash, model)
+    except Exception:
         raise
+    except BaseException as exc:
+        interrupted = exc
     finally:
         engine.close()
     load = watch.stop()
     report.machine = None if load is None else load.as_dict()
+    if interrupted is not None:
+        from staronnx.signals import signal_name
+
+        report.interrupted = signal_name(interrupted)
+    measured = {(part, arch) for (part, arch, _b), n in report.runs.items() if n}
     for (part, arch), model in report.models.items():
-        if replace:
-            merged = store.save_measured(plan.hash, model)
-        else:
-            merged = store.commit(plan.hash, model)
+        if interrupted is not None and (part, arch) not in measured:
+            continue
+        merged = (store.save_measured if replace else store.commit)(plan.hash, model)
         report.models[(part, arch)] = merged
         for fp in sorted(measured_fps.get((part, arch), ()), key=lambda f: (f.batch, f.shape_hash)):
-            if merged.needs_samples(fp):
+            if interrupted is None and merged.needs_samples(fp):
                 report.uncalibrated.append((part, arch, fp.batch))
+    if interrupted is not None:
+        raise interrupted
     return report
 
 
@@ -422,8 +416,6 @@ def _two_loads(light: HostCosts, loaded: HostCosts | None) -> HostCosts:
     not see (no batch ran alone) are the light probe's, and so is the tasks' time over their
     models: at load the host's threads preempt the tasks on the cores they share, and a task's
     wall time then counts CPU the simulator already takes from the workers (``_steal``)."""
-    import dataclasses
-
     if loaded is None:
         return light
     loaded = dataclasses.replace(loaded, task_scale=light.task_scale)
@@ -530,8 +522,6 @@ def _fit_cpu_per_request(costs: dict[int, HostCosts]) -> None:
     """Split each size's host CPU per batch into a per-request and a per-batch part: the slope
     of CPU per batch over the batch size (least squares over the sizes measured, at least 0);
     one size alone: a request's share as if the batch cost one request more."""
-    import dataclasses
-
     sizes = sorted(costs)
     if len(sizes) >= 2:
         xs = np.array(sizes, dtype=np.float64)

@@ -313,7 +313,7 @@ class PerfModelStore:
         path = self.path(key)
         with self._locked(path):
             self._load_history_locked(key)  # an unusable file is set aside, not overwritten
-            self._write_history(path, key, model.checkpoint())
+            atomic_write_json(path, self._payload("history", model.checkpoint(), key.plan_hash))
 
     def save_measured(self, plan_hash: str, model: HistoryModel) -> HistoryModel:
         """Overwrite, in the stored model, the footprints ``model`` has, keeping the stored
@@ -326,17 +326,12 @@ class PerfModelStore:
         key = ModelKey(plan_hash, model.part, model.arch)
         return self.update(key, lambda disk: disk.overwrite(model))
 
-    def _write_history(self, path: Path, key: ModelKey, state: dict[str, Any]) -> None:
-        payload = {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "history",
-            "host": self.host,
-            "plan_hash": key.plan_hash,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **state,
-        }
-        atomic_write_json(path, payload)
+    def _payload(self, kind: str, body: dict[str, Any], plan_hash: str | None = None) -> dict[str, Any]:
+        """A file of this store: the header every kind shares, then ``body``."""
+        head: dict[str, Any] = {"format": FORMAT, "version": VERSION, "kind": kind, "host": self.host}
+        if plan_hash is not None:
+            head["plan_hash"] = plan_hash
+        return {**head, "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **body}
 
     def update(
         self, key: ModelKey, fn: Callable[[HistoryModel], HistoryModel | None]
@@ -357,7 +352,7 @@ class PerfModelStore:
                         f"on {replaced.arch}"
                     )
                 model = replaced
-            self._write_history(path, key, model.to_dict())
+            atomic_write_json(path, self._payload("history", model.to_dict(), key.plan_hash))
             return model
 
     def commit(self, plan_hash: str, model: HistoryModel) -> HistoryModel:
@@ -411,14 +406,7 @@ class PerfModelStore:
     def save_bus(self, bus: BusModel) -> None:
         """Store this host's bus model (a calibration replaces the previous one)."""
         path = self.bus_path()
-        payload = {
-            "format": FORMAT,
-            "version": VERSION,
-            "kind": "bus",
-            "host": self.host,
-            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            **bus.to_dict(),
-        }
+        payload = self._payload("bus", bus.to_dict())
         with self._locked(path):
             try:
                 data = self._read(path, "bus")
@@ -470,11 +458,8 @@ class PerfModelStore:
                 self._quarantine(path, str(exc))
                 models = {}
             models[model.layout] = model
-            atomic_write_json(path, {
-                "format": FORMAT, "version": VERSION, "kind": "host", "host": self.host, "plan_hash": plan_hash,
-                "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "layouts": {k: m.as_dict() for k, m in sorted(models.items())},
-            })
+            atomic_write_json(path, self._payload(
+                "host", {"layouts": {k: m.as_dict() for k, m in sorted(models.items())}}, plan_hash))
 
     # Defined last: inside the class body ``list`` is this method, hence ``builtins.list``.
     def list(self, plan_hash: str) -> builtins.list[ModelKey]:

@@ -118,12 +118,7 @@ def produced_on(node: str, final: bool, host: str = HOST_NODE) -> frozenset[str]
 
 def price(copies: Iterable[Copy], cost: CopyCost) -> float:
     """Seconds the bus model gives these copies (one after the other; unknown links: 0)."""
-    total = 0.0
-    for c in copies:
-        t = cost(c.src, c.dst, c.nbytes)
-        if math.isfinite(t):
-            total += t
-    return total
+    return sum((t for c in copies if math.isfinite(t := cost(c.src, c.dst, c.nbytes))), 0.0)
 
 
 def task_copies(inputs: Iterable[tuple[str, int, Collection[str]]], node: str,

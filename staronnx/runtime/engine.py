@@ -102,11 +102,6 @@ class PinnedResult:
     wall: float
 
 
-def worker_info(index: int, worker: Worker) -> WorkerInfo:
-    """The worker as a policy sees it."""
-    return WorkerInfo(index, worker.name, worker.arch, worker.kind, worker.memory_node, worker.n_cores)
-
-
 def parts_held(workers: Sequence[Worker], k: int) -> list[frozenset[int]] | None:
     """Per part, the workers (indices) that hold a session for it, from each worker's
     ``holds`` (None: every part); None when every worker holds every part, so the policies
@@ -196,7 +191,7 @@ class NativeEngine:
         #: workers waiting with nothing to run (a test's quiescence probe)
         self.idle = 0
         self.started_at = self.clock.now()
-        infos = [worker_info(i, w) for i, w in enumerate(workers)]
+        infos = [WorkerInfo(i, w.name, w.arch, w.kind, w.memory_node, w.n_cores) for i, w in enumerate(workers)]
         self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
                               where=parts_held(workers, self.models.k), copy_cost=predictor.copy_time,
                               prefetch=bool(self._memories))
@@ -279,9 +274,7 @@ class NativeEngine:
                 raise WorkerLost(f"{self._workers[wid].name} was lost")
             self._pinned[wid].extend(items)
             self._pinned_count += n
-            self._idle.difference_update(self._group_of[wid])
-            self.idle = len(self._idle)
-            self._conds[wid].notify()
+            self._notify(wid)
         return [item.future for item in items]
 
     def _start_prefetches(self) -> None:

@@ -156,11 +156,6 @@ class ModelSet:
         """Parts of every model together (what a worker holds a session for)."""
         return len(self.owner)
 
-    @property
-    def has_targets(self) -> bool:
-        """Whether some model has a deadline or a priority, i.e. ready tasks are ordered."""
-        return any(m.target.latency is not None or m.target.priority for m in self.models)
-
     def part_path(self, part: int) -> Path:
         model, local = self.owner[part]
         return model.plan.part_path(local)

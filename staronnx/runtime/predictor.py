@@ -69,11 +69,8 @@ class PerfPredictor:
     @classmethod
     def for_models(cls, models: ModelSet, store: PerfModelStore | None, calibrate: int = 0) -> PerfPredictor:
         """The predictor of a runtime hosting ``models`` (one plan or several)."""
-        first = models.models[0].plan.hash
-        if models.single:
-            return cls(first, store, calibrate=calibrate)
-        return cls(first, store, calibrate=calibrate,
-                   parts=[(m.plan.hash, local) for m, local in models.owner])
+        return cls(models.models[0].plan.hash, store, calibrate=calibrate,
+                   parts=None if models.single else [(m.plan.hash, local) for m, local in models.owner])
 
     def source(self, part: int) -> tuple[str, int]:
         """(plan hash, own part index) of global part ``part``: where its model is stored."""
@@ -128,11 +125,8 @@ class PerfPredictor:
             models = [(self.source(part)[0], m) for (part, _), m in self._models.items()]
         try:
             for plan_hash, m in models:
-                if m.unsaved_count:
-                    if self.calibrate >= 2:
-                        self.store.save(plan_hash, m)
-                    else:
-                        self.store.commit(plan_hash, m)
+                if m.unsaved_count:  # calibrate=2 replaces the stored model
+                    (self.store.save if self.calibrate >= 2 else self.store.commit)(plan_hash, m)
         except PerfModelStoreReadOnly as exc:
             # serving from a read-only home: the models were read, what was learnt stays here
             if not self._read_only_warned:

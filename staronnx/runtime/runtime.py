@@ -143,9 +143,6 @@ class Runtime:
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, _ = load_plans(plan)
         self.models = ModelSet(plans, targets)
-        if engine != "native" and not self.models.single:
-            raise StaronnxError(f"the {engine} engine serves one plan; several models share a runtime "
-                                "on the native engine")
         if residency and (engine != "native" or workers is not None):
             raise StaronnxError("residency chooses the workers that load each model when the native engine "
                                 "starts them; it does not go with engine='starpu' or workers=[...]")
@@ -156,7 +153,7 @@ class Runtime:
         settings = EngineSettings(
             policy, self.machine, trace, store, dict(policy_options or {}),
             None if workers is None else list(workers), calibrate, options, tuple(int(b) for b in warmup))
-        self._engine = factory(self.models.models[0].plan if engine != "native" else self.models, settings)
+        self._engine = factory(self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
         #: sizes): a Server pads a partial batch up to one of them; () without graphs
@@ -343,7 +340,6 @@ class ModelHandle:
         self.name = hosted.name
         self.plan = hosted.plan
         self.target = hosted.target
-        self._hosted = hosted
 
     def submit(self, feeds: Mapping[str, np.ndarray], arrival: float | None = None) -> RequestFuture:
         return self.runtime.submit(feeds, self.name, arrival=arrival)

@@ -7,6 +7,8 @@ descriptions (see DESIGN.md) on the shared cost model, so they can be compared o
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,10 +49,8 @@ def comm_sd_pass(problem: Problem, assign: np.ndarray, alpha: float) -> tuple[np
         totals = []
         efts = []
         for dv in range(d):
-            ready = 0.0
-            for u, nbytes in problem.in_edges[v]:
-                t = finish[u] + problem.comm_table(nbytes)[a[u]][dv]
-                ready = max(ready, t)
+            ready = max((finish[u] + problem.comm_table(nbytes)[a[u]][dv] for u, nbytes in problem.in_edges[v]),
+                        default=0.0)
             eft = max(ready, free[dv]) + cost[v][dv]
             out = sum(problem.comm_table(nbytes)[dv][a[s]] for s, nbytes in problem.out_edges[v])
             efts.append(eft)
@@ -109,22 +109,9 @@ def duet_subgraphs(problem: Problem) -> list[list[int]]:
         bad[max(sources)] -= 1
     narrow = np.cumsum(bad)[:n] == 0
     groups: list[list[int]] = []
-    v = 0
-    while v < n:
-        if narrow[v]:
-            run = [v]
-            while v + 1 < n and narrow[v + 1]:
-                v += 1
-                run.append(v)
-            groups.append(run)
-            v += 1
-            continue
-        run = [v]
-        while v + 1 < n and not narrow[v + 1]:
-            v += 1
-            run.append(v)
-        groups.extend(_components(problem, run))
-        v += 1
+    for sequential, nodes in itertools.groupby(range(n), key=lambda v: bool(narrow[v])):
+        run = list(nodes)
+        groups.extend([run] if sequential else _components(problem, run))
     return groups
 
 
@@ -201,31 +188,28 @@ def duet(problem: Problem, max_rounds: int = 100) -> Assignment:
         placed[i] = min(trials)[2]
     greedy_latency = latency(placed)
 
+    def corrections() -> Iterator[np.ndarray]:
+        """Every single move of a subgraph to another device, then every swap of two."""
+        for i in range(g):
+            for dv in range(problem.d):
+                if dv != placed[i]:
+                    trial = placed.copy()
+                    trial[i] = dv
+                    yield trial
+        for i in range(g):
+            for j in range(i + 1, g):
+                if placed[i] != placed[j]:
+                    trial = placed.copy()
+                    trial[i], trial[j] = placed[j], placed[i]
+                    yield trial
+
     current = greedy_latency
     swaps = 0
     for _ in range(max_rounds):
-        best_move = None
-        for i in range(g):
-            for dv in range(problem.d):
-                if dv == placed[i]:
-                    continue
-                trial = placed.copy()
-                trial[i] = dv
-                value = latency(trial)
-                if value < current - 1e-9 and (best_move is None or value < best_move[0]):
-                    best_move = (value, trial)
-        for i in range(g):
-            for j in range(i + 1, g):
-                if placed[i] == placed[j]:
-                    continue
-                trial = placed.copy()
-                trial[i], trial[j] = placed[j], placed[i]
-                value = latency(trial)
-                if value < current - 1e-9 and (best_move is None or value < best_move[0]):
-                    best_move = (value, trial)
-        if best_move is None:
+        value, trial = min(((latency(t), t) for t in corrections()), key=lambda m: m[0], default=(current, placed))
+        if not value < current - 1e-9:
             break
-        current, placed = best_move
+        current, placed = value, trial
         swaps += 1
     return Assignment(
         placed[owner].astype(np.int64),
@@ -248,9 +232,7 @@ def overseer_tree(problem: Problem) -> list[int]:
     model's critical path is a root-to-leaf path of the tree. -1 for roots."""
     n, d = problem.n, problem.d
     w = problem.cost.min(axis=1)
-    pairs = max(d * d - d, 1)
-    mean_lat = float(problem.lat.sum() / pairs) if d > 1 else 0.0
-    mean_pb = float(problem.per_byte.sum() / pairs) if d > 1 else 0.0
+    mean_lat, mean_pb = problem.mean_link()
     dist = np.zeros(n)
     parent = [-1] * n
     for v in range(n):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -40,7 +41,7 @@ class Device:
     cores: int = 1
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "kind": self.kind, "memory": self.memory, "cores": self.cores}
+        return dataclasses.asdict(self)
 
 
 class Link(NamedTuple):
@@ -167,13 +168,13 @@ class Problem:
     ) -> Problem:
         """A hand-built problem: scalar ``lat``/``per_byte`` apply to every pair of devices."""
         cost = np.asarray(cost, dtype=float)
-        d = cost.shape[1]
-        off = 1.0 - np.eye(d)
-        lat_m = np.asarray(lat, dtype=float) * off if np.ndim(lat) == 0 else np.asarray(lat, dtype=float)
-        pb_m = (
-            np.asarray(per_byte, dtype=float) * off if np.ndim(per_byte) == 0 else np.asarray(per_byte, dtype=float)
-        )
-        return cls(cost, [(u, [v], b) for u, v, b in edges], lat_m, pb_m, list(devices))
+        off = 1.0 - np.eye(cost.shape[1])
+
+        def pairwise(x: float | np.ndarray) -> np.ndarray:
+            m = np.asarray(x, dtype=float)
+            return m * off if m.ndim == 0 else m
+
+        return cls(cost, [(u, [v], b) for u, v, b in edges], pairwise(lat), pairwise(per_byte), list(devices))
 
     @property
     def n(self) -> int:
@@ -208,8 +209,7 @@ class Problem:
         if self._static_order is None:
             mean_cost = self.cost.mean(axis=1) + self.overhead
             d = self.d
-            mean_lat = float(self.lat.sum() / max(d * d - d, 1)) if d > 1 else 0.0
-            mean_pb = float(self.per_byte.sum() / max(d * d - d, 1)) if d > 1 else 0.0
+            mean_lat, mean_pb = self.mean_link()
             rank = np.zeros(self.n)
             for u in range(self.n - 1, -1, -1):
                 best = 0.0
@@ -218,6 +218,11 @@ class Problem:
                 rank[u] = mean_cost[u] + best
             self._static_order = priority_topological(self.preds, self.succs, [-r for r in rank])
         return self._static_order
+
+    def mean_link(self) -> tuple[float, float]:
+        """Latency and per-byte time averaged over the pairs of distinct devices (0 for one)."""
+        pairs = self.d * self.d - self.d
+        return (float(self.lat.sum() / pairs), float(self.per_byte.sum() / pairs)) if pairs else (0.0, 0.0)
 
     def quotient(self, ranks: np.ndarray, overhead: float = 0.0) -> Problem:
         """The part-level problem: part cost = sum of its nodes' costs, crossing tensors counted
@@ -299,11 +304,8 @@ def schedule(problem: Problem, assign: Sequence[int] | np.ndarray, order: Sequen
     free = [0.0] * problem.d
     for v in order:
         dv = a[v]
-        ready = 0.0
-        for u, nbytes in problem.in_edges[v]:
-            du = a[u]
-            t = finish[u] if du == dv else finish[u] + problem.comm_table(nbytes)[du][dv]
-            ready = max(ready, t)
+        ready = max((finish[u] if a[u] == dv else finish[u] + problem.comm_table(nbytes)[a[u]][dv]
+                     for u, nbytes in problem.in_edges[v]), default=0.0)
         s = max(free[dv], ready)
         start[v] = s
         finish[v] = s + cost[v][dv]
@@ -333,10 +335,8 @@ def eft_assign(problem: Problem, order: Sequence[int] | None = None) -> np.ndarr
     for v in order:
         best = None
         for dv in range(problem.d):
-            ready = 0.0
-            for u, nbytes in problem.in_edges[v]:
-                t = finish[u] + problem.comm_table(nbytes)[a[u]][dv]
-                ready = max(ready, t)
+            ready = max((finish[u] + problem.comm_table(nbytes)[a[u]][dv] for u, nbytes in problem.in_edges[v]),
+                        default=0.0)
             f = max(ready, free[dv]) + cost[v][dv]
             if best is None or f < best[0] - 1e-9:
                 best = (f, dv)
