@@ -5,37 +5,28 @@ Existing code switches with one line::
     sess = staronnx.InferenceSession("model.onnx", providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
     logits, = sess.run(None, {"input": x})
 
-The constructor is ORT's (``path_or_bytes, sess_options=None, providers=None,
-provider_options=None, **kwargs``) so that scripts written for ORT run unchanged; staronnx's own
-settings (``shares``, ``policy``, ``cpu_groups``, ``cuda_streams``, any ``Runtime`` option) are
-keyword-only so that none of them can be mistaken for an ORT argument.
-
-Providers choose the workers, as they choose ORT's devices: ``CUDAExecutionProvider`` starts
-``cuda_streams`` CUDA workers (2 by default) beside the CPU groups; where CUDA cannot run, the
-session warns and serves on the CPU, as ORT falls back. Misuse raises what ORT raises (a missing
-input ``ValueError``; a wrong name, dtype, rank or dimension, or an unknown output
-``onnxruntime...InvalidArgument``), each also a :class:`~staronnx.errors.StaronnxError`.
+The constructor is ORT's, so that scripts written for ORT run unchanged; staronnx's own settings
+(``shares``, ``policy``, ``cpu_groups``, ``cuda_streams``, any ``Runtime`` option) are
+keyword-only so that none of them can be mistaken for an ORT argument. Providers choose the
+workers, as they choose ORT's devices; where CUDA cannot run, the session warns and serves on the
+CPU, as ORT falls back. Misuse raises what ORT raises, each also a
+:class:`~staronnx.errors.StaronnxError`.
 
 A model (a file or bytes) is partitioned once and the plan kept under
 ``$STARONNX_HOME/plans/<model hash>-<settings hash>/``, as perf models are: the next session of
-the same model and settings reuses it (and its calibrated perf models, which are keyed by the
-plan's hash), and nothing is left in the temporary folder. A plan folder or :class:`Plan` is used
-as it is.
+the same model and settings reuses it (and its calibrated perf models). A plan folder or
+:class:`Plan` is used as it is.
 
 A model with a dynamic size besides the batch (a sequence length, an image's height and width, a
 KV cache's past) needs no option, as ORT needs none: partitioning must run the model at some
 size to time it, and no size is safe to guess (a UNet wants multiples of its strides, a decoder's
 mask must match its cache), so the session is cut at its first run's shapes, which are valid by
-construction, and that one plan then serves every size the model accepts (the size only weighs
-the cut's costs). The workers start with that first run, which therefore takes seconds. The plan
-is kept as any other, under settings that say "cut at a first run": the next session of the model
-finds it and starts at once. ``input_shapes=["image=1x3x256x256"]`` cuts at a size chosen instead,
-when the session opens.
+construction, and that one plan then serves every size the model accepts. That first run
+therefore takes seconds; the plan is kept, and the next session of the model starts at once.
 
-Whatever ONNX Runtime runs, the session runs: a model that cannot be cut (a sequence, optional or
-map among its inputs or outputs, an input returned as an output, fewer nodes than the split) is
-served whole (:mod:`staronnx.partition.whole`, said in a PartitionWarning); one whose inputs or
-outputs staronnx's workers cannot carry runs as one ORT session in this process.
+Whatever ONNX Runtime runs, the session runs: a model that cannot be cut is served whole
+(:mod:`staronnx.partition.whole`, said in a PartitionWarning); one whose inputs or outputs
+staronnx's workers cannot carry runs as one ORT session in this process.
 
 ONNX Runtime's options, each honoured, said (``OptionNotApplied``, a warning naming it: settings
 of ORT's own pools, allocators and logs, which each worker sets for its cores), or refused
@@ -97,7 +88,7 @@ import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -438,27 +429,30 @@ def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
 
 def _unapplied(so: ort.SessionOptions | None, given: ort.SessionOptions | None) -> list[str]:
     """The settings of ``so`` (config entries: of ``given``, the caller's object, which a copy
-    does not carry) that staronnx's workers do not apply (each part's ORT session is a worker's,
-    sized to its CPU group and run one operator at a time), each with why."""
+    does not carry) that staronnx's workers do not apply, each with why."""
     if so is None or given is None:
         return []
-    why = {
-        "inter_op_num_threads": "parts run in parallel on staronnx's workers; each part's operators run in sequence",
-        "execution_mode": "parts run in parallel on staronnx's workers; each part's operators run in sequence",
-        "execution_order": "each part's session orders its own operators",
-        "graph_optimization_level": "each part's session optimises at ORT's full level (optimized_model_filepath "
-                                    "is written at the level asked)",
-        "enable_cpu_mem_arena": "each worker's session keeps ORT's default allocator",
-        "enable_mem_pattern": "each worker's session keeps ORT's default allocator",
-        "enable_mem_reuse": "each worker's session keeps ORT's default allocator",
-        "use_deterministic_compute": "each part's session uses ORT's default kernels",
-    }
-    values, defaults = option_values(so, why), option_values(ort.SessionOptions(), why)
-    said = [f"{name}={values[name]!s} ({reason})" for name, reason in why.items() if values[name] != defaults[name]]
+    values, defaults = option_values(so, _UNAPPLIED), option_values(ort.SessionOptions(), _UNAPPLIED)
+    said = [f"{name}={values[name]!s} ({why})" for name, why in _UNAPPLIED.items() if values[name] != defaults[name]]
     return said + _logs_and_entries(so, "each part's session logs only fatal errors: its errors reach Python as "
                                         "exceptions", _CONFIG_ENTRIES, given)
 
 
+_SEQUENTIAL = "parts run in parallel on staronnx's workers; each part's operators run in sequence"
+_ALLOCATOR = "each worker's session keeps ORT's default allocator"
+#: SessionOptions attributes that staronnx's workers do not apply (each part's ORT session is a
+#: worker's, sized to its CPU group and run one operator at a time), each with why
+_UNAPPLIED = {
+    "inter_op_num_threads": _SEQUENTIAL,
+    "execution_mode": _SEQUENTIAL,
+    "execution_order": "each part's session orders its own operators",
+    "graph_optimization_level": "each part's session optimises at ORT's full level (optimized_model_filepath "
+                                "is written at the level asked)",
+    "enable_cpu_mem_arena": _ALLOCATOR,
+    "enable_mem_pattern": _ALLOCATOR,
+    "enable_mem_reuse": _ALLOCATOR,
+    "use_deterministic_compute": "each part's session uses ORT's default kernels",
+}
 #: SessionOptions config entries that staronnx's workers do not apply, each with why (those it
 #: applies: the optimized model's external initializer settings, the graph assignment record)
 _CONFIG_ENTRIES = {
@@ -719,7 +713,7 @@ class IOBinding:
     def _run(self) -> None:
         names = list(self._outputs)
         try:
-            arrays = self._session._run(names or None, self._inputs)
+            arrays = self._session.run(names or None, self._inputs)
         except ValueError as exc:
             raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
         results = []
@@ -751,10 +745,9 @@ class _CSession:
 
     def run_with_ort_values(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None,
                             run_options: ort.RunOptions | None = None) -> Any:
-        arrays = {name: value.numpy() for name, value in feeds.items()}
         vector = _ort_state.OrtValueVector()
-        for array in self._session._run(output_names, arrays, run_options):
-            vector.push_back(_owned(array)._ortvalue)
+        for value in self._session.run_with_ort_values(output_names, feeds, run_options):
+            vector.push_back(value._ortvalue)
         return vector
 
     def __getattr__(self, name: str) -> Any:
@@ -772,6 +765,16 @@ def _owned(array: np.ndarray) -> ort.OrtValue:
     return value
 
 
+def _array(value: Any, name: str, spec: TensorSpec | None = None) -> Any:
+    """A feed as the workers take it: lists and host OrtValues as arrays, as ORT accepts them (a
+    sequence, optional or map input's value goes as given)."""
+    if isinstance(value, ort.OrtValue):
+        return _host_array(value, name)
+    if isinstance(value, np.ndarray) or spec is not None and "(" in spec.dtype:
+        return value
+    return np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
+
+
 def _host_array(value: Any, name: str) -> np.ndarray:
     """An OrtValue's data as a host array; device OrtValues are refused, since staronnx's
     workers copy to their own device themselves."""
@@ -783,9 +786,6 @@ def _host_array(value: Any, name: str) -> np.ndarray:
 
 
 # -- what a session holds, released without close() too ----------------------------------------
-_R = TypeVar("_R")
-
-
 class _Held:
     """What a session started and must stop: its runners (a :class:`Runtime`, an
     :class:`_OrtPart`) and a temporary plan folder. Kept apart from the session, so that a
@@ -799,7 +799,7 @@ class _Held:
         #: a private plan's folder (read-only home), and where a trace ended goes at close
         self.scratch: list[Path] = []
 
-    def add(self, runner: _R) -> _R:
+    def add(self, runner: Runtime | _OrtPart) -> Runtime | _OrtPart:
         with self._lock:
             self._runners.append(runner)
         return runner
@@ -835,34 +835,19 @@ class _Held:
             self.remove_scratch()
 
 
-#: the finalizers of the sessions alive: run before the interpreter joins its threads at exit
-_FINALIZERS: set[weakref.finalize[[], object]] = set()
-_FINALIZERS_LOCK = threading.Lock()
+#: what the sessions alive hold, released at exit before the interpreter joins its threads (a
+#: plain ORT session holds no thread, and its process exits at once; so does this one's):
+#: threading's own exit hook, as concurrent.futures uses for its workers, since atexit (and
+#: weakref.finalize's) runs only after every non-daemon thread, which the workers are, is joined
+_LIVE: weakref.WeakSet[_Held] = weakref.WeakSet()
 
 
 def _release_all() -> None:
-    """At exit, before Python waits for non-daemon threads: stop what every session still holds
-    (a plain ORT session holds no thread, and its process exits at once; so does this one's)."""
-    with _FINALIZERS_LOCK:
-        finalizers = list(_FINALIZERS)
-        _FINALIZERS.clear()
-    for finalizer in finalizers:
-        finalizer()
+    for held in list(_LIVE):
+        held.release()
 
 
-# threading's own exit hook (concurrent.futures uses it for its workers): atexit runs only after
-# the interpreter has joined every non-daemon thread, which the workers are
 threading._register_atexit(_release_all)  # type: ignore[attr-defined]
-
-
-def _watch(session: object, held: _Held) -> weakref.finalize[[], object]:
-    """A finalizer that releases ``held`` when ``session`` is collected or at exit."""
-    finalizer = weakref.finalize(session, held.release)
-    with _FINALIZERS_LOCK:
-        for dead in [f for f in _FINALIZERS if not f.alive]:
-            _FINALIZERS.discard(dead)
-        _FINALIZERS.add(finalizer)
-    return finalizer
 
 
 # -- the session ------------------------------------------------------------------------------
@@ -929,7 +914,8 @@ class InferenceSession:
         self._start_lock = threading.Lock()
         self._closed = False
         self._held = _Held()
-        self._finalizer = _watch(self, self._held)
+        self._finalizer = weakref.finalize(self, self._held.release)  # when collected, without close()
+        _LIVE.add(self._held)
         if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
             hint = (" (staronnx's shares are keyword-only: shares=[...])"
                     if isinstance(sess_options, (list, tuple)) else "")
@@ -1309,24 +1295,14 @@ class InferenceSession:
 
     # -- running ----------------------------------------------------------------------------
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """ORT's feed checks and types: a missing input is a ValueError, anything else wrong
-        with a feed an InvalidArgument; lists and host OrtValues are accepted as ORT does."""
-        names = list(input_feed.keys())
-        io = self._io
-        required = io.input_names
-        missing = [n for n in required if n not in input_feed]
+        """ORT's feed checks: a missing input is a ValueError, anything else wrong with a feed an
+        InvalidArgument."""
+        names, io = list(input_feed.keys()), self._io  # a feed that is no mapping fails here, as in ORT
+        missing = [n for n in io.input_names if n not in input_feed]
         if missing:
             raise InputError(f"Required inputs ({missing}) are missing from input feed ({names}).")
-        feeds: dict[str, np.ndarray] = {}
-        for name, value in input_feed.items():
-            if not isinstance(value, np.ndarray):
-                if isinstance(value, ort.OrtValue):
-                    value = _host_array(value, name)
-                else:
-                    spec = next((t for t in io.inputs if t.name == name), None)
-                    if spec is None or "(" not in spec.dtype:  # a sequence, optional or map goes as given
-                        value = np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
-            feeds[name] = value
+        specs = {t.name: t for t in io.inputs}
+        feeds = {name: _array(value, name, specs.get(name)) for name, value in input_feed.items()}
         try:
             io.check_feeds(feeds)
         except InputError as exc:
@@ -1367,8 +1343,7 @@ class InferenceSession:
                 self._adapters = AdapterProbe(self._overridable)
             overrides.update(self._adapters.values(run_options))
         for name in names & input_feed.keys():
-            value = input_feed[name]
-            overrides[name] = _host_array(value, name) if isinstance(value, ort.OrtValue) else np.asarray(value)
+            overrides[name] = _array(input_feed[name], name)
         return self._feeds({k: v for k, v in input_feed.items() if k not in names}), overrides
 
     def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Runtime | _OrtPart:
@@ -1392,8 +1367,12 @@ class InferenceSession:
                 self._held.stop(self._variants.pop(next(iter(self._variants))))
         return runner
 
-    def _run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-             run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
+            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+        """Outputs in the order asked (all, in the model's order, for None or []), as ORT
+        returns them. Of ``run_options``, what changes the answer is honoured: an active LoRA
+        adapter (a variant of the model with its parameters) and ``terminate``; its log and
+        memory settings are ORT's own sessions' (the workers')."""
         names = self._outputs(output_names)
         feeds, overrides = self._split(input_feed, run_options)
         try:
@@ -1401,14 +1380,6 @@ class InferenceSession:
         except TaskError as exc:
             raise _ort_task_error(exc) from exc.__cause__
         return [values[n] for n in names]
-
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
-        """Outputs in the order asked (all, in the model's order, for None or []), as ORT
-        returns them. Of ``run_options``, what changes the answer is honoured: an active LoRA
-        adapter (a variant of the model with its parameters) and ``terminate``; its log and
-        memory settings are ORT's own sessions' (the workers')."""
-        return self._run(output_names, input_feed, run_options)
 
     def run_async(
         self,
@@ -1456,9 +1427,9 @@ class InferenceSession:
 
     def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, ort.OrtValue],
                             run_options: ort.RunOptions | None = None) -> list[ort.OrtValue]:
-        """Host OrtValues in, host OrtValues out."""
+        """Host OrtValues in (ORT's or its C ones: :meth:`_sess`), host OrtValues out."""
         feeds = {k: _host_array(v, k) for k, v in input_dict_ort_values.items()}
-        return [ort.OrtValue.ortvalue_from_numpy(a) for a in self._run(output_names, feeds, run_options)]
+        return [_owned(a) for a in self.run(output_names, feeds, run_options)]
 
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
