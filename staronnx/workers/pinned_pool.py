@@ -42,25 +42,62 @@ class PinnedArray(np.ndarray):
     ready_pool: Any = None
 
 
+class BufferArena:
+    """Buffers kept by size for reuse (this pool, a GPU's memory node), given back by finalizers
+    (see above: :meth:`give_back` only appends, atomically; the arena's own calls take them back)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: dict[int, list[Buffer]] = {}
+        self._returned: deque[Buffer] = deque()
+        self._closed = False
+        #: buffers ever allocated (reuse keeps it at the peak in use)
+        self.allocated = 0
+
+    def give_back(self, buffer: Buffer) -> None:
+        """(a finalizer: any thread, any moment) Queue ``buffer`` for reuse."""
+        self._returned.append(buffer)
+
+    def _idle(self, nbytes: int) -> Buffer | None:
+        """(lock held) An idle buffer of ``nbytes`` (None: make one)."""
+        self._take_back()
+        free = self._free.get(nbytes)
+        return free.pop() if free else None
+
+    def _returning(self, buffer: Buffer) -> None:
+        """(lock held) A buffer came back."""
+
+    def _take_back(self) -> None:
+        """(lock held) Returned buffers are free again, or freed once closed."""
+        while self._returned:
+            buffer = self._returned.popleft()
+            self._returning(buffer)
+            if self._closed:
+                buffer.free()
+            else:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+
+    def _close_idle(self) -> list[Buffer]:
+        """(lock held) Close; the idle buffers, to be freed (those in use are, by a later call)."""
+        self._closed = True
+        self._take_back()
+        buffers = [b for bufs in self._free.values() for b in bufs]
+        self._free.clear()
+        return buffers
+
+
 def _size_class(nbytes: int) -> int:
     """Buffers are sized in powers of two (at least 4 KiB), so batches of other sizes reuse them."""
     return max(4096, 1 << (nbytes - 1).bit_length())
 
 
-class PinnedPool:
+class PinnedPool(BufferArena):
     """Numpy arrays over reusable pinned buffers from ``allocate(nbytes)``."""
 
     def __init__(self, allocate: Callable[[int], Buffer]) -> None:
+        super().__init__()
         self._allocate = allocate
-        self._lock = threading.Lock()
-        self._free: dict[int, list[Buffer]] = {}
         self._leased: dict[int, Buffer] = {}  # start pointer -> buffer, while a view lives
-        # buffers whose last view died: a finalizer may run inside any allocation, this
-        # pool's locked sections included, so it only appends here (atomic) and the pool
-        # takes them back under its lock
-        self._returned: deque[Buffer] = deque()
-        self._closed = False
-        self.allocated = 0  # buffers ever allocated (reuse keeps it at the peak in use)
 
     def array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> PinnedArray:
         """An uninitialised C-contiguous array in pinned memory, returned to the pool when it
@@ -72,9 +109,7 @@ class PinnedPool:
             return np.empty(shape, dtype=dt).view(PinnedArray)
         size = _size_class(nbytes)
         with self._lock:
-            self._take_back()
-            free = self._free.get(size)
-            buffer = free.pop() if free else None
+            buffer = self._idle(size)
         fresh = buffer is None
         if buffer is None:
             buffer = self._allocate(size)
@@ -82,7 +117,7 @@ class PinnedPool:
         with self._lock:
             self.allocated += fresh
             self._leased[buffer.ptr] = buffer
-        weakref.finalize(raw, self._give_back, buffer)
+        weakref.finalize(raw, self.give_back, buffer)
         array = np.frombuffer(raw, dtype=dt, count=count).reshape(shape).view(PinnedArray)
         array.pinned_ptr = buffer.ptr
         return array
@@ -104,29 +139,12 @@ class PinnedPool:
             self._take_back()
             return len(self._leased)
 
-    def _give_back(self, buffer: Buffer) -> None:
-        """(a finalizer: any thread, any moment) Only queue it; the pool frees or reuses it
-        under its lock, from a call of its own."""
-        self._returned.append(buffer)
-
-    def _take_back(self) -> None:
-        """(lock held) Returned buffers become free again, or are freed once closed
-        (``free`` is idempotent)."""
-        while self._returned:
-            buffer = self._returned.popleft()
-            self._leased.pop(buffer.ptr, None)
-            if self._closed:
-                buffer.free()
-            else:
-                self._free.setdefault(buffer.nbytes, []).append(buffer)
+    def _returning(self, buffer: Buffer) -> None:
+        self._leased.pop(buffer.ptr, None)
 
     def close(self) -> None:
-        """Free the buffers not in use. Those still leased are freed by a later call, once
-        they have come back (never by the finalizer that gives them back)."""
+        """Free the buffers not in use (see :meth:`BufferArena._close_idle`)."""
         with self._lock:
-            self._closed = True
-            self._take_back()
-            buffers = [b for bufs in self._free.values() for b in bufs]
-            self._free.clear()
+            buffers = self._close_idle()
         for b in buffers:
             b.free()

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from staronnx.workers.cudart import capture_safe
-from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
+from staronnx.workers.pinned_pool import BufferArena, PinnedArray, PinnedPool
 
 if TYPE_CHECKING:
     from staronnx.workers.cudart import Buffer, GpuRuntime
@@ -139,28 +139,22 @@ def _contiguous(value: Any) -> np.ndarray:
     return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
 
 
-class DeviceMemory:
+class DeviceMemory(BufferArena):
     """One GPU as a memory node: its buffer arena and the runtime's copies to and from it."""
 
     def __init__(self, runtime: GpuRuntime, device_id: int, pinned_pool: PinnedPool | None = None) -> None:
+        super().__init__()  # the arena's free lists, under its lock
         self.runtime = runtime
         self.device_id = device_id
         self.node = f"cuda{device_id}"
         #: where downloads land (pinned, so a GPU reads them again without staging); None:
         #: plain arrays
         self.pinned_pool = pinned_pool
-        self._lock = threading.Lock()  # the arena's free lists
         self._copying = threading.Lock()  # the copy stream: one runtime copy at a time
-        self._free: dict[int, list[Buffer]] = {}
-        #: buffers of dead tensors: a finalizer only appends here; the arena takes them back
-        self._returned: deque[Buffer] = deque()
         self._stream: Any = None
         #: events of prefetches, reused (an event is never destroyed while serving: a finalizer
         #: may give one back on any thread, and cudaEventDestroy there could break a capture)
         self._events: deque[Any] = deque()
-        self._closed = False
-        #: buffers ever allocated (reuse keeps it at the peak in use)
-        self.allocated = 0
         #: idle buffers kept for reuse, at most (past it, a new allocation frees the oldest)
         self.max_idle = 64
 
@@ -170,9 +164,7 @@ class DeviceMemory:
         must be this one, in thread-local capture mode: a worker's or :meth:`_on_device`)."""
         nbytes = max(math.prod(shape) * np.dtype(dtype).itemsize, 1)
         with self._lock:
-            self._take_back()
-            free = self._free.get(nbytes)
-            buffer = free.pop() if free else None
+            buffer = self._idle(nbytes)
             surplus = self._surplus() if buffer is None else []
         for old in surplus:  # (the cold path: a size not seen lately)
             old.free()
@@ -197,19 +189,6 @@ class DeviceMemory:
             if not bufs:
                 del self._free[size]
         return out
-
-    def give_back(self, buffer: Buffer) -> None:
-        """(a finalizer: any thread) Queue a dead tensor's buffer for reuse."""
-        self._returned.append(buffer)
-
-    def _take_back(self) -> None:
-        """(lock held) Returned buffers are free again, or freed once closed."""
-        while self._returned:
-            buffer = self._returned.popleft()
-            if self._closed:
-                buffer.free()
-            else:
-                self._free.setdefault(buffer.nbytes, []).append(buffer)
 
     # -- copies the runtime issues
     @contextmanager
@@ -330,10 +309,7 @@ class DeviceMemory:
         """Free the arena's idle buffers and the copy stream; buffers of tensors still alive
         are freed by a later call, once they have come back."""
         with self._copying, self._lock:
-            self._closed = True
-            self._take_back()
-            buffers = [b for bs in self._free.values() for b in bs]
-            self._free.clear()
+            buffers = self._close_idle()
             stream, self._stream = self._stream, None
             events = list(self._events)
             self._events.clear()

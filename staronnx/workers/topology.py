@@ -17,11 +17,13 @@ from __future__ import annotations
 import copy
 import functools
 import io
+import itertools
 import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import pyhwloc
 from pyhwloc.bitmap import Bitmap
@@ -113,7 +115,7 @@ class Topology:
     @classmethod
     def from_system(cls) -> Topology:
         """This machine, restricted to the PUs this process may run on."""
-        hw = _load(pyhwloc.Topology.from_this_system(), "the topology of this system")
+        hw = _load(pyhwloc.Topology.from_this_system, "the topology of this system")
         if sys.platform == "linux":  # the one platform with a process's CPU affinity
             allowed = set(hw.allowed_cpuset) & os.sched_getaffinity(os.getpid())
             if allowed and allowed != set(hw.allowed_cpuset):
@@ -126,14 +128,10 @@ class Topology:
         """A made-up machine in hwloc's synthetic syntax, e.g. ``"pack:2 numa:2 core:8 pu:2"``."""
         if not description.strip():
             raise TopologyError("empty synthetic topology description")
-        try:
-            topo = pyhwloc.Topology.from_synthetic(description)
-        except (ValueError, OSError, RuntimeError) as exc:
-            raise TopologyError(
-                f"hwloc rejects the synthetic topology {description!r} ({exc}); "
-                "write it like 'pack:2 numa:2 core:8 pu:2'"
-            ) from None
-        return _build(_load(topo, f"the synthetic topology {description!r}"), source=f"synthetic:{description}")
+        what = f"the synthetic topology {description!r}"
+        hw = _load(lambda: pyhwloc.Topology.from_synthetic(description), what,
+                   lambda exc: f"hwloc rejects {what} ({exc}); write it like 'pack:2 numa:2 core:8 pu:2'")
+        return _build(hw, source=f"synthetic:{description}")
 
     @classmethod
     def from_xml(cls, path: str | os.PathLike[str]) -> Topology:
@@ -141,20 +139,14 @@ class Topology:
         p = Path(path).expanduser()
         if not p.is_file():
             raise TopologyError(f"topology XML file {str(p)!r} does not exist")
-        try:
-            topo = pyhwloc.Topology.from_xml_file(p)
-        except (ValueError, OSError, RuntimeError) as exc:
-            raise TopologyError(f"hwloc cannot read the topology XML {str(p)!r} ({exc})") from None
-        return _build(_load(topo, f"the topology XML {str(p)!r}"), source=f"xml:{p}")
+        return _build(_load(lambda: pyhwloc.Topology.from_xml_file(p), f"the topology XML {str(p)!r}"),
+                      source=f"xml:{p}")
 
     @classmethod
     def from_xml_string(cls, xml: str) -> Topology:
         """Like :meth:`from_xml`, from the XML text itself."""
-        try:
-            topo = pyhwloc.Topology.from_xml_buffer(xml)
-        except (ValueError, OSError, RuntimeError) as exc:
-            raise TopologyError(f"hwloc cannot read this topology XML ({exc})") from None
-        return _build(_load(topo, "this topology XML text"), source="xml:<string>")
+        return _build(_load(lambda: pyhwloc.Topology.from_xml_buffer(xml), "this topology XML text"),
+                      source="xml:<string>")
 
     # ---------------------------------------------------------------- export
     def to_xml(self) -> str:
@@ -310,24 +302,18 @@ def bind_memory(topology: Topology | None, nodes: Sequence[int], area: memoryvie
 
 def format_pus(pus: Iterable[int]) -> str:
     """Compact PU list, e.g. ``0-3,8,10-11`` (the syntax of taskset and hwloc)."""
-    ordered = sorted(set(pus))
-    if not ordered:
-        return "none"
-    parts: list[str] = []
-    start = prev = ordered[0]
-    tail: list[int | None] = [*ordered[1:], None]
-    for p in tail:
-        if p is not None and p == prev + 1:
-            prev = p
-            continue
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-        if p is not None:
-            start = prev = p
-    return ",".join(parts)
+    runs = [[p for _, p in run] for _, run in itertools.groupby(enumerate(sorted(set(pus))), lambda ip: ip[1] - ip[0])]
+    return ",".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs) or "none"
 
 
-def _load(topo: pyhwloc.Topology, what: str) -> pyhwloc.Topology:
-    """Load with disallowed PUs kept, so that the tree shows them and we track 'allowed' ourselves."""
+def _load(make: Callable[[], pyhwloc.Topology], what: str,
+          unreadable: Callable[[Exception], str] | None = None) -> pyhwloc.Topology:
+    """``make()`` loaded with disallowed PUs kept, so that the tree shows them and we track
+    'allowed' ourselves; ``unreadable(error)`` says why hwloc could not make it."""
+    try:
+        topo = make()
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise TopologyError(unreadable(exc) if unreadable else f"hwloc cannot read {what} ({exc})") from None
     try:
         return topo.set_flags(TopologyFlags.INCLUDE_DISALLOWED).load()
     except (ValueError, OSError, RuntimeError) as exc:
