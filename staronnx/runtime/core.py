@@ -34,8 +34,6 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from staronnx.perfmodels import Footprint
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import HOST_NODE, Copy, CopyCost, copy_kind, is_host, produced_on, source
@@ -161,11 +159,6 @@ class RunningMean:
 
     def mean(self) -> float:
         return self.total / self.n if self.n else 0.0
-
-
-def _mean(values: Any) -> float:
-    """Mean of a :class:`RunningMean` or of a sequence of floats."""
-    return values.mean() if isinstance(values, RunningMean) else float(np.mean(values))
 
 
 #: ``footprint(request, part)``: the perf-model key of a part's task (the driver knows shapes)
@@ -608,8 +601,8 @@ class TaskGraph:
         }
 
 
-def per_part_arch(measured: Mapping[tuple[int, str], Any],
-                  predicted: Mapping[tuple[int, str], Any]) -> dict[str, dict[str, Any]]:
+def per_part_arch(measured: Mapping[tuple[int, str], RunningMean],
+                  predicted: Mapping[tuple[int, str], RunningMean]) -> dict[str, dict[str, Any]]:
     """``"part<p>/<arch>"`` -> tasks, mean measured ms, mean predicted ms (None: never predicted).
 
     Both engines report through it (the starpu engine too), so ``Runtime.stats()`` reads the
@@ -617,7 +610,7 @@ def per_part_arch(measured: Mapping[tuple[int, str], Any],
     """
     out: dict[str, dict[str, Any]] = {}
     for (part, arch), times in sorted(measured.items()):
-        pred = predicted.get((part, arch), ())
-        out[f"part{part}/{arch}"] = {"tasks": len(times), "measured_ms": _mean(times) * 1e3,
-                                     "predicted_ms": _mean(pred) * 1e3 if len(pred) else None}
+        pred = predicted.get((part, arch))
+        out[f"part{part}/{arch}"] = {"tasks": len(times), "measured_ms": times.mean() * 1e3,
+                                     "predicted_ms": pred.mean() * 1e3 if pred else None}
     return out

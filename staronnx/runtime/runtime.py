@@ -77,12 +77,7 @@ def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ..
     ``max_batch`` when batches always leave full (``max_delay=None``, the papers' batcher)."""
     if max_delay is None:
         return (max_batch,)
-    sizes = {max_batch}
-    b = 1
-    while b < max_batch:
-        sizes.add(b)
-        b *= 2
-    return tuple(sorted(sizes))
+    return tuple(sorted({max_batch, *(1 << i for i in range(max(max_batch - 1, 0).bit_length()))}))
 
 
 class Runtime:

@@ -8,6 +8,7 @@ compiles the cffi binding on first use (:mod:`._build`), raising :class:`StarpuU
 from __future__ import annotations
 
 from ._build import INSTALL_HINT, StarpuInstall, StarpuUnavailable, find_starpu, load_binding
+import dataclasses
 import os
 
 from staronnx.errors import StaronnxError
@@ -29,8 +30,7 @@ def start_starpu(plan: Plan | ModelSet, settings: EngineSettings) -> StarpuEngin
     options = dict(settings.policy_options)
     if "calibrate" not in options and (settings.calibrate is not None or "STARONNX_CALIBRATE" in os.environ):
         options["calibrate"] = calibrate_mode(settings.calibrate)
-    return StarpuEngine(models.models[0].plan, settings.policy, settings.machine.groups, settings.machine.cuda_streams,
-                        settings.trace, options)
+    return StarpuEngine(models.models[0].plan, dataclasses.replace(settings, policy_options=options))
 
 
 register_engine("starpu", start_starpu)

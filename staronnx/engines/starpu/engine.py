@@ -43,12 +43,13 @@ from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.task import RequestFuture, TaskError
-from staronnx.runtime.core import per_part_arch
+from staronnx.runtime.core import RunningMean, per_part_arch
 from staronnx.runtime.policies import upward_ranks
 from staronnx.runtime.predictor import PerfPredictor
+from staronnx.runtime.registry import EngineSettings
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.groups import CpuGroup, make_groups
-from staronnx.workers.topology import Topology
+from staronnx.workers.topology import Topology, bind_memory
 
 from ._build import StarpuUnavailable, load_binding
 
@@ -132,22 +133,15 @@ class StarpuEngine:
     predictor: PerfPredictor | None = None
     tracer: Tracer | None = None
 
-    def __init__(
-        self,
-        plan: Plan,
-        policy: str = "heft",
-        cpu_groups: str = "numa",
-        cuda_streams: int = 0,
-        trace: str | os.PathLike[str] | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        *,
-        topology: Topology | None = None,
-    ) -> None:
+    def __init__(self, plan: Plan, settings: EngineSettings, *, topology: Topology | None = None) -> None:
+        """``settings.policy_options`` are StarPU's (:data:`POLICY_ENV`); ``settings.machine``
+        gives the CPU groups, one StarPU CPU worker each."""
         global _active
         self.plan = plan
-        self.policy = policy
+        self.policy = policy = settings.policy
+        cpu_groups = settings.machine.groups
         self._closed = True  # until started
-        if cuda_streams:  # before loading StarPU: the answer is the same whether it is here or not
+        if settings.machine.cuda_streams:  # before loading StarPU: the same answer whether it is here or not
             raise StaronnxError(
                 "engine='starpu' runs CPU codelets only (CUDA codelets are not implemented); "
                 "use cuda_streams=0, or engine='native' for CUDA streams")
@@ -155,7 +149,7 @@ class StarpuEngine:
         self._ffi, self._lib = ffi, lib
         _install_externs(ffi)
         self.starpu_policy = self._check_policy(policy)
-        env = self._policy_env(policy_options or {})
+        env = self._policy_env(settings.policy_options)
         topology = topology or Topology.from_system()
         groups = list(make_groups(topology, cpu_groups))
         if len(groups) > lib.STARPU_MAXCPUS:
@@ -181,9 +175,9 @@ class StarpuEngine:
         self._parts: list[_Part] = []
         self._workers: dict[int, _Worker] = {}
         self._init_errors: list[str] = []
-        self._per_part_arch: dict[tuple[int, str], list[float]] = defaultdict(list)
-        self._predicted: dict[tuple[int, str], list[float]] = defaultdict(list)
-        self._queue_waits: list[float] = []
+        self._per_part_arch: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
+        self._predicted: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
+        self._queue_waits = RunningMean()
         self._done = 0
         self._failed = 0
         self._skipped = 0
@@ -212,7 +206,7 @@ class StarpuEngine:
             if self._init_errors:
                 raise StaronnxError("building the ONNX Runtime sessions failed: " + "; ".join(self._init_errors))
             self._build_codelets()
-            self.tracer = Tracer(trace, origin=self.started_at) if trace is not None else None
+            self.tracer = Tracer(settings.trace, origin=self.started_at) if settings.trace is not None else None
             if self.tracer is not None:
                 for w in self._workers.values():
                     self.tracer.lane(w.id, w.name)
@@ -248,10 +242,10 @@ class StarpuEngine:
             return
         w.native_id = threading.get_native_id()
         try:
-            from staronnx.workers.cpu import _bind_memory, cpu_session
+            from staronnx.workers.cpu import cpu_session
             from staronnx.workers.cpu_weights import default_shared_weights
 
-            w.membind = _bind_memory(None, w.group)
+            w.membind = bind_memory(None, w.group.numa_nodes)
             w.sessions = [cpu_session(self.plan.part_path(i), w.group, True, default_shared_weights(), w.name)[0]
                           for i in range(self.plan.k)]
         except BaseException as exc:  # noqa: BLE001 - reported by __init__
@@ -531,7 +525,7 @@ class StarpuEngine:
                     for w in self._workers.values()
                 },
                 "tasks": per_part,
-                "mean_queue_wait_ms": float(np.mean(self._queue_waits) * 1e3) if self._queue_waits else 0.0,
+                "mean_queue_wait_ms": self._queue_waits.mean() * 1e3,
                 "dead_workers": [],
                 "perfmodels": [p.symbol for p in self._parts] or list(self.perfmodel_symbols),
             }

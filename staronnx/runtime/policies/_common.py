@@ -43,10 +43,7 @@ def insert_sorted(queue: deque[TaskView], task: TaskView) -> None:
     i = len(queue)
     while i > 0 and runs_before(task, queue[i - 1]):
         i -= 1
-    if i == len(queue):
-        queue.append(task)
-    else:
-        queue.insert(i, task)
+    queue.insert(i, task)
 
 
 def non_ready_bytes(task: TaskView, node: str) -> int:

@@ -57,6 +57,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from staronnx.runtime.policies._common import check_weight, insert_sorted, pop_first_ready
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo, has_target, runs_before
@@ -200,10 +201,7 @@ class DmdaPolicy(Policy):
             Candidate(c.worker, c.length, c.transfer, c.end, c.ntasks_end, self._fitness(c, best_end, max_end))
             for c in cands
         ]
-        chosen = scored[0]
-        for c in scored[1:]:
-            if c.fitness < chosen.fitness:  # strict: ties keep the earlier worker
-                chosen = c
+        chosen = min(scored, key=attrgetter("fitness"))  # ties keep the earlier worker
         return Decision(task.id, chosen.worker, False, best_end, tuple(scored))
 
     @staticmethod
@@ -227,10 +225,7 @@ class DmdaPolicy(Policy):
         decision = self.decide(task, now)
         self.last_decision = decision
         chosen = next(c for c in decision.candidates if c.worker == decision.worker)
-        if decision.forced:
-            length, transfer = 0.0, 0.0
-        else:
-            length, transfer = chosen.length, chosen.transfer
+        length, transfer = (0.0, 0.0) if decision.forced else (chosen.length, chosen.transfer)
         q = self._queues[decision.worker]
         q.pipeline_ntasks += 1
         q.exp_start = max(q.exp_start, now)
