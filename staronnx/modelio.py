@@ -51,19 +51,10 @@ def file_sha256(path: Path, extra: list[Path] | None = None) -> str:
     return digest.hexdigest()
 
 
-def _external_files(model: onnx.ModelProto, base: Path) -> list[Path]:
-    """External data files a model refers to, in a stable order."""
-    names: set[str] = set()
-    for tensor in _all_initializers(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            for entry in tensor.external_data:
-                if entry.key == "location":
-                    names.add(entry.value)
-    return [base / n for n in sorted(names)]
-
-
-def _all_initializers(model: onnx.ModelProto) -> list[onnx.TensorProto]:
-    return list(model.graph.initializer)
+def _external_locations(model: onnx.ModelProto) -> dict[str, str]:
+    """The external data file of each initializer that has one, by initializer name."""
+    return {t.name: next((e.value for e in t.external_data if e.key == "location"), "")
+            for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL}
 
 
 def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str],
@@ -94,7 +85,7 @@ def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str],
                 f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}"
             ) from None
         _supply(model, supplied)
-        externals = _external_files(model, path.parent)
+        externals = [path.parent / name for name in sorted(set(_external_locations(model).values()) - {""})]
         missing = [p for p in externals if not p.exists()]
         if missing:
             raise ModelError(f"{path}: external data file missing: {missing[0]}")
@@ -139,13 +130,7 @@ def upgrade_ir3(model: onnx.ModelProto) -> bool:
 def missing_external(model: onnx.ModelProto, base: Path) -> set[str]:
     """The initializers whose external data file is not in ``base`` (a model read without its
     external data)."""
-    names = set()
-    for tensor in _all_initializers(model):
-        if tensor.data_location == onnx.TensorProto.EXTERNAL:
-            location = next((e.value for e in tensor.external_data if e.key == "location"), "")
-            if not (base / location).is_file():
-                names.add(tensor.name)
-    return names
+    return {name for name, location in _external_locations(model).items() if not (base / location).is_file()}
 
 
 def _supply(model: onnx.ModelProto, supplied: Mapping[str, np.ndarray] | None) -> None:

@@ -215,13 +215,15 @@ class OptionEffects:
         return bool(self.initializers or self.shapes)
 
 
-def _probe_model(nodes: list[onnx.NodeProto], inputs: list[onnx.ValueInfoProto], outputs: list[str],
-                 initializers: list[onnx.TensorProto]) -> bytes:
-    graph = helper.make_graph(nodes, "staronnx_probe", inputs, [helper.make_value_info(n, onnx.TypeProto())
-                                                                 for n in outputs], initializers)
-    for out, init in zip(graph.output, initializers):
-        out.type.tensor_type.elem_type = init.data_type
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", _PROBE_OPSET)]).SerializeToString()
+def _probe_model(sources: Sequence[str], elem_types: Sequence[int], inputs: Sequence[onnx.ValueInfoProto] = (),
+                 initializers: Sequence[onnx.TensorProto] = ()) -> tuple[list[str], onnx.ModelProto]:
+    """A model returning each of ``sources`` (its inputs or initializers) through an Identity: the
+    probes' names, and the model."""
+    probes = [f"__staronnx_probe_{i}" for i in range(len(sources))]
+    nodes = [helper.make_node("Identity", [source], [probe]) for source, probe in zip(sources, probes)]
+    outputs = [helper.make_tensor_value_info(probe, t, None) for probe, t in zip(probes, elem_types)]
+    graph = helper.make_graph(nodes, "staronnx_probe", list(inputs), outputs, list(initializers))
+    return probes, helper.make_model(graph, opset_imports=[helper.make_opsetid("", _PROBE_OPSET)])
 
 
 def _placeholder(tensor: onnx.TensorProto, missing: bool) -> onnx.TensorProto:
@@ -239,13 +241,12 @@ def option_effects(so: ort.SessionOptions, model: onnx.ModelProto, missing: set[
     the initializers whose external file is absent): the initializer values it supplies and the
     input dimensions it fixes. Raises ORT's own error where ORT would refuse the options."""
     effects = OptionEffects()
-    inits = [t for t in model.graph.initializer]
+    inits = list(model.graph.initializer)
     if inits:
-        probes = [f"__staronnx_probe_{i}" for i in range(len(inits))]
-        nodes = [helper.make_node("Identity", [t.name], [p]) for t, p in zip(inits, probes)]
-        data = _probe_model(nodes, [], probes, [_placeholder(t, t.name in missing) for t in inits])
+        probes, probe = _probe_model([t.name for t in inits], [t.data_type for t in inits],
+                                     initializers=[_placeholder(t, t.name in missing) for t in inits])
         with _quietly(so):
-            values = OrtSession(data, so, providers=["CPUExecutionProvider"]).run(probes, {})
+            values = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(probes, {})
         for tensor, value in zip(inits, values):
             if tensor.name in missing or tuple(np.shape(value)) != _PLACEHOLDER_DIMS:
                 effects.initializers[tensor.name] = np.asarray(value)
@@ -253,16 +254,10 @@ def option_effects(so: ort.SessionOptions, model: onnx.ModelProto, missing: set[
     free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
             and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
     if free:
-        probes = [f"__staronnx_probe_{vi.name}" for vi in free]
-        nodes = [helper.make_node("Identity", [vi.name], [p]) for vi, p in zip(free, probes)]
-        graph = helper.make_graph(nodes, "staronnx_probe", list(free),
-                                  [helper.make_value_info(p, onnx.TypeProto()) for p in probes])
-        for out, vi in zip(graph.output, free):
-            out.type.tensor_type.elem_type = vi.type.tensor_type.elem_type
-        data = helper.make_model(graph, opset_imports=[helper.make_opsetid("", _PROBE_OPSET)]).SerializeToString()
+        _, probe = _probe_model([vi.name for vi in free], [vi.type.tensor_type.elem_type for vi in free], free)
         with _quietly(so):
-            told = {arg.name: list(arg.shape) for arg in OrtSession(data, so, providers=["CPUExecutionProvider"])
-                    .get_inputs()}
+            session = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        told = {arg.name: list(arg.shape) for arg in session.get_inputs()}
         for vi in free:
             declared = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
             fixed = [t if isinstance(t, int) and d is None else None for d, t in zip(declared, told[vi.name])]
@@ -278,15 +273,11 @@ class AdapterProbe:
 
     def __init__(self, overridable: Sequence[onnx.TensorProto]) -> None:
         self.names = [t.name for t in overridable]
-        self._probes = [f"__staronnx_probe_{i}" for i in range(len(self.names))]
-        placeholders = [_placeholder(t, False) for t in overridable]
-        inputs = [helper.make_tensor_value_info(t.name, t.data_type, None) for t in overridable]
-        nodes = [helper.make_node("Identity", [n], [p]) for n, p in zip(self.names, self._probes)]
-        so = ort.SessionOptions()
-        so.log_severity_level = QUIET
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        self._session = OrtSession(_probe_model(nodes, inputs, self._probes, placeholders), so,
-                                   providers=["CPUExecutionProvider"])
+        self._probes, probe = _probe_model(
+            self.names, [t.data_type for t in overridable],
+            [helper.make_tensor_value_info(t.name, t.data_type, None) for t in overridable],
+            [_placeholder(t, False) for t in overridable])
+        self._session = make_session(probe, optimize=False)
 
     def values(self, run_options: ort.RunOptions) -> dict[str, np.ndarray]:
         """The overridable initializers the active adapters set, by name ({} with none active)."""
