@@ -36,27 +36,9 @@ __all__ = ["CpuWorker"]
 log = logging.getLogger(__name__)
 
 
-class _Claims:
-    """PUs used by live workers, to turn ORT's spinning off where workers share cores."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count: Counter[int] = Counter()
-
-    def claim(self, pus: Sequence[int]) -> bool:
-        """Register ``pus``; True when no other live worker uses any of them."""
-        with self._lock:
-            alone = not any(self._count[p] for p in pus)
-            self._count.update(pus)
-            return alone
-
-    def release(self, pus: Sequence[int]) -> None:
-        with self._lock:
-            self._count.subtract(pus)
-            self._count += Counter()  # drop zero counts
-
-
-_claims = _Claims()
+#: PUs used by live workers, to turn ORT's spinning off where workers share cores
+_claimed_pus: Counter[int] = Counter()
+_claims_lock = threading.Lock()
 
 
 class CpuWorker(ThreadWorker):
@@ -117,7 +99,9 @@ class CpuWorker(ThreadWorker):
     # ------------------------------------------------------------------ lifecycle hooks
     def _prepare_start(self) -> None:
         # Spinning is decided before the sessions are built: it is a session option.
-        alone = _claims.claim(self.group.pus)
+        with _claims_lock:
+            alone = not any(_claimed_pus[p] for p in self.group.pus)
+            _claimed_pus.update(self.group.pus)
         self._claimed = True
         self.spin = alone if self._spin_arg is None else self._spin_arg
 
@@ -125,9 +109,9 @@ class CpuWorker(ThreadWorker):
         return ModelError(f"{self.name} could not build its sessions: {err}")
 
     def _release(self) -> None:
-        with self._lock:
+        with self._lock, _claims_lock:
             if self._claimed:
-                _claims.release(self.group.pus)
+                _claimed_pus.subtract(self.group.pus)
                 self._claimed = False
         super()._release()
 
@@ -168,14 +152,11 @@ class CpuWorker(ThreadWorker):
             self.priority = lower_priority(self.lowered, self.name)
         self.membind = bind_memory(self._topology, self.group.numa_nodes)
         for i, path in enumerate(self.part_paths):
-            if path is None:  # a part this worker does not hold: no session, no memory
-                self._sessions.append(None)
-                self._inputs.append([])
-                self._outputs.append([])
-                continue
-            self._sessions.append(self._load(i, path))
-            self._inputs.append([x.name for x in self._sessions[-1].get_inputs()])
-            self._outputs.append([x.name for x in self._sessions[-1].get_outputs()])
+            # a part this worker does not hold: no session, no memory
+            session = None if path is None else self._load(i, path)
+            self._sessions.append(session)
+            self._inputs.append([x.name for x in session.get_inputs()] if session else [])
+            self._outputs.append([x.name for x in session.get_outputs()] if session else [])
 
     def _teardown(self) -> None:
         # Dropping the sessions here joins ORT's pool threads before this thread ends.

@@ -179,14 +179,9 @@ def _remove_dead(base: Path) -> None:
             pass  # exists but not ours (EPERM): leave it
 
 
-_default: SharedWeights | None = None
-_default_lock = threading.Lock()
+_default = SharedWeights()  # (its folder is made on first use)
 
 
 def default_shared_weights() -> SharedWeights:
     """The process-wide cache every CPU worker uses unless given its own."""
-    global _default
-    with _default_lock:
-        if _default is None:
-            _default = SharedWeights()
-        return _default
+    return _default

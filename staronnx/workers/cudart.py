@@ -70,24 +70,15 @@ CAPTURE_GLOBAL, CAPTURE_THREAD_LOCAL = 0, 1
 #: error codes of the capture rules
 CAPTURE_UNSUPPORTED, CAPTURE_INVALIDATED = 900, 901
 
-_module: ModuleType | None = None
-_module_lock = threading.Lock()
-
-
 def runtime_module() -> ModuleType:
-    """The cuda-bindings runtime module, imported once; :class:`DeviceError` if absent."""
-    global _module
-    with _module_lock:
-        if _module is not None:
-            return _module
-        try:
-            _module = importlib.import_module("cuda.bindings.runtime")
-            return _module
-        except ImportError as exc:
-            raise DeviceError(
-                "NVIDIA's cuda-bindings is not installed (needed for CUDA streams, events and "
-                f"pinned memory; cuda.bindings.runtime: {exc}). Install it with: {INSTALL_HINT}"
-            ) from None
+    """The cuda-bindings runtime module (imported once: Python keeps it); :class:`DeviceError` if absent."""
+    try:
+        return importlib.import_module("cuda.bindings.runtime")
+    except ImportError as exc:
+        raise DeviceError(
+            "NVIDIA's cuda-bindings is not installed (needed for CUDA streams, events and "
+            f"pinned memory; cuda.bindings.runtime: {exc}). Install it with: {INSTALL_HINT}"
+        ) from None
 
 
 class CudaError(DeviceError):

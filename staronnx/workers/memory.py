@@ -17,7 +17,7 @@ Placement is best effort, because it depends on the machine:
   pageable memory is synchronous and slower; the pinned buffer is allocated by a thread bound
   to the host node's cores, so its pages land on that node.
 
-Nothing here needs a GPU until a ``cuda`` node is used; cuda-python is imported lazily.
+Nothing here needs a GPU until a ``cuda`` node is used; cuda-bindings is imported then.
 """
 
 from __future__ import annotations
@@ -29,17 +29,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from staronnx.perfmodels.bus import (BANDWIDTH_BYTES, LATENCY_BYTES, REPEATS, BusModel, LinkCost, calibrate_link,
                                      run_on_cpus)
 
+from staronnx.workers.cudart import Buffer, CudaRuntime, GpuRuntime, capture_safe, host_runtime_from_env
 from staronnx.workers.topology import Topology, bind_memory, system_topology
-
-if TYPE_CHECKING:
-    from staronnx.workers.cudart import Buffer, GpuRuntime
 
 __all__ = ["CopyLog", "CopyRecord", "CudaCopier", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
            "memory_nodes", "pinned_near"]
@@ -229,7 +227,6 @@ def pinned_near(runtime: GpuRuntime, cpus: Sequence[int], nbytes: int) -> Buffer
     NUMA node), allocated in thread-local capture mode: :func:`run_on_cpus`'s helper thread is
     new, so in CUDA's default global mode, where a ``cudaHostAlloc`` during another thread's
     graph capture fails (900) and breaks that capture (901)."""
-    from staronnx.workers.cudart import capture_safe
 
     def allocate() -> Buffer:
         with capture_safe(runtime):
@@ -257,8 +254,6 @@ class CudaCopier:
         log_to: CopyLog | None = None,
         allocator: HostAllocator | None = None,
     ) -> None:
-        from staronnx.workers.cudart import CudaRuntime
-
         self.device_id = device_id
         self.node = MemoryNode("cuda", device_id)
         self.host_node = MemoryNode.parse(host_node)
@@ -402,50 +397,31 @@ def calibrate_bus(
     for src in hosts:
         for dst in hosts:
             if src != dst:
-                model.set(src.name, dst.name, _calibrate_host_pair(src, dst, allocator,
-                                                                   bandwidth_bytes, measure))
-    if gpus:
-        from staronnx.workers.cudart import CudaRuntime, host_runtime_from_env
-
-        # the stand-in the CUDA workers run on ($STARONNX_CUDA_RUNTIME), if any: the links of
-        # the GPUs they drive, not of a GPU this machine may not have
-        rt: GpuRuntime = runtime or host_runtime_from_env() or CudaRuntime()
-        _calibrate_gpus(model, hosts, gpus, allocator, rt, bandwidth_bytes, measure)
-    return model
-
-
-def _calibrate_gpus(model: BusModel, hosts: Sequence[MemoryNode], gpus: Sequence[MemoryNode],
-                    allocator: HostAllocator, rt: GpuRuntime, nbytes: int, measure: _Measure) -> None:
-    """The links of every GPU, in thread-local capture mode: the calibration allocates, frees
-    and synchronises, which in global mode would fail (900) and break any graph a CUDA worker
-    is capturing meanwhile (901)."""
-    from staronnx.workers.cudart import capture_safe
-
+                a, b = allocator.empty(src, bandwidth_bytes), allocator.empty(dst, bandwidth_bytes)
+                # The destination's cores do the copy: a worker pulls its inputs.
+                cost = run_on_cpus(allocator.cpus_of(dst), lambda: measure(lambda n: np.copyto(b[:n], a[:n])))
+                model.set(src.name, dst.name, cost)
+    if not gpus:
+        return model
+    # the stand-in the CUDA workers run on ($STARONNX_CUDA_RUNTIME), if any: the links of the
+    # GPUs they drive, not of a GPU this machine may not have
+    rt: GpuRuntime = runtime or host_runtime_from_env() or CudaRuntime()
+    # in thread-local capture mode: the calibration allocates, frees and synchronises, which in
+    # global mode would fail (900) and break any graph a CUDA worker is capturing meanwhile (901)
     with capture_safe(rt):
         for gpu in gpus:
             for host in hosts:
-                up, down = _calibrate_host_gpu(host, gpu, allocator, rt, nbytes, measure)
+                up, down = _calibrate_host_gpu(host, gpu, allocator, rt, bandwidth_bytes, measure)
                 model.set(host.name, gpu.name, up)
                 model.set(gpu.name, host.name, down)
         for src in gpus:
             for dst in gpus:
                 if src != dst:
-                    model.set(src.name, dst.name, _calibrate_peer(src, dst, rt, nbytes, measure))
+                    model.set(src.name, dst.name, _calibrate_peer(src, dst, rt, bandwidth_bytes, measure))
+    return model
 
 
 _Measure = Callable[[Callable[[int], object]], LinkCost]
-
-
-def _calibrate_host_pair(src: MemoryNode, dst: MemoryNode, allocator: HostAllocator,
-                         nbytes: int, measure: _Measure) -> LinkCost:
-    a = allocator.empty(src, nbytes)
-    b = allocator.empty(dst, nbytes)
-
-    def host_copy(n: int) -> None:
-        np.copyto(b[:n], a[:n])
-
-    # The destination's cores do the copy: a worker pulls its inputs.
-    return run_on_cpus(allocator.cpus_of(dst), lambda: measure(host_copy))
 
 
 def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
