@@ -131,16 +131,12 @@ EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "mo
 
 def server_metadata(extensions: Sequence[str] = ("binary_tensor_data",)) -> dict[str, object]:
     """The server metadata; ``extensions``: those the front end calling serves (``staronnx
-    serve``'s own: :data:`EXTENSIONS`)."""
-    return {"name": "staronnx", "version": _version(), "extensions": list(extensions)}
-
-
-def _version() -> str:
-    """The installed distribution's version (pyproject reads it from ``staronnx.__version__``)."""
+    serve``'s own: :data:`EXTENSIONS`); the version: the installed distribution's."""
     try:
-        return importlib.metadata.version("staronnx")
+        version = importlib.metadata.version("staronnx")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH
-        return "unknown"
+        version = "unknown"
+    return {"name": "staronnx", "version": version, "extensions": list(extensions)}
 
 
 #: glibc's mallopt parameters (malloc.h)
@@ -190,8 +186,12 @@ def _bind(host: str, port: int, what: str) -> socket.socket:
         dual = family == socket.AF_INET6 and host in ("::", "") and socket.has_dualstack_ipv6()
         return socket.create_server((host, port), family=family, backlog=BACKLOG, dualstack_ipv6=dual)
     except (OSError, socket.gaierror) as exc:
-        raise StaronnxError(f"cannot listen on {host}:{port} for {what}: {exc.strerror or exc} "
-                            f"(choose another --{what}-port, or 0 for a free one)") from None
+        raise _cannot_listen(host, port, what, f": {exc.strerror or exc}") from None
+
+
+def _cannot_listen(host: str, port: int, what: str, why: str) -> StaronnxError:
+    return StaronnxError(f"cannot listen on {host}:{port} for {what}{why} (choose another --{what}-port, or 0 for a "
+                         "free one)")
 
 
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
@@ -237,8 +237,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     if grpc_port == 0:
         http_sock.close()
         metrics_sock.close()
-        raise StaronnxError(f"cannot listen on {listen.host}:{listen.grpc_port} for grpc{cause} "
-                            "(choose another --grpc-port, or 0 for a free one)")
+        raise _cannot_listen(listen.host, listen.grpc_port, "grpc", cause)
 
     http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard)
     http_runner = http_front.runner(listen.drain_timeout)
@@ -275,10 +274,9 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         loop.add_signal_handler(sig, stop.set)
     log_flusher = loop.create_task(_flush_log_every(guard))
 
-    host = target
-    say(f"HTTP (KServe v2) on http://{host}:{http_sock.getsockname()[1]}")
-    say(f"gRPC (KServe v2) on {host}:{grpc_port}")
-    say(f"metrics on http://{host}:{metrics_sock.getsockname()[1]}/metrics")
+    say(f"HTTP (KServe v2) on http://{target}:{http_sock.getsockname()[1]}")
+    say(f"gRPC (KServe v2) on {target}:{grpc_port}")
+    say(f"metrics on http://{target}:{metrics_sock.getsockname()[1]}/metrics")
     say(limits_text(limits, open_files))
     say(f"cycle collector: young objects only, a full collection every {gc_interval:g} s" if gc_interval > 0
         else "cycle collector: Python's own thresholds")

@@ -31,6 +31,7 @@ class Frontend:
         self.models = models
         self.server_meta = server_meta
         self.is_ready = is_ready
+        self.max_body = max_body
         self.guard = guard if guard is not None else Guard.make(Limits().resolved(max_body, 1024), log)
         #: set once the server closes its connections: a call cancelled then was dropped
         self.closing = False
@@ -42,6 +43,9 @@ class Frontend:
             raise unknown_model(name, list(self.models))
         model.check_version(version)
         return model
+
+    def model_ready(self, name: str, version: str | None) -> bool:
+        return self.model(name, version).ready and self.is_ready()
 
     def statistics(self, name: str | None, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics extension: one model's (by name), or every model's (no name)."""
@@ -57,6 +61,12 @@ class Frontend:
         model.stats.refused("REJECTED")
         self.guard.refusals.refuse(self.protocol, "shutting_down")
         return shutting_down(model.name)
+
+    def timed_out(self) -> ProtocolError:
+        """The answer to a request not answered within ``--request-timeout``, counted."""
+        self.guard.refusals.refuse(self.protocol, "request_timeout")
+        return ProtocolError("timeout", f"the request was not answered within --request-timeout "
+                                        f"({self.guard.limits.request_timeout:g} s); it was withdrawn")
 
     def refused(self, exc: ProtocolError) -> None:
         """Count a request answered with ``exc``: refused (503 / UNAVAILABLE) or failed."""

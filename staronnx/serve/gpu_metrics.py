@@ -52,19 +52,14 @@ class GpuCollector:
             return None
 
     def collect(self) -> Iterator[Any]:
-        for name, text, read in GAUGES:
-            family = GaugeMetricFamily(name, text, labels=["gpu_uuid"])
+        for name, text, read in (*GAUGES, ENERGY):
+            energy = name == ENERGY[0]
+            family = (UnknownMetricFamily if energy else GaugeMetricFamily)(name, text, labels=["gpu_uuid"])
             for uuid, handle in self.handles.items():
-                value = self._read(read, handle)
-                if value is not None:
-                    family.add_metric([uuid], value)
+                value, start = self._read(read, handle), self._energy0.get(uuid) if energy else 0.0
+                if value is not None and start is not None:
+                    family.add_metric([uuid], value - start)
             yield family
-        energy = UnknownMetricFamily(ENERGY[0], ENERGY[1], labels=["gpu_uuid"])
-        for uuid, handle in self.handles.items():
-            value, start = self._read(ENERGY[2], handle), self._energy0.get(uuid)
-            if value is not None and start is not None:
-                energy.add_metric([uuid], value - start)
-        yield energy
 
 
 def gpu_collector(devices: Sequence[int]) -> GpuCollector | None:

@@ -14,15 +14,11 @@ handler sees it (gRPC's standard answer to an oversized message, and it costs no
 message that does not decode is INVALID_ARGUMENT (the handlers are registered with deserializers
 that catch protobuf's DecodeError; grpc's own answer would be UNKNOWN).
 
-Against hostile and careless clients (:func:`make_server`, :mod:`staronnx.serve.limits`): at
-most ``--grpc-max-streams`` concurrent calls per connection (HTTP/2 SETTINGS, so a client queues
-the rest instead of having them cancelled, and gRPC's core answers a flood of HEADERS +
-RST_STREAM, the "rapid reset" attack, by closing that connection, not by failing the other
-clients' calls), at most ``--max-connections`` connections, ``--header-timeout`` for a new
-connection's handshake, ``--idle-timeout`` for a connection with no call; an inference call not
-answered within ``--request-timeout`` is withdrawn and answered DEADLINE_EXCEEDED. A stopping
-server answers UNAVAILABLE, never CANCELLED: its calls are all answered before the listener
-closes (:mod:`staronnx.serve.app`). Every call a handler refuses is counted, in the model's
+Against hostile and careless clients, gRPC's core holds the limits (:func:`make_server` says
+how, :mod:`staronnx.serve.limits` why); an inference call not answered within
+``--request-timeout`` is withdrawn and answered DEADLINE_EXCEEDED. A stopping server answers
+UNAVAILABLE, never CANCELLED: its calls are all answered before the listener closes
+(:mod:`staronnx.serve.app`). Every call a handler refuses is counted, in the model's
 ``nv_inference_request_failure`` and in ``staronnx_requests_total{protocol="grpc"}``.
 
 The generated module registers the ``inference.*`` messages in protobuf's default pool, as
@@ -54,6 +50,8 @@ from staronnx.serve.protocol import ProtocolError, invalid, shown
 
 SERVICE = "inference.GRPCInferenceService"
 
+Ctx = grpc.aio.ServicerContext
+
 
 class GrpcFrontend(Frontend):
     """The servicer: the RPCs of :meth:`served`, errors as gRPC status codes."""
@@ -68,7 +66,7 @@ class GrpcFrontend(Frontend):
         #: while set (the last moments of a shutdown), calls wait for it before they are refused
         self._held: asyncio.Event | None = None
 
-    def served(self) -> dict[str, Callable[[Any, grpc.aio.ServicerContext], Any]]:
+    def served(self) -> dict[str, Callable[[Any, Ctx], Any]]:
         """The RPCs served, by name (the rest of Triton's service answers UNIMPLEMENTED from
         gRPC's core)."""
         return {"ServerLive": self.ServerLive, "ServerReady": self.ServerReady, "ModelReady": self.ModelReady,
@@ -97,52 +95,45 @@ class GrpcFrontend(Frontend):
         if self._held is not None:
             self._held.set()
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: grpc.aio.ServicerContext) -> pb.ServerLiveResponse:
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Ctx) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: grpc.aio.ServicerContext) -> pb.ServerReadyResponse:
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Ctx) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=self.is_ready())
 
-    async def ServerMetadata(self, request: pb.ServerMetadataRequest,
-                             context: grpc.aio.ServicerContext) -> pb.ServerMetadataResponse:
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Ctx) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(**self.server_meta)
 
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: grpc.aio.ServicerContext) -> pb.ModelReadyResponse:
-        model = self.model(request.name, request.version)
-        return pb.ModelReadyResponse(ready=model.ready and self.is_ready())
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Ctx) -> pb.ModelReadyResponse:
+        return pb.ModelReadyResponse(ready=self.model_ready(request.name, request.version))
 
-    async def ModelMetadata(self, request: pb.ModelMetadataRequest,
-                            context: grpc.aio.ServicerContext) -> pb.ModelMetadataResponse:
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Ctx) -> pb.ModelMetadataResponse:
         meta = self.model(request.name, request.version).metadata()
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
             name=meta["name"], versions=meta["versions"], platform=meta["platform"],
             inputs=[tensor(**t) for t in meta["inputs"]], outputs=[tensor(**t) for t in meta["outputs"]])
 
-    async def ModelConfig(self, request: pb.ModelConfigRequest, context: grpc.aio.ServicerContext) -> pb.ModelConfigResponse:
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Ctx) -> pb.ModelConfigResponse:
         config = self.model(request.name, request.version).config()
         return pb.ModelConfigResponse(config=json_format.ParseDict(config, mc.ModelConfig()))
 
-    async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
-                              context: grpc.aio.ServicerContext) -> pb.ModelStatisticsResponse:
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Ctx) -> pb.ModelStatisticsResponse:
         # ignore_unknown_fields: the "staronnx" section (targets, busy shares) has no field in
         # Triton's message; HTTP clients get it
         return json_format.ParseDict(self.statistics(request.name, request.version), pb.ModelStatisticsResponse(),
                                      ignore_unknown_fields=True)
 
-    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest,
-                              context: grpc.aio.ServicerContext) -> pb.RepositoryIndexResponse:
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Ctx) -> pb.RepositoryIndexResponse:
         return json_format.ParseDict({"models": self.repository_entries(request.ready)}, pb.RepositoryIndexResponse())
 
-    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
-                                  context: grpc.aio.ServicerContext) -> pb.RepositoryModelLoadResponse:
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context: Ctx) -> NoReturn:
         raise refused_load(request.model_name, "load")
 
-    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
-                                    context: grpc.aio.ServicerContext) -> pb.RepositoryModelUnloadResponse:
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context: Ctx) -> NoReturn:
         raise refused_load(request.model_name, "unload")
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
         """Registered as it is, not behind :func:`_checked` (a coroutine more per request on the
         loop that every RPC shares), so it answers an undecodable request itself. Every call's
         outcome is counted; one not answered within ``--request-timeout`` is withdrawn and
@@ -155,9 +146,7 @@ class GrpcFrontend(Frontend):
                 async with asyncio.timeout(deadline if deadline > 0 else None):
                     response = await self._infer(request, context)
             except TimeoutError:
-                refusals.refuse("grpc", "request_timeout")
-                raise ProtocolError("timeout", f"the request was not answered within --request-timeout "
-                                               f"({deadline:g} s); it was withdrawn") from None
+                raise self.timed_out() from None
         except ProtocolError as exc:
             self.refused(exc)
             await _abort(context, exc)
@@ -172,9 +161,9 @@ class GrpcFrontend(Frontend):
         refusals.outcome("grpc", "answered")
         return response
 
-    async def _infer(self, request: pb.ModelInferRequest, context: grpc.aio.ServicerContext) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
         if type(request) is _Undecodable:
-            raise invalid(_undecodable_text(request, "ModelInfer"))
+            raise request.error
         model = self.model(request.model_name, request.model_version)
         if not self.is_ready():  # stopping: answered UNAVAILABLE (after the hold, if one is on), never reset
             await self.held()
@@ -204,7 +193,7 @@ class GrpcFrontend(Frontend):
         return response
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: ProtocolError) -> NoReturn:
+async def _abort(context: Ctx, exc: ProtocolError) -> NoReturn:
     """End the call with ``exc``'s status code and message (``abort`` raises)."""
     await context.abort(grpc.StatusCode[exc.grpc_code], str(exc))
     raise AssertionError("unreachable")
@@ -248,34 +237,28 @@ PENDING_PER_STREAM_LIMIT = 4
 
 
 class _Undecodable:
-    """What a request that does not parse deserializes to: its handler answers INVALID_ARGUMENT."""
+    """What a request that does not parse deserializes to: its handler answers ``error``."""
 
-    def __init__(self, size: int, error: str) -> None:
-        self.size = size
-        self.error = error
+    def __init__(self, rpc: str, data: bytes, exc: Exception) -> None:
+        self.error = invalid(f"the {rpc} request ({len(data)} bytes) is not a valid {SERVICE}/{rpc} message: "
+                             f"{protocol.cut(exc, 100)}")
 
 
-def _deserializer(cls: Any) -> Callable[[bytes], Any]:
+def _deserializer(rpc: str, cls: Any) -> Callable[[bytes], Any]:
     def parse(data: bytes) -> Any:
         try:
             return cls.FromString(data)
         except (DecodeError, ValueError, RuntimeError) as exc:
-            return _Undecodable(len(data), str(exc))
+            return _Undecodable(rpc, data, exc)
     return parse
 
 
-def _undecodable_text(request: _Undecodable, rpc: str) -> str:
-    return (f"the {rpc} request ({request.size} bytes) is not a valid {SERVICE}/{rpc} message: "
-            f"{protocol.cut(request.error, 100)}")
-
-
-def _checked(frontend: GrpcFrontend, method: Callable[[Any, grpc.aio.ServicerContext], Any],
-             rpc: str) -> Callable[..., Any]:
+def _checked(frontend: GrpcFrontend, method: Callable[[Any, Ctx], Any]) -> Callable[..., Any]:
     """``method`` answering an undecodable request INVALID_ARGUMENT and a protocol error with its
     status, and held with the inference calls at the end of a shutdown (:meth:`GrpcFrontend.hold`)."""
-    async def handler(request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def handler(request: Any, context: Ctx) -> Any:
         if isinstance(request, _Undecodable):
-            await _abort(context, invalid(_undecodable_text(request, rpc)))
+            await _abort(context, request.error)
         await frontend.held()
         try:
             return await method(request, context)
@@ -286,7 +269,11 @@ def _checked(frontend: GrpcFrontend, method: Callable[[Any, grpc.aio.ServicerCon
 
 def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = None) -> grpc.aio.Server:
     """A grpc.aio server with the servicer, a message size limit of ``max_body`` bytes, and
-    ``limits`` in gRPC's core (the frontend's own where none are given; see the module docstring).
+    ``limits`` in gRPC's core (the frontend's own where none are given): at most
+    ``--grpc-max-streams`` concurrent calls per connection (HTTP/2 SETTINGS: a client queues the
+    rest, and a flood of HEADERS + RST_STREAM, the "rapid reset" attack, closes that connection,
+    not the other clients' calls), ``--max-connections`` connections, ``--header-timeout`` for a
+    handshake, ``--idle-timeout`` for a connection with no call.
 
     What holds a burst and a rapid-reset flood, measured on grpcio 1.85 (2,000 concurrent calls
     on one channel; one connection sending HEADERS + RST_STREAM pairs while 8 clients make 40
@@ -326,8 +313,8 @@ def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = N
         method = service.methods_by_name[rpc]
         handlers[rpc] = grpc.unary_unary_rpc_method_handler(
             # ModelInfer answers an undecodable request itself (see its docstring)
-            method_handler if rpc == "ModelInfer" else _checked(frontend, method_handler, rpc),
-            request_deserializer=_deserializer(GetMessageClass(method.input_type)),
+            method_handler if rpc == "ModelInfer" else _checked(frontend, method_handler),
+            request_deserializer=_deserializer(rpc, GetMessageClass(method.input_type)),
             response_serializer=GetMessageClass(method.output_type).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     return server

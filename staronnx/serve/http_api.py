@@ -18,25 +18,21 @@ classification (an output's ``classification: k`` parameter), and the repository
 (``POST /v2/repository/index``; loading and unloading are refused: a plan is served for the
 life of the process).
 
-What a hostile or careless client meets (:mod:`staronnx.serve.limits` has the bounds and why):
-a body is read into buffers that grow with what has arrived, within the server's receive budget
-(503 past it), up to ``--max-body``, and must keep arriving (``--body-timeout``,
-``--body-min-rate``: 408 and the connection closes); a request head must arrive whole within
-``--header-timeout``, a keep-alive connection may idle ``--idle-timeout``, and a request is
-answered within ``--request-timeout`` (504) or withdrawn; past ``--max-connections`` a
-connection's request is answered 503 and the connection closed; ``Expect: 100-continue`` gets
-its ``100 Continue`` only for a request that will be read (else the error at once). A body is
-decompressed (gzip, every member; deflate) off the event loop, never past ``--max-body``; JSON
-nested too deep, shapes of more than 64 dimensions, request lines or headers over aiohttp's
-limits, values a datatype does not take (:func:`staronnx.serve.protocol.from_values`) answer 400
-with the protocol's JSON error; such refusals are logged a few lines per window with a count of
-the rest. A client that disconnects has its request withdrawn (counted CANCELED); the
-``Server`` header names staronnx only, and a 500 says no more than that the log has the details.
+What a hostile or careless client meets (:mod:`staronnx.serve.limits` has the bounds and why,
+:func:`_receive` how a body is held): past ``--max-body`` or the receive budget a body is
+refused (400, 503) as it arrives; a body too slow is answered 408, a request head too slow 408,
+a request past ``--request-timeout`` 504, and a connection past ``--max-connections`` 503, each
+with ``Connection: close``; ``Expect: 100-continue`` gets its ``100 Continue`` only for a
+request that will be read. A body is decompressed off the event loop, never past
+``--max-body``; malformed HTTP or JSON, and values a datatype does not take, answer 400 with
+the protocol's JSON error, logged a few lines per window. A client that disconnects has its
+request withdrawn (counted CANCELED); the ``Server`` header names staronnx only, and a 500 says
+no more than that the log has the details.
 
 At shutdown (:meth:`HttpFrontend.shutting_down`), a request whose body is still arriving, and
 every request sent from then on, is answered 503 with ``Connection: close`` at once, and the
 rest of its body read and dropped as it arrives (under the body's time limits) so the client
-reads the answer instead of a reset; every other answer from then on closes its connection too.
+reads the answer instead of a reset.
 """
 
 from __future__ import annotations
@@ -71,6 +67,9 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 #: what the ``Server`` header of every response says (aiohttp's default names Python's and its own versions)
 SERVER_HEADER = "staronnx"
 
+#: what a 500 says: no more than that (an exception's text may name files, users, secrets)
+INTERNAL_ERROR = "internal server error (the server's log has the details)"
+
 #: how long a connection answered before its body arrived whole keeps reading and discarding
 #: the rest before it closes, where the front end does not drain it itself (an oversize body,
 #: an unknown route; aiohttp's default: 10 s), so that the client reads the answer rather than
@@ -87,6 +86,10 @@ OFFLOAD_BYTES = 64 * 1024
 OFFLOAD_VALUES = 16384
 
 #: the request body encodings this server decompresses itself (zlib ``wbits`` of each)
+#: a decoded inference request: (JSON header, inputs, their datatypes, outputs asked for as
+#: (name, binary?), binary default)
+Request = tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]
+
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
@@ -98,7 +101,6 @@ class HttpFrontend(Frontend):
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
                  is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
         super().__init__(models, server_meta, is_ready, guard, max_body)
-        self.max_body = max_body
         self._reading: set[asyncio.Task[Any]] = set()  # inference handlers still receiving their body
         #: inference handlers cut short by the server, and why ("stopping", "slow", "deadline")
         self._cuts: dict[asyncio.Task[Any], str] = {}
@@ -132,34 +134,50 @@ class HttpFrontend(Frontend):
         # inference is nearly every request a busy server sees
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_post(prefix + "/infer", self.infer, expect_handler=self._expect)
-        r.add_get("/v2", self.server_metadata)
+        stats = _json(lambda q: self.statistics(q.match_info.get("model"), q.match_info.get("version")))
+        r.add_get("/v2", _json(lambda q: self.server_meta))
         r.add_get("/v2/health/live", self.live)
         r.add_get("/v2/health/ready", self.ready)
-        r.add_get("/v2/models/stats", self.model_statistics)  # before /v2/models/{model}: every model's
+        r.add_get("/v2/models/stats", stats)  # before /v2/models/{model}: every model's
         r.add_post("/v2/repository/index", self.repository_index, expect_handler=self._expect)
         r.add_post("/v2/repository/models/{model}/load", self.refuse_load)
         r.add_post("/v2/repository/models/{model}/unload", self.refuse_load)
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
-            r.add_get(prefix, self.model_metadata)
-            r.add_get(prefix + "/ready", self.model_ready)
-            r.add_get(prefix + "/config", self.model_config)
-            r.add_get(prefix + "/stats", self.model_statistics)
+            r.add_get(prefix, _json(lambda q: self._model(q).metadata()))
+            r.add_get(prefix + "/ready", self.ready)
+            r.add_get(prefix + "/config", _json(lambda q: self._model(q).config()))
+            r.add_get(prefix + "/stats", stats)
         return app
 
     def runner(self, drain_timeout: float) -> web.AppRunner:
         """The app's runner: handlers cancelled when their client goes away (its request is
-        withdrawn), bodies left compressed for :meth:`_read`, malformed HTTP answered in JSON,
+        withdrawn), bodies left compressed for :func:`decode_body`, malformed HTTP answered in JSON,
         each connection held to the guard's time limits and connection cap (:class:`_Handler`)."""
-        return _Runner(self.app(), self.guard, access_log=None, handle_signals=False, shutdown_timeout=drain_timeout,
-                       handler_cancellation=True, auto_decompress=False, lingering_time=LINGER_S,
-                       keepalive_timeout=self.guard.limits.idle_timeout)
+        return _Runner(self.app(), guard=self.guard, access_log=None, handle_signals=False,
+                       shutdown_timeout=drain_timeout, handler_cancellation=True, auto_decompress=False,
+                       lingering_time=LINGER_S, keepalive_timeout=self.guard.limits.idle_timeout)
 
     @web.middleware
     async def _errors(self, request: web.Request,
                       handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
         """Every error as the protocol's ``{"error": "..."}`` with its status, never a traceback;
         once the server is stopping, every answer closes its connection."""
-        response = await _as_protocol_error(request, handler)
+        try:
+            response = await handler(request)
+        except ProtocolError as exc:
+            response = _answer(exc)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            path = cut(request.path, 100)
+            text = {404: f"no such endpoint: {request.method} {path}",
+                    405: f"method {request.method} not allowed on {path}"}.get(exc.status, exc.reason)
+            response = web.json_response({"error": text}, status=exc.status)
+        except ConnectionError:  # the client went away mid-request: nobody to answer, nothing to log
+            response = web.Response(status=400)
+        except Exception:  # noqa: BLE001 - a server bug answers 500 and keeps serving
+            log.exception("internal error on %s %s", request.method, cut(request.path, 100))
+            response = web.json_response({"error": INTERNAL_ERROR}, status=500)
         if response.status == 408 or not self.is_ready():  # 408: the rest of a late body is not waited for
             response.force_close()
         return response
@@ -171,53 +189,35 @@ class HttpFrontend(Frontend):
         if request.headers.get("Expect", "").lower() != "100-continue" or request.version != HttpVersion11:
             return web.json_response({"error": f"Expect: {protocol.cut(request.headers.get('Expect'), 40)} is not "
                                                "supported (only 100-continue)"}, status=417)
-        refusal: ProtocolError | None = None
         model = None
         try:
             if "model" in request.match_info:
                 model = self._model(request)
             _check_length(request, self.max_body)
             if not self.is_ready():
-                refusal = shutting_down()
+                raise shutting_down()
         except ProtocolError as exc:
-            refusal = exc
-        if refusal is not None:
             if model is not None:
-                model.stats.refused("REJECTED" if refusal.kind == "unavailable" else "OTHER")
-            self.refused(refusal)
-            response = _answer(refusal)
-            response.force_close()
-            return response
+                model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")
+            self.refused(exc)
+            return _answer(exc, close=True)
         request["continued"] = True
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         request.writer.output_size = 0  # the answer's own headers are still to come
         return None
 
     # -- health and metadata --------------------------------------------------------------------
-    async def server_metadata(self, request: web.Request) -> web.Response:
-        return web.json_response(self.server_meta)
-
     async def live(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
     async def ready(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.is_ready() else 503)
+        """The server's readiness, or a model's (503 while not ready)."""
+        model = request.match_info.get("model")
+        ready = self.is_ready() if model is None else self.model_ready(model, request.match_info.get("version"))
+        return web.Response(status=200 if ready else 503)
 
     def _model(self, request: web.Request) -> ModelEndpoint:
         return self.model(request.match_info["model"], request.match_info.get("version"))
-
-    async def model_metadata(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model(request).metadata())
-
-    async def model_config(self, request: web.Request) -> web.Response:
-        return web.json_response(self._model(request).config())
-
-    async def model_ready(self, request: web.Request) -> web.Response:
-        model = self._model(request)
-        return web.Response(status=200 if model.ready and self.is_ready() else 503)
-
-    async def model_statistics(self, request: web.Request) -> web.Response:
-        return web.json_response(self.statistics(request.match_info.get("model"), request.match_info.get("version")))
 
     async def repository_index(self, request: web.Request) -> web.Response:
         """Triton's repository index (read-only): every served model, its version and state;
@@ -237,7 +237,6 @@ class HttpFrontend(Frontend):
         ``--request-timeout``) answers 503, 408 or 504 rather than a reset."""
         task = asyncio.current_task()
         assert task is not None
-        refusals = self.guard.refusals
         loop = asyncio.get_running_loop()
         deadline = self.guard.limits.request_timeout
         timer = loop.call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
@@ -257,11 +256,11 @@ class HttpFrontend(Frontend):
             task.uncancel()
             response = await self._cut_short(request, why, watch)
         except BaseException:
-            refusals.outcome("http", "failed")
+            self.guard.refusals.outcome("http", "failed")
             raise
         else:
-            refusals.outcome("http", "answered" if response.status < 400 else
-                             "refused" if response.status == 503 else "failed")
+            self.guard.refusals.outcome("http", "answered" if response.status < 400 else
+                                        "refused" if response.status == 503 else "failed")
         finally:
             self.unanswered.discard(task)
             self.running.discard(task)
@@ -276,9 +275,14 @@ class HttpFrontend(Frontend):
         t0 = time.perf_counter()
         if not self.is_ready():
             return await self._refuse_body(request, _answer(self.stopping(model)), watch)
+        lengths = request.headers.getall(HEADER_LENGTH, [])
         self._reading.add(task)
         try:
-            header, inputs, datatypes, wanted, binary_out = await self._read(request, watch)
+            if len(lengths) > 1:
+                raise invalid(f"{HEADER_LENGTH} is given {len(lengths)} times; give it once")
+            body = await _receive(request, self.max_body, self.guard.budget, watch)
+            header, inputs, datatypes, wanted, binary_out = await decode_body(
+                body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None, self.max_body)
         except ProtocolError as exc:
             model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")  # as Triton counts it
             if exc.kind == "unavailable":  # the receive budget: answered now, the rest of the body dropped
@@ -296,9 +300,7 @@ class HttpFrontend(Frontend):
             self._reading.discard(task)
             watch.stop()
         if not self.is_ready():  # SIGTERM came while its body was decoded: the connection closes after it
-            response = _answer(self.stopping(model))
-            response.force_close()
-            return response
+            return _answer(self.stopping(model), close=True)
         t1 = time.perf_counter()
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0,
                                    classes=requested_classes(header))
@@ -311,28 +313,25 @@ class HttpFrontend(Frontend):
     async def _cut_short(self, request: web.Request, why: str, watch: _BodyWatch) -> web.StreamResponse:
         """The answer to a request the server cut short: 503 at a shutdown (the rest of the body
         dropped as it arrives), 408 for a body too slow, 504 past ``--request-timeout``."""
-        refusals = self.guard.refusals
         if why == "stopping":
-            refusals.outcome("http", "refused")
-            refusals.refuse("http", "shutting_down")
-            return await self._refuse_body(request, _answer(shutting_down()), watch)
-        refusals.outcome("http", "failed")
-        limits = self.guard.limits
-        if why == "slow":
-            refusals.refuse("http", "body_timeout")
-            error = ProtocolError("slow", f"the request body arrived too slowly ({watch.got} of "
-                                          f"{request.content_length if request.content_length is not None else '?'} "
-                                          f"bytes in {watch.elapsed():.1f} s; --body-timeout {limits.body_timeout:g} s, "
-                                          f"--body-min-rate {limits.body_min_rate:g} bytes/s)")
+            self.guard.refusals.refuse("http", "shutting_down")
+            error = shutting_down()
         else:
-            refusals.refuse("http", "request_timeout")
-            error = ProtocolError("timeout", f"the request was not answered within --request-timeout "
-                                             f"({limits.request_timeout:g} s); it was withdrawn")
+            error = self._too_slow(request, watch) if why == "slow" else self.timed_out()
+        self.refused(error)
+        if why == "stopping":
+            return await self._refuse_body(request, _answer(error), watch)
         self.guard.log.warning("requests cut short", "cut short a request from %s: %s", request.remote, error)
-        response = _answer(error)
-        if not request.content.is_eof():
-            response.force_close()
-        return response
+        return _answer(error, close=not request.content.is_eof())
+
+    def _too_slow(self, request: web.Request, watch: _BodyWatch) -> ProtocolError:
+        """The answer to a body that arrived too slowly (``watch`` expired), counted."""
+        limits = self.guard.limits
+        self.guard.refusals.refuse("http", "body_timeout")
+        announced = request.content_length if request.content_length is not None else "?"
+        return ProtocolError("slow", f"the request body arrived too slowly ({watch.got} of {announced} bytes in "
+                                     f"{watch.elapsed():.1f} s; --body-timeout {limits.body_timeout:g} s, "
+                                     f"--body-min-rate {limits.body_min_rate:g} bytes/s)")
 
     async def _refuse_body(self, request: web.Request, response: web.Response, watch: _BodyWatch) -> web.Response:
         """Send ``response`` (a refusal) now and close the connection after it; first read and
@@ -357,15 +356,6 @@ class HttpFrontend(Frontend):
             self._cuts.pop(task, None)
         return response
 
-    async def _read(self, request: web.Request, watch: _BodyWatch) -> tuple[
-            dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]:
-        lengths = request.headers.getall(HEADER_LENGTH, [])
-        if len(lengths) > 1:
-            raise invalid(f"{HEADER_LENGTH} is given {len(lengths)} times; give it once")
-        body = await _receive(request, self.max_body, self.guard.budget, watch)
-        return await decode_body(body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None,
-                                 self.max_body)
-
     async def _receive_body(self, request: web.Request) -> bytes | bytearray:
         """A small body (the repository index's) as sent, within the limits (:func:`_receive`),
         under a watch of its own: one too slow is answered 408."""
@@ -378,16 +368,24 @@ class HttpFrontend(Frontend):
             if not watch.expired:
                 raise
             task.uncancel()
-            self.guard.refusals.refuse("http", "body_timeout")
-            raise ProtocolError("slow", f"the request body arrived too slowly ({watch.got} bytes in "
-                                        f"{watch.elapsed():.1f} s; --body-timeout, --body-min-rate)") from None
+            raise self._too_slow(request, watch) from None
         finally:
             watch.stop()
 
 
-def _answer(exc: ProtocolError) -> web.Response:
-    """The protocol's JSON error with its HTTP status."""
-    return web.json_response({"error": str(exc)}, status=exc.http_status)
+def _json(answer: Callable[[web.Request], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """A GET handler that answers ``answer(request)`` as JSON."""
+    async def handler(request: web.Request) -> web.Response:
+        return web.json_response(answer(request))
+    return handler
+
+
+def _answer(exc: ProtocolError, close: bool = False) -> web.Response:
+    """The protocol's JSON error with its HTTP status; ``close``: the connection closes after it."""
+    response = web.json_response({"error": str(exc)}, status=exc.http_status)
+    if close:
+        response.force_close()
+    return response
 
 
 def _check_length(request: web.Request, max_body: int) -> None:
@@ -409,8 +407,7 @@ async def inflate_body(body: bytes | bytearray, encoding: str | None, max_body: 
 
 
 async def decode_body(body: bytes | bytearray, encoding: str | None, header_length: str | None,
-                      max_body: int) -> tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str],
-                                              list[tuple[str, bool]], bool]:
+                      max_body: int) -> Request:
     """A received request body as (JSON header, inputs, their datatypes, outputs asked for,
     binary default): inflated (:func:`inflate_body`), and a large JSON document parsed on a
     worker thread, so the loop goes on serving the others. Both HTTP front ends (``staronnx
@@ -433,7 +430,8 @@ async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.nd
     """The response to a request (:func:`_encode_response`), written on a worker thread when it
     has many values to write as text, as large requests are decoded."""
     args = (model, request_id, outputs, wanted, binary_out, parameters)
-    if _json_values(outputs, wanted, binary_out) < OFFLOAD_VALUES:
+    # the values written as JSON text (about: an output that is not finite goes binary after all)
+    if sum(arr.size for name, arr in outputs.items() if not wanted.get(name, binary_out)) < OFFLOAD_VALUES:
         return _encode_response(*args)
     return await asyncio.get_running_loop().run_in_executor(_json_pool(), _encode_response, *args)
 
@@ -490,11 +488,6 @@ class _BodyWatch:
             self._handle = None
 
 
-def _over_budget(budget: ReceiveBudget) -> ProtocolError:
-    return ProtocolError("unavailable", f"the server is receiving as many request bodies as it holds at once "
-                                        f"(--receive-budget, {budget.limit} bytes); retry later")
-
-
 async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, watch: _BodyWatch) -> bytes | bytearray:
     """The body's bytes as they arrive, the memory held growing with them.
 
@@ -532,24 +525,23 @@ async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, w
             if view is not None:
                 view[got - n:got] = chunk
                 continue
-            if length is not None and 2 * got >= length and got < length:
-                # half of it is here: one buffer for the whole body, the rest read straight into it
-                if not budget.take(length - held):
-                    raise _over_budget(budget)
-                held = length
-                buf = bytearray(length)
-                view = memoryview(buf)
-                pos = 0
-                for c in chunks:
-                    view[pos:pos + len(c)] = c
-                    pos += len(c)
-                view[pos:got] = chunk
-                chunks = []
-                continue
-            if not budget.take(n):
-                raise _over_budget(budget)
-            held += n
             chunks.append(chunk)
+            # half of it is here: one buffer for the whole body, the rest read straight into it
+            whole = length is not None and 2 * got >= length and got < length
+            if not budget.take(length - held if whole else n):
+                raise ProtocolError("unavailable", "the server is receiving as many request bodies as it holds at "
+                                                   f"once (--receive-budget, {budget.limit} bytes); retry later")
+            if not whole:
+                held += n
+                continue
+            held = length
+            buf = bytearray(length)
+            view = memoryview(buf)
+            pos = 0
+            for c in chunks:
+                view[pos:pos + len(c)] = c
+                pos += len(c)
+            chunks = []
         if length is not None and got != length:  # the client went away mid-body
             raise ConnectionError("the request body ended before its Content-Length")
         if buf is not None:
@@ -754,11 +746,8 @@ class _Handler(RequestHandler):
 
     async def _too_many(self, request: Any) -> web.StreamResponse:
         limit = self._guard.limits.max_connections
-        resp = web.json_response({"error": f"too many connections: this server holds at most {limit} "
-                                           "(--max-connections); retry later, or reuse a connection"},
-                                 status=503, headers={"Server": SERVER_HEADER})
-        resp.force_close()
-        return resp
+        return _closing(503, f"too many connections: this server holds at most {limit} (--max-connections); "
+                             "retry later, or reuse a connection")
 
     def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -767,7 +756,7 @@ class _Handler(RequestHandler):
         if status >= 500:
             log.error("internal error handling an HTTP request from %s: %s", request.remote,
                       cut(exc if exc is not None else message))
-            text = "internal server error (the server's log has the details)"
+            text = INTERNAL_ERROR
         else:
             said = exc.message if isinstance(exc, HttpProcessingError) else exc
             why = " ".join(str(message or said or "unreadable").split())
@@ -775,9 +764,15 @@ class _Handler(RequestHandler):
             self._guard.refusals.refuse("http", "malformed")
             self._guard.log.warning("malformed HTTP requests", "%s (from %s; answered %d)", text, request.remote,
                                     status)
-        resp = web.json_response({"error": text}, status=status, headers={"Server": SERVER_HEADER})
-        resp.force_close()
-        return resp
+        return _closing(status, text)
+
+
+def _closing(status: int, error: str) -> web.Response:
+    """A JSON error that closes its connection, from the connection handler (outside the app,
+    whose hook names the server)."""
+    response = web.json_response({"error": error}, status=status, headers={"Server": SERVER_HEADER})
+    response.force_close()
+    return response
 
 
 def _canned(status: int, error: str) -> bytes:
@@ -789,42 +784,15 @@ def _canned(status: int, error: str) -> bytes:
 
 
 class _Server(Server):
-    guard: Guard
-
     def __call__(self) -> RequestHandler:
-        return _Handler(self, loop=self._loop, guard=self.guard, **self._kwargs)
+        return _Handler(self, loop=self._loop, **self._kwargs)  # the runner's keywords, the guard among them
 
 
 class _Runner(web.AppRunner):
-    def __init__(self, app: web.Application, guard: Guard, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
-        self.guard = guard
-
     async def _make_server(self) -> Server:
         server = await super()._make_server()
-        server.__class__ = _Server
-        server.guard = self.guard  # type: ignore[attr-defined]
+        server.__class__ = _Server  # aiohttp has no setting for the class of its connection handlers
         return server
-
-
-async def _as_protocol_error(request: web.Request,
-                             handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except ProtocolError as exc:
-        return _answer(exc)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        path = cut(request.path, 100)
-        text = {404: f"no such endpoint: {request.method} {path}",
-                405: f"method {request.method} not allowed on {path}"}.get(exc.status, exc.reason)
-        return web.json_response({"error": text}, status=exc.status)
-    except ConnectionError:  # the client went away mid-request: nobody to answer, nothing to log
-        return web.Response(status=400)
-    except Exception:  # noqa: BLE001 - a server bug answers 500 and keeps serving
-        log.exception("internal error on %s %s", request.method, cut(request.path, 100))
-        return web.json_response({"error": "internal server error (the server's log has the details)"}, status=500)
 
 
 _JSON_POOL: ThreadPoolExecutor | None = None
@@ -844,24 +812,6 @@ def _json_pool() -> ThreadPoolExecutor:
     return _JSON_POOL
 
 
-def _decode(body: bytes | bytearray, length: int) -> tuple[
-        dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]:
-    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors,
-    as (JSON header, inputs, their datatypes, outputs asked for, binary default)."""
-    view = memoryview(body)
-    header = _parse_json(body if length == len(body) else bytes(view[:length]), "the inference request",
-                         jsontensors.loads)
-    if not isinstance(header, dict):
-        raise invalid("the inference request must be a JSON object")
-    return (header, *_decode_request(header, view[length:]))
-
-
-def _json_values(outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool], binary_out: bool) -> int:
-    """How many output values a response writes as JSON text (about: an output that is not
-    finite goes binary after all)."""
-    return sum(arr.size for name, arr in outputs.items() if not wanted.get(name, binary_out))
-
-
 def _params(obj: Mapping[str, Any], what: str) -> dict[str, Any]:
     params = obj.get("parameters", {})
     if not isinstance(params, dict):
@@ -878,9 +828,15 @@ def _flag(params: Mapping[str, Any], key: str, default: bool, what: str) -> bool
     return value
 
 
-def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
-        dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]:
-    """Inputs as arrays, their datatypes, the outputs asked for (name, binary?), binary default."""
+def _decode(body: bytes | bytearray, length: int) -> Request:
+    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors,
+    as (JSON header, inputs, their datatypes, outputs asked for (name, binary?), binary default)."""
+    view = memoryview(body)
+    header = _parse_json(body if length == len(body) else bytes(view[:length]), "the inference request",
+                         jsontensors.loads)
+    if not isinstance(header, dict):
+        raise invalid("the inference request must be a JSON object")
+    binary = view[length:]
     specs = header.get("inputs")
     if not isinstance(specs, list) or not specs:
         raise invalid("the inference request needs a non-empty 'inputs' list")
@@ -890,23 +846,23 @@ def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise invalid(f"inputs[{i}] must be an object with a 'name'")
-        name = spec["name"]
+        name, datatype = spec["name"], spec.get("datatype")
+        what = f"input {protocol.shown(name)}"
         if name in inputs:
-            raise invalid(f"input {protocol.shown(name)} is given twice")
-        datatype = spec.get("datatype")
-        size = _params(spec, f"input {protocol.shown(name)}").get("binary_data_size")
+            raise invalid(f"{what} is given twice")
+        size = _params(spec, what).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise invalid(f"input {protocol.shown(name)}: binary_data_size must be a non-negative integer, got {cut(size, 40)}")
+                raise invalid(f"{what}: binary_data_size must be a non-negative integer, got {cut(size, 40)}")
             if offset + size > len(binary):
-                raise invalid(f"input {protocol.shown(name)}: binary_data_size {size} runs past the end of the body "
+                raise invalid(f"{what}: binary_data_size {size} runs past the end of the body "
                               f"({len(binary) - offset} bytes left)")
             inputs[name] = protocol.from_raw(name, datatype, spec.get("shape"), binary[offset:offset + size])
             offset += size
         elif "data" in spec:
             inputs[name] = protocol.from_values(name, datatype, spec.get("shape"), spec["data"])
         else:
-            raise invalid(f"input {protocol.shown(name)} has neither 'data' nor parameters.binary_data_size")
+            raise invalid(f"{what} has neither 'data' nor parameters.binary_data_size")
         datatypes[name] = datatype
     if offset != len(binary):
         raise invalid(f"{len(binary) - offset} bytes of binary data follow the inputs that no input claims")
@@ -920,7 +876,7 @@ def _decode_request(header: dict[str, Any], binary: memoryview) -> tuple[
             raise invalid(f"outputs[{i}] must be an object with a 'name'")
         what = f"output {protocol.shown(out['name'])}"
         wanted.append((out["name"], _flag(_params(out, what), "binary_data", binary_out, what)))
-    return inputs, datatypes, wanted, binary_out
+    return header, inputs, datatypes, wanted, binary_out
 
 
 def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str, np.ndarray],

@@ -28,15 +28,10 @@ and UINT types, booleans for BOOL, the first other value refused by its position
 * values are parsed to doubles and then cast, as ``np.asarray(list_of_floats, dtype)`` does, so
   a tensor is bit-equal to the one the list path makes.
 
-Responses: FP16/FP32 outputs are widened to float64 before orjson writes them, so every value
-reads back as the same double ``tolist()`` + ``json.dumps`` gave (shortest round-trip form). An
-output with a NaN or an infinity is never written as JSON text (JSON has no such numbers, and
-``NaN`` tokens break strict parsers): the HTTP front end sends it with the binary extension
-(:func:`staronnx.serve.http_api.encode_answer`), so a response is always valid JSON.
-
-Both run on the JSON thread of :mod:`staronnx.serve.http_api` for large bodies, never on the
-event loop. Each thread keeps its own simdjson parser (one is not safe to share, and a parser
-reuses its buffers from one document to the next).
+Responses (:func:`dumps`) read back as the values ``tolist()`` + ``json.dumps`` give. Both run
+on the JSON thread of :mod:`staronnx.serve.http_api` for large bodies, never on the event loop;
+each thread keeps its own simdjson parser (one is not safe to share, and a parser reuses its
+buffers from one document to the next).
 """
 
 from __future__ import annotations
@@ -136,34 +131,28 @@ def _convert(doc: Any, data: bytes | bytearray) -> Any:
     if fields is None:
         return _py(doc)
     header: dict[str, Any] = {}
-    fast: list[tuple[dict[str, Any], Any, int]] = []  # (input entry, its data Array, arrays in it)
+    fast: list[tuple[dict[str, Any], Any]] = []  # (input entry, its data Array): the rectangular nests
+    expected = 0  # the arrays those nests are made of
     for key, value in fields:
-        if key == "inputs" and isinstance(value, simdjson.Array):
-            entries: list[Any] = []
-            for spec in value:
-                spec_fields = _fields(spec) if isinstance(spec, simdjson.Object) else None
-                if spec_fields is None:
-                    entries.append(_py(spec))
-                    continue
-                entries.append({k: v if k == "data" and isinstance(v, simdjson.Array) else _py(v)
-                                for k, v in spec_fields})
-            header[key] = entries
-        else:
+        if key != "inputs" or not isinstance(value, simdjson.Array):
             header[key] = _py(value)
-    # every input's data: read into a buffer where its nest is rectangular, else as a list
-    expected = 0
-    for entry in header.get("inputs", ()) if isinstance(header.get("inputs"), list) else ():
-        if not isinstance(entry, dict):
             continue
-        values = entry.get("data")
-        if not isinstance(values, simdjson.Array):
-            continue
-        arrays = _rectangular(values)
-        if arrays is None:
-            entry["data"] = values.as_list()
-        else:
-            fast.append((entry, values, arrays))
-            expected += arrays
+        header[key] = entries = []
+        for spec in value:
+            spec_fields = _fields(spec) if isinstance(spec, simdjson.Object) else None
+            if spec_fields is None:
+                entries.append(_py(spec))
+                continue
+            entry = {k: v if k == "data" and isinstance(v, simdjson.Array) else _py(v) for k, v in spec_fields}
+            entries.append(entry)
+            values = entry.get("data")
+            if isinstance(values, simdjson.Array):  # read into a buffer where its nest is rectangular
+                arrays = _rectangular(values)
+                if arrays is None:
+                    entry["data"] = values.as_list()
+                else:
+                    fast.append((entry, values))
+                    expected += arrays
     if fast:
         # every "[" of the document is an array found outside data or inside a rectangular
         # nest: then no data array holds an array where a number belongs (a "[" inside a
@@ -171,12 +160,9 @@ def _convert(doc: Any, data: bytes | bytearray) -> Any:
         outside = _count_lists(header)
         # (counted by numpy: bytes.count of one byte is a plain loop, 1 ms over 3 MB; this is 0.25)
         brackets = int(np.count_nonzero(np.frombuffer(data, dtype=np.uint8) == _OPEN))
-        if brackets != outside + expected:
-            for entry, values, _ in fast:
-                entry["data"] = values.as_list()
-        else:
-            for entry, values, _ in fast:
-                entry["data"] = _typed(values, entry.get("datatype"))
+        rectangular = brackets == outside + expected
+        for entry, values in fast:
+            entry["data"] = _typed(values, entry.get("datatype")) if rectangular else values.as_list()
     return header
 
 

@@ -119,11 +119,9 @@ def merge_snapshots(snapshots: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
             if key == "failure":
                 out[key] = dict(_Tally(out[key]) + _Tally(value))
             elif key == "batches":
-                merged = dict(out[key])
                 for size, (n, secs) in value.items():
-                    was = merged.get(size, (0, 0.0))
-                    merged[size] = (was[0] + n, was[1] + secs)
-                out[key] = merged
+                    was = out[key].get(size, (0, 0.0))
+                    out[key][size] = (was[0] + n, was[1] + secs)
             elif key == "last_inference_ms":
                 out[key] = max(out[key], value)
             elif key in out:
@@ -183,7 +181,7 @@ class ServedModel(Protocol):
 
 
 _TRITON = (
-    # (name, help, snapshot key): untyped, labelled by model and version
+    # (name, help, snapshot key): untyped but the pending count, labelled by model and version
     ("nv_inference_request_success", "Number of successful inference requests", "success"),
     ("nv_inference_count", "Number of inferences performed (a batch of n counts n)", "inference_count"),
     ("nv_inference_exec_count", "Number of model executions (batches) performed", "exec_count"),
@@ -197,6 +195,7 @@ _TRITON = (
      "in microseconds", "infer_us"),
     ("nv_inference_compute_output_duration_us", "Cumulative time encoding response tensors, in microseconds",
      "output_us"),
+    ("nv_inference_pending_request_count", "Requests accepted and not yet answered", "pending"),  # a gauge
 )
 
 
@@ -216,15 +215,10 @@ class ServeCollector:
                 fail.add_metric([m.name, VERSION, reason], s["failure"].get(reason, 0))
         yield fail
         for name, doc, key in _TRITON:
-            fam = UnknownMetricFamily(name, doc, labels=labels)
+            fam = (GaugeMetricFamily if key == "pending" else UnknownMetricFamily)(name, doc, labels=labels)
             for m, s in snaps:
                 fam.add_metric([m.name, VERSION], s[key])
             yield fam
-        pending = GaugeMetricFamily("nv_inference_pending_request_count",
-                                    "Requests accepted and not yet answered", labels=labels)
-        for m, s in snaps:
-            pending.add_metric([m.name, VERSION], s["pending"])
-        yield pending
         yield from self._staronnx()
 
     def _staronnx(self) -> Iterator[Any]:

@@ -227,13 +227,9 @@ def _leaves(values: Any) -> list[Any]:
     return out
 
 
-def _wants(dtype: np.dtype) -> str:
-    """What one value of ``dtype`` must be, in JSON's words."""
-    if dtype.kind == "b":
-        return "true or false"
-    if dtype.kind in "iu":
-        return "an integer"
-    return "a number"
+#: what one value of a dtype's kind must be, and what its datatype takes, in JSON's words
+_WANTS = {"b": ("true or false", "JSON booleans"), "i": ("an integer", "JSON integers"),
+          "u": ("an integer", "JSON integers"), "f": ("a number", "JSON numbers")}
 
 
 def _bad_value(name: str, datatype: str, dtype: np.dtype, index: int, value: Any) -> ProtocolError:
@@ -247,12 +243,13 @@ def _bad_value(name: str, datatype: str, dtype: np.dtype, index: int, value: Any
     if dtype.kind in "iu" and number and not (isinstance(value, int) or float(value).is_integer()):
         why = f"is not an integer ({datatype} takes integers)"
     elif isinstance(value, NumberOutOfRange) or (number and dtype.kind != "b"):
-        info = np.iinfo(dtype) if dtype.kind in "iu" else np.finfo(dtype)
-        why = f"is out of the range of {datatype} ({info.min:g} to {info.max:g})" if dtype.kind == "f" else (
-            f"is out of the range of {datatype} ({info.min} to {info.max})")
+        if dtype.kind == "f":
+            why = f"is out of the range of {datatype} ({np.finfo(dtype).min:g} to {np.finfo(dtype).max:g})"
+        else:
+            why = f"is out of the range of {datatype} ({np.iinfo(dtype).min} to {np.iinfo(dtype).max})"
     else:
-        takes = {"b": "JSON booleans", "i": "JSON integers", "u": "JSON integers"}.get(dtype.kind, "JSON numbers")
-        why = f"is not {_wants(dtype)} ({datatype} takes {takes})"
+        wants, takes = _WANTS[dtype.kind]
+        why = f"is not {wants} ({datatype} takes {takes})"
     return invalid(f"input {shown(name)}: data[{index}] = {cut(text, 40)} {why}")
 
 
