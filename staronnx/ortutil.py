@@ -19,7 +19,7 @@ from onnx import helper
 from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
 from staronnx.errors import DeviceError
-from staronnx.modelio import PROTOBUF_LIMIT, model_nbytes, save_model
+from staronnx.modelio import PROTOBUF_LIMIT, missing_external, model_nbytes, save_model
 
 
 #: ORT's log severities: 3 logs errors, 4 only fatal ones. Every error ORT logs while running a
@@ -236,33 +236,48 @@ def _placeholder(tensor: onnx.TensorProto, missing: bool) -> onnx.TensorProto:
     return helper.make_tensor(tensor.name, tensor.data_type, list(_PLACEHOLDER_DIMS), [])
 
 
-def option_effects(so: ort.SessionOptions, model: onnx.ModelProto, missing: set[str]) -> OptionEffects:
-    """Ask ORT what ``so`` changes in ``model`` (read without its external data; ``missing``:
-    the initializers whose external file is absent): the initializer values it supplies and the
-    input dimensions it fixes. Raises ORT's own error where ORT would refuse the options."""
+def option_effects(so: ort.SessionOptions, source: Path | onnx.ModelProto) -> OptionEffects | None:
+    """Ask ORT what ``so`` changes in the model (a file, or a model whose external files are in the
+    current folder): the initializer values it supplies and the input dimensions it fixes. None
+    where the model cannot be read yet (load_model then says why). A probe ORT refuses is ORT's
+    own error, as its session's would be, except for an external file that is missing and not
+    given: load_model names that file."""
+    if isinstance(source, onnx.ModelProto):
+        model, base = source, Path.cwd()
+    else:
+        try:
+            model, base = onnx.load(str(source), load_external_data=False), source.parent
+        except Exception:  # noqa: BLE001 - not a model: load_model words it
+            return None
+    missing = missing_external(model, base)
     effects = OptionEffects()
     inits = list(model.graph.initializer)
-    if inits:
-        probes, probe = _probe_model([t.name for t in inits], [t.data_type for t in inits],
-                                     initializers=[_placeholder(t, t.name in missing) for t in inits])
-        with _quietly(so):
-            values = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(probes, {})
-        for tensor, value in zip(inits, values):
-            if tensor.name in missing or tuple(np.shape(value)) != _PLACEHOLDER_DIMS:
-                effects.initializers[tensor.name] = np.asarray(value)
-    constants = {t.name for t in inits}
-    free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
-            and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
-    if free:
-        _, probe = _probe_model([vi.name for vi in free], [vi.type.tensor_type.elem_type for vi in free], free)
-        with _quietly(so):
-            session = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
-        told = {arg.name: list(arg.shape) for arg in session.get_inputs()}
-        for vi in free:
-            declared = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
-            fixed = [t if isinstance(t, int) and d is None else None for d, t in zip(declared, told[vi.name])]
-            if any(f is not None for f in fixed):
-                effects.shapes[vi.name] = fixed
+    try:
+        if inits:
+            probes, probe = _probe_model([t.name for t in inits], [t.data_type for t in inits],
+                                         initializers=[_placeholder(t, t.name in missing) for t in inits])
+            with _quietly(so):
+                values = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(probes, {})
+            for tensor, value in zip(inits, values):
+                if tensor.name in missing or tuple(np.shape(value)) != _PLACEHOLDER_DIMS:
+                    effects.initializers[tensor.name] = np.asarray(value)
+        constants = {t.name for t in inits}
+        free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
+                and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
+        if free:
+            _, probe = _probe_model([vi.name for vi in free], [vi.type.tensor_type.elem_type for vi in free], free)
+            with _quietly(so):
+                session = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
+            told = {arg.name: list(arg.shape) for arg in session.get_inputs()}
+            for vi in free:
+                fixed = [t if isinstance(t, int) and not d.HasField("dim_value") else None
+                         for d, t in zip(vi.type.tensor_type.shape.dim, told[vi.name])]
+                if any(f is not None for f in fixed):
+                    effects.shapes[vi.name] = fixed
+    except Exception:
+        if missing:
+            return None
+        raise
     return effects
 
 

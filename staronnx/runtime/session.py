@@ -100,8 +100,8 @@ from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession a
 
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError, StaronnxError
-from staronnx.modelio import is_fixed, load_model, missing_external, values_digest
-from staronnx.ortutil import (QUIET, AdapterProbe, OptionEffects, option_effects, option_values, ort_type_name,
+from staronnx.modelio import is_fixed, load_model, values_digest
+from staronnx.ortutil import (QUIET, AdapterProbe, option_effects, option_values, ort_type_name,
                               write_optimized)
 from staronnx.partition.graph import model_inputs
 from staronnx.partition.whole import io_specs, too_small, value_spec, whole_reason
@@ -291,7 +291,7 @@ def _load_source(path_or_bytes: str | os.PathLike[str] | bytes | bytearray | mem
         if not path.exists():
             raise NoSuchFile(f"Load model from {path} failed: File doesn't exist")
         source = path
-    effects = _option_effects(source, so) if so is not None else None
+    effects = option_effects(so, source) if so is not None else None
     try:
         loaded = load_model(source, supplied=effects.initializers if effects else None)
     except ModelError as exc:
@@ -312,24 +312,8 @@ def _load_source(path_or_bytes: str | os.PathLike[str] | bytes | bytearray | mem
     return model, model, sha256
 
 
-def _option_effects(source: Path | onnx.ModelProto, so: ort.SessionOptions) -> OptionEffects | None:
-    """What ``so`` changes in the model, asked of ORT (None where the model cannot be read yet:
-    load_model then says why). A probe ORT refuses is ORT's own error, as its session's would be,
-    except for an external file that is missing and not given: load_model names that file."""
-    if isinstance(source, onnx.ModelProto):
-        proto, base = source, Path.cwd()
-    else:
-        try:
-            proto, base = onnx.load(str(source), load_external_data=False), source.parent
-        except Exception:  # noqa: BLE001 - not a model: load_model words it
-            return None
-    missing = missing_external(proto, base)
-    try:
-        return option_effects(so, proto, missing)
-    except Exception:
-        if missing:
-            return None
-        raise
+
+
 # -- ORT's SessionOptions, honoured or said ---------------------------------------------------
 #: what an ORT config embedded in a model (metadata "ort_config": {"session_options": {...}})
 #: may set, as ORT reads it, each with the type its value takes
