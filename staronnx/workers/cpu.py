@@ -48,11 +48,8 @@ class CpuWorker(ThreadWorker):
     already uses one of the group's PUs; ``True``/``False`` force it.  ``share_weights``
     uses :class:`~staronnx.workers.cpu_weights.SharedWeights` (``weights`` or the process-wide
     one); ``topology`` is only used for memory binding (default: this system's, loaded once).
-
-    The thread, ``start``/``close`` and ``call``/``spawn`` (``submit``/``run`` for a worker
-    used on its own) are :class:`~staronnx.workers.base.ThreadWorker`'s; this class pins,
-    binds memory, builds the sessions and runs them (:meth:`run_here`).  Its sessions are dropped in the worker thread at close, which
-    joins ORT's pool threads, so no thread is left behind.
+    Its sessions are dropped in the worker thread at close, which joins ORT's pool threads, so
+    no thread is left behind.
     """
 
     kind = "cpu"

@@ -130,24 +130,20 @@ class CudaWorker(ThreadWorker):
     ``cudnn_conv_algo_search``: EXHAUSTIVE (ORT's default: best kernels, slow first run per
     shape), HEURISTIC or DEFAULT.  ``provider_options`` adds CUDA provider options (e.g.
     ``gpu_mem_limit``); device and stream are the worker's own.  ``cpu`` pins the worker thread
-    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``copy_log`` receives a :class:`~staronnx.workers.memory.CopyRecord` per
-    timed task and direction, with ``host_node`` as the host end.  ``max_slots`` bounds how
-    many (part, batch size) buffer sets stay cached.  ``cuda_graphs`` (default on) captures
-    each (part, batch size) buffer set whose outputs are fixed as a CUDA graph and replays it;
-    ``capture_on_demand=False`` keeps slots made after warm-up graph-less (a Runtime that
-    warmed up its batch sizes never stalls its workers on a capture while serving).
-    ``thread_per_stream``
-    gives the worker a thread of its own under an engine; by default one engine thread drives
-    every stream of a device (:attr:`driver_key`), as StarPU does.  ``runtime`` replaces the CUDA runtime: a :class:`~staronnx.workers.cudart.HostRuntime`
-    runs the same pipeline on the CPU provider with host memory (how it is tested without a
-    GPU; ``STARONNX_CUDA_RUNTIME=host`` makes it the default, for the CLI).  Without one, the constructor raises :class:`DeviceError` when ONNX Runtime's CUDA
-    provider, cuda-bindings or the device is missing.
-
-    The thread, ``start``/``close`` and ``call``/``spawn`` (``submit``/``run`` for a worker used
-    alone) are :class:`~staronnx.workers.base.ThreadWorker`'s; this class sets up the device,
-    stream and sessions, runs tasks (``launch_here``/``finish_here``, ``run_here``), and tears it
-    all down in its thread. ``device_memory`` is the GPU as a memory node (a device's streams
-    share one; by default the worker makes its own).
+    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``copy_log`` receives a
+    :class:`~staronnx.workers.memory.CopyRecord` per timed task and direction, with ``host_node``
+    as the host end.  ``max_slots`` bounds how many (part, batch size) buffer sets stay cached.
+    ``cuda_graphs`` (default on) captures each (part, batch size) buffer set whose outputs are
+    fixed as a CUDA graph and replays it; ``capture_on_demand=False`` keeps slots made after
+    warm-up graph-less (a Runtime that warmed up its batch sizes never stalls its workers on a
+    capture while serving). ``thread_per_stream`` gives the worker a thread of its own under an
+    engine; by default one engine thread drives every stream of a device (:attr:`driver_key`), as
+    StarPU does.  ``runtime`` replaces the CUDA runtime: a
+    :class:`~staronnx.workers.cudart.HostRuntime` runs the same pipeline on the CPU provider with
+    host memory (``STARONNX_CUDA_RUNTIME=host`` makes it the default, for the CLI); without one,
+    a missing CUDA provider, cuda-bindings or device raises :class:`DeviceError` here.
+    ``device_memory`` is the GPU as a memory node (a device's streams share one; by default the
+    worker makes its own).
     """
 
     kind = "cuda"
@@ -658,14 +654,13 @@ class CudaWorker(ThreadWorker):
         without a graph. Said out loud: a "graphs" figure must not silently measure none."""
         self.graph_failures += 1
         slot.capture_tries += 1
-        if slot.capture_tries < CAPTURE_TRIES:
-            log.warning("%s: CUDA graph capture of part %d (inputs %s) failed: %s; it will be "
-                        "captured again", self.name, slot.part, slot.key[1:], exc)
+        again = slot.capture_tries < CAPTURE_TRIES
+        then = (f": {exc}; it will be captured again" if again
+                else f" {slot.capture_tries} times (last: {exc}); this shape runs without a graph")
+        log.warning("%s: CUDA graph capture of part %d (inputs %s) failed%s", self.name, slot.part, slot.key[1:], then)
+        if again:
             self._give_graph(slot)
         else:
-            log.warning("%s: CUDA graph capture of part %d (inputs %s) failed %d times (last: "
-                        "%s); this shape runs without a graph", self.name, slot.part,
-                        slot.key[1:], slot.capture_tries, exc)
             self._drop_graph(slot)
 
     def _give_graph(self, slot: Slot) -> None:

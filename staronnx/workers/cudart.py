@@ -60,7 +60,7 @@ STICKY_ERRORS = frozenset({
     702,  # cudaErrorLaunchTimeout
     709,  # cudaErrorContextIsDestroyed
     710,  # cudaErrorAssert
-    714, 715, 716, 717, 718,  # hardware stack error, illegal instruction, misaligned address, ...
+    *range(714, 719),  # hardware stack error, illegal instruction, misaligned address, ...
     719,  # cudaErrorLaunchFailure
     999,  # cudaErrorUnknown
 })

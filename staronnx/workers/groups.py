@@ -36,7 +36,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterator, overload
+from typing import overload
 
 from staronnx.errors import StaronnxError
 from staronnx.workers.topology import CoreInfo, Topology, format_pus
@@ -130,9 +130,6 @@ class CpuGroups(Sequence[CpuGroup]):
 
     def __len__(self) -> int:
         return len(self.groups)
-
-    def __iter__(self) -> Iterator[CpuGroup]:
-        return iter(self.groups)
 
 
 # ------------------------------------------------------------------------- parsing

@@ -122,6 +122,11 @@ class SlotTensor:
         self.pinned = self.device = None
 
 
+#: a fixed slot's copy lists for one output route: the write-backs (as ``Slot.out_copies``), the
+#: outputs kept on the device (name, device address, dtype, shape), the tensors the write-backs fill
+RoutePlan = tuple[list[tuple[int, int, int]], list[tuple[str, int, np.dtype, tuple[int, ...]]], list["SlotTensor"]]
+
+
 @dataclass(eq=False)
 class Slot:
     """Everything one (part, input signature) needs, reused call after call.
@@ -156,17 +161,11 @@ class Slot:
     out_copies: list[tuple[int, int, int]] = field(default_factory=list)  # (pinned, device ptr, nbytes)
     in_bytes: int = 0
     out_bytes: int = 0
-    #: per :class:`OutputRoute` (by identity): (write-backs as ``out_copies``, outputs kept on
-    #: the device as (name, device ptr, dtype, shape), the tensors the write-backs fill)
-    routes: dict[OutputRoute, tuple[list[tuple[int, int, int]], list[tuple[str, int, np.dtype, tuple[int, ...]]],
-                                    list[SlotTensor]]] = field(default_factory=dict)
+    #: per :class:`OutputRoute` (by identity), its :data:`RoutePlan`
+    routes: dict[OutputRoute, RoutePlan] = field(default_factory=dict)
 
-    def route_plan(self, route: OutputRoute) -> tuple[list[tuple[int, int, int]],
-                                                     list[tuple[str, int, np.dtype, tuple[int, ...]]],
-                                                     list[SlotTensor]]:
-        """A fixed slot's copy lists for ``route``, made once per route: the write-backs (as
-        ``out_copies``), the outputs kept on the device (name, device address, dtype, shape),
-        and the tensors the write-backs fill."""
+    def route_plan(self, route: OutputRoute) -> RoutePlan:
+        """A fixed slot's copy lists for ``route``, made once per route."""
         assert self.outputs is not None
         plan = ([(t.pinned.ptr, t.device.ptr, t.nbytes) for t in self.outputs if t.name in route.host],
                 [(t.name, t.device.ptr, t.dtype, t.shape) for t in self.outputs if t.name in route.device],
