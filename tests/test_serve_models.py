@@ -18,7 +18,10 @@ import pytest
 
 from staronnx import partition
 from staronnx.zoo import chain, inception
-from test_serve import _m, _metrics, _post, start_server
+from staronnx.serve.models import inflight_from_models
+from staronnx.serving.spec import inflight_window
+from test_serve import _groups, _m, _metrics, _post, start_server
+from test_simulator import plan  # noqa: F401 - a fixture
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,10 +64,23 @@ def get_json(url: str) -> dict:
 def test_two_models_on_one_runtime_answer_their_references_and_report_their_targets(plans, tmp_path):
     heavy, light = plans["heavy"], plans["light"]
     s = start_server([heavy.root, light.root], tmp_path, "--policy", "heft", "--batch-size", "2",
-                     "--max-delay", "1ms", "--slo-ms", "light=60000", "--slo-ms", "heavy=0.001")
+                     "--max-delay", "1ms", "--slo-ms", "light=60000", "--slo-ms", "heavy=0.001",
+                     "--queue-capacity", "light=64")
     try:
         text = "\n".join(s.lines)
         assert re.search(r"one runtime for 2 models: 2 workers", text), text
+        # each model batches by the one spec the flags were parsed into (its own queue capacity),
+        # in flight the window of the one rule (no perf models here: its unknown-machine window)
+        window = inflight_window([None] * 2)
+        assert inflight_from_models(light, 2, groups=_groups(), cuda_streams=0) is None
+        for model, capacity in (("heavy", 1024), ("light", 64)):
+            config = get_json(f"http://{s.http}/v2/models/{model}/config")
+            assert config["dynamic_batching"]["max_queue_delay_microseconds"] == 1000
+            assert {k: config["parameters"][k]["string_value"] for k in ("batch_size", "queue_capacity",
+                                                                          "max_inflight")} == {
+                "batch_size": "2", "queue_capacity": str(capacity), "max_inflight": str(window)}
+            assert re.search(rf"model {model!r}: .*batches of up to 2, max delay 1 ms, {window} batches in flight",
+                             text), text
         # the event loop the serve extra brings (uvloop) runs the front ends
         assert re.search(r"event loop: uvloop \d", text), text
         for i in range(3):
@@ -181,3 +197,36 @@ def test_model_workers_refuses_unknown_models_and_separate_runtimes(plans, tmp_p
         out = runner.invoke(app, [*args, *extra])
         assert out.exit_code != 0, out.output
         assert message in out.output + str(out.exception), (extra, out.output, out.exception)
+
+
+def test_a_served_models_window_is_the_simulators_from_the_same_perf_models(plan, tmp_path, monkeypatch, two_groups):
+    """One rule sizes the in-flight window: a served model's (``staronnx serve``, a Ray replica),
+    a sweep's or a simulation's machine and the rule over each worker's whole-plan time from the
+    perf models give one number. A what-if GPU 20x faster than each one-PU CPU group: dmda takes a
+    CPU once ~20 batches queue on the GPU, so the window holds them."""
+    from test_simulator import MS, write_models
+
+    from staronnx.bench.machine import build_machine, machine_inflight
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.runtime.runtime import Runtime
+    from staronnx.serve.metrics import ServeMetrics
+    from staronnx.serve.models import ModelEndpoint
+    from staronnx.serving.spec import ServeSpec
+
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path))
+    write_models(PerfModelStore(), plan, {(0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS,
+                                          (0, "cpu1"): 20 * MS, (1, "cpu1"): 20 * MS})
+    rule = inflight_window([2 * MS, 40 * MS, 40 * MS])  # a batch through both parts, per worker
+    machine = build_machine(plan, groups=two_groups, cuda_streams=1)
+    assert machine_inflight(machine, 1) == inflight_from_models(plan, 1, groups=two_groups, cuda_streams=1) == rule
+    assert rule == 20 + 1 + 1 + 3
+    settings = {"groups": two_groups, "cuda_streams": 1}  # the GPU is the what-if's: the runtime has CPUs only
+    with Runtime(plan, cpu_groups=two_groups) as rt:
+        for spec, window in ((ServeSpec(1, max_delay=0.0, queue_capacity=16), rule),
+                             (ServeSpec(1, max_delay=0.0, queue_capacity=16, max_inflight=3), 3)):  # given: kept
+            endpoint = ModelEndpoint("chain", rt, spec, metrics=ServeMetrics(), settings=settings)
+            try:
+                assert endpoint.server.max_inflight == endpoint.server.spec.max_inflight == window
+                assert endpoint.config()["parameters"]["max_inflight"] == {"string_value": str(window)}
+            finally:
+                endpoint.server.close()

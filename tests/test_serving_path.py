@@ -12,6 +12,7 @@ import time
 import weakref
 from concurrent.futures import CancelledError, Future, as_completed, wait
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -28,6 +29,7 @@ from staronnx.serving import Constant, Server, ServerClosed, run_open_loop
 from staronnx.serving import collector, loadgen
 from staronnx.serving import server as server_module
 from staronnx.serving.server import StandInRuntime, padded_size
+from staronnx.serving.spec import ServeSpec, inflight_window
 
 W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
 
@@ -345,6 +347,38 @@ def test_a_one_worker_runtime_gets_a_window_of_four_by_default(plan, tmp_path):
         assert len(rt.workers) == 1
         with Server(rt, 4) as server:
             assert server.max_inflight == server_module.MIN_INFLIGHT == 4
+    # the one rule says so too, however the worker's time is known (as sweeps and the simulator
+    # size it), and two per worker beyond two workers
+    assert inflight_window([None]) == inflight_window([0.01]) == 4
+    assert inflight_window([None] * 3) == inflight_window([0.01] * 3) == 6
+
+
+def test_a_server_takes_its_settings_as_one_spec_and_its_window_from_the_one_rule(stand_in, runtime):
+    spec = ServeSpec(4, max_delay=0.01, queue_capacity=64, pad_to=(4, np.int64(2), 2, 8))
+    assert spec.pad_to == (2, 4, 8)  # checked and sorted once
+    with Server(stand_in, spec) as server, \
+            Server(stand_in, 4, max_delay=0.01, queue_capacity=64, pad_to=[8, 4, 2]) as keywords:
+        # the keywords build the same spec; the server's holds it resolved for its runtime
+        assert server.spec == keywords.spec == replace(spec, max_inflight=inflight_window([]), pad_to=(2, 4))
+        assert (server.batch_size, server.max_delay, server.queue_capacity, server.max_inflight) == (4, 0.01, 64, 4)
+        assert server.settings()["pad_to"] == [2, 4] and server.settings()["max_inflight"] == 4
+    with Server(stand_in, spec, max_inflight=2, on_full="block") as changed:  # keywords change a spec
+        assert (changed.spec.max_inflight, changed.on_full, changed.queue_capacity) == (2, "block", 64)
+        assert spec.max_inflight is None  # frozen: the caller's spec is left as it was
+    with Server(runtime, 2) as served:  # a real runtime's workers, no times known
+        assert served.max_inflight == inflight_window([None] * len(runtime.workers)) == 2 * len(runtime.workers)
+    # the spec refuses what the server would: one set of checks, at construction
+    for bad, words in (({"batch_size": 0}, "batch_size"),
+                       ({"batch_size": 8, "queue_capacity": 4}, "at least batch_size"),
+                       ({"batch_size": 2, "on_full": "drop"}, "on_full"),
+                       ({"batch_size": 2, "max_inflight": 0}, "max_inflight"),
+                       ({"batch_size": 2, "max_delay": -1.0}, "max_delay"),
+                       ({"batch_size": 2, "pad_to": (0,)}, "pad_to"),
+                       ({"batch_size": 2, "keep_records": 0}, "keep_records")):
+        with pytest.raises(StaronnxError, match=words):
+            ServeSpec(**bad)
+        with pytest.raises(StaronnxError, match=words):
+            Server(stand_in, **bad)
 
 
 # -- the light request futures ----------------------------------------------------------------

@@ -27,6 +27,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import TaskView, WorkerInfo
+from staronnx.serving.spec import inflight_window
 from staronnx.workers.layout import Layout, MachineError, MachineSpec, layout
 from staronnx.workers.topology import Topology
 
@@ -422,21 +423,26 @@ def host_notes(machine: SimMachine) -> list[str]:
     return lines
 
 
-def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, where: Where = None) -> int:
-    """The server's in-flight window for this machine at ``batch`` (of ``model``'s server)
-    (:func:`~staronnx.serving.server.inflight_window` over each worker's whole-plan time).
-    With ``where`` (:func:`residency_where`), over the workers holding the model only: its
-    batches can keep no other worker busy."""
-    from staronnx.serving.server import inflight_window
-
-    hosted = machine.hosted(model)
-    mine = [i for i in range(len(machine.workers))
-            if where is None or all(i in where[hosted.first_part + p] for p in range(hosted.plan.k))]
+def plan_window(table: PerfTable, plan: Plan, batch: int, archs: Sequence[str], first_part: int = 0) -> int:
+    """The server's in-flight window (:func:`~staronnx.serving.spec.inflight_window`, the one
+    rule) over the time of a batch of ``batch`` through ``plan`` (its parts numbered from
+    ``first_part`` in ``table``) on a worker of each of ``archs``: the unknown-machine window
+    where some part has no time on some arch."""
     try:
-        times = machine.mean_times(batch, hosted.index, where)
-    except Exception:  # noqa: BLE001 - a missing model: the unknown-machine default
-        return inflight_window([None] * len(mine))
-    return inflight_window([sum(times[p][w] for p in range(len(times))) for w in mine])
+        fps = profile_plan(plan, batch).footprints
+        return inflight_window([sum(table.distribution(first_part + p, a, fp)[0] for p, fp in enumerate(fps))
+                                for a in archs])
+    except Exception:  # noqa: BLE001 - a part without times (or a plan that cannot be profiled): no basis
+        return inflight_window([None] * len(archs))
+
+
+def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, where: Where = None) -> int:
+    """The window of ``model``'s server on this machine at ``batch`` (:func:`plan_window`); with
+    ``where`` (:func:`residency_where`), over the workers holding the model only: its batches
+    can keep no other worker busy."""
+    hosted = machine.hosted(model)
+    mine = [w.arch for i, w in enumerate(machine.workers) if where is None or all(i in where[p] for p in hosted.parts)]
+    return plan_window(machine.table, hosted.plan, batch, mine, hosted.first_part)
 
 
 def residency_where(machine: SimMachine, residency: Mapping[str, str] | None) -> list[frozenset[int]] | None:

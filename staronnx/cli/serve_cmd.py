@@ -107,6 +107,7 @@ def serve_cmd(
     policy, each model with its own batcher and queue (a full queue refuses that model only).
     With --ray, each replica of one deployment is such a shared runtime."""
     import contextlib
+    from dataclasses import replace
 
     from staronnx.durations import parse_duration
     from staronnx.workers.lanes import check_preempt, short_switch_interval
@@ -125,7 +126,8 @@ def serve_cmd(
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import ModelEndpoint
+    from staronnx.serve.models import ENDPOINT_SERVING, ModelEndpoint
+    from staronnx.serving.spec import ServeSpec
 
     names = model_names(plans, name)
     check_exposure(host, insecure)
@@ -155,6 +157,8 @@ def serve_cmd(
                             "gives it (--replica-gpus)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     delay = parse_duration(max_delay, allow_zero=True)
+    # every model's batching but its queue's capacity (and its window: from its perf models)
+    serving = ServeSpec(batch_size, max_delay=delay, colocate=colocate, **ENDPOINT_SERVING)
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
     body = parse_size(max_body)
     http_port = _port(http_port, "http-port")
@@ -213,14 +217,13 @@ def serve_cmd(
                 runtime = Runtime(plan, targets={plan_name(plan): targets[model_name]} if model_name in targets
                                   else None, **options)
             try:
-                endpoint = ModelEndpoint(model_name, runtime, batch_size=batch_size, max_delay=delay,
-                                         queue_capacity=capacities[model_name], metrics=metrics,
+                spec = replace(serving, queue_capacity=capacities[model_name])
+                endpoint = ModelEndpoint(model_name, runtime, spec, metrics=metrics,
                                          settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                                    **({"cuda_devices": ",".join(map(str, devices))}
                                                       if cuda_streams else {}),
                                                    "engine": engine, "shared_runtime": shared is not None,
-                                                   **targets.get(model_name, {})},
-                                         colocate=colocate)
+                                                   **targets.get(model_name, {})})
             except BaseException:
                 runtime.close()
                 raise

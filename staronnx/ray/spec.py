@@ -18,6 +18,7 @@ from typing import Any, Mapping, Sequence
 from staronnx.errors import StaronnxError
 from staronnx.runtime.models import ServiceTarget
 from staronnx.serve.batching import check_names
+from staronnx.serving.spec import ServeSpec
 
 #: the name of the Serve application ``staronnx serve --ray`` deploys
 APP_NAME = "staronnx"
@@ -97,12 +98,7 @@ class ModelSpec:
         parse_batch_axes(self.batch_axes)  # the syntax, here: a replica would fail only after Serve's retries
         if not isinstance(self.batching, bool):
             raise StaronnxError(f"batching is true or false, got {self.batching!r}")
-        if self.batch_size < 1:
-            raise StaronnxError(f"batch_size must be at least 1, got {self.batch_size}")
-        if self.queue_capacity < 1:
-            raise StaronnxError(f"queue_capacity must be at least 1, got {self.queue_capacity}")
-        if self.max_delay < 0:
-            raise StaronnxError(f"max_delay must be >= 0 seconds, got {self.max_delay}")
+        self.serve_spec()  # the batcher's own checks, here: a replica would fail only after Serve's retries
         if self.save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at shutdown only), got {self.save_every}")
         if self.gc_interval < 0:
@@ -133,6 +129,10 @@ class ModelSpec:
         if self.priority:
             out["priority"] = self.priority
         return out
+
+    def serve_spec(self, **settings: Any) -> ServeSpec:
+        """How a replica batches this model's requests, with ``settings`` (its ``keep_records``)."""
+        return ServeSpec(self.batch_size, max_delay=self.max_delay, queue_capacity=self.queue_capacity, **settings)
 
     def load_plan(self) -> Any:
         """The plan, with the batching overrides of this spec applied (what a replica serves)."""

@@ -31,14 +31,14 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from staronnx.contract import BatchContract
-from staronnx.errors import InputError
+from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import RequestFuture
@@ -46,12 +46,16 @@ from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_statistics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
 from staronnx.serving.server import OverloadError, Server, ServerClosed
+from staronnx.serving.spec import ServeSpec
 from staronnx.workers.cuda import CudaWorker
 
 #: requests (and batches, and queue samples) whose records a served model keeps: the latest
 #: few thousand, enough for any look at recent behaviour, while a server that runs for weeks
 #: keeps a constant footprint (the Prometheus counters hold the totals)
 RECORDS_KEPT = 4096
+#: a served model's batching where its caller gives keywords: the event loop must never block
+#: on a full queue, and a server that runs for weeks keeps only recent records
+ENDPOINT_SERVING: dict[str, Any] = {"on_full": "reject", "keep_records": RECORDS_KEPT}
 
 
 def check_version(name: str, version: str | None) -> None:
@@ -127,33 +131,39 @@ class Handoff:
 
 def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int,
                          cuda_devices: Sequence[int] = (0,)) -> int | None:
-    """The batches to keep in flight on this plan's runtime, from its perf models, as sweeps and
-    the simulator size them (:func:`~staronnx.bench.machine.machine_inflight`).
+    """The batches to keep in flight on this plan's workers (the layout of these settings), from
+    its perf models: :func:`~staronnx.bench.machine.plan_window`, as sweeps and the simulator
+    size them.
 
     Why not the Server's default (two per worker): with a GPU and CPU groups, dmda only gives a
     batch to a CPU group once the GPU's queue is longer than that group's whole time, so a
     window too short for that leaves the CPUs idle however high the load. None (the default)
-    where the plan has no models for these workers yet (each GPU of ``cuda_devices`` has its own).
+    where some worker's arch has no models of its own yet (each GPU of ``cuda_devices`` has its
+    own): borrowed times are no basis for a window.
     """
-    from staronnx.bench.machine import build_machine, machine_inflight
-    from staronnx.errors import StaronnxError
+    from staronnx.bench.machine import PerfTable, plan_window, sim_workers
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.runtime.predictor import PerfPredictor
 
+    store = PerfModelStore()
     try:
-        machine = build_machine(plan, groups=groups or "numa", cuda_streams=cuda_streams, cuda_devices=cuda_devices)
+        archs = [w.arch for w in sim_workers(None, groups or "numa", cuda_streams, cuda_devices)]
     except StaronnxError:
         return None
-    if machine.table.sources:  # some arch's times borrowed from another: no basis for a window
+    if not {key.arch for key in store.list(plan.hash)}.issuperset(archs):
         return None
-    return machine_inflight(machine, batch_size)
+    return plan_window(PerfTable(PerfPredictor(plan.hash, store)), plan, batch_size, archs)
 
 
 class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
-    def __init__(self, name: str, runtime: Runtime | ModelHandle, *, batch_size: int, max_delay: float,
-                 queue_capacity: int, metrics: ServeMetrics, settings: Mapping[str, Any] | None = None,
-                 keep_records: int | None = RECORDS_KEPT, max_inflight: int | None = None,
-                 colocate: bool = False) -> None:
+    def __init__(self, name: str, runtime: Runtime | ModelHandle, spec: ServeSpec | None = None, *,
+                 metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, **serving: Any) -> None:
+        """``spec``: how its requests are batched (``staronnx serve`` parses one from its flags);
+        or its fields as keywords, the queue refusing when full and keeping :data:`RECORDS_KEPT`
+        records unless they say otherwise. No ``max_inflight``: the window of the perf models
+        (:func:`inflight_from_models`), else the Server's."""
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
@@ -164,14 +174,13 @@ class ModelEndpoint:
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
-        gpus = sorted({w.device_id for w in runtime.workers if isinstance(w, CudaWorker)})
-        if max_inflight is None:
-            max_inflight = inflight_from_models(self.plan, batch_size, groups=self.settings.get("groups"),
-                                                cuda_streams=int(self.settings.get("cuda_streams") or 0),
-                                                cuda_devices=gpus or (0,))
-        self.server = Server(runtime, batch_size, max_delay=max_delay, queue_capacity=queue_capacity,
-                             on_full="reject", keep_records=keep_records, max_inflight=max_inflight,
-                             colocate=colocate, on_executed=self._executed)
+        spec = ServeSpec.of(spec, **serving) if spec is not None else ServeSpec(**{**ENDPOINT_SERVING, **serving})
+        if spec.max_inflight is None:
+            gpus = sorted({w.device_id for w in runtime.workers if isinstance(w, CudaWorker)})
+            spec = replace(spec, max_inflight=inflight_from_models(
+                self.plan, spec.batch_size, groups=self.settings.get("groups"),
+                cuda_streams=int(self.settings.get("cuda_streams") or 0), cuda_devices=gpus or (0,)))
+        self.server = Server(runtime, spec, on_executed=self._executed)
         self.inputs = {t.name: t for t in self.plan.inputs}
         self.input_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.inputs}
         self.output_datatypes = {t.name: protocol.datatype_of(t.dtype) for t in self.plan.outputs}

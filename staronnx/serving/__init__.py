@@ -31,6 +31,7 @@ from staronnx.serving.metrics import (
 )
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import BatchRuntime, OverloadError, Server, ServerClosed, StandInRuntime
+from staronnx.serving.spec import ServeSpec, inflight_window
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -44,12 +45,14 @@ __all__ = [
     "Replay",
     "RequestRecord",
     "RunRecords",
+    "ServeSpec",
     "Server",
     "ServerClosed",
     "StandInRuntime",
     "backlog",
     "cpu_share",
     "generator_report",
+    "inflight_window",
     "is_stable",
     "make_arrivals",
     "measurement_window",

@@ -16,17 +16,9 @@ Batching follows the StarONNX papers by default: a batch leaves when it holds ex
 dynamic batcher instead: a batch of at most ``batch_size`` leaves once its oldest request has
 waited ``max_delay`` seconds.
 
-Only ``max_inflight`` batches are handed to the runtime at a time. Without that bound a
-saturated runtime would swallow every request into its own task queues, the server's queue
-would never fill, and neither the overload error nor the queue-length samples would say
-anything; with it, the backlog builds up here, where it is bounded, measured and rejected.
-
-How many is enough depends on the machine: dmda gives a batch to a worker 20x slower than
-the GPU only once the GPU's queue is longer than that worker's own time, so a window of twice
-the worker count (the default when nothing is known, at least :data:`MIN_INFLIGHT`) keeps such
-a worker idle under any load.
-:func:`inflight_window` sizes it from the perf models' times per worker, as sweeps and the
-simulator do.
+Only ``max_inflight`` batches are handed to the runtime at a time, so that the backlog builds
+up here, where it is bounded, measured and rejected; :mod:`staronnx.serving.spec` says how many
+(one rule for the server, ``staronnx serve``, sweeps and the simulator).
 
 A batch leaves on the thread of the request that fills it (the batcher thread only when the
 window was full or ``max_delay`` ran out); its results are handed out on the runtime's worker
@@ -52,6 +44,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from dataclasses import replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -62,21 +55,9 @@ from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, run_callbacks, settle_locked
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
+from staronnx.serving.spec import MIN_INFLIGHT, ServeSpec, inflight_window  # noqa: F401 - where callers found them
 
 log = logging.getLogger(__name__)
-
-ON_FULL = ("reject", "block")
-#: the default window's floor (batches in the runtime), whatever the worker count. While the
-#: window is full, every batch waits for the completion of an earlier one to wake the batcher,
-#: and a worker finds its next task only if one was queued behind the running one before that
-#: hand-over (tens of microseconds, much more when the GIL is contended) ends. With two, a
-#: single worker whose task is shorter than that idled between batches: on the serving
-#: benchmark (one worker, a trivial model, 34k requests/s offered) open loop congested in 5 of
-#: 6 quiet runs with two, 1 of 4 with four, none of 5 with eight. Four, not eight: beyond two
-#: workers the default stays two per worker, which ``staronnx serve`` keeps where it has no
-#: perf models
-MIN_INFLIGHT = 4
-
 
 class OverloadError(StaronnxError, RuntimeError):
     """The request queue is full: the server is offered more than it can serve."""
@@ -215,25 +196,6 @@ def release_frozen() -> None:
             gc.unfreeze()
 
 
-def inflight_window(worker_seconds: Sequence[float | None], cap: int = 256) -> int:
-    """Batches to keep in the runtime so every worker can be chosen under load.
-
-    ``worker_seconds``: the predicted time of one batch through the whole plan on each worker
-    (None where unknown).  A worker w is chosen by dmda once the others' queues run past its
-    own time, i.e. with about ``T_slowest / T_w`` batches queued on each faster worker; the
-    window is the sum of those, plus one running batch per worker, and never below the
-    unknown-machine default of two per worker.
-    """
-    n = len(worker_seconds)
-    floor = max(2, 2 * n)
-    known = [t for t in worker_seconds if t is not None and math.isfinite(t) and t > 0]
-    if len(known) < n or not known:
-        return floor
-    slowest = max(known)
-    window = sum(math.ceil(slowest / t) for t in known) + n
-    return int(min(max(floor, window), max(cap, floor)))
-
-
 def next_batch_size(
     *, queued: int, inflight: int, batch_size: int, max_inflight: int, flush_left: int,
     closing: bool, oldest_arrival: float, max_delay: float | None, now: float,
@@ -273,32 +235,13 @@ class Server:
 
     Args:
         runtime: where batches run; its ``plan`` checks every request at submit.
-        batch_size: ``b``: the exact batch size, or the largest one with ``max_delay``.
-        max_delay: seconds the oldest queued request may wait before a partial batch leaves;
-            None (the papers' model) waits for a full batch.
-        queue_capacity: requests waiting for a batch; beyond it ``submit`` rejects or blocks.
-        on_full: ``"reject"`` raises :class:`OverloadError`; ``"block"`` waits for room.
-        max_inflight: batches handed to the runtime at once; None = twice its worker count
-            (at least :data:`MIN_INFLIGHT`), enough to keep every worker fed and parts
-            pipelined across batches.
+        spec: the batching settings (:class:`~staronnx.serving.spec.ServeSpec`), or its batch
+            size, the other settings then given as keywords (``Server(rt, 8, max_delay=0.01)``;
+            with a spec, keywords change it). ``spec`` holds them resolved for this runtime.
         clock: the time base of every record (``time.perf_counter`` unless a test says so).
-        keep_records: None keeps the record of every request, batch and queue sample (a sweep's
-            figures need them all); a number keeps only the latest that many of each, so a
-            long-running server (``staronnx serve``) does not grow without bound.
         batch_memory: ``(shape, dtype) -> array`` where each batch is assembled; default: the
             runtime's :meth:`~staronnx.runtime.runtime.Runtime.batch_array` (pinned memory
             its CUDA workers copy to the device without staging).
-        pad_to: batch sizes a partial batch is padded up to (the last request's rows repeated,
-            dropped again when the outputs are split), so the runtime only meets sizes it has
-            captured CUDA graphs for; default: the runtime's ``preferred_batch_sizes`` (those
-            above ``batch_size`` are ignored). A batch larger than all of them runs as it is.
-            Records keep the real size (and ``padded_to``).
-        colocate: run the batcher thread on the runtime's host core, beside its CUDA driver
-            thread, or its first CPU worker's thread where it has no CUDA worker
-            (:meth:`~staronnx.runtime.runtime.Runtime.colocate`): both hold the GIL in turn,
-            and a hand-over between two cores costs more than one on the same core. A runtime
-            without ``colocate`` (or a worker of its own) leaves it where it is.
-            A thread that submits many requests gains more from the same block around its loop.
         on_executed: called with the rows of each batch that succeeded (padding included) and
             the seconds from its submission to its outputs, on the runtime's thread (what
             ``staronnx serve`` counts as executions).
@@ -312,59 +255,29 @@ class Server:
     def __init__(
         self,
         runtime: BatchRuntime,
-        batch_size: int,
+        spec: ServeSpec | int | None = None,
         *,
-        max_delay: float | None = None,
-        queue_capacity: int = 1024,
-        on_full: str = "reject",
-        max_inflight: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
-        keep_records: int | None = None,
         batch_memory: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
-        pad_to: Sequence[int] | None = None,
-        colocate: bool = False,
         on_executed: Callable[[int, float], None] | None = None,
+        **settings: Any,
     ) -> None:
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise StaronnxError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if max_delay is not None and not (max_delay >= 0):
-            raise StaronnxError(f"max_delay must be >= 0 seconds or None, got {max_delay!r}")
-        if queue_capacity < 1:
-            raise StaronnxError(f"queue_capacity must be >= 1, got {queue_capacity}")
-        if max_delay is None and queue_capacity < batch_size:
-            # a full batch could never form: the queue would fill and stay full forever
-            raise StaronnxError(
-                f"queue_capacity ({queue_capacity}) must be at least batch_size ({batch_size}) "
-                "when batches leave only when full (no max_delay)"
-            )
-        if on_full not in ON_FULL:
-            raise StaronnxError(f"on_full must be one of {', '.join(ON_FULL)}, got {on_full!r}")
-        if max_inflight is None:
-            max_inflight = max(MIN_INFLIGHT, 2 * len(runtime.workers))
-        if max_inflight < 1:
-            raise StaronnxError(f"max_inflight must be >= 1, got {max_inflight}")
-        if keep_records is not None and (not isinstance(keep_records, int) or keep_records < 1):
-            raise StaronnxError(f"keep_records must be None (keep all) or an integer >= 1, got {keep_records!r}")
-        if pad_to is None:
-            pad_to = runtime.preferred_batch_sizes
-        if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 for m in pad_to):
-            raise StaronnxError(f"pad_to must be batch sizes (integers >= 1), got {list(pad_to)!r}")
-        # never past the batch size (Triton's preferred sizes are <= max_batch_size): a runtime
-        # that captured 32 for another server must not turn this one's batch of 3 into 32 rows
+        spec = ServeSpec.of(spec, **settings)
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self._contract = self.plan.contract
         #: the most requests a batch holds: 1 for a model that cannot batch (Triton's
         #: max_batch_size 0: one request per task, still concurrent over every worker)
-        self._limit = batch_size if self._contract.batchable else 1
-        self.pad_to: tuple[int, ...] = tuple(sorted({int(m) for m in pad_to if m <= self._limit}))
-        if self._limit == 1:
-            self.pad_to = ()
-        self.batch_size = batch_size
-        self.max_delay = max_delay
-        self.queue_capacity = queue_capacity
-        self.on_full = on_full
-        self.max_inflight = max_inflight
+        self._limit = spec.batch_size if self._contract.batchable else 1
+        # never past the batch size (Triton's preferred sizes are <= max_batch_size): a runtime
+        # that captured 32 for another server must not turn this one's batch of 3 into 32 rows
+        pad_to = runtime.preferred_batch_sizes if spec.pad_to is None else spec.pad_to
+        self.max_inflight = spec.window(len(runtime.workers))
+        self.pad_to: tuple[int, ...] = tuple(sorted({m for m in pad_to if m <= self._limit})) if self._limit > 1 else ()
+        self.spec = replace(spec, max_inflight=self.max_inflight, pad_to=self.pad_to)
+        # read on every request: attributes, not the spec's
+        self.batch_size, self.max_delay, self.on_full = spec.batch_size, spec.max_delay, spec.on_full
+        self.queue_capacity, self.keep_records, self.colocate = spec.queue_capacity, spec.keep_records, spec.colocate
         self.clock = clock
         self._batch_memory = batch_memory or runtime.batch_array
         self._on_executed = on_executed
@@ -387,12 +300,11 @@ class Server:
         self._resolving = 0  # completions the batcher took and is resolving (close waits for them)
         #: hand out results on the runtime's thread that finished the batch (see _completed)
         self._resolve_inline = _cpu_only(runtime)
-        self.keep_records = keep_records
         # deques with maxlen=None are unbounded: one code path for both modes
-        self._requests: deque[RequestRecord] = deque(maxlen=keep_records)
+        self._requests: deque[RequestRecord] = deque(maxlen=self.keep_records)
         self._idle_waiters = 0  # callers in wait_idle(): every result wakes them
-        self._batches: deque[BatchRecord] = deque(maxlen=keep_records)
-        self._queue_samples: deque[tuple[float, int]] = deque(maxlen=keep_records)
+        self._batches: deque[BatchRecord] = deque(maxlen=self.keep_records)
+        self._queue_samples: deque[tuple[float, int]] = deque(maxlen=self.keep_records)
         self._request_ids = itertools.count()
         self._batch_ids = itertools.count()
         self._closing = False
@@ -406,7 +318,6 @@ class Server:
         self._sample_queue()
         #: what the runtime's futures call back through (:func:`_batch_done`)
         self._weak = weakref.ref(self)
-        self.colocate = colocate
         self._thread = threading.Thread(target=self._batcher_thread, name="staronnx-batcher", daemon=True)
         self._thread.start()
 
