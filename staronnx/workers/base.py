@@ -9,13 +9,9 @@ for the sessions and re-raises what failed; ``close`` finishes or cancels what i
 down in the thread and joins it; an ``atexit`` hook closes forgotten workers, whose threads are
 daemons) and the queue of functions (``call``/``spawn``) live here.
 
-There is one way to run a task: an engine spawns its serving loop in the worker's thread, and
-the loop runs each task with ``run_here`` (or ``launch_here``/``finish_here``), scheduled
-tasks and tasks pinned to the worker (calibration, warm-up) alike
-(:mod:`staronnx.runtime.engine`). ``submit``/``run`` are that same ``run_here`` spawned in the
-thread, for a worker used on its own. A subclass supplies
-:meth:`ThreadWorker._setup_thread` (pin, bind, build sessions), ``run_here`` and
-:meth:`ThreadWorker._teardown`, all in the worker thread.
+There is one way to run a task: ``run_here`` in the worker's thread, from an engine's serving
+loop spawned there (:mod:`staronnx.runtime.engine`: scheduled tasks, calibration and warm-up
+alike), or from ``submit``/``run`` for a worker used on its own.
 """
 
 from __future__ import annotations
@@ -330,14 +326,10 @@ class ThreadWorker(Worker, ABC):
         finally:
             self._teardown()
 
-    def _pin(self, pu: int) -> None:
-        """Pin the calling thread (on Linux, ``sched_setaffinity(0)`` is per thread) to ``pu``."""
+    def _pin(self, pu: int, hint: Callable[[], str] = str) -> None:
+        """Pin the calling thread (on Linux, ``sched_setaffinity(0)`` is per thread) to ``pu``;
+        ``hint()`` ends the error when it cannot."""
         try:
             os.sched_setaffinity(0, {pu})
         except (OSError, ValueError) as exc:
-            raise DeviceError(
-                f"{self.name} cannot run on PU {pu} ({exc}){self._pin_hint()}") from None
-
-    def _pin_hint(self) -> str:
-        """Appended to the error when :meth:`_pin` fails."""
-        return ""
+            raise DeviceError(f"{self.name} cannot run on PU {pu} ({exc}){hint()}") from None

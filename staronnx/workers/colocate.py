@@ -42,7 +42,7 @@ from staronnx.process_settings import SharedSetting
 from staronnx.workers.cpu import CpuWorker
 from staronnx.workers.cuda import CudaWorker
 
-__all__ = ["Colocation", "host_core", "cpu_worker_core", "colocated"]
+__all__ = ["Colocation", "colocated", "host_core"]
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +57,8 @@ def host_core(workers: Sequence[Any]) -> int | None:
     group's first), None when there is none either. Workers of another engine (StarPU's, seen
     through it) are none of ours: they have no PU here."""
     cuda = next((w for w in workers if isinstance(w, CudaWorker)), None)
-    return cuda.cpu if cuda is not None else cpu_worker_core(workers)
-
-
-def cpu_worker_core(workers: Sequence[Any]) -> int | None:
-    """The first PU of the first CPU worker's group among ``workers``, where its thread runs
-    (None: no CPU worker of ours, e.g. another engine's workers seen through it)."""
+    if cuda is not None:
+        return cuda.cpu
     cpu = next((w for w in workers if isinstance(w, CpuWorker)), None)
     return cpu.group.first_pu if cpu is not None else None
 

@@ -144,7 +144,9 @@ class CpuWorker(ThreadWorker):
 
     # ------------------------------------------------------------------ worker thread
     def _setup_thread(self) -> None:
-        self._pin(self.group.first_pu)
+        self._pin(self.group.first_pu, lambda: (
+            f"; this process may use PUs {format_pus(os.sched_getaffinity(os.getpid()))}. "
+            "Build groups from Topology.from_system(), not from a synthetic or XML topology."))
         if self.lowered:  # before the sessions: ORT's pool threads inherit this thread's priority
             self.priority = lower_priority(self.lowered, self.name)
         self.membind = bind_memory(self._topology, self.group.numa_nodes)
@@ -158,10 +160,6 @@ class CpuWorker(ThreadWorker):
     def _teardown(self) -> None:
         # Dropping the sessions here joins ORT's pool threads before this thread ends.
         self._sessions.clear()
-
-    def _pin_hint(self) -> str:
-        return (f"; this process may use PUs {format_pus(os.sched_getaffinity(os.getpid()))}. "
-                "Build groups from Topology.from_system(), not from a synthetic or XML topology.")
 
     def _load(self, index: int, path: Path) -> ort.InferenceSession:
         weights = (self._weights or default_shared_weights()) if self.share_weights else None

@@ -17,11 +17,10 @@ async copy per input into the slot's fixed buffers (up from a batch the serving 
 in pinned memory, else through the slot's pinned staging buffer; or within the GPU from a
 tensor already there, after the event of a prefetch still in flight), one ORT run (or CUDA
 graph replay), one async copy back per output the request needs on the host (the outputs
-other parts read stay on the GPU), one wait; all on the worker's stream. ORT synchronises its stream at the end of every run unless told not to
-(``disable_synchronize_execution_providers``): that is set, and the worker's own wait is the
+other parts read stay on the GPU), one wait; all on the worker's stream, with what it needs
+cached in a :class:`Slot`. ORT synchronises its stream at the end of every run unless told not
+to (``disable_synchronize_execution_providers``): that is set, and the worker's own wait is the
 only one. Timing events are recorded only while a perf model still needs samples (``timed``).
-Buffers, bindings, views and run options are cached per (part, input signature) in a
-:class:`Slot`; eviction, like allocation, happens only when a new slot is made.
 
 CUDA graphs (on by default; at batch 1-8 a GPU waits on launches): a slot whose every buffer is
 fixed gets a graph id of its own (ORT's ``enable_cuda_graph``, ``gpu_graph_id``). ORT 1.31's
@@ -31,13 +30,13 @@ provider's ``PerThreadContext``), so a slot knows the threads it was captured on
 from another thread is a capture again (counted, and said: warm up on the thread that will
 replay: :func:`staronnx.runtime.engine.warm_up` runs its shapes as tasks pinned to the worker,
 on its driver's thread; :meth:`CudaWorker.warmup` does it for a worker used alone). A capture
-runs one at a time
-(:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in thread-local
-capture mode, so nothing else in the process breaks a capture (see
-:mod:`staronnx.workers.cudart`). A failed capture fails its task and is retried once with a
-new id, then the slot runs without a graph, with a warning naming the CUDA error (warm-up runs
-the shape again instead of failing); :meth:`CudaWorker.graph_stats` counts captures, replays
-and failures.
+runs one at a time (:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in
+thread-local capture mode, so nothing else in the process breaks a capture (see
+:mod:`staronnx.workers.cudart`). A failed capture (900/901: another thread's CUDA call; an op
+ORT cannot capture) fails its task and is retried once with a new id, then the slot runs
+without a graph, with a warning naming the CUDA error, since a "graphs" figure must not
+silently measure none (warm-up runs the shape again instead of failing);
+:meth:`CudaWorker.graph_stats` counts captures, replays and failures.
 
 Errors: a task that fails (bad feed, ORT error, a CUDA error that is not sticky such as out of
 memory or 900/901) fails alone; a sticky CUDA error (the context is lost) raises
@@ -519,15 +518,12 @@ class CudaWorker(ThreadWorker):
             if timed:
                 ev["run_start"].record(stream)
             graph = slot.graph
-            if graph == NO_GRAPH:
+            if graph == GRAPH_CAPTURE or (graph == GRAPH_REPLAY and _thread_id() not in slot.graph_threads):
+                self._capture(slot)  # a new graph id, or a thread ORT holds no graph of this slot on
+            else:
                 run, bound = slot.native
                 run(bound, slot.run_options)
-            elif graph == GRAPH_REPLAY and _thread_id() in slot.graph_threads:
-                run, bound = slot.native
-                run(bound, slot.run_options)
-                self.graph_replays += 1
-            else:  # a new graph id, or a thread ORT holds no graph of this slot on
-                self._capture(slot)
+                self.graph_replays += graph == GRAPH_REPLAY
             if timed:
                 ev["run_done"].record(stream)
             if route is None:
@@ -629,7 +625,7 @@ class CudaWorker(ThreadWorker):
         """ORT's first run of the slot's graph id: its regular run, the capture (a stream
         sync, then ``cudaStreamBeginCapture`` in global mode) and a replay all happen inside
         this one call, so the whole call is the capture: one at a time, and a failure handled
-        here (:meth:`_capture_failed`)."""
+        here (see the module docstring)."""
         run, bound = slot.native
         if slot.graph_threads:
             log.warning("%s: the CUDA graph of part %d (inputs %s) is captured again, on thread "
@@ -642,26 +638,21 @@ class CudaWorker(ThreadWorker):
         except BaseException as exc:
             if is_sticky(exc) or isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            self._capture_failed(slot, exc)
+            self.graph_failures += 1
+            slot.capture_tries += 1
+            again = slot.capture_tries < CAPTURE_TRIES
+            then = (f": {exc}; it will be captured again" if again
+                    else f" {slot.capture_tries} times (last: {exc}); this shape runs without a graph")
+            log.warning("%s: CUDA graph capture of part %d (inputs %s) failed%s", self.name, slot.part, slot.key[1:],
+                        then)
+            if again:
+                self._give_graph(slot)
+            else:
+                self._drop_graph(slot)
             raise
         slot.graph = GRAPH_REPLAY
         slot.graph_threads.add(_thread_id())
         self.graphs_captured += 1
-
-    def _capture_failed(self, slot: Slot, exc: BaseException) -> None:
-        """A capture that failed (900/901: another thread's CUDA call; an op ORT cannot
-        capture) fails its task; the slot tries once more with a new graph id, then runs
-        without a graph. Said out loud: a "graphs" figure must not silently measure none."""
-        self.graph_failures += 1
-        slot.capture_tries += 1
-        again = slot.capture_tries < CAPTURE_TRIES
-        then = (f": {exc}; it will be captured again" if again
-                else f" {slot.capture_tries} times (last: {exc}); this shape runs without a graph")
-        log.warning("%s: CUDA graph capture of part %d (inputs %s) failed%s", self.name, slot.part, slot.key[1:], then)
-        if again:
-            self._give_graph(slot)
-        else:
-            self._drop_graph(slot)
 
     def _give_graph(self, slot: Slot) -> None:
         """After output discovery: a graph id for a slot whose every buffer is fixed; its next

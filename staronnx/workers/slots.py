@@ -187,9 +187,7 @@ class Slot:
 
 
 class SlotCache:
-    """Slots per key; past ``max_slots``, the least recently used idle ones are retired when a
-    new slot is made (never on the hot path: freeing device memory synchronises the device),
-    and freed by :meth:`free_retired` on the next slot creation or at close."""
+    """Slots per key, at most ``max_slots`` kept (see the module docstring)."""
 
     def __init__(self, max_slots: int) -> None:
         self.max_slots = max_slots
