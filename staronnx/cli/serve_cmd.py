@@ -11,10 +11,6 @@ from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devi
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import served_only, target_words
 
-#: why --slo-ms/--priority are refused with --separate-runtimes (the same words on Ray)
-TARGETS_NEED_SHARING = ("--slo-ms and --priority order the tasks of models sharing one runtime; they do not go "
-                        "with --separate-runtimes")
-
 
 def _port(value: int, flag: str) -> int:
     if not 0 <= value <= 65535:
@@ -138,6 +134,8 @@ def serve_cmd(
         raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
     targets = service_targets(names, slo_ms or [], priority or [])
     if targets and separate_runtimes:
+        from staronnx.ray.spec import TARGETS_NEED_SHARING  # the same words as on Ray
+
         raise StaronnxError(TARGETS_NEED_SHARING)
     residency = model_residency(model_workers or [], names)
     if residency and (separate_runtimes or len(plans) < 2):

@@ -159,17 +159,12 @@ def per_model_settings(names: Sequence[str], args: Mapping[str, Any]) -> dict[st
     """``queue_capacity``, ``slo_ms`` and ``priority`` of a Serve config as ModelSpec fields
     per model (``queue_capacity``, ``latency_ms``, ``priority``); a name not served is refused."""
     own: dict[str, dict[str, Any]] = {n: {} for n in names}
-    capacity = args.get("queue_capacity")
-    if isinstance(capacity, int) and not isinstance(capacity, bool):
-        for n in names:
-            own[n]["queue_capacity"] = capacity
-    elif capacity is not None:
-        for n, value in _by_name(capacity, "queue_capacity", names).items():
-            own[n]["queue_capacity"] = value
-    for key, field in (("slo_ms", "latency_ms"), ("priority", "priority")):
-        if args.get(key) is not None:
-            for n, value in _by_name(args[key], key, names).items():
-                own[n][field] = value
+    for key, field in (("queue_capacity", "queue_capacity"), ("slo_ms", "latency_ms"), ("priority", "priority")):
+        given = args.get(key)
+        if key == "queue_capacity" and isinstance(given, int) and not isinstance(given, bool):
+            given = {n: given for n in names}  # one number for every model
+        for n, value in (_by_name(given, key, names) if given is not None else {}).items():
+            own[n][field] = value
     return own
 
 

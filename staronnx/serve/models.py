@@ -160,10 +160,8 @@ class ModelEndpoint:
 
     def __init__(self, name: str, runtime: Runtime | ModelHandle, spec: ServeSpec | None = None, *,
                  metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, **serving: Any) -> None:
-        """``spec``: how its requests are batched (``staronnx serve`` parses one from its flags);
-        or its fields as keywords, the queue refusing when full and keeping :data:`RECORDS_KEPT`
-        records unless they say otherwise. No ``max_inflight``: the window of the perf models
-        (:func:`inflight_from_models`), else the Server's."""
+        """``spec`` (or its fields as keywords, over :data:`ENDPOINT_SERVING`): how its requests are
+        batched; without ``max_inflight``, in the window of :func:`inflight_from_models`."""
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
@@ -452,22 +450,18 @@ class ModelEndpoint:
             else:
                 for i in range(n):
                     futures.append(self.server.submit(contract.take(inputs, i, i + 1)))
-        except (OverloadError, ServerClosed) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever the batcher refused, the request is refused whole
             for f in futures:
                 f.cancel()
-            self.stats.refused("REJECTED")
-            why = "the server is shutting down" if isinstance(exc, ServerClosed) else (
-                f"the request queue is full ({self.server.queue_capacity} samples waiting); retry later")
-            raise ProtocolError("unavailable", f"model {self.name!r}: {why}") from None
-        except InputError as exc:  # the batcher's own one-sample check (should not happen after ours)
-            for f in futures:
-                f.cancel()
-            self.stats.refused("OTHER")
-            raise invalid(f"model {self.name!r}: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - the batcher failing: this request fails, counted
-            for f in futures:
-                f.cancel()
-            self.stats.refused("BACKEND")
+            if isinstance(exc, (OverloadError, ServerClosed)):
+                self.stats.refused("REJECTED")
+                why = "the server is shutting down" if isinstance(exc, ServerClosed) else (
+                    f"the request queue is full ({self.server.queue_capacity} samples waiting); retry later")
+                raise ProtocolError("unavailable", f"model {self.name!r}: {why}") from None
+            if isinstance(exc, InputError):  # the batcher's own one-sample check (should not happen after ours)
+                self.stats.refused("OTHER")
+                raise invalid(f"model {self.name!r}: {exc}") from None
+            self.stats.refused("BACKEND")  # the batcher failing: this request fails, counted
             raise ProtocolError("internal", f"model {self.name!r}: the batcher refused the request: {exc}") from None
         return futures
 

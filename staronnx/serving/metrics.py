@@ -155,13 +155,15 @@ def _members(bt: BatchRecord, by_id: dict[int, RequestRecord]) -> list[RequestRe
     return [by_id[i] for i in bt.request_ids if i in by_id]
 
 
+def _first(bt: BatchRecord, by_id: dict[int, RequestRecord]) -> RequestRecord | None:
+    """The batch's first (oldest) request, as the server marked it."""
+    return next((r for r in _members(bt, by_id) if r.first_in_batch), None)
+
+
 def _batch_start(bt: BatchRecord, by_id: dict[int, RequestRecord]) -> float:
     """When the batch's oldest request arrived: the time a whole batch is filed under."""
-    members = _members(bt, by_id)
-    first = next((r for r in members if r.first_in_batch), None)
-    if first is not None:
-        return first.arrival
-    return min((r.arrival for r in members), default=math.inf)
+    first = _first(bt, by_id)
+    return first.arrival if first is not None else min((r.arrival for r in _members(bt, by_id)), default=math.inf)
 
 
 def _window_batches(
@@ -182,13 +184,8 @@ def _window_batches(
 
 
 def _first_latencies(batches: Iterable[BatchRecord], by_id: dict[int, RequestRecord]) -> np.ndarray:
-    out = []
-    for bt in batches:
-        first = next((r for r in _members(bt, by_id) if r.first_in_batch), None)
-        if first is None or first.done is None:
-            continue
-        out.append(first.done - first.arrival)
-    return np.array(out, dtype=np.float64)
+    firsts = (_first(bt, by_id) for bt in batches)
+    return np.array([r.done - r.arrival for r in firsts if r is not None and r.done is not None], dtype=np.float64)
 
 
 def _count_in(times: np.ndarray, t0: float, t1: float) -> int:
@@ -202,20 +199,15 @@ def _rate(times: list[float]) -> float:
     return (len(times) - 1) / (times[-1] - times[0])
 
 
+#: the statistics other than percentiles (std: the population's, that of the batches measured)
+_REDUCE = {"mean": np.mean, "std": np.std, "max": np.max}
+
+
 def _stats(prefix: str, values: np.ndarray, which: Iterable[str]) -> dict[str, float]:
-    out = {}
-    for key in which:
-        if values.size == 0:
-            out[f"{prefix}_{key}"] = NAN
-        elif key == "mean":
-            out[f"{prefix}_{key}"] = float(values.mean())
-        elif key == "std":
-            out[f"{prefix}_{key}"] = float(values.std())  # population std: the batches measured
-        elif key == "max":
-            out[f"{prefix}_{key}"] = float(values.max())
-        else:
-            out[f"{prefix}_{key}"] = float(np.percentile(values, PERCENTILES[key]))
-    return out
+    def value(key: str) -> float:
+        return float(_REDUCE[key](values) if key in _REDUCE else np.percentile(values, PERCENTILES[key]))
+
+    return {f"{prefix}_{key}": value(key) if values.size else NAN for key in which}
 
 
 # -- placement ---------------------------------------------------------------------------------
