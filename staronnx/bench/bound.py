@@ -26,6 +26,7 @@ prices.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -173,52 +174,38 @@ def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequenc
         return 1 + p * n_workers + w
 
     a_eq = np.zeros((n_parts, n_vars))
-    for p in range(n_parts):
-        a_eq[p, 0] = -need[p]
-        for w in range(n_workers):
-            a_eq[p, y(p, w)] = 1.0
+    a_eq[:, 0] = -need
+    a_eq[:, 1:1 + n_y] = np.repeat(np.eye(n_parts), n_workers, axis=1)
+    work = np.where(usable, t, 0.0)  # seconds per batch (a part's y is 0 where it cannot run)
     rows: list[np.ndarray] = []
     rhs: list[float] = []
     labels: list[tuple[str, str, float]] = []  # (name, kind, capacity) of capacity rows
+
+    def capacity(weights: Sequence[tuple[int, float]], cap: float, name: str, kind: str) -> np.ndarray:
+        """A capacity row: the seconds of work per unit of R of the workers in ``weights``
+        (index, weight), at most ``cap``."""
+        row = np.zeros(n_vars)
+        for w, weight in weights:
+            row[1 + w:1 + n_y:n_workers] = weight * work[:, w]
+        rows.append(row)
+        rhs.append(cap)
+        labels.append((name, kind, cap))
+        return row
+
     for w, info in enumerate(workers):
-        row = np.zeros(n_vars)
-        for p in range(n_parts):
-            row[y(p, w)] = t[p, w] if usable[p, w] else 0.0
-        rows.append(row)
-        rhs.append(1.0)
-        labels.append((f"worker {info.name}", "worker", 1.0))
+        capacity([(w, 1.0)], 1.0, f"worker {info.name}", "worker")
     for a, b in shared_cores:
-        row = np.zeros(n_vars)
-        for w in (a, b):
-            for p in range(n_parts):
-                row[y(p, w)] = t[p, w] if usable[p, w] else 0.0
-        rows.append(row)
-        rhs.append(1.0)
-        labels.append((f"cores of {workers[b].name} (with {workers[a].name})", "cores", 1.0))
+        capacity([(a, 1.0), (b, 1.0)], 1.0, f"cores of {workers[b].name} (with {workers[a].name})", "cores")
     if host_cpu > 0 and host_cores:
-        row = np.zeros(n_vars)
-        row[0] = host_cpu
-        for w, cores in host_cores:
-            for p in range(n_parts):
-                row[y(p, w)] = cores * t[p, w] if usable[p, w] else 0.0
-        rows.append(row)
         total = float(sum(cores for _, cores in host_cores))
-        rhs.append(total)
-        labels.append(("cores shared with the host's threads", "host", total))
-    if flows:
-        for n in nodes:
-            mine = [(k, f) for k, f in enumerate(flows) if f[1] == n]
-            if not mine:
-                continue
-            row = np.zeros(n_vars)
-            for w in on_node[n]:
-                for p in range(n_parts):
-                    row[y(p, w)] = t[p, w] if usable[p, w] else 0.0
-            for k, (_, _, cost) in mine:
-                row[1 + n_y + k] = cost
-            rows.append(row)
-            rhs.append(float(len(on_node[n])))
-            labels.append((f"node {n} (compute + copies)", "node", float(len(on_node[n]))))
+        capacity(host_cores, total, "cores shared with the host's threads", "host")[0] = host_cpu  # R's own CPU
+    for n in nodes if flows else ():
+        mine = [k for k, f in enumerate(flows) if f[1] == n]
+        if mine:
+            row = capacity([(w, 1.0) for w in on_node[n]], float(len(on_node[n])), f"node {n} (compute + copies)",
+                           "node")
+            for k in mine:
+                row[1 + n_y + k] = flows[k][2]
     n_capacity = len(rows)
     for k, (tensor, n, _) in enumerate(flows):
         for c in dict.fromkeys(tensor.consumers):
@@ -260,8 +247,7 @@ def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequenc
     return Bound(
         throughput=r * batch_size, batches_per_s=r, batch_size=batch_size, assignment=assignment,
         binding=binding, utilization=utilization, transfers=transfers, workers=list(workers),
-        loads=[[float(t[p, w] * x[y(p, w)]) if usable[p, w] else 0.0 for w in range(n_workers)]
-               for p in range(n_parts)])
+        loads=(work * x[1:1 + n_y].reshape(n_parts, n_workers)).tolist())
 
 
 def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:
@@ -279,14 +265,10 @@ def plan_tensors(plan: Plan, nbytes: Mapping[str, int]) -> list[FlowTensor]:
 
 def machine_bound(machine: SimMachine, batch_size: int, host_costs: bool = True) -> Bound:
     """The bound for a :class:`~staronnx.bench.machine.SimMachine` of one plan (same workers,
-    same model means and bus as the simulator, so achieved / bound compares like with like):
-    :func:`_lp` over a set of one model, at one batch per unit of throughput.
-
-    With the machine's host costs (``host_costs``, where calibration measured them), as the
-    simulator runs them under load: each task's time at the measured serving/calibration
-    ratio plus the engine's gap between two tasks, the last part's plus the batch's answer
-    where its worker gives it (a runtime of CPU workers), and, where the host's threads share
-    the CPU workers' cores, their CPU per batch taken from those cores."""
+    model means and bus as the simulator, so achieved / bound compares like with like):
+    :func:`_lp` over a set of one model, at one batch per unit of throughput. ``host_costs``:
+    the machine's host costs, where calibration measured them, as the simulator runs them
+    (:func:`~staronnx.bench.simulator.simulate_mix`)."""
     assert machine.models is not None
     if not machine.models.single:
         raise BoundError("this machine hosts several models: bound their traffic together with mix_bound "
@@ -319,19 +301,14 @@ def batch_bounds(machine: SimMachine, batch_sizes: Sequence[int]) -> tuple[dict[
 # ---------------------------------------------------------------------------- several models
 @dataclass
 class MixBound:
-    """The LP over several models sharing one machine at given offered rates.
+    """The LP over several models sharing one machine at given offered rates (:func:`mix_bound`).
 
     ``scale``: the largest factor by which every model's offered rate can be multiplied
-    together and still be served (the machine's time shared between the models' loads, each
-    part placed anywhere); ``feasible``: ``scale >= 1``, i.e. the rates together fit.
-    ``throughput[m]`` = ``scale * rates[m]``: each model's samples/s at that point;
-    ``solo[m]``: what ``m`` could reach alone on the whole machine (its own LP bound), the
-    yardstick for what sharing costs it. ``busy[m][w]``: the busy fraction of worker ``w``
-    spent on ``m`` at the optimum; ``arch_share[m]``: ``"part<p>/<arch>"`` (the model's own
-    part numbers) -> fraction of the part's batches there. ``residency``: the models kept on
-    some workers only (their parts assigned to those alone), as given; ``lanes``: the machine's
-    latency lanes (model -> CPU groups), each an extra worker on its group's cores (see
-    :func:`mix_bound`).
+    together and still be served; ``feasible``: ``scale >= 1``. ``throughput[m]`` =
+    ``scale * rates[m]``; ``solo[m]``: ``m``'s own LP bound on the whole machine, the yardstick
+    for what sharing costs it. ``busy[m][w]``: the busy fraction of worker ``w`` spent on
+    ``m``; ``arch_share[m]``: ``"part<p>/<arch>"`` (the model's own part numbers) -> fraction of
+    the part's batches there.
     """
 
     scale: float
@@ -351,13 +328,10 @@ class MixBound:
         return self.scale >= 1.0 - 1e-9  # exactly full counts as fitting (LP rounding)
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready (a sweep's ``results.json`` keeps it per mix)."""
-        return {"scale": self.scale, "feasible": self.feasible, "rates": dict(self.rates),
-                "batch_sizes": dict(self.batch_sizes), "throughput": dict(self.throughput),
-                "solo": dict(self.solo), "binding": [b.name for b in self.binding],
-                "utilization": dict(self.utilization), "busy": {m: dict(v) for m, v in self.busy.items()},
-                "arch_share": {m: dict(v) for m, v in self.arch_share.items()},
-                "residency": dict(self.residency), "lanes": dict(self.lanes)}
+        """JSON-ready (a sweep's ``results.json`` keeps it per mix): the binding constraints by name."""
+        fields = dataclasses.asdict(self)
+        return {"scale": fields.pop("scale"), "feasible": self.feasible, **fields,
+                "binding": [b.name for b in self.binding]}
 
 
 def _lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping[str, float],
@@ -400,18 +374,12 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
     ``batch_sizes`` (model -> b, or one b for all), and by how much could they all grow?
 
     Model ``m`` needs ``rates[m] / b[m]`` batches/s of each of its parts; the LP of the module
-    docstring with those demands maximises the common scale factor. Each model's solo bound
-    comes from the same LP with the other models' demand at 0.
-
-    ``residency`` (model name -> worker selector, as in
-    :func:`~staronnx.bench.simulator.simulate_mix`): a model's parts may be assigned only to
-    the workers holding it, in the mix and alone (its solo bound is then on those workers).
-
-    A machine with latency lanes (``build_machine(..., lanes=...)``) is bounded as the
-    simulator runs it: each lane is one more worker holding the lane models only (a lane
-    model runs on its lanes alone unless ``residency`` adds workers), and a lane and its
-    group's worker share the group's cores, so their loads together are at most one: a lane
-    buys latency, not throughput (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`).
+    docstring with those demands maximises the common scale factor, and with the other
+    models' demand at 0 gives each model's solo bound. ``residency`` (model name -> worker
+    selector) assigns a model's parts to the workers holding it only. A machine with latency
+    lanes is bounded as the simulator runs it: each lane one more worker holding the lane
+    models, sharing its group's cores with the group's worker (their loads together at most
+    one): a lane buys latency, not throughput (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`).
     """
     models = machine.models
     assert models is not None

@@ -4,12 +4,9 @@ Why: the simulator (:mod:`staronnx.bench.simulator`) is only worth its what-if a
 predicts the points that *can* be measured. A sweep run with ``simulate=True`` replays each
 measured point in simulation (same rate, batch size, policy, workers, arrival process and seed,
 same duration and warm-up window, judged by the same :func:`~staronnx.serving.summarize`) from
-the perf models as they stand, and records the prediction beside the measurement:
-
-- ``sim_throughput``, ``sim_latency_p50_ms``, ``sim_latency_p99_ms``,
-  ``sim_paper_latency_mean_ms``, ``sim_congested``;
-- ``err_throughput``, ``err_latency_p50``, ``err_paper_latency``: signed relative errors
-  ``simulated / measured - 1`` (positive: the simulator is pessimistic).
+the perf models as they stand, and records the prediction beside the measurement
+(:data:`COLUMNS`: the ``sim_*`` figures and the ``err_*`` signed relative errors
+``simulated / measured - 1``, positive where the simulator is pessimistic).
 
 :func:`fidelity_summary` aggregates them the way the issue asks ("within 15 %"): latency errors
 only where neither side is congested (a congested point's latency is the length of its run, not
@@ -57,27 +54,19 @@ def relative_error(predicted: Any, measured: Any) -> float | None:
     return p / m - 1.0
 
 
-def simulate_row(machine: Any, row: Mapping[str, Any], *, policy: str, distribution: str, seed: int,
-                 queue_capacity: int, warmup: float, max_delay: float | None = None,
-                 pad_to: Sequence[int] = (), trace: Any = None, host_costs: bool = True) -> dict[str, Any]:
-    """The ``sim_*`` and ``err_*`` fields for one measured sweep row.
-
-    ``machine`` is a :class:`~staronnx.bench.machine.SimMachine` of the sweep's plan, groups
-    and streams. The point's arrivals last ``row["duration_s"]``, exactly as the live point's
-    did, and the same ``warmup`` is cut from the window. ``pad_to``: the sizes the live server
-    padded partial batches up to (its runtime's captured CUDA graphs), so each simulated batch
-    is priced at the size that ran, not at its request count. ``trace``: where the simulated
-    schedule is drawn (:class:`~staronnx.bench.simulator.TraceInto`: a sweep's simulated trace).
-    ``host_costs``: simulate what serving costs the host beyond the tasks, where calibration
-    measured it (:func:`~staronnx.bench.simulator.simulate`); False: the tasks alone.
+def simulate_row(machine: Any, row: Mapping[str, Any], *, queue_capacity: int, warmup: float,
+                 **options: Any) -> dict[str, Any]:
+    """The ``sim_*`` and ``err_*`` fields for one measured sweep row, simulated on ``machine``
+    (a :class:`~staronnx.bench.machine.SimMachine` of the sweep's plan and workers) for the
+    live point's ``row["duration_s"]``, the same ``warmup`` cut from the window; ``options``
+    (policy, arrivals, padding, trace, host costs) are
+    :func:`~staronnx.bench.simulator.simulate_mix`'s.
     """
     from staronnx.bench.simulator import simulate
 
-    result = simulate(
-        machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]), policy=policy,
-        duration=float(row["duration_s"]), distribution=distribution, seed=seed,
-        queue_capacity=max(queue_capacity, int(row["batch_size"])), max_delay=max_delay, pad_to=tuple(pad_to),
-        trace=trace, host_costs=host_costs)
+    result = simulate(machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]),
+                      duration=float(row["duration_s"]), queue_capacity=max(queue_capacity, int(row["batch_size"])),
+                      **options)
     return sim_columns(summarize(result.records, warmup=warmup), row)
 
 
@@ -141,15 +130,18 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     steady = [r for r in simulated if not r.get("congested") and not r.get("sim_congested")]
     out: dict[str, Any] = {"target": target, "simulated_points": len(simulated), "steady_points": len(steady),
                            "busy_points": len(candidates) - len(simulated)}
-    out["throughput"] = _stats([e for r in simulated if (e := r.get("err_throughput")) is not None], target)
-    out["latency_p50"] = _stats([e for r in steady if (e := r.get("err_latency_p50")) is not None], target)
-    out["paper_latency"] = _stats([e for r in steady if (e := r.get("err_paper_latency")) is not None], target)
+
+    def stats(points: list[Mapping[str, Any]], key: str) -> dict[str, Any]:
+        return _stats([e for r in points if (e := r.get(key)) is not None], target)
+
+    out["throughput"] = stats(simulated, "err_throughput")
+    out["latency_p50"] = stats(steady, "err_latency_p50")
+    out["paper_latency"] = stats(steady, "err_paper_latency")
     # the same below the knee (offered < KNEE x the bound), and how many steady points were at it
     calm = [r for r in steady if not at_knee(r)]
     out["knee_points"] = len(steady) - len(calm)
-    out["latency_p50_below_knee"] = _stats([e for r in calm if (e := r.get("err_latency_p50")) is not None], target)
-    out["paper_latency_below_knee"] = _stats([e for r in calm if (e := r.get("err_paper_latency")) is not None],
-                                             target)
+    out["latency_p50_below_knee"] = stats(calm, "err_latency_p50")
+    out["paper_latency_below_knee"] = stats(calm, "err_paper_latency")
     agree = [bool(r.get("congested")) == bool(r.get("sim_congested")) for r in simulated]
     out["congestion_agreement"] = sum(agree) / len(agree) if agree else None
     return out

@@ -11,9 +11,8 @@ misses), and the LP bound over the mix (:func:`~staronnx.bench.bound.mix_bound`)
 rates together fit the machine and by what factor they could all grow.
 
 Residency (``--model-workers``) and latency lanes (``--lane``) shape the live runtime, its
-bound and its simulation alike; a lane is simulated and bounded as one more worker on its
-group's cores, without the OS preemption of the group's worker that it brings live
-(:data:`~staronnx.bench.machine.LANE_APPROXIMATION`, in each result's notes).
+bound and its simulation alike (:data:`~staronnx.bench.machine.LANE_APPROXIMATION` says what
+the simulated lanes leave out).
 
 Why every combination and not a scale factor on one mix: the question a shared machine asks
 is how one model's load hurts another's latency (the heavy model pushed to saturation while
@@ -31,7 +30,8 @@ from staronnx.bench.sweep import MixPoint, mix_label, mix_points, sweep
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 
-__all__ = ["MixPoint", "is_per_model", "mix_label", "mix_points", "model_names", "split_per_model", "sweep_mix"]
+__all__ = ["MixPoint", "is_per_model", "mix_label", "mix_points", "model_names", "per_model", "split_per_model",
+           "sweep_mix"]
 
 
 def is_per_model(text: str | None) -> bool:
@@ -85,37 +85,29 @@ def model_names(plans: Sequence[Path], names: Sequence[str] | None) -> list[str]
     return out
 
 
-def check_names(given: Mapping[str, Any], names: Sequence[str], option: str, *, every: bool = True) -> None:
-    """Refuse unknown model names in ``option`` and, with ``every``, missing ones."""
+def per_model(text: str, names: Sequence[str], option: str) -> dict[str, str]:
+    """``option``'s text per model (:func:`split_per_model`), which must name every model of
+    ``names`` and no other."""
+    given = split_per_model(text, option)
     unknown = sorted(set(given) - set(names))
     if unknown:
         raise StaronnxError(f"{option} names model(s) {', '.join(map(repr, unknown))}, which are not given; "
                             f"the models are {', '.join(map(repr, names))}")
     missing = [n for n in names if n not in given]
-    if every and missing:
+    if missing:
         raise StaronnxError(f"{option} gives no value for model(s) {', '.join(map(repr, missing))}; "
                             f"name every model, e.g. {','.join(f'{n}=...' for n in names)}")
+    return given
 
 
 # ---------------------------------------------------------------------------- the live sweep
 def sweep_mix(plans: Mapping[str, Plan | str | os.PathLike[str]], points: Sequence[MixPoint],
               **options: Any) -> list[dict[str, Any]]:
     """Measure every mix of ``points`` on one runtime hosting every model; return the rows
-    (one per point and model; see the module docstring): :func:`staronnx.bench.sweep.sweep`
-    over several models, whose other ``options`` these are.
-
-    Each point runs a :class:`~staronnx.serving.Server` and an open-loop generator per model
-    (model ``i`` seeded ``seed + i``, as :func:`~staronnx.bench.simulator.simulate_mix` draws
-    them), all for the same length: ``duration`` stretched to ``min_batches`` fills of the
-    slowest-filling model. A point is congested when any model is; with
-    ``stop_on_congestion`` the points that dominate a congested one (same batch sizes, every
-    rate at least as high) are skipped. ``bound``: the LP bound of each mix
-    (:func:`~staronnx.bench.bound.mix_bound`) beside it; ``simulate``: each point simulated
-    too, its figures and errors in every model's row. ``targets`` (each model's
-    :class:`~staronnx.runtime.models.ServiceTarget`), ``residency`` and ``lanes`` (model name
-    -> worker or CPU group selector, ``Runtime(residency=..., lanes=...)``'s) shape the live
-    runtime, its bound and its simulation alike (a lane simulated and bounded as
-    :func:`~staronnx.bench.simulator.simulate_mix` says); each model's ``held_by`` is in the
-    settings. An unstable point is not measured again (``extend`` False unless given).
+    (one per point and model): :func:`staronnx.bench.sweep.sweep` over several models, whose
+    other ``options`` these are. Model ``i`` is seeded ``seed + i``, as
+    :func:`~staronnx.bench.simulator.simulate_mix` draws it; with ``stop_on_congestion`` the
+    points that dominate a congested one (same batch sizes, every rate at least as high) are
+    skipped. An unstable point is not measured again (``extend`` False unless given).
     """
     return sweep(dict(plans), (), (), points=points, **{"extend": False, **options})

@@ -183,15 +183,10 @@ def shortfall(metrics: Mapping[str, Any], rate: float | None = None) -> str | No
 
 def choose(metrics: Mapping[int, Mapping[str, Any]], slo: float | None = None,
            bounds: Mapping[int, float | None] | None = None, rate: float | None = None) -> tuple[int, bool | None]:
-    """The objective of the module docstring over ``{batch size: summarize() figures}``.
-
-    Only the candidates that keep up with the rate (:func:`shortfall`: not failed, not
-    congested, serving the offered rate) can be chosen on latency or meet the SLO. With an
-    SLO (seconds, on the papers' latency), ties in headroom go to the lower latency, and when
-    no size meets it the lowest latency is chosen, flagged as not met. When none keeps up, the
-    one that served the most (then the lowest latency), never meeting an SLO. Returns (batch
-    size, whether the SLO is met: None without an SLO).
-    """
+    """The objective of the module docstring over ``{batch size: summarize() figures}``:
+    (batch size, whether the SLO is met: None without an SLO). With an SLO (seconds), ties in
+    headroom go to the lower latency, and when no size meets it the lowest latency is chosen,
+    flagged as not met."""
     if not metrics:
         raise OptimizeError("no candidate to choose from")
     bounds = bounds or {}
@@ -256,24 +251,15 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: flo
                    neighbours: int = 1, max_verify: int = 4, min_batches: int = 10, seed: int = 0, runtime: Any = None,
                    machine: Any = None, progress: Callable[[str], None] | None = None,
                    colocate: bool = False) -> Optimization:
-    """Choose ``b`` for ``rate`` requests/s (see the module docstring).
+    """Choose ``b`` for ``rate`` requests/s among ``batch_sizes`` (see the module docstring).
 
-    Args:
-        slo: papers' latency objective in seconds (None: minimize the latency).
-        batch_sizes: the candidates.
-        policy, groups, cuda_streams, cuda_devices: the runtime's settings, simulated and measured
-            alike.
-        sim_duration: seconds of simulated arrivals per candidate (stretched to
-            ``min_batches`` batch fills).
-        verify: measure the predicted best and its ``neighbours`` on each side live.
-        verify_duration: seconds per live measurement (stretched likewise).
-        max_verify: at most this many live measurements in all (see :func:`next_candidate`).
-        runtime: an open runtime to measure on (it stays open); default: one started here.
-        machine: a :class:`~staronnx.bench.machine.SimMachine` to reuse.
-        progress: called with a one-line message at each step.
-        colocate: each live measurement's load generator and batcher run on the runtime's host
-            core, the CUDA driver's or the first CPU worker's
-            (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), as ``sweep --colocate``.
+    ``slo``: papers' latency objective in seconds (None: minimize the latency). The runtime's
+    settings are simulated and measured alike. Each candidate gets ``sim_duration`` seconds of
+    simulated arrivals, each live measurement ``verify_duration`` (both stretched to
+    ``min_batches`` batch fills); ``verify`` measures the predicted best and its
+    ``neighbours`` on each side live, at most ``max_verify`` in all (:func:`next_candidate`).
+    ``runtime`` (left open) and ``machine`` are reused where given; ``progress`` hears a line per
+    step; ``colocate``: as ``sweep --colocate`` (:meth:`~staronnx.runtime.runtime.Runtime.colocate`).
     """
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if not (_finite(rate) and rate > 0):

@@ -1,23 +1,11 @@
 """The papers' pictures from sweep results (PNG, matplotlib's Agg backend: no display needed).
 
-- :func:`figure_latency_throughput`: the papers' latency (first request of each batch, mean
-  with its std as error bars) against achieved throughput, one curve per batch size (their
-  Fig. 2a); congested points are drawn hollow, points measured beside other work
-  (``machine_busy``) ringed in black, here and in the simulator's figure.
-- :func:`figure_best_batch`: per offered rate, the batch size with the lowest papers' latency
-  among uncongested points, and that latency (their Fig. 2b).
-- :func:`figure_cpu_share`: share of part-tasks run on a CPU, per batch size, against the rate
-  (where the light part overflows to the CPU under load).
-- :func:`figure_simulator`: for a sweep run with ``simulate``, measured (solid) and simulated
-  (dashed) throughput and p50 latency against the offered rate, per batch size.
-- :func:`figure_models`: a mixed sweep (several models on one runtime): each model's p50/p99
-  and throughput / offered rate per mix; the single-model figures are drawn per model too.
-- :func:`figure_compare`: several sweep folders (splits, policies, stream counts, a GPU-only
-  plan) overlaid: best latency per rate, and the throughput reached per rate.
-
-Each ``figure_*`` function returns ``(figure, series)`` with the labels of the curves drawn,
-so callers (and tests) can tell what went in; :func:`plot_results` and :func:`compare` write
-the PNGs.
+Latency vs throughput per batch size and the best batch size per rate (their Fig. 2a and 2b),
+the CPU share, the simulator against the measurement, each model of a mixed sweep, and several
+sweep folders overlaid. Congested points are drawn hollow, points measured beside other work
+(``machine_busy``) ringed in black. Each ``figure_*`` function returns ``(figure, series)``
+with the labels of the curves drawn, so callers (and tests) can tell what went in;
+:func:`plot_results` and :func:`compare` write the PNGs.
 """
 
 from __future__ import annotations
@@ -90,19 +78,27 @@ def _mark_busy(ax: Any, xs: Sequence[float], ys: Sequence[float], pts: Rows) -> 
     return bool(busy)
 
 
-def _busy_legend(ax: Any, **kwargs: Any) -> None:
-    """The axes' legend, with one entry for the busy ring."""
+def _legend(ax: Any, busy: bool, **kwargs: Any) -> None:
+    """The axes' legend, with one entry for the busy ring where a point was ringed."""
     from matplotlib.lines import Line2D
 
     handles, labels = ax.get_legend_handles_labels()
-    handles.append(Line2D([], [], **BUSY_MARK))
-    labels.append(BUSY_LABEL)
+    if busy:
+        handles.append(Line2D([], [], **BUSY_MARK))
+        labels.append(BUSY_LABEL)
     ax.legend(handles, labels, **kwargs)
 
 
 def _need(rows: Rows) -> None:
     if not rows:
         raise PlotError("no sweep rows to plot")
+
+
+def _some(fig: Figure, series: list[str], nothing: str) -> None:
+    """PlotError(``nothing``) when no curve was drawn (``fig`` closed), before any legend."""
+    if not series:
+        plt.close(fig)
+        raise PlotError(nothing)
 
 
 # ---------------------------------------------------------------------------- figures
@@ -132,18 +128,13 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
             ax.plot(*zip(*hot, strict=True), "o", ms=8, mfc="white", mec=color, zorder=3)
         busy = _mark_busy(ax, xs, ys, pts) or busy
         series.append(label)
-    if not series:
-        plt.close(fig)
-        raise PlotError(f"no row has a {latency!r} value to plot")
+    _some(fig, series, f"no row has a {latency!r} value to plot")
     ax.set_xlabel("achieved throughput (samples/s)")
     ax.set_ylabel("latency of the first request of a batch (ms)" if latency == LATENCY else latency)
     if log_y:
         ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
-    if busy:
-        _busy_legend(ax, title="batch size (hollow: congested)", fontsize=8)
-    else:
-        ax.legend(title="batch size (hollow: congested)", fontsize=8)
+    _legend(ax, busy, title="batch size (hollow: congested)", fontsize=8)
     ax.set_title(_title(rows, "latency vs throughput per batch size"))
     fig.tight_layout()
     return fig, series
@@ -193,9 +184,7 @@ def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
         label = f"b = {b}"
         ax.plot(xs, [100 * y for y in ys], "o-", ms=4, label=label, color=colors[b])
         series.append(label)
-    if not series:
-        plt.close(fig)
-        raise PlotError("no row records a CPU share (placement)")
+    _some(fig, series, "no row records a CPU share (placement)")
     ax.set_xlabel("offered rate (requests/s)")
     ax.set_ylabel("part-tasks run on a CPU (%)")
     ax.set_ylim(-3, 103)
@@ -241,10 +230,7 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
     right.set_yscale("log")
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
-    if busy:
-        _busy_legend(left, fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
-    else:
-        left.legend(fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
+    _legend(left, busy, fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
     fig.suptitle(_title(rows, "simulator vs measurement"))
     fig.tight_layout()
     return fig, series
@@ -274,9 +260,7 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
             ax2.plot(rates, [top[x] for x in rates], "o-", ms=4, label=label, color=color)
         if best or top:
             series.append(label)
-    if not series:
-        plt.close(fig)
-        raise PlotError("no result set has anything to plot")
+    _some(fig, series, "no result set has anything to plot")
     # the offered = achieved diagonal, up to a little above the best throughput reached
     top_thr = max((_num(r.get("throughput")) for rows in results for r in rows
                    if math.isfinite(_num(r.get("throughput")))), default=1.0)

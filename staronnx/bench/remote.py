@@ -216,24 +216,24 @@ class AnswerCheck:
 
         from staronnx.ortutil import QUIET, make_session
 
+        def refused(why: str, hint: str = "") -> RemoteError:
+            return RemoteError(f"check={str(model)!r}: {why}", cli=f"--check {model}: {why}{hint}")
+
         path = Path(model)
         if not path.is_file():
-            raise RemoteError(f"check={str(model)!r}: no such model file",
-                              cli=f"--check {model}: no such model file (give the .onnx the plan was cut from)")
+            raise refused("no such model file", " (give the .onnx the plan was cut from)")
         options = ort.SessionOptions()
         options.log_severity_level = QUIET
         options.intra_op_num_threads = 1  # the client's host also runs the generator
         try:
             self.session = make_session(path, options=options)
         except Exception as exc:  # noqa: BLE001 - ORT's refusal of the file, as one line
-            raise RemoteError(f"check={str(model)!r}: onnxruntime cannot load it: {error_line(exc)}",
-                              cli=f"--check {model}: onnxruntime cannot load it: {error_line(exc)}") from None
+            raise refused(f"onnxruntime cannot load it: {error_line(exc)}") from None
         have = {i.name for i in self.session.get_inputs()}
         outs = {o.name for o in self.session.get_outputs()}
         if have != set(plan.input_names) or not set(plan.output_names) <= outs:
-            why = (f"its inputs {sorted(have)} and outputs {sorted(outs)} are not the plan's "
-                   f"({plan.input_names} -> {plan.output_names}): give the model the plan was cut from")
-            raise RemoteError(f"check={str(model)!r}: {why}", cli=f"--check {model}: {why}")
+            raise refused(f"its inputs {sorted(have)} and outputs {sorted(outs)} are not the plan's "
+                          f"({plan.input_names} -> {plan.output_names}): give the model the plan was cut from")
         self.path = path
         self.outputs = list(plan.output_names)
         self._lock = threading.Lock()
@@ -423,10 +423,7 @@ def encode(plan: Plan, feeds: Mapping[str, np.ndarray], protocol: str = "http") 
     (over HTTP, binary tensors both ways; gRPC's tensors are always raw bytes)."""
     from tritonclient.utils import np_to_triton_dtype
 
-    if protocol == "grpc":
-        import tritonclient.grpc as client
-    else:
-        import tritonclient.http as client
+    client = _client_module(protocol)
     binary = {} if protocol == "grpc" else {"binary_data": True}
     inputs = []
     for t in plan.inputs:
@@ -456,8 +453,9 @@ class RemoteServer:
             raise RemoteError(f"{runtime.url} forms batches of up to {served.batch_size} (staronnx serve "
                               f"--batch-size), not {batch_size}")
         if max_delay is None or not math.isclose(max_delay, served.max_delay, abs_tol=1e-6):
+            given = "none (batches leave only when full)" if max_delay is None else f"{max_delay * 1e3:g} ms"
             raise RemoteError(f"{runtime.url} batches with a max delay of {served.max_delay * 1e3:g} ms "
-                              f"(staronnx serve --max-delay), not {_ms(max_delay)}")
+                              f"(staronnx serve --max-delay), not {given}")
         self.runtime = runtime
         self.batch_size = batch_size
         self.max_delay = max_delay
@@ -609,19 +607,12 @@ def _placement(text: Any) -> dict[str, str]:
     return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
 
 
-def _ms(seconds: float | None) -> str:
-    return "none (batches leave only when full)" if seconds is None else f"{seconds * 1e3:g} ms"
-
-
 def served_runtime(url: str, plan: Plan, model: str | None = None) -> ServedModel:
     """What ``staronnx serve`` at ``url`` says of ``model`` (its batch size and its runtime's
     settings), checked against ``plan``, without sweeping: what ``--rates auto`` sizes a sweep
     over the network from, since the workers are the server's, not this command line's."""
-    remote = RemoteRuntime(url, plan, model)
-    try:
+    with RemoteRuntime(url, plan, model) as remote:
         return remote.served
-    finally:
-        remote.close()
 
 
 def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batch_sizes: Sequence[int] | None = None, *,
@@ -629,20 +620,14 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
                  groups: str | None = None, cuda_streams: int | None = None, engine: str | None = None,
                  queue_capacity: int | None = None, check: str | Path | None = None,
                  **sweep_kwargs: Any) -> list[dict[str, Any]]:
-    """:func:`~staronnx.bench.sweep.sweep` through the ``staronnx serve`` at ``url``.
+    """:func:`~staronnx.bench.sweep.sweep` (whose other keyword arguments these are) through
+    the ``staronnx serve`` at ``url``, serving ``model`` (default: the plan folder's name).
 
-    ``batch_sizes``, ``max_delay``, ``policy``, ``groups``, ``cuda_streams``, ``engine`` and
-    ``queue_capacity`` are the server's: None takes them from its configuration (recorded in
-    ``results.json``), a value that disagrees with the server's raises :class:`RemoteError`
-    (the server must be restarted to measure another). A server that runs the model one
-    request per task (``max_batch_size`` 0, ``batching: false``) is measured at batch 1, the
-    other sizes left out with a note, as an in-process sweep does. ``model``: the served
-    model's name (default: the plan folder's name, as ``staronnx serve`` names it). ``check``:
-    the ONNX model the plan was cut from; every answer (warm-up included) is compared with
-    ORT's answer to its own request, and one that differs counts as a failed request, the
-    difference in the point's notes (:class:`AnswerCheck`; it costs the client an ORT run per
-    distinct request). ``trace``, ``simulate`` and ``colocate`` need the runtime in this process and are
-    refused. Other keyword arguments are :func:`sweep`'s.
+    The runtime settings are the server's: None takes them from its configuration, a value
+    that disagrees raises :class:`RemoteError` (restart the server to measure another). A
+    model served one request per task is measured at batch 1, as in process. ``check``: the
+    ONNX model the plan was cut from (:class:`AnswerCheck`). ``trace``, ``simulate`` and
+    ``colocate`` need the runtime in this process and are refused.
     """
     for option in ("trace", "simulate", "colocate"):
         if sweep_kwargs.get(option):

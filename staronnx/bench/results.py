@@ -92,21 +92,15 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     row["state"], row["notes"] = summary.get("state"), summary.get("notes") or ""
     if row["state"] is None:  # figures summarized before points had a state
         row["state"], row["notes"] = point_state(summary)
-    row["congested"] = bool(summary.get("congested"))
-    row["stable"] = bool(summary.get("stable"))
-    row["extended"] = bool(extended)
-    for key in ("requests", "completed", "rejected", "failed", "pending", "batches",
-                "queue_mean", "queue_max", "backlog_growth"):
-        row[key] = summary.get(key)
+    row.update(congested=bool(summary.get("congested")), stable=bool(summary.get("stable")), extended=bool(extended))
+    row.update({key: summary.get(key) for key in ("requests", "completed", "rejected", "failed", "pending", "batches",
+                                                  "queue_mean", "queue_max", "backlog_growth")})
     thr = summary.get("throughput")
     row["bound_throughput"] = bound
     row["achieved_over_bound"] = (
         thr / bound if bound and isinstance(thr, (int, float)) and math.isfinite(thr) and bound > 0 else None)
-    row["duration_s"] = duration
-    row["warmup_s"] = summary.get("warmup_s")
-    row["measured_s"] = summary.get("measured_s")
-    for key in ("policy", "groups", "cuda_streams", "distribution"):
-        row[key] = settings.get(key)
+    row.update(duration_s=duration, warmup_s=summary.get("warmup_s"), measured_s=summary.get("measured_s"))
+    row.update({key: settings.get(key) for key in ("policy", "groups", "cuda_streams", "distribution")})
     devices = settings.get("cuda_devices")  # one CSV cell: "0,1"
     row["cuda_devices"] = ",".join(map(str, devices)) if devices and settings.get("cuda_streams") else None
     delay = settings.get("max_delay_s")

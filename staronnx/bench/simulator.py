@@ -70,17 +70,23 @@ def arrival_schedule(rate: float, *, duration: float | None = 10.0, n_requests: 
 
 # ---------------------------------------------------------------------------- the run
 @dataclass
-class SimResult:
-    """What a simulation produced: the serving records and the runtime's statistics."""
+class _RunStats:
+    """The simulated runtime's statistics, for one model or several."""
 
-    records: RunRecords
-    placement: dict[tuple[int, str], int]  # (part, arch) -> tasks run there
+    placement: dict[tuple[int, str], int]  # (global part, arch) -> tasks run there
     busy: dict[str, float]  # worker name -> busy fraction of [start, end]
     workers: list[WorkerInfo]
     notes: list[str]
     events: int
     wall_seconds: float
     mean_queue_wait: float  # seconds from a task being ready to its start, averaged
+
+
+@dataclass
+class SimResult(_RunStats):
+    """What a simulation of one model produced: its serving records and the runtime's statistics."""
+
+    records: RunRecords
 
     def share(self, part: int) -> dict[str, float]:
         """Fraction of ``part``'s tasks run on each arch."""
@@ -544,46 +550,16 @@ class _Simulation:
             self._batcher(fe)
 
 
-def simulate(plan: Plan | None = None, *, rate: float, batch_size: int, policy: str | Policy = "heft",
-             policy_options: Mapping[str, Any] | None = None, groups: str = "numa", topology: Topology | None = None,
-             cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
-             cuda_scale: float | Sequence[float] | None = None, duration: float | None = 10.0,
-             n_requests: int | None = None, arrivals: Sequence[float] | None = None, distribution: str = "constant",
-             seed: int = 0, store: PerfModelStore | None = None, max_delay: float | None = None,
-             queue_capacity: int | None = 1024, max_inflight: int | None = None, spread: float = 1.0,
-             drain: bool = True, charge_transfers: bool = True, machine: SimMachine | None = None,
-             pad_to: Sequence[int] = (), trace: str | os.PathLike[str] | TraceInto | None = None,
-             host_costs: bool = True) -> SimResult:
+def simulate(plan: Plan | None = None, *, rate: float, batch_size: int, groups: str = "numa",
+             topology: Topology | None = None, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
+             cuda_scale: float | Sequence[float] | None = None, store: PerfModelStore | None = None,
+             machine: SimMachine | None = None, arrivals: Sequence[float] | None = None,
+             max_inflight: int | None = None, **options: Any) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation:
-    :func:`simulate_mix` of a set of one model, read as one model's result.
-
-    ``machine`` (from :func:`build_machine`) replaces ``plan``, ``groups``, ``topology``,
-    ``cuda_streams``, ``cuda_devices``, ``cuda_scale`` and ``store`` when given, so a sweep builds it once.
-    Arrivals come from the live generator's processes (``distribution``, ``seed``) for
-    ``duration`` seconds or ``n_requests`` requests, or are replayed from ``arrivals``
-    (offsets in seconds, sorted). The front end is the live server's: ``queue_capacity``
-    (None: unbounded), ``max_inflight`` (None: :func:`machine_inflight`, the window the
-    perf models call for, as live sweeps use), batches that leave when full or, with ``max_delay``, when the oldest request has
-    waited that long. With ``drain`` (default) the run goes on after the last arrival until
-    every accepted request is done, as the load generator waits for its futures. ``spread``
-    scales the models' standard deviations (0: every task takes its mean). Deterministic for a
-    given ``seed``. ``pad_to``: the live server's padding of partial batches to captured sizes
-    (:func:`~staronnx.serving.server.padded_size`); a padded batch costs its padded size.
-    ``trace``: a Perfetto trace of the simulated schedule there, laid out as a live
-    ``Runtime(trace=...)`` behind a Server lays out its own, or into an open tracer
-    (:class:`TraceInto`; :meth:`_Simulation.write_trace`).
-
-    ``host_costs`` (default): what serving costs the host beyond the tasks, as calibration
-    measured it on these workers (``machine.host``, :mod:`staronnx.perfmodels.host`), is
-    simulated: each request reaches the server the generator's lag late (its latency counted
-    from its scheduled time, as live), a formed batch reaches the runtime after the host's
-    launch time, an idle worker starts a task after its wake-up and a busy one after the
-    engine's gap, a batch is answered the host's finish time after its last task, tasks run at
-    the measured serving/calibration ratio, a runtime of CPU workers only answers a batch on its
-    last worker's thread (which takes no task meanwhile), and where no PU is left outside the
-    CPU groups the host's other threads' CPU (per request and per batch) is taken from a
-    running CPU worker's task when none is idle. False (or a machine without them) leaves all
-    of it out.
+    :func:`simulate_mix` of a set of one model (whose other keyword ``options`` these are),
+    read as that model's result. ``machine`` (from :func:`build_machine`) replaces ``plan``, ``groups``,
+    ``topology``, ``cuda_streams``, ``cuda_devices``, ``cuda_scale`` and ``store``, so a sweep
+    builds it once; ``arrivals`` (offsets in seconds, sorted) replays a schedule.
     """
     if machine is None:
         if plan is None:
@@ -595,12 +571,9 @@ def simulate(plan: Plan | None = None, *, rate: float, batch_size: int, policy: 
         raise SimulationError("this machine hosts several models: simulate their traffic together with "
                               "simulate_mix (a rate per model)")
     name = machine.models.models[0].name
-    mix = simulate_mix(
-        machine, {name: rate}, {name: batch_size}, policy=policy, policy_options=policy_options,
-        duration=duration, n_requests=n_requests, arrivals=None if arrivals is None else {name: arrivals},
-        distribution=distribution, seed=seed, max_delay=max_delay, queue_capacity=queue_capacity,
-        max_inflight=None if max_inflight is None else {name: max_inflight}, spread=spread, drain=drain,
-        charge_transfers=charge_transfers, pad_to=pad_to, trace=trace, host_costs=host_costs)
+    mix = simulate_mix(machine, {name: rate}, {name: batch_size}, **options,
+                       arrivals=None if arrivals is None else {name: arrivals},
+                       max_inflight=None if max_inflight is None else {name: max_inflight})
     return SimResult(records=mix.records[name], placement=mix.placement, busy=mix.busy, workers=mix.workers,
                      notes=mix.notes, events=mix.events, wall_seconds=mix.wall_seconds,
                      mean_queue_wait=mix.mean_queue_wait)
@@ -634,46 +607,38 @@ def _make_policy(policy: str | Policy, options: Mapping[str, Any] | None, seed: 
 
 
 # ---------------------------------------------------------------------------- mixed traffic
-def deadline_misses(records: RunRecords, latency: float | None) -> int | None:
-    """Requests answered later than ``latency`` seconds after their arrival (None without a
-    target). Counted per request, as a client sees it (the core counts batches against the
-    oldest request's deadline); a live run's records are counted alike."""
+def deadline_misses(records: RunRecords, latency: float | None) -> tuple[int | None, float | None]:
+    """Requests answered later than ``latency`` seconds after their arrival, and their share
+    of the answered ones (None without a target, or the share with none answered). Counted
+    per request, as a client sees it (the core counts batches against the oldest request's
+    deadline); a live run's records are counted alike."""
     if latency is None:
-        return None
-    return sum(1 for r in records.requests if r.done is not None and r.done - r.arrival > latency)
+        return None, None
+    answered = [r.done - r.arrival for r in records.requests if r.done is not None]
+    misses = sum(1 for waited in answered if waited > latency)
+    return misses, misses / len(answered) if answered else None
 
 
 def model_metrics(records: RunRecords, target: ServiceTarget | None, warmup: float = 0.0) -> dict[str, Any]:
     """One model's figures in mixed traffic: :func:`~staronnx.serving.metrics.summarize`'s,
     plus its latency target (s) and the requests that missed it, over the whole run."""
     out = summarize(records, warmup=warmup)
-    latency = target.latency if target is not None else None
-    out["latency_target"] = latency
-    out["deadline_misses"] = deadline_misses(records, latency)
-    answered = sum(1 for r in records.requests if r.done is not None)
-    out["deadline_miss_rate"] = (None if latency is None else
-                                 (out["deadline_misses"] / answered if answered else None))
+    out["latency_target"] = target.latency if target is not None else None
+    out["deadline_misses"], out["deadline_miss_rate"] = deadline_misses(records, out["latency_target"])
     return out
 
 
 @dataclass
-class MixResult:
+class MixResult(_RunStats):
     """What a simulation of several models' traffic produced: each model's serving records
     (its own server's), its target, and the shared machine's statistics."""
 
     records: dict[str, RunRecords]
     targets: dict[str, ServiceTarget]
-    placement: dict[tuple[int, str], int]  # (global part, arch) -> tasks run there
-    busy: dict[str, float]  # worker name -> busy fraction of [start, end]
     busy_by_model: dict[str, dict[str, float]]  # model -> worker name -> busy fraction spent on it
-    workers: list[WorkerInfo]
-    notes: list[str]
-    events: int
-    wall_seconds: float
     models: ModelSet
     #: model -> the workers holding it (every worker unless a residency said otherwise)
     held_by: dict[str, list[str]] = field(default_factory=dict)
-    mean_queue_wait: float = 0.0  # seconds from a task being ready to its start, averaged
 
     def metrics(self, model: str, warmup: float = 0.0) -> dict[str, Any]:
         """Throughput, latencies, congestion and deadline misses of ``model`` (see
@@ -720,26 +685,38 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
                  pad_to: Sequence[int] = (), trace: str | os.PathLike[str] | TraceInto | None = None,
                  host_costs: bool = True) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over one plan or several) at
-    its own rate, as ``staronnx serve`` does on one shared runtime: a server per model (its
-    queue of ``queue_capacity``, batches of its ``batch_sizes`` entry, its in-flight window)
+    its own rate, as ``staronnx serve`` does on one shared runtime: a server per model (the
+    live Server's queue of ``queue_capacity``, None unbounded; batches of its ``batch_sizes``
+    entry that leave when full or, with ``max_delay``, when the oldest request has waited that
+    long; its in-flight window, by default :func:`machine_inflight`'s, as live sweeps use)
     feeding one core, one policy and one set of workers, the models' ``targets`` (latency,
-    priority) turned into deadlines and levels that order the ready tasks, exactly as the
-    engine does. :func:`simulate` is this over a set of one model.
+    priority) turned into deadlines and levels that order the ready tasks, as the engine does.
 
-    Model ``i`` (in the machine's order) draws its arrivals with seed ``seed + i``, so two
-    Poisson streams are independent and a live mixed sweep replays the same ones. ``arrivals``
-    (name -> sorted offsets in seconds) replaces the generated ones. ``residency`` (model name
-    -> worker selector: ``"cpu"``, ``"cuda0"``, ``"cpu:numa0,cuda0.s1"``; see
-    :mod:`staronnx.workers.residency`) loads those models on the selected workers only, as
-    ``Runtime(residency=...)`` and ``staronnx serve --model-workers`` do: the policy places
-    their tasks there alone, their in-flight windows count those workers only, and they need
-    perf models only on those workers' archs (what if a model were kept off the GPU, before
-    trying it live). A ``machine`` built with lanes (:func:`build_machine`'s ``lanes``) keeps
-    the lane models on their lanes (plus the workers ``residency`` adds for them), each lane's
-    task preempting its group's worker as the OS does live (:data:`~staronnx.bench.machine.LANE_APPROXIMATION`, in the
-    notes, says what is left out). The host's costs (``host_costs``) are calibration's of one
-    plan alone, so a machine of several models leaves them out. Other arguments as in
-    :func:`simulate`.
+    Model ``i`` (in the machine's order) draws its arrivals from the live generator's
+    processes with seed ``seed + i`` for ``duration`` seconds or ``n_requests`` requests, so a
+    live sweep replays the same ones; ``arrivals`` (name -> sorted offsets in seconds) replaces
+    them. With ``drain`` the run goes on after the last arrival until every accepted request is
+    done, as the load generator waits for its futures. ``spread`` scales the models' standard
+    deviations (0: every task takes its mean). ``pad_to``: the live server's padding of partial
+    batches (:func:`~staronnx.serving.server.padded_size`), priced at the padded size.
+    ``trace``: the simulated schedule as a Perfetto trace there, or into an open tracer
+    (:class:`TraceInto`; :meth:`_Simulation.write_trace`).
+
+    ``residency`` (model name -> worker selector, :mod:`staronnx.workers.residency`) loads
+    those models on the selected workers only, as ``Runtime(residency=...)`` does: their tasks
+    placed, their windows counted and their perf models needed there alone. A ``machine``
+    built with lanes keeps the lane models on their lanes (plus the workers ``residency``
+    adds), each lane's task preempting its group's worker as the OS does live
+    (:data:`~staronnx.bench.machine.LANE_APPROXIMATION` says what is left out).
+
+    ``host_costs``: what serving costs the host beyond the tasks, as calibration measured it
+    (``machine.host``, :mod:`staronnx.perfmodels.host`): the generator's lag (latency counted
+    from the scheduled time, as live), the launch time of a formed batch, a worker's wake-up
+    and the engine's gap between tasks, the answer's finish time (on the last worker's thread
+    in a runtime of CPU workers only), tasks at the measured serving/calibration ratio, and,
+    where no PU is left outside the CPU groups, the host's other threads' CPU taken from the
+    CPU workers. They are calibration's of one plan alone, so a machine of several models
+    leaves them out.
     """
     t0 = time.perf_counter()
     models = machine.models

@@ -161,8 +161,6 @@ def batch_one_where_needed(plans: Mapping[str, Plan], points: Sequence[MixPoint]
     """``points`` with batch 1 for every model that runs one request per task (its other sizes
     mean nothing: :func:`~staronnx.bench.points.runnable_sizes`), points that became equal
     measured once; and a line per such model saying so (named where there are several)."""
-    from staronnx.bench.points import runnable_sizes
-
     notes = []
     for name, plan in plans.items():
         _, note = runnable_sizes(plan, [p.batch_sizes[name] for p in points if name in p.batch_sizes])
@@ -267,42 +265,19 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     ``targets``, ``residency`` and ``lanes``: :func:`~staronnx.bench.mix.sweep_mix`) share the
     runtime, one generator and server per model.
 
-    Args:
-        plan: a plan or its folder.
-        rates: offered single-sample requests per second.
-        batch_sizes: the ``b`` of the papers' batches (a batch leaves when full).
-        policy, groups, cuda_streams, engine: the runtime's settings.
-        cuda_devices: the GPUs that get ``cuda_streams`` workers each (the runtime's, the
-            simulated twin's and the bound's; ``settings.cuda_devices`` records them).
-        cuda_graphs: CUDA workers capture every batch size of the sweep as CUDA graphs at
-            warm-up (the default); False runs them without graphs.
-        distribution: ``"constant"`` interval (the papers) or ``"poisson"``.
-        duration: seconds of arrivals per point (stretched to ``min_batches`` batch fills).
-        warmup: seconds at the start of each point left out of the measurement window
-            (default ``min(1, duration / 5)``).
-        out_dir: where ``results.csv`` and ``results.json`` go, rewritten after every point.
-        store: the perf-model store (default ``$STARONNX_HOME``): predictions and the bound.
-        progress: called with a :class:`SweepEvent` as the sweep advances.
-        queue_capacity: the server's queue (an overflow rejects and marks the point congested).
-        extend: measure an unstable, uncongested point once more, twice as long.
-        stop_on_congestion: skip a batch size's higher rates once it is congested.
-        bound: record the LP throughput bound per batch size (needs calibrated models).
-        runtime: an open runtime to use instead of starting one (it stays open).
-        label: a name for this sweep in comparisons (default: the output folder's name).
-        simulate: also replay every measured point in the simulator and record prediction and
-            relative error beside the measurement (:mod:`staronnx.bench.fidelity`).
-        max_delay: seconds; batches of *at most* ``b`` leave once their oldest request waited
-            this long (Triton-style dynamic batching) instead of only when full.
-        trace: a Perfetto trace of the whole sweep, with one span per point on a "sweep
-            points" lane (for a runtime passed in, its own ``trace=``).
-        inputs: real inputs instead of random ones: an ``.npz`` path or its arrays
-            (:mod:`staronnx.inputs`); ``inputs_path`` names the file when arrays are given.
-        server_factory, front_end: over the network, the batching front end of each point
-            (see :func:`~staronnx.bench.points.measure_point`) and what ``settings.front_end``
-            records about it (:func:`staronnx.bench.remote.remote_sweep`).
-        colocate: the load generator and the batcher run on the runtime's host core (the CUDA
-            driver's, or without CUDA workers the first CPU worker's) during each point
-            (:meth:`~staronnx.runtime.runtime.Runtime.colocate`); ``settings.colocate`` records it.
+    ``cuda_devices`` are the runtime's, the simulated twin's and the bound's GPUs alike.
+    ``duration``: seconds of arrivals per point, stretched to ``min_batches`` batch fills, of
+    which ``warmup`` (default ``min(1, duration / 5)``) is left out. ``extend``: measure an
+    unstable, uncongested point once more, twice as long. ``bound`` and ``simulate`` need
+    calibrated perf models (``store``, default ``$STARONNX_HOME``); ``simulate`` replays every
+    measured point in the simulator, prediction and error beside the measurement
+    (:mod:`staronnx.bench.fidelity`). ``max_delay``: batches of *at most* ``b`` leave once their
+    oldest request waited this long. ``runtime``: an open one to use (it stays open; its own
+    ``trace=``). ``inputs``: real inputs, an ``.npz`` path or its arrays (``inputs_path`` names
+    the file). ``server_factory`` and ``front_end``: over the network, each point's batching
+    front end and what ``settings.front_end`` records of it (:func:`~staronnx.bench.remote.remote_sweep`).
+    ``colocate``: the load generator and the batcher run on the runtime's host core
+    (:meth:`~staronnx.runtime.runtime.Runtime.colocate`).
     """
     loaded, one = load_plans(plan)
     models = ModelSet(loaded, targets)  # checks the targets' names
@@ -480,13 +455,11 @@ def _mix_columns(m: HostedModel, records: RunRecords, index: int, point: MixPoin
     """The columns a model's row of a mixed sweep adds: which model and mix, its deadline
     misses, and the mix's LP bound."""
     latency = m.target.latency
-    answered = sum(1 for r in records.requests if r.done is not None)
-    misses = deadline_misses(records, latency)
+    misses, rate = deadline_misses(records, latency)
     return clean({
         "model": m.name, "mix": point.label, "point": index,
         "latency_target_ms": None if latency is None else latency * 1e3,
-        "deadline_misses": misses,
-        "deadline_miss_rate": None if misses is None or not answered else misses / answered,
+        "deadline_misses": misses, "deadline_miss_rate": rate,
         "bound_scale": None if mix is None else mix.scale,
         "bound_feasible": None if mix is None else mix.feasible,
         "solo_bound_throughput": None if mix is None else mix.solo[m.name],
@@ -512,12 +485,17 @@ class _Run:
     def who(self, name: str) -> str:
         return "" if self.one else f"{name}: "
 
+    def single(self, point: MixPoint) -> tuple[int | None, float | None]:
+        """One model's point as its (batch size, rate), what its events carry; None for a mix."""
+        if not self.one:
+            return None, None
+        (b,), (rate,) = point.batch_sizes.values(), point.rates.values()
+        return b, rate
+
     def label(self, point: MixPoint) -> str:
         """``b=4 @ 100 req/s`` for one model, the mix (``a=100,b=400``) for several."""
-        if not self.one:
-            return point.label
-        (b,), (rate,) = point.batch_sizes.values(), point.rates.values()
-        return f"b={b} @ {rate:g} req/s"
+        b, rate = self.single(point)
+        return point.label if rate is None else f"b={b} @ {rate:g} req/s"
 
     def measure(self, point: MixPoint, tracer: Any, *, length: float,
                 bounds: Mapping[str, float | None]) -> tuple[list[dict[str, Any]], float]:
@@ -525,7 +503,7 @@ class _Run:
         model, and when the measured attempt's arrivals began (the runtime's clock)."""
         attempt, extended = 1, False
         names = list(self.handles)
-        b, rate = (point.batch_sizes[names[0]], point.rates[names[0]]) if self.one else (None, None)
+        b, rate = self.single(point)
         while True:
             expected = math.ceil(length * sum(point.rates.values()))
             self.notify(SweepEvent("point", self.index, self.total, b, rate, requests=expected, attempt=attempt,
@@ -602,8 +580,7 @@ class _Run:
         self.results.rows.extend(rows)
         self.index += 1
         self.results.save()
-        b, rate = (rows[0]["batch_size"], rows[0]["offered_rate"]) if self.one else (None, None)
-        self.notify(SweepEvent("done", self.index, self.total, b, rate,
+        self.notify(SweepEvent("done", self.index, self.total, *self.single(point),
                                row=rows[0] if self.one else {"mix": point.label, "rows": rows},
                                attempt=rows[0]["attempts"]))
 
@@ -612,15 +589,14 @@ class _Run:
         rates, for one model): they would congest, or fail, alike."""
         if not rest:
             return
-        if self.one:
-            (name,) = stopped.rates
-            rate, b = stopped.rates[name], stopped.batch_sizes[name]
+        b, rate = self.single(stopped)
+        if rate is not None:
             why = f"every request failed at {rate:g} req/s" if served_none else f"congested at {rate:g} req/s"
-            self.results.skipped.extend({"batch_size": b, "offered_rate": p.rates[name], "reason": why} for p in rest)
+            rates = [r for p in rest for r in p.rates.values()]
+            self.results.skipped.extend({"batch_size": b, "offered_rate": r, "reason": why} for r in rates)
             self.index += len(rest)
             self.results.save()
-            self.notify(SweepEvent("skipped", self.index, self.total, b, rate, skipped=[p.rates[name] for p in rest],
-                                   message=why))
+            self.notify(SweepEvent("skipped", self.index, self.total, b, rate, skipped=rates, message=why))
             return
         for p in rest:
             self.results.skipped.append({"mix": p.label, "batch_sizes": p.batch_sizes,
@@ -655,35 +631,33 @@ def calibration_check(ratio: float | None, load: MachineLoad | None) -> dict[str
     return out
 
 
+def others_share(row: Mapping[str, Any]) -> float:
+    """The CPU share others and the hypervisor took while a row's point was measured."""
+    return (row.get("others_cpu_share") or 0.0) + (row.get("steal_share") or 0.0)
+
+
 def busy_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
     """One line when some points were measured beside other work (``machine_busy``)."""
     busy = [r for r in rows if r.get("machine_busy")]
     if not busy:
         return None
-    worst = max(busy, key=lambda r: (r.get("others_cpu_share") or 0.0) + (r.get("steal_share") or 0.0))
-    share = (worst.get("others_cpu_share") or 0.0) + (worst.get("steal_share") or 0.0)
+    worst = max(busy, key=others_share)
     return (f"{len(busy)} of {len(rows)} point(s) measured beside other work (machine_busy: other processes or the "
-            f"hypervisor took over {BUSY_SHARE:.0%} of the CPUs, up to {share:.1%} at b={worst['batch_size']} @ "
+            f"hypervisor took over {BUSY_SHARE:.0%} of the CPUs, up to {others_share(worst):.1%} at "
+            f"b={worst['batch_size']} @ "
             f"{worst['offered_rate']:g} req/s): their figures are the machine's as much as the plan's, and the "
             "simulator's error summary leaves them out")
 
 
 def load_columns(load: MachineLoad | None, ratio: float | None) -> dict[str, Any]:
     """What a row records of the machine while its point was measured
-    (:mod:`staronnx.bench.cpuload`): ``machine_busy`` (others or the hypervisor took more than
-    :data:`~staronnx.bench.cpuload.BUSY_SHARE` of the CPUs), ``others_cpu_share``,
-    ``steal_share``, ``own_cpu_cores`` (the run's own CPU, cores' worth), ``task_time_ratio``
-    (tasks' measured time over their perf models'), ``busy_why`` and the whole reading under
-    ``machine``; None everywhere where ``/proc/stat`` could not be read."""
-    return clean({
-        "machine_busy": None if load is None else load.busy,
-        "others_cpu_share": None if load is None else load.others_share,
-        "steal_share": None if load is None else load.steal_share,
-        "own_cpu_cores": None if load is None else load.own_cores,
-        "task_time_ratio": ratio,
-        "busy_why": None if load is None else load.why,
-        "machine": None if load is None else load.as_dict(),
-    })
+    (:mod:`staronnx.bench.cpuload`; ``machine_busy``: others or the hypervisor took more than
+    :data:`~staronnx.bench.cpuload.BUSY_SHARE` of the CPUs) and ``task_time_ratio``, tasks'
+    measured time over their perf models'; None where ``/proc/stat`` could not be read."""
+    figures = (None,) * 4 if load is None else (load.busy, load.others_share, load.steal_share, load.own_cores)
+    return clean({**dict(zip(("machine_busy", "others_cpu_share", "steal_share", "own_cpu_cores"), figures)),
+                  "task_time_ratio": ratio, "busy_why": None if load is None else load.why,
+                  "machine": None if load is None else load.as_dict()})
 
 
 def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:
@@ -706,15 +680,23 @@ def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:
 
 def point_tracers(runtime: SweptRuntime, *, simulated: bool, settings: dict[str, Any]) -> tuple[Any, Any]:
     """The live trace of a sweep (the runtime's, with a lane for its points) and, for a
-    ``simulated`` sweep, the trace its simulated points go to (:func:`simulated_tracer`, named
-    in ``settings``); None where there is no live trace."""
+    ``simulated`` sweep, the trace its simulated points go to (named in ``settings``), on the
+    live trace's clock and with its worker lanes, so the two line up when opened side by side;
+    None where there is no live trace."""
+    from staronnx.runtime.trace import Tracer
+
     tracer = runtime.tracer
-    if tracer is not None:
-        tracer.lane(POINTS_LANE, "sweep points")
-    sim_tracer = simulated_tracer(tracer, runtime) if simulated else None
-    if sim_tracer is not None:
-        settings["simulated_trace"] = str(sim_tracer.path)
-    return tracer, sim_tracer
+    if tracer is None:
+        return None, None
+    tracer.lane(POINTS_LANE, "sweep points")
+    if not simulated:
+        return tracer, None
+    sim = Tracer(simulated_trace_path(tracer.path), origin=tracer.origin)
+    for i, worker in enumerate(runtime.workers):
+        sim.lane(i, worker.name)
+    sim.lane(POINTS_LANE, "sweep points (simulated)")
+    settings["simulated_trace"] = str(sim.path)
+    return tracer, sim
 
 
 def simulated_point(sim_tracer: Any, label: str, began: float, length: float) -> TraceInto | None:
@@ -724,20 +706,6 @@ def simulated_point(sim_tracer: Any, label: str, began: float, length: float) ->
         return None
     sim_tracer.span(POINTS_LANE, f"{label} (simulated)", began, began + length, "sweep point")
     return TraceInto(sim_tracer, began)
-
-
-def simulated_tracer(tracer: Any, runtime: SweptRuntime) -> Any:
-    """A tracer for the simulated points, on the live trace's clock and with its worker lanes,
-    so the two traces line up when opened side by side; None without a live trace."""
-    if tracer is None:
-        return None
-    from staronnx.runtime.trace import Tracer
-
-    sim = Tracer(simulated_trace_path(tracer.path), origin=tracer.origin)
-    for i, worker in enumerate(runtime.workers):
-        sim.lane(i, worker.name)
-    sim.lane(POINTS_LANE, "sweep points (simulated)")
-    return sim
 
 
 # ---------------------------------------------------------------------------- --rates auto
@@ -757,12 +725,8 @@ class AutoRates:
 
     def describe(self) -> str:
         step = self.rates[1] - self.rates[0] if len(self.rates) > 1 else self.rates[0]
-        return (f"rates auto: {_g(self.rates[0])}:{_g(self.rates[-1])}:{_g(step)} req/s "
+        return (f"rates auto: {self.rates[0]:g}:{self.rates[-1]:g}:{step:g} req/s "
                 f"({len(self.rates)} rates, up to {AUTO_TOP:.0%} of {self.detail})")
-
-
-def _g(x: float) -> str:
-    return f"{x:g}"
 
 
 def _nice(x: float) -> float:

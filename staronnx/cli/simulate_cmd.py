@@ -46,30 +46,20 @@ def _ms(seconds: Any) -> str:
     return "-" if seconds is None or not math.isfinite(seconds) else f"{seconds * 1e3:.2f}"
 
 
-def _batch(text: str | None, plan: Any = None) -> int:
-    """``--batch`` of one plan: one positive integer. For a ``plan`` that runs one request per
-    task (its contract cannot batch) batch 1 is the only one that means something, so it is
-    the default (:func:`_one_plan_batch` says when a larger one was asked)."""
-    contract = None if plan is None else plan.contract
-    if text is None:
-        if contract is not None and not contract.batchable:
-            return 1
-        raise StaronnxError("give --batch (the batch size b)")
-    if not re.fullmatch(r"\s*[+-]?\d+\s*", text):
-        raise StaronnxError(f"--batch expects a positive integer (or NAME=B,... for several models), got {text!r}")
-    if int(text) < 1:
-        raise StaronnxError(f"--batch must be >= 1, got {int(text)}")
-    return int(text)
-
-
 def _one_plan_batch(text: str | None, plan: Any, name: str | None = None) -> int:
-    """The batch one plan (model ``name`` of several) is simulated at: ``--batch``, or batch 1
-    for a model that runs one request per task, said in one line (as ``run`` and ``plan
-    verify`` say it), never a figure for a batch its server would never form."""
+    """The batch one plan (model ``name`` of several) is simulated at: ``--batch``, one
+    positive integer. A model that runs one request per task has batch 1 only (its default),
+    said in one line when a larger one was asked (as ``run`` and ``plan verify`` say it), never
+    a figure for a batch its server would never form."""
     from staronnx.bench.points import runnable_sizes
 
-    asked = _batch(text, plan)
-    sizes, note = runnable_sizes(plan, [asked])
+    if text is None and plan.contract.batchable:
+        raise StaronnxError("give --batch (the batch size b)")
+    if text is not None and not re.fullmatch(r"\s*[+-]?\d+\s*", text):
+        raise StaronnxError(f"--batch expects a positive integer (or NAME=B,... for several models), got {text!r}")
+    if text is not None and int(text) < 1:
+        raise StaronnxError(f"--batch must be >= 1, got {int(text)}")
+    sizes, note = runnable_sizes(plan, [1 if text is None else int(text)])
     if note:
         console.print(f"note: {'' if name is None else name + ': '}{note}", highlight=False, soft_wrap=True,
                       markup=False)
@@ -79,25 +69,20 @@ def _one_plan_batch(text: str | None, plan: Any, name: str | None = None) -> int
 def _batches(text: str | None, plans: dict[str, Any], several: bool) -> dict[str, int]:
     """``--batch`` per model: one size for all (``4``) or one per model (``a=8,b=1``), each
     read as :func:`_one_plan_batch` reads one plan's."""
-    from staronnx.bench.mix import check_names, is_per_model, split_per_model
+    from staronnx.bench.mix import is_per_model, per_model
 
-    texts = dict.fromkeys(plans, text)
-    if is_per_model(text):
-        texts = split_per_model(str(text), "--batch")
-        check_names(texts, list(plans), "--batch")
+    texts = per_model(str(text), list(plans), "--batch") if is_per_model(text) else dict.fromkeys(plans, text)
     return {n: _one_plan_batch(texts[n], plan, n if several else None) for n, plan in plans.items()}
 
 
 def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
     """``--rates a=100,b=400``: one rate per model (every model named)."""
-    from staronnx.bench.mix import check_names, split_per_model
+    from staronnx.bench.mix import per_model
 
     if text is None:
         raise StaronnxError(f"several models need a rate each: --rates {','.join(f'{n}=R' for n in names)}")
-    per = split_per_model(text, "--rates")
-    check_names(per, names, "--rates")
     out: dict[str, float] = {}
-    for n, v in per.items():
+    for n, v in per_model(text, names, "--rates").items():
         try:
             out[n] = float(v)
         except ValueError:
@@ -126,21 +111,15 @@ def what_if_gpus(plans: Any, devices: tuple[int, ...], cuda_scale: str | None) -
     return [f"cuda{d}" for d in devices if d >= visible]
 
 
-#: why ``--model-workers`` needs several models (sweep says the same)
-MODEL_WORKERS_NEED_SEVERAL = ("--model-workers keeps a model on some workers of a runtime shared by several models; "
-                              "give several plans (one plan runs on every worker: choose them with --groups and "
-                              "--cuda-streams)")
-
-#: why ``--lane`` needs several models (sweep says the same)
-LANES_NEED_SEVERAL = ("--lane gives a model a worker that preempts the other models' tasks on a runtime shared by "
-                      "several models; give several plans (one plan has no other model to preempt)")
-
 def check_models_options(plandirs: list[Path], model_workers: list[str] | None, lane: list[str] | None) -> None:
     """Refuse ``--model-workers`` and ``--lane`` for one plan (``simulate`` and ``sweep`` alike)."""
     if model_workers and len(plandirs) < 2:
-        raise StaronnxError(MODEL_WORKERS_NEED_SEVERAL)
+        raise StaronnxError("--model-workers keeps a model on some workers of a runtime shared by several models; "
+                            "give several plans (one plan runs on every worker: choose them with --groups and "
+                            "--cuda-streams)")
     if lane and len(plandirs) < 2:
-        raise StaronnxError(LANES_NEED_SEVERAL)
+        raise StaronnxError("--lane gives a model a worker that preempts the other models' tasks on a runtime shared "
+                            "by several models; give several plans (one plan has no other model to preempt)")
 
 
 def models_options(plandirs: list[Path], *, names: list[str] | None, slo_ms: list[str] | None,

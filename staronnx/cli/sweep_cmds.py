@@ -165,10 +165,9 @@ def _state_markup(row: dict[str, Any]) -> str:
 
 def _busy_cell(row: dict[str, Any]) -> str:
     """``busy (others 47%)`` for a point measured beside other work, else empty."""
-    if not row.get("machine_busy"):
-        return ""
-    share = (row.get("others_cpu_share") or 0.0) + (row.get("steal_share") or 0.0)
-    return f"busy (others {share:.0%})"
+    from staronnx.bench.sweep import others_share
+
+    return f"busy (others {others_share(row):.0%})" if row.get("machine_busy") else ""
 
 
 def _print_point_notes(rows: list[dict[str, Any]]) -> None:
@@ -420,7 +419,7 @@ def sweep_cmd(
     common = dict(policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
                   distribution=distribution, duration=seconds, warmup=warm, out_dir=output, seed=seed,
                   queue_capacity=queue_capacity, min_batches=min_batches, simulate=simulate, max_delay=delay,
-                  trace=trace)
+                  trace=trace, colocate=colocate)  # colocate: --url refused it above
     if mixed:
         console.print(
             f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
@@ -429,51 +428,47 @@ def sweep_cmd(
             + "".join(f", {n} on lanes ({sel})" for n, sel in lanes.items())
             + (", load generators on the " + host_core_name(cuda_streams) if colocate else "") + ": "
             f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
-        rows = _with_bars(quiet, True, output, lambda bars: sweep_mix(
-            plans, points, targets=targets, cuda_devices=devices, progress=bars, residency=residency, lanes=lanes,
-            colocate=colocate, **common))
-        _report(output, rows, _mix_table(rows), simulate=simulate, trace=trace,
-                draw=(lambda: _draw(output, [], None, output / "compare.png")) if plots and rows else None)
-        return
-    plan = plans[""]
-    real = None if inputs is None else load_inputs(inputs, plan)
-    if auto:
-        rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                                cuda_devices=devices, engine=engine, seed=seed, model=model)
-    console.print(
-        f"sweeping plan {plan.hash} ({plan.k} parts) "
-        + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
-           f"{cuda_summary(cuda_streams, devices)}"
-           f"{', load generator on the ' + host_core_name(cuda_streams) if colocate else ''}: "
-           f"{len(runnable_sizes(plan, sizes)[0])} batch size(s) x ") +
-        f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
-        highlight=False)
-    rows = _with_bars(quiet, False, output, lambda bars: run(
-        plan, rate_list, sizes, progress=bars, extend=extend, engine=engine, label=names[0] if names else None,
-        inputs=real, inputs_path=inputs,
-        **({"cuda_devices": devices} if url is None else {}),  # over the network: the server's
-        **({"colocate": True} if colocate else {}),  # only in process: --url refused it above
-        **({"check": check} if check is not None else {}),  # only over the network
-        **common))
-    _report(output, rows, _summary_table(rows), simulate=simulate, trace=trace,
+
+        def measure(bars: _Bars) -> list[dict[str, Any]]:
+            return sweep_mix(plans, points, targets=targets, cuda_devices=devices, progress=bars, residency=residency,
+                             lanes=lanes, **common)
+    else:
+        plan = plans[""]
+        real = None if inputs is None else load_inputs(inputs, plan)
+        if auto:
+            rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
+                                    cuda_devices=devices, engine=engine, seed=seed, model=model)
+        console.print(
+            f"sweeping plan {plan.hash} ({plan.k} parts) "
+            + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
+               f"{cuda_summary(cuda_streams, devices)}"
+               f"{', load generator on the ' + host_core_name(cuda_streams) if colocate else ''}: "
+               f"{len(runnable_sizes(plan, sizes)[0])} batch size(s) x ") +
+            f"{len(rate_list)} rate(s), {seconds:g} s per point, {distribution} arrivals -> {output}",
+            highlight=False)
+
+        def measure(bars: _Bars) -> list[dict[str, Any]]:
+            return run(plan, rate_list, sizes, progress=bars, extend=extend, engine=engine,
+                       label=names[0] if names else None, inputs=real, inputs_path=inputs,
+                       **({"cuda_devices": devices} if url is None else {}),  # over the network: the server's
+                       **({"check": check} if check is not None else {}),  # only over the network
+                       **common)
+    rows = _with_bars(quiet, mixed, output, measure)
+    _report(output, rows, (_mix_table if mixed else _summary_table)(rows), simulate=simulate, trace=trace,
             draw=(lambda: _draw(output, extra, names, output / "compare.png")) if plots and rows else None)
 
 
 def _mix_points(rates: str, batch_sizes: str, names: list[str]) -> list[Any]:
     """``--rates a=...,b=...`` and ``--batch-sizes`` (one list for all, or per model) as the
     mixes of a mixed sweep: every combination."""
-    from staronnx.bench.mix import check_names, is_per_model, mix_points, split_per_model
+    from staronnx.bench.mix import is_per_model, mix_points, per_model
 
     if rates.strip().lower() == "auto" or not is_per_model(rates):
         raise StaronnxError(f"several models need rates per model: --rates "
                             f"{','.join(f'{n}=R' for n in names)} (each like 100 or 50:400:50)")
-    per_rates = split_per_model(rates, "--rates")
-    check_names(per_rates, names, "--rates")
-    sizes: Any = parse_batch_sizes(batch_sizes) if not is_per_model(batch_sizes) else None
-    if sizes is None:
-        per_sizes = split_per_model(batch_sizes, "--batch-sizes")
-        check_names(per_sizes, names, "--batch-sizes")
-        sizes = {n: parse_batch_sizes(per_sizes[n]) for n in names}
+    per_rates = per_model(rates, names, "--rates")
+    sizes: Any = parse_batch_sizes(batch_sizes) if not is_per_model(batch_sizes) else {
+        n: parse_batch_sizes(text) for n, text in per_model(batch_sizes, names, "--batch-sizes").items()}
     return mix_points({n: parse_rates(per_rates[n]) for n in names}, sizes, names)
 
 
