@@ -45,6 +45,7 @@ import numpy as np
 
 from staronnx.serving.arrivals import ArrivalProcess
 from staronnx.serving.collector import young_only
+from staronnx.serving.metrics import rate_of
 from staronnx.serving.records import RunRecords
 from staronnx.serving.server import OverloadError, Server, ServerClosed, hold_frozen, release_frozen
 
@@ -166,15 +167,10 @@ def generator_report(offered_rate: float, scheduled: np.ndarray, submitted: np.n
     """
     m = len(submitted)
     lag = submitted - scheduled if m else np.zeros(0)
-
-    def rate(times: np.ndarray) -> float:
-        span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
-        return (len(times) - 1) / span if span > 0 else float("nan")
-
     return {
         "offered_rate": float(offered_rate),
-        "scheduled_rate": rate(scheduled),
-        "achieved_arrival_rate": rate(submitted),
+        "scheduled_rate": rate_of(scheduled),
+        "achieved_arrival_rate": rate_of(submitted),
         "submitted": m,
         "lag_mean_s": float(lag.mean()) if m else float("nan"),
         "lag_p99_s": float(np.percentile(lag, 99)) if m else float("nan"),

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -75,7 +75,7 @@ def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
     completions = np.array([r.done for r in records.requests if r.done is not None], dtype=np.float64)
     out: dict[str, Any] = {
         "offered_rate": float(records.offered_rate),
-        "arrival_rate": _rate(sorted(r.arrival for r in in_window)),
+        "arrival_rate": rate_of(sorted(r.arrival for r in in_window)),
         "achieved_arrival_rate": NAN,
         "throughput": _count_in(completions, w0, w1) / span if span > 0 else NAN,
         "batch_size": b,
@@ -192,15 +192,16 @@ def _count_in(times: np.ndarray, t0: float, t1: float) -> int:
     return int(np.count_nonzero((times >= t0) & (times <= t1)))
 
 
-def _rate(times: list[float]) -> float:
-    """Arrivals per second between the first and last of ``times``."""
+def rate_of(times: Sequence[float] | np.ndarray) -> float:
+    """Events per second between the first and the last of ``times`` (sorted); NaN with fewer
+    than two or no time between them."""
     if len(times) < 2 or times[-1] <= times[0]:
         return NAN
-    return (len(times) - 1) / (times[-1] - times[0])
+    return float((len(times) - 1) / (times[-1] - times[0]))
 
 
 #: the statistics other than percentiles (std: the population's, that of the batches measured)
-_REDUCE = {"mean": np.mean, "std": np.std, "max": np.max}
+_REDUCE: dict[str, Callable[[np.ndarray], Any]] = {"mean": np.mean, "std": np.std, "max": np.max}
 
 
 def _stats(prefix: str, values: np.ndarray, which: Iterable[str]) -> dict[str, float]:

@@ -54,6 +54,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, run_callbacks, settle_locked
 from staronnx.runtime.trace import Tracer
+from staronnx.serving.metrics import rate_of
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 from staronnx.serving.spec import MIN_INFLIGHT, ServeSpec, inflight_window  # noqa: F401 - where callers found them
 
@@ -739,8 +740,7 @@ class Server:
             now = self.clock()
         arrivals = sorted(r.arrival for r in reqs)
         if offered_rate is None:
-            span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-            offered_rate = (len(arrivals) - 1) / span if span > 0 else 0.0
+            offered_rate = float(np.nan_to_num(rate_of(arrivals)))  # 0 for fewer than two arrivals
         if start is None:
             start = arrivals[0] if arrivals else (self.created if since is None else since)
         if end is None:
