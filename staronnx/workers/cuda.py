@@ -406,7 +406,7 @@ class CudaWorker(ThreadWorker):
         # our calls (900) nor be broken by them (901)
         rt.thread_capture_mode(CAPTURE_THREAD_LOCAL)
         rt.set_device(self.device_id)
-        self._stream = rt.stream(non_blocking=True)
+        self._stream = rt.stream()
         self.stream_handle = self._stream.handle
         self._run_options = self._options(-1)
         for i, path in enumerate(self.part_paths):

@@ -31,6 +31,7 @@ import ctypes
 import importlib
 import itertools
 import os
+import re
 import threading
 import time
 import weakref
@@ -101,12 +102,8 @@ def is_sticky(exc: BaseException) -> bool:
     if isinstance(exc, CudaError):
         return exc.sticky
     text = str(exc)
-    for marker in ("CUDA failure ", "CUDA error "):
-        at = text.find(marker)
-        if at >= 0:
-            digits = "".join(c for c in text[at + len(marker):at + len(marker) + 4] if c.isdigit())
-            if digits and int(digits) in STICKY_ERRORS:
-                return True
+    if any(int(code) in STICKY_ERRORS for code in re.findall(r"CUDA (?:failure|error) (\d{1,4})", text)):
+        return True
     return "illegal memory access" in text or "unspecified launch failure" in text
 
 def _describe(rt: ModuleType, err: Any) -> tuple[str, str]:
@@ -124,10 +121,7 @@ def check(result: Any, call: str) -> Any:
 
     Returns ``None`` for no value, the value itself for one, a tuple for several.
     """
-    if isinstance(result, tuple):
-        err, rest = result[0], result[1:]
-    else:
-        err, rest = result, ()
+    err, *rest = result if isinstance(result, tuple) else (result,)
     if int(err) != 0:
         name, text = _describe(runtime_module(), err)
         raise CudaError(call, int(err), name, text)
@@ -181,13 +175,12 @@ def _done(rt: ModuleType, result: Any, call: str) -> bool:
 
 
 class Stream:
-    """A CUDA stream; non-blocking by default so it never serialises with the legacy stream 0."""
+    """A non-blocking CUDA stream: it never serialises with the legacy stream 0."""
 
-    def __init__(self, rt: ModuleType, non_blocking: bool = True) -> None:
+    def __init__(self, rt: ModuleType) -> None:
         self._rt = rt
-        flags = rt.cudaStreamNonBlocking if non_blocking else rt.cudaStreamDefault
         #: the cuda-python ``cudaStream_t`` object, for calls this wrapper does not cover
-        self.raw: Any = check(rt.cudaStreamCreateWithFlags(flags), "cudaStreamCreateWithFlags")
+        self.raw: Any = check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags")
         self.handle: int = int(self.raw)  # the cudaStream_t value, what ORT expects
         self._alive = True
 
@@ -358,7 +351,7 @@ class GpuRuntime(Protocol):
     def properties(self, device_id: int) -> dict[str, Any]: ...
     def set_device(self, device_id: int) -> None: ...
     def get_device(self) -> int: ...
-    def stream(self, non_blocking: bool = True) -> Any: ...
+    def stream(self) -> Any: ...
     def event(self, timing: bool = True) -> Any: ...
     def pinned(self, nbytes: int) -> Buffer: ...
     def device_buffer(self, nbytes: int) -> Buffer: ...
@@ -377,7 +370,7 @@ def gpu_uuid(raw: Any) -> str:
     from CUDA's 16 bytes (``cudaUUID_t``): what names one GPU whatever ``CUDA_VISIBLE_DEVICES``
     renumbers (Triton's metrics label GPUs with it)."""
     # cuda-bindings' cudaUUID_t holds its 16 bytes in .bytes; plain bytes are taken as they are
-    h = bytes(getattr(raw, "bytes", raw))[:16].hex()
+    h = bytes(raw if isinstance(raw, (bytes, bytearray)) else raw.bytes)[:16].hex()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
@@ -423,8 +416,8 @@ class CudaRuntime:
         return int(check(self.rt.cudaGetDevice(), "cudaGetDevice"))
 
     # -- objects
-    def stream(self, non_blocking: bool = True) -> Stream:
-        return Stream(self.rt, non_blocking)
+    def stream(self) -> Stream:
+        return Stream(self.rt)
 
     def event(self, timing: bool = True) -> Event:
         return Event(self.rt, timing)
@@ -719,7 +712,7 @@ class HostRuntime:
             out[kind] = (copies + n, total + n * nbytes)
         return out
 
-    def stream(self, non_blocking: bool = True) -> _HostStream:
+    def stream(self) -> _HostStream:
         self._call("stream_create", unsafe=True)
         return _HostStream(self)
 

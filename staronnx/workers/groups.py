@@ -138,7 +138,7 @@ class _Policy:
     kind: str  # numa | package | cores | explicit
     size: int = 0
     explicit: tuple[tuple[int, ...], ...] = ()
-    reserve: int = 0
+    reserve: int | None = None  # None: no reserve= term
 
 
 _EXPLICIT = re.compile(r"^[\d\s,;\-]+$")
@@ -185,7 +185,7 @@ def _parse(policy: str) -> _Policy:
     base = ",".join(t for t in terms if not re.match(r"^reserve\b", t)).strip().strip(",")
     if len(reserve_terms) > 1:
         raise GroupError(f"reserve= is given {len(reserve_terms)} times in policy {policy!r}")
-    reserve = 0
+    reserve = None
     if reserve_terms:
         m = re.fullmatch(r"reserve\s*=\s*(.*)", reserve_terms[0])
         if not m:
@@ -212,10 +212,7 @@ def policy_reserve(policy: str) -> int | None:
     """The cores ``policy`` holds back for GPU threads: N for ``reserve=N``, 0 for an explicit PU
     list (its author chose every core), ``None`` when it leaves the choice to the caller."""
     spec = _parse(policy)
-    if spec.kind == "explicit" and not spec.reserve:
-        return 0
-    has_term = any(re.match(r"^reserve\b", t.strip()) for t in policy.split(","))
-    return spec.reserve if has_term else None
+    return 0 if spec.kind == "explicit" and not spec.reserve else spec.reserve
 
 
 # ------------------------------------------------------------------------- building
@@ -264,7 +261,7 @@ def make_groups(topology: Topology, policy: str = DEFAULT_POLICY) -> CpuGroups:
     spec = _parse(policy)
     allowed = topology.allowed_pus
     usable = topology.allowed_cores()
-    reserved = _reserve(topology, usable, spec.reserve, policy)
+    reserved = _reserve(topology, usable, spec.reserve or 0, policy)
     reserved_ids = {c.index for c in reserved}
     usable = [c for c in usable if c.index not in reserved_ids]
 
@@ -325,14 +322,9 @@ def _explicit_groups(
             owner[p] = gid
         # Cores in order of first appearance, each with the listed PUs in listed order, so the
         # first PU the user wrote is the one the worker thread runs on.
-        core_order: list[CoreInfo] = []
-        core_pus: dict[int, list[int]] = {}
+        by_core: dict[CoreInfo, list[int]] = {}
         for p in pus:
-            core = topo.core_of_pu(p)
-            if core.index not in core_pus:
-                core_order.append(core)
-                core_pus[core.index] = []
-            core_pus[core.index].append(p)
-        base = _group(gid, f"pus{format_pus(pus)}", core_order, topo.allowed_pus)
-        groups.append(replace(base, core_pus=tuple(tuple(core_pus[c.index]) for c in core_order)))
+            by_core.setdefault(topo.core_of_pu(p), []).append(p)
+        base = _group(gid, f"pus{format_pus(pus)}", list(by_core), topo.allowed_pus)
+        groups.append(replace(base, core_pus=tuple(tuple(ps) for ps in by_core.values())))
     return groups

@@ -201,7 +201,7 @@ class DeviceMemory(BufferArena):
             rt.set_device(self.device_id)
             try:
                 if stream and self._stream is None:
-                    self._stream = rt.stream(non_blocking=True)
+                    self._stream = rt.stream()
                 yield self._stream
             finally:
                 if before != self.device_id:
