@@ -226,8 +226,8 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # bind everything first: a port in use fails the start before anything is announced
     http_sock = _bind(listen.host, listen.http_port, "http")
     metrics_sock = _bind(listen.host, listen.metrics_port, "metrics")
-    grpc_front = GrpcFrontend(by_name, meta, is_ready, guard)
-    grpc_server = make_server(grpc_front, listen.max_body, limits)
+    grpc_front = GrpcFrontend(by_name, meta, listen.max_body, is_ready, guard)
+    grpc_server = make_server(grpc_front)
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
     cause = ""
     try:
@@ -310,7 +310,9 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     grpc_front.hold()  # gRPC calls from now on wait, and are answered just before its listener stops
     held_until = loop.time() + QUIET_S  # long enough for every busy client's next call to be held
     await _close_listener(http_site, http_sock, http_runner, http_front)
-    await _quiet_connections(http_runner, loop.time() + LINGER_S)
+    server = http_runner.server  # closing a connection whose request is on its way resets it unanswered
+    if server is not None:
+        await _until(lambda: not any(h.busy(QUIET_S) for h in server.connections), loop.time() + LINGER_S)
     await asyncio.sleep(max(0.0, held_until - loop.time()))
     http_front.closing = grpc_front.closing = True
     http_runner._shutdown_timeout = 1.0  # handlers were waited for above
@@ -390,16 +392,6 @@ async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.A
     await _until(lambda: runner.server is None or (runner.server.requests_count - before >= len(queued)
                                                    and not front.running),
                  loop.time() + LINGER_S)
-
-
-async def _quiet_connections(runner: web.AppRunner, until: float) -> None:
-    """Wait until no HTTP connection is busy (:meth:`~staronnx.serve.http_api._Handler.busy`: a
-    request being received or answered, or bytes less than :data:`QUIET_S` ago), or ``until``:
-    closing a connection whose request is on its way resets it unanswered."""
-    server = runner.server
-    if server is None:
-        return
-    await _until(lambda: not any(h.busy(QUIET_S) for h in server.connections), until)
 
 
 def _close_batchers(models: Sequence[ModelEndpoint], timeout: float) -> None:

@@ -26,8 +26,8 @@ class Frontend:
     #: the protocol label of this front end's counts (``staronnx_requests_total{protocol}``)
     protocol = ""
 
-    def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any],
-                 is_ready: Callable[[], bool], guard: Guard | None, max_body: int) -> None:
+    def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
+                 is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
         self.models = models
         self.server_meta = server_meta
         self.is_ready = is_ready

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import grpc
@@ -41,9 +41,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from staronnx.serve import protocol
 from staronnx.serve.frontend import Frontend, refused_load
-from staronnx.serve.limits import Guard, Limits
 from staronnx.serve.metrics import VERSION
-from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
@@ -58,22 +56,21 @@ class GrpcFrontend(Frontend):
 
     protocol = "grpc"
 
-    def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any],
-                 is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
-        super().__init__(models, server_meta, is_ready, guard, 64 * 2**20)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         #: inference calls not answered yet (what a shutdown waits for before the listener closes)
         self.unanswered = 0
-        #: while set (the last moments of a shutdown), calls wait for it before they are refused
-        self._held: asyncio.Event | None = None
+        #: cleared for the last moments of a shutdown (:meth:`hold`): calls wait for it before they are refused
+        self.unheld = asyncio.Event()
+        self.unheld.set()
 
     def served(self) -> dict[str, Callable[[Any, Ctx], Any]]:
         """The RPCs served, by name (the rest of Triton's service answers UNIMPLEMENTED from
         gRPC's core)."""
-        return {"ServerLive": self.ServerLive, "ServerReady": self.ServerReady, "ModelReady": self.ModelReady,
-                "ServerMetadata": self.ServerMetadata, "ModelMetadata": self.ModelMetadata,
-                "ModelInfer": self.ModelInfer, "ModelConfig": self.ModelConfig,
-                "ModelStatistics": self.ModelStatistics, "RepositoryIndex": self.RepositoryIndex,
-                "RepositoryModelLoad": self.RepositoryModelLoad, "RepositoryModelUnload": self.RepositoryModelUnload}
+        return {rpc.__name__: rpc for rpc in (
+            self.ServerLive, self.ServerReady, self.ModelReady, self.ServerMetadata, self.ModelMetadata, self.ModelInfer,
+            self.ModelConfig, self.ModelStatistics, self.RepositoryIndex, self.RepositoryModelLoad,
+            self.RepositoryModelUnload)}
 
     def hold(self) -> None:
         """From now on, calls to a stopping server wait before they are answered UNAVAILABLE,
@@ -82,18 +79,12 @@ class GrpcFrontend(Frontend):
         next call at once; held, every busy client's call is in a handler when the stop begins
         (its GOAWAY sent), and is answered then, within the stop's grace: the client's next call
         goes to the closed port (measured: 30 of 32 tight-loop clients lost a call to CANCELLED
-        at the stop; none with the hold)."""
-        self._held = asyncio.Event()
-
-    async def held(self) -> None:
-        """Wait while a hold is on (at once otherwise)."""
-        if self._held is not None:
-            await self._held.wait()
+        at the stop; none with the hold). :meth:`release` answers them, once
+        :meth:`grpc.aio.Server.stop` has begun."""
+        self.unheld.clear()
 
     def release(self) -> None:
-        """Answer the held calls (once :meth:`grpc.aio.Server.stop` has begun)."""
-        if self._held is not None:
-            self._held.set()
+        self.unheld.set()
 
     async def ServerLive(self, request: pb.ServerLiveRequest, context: Ctx) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
@@ -166,7 +157,7 @@ class GrpcFrontend(Frontend):
             raise request.error
         model = self.model(request.model_name, request.model_version)
         if not self.is_ready():  # stopping: answered UNAVAILABLE (after the hold, if one is on), never reset
-            await self.held()
+            await self.unheld.wait()
             raise self.stopping(model)
         t0 = time.perf_counter()
         try:
@@ -259,7 +250,7 @@ def _checked(frontend: GrpcFrontend, method: Callable[[Any, Ctx], Any]) -> Calla
     async def handler(request: Any, context: Ctx) -> Any:
         if isinstance(request, _Undecodable):
             await _abort(context, request.error)
-        await frontend.held()
+        await frontend.unheld.wait()
         try:
             return await method(request, context)
         except ProtocolError as exc:
@@ -267,13 +258,12 @@ def _checked(frontend: GrpcFrontend, method: Callable[[Any, Ctx], Any]) -> Calla
     return handler
 
 
-def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = None) -> grpc.aio.Server:
-    """A grpc.aio server with the servicer, a message size limit of ``max_body`` bytes, and
-    ``limits`` in gRPC's core (the frontend's own where none are given): at most
-    ``--grpc-max-streams`` concurrent calls per connection (HTTP/2 SETTINGS: a client queues the
-    rest, and a flood of HEADERS + RST_STREAM, the "rapid reset" attack, closes that connection,
-    not the other clients' calls), ``--max-connections`` connections, ``--header-timeout`` for a
-    handshake, ``--idle-timeout`` for a connection with no call.
+def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
+    """A grpc.aio server with the servicer, and the frontend's ``--max-body`` and limits in gRPC's
+    core: at most ``--grpc-max-streams`` concurrent calls per connection (HTTP/2 SETTINGS: a
+    client queues the rest, and a flood of HEADERS + RST_STREAM, the "rapid reset" attack, closes
+    that connection, not the other clients' calls), ``--max-connections`` connections,
+    ``--header-timeout`` for a handshake, ``--idle-timeout`` for a connection with no call.
 
     What holds a burst and a rapid-reset flood, measured on grpcio 1.85 (2,000 concurrent calls
     on one channel; one connection sending HEADERS + RST_STREAM pairs while 8 clients make 40
@@ -292,10 +282,10 @@ def make_server(frontend: GrpcFrontend, max_body: int, limits: Limits | None = N
     * ``--grpc-max-streams`` (4,096) with the pending-call limits raised above what the streams
       of a few connections can hold: 0 of the 2,000 and 0 of the 320 failed.
     """
-    limits = limits if limits is not None else frontend.guard.limits
+    limits = frontend.guard.limits
     streams = limits.grpc_max_streams
     options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", max_body),
+        ("grpc.max_receive_message_length", frontend.max_body),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port taken by another process must fail, not be shared
         ("grpc.max_concurrent_streams", streams),

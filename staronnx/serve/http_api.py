@@ -13,10 +13,8 @@ JSON booleans only) come back the same way. So does an output holding a NaN or a
 whatever was asked: JSON has no such numbers, and a response is always valid JSON (Triton's
 clients read either form; a client of JSON only sees the output's ``binary_data_size``).
 
-Triton's extensions served here: model configuration (``/config``), statistics (``/stats``),
-classification (an output's ``classification: k`` parameter), and the repository index
-(``POST /v2/repository/index``; loading and unloading are refused: a plan is served for the
-life of the process).
+Triton's extensions (:data:`staronnx.serve.app.EXTENSIONS`) are served at ``/config``,
+``/stats``, an output's ``classification: k`` parameter and ``POST /v2/repository/index``.
 
 What a hostile or careless client meets (:mod:`staronnx.serve.limits` has the bounds and why,
 :func:`_receive` how a body is held): past ``--max-body`` or the receive budget a body is
@@ -27,12 +25,7 @@ request that will be read. A body is decompressed off the event loop, never past
 ``--max-body``; malformed HTTP or JSON, and values a datatype does not take, answer 400 with
 the protocol's JSON error, logged a few lines per window. A client that disconnects has its
 request withdrawn (counted CANCELED); the ``Server`` header names staronnx only, and a 500 says
-no more than that the log has the details.
-
-At shutdown (:meth:`HttpFrontend.shutting_down`), a request whose body is still arriving, and
-every request sent from then on, is answered 503 with ``Connection: close`` at once, and the
-rest of its body read and dropped as it arrives (under the body's time limits) so the client
-reads the answer instead of a reset.
+no more than that the log has the details. At shutdown, see :mod:`staronnx.serve.app`.
 """
 
 from __future__ import annotations
@@ -85,11 +78,11 @@ OFFLOAD_BYTES = 64 * 1024
 #: a response with at least this many values to write as JSON text is encoded on a worker thread
 OFFLOAD_VALUES = 16384
 
-#: the request body encodings this server decompresses itself (zlib ``wbits`` of each)
 #: a decoded inference request: (JSON header, inputs, their datatypes, outputs asked for as
 #: (name, binary?), binary default)
 Request = tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]
 
+#: the request body encodings this server decompresses itself (zlib ``wbits`` of each)
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
@@ -98,9 +91,8 @@ class HttpFrontend(Frontend):
 
     protocol = "http"
 
-    def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
-                 is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
-        super().__init__(models, server_meta, is_ready, guard, max_body)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._reading: set[asyncio.Task[Any]] = set()  # inference handlers still receiving their body
         #: inference handlers cut short by the server, and why ("stopping", "slow", "deadline")
         self._cuts: dict[asyncio.Task[Any], str] = {}
@@ -109,14 +101,12 @@ class HttpFrontend(Frontend):
         #: every inference handler still running (answered ones may still drop a refused body)
         self.running: set[asyncio.Task[Any]] = set()
 
-    def shutting_down(self) -> int:
+    def shutting_down(self) -> None:
         """At SIGTERM (readiness already false): every inference request still arriving (its body
         not all received) is answered 503 now, instead of holding its connection for the whole
-        drain and closing it unanswered. Returns how many."""
-        reading = list(self._reading)
-        for task in reading:
+        drain and closing it unanswered."""
+        for task in list(self._reading):
             self._cut(task, "stopping")
-        return len(reading)
 
     def _cut(self, task: asyncio.Task[Any], why: str) -> None:
         """Cut ``task`` (an inference handler) short for ``why``; its handler answers for it."""
@@ -446,7 +436,7 @@ class _BodyWatch:
 
     __slots__ = ("_loop", "_timeout", "_rate", "start", "last", "got", "_handle", "_expire", "expired")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any] | None) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any]) -> None:
         self._loop = loop
         self._timeout = limits.body_timeout
         self._rate = limits.body_min_rate
@@ -454,9 +444,7 @@ class _BodyWatch:
         self.got = 0
         self._expire = expire
         self.expired = False
-        self._handle: asyncio.TimerHandle | None = None
-        if expire is not None:
-            self._handle = loop.call_at(self.deadline(), self._check)
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self.deadline(), self._check)
 
     def deadline(self) -> float:
         """When the body is late, in the loop's time, given what has arrived so far."""
@@ -479,7 +467,6 @@ class _BodyWatch:
             return
         self._handle = None
         self.expired = True
-        assert self._expire is not None
         self._expire()
 
     def stop(self) -> None:
@@ -722,14 +709,12 @@ class _Handler(RequestHandler):
         self._head_timer = None
         if self.transport is None or self._force_close or not self._waiting():
             return
-        reason = "header_timeout" if self._partial else "idle_timeout"
-        self._guard.refusals.refuse("http", reason)
+        self._guard.refusals.refuse("http", "header_timeout" if self._partial else "idle_timeout")
         if self._partial:
-            self._guard.log.warning("requests cut short", "closed a connection from %s: its request head did not "
-                                    "arrive whole within --header-timeout (%g s)", self.peername,
-                                    self._guard.limits.header_timeout)
-            self.transport.write(_canned(408, "the request head did not arrive whole within --header-timeout "
-                                              f"({self._guard.limits.header_timeout:g} s)"))
+            limit = self._guard.limits.header_timeout
+            error = f"the request head did not arrive whole within --header-timeout ({limit:g} s)"
+            self._guard.log.warning("requests cut short", "closed a connection from %s: %s", self.peername, error)
+            self.transport.write(_canned(408, error))
         self.force_close()
 
     def _process_keepalive(self) -> None:
@@ -795,9 +780,7 @@ class _Runner(web.AppRunner):
         return server
 
 
-_JSON_POOL: ThreadPoolExecutor | None = None
-
-
+@functools.cache
 def _json_pool() -> ThreadPoolExecutor:
     """The thread that parses and writes large JSON tensors, one document at a time.
 
@@ -806,10 +789,7 @@ def _json_pool() -> ThreadPoolExecutor:
     with 16 clients sending googlenet's 3 MB JSON input), and each thread keeps a parser whose
     buffers grow to the largest document it parsed (up to several times ``--max-body``).
     """
-    global _JSON_POOL
-    if _JSON_POOL is None:
-        _JSON_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="staronnx-json")
-    return _JSON_POOL
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="staronnx-json")
 
 
 def _params(obj: Mapping[str, Any], what: str) -> dict[str, Any]:
@@ -893,7 +873,7 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
         else:
-            entry["data"] = protocol.to_values(arr) if arr.dtype == object else jsontensors.json_array(arr)
+            entry["data"] = jsontensors.json_array(arr)
         entries.append(entry)
     doc: dict[str, Any] = {"model_name": model.name, "model_version": VERSION, "outputs": entries}
     if request_id is not None:

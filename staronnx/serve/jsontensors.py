@@ -63,18 +63,13 @@ SMALL_BYTES = 4096
 _OPEN = ord("[")
 
 class _Local(threading.local):
-    """Each thread's parser (None until its first document)."""
+    """Each thread's parser (made on the thread's first document)."""
 
-    parser: simdjson.Parser | None = None
+    def __init__(self) -> None:
+        self.parser = simdjson.Parser()
 
 
 _local = _Local()
-
-
-def _parser() -> simdjson.Parser:
-    if _local.parser is None:
-        _local.parser = simdjson.Parser()
-    return _local.parser
 
 
 def strict_loads(data: bytes | bytearray) -> Any:
@@ -92,11 +87,11 @@ def loads(data: bytes | bytearray, fallback: Callable[[bytes], Any] = strict_loa
     if len(data) < SMALL_BYTES:
         return fallback(data)
     try:
-        doc = _parser().parse(data)
+        doc = _local.parser.parse(data)
     except RuntimeError:  # a parser still referenced by an earlier document (an error's traceback)
-        _local.parser = None
+        _local.parser = simdjson.Parser()
         try:
-            doc = _parser().parse(data)
+            doc = _local.parser.parse(data)
         except (ValueError, RuntimeError, UnicodeDecodeError):
             return fallback(data)
     except (ValueError, UnicodeDecodeError):
@@ -211,18 +206,16 @@ def _typed(values: Any, datatype: Any) -> Any:
             flat = np.frombuffer(values.as_buffer(of_type="d"), dtype=np.float64)
             with np.errstate(over="ignore"):
                 cast = flat.astype(_FLOATS[datatype])
-            if datatype != "FP64" and not np.isfinite(cast).all():
-                return values.as_list()  # a number past the type's range: refused by position
-            return cast
-        if datatype in _INTS:
+            if datatype == "FP64" or np.isfinite(cast).all():  # else a number past the type's range
+                return cast
+        elif datatype in _INTS:
             flat = np.frombuffer(values.as_buffer(of_type="i"), dtype=np.int64)
             info = np.iinfo(_INTS[datatype])
-            if flat.size and (int(flat.min()) < info.min or int(flat.max()) > info.max):
-                return values.as_list()  # refused by position
-            return flat.astype(_INTS[datatype])
-    except (TypeError, ValueError, OverflowError):  # a bool, string, null, a float among ints: refused by position
+            if not flat.size or info.min <= int(flat.min()) and int(flat.max()) <= info.max:
+                return flat.astype(_INTS[datatype])
+    except (TypeError, ValueError, OverflowError):  # a bool, string, null, a float among ints
         pass
-    return values.as_list()
+    return values.as_list()  # refused by position
 
 
 def dumps(doc: dict[str, Any]) -> bytes:
@@ -231,18 +224,11 @@ def dumps(doc: dict[str, Any]) -> bytes:
     float64). Arrays hold finite values only (:func:`json_array`); a float elsewhere that is not
     finite (a request ``id`` echoed back) is written as ``null``, so the document is valid JSON."""
     try:
-        # subclasses (an IntEnum) go to _refuse: orjson would write them its own way
-        return orjson.dumps(doc, default=_refuse, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_SUBCLASS)
-    except (orjson.JSONEncodeError, _NotPlain):
+        # with no ``default``, what orjson cannot write as json.dumps would (a subclass of str,
+        # int, dict or list) raises, and json.dumps writes the document
+        return orjson.dumps(doc, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_PASSTHROUGH_SUBCLASS)
+    except orjson.JSONEncodeError:
         return json.dumps(doc, default=_tolist, allow_nan=False).encode()
-
-
-class _NotPlain(Exception):
-    """A value orjson cannot write as json.dumps would."""
-
-
-def _refuse(value: Any) -> Any:
-    raise _NotPlain(type(value).__name__)
 
 
 def _tolist(value: Any) -> Any:
@@ -258,8 +244,10 @@ def finite(array: np.ndarray) -> bool:
 
 def json_array(array: np.ndarray) -> Any:
     """An output tensor's ``data`` for :func:`dumps`: a flat, C-contiguous, native-endian array
-    orjson writes directly. Its values must be :func:`finite` (the caller sends the others with
-    the binary extension)."""
+    orjson writes directly (BYTES elements as text). Its values must be :func:`finite` (the
+    caller sends the others with the binary extension)."""
+    if array.dtype == object:
+        return [bytes(v).decode("utf-8", "replace") for v in array.ravel()]
     flat = np.ascontiguousarray(array.reshape(-1))
     if flat.dtype.kind == "f":
         flat = flat.astype(np.float64)

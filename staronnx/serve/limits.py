@@ -42,10 +42,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 #: descriptors kept for the process itself (plans, perf models, threads' pipes, the metrics port)
 FD_RESERVE_MIN = 64
 
-#: the refusal reasons counted, by protocol (``staronnx_refused_total{protocol, reason}``)
-REASONS = ("header_timeout", "idle_timeout", "body_timeout", "request_timeout", "too_many_connections",
-           "receive_budget", "shutting_down", "malformed")
-
 
 @dataclass(frozen=True)
 class Limits:
@@ -104,14 +100,12 @@ class ReceiveBudget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.held = 0
-        self.peak = 0
 
     def take(self, n: int) -> bool:
         """Hold ``n`` more bytes; False (nothing held) where that would pass the limit."""
         if self.held + n > self.limit:
             return False
         self.held += n
-        self.peak = max(self.peak, self.held)
         return True
 
     def give(self, n: int) -> None:
@@ -143,29 +137,26 @@ class RefusalCollector:
     """``staronnx_refused_total{protocol, reason}``, ``staronnx_requests_total{protocol,
     outcome}``, the open HTTP connections and the bytes of bodies being received."""
 
-    def __init__(self, refusals: Refusals, budget: ReceiveBudget | None = None) -> None:
+    def __init__(self, refusals: Refusals, budget: ReceiveBudget) -> None:
         self.refusals = refusals
         self.budget = budget
 
     def collect(self) -> Iterator[Any]:
-        refused = CounterMetricFamily("staronnx_refused", "Connections and requests refused or cut short by the "
-                                      "server's limits, by protocol and reason", labels=["protocol", "reason"])
-        for (protocol, reason), n in sorted(self.refusals.refused.items()):
-            refused.add_metric([protocol, reason], n)
-        yield refused
-        outcomes = CounterMetricFamily("staronnx_requests", "Inference requests by how they ended: answered, "
-                                       "refused (503 / UNAVAILABLE), failed (another error), cancelled (by the "
-                                       "client), dropped (closed unanswered by the server)",
-                                       labels=["protocol", "outcome"])
-        for (protocol, outcome), n in sorted(self.refusals.outcomes.items()):
-            outcomes.add_metric([protocol, outcome], n)
-        yield outcomes
+        for name, text, label, counts in (
+                ("staronnx_refused", "Connections and requests refused or cut short by the server's limits, by "
+                 "protocol and reason", "reason", self.refusals.refused),
+                ("staronnx_requests", "Inference requests by how they ended: answered, refused (503 / UNAVAILABLE), "
+                 "failed (another error), cancelled (by the client), dropped (closed unanswered by the server)",
+                 "outcome", self.refusals.outcomes)):
+            family = CounterMetricFamily(name, text, labels=["protocol", label])
+            for key, n in sorted(counts.items()):
+                family.add_metric(list(key), n)
+            yield family
         conns = GaugeMetricFamily("staronnx_open_connections", "Open HTTP connections", labels=["protocol"])
         conns.add_metric(["http"], self.refusals.connections["http"])
         yield conns
-        if self.budget is not None:
-            yield GaugeMetricFamily("staronnx_receiving_bytes", "Bytes held by request bodies still arriving "
-                                    "(--receive-budget bounds them)", value=self.budget.held)
+        yield GaugeMetricFamily("staronnx_receiving_bytes", "Bytes held by request bodies still arriving "
+                                "(--receive-budget bounds them)", value=self.budget.held)
 
 
 class LogLimiter:

@@ -95,9 +95,7 @@ def shown(text: Any, limit: int = ECHO_CHARS) -> str:
     """``repr`` of a client's string for an error message, cut to ``limit`` characters: an error
     never echoes a 100 KB name back (a gRPC status that large breaks the metadata limit)."""
     text = str(text)
-    if len(text) <= limit:
-        return repr(text)
-    return repr(text[:limit]) + f"... ({len(text)} characters)"
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
 
 
 def cut(value: Any, limit: int = 200) -> str:
@@ -313,13 +311,6 @@ def to_raw(array: np.ndarray) -> bytes:
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     return arr.tobytes()
-
-
-def to_values(array: np.ndarray) -> list[Any]:
-    """An output's flat values for JSON (BYTES elements as text)."""
-    if array.dtype == object:
-        return [bytes(v).decode("utf-8", "replace") for v in array.ravel()]
-    return array.ravel().tolist()
 
 
 def classify(array: np.ndarray, k: int, axis: int | None, labels: Sequence[str] = ()) -> np.ndarray:
