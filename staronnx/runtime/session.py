@@ -375,28 +375,21 @@ def _with_config(so: ort.SessionOptions | None, config: Mapping[str, Any]) -> or
 
 
 def _config_entry(so: ort.SessionOptions | ort.RunOptions, key: str) -> str | None:
+    get = so.get_run_config_entry if isinstance(so, ort.RunOptions) else so.get_session_config_entry
     try:
-        if isinstance(so, ort.RunOptions):
-            value: str = so.get_run_config_entry(key)
-        else:
-            value = so.get_session_config_entry(key)
+        return str(get(key))
     except RuntimeError:  # ORT's answer for a key never set
         return None
-    return value
 
 
 def _logs_and_entries(options: ort.SessionOptions | ort.RunOptions, logs: str, entries: Mapping[str, str],
                       given: ort.SessionOptions | ort.RunOptions) -> list[str]:
     """What ``options`` set that the parts' sessions do not apply: a log level below warnings
     (``logs``: why), and the config entries of ``given`` among ``entries`` (each with why)."""
-    said = []
-    if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0:
-        said.append(f"log_severity_level={options.log_severity_level} ({logs})")
-    for key, reason in entries.items():
-        value = _config_entry(given, key)
-        if value is not None:
-            said.append(f"config entry {key}={value} ({reason})")
-    return said
+    said = [f"log_severity_level={options.log_severity_level} ({logs})"] \
+        if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0 else []
+    values = {key: _config_entry(given, key) for key in entries}
+    return said + [f"config entry {key}={values[key]} ({why})" for key, why in entries.items() if values[key] is not None]
 
 
 def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
@@ -893,8 +886,6 @@ class InferenceSession:
         self._plan: Plan | None = None
         #: the source model's declared inputs and outputs (None for a plan given as it is)
         self._model: Plan | None = None
-        #: cuts the model at a first run's feeds, for a model with dynamic sizes and no input_shapes
-        self._cut: Callable[[Mapping[str, np.ndarray]], Plan] | None = None
         self._start_lock = threading.Lock()
         self._closed = False
         self._held = _Held()
@@ -1022,7 +1013,7 @@ class InferenceSession:
     def _plan_for(self, path_or_bytes: Any, loaded: tuple[Any, onnx.ModelProto, str] | None, shares: Any,
                   options: dict[str, Any], groups: str, streams: int) -> Plan | None:
         """The plan to run: the one given, the one kept for this model and settings, or a new
-        cut. None when the model is cut at its first run (``self._cut`` then makes it)."""
+        cut. None when the model is cut at its first run (by :meth:`_runner`)."""
         if loaded is None:
             return path_or_bytes if isinstance(path_or_bytes, Plan) else Plan.load(path_or_bytes)
         source, model, sha256 = self._loaded = loaded
@@ -1039,34 +1030,26 @@ class InferenceSession:
             session's settings: at ``feeds``' shapes for a model with dynamic sizes."""
             settings, asked = dict(options), dict(options)
             if unsized:
-                if feeds is None:
-                    raise RuntimeError("a model with dynamic sizes is cut at a run's shapes")
+                assert feeds is not None
+                log.info("cutting %s at a run's shapes %s (its dynamic sizes: %s); the plan serves every size",
+                         self._meta.graph_name if self._meta else "the model", _first_run_shapes(feeds),
+                         ", ".join(unsized))
                 settings["input_shapes"], asked["input_shapes"] = _first_run_shapes(feeds), AT_FIRST_RUN
 
-            def make(s: Any, **where: Any) -> Plan:
-                return partition(s, shares, groups=groups, cuda_streams=streams, **settings, **where)
+            def make(**where: Any) -> Plan:
+                return partition(src, shares, groups=groups, cuda_streams=streams, **settings, **where)
 
-            return self._kept_or_made(src, sha, _settings_key(shares, asked, groups, streams), make)
+            return self._kept_or_made(sha, _settings_key(shares, asked, groups, streams), make)
 
         self._cut_model = cut_model
         if not unsized:
             return cut_model(source, sha256)
         key = _settings_key(shares, {**options, "input_shapes": AT_FIRST_RUN}, groups, streams)
         with contextlib.suppress(OSError):  # a home that cannot be read: cut at the first run
-            kept = _kept_plan(session_plan_dir(sha256, key), sha256)
-            if kept is not None:
-                return kept
-
-        def cut(feeds: Mapping[str, np.ndarray]) -> Plan:
-            log.info("cutting %s at its first run's shapes %s (its dynamic sizes: %s); the plan serves every size",
-                     self._meta.graph_name if self._meta else "the model", _first_run_shapes(feeds),
-                     ", ".join(unsized))
-            return cut_model(source, sha256, feeds)
-
-        self._cut = cut
+            return _kept_plan(session_plan_dir(sha256, key), sha256)
         return None
 
-    def _kept_or_made(self, source: Any, sha256: str, key: str, make: Callable[..., Plan]) -> Plan:
+    def _kept_or_made(self, sha256: str, key: str, make: Callable[..., Plan]) -> Plan:
         """The plan kept under STARONNX_HOME for this model and settings key when it is this
         model's and intact, else made there; where the home cannot be written, this session's own
         in a temporary folder. The lock makes concurrent sessions of one model partition it once:
@@ -1077,7 +1060,7 @@ class InferenceSession:
             folder.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
                 plan = _kept_plan(folder, sha256, say=True)
-                return plan if plan is not None else make(source, output_dir=folder, force=True)
+                return plan if plan is not None else make(output_dir=folder, force=True)
         except OSError as exc:
             if exc.errno not in _READ_ONLY:
                 raise
@@ -1086,7 +1069,7 @@ class InferenceSession:
         warnings.warn(f"cannot keep plans under {default_root()} ({why}); this "
                       "session's plan lives in a temporary folder until close(). Set "
                       "STARONNX_HOME to a writable folder to partition once.", UserWarning, stacklevel=4)
-        return make(source, output_dir=self._held.temporary("staronnx-session-") / "plan")
+        return make(output_dir=self._held.temporary("staronnx-session-") / "plan")
 
     @property
     def plan(self) -> Plan:
@@ -1095,28 +1078,6 @@ class InferenceSession:
             raise RuntimeError("this session's model is cut at its first run's shapes and has not run yet; "
                                "pass input_shapes=[...] to InferenceSession to cut it when the session opens")
         return self._plan
-
-    def _started(self, feeds: Mapping[str, np.ndarray]) -> Runtime | _OrtPart:
-        """The runtime, started now at ``feeds``' shapes for a model cut at its first run
-        (concurrent first runs wait for one cut). A cut that fails leaves the session as it
-        was: the next run tries again at its own shapes."""
-        runtime = self._runtime
-        if runtime is not None:
-            return runtime
-        with self._start_lock:
-            if self._closed:
-                raise EngineClosed("the session is closed; no new requests are accepted")
-            if self._runtime is None:
-                if self._cut is None:
-                    raise RuntimeError("this InferenceSession failed to start")
-                try:
-                    plan = self._cut(feeds)
-                    runtime = self._start(plan)
-                except BaseException:
-                    self._held.remove_scratch()  # a private plan (read-only home) made before the failure
-                    raise
-                self._plan, self._runtime = plan, runtime
-            return self._runtime
 
     def _profiling(self, so: ort.SessionOptions | None,
                    runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
@@ -1331,15 +1292,29 @@ class InferenceSession:
         return self._feeds({k: v for k, v in input_feed.items() if k not in names}), overrides
 
     def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Runtime | _OrtPart:
-        """What runs this request: the session's runtime, or with initializers overridden, the
-        runtime of that variant of the model (cut once, kept for the next runs that give the
-        same values; the :data:`MAX_VARIANTS` last used are kept)."""
-        if not overrides:
-            return self._started(feeds)
-        key = values_digest(overrides)
+        """What runs this request: the session's runtime (for a model cut at its first run, started
+        now at ``feeds``' shapes: concurrent first runs wait for one cut, and a cut that fails
+        leaves the session as it was, for the next run to try at its own shapes), or with
+        initializers overridden, the runtime of that variant of the model (cut once, kept for the
+        next runs that give the same values; the :data:`MAX_VARIANTS` last used are kept)."""
+        if not overrides and self._runtime is not None:
+            return self._runtime
         with self._start_lock:
             if self._closed:
                 raise EngineClosed("the session is closed; no new requests are accepted")
+            if not overrides:
+                if self._runtime is None:
+                    if self._plan is not None or self._loaded is None or self._cut_model is None:
+                        raise RuntimeError("this InferenceSession failed to start")
+                    try:
+                        plan = self._cut_model(self._loaded[0], self._loaded[2], feeds)
+                        self._runtime = self._start(plan)
+                    except BaseException:
+                        self._held.remove_scratch()  # a private plan (read-only home) made before the failure
+                        raise
+                    self._plan = plan
+                return self._runtime
+            key = values_digest(overrides)
             runner = self._variants.pop(key, None)
             if runner is None:
                 assert self._loaded is not None and self._cut_model is not None
@@ -1438,7 +1413,7 @@ class InferenceSession:
     @property
     def runtime(self) -> Runtime | _OrtPart:
         if self._runtime is None:
-            if self._cut is not None and not self._closed:
+            if self._plan is None and not self._closed:
                 raise RuntimeError("this session's workers start at its first run, which cuts the model at its "
                                    "shapes; pass input_shapes=[...] to InferenceSession to start them when it opens")
             raise RuntimeError("this InferenceSession failed to start")
