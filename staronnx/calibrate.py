@@ -241,7 +241,6 @@ def batch_sizes_for(plan: Plan, batch_sizes: Sequence[int]) -> tuple[list[int], 
                  f"not {','.join(map(str, sizes))}")
 
 
-
 def calibrate_bus_if_needed(
     store: PerfModelStore, cuda_devices: Sequence[int] = (), force: bool = False
 ) -> tuple[object, list[str]] | None:

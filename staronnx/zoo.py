@@ -545,13 +545,8 @@ def fragile() -> onnx.ModelProto:
     """A chain whose last MatMul needs the dynamic dim ``d`` to be 8: feeds with another ``d``
     pass every signature check and then fail inside ONNX Runtime, which is how tests make
     one request's task fail while the others go on. Partition it with ``input_shapes=["x=1x8"]``."""
-    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32), "w")
-    nodes = [
-        helper.make_node("Relu", ["x"], ["h"], name="relu"),
-        helper.make_node("Tanh", ["h"], ["h2"], name="tanh"),
-        helper.make_node("MatMul", ["h2", "w"], ["y"], name="mm"),
-    ]
-    g = helper.make_graph(nodes, "fragile",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [BATCH, "d"])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [BATCH, 4])], [w])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION)
+    g = _GraphBuilder("fragile")
+    h = g.op("Tanh", g.op("Relu", g.input("x", [BATCH, "d"])))
+    g.op("MatMul", h, g.const(np.random.default_rng(0).standard_normal((8, 4)), "w"), out="y", hint="mm")
+    g.output("y", [BATCH, 4])
+    return g.model()

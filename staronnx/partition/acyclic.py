@@ -22,6 +22,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from operator import itemgetter
 
 import numpy as np
 
@@ -192,41 +193,36 @@ class Refiner:
                 yield from ((v, r) for r in self.legal(v) if r != self.rank[v])
 
     # -- phases ------------------------------------------------------------------------------
+    def _move_best(self, keyed: Iterator[tuple[tuple[float, float], int, int]]) -> bool:
+        """Make the move of least key among ``(key, vertex, rank)`` (the first on ties); False
+        when there is none."""
+        best = min(keyed, key=itemgetter(0), default=None)
+        if best is not None:
+            self.move(best[1], best[2])
+        return best is not None
+
     def fill_empty(self) -> None:
         """Give every empty rank one vertex (cheapest cut increase), so every part exists."""
         for _ in range(self.k):
             empty = self.empty_ranks()
-            if not empty:
+            if not empty or not self._move_best(((self.delta_cut(v, r), self.deviation(self.moved_loads(v, r))), v, r)
+                                                for v, r in self.moves() if r in empty):
                 return
-            best = None
-            for v, r in self.moves():
-                if r in empty:
-                    key = (self.delta_cut(v, r), self.deviation(self.moved_loads(v, r)))
-                    if best is None or key < best[0]:
-                        best = (key, v, r)
-            if best is None:
-                return
-            self.move(best[1], best[2])
 
     def balance(self, max_moves: int | None = None) -> None:
         """Move vertices toward the target shares, cheapest cut increase first."""
         max_moves = max_moves or 4 * self.cm.n
         for _ in range(max_moves):
-            if self.max_deviation() <= self.tol:
+            if self.max_deviation() <= self.tol or not self._move_best(self._balancing(self.deviation())):
                 return
-            dev = self.deviation()
-            best = None
-            for v, r in self.moves():
-                new_dev = self.deviation(self.moved_loads(v, r))
-                if new_dev >= dev - 1e-12:
-                    continue
+
+    def _balancing(self, dev: float) -> Iterator[tuple[tuple[float, float], int, int]]:
+        """Every move that lowers the deviation ``dev``, keyed as :attr:`greedy` says."""
+        for v, r in self.moves():
+            new_dev = self.deviation(self.moved_loads(v, r))
+            if new_dev < dev - 1e-12:
                 dc = self.delta_cut(v, r)
-                key = (dc, new_dev) if self.greedy == "cut" else (new_dev, dc)
-                if best is None or key < best[0]:
-                    best = (key, v, r)
-            if best is None:
-                return
-            self.move(best[1], best[2])
+                yield ((dc, new_dev) if self.greedy == "cut" else (new_dev, dc)), v, r
 
     def reduce_cut(self, max_passes: int = 20) -> None:
         """Take every move that lowers the cut without leaving the balance tolerance."""
@@ -299,29 +295,29 @@ def make_acyclic(
             candidates.append((score_loose(cm, repaired, targets), repaired))
     candidates.sort(key=lambda c: c[0])
     best_rank, best_score = None, float("inf")
+
+    def refine(start: np.ndarray) -> None:
+        nonlocal best_rank, best_score
+        for greedy in ("cut", "balance"):
+            refined = Refiner(cm, start, targets, tol, greedy=greedy).run()
+            s = score(cm, refined, targets, tol)
+            if s < best_score:
+                best_rank, best_score = refined, s
+
     seen: set[bytes] = set()
     for _, rank in candidates:
         key = rank.tobytes()
         if key in seen:
             continue
         seen.add(key)
-        for greedy in ("cut", "balance"):
-            refined = Refiner(cm, rank, targets, tol, greedy=greedy).run()
-            s = score(cm, refined, targets, tol)
-            if s < best_score:
-                best_rank, best_score = refined, s
+        refine(rank)
         # keep going past refine_best only while no candidate has every part non-empty
         if len(seen) >= refine_best and math.isfinite(best_score):
             break
     if not math.isfinite(best_score):
         # METIS's parts collapse on tiny graphs: start from the cost-ordered linear split,
         # which always gives every part a vertex when k <= n
-        start = linear_ranks(cm.weights, np.asarray(targets, dtype=float))
-        for greedy in ("cut", "balance"):
-            refined = Refiner(cm, start, targets, tol, greedy=greedy).run()
-            s = score(cm, refined, targets, tol)
-            if s < best_score:
-                best_rank, best_score = refined, s
+        refine(linear_ranks(cm.weights, np.asarray(targets, dtype=float)))
     assert best_rank is not None
     return best_rank
 

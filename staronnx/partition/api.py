@@ -34,14 +34,7 @@ from staronnx.partition.export import write_plan
 from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
 from staronnx.partition.notation import parse_input_shapes, read_shares
-from staronnx.partition.whole import (
-    UncuttableError,
-    too_small,
-    vertex_count,
-    whole_reason,
-    whole_settings,
-    write_whole_plan,
-)
+from staronnx.partition.whole import WHOLE, UncuttableError, too_small, vertex_count, whole_reason, write_whole_plan
 from staronnx.plan import Plan, output_dir_for
 
 #: Every method by name: the share cuts (metis, linear) cut to ``shares`` and leave placement
@@ -164,15 +157,18 @@ def partition(
 
     say("loading model")
     loaded = load_model(model_or_path)
-    common = dict(device=device, seed=seed, costs=costs, profile_batch=profile_batch, profile_runs=profile_runs,
-                  input_shapes=shapes, batch_axes=axes or None, batching=None if batching else False)
+    # a placement method profiles per device itself and makes its own parts (shares do not apply)
+    request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
+                         profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
+                         devices=devices, transfer=transfer, progress=say)
+    contract = dict(batch_axes=axes or None, batching=None if batching else False)
     reason = whole_reason(loaded.model)
     small = too_small(loaded.model, 2 if auto else len(targets))
     if small is not None and reason is None and not auto and (shares is not None or parts is not None):
         raise PartitionError(f"cannot cut {vertex_count(loaded.model)} node(s) into {len(targets)} parts: k must "
                              "not exceed the node count (without shares or parts, the model is served whole)")
     if reason is not None or small is not None:
-        return _whole(loaded, reason or small, out, say, tolerance=tolerance, **common)
+        return _whole(loaded, reason or small, out, request, **contract)
     graph = build_graph(loaded, shapes, axes)
     cut = METHODS[method]
     auto_choice = None
@@ -182,33 +178,31 @@ def partition(
         auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=group_sizes, speeds=speeds,
                                    batch=profile_batch, runs=profile_runs, seed=seed, say=say,
                                    cuda_devices=cuda_devices)
-        targets = auto_choice.shares
-    # a placement method profiles per device itself and makes its own parts (shares do not apply)
-    request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
-                         profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
-                         devices=devices, transfer=transfer, progress=say)
+        request.targets = list(auto_choice.shares)
     try:
         result = cut(graph, request)
-        settings = plan_settings(method, result, request, device=device, tolerance=tolerance, placement=result.report,
-                                 auto_shares=auto_choice.to_json() if auto_choice is not None else None,
-                                 batch_axes=axes or None, batching=None if batching else False)
+        settings = plan_settings(method, result.targets, request, device=device, tolerance=tolerance,
+                                 placement=result.report,
+                                 auto_shares=auto_choice.to_json() if auto_choice is not None else None, **contract)
         say(f"exporting {result.k} parts to {out}")
         plan = write_plan(graph, result, settings, out)
     except UncuttableError as exc:
-        return _whole(loaded, f"its cut failed ({exc})", out, say, tolerance=tolerance, **common)
+        return _whole(loaded, f"its cut failed ({exc})", out, request, **contract)
     warn_cut(plan, tolerance, shares_cut=not placed)
     return plan
 
 
-def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], say: Callable[[str], None],
-           **settings: Any) -> Plan:
+def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: CutRequest, **extra: Any) -> Plan:
     """The model served as one part (:mod:`staronnx.partition.whole`), said in one warning:
-    a model that runs is never refused for being uncuttable."""
+    a model that runs is never refused for being uncuttable. Its settings are those every plan
+    has, with ``whole``: why."""
     name = loaded.path.name if loaded.path is not None else "the model"
     message = f"{name} is served as one part, not cut: {reason}"
-    say(message)
+    request.progress(message)
     warn(message, message.replace("one part", "one part (--parts 1)", 1))
-    return write_whole_plan(loaded, whole_settings(reason, **settings), Path(out))
+    settings = plan_settings(WHOLE, [1.0], request, device=request.device, tolerance=request.tolerance,
+                             whole=reason, **extra)
+    return write_whole_plan(loaded, settings, Path(out))
 
 
 def _auto_shares(

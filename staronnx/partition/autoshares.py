@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
@@ -143,11 +144,6 @@ def median_seconds(run: Callable[[], object], runs: int, warmup: int = 2) -> flo
     return statistics.median(times)
 
 
-def _seconds_per_run(session: Any, feeds: dict[str, Any], runs: int) -> float:
-    """:func:`median_seconds` of ``session.run`` on ``feeds``."""
-    return median_seconds(lambda: session.run(None, feeds), runs)
-
-
 def measure_speeds(
     model: Any,
     feeds: dict[str, Any],
@@ -176,12 +172,9 @@ def measure_speeds(
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
                 gpu = make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
                                                      "CPUExecutionProvider"])
-                speeds.append(WorkerSpeed(f"cuda{device}", "cuda", _seconds_per_run(gpu, feeds, runs)))
+                speeds.append(WorkerSpeed(f"cuda{device}", "cuda", median_seconds(lambda: gpu.run(None, feeds), runs)))
                 del gpu  # its device memory goes back before the next GPU's session
-    counts: dict[int, int] = {}
-    for n in group_sizes:
-        counts[n] = counts.get(n, 0) + 1
-    for cores, count in sorted(counts.items(), reverse=True):
+    for cores, count in sorted(Counter(group_sizes).items(), reverse=True):
         say(f"timing the whole model on a {cores}-core CPU group")
         so = ort.SessionOptions()
         so.intra_op_num_threads = max(int(cores), 1)
@@ -189,7 +182,7 @@ def measure_speeds(
         so.log_severity_level = QUIET
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
         sess = make_session(model, providers=["CPUExecutionProvider"], options=so)
-        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", _seconds_per_run(sess, feeds, runs), count))
+        speeds.append(WorkerSpeed(f"cpu{cores}", "cpu", median_seconds(lambda: sess.run(None, feeds), runs), count))
         del sess
     if not speeds:
         why = "found no worker to time (no CPU group, no GPU)"

@@ -124,14 +124,14 @@ SHARES_CUTS: dict[str, SharesCut] = {
 }
 
 
-def plan_settings(method: str, parts: Parts, request: CutRequest, *, device: str, tolerance: float | None,
-                  **extra: Any) -> dict[str, Any]:
+def plan_settings(method: str, shares: Sequence[float], request: CutRequest, *, device: str,
+                  tolerance: float | None, **extra: Any) -> dict[str, Any]:
     """``plan.settings``: how the plan was cut (part of its hash), then ``extra`` entries that
-    are not None (``options``, ``placement``, ``auto_shares``), in the order given."""
+    are not None (``options``, ``placement``, ``auto_shares``, ``whole``), in the order given."""
     return {
         "method": method,
-        "shares": [float(t) for t in parts.targets],
-        "parts": parts.k,
+        "shares": [float(t) for t in shares],
+        "parts": len(shares),
         "device": device,
         "seed": request.seed,
         "costs": request.costs,

@@ -13,6 +13,7 @@ dimensions of a crossing tensor must stay symbolic in the exported parts.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -138,28 +139,37 @@ def _graph_free_names(graph: onnx.GraphProto) -> list[str]:
     return free
 
 
-def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
-    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    indeg = [0] * len(nodes)
-    succ: list[list[int]] = [[] for _ in nodes]
-    for v, ins in enumerate(inputs_of):
-        for u in {producer[t] for t in ins if t in producer and producer[t] != v}:
-            succ[u].append(v)
-            indeg[v] += 1
-    heap = [v for v in range(len(nodes)) if indeg[v] == 0]
+def priority_topological(preds: list[list[int]], succs: list[list[int]], key: Sequence[float]) -> list[int]:
+    """Kahn's order taking the ready node with the smallest ``key`` (then smallest index)."""
+    n = len(preds)
+    indeg = [len(set(p)) for p in preds]
+    heap = [(key[v], v) for v in range(n) if indeg[v] == 0]
     heapq.heapify(heap)
     order: list[int] = []
     while heap:
-        u = heapq.heappop(heap)
+        _, u = heapq.heappop(heap)
         order.append(u)
-        for v in succ[u]:
+        for v in set(succs[u]):
             indeg[v] -= 1
             if indeg[v] == 0:
-                heapq.heappush(heap, v)
-    if len(order) != len(nodes):
-        raise ModelError("the model's graph has a cycle; ONNX graphs must be acyclic")
+                heapq.heappush(heap, (key[v], v))
+    if len(order) != n:
+        raise ValueError("the graph has a cycle")
     return order
+
+
+def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
+    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    preds = [[producer[t] for t in set(ins) if t in producer and producer[t] != v] for v, ins in enumerate(inputs_of)]
+    succs: list[list[int]] = [[] for _ in nodes]
+    for v, ps in enumerate(preds):
+        for u in ps:
+            succs[u].append(v)
+    try:
+        return priority_topological(preds, succs, range(len(nodes)))
+    except ValueError:
+        raise ModelError("the model's graph has a cycle; ONNX graphs must be acyclic") from None
 
 
 def model_inputs(model: onnx.ModelProto, batch_axes: dict[str, int | None] | None = None) -> list[InputSpec]:
@@ -279,11 +289,7 @@ def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> di
         if not vi.type.HasField("tensor_type"):
             continue
         tt = vi.type.tensor_type
-        dims: list | None = None
-        if tt.HasField("shape"):
-            dims = []
-            dims.extend(dim_of(d) for d in tt.shape.dim)
-        out[vi.name] = (tt.elem_type, dims)
+        out[vi.name] = (tt.elem_type, [dim_of(d) for d in tt.shape.dim] if tt.HasField("shape") else None)
     return out
 
 

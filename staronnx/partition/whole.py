@@ -20,6 +20,7 @@ numpy name, as in every plan, anything else ORT's type string (``seq(tensor(int6
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,9 +58,7 @@ def is_tensor(tp: onnx.TypeProto) -> bool:
 def whole_reason(model: onnx.ModelProto) -> str | None:
     """Why the model cannot be cut into tensor-handing parts at all, or None."""
     g = model.graph
-    constants = {t.name for t in g.initializer} | {t.values.name for t in g.sparse_initializer}
-    odd = [f"input {vi.name!r} is a {value_type_name(vi.type)}" for vi in g.input
-           if vi.name not in constants and not is_tensor(vi.type)]
+    odd = [f"input {vi.name!r} is a {value_type_name(vi.type)}" for vi in fed_inputs(model) if not is_tensor(vi.type)]
     odd += [f"output {vi.name!r} is a {value_type_name(vi.type)}" for vi in g.output if not is_tensor(vi.type)]
     if odd:
         return f"{odd[0]}, and parts hand on tensors only"
@@ -115,27 +114,6 @@ def io_specs(model: onnx.ModelProto) -> tuple[list[TensorSpec], list[TensorSpec]
     return inputs, outputs
 
 
-def whole_settings(reason: str, *, device: str, seed: int, costs: str, profile_batch: int, profile_runs: int,
-                   tolerance: float | None, input_shapes: dict[str, list[int]], **extra: Any) -> dict[str, Any]:
-    """``plan.settings`` of a model served whole: the keys every plan has (as
-    :func:`~staronnx.partition.cut.plan_settings` writes them), ``whole``: why, and ``extra``
-    entries that are not None."""
-    return {
-        "method": WHOLE,
-        "shares": [1.0],
-        "parts": 1,
-        "device": device,
-        "seed": seed,
-        "costs": costs,
-        "profile_batch": profile_batch,
-        "profile_runs": profile_runs,
-        "tolerance": tolerance,
-        "input_shapes": {n: list(d) for n, d in input_shapes.items()},
-        "whole": reason,
-        **{key: value for key, value in extra.items() if value is not None},
-    }
-
-
 def _without_ort_config(model: onnx.ModelProto) -> onnx.ModelProto:
     """The model without the ORT config it may embed: the session that serves the plan reads
     that config; each worker's session of the part would read it again (ORT does where
@@ -163,9 +141,7 @@ def write_whole_plan(loaded: LoadedModel, settings: dict[str, Any], directory: P
     for spec in outputs:
         spec.producer = 0
     directory = Path(directory).absolute()
-    ops: dict[str, int] = {}
-    for node in model.graph.node:
-        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    ops = Counter(node.op_type for node in model.graph.node)
     with atomic_dir(directory) as staging:
         path = staging / "part0.onnx"
         save_model(_without_ort_config(model), path)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -317,15 +318,8 @@ def calibrate_host_numa(
         def copy(nbytes: int, src: np.ndarray = src, dst: np.ndarray = dst) -> None:
             np.copyto(dst[:nbytes], src[:nbytes])
 
-        cost = run_on_cpus(
-            topology[j],
-            lambda copy=copy: calibrate_link(
-                copy,
-                bandwidth_bytes=bandwidth_bytes,
-                latency_bytes=latency_bytes,
-                repeats=repeats,
-            ),
-        )
-        model.set(f"numa{i}", f"numa{j}", cost)
+        measure = partial(calibrate_link, copy, bandwidth_bytes=bandwidth_bytes, latency_bytes=latency_bytes,
+                          repeats=repeats)
+        model.set(f"numa{i}", f"numa{j}", run_on_cpus(topology[j], measure))
         del src, dst
     return model

@@ -98,9 +98,7 @@ class HostCosts:
         return replace(self, rate=rate, lighter=None, **mixed)
 
     def as_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["lighter"] = None if self.lighter is None else self.lighter.as_dict()
-        return data
+        return asdict(self)  # (``lighter`` too, nested)
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HostCosts:

@@ -193,7 +193,7 @@ class NativeEngine:
         self.started_at = self.clock.now()
         infos = [WorkerInfo(i, w.name, w.arch, w.kind, w.memory_node, w.n_cores) for i, w in enumerate(workers)]
         self.core = TaskGraph(self.models, infos, policy, predictor, self.clock, self._footprint,
-                              where=parts_held(workers, self.models.k), copy_cost=predictor.copy_time,
+                              where=parts_held(workers, self.models.k), copy_cost=predictor.bus.predict,
                               prefetch=bool(self._memories))
         #: per worker (each counted by its own thread): tasks started, those that needed an
         #: input moved to their node, and those whose moves were all done when they started

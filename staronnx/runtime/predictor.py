@@ -106,10 +106,6 @@ class PerfPredictor:
         copies = task_copies(((d.name, d.nbytes, d.valid_on) for d in task.inputs), node, task.outputs, predict)
         return price(copies, predict)
 
-    def copy_time(self, src: str, dst: str, nbytes: int) -> float:
-        """The bus model's time for one copy (what the core picks a fetch's source by)."""
-        return self.bus.predict(src, dst, nbytes)
-
     def needs_samples(self, part: int, arch: str, fp: Footprint) -> bool:
         """Whether the engine should record this execution (always, unless ``calibrate`` is 0)."""
         return self.calibrate >= 1 or self.model(part, arch).needs_samples(fp)

@@ -15,13 +15,14 @@ node into the parts the runtime executes and the plan's predicted makespan.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import numpy as np
+
+from staronnx.partition.graph import priority_topological
 
 # -- devices and transfers ---------------------------------------------------------------------
 
@@ -261,25 +262,6 @@ class Problem:
             other = {int(assign[v]) for v in users} - {int(assign[u])}
             total += nbytes * len(other)
         return total
-
-
-def priority_topological(preds: list[list[int]], succs: list[list[int]], key: Sequence[float]) -> list[int]:
-    """Kahn's order taking the ready node with the smallest ``key`` (then smallest index)."""
-    n = len(preds)
-    indeg = [len(set(p)) for p in preds]
-    heap = [(key[v], v) for v in range(n) if indeg[v] == 0]
-    heapq.heapify(heap)
-    order: list[int] = []
-    while heap:
-        _, u = heapq.heappop(heap)
-        order.append(u)
-        for v in set(succs[u]):
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(heap, (key[v], v))
-    if len(order) != n:
-        raise ValueError("the graph has a cycle")
-    return order
 
 
 # -- schedules -------------------------------------------------------------------------------------

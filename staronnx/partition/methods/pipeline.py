@@ -412,7 +412,7 @@ def place(
     request.progress("loading model")
     graph = build_graph(load_model(model_or_path), request.input_shapes)
     parts = PLACEMENT_METHODS[method](graph, request)
-    settings = plan_settings(method, parts, request, device="placed", tolerance=None,
+    settings = plan_settings(method, parts.targets, request, device="placed", tolerance=None,
                              options=_jsonable(dict(options or {})), placement=parts.report)
     request.progress(f"exporting {parts.k} parts to {out}")
     return write_plan(graph, parts, settings, out)

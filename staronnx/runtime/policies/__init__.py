@@ -26,9 +26,16 @@ from staronnx.runtime.policies.ws import LocalityWorkStealingPolicy, WorkStealin
 from staronnx.runtime.sched import Policy
 
 _REGISTRY: dict[str, Callable[..., Policy]] = {
-    cls.name: cls
-    for cls in (EagerPolicy, RandomPolicy, WorkStealingPolicy, LocalityWorkStealingPolicy, DmPolicy, DmdaPolicy,
-                DmdarPolicy, DmdasPolicy, HeftPolicy, StaticPolicy)
+    "eager": EagerPolicy,
+    "random": RandomPolicy,
+    "ws": WorkStealingPolicy,
+    "lws": LocalityWorkStealingPolicy,
+    "dm": DmPolicy,
+    "dmda": DmdaPolicy,
+    "dmdar": DmdarPolicy,
+    "dmdas": DmdasPolicy,
+    "heft": HeftPolicy,
+    "static": StaticPolicy,
 }
 
 #: the dynamic (StarPU) policies; make_policy() also accepts "static", which needs the plan's
