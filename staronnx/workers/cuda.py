@@ -681,7 +681,8 @@ class CudaWorker(ThreadWorker):
             for name, a in zip(part.inputs, arrays):
                 t = SlotTensor(name, a.dtype, tuple(a.shape))
                 inputs.append(t)
-                t.stage(rt.pinned(t.nbytes))
+                t.pinned = rt.pinned(t.nbytes)  # (set before the next allocation, which may fail)
+                t.view = t.pinned.view(t.dtype, t.shape)
                 t.device = rt.device_buffer(t.nbytes)
                 binding.bind_input(name, self._device_type, self._bind_device, a.dtype.type,
                                    list(t.shape), t.device.ptr)
@@ -853,13 +854,12 @@ class CudaWorker(ThreadWorker):
         self._parts.clear()
         if any(r() is not None for r in refs):
             gc.collect()
-        session_alive = any(r() is not None for r in refs)
-        if self._stream is not None:
-            if session_alive:
-                # Something outside still holds a session bound to this stream: leaking the
-                # stream is harmless, destroying it under ORT is not.
-                log.warning("%s: a session outlives the worker; its stream is not destroyed",
-                            self.name)
-            else:
-                self._try("destroying the stream", self._stream.destroy)
-            self._stream = None
+        if stream is None:
+            return
+        self._stream = None
+        if any(r() is not None for r in refs):
+            # Something outside still holds a session bound to this stream: leaking the stream is
+            # harmless, destroying it under ORT is not.
+            log.warning("%s: a session outlives the worker; its stream is not destroyed", self.name)
+        else:
+            self._try("destroying the stream", stream.destroy)

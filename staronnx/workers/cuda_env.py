@@ -45,10 +45,7 @@ def _preload_cuda_libraries() -> None:
 def _gpu_runtime() -> Any:
     """What CUDA workers would drive here: ``$STARONNX_CUDA_RUNTIME``'s stand-in, else CUDA
     itself; None where CUDA is missing."""
-    stand_in = host_runtime_from_env()
-    if stand_in is not None:
-        return stand_in
-    return None if cuda_unavailable_reason() is not None else CudaRuntime()
+    return host_runtime_from_env() or (None if cuda_unavailable_reason() is not None else CudaRuntime())
 
 
 def visible_cuda_devices() -> int:

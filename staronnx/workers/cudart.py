@@ -575,16 +575,15 @@ class _HostEvent:
 class HostBuffer(_Buffer):
     """Ordinary host memory posing as pinned or device memory (for :class:`HostRuntime`)."""
 
-    def __init__(self, kind: str, nbytes: int, stats: AllocationStats | None,
-                 rt: HostRuntime | None = None) -> None:
+    def __init__(self, rt: HostRuntime, kind: str, nbytes: int) -> None:
+        rt._call(f"alloc_{kind}", unsafe=True)
         self.kind = kind
         self._rt = rt
         self._array = np.zeros(max(nbytes, 1), dtype=np.uint8)
-        super().__init__(self._array.ctypes.data, nbytes, stats)
+        super().__init__(self._array.ctypes.data, nbytes, rt.stats)
 
     def _release(self) -> None:
-        if self._rt is not None:
-            self._rt._call(f"free_{self.kind}", unsafe=True)
+        self._rt._call(f"free_{self.kind}", unsafe=True)
         self._array = np.zeros(0, dtype=np.uint8)
 
 
@@ -721,12 +720,10 @@ class HostRuntime:
         return _HostEvent(self)
 
     def pinned(self, nbytes: int) -> HostBuffer:
-        self._call("alloc_pinned", unsafe=True)
-        return HostBuffer("pinned", nbytes, self.stats, self)
+        return HostBuffer(self, "pinned", nbytes)
 
     def device_buffer(self, nbytes: int) -> HostBuffer:
-        self._call("alloc_device", unsafe=True)
-        return HostBuffer("device", nbytes, self.stats, self)
+        return HostBuffer(self, "device", nbytes)
 
     def _copy(self, kind: str, dst: int, src: int, nbytes: int) -> None:
         """A copy (host memory stands for every node), counted per (kind, size): lock-free

@@ -109,11 +109,6 @@ class SlotTensor:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def stage(self, pinned: Any) -> None:
-        """Take ``pinned`` as the host buffer and make the view over it."""
-        self.pinned = pinned
-        self.view = pinned.view(self.dtype, self.shape)
-
     def free(self) -> None:
         self.view = _UNSTAGED
         for buf in (self.pinned, self.device):
@@ -180,10 +175,6 @@ class Slot:
             ev.destroy()
         self.events.clear()
         self.binding = None
-
-    @property
-    def device_bytes(self) -> int:
-        return sum(t.device.nbytes for t in self.inputs + (self.outputs or []) if t.device)
 
 
 class SlotCache:
