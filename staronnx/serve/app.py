@@ -2,9 +2,8 @@
 
 One asyncio loop runs the HTTP API, the gRPC API and the metrics endpoint; the batchers and
 the runtimes run in their own threads, and the loop only awaits their futures, so a slow
-model never blocks the listeners. The limits every connection and request is held to
-(:mod:`staronnx.serve.limits`) are set here: the open-file limit raised, the connection cap
-derived from it, one guard shared by both front ends.
+model never blocks the listeners. Both front ends share one guard
+(:mod:`staronnx.serve.limits`), its connection cap derived from the raised open-file limit.
 
 Shutdown answers every request it accepted. On SIGTERM/SIGINT readiness turns false; a request
 whose body is still arriving, and every inference request sent from then on, is answered 503 /
@@ -129,9 +128,8 @@ def check_exposure(host: str, insecure: bool) -> None:
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
 
 
-def server_metadata(extensions: Sequence[str] = ("binary_tensor_data",)) -> dict[str, object]:
-    """The server metadata; ``extensions``: those the front end calling serves (``staronnx
-    serve``'s own: :data:`EXTENSIONS`); the version: the installed distribution's."""
+def server_metadata(extensions: Sequence[str]) -> dict[str, object]:
+    """The server metadata: the installed distribution's version, the ``extensions`` served."""
     try:
         version = importlib.metadata.version("staronnx")
     except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH
@@ -371,13 +369,10 @@ async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.A
     resets the connections still queued on it), and given :data:`LINGER_S` to be answered."""
     loop = asyncio.get_running_loop()
     queued: list[socket.socket] = []
-    try:
-        sock.setblocking(False)
+    sock.setblocking(False)
+    with contextlib.suppress(OSError):  # BlockingIOError: the queue is empty; anything else: nothing more to take
         while True:
-            conn, _ = sock.accept()
-            queued.append(conn)
-    except OSError:  # BlockingIOError: the queue is empty; anything else: nothing more to take
-        pass
+            queued.append(sock.accept()[0])
     await site.stop()  # no await between the last accept and the close
     sock.close()
     if not queued:

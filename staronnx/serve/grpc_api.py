@@ -68,9 +68,9 @@ class GrpcFrontend(Frontend):
         """The RPCs served, by name (the rest of Triton's service answers UNIMPLEMENTED from
         gRPC's core)."""
         return {rpc.__name__: rpc for rpc in (
-            self.ServerLive, self.ServerReady, self.ModelReady, self.ServerMetadata, self.ModelMetadata, self.ModelInfer,
-            self.ModelConfig, self.ModelStatistics, self.RepositoryIndex, self.RepositoryModelLoad,
-            self.RepositoryModelUnload)}
+            self.ServerLive, self.ServerReady, self.ModelReady, self.ServerMetadata, self.ModelMetadata,
+            self.ModelInfer, self.ModelConfig, self.ModelStatistics, self.RepositoryIndex,
+            self.RepositoryModelLoad, self.RepositoryModelUnload)}
 
     def hold(self) -> None:
         """From now on, calls to a stopping server wait before they are answered UNAVAILABLE,

@@ -16,16 +16,12 @@ clients read either form; a client of JSON only sees the output's ``binary_data_
 Triton's extensions (:data:`staronnx.serve.app.EXTENSIONS`) are served at ``/config``,
 ``/stats``, an output's ``classification: k`` parameter and ``POST /v2/repository/index``.
 
-What a hostile or careless client meets (:mod:`staronnx.serve.limits` has the bounds and why,
-:func:`_receive` how a body is held): past ``--max-body`` or the receive budget a body is
-refused (400, 503) as it arrives; a body too slow is answered 408, a request head too slow 408,
-a request past ``--request-timeout`` 504, and a connection past ``--max-connections`` 503, each
-with ``Connection: close``; ``Expect: 100-continue`` gets its ``100 Continue`` only for a
-request that will be read. A body is decompressed off the event loop, never past
-``--max-body``; malformed HTTP or JSON, and values a datatype does not take, answer 400 with
-the protocol's JSON error, logged a few lines per window. A client that disconnects has its
-request withdrawn (counted CANCELED); the ``Server`` header names staronnx only, and a 500 says
-no more than that the log has the details. At shutdown, see :mod:`staronnx.serve.app`.
+A hostile or careless client meets the bounds of :mod:`staronnx.serve.limits`: bodies held by
+:func:`_receive` within ``--max-body`` and the receive budget (400, 503), timed by
+:class:`_BodyWatch` (408) and ``--request-timeout`` (504); heads, idle and surplus connections
+by :class:`_Handler` (408, 503); each answered with the protocol's JSON error and ``Connection:
+close``. A client that disconnects has its request withdrawn (counted CANCELED); the ``Server``
+header names staronnx only, and a 500 says no more than that the log has the details.
 """
 
 from __future__ import annotations
@@ -256,8 +252,7 @@ class HttpFrontend(Frontend):
             self.running.discard(task)
             self._cuts.pop(task, None)
             watch.stop()
-            if timer is not None:
-                timer.cancel()
+            _cancel(timer)
         return response
 
     async def _infer(self, request: web.Request, task: asyncio.Task[Any], watch: _BodyWatch) -> web.StreamResponse:
@@ -291,9 +286,8 @@ class HttpFrontend(Frontend):
             watch.stop()
         if not self.is_ready():  # SIGTERM came while its body was decoded: the connection closes after it
             return _answer(self.stopping(model), close=True)
-        t1 = time.perf_counter()
-        answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None, decode_s=t1 - t0,
-                                   classes=requested_classes(header))
+        answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None,
+                                   decode_s=time.perf_counter() - t0, classes=requested_classes(header))
         t2 = time.perf_counter()
         response = await encode_answer(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
                                        answer.parameters)
@@ -398,10 +392,10 @@ async def inflate_body(body: bytes | bytearray, encoding: str | None, max_body: 
 
 async def decode_body(body: bytes | bytearray, encoding: str | None, header_length: str | None,
                       max_body: int) -> Request:
-    """A received request body as (JSON header, inputs, their datatypes, outputs asked for,
-    binary default): inflated (:func:`inflate_body`), and a large JSON document parsed on a
-    worker thread, so the loop goes on serving the others. Both HTTP front ends (``staronnx
-    serve`` and the Ray ingress) read requests through here, so they accept the same bodies."""
+    """A received request body as a :data:`Request`: inflated (:func:`inflate_body`), and a
+    large JSON document parsed on a worker thread, so the loop goes on serving the others. Both
+    HTTP front ends (``staronnx serve`` and the Ray ingress) read requests through here, so they
+    accept the same bodies."""
     body = await inflate_body(body, encoding, max_body)
     length = len(body)
     if header_length is not None:  # the binary extension: the JSON header is the first ``length`` bytes
@@ -427,10 +421,9 @@ async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.nd
 
 
 class _BodyWatch:
-    """The time limits of a body being received: no pause longer than ``body_timeout``, and,
-    once ``body_timeout`` has passed, at least ``body_min_rate`` bytes/s on average since the
-    head arrived (nginx's ``client_body_timeout`` and Apache's ``MinRate``; a slowloris that
-    sends a byte a second keeps a pause rule happy forever). One timer per request, moved
+    """The time limits of a body being received (:mod:`staronnx.serve.limits`): no pause longer
+    than ``body_timeout``, and, once ``body_timeout`` has passed, at least ``body_min_rate``
+    bytes/s on average since the head arrived. One timer per request, moved
     forward lazily: a chunk only notes its size and time, the timer re-arms itself when it
     fires early, and ``expire`` is called once the body is late."""
 
@@ -470,9 +463,7 @@ class _BodyWatch:
         self._expire()
 
     def stop(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
+        self._handle = _cancel(self._handle)
 
 
 async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, watch: _BodyWatch) -> bytes | bytearray:
@@ -656,9 +647,8 @@ class _Handler(RequestHandler):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._last_data = self._loop.time()
         super().connection_made(transport)
-        if self._keepalive_handle is not None:  # aiohttp's idle timer from the accept: the head timer instead
-            self._keepalive_handle.cancel()
-            self._keepalive_handle = None
+        # aiohttp's idle timer from the accept: the head timer instead
+        self._keepalive_handle = _cancel(self._keepalive_handle)
         refusals = self._guard.refusals
         refusals.connections["http"] += 1
         self._counted = True
@@ -674,9 +664,7 @@ class _Handler(RequestHandler):
         if self._counted:
             self._counted = False
             self._guard.refusals.connections["http"] -= 1
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
+        self._head_timer = _cancel(self._head_timer)
         super().connection_lost(exc)
 
     def _waiting(self) -> bool:
@@ -691,17 +679,13 @@ class _Handler(RequestHandler):
         if data and self._waiting():
             self._partial = True
             if self._head_timer is None:  # the first bytes after a keep-alive pause: a head is on its way
-                if self._keepalive_handle is not None:
-                    self._keepalive_handle.cancel()
-                    self._keepalive_handle = None
+                self._keepalive_handle = _cancel(self._keepalive_handle)
                 self._arm_head()
         count = self._request_count
         super().data_received(data)
         if self._request_count != count:  # a whole head arrived
             self._partial = False
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
+            self._head_timer = _cancel(self._head_timer)
 
     def _head_late(self) -> None:
         """``header_timeout`` passed: close a connection still waiting for (the rest of) a head;
@@ -760,6 +744,12 @@ def _closing(status: int, error: str) -> web.Response:
     return response
 
 
+def _cancel(timer: asyncio.TimerHandle | None) -> None:
+    """Cancel ``timer``, if any; what its holder keeps then is None (``t = _cancel(t)``)."""
+    if timer is not None:
+        timer.cancel()
+
+
 def _canned(status: int, error: str) -> bytes:
     """A whole JSON error response, as bytes for a connection with no request to answer."""
     body = json.dumps({"error": error}).encode()
@@ -809,8 +799,7 @@ def _flag(params: Mapping[str, Any], key: str, default: bool, what: str) -> bool
 
 
 def _decode(body: bytes | bytearray, length: int) -> Request:
-    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors,
-    as (JSON header, inputs, their datatypes, outputs asked for (name, binary?), binary default)."""
+    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors."""
     view = memoryview(body)
     header = _parse_json(body if length == len(body) else bytes(view[:length]), "the inference request",
                          jsontensors.loads)

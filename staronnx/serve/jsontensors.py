@@ -9,9 +9,8 @@ ones flattened) into a buffer of doubles or int64 with no Python object per valu
 Writing is the mirror image: ``tolist()`` then ``json.dumps`` formats each float through Python
 (0.6 ms per 1,000 values), orjson formats the numpy array itself (20 µs).
 
-What a request means never changes with the parser; the values a datatype takes are strict
-(:func:`staronnx.serve.protocol.from_values`: numbers for FP types, integers in range for INT
-and UINT types, booleans for BOOL, the first other value refused by its position):
+What a request means never changes with the parser; the values a datatype takes are as strict
+as :func:`staronnx.serve.protocol.from_values` says:
 
 * a document simdjson refuses (malformed JSON, ``NaN``/``Infinity`` tokens that Python's json
   and tritonclient write, nesting deeper than simdjson's 1024 levels, integers past 64 bits,
@@ -36,9 +35,10 @@ buffers from one document to the next).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -72,20 +72,19 @@ class _Local(threading.local):
 _local = _Local()
 
 
-def strict_loads(data: bytes | bytearray) -> Any:
-    """``json.loads``, with a number past a double's range kept as its text (refused later by
-    position) instead of read as an infinity."""
-    return json.loads(data, parse_float=parse_float)
+#: ``json.loads``, with a number past a double's range kept as its text (refused later by
+#: position) instead of read as an infinity
+strict_loads = functools.partial(json.loads, parse_float=parse_float)
 
 
-def loads(data: bytes | bytearray, fallback: Callable[[bytes], Any] = strict_loads) -> Any:
+def loads(data: bytes | bytearray) -> Any:
     """The JSON document ``data`` as Python objects, each ``inputs[i].data`` of a numeric datatype
     as a numpy array of that datatype where it can be read directly (see the module docstring);
-    ``fallback`` (:func:`strict_loads` by default, raising json's errors) for a document simdjson
-    refuses, and for a small one (a binary request's header): json.loads takes a few µs there,
-    where simdjson's proxies cost more than they save."""
+    :func:`strict_loads` (raising json's errors) for a document simdjson refuses, and for a small
+    one (a binary request's header): json.loads takes a few µs there, where simdjson's proxies
+    cost more than they save."""
     if len(data) < SMALL_BYTES:
-        return fallback(data)
+        return strict_loads(data)
     try:
         doc = _local.parser.parse(data)
     except RuntimeError:  # a parser still referenced by an earlier document (an error's traceback)
@@ -93,9 +92,9 @@ def loads(data: bytes | bytearray, fallback: Callable[[bytes], Any] = strict_loa
         try:
             doc = _local.parser.parse(data)
         except (ValueError, RuntimeError, UnicodeDecodeError):
-            return fallback(data)
+            return strict_loads(data)
     except (ValueError, UnicodeDecodeError):
-        return fallback(data)
+        return strict_loads(data)
     try:
         return _convert(doc, data)
     finally:
@@ -201,7 +200,7 @@ def _rectangular(values: Any) -> int | None:
 def _typed(values: Any, datatype: Any) -> Any:
     """``values`` (a rectangular nest of arrays) as a flat numpy array of ``datatype``, or the
     Python list where its values are not all of the datatype's kind."""
-    try:
+    with contextlib.suppress(TypeError, ValueError, OverflowError):  # a bool, string, null, a float among ints
         if datatype in _FLOATS:
             flat = np.frombuffer(values.as_buffer(of_type="d"), dtype=np.float64)
             with np.errstate(over="ignore"):
@@ -213,8 +212,6 @@ def _typed(values: Any, datatype: Any) -> Any:
             info = np.iinfo(_INTS[datatype])
             if not flat.size or info.min <= int(flat.min()) and int(flat.max()) <= info.max:
                 return flat.astype(_INTS[datatype])
-    except (TypeError, ValueError, OverflowError):  # a bool, string, null, a float among ints
-        pass
     return values.as_list()  # refused by position
 
 

@@ -29,6 +29,7 @@ reason}`` on ``/metrics``) and logged at most a few lines per window with a coun
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import resource
 import time
@@ -75,11 +76,9 @@ def raise_open_files() -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 20
     if target > soft:
-        try:
+        with contextlib.suppress(ValueError, OSError):  # macOS refuses past OPEN_MAX; keep what there is
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             soft = target
-        except (ValueError, OSError):  # macOS refuses past OPEN_MAX; keep what there is
-            pass
     return int(soft)
 
 

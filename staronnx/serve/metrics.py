@@ -34,8 +34,7 @@ REASONS = ("REJECTED", "BACKEND", "OTHER", "CANCELED")
 
 @dataclass
 class ModelStats:
-    """Cumulative request counts and durations of one model (what Triton's counters report),
-    under a lock: one request touches several of them at once."""
+    """Cumulative request counts and durations of one model (what Triton's counters report)."""
 
     success: int = 0
     failure: _Tally[str] = field(default_factory=_Tally)
