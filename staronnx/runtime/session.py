@@ -155,6 +155,11 @@ class NotRecorded(StaronnxError, _ort_state.Fail):  # type: ignore[misc]
     """get_provider_graph_assignment_info() without the config entry that records it (ORT's Fail)."""
 
 
+#: what ORT's run methods take: the outputs asked (None or [] for all), the feeds, the run's options
+type _Names = Sequence[str] | None
+type _Feeds = Mapping[str, Any]
+type _RunOptions = ort.RunOptions | None
+
 #: the config entry that makes a session record which provider runs each node (ORT's)
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 
@@ -386,17 +391,18 @@ def _logs_and_entries(options: ort.SessionOptions | ort.RunOptions, logs: str, e
                       given: ort.SessionOptions | ort.RunOptions) -> list[str]:
     """What ``options`` set that the parts' sessions do not apply: a log level below warnings
     (``logs``: why), and the config entries of ``given`` among ``entries`` (each with why)."""
-    said = [f"log_severity_level={options.log_severity_level} ({logs})"] \
-        if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0 else []
+    said = []
+    if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0:
+        said.append(f"log_severity_level={options.log_severity_level} ({logs})")
     values = {key: _config_entry(given, key) for key in entries}
-    return said + [f"config entry {key}={values[key]} ({why})" for key, why in entries.items() if values[key] is not None]
+    return said + [f"config entry {key}={value} ({entries[key]})" for key, value in values.items() if value is not None]
 
 
 def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
     """Options staronnx cannot honour and that change what runs: a NotImplementedError naming
     each, before anything is done."""
-    if isinstance(path_or_bytes, (str, os.PathLike)) and str(path_or_bytes).endswith(".ort") or (
-            so is not None and _config_entry(so, "session.load_model_format") == "ORT"):
+    ort_file = isinstance(path_or_bytes, (str, os.PathLike)) and str(path_or_bytes).endswith(".ort")
+    if ort_file or so is not None and _config_entry(so, "session.load_model_format") == "ORT":
         raise NotImplementedError("session.load_model_format=ORT: staronnx cuts ONNX models; an ORT-format model "
                                   "cannot be partitioned (give the .onnx file it was converted from)")
     if so is not None and so.has_providers():
@@ -558,8 +564,7 @@ def _declared(model: onnx.ModelProto) -> Plan:
     optionals and maps by ORT's type string), as a plan with no parts: it answers the getters
     and checks feeds before the model is cut."""
     inputs, outputs = io_specs(model)
-    return Plan(root=Path(), parts=[], inputs=inputs, outputs=outputs, crossing=[], cut_bytes_per_sample=0,
-                source={}, settings={})
+    return Plan(Path(), [], inputs, outputs, [], 0, {}, {})  # no parts, crossings, source or settings
 
 
 def _overridable(model: onnx.ModelProto) -> list[onnx.TensorProto]:
@@ -716,12 +721,10 @@ class _CSession:
     def __init__(self, session: "InferenceSession") -> None:
         self._session = session
 
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+    def run(self, output_names: _Names, input_feed: _Feeds, run_options: _RunOptions = None) -> list[np.ndarray]:
         return self._session.run(output_names, input_feed, run_options)
 
-    def run_with_ort_values(self, feeds: Mapping[str, Any], output_names: Sequence[str] | None,
-                            run_options: ort.RunOptions | None = None) -> Any:
+    def run_with_ort_values(self, feeds: _Feeds, output_names: _Names, run_options: _RunOptions = None) -> Any:
         vector = _ort_state.OrtValueVector()
         for value in self._session.run_with_ort_values(output_names, feeds, run_options):
             vector.push_back(value._ortvalue)
@@ -1002,8 +1005,8 @@ class InferenceSession:
 
     @staticmethod
     def _check_runtime_options(options: Mapping[str, Any]) -> None:
-        accepted = set(inspect.signature(Runtime.__init__).parameters) - {"self", "plan", "policy",
-                                                                          "cpu_groups", "cuda_streams"}
+        own = {"self", "plan", "policy", "cpu_groups", "cuda_streams"}  # set by the session
+        accepted = set(inspect.signature(Runtime.__init__).parameters) - own
         unknown = sorted(set(options) - accepted)
         if unknown:
             raise TypeError(f"InferenceSession() got an unexpected keyword argument {unknown[0]!r} "
@@ -1254,7 +1257,7 @@ class InferenceSession:
             raise InvalidArgument(str(exc)) from None
         return feeds
 
-    def _outputs(self, output_names: Sequence[str] | None) -> list[str]:
+    def _outputs(self, output_names: _Names) -> list[str]:
         if isinstance(output_names, str):
             raise TypeError("output_names must be a list of names (or None), not one string")
         if not output_names:
@@ -1265,8 +1268,7 @@ class InferenceSession:
                 raise InvalidArgument(f"Invalid output name:{n}; the outputs are {self._io.output_names}")
         return names
 
-    def _split(self, input_feed: Mapping[str, Any],
-               run_options: ort.RunOptions | None) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    def _split(self, input_feed: _Feeds, run_options: _RunOptions) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The feeds (checked: :meth:`_feeds`), and the overridable initializers this run
         replaces (ORT's two ways: fed by name, or set by ``run_options``' active LoRA adapters,
         read back from ORT)."""
@@ -1326,8 +1328,7 @@ class InferenceSession:
                 self._held.stop(self._variants.pop(next(iter(self._variants))))
         return runner
 
-    def run(self, output_names: Sequence[str] | None, input_feed: Mapping[str, Any],
-            run_options: ort.RunOptions | None = None) -> list[np.ndarray]:
+    def run(self, output_names: _Names, input_feed: _Feeds, run_options: _RunOptions = None) -> list[np.ndarray]:
         """Outputs in the order asked (all, in the model's order, for None or []), as ORT
         returns them. Of ``run_options``, what changes the answer is honoured: an active LoRA
         adapter (a variant of the model with its parameters) and ``terminate``; its log and
@@ -1340,14 +1341,9 @@ class InferenceSession:
             raise _ort_task_error(exc) from exc.__cause__
         return [values[n] for n in names]
 
-    def run_async(
-        self,
-        output_names: Sequence[str] | None,
-        input_feed: Mapping[str, Any] | None = None,
-        callback: Callable[[list[np.ndarray], Any, str], None] | None = None,
-        user_data: Any = None,
-        run_options: ort.RunOptions | None = None,
-    ) -> None:
+    def run_async(self, output_names: _Names, input_feed: _Feeds | None = None,
+                  callback: Callable[[list[np.ndarray], Any, str], None] | None = None, user_data: Any = None,
+                  run_options: _RunOptions = None) -> None:
         """ORT's form: ``callback(results, user_data, err)`` from a worker thread once the
         outputs are ready (``err`` is '' on success; on failure results are [] and ``err`` the
         message). A missing input raises here, as in ORT. For a future, use :meth:`submit`.
@@ -1384,8 +1380,8 @@ class InferenceSession:
         feeds, overrides = self._split(input_feed, None)
         return self._runner(feeds, overrides).submit(feeds)
 
-    def run_with_ort_values(self, output_names: Sequence[str] | None, input_dict_ort_values: Mapping[str, ort.OrtValue],
-                            run_options: ort.RunOptions | None = None) -> list[ort.OrtValue]:
+    def run_with_ort_values(self, output_names: _Names, input_dict_ort_values: Mapping[str, ort.OrtValue],
+                            run_options: _RunOptions = None) -> list[ort.OrtValue]:
         """Host OrtValues in (ORT's or its C ones: :meth:`_sess`), host OrtValues out."""
         feeds = {k: _host_array(v, k) for k, v in input_dict_ort_values.items()}
         return [_owned(a) for a in self.run(output_names, feeds, run_options)]
@@ -1393,7 +1389,7 @@ class InferenceSession:
     def io_binding(self) -> IOBinding:
         return IOBinding(self)
 
-    def run_with_iobinding(self, iobinding: IOBinding, run_options: ort.RunOptions | None = None) -> None:
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: _RunOptions = None) -> None:
         if not isinstance(iobinding, IOBinding):
             raise TypeError("run_with_iobinding takes the IOBinding this session's io_binding() made")
         iobinding._run()
