@@ -257,10 +257,10 @@ class CudaWorker(ThreadWorker):
         path with the worker's own buffers, hence ``repeats=2``; with graphs that second run
         is the capture (ORT 1.31 captures inside the first run of a graph id) and a third one
         replays. Tasks run ``parallel`` at a time (default in pairs, so both buffer sets, and
-        graphs, a pipelined worker uses per shape are made now). A capture that fails does not fail the
-        warm-up: the shape runs again, with a new graph id or without a graph
-        (:data:`CAPTURE_TRIES`). Returns ``(part, batch, compute seconds)`` of the last repeat of each.
-        """
+        graphs, a pipelined worker uses per shape are made now). A round in which a capture
+        failed runs again (its slot has a new graph id, or none any more: :data:`CAPTURE_TRIES`);
+        any other error is raised. Returns ``(part, batch, compute seconds)`` of the last repeat
+        of each."""
         if self.cuda_graphs:  # discovery, the capture, one replay
             repeats = max(repeats, 3)
 
@@ -273,9 +273,8 @@ class CudaWorker(ThreadWorker):
         return timings
 
     def _warm_shape(self, part: int, feeds: Feeds, repeats: int, parallel: int) -> float:
-        """``repeats`` rounds of ``parallel`` tasks launched together on ``feeds``; a round in
-        which a capture failed runs again (its slot has a new graph id, or none any more), any
-        other error is raised. Returns the compute seconds of the last task."""
+        """``repeats`` rounds of ``parallel`` tasks launched together on ``feeds`` (see
+        :meth:`warmup`); the compute seconds of the last task."""
         seconds, done = 0.0, 0
         while done < repeats:
             if self.lost is not None:
@@ -546,9 +545,8 @@ class CudaWorker(ThreadWorker):
             raise
 
     def _copy_in(self, dst: int, a: DeviceTensor, nbytes: int) -> None:
-        """An input already in GPU memory into the slot's buffer: a device-local copy when it
-        is on this GPU (no upload), a peer copy from another; after the event of the copy that
-        filled it, if that is still pending on another stream."""
+        """An input already in GPU memory into the slot's buffer (see :meth:`launch_here`), after
+        the event of the copy that filled it, if that is still pending on another stream."""
         stream = self._stream
         if a.ready is not None:
             stream.wait(a.ready)

@@ -82,7 +82,7 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
                             lowered=spec.lane_preempt if place.lowered else None)
             workers.append(cpu)
             cpu.start()
-        check_every_model_held(plan, workers)
+        check_every_model_held(owner, workers)
     except BaseException:
         for w in workers:
             try:
@@ -121,10 +121,9 @@ def start_fitting(make: Callable[[list[Path | None]], Any], paths: list[Path | N
                                      "no model fits in its memory") from exc
 
 
-def check_every_model_held(plan: Plan | ServedModels, workers: Sequence[ThreadWorker]) -> None:
-    """Refuse a runtime in which some model is held by no worker (every worker that was to
-    hold it had no memory left for it), naming the model."""
-    owner = part_models(plan)
+def check_every_model_held(owner: Sequence[str], workers: Sequence[ThreadWorker]) -> None:
+    """Refuse a runtime in which some model (``owner``: each part's) is held by no worker (every
+    worker that was to hold it had no memory left for it), naming the model."""
     for model in dict.fromkeys(owner):
         parts = {p for p, name in enumerate(owner) if name == model}
         if not any(w.holds is None or parts <= w.holds for w in workers):

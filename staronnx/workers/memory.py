@@ -196,10 +196,7 @@ class HostAllocator:
         topo = self.topology
         if topo is None or not topo.is_this_system:
             return []
-        for numa in topo.numa_nodes:
-            if numa.os_index == node.index:
-                return [p for p in numa.pus if p in topo.allowed_pus]
-        return []
+        return [p for numa in topo.numa_nodes if numa.os_index == node.index for p in numa.pus if p in topo.allowed_pus]
 
 
 def copy_host(

@@ -132,13 +132,6 @@ def with_replica(value: Any, node: str, copy: Any) -> Any:
     return Data({here: value, node: copy})
 
 
-def _contiguous(value: Any) -> np.ndarray:
-    """``value`` as a C-contiguous array of its own shape (``np.ascontiguousarray`` makes a
-    0-d array 1-d: a scalar tensor would come out [1])."""
-    array = np.asarray(value)
-    return array if array.flags.c_contiguous else np.ascontiguousarray(array).reshape(array.shape)
-
-
 class DeviceMemory(BufferArena):
     """One GPU as a memory node: its buffer arena and the runtime's copies to and from it."""
 
@@ -245,7 +238,9 @@ class DeviceMemory(BufferArena):
                 stream.wait(value.ready)
             self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
             return t, value
-        array = _contiguous(value)
+        array = np.asarray(value)
+        if not array.flags.c_contiguous:  # (reshaped: np.ascontiguousarray makes a 0-d array 1-d)
+            array = np.ascontiguousarray(array).reshape(array.shape)
         t = self.tensor(array.dtype, array.shape)
         src, staging = self._pinned_source(array)
         self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)

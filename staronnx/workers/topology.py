@@ -216,38 +216,20 @@ class Topology:
 
         root = Tree(f"[bold]Machine[/bold] ({self.source or 'unknown source'}): {self.summary()}")
 
-        def add_numa(parent: Tree, numa: NumaInfo | None, cores: list[CoreInfo]) -> None:
-            if numa is None:
-                node = parent
-            else:
-                node = parent.add(
-                    f"[cyan]NUMA node {numa.os_index}[/cyan] "
-                    f"({numa.memory_bytes / 2**30:.1f} GiB)"
-                )
-            for core in cores:
-                pus = " ".join(
-                    f"PU {p}" if p in self.allowed_pus else f"[dim]PU {p} (not allowed)[/dim]"
-                    for p in core.pus
-                )
-                node.add(f"Core {core.index}: {pus}")
-
-        by_numa: dict[int | None, list[CoreInfo]] = {}
-        for core in self.cores:
-            by_numa.setdefault(core.numa, []).append(core)
-        numa_by_index = {n.os_index: n for n in self.numa_nodes}
-
+        numa_by_index: dict[int | None, NumaInfo] = {n.os_index: n for n in self.numa_nodes}
         package_ids: list[int | None] = [p.index for p in self.packages]
         if any(c.package is None for c in self.cores) or not package_ids:
             package_ids.append(None)
         for pkg in package_ids:
             parent = root if pkg is None else root.add(f"[bold]Package {pkg}[/bold]")
-            numas = sorted(
-                {c.numa for c in self.cores if c.package == pkg},
-                key=lambda n: (n is None, n),
-            )
-            for numa in numas:
-                cores = [c for c in by_numa[numa] if c.package == pkg]
-                add_numa(parent, numa_by_index.get(numa) if numa is not None else None, cores)
+            for numa in sorted({c.numa for c in self.cores if c.package == pkg}, key=lambda n: (n is None, n)):
+                info = numa_by_index.get(numa)  # (a core's node may be unknown: its cores hang from the package)
+                node = parent if info is None else parent.add(
+                    f"[cyan]NUMA node {info.os_index}[/cyan] ({info.memory_bytes / 2**30:.1f} GiB)")
+                for core in (c for c in self.cores if c.package == pkg and c.numa == numa):
+                    pus = " ".join(f"PU {p}" if p in self.allowed_pus else f"[dim]PU {p} (not allowed)[/dim]"
+                                   for p in core.pus)
+                    node.add(f"Core {core.index}: {pus}")
         return root
 
     def render(self, width: int = 100) -> str:
