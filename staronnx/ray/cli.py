@@ -23,11 +23,6 @@ from staronnx.ray.spec import (APP_NAME, ModelSpec, ReplicaSpec, Scaling, forwar
                                parse_autoscale)
 
 
-def machine_cpus() -> int:
-    """The CPUs this process may use: a replica's default ask is this whole machine."""
-    return len(os.sched_getaffinity(0))
-
-
 def scaling_from_options(replicas: int | None, autoscale: str | None, replica_cpus: float | None,
                          replica_gpus: float | None, cuda_streams: int) -> Scaling:
     """The CLI's ``--replicas/--autoscale/--replica-cpus/--replica-gpus`` as a :class:`Scaling`.
@@ -39,7 +34,7 @@ def scaling_from_options(replicas: int | None, autoscale: str | None, replica_cp
     if replicas is not None and autoscale is not None:
         raise StaronnxError("give either --replicas N or --autoscale MIN:MAX, not both")
     bounds = parse_autoscale(autoscale) if autoscale is not None else None
-    cpus = float(machine_cpus()) if replica_cpus is None else float(replica_cpus)
+    cpus = float(len(os.sched_getaffinity(0)) if replica_cpus is None else replica_cpus)  # this process's CPUs
     gpus = (1.0 if cuda_streams > 0 else 0.0) if replica_gpus is None else float(replica_gpus)
     return Scaling(replicas=1 if replicas is None else replicas, autoscale=bounds, replica_cpus=cpus, replica_gpus=gpus)
 

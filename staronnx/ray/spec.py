@@ -91,31 +91,28 @@ class ModelSpec:
     lane_preempt: str = "idle"
 
     def __post_init__(self) -> None:
+        """Refuses here, on the driver, what a replica would refuse only after Serve's retries."""
         from staronnx.contract import parse_batch_axes
+        from staronnx.workers.groups import GroupError, policy_reserve
+        from staronnx.workers.layout import NO_CPU, MachineSpec
 
         items = (self.batch_axes,) if isinstance(self.batch_axes, str) else self.batch_axes
         object.__setattr__(self, "batch_axes", tuple(str(i) for i in items))  # a config's list travels as a tuple
-        parse_batch_axes(self.batch_axes)  # the syntax, here: a replica would fail only after Serve's retries
+        parse_batch_axes(self.batch_axes)
         if not isinstance(self.batching, bool):
             raise StaronnxError(f"batching is true or false, got {self.batching!r}")
-        self.serve_spec()  # the batcher's own checks, here: a replica would fail only after Serve's retries
+        self.serve_spec()  # the batcher's checks
         if self.save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at shutdown only), got {self.save_every}")
         if self.gc_interval < 0:
             raise StaronnxError(f"gc_interval must be >= 0 seconds (0 = Python's own thresholds), got {self.gc_interval}")
         check_names([self.name])
-        from staronnx.workers.groups import GroupError, policy_reserve
-        from staronnx.workers.layout import NO_CPU
-
-        # its syntax, here: a replica would fail only after Serve's retries
+        MachineSpec(self.groups, self.cuda_streams, lane_preempt=self.lane_preempt)  # the runtime's checks
         if self.groups.strip().lower() == NO_CPU:  # the GPU alone (launch's own word for it)
             if not self.cuda_streams:
                 raise GroupError("CPU groups 'none' leaves no worker at all: add CUDA streams (--cuda-streams N)")
         else:
-            policy_reserve(self.groups)
-        from staronnx.workers.lanes import check_preempt
-
-        check_preempt(self.lane_preempt)
+            policy_reserve(self.groups)  # the groups' syntax (the replica's machine lays them out)
         try:
             ServiceTarget.of(self.target())
         except StaronnxError as exc:

@@ -500,7 +500,7 @@ class Server:
         padded = padded_size(len(batch), self.pad_to)
         if padded != len(batch):
             record.padded_to = padded
-        oldest = min(batch, key=_arrival_of)
+        oldest = min(batch, key=lambda p: p._record.arrival)
         oldest._record.first_in_batch = True
         for p in batch:
             p._record.batch_id = record.id
@@ -781,7 +781,7 @@ class Server:
             if p.set_running_or_notify_cancel():
                 p.set_exception(ServerClosed("the server closed before this request completed"))
         if not on_batcher:
-            self._thread.join(timeout=None if timeout is None else max(_time_left(deadline), 1.0))
+            self._thread.join(timeout=None if deadline is None else max(deadline - time.monotonic(), 1.0))
 
     def wait_idle(self, timeout: float | None = None) -> int:
         """Wait until every request accepted so far has its result (queued ones leave only as
@@ -853,15 +853,6 @@ def _cpu_only(runtime: BatchRuntime) -> bool:
     """Whether every worker of ``runtime`` is a CPU worker (a staronnx Runtime or a model's
     handle on one; anything else, a remote server's stand-in included, is not assumed so)."""
     return isinstance(runtime, (Runtime, ModelHandle)) and all(w.kind == "cpu" for w in runtime.workers)
-
-
-def _arrival_of(request: _Request) -> float:
-    return request._record.arrival
-
-
-def _time_left(deadline: float | None) -> float:
-    """Seconds to a ``time.monotonic`` deadline (0 when passed or when there is none)."""
-    return 0.0 if deadline is None else max(deadline - time.monotonic(), 0.0)
 
 
 def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]] | None:

@@ -1,14 +1,10 @@
-"""What a batching server is asked to do, as one value (:class:`ServeSpec`), and the one rule that
-sizes its in-flight window (:func:`inflight_window`), which the server, ``staronnx serve``, a
-sweep and the simulator all apply.
+"""What a batching server is asked to do (:class:`ServeSpec`), and the one rule that sizes its
+in-flight window (:func:`inflight_window`): the server's, ``staronnx serve``'s, a sweep's, the
+simulator's.
 
-Only ``max_inflight`` batches are handed to the runtime at a time. Without that bound a
-saturated runtime would swallow every request into its own task queues, the server's queue
-would never fill, and neither the overload error nor the queue-length samples would say
-anything; with it, the backlog builds up in the server, where it is bounded, measured and
-rejected. How many is enough depends on the machine: dmda gives a batch to a worker 20x slower
-than the GPU only once the GPU's queue is longer than that worker's own time, so the window is
-sized from the perf models' times per worker where they are known.
+Only ``max_inflight`` batches are handed to the runtime at a time: without that bound a
+saturated runtime would swallow every request into its task queues, and the server's queue
+would never fill, be measured or refuse anything.
 """
 
 from __future__ import annotations
