@@ -115,7 +115,7 @@ def profile_costs(
     providers = providers_for(device)
     shapes = resolve_input_shapes(graph.inputs, batch, input_shapes)
     feeds = random_feeds_for_shapes(graph.inputs, shapes, model=graph.model, seed=seed)
-    estimates = np.array([estimate_node(graph, v, batch) for v in range(len(graph))]) * 1e6
+    estimates = estimated_costs(graph, batch).micros
     measured = np.zeros(len(graph), dtype=bool)
     micros = estimates.copy()
     warmup = 2

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import PartitionError
-from staronnx.partition.costs import estimate_node, profile_costs
+from staronnx.partition.costs import estimated_costs, profile_costs
 from staronnx.partition.graph import ModelGraph
 from staronnx.partition.methods.model import Device
 
@@ -116,8 +116,7 @@ def cost_tables(
                             f"no cost estimate for {dev.name} ({dev.kind}); give device_costs for it "
                             "or profile (costs='profile') on a machine that has it"
                         )
-                    est = np.array([estimate_node(graph, v, b) for v in range(len(graph))]) * 1e6
-                    cache[key] = np.maximum(est / max(dev.cores, 1), 1e-3)
+                    cache[key] = np.maximum(estimated_costs(graph, b).micros / max(dev.cores, 1), 1e-3)
                 else:
                     say(f"profiling {len(graph)} nodes on {dev.name} ({dev.cores} thread(s), batch {b})")
                     # the partitioner's own profiling, with the device's threads
@@ -125,16 +124,14 @@ def cost_tables(
                                                seed=seed, threads=int(dev.cores) if dev.kind == "cpu" else None).micros
             return cache[key]
 
-        plain = [d for d in devices if d.name not in overrides]
+        def column(dev: Device, reference: np.ndarray, b: int) -> np.ndarray:
+            if dev.name in overrides:
+                return apply_override(overrides[dev.name], reference, graph, b, profile_batch)
+            return measured(dev)
+
         ref_dev = next((d for d in devices if d.kind == "cpu" and d.name not in overrides), None)
         if ref_dev is None:
             ref_dev = next((d for d in devices if d.kind == "cpu"), None) or Device("cpu:ref", "cpu", "numa0", 1)
         reference = measured(ref_dev)
-        cols = []
-        for dev in devices:
-            if dev.name in overrides:
-                cols.append(apply_override(overrides[dev.name], reference, graph, b, profile_batch))
-            else:
-                cols.append(measured(dev) if dev in plain else reference)
-        tables[b] = np.stack(cols, axis=1)
+        tables[b] = np.stack([column(d, reference, b) for d in devices], axis=1)
     return tables
