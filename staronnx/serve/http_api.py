@@ -27,6 +27,7 @@ header names staronnx only, and a 500 says no more than that the log has the det
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
@@ -474,9 +475,7 @@ async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, w
     rest is read straight into it (no growth copies: a 3 MB JSON tensor's request costs the loop
     ~1 ms more with a growing bytearray). A body that arrives at once is returned as its one
     chunk, with no copy. A chunked body (no length announced) is joined once at the end. Every
-    byte held counts against ``budget`` until the body is whole (503 past it), and ``watch``
-    notes each chunk (its timer cuts a body that arrives too slowly). A body announced larger
-    than ``max_body`` is refused before any of it is read.
+    byte held counts against ``budget`` until the body is whole (503 past it).
 
     Why not a buffer of the announced length at once: 30 connections that each announced 64 MiB
     and sent nothing held 2 GB.
@@ -535,15 +534,13 @@ async def _discard(content: Any, watch: _BodyWatch) -> None:
     """Read and drop the rest of a body, for as long as it keeps arriving within ``watch``'s
     limits (no memory held: each chunk is dropped as it comes)."""
     watch.stop()
-    try:
+    with contextlib.suppress(TimeoutError, ConnectionError, RuntimeError):
         while not content.is_eof():
             async with asyncio.timeout_at(watch.deadline()):
                 chunk = await content.readany()
             if not chunk:
                 return
             watch.arrived(len(chunk))
-    except (TimeoutError, ConnectionError, RuntimeError):
-        return
 
 
 def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
@@ -598,13 +595,10 @@ def _parse_json(data: bytes | bytearray, what: str, loads: Callable[[bytes | byt
 
 
 def requested_classes(header: Mapping[str, Any]) -> dict[str, Any]:
-    """Outputs asked for with Triton's ``classification`` parameter, and their k."""
-    out: dict[str, Any] = {}
-    for spec in header.get("outputs") or []:
-        k = _params(spec, "output").get("classification") if isinstance(spec, dict) else None
-        if k is not None and isinstance(spec.get("name"), str):
-            out[spec["name"]] = k
-    return out
+    """Outputs asked for with Triton's ``classification`` parameter, and their k, in a header
+    :func:`decode_body` accepted (its outputs named objects, their parameters objects)."""
+    return {out["name"]: out["parameters"]["classification"] for out in header.get("outputs", [])
+            if out.get("parameters", {}).get("classification") is not None}
 
 
 async def _server_header(request: web.Request, response: web.StreamResponse) -> None:

@@ -46,8 +46,9 @@ GRPC_CONTENTS: dict[str, str] = {
     "FP64": "fp64_contents",
 }
 
-#: protocol errors and what they mean to each transport
-KINDS = {
+#: protocol errors and what they mean to each transport: an HTTP status, the name of a
+#: ``grpc.StatusCode`` (a string, so that HTTP never imports grpc)
+KINDS: dict[str, tuple[int, str]] = {
     "invalid": (400, "INVALID_ARGUMENT"),
     "not_found": (404, "NOT_FOUND"),
     "unavailable": (503, "UNAVAILABLE"),
@@ -76,15 +77,7 @@ class ProtocolError(StaronnxError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
-
-    @property
-    def http_status(self) -> int:
-        return KINDS[self.kind][0]
-
-    @property
-    def grpc_code(self) -> str:
-        """The name of a ``grpc.StatusCode`` (kept as a string so HTTP never imports grpc)."""
-        return KINDS[self.kind][1]
+        self.http_status, self.grpc_code = KINDS[kind]
 
 
 def invalid(message: str) -> ProtocolError:
@@ -290,8 +283,7 @@ def _from_list(name: str, datatype: str, dtype: np.dtype, values: Any) -> np.nda
         raise invalid(f"input {shown(name)}: data is not a (nested) list of {datatype} values: {cut(exc)}") from None
     if dtype.kind == "f" and dtype.itemsize < 8:
         # a finite double past the type's range would become an infinity the client never sent
-        over = np.flatnonzero(np.isinf(arr.reshape(-1)))
-        for i in over:
+        for i in np.flatnonzero(np.isinf(arr.reshape(-1))):
             v = flat[int(i)]
             if not (type(v) is float and math.isinf(v)):
                 raise _bad_value(name, datatype, dtype, int(i), v)
