@@ -277,13 +277,15 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
 
 
 # -- plans made for a session ---------------------------------------------------------------
-def _load_source(path_or_bytes: str | os.PathLike[str] | bytes | bytearray | memoryview,
-                 so: ort.SessionOptions | None = None) -> tuple[Any, onnx.ModelProto, str]:
+def _load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any, onnx.ModelProto, str] | None:
     """The model as partition() takes it (the path, so the plan records it, or the parsed
-    bytes), the validated model, and its hash; fails before anything is written. With ``so``,
-    the model ORT would build from those options: initializers it supplies in memory and input
-    dimensions it fixes (:func:`staronnx.ortutil.option_effects`), a model of its own (its hash
-    covers them)."""
+    bytes), the validated model, and its hash; None for a plan (a Plan or its folder), which
+    runs as it is. With ``so``, the model ORT would build from those options
+    (:func:`staronnx.ortutil.option_effects`), a model of its own (its hash covers them)."""
+    if isinstance(path_or_bytes, Plan):
+        return None
+    if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
+        raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         proto = onnx.ModelProto()
         try:
@@ -292,10 +294,11 @@ def _load_source(path_or_bytes: str | os.PathLike[str] | bytes | bytearray | mem
             raise InvalidProtobuf("Failed to load model because protobuf parsing failed.") from None
         source: Any = proto
     else:
-        path = Path(path_or_bytes)
-        if not path.exists():
-            raise NoSuchFile(f"Load model from {path} failed: File doesn't exist")
-        source = path
+        source = Path(path_or_bytes)
+        if source.is_dir():
+            return None
+        if not source.exists():
+            raise NoSuchFile(f"Load model from {source} failed: File doesn't exist")
     effects = option_effects(so, source) if so is not None else None
     try:
         loaded = load_model(source, supplied=effects.initializers if effects else None)
@@ -887,8 +890,6 @@ class InferenceSession:
         #: what runs the plan: a Runtime over the workers, or for a plan they cannot run, an _OrtPart
         self._runtime: Runtime | _OrtPart | None = None
         self._plan: Plan | None = None
-        #: the source model's declared inputs and outputs (None for a plan given as it is)
-        self._model: Plan | None = None
         self._start_lock = threading.Lock()
         self._closed = False
         self._held = _Held()
@@ -903,20 +904,22 @@ class InferenceSession:
         self._check_runtime_options(runtime_options)
         _refuse_options(sess_options, path_or_bytes)
         self._sess_options = sess_options
-        self._fallback = int(kwargs.get("enable_fallback", 1)) == 1
-        self._meta: ModelMetadata | None = None
-        self._overridable: list[onnx.TensorProto] = []
         self._adapters: AdapterProbe | None = None
-        #: the model as loaded (source, model, hash), and how this session cuts it (None for a plan)
-        self._loaded: tuple[Any, onnx.ModelProto, str] | None = None
         self._assignments: tuple[list[OrtSession], list[Any]] | None = None
         #: the RunOptions settings not applied that this session has warned of
         self._said: set[str] = set()
+        #: how this session cuts its model (None for a plan), and the runtimes of variants of the model
+        #: with other initializers (a LoRA adapter's), by their values
         self._cut_model: Callable[..., Plan] | None = None
-        #: runtimes of variants of the model with other initializers (a LoRA adapter's), by their values
         self._variants: dict[str, Runtime | _OrtPart] = {}
-        source = self._source(path_or_bytes, sess_options)
-        config = _model_config(source[1]) if source is not None and _reads_config(kwargs) else {}
+        #: the model as loaded (source, model, hash; None for a plan), its metadata, its inputs and
+        #: outputs as it declares them, and the initializers a run may override
+        self._loaded = _load_source(path_or_bytes, sess_options)
+        model = self._loaded[1] if self._loaded is not None else None
+        self._meta = ModelMetadata.of(model) if model is not None else None
+        self._model = _declared(model) if model is not None else None
+        self._overridable = _overridable(model) if model is not None else []
+        config = _model_config(model) if model is not None and _reads_config(kwargs) else {}
         effective = _with_config(sess_options, config)
         #: the options this session runs with (the caller's, with the model's embedded config over them)
         self._options = effective
@@ -929,7 +932,7 @@ class InferenceSession:
         self._asked = (cuda_streams, dict(runtime_options), cpu_groups, policy)
         self._streams, self._runtime_args = self._workers(providers, provider_options, cuda_streams)
 
-        if source is not None and effective is not None and effective.optimized_model_filepath:
+        if model is not None and effective is not None and effective.optimized_model_filepath:
             # the whole model, optimised as ORT writes it for these options (staronnx's parts are not it)
             model_arg = bytes(path_or_bytes) if isinstance(path_or_bytes, (bytes, bytearray, memoryview)) \
                 else str(path_or_bytes)
@@ -937,8 +940,7 @@ class InferenceSession:
                             config.get("graph_optimization_level"))
         options = _partition_options(partition_options, input_shapes)
         try:
-            self._plan = self._plan_for(path_or_bytes, source, shares, options, self._runtime_args["cpu_groups"],
-                                        self._streams)
+            self._plan = self._plan_for(path_or_bytes, shares, options, self._runtime_args["cpu_groups"], self._streams)
             self._profile_path, self._profile_start = self._profiling(effective, self._runtime_args)
             if self._plan is not None:
                 self._runtime = self._start(self._plan)
@@ -975,21 +977,6 @@ class InferenceSession:
             runtime_options["cuda_options"] = cuda_options
         return streams, dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
 
-    def _source(self, path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any, onnx.ModelProto, str] | None:
-        """The model to cut (as partition takes it), itself and its hash, with what ``so``
-        changes in it; None for a plan (a Plan or a plan folder), which runs as it is."""
-        if isinstance(path_or_bytes, Plan):
-            return None
-        if not isinstance(path_or_bytes, (str, os.PathLike, bytes, bytearray, memoryview)):
-            raise TypeError(f"Unable to load from type '{type(path_or_bytes)}'")
-        if not isinstance(path_or_bytes, (bytes, bytearray, memoryview)) and Path(path_or_bytes).is_dir():
-            return None
-        source, model, sha256 = _load_source(path_or_bytes, so)
-        self._meta = ModelMetadata.of(model)
-        self._model = _declared(model)
-        self._overridable = _overridable(model)
-        return source, model, sha256
-
     def _start(self, plan: Plan) -> Runtime | _OrtPart:
         """What runs the plan: a :class:`Runtime` over staronnx's workers, or for a plan they
         cannot run (served whole: :func:`_runs_on_workers`), one ORT session (:class:`_OrtPart`),
@@ -1013,13 +1000,13 @@ class InferenceSession:
                             f"(staronnx options: shares, policy, cpu_groups, cuda_streams, input_shapes, "
                             f"partition_options, {', '.join(sorted(accepted))})")
 
-    def _plan_for(self, path_or_bytes: Any, loaded: tuple[Any, onnx.ModelProto, str] | None, shares: Any,
-                  options: dict[str, Any], groups: str, streams: int) -> Plan | None:
+    def _plan_for(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str,
+                  streams: int) -> Plan | None:
         """The plan to run: the one given, the one kept for this model and settings, or a new
         cut. None when the model is cut at its first run (by :meth:`_runner`)."""
-        if loaded is None:
+        if self._loaded is None:
             return path_or_bytes if isinstance(path_or_bytes, Plan) else Plan.load(path_or_bytes)
-        source, model, sha256 = self._loaded = loaded
+        source, model, sha256 = self._loaded
         if shares is DEFAULT_SHARES and too_small(model, len(shares)):
             shares = None  # partition's default split, which serves a model too small to cut whole
         if shares is not None and not isinstance(shares, str):
@@ -1235,11 +1222,10 @@ class InferenceSession:
         return _CSession(self)
 
     def disable_fallback(self) -> None:
-        """Fallback happens at construction only (CUDA missing -> CPU workers)."""
-        self._fallback = False
+        """Nothing to turn off: fallback happens at construction only (CUDA missing -> CPU workers)."""
 
     def enable_fallback(self) -> None:
-        self._fallback = True
+        """Nothing to turn on: fallback happens at construction only."""
 
     # -- running ----------------------------------------------------------------------------
     def _feeds(self, input_feed: Mapping[str, Any]) -> dict[str, np.ndarray]:
