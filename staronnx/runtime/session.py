@@ -252,11 +252,9 @@ def _providers(providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
 
 def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None,
                   stand_in: Any = None) -> int:
-    """How many CUDA workers to start. ``providers=None`` keeps staronnx's own default (CPU
-    groups, plus ``cuda_streams`` when given); providers naming CUDA start CUDA workers where
-    CUDA can run (on the GPU their ``device_id`` names), and otherwise warn and fall back to
-    the CPU, as ORT does. ``stand_in``: the CUDA runtime the workers will use instead of this
-    machine's CUDA (a :class:`~staronnx.workers.cudart.HostRuntime`), asked in its place."""
+    """How many CUDA workers to start: with ``providers=None``, ``cuda_streams``; with providers
+    naming CUDA, where CUDA can run (``stand_in``: the CUDA runtime the workers use instead of
+    this machine's, asked in its place), and otherwise none, with ORT's warning of a fallback."""
     if asked is None:
         return int(cuda_streams or 0)
     if CUDA_EP not in asked:
@@ -480,11 +478,8 @@ def _device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
 def _cores_for_threads(threads: int, cuda_drivers: int = 0) -> str:
     """ORT's ``intra_op_num_threads`` as CPU groups: one group of the first ``threads`` cores
     this process may use (one PU each), so the session computes on that many threads as ORT's
-    would, instead of spreading over the machine (all of it, when there are fewer). With
-    ``cuda_drivers`` GPU driver threads, as many more cores are held back for them
-    (``reserve=N``, from the machine's last cores) where the machine has them, as the default
-    groups do: an explicit list alone reserves none, and the driver would float over the
-    group's cores."""
+    would. ``cuda_drivers`` more cores are reserved for the GPU driver threads where the machine
+    has them, as the default groups do (an explicit list alone reserves none)."""
     from staronnx.workers.topology import Topology
 
     topology = Topology.from_system()
@@ -595,10 +590,9 @@ def _runs_on_workers(plan: Plan) -> str | None:
 
 
 class _OrtPart:
-    """The one part of a plan that staronnx's workers cannot run (:func:`_runs_on_workers`:
-    a sequence, an optional or a map among its inputs or outputs, an input returned as an
-    output), run by one ONNX Runtime session in this process, on the CPU. It answers what a
-    session asks of its Runtime."""
+    """The one part of a plan that staronnx's workers cannot run (:func:`_runs_on_workers`), run
+    by one ONNX Runtime session in this process, on the CPU, answering what a session asks of its
+    Runtime."""
 
     def __init__(self, plan: Plan, threads: int = 0) -> None:
         so = ort.SessionOptions()
@@ -770,11 +764,9 @@ def _host_array(value: Any, name: str) -> np.ndarray:
 
 # -- what a session holds, released without close() too ----------------------------------------
 class _Held:
-    """What a session started and must stop: its runners (a :class:`Runtime`, an
-    :class:`_OrtPart`) and a temporary plan folder. Kept apart from the session, so that a
-    finalizer stops them when the session is garbage-collected, or when the interpreter exits,
-    without ``close()`` (ORT's users never call it): the workers' threads then neither outlive
-    the session nor hold the process at exit."""
+    """What a session started and must stop: its runners and temporary folders. Kept apart from
+    the session, so that they are released when the session is collected or the interpreter
+    exits without ``close()`` (ORT's users never call it)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -876,17 +868,13 @@ class InferenceSession:
         partition_options: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
-        """``input_shapes`` (``["image=1x3x256x256"]``) is the size a model with dynamic sizes
-        is cut at when the session opens; without it such a model is cut at its first run's
-        shapes (see the module's docstring), and either plan serves every size.
-        ``partition_options`` go to :func:`staronnx.partition` when a model is cut (e.g.
-        ``{"costs": "estimate"}``, ``{"method": "linear"}``); other keywords go to
-        :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...).
-
-        ORT's settings that choose hardware keep their meaning: the CUDA provider's
-        ``device_id`` is the GPU the CUDA workers drive, and ``sess_options.intra_op_num_threads
-        = N`` (N > 0) gives the session one CPU group of N cores, as ORT computes on N threads
-        (``cpu_groups``, when given, decides instead; default: one group per NUMA node)."""
+        """``input_shapes`` (``["image=1x3x256x256"]``): the size a model with dynamic sizes is
+        cut at when the session opens, instead of at its first run's shapes. ``partition_options``
+        go to :func:`staronnx.partition` (e.g. ``{"costs": "estimate"}``); other keywords go to
+        :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...). ORT's
+        settings that choose hardware keep their meaning: the CUDA provider's ``device_id`` is the
+        GPU the CUDA workers drive; ``sess_options.intra_op_num_threads = N`` gives the session one
+        CPU group of N cores (``cpu_groups`` decides instead when given; default: one per NUMA node)."""
         #: what runs the plan: a Runtime over the workers, or for a plan they cannot run, an _OrtPart
         self._runtime: Runtime | _OrtPart | None = None
         self._plan: Plan | None = None
@@ -951,10 +939,8 @@ class InferenceSession:
             raise
 
     def _workers(self, providers: Any, provider_options: Any, cuda_streams: int | None) -> tuple[int, dict[str, Any]]:
-        """The workers ORT's provider arguments ask for, with what the session was given
-        (``self._asked``): CUDA streams, and the Runtime's arguments (the GPU the CUDA provider
-        names, its options for every CUDA worker, the CPU groups: ``intra_op_num_threads`` cores,
-        else one group per NUMA node); ``self._provider_options`` records the providers in use."""
+        """The CUDA streams and the Runtime's arguments for ORT's provider arguments, with what the
+        session was given (``self._asked``); ``self._provider_options`` records the providers in use."""
         _, given, cpu_groups, policy = self._asked
         runtime_options = dict(given)
         stand_in = _stand_in(runtime_options)
@@ -1112,16 +1098,12 @@ class InferenceSession:
     def get_provider_options(self) -> dict[str, dict[str, str]]:
         """The options of the providers in use: CUDA's as the first CUDA worker's part 0
         session reports them (ORT's full set), else as given."""
-        out = {}
-        for name in self.get_providers():
-            opts = dict(self._provider_options.get(name, {}))
-            if name == CUDA_EP:
-                workers = self._runtime.workers if self._runtime is not None else []
-                worker = next((w for w in workers if isinstance(w, CudaWorker)), None)
-                with contextlib.suppress(Exception):
-                    if worker is not None:
-                        opts = dict(worker.provider_options(0).get(CUDA_EP, opts))
-            out[name] = opts
+        out = {name: dict(self._provider_options.get(name, {})) for name in self.get_providers()}
+        workers = self._runtime.workers if self._runtime is not None else []
+        worker = next((w for w in workers if isinstance(w, CudaWorker)), None)
+        if CUDA_EP in out and worker is not None:
+            with contextlib.suppress(Exception):
+                out[CUDA_EP] = dict(worker.provider_options(0).get(CUDA_EP, out[CUDA_EP]))
         return out
 
     def get_session_options(self) -> ort.SessionOptions:
@@ -1332,9 +1314,8 @@ class InferenceSession:
                   run_options: _RunOptions = None) -> None:
         """ORT's form: ``callback(results, user_data, err)`` from a worker thread once the
         outputs are ready (``err`` is '' on success; on failure results are [] and ``err`` the
-        message). A missing input raises here, as in ORT. For a future, use :meth:`submit`.
-        A session whose model is cut at its first run cuts it in this call, at these inputs'
-        shapes, before it returns (a failed cut is reported through the callback)."""
+        message). A missing input raises here, as in ORT; a first run's failed cut is reported
+        through the callback. For a future, use :meth:`submit`."""
         if callback is None or input_feed is None:
             raise TypeError("run_async(output_names, input_feed, callback, user_data) is ONNX "
                             "Runtime's callback form; for a future of the outputs use submit(input_feed)")
