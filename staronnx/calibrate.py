@@ -12,7 +12,7 @@ concurrently, as they will while serving; workers of the same architecture (CPU 
 same size) feed one shared model, as StarPU's homogeneous CPU models do.
 
 Each run is a task pinned to its worker through the native engine
-(:meth:`~staronnx.runtime.engine.NativeEngine.run_on`, StarPU's ``execute_on_specific_worker``):
+(:meth:`~staronnx.runtime.engine.NativeEngine.pin`, StarPU's ``execute_on_specific_worker``):
 the same launch, copies and wait as serving, on the thread that drives the worker.
 
 Calibration reads the machine's load while it measures (:mod:`staronnx.bench.cpuload`): samples
@@ -143,11 +143,11 @@ def calibrate(
             fp = Footprint.of_feeds(feeds, batch, plan.part_batch_axes(part))  # the engine's, so serving finds these
             with lock:
                 measured_fps.setdefault((part, arch), set()).add(fp)
-            engine.run_on(wid, part, feeds).result()  # warm-up: allocations, kernel selection
+            engine.pin(wid, part, feeds)[0].result()  # warm-up: allocations, kernel selection
             runs = 0
             k = (part, arch, batch)
             while model.needs_samples(fp) and runs < max_runs and not stop.is_set():
-                ran = engine.run_on(wid, part, feeds).result()
+                ran = engine.pin(wid, part, feeds)[0].result()
                 # kernel time only for CUDA workers: copies are the bus model's business
                 with lock:  # (the model is shared by the workers of one arch)
                     model.record(fp, ran.seconds)
@@ -203,7 +203,7 @@ def calibrate(
 
 def _pinning_engine(plan: Plan, workers: Sequence[Worker]) -> Any:
     """The native engine over ``workers``, for tasks pinned to them
-    (:meth:`~staronnx.runtime.engine.NativeEngine.run_on`): calibration runs each part through
+    (:meth:`~staronnx.runtime.engine.NativeEngine.pin`): calibration runs each part through
     the same launch, copies and wait as serving does (on a CUDA worker, on the thread that
     drives it), with no request, no policy decision, and a perf model of its own that is
     never saved (the report's models are what calibration keeps)."""

@@ -316,7 +316,6 @@ class Plan:
         return values
 
     def part_feeds(self, index: int, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """The subset of ``values`` that part ``index`` reads."""
         return {n: values[n] for n in self.parts[index].inputs}
 
 

@@ -390,7 +390,7 @@ def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, st
         want = plan3.reference_values(x)
         scheduled = [engine.submit(x) for _ in range(4)]
         before = rt.copy_counts()
-        pinned = [engine.run_on(cpu, 0, plan3.part_feeds(0, want)) for _ in range(3)]
+        pinned = [engine.pin(cpu, 0, plan3.part_feeds(0, want))[0] for _ in range(3)]
         for fut in pinned:
             got = fut.result(timeout=60)
             for name, value in got.outputs.items():
@@ -401,13 +401,13 @@ def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, st
         assert engine.stats()["workers"][workers[cpu].name]["tasks"] == 0  # pinned tasks are no request's
         # the scheduled tasks copied on the GPU, the pinned ones nothing
         assert rt.copy_counts().get("h2d", (0, 0))[0] - before.get("h2d", (0, 0))[0] <= 4
-        on_gpu = engine.run_on(gpu, 1, plan3.part_feeds(1, want)).result(timeout=60)
+        on_gpu = engine.pin(gpu, 1, plan3.part_feeds(1, want))[0].result(timeout=60)
         np.testing.assert_allclose(on_gpu.outputs[plan3.parts[1].outputs[0]], want[plan3.parts[1].outputs[0]],
                                    rtol=1e-5, atol=1e-5)
         with pytest.raises(IndexError):
-            engine.run_on(len(workers), 0, plan3.part_feeds(0, want))
+            engine.pin(len(workers), 0, plan3.part_feeds(0, want))
         engine._worker_died(cpu, WorkerLost("gone"))
         with pytest.raises(WorkerLost):
-            engine.run_on(cpu, 0, plan3.part_feeds(0, want))
+            engine.pin(cpu, 0, plan3.part_feeds(0, want))
     finally:
         engine.close()

@@ -113,11 +113,9 @@ class BusModel:
 
     @property
     def links(self) -> dict[Link, LinkCost]:
-        """A copy of the measured links."""
         return dict(self._links)
 
     def nodes(self) -> list[str]:
-        """Every memory node that appears in a link, sorted."""
         return sorted({n for link in self._links for n in (link.src, link.dst)})
 
     def _candidates(self, src: str, dst: str) -> list[tuple[float, float]]:

@@ -303,7 +303,6 @@ class HistoryModel:
 
     @property
     def unsaved_count(self) -> int:
-        """How many records are waiting to be merged into the store."""
         return len(self._unsaved)
 
     def sync_from(self, other: HistoryModel) -> None:
@@ -370,7 +369,6 @@ class HistoryModel:
     # -- inspection ------------------------------------------------------------------------
 
     def entries(self) -> dict[Footprint, HistoryEntry]:
-        """A snapshot (copies) of all entries."""
         with self._lock:
             return {fp: e.copy() for fp, e in self._entries.items()}
 

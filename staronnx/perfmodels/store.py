@@ -149,7 +149,6 @@ class ModelKey:
 
     @property
     def filename(self) -> str:
-        """``part<k>.<arch>.json``."""
         return f"part{self.part}.{self.arch}.json"
 
 
@@ -191,7 +190,6 @@ class PerfModelStore:
         return self.root / "perfmodels" / self.host / _check_name("plan_hash", plan_hash)
 
     def path(self, key: ModelKey) -> Path:
-        """The JSON file of one history model."""
         return self.plan_dir(key.plan_hash) / key.filename
 
     def bus_path(self) -> Path:

@@ -29,7 +29,7 @@ launches ahead settles futures at once but wakes their callers in groups (see
 :meth:`NativeEngine._drive`): before it waits for the device, goes idle, or after
 :data:`ANNOUNCE_EVERY` results or :data:`ANNOUNCE_AFTER_S` seconds.
 
-A task may also be pinned to one worker (:meth:`NativeEngine.run_on`, StarPU's
+A task may also be pinned to one worker (:meth:`NativeEngine.pin`, StarPU's
 ``execute_on_specific_worker``): one part on given arrays, run by that worker's loop before
 its next scheduled task, through the same launch, wait and copies as every task. Calibration
 and warm-up are such tasks: there is one way to run a task.
@@ -250,19 +250,16 @@ class NativeEngine:
                 self._wake()
         return future
 
-    def run_on(self, wid: int, part: int, feeds: Mapping[str, np.ndarray], timed: bool = True) -> Future[PinnedResult]:
-        """Run ``part`` on ``feeds`` on worker ``wid`` (an index of :attr:`workers`), before the
-        tasks the policy has for it: StarPU's ``execute_on_specific_worker``, what calibration
-        and warm-up run. The same launch, copies and wait as every task (on a CUDA worker, on
-        the thread that drives it: its graphs are captured there); no request, no policy, no
-        perf model fed. ``timed``: record the CUDA events that time it."""
-        return self.pin(wid, part, feeds, 1, timed)[0]
-
     def pin(self, wid: int, part: int, feeds: Mapping[str, np.ndarray], n: int = 1,
             timed: bool = True) -> list[Future[PinnedResult]]:
-        """:meth:`run_on` ``n`` times, queued at once: a CUDA worker launches the second before
-        it waits for the first, as it does its scheduled tasks (so a warm-up makes both buffer
-        sets a pipelined stream uses per shape)."""
+        """Run ``part`` on ``feeds`` ``n`` times on worker ``wid`` (an index of :attr:`workers`),
+        before the tasks the policy has for it: StarPU's ``execute_on_specific_worker``, what
+        calibration and warm-up run. The same launch, copies and wait as every task (on a CUDA
+        worker, on the thread that drives it: its graphs are captured there); no request, no
+        policy, no perf model fed. ``timed``: record the CUDA events that time it. The ``n`` are
+        queued at once: a CUDA worker launches the second before it waits for the first, as it
+        does its scheduled tasks (so a warm-up makes both buffer sets a pipelined stream uses
+        per shape)."""
         holds = self._workers[wid].holds
         if holds is not None and part not in holds:
             raise StaronnxError(f"{self._workers[wid].name} does not hold part {part}")

@@ -355,7 +355,6 @@ class ModelHandle:
         return self.runtime.preferred_batch_sizes
 
     def colocate(self) -> contextlib.AbstractContextManager[int | None]:
-        """The shared runtime's :meth:`Runtime.colocate`."""
         return self.runtime.colocate()
 
     @property
@@ -368,7 +367,6 @@ class ModelHandle:
 
     @property
     def closed(self) -> bool:
-        """The shared runtime's :attr:`Runtime.closed`."""
         return self.runtime.closed
 
     def close(self, timeout: float | None = 30.0) -> None:
