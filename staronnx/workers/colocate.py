@@ -95,10 +95,8 @@ class Colocation:
         and what undoes that pin: (its worker, its thread id, its PUs before)."""
         if not _SUPPORTED:
             return None, None
-        if not self._cuda:  # the CPU worker's thread is pinned for its whole life
-            return self.core, None
         pu = self.core
-        if pu is not None:
+        if pu is not None or not self._cuda:  # pinned already (a CPU worker's thread for its whole life)
             return pu, None
         first = self._cuda[0]
         tid = first.native_id

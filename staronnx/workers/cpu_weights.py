@@ -46,18 +46,14 @@ def process_memory() -> dict[str, int]:
     directly (Linux only; missing keys are 0 elsewhere).
     """
     out = {"rss": 0, "rss_anon": 0, "rss_file": 0, "pss": 0}
-    keys = {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file"}
+    files = {"/proc/self/status": {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file"},
+             "/proc/self/smaps_rollup": {"Pss:": "pss"}}
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[0] in keys:
-                    out[keys[parts[0]]] = int(parts[1]) * 1024
-        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-            for line in f:
-                parts = line.split()
-                if parts and parts[0] == "Pss:":
-                    out["pss"] = int(parts[1]) * 1024
+        for path, keys in files.items():
+            with open(path, encoding="ascii") as f:
+                for parts in map(str.split, f):
+                    if parts and parts[0] in keys:
+                        out[keys[parts[0]]] = int(parts[1]) * 1024
     except OSError:
         pass
     return out

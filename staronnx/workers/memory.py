@@ -424,8 +424,7 @@ _Measure = Callable[[Callable[[int], object]], LinkCost]
 def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
                         rt: GpuRuntime, nbytes: int, measure: _Measure) -> tuple[LinkCost, LinkCost]:
     """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory."""
-    copier = CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator)
-    try:
+    with CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator) as copier:
         device = rt.device_buffer(nbytes)
         pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
         try:
@@ -437,8 +436,6 @@ def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAlloca
             pinned.free()
             rt.set_device(gpu.index)
             device.free()
-    finally:
-        copier.close()
 
 
 def _calibrate_peer(src: MemoryNode, dst: MemoryNode, rt: GpuRuntime, nbytes: int,
