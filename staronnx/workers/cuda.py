@@ -53,7 +53,6 @@ import gc
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -113,7 +112,6 @@ class _Launch:
 
     slot: Slot
     timed: bool
-    start: float
     wait_event: Any = None  # None: wait for the whole stream
     outputs: Outputs | None = None  # set when it ran synchronously (the general path)
     #: the outputs written back (None: all of them) and those kept on the device
@@ -488,7 +486,6 @@ class CudaWorker(ThreadWorker):
 
     # -- one task
     def _launch(self, part_index: int, feeds: Feeds, timed: bool, route: OutputRoute | None) -> _Launch:
-        start = time.perf_counter()
         behind = self._unmarked
         if behind is not None:  # this task queues behind one not yet waited for: mark its end
             self._unmarked = None
@@ -510,7 +507,7 @@ class CudaWorker(ThreadWorker):
             slot = self._make_slot(key, part_index, arrays)
         try:
             if not slot.fixed:
-                return self._launch_general(slot, arrays, timed, start, route)
+                return self._launch_general(slot, arrays, timed, route)
             rt, stream = self._runtime, self._stream
             ev = slot.events
             up = self._copy_inputs(slot, arrays, timed)
@@ -535,8 +532,8 @@ class CudaWorker(ThreadWorker):
             kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps] if keeps else None
             if timed:
                 ev["d2h_done"].record(stream)
-                return _Launch(slot, timed, start, ev["d2h_done"], None, written, kept, up)
-            launch = _Launch(slot, timed, start, None, None, written, kept)
+                return _Launch(slot, timed, ev["d2h_done"], None, written, kept, up)
+            launch = _Launch(slot, timed, None, None, written, kept)
             self._unmarked = launch
             return launch
         except BaseException as exc:
@@ -716,8 +713,7 @@ class CudaWorker(ThreadWorker):
                 up += nbytes
         return up
 
-    def _launch_general(self, slot: Slot, arrays: list[Any], timed: bool, start: float,
-                        route: OutputRoute | None) -> _Launch:
+    def _launch_general(self, slot: Slot, arrays: list[Any], timed: bool, route: OutputRoute | None) -> _Launch:
         """Output discovery (a slot's first run) and slots with ORT-allocated outputs
         (data-dependent shapes): synchronous, outputs read back here (or kept on the device,
         as ``route`` says)."""
@@ -743,7 +739,7 @@ class CudaWorker(ThreadWorker):
                         "ORT-allocated outputs for this shape", self.name, slot.part, exc)
             self._settle(exc)  # the slot stays this task's: it runs again below
             self._unbind_outputs(slot)
-            return self._launch_general(slot, arrays, timed, start, route)
+            return self._launch_general(slot, arrays, timed, route)
         if timed:
             ev["run_done"].record(stream)
         # ORT-allocated outputs: read their shapes and addresses now; the kernels filling them
@@ -783,7 +779,7 @@ class CudaWorker(ThreadWorker):
             self._add_kept(outputs, kept)
         if discovering:
             self._bind_static_outputs(slot, part)
-        return _Launch(slot, timed, start, None, outputs, written, kept)
+        return _Launch(slot, timed, None, outputs, written, kept)
 
     def _bind_static_outputs(self, slot: Slot, part: Part) -> None:
         """After the first run: give shape-determined outputs device and pinned buffers of
