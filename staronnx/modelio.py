@@ -81,9 +81,7 @@ def load_model(model_or_path: onnx.ModelProto | str | os.PathLike[str],
         try:
             model = onnx.load(str(path), load_external_data=False)
         except Exception as exc:  # protobuf raises DecodeError, but be broad: any parse failure
-            raise ModelError(
-                f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}"
-            ) from None
+            raise ModelError(f"{path} is not a valid ONNX model (truncated or not ONNX): {exc}") from None
         _supply(model, supplied)
         externals = [path.parent / name for name in sorted(set(_external_locations(model).values()) - {""})]
         missing = [p for p in externals if not p.exists()]
@@ -297,14 +295,5 @@ EXTERNAL_DATA_THRESHOLD = 2**30
 
 def save_model(model: onnx.ModelProto, path: Path) -> None:
     """Save a model, moving weights to an external file when it is large (>= 1 GiB)."""
-    if model_nbytes(model) >= EXTERNAL_DATA_THRESHOLD:
-        onnx.save_model(
-            model,
-            str(path),
-            save_as_external_data=True,
-            all_tensors_to_one_file=True,
-            location=path.name + ".data",
-            size_threshold=1024,
-        )
-    else:
-        onnx.save_model(model, str(path))
+    onnx.save_model(model, str(path), save_as_external_data=model_nbytes(model) >= EXTERNAL_DATA_THRESHOLD,
+                    all_tensors_to_one_file=True, location=path.name + ".data", size_threshold=1024)

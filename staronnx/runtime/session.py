@@ -163,24 +163,26 @@ type _RunOptions = ort.RunOptions | None
 #: the config entry that makes a session record which provider runs each node (ORT's)
 RECORD_ASSIGNMENT = "session.record_ep_graph_assignment_info"
 
-_task_error_types: dict[type, type[TaskError]] = {}
+#: TaskError classes that are also ORT's, by ORT's class (None: an ORT class that cannot be a base)
+_task_error_types: dict[type, type[TaskError] | None] = {}
 
 
 def _ort_task_error(exc: TaskError) -> TaskError:
     """A failed part's error that is also of ONNX Runtime's own class (``Fail``,
     ``RuntimeException``, ...), so ``except`` clauses written for ORT still catch it."""
     cause = exc.__cause__
-    kind = type(cause)
-    if cause is None or not kind.__module__.startswith("onnxruntime") or not issubclass(kind, Exception):
+    if not isinstance(cause, Exception) or not type(cause).__module__.startswith("onnxruntime"):
         return exc
-    compat = _task_error_types.get(kind)
-    if compat is None:
+    kind = type(cause)
+    if kind not in _task_error_types:
         try:
-            compat = types.new_class(kind.__name__, (TaskError, kind),
-                                     exec_body=lambda ns: ns.update(__module__=__name__))
-        except TypeError:  # an ORT class that cannot be a base: keep staronnx's own
-            return exc
-        _task_error_types[kind] = compat
+            _task_error_types[kind] = types.new_class(kind.__name__, (TaskError, kind),
+                                                      exec_body=lambda ns: ns.update(__module__=__name__))
+        except TypeError:
+            _task_error_types[kind] = None
+    compat = _task_error_types[kind]
+    if compat is None:
+        return exc
     err: TaskError = compat.__new__(compat)
     TaskError.__init__(err, exc.part, exc.worker, cause)
     return err
