@@ -160,6 +160,9 @@ def serve_cmd(
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
     body = parse_size(max_body)
     http_port = _port(http_port, "http-port")
+    # every plan and its batching checked before any runtime or cluster starts (a replica applies them again)
+    loaded = [Plan.load(p) for p in plans]
+    overrides = apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -167,8 +170,6 @@ def serve_cmd(
     if ray:  # staronnx.ray: the same models on Ray Serve (HTTP only), each replica a shared runtime
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
-        # checked here, on the driver, before any cluster starts; each replica applies them again
-        overrides = apply_batching({n: Plan.load(p) for n, p in zip(names, plans)}, batch_axis or [], no_batching)
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
@@ -183,8 +184,6 @@ def serve_cmd(
                     drain_timeout=parse_duration(drain_timeout, option="--drain-timeout"),
                     limits=serve_limits(header_timeout, body_timeout, body_min_rate, idle_timeout, request_timeout,
                                         max_connections, receive_budget, grpc_max_streams, body))
-    loaded = [Plan.load(p) for p in plans]  # every plan checked before any runtime starts
-    apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
     metrics = ServeMetrics()
     if cuda_streams:  # Triton's nv_gpu_* metrics of the GPUs served from (NVML; one line where it is missing)
         from staronnx.serve.gpu_metrics import gpu_collector
@@ -194,8 +193,7 @@ def serve_cmd(
             metrics.registry.register(gpus)
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
-    options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine,
-                   save_every=save_s,
+    options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine, save_every=save_s,
                    cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
     try:

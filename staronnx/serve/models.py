@@ -131,15 +131,11 @@ class Handoff:
 
 def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int,
                          cuda_devices: Sequence[int] = (0,)) -> int | None:
-    """The batches to keep in flight on this plan's workers (the layout of these settings), from
-    its perf models: :func:`~staronnx.bench.machine.plan_window`, as sweeps and the simulator
-    size them.
-
-    Why not the Server's default (two per worker): with a GPU and CPU groups, dmda only gives a
-    batch to a CPU group once the GPU's queue is longer than that group's whole time, so a
-    window too short for that leaves the CPUs idle however high the load. None (the default)
-    where some worker's arch has no models of its own yet (each GPU of ``cuda_devices`` has its
-    own): borrowed times are no basis for a window.
+    """The batches to keep in flight on the workers of these settings, from the plan's perf models
+    (:func:`~staronnx.bench.machine.plan_window`, as sweeps and the simulator size them): with a GPU
+    and CPU groups, dmda gives a CPU group a batch only behind a GPU queue as long as that group's
+    time. None (the Server's default) where some worker's arch has no models of its own (each GPU
+    of ``cuda_devices`` has its own): borrowed times are no basis for a window.
     """
     from staronnx.bench.machine import PerfTable, plan_window, sim_workers
     from staronnx.perfmodels import PerfModelStore
@@ -355,11 +351,8 @@ class ModelEndpoint:
         for name, dt in datatypes.items():
             if dt != self.input_datatypes[name]:
                 raise invalid(f"input {name!r}: datatype {shown(dt)}, but model {self.name!r} expects {self.input_datatypes[name]}")
-        try:
+        try:  # then its rows, along each input's own batch axis (1 for a model that takes a request whole)
             self.plan.check_feeds(inputs)
-        except InputError as exc:
-            raise invalid(f"model {self.name!r}: {exc}") from None
-        try:  # along each input's own batch axis; 1 for a model that takes a request whole
             return self.contract.check_rows(inputs)
         except InputError as exc:
             raise invalid(f"model {self.name!r}: {exc}") from None
@@ -381,14 +374,13 @@ class ModelEndpoint:
                 if not isinstance(k, int) or isinstance(k, bool) or k < 0:
                     raise invalid(f"output {shown(name)}: classification must be a non-negative integer, "
                                   f"got {protocol.cut(k, 40)}")
+            if n > self.server.queue_capacity:
+                raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request "
+                              f"queue holds at most {self.server.queue_capacity} samples (--queue-capacity); send at "
+                              f"most {self.server.queue_capacity} per request")
         except ProtocolError:
             self.stats.refused("OTHER")
             raise
-        if n > self.server.queue_capacity:
-            self.stats.refused("OTHER")
-            raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request queue "
-                          f"holds at most {self.server.queue_capacity} samples (--queue-capacity); send at most "
-                          f"{self.server.queue_capacity} per request")
         futures = self._submit(inputs, n)
         self.stats.started()
         handoff = self._handoff
@@ -422,7 +414,7 @@ class ModelEndpoint:
         request_s = done - started + decode_s
         self.stats.finished(ok=True, request_s=request_s, queue_s=queue_s, input_s=decode_s, infer_s=infer_s,
                             late=self.latency_target is not None and request_s > self.latency_target)
-        self._latency_hist.observe(done - started + decode_s)
+        self._latency_hist.observe(request_s)
         return Answer(result, self._parameters(futures))
 
     def _parameters(self, futures: Sequence[RequestFuture]) -> dict[str, int | str]:

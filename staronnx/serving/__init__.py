@@ -31,7 +31,7 @@ from staronnx.serving.metrics import (
 )
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import BatchRuntime, OverloadError, Server, ServerClosed, StandInRuntime
-from staronnx.serving.spec import ServeSpec, inflight_window
+from staronnx.serving.spec import ServeSpec
 
 __all__ = [
     "DISTRIBUTIONS",
@@ -52,7 +52,6 @@ __all__ = [
     "backlog",
     "cpu_share",
     "generator_report",
-    "inflight_window",
     "is_stable",
     "make_arrivals",
     "measurement_window",

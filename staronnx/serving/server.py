@@ -299,8 +299,10 @@ class Server:
         # batches the runtime finished, waiting for the batcher thread to hand out their results
         self._completions: list[_Completion] = []
         self._resolving = 0  # completions the batcher took and is resolving (close waits for them)
-        #: hand out results on the runtime's thread that finished the batch (see _completed)
-        self._resolve_inline = _cpu_only(runtime)
+        #: hand out results on the runtime's thread that finished the batch (see _completed): where
+        #: every worker is a CPU worker of a staronnx runtime (a remote server's stand-in is not)
+        self._resolve_inline = isinstance(runtime, (Runtime, ModelHandle)) and all(
+            w.kind == "cpu" for w in runtime.workers)
         # deques with maxlen=None are unbounded: one code path for both modes
         self._requests: deque[RequestRecord] = deque(maxlen=self.keep_records)
         self._idle_waiters = 0  # callers in wait_idle(): every result wakes them
@@ -847,12 +849,6 @@ def _batch_done(server: weakref.ref[Server], record: BatchRecord, started: float
     if target._on_executed is not None and not future.cancelled() and future.exception() is None:
         target._on_executed(record.padded_to or record.size, time.perf_counter() - started)
     target._completed(record, future)
-
-
-def _cpu_only(runtime: BatchRuntime) -> bool:
-    """Whether every worker of ``runtime`` is a CPU worker (a staronnx Runtime or a model's
-    handle on one; anything else, a remote server's stand-in included, is not assumed so)."""
-    return isinstance(runtime, (Runtime, ModelHandle)) and all(w.kind == "cpu" for w in runtime.workers)
 
 
 def _exact_inputs(plan: Plan) -> list[tuple[str, np.dtype[Any], tuple[int, ...]]] | None:
