@@ -211,7 +211,6 @@ class Event:
         self._rt = rt
         flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
         self.raw: Any = check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
-        self.timing = timing
         self._alive = True
 
     def record(self, stream: Stream) -> None:
