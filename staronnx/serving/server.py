@@ -56,7 +56,7 @@ from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, run_callba
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.metrics import rate_of
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
-from staronnx.serving.spec import MIN_INFLIGHT, ServeSpec, inflight_window  # noqa: F401 - where callers found them
+from staronnx.serving.spec import MIN_INFLIGHT, ServeSpec, inflight_window  # noqa: F401 - MIN_INFLIGHT: re-exported
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,8 @@ class Server:
         # never past the batch size (Triton's preferred sizes are <= max_batch_size): a runtime
         # that captured 32 for another server must not turn this one's batch of 3 into 32 rows
         pad_to = runtime.preferred_batch_sizes if spec.pad_to is None else spec.pad_to
-        self.max_inflight = spec.window(len(runtime.workers))
+        # no window given: the rule's for these workers, their times unknown
+        self.max_inflight = spec.max_inflight or inflight_window([None] * len(runtime.workers))
         self.pad_to: tuple[int, ...] = tuple(sorted({m for m in pad_to if m <= self._limit})) if self._limit > 1 else ()
         self.spec = replace(spec, max_inflight=self.max_inflight, pad_to=self.pad_to)
         # read on every request: attributes, not the spec's

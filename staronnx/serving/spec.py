@@ -118,7 +118,3 @@ class ServeSpec:
         if isinstance(spec, ServeSpec):
             return replace(spec, **settings) if settings else spec
         return cls(**settings) if spec is None else cls(spec, **settings)
-
-    def window(self, workers: int) -> int:
-        """``max_inflight``, or the rule's window for ``workers`` workers with no times known."""
-        return self.max_inflight if self.max_inflight is not None else inflight_window([None] * workers)
