@@ -208,9 +208,21 @@ class HttpFrontend(Frontend):
 
     async def repository_index(self, request: web.Request) -> web.Response:
         """Triton's repository index (read-only): every served model, its version and state;
-        ``{"ready": true}`` lists only the ready ones."""
-        only_ready = await index_ready(await self._receive_body(request), request.headers.get("Content-Encoding"),
-                                       self.max_body)
+        ``{"ready": true}`` lists only the ready ones. Its small body is received within the
+        limits (:func:`_receive`), under a watch of its own: one too slow is answered 408."""
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
+        try:
+            body = await _receive(request, self.max_body, self.guard.budget, watch)
+        except asyncio.CancelledError:
+            if not watch.expired:
+                raise
+            task.uncancel()
+            raise self._too_slow(request, watch) from None
+        finally:
+            watch.stop()
+        only_ready = await index_ready(body, request.headers.get("Content-Encoding"), self.max_body)
         return web.json_response(self.repository_entries(only_ready))
 
     async def refuse_load(self, request: web.Request) -> web.Response:
@@ -340,22 +352,6 @@ class HttpFrontend(Frontend):
             task.uncancel()
             self._cuts.pop(task, None)
         return response
-
-    async def _receive_body(self, request: web.Request) -> bytes | bytearray:
-        """A small body (the repository index's) as sent, within the limits (:func:`_receive`),
-        under a watch of its own: one too slow is answered 408."""
-        task = asyncio.current_task()
-        assert task is not None
-        watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
-        try:
-            return await _receive(request, self.max_body, self.guard.budget, watch)
-        except asyncio.CancelledError:
-            if not watch.expired:
-                raise
-            task.uncancel()
-            raise self._too_slow(request, watch) from None
-        finally:
-            watch.stop()
 
 
 def _json(answer: Callable[[web.Request], Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
