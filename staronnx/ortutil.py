@@ -250,34 +250,34 @@ def option_effects(so: ort.SessionOptions, source: Path | onnx.ModelProto) -> Op
         except Exception:  # noqa: BLE001 - not a model: load_model words it
             return None
     missing = missing_external(model, base)
-    effects = OptionEffects()
+    effects, told = OptionEffects(), {}
     inits = list(model.graph.initializer)
+    constants = {t.name for t in inits}
+    free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
+            and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
     try:
-        if inits:
-            probes, probe = _probe_model([t.name for t in inits], [t.data_type for t in inits],
-                                         initializers=[_placeholder(t, t.name in missing) for t in inits])
-            with _quietly(so):
+        with _quietly(so):
+            if inits:
+                probes, probe = _probe_model([t.name for t in inits], [t.data_type for t in inits],
+                                             initializers=[_placeholder(t, t.name in missing) for t in inits])
                 values = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"]).run(probes, {})
-            for tensor, value in zip(inits, values):
-                if tensor.name in missing or tuple(np.shape(value)) != _PLACEHOLDER_DIMS:
-                    effects.initializers[tensor.name] = np.asarray(value)
-        constants = {t.name for t in inits}
-        free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
-                and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
-        if free:
-            _, probe = _probe_model([vi.name for vi in free], [vi.type.tensor_type.elem_type for vi in free], free)
-            with _quietly(so):
+                for tensor, value in zip(inits, values):
+                    if tensor.name in missing or tuple(np.shape(value)) != _PLACEHOLDER_DIMS:
+                        effects.initializers[tensor.name] = np.asarray(value)
+            if free:
+                _, probe = _probe_model([vi.name for vi in free], [vi.type.tensor_type.elem_type for vi in free], free)
                 session = OrtSession(probe.SerializeToString(), so, providers=["CPUExecutionProvider"])
-            told = {arg.name: list(arg.shape) for arg in session.get_inputs()}
-            for vi in free:
-                fixed = [t if isinstance(t, int) and not d.HasField("dim_value") else None
-                         for d, t in zip(vi.type.tensor_type.shape.dim, told[vi.name])]
-                if any(f is not None for f in fixed):
-                    effects.shapes[vi.name] = fixed
+                told = {arg.name: list(arg.shape) for arg in session.get_inputs()}
     except Exception:
         if missing:
             return None
         raise
+    for vi in free:
+        dims = vi.type.tensor_type.shape.dim
+        fixed: list[int | str | None] = [t if isinstance(t, int) and not d.HasField("dim_value") else None
+                                         for d, t in zip(dims, told[vi.name])]
+        if any(f is not None for f in fixed):
+            effects.shapes[vi.name] = fixed
     return effects
 
 

@@ -382,7 +382,10 @@ def _with_config(so: ort.SessionOptions | None, config: Mapping[str, Any]) -> or
     return effective
 
 
-def _config_entry(so: ort.SessionOptions | ort.RunOptions, key: str) -> str | None:
+type _Options = ort.SessionOptions | ort.RunOptions
+
+
+def _config_entry(so: _Options, key: str) -> str | None:
     get = so.get_run_config_entry if isinstance(so, ort.RunOptions) else so.get_session_config_entry
     try:
         return str(get(key))
@@ -390,8 +393,7 @@ def _config_entry(so: ort.SessionOptions | ort.RunOptions, key: str) -> str | No
         return None
 
 
-def _logs_and_entries(options: ort.SessionOptions | ort.RunOptions, logs: str, entries: Mapping[str, str],
-                      given: ort.SessionOptions | ort.RunOptions) -> list[str]:
+def _logs_and_entries(options: _Options, logs: str, entries: Mapping[str, str], given: _Options) -> list[str]:
     """What ``options`` set that the parts' sessions do not apply: a log level below warnings
     (``logs``: why), and the config entries of ``given`` among ``entries`` (each with why)."""
     said = []
@@ -492,19 +494,15 @@ def _cores_for_threads(threads: int, cuda_drivers: int = 0) -> str:
     return pus + (f",reserve={min(cuda_drivers, spare)}" if cuda_drivers and spare else "")
 
 
-def _settings_key(shares: Any, options: Mapping[str, Any], groups: str, cuda_streams: int) -> str:
-    """What besides the model decides the cut. The workers matter only where the cut is
-    timed on them (``shares="auto"``, a placement method)."""
+def _plan_dir(sha256: str, shares: Any, options: Mapping[str, Any], groups: str, cuda_streams: int) -> Path:
+    """Where a session's plan of this model and these settings lives: keyed by what besides the
+    model decides the cut (the workers only where the cut is timed on them: ``shares="auto"``, a
+    placement method)."""
     settings: dict[str, Any] = {"plan_version": PLAN_VERSION, "shares": shares, "options": dict(options)}
     if shares == "auto" or "method" in options:
         settings.update(groups=groups, cuda_streams=cuda_streams)
-    text = json.dumps(settings, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:12]
-
-
-def session_plan_dir(model_sha256: str, settings_key: str, root: Path | None = None) -> Path:
-    """Where a session's plan of this model and these settings lives."""
-    return (root or default_root()) / "plans" / f"{model_sha256[:16]}-{settings_key}"
+    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return default_root() / "plans" / f"{sha256[:16]}-{key}"
 
 
 def _kept_plan(folder: Path, sha256: str, say: bool = False) -> Plan | None:
@@ -515,14 +513,14 @@ def _kept_plan(folder: Path, sha256: str, say: bool = False) -> Plan | None:
     try:
         plan = Plan.load(folder)
     except PlanError as exc:
-        if say:
-            log.warning("plan %s is unusable (%s); partitioning again", folder, exc)
-        return None
-    if plan.source.get("sha256") != sha256:
-        if say:
-            log.warning("plan %s is of another model; partitioning again", folder)
-        return None
-    return plan
+        why = f"is unusable ({exc})"
+    else:
+        if plan.source.get("sha256") == sha256:
+            return plan
+        why = "is of another model"
+    if say:
+        log.warning("plan %s %s; partitioning again", folder, why)
+    return None
 
 
 def _partition_options(partition_options: Mapping[str, Any] | None,
@@ -1017,23 +1015,21 @@ class InferenceSession:
             def make(**where: Any) -> Plan:
                 return partition(src, shares, groups=groups, cuda_streams=streams, **settings, **where)
 
-            return self._kept_or_made(sha, _settings_key(shares, asked, groups, streams), make)
+            return self._kept_or_made(sha, _plan_dir(sha, shares, asked, groups, streams), make)
 
         self._cut_model = cut_model
         if not unsized:
             return cut_model(source, sha256)
-        key = _settings_key(shares, {**options, "input_shapes": AT_FIRST_RUN}, groups, streams)
+        folder = _plan_dir(sha256, shares, {**options, "input_shapes": AT_FIRST_RUN}, groups, streams)
         with contextlib.suppress(OSError):  # a home that cannot be read: cut at the first run
-            return _kept_plan(session_plan_dir(sha256, key), sha256)
+            return _kept_plan(folder, sha256)
         return None
 
-    def _kept_or_made(self, sha256: str, key: str, make: Callable[..., Plan]) -> Plan:
-        """The plan kept under STARONNX_HOME for this model and settings key when it is this
-        model's and intact, else made there; where the home cannot be written, this session's own
-        in a temporary folder. The lock makes concurrent sessions of one model partition it once:
-        the others wait and load it (partition itself publishes the folder atomically, so a
-        killed run leaves only a staging folder that the next writer sweeps)."""
-        folder = session_plan_dir(sha256, key)
+    def _kept_or_made(self, sha256: str, folder: Path, make: Callable[..., Plan]) -> Plan:
+        """The plan kept in ``folder`` when it is this model's and intact, else made there; where the
+        home cannot be written, this session's own in a temporary folder. The lock makes concurrent
+        sessions of one model partition it once: the others wait and load it (partition publishes
+        the folder atomically, so a killed run leaves only a staging folder the next writer sweeps)."""
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
@@ -1189,12 +1185,10 @@ class InferenceSession:
             raise NotImplementedError("get_provider_graph_assignment_info: with CUDA workers each part runs where "
                                       "the policy places its batch (runtime.stats() counts where they ran)")
         if self._assignments is None:
-            sessions = []
-            for index in range(self.plan.k):
-                so = ort.SessionOptions()
-                so.log_severity_level = QUIET
-                so.add_session_config_entry(RECORD_ASSIGNMENT, "1")
-                sessions.append(OrtSession(str(self.plan.part_path(index)), so, providers=[CPU_EP]))
+            so = ort.SessionOptions()
+            so.log_severity_level = QUIET
+            so.add_session_config_entry(RECORD_ASSIGNMENT, "1")
+            sessions = [OrtSession(str(self.plan.part_path(i)), so, providers=[CPU_EP]) for i in range(self.plan.k)]
             # the answers point into their sessions: the sessions live as long as this one
             self._assignments = (sessions, [s for session in sessions
                                             for s in session.get_provider_graph_assignment_info()])
@@ -1242,15 +1236,15 @@ class InferenceSession:
         """The feeds (checked: :meth:`_feeds`), and the overridable initializers this run
         replaces (ORT's two ways: fed by name, or set by ``run_options``' active LoRA adapters,
         read back from ORT)."""
-        if run_options is not None and run_options.terminate:
-            raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
         if run_options is not None:
-            said = [item for item in _logs_and_entries(run_options, "each part's session logs only fatal errors",
-                                                       _RUN_ENTRIES, run_options) if item not in self._said]
+            if run_options.terminate:
+                raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
+            logs = "each part's session logs only fatal errors"
+            said = [s for s in _logs_and_entries(run_options, logs, _RUN_ENTRIES, run_options) if s not in self._said]
             if said:
                 self._said.update(said)  # once per session each
-                warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply run_options."
-                                               + "; ".join(said)), stacklevel=3)
+                said_text = "staronnx.InferenceSession does not apply run_options." + "; ".join(said)
+                warnings.warn(OptionNotApplied(said_text), stacklevel=3)
         if not self._overridable:
             return self._feeds(input_feed), {}  # as given: a feed that is no mapping fails where ORT's does
         names = {t.name for t in self._overridable}
@@ -1338,8 +1332,8 @@ class InferenceSession:
 
         def done(f: Future[Any]) -> None:
             exc = f.exception()
-            _call_back(callback, [] if exc is not None else [f.result()[n] for n in names], user_data,
-                       "" if exc is None else str(exc))
+            results = [] if exc is not None else [f.result()[n] for n in names]
+            _call_back(callback, results, user_data, "" if exc is None else str(exc))
 
         future.add_done_callback(done)
 
