@@ -167,8 +167,7 @@ def _check(model: onnx.ModelProto, path: Path | None) -> None:
     if not model.HasField("graph") or (len(graph.node) == 0 and len(graph.output) == 0):
         raise ModelError(f"{where} has no graph (empty or not an ONNX model)")
     init_names = {t.name for t in graph.initializer}
-    real_inputs = [i for i in graph.input if i.name not in init_names]
-    if not real_inputs:
+    if all(i.name in init_names for i in graph.input):
         raise ModelError(f"{where} has no inputs: nothing to feed, nothing to partition")
     if len(graph.output) == 0:
         raise ModelError(f"{where} has no outputs")
@@ -255,8 +254,7 @@ def model_nbytes(model: onnx.ModelProto) -> int:
 
 def tensor_nbytes(t: onnx.TensorProto) -> int:
     """Bytes a tensor's values take, from its dims and type."""
-    count = int(np.prod(t.dims)) if len(t.dims) else 1
-    return count * dtype_itemsize(t.data_type)
+    return int(np.prod(t.dims)) * dtype_itemsize(t.data_type)  # a scalar's empty dims: 1
 
 
 def dtype_itemsize(elem_type: int) -> int:

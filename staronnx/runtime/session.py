@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import hashlib
 import inspect
 import json
@@ -1011,10 +1012,7 @@ class InferenceSession:
                          self._meta.graph_name if self._meta else "the model", _first_run_shapes(feeds),
                          ", ".join(unsized))
                 settings["input_shapes"], asked["input_shapes"] = _first_run_shapes(feeds), AT_FIRST_RUN
-
-            def make(**where: Any) -> Plan:
-                return partition(src, shares, groups=groups, cuda_streams=streams, **settings, **where)
-
+            make = functools.partial(partition, src, shares, groups=groups, cuda_streams=streams, **settings)
             return self._kept_or_made(sha, _plan_dir(sha, shares, asked, groups, streams), make)
 
         self._cut_model = cut_model
