@@ -16,6 +16,7 @@ Conventions shared by all builders:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -53,12 +54,10 @@ class _Namer:
     tensor or node name is ever reused in any scope (ONNX forbids shadowing outer names)."""
 
     def __init__(self) -> None:
-        self._counts: defaultdict[str, int] = defaultdict(int)
+        self._counts: defaultdict[str, itertools.count[int]] = defaultdict(itertools.count)
 
     def __call__(self, prefix: str) -> str:
-        n = self._counts[prefix]
-        self._counts[prefix] += 1
-        return f"{prefix}_{n}"
+        return f"{prefix}_{next(self._counts[prefix])}"
 
 
 class _GraphBuilder:

@@ -19,10 +19,10 @@ from onnx import helper
 
 from staronnx.feeds import integer_ranges
 from staronnx.fsutil import atomic_dir
-from staronnx.modelio import file_sha256, save_model
+from staronnx.modelio import save_model
 from staronnx.partition.cut import Parts
 from staronnx.partition.graph import ModelGraph
-from staronnx.partition.whole import UncuttableError
+from staronnx.partition.whole import UncuttableError, model_source, part_sha256
 from staronnx.plan import PartSpec, Plan, TensorSpec
 
 
@@ -113,13 +113,12 @@ def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], director
             except onnx.checker.ValidationError as exc:
                 first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
                 raise UncuttableError(f"part {r} fails the ONNX checker: {first}") from None
-            data = path.with_name(path.name + ".data")
             cost = float(costs.micros[nodes].sum())
             specs.append(PartSpec(
                 index=r, file=path.name, inputs=inputs[r], outputs=outputs[r], nodes=len(nodes),
                 op_counts=dict(Counter(graph.nodes[v].op_type for v in nodes).most_common()),
                 cost_us=round(cost, 3), share=round(cost / total, 6), target_share=float(cut.targets[r]),
-                sha256=file_sha256(path, [data] if data.exists() else []),
+                sha256=part_sha256(path),
                 device=cut.devices[r] if cut.devices is not None else None,
             ))
         crossing = _crossing_specs(graph, inputs, outputs)
@@ -130,12 +129,7 @@ def write_plan(graph: ModelGraph, cut: Parts, settings: dict[str, Any], director
             outputs=_output_specs(graph, outputs),
             crossing=crossing,
             cut_bytes_per_sample=sum(t.bytes_per_sample * len(t.consumers) for t in crossing),
-            source={
-                "path": str(graph.loaded.path) if graph.loaded.path else None,
-                "sha256": graph.loaded.sha256,
-                "nodes": len(graph.model.graph.node),
-                "opset": {o.domain or "ai.onnx": o.version for o in graph.model.opset_import},
-            },
+            source=model_source(graph.loaded),
             settings=settings,
             cost_source=costs.source,
         )

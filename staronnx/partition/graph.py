@@ -113,13 +113,8 @@ class ModelGraph:
 def subgraph_captures(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensor names read by a node's subgraphs (recursively)."""
     found: list[str] = []
-    for attr in node.attribute:
-        graphs = []
-        if attr.type == onnx.AttributeProto.GRAPH:
-            graphs = [attr.g]
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            graphs = list(attr.graphs)
-        for g in graphs:
+    for attr in node.attribute:  # a GRAPH attribute's body, or a GRAPHS one's (empty for other types)
+        for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
             found.extend(_graph_free_names(g))
     return list(dict.fromkeys(found))
 
@@ -183,9 +178,7 @@ def model_inputs(model: onnx.ModelProto, batch_axes: dict[str, int | None] | Non
         tt = vi.type.tensor_type
         if not vi.type.HasField("tensor_type"):
             raise ModelError(f"input {vi.name!r} is not a tensor; staronnx feeds tensors only")
-        shape: list[int | str | None] = []
-        if tt.HasField("shape"):
-            shape.extend(dim_of(d) for d in tt.shape.dim)
+        shape: list[int | str | None] = [dim_of(d) for d in tt.shape.dim] if tt.HasField("shape") else []
         specs.append(InputSpec(vi.name, tt.elem_type, shape))
     symbol = contract.batch_symbol({i.name: i.shape for i in specs}, declared_outputs(model))
     for spec in specs:

@@ -128,6 +128,19 @@ def _without_ort_config(model: onnx.ModelProto) -> onnx.ModelProto:
     return part
 
 
+def model_source(loaded: LoadedModel) -> dict[str, Any]:
+    """What a plan records of its source model (its hash is part of the plan's)."""
+    model = loaded.model
+    return {"path": str(loaded.path) if loaded.path else None, "sha256": loaded.sha256,
+            "nodes": len(model.graph.node), "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import}}
+
+
+def part_sha256(path: Path) -> str:
+    """A part file's hash, with its external weights (``<file>.data``) where it has them."""
+    data = path.with_name(path.name + ".data")
+    return file_sha256(path, [data] if data.exists() else [])
+
+
 def write_whole_plan(loaded: LoadedModel, settings: dict[str, Any], directory: Path) -> Plan:
     """The model itself as part 0 of a one-part plan in ``directory`` (written atomically, as
     every plan is); return the loaded Plan."""
@@ -141,26 +154,15 @@ def write_whole_plan(loaded: LoadedModel, settings: dict[str, Any], directory: P
     for spec in outputs:
         spec.producer = 0
     directory = Path(directory).absolute()
-    ops = Counter(node.op_type for node in model.graph.node)
     with atomic_dir(directory) as staging:
         path = staging / "part0.onnx"
         save_model(_without_ort_config(model), path)
-        data = path.with_name(path.name + ".data")
         part = PartSpec(index=0, file=path.name, inputs=[t.name for t in inputs],
                         outputs=[t.name for t in outputs], nodes=len(model.graph.node),
-                        op_counts=dict(sorted(ops.items(), key=lambda kv: -kv[1])), cost_us=0.0, share=1.0,
-                        target_share=1.0, sha256=file_sha256(path, [data] if data.exists() else []))
-        plan = Plan(
-            root=directory, parts=[part], inputs=inputs, outputs=outputs, crossing=[], cut_bytes_per_sample=0,
-            source={
-                "path": str(loaded.path) if loaded.path else None,
-                "sha256": loaded.sha256,
-                "nodes": len(model.graph.node),
-                "opset": {o.domain or "ai.onnx": o.version for o in model.opset_import},
-            },
-            settings=settings,
-            cost_source="none: one part takes every cost",
-        )
+                        op_counts=dict(Counter(node.op_type for node in model.graph.node).most_common()),
+                        cost_us=0.0, share=1.0, target_share=1.0, sha256=part_sha256(path))
+        plan = Plan(root=directory, parts=[part], inputs=inputs, outputs=outputs, crossing=[], cut_bytes_per_sample=0,
+                    source=model_source(loaded), settings=settings, cost_source="none: one part takes every cost")
         plan.hash = plan.compute_hash()
         plan.write_json(staging)
     return Plan.load(directory)

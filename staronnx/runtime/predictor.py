@@ -16,6 +16,7 @@ and joins or leaves a shared runtime without recalibration.
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from collections.abc import Sequence
@@ -37,8 +38,6 @@ CALIBRATE_MODES = (0, 1, 2)
 
 def calibrate_mode(value: int | str | None) -> int:
     """``value``, or ``$STARONNX_CALIBRATE`` when None (default 0), checked."""
-    import os
-
     raw = os.environ.get("STARONNX_CALIBRATE", "0") if value is None else value
     try:
         mode = int(raw)

@@ -282,12 +282,14 @@ class StarpuEngine:
         self._in_names = [n for n in plan.input_names if n in used]
         self._tensor_names = self._in_names + [t.name for t in plan.crossing]
         index = {n: i for i, n in enumerate(self._tensor_names)}
-        self._c_cls = ffi.new("struct starpu_codelet *[]", [p.codelet for p in self._parts])
-        self._c_nbufs = ffi.new("int[]", [len(p.buffers) for p in self._parts])
-        self._c_bufs = ffi.new("int[]", [index[n] for p in self._parts for n in p.buffers] or [0])
-        self._c_modes = ffi.new("int[]", [m for p in self._parts for m in p.modes[0:len(p.buffers)]] or [0])
-        self._c_prios = ffi.new("int[]", [p.priority for p in self._parts])
-        self._c_sinks = ffi.new("int[]", [int(p.sink) for p in self._parts])
+        #: the task graph as the C arrays every request's submission reads: codelets, buffer counts,
+        #: buffers (indexes into the tensors), access modes, priorities, sinks
+        self._c_graph = (ffi.new("struct starpu_codelet *[]", [p.codelet for p in self._parts]),
+                         ffi.new("int[]", [len(p.buffers) for p in self._parts]),
+                         ffi.new("int[]", [index[n] for p in self._parts for n in p.buffers] or [0]),
+                         ffi.new("int[]", [m for p in self._parts for m in p.modes[0:len(p.buffers)]] or [0]),
+                         ffi.new("int[]", [p.priority for p in self._parts]),
+                         ffi.new("int[]", [int(p.sink) for p in self._parts]))
         self._n_sinks = sum(p.sink for p in self._parts)
         self._output_names = list(plan.output_names)
         self._output_set = set(plan.output_names)
@@ -331,9 +333,7 @@ class StarpuEngine:
             with self._cond:
                 self._inflight[rid] = req
             done = ffi.new("int *")
-            ret = lib.sx_submit_request(n, ptrs, nbytes, plan.k, self._c_cls, self._c_nbufs, self._c_bufs,
-                                        self._c_modes, self._c_prios, self._c_sinks, rid * plan.k, batch,
-                                        shape_hash, done)
+            ret = lib.sx_submit_request(n, ptrs, nbytes, plan.k, *self._c_graph, rid * plan.k, batch, shape_hash, done)
             if ret != 0:
                 # The tasks already submitted still run (and skip: the request is failed); the
                 # request leaves once they are done, so close() still waits for them.
