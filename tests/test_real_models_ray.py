@@ -18,11 +18,11 @@ import tritonclient.http as thttp
 
 import realmodels
 from staronnx import partition
-from test_ray import _start_serve, _stop, cluster  # noqa: F401 - cluster: the module's Ray cluster fixture
+from test_ray import RAY_TEST_S, _start_serve, _stop, cluster  # noqa: F401 - cluster: the module's Ray cluster fixture
 from test_real_models_serve import (ALONE, BATCH, CLIENTS, LEADING, MODELS, OWN_AXIS, concurrent_clients,
                                     gru_state_unnamed, http_infer, model_plan, shared_state_request)
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(RAY_TEST_S)]
 
 #: the GRU served with the user's --batch-axis (its state's batch unnamed in the graph)
 UNNAMED = "gru_unnamed"
