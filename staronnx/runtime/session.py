@@ -48,14 +48,10 @@ files_in_memory``)
 the model's ``ort_config`` (where ORT reads     honoured: read as ORT reads it (``get_session_options``)
 it: ``ORT_LOAD_CONFIG_FROM_MODEL=1``)
 ``session.record_ep_graph_assignment_info``     honoured: ``get_provider_graph_assignment_info`` (CPU)
-``inter_op_num_threads``, ``execution_mode``,   said: parts run in parallel on the workers, each part's
-``execution_order``                             operators in sequence
-``graph_optimization_level``                    said: the parts' sessions optimise at ORT's full level
-``enable_cpu_mem_arena``, ``enable_mem_pattern``said: each worker's session keeps ORT's allocators
-``enable_mem_reuse``, ``use_deterministic_...`` said
-``log_severity_level`` < 2, verbosity           said: the parts' sessions log only fatal errors
-pool/allocator config entries (``session.use_   said
-env_allocators``, spinning, affinities, ...)
+``inter_op_num_threads``, ``execution_mode``,   said, each with why (``_UNAPPLIED``, ``_CONFIG_ENTRIES``):
+``execution_order``, ``graph_optimization...``  parts run in parallel on the workers, each part's
+arena, pattern, reuse, determinism, log levels  operators in sequence, at ORT's full optimisation
+< 2, pool/allocator config entries              level, with ORT's allocators, logging fatal errors
 ``session.load_model_format=ORT``, ``.ort``     refused: an ORT-format model cannot be cut
 ``add_provider``/``add_provider_for_devices``   refused: name the providers to InferenceSession
 ``register_custom_ops_library``                 not read back: a model needing it is refused at load
@@ -691,19 +687,19 @@ class IOBinding:
         return [v.numpy() for v in self._results]
 
     def _run(self) -> None:
-        names = list(self._outputs)
+        names = list(self._outputs) or self._session._io.output_names
         try:
-            arrays = self._session.run(names or None, self._inputs)
+            arrays = self._session.run(names, self._inputs)
         except ValueError as exc:
             raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
         results = []
-        for name, array in zip(names or self._session._io.output_names, arrays):
-            bound = self._outputs.get(name)
-            if bound is not None:
-                bound.update_inplace(np.ascontiguousarray(array, dtype=array.dtype))
-                results.append(bound)
+        for name, array in zip(names, arrays):
+            value = self._outputs.get(name)
+            if value is None:
+                value = ort.OrtValue.ortvalue_from_numpy(array)
             else:
-                results.append(ort.OrtValue.ortvalue_from_numpy(array))
+                value.update_inplace(np.ascontiguousarray(array))
+            results.append(value)
         self._results = results
 
 
@@ -1143,9 +1139,9 @@ class InferenceSession:
         if providers is None:
             providers = ort.get_available_providers()
         names = [item[0] if isinstance(item, tuple) else item for item in providers]
-        for name in names:
-            if name not in known:
-                raise RuntimeError(f"Unknown Provider Type: {name}")  # ORT's words and type
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise RuntimeError(f"Unknown Provider Type: {unknown[0]}")  # ORT's words and type
         started = self._workers(providers, provider_options, self._asked[0] if CUDA_EP in names else None)
         with self._start_lock:
             if self._closed:
@@ -1222,12 +1218,10 @@ class InferenceSession:
     def _outputs(self, output_names: _Names) -> list[str]:
         if isinstance(output_names, str):
             raise TypeError("output_names must be a list of names (or None), not one string")
-        if not output_names:
-            return self._io.output_names
-        names = list(output_names)
-        for n in names:
-            if n not in self._io.output_names:
-                raise InvalidArgument(f"Invalid output name:{n}; the outputs are {self._io.output_names}")
+        names, known = list(output_names or self._io.output_names), self._io.output_names
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise InvalidArgument(f"Invalid output name:{unknown[0]}; the outputs are {known}")
         return names
 
     def _split(self, input_feed: _Feeds, run_options: _RunOptions) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
