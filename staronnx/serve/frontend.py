@@ -84,9 +84,8 @@ def shutting_down(model: str | None = None) -> ProtocolError:
 
 
 def repository_index(ready: Mapping[str, bool], why_not: str, only_ready: bool) -> list[dict[str, str]]:
-    """Triton's repository index entries of the models ``ready`` names (each ready or not, and
-    ``why_not``): name, version, state (READY or UNAVAILABLE), reason; only the ready ones for
-    ``only_ready``."""
+    """Triton's repository index entries of the models ``ready`` says are ready or not (and
+    ``why_not``); only the ready ones for ``only_ready``."""
     return [{"name": n, "version": VERSION, "state": "READY" if ready[n] else "UNAVAILABLE",
              "reason": "" if ready[n] else why_not} for n in sorted(ready) if ready[n] or not only_ready]
 

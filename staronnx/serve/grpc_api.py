@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeAlias
 
 import grpc
 import numpy as np
@@ -48,7 +48,7 @@ from staronnx.serve.protocol import ProtocolError, invalid, shown
 
 SERVICE = "inference.GRPCInferenceService"
 
-Ctx = grpc.aio.ServicerContext
+Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
 class GrpcFrontend(Frontend):
@@ -65,8 +65,7 @@ class GrpcFrontend(Frontend):
         self.unheld.set()
 
     def served(self) -> dict[str, Callable[[Any, Ctx], Any]]:
-        """The RPCs served, by name (the rest of Triton's service answers UNIMPLEMENTED from
-        gRPC's core)."""
+        """The RPCs served, by name (gRPC's core answers the others UNIMPLEMENTED)."""
         return {rpc.__name__: rpc for rpc in (
             self.ServerLive, self.ServerReady, self.ModelReady, self.ServerMetadata, self.ModelMetadata,
             self.ModelInfer, self.ModelConfig, self.ModelStatistics, self.RepositoryIndex,

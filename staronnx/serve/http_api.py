@@ -500,15 +500,15 @@ async def _receive(request: web.Request, max_body: int, budget: ReceiveBudget, w
                 continue
             chunks.append(chunk)
             # half of it is here: one buffer for the whole body, the rest read straight into it
-            whole = length is not None and 2 * got >= length and got < length
-            if not budget.take(length - held if whole else n):
+            whole = length if length is not None and 2 * got >= length and got < length else None
+            if not budget.take(n if whole is None else whole - held):
                 raise ProtocolError("unavailable", "the server is receiving as many request bodies as it holds at "
                                                    f"once (--receive-budget, {budget.limit} bytes); retry later")
-            if not whole:
+            if whole is None:
                 held += n
                 continue
-            held = length
-            buf = bytearray(length)
+            held = whole
+            buf = bytearray(whole)
             view = memoryview(buf)
             pos = 0
             for c in chunks:
@@ -734,10 +734,11 @@ def _closing(status: int, error: str) -> web.Response:
     return response
 
 
-def _cancel(timer: asyncio.TimerHandle | None) -> None:
-    """Cancel ``timer``, if any; what its holder keeps then is None (``t = _cancel(t)``)."""
+def _cancel(timer: asyncio.Handle | None) -> asyncio.TimerHandle | None:
+    """Cancel ``timer``, if any; returns what its holder keeps then, None (``t = _cancel(t)``)."""
     if timer is not None:
         timer.cancel()
+    return None
 
 
 def _canned(status: int, error: str) -> bytes:

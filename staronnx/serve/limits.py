@@ -35,7 +35,7 @@ import resource
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -90,15 +90,15 @@ def connection_cap(open_files: int) -> int:
     return max(1, (open_files - reserve) // 2)
 
 
+@dataclass
 class ReceiveBudget:
     """Bytes held by request bodies still arriving, over every connection, under a limit.
 
     Used on the event loop only (no lock). A body takes its bytes as its buffers grow and gives
     them back once whole (decoding and inference are bounded by the batcher's queue instead)."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.held = 0
+    limit: int
+    held: int = 0
 
     def take(self, n: int) -> bool:
         """Hold ``n`` more bytes; False (nothing held) where that would pass the limit."""
@@ -111,16 +111,16 @@ class ReceiveBudget:
         self.held -= n
 
 
+@dataclass
 class Refusals:
     """Counts of what the front ends refused or cut short, by protocol and reason, and of how
     inference requests ended (answered, refused, failed, cancelled by their client, dropped),
     read by ``/metrics`` and by the summary line at exit."""
 
-    def __init__(self) -> None:
-        self.refused: Counter[tuple[str, str]] = Counter()
-        self.outcomes: Counter[tuple[str, str]] = Counter()
-        #: open connections per protocol (HTTP's, counted by its connection handler)
-        self.connections: Counter[str] = Counter()
+    refused: Counter[tuple[str, str]] = field(default_factory=Counter)
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    #: open connections per protocol (HTTP's, counted by its connection handler)
+    connections: Counter[str] = field(default_factory=Counter)
 
     def refuse(self, protocol: str, reason: str) -> None:
         self.refused[(protocol, reason)] += 1
