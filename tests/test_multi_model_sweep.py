@@ -20,9 +20,10 @@ import pytest
 
 from staronnx import partition
 from staronnx.bench.bound import BoundError, machine_bound, mix_bound
-from staronnx.bench.mix import mix_points, split_per_model
+from staronnx.bench.mix import split_per_model
 from staronnx.bench.machine import SimulationError, build_machine, profile_plan
 from staronnx.bench.simulator import simulate, simulate_mix
+from staronnx.bench.sweep import mix_points
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan

@@ -37,6 +37,7 @@ from scipy.optimize import linprog
 
 from staronnx.bench.machine import SimMachine, Where, lane_groups, residency_where
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels.store import calibrate_command
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import with_writebacks
 from staronnx.runtime.sched import WorkerInfo
@@ -427,8 +428,6 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, gro
     the predicted best batch size) is then off, so say it, and how to recalibrate.
     ``points`` are (batch size, measured samples/s, bound samples/s).
     """
-    from staronnx.perfmodels.store import calibrate_command
-
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 

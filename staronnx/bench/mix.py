@@ -26,12 +26,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from staronnx.bench.sweep import MixPoint, mix_label, mix_points, sweep
+from staronnx.bench.sweep import MixPoint, sweep
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
-
-__all__ = ["MixPoint", "is_per_model", "mix_label", "mix_points", "model_names", "per_model", "split_per_model",
-           "sweep_mix"]
 
 
 def is_per_model(text: str | None) -> bool:

@@ -282,11 +282,6 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
 
 
 # ---------------------------------------------------------------------------- files
-def save(fig: Figure, path: str | os.PathLike[str]) -> Path:
-    """Write ``fig`` as a PNG (folders created, atomically) and close it."""
-    return save_figure(fig, path)
-
-
 def _rows_of(source: str | os.PathLike[str] | Rows) -> list[Mapping[str, Any]]:
     if isinstance(source, (str, os.PathLike)):
         return list(load_results(source)["rows"])
@@ -310,7 +305,7 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
     out = Path(out_dir)
     # one model is a set of one: a mixed sweep draws models.png, then the same figures per model
     mixed = any("model" in r for r in rows)
-    written = [save(figure_models(rows)[0], out / "models.png")] if mixed else []
+    written = [save_figure(figure_models(rows)[0], out / "models.png")] if mixed else []
     per_model = ({n: [r for r in rows if r["model"] == n] for n in dict.fromkeys(str(r["model"]) for r in rows)}
                  if mixed else {"": rows})
     for name, mine in per_model.items():
@@ -324,7 +319,7 @@ def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLi
                 if stem == "latency_throughput" and not mixed:
                     raise
                 continue
-            written.append(save(fig, out / (f"{stem}_{name}.png" if mixed else f"{stem}.png")))
+            written.append(save_figure(fig, out / (f"{stem}_{name}.png" if mixed else f"{stem}.png")))
     return written
 
 
@@ -377,4 +372,4 @@ def compare(result_dirs: Sequence[str | os.PathLike[str]], labels: Sequence[str]
     if labels is None:
         labels = [doc.get("settings", {}).get("label") or Path(d).name for doc, d in zip(docs, result_dirs, strict=True)]
     fig, _ = figure_compare([doc["rows"] for doc in docs], list(labels))
-    return save(fig, out)
+    return save_figure(fig, out)

@@ -51,11 +51,14 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from staronnx.bench.simulator import mean_rate
 from staronnx.bench.sweep import sweep
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
+from staronnx.serving.server import ServerClosed
+from staronnx.verify import compare
 
 #: HTTP connections the client may open at once: requests beyond them wait in the client,
 #: which would hide server queueing behind client queueing (perf_analyzer opens one per request
@@ -73,9 +76,9 @@ def _url_error(url: str, why: str) -> RemoteError:
     return RemoteError(f"url {url!r}: {why}", cli=f"--url {url}: {why}")
 
 
-def parse_url(url: str) -> str:
-    """``host:port`` of an ``http://host:port`` or ``grpc://host:port`` URL (what tritonclient
-    takes), or one clear line."""
+def parse_url(url: str) -> tuple[str, str]:
+    """The protocol (``"http"`` or ``"grpc"``) and ``host:port`` (what tritonclient takes) of an
+    ``http://host:port`` or ``grpc://host:port`` URL, or one clear line."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in PROTOCOLS:
         raise _url_error(url, "expected http://HOST:PORT or grpc://HOST:PORT (a staronnx serve address: it prints "
@@ -87,12 +90,7 @@ def parse_url(url: str) -> str:
     except ValueError:
         raise _url_error(url, "the port is not a number") from None
     host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
-    return f"{host}:{port or 80}"
-
-
-def url_protocol(url: str) -> str:
-    """``"http"`` or ``"grpc"``: the protocol a (valid, see :func:`parse_url`) URL names."""
-    return urlsplit(url if "://" in url else f"http://{url}").scheme
+    return parts.scheme, f"{host}:{port or 80}"
 
 
 #: the protocols a remote sweep speaks, by URL scheme: what ``results.json`` records of each
@@ -252,8 +250,6 @@ class AnswerCheck:
 
     def mismatch(self, feeds: Mapping[str, np.ndarray], got: Mapping[str, np.ndarray]) -> str | None:
         """Why ``got`` is not ORT's answer to ``feeds`` (one line), None when it is."""
-        from staronnx.verify import compare
-
         for name, want in self.expected(feeds).items():
             if name not in got:
                 return f"output {name!r} is missing from the answer"
@@ -285,8 +281,7 @@ class RemoteRuntime:
                  clock: Callable[[], float] = time.perf_counter, check: AnswerCheck | None = None) -> None:
         self.check = check
         self.url = url
-        self.address = parse_url(url)
-        self.protocol = url_protocol(url)
+        self.protocol, self.address = parse_url(url)
         aio_client = _client_module(self.protocol)
         self.plan = plan
         self.model = model or Path(plan.root).resolve().name
@@ -471,8 +466,6 @@ class RemoteServer:
 
     def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None, **_: Any) -> Future:  # type: ignore[type-arg]
         """Send one sample now, counted as arrived at ``arrival``; never waits for the answer."""
-        from staronnx.serving.server import ServerClosed
-
         if self._closed:
             raise ServerClosed("the remote front end is closed")
         # the generator reuses a pool of samples: encode each once (tritonclient only reads them)
@@ -573,8 +566,7 @@ class RemoteServer:
             min((by_id[i] for i in b.request_ids), key=lambda r: r.arrival).first_in_batch = True
         arrivals = sorted(r.arrival for r in reqs)
         if offered_rate is None:
-            span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
-            offered_rate = (len(arrivals) - 1) / span if span > 0 else 0.0
+            offered_rate = mean_rate(arrivals)
         if start is None:
             start = arrivals[0] if arrivals else self.created
         if end is None:
@@ -629,12 +621,10 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
     ONNX model the plan was cut from (:class:`AnswerCheck`). ``trace``, ``simulate`` and
     ``colocate`` need the runtime in this process and are refused.
     """
-    for option in ("trace", "simulate", "colocate"):
-        if sweep_kwargs.get(option):
+    for option in ("trace", "simulate", "colocate", "runtime", "server_factory", "front_end"):
+        if sweep_kwargs.pop(option, None) and option in ("trace", "simulate", "colocate"):
             raise RemoteError(f"{option}= needs the runtime in this process; it cannot be used over the network",
                               cli=f"--{option} needs the runtime in this process; it cannot be used with --url")
-    for option in ("trace", "simulate", "colocate", "runtime", "server_factory", "front_end"):
-        sweep_kwargs.pop(option, None)
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     answers = None if check is None else AnswerCheck(check, plan)
     with RemoteRuntime(url, plan, model, check=answers) as remote:

@@ -38,7 +38,9 @@ from staronnx.plan import Plan
 from staronnx.runtime.core import Task, TaskGraph
 from staronnx.runtime.datawizard import price
 from staronnx.runtime.models import ModelSet, ServiceTarget
+from staronnx.runtime.policies import make_policy, policy_options
 from staronnx.runtime.sched import Policy, WorkerInfo
+from staronnx.runtime.trace import Tracer
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
@@ -289,8 +291,6 @@ class _Simulation:
         and run, and the queue length. A path: a file of its own, time 0 the first arrival
         (returned). A :class:`TraceInto`: into that open tracer, simulated time shifted onto
         its clock (a sweep's simulated points, each where its live point ran; None)."""
-        from staronnx.runtime.trace import Tracer
-
         assert self.ran is not None, "write_trace needs a simulation run with traced=True"
         if isinstance(target, TraceInto):
             tracer, shift = target.tracer, target.shift
@@ -587,15 +587,14 @@ def _end_of(sim: _Simulation, front: _FrontEnd) -> float:
     return max(front.last_done, last_arrival) if not outstanding else max(sim.clock.t, last_arrival)
 
 
-def _mean_rate(times: np.ndarray) -> float:
-    span = float(times[-1] - times[0]) if times.size > 1 else 0.0
-    return (times.size - 1) / span if span > 0 else 0.0
+def mean_rate(times: Sequence[float]) -> float:
+    """Arrivals per second over sorted arrival ``times`` (0 with fewer than two)."""
+    span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
+    return (len(times) - 1) / span if span > 0 else 0.0
 
 
 def _make_policy(policy: str | Policy, options: Mapping[str, Any] | None, seed: int) -> Policy:
     """A fresh policy object; the random policy gets the run's seed unless told otherwise."""
-    from staronnx.runtime.policies import make_policy, policy_options
-
     if isinstance(policy, Policy):
         if options:
             raise SimulationError("policy_options only apply to a policy given by name")
@@ -790,7 +789,7 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
         }
         records[m.name] = RunRecords(
             requests=fe.requests, batches=fe.batches,
-            offered_rate=_mean_rate(times) if replayed else float(rates[m.name]), batch_size=fe.batch_size,
+            offered_rate=mean_rate(times) if replayed else float(rates[m.name]), batch_size=fe.batch_size,
             start=float(times[0]), end=ends[m.name], queue_samples=fe.samples, settings=settings)
     return MixResult(
         records=records,

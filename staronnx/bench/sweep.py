@@ -45,13 +45,15 @@ from staronnx.bench.points import (measure_point, point_duration, runnable_sizes
 from staronnx.bench.results import SweepError, clean, make_row, write_results
 from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
 from staronnx.errors import StaronnxError
-from staronnx.inputs import load_inputs, samples as input_samples
+from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet, load_plans
 from staronnx.runtime.runtime import Runtime, warmup_sizes
+from staronnx.runtime.trace import Tracer
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.serving.records import RunRecords
 from staronnx.signals import signal_name
+from staronnx.verify import random_plan_feeds
 from staronnx.workers.residency import ResidencyError
 
 #: trace lane (thread id) of the sweep's points, clear of the workers' lanes
@@ -232,9 +234,6 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
     """A line saying that the simulation and the LP bound price other shapes than the real
     ``inputs`` have (a dynamic width or sequence length other than the one the plan was
     profiled at: another footprint, with other times), None when one sample of each agrees."""
-    from staronnx.inputs import batch_of
-    from staronnx.verify import random_plan_feeds
-
     ours = batch_of(inputs, plan, 1, 0)
     profiled = random_plan_feeds(plan, 1)
     differ = [f"{n} {list(ours[n].shape)} (profiled {list(a.shape)})" for n, a in profiled.items()
@@ -372,7 +371,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             for b in sizes_of[m.name]:
                 failed = warm_up(run.handles[m.name], m.plan, [b], seed=seed, inputs=inputs)
                 if failed:  # its points fail the same way and say so: measured, not a traceback
-                    results.notes.append(f"{run.who(m.name)}warm-up failed at {failed}")
+                    results.notes.append(f"{'' if one else m.name + ': '}warm-up failed at {failed}")
                 notify(SweepEvent("warmup", 0, total, batch_size=b))
         check = calibration_check(task_time_ratio(tasks_before, tasks_snapshot(runtime)), watch.stop())
         settings["calibration_check"] = check.pop("settings")
@@ -481,9 +480,6 @@ class _Run:
         self.pools: dict[str, list[dict[str, np.ndarray]]] = {}
         self.records: dict[str, RunRecords] = {}  # each model's at the last point
         self.index = 0
-
-    def who(self, name: str) -> str:
-        return "" if self.one else f"{name}: "
 
     def single(self, point: MixPoint) -> tuple[int | None, float | None]:
         """One model's point as its (batch size, rate), what its events carry; None for a mix."""
@@ -612,11 +608,10 @@ DRIFT = 1.25
 
 
 def calibration_check(ratio: float | None, load: MachineLoad | None) -> dict[str, Any]:
-    """The sweep's check of its perf models against a quick re-measure: the warm-up's tasks
-    (every batch size, every worker) timed by the engine against what the models predicted.
-    Returns ``settings`` (what ``settings.calibration_check`` keeps) and ``notes`` (a line when
-    the models and the machine disagree by more than :data:`DRIFT`, or the warm-up ran beside
-    other work): predictions, the bound and the simulation are off by as much."""
+    """The sweep's check of its perf models: the warm-up's tasks (every batch size, every
+    worker) timed by the engine against what the models predicted. Returns ``settings`` (what
+    ``settings.calibration_check`` keeps) and ``notes``, a line where they disagree by more than
+    :data:`DRIFT` or the warm-up ran beside other work."""
     out: dict[str, Any] = {"settings": clean({"task_time_ratio": ratio,
                                                "machine": None if load is None else load.as_dict()}), "notes": []}
     if ratio is not None and not (1 / DRIFT <= ratio <= DRIFT):
@@ -683,8 +678,6 @@ def point_tracers(runtime: SweptRuntime, *, simulated: bool, settings: dict[str,
     ``simulated`` sweep, the trace its simulated points go to (named in ``settings``), on the
     live trace's clock and with its worker lanes, so the two line up when opened side by side;
     None where there is no live trace."""
-    from staronnx.runtime.trace import Tracer
-
     tracer = runtime.tracer
     if tracer is None:
         return None, None
@@ -784,8 +777,6 @@ def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: 
 def _probe(plan: Plan, batch: int, *, policy: str, groups: str, cuda_streams: int, cuda_devices: Sequence[int],
            engine: str, seconds: float, seed: int) -> float:
     """Samples/s the runtime serves with batches of ``batch`` back to back (closed loop)."""
-    from staronnx.verify import random_plan_feeds
-
     feeds = random_plan_feeds(plan, batch, seed=seed)
     with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
                  engine=engine) as rt:

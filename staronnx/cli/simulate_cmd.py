@@ -287,9 +287,7 @@ def _print_one(result: Any, machine: Any, label: str, batch_size: int, policy: s
 def _print_mix(result: Any, machine: Any, labels: list[str], offered: dict[str, float], sizes: dict[str, int],
                residency: dict[str, str], lanes: dict[str, str], policy: str) -> None:
     """Several models on one simulated runtime: per-model throughput, latencies and deadline
-    misses, the LP bound of the mix, each worker's time per model; with ``--model-workers``,
-    where each model was kept; with ``--lane``, its lanes (an extra worker per CPU group
-    holding them; the OS preemption of the group's worker is not modelled, a note says so)."""
+    misses, the LP bound of the mix, each worker's time per model, where each model was kept."""
     from staronnx.bench.bound import mix_bound
 
     bound = mix_bound(machine, offered, sizes, residency=residency)

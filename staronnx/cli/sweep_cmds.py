@@ -461,7 +461,8 @@ def sweep_cmd(
 def _mix_points(rates: str, batch_sizes: str, names: list[str]) -> list[Any]:
     """``--rates a=...,b=...`` and ``--batch-sizes`` (one list for all, or per model) as the
     mixes of a mixed sweep: every combination."""
-    from staronnx.bench.mix import is_per_model, mix_points, per_model
+    from staronnx.bench.mix import is_per_model, per_model
+    from staronnx.bench.sweep import mix_points
 
     if rates.strip().lower() == "auto" or not is_per_model(rates):
         raise StaronnxError(f"several models need rates per model: --rates "
