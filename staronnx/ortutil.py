@@ -195,13 +195,6 @@ def borrowed(so: ort.SessionOptions, **values: object) -> Iterator[ort.SessionOp
             setattr(so, name, value)
 
 
-def _quietly(so: ort.SessionOptions) -> contextlib.AbstractContextManager[ort.SessionOptions]:
-    """``so`` as a probe uses it: writing no file, logging nothing, optimising nothing (ORT
-    would fold an Identity of a constant before the initializer given replaces it)."""
-    return borrowed(so, optimized_model_filepath="", enable_profiling=False, log_severity_level=QUIET,
-                    graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL)
-
-
 @dataclasses.dataclass
 class OptionEffects:
     """What a SessionOptions changes in the model ORT builds from it: initializer values given
@@ -256,7 +249,10 @@ def option_effects(so: ort.SessionOptions, source: Path | onnx.ModelProto) -> Op
     free = [vi for vi in model.graph.input if vi.name not in constants and vi.type.HasField("tensor_type")
             and any(not d.HasField("dim_value") for d in vi.type.tensor_type.shape.dim)]
     try:
-        with _quietly(so):
+        # the probes write no file, log nothing and optimise nothing (ORT would fold an Identity
+        # of a constant before the initializer given replaces it)
+        with borrowed(so, optimized_model_filepath="", enable_profiling=False, log_severity_level=QUIET,
+                      graph_optimization_level=ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
             if inits:
                 probes, probe = _probe_model([t.name for t in inits], [t.data_type for t in inits],
                                              initializers=[_placeholder(t, t.name in missing) for t in inits])

@@ -109,7 +109,9 @@ from staronnx.runtime.policies import policy_options
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.cuda_env import cuda_unavailable_reason, missing_device
 from staronnx.workers.cudart import host_runtime_from_env
+from staronnx.workers.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -261,9 +263,6 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
             raise ValueError(f"cuda_streams={cuda_streams} needs {CUDA_EP} in providers "
                              f"(providers here: {', '.join(asked) or 'none'})")
         return 0
-    from staronnx.workers.cuda import cuda_unavailable_reason
-    from staronnx.workers.cuda_env import missing_device
-
     device = _device_id(asked)
     reason = cuda_unavailable_reason(device) if stand_in is None else missing_device(device, stand_in.device_count())
     if reason is not None:
@@ -481,8 +480,6 @@ def _cores_for_threads(threads: int, cuda_drivers: int = 0) -> str:
     this process may use (one PU each), so the session computes on that many threads as ORT's
     would. ``cuda_drivers`` more cores are reserved for the GPU driver threads where the machine
     has them, as the default groups do (an explicit list alone reserves none)."""
-    from staronnx.workers.topology import Topology
-
     topology = Topology.from_system()
     allowed = topology.allowed_cores()
     cores = allowed[:threads]
