@@ -60,6 +60,7 @@ from staronnx.serving.spec import MIN_INFLIGHT, ServeSpec, inflight_window  # no
 
 log = logging.getLogger(__name__)
 
+
 class OverloadError(StaronnxError, RuntimeError):
     """The request queue is full: the server is offered more than it can serve."""
 
