@@ -7,6 +7,7 @@ equals its model's reference, one model's overload is refused (503) for that mod
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import urllib.request
@@ -211,6 +212,7 @@ def test_a_served_models_window_is_the_simulators_from_the_same_perf_models(plan
     from staronnx.runtime.runtime import Runtime
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
+    from staronnx.serve.protocol import ProtocolError
     from staronnx.serving.spec import ServeSpec
 
     monkeypatch.setenv("STARONNX_HOME", str(tmp_path))
@@ -228,5 +230,9 @@ def test_a_served_models_window_is_the_simulators_from_the_same_perf_models(plan
             try:
                 assert endpoint.server.max_inflight == endpoint.server.spec.max_inflight == window
                 assert endpoint.config()["parameters"]["max_inflight"] == {"string_value": str(window)}
+                # the spec's queue capacity bounds a client's batch too: refused whole, as invalid
+                with pytest.raises(ProtocolError, match="holds at most 16 samples") as refused:
+                    asyncio.run(endpoint.infer({"x": np.zeros((17, 32), np.float32)}, {"x": "FP32"}, None))
+                assert refused.value.kind == "invalid" and endpoint.server.queue_length == 0
             finally:
                 endpoint.server.close()
