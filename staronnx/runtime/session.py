@@ -389,16 +389,6 @@ def _config_entry(so: _Options, key: str) -> str | None:
         return None
 
 
-def _logs_and_entries(options: _Options, logs: str, entries: Mapping[str, str], given: _Options) -> list[str]:
-    """What ``options`` set that the parts' sessions do not apply: a log level below warnings
-    (``logs``: why), and the config entries of ``given`` among ``entries`` (each with why)."""
-    said = []
-    if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0:
-        said.append(f"log_severity_level={options.log_severity_level} ({logs})")
-    values = {key: _config_entry(given, key) for key in entries}
-    return said + [f"config entry {key}={value} ({entries[key]})" for key, value in values.items() if value is not None]
-
-
 def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
     """Options staronnx cannot honour and that change what runs: a NotImplementedError naming
     each, before anything is done."""
@@ -411,15 +401,19 @@ def _refuse_options(so: ort.SessionOptions | None, path_or_bytes: Any) -> None:
                                   "workers from InferenceSession(..., providers=[...]); name the providers there")
 
 
-def _unapplied(so: ort.SessionOptions | None, given: ort.SessionOptions | None) -> list[str]:
-    """The settings of ``so`` (config entries: of ``given``, the caller's object, which a copy
-    does not carry) that staronnx's workers do not apply, each with why."""
-    if so is None or given is None:
-        return []
-    values, defaults = option_values(so, _UNAPPLIED), option_values(ort.SessionOptions(), _UNAPPLIED)
-    said = [f"{name}={values[name]!s} ({why})" for name, why in _UNAPPLIED.items() if values[name] != defaults[name]]
-    return said + _logs_and_entries(so, "each part's session logs only fatal errors: its errors reach Python as "
-                                        "exceptions", _CONFIG_ENTRIES, given)
+def _unapplied(options: _Options, given: _Options) -> list[str]:
+    """What ``options`` set that staronnx's workers do not apply, each with why: attributes off
+    ORT's defaults, a log level below warnings, and config entries (of ``given``, the caller's
+    object, which a copy does not carry)."""
+    run = isinstance(options, ort.RunOptions)
+    attributes, entries = ({}, _RUN_ENTRIES) if run else (_UNAPPLIED, _CONFIG_ENTRIES)
+    values, defaults = option_values(options, attributes), option_values(type(options)(), attributes)
+    said = [f"{name}={values[name]!s} ({why})" for name, why in attributes.items() if values[name] != defaults[name]]
+    if 0 <= options.log_severity_level < 2 or options.log_verbosity_level > 0:
+        logs = "each part's session logs only fatal errors" + ("" if run else ": its errors reach Python as exceptions")
+        said.append(f"log_severity_level={options.log_severity_level} ({logs})")
+    values = {key: _config_entry(given, key) for key in entries}
+    return said + [f"config entry {key}={value} ({entries[key]})" for key, value in values.items() if value is not None]
 
 
 _SEQUENTIAL = "parts run in parallel on staronnx's workers; each part's operators run in sequence"
@@ -905,7 +899,7 @@ class InferenceSession:
         effective = _with_config(sess_options, config)
         #: the options this session runs with (the caller's, with the model's embedded config over them)
         self._options = effective
-        unapplied = _unapplied(effective, sess_options or effective)
+        unapplied = _unapplied(effective, sess_options or effective) if effective is not None else []
         if unapplied:
             warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply sess_options."
                                            + "; ".join(unapplied)), stacklevel=2)
@@ -1228,8 +1222,7 @@ class InferenceSession:
         if run_options is not None:
             if run_options.terminate:
                 raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
-            logs = "each part's session logs only fatal errors"
-            said = [s for s in _logs_and_entries(run_options, logs, _RUN_ENTRIES, run_options) if s not in self._said]
+            said = [s for s in _unapplied(run_options, run_options) if s not in self._said]
             if said:
                 self._said.update(said)  # once per session each
                 said_text = "staronnx.InferenceSession does not apply run_options." + "; ".join(said)
