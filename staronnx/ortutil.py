@@ -182,9 +182,8 @@ def option_values(so: ort.SessionOptions, names: Iterable[str]) -> dict[str, Any
 @contextlib.contextmanager
 def borrowed(so: ort.SessionOptions, **values: object) -> Iterator[ort.SessionOptions]:
     """The caller's SessionOptions with ``values`` set for the block and restored after: a probe
-    or a writer session must not profile, write the optimised model or log as the user's does.
-    (ORT's SessionOptions cannot be copied; a session opened on the same object in another
-    thread meanwhile sees the borrowed values.)"""
+    or a writer session must not profile, write the optimised model or log as the user's does
+    (ORT's cannot be copied; a session opened on it in another thread meanwhile sees the values)."""
     saved = option_values(so, values)
     try:
         for name, value in values.items():
@@ -299,9 +298,8 @@ class AdapterProbe:
 def write_optimized(model: str | bytes, so: ort.SessionOptions, providers: Sequence[str],
                     optimization_level: ort.GraphOptimizationLevel | None = None) -> None:
     """Have ORT write ``so.optimized_model_filepath`` as it would for its own session (the whole
-    model, optimised at the options' level for ``providers``, with the options' external
-    initializer settings): a session opened for that and dropped. It neither profiles nor reads
-    the model's embedded config (``optimization_level``: the level that config set, if any)."""
+    model, optimised for ``providers``): a session opened for that and dropped, which neither
+    profiles nor reads the model's config (``optimization_level``: the level that config set)."""
     values: dict[str, object] = {"enable_profiling": False}
     if optimization_level is not None:
         values["graph_optimization_level"] = optimization_level

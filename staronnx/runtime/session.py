@@ -309,8 +309,7 @@ def _load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any
         for dim, size in zip(vi.type.tensor_type.shape.dim, effects.shapes.get(vi.name, [])):
             if size is not None:
                 dim.dim_value = int(size)  # a dim_param or an unknown size that ORT fixed
-    fixed = json.dumps(effects.shapes, sort_keys=True)
-    sha256 = hashlib.sha256((loaded.sha256 + fixed).encode()).hexdigest()
+    sha256 = hashlib.sha256((loaded.sha256 + json.dumps(effects.shapes, sort_keys=True)).encode()).hexdigest()
     log.info("the session options change the model: initializers %s given, inputs %s fixed",
              sorted(effects.initializers), sorted(effects.shapes))
     return model, model, sha256
@@ -530,9 +529,8 @@ def _partition_options(partition_options: Mapping[str, Any] | None,
 
 def _unsized(model: onnx.ModelProto, batch_axes: dict[str, int | None]) -> list[str]:
     """The model's dynamic sizes that partition cannot choose itself ("image: height"): every
-    dynamic axis of an input but its batch axis (the contract's, with the user's ``batch_axes``),
-    which partition sets to its profiling batch. None for a model served whole, which is not
-    profiled (:mod:`staronnx.partition.whole`)."""
+    dynamic axis of an input but its batch axis (which partition sets to its profiling batch);
+    none for a model served whole, which is not profiled (:mod:`staronnx.partition.whole`)."""
     if whole_reason(model) is not None:
         return []
     return [f"{spec.name}: {d or f'axis {axis}'}" for spec in model_inputs(model, batch_axes)
@@ -563,10 +561,9 @@ def _overridable(model: onnx.ModelProto) -> list[onnx.TensorProto]:
 
 
 def _runs_on_workers(plan: Plan) -> str | None:
-    """Why staronnx's workers cannot run the plan, or None when they can: they hand tensors
-    between parts and price them by their bytes (a sequence has none to give), and the engine
-    tracks each tensor from the one part that writes it (an input returned as an output is
-    written by none)."""
+    """Why staronnx's workers cannot run the plan, or None when they can: they hand on tensors
+    priced by their bytes (a sequence has none), and the engine tracks each tensor from the one
+    part that writes it (an input returned as an output is written by none)."""
     odd = next((t for t in (*plan.inputs, *plan.outputs) if "(" in t.dtype), None)
     if odd is not None:
         return f"{odd.name!r} is a {odd.dtype}, and staronnx's workers hand on tensors only"
@@ -746,8 +743,7 @@ def _host_array(value: Any, name: str) -> np.ndarray:
     if value.device_name().lower() != "cpu":
         raise NotImplementedError(f"{name!r}: staronnx takes host OrtValues only (this one is on "
                                   f"{value.device_name()}); pass OrtValue.ortvalue_from_numpy(array)")
-    array: np.ndarray = value.numpy()
-    return array
+    return np.asarray(value.numpy())
 
 
 # -- what a session holds, released without close() too ----------------------------------------
@@ -833,10 +829,9 @@ class InferenceSession:
     """Drop-in for ``onnxruntime.InferenceSession`` backed by the staronnx runtime."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        """Where a program made this class ``onnxruntime.InferenceSession`` (the one-line switch,
-        done for the whole program), staronnx's own code asking that name for a part's session
-        gets ORT's: a part cut again by staronnx would partition without end, each session
-        waiting on its own plan's lock."""
+        """Where a program made this class ``onnxruntime.InferenceSession`` (the one-line switch),
+        staronnx's own code asking that name for a part's session gets ORT's: a part cut again by
+        staronnx would partition without end, each session waiting on its own plan's lock."""
         if ort.InferenceSession is not OrtSession and _called_from_staronnx():
             return OrtSession(*args, **kwargs)
         return super().__new__(cls)
@@ -1099,11 +1094,10 @@ class InferenceSession:
         file it records (empty metadata when that file is gone)."""
         if self._meta is None:
             path = self.plan.source.get("path")
-            meta = ModelMetadata()
+            self._meta = ModelMetadata()
             if path and Path(path).is_file():
                 with contextlib.suppress(Exception):
-                    meta = ModelMetadata.of(onnx.load(path, load_external_data=False))
-            self._meta = meta
+                    self._meta = ModelMetadata.of(onnx.load(path, load_external_data=False))
         return self._meta
 
     def get_profiling_start_time_ns(self) -> int:
@@ -1158,10 +1152,9 @@ class InferenceSession:
         return [cpu for _ in self._io.inputs]
 
     def get_provider_graph_assignment_info(self) -> list[Any]:
-        """Which provider runs each node, as ORT answers it for each part's session on a CPU
-        worker (the parts' nodes are the model's, a part after another). Needs the config entry
-        ORT needs (else ORT's Fail); a session with CUDA workers is refused: there each part runs
-        on the CPU or the GPU as the policy places its batch."""
+        """Which provider runs each node, as ORT answers it for each part's session on a CPU worker
+        (the parts' nodes are the model's). Needs ORT's config entry (else ORT's Fail); refused with
+        CUDA workers, where each part runs on the CPU or the GPU as the policy places its batch."""
         given = self._sess_options
         if given is None or _config_entry(given, RECORD_ASSIGNMENT) != "1":
             raise NotRecorded(f"[ONNXRuntimeError] : 1 : FAIL : Session configuration entry '{RECORD_ASSIGNMENT}' "
@@ -1252,8 +1245,7 @@ class InferenceSession:
                 raise EngineClosed("the session is closed; no new requests are accepted")
             if not overrides:
                 if self._runtime is None:
-                    if self._plan is not None or self._loaded is None or self._cut_model is None:
-                        raise RuntimeError("this InferenceSession failed to start")
+                    assert self._loaded is not None and self._cut_model is not None  # a model cut at its first run
                     try:
                         plan = self._cut_model(self._loaded[0], self._loaded[2], feeds)
                         self._runtime = self._start(plan)
