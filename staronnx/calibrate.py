@@ -125,12 +125,10 @@ def calibrate(
     lock = threading.Lock()
     stop = threading.Event()
     measured_fps: dict[tuple[int, str], set[Footprint]] = {}
-    for w in workers:
+    for arch in (w.arch for w in workers):
         for part in range(plan.k):
-            key = (part, w.arch)
-            if key not in report.models:
-                report.models[key] = (HistoryModel(part, key[1]) if replace
-                                      else store.load(plan.hash, part, key[1]))
+            if (part, arch) not in report.models:
+                report.models[part, arch] = HistoryModel(part, arch) if replace else store.load(plan.hash, part, arch)
 
     def drive(wid: int, batch: int, values: dict[str, np.ndarray]) -> None:
         worker = workers[wid]
@@ -468,7 +466,6 @@ def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, dep
             by_request.setdefault(ev.request, []).append(ev)
     batches = sorted((b for b in records.batches if b.done is not None), key=lambda b: b.formed)
     launch, wake, gap, finish = [], [], [], []
-    measured = predicted = 0.0
     groups = sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
     alone = 0
     for i, record in enumerate(batches):
@@ -492,11 +489,9 @@ def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, dep
             (gap if pred.worker == t.worker else wake).append(max(t.start - pred.end, 0.0))
     # the tasks' time over their models: every task of the run, alone or not (at load, tasks
     # on other cores share the memory bus and caches, and that is what serving at load costs)
-    for ts in groups:
-        for t in ts:
-            if t.predicted:
-                measured += t.end - t.start
-                predicted += t.predicted
+    modelled = [t for ts in groups for t in ts if t.predicted]
+    measured = sum((t.end - t.start for t in modelled), 0.0)
+    predicted = sum((t.predicted or 0.0 for t in modelled), 0.0)
 
     def median(xs: list[float], default: float = 0.0) -> float:
         return statistics.median(xs) if xs else default

@@ -163,10 +163,7 @@ class BusModel:
             raise ValueError(f"nbytes must be >= 0, got {nbytes}")
         if nbytes == 0 or src == dst:
             return 0.0
-        routes = self._candidates(src, dst)
-        if not routes:
-            return 0.0
-        return min(lat + shared_by * nbytes * slow for lat, slow in routes)
+        return min((lat + shared_by * nbytes * slow for lat, slow in self._candidates(src, dst)), default=0.0)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able form: a list of links with latency (s) and bandwidth (bytes/s)."""

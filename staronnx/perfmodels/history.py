@@ -74,13 +74,11 @@ class Footprint:
         contract: a state ``[2, batch, 64]`` has it on axis 1), else axis 0 where it equals the
         batch.
         """
-        if isinstance(shapes, Mapping):
-            named = [(str(k), tuple(operator.index(d) for d in v)) for k, v in shapes.items()]
-            first = named[0][1] if named else ()
-            ordered = sorted(named)
-        else:
-            ordered = [("", tuple(operator.index(d) for d in s)) for s in shapes]
-            first = ordered[0][1] if ordered else ()
+        by_name = isinstance(shapes, Mapping)
+        items = shapes.items() if isinstance(shapes, Mapping) else (("", s) for s in shapes)
+        named = [(str(k), tuple(operator.index(d) for d in v)) for k, v in items]
+        first = named[0][1] if named else ()
+        ordered = sorted(named) if by_name else named  # a list keeps its input order
         if batch is None:
             if not first:
                 raise ValueError("cannot infer the batch size from these shapes; pass batch=")

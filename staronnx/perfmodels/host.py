@@ -152,10 +152,7 @@ class HostModel:
         larger), None when nothing was measured. A batch size between two measured ones takes
         the per-request CPU of the nearest and its other figures: the probe's sizes are the
         calibration's, so what serving runs was measured."""
-        if not self.costs:
-            return None
-        best = min(self.costs, key=lambda b: (abs(math.log(b / batch)), -b))
-        return self.costs[best]
+        return self.costs[min(self.costs, key=lambda b: (abs(math.log(b / batch)), -b))] if self.costs else None
 
     def as_dict(self) -> dict[str, Any]:
         return {"workers": list(self.workers), "free_pus": self.free_pus,

@@ -103,17 +103,13 @@ def kept(readers_not_started: int) -> bool:
 
 def writeback(name: str, nbytes: int, node: str, host: str = HOST_NODE) -> Copy | None:
     """The copy of a request's final output produced on ``node`` to the host, or None."""
-    if is_host(node) or nbytes <= 0:
-        return None
-    return Copy(name, node, host, nbytes)
+    return None if is_host(node) or nbytes <= 0 else Copy(name, node, host, nbytes)
 
 
 def produced_on(node: str, final: bool, host: str = HOST_NODE) -> frozenset[str]:
     """Where a part's output is valid once its producer ran on ``node``: there, and on the
     host too when it is a final output (written back by its producer)."""
-    if final and not is_host(node):
-        return frozenset((node, host))
-    return frozenset((node,))
+    return frozenset((node, host) if final and not is_host(node) else (node,))
 
 
 def price(copies: Iterable[Copy], cost: CopyCost) -> float:

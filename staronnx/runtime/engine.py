@@ -400,10 +400,9 @@ class NativeEngine:
                 announce(deferred)
 
     def _drive_loop(self, wids: list[int], deferred: list[RequestFuture]) -> None:
-        """:meth:`_drive`'s loop. Results are settled at once and their callers woken in a
-        group (``deferred``): before this thread may block (waiting for work, or for a task
-        the device has not finished: the woken callers then run while it waits), else
-        after :data:`ANNOUNCE_EVERY` results or :data:`ANNOUNCE_AFTER_S` seconds."""
+        """:meth:`_drive`'s loop. The callers of ``deferred`` are woken before this thread may
+        block (for work, or for a task the device has not finished: they then run while it
+        waits), else as the module docstring says."""
         workers = self._workers
         ahead: deque[tuple[int, Task | Pinned, _Started]] = deque()  # in launch order, all streams
         launched = dict.fromkeys(wids, 0)

@@ -130,10 +130,7 @@ class ModelSet:
         self.owner: list[tuple[HostedModel, int]] = [(m, p) for m in self.models for p in range(m.plan.k)]
         #: global part -> the tensors it reads (names are the model's own)
         self.part_inputs: list[list[str]] = [list(m.plan.parts[p].inputs) for m, p in self.owner]
-        self.preds: list[list[int]] = []
-        for m in self.models:
-            for deps in m.plan.dependencies():
-                self.preds.append(sorted(m.first_part + d for d in deps))
+        self.preds = [sorted(m.first_part + d for d in deps) for m in self.models for deps in m.plan.dependencies()]
         self.succs: list[list[int]] = [[] for _ in self.owner]
         for p, preds in enumerate(self.preds):
             for d in preds:

@@ -535,11 +535,10 @@ class StarpuEngine:
         serves one plan here), with no latency target, hence no deadline misses."""
         _one_model(model)
         s = self.stats()
-        return {"elapsed_s": s["elapsed_s"], "requests_done": s["requests_done"],
-                "requests_failed": s["requests_failed"], "in_flight": s["in_flight"], "deadline_misses": 0,
-                "target": None, "workers": {name: {"arch": row["arch"], "busy": row["busy"], "alive": True}
-                                            for name, row in s["workers"].items()},
-                "tasks": s["tasks"], "mean_queue_wait_ms": s["mean_queue_wait_ms"], "held_by": list(s["workers"])}
+        workers = {n: {"arch": w["arch"], "busy": w["busy"], "alive": True} for n, w in s["workers"].items()}
+        return {**{k: s[k] for k in ("elapsed_s", "requests_done", "requests_failed", "in_flight")},
+                "deadline_misses": 0, "target": None, "workers": workers, "tasks": s["tasks"],
+                "mean_queue_wait_ms": s["mean_queue_wait_ms"], "held_by": list(workers)}
 
     @property
     def perfmodel_symbols(self) -> list[str]:

@@ -71,18 +71,13 @@ def comm_sd(problem: Problem, alpha: float = 100.0, max_iterations: int = 50) ->
     if alpha < 0:
         raise ValueError(f"alpha must be >= 0 µs, got {alpha}")
     a = problem.fastest()
-    history = []
-    converged = False
-    iterations = 0
-    for iterations in range(1, max_iterations + 1):
+    history: list[int] = []  # nodes moved per sweep
+    while len(history) < max_iterations and (not history or history[-1]):
         a, moves = comm_sd_pass(problem, a, alpha)
         history.append(moves)
-        if moves == 0:
-            converged = True
-            break
-    return Assignment(
-        a, {"alpha_us": alpha, "iterations": iterations, "converged": converged, "moves_per_sweep": history}
-    )
+    converged = bool(history) and history[-1] == 0
+    return Assignment(a, {"alpha_us": alpha, "iterations": len(history), "converged": converged,
+                          "moves_per_sweep": history})
 
 
 # -- DUET -------------------------------------------------------------------------------------------

@@ -83,9 +83,7 @@ class HeftPolicy(DmdasPolicy):
         if task is not None and task.part == part and task.batch == batch:
             probe = task
         else:
-            fp = self._footprints.get((part, batch))
-            probe = TaskView(id=-1, part=part, batch=batch, request=-1,
-                             footprint=fp)
+            probe = TaskView(id=-1, part=part, batch=batch, request=-1, footprint=self._footprints.get((part, batch)))
         archs: dict[str, WorkerInfo] = {}
         for w in self.holders(self._order, part):
             archs.setdefault(w.arch, w)

@@ -45,12 +45,10 @@ class PrioDeque:
         self._buckets.setdefault(bucket_key(task), deque()).append(task)
         self._n += 1
 
-    def _take(self, front: bool) -> TaskView | None:
-        if not self._n:
-            return None
-        prio = max(self._buckets)
+    def _take(self, prio: BucketKey, i: int) -> TaskView:
         bucket = self._buckets[prio]
-        task = bucket.popleft() if front else bucket.pop()
+        task = bucket[i]
+        del bucket[i]
         if not bucket:
             del self._buckets[prio]
         self._n -= 1
@@ -58,23 +56,16 @@ class PrioDeque:
 
     def pop_front_highest(self) -> TaskView | None:
         """The owner's pop: oldest task of the highest priority."""
-        return self._take(front=True)
+        return self._take(max(self._buckets), 0) if self._n else None
 
     def pop_back_highest(self, runnable: Callable[[TaskView], bool] | None = None) -> TaskView | None:
         """A thief's pop: newest task of the highest priority; with ``runnable``, the newest
         of the highest priority that the thief can run (one that holds the task's part)."""
-        if runnable is None:
-            return self._take(front=False)
         for prio in sorted(self._buckets, reverse=True):
             bucket = self._buckets[prio]
             for i in range(len(bucket) - 1, -1, -1):
-                if runnable(bucket[i]):
-                    task = bucket[i]
-                    del bucket[i]
-                    if not bucket:
-                        del self._buckets[prio]
-                    self._n -= 1
-                    return task
+                if runnable is None or runnable(bucket[i]):
+                    return self._take(prio, i)
         return None
 
     def drain(self) -> list[TaskView]:
