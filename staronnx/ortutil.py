@@ -75,11 +75,9 @@ def providers_for(device: str) -> list[str]:
         return ["CPUExecutionProvider"]
     if device == "cuda":
         if "CUDAExecutionProvider" not in available:
-            raise DeviceError(
-                "device 'cuda' needs ONNX Runtime's CUDAExecutionProvider, which this install "
-                f"lacks (available: {', '.join(available)}); install staronnx[gpu] "
-                "(onnxruntime-gpu) on a machine with an NVIDIA GPU"
-            )
+            raise DeviceError(f"device 'cuda' needs ONNX Runtime's CUDAExecutionProvider, which this install lacks "
+                              f"(available: {', '.join(available)}); install staronnx[gpu] (onnxruntime-gpu) on a "
+                              "machine with an NVIDIA GPU")
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
     raise DeviceError(f"unknown device {device!r}; use 'cpu' or 'cuda'")
 
@@ -107,10 +105,9 @@ def cuda_capture_safe() -> Iterator[None]:
 def make_session(model: onnx.ModelProto | str | os.PathLike[str], *, optimize: bool = True,
                  providers: Sequence[str | tuple[str, dict[str, str]]] | None = None,
                  options: ort.SessionOptions | None = None) -> OrtSession:
-    """An ORT session; models over protobuf's 2 GB limit go through a temporary file.
-
-    Without ``options``, ORT logs nothing below a fatal error (:data:`QUIET`): its errors reach
-    the caller as exceptions, which partition, verify and the probes summarise in one line."""
+    """An ORT session; models over protobuf's 2 GB limit go through a temporary file. Without
+    ``options``, ORT logs nothing below a fatal error (:data:`QUIET`): its errors reach the caller
+    as exceptions, which partition, verify and the probes summarise in one line."""
     so = options
     if so is None:
         so = ort.SessionOptions()

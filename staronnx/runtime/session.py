@@ -94,6 +94,7 @@ from filelock import FileLock
 from google.protobuf.message import DecodeError
 from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
 from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
+from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
 
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError, StaronnxError
@@ -227,28 +228,12 @@ def _providers(providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
                provider_options: Sequence[Mapping[str, Any]] | None,
                cuda_stand_in: bool = False) -> dict[str, dict[str, str]]:
     """ORT's two provider spellings (names plus a parallel options list, or (name, options)
-    tuples) as one ordered {name: options}; providers this ORT lacks are dropped with ORT's
-    own warning, as ORT drops them (not CUDA's when a stand-in CUDA runtime is given)."""
-    items = list(providers or [])
-    if provider_options is not None and len(provider_options) != len(items):
-        raise ValueError("'providers' and 'provider_options' should be the same length if both are given.")
+    tuples) as one ordered {name: options}, checked by ORT's own code; providers this ORT lacks
+    are dropped after ORT's warning, as ORT drops them (not CUDA's where a stand-in CUDA runtime
+    is given)."""
     available = ort.get_available_providers() + ([CUDA_EP] if cuda_stand_in else [])
-    out: dict[str, dict[str, str]] = {}
-    for i, item in enumerate(items):
-        if isinstance(item, str):
-            name, opts = item, (provider_options[i] if provider_options is not None else {})
-        elif isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], Mapping):
-            if provider_options is not None:
-                raise ValueError("'providers' values must be strings when 'provider_options' is given.")
-            name, opts = item
-        else:
-            raise ValueError("Only string values for 'providers' or (name, options) tuples are supported.")
-        if name not in available:
-            warnings.warn(f"Specified provider '{name}' is not in available provider names."
-                          f"Available providers: '{', '.join(available)}'", UserWarning, stacklevel=3)
-            continue
-        out[name] = {str(k): str(v) for k, v in opts.items()}
-    return out
+    names, options = check_and_normalize_provider_args(providers, provider_options, available)
+    return {name: opts for name, opts in zip(names, options) if name in available}
 
 
 def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None,
@@ -327,18 +312,12 @@ _CONFIG_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "graph_optimization_level": lambda v: ort.GraphOptimizationLevel(int(v)),
     "enable_profiling": lambda v: bool(int(v)),
 }
-#: SessionOptions attributes that a copy carries (ORT's object cannot be copied)
-_COPIED = ("intra_op_num_threads", "inter_op_num_threads", "execution_mode", "execution_order",
-           "graph_optimization_level", "enable_profiling", "profile_file_prefix", "optimized_model_filepath",
-           "log_severity_level", "log_verbosity_level", "logid", "enable_cpu_mem_arena", "enable_mem_pattern",
-           "enable_mem_reuse", "use_deterministic_compute", "use_per_session_threads")
 
 
 class OptionNotApplied(UserWarning):
-    """A SessionOptions or RunOptions setting staronnx's workers do not apply (a performance,
-    memory or logging setting of ORT's own pools, allocators and logs: each worker sets its own
-    for its cores). Settings that change what a model computes are applied, or refused with a
-    NotImplementedError naming them."""
+    """A SessionOptions or RunOptions setting of ORT's pools, allocators or logs, which staronnx's
+    workers set for their cores themselves. Settings that change what a model computes are
+    applied, or refused with a NotImplementedError naming them."""
 
 
 def _reads_config(kwargs: Mapping[str, Any]) -> bool:
@@ -430,6 +409,9 @@ _UNAPPLIED = {
     "enable_mem_reuse": _ALLOCATOR,
     "use_deterministic_compute": "each part's session uses ORT's default kernels",
 }
+#: SessionOptions attributes that a copy carries (ORT's object cannot be copied)
+_COPIED = (*_UNAPPLIED, "intra_op_num_threads", "enable_profiling", "profile_file_prefix", "optimized_model_filepath",
+           "log_severity_level", "log_verbosity_level", "logid", "use_per_session_threads")
 #: SessionOptions config entries that staronnx's workers do not apply, each with why (those it
 #: applies: the optimized model's external initializer settings, the graph assignment record)
 _CONFIG_ENTRIES = {
@@ -582,8 +564,7 @@ class _OrtPart:
     def __init__(self, plan: Plan, threads: int = 0) -> None:
         so = ort.SessionOptions()
         so.log_severity_level = QUIET  # its errors reach the caller as exceptions
-        if threads > 0:
-            so.intra_op_num_threads = threads
+        so.intra_op_num_threads = max(threads, 0)  # 0: ORT's default
         self._session: OrtSession | None = OrtSession(str(plan.part_path(0)), so, providers=[CPU_EP])
         self._outputs = plan.output_names
         self.workers: list[Any] = []
