@@ -221,11 +221,10 @@ def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any
                    bounds: Mapping[int, float | None] | None = None, rate: float | None = None) -> int | None:
     """The next batch size to measure live, or None when the measured best is confirmed.
 
-    When even the best measured does not keep up (congested, or serving under the rate), the
-    rate needs more capacity: the next larger unmeasured size (bigger batches cost less per
-    sample). Otherwise, when the best sits at an
-    edge of the measured sizes, the unmeasured neighbour beyond that edge (a smaller size
-    lowers the batch-fill wait; a larger one may win at high load or give more headroom).
+    When even the best measured does not keep up, the rate needs more capacity: the next
+    larger unmeasured size (bigger batches cost less per sample). Otherwise, when the best sits
+    at an edge of the measured sizes, the unmeasured neighbour beyond it (a smaller size lowers
+    the batch-fill wait; a larger one may win at high load or give more headroom).
     """
     if not measured:
         return None

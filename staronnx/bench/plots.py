@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
-from staronnx.bench.results import best_per_rate, load_results
+from staronnx.bench.results import best_per_rate, load_results, load_rows
 from staronnx.fsutil import save_figure
 from staronnx.errors import StaronnxError
 
@@ -283,20 +283,15 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
 
 # ---------------------------------------------------------------------------- files
 def _rows_of(source: str | os.PathLike[str] | Rows) -> list[Mapping[str, Any]]:
-    if isinstance(source, (str, os.PathLike)):
-        return list(load_results(source)["rows"])
-    return list(source)
+    return load_rows(source) if isinstance(source, (str, os.PathLike)) else list(source)
 
 
 def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLike[str] | None = None) -> list[Path]:
-    """Draw the sweep figures of a result folder (or rows) into ``out_dir``.
-
-    ``out_dir`` defaults to the result folder. Writes ``latency_throughput.png``,
-    ``best_batch.png``, ``cpu_share.png`` and, for a simulated sweep, ``simulator.png``; a figure with nothing to show (every point
-    congested, no placement recorded) is left out rather than failing the others. A mixed
-    sweep: ``models.png`` (:func:`figure_models`), then those figures over each model's own
-    rows (``latency_throughput_<model>.png``, ...; no best batch: one row per mix).
-    """
+    """Draw the sweep figures of a result folder (or rows) into ``out_dir`` (default: that
+    folder); a figure with nothing to show (every point congested, no placement recorded) is
+    left out rather than failing the others. A mixed sweep draws ``models.png``, then the
+    figures over each model's own rows (``latency_throughput_<model>.png``, ...; no best batch:
+    one row per mix)."""
     rows = _rows_of(source)
     if out_dir is None:
         if not isinstance(source, (str, os.PathLike)):

@@ -25,11 +25,9 @@ so the one-sample requests carry their sample on each input's own axis (a state
 ``[2, batch, 64]`` is sent as ``[2, 1, 64]``) and a scalar whole.
 
 A request that fails is a failed request wherever it is counted: its record says so and why
-(the server's message), and the point is ``failed``. With ``check=`` (``sweep --check
-MODEL.onnx``) every answer is also held against what plain ONNX Runtime answers to that
-request's own inputs (:class:`AnswerCheck`); an answer that differs counts as a failed request,
-the difference in the point's notes: what shows that concurrent clients with different inputs
-each get their own answer, not a neighbour's.
+(the server's message), and the point is ``failed``; with ``check=`` (``sweep --check``) so is
+an answer that is not plain ONNX Runtime's to that request's own inputs (:class:`AnswerCheck`):
+what shows that concurrent clients with different inputs each get their own answer.
 """
 
 from __future__ import annotations
@@ -266,9 +264,8 @@ class RemoteRuntime:
     """One model of a ``staronnx serve``, as the sweep's runtime: see the module docstring.
 
     Owns an event loop in a daemon thread and the asynchronous tritonclient on it; ``close()``
-    stops both. Checks at once that the server answers, serves ``model`` and serves ``plan``;
-    ``plan`` then carries the server's batching contract (:meth:`ServedModel.contract_of`).
-    ``check``: hold every answer against ORT's answer to its request (:class:`AnswerCheck`).
+    stops both. Checks at once that the server answers, serves ``model`` and serves ``plan``,
+    which then carries the server's batching contract (:meth:`ServedModel.contract_of`).
     """
 
     #: what a sweep reads of an in-process runtime (:class:`~staronnx.bench.sweep.SweptRuntime`):

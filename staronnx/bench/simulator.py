@@ -656,11 +656,10 @@ def _share(placement: Mapping[tuple[int, str], int], part: int) -> dict[str, flo
     return {a: n / total for a, n in sorted(counts.items())} if total else {}
 
 
-def _times(machine: SimMachine, name: str, index: int, rate: float, *, arrivals: Mapping[str, Sequence[float]] | None,
+def _times(who: str, name: str, index: int, rate: float, *, arrivals: Mapping[str, Sequence[float]] | None,
            duration: float | None, n_requests: int | None, distribution: str, seed: int) -> tuple[np.ndarray, str]:
     """One model's scheduled arrivals (replayed, or drawn with seed ``seed + index``) and
-    their process's description."""
-    who = "" if machine.models is not None and machine.models.single else f"{name}: "
+    their process's description; ``who`` names the model in errors where there are several."""
     if arrivals is not None and name in arrivals:
         times = np.asarray(arrivals[name], dtype=np.float64)
         if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
@@ -721,6 +720,7 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     models = machine.models
     assert models is not None
     names = [m.name for m in models.models]
+    who = {n: "" if models.single else f"{n}: " for n in names}
     unknown = sorted(set(rates) - set(names))
     if unknown:
         raise SimulationError(f"rates for unknown model(s) {', '.join(map(repr, unknown))}; the models are "
@@ -732,9 +732,8 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     if set(sizes) != set(names):
         raise SimulationError(f"give a batch size for each model ({', '.join(names)}), got {sorted(sizes)}")
     for n, b in sizes.items():
-        who = "" if models.single else f"{n}: "
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
-            raise SimulationError(f"{who}batch_size must be an int >= 1, got {b!r}")
+            raise SimulationError(f"{who[n]}batch_size must be an int >= 1, got {b!r}")
         if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else b):
             raise SimulationError(f"queue_capacity must be >= 1 and >= {'batch_size' if models.single else 'every batch size'}"
                                   f" without max_delay, got {queue_capacity}")
@@ -751,13 +750,12 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     processes: dict[str, str] = {}
     for m in models.models:
         b = sizes[m.name]
-        who = "" if models.single else f"{m.name}: "
         machine.check(b, m.index, where)
         window = (machine_inflight(machine, b, m.index, where) if max_inflight is None or m.name not in max_inflight
                   else int(max_inflight[m.name]))
         if window < 1:
-            raise SimulationError(f"{who}max_inflight must be >= 1, got {window}")
-        times, processes[m.name] = _times(machine, m.name, m.index, rates[m.name], arrivals=arrivals,
+            raise SimulationError(f"{who[m.name]}max_inflight must be >= 1, got {window}")
+        times, processes[m.name] = _times(who[m.name], m.name, m.index, rates[m.name], arrivals=arrivals,
                                           duration=duration, n_requests=n_requests, distribution=distribution,
                                           seed=seed)
         host = machine.host_costs(b) if host_costs else None

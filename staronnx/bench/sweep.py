@@ -745,11 +745,9 @@ def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: 
     """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
     batch size's curve up to where it congests instead of one congested point per batch size.
 
-    From the LP throughput bound over the calibrated perf models (the largest over
-    ``batch_sizes``) where the plan is calibrated for these workers; else from a short closed
-    loop on the runtime itself (``probe_seconds`` of batches of the largest size, kept two per
-    worker in flight), whose throughput is what the runtime serves at most; None where there
-    is no bound and ``probe_seconds`` is None (a served runtime cannot be probed from here).
+    From the LP bound over the calibrated perf models (the largest over ``batch_sizes``), else
+    from ``probe_seconds`` of a closed loop on the runtime itself (:func:`_probe`); None where
+    there is no bound and no probe (a served runtime cannot be probed from here).
     """
     sizes, _ = runnable_sizes(plan, batch_sizes)  # a model of one request per task: batch 1
     try:
@@ -776,7 +774,8 @@ def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: 
 
 def _probe(plan: Plan, batch: int, *, policy: str, groups: str, cuda_streams: int, cuda_devices: Sequence[int],
            engine: str, seconds: float, seed: int) -> float:
-    """Samples/s the runtime serves with batches of ``batch`` back to back (closed loop)."""
+    """Samples/s the runtime serves with batches of ``batch`` back to back, two per worker in
+    flight (closed loop): the most it serves."""
     feeds = random_plan_feeds(plan, batch, seed=seed)
     with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
                  engine=engine) as rt:
