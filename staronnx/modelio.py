@@ -133,10 +133,8 @@ def missing_external(model: onnx.ModelProto, base: Path) -> set[str]:
 
 def _supply(model: onnx.ModelProto, supplied: Mapping[str, np.ndarray] | None) -> None:
     """Replace the named initializers' values, in place (their data then lives in the model)."""
-    if not supplied:
-        return
     for tensor in model.graph.initializer:
-        if tensor.name in supplied:
+        if supplied and tensor.name in supplied:
             tensor.CopyFrom(numpy_helper.from_array(np.asarray(supplied[tensor.name]), tensor.name))
 
 

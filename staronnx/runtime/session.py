@@ -227,10 +227,9 @@ def _arg(t: TensorSpec) -> NodeArg:
 def _providers(providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
                provider_options: Sequence[Mapping[str, Any]] | None,
                cuda_stand_in: bool = False) -> dict[str, dict[str, str]]:
-    """ORT's two provider spellings (names plus a parallel options list, or (name, options)
-    tuples) as one ordered {name: options}, checked by ORT's own code; providers this ORT lacks
-    are dropped after ORT's warning, as ORT drops them (not CUDA's where a stand-in CUDA runtime
-    is given)."""
+    """ORT's two provider spellings as one ordered {name: options}, checked by ORT's own code;
+    providers this ORT lacks are dropped after ORT's warning, as ORT drops them (not CUDA's where
+    a stand-in CUDA runtime is given)."""
     available = ort.get_available_providers() + ([CUDA_EP] if cuda_stand_in else [])
     names, options = check_and_normalize_provider_args(providers, provider_options, available)
     return {name: opts for name, opts in zip(names, options) if name in available}
@@ -775,10 +774,9 @@ class _Held:
             self.remove_scratch()
 
 
-#: what the sessions alive hold, released at exit before the interpreter joins its threads (a
-#: plain ORT session holds no thread, and its process exits at once; so does this one's):
-#: threading's own exit hook, as concurrent.futures uses for its workers, since atexit (and
-#: weakref.finalize's) runs only after every non-daemon thread, which the workers are, is joined
+#: what the sessions alive hold, released at exit before the interpreter joins its threads (as a
+#: plain ORT session's process, this one's exits at once): threading's own exit hook, as
+#: concurrent.futures uses, since atexit runs only after every non-daemon thread is joined
 _LIVE: weakref.WeakSet[_Held] = weakref.WeakSet()
 
 
@@ -793,8 +791,7 @@ threading._register_atexit(_release_all)  # type: ignore[attr-defined]
 # -- the session ------------------------------------------------------------------------------
 def _called_from_staronnx(depth: int = 3) -> bool:
     """Whether the construction comes from staronnx's own code (a worker, a plan's reference
-    session), within ``depth`` frames of the caller (a program's wrapper around the class may
-    stand between)."""
+    session), within ``depth`` frames of the caller (a program's wrapper may stand between)."""
     frame: types.FrameType | None = sys._getframe(2)
     for _ in range(depth):
         if frame is None:
@@ -872,9 +869,8 @@ class InferenceSession:
         self._model = _declared(model) if model is not None else None
         self._overridable = _overridable(model) if model is not None else []
         config = _model_config(model) if model is not None and _reads_config(kwargs) else {}
-        effective = _with_config(sess_options, config)
         #: the options this session runs with (the caller's, with the model's embedded config over them)
-        self._options = effective
+        self._options = effective = _with_config(sess_options, config)
         unapplied = _unapplied(effective, sess_options or effective) if effective is not None else []
         if unapplied:
             warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply sess_options."
@@ -929,8 +925,7 @@ class InferenceSession:
 
     def _start(self, plan: Plan) -> Runtime | _OrtPart:
         """What runs the plan: a :class:`Runtime` over staronnx's workers, or for a plan they
-        cannot run (served whole: :func:`_runs_on_workers`), one ORT session (:class:`_OrtPart`),
-        said in the log (and warned of where CUDA was asked for: it runs on the CPU)."""
+        cannot run, one ORT session on the CPU (said, and warned of where CUDA was asked for)."""
         why = _runs_on_workers(plan)
         if why is None:
             return self._held.add(Runtime(plan, **self._runtime_args))
@@ -1018,15 +1013,11 @@ class InferenceSession:
                    runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
         """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
         format) at ORT's file name, so a profiling script finds its file where it expects."""
+        if runtime_options.get("trace") is None and so is not None and so.enable_profiling:
+            stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+            runtime_options["trace"] = Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json")
         trace = runtime_options.get("trace")
-        if trace is not None:
-            return Path(trace), time.time_ns()
-        if so is None or not so.enable_profiling:
-            return None, 0
-        stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-        path = Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json")
-        runtime_options["trace"] = path
-        return path, time.time_ns()
+        return (Path(trace), time.time_ns()) if trace is not None else (None, 0)
 
     # -- getters ----------------------------------------------------------------------------
     @property
@@ -1042,9 +1033,8 @@ class InferenceSession:
         return [_arg(t) for t in self._io.outputs]
 
     def get_overridable_initializers(self) -> list[NodeArg]:
-        """The initializers a run may replace (IR >= 4 ones listed as graph inputs), as the
-        model declares them: fed by name or set by a LoRA adapter, they make a variant of the
-        model (see :meth:`run`)."""
+        """The initializers a run may replace (fed by name or set by a LoRA adapter: a variant of
+        the model, see :meth:`run`), as the model declares them."""
         declared = {vi.name: vi for vi in self._loaded[1].graph.input} if self._loaded is not None else {}
         return [_arg(value_spec(declared[t.name])) for t in self._overridable if t.name in declared]
 
