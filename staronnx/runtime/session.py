@@ -99,8 +99,7 @@ from onnxruntime.capi.onnxruntime_inference_collection import check_and_normaliz
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError, StaronnxError
 from staronnx.modelio import is_fixed, load_model, values_digest
-from staronnx.ortutil import (QUIET, AdapterProbe, option_effects, option_values, ort_type_name,
-                              write_optimized)
+from staronnx.ortutil import QUIET, AdapterProbe, option_effects, option_values, ort_type_name, write_optimized
 from staronnx.partition.graph import model_inputs
 from staronnx.partition.whole import io_specs, too_small, value_spec, whole_reason
 from staronnx.perfmodels.store import default_root
@@ -235,8 +234,7 @@ def _providers(providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None,
     return {name: opts for name, opts in zip(names, options) if name in available}
 
 
-def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None,
-                  stand_in: Any = None) -> int:
+def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | None, stand_in: Any = None) -> int:
     """How many CUDA workers to start: with ``providers=None``, ``cuda_streams``; with providers
     naming CUDA, where CUDA can run (``stand_in``: the CUDA runtime the workers use instead of
     this machine's, asked in its place), and otherwise none, with ORT's warning of a fallback."""
@@ -250,8 +248,7 @@ def _cuda_streams(asked: dict[str, dict[str, str]] | None, cuda_streams: int | N
     device = _device_id(asked)
     reason = cuda_unavailable_reason(device) if stand_in is None else missing_device(device, stand_in.device_count())
     if reason is not None:
-        warnings.warn(f"{CUDA_EP} cannot run here, falling back to {CPU_EP}: {reason}",
-                      UserWarning, stacklevel=3)
+        warnings.warn(f"{CUDA_EP} cannot run here, falling back to {CPU_EP}: {reason}", UserWarning, stacklevel=3)
         return 0
     return DEFAULT_CUDA_STREAMS if cuda_streams is None else int(cuda_streams)
 
@@ -1009,8 +1006,7 @@ class InferenceSession:
                                "pass input_shapes=[...] to InferenceSession to cut it when the session opens")
         return self._plan
 
-    def _profiling(self, so: ort.SessionOptions | None,
-                   runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
+    def _profiling(self, so: ort.SessionOptions | None, runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
         """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
         format) at ORT's file name, so a profiling script finds its file where it expects."""
         if runtime_options.get("trace") is None and so is not None and so.enable_profiling:
