@@ -53,10 +53,8 @@ class BoundError(StaronnxError, ValueError):
 
 @dataclass(frozen=True)
 class FlowTensor:
-    """A tensor that moves between parts: its bytes per batch, producer and consumers.
-
-    ``producer`` is a part index, or ``None`` for a model input (valid on the host node).
-    """
+    """A tensor that moves between parts: its bytes per batch, producer (a part, or None for a
+    model input, valid on the host node) and consumers."""
 
     name: str
     nbytes: int
@@ -161,9 +159,7 @@ def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequenc
             for n in nodes:
                 sources = [m for m in nodes if m != n] if tensor.producer is not None else (
                     [host_node] if n != host_node else [])
-                costs = [transfer(m, n, tensor.nbytes) for m in sources]
-                costs = [c for c in costs if math.isfinite(c)]
-                cost = min(costs) if costs else 0.0
+                cost = min((c for m in sources if math.isfinite(c := transfer(m, n, tensor.nbytes))), default=0.0)
                 if cost > 0:
                     flows.append((tensor, n, cost))
 
@@ -207,7 +203,6 @@ def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequenc
                            "node")
             for k in mine:
                 row[1 + n_y + k] = flows[k][2]
-    n_capacity = len(rows)
     for k, (tensor, n, _) in enumerate(flows):
         for c in dict.fromkeys(tensor.consumers):
             row = np.zeros(n_vars)
@@ -233,11 +228,8 @@ def lp_bound(times: Sequence[Sequence[float]], batch_size: int, workers: Sequenc
     r = float(x[0])
     ub = np.array(rows) @ x
     marginals = np.asarray(res.ineqlin.marginals)
-    binding = []
-    for i in range(n_capacity):
-        name, kind, cap = labels[i]
-        if cap - ub[i] <= TIGHT * max(cap, 1.0):
-            binding.append(Binding(name, kind, float(ub[i]), cap, float(-marginals[i] * batch_size)))
+    binding = [Binding(name, kind, float(ub[i]), cap, float(-marginals[i] * batch_size))
+               for i, (name, kind, cap) in enumerate(labels) if cap - ub[i] <= TIGHT * max(cap, 1.0)]
     assignment = {
         (p, workers[w].name): float(x[y(p, w)] / (r * need[p]))
         for p in range(n_parts) for w in range(n_workers)

@@ -51,12 +51,9 @@ from staronnx.workers.topology import Topology
 # ---------------------------------------------------------------------------- arrivals
 def arrival_schedule(rate: float, *, duration: float | None = 10.0, n_requests: int | None = None,
                      distribution: str = "constant", seed: int = 0) -> tuple[np.ndarray, str]:
-    """Arrival offsets (s, the first at 0) and a description of the process.
-
-    The live load generator's own processes (:mod:`staronnx.serving.arrivals`) draw the
-    schedule, so a simulated sweep point replays exactly the arrivals of the live one (same
-    distribution, rate and seed). ``n_requests`` wins over ``duration``.
-    """
+    """Arrival offsets (s, the first at 0) and a description of the process, drawn by the live
+    load generator's own processes (:mod:`staronnx.serving.arrivals`), so a simulated sweep
+    point replays exactly the arrivals of the live one. ``n_requests`` wins over ``duration``."""
     if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
         raise SimulationError(f"rate must be > 0 requests/s, got {rate!r}")
     if n_requests is None and (duration is None or not duration > 0):
@@ -439,8 +436,8 @@ class _Simulation:
         host = self.fronts[task.request.model].host
         scale = host.task_scale if host is not None else 1.0
         seconds = self._draw(mean * scale, std * scale * self.spread)
-        if self.charge_transfers:
-            seconds += self._transfer(task, info.memory_node)
+        if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
+            seconds += price(task.copies, self.m.table.bus.predict)
         delay = 0.0 if host is None else (host.gap_s if awake else host.wake_s)
         begins = self.clock.t + delay
         token = next(self._tokens)
@@ -519,12 +516,6 @@ class _Simulation:
             if x > 0:
                 return x
         return mean
-
-    def _transfer(self, task: Task, node: str) -> float:
-        """Bus time of the copies the core decided for the task when its worker took it
-        (:mod:`staronnx.runtime.datawizard`: the fetches of its inputs from their cheapest
-        valid copies, the write-backs of final outputs from a GPU), as the engine issues them."""
-        return price(task.copies, self.m.table.bus.predict)
 
     def _on_done(self, wid: int, task: Task, seconds: float) -> None:
         """The core's completion (data locations, successors, stats), then the server's;

@@ -94,10 +94,9 @@ def mix_rates(text: str | None, names: list[str]) -> dict[str, float]:
 
 def what_if_gpus(plans: Any, devices: tuple[int, ...], cuda_scale: str | None) -> list[str]:
     """The GPU archs of a simulation whose times come from elsewhere by design, so that no
-    warning asks to calibrate them: all of them with ``--cuda-scale``; else, where some GPU of
-    the simulation is calibrated (the others borrow its times), those this machine lacks
-    (``calibrate`` could not reach them here). With no GPU calibrated at all the warning stands
-    for each: the simulation needs some GPU's models."""
+    warning asks to calibrate them: all with ``--cuda-scale``; else, where some GPU of it is
+    calibrated (the others borrow its times), those this machine lacks (``calibrate`` could not
+    reach them); none where no GPU is calibrated (the simulation needs some GPU's models)."""
     from staronnx.perfmodels import PerfModelStore
     from staronnx.workers.cuda import visible_cuda_devices
 
