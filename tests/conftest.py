@@ -252,8 +252,8 @@ def real_plan(tmp_path_factory):
     return make
 
 
-# -- running under pytest-xdist (`make test`: -n N --dist loadgroup) ------------------------------
-#: test modules that share one xdist group across files: the Ray tests start a local Ray
+# -- running under pytest-xdist (`make test`: -n N --dist loadgroup --no-loadscope-reorder) ---------
+#: test modules that share one xdist work unit across files: the Ray tests start a local Ray
 #: cluster per module (test_real_models_ray imports test_ray's fixture), and two clusters at
 #: once on this host would contend for its CPUs and Serve's HTTP proxy
 SHARED_GROUPS = {"test_ray.py": "ray", "test_real_models_ray.py": "ray"}
@@ -269,17 +269,37 @@ SPREAD = {"test_cli_rough_edges.py", "test_multi_model_sweep.py", "test_cli_usab
           "test_calibrate.py", "test_sweep.py", "test_cuda_cli.py", "test_cli_signals.py"}
 
 
+def xdist_scope(nodeid: str) -> str:
+    """The xdist work unit a test belongs to: its module (so a module's fixtures are made once and
+    its tests never run beside each other), the shared group of :data:`SHARED_GROUPS`, or the
+    test alone for the modules of :data:`SPREAD`."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return nodeid if name in SPREAD else SHARED_GROUPS.get(name, path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``--dist loadgroup`` (``make test``) as :func:`xdist_scope` groups the tests. xdist's own
+    loadgroup reads the group from an ``@group`` suffix its workers append to ``item._nodeid``,
+    which pytest 9 no longer reports (a node id is built from ``item._id``): every test became a
+    unit of its own, the Ray tests ran on several workers at once, each starting a Ray cluster
+    and its Serve apps, and module fixtures were made once per worker. The scheduler sees node
+    ids only, so the grouping is computed from them here."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleGroups(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return xdist_scope(nodeid)
+
+    return ModuleGroups(config, log)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under ``--dist loadgroup`` every test runs on the worker of its module's group (its
-    module, unless :data:`SHARED_GROUPS` or its own ``xdist_group`` mark says otherwise), so a
-    module's fixtures are made once and a module's tests never run beside each other, except
-    the modules of :data:`SPREAD`, whose tests go one by one; the modules of :data:`LONG_FIRST`
-    are queued first. Runs before xdist reads the marks."""
+    """The modules of :data:`LONG_FIRST` are queued first (under xdist too: ``--no-loadscope-reorder``
+    keeps the work units in this order)."""
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: order kept otherwise
-    if not config.pluginmanager.hasplugin("xdist"):  # its mark is unknown without it (--strict-markers)
-        return
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None and item.path.name not in SPREAD:
-            item.add_marker(pytest.mark.xdist_group(SHARED_GROUPS.get(item.path.name, item.path.name)))
