@@ -12,11 +12,10 @@ no candidate keeps up, the one that served the most is returned, flagged (``keep
 the reasons in ``rejected``).
 
 **Prediction, then verification.** The simulator serves the rate at every candidate from the
-perf models, in seconds of wall time. It knows nothing the models do not (the runtime's
-overhead, interference), so the predicted best and its neighbours are then measured live, as a
-sweep measures a point, with a short hill-climb when the best measured sits at an edge or is
-congested (:func:`next_candidate`, at most ``max_verify`` points). The answer is the best
-*measured*, and every verified candidate carries both figures.
+perf models. It knows nothing the models do not (the runtime's overhead, interference), so the
+predicted best and its neighbours are then measured live, with a short hill-climb
+(:func:`next_candidate`). The answer is the best *measured*; every verified candidate carries
+both figures.
 """
 
 from __future__ import annotations

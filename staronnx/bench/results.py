@@ -93,8 +93,9 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     if row["state"] is None:  # figures summarized before points had a state
         row["state"], row["notes"] = point_state(summary)
     row.update(congested=bool(summary.get("congested")), stable=bool(summary.get("stable")), extended=bool(extended))
-    row.update({key: summary.get(key) for key in ("requests", "completed", "rejected", "failed", "pending", "batches",
-                                                  "queue_mean", "queue_max", "backlog_growth")})
+    for key in ("requests", "completed", "rejected", "failed", "pending", "batches", "queue_mean", "queue_max",
+                "backlog_growth"):
+        row[key] = summary.get(key)
     thr = summary.get("throughput")
     row["bound_throughput"] = bound
     row["achieved_over_bound"] = (

@@ -154,16 +154,9 @@ class _Running:
 
 
 class _Simulation:
-    """One run: each model's server (queue and batcher), then the engine's core, on simulated
-    time.
-
-    A front end follows :class:`staronnx.serving.server.Server` (rejections when the queue is
-    full, at most ``max_inflight`` batches in the runtime, full batches or ``max_delay``, queue
-    samples at each arrival and batch) and flushes after its last arrival as the load generator
-    does; ``tests/test_replay.py`` runs both on the same arrivals. Several front ends (one per
-    model, as ``staronnx serve`` puts a Server over each model of a shared runtime) share the
-    core, the workers and the policy, with the models' service targets in ``machine.models``.
-    """
+    """One run on simulated time: each model's server (the live Server's queue, batcher and
+    in-flight limit; it flushes after its last arrival as the load generator does), then the
+    engine's core, one for all models as ``staronnx serve`` shares one runtime between them."""
 
     def __init__(
         self,
@@ -283,11 +276,9 @@ class _Simulation:
 
     def write_trace(self, target: str | os.PathLike[str] | TraceInto) -> Path | None:
         """The simulated schedule as a Perfetto trace, laid out as the live engine and Server
-        lay out theirs (:mod:`staronnx.runtime.trace`): a lane per worker with its tasks (a
-        task a lane preempted shows each stretch it ran), dependency arrows, each batch's fill
-        and run, and the queue length. A path: a file of its own, time 0 the first arrival
-        (returned). A :class:`TraceInto`: into that open tracer, simulated time shifted onto
-        its clock (a sweep's simulated points, each where its live point ran; None)."""
+        lay out theirs (a task a lane preempted shows each stretch it ran). A path: a file of its
+        own, time 0 the first arrival (returned). A :class:`TraceInto`: into that open tracer,
+        on its clock (a sweep's simulated points, each where its live point ran; None)."""
         assert self.ran is not None, "write_trace needs a simulation run with traced=True"
         if isinstance(target, TraceInto):
             tracer, shift = target.tracer, target.shift

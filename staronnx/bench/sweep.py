@@ -466,8 +466,7 @@ def _mix_columns(m: HostedModel, records: RunRecords, index: int, point: MixPoin
 
 
 class _Run:
-    """What measuring a sweep's points needs between them: the runtime and each model's
-    handle, samples and in-flight windows, the results so far and the progress count."""
+    """What measuring a sweep's points shares: handles, samples, windows, results, progress."""
 
     def __init__(self, runtime: SweptRuntime, models: ModelSet, one: bool, notify: Progress, total: int,
                  results: _Results, windows: Mapping[tuple[str, int], int | None], *, extend: bool,
@@ -674,10 +673,9 @@ def simulated_trace_path(trace: str | os.PathLike[str]) -> Path:
 
 
 def point_tracers(runtime: SweptRuntime, *, simulated: bool, settings: dict[str, Any]) -> tuple[Any, Any]:
-    """The live trace of a sweep (the runtime's, with a lane for its points) and, for a
-    ``simulated`` sweep, the trace its simulated points go to (named in ``settings``), on the
-    live trace's clock and with its worker lanes, so the two line up when opened side by side;
-    None where there is no live trace."""
+    """The live trace of a sweep (the runtime's) and, for a ``simulated`` sweep, one for its
+    simulated points on the same clock and lanes, so the two line up side by side; None where
+    there is no live trace."""
     tracer = runtime.tracer
     if tracer is None:
         return None, None
@@ -693,8 +691,8 @@ def point_tracers(runtime: SweptRuntime, *, simulated: bool, settings: dict[str,
 
 
 def simulated_point(sim_tracer: Any, label: str, began: float, length: float) -> TraceInto | None:
-    """Where a simulated point draws its schedule: into ``sim_tracer`` from ``began`` (when
-    its live point began), with the point marked on its lane; None without a simulated trace."""
+    """Where a simulated point draws its schedule: into ``sim_tracer`` from when its live point
+    ``began``, marked on its lane; None without a simulated trace."""
     if sim_tracer is None:
         return None
     sim_tracer.span(POINTS_LANE, f"{label} (simulated)", began, began + length, "sweep point")

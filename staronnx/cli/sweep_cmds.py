@@ -633,17 +633,11 @@ def optimize_batch_cmd(
         table.add_column(c, justify="left" if c == "note" else "right")
     for cand in result.candidates:
         r = cand.row()
-        note = []
-        if cand.batch_size == result.predicted_best:
-            note.append("predicted best")
-        if verify and cand.batch_size == result.best:
-            note.append("[bold]chosen[/]")
-        if r["predicted_congested"]:
-            note.append("congested (sim)")
-        if r["measured_congested"]:
-            note.append("congested (live)")
-        if r["measured_state"] == "failed":
-            note.append(f"[red]failed (live)[/]: {r['measured_failed']} request(s)")
+        note = [text for text, on in (
+            ("predicted best", cand.batch_size == result.predicted_best),
+            ("[bold]chosen[/]", verify and cand.batch_size == result.best),
+            ("congested (sim)", r["predicted_congested"]), ("congested (live)", r["measured_congested"]),
+            (f"[red]failed (live)[/]: {r['measured_failed']} request(s)", r["measured_state"] == "failed")) if on]
         why = result.rejected.get(cand.batch_size)
         if why is not None and why not in ("congested", "its requests failed"):
             note.append(f"[yellow]too slow ({'live' if verify else 'sim'})[/]: {escape(why)}")
