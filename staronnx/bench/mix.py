@@ -29,6 +29,7 @@ from typing import Any
 from staronnx.bench.sweep import MixPoint, sweep
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
+from staronnx.runtime.models import name_gaps
 
 
 def is_per_model(text: str | None) -> bool:
@@ -86,11 +87,10 @@ def per_model(text: str, names: Sequence[str], option: str) -> dict[str, str]:
     """``option``'s text per model (:func:`split_per_model`), which must name every model of
     ``names`` and no other."""
     given = split_per_model(text, option)
-    unknown = sorted(set(given) - set(names))
+    unknown, missing = name_gaps(given, names)
     if unknown:
         raise StaronnxError(f"{option} names model(s) {', '.join(map(repr, unknown))}, which are not given; "
                             f"the models are {', '.join(map(repr, names))}")
-    missing = [n for n in names if n not in given]
     if missing:
         raise StaronnxError(f"{option} gives no value for model(s) {', '.join(map(repr, missing))}; "
                             f"name every model, e.g. {','.join(f'{n}=...' for n in names)}")

@@ -37,7 +37,7 @@ from staronnx.perfmodels import Footprint, HostCosts, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Task, TaskGraph
 from staronnx.runtime.datawizard import price
-from staronnx.runtime.models import ModelSet, ServiceTarget
+from staronnx.runtime.models import ModelSet, ServiceTarget, name_gaps
 from staronnx.runtime.policies import make_policy, policy_options
 from staronnx.runtime.sched import Policy, WorkerInfo
 from staronnx.runtime.trace import Tracer
@@ -703,11 +703,10 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     assert models is not None
     names = [m.name for m in models.models]
     who = {n: "" if models.single else f"{n}: " for n in names}
-    unknown = sorted(set(rates) - set(names))
+    unknown, missing = name_gaps(rates, names)
     if unknown:
         raise SimulationError(f"rates for unknown model(s) {', '.join(map(repr, unknown))}; the models are "
                               f"{', '.join(map(repr, names))}")
-    missing = [n for n in names if n not in rates]
     if missing:
         raise SimulationError(f"no rate for model(s) {', '.join(map(repr, missing))}: give each model a rate")
     sizes = {n: batch_sizes for n in names} if isinstance(batch_sizes, int) else dict(batch_sizes)

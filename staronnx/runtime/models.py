@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,14 @@ class ModelSet:
     def devices(self) -> dict[int, str]:
         """Global part -> the device its plan's placement method chose (policy ``static``)."""
         return {m.first_part + p.index: p.device for m in self.models for p in m.plan.parts if p.device}
+
+
+def name_gaps(given: Iterable[str], names: Sequence[str]) -> tuple[list[str], list[str]]:
+    """(the names ``given`` that are no model of ``names``, sorted; the models ``given`` leaves
+    out, in ``names``' order): what a per-model option must be checked for, each door wording
+    its own refusal."""
+    given = set(given)
+    return sorted(given - set(names)), [n for n in names if n not in given]
 
 
 def plan_name(plan: Plan) -> str:
