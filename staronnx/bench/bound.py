@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from scipy.optimize import linprog
 
-from staronnx.bench.machine import SimMachine, Where, lane_groups, residency_where
+from staronnx.bench.machine import SimMachine, Where, residency_where
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels.store import calibrate_command
 from staronnx.plan import Plan
@@ -354,7 +354,7 @@ def _lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping
     shares = host is not None and machine.host_shares_cores
     return lp_bound(times, batch_size, machine.workers, tensors=tensors, demand=demand,
                     transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
-                    shared_cores=list(lane_groups(machine.workers).items()),
+                    shared_cores=list(machine.lane_groups.items()),
                     host_cpu=host.cpu_per_batch_s if shares and host is not None else 0.0,
                     host_cores=[(w.id, w.ncores) for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
                     if shares else ())

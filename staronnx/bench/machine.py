@@ -273,15 +273,6 @@ LANE_APPROXIMATION = (
     "so the lane models' latency is what a lane that always gets the core at once gives")
 
 
-def lane_groups(workers: Sequence[WorkerInfo]) -> dict[int, int]:
-    """Lane worker id -> the id of the CPU worker on the same cores, read from their names
-    (``lane:<g>``, ``cpu:<g>``); a machine knows it without names: :attr:`SimMachine.lane_groups`
-    (the simulator and the bound still call this; then it goes)."""
-    by_name = {w.name: w.id for w in workers}
-    return {w.id: by_name["cpu:" + w.name.removeprefix("lane:")] for w in workers
-            if w.name.startswith("lane:") and "cpu:" + w.name.removeprefix("lane:") in by_name}
-
-
 @dataclass
 class SimMachine:
     """A plan on a (real or hypothetical) machine: workers and their time distributions.

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.bench.machine import (PlanProfile, SimMachine, SimulationError, Where, build_machine, held_by,
-                                    lane_groups, machine_inflight, residency_where)
+                                    machine_inflight, residency_where)
 from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.perfmodels import Footprint, HostCosts, PerfModelStore
 from staronnx.plan import Plan
@@ -220,7 +220,7 @@ class _Simulation:
         #: runtime, or the host's other threads took its idle core): it takes no task meanwhile
         self._hosting: dict[int, float] = {}
         # lanes: group worker id -> its lane's id; each worker's task in progress
-        self._lane_of = {group: lane for lane, group in lane_groups(machine.workers).items()}
+        self._lane_of = {group: lane for lane, group in machine.lane_groups.items()}
         self._running: dict[int, _Running] = {}
         self._tokens = itertools.count()
         #: per finished task, when traced: (worker id, task, [(start, end) it ran], wall seconds,
