@@ -360,11 +360,17 @@ def calibrate_host(
         finally:
             runtime.close()
     deps = plan.dependencies()
-    light = {run.batch: _host_costs(run, events, origin, deps) for run in runs if not run.loaded}
-    loaded = {run.batch: _host_costs(run, events, origin, deps) for run in runs if run.loaded and _kept_up(run)}
+    tasks = {id(run): _run_tasks(run, events, origin) for run in runs}
+    light = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs if not run.loaded}
+    loaded = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs
+              if run.loaded and _kept_up(run)}
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
-    costs = {b: _two_loads(light[b], loaded.get(b)) for b in light}
+    # the tasks' warm and cold scales over both loads (what sets them is the worker's idle time
+    # before a task, not the load: the light probe has more cold tasks, the loaded one more warm)
+    scales = {b: _task_scales([t for run in runs if run.batch == b for ts in tasks[id(run)] for t in ts])
+              for b in light}
+    costs = {b: _two_loads(light[b], loaded.get(b), *scales[b]) for b in light}
     model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
                       calibration_machine=dict(calibration_machine) if calibration_machine else None,
@@ -408,14 +414,14 @@ def _kept_up(run: _ProbeRun) -> bool:
     return answered >= 0.9 * run.rate * run.seconds
 
 
-def _two_loads(light: HostCosts, loaded: HostCosts | None) -> HostCosts:
+def _two_loads(light: HostCosts, loaded: HostCosts | None, warm: float, cold: float) -> HostCosts:
     """The loaded figures with the light ones beside them; hand-overs the loaded probe could
-    not see (no batch ran alone) are the light probe's, and so is the tasks' time over their
-    models: at load the host's threads preempt the tasks on the cores they share, and a task's
-    wall time then counts CPU the simulator already takes from the workers (``_steal``)."""
+    not see (no batch ran alone) are the light probe's; the tasks' scales (``warm``, ``cold``:
+    :func:`_task_scales`) are both loads' alike."""
+    light = dataclasses.replace(light, task_scale=warm, cold_task_scale=cold)
     if loaded is None:
         return light
-    loaded = dataclasses.replace(loaded, task_scale=light.task_scale)
+    loaded = dataclasses.replace(loaded, task_scale=warm, cold_task_scale=cold)
     if not loaded.batches:
         loaded = dataclasses.replace(loaded, launch_s=light.launch_s, wake_s=light.wake_s, gap_s=light.gap_s,
                                      finish_s=light.finish_s)
@@ -430,10 +436,13 @@ class _TraceTask:
     start: float  # seconds on the tracer's clock (from its origin)
     end: float
     predicted: float | None  # seconds
+    #: how long its worker had been idle when it started (its previous task's end; inf: the first)
+    idle: float = math.inf
 
 
 def _trace_tasks(path: Path) -> list[_TraceTask]:
-    """The task events of a runtime trace (:mod:`staronnx.runtime.trace`)."""
+    """The task events of a runtime trace (:mod:`staronnx.runtime.trace`), each with its
+    worker's idle time before it."""
     import json
 
     data = json.loads(path.read_text())
@@ -448,25 +457,57 @@ def _trace_tasks(path: Path) -> list[_TraceTask]:
         predicted = args.get("predicted_ms")
         out.append(_TraceTask(int(args.get("request", -1)), int(e["name"][4:]), int(e["tid"]), start,
                               start + e["dur"] / 1e6, None if predicted is None else predicted / 1e3))
+    last_end: dict[int, float] = {}
+    for t in sorted(out, key=lambda t: t.start):
+        t.idle = t.start - last_end.get(t.worker, -math.inf)
+        last_end[t.worker] = max(t.end, last_end.get(t.worker, -math.inf))
     return out
 
 
-def _host_costs(run: _ProbeRun, events: Sequence[_TraceTask], origin: float, deps: Sequence[set[int]]) -> HostCosts:
-    """The costs of one probe run: per batch that ran alone, launch, hand-overs and finish
-    read off the trace (medians), the tasks' time over their models, the generator's lag and
-    the host's CPU per batch."""
-    import statistics
-
-    records = run.records
-    # the run's tasks start before its last result (the next probe follows at once)
-    t0, t1 = records.start - origin, records.end - origin
+def _run_tasks(run: _ProbeRun, events: Sequence[_TraceTask], origin: float) -> list[list[_TraceTask]]:
+    """A probe run's tasks, per request, in the order the requests began (its tasks start
+    before its last result: the next probe follows at once)."""
+    t0, t1 = run.records.start - origin, run.records.end - origin
     by_request: dict[int, list[_TraceTask]] = {}
     for ev in events:
         if t0 <= ev.start <= t1:
             by_request.setdefault(ev.request, []).append(ev)
+    return sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
+
+
+#: tasks of one kind (warm or cold) below which its scale is the other's (or all tasks')
+_SCALE_SAMPLES = 8
+
+
+def _task_scales(tasks: Sequence[_TraceTask]) -> tuple[float, float]:
+    """The tasks' wall time over their models, (warm, cold): those that started within
+    :data:`~staronnx.perfmodels.host.COLD_IDLE_S` of their worker's previous task, and the
+    others. Every task counts, alone or not: at load, tasks on other cores share the memory
+    bus and caches, and that is what serving costs. A kind with too few tasks takes the
+    scale of all of them."""
+    from staronnx.perfmodels.host import COLD_IDLE_S
+
+    def scale(ts: list[_TraceTask]) -> float | None:
+        predicted = sum(t.predicted or 0.0 for t in ts)
+        return sum(t.end - t.start for t in ts) / predicted if len(ts) >= _SCALE_SAMPLES and predicted > 0 else None
+
+    modelled = [t for t in tasks if t.predicted]
+    overall = scale(modelled) or 1.0
+    warm = scale([t for t in modelled if t.idle < COLD_IDLE_S])
+    cold = scale([t for t in modelled if t.idle >= COLD_IDLE_S])
+    return warm or overall, cold or overall
+
+
+def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: float,
+                deps: Sequence[set[int]]) -> HostCosts:
+    """The costs of one probe run (``groups``: its tasks per request, :func:`_run_tasks`): per
+    batch that ran alone, launch, hand-overs and finish read off the trace (medians), the
+    tasks' time over their models, the generator's lag and the host's CPU per batch."""
+    import statistics
+
+    records = run.records
     batches = sorted((b for b in records.batches if b.done is not None), key=lambda b: b.formed)
     launch, wake, gap, finish = [], [], [], []
-    groups = sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
     alone = 0
     for i, record in enumerate(batches):
         formed, done = record.formed - origin, record.done - origin

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from _helpers import cli
@@ -21,6 +23,7 @@ from staronnx.bench.results import load_results
 from staronnx.bench.simulator import simulate
 from staronnx.bench.sweep import sweep
 from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore
+from staronnx.perfmodels.host import COLD_IDLE_S
 from staronnx.runtime.runtime import Runtime
 
 
@@ -317,6 +320,53 @@ def test_a_simulation_takes_the_host_costs_of_its_own_rate(crnn_calibrated, two_
     loaded_s = simulate(machine=steady, rate=450.0, **kw).metrics()["latency_p50"]
     assert loaded_v == pytest.approx(loaded_s)
     assert machine_bound(varying, 1).throughput == pytest.approx(machine_bound(steady, 1).throughput)
+
+
+def test_calibrate_times_tasks_after_an_idle_worker_apart(crnn_calibrated, two_groups):
+    """The probe's tasks are split by their worker's idle time before them: the stored costs
+    carry a warm and a cold scale, both loads alike, and calibrate prints both."""
+    plan, home, stdout = crnn_calibrated
+    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    assert machine.host is not None
+    for costs in machine.host.costs.values():
+        assert costs.cold_task_scale is not None and costs.cold_task_scale > 0 and costs.task_scale > 0
+        if costs.lighter is not None:
+            assert (costs.lighter.task_scale, costs.lighter.cold_task_scale) == (costs.task_scale, costs.cold_task_scale)
+    assert f"after the worker idled {COLD_IDLE_S * 1e3:g} ms" in stdout
+
+
+def test_cold_and_warm_task_scales_by_the_workers_idle_time():
+    """Under :data:`COLD_IDLE_S` of idle time a task runs at the warm scale, from it on at the cold
+    one; a store written before the cold scale reads it as the warm one."""
+    costs = replace(_costs(1.1, 1e-4, rate=100.0), cold_task_scale=1.4)
+    assert costs.scale_after(0.0) == costs.scale_after(COLD_IDLE_S / 2) == 1.1
+    assert costs.scale_after(COLD_IDLE_S) == costs.scale_after(math.inf) == 1.4
+    assert HostCosts.from_dict(json.loads(json.dumps(costs.as_dict()))) == costs
+    old = {k: v for k, v in costs.as_dict().items() if k != "cold_task_scale"}
+    assert HostCosts.from_dict(old).cold_scale == 1.1 and HostCosts.from_dict(old).scale_after(1.0) == 1.1
+
+
+def test_a_simulation_runs_tasks_on_idle_workers_at_the_cold_scale(crnn_calibrated, two_groups):
+    """Cold tasks twice as slow as warm ones: at a light rate (every worker idles between
+    requests) the simulation answers about twice as late as one without a cold scale; with the
+    requests back to back (all at once) far less of the difference is left; the LP bound (the
+    capacity: workers never idle) reads the warm scale."""
+    plan, home, _ = crnn_calibrated
+    store = PerfModelStore(home)
+    names = [w.name for w in build_machine(plan, groups=two_groups, store=store, host=False).workers]
+    warm_only = _costs(1.0, 1e-5, rate=400.0)
+    cold = replace(warm_only, cold_task_scale=2.0)
+    hot = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: warm_only}))
+    cooling = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: cold}))
+    kw = dict(batch_size=1, spread=0.0, seed=3)
+    light = (simulate(machine=cooling, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"]
+             / simulate(machine=hot, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"])
+    assert light > 1.5
+    burst = [0.0] * 200  # every request at once: each worker's tasks follow each other
+    backlog = (simulate(machine=cooling, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"]
+               / simulate(machine=hot, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"])
+    assert backlog < 1.2 < light
+    assert machine_bound(cooling, 1).throughput == pytest.approx(machine_bound(hot, 1).throughput)
 
 
 # -- schedules a person can read ------------------------------------------------------------------

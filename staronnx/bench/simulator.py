@@ -215,6 +215,8 @@ class _Simulation:
         self._host_cores = machine.host_shares_cores
         self._cpu_workers = [w.id for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
         self._steal_turn = 0
+        #: worker id -> when its last task ended (how long it has been idle: a cold task's scale)
+        self._last_end: dict[int, float] = {}
         #: worker id -> until when its core runs the host's work instead of a task (it answers a
         #: finished batch on its own thread, the Server's inline split and settle in a CPU-only
         #: runtime, or the host's other threads took its idle core): it takes no task meanwhile
@@ -420,12 +422,13 @@ class _Simulation:
 
     def _start(self, info: WorkerInfo, task: Task, awake: bool = False) -> None:
         """Run ``task`` on ``info``'s worker: its perf model's time (scaled as the host costs
-        say tasks run while serving), its transfers, after the worker's wake-up (an idle
+        say tasks run while serving, warm or after the worker idled), its transfers, after the worker's wake-up (an idle
         worker) or the engine's gap between two tasks (``awake``: it just finished one)."""
         assert task.view is not None and task.view.footprint is not None
         mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
         host = self.fronts[task.request.model].host
-        scale = host.task_scale if host is not None else 1.0
+        # a worker idle for a while runs its next task slower (cold core and caches)
+        scale = host.scale_after(self.clock.t - self._last_end.get(info.id, -math.inf)) if host is not None else 1.0
         seconds = self._draw(mean * scale, std * scale * self.spread)
         if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
             seconds += price(task.copies, self.m.table.bus.predict)
@@ -512,6 +515,7 @@ class _Simulation:
         """The core's completion (data locations, successors, stats), then the server's;
         ``seconds``: the task's wall time (its work, plus any time a lane preempted it)."""
         now = self.clock.t
+        self._last_end[wid] = now
         fe = self.fronts[task.request.model]
         nbytes = fe.profiles[task.request.batch].nbytes
         req = self.core.finish(wid, task, now, seconds, {n: nbytes[n] for n in self.part_outputs[task.part]})

@@ -14,6 +14,13 @@ Those costs fall as the load rises: at a low rate every request wakes the genera
 batcher and a worker from sleep, and the tasks run on cold caches; near the capacity the
 threads stay awake and a request's share of that work shrinks (crnn_ocr at batch 4: the
 process's CPU per request fell from 0.89 to 0.64 ms between 10 % and 100 % of the capacity).
+The tasks themselves run slower on a worker that has been idle (its core halted, its caches and
+the hypervisor's placement gone cold: unet_seg's first part 1.12x its model after 10 ms idle,
+1.0x right after another task), so the probe times them apart: :attr:`HostCosts.task_scale` for
+a task that starts within :data:`COLD_IDLE_S` of its worker's previous one,
+:attr:`HostCosts.cold_task_scale` after a longer idle time. At a low rate nearly every task is
+a cold one, near the capacity nearly none is.
+
 So the probe measures each batch size twice, at a light and at a loaded rate, and a simulation
 at rate ``r`` takes the figures between them (:meth:`HostCosts.at_rate`); the LP bound, which
 is about the capacity, takes the loaded ones.
@@ -31,6 +38,10 @@ import math
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
+
+#: a task that starts this long or longer after its worker's previous task ended runs at the
+#: cold scale (:attr:`HostCosts.cold_task_scale`); sooner, at the warm one
+COLD_IDLE_S = 2e-3
 
 
 @dataclass(frozen=True)
@@ -58,7 +69,8 @@ class HostCosts:
     #: :attr:`finish_on_worker`, :attr:`finish_s`
     cpu_per_batch_s: float
     cpu_per_request_s: float = 0.0
-    #: the tasks' wall time while serving over their perf models' mean (1: the models hold)
+    #: the tasks' wall time while serving over their perf models' mean (1: the models hold),
+    #: for a task that starts within :data:`COLD_IDLE_S` of its worker's previous one
     task_scale: float = 1.0
     #: batches the medians are over
     batches: int = 0
@@ -70,6 +82,18 @@ class HostCosts:
     rate: float = 0.0
     #: the same figures measured at a lower rate (None: one load only); these are the loaded ones
     lighter: HostCosts | None = None
+    #: the tasks' scale after their worker idled :data:`COLD_IDLE_S` or longer (None: as
+    #: :attr:`task_scale`, a store written before it was measured)
+    cold_task_scale: float | None = None
+
+    @property
+    def cold_scale(self) -> float:
+        """The scale of a task that starts on a worker idle for :data:`COLD_IDLE_S` or more."""
+        return self.task_scale if self.cold_task_scale is None else self.cold_task_scale
+
+    def scale_after(self, idle_s: float) -> float:
+        """The tasks' scale for one that starts ``idle_s`` after its worker's previous task."""
+        return self.task_scale if idle_s < COLD_IDLE_S else self.cold_scale
 
     @property
     def submit_s(self) -> float:
@@ -104,6 +128,8 @@ class HostCosts:
     def from_dict(cls, data: Mapping[str, Any]) -> HostCosts:
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known and k != "lighter"}
+        if values.get("cold_task_scale") is None:
+            values.pop("cold_task_scale", None)
         for k, v in values.items():
             if k not in ("batch", "finish_on_worker") and not (isinstance(v, (int, float)) and math.isfinite(v)):
                 raise ValueError(f"host cost {k} must be a finite number, got {v!r}")
@@ -121,7 +147,9 @@ class HostCosts:
         return (f"launch {self.launch_s * 1e6:.0f} us (wake-up {self.wake_s * 1e6:.0f}), "
                 f"same-worker gap {self.gap_s * 1e6:.0f} us, finish {self.finish_s * 1e6:.0f} us, generator lag "
                 f"{self.lag_s * 1e6:.0f} us, host CPU {self.cpu_per_batch_s * 1e6:.0f} us a batch "
-                f"({self.cpu_per_request_s * 1e6:.0f} a request), tasks x{self.task_scale:.3f} their models")
+                f"({self.cpu_per_request_s * 1e6:.0f} a request), tasks x{self.task_scale:.3f} their models"
+                + ("" if self.cold_task_scale is None else
+                   f" (x{self.cold_task_scale:.3f} after the worker idled {COLD_IDLE_S * 1e3:g} ms)"))
 
 
 #: the figures :meth:`HostCosts.at_rate` interpolates between two loads
