@@ -37,6 +37,7 @@ from scipy.optimize import linprog
 
 from staronnx.bench.machine import SimMachine, Where, residency_where
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels.host import HostCosts
 from staronnx.perfmodels.store import calibrate_command
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import with_writebacks
@@ -346,18 +347,39 @@ def _lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping
                 t.name if models.single else f"{m.name}/{t.name}", t.nbytes,
                 None if t.producer is None else m.first_part + t.producer,
                 tuple(m.first_part + c for c in t.consumers)))
+    def solve(host: HostCosts | None) -> Bound:
+        task_times = times
+        if host is not None:  # each task also costs its worker the engine's gap; a batch its answer
+            task_times = [[x * host.task_scale + host.gap_s
+                           + (host.finish_s if host.finish_on_worker and not models.succs[p] else 0.0) for x in row]
+                          for p, row in enumerate(times)]
+        shares = host is not None and machine.host_shares_cores
+        return lp_bound(task_times, batch_size, machine.workers, tensors=tensors, demand=demand,
+                        transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
+                        shared_cores=list(machine.lane_groups.items()),
+                        host_cpu=host.cpu_per_batch_s if shares and host is not None else 0.0,
+                        host_cores=[(w.id, w.ncores) for w in machine.workers
+                                    if w.kind == "cpu" and w.id not in machine.lanes] if shares else ())
+
     host = machine.host_costs(batch_size) if host_costs else None
-    if host is not None:  # each task also costs its worker the engine's gap; a batch its answer
-        times = [[x * host.task_scale + host.gap_s
-                  + (host.finish_s if host.finish_on_worker and not models.succs[p] else 0.0) for x in row]
-                 for p, row in enumerate(times)]
-    shares = host is not None and machine.host_shares_cores
-    return lp_bound(times, batch_size, machine.workers, tensors=tensors, demand=demand,
-                    transfer=lambda src, dst, n: machine.table.bus.predict(src, dst, n),
-                    shared_cores=list(machine.lane_groups.items()),
-                    host_cpu=host.cpu_per_batch_s if shares and host is not None else 0.0,
-                    host_cores=[(w.id, w.ncores) for w in machine.workers if w.kind == "cpu" and w.id not in machine.lanes]
-                    if shares else ())
+    bound = solve(host)
+    if host is None or host.lighter is None:
+        return bound
+    # the host's costs fall with the rate: those of the rate the bound finds, until it settles
+    for _ in range(_HOST_RATE_ROUNDS):
+        if not (math.isfinite(bound.throughput) and bound.throughput > 0):
+            break
+        again = solve(host.at_rate(bound.throughput))
+        settled = abs(again.throughput - bound.throughput) <= 1e-3 * bound.throughput
+        bound = again
+        if settled:
+            break
+    return bound
+
+
+#: rounds of :func:`_lp`'s fixed point between the bound and the host's costs at its rate (each
+#: moves the bound by a fraction of the costs' share of it: three settle it to well under 0.1 %)
+_HOST_RATE_ROUNDS = 5
 
 
 def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int,

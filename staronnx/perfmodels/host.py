@@ -22,8 +22,9 @@ a task that starts within :data:`COLD_IDLE_S` of its worker's previous one,
 a cold one, near the capacity nearly none is.
 
 So the probe measures each batch size twice, at a light and at a loaded rate, and a simulation
-at rate ``r`` takes the figures between them (:meth:`HostCosts.at_rate`); the LP bound, which
-is about the capacity, takes the loaded ones.
+at rate ``r`` takes the figures of ``r`` on a curve through both (:meth:`HostCosts.at_rate`,
+beyond the loaded rate too); the LP bound, which is about the capacity, takes those of the rate
+it finds (:func:`~staronnx.bench.bound.machine_bound`).
 
 ``staronnx calibrate`` measures them (:func:`staronnx.calibrate.calibrate_host`: a short
 low-rate serving run per batch size through the real Server and runtime, traced) and keeps
@@ -106,20 +107,26 @@ class HostCosts:
         return per_request, max(self.cpu_per_batch_s - per_request * self.batch, 0.0)
 
     def at_rate(self, rate: float) -> HostCosts:
-        """The costs of serving ``rate`` requests/s: the lighter figures at or below their rate,
-        the loaded ones at or above theirs, linear between (the generator's lag excepted: it
-        is already in a simulation's arrival times, and barely moves with the load)."""
+        """The costs of serving ``rate`` requests/s: the lighter figures at or below their rate;
+        above it each figure on ``a + c / rate`` through both measurements (at least 0): the
+        share of batches that find their threads asleep (wake-ups, cold caches) falls with the
+        rate, so a figure tends to what a batch costs threads that never sleep (``a``) and keeps
+        falling past the loaded rate towards the capacity, where the simulator's knee and the
+        LP bound need it. The generator's lag excepted: it is already in a simulation's arrival
+        times, and barely moves with the load."""
         light = self.lighter
         if light is None or self.rate <= light.rate:
             return self
         if rate <= light.rate:
             return replace(light, lag_s=self.lag_s, lighter=None)
-        if rate >= self.rate:
-            return replace(self, lighter=None)
-        f = (rate - light.rate) / (self.rate - light.rate)
         low, high = vars(light), vars(self)
-        mixed = {name: (1 - f) * low[name] + f * high[name] for name in _BLENDED}
-        return replace(self, rate=rate, lighter=None, **mixed)
+        inv_low, inv_high, inv = 1.0 / light.rate, 1.0 / self.rate, 1.0 / rate
+
+        def at(name: str) -> float:
+            c = (low[name] - high[name]) / (inv_low - inv_high)
+            return max(high[name] + c * (inv - inv_high), 0.0)
+
+        return replace(self, rate=rate, lighter=None, **{name: at(name) for name in _BLENDED})
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)  # (``lighter`` too, nested)
