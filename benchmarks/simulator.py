@@ -93,7 +93,9 @@ def competing_load(on: bool, cpu: int | None) -> Iterator[None]:
     if not on:
         yield
         return
-    code = "import os, sys\nif sys.argv[1] != '-': os.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+    # it spins until its parent goes (a benchmark killed outright leaves no busy loop behind)
+    code = ("import os, sys\nif sys.argv[1] != '-': os.sched_setaffinity(0, {int(sys.argv[1])})\n"
+            "parent = os.getppid()\nwhile os.getppid() == parent:\n    for _ in range(100000): pass\n")
     proc = subprocess.Popen([sys.executable, "-c", code, "-" if cpu is None else str(cpu)])
     try:
         yield

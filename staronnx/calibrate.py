@@ -362,8 +362,8 @@ def calibrate_host(
     deps = plan.dependencies()
     tasks = {id(run): _run_tasks(run, events, origin) for run in runs}
     light = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs if not run.loaded}
-    loaded = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs
-              if run.loaded and _kept_up(run)}
+    loaded = {run.batch: costs for run in runs if run.loaded and _kept_up(run)
+              if _generator_kept_up(run, costs := _host_costs(run, tasks[id(run)], origin, deps))}
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
     # the tasks' warm and cold scales over both loads (what sets them is the worker's idle time
@@ -412,6 +412,14 @@ def _kept_up(run: _ProbeRun) -> bool:
     a queue, not the host's costs)."""
     answered = sum(1 for r in run.records.requests if r.done is not None)
     return answered >= 0.9 * run.rate * run.seconds
+
+
+def _generator_kept_up(run: _ProbeRun, costs: HostCosts) -> bool:
+    """Whether the load generator kept to its schedule: its median lag under the time between
+    two batches (1 ms at least). A generator that falls further behind was starved of CPU (the
+    machine stalled, or the host's threads cannot keep up at that rate): its lag is a queue,
+    and a simulation that added it to every request would answer tens of ms late."""
+    return costs.lag_s <= max(run.batch / run.rate, 1e-3)
 
 
 def _two_loads(light: HostCosts, loaded: HostCosts | None, warm: float, cold: float) -> HostCosts:

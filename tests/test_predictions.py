@@ -282,6 +282,19 @@ def _costs(task_scale: float, cpu: float, rate: float, lighter: HostCosts | None
                      cpu_per_batch_s=cpu, cpu_per_request_s=cpu / 2, task_scale=task_scale, rate=rate, lighter=lighter)
 
 
+def test_a_loaded_probe_whose_generator_fell_behind_is_left_out():
+    """A loaded probe that answered its requests but whose generator ran 40 ms behind its
+    schedule (crnn_ocr at 1,400 req/s on a stalled VM) measured a queue, not the host's costs:
+    left out, as a probe that fell behind; a lag under the time between two batches is kept."""
+    from staronnx.calibrate import _generator_kept_up, _ProbeRun
+
+    run = _ProbeRun(batch=1, records=None, host_cpu_s=0.0, inline=True, rate=1400.0, seconds=1.0, loaded=True)
+    assert _generator_kept_up(run, replace(_costs(1.0, 1e-4, rate=1400.0), lag_s=1e-4))
+    assert not _generator_kept_up(run, replace(_costs(1.0, 1e-4, rate=1400.0), lag_s=0.04))
+    slow = _ProbeRun(batch=4, records=None, host_cpu_s=0.0, inline=True, rate=20.0, seconds=1.0, loaded=True)
+    assert _generator_kept_up(slow, replace(_costs(1.0, 1e-4, rate=20.0), lag_s=0.04))  # 200 ms between batches
+
+
 def test_host_costs_between_two_loads_follow_the_offered_rate():
     """Below the light probe's rate its figures; above it ``a + c / rate`` through both
     measurements, past the loaded rate too (falling on towards ``a``, never below 0); the
