@@ -19,6 +19,10 @@ served at that size), and how many points were flagged busy and left out of the 
 Goals (issue 40), on a quiet machine: papers' latency median |error| <= 3 %, max <= 15 %;
 congestion called alike on >= 95 % of points; bound / capacity within 1.0-1.1.
 
+Run it at normal priority: under SCHED_FIFO (``chrt -f``) the load generator cannot preempt a
+worker's task of tens of ms, and near the knee it ran 40 ms late on average (p99 120 ms)
+against under 1 ms at normal priority; the benchmark warns when it finds itself real-time.
+
 ``--busy`` runs a competing CPU load (a busy loop in another process, pinned to the workers'
 first core) during the sweeps: the points must come out flagged busy.
 
@@ -121,11 +125,12 @@ def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: s
 
 
 def capacity_ratio(rows: Sequence[Mapping[str, Any]], bounds: Mapping[str, Any]) -> dict[int, tuple[float, float]]:
-    """Per batch size: (LP bound, the most the sweep served at that size)."""
+    """Per batch size: (LP bound, the most the sweep served at that size on a machine not
+    flagged busy: a stalled point's throughput is the stall's)."""
     out = {}
     for b, bound in bounds.items():
         served = [r["throughput"] for r in rows if r["batch_size"] == int(b) and r.get("throughput") is not None
-                  and r.get("state") != "failed"]
+                  and r.get("state") != "failed" and not r.get("machine_busy")]
         if served and bound.get("throughput"):
             out[int(b)] = (float(bound["throughput"]), max(served))
     return out
@@ -148,8 +153,9 @@ def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str
     for r, old in zip(rows, before):
         if "sim_throughput" not in r:
             continue
-        busy = f"busy {(r.get('others_cpu_share') or 0) + (r.get('steal_share') or 0):.0%}" if r.get("machine_busy") \
-            else ""
+        busy = "" if not r.get("machine_busy") else (
+            f"slowed x{r['machine_slowed']:.2f}" if r.get("machine_slowed")
+            else f"busy {(r.get('others_cpu_share') or 0) + (r.get('steal_share') or 0):.0%}")
         print(f"{r['batch_size']:>2} {r['offered_rate']:>6g} | {_num(r['throughput']):>8} {_num(r['sim_throughput']):>8} "
               f"{_pct(r['err_throughput'])} | {_num(r['latency_p50_ms'], 2):>8} {_num(r['sim_latency_p50_ms'], 2):>8} "
               f"{_pct(r['err_latency_p50'])} | {_num(r['paper_latency_mean_ms'], 2):>10} "
@@ -276,6 +282,14 @@ def print_closing(results: list[dict[str, Any]]) -> None:
           f"{GOALS['bound'][0]}-{GOALS['bound'][1]}")
 
 
+def realtime_warning() -> str | None:
+    """A line when this process runs under a real-time policy (the generator would starve)."""
+    if os.sched_getscheduler(0) in (os.SCHED_FIFO, os.SCHED_RR):
+        return ("warning: this benchmark runs under a real-time policy (chrt -f/-r): its load generator cannot "
+                "preempt a worker's task, lags tens of ms near the knee, and the live latencies there are its lag")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=DEFAULT_MODELS,
@@ -293,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="write the per-model figures here")
     ap.add_argument("-o", "--output", type=Path, default=None)
     args = ap.parse_args(argv)
+    if (warning := realtime_warning()) is not None:
+        print(warning, flush=True)
     tmp = scratch_dir("staronnx-bench-sim-")
     results = []
     if args.plan is not None:

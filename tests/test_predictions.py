@@ -153,6 +153,55 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
         assert "calibration_check" in load_results(tmp_path / "b")["settings"]
 
 
+def test_cli_sweep_flags_a_point_whose_tasks_ran_slower_than_the_points_before(plan, home, two_groups, capsys,
+                                                                              tmp_path, monkeypatch):
+    """Through ``sweep``: the kernel says nothing else ran (a VM whose host takes the CPUs
+    without counting steal), but the third point's tasks ran 1.8x their perf models where the
+    points before ran at 1.0x (the engine's own timing of its tasks, here injected): that point
+    is flagged busy as slowed, in the table, results.json, the CSV and the notes; the others
+    are not. A point at 1.2x is noise, not a slowed machine."""
+    from staronnx.bench import sweep as sweep_module
+
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "220")
+    monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=100).read)
+    ratios = iter([1.0, 1.0, 1.2, 1.8])  # the warm-up's, then one per point
+    monkeypatch.setattr(sweep_module, "task_time_ratio", lambda before, after: next(ratios))
+    out = tmp_path / "slowed"
+    code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", "20,30,40", "--batch-sizes", "1", "--groups",
+                               two_groups, "--duration", "400ms", "--no-plots", "-o", out)
+    assert code == 0, stderr + stdout
+    doc = load_results(out)
+    assert [bool(r["machine_busy"]) for r in doc["rows"]] == [False, False, True]
+    slowed = doc["rows"][2]
+    # held to the median of the points before it (1.0 and 1.2)
+    assert slowed["machine_slowed"] == pytest.approx(1.8 / 1.1) and "ran slower" in slowed["busy_why"]
+    assert "slowed (tasks x1.64)" in stdout
+    assert any("1 of them because their tasks ran" in n for n in doc["notes"])
+    assert "machine_slowed" in (out / "results.csv").read_text().splitlines()[0]
+
+
+def test_a_congested_point_on_a_busy_machine_stops_the_sweep_only_when_the_next_congests_too(
+        plan, home, two_groups, tmp_path, monkeypatch):
+    """A stall is not the capacity: a congested point measured busy (here the kernel says the
+    hypervisor stole 30 %) lets the sweep go on to the next rate, which stops it when it
+    congests too; on a quiet machine the first congested point stops it, as before (its
+    tasks slowed by the overload are not a slowed machine: it is offered above its bound)."""
+    rates = [20000.0, 30000.0, 40000.0]  # far above what the plan serves: every point congests
+    store = PerfModelStore(home)
+    kw = dict(duration=0.3, extend=False, queue_capacity=16, store=store, groups=two_groups)
+    with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
+        monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=70, steal=30).read)
+        rows = sweep(plan, rates, [1], runtime=rt, out_dir=tmp_path / "busy", **kw)
+        assert [r["offered_rate"] for r in rows] == rates[:2]
+        assert all(r["congested"] and r["machine_busy"] for r in rows)
+        assert [s["offered_rate"] for s in load_results(tmp_path / "busy")["skipped"]] == rates[2:]
+        monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=100).read)
+        rows = sweep(plan, rates, [1], runtime=rt, out_dir=tmp_path / "quiet", **kw)
+        assert [r["offered_rate"] for r in rows] == rates[:1] and rows[0]["congested"]
+        assert rows[0]["offered_rate"] > rows[0]["bound_throughput"] and not rows[0]["machine_busy"]
+
+
 def test_calibration_warns_when_its_samples_were_taken_on_a_busy_machine(plan, two_groups, capsys, tmp_path,
                                                                        monkeypatch):
     monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))

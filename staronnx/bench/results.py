@@ -47,7 +47,7 @@ COLUMNS = (
     "bound_throughput", "achieved_over_bound",
     "duration_s", "warmup_s", "measured_s",
     "policy", "groups", "cuda_streams", "cuda_devices", "distribution", "max_delay_ms", "notes",
-    "machine_busy", "others_cpu_share", "steal_share", "own_cpu_cores", "task_time_ratio",
+    "machine_busy", "others_cpu_share", "steal_share", "own_cpu_cores", "task_time_ratio", "machine_slowed",
 )
 
 

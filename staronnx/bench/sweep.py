@@ -379,6 +379,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         run.pools = {m.name: sample_pool(m.plan, seed=seed, inputs=inputs) for m in models.models}
         tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
         skipped: set[int] = set()
+        struck: set[tuple[tuple[str, int], ...]] = set()  # batch sizes whose last point congested on a busy machine
         for i, point in enumerate(points):
             if i in skipped:
                 continue
@@ -395,6 +396,9 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             rows, began = run.measure(point, tracer, length=max(
                 point_duration(duration, warmup, point.batch_sizes[n], point.rates[n], min_batches) for n in names),
                 bounds=bounds)
+            for n, row in zip(names, rows):
+                flag_slowed(row, reference_ratio(results.rows, n if not one else None, point.batch_sizes[n],
+                                                 settings["calibration_check"].get("task_time_ratio")))
             for m, row in zip(models.models, rows):
                 if not one:
                     row.update(_mix_columns(m, run.records[m.name], run.index, point, mix))
@@ -417,7 +421,15 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                     sim_tracer.save()  # after every point, as results.json: a stopped sweep keeps its points
             run.done(point, rows)
             served_none = all(r["state"] == "failed" and not r["completed"] for r in rows)
-            if served_none or (stop_on_congestion and any(r["congested"] for r in rows)):
+            # a congested point measured on a busy or slowed machine stops the sweep only when
+            # the point before it congested too: one stall must not end a batch size's sweep
+            congested = any(r["congested"] for r in rows)
+            key = tuple(sorted(point.batch_sizes.items()))
+            stops = congested and (not any(r.get("machine_busy") for r in rows) or key in struck)
+            struck.discard(key)
+            if congested and not stops:
+                struck.add(key)
+            if served_none or (stop_on_congestion and stops):
                 # every request failed: higher rates would fail alike (and take as long)
                 rest = [j for j in range(i + 1, total) if j not in skipped and points[j].dominates(point)]
                 skipped.update(rest)
@@ -604,6 +616,45 @@ class _Run:
 #: tasks' measured time over their perf models' beyond which the calibration check speaks
 #: (either way: 1.25 or 1 / 1.25)
 DRIFT = 1.25
+#: a point whose tasks ran this much slower than the points before it (same model and batch
+#: size; the first: the warm-up) is flagged busy: the machine slowed under it. A VM's host can
+#: take the CPU without the guest's /proc/stat counting steal (googlenet's tasks at x1.71 their
+#: models for one point on such a VM, x0.99-1.05 at the seven before it); at saturation the
+#: host's own threads preempt the tasks by up to ~35 % (crnn_ocr), which must not count
+SLOWED = 1.4
+
+
+def reference_ratio(rows: Sequence[Mapping[str, Any]], model: str | None, batch_size: int,
+                    warmup: float | None) -> float | None:
+    """The tasks' speed a point is held to (:func:`flag_slowed`): the median
+    ``task_time_ratio`` of the earlier points of the same model and batch size that were not
+    busy, else the warm-up's (``warmup``, the calibration check's)."""
+    import statistics
+
+    earlier = [r["task_time_ratio"] for r in rows if r.get("batch_size") == batch_size and r.get("model") == model
+               and not r.get("machine_busy") and isinstance(r.get("task_time_ratio"), (int, float))]
+    return statistics.median(earlier) if earlier else warmup
+
+
+def flag_slowed(row: dict[str, Any], reference: float | None) -> None:
+    """Flag ``row`` busy (``machine_slowed``: how much slower) when its tasks ran
+    :data:`SLOWED` times slower than ``reference``: work the guest cannot see took the CPUs.
+    A congested point only when it was offered under its LP bound: past the capacity the
+    host's threads and a growing queue slow short tasks anyway (tens of microseconds each,
+    behind the GIL), and congestion is what the point is expected to show."""
+    row.setdefault("machine_slowed", None)
+    ratio = row.get("task_time_ratio")
+    if not isinstance(ratio, (int, float)) or not reference or reference <= 0 or ratio < SLOWED * reference:
+        return
+    bound = row.get("bound_throughput")
+    under = isinstance(bound, (int, float)) and bound > 0 and float(row["offered_rate"]) <= bound
+    if row.get("congested") and not under:
+        return
+    row["machine_slowed"] = ratio / reference
+    why = (f"its tasks ran x{ratio:.2f} their perf models against x{reference:.2f} at the points before it: the "
+           "machine ran slower (the hypervisor or work /proc does not show)")
+    row["busy_why"] = f"{row['busy_why']}; {why}" if row.get("machine_busy") and row.get("busy_why") else why
+    row["machine_busy"] = True
 
 
 def calibration_check(ratio: float | None, load: MachineLoad | None) -> dict[str, Any]:
@@ -636,10 +687,13 @@ def busy_note(rows: Sequence[Mapping[str, Any]]) -> str | None:
     if not busy:
         return None
     worst = max(busy, key=others_share)
+    slowed = [r for r in busy if r.get("machine_slowed")]
+    also = (f"; {len(slowed)} of them because their tasks ran {SLOWED:g}x or more slower than at the points before "
+            "(the machine slowed, unseen in /proc)") if slowed else ""
     return (f"{len(busy)} of {len(rows)} point(s) measured beside other work (machine_busy: other processes or the "
             f"hypervisor took over {BUSY_SHARE:.0%} of the CPUs, up to {others_share(worst):.1%} at "
             f"b={worst['batch_size']} @ "
-            f"{worst['offered_rate']:g} req/s): their figures are the machine's as much as the plan's, and the "
+            f"{worst['offered_rate']:g} req/s{also}): their figures are the machine's as much as the plan's, and the "
             "simulator's error summary leaves them out")
 
 

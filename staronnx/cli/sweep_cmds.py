@@ -164,10 +164,15 @@ def _state_markup(row: dict[str, Any]) -> str:
 
 
 def _busy_cell(row: dict[str, Any]) -> str:
-    """``busy (others 47%)`` for a point measured beside other work, else empty."""
+    """``busy (others 47%)`` for a point measured beside other work, ``slowed (tasks x1.71)`` for
+    one whose tasks ran that much slower than at the points before it, else empty."""
     from staronnx.bench.sweep import others_share
 
-    return f"busy (others {others_share(row):.0%})" if row.get("machine_busy") else ""
+    if not row.get("machine_busy"):
+        return ""
+    if row.get("machine_slowed"):
+        return f"slowed (tasks x{row['machine_slowed']:.2f})"
+    return f"busy (others {others_share(row):.0%})"
 
 
 def _print_point_notes(rows: list[dict[str, Any]]) -> None:
