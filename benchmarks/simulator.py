@@ -39,6 +39,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,7 @@ from staronnx.bench.results import load_results  # noqa: E402
 from staronnx.bench.sweep import auto_rates, sweep  # noqa: E402
 from staronnx.calibrate import calibrate, calibrate_host, start_workers  # noqa: E402
 from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates  # noqa: E402
-from staronnx.perfmodels import PerfModelStore  # noqa: E402
+from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
 
 REAL = REPO.parent / "shared" / "models" / "real"
@@ -124,6 +125,42 @@ def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: s
     return out
 
 
+def scaled_host(host: HostModel, factor: float) -> HostModel:
+    """``host`` with every task scale (warm and cold, both loads) times ``factor``."""
+    def scale(c: HostCosts) -> HostCosts:
+        return replace(c, task_scale=c.task_scale * factor, cold_task_scale=c.cold_scale * factor,
+                       lighter=None if c.lighter is None else scale(c.lighter))
+
+    return replace(host, costs={b: scale(c) for b, c in host.costs.items()})
+
+
+def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
+                        policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
+    """The rows again, simulated at the tasks' speed the sweep measured at the points before
+    each (same batch size, not busy): the host costs' task scales times the median of those
+    points' live ``task_time_ratio`` over their twin's ``sim_task_time_ratio`` (1 for a batch
+    size's first point). A diagnostic, not a prediction (a what-if has no points before it):
+    what is left is the simulator's error once the machine's drift since calibration is out."""
+    import statistics
+
+    base = build_machine(plan, groups=groups, store=store)
+    out = []
+    for i, r in enumerate(rows):
+        if "sim_throughput" not in r or r.get("state") == "failed" or base.host is None:
+            out.append(dict(r))
+            continue
+        drifts = [e["task_time_ratio"] / e["sim_task_time_ratio"] for e in rows[:i]
+                  if e["batch_size"] == r["batch_size"] and not e.get("machine_busy")
+                  and e.get("task_time_ratio") and e.get("sim_task_time_ratio")]
+        drift = statistics.median(drifts) if drifts else 1.0
+        machine = base if drift == 1.0 else build_machine(plan, groups=groups, store=store,
+                                                          host=scaled_host(base.host, drift))
+        sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
+                           queue_capacity=1024, warmup=duration_warmup)
+        out.append({**r, **sim, "drift": drift})
+    return out
+
+
 def capacity_ratio(rows: Sequence[Mapping[str, Any]], bounds: Mapping[str, Any]) -> dict[int, tuple[float, float]]:
     """Per batch size: (LP bound, the most the sweep served at that size on a machine not
     flagged busy: a stalled point's throughput is the stall's)."""
@@ -147,10 +184,12 @@ def summary_line(f: Mapping[str, Any]) -> dict[str, Any]:
             "congestion": f["congestion_agreement"], "simulated": f["simulated_points"], "busy": f["busy_points"]}
 
 
-def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]]) -> None:
+def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]],
+                 tracked: Sequence[Mapping[str, Any]]) -> None:
     print(f"\n{'b':>2} {'rate':>6} | {'thr live':>8} {'sim':>8} {'err':>6} | {'p50 live':>8} {'sim':>8} {'err':>6} | "
-          f"{'paper live':>10} {'sim':>8} {'err':>6} {'w/o host':>8} | cong. live/sim | machine")
-    for r, old in zip(rows, before):
+          f"{'paper live':>10} {'sim':>8} {'err':>6} {'w/o host':>8} {'tracked':>8} | cong. live/sim | tasks live/sim"
+          " | machine")
+    for r, old, track in zip(rows, before, tracked):
         if "sim_throughput" not in r:
             continue
         busy = "" if not r.get("machine_busy") else (
@@ -160,8 +199,9 @@ def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str
               f"{_pct(r['err_throughput'])} | {_num(r['latency_p50_ms'], 2):>8} {_num(r['sim_latency_p50_ms'], 2):>8} "
               f"{_pct(r['err_latency_p50'])} | {_num(r['paper_latency_mean_ms'], 2):>10} "
               f"{_num(r['sim_paper_latency_mean_ms'], 2):>8} {_pct(r['err_paper_latency'])} "
-              f"{_pct(old.get('err_paper_latency'))} | {'yes' if r['congested'] else 'no':>4}/"
-              f"{'yes' if r['sim_congested'] else 'no':<4}     | {busy}")
+              f"{_pct(old.get('err_paper_latency'))} {_pct(track.get('err_paper_latency'))}   | "
+              f"{'yes' if r['congested'] else 'no':>4}/{'yes' if r['sim_congested'] else 'no':<4}     | "
+              f"{_num(r.get('task_time_ratio'), 2):>5}/{_num(r.get('sim_task_time_ratio'), 2):<5}    | {busy}")
 
 
 def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list[str], args: argparse.Namespace,
@@ -204,13 +244,16 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     warmup = float(doc["settings"]["warmup_s"])
     before = resimulate_without_host(plan, rows, groups=args.groups, store=store, policy=args.policy,
                                      duration_warmup=warmup)
-    print_points(rows, before)
-    after_f, before_f = fidelity_summary(rows), fidelity_summary(before)
+    tracked = resimulate_tracking(plan, rows, groups=args.groups, store=store, policy=args.policy,
+                                  duration_warmup=warmup)
+    print_points(rows, before, tracked)
+    after_f, before_f, tracked_f = fidelity_summary(rows), fidelity_summary(before), fidelity_summary(tracked)
     # the same, busy points counted too (what the errors would say if nobody looked)
     every_after = fidelity_summary([{**r, "machine_busy": False} for r in rows])
     every_before = fidelity_summary([{**r, "machine_busy": False} for r in before])
     ratios = capacity_ratio(rows, doc["bounds"])
     for tag, f in (("with host costs", after_f), ("tasks alone (before)", before_f),
+                   ("with host costs, tasks at the speed of the points before (diagnostic)", tracked_f),
                    ("with host costs, busy points too", every_after), ("tasks alone, busy points too", every_before)):
         print(f"simulator {tag}:")
         for key, label in (("throughput", "throughput, every point"), ("latency_p50", "p50 latency, steady points"),
@@ -248,7 +291,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     for note in doc["notes"]:
         print(f"note: {note}")
     return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
-            "before": summary_line(before_f), "after_all": summary_line(every_after),
+            "before": summary_line(before_f), "tracked": summary_line(tracked_f), "after_all": summary_line(every_after),
             "before_all": summary_line(every_before),
             "bound_over_capacity": {b: bound / served for b, (bound, served) in ratios.items()},
             "bound_over_capacity_before": {b: bound_nohost[b] / served for b, (_, served) in ratios.items()},
@@ -263,11 +306,12 @@ def print_closing(results: list[dict[str, Any]]) -> None:
 
     print(f"\n{'model':<12} {'simulator':<12} | {'thr med/max':>13} | {'p50 med/max':>13} | {'paper med/max':>13} | "
           f"{'<knee med/max':>13} | {'cong.':>5} | {'bound/cap':>12} | busy")
-    names = {"before": "tasks alone", "after": "host costs", "before_all": "tasks alone*", "after_all": "host costs*"}
+    names = {"before": "tasks alone", "after": "host costs", "tracked": "speed track.", "before_all": "tasks alone*",
+             "after_all": "host costs*"}
     for res in results:
-        for tag in ("before", "after", "before_all", "after_all"):
+        for tag in ("before", "after", "tracked", "before_all", "after_all"):
             s = res[tag]
-            ratio = res["bound_over_capacity" if tag.startswith("after") else "bound_over_capacity_before"]
+            ratio = res["bound_over_capacity_before" if tag.startswith("before") else "bound_over_capacity"]
             print(f"{res['model']:<12} {names[tag]:<12} | "
                   f"{pct(s['throughput'][0]):>6}/{pct(s['throughput'][1]):>6} | "
                   f"{pct(s['latency_p50'][0]):>6}/{pct(s['latency_p50'][1]):>6} | "
@@ -276,7 +320,8 @@ def print_closing(results: list[dict[str, Any]]) -> None:
                   f"{pct(s['congestion']):>5} | {' '.join(f'{v:.2f}' for _, v in sorted(ratio.items())):>12} | "
                   f"{res['busy_points']}/{res['rows']}")
     print("*: busy points counted too (the others leave them out); <knee: steady points offered under "
-          f"{KNEE:.0%} of the LP bound")
+          f"{KNEE:.0%} of the LP bound; speed track.: a diagnostic, the tasks at the speed the points before "
+          "measured (the machine's drift since calibration taken out)")
     print(f"goals (quiet machine): papers' latency median <= {GOALS['paper_median']:.0%}, max <= "
           f"{GOALS['paper_max']:.0%}; congestion alike >= {GOALS['congestion']:.0%}; bound/capacity "
           f"{GOALS['bound'][0]}-{GOALS['bound'][1]}")

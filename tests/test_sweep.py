@@ -127,7 +127,17 @@ def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, t
     assert last.submitted == last.requests
 
 
-def test_congestion_stops_the_batch_size(plan, runtime, tmp_path, two_groups):
+def _no_proc_stat() -> str:
+    raise OSError("no /proc/stat here")
+
+
+def test_congestion_stops_the_batch_size(plan, runtime, tmp_path, two_groups, monkeypatch):
+    """The first congested point stops its batch size. The machine's load is not read here: on
+    a host busy with other work its congested point would be flagged busy, and a busy point
+    lets the sweep try the next rate (tests/test_predictions.py checks that rule)."""
+    from staronnx.bench import cpuload
+
+    monkeypatch.setattr(cpuload, "_read_proc_stat", _no_proc_stat)
     events = []
     rows = sweep(plan, [100, 20_000, 40_000], [1], groups=two_groups, duration=0.5, out_dir=tmp_path,
                  runtime=runtime, progress=events.append, queue_capacity=32, bound=False, extend=False)

@@ -35,9 +35,10 @@ COMPARED = (
     ("sim_latency_p50_ms", "latency_p50_ms", "err_latency_p50"),
     ("sim_paper_latency_mean_ms", "paper_latency_mean_ms", "err_paper_latency"),
 )
-#: the CSV columns a simulated sweep adds, in order
+#: the CSV columns a simulated sweep adds, in order (``sim_task_time_ratio``: the simulated
+#: tasks' time over their models, the live ``task_time_ratio``'s twin)
 COLUMNS = ("sim_throughput", "sim_latency_p50_ms", "sim_latency_p99_ms", "sim_paper_latency_mean_ms",
-           "sim_congested", "err_throughput", "err_latency_p50", "err_paper_latency")
+           "sim_congested", "err_throughput", "err_latency_p50", "err_paper_latency", "sim_task_time_ratio")
 
 
 def _finite(v: Any) -> float | None:
@@ -67,7 +68,8 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, queue_capacity: int, w
     result = simulate(machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]),
                       duration=float(row["duration_s"]), queue_capacity=max(queue_capacity, int(row["batch_size"])),
                       **options)
-    return sim_columns(summarize(result.records, warmup=warmup), row)
+    return {**sim_columns(summarize(result.records, warmup=warmup), row),
+            "sim_task_time_ratio": result.task_time_ratio}
 
 
 def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlines: bool = False) -> dict[str, Any]:

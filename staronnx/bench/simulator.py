@@ -79,6 +79,9 @@ class _RunStats:
     events: int
     wall_seconds: float
     mean_queue_wait: float  # seconds from a task being ready to its start, averaged
+    #: the simulated tasks' wall time (host work on their cores, a lane's preemption, the cold
+    #: or warm scale included) over their perf models' means: the live ``task_time_ratio``'s twin
+    task_time_ratio: float | None
 
 
 @dataclass
@@ -217,6 +220,10 @@ class _Simulation:
         self._steal_turn = 0
         #: worker id -> when its last task ended (how long it has been idle: a cold task's scale)
         self._last_end: dict[int, float] = {}
+        #: the finished tasks' wall seconds and their perf models' means (task_time_ratio);
+        #: worker id -> the mean of the task it runs
+        self.task_wall = self.task_model = 0.0
+        self._modelled: dict[int, float] = {}
         #: worker id -> until when its core runs the host's work instead of a task (it answers a
         #: finished batch on its own thread, the Server's inline split and settle in a CPU-only
         #: runtime, or the host's other threads took its idle core): it takes no task meanwhile
@@ -430,6 +437,7 @@ class _Simulation:
         # a worker idle for a while runs its next task slower (cold core and caches)
         scale = host.scale_after(self.clock.t - self._last_end.get(info.id, -math.inf)) if host is not None else 1.0
         seconds = self._draw(mean * scale, std * scale * self.spread)
+        self._modelled[info.id] = mean
         if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
             seconds += price(task.copies, self.m.table.bus.predict)
         delay = 0.0 if host is None else (host.gap_s if awake else host.wake_s)
@@ -516,6 +524,8 @@ class _Simulation:
         ``seconds``: the task's wall time (its work, plus any time a lane preempted it)."""
         now = self.clock.t
         self._last_end[wid] = now
+        self.task_wall += seconds
+        self.task_model += self._modelled.pop(wid, 0.0)
         fe = self.fronts[task.request.model]
         nbytes = fe.profiles[task.request.batch].nbytes
         req = self.core.finish(wid, task, now, seconds, {n: nbytes[n] for n in self.part_outputs[task.part]})
@@ -562,7 +572,7 @@ def simulate(plan: Plan | None = None, *, rate: float, batch_size: int, groups: 
                        max_inflight=None if max_inflight is None else {name: max_inflight})
     return SimResult(records=mix.records[name], placement=mix.placement, busy=mix.busy, workers=mix.workers,
                      notes=mix.notes, events=mix.events, wall_seconds=mix.wall_seconds,
-                     mean_queue_wait=mix.mean_queue_wait)
+                     mean_queue_wait=mix.mean_queue_wait, task_time_ratio=mix.task_time_ratio)
 
 
 def _end_of(sim: _Simulation, front: _FrontEnd) -> float:
@@ -788,4 +798,5 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
         models=shared,
         held_by=holders,
         mean_queue_wait=sim.core.queue_waits.mean(),
+        task_time_ratio=sim.task_wall / sim.task_model if sim.task_model > 0 else None,
     )
