@@ -618,11 +618,13 @@ class _Run:
 #: (either way: 1.25 or 1 / 1.25)
 DRIFT = 1.25
 #: a point whose tasks ran this much slower than the points before it (same model and batch
-#: size; the first: the warm-up) is flagged busy: the machine slowed under it. A VM's host can
-#: take the CPU without the guest's /proc/stat counting steal (googlenet's tasks at x1.71 their
-#: models for one point on such a VM, x0.99-1.05 at the seven before it); at saturation the
-#: host's own threads preempt the tasks by up to ~35 % (crnn_ocr), which must not count
-SLOWED = 1.4
+#: size; the first: the warm-up) is flagged busy: the machine slowed under it (the calibration
+#: check's :data:`DRIFT`). A VM's host can take the CPU without the guest's /proc/stat counting
+#: steal: on the development VM, googlenet's tasks ran x1.71 their models for one point against
+#: x0.99-1.05 at the seven before it, and points whose tasks ran 1.25-1.3x slower than their
+#: neighbours lost 10-20 % of their capacity for seconds (a queue at 75 % of the bound). Points
+#: offered above their LP bound are not held to it (:func:`flag_slowed`)
+SLOWED = DRIFT
 
 
 def reference_ratio(rows: Sequence[Mapping[str, Any]], model: str | None, batch_size: int,
