@@ -420,25 +420,28 @@ def test_cold_and_warm_task_scales_by_the_workers_idle_time():
 
 
 def test_a_simulation_runs_tasks_on_idle_workers_at_the_cold_scale(crnn_calibrated, two_groups):
-    """Cold tasks twice as slow as warm ones: at a light rate (every worker idles between
-    requests) the simulation answers about twice as late as one without a cold scale; with the
-    requests back to back (all at once) far less of the difference is left; the LP bound (the
+    """Cold tasks twice as slow as warm ones, and no other host cost (so a latency is its tasks'
+    time): at a light rate every request's first task finds its worker idle, and the simulation
+    answers far later than one without a cold scale; with the requests back to back (all at
+    once) the tasks follow each other and little of the difference is left; the LP bound (the
     capacity: workers never idle) reads the warm scale."""
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
     names = [w.name for w in build_machine(plan, groups=two_groups, store=store, host=False).workers]
-    warm_only = _costs(1.0, 1e-5, rate=400.0)
+    warm_only = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
+                          rate=400.0)
     cold = replace(warm_only, cold_task_scale=2.0)
     hot = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: warm_only}))
     cooling = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: cold}))
     kw = dict(batch_size=1, spread=0.0, seed=3)
     light = (simulate(machine=cooling, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"]
              / simulate(machine=hot, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"])
-    assert light > 1.5
     burst = [0.0] * 200  # every request at once: each worker's tasks follow each other
     backlog = (simulate(machine=cooling, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"]
                / simulate(machine=hot, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"])
-    assert backlog < 1.2 < light
+    # light: the first part (most of a request's time) always cold, the second cold or warm
+    # after it on the same worker
+    assert backlog < 1.1 and light > 1.25 and light - backlog > 0.2, (light, backlog)
     assert machine_bound(cooling, 1).throughput == pytest.approx(machine_bound(hot, 1).throughput)
 
 
