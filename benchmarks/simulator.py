@@ -153,8 +153,7 @@ def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, 
                   if e["batch_size"] == r["batch_size"] and not e.get("machine_busy")
                   and e.get("task_time_ratio") and e.get("sim_task_time_ratio")]
         drift = statistics.median(drifts) if drifts else 1.0
-        machine = base if drift == 1.0 else build_machine(plan, groups=groups, store=store,
-                                                          host=scaled_host(base.host, drift))
+        machine = base if drift == 1.0 else replace(base, host=scaled_host(base.host, drift))
         sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
                            queue_capacity=1024, warmup=duration_warmup)
         out.append({**r, **sim, "drift": drift})
@@ -291,7 +290,8 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     for note in doc["notes"]:
         print(f"note: {note}")
     return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
-            "before": summary_line(before_f), "tracked": summary_line(tracked_f), "after_all": summary_line(every_after),
+            "before": summary_line(before_f), "tracked": summary_line(tracked_f),
+            "after_all": summary_line(every_after),
             "before_all": summary_line(every_before),
             "bound_over_capacity": {b: bound / served for b, (bound, served) in ratios.items()},
             "bound_over_capacity_before": {b: bound_nohost[b] / served for b, (_, served) in ratios.items()},

@@ -362,8 +362,12 @@ def calibrate_host(
     deps = plan.dependencies()
     tasks = {id(run): _run_tasks(run, events, origin) for run in runs}
     light = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs if not run.loaded}
-    loaded = {run.batch: costs for run in runs if run.loaded and _kept_up(run)
-              if _generator_kept_up(run, costs := _host_costs(run, tasks[id(run)], origin, deps))}
+    loaded: dict[int, HostCosts] = {}
+    for run in runs:
+        if run.loaded and _kept_up(run):
+            costs = _host_costs(run, tasks[id(run)], origin, deps)
+            if _generator_kept_up(run, costs):
+                loaded[run.batch] = costs
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
     # the tasks' warm and cold scales over both loads (what sets them is the worker's idle time
@@ -510,7 +514,8 @@ def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: floa
                 deps: Sequence[set[int]]) -> HostCosts:
     """The costs of one probe run (``groups``: its tasks per request, :func:`_run_tasks`): per
     batch that ran alone, launch, hand-overs and finish read off the trace (medians), the
-    tasks' time over their models, the generator's lag and the host's CPU per batch."""
+    generator's lag and the host's CPU per batch. The tasks' scales are both loads' together
+    (:func:`_task_scales`, set by :func:`_two_loads`)."""
     import statistics
 
     records = run.records
@@ -536,12 +541,6 @@ def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: floa
                 continue
             pred = max((part[d] for d in deps[t.part]), key=lambda x: x.end)
             (gap if pred.worker == t.worker else wake).append(max(t.start - pred.end, 0.0))
-    # the tasks' time over their models: every task of the run, alone or not (at load, tasks
-    # on other cores share the memory bus and caches, and that is what serving at load costs)
-    modelled = [t for ts in groups for t in ts if t.predicted]
-    measured = sum((t.end - t.start for t in modelled), 0.0)
-    predicted = sum((t.predicted or 0.0 for t in modelled), 0.0)
-
     def median(xs: list[float], default: float = 0.0) -> float:
         return statistics.median(xs) if xs else default
 
@@ -557,7 +556,7 @@ def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: floa
         batch=run.batch, launch_s=launch_s, wake_s=median(wake, launch_s / 2), gap_s=median(gap),
         finish_s=median(finish), lag_s=max(median(lags), 0.0),
         cpu_per_batch_s=max(run.host_cpu_s / done_batches, 0.0) if done_batches else 0.0,
-        task_scale=measured / predicted if predicted > 0 else 1.0, batches=alone, finish_on_worker=run.inline,
+        batches=alone, finish_on_worker=run.inline,
         rate=run.rate)
 
 

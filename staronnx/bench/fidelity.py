@@ -68,15 +68,16 @@ def simulate_row(machine: Any, row: Mapping[str, Any], *, queue_capacity: int, w
     result = simulate(machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]),
                       duration=float(row["duration_s"]), queue_capacity=max(queue_capacity, int(row["batch_size"])),
                       **options)
-    return {**sim_columns(summarize(result.records, warmup=warmup), row),
-            "sim_task_time_ratio": result.task_time_ratio}
+    return sim_columns(summarize(result.records, warmup=warmup), row, task_time_ratio=result.task_time_ratio)
 
 
-def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlines: bool = False) -> dict[str, Any]:
+def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlines: bool = False,
+                task_time_ratio: float | None = None) -> dict[str, Any]:
     """The ``sim_*`` and ``err_*`` fields of a measured ``row`` from the ``simulated`` metrics
     of its point (:func:`~staronnx.serving.summarize`'s, or
     :func:`~staronnx.bench.simulator.model_metrics`' with ``deadlines``: then also
-    ``sim_deadline_misses``, as a mixed sweep's rows have it)."""
+    ``sim_deadline_misses``, as a mixed sweep's rows have it), and the simulation's
+    ``task_time_ratio`` (its result's, for the whole machine) as ``sim_task_time_ratio``."""
 
     def ms(key: str) -> float | None:
         v = _finite(simulated.get(key))
@@ -85,7 +86,7 @@ def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlin
     out: dict[str, Any] = {
         "sim_throughput": _finite(simulated.get("throughput")), "sim_latency_p50_ms": ms("latency_p50"),
         "sim_latency_p99_ms": ms("latency_p99"), "sim_paper_latency_mean_ms": ms("paper_latency_mean"),
-        "sim_congested": bool(simulated.get("congested"))}
+        "sim_congested": bool(simulated.get("congested")), "sim_task_time_ratio": _finite(task_time_ratio)}
     if deadlines:
         out["sim_deadline_misses"] = simulated.get("deadline_misses")
     for sim_key, live_key, err_key in COMPARED:

@@ -147,6 +147,7 @@ class _Running:
     resumed: float  # when it last (re)started running; nan while a lane preempts it
     started: float
     token: int  # of its scheduled completion; a stale one (preempted since) is ignored
+    modelled: float  # its perf model's mean (unscaled): what task_time_ratio divides by
     preempted: bool = False
     stolen: float = 0.0  # seconds of its core the host's threads took while it ran
     stretches: list[tuple[float, float]] = field(default_factory=list)  # (start, end) before each pause
@@ -220,10 +221,8 @@ class _Simulation:
         self._steal_turn = 0
         #: worker id -> when its last task ended (how long it has been idle: a cold task's scale)
         self._last_end: dict[int, float] = {}
-        #: the finished tasks' wall seconds and their perf models' means (task_time_ratio);
-        #: worker id -> the mean of the task it runs
+        #: the finished tasks' wall seconds and their perf models' means (task_time_ratio)
         self.task_wall = self.task_model = 0.0
-        self._modelled: dict[int, float] = {}
         #: worker id -> until when its core runs the host's work instead of a task (it answers a
         #: finished batch on its own thread, the Server's inline split and settle in a CPU-only
         #: runtime, or the host's other threads took its idle core): it takes no task meanwhile
@@ -263,7 +262,8 @@ class _Simulation:
                         del self._running[wid]
                         if self.ran is not None:
                             self._keep(wid, run, t)
-                        self._on_done(wid, run.task, t - run.started if run.preempted or run.stolen else run.work)
+                        self._on_done(wid, run.task, t - run.started if run.preempted or run.stolen else run.work,
+                                      run.modelled)
                 elif kind == "launch":
                     self._launch(*payload)
                 elif kind == "hosted":
@@ -429,21 +429,21 @@ class _Simulation:
 
     def _start(self, info: WorkerInfo, task: Task, awake: bool = False) -> None:
         """Run ``task`` on ``info``'s worker: its perf model's time (scaled as the host costs
-        say tasks run while serving, warm or after the worker idled), its transfers, after the worker's wake-up (an idle
-        worker) or the engine's gap between two tasks (``awake``: it just finished one)."""
+        say tasks run while serving, warm or after the worker idled), its transfers, after the
+        worker's wake-up (an idle worker) or the engine's gap between two tasks (``awake``: it
+        just finished one)."""
         assert task.view is not None and task.view.footprint is not None
         mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
         host = self.fronts[task.request.model].host
         # a worker idle for a while runs its next task slower (cold core and caches)
         scale = host.scale_after(self.clock.t - self._last_end.get(info.id, -math.inf)) if host is not None else 1.0
         seconds = self._draw(mean * scale, std * scale * self.spread)
-        self._modelled[info.id] = mean
         if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
             seconds += price(task.copies, self.m.table.bus.predict)
         delay = 0.0 if host is None else (host.gap_s if awake else host.wake_s)
         begins = self.clock.t + delay
         token = next(self._tokens)
-        self._running[info.id] = _Running(task, seconds, seconds, begins, begins, token)
+        self._running[info.id] = _Running(task, seconds, seconds, begins, begins, token, mean)
         self.events.push(begins + seconds, "done", (info.id, token))
 
     def _steal(self, seconds: float) -> None:
@@ -519,13 +519,14 @@ class _Simulation:
                 return x
         return mean
 
-    def _on_done(self, wid: int, task: Task, seconds: float) -> None:
+    def _on_done(self, wid: int, task: Task, seconds: float, modelled: float) -> None:
         """The core's completion (data locations, successors, stats), then the server's;
-        ``seconds``: the task's wall time (its work, plus any time a lane preempted it)."""
+        ``seconds``: the task's wall time (its work, plus any time a lane preempted it),
+        ``modelled``: its perf model's mean."""
         now = self.clock.t
         self._last_end[wid] = now
         self.task_wall += seconds
-        self.task_model += self._modelled.pop(wid, 0.0)
+        self.task_model += modelled
         fe = self.fronts[task.request.model]
         nbytes = fe.profiles[task.request.batch].nbytes
         req = self.core.finish(wid, task, now, seconds, {n: nbytes[n] for n in self.part_outputs[task.part]})

@@ -414,8 +414,8 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                                        max_delay=max_delay, residency=residency, trace=target,
                                        pad_to=[m for m in padding if m <= max(point.batch_sizes.values())] if one else ())
                     for m, row in zip(models.models, rows):
-                        row.update(clean(sim_columns(sim.metrics(m.name, warmup=warmup), row, deadlines=not one)))
-                        row["sim_task_time_ratio"] = sim.task_time_ratio
+                        row.update(clean(sim_columns(sim.metrics(m.name, warmup=warmup), row, deadlines=not one,
+                                                     task_time_ratio=sim.task_time_ratio)))
                 except StaronnxError as exc:
                     results.notes.append(f"{label_} not simulated: {exc}")
                 if sim_tracer is not None:
