@@ -129,6 +129,8 @@ def scaled_host(host: HostModel, factor: float) -> HostModel:
     """``host`` with every task scale (warm and cold, both loads) times ``factor``."""
     def scale(c: HostCosts) -> HostCosts:
         return replace(c, task_scale=c.task_scale * factor, cold_task_scale=c.cold_scale * factor,
+                       part_scales=tuple(x * factor for x in c.part_scales),
+                       part_cold_scales=tuple(x * factor for x in c.part_cold_scales),
                        lighter=None if c.lighter is None else scale(c.lighter))
 
     return replace(host, costs={b: scale(c) for b, c in host.costs.items()})

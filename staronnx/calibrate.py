@@ -372,9 +372,9 @@ def calibrate_host(
     _fit_cpu_per_request(loaded)
     # the tasks' warm and cold scales over both loads (what sets them is the worker's idle time
     # before a task, not the load: the light probe has more cold tasks, the loaded one more warm)
-    scales = {b: _task_scales([t for run in runs if run.batch == b for ts in tasks[id(run)] for t in ts])
+    scales = {b: _task_scales([t for run in runs if run.batch == b for ts in tasks[id(run)] for t in ts], plan.k)
               for b in light}
-    costs = {b: _two_loads(light[b], loaded.get(b), *scales[b]) for b in light}
+    costs = {b: _two_loads(light[b], loaded.get(b), scales[b]) for b in light}
     model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
                       calibration_machine=dict(calibration_machine) if calibration_machine else None,
@@ -426,14 +426,14 @@ def _generator_kept_up(run: _ProbeRun, costs: HostCosts) -> bool:
     return costs.lag_s <= max(run.batch / run.rate, 1e-3)
 
 
-def _two_loads(light: HostCosts, loaded: HostCosts | None, warm: float, cold: float) -> HostCosts:
+def _two_loads(light: HostCosts, loaded: HostCosts | None, scales: _Scales) -> HostCosts:
     """The loaded figures with the light ones beside them; hand-overs the loaded probe could
-    not see (no batch ran alone) are the light probe's; the tasks' scales (``warm``, ``cold``:
-    :func:`_task_scales`) are both loads' alike."""
-    light = dataclasses.replace(light, task_scale=warm, cold_task_scale=cold)
+    not see (no batch ran alone) are the light probe's; the tasks' scales
+    (:func:`_task_scales`) are both loads' alike."""
+    light = scales.apply(light)
     if loaded is None:
         return light
-    loaded = dataclasses.replace(loaded, task_scale=warm, cold_task_scale=cold)
+    loaded = scales.apply(loaded)
     if not loaded.batches:
         loaded = dataclasses.replace(loaded, launch_s=light.launch_s, wake_s=light.wake_s, gap_s=light.gap_s,
                                      finish_s=light.finish_s)
@@ -487,27 +487,74 @@ def _run_tasks(run: _ProbeRun, events: Sequence[_TraceTask], origin: float) -> l
     return sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
 
 
-#: tasks of one kind (warm or cold) below which its scale is the other's (or all tasks')
+#: tasks of one kind (a part, warm or cold) below which its scale comes from the others
 _SCALE_SAMPLES = 8
+#: the share of a kind's tasks left out at each end before its scale is taken: one task of
+#: 0.2 ms descheduled for a millisecond must not set a part's scale from a probe of 20 batches
+_SCALE_TRIM = 0.1
 
 
-def _task_scales(tasks: Sequence[_TraceTask]) -> tuple[float, float]:
-    """The tasks' wall time over their models, (warm, cold): those that started within
-    :data:`~staronnx.perfmodels.host.COLD_IDLE_S` of their worker's previous task, and the
-    others. Every task counts, alone or not: at load, tasks on other cores share the memory
-    bus and caches, and that is what serving costs. A kind with too few tasks takes the
-    scale of all of them."""
+@dataclass(frozen=True)
+class _Scales:
+    """The tasks' wall time over their perf models, overall and per part of the plan, for a
+    task right behind another on its worker (warm) and after the worker idled (cold)."""
+
+    warm: float
+    cold: float
+    part_warm: tuple[float, ...]
+    part_cold: tuple[float, ...]
+
+    def apply(self, costs: HostCosts) -> HostCosts:
+        return dataclasses.replace(costs, task_scale=self.warm, cold_task_scale=self.cold,
+                                   part_scales=self.part_warm, part_cold_scales=self.part_cold)
+
+
+def _task_scales(tasks: Sequence[_TraceTask], parts: int) -> _Scales:
+    """The tasks' wall time over their models, per part and warm / cold: a task that started
+    within :data:`~staronnx.perfmodels.host.COLD_IDLE_S` of its worker's previous one is warm.
+
+    Kept apart by part because parts differ more than warm and cold do, and the two are
+    confounded at a light load: there a warm task is nearly always a later part right behind
+    the first on the same worker, and a cold one a first part; one scale per warmth would give
+    the first part, at the knee where it runs warm, the later part's scale (unet_seg at batch
+    4: warm x1.17-1.28, the later part's, for a first part that runs x0.92-0.97 either way).
+    The cold effect is read within each part (the mean of the parts' cold / warm, weighted by
+    their tasks), so a part seen only cold or only warm takes the other warmth from it. Every
+    task counts, alone or not: at load, tasks on other cores share the memory bus and caches,
+    and that is what serving costs; each kind's scale is a mean with :data:`_SCALE_TRIM` of
+    its tasks left out at either end. A part with too few tasks of either kind takes the
+    overall scales."""
     from staronnx.perfmodels.host import COLD_IDLE_S
 
-    def scale(ts: list[_TraceTask]) -> float | None:
-        predicted = sum(t.predicted or 0.0 for t in ts)
-        return sum(t.end - t.start for t in ts) / predicted if len(ts) >= _SCALE_SAMPLES and predicted > 0 else None
+    def scale(ts: Sequence[_TraceTask]) -> float | None:
+        ts = [t for t in ts if t.predicted]
+        if len(ts) < _SCALE_SAMPLES:
+            return None
+        ts = sorted(ts, key=lambda t: (t.end - t.start) / t.predicted)  # type: ignore[operator]
+        cut = int(len(ts) * _SCALE_TRIM)
+        kept = ts[cut:len(ts) - cut]
+        predicted = sum(t.predicted or 0.0 for t in kept)
+        return sum(t.end - t.start for t in kept) / predicted if predicted > 0 else None
 
-    modelled = [t for t in tasks if t.predicted]
-    overall = scale(modelled) or 1.0
-    warm = scale([t for t in modelled if t.idle < COLD_IDLE_S])
-    cold = scale([t for t in modelled if t.idle >= COLD_IDLE_S])
-    return warm or overall, cold or overall
+    def warmth(ts: Sequence[_TraceTask]) -> tuple[list[_TraceTask], list[_TraceTask]]:
+        return [t for t in ts if t.idle < COLD_IDLE_S], [t for t in ts if t.idle >= COLD_IDLE_S]
+
+    overall = scale(tasks) or 1.0
+    warm_all, cold_all = warmth(tasks)
+    warm, cold = scale(warm_all), scale(cold_all)
+    per_part = [warmth([t for t in tasks if t.part == p]) for p in range(parts)]
+    measured = [(scale(w), scale(c), len(w) + len(c)) for w, c in per_part]
+    both = [(c / w, n) for w, c, n in measured if w and c]
+    factor = sum(f * n for f, n in both) / sum(n for _, n in both) if both else None
+    part_warm, part_cold = [], []
+    for w, c, _ in measured:
+        if w is None and c is not None:
+            w = c / factor if factor else c
+        if c is None and w is not None:
+            c = w * factor if factor else w
+        part_warm.append(w if w is not None else warm or overall)
+        part_cold.append(c if c is not None else cold or overall)
+    return _Scales(warm or overall, cold or overall, tuple(part_warm), tuple(part_cold))
 
 
 def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: float,

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from _helpers import cli
@@ -137,7 +138,19 @@ def test_cli_sweep_flags_a_point_measured_beside_a_busy_loop(plan, home, two_gro
 
 def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_path, monkeypatch):
     """The flag follows the reading: a kernel that says the hypervisor stole 30 % flags the
-    point (on any machine), one that says nothing else ran leaves it unflagged."""
+    point (on any machine), one that says nothing else ran leaves it unflagged. (The tasks'
+    own timing is read, and held at 1.0 for the flag: on a loaded host a point's tasks can run
+    1.25x the warm-up's, which flags it slowed whatever the kernel says.)"""
+    from staronnx.bench import sweep as sweep_module
+
+    real_ratio = sweep_module.task_time_ratio
+    measured: list[float | None] = []
+
+    def steady_ratio(before: Any, after: Any) -> float:
+        measured.append(real_ratio(before, after))
+        return 1.0
+
+    monkeypatch.setattr(sweep_module, "task_time_ratio", steady_ratio)
     with Runtime(plan, cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
         stolen = Reading(busy=0, idle=70, steal=30)
         monkeypatch.setattr(cpuload, "_read_proc_stat", stolen.read)
@@ -149,7 +162,7 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
         assert row["machine_busy"] is False and row["busy_why"] is None
         assert row["others_cpu_share"] == pytest.approx(0.0)
         # the engine's own check of its tasks against their perf models, per point
-        assert row["task_time_ratio"] is not None and row["task_time_ratio"] > 0
+        assert measured and all(r is not None and r > 0 for r in measured), measured
         assert "calibration_check" in load_results(tmp_path / "b")["settings"]
 
 
@@ -403,9 +416,64 @@ def test_calibrate_times_tasks_after_an_idle_worker_apart(crnn_calibrated, two_g
     assert machine.host is not None
     for costs in machine.host.costs.values():
         assert costs.cold_task_scale is not None and costs.cold_task_scale > 0 and costs.task_scale > 0
+        assert len(costs.part_scales) == len(costs.part_cold_scales) == plan.k
+        assert all(x > 0 for x in costs.part_scales + costs.part_cold_scales)
         if costs.lighter is not None:
             assert (costs.lighter.task_scale, costs.lighter.cold_task_scale) == (costs.task_scale, costs.cold_task_scale)
-    assert f"after the worker idled {COLD_IDLE_S * 1e3:g} ms" in stdout
+            assert (costs.lighter.part_scales, costs.lighter.part_cold_scales) == (costs.part_scales,
+                                                                                   costs.part_cold_scales)
+    assert f"after the worker idled {COLD_IDLE_S * 1e3:g} ms" in stdout and "their models per part" in stdout
+
+
+def _probe_task(part: int, ratio: float, idle: float, start: float = 0.0) -> Any:
+    from staronnx.calibrate import _TraceTask
+
+    return _TraceTask(request=0, part=part, worker=part, start=start, end=start + ratio * 1e-3, predicted=1e-3,
+                      idle=idle)
+
+
+def test_task_scales_are_kept_apart_by_part():
+    """What a light probe sees: every first part cold at x1.0 its model, every second part warm
+    right behind it at x1.25. One warm scale would be the second part's, and a first part
+    running warm at the knee would get it; per part, each keeps its own. A cold effect read
+    within a part (part 1 of the second probe: cold x1.2 its warm) carries to a part seen only
+    warm; one task descheduled for ten times its model does not move its part's scale."""
+    from staronnx.calibrate import _task_scales
+
+    light = [_probe_task(0, 1.0, idle=0.05) for _ in range(20)] + [_probe_task(1, 1.25, idle=1e-5) for _ in range(20)]
+    scales = _task_scales(light, 2)
+    assert scales.part_warm == pytest.approx((1.0, 1.25)) and scales.part_cold == pytest.approx((1.0, 1.25))
+    costs = scales.apply(_costs(1.0, 1e-4, rate=100.0))
+    assert costs.scale_after(0.0, 0) == pytest.approx(1.0) and costs.scale_after(1.0, 1) == pytest.approx(1.25)
+    mixed = ([_probe_task(0, 1.0, idle=1e-5) for _ in range(10)] + [_probe_task(0, 1.2, idle=0.05) for _ in range(10)]
+             + [_probe_task(1, 2.0, idle=1e-5) for _ in range(19)] + [_probe_task(1, 20.0, idle=1e-5)])
+    scales = _task_scales(mixed, 3)
+    assert scales.part_warm[:2] == pytest.approx((1.0, 2.0)) and scales.part_cold[:2] == pytest.approx((1.2, 2.4))
+    assert scales.part_warm[2] == pytest.approx(scales.warm) and scales.part_cold[2] == pytest.approx(scales.cold)
+
+
+def test_a_simulation_and_the_bound_run_each_part_at_its_own_scale(crnn_calibrated, two_groups):
+    """The first part (85 % of the time) twice as slow as its model and the second as its model,
+    then the other way round: the simulated tasks' time over their models follows the part
+    that was scaled, and the LP bound falls further when the larger part is the slow one."""
+    plan, home, _ = crnn_calibrated
+    store = PerfModelStore(home)
+    names = [w.name for w in build_machine(plan, groups=two_groups, store=store, host=False).workers]
+    base = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
+                     rate=400.0)
+
+    def machine(scales: tuple[float, float]) -> Any:
+        costs = replace(base, part_scales=scales, part_cold_scales=scales)
+        return build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: costs}))
+
+    first, second = machine((2.0, 1.0)), machine((1.0, 2.0))
+    kw = dict(rate=100.0, batch_size=1, duration=1.0, spread=0.0, seed=3)
+    ratio_first = simulate(machine=first, **kw).task_time_ratio
+    ratio_second = simulate(machine=second, **kw).task_time_ratio
+    assert ratio_first is not None and ratio_second is not None
+    assert ratio_first == pytest.approx(3.0 - ratio_second, rel=1e-6)  # the shares of the two parts' time
+    assert ratio_first > 1.5 > ratio_second > 1.0, (ratio_first, ratio_second)
+    assert machine_bound(first, 1).throughput < machine_bound(second, 1).throughput
 
 
 def test_cold_and_warm_task_scales_by_the_workers_idle_time():
@@ -415,8 +483,14 @@ def test_cold_and_warm_task_scales_by_the_workers_idle_time():
     assert costs.scale_after(0.0) == costs.scale_after(COLD_IDLE_S / 2) == 1.1
     assert costs.scale_after(COLD_IDLE_S) == costs.scale_after(math.inf) == 1.4
     assert HostCosts.from_dict(json.loads(json.dumps(costs.as_dict()))) == costs
-    old = {k: v for k, v in costs.as_dict().items() if k != "cold_task_scale"}
-    assert HostCosts.from_dict(old).cold_scale == 1.1 and HostCosts.from_dict(old).scale_after(1.0) == 1.1
+    old = {k: v for k, v in costs.as_dict().items() if k not in ("cold_task_scale", "part_scales", "part_cold_scales")}
+    assert HostCosts.from_dict(old).cold_scale == 1.1 and HostCosts.from_dict(old).scale_after(1.0, 0) == 1.1
+    per_part = replace(costs, part_scales=(0.9, 1.3), part_cold_scales=(1.0, 1.5))
+    assert HostCosts.from_dict(json.loads(json.dumps(per_part.as_dict()))) == per_part
+    assert per_part.scale_after(0.0, 1) == 1.3 and per_part.scale_after(1.0, 0) == 1.0
+    assert per_part.scale_after(1.0) == 1.4 and per_part.scale_after(0.0, 5) == 1.1  # overall: no such part
+    with pytest.raises(ValueError, match="part_scales"):
+        HostCosts.from_dict({**per_part.as_dict(), "part_scales": [1.0, "x"]})
 
 
 def test_a_simulation_runs_tasks_on_idle_workers_at_the_cold_scale(crnn_calibrated, two_groups):

@@ -350,7 +350,7 @@ def _lp(machine: SimMachine, sizes: Mapping[str, int], demand_per_model: Mapping
     def solve(host: HostCosts | None) -> Bound:
         task_times = times
         if host is not None:  # each task also costs its worker the engine's gap; a batch its answer
-            task_times = [[x * host.task_scale + host.gap_s
+            task_times = [[x * host.warm_scale(models.owner[p][1]) + host.gap_s
                            + (host.finish_s if host.finish_on_worker and not models.succs[p] else 0.0) for x in row]
                           for p, row in enumerate(times)]
         shares = host is not None and machine.host_shares_cores

@@ -435,8 +435,9 @@ class _Simulation:
         assert task.view is not None and task.view.footprint is not None
         mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
         host = self.fronts[task.request.model].host
-        # a worker idle for a while runs its next task slower (cold core and caches)
-        scale = host.scale_after(self.clock.t - self._last_end.get(info.id, -math.inf)) if host is not None else 1.0
+        # each part at its own scale, slower on a worker idle for a while (cold core and caches)
+        scale = 1.0 if host is None else host.scale_after(self.clock.t - self._last_end.get(info.id, -math.inf),
+                                                          self.models.owner[task.part][1])
         seconds = self._draw(mean * scale, std * scale * self.spread)
         if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
             seconds += price(task.copies, self.m.table.bus.predict)

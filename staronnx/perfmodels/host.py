@@ -86,15 +86,33 @@ class HostCosts:
     #: the tasks' scale after their worker idled :data:`COLD_IDLE_S` or longer (None: as
     #: :attr:`task_scale`, a store written before it was measured)
     cold_task_scale: float | None = None
+    #: per part of the plan (its local index), its tasks' warm and cold scales (empty: a store
+    #: written before they were measured, every part at :attr:`task_scale` /
+    #: :attr:`cold_scale`). Parts differ more than warm and cold do (unet_seg: its first part
+    #: x0.93-0.98 its model, its second x1.19-1.25, warm or cold alike), and at a light load the
+    #: warm tasks are nearly all a second part right behind its first on the same worker: one
+    #: warm scale for every part would be the second part's, given to the first at the knee
+    part_scales: tuple[float, ...] = ()
+    part_cold_scales: tuple[float, ...] = ()
 
     @property
     def cold_scale(self) -> float:
         """The scale of a task that starts on a worker idle for :data:`COLD_IDLE_S` or more."""
         return self.task_scale if self.cold_task_scale is None else self.cold_task_scale
 
-    def scale_after(self, idle_s: float) -> float:
-        """The tasks' scale for one that starts ``idle_s`` after its worker's previous task."""
-        return self.task_scale if idle_s < COLD_IDLE_S else self.cold_scale
+    def scale_after(self, idle_s: float, part: int | None = None) -> float:
+        """The scale of a task of ``part`` (the plan's index; None: the tasks' overall) that
+        starts ``idle_s`` after its worker's previous task."""
+        cold = idle_s >= COLD_IDLE_S
+        scales = self.part_cold_scales if cold else self.part_scales
+        if part is not None and 0 <= part < len(scales):
+            return scales[part]
+        return self.cold_scale if cold else self.task_scale
+
+    def warm_scale(self, part: int | None = None) -> float:
+        """The scale of a task of ``part`` that starts right behind another on its worker (the
+        LP bound's: at the capacity no worker idles)."""
+        return self.scale_after(0.0, part)
 
     @property
     def submit_s(self) -> float:
@@ -137,8 +155,17 @@ class HostCosts:
         values = {k: v for k, v in data.items() if k in known and k != "lighter"}
         if values.get("cold_task_scale") is None:
             values.pop("cold_task_scale", None)
+        for k in _PER_PART:
+            scales = values.get(k) or ()
+            if not isinstance(scales, (list, tuple)):
+                raise ValueError(f"host cost {k} must be a list of numbers (one per part), got {scales!r}")
+            values[k] = tuple(scales)
         for k, v in values.items():
-            if k not in ("batch", "finish_on_worker") and not (isinstance(v, (int, float)) and math.isfinite(v)):
+            if k in _PER_PART:
+                bad = [x for x in v if not (isinstance(x, (int, float)) and math.isfinite(x) and x > 0)]
+                if bad:
+                    raise ValueError(f"host cost {k} must hold positive finite numbers, got {bad[0]!r}")
+            elif k not in ("batch", "finish_on_worker") and not (isinstance(v, (int, float)) and math.isfinite(v)):
                 raise ValueError(f"host cost {k} must be a finite number, got {v!r}")
         lighter = data.get("lighter")
         return cls(**values, lighter=None if lighter is None else cls.from_dict(lighter))
@@ -151,13 +178,21 @@ class HostCosts:
         return f"b={self.batch}: {self._figures()}{at}{light}"
 
     def _figures(self) -> str:
+        def xs(scales: tuple[float, ...], overall: float) -> str:
+            return ", ".join(f"x{x:.3f}" for x in scales) if scales else f"x{overall:.3f}"
+
+        per = " per part" if self.part_scales else ""
         return (f"launch {self.launch_s * 1e6:.0f} us (wake-up {self.wake_s * 1e6:.0f}), "
                 f"same-worker gap {self.gap_s * 1e6:.0f} us, finish {self.finish_s * 1e6:.0f} us, generator lag "
                 f"{self.lag_s * 1e6:.0f} us, host CPU {self.cpu_per_batch_s * 1e6:.0f} us a batch "
-                f"({self.cpu_per_request_s * 1e6:.0f} a request), tasks x{self.task_scale:.3f} their models"
-                + ("" if self.cold_task_scale is None else
-                   f" (x{self.cold_task_scale:.3f} after the worker idled {COLD_IDLE_S * 1e3:g} ms)"))
+                f"({self.cpu_per_request_s * 1e6:.0f} a request), tasks {xs(self.part_scales, self.task_scale)} "
+                f"their models{per}"
+                + ("" if self.cold_task_scale is None and not self.part_cold_scales else
+                   f" ({xs(self.part_cold_scales, self.cold_scale)} after the worker idled {COLD_IDLE_S * 1e3:g} ms)"))
 
+
+#: the per-part figures (tuples, one per part of the plan)
+_PER_PART = ("part_scales", "part_cold_scales")
 
 #: the figures :meth:`HostCosts.at_rate` interpolates between two loads
 _BLENDED = ("launch_s", "wake_s", "gap_s", "finish_s", "cpu_per_batch_s", "cpu_per_request_s", "task_scale")
