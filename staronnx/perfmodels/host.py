@@ -19,7 +19,11 @@ the hypervisor's placement gone cold: unet_seg's first part 1.12x its model afte
 1.0x right after another task), so the probe times them apart: :attr:`HostCosts.task_scale` for
 a task that starts within :data:`COLD_IDLE_S` of its worker's previous one,
 :attr:`HostCosts.cold_task_scale` after a longer idle time. At a low rate nearly every task is
-a cold one, near the capacity nearly none is.
+a cold one, near the capacity nearly none is. Parts differ more than that (unet_seg's second
+part runs x1.2 its model where its first runs x0.95), and at a low rate the warm tasks are
+nearly all later parts right behind the first on its worker, so the scales are kept per part
+(:attr:`HostCosts.part_scales`, :attr:`HostCosts.part_cold_scales`): a first part running
+warm at the knee keeps its own.
 
 So the probe measures each batch size twice, at a light and at a loaded rate, and a simulation
 at rate ``r`` takes the figures of ``r`` on a curve through both (:meth:`HostCosts.at_rate`,
