@@ -272,6 +272,19 @@ HOST_PROBE_LOADED = 0.4
 HOST_PROBE_BATCHES = 20
 
 
+def cold_interval(batch: int, bound: float) -> float:
+    """The time between two batches (seconds) at which a worker is idle for
+    :data:`~staronnx.perfmodels.host.COLD_IDLE_S` before most tasks in the normal course: twice
+    that idle time, plus twice a batch's share of the LP bound (a request's tasks and their
+    hand-overs). Where the light probe's batches come closer (a model of short tasks, whose
+    bound is thousands of requests/s), a task after a long idle is a rare one, after a stall
+    of the machine, and runs slower for that: crnn_ocr's read x1.3-1.7 their models at 500 req/s
+    where every task of a 250 req/s sweep point, all of them cold, ran x1.0."""
+    from staronnx.perfmodels.host import COLD_IDLE_S
+
+    return 2 * COLD_IDLE_S + 2 * batch / bound if bound > 0 else 2 * COLD_IDLE_S
+
+
 def probe_sizes(sizes: Sequence[int]) -> list[int]:
     """The batch sizes the host probe measures: the smallest, the largest and the one nearest
     their geometric middle (the costs of a size between are those of the nearest measured:
@@ -305,8 +318,9 @@ def calibrate_host(
 
     Per batch size (:func:`probe_sizes` of them): two short open-loop runs, at
     :data:`HOST_PROBE_LOAD` and at :data:`HOST_PROBE_LOADED` of the LP bound (the costs fall with
-    the load: :meth:`HostCosts.at_rate`), through
-    the very Server, load generator and runtime a sweep point uses (``workers``: already
+    the load: :meth:`HostCosts.at_rate`), and before them, where the light run's batches come
+    too close for workers to idle between them, a slower one whose tasks give the cold scale
+    (:func:`cold_interval`), through the very Server, load generator and runtime a sweep point uses (``workers``: already
     started ones, else the runtime starts its own), traced. Each batch that ran alone gives its
     launch (formed -> first task), its hand-overs (a task's end -> its successor's start, on
     the same worker or another, idle one), its finish (last task's end -> answered) and its
@@ -344,14 +358,20 @@ def calibrate_host(
             total = LoadWatch()
             for b in sizes:
                 warm_up(runtime, plan, [b], rounds=1, seed=seed)
-                for load, shortest in ((HOST_PROBE_LOAD, 0.3), (HOST_PROBE_LOADED, 1.0)):
-                    rate = load * bounds[b]
+                # light and loaded; first, where the light probe's batches come too close for
+                # a worker to idle, a slower one for the tasks' cold scale alone
+                cold_rate = b / cold_interval(b, bounds[b])
+                loads = [(HOST_PROBE_LOAD * bounds[b], 0.3, "light"), (HOST_PROBE_LOADED * bounds[b], 1.0, "loaded")]
+                if cold_rate < loads[0][0]:
+                    loads.insert(0, (cold_rate, 0.3, "cold"))
+                for rate, shortest, kind in loads:
                     seconds = min(max_seconds, max(shortest, batches * b / rate))
                     say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
                     own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
                     _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
                     host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
-                    runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds, load == HOST_PROBE_LOADED))
+                    runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds, kind == "loaded",
+                                          cold_only=kind == "cold", idles=rate <= cold_rate))
             probe_load = total.stop()
             assert runtime.tracer is not None
             origin = runtime.tracer.origin
@@ -361,7 +381,8 @@ def calibrate_host(
             runtime.close()
     deps = plan.dependencies()
     tasks = {id(run): _run_tasks(run, events, origin) for run in runs}
-    light = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs if not run.loaded}
+    light = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs
+             if not run.loaded and not run.cold_only}
     loaded: dict[int, HostCosts] = {}
     for run in runs:
         if run.loaded and _kept_up(run):
@@ -370,10 +391,7 @@ def calibrate_host(
                 loaded[run.batch] = costs
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
-    # the tasks' warm and cold scales over both loads (what sets them is the worker's idle time
-    # before a task, not the load: the light probe has more cold tasks, the loaded one more warm)
-    scales = {b: _task_scales([t for run in runs if run.batch == b for ts in tasks[id(run)] for t in ts], plan.k)
-              for b in light}
+    scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b], tasks), plan.k) for b in light}
     costs = {b: _two_loads(light[b], loaded.get(b), scales[b]) for b in light}
     model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
@@ -409,6 +427,11 @@ class _ProbeRun:
     rate: float
     seconds: float
     loaded: bool
+    #: a run for the tasks' cold scale alone (its other figures are the light run's)
+    cold_only: bool = False
+    #: whether its batches come far enough apart for workers to idle between them
+    #: (:func:`cold_interval`): its tasks after an idle worker are the normal cold ones
+    idles: bool = False
 
 
 def _kept_up(run: _ProbeRun) -> bool:
@@ -485,6 +508,16 @@ def _run_tasks(run: _ProbeRun, events: Sequence[_TraceTask], origin: float) -> l
         if t0 <= ev.start <= t1:
             by_request.setdefault(ev.request, []).append(ev)
     return sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
+
+
+def _scale_tasks(runs: Sequence[_ProbeRun], tasks: Mapping[int, Sequence[Sequence[_TraceTask]]]) -> list[_TraceTask]:
+    """The tasks one batch size's scales are read from (``tasks``: per run's ``id``, its tasks
+    per request): every load's (what sets a task's scale is its worker's idle time before it,
+    not the load), but a task after an idle worker only from a run whose workers idle in the
+    normal course (:attr:`_ProbeRun.idles`): elsewhere that idle was a stall."""
+    from staronnx.perfmodels.host import COLD_IDLE_S
+
+    return [t for run in runs for ts in tasks[id(run)] for t in ts if run.idles or t.idle < COLD_IDLE_S]
 
 
 #: tasks of one kind (a part, warm or cold) below which its scale comes from the others

@@ -452,6 +452,42 @@ def test_task_scales_are_kept_apart_by_part():
     assert scales.part_warm[2] == pytest.approx(scales.warm) and scales.part_cold[2] == pytest.approx(scales.cold)
 
 
+def test_a_cold_task_counts_only_where_workers_idle_in_the_normal_course():
+    """A run whose batches come 0.5 ms apart sees a task after a 3 ms idle only after a stall
+    (x1.7 here); a run whose batches come far apart sees every first part cold, at x1.0: the
+    cold scale is the second run's alone."""
+    from staronnx.calibrate import _ProbeRun, _scale_tasks, _task_scales
+
+    fast = _ProbeRun(1, None, 0.0, True, 2000.0, 1.0, loaded=False, idles=False)
+    slow = _ProbeRun(1, None, 0.0, True, 100.0, 1.0, loaded=False, cold_only=True, idles=True)
+    tasks = {id(fast): [[_probe_task(0, 1.0, idle=1e-4)] for _ in range(30)]
+             + [[_probe_task(0, 1.7, idle=3e-3)] for _ in range(10)],
+             id(slow): [[_probe_task(0, 1.0, idle=9e-3)] for _ in range(10)]}
+    scales = _task_scales(_scale_tasks([fast, slow], tasks), 1)
+    assert scales.part_cold == pytest.approx((1.0,)) and scales.part_warm == pytest.approx((1.0,))
+    stalled = _task_scales([t for ts in tasks[id(fast)] for t in ts], 1)
+    assert stalled.part_cold[0] == pytest.approx(1.7)  # what the fast run alone would have said
+
+
+def test_calibrate_host_probes_a_model_of_short_tasks_slowly_for_its_cold_scale(crnn_calibrated, two_groups,
+                                                                               tmp_path):
+    """crnn_ocr's light probe offers hundreds of requests/s, too close for a worker to idle:
+    the probe runs a slower load first, at the batches' :func:`cold_interval`."""
+    import shutil
+
+    from staronnx.calibrate import calibrate_host, cold_interval
+
+    plan, home, _ = crnn_calibrated
+    shutil.copytree(home, tmp_path / "home")
+    store = PerfModelStore(tmp_path / "home")
+    bound = machine_bound(build_machine(plan, groups=two_groups, store=store, host=False), 1, host_costs=False)
+    steps: list[str] = []
+    calibrate_host(plan, [1], groups=two_groups, store=store, on_step=steps.append)
+    rates = [float(m.split(" at ")[1].split(" req/s")[0]) for m in steps if m.startswith("host costs: batch 1 at")]
+    assert len(rates) == 3 and rates[0] < rates[1] < rates[2], steps
+    assert rates[0] == pytest.approx(1 / cold_interval(1, bound.throughput), abs=1.0)
+
+
 def test_a_simulation_and_the_bound_run_each_part_at_its_own_scale(crnn_calibrated, two_groups):
     """The first part (85 % of the time) twice as slow as its model and the second as its model,
     then the other way round: the simulated tasks' time over their models follows the part
