@@ -551,8 +551,9 @@ def _task_scales(tasks: Sequence[_TraceTask], parts: int) -> _Scales:
     the first on the same worker, and a cold one a first part; one scale per warmth would give
     the first part, at the knee where it runs warm, the later part's scale (unet_seg at batch
     4: warm x1.17-1.28, the later part's, for a first part that runs x0.92-0.97 either way).
-    The cold effect is read within each part (the mean of the parts' cold / warm, weighted by
-    their tasks), so a part seen only cold or only warm takes the other warmth from it. Every
+    A part seen only cold or only warm runs alike either way: another part's cold / warm is
+    no guide (googlenet's second part ran x0.96 its warm scale on an idle worker, where its
+    first part, only ever seen cold by the probe, ran x0.96-1.0 back to back at the knee). Every
     task counts, alone or not: at load, tasks on other cores share the memory bus and caches,
     and that is what serving costs; each kind's scale is a mean with :data:`_SCALE_TRIM` of
     its tasks left out at either end. A part with too few tasks of either kind takes the
@@ -575,18 +576,11 @@ def _task_scales(tasks: Sequence[_TraceTask], parts: int) -> _Scales:
     overall = scale(tasks) or 1.0
     warm_all, cold_all = warmth(tasks)
     warm, cold = scale(warm_all), scale(cold_all)
-    per_part = [warmth([t for t in tasks if t.part == p]) for p in range(parts)]
-    measured = [(scale(w), scale(c), len(w) + len(c)) for w, c in per_part]
-    both = [(c / w, n) for w, c, n in measured if w and c]
-    factor = sum(f * n for f, n in both) / sum(n for _, n in both) if both else None
     part_warm, part_cold = [], []
-    for w, c, _ in measured:
-        if w is None and c is not None:
-            w = c / factor if factor else c
-        if c is None and w is not None:
-            c = w * factor if factor else w
-        part_warm.append(w if w is not None else warm or overall)
-        part_cold.append(c if c is not None else cold or overall)
+    for p in range(parts):
+        w, c = (scale(ts) for ts in warmth([t for t in tasks if t.part == p]))
+        part_warm.append(w or c or warm or overall)
+        part_cold.append(c or w or cold or overall)
     return _Scales(warm or overall, cold or overall, tuple(part_warm), tuple(part_cold))
 
 
