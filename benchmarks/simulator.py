@@ -54,7 +54,7 @@ from staronnx.bench.fidelity import KNEE, TARGET, fidelity_summary, simulate_row
 from staronnx.bench.machine import build_machine  # noqa: E402
 from staronnx.bench.results import load_results  # noqa: E402
 from staronnx.bench.sweep import auto_rates, sweep  # noqa: E402
-from staronnx.calibrate import calibrate, calibrate_host, start_workers  # noqa: E402
+from staronnx.calibrate import calibrate, calibrate_host, speed_moved, start_workers  # noqa: E402
 from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates  # noqa: E402
 from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
@@ -230,6 +230,8 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
         print(f"host costs {costs.describe()}")
     if (host.probe_machine or {}).get("busy"):
         print(f"warning: host costs {host.probe_machine['why']}")
+    if (moved := speed_moved(host)) is not None:
+        print(f"warning: {moved}")
     if args.rates == "auto":
         auto = auto_rates(plan, sizes, policy=args.policy, groups=args.groups, store=store)
         rates = auto.rates

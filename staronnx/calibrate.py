@@ -510,6 +510,25 @@ def _run_tasks(run: _ProbeRun, events: Sequence[_TraceTask], origin: float) -> l
     return sorted(by_request.values(), key=lambda ts: min(t.start for t in ts))
 
 
+def speed_moved(model: HostModel) -> str | None:
+    """Why the host probe's tasks say the machine's speed moved since the perf models were
+    calibrated (seconds before, on the same workers), or None: a batch size whose tasks ran
+    warm at :data:`~staronnx.bench.sweep.DRIFT` or more off their models, overall (a small
+    part's own scale can sit at x1.3 for good: its model leaves out what serving adds to it).
+    On a VM the host can slow or speed the guest by a third within a minute (googlenet's
+    probe once read x0.62): every prediction from those models is off by as much."""
+    from staronnx.bench.sweep import DRIFT
+
+    off = {b: c.task_scale for b, c in sorted(model.costs.items()) if not 1 / DRIFT <= c.task_scale <= DRIFT}
+    if not off:
+        return None
+    said = ", ".join(f"x{x:.2f} at batch {b}" for b, x in off.items())
+    how = "faster" if all(x < 1 for x in off.values()) else "slower" if all(x > 1 for x in off.values()) else "off"
+    return (f"the host probe's tasks ran {said} their perf models ({how}) seconds after those were calibrated: "
+            "the machine's speed moved meanwhile, and the simulator and the LP bound inherit it (calibrate again "
+            "with --replace when the machine is steady)")
+
+
 def _scale_tasks(runs: Sequence[_ProbeRun], tasks: Mapping[int, Sequence[Sequence[_TraceTask]]]) -> list[_TraceTask]:
     """The tasks one batch size's scales are read from (``tasks``: per run's ``id``, its tasks
     per request): every load's (what sets a task's scale is its worker's idle time before it,

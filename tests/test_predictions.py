@@ -488,6 +488,33 @@ def test_calibrate_host_probes_a_model_of_short_tasks_slowly_for_its_cold_scale(
     assert rates[0] == pytest.approx(1 / cold_interval(1, bound.throughput), abs=1.0)
 
 
+def test_calibrate_warns_when_the_probe_finds_the_machine_at_another_speed(crnn_calibrated, two_groups, tmp_path,
+                                                                          capsys, monkeypatch):
+    """Through ``calibrate``: the host probe's tasks ran x0.6 their perf models (a VM the host
+    sped up between the two; the reading is injected, a machine's speed cannot be set) -> a
+    warning naming the ratio and the batch size; at x1.05, none."""
+    import shutil
+
+    import staronnx.calibrate as calibrate_module
+
+    plan, home, _ = crnn_calibrated
+    shutil.copytree(home, tmp_path / "home")
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("COLUMNS", "300")
+
+    def at(x: float) -> Any:
+        return lambda tasks, parts: calibrate_module._Scales(x, x, (x,) * parts, (x,) * parts)
+
+    args = ("calibrate", plan.root, "--groups", two_groups, "--batch-sizes", "1", "--max-runs", "40")
+    monkeypatch.setattr(calibrate_module, "_task_scales", at(0.6))
+    code, stdout, stderr = cli(capsys, *args)
+    assert code == 0, stderr + stdout
+    assert "warning:" in stdout and "x0.60 at batch 1 their perf models (faster)" in stdout, stdout
+    monkeypatch.setattr(calibrate_module, "_task_scales", at(1.05))
+    code, stdout, stderr = cli(capsys, *args)
+    assert code == 0 and "their perf models (" not in stdout, stdout
+
+
 def test_a_simulation_and_the_bound_run_each_part_at_its_own_scale(crnn_calibrated, two_groups):
     """The first part (85 % of the time) twice as slow as its model and the second as its model,
     then the other way round: the simulated tasks' time over their models follows the part

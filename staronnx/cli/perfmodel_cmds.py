@@ -113,7 +113,7 @@ def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_str
                   cuda_devices: tuple[int, ...], store, workers, seed: int) -> None:
     """The host-cost probe (:func:`staronnx.calibrate.calibrate_host`) on the calibration's
     workers, with what it found; a failure is one line (the perf models are kept anyway)."""
-    from staronnx.calibrate import calibrate_host
+    from staronnx.calibrate import calibrate_host, speed_moved
 
     try:
         with console.status("measuring the host's own work per batch") as status:
@@ -128,6 +128,9 @@ def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_str
         if costs.lighter is None:
             console.print(f"host costs: batch {b}: the loaded probe fell behind (the machine could not serve its "
                           "rate); the light probe's figures stand for every rate", highlight=False, soft_wrap=True)
+    moved = speed_moved(model)
+    if moved:
+        console.print(f"[yellow]warning:[/] {escape(moved)}", soft_wrap=True, highlight=False)
     load = model.probe_machine or {}
     if load.get("busy"):
         console.print(f"[yellow]warning:[/] host costs {escape(str(load.get('why')))}", soft_wrap=True,
