@@ -16,6 +16,10 @@ without the host's costs, the median and max |error| of throughput (every point)
 papers' latency (steady points: neither side congested), the share of points whose congestion
 is called alike, the LP bound over the measured capacity per batch size (the most the sweep
 served at that size), and how many points were flagged busy and left out of the errors.
+Two more rows are diagnostics, not predictions: "speed track." replays each point at the
+tasks' speed the points before it measured, "own speed" at the speed it measured itself; on a
+VM whose speed moves by tens of per cent within minutes they say how much of an error is the
+machine's drift and how much the model's (queueing and the host's costs).
 Goals (issue 40), on a quiet machine: papers' latency median |error| <= 3 %, max <= 15 %;
 congestion called alike on >= 95 % of points; bound / capacity within 1.0-1.1.
 
@@ -137,12 +141,14 @@ def scaled_host(host: HostModel, factor: float) -> HostModel:
 
 
 def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
-                        policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
+                        policy: str, duration_warmup: float, seed: int = 0, own: bool = False) -> list[dict[str, Any]]:
     """The rows again, simulated at the tasks' speed the sweep measured at the points before
     each (same batch size, not busy): the host costs' task scales times the median of those
     points' live ``task_time_ratio`` over their twin's ``sim_task_time_ratio`` (1 for a batch
     size's first point). A diagnostic, not a prediction (a what-if has no points before it):
-    what is left is the simulator's error once the machine's drift since calibration is out."""
+    what is left is the simulator's error once the machine's drift since calibration is out.
+    ``own``: at the speed the point itself measured instead (the machine's speed during the
+    point known: what is left is the queueing and the host's costs)."""
     import statistics
 
     base = build_machine(plan, groups=groups, store=store)
@@ -151,8 +157,8 @@ def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, 
         if "sim_throughput" not in r or r.get("state") == "failed" or base.host is None:
             out.append(dict(r))
             continue
-        drifts = [e["task_time_ratio"] / e["sim_task_time_ratio"] for e in rows[:i]
-                  if e["batch_size"] == r["batch_size"] and not e.get("machine_busy")
+        drifts = [e["task_time_ratio"] / e["sim_task_time_ratio"] for e in ([r] if own else rows[:i])
+                  if e["batch_size"] == r["batch_size"] and (own or not e.get("machine_busy"))
                   and e.get("task_time_ratio") and e.get("sim_task_time_ratio")]
         drift = statistics.median(drifts) if drifts else 1.0
         machine = base if drift == 1.0 else replace(base, host=scaled_host(base.host, drift))
@@ -249,14 +255,18 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
                                      duration_warmup=warmup)
     tracked = resimulate_tracking(plan, rows, groups=args.groups, store=store, policy=args.policy,
                                   duration_warmup=warmup)
+    own = resimulate_tracking(plan, rows, groups=args.groups, store=store, policy=args.policy,
+                              duration_warmup=warmup, own=True)
     print_points(rows, before, tracked)
     after_f, before_f, tracked_f = fidelity_summary(rows), fidelity_summary(before), fidelity_summary(tracked)
+    own_f = fidelity_summary(own)
     # the same, busy points counted too (what the errors would say if nobody looked)
     every_after = fidelity_summary([{**r, "machine_busy": False} for r in rows])
     every_before = fidelity_summary([{**r, "machine_busy": False} for r in before])
     ratios = capacity_ratio(rows, doc["bounds"])
     for tag, f in (("with host costs", after_f), ("tasks alone (before)", before_f),
                    ("with host costs, tasks at the speed of the points before (diagnostic)", tracked_f),
+                   ("with host costs, tasks at the speed the point itself measured (diagnostic)", own_f),
                    ("with host costs, busy points too", every_after), ("tasks alone, busy points too", every_before)):
         print(f"simulator {tag}:")
         for key, label in (("throughput", "throughput, every point"), ("latency_p50", "p50 latency, steady points"),
@@ -294,7 +304,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     for note in doc["notes"]:
         print(f"note: {note}")
     return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
-            "before": summary_line(before_f), "tracked": summary_line(tracked_f),
+            "before": summary_line(before_f), "tracked": summary_line(tracked_f), "own": summary_line(own_f),
             "after_all": summary_line(every_after),
             "before_all": summary_line(every_before),
             "bound_over_capacity": {b: bound / served for b, (bound, served) in ratios.items()},
@@ -310,10 +320,11 @@ def print_closing(results: list[dict[str, Any]]) -> None:
 
     print(f"\n{'model':<12} {'simulator':<12} | {'thr med/max':>13} | {'p50 med/max':>13} | {'paper med/max':>13} | "
           f"{'<knee med/max':>13} | {'cong.':>5} | {'bound/cap':>12} | busy")
-    names = {"before": "tasks alone", "after": "host costs", "tracked": "speed track.", "before_all": "tasks alone*",
+    names = {"before": "tasks alone", "after": "host costs", "tracked": "speed track.", "own": "own speed",
+             "before_all": "tasks alone*",
              "after_all": "host costs*"}
     for res in results:
-        for tag in ("before", "after", "tracked", "before_all", "after_all"):
+        for tag in ("before", "after", "tracked", "own", "before_all", "after_all"):
             s = res[tag]
             ratio = res["bound_over_capacity_before" if tag.startswith("before") else "bound_over_capacity"]
             print(f"{res['model']:<12} {names[tag]:<12} | "
@@ -325,7 +336,8 @@ def print_closing(results: list[dict[str, Any]]) -> None:
                   f"{res['busy_points']}/{res['rows']}")
     print("*: busy points counted too (the others leave them out); <knee: steady points offered under "
           f"{KNEE:.0%} of the LP bound; speed track.: a diagnostic, the tasks at the speed the points before "
-          "measured (the machine's drift since calibration taken out)")
+          "measured (the machine's drift since calibration taken out); own speed: a diagnostic, each point at the "
+          "tasks' speed it measured itself (what is left: queueing and the host's costs)")
     print(f"goals (quiet machine): papers' latency median <= {GOALS['paper_median']:.0%}, max <= "
           f"{GOALS['paper_max']:.0%}; congestion alike >= {GOALS['congestion']:.0%}; bound/capacity "
           f"{GOALS['bound'][0]}-{GOALS['bound'][1]}")
