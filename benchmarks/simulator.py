@@ -113,20 +113,27 @@ def competing_load(on: bool, cpu: int | None) -> Iterator[None]:
         proc.wait()
 
 
-def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
-                            policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
-    """The rows again, their ``sim_*``/``err_*`` fields from the simulator without the host's
-    costs (the tasks alone: the simulator before issue 40)."""
-    machine = build_machine(plan, groups=groups, store=store, host=False)
+def resimulate(machine: Any, rows: list[dict[str, Any]], *, policy: str, duration_warmup: float, seed: int = 0,
+               host_costs: bool = True) -> list[dict[str, Any]]:
+    """The rows again, their ``sim_*``/``err_*`` fields from a simulation on ``machine`` (a
+    failed or unsimulated row as it was)."""
     out = []
     for r in rows:
         if "sim_throughput" not in r or r.get("state") == "failed":
             out.append(dict(r))
             continue
         sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
-                           queue_capacity=1024, warmup=duration_warmup, host_costs=False)
+                           queue_capacity=1024, warmup=duration_warmup, host_costs=host_costs)
         out.append({**r, **sim})
     return out
+
+
+def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
+                            policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
+    """The rows again, from the simulator without the host's costs (the tasks alone: the
+    simulator before issue 40)."""
+    return resimulate(build_machine(plan, groups=groups, store=store, host=False), rows, policy=policy,
+                      duration_warmup=duration_warmup, seed=seed, host_costs=False)
 
 
 def scaled_host(host: HostModel, factor: float) -> HostModel:
@@ -189,15 +196,7 @@ def resimulate_pooled(plan: Plan, rows: list[dict[str, Any]], *, groups: str, st
     machine = pooled_machine(plan, groups=groups, store=store)
     if machine.host is None:
         return [dict(r) for r in rows]
-    out = []
-    for r in rows:
-        if "sim_throughput" not in r or r.get("state") == "failed":
-            out.append(dict(r))
-            continue
-        sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
-                           queue_capacity=1024, warmup=duration_warmup)
-        out.append({**r, **sim})
-    return out
+    return resimulate(machine, rows, policy=policy, duration_warmup=duration_warmup, seed=seed)
 
 
 def capacity_ratio(rows: Sequence[Mapping[str, Any]], bounds: Mapping[str, Any]) -> dict[int, tuple[float, float]]:

@@ -166,6 +166,18 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
         assert "calibration_check" in load_results(tmp_path / "b")["settings"]
 
 
+def test_the_sweep_table_names_both_reasons_when_a_point_was_busy_and_slowed():
+    """A busy loop beside a worker shows in /proc and slows its tasks: the table says both (on
+    a loaded CI host the busy-loop test below reads both)."""
+    from staronnx.cli.sweep_cmds import _busy_cell
+
+    both = {"machine_busy": True, "others_cpu_share": 0.3, "steal_share": 0.0, "machine_slowed": 1.5}
+    assert _busy_cell(both) == "busy (others 30%), slowed (tasks x1.50)"
+    assert _busy_cell({**both, "others_cpu_share": 0.0}) == "slowed (tasks x1.50)"
+    assert _busy_cell({**both, "machine_slowed": None}) == "busy (others 30%)"
+    assert _busy_cell({**both, "machine_busy": False}) == ""
+
+
 def test_cli_sweep_flags_a_point_whose_tasks_ran_slower_than_the_points_before(plan, home, two_groups, capsys,
                                                                               tmp_path, monkeypatch):
     """Through ``sweep``: the kernel says nothing else ran (a VM whose host takes the CPUs

@@ -165,14 +165,19 @@ def _state_markup(row: dict[str, Any]) -> str:
 
 def _busy_cell(row: dict[str, Any]) -> str:
     """``busy (others 47%)`` for a point measured beside other work, ``slowed (tasks x1.71)`` for
-    one whose tasks ran that much slower than at the points before it, else empty."""
+    one whose tasks ran that much slower than at the points before it, both where both held
+    (a busy loop beside a worker does both), else empty."""
+    from staronnx.bench.cpuload import BUSY_SHARE
     from staronnx.bench.sweep import others_share
 
     if not row.get("machine_busy"):
         return ""
+    said = []
+    if others_share(row) > BUSY_SHARE or not row.get("machine_slowed"):
+        said.append(f"busy (others {others_share(row):.0%})")
     if row.get("machine_slowed"):
-        return f"slowed (tasks x{row['machine_slowed']:.2f})"
-    return f"busy (others {others_share(row):.0%})"
+        said.append(f"slowed (tasks x{row['machine_slowed']:.2f})")
+    return ", ".join(said)
 
 
 def _print_point_notes(rows: list[dict[str, Any]]) -> None:
