@@ -527,28 +527,42 @@ def test_calibrate_warns_when_the_probe_finds_the_machine_at_another_speed(crnn_
     assert code == 0 and "their perf models (" not in stdout, stdout
 
 
+def _part_scaled(plan: Any, store: PerfModelStore, groups: str, scales: tuple[float, float]) -> Any:
+    """A simulated machine whose host costs are nothing but these per-part task scales."""
+    names = [w.name for w in build_machine(plan, groups=groups, store=store, host=False).workers]
+    costs = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
+                      rate=400.0, part_scales=scales, part_cold_scales=scales)
+    return build_machine(plan, groups=groups, store=store, host=HostModel(names, 0, {1: costs}))
+
+
+def _part0_share(plan: Any, store: PerfModelStore, groups: str) -> float:
+    """The first part's share of a request's modelled task time, read off a simulation that runs
+    it twice as slow as its model (its calibrated means, whatever the shares asked for: on a
+    loaded host crnn_ocr's second part once calibrated at 94 % of the time)."""
+    ratio = simulate(machine=_part_scaled(plan, store, groups, (2.0, 1.0)), rate=20.0, batch_size=1, duration=1.0,
+                     spread=0.0, seed=3).task_time_ratio
+    assert ratio is not None
+    return ratio - 1.0
+
+
 def test_a_simulation_and_the_bound_run_each_part_at_its_own_scale(crnn_calibrated, two_groups):
-    """The first part (85 % of the time) twice as slow as its model and the second as its model,
-    then the other way round: the simulated tasks' time over their models follows the part
-    that was scaled, and the LP bound falls further when the larger part is the slow one."""
+    """One part twice as slow as its model and the other as its model, then the other way round:
+    the simulated tasks' time over their models is 1 + the slow part's share of the time each
+    way (the two add up to 3; one scale for both would read 1 and 1), three times as slow reads
+    twice the excess, and the LP bound falls further when the larger part is the slow one."""
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
-    names = [w.name for w in build_machine(plan, groups=two_groups, store=store, host=False).workers]
-    base = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
-                     rate=400.0)
-
-    def machine(scales: tuple[float, float]) -> Any:
-        costs = replace(base, part_scales=scales, part_cold_scales=scales)
-        return build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: costs}))
-
-    first, second = machine((2.0, 1.0)), machine((1.0, 2.0))
+    first, second = (_part_scaled(plan, store, two_groups, s) for s in ((2.0, 1.0), (1.0, 2.0)))
     kw = dict(rate=100.0, batch_size=1, duration=1.0, spread=0.0, seed=3)
     ratio_first = simulate(machine=first, **kw).task_time_ratio
     ratio_second = simulate(machine=second, **kw).task_time_ratio
-    assert ratio_first is not None and ratio_second is not None
-    assert ratio_first == pytest.approx(3.0 - ratio_second, rel=1e-6)  # the shares of the two parts' time
-    assert ratio_first > 1.5 > ratio_second > 1.0, (ratio_first, ratio_second)
-    assert machine_bound(first, 1).throughput < machine_bound(second, 1).throughput
+    third = simulate(machine=_part_scaled(plan, store, two_groups, (3.0, 1.0)), **kw).task_time_ratio
+    assert ratio_first is not None and ratio_second is not None and third is not None
+    assert ratio_first + ratio_second == pytest.approx(3.0, rel=1e-6), (ratio_first, ratio_second)
+    share = ratio_first - 1.0
+    assert 0.0 < share < 1.0 and third == pytest.approx(1.0 + 2 * share, rel=1e-6)
+    if abs(share - 0.5) > 0.05:
+        assert (machine_bound(first, 1).throughput < machine_bound(second, 1).throughput) == (share > 0.5)
 
 
 def test_cold_and_warm_task_scales_by_the_workers_idle_time():
@@ -588,9 +602,10 @@ def test_a_simulation_runs_tasks_on_idle_workers_at_the_cold_scale(crnn_calibrat
     burst = [0.0] * 200  # every request at once: each worker's tasks follow each other
     backlog = (simulate(machine=cooling, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"]
                / simulate(machine=hot, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"])
-    # light: the first part (most of a request's time) always cold, the second cold or warm
-    # after it on the same worker
-    assert backlog < 1.1 and light > 1.25 and light - backlog > 0.2, (light, backlog)
+    # light: the first part always cold, the second cold or warm after it on the same worker:
+    # about 1 + the first part's share of the time at least (less what the copies add)
+    share = _part0_share(plan, store, two_groups)
+    assert backlog < 1.1 and light >= 1.0 + 0.8 * share and light > backlog + share / 4, (light, backlog, share)
     assert machine_bound(cooling, 1).throughput == pytest.approx(machine_bound(hot, 1).throughput)
 
 
