@@ -320,8 +320,8 @@ def calibrate_host(
     :data:`HOST_PROBE_LOAD` and at :data:`HOST_PROBE_LOADED` of the LP bound (the costs fall with
     the load: :meth:`HostCosts.at_rate`), and before them, where the light run's batches come
     too close for workers to idle between them, a slower one whose tasks give the cold scale
-    (:func:`cold_interval`), through the very Server, load generator and runtime a sweep point uses (``workers``: already
-    started ones, else the runtime starts its own), traced. Each batch that ran alone gives its
+    (:func:`cold_interval`), through the very Server, load generator and runtime a sweep point
+    uses (``workers``: already started ones, else the runtime starts its own), traced. Each batch that ran alone gives its
     launch (formed -> first task), its hand-overs (a task's end -> its successor's start, on
     the same worker or another, idle one), its finish (last task's end -> answered) and its
     tasks' time against their models; the generator reports its lag; the process's CPU time
@@ -571,8 +571,8 @@ def _task_scales(tasks: Sequence[_TraceTask], parts: int) -> _Scales:
     the first part, at the knee where it runs warm, the later part's scale (unet_seg at batch
     4: warm x1.17-1.28, the later part's, for a first part that runs x0.92-0.97 either way).
     A part seen only cold or only warm runs alike either way: another part's cold / warm is
-    no guide (googlenet's second part ran x0.96 its warm scale on an idle worker, where its
-    first part, only ever seen cold by the probe, ran x0.96-1.0 back to back at the knee). Every
+    no guide (googlenet's first part, seen only cold by the probe, took x1.04 warm from its
+    second part's cold / warm, and ran x0.96-1.0 back to back at the knee). Every
     task counts, alone or not: at load, tasks on other cores share the memory bus and caches,
     and that is what serving costs; each kind's scale is a mean with :data:`_SCALE_TRIM` of
     its tasks left out at either end. A part with too few tasks of either kind takes the
