@@ -318,15 +318,15 @@ def calibrate_host(
 
     Per batch size (:func:`probe_sizes` of them): two short open-loop runs, at
     :data:`HOST_PROBE_LOAD` and at :data:`HOST_PROBE_LOADED` of the LP bound (the costs fall with
-    the load: :meth:`HostCosts.at_rate`), and before them, where the light run's batches come
-    too close for workers to idle between them, a slower one whose tasks give the cold scale
+    the load: :meth:`HostCosts.at_rate`), and before them, where the light run's batches come too
+    close for workers to idle between them, a slower one whose tasks give the cold scale
     (:func:`cold_interval`), through the very Server, load generator and runtime a sweep point
-    uses (``workers``: already started ones, else the runtime starts its own), traced. Each
-    batch that ran alone gives its launch (formed -> first task), its hand-overs (a task's end
-    -> its successor's start, on the same worker or another, idle one), its finish (last
-    task's end -> answered) and its tasks' time against their models; the generator reports its lag; the process's CPU time
-    less the CPU workers' task time is the host's CPU. The machine's load meanwhile
-    (:mod:`staronnx.bench.cpuload`) is kept with them, and ``calibration_machine`` (the
+    uses (``workers``: already started ones, else the runtime starts its own), traced. Each batch
+    that ran alone gives its launch (formed -> first task), its hand-overs (a task's end -> its
+    successor's start, on the same worker or another, idle one), its finish (last task's end ->
+    answered) and its tasks' time against their models; the generator reports its lag; the
+    process's CPU time less the CPU workers' task time is the host's CPU. The machine's load
+    meanwhile (:mod:`staronnx.bench.cpuload`) is kept with them, and ``calibration_machine`` (the
     calibration's, :attr:`CalibrationReport.machine`).
     """
     import tempfile
