@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 from dataclasses import replace
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,15 +136,21 @@ def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: s
                       duration_warmup=duration_warmup, seed=seed, host_costs=False)
 
 
-def scaled_host(host: HostModel, factor: float) -> HostModel:
-    """``host`` with every task scale (warm and cold, both loads) times ``factor``."""
-    def scale(c: HostCosts) -> HostCosts:
-        return replace(c, task_scale=c.task_scale * factor, cold_task_scale=c.cold_scale * factor,
-                       part_scales=tuple(x * factor for x in c.part_scales),
-                       part_cold_scales=tuple(x * factor for x in c.part_cold_scales),
-                       lighter=None if c.lighter is None else scale(c.lighter))
+def each_load(host: HostModel, change: Callable[[HostCosts], HostCosts]) -> HostModel:
+    """``host`` with ``change`` applied to every batch size's costs, the loaded and the lighter
+    figures alike."""
+    def both(c: HostCosts) -> HostCosts:
+        return replace(change(c), lighter=None if c.lighter is None else both(c.lighter))
 
-    return replace(host, costs={b: scale(c) for b, c in host.costs.items()})
+    return replace(host, costs={b: both(c) for b, c in host.costs.items()})
+
+
+def scaled_host(host: HostModel, factor: float) -> HostModel:
+    """``host`` with every task scale (warm and cold, per part, both loads) times ``factor``."""
+    return each_load(host, lambda c: replace(
+        c, task_scale=c.task_scale * factor, cold_task_scale=c.cold_scale * factor,
+        part_scales=tuple(x * factor for x in c.part_scales),
+        part_cold_scales=tuple(x * factor for x in c.part_cold_scales)))
 
 
 def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
@@ -169,22 +175,18 @@ def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, 
                   and e.get("task_time_ratio") and e.get("sim_task_time_ratio")]
         drift = statistics.median(drifts) if drifts else 1.0
         machine = base if drift == 1.0 else replace(base, host=scaled_host(base.host, drift))
-        sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
-                           queue_capacity=1024, warmup=duration_warmup)
-        out.append({**r, **sim, "drift": drift})
+        (again,) = resimulate(machine, [r], policy=policy, duration_warmup=duration_warmup, seed=seed)
+        out.append({**again, "drift": drift})
     return out
 
 
 def pooled_machine(plan: Plan, *, groups: str, store: PerfModelStore) -> Any:
     """The simulated machine with the host costs' per-part task scales dropped (every part at
     the pooled warm / cold scale)."""
-    def pooled(c: HostCosts) -> HostCosts:
-        return replace(c, part_scales=(), part_cold_scales=(), lighter=None if c.lighter is None else pooled(c.lighter))
-
     base = build_machine(plan, groups=groups, store=store)
     if base.host is None:
         return base
-    return replace(base, host=replace(base.host, costs={b: pooled(c) for b, c in base.host.costs.items()}))
+    return replace(base, host=each_load(base.host, lambda c: replace(c, part_scales=(), part_cold_scales=())))
 
 
 def resimulate_pooled(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
