@@ -527,12 +527,18 @@ def test_calibrate_warns_when_the_probe_finds_the_machine_at_another_speed(crnn_
     assert code == 0 and "their perf models (" not in stdout, stdout
 
 
-def _part_scaled(plan: Any, store: PerfModelStore, groups: str, scales: tuple[float, float]) -> Any:
-    """A simulated machine whose host costs are nothing but these per-part task scales."""
+def _scales_only(plan: Any, store: PerfModelStore, groups: str, **scales: Any) -> Any:
+    """A simulated machine whose host costs at batch 1 are nothing but these task scales (so a
+    latency is its tasks' time)."""
     names = [w.name for w in build_machine(plan, groups=groups, store=store, host=False).workers]
     costs = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
-                      rate=400.0, part_scales=scales, part_cold_scales=scales)
+                      rate=400.0, **scales)
     return build_machine(plan, groups=groups, store=store, host=HostModel(names, 0, {1: costs}))
+
+
+def _part_scaled(plan: Any, store: PerfModelStore, groups: str, scales: tuple[float, float]) -> Any:
+    """A simulated machine whose host costs are nothing but these per-part task scales."""
+    return _scales_only(plan, store, groups, part_scales=scales, part_cold_scales=scales)
 
 
 def _part0_share(plan: Any, store: PerfModelStore, groups: str) -> float:
@@ -590,12 +596,8 @@ def test_a_simulation_runs_tasks_on_idle_workers_at_the_cold_scale(crnn_calibrat
     capacity: workers never idle) reads the warm scale."""
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
-    names = [w.name for w in build_machine(plan, groups=two_groups, store=store, host=False).workers]
-    warm_only = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
-                          rate=400.0)
-    cold = replace(warm_only, cold_task_scale=2.0)
-    hot = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: warm_only}))
-    cooling = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: cold}))
+    hot = _scales_only(plan, store, two_groups)
+    cooling = _scales_only(plan, store, two_groups, cold_task_scale=2.0)
     kw = dict(batch_size=1, spread=0.0, seed=3)
     light = (simulate(machine=cooling, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"]
              / simulate(machine=hot, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"])
