@@ -49,8 +49,15 @@ def calibrated(real_plan):
     def get(name: str, capsys) -> Plan:
         if name not in done:
             plan = real_plan(name)
-            code, out, err = cli(capsys, "calibrate", plan.root, "--batch-sizes", "1,2", "--groups", PU)
-            assert code == 0, out + err
+            # on a loaded host the outlier rule can leave an entry short of its samples within
+            # the cap (then the sweep has no simulation and no bound): calibrate again, the
+            # store keeps what the first run learnt
+            for _ in range(3):
+                code, out, err = cli(capsys, "calibrate", plan.root, "--batch-sizes", "1,2", "--groups", PU)
+                assert code == 0, out + err
+                if "not calibrated (" not in out:
+                    break
+            assert "not calibrated (" not in out, out
             done[name] = plan
         return done[name]
 
@@ -103,7 +110,7 @@ def test_sweep_simulate_optimize_on_each_kind(name, calibrated, tmp_path, capsys
     assert [r["batch_size"] for r in doc["rows"]] == sizes and doc["settings"]["batch_sizes"] == sizes
     for r in doc["rows"]:
         assert r["state"] != "failed" and r["failed"] == 0 and r["completed"] > 0, r
-        assert r["sim_throughput"] is not None and r["bound_throughput"] is not None, (r, doc["notes"])
+        assert r.get("sim_throughput") is not None and r.get("bound_throughput") is not None, (r, doc["notes"])
     assert sorted(doc["bounds"]) == [str(b) for b in sizes]
     assert (said in stdout) is one_per_task and (said in " ".join(doc["notes"])) is one_per_task, stdout
 
