@@ -412,10 +412,7 @@ def calibrate_host(
                 knees[run.batch] = costs
     for figures in (light, loaded, knees):
         _fit_cpu_per_request(figures)
-    # the run near the capacity is for the host's CPU alone: its tasks' wall time holds the
-    # host's threads preempting them, which the simulator takes from the cores already
-    scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b and not run.knee], tasks), plan.k)
-              for b in light}
+    scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b], tasks), plan.k) for b in light}
     costs = {b: _two_loads(light[b], loaded.get(b), scales[b], knees.get(b)) for b in light}
     model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
