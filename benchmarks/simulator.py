@@ -43,7 +43,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -180,38 +180,22 @@ def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, 
     return out
 
 
-@dataclass(frozen=True)
-class Variant:
-    """An A/B row: the host costs with one of issue 40's changes taken out, replayed on the same
-    live points and calibration (the machine's drift the same on both sides)."""
-
-    tag: str
-    label: str  # the closing table's name
-    says: str  # what was taken out
-    change: Callable[[HostCosts], HostCosts]
-
-
-VARIANTS = (
-    Variant("pooled", "one scale", "one task scale for every part (before they were kept apart)",
-            lambda c: replace(c, part_scales=(), part_cold_scales=())),
-    Variant("two_loads", "two loads", "the host's CPU on the two lighter loads' curve (before the probe's run near "
-            "the capacity)", lambda c: replace(c, knee_rate=0.0, knee_cpu_per_batch_s=0.0, knee_cpu_per_request_s=0.0)),
-)
-
-
-def variant_machine(plan: Plan, variant: Variant, *, groups: str, store: PerfModelStore) -> Any:
-    """The simulated machine with ``variant``'s change applied to its host costs."""
+def pooled_machine(plan: Plan, *, groups: str, store: PerfModelStore) -> Any:
+    """The simulated machine with the host costs' per-part task scales dropped (every part at
+    the pooled warm / cold scale)."""
     base = build_machine(plan, groups=groups, store=store)
     if base.host is None:
         return base
-    return replace(base, host=each_load(base.host, variant.change))
+    return replace(base, host=each_load(base.host, lambda c: replace(c, part_scales=(), part_cold_scales=())))
 
 
-def resimulate_variant(plan: Plan, rows: list[dict[str, Any]], variant: Variant, *, groups: str,
-                       store: PerfModelStore, policy: str, duration_warmup: float,
-                       seed: int = 0) -> list[dict[str, Any]]:
-    """The rows again, on :func:`variant_machine`: what ``variant``'s change moved."""
-    machine = variant_machine(plan, variant, groups=groups, store=store)
+def resimulate_pooled(plan: Plan, rows: list[dict[str, Any]], *, groups: str, store: PerfModelStore,
+                      policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
+    """The rows again, with one warm and one cold task scale for every part (the host costs'
+    per-part scales dropped: the simulator before they were kept apart), the same live points
+    and calibration: what keeping the parts' scales apart changed, with the machine's drift
+    the same on both sides."""
+    machine = pooled_machine(plan, groups=groups, store=store)
     if machine.host is None:
         return [dict(r) for r in rows]
     return resimulate(machine, rows, policy=policy, duration_warmup=duration_warmup, seed=seed)
@@ -306,12 +290,11 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
                                   duration_warmup=warmup)
     own = resimulate_tracking(plan, rows, groups=args.groups, store=store, policy=args.policy,
                               duration_warmup=warmup, own=True)
-    variant_f = {v.tag: fidelity_summary(resimulate_variant(plan, rows, v, groups=args.groups, store=store,
-                                                         policy=args.policy, duration_warmup=warmup))
-                 for v in VARIANTS}
+    pooled = resimulate_pooled(plan, rows, groups=args.groups, store=store, policy=args.policy,
+                               duration_warmup=warmup)
     print_points(rows, before, tracked)
     after_f, before_f, tracked_f = fidelity_summary(rows), fidelity_summary(before), fidelity_summary(tracked)
-    own_f = fidelity_summary(own)
+    own_f, pooled_f = fidelity_summary(own), fidelity_summary(pooled)
     # the same, busy points counted too (what the errors would say if nobody looked)
     every_after = fidelity_summary([{**r, "machine_busy": False} for r in rows])
     every_before = fidelity_summary([{**r, "machine_busy": False} for r in before])
@@ -319,7 +302,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     for tag, f in (("with host costs", after_f), ("tasks alone (before)", before_f),
                    ("with host costs, tasks at the speed of the points before (diagnostic)", tracked_f),
                    ("with host costs, tasks at the speed the point itself measured (diagnostic)", own_f),
-                   *((f"with host costs, {v.says}", variant_f[v.tag]) for v in VARIANTS),
+                   ("with host costs, one task scale for every part (before they were kept apart)", pooled_f),
                    ("with host costs, busy points too", every_after), ("tasks alone, busy points too", every_before)):
         print(f"simulator {tag}:")
         for key, label in (("throughput", "throughput, every point"), ("latency_p50", "p50 latency, steady points"),
@@ -338,19 +321,15 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     machine_old = build_machine(plan, groups=args.groups, store=store, host=False)
     from staronnx.bench.bound import machine_bound
 
-    variant_bound: dict[str, dict[int, float]] = {v.tag: {} for v in VARIANTS}
-    for v in VARIANTS:
-        machine_v = variant_machine(plan, v, groups=args.groups, store=store)
-        for b in ratios:
-            variant_bound[v.tag][b] = machine_bound(machine_v, b).throughput
+    machine_pooled = pooled_machine(plan, groups=args.groups, store=store)
+    bound_pooled = {}
     for b in ratios:
         bound_nohost[b] = machine_bound(machine_old, b, host_costs=False).throughput
+        bound_pooled[b] = machine_bound(machine_pooled, b).throughput
     for b, (bound, served) in sorted(ratios.items()):
-        others = "".join(f", {v.label} {variant_bound[v.tag][b]:.1f}" for v in VARIANTS)
-        others_ratio = "".join(f", {v.label} {variant_bound[v.tag][b] / served:.2f}" for v in VARIANTS)
-        print(f"LP bound b={b}: {bound:.1f} samples/s (tasks alone {bound_nohost[b]:.1f}{others}); the sweep served "
-              f"at most {served:.1f}: bound / capacity {bound / served:.2f} (tasks alone "
-              f"{bound_nohost[b] / served:.2f}{others_ratio})")
+        print(f"LP bound b={b}: {bound:.1f} samples/s (tasks alone {bound_nohost[b]:.1f}, one task scale "
+              f"{bound_pooled[b]:.1f}); the sweep served at most {served:.1f}: bound / capacity {bound / served:.2f} "
+              f"(tasks alone {bound_nohost[b] / served:.2f}, one task scale {bound_pooled[b] / served:.2f})")
     busy = sum(1 for r in rows if r.get("machine_busy"))
     print(f"points measured beside other work (busy): {busy} of {len(rows)}")
     # the simulator's own speed: a what-if must answer in seconds (target: 10 s of serving at the
@@ -366,13 +345,12 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
         print(f"note: {note}")
     return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
             "before": summary_line(before_f), "tracked": summary_line(tracked_f), "own": summary_line(own_f),
-            **{v.tag: summary_line(variant_f[v.tag]) for v in VARIANTS},
-            **{f"bound_over_capacity_{v.tag}": {b: variant_bound[v.tag][b] / served for b, (_, served) in ratios.items()}
-               for v in VARIANTS},
+            "pooled": summary_line(pooled_f),
             "after_all": summary_line(every_after),
             "before_all": summary_line(every_before),
             "bound_over_capacity": {b: bound / served for b, (bound, served) in ratios.items()},
             "bound_over_capacity_before": {b: bound_nohost[b] / served for b, (_, served) in ratios.items()},
+            "bound_over_capacity_pooled": {b: bound_pooled[b] / served for b, (_, served) in ratios.items()},
             "host_costs": {b: c.as_dict() for b, c in host.costs.items()},
             "calibration_busy": bool((report.machine or {}).get("busy")),
             "probe_busy": bool((host.probe_machine or {}).get("busy")), "results": str(out)}
@@ -385,16 +363,14 @@ def print_closing(results: list[dict[str, Any]]) -> None:
     print(f"\n{'model':<12} {'simulator':<12} | {'thr med/max':>13} | {'p50 med/max':>13} | {'paper med/max':>13} | "
           f"{'<knee med/max':>13} | {'cong.':>5} | {'bound/cap':>12} | busy")
     names = {"before": "tasks alone", "after": "host costs", "tracked": "speed track.", "own": "own speed",
-             **{v.tag: v.label for v in VARIANTS},
+             "pooled": "one scale",
              "before_all": "tasks alone*",
              "after_all": "host costs*"}
     for res in results:
-        for tag in ("before", *(v.tag for v in VARIANTS), "after", "tracked", "own", "before_all", "after_all"):
-            if tag not in res:  # a figures file of an older run
-                continue
+        for tag in ("before", "pooled", "after", "tracked", "own", "before_all", "after_all"):
             s = res[tag]
-            ratio = res.get(f"bound_over_capacity_{tag}") or res[
-                "bound_over_capacity_before" if tag.startswith("before") else "bound_over_capacity"]
+            ratio = res["bound_over_capacity_before" if tag.startswith("before") else
+                        "bound_over_capacity_pooled" if tag == "pooled" else "bound_over_capacity"]
             print(f"{res['model']:<12} {names[tag]:<12} | "
                   f"{pct(s['throughput'][0]):>6}/{pct(s['throughput'][1]):>6} | "
                   f"{pct(s['latency_p50'][0]):>6}/{pct(s['latency_p50'][1]):>6} | "
@@ -405,8 +381,8 @@ def print_closing(results: list[dict[str, Any]]) -> None:
     print("*: busy points counted too (the others leave them out); <knee: steady points offered under "
           f"{KNEE:.0%} of the LP bound; speed track.: a diagnostic, the tasks at the speed the points before "
           "measured (the machine's drift since calibration taken out); own speed: a diagnostic, each point at the "
-          "tasks' speed it measured itself (what is left: queueing and the host's costs)"
-          + "".join(f"; {v.label}: the host costs with {v.says}" for v in VARIANTS))
+          "tasks' speed it measured itself (what is left: queueing and the host's costs); one scale: the host "
+          "costs with one task scale for every part (before they were kept apart per part)")
     print(f"goals (quiet machine): papers' latency median <= {GOALS['paper_median']:.0%}, max <= "
           f"{GOALS['paper_max']:.0%}; congestion alike >= {GOALS['congestion']:.0%}; bound/capacity "
           f"{GOALS['bound'][0]}-{GOALS['bound'][1]}")

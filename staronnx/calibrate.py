@@ -268,12 +268,6 @@ HOST_PROBE_LOAD = 0.2
 #: the costs fall with the load); under the capacity once the host's costs are counted, unless
 #: they are most of a request's time (then that probe falls behind and is left out)
 HOST_PROBE_LOADED = 0.4
-#: ... and, where the host's threads share the workers' cores, once more at this share of the
-#: capacity the loaded run's CPU use points to, for the host's CPU alone: it keeps falling per
-#: batch past the loaded rate faster than a curve through the two lighter loads says (unet_seg
-#: at batch 4: 1,038 us a batch at 240 req/s, 636 at 500 where that curve said 853), and near
-#: the capacity is where the LP bound and the simulator's knee charge it to the workers
-HOST_PROBE_KNEE = 0.85
 #: batches the probe serves per batch size (fewer when that takes over ``max_seconds``)
 HOST_PROBE_BATCHES = 20
 
@@ -327,9 +321,7 @@ def calibrate_host(
     the load: :meth:`HostCosts.at_rate`), and before them, where the light run's batches come too
     close for workers to idle between them, a slower one whose tasks give the cold scale
     (:func:`cold_interval`), through the very Server, load generator and runtime a sweep point
-    uses (``workers``: already started ones, else the runtime starts its own), traced; after
-    them, where the host's threads share the workers' cores, one near the capacity for the
-    host's CPU alone (:func:`knee_rate`). Each batch
+    uses (``workers``: already started ones, else the runtime starts its own), traced. Each batch
     that ran alone gives its launch (formed -> first task), its hand-overs (a task's end -> its
     successor's start, on the same worker or another, idle one), its finish (last task's end ->
     answered) and its tasks' time against their models; the generator reports its lag; the
@@ -362,9 +354,6 @@ def calibrate_host(
             names = [w.name for w in runtime.workers]
             inline = all(w.kind == "cpu" for w in machine.workers)  # the Server resolves on the worker's thread
             compute = compute_threads(names)
-            # the cores the host's threads take their CPU from (0: PUs of their own, or GPU work)
-            shared_cores = (sum(w.ncores for w in machine.workers if w.kind == "cpu")
-                            if machine.host_shares_cores and inline else 0)
             samples = sample_pool(plan, seed=seed)
             total = LoadWatch()
             for b in sizes:
@@ -380,13 +369,9 @@ def calibrate_host(
                     say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
                     own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
                     _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
-                    used = _own_cpu() - own
-                    host_cpu = used - (sum(thread_cpu(compute).values()) - workers_cpu)
+                    host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
                     runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds, kind == "loaded",
-                                          cold_only=kind == "cold", idles=rate <= cold_rate, knee=kind == "knee"))
-                    knee = knee_rate(rate, used / seconds, shared_cores) if kind == "loaded" else 0.0
-                    if knee > 0 and _kept_up(runs[-1]):  # the loop goes on to it
-                        loads.append((knee, 1.0, "knee"))
+                                          cold_only=kind == "cold", idles=rate <= cold_rate))
             probe_load = total.stop()
             assert runtime.tracer is not None
             origin = runtime.tracer.origin
@@ -397,23 +382,17 @@ def calibrate_host(
     deps = plan.dependencies()
     tasks = {id(run): _run_tasks(run, events, origin) for run in runs}
     light = {run.batch: _host_costs(run, tasks[id(run)], origin, deps) for run in runs
-             if not (run.loaded or run.cold_only or run.knee)}
+             if not run.loaded and not run.cold_only}
     loaded: dict[int, HostCosts] = {}
     for run in runs:
         if run.loaded and _kept_up(run):
             costs = _host_costs(run, tasks[id(run)], origin, deps)
             if _generator_kept_up(run, costs):
                 loaded[run.batch] = costs
-    knees: dict[int, HostCosts] = {}
-    for run in runs:
-        if run.knee and run.batch in loaded and _kept_up(run):
-            costs = _host_costs(run, tasks[id(run)], origin, deps)
-            if _generator_kept_up(run, costs):
-                knees[run.batch] = costs
-    for figures in (light, loaded, knees):
-        _fit_cpu_per_request(figures)
+    _fit_cpu_per_request(light)
+    _fit_cpu_per_request(loaded)
     scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b], tasks), plan.k) for b in light}
-    costs = {b: _two_loads(light[b], loaded.get(b), scales[b], knees.get(b)) for b in light}
+    costs = {b: _two_loads(light[b], loaded.get(b), scales[b]) for b in light}
     model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
                       calibration_machine=dict(calibration_machine) if calibration_machine else None,
@@ -453,21 +432,6 @@ class _ProbeRun:
     #: whether its batches come far enough apart for workers to idle between them
     #: (:func:`cold_interval`): its tasks after an idle worker are the normal cold ones
     idles: bool = False
-    #: a run near the capacity for the host's CPU alone (:data:`HOST_PROBE_KNEE`): its other
-    #: figures are queueing as much as the host's
-    knee: bool = False
-
-
-def knee_rate(rate: float, cores_busy: float, shared_cores: int) -> float:
-    """The rate of the probe's run near the capacity, from the loaded run's (``rate``, and the
-    process's CPU meanwhile in cores, ``cores_busy``): :data:`HOST_PROBE_KNEE` of the rate that
-    would keep the ``shared_cores`` busy at the loaded run's CPU per request. 0 (no such run)
-    where the host's threads do not share the workers' cores, or where that rate is not well
-    above the loaded one (the host's costs hardly move between them)."""
-    if shared_cores <= 0 or cores_busy <= 0:
-        return 0.0
-    knee = HOST_PROBE_KNEE * rate * shared_cores / cores_busy
-    return knee if knee >= 1.25 * rate else 0.0
 
 
 def _kept_up(run: _ProbeRun) -> bool:
@@ -485,12 +449,10 @@ def _generator_kept_up(run: _ProbeRun, costs: HostCosts) -> bool:
     return costs.lag_s <= max(run.batch / run.rate, 1e-3)
 
 
-def _two_loads(light: HostCosts, loaded: HostCosts | None, scales: _Scales,
-               knee: HostCosts | None = None) -> HostCosts:
-    """The loaded figures with the light ones beside them, and the host's CPU near the
-    capacity where ``knee`` measured it; hand-overs the loaded probe could not see (no batch
-    ran alone) are the light probe's; the tasks' scales (:func:`_task_scales`) are every load's
-    alike."""
+def _two_loads(light: HostCosts, loaded: HostCosts | None, scales: _Scales) -> HostCosts:
+    """The loaded figures with the light ones beside them; hand-overs the loaded probe could
+    not see (no batch ran alone) are the light probe's; the tasks' scales
+    (:func:`_task_scales`) are both loads' alike."""
     light = scales.apply(light)
     if loaded is None:
         return light
@@ -498,9 +460,6 @@ def _two_loads(light: HostCosts, loaded: HostCosts | None, scales: _Scales,
     if not loaded.batches:
         loaded = dataclasses.replace(loaded, launch_s=light.launch_s, wake_s=light.wake_s, gap_s=light.gap_s,
                                      finish_s=light.finish_s)
-    if knee is not None and knee.rate > loaded.rate:
-        loaded = dataclasses.replace(loaded, knee_rate=knee.rate, knee_cpu_per_batch_s=knee.cpu_per_batch_s,
-                                     knee_cpu_per_request_s=knee.cpu_per_request_s)
     return dataclasses.replace(loaded, lighter=light)
 
 

@@ -394,56 +394,6 @@ def test_host_costs_between_two_loads_follow_the_offered_rate():
         HostCosts.from_dict({**loaded.as_dict(), "lighter": {**light.as_dict(), "task_scale": "x"}})
 
 
-def test_host_cpu_past_the_loaded_rate_follows_the_run_near_the_capacity():
-    """Where the probe measured the host's CPU near the capacity, above the loaded rate the CPU
-    figures follow ``a + c / rate`` through the loaded run and that one (and on past it, at
-    least 0); the other figures and every figure below the loaded rate are as without it; a
-    store without it reads as before."""
-    light = _costs(2.0, 4e-4, rate=100.0)
-    loaded = _costs(1.0, 2e-4, rate=300.0, lighter=light)
-    knee = replace(loaded, knee_rate=600.0, knee_cpu_per_batch_s=1e-4, knee_cpu_per_request_s=5e-5)
-    for rate in (50.0, 200.0, 300.0):
-        assert knee.at_rate(rate) == loaded.at_rate(rate)
-    at = knee.at_rate(600.0)
-    assert at.cpu_per_batch_s == pytest.approx(1e-4) and at.cpu_per_request_s == pytest.approx(5e-5)
-    assert at.task_scale == pytest.approx(loaded.at_rate(600.0).task_scale)  # only the CPU follows it
-    # through (300, 2e-4) and (600, 1e-4): a = 0, c = 0.06 -> 0.06 / 1200
-    assert knee.at_rate(1200.0).cpu_per_batch_s == pytest.approx(5e-5)
-    assert loaded.at_rate(600.0).cpu_per_batch_s == pytest.approx(1.5e-4)  # the two lighter loads' curve
-    assert at.knee_rate == 0.0 and at.lighter is None
-    assert HostCosts.from_dict(json.loads(json.dumps(knee.as_dict()))) == knee
-    assert "near the capacity (600 req/s): host CPU 100 us a batch (50 a request)" in knee.describe()
-    assert "near the capacity" not in loaded.describe()
-
-
-def test_the_probe_runs_near_the_capacity_only_where_the_host_shares_the_workers_cores():
-    """:func:`knee_rate`: the loaded run's CPU per request scaled to the shared cores, at
-    :data:`HOST_PROBE_KNEE` of it; none where the host has cores of its own, or where that rate
-    is barely above the loaded one."""
-    from staronnx.calibrate import HOST_PROBE_KNEE, knee_rate
-
-    assert knee_rate(200.0, 0.5, 2) == pytest.approx(HOST_PROBE_KNEE * 800.0)
-    assert knee_rate(200.0, 0.5, 0) == 0.0
-    assert knee_rate(200.0, 1.5, 2) == 0.0  # 0.85 x 267: not 1.25x the loaded rate
-    assert knee_rate(200.0, 0.0, 2) == 0.0
-
-
-def test_the_lp_bound_takes_the_host_cpu_measured_near_the_capacity(crnn_calibrated, two_groups):
-    """The same costs with a host CPU near the capacity half the two lighter loads' curve's:
-    a higher LP bound (the host takes less of the workers' cores there)."""
-    plan, home, _ = crnn_calibrated
-    store = PerfModelStore(home)
-    names = [w.name for w in build_machine(plan, groups=two_groups, store=store, host=False).workers]
-    two = _costs(1.0, 4e-4, rate=400.0, lighter=_costs(1.0, 6e-4, rate=200.0))
-    near = replace(two, knee_rate=800.0, knee_cpu_per_batch_s=1e-4, knee_cpu_per_request_s=1e-4)
-
-    def bound(costs: HostCosts) -> float:
-        machine = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: costs}))
-        return machine_bound(machine, 1).throughput
-
-    assert bound(near) > bound(two) * 1.02
-
-
 def test_a_simulation_takes_the_host_costs_of_its_own_rate(crnn_calibrated, two_groups):
     """Tasks twice as slow at the light rate as at the loaded one: a simulation at the light rate
     answers later than one whose costs never change with the load; at the loaded rate alike;
@@ -534,9 +484,7 @@ def test_a_cold_task_counts_only_where_workers_idle_in_the_normal_course():
 def test_calibrate_host_probes_a_model_of_short_tasks_slowly_for_its_cold_scale(crnn_calibrated, two_groups,
                                                                                tmp_path):
     """crnn_ocr's light probe offers hundreds of requests/s, too close for a worker to idle:
-    the probe runs a slower load first, at the batches' :func:`cold_interval`; the host's
-    threads share the two groups' cores, so a run near the capacity follows the loaded one
-    (unless the loaded one fell behind, as on a busy host) and its CPU is stored."""
+    the probe runs a slower load first, at the batches' :func:`cold_interval`."""
     import shutil
 
     from staronnx.calibrate import calibrate_host, cold_interval
@@ -546,17 +494,10 @@ def test_calibrate_host_probes_a_model_of_short_tasks_slowly_for_its_cold_scale(
     store = PerfModelStore(tmp_path / "home")
     bound = machine_bound(build_machine(plan, groups=two_groups, store=store, host=False), 1, host_costs=False)
     steps: list[str] = []
-    model = calibrate_host(plan, [1], groups=two_groups, store=store, on_step=steps.append)
+    calibrate_host(plan, [1], groups=two_groups, store=store, on_step=steps.append)
     rates = [float(m.split(" at ")[1].split(" req/s")[0]) for m in steps if m.startswith("host costs: batch 1 at")]
-    assert len(rates) in (3, 4) and rates[0] < rates[1] < rates[2], steps
+    assert len(rates) == 3 and rates[0] < rates[1] < rates[2], steps
     assert rates[0] == pytest.approx(1 / cold_interval(1, bound.throughput), abs=1.0)
-    knee = model.costs[1]
-    if len(rates) == 4:
-        assert rates[3] >= 1.25 * rates[2], steps
-        assert knee.knee_rate in (0.0, pytest.approx(rates[3])), knee  # 0: that run fell behind
-    else:
-        assert knee.knee_rate == 0.0
-    assert "near the capacity" in knee.describe() or not knee.knee_rate
 
 
 def test_calibrate_warns_when_the_probe_finds_the_machine_at_another_speed(crnn_calibrated, two_groups, tmp_path,

@@ -98,14 +98,6 @@ class HostCosts:
     #: warm scale for every part would be the second part's, given to the first at the knee
     part_scales: tuple[float, ...] = ()
     part_cold_scales: tuple[float, ...] = ()
-    #: the host's CPU per batch (and per request of it) measured again near the capacity, at
-    #: ``knee_rate`` (0: not measured: host threads on PUs of their own, an older store, a run
-    #: that fell behind). Past the loaded rate it falls faster than the curve through the two
-    #: lighter loads says (unet_seg at batch 4: 636 us a batch at 500 req/s where that curve
-    #: said 853), and near the capacity is where it is taken from the workers' cores
-    knee_rate: float = 0.0
-    knee_cpu_per_batch_s: float = 0.0
-    knee_cpu_per_request_s: float = 0.0
 
     @property
     def cold_scale(self) -> float:
@@ -143,9 +135,7 @@ class HostCosts:
         rate, so a figure tends to what a batch costs threads that never sleep (``a``) and keeps
         falling past the loaded rate towards the capacity, where the simulator's knee and the
         LP bound need it. The generator's lag excepted: it is already in a simulation's arrival
-        times, and barely moves with the load. Where the probe measured the host's CPU near the
-        capacity too (:attr:`knee_rate`), above the loaded rate the CPU figures follow the curve
-        through the loaded and that measurement instead."""
+        times, and barely moves with the load."""
         light = self.lighter
         if light is None or self.rate <= light.rate:
             return self
@@ -158,15 +148,7 @@ class HostCosts:
             c = (low[name] - high[name]) / (inv_low - inv_high)
             return max(high[name] + c * (inv - inv_high), 0.0)
 
-        figures = {name: at(name) for name in _BLENDED}
-        if self.knee_rate > self.rate and rate > self.rate:
-            inv_knee = 1.0 / self.knee_rate
-            for name, near in (("cpu_per_batch_s", self.knee_cpu_per_batch_s),
-                               ("cpu_per_request_s", self.knee_cpu_per_request_s)):
-                c = (high[name] - near) / (inv_high - inv_knee)
-                figures[name] = max(near + c * (inv - inv_knee), 0.0)
-        return replace(self, rate=rate, lighter=None, knee_rate=0.0, knee_cpu_per_batch_s=0.0,
-                       knee_cpu_per_request_s=0.0, **figures)
+        return replace(self, rate=rate, lighter=None, **{name: at(name) for name in _BLENDED})
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)  # (``lighter`` too, nested)
@@ -197,9 +179,7 @@ class HostCosts:
         loaded ones)."""
         at = f" (at {self.rate:.4g} req/s)" if self.rate else ""
         light = "" if self.lighter is None else f"; at {self.lighter.rate:.4g} req/s: " + self.lighter._figures()
-        knee = (f"; near the capacity ({self.knee_rate:.4g} req/s): host CPU {self.knee_cpu_per_batch_s * 1e6:.0f} us "
-                f"a batch ({self.knee_cpu_per_request_s * 1e6:.0f} a request)" if self.knee_rate else "")
-        return f"b={self.batch}: {self._figures()}{at}{knee}{light}"
+        return f"b={self.batch}: {self._figures()}{at}{light}"
 
     def _figures(self) -> str:
         def xs(scales: tuple[float, ...], overall: float) -> str:
