@@ -139,8 +139,8 @@ def test_cli_sweep_flags_a_point_measured_beside_a_busy_loop(plan, home, two_gro
 def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_path, monkeypatch):
     """The flag follows the reading: a kernel that says the hypervisor stole 30 % flags the
     point (on any machine), one that says nothing else ran leaves it unflagged. (The tasks'
-    own timing is read, and held at 1.0 for the flag: on a loaded host a point's tasks can run
-    1.25x the warm-up's, which flags it slowed whatever the kernel says.)"""
+    own timing is read, and held at 1.0 for the flag, per window too: on a loaded host a point's
+    tasks can run 1.25x the warm-up's, which flags it slowed whatever the kernel says.)"""
     from staronnx.bench import sweep as sweep_module
 
     real_ratio = sweep_module.task_time_ratio
@@ -151,6 +151,7 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
         return 1.0
 
     monkeypatch.setattr(sweep_module, "task_time_ratio", steady_ratio)
+    monkeypatch.setattr(sweep_module.TaskSampler, "ratio", lambda self, start, end: None)  # per window too
     with Runtime(plan, cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
         stolen = Reading(busy=0, idle=70, steal=30)
         monkeypatch.setattr(cpuload, "_read_proc_stat", stolen.read)
@@ -192,6 +193,7 @@ def test_cli_sweep_flags_a_point_whose_tasks_ran_slower_than_the_points_before(p
     monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=100).read)
     ratios = iter([1.0, 1.0, 1.2, 1.8])  # the warm-up's, then one per point
     monkeypatch.setattr(sweep_module, "task_time_ratio", lambda before, after: next(ratios))
+    monkeypatch.setattr(sweep_module.TaskSampler, "ratio", lambda self, start, end: None)  # the whole point's only
     out = tmp_path / "slowed"
     code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", "20,30,40", "--batch-sizes", "1", "--groups",
                                two_groups, "--duration", "400ms", "--no-plots", "-o", out)
@@ -204,6 +206,50 @@ def test_cli_sweep_flags_a_point_whose_tasks_ran_slower_than_the_points_before(p
     assert "slowed (tasks x1.64)" in stdout
     assert any("1 of them because their tasks ran" in n for n in doc["notes"])
     assert "machine_slowed" in (out / "results.csv").read_text().splitlines()[0]
+
+
+def test_cli_sweep_flags_a_point_whose_tasks_slowed_in_one_window(plan, home, two_groups, capsys, tmp_path,
+                                                                  monkeypatch):
+    """Through ``sweep``: over the whole point the third point's tasks ran as the points before
+    (x1.05), but in its second window x1.6 (the engine's timing per window, here injected): a
+    machine that slowed for a while leaves a backlog that sets the latency of the windows after
+    it, so the point is flagged slowed, saying it was one window; the others are not. Unpatched,
+    every row records one ratio per window, read off the engine's real task totals."""
+    from staronnx.bench import sweep as sweep_module
+
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "220")
+    monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=100).read)
+    args = ("sweep", plan.root, "--rates", "20,30,40", "--batch-sizes", "1", "--groups", two_groups,
+            "--duration", "600ms", "--no-plots")
+    code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", "150", "--batch-sizes", "1", "--groups",
+                               two_groups, "--duration", "1500ms", "--no-plots", "-o", tmp_path / "real")
+    assert code == 0, stderr + stdout
+    (row,) = load_results(tmp_path / "real")["rows"]
+    got = row["task_time_ratio_windows"]  # a window's ratio needs 20 tasks: 150 req/s gives ~80 a window
+    assert len(got) == len(row["windows"]) >= 1, row
+    assert all(x is not None and x > 0 for x in got), got
+
+    ratios = iter([1.0, 1.0, 1.0, 1.05])  # the warm-up's, then one per point
+    monkeypatch.setattr(sweep_module, "task_time_ratio", lambda before, after: next(ratios))
+    samplers: list[list[Any]] = []  # [sampler, windows read so far], one per point measured
+
+    def ratio(sampler: Any, start: float, end: float) -> float:
+        if not samplers or samplers[-1][0] is not sampler:
+            samplers.append([sampler, 0])
+        samplers[-1][1] += 1
+        return 1.6 if len(samplers) == 3 and samplers[-1][1] == 2 else 1.0
+
+    monkeypatch.setattr(sweep_module.TaskSampler, "ratio", ratio)
+    out = tmp_path / "window"
+    code, stdout, stderr = cli(capsys, *args, "--no-extend", "-o", out)
+    assert code == 0, stderr + stdout
+    rows = load_results(out)["rows"]
+    assert len(rows[2]["windows"]) >= 2, rows[2]["windows"]
+    assert [bool(r["machine_busy"]) for r in rows] == [False, False, True]
+    assert rows[2]["machine_slowed"] == pytest.approx(1.6)
+    assert "in one of its" in rows[2]["busy_why"] and "x1.60" in rows[2]["busy_why"], rows[2]["busy_why"]
+    assert "slowed (tasks x1.60)" in stdout
 
 
 def test_a_congested_point_on_a_busy_machine_stops_the_sweep_only_when_the_next_congests_too(

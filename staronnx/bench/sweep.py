@@ -40,8 +40,8 @@ from staronnx.bench.bound import MixBound, batch_bounds, mix_bound, stale_models
 from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
 from staronnx.bench.fidelity import fidelity_summary, sim_columns
 from staronnx.bench.machine import build_machine, machine_inflight, residency_where
-from staronnx.bench.points import (measure_point, point_duration, runnable_sizes, sample_pool, task_time_ratio,
-                                   tasks_snapshot, warm_up, workers_delta, workers_snapshot)
+from staronnx.bench.points import (TaskSampler, measure_point, point_duration, runnable_sizes, sample_pool,
+                                   task_time_ratio, tasks_snapshot, warm_up, workers_delta, workers_snapshot)
 from staronnx.bench.results import SweepError, clean, make_row, write_results
 from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
 from staronnx.errors import StaronnxError
@@ -526,7 +526,8 @@ class _Run:
             before, tasks_before = workers_snapshot(self.runtime), tasks_snapshot(self.runtime)
             watch = LoadWatch()
             began = time.perf_counter()
-            measured = self._measure_models(point, length, on_submit)
+            with TaskSampler(self.runtime) as sampler:  # the tasks' speed per window (flag_slowed)
+                measured = self._measure_models(point, length, on_submit)
             load = watch.stop()
             after, tasks_after = workers_snapshot(self.runtime), tasks_snapshot(self.runtime)
             first = measured[names[0]][0]
@@ -548,7 +549,9 @@ class _Run:
             row.update(label=self.results.settings["label"], attempts=attempt,
                        workers=clean(workers_delta(before, after, records.end - records.start)),
                        windows=clean(summary.get("windows")), loadgen=clean(records.settings.get("loadgen")),
-                       placement=clean(summary.get("placement")), **machine_columns)
+                       placement=clean(summary.get("placement")), **machine_columns,
+                       task_time_ratio_windows=clean([sampler.ratio(w["start"], w["end"])
+                                                      for w in summary.get("windows") or ()]))
             rows.append(row)
         return rows, min(records.start for _, records in measured.values())
 
@@ -641,21 +644,30 @@ def reference_ratio(rows: Sequence[Mapping[str, Any]], model: str | None, batch_
 
 def flag_slowed(row: dict[str, Any], reference: float | None) -> None:
     """Flag ``row`` busy (``machine_slowed``: how much slower) when its tasks ran
-    :data:`SLOWED` times slower than ``reference``: work the guest cannot see took the CPUs.
-    A congested point only when it was offered under its LP bound: past the capacity the
-    host's threads and a growing queue slow short tasks anyway (tens of microseconds each,
-    behind the GIL), and congestion is what the point is expected to show."""
+    :data:`SLOWED` times slower than ``reference``, over the point or in one of its measurement
+    windows (``task_time_ratio_windows``: a slowdown of one window leaves a backlog that sets
+    the latency of the windows after it): work the guest cannot see took the CPUs. A congested
+    point only when it was offered under its LP bound: past the capacity the host's threads and
+    a growing queue slow short tasks anyway (tens of microseconds each, behind the GIL), and
+    congestion is what the point is expected to show."""
     row.setdefault("machine_slowed", None)
     ratio = row.get("task_time_ratio")
-    if not isinstance(ratio, (int, float)) or not reference or reference <= 0 or ratio < SLOWED * reference:
+    if not isinstance(ratio, (int, float)) or not reference or reference <= 0:
+        return
+    windows = [x for x in row.get("task_time_ratio_windows") or () if isinstance(x, (int, float))]
+    worst = max([ratio, *windows])
+    if worst < SLOWED * reference:
         return
     bound = row.get("bound_throughput")
     under = isinstance(bound, (int, float)) and bound > 0 and float(row["offered_rate"]) <= bound
     if row.get("congested") and not under:
         return
-    row["machine_slowed"] = ratio / reference
-    why = (f"its tasks ran x{ratio:.2f} their perf models against x{reference:.2f} at the points before it: the "
-           "machine ran slower (the hypervisor or work /proc does not show)")
+    row["machine_slowed"] = worst / reference
+    against = f"against x{reference:.2f} at the points before it: the machine ran slower"
+    why = (f"its tasks ran x{ratio:.2f} their perf models {against} (the hypervisor or work /proc does not show)"
+           if worst == ratio else
+           f"in one of its {len(windows)} windows its tasks ran x{worst:.2f} their perf models (x{ratio:.2f} over the "
+           f"point) {against} for a while (the hypervisor or work /proc does not show)")
     row["busy_why"] = f"{row['busy_why']}; {why}" if row.get("machine_busy") and row.get("busy_why") else why
     row["machine_busy"] = True
 
