@@ -525,16 +525,18 @@ def test_partial_batch_is_a_flush_only_in_the_papers_model():
 
 
 def test_open_loop_keeps_its_schedule_while_the_runtime_is_saturated(plan, runtime, samples):
-    # one batch of one at a time serves 1 / (one run's time) requests per second; offer three
-    # times that (measured here, so the load saturates whatever the machine): the generator
-    # must still inject at the offered rate, and the run must read as congested
+    # one batch of one at a time serves 1 / (one run's time) requests per second; offer ten
+    # times that (measured here, so the load saturates whatever the machine: on a loaded host
+    # the measurement can read a third of what the loop then serves, and three times it once
+    # left a queue of 256 unfilled) into a queue of 16: the generator must still inject at the
+    # offered rate, and the run must read as congested
     runtime.run(samples[0])
     t = time.perf_counter()
     for i in range(20):
         runtime.run(samples[i % len(samples)])
     capacity = 20 / (time.perf_counter() - t)
-    rate = min(max(3 * capacity, 1000.0), 8000.0)
-    with Server(runtime, 1, queue_capacity=256, max_inflight=1) as server:
+    rate = min(max(10 * capacity, 2000.0), 8000.0)
+    with Server(runtime, 1, queue_capacity=16, max_inflight=1) as server:
         rec = run_open_loop(server, Constant(rate), lambda i: samples[i % len(samples)], duration=1.5)
     gen = rec.settings["loadgen"]
     # every scheduled arrival went in, none waited for a result: the saturated runtime's queue
