@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -254,8 +255,6 @@ class TaskSampler:
     """
 
     def __init__(self, runtime: Any, interval: float = 0.1, clock: Callable[[], float] = time.perf_counter) -> None:
-        import threading
-
         self.runtime, self.interval, self.clock = runtime, interval, clock
         self.samples: list[tuple[float, dict[str, tuple[int, float, float]]]] = []
         self._stop = threading.Event()

@@ -663,11 +663,13 @@ def flag_slowed(row: dict[str, Any], reference: float | None) -> None:
     if row.get("congested") and not under:
         return
     row["machine_slowed"] = worst / reference
-    against = f"against x{reference:.2f} at the points before it: the machine ran slower"
-    why = (f"its tasks ran x{ratio:.2f} their perf models {against} (the hypervisor or work /proc does not show)"
-           if worst == ratio else
-           f"in one of its {len(windows)} windows its tasks ran x{worst:.2f} their perf models (x{ratio:.2f} over the "
-           f"point) {against} for a while (the hypervisor or work /proc does not show)")
+    if worst > ratio:  # a window's reading flagged it
+        ran = (f"in one of its {len(windows)} windows its tasks ran x{worst:.2f} their perf models "
+               f"(x{ratio:.2f} over the point)")
+    else:
+        ran = f"its tasks ran x{ratio:.2f} their perf models"
+    why = (f"{ran} against x{reference:.2f} at the points before it: the machine ran slower"
+           f"{' for a while' if worst > ratio else ''} (the hypervisor or work /proc does not show)")
     row["busy_why"] = f"{row['busy_why']}; {why}" if row.get("machine_busy") and row.get("busy_why") else why
     row["machine_busy"] = True
 
