@@ -5,6 +5,10 @@ For each model and batch size, throughput in samples/s with numpy in and numpy o
 
 - ``ort1``/``ort2``/``ort4``: N plain ``onnxruntime.InferenceSession``s with the CUDA provider,
   one thread each calling ``run()`` (Triton's ``instance_group { count: N }``);
+- ``ort-tuned1/2/4``: N sessions as ORT's documentation tunes them for a GPU, one thread each:
+  ``enable_cuda_graph``, inputs and outputs bound once to device ``OrtValue``s (IOBinding), the
+  host input in pinned memory, each request an ``update_inplace`` copy in, a graph replay
+  (``run_with_iobinding``) and a copy of the output back: the best plain ORT can do;
 - ``gpu``: staronnx, the 1-part plan on ``--streams`` CUDA workers only (``--groups`` none);
 - ``graphs``: the same, each (part, batch size) captured as a CUDA graph at warm-up (staronnx's
   default; ``gpu`` is run with ``--no-cuda-graphs``); the row records how many graphs the
@@ -181,6 +185,98 @@ def ort_throughput(sessions: list[ort.InferenceSession], feeds: dict[str, np.nda
     return sum(counts) / (time.perf_counter() - start)
 
 
+class TunedSession:
+    """One ORT session with a CUDA graph over device-bound inputs and outputs (ORT's documented
+    call shape for ``enable_cuda_graph``: the addresses a graph reads and writes never move).
+
+    ORT keeps a session's graphs per thread, so :meth:`warm` must run on the thread that then
+    calls :meth:`run`; the first ``run_with_iobinding`` captures (ORT 1.31 runs, captures and
+    replays in that call)."""
+
+    def __init__(self, path: Path, feeds: dict[str, np.ndarray]) -> None:
+        from staronnx.workers.cudart import PinnedBuffer, runtime_module
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        providers = [(CUDA, {"use_tf32": "0", "enable_cuda_graph": "1"}), "CPUExecutionProvider"]
+        with capture_safe():
+            self.session = ort.InferenceSession(str(path), so, providers=providers)
+            check_on_cuda(self.session)
+            shapes = [o.shape for o in ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+                      .run(None, feeds)]
+            rt = runtime_module()
+            self._pinned = [PinnedBuffer(rt, a.nbytes) for a in feeds.values()]
+            self.host: dict[str, np.ndarray] = {}
+            for buf, (name, a) in zip(self._pinned, feeds.items(), strict=True):
+                view = buf.view(a.dtype, a.shape)
+                view[...] = a
+                self.host[name] = view
+            self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for name, a in feeds.items()}
+            self.outputs = [ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
+                            for shape in shapes]
+            self.binding = self.session.io_binding()
+            for name, v in self.inputs.items():
+                self.binding.bind_ortvalue_input(name, v)
+            for o, v in zip(self.session.get_outputs(), self.outputs, strict=True):
+                self.binding.bind_ortvalue_output(o.name, v)
+
+    def run(self) -> np.ndarray:
+        for name, v in self.inputs.items():
+            v.update_inplace(self.host[name])
+        self.session.run_with_iobinding(self.binding)
+        return np.asarray(self.outputs[0].numpy())
+
+    def close(self) -> None:
+        for b in self._pinned:
+            b.free()
+
+
+def ort_tuned(path: Path, feeds: dict[str, np.ndarray], n: int, seconds: float) -> tuple[float, np.ndarray]:
+    """Batches/s of N :class:`TunedSession`s, one thread each; each thread captures its graph
+    (one at a time: a capture in CUDA's global mode breaks on another thread's allocation), then
+    all run together.  Also the first session's output, for the error column."""
+    sessions = [TunedSession(path, feeds) for _ in range(n)]
+    counts = [0] * n
+    lock, ready, go, stop = threading.Lock(), threading.Barrier(n + 1), threading.Event(), threading.Event()
+    first: list[np.ndarray] = []
+    errors: list[BaseException] = []
+
+    def loop(i: int) -> None:
+        try:
+            with lock, capture_safe():
+                out = sessions[i].run()
+                sessions[i].run()
+                if i == 0:
+                    first.append(out)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+        ready.wait()
+        go.wait()
+        if errors:
+            return
+        with capture_safe():
+            while not stop.is_set():
+                sessions[i].run()
+                counts[i] += 1
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    ready.wait()
+    start = time.perf_counter()
+    go.set()
+    time.sleep(seconds)
+    stop.set()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    for s in sessions:
+        s.close()
+    if errors:
+        raise errors[0]
+    return sum(counts) / elapsed, first[0]
+
+
 def latency_ms(run: Callable[[], Any], n: int = 30) -> float:
     """Median of ``n`` single requests, after 3 untimed ones."""
     return 1e3 * median_seconds(run, n, warmup=3)
@@ -254,6 +350,23 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
         row["cpu"] = b * ort_throughput(ort_sessions(path, 1, "cpu", threads=max(ncores - args.streams, 1)),
                                         feeds, min(args.seconds, 2.0))
         row["errors"] = {}
+        if args.device == "cuda":
+            for n in (1, 2, 4):
+                say(f"{name} b={b}: ort-tuned{n}")
+                try:
+                    rate, tuned_out = ort_tuned(path, feeds, n, args.seconds)
+                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is a row note
+                    row.setdefault("notes", []).append(f"ort-tuned{n}: {type(exc).__name__}: {exc}")
+                    continue
+                row[f"ort-tuned{n}"] = b * rate
+                row.setdefault("tuned_errors", {})[f"ort-tuned{n}"] = rel_error(tuned_out, ref)
+            if b == 1 and "ort-tuned1" in row:
+                tuned = TunedSession(path, feeds)
+                try:  # on this thread: its own graph, captured by the first (untimed) runs
+                    with capture_safe():
+                        row["ort-tuned1_lat_ms"] = latency_ms(tuned.run)
+                finally:
+                    tuned.close()
         for label, s in setups.items():
             say(f"{name} b={b}: staronnx {label}")
             cuda_options = ({"provider_options": {"use_tf32": "0"}, "cuda_graphs": s.get("cuda_graphs", True)}
@@ -277,7 +390,8 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
 
 
 # ---------------------------------------------------------------------- report
-COLUMNS = ["ort1", "ort2", "ort4", "gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto", "cpu"]
+TUNED = ["ort-tuned1", "ort-tuned2", "ort-tuned4"]
+COLUMNS = ["ort1", "ort2", "ort4", *TUNED, "gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto", "cpu"]
 STARONNX = ["gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto"]
 
 
@@ -285,14 +399,16 @@ def format_row(row: dict[str, Any]) -> str:
     best_ort = max(row[c] for c in ("ort1", "ort2", "ort4"))
     best = max(row.get(c, 0.0) for c in STARONNX)
     cells = " | ".join(f"{row[c]:,.0f}" if c in row else "-" for c in COLUMNS)
+    tuned = max((row[c] for c in TUNED if c in row), default=0.0)
     return (f"| {row['model']} | {row['batch']} | {cells} | {best / best_ort:.2f}x | "
+            f"{f'{best / tuned:.2f}x' if tuned else '-'} | "
             f"{row['gpu+cpu'] / row['gpu']:.2f} | {max(row['errors'].values()):.1e} |")
 
 
 def header() -> str:
     cols = " | ".join(COLUMNS)
-    return (f"| model | batch | {cols} | best staronnx / best ortN | gpu+cpu / gpu | max rel err |\n"
-            "|" + "---|" * (len(COLUMNS) + 5))
+    return (f"| model | batch | {cols} | best staronnx / best ortN | / best ort-tuned | gpu+cpu / gpu "
+            "| max rel err |\n" + "|" + "---|" * (len(COLUMNS) + 6))
 
 
 def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
@@ -304,6 +420,10 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
         goal = 1.15 if r["batch"] <= 8 else 1.0
         out.append((f"{r['model']} b={r['batch']}: best staronnx {best / best_ort:.2f}x best ortN (>= {goal})",
                     best >= goal * best_ort))
+        tuned = max((r[c] for c in TUNED if c in r), default=0.0)
+        if tuned:
+            out.append((f"{r['model']} b={r['batch']}: best staronnx {best / tuned:.2f}x best ort-tuned (>= 0.95)",
+                        best >= 0.95 * tuned))
         out.append((f"{r['model']} b={r['batch']}: gpu+cpu {r['gpu+cpu'] / r['gpu']:.2f}x gpu only (>= 0.98)",
                     r["gpu+cpu"] >= 0.98 * r["gpu"]))
         for label, g in r.get("graphs", {}).items():
