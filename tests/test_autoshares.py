@@ -13,12 +13,13 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 
 from staronnx import partition
 from staronnx.errors import PartitionError
-from staronnx.partition.autoshares import WorkerSpeed, choose_shares, is_auto
+from staronnx.partition.autoshares import WorkerSpeed, choose_shares, concurrent_seconds, is_auto
 from staronnx.zoo import inception
 
 
@@ -199,3 +200,65 @@ def test_cli_placement_method_places_on_the_groups_given_and_runs_as_placed(mode
     assert devices <= {f"cpu:pus{pu}" for pu in two_groups.split(";")}
     run = _cli("run", str(out), "--policy", "static", "--groups", two_groups, "--requests", "4", home=home)
     assert run.returncode == 0, run.stderr
+
+
+def test_concurrent_seconds_runs_every_call_at_once_on_its_own_thread():
+    """How a GPU is timed for its streams: each call loops on its own thread, all at once (a
+    barrier every call must reach each round would break if they ran one after another), each
+    thread inside ``enter``; the figure is wall time per call over all of them."""
+    import threading
+    from contextlib import contextmanager
+
+    sessions = [ort_session() for _ in range(3)]
+    feeds = {"x": np.ones((2, 4), np.float32)}
+    meet = threading.Barrier(3, timeout=30)
+    entered: list[str] = []
+    runs: list[int] = [0, 0, 0]
+
+    def call(i: int):
+        def run():
+            meet.wait()  # every thread in the same round
+            runs[i] += 1
+            return sessions[i].run(None, feeds)
+        return run
+
+    @contextmanager
+    def enter():
+        entered.append(threading.current_thread().name)
+        yield
+
+    seconds = concurrent_seconds([call(i) for i in range(3)], rounds=5, warmup=2, enter=enter)
+    assert seconds > 0
+    assert runs == [7, 7, 7]
+    assert sorted(entered) == ["speed-0", "speed-1", "speed-2"]
+
+
+def test_concurrent_seconds_raises_a_calls_error_on_the_caller():
+    def bad():
+        raise RuntimeError("CUDA failure 2: out of memory")
+
+    with pytest.raises(RuntimeError, match="out of memory"):
+        concurrent_seconds([bad, lambda: None], rounds=2)
+    with pytest.raises(ValueError, match="at least one call"):
+        concurrent_seconds([], rounds=2)
+
+
+def test_a_gpu_timed_with_its_streams_is_named_with_them():
+    """The reason says at which concurrency the GPU was timed (a split that looked like a win
+    against one batch's latency must say what it was weighed against)."""
+    speeds = [WorkerSpeed("cuda0", "cuda", 8 / 5400, streams=4), WorkerSpeed("cpu15", "cpu", 8 / 292)]
+    choice = choose_shares(speeds, 8)
+    assert "cuda0 (4 streams)" in choice.reason
+    assert choice.to_json()["speeds"][0]["streams"] == 4
+
+
+def ort_session():
+    """A real one-node ONNX Runtime session (Relu over a 2x4 input)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "relu",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])

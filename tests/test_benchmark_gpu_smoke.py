@@ -156,3 +156,22 @@ def test_a_plain_ort_baseline_that_fell_back_to_the_cpu_is_refused(tmp_path):
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("benchmarks/gpu.py: a plain ONNX Runtime session asked for CUDAExecutionProvider runs on "
                            "['CPUExecutionProvider']"), done.stderr
+
+
+def test_gpu_benchmark_runs_only_the_setups_named(tmp_path):
+    """``--setups`` (how a lent GPU's short call measures more streams): only the staronnx setups
+    named are built, calibrated and measured; the baselines run as always; an unknown name is
+    refused, naming what there is."""
+    out = tmp_path / "gpu.json"
+    env = {**os.environ, "STARONNX_HOME": str(tmp_path / "home")}
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "tiny", "--batches", "1",
+           "--seconds", "0.2", "--json", str(out)]
+    done = subprocess.run([*cmd, "--setups", "gpu+cpu,split"], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert sorted(row["errors"]) == ["gpu+cpu", "split"]
+    assert row["gpu+cpu"] > 0 and row["split"] > 0 and row["ort4"] > 0
+    assert "gpu" not in row and "auto" not in row
+    bad = subprocess.run([*cmd, "--setups", "gpu+cpu,warp"], capture_output=True, text=True, timeout=600, env=env)
+    assert bad.returncode != 0
+    assert "--setups: unknown warp" in bad.stderr and "gpu+cpu" in bad.stderr

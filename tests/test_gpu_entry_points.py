@@ -128,14 +128,16 @@ def test_cli_run_with_cuda_graphs(gplan, tmp_path):
 
 
 def test_cli_partition_shares_auto_times_each_gpu_named(gplan, tmp_path):
-    """``--shares auto --device cuda --cuda-devices 0``: the GPU is timed through a CUDA session
-    on the ordinal named (a provider option per GPU), and the plan says which."""
+    """``--shares auto --device cuda --cuda-devices 0 --cuda-streams 2``: the GPU is timed through
+    CUDA sessions on the ordinal named (a provider option per GPU), as many at once as the plan's
+    streams, and the plan says which and how many."""
     out = tmp_path / "plan-auto"
     part = _cli(tmp_path / "home", "partition", str(gplan.source_model), "--shares", "auto", "--device", "cuda",
-                "--cuda-streams", "1", "--cuda-devices", "0", "--profile-runs", "2", "-o", str(out))
+                "--cuda-streams", "2", "--cuda-devices", "0", "--profile-runs", "2", "-o", str(out))
     assert part.returncode == 0, part.stderr
     speeds = json.loads((out / "plan.json").read_text())["settings"]["auto_shares"]["speeds"]
     assert speeds[0]["name"] == "cuda0" and speeds[0]["kind"] == "cuda" and speeds[0]["seconds"] > 0
+    assert speeds[0]["streams"] == 2
 
 
 def test_the_gpu_is_described_as_results_record_it():

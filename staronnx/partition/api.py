@@ -177,7 +177,7 @@ def partition(
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
         auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=group_sizes, speeds=speeds,
                                    batch=profile_batch, runs=profile_runs, seed=seed, say=say,
-                                   cuda_devices=cuda_devices)
+                                   cuda_devices=cuda_devices, cuda_streams=cuda_streams)
         request.targets = list(auto_choice.shares)
     try:
         result = cut(graph, request)
@@ -208,7 +208,7 @@ def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: Cut
 def _auto_shares(
     graph: ModelGraph, shapes: dict[str, list[int]], *, device: str, group_sizes: Sequence[int] | None,
     speeds: Sequence[WorkerSpeed] | None, batch: int, runs: int, seed: int, say: Callable[[str], None],
-    cuda_devices: Sequence[int] = (0,),
+    cuda_devices: Sequence[int] = (0,), cuda_streams: int = 1,
 ) -> SharesChoice:
     """Measure (unless given) the whole model's speed per worker and choose the shares."""
     if speeds is None:
@@ -218,7 +218,8 @@ def _auto_shares(
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
                                         model=graph.model, seed=seed)
         speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=device == "cuda",
-                                cuda_devices=cuda_devices, runs=max(runs, 3), progress=say)
+                                cuda_devices=cuda_devices, cuda_streams=cuda_streams, runs=max(runs, 3),
+                                progress=say)
     choice = choose_shares(speeds, batch)
     say(f"shares auto: {choice.reason}")
     return choice

@@ -17,17 +17,21 @@ from __future__ import annotations
 
 import math
 import statistics
+import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any, Callable
 
 import onnxruntime as ort
 
 from staronnx.errors import PartitionError
 
-__all__ = ["WorkerSpeed", "SharesChoice", "choose_shares", "measure_speeds", "median_seconds", "is_auto"]
+__all__ = ["WorkerSpeed", "SharesChoice", "choose_shares", "concurrent_seconds", "measure_speeds", "median_seconds",
+           "is_auto"]
 
 #: a task's fixed cost in the native engine (benchmarks/engines.py, dmda, pipelined)
 FIXED_TASK_SECONDS = 100e-6
@@ -42,6 +46,15 @@ class WorkerSpeed:
     kind: str  # "cuda" | "cpu"
     seconds: float
     count: int = 1
+    #: batches a GPU had in flight while timed (its streams): ``seconds`` is then the time per
+    #: batch at that concurrency, not one batch's latency
+    streams: int = 1
+
+    @property
+    def label(self) -> str:
+        """How the reason names it: ``cpu14x2``, ``cuda0 (4 streams)``."""
+        label = f"{self.name}x{self.count}" if self.count > 1 else self.name
+        return f"{label} ({self.streams} streams)" if self.streams > 1 else label
 
     @property
     def rate(self) -> float:
@@ -117,8 +130,8 @@ def choose_shares(
     split = batch / period(share)
     predicted = {**alone, "split": split}
     gain = split / alone["one part"] - 1
-    slow_names = ", ".join(f"{s.name}x{s.count}" if s.count > 1 else s.name for s in slow)
-    fast_names = " + ".join(f"{s.name}x{s.count}" if s.count > 1 else s.name for s in fast_class)
+    slow_names = ", ".join(s.label for s in slow)
+    fast_names = " + ".join(s.label for s in fast_class)
     if gain < min_gain:
         return SharesChoice(
             [1.0], batch,
@@ -144,6 +157,48 @@ def median_seconds(run: Callable[[], object], runs: int, warmup: int = 2) -> flo
     return statistics.median(times)
 
 
+def concurrent_seconds(calls: Sequence[Callable[[], object]], rounds: int, warmup: int = 2,
+                       enter: Callable[[], AbstractContextManager[object]] = nullcontext) -> float:
+    """Wall time per call with every call of ``calls`` looping on its own thread at once
+    (``rounds`` each, after ``warmup`` untimed ones per thread, all threads started together):
+    a GPU's time per batch when that many batches are in flight, which is what its streams
+    serve at and what one batch's latency overstates (an H200 ran googlenet at batch 8 2.0x
+    faster with 4 sessions in flight than with one).  ``enter`` is each thread's context (the
+    CUDA capture mode is per thread)."""
+    if not calls or rounds < 1:
+        raise ValueError("concurrent_seconds needs at least one call and one round")
+    start = threading.Barrier(len(calls) + 1)
+    errors: list[BaseException] = []
+
+    def loop(call: Callable[[], object]) -> None:
+        with enter():
+            try:
+                for _ in range(warmup):
+                    call()
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                errors.append(exc)
+            start.wait()
+            if errors:
+                return
+            try:
+                for _ in range(rounds):
+                    call()
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                errors.append(exc)
+
+    threads = [threading.Thread(target=loop, args=(c,), name=f"speed-{i}") for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall / (len(calls) * rounds)
+
+
 def measure_speeds(
     model: Any,
     feeds: dict[str, Any],
@@ -153,13 +208,17 @@ def measure_speeds(
     runs: int = 5,
     progress: Callable[[str], None] | None = None,
     cuda_devices: Sequence[int] = (0,),
+    cuda_streams: int = 1,
 ) -> list[WorkerSpeed]:
     """Time the whole model on each GPU of ``cuda_devices`` (``cuda``) and on a CPU group of
     each size (each GPU is timed: one may be another model, or share its PCIe switch).
 
     ``group_sizes`` are the cores of each CPU worker (``[14]`` for one 14-core NUMA group);
     groups of one size are timed once and counted.  The GPU is timed through plain
-    ``session.run`` with numpy in and out, so its copies are included, as a one-part plan pays them.
+    ``session.run`` with numpy in and out, so its copies are included, as a one-part plan pays them,
+    with ``cuda_streams`` sessions running at once, one thread each, as the plan's streams will
+    (:func:`concurrent_seconds`): timed one batch at a time, an H200 looked half as fast as its
+    4 streams served, and the CPU's tail share won on paper and lost 25-55 % measured.
     """
     from staronnx.ortutil import QUIET, cuda_capture_safe, make_session, providers_for
 
@@ -169,11 +228,14 @@ def measure_speeds(
         providers_for("cuda")  # fails in one line where CUDA is absent
         for device in cuda_devices:
             say(f"timing the whole model on cuda{device}")
+            streams = max(int(cuda_streams), 1)
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
-                gpu = make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
-                                                     "CPUExecutionProvider"])
-                speeds.append(WorkerSpeed(f"cuda{device}", "cuda", median_seconds(lambda: gpu.run(None, feeds), runs)))
-                del gpu  # its device memory goes back before the next GPU's session
+                gpus = [make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
+                                                       "CPUExecutionProvider"]) for _ in range(streams)]
+            seconds = concurrent_seconds([partial(g.run, None, feeds) for g in gpus], max(runs, 10),
+                                         enter=cuda_capture_safe)
+            speeds.append(WorkerSpeed(f"cuda{device}", "cuda", seconds, streams=streams))
+            del gpus  # their device memory goes back before the next GPU's sessions
     for cores, count in sorted(Counter(group_sizes).items(), reverse=True):
         say(f"timing the whole model on a {cores}-core CPU group")
         so = ort.SessionOptions()
