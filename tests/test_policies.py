@@ -650,3 +650,47 @@ def test_heft_orders_a_workers_queue_by_rank():
     p.push(late)
     p.push(early)
     assert p.pop(GPU.id) is early
+
+
+@pytest.mark.parametrize("name", ["dmda", "dmdas", "heft", "dm"])
+def test_a_decision_asks_once_per_arch_and_per_memory_node(name):
+    """A GPU's streams are alike workers (one arch, one memory node): a decision asks the perf
+    model once per arch and the bus model once per node, not once per stream (with 8 streams
+    the per-worker asks made dmda cost 6x eager's host calls per task), and still places as the
+    rule says: the queued streams are passed over for the idle one, the CPU's slower end loses."""
+
+    class Counting(FakePredictor):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.exec_asks: Counter = Counter()
+            self.transfer_asks: Counter = Counter()
+
+        def exec_time(self, task, worker):
+            self.exec_asks[worker.arch] += 1
+            return super().exec_time(task, worker)
+
+        def transfer_time(self, task, worker):
+            self.transfer_asks[worker.memory_node] += 1
+            return super().transfer_time(task, worker)
+
+    streams = [WorkerInfo(i, f"cuda0.s{i}", "cuda0", "cuda", "cuda0") for i in range(8)]
+    cpu = WorkerInfo(8, "cpu0", "cpu4", "cpu", "numa0", ncores=4)
+    predictor = Counting({(0, "cuda0"): 1e-3, (0, "cpu4"): 5e-3})
+    p = make_policy(name)
+    p.attach([*streams, cpu], predictor, FakeClock(), [[]])
+    x = DataView(1, "x", 4096, frozenset({"numa0"}))
+    placed = []
+    for _ in range(8):
+        placed.append(p.push(task(inputs=[x])))
+        # as many asks for the 8 streams' arch as for the one CPU group's (heft also asks per arch
+        # for its ranks)
+        assert set(predictor.exec_asks) == {"cuda0", "cpu4"}
+        assert predictor.exec_asks["cuda0"] == predictor.exec_asks["cpu4"] <= 2
+        # dm is blind to data: it never asks for a transfer
+        assert predictor.transfer_asks == (Counter() if name == "dm" else Counter({"cuda0": 1, "numa0": 1}))
+        predictor.exec_asks.clear()
+        predictor.transfer_asks.clear()
+    assert sorted(placed) == list(range(8))  # each stream once: the idle one wins, never the CPU
+    # every stream busy for 1 ms: a stream's 2 ms (+ the copy) still beats the CPU's 5 ms
+    assert p.push(task(inputs=[x])) == 0
+    assert p.push(task(inputs=[x])) == 1

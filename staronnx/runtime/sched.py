@@ -116,14 +116,16 @@ class Predictor(Protocol):
 
     def exec_time(self, task: TaskView, worker: WorkerInfo) -> float:
         """Predicted execution time of ``task`` on ``worker``'s arch: NaN when the model is not
-        calibrated yet, 0.0 when there is no model at all."""
+        calibrated yet, 0.0 when there is no model at all. It may depend on the worker only
+        through its arch: a decision asks once per arch (a GPU's streams are alike)."""
         ...
 
     def transfer_time(self, task: TaskView, worker: WorkerInfo) -> float:
         """Predicted time of the copies the task makes on ``worker``: its inputs brought to
         ``worker``'s memory node from their cheapest valid copies, and its final outputs
         written back to the host from a GPU (:func:`staronnx.runtime.datawizard.task_copies`;
-        0 when there is nothing to move)."""
+        0 when there is nothing to move). It may depend on the worker only through its memory
+        node: a decision asks once per node."""
         ...
 
 

@@ -58,6 +58,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import NamedTuple
 
 from staronnx.runtime.policies._common import check_weight, insert_sorted, pop_first_ready
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo, has_target, runs_before
@@ -84,9 +85,8 @@ class QueueState:
         return self.exp_start + self.exp_len
 
 
-@dataclass(frozen=True)
-class Candidate:
-    """One worker as the decision saw it."""
+class Candidate(NamedTuple):
+    """One worker as the decision saw it (a named tuple: one is built per worker per task)."""
 
     worker: int
     length: float  # L (NaN: uncalibrated, 0: no model)
@@ -133,6 +133,7 @@ class DmdaPolicy(Policy):
         self._order: list[WorkerInfo] = []
         self._nodes: dict[int, str] = {}
         self._queues: dict[int, QueueState] = {}
+        self._speedups: dict[int, float] = {}
         self.last_decision: Decision | None = None
 
     def setup(self) -> None:
@@ -140,6 +141,7 @@ class DmdaPolicy(Policy):
         self._order = list(self.workers)
         self._nodes = {w.id: w.memory_node for w in self.workers}
         self._queues = {w.id: QueueState(exp_start=now) for w in self.workers}
+        self._speedups = {w.id: w.speedup for w in self.workers}
         self.last_decision = None
 
     def queue(self, worker_id: int) -> QueueState:
@@ -157,7 +159,8 @@ class DmdaPolicy(Policy):
         """Pick the worker for ``task`` without changing any state."""
         if not self._order:
             raise RuntimeError(f"{self.name} policy: no worker left to place a task on")
-        cands: list[Candidate] = []
+        # (worker, L, T, end, ntasks_end) per candidate; named tuples are made once, at the end
+        raw: list[tuple[int, float, float, float, float]] = []
         calibrating = unknown = False
         greedy: int | None = None
         greedy_end = 0.0
@@ -167,16 +170,27 @@ class DmdaPolicy(Policy):
         order = self.holders(self._order, task.part)
         if not order:
             raise RuntimeError(f"{self.name} policy: no live worker holds part {task.part}")
+        # L depends on the worker only through its arch, T through its memory node (the
+        # Predictor's contract): asked once per decision for each, not once per worker, so a
+        # GPU's streams (alike workers) cost one prediction (with 8 streams a decision cost 6x
+        # eager's host calls per task; StarPU's C loop pays little for the same repetition)
+        lengths: dict[str, float] = {}
+        transfers: dict[str, float] = {}
+        queues, speedups, nan_ = self._queues, self._speedups, math.nan
         for w in order:
-            q = self._queues[w.id]
-            horizon = max(q.exp_start, now) + (self._ahead_of(q, task) if targeted else q.exp_len)
-            max_end = max(max_end, horizon)
-            length = self.predictor.exec_time(task, w)
-            queued = q.ntasks + q.pipeline_ntasks
+            q = queues[w.id]
+            start = q.exp_start if q.exp_start > now else now
+            horizon = start + (self._ahead_of(q, task) if targeted else q.exp_len)
+            if horizon > max_end:
+                max_end = horizon
+            length = lengths.get(w.arch)
+            if length is None:
+                length = lengths[w.arch] = self.predictor.exec_time(task, w)
+            queued = len(q.tasks) + q.pipeline_ntasks
             if targeted:  # the tasks it passes would not delay it: count those it waits for
                 queued -= 2 * sum(1 for t in q.tasks if runs_before(task, t))
-            ntasks_end = queued / w.speedup
-            nan = math.isnan(length)
+            ntasks_end = queued / speedups[w.id]
+            nan = length != length
             # StarPU's greedy candidate, always tracked: the least loaded worker, except that a
             # first uncalibrated worker jumps the line and then only uncalibrated ones compete.
             if (
@@ -188,21 +202,22 @@ class DmdaPolicy(Policy):
             calibrating = calibrating or nan
             unknown = unknown or nan or length == 0.0
             if unknown:
-                cands.append(Candidate(w.id, length, math.nan, math.nan, ntasks_end))
+                raw.append((w.id, length, nan_, nan_, ntasks_end))
                 continue
-            transfer = self._transfer(task, w)
-            end = max(horizon, now + transfer) + length
-            best_end = min(best_end, end)
-            cands.append(Candidate(w.id, length, transfer, end, ntasks_end))
+            transfer = transfers.get(w.memory_node)
+            if transfer is None:
+                transfer = transfers[w.memory_node] = self._transfer(task, w)
+            arrive = now + transfer
+            end = (horizon if horizon > arrive else arrive) + length
+            if end < best_end:
+                best_end = end
+            raw.append((w.id, length, transfer, end, ntasks_end))
         if unknown:
             assert greedy is not None
-            return Decision(task.id, greedy, True, math.nan, tuple(cands))
-        scored = [
-            Candidate(c.worker, c.length, c.transfer, c.end, c.ntasks_end, self._fitness(c, best_end, max_end))
-            for c in cands
-        ]
+            return Decision(task.id, greedy, True, math.nan, tuple(Candidate(*r) for r in raw))
+        scored = tuple(Candidate(*r, self._fitness(r[3], r[2], best_end, max_end)) for r in raw)
         chosen = min(scored, key=attrgetter("fitness"))  # ties keep the earlier worker
-        return Decision(task.id, chosen.worker, False, best_end, tuple(scored))
+        return Decision(task.id, chosen.worker, False, best_end, scored)
 
     @staticmethod
     def _ahead_of(q: QueueState, task: TaskView) -> float:
@@ -211,12 +226,12 @@ class DmdaPolicy(Policy):
         passed = sum(t.predicted + t.transfer for t in q.tasks if runs_before(task, t))
         return max(q.exp_len - passed, 0.0)
 
-    def _fitness(self, c: Candidate, best_end: float, max_end: float) -> float:
+    def _fitness(self, end: float, transfer: float, best_end: float, max_end: float) -> float:
         if not self.data_aware:
-            return c.end - best_end
-        fit = self.alpha * (c.end - best_end) + self.beta * c.transfer  # + gamma * E, E = 0
-        if c.end > max_end and self.idle_power:
-            fit += self.gamma * self.idle_power * (c.end - max_end) / 1e6
+            return end - best_end
+        fit = self.alpha * (end - best_end) + self.beta * transfer  # + gamma * E, E = 0
+        if end > max_end and self.idle_power:
+            fit += self.gamma * self.idle_power * (end - max_end) / 1e6
         return fit
 
     # -- push -------------------------------------------------------------------------------
