@@ -47,10 +47,12 @@ import argparse
 import contextlib
 import json
 import os
+import queue
 import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -121,19 +123,31 @@ def inputs_for(path: Path, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------- measuring
-def closed_loop(submit: Callable[[], Any], wait: Callable[[Any], Any], in_flight: int, seconds: float) -> float:
-    """Requests per second with ``in_flight`` outstanding, for ``seconds`` (after a warm-up)."""
-    window = [submit() for _ in range(in_flight)]
-    for w in window:
-        wait(w)
+def closed_loop(submit: Callable[[], Future[Any]], wait: Callable[[Future[Any]], Any], in_flight: int,
+                seconds: float) -> float:
+    """Requests per second with ``in_flight`` outstanding for ``seconds`` (after a warm-up),
+    each replaced as soon as it completes, in completion order (perf_analyzer's concurrency
+    mode): waiting for them in submission order let one slow request (a batch a CPU group
+    took) hold back the window while the GPU idled, which charged a mixed setup for the loop's
+    order, not for its placement.  ``wait`` reads a completed future (raises its error)."""
+    finished: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
+
+    def launch() -> None:
+        submit().add_done_callback(finished.put)
+
+    for _ in range(in_flight):  # warm-up
+        launch()
+    for _ in range(in_flight):
+        wait(finished.get())
     done, start = 0, time.perf_counter()
-    window = [submit() for _ in range(in_flight)]
+    for _ in range(in_flight):
+        launch()
     while time.perf_counter() - start < seconds:
-        wait(window.pop(0))
+        wait(finished.get())
         done += 1
-        window.append(submit())
-    for w in window:
-        wait(w)
+        launch()
+    for _ in range(in_flight):
+        wait(finished.get())
         done += 1
     return done / (time.perf_counter() - start)
 

@@ -175,3 +175,56 @@ def test_gpu_benchmark_runs_only_the_setups_named(tmp_path):
     bad = subprocess.run([*cmd, "--setups", "gpu+cpu,warp"], capture_output=True, text=True, timeout=600, env=env)
     assert bad.returncode != 0
     assert "--setups: unknown warp" in bad.stderr and "gpu+cpu" in bad.stderr
+
+
+def _gpu_bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_bench_loop", REPO / "benchmarks" / "gpu.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_closed_loop_replaces_requests_in_completion_order():
+    """One request that completes only after 30 others (a batch a CPU group took) does not hold
+    back the window: the loop replaces each request as it completes, as perf_analyzer's
+    concurrency mode does. Waiting in submission order would stall here (the slow one waits
+    for completions that need new submissions): the loop would never return."""
+    import itertools
+    import queue
+    import threading
+    from concurrent.futures import Future
+
+    gpu = _gpu_bench_module()
+    pending: queue.SimpleQueue = queue.SimpleQueue()
+    numbers = itertools.count()
+    slow: list[Future] = []
+    completed = [0]
+
+    def submit() -> Future:
+        f: Future = Future()
+        if next(numbers) == 10:  # the 11th request: inside the measured window
+            slow.append(f)
+        else:
+            pending.put(f)
+        return f
+
+    def complete() -> None:
+        while (f := pending.get()) is not None:
+            f.set_result({"y": 1})
+            completed[0] += 1
+            if completed[0] == 40 and slow:
+                slow[0].set_result({"y": 1})
+
+    completer = threading.Thread(target=complete, daemon=True)
+    completer.start()
+    result: list[float] = []
+    loop = threading.Thread(target=lambda: result.append(gpu.closed_loop(submit, lambda f: f.result(), 4, 0.2)),
+                            daemon=True)
+    loop.start()
+    loop.join(timeout=60)
+    pending.put(None)
+    assert not loop.is_alive(), "the closed loop waited for its slow request while nothing else was submitted"
+    assert slow and slow[0].done() and result and result[0] > 0
