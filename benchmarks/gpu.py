@@ -10,6 +10,8 @@ For each model and batch size, throughput in samples/s with numpy in and numpy o
   host input in pinned memory, each request an ``update_inplace`` copy in, a graph replay
   (``run_with_iobinding``) and a copy of the output back: the best plain ORT can do;
 - ``gpu``: staronnx, the 1-part plan on ``--streams`` CUDA workers only (``--groups`` none);
+- ``gpu+tps``: ``gpu`` with a driver thread per stream (``thread_per_stream``) instead of one
+  per GPU: without graphs every kernel is launched by the thread that runs the task;
 - ``graphs``: the same, each (part, batch size) captured as a CUDA graph at warm-up (staronnx's
   default; ``gpu`` is run with ``--no-cuda-graphs``); the row records how many graphs the
   workers captured and replayed, and a "graphs" figure with none replayed fails its check;
@@ -328,6 +330,11 @@ def staronnx_setups(path: Path, tmp: Path, args: argparse.Namespace, say: Callab
                             "cuda_graphs": True}
         for label, base in (("gpu+colo", "gpu"), ("graphs+colo", "graphs")):
             setups[label] = {**setups[base], "colocate": True}
+        # no graphs, a driver thread per stream (StarPU's STARPU_CUDA_THREAD_PER_WORKER): without
+        # graphs ORT's run launches every kernel from the calling thread, so one driver for all
+        # streams serialises them (the H200's "gpu" read 648 samples/s at batch 1 with 4 streams,
+        # ort4 1,625)
+        setups["gpu+tps"] = {**setups["gpu"], "thread_per_stream": True}
     keep = [x for x in args.setups.split(",") if x] if args.setups else list(setups)
     unknown = sorted(set(keep) - set(setups))
     if unknown:
@@ -391,7 +398,8 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
                     tuned.close()
         for label, s in setups.items():
             say(f"{name} b={b}: staronnx {label}")
-            cuda_options = ({"provider_options": {"use_tf32": "0"}, "cuda_graphs": s.get("cuda_graphs", True)}
+            cuda_options = ({"provider_options": {"use_tf32": "0"}, "cuda_graphs": s.get("cuda_graphs", True),
+                             "thread_per_stream": s.get("thread_per_stream", False)}
                             if s["cuda_streams"] else None)
             with Runtime(s["plan"], policy=s["policy"], cpu_groups=s["groups"], cuda_streams=s["cuda_streams"],
                          store=store, cuda_options=cuda_options, warmup=(b,) if s["cuda_streams"] else ()) as rt:
@@ -413,8 +421,8 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
 
 # ---------------------------------------------------------------------- report
 TUNED = ["ort-tuned1", "ort-tuned2", "ort-tuned4"]
-COLUMNS = ["ort1", "ort2", "ort4", *TUNED, "gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto", "cpu"]
-STARONNX = ["gpu", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto"]
+COLUMNS = ["ort1", "ort2", "ort4", *TUNED, "gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto", "cpu"]
+STARONNX = ["gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto"]
 
 
 def format_row(row: dict[str, Any]) -> str:

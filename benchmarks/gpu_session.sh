@@ -12,12 +12,15 @@
 #                                           modules that hold them: the GPU host has only its
 #                                           own packages (no tritonclient, no ray, maybe no
 #                                           pynvml), and what a test cannot run there it skips
-#   2. gpu.py                               staronnx vs ORT on googlenet (issue 20's table; each
-#                                           row lands in $OUT/gpu.json as it is measured)
-#   3. host_overhead --device cuda          host us/task, 1/2/4 streams, plain and colocated,
-#      (and again with --cuda-graphs)       against ORT's CUDA provider in threads
-#   4. colocation --device cuda             the open loop plain vs colocated (graphs on)
-# SESSION_SECONDS (default 560) bounds the whole; the step limits add up to 520 s, so all of it
+#   2. gpu.py                               staronnx vs ORT on googlenet (issue 35's table, 4
+#                                           streams; each row lands in $OUT/gpu.json as it is
+#                                           measured)
+#   3. gpu.py --streams 8                   the setups that 8 streams moved on the H200 (graphs,
+#                                           gpu+cpu) and a driver thread per stream (gpu+tps)
+#   4. host_overhead --device cuda          host us/task, 1/2/4 streams, plain and colocated,
+#                                           against ORT's CUDA provider in threads
+# (benchmarks/colocation.py --device cuda and host_overhead --cuda-graphs run by hand.)
+# SESSION_SECONDS (default 560) bounds the whole; the step limits add up to 540 s, so all of it
 # also fits run.sh's session step (540 s). A step that would start with too little left is
 # skipped and says so.
 #
@@ -77,9 +80,9 @@ if [ "${1:-gpu}" = host ]; then
   exit 0
 fi
 gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
-step pytest-gpu 160 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs $gpu_tests
-step gpu-table 240 "$PY" benchmarks/gpu.py --models googlenet --batches 1,8,32 --seconds 1.5 --json "$OUT/gpu.json"
+step pytest-gpu 90 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs $gpu_tests
+step gpu-table 280 "$PY" benchmarks/gpu.py --models googlenet --batches 1,8,32 --seconds 1.5 --json "$OUT/gpu.json"
+step gpu-table-8streams 130 "$PY" benchmarks/gpu.py --models googlenet --batches 1,8 --seconds 1 --streams 8 \
+  --setups graphs,gpu+cpu,gpu+tps --json "$OUT/gpu-8streams.json"
 step host-overhead 40 "$PY" benchmarks/host_overhead.py --device cuda --seconds 1 --rounds 2
-step host-overhead-graphs 40 "$PY" benchmarks/host_overhead.py --device cuda --cuda-graphs --seconds 1 --rounds 2
-step colocation 40 "$PY" benchmarks/colocation.py --device cuda --cuda-graphs --seconds 1.5 --rounds 1
 echo "total: $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"

@@ -102,8 +102,7 @@ def test_the_gpu_session_runs_the_table_before_anything_optional_within_its_budg
     steps = [re.match(r"^(\S+): exit 0 in \d+ s \(limit (\d+) s\)$", line)
              for line in (out / "summary.txt").read_text().splitlines()[:-1]]
     assert all(steps), (out / "summary.txt").read_text()
-    assert [m.group(1) for m in steps] == ["pytest-gpu", "gpu-table", "host-overhead", "host-overhead-graphs",
-                                           "colocation"]
+    assert [m.group(1) for m in steps] == ["pytest-gpu", "gpu-table", "gpu-table-8streams", "host-overhead"]
     assert sum(int(m.group(2)) for m in steps) <= 540
     pytest_call = calls.read_text().splitlines()[0]
     assert pytest_call.startswith("-m pytest -m gpu ")
