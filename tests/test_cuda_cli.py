@@ -269,3 +269,58 @@ def test_a_mixed_sweep_and_optimize_batch_colocate_their_load_generators(tiny, t
     assert done.returncode == 0, done.stdout + done.stderr
     core = json.loads(report.read_text())["generator_core"]
     assert core == cores["a"] and f"on the CUDA driver's core (PU {core})" in done.stdout, done.stdout
+
+
+# -- --cuda-thread-per-stream: a driver thread per stream (StarPU's STARPU_CUDA_THREAD_PER_WORKER) --
+@pytest.mark.parametrize("own", [False, True])
+def test_run_says_who_drives_each_stream(tiny, host_cuda, own):
+    """``run --cuda-thread-per-stream``: each stream's tasks are launched by a thread of its own,
+    which the worker table reads off the runtime (one GPU's driver otherwise)."""
+    _, plan = tiny
+    proc = _cli("run", str(plan), "--requests", "30", "--batch", "2", "--cuda-streams", "2", "--groups", "none",
+                "--policy", "eager", *(["--cuda-thread-per-stream"] if own else []))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "driver thread" in proc.stdout
+    rows = {m.group(1): m.group(2) for m in re.finditer(r"(cuda0\.s[01]) .*│ (cuda0(?:\.s[01] \(own\))?)\s*│",
+                                                         proc.stdout)}
+    assert rows == ({"cuda0.s0": "cuda0.s0 (own)", "cuda0.s1": "cuda0.s1 (own)"} if own
+                    else {"cuda0.s0": "cuda0", "cuda0.s1": "cuda0"}), proc.stdout
+
+
+def test_sweep_and_topology_take_a_thread_per_stream(tiny, tmp_path, host_cuda):
+    """``sweep --cuda-thread-per-stream`` measures with a driver per stream (its results say which
+    thread drove each worker); ``topology`` shows each stream's driver on a core of its own."""
+    _, plan = tiny
+    out = tmp_path / "sweep"
+    proc = _cli("sweep", str(plan), "--rates", "200", "--batch-sizes", "2", "--duration", "0.5s", "--cuda-streams",
+                "2", "--groups", "none", "--policy", "eager", "--no-plots", "-q", "--cuda-thread-per-stream",
+                "-o", str(out))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["settings"]["drivers"] == {"cuda0.s0": "cuda0.s0 (own)", "cuda0.s1": "cuda0.s1 (own)"}
+    assert doc["rows"] and all(r["throughput"] > 0 for r in doc["rows"])
+    shown = {}
+    for own in (False, True):
+        topo = _cli("topology", "--synthetic", "pack:1 numa:1 core:8 pu:1", "--cuda-streams", "2",
+                    *(["--cuda-thread-per-stream"] if own else []))
+        assert topo.returncode == 0, topo.stdout + topo.stderr
+        shown[own] = re.findall(r"cuda0\.s\d .*driver thread on PU (\d+)", topo.stdout)
+    assert len(set(shown[False])) == 1 and len(shown[False]) == 2  # one driver for the GPU
+    assert len(set(shown[True])) == 2  # a core each
+
+
+@pytest.mark.parametrize("own", [False, True])
+def test_serve_says_how_many_threads_drive_its_streams(tiny, tmp_path, host_cuda, own):
+    """``serve --cuda-thread-per-stream``: the model's start line reads, off the started runtime,
+    one driver thread per stream (one for the GPU otherwise)."""
+    from test_serve import start_server
+
+    _, plan = tiny
+    served = start_server([plan], tmp_path, "--name", "tiny", "--policy", "eager", "--cuda-streams", "2",
+                          "--groups", "none", "--batch-size", "2", *(["--cuda-thread-per-stream"] if own else []))
+    try:
+        start = next(line for line in served.lines if line.startswith("model 'tiny'"))
+    finally:
+        rc = served.stop()
+    assert rc == 0, "\n".join(served.lines)
+    assert ("2 driver threads for 2 streams" if own else "1 driver thread for 2 streams") in start, start

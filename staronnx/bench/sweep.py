@@ -246,7 +246,8 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
 
 def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]], rates: Sequence[float],
           batch_sizes: Sequence[int], *, policy: str = "heft", groups: str = "numa", cuda_streams: int = 0,
-          cuda_devices: Sequence[int] = (0,), cuda_graphs: bool = True, distribution: str = "constant",
+          cuda_devices: Sequence[int] = (0,), cuda_graphs: bool = True, thread_per_stream: bool = False,
+          distribution: str = "constant",
           duration: float = 10.0, warmup: float | None = None, out_dir: str | os.PathLike[str] | None = None,
           store: Any = None, progress: Progress | None = None, seed: int = 0, queue_capacity: int = 1024,
           min_batches: int = 10, extend: bool = True, stop_on_congestion: bool = True, bound: bool = True,
@@ -350,7 +351,8 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         runtime = Runtime(first if one else loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
                           cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, targets=targets,
                           residency=residency, lanes=lanes or None,
-                          cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+                          cuda_options={"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream}
+                          if cuda_streams else None,
                           warmup=sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
@@ -362,6 +364,10 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                           server_factory=server_factory, colocate=colocate))
     try:
         settings["workers"] = [w.name for w in runtime.workers]
+        # the thread that launches each CUDA worker's tasks: the GPU's one driver, or its own
+        # (--cuda-thread-per-stream), read off the runtime that measured
+        settings["drivers"] = {n: w["driver"]["thread"] for n, w in runtime.stats()["workers"].items()
+                               if "driver" in w}
         for n in ([] if one else names):  # where each model lives (every worker unless residency or lanes say otherwise)
             settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
         notify(SweepEvent("start", 0, total))

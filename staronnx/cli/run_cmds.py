@@ -15,7 +15,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
 
@@ -35,6 +35,8 @@ def run_cmd(
         "--cuda-graphs/--no-cuda-graphs",
         help="Capture each (part, batch size) as a CUDA graph at warm-up and replay it (fewer "
              "kernel launches at small batches); on by default where a part can be captured.")] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option(
         "--colocate", help="Submit from the CUDA driver thread's core, or without --cuda-streams from the first CPU "
                            "worker's (this thread and that one hold the GIL in turn; a hand-over on one core costs "
@@ -81,7 +83,7 @@ def run_cmd(
     latencies: list[float] = []
     failures: list[tuple[int, BaseException]] = []
     computed = 0
-    cuda_options = {"cuda_graphs": cuda_graphs} if cuda_streams else None
+    cuda_options = {"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream} if cuda_streams else None
     stats: dict[str, Any] | None = None
     trace_error: OSError | None = None
     try:
@@ -150,12 +152,16 @@ def run_cmd(
     console.print(table)
     workers = Table(title="workers")
     graphs = any("graphs" in row for row in stats["workers"].values())
-    for col in ("worker", "arch", "tasks", "busy", *(("CUDA graphs",) if graphs else ())):
+    drivers = any("driver" in row for row in stats["workers"].values())
+    for col in ("worker", "arch", "tasks", "busy", *(("CUDA graphs",) if graphs else ()),
+                *(("driver thread",) if drivers else ())):
         workers.add_column(col, overflow="fold")
     for name, row in stats["workers"].items():
         cells = [name, row["arch"], str(row["tasks"]), f"{row['busy']:.0%}"]
         if graphs:
             cells.append(graph_summary(row.get("graphs")))
+        if drivers:
+            cells.append(driver_summary(row.get("driver")))
         workers.add_row(*cells)
     console.print(workers)
     console.print(f"mean queue wait {stats['mean_queue_wait_ms']:.2f} ms")
@@ -167,6 +173,14 @@ def run_cmd(
         console.print(f"trace written to {trace} (open in https://ui.perfetto.dev)")
     if failures:
         raise failure_error(plan, pool, failures, requests)
+
+
+def driver_summary(driver: dict[str, Any] | None) -> str:
+    """The thread that launches a CUDA worker's tasks, and its core: ``cuda0 on PU 3`` (the
+    GPU's one driver) or ``cuda0.s1 (own) on PU 2`` (``--cuda-thread-per-stream``)."""
+    if driver is None:
+        return "-"
+    return driver["thread"] + ("" if driver["pu"] is None else f" on PU {driver['pu']}")
 
 
 def failure_error(plan: Any, pool: list[dict[str, np.ndarray]], failures: list[tuple[int, BaseException]],

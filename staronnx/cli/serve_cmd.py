@@ -7,7 +7,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import served_only, target_words
 
@@ -36,6 +36,8 @@ def serve_cmd(
         help=CUDA_DEVICES_HELP + " Not with --ray (Ray gives each replica its GPUs: --replica-gpus).")] = None,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
     cuda_graphs: Annotated[bool, typer.Option("--cuda-graphs/--no-cuda-graphs", help=HELP["cuda_graphs"])] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option("--colocate", help=HELP["colocate"])] = False,
     batch_size: Annotated[int, typer.Option(help="Largest batch the batcher forms from the clients' samples.")] = 8,
     batch_axis: Annotated[list[str] | None, typer.Option(
@@ -194,7 +196,8 @@ def serve_cmd(
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine, save_every=save_s,
-                   cuda_options={"cuda_graphs": cuda_graphs} if cuda_streams else None,
+                   cuda_options={"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream}
+                   if cuda_streams else None,
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
     try:
         if len(loaded) > 1 and not separate_runtimes:
@@ -229,6 +232,7 @@ def serve_cmd(
                 f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
                 f"{endpoint.server.max_inflight} batches in flight"
                 + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
+                + (f", {driver_text(runtime)}" if cuda_streams and isinstance(runtime, Runtime) else "")
                 + f"; {contract_text(plan)}")
         run, loop_name = event_loop_runner()
         say(f"event loop: {loop_name}")
@@ -312,6 +316,14 @@ def _lowered_text(workers: list[Any]) -> str:
 
 
 #: the help of the options whose text is too long to stand in the signature
+def driver_text(runtime: Any) -> str:
+    """Who launches the CUDA workers' tasks, read off the started runtime: ``1 driver thread for
+    2 streams`` (one per GPU) or ``2 driver threads for 2 streams`` (--cuda-thread-per-stream)."""
+    rows = [w["driver"]["thread"] for w in runtime.stats()["workers"].values() if "driver" in w]
+    threads = len(set(rows))
+    return f"{threads} driver thread{'s' if threads != 1 else ''} for {len(rows)} stream{'s' if len(rows) != 1 else ''}"
+
+
 HELP = {
     "cuda_graphs": ("With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
                     "--batch-size) at start-up; partial batches are padded up to them."),

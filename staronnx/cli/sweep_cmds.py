@@ -20,7 +20,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, cuda_summary, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, cuda_summary, host_core_name, parse_cuda_devices
 from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, \
     PriorityOption, SloOption, check_models_options, models_options
 from staronnx.durations import parse_duration
@@ -294,7 +294,8 @@ def _sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., lis
 
     def run(plan: Any, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
             **kwargs: Any) -> list[dict[str, Any]]:
-        kwargs.pop("cuda_graphs", None)  # the server's own setting (staronnx serve --no-cuda-graphs)
+        kwargs.pop("cuda_graphs", None)  # the server's own settings (staronnx serve --no-cuda-graphs)
+        kwargs.pop("thread_per_stream", None)
         options = {k: kwargs.pop(k) for k in SERVER_OPTIONS if k in kwargs}
         options["batch_sizes"] = batch_sizes
         options = {k: (v if k in given else None) for k, v in options.items()}
@@ -326,6 +327,8 @@ def sweep_cmd(
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
         help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option(
         "--colocate", help="The load generator and the batcher run on the CUDA driver thread's core during each "
                            "point, or without --cuda-streams on the first CPU worker's (they hold the GIL in turn with "
@@ -427,6 +430,7 @@ def sweep_cmd(
         if url is None:  # over the network the groups are the server's
             warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     common = dict(policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
+                  thread_per_stream=thread_per_stream,
                   distribution=distribution, duration=seconds, warmup=warm, out_dir=output, seed=seed,
                   queue_capacity=queue_capacity, min_batches=min_batches, simulate=simulate, max_delay=delay,
                   trace=trace, colocate=colocate)  # colocate: --url refused it above

@@ -99,6 +99,9 @@ def register(app: typer.Typer) -> None:
         cuda_devices: Annotated[Optional[str], typer.Option(
             help="With --cuda-streams: the GPUs (0,1 or 0-3 or all); any ordinal with --synthetic or --xml "
                  "(another machine's). Default: 0.")] = None,
+        thread_per_stream: Annotated[bool, typer.Option(
+            "--cuda-thread-per-stream", help="With --cuda-streams: a driver thread, and a core held back, per "
+                                             "stream rather than per GPU (as run, serve and sweep take it).")] = False,
     ) -> None:
         """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups; with
         --cuda-streams, every worker a run would start, CUDA driver threads' cores included."""
@@ -108,7 +111,8 @@ def register(app: typer.Typer) -> None:
         elsewhere = synthetic is not None or xml is not None
         devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=elsewhere)
         # with CUDA streams, the groups as the runtime makes them: a core held back per GPU driver thread
-        laid = layout(MachineSpec(groups, cuda_streams, devices), topo) if cuda_streams else None
+        laid = (layout(MachineSpec(groups, cuda_streams, devices, thread_per_stream=thread_per_stream), topo)
+                if cuda_streams else None)
         console = Console()
         console.print(topo.rich_tree())
         console.print(groups_table(laid.groups if laid is not None else make_groups(topo, groups)))

@@ -742,9 +742,13 @@ class NativeEngine:
             tasks, moved, hits = (sum(c[i] for c in self._starts) for i in range(3))
             out["prefetch"] = {"tasks": tasks, "moved": moved, "hits": hits,
                                "on_node": (tasks - moved + hits) / tasks if tasks else None}
-        for w in self._workers:  # CUDA graphs per worker: what `staronnx run` reports
-            if isinstance(w, CudaWorker) and w.cuda_graphs and w.name in out["workers"]:
-                out["workers"][w.name]["graphs"] = w.graph_stats()
+        for w in self._workers:  # CUDA graphs and driver thread per worker: what `staronnx run` reports
+            if isinstance(w, CudaWorker) and w.name in out["workers"]:
+                row = out["workers"][w.name]
+                if w.cuda_graphs:
+                    row["graphs"] = w.graph_stats()
+                # who launches its tasks: the GPU's shared driver thread, or a thread of its own
+                row["driver"] = {"thread": w.driver_key or f"{w.name} (own)", "pu": w.cpu}
         return out
 
     def model_stats(self, model: int) -> dict[str, Any]:
