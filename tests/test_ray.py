@@ -627,14 +627,19 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
     try:
         proc, lines, addr = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "two", "--replicas", "1",
                                          "--replica-cpus", "1", "--replica-gpus", "2", "--cuda-streams", "1",
-                                         "--groups", "none", "--policy", "eager", "--batch-size", "1",
-                                         "--max-delay", "0ms", "--gc-interval", "5s", "--save-every", "7s")
+                                         "--groups", "none", "--policy", "eager", "--batch-size", "2",
+                                         "--max-delay", "0ms", "--gc-interval", "5s", "--save-every", "7s",
+                                         "--cuda-thread-per-stream")
     finally:
         del os.environ["STARONNX_CUDA_RUNTIME"]
     try:
         (replica,) = _replicas("staronnx-two", "staronnx", 1).values()
         assert replica["gpus"] == 2 and replica["workers"] == ["cuda0.s0", "cuda1.s0"], replica
         assert replica["gc_thresholds"][1:] == [OUT_OF_REACH, OUT_OF_REACH] and replica["save_every"] == 7.0, replica
+        # --cuda-thread-per-stream reached it (a driver per stream), and its batch sizes were
+        # warmed up and captured before it served (CUDA graphs on by default)
+        assert replica["drivers"] == {"cuda0.s0": "cuda0.s0 (own)", "cuda1.s0": "cuda1.s0 (own)"}, replica
+        assert replica["pad_to"] == [1, 2], replica
         for i in range(4):
             x = light_x(i)
             st, reply = _post_json(addr, "/v2/models/two/infer", body(x))
@@ -871,3 +876,39 @@ def test_a_shared_replica_loads_a_model_on_the_workers_its_spec_names(tmp_path):
         assert len(runtime.model("a").stats()["held_by"]) == 2
     finally:
         runtime.close()
+
+
+@pytest.mark.parametrize("graphs, own", [(True, False), (False, True)])
+def test_a_replica_takes_the_servers_cuda_settings_and_warms_up_its_batch_sizes(tmp_path, monkeypatch, graphs, own):
+    """``serve --ray --no-cuda-graphs / --cuda-thread-per-stream`` (and a Serve config's
+    ``cuda_graphs``, ``thread_per_stream``) reach the replica's runtime (both used to be dropped
+    on the way to Ray: a replica always captured graphs, lazily while serving, with one driver
+    thread): it warms up, and captures, the batch sizes its batcher forms, as ``staronnx serve``
+    does, and drives each stream as asked. HostRuntime stands in for the GPU."""
+    from staronnx.ray.cli import model_specs
+    from staronnx.ray.replica import open_runtime
+    from staronnx.ray.spec import ReplicaSpec
+
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    plans = _tiny_plans(tmp_path)
+    specs = model_specs([plans["a"].root], ["a"], {"groups": "none", "cuda_streams": 2, "cuda_graphs": graphs,
+                                                   "thread_per_stream": own, "batch_size": 4, "max_delay": 0.001,
+                                                   "pin_cpus": False, "policy": "eager"},
+                        capacities={"a": 8}, targets={}, residency={})
+    spec = ReplicaSpec.of(ReplicaSpec(tuple(specs)).to_dict())  # as a replica receives it
+    runtime = open_runtime(spec)
+    try:
+        assert tuple(runtime.preferred_batch_sizes) == ((1, 2, 4) if graphs else ())
+        drivers = {n: w["driver"]["thread"] for n, w in runtime.stats()["workers"].items()}
+        assert drivers == ({"cuda0.s0": "cuda0.s0 (own)", "cuda0.s1": "cuda0.s1 (own)"} if own
+                           else {"cuda0.s0": "cuda0", "cuda0.s1": "cuda0"})
+    finally:
+        runtime.close()
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from staronnx.ray.app import build
+
+    (hosted,) = _hosted(build({"plans": [str(plans["a"].root)], "cuda_streams": 2, "cuda_graphs": graphs,
+                               "thread_per_stream": own})).values()
+    model = hosted[1]["models"][0]
+    assert (model["cuda_graphs"], model["thread_per_stream"]) == (graphs, own)

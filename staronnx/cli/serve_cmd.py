@@ -174,6 +174,7 @@ def serve_cmd(
 
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
         specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+                                           "cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
                                            "max_delay": delay, "save_every": save_s, "gc_interval": collect_every},
                             capacities=capacities, targets=targets, residency=residency, lanes=lanes,

@@ -28,8 +28,8 @@ from staronnx.ray.spec import (APP_NAME, INGRESS_NAME, ModelSpec, ReplicaSpec, S
 _SCALING_ARGS = {"replicas", "autoscale", "replica_cpus", "replica_gpus", "max_ongoing", "target_ongoing",
                  "ingress_replicas"}
 #: settings given once for every model
-_MODEL_ARGS = {"policy", "groups", "cuda_streams", "engine", "batch_size", "max_delay",
-               "calibrate", "home", "save_every", "pin_cpus", "lane_preempt", "gc_interval"}
+_MODEL_ARGS = {"policy", "groups", "cuda_streams", "cuda_graphs", "thread_per_stream", "engine", "batch_size",
+               "max_delay", "calibrate", "home", "save_every", "pin_cpus", "lane_preempt", "gc_interval"}
 #: settings given once for every model or per model ({name: value}, or "name=value" items)
 _PER_MODEL_ARGS = {"queue_capacity", "slo_ms", "priority"}
 _OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes", "batch_axes", "batching"}

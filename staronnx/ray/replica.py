@@ -222,6 +222,9 @@ class StaronnxReplica:
                 "save_every": self.spec.runtime_settings()["save_every"],
                 "models": list(self.endpoints), "ongoing": self._ongoing,
                 "workers": sorted(stats.get("workers", {})), "dead_workers": stats.get("dead_workers", []),
+                # the thread launching each CUDA worker's tasks (--cuda-thread-per-stream: its own)
+                "drivers": {n: w["driver"]["thread"] for n, w in stats.get("workers", {}).items() if "driver" in w},
+                "pad_to": list(self.runtime.preferred_batch_sizes),
                 "problem": self.problem(), "requests_done": stats.get("requests_done")}
 
     # -- health -----------------------------------------------------------------------------------
@@ -284,9 +287,12 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     service target (a one-model spec is a runtime of one); ``cuda_streams`` CUDA workers on each
     of ``cuda_devices`` (the replica's GPUs)."""
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.runtime.runtime import Runtime
+    from staronnx.runtime.runtime import Runtime, warmup_sizes
 
     settings = spec.runtime_settings()
+    streams = settings["cuda_streams"]
+    # as `staronnx serve`: each batch size the batchers form warmed up (and captured) before serving
+    warm = sorted({s for m in spec.models for s in warmup_sizes(m.batch_size, m.max_delay)}) if streams else ()
     store = PerfModelStore(settings["home"]) if settings["home"] else None
     plans = {m.name: m.load_plan() for m in spec.models}  # each with its batching overrides
     targets = {m.name: m.target() for m in spec.models if m.target()}
@@ -296,7 +302,10 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
                    cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
                    save_every=float(settings["save_every"]),
                    calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
-                   lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices)
+                   lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices,
+                   cuda_options={"cuda_graphs": settings["cuda_graphs"],
+                                 "thread_per_stream": settings["thread_per_stream"]} if streams else None,
+                   warmup=tuple(warm))
 
 
 def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:

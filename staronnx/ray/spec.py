@@ -28,8 +28,8 @@ INGRESS_NAME = "staronnx-ingress"
 SHARED_NAME = "staronnx-shared"
 #: the ModelSpec fields that set up a replica's runtime (and its process), rather than one
 #: model's batcher: the models sharing a runtime must agree on them
-RUNTIME_FIELDS = ("policy", "groups", "cuda_streams", "engine", "calibrate", "home", "save_every", "pin_cpus",
-                  "lane_preempt", "gc_interval")
+RUNTIME_FIELDS = ("policy", "groups", "cuda_streams", "cuda_graphs", "thread_per_stream", "engine", "calibrate",
+                  "home", "save_every", "pin_cpus", "lane_preempt", "gc_interval")
 #: what --separate-runtimes refuses: both order the tasks of models sharing one scheduler
 TARGETS_NEED_SHARING = ("latency targets and priorities (--slo-ms, --priority; slo_ms, priority in a Serve config) "
                         "order the tasks of models sharing one runtime; they do not go with --separate-runtimes "
@@ -82,6 +82,10 @@ class ModelSpec:
     policy: str = "heft"
     groups: str = "numa"
     cuda_streams: int = 0
+    #: with cuda_streams: capture CUDA graphs of the batch sizes served, warmed up as the replica
+    #: starts (``--no-cuda-graphs``: off), and a driver thread per stream (``--cuda-thread-per-stream``)
+    cuda_graphs: bool = True
+    thread_per_stream: bool = False
     engine: str = "native"
     calibrate: int | None = None
     pin_cpus: bool = True
