@@ -75,7 +75,7 @@ def test_host_cost_benchmarks_on_the_gpu_say_what_is_missing_where_there_is_none
 
 
 @pytest.mark.parametrize("which, steps", [
-    ("gpu", ["pytest-gpu", "gpu-table", "host-overhead", "host-overhead-graphs", "colocation"]),
+    ("gpu", ["pytest-gpu", "gpu-table", "gpu-table-8streams", "host-overhead"]),
     ("host", ["host-overhead-host", "serving-path"]),
     ("serve", ["serve-tail", "serve-googlenet"]),
 ])

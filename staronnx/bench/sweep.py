@@ -366,7 +366,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         settings["workers"] = [w.name for w in runtime.workers]
         # the thread that launches each CUDA worker's tasks: the GPU's one driver, or its own
         # (--cuda-thread-per-stream), read off the runtime that measured
-        settings["drivers"] = {n: w["driver"]["thread"] for n, w in runtime.stats()["workers"].items()
+        settings["drivers"] = {n: w["driver"]["thread"] for n, w in runtime.stats().get("workers", {}).items()
                                if "driver" in w}
         for n in ([] if one else names):  # where each model lives (every worker unless residency or lanes say otherwise)
             settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
