@@ -401,8 +401,13 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
             cuda_options = ({"provider_options": {"use_tf32": "0"}, "cuda_graphs": s.get("cuda_graphs", True),
                              "thread_per_stream": s.get("thread_per_stream", False)}
                             if s["cuda_streams"] else None)
+            trace = (args.trace / f"trace-{name}-{label.replace('+', '_')}-b{b}.json"
+                     if args.trace is not None and label in args.trace_setups else None)
+            if trace is not None:  # its figure paid for the trace's spans: the row says so
+                row.setdefault("traced", []).append(label)
             with Runtime(s["plan"], policy=s["policy"], cpu_groups=s["groups"], cuda_streams=s["cuda_streams"],
-                         store=store, cuda_options=cuda_options, warmup=(b,) if s["cuda_streams"] else ()) as rt:
+                         store=store, cuda_options=cuda_options, warmup=(b,) if s["cuda_streams"] else (),
+                         trace=trace) as rt:
                 out = rt.run(feeds)
                 row["errors"][label] = rel_error(next(iter(out.values())), ref)
                 with rt.colocate() if s.get("colocate") else contextlib.nullcontext():
@@ -479,11 +484,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", type=int, default=4, help="CUDA workers (streams) on the GPU (ort4 runs 4 sessions)")
     ap.add_argument("--in-flight", type=int, default=16)
     ap.add_argument("--setups", default="", help="the staronnx setups to run, comma-separated (default: all)")
+    ap.add_argument("--trace", type=Path, default=None,
+                    help="a folder: a Perfetto trace of each --trace-setups setup at each batch size (where the "
+                         "time goes: each worker's tasks, the gaps between them)")
+    ap.add_argument("--trace-setups", default="graphs,gpu+cpu", help="the setups --trace records")
     ap.add_argument("--groups", default="numa", help="CPU groups beside the GPU (a core per stream is held back)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", type=Path, default=Path("gpu-benchmark.json"))
     args = ap.parse_args(argv)
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.trace_setups = {x for x in args.trace_setups.split(",") if x}
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda" and CUDA not in ort.get_available_providers():
         print(f"benchmarks/gpu.py needs onnxruntime-gpu's {CUDA} (this onnxruntime has "
               f"{', '.join(ort.get_available_providers())}); use --device cpu for a smoke run", file=sys.stderr)

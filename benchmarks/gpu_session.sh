@@ -16,7 +16,9 @@
 #                                           streams; each row lands in $OUT/gpu.json as it is
 #                                           measured)
 #   3. gpu.py --streams 8                   the setups that 8 streams moved on the H200 (graphs,
-#                                           gpu+cpu) and a driver thread per stream (gpu+tps)
+#                                           gpu+cpu) and a driver thread per stream (gpu+tps); a
+#                                           Perfetto trace of graphs and gpu+cpu per batch size
+#                                           ($OUT/traces.tgz: each stream's tasks and the gaps)
 #   4. host_overhead --device cuda          host us/task, 1/2/4 streams, plain and colocated,
 #                                           against ORT's CUDA provider in threads
 # (benchmarks/colocation.py --device cuda and host_overhead --cuda-graphs run by hand.)
@@ -42,7 +44,9 @@ BUDGET="${SESSION_SECONDS:-560}"
 START=$(date +%s)
 PY="${PYTHON:-python3}"
 : > "$OUT/summary.txt"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$OUT/gpu.txt" 2>&1 || true
+# the GPU in the summary's first line (a call brings back at most 8 files)
+gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
+echo "gpu: ${gpu:-none}" >> "$OUT/summary.txt"
 
 step() {  # step NAME SECONDS COMMAND...
   local name="$1" limit="$2"; shift 2
@@ -83,6 +87,8 @@ gpu_tests=$(grep -l "pytest.mark.gpu" tests/test_*.py)
 step pytest-gpu 90 "$PY" -m pytest -m gpu -q -p no:cacheprovider -rs $gpu_tests
 step gpu-table 280 "$PY" benchmarks/gpu.py --models googlenet --batches 1,8,32 --seconds 1.5 --json "$OUT/gpu.json"
 step gpu-table-8streams 130 "$PY" benchmarks/gpu.py --models googlenet --batches 1,8 --seconds 1 --streams 8 \
-  --setups graphs,gpu+cpu,gpu+tps --json "$OUT/gpu-8streams.json"
+  --setups graphs,gpu+cpu,gpu+tps --trace "$OUT/traces" --trace-setups graphs,gpu+cpu --json "$OUT/gpu-8streams.json"
 step host-overhead 40 "$PY" benchmarks/host_overhead.py --device cuda --seconds 1 --rounds 2
+# the Perfetto traces of the 8-stream step (where the time goes), as one file
+[ -d "$OUT/traces" ] && tar czf "$OUT/traces.tgz" -C "$OUT" traces && rm -rf "$OUT/traces"
 echo "total: $(($(date +%s) - START)) s" | tee -a "$OUT/summary.txt"

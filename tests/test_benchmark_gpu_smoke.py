@@ -100,7 +100,7 @@ def test_the_gpu_session_runs_the_table_before_anything_optional_within_its_budg
                           timeout=60, cwd=REPO, env={**os.environ, "OUT": str(out), "PYTHON": str(stub)})
     assert done.returncode == 0, done.stdout + done.stderr
     steps = [re.match(r"^(\S+): exit 0 in \d+ s \(limit (\d+) s\)$", line)
-             for line in (out / "summary.txt").read_text().splitlines()[:-1]]
+             for line in (out / "summary.txt").read_text().splitlines()[1:-1]]  # after the GPU's line
     assert all(steps), (out / "summary.txt").read_text()
     assert [m.group(1) for m in steps] == ["pytest-gpu", "gpu-table", "gpu-table-8streams", "host-overhead"]
     assert sum(int(m.group(2)) for m in steps) <= 540
@@ -165,10 +165,18 @@ def test_gpu_benchmark_runs_only_the_setups_named(tmp_path):
     env = {**os.environ, "STARONNX_HOME": str(tmp_path / "home")}
     cmd = [sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--models", "tiny", "--batches", "1",
            "--seconds", "0.2", "--json", str(out)]
-    done = subprocess.run([*cmd, "--setups", "gpu+cpu,split"], capture_output=True, text=True, timeout=600, env=env)
+    traces = tmp_path / "traces"
+    done = subprocess.run([*cmd, "--setups", "gpu+cpu,split", "--trace", str(traces), "--trace-setups", "gpu+cpu"],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert sorted(row["errors"]) == ["gpu+cpu", "split"]
+    # --trace: a Perfetto trace of the setup named (its tasks as complete events), and the row
+    # says that setup's figure paid for it
+    assert [p.name for p in traces.iterdir()] == ["trace-tiny-gpu_cpu-b1.json"]
+    events = json.loads((traces / "trace-tiny-gpu_cpu-b1.json").read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" for e in events)
+    assert row["traced"] == ["gpu+cpu"]
     assert row["gpu+cpu"] > 0 and row["split"] > 0 and row["ort4"] > 0
     assert "gpu" not in row and "auto" not in row
     bad = subprocess.run([*cmd, "--setups", "gpu+cpu,warp"], capture_output=True, text=True, timeout=600, env=env)
