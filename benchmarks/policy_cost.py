@@ -10,7 +10,10 @@ runs anywhere; a tiny model, ``--in-flight`` batches at a time):
 
 - ``calls/task``: Python function calls per task over every thread (cProfile): a count, so it
   compares two runs (before and after a change) whatever else the machine was doing;
-- ``cpu us/task``: the process's CPU time per task, median of ``--rounds`` alternated rounds.
+- ``cpu us/task``: the process's CPU time per task, median of ``--rounds`` alternated rounds;
+- ``latency us``: one batch at a time (``run()``), median wall time: what a lone request pays
+  for the decision and the hand-overs (dmda and heft prefetch a placed task's inputs even onto
+  an idle worker, one more pass through the driver: 60-120 us more than eager here).
 
 Usage: python benchmarks/policy_cost.py [--rounds 3] [--tasks 2048] [--groups none|numa]
 """
@@ -50,6 +53,16 @@ def cpu_per_task(rt: Runtime, feeds: dict[str, np.ndarray], in_flight: int, task
     return (time.process_time() - c0) / done
 
 
+def latency_us(rt: Runtime, feeds: dict[str, np.ndarray], n: int = 500) -> float:
+    """Median wall time of ``n`` lone requests (each waited for before the next)."""
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        rt.run(feeds)
+        times.append(time.perf_counter() - t0)
+    return 1e6 * statistics.median(times)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
@@ -63,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     feeds = {"x": np.ones((8, 16), np.float32)}
     print(f"tiny model, batch 8, HostRuntime streams, CPU groups {args.groups}, {args.in_flight} in flight, "
           f"{args.tasks} tasks a reading, median of {args.rounds} alternated rounds")
-    print(f"{'policy':>6}  {'streams':>7}  {'calls/task':>10}  {'cpu us/task':>11}")
+    print(f"{'policy':>6}  {'streams':>7}  {'calls/task':>10}  {'cpu us/task':>11}  {'latency us':>10}")
     with contextlib.ExitStack() as stack:
         runtimes = {}
         for policy in POLICIES:
@@ -74,13 +87,16 @@ def main(argv: list[str] | None = None) -> int:
                     rt.run(feeds)
                 runtimes[policy, n] = rt
         cpu: dict[tuple[str, int], list[float]] = {k: [] for k in runtimes}
+        lat: dict[tuple[str, int], list[float]] = {k: [] for k in runtimes}
         for _ in range(args.rounds):  # every setup in turn, round after round: the VM's drift hits all
             for key, rt in runtimes.items():
                 cpu[key].append(cpu_per_task(rt, feeds, args.in_flight, args.tasks))
+                lat[key].append(latency_us(rt, feeds))
         for (policy, n), rt in runtimes.items():
             calls = calls_per_task(rt, feeds, argparse.Namespace(in_flight=args.in_flight), tasks=args.tasks)
             shown = "-" if calls is None else f"{calls:.0f}"
-            print(f"{policy:>6}  {n:>7}  {shown:>10}  {1e6 * statistics.median(cpu[policy, n]):>11.0f}", flush=True)
+            print(f"{policy:>6}  {n:>7}  {shown:>10}  {1e6 * statistics.median(cpu[policy, n]):>11.0f}  "
+                  f"{statistics.median(lat[policy, n]):>10.0f}", flush=True)
     return 0
 
 

@@ -21,6 +21,19 @@ def _run(script: str, *args: str, tmp: Path) -> str:
     return done.stdout
 
 
+def test_policy_cost_counts_each_policy_and_stream_count(tmp_path):
+    """``benchmarks/policy_cost.py``: a row per policy and stream count, each with its calls and
+    CPU per task and its lone request's latency; the count is the figure that compares runs, and
+    a dmda decision over 8 streams costs well under twice its decision over one (it asked each
+    stream's perf model once per task, 2.2x, before)."""
+    out = _run("policy_cost.py", "--rounds", "1", "--tasks", "128", tmp=tmp_path)
+    rows = {(m.group(1), int(m.group(2))): [float(v) for v in m.group(3).split()]
+            for m in re.finditer(r"^ *(eager|dmda|heft) +(\d+) +([\d. ]+)$", out, re.MULTILINE)}
+    assert sorted(rows) == sorted((p, n) for p in ("eager", "dmda", "heft") for n in (1, 4, 8)), out
+    assert all(len(v) == 3 and all(x > 0 for x in v) for v in rows.values()), out
+    assert rows["dmda", 8][0] < 1.5 * rows["dmda", 1][0], out
+
+
 def test_host_overhead_measures_every_stream_count_and_says_the_goals(tmp_path):
     out = _run("host_overhead.py", "--seconds", "0.2", "--rounds", "1", tmp=tmp_path)
     rows = {int(m.group(1)): [float(v.replace(",", "")) for v in m.group(2).split()]
