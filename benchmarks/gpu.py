@@ -209,11 +209,12 @@ class TunedSession:
     """One ORT session with a CUDA graph over device-bound inputs and outputs (ORT's documented
     call shape for ``enable_cuda_graph``: the addresses a graph reads and writes never move).
 
-    ORT keeps a session's graphs per thread, so :meth:`warm` must run on the thread that then
-    calls :meth:`run`; the first ``run_with_iobinding`` captures (ORT 1.31 runs, captures and
-    replays in that call)."""
+    ORT keeps a session's graphs per thread, so the first :meth:`run`, which captures (ORT 1.31
+    runs, captures and replays in that call), must be on the thread that then calls it.
+    ``outputs`` are the model's outputs for ``feeds`` (plain ORT's): their shapes and dtypes
+    size the bound output buffers."""
 
-    def __init__(self, path: Path, feeds: dict[str, np.ndarray]) -> None:
+    def __init__(self, path: Path, feeds: dict[str, np.ndarray], outputs: list[np.ndarray]) -> None:
         from staronnx.workers.cudart import PinnedBuffer, runtime_module
 
         so = ort.SessionOptions()
@@ -222,8 +223,6 @@ class TunedSession:
         with capture_safe():
             self.session = ort.InferenceSession(str(path), so, providers=providers)
             check_on_cuda(self.session)
-            shapes = [o.shape for o in ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-                      .run(None, feeds)]
             rt = runtime_module()
             self._pinned = [PinnedBuffer(rt, a.nbytes) for a in feeds.values()]
             self.host: dict[str, np.ndarray] = {}
@@ -232,8 +231,8 @@ class TunedSession:
                 view[...] = a
                 self.host[name] = view
             self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for name, a in feeds.items()}
-            self.outputs = [ort.OrtValue.ortvalue_from_shape_and_type(list(shape), np.float32, "cuda", 0)
-                            for shape in shapes]
+            self.outputs = [ort.OrtValue.ortvalue_from_shape_and_type(list(o.shape), o.dtype.type, "cuda", 0)
+                            for o in outputs]
             self.binding = self.session.io_binding()
             for name, v in self.inputs.items():
                 self.binding.bind_ortvalue_input(name, v)
@@ -251,11 +250,12 @@ class TunedSession:
             b.free()
 
 
-def ort_tuned(path: Path, feeds: dict[str, np.ndarray], n: int, seconds: float) -> tuple[float, np.ndarray]:
+def ort_tuned(path: Path, feeds: dict[str, np.ndarray], outputs: list[np.ndarray], n: int,
+              seconds: float) -> tuple[float, np.ndarray]:
     """Batches/s of N :class:`TunedSession`s, one thread each; each thread captures its graph
     (one at a time: a capture in CUDA's global mode breaks on another thread's allocation), then
     all run together.  Also the first session's output, for the error column."""
-    sessions = [TunedSession(path, feeds) for _ in range(n)]
+    sessions = [TunedSession(path, feeds, outputs) for _ in range(n)]
     counts = [0] * n
     lock, ready, go, stop = threading.Lock(), threading.Barrier(n + 1), threading.Event(), threading.Event()
     first: list[np.ndarray] = []
@@ -371,7 +371,8 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
     for b in args.batches:
         feeds = inputs_for(path, b)
         row: dict[str, Any] = {"model": name, "batch": b}
-        ref = ort_sessions(path, 1, args.device)[0].run(None, feeds)[0]
+        outputs = ort_sessions(path, 1, args.device)[0].run(None, feeds)
+        ref = outputs[0]
         for n in (1, 2, 4):
             say(f"{name} b={b}: ort{n}")
             row[f"ort{n}"] = b * ort_throughput(ort_sessions(path, n, args.device), feeds, args.seconds)
@@ -383,14 +384,14 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
             for n in (1, 2, 4):
                 say(f"{name} b={b}: ort-tuned{n}")
                 try:
-                    rate, tuned_out = ort_tuned(path, feeds, n, args.seconds)
+                    rate, tuned_out = ort_tuned(path, feeds, outputs, n, args.seconds)
                 except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is a row note
                     row.setdefault("notes", []).append(f"ort-tuned{n}: {type(exc).__name__}: {exc}")
                     continue
                 row[f"ort-tuned{n}"] = b * rate
                 row.setdefault("tuned_errors", {})[f"ort-tuned{n}"] = rel_error(tuned_out, ref)
             if b == 1 and "ort-tuned1" in row:
-                tuned = TunedSession(path, feeds)
+                tuned = TunedSession(path, feeds, outputs)
                 try:  # on this thread: its own graph, captured by the first (untimed) runs
                     with capture_safe():
                         row["ort-tuned1_lat_ms"] = latency_ms(tuned.run)
@@ -426,8 +427,15 @@ def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[
 
 # ---------------------------------------------------------------------- report
 TUNED = ["ort-tuned1", "ort-tuned2", "ort-tuned4"]
-COLUMNS = ["ort1", "ort2", "ort4", *TUNED, "gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto", "cpu"]
+COLUMNS = ["ort1", "ort2", "ort4", *TUNED, "gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split",
+           "auto", "cpu"]
 STARONNX = ["gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto"]
+
+
+def gpu_alone(row: dict[str, Any]) -> str:
+    """The column gpu+cpu is weighed against: the GPU alone with gpu+cpu's graph setting
+    (graphs on), else ``gpu`` (a run without the graphs setup: ``--device cpu``, ``--setups``)."""
+    return "graphs" if "graphs" in row else "gpu"
 
 
 def format_row(row: dict[str, Any]) -> str:
@@ -435,7 +443,7 @@ def format_row(row: dict[str, Any]) -> str:
     best = max(row.get(c, 0.0) for c in STARONNX)
     cells = " | ".join(f"{row[c]:,.0f}" if c in row else "-" for c in COLUMNS)
     tuned = max((row[c] for c in TUNED if c in row), default=0.0)
-    alone = "graphs" if "graphs" in row else "gpu"
+    alone = gpu_alone(row)
     mixed = f"{row['gpu+cpu'] / row[alone]:.2f}" if alone in row and "gpu+cpu" in row else "-"
     return (f"| {row['model']} | {row['batch']} | {cells} | {best / best_ort:.2f}x | "
             f"{f'{best / tuned:.2f}x' if tuned else '-'} | {mixed} | {max(row['errors'].values()):.1e} |")
@@ -460,7 +468,7 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
         if tuned:
             out.append((f"{r['model']} b={r['batch']}: best staronnx {best / tuned:.2f}x best ort-tuned (>= 0.95)",
                         best >= 0.95 * tuned))
-        alone = "graphs" if "graphs" in r else "gpu"  # the GPU alone with gpu+cpu's graph setting
+        alone = gpu_alone(r)
         if alone in r and "gpu+cpu" in r:
             out.append((f"{r['model']} b={r['batch']}: gpu+cpu {r['gpu+cpu'] / r[alone]:.2f}x the GPU alone "
                         f"({alone}, >= 0.98)", r["gpu+cpu"] >= 0.98 * r[alone]))

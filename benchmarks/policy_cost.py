@@ -35,6 +35,7 @@ from host_overhead import calls_per_task  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
 from staronnx import Runtime, partition  # noqa: E402
+from staronnx.partition.autoshares import median_seconds  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 
@@ -55,12 +56,7 @@ def cpu_per_task(rt: Runtime, feeds: dict[str, np.ndarray], in_flight: int, task
 
 def latency_us(rt: Runtime, feeds: dict[str, np.ndarray], n: int = 500) -> float:
     """Median wall time of ``n`` lone requests (each waited for before the next)."""
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        rt.run(feeds)
-        times.append(time.perf_counter() - t0)
-    return 1e6 * statistics.median(times)
+    return 1e6 * median_seconds(lambda: rt.run(feeds), n, warmup=0)
 
 
 def main(argv: list[str] | None = None) -> int:

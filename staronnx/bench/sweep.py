@@ -48,7 +48,7 @@ from staronnx.errors import StaronnxError
 from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet, load_plans
-from staronnx.runtime.runtime import Runtime, warmup_sizes
+from staronnx.runtime.runtime import Runtime, driver_threads, warmup_sizes
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.serving.records import RunRecords
@@ -366,8 +366,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         settings["workers"] = [w.name for w in runtime.workers]
         # the thread that launches each CUDA worker's tasks: the GPU's one driver, or its own
         # (--cuda-thread-per-stream), read off the runtime that measured
-        settings["drivers"] = {n: w["driver"]["thread"] for n, w in runtime.stats().get("workers", {}).items()
-                               if "driver" in w}
+        settings["drivers"] = driver_threads(runtime.stats())
         for n in ([] if one else names):  # where each model lives (every worker unless residency or lanes say otherwise)
             settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
         notify(SweepEvent("start", 0, total))

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from staronnx.errors import StaronnxError
 
-THREAD_PER_STREAM_HELP = ("With --cuda-streams: a driver thread (and a core held back) per stream instead of one per GPU (StarPU's STARPU_CUDA_THREAD_PER_WORKER). Without CUDA graphs ONNX Runtime launches every kernel from the thread that runs the task, so one driver serialises the streams' launches: on an H200, googlenet without graphs read 648 samples/s at batch 1 on 4 streams, 4 plain ORT threads 1,625.")
+THREAD_PER_STREAM_HELP = ("With --cuda-streams: a driver thread (and a core held back) per stream instead of one "
+                          "per GPU (StarPU's STARPU_CUDA_THREAD_PER_WORKER). Without CUDA graphs ONNX Runtime "
+                          "launches every kernel from the thread that runs the task, so one driver serialises the "
+                          "streams' launches: on an H200, googlenet without graphs read 648 samples/s at batch 1 "
+                          "on 4 streams, 4 plain ORT threads 1,625.")
 CUDA_DEVICES_HELP = ("GPUs the CUDA workers drive, --cuda-streams workers on each: CUDA ordinals like 0 or "
                      "0,1 or 0-3, or all (every visible GPU). Default: 0.")
 

@@ -316,15 +316,17 @@ def _lowered_text(workers: list[Any]) -> str:
     return f"; {', '.join(w.name for w in lowered)} yield to the lanes ({', '.join(sorted(runs))})"
 
 
-#: the help of the options whose text is too long to stand in the signature
 def driver_text(runtime: Any) -> str:
     """Who launches the CUDA workers' tasks, read off the started runtime: ``1 driver thread for
     2 streams`` (one per GPU) or ``2 driver threads for 2 streams`` (--cuda-thread-per-stream)."""
-    rows = [w["driver"]["thread"] for w in runtime.stats()["workers"].values() if "driver" in w]
-    threads = len(set(rows))
-    return f"{threads} driver thread{'s' if threads != 1 else ''} for {len(rows)} stream{'s' if len(rows) != 1 else ''}"
+    from staronnx.runtime.runtime import driver_threads
+
+    drivers = driver_threads(runtime.stats())
+    threads, streams = len(set(drivers.values())), len(drivers)
+    return f"{threads} driver thread{'s' if threads != 1 else ''} for {streams} stream{'s' if streams != 1 else ''}"
 
 
+#: the help of the options whose text is too long to stand in the signature
 HELP = {
     "cuda_graphs": ("With --cuda-streams: capture CUDA graphs of the batch sizes served (powers of two up to "
                     "--batch-size) at start-up; partial batches are padded up to them."),

@@ -226,9 +226,9 @@ def measure_speeds(
     speeds: list[WorkerSpeed] = []
     if cuda:
         providers_for("cuda")  # fails in one line where CUDA is absent
+        streams = max(int(cuda_streams), 1)
         for device in cuda_devices:
             say(f"timing the whole model on cuda{device}")
-            streams = max(int(cuda_streams), 1)
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
                 gpus = [make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
                                                        "CPUExecutionProvider"]) for _ in range(streams)]

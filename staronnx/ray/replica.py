@@ -216,6 +216,8 @@ class StaronnxReplica:
     def describe(self) -> dict[str, Any]:
         """Who this replica is and how it is doing: pid, PUs, models, workers, health, requests
         (done, and ``ongoing``: accepted and not yet answered)."""
+        from staronnx.runtime.runtime import driver_threads
+
         stats = self.runtime.stats()
         return {"replica": self.replica, "pid": os.getpid(), "local_rank": self.local_rank, "pus": self.cpus,
                 "gpus": self.gpus, "gc_thresholds": list(gc.get_threshold()),
@@ -223,7 +225,7 @@ class StaronnxReplica:
                 "models": list(self.endpoints), "ongoing": self._ongoing,
                 "workers": sorted(stats.get("workers", {})), "dead_workers": stats.get("dead_workers", []),
                 # the thread launching each CUDA worker's tasks (--cuda-thread-per-stream: its own)
-                "drivers": {n: w["driver"]["thread"] for n, w in stats.get("workers", {}).items() if "driver" in w},
+                "drivers": driver_threads(stats),
                 "pad_to": list(self.runtime.preferred_batch_sizes),
                 "problem": self.problem(), "requests_done": stats.get("requests_done")}
 
@@ -299,7 +301,7 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     residency = {m.name: m.workers for m in spec.models if m.workers} if spec.shared else {}
     lanes = {m.name: m.lane for m in spec.models if m.lane} if spec.shared else {}
     return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
-                   cuda_streams=settings["cuda_streams"], engine=settings["engine"], store=store,
+                   cuda_streams=streams, engine=settings["engine"], store=store,
                    save_every=float(settings["save_every"]),
                    calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
                    lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices,

@@ -71,6 +71,13 @@ from staronnx.workers.pinned_pool import PinnedPool
 log = logging.getLogger(__name__)
 
 
+def driver_threads(stats: Mapping[str, Any]) -> dict[str, str]:
+    """CUDA worker name -> the thread that launches its tasks (the GPU's one driver, or
+    ``<worker> (own)`` with ``thread_per_stream``), read off :meth:`Runtime.stats`; empty where
+    the stats name no workers (a remote server's)."""
+    return {n: w["driver"]["thread"] for n, w in stats.get("workers", {}).items() if "driver" in w}
+
+
 def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ...]:
     """The batch sizes a server of batches up to ``max_batch`` warms up (and captures CUDA
     graphs for): powers of two below it and itself, Triton's preferred batch sizes; only
