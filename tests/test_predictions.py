@@ -718,3 +718,124 @@ def test_trace_plot_keeps_long_worker_names_whole(tmp_path):
     import matplotlib.pyplot as plt
 
     plt.close(fig)
+
+
+# -- the band: how far the machine's own drift moves a prediction ---------------------------------
+def test_a_slower_machine_in_simulation_runs_every_task_that_much_longer(crnn_calibrated, two_groups):
+    """``slowdown`` multiplies every task's time (the host costs' scales included): the simulated
+    tasks' time over their models grows by that factor exactly with each task at its mean, and a
+    slowdown that is not a positive number is refused by name."""
+    from staronnx.bench.machine import SimulationError
+
+    plan, home, _ = crnn_calibrated
+    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    kw = dict(rate=50.0, batch_size=1, duration=1.0, spread=0.0, seed=2)
+    nominal = simulate(machine=machine, **kw)
+    slower = simulate(machine=machine, slowdown=1.5, **kw)
+    assert nominal.task_time_ratio is not None and slower.task_time_ratio is not None
+    assert slower.task_time_ratio == pytest.approx(1.5 * nominal.task_time_ratio, rel=1e-6)
+    assert slower.metrics()["paper_latency_mean"] > nominal.metrics()["paper_latency_mean"]
+    assert slower.records.settings["slowdown"] == 1.5
+    for bad in (0.0, -1.0, math.nan):
+        with pytest.raises(SimulationError, match="slowdown"):
+            simulate(machine=machine, slowdown=bad, **kw)
+
+
+def _band_point(paper: float, *, congested: bool = False) -> dict[str, Any]:
+    return {"paper_latency_mean": paper / 1e3, "latency_p50": paper / 1e3, "congested": congested}
+
+
+def test_band_columns_call_a_point_fragile_where_the_band_tips_it():
+    """A steady point the band moves by 5 % is robust and holds a live figure within its ends
+    (widened by the target); one whose slow end is 30 % later, or congests, is fragile; a live
+    congested point lies in a band whose slow end congests, not in one that never does."""
+    from staronnx.bench.fidelity import band_columns
+
+    nominal = {"sim_paper_latency_mean_ms": 10.0, "sim_latency_p50_ms": 10.0, "sim_congested": False}
+    calm = band_columns(_band_point(9.5), _band_point(10.5), nominal, {"paper_latency_mean_ms": 10.8}, 0.05)
+    assert calm["sim_fragile"] is False and calm["in_band"] is True and calm["sim_band"] == 0.05
+    assert calm["sim_paper_latency_fast_ms"] == pytest.approx(9.5) and calm["sim_latency_p50_slow_ms"] == pytest.approx(10.5)
+    far = band_columns(_band_point(9.5), _band_point(10.5), nominal, {"paper_latency_mean_ms": 30.0}, 0.05)
+    assert far["in_band"] is False
+    steep = band_columns(_band_point(9.0), _band_point(13.0), nominal, {"paper_latency_mean_ms": 14.5}, 0.05)
+    assert steep["sim_fragile"] is True and steep["in_band"] is True
+    tipped = band_columns(_band_point(9.0), _band_point(900.0, congested=True), nominal,
+                          {"paper_latency_mean_ms": 400.0}, 0.05)
+    assert tipped["sim_fragile"] is True and tipped["sim_congested_slow"] is True
+    assert tipped["in_band"] is True  # a slow end that congests has no upper end
+    live_congested = {"paper_latency_mean_ms": 800.0, "congested": True}
+    assert band_columns(_band_point(9.0), _band_point(900.0, congested=True), nominal, live_congested,
+                        0.05)["in_band"] is True
+    assert band_columns(_band_point(9.5), _band_point(10.5), nominal, live_congested, 0.05)["in_band"] is False
+
+
+def test_the_error_summary_gives_the_errors_without_the_fragile_points():
+    """Hand-made rows: the fragile steady point is counted and out of the robust figures; the
+    share of points within the band counts every judged point."""
+    from staronnx.bench.fidelity import fidelity_summary
+
+    def row(err: float, fragile: bool, in_band: bool) -> dict:
+        return {"offered_rate": 10.0, "sim_throughput": 10.0, "throughput": 10.0, "err_throughput": 0.0,
+                "err_latency_p50": err, "err_paper_latency": err, "congested": False, "sim_congested": False,
+                "state": "stable", "sim_band": 0.05, "sim_fragile": fragile, "in_band": in_band}
+
+    f = fidelity_summary([row(0.02, False, True), row(-0.04, False, True), row(0.7, True, False)])
+    assert f["band"] == 0.05 and f["fragile_points"] == 1
+    assert f["paper_latency"]["max_abs"] == pytest.approx(0.7)
+    assert f["paper_latency_robust"]["points"] == 2 and f["paper_latency_robust"]["max_abs"] == pytest.approx(0.04)
+    assert f["in_band"] == pytest.approx(2 / 3) and f["in_band_points"] == 3
+    assert "band" not in fidelity_summary([{k: v for k, v in r.items() if k not in ("sim_fragile", "in_band")}
+                                           for r in [row(0.02, False, True)]])
+
+
+def test_cli_sweep_simulates_each_point_in_a_band(crnn_calibrated, two_groups, capsys, tmp_path, monkeypatch):
+    """Through ``sweep --simulate --sim-band 10`` on crnn_ocr (a real exported model): every point
+    has its band in results.csv and results.json (its slow end no sooner than its fast end), the
+    point offered the LP bound congests at its slow end and shows "cong." in the table, the light
+    point does not, and the summary line names the band; ``--sim-band`` without ``--simulate``
+    and a band of 100 % are refused with the option's name."""
+    plan, home, _ = crnn_calibrated
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "240")
+    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    bound = machine_bound(machine, 1).throughput
+    light, full = round(0.1 * bound), round(bound)
+    out = tmp_path / "band"
+    code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", f"{light},{full}", "--batch-sizes", "1",
+                               "--groups", two_groups, "--duration", "500ms", "--simulate", "--sim-band", "10",
+                               "--no-plots", "-o", out)
+    assert code == 0, stderr + stdout
+    doc = load_results(out)
+    assert doc["settings"]["sim_band"] == pytest.approx(0.1)
+    rows = {round(r["offered_rate"]): r for r in doc["rows"]}
+    assert sorted(rows) == sorted({light, full})
+    for r in rows.values():
+        assert r["sim_band"] == pytest.approx(0.1) and isinstance(r["sim_fragile"], bool)
+        assert r["sim_latency_p50_slow_ms"] >= r["sim_latency_p50_fast_ms"]
+    assert rows[full]["sim_congested_slow"] is True and rows[light]["sim_congested_slow"] is False
+    header = (out / "results.csv").read_text().splitlines()[0]
+    assert "sim_fragile" in header and "in_band" in header
+    assert "sim band" in stdout and "cong." in stdout and "band (tasks 10% faster and slower)" in stdout
+    assert "band" in doc["fidelity"] and "fragile_points" in doc["fidelity"]
+    code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", str(light), "--sim-band", "5", "-o",
+                               tmp_path / "no")
+    assert code != 0 and "--sim-band" in stdout + stderr and "--simulate" in stdout + stderr
+    code, stdout, stderr = cli(capsys, "sweep", plan.root, "--rates", str(light), "--simulate", "--sim-band", "100",
+                               "-o", tmp_path / "no")
+    assert code != 0 and "--sim-band" in stdout + stderr
+
+
+def test_a_sweep_without_a_band_simulates_each_point_once(crnn_calibrated, two_groups, tmp_path):
+    """``sweep(simulate=True, sim_band=0)``: the nominal prediction alone, no band columns; a
+    band outside [0, 1) is refused before anything runs."""
+    from staronnx.bench.results import SweepError
+
+    plan, home, _ = crnn_calibrated
+    store = PerfModelStore(home)
+    rows = sweep(plan, [20.0], [1], groups=two_groups, duration=0.3, min_batches=3, simulate=True, sim_band=0.0,
+                 store=store, out_dir=tmp_path / "nob")
+    (row,) = rows
+    assert "sim_throughput" in row and "sim_fragile" not in row and "in_band" not in row
+    assert "band" not in load_results(tmp_path / "nob")["fidelity"]
+    with pytest.raises(SweepError, match="sim_band"):
+        sweep(plan, [20.0], [1], groups=two_groups, duration=0.3, simulate=True, sim_band=1.0, store=store)

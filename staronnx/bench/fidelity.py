@@ -12,6 +12,17 @@ the perf models as they stand, and records the prediction beside the measurement
 only where neither side is congested (a congested point's latency is the length of its run, not
 a property of the system), throughput errors everywhere, and whether both sides agree on
 congestion.
+
+A machine's speed is not the one it had at calibration: a VM's moves by several per cent
+between windows of a few seconds with nothing else running (this project's 2-core development
+VM: plain ONNX Runtime on each core, 5 s windows over 4 minutes, varied 3 % around its mean and
+14 % from its slowest window to its fastest). Below the knee that moves a latency by as much;
+near it, where a point uses most of the capacity, it moves it by multiples or tips it into
+congestion. So each point is also simulated with its tasks :data:`BAND` slower and faster
+(:func:`band_columns`): a point the band moves past the target, or across congestion, is
+*fragile* (no prediction of it holds on a machine that drifts that much), and the live point is
+*in the band* when it lies within what the band predicts. That bounds the knee rather than
+guessing its side of it, and says which points it is.
 """
 
 from __future__ import annotations
@@ -29,6 +40,10 @@ TARGET = 0.15
 #: latency by tens of per cent, and the simulator's latency is an estimate, not a prediction
 KNEE = 0.85
 
+#: how much slower and faster than its perf models a sweep also simulates each point (the
+#: machine's speed noise, see the module doc): 5 %, about the spread of this project's VM
+BAND = 0.05
+
 #: (row key written by the simulator, measured row key it is compared with, error key)
 COMPARED = (
     ("sim_throughput", "throughput", "err_throughput"),
@@ -38,7 +53,9 @@ COMPARED = (
 #: the CSV columns a simulated sweep adds, in order (``sim_task_time_ratio``: the simulated
 #: tasks' time over their models, the live ``task_time_ratio``'s twin)
 COLUMNS = ("sim_throughput", "sim_latency_p50_ms", "sim_latency_p99_ms", "sim_paper_latency_mean_ms",
-           "sim_congested", "err_throughput", "err_latency_p50", "err_paper_latency", "sim_task_time_ratio")
+           "sim_congested", "err_throughput", "err_latency_p50", "err_paper_latency", "sim_task_time_ratio",
+           "sim_band", "sim_latency_p50_fast_ms", "sim_latency_p50_slow_ms", "sim_paper_latency_fast_ms",
+           "sim_paper_latency_slow_ms", "sim_congested_fast", "sim_congested_slow", "sim_fragile", "in_band")
 
 
 def _finite(v: Any) -> float | None:
@@ -94,6 +111,54 @@ def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlin
     return out
 
 
+def band_columns(fast: Mapping[str, Any], slow: Mapping[str, Any], nominal: Mapping[str, Any],
+                 row: Mapping[str, Any], band: float) -> dict[str, Any]:
+    """The band's fields of a measured ``row``: the metrics of its point simulated with the
+    tasks ``band`` faster (``fast``) and slower (``slow``) (:func:`~staronnx.serving.summarize`'s
+    or :func:`~staronnx.bench.simulator.model_metrics`'), beside the nominal simulation's
+    :func:`sim_columns` (``nominal``).
+
+    ``sim_fragile``: the band calls congestion differently from the nominal speed, or moves the
+    p50 or the papers' latency of a steady point by more than :data:`TARGET`: a drift that small
+    changes the answer. ``in_band``: the live point lies within the band: its congestion is
+    called so at some speed of it, and, live steady, its papers' latency lies between the band's
+    steady ends (a band whose slow end congests has no upper end), each widened by
+    :data:`TARGET`; None where the live point measured no latency."""
+
+    def ms(metrics: Mapping[str, Any], key: str) -> float | None:
+        v = _finite(metrics.get(key))
+        return None if v is None else v * 1e3
+
+    out: dict[str, Any] = {
+        "sim_band": band,
+        "sim_latency_p50_fast_ms": ms(fast, "latency_p50"), "sim_latency_p50_slow_ms": ms(slow, "latency_p50"),
+        "sim_paper_latency_fast_ms": ms(fast, "paper_latency_mean"),
+        "sim_paper_latency_slow_ms": ms(slow, "paper_latency_mean"),
+        "sim_congested_fast": bool(fast.get("congested")), "sim_congested_slow": bool(slow.get("congested"))}
+    calls = [out["sim_congested_fast"], bool(nominal.get("sim_congested")), out["sim_congested_slow"]]
+    fragile = len(set(calls)) > 1
+    if not any(calls):
+        for key in ("sim_latency_p50", "sim_paper_latency"):
+            mid = _finite(nominal.get(f"{key}_ms" if key == "sim_latency_p50" else f"{key}_mean_ms"))
+            ends = [out[f"{key}_fast_ms"], out[f"{key}_slow_ms"]]
+            fragile |= mid is not None and mid > 0 and any(
+                e is not None and abs(e / mid - 1.0) > TARGET for e in ends)
+    out["sim_fragile"] = fragile
+    live = _finite(row.get("paper_latency_mean_ms"))
+    if row.get("congested"):
+        out["in_band"] = any(calls)
+    elif all(calls) or live is None:
+        out["in_band"] = False if all(calls) else None
+    else:
+        steady = [v for v, congested in zip((out["sim_paper_latency_fast_ms"],
+                                             _finite(nominal.get("sim_paper_latency_mean_ms")),
+                                             out["sim_paper_latency_slow_ms"]), calls) if not congested and v is not None]
+        low = min(steady) if steady else math.inf
+        high = math.inf if calls[-1] else max(steady, default=math.inf)
+        out["in_band"] = low * (1 - TARGET) <= live <= high * (1 + TARGET)
+    return out
+
+
 def _stats(errors: Sequence[float], target: float) -> dict[str, Any]:
     if not errors:
         return {"points": 0, "median_abs": None, "max_abs": None, "mean": None, "within_target": None}
@@ -126,7 +191,10 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     (``machine_busy``: :mod:`staronnx.bench.cpuload`) are left out of every figure, and counted in
     ``busy_points``: their error is the other work's as much as the simulator's. The steady
     points offered :data:`KNEE` of their bound or more are at the knee (``knee_points``): the
-    latency errors are also given without them (``*_below_knee``).
+    latency errors are also given without them (``*_below_knee``). Where the rows carry the
+    band (:func:`band_columns`): ``band``, the steady points it calls fragile
+    (``fragile_points``), the latency errors without them (``*_robust``) and the share of
+    points that lie within it (``in_band``).
     """
     candidates = [r for r in rows if "sim_throughput" in r and r.get("state") != "failed"]
     simulated = [r for r in candidates if not r.get("machine_busy")]
@@ -147,4 +215,14 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     out["paper_latency_below_knee"] = stats(calm, "err_paper_latency")
     agree = [bool(r.get("congested")) == bool(r.get("sim_congested")) for r in simulated]
     out["congestion_agreement"] = sum(agree) / len(agree) if agree else None
+    banded = [r for r in simulated if "sim_fragile" in r]
+    if banded:
+        out["band"] = max(float(r.get("sim_band") or 0.0) for r in banded)
+        robust = [r for r in steady if "sim_fragile" in r and not r["sim_fragile"]]
+        out["fragile_points"] = sum(1 for r in steady if r.get("sim_fragile"))
+        out["latency_p50_robust"] = stats(robust, "err_latency_p50")
+        out["paper_latency_robust"] = stats(robust, "err_paper_latency")
+        judged = [bool(r["in_band"]) for r in banded if r.get("in_band") is not None]
+        out["in_band"] = sum(judged) / len(judged) if judged else None
+        out["in_band_points"] = len(judged)
     return out

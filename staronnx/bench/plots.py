@@ -203,7 +203,9 @@ def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
 
 
 def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
-    """Simulated vs measured throughput and p50 latency per offered rate, one colour per batch size."""
+    """Simulated vs measured throughput and p50 latency per offered rate, one colour per batch size;
+    where the sweep simulated a band (:func:`~staronnx.bench.fidelity.band_columns`), the p50
+    between its fast and slow ends shaded: how far the machine's drift moves each point."""
     _need(rows)
     simulated = [r for r in rows if "sim_throughput" in r]
     if not simulated:
@@ -221,6 +223,9 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
         p50 = [_num(r.get("latency_p50_ms")) for r in pts]
         right.plot(xs, p50, "o-", ms=4, color=color)
         right.plot(xs, [_num(r.get("sim_latency_p50_ms")) for r in pts], "x--", color=color)
+        if any("sim_fragile" in r for r in pts):  # the band: the tasks that much faster .. slower
+            right.fill_between(xs, [_num(r.get("sim_latency_p50_fast_ms")) for r in pts],
+                               [_num(r.get("sim_latency_p50_slow_ms")) for r in pts], color=color, alpha=0.15, lw=0)
         busy = _mark_busy(left, xs, measured, pts) | _mark_busy(right, xs, p50, pts) or busy
         series.append(f"b = {b}")
     left.set_xlabel("offered rate (requests/s)")
@@ -230,7 +235,9 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
     right.set_yscale("log")
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
-    _legend(left, busy, fontsize=7, title="solid: measured, dashed: simulated", title_fontsize=7)
+    banded = [_num(r.get("sim_band")) for r in simulated if "sim_fragile" in r]
+    _legend(left, busy, fontsize=7, title_fontsize=7, title="solid: measured, dashed: simulated" + (
+        f"\nshaded (right): simulated with the tasks {max(banded):.0%} faster .. slower" if banded else ""))
     fig.suptitle(_title(rows, "simulator vs measurement"))
     fig.tight_layout()
     return fig, series

@@ -175,11 +175,14 @@ class _Simulation:
         models: ModelSet | None = None,
         where: Where = None,
         traced: bool = False,
+        slowdown: float = 1.0,
     ) -> None:
         """``where``: per global part, the workers holding it (:func:`residency_where`), handed
         to the core as the live engine hands it the workers' sessions. ``traced``: keep what
-        :meth:`write_trace` draws (each task's running stretches and its dependencies)."""
+        :meth:`write_trace` draws (each task's running stretches and its dependencies).
+        ``slowdown``: every task's time multiplier (:func:`simulate_mix`'s)."""
         self.m = machine
+        self.slowdown = slowdown
         self.where = where
         self.models = models if models is not None else machine.models
         assert self.models is not None
@@ -436,8 +439,8 @@ class _Simulation:
         mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
         host = self.fronts[task.request.model].host
         # each part at its own scale, slower on a worker idle for a while (cold core and caches)
-        scale = 1.0 if host is None else host.scale_after(self.clock.t - self._last_end.get(info.id, -math.inf),
-                                                          self.models.owner[task.part][1])
+        scale = self.slowdown * (1.0 if host is None else host.scale_after(
+            self.clock.t - self._last_end.get(info.id, -math.inf), self.models.owner[task.part][1]))
         seconds = self._draw(mean * scale, std * scale * self.spread)
         if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
             seconds += price(task.copies, self.m.table.bus.predict)
@@ -679,7 +682,7 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
                  queue_capacity: int | None = 1024, max_inflight: Mapping[str, int] | None = None, spread: float = 1.0,
                  drain: bool = True, charge_transfers: bool = True, residency: Mapping[str, str] | None = None,
                  pad_to: Sequence[int] = (), trace: str | os.PathLike[str] | TraceInto | None = None,
-                 host_costs: bool = True) -> MixResult:
+                 host_costs: bool = True, slowdown: float = 1.0) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over one plan or several) at
     its own rate, as ``staronnx serve`` does on one shared runtime: a server per model (the
     live Server's queue of ``queue_capacity``, None unbounded; batches of its ``batch_sizes``
@@ -713,6 +716,10 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     where no PU is left outside the CPU groups, the host's other threads' CPU taken from the
     CPU workers. They are calibration's of one plan alone, so a machine of several models
     leaves them out.
+
+    ``slowdown``: every task takes that many times its (scaled) draw, as on a machine running
+    that much slower than when it was calibrated; a sweep's band (:data:`~staronnx.bench.fidelity.BAND`)
+    simulates each point at ``1 +/- band`` to say how far the machine's own drift moves it.
     """
     t0 = time.perf_counter()
     models = machine.models
@@ -738,6 +745,8 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
         raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
     if not (math.isfinite(spread) and spread >= 0):
         raise SimulationError(f"spread must be >= 0, got {spread!r}")
+    if not (math.isfinite(slowdown) and slowdown > 0):
+        raise SimulationError(f"slowdown must be > 0, got {slowdown!r}")
     # the core's view: the same plans in the same order (same global parts), with the targets
     shared = ModelSet({m.name: m.plan for m in models.models}, targets)
     where = residency_where(machine, residency)
@@ -761,7 +770,8 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
                                 window, max_delay, padding, host=host))
     policy_obj = _make_policy(policy, policy_options, seed)
     sim = _Simulation(machine, policy_obj, fronts, seed=seed, spread=spread, drain=drain,
-                      charge_transfers=charge_transfers, models=shared, where=where, traced=trace is not None)
+                      charge_transfers=charge_transfers, models=shared, where=where, traced=trace is not None,
+                      slowdown=slowdown)
     sim.run()
     if trace is not None:
         sim.write_trace(trace)
@@ -776,7 +786,7 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
             "engine": "simulator", "policy": policy_obj.name, "model": m.name, "batch_size": fe.batch_size,
             "arrivals": processes[m.name], "distribution": "replay" if replayed else distribution,
             "seed": seed + m.index, "max_delay": max_delay, "queue_capacity": queue_capacity,
-            "max_inflight": fe.max_inflight, "pad_to": list(padding), "spread": spread,
+            "max_inflight": fe.max_inflight, "pad_to": list(padding), "spread": spread, "slowdown": slowdown,
             "host": None if fe.host is None else fe.host.as_dict(), "plan_hash": m.plan.hash,
             "target": {"latency": m.target.latency, "priority": m.target.priority},
             "workers": [w.name for w in machine.workers], "residency": dict(residency or {}),

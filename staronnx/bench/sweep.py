@@ -38,7 +38,7 @@ import numpy as np
 
 from staronnx.bench.bound import MixBound, batch_bounds, mix_bound, stale_models_note
 from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
-from staronnx.bench.fidelity import fidelity_summary, sim_columns
+from staronnx.bench.fidelity import BAND, band_columns, fidelity_summary, sim_columns
 from staronnx.bench.machine import build_machine, machine_inflight, residency_where
 from staronnx.bench.points import (TaskSampler, measure_point, point_duration, runnable_sizes, sample_pool,
                                    task_time_ratio, tasks_snapshot, warm_up, workers_delta, workers_snapshot)
@@ -257,7 +257,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
           inputs_path: str | os.PathLike[str] | None = None, server_factory: Callable[..., Any] | None = None,
           front_end: Mapping[str, Any] | None = None, colocate: bool = False, points: Sequence[MixPoint] = (),
           targets: Mapping[str, Any] | None = None, residency: Mapping[str, str] | None = None,
-          lanes: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+          lanes: Mapping[str, str] | None = None, sim_band: float = BAND) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
     One body for one model and several: a plan is a set of one model, whose points are its
@@ -271,7 +271,9 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     unstable, uncongested point once more, twice as long. ``bound`` and ``simulate`` need
     calibrated perf models (``store``, default ``$STARONNX_HOME``); ``simulate`` replays every
     measured point in the simulator, prediction and error beside the measurement
-    (:mod:`staronnx.bench.fidelity`). ``max_delay``: batches of *at most* ``b`` leave once their
+    (:mod:`staronnx.bench.fidelity`), and again with its tasks ``sim_band`` faster and slower
+    (:func:`~staronnx.bench.fidelity.band_columns`: which points a drift of the machine's speed
+    that small tips; 0: no band). ``max_delay``: batches of *at most* ``b`` leave once their
     oldest request waited this long. ``runtime``: an open one to use (it stays open; its own
     ``trace=``). ``inputs``: real inputs, an ``.npz`` path or its arrays (``inputs_path`` names
     the file). ``server_factory`` and ``front_end``: over the network, each point's batching
@@ -290,6 +292,9 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     points, notes = batch_one_where_needed(loaded, points)
     warmup = _check_run(distribution=distribution, duration=duration, warmup=warmup, min_batches=min_batches,
                         max_delay=max_delay)
+    if not 0.0 <= sim_band < 1.0:
+        raise SweepError(f"sim_band is a share of the tasks' time in [0, 1) (0.05: 5 % faster and slower), "
+                         f"got {sim_band!r}")
     if isinstance(inputs, (str, os.PathLike)):
         inputs_path, inputs = inputs, load_inputs(inputs, first)
     elif inputs is not None:
@@ -306,6 +311,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         "seed": seed, "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
+        "sim_band": sim_band if simulate else None,
         "front_end": dict(front_end) if front_end is not None else {"kind": "in-process"},
         "colocate": colocate,
     }
@@ -413,14 +419,24 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                 length = float(rows[0]["duration_s"])
                 target = simulated_point(sim_tracer, label_, began, length)
                 try:
-                    sim = simulate_mix(machine, point.rates, point.batch_sizes, policy=policy, targets=targets,
-                                       duration=length, distribution=distribution, seed=seed,
-                                       queue_capacity=max(queue_capacity, *point.batch_sizes.values()),
-                                       max_delay=max_delay, residency=residency, trace=target,
-                                       pad_to=[m for m in padding if m <= max(point.batch_sizes.values())] if one else ())
+                    def replay(slowdown: float = 1.0, into: TraceInto | None = None) -> Any:
+                        return simulate_mix(
+                            machine, point.rates, point.batch_sizes, policy=policy, targets=targets, duration=length,
+                            distribution=distribution, seed=seed, slowdown=slowdown,
+                            queue_capacity=max(queue_capacity, *point.batch_sizes.values()), max_delay=max_delay,
+                            residency=residency, trace=into,
+                            pad_to=[m for m in padding if m <= max(point.batch_sizes.values())] if one else ())
+
+                    sim = replay(into=target)
+                    # the same point on a machine sim_band faster and slower: what its drift would do
+                    band = (replay(1.0 - sim_band), replay(1.0 + sim_band)) if sim_band > 0 else None
                     for m, row in zip(models.models, rows):
-                        row.update(clean(sim_columns(sim.metrics(m.name, warmup=warmup), row, deadlines=not one,
-                                                     task_time_ratio=sim.task_time_ratio)))
+                        nominal = sim_columns(sim.metrics(m.name, warmup=warmup), row, deadlines=not one,
+                                              task_time_ratio=sim.task_time_ratio)
+                        if band is not None:
+                            nominal.update(band_columns(*(b.metrics(m.name, warmup=warmup) for b in band), nominal,
+                                                        row, sim_band))
+                        row.update(clean(nominal))
                 except StaronnxError as exc:
                     results.notes.append(f"{label_} not simulated: {exc}")
                 if sim_tracer is not None:

@@ -200,8 +200,10 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
         return
     table = Table(title="simulator vs measurement (error = simulated / measured - 1)")
     mixed = any("model" in r for r in simulated)  # a mixed sweep: a row per mix and model
+    banded = any("sim_fragile" in r for r in simulated)
     for c in (*(("mix", "model") if mixed else ()), "b", "offered", "thr. live", "thr. sim", "error", "p50 live",
-              "p50 sim", "error", "latency live", "latency sim", "error", "congested live/sim", "machine"):
+              "p50 sim", "error", "latency live", "latency sim", "error", *(("sim band",) if banded else ()),
+              "congested live/sim", "machine"):
         table.add_column(c, justify="left" if c in ("mix", "model") else "right")
 
     def pct(v: Any) -> str:
@@ -214,6 +216,7 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
             _fmt(r.get("sim_throughput"), 1), pct(r.get("err_throughput")), _fmt(r.get("latency_p50_ms")),
             _fmt(r.get("sim_latency_p50_ms")), pct(r.get("err_latency_p50")), _fmt(r.get("paper_latency_mean_ms")),
             _fmt(r.get("sim_paper_latency_mean_ms")), pct(r.get("err_paper_latency")),
+            *((_band_cell(r),) if banded else ()),
             f"{_fmt(bool(r.get('congested')))}/{_fmt(bool(r.get('sim_congested')))}", _busy_cell(r))
     console.print(table)
     f = fidelity_summary(rows)
@@ -240,6 +243,25 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
                       f"per cent of capacity move their latency by tens of per cent){below}", highlight=False)
     if f["congestion_agreement"] is not None:
         console.print(f"congestion called alike on {f['congestion_agreement']:.0%} of points", highlight=False)
+    if "band" in f:
+        st = f["paper_latency_robust"]
+        robust = (f"; without them, papers' latency median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}"
+                  if st["points"] and f["fragile_points"] else "")
+        within = ("" if f["in_band"] is None else
+                  f"; the live point lies within the band on {f['in_band']:.0%} of {f['in_band_points']} point(s)")
+        console.print(f"band (tasks {f['band']:.0%} faster and slower): {f['fragile_points']} steady point(s) fragile "
+                      f"(the band moves their latency past {f['target']:.0%} or across congestion: no prediction "
+                      f"of them holds on a machine whose speed drifts that much){robust}{within}", highlight=False)
+
+
+def _band_cell(r: dict[str, Any]) -> str:
+    """A point's papers' latency with its tasks the band faster .. slower ("cong." where that
+    end congests), "fragile" where the band tips it (:func:`~staronnx.bench.fidelity.band_columns`)."""
+    if "sim_fragile" not in r:
+        return "-"
+    ends = ["cong." if r.get(f"sim_congested_{e}") else _fmt(r.get(f"sim_paper_latency_{e}_ms"))
+            for e in ("fast", "slow")]
+    return f"{ends[0]}..{ends[1]}" + (" fragile" if r.get("sim_fragile") else "")
 
 
 def _print_notes(output: Path) -> None:
@@ -353,6 +375,11 @@ def sweep_cmd(
         help="Write a Perfetto trace of the sweep here: tasks per worker, batch fills, batches, queue length.")] = None,
     simulate: Annotated[bool, typer.Option("--simulate/--no-simulate",
         help="Also simulate every measured point from the perf models; report the simulator's error.")] = False,
+    sim_band: Annotated[float | None, typer.Option(
+        "--sim-band", metavar="PERCENT",
+        help="With --simulate: also simulate each point with its tasks this many per cent faster and slower "
+             "(the machine's speed noise; default 5): a point the band moves past 15 % or across congestion is "
+             "marked fragile, and the report says which live points lie within the band. 0: no band.")] = None,
     inputs: Annotated[Path | None, typer.Option(
         help="Real inputs: an .npz keyed by the model's input names, samples along axis 0 "
              "(numpy.savez); requests cycle through them. Default: random inputs.")] = None,
@@ -414,6 +441,10 @@ def sweep_cmd(
             raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
         if check is not None and not check.is_file():  # now, not after the header
             raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
+    if sim_band is not None and not simulate:
+        raise StaronnxError("--sim-band sets the band of the simulated points: give --simulate too")
+    if sim_band is not None and not 0 <= sim_band < 100:
+        raise StaronnxError(f"--sim-band is a percentage in [0, 100) (5: tasks 5 % faster and slower), got {sim_band:g}")
     seconds = parse_duration(duration, option="--duration")
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
@@ -433,7 +464,8 @@ def sweep_cmd(
                   thread_per_stream=thread_per_stream,
                   distribution=distribution, duration=seconds, warmup=warm, out_dir=output, seed=seed,
                   queue_capacity=queue_capacity, min_batches=min_batches, simulate=simulate, max_delay=delay,
-                  trace=trace, colocate=colocate)  # colocate: --url refused it above
+                  trace=trace, colocate=colocate,  # colocate: --url refused it above
+                  **({"sim_band": sim_band / 100} if sim_band is not None else {}))
     if mixed:
         console.print(
             f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
