@@ -20,6 +20,12 @@ Two more rows are diagnostics, not predictions: "speed track." replays each poin
 tasks' speed the points before it measured, "own speed" at the speed it measured itself; on a
 VM whose speed moves by tens of per cent within minutes they say how much of an error is the
 machine's drift and how much the model's (queueing and the host's costs).
+Each point is also simulated with its tasks ``--sim-band`` per cent faster and slower (``sweep
+--sim-band``, :func:`staronnx.bench.fidelity.band_columns`): the "robust" row leaves out the
+steady points that band calls fragile (it moves their latency past 15 % or across congestion:
+at the knee), and says on how many points the live figure lay within the band. Before any
+sweep, ``--steadiness`` seconds of plain ONNX Runtime on every core (``benchmarks/steadiness.py``)
+say how steady the machine itself is: whether it is the quiet machine the goals are for.
 Goals (issue 40), on a quiet machine: papers' latency median |error| <= 3 %, max <= 15 %;
 congestion called alike on >= 95 % of points; bound / capacity within 1.0-1.1.
 
@@ -31,7 +37,8 @@ against under 1 ms at normal priority; the benchmark warns when it finds itself 
 first core) during the sweeps: the points must come out flagged busy.
 
 Usage: python benchmarks/simulator.py [--models googlenet,crnn_ocr,unet_seg] [--rates auto]
-       [--batch-sizes 1,4] [--groups cores=1] [--duration 3] [--busy] [--json out.json] [-o DIR]
+       [--batch-sizes 1,4] [--groups cores=1] [--duration 3] [--busy] [--sim-band 5] [--steadiness 60]
+       [--json out.json] [-o DIR]
        [--plan DIR]   (one existing plan instead of --models, calibrated in $STARONNX_HOME unless already)
 """
 
@@ -62,6 +69,8 @@ from staronnx.calibrate import calibrate, calibrate_host, speed_moved, start_wor
 from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates  # noqa: E402
 from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
+
+import steadiness  # noqa: E402  (benchmarks/steadiness.py, beside this file)
 
 REAL = REPO.parent / "shared" / "models" / "real"
 DEFAULT_MODELS = "googlenet,crnn_ocr,unet_seg"
@@ -219,9 +228,23 @@ def summary_line(f: Mapping[str, Any]) -> dict[str, Any]:
         s = f[key]
         return s["median_abs"], s["max_abs"], s["points"]
 
-    return {"throughput": st("throughput"), "latency_p50": st("latency_p50"), "paper_latency": st("paper_latency"),
-            "paper_latency_below_knee": st("paper_latency_below_knee"), "knee_points": f["knee_points"],
-            "congestion": f["congestion_agreement"], "simulated": f["simulated_points"], "busy": f["busy_points"]}
+    out = {"throughput": st("throughput"), "latency_p50": st("latency_p50"), "paper_latency": st("paper_latency"),
+           "paper_latency_below_knee": st("paper_latency_below_knee"), "knee_points": f["knee_points"],
+           "congestion": f["congestion_agreement"], "simulated": f["simulated_points"], "busy": f["busy_points"]}
+    if "band" in f:  # the sweep's band (fidelity.band_columns): the errors without its fragile points
+        out.update(band=f["band"], fragile_points=f["fragile_points"], in_band=f["in_band"],
+                   in_band_points=f["in_band_points"], latency_p50_robust=st("latency_p50_robust"),
+                   paper_latency_robust=st("paper_latency_robust"))
+    return out
+
+
+def robust_line(f: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The "robust" row of the closing table: the host-cost simulator's figures with the steady
+    points its band calls fragile left out (None without a band)."""
+    line = summary_line(f)
+    if "band" not in line:
+        return None
+    return {**line, "latency_p50": line["latency_p50_robust"], "paper_latency": line["paper_latency_robust"]}
 
 
 def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]],
@@ -281,7 +304,8 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     first_core = min(os.sched_getaffinity(0))
     with competing_load(args.busy, first_core):
         rows = sweep(plan, rates, sizes, policy=args.policy, groups=args.groups, duration=args.duration,
-                     min_batches=args.min_batches, out_dir=out, store=store, simulate=True, stop_on_congestion=True)
+                     min_batches=args.min_batches, out_dir=out, store=store, simulate=True, stop_on_congestion=True,
+                     sim_band=args.sim_band / 100)
     doc = load_results(out)
     warmup = float(doc["settings"]["warmup_s"])
     before = resimulate_without_host(plan, rows, groups=args.groups, store=store, policy=args.policy,
@@ -317,6 +341,14 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
                   f"|error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}")
         if f["congestion_agreement"] is not None:
             print(f"  congestion called alike on {f['congestion_agreement']:.0%} of {f['simulated_points']} points")
+        if "band" in f and f is after_f:
+            st = f["paper_latency_robust"]
+            robust = (f", papers' latency without them: median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}"
+                      f" over {st['points']} point(s)" if st["points"] else "")
+            within = "" if f["in_band"] is None else (f"; the live point within the band on {f['in_band']:.0%} of "
+                                                      f"{f['in_band_points']} point(s)")
+            print(f"  band (tasks {f['band']:.0%} faster and slower): {f['fragile_points']} steady point(s) fragile"
+                  f"{robust}{within}")
     bound_nohost = {}
     machine_old = build_machine(plan, groups=args.groups, store=store, host=False)
     from staronnx.bench.bound import machine_bound
@@ -344,6 +376,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     for note in doc["notes"]:
         print(f"note: {note}")
     return {"model": name, "rows": len(rows), "busy_points": busy, "after": summary_line(after_f),
+            "robust": robust_line(after_f),
             "before": summary_line(before_f), "tracked": summary_line(tracked_f), "own": summary_line(own_f),
             "pooled": summary_line(pooled_f),
             "after_all": summary_line(every_after),
@@ -361,14 +394,18 @@ def print_closing(results: list[dict[str, Any]]) -> None:
         return "-" if v is None else f"{v:.1%}"
 
     print(f"\n{'model':<12} {'simulator':<12} | {'thr med/max':>13} | {'p50 med/max':>13} | {'paper med/max':>13} | "
-          f"{'<knee med/max':>13} | {'cong.':>5} | {'bound/cap':>12} | busy")
-    names = {"before": "tasks alone", "after": "host costs", "tracked": "speed track.", "own": "own speed",
-             "pooled": "one scale",
+          f"{'<knee med/max':>13} | {'cong.':>5} | {'bound/cap':>12} | busy | fragile, in band")
+    names = {"before": "tasks alone", "after": "host costs", "robust": "robust", "tracked": "speed track.",
+             "own": "own speed", "pooled": "one scale",
              "before_all": "tasks alone*",
              "after_all": "host costs*"}
     for res in results:
-        for tag in ("before", "pooled", "after", "tracked", "own", "before_all", "after_all"):
-            s = res[tag]
+        for tag in ("before", "pooled", "after", "robust", "tracked", "own", "before_all", "after_all"):
+            s = res.get(tag)
+            if s is None:
+                continue
+            band = (f" | {s['fragile_points']}, {pct(s['in_band'])} of {s['in_band_points']}"
+                    if tag in ("after", "robust") and "band" in s else "")
             ratio = res["bound_over_capacity_before" if tag.startswith("before") else
                         "bound_over_capacity_pooled" if tag == "pooled" else "bound_over_capacity"]
             print(f"{res['model']:<12} {names[tag]:<12} | "
@@ -377,8 +414,11 @@ def print_closing(results: list[dict[str, Any]]) -> None:
                   f"{pct(s['paper_latency'][0]):>6}/{pct(s['paper_latency'][1]):>6} | "
                   f"{pct(s['paper_latency_below_knee'][0]):>6}/{pct(s['paper_latency_below_knee'][1]):>6} | "
                   f"{pct(s['congestion']):>5} | {' '.join(f'{v:.2f}' for _, v in sorted(ratio.items())):>12} | "
-                  f"{res['busy_points']}/{res['rows']}")
-    print("*: busy points counted too (the others leave them out); <knee: steady points offered under "
+                  f"{res['busy_points']}/{res['rows']}{band}")
+    print("*: busy points counted too (the others leave them out); robust: host costs, the steady points the "
+          "band calls fragile left out (the band: each point simulated with its tasks --sim-band faster and "
+          "slower; fragile: the band moves its latency past 15 % or across congestion; in band: the live "
+          "point lies within what the band predicts); <knee: steady points offered under "
           f"{KNEE:.0%} of the LP bound; speed track.: a diagnostic, the tasks at the speed the points before "
           "measured (the machine's drift since calibration taken out); own speed: a diagnostic, each point at the "
           "tasks' speed it measured itself (what is left: queueing and the host's costs); one scale: the host "
@@ -410,12 +450,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--min-batches", type=int, default=6)
     ap.add_argument("--busy", action="store_true", help="run a competing CPU load during the sweeps")
+    ap.add_argument("--sim-band", type=float, default=5.0, metavar="PERCENT",
+                    help="simulate each point with its tasks this many per cent faster and slower too (sweep "
+                         "--sim-band); default 5")
+    ap.add_argument("--steadiness", type=float, default=60.0, metavar="SECONDS",
+                    help="first measure how steady this machine's speed is: plain ONNX Runtime on each core for "
+                         "this long (0: skip)")
     ap.add_argument("--json", type=Path, default=None, help="write the per-model figures here")
     ap.add_argument("-o", "--output", type=Path, default=None)
     args = ap.parse_args(argv)
     if (warning := realtime_warning()) is not None:
         print(warning, flush=True)
     tmp = scratch_dir("staronnx-bench-sim-")
+    steady = None
+    if args.steadiness > 0:  # before any sweep: the machine's own drift, without staronnx
+        steady = steadiness.measure(args.steadiness, args.duration)
+        print(steady.describe(args.sim_band / 100), flush=True)
     results = []
     if args.plan is not None:
         results.append(run_model(args.plan.name, None, args.plan, [], args, tmp))
@@ -426,8 +476,13 @@ def main(argv: list[str] | None = None) -> int:
             path, shapes = model_path(name)
             results.append(run_model(name, path, None, shapes, args, tmp))
     print_closing(results)
+    if steady is not None:
+        print(steady.describe(args.sim_band / 100))
     if args.json is not None:
-        args.json.write_text(json.dumps(results, indent=1, default=str) + "\n")
+        doc = {"models": results, "steadiness": None if steady is None else {
+            "window_s": steady.window, "speeds": steady.speeds, "cv": steady.cv(), "spread": steady.spread(),
+            "within_band": steady.covered(args.sim_band / 100)}}
+        args.json.write_text(json.dumps(doc, indent=1, default=str) + "\n")
         print(f"figures: {args.json}")
     return 0
 

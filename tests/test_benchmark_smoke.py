@@ -3,6 +3,7 @@ speed is theirs to print), so their rows and goal lines cannot rot between sessi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -48,6 +49,30 @@ def test_host_overhead_measures_every_stream_count_and_says_the_goals(tmp_path):
         one, four, ratio = (float(calls.group(i)) for i in (2, 3, 4))
         assert 20 < one < 1000 and 20 < four < 1000, out
         assert ratio == pytest.approx(four / one, abs=0.01), out
+
+
+def test_steadiness_says_how_far_each_cores_speed_strays(tmp_path):
+    """``benchmarks/steadiness.py``: every core's speed per window, and one line that says the
+    spread and the share of windows a band covers."""
+    out = _run("steadiness.py", "--seconds", "1.5", "--window", "0.5", "--band", "5", "--json",
+               str(tmp_path / "s.json"), tmp=tmp_path)
+    assert re.search(r"machine steadiness: plain ONNX Runtime .* windows of 0.5 s: speed [\d.]+% \(sd\) around each "
+                     r"core's mean, slowest to fastest window x[\d.]+; \d+% of windows within 5% of the mean", out), out
+    doc = json.loads((tmp_path / "s.json").read_text())
+    assert doc["speeds"] and all(v and all(x > 0 for x in v) for v in doc["speeds"].values())
+
+
+def test_the_simulator_benchmark_prints_the_band_and_the_machines_steadiness(tmp_path):
+    """``benchmarks/simulator.py`` on crnn_ocr, two short points: the per-model band line, the
+    closing table's "robust" row with its fragile count and the share in the band, and the
+    machine's steadiness, also in its JSON."""
+    out = _run("simulator.py", "--models", "crnn_ocr", "--rates", "100,300", "--batch-sizes", "1", "--duration",
+               "0.5", "--steadiness", "1", "--sim-band", "5", "--json", str(tmp_path / "sim.json"), tmp=tmp_path)
+    assert re.search(r"band \(tasks 5% faster and slower\): \d+ steady point\(s\) fragile", out), out
+    assert re.search(r"^crnn_ocr +robust +\|.*\| \d+, [\d.]+% of \d+$", out, re.MULTILINE), out
+    assert "machine steadiness:" in out
+    doc = json.loads((tmp_path / "sim.json").read_text())
+    assert doc["steadiness"]["speeds"] and doc["models"][0]["robust"]["band"] == pytest.approx(0.05)
 
 
 def test_serving_path_measures_the_open_loop_points_and_says_the_goals(tmp_path):
