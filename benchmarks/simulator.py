@@ -234,7 +234,7 @@ def summary_line(f: Mapping[str, Any]) -> dict[str, Any]:
     if "band" in f:  # the sweep's band (fidelity.band_columns): the errors without its fragile points
         out.update(band=f["band"], fragile_points=f["fragile_points"], in_band=f["in_band"],
                    in_band_points=f["in_band_points"], latency_p50_robust=st("latency_p50_robust"),
-                   paper_latency_robust=st("paper_latency_robust"))
+                   paper_latency_robust=st("paper_latency_robust"), congestion_robust=f["congestion_agreement_robust"])
     return out
 
 
@@ -244,7 +244,8 @@ def robust_line(f: Mapping[str, Any]) -> dict[str, Any] | None:
     line = summary_line(f)
     if "band" not in line:
         return None
-    return {**line, "latency_p50": line["latency_p50_robust"], "paper_latency": line["paper_latency_robust"]}
+    return {**line, "latency_p50": line["latency_p50_robust"], "paper_latency": line["paper_latency_robust"],
+            "congestion": line["congestion_robust"]}
 
 
 def print_points(rows: Sequence[Mapping[str, Any]], before: Sequence[Mapping[str, Any]],
@@ -347,8 +348,11 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
                       f" over {st['points']} point(s)" if st["points"] else "")
             within = "" if f["in_band"] is None else (f"; the live point within the band on {f['in_band']:.0%} of "
                                                       f"{f['in_band_points']} point(s)")
+            alike = ("" if f["congestion_agreement_robust"] is None else
+                     f"; congestion called alike on {f['congestion_agreement_robust']:.0%} of the "
+                     f"{f['robust_points']} point(s) it does not tip")
             print(f"  band (tasks {f['band']:.0%} faster and slower): {f['fragile_points']} steady point(s) fragile"
-                  f"{robust}{within}")
+                  f"{robust}{alike}{within}")
     bound_nohost = {}
     machine_old = build_machine(plan, groups=args.groups, store=store, host=False)
     from staronnx.bench.bound import machine_bound
@@ -415,7 +419,7 @@ def print_closing(results: list[dict[str, Any]]) -> None:
                   f"{pct(s['paper_latency_below_knee'][0]):>6}/{pct(s['paper_latency_below_knee'][1]):>6} | "
                   f"{pct(s['congestion']):>5} | {' '.join(f'{v:.2f}' for _, v in sorted(ratio.items())):>12} | "
                   f"{res['busy_points']}/{res['rows']}{band}")
-    print("*: busy points counted too (the others leave them out); robust: host costs, the steady points the "
+    print("*: busy points counted too (the others leave them out); robust: host costs, the points the "
           "band calls fragile left out (the band: each point simulated with its tasks --sim-band faster and "
           "slower; fragile: the band moves its latency past 15 % or across congestion; in band: the live "
           "point lies within what the band predicts); <knee: steady points offered under "
@@ -450,9 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=3.0)
     ap.add_argument("--min-batches", type=int, default=6)
     ap.add_argument("--busy", action="store_true", help="run a competing CPU load during the sweeps")
-    ap.add_argument("--sim-band", type=float, default=5.0, metavar="PERCENT",
+    ap.add_argument("--sim-band", default="auto", metavar="PERCENT",
                     help="simulate each point with its tasks this many per cent faster and slower too (sweep "
-                         "--sim-band); default 5")
+                         "--sim-band); auto (the default): the drift that holds 90 %% of the steadiness windows, "
+                         "at least 1 %% (5 without --steadiness)")
     ap.add_argument("--steadiness", type=float, default=60.0, metavar="SECONDS",
                     help="first measure how steady this machine's speed is: plain ONNX Runtime on each core for "
                          "this long (0: skip)")
@@ -465,6 +470,13 @@ def main(argv: list[str] | None = None) -> int:
     steady = None
     if args.steadiness > 0:  # before any sweep: the machine's own drift, without staronnx
         steady = steadiness.measure(args.steadiness, args.duration)
+    if args.sim_band == "auto":  # the machine's own drift, as the steadiness probe measured it
+        args.sim_band = 5.0 if steady is None else round(100 * steady.band(), 1)
+        print(f"band: tasks {args.sim_band:g} % faster and slower" + (
+            "" if steady is None else " (the drift that holds 90 % of the steadiness windows)"), flush=True)
+    else:
+        args.sim_band = float(args.sim_band)
+    if steady is not None:
         print(steady.describe(args.sim_band / 100), flush=True)
     results = []
     if args.plan is not None:

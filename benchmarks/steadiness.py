@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -70,6 +71,14 @@ class Steadiness:
         """The share of windows whose speed is within ``band`` of their core's mean."""
         devs = self.deviations()
         return sum(abs(d) <= band for d in devs) / len(devs) if devs else 1.0
+
+    def band(self, coverage: float = 0.9, floor: float = 0.01) -> float:
+        """The least deviation from the mean that holds ``coverage`` of the windows (at least
+        ``floor``): the drift a prediction of this machine has to survive (``sweep --sim-band``)."""
+        devs = sorted(abs(d) for d in self.deviations())
+        if not devs:
+            return floor
+        return max(floor, devs[min(len(devs) - 1, math.ceil(coverage * len(devs)) - 1)])
 
     def describe(self, band: float) -> str:
         cores = ",".join(map(str, sorted(self.speeds)))

@@ -770,8 +770,9 @@ def test_band_columns_call_a_point_fragile_where_the_band_tips_it():
 
 
 def test_the_error_summary_gives_the_errors_without_the_fragile_points():
-    """Hand-made rows: the fragile steady point is counted and out of the robust figures; the
-    share of points within the band counts every judged point."""
+    """Hand-made rows: the fragile steady point is counted and out of the robust figures, a
+    fragile point whose congestion the simulation missed is out of the robust congestion figure;
+    the share of points within the band counts every judged point."""
     from staronnx.bench.fidelity import fidelity_summary
 
     def row(err: float, fragile: bool, in_band: bool) -> dict:
@@ -779,11 +780,14 @@ def test_the_error_summary_gives_the_errors_without_the_fragile_points():
                 "err_latency_p50": err, "err_paper_latency": err, "congested": False, "sim_congested": False,
                 "state": "stable", "sim_band": 0.05, "sim_fragile": fragile, "in_band": in_band}
 
-    f = fidelity_summary([row(0.02, False, True), row(-0.04, False, True), row(0.7, True, False)])
-    assert f["band"] == 0.05 and f["fragile_points"] == 1
+    tipped = {**row(0.0, True, True), "congested": True}  # live congested, the nominal simulation not
+    f = fidelity_summary([row(0.02, False, True), row(-0.04, False, True), row(0.7, True, False), tipped])
+    assert f["band"] == 0.05 and f["fragile_points"] == 1  # steady ones: the tipped point is not steady
     assert f["paper_latency"]["max_abs"] == pytest.approx(0.7)
     assert f["paper_latency_robust"]["points"] == 2 and f["paper_latency_robust"]["max_abs"] == pytest.approx(0.04)
-    assert f["in_band"] == pytest.approx(2 / 3) and f["in_band_points"] == 3
+    assert f["in_band"] == pytest.approx(3 / 4) and f["in_band_points"] == 4
+    assert f["congestion_agreement"] == pytest.approx(3 / 4)
+    assert f["congestion_agreement_robust"] == 1.0 and f["robust_points"] == 2
     assert "band" not in fidelity_summary([{k: v for k, v in r.items() if k not in ("sim_fragile", "in_band")}
                                            for r in [row(0.02, False, True)]])
 
@@ -839,3 +843,24 @@ def test_a_sweep_without_a_band_simulates_each_point_once(crnn_calibrated, two_g
     assert "band" not in load_results(tmp_path / "nob")["fidelity"]
     with pytest.raises(SweepError, match="sim_band"):
         sweep(plan, [20.0], [1], groups=two_groups, duration=0.3, simulate=True, sim_band=1.0, store=store)
+
+
+def test_cli_simulate_says_how_far_a_drift_moves_its_answer(crnn_calibrated, two_groups, capsys, monkeypatch):
+    """Through ``staronnx simulate --band 10`` on crnn_ocr: a light rate is robust to a 10 % drift,
+    the LP bound's rate is fragile (one end of the band congests, the other does not), ``--band
+    0`` prints no band and ``--band 100`` is refused by name."""
+    plan, home, _ = crnn_calibrated
+    monkeypatch.setenv("STARONNX_HOME", str(home))
+    monkeypatch.setenv("COLUMNS", "240")
+    bound = machine_bound(build_machine(plan, groups=two_groups, store=PerfModelStore(home)), 1).throughput
+    common = ("simulate", plan.root, "--batch", "1", "--groups", two_groups, "--duration", "2s")
+    code, stdout, stderr = cli(capsys, *common, "--rate", f"{0.1 * bound:.1f}", "--band", "10")
+    assert code == 0, stderr + stdout
+    assert "with every task 10% faster .. slower: papers' latency" in stdout and "robust" in stdout, stdout
+    code, stdout, stderr = cli(capsys, *common, "--rate", f"{bound:.1f}", "--band", "10")
+    assert code == 0, stderr + stdout
+    assert "fragile: 10% " in stdout and "congested" in stdout, stdout
+    code, stdout, stderr = cli(capsys, *common, "--rate", f"{0.1 * bound:.1f}", "--band", "0")
+    assert code == 0 and "faster .. slower" not in stdout, stderr + stdout
+    code, stdout, stderr = cli(capsys, *common, "--rate", f"{0.1 * bound:.1f}", "--band", "100")
+    assert code != 0 and "--band" in stdout + stderr

@@ -193,8 +193,9 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     points offered :data:`KNEE` of their bound or more are at the knee (``knee_points``): the
     latency errors are also given without them (``*_below_knee``). Where the rows carry the
     band (:func:`band_columns`): ``band``, the steady points it calls fragile
-    (``fragile_points``), the latency errors without them (``*_robust``) and the share of
-    points that lie within it (``in_band``).
+    (``fragile_points``), the latency errors without them (``*_robust``), congestion called
+    alike on the points it calls robust, steady or not (``congestion_agreement_robust`` over
+    ``robust_points``), and the share of points that lie within it (``in_band``).
     """
     candidates = [r for r in rows if "sim_throughput" in r and r.get("state") != "failed"]
     simulated = [r for r in candidates if not r.get("machine_busy")]
@@ -222,6 +223,9 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
         out["fragile_points"] = sum(1 for r in steady if r.get("sim_fragile"))
         out["latency_p50_robust"] = stats(robust, "err_latency_p50")
         out["paper_latency_robust"] = stats(robust, "err_paper_latency")
+        sure = [bool(r.get("congested")) == bool(r.get("sim_congested")) for r in banded if not r["sim_fragile"]]
+        out["congestion_agreement_robust"] = sum(sure) / len(sure) if sure else None
+        out["robust_points"] = len(sure)
         judged = [bool(r["in_band"]) for r in banded if r.get("in_band") is not None]
         out["in_band"] = sum(judged) / len(judged) if judged else None
         out["in_band_points"] = len(judged)

@@ -188,6 +188,11 @@ def simulate_cmd(
     trace: Annotated[Path | None, typer.Option(
         help="Write the simulated schedule here as a Perfetto trace (ui.perfetto.dev), laid out as run/sweep "
              "--trace lay out a live one: a lane per worker, tasks, dependencies, batch fills, the queue.")] = None,
+    band: Annotated[float, typer.Option(
+        "--band", metavar="PERCENT",
+        help="Also simulate with every task this many per cent faster and slower (a machine's drift from its "
+             "calibration) and say how far that moves the answer: near the capacity a few per cent tip a rate "
+             "into congestion. 0: no band.")] = 5.0,
 ) -> None:
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
@@ -201,6 +206,8 @@ def simulate_cmd(
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
+    if not 0 <= band < 100:
+        raise StaronnxError(f"--band is a percentage in [0, 100) (5: tasks 5 % faster and slower), got {band:g}")
     if trace is not None:
         check_writable(trace, "--trace")
     check_models_options(plandirs, model_workers, lane)
@@ -230,18 +237,51 @@ def simulate_cmd(
     machine = build_machine(plans if several else plans[labels[0]], groups=groups, topology=topology,
                             cuda_streams=cuda_streams, cuda_devices=devices, cuda_scale=_scale(cuda_scale),
                             lanes=lanes)
-    result = simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=seconds,
-                          n_requests=requests, distribution=distribution, seed=seed, max_delay=delay, spread=spread,
-                          queue_capacity=queue_capacity, residency=residency, trace=trace)
+    def run(slowdown: float = 1.0, into: Path | None = None) -> Any:
+        return simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=seconds,
+                            n_requests=requests, distribution=distribution, seed=seed, max_delay=delay, spread=spread,
+                            queue_capacity=queue_capacity, residency=residency, trace=into, slowdown=slowdown)
+
+    result = run(into=trace)
     if several:
         _print_mix(result, machine, labels, offered, sizes, residency, lanes, policy)
     else:
         _print_one(result, machine, labels[0], sizes[labels[0]], policy)
+    if band > 0:  # the same traffic on a machine that much faster and slower
+        ends = (run(1 - band / 100), run(1 + band / 100))
+        for n in labels:
+            _print_band(n if several else None, result.metrics(n), *(e.metrics(n) for e in ends), band / 100)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
     if trace is not None:
         console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
+
+
+def _print_band(name: str | None, nominal: dict[str, Any], fast: dict[str, Any], slow: dict[str, Any],
+                band: float) -> None:
+    """One line: how far a drift of ``band`` moves a model's answer, and whether it tips it
+    (:func:`~staronnx.bench.fidelity.band_columns`' rule: past 15 % or across congestion)."""
+    from staronnx.bench.fidelity import TARGET, band_columns, sim_columns
+
+    cols = band_columns(fast, slow, sim_columns(nominal, {}), {}, band)
+
+    def ends(key: str) -> str:
+        return " .. ".join("congested" if cols[f"sim_congested_{e}"] else
+                           "-" if (ms := cols[f"{key}_{e}_ms"]) is None else f"{ms:.2f}" for e in ("fast", "slow"))
+
+    if not cols["sim_fragile"]:
+        verdict = f"robust: a drift that small moves it less than {TARGET:.0%}"
+    elif cols["sim_congested_slow"] and not nominal.get("congested"):
+        verdict = (f"fragile: {band:.0%} slower congests (the rate is within {band:.0%} of what this machine "
+                   "serves: a machine that drifts that much tips it)")
+    elif nominal.get("congested") and not cols["sim_congested_fast"]:
+        verdict = f"fragile: {band:.0%} faster keeps up (the rate is within {band:.0%} of the capacity)"
+    else:
+        verdict = f"fragile: a drift that small moves the latency by more than {TARGET:.0%}"
+    console.print(f"{'' if name is None else name + ': '}with every task {band:.0%} faster .. slower: papers' latency "
+                  f"{ends('sim_paper_latency')} ms, p50 {ends('sim_latency_p50')} "
+                  f"ms; {verdict}", highlight=False)
 
 
 def _print_one(result: Any, machine: Any, label: str, batch_size: int, policy: str) -> None:
