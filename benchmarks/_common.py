@@ -12,7 +12,10 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-GOOGLENET = REPO.parent / "shared" / "models" / "googlenet.onnx"
+#: the shared models' folder: ``../shared`` beside the project, or ``$STARONNX_SHARED`` where a
+#: copy travelled (a lent device machine has no ``../shared``: benchmarks/device_predictions_prep.sh)
+SHARED = Path(os.environ.get("STARONNX_SHARED") or REPO.parent / "shared")
+GOOGLENET = SHARED / "models" / "googlenet.onnx"
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:

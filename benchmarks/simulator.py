@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, REPO, scratch_dir  # noqa: E402
+from _common import GOOGLENET, SHARED, scratch_dir  # noqa: E402
 
 from staronnx import partition  # noqa: E402
 from staronnx.bench.fidelity import KNEE, TARGET, fidelity_summary, simulate_row  # noqa: E402
@@ -72,7 +72,7 @@ from staronnx.plan import Plan  # noqa: E402
 
 import steadiness  # noqa: E402  (benchmarks/steadiness.py, beside this file)
 
-REAL = REPO.parent / "shared" / "models" / "real"
+REAL = SHARED / "models" / "real"
 DEFAULT_MODELS = "googlenet,crnn_ocr,unet_seg"
 #: goals on a quiet machine (issue 40)
 GOALS = {"paper_median": 0.03, "paper_max": 0.15, "congestion": 0.95, "bound": (1.0, 1.1)}

@@ -23,7 +23,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-GOOGLENET = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "googlenet.onnx"
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import GOOGLENET  # noqa: E402
 
 #: what each core's process runs: its runs per second in each window, as one JSON list
 _PROBE = """
@@ -85,7 +86,7 @@ class Steadiness:
         n = sum(len(v) for v in self.speeds.values())
         return (f"machine steadiness: plain ONNX Runtime (googlenet, one thread, batch 1) on cores {cores}, "
                 f"{n} windows of {self.window:g} s: speed {self.cv():.1%} (sd) around each core's mean, slowest "
-                f"to fastest window x{self.spread():.2f}; {self.covered(band):.0%} of windows within {band:.0%} "
+                f"to fastest window x{self.spread():.2f}; {self.covered(band):.0%} of windows within {band:.1%} "
                 "of the mean (a quiet machine: all of them within a few per cent)")
 
 
