@@ -790,6 +790,9 @@ def test_the_error_summary_gives_the_errors_without_the_fragile_points():
     assert f["congestion_agreement_robust"] == 1.0 and f["robust_points"] == 2
     assert "band" not in fidelity_summary([{k: v for k, v in r.items() if k not in ("sim_fragile", "in_band")}
                                            for r in [row(0.02, False, True)]])
+    # every point busy (a loaded host): the band is still said, with nothing judged by it
+    busy = fidelity_summary([{**row(0.02, False, True), "machine_busy": True}])
+    assert busy["band"] == 0.05 and busy["fragile_points"] == 0 and busy["in_band"] is None
 
 
 def test_cli_sweep_simulates_each_point_in_a_band(crnn_calibrated, two_groups, capsys, tmp_path, monkeypatch):

@@ -216,9 +216,9 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
     out["paper_latency_below_knee"] = stats(calm, "err_paper_latency")
     agree = [bool(r.get("congested")) == bool(r.get("sim_congested")) for r in simulated]
     out["congestion_agreement"] = sum(agree) / len(agree) if agree else None
-    banded = [r for r in simulated if "sim_fragile" in r]
-    if banded:
-        out["band"] = max(float(r.get("sim_band") or 0.0) for r in banded)
+    if any("sim_fragile" in r for r in candidates):  # said even when every banded point was busy
+        banded = [r for r in simulated if "sim_fragile" in r]
+        out["band"] = max(float(r.get("sim_band") or 0.0) for r in candidates if "sim_fragile" in r)
         robust = [r for r in steady if "sim_fragile" in r and not r["sim_fragile"]]
         out["fragile_points"] = sum(1 for r in steady if r.get("sim_fragile"))
         out["latency_p50_robust"] = stats(robust, "err_latency_p50")
