@@ -247,13 +247,16 @@ def simulate_cmd(
         _print_mix(result, machine, labels, offered, sizes, residency, lanes, policy)
     else:
         _print_one(result, machine, labels[0], sizes[labels[0]], policy)
+    runs = [result]
     if band > 0:  # the same traffic on a machine that much faster and slower
         ends = (run(1 - band / 100), run(1 + band / 100))
+        runs += ends
         for n in labels:
             _print_band(n if several else None, result.metrics(n), *(e.metrics(n) for e in ends), band / 100)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
-    console.print(f"({result.events} events in {result.wall_seconds:.2f} s)", highlight=False)
+    console.print(f"({sum(r.events for r in runs)} events in {sum(r.wall_seconds for r in runs):.2f} s"
+                  + (", the band's two runs included)" if len(runs) > 1 else ")"), highlight=False)
     if trace is not None:
         console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)", highlight=False)
 
