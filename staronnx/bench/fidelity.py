@@ -137,12 +137,12 @@ def band_columns(fast: Mapping[str, Any], slow: Mapping[str, Any], nominal: Mapp
         "sim_congested_fast": bool(fast.get("congested")), "sim_congested_slow": bool(slow.get("congested"))}
     calls = [out["sim_congested_fast"], bool(nominal.get("sim_congested")), out["sim_congested_slow"]]
     fragile = len(set(calls)) > 1
-    if not any(calls):
-        for key in ("sim_latency_p50", "sim_paper_latency"):
-            mid = _finite(nominal.get(f"{key}_ms" if key == "sim_latency_p50" else f"{key}_mean_ms"))
-            ends = [out[f"{key}_fast_ms"], out[f"{key}_slow_ms"]]
-            fragile |= mid is not None and mid > 0 and any(
-                e is not None and abs(e / mid - 1.0) > TARGET for e in ends)
+    if not any(calls):  # steady at every speed of the band: does it move the latency past the target?
+        for nominal_key, band_key in (("sim_latency_p50_ms", "sim_latency_p50"),
+                                      ("sim_paper_latency_mean_ms", "sim_paper_latency")):
+            mid = _finite(nominal.get(nominal_key))
+            ends = (out[f"{band_key}_fast_ms"], out[f"{band_key}_slow_ms"])
+            fragile |= mid is not None and mid > 0 and any(e is not None and abs(e / mid - 1.0) > TARGET for e in ends)
     out["sim_fragile"] = fragile
     live = _finite(row.get("paper_latency_mean_ms"))
     if row.get("congested"):
@@ -150,9 +150,9 @@ def band_columns(fast: Mapping[str, Any], slow: Mapping[str, Any], nominal: Mapp
     elif all(calls) or live is None:
         out["in_band"] = False if all(calls) else None
     else:
-        steady = [v for v, congested in zip((out["sim_paper_latency_fast_ms"],
-                                             _finite(nominal.get("sim_paper_latency_mean_ms")),
-                                             out["sim_paper_latency_slow_ms"]), calls) if not congested and v is not None]
+        papers = (out["sim_paper_latency_fast_ms"], _finite(nominal.get("sim_paper_latency_mean_ms")),
+                  out["sim_paper_latency_slow_ms"])
+        steady = [v for v, congested in zip(papers, calls) if not congested and v is not None]
         low = min(steady) if steady else math.inf
         high = math.inf if calls[-1] else max(steady, default=math.inf)
         out["in_band"] = low * (1 - TARGET) <= live <= high * (1 + TARGET)
