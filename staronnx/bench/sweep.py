@@ -48,7 +48,7 @@ from staronnx.errors import StaronnxError
 from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet, load_plans
-from staronnx.runtime.runtime import Runtime, driver_threads, warmup_sizes
+from staronnx.runtime.runtime import Runtime, cuda_options, driver_threads, warmup_sizes
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.serving.records import RunRecords
@@ -357,8 +357,8 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         runtime = Runtime(first if one else loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
                           cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, targets=targets,
                           residency=residency, lanes=lanes or None,
-                          cuda_options={"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream}
-                          if cuda_streams else None,
+                          cuda_options=cuda_options(cuda_streams, cuda_graphs=cuda_graphs,
+                                                    thread_per_stream=thread_per_stream),
                           warmup=sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the

@@ -120,7 +120,7 @@ def serve_cmd(
 
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
-    from staronnx.runtime.runtime import Runtime, warmup_sizes
+    from staronnx.runtime.runtime import Runtime, cuda_options, warmup_sizes
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
@@ -197,8 +197,8 @@ def serve_cmd(
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine, save_every=save_s,
-                   cuda_options={"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream}
-                   if cuda_streams else None,
+                   cuda_options=cuda_options(cuda_streams, cuda_graphs=cuda_graphs,
+                                             thread_per_stream=thread_per_stream),
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
     try:
         if len(loaded) > 1 and not separate_runtimes:

@@ -289,7 +289,7 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     service target (a one-model spec is a runtime of one); ``cuda_streams`` CUDA workers on each
     of ``cuda_devices`` (the replica's GPUs)."""
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.runtime.runtime import Runtime, warmup_sizes
+    from staronnx.runtime.runtime import Runtime, cuda_options, warmup_sizes
 
     settings = spec.runtime_settings()
     streams = settings["cuda_streams"]
@@ -305,8 +305,8 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
                    save_every=float(settings["save_every"]),
                    calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
                    lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices,
-                   cuda_options={"cuda_graphs": settings["cuda_graphs"],
-                                 "thread_per_stream": settings["thread_per_stream"]} if streams else None,
+                   cuda_options=cuda_options(streams, cuda_graphs=settings["cuda_graphs"],
+                                             thread_per_stream=settings["thread_per_stream"]),
                    warmup=tuple(warm))
 
 

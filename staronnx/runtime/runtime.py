@@ -78,6 +78,12 @@ def driver_threads(stats: Mapping[str, Any]) -> dict[str, str]:
     return {n: w["driver"]["thread"] for n, w in stats.get("workers", {}).items() if "driver" in w}
 
 
+def cuda_options(cuda_streams: int, *, cuda_graphs: bool, thread_per_stream: bool) -> dict[str, bool] | None:
+    """The CUDA workers' options as the command lines and a Serve config set them (``--cuda-graphs``,
+    ``--cuda-thread-per-stream``), for :class:`Runtime`'s ``cuda_options``; None without streams."""
+    return {"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream} if cuda_streams else None
+
+
 def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ...]:
     """The batch sizes a server of batches up to ``max_batch`` warms up (and captures CUDA
     graphs for): powers of two below it and itself, Triton's preferred batch sizes; only
