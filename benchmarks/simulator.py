@@ -61,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import GOOGLENET, SHARED, scratch_dir  # noqa: E402
 
 from staronnx import partition  # noqa: E402
-from staronnx.bench.fidelity import KNEE, TARGET, fidelity_summary, simulate_row  # noqa: E402
+from staronnx.bench.fidelity import (BAND_COLUMNS, KNEE, TARGET, describe_band, fidelity_summary,  # noqa: E402
+                                     simulate_row)
 from staronnx.bench.machine import build_machine  # noqa: E402
 from staronnx.bench.results import load_results  # noqa: E402
 from staronnx.bench.sweep import auto_rates, sweep  # noqa: E402
@@ -133,7 +134,8 @@ def resimulate(machine: Any, rows: list[dict[str, Any]], *, policy: str, duratio
             continue
         sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
                            queue_capacity=1024, warmup=duration_warmup, host_costs=host_costs)
-        out.append({**r, **sim})
+        # simulated again without the band: the sweep's band belongs to its own simulation
+        out.append({**{k: v for k, v in r.items() if k not in BAND_COLUMNS}, **sim})
     return out
 
 
@@ -342,17 +344,8 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
                   f"|error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}")
         if f["congestion_agreement"] is not None:
             print(f"  congestion called alike on {f['congestion_agreement']:.0%} of {f['simulated_points']} points")
-        if "band" in f and f is after_f:
-            st = f["paper_latency_robust"]
-            robust = (f", papers' latency without them: median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}"
-                      f" over {st['points']} point(s)" if st["points"] else "")
-            within = "" if f["in_band"] is None else (f"; the live point within the band on {f['in_band']:.0%} of "
-                                                      f"{f['in_band_points']} point(s)")
-            alike = ("" if f["congestion_agreement_robust"] is None else
-                     f"; congestion called alike on {f['congestion_agreement_robust']:.0%} of the "
-                     f"{f['robust_points']} point(s) it does not tip")
-            print(f"  band (tasks {f['band']:.0%} faster and slower): {f['fragile_points']} steady point(s) fragile"
-                  f"{robust}{alike}{within}")
+        if f is after_f and (band := describe_band(f)) is not None:
+            print(f"  {band}")
     bound_nohost = {}
     machine_old = build_machine(plan, groups=args.groups, store=store, host=False)
     from staronnx.bench.bound import machine_bound

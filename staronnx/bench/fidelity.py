@@ -52,10 +52,12 @@ COMPARED = (
 )
 #: the CSV columns a simulated sweep adds, in order (``sim_task_time_ratio``: the simulated
 #: tasks' time over their models, the live ``task_time_ratio``'s twin)
+#: the columns of the band (:func:`band_columns`), which a simulation without it must not inherit
+BAND_COLUMNS = ("sim_band", "sim_latency_p50_fast_ms", "sim_latency_p50_slow_ms", "sim_paper_latency_fast_ms",
+                "sim_paper_latency_slow_ms", "sim_congested_fast", "sim_congested_slow", "sim_fragile", "in_band")
 COLUMNS = ("sim_throughput", "sim_latency_p50_ms", "sim_latency_p99_ms", "sim_paper_latency_mean_ms",
            "sim_congested", "err_throughput", "err_latency_p50", "err_paper_latency", "sim_task_time_ratio",
-           "sim_band", "sim_latency_p50_fast_ms", "sim_latency_p50_slow_ms", "sim_paper_latency_fast_ms",
-           "sim_paper_latency_slow_ms", "sim_congested_fast", "sim_congested_slow", "sim_fragile", "in_band")
+           *BAND_COLUMNS)
 
 
 def _finite(v: Any) -> float | None:
@@ -230,3 +232,21 @@ def fidelity_summary(rows: Sequence[Mapping[str, Any]], target: float = TARGET) 
         out["in_band"] = sum(judged) / len(judged) if judged else None
         out["in_band_points"] = len(judged)
     return out
+
+
+def describe_band(f: Mapping[str, Any]) -> str | None:
+    """The band's line of a :func:`fidelity_summary` ``f`` (None without a band), as ``sweep
+    --simulate`` and the simulator benchmark print it."""
+    if "band" not in f:
+        return None
+    st = f["paper_latency_robust"]
+    robust = (f"; without them, papers' latency median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%} over "
+              f"{st['points']} point(s)" if st["points"] and f["fragile_points"] else "")
+    alike = ("" if f["congestion_agreement_robust"] is None else
+             f"; congestion called alike on {f['congestion_agreement_robust']:.0%} of the {f['robust_points']} "
+             "point(s) it does not tip")
+    within = ("" if f["in_band"] is None else
+              f"; the live point lies within the band on {f['in_band']:.0%} of {f['in_band_points']} point(s)")
+    return (f"band (tasks {100 * f['band']:g}% faster and slower): {f['fragile_points']} steady point(s) fragile "
+            f"(the band moves their latency past {f['target']:.0%} or across congestion: no prediction of them "
+            f"holds on a machine whose speed drifts that much){robust}{alike}{within}")

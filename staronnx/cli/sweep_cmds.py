@@ -192,7 +192,7 @@ def _print_point_notes(rows: list[dict[str, Any]]) -> None:
 
 def _print_fidelity(rows: list[dict[str, Any]]) -> None:
     """Simulated vs measured, point by point, then the aggregate errors."""
-    from staronnx.bench.fidelity import KNEE, fidelity_summary
+    from staronnx.bench.fidelity import KNEE, describe_band, fidelity_summary
 
     simulated = [r for r in rows if "sim_throughput" in r]
     if not simulated:
@@ -243,15 +243,8 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
                       f"per cent of capacity move their latency by tens of per cent){below}", highlight=False)
     if f["congestion_agreement"] is not None:
         console.print(f"congestion called alike on {f['congestion_agreement']:.0%} of points", highlight=False)
-    if "band" in f:
-        st = f["paper_latency_robust"]
-        robust = (f"; without them, papers' latency median |error| {st['median_abs']:.1%}, max {st['max_abs']:.1%}"
-                  if st["points"] and f["fragile_points"] else "")
-        within = ("" if f["in_band"] is None else
-                  f"; the live point lies within the band on {f['in_band']:.0%} of {f['in_band_points']} point(s)")
-        console.print(f"band (tasks {f['band']:.0%} faster and slower): {f['fragile_points']} steady point(s) fragile "
-                      f"(the band moves their latency past {f['target']:.0%} or across congestion: no prediction "
-                      f"of them holds on a machine whose speed drifts that much){robust}{within}", highlight=False)
+    if (band := describe_band(f)) is not None:
+        console.print(band, highlight=False)
 
 
 def _band_cell(r: dict[str, Any]) -> str:
