@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
-#: the shared models' folder: ``../shared`` beside the project, or ``$STARONNX_SHARED`` where a
-#: copy travelled (a lent device machine has no ``../shared``: benchmarks/device_predictions_prep.sh)
-SHARED = Path(os.environ.get("STARONNX_SHARED") or REPO.parent / "shared")
-GOOGLENET = SHARED / "models" / "googlenet.onnx"
+#: the test and benchmark models, tracked in the repository so that a clone needs nothing beside it
+MODELS = REPO / "models"
+GOOGLENET = MODELS / "googlenet.onnx"
+#: the seven real exported models with their reference inputs and outputs (see its README)
+REAL = MODELS / "real"
 
 
 def rate(fn: Callable[[], int], seconds: float) -> float:

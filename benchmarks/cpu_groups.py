@@ -26,7 +26,7 @@ from staronnx.workers.cpu_weights import process_memory
 from staronnx.workers.groups import make_groups
 from staronnx.workers.topology import Topology
 
-DEFAULT_MODEL = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "googlenet.onnx"
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
 
 def plain_ort_throughput(sess: ort.InferenceSession, feeds: dict, batch: int, seconds: float) -> float:

@@ -4,7 +4,7 @@ A split model is cheap on a GPU only if its intermediates stay there: a 2-part p
 must move exactly what the 1-part plan moves (the model's inputs up, its outputs down), a
 GPU-to-CPU edge its tensor once, and the perf-model-driven policies must price exactly the
 copies the engine issues. This sets, for 1-part and 2-part plans of googlenet and of a real
-model from ``../shared/models/real/``:
+model from ``models/real/``:
 
 - ``gpu``: one CUDA stream, every part on it (policy eager);
 - ``gpu+cpu``: one CUDA stream and one CPU group; the 2-part plan pinned part 0 to the GPU and
@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, cuda_worker_options, scratch_dir  # noqa: E402
+from _common import GOOGLENET, REAL, cuda_worker_options, scratch_dir  # noqa: E402
 from staronnx import partition  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
@@ -50,7 +50,6 @@ from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 from staronnx.calibrate import start_workers  # noqa: E402
 
-REAL = Path(__file__).resolve().parents[2] / "shared" / "models" / "real"
 
 try:  # the one rule (absent before issue 37: the benchmark then counts only)
     from staronnx.runtime.datawizard import request_copies, tally
@@ -220,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", type=int, default=6, help="batches counted per row")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--model", type=Path, default=GOOGLENET)
-    ap.add_argument("--real", default="bert_tiny", help="a model of ../shared/models/real/")
+    ap.add_argument("--real", default="bert_tiny", help="a model of models/real/")
     ap.add_argument("--seconds", type=float, default=4.0, help="open loop length per policy")
     ap.add_argument("--load", type=float, default=0.6, help="open loop rate / closed-loop rate")
     ap.add_argument("--device", choices=("host", "cuda"), default="host")

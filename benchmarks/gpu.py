@@ -32,7 +32,7 @@ run cut short keeps every row it measured; the end adds the acceptance checks (t
 the best ortN, ...).
 
 Models: ``googlenet`` and ``resnet50`` exported from torchvision (random weights, fp32, dynamic
-batch) where torch is installed, else the project's shared googlenet.  ``--device cpu`` runs the
+batch) where torch is installed, else the repository's googlenet (``models/``).  ``--device cpu`` runs the
 same harness with the CPU provider on a small model (CI's smoke test of this script).
 
 Usage (GPU host): python benchmarks/gpu.py [--models googlenet,resnet50] [--batches 1,8,32]

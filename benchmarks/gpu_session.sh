@@ -89,7 +89,7 @@ if [ "${1:-gpu}" = predictions ]; then  # issue 40 on two of the device's 16 qui
     mkdir -p /tmp/site
     for w in .predict/whl/*.whl; do "$PY" -m zipfile -e "$w" /tmp/site; done && touch /tmp/site/.predict
   fi
-  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}" STARONNX_SHARED="$PWD/.predict/shared"
+  export PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
   cores="${CORES:-2,3}"  # two one-core groups, as on the development VM; the other cores stay idle
   step steadiness 80 taskset -c "$cores" "$PY" benchmarks/steadiness.py --seconds 45 --json "$OUT/steadiness.json"
   step simulator 450 taskset -c "$cores" "$PY" benchmarks/simulator.py --steadiness 30 --json "$OUT/simulator.json"

@@ -1,6 +1,6 @@
 """Every door on real exported models: does each work, and is each answer the client's own?
 
-For each model of ``../shared/models/real/`` (and of any folder given with ``--models DIR``):
+For each model of ``models/real/`` (and of any folder given with ``--models DIR``):
 the model's batching contract as staronnx reads it, then each door users use, run as a user
 runs it (the ``staronnx`` command in a subprocess, ``staronnx.InferenceSession`` in process),
 ``OK`` or the one-line reason it failed:
@@ -45,9 +45,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, scratch_dir  # noqa: E402
+from _common import REAL, scratch_dir  # noqa: E402
 
-REAL = REPO.parent / "shared" / "models" / "real"
 TOL = 1e-4
 
 

@@ -1,7 +1,7 @@
 """Simulator vs measurement on the same points, and the LP throughput bound (issues 5 and 40).
 
 For each model of ``--models`` (default: googlenet and two real exported models of
-``../shared/models/real/`` at a fixed shape each): partition it in 2 parts (``--shares``,
+``models/real/`` at a fixed shape each): partition it in 2 parts (``--shares``,
 85/15), calibrate it on two one-core CPU groups (``--groups cores=1``: on a 2-core machine
 they cover every core, so the host's own threads run on the workers' cores) at batch 1 and 4,
 with the host's costs (:func:`staronnx.calibrate.calibrate_host`), then run a live sweep with
@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, SHARED, scratch_dir  # noqa: E402
+from _common import GOOGLENET, REAL, scratch_dir  # noqa: E402
 
 from staronnx import partition  # noqa: E402
 from staronnx.bench.fidelity import (BAND_COLUMNS, KNEE, TARGET, describe_band, fidelity_summary,  # noqa: E402
@@ -73,7 +73,6 @@ from staronnx.plan import Plan  # noqa: E402
 
 import steadiness  # noqa: E402  (benchmarks/steadiness.py, beside this file)
 
-REAL = SHARED / "models" / "real"
 DEFAULT_MODELS = "googlenet,crnn_ocr,unet_seg"
 #: goals on a quiet machine (issue 40)
 GOALS = {"paper_median": 0.03, "paper_max": 0.15, "congestion": 0.95, "bound": (1.0, 1.1)}
@@ -94,7 +93,8 @@ def model_path(name: str) -> tuple[Path, list[str]]:
         return GOOGLENET, []
     path = REAL / f"{name}.onnx"
     if not path.is_file():
-        raise SystemExit(f"{path} is absent: the real models live in ../shared/models/real/")
+        known = ", ".join(sorted(p.stem for p in REAL.glob("*.onnx")))
+        raise SystemExit(f"{name!r} is not a model of {REAL} (there: googlenet, {known})")
     shapes = []
     with np.load(REAL / f"{name}.npz") as z:
         for key in z.files:
@@ -436,7 +436,7 @@ def realtime_warning() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=DEFAULT_MODELS,
-                    help="googlenet and/or names of ../shared/models/real/ (comma-separated)")
+                    help="googlenet and/or names of models/real/ (comma-separated)")
     ap.add_argument("--model", type=Path, default=None, help="one model file instead of --models")
     ap.add_argument("--shares", default="0.85,0.15")
     ap.add_argument("--plan", type=Path, default=None, help="use this plan instead of partitioning a model")

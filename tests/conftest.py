@@ -233,7 +233,7 @@ def small(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def real_plan(tmp_path_factory):
-    """``real_plan(name, shares=None)``: a plan of ``../shared/models/real/<name>.onnx`` cut in
+    """``real_plan(name, shares=None)``: a plan of ``models/real/<name>.onnx`` cut in
     two equal parts (or at ``shares``, e.g. ``"0.85,0.15"``) at its representative shapes,
     made once per session and shared (load it again with ``Plan.load(plan.root)`` to override
     its batching without touching the others')."""

@@ -1,4 +1,4 @@
-"""The real exported models of ``../shared/models/real/``, as tests use them (plain functions).
+"""The real exported models of ``models/real/``, as tests use them (plain functions).
 
 Each model stands for a kind users bring (see that folder's README). What tests need of each:
 its path, the shapes to cut it at (``--input-shape``: one representative size for profiling),
@@ -18,8 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-#: the shared folder, beside the project (CI and sessions have it)
-REAL = (Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "real").resolve()
+#: the test models, tracked in the repository (a clone needs nothing beside it)
+MODELS = Path(__file__).resolve().parents[1] / "models"
+#: torchvision's GoogLeNet (random seeded weights, dynamic batch): the papers' main model
+GOOGLENET = MODELS / "googlenet.onnx"
+#: the seven real exported models with their reference inputs and outputs (see its README)
+REAL = MODELS / "real"
 
 NAMES = ("bert_tiny", "gpt2_tiny_kv", "crnn_ocr", "gru_stream", "unet_seg", "mobilenet_b1", "detector_nms")
 
@@ -29,10 +33,12 @@ ONE_PER_TASK = ("mobilenet_b1", "detector_nms")
 
 
 def path(name: str) -> Path:
-    """The model file; skips the test (saying why) where the shared folder is absent."""
+    """The model file. The models are part of the repository, so one that is absent is a broken
+    checkout (or a misspelt name) and fails the test rather than skipping it."""
     p = REAL / f"{name}.onnx"
     if not p.is_file():
-        pytest.skip(f"{p} is absent: the real models live in ../shared/models/real/")
+        pytest.fail(f"{p} is absent: the real models are tracked in the repository under models/real/ "
+                    f"(names: {', '.join(NAMES)})")
     return p
 
 

@@ -34,7 +34,7 @@ from staronnx.partition.linear import linear_ranks
 from staronnx.plan import Plan
 from staronnx.verify import random_plan_feeds, verify_plan
 
-GOOGLENET = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "googlenet.onnx"
+GOOGLENET = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
 #: zoo models partitioned here, and the --input-shape each one needs
 MODELS: dict[str, dict[str, list[int]] | None] = {
@@ -499,8 +499,6 @@ def test_metis_never_scores_worse_than_linear_on_the_same_profiled_costs(incepti
 
 @pytest.fixture(scope="module")
 def googlenet_plans(tmp_path_factory) -> dict[str, Plan]:
-    if not GOOGLENET.exists():
-        pytest.skip(f"{GOOGLENET} not present")
     root = tmp_path_factory.mktemp("googlenet")
     return {
         method: staronnx.partition(GOOGLENET, [0.85, 0.15], output_dir=root / method, method=method,

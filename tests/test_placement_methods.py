@@ -36,7 +36,8 @@ from staronnx.plan import Plan
 from staronnx.verify import verify_plan
 from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 
-GOOGLENET = Path(__file__).resolve().parents[2] / "shared" / "models" / "googlenet.onnx"
+from realmodels import GOOGLENET
+
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
 
@@ -414,14 +415,12 @@ def test_zoo_plans_verify(name: str, method: str, tmp_path: Path, two_groups) ->
     _check_plan(plan, model, method)
 
 
-@pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
 @pytest.mark.parametrize("method", ["comm-sd", "duet", "overseer"])
 def test_googlenet_plans_verify(method: str, tmp_path: Path, two_groups) -> None:
     plan = place(GOOGLENET, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups))
     _check_plan(plan, GOOGLENET, method)
 
 
-@pytest.mark.skipif(not GOOGLENET.exists(), reason="googlenet.onnx not in ../shared/models")
 def test_googlenet_optimal_solves_over_chains_and_refuses_clearly_without(tmp_path: Path, two_groups) -> None:
     plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups))
     _check_plan(plan, GOOGLENET, "optimal")

@@ -36,7 +36,7 @@ from staronnx.zoo import chain, inception
 from test_serve_models import body, heavy_x, light_x, output
 
 ROOT = Path(__file__).resolve().parents[1]
-GOOGLENET = ROOT.parent / "shared" / "models" / "googlenet.onnx"
+GOOGLENET = ROOT / "models" / "googlenet.onnx"
 REQUESTS = 500
 CLIENTS = 8
 #: pytest-timeout of the tests that serve on the cluster: a guard against a hang, not a check of
@@ -115,8 +115,6 @@ def _replicas(deployment: str, app: str, want: int, timeout: float = 60.0,
 # -- the CLI on the cluster: 500 requests, a replica killed mid-load ----------------------------
 @pytest.fixture(scope="module")
 def googlenet_plan(tmp_path_factory) -> Plan:
-    if not GOOGLENET.exists():
-        pytest.skip(f"{GOOGLENET} not present")
     root = tmp_path_factory.mktemp("ray-googlenet")
     return partition(GOOGLENET, [0.85, 0.15], output_dir=root / "googlenet", costs="estimate")
 

@@ -3,7 +3,7 @@
 Sixteen concurrent clients, each with its own values and one of two shapes, through the
 batching :class:`~staronnx.Server` on a :class:`~staronnx.Runtime`: every answer must equal
 ONNX Runtime's answer to that client's own inputs. The models are the kinds users bring
-(``../shared/models/real/``): a batch on axis 1 of a state with a scalar per-request input,
+(``models/real/``): a batch on axis 1 of a state with a scalar per-request input,
 dynamic sizes, a fixed batch of 1, data-dependent outputs, and the issue's OCR model exported
 with a fixed batch of 1 and a time-major output declared wrongly.
 """

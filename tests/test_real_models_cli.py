@@ -1,7 +1,7 @@
 """The offline command-line doors on the real exported models (issue 34): partition, plan show,
 plan verify, calibrate and run, each through ``staronnx ...`` as a user types it.
 
-The models of ``../shared/models/real/`` carry what hand-built test graphs do not: a state whose
+The models of ``models/real/`` carry what hand-built test graphs do not: a state whose
 batch is on axis 1 (gru_stream), a time-major output (crnn_ocr), a fixed batch of 1
 (mobilenet_b1, detector_nms), dynamic image sizes, an ``If`` + ``NonMaxSuppression``. Each
 command must batch on each tensor's own axis, never claim a batch it did not run, count a

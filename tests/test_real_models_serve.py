@@ -1,6 +1,6 @@
 """``staronnx serve`` on the real exported models (issue 34): every client gets its own answer.
 
-Each model of ``../shared/models/real/`` (and the issue's OCR model exported with a fixed batch
+Each model of ``models/real/`` (and the issue's OCR model exported with a fixed batch
 of 1, whose computed output carries the batch on axis 1 while it declares ``[1, time]``) is
 cut in two, served by the real CLI in a subprocess with ``--batch-size 4 --max-delay 50ms``,
 and sent 16 concurrent clients over HTTP, then 16 over gRPC, with Triton's own clients: each

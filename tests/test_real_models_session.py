@@ -1,5 +1,5 @@
 """``staronnx.InferenceSession`` as a drop-in for ``onnxruntime.InferenceSession`` on the real
-exported models of ``../shared/models/real/`` (issue 34, item 3 and the session's part of the
+exported models of ``models/real/`` (issue 34, item 3 and the session's part of the
 Acceptance): a model with dynamic sizes needs no staronnx option, ``input_shapes=`` is a keyword,
 and ``run``/``run_async`` from concurrent callers, with requests of different shapes and values,
 each answer ORT's answer to that caller's own inputs, whatever axis carries the batch."""

@@ -2,7 +2,7 @@
 ``--url`` against a ``staronnx serve``), ``optimize-batch`` and ``simulate``, and failures
 reported as failures.
 
-Each kind of ``../shared/models/real/`` goes through the CLI as a user runs it: a batch on
+Each kind of ``models/real/`` goes through the CLI as a user runs it: a batch on
 axis 1 of a state plus a scalar per-request input (gru_stream), dynamic sizes (crnn_ocr's
 width, bert_tiny's sequence), a fixed batch of 1 (mobilenet_b1) and data-dependent outputs
 (detector_nms). A model that runs one request per task is measured and simulated at batch 1

@@ -31,7 +31,7 @@ from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
 
-GOOGLENET = Path(__file__).resolve().parents[1] / ".." / "shared" / "models" / "googlenet.onnx"
+GOOGLENET = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
 
 @pytest.fixture(scope="session")
@@ -116,8 +116,6 @@ def test_zoo_plan_matches_reference(starpu, plan3, policy):
 
 
 def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_path):
-    if not GOOGLENET.exists():
-        pytest.skip(f"{GOOGLENET} is not there")
     plan = partition(GOOGLENET, [0.85, 0.15], output_dir=tmp_path / "plan", profile_runs=2)
     assert plan.k == 2 and plan.crossing
     feeds = [random_plan_feeds(plan, b, seed=i) for i, b in enumerate([1, 2, 1, 3])]
