@@ -124,7 +124,7 @@ def serve_cmd(
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import ENDPOINT_SERVING, ModelEndpoint
+    from staronnx.serve.models import ENDPOINT_SERVING, ModelEndpoint, unservable
     from staronnx.serving.spec import ServeSpec
 
     names = model_names(plans, name)
@@ -182,6 +182,17 @@ def serve_cmd(
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
                      max_body=body, say=say)
         return
+    # a model that cannot be served fails alone: said, listed UNAVAILABLE with its reason, the others serve
+    unavailable = {n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None}
+    for model_name, why in unavailable.items():
+        say(f"model {model_name!r} is not served: {why}")
+    if len(unavailable) == len(names):
+        raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
+    if unavailable:
+        loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
+        names = [n for n in names if n not in unavailable]
+        targets, residency, lanes = ({n: v for n, v in d.items() if n not in unavailable}  # type: ignore[attr-defined]
+                                     for d in (targets, residency, lanes))
     listen = Listen(host=host, http_port=http_port, grpc_port=_port(grpc_port, "grpc-port"),
                     metrics_port=_port(metrics_port, "metrics-port"), max_body=body,
                     drain_timeout=parse_duration(drain_timeout, option="--drain-timeout"),
@@ -241,7 +252,7 @@ def serve_cmd(
         with short_switch_interval() if lanes else contextlib.nullcontext():
             run(serve(models, metrics, listen, say=say, gc_interval=collect_every,
                       colocate=models[0].server.runtime.colocate if colocate else None,
-                      colocate_on=host_core_name(cuda_streams)))
+                      colocate_on=host_core_name(cuda_streams), unavailable=unavailable))
     finally:
         for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
             m.close(1.0)

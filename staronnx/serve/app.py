@@ -30,7 +30,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,14 +195,16 @@ def _cannot_listen(host: str, port: int, what: str, why: str) -> StaronnxError:
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
                 say: Callable[[str], None] = print, gc_interval: float = GC_INTERVAL_S,
                 colocate: Callable[[], contextlib.AbstractContextManager[int | None]] | None = None,
-                colocate_on: str = "CUDA driver's core") -> None:
+                colocate_on: str = "CUDA driver's core", unavailable: Mapping[str, str] | None = None) -> None:
     """Serve ``models`` until SIGTERM/SIGINT; then drain and close them. Memory the requests free
     is kept for the next ones (:func:`keep_freed_memory`). ``gc_interval`` > 0: only young cycle
     collections run on their own, and a full one runs that often
     (:mod:`staronnx.serving.collector`); 0: Python's own thresholds. ``colocate``: the block
     in which the event loop's thread runs on the CUDA driver's core, or the first CPU worker's
     (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), entered once the listeners are up, so
-    gRPC's own threads, started with them, keep every core; ``colocate_on`` says which."""
+    gRPC's own threads, started with them, keep every core; ``colocate_on`` says which.
+    ``unavailable``: models that were asked for but cannot be served, and why (listed UNAVAILABLE
+    with the reason by the repository index; requests to them are refused with it)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
@@ -224,7 +226,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # bind everything first: a port in use fails the start before anything is announced
     http_sock = _bind(listen.host, listen.http_port, "http")
     metrics_sock = _bind(listen.host, listen.metrics_port, "metrics")
-    grpc_front = GrpcFrontend(by_name, meta, listen.max_body, is_ready, guard)
+    grpc_front = GrpcFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable)
     grpc_server = make_server(grpc_front)
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
     cause = ""
@@ -237,7 +239,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         metrics_sock.close()
         raise _cannot_listen(listen.host, listen.grpc_port, "grpc", cause)
 
-    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard)
+    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable)
     http_runner = http_front.runner(listen.drain_timeout)
 
     async def metrics_handler(request: web.Request) -> web.Response:

@@ -27,8 +27,12 @@ class Frontend:
     protocol = ""
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
-                 is_ready: Callable[[], bool], guard: Guard | None = None) -> None:
+                 is_ready: Callable[[], bool], guard: Guard | None = None, *,
+                 unavailable: Mapping[str, str] | None = None) -> None:
         self.models = models
+        #: models asked for that could not be served, and why (each fails alone: the others serve;
+        #: the repository index lists them UNAVAILABLE with the reason)
+        self.unavailable: Mapping[str, str] = unavailable if unavailable is not None else {}
         self.server_meta = server_meta
         self.is_ready = is_ready
         self.max_body = max_body
@@ -40,11 +44,16 @@ class Frontend:
         """The model served as ``name`` (and ``version``), or Triton's not-found answer."""
         model = self.models.get(name)
         if model is None:
+            why = self.unavailable.get(name)
+            if why is not None:
+                raise ProtocolError("unavailable", f"model {shown(name)} is not available: {why}")
             raise unknown_model(name, list(self.models))
         model.check_version(version)
         return model
 
     def model_ready(self, name: str, version: str | None) -> bool:
+        if name in self.unavailable and name not in self.models:
+            return False
         return self.model(name, version).ready and self.is_ready()
 
     def statistics(self, name: str | None, version: str | None = None) -> dict[str, Any]:
@@ -54,7 +63,12 @@ class Frontend:
 
     def repository_entries(self, only_ready: bool) -> list[dict[str, str]]:
         ready = {n: m.ready and self.is_ready() for n, m in self.models.items()}
-        return repository_index(ready, "the server is shutting down", only_ready)
+        entries = repository_index(ready, "the server is shutting down", only_ready)
+        if not only_ready:
+            entries += [{"name": n, "version": VERSION, "state": "UNAVAILABLE", "reason": why}
+                        for n, why in self.unavailable.items() if n not in self.models]
+            entries.sort(key=lambda e: e["name"])
+        return entries
 
     def stopping(self, model: ModelEndpoint) -> ProtocolError:
         """The refusal of a request to a stopping server, counted (as Triton counts it, and here)."""

@@ -243,8 +243,8 @@ def json_array(array: np.ndarray) -> Any:
     """An output tensor's ``data`` for :func:`dumps`: a flat, C-contiguous, native-endian array
     orjson writes directly (BYTES elements as text). Its values must be :func:`finite` (the
     caller sends the others with the binary extension)."""
-    if array.dtype == object:
-        return [bytes(v).decode("utf-8", "replace") for v in array.ravel()]
+    if array.dtype.kind in "OSU":  # strings (ONNX Runtime gives str), classifications (bytes)
+        return [v if isinstance(v, str) else bytes(v).decode("utf-8", "replace") for v in array.ravel()]
     flat = np.ascontiguousarray(array.reshape(-1))
     if flat.dtype.kind == "f":
         flat = flat.astype(np.float64)

@@ -151,6 +151,19 @@ def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cud
     return plan_window(PerfTable(PerfPredictor(plan.hash, store)), plan, batch_size, archs)
 
 
+def unservable(plan: Plan) -> str | None:
+    """Why ``plan`` cannot be served over KServe v2 (a tensor of a type the protocol has no
+    datatype for: a sequence, a map, bfloat16, ...), or None. Checked before any runtime starts,
+    so that such a model fails alone and the others serve."""
+    for kind, tensors in (("input", plan.inputs), ("output", plan.outputs)):
+        for t in tensors:
+            try:
+                protocol.datatype_of(t.dtype)
+            except StaronnxError as exc:
+                return f"{kind} {t.name!r}: {exc}"
+    return None
+
+
 class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
@@ -253,11 +266,11 @@ class ModelEndpoint:
         inputs = []
         for t in self.plan.inputs:
             d = dims(t, contract.inputs.get(t.name))
-            inputs.append({"name": t.name, "data_type": "TYPE_" + self.input_datatypes[t.name],
+            inputs.append({"name": t.name, "data_type": protocol.config_type(self.input_datatypes[t.name]),
                            "format": _image_format(d), "dims": d})
         outputs = []
         for t in self.plan.outputs:
-            entry: dict[str, Any] = {"name": t.name, "data_type": "TYPE_" + self.output_datatypes[t.name],
+            entry: dict[str, Any] = {"name": t.name, "data_type": protocol.config_type(self.output_datatypes[t.name]),
                                      "dims": dims(t, contract.outputs.get(t.name))}
             if self.labels:
                 entry["label_filename"] = LABELS
@@ -374,6 +387,9 @@ class ModelEndpoint:
                 if not isinstance(k, int) or isinstance(k, bool) or k < 0:
                     raise invalid(f"output {shown(name)}: classification must be a non-negative integer, "
                                   f"got {protocol.cut(k, 40)}")
+                if k and self.output_datatypes.get(name) == protocol.BYTES:
+                    raise invalid(f"output {shown(name)}: a BYTES output has no values to rank; ask for it "
+                                  "without classification")
             if n > self.server.queue_capacity:
                 raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request "
                               f"queue holds at most {self.server.queue_capacity} samples (--queue-capacity); send at "

@@ -35,6 +35,17 @@ DATATYPES: dict[str, np.dtype] = {
 }
 _BY_NUMPY = {dt.name: name for name, dt in DATATYPES.items()}
 
+#: Triton's classification extension: the output's top-k entries travel as BYTES strings
+BYTES = "BYTES"
+
+#: what a BYTES tensor is on the server's side: a numpy object array of ``str``, as ONNX Runtime's
+#: Python binding takes and gives ``tensor(string)`` (it reads a ``bytes`` element as its
+#: ``repr``, so elements are decoded from UTF-8 on the way in and encoded on the way out)
+STRING_DTYPE = np.dtype(object)
+
+#: every datatype this server speaks, in the order error messages list them
+SPOKEN = (*DATATYPES, BYTES)
+
 #: the InferTensorContents field that carries each datatype in gRPC (FP16 has none: raw only)
 GRPC_CONTENTS: dict[str, str] = {
     "BOOL": "bool_contents",
@@ -44,6 +55,7 @@ GRPC_CONTENTS: dict[str, str] = {
     "INT64": "int64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
 }
 
 #: protocol errors and what they mean to each transport: an HTTP status, the name of a
@@ -66,10 +78,6 @@ MAX_RANK = 64
 
 #: the most characters of a client's string (a model or input name) an error message repeats
 ECHO_CHARS = 64
-
-#: Triton's classification extension: the output's top-k entries travel as BYTES strings
-BYTES = "BYTES"
-
 
 class ProtocolError(StaronnxError):
     """A request the protocol says to refuse; ``kind`` is a key of :data:`KINDS`."""
@@ -105,14 +113,26 @@ def unknown_model(name: str, served: Sequence[str]) -> ProtocolError:
 
 
 def datatype_of(dtype: str | np.dtype) -> str:
-    """The v2 datatype of a plan's dtype name (``float32`` -> ``FP32``)."""
-    name = np.dtype(dtype).name
+    """The v2 datatype of a plan's dtype name (``float32`` -> ``FP32``, an ONNX string tensor's
+    ``object`` -> ``BYTES``)."""
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:  # ORT's names of sequences and maps ("seq(tensor(float))"): not a numpy dtype
+        name = str(dtype)
+    if name == STRING_DTYPE.name:
+        return BYTES
     try:
         return _BY_NUMPY[name]
     except KeyError:
         raise StaronnxError(
-            f"dtype {name} has no KServe v2 datatype this server speaks ({', '.join(DATATYPES)})"
+            f"dtype {name} has no KServe v2 datatype this server speaks ({', '.join(SPOKEN)})"
         ) from None
+
+
+def config_type(datatype: str) -> str:
+    """Triton's model-config ``data_type`` of a v2 datatype (``FP32`` -> ``TYPE_FP32``; BYTES is
+    ``TYPE_STRING`` there)."""
+    return "TYPE_STRING" if datatype == BYTES else "TYPE_" + datatype
 
 
 def metadata_shape(shape: Sequence[int | str | None]) -> list[int]:
@@ -138,11 +158,61 @@ def check_shape(name: str, shape: Any) -> list[int]:
 
 
 def _dtype_for(name: str, datatype: Any) -> np.dtype:
+    if datatype == BYTES:
+        return STRING_DTYPE
     if datatype not in DATATYPES:
         raise invalid(
-            f"input {shown(name)}: datatype {shown(datatype)} is not one this server speaks ({', '.join(DATATYPES)})"
+            f"input {shown(name)}: datatype {shown(datatype)} is not one this server speaks ({', '.join(SPOKEN)})"
         )
     return DATATYPES[datatype]
+
+
+def _text(name: str, index: int, value: bytes | bytearray | memoryview) -> str:
+    """One BYTES element as the ``str`` ONNX Runtime takes, or the error naming its position."""
+    try:
+        return bytes(value).decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise invalid(f"input {shown(name)}: element {index} is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                      "ONNX Runtime's string tensors take text only") from None
+
+
+def strings_from_raw(name: str, raw: bytes | bytearray | memoryview, count: int) -> np.ndarray:
+    """``count`` BYTES elements from their serialized form (each a 4-byte little-endian length,
+    then that many bytes: Triton's binary extension and gRPC's raw contents), as a flat object
+    array of ``str``. Every byte must belong to an element: a length running past the end, or
+    bytes left over, mean the client and server disagree about the tensor."""
+    view = memoryview(raw).cast("B")
+    out = np.empty(count, dtype=STRING_DTYPE)
+    offset, end = 0, len(view)
+    for i in range(count):
+        if offset + 4 > end:
+            raise invalid(f"input {shown(name)}: {end} bytes of data hold {i} BYTES elements, but its shape "
+                          f"holds {count} (each is a 4-byte length, then its bytes)")
+        size = int.from_bytes(view[offset:offset + 4], "little")
+        offset += 4
+        if offset + size > end:
+            raise invalid(f"input {shown(name)}: element {i} claims {size} bytes, but only {end - offset} "
+                          "are left in its data")
+        out[i] = _text(name, i, view[offset:offset + size])
+        offset += size
+    if offset != end:
+        raise invalid(f"input {shown(name)}: {end - offset} bytes follow its {count} BYTES elements")
+    return out
+
+
+def _strings_from_values(name: str, values: Any) -> np.ndarray:
+    """BYTES elements given as values: JSON strings (HTTP) or ``bytes`` (gRPC ``bytes_contents``)."""
+    flat = _leaves(values)
+    out = np.empty(len(flat), dtype=STRING_DTYPE)
+    for i, v in enumerate(flat):
+        if type(v) is str:
+            out[i] = v
+        elif isinstance(v, (bytes, bytearray)):
+            out[i] = _text(name, i, v)
+        else:
+            raise invalid(f"input {shown(name)}: data[{i}] = {cut(repr(v), 40)} is not a string "
+                          "(BYTES takes JSON strings)")
+    return out
 
 
 def from_raw(name: str, datatype: Any, shape: Any, raw: bytes | bytearray | memoryview) -> np.ndarray:
@@ -154,6 +224,8 @@ def from_raw(name: str, datatype: Any, shape: Any, raw: bytes | bytearray | memo
     """
     dims = check_shape(name, shape)
     dtype = _dtype_for(name, datatype)
+    if dtype is STRING_DTYPE:
+        return strings_from_raw(name, raw, math.prod(dims)).reshape(dims)
     expected = math.prod(dims) * dtype.itemsize
     if len(raw) != expected:
         raise invalid(
@@ -177,7 +249,9 @@ def from_values(name: str, datatype: Any, shape: Any, values: Any) -> np.ndarray
     """
     dims = check_shape(name, shape)
     dtype = _dtype_for(name, datatype)
-    if isinstance(values, np.ndarray):
+    if dtype is STRING_DTYPE:
+        arr = _strings_from_values(name, values.tolist() if isinstance(values, np.ndarray) else values)
+    elif isinstance(values, np.ndarray):
         arr = values if values.dtype == dtype else np.asarray(values, dtype=dtype)
     else:
         arr = _from_list(name, datatype, dtype, values)
@@ -291,14 +365,20 @@ def _from_list(name: str, datatype: str, dtype: np.dtype, values: Any) -> np.nda
 
 
 def output_datatype(array: np.ndarray, declared: str) -> str:
-    """An output's datatype on the wire: BYTES for a classification (object array of bytes)."""
-    return BYTES if array.dtype == object else declared
+    """An output's datatype on the wire: BYTES for a string tensor or a classification (object
+    arrays of ``str`` or ``bytes``)."""
+    return BYTES if array.dtype.kind in "OSU" else declared
+
+
+def element_bytes(value: Any) -> bytes:
+    """One BYTES element of an output: ``str`` (ONNX Runtime's strings) as UTF-8, bytes as they are."""
+    return value.encode("utf-8") if isinstance(value, str) else bytes(value)
 
 
 def to_raw(array: np.ndarray) -> bytes:
     """Row-major little-endian bytes of an output (BYTES: each element's 4-byte length, then it)."""
-    if array.dtype == object:
-        return b"".join(len(b).to_bytes(4, "little") + b for b in (bytes(v) for v in array.ravel()))
+    if array.dtype.kind in "OSU":
+        return b"".join(len(b).to_bytes(4, "little") + b for b in map(element_bytes, array.ravel()))
     arr = np.ascontiguousarray(array)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
