@@ -7,13 +7,21 @@ body is one ``If`` cuts into the ``If`` and its output ``Identity`` nodes); a cr
 weighed; achieved shares far from the targets are not the split the user sized the workers
 for. Partition warns of each with a way out (:class:`PartitionWarning`: one line each, through
 Python's warnings, which the CLI prints as ``staronnx: warning: ...``).
+
+A caller that cuts to targets of its own choosing (``staronnx.InferenceSession``'s 85/15 when
+its user named no shares) runs partition under :func:`targets_by_default`: these findings are
+then logged, not warned, since they are about a choice the user never made and has nothing to
+change (the user who names shares hears them again).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 from staronnx.plan import Plan
@@ -25,6 +33,10 @@ FREE_OPS = frozenset({"Identity", "Reshape", "Squeeze", "Unsqueeze", "Flatten", 
 NO_COST_SHARE = 1e-3
 #: warnings point at the caller's line, past every frame of the package (whichever door it took)
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+#: true while partition cuts to a caller's default targets (per thread: sessions open in parallel)
+_DEFAULT_TARGETS: ContextVar[bool] = ContextVar("staronnx_default_targets", default=False)
+
+log = logging.getLogger(__name__)
 
 
 class PartitionWarning(UserWarning):
@@ -111,11 +123,26 @@ def cut_issues(plan: Plan, tolerance: float, *, shares_cut: bool = True) -> list
     return issues
 
 
+@contextlib.contextmanager
+def targets_by_default() -> Iterator[None]:
+    """Within: the targets partition cuts to are the caller's default, not its user's choice, so
+    :func:`warn_cut` logs what the cut missed of them (at INFO) instead of warning."""
+    token = _DEFAULT_TARGETS.set(True)
+    try:
+        yield
+    finally:
+        _DEFAULT_TARGETS.reset(token)
+
+
 def warn_cut(plan: Plan, tolerance: float, *, shares_cut: bool = True) -> list[CutIssue]:
-    """:func:`cut_issues`, each as a :class:`PartitionWarning`; returned as well."""
+    """:func:`cut_issues`, each as a :class:`PartitionWarning` (logged instead within
+    :func:`targets_by_default`); returned as well."""
     issues = cut_issues(plan, tolerance, shares_cut=shares_cut)
     for issue in issues:
-        say(issue.message, issue.cli)
+        if _DEFAULT_TARGETS.get():
+            log.info("the default cut of %s: %s", plan.root, issue.message)
+        else:
+            say(issue.message, issue.cli)
     return issues
 
 

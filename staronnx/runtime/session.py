@@ -26,7 +26,9 @@ therefore takes seconds; the plan is kept, and the next session of the model sta
 
 Whatever ONNX Runtime runs, the session runs: a model that cannot be cut is served whole
 (:mod:`staronnx.partition.whole`, said in a PartitionWarning); one whose inputs or outputs
-staronnx's workers cannot carry runs as one ORT session in this process.
+staronnx's workers cannot carry runs as one ORT session in this process. The split is the
+session's own choice unless ``shares`` is given, so only then does it warn where the cut misses
+the shares (or has a part that computes nothing): a drop-in user chose nothing to change.
 
 ONNX Runtime's options, each honoured, said (``OptionNotApplied``, a warning naming it: settings
 of ORT's own pools, allocators and logs, which each worker sets for its cores), or refused
@@ -100,6 +102,7 @@ from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError, ModelError, PlanError, StaronnxError
 from staronnx.modelio import is_fixed, load_model, values_digest
 from staronnx.ortutil import QUIET, AdapterProbe, option_effects, option_values, ort_type_name, write_optimized
+from staronnx.partition.checks import targets_by_default
 from staronnx.partition.graph import model_inputs
 from staronnx.partition.whole import io_specs, too_small, value_spec, whole_reason
 from staronnx.perfmodels.store import default_root
@@ -949,7 +952,9 @@ class InferenceSession:
         if self._loaded is None:
             return path_or_bytes if isinstance(path_or_bytes, Plan) else Plan.load(path_or_bytes)
         source, model, sha256 = self._loaded
-        if shares is DEFAULT_SHARES and too_small(model, len(shares)):
+        # the user's own shares are warned of where the cut misses them; the session's are not
+        by_default = shares is DEFAULT_SHARES
+        if by_default and too_small(model, len(shares)):
             shares = None  # partition's default split, which serves a model too small to cut whole
         if shares is not None and not isinstance(shares, str):
             shares = [float(s) for s in shares]
@@ -968,7 +973,8 @@ class InferenceSession:
                          ", ".join(unsized))
                 settings["input_shapes"], asked["input_shapes"] = _first_run_shapes(feeds), AT_FIRST_RUN
             make = functools.partial(partition, src, shares, groups=groups, cuda_streams=streams, **settings)
-            return self._kept_or_made(sha, _plan_dir(sha, shares, asked, groups, streams), make)
+            with targets_by_default() if by_default else contextlib.nullcontext():
+                return self._kept_or_made(sha, _plan_dir(sha, shares, asked, groups, streams), make)
 
         self._cut_model = cut_model
         if not unsized:
