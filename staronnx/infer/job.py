@@ -1,0 +1,438 @@
+"""A batch-inference job: a dataset in, every row's outputs out, in order, resumable.
+
+Three threads share the work so that neither reading nor writing stalls the workers::
+
+    reader:  source chunks -> batches (cut at shard edges, checked against the model) -> queue
+    caller:  queue -> Runtime.submit -> a window of futures, settled in order -> shards
+    writer:  finished shards -> files (each atomically)
+
+Memory is bounded by counts of batches: the reader holds at most ``read_ahead`` batches ready
+(half the window), the runtime at most ``max_in_flight``, the writer at most two shards. The
+caller settles the oldest future first, so rows come out in the dataset's order.
+
+A row that cannot run is never lost silently. A row the source cannot read (a null) or the
+model refuses before running (a dtype, a rank, a fixed size: :meth:`Plan.check_feeds`) is
+reported by row id; a batch that fails while running is run again a row at a time, so only the
+rows that fail alone are reported. ``on_error="skip"`` writes the others and lists the skipped
+rows beside their shard; ``"fail"`` stops the job at the first one, naming it (the finished
+shards stay, and ``resume`` carries on after a fix, or with ``skip``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from staronnx.errors import InputError, StaronnxError
+from staronnx.infer.batchsize import BatchChoice, choose_batch_size
+from staronnx.infer.rows import RowLayout
+from staronnx.infer.sinks import OutputError, Shard, ShardSink, output_format, output_specs
+from staronnx.infer.sources import Chunk, Source, open_source
+from staronnx.plan import Plan
+from staronnx.runtime.runtime import Runtime, cuda_options
+from staronnx.workers.layout import MachineSpec
+
+ON_ERROR = ("fail", "skip")
+#: manifest version: a resumed job refuses an output another version of the layout wrote
+MANIFEST_VERSION = 1
+
+
+class RowError(InputError):
+    """A row of the dataset cannot run (``on_error="fail"``): the message names its row id."""
+
+
+@dataclass(frozen=True)
+class InferSpec:
+    """How a batch-inference job runs, as one value (``staronnx infer`` fills it from its flags).
+
+    ``batch_size`` None: chosen for throughput on this machine (:mod:`staronnx.infer.batchsize`).
+    ``max_in_flight`` None: two batches per worker, so each worker has the next one queued.
+    ``shard_rows``: rows per output shard, the unit a resumed job skips. ``on_error``: ``fail``
+    stops at the first bad row, ``skip`` reports it and goes on. ``resume`` continues the job
+    that wrote the output; ``overwrite`` replaces it. ``output_format``: ``parquet`` or ``npz``
+    (None: from the output's suffix, Parquet for a folder). ``policy``: the scheduling policy."""
+
+    batch_size: int | None = None
+    max_in_flight: int | None = None
+    shard_rows: int = 4096
+    on_error: str = "fail"
+    resume: bool = False
+    overwrite: bool = False
+    output_format: str | None = None
+    policy: str = "heft"
+
+    def __post_init__(self) -> None:
+        if self.batch_size is not None and self.batch_size < 1:
+            raise StaronnxError(f"batch size must be at least 1, got {self.batch_size}")
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise StaronnxError(f"max_in_flight must be at least 1, got {self.max_in_flight}")
+        if self.shard_rows < 1:
+            raise StaronnxError(f"shard_rows must be at least 1, got {self.shard_rows}")
+        if self.on_error not in ON_ERROR:
+            raise StaronnxError(f"on_error {self.on_error!r}: choose one of {', '.join(ON_ERROR)}")
+        if self.resume and self.overwrite:
+            raise StaronnxError("resume and overwrite exclude each other: resume keeps the finished shards, "
+                                "overwrite removes them")
+
+
+@dataclass
+class InferReport:
+    """What a job did: rows written and skipped (this run and before it), the batch size and
+    how it was chosen, and the time taken."""
+
+    output: Path
+    total_rows: int | None
+    written: int = 0
+    skipped: list[dict[str, Any]] = field(default_factory=list)
+    resumed_rows: int = 0
+    batch_size: int = 0
+    max_in_flight: int = 0
+    choice: BatchChoice | None = None
+    elapsed_s: float = 0.0
+
+    @property
+    def samples_per_s(self) -> float:
+        """Rows computed per second of this run (rows skipped or resumed not counted)."""
+        return self.written / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"output": str(self.output), "total_rows": self.total_rows, "written": self.written,
+                "skipped": len(self.skipped), "resumed_rows": self.resumed_rows, "batch_size": self.batch_size,
+                "max_in_flight": self.max_in_flight, "elapsed_s": round(self.elapsed_s, 3),
+                "samples_per_s": round(self.samples_per_s, 2),
+                "batch_choice": None if self.choice is None else self.choice.to_json()}
+
+
+@dataclass
+class Batch:
+    """Rows ``start .. start + rows - 1`` of one shard, as the model takes them (or why not)."""
+
+    start: int
+    rows: int
+    shard: int
+    feeds: dict[str, np.ndarray]
+    problem: str | None = None
+
+    @property
+    def row_ids(self) -> np.ndarray:
+        return np.arange(self.start, self.start + self.rows, dtype=np.int64)
+
+
+Progress = Callable[[int, "int | None"], None]
+
+
+def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, np.ndarray]] | Any,
+          output: str | Path, spec: InferSpec = InferSpec(), machine: MachineSpec = MachineSpec(), *,
+          progress: Progress | None = None) -> InferReport:
+    """Run every row of ``inputs`` through ``model`` (an ONNX file, a plan folder or a
+    :class:`Plan`) on this machine's workers and write the outputs to ``output`` (a folder of
+    shards, or a ``.parquet``/``.npz`` file), in order, resumable (see the module docstring).
+    ``inputs``: an ``.npz``, a folder of ``.npz``/``.npy`` shards, a Parquet/Arrow file or
+    folder, or any iterable of feeds (:mod:`staronnx.infer.sources`). ``progress(done, total)``
+    is called as rows finish (``total`` None when the source cannot tell)."""
+    from staronnx.infer.plans import plan_for
+
+    plan = plan_for(model)
+    layout = RowLayout.of(plan)
+    source = open_source(inputs, layout)
+    out = Path(output)
+    fmt = output_format(out, spec.output_format)
+    manifest = {"version": MANIFEST_VERSION, "plan": plan.hash, "model_sha256": plan.source.get("sha256"),
+                "source": source.describe(), "shard_rows": spec.shard_rows, "format": fmt,
+                "outputs": output_specs(plan, layout)}
+    sink = ShardSink(out, fmt, manifest, resume=spec.resume, overwrite=spec.overwrite)
+    total = source.total_rows()
+    report = InferReport(out, total)
+    start = _first_unfinished(sink.finished, spec.shard_rows, total)
+    report.resumed_rows = _finished_rows(sink.finished, spec.shard_rows, total)
+    workers = cuda_options(machine.cuda_streams, cuda_graphs=machine.cuda_graphs,
+                           thread_per_stream=machine.thread_per_stream)
+    warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size else ()
+    with Runtime(plan, policy=spec.policy, cpu_groups=machine.groups, cuda_streams=machine.cuda_streams,
+                 cuda_options=workers, warmup=warm, cuda_devices=machine.cuda_devices) as runtime:
+        window = spec.max_in_flight or max(2, 2 * len(runtime.workers))
+        if spec.batch_size is not None:
+            batch = spec.batch_size if layout.batched else 1
+        elif not layout.batched:
+            batch = 1
+        else:
+            sample = _sample_rows(source, layout, start)
+            report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
+            batch = report.choice.batch_size if report.choice is not None else 1
+        report.batch_size, report.max_in_flight = batch, window
+        t0 = time.perf_counter()
+        _Pipeline(runtime, plan, layout, source, sink, spec, batch, window, report, progress).run(start)
+        report.elapsed_s = time.perf_counter() - t0
+    report.skipped = sink.errors()
+    sink.finish({**report.to_json(), "skipped_rows": [e["row_id"] for e in report.skipped[:1000]]})
+    return report
+
+
+def _first_unfinished(finished: set[int], shard_rows: int, total: int | None) -> int:
+    """The first row of the first shard not yet written (shards are written in order)."""
+    k = 0
+    while k in finished:
+        k += 1
+    return k * shard_rows if total is None else min(k * shard_rows, total)
+
+
+def _finished_rows(finished: set[int], shard_rows: int, total: int | None) -> int:
+    rows = 0
+    for k in finished:
+        hi = (k + 1) * shard_rows if total is None else min((k + 1) * shard_rows, total)
+        rows += max(hi - k * shard_rows, 0)
+    return rows
+
+
+def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64) -> dict[str, np.ndarray] | None:
+    """Up to ``want`` consecutive readable rows of one shape from ``start`` (the batch-size
+    probe's inputs: the job's own data, not random values)."""
+    pieces: list[dict[str, np.ndarray]] = []
+    rows = 0
+    key: object = None
+    for chunk in source.chunks(start, rows=want):
+        if chunk.problem is not None:
+            continue
+        sig = layout.signature(layout.take(chunk.arrays, 0, 1))
+        if pieces and sig != key:
+            break
+        key = sig
+        take = min(chunk.rows, want - rows)
+        pieces.append(layout.take(chunk.arrays, 0, take))
+        rows += take
+        if rows >= want:
+            break
+    return layout.join(pieces) if pieces else None
+
+
+class _Pipeline:
+    """One run of a job's reader, caller and writer (see the module docstring)."""
+
+    def __init__(self, runtime: Runtime, plan: Plan, layout: RowLayout, source: Source, sink: ShardSink,
+                 spec: InferSpec, batch: int, window: int, report: InferReport, progress: Progress | None) -> None:
+        self.runtime, self.plan, self.layout, self.source, self.sink = runtime, plan, layout, source, sink
+        self.spec, self.batch, self.window, self.report, self.progress = spec, batch, window, report, progress
+        self.stop = threading.Event()
+        self.ready: queue.Queue[Batch | BaseException | None] = queue.Queue(maxsize=max(1, window // 2))
+        self.to_write: queue.Queue[Shard | None] = queue.Queue(maxsize=2)
+        self.write_error: BaseException | None = None
+        self.done_rows = report.resumed_rows
+
+    # -- threads ------------------------------------------------------------------------------
+    def run(self, start: int) -> None:
+        reader = threading.Thread(target=self._read, args=(start,), name="staronnx-infer-reader", daemon=True)
+        writer = threading.Thread(target=self._write, name="staronnx-infer-writer", daemon=True)
+        reader.start()
+        writer.start()
+        try:
+            self._call()
+        finally:
+            self.stop.set()
+            with contextlib.suppress(queue.Empty):  # unblock a reader waiting to put
+                while True:
+                    self.ready.get_nowait()
+            reader.join()
+            self.to_write.put(None)  # shards already complete are still written
+            writer.join()
+        if self.write_error is not None:
+            raise self.write_error
+
+    def _put(self, item: Batch | BaseException | None) -> bool:
+        while not self.stop.is_set():
+            try:
+                self.ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self, start: int) -> None:
+        try:
+            for batch in self._batches(start):
+                if not self._put(batch):
+                    return
+            self._put(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            self._put(exc)
+
+    def _write(self) -> None:
+        while True:
+            shard = self.to_write.get()
+            if shard is None:
+                return
+            if self.write_error is not None:
+                continue
+            try:
+                self.sink.write(shard)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                self.write_error = exc
+
+    # -- reading: chunks into batches -------------------------------------------------------------
+    def _batches(self, start: int) -> Iterator[Batch]:
+        """Batches of at most ``batch`` rows, none spanning two shards or two shapes; the rows of
+        shards already written are skipped."""
+        pending: list[Chunk] = []
+        held = 0
+        for chunk in self.source.chunks(start, rows=self.batch):
+            if self.stop.is_set():
+                return
+            for piece in self._by_shard(chunk):
+                shard = piece.start // self.spec.shard_rows
+                if shard in self.sink.finished:
+                    continue
+                if piece.problem is not None:
+                    yield from self._emit(pending, held)
+                    pending, held = [], 0
+                    yield Batch(piece.start, piece.rows, shard, {}, piece.problem)
+                    continue
+                if pending and (pending[-1].start // self.spec.shard_rows != shard
+                                or self._key(pending[-1]) != self._key(piece)):
+                    yield from self._emit(pending, held)
+                    pending, held = [], 0
+                pending.append(piece)
+                held += piece.rows
+                while held >= self.batch:
+                    first, rest = self._split(pending, self.batch)
+                    yield from self._emit(first, self.batch)
+                    pending, held = rest, held - self.batch
+        yield from self._emit(pending, held)
+
+    def _by_shard(self, chunk: Chunk) -> Iterator[Chunk]:
+        rows = self.spec.shard_rows
+        lo = chunk.start
+        end = chunk.start + chunk.rows
+        while lo < end:
+            hi = min(end, (lo // rows + 1) * rows)
+            if lo == chunk.start and hi == end:
+                yield chunk
+            else:
+                arrays = {} if chunk.problem else self.layout.take(chunk.arrays, lo - chunk.start, hi - chunk.start)
+                yield Chunk(lo, hi - lo, arrays, chunk.problem)
+            lo = hi
+
+    def _key(self, chunk: Chunk) -> object:
+        return self.layout.signature(self.layout.take(chunk.arrays, 0, 1))
+
+    def _split(self, pending: list[Chunk], rows: int) -> tuple[list[Chunk], list[Chunk]]:
+        first: list[Chunk] = []
+        need = rows
+        for i, piece in enumerate(pending):
+            if piece.rows <= need:
+                first.append(piece)
+                need -= piece.rows
+                if need == 0:
+                    return first, pending[i + 1:]
+                continue
+            take = self.layout.take(piece.arrays, 0, need)
+            rest = self.layout.take(piece.arrays, need, piece.rows)
+            first.append(Chunk(piece.start, need, take))
+            return first, [Chunk(piece.start + need, piece.rows - need, rest), *pending[i + 1:]]
+        return first, []
+
+    def _emit(self, pieces: list[Chunk], rows: int) -> Iterator[Batch]:
+        if not pieces or rows == 0:
+            return
+        start = pieces[0].start
+        shard = start // self.spec.shard_rows
+        if not self.layout.batched:  # one row per task
+            for piece in pieces:
+                for i in range(piece.rows):
+                    yield self._checked(Batch(piece.start + i, 1, shard, self.layout.take(piece.arrays, i, i + 1)))
+            return
+        feeds = self.layout.join([p.arrays for p in pieces])
+        yield self._checked(Batch(start, rows, shard, {n: np.require(v, requirements="C") for n, v in feeds.items()}))
+
+    def _checked(self, batch: Batch) -> Batch:
+        try:
+            self.plan.check_feeds(batch.feeds)
+        except InputError as exc:
+            batch.problem = str(exc)
+            batch.feeds = {}
+        return batch
+
+    # -- calling: a window of futures, settled in order ---------------------------------------------
+    def _call(self) -> None:
+        window: deque[tuple[Batch, Any]] = deque()
+        shard: Shard | None = None
+        while True:
+            item = self.ready.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is None:
+                break
+            future = None
+            if item.problem is None:
+                try:
+                    future = self.runtime.submit(item.feeds)
+                except InputError as exc:
+                    item.problem = str(exc)
+            window.append((item, future))
+            while len(window) > self.window or (window and (window[0][1] is None or window[0][1].done())):
+                shard = self._settle(*window.popleft(), shard)
+        while window:
+            shard = self._settle(*window.popleft(), shard)
+        if shard is not None:
+            self._hand_over(shard)
+
+    def _settle(self, batch: Batch, future: Any, shard: Shard | None) -> Shard:
+        if shard is None or shard.index != batch.shard:
+            if shard is not None:
+                self._hand_over(shard)
+            shard = Shard(batch.shard)
+        if batch.problem is not None:
+            self._bad(shard, batch.row_ids, batch.problem)
+        else:
+            try:
+                outputs = future.result()
+            except Exception as exc:  # noqa: BLE001 - the batch's rows are tried alone below
+                self._rows_alone(batch, exc, shard)
+            else:
+                shard.add(batch.row_ids, self.layout.row_major(outputs, batch.rows))
+                self._advance(batch.rows)
+        return shard
+
+    def _rows_alone(self, batch: Batch, exc: BaseException, shard: Shard) -> None:
+        """A failed batch run again a row at a time: the rows that fail alone are the bad ones."""
+        from staronnx.verify import model_failure
+
+        if batch.rows == 1:
+            self._bad(shard, batch.row_ids, str(model_failure(self.plan, batch.feeds, exc)))
+            return
+        for i in range(batch.rows):
+            feeds = self.layout.take(batch.feeds, i, i + 1)
+            row = np.array([batch.start + i], dtype=np.int64)
+            try:
+                outputs = self.runtime.run(feeds)
+            except Exception as alone:  # noqa: BLE001 - reported by row id
+                self._bad(shard, row, str(model_failure(self.plan, feeds, alone)))
+            else:
+                shard.add(row, self.layout.row_major(outputs, 1))
+                self._advance(1)
+
+    def _bad(self, shard: Shard, row_ids: np.ndarray, reason: str) -> None:
+        if self.spec.on_error == "fail":
+            ids = f"row {row_ids[0]}" if len(row_ids) == 1 else f"rows {row_ids[0]}..{row_ids[-1]}"
+            raise RowError(f"{ids} of the dataset cannot run: {reason} (--on-error skip reports such rows and "
+                           "goes on; the shards written so far are kept for --resume)")
+        shard.errors.extend({"row_id": int(r), "error": reason} for r in row_ids)
+        self._advance(len(row_ids))
+
+    def _advance(self, rows: int) -> None:
+        self.done_rows += rows
+        if self.progress is not None:
+            self.progress(self.done_rows, self.report.total_rows)
+
+    def _hand_over(self, shard: Shard) -> None:
+        if self.write_error is not None:
+            raise self.write_error
+        self.report.written += shard.rows
+        self.to_write.put(shard)

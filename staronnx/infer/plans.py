@@ -1,0 +1,49 @@
+"""The plan a job runs: a plan folder as it is, or an ONNX file as one part.
+
+Batch inference from a model file needs no cut: the whole model as one part runs on every
+worker the machine has, one batch per worker at a time, which is what keeps a server busy
+offline (a cut pays where a GPU and CPU groups share a batch; give a plan folder for that). The
+one-part plan is made once per model file and kept under ``STARONNX_HOME/plans``, keyed by the
+file's hash, as :class:`staronnx.InferenceSession` keeps its plans.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from staronnx.errors import InputError
+from staronnx.modelio import file_sha256, load_model
+from staronnx.partition.cut import CutRequest, plan_settings
+from staronnx.partition.whole import WHOLE, write_whole_plan
+from staronnx.perfmodels.store import default_root
+from staronnx.plan import Plan
+
+#: bumped when the kept one-part plans must be made again
+PLAN_KEY = "infer-whole-1"
+
+
+def plan_for(model: str | os.PathLike[str] | Plan) -> Plan:
+    """The plan for ``model``: a :class:`Plan`, a plan folder, or an ONNX file (made into a
+    one-part plan, kept for the next job)."""
+    if isinstance(model, Plan):
+        return model
+    path = Path(model)
+    if path.is_dir():
+        return Plan.load(path)
+    if not path.exists():
+        raise InputError(f"{path}: no such model file or plan folder")
+    sha = file_sha256(path)
+    folder = default_root() / "plans" / f"{sha[:16]}-{PLAN_KEY}"
+    if folder.exists():
+        try:
+            plan = Plan.load(folder)
+            if plan.source.get("sha256") == sha:
+                return plan
+        except Exception:  # noqa: BLE001 - an unusable kept plan is made again
+            pass
+    # no cut, so nothing is profiled and no size has to be given for a dynamic dimension
+    request = CutRequest([1.0], costs="estimate")
+    settings = plan_settings(WHOLE, [1.0], request, device="cpu", tolerance=None,
+                             whole="the whole model on every worker (staronnx infer)")
+    return write_whole_plan(load_model(path), settings, folder)

@@ -1,0 +1,323 @@
+"""Where batch inference writes: shards of rows, each written whole or not at all, so a job that
+is stopped (Ctrl-C, SIGTERM, a crash, a power cut) resumes from the first shard it did not finish.
+
+An output is a folder::
+
+    DST/_manifest.json          what the job is: model and plan hash, dataset, shard size, format
+    DST/part-00000.parquet      rows 0 .. shard_rows-1 (those that ran), with their row ids
+    DST/part-00000.errors.json  the rows of that shard that were skipped, and why (only if any)
+    DST/part-00001.parquet      ...
+    DST/_SUCCESS.json           written last: rows written, rows skipped, time taken
+
+Shard ``k`` holds the rows whose ids lie in ``[k * shard_rows, (k + 1) * shard_rows)``, whatever the
+batch size or the dataset's own shards, so a resumed job cuts the same shards as the first. A
+shard's error list is written before the shard, and both through a temporary file and a rename:
+a shard that exists is complete, with its errors. A single-file output (``out.parquet``,
+``out.npz``) is built in ``out.parquet.parts/`` and joined into the file when every shard is done.
+
+Each shard has one row per sample (row-major: an output with the batch on axis 1 is turned so
+each row holds its own sample) and a ``row_id`` column, the row's position in the dataset:
+
+- Parquet: a tensor column per output (Arrow's ``fixed_shape_tensor``) where the model fixes the
+  sample's shape, nested lists where it does not (a detector's boxes per image);
+- ``.npz``: ``row_id`` and one ``[rows, *sample shape]`` array per output (every row of a shard
+  must then have one shape).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from staronnx.errors import InputError, StaronnxError
+from staronnx.fsutil import atomic_write_bytes, atomic_write_text
+
+MANIFEST = "_manifest.json"
+SUCCESS = "_SUCCESS.json"
+FORMATS = ("parquet", "npz")
+ROW_ID = "row_id"
+
+
+class OutputError(StaronnxError):
+    """The output cannot be written as asked (it exists, it belongs to another job, a format
+    that cannot hold the rows)."""
+
+
+@dataclass
+class Shard:
+    """The finished rows of one output shard: their ids, each output's row-major arrays (one
+    array per batch, joined when written), and the rows skipped with their reasons."""
+
+    index: int
+    row_ids: list[np.ndarray] = field(default_factory=list)
+    outputs: dict[str, list[np.ndarray]] = field(default_factory=dict)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
+        self.row_ids.append(row_ids)
+        for name, value in outputs.items():
+            self.outputs.setdefault(name, []).append(value)
+
+    @property
+    def rows(self) -> int:
+        return int(sum(len(r) for r in self.row_ids))
+
+
+def output_format(output: Path, asked: str | None) -> str:
+    """``parquet`` or ``npz``: as asked, else from the output's suffix, else Parquet."""
+    if asked is not None:
+        if asked not in FORMATS:
+            raise OutputError(f"--format {asked!r}: choose one of {', '.join(FORMATS)}")
+        return asked
+    suffix = output.suffix.lower()
+    return "npz" if suffix == ".npz" else "parquet"
+
+
+class ShardSink:
+    """A job's output folder: the manifest, the shards already finished, and atomic writes."""
+
+    def __init__(self, output: Path, fmt: str, manifest: Mapping[str, Any], *, resume: bool, overwrite: bool) -> None:
+        self.output = output
+        self.format = fmt
+        self.single = output.suffix.lower() in (".parquet", ".npz", ".pq")
+        self.folder = output.with_name(output.name + ".parts") if self.single else output
+        self.manifest = dict(manifest)
+        self.finished: set[int] = set()
+        self._prepare(resume, overwrite)
+
+    # -- the folder ---------------------------------------------------------------------------
+    def _prepare(self, resume: bool, overwrite: bool) -> None:
+        if self.single and self.output.exists() and not overwrite:
+            raise OutputError(f"--output {self.output} exists; --overwrite replaces it")
+        if self.single and self.output.is_dir():
+            raise OutputError(f"--output {self.output} is a folder; name a file, or a folder without a suffix")
+        folder = self.folder
+        if folder.exists() and not folder.is_dir():
+            raise OutputError(f"--output {folder} is a file; name a folder (or a .parquet/.npz file)")
+        existing = folder.exists() and any(folder.iterdir())
+        if existing and overwrite:
+            self._clear()
+        elif existing and not resume:
+            raise OutputError(f"--output {folder} is not empty; --resume continues the job that wrote it, "
+                              "--overwrite starts again")
+        elif existing:
+            self._check_manifest()
+        folder.mkdir(parents=True, exist_ok=True)
+        self.finished = set(self._done())
+        atomic_write_text(folder / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True))
+        with contextlib.suppress(FileNotFoundError):
+            (folder / SUCCESS).unlink()
+
+    def _clear(self) -> None:
+        """Remove what an earlier job wrote (only its own files: a folder of other things is refused)."""
+        folder = self.folder
+        if not (folder / MANIFEST).exists():
+            raise OutputError(f"--output {folder} holds files that no staronnx infer wrote; --overwrite replaces "
+                              "only an earlier job's output (choose an empty or new folder)")
+        shutil.rmtree(folder)
+        if self.single and self.output.exists():
+            self.output.unlink()
+
+    def _check_manifest(self) -> None:
+        path = self.folder / MANIFEST
+        try:
+            old = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise OutputError(f"--resume: {self.folder} has no {MANIFEST}; it is not an output of staronnx infer") from None
+        except (OSError, ValueError) as exc:
+            raise OutputError(f"--resume: {path} is unreadable ({exc})") from None
+        changed = [k for k in sorted(set(old) | set(self.manifest)) if old.get(k) != self.manifest.get(k)]
+        if changed:
+            raise OutputError(f"--resume: {self.folder} was written by another job (its {', '.join(changed)} differ: "
+                              f"e.g. {changed[0]} was {old.get(changed[0])!r}, now {self.manifest.get(changed[0])!r}); "
+                              "--overwrite starts again")
+
+    def _done(self) -> list[int]:
+        suffix = f".{self.format}"
+        out = []
+        for p in self.folder.iterdir():
+            if p.name.startswith("part-") and p.name.endswith(suffix):
+                with contextlib.suppress(ValueError):
+                    out.append(int(p.name[5:-len(suffix)]))
+        return out
+
+    def shard_path(self, index: int) -> Path:
+        return self.folder / f"part-{index:05d}.{self.format}"
+
+    # -- writing ------------------------------------------------------------------------------
+    def write(self, shard: Shard) -> None:
+        """Write one finished shard: its errors first, then its rows (a rename each)."""
+        if shard.errors:
+            atomic_write_text(self.folder / f"part-{shard.index:05d}.errors.json",
+                              json.dumps(shard.errors, indent=1))
+        row_ids = np.concatenate(shard.row_ids) if shard.row_ids else np.zeros(0, np.int64)
+        data = (_parquet_bytes if self.format == "parquet" else _npz_bytes)(row_ids, shard.outputs,
+                                                                             self.manifest.get("outputs", {}))
+        atomic_write_bytes(self.shard_path(shard.index), data)
+
+    def errors(self) -> list[dict[str, Any]]:
+        """Every skipped row of every finished shard, in row order."""
+        out: list[dict[str, Any]] = []
+        for path in sorted(self.folder.glob("part-*.errors.json")):
+            out.extend(json.loads(path.read_text()))
+        return sorted(out, key=lambda e: int(e["row_id"]))
+
+    def finish(self, summary: Mapping[str, Any]) -> Path:
+        """Mark the job done; a single-file output is joined from its shards now."""
+        if not self.single:
+            atomic_write_text(self.folder / SUCCESS, json.dumps(dict(summary), indent=1))
+            return self.output
+        shards = sorted(self.folder.glob(f"part-*.{self.format}"))
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            tables = [pq.read_table(p) for p in shards]
+            buf = io.BytesIO()
+            if tables:
+                import pyarrow as pa
+
+                pq.write_table(pa.concat_tables(tables), buf)
+            atomic_write_bytes(self.output, buf.getvalue())
+        else:
+            arrays = read_outputs(self.folder)
+            buf = io.BytesIO()
+            np.savez(buf, **arrays)
+            atomic_write_bytes(self.output, buf.getvalue())
+        errors = self.errors()
+        if errors:
+            atomic_write_text(self.output.with_name(self.output.name + ".errors.json"), json.dumps(errors, indent=1))
+        shutil.rmtree(self.folder)
+        return self.output
+
+
+# -- encodings --------------------------------------------------------------------------------------
+def _npz_bytes(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]], _specs: Mapping[str, Any]) -> bytes:
+    arrays: dict[str, np.ndarray] = {ROW_ID: row_ids}
+    for name, parts in outputs.items():
+        shapes = {p.shape[1:] for p in parts}
+        if len(shapes) > 1:
+            raise OutputError(f"output {name!r} has rows of different shapes {sorted(shapes)[:3]} in one shard; an "
+                              ".npz holds one array per output: write Parquet (--format parquet), which holds any")
+        arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def _nested(rows: Sequence[np.ndarray], value_type: Any, rank: int) -> Any:
+    """Rows of any shapes (of one ``rank``) as one nested-list Arrow array, a list level per
+    dimension, so every shard of an output has one type even when it holds no row."""
+    import pyarrow as pa
+
+    flat = np.concatenate([r.reshape(-1) for r in rows]) if rows else np.zeros(0)
+    values: Any = pa.array(flat.tolist() if flat.dtype == object else flat, type=value_type)
+    # innermost level first: each level's offsets count the items of the level below
+    for level in range(rank - 1, -1, -1):
+        lengths = [int(d) for r in rows for d in _level_lengths(r, level)]
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype(np.int32)
+        values = pa.ListArray.from_arrays(pa.array(offsets), values)
+    return values
+
+
+def _level_lengths(row: np.ndarray, level: int) -> list[int]:
+    """The lengths of a row's lists at ``level`` (0: the row itself is one list)."""
+    count = int(np.prod(row.shape[:level], dtype=np.int64))
+    return [row.shape[level]] * count
+
+
+def _parquet_bytes(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]],
+                   specs: Mapping[str, Any]) -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    columns: dict[str, Any] = {ROW_ID: pa.array(row_ids, type=pa.int64())}
+    for name in [*specs, *(n for n in outputs if n not in specs)]:
+        spec = specs.get(name, {})
+        parts = outputs.get(name, [])
+        text = spec.get("dtype") == "object" or any(p.dtype == object for p in parts)
+        value_type = pa.string() if text else pa.from_numpy_dtype(np.dtype(spec.get("dtype") or parts[0].dtype))
+        fixed = spec.get("sample_shape")
+        if fixed is not None and not text:
+            size = int(np.prod(fixed, dtype=np.int64))
+            joined = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros((0, *fixed))
+            if joined.shape[1:] != tuple(fixed):
+                raise OutputError(f"output {name!r} gave rows of shape {list(joined.shape[1:])}, not the model's {fixed}")
+            storage = pa.FixedSizeListArray.from_arrays(pa.array(joined.reshape(-1), type=value_type), size)
+            columns[name] = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(value_type, fixed), storage)
+        else:
+            rank = spec.get("rank", parts[0].ndim - 1 if parts else 0)
+            columns[name] = _nested([r for p in parts for r in p], value_type, rank)
+    buf = io.BytesIO()
+    pq.write_table(pa.table(columns), buf)
+    return buf.getvalue()
+
+
+def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
+    """Per output, its dtype and, where the model fixes it, a row's shape (the manifest keeps
+    them, so every shard of a job has one schema)."""
+    out: dict[str, dict[str, Any]] = {}
+    for spec in plan.outputs:
+        axis = layout.outputs.get(spec.name)
+        shape = list(spec.shape)
+        if layout.batched and axis is not None:
+            sample = shape[:axis] + shape[axis + 1:]
+        elif not layout.batched and axis is not None and shape and shape[axis] == 1:
+            sample = shape[:axis] + shape[axis + 1:]
+        else:
+            sample = shape
+        fixed = all(isinstance(d, int) and d >= 0 for d in sample)
+        text = spec.dtype in ("object", "str") or "string" in spec.dtype
+        out[spec.name] = {"dtype": "object" if text else spec.dtype, "rank": len(sample),
+                          "sample_shape": [int(d) for d in sample if isinstance(d, int)] if fixed else None}
+    return out
+
+
+# -- reading back --------------------------------------------------------------------------------
+def read_outputs(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """An output written by :func:`staronnx.infer.infer` (a folder of shards or one file) as
+    ``{"row_id": [N], output: [N, *sample shape]}``, rows in order; an output whose rows differ
+    in shape comes back as a list of arrays, one per row."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.name.startswith("part-") and p.suffix in (".parquet", ".npz"))
+    elif path.exists():
+        files = [path]
+    else:
+        raise InputError(f"{path}: no such output")
+    pieces: dict[str, list[Any]] = {}
+    for f in files:
+        for name, value in _read_file(f).items():
+            pieces.setdefault(name, []).append(value)
+    out: dict[str, Any] = {}
+    for name, parts in pieces.items():
+        if all(isinstance(p, np.ndarray) for p in parts) and len({p.shape[1:] for p in parts}) <= 1:
+            out[name] = np.concatenate(parts) if parts else np.zeros(0)
+        else:
+            out[name] = [row for p in parts for row in p]
+    return out
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if path.suffix == ".npz":
+        with np.load(path, allow_pickle=False) as npz:
+            return {n: npz[n] for n in npz.files}
+    import pyarrow.parquet as pq
+
+    from staronnx.infer.sources import _column_rows, _uniform
+
+    table = pq.read_table(path)
+    out: dict[str, Any] = {}
+    for name in table.column_names:
+        column = table.column(name).combine_chunks()
+        uniform = _uniform(column)
+        out[name] = uniform if uniform is not None else _column_rows(column, name)
+    return out

@@ -1,0 +1,454 @@
+"""Datasets read for batch inference: an ``.npz``, a folder of ``.npy``/``.npz`` shards, a
+Parquet or Arrow dataset, or any Python iterable of feeds.
+
+Every source yields :class:`Chunk` s: consecutive rows with their first row's id (the row's
+position in the whole dataset, counted from 0 across shards in name order), from any row on
+(:meth:`Source.chunks`), so a resumed job reads only what it has not written. Reading is bounded:
+an uncompressed ``.npy``/``.npz`` member (what ``numpy.save``/``numpy.savez`` write) is read a
+chunk at a time from its file offset, never loaded or mapped whole (a mapped file's pages count in
+the process's resident memory as it is read); a compressed member (``numpy.savez_compressed``) is
+loaded whole, one shard at a time; Parquet/Arrow are read in record batches.
+
+The ``.npz`` convention is ``staronnx run --inputs``'s: one array per model input, keyed by its
+name, samples along the input's batch axis (:mod:`staronnx.infer.rows`); an input without one is
+stored once and shared by every row. A Parquet/Arrow dataset has one row per sample and a column
+per input: a tensor column (Arrow's ``fixed_shape_tensor``), nested lists, or scalars; rows of
+different shapes (images of several sizes) are fine, and run in batches of equal shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+
+from staronnx.errors import InputError
+from staronnx.infer.rows import RowLayout
+
+#: rows a chunk holds at most (a source may give fewer; bytes bound it too: :data:`CHUNK_BYTES`)
+CHUNK_ROWS = 1024
+#: bytes of inputs a chunk holds at most, so a chunk of large samples stays small
+CHUNK_BYTES = 16 << 20
+
+ARROW_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
+
+
+@dataclass
+class Chunk:
+    """Consecutive rows of a dataset: ``rows`` rows from row id ``start``, as arrays along each
+    input's row axis; ``problem`` says why none of them can run (a row the source cannot read),
+    and they are reported rather than run."""
+
+    start: int
+    rows: int
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    problem: str | None = None
+
+
+class Source(Protocol):
+    """A dataset a job reads rows from."""
+
+    def total_rows(self) -> int | None:
+        """How many rows the dataset holds (None: unknown until read, an iterable's)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What identifies the dataset's content (paths, sizes, modification times): a resumed
+        job refuses a dataset that changed since its first run."""
+
+    def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        """The rows from row id ``start`` on, in order, about ``rows`` at a time (a job asks for
+        its batch size, so what it holds read ahead is counted in batches)."""
+
+
+# -- .npy/.npz arrays read a slice at a time -------------------------------------------------------
+@dataclass(frozen=True)
+class _StoredArray:
+    """An array stored uncompressed in a file at ``offset`` (a ``.npy``, or an ``.npz`` member)."""
+
+    path: Path
+    offset: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    fortran: bool
+
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of axis 0, read from the file into a fresh array."""
+        if self.fortran:
+            return self.whole()[start:stop].copy()
+        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        out = np.empty((stop - start, *self.shape[1:]), self.dtype)
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset + start * row)
+            got = fh.readinto(memoryview(out.reshape(-1).view(np.uint8)))
+        if got != (stop - start) * row:
+            raise InputError(f"{self.path}: the file ends before row {stop} (truncated?)")
+        return out
+
+    def whole(self) -> np.ndarray:
+        """The whole array (a shared value, a compressed or Fortran-ordered one)."""
+        count = int(np.prod(self.shape, dtype=np.int64))
+        flat = np.fromfile(self.path, self.dtype, count, offset=self.offset)
+        if flat.size != count:
+            raise InputError(f"{self.path}: the file ends before the array does (truncated?)")
+        return flat.reshape(self.shape, order="F" if self.fortran else "C")
+
+
+def _npy_header(fh: BinaryIO, where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+    """dtype, shape, Fortran order and the data's offset of the ``.npy`` stream at ``fh``'s position."""
+    try:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+    except ValueError as exc:
+        raise InputError(f"{where}: not a readable .npy array ({exc})") from None
+    if dtype.hasobject:
+        raise InputError(f"{where}: holds Python objects (a pickle), which staronnx does not load; "
+                         "save strings as a Parquet column")
+    return np.dtype(dtype), tuple(int(d) for d in shape), bool(fortran), fh.tell()
+
+
+def _npy_file(path: Path) -> _StoredArray:
+    with open(path, "rb") as fh:
+        dtype, shape, fortran, offset = _npy_header(fh, str(path))
+    return _StoredArray(path, offset, dtype, shape, fortran)
+
+
+def _npz_members(path: Path) -> dict[str, _StoredArray | np.ndarray]:
+    """Each member of an ``.npz``: stored ones as slices to read later, compressed ones loaded."""
+    where = str(path)
+    if not zipfile.is_zipfile(path):
+        raise InputError(f"{where}: not an .npz file (write one with numpy.savez(path, NAME=array, ...))")
+    out: dict[str, _StoredArray | np.ndarray] = {}
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as fh:
+        for info in zf.infolist():
+            name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
+            if info.compress_type != zipfile.ZIP_STORED:
+                with zf.open(info) as member:
+                    out[name] = np.lib.format.read_array(member, allow_pickle=False)
+                continue
+            fh.seek(info.header_offset)
+            local = fh.read(30)
+            if local[:4] != b"PK\x03\x04":
+                raise InputError(f"{where}: member {info.filename} has no local header (a damaged .npz)")
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            fh.seek(info.header_offset + 30 + name_len + extra_len)
+            dtype, shape, fortran, offset = _npy_header(fh, f"{where}[{name}]")
+            out[name] = _StoredArray(path, offset, dtype, shape, fortran)
+    return out
+
+
+def _natural(path: Path) -> list[object]:
+    """Sort key: ``shard-2`` before ``shard-10``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+class NumpySource:
+    """An ``.npz``, or a folder of ``.npz`` shards (or ``.npy`` shards for a model with one input
+    that carries rows), read in name order."""
+
+    def __init__(self, path: Path, layout: RowLayout) -> None:
+        self.path = path
+        self.layout = layout
+        if path.is_dir():
+            files = sorted((p for p in path.iterdir() if p.suffix in (".npz", ".npy") and p.is_file()), key=_natural)
+            if not files:
+                raise InputError(f"--inputs {path}: the folder holds no .npz or .npy shard")
+            kinds = {p.suffix for p in files}
+            if len(kinds) > 1:
+                raise InputError(f"--inputs {path}: mixes .npz and .npy shards; use one kind")
+        else:
+            files = [path]
+        self.files = files
+        self._shards = [self._open(p) for p in files]
+        self._counts = [self._count(p, s) for p, s in zip(files, self._shards)]
+
+    def _open(self, path: Path) -> dict[str, _StoredArray | np.ndarray]:
+        if path.suffix == ".npy":
+            names = self.layout.row_inputs
+            if len(self.layout.inputs) != 1 or len(names) != 1:
+                raise InputError(f"--inputs {path.parent}: .npy shards hold one array each, but the model takes "
+                                 f"{list(self.layout.inputs)}; write .npz shards keyed by input name")
+            return {names[0]: _npy_file(path)}
+        members = _npz_members(path)
+        unknown = [n for n in members if n not in self.layout.inputs]
+        missing = [n for n in self.layout.inputs if n not in members]
+        if unknown or missing:
+            bits = ([f"unknown input(s) {unknown}"] if unknown else []) + ([f"missing {missing}"] if missing else [])
+            raise InputError(f"--inputs {path}: {'; '.join(bits)}; the model's inputs are {list(self.layout.inputs)}")
+        return members
+
+    def _count(self, path: Path, shard: Mapping[str, _StoredArray | np.ndarray]) -> int:
+        counts = {n: a.shape[ax] for n, a in shard.items()
+                  if (ax := self.layout.inputs.get(n)) is not None and len(a.shape) > ax}
+        if not counts:
+            raise InputError(f"--inputs {path}: no input holds rows (the model's rows lie along "
+                             f"{ {n: a for n, a in self.layout.inputs.items() if a is not None} })")
+        if len(set(counts.values())) > 1:
+            raise InputError(f"--inputs {path}: the inputs hold different numbers of rows: "
+                             + ", ".join(f"{n} has {c} on axis {self.layout.inputs[n]}" for n, c in counts.items()))
+        return next(iter(counts.values()))
+
+    def total_rows(self) -> int | None:
+        return sum(self._counts)
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "numpy", "path": str(self.path.resolve()),
+                "files": [[p.name, (st := p.stat()).st_size, st.st_mtime_ns] for p in self.files]}
+
+    def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        first = 0
+        for shard, count in zip(self._shards, self._counts):
+            if first + count <= start:
+                first += count
+                continue
+            per_row = sum(self._row_bytes(n, a) for n, a in shard.items())
+            step = max(1, min(rows, CHUNK_BYTES // max(per_row, 1)))
+            shared = {n: (a if isinstance(a, np.ndarray) else a.whole())
+                      for n, a in shard.items() if self.layout.inputs.get(n) is None}
+            for lo in range(max(start - first, 0), count, step):
+                hi = min(lo + step, count)
+                arrays = dict(shared)
+                for name, stored in shard.items():
+                    if name not in shared:
+                        arrays[name] = self._rows(name, stored, lo, hi)
+                yield Chunk(first + lo, hi - lo, arrays)
+            first += count
+
+    def _row_bytes(self, name: str, stored: _StoredArray | np.ndarray) -> int:
+        axis = self.layout.inputs.get(name)
+        if axis is None or not stored.shape:
+            return 0
+        return int(np.prod(stored.shape, dtype=np.int64)) // max(stored.shape[axis], 1) * stored.dtype.itemsize
+
+    def _rows(self, name: str, stored: _StoredArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
+        axis = self.layout.inputs[name] or 0
+        if isinstance(stored, _StoredArray) and axis == 0:
+            return stored.rows(lo, hi)
+        whole = stored if isinstance(stored, np.ndarray) else stored.whole()
+        return np.ascontiguousarray(whole[(slice(None),) * axis + (slice(lo, hi),)])
+
+
+# -- Parquet / Arrow -------------------------------------------------------------------------------
+def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
+    """One numpy array per row of an Arrow column (None for a null row): the slow path, for rows
+    of different shapes."""
+    import pyarrow as pa
+
+    out: list[np.ndarray | None] = []
+    for i in range(len(column)):
+        item = column[i]
+        if not item.is_valid:
+            out.append(None)
+            continue
+        if isinstance(column.type, pa.FixedShapeTensorType):
+            out.append(np.asarray(column.slice(i, 1).to_numpy_ndarray()[0]))
+            continue
+        value = item.as_py()
+        out.append(np.asarray(value, dtype=object if _is_text(column.type) else None))
+    return out
+
+
+def _is_text(dtype: Any) -> bool:
+    import pyarrow as pa
+
+    while pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
+        dtype = dtype.value_type
+    return bool(pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_binary(dtype))
+
+
+def _uniform(column: Any) -> np.ndarray | None:
+    """The column as one ``[rows, *sample shape]`` array when every row has one shape and none is
+    null (the fast path: no Python per row), else None."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if column.null_count:
+        return None
+    if isinstance(column.type, pa.FixedShapeTensorType):
+        return np.asarray(column.to_numpy_ndarray())
+    shape = [len(column)]
+    values = column
+    while pa.types.is_list(values.type) or pa.types.is_large_list(values.type) or pa.types.is_fixed_size_list(values.type):
+        if values.null_count:
+            return None
+        lengths = pc.list_value_length(values).to_numpy(zero_copy_only=False)
+        if len(lengths) and (lengths != lengths[0]).any():
+            return None
+        shape.append(int(lengths[0]) if len(lengths) else 0)
+        values = pc.list_flatten(values)
+    if values.null_count:
+        return None
+    if _is_text(values.type):
+        flat = np.asarray(values.to_pylist(), dtype=object)
+    else:
+        flat = values.to_numpy(zero_copy_only=False)
+    return flat.reshape(shape)
+
+
+class ArrowSource:
+    """A Parquet or Arrow IPC/Feather file, or a folder of them (pyarrow.dataset), one row per
+    sample and a column per input."""
+
+    def __init__(self, path: Path, layout: RowLayout, fmt: str) -> None:
+        import pyarrow.dataset as ds
+
+        self.path = path
+        self.layout = layout
+        self.format = fmt
+        try:
+            self.dataset = ds.dataset(str(path), format=fmt)
+        except Exception as exc:  # noqa: BLE001 - pyarrow's many error types; one message names the file
+            raise InputError(f"--inputs {path}: not a readable {fmt} dataset ({exc})") from None
+        names = set(self.dataset.schema.names)
+        missing = [n for n in layout.inputs if n not in names]
+        if missing:
+            raise InputError(f"--inputs {path}: no column for input(s) {missing}; the dataset's columns are "
+                             f"{self.dataset.schema.names} and the model's inputs {list(layout.inputs)}")
+        self._fragments = list(self.dataset.get_fragments())
+        self._counts = [f.count_rows() for f in self._fragments]
+
+    def total_rows(self) -> int | None:
+        return sum(self._counts)
+
+    def describe(self) -> dict[str, Any]:
+        files = [Path(f.path) for f in self._fragments]
+        return {"kind": self.format, "path": str(self.path.resolve()),
+                "files": [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]}
+
+    def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        first = 0
+        columns = list(self.layout.inputs)
+        for fragment, count in zip(self._fragments, self._counts):
+            if first + count <= start:
+                first += count
+                continue
+            row = first
+            skip = max(start - first, 0)
+            for batch in fragment.to_batches(columns=columns, batch_size=max(1, rows)):
+                if skip >= batch.num_rows:
+                    skip -= batch.num_rows
+                    row += batch.num_rows
+                    continue
+                if skip:
+                    batch = batch.slice(skip)
+                    row += skip
+                    skip = 0
+                yield from self._convert(batch, row)
+                row += batch.num_rows
+            first += count
+
+    def _convert(self, batch: Any, start: int) -> Iterator[Chunk]:
+        """A record batch as chunks: one when every column is uniform, else runs of rows that
+        share every per-row shape and shared value."""
+        cols = {name: batch.column(name) for name in self.layout.inputs}
+        fast = {name: _uniform(col) for name, col in cols.items()}
+        if all(a is not None for a in fast.values()) and all(
+                self.layout.inputs[n] is not None for n in cols):
+            yield Chunk(start, batch.num_rows, {n: self._to_axis(n, a) for n, a in fast.items() if a is not None})
+            return
+        per_row = {name: (list(a) if a is not None else _column_rows(col, name))
+                   for (name, col), a in zip(cols.items(), fast.values())}
+        run: list[int] = []
+        key: object = None
+        for i in range(batch.num_rows):
+            values = {n: per_row[n][i] for n in cols}
+            null = next((n for n, v in values.items() if v is None), None)
+            if null is not None:
+                yield from self._flush(run, per_row, start)
+                run, key = [], None
+                yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row")
+                continue
+            this = tuple((n, v.dtype.str, v.shape, v.tobytes() if self.layout.inputs[n] is None else b"")  # type: ignore[union-attr]
+                         for n, v in values.items())
+            if run and this != key:
+                yield from self._flush(run, per_row, start)
+                run = []
+            run.append(i)
+            key = this
+        yield from self._flush(run, per_row, start)
+
+    def _flush(self, run: list[int], per_row: Mapping[str, list[np.ndarray | None]], start: int) -> Iterator[Chunk]:
+        if not run:
+            return
+        arrays: dict[str, np.ndarray] = {}
+        for name, rows in per_row.items():
+            picked = [rows[i] for i in run]
+            if self.layout.inputs[name] is None:
+                arrays[name] = np.asarray(picked[0])
+            else:
+                arrays[name] = self._to_axis(name, np.stack([np.asarray(p) for p in picked]))
+        yield Chunk(start + run[0], len(run), arrays)
+
+    def _to_axis(self, name: str, rows_first: np.ndarray) -> np.ndarray:
+        """``[rows, *sample]`` as the model takes it: rows along the input's row axis; for a
+        batch-1 export the sample keeps its leading 1 (``[rows, 3, 224, 224]`` -> rows of
+        ``[1, 3, 224, 224]``, stacked on axis 0)."""
+        axis = self.layout.inputs[name] or 0
+        if name in self.layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1:
+            rows_first = rows_first[:, 0]  # a sample written with its batch-1 axis
+        return np.ascontiguousarray(np.moveaxis(rows_first, 0, axis)) if axis else rows_first
+
+
+# -- Python ------------------------------------------------------------------------------------------
+class FeedsSource:
+    """Any iterable of feeds (mappings of input name -> array, rows along each input's batch axis,
+    as :meth:`staronnx.Runtime.submit` takes them), each item one or more rows."""
+
+    def __init__(self, items: Iterable[Mapping[str, np.ndarray]], layout: RowLayout) -> None:
+        self.items = items
+        self.layout = layout
+
+    def total_rows(self) -> int | None:
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"kind": "python", "type": type(self.items).__name__}
+
+    def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        row = 0
+        for item in self.items:
+            arrays = {n: np.asarray(v) for n, v in item.items()}
+            count = self.layout.count(arrays)
+            if count is None:
+                raise InputError(f"feeds {sorted(arrays)} carry no rows: the model's rows lie along "
+                                 f"{ {n: a for n, a in self.layout.inputs.items() if a is not None} }")
+            if row + count > start:
+                skip = max(start - row, 0)
+                yield Chunk(row + skip, count - skip, self.layout.take(arrays, skip, count) if skip else arrays)
+            row += count
+
+
+def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]] | Any, layout: RowLayout) -> Source:
+    """The source for ``src``: a path (an ``.npz``; a folder of ``.npz``/``.npy`` shards; a Parquet or
+    Arrow file or folder), a pyarrow Dataset or Table, or an iterable of feeds."""
+    if isinstance(src, (str, os.PathLike)):
+        path = Path(src)
+        if not path.exists():
+            raise InputError(f"--inputs {path}: no such file or folder")
+        fmt = _arrow_format(path)
+        if fmt is not None:
+            return ArrowSource(path, layout, fmt)
+        if path.is_dir() or path.suffix in (".npz", ".npy"):
+            return NumpySource(path, layout)
+        raise InputError(f"--inputs {path}: not a dataset staronnx reads (.npz, a folder of .npz/.npy shards, "
+                         f"or Parquet/Arrow: {', '.join(sorted(ARROW_SUFFIXES))})")
+    return FeedsSource(src, layout)
+
+
+def _arrow_format(path: Path) -> str | None:
+    """``parquet`` or ``ipc`` for a Parquet/Arrow file or a folder of them, else None."""
+    if path.is_file():
+        return ARROW_SUFFIXES.get(path.suffix.lower())
+    kinds = {ARROW_SUFFIXES[p.suffix.lower()] for p in path.rglob("*") if p.suffix.lower() in ARROW_SUFFIXES}
+    if len(kinds) > 1:
+        raise InputError(f"--inputs {path}: mixes Parquet and Arrow files; use one kind")
+    return next(iter(kinds), None)
