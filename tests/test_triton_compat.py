@@ -657,6 +657,6 @@ print(json.dumps(out))
 def test_unknown_grpc_calls_are_unimplemented_not_a_crash(served):
     stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(served.grpc))
     with pytest.raises(grpc.RpcError) as e:
-        stub.SystemSharedMemoryStatus(service_pb2.SystemSharedMemoryStatusRequest(), timeout=30)
+        stub.TraceSetting(service_pb2.TraceSettingRequest(), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=30).live

@@ -42,6 +42,7 @@ from staronnx.serve.batching import check_names
 from staronnx.serve.limits import Guard, Limits, RefusalCollector, raise_open_files
 from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.models import ModelEndpoint
+from staronnx.serve.shm import SharedMemoryRegions
 from staronnx.serving.collector import full_collections_every
 from staronnx.serving.server import hold_frozen, release_frozen
 
@@ -124,8 +125,12 @@ def check_exposure(host: str, insecure: bool) -> None:
 
 #: the protocol extensions this server serves, by Triton's names (a client may test for them):
 #: binary tensors over HTTP, the classification output parameter, model configuration,
-#: statistics, and the repository index (read-only: loading and unloading are refused)
+#: statistics, and the repository index (read-only: loading and unloading are refused); the Ray
+#: ingress serves these too
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
+
+#: what ``staronnx serve`` serves besides: system shared memory (co-located clients only)
+SERVE_EXTENSIONS = [*EXTENSIONS, "system_shared_memory"]
 
 
 def server_metadata(extensions: Sequence[str]) -> dict[str, object]:
@@ -212,7 +217,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
 
     keep_freed_memory()
     by_name = {m.name: m for m in models}
-    meta = server_metadata(EXTENSIONS)
+    meta = server_metadata(SERVE_EXTENSIONS)
     state = {"ready": True}
 
     def is_ready() -> bool:
@@ -226,7 +231,9 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # bind everything first: a port in use fails the start before anything is announced
     http_sock = _bind(listen.host, listen.http_port, "http")
     metrics_sock = _bind(listen.host, listen.metrics_port, "metrics")
-    grpc_front = GrpcFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable)
+    regions = SharedMemoryRegions()  # registered over either protocol, used by both
+    grpc_front = GrpcFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable,
+                              regions=regions)
     grpc_server = make_server(grpc_front)
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
     cause = ""
@@ -239,7 +246,8 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         metrics_sock.close()
         raise _cannot_listen(listen.host, listen.grpc_port, "grpc", cause)
 
-    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable)
+    http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable,
+                              regions=regions)
     http_runner = http_front.runner(listen.drain_timeout)
 
     async def metrics_handler(request: web.Request) -> web.Response:
@@ -326,6 +334,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     guard.log.flush()
     await loop.run_in_executor(None, _close_models, models, listen.drain_timeout)
     await metrics_runner.cleanup()
+    regions.close()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.remove_signal_handler(sig)
     say(summary_text(guard))

@@ -14,6 +14,7 @@ from staronnx.serve.limits import Guard, Limits
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.protocol import ProtocolError, shown, unknown_model
+from staronnx.serve.shm import SharedMemoryRegions
 
 log = logging.getLogger("staronnx.serve")
 
@@ -28,8 +29,10 @@ class Frontend:
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
                  is_ready: Callable[[], bool], guard: Guard | None = None, *,
-                 unavailable: Mapping[str, str] | None = None) -> None:
+                 unavailable: Mapping[str, str] | None = None, regions: SharedMemoryRegions | None = None) -> None:
         self.models = models
+        #: the system shared-memory regions clients registered (one set for both protocols)
+        self.regions = regions if regions is not None else SharedMemoryRegions()
         #: models asked for that could not be served, and why (each fails alone: the others serve;
         #: the repository index lists them UNAVAILABLE with the reason)
         self.unavailable: Mapping[str, str] = unavailable if unavailable is not None else {}

@@ -1,14 +1,16 @@
 """The KServe v2 gRPC API on ``grpc.aio``, with stubs generated from ``proto/grpc_predict_v2.proto``
-(Triton's GRPCInferenceService: KServe's calls plus ModelConfig, ModelStatistics and
-RepositoryIndex, which Triton's tools call; RepositoryModelLoad/Unload answer
-FAILED_PRECONDITION, the other Triton calls UNIMPLEMENTED).
+(Triton's GRPCInferenceService: KServe's calls plus ModelConfig, ModelStatistics,
+RepositoryIndex and the system shared-memory calls (:mod:`staronnx.serve.shm`), which Triton's
+tools call; RepositoryModelLoad/Unload answer FAILED_PRECONDITION, registering CUDA shared memory
+INVALID_ARGUMENT, the other Triton calls UNIMPLEMENTED).
 
 Why grpcio: it is gRPC's reference implementation (HTTP/2, flow control, deadlines,
 cancellation, message size limits all in its C core), and ``grpc.aio`` runs its handlers on the
 same asyncio loop as the HTTP front end, so both await the same batcher.
 
-Inputs come as ``raw_input_contents`` (what tritonclient sends: one bytes entry per input) or
-as typed ``contents``; outputs always go back as ``raw_output_contents``, as Triton does. A
+Inputs come as ``raw_input_contents`` (what tritonclient sends: one bytes entry per input), as
+typed ``contents`` or from a registered shared-memory region; outputs go back as
+``raw_output_contents``, as Triton does (an empty entry for one written to shared memory). A
 message larger than ``--max-body`` is refused by gRPC's core with RESOURCE_EXHAUSTED before any
 handler sees it (gRPC's standard answer to an oversized message, and it costs no memory). A
 message that does not decode is INVALID_ARGUMENT (the handlers are registered with deserializers
@@ -45,6 +47,7 @@ from staronnx.serve.metrics import VERSION
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
+from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions
 
 SERVICE = "inference.GRPCInferenceService"
 
@@ -69,7 +72,9 @@ class GrpcFrontend(Frontend):
         return {rpc.__name__: rpc for rpc in (
             self.ServerLive, self.ServerReady, self.ModelReady, self.ServerMetadata, self.ModelMetadata,
             self.ModelInfer, self.ModelConfig, self.ModelStatistics, self.RepositoryIndex,
-            self.RepositoryModelLoad, self.RepositoryModelUnload)}
+            self.RepositoryModelLoad, self.RepositoryModelUnload,
+            self.SystemSharedMemoryStatus, self.SystemSharedMemoryRegister, self.SystemSharedMemoryUnregister,
+            self.CudaSharedMemoryStatus, self.CudaSharedMemoryRegister, self.CudaSharedMemoryUnregister)}
 
     def hold(self) -> None:
         """From now on, calls to a stopping server wait before they are answered UNAVAILABLE,
@@ -123,6 +128,39 @@ class GrpcFrontend(Frontend):
     async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context: Ctx) -> NoReturn:
         raise refused_load(request.model_name, "unload")
 
+    async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
+                                       context: Ctx) -> pb.SystemSharedMemoryStatusResponse:
+        response = pb.SystemSharedMemoryStatusResponse()
+        for region in self.regions.status(request.name):
+            response.regions[region["name"]].CopyFrom(
+                pb.SystemSharedMemoryStatusResponse.RegionStatus(**region))
+        return response
+
+    async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
+                                         context: Ctx) -> pb.SystemSharedMemoryRegisterResponse:
+        self.regions.register(request.name, request.key, request.offset, request.byte_size)
+        return pb.SystemSharedMemoryRegisterResponse()
+
+    async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
+                                           context: Ctx) -> pb.SystemSharedMemoryUnregisterResponse:
+        self.regions.unregister(request.name)
+        return pb.SystemSharedMemoryUnregisterResponse()
+
+    async def CudaSharedMemoryStatus(self, request: pb.CudaSharedMemoryStatusRequest,
+                                     context: Ctx) -> pb.CudaSharedMemoryStatusResponse:
+        if request.name:
+            raise invalid(CUDA_REFUSED)
+        return pb.CudaSharedMemoryStatusResponse()  # no region: none can be registered
+
+    async def CudaSharedMemoryRegister(self, request: pb.CudaSharedMemoryRegisterRequest, context: Ctx) -> NoReturn:
+        raise invalid(CUDA_REFUSED)
+
+    async def CudaSharedMemoryUnregister(self, request: pb.CudaSharedMemoryUnregisterRequest,
+                                         context: Ctx) -> pb.CudaSharedMemoryUnregisterResponse:
+        if request.name:
+            raise invalid(CUDA_REFUSED)
+        return pb.CudaSharedMemoryUnregisterResponse()  # every region: there are none
+
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
         """Registered as it is, not behind :func:`_checked` (a coroutine more per request on the
         loop that every RPC shares), so it answers an undecodable request itself. Every call's
@@ -159,8 +197,11 @@ class GrpcFrontend(Frontend):
             await self.unheld.wait()
             raise self.stopping(model)
         t0 = time.perf_counter()
+        placed = {o.name: _parameters(o.parameters) for o in request.outputs if REGION in o.parameters}
         try:
-            inputs, datatypes = _decode_inputs(request)
+            inputs, datatypes = _decode_inputs(request, self.regions)
+            for name, params in placed.items():  # refused before the request runs, as its inputs are
+                self.regions.check_output(name, params)
         except ProtocolError:
             model.stats.refused("OTHER")
             raise
@@ -176,9 +217,15 @@ class GrpcFrontend(Frontend):
             else:
                 response.parameters[key].string_param = str(value)
         for name, arr in answer.outputs.items():
-            response.outputs.add(name=name, datatype=protocol.output_datatype(arr, model.output_datatypes[name]),
-                                 shape=list(arr.shape))
-            response.raw_output_contents.append(protocol.to_raw(arr))
+            entry = response.outputs.add(name=name, datatype=protocol.output_datatype(arr, model.output_datatypes[name]),
+                                         shape=list(arr.shape))
+            if name in placed:  # written to its region; an empty raw entry keeps the others' positions
+                size = self.regions.write_output(name, arr, placed[name])
+                entry.parameters[REGION].string_param = str(placed[name][REGION])
+                entry.parameters["shared_memory_byte_size"].int64_param = size
+                response.raw_output_contents.append(b"")
+            else:
+                response.raw_output_contents.append(protocol.to_raw(arr))
         model.stats.encoded(time.perf_counter() - t2)
         return response
 
@@ -189,9 +236,27 @@ async def _abort(context: Ctx, exc: ProtocolError) -> NoReturn:
     raise AssertionError("unreachable")
 
 
-def _decode_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """Arrays from raw_input_contents (one per input, in order) or from typed contents."""
+def _parameters(params: Any) -> dict[str, Any]:
+    """A protobuf map of InferParameter as plain values (each its one set field)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, which) if which else None
+    return out
+
+
+def _decode_inputs(request: pb.ModelInferRequest,
+                   regions: SharedMemoryRegions | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Arrays from raw_input_contents (one per input, in order; an input placed in shared memory
+    has none, or an empty one), from typed contents, or from a registered shared-memory region."""
     raw = request.raw_input_contents
+    placed = [REGION in t.parameters for t in request.inputs]
+    if raw and len(raw) != len(request.inputs) and len(raw) != placed.count(False):
+        raise invalid(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
+                      "(one per input, in input order)")
+    if raw and len(raw) != len(request.inputs):  # entries only for the inputs not in shared memory
+        it = iter(raw)
+        raw = [b"" if p else next(it) for p in placed]
     if raw and len(raw) != len(request.inputs):
         raise invalid(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs "
                       "(one per input, in input order)")
@@ -202,7 +267,13 @@ def _decode_inputs(request: pb.ModelInferRequest) -> tuple[dict[str, np.ndarray]
         if name in inputs:
             raise invalid(f"input {shown(name)} is given twice")
         shape = list(tensor.shape)
-        if raw:
+        if placed[i]:
+            if regions is None:
+                raise invalid(f"input {shown(name)}: shared memory is not served on this endpoint")
+            if (raw and raw[i]) or tensor.HasField("contents"):
+                raise invalid(f"input {shown(name)}: placed in shared memory and given in the request; give one")
+            inputs[name] = regions.read_input(name, tensor.datatype, shape, _parameters(tensor.parameters))
+        elif raw:
             if tensor.HasField("contents"):
                 raise invalid(f"input {shown(name)}: both contents and raw_input_contents are set; use one")
             inputs[name] = protocol.from_raw(name, tensor.datatype, shape, raw[i])

@@ -13,8 +13,10 @@ JSON booleans only) come back the same way. So does an output holding a NaN or a
 whatever was asked: JSON has no such numbers, and a response is always valid JSON (Triton's
 clients read either form; a client of JSON only sees the output's ``binary_data_size``).
 
-Triton's extensions (:data:`staronnx.serve.app.EXTENSIONS`) are served at ``/config``,
-``/stats``, an output's ``classification: k`` parameter and ``POST /v2/repository/index``.
+Triton's extensions (:data:`staronnx.serve.app.SERVE_EXTENSIONS`) are served at ``/config``,
+``/stats``, an output's ``classification: k`` parameter, ``POST /v2/repository/index`` and
+``/v2/systemsharedmemory`` (inputs and outputs placed in registered regions by their
+``shared_memory_*`` parameters: :mod:`staronnx.serve.shm`).
 
 A hostile or careless client meets the bounds of :mod:`staronnx.serve.limits`: bodies held by
 :func:`_receive` within ``--max-body`` and the receive budget (400, 503), timed by
@@ -49,6 +51,7 @@ from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.protocol import ProtocolError, cut, invalid
+from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, in_shared_memory
 
 log = logging.getLogger("staronnx.serve")
 
@@ -129,6 +132,19 @@ class HttpFrontend(Frontend):
         r.add_post("/v2/repository/index", self.repository_index, expect_handler=self._expect)
         r.add_post("/v2/repository/models/{model}/load", self.refuse_load)
         r.add_post("/v2/repository/models/{model}/unload", self.refuse_load)
+        # Triton's shared-memory extensions: system shared memory served, CUDA's refused by name
+        shm = "/v2/systemsharedmemory"
+        r.add_get(shm + "/status", _json(lambda q: self.regions.status(None)))
+        r.add_get(shm + "/region/{region}/status", _json(lambda q: self.regions.status(q.match_info["region"])))
+        r.add_post(shm + "/region/{region}/register", self.register_region)
+        r.add_post(shm + "/region/{region}/unregister", self.unregister_region)
+        r.add_post(shm + "/unregister", self.unregister_region)
+        cuda = "/v2/cudasharedmemory"
+        r.add_get(cuda + "/status", _json(lambda q: []))
+        r.add_get(cuda + "/region/{region}/status", self.refuse_cuda)
+        r.add_post(cuda + "/region/{region}/register", self.refuse_cuda)
+        r.add_post(cuda + "/region/{region}/unregister", self.refuse_cuda)
+        r.add_post(cuda + "/unregister", _json(lambda q: {}))  # every region: there are none
         for prefix in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):
             r.add_get(prefix, _json(lambda q: self._model(q).metadata()))
             r.add_get(prefix + "/ready", self.ready)
@@ -225,6 +241,41 @@ class HttpFrontend(Frontend):
         only_ready = await index_ready(body, request.headers.get("Content-Encoding"), self.max_body)
         return web.json_response(self.repository_entries(only_ready))
 
+    async def register_region(self, request: web.Request) -> web.Response:
+        """Register a system shared-memory region: ``{"key": ..., "offset": ..., "byte_size": ...}``."""
+        doc = await self._small_json(request)
+        self.regions.register(request.match_info["region"], doc.get("key"), doc.get("offset", 0), doc.get("byte_size"))
+        return web.json_response({})
+
+    async def unregister_region(self, request: web.Request) -> web.Response:
+        """Unregister one region, or every region (no region in the path)."""
+        await self._small_json(request)
+        self.regions.unregister(request.match_info.get("region"))
+        return web.json_response({})
+
+    async def refuse_cuda(self, request: web.Request) -> web.Response:
+        raise ProtocolError("invalid", CUDA_REFUSED)
+
+    async def _small_json(self, request: web.Request) -> dict[str, Any]:
+        """A control request's JSON object (an empty body is ``{}``), received within the limits."""
+        task = asyncio.current_task()
+        assert task is not None
+        watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
+        try:
+            body = await _receive(request, self.max_body, self.guard.budget, watch)
+        except asyncio.CancelledError:
+            if not watch.expired:
+                raise
+            task.uncancel()
+            raise self._too_slow(request, watch) from None
+        finally:
+            watch.stop()
+        body = await inflate_body(body, request.headers.get("Content-Encoding"), self.max_body)
+        doc = _parse_json(body, "the request", json.loads) if body.strip() else {}
+        if not isinstance(doc, dict):
+            raise invalid("the request body must be a JSON object")
+        return doc
+
     async def refuse_load(self, request: web.Request) -> web.Response:
         raise refused_load(request.match_info["model"], request.path.rsplit("/", 1)[-1])
 
@@ -280,7 +331,8 @@ class HttpFrontend(Frontend):
                 raise invalid(f"{HEADER_LENGTH} is given {len(lengths)} times; give it once")
             body = await _receive(request, self.max_body, self.guard.budget, watch)
             header, inputs, datatypes, wanted, binary_out = await decode_body(
-                body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None, self.max_body)
+                body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None, self.max_body,
+                regions=self.regions)
         except ProtocolError as exc:
             model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")  # as Triton counts it
             if exc.kind == "unavailable":  # the receive budget: answered now, the rest of the body dropped
@@ -299,11 +351,20 @@ class HttpFrontend(Frontend):
             watch.stop()
         if not self.is_ready():  # SIGTERM came while its body was decoded: the connection closes after it
             return _answer(self.stopping(model), close=True)
+        for out in header.get("outputs", []):  # a region unknown or too small is refused before the request runs
+            if in_shared_memory(out.get("parameters", {})):
+                self.regions.check_output(out["name"], out["parameters"])
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None,
                                    decode_s=time.perf_counter() - t0, classes=requested_classes(header))
         t2 = time.perf_counter()
+        placed = {}  # outputs asked for in shared memory: written there, named in the answer
+        for out in header.get("outputs", []):
+            params = out.get("parameters", {})
+            if in_shared_memory(params) and out["name"] in answer.outputs:
+                size = self.regions.write_output(out["name"], answer.outputs[out["name"]], params)
+                placed[out["name"]] = {REGION: params[REGION], "shared_memory_byte_size": size}
         response = await encode_answer(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
-                                       answer.parameters)
+                                       answer.parameters, placed)
         model.stats.encoded(time.perf_counter() - t2)
         return response
 
@@ -388,11 +449,12 @@ async def inflate_body(body: bytes | bytearray, encoding: str | None, max_body: 
 
 
 async def decode_body(body: bytes | bytearray, encoding: str | None, header_length: str | None,
-                      max_body: int) -> Request:
+                      max_body: int, regions: SharedMemoryRegions | None = None) -> Request:
     """A received request body as a :data:`Request`: inflated (:func:`inflate_body`), and a
     large JSON document parsed on a worker thread, so the loop goes on serving the others. Both
     HTTP front ends (``staronnx serve`` and the Ray ingress) read requests through here, so they
-    accept the same bodies."""
+    accept the same bodies. ``regions``: the registered shared-memory regions inputs may be read
+    from (None: an input placed in shared memory is refused)."""
     body = await inflate_body(body, encoding, max_body)
     length = len(body)
     if header_length is not None:  # the binary extension: the JSON header is the first ``length`` bytes
@@ -402,15 +464,17 @@ async def decode_body(body: bytes | bytearray, encoding: str | None, header_leng
         if length > len(body):
             raise invalid(f"{HEADER_LENGTH} is {length}, but the body has {len(body)} bytes")
     if length < OFFLOAD_BYTES:
-        return _decode(body, length)
-    return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, length)
+        return _decode(body, length, regions)
+    return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, length, regions)
 
 
 async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
-                        binary_out: bool, parameters: Mapping[str, Any] | None = None) -> web.Response:
+                        binary_out: bool, parameters: Mapping[str, Any] | None = None,
+                        placed: Mapping[str, Mapping[str, Any]] | None = None) -> web.Response:
     """The response to a request (:func:`_encode_response`), written on a worker thread when it
-    has many values to write as text, as large requests are decoded."""
-    args = (model, request_id, outputs, wanted, binary_out, parameters)
+    has many values to write as text, as large requests are decoded. ``placed``: the outputs
+    already written to shared memory, and the parameters their entries carry instead of data."""
+    args = (model, request_id, outputs, wanted, binary_out, parameters, placed)
     # the values written as JSON text (about: an output that is not finite goes binary after all)
     if sum(arr.size for name, arr in outputs.items() if not wanted.get(name, binary_out)) < OFFLOAD_VALUES:
         return _encode_response(*args)
@@ -789,8 +853,9 @@ def _flag(params: Mapping[str, Any], key: str, default: bool, what: str) -> bool
     return value
 
 
-def _decode(body: bytes | bytearray, length: int) -> Request:
-    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors."""
+def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions | None = None) -> Request:
+    """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors
+    (and inputs placed in ``regions``' shared memory)."""
     view = memoryview(body)
     header = _parse_json(body if length == len(body) else bytes(view[:length]), "the inference request",
                          jsontensors.loads)
@@ -810,8 +875,15 @@ def _decode(body: bytes | bytearray, length: int) -> Request:
         what = f"input {protocol.shown(name)}"
         if name in inputs:
             raise invalid(f"{what} is given twice")
-        size = _params(spec, what).get("binary_data_size")
-        if size is not None:
+        params = _params(spec, what)
+        size = params.get("binary_data_size")
+        if in_shared_memory(params):
+            if size is not None or "data" in spec:
+                raise invalid(f"{what}: give shared_memory_region, binary_data_size or data, one of them")
+            if regions is None:
+                raise invalid(f"{what}: shared memory is not served on this endpoint; send the tensor in the request")
+            inputs[name] = regions.read_input(name, datatype, spec.get("shape"), params)
+        elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise invalid(f"{what}: binary_data_size must be a non-negative integer, got {cut(size, 40)}")
             if offset + size > len(binary):
@@ -835,20 +907,26 @@ def _decode(body: bytes | bytearray, length: int) -> Request:
         if not isinstance(out, dict) or not isinstance(out.get("name"), str):
             raise invalid(f"outputs[{i}] must be an object with a 'name'")
         what = f"output {protocol.shown(out['name'])}"
-        wanted.append((out["name"], _flag(_params(out, what), "binary_data", binary_out, what)))
+        params = _params(out, what)
+        if in_shared_memory(params) and regions is None:
+            raise invalid(f"{what}: shared memory is not served on this endpoint; ask for the output in the answer")
+        wanted.append((out["name"], _flag(params, "binary_data", binary_out, what)))
     return header, inputs, datatypes, wanted, binary_out
 
 
 def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str, np.ndarray],
                      wanted: Mapping[str, bool], binary_out: bool,
-                     parameters: Mapping[str, Any] | None = None) -> web.Response:
+                     parameters: Mapping[str, Any] | None = None,
+                     placed: Mapping[str, Mapping[str, Any]] | None = None) -> web.Response:
     entries: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for name, arr in outputs.items():
         datatype = protocol.output_datatype(arr, model.output_datatypes[name])
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
+        if placed and name in placed:  # written to shared memory already
+            entry["parameters"] = dict(placed[name])
         # JSON has no NaN or infinity: such an output goes with the binary extension, exact
-        if wanted.get(name, binary_out) or not jsontensors.finite(arr):
+        elif wanted.get(name, binary_out) or not jsontensors.finite(arr):
             raw = protocol.to_raw(arr)
             entry["parameters"] = {"binary_data_size": len(raw)}
             blobs.append(raw)
