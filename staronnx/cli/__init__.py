@@ -33,7 +33,7 @@ app = typer.Typer(
 
 # Modules under staronnx.cli that define commands; each exposes register(app).
 _COMMAND_MODULES = ["partition_cmds", "demo_cmd", "topology_cmd", "perfmodel_cmds", "run_cmds", "simulate_cmd",
-                    "sweep_cmds", "serve_cmd"]
+                    "sweep_cmds", "serve_cmd", "infer_cmd"]
 
 #: OS errors that mean "this path cannot be used here", which the user can act on
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,

@@ -15,9 +15,10 @@ runtime inside Ray Data's ``map_batches`` beyond one machine.
 
 from staronnx.infer.batchsize import BatchChoice, choose_batch_size
 from staronnx.infer.job import InferReport, InferSpec, RowError, infer
+from staronnx.infer.plans import plan_for
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import OutputError, read_outputs
 from staronnx.infer.sources import open_source
 
 __all__ = ["infer", "InferSpec", "InferReport", "RowError", "OutputError", "read_outputs", "RowLayout",
-           "BatchChoice", "choose_batch_size", "open_source"]
+           "BatchChoice", "choose_batch_size", "open_source", "plan_for"]

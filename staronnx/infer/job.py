@@ -98,6 +98,8 @@ class InferReport:
     max_in_flight: int = 0
     choice: BatchChoice | None = None
     elapsed_s: float = 0.0
+    #: where the skipped rows are listed (written only when a row was skipped)
+    errors_file: Path | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -173,6 +175,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
         _Pipeline(runtime, plan, layout, source, sink, spec, batch, window, report, progress).run(start)
         report.elapsed_s = time.perf_counter() - t0
     report.skipped = sink.errors()
+    report.errors_file = sink.errors_file() if report.skipped else None
     sink.finish({**report.to_json(), "skipped_rows": [e["row_id"] for e in report.skipped[:1000]]})
     return report
 

@@ -142,6 +142,7 @@ class ShardSink:
                               "--overwrite starts again")
 
     def _done(self) -> list[int]:
+        """The shards already written (a file exists only once it is whole)."""
         suffix = f".{self.format}"
         out = []
         for p in self.folder.iterdir():
@@ -171,8 +172,16 @@ class ShardSink:
             out.extend(json.loads(path.read_text()))
         return sorted(out, key=lambda e: int(e["row_id"]))
 
+    def errors_file(self) -> Path:
+        """Where :meth:`finish` lists every skipped row: ``DST/_errors.json``, or ``out.parquet.errors.json``."""
+        return self.output.with_name(self.output.name + ".errors.json") if self.single else self.folder / "_errors.json"
+
     def finish(self, summary: Mapping[str, Any]) -> Path:
-        """Mark the job done; a single-file output is joined from its shards now."""
+        """Mark the job done, listing every skipped row in :meth:`errors_file`; a single-file
+        output is joined from its shards now."""
+        errors = self.errors()
+        if errors:
+            atomic_write_text(self.errors_file(), json.dumps(errors, indent=1))
         if not self.single:
             atomic_write_text(self.folder / SUCCESS, json.dumps(dict(summary), indent=1))
             return self.output
@@ -192,9 +201,6 @@ class ShardSink:
             buf = io.BytesIO()
             np.savez(buf, **arrays)
             atomic_write_bytes(self.output, buf.getvalue())
-        errors = self.errors()
-        if errors:
-            atomic_write_text(self.output.with_name(self.output.name + ".errors.json"), json.dumps(errors, indent=1))
         shutil.rmtree(self.folder)
         return self.output
 

@@ -347,55 +347,63 @@ class ArrowSource:
             first += count
 
     def _convert(self, batch: Any, start: int) -> Iterator[Chunk]:
-        """A record batch as chunks: one when every column is uniform, else runs of rows that
-        share every per-row shape and shared value."""
         cols = {name: batch.column(name) for name in self.layout.inputs}
-        fast = {name: _uniform(col) for name, col in cols.items()}
-        if all(a is not None for a in fast.values()) and all(
-                self.layout.inputs[n] is not None for n in cols):
-            yield Chunk(start, batch.num_rows, {n: self._to_axis(n, a) for n, a in fast.items() if a is not None})
-            return
-        per_row = {name: (list(a) if a is not None else _column_rows(col, name))
-                   for (name, col), a in zip(cols.items(), fast.values())}
-        run: list[int] = []
-        key: object = None
-        for i in range(batch.num_rows):
-            values = {n: per_row[n][i] for n in cols}
-            null = next((n for n, v in values.items() if v is None), None)
-            if null is not None:
-                yield from self._flush(run, per_row, start)
-                run, key = [], None
-                yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row")
-                continue
-            this = tuple((n, v.dtype.str, v.shape, v.tobytes() if self.layout.inputs[n] is None else b"")  # type: ignore[union-attr]
-                         for n, v in values.items())
-            if run and this != key:
-                yield from self._flush(run, per_row, start)
-                run = []
-            run.append(i)
-            key = this
-        yield from self._flush(run, per_row, start)
+        columns = {name: (a if (a := _uniform(col)) is not None else _column_rows(col, name)) for name, col in cols.items()}
+        yield from chunks_from_columns(self.layout, columns, start)
 
-    def _flush(self, run: list[int], per_row: Mapping[str, list[np.ndarray | None]], start: int) -> Iterator[Chunk]:
-        if not run:
-            return
-        arrays: dict[str, np.ndarray] = {}
-        for name, rows in per_row.items():
-            picked = [rows[i] for i in run]
-            if self.layout.inputs[name] is None:
-                arrays[name] = np.asarray(picked[0])
-            else:
-                arrays[name] = self._to_axis(name, np.stack([np.asarray(p) for p in picked]))
-        yield Chunk(start + run[0], len(run), arrays)
 
-    def _to_axis(self, name: str, rows_first: np.ndarray) -> np.ndarray:
-        """``[rows, *sample]`` as the model takes it: rows along the input's row axis; for a
-        batch-1 export the sample keeps its leading 1 (``[rows, 3, 224, 224]`` -> rows of
-        ``[1, 3, 224, 224]``, stacked on axis 0)."""
-        axis = self.layout.inputs[name] or 0
-        if name in self.layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1:
-            rows_first = rows_first[:, 0]  # a sample written with its batch-1 axis
-        return np.ascontiguousarray(np.moveaxis(rows_first, 0, axis)) if axis else rows_first
+def chunks_from_columns(layout: RowLayout, columns: Mapping[str, np.ndarray | list[np.ndarray | None]],
+                        start: int) -> Iterator[Chunk]:
+    """Row-major columns (one row per sample: a ``[rows, *sample]`` array, or a list of per-row
+    arrays, None for a null) as chunks along the model's axes: one chunk when every column is an
+    array, else runs of rows that share every per-row shape and shared value, a null row alone
+    with its problem. What an Arrow dataset and a Ray Data batch both hold."""
+    if all(isinstance(c, np.ndarray) and c.dtype != object for c in columns.values()) and all(
+            layout.inputs[n] is not None for n in columns):
+        arrays = {n: to_model_axes(layout, n, c) for n, c in columns.items() if isinstance(c, np.ndarray)}
+        yield Chunk(start, layout.count(arrays) or 0, arrays)
+        return
+    rows = len(next(iter(columns.values())))
+    per_row = {n: list(c) for n, c in columns.items()}
+    run: list[int] = []
+    key: object = None
+    for i in range(rows):
+        values = {n: per_row[n][i] for n in columns}
+        null = next((n for n, v in values.items() if v is None), None)
+        if null is not None:
+            yield from _flush(layout, run, per_row, start)
+            run, key = [], None
+            yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row")
+            continue
+        arrays = {n: np.asarray(v) for n, v in values.items()}
+        this = tuple((n, v.dtype.str, v.shape, v.tobytes() if layout.inputs[n] is None else b"")
+                     for n, v in arrays.items())
+        if run and this != key:
+            yield from _flush(layout, run, per_row, start)
+            run = []
+        run.append(i)
+        key = this
+    yield from _flush(layout, run, per_row, start)
+
+
+def _flush(layout: RowLayout, run: list[int], per_row: Mapping[str, list[Any]], start: int) -> Iterator[Chunk]:
+    if not run:
+        return
+    arrays: dict[str, np.ndarray] = {}
+    for name, rows in per_row.items():
+        picked = [np.asarray(rows[i]) for i in run]
+        arrays[name] = picked[0] if layout.inputs[name] is None else to_model_axes(layout, name, np.stack(picked))
+    yield Chunk(start + run[0], len(run), arrays)
+
+
+def to_model_axes(layout: RowLayout, name: str, rows_first: np.ndarray) -> np.ndarray:
+    """``[rows, *sample]`` as the model takes it: rows along the input's row axis; for a batch-1
+    export the sample keeps its leading 1 (``[rows, 3, 224, 224]``: rows of ``[1, 3, 224, 224]``
+    stacked on axis 0; a sample written with its batch-1 axis, ``[rows, 1, 3, 224, 224]``, too)."""
+    axis = layout.inputs[name] or 0
+    if name in layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1:
+        rows_first = rows_first[:, 0]
+    return np.ascontiguousarray(np.moveaxis(rows_first, 0, axis)) if axis else rows_first
 
 
 # -- Python ------------------------------------------------------------------------------------------
