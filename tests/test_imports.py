@@ -17,7 +17,9 @@ Layers, lowest first (a module may import its own layer and those below):
 5. serve, ray
 6. the doors: cli, __main__, demo, and the package's ``__init__`` (the public API)
 
-A new top-level module must be given a layer here (the test fails until it is).
+A new top-level module must be given a layer here (the test fails until it is). Some pairs
+are kept apart though the layers would allow them (:data:`APART`): the network front end never
+imports the benchmarks (the in-flight window it sizes lives in ``serving``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ LAYERS: dict[str, int] = {
     "serve": 5, "ray": 5,
     "cli": 6, "__main__": 6, "demo": 6, "": 6,
 }
+
+#: top-level packages that never import each other's modules, whatever their layers
+APART: dict[str, frozenset[str]] = {"serve": frozenset({"bench"})}
 
 
 @dataclass(frozen=True)
@@ -110,9 +115,14 @@ def package_graph(root: Path = ROOT, package: str = PACKAGE) -> list[Import]:
     return [edge for p in paths for edge in imports_of(p, root, modules)]
 
 
+def top_of(module: str) -> str:
+    """``staronnx.serve.models`` -> ``serve``; the package itself -> ``""``."""
+    return module.split(".")[1] if "." in module else ""
+
+
 def layer_of(module: str, layers: Mapping[str, int]) -> int:
     """The layer of ``staronnx.<top>...``: that of its first component under the package."""
-    top = module.split(".")[1] if "." in module else ""
+    top = top_of(module)
     if top not in layers:
         raise AssertionError(f"{module} has no layer: add {top!r} to LAYERS in {Path(__file__).name}")
     return layers[top]
@@ -192,10 +202,19 @@ def describe_cycle(chain: list[Import]) -> str:
     return f"import cycle {names} ({lines})"
 
 
-def problems(edges: list[Import], layers: Mapping[str, int]) -> list[str]:
-    """What the test reports: every upward import and every cycle."""
+def kept_apart(edges: Iterable[Import], apart: Mapping[str, frozenset[str]]) -> list[Import]:
+    """The imports between packages that :data:`APART` keeps apart."""
+    return [e for e in edges if top_of(e.imported) in apart.get(top_of(e.importer), frozenset())]
+
+
+def problems(edges: list[Import], layers: Mapping[str, int],
+             apart: Mapping[str, frozenset[str]] = APART) -> list[str]:
+    """What the test reports: every upward import, every import between packages kept apart,
+    and every cycle."""
     found = [f"{e.where()}: {e.importer} (layer {layer_of(e.importer, layers)}) imports "
              f"{e.imported} (layer {layer_of(e.imported, layers)}), a higher layer" for e in upward(edges, layers)]
+    found += [f"{e.where()}: {e.importer} imports {e.imported}: {top_of(e.importer)} never imports "
+              f"{top_of(e.imported)}" for e in kept_apart(edges, apart)]
     return found + [describe_cycle(chain) for chain in cycles(edges)]
 
 
@@ -235,8 +254,11 @@ def test_the_check_catches_upward_imports_and_cycles(tmp_path):
     edges = package_graph(tmp_path, "pkg")
     assert {(e.importer, e.imported) for e in edges} == {
         ("pkg.low", "pkg.high"), ("pkg.high", "pkg.low"), ("pkg.high.a", "pkg.high.b"), ("pkg.high.b", "pkg.high.a")}
-    found = problems(edges, layers)
+    found = problems(edges, layers, {})
     assert len(found) == 3, found
+    # a downward import between packages kept apart is named too
+    (apart,) = set(problems(edges, layers, {"high": frozenset({"low"})})) - set(found)
+    assert apart == "pkg/high/__init__.py:1: pkg.high imports pkg.low: high never imports low", apart
     assert any("pkg/low.py:2: pkg.low (layer 0) imports pkg.high (layer 1)" in f for f in found)
     assert any(f.startswith("import cycle pkg.high -> pkg.low -> pkg.high") for f in found)
     assert any("import cycle pkg.high.a -> pkg.high.b -> pkg.high.a" in f and "pkg/high/b.py:1" in f for f in found)

@@ -3,8 +3,9 @@ from, and the machine's GPUs, lanes and residency, built once and shared by ever
 LP bound over it (a sweep's).
 
 Split from :mod:`staronnx.bench.simulator` (the run itself) because the LP bound
-(:mod:`staronnx.bench.bound`), the serve window and the calibration checks need the machine but
-never simulate. What it shares with the live runtime: the layout of its
+(:mod:`staronnx.bench.bound`) and the calibration checks need the machine but never simulate; the
+in-flight window and the footprints of a batch size are the live server's
+(:mod:`staronnx.serving.window`). What it shares with the live runtime: the layout of its
 :class:`~staronnx.workers.layout.MachineSpec` (names, archs, memory nodes, a perf-model arch per
 GPU, the lanes) and its residency rule, so a machine the runtime would refuse is refused here
 in its words. Archs with no models borrow another's, scaled
@@ -16,7 +17,6 @@ from __future__ import annotations
 import math
 import re
 import statistics
-import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import TaskView, WorkerInfo
-from staronnx.serving.spec import inflight_window
+from staronnx.serving.window import PlanProfile, plan_window, profile_plan
 from staronnx.workers.layout import Layout, MachineError, MachineSpec, layout
 from staronnx.workers.topology import Topology
 
@@ -75,45 +75,6 @@ class ArchSource:
         if isinstance(self.scale, tuple):
             return f"{self.arch} x ({', '.join(f'{s:g}' for s in self.scale)})"
         return self.arch if self.scale == 1.0 else f"{self.arch} x {self.scale:g}"
-
-
-@dataclass(frozen=True)
-class PlanProfile:
-    """What the engine sees of one batch size: each part's footprint and every tensor's bytes."""
-
-    batch: int
-    footprints: tuple[Footprint, ...]
-    nbytes: Mapping[str, int]
-
-
-_PROFILES: dict[tuple[str, str, int], PlanProfile] = {}
-_PROFILES_LOCK = threading.Lock()
-
-
-def profile_plan(plan: Plan, batch: int) -> PlanProfile:
-    """Footprints and tensor sizes at ``batch``, computed exactly like the engine and calibration.
-
-    One reference run of the plan (ONNX Runtime, CPU) per batch size, cached per process, so a
-    sweep pays it once per size. Shapes, hence footprints, rarely depend on values; feeds are
-    drawn with calibration's seed anyway so data-dependent shapes agree too.
-    """
-    from staronnx.verify import random_plan_feeds
-
-    key = (str(plan.root), plan.hash, int(batch))
-    with _PROFILES_LOCK:
-        cached = _PROFILES.get(key)
-    if cached is not None:
-        return cached
-    values = plan.reference_values(random_plan_feeds(plan, batch, seed=0))
-    profile = PlanProfile(
-        batch=int(batch),
-        footprints=tuple(Footprint.of_feeds(plan.part_feeds(p.index, values), batch, plan.part_batch_axes(p.index))
-                         for p in plan.parts),
-        nbytes={name: int(v.nbytes) for name, v in values.items()},
-    )
-    with _PROFILES_LOCK:
-        _PROFILES[key] = profile
-    return profile
 
 
 class PerfTable:
@@ -414,21 +375,9 @@ def host_notes(machine: SimMachine) -> list[str]:
     return lines
 
 
-def plan_window(table: PerfTable, plan: Plan, batch: int, archs: Sequence[str], first_part: int = 0) -> int:
-    """The server's in-flight window (:func:`~staronnx.serving.spec.inflight_window`, the one
-    rule) over the time of a batch of ``batch`` through ``plan`` (its parts numbered from
-    ``first_part`` in ``table``) on a worker of each of ``archs``: the unknown-machine window
-    where some part has no time on some arch."""
-    try:
-        fps = profile_plan(plan, batch).footprints
-        return inflight_window([sum(table.distribution(first_part + p, a, fp)[0] for p, fp in enumerate(fps))
-                                for a in archs])
-    except Exception:  # noqa: BLE001 - a part without times (or a plan that cannot be profiled): no basis
-        return inflight_window([None] * len(archs))
-
-
 def machine_inflight(machine: SimMachine, batch: int, model: int | str = 0, where: Where = None) -> int:
-    """The window of ``model``'s server on this machine at ``batch`` (:func:`plan_window`); with
+    """The window of ``model``'s server on this machine at ``batch``
+    (:func:`~staronnx.serving.window.plan_window`, the live server's); with
     ``where`` (:func:`residency_where`), over the workers holding the model only: its batches
     can keep no other worker busy."""
     hosted = machine.hosted(model)

@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from staronnx.bench.machine import (PlanProfile, SimMachine, SimulationError, Where, build_machine, held_by,
-                                    machine_inflight, residency_where)
+from staronnx.bench.machine import (SimMachine, SimulationError, Where, build_machine, held_by, machine_inflight,
+                                    residency_where)
 from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.perfmodels import Footprint, HostCosts, PerfModelStore
 from staronnx.plan import Plan
@@ -45,6 +45,7 @@ from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
 from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import next_batch_size, padded_size
+from staronnx.serving.window import PlanProfile
 from staronnx.workers.topology import Topology
 
 

@@ -47,6 +47,7 @@ from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_sta
 from staronnx.serve.protocol import ProtocolError, invalid, shown
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 from staronnx.serving.spec import ServeSpec
+from staronnx.serving.window import inflight_from_models
 from staronnx.workers.cuda import CudaWorker
 
 #: requests (and batches, and queue samples) whose records a served model keeps: the latest
@@ -129,28 +130,6 @@ class Handoff:
                 waiter.set_result(future.result())
 
 
-def inflight_from_models(plan: Plan, batch_size: int, *, groups: str | None, cuda_streams: int,
-                         cuda_devices: Sequence[int] = (0,)) -> int | None:
-    """The batches to keep in flight on the workers of these settings, from the plan's perf models
-    (:func:`~staronnx.bench.machine.plan_window`, as sweeps and the simulator size them): with a GPU
-    and CPU groups, dmda gives a CPU group a batch only behind a GPU queue as long as that group's
-    time. None (the Server's default) where some worker's arch has no models of its own (each GPU
-    of ``cuda_devices`` has its own): borrowed times are no basis for a window.
-    """
-    from staronnx.bench.machine import PerfTable, plan_window, sim_workers
-    from staronnx.perfmodels import PerfModelStore
-    from staronnx.runtime.predictor import PerfPredictor
-
-    store = PerfModelStore()
-    try:
-        archs = [w.arch for w in sim_workers(None, groups or "numa", cuda_streams, cuda_devices)]
-    except StaronnxError:
-        return None
-    if not {key.arch for key in store.list(plan.hash)}.issuperset(archs):
-        return None
-    return plan_window(PerfTable(PerfPredictor(plan.hash, store)), plan, batch_size, archs)
-
-
 def unservable(plan: Plan) -> str | None:
     """Why ``plan`` cannot be served over KServe v2 (a tensor of a type the protocol has no
     datatype for: a sequence, a map, bfloat16, ...), or None. Checked before any runtime starts,
@@ -170,7 +149,8 @@ class ModelEndpoint:
     def __init__(self, name: str, runtime: Runtime | ModelHandle, spec: ServeSpec | None = None, *,
                  metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, **serving: Any) -> None:
         """``spec`` (or its fields as keywords, over :data:`ENDPOINT_SERVING`): how its requests are
-        batched; without ``max_inflight``, in the window of :func:`inflight_from_models`."""
+        batched; without ``max_inflight``, in the window of
+        :func:`~staronnx.serving.window.inflight_from_models`."""
         self.name = name
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
