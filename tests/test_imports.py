@@ -14,7 +14,7 @@ Layers, lowest first (a module may import its own layer and those below):
    groups as the runtime lays them out, its calibrated bus)
 3. runtime, engines
 4. bench, serving
-5. serve, ray
+5. serve, ray, infer (batch inference: a job over a runtime; Ray Data's predictor runs it)
 6. the doors: cli, __main__, demo, and the package's ``__init__`` (the public API)
 
 A new top-level module must be given a layer here (the test fails until it is). Some pairs
@@ -41,7 +41,7 @@ LAYERS: dict[str, int] = {
     "workers": 2, "perfmodels": 2, "partition": 2,
     "runtime": 3, "engines": 3,
     "bench": 4, "serving": 4, "calibrate": 4,
-    "serve": 5, "ray": 5,
+    "serve": 5, "ray": 5, "infer": 5,
     "cli": 6, "__main__": 6, "demo": 6, "": 6,
 }
 

@@ -215,7 +215,7 @@ def _npz_bytes(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]],
                               ".npz holds one array per output: write Parquet (--format parquet), which holds any")
         arrays[name] = np.concatenate(parts) if len(parts) > 1 else parts[0]
     buf = io.BytesIO()
-    np.savez(buf, **arrays)
+    np.savez(buf, **arrays)  # type: ignore[arg-type]
     return buf.getvalue()
 
 

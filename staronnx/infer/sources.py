@@ -252,17 +252,32 @@ def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
         if isinstance(column.type, pa.FixedShapeTensorType):
             out.append(np.asarray(column.slice(i, 1).to_numpy_ndarray()[0]))
             continue
-        value = item.as_py()
-        out.append(np.asarray(value, dtype=object if _is_text(column.type) else None))
+        out.append(np.asarray(item.as_py(), dtype=_value_dtype(column.type)))
     return out
+
+
+def _innermost(dtype: Any) -> Any:
+    import pyarrow as pa
+
+    while pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
+        dtype = dtype.value_type
+    return dtype
 
 
 def _is_text(dtype: Any) -> bool:
     import pyarrow as pa
 
-    while pa.types.is_list(dtype) or pa.types.is_large_list(dtype) or pa.types.is_fixed_size_list(dtype):
-        dtype = dtype.value_type
-    return bool(pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or pa.types.is_binary(dtype))
+    inner = _innermost(dtype)
+    return bool(pa.types.is_string(inner) or pa.types.is_large_string(inner) or pa.types.is_binary(inner))
+
+
+def _value_dtype(dtype: Any) -> np.dtype:
+    """The numpy dtype of a (nested) list column's values: a row read through Python keeps the
+    column's type (float32 stays float32, not Python's float64)."""
+    if _is_text(dtype):
+        return np.dtype(object)
+    dt: np.dtype = np.dtype(_innermost(dtype).to_pandas_dtype())
+    return dt
 
 
 def _uniform(column: Any) -> np.ndarray | None:
@@ -314,7 +329,7 @@ class ArrowSource:
             raise InputError(f"--inputs {path}: no column for input(s) {missing}; the dataset's columns are "
                              f"{self.dataset.schema.names} and the model's inputs {list(layout.inputs)}")
         self._fragments = list(self.dataset.get_fragments())
-        self._counts = [f.count_rows() for f in self._fragments]
+        self._counts: list[int] = [int(f.count_rows()) for f in self._fragments]
 
     def total_rows(self) -> int | None:
         return sum(self._counts)

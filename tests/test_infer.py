@@ -1,0 +1,344 @@
+"""``staronnx infer`` and :func:`staronnx.infer.infer`: a dataset in, its outputs out.
+
+Every check goes through a door a user takes (the command, in process or as a subprocess that
+is killed; the Python function) on the real exported models of ``models/real/``, and compares
+each row's output with what plain ONNX Runtime answers to that row's inputs. No timing is
+asserted: a subprocess is stopped once its first shards exist, whenever that is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import realmodels
+from _helpers import cli
+from staronnx.infer import InferSpec, OutputError, RowError, infer, read_outputs
+from staronnx.workers.layout import MachineSpec
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+#: one CPU group of one core: the same on any host, busy or not
+ONE_CORE = "0"
+
+
+def _ort(name: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return realmodels.ort_outputs(name, feeds)
+
+
+def _assert_rows(got: dict, want_rows: list[dict[str, np.ndarray]], ids: np.ndarray, tol: float = 1e-4) -> None:
+    """Row ``i`` of ``got`` (row id ``ids[i]``) equals ORT's answer for that row."""
+    assert list(got["row_id"]) == list(ids)
+    for name in want_rows[0]:
+        for i, row_id in enumerate(ids):
+            want = want_rows[int(row_id)][name]
+            have = np.asarray(got[name][i])
+            assert have.shape == want.shape, (name, row_id, have.shape, want.shape)
+            scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+            assert float(np.abs(have - want).max(initial=0.0)) <= tol * scale, (name, row_id)
+
+
+# -- datasets ----------------------------------------------------------------------------------------
+def crnn_rows(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, 1, 32, 64)).astype(np.float32)
+
+
+def crnn_reference(x: np.ndarray) -> list[dict[str, np.ndarray]]:
+    """ORT's answer per row, row-major (the CTC head's batch is its axis 1)."""
+    out = _ort("crnn_ocr", {"image": x})["log_probs"]
+    return [{"log_probs": out[:, i]} for i in range(len(x))]
+
+
+def npz_shards(folder: Path, arrays: dict[str, np.ndarray], per_shard: int, axis: dict[str, int] | None = None,
+               shared: dict[str, np.ndarray] | None = None) -> Path:
+    """``arrays`` cut into .npz shards of ``per_shard`` samples along each one's axis."""
+    folder.mkdir(parents=True, exist_ok=True)
+    axis = axis or {}
+    n = next(a.shape[axis.get(k, 0)] for k, a in arrays.items())
+    for i, lo in enumerate(range(0, n, per_shard)):
+        part = {k: np.take(a, np.arange(lo, min(lo + per_shard, n)), axis=axis.get(k, 0)) for k, a in arrays.items()}
+        np.savez(folder / f"shard-{i}.npz", **part, **(shared or {}))
+    return folder
+
+
+# -- the command, end to end ---------------------------------------------------------------------------
+def test_cli_npz_shards_to_parquet_row_for_row(tmp_path, capsys):
+    """A folder of .npz shards (cut at 70 rows, output shards at 64, batches of 8: every edge
+    falls elsewhere) through crnn_ocr, whose output has its batch on axis 1: one Parquet row per
+    sample, in order, equal to ORT's answer row for row."""
+    x = crnn_rows(200)
+    src = npz_shards(tmp_path / "in", {"image": x}, 70)
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--batch-size", 8, "--shard-rows", 64, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "200 samples written" in out
+    shards = sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet"))
+    assert shards == [f"part-{i:05d}.parquet" for i in range(4)]
+    table = pq.read_table(tmp_path / "out" / shards[0])
+    assert table.column_names == ["row_id", "log_probs"]
+    assert isinstance(table.schema.field("log_probs").type, pa.FixedShapeTensorType) is False  # time is dynamic
+    got = read_outputs(tmp_path / "out")
+    _assert_rows(got, crnn_reference(x), np.arange(200))
+    summary = json.loads((tmp_path / "out" / "_SUCCESS.json").read_text())
+    assert summary["written"] == 200 and summary["skipped"] == 0
+
+
+def test_cli_chooses_the_batch_size_and_writes_one_npz(tmp_path, capsys):
+    """Without --batch-size the batch is measured on the dataset's rows and said; an output
+    named .npz is one file (row_id and each output, samples along axis 0)."""
+    x = crnn_rows(90, seed=1)
+    np.savez(tmp_path / "in.npz", image=x)
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz",
+                         "-o", tmp_path / "out.npz", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "chosen for throughput" in out and "1: " in out
+    with np.load(tmp_path / "out.npz") as z:
+        assert sorted(z.files) == ["log_probs", "row_id"]
+        got = {k: z[k] for k in z.files}
+    assert not (tmp_path / "out.npz.parts").exists()
+    _assert_rows(got, crnn_reference(x), np.arange(90))
+
+
+def test_cli_parquet_tensor_column_one_row_per_task(tmp_path, capsys):
+    """mobilenet_b1 (exported at batch 1: one row per task) from a Parquet tensor column of
+    [3, 224, 224] samples; its fixed-shape output comes back as a tensor column."""
+    x = np.random.default_rng(2).standard_normal((5, 3, 224, 224)).astype(np.float32)
+    pq.write_table(pa.table({"input": pa.FixedShapeTensorArray.from_numpy_ndarray(x)}), tmp_path / "in.parquet")
+    code, out, err = cli(capsys, "infer", realmodels.path("mobilenet_b1"), "-i", tmp_path / "in.parquet",
+                         "-o", tmp_path / "out", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    table = pq.read_table(next((tmp_path / "out").glob("part-*.parquet")))
+    assert isinstance(table.schema.field("logits").type, pa.FixedShapeTensorType)
+    got = read_outputs(tmp_path / "out")
+    want = [{"logits": _ort("mobilenet_b1", {"input": x[i:i + 1]})["logits"][0]} for i in range(5)]
+    _assert_rows(got, want, np.arange(5))
+
+
+def test_cli_images_of_two_sizes_and_outputs_of_any_length(tmp_path, capsys):
+    """detector_nms: images of two sizes as nested lists, its outputs (boxes per image: 0 or
+    more) as nested lists, each row its own."""
+    rng = np.random.default_rng(3)
+    imgs = [(rng.random((3, h, w)) * 2).astype(np.float32) for h, w in ((64, 64), (96, 128), (64, 64), (96, 128))]
+    col = pa.array([i.tolist() for i in imgs], type=pa.list_(pa.list_(pa.list_(pa.float32()))))
+    pq.write_table(pa.table({"image": col}), tmp_path / "in.parquet")
+    code, _, err = cli(capsys, "infer", realmodels.path("detector_nms"), "-i", tmp_path / "in.parquet",
+                       "-o", tmp_path / "out.parquet", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    got = read_outputs(tmp_path / "out.parquet")
+    want = [_ort("detector_nms", {"image": im[None]}) for im in imgs]
+    _assert_rows(got, want, np.arange(4))
+
+
+def test_state_on_axis_1_and_a_shared_scalar(tmp_path):
+    """gru_stream through the function: its state carries the batch on axis 1, its sample rate
+    is one scalar for every row (stored once in each shard)."""
+    rng = np.random.default_rng(4)
+    frame = rng.standard_normal((37, 256)).astype(np.float32)
+    state = rng.standard_normal((2, 37, 64)).astype(np.float32)
+    rate = np.array(16000, np.int64)
+    src = npz_shards(tmp_path / "in", {"frame": frame, "state": state}, 10, axis={"state": 1},
+                     shared={"sample_rate": rate})
+    report = infer(realmodels.path("gru_stream"), src, tmp_path / "out",
+                   InferSpec(batch_size=4, shard_rows=16), MachineSpec(ONE_CORE))
+    assert report.written == 37 and report.batch_size == 4
+    whole = _ort("gru_stream", {"frame": frame, "state": state, "sample_rate": rate})
+    want = [{"prob": whole["prob"][i], "state_out": whole["state_out"][:, i]} for i in range(37)]
+    _assert_rows(read_outputs(tmp_path / "out"), want, np.arange(37))
+
+
+def test_function_over_an_iterable_of_feeds(tmp_path):
+    """Any iterable of feeds (a generator of requests of 1 to 5 rows) is a dataset: rows are
+    re-batched across items, ids count rows."""
+    x = crnn_rows(23, seed=5)
+    sizes = [1, 5, 3, 2, 5, 4, 3]
+
+    def feeds():
+        lo = 0
+        for s in sizes:
+            yield {"image": x[lo:lo + s]}
+            lo += s
+
+    report = infer(realmodels.path("crnn_ocr"), feeds(), tmp_path / "out", InferSpec(batch_size=4),
+                   MachineSpec(ONE_CORE))
+    assert report.written == 23 and report.total_rows is None
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(23))
+
+
+# -- bad rows ------------------------------------------------------------------------------------------
+def _ocr_table_with_bad_rows(tmp_path: Path) -> tuple[Path, list[np.ndarray]]:
+    """12 crnn_ocr rows as nested lists: row 4 has height 31 (the model fixes 32), row 7 is
+    null, the others good."""
+    rng = np.random.default_rng(6)
+    rows: list = [rng.standard_normal((1, 32, 64)).astype(np.float32) for _ in range(12)]
+    rows[4] = rng.standard_normal((1, 31, 64)).astype(np.float32)
+    values = [None if i == 7 else r.tolist() for i, r in enumerate(rows)]
+    col = pa.array(values, type=pa.list_(pa.list_(pa.list_(pa.float32()))))
+    pq.write_table(pa.table({"image": col}), tmp_path / "bad.parquet")
+    return tmp_path / "bad.parquet", rows
+
+
+def test_bad_rows_fail_the_job_by_row_id(tmp_path, capsys):
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                       "--batch-size", 4, "--groups", ONE_CORE, "-q")
+    assert code == 2
+    assert "row 4 of the dataset cannot run" in err and "'image'" in err and "--on-error skip" in err
+
+
+def test_bad_rows_skipped_and_listed(tmp_path, capsys):
+    src, rows = _ocr_table_with_bad_rows(tmp_path)
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--batch-size", 4, "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "2 row(s) skipped (row ids 4, 7)" in out
+    errors = json.loads((tmp_path / "out" / "_errors.json").read_text())
+    assert [e["row_id"] for e in errors] == [4, 7]
+    assert "32" in errors[0]["error"] and "null" in errors[1]["error"]
+    got = read_outputs(tmp_path / "out")
+    good = [i for i in range(12) if i not in (4, 7)]
+    want = [{"log_probs": _ort("crnn_ocr", {"image": r[None]})["log_probs"][:, 0]} if i in good else {}
+            for i, r in enumerate(rows)]
+    _assert_rows(got, want, np.array(good))
+
+
+def test_a_row_the_model_fails_on_is_found_in_its_batch(tmp_path, capsys):
+    """bert_tiny with one token id past its vocabulary: ORT fails the whole batch; the batch is
+    run again row by row, only that row is skipped, its neighbours written."""
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, 1000, (10, 9)).astype(np.int64)
+    ids[6, 3] = 5000
+    mask = np.ones_like(ids)
+    np.savez(tmp_path / "in.npz", input_ids=ids, attention_mask=mask, token_type_ids=np.zeros_like(ids))
+    code, out, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "in.npz",
+                         "-o", tmp_path / "out", "--batch-size", 5, "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "1 row(s) skipped (row ids 6)" in out
+    got = read_outputs(tmp_path / "out")
+    keep = [i for i in range(10) if i != 6]
+    want = {i: _ort("bert_tiny", {"input_ids": ids[i:i + 1], "attention_mask": mask[i:i + 1],
+                                  "token_type_ids": np.zeros_like(ids[i:i + 1])}) for i in keep}
+    rows = [{k: v[0] for k, v in want[i].items()} if i in want else {} for i in range(10)]
+    _assert_rows(got, rows, np.array(keep))
+
+
+def test_a_shard_of_the_wrong_dtype_is_reported_as_its_rows(tmp_path):
+    x = crnn_rows(12, seed=8)
+    src = npz_shards(tmp_path / "in", {"image": x}, 4)
+    np.savez(src / "shard-1.npz", image=x[4:8].astype(np.float64))
+    report = infer(realmodels.path("crnn_ocr"), src, tmp_path / "out", InferSpec(batch_size=4, on_error="skip"),
+                   MachineSpec(ONE_CORE))
+    assert [e["row_id"] for e in report.skipped] == [4, 5, 6, 7]
+    assert "float32" in report.skipped[0]["error"]
+    got = read_outputs(tmp_path / "out")
+    want = crnn_reference(x)
+    _assert_rows(got, want, np.array([0, 1, 2, 3, 8, 9, 10, 11]))
+    with pytest.raises(RowError, match="rows 4..7"):
+        infer(realmodels.path("crnn_ocr"), src, tmp_path / "out2", InferSpec(batch_size=4), MachineSpec(ONE_CORE))
+
+
+# -- stopped and resumed -----------------------------------------------------------------------------
+def _start(args: list[object]) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "staronnx", "infer", *map(str, args)]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_shards(folder: Path, proc: subprocess.Popen, count: int, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(list(folder.glob("part-*.parquet"))) >= count:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended before its {count}th shard: {proc.communicate()}")
+        time.sleep(0.01)
+    proc.kill()
+    raise AssertionError(f"no {count} shards in {timeout} s")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_killed_halfway_and_resumed(tmp_path, how):
+    """unet_seg over 1,200 rows in shards of 100: the job is killed (a crash: SIGKILL) or stopped
+    (SIGTERM) once two shards exist, then resumed: the output has every row once, in order, each
+    ORT's answer, and the finished shards were not written again."""
+    x = np.random.default_rng(9).standard_normal((1200, 3, 64, 64)).astype(np.float32)
+    src = npz_shards(tmp_path / "in", {"image": x}, 300)
+    out = tmp_path / "out"
+    args = [realmodels.path("unet_seg"), "-i", src, "-o", out, "--batch-size", 4, "--shard-rows", 100,
+            "--groups", ONE_CORE, "-q"]
+    proc = _start(args)
+    _wait_for_shards(out, proc, 2)
+    proc.send_signal(signal.SIGKILL if how == "SIGKILL" else signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    if how == "SIGTERM":
+        assert proc.returncode == 143, err
+        assert "--resume" in err and "interrupted (SIGTERM)" in err
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    kept = {p.name: p.stat().st_mtime_ns for p in out.glob("part-*.parquet")}
+    assert 2 <= len(kept) < 12, f"{len(kept)} shards: not stopped halfway"
+    assert not (out / "_SUCCESS.json").exists()
+
+    again = _start(args)  # without --resume: refused, nothing touched
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 2 and "--resume" in err
+    resumed = _start([*args, "--resume"])
+    stdout, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    assert "written before, kept" in stdout
+    for name, mtime in kept.items():
+        assert (out / name).stat().st_mtime_ns == mtime, f"{name} was written again"
+    got = read_outputs(out)
+    assert list(got["row_id"]) == list(range(1200))  # no row missing, none twice
+    want = np.concatenate([_ort("unet_seg", {"image": x[lo:lo + 100]})["logits"] for lo in range(0, 1200, 100)])
+    assert np.abs(got["logits"] - want).max() <= 1e-4 * max(1.0, float(np.abs(want).max()))
+
+
+# -- refusals ------------------------------------------------------------------------------------------
+def test_refusals_name_the_cause(tmp_path, capsys):
+    x = crnn_rows(8, seed=10)
+    np.savez(tmp_path / "in.npz", image=x)
+    model = realmodels.path("crnn_ocr")
+    base = ["infer", model, "-i", tmp_path / "in.npz", "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "o1", "--resume", "--overwrite")
+    assert code == 2 and "resume and overwrite" in err
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "o1", "--on-error", "ignore")
+    assert code == 2 and "on_error 'ignore'" in err
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "o1", "--format", "csv")
+    assert code == 2 and "--format 'csv'" in err
+    code, _, err = cli(capsys, "infer", model, "-i", tmp_path / "nope.npz", "-o", tmp_path / "o1", "-q")
+    assert code == 2 and "no such file" in err
+    np.savez(tmp_path / "wrong.npz", pixels=x)
+    code, _, err = cli(capsys, "infer", model, "-i", tmp_path / "wrong.npz", "-o", tmp_path / "o1", "-q")
+    assert code == 2 and "unknown input(s) ['pixels']" in err and "missing ['image']" in err
+    pq.write_table(pa.table({"pixels": [1.0]}), tmp_path / "wrong.parquet")
+    code, _, err = cli(capsys, "infer", model, "-i", tmp_path / "wrong.parquet", "-o", tmp_path / "o1", "-q")
+    assert code == 2 and "no column for input(s) ['image']" in err
+    # a finished job, then the same output for another dataset: --resume refuses, naming what changed
+    assert cli(capsys, *base, "-o", tmp_path / "o2", "--batch-size", 4)[0] == 0
+    np.savez(tmp_path / "other.npz", image=crnn_rows(9, seed=11))
+    code, _, err = cli(capsys, "infer", model, "-i", tmp_path / "other.npz", "-o", tmp_path / "o2", "--resume", "-q")
+    assert code == 2 and "written by another job" in err and "source" in err
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "notes.txt").write_text("mine")
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "theirs", "--overwrite")
+    assert code == 2 and "no staronnx infer wrote" in err
+    assert (tmp_path / "theirs" / "notes.txt").read_text() == "mine"
+
+
+def test_npz_output_refuses_rows_of_different_shapes(tmp_path):
+    rng = np.random.default_rng(12)
+    imgs = [(rng.random((3, h, 64)) * 2).astype(np.float32) for h in (64, 96)]
+    col = pa.array([i.tolist() for i in imgs], type=pa.list_(pa.list_(pa.list_(pa.float32()))))
+    pq.write_table(pa.table({"image": col}), tmp_path / "in.parquet")
+    with pytest.raises(OutputError, match="write Parquet"):
+        infer(realmodels.path("detector_nms"), tmp_path / "in.parquet", tmp_path / "out",
+              InferSpec(output_format="npz"), MachineSpec(ONE_CORE))
