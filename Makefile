@@ -4,7 +4,7 @@ VENV   := .venv
 PYTHON := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 
-.PHONY: demo test venv clean
+.PHONY: demo test docs venv clean
 
 demo: $(STAMP)
 	$(VENV)/bin/staronnx demo
@@ -18,6 +18,13 @@ TEST_WORKERS ?= 4
 test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
+
+# The documentation site: its figures from a small real run (about a minute), then a strict
+# build into site/ (a broken link or a missing page fails it). `make test` builds it strict too
+# (tests/test_docs.py), without remaking figures that exist.
+docs: $(STAMP)
+	$(PYTHON) docs/gen_figures.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 venv: $(STAMP)
 
@@ -37,4 +44,4 @@ $(STAMP): $(PYTHON) pyproject.toml
 	touch $(STAMP)
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info site docs/figures
