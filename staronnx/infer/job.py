@@ -4,11 +4,13 @@ Three threads share the work so that neither reading nor writing stalls the work
 
     reader:  source chunks -> batches (cut at shard edges, checked against the model) -> queue
     caller:  queue -> Runtime.submit -> a window of futures, settled in order -> shards
-    writer:  finished shards -> files (each atomically)
+    writer:  each batch's outputs -> the open shard's file, renamed into place when it ends
 
-Memory is bounded by counts of batches: the reader holds at most ``read_ahead`` batches ready
-(half the window), the runtime at most ``max_in_flight``, the writer at most two shards. The
-caller settles the oldest future first, so rows come out in the dataset's order.
+Memory is bounded by counts of batches: the reader holds at most half a window of batches
+ready, the runtime at most ``max_in_flight``, the writer's queue at most ``max_in_flight``
+batches of outputs and a Parquet shard :data:`~staronnx.infer.sinks.ROW_GROUP_BYTES` of them
+(an ``.npz`` shard holds its rows until it ends). The caller settles the oldest future first,
+so rows come out in the dataset's order.
 
 A row that cannot run is never lost silently. A row the source cannot read (a null) or the
 model refuses before running (a dtype, a rank, a fixed size: :meth:`Plan.check_feeds`) is
@@ -35,7 +37,7 @@ import numpy as np
 from staronnx.errors import InputError, StaronnxError
 from staronnx.infer.batchsize import BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
-from staronnx.infer.sinks import OutputError, Shard, ShardSink, output_format, output_specs
+from staronnx.infer.sinks import ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import Chunk, Source, open_source
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime, cuda_options
@@ -226,9 +228,11 @@ class _Pipeline:
         self.spec, self.batch, self.window, self.report, self.progress = spec, batch, window, report, progress
         self.stop = threading.Event()
         self.ready: queue.Queue[Batch | BaseException | None] = queue.Queue(maxsize=max(1, window // 2))
-        self.to_write: queue.Queue[Shard | None] = queue.Queue(maxsize=2)
+        # (kind, shard, payload): "rows" (row ids, outputs), "errors" (skipped rows), "end" (None)
+        self.to_write: queue.Queue[tuple[str, int, Any] | None] = queue.Queue(maxsize=max(2, window))
         self.write_error: BaseException | None = None
         self.done_rows = report.resumed_rows
+        self.shard: int | None = None  # the shard the caller is filling
 
     # -- threads ------------------------------------------------------------------------------
     def run(self, start: int) -> None:
@@ -244,7 +248,7 @@ class _Pipeline:
                 while True:
                     self.ready.get_nowait()
             reader.join()
-            self.to_write.put(None)  # shards already complete are still written
+            self.to_write.put(None)  # shards already ended are written; a shard cut short is dropped
             writer.join()
         if self.write_error is not None:
             raise self.write_error
@@ -268,16 +272,31 @@ class _Pipeline:
             self._put(exc)
 
     def _write(self) -> None:
+        writer: ShardWriter | None = None
         while True:
-            shard = self.to_write.get()
-            if shard is None:
+            item = self.to_write.get()
+            if item is None:
+                if writer is not None:
+                    writer.abort()
                 return
             if self.write_error is not None:
                 continue
+            kind, index, payload = item
             try:
-                self.sink.write(shard)
+                if writer is None:
+                    writer = self.sink.open(index)
+                if kind == "rows":
+                    writer.add(*payload)
+                elif kind == "errors":
+                    writer.errors.extend(payload)
+                else:
+                    writer.close()
+                    writer = None
             except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
                 self.write_error = exc
+                if writer is not None:
+                    writer.abort()
+                    writer = None
 
     # -- reading: chunks into batches -------------------------------------------------------------
     def _batches(self, start: int) -> Iterator[Batch]:
@@ -365,7 +384,6 @@ class _Pipeline:
     # -- calling: a window of futures, settled in order ---------------------------------------------
     def _call(self) -> None:
         window: deque[tuple[Batch, Any]] = deque()
-        shard: Shard | None = None
         while True:
             item = self.ready.get()
             if isinstance(item, BaseException):
@@ -380,35 +398,33 @@ class _Pipeline:
                     item.problem = str(exc)
             window.append((item, future))
             while len(window) > self.window or (window and (window[0][1] is None or window[0][1].done())):
-                shard = self._settle(*window.popleft(), shard)
+                self._settle(*window.popleft())
         while window:
-            shard = self._settle(*window.popleft(), shard)
-        if shard is not None:
-            self._hand_over(shard)
+            self._settle(*window.popleft())
+        if self.shard is not None:
+            self._send("end", self.shard, None)
 
-    def _settle(self, batch: Batch, future: Any, shard: Shard | None) -> Shard:
-        if shard is None or shard.index != batch.shard:
-            if shard is not None:
-                self._hand_over(shard)
-            shard = Shard(batch.shard)
+    def _settle(self, batch: Batch, future: Any) -> None:
+        if self.shard != batch.shard:
+            if self.shard is not None:
+                self._send("end", self.shard, None)
+            self.shard = batch.shard
         if batch.problem is not None:
-            self._bad(shard, batch.row_ids, batch.problem)
+            self._bad(batch.row_ids, batch.problem)
+            return
+        try:
+            outputs = future.result()
+        except Exception as exc:  # noqa: BLE001 - the batch's rows are tried alone below
+            self._rows_alone(batch, exc)
         else:
-            try:
-                outputs = future.result()
-            except Exception as exc:  # noqa: BLE001 - the batch's rows are tried alone below
-                self._rows_alone(batch, exc, shard)
-            else:
-                shard.add(batch.row_ids, self.layout.row_major(outputs, batch.rows))
-                self._advance(batch.rows)
-        return shard
+            self._rows(batch.row_ids, self.layout.row_major(outputs, batch.rows))
 
-    def _rows_alone(self, batch: Batch, exc: BaseException, shard: Shard) -> None:
+    def _rows_alone(self, batch: Batch, exc: BaseException) -> None:
         """A failed batch run again a row at a time: the rows that fail alone are the bad ones."""
         from staronnx.verify import model_failure
 
         if batch.rows == 1:
-            self._bad(shard, batch.row_ids, str(model_failure(self.plan, batch.feeds, exc)))
+            self._bad(batch.row_ids, str(model_failure(self.plan, batch.feeds, exc)))
             return
         for i in range(batch.rows):
             feeds = self.layout.take(batch.feeds, i, i + 1)
@@ -416,17 +432,23 @@ class _Pipeline:
             try:
                 outputs = self.runtime.run(feeds)
             except Exception as alone:  # noqa: BLE001 - reported by row id
-                self._bad(shard, row, str(model_failure(self.plan, feeds, alone)))
+                self._bad(row, str(model_failure(self.plan, feeds, alone)))
             else:
-                shard.add(row, self.layout.row_major(outputs, 1))
-                self._advance(1)
+                self._rows(row, self.layout.row_major(outputs, 1))
 
-    def _bad(self, shard: Shard, row_ids: np.ndarray, reason: str) -> None:
+    def _rows(self, row_ids: np.ndarray, outputs: dict[str, np.ndarray]) -> None:
+        assert self.shard is not None
+        self._send("rows", self.shard, (row_ids, outputs))
+        self.report.written += len(row_ids)
+        self._advance(len(row_ids))
+
+    def _bad(self, row_ids: np.ndarray, reason: str) -> None:
         if self.spec.on_error == "fail":
             ids = f"row {row_ids[0]}" if len(row_ids) == 1 else f"rows {row_ids[0]}..{row_ids[-1]}"
             raise RowError(f"{ids} of the dataset cannot run: {reason} (--on-error skip reports such rows and "
                            "goes on; the shards written so far are kept for --resume)")
-        shard.errors.extend({"row_id": int(r), "error": reason} for r in row_ids)
+        assert self.shard is not None
+        self._send("errors", self.shard, [{"row_id": int(r), "error": reason} for r in row_ids])
         self._advance(len(row_ids))
 
     def _advance(self, rows: int) -> None:
@@ -434,8 +456,7 @@ class _Pipeline:
         if self.progress is not None:
             self.progress(self.done_rows, self.report.total_rows)
 
-    def _hand_over(self, shard: Shard) -> None:
+    def _send(self, kind: str, shard: int, payload: Any) -> None:
         if self.write_error is not None:
             raise self.write_error
-        self.report.written += shard.rows
-        self.to_write.put(shard)
+        self.to_write.put((kind, shard, payload))

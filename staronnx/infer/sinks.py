@@ -19,7 +19,8 @@ Each shard has one row per sample (row-major: an output with the batch on axis 1
 each row holds its own sample) and a ``row_id`` column, the row's position in the dataset:
 
 - Parquet: a tensor column per output (Arrow's ``fixed_shape_tensor``) where the model fixes the
-  sample's shape, nested lists where it does not (a detector's boxes per image);
+  sample's shape, nested lists where it does not (a detector's boxes per image); streamed in row
+  groups as the batches finish, so a shard of any size holds little memory;
 - ``.npz``: ``row_id`` and one ``[rows, *sample shape]`` array per output (every row of a shard
   must then have one shape).
 """
@@ -31,45 +32,27 @@ import io
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
-from staronnx.fsutil import atomic_write_bytes, atomic_write_text
+from staronnx.fsutil import atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"
 FORMATS = ("parquet", "npz")
 ROW_ID = "row_id"
+#: outputs a Parquet shard holds in memory before it writes them as a row group
+ROW_GROUP_BYTES = 4 << 20
 
 
 class OutputError(StaronnxError):
     """The output cannot be written as asked (it exists, it belongs to another job, a format
     that cannot hold the rows)."""
-
-
-@dataclass
-class Shard:
-    """The finished rows of one output shard: their ids, each output's row-major arrays (one
-    array per batch, joined when written), and the rows skipped with their reasons."""
-
-    index: int
-    row_ids: list[np.ndarray] = field(default_factory=list)
-    outputs: dict[str, list[np.ndarray]] = field(default_factory=dict)
-    errors: list[dict[str, Any]] = field(default_factory=list)
-
-    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
-        self.row_ids.append(row_ids)
-        for name, value in outputs.items():
-            self.outputs.setdefault(name, []).append(value)
-
-    @property
-    def rows(self) -> int:
-        return int(sum(len(r) for r in self.row_ids))
 
 
 def output_format(output: Path, asked: str | None) -> str:
@@ -155,15 +138,10 @@ class ShardSink:
         return self.folder / f"part-{index:05d}.{self.format}"
 
     # -- writing ------------------------------------------------------------------------------
-    def write(self, shard: Shard) -> None:
-        """Write one finished shard: its errors first, then its rows (a rename each)."""
-        if shard.errors:
-            atomic_write_text(self.folder / f"part-{shard.index:05d}.errors.json",
-                              json.dumps(shard.errors, indent=1))
-        row_ids = np.concatenate(shard.row_ids) if shard.row_ids else np.zeros(0, np.int64)
-        data = (_parquet_bytes if self.format == "parquet" else _npz_bytes)(row_ids, shard.outputs,
-                                                                             self.manifest.get("outputs", {}))
-        atomic_write_bytes(self.shard_path(shard.index), data)
+    def open(self, index: int) -> ShardWriter:
+        """A writer of shard ``index``, streaming into a temporary file renamed when it closes."""
+        writer = ParquetShardWriter if self.format == "parquet" else NpzShardWriter
+        return writer(self.shard_path(index), self.manifest.get("outputs", {}))
 
     def errors(self) -> list[dict[str, Any]]:
         """Every skipped row of every finished shard, in row order."""
@@ -240,10 +218,10 @@ def _level_lengths(row: np.ndarray, level: int) -> list[int]:
     return [row.shape[level]] * count
 
 
-def _parquet_bytes(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]],
-                   specs: Mapping[str, Any]) -> bytes:
+def _table(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]], specs: Mapping[str, Any]) -> Any:
+    """Rows as an Arrow table whose schema depends on ``specs`` alone (every row group and
+    shard of a job alike)."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     columns: dict[str, Any] = {ROW_ID: pa.array(row_ids, type=pa.int64())}
     for name in [*specs, *(n for n in outputs if n not in specs)]:
@@ -262,9 +240,108 @@ def _parquet_bytes(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarra
         else:
             rank = spec.get("rank", parts[0].ndim - 1 if parts else 0)
             columns[name] = _nested([r for p in parts for r in p], value_type, rank)
-    buf = io.BytesIO()
-    pq.write_table(pa.table(columns), buf)
-    return buf.getvalue()
+    return pa.table(columns)
+
+
+class ShardWriter:
+    """One shard being written: rows added batch by batch, the rows skipped, then :meth:`close`
+    (its errors, then its rows, each renamed into place) or :meth:`abort` (nothing left)."""
+
+    def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
+        self.path = path
+        self.specs = specs
+        self.rows = 0
+        self.errors: list[dict[str, Any]] = []
+
+    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Drop what was written of the shard (a job stopped before its last row)."""
+
+    def close(self) -> None:
+        if self.errors:
+            atomic_write_text(self.path.with_name(self.path.name[:-len(self.path.suffix)] + ".errors.json"),
+                              json.dumps(self.errors, indent=1))
+        self._finish()
+
+
+class ParquetShardWriter(ShardWriter):
+    """A Parquet shard written as its rows come: a row group per :data:`ROW_GROUP_BYTES` of
+    outputs, so a shard of any size holds at most that much in memory."""
+
+    def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
+        super().__init__(path, specs)
+        self._ids: list[np.ndarray] = []
+        self._outputs: dict[str, list[np.ndarray]] = {}
+        self._held = 0
+        self._writer: Any = None
+        self._tmp: Path | None = None
+
+    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
+        self._ids.append(row_ids)
+        for name, value in outputs.items():
+            self._outputs.setdefault(name, []).append(value)
+            self._held += int(value.nbytes)
+        self.rows += len(row_ids)
+        if self._held >= ROW_GROUP_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        import pyarrow.parquet as pq
+
+        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
+        table = _table(ids, self._outputs, self.specs)
+        if self._writer is None:
+            remove_stale_temporaries(self.path)
+            fd, tmp = tempfile.mkstemp(prefix=temp_prefix(self.path), suffix=".tmp", dir=self.path.parent)
+            os.close(fd)
+            self._tmp = Path(tmp)
+            self._writer = pq.ParquetWriter(tmp, table.schema)
+        self._writer.write_table(table)
+        self._ids, self._outputs, self._held = [], {}, 0
+
+    def _finish(self) -> None:
+        if self._writer is None or self._ids:
+            self._flush()
+        self._writer.close()
+        assert self._tmp is not None
+        with open(self._tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(self._tmp, self.path)
+        self._writer = self._tmp = None
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            with contextlib.suppress(Exception):
+                self._writer.close()
+        if self._tmp is not None:
+            with contextlib.suppress(OSError):
+                self._tmp.unlink()
+        self._writer = self._tmp = None
+
+
+class NpzShardWriter(ShardWriter):
+    """An ``.npz`` shard: its rows are held until it closes (one array per output; a shard of
+    many large rows is better written as Parquet, which streams)."""
+
+    def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
+        super().__init__(path, specs)
+        self._ids: list[np.ndarray] = []
+        self._outputs: dict[str, list[np.ndarray]] = {}
+
+    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
+        self._ids.append(row_ids)
+        for name, value in outputs.items():
+            self._outputs.setdefault(name, []).append(value)
+        self.rows += len(row_ids)
+
+    def _finish(self) -> None:
+        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
+        atomic_write_bytes(self.path, _npz_bytes(ids, self._outputs, self.specs))
 
 
 def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
