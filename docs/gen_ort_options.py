@@ -1,4 +1,5 @@
-"""The ``InferenceSession`` options table, read from :mod:`staronnx.runtime.session`'s docstring.
+"""The ``InferenceSession`` options table, read from the docstring of the module that defines
+``staronnx.InferenceSession`` (``staronnx.compat.session``; ``staronnx.runtime.session`` before).
 
 The table lives once, in the code, next to what it describes; this turns its reStructuredText
 rows into a Markdown table for the guide *Replace ONNX Runtime's session*, where the marker
@@ -16,12 +17,15 @@ VERDICTS = ("honoured", "said", "refused", "not read back")
 
 def rows() -> list[tuple[str, str]]:
     """(option, what staronnx does) for every row of the docstring's table."""
-    import staronnx.runtime.session as session
+    import importlib
 
-    lines = (session.__doc__ or "").splitlines()
+    import staronnx
+
+    module = importlib.import_module(staronnx.InferenceSession.__module__)
+    lines = (module.__doc__ or "").splitlines()
     borders = [i for i, line in enumerate(lines) if re.fullmatch(r"=+\s+=+", line.strip())]
     if len(borders) < 3:
-        raise RuntimeError("staronnx.runtime.session's docstring has no options table")
+        raise RuntimeError(f"{module.__name__}'s docstring has no options table")
     split = re.match(r"=+\s+", lines[borders[0]]).end()  # type: ignore[union-attr]
     out: list[list[str]] = []
     for line in lines[borders[1] + 1:borders[2]]:
