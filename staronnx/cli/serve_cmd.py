@@ -19,8 +19,11 @@ def _port(value: int, flag: str) -> int:
 
 
 def serve_cmd(
-    plans: Annotated[list[Path], typer.Argument(help="Plan folder(s); each is served as a model named after its folder.")],
+    plans: Annotated[Optional[list[Path]], typer.Argument(
+        help="Plan folder(s); each is served as a model named after its folder.")] = None,
     name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
+    model_repository: Annotated[list[Path] | None, typer.Option(
+        "--model-repository", help=REPOSITORY_HELP)] = None,
     host: Annotated[str, typer.Option(help="Address to listen on; an address other machines reach (0.0.0.0, ::, a "
                                            "LAN address) also needs --insecure.")] = "127.0.0.1",
     insecure: Annotated[bool, typer.Option(
@@ -124,10 +127,23 @@ def serve_cmd(
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import ENDPOINT_SERVING, ModelEndpoint, unservable
+    from staronnx.serve.batching import check_names
+    from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, unservable
     from staronnx.serving.spec import ServeSpec
 
+    plans = list(plans or [])
+    if not plans and not model_repository:
+        raise StaronnxError("give plan folders to serve, --model-repository DIR, or both")
+    if ray and model_repository:
+        raise StaronnxError("--model-repository is served by staronnx serve itself, not on Ray (yet): drop --ray")
+    in_repository: list[tuple[str, Path]] = []
+    if model_repository:  # imported only here: it loads the model-config proto, which tritonclient also registers
+        from staronnx.serve import repository
+
+        in_repository = repository.scan(model_repository)
     names = model_names(plans, name)
+    names = [*names, *(n for n, _ in in_repository)]
+    check_names(names)
     check_exposure(host, insecure)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
@@ -140,12 +156,12 @@ def serve_cmd(
 
         raise StaronnxError(TARGETS_NEED_SHARING)
     residency = model_residency(model_workers or [], names)
-    if residency and (separate_runtimes or len(plans) < 2):
+    if residency and (separate_runtimes or len(names) < 2):
         raise StaronnxError("--model-workers places models on the workers of one shared runtime; it needs several "
                             "models and does not go with --separate-runtimes")
     lanes = model_lanes(lane or [], names)
     check_preempt(lane_preempt)
-    if lanes and (separate_runtimes or len(plans) < 2):
+    if lanes and (separate_runtimes or len(names) < 2):
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
     collect_every = parse_duration(gc_interval, allow_zero=True, option="--gc-interval")
@@ -165,6 +181,7 @@ def serve_cmd(
     # every plan and its batching checked before any runtime or cluster starts (a replica applies them again)
     loaded = [Plan.load(p) for p in plans]
     overrides = apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
+    names = names[:len(loaded)]  # the plan folders' models; the repository's join once loaded
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -182,11 +199,29 @@ def serve_cmd(
         serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
                      max_body=body, say=say)
         return
+    # every model's batcher: the flags', a repository model's as its config says
+    specs = {n: replace(serving, queue_capacity=capacities[n]) for n in names}
+    declared: dict[str, Declared] = {}
+    unavailable: dict[str, str] = {}
+    for model_name, folder in in_repository:
+        try:
+            found = repository.load(model_name, folder, batch_size)
+        except StaronnxError as exc:  # this model fails alone
+            unavailable[model_name] = str(exc)
+            continue
+        names.append(model_name)
+        loaded.append(found.plan)
+        specs[model_name] = replace(specs.get(model_name, serving), batch_size=max(1, found.settings.max_batch_size),
+                                    max_delay=delay if found.settings.max_delay is None else found.settings.max_delay,
+                                    queue_capacity=found.settings.queue_capacity or capacities[model_name])
+        if found.settings.target:
+            targets[model_name] = {**found.settings.target, **targets.get(model_name, {})}
+        declared[model_name] = Declared(found.version, found.config, found.labels)
     # a model that cannot be served fails alone: said, listed UNAVAILABLE with its reason, the others serve
-    unavailable = {n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None}
+    unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
     for model_name, why in unavailable.items():
         say(f"model {model_name!r} is not served: {why}")
-    if len(unavailable) == len(names):
+    if all(n in unavailable for n in names):
         raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if unavailable:
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
@@ -228,8 +263,8 @@ def serve_cmd(
                 runtime = Runtime(plan, targets={plan_name(plan): targets[model_name]} if model_name in targets
                                   else None, **options)
             try:
-                spec = replace(serving, queue_capacity=capacities[model_name])
-                endpoint = ModelEndpoint(model_name, runtime, spec, metrics=metrics,
+                spec = specs[model_name]
+                endpoint = ModelEndpoint(model_name, runtime, spec, metrics=metrics, declared=declared.get(model_name),
                                          settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                                    **({"cuda_devices": ",".join(map(str, devices))}
                                                       if cuda_streams else {}),
@@ -240,8 +275,9 @@ def serve_cmd(
                 raise
             models.append(endpoint)
             graphs = runtime.preferred_batch_sizes if isinstance(runtime, Runtime) else ()
-            say(f"model {model_name!r}: plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
-                f"batches of up to {batch_size}, max delay {delay * 1e3:g} ms, "
+            origin = (f"version {declared[model_name].version} of the repository, " if model_name in declared else "")
+            say(f"model {model_name!r}: {origin}plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
+                f"batches of up to {spec.batch_size}, max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
                 f"{endpoint.server.max_inflight} batches in flight"
                 + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
                 + (f", {driver_text(runtime)}" if cuda_streams and isinstance(runtime, Runtime) else "")
@@ -376,6 +412,12 @@ def contract_text(plan: Any) -> str:
         return "batched on axis 0"
     return "batched on each tensor's own axis (" + ", ".join(
         f"{n}: {'none, per request' if a is None else a}" for n, a in off.items()) + "; max_batch_size 0)"
+
+
+REPOSITORY_HELP = ("A Triton model repository to serve (repeatable): <model>/config.pbtxt (optional; completed from "
+                   "the model) and <model>/<version>/model.onnx. Each model's plan is cut on load and cached under "
+                   "$STARONNX_HOME; a model that cannot be served is listed UNAVAILABLE with its reason, the others "
+                   "serve.")
 
 
 def register(app: typer.Typer) -> None:

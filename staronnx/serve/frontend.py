@@ -67,6 +67,8 @@ class Frontend:
     def repository_entries(self, only_ready: bool) -> list[dict[str, str]]:
         ready = {n: m.ready and self.is_ready() for n, m in self.models.items()}
         entries = repository_index(ready, "the server is shutting down", only_ready)
+        for e in entries:
+            e["version"] = self.models[e["name"]].version
         if not only_ready:
             entries += [{"name": n, "version": VERSION, "state": "UNAVAILABLE", "reason": why}
                         for n, why in self.unavailable.items() if n not in self.models]

@@ -210,7 +210,7 @@ class GrpcFrontend(Frontend):
                    if "classification" in o.parameters}
         answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes)
         t2 = time.perf_counter()
-        response = pb.ModelInferResponse(model_name=model.name, model_version=VERSION, id=request.id)
+        response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
         for key, value in answer.parameters.items():
             if isinstance(value, int):
                 response.parameters[key].int64_param = value

@@ -933,7 +933,8 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
         else:
             entry["data"] = jsontensors.json_array(arr)
         entries.append(entry)
-    doc: dict[str, Any] = {"model_name": model.name, "model_version": VERSION, "outputs": entries}
+    doc: dict[str, Any] = {"model_name": model.name, "model_version": getattr(model, "version", VERSION),
+                          "outputs": entries}
     if request_id is not None:
         doc["id"] = request_id
     if parameters:

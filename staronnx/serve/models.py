@@ -59,12 +59,23 @@ RECORDS_KEPT = 4096
 ENDPOINT_SERVING: dict[str, Any] = {"on_full": "reject", "keep_records": RECORDS_KEPT}
 
 
-def check_version(name: str, version: str | None) -> None:
-    """Refuse a version of model ``name`` other than the one served, in Triton's wording (a plan
-    folder is one immutable version)."""
-    if version not in (None, "", VERSION):
+def check_version(name: str, version: str | None, served: str = VERSION) -> None:
+    """Refuse a version of model ``name`` other than the one ``served``, in Triton's wording (a
+    plan folder is one immutable version; a repository model is served at one version)."""
+    if version not in (None, "", served):
         raise ProtocolError("not_found", f"Request for unknown model: {shown(name)} has no version "
-                                         f"{shown(version)} (it serves version {VERSION})")
+                                         f"{shown(version)} (it serves version {served})")
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a model repository says of a model it serves (:mod:`staronnx.serve.repository`): the
+    version served, the effective config (Triton's JSON form, completed from the model), and each
+    output's labels (its ``label_filename``)."""
+
+    version: str
+    config: Mapping[str, Any]
+    labels: Mapping[str, Sequence[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,11 +158,15 @@ class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
     def __init__(self, name: str, runtime: Runtime | ModelHandle, spec: ServeSpec | None = None, *,
-                 metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, **serving: Any) -> None:
+                 metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, declared: Declared | None = None,
+                 **serving: Any) -> None:
         """``spec`` (or its fields as keywords, over :data:`ENDPOINT_SERVING`): how its requests are
         batched; without ``max_inflight``, in the window of
-        :func:`~staronnx.serving.window.inflight_from_models`."""
+        :func:`~staronnx.serving.window.inflight_from_models`. ``declared``: what the model
+        repository says of it (None: a plan folder, served as version 1)."""
         self.name = name
+        self.declared = declared
+        self.version = declared.version if declared is not None else VERSION
         self.settings = dict(settings or {})  # the runtime's options, reported by config()
         self.runtime = runtime
         #: seconds a request may take (--slo-ms); later answers count as deadline misses
@@ -174,6 +189,8 @@ class ModelEndpoint:
         #: the model's batching contract (read once: the plan's overrides were applied on load)
         self.contract: BatchContract = self.plan.contract
         self.labels = _labels(self.plan)
+        #: each output's own labels (a repository config's label_filename), over the plan's labels.txt
+        self.output_labels: dict[str, Sequence[str]] = dict(declared.labels) if declared is not None else {}
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
         #: (batch record, response parameters) of the last one-sample request answered
@@ -198,7 +215,7 @@ class ModelEndpoint:
 
     # -- protocol -------------------------------------------------------------------------------
     def check_version(self, version: str | None) -> None:
-        check_version(self.name, version)
+        check_version(self.name, version, self.version)
 
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
@@ -206,7 +223,8 @@ class ModelEndpoint:
             return [{"name": t.name, "datatype": types[t.name], "shape": protocol.metadata_shape(t.shape)}
                     for t in specs]
 
-        return {"name": self.name, "versions": [VERSION], "platform": "staronnx",
+        return {"name": self.name, "versions": [self.version],
+                "platform": "staronnx" if self.declared is None else "onnxruntime_onnx",
                 "inputs": tensors(self.plan.inputs, self.input_datatypes),
                 "outputs": tensors(self.plan.outputs, self.output_datatypes)}
 
@@ -266,12 +284,28 @@ class ModelEndpoint:
             if padded:  # the captured CUDA graph sizes a partial batch is padded up to
                 dynamic["preferred_batch_size"] = padded
             config["dynamic_batching"] = dynamic
-        return {
+        effective = {
             **config,
             "instance_group": self.instance_groups(),
             "input": inputs, "output": outputs,
             "parameters": {k: {"string_value": str(v)} for k, v in params.items()},
         }
+        return effective if self.declared is None else self._as_declared(effective)
+
+    def _as_declared(self, effective: dict[str, Any]) -> dict[str, Any]:
+        """A repository model's config: what its config.pbtxt says (completed from the model: its
+        tensors as declared, its version policy, file name and staronnx parameters), with the
+        batching, instances and parameters as they are served."""
+        assert self.declared is not None
+        declared = self.declared.config
+        out = {**effective, "platform": "onnxruntime_onnx", "backend": "onnxruntime",
+               "input": declared.get("input", effective["input"]),
+               "output": declared.get("output", effective["output"]),
+               "parameters": {**effective["parameters"], **declared.get("parameters", {})}}
+        for key in ("version_policy", "default_model_filename"):
+            if key in declared:
+                out[key] = declared[key]
+        return out
 
     def instance_groups(self) -> list[dict[str, Any]]:
         """The workers that hold this model, as Triton's ``instance_group`` says where a model's
@@ -330,7 +364,7 @@ class ModelEndpoint:
         for name, k in classes.items():
             if name in outputs and k:
                 axis = self.contract.outputs.get(name) if self.contract.batchable else None
-                outputs[name] = protocol.classify(outputs[name], k, axis, self.labels)
+                outputs[name] = protocol.classify(outputs[name], k, axis, self.output_labels.get(name, self.labels))
 
     def check_request(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> int:
         """Names, datatypes, shapes against the plan; returns the request's own batch size."""

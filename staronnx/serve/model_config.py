@@ -1,0 +1,328 @@
+"""A Triton model configuration (``config.pbtxt``) read into what ``staronnx serve`` does with it.
+
+The file is parsed with protobuf's text format against the ``model_config.proto`` in the tree
+(:mod:`staronnx.serve.proto.model_config_pb2`), so a misspelt field or a wrong type is one error
+naming the file and line. A missing or partial config is completed from the ONNX model, as
+Triton's auto-complete does: the inputs and outputs (names, types, dims) from the graph, and,
+where the config does not write ``max_batch_size``, that from the model's batching contract
+(:mod:`staronnx.contract`): the batch size staronnx serves with (``--batch-size``) where every
+tensor carries the batch on axis 0, else 0.
+
+Every field is either honoured or refused by name (:func:`check_honoured`): a config is never
+served as if a field meant something it does not here. What is honoured, and what it sets:
+
+* ``name`` (must be the folder's), ``platform: "onnxruntime_onnx"`` / ``backend: "onnxruntime"``
+  (any other is refused, and that model alone is unavailable), ``default_model_filename``;
+* ``max_batch_size`` > 0: requests are batched along axis 0 up to that size (the model's tensors
+  must all carry the batch there); 0: each request runs alone (Triton's non-batching model);
+* ``input``/``output``: ``name``, ``data_type``, ``dims`` (-1 for a dynamic size; without the batch
+  dimension when ``max_batch_size`` > 0), an input's ``format``, an output's ``label_filename``:
+  each checked against the ONNX model, a mismatch refused;
+* ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits), and
+  ``default_queue_policy.max_queue_size`` (the queue's capacity; 0 = the server's default);
+* ``version_policy`` (latest, all, specific) as long as it selects one version: a model is
+  served at one version;
+* ``instance_group`` of ``KIND_AUTO`` or ``KIND_CPU`` with no count or GPUs: staronnx places each
+  task on whichever worker (CPU group or CUDA stream) its policy picks;
+* ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
+
+Refused (for now, with the flag that does it where there is one): ``reshape``, shape tensors,
+ragged batches, optional inputs, ``preferred_batch_size``, priorities and queue timeouts,
+``preserve_ordering``, instance counts and GPU lists (``--cuda-streams``, ``--groups``,
+``--model-workers``), ``optimization``, ``model_warmup``, ``sequence_batching`` and
+``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from google.protobuf import json_format, text_format
+
+from staronnx.errors import StaronnxError
+from staronnx.serve import protocol
+from staronnx.serve.proto import model_config_pb2 as mc
+
+CONFIG_FILE = "config.pbtxt"
+DEFAULT_MODEL_FILENAME = "model.onnx"
+
+#: the platform and backend names that mean ONNX Runtime (empty: the model file tells)
+ONNX_PLATFORMS = ("", "onnxruntime_onnx")
+ONNX_BACKENDS = ("", "onnxruntime")
+
+#: staronnx's own settings in ``parameters`` (Triton's string values), and what each does
+PARAMETERS = {
+    "parts": "parts the model is cut into (1: served whole; the default)",
+    "shares": "target cost share per part, e.g. 0.85,0.15 (instead of parts)",
+    "partition_method": "metis or linear (how the parts are cut)",
+    "input_shapes": "NAME=D1xD2x... sizes of dynamic dimensions for the partitioner's cost estimate",
+    "slo_ms": "the model's latency target in ms (as --slo-ms)",
+    "priority": "the model's priority on the shared workers (as --priority)",
+}
+
+#: the fields honoured at each level (anything else that is set is refused by name)
+_HONOURED = {
+    "ModelConfig": {"name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching",
+                    "version_policy", "parameters", "default_model_filename", "instance_group"},
+    "ModelInput": {"name", "data_type", "dims", "format"},
+    "ModelOutput": {"name", "data_type", "dims", "label_filename"},
+    "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy"},
+    "ModelQueuePolicy": {"max_queue_size"},
+    "ModelInstanceGroup": {"name", "kind"},
+    "ModelVersionPolicy": {"latest", "all", "specific"},
+}
+
+#: what to do instead, for the refused fields a user is likeliest to write
+_INSTEAD = {
+    "preferred_batch_size": "staronnx forms a batch from whatever is queued when a worker is free "
+                            "(--cuda-graphs pads partial batches up to captured sizes)",
+    "count": "staronnx places every task on the CPU group or CUDA stream its policy picks: give the workers "
+             "with --groups and --cuda-streams, a model's with --model-workers",
+    "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
+    "sequence_batching": "sequences are the subject of the sequences-and-ensembles issue",
+    "ensemble_scheduling": "ensembles are the subject of the sequences-and-ensembles issue",
+    "optimization": "CUDA graphs are --cuda-graphs",
+    "reshape": "serve the model's own shapes",
+}
+
+
+class ConfigError(StaronnxError):
+    """A config that cannot be served as written: the message names the model and the field."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """An input or output as the ONNX model declares it: its config type and full dims (-1: dynamic)."""
+
+    name: str
+    data_type: str
+    dims: tuple[int, ...]
+
+
+@dataclass
+class ModelSettings:
+    """What a model's config asks of staronnx: the batcher's settings, the plan's, the target."""
+
+    #: largest batch; 0: each request runs alone
+    max_batch_size: int
+    #: seconds a partial batch waits (None: the server's --max-delay)
+    max_delay: float | None = None
+    #: requests waiting (None: the server's --queue-capacity)
+    queue_capacity: int | None = None
+    #: how the plan is cut (the settings that shape it: part of its cache key)
+    plan: dict[str, Any] = field(default_factory=dict)
+    #: service target fields (``latency_ms``, ``priority``)
+    target: dict[str, Any] = field(default_factory=dict)
+    #: output name -> label file (relative to the model's folder)
+    labels: dict[str, str] = field(default_factory=dict)
+
+
+def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
+    """``folder/config.pbtxt`` parsed (an empty config where there is none), and whether it
+    writes ``max_batch_size`` (protobuf cannot tell a written 0 from an absent field, and
+    ``max_batch_size: 0`` means a model that does not batch, while no value means "from the model")."""
+    path = folder / CONFIG_FILE
+    config = mc.ModelConfig()
+    if not path.is_file():
+        return config, False
+    try:
+        text = path.read_text(encoding="utf-8")
+        text_format.Parse(text, config)
+    except (text_format.ParseError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    written = any(re.match(r"\s*max_batch_size\s*:", line.split("#", 1)[0]) for line in text.splitlines())
+    return config, written
+
+
+def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
+    """The config as Triton's JSON form (what ``get_model_config`` answers over HTTP), dims and
+    versions as numbers (protobuf's JSON writes 64-bit integers as strings)."""
+    doc = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    for tensor in (*doc.get("input", []), *doc.get("output", [])):
+        tensor["dims"] = [int(d) for d in tensor.get("dims", [])]
+    specific = doc.get("version_policy", {}).get("specific")
+    if specific is not None:
+        specific["versions"] = [int(v) for v in specific.get("versions", [])]
+    return doc
+
+
+def check_honoured(config: mc.ModelConfig) -> None:
+    """Refuse, by its path in the config, the first field set that staronnx does not honour."""
+    for path, message, fields in _walk(config, ""):
+        kind = message.DESCRIPTOR.name
+        honoured = _HONOURED.get(kind)
+        if honoured is None:
+            continue
+        for f, _ in fields:
+            if f.name not in honoured:
+                where = f"{path}.{f.name}" if path else f.name
+                instead = _INSTEAD.get(f.name)
+                raise ConfigError(f"config field {where} is not honoured by staronnx serve"
+                                  + (f" ({instead})" if instead else "") + "; remove it to serve this model")
+    for i, group in enumerate(config.instance_group):
+        if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
+            raise ConfigError(f"config field instance_group[{i}].kind {mc.ModelInstanceGroup.Kind.Name(group.kind)} "
+                              f"is not honoured by staronnx serve ({_INSTEAD['count']})")
+    unknown = sorted(set(config.parameters) - set(PARAMETERS))
+    if unknown:
+        raise ConfigError(f"config parameters {', '.join(map(repr, unknown))} are not staronnx settings; "
+                          f"those are: {', '.join(f'{k} ({v})' for k, v in PARAMETERS.items())}")
+
+
+def _walk(message: Any, path: str) -> Iterable[tuple[str, Any, list[tuple[Any, Any]]]]:
+    """``message`` and each sub-message of a kind with honoured fields, with their set fields and
+    their path in the config (``dynamic_batching.default_queue_policy``, ``input[1]``)."""
+    fields = message.ListFields()
+    yield path, message, fields
+    if message.DESCRIPTOR.name not in _HONOURED:
+        return
+    for f, value in fields:
+        if f.message_type is None or f.message_type.GetOptions().map_entry:
+            continue
+        where = f"{path}.{f.name}" if path else f.name
+        if f.is_repeated:
+            for i, item in enumerate(value):
+                yield from _walk(item, f"{where}[{i}]")
+        else:
+            yield from _walk(value, where)
+
+
+def onnx_signature(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The ONNX model's graph inputs (not initializers) and outputs as config tensors."""
+    import onnx
+
+    model = onnx.load(str(model_path), load_external_data=False)
+    initializers = {t.name for t in model.graph.initializer}
+
+    def specs(values: Sequence[Any]) -> list[TensorSpec]:
+        out = []
+        for v in values:
+            if v.name in initializers:
+                continue
+            tt = v.type.tensor_type
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type) if tt.elem_type else np.dtype(object)
+            try:
+                datatype = protocol.datatype_of(dtype)
+            except StaronnxError as exc:
+                raise ConfigError(f"tensor {v.name!r}: {exc}") from None
+            dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
+            out.append(TensorSpec(v.name, protocol.config_type(datatype), dims))
+        return out
+
+    return specs(model.graph.input), specs(model.graph.output)
+
+
+def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+             batch_size: int, batches_on_axis0: bool, batch_written: bool = True) -> mc.ModelConfig:
+    """``config`` with what it leaves out filled from the model, and what it says checked against
+    it (a copy; the caller's is left as it is). ``batch_size``: the server's --batch-size;
+    ``batches_on_axis0``: whether the model's contract batches every tensor on axis 0;
+    ``batch_written``: whether the config writes max_batch_size (else it comes from the model)."""
+    out = mc.ModelConfig()
+    out.CopyFrom(config)
+    if out.name and out.name != name:
+        raise ConfigError(f"config name {out.name!r} differs from its folder's name {name!r}")
+    out.name = name
+    if not batch_written and out.max_batch_size == 0 and batches_on_axis0:
+        out.max_batch_size = batch_size  # Triton's auto-complete: a model that batches gets a batch size
+    mbs = out.max_batch_size
+    if mbs < 0:
+        raise ConfigError(f"max_batch_size must be 0 or more, got {mbs}")
+    if mbs > 0 and not batches_on_axis0:
+        raise ConfigError(f"max_batch_size {mbs} says every tensor carries the batch on axis 0, but this model's "
+                          "do not (see `staronnx plan show`); set max_batch_size: 0")
+
+    def served_dims(t: TensorSpec) -> list[int]:
+        return list(t.dims[1:]) if mbs > 0 else list(t.dims)
+
+    for kind, declared, actual in (("input", out.input, inputs), ("output", out.output, outputs)):
+        by_name = {t.name: t for t in actual}
+        given = {t.name for t in declared}
+        for t in declared:
+            model_t = by_name.get(t.name)
+            if model_t is None:
+                raise ConfigError(f"{kind} {t.name!r} of the config is not one of the model's ({', '.join(by_name)})")
+            if t.data_type != mc.TYPE_INVALID and mc.DataType.Name(t.data_type) != model_t.data_type:
+                raise ConfigError(f"{kind} {t.name!r}: the config says {mc.DataType.Name(t.data_type)}, the model "
+                                  f"{model_t.data_type}")
+            t.data_type = mc.DataType.Value(model_t.data_type)
+            want = served_dims(model_t)
+            if t.dims and not _dims_fit(list(t.dims), want):
+                raise ConfigError(f"{kind} {t.name!r}: the config's dims {list(t.dims)} do not fit the model's "
+                                  f"{want}" + (" (without the batch dimension, as max_batch_size > 0)" if mbs else ""))
+            if not t.dims:
+                t.dims.extend(want)
+        for t in actual:  # the ones the config leaves out
+            if t.name not in given:
+                entry = declared.add()
+                entry.name, entry.data_type = t.name, mc.DataType.Value(t.data_type)
+                entry.dims.extend(served_dims(t))
+    return out
+
+
+def _dims_fit(declared: list[int], model: list[int]) -> bool:
+    """Whether the config's dims agree with the model's (-1 on either side matches any size)."""
+    return len(declared) == len(model) and all(a == b or a == -1 or b == -1 for a, b in zip(declared, model))
+
+
+def settings(config: mc.ModelConfig) -> ModelSettings:
+    """What an (honoured, completed) config asks of the batcher, the plan and the target."""
+    out = ModelSettings(max_batch_size=config.max_batch_size)
+    if config.HasField("dynamic_batching"):
+        db = config.dynamic_batching
+        out.max_delay = db.max_queue_delay_microseconds / 1e6
+        if db.default_queue_policy.max_queue_size > 0:
+            out.queue_capacity = int(db.default_queue_policy.max_queue_size)
+    params = {k: v.string_value.strip() for k, v in config.parameters.items()}
+    if "parts" in params and "shares" in params:
+        raise ConfigError("parameters 'parts' and 'shares' both given; give one")
+    try:
+        if "parts" in params:
+            out.plan["parts"] = int(params["parts"])
+            if out.plan["parts"] < 1:
+                raise ValueError(params["parts"])
+        if "shares" in params:
+            out.plan["shares"] = [float(s) for s in params["shares"].split(",")]
+        if "slo_ms" in params:
+            out.target["latency_ms"] = float(params["slo_ms"])
+        if "priority" in params:
+            out.target["priority"] = int(params["priority"])
+    except ValueError as exc:
+        raise ConfigError(f"a parameter's value does not read as a number: {exc}") from None
+    if "partition_method" in params:
+        out.plan["method"] = params["partition_method"]
+    if "input_shapes" in params:
+        out.plan["input_shapes"] = sorted(s.strip() for s in params["input_shapes"].split(";") if s.strip())
+    out.labels = {o.name: o.label_filename for o in config.output if o.label_filename}
+    return out
+
+
+def pick_version(config: mc.ModelConfig, versions: Sequence[int], name: str) -> int:
+    """The one version ``version_policy`` selects among the folder's ``versions`` (Triton's
+    default: the latest); a policy that selects none or several is refused."""
+    if not versions:
+        raise ConfigError(f"model {name!r} has no version folder (a number) holding its model file")
+    policy = config.version_policy
+    which = policy.WhichOneof("policy_choice")
+    if which is None:
+        return max(versions)
+    if which == "latest":
+        n = policy.latest.num_versions or 1
+        chosen = sorted(versions)[-n:]
+    elif which == "all":
+        chosen = list(versions)
+    else:
+        chosen = sorted(set(policy.specific.versions) & set(versions))
+        missing = sorted(set(policy.specific.versions) - set(versions))
+        if missing:
+            raise ConfigError(f"version_policy names version(s) {missing} that model {name!r} does not have "
+                              f"(it has {sorted(versions)})")
+    if len(chosen) != 1:
+        raise ConfigError(f"version_policy selects versions {chosen} of model {name!r}; staronnx serves one "
+                          "version per model: select one (latest: {num_versions: 1}, or specific)")
+    return chosen[0]

@@ -1,0 +1,204 @@
+"""``staronnx serve --model-repository DIR`` (issue 49, item 1, and what item 2 asks of the fields
+it honours): Triton's layout served as it is, through Triton's clients on loopback.
+
+The repository is written at test time with onnx.helper models: ``simple`` with Triton's own
+config, ``simple_string`` with no config at all (completed from the model), ``versioned`` with
+versions 1 and 2 (the latest served), ``unbatched`` whose config says ``max_batch_size: 0``,
+``tuned`` with a queue delay, a queue size and staronnx parameters; and models that must fail
+alone, each for its reason, named in the repository index: a TensorFlow platform, a field
+staronnx does not honour, an unknown staronnx parameter, a config whose dims contradict the model,
+a folder with no version.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from test_serve import start_server
+from test_triton_compat import simple_model
+from test_triton_strings import simple_string_model
+from tritonclient.utils import InferenceServerException
+
+pytestmark = pytest.mark.timeout(240)
+
+SIMPLE_CONFIG = """
+name: "simple"
+platform: "onnxruntime_onnx"
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+        { name: "INPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
+         { name: "OUTPUT1" data_type: TYPE_INT32 dims: [ 16 ] } ]
+"""
+
+TUNED_CONFIG = """
+max_batch_size: 4
+dynamic_batching { max_queue_delay_microseconds: 2000 default_queue_policy { max_queue_size: 64 } }
+instance_group [ { kind: KIND_CPU } ]
+parameters { key: "slo_ms" value: { string_value: "250" } }
+"""
+
+#: model -> (config text or None, versions): the ones that serve
+SERVED = {
+    "simple": (SIMPLE_CONFIG, [1]),
+    "simple_string": (None, [1]),
+    "versioned": ('platform: "onnxruntime_onnx"', [1, 2]),
+    "unbatched": ("max_batch_size: 0", [1]),
+    "tuned": (TUNED_CONFIG, [3]),
+}
+
+#: model -> (config text, versions, words its reason must hold): the ones that fail alone
+REFUSED = {
+    "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
+    "warm": ('model_warmup [ { name: "w" batch_size: 1 } ]', [1], "config field model_warmup is not honoured"),
+    "preferred": ("max_batch_size: 8 dynamic_batching { preferred_batch_size: [ 4 ] }", [1],
+                  "config field dynamic_batching.preferred_batch_size is not honoured"),
+    "stranger": ('parameters { key: "colour" value: { string_value: "red" } }', [1],
+                 "config parameters 'colour' are not staronnx settings"),
+    "wrong_dims": ('max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 15 ] } ]', [1],
+                   "the config's dims [15] do not fit the model's [16]"),
+    "no_version": ("", [], "has no version folder"),
+}
+
+
+def _write(root: Path, name: str, config: str | None, versions: list[int], model: onnx.ModelProto) -> None:
+    folder = root / name
+    folder.mkdir(parents=True)
+    if config is not None:
+        (folder / "config.pbtxt").write_text(config)
+    for v in versions:
+        (folder / str(v)).mkdir()
+        onnx.save(model, str(folder / str(v) / "model.onnx"))
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("repository") / "models"
+    for name, (config, versions) in SERVED.items():
+        _write(root, name, config, versions, simple_string_model() if name == "simple_string" else simple_model())
+    for name, (config, versions, _) in REFUSED.items():
+        _write(root, name, config, versions, simple_model())
+    # version 2 of "versioned" answers the difference first: which version runs can be told apart
+    model = simple_model()
+    model.graph.node[0].op_type, model.graph.node[1].op_type = "Sub", "Add"
+    onnx.save(model, str(root / "versioned" / "2" / "model.onnx"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def served(repo, tmp_path_factory):
+    s = start_server([], tmp_path_factory.mktemp("home"), "--model-repository", str(repo), "--policy", "eager",
+                     "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")
+    yield s
+    assert s.stop() == 0, "\n".join(s.lines)
+
+
+def _simple_inputs(module, n: int = 1) -> tuple[list, np.ndarray, np.ndarray]:
+    a = np.arange(16 * n, dtype=np.int32).reshape(n, 16)
+    b = np.full((n, 16), 3, dtype=np.int32)
+    inputs = [module.InferInput("INPUT0", [n, 16], "INT32"), module.InferInput("INPUT1", [n, 16], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    return inputs, a, b
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_index_lists_every_model_with_its_state_and_reason(served, protocol):
+    if protocol == "http":
+        entries = httpclient.InferenceServerClient(served.http).get_model_repository_index()
+    else:
+        index = grpcclient.InferenceServerClient(served.grpc).get_model_repository_index()
+        entries = [{"name": m.name, "version": m.version, "state": m.state, "reason": m.reason} for m in index.models]
+    by_name = {e["name"]: e for e in entries}
+    assert set(by_name) == set(SERVED) | set(REFUSED)
+    for name in SERVED:
+        assert by_name[name]["state"] == "READY", by_name[name]
+    for name, (_, _, words) in REFUSED.items():
+        assert by_name[name]["state"] == "UNAVAILABLE" and words in by_name[name]["reason"], by_name[name]
+    assert by_name["versioned"]["version"] == "2" and by_name["tuned"]["version"] == "3"
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_models_answer_through_both_protocols(served, protocol):
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(served.http if protocol == "http" else served.grpc)
+    for model in ("simple", "unbatched", "tuned"):
+        inputs, a, b = _simple_inputs(module, 2)
+        result = client.infer(model, inputs)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+        np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), a - b)
+    inputs, a, b = _simple_inputs(module)
+    result = client.infer("versioned", inputs)  # version 2: the difference first
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a - b)
+    with pytest.raises(InferenceServerException, match="has no version '1'.*serves version 2"):
+        client.infer("versioned", inputs, model_version="1")
+    text = [np.array([str(i).encode() for i in range(16)], dtype=object).reshape(1, 16)] * 2
+    strings = [module.InferInput(n, [1, 16], "BYTES") for n in ("INPUT0", "INPUT1")]
+    for t, v in zip(strings, text):
+        t.set_data_from_numpy(v)
+    out = client.infer("simple_string", strings).as_numpy("OUTPUT0")
+    assert [int(v) for v in out.ravel()] == [2 * i for i in range(16)]
+    with pytest.raises(InferenceServerException, match="model 'tf_model' is not available: platform"):
+        client.infer("tf_model", _simple_inputs(module)[0])
+
+
+def test_config_is_the_effective_one(served):
+    """get_model_config: Triton's config completed from the model (no config at all, or one
+    without tensors), with what the server honoured (delay, queue, target) as served."""
+    http = httpclient.InferenceServerClient(served.http)
+    simple = http.get_model_config("simple")
+    assert simple["platform"] == "onnxruntime_onnx" and simple["max_batch_size"] == 8
+    assert [(t["name"], t["data_type"], t["dims"]) for t in simple["input"]] == [
+        ("INPUT0", "TYPE_INT32", [16]), ("INPUT1", "TYPE_INT32", [16])]
+    completed = http.get_model_config("simple_string")  # no config.pbtxt: all from the model
+    assert completed["max_batch_size"] == 8
+    assert {(t["name"], t["data_type"]) for t in completed["output"]} == {("OUTPUT0", "TYPE_STRING"),
+                                                                        ("OUTPUT1", "TYPE_STRING")}
+    assert all(t["dims"] == [16] for t in completed["input"] + completed["output"])
+    unbatched = http.get_model_config("unbatched")
+    assert unbatched["max_batch_size"] == 0 and unbatched["input"][0]["dims"] == [-1, 16]
+    assert unbatched["parameters"]["batching"]["string_value"] == "false"
+    tuned = http.get_model_config("tuned")
+    assert tuned["max_batch_size"] == 4
+    assert tuned["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert tuned["parameters"]["queue_capacity"]["string_value"] == "64"
+    assert tuned["parameters"]["slo_ms"]["string_value"] == "250"
+    assert tuned["parameters"]["latency_ms"]["string_value"] == "250.0"
+    grpc_config = grpcclient.InferenceServerClient(served.grpc).get_model_config("tuned").config
+    assert grpc_config.max_batch_size == 4 and list(grpc_config.input[0].dims) == [16]
+    assert grpcclient.InferenceServerClient(served.grpc).get_model_metadata("versioned").versions == ["2"]
+
+
+def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
+    """The plans made at the first start are reused by the next (same file, same settings), one
+    per distinct (file, settings): simple, unbatched and versioned v1 share one file."""
+    home = Path(re.search(r"plan (\S+/repository-plans)/", "\n".join(served.lines)).group(1))
+    made = sorted(p.name for p in home.iterdir() if not p.name.startswith("."))
+    plans = {m: re.search(rf"model '{m}': .*plan (\S+) \(", "\n".join(served.lines)).group(1) for m in SERVED}
+    assert plans["simple"] == plans["unbatched"] == plans["tuned"]
+    assert len(set(plans.values())) == len(made) == 3  # simple's file, simple_string's, versioned v2's
+    stamps = {p: os.stat(p).st_mtime_ns for p in plans.values()}
+    again = start_server([], home.parent.parent, "--model-repository", str(repo), "--policy", "eager")
+    try:
+        assert sorted(p.name for p in home.iterdir() if not p.name.startswith(".")) == made
+        assert all(os.stat(p).st_mtime_ns == t for p, t in stamps.items())
+    finally:
+        assert again.stop() == 0
+
+
+def test_serve_needs_something_to_serve(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--http-port", "0"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "give plan folders to serve, --model-repository DIR, or both" in proc.stdout + proc.stderr
