@@ -21,7 +21,7 @@ from staronnx.plan import Plan
 from staronnx.partition.api import partition  # shadows the subpackage name on purpose
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
-from staronnx.runtime.session import InferenceSession
+from staronnx.compat import InferenceSession
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ Layers, lowest first (a module may import its own layer and those below):
 2. workers, perfmodels, and partition (``staronnx.partition()`` cuts for this host: its CPU
    groups as the runtime lays them out, its calibrated bus)
 3. runtime, engines
-4. bench, serving
+4. bench, serving, and compat (ONNX Runtime's InferenceSession over the runtime)
 5. serve, ray, infer (batch inference: a job over a runtime; Ray Data's predictor runs it)
 6. the doors: cli, __main__, demo, and the package's ``__init__`` (the public API)
 
@@ -40,7 +40,7 @@ LAYERS: dict[str, int] = {
     "plan": 1, "inputs": 1, "verify": 1,
     "workers": 2, "perfmodels": 2, "partition": 2,
     "runtime": 3, "engines": 3,
-    "bench": 4, "serving": 4, "calibrate": 4,
+    "bench": 4, "serving": 4, "calibrate": 4, "compat": 4,
     "serve": 5, "ray": 5, "infer": 5,
     "cli": 6, "__main__": 6, "demo": 6, "": 6,
 }

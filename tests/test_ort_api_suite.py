@@ -336,7 +336,7 @@ def test_the_ort_config_in_a_model_is_read_where_ort_reads_it(tmp_path, monkeypa
     with session(path) as plain:
         assert plain.get_session_options().inter_op_num_threads == 0
     monkeypatch.setenv("ORT_LOAD_CONFIG_FROM_MODEL", "1")
-    with pytest.warns(staronnx.runtime.session.OptionNotApplied, match="inter_op_num_threads=5"):
+    with pytest.warns(staronnx.compat.OptionNotApplied, match="inter_op_num_threads=5"):
         sess = session(path)
     with sess:
         options = sess.get_session_options()
@@ -352,17 +352,17 @@ def test_options_the_workers_do_not_apply_are_said():
     so.execution_mode = ort.ExecutionMode.ORT_PARALLEL
     so.enable_mem_pattern = False
     so.add_session_config_entry("session.use_env_allocators", "1")
-    with pytest.warns(staronnx.runtime.session.OptionNotApplied,
+    with pytest.warns(staronnx.compat.OptionNotApplied,
                       match="execution_mode=.*enable_mem_pattern=False.*session.use_env_allocators=1"):
         sess = session(datasets.get_example("mul_1.onnx"), so)
     run = ort.RunOptions()
     run.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
     x = np.ones((3, 2), dtype=np.float32)
     with sess:
-        with pytest.warns(staronnx.runtime.session.OptionNotApplied, match="enable_memory_arena_shrinkage=cpu:0"):
+        with pytest.warns(staronnx.compat.OptionNotApplied, match="enable_memory_arena_shrinkage=cpu:0"):
             sess.run(None, {"X": x}, run)
         with warnings.catch_warnings():
-            warnings.simplefilter("error", staronnx.runtime.session.OptionNotApplied)
+            warnings.simplefilter("error", staronnx.compat.OptionNotApplied)
             sess.run(None, {"X": x}, run)
 
 
@@ -526,7 +526,7 @@ def test_a_program_that_makes_staronnx_its_ort_session_class_still_runs(tmp_path
         out = sess.run(None, {{"a": np.ones((2, 2), np.float32), "b": np.ones((2, 2), np.float32)}})[0]
         print(type(sess).__module__, sess.plan.k, out.tolist())
     """)
-    assert out.strip() == "staronnx.runtime.session 2 [[3.0, 3.0], [3.0, 3.0]]"
+    assert out.strip() == "staronnx.compat.session 2 [[3.0, 3.0], [3.0, 3.0]]"
 
 
 # -- every model of onnx's backend test data that ORT runs ------------------------------------

@@ -302,7 +302,8 @@ def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, mod
     """Where CUDA can run: two CUDA streams by default, ORT's CUDA provider options passed to
     every CUDA worker (less the device and stream, which are each worker's own). Checked on any
     host by standing in for CUDA's availability and for the Runtime."""
-    import staronnx.runtime.session as session
+    import staronnx.compat.providers as providers
+    import staronnx.compat.session as session
 
     started: list[dict[str, Any]] = []
 
@@ -314,7 +315,7 @@ def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, mod
             pass
 
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
-    monkeypatch.setattr(session, "cuda_unavailable_reason", lambda device_id=None: None)
+    monkeypatch.setattr(providers, "cuda_unavailable_reason", lambda device_id=None: None)
     monkeypatch.setattr(session, "Runtime", FakeRuntime)
     options = {"device_id": 0, "gpu_mem_limit": 1 << 30}
     staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"],

@@ -137,7 +137,7 @@ class Runtime:
         into the store (0: at close only), so a server that is killed loses at most that much
         of what it learnt.
         ``cuda_devices``: the GPUs (CUDA ordinals) that get ``cuda_streams`` workers each; ORT's
-        ``device_id`` provider option picks one (:class:`~staronnx.runtime.session.InferenceSession`)."""
+        ``device_id`` provider option picks one (:class:`~staronnx.compat.session.InferenceSession`)."""
         if save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
         options = dict(cuda_options or {})

@@ -1,0 +1,160 @@
+"""Data in and out of a session as ORT scripts hand it over: arrays, lists, host OrtValues,
+IOBinding, and the C session's ``run_with_ort_values``.
+
+Staronnx's workers move data between devices themselves (pinned buffers, prefetch), so only
+host memory is taken and given back; a device pointer or OrtValue is refused, naming what to
+pass instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as _ort_state
+
+from staronnx.compat.model import NodeArg
+from staronnx.plan import TensorSpec, _numpy_dtype
+
+#: what ORT's run methods take: the outputs asked (None or [] for all), the feeds, the run's options
+type Names = Sequence[str] | None
+type Feeds = Mapping[str, Any]
+type RunOptionsArg = ort.RunOptions | None
+
+
+class Session(Protocol):
+    """What IOBinding and the C session stand-in call back: the session's own run methods (the
+    session is not imported here, since it imports these)."""
+
+    def run(self, output_names: Names, input_feed: Feeds, run_options: RunOptionsArg = None) -> list[np.ndarray]: ...
+
+    def run_with_ort_values(self, output_names: Names, input_dict_ort_values: Mapping[str, ort.OrtValue],
+                            run_options: RunOptionsArg = None) -> list[ort.OrtValue]: ...
+
+    def get_outputs(self) -> list[NodeArg]: ...
+
+
+class IOBinding:
+    """ORT's IOBinding for host memory: inputs bound as arrays or CPU OrtValues, outputs
+    returned as OrtValues or written into bound ones. Staronnx moves data between devices
+    itself (pinned buffers, prefetch), so device pointers are refused: bind host arrays."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+        self._inputs: dict[str, np.ndarray] = {}
+        self._outputs: dict[str, ort.OrtValue | None] = {}
+        self._results: list[ort.OrtValue] = []
+
+    def bind_cpu_input(self, name: str, arr_on_cpu: np.ndarray) -> None:
+        self._inputs[name] = arr_on_cpu
+
+    def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any,
+                   shape: Sequence[int], buffer_ptr: int) -> None:
+        raise NotImplementedError("staronnx binds host memory only: use bind_cpu_input(name, array) "
+                                  "or bind_ortvalue_input(name, cpu_ortvalue)")
+
+    def bind_ortvalue_input(self, name: str, ortvalue: ort.OrtValue) -> None:
+        self._inputs[name] = host_array(ortvalue, name)
+
+    def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0,
+                    element_type: Any = None, shape: Sequence[int] | None = None,
+                    buffer_ptr: int | None = None) -> None:
+        if device_type != "cpu" or buffer_ptr is not None:
+            raise NotImplementedError("staronnx returns outputs in host memory only: use "
+                                      "bind_output(name) or bind_ortvalue_output(name, cpu_ortvalue)")
+        self._outputs[name] = None
+
+    def bind_ortvalue_output(self, name: str, ortvalue: ort.OrtValue) -> None:
+        host_array(ortvalue, name)  # refuses device memory now, not at run
+        self._outputs[name] = ortvalue
+
+    def clear_binding_inputs(self) -> None:
+        self._inputs.clear()
+
+    def clear_binding_outputs(self) -> None:
+        self._outputs.clear()
+
+    def synchronize_inputs(self) -> None:
+        """Nothing to wait for: bound inputs are host arrays."""
+
+    def synchronize_outputs(self) -> None:
+        """Nothing to wait for: run_with_iobinding returns once outputs are on the host."""
+
+    def get_outputs(self) -> list[ort.OrtValue]:
+        return list(self._results)
+
+    def copy_outputs_to_cpu(self) -> list[np.ndarray]:
+        return [v.numpy() for v in self._results]
+
+    def _run(self) -> None:
+        names = list(self._outputs) or [o.name for o in self._session.get_outputs()]
+        try:
+            arrays = self._session.run(names, self._inputs)
+        except ValueError as exc:
+            raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
+        results = []
+        for name, array in zip(names, arrays):
+            value = self._outputs.get(name)
+            if value is None:
+                value = ort.OrtValue.ortvalue_from_numpy(array)
+            else:
+                value.update_inplace(np.ascontiguousarray(array))
+            results.append(value)
+        self._results = results
+
+
+def host_memory() -> ort.OrtMemoryInfo:
+    """Host memory as ORT's CPU provider describes it."""
+    return ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+
+
+class CSession:
+    """The part of ORT's C session (``InferenceSession._sess``) that scripts call directly:
+    ``run_with_ort_values`` on C OrtValues, answered with ORT's OrtValueVector, and ``run``."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def run(self, output_names: Names, input_feed: Feeds, run_options: RunOptionsArg = None) -> list[np.ndarray]:
+        return self._session.run(output_names, input_feed, run_options)
+
+    def run_with_ort_values(self, feeds: Feeds, output_names: Names, run_options: RunOptionsArg = None) -> Any:
+        vector = _ort_state.OrtValueVector()
+        for value in self._session.run_with_ort_values(output_names, feeds, run_options):
+            vector.push_back(value._ortvalue)
+        return vector
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"staronnx.InferenceSession._sess has no {name!r}: it stands for ORT's C session only in "
+                             "run and run_with_ort_values; use the session's own methods")
+
+
+def owned_value(array: np.ndarray) -> ort.OrtValue:
+    """An OrtValue holding its own copy of ``array`` (one that points into a numpy array
+    would outlive it inside an OrtValueVector)."""
+    if array.dtype == object:
+        return ort.OrtValue.ortvalue_from_numpy(array)  # ORT copies strings into its own tensor
+    value = ort.OrtValue.ortvalue_from_shape_and_type(list(array.shape), array.dtype)
+    value.update_inplace(np.ascontiguousarray(array))
+    return value
+
+
+def feed_array(value: Any, name: str, spec: TensorSpec | None = None) -> Any:
+    """A feed as the workers take it: lists and host OrtValues as arrays, as ORT accepts them (a
+    sequence, optional or map input's value goes as given)."""
+    if isinstance(value, ort.OrtValue):
+        return host_array(value, name)
+    if isinstance(value, np.ndarray) or spec is not None and "(" in spec.dtype:
+        return value
+    return np.asarray(value, dtype=_numpy_dtype(spec.dtype) if spec else None)
+
+
+def host_array(value: Any, name: str) -> np.ndarray:
+    """An OrtValue's data as a host array; device OrtValues are refused, since staronnx's
+    workers copy to their own device themselves."""
+    if value.device_name().lower() != "cpu":
+        raise NotImplementedError(f"{name!r}: staronnx takes host OrtValues only (this one is on "
+                                  f"{value.device_name()}); pass OrtValue.ortvalue_from_numpy(array)")
+    return np.asarray(value.numpy())
