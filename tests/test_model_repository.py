@@ -44,7 +44,8 @@ output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 16 ] },
 
 TUNED_CONFIG = """
 max_batch_size: 4
-dynamic_batching { max_queue_delay_microseconds: 2000 default_queue_policy { max_queue_size: 64 } }
+dynamic_batching { max_queue_delay_microseconds: 2000 preferred_batch_size: [ 2, 4 ]
+                   default_queue_policy { max_queue_size: 64 } }
 instance_group [ { kind: KIND_CPU } ]
 parameters { key: "slo_ms" value: { string_value: "250" } }
 """
@@ -62,8 +63,12 @@ SERVED = {
 REFUSED = {
     "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
     "warm": ('model_warmup [ { name: "w" batch_size: 1 } ]', [1], "config field model_warmup is not honoured"),
-    "preferred": ("max_batch_size: 8 dynamic_batching { preferred_batch_size: [ 4 ] }", [1],
-                  "config field dynamic_batching.preferred_batch_size is not honoured"),
+    "ordered": ("max_batch_size: 8 dynamic_batching { preserve_ordering: true }", [1],
+                "config field dynamic_batching.preserve_ordering is not honoured"),
+    "on_gpu": ("instance_group [ { kind: KIND_GPU } ]", [1], "instance_group KIND_GPU: this server has no CUDA workers"),
+    "counted": ("instance_group [ { kind: KIND_CPU count: 2 } ]", [1], "config field instance_group[0].count is not "
+                "honoured by staronnx serve (staronnx places every task on the CPU group or CUDA stream its policy "
+                "picks"),
     "stranger": ('parameters { key: "colour" value: { string_value: "red" } }', [1],
                  "config parameters 'colour' are not staronnx settings"),
     "wrong_dims": ('max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 15 ] } ]', [1],
@@ -172,6 +177,7 @@ def test_config_is_the_effective_one(served):
     tuned = http.get_model_config("tuned")
     assert tuned["max_batch_size"] == 4
     assert tuned["dynamic_batching"]["max_queue_delay_microseconds"] == 2000
+    assert tuned["dynamic_batching"]["preferred_batch_size"] == [2, 4]
     assert tuned["parameters"]["queue_capacity"]["string_value"] == "64"
     assert tuned["parameters"]["slo_ms"]["string_value"] == "250"
     assert tuned["parameters"]["latency_ms"]["string_value"] == "250.0"

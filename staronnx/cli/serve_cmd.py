@@ -209,11 +209,23 @@ def serve_cmd(
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
+        wants = found.settings.workers  # its instance_group's kind: CPU groups or CUDA streams only
+        if wants == "cuda" and not cuda_streams:
+            unavailable[model_name] = ("instance_group KIND_GPU: this server has no CUDA workers (start it with "
+                                       "--cuda-streams N)")
+            continue
+        if wants is not None and cuda_streams:
+            if separate_runtimes:
+                unavailable[model_name] = (f"instance_group {'KIND_GPU' if wants == 'cuda' else 'KIND_CPU'} keeps the "
+                                           "model on some workers of one shared runtime: not with --separate-runtimes")
+                continue
+            residency[model_name] = residency.get(model_name, wants)
         names.append(model_name)
         loaded.append(found.plan)
         specs[model_name] = replace(specs.get(model_name, serving), batch_size=max(1, found.settings.max_batch_size),
                                     max_delay=delay if found.settings.max_delay is None else found.settings.max_delay,
-                                    queue_capacity=found.settings.queue_capacity or capacities[model_name])
+                                    queue_capacity=found.settings.queue_capacity or capacities[model_name],
+                                    pad_to=found.settings.pad_to)
         if found.settings.target:
             targets[model_name] = {**found.settings.target, **targets.get(model_name, {})}
         declared[model_name] = Declared(found.version, found.config, found.labels)
@@ -247,7 +259,7 @@ def serve_cmd(
                                              thread_per_stream=thread_per_stream),
                    warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
     try:
-        if len(loaded) > 1 and not separate_runtimes:
+        if (len(loaded) > 1 or residency) and not separate_runtimes:
             shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes,
                              lane_preempt=lane_preempt, **options)
             held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}

@@ -18,16 +18,19 @@ served as if a field meant something it does not here. What is honoured, and wha
 * ``input``/``output``: ``name``, ``data_type``, ``dims`` (-1 for a dynamic size; without the batch
   dimension when ``max_batch_size`` > 0), an input's ``format``, an output's ``label_filename``:
   each checked against the ONNX model, a mismatch refused;
-* ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits), and
+* ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits),
+  ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
+  captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged) and
   ``default_queue_policy.max_queue_size`` (the queue's capacity; 0 = the server's default);
 * ``version_policy`` (latest, all, specific) as long as it selects one version: a model is
   served at one version;
-* ``instance_group`` of ``KIND_AUTO`` or ``KIND_CPU`` with no count or GPUs: staronnx places each
-  task on whichever worker (CPU group or CUDA stream) its policy picks;
+* ``instance_group`` kinds without counts or GPU lists: ``KIND_AUTO`` (each task on whichever
+  worker, CPU group or CUDA stream, the policy picks), ``KIND_CPU`` (the CPU groups only) and
+  ``KIND_GPU`` (the CUDA streams only; a server without ``--cuda-streams`` cannot serve it);
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
 
 Refused (for now, with the flag that does it where there is one): ``reshape``, shape tensors,
-ragged batches, optional inputs, ``preferred_batch_size``, priorities and queue timeouts,
+ragged batches, optional inputs, priorities and queue timeouts,
 ``preserve_ordering``, instance counts and GPU lists (``--cuda-streams``, ``--groups``,
 ``--model-workers``), ``optimization``, ``model_warmup``, ``sequence_batching`` and
 ``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
@@ -71,7 +74,7 @@ _HONOURED = {
                     "version_policy", "parameters", "default_model_filename", "instance_group"},
     "ModelInput": {"name", "data_type", "dims", "format"},
     "ModelOutput": {"name", "data_type", "dims", "label_filename"},
-    "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy"},
+    "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size"},
     "ModelQueuePolicy": {"max_queue_size"},
     "ModelInstanceGroup": {"name", "kind"},
     "ModelVersionPolicy": {"latest", "all", "specific"},
@@ -79,8 +82,6 @@ _HONOURED = {
 
 #: what to do instead, for the refused fields a user is likeliest to write
 _INSTEAD = {
-    "preferred_batch_size": "staronnx forms a batch from whatever is queued when a worker is free "
-                            "(--cuda-graphs pads partial batches up to captured sizes)",
     "count": "staronnx places every task on the CPU group or CUDA stream its policy picks: give the workers "
              "with --groups and --cuda-streams, a model's with --model-workers",
     "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
@@ -120,6 +121,10 @@ class ModelSettings:
     target: dict[str, Any] = field(default_factory=dict)
     #: output name -> label file (relative to the model's folder)
     labels: dict[str, str] = field(default_factory=dict)
+    #: batch sizes a partial batch is padded up to (dynamic_batching.preferred_batch_size)
+    pad_to: tuple[int, ...] | None = None
+    #: the workers its instance_group asks for: "cpu", "cuda", or None (any)
+    workers: str | None = None
 
 
 def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
@@ -164,10 +169,10 @@ def check_honoured(config: mc.ModelConfig) -> None:
                 instead = _INSTEAD.get(f.name)
                 raise ConfigError(f"config field {where} is not honoured by staronnx serve"
                                   + (f" ({instead})" if instead else "") + "; remove it to serve this model")
-    for i, group in enumerate(config.instance_group):
-        if group.kind not in (mc.ModelInstanceGroup.KIND_AUTO, mc.ModelInstanceGroup.KIND_CPU):
-            raise ConfigError(f"config field instance_group[{i}].kind {mc.ModelInstanceGroup.Kind.Name(group.kind)} "
-                              f"is not honoured by staronnx serve ({_INSTEAD['count']})")
+    kinds = {g.kind for g in config.instance_group}
+    if mc.ModelInstanceGroup.KIND_MODEL in kinds or len(kinds) > 1:
+        raise ConfigError("config field instance_group: staronnx serve honours one kind per model (KIND_AUTO, "
+                          f"KIND_CPU or KIND_GPU), without counts ({_INSTEAD['count']})")
     unknown = sorted(set(config.parameters) - set(PARAMETERS))
     if unknown:
         raise ConfigError(f"config parameters {', '.join(map(repr, unknown))} are not staronnx settings; "
@@ -276,6 +281,12 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
         out.max_delay = db.max_queue_delay_microseconds / 1e6
+        if db.preferred_batch_size:
+            sizes = sorted(set(db.preferred_batch_size))
+            if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):
+                raise ConfigError(f"dynamic_batching.preferred_batch_size {sizes} must lie between 1 and "
+                                  f"max_batch_size ({config.max_batch_size})")
+            out.pad_to = tuple(sizes)
         if db.default_queue_policy.max_queue_size > 0:
             out.queue_capacity = int(db.default_queue_policy.max_queue_size)
     params = {k: v.string_value.strip() for k, v in config.parameters.items()}
@@ -299,6 +310,9 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
     if "input_shapes" in params:
         out.plan["input_shapes"] = sorted(s.strip() for s in params["input_shapes"].split(";") if s.strip())
     out.labels = {o.name: o.label_filename for o in config.output if o.label_filename}
+    kinds = {g.kind for g in config.instance_group}
+    out.workers = ("cpu" if kinds == {mc.ModelInstanceGroup.KIND_CPU} else
+                   "cuda" if kinds == {mc.ModelInstanceGroup.KIND_GPU} else None)
     return out
 
 

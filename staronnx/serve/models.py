@@ -280,8 +280,8 @@ class ModelEndpoint:
         }
         if contract.batchable:  # a model that cannot batch runs each request as it comes
             dynamic: dict[str, Any] = {"max_queue_delay_microseconds": int(round((delay or 0.0) * 1e6))}
-            padded = sorted(int(b) for b in self.runtime.preferred_batch_sizes)
-            if padded:  # the captured CUDA graph sizes a partial batch is padded up to
+            padded = sorted(int(b) for b in self.server.pad_to)
+            if padded:  # the sizes a partial batch is padded up to (captured CUDA graphs', a config's)
                 dynamic["preferred_batch_size"] = padded
             config["dynamic_batching"] = dynamic
         effective = {
