@@ -326,7 +326,7 @@ def main() -> None:
         results["models"].append(bench_model(name.strip(), args, data, work))
         if args.out is not None:  # written as measured: a run cut short keeps what it did
             args.out.parent.mkdir(parents=True, exist_ok=True)
-            args.out.write_text(json.dumps(results, indent=1))
+            args.out.write_text(json.dumps(results, indent=1, default=str))
     print(json.dumps({m["model"]: {k: m.get(k) for k in ("check", "memory")} for m in results["models"]}, indent=1))
 
 
