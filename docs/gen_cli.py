@@ -116,7 +116,7 @@ def render() -> str:
     for path, command in entries[1:]:
         anchor = "-".join(path)
         summary = _cell((command.help or "").strip().split("\n\n")[0])
-        lines.append(f"| [`{' '.join(path)}`](#{anchor}) | {summary} |")
+        lines.append(f"| [`{' '.join(path[1:])}`](#{anchor}) | {summary} |")
     lines.append("")
     for path, command in entries:
         depth = min(len(path), 3)
