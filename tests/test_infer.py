@@ -342,3 +342,19 @@ def test_npz_output_refuses_rows_of_different_shapes(tmp_path):
     with pytest.raises(OutputError, match="write Parquet"):
         infer(realmodels.path("detector_nms"), tmp_path / "in.parquet", tmp_path / "out",
               InferSpec(output_format="npz"), MachineSpec(ONE_CORE))
+
+
+def test_cuda_workers_and_every_worker_option(tmp_path, capsys, monkeypatch):
+    """The CUDA workers' door (their whole pipeline on the CPU stand-in, as CI has no GPU), with
+    every worker option the command takes, into a folder of .npz shards."""
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    x = crnn_rows(30, seed=13)
+    np.savez(tmp_path / "in.npz", image=x)
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o",
+                         tmp_path / "out", "--format", "npz", "--batch-size", 4, "--max-in-flight", 3,
+                         "--shard-rows", 16, "--cuda-streams", 2, "--cuda-devices", "0", "--no-cuda-graphs",
+                         "--cuda-thread-per-stream", "--groups", "none", "--policy", "eager", "-q")
+    assert code == 0, err
+    assert "30 samples written" in out and "batch 4, 3 in flight" in out
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == ["part-00000.npz", "part-00001.npz"]
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(30))

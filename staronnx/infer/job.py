@@ -160,7 +160,9 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     report.resumed_rows = _finished_rows(sink.finished, spec.shard_rows, total)
     workers = cuda_options(machine.cuda_streams, cuda_graphs=machine.cuda_graphs,
                            thread_per_stream=machine.thread_per_stream)
-    warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size else ()
+    # CUDA graphs of the batch size are captured before the first read, where the model's sizes
+    # allow random warm-up feeds (no dynamic size but the batch); otherwise at the size's first run
+    warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size and _fixed_sizes(plan, layout) else ()
     with Runtime(plan, policy=spec.policy, cpu_groups=machine.groups, cuda_streams=machine.cuda_streams,
                  cuda_options=workers, warmup=warm, cuda_devices=machine.cuda_devices) as runtime:
         window = spec.max_in_flight or max(2, 2 * len(runtime.workers))
@@ -180,6 +182,15 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     report.errors_file = sink.errors_file() if report.skipped else None
     sink.finish({**report.to_json(), "skipped_rows": [e["row_id"] for e in report.skipped[:1000]]})
     return report
+
+
+def _fixed_sizes(plan: Plan, layout: RowLayout) -> bool:
+    """Whether every input size but the row axis is fixed (random warm-up feeds can be made)."""
+    for spec in plan.inputs:
+        axis = layout.inputs.get(spec.name)
+        if any(not isinstance(d, int) or d < 0 for i, d in enumerate(spec.shape) if i != axis):
+            return False
+    return True
 
 
 def _first_unfinished(finished: set[int], shard_rows: int, total: int | None) -> int:
