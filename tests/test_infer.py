@@ -358,3 +358,26 @@ def test_cuda_workers_and_every_worker_option(tmp_path, capsys, monkeypatch):
     assert "30 samples written" in out and "batch 4, 3 in flight" in out
     assert sorted(p.name for p in (tmp_path / "out").glob("part-*")) == ["part-00000.npz", "part-00001.npz"]
     _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(30))
+
+
+def test_progress_bar_on_a_terminal_says_samples_per_second_and_eta(tmp_path):
+    """On a terminal the job shows a bar (rows done of the total, samples/s, ETA) that is gone
+    when it ends, leaving the summary line."""
+    import pty
+
+    from _helpers import read_pty
+
+    x = np.random.default_rng(14).standard_normal((600, 3, 64, 64)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", image=x)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "staronnx", "infer", str(realmodels.path("unet_seg")), "-i",
+                             str(tmp_path / "in.npz"), "-o", str(tmp_path / "out"), "--batch-size", "2",
+                             "--groups", ONE_CORE], stdin=slave, stdout=slave, stderr=slave,
+                            env={**os.environ, "COLUMNS": "150", "TERM": "xterm"})
+    os.close(slave)
+    raw = read_pty(master, proc).decode(errors="replace")
+    proc.wait(timeout=300)
+    os.close(master)
+    assert proc.returncode == 0, raw[-2000:]
+    assert "/600" in raw and "samples/s" in raw and "ETA" in raw, raw[-2000:]
+    assert "600 samples written" in raw
