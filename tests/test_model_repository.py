@@ -208,3 +208,158 @@ def test_serve_needs_something_to_serve(tmp_path):
                           text=True, timeout=120)
     assert proc.returncode != 0
     assert "give plan folders to serve, --model-repository DIR, or both" in proc.stdout + proc.stderr
+
+
+# -- model control (issue 49, item 3) ----------------------------------------------------------
+@pytest.fixture(scope="module")
+def explicit(repo, tmp_path_factory):
+    """Explicit model control: simple and simple_string loaded at start, the rest on request."""
+    s = start_server([], tmp_path_factory.mktemp("explicit"), "--model-repository", str(repo),
+                     "--model-control-mode", "explicit", "--load-model", "simple", "--load-model", "simple_string",
+                     "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")
+    yield s
+    assert s.stop() == 0, "\n".join(s.lines)
+
+
+def _state(client, name: str) -> tuple[str, str]:
+    entry = {e["name"]: e for e in client.get_model_repository_index()}[name]
+    return entry["state"], entry["reason"]
+
+
+def test_explicit_mode_loads_what_it_is_told(explicit):
+    http = httpclient.InferenceServerClient(explicit.http)
+    assert http.is_model_ready("simple") and http.is_model_ready("simple_string")
+    assert _state(http, "tuned") == ("UNAVAILABLE", "not loaded (explicit model control: load it through the "
+                                                    "repository API)")
+    http.load_model("tuned")
+    assert http.is_model_ready("tuned") and _state(http, "tuned") == ("READY", "")
+    inputs, a, b = _simple_inputs(httpclient, 3)
+    np.testing.assert_array_equal(http.infer("tuned", inputs).as_numpy("OUTPUT0"), a + b)
+    grpc = grpcclient.InferenceServerClient(explicit.grpc)
+    grpc.unload_model("tuned")
+    assert not grpc.is_model_ready("tuned")
+    assert _state(http, "tuned") == ("UNAVAILABLE", "unloaded")
+    with pytest.raises(InferenceServerException, match="model 'tuned' is not available: unloaded"):
+        http.infer("tuned", inputs)
+    grpc.load_model("tuned")
+    np.testing.assert_array_equal(grpc.infer("tuned", _simple_inputs(grpcclient)[0]).as_numpy("OUTPUT1"),
+                                  _simple_inputs(grpcclient)[1] - _simple_inputs(grpcclient)[2])
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_config_override_takes_effect_and_a_bad_one_changes_nothing(explicit, protocol):
+    """simple_{http,grpc}_model_control.py: a load with a JSON config overrides config.pbtxt; a load
+    whose config does not parse fails, naming the model, and the served version stays served."""
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(explicit.http if protocol == "http" else explicit.grpc)
+    with pytest.raises(InferenceServerException, match="failed to load 'simple'"):
+        client.load_model("simple", config='"parameters": {"config": {{"max_batch_size": "16"}}}')
+    assert client.is_model_ready("simple")
+    client.load_model("simple", config='{"max_batch_size":"16"}')
+    config = client.get_model_config("simple")
+    assert (config["max_batch_size"] if protocol == "http" else config.config.max_batch_size) == 16
+    inputs, a, b = _simple_inputs(module, 2)
+    np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), a + b)
+    client.load_model("simple")  # back to its config.pbtxt
+    config = client.get_model_config("simple")
+    assert (config["max_batch_size"] if protocol == "http" else config.config.max_batch_size) == 8
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_loads_that_cannot_be_done_are_refused_by_name(explicit, protocol):
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(explicit.http if protocol == "http" else explicit.grpc)
+    with pytest.raises(InferenceServerException, match="failed to load 'wrong_model_name': no model of that name"):
+        client.load_model("wrong_model_name")
+    with pytest.raises(InferenceServerException, match="failed to load 'tf_model': platform 'tensorflow_savedmodel'"):
+        client.load_model("tf_model")
+    assert _state(httpclient.InferenceServerClient(explicit.http), "tf_model")[0] == "UNAVAILABLE"
+    with pytest.raises(InferenceServerException, match="failed to poll from model repository") as info:
+        client.load_model("simple", config="{}", files={"file:1/model.onnx": b"a"})
+    if protocol == "grpc":
+        assert info.value.status() == "StatusCode.INTERNAL"
+    assert client.is_server_live() and client.is_model_ready("simple")
+
+
+def test_a_reload_does_not_disturb_the_other_models(explicit):
+    """While simple is reloaded over and over, every request to simple_string is answered."""
+    import threading
+
+    client = httpclient.InferenceServerClient(explicit.http)
+    text = np.array([[str(i).encode() for i in range(16)]], dtype=object)
+    stop, failures, answered = threading.Event(), [], [0]
+
+    def ask() -> None:
+        c = httpclient.InferenceServerClient(explicit.http)
+        while not stop.is_set():
+            inputs = [httpclient.InferInput(n, [1, 16], "BYTES") for n in ("INPUT0", "INPUT1")]
+            for t in inputs:
+                t.set_data_from_numpy(text)
+            try:
+                out = c.infer("simple_string", inputs).as_numpy("OUTPUT0")
+                assert [int(v) for v in out.ravel()] == [2 * i for i in range(16)]
+                answered[0] += 1
+            except Exception as exc:  # noqa: BLE001 - collected, asserted below
+                failures.append(exc)
+
+    thread = threading.Thread(target=ask)
+    thread.start()
+    try:
+        for _ in range(3):
+            client.load_model("simple")
+    finally:
+        stop.set()
+        thread.join(60)
+    assert not failures and answered[0] > 0, failures[:3]
+
+
+def test_model_control_is_refused_where_it_is_off(served):
+    client = httpclient.InferenceServerClient(served.http)
+    with pytest.raises(InferenceServerException, match="model control is off"):
+        client.load_model("simple")
+    with pytest.raises(InferenceServerException, match="model control is off"):
+        grpcclient.InferenceServerClient(served.grpc).unload_model("simple")
+    assert client.is_model_ready("simple")
+
+
+def test_poll_mode_follows_the_repository(tmp_path):
+    """A model folder added is loaded, one removed is unloaded, at the next read of the repository."""
+    import shutil
+    import time
+
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        _write(root, "second", None, [1], simple_model())
+
+        def wait_for(check) -> bool:
+            for _ in range(600):  # a generous bound on a busy host; no timing is asserted
+                if check():
+                    return True
+                time.sleep(0.1)
+            return False
+
+        assert wait_for(lambda: client.is_model_ready("second"))
+        shutil.rmtree(root / "first")
+        assert wait_for(lambda: not client.is_model_ready("first"))
+        np.testing.assert_array_equal(client.infer("second", _simple_inputs(httpclient)[0]).as_numpy("OUTPUT0"),
+                                      _simple_inputs(httpclient)[1] + _simple_inputs(httpclient)[2])
+        with pytest.raises(InferenceServerException, match="the repository is polled"):
+            client.load_model("second")
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--load-model", "simple"], "--load-model goes with --model-control-mode explicit"),
+    (["--model-control-mode", "sometimes"], "--model-control-mode must be one of none, poll, explicit"),
+    (["--model-control-mode", "explicit", "--load-model", "nothing"], "--load-model nothing: no such model"),
+])
+def test_model_control_flags_are_checked(repo, args, message):
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(repo), *args],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr

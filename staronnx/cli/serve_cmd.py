@@ -24,6 +24,15 @@ def serve_cmd(
     name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
     model_repository: Annotated[list[Path] | None, typer.Option(
         "--model-repository", help=REPOSITORY_HELP)] = None,
+    model_control_mode: Annotated[str, typer.Option(
+        help="With --model-repository: none (every model loaded at start, for good), explicit (--load-model at "
+             "start, then load and unload requests) or poll (every model, and the repository read again every "
+             "--repository-poll-secs).")] = "none",
+    load_model: Annotated[list[str] | None, typer.Option(
+        "--load-model", help="With --model-control-mode explicit: a model to load at start (repeatable; * for "
+                             "all).")] = None,
+    repository_poll_secs: Annotated[float, typer.Option(
+        help="With --model-control-mode poll: seconds between two reads of the repository.")] = 15.0,
     host: Annotated[str, typer.Option(help="Address to listen on; an address other machines reach (0.0.0.0, ::, a "
                                            "LAN address) also needs --insecure.")] = "127.0.0.1",
     insecure: Annotated[bool, typer.Option(
@@ -123,11 +132,12 @@ def serve_cmd(
 
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
-    from staronnx.runtime.runtime import Runtime, cuda_options, warmup_sizes
+    from staronnx.runtime.runtime import ModelHandle, Runtime, cuda_options, warmup_sizes
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.batching import check_names
+    from staronnx.serve.control import ModelControl, folder_stamp
     from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, unservable
     from staronnx.serving.spec import ServeSpec
 
@@ -136,11 +146,27 @@ def serve_cmd(
         raise StaronnxError("give plan folders to serve, --model-repository DIR, or both")
     if ray and model_repository:
         raise StaronnxError("--model-repository is served by staronnx serve itself, not on Ray (yet): drop --ray")
+    from staronnx.serve.control import MODES
+
+    control_mode, to_load = model_control_mode.strip().lower(), set(load_model or [])
+    if control_mode not in MODES:
+        raise StaronnxError(f"--model-control-mode must be one of {', '.join(MODES)}, got {model_control_mode!r}")
+    if control_mode != "none" and not model_repository:
+        raise StaronnxError(f"--model-control-mode {control_mode} controls the models of a --model-repository")
+    if to_load and control_mode != "explicit":
+        raise StaronnxError("--load-model goes with --model-control-mode explicit (the other modes load every model)")
+    if control_mode == "poll" and not repository_poll_secs > 0:
+        raise StaronnxError(f"--repository-poll-secs must be above 0, got {repository_poll_secs:g}")
+    poll_every = repository_poll_secs if control_mode == "poll" else None
     in_repository: list[tuple[str, Path]] = []
     if model_repository:  # imported only here: it loads the model-config proto, which tritonclient also registers
         from staronnx.serve import repository
 
         in_repository = repository.scan(model_repository)
+        unknown = sorted(to_load - {n for n, _ in in_repository} - {"*"})
+        if unknown:
+            raise StaronnxError(f"--load-model {', '.join(unknown)}: no such model in the repository "
+                                f"({', '.join(n for n, _ in in_repository) or 'empty'})")
     names = model_names(plans, name)
     names = [*names, *(n for n, _ in in_repository)]
     check_names(names)
@@ -151,6 +177,7 @@ def serve_cmd(
     if not ray and (replicas, autoscale, replica_cpus, replica_gpus) != (None, None, None, None):
         raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
     targets = service_targets(names, slo_ms or [], priority or [])
+    service_targets_cli = {n: dict(t) for n, t in targets.items()}  # what a model loaded later gets from the flags
     if targets and separate_runtimes:
         from staronnx.ray.spec import TARGETS_NEED_SHARING  # the same words as on Ray
 
@@ -182,6 +209,7 @@ def serve_cmd(
     loaded = [Plan.load(p) for p in plans]
     overrides = apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
     names = names[:len(loaded)]  # the plan folders' models; the repository's join once loaded
+    plan_models = list(names)
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -203,29 +231,22 @@ def serve_cmd(
     specs = {n: replace(serving, queue_capacity=capacities[n]) for n in names}
     declared: dict[str, Declared] = {}
     unavailable: dict[str, str] = {}
+    stamps: dict[str, Any] = {}
     for model_name, folder in in_repository:
+        if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
+            continue  # loaded on request
+        stamps[model_name] = folder_stamp(folder)
         try:
             found = repository.load(model_name, folder, batch_size)
+            wants = repository.workers_for(found, cuda_streams, separate_runtimes)
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
-        wants = found.settings.workers  # its instance_group's kind: CPU groups or CUDA streams only
-        if wants == "cuda" and not cuda_streams:
-            unavailable[model_name] = ("instance_group KIND_GPU: this server has no CUDA workers (start it with "
-                                       "--cuda-streams N)")
-            continue
-        if wants is not None and cuda_streams:
-            if separate_runtimes:
-                unavailable[model_name] = (f"instance_group {'KIND_GPU' if wants == 'cuda' else 'KIND_CPU'} keeps the "
-                                           "model on some workers of one shared runtime: not with --separate-runtimes")
-                continue
+        if wants is not None:
             residency[model_name] = residency.get(model_name, wants)
         names.append(model_name)
         loaded.append(found.plan)
-        specs[model_name] = replace(specs.get(model_name, serving), batch_size=max(1, found.settings.max_batch_size),
-                                    max_delay=delay if found.settings.max_delay is None else found.settings.max_delay,
-                                    queue_capacity=found.settings.queue_capacity or capacities[model_name],
-                                    pad_to=found.settings.pad_to)
+        specs[model_name] = repository.serve_spec(found, specs.get(model_name, serving), delay)
         if found.settings.target:
             targets[model_name] = {**found.settings.target, **targets.get(model_name, {})}
         declared[model_name] = Declared(found.version, found.config, found.labels)
@@ -233,7 +254,7 @@ def serve_cmd(
     unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
     for model_name, why in unavailable.items():
         say(f"model {model_name!r} is not served: {why}")
-    if all(n in unavailable for n in names):
+    if all(n in unavailable for n in names) and control_mode != "explicit":
         raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if unavailable:
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
@@ -254,6 +275,7 @@ def serve_cmd(
             metrics.registry.register(gpus)
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
+    control: ModelControl | None = None
     options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine, save_every=save_s,
                    cuda_options=cuda_options(cuda_streams, cuda_graphs=cuda_graphs,
                                              thread_per_stream=thread_per_stream),
@@ -268,23 +290,28 @@ def serve_cmd(
                 + "".join(f"; {n} on {', '.join(held[n])} only" for n in residency)
                 + "".join(f"; {n} has lanes {', '.join(w for w in held[n] if w.startswith('lane:'))}" for n in lanes)
                 + _lowered_text(shared.workers))
+        def endpoint_of(model_name: str, runtime: Any, spec: Any, decl: Declared | None,
+                        target: dict[str, Any]) -> ModelEndpoint:
+            """The served model of a runtime (closed again if the endpoint cannot be made)."""
+            try:
+                return ModelEndpoint(model_name, runtime, spec, metrics=metrics, declared=decl,
+                                     settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+                                               **({"cuda_devices": ",".join(map(str, devices))}
+                                                  if cuda_streams else {}),
+                                               "engine": engine, "shared_runtime": isinstance(runtime, ModelHandle),
+                                               **target})
+            except BaseException:
+                runtime.close()
+                raise
+
         for model_name, plan in zip(names, loaded):
             if shared is not None:
                 runtime = shared.model(model_name)
             else:
                 runtime = Runtime(plan, targets={plan_name(plan): targets[model_name]} if model_name in targets
                                   else None, **options)
-            try:
-                spec = specs[model_name]
-                endpoint = ModelEndpoint(model_name, runtime, spec, metrics=metrics, declared=declared.get(model_name),
-                                         settings={"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
-                                                   **({"cuda_devices": ",".join(map(str, devices))}
-                                                      if cuda_streams else {}),
-                                                   "engine": engine, "shared_runtime": shared is not None,
-                                                   **targets.get(model_name, {})})
-            except BaseException:
-                runtime.close()
-                raise
+            spec = specs[model_name]
+            endpoint = endpoint_of(model_name, runtime, spec, declared.get(model_name), targets.get(model_name, {}))
             models.append(endpoint)
             graphs = runtime.preferred_batch_sizes if isinstance(runtime, Runtime) else ()
             origin = (f"version {declared[model_name].version} of the repository, " if model_name in declared else "")
@@ -294,16 +321,45 @@ def serve_cmd(
                 + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
                 + (f", {driver_text(runtime)}" if cuda_streams and isinstance(runtime, Runtime) else "")
                 + f"; {contract_text(plan)}")
+
+        def open_later(model_name: str, folder: Path, config: str | None) -> ModelEndpoint:
+            """A repository model loaded while serving: on the shared runtime where it is already
+            there with the same plan, contract and target, else on a runtime of its own (the shared
+            runtime cannot take models while it runs)."""
+            found = repository.load(model_name, folder, batch_size, override=config)
+            target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
+            spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
+                model_name, DEFAULT_QUEUE_CAPACITY)), delay)
+            decl = Declared(found.version, found.config, found.labels)
+            if shared is not None and model_name in shared.model_names:
+                handle = shared.model(model_name)
+                if (handle.plan.hash == found.plan.hash and handle.plan.contract == found.plan.contract
+                        and targets.get(model_name, {}) == target):
+                    return endpoint_of(model_name, handle, spec, decl, target)
+            if repository.workers_for(found, cuda_streams, True if cuda_streams else separate_runtimes):
+                raise StaronnxError("instance_group keeps the model on some workers of the shared runtime, which "
+                                    "cannot take a model while it runs: list it in --load-model to load it at start")
+            unfit = unservable(found.plan)
+            if unfit is not None:
+                raise StaronnxError(unfit)
+            runtime = Runtime(found.plan, targets={plan_name(found.plan): target} if target else None, **options)
+            return endpoint_of(model_name, runtime, spec, decl, target)
+
+        if model_repository:  # plan folders alone: the models are fixed (load and unload refused as ever)
+            control = ModelControl(control_mode, model_repository, open_later, {m.name: m for m in models},
+                                   unavailable, fixed=plan_models, drain_timeout=listen.drain_timeout)
+            control.stamps.update(stamps)
         run, loop_name = event_loop_runner()
         say(f"event loop: {loop_name}")
         # lanes: a waking lane waits for the GIL at most the switch interval, held short while serving
         with short_switch_interval() if lanes else contextlib.nullcontext():
             run(serve(models, metrics, listen, say=say, gc_interval=collect_every,
-                      colocate=models[0].server.runtime.colocate if colocate else None,
-                      colocate_on=host_core_name(cuda_streams), unavailable=unavailable))
+                      colocate=models[0].server.runtime.colocate if colocate and models else None,
+                      colocate_on=host_core_name(cuda_streams), unavailable=unavailable, control=control,
+                      poll_every=poll_every))
     finally:
-        for m in models:  # after a clean stop these are no-ops; after a failed start they free the workers
-            m.close(1.0)
+        for m in [*models, *(control.models.values() if control is not None else ())]:
+            m.close(1.0)  # after a clean stop these are no-ops; after a failed start they free the workers
         if shared is not None:
             shared.close(1.0)
 

@@ -41,6 +41,7 @@ from staronnx.errors import StaronnxError
 from staronnx.serve.batching import check_names
 from staronnx.serve.limits import Guard, Limits, RefusalCollector, raise_open_files
 from staronnx.serve.metrics import ServeMetrics
+from staronnx.serve.control import ModelControl
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.shm import SharedMemoryRegions
 from staronnx.serving.collector import full_collections_every
@@ -125,8 +126,8 @@ def check_exposure(host: str, insecure: bool) -> None:
 
 #: the protocol extensions this server serves, by Triton's names (a client may test for them):
 #: binary tensors over HTTP, the classification output parameter, model configuration,
-#: statistics, and the repository index (read-only: loading and unloading are refused); the Ray
-#: ingress serves these too
+#: statistics, and the repository index (loading and unloading through model control, with
+#: --model-repository; refused otherwise); the Ray ingress serves these too
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
 
 #: what ``staronnx serve`` serves besides: system shared memory (co-located clients only)
@@ -200,7 +201,8 @@ def _cannot_listen(host: str, port: int, what: str, why: str) -> StaronnxError:
 async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: Listen,
                 say: Callable[[str], None] = print, gc_interval: float = GC_INTERVAL_S,
                 colocate: Callable[[], contextlib.AbstractContextManager[int | None]] | None = None,
-                colocate_on: str = "CUDA driver's core", unavailable: Mapping[str, str] | None = None) -> None:
+                colocate_on: str = "CUDA driver's core", unavailable: Mapping[str, str] | None = None,
+                control: ModelControl | None = None, poll_every: float | None = None) -> None:
     """Serve ``models`` until SIGTERM/SIGINT; then drain and close them. Memory the requests free
     is kept for the next ones (:func:`keep_freed_memory`). ``gc_interval`` > 0: only young cycle
     collections run on their own, and a full one runs that often
@@ -209,14 +211,20 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     (:meth:`~staronnx.runtime.runtime.Runtime.colocate`), entered once the listeners are up, so
     gRPC's own threads, started with them, keep every core; ``colocate_on`` says which.
     ``unavailable``: models that were asked for but cannot be served, and why (listed UNAVAILABLE
-    with the reason by the repository index; requests to them are refused with it)."""
+    with the reason by the repository index; requests to them are refused with it). ``control``:
+    the model control of a model repository (:mod:`staronnx.serve.control`), whose served models
+    and unavailable ones are then these (loads and unloads change them while serving);
+    ``poll_every``: seconds between two reads of the repository (poll mode)."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
     from staronnx.serve.http_api import HttpFrontend, _server_header
 
     keep_freed_memory()
-    by_name = {m.name: m for m in models}
+    if control is not None:  # the front ends read the models control changes
+        by_name, unavailable = control.models, control.unavailable
+    else:
+        by_name = {m.name: m for m in models}
     meta = server_metadata(SERVE_EXTENSIONS)
     state = {"ready": True}
 
@@ -233,7 +241,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     metrics_sock = _bind(listen.host, listen.metrics_port, "metrics")
     regions = SharedMemoryRegions()  # registered over either protocol, used by both
     grpc_front = GrpcFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable,
-                              regions=regions)
+                              regions=regions, control=control)
     grpc_server = make_server(grpc_front)
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
     cause = ""
@@ -247,7 +255,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
         raise _cannot_listen(listen.host, listen.grpc_port, "grpc", cause)
 
     http_front = HttpFrontend(by_name, meta, listen.max_body, is_ready, guard, unavailable=unavailable,
-                              regions=regions)
+                              regions=regions, control=control)
     http_runner = http_front.runner(listen.drain_timeout)
 
     async def metrics_handler(request: web.Request) -> web.Response:
@@ -281,6 +289,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log_flusher = loop.create_task(_flush_log_every(guard))
+    poller = loop.create_task(control.poll_forever(poll_every)) if control is not None and poll_every else None
 
     say(f"HTTP (KServe v2) on http://{target}:{http_sock.getsockname()[1]}")
     say(f"gRPC (KServe v2) on {target}:{grpc_port}")
@@ -299,6 +308,9 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     finally:
         serving.close()
         release_frozen()
+    if poller is not None:
+        poller.cancel()
+    models = list(by_name.values())  # what is served now (model control may have changed it)
     say("stopping: no new requests; draining the ones accepted")
     sys.stdout.flush()
     state["ready"] = False

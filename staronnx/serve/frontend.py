@@ -10,6 +10,7 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from staronnx.serve.control import ModelControl
 from staronnx.serve.limits import Guard, Limits
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
@@ -29,10 +30,13 @@ class Frontend:
 
     def __init__(self, models: Mapping[str, ModelEndpoint], server_meta: dict[str, Any], max_body: int,
                  is_ready: Callable[[], bool], guard: Guard | None = None, *,
-                 unavailable: Mapping[str, str] | None = None, regions: SharedMemoryRegions | None = None) -> None:
+                 unavailable: Mapping[str, str] | None = None, regions: SharedMemoryRegions | None = None,
+                 control: ModelControl | None = None) -> None:
         self.models = models
         #: the system shared-memory regions clients registered (one set for both protocols)
         self.regions = regions if regions is not None else SharedMemoryRegions()
+        #: a model repository's model control (None: the models served are fixed)
+        self.control = control
         #: models asked for that could not be served, and why (each fails alone: the others serve;
         #: the repository index lists them UNAVAILABLE with the reason)
         self.unavailable: Mapping[str, str] = unavailable if unavailable is not None else {}
@@ -65,6 +69,9 @@ class Frontend:
         return {"model_stats": [m.statistics() for m in models]}
 
     def repository_entries(self, only_ready: bool) -> list[dict[str, str]]:
+        if self.control is not None:
+            entries = self.control.index(lambda m: m.ready and self.is_ready())
+            return [e for e in entries if e["state"] == "READY"] if only_ready else entries
         ready = {n: m.ready and self.is_ready() for n, m in self.models.items()}
         entries = repository_index(ready, "the server is shutting down", only_ready)
         for e in entries:
@@ -107,6 +114,18 @@ def repository_index(ready: Mapping[str, bool], why_not: str, only_ready: bool) 
     ``why_not``); only the ready ones for ``only_ready``."""
     return [{"name": n, "version": VERSION, "state": "READY" if ready[n] else "UNAVAILABLE",
              "reason": "" if ready[n] else why_not} for n in sorted(ready) if ready[n] or not only_ready]
+
+
+async def load_or_unload(frontend: Frontend, name: str, action: str, config: str | None = None,
+                         files: Mapping[str, Any] | None = None) -> None:
+    """A repository request (``load`` or ``unload``) through model control, or refused where the
+    served models are fixed."""
+    if frontend.control is None:
+        raise refused_load(name, action)
+    if action == "load":
+        await frontend.control.load(name, config, files)
+    else:
+        await frontend.control.unload(name)
 
 
 def refused_load(name: str, action: str) -> ProtocolError:

@@ -1,8 +1,9 @@
 """The KServe v2 gRPC API on ``grpc.aio``, with stubs generated from ``proto/grpc_predict_v2.proto``
 (Triton's GRPCInferenceService: KServe's calls plus ModelConfig, ModelStatistics,
 RepositoryIndex and the system shared-memory calls (:mod:`staronnx.serve.shm`), which Triton's
-tools call; RepositoryModelLoad/Unload answer FAILED_PRECONDITION, registering CUDA shared memory
-INVALID_ARGUMENT, the other Triton calls UNIMPLEMENTED).
+tools call; RepositoryModelLoad/Unload go to model control (:mod:`staronnx.serve.control`) and
+answer FAILED_PRECONDITION where it is off, registering CUDA shared memory INVALID_ARGUMENT, the
+other Triton calls UNIMPLEMENTED).
 
 Why grpcio: it is gRPC's reference implementation (HTTP/2, flow control, deadlines,
 cancellation, message size limits all in its C core), and ``grpc.aio`` runs its handlers on the
@@ -42,7 +43,7 @@ from google.protobuf.message import DecodeError
 from google.protobuf.message_factory import GetMessageClass
 
 from staronnx.serve import protocol
-from staronnx.serve.frontend import Frontend, refused_load
+from staronnx.serve.frontend import Frontend, load_or_unload
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
@@ -122,11 +123,18 @@ class GrpcFrontend(Frontend):
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Ctx) -> pb.RepositoryIndexResponse:
         return json_format.ParseDict({"models": self.repository_entries(request.ready)}, pb.RepositoryIndexResponse())
 
-    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest, context: Ctx) -> NoReturn:
-        raise refused_load(request.model_name, "load")
+    async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
+                                  context: Ctx) -> pb.RepositoryModelLoadResponse:
+        params = request.parameters
+        config = params["config"].string_param if "config" in params else None
+        files = {k: v.bytes_param for k, v in params.items() if k.startswith("file:")}
+        await load_or_unload(self, request.model_name, "load", config, files)
+        return pb.RepositoryModelLoadResponse()
 
-    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest, context: Ctx) -> NoReturn:
-        raise refused_load(request.model_name, "unload")
+    async def RepositoryModelUnload(self, request: pb.RepositoryModelUnloadRequest,
+                                    context: Ctx) -> pb.RepositoryModelUnloadResponse:
+        await load_or_unload(self, request.model_name, "unload")
+        return pb.RepositoryModelUnloadResponse()
 
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
                                        context: Ctx) -> pb.SystemSharedMemoryStatusResponse:

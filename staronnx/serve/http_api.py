@@ -46,7 +46,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from staronnx.serve import jsontensors, protocol
-from staronnx.serve.frontend import Frontend, refused_load, shutting_down
+from staronnx.serve.frontend import Frontend, load_or_unload, shutting_down
 from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
@@ -130,8 +130,8 @@ class HttpFrontend(Frontend):
         r.add_get("/v2/health/ready", self.ready)
         r.add_get("/v2/models/stats", stats)  # before /v2/models/{model}: every model's
         r.add_post("/v2/repository/index", self.repository_index, expect_handler=self._expect)
-        r.add_post("/v2/repository/models/{model}/load", self.refuse_load)
-        r.add_post("/v2/repository/models/{model}/unload", self.refuse_load)
+        r.add_post("/v2/repository/models/{model}/load", self.load_model)
+        r.add_post("/v2/repository/models/{model}/unload", self.load_model)
         # Triton's shared-memory extensions: system shared memory served, CUDA's refused by name
         shm = "/v2/systemsharedmemory"
         r.add_get(shm + "/status", _json(lambda q: self.regions.status(None)))
@@ -276,8 +276,20 @@ class HttpFrontend(Frontend):
             raise invalid("the request body must be a JSON object")
         return doc
 
-    async def refuse_load(self, request: web.Request) -> web.Response:
-        raise refused_load(request.match_info["model"], request.path.rsplit("/", 1)[-1])
+    async def load_model(self, request: web.Request) -> web.Response:
+        """Load (``{"parameters": {"config": "<JSON>"}}`` overrides its config.pbtxt) or unload a
+        model through model control; refused where the served models are fixed."""
+        name, action = request.match_info["model"], request.path.rsplit("/", 1)[-1]
+        doc = await self._small_json(request)
+        params = doc.get("parameters", {})
+        if not isinstance(params, dict):
+            raise invalid("'parameters' must be a JSON object")
+        config = params.get("config")
+        if config is not None and not isinstance(config, str):
+            raise invalid("parameter 'config' must be a string holding the model config in JSON")
+        files = {k: v for k, v in params.items() if k.startswith("file:")}
+        await load_or_unload(self, name, action, config, files)
+        return web.json_response({})
 
     # -- inference ------------------------------------------------------------------------------
     async def infer(self, request: web.Request) -> web.StreamResponse:

@@ -281,3 +281,8 @@ class ServeMetrics:
 
     def add(self, model: ServedModel) -> None:
         self.collector.models.append(model)
+
+    def remove(self, model: ServedModel) -> None:
+        """Stop reporting ``model`` (unloaded, or replaced by a reload)."""
+        if model in self.collector.models:
+            self.collector.models.remove(model)

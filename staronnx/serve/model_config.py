@@ -144,6 +144,22 @@ def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
     return config, written
 
 
+def parse_override(text: str) -> tuple[mc.ModelConfig, bool]:
+    """A load request's config (Triton's JSON form of the config), and whether it writes
+    ``max_batch_size``; a document that does not parse is refused saying why."""
+    import json
+
+    config = mc.ModelConfig()
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict):
+            raise ValueError("the config must be a JSON object")
+        json_format.ParseDict(doc, config)
+    except (ValueError, json_format.ParseError) as exc:
+        raise ConfigError(f"the config of the load request is not a model config in JSON: {exc}") from None
+    return config, "max_batch_size" in doc
+
+
 def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     """The config as Triton's JSON form (what ``get_model_config`` answers over HTTP), dims and
     versions as numbers (protobuf's JSON writes 64-bit integers as strings)."""

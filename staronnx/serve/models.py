@@ -504,6 +504,7 @@ class ModelEndpoint:
         try:
             self.server.close(timeout)
         finally:
+            self._metrics.remove(self)
             self.runtime.close(timeout)
 
 

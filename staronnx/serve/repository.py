@@ -67,11 +67,17 @@ def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
     return sorted(found.items())
 
 
-def load(name: str, folder: Path, batch_size: int, home: Path | None = None) -> RepositoryModel:
+def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
+         override: str | None = None) -> RepositoryModel:
     """Model ``name`` of its ``folder``, ready to serve, or a :class:`StaronnxError` saying why
     not (its reason in the repository index). ``batch_size``: the server's ``--batch-size``, the
-    ``max_batch_size`` a config that leaves it out gets where the model batches on axis 0."""
-    config, batch_written = mcfg.read_config(folder)
+    ``max_batch_size`` a config that leaves it out gets where the model batches on axis 0.
+    ``override``: a config in Triton's JSON form used instead of the folder's config.pbtxt (a
+    load request's), completed from the model the same way."""
+    if override is None:
+        config, batch_written = mcfg.read_config(folder)
+    else:
+        config, batch_written = mcfg.parse_override(override)
     if config.platform not in mcfg.ONNX_PLATFORMS or config.backend not in mcfg.ONNX_BACKENDS:
         what = " and ".join(f"{k} {v!r}" for k, v in (("platform", config.platform), ("backend", config.backend)) if v)
         raise mcfg.ConfigError(f"{what} is not served by staronnx serve: it serves ONNX models through ONNX Runtime "
@@ -98,6 +104,31 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None) -> 
         except (OSError, UnicodeDecodeError) as exc:
             raise mcfg.ConfigError(f"output {output!r}: label_filename {file!r} cannot be read: {exc}") from None
     return RepositoryModel(name, str(version), folder, model_file, plan, settings, mcfg.as_dict(effective), labels)
+
+
+def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
+    """The batcher's :class:`~staronnx.serving.spec.ServeSpec` of a repository model: ``base``
+    (the flags' spec with the model's queue capacity) changed where its config says otherwise;
+    ``delay``: the server's --max-delay, for a config without a queue delay."""
+    from dataclasses import replace
+
+    s = found.settings
+    return replace(base, batch_size=max(1, s.max_batch_size), max_delay=delay if s.max_delay is None else s.max_delay,
+                   queue_capacity=s.queue_capacity or base.queue_capacity, pad_to=s.pad_to)
+
+
+def workers_for(found: RepositoryModel, cuda_streams: int, separate_runtimes: bool) -> str | None:
+    """The workers a repository model's instance_group keeps it on in a shared runtime
+    (``--model-workers`` ``cpu`` or ``cuda``), None for all; or why that cannot be done here."""
+    wants = found.settings.workers
+    if wants == "cuda" and not cuda_streams:
+        raise StaronnxError("instance_group KIND_GPU: this server has no CUDA workers (start it with --cuda-streams N)")
+    if wants is None or not cuda_streams:
+        return None  # without CUDA workers every worker is a CPU group: KIND_CPU is what happens anyway
+    if separate_runtimes:
+        raise StaronnxError(f"instance_group {'KIND_GPU' if wants == 'cuda' else 'KIND_CPU'} keeps the model on some "
+                            "workers of one shared runtime: not with --separate-runtimes")
+    return wants
 
 
 def plan_key(model_file: Path, shaping: dict[str, Any]) -> str:

@@ -1,0 +1,203 @@
+"""Model control (Triton's ``--model-control-mode``): which repository models are served, changed
+while the server runs, and the repository index that says so.
+
+* ``none``: every model of the repositories is loaded at start and stays; load and unload
+  requests are refused.
+* ``explicit``: the models named by ``--load-model`` (``*``: all) are loaded at start; clients
+  load (with an optional config override, Triton's JSON form of the config), reload and unload
+  models through the repository API, over HTTP and gRPC.
+* ``poll``: every model is loaded at start, and the repositories are read again every
+  ``--repository-poll-secs``: a new model is loaded, one whose folder changed (its config, a
+  version) is reloaded, one whose folder is gone is unloaded; load and unload requests are
+  refused, as Triton does in this mode.
+
+Loading never disturbs the other models' requests: the model is made (its plan cut or read from
+the cache, its sessions created) on a worker thread, then swapped in; the version it replaces
+keeps answering until then and drains what it accepted afterwards. An unload takes the model out
+of service at once (new requests are refused, naming it unloaded) and drains its accepted
+requests. A load that fails leaves the model as it was (a served version stays served) and
+answers with the reason, in Triton's words (``failed to load 'NAME': ...``).
+
+Models served from plan folders given on the command line are outside model control: listed in
+the index, never loaded or unloaded by a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from staronnx.errors import StaronnxError
+from staronnx.serve.models import ModelEndpoint
+from staronnx.serve.protocol import ProtocolError, shown
+
+log = logging.getLogger("staronnx.serve")
+
+MODES = ("none", "poll", "explicit")
+
+#: why a repository model that is not served is not: never loaded, or unloaded
+NOT_LOADED = "not loaded (explicit model control: load it through the repository API)"
+UNLOADED = "unloaded"
+
+#: builds a served model from its repository folder (blocking: cuts or reads its plan, creates
+#: its sessions) with an optional config override; raises StaronnxError with the reason
+Opener = Callable[[str, Path, "str | None"], ModelEndpoint]
+
+
+class ModelControl:
+    """The served models (``models``, read by both front ends), the repository models that are
+    not served and why (``unavailable``), and the loads and unloads that change them."""
+
+    def __init__(self, mode: str, repositories: Sequence[Path], opener: Opener | None,
+                 models: dict[str, ModelEndpoint], unavailable: dict[str, str], fixed: Sequence[str] = (),
+                 drain_timeout: float = 30.0) -> None:
+        if mode not in MODES:
+            raise StaronnxError(f"--model-control-mode must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode = mode
+        self.repositories = list(repositories)
+        self.opener = opener
+        self.models = models
+        self.unavailable = unavailable
+        #: models served from plan folders: listed, never loaded or unloaded by a request
+        self.fixed = set(fixed)
+        self.drain_timeout = drain_timeout
+        self._lock: asyncio.Lock | None = None
+        #: each repository model's folder state when it was loaded (what poll mode compares)
+        self.stamps: dict[str, tuple[Any, ...]] = {}
+
+    # -- the repository ----------------------------------------------------------------------
+    def folders(self) -> dict[str, Path]:
+        """Every model folder of the repositories now (a repository that cannot be read: none)."""
+        from staronnx.serve.repository import scan
+
+        try:
+            return dict(scan(self.repositories))
+        except StaronnxError as exc:
+            log.warning("cannot read the model repository: %s", exc)
+            return {}
+
+    def index(self, ready: Callable[[ModelEndpoint], bool]) -> list[dict[str, str]]:
+        """Triton's repository index: every model served or in a repository, its version, state
+        and reason (READY, or UNAVAILABLE and why)."""
+        entries: dict[str, dict[str, str]] = {}
+        for name in self.folders():
+            entries[name] = {"name": name, "version": "", "state": "UNAVAILABLE",
+                             "reason": self.unavailable.get(name, NOT_LOADED)}
+        for name, why in self.unavailable.items():
+            entries.setdefault(name, {"name": name, "version": "", "state": "UNAVAILABLE", "reason": why})
+        for name, model in self.models.items():
+            ok = ready(model)
+            entries[name] = {"name": name, "version": model.version, "state": "READY" if ok else "UNAVAILABLE",
+                             "reason": "" if ok else "the server is shutting down"}
+        return [entries[n] for n in sorted(entries)]
+
+    # -- requests --------------------------------------------------------------------------
+    def _check_allowed(self, name: str, action: str) -> None:
+        if self.mode != "explicit" or self.opener is None:
+            how = ("the repository is polled (--model-control-mode poll): change its folders instead"
+                   if self.mode == "poll" else
+                   "model control is off (--model-control-mode none): start the server with "
+                   "--model-control-mode explicit to load and unload models")
+            raise ProtocolError("refused", f"cannot {action} model {shown(name)}: {how}")
+        if name in self.fixed:
+            raise ProtocolError("refused", f"cannot {action} model {shown(name)}: it is served from a plan folder "
+                                           "given on the command line, outside model control")
+
+    async def load(self, name: str, config: str | None = None, files: Mapping[str, Any] | None = None) -> None:
+        """Load (or reload) model ``name`` from the repository, ``config`` (JSON) over its
+        config.pbtxt; refused in Triton's words where it cannot be."""
+        self._check_allowed(name, "load")
+        if files:
+            raise ProtocolError("internal", f"failed to load {shown(name)}: failed to poll from model repository: "
+                                            "model files sent with a load request are not supported by staronnx "
+                                            "serve; put the model in the repository and load it by name")
+        async with self._locked():
+            await self._load(name, config)
+
+    async def _load(self, name: str, config: str | None) -> None:
+        folder = self.folders().get(name)
+        if folder is None:
+            raise ProtocolError("invalid", f"failed to load {shown(name)}: no model of that name in the repository "
+                                           f"({', '.join(map(str, self.repositories))})")
+        assert self.opener is not None
+        loop = asyncio.get_running_loop()
+        stamp = folder_stamp(folder)
+        try:
+            endpoint = await loop.run_in_executor(None, self.opener, name, folder, config)
+        except StaronnxError as exc:
+            if name not in self.models:
+                self.unavailable[name] = str(exc)
+            raise ProtocolError("invalid", f"failed to load {shown(name)}: {exc}") from None
+        old = self.models.get(name)
+        self.models[name] = endpoint  # from now on its requests go to the new one
+        self.unavailable.pop(name, None)
+        self.stamps[name] = stamp
+        if old is not None:  # the old one answers what it accepted, then frees its runtime
+            await loop.run_in_executor(None, old.close, self.drain_timeout)
+
+    async def unload(self, name: str) -> None:
+        """Take model ``name`` out of service and drain its accepted requests."""
+        self._check_allowed(name, "unload")
+        async with self._locked():
+            await self._unload(name)
+
+    async def _unload(self, name: str) -> None:
+        model = self.models.pop(name, None)
+        if model is None:
+            if name in self.folders() or name in self.unavailable:
+                self.unavailable[name] = UNLOADED
+                return  # already not served: Triton answers an unload of an unloaded model with success
+            raise ProtocolError("invalid", f"failed to unload {shown(name)}: no model of that name is served or "
+                                           "in the repository")
+        self.unavailable[name] = UNLOADED
+        self.stamps.pop(name, None)
+        await asyncio.get_running_loop().run_in_executor(None, model.close, self.drain_timeout)
+
+    # -- poll mode ---------------------------------------------------------------------------
+    async def poll_forever(self, every: float) -> None:
+        """Poll mode: read the repositories again every ``every`` seconds (:meth:`poll`)."""
+        while True:
+            await asyncio.sleep(every)
+            with contextlib.suppress(Exception):  # a bad poll must not end polling; each load logs its own
+                await self.poll()
+
+    async def poll(self) -> None:
+        """Load new models, reload changed ones, unload the ones whose folder is gone."""
+        async with self._locked():
+            folders = self.folders()
+            for name, folder in folders.items():
+                if name in self.fixed:
+                    continue
+                if name in self.models and self.stamps.get(name) == folder_stamp(folder):
+                    continue
+                if name not in self.models and self.stamps.get(name) == folder_stamp(folder):
+                    continue  # failed before, and nothing changed since
+                try:
+                    await self._load(name, None)
+                except ProtocolError as exc:
+                    self.stamps[name] = folder_stamp(folder)  # not tried again until the folder changes
+                    log.warning("%s", exc)
+            for name in [n for n in self.models if n not in folders and n not in self.fixed]:
+                await self._unload(name)
+                self.unavailable.pop(name, None)
+
+    def _locked(self) -> asyncio.Lock:
+        """One load or unload at a time (a reload must not race another of the same model)."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        return self._lock
+
+
+def folder_stamp(folder: Path) -> tuple[Any, ...]:
+    """What poll mode compares to tell a model's folder changed: each file's path, size and
+    modification time, down to the version folders' contents."""
+    stamp = []
+    for path in sorted(folder.rglob("*")):
+        with contextlib.suppress(OSError):
+            info = path.stat()
+            stamp.append((str(path.relative_to(folder)), info.st_size, info.st_mtime_ns))
+    return tuple(stamp)
