@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,13 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str
     if gen_ort_options.MARKER in markdown:
         markdown = markdown.replace(gen_ort_options.MARKER, gen_ort_options.render())
     return markdown
+
+
+#: a Sphinx role left in front of inline code by a docstring (``:func:`x```), as mkdocstrings
+#: renders it: ``:func:<code>x</code>``
+_ROLE = re.compile(r":(?:func|class|mod|meth|data|attr|exc|obj):(<code>)~?")
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
+    """The API reference reads without the Sphinx roles its docstrings use for their own tools."""
+    return _ROLE.sub(r"\1", html)
