@@ -34,6 +34,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Rectangle  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = Path(__file__).resolve().parent / "figures"
@@ -104,7 +105,7 @@ def draw_plan(plan_dir: Path, out: Path) -> None:
     scale = (1.0 - 0.12) / x if x > 1.0 - 0.12 else 1.0
     lefts = [(0.12 + (lx - 0.12) * scale, w * scale) for lx, w in lefts]
     for (left, width), part, color in zip(lefts, parts, colors, strict=False):
-        ax.add_patch(plt.Rectangle((left, 0.3), width, 0.4, color=color, alpha=0.85))
+        ax.add_patch(Rectangle((left, 0.3), width, 0.4, color=color, alpha=0.85))
         top_ops = ", ".join(f"{op} {n}" for op, n in sorted(part["op_counts"].items(), key=lambda kv: -kv[1])[:3])
         ax.text(left + width / 2, 0.5, f"part {part['index']}\n{part['share']:.0%}",
                 ha="center", va="center", fontsize=10, color="white", weight="bold")
@@ -130,8 +131,8 @@ def draw_plan(plan_dir: Path, out: Path) -> None:
         ax.text((sl + sw + dl) / 2, 0.74 if dst - src == 1 else 0.9,
                 f"{len(tensors)} tensor{'s' * (len(tensors) > 1)}\n{kib:,.0f} KiB a sample",
                 ha="center", va="bottom", fontsize=8)
-    src = Path(plan["source"].get("path", "model")).name if isinstance(plan.get("source"), dict) else "model"
-    ax.set_title(f"plan of {src}: {len(parts)} parts, {plan['cut_bytes_per_sample'] / 1024:,.0f} KiB "
+    model = Path(plan["source"].get("path", "model")).name if isinstance(plan.get("source"), dict) else "model"
+    ax.set_title(f"plan of {model}: {len(parts)} parts, {plan['cut_bytes_per_sample'] / 1024:,.0f} KiB "
                  f"cross the cut per sample\n(box width: the part's share of the profiled cost; plan.json, hash {plan['hash']})",
                  fontsize=10)
     ax.set_xlim(0, 1)

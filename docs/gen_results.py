@@ -62,9 +62,14 @@ def _json_section(doc: Any) -> list[str]:
     return lines
 
 
+def _shown(path: Path) -> str:
+    """The path as a reader finds it in the repository (``benchmarks/results/...``)."""
+    return path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
+
+
 def section(path: Path) -> list[str]:
     """One result file as Markdown."""
-    rel = path.relative_to(ROOT).as_posix()
+    rel = _shown(path)
     lines = [f"## `{rel}`", ""]
     try:
         if path.suffix == ".json":
@@ -102,7 +107,7 @@ def render(root: Path = RESULTS) -> str:
                   "without a file here are marked *not reproducible: no artifact*; in particular the "
                   "GPU table of 2026-11-28 (NVIDIA H200) awaits a committed run.", ""]
     else:
-        lines += [f"{len(files)} file(s):", ""] + [f"- `{p.relative_to(ROOT).as_posix()}`" for p in files] + [""]
+        lines += [f"{len(files)} file(s):", ""] + [f"- `{_shown(p)}`" for p in files] + [""]
         for path in files:
             lines += section(path)
     return "\n".join(lines)

@@ -140,3 +140,21 @@ def test_api_reference_covers_all(site):
         assert re.search(rf"^::: staronnx\.(?:[\w.]+\.)?{name}$", source, re.M), name
         assert re.search(rf'id="staronnx\.(?:[\w.]+\.)?{name}"', built), f"{name} is not rendered in the API reference"
     assert ":func:<code>" not in built and ":class:<code>" not in built
+
+
+def test_results_page_is_made_from_the_committed_files(tmp_path):
+    sys.path.insert(0, str(DOCS))
+    try:
+        import gen_results
+    finally:
+        sys.path.remove(str(DOCS))
+    assert "No committed results yet" in gen_results.render(tmp_path / "absent")
+    results = tmp_path / "results"
+    results.mkdir()
+    (results / "gpu-h100-2026-12-07.json").write_text(
+        '{"date": "2026-12-07", "device": "NVIDIA H100", "rows": [{"batch": 1, "ort4": 1625.5, "staronnx": 1992}]}')
+    (results / "serve.csv").write_text("clients,throughput\n16,26.5\n")
+    page = gen_results.render(results)
+    assert "| date | 2026-12-07 |" in page and "| device | NVIDIA H100 |" in page
+    assert "| batch | ort4 | staronnx |" in page and "| 1 | 1,626 | 1992 |" in page
+    assert "| clients | throughput |" in page and "| 16 | 26.5 |" in page
