@@ -115,6 +115,8 @@ def serve_cmd(
 
     Several plans share one runtime: one set of workers runs every model's parts under one
     policy, each model with its own batcher and queue (a full queue refuses that model only).
+    --model-repository serves a Triton model repository as it is (config.pbtxt, version folders),
+    with Triton's model control (--model-control-mode).
     With --ray, each replica of one deployment is such a shared runtime."""
     import contextlib
     from dataclasses import replace
@@ -134,10 +136,9 @@ def serve_cmd(
     from staronnx.runtime.models import plan_name
     from staronnx.runtime.runtime import ModelHandle, Runtime, cuda_options, warmup_sizes
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
-    from staronnx.serve.batching import apply_batching
-    from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.batching import check_names
+    from staronnx.serve.batching import apply_batching, check_names
     from staronnx.serve.control import ModelControl, folder_stamp
+    from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, unservable
     from staronnx.serving.spec import ServeSpec
 
@@ -146,18 +147,8 @@ def serve_cmd(
         raise StaronnxError("give plan folders to serve, --model-repository DIR, or both")
     if ray and model_repository:
         raise StaronnxError("--model-repository is served by staronnx serve itself, not on Ray (yet): drop --ray")
-    from staronnx.serve.control import MODES
-
-    control_mode, to_load = model_control_mode.strip().lower(), set(load_model or [])
-    if control_mode not in MODES:
-        raise StaronnxError(f"--model-control-mode must be one of {', '.join(MODES)}, got {model_control_mode!r}")
-    if control_mode != "none" and not model_repository:
-        raise StaronnxError(f"--model-control-mode {control_mode} controls the models of a --model-repository")
-    if to_load and control_mode != "explicit":
-        raise StaronnxError("--load-model goes with --model-control-mode explicit (the other modes load every model)")
-    if control_mode == "poll" and not repository_poll_secs > 0:
-        raise StaronnxError(f"--repository-poll-secs must be above 0, got {repository_poll_secs:g}")
-    poll_every = repository_poll_secs if control_mode == "poll" else None
+    control_mode, to_load, poll_every = model_control(model_control_mode, load_model or [], repository_poll_secs,
+                                                      bool(model_repository))
     in_repository: list[tuple[str, Path]] = []
     if model_repository:  # imported only here: it loads the model-config proto, which tritonclient also registers
         from staronnx.serve import repository
@@ -362,6 +353,24 @@ def serve_cmd(
             m.close(1.0)  # after a clean stop these are no-ops; after a failed start they free the workers
         if shared is not None:
             shared.close(1.0)
+
+
+def model_control(mode: str, load_model: list[str], poll_secs: float, repository: bool) -> tuple[str, set[str],
+                                                                                                 float | None]:
+    """``--model-control-mode``, ``--load-model`` and ``--repository-poll-secs`` checked together:
+    (mode, the models to load at start, seconds between polls or None)."""
+    from staronnx.serve.control import MODES
+
+    mode = mode.strip().lower()
+    if mode not in MODES:
+        raise StaronnxError(f"--model-control-mode must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode != "none" and not repository:
+        raise StaronnxError(f"--model-control-mode {mode} controls the models of a --model-repository")
+    if load_model and mode != "explicit":
+        raise StaronnxError("--load-model goes with --model-control-mode explicit (the other modes load every model)")
+    if mode == "poll" and not poll_secs > 0:
+        raise StaronnxError(f"--repository-poll-secs must be above 0, got {poll_secs:g}")
+    return mode, set(load_model), poll_secs if mode == "poll" else None
 
 
 def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idle_timeout: str,
