@@ -37,13 +37,16 @@ import numpy as np
 from staronnx.errors import InputError, StaronnxError
 from staronnx.infer.batchsize import BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
-from staronnx.infer.sinks import ShardSink, ShardWriter, output_format, output_specs
+from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import Chunk, Source, open_source
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime, cuda_options
 from staronnx.workers.layout import MachineSpec
 
 ON_ERROR = ("fail", "skip")
+#: inputs the reader hands to the caller at once (at least one batch): a hand-over between
+#: threads costs the GIL twice, which small batches of a small model felt per batch
+BUNDLE_BYTES = 1 << 20
 #: manifest version: a resumed job refuses an output another version of the layout wrote
 MANIFEST_VERSION = 1
 
@@ -238,7 +241,12 @@ class _Pipeline:
         self.runtime, self.plan, self.layout, self.source, self.sink = runtime, plan, layout, source, sink
         self.spec, self.batch, self.window, self.report, self.progress = spec, batch, window, report, progress
         self.stop = threading.Event()
-        self.ready: queue.Queue[Batch | BaseException | None] = queue.Queue(maxsize=max(1, window // 2))
+        # bundles of batches (:data:`BUNDLE_BYTES`): one hand-over per bundle, not per batch
+        self.ready: queue.Queue[list[Batch] | BaseException | None] = queue.Queue(maxsize=1)
+        # the caller's rows not yet handed to the writer (one hand-over per row group)
+        self.held_ids: list[np.ndarray] = []
+        self.held_outputs: list[dict[str, np.ndarray]] = []
+        self.held_bytes = 0
         # (kind, shard, payload): "rows" (row ids, outputs), "errors" (skipped rows), "end" (None)
         self.to_write: queue.Queue[tuple[str, int, Any] | None] = queue.Queue(maxsize=max(2, window))
         self.write_error: BaseException | None = None
@@ -264,7 +272,7 @@ class _Pipeline:
         if self.write_error is not None:
             raise self.write_error
 
-    def _put(self, item: Batch | BaseException | None) -> bool:
+    def _put(self, item: list[Batch] | BaseException | None) -> bool:
         while not self.stop.is_set():
             try:
                 self.ready.put(item, timeout=0.1)
@@ -275,9 +283,17 @@ class _Pipeline:
 
     def _read(self, start: int) -> None:
         try:
+            bundle: list[Batch] = []
+            held = 0
             for batch in self._batches(start):
-                if not self._put(batch):
-                    return
+                bundle.append(batch)
+                held += sum(int(v.nbytes) for v in batch.feeds.values())
+                if held >= BUNDLE_BYTES:
+                    if not self._put(bundle):
+                        return
+                    bundle, held = [], 0
+            if bundle and not self._put(bundle):
+                return
             self._put(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
             self._put(exc)
@@ -297,7 +313,8 @@ class _Pipeline:
                 if writer is None:
                     writer = self.sink.open(index)
                 if kind == "rows":
-                    writer.add(*payload)
+                    for ids, outputs in zip(*payload):
+                        writer.add(ids, outputs)
                 elif kind == "errors":
                     writer.errors.extend(payload)
                 else:
@@ -396,29 +413,30 @@ class _Pipeline:
     def _call(self) -> None:
         window: deque[tuple[Batch, Any]] = deque()
         while True:
-            item = self.ready.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item is None:
+            bundle = self.ready.get()
+            if isinstance(bundle, BaseException):
+                raise bundle
+            if bundle is None:
                 break
-            future = None
-            if item.problem is None:
-                try:
-                    future = self.runtime.submit(item.feeds)
-                except InputError as exc:
-                    item.problem = str(exc)
-            window.append((item, future))
-            while len(window) > self.window or (window and (window[0][1] is None or window[0][1].done())):
-                self._settle(*window.popleft())
+            for item in bundle:
+                future = None
+                if item.problem is None:
+                    try:
+                        future = self.runtime.submit(item.feeds)
+                    except InputError as exc:
+                        item.problem = str(exc)
+                window.append((item, future))
+                while len(window) > self.window or (window and (window[0][1] is None or window[0][1].done())):
+                    self._settle(*window.popleft())
         while window:
             self._settle(*window.popleft())
         if self.shard is not None:
-            self._send("end", self.shard, None)
+            self._end(self.shard)
 
     def _settle(self, batch: Batch, future: Any) -> None:
         if self.shard != batch.shard:
             if self.shard is not None:
-                self._send("end", self.shard, None)
+                self._end(self.shard)
             self.shard = batch.shard
         if batch.problem is not None:
             self._bad(batch.row_ids, batch.problem)
@@ -448,10 +466,23 @@ class _Pipeline:
                 self._rows(row, self.layout.row_major(outputs, 1))
 
     def _rows(self, row_ids: np.ndarray, outputs: dict[str, np.ndarray]) -> None:
-        assert self.shard is not None
-        self._send("rows", self.shard, (row_ids, outputs))
+        self.held_ids.append(row_ids)
+        self.held_outputs.append(outputs)
+        self.held_bytes += sum(int(v.nbytes) for v in outputs.values())
+        if self.held_bytes >= ROW_GROUP_BYTES:
+            self._hand_rows()
         self.report.written += len(row_ids)
         self._advance(len(row_ids))
+
+    def _hand_rows(self) -> None:
+        if self.held_ids:
+            assert self.shard is not None
+            self._send("rows", self.shard, (self.held_ids, self.held_outputs))
+            self.held_ids, self.held_outputs, self.held_bytes = [], [], 0
+
+    def _end(self, shard: int) -> None:
+        self._hand_rows()
+        self._send("end", shard, None)
 
     def _bad(self, row_ids: np.ndarray, reason: str) -> None:
         if self.spec.on_error == "fail":

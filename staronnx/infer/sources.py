@@ -32,10 +32,11 @@ import numpy as np
 from staronnx.errors import InputError
 from staronnx.infer.rows import RowLayout
 
-#: rows a chunk holds at most (a source may give fewer; bytes bound it too: :data:`CHUNK_BYTES`)
+#: rows a chunk holds by default
 CHUNK_ROWS = 1024
-#: bytes of inputs a chunk holds at most, so a chunk of large samples stays small
-CHUNK_BYTES = 16 << 20
+#: bytes of inputs a ``.npy``/``.npz`` chunk reads at once (one read per input, whatever the
+#: batch), unless the rows asked for hold more
+CHUNK_BYTES = 2 << 20
 
 ARROW_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
 
@@ -63,8 +64,8 @@ class Source(Protocol):
         job refuses a dataset that changed since its first run."""
 
     def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
-        """The rows from row id ``start`` on, in order, about ``rows`` at a time (a job asks for
-        its batch size, so what it holds read ahead is counted in batches)."""
+        """The rows from row id ``start`` on, in order, at least ``rows`` at a time where the data
+        allows (a job asks for its batch size; a file source reads more small rows at once)."""
 
 
 # -- .npy/.npz arrays read a slice at a time -------------------------------------------------------
@@ -211,7 +212,7 @@ class NumpySource:
                 first += count
                 continue
             per_row = sum(self._row_bytes(n, a) for n, a in shard.items())
-            step = max(1, min(rows, CHUNK_BYTES // max(per_row, 1)))
+            step = max(1, rows, CHUNK_BYTES // max(per_row, 1))
             shared = {n: (a if isinstance(a, np.ndarray) else a.whole())
                       for n, a in shard.items() if self.layout.inputs.get(n) is None}
             for lo in range(max(start - first, 0), count, step):
