@@ -6,11 +6,12 @@ Three threads share the work so that neither reading nor writing stalls the work
     caller:  queue -> Runtime.submit -> a window of futures, settled in order -> shards
     writer:  each batch's outputs -> the open shard's file, renamed into place when it ends
 
-Memory is bounded by counts of batches: the reader holds at most half a window of batches
-ready, the runtime at most ``max_in_flight``, the writer's queue at most ``max_in_flight``
-batches of outputs and a Parquet shard :data:`~staronnx.infer.sinks.ROW_GROUP_BYTES` of them
-(an ``.npz`` shard holds its rows until it ends). The caller settles the oldest future first,
-so rows come out in the dataset's order.
+Memory is bounded: the reader holds one bundle of batches ready and builds the next (about
+:data:`BUNDLE_BYTES` of inputs each, or one batch where a batch is larger), the runtime at most
+``max_in_flight`` batches, the caller and the writer a row group of outputs each
+(:data:`~staronnx.infer.sinks.ROW_GROUP_BYTES`; an ``.npz`` shard holds its rows until it
+ends). Hand-overs between the threads go by bundle and by row group, not by batch: each costs
+the GIL. The caller settles the oldest future first, so rows come out in the dataset's order.
 
 A row that cannot run is never lost silently. A row the source cannot read (a null) or the
 model refuses before running (a dtype, a rank, a fixed size: :meth:`Plan.check_feeds`) is
