@@ -296,6 +296,9 @@ def test_killed_halfway_and_resumed(tmp_path, how):
     assert "written before, kept" in stdout
     for name, mtime in kept.items():
         assert (out / name).stat().st_mtime_ns == mtime, f"{name} was written again"
+    done = _start([*args, "--resume"])  # once more: nothing left
+    stdout, err = done.communicate(timeout=120)
+    assert done.returncode == 0 and "all 1200 rows" in stdout and "nothing left to run" in stdout, err
     got = read_outputs(out)
     assert list(got["row_id"]) == list(range(1200))  # no row missing, none twice
     want = np.concatenate([_ort("unet_seg", {"image": x[lo:lo + 100]})["logits"] for lo in range(0, 1200, 100)])

@@ -95,10 +95,14 @@ def infer_cmd(
         console.print(report.choice.describe(), highlight=False, soft_wrap=True)
     resumed = f" ({report.resumed_rows} written before, kept)" if report.resumed_rows else ""
     skipped = report.skipped
-    console.print(
-        f"{report.written} samples written to {report.output} in {report.elapsed_s:.2f} s "
-        f"({report.samples_per_s:,.1f} samples/s, batch {report.batch_size}, {report.max_in_flight} in flight)"
-        f"{resumed}", highlight=False, soft_wrap=True)
+    if report.resumed_rows and report.total_rows is not None and report.resumed_rows >= report.total_rows:
+        console.print(f"all {report.total_rows} rows of {report.output} were written before; nothing left to run",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(
+            f"{report.written} samples written to {report.output} in {report.elapsed_s:.2f} s "
+            f"({report.samples_per_s:,.1f} samples/s, batch {report.batch_size}, {report.max_in_flight} in flight)"
+            f"{resumed}", highlight=False, soft_wrap=True)
     if skipped:
         ids = ", ".join(str(e["row_id"]) for e in skipped[:10]) + (", ..." if len(skipped) > 10 else "")
         console.print(f"{len(skipped)} row(s) skipped (row ids {ids}); the first: {skipped[0]['error']}; "
