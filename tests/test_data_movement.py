@@ -329,8 +329,8 @@ def test_a_scalar_tensor_prefetched_to_a_gpu_keeps_its_shape():
     rt = HostRuntime()
     memory = DeviceMemory(rt, 0)
     try:
-        for copy in (memory.prefetch, memory.fetch):
-            t = copy(np.array(7, dtype=np.int64))
+        for wait in (False, True):  # a prefetch, a fetch
+            t = memory.upload(np.array(7, dtype=np.int64), wait=wait)
             assert t.shape == () and t.nbytes == 8
             assert memory.download(t).shape == ()
     finally:

@@ -6,8 +6,9 @@ swaps the clock and the workers but never the core. So this module knows no cloc
 thread: its caller says what time it is (``now``) and serialises the calls (the engine holds
 its lock; the simulator is single-threaded), and it never runs anything itself.
 
-A request is one batch: one task per part, one data handle per tensor. A handle knows the
-memory nodes holding a valid copy (StarPU's MSI states reduced to what a read-mostly inference
+A request is one batch: one task per part, one data handle per tensor
+(:class:`~staronnx.runtime.datawizard.DataHandle`: the engine keeps the copies in it, the
+simulator none). A handle knows the memory nodes holding a valid copy (StarPU's MSI states reduced to what a read-mostly inference
 DAG needs: written once on its producer's node, then shared by the nodes that read it), so
 policies price transfers and prefer workers where the data already is. Which copies a task
 makes is decided here, when a worker takes it, by :mod:`staronnx.runtime.datawizard`'s rules
@@ -32,41 +33,21 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staronnx.perfmodels import Footprint
 from staronnx.plan import Plan
-from staronnx.runtime.datawizard import HOST_NODE, Copy, CopyCost, copy_kind, is_host, produced_on, source
+from staronnx.runtime.datawizard import (HOST_NODE, Copy, CopyCost, DataHandle, copy_kind, is_host, produced_on,
+                                         source)
 from staronnx.runtime.models import ModelSet
 from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView, WorkerInfo
 
+if TYPE_CHECKING:
+    import numpy as np
+
+    from staronnx.workers.replicas import DeviceTensor
+
 _ON_HOST = frozenset((HOST_NODE,))
-
-_handle_ids = itertools.count()
-
-
-class DataHandle:
-    """A tensor of one request, with the memory nodes holding a valid copy.
-
-    A plain class with slots, not a dataclass: one or more are made per task."""
-
-    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id")
-
-    def __init__(self, name: str, nbytes: int, valid_on: frozenset[str] = frozenset(), readers_left: int = 0) -> None:
-        self.name = name
-        self.nbytes = nbytes
-        #: frozen, and replaced when a node gains a copy: a task's view then shares it instead
-        #: of copying a set per input per task
-        self.valid_on = frozenset(valid_on)
-        #: readers not finished (the value is dropped at 0) ...
-        self.readers_left = readers_left
-        #: ... and not started: a fetched copy is kept while some reader has yet to start
-        self.unstarted = readers_left
-        self.id = next(_handle_ids)
-
-    def __repr__(self) -> str:
-        return f"DataHandle({self.name!r}, {self.nbytes} B, on {sorted(self.valid_on)})"
-
 
 @dataclass(eq=False, slots=True)
 class Task:
@@ -92,8 +73,8 @@ class Task:
 class Request:
     """One submitted batch travelling through the plan.
 
-    ``values`` holds what the driver keeps per tensor (the engine: arrays; the simulator:
-    nothing); the core drops intermediates from it once their last reader is done.
+    ``handles`` has a handle per input, per output another part reads and per final output;
+    the core drops an intermediate's copies once its last reader is done.
     """
 
     id: int
@@ -101,7 +82,6 @@ class Request:
     submitted_at: float
     parts_left: int
     handles: dict[str, DataHandle]
-    values: dict[str, Any]
     owner: Any = None  # the driver's own record of the request (a future, a batch record)
     tasks: list[Task] = field(default_factory=list)  # by the model's own part index
     placement: dict[str, str] = field(default_factory=dict)  # "part<k>" -> arch
@@ -285,18 +265,19 @@ class TaskGraph:
         self._hooks = type(policy).on_start is not Policy.on_start or type(policy).on_done is not Policy.on_done
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, batch: int, inputs: Mapping[str, int], now: float, values: dict[str, Any] | None = None,
+    def submit(self, batch: int, inputs: Mapping[str, int], now: float, feeds: Mapping[str, np.ndarray] | None = None,
                owner: Any = None, model: int = 0, arrival: float | None = None) -> Request:
         """A new request of ``model`` (its index) whose inputs (name -> bytes) are on the host;
-        its ready tasks are pushed. ``values`` becomes the request's own (the core drops
-        intermediates from it). ``arrival`` (default ``now``) starts its latency target."""
+        its ready tasks are pushed. ``feeds``: the inputs' host copies (the engine's; the
+        simulator has none). ``arrival`` (default ``now``) starts its latency target."""
         self.pushed_to.clear()
         readers = self._readers[model]
-        handles = {n: DataHandle(n, nbytes, _ON_HOST, readers.get(n, 0)) for n, nbytes in inputs.items()}
+        get = (feeds or {}).get
+        handles = {n: DataHandle(n, nbytes, _ON_HOST, readers.get(n, 0), get(n)) for n, nbytes in inputs.items()}
         deadline = self._targets[model].deadline(now if arrival is None else arrival)
         parts, waits = self._model_parts[model], self._waits
-        req = Request(next(self._ids), batch, now, len(parts), handles, values if values is not None else {},
-                      owner, model=model, first_part=parts[0], deadline=deadline)
+        req = Request(next(self._ids), batch, now, len(parts), handles, owner, model=model, first_part=parts[0],
+                      deadline=deadline)
         req.tasks = tasks = [Task(req, p, waits[p]) for p in parts]
         self.inflight[req.id] = req
         self.per_model[model].in_flight += 1
@@ -426,10 +407,13 @@ class TaskGraph:
         if keep:
             task.keep = tuple(keep)
 
-    def finish(self, wid: int, task: Task, now: float, measured: float,
-               outputs: Mapping[str, int] | None) -> Request | None:
+    def finish(self, wid: int, task: Task, now: float, measured: float, outputs: Mapping[str, int] | None,
+               host: Mapping[str, np.ndarray] | None = None,
+               device: Sequence[tuple[str, DeviceTensor]] = ()) -> Request | None:
         """Worker ``wid`` ended ``task`` after ``measured`` s; ``outputs`` (name -> bytes), or
-        None when it failed. Returns the request if it is now complete (or has just failed)."""
+        None when it failed. ``host`` and ``device``: the copies of its outputs the worker made
+        (the engine's: in host memory, and on its GPU), which their handles keep. Returns the
+        request if it is now complete (or has just failed)."""
         self.pushed_to.clear()
         st = self.workers[wid]
         st.running.remove(task)
@@ -458,19 +442,24 @@ class TaskGraph:
             copies = [*copies, *self._writebacks(task, node, outputs)]
         if copies:
             self.copy_counts.add(copies)
+        handles = req.handles
+        get = (host or {}).get
         for name, nbytes in outputs.items():
-            if name in readers:  # a handle only for what another part reads
-                valid = produced_on(node, True) if name in final else frozenset((node,))
-                req.handles[name] = DataHandle(name, nbytes, valid, readers[name])
+            if name in final:
+                handles[name] = DataHandle(name, nbytes, produced_on(node, True), readers.get(name, 0), get(name))
+            elif name in readers:  # a handle only for what is read or answered
+                handles[name] = DataHandle(name, nbytes, frozenset((node,)), readers[name], get(name))
+        for name, tensor in device:
+            handles[name].add_device(node, tensor)
         for name in task.keep:  # fetched copies that stay valid where they were fetched
-            h = req.handles[name]
+            h = handles[name]
             if node not in h.valid_on:
                 h.valid_on = h.valid_on | {node}
         for name in self._part_inputs[task.part]:  # free intermediates nobody else reads
-            h = req.handles[name]
+            h = handles[name]
             h.readers_left -= 1
             if h.readers_left <= 0 and name not in final and name in produced:
-                req.values.pop(name, None)
+                h.drop()
         req.parts_left -= 1
         for succ in self.succs[task.part]:
             t = req.tasks[succ - req.first_part]

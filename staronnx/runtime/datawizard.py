@@ -15,7 +15,12 @@ a tensor is written once, by its producer, and only read after that.
   node fetches a tensor once; a lone reader's copy goes straight into the buffers it runs on.
 - A tensor of zero bytes is never copied.
 
-This module decides; it moves no byte. The engine executes these decisions
+A :class:`DataHandle` is the one record of a tensor's state: the nodes it is valid on (what
+the policies, the predictor and the simulator see) and, in the engine, its copy on each node
+(a host array, a GPU's :class:`~staronnx.workers.replicas.DeviceTensor`) with the copy still in
+flight there. Which kind a copy is follows from its node, so nothing asks a copy its class.
+
+Apart from the handle, this module decides; it moves no byte. The engine executes these decisions
 (:mod:`staronnx.workers.replicas` and the CUDA worker issue exactly these copies, which
 ``HostRuntime`` counts), the task-graph core records them per task, the predictor and the
 simulator price them with the bus model, and :func:`request_copies` lists them for a whole
@@ -28,14 +33,18 @@ the copy would), but nothing moves.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from staronnx.plan import Plan
     from staronnx.runtime.sched import WorkerInfo
+    from staronnx.workers.replicas import DeviceMemory, DeviceTensor
 
 #: where model inputs are when a request is submitted, and where final outputs are written back
 HOST_NODE = "numa0"
@@ -68,6 +77,96 @@ def copy_kind(src: str, dst: str) -> str:
     if is_host(src):
         return "host" if is_host(dst) else "h2d"
     return "d2h" if is_host(dst) else "peer"
+
+
+_handle_ids = itertools.count()
+
+
+class DataHandle:
+    """A tensor of one request (StarPU's data handle): the memory nodes holding a valid copy
+    (``valid_on``, the core's decisions: what policies price) and the copies themselves (the
+    engine's: ``host``, one array for every host node, since host memory is one address space
+    to the workers; ``device``, a tensor per GPU node), with how many readers it waits for.
+
+    ``valid_on`` may name a node whose copy is still being made (a prefetch: ``host_ready``, or
+    the device tensor's own ``ready`` event, is what its reader waits on). The simulator keeps
+    no copies. A plain class with slots, not a dataclass: one or more are made per task."""
+
+    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id", "host", "host_ready", "device")
+
+    def __init__(self, name: str, nbytes: int, valid_on: frozenset[str] = frozenset(), readers_left: int = 0,
+                 host: np.ndarray | None = None) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        #: frozen, and replaced when a node gains a copy: a task's view then shares it instead
+        #: of copying a set per input per task
+        self.valid_on = frozenset(valid_on)
+        #: readers not finished (the copies are dropped at 0) ...
+        self.readers_left = readers_left
+        #: ... and not started: a fetched copy is kept while some reader has yet to start
+        self.unstarted = readers_left
+        self.id = next(_handle_ids)
+        #: the copy in host memory, and, while it is still coming down from a GPU (a prefetch),
+        #: the event its reader waits on with the node that lends it
+        self.host = host
+        self.host_ready: tuple[Any, DeviceMemory] | None = None
+        #: the copies in GPU memory, by node (None: none)
+        self.device: dict[str, DeviceTensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"DataHandle({self.name!r}, {self.nbytes} B, on {sorted(self.valid_on)})"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Its shape (read from a copy: the engine's handles have one while they are read)."""
+        if self.host is not None:
+            return self.host.shape
+        if self.device:
+            return next(iter(self.device.values())).shape
+        raise RuntimeError(f"{self!r} has no copy to read a shape from")
+
+    def on_device(self, node: str) -> DeviceTensor | None:
+        """Its copy in the memory of GPU ``node``, or None."""
+        return None if self.device is None else self.device.get(node)
+
+    def add_host(self, array: np.ndarray, ready: tuple[Any, DeviceMemory] | None = None) -> None:
+        """``array`` becomes its host copy unless it has one (``ready``: the copy is still
+        coming down, see :attr:`host_ready`)."""
+        if self.host is None:
+            self.host, self.host_ready = array, ready
+
+    def add_device(self, node: str, tensor: DeviceTensor) -> None:
+        """``tensor`` becomes its copy on GPU ``node`` unless it has one there."""
+        if self.device is None:
+            self.device = {node: tensor}
+        else:
+            self.device.setdefault(node, tensor)
+
+    def drop(self) -> None:
+        """Its last reader is done: the copies go (a GPU buffer back to its arena)."""
+        self.host = self.host_ready = self.device = None
+
+    def arrived(self, node: str) -> bool:
+        """Whether no copy to ``node`` is still in flight (a prefetch there is complete, or
+        there was none); the event of one that completed goes back."""
+        if not is_host(node):
+            t = self.on_device(node)
+            return t is None or t.memory.settled(t)
+        pending = self.host_ready
+        if pending is None:
+            return True
+        if pending[1].event_done(pending[0]):
+            self.host_ready = None
+            return True
+        return False
+
+    def wait_host(self) -> None:
+        """Wait until its host copy has come down (a prefetch from a GPU still in flight)."""
+        pending = self.host_ready
+        if pending is not None:
+            pending[0].synchronize()
+            pending[1].event_done(pending[0])
+            self.host_ready = None
 
 
 def source(valid_on: Collection[str], dst: str, nbytes: int, cost: CopyCost | None = None) -> str:

@@ -9,7 +9,8 @@ core, the real clock, the arrays, the perf models fed while they still need samp
 timed only then), the trace, and the futures.
 
 Data lives where the core's decisions (:mod:`staronnx.runtime.datawizard`) say: a request's
-values are its tensors' copies (:mod:`staronnx.workers.replicas`: host arrays, tensors in a
+tensors are its data handles (:class:`~staronnx.runtime.datawizard.DataHandle`), which hold
+both the nodes the policies see as valid and the copies there (a host array, tensors in a
 GPU's memory, or both). A CUDA worker leaves the outputs other parts read on its GPU and
 writes back only the request's final outputs; a task is handed, per input, its copy on the
 worker's node, or the copy its fetch reads (a CUDA worker copies it into its own buffers; a
@@ -58,7 +59,7 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Request, Task, TaskGraph
-from staronnx.runtime.datawizard import is_host
+from staronnx.runtime.datawizard import DataHandle, is_host
 from staronnx.runtime.models import ModelOverloaded, ModelSet
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
@@ -69,8 +70,7 @@ from staronnx.runtime.trace import Tracer
 from staronnx.workers.base import Worker, WorkerLost
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.launch import start_workers
-from staronnx.workers.pinned_pool import PinnedArray
-from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute, replica_on, with_replica
+from staronnx.workers.replicas import DeviceMemory, DeviceTensor, OutputRoute
 
 log = logging.getLogger(__name__)
 
@@ -213,13 +213,13 @@ class NativeEngine:
 
     def _footprint(self, req: Request, part: int) -> Footprint:
         """The perf-model key of a task, by its inputs' shapes (a few, seen over and over)."""
-        values, names = req.values, self._part_inputs[part]
-        key = (part, req.batch, *[values[n].shape for n in names])
+        handles, names = req.handles, self._part_inputs[part]
+        key = (part, req.batch, *[handles[n].shape for n in names])
         fp = self._footprints.get(key)
         if fp is None:
             if len(self._footprints) > 4096:
                 self._footprints.clear()
-            fp = self._footprints[key] = Footprint.of_feeds({n: values[n] for n in names}, req.batch,
+            fp = self._footprints[key] = Footprint.of_feeds({n: handles[n] for n in names}, req.batch,
                                                             self._part_axes[part])
         return fp
 
@@ -241,7 +241,7 @@ class NativeEngine:
                 raise EngineClosed(f"model {self.models.models[model].name!r} can no longer run: every worker "
                                    "that held one of its parts was lost")
             req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
-                                   dict(feeds), future, model=model, arrival=arrival)
+                                   feeds, future, model=model, arrival=arrival)
             if self.core.prefetches:
                 self._start_prefetches()
             future.request_id = req.id
@@ -277,26 +277,37 @@ class NativeEngine:
     def _start_prefetches(self) -> None:
         """(lock held) Start the copies the core decided when its policy placed tasks (its
         :attr:`~TaskGraph.prefetches`): on the destination GPU's copy stream, or down from a
-        GPU into pinned memory for a CPU worker, none waited for; each joins its request's
-        values as the tensor's copy there. One that cannot start is no longer valid there
-        (the task then fetches it when it starts)."""
+        GPU into pinned memory for a CPU worker, none waited for; each becomes the handle's
+        copy there. One that cannot start is no longer valid there (the task then fetches it
+        when it starts)."""
         for task, copy in self.core.prefetches:
-            name, dst = copy[0], copy[2]
-            values = task.request.values
-            value = values.get(name)
-            src = None if value is None else replica_on(value, copy[1])
-            if src is None or (is_host(dst) and src.__class__ is not DeviceTensor):
-                continue  # gone (a failed request), or host memory: read in place
+            name, src, dst = copy[0], copy[1], copy[2]
+            h = task.request.handles.get(name)
+            if h is None or (is_host(dst) and (is_host(src) or h.host is not None)):
+                continue  # host memory: read in place
             try:
-                got = src.memory.download(src, wait=False) if is_host(dst) else self._memories[dst].prefetch(src)
+                self._prefetch(h, src, dst)
             except Exception as exc:  # noqa: BLE001 - the task's own fetch will say what fails
                 log.debug("prefetch of %s to %s failed: %s", name, dst, exc)
-                h = task.request.handles[name]
                 h.valid_on = h.valid_on - {dst}
                 task.prefetched = [c for c in task.prefetched if c is not copy]
-                continue
-            values[name] = with_replica(value, dst, got)
         self.core.prefetches.clear()
+
+    def _prefetch(self, h: DataHandle, src: str, dst: str) -> None:
+        """Start the copy of ``h`` from node ``src`` to node ``dst`` (not both host memory);
+        nothing when the source copy is gone (a failed request's)."""
+        if is_host(dst):
+            tensor = h.on_device(src)
+            if tensor is not None:
+                array, ready = tensor.memory.download_async(tensor)
+                h.add_host(array, None if ready is None else (ready, tensor.memory))
+            return
+        memory = self._memories[dst]
+        if is_host(src):
+            if h.host is not None:
+                h.add_device(dst, memory.upload(h.host, wait=False))
+        elif (tensor := h.on_device(src)) is not None:
+            h.add_device(dst, memory.peer(tensor, wait=False))
 
     def _count_start(self, task: Task, wid: int) -> None:
         """Whether ``task`` found its inputs on its worker's node as it starts: nothing to
@@ -310,11 +321,9 @@ class NativeEngine:
         if not task.prefetched:
             return
         counts[1] += 1
-        values = task.request.values
+        handles = task.request.handles
         for c in task.prefetched:
-            r = replica_on(values[c[0]], node)
-            if r is not None and r.ready is not None and not (r.memory if r.__class__ is DeviceTensor
-                                                               else r.ready_pool).settled(r):
+            if not handles[c[0]].arrived(node):
                 return
         counts[2] += 1
 
@@ -527,40 +536,47 @@ class NativeEngine:
             self._frozen.add(key)
         return needed
 
-    def _feeds(self, task: Task, wid: int, kept: list[tuple[str, Any]]) -> dict[str, Any]:
+    def _feeds(self, task: Task, wid: int, kept: _Kept) -> dict[str, Any]:
         """The task's inputs as its worker reads them: each one's copy on the worker's node,
         or, where the core decided a fetch, the copy that fetch reads (a CUDA worker copies it
         into its own buffers). A CPU worker's fetch from a GPU is downloaded here; a fetch the
-        core keeps (a later reader wants it) is made here as the handle's own copy, and
-        appended to ``kept`` (name, copy) to join the request's values when the task ends."""
-        values = task.request.values
+        core keeps (a later reader wants it) is made here as the handle's own copy, and added
+        to ``kept`` to join the handle when the task ends."""
+        handles = task.request.handles
         names = self._part_inputs[task.part]
-        if not self._memories:  # no GPU memory anywhere: every value is a host array
-            return {n: values[n] for n in names}
-        node, on_host, keep = self._nodes[wid], self._on_host[wid], task.keep
-        feeds = {}
-        for n in names:
-            v = values[n]
-            cls = v.__class__
-            if (cls is np.ndarray or cls is PinnedArray or (cls is not DeviceTensor and cls is not Data
-                                                            and isinstance(v, np.ndarray))) and (on_host or n not in keep):
-                feeds[n] = v  # a host array, read as it is
-                continue
-            r = replica_on(v, node)
-            if on_host and r is not None and r.__class__ is PinnedArray and r.ready is not None:
-                r.ready.synchronize()  # a prefetch from a GPU still coming down
-                r.ready_pool.settled(r)
-            if r is None:  # a fetch: from the source the core chose
-                src = replica_on(v, next(c.src for c in task.copies if c.name == n and c.dst == node))
-                if on_host:
-                    r = src.memory.download(src) if src.__class__ is DeviceTensor else src
-                elif n in keep:
-                    r = self._memories[node].fetch(src)
-                else:
-                    r = src
+        if not self._memories:  # no GPU memory anywhere: every input is a host array
+            return {n: handles[n].host for n in names}
+        node, keep = self._nodes[wid], task.keep
+        feeds: dict[str, Any] = {}  # host arrays, and tensors in a GPU's memory for a CUDA worker
+        if self._on_host[wid]:
+            for n in names:
+                h = handles[n]
+                if h.host is not None:
+                    if h.host_ready is not None:
+                        h.wait_host()  # a prefetch from a GPU still coming down
+                    feeds[n] = h.host
+                    continue
+                tensor = _on_device(h, _fetched_from(task, n, node))
+                feeds[n] = array = tensor.memory.download(tensor)
                 if n in keep:
-                    kept.append((n, r))
-            feeds[n] = r
+                    kept.host.append((n, array))
+            return feeds
+        for n in names:
+            h = handles[n]
+            here = h.on_device(node)
+            if here is not None:
+                feeds[n] = here
+                continue
+            if h.device is None and n not in keep:
+                feeds[n] = _host(h)  # a host array, read as it is
+                continue
+            src = _fetched_from(task, n, node)
+            if n not in keep:
+                feeds[n] = _host(h) if is_host(src) else _on_device(h, src)
+                continue
+            memory = self._memories[node]
+            feeds[n] = here = memory.upload(_host(h)) if is_host(src) else memory.peer(_on_device(h, src))
+            kept.device.append((n, here))
         return feeds
 
     def _start(self, wid: int, worker: Worker, task: Task | Pinned, ahead: bool) -> _Started:
@@ -574,7 +590,7 @@ class NativeEngine:
         else:
             scheduled, timed, given = task, self._timed(wid, task), None
         start = self.clock.now()
-        kept: list[tuple[str, Any]] = []
+        kept = _Kept()
         if self.core.prefetch and scheduled is not None:
             self._count_start(scheduled, wid)
         try:
@@ -582,12 +598,13 @@ class NativeEngine:
             assert feeds is not None
             if ahead:
                 route = self._routes[task.part] if self._memories and scheduled is not None else None
-                return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route), kept=kept or None)
+                return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route),
+                                kept=kept if kept else None)
             began = self.clock.now()
             outputs = worker.run_here(task.part, feeds, timed)
             copied = scheduled is not None and bool(scheduled.copies)
             compute = worker.last_compute_seconds or (self.clock.now() - began if copied else None)
-            return _Started(start, timed, None, outputs, None, compute, kept or None)
+            return _Started(start, timed, None, outputs, None, compute, kept if kept else None)
         except WorkerLost:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request (or pinned task) only
@@ -609,6 +626,8 @@ class NativeEngine:
             try:
                 started.outputs = worker.finish_here(started.handle)
                 started.compute = worker.last_compute_seconds
+                if self._memories:
+                    started.device = worker.device_outputs(started.handle)
             except WorkerLost:
                 raise
             except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -636,16 +655,15 @@ class NativeEngine:
             self.predictor.record(task.part, info.arch, task.view.footprint, started.compute or measured)
         if self.tracer is not None:
             self._trace(wid, task, start, end, error is not None)
+        sizes: dict[str, int] | None = None
+        if error is None:
+            sizes = {n: a.nbytes for n, a in (outputs or {}).items()}
+            for n, t in started.device:
+                sizes.setdefault(n, t.nbytes)
         with self._lock:
-            if outputs:
-                req.values.update(outputs)
-            sizes = None if error is not None else {n: a.nbytes for n, a in (outputs or {}).items()}
-            if started.kept and error is None:
-                values, node = req.values, info.memory_node
-                for name, copy in started.kept:
-                    values[name] = with_replica(values[name], node, copy)
-
-            done = self.core.finish(wid, task, end, measured, sizes)
+            if started.kept is not None and error is None:
+                started.kept.join(req.handles, info.memory_node)
+            done = self.core.finish(wid, task, end, measured, sizes, outputs, started.device)
             if self.core.prefetches:
                 self._start_prefetches()
             if self._idle:
@@ -659,9 +677,8 @@ class NativeEngine:
                 value, ok = TaskError(task.part, info.name, error), False
                 value.__cause__ = error
             else:
-                values = done.values
-                value, ok = {n: v if (v := values[n]).__class__ is np.ndarray else _host(v)
-                             for n in self._output_names[done.model]}, True
+                handles = done.handles
+                value, ok = {n: _host(handles[n]) for n in self._output_names[done.model]}, True
             if defer is None:
                 settle(done.owner, value, ok)
             elif settle_quietly(done.owner, value, ok):
@@ -774,16 +791,52 @@ class _Started:
     outputs: dict[str, np.ndarray] | None = None  # set once it ran (None while launched)
     error: BaseException | None = None
     compute: float | None = None
-    #: fetched inputs kept as the handle's copies on the worker's node: (name, copy)
-    kept: list[tuple[str, Any]] | None = None
+    #: fetched inputs kept as the handles' copies on the worker's node
+    kept: _Kept | None = None
+    #: its outputs kept on its GPU (a CUDA worker's, for the parts that read them)
+    device: Sequence[tuple[str, DeviceTensor]] = ()
 
 
-def _host(value: Any) -> np.ndarray:
-    """A final output's host copy (its producer wrote it back)."""
-    host: np.ndarray | None = replica_on(value, "numa0")  # (any host node's)
-    if host is None:
-        raise RuntimeError(f"a final output is not on the host: {value!r}")
-    return host
+class _Kept:
+    """A task's fetched inputs that become their handles' copies on its worker's node when it
+    ends (the core then marks them valid there): host arrays on a CPU worker, tensors on a
+    CUDA worker's GPU."""
+
+    __slots__ = ("host", "device")
+
+    def __init__(self) -> None:
+        self.host: list[tuple[str, np.ndarray]] = []
+        self.device: list[tuple[str, DeviceTensor]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.host or self.device)
+
+    def join(self, handles: Mapping[str, DataHandle], node: str) -> None:
+        """(engine lock held) Each copy joins its handle."""
+        for name, array in self.host:
+            handles[name].add_host(array)
+        for name, tensor in self.device:
+            handles[name].add_device(node, tensor)
+
+
+def _host(h: DataHandle) -> np.ndarray:
+    """A handle's host copy (a model input's, or a final output its producer wrote back)."""
+    if h.host is None:
+        raise RuntimeError(f"{h!r} has no copy in host memory")
+    return h.host
+
+
+def _on_device(h: DataHandle, node: str) -> DeviceTensor:
+    """A handle's copy on GPU ``node``, where a fetch reads it."""
+    tensor = h.on_device(node)
+    if tensor is None:
+        raise RuntimeError(f"{h!r} has no copy on {node} to fetch from")
+    return tensor
+
+
+def _fetched_from(task: Task, name: str, node: str) -> str:
+    """The node the fetch of input ``name`` to ``node`` the core decided for ``task`` reads."""
+    return next(c.src for c in task.copies if c.name == name and c.dst == node)
 
 
 def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:

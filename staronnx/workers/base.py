@@ -33,7 +33,7 @@ from typing import Any, ClassVar, Protocol, Self
 import numpy as np
 
 from staronnx.errors import DeviceError, ModelError
-from staronnx.workers.replicas import OutputRoute
+from staronnx.workers.replicas import DeviceTensor, OutputRoute
 
 __all__ = ["ThreadWorker", "Worker", "WorkerLost"]
 
@@ -89,6 +89,10 @@ class Worker(Protocol):
     def finish_here(self, launch: Any) -> Outputs:
         outputs: Outputs = launch
         return outputs
+
+    def device_outputs(self, launch: Any) -> Sequence[tuple[str, DeviceTensor]]:
+        """After ``finish_here``: the outputs its ``route`` kept in the worker's GPU memory."""
+        return ()
 
     def ready(self, launch: Any) -> bool:  # whether finish_here returns at once
         return True

@@ -84,7 +84,7 @@ from staronnx.workers.cudart import (
 )
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
-from staronnx.workers.replicas import Data, DeviceMemory, DeviceTensor, OutputRoute
+from staronnx.workers.replicas import DeviceMemory, DeviceTensor, OutputRoute
 from staronnx.workers.slots import (GRAPH_CAPTURE, GRAPH_REPLAY, NO_GRAPH, Part, Slot, SlotCache, SlotTensor,
                                     check_feeds, native_run, numpy_type)
 
@@ -296,14 +296,14 @@ class CudaWorker(ThreadWorker):
                 raise self._lost_or(error)
         return seconds
 
-    def run_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> Outputs:
+    def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
         """Run a part from inside this worker's thread (see :meth:`spawn`): copies in, run,
         copies out, one wait; errors propagate (:class:`WorkerLost` once the context is lost).
 
         ``timed=False`` records no event (nothing to learn: the perf model is calibrated), so
         :attr:`last_compute_seconds` is then None."""
         self._check_own_thread()
-        return self.finish_here(self.launch_here(part, feeds, timed, route))
+        return self.finish_here(self.launch_here(part, feeds, timed))
 
     def launch_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> _Launch:
         """Queue a part's copies and run on the stream and return without waiting (from the
@@ -314,8 +314,9 @@ class CudaWorker(ThreadWorker):
         A feed is a host array (copied up into the slot's buffer) or a
         :class:`~staronnx.workers.replicas.DeviceTensor` (on this GPU: a device-local copy
         into the slot's fixed buffer, no upload; on another: a peer copy). ``route`` says
-        which outputs come back to the host and which stay on this GPU as tensors of
-        :attr:`device_memory` (None: every output comes back)."""
+        which outputs come back to the host (:meth:`finish_here`) and which stay on this GPU as
+        tensors of :attr:`device_memory` (:meth:`device_outputs`; None: every output comes
+        back)."""
         if self.lost is not None:
             raise self._unusable()
         try:
@@ -324,11 +325,16 @@ class CudaWorker(ThreadWorker):
             raise self._lost_or(exc) from None
 
     def finish_here(self, launch: _Launch) -> Outputs:
-        """Wait for a launched task and return its outputs (from the worker's thread)."""
+        """Wait for a launched task and return its outputs written back to the host (from the
+        worker's thread)."""
         try:
             return self._wait(launch)
         except BaseException as exc:
             raise self._lost_or(exc) from None
+
+    def device_outputs(self, launch: _Launch) -> Sequence[tuple[str, DeviceTensor]]:
+        """The outputs of a finished task that its route kept on this GPU: (name, tensor)."""
+        return launch.kept or ()
 
     def ready(self, launch: _Launch) -> bool:
         """Whether :meth:`finish_here` would return without blocking (the launch's work is
@@ -555,7 +561,7 @@ class CudaWorker(ThreadWorker):
     def _host_source(self, t: SlotTensor, a: Any) -> int:
         """Where an input's H2D copy reads: the array itself when it was assembled in pinned
         memory (a pool batch: no staging pass), else the slot's pinned buffer, filled here."""
-        src = a.pinned_ptr if a.__class__ is PinnedArray else None
+        src = a.pinned_ptr if isinstance(a, PinnedArray) else None
         if src is None:
             np.copyto(t.view, a)
             return int(t.pinned.ptr)
@@ -576,8 +582,6 @@ class CudaWorker(ThreadWorker):
                 assert slot.outputs is not None
                 written = slot.outputs if launch.written is None else launch.written
                 outputs = {t.name: t.view.copy() for t in written}
-                if launch.kept:
-                    self._add_kept(outputs, launch.kept)
             if launch.timed:
                 self._read_timings(slot, launch)
             else:
@@ -588,14 +592,6 @@ class CudaWorker(ThreadWorker):
         finally:
             self._slots.release(slot)
         return outputs
-
-    def _add_kept(self, outputs: Outputs, kept: list[tuple[str, DeviceTensor]]) -> None:
-        """The outputs kept on this GPU, beside those written back (an output both read by
-        another part and final is a :class:`Data` of both copies)."""
-        for name, tensor in kept:
-            host = outputs.get(name)
-            outputs[name] = (tensor if host is None  # type: ignore[assignment]  # Outputs (workers/base.py) says
-                             else Data({self.host_node.name: host, self.node.name: tensor}))  # host arrays only
 
     def _read_timings(self, slot: Slot, launch: _Launch) -> None:
         """GPU times of the task just waited for (its events are complete), and its copies
@@ -706,7 +702,7 @@ class CudaWorker(ThreadWorker):
             slot.events["h2d_start"].record(stream)
         up = 0
         for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
-            if a.__class__ is DeviceTensor:
+            if isinstance(a, DeviceTensor):
                 self._copy_in(dst, a, nbytes)
             else:
                 self._runtime.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
@@ -775,8 +771,6 @@ class CudaWorker(ThreadWorker):
         stream.synchronize()
         del produced  # ORT's own output buffers may go back to its arena now
         outputs = {t.name: np.array(t.pinned.view(t.dtype, t.shape), copy=True) for t in written}
-        if kept:
-            self._add_kept(outputs, kept)
         if discovering:
             self._bind_static_outputs(slot, part)
         return _Launch(slot, timed, None, outputs, written, kept)

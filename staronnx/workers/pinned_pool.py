@@ -36,10 +36,6 @@ class PinnedArray(np.ndarray):
     pool (a lock and a scan) for every input of every task."""
 
     pinned_ptr: int | None = None
-    #: an event a reader waits on first when the array is a copy still in flight (a prefetch
-    #: from a GPU), with the memory node that lends it (``ready_pool.give_event``); None: ready
-    ready: Any = None
-    ready_pool: Any = None
 
 
 class BufferArena:

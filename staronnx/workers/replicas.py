@@ -1,12 +1,10 @@
 """A data handle's copies, and the memory of a GPU node they live in (StarPU's datawizard,
 the part that moves bytes; :mod:`staronnx.runtime.datawizard` decides which).
 
-A request's tensor may be valid on several memory nodes at once. Its copy on the host is a
+A request's tensor may be valid on several memory nodes at once; its
+:class:`~staronnx.runtime.datawizard.DataHandle` holds the copies. Its copy on the host is a
 numpy array (pinned when it came from a GPU, or from the serving pool); its copy on a GPU is a
-:class:`DeviceTensor`, a buffer of that GPU's :class:`DeviceMemory`. A tensor with copies on
-more than one node is a :class:`Data` (a node -> copy map); one with a single copy is that copy
-itself, so the common case (a model input on the host, a final output come back) costs no
-wrapper per task.
+:class:`DeviceTensor`, a buffer of that GPU's :class:`DeviceMemory`.
 
 :class:`DeviceMemory` is one GPU as a memory node: an arena of device buffers (reused by size:
 nothing is allocated per task in the steady state, and nothing freed while serving, since
@@ -36,7 +34,7 @@ from staronnx.workers.pinned_pool import BufferArena, PinnedArray, PinnedPool
 if TYPE_CHECKING:
     from staronnx.workers.cudart import Buffer, GpuRuntime
 
-__all__ = ["Data", "DeviceMemory", "DeviceTensor", "OutputRoute", "replica_on", "with_replica"]
+__all__ = ["DeviceMemory", "DeviceTensor", "OutputRoute"]
 
 
 class DeviceTensor:
@@ -85,51 +83,6 @@ class OutputRoute:
 
     def __repr__(self) -> str:
         return f"OutputRoute(host={sorted(self.host)}, device={sorted(self.device)})"
-
-
-class Data:
-    """A tensor valid on several memory nodes: node name -> its copy there (an array on a
-    host node, a :class:`DeviceTensor` on a GPU)."""
-
-    __slots__ = ("copies", "nbytes", "dtype", "shape")
-
-    def __init__(self, copies: dict[str, Any]) -> None:
-        self.copies = copies
-        first = next(iter(copies.values()))
-        self.nbytes, self.dtype, self.shape = int(first.nbytes), first.dtype, tuple(first.shape)
-
-    def __repr__(self) -> str:
-        return f"Data({sorted(self.copies)}, {self.shape}, {self.dtype})"
-
-
-def _on_host(node: str) -> bool:
-    return node.startswith("numa")
-
-
-def replica_on(value: Any, node: str) -> Any:
-    """``value``'s copy on ``node`` (an array for any host node: host memory is one address
-    space to the workers), or None when it has none there."""
-    cls = value.__class__
-    if cls is DeviceTensor:
-        return value if value.node == node else None
-    if cls is Data:
-        copy = value.copies.get(node)
-        if copy is None and _on_host(node):
-            copy = next((c for n, c in value.copies.items() if _on_host(n)), None)
-        return copy
-    return value if _on_host(node) else None  # an array
-
-
-def with_replica(value: Any, node: str, copy: Any) -> Any:
-    """``value`` with ``copy`` added as its copy on ``node`` (one of the two on a GPU: a host
-    array stands for the host, ``numa0``, where it is alone)."""
-    if value.__class__ is Data:
-        value.copies.setdefault(node, copy)
-        return value
-    here = value.node if value.__class__ is DeviceTensor else "numa0"
-    if here == node or (_on_host(here) and _on_host(node)):
-        return value
-    return Data({here: value, node: copy})
 
 
 class DeviceMemory(BufferArena):
@@ -208,55 +161,59 @@ class DeviceMemory(BufferArena):
         self.runtime.copy_d2d(t.ptr, src, t.nbytes, stream)
         return t
 
-    def fetch(self, value: Any) -> DeviceTensor:
-        """A copy on this GPU of ``value`` (a host array, or a tensor on another GPU), made and
-        waited for: the fetch of a reader whose copy stays for the readers to come."""
-        with self._copying, self._on_device() as stream:
-            t, source = self._copy_in(value, stream)
-            stream.synchronize()  # (the staging buffer, ``source``, may go once the copy is done)
-        return t
-
-    def prefetch(self, value: Any) -> DeviceTensor:
-        """A copy on this GPU of ``value`` (a host array, or a tensor on another GPU), started
-        on this node's copy stream and not waited for: its ``ready`` event is what a reader's
+    def upload(self, array: np.ndarray, wait: bool = True) -> DeviceTensor:
+        """A copy on this GPU of the host array ``array``: made and waited for (the fetch of a
+        reader whose copy stays for the readers to come), or, with ``wait=False``, started on
+        this node's copy stream and not waited for: its ``ready`` event is what a reader's
         stream waits on (StarPU's prefetch, at push time, while the worker runs its current
         task)."""
         with self._copying, self._on_device() as stream:
-            t, source = self._copy_in(value, stream)
-            t.source = source
-            t.ready = self._event()
-            t.ready.record(stream)
+            if not array.flags.c_contiguous:  # (reshaped: np.ascontiguousarray makes a 0-d array 1-d)
+                array = np.ascontiguousarray(array).reshape(array.shape)
+            t = self.tensor(array.dtype, array.shape)
+            src, staging = self._pinned_source(array)
+            self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
+            return self._copied(t, staging, stream, wait)
+
+    def peer(self, tensor: DeviceTensor, wait: bool = True) -> DeviceTensor:
+        """A copy on this GPU of ``tensor`` (on another GPU), enqueued behind ``tensor``'s own
+        ready event: waited for, or not (``wait=False``), as :meth:`upload`."""
+        with self._copying, self._on_device() as stream:
+            t = self.tensor(tensor.dtype, tensor.shape)
+            if tensor.ready is not None:
+                stream.wait(tensor.ready)
+            self.runtime.copy_peer(t.ptr, self.device_id, tensor.ptr, tensor.device, t.nbytes, stream)
+            return self._copied(t, tensor, stream, wait)
+
+    def _copied(self, t: DeviceTensor, source: object, stream: Any, wait: bool) -> DeviceTensor:
+        """(copy lock held, on this device) ``t`` once its copy is enqueued: waited for, or
+        given the event a reader waits on and ``source`` (what the copy reads: the pinned
+        staging of a host array, or the peer tensor) to keep alive until then."""
+        if wait:
+            stream.synchronize()  # (the staging buffer may go once the copy is done)
+            return t
+        t.source = source
+        t.ready = self._event()
+        t.ready.record(stream)
         return t
 
-    def _copy_in(self, value: Any, stream: Any) -> tuple[DeviceTensor, Any]:
-        """(copy lock held, on this device) A new tensor here and the copy of ``value`` into it,
-        enqueued on ``stream`` behind ``value``'s own ready event; with what must stay alive
-        until the copy is done (the source tensor, or the pinned staging of a host array)."""
-        if value.__class__ is DeviceTensor:
-            t = self.tensor(value.dtype, value.shape)
-            if value.ready is not None:
-                stream.wait(value.ready)
-            self.runtime.copy_peer(t.ptr, self.device_id, value.ptr, value.device, t.nbytes, stream)
-            return t, value
-        array = np.asarray(value)
-        if not array.flags.c_contiguous:  # (reshaped: np.ascontiguousarray makes a 0-d array 1-d)
-            array = np.ascontiguousarray(array).reshape(array.shape)
-        t = self.tensor(array.dtype, array.shape)
-        src, staging = self._pinned_source(array)
-        self.runtime.copy_h2d(t.ptr, src, t.nbytes, stream)
-        return t, staging
-
-    def settled(self, copy: Any) -> bool:
-        """Whether the copy ``copy`` (a prefetched tensor or pinned array) is complete; once it
-        is, its event goes back and a reader no longer waits on it."""
-        ready = copy.ready
+    def settled(self, tensor: DeviceTensor) -> bool:
+        """Whether the copy that fills ``tensor`` (a prefetch) is complete; once it is, its
+        event goes back and a reader no longer waits on it."""
+        ready = tensor.ready
         if ready is None:
             return True
+        if not self.event_done(ready):
+            return False
+        tensor.ready = None
+        return True
+
+    def event_done(self, event: Any) -> bool:
+        """Whether the copy ``event`` marks is complete; once it is, the event goes back."""
         with capture_safe(self.runtime):
-            done = bool(ready.query())
+            done = bool(event.query())
         if done:
-            copy.ready = None
-            self.give_event(ready)
+            self.give_event(event)
         return done
 
     def _event(self) -> Any:
@@ -270,11 +227,19 @@ class DeviceMemory(BufferArena):
         """(any thread) An event no reader waits on any more."""
         self._events.append(event)
 
-    def download(self, tensor: DeviceTensor, wait: bool = True) -> np.ndarray:
-        """``tensor``'s bytes in host memory (pinned, from the pool where there is one): waited
-        for (the fetch of a CPU reader), or, with ``wait=False``, only started (a prefetch: the
-        array's ``ready`` event is what its reader waits on; synchronous without a pinned pool,
-        as a copy to pageable memory is)."""
+    def download(self, tensor: DeviceTensor) -> np.ndarray:
+        """``tensor``'s bytes in host memory (pinned, from the pool where there is one), waited
+        for: the fetch of a CPU reader."""
+        out, ready = self._download(tensor, wait=True)
+        return out
+
+    def download_async(self, tensor: DeviceTensor) -> tuple[np.ndarray, Any]:
+        """``tensor``'s bytes in host memory, the copy only started (a prefetch for a CPU
+        reader): the array, and the event its reader waits on (None: already complete, as a
+        copy to pageable memory is without a pinned pool)."""
+        return self._download(tensor, wait=False)
+
+    def _download(self, tensor: DeviceTensor, wait: bool) -> tuple[np.ndarray, Any]:
         pool = self.pinned_pool
         out = pool.array(tensor.shape, tensor.dtype) if pool is not None else np.empty(tensor.shape, tensor.dtype)
         dst = out.pinned_ptr if isinstance(out, PinnedArray) and out.pinned_ptr else out.ctypes.data
@@ -282,13 +247,12 @@ class DeviceMemory(BufferArena):
             if tensor.ready is not None:
                 stream.wait(tensor.ready)
             self.runtime.copy_d2h(int(dst), tensor.ptr, tensor.nbytes, stream)
-            if wait or not isinstance(out, PinnedArray):
+            if wait or pool is None:
                 stream.synchronize()
-                return out
+                return out, None
             ready = self._event()
             ready.record(stream)
-        out.ready, out.ready_pool = ready, self
-        return out
+        return out, ready
 
     def _pinned_source(self, array: np.ndarray) -> tuple[int, Any]:
         """Where an upload reads ``array``: itself when it is pinned pool memory, else a pinned
