@@ -38,6 +38,17 @@ Shape = Sequence[int | str | None]
 _BATCH_NAME = re.compile(r"^(batch(_?size)?|bs|n|b|batch_?\w*|\w*_batch)$", re.IGNORECASE)
 
 
+def take_rows(axes: Mapping[str, int | None], feeds: Mapping[str, np.ndarray], start: int, stop: int
+              ) -> dict[str, np.ndarray]:
+    """Rows ``start:stop`` of each tensor along its axis in ``axes`` (views); a tensor whose
+    axis is None (or that ``axes`` does not name) whole."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in feeds.items():
+        axis = axes.get(name)
+        out[name] = value if axis is None else value[(slice(None),) * axis + (slice(start, stop),)]
+    return out
+
+
 class ContractError(StaronnxError, ValueError):
     """A batch-axis override that does not fit the model (unknown name, axis out of range)."""
 
@@ -249,11 +260,7 @@ class BatchContract:
 
     def take(self, feeds: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of every batched input (views); per-request values whole."""
-        out: dict[str, np.ndarray] = {}
-        for name, value in feeds.items():
-            axis = self.inputs.get(name)
-            out[name] = value if axis is None else value[(slice(None),) * axis + (slice(start, stop),)]
-        return out
+        return take_rows(self.inputs, feeds, start, stop)
 
     def concat(self, samples: Sequence[Mapping[str, np.ndarray]], rows: int,
                alloc: Callable[[tuple[int, ...], np.dtype], np.ndarray] = np.empty) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from staronnx.contract import take_rows
 from staronnx.plan import Plan
 
 
@@ -66,11 +67,7 @@ class RowLayout:
 
     def take(self, arrays: Mapping[str, np.ndarray], start: int, stop: int) -> dict[str, np.ndarray]:
         """Rows ``start:stop`` of every input (views where numpy allows); shared values whole."""
-        out: dict[str, np.ndarray] = {}
-        for name, value in arrays.items():
-            axis = self.inputs.get(name)
-            out[name] = value if axis is None else value[(slice(None),) * axis + (slice(start, stop),)]
-        return out
+        return take_rows(self.inputs, arrays, start, stop)
 
     def join(self, pieces: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
         """Consecutive pieces of rows as one (a batch that spans two chunks of a source)."""
