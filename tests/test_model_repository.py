@@ -50,6 +50,14 @@ instance_group [ { kind: KIND_CPU } ]
 parameters { key: "slo_ms" value: { string_value: "250" } }
 """
 
+WARMED_CONFIG = """
+max_batch_size: 8
+optimization { cuda { graphs: false } }
+model_warmup [ { name: "zeros" batch_size: 2 count: 3
+                 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 16 ] zero_data: true } }
+                 inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } } } ]
+"""
+
 #: model -> (config text or None, versions): the ones that serve
 SERVED = {
     "simple": (SIMPLE_CONFIG, [1]),
@@ -57,12 +65,13 @@ SERVED = {
     "versioned": ('platform: "onnxruntime_onnx"', [1, 2]),
     "unbatched": ("max_batch_size: 0", [1]),
     "tuned": (TUNED_CONFIG, [3]),
+    "warmed": (WARMED_CONFIG, [1]),
 }
 
 #: model -> (config text, versions, words its reason must hold): the ones that fail alone
 REFUSED = {
     "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
-    "warm": ('model_warmup [ { name: "w" batch_size: 1 } ]', [1], "config field model_warmup is not honoured"),
+    "cached": ("response_cache { enable: true }", [1], "config field response_cache is not honoured"),
     "ordered": ("max_batch_size: 8 dynamic_batching { preserve_ordering: true }", [1],
                 "config field dynamic_batching.preserve_ordering is not honoured"),
     "on_gpu": ("instance_group [ { kind: KIND_GPU } ]", [1], "instance_group KIND_GPU: this server has no CUDA workers"),
@@ -74,6 +83,14 @@ REFUSED = {
     "wrong_dims": ('max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 15 ] } ]', [1],
                    "the config's dims [15] do not fit the model's [16]"),
     "no_version": ("", [], "has no version folder"),
+    "graphs": ("optimization { cuda { graphs: true } }", [1],
+               "optimization.cuda.graphs is true, but this server has no CUDA graphs"),
+    "half_warm": ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: '
+                  '{ data_type: TYPE_INT32 dims: [ 16 ] zero_data: true } } } ]', [1],
+                  "model_warmup[0]: its inputs must be the model's (INPUT0, INPUT1); missing INPUT1"),
+    "from_file": ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: '
+                  '{ data_type: TYPE_INT32 dims: [ 16 ] input_data_file: "x" } } } ]', [1],
+                  "config field model_warmup[0].inputs['INPUT0'].input_data_file is not honoured"),
 }
 
 
@@ -138,7 +155,7 @@ def test_index_lists_every_model_with_its_state_and_reason(served, protocol):
 def test_models_answer_through_both_protocols(served, protocol):
     module = httpclient if protocol == "http" else grpcclient
     client = module.InferenceServerClient(served.http if protocol == "http" else served.grpc)
-    for model in ("simple", "unbatched", "tuned"):
+    for model in ("simple", "unbatched", "tuned", "warmed"):
         inputs, a, b = _simple_inputs(module, 2)
         result = client.infer(model, inputs)
         np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
@@ -192,7 +209,7 @@ def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
     home = Path(re.search(r"plan (\S+/repository-plans)/", "\n".join(served.lines)).group(1))
     made = sorted(p.name for p in home.iterdir() if not p.name.startswith("."))
     plans = {m: re.search(rf"model '{m}': .*plan (\S+) \(", "\n".join(served.lines)).group(1) for m in SERVED}
-    assert plans["simple"] == plans["unbatched"] == plans["tuned"]
+    assert plans["simple"] == plans["unbatched"] == plans["tuned"] == plans["warmed"]
     assert len(set(plans.values())) == len(made) == 3  # simple's file, simple_string's, versioned v2's
     stamps = {p: os.stat(p).st_mtime_ns for p in plans.values()}
     again = start_server([], home.parent.parent, "--model-repository", str(repo), "--policy", "eager")
@@ -201,6 +218,11 @@ def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
         assert all(os.stat(p).st_mtime_ns == t for p, t in stamps.items())
     finally:
         assert again.stop() == 0
+
+
+def test_warmup_runs_before_the_model_serves(served):
+    line = next(x for x in served.lines if x.startswith("model 'warmed':"))
+    assert "warmed up (3 runs)" in line
 
 
 def test_serve_needs_something_to_serve(tmp_path):

@@ -223,13 +223,14 @@ def serve_cmd(
     declared: dict[str, Declared] = {}
     unavailable: dict[str, str] = {}
     stamps: dict[str, Any] = {}
+    warmups: dict[str, Any] = {}  # repository models with model_warmup samples to run before serving
     for model_name, folder in in_repository:
         if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
             continue  # loaded on request
         stamps[model_name] = folder_stamp(folder)
         try:
             found = repository.load(model_name, folder, batch_size)
-            wants = repository.workers_for(found, cuda_streams, separate_runtimes)
+            wants = repository.workers_for(found, cuda_streams, separate_runtimes, cuda_graphs)
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
@@ -241,6 +242,7 @@ def serve_cmd(
         if found.settings.target:
             targets[model_name] = {**found.settings.target, **targets.get(model_name, {})}
         declared[model_name] = Declared(found.version, found.config, found.labels)
+        warmups[model_name] = found
     # a model that cannot be served fails alone: said, listed UNAVAILABLE with its reason, the others serve
     unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
     for model_name, why in unavailable.items():
@@ -302,10 +304,21 @@ def serve_cmd(
                 runtime = Runtime(plan, targets={plan_name(plan): targets[model_name]} if model_name in targets
                                   else None, **options)
             spec = specs[model_name]
+            warm_runs = 0
+            if model_name in warmups:
+                try:
+                    warm_runs = repository.warm(warmups[model_name], runtime)
+                except StaronnxError as exc:  # this model fails alone
+                    say(f"model {model_name!r} is not served: {exc}")
+                    unavailable[model_name] = str(exc)
+                    if shared is None:
+                        runtime.close()
+                    continue
             endpoint = endpoint_of(model_name, runtime, spec, declared.get(model_name), targets.get(model_name, {}))
             models.append(endpoint)
             graphs = runtime.preferred_batch_sizes if isinstance(runtime, Runtime) else ()
             origin = (f"version {declared[model_name].version} of the repository, " if model_name in declared else "")
+            origin += f"warmed up ({warm_runs} runs), " if warm_runs else ""
             say(f"model {model_name!r}: {origin}plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
                 f"batches of up to {spec.batch_size}, max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
                 f"{endpoint.server.max_inflight} batches in flight"
@@ -326,14 +339,20 @@ def serve_cmd(
                 handle = shared.model(model_name)
                 if (handle.plan.hash == found.plan.hash and handle.plan.contract == found.plan.contract
                         and targets.get(model_name, {}) == target):
+                    repository.warm(found, handle)
                     return endpoint_of(model_name, handle, spec, decl, target)
-            if repository.workers_for(found, cuda_streams, True if cuda_streams else separate_runtimes):
+            if repository.workers_for(found, cuda_streams, True if cuda_streams else separate_runtimes, cuda_graphs):
                 raise StaronnxError("instance_group keeps the model on some workers of the shared runtime, which "
                                     "cannot take a model while it runs: list it in --load-model to load it at start")
             unfit = unservable(found.plan)
             if unfit is not None:
                 raise StaronnxError(unfit)
             runtime = Runtime(found.plan, targets={plan_name(found.plan): target} if target else None, **options)
+            try:
+                repository.warm(found, runtime)
+            except BaseException:
+                runtime.close()
+                raise
             return endpoint_of(model_name, runtime, spec, decl, target)
 
         if model_repository:  # plan folders alone: the models are fixed (load and unload refused as ever)

@@ -27,12 +27,16 @@ served as if a field meant something it does not here. What is honoured, and wha
 * ``instance_group`` kinds without counts or GPU lists: ``KIND_AUTO`` (each task on whichever
   worker, CPU group or CUDA stream, the policy picks), ``KIND_CPU`` (the CPU groups only) and
   ``KIND_GPU`` (the CUDA streams only; a server without ``--cuda-streams`` cannot serve it);
+* ``optimization { cuda { graphs } }``: must agree with the server's CUDA graphs (``--cuda-streams``
+  and ``--cuda-graphs``, which every model of its shared runtime has or not);
+* ``model_warmup`` (``zero_data`` or ``random_data`` inputs): run ``count`` times at load, before
+  the model is ready; a warm-up that fails fails the load, with its reason;
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
 
 Refused (for now, with the flag that does it where there is one): ``reshape``, shape tensors,
 ragged batches, optional inputs, priorities and queue timeouts,
 ``preserve_ordering``, instance counts and GPU lists (``--cuda-streams``, ``--groups``,
-``--model-workers``), ``optimization``, ``model_warmup``, ``sequence_batching`` and
+``--model-workers``), the other optimization settings, warm-up data from files, ``sequence_batching`` and
 ``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
 """
 
@@ -71,7 +75,12 @@ PARAMETERS = {
 #: the fields honoured at each level (anything else that is set is refused by name)
 _HONOURED = {
     "ModelConfig": {"name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching",
-                    "version_policy", "parameters", "default_model_filename", "instance_group"},
+                    "version_policy", "parameters", "default_model_filename", "instance_group", "optimization",
+                    "model_warmup"},
+    "ModelOptimizationPolicy": {"cuda"},
+    "Cuda": {"graphs"},
+    "ModelWarmup": {"name", "batch_size", "inputs", "count"},
+    "Input": {"data_type", "dims", "zero_data", "random_data"},
     "ModelInput": {"name", "data_type", "dims", "format"},
     "ModelOutput": {"name", "data_type", "dims", "label_filename"},
     "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size"},
@@ -87,7 +96,8 @@ _INSTEAD = {
     "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
     "sequence_batching": "sequences are the subject of the sequences-and-ensembles issue",
     "ensemble_scheduling": "ensembles are the subject of the sequences-and-ensembles issue",
-    "optimization": "CUDA graphs are --cuda-graphs",
+    "graph": "ONNX Runtime's graph optimization level is its own",
+    "input_data_file": "give zero_data or random_data",
     "reshape": "serve the model's own shapes",
 }
 
@@ -125,6 +135,8 @@ class ModelSettings:
     pad_to: tuple[int, ...] | None = None
     #: the workers its instance_group asks for: "cpu", "cuda", or None (any)
     workers: str | None = None
+    #: optimization.cuda.graphs where the config says (None: it does not)
+    cuda_graphs: bool | None = None
 
 
 def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
@@ -203,9 +215,14 @@ def _walk(message: Any, path: str) -> Iterable[tuple[str, Any, list[tuple[Any, A
     if message.DESCRIPTOR.name not in _HONOURED:
         return
     for f, value in fields:
-        if f.message_type is None or f.message_type.GetOptions().map_entry:
+        if f.message_type is None:
             continue
         where = f"{path}.{f.name}" if path else f.name
+        if f.message_type.GetOptions().map_entry:
+            if f.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    yield from _walk(item, f"{where}[{key!r}]")
+            continue
         if f.is_repeated:
             for i, item in enumerate(value):
                 yield from _walk(item, f"{where}[{i}]")
@@ -326,9 +343,48 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
     if "input_shapes" in params:
         out.plan["input_shapes"] = sorted(s.strip() for s in params["input_shapes"].split(";") if s.strip())
     out.labels = {o.name: o.label_filename for o in config.output if o.label_filename}
+    if config.optimization.HasField("cuda"):
+        out.cuda_graphs = config.optimization.cuda.graphs
     kinds = {g.kind for g in config.instance_group}
     out.workers = ("cpu" if kinds == {mc.ModelInstanceGroup.KIND_CPU} else
                    "cuda" if kinds == {mc.ModelInstanceGroup.KIND_GPU} else None)
+    return out
+
+
+def warmup_feeds(config: mc.ModelConfig, seed: int = 0) -> list[tuple[str, int, dict[str, np.ndarray]]]:
+    """Each ``model_warmup`` sample of a completed config as (name, count, feeds): every input of
+    the model, of its declared type, ``dims`` (after the sample's ``batch_size`` where the model
+    batches), zeros or random values; a sample that does not fit the model is refused."""
+    rng = np.random.default_rng(seed)
+    declared = {t.name: t for t in config.input}
+    out = []
+    for i, sample in enumerate(config.model_warmup):
+        what = f"model_warmup[{i}]" + (f" {sample.name!r}" if sample.name else "")
+        missing = sorted(set(declared) - set(sample.inputs))
+        unknown = sorted(set(sample.inputs) - set(declared))
+        if missing or unknown:
+            raise ConfigError(f"{what}: its inputs must be the model's ({', '.join(declared)}); "
+                              + ("missing " + ", ".join(missing) if missing else "unknown " + ", ".join(unknown)))
+        if config.max_batch_size > 0 and not 1 <= sample.batch_size <= config.max_batch_size:
+            raise ConfigError(f"{what}: batch_size {sample.batch_size} must lie between 1 and max_batch_size "
+                              f"({config.max_batch_size})")
+        feeds = {}
+        for name, given in sample.inputs.items():
+            if given.data_type != declared[name].data_type:
+                raise ConfigError(f"{what}: input {name!r} is {mc.DataType.Name(given.data_type)}, the model's "
+                                  f"{mc.DataType.Name(declared[name].data_type)}")
+            dims = [sample.batch_size, *given.dims] if config.max_batch_size > 0 else list(given.dims)
+            if any(d < 0 for d in dims):
+                raise ConfigError(f"{what}: input {name!r} needs sizes for every dimension, got {list(given.dims)}")
+            type_name = mc.DataType.Name(given.data_type)[len("TYPE_"):]
+            if type_name == "STRING":
+                values = rng.integers(0, 10, size=dims) if given.random_data else np.zeros(dims, dtype=np.int64)
+                feeds[name] = values.astype(str).astype(object)
+            else:
+                dtype = protocol.DATATYPES[type_name]
+                feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype) if given.random_data and dtype.kind == "f" \
+                    else (rng.integers(0, 2, size=dims).astype(dtype) if given.random_data else np.zeros(dims, dtype))
+        out.append((what, max(1, sample.count), feeds))
     return out
 
 

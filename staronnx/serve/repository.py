@@ -48,6 +48,8 @@ class RepositoryModel:
     config: dict[str, Any]
     #: each output's labels, from its label_filename
     labels: dict[str, list[str]]
+    #: its model_warmup samples: (what, count, feeds)
+    warmup: list[tuple[str, int, dict[str, Any]]]
 
 
 def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
@@ -103,7 +105,9 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
             labels[output] = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise mcfg.ConfigError(f"output {output!r}: label_filename {file!r} cannot be read: {exc}") from None
-    return RepositoryModel(name, str(version), folder, model_file, plan, settings, mcfg.as_dict(effective), labels)
+    warmup = mcfg.warmup_feeds(effective)
+    return RepositoryModel(name, str(version), folder, model_file, plan, settings, mcfg.as_dict(effective), labels,
+                           warmup)
 
 
 def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
@@ -117,9 +121,17 @@ def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
                    queue_capacity=s.queue_capacity or base.queue_capacity, pad_to=s.pad_to)
 
 
-def workers_for(found: RepositoryModel, cuda_streams: int, separate_runtimes: bool) -> str | None:
+def workers_for(found: RepositoryModel, cuda_streams: int, separate_runtimes: bool,
+                cuda_graphs: bool = False) -> str | None:
     """The workers a repository model's instance_group keeps it on in a shared runtime
-    (``--model-workers`` ``cpu`` or ``cuda``), None for all; or why that cannot be done here."""
+    (``--model-workers`` ``cpu`` or ``cuda``), None for all; or why that cannot be done on this
+    server (its instance kind, or CUDA graphs its config asks for, or refuses, against the
+    server's ``--cuda-streams`` and ``--cuda-graphs``)."""
+    graphs = bool(cuda_streams) and cuda_graphs
+    if found.settings.cuda_graphs is not None and found.settings.cuda_graphs != graphs:
+        raise StaronnxError(f"optimization.cuda.graphs is {str(found.settings.cuda_graphs).lower()}, but this server "
+                            + ("captures CUDA graphs for every model (--no-cuda-graphs turns that off)" if graphs else
+                               "has no CUDA graphs (they need --cuda-streams N and --cuda-graphs)"))
     wants = found.settings.workers
     if wants == "cuda" and not cuda_streams:
         raise StaronnxError("instance_group KIND_GPU: this server has no CUDA workers (start it with --cuda-streams N)")
@@ -129,6 +141,20 @@ def workers_for(found: RepositoryModel, cuda_streams: int, separate_runtimes: bo
         raise StaronnxError(f"instance_group {'KIND_GPU' if wants == 'cuda' else 'KIND_CPU'} keeps the model on some "
                             "workers of one shared runtime: not with --separate-runtimes")
     return wants
+
+
+def warm(found: RepositoryModel, runtime: Any) -> int:
+    """Run the model's ``model_warmup`` samples on ``runtime`` before it serves (a sample that
+    fails fails the load, naming it); returns the runs made."""
+    runs = 0
+    for what, count, feeds in found.warmup:
+        runs += count
+        for _ in range(count):
+            try:
+                runtime.run(feeds)
+            except Exception as exc:  # noqa: BLE001 - whatever ORT raised, the load fails with it
+                raise StaronnxError(f"{what} failed: {exc}") from None
+    return runs
 
 
 def plan_key(model_file: Path, shaping: dict[str, Any]) -> str:
