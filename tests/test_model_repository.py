@@ -58,6 +58,13 @@ model_warmup [ { name: "zeros" batch_size: 2 count: 3
                  inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] random_data: true } } } ]
 """
 
+RESHAPED_CONFIG = """
+max_batch_size: 8
+input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 4, 4 ] reshape { shape: [ 16 ] } },
+        { name: "INPUT1" data_type: TYPE_INT32 dims: [ 4, 4 ] reshape { shape: [ 16 ] } } ]
+output [ { name: "OUTPUT0" data_type: TYPE_INT32 dims: [ 2, 8 ] reshape { shape: [ 16 ] } } ]
+"""
+
 #: model -> (config text or None, versions): the ones that serve
 SERVED = {
     "simple": (SIMPLE_CONFIG, [1]),
@@ -66,6 +73,7 @@ SERVED = {
     "unbatched": ("max_batch_size: 0", [1]),
     "tuned": (TUNED_CONFIG, [3]),
     "warmed": (WARMED_CONFIG, [1]),
+    "reshaped": (RESHAPED_CONFIG, [1]),
 }
 
 #: model -> (config text, versions, words its reason must hold): the ones that fail alone
@@ -83,6 +91,8 @@ REFUSED = {
     "wrong_dims": ('max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 15 ] } ]', [1],
                    "the config's dims [15] do not fit the model's [16]"),
     "no_version": ("", [], "has no version folder"),
+    "bad_reshape": ('max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 5 ] '
+                    'reshape { shape: [ 16 ] } } ]', [1], "dims [5] and reshape [16] must hold as many values"),
     "graphs": ("optimization { cuda { graphs: true } }", [1],
                "optimization.cuda.graphs is true, but this server has no CUDA graphs"),
     "half_warm": ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: '
@@ -218,6 +228,32 @@ def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
         assert all(os.stat(p).st_mtime_ns == t for p, t in stamps.items())
     finally:
         assert again.stop() == 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_reshape_serves_the_clients_dims(served, protocol):
+    """A config's reshape: the client sends and receives its dims, the model runs on its own shape."""
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(served.http if protocol == "http" else served.grpc)
+    a = np.arange(3 * 16, dtype=np.int32).reshape(3, 4, 4)
+    b = np.ones((3, 4, 4), dtype=np.int32)
+    inputs = [module.InferInput("INPUT0", [3, 4, 4], "INT32"), module.InferInput("INPUT1", [3, 4, 4], "INT32")]
+    inputs[0].set_data_from_numpy(a)
+    inputs[1].set_data_from_numpy(b)
+    result = client.infer("reshaped", inputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), (a + b).reshape(3, 2, 8))
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT1"), (a - b).reshape(3, 16))  # not reshaped
+    meta = client.get_model_metadata("reshaped")
+    shapes = {t["name"]: t["shape"] for t in meta["inputs"] + meta["outputs"]} if protocol == "http" else \
+        {t.name: list(t.shape) for t in [*meta.inputs, *meta.outputs]}
+    assert shapes == {"INPUT0": [-1, 4, 4], "INPUT1": [-1, 4, 4], "OUTPUT0": [-1, 2, 8], "OUTPUT1": [-1, 16]}
+    if protocol == "http":
+        config = client.get_model_config("reshaped")
+        assert config["input"][0]["dims"] == [4, 4] and config["input"][0]["reshape"] == {"shape": [16]}
+    inputs[0] = module.InferInput("INPUT0", [3, 5], "INT32")
+    inputs[0].set_data_from_numpy(np.zeros((3, 5), dtype=np.int32))
+    with pytest.raises(InferenceServerException, match="input 'INPUT0': shape \\[3, 5\\] cannot be reshaped"):
+        client.infer("reshaped", inputs)
 
 
 def test_warmup_runs_before_the_model_serves(served):

@@ -241,7 +241,7 @@ def serve_cmd(
         specs[model_name] = repository.serve_spec(found, specs.get(model_name, serving), delay)
         if found.settings.target:
             targets[model_name] = {**found.settings.target, **targets.get(model_name, {})}
-        declared[model_name] = Declared(found.version, found.config, found.labels)
+        declared[model_name] = Declared(found.version, found.config, found.labels, found.settings.reshapes)
         warmups[model_name] = found
     # a model that cannot be served fails alone: said, listed UNAVAILABLE with its reason, the others serve
     unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
@@ -334,7 +334,7 @@ def serve_cmd(
             target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
                 model_name, DEFAULT_QUEUE_CAPACITY)), delay)
-            decl = Declared(found.version, found.config, found.labels)
+            decl = Declared(found.version, found.config, found.labels, found.settings.reshapes)
             if shared is not None and model_name in shared.model_names:
                 handle = shared.model(model_name)
                 if (handle.plan.hash == found.plan.hash and handle.plan.contract == found.plan.contract

@@ -17,7 +17,8 @@ served as if a field meant something it does not here. What is honoured, and wha
   must all carry the batch there); 0: each request runs alone (Triton's non-batching model);
 * ``input``/``output``: ``name``, ``data_type``, ``dims`` (-1 for a dynamic size; without the batch
   dimension when ``max_batch_size`` > 0), an input's ``format``, an output's ``label_filename``:
-  each checked against the ONNX model, a mismatch refused;
+  each checked against the ONNX model, a mismatch refused; ``reshape`` (the model's shape where
+  the client's ``dims`` differ: a request's tensor is reshaped to it, an answer's back to ``dims``);
 * ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits),
   ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
   captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged) and
@@ -33,7 +34,7 @@ served as if a field meant something it does not here. What is honoured, and wha
   the model is ready; a warm-up that fails fails the load, with its reason;
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
 
-Refused (for now, with the flag that does it where there is one): ``reshape``, shape tensors,
+Refused (for now, with the flag that does it where there is one): shape tensors,
 ragged batches, optional inputs, priorities and queue timeouts,
 ``preserve_ordering``, instance counts and GPU lists (``--cuda-streams``, ``--groups``,
 ``--model-workers``), the other optimization settings, warm-up data from files, ``sequence_batching`` and
@@ -81,8 +82,9 @@ _HONOURED = {
     "Cuda": {"graphs"},
     "ModelWarmup": {"name", "batch_size", "inputs", "count"},
     "Input": {"data_type", "dims", "zero_data", "random_data"},
-    "ModelInput": {"name", "data_type", "dims", "format"},
-    "ModelOutput": {"name", "data_type", "dims", "label_filename"},
+    "ModelInput": {"name", "data_type", "dims", "format", "reshape"},
+    "ModelOutput": {"name", "data_type", "dims", "label_filename", "reshape"},
+    "ModelTensorReshape": {"shape"},
     "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size"},
     "ModelQueuePolicy": {"max_queue_size"},
     "ModelInstanceGroup": {"name", "kind"},
@@ -98,7 +100,6 @@ _INSTEAD = {
     "ensemble_scheduling": "ensembles are the subject of the sequences-and-ensembles issue",
     "graph": "ONNX Runtime's graph optimization level is its own",
     "input_data_file": "give zero_data or random_data",
-    "reshape": "serve the model's own shapes",
 }
 
 
@@ -137,6 +138,8 @@ class ModelSettings:
     workers: str | None = None
     #: optimization.cuda.graphs where the config says (None: it does not)
     cuda_graphs: bool | None = None
+    #: tensor name -> (the client's dims, the model's), without the batch: the config's reshapes
+    reshapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
 
 def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
@@ -178,6 +181,8 @@ def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     doc = json_format.MessageToDict(config, preserving_proto_field_name=True)
     for tensor in (*doc.get("input", []), *doc.get("output", [])):
         tensor["dims"] = [int(d) for d in tensor.get("dims", [])]
+        if "reshape" in tensor:
+            tensor["reshape"]["shape"] = [int(d) for d in tensor["reshape"].get("shape", [])]
     specific = doc.get("version_policy", {}).get("specific")
     if specific is not None:
         specific["versions"] = [int(v) for v in specific.get("versions", [])]
@@ -290,6 +295,15 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
                                   f"{model_t.data_type}")
             t.data_type = mc.DataType.Value(model_t.data_type)
             want = served_dims(model_t)
+            if t.HasField("reshape"):  # the model's shape is the reshape; the client's, dims
+                if not _dims_fit(list(t.reshape.shape), want):
+                    raise ConfigError(f"{kind} {t.name!r}: the config's reshape {list(t.reshape.shape)} does not fit "
+                                      f"the model's {want}")
+                sizes = [int(np.prod(d)) for d in (t.dims, t.reshape.shape) if all(x > 0 for x in d)]
+                if not t.dims or (len(sizes) == 2 and sizes[0] != sizes[1]):
+                    raise ConfigError(f"{kind} {t.name!r}: dims {list(t.dims)} and reshape {list(t.reshape.shape)} "
+                                      "must hold as many values")
+                continue
             if t.dims and not _dims_fit(list(t.dims), want):
                 raise ConfigError(f"{kind} {t.name!r}: the config's dims {list(t.dims)} do not fit the model's "
                                   f"{want}" + (" (without the batch dimension, as max_batch_size > 0)" if mbs else ""))
@@ -343,6 +357,8 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
     if "input_shapes" in params:
         out.plan["input_shapes"] = sorted(s.strip() for s in params["input_shapes"].split(";") if s.strip())
     out.labels = {o.name: o.label_filename for o in config.output if o.label_filename}
+    out.reshapes = {t.name: (tuple(t.dims), tuple(t.reshape.shape))
+                    for t in (*config.input, *config.output) if t.HasField("reshape")}
     if config.optimization.HasField("cuda"):
         out.cuda_graphs = config.optimization.cuda.graphs
     kinds = {g.kind for g in config.instance_group}

@@ -76,6 +76,8 @@ class Declared:
     version: str
     config: Mapping[str, Any]
     labels: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    #: tensor name -> (the client's dims, the model's), without the batch: a config's ``reshape``
+    reshapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -191,6 +193,7 @@ class ModelEndpoint:
         self.labels = _labels(self.plan)
         #: each output's own labels (a repository config's label_filename), over the plan's labels.txt
         self.output_labels: dict[str, Sequence[str]] = dict(declared.labels) if declared is not None else {}
+        self.reshapes = dict(declared.reshapes) if declared is not None else {}
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
         #: (batch record, response parameters) of the last one-sample request answered
@@ -220,13 +223,37 @@ class ModelEndpoint:
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
         def tensors(specs: Sequence[Any], types: Mapping[str, str]) -> list[dict[str, Any]]:
-            return [{"name": t.name, "datatype": types[t.name], "shape": protocol.metadata_shape(t.shape)}
-                    for t in specs]
+            return [{"name": t.name, "datatype": types[t.name], "shape": self._client_shape(t)} for t in specs]
 
         return {"name": self.name, "versions": [self.version],
                 "platform": "staronnx" if self.declared is None else "onnxruntime_onnx",
                 "inputs": tensors(self.plan.inputs, self.input_datatypes),
                 "outputs": tensors(self.plan.outputs, self.output_datatypes)}
+
+    def _client_shape(self, t: Any) -> list[int]:
+        """A tensor's shape as clients see it: the model's, or a config's ``dims`` where it reshapes."""
+        shape = protocol.metadata_shape(t.shape)
+        if t.name not in self.reshapes:
+            return shape
+        dims = list(self.reshapes[t.name][0])
+        return [-1, *dims] if self.contract.batchable else dims
+
+    def _reshaped(self, arrays: Mapping[str, np.ndarray], to_model: bool) -> dict[str, np.ndarray]:
+        """``arrays`` with the reshaped tensors in the model's shape (``to_model``) or the client's,
+        the batch (where the model batches) kept in front."""
+        out = dict(arrays)
+        for name, (client, model) in self.reshapes.items():
+            if name not in out:
+                continue
+            arr = out[name]
+            target = model if to_model else client
+            lead = [arr.shape[0]] if self.contract.batchable and arr.ndim else []
+            try:
+                out[name] = arr.reshape([*lead, *target])
+            except ValueError:
+                raise invalid(f"{'input' if to_model else 'output'} {shown(name)}: shape {list(arr.shape)} cannot be "
+                              f"reshaped to {[*lead, *target]} (the config's reshape of dims {list(client)})") from None
+        return out
 
     def config(self) -> dict[str, Any]:
         """Triton's model configuration (``GET /v2/models/<name>/config``, gRPC ``ModelConfig``),
@@ -396,6 +423,8 @@ class ModelEndpoint:
         started = time.perf_counter()
         try:
             names = protocol.select_outputs(self.plan.output_names, outputs, self.name)
+            if self.reshapes:  # a config's reshape: the client's dims to the model's shape
+                inputs = self._reshaped(inputs, to_model=True)
             n = self.check_request(inputs, datatypes)
             for name, k in (classes or {}).items():
                 if not isinstance(k, int) or isinstance(k, bool) or k < 0:
@@ -423,6 +452,8 @@ class ModelEndpoint:
                 rows = await asyncio.gather(*(handoff.watch(f) for f in futures))
             # inside the try: a request whose answer cannot be put together is a failed one
             result = {name: self._join(name, [r[name] for r in rows]) for name in names}
+            if self.reshapes:
+                result = self._reshaped(result, to_model=False)
             if classes:
                 self.classify(result, classes)
         except asyncio.CancelledError:  # the client went away: its samples need not run
