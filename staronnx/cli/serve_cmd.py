@@ -139,7 +139,7 @@ def serve_cmd(
     from staronnx.serve.batching import apply_batching, check_names
     from staronnx.serve.control import ModelControl, folder_stamp
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, unservable
+    from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, has_strings, unservable
     from staronnx.serving.spec import ServeSpec
 
     plans = list(plans or [])
@@ -254,6 +254,13 @@ def serve_cmd(
         names = [n for n in names if n not in unavailable]
         targets, residency, lanes = ({n: v for n, v in d.items() if n not in unavailable}  # type: ignore[attr-defined]
                                      for d in (targets, residency, lanes))
+    if cuda_streams:  # string tensors live in host memory: such a model runs on the CPU groups only
+        for model_name, plan in [(n, p) for n, p in zip(names, loaded) if has_strings(p)]:
+            if separate_runtimes:
+                raise StaronnxError(f"model {model_name!r} has string tensors, which run on CPU workers only: serve it "
+                                    "on the shared runtime (without --separate-runtimes), or without --cuda-streams")
+            residency[model_name] = "cpu"
+            say(f"model {model_name!r} has string tensors: it runs on the CPU groups only")
     listen = Listen(host=host, http_port=http_port, grpc_port=_port(grpc_port, "grpc-port"),
                     metrics_port=_port(metrics_port, "metrics-port"), max_body=body,
                     drain_timeout=parse_duration(drain_timeout, option="--drain-timeout"),
@@ -347,6 +354,9 @@ def serve_cmd(
             unfit = unservable(found.plan)
             if unfit is not None:
                 raise StaronnxError(unfit)
+            if cuda_streams and has_strings(found.plan):
+                raise StaronnxError("its string tensors run on CPU workers only, and a runtime of its own would have "
+                                    "CUDA workers: list it in --load-model to load it at start")
             runtime = Runtime(found.plan, targets={plan_name(found.plan): target} if target else None, **options)
             try:
                 repository.warm(found, runtime)

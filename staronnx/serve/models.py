@@ -156,6 +156,12 @@ def unservable(plan: Plan) -> str | None:
     return None
 
 
+def has_strings(plan: Plan) -> bool:
+    """Whether the model has string (BYTES) inputs or outputs: such tensors live in host memory
+    only (a CUDA worker binds device buffers), so the model runs on CPU workers."""
+    return any(t.dtype == protocol.STRING_DTYPE.name for t in (*plan.inputs, *plan.outputs))
+
+
 class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
