@@ -3,8 +3,8 @@
 * ``reference/cli.md`` from the typer app (:mod:`gen_cli`) and ``benchmarks.md`` from
   ``benchmarks/results/`` (:mod:`gen_results`) are added to the build as generated files, on
   every build, so they can never lag the code; nothing is written into ``docs/``.
-* the ``InferenceSession`` options table (:mod:`gen_ort_options`) replaces its marker in the
-  guide that shows it.
+* the ``InferenceSession`` options table (:mod:`gen_ort_options`) and what each ``config.pbtxt``
+  field does (:mod:`gen_model_config`), read from the code, replace their markers in the guides.
 * the figures under ``docs/figures/`` come from a small real run (:mod:`gen_figures`); ``make
   docs`` remakes them every time, and a build that finds one missing (a fresh clone, a plain
   ``mkdocs build``) makes them first.
@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 
 import gen_cli  # noqa: E402
 import gen_figures  # noqa: E402
+import gen_model_config  # noqa: E402
 import gen_ort_options  # noqa: E402
 import gen_results  # noqa: E402
 
@@ -50,9 +51,11 @@ def on_files(files: Files, config: Any) -> Files:
 
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
-    """Put the ``InferenceSession`` options table, read from the code, where its marker stands."""
-    if gen_ort_options.MARKER in markdown:
-        markdown = markdown.replace(gen_ort_options.MARKER, gen_ort_options.render())
+    """Put the tables read from the code (``InferenceSession``'s options, what each
+    ``config.pbtxt`` field does) where their markers stand."""
+    for module in (gen_ort_options, gen_model_config):
+        if module.MARKER in markdown:
+            markdown = markdown.replace(module.MARKER, module.render())
     return markdown
 
 
