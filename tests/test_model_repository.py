@@ -263,7 +263,7 @@ def test_warmup_runs_before_the_model_serves(served):
 
 def test_serve_needs_something_to_serve(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--http-port", "0"], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
     assert proc.returncode != 0
     assert "give plan folders to serve, --model-repository DIR, or both" in proc.stdout + proc.stderr
 
@@ -413,11 +413,13 @@ def test_poll_mode_follows_the_repository(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
+    (["--exit-on-error"], "--exit-on-error: "),
     (["--load-model", "simple"], "--load-model goes with --model-control-mode explicit"),
     (["--model-control-mode", "sometimes"], "--model-control-mode must be one of none, poll, explicit"),
     (["--model-control-mode", "explicit", "--load-model", "nothing"], "--load-model nothing: no such model"),
 ])
-def test_model_control_flags_are_checked(repo, args, message):
+def test_model_control_flags_are_checked(repo, args, message, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(repo), *args],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "STARONNX_HOME": str(tmp_path)})
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr

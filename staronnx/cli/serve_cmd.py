@@ -33,6 +33,10 @@ def serve_cmd(
                              "all).")] = None,
     repository_poll_secs: Annotated[float, typer.Option(
         help="With --model-control-mode poll: seconds between two reads of the repository.")] = 15.0,
+    exit_on_error: Annotated[bool, typer.Option(
+        "--exit-on-error/--no-exit-on-error",
+        help="Refuse to start when a model asked for cannot be served (Triton's default); by default that model "
+             "alone is left out, UNAVAILABLE with its reason, and the others serve.")] = False,
     host: Annotated[str, typer.Option(help="Address to listen on; an address other machines reach (0.0.0.0, ::, a "
                                            "LAN address) also needs --insecure.")] = "127.0.0.1",
     insecure: Annotated[bool, typer.Option(
@@ -247,6 +251,9 @@ def serve_cmd(
     unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
     for model_name, why in unavailable.items():
         say(f"model {model_name!r} is not served: {why}")
+    if unavailable and exit_on_error:
+        raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
+                            + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if all(n in unavailable for n in names) and control_mode != "explicit":
         raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if unavailable:
