@@ -74,6 +74,8 @@ SERVED = {
     "tuned": (TUNED_CONFIG, [3]),
     "warmed": (WARMED_CONFIG, [1]),
     "reshaped": (RESHAPED_CONFIG, [1]),
+    "split": ('parameters { key: "parts" value: { string_value: "2" } } '
+              'parameters { key: "partition_method" value: { string_value: "linear" } }', [1]),
 }
 
 #: model -> (config text, versions, words its reason must hold): the ones that fail alone
@@ -220,7 +222,9 @@ def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
     made = sorted(p.name for p in home.iterdir() if not p.name.startswith("."))
     plans = {m: re.search(rf"model '{m}': .*plan (\S+) \(", "\n".join(served.lines)).group(1) for m in SERVED}
     assert plans["simple"] == plans["unbatched"] == plans["tuned"] == plans["warmed"]
-    assert len(set(plans.values())) == len(made) == 3  # simple's file, simple_string's, versioned v2's
+    # simple's file whole, and cut in two (other settings, another plan); simple_string's; versioned v2's
+    assert plans["split"] != plans["simple"]
+    assert len(set(plans.values())) == len(made) == 4
     stamps = {p: os.stat(p).st_mtime_ns for p in plans.values()}
     again = start_server([], home.parent.parent, "--model-repository", str(repo), "--policy", "eager")
     try:
@@ -254,6 +258,15 @@ def test_reshape_serves_the_clients_dims(served, protocol):
     inputs[0].set_data_from_numpy(np.zeros((3, 5), dtype=np.int32))
     with pytest.raises(InferenceServerException, match="input 'INPUT0': shape \\[3, 5\\] cannot be reshaped"):
         client.infer("reshaped", inputs)
+
+
+def test_parameters_cut_the_plan(served):
+    """parameters parts/partition_method: the model is served as a plan of two parts."""
+    line = next(x for x in served.lines if x.startswith("model 'split':"))
+    assert "(2 parts" in line, line
+    client = httpclient.InferenceServerClient(served.http)
+    inputs, a, b = _simple_inputs(httpclient, 2)
+    np.testing.assert_array_equal(client.infer("split", inputs).as_numpy("OUTPUT1"), a - b)
 
 
 def test_warmup_runs_before_the_model_serves(served):
