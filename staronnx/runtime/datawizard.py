@@ -88,11 +88,13 @@ class DataHandle:
     engine's: ``host``, one array for every host node, since host memory is one address space
     to the workers; ``device``, a tensor per GPU node), with how many readers it waits for.
 
-    ``valid_on`` may name a node whose copy is still being made (a prefetch: ``host_ready``, or
-    the device tensor's own ``ready`` event, is what its reader waits on). The simulator keeps
+    ``valid_on`` may name a node whose copy is still being made (a prefetch: ``arriving`` until
+    the engine has issued it; then ``host_ready``, or the device tensor's own ``ready`` event,
+    is what its reader waits on). The simulator keeps
     no copies. A plain class with slots, not a dataclass: one or more are made per task."""
 
-    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id", "host", "host_ready", "device")
+    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id", "host", "host_ready", "device",
+                 "arriving")
 
     def __init__(self, name: str, nbytes: int, valid_on: frozenset[str] = frozenset(), readers_left: int = 0,
                  host: np.ndarray | None = None) -> None:
@@ -110,8 +112,11 @@ class DataHandle:
         #: the event its reader waits on with the node that lends it
         self.host = host
         self.host_ready: tuple[Any, DeviceMemory] | None = None
-        #: the copies in GPU memory, by node (None: none)
+        #: the copies in GPU memory, by node (None: none); replaced, not changed, when one is
+        #: added (a reader may hold the old map)
         self.device: dict[str, DeviceTensor] | None = None
+        #: prefetches decided (``valid_on`` names their nodes) and not yet issued by the engine
+        self.arriving = 0
 
     def __repr__(self) -> str:
         return f"DataHandle({self.name!r}, {self.nbytes} B, on {sorted(self.valid_on)})"
@@ -133,14 +138,15 @@ class DataHandle:
         """``array`` becomes its host copy unless it has one (``ready``: the copy is still
         coming down, see :attr:`host_ready`)."""
         if self.host is None:
-            self.host, self.host_ready = array, ready
+            self.host_ready = ready  # (first: a reader that sees the copy sees that it is in flight)
+            self.host = array
 
     def add_device(self, node: str, tensor: DeviceTensor) -> None:
         """``tensor`` becomes its copy on GPU ``node`` unless it has one there."""
         if self.device is None:
             self.device = {node: tensor}
-        else:
-            self.device.setdefault(node, tensor)
+        elif node not in self.device:
+            self.device = {**self.device, node: tensor}
 
     def drop(self) -> None:
         """Its last reader is done: the copies go (a GPU buffer back to its arena)."""

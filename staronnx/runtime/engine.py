@@ -17,9 +17,12 @@ worker's node, or the copy its fetch reads (a CUDA worker copies it into its own
 CPU worker's fetch from a GPU is downloaded here first), and a fetched copy that later
 readers will want is kept as the handle's own. Where the policy places a task when it is
 pushed (dmda, heft, random, static), its inputs' copies to that worker's node start at once
-(StarPU's prefetch: :meth:`NativeEngine._start_prefetches`, on the node's copy stream), so
-they overlap the worker's current task; the task's stream waits on their events, not the
-host. ``stats()["prefetch"]`` counts the tasks that found their inputs on their node when
+(StarPU's prefetch, on the node's copy stream), so they overlap the worker's current task; the
+task's stream waits on their events, not the host. They are decided under the engine's lock
+and issued just after it is released (:meth:`NativeEngine._queue_prefetches`, then
+:meth:`NativeEngine._issue_prefetches`): one thread at a time issues them, in the order they
+were decided, so a copy's source is always in place first; a reader that finds its input still
+being issued (its handle's ``arriving``) waits for it. ``stats()["prefetch"]`` counts the tasks that found their inputs on their node when
 they started.
 
 Everything here runs per task under the GIL that every worker and the serving threads share,
@@ -59,7 +62,7 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import Footprint, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.core import Request, Task, TaskGraph
-from staronnx.runtime.datawizard import DataHandle, is_host
+from staronnx.runtime.datawizard import Copy, DataHandle, is_host, source
 from staronnx.runtime.models import ModelOverloaded, ModelSet
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor, calibrate_mode
@@ -198,6 +201,11 @@ class NativeEngine:
         #: per worker (each counted by its own thread): tasks started, those that needed an
         #: input moved to their node, and those whose moves were all done when they started
         self._starts = [[0, 0, 0] for _ in workers]
+        #: prefetches decided under the lock and not yet issued, in decision order; the one
+        #: thread issuing them at a time; where readers wait for their inputs to be issued
+        self._to_issue: deque[tuple[Task, Copy]] = deque()
+        self._issuing = threading.Lock()
+        self._arrivals = threading.Condition()
         #: per worker, the tasks pinned to it (run before its next scheduled one), and how
         #: many are queued in all (a hint read without the lock, as ``core.queue``)
         self._pinned: list[deque[Pinned]] = [deque() for _ in workers]
@@ -243,11 +251,13 @@ class NativeEngine:
             req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
                                    feeds, future, model=model, arrival=arrival)
             if self.core.prefetches:
-                self._start_prefetches()
+                self._queue_prefetches()
             future.request_id = req.id
             future.placement = req.placement
             if self._idle:
                 self._wake()
+        if self._to_issue:
+            self._issue_prefetches()
         return future
 
     def pin(self, wid: int, part: int, feeds: Mapping[str, np.ndarray], n: int = 1,
@@ -274,31 +284,51 @@ class NativeEngine:
             self._notify(wid)
         return [item.future for item in items]
 
-    def _start_prefetches(self) -> None:
-        """(lock held) Start the copies the core decided when its policy placed tasks (its
-        :attr:`~TaskGraph.prefetches`): on the destination GPU's copy stream, or down from a
-        GPU into pinned memory for a CPU worker, none waited for; each becomes the handle's
-        copy there. One that cannot start is no longer valid there (the task then fetches it
-        when it starts)."""
+    def _queue_prefetches(self) -> None:
+        """(lock held) Queue the copies the core decided when its policy placed tasks (its
+        :attr:`~TaskGraph.prefetches`) for :meth:`_issue_prefetches`, each handle counting it
+        as arriving; a copy between host nodes moves nothing (read in place)."""
         for task, copy in self.core.prefetches:
-            name, src, dst = copy[0], copy[1], copy[2]
-            h = task.request.handles.get(name)
-            if h is None or (is_host(dst) and (is_host(src) or h.host is not None)):
-                continue  # host memory: read in place
-            try:
-                self._prefetch(h, src, dst)
-            except Exception as exc:  # noqa: BLE001 - the task's own fetch will say what fails
-                log.debug("prefetch of %s to %s failed: %s", name, dst, exc)
-                h.valid_on = h.valid_on - {dst}
-                task.prefetched = [c for c in task.prefetched if c is not copy]
+            h = task.request.handles.get(copy[0])
+            if h is None or (is_host(copy[2]) and (is_host(copy[1]) or h.host is not None)):
+                continue
+            h.arriving += 1
+            self._to_issue.append((task, copy))
         self.core.prefetches.clear()
+
+    def _issue_prefetches(self) -> None:
+        """(lock not held) Issue the queued prefetches: on the destination GPU's copy stream, or
+        down from a GPU into pinned memory for a CPU worker, none waited for; each becomes the
+        handle's copy there. One that cannot start is no longer valid there (its task fetches
+        it when it starts). One thread at a time, in the order they were decided."""
+        with self._issuing:
+            while self._to_issue:
+                task, copy = self._to_issue.popleft()
+                h = task.request.handles[copy[0]]
+                try:
+                    self._prefetch(h, copy[1], copy[2])
+                except Exception as exc:  # noqa: BLE001 - the task's own fetch will say what fails
+                    log.debug("prefetch of %s to %s failed: %s", copy[0], copy[2], exc)
+                    with self._lock:
+                        h.valid_on = h.valid_on - {copy[2]}
+                        task.prefetched = [c for c in task.prefetched if c is not copy]
+                finally:
+                    with self._arrivals:
+                        h.arriving -= 1
+                        if not h.arriving:
+                            self._arrivals.notify_all()
+
+    def _await(self, h: DataHandle) -> None:
+        """Wait until the prefetches of ``h`` decided before its reader started are issued."""
+        with self._arrivals:
+            self._arrivals.wait_for(lambda: not h.arriving)
 
     def _prefetch(self, h: DataHandle, src: str, dst: str) -> None:
         """Start the copy of ``h`` from node ``src`` to node ``dst`` (not both host memory);
         nothing when the source copy is gone (a failed request's)."""
         if is_host(dst):
             tensor = h.on_device(src)
-            if tensor is not None:
+            if tensor is not None and h.host is None:
                 array, ready = tensor.memory.download_async(tensor)
                 h.add_host(array, None if ready is None else (ready, tensor.memory))
             return
@@ -323,7 +353,10 @@ class NativeEngine:
         counts[1] += 1
         handles = task.request.handles
         for c in task.prefetched:
-            if not handles[c[0]].arrived(node):
+            h = handles[c[0]]
+            if h.arriving:  # still being issued by the thread that decided it: a wait on the host
+                self._await(h)
+            if not h.arrived(node):
                 return
         counts[2] += 1
 
@@ -551,18 +584,22 @@ class NativeEngine:
         if self._on_host[wid]:
             for n in names:
                 h = handles[n]
+                if h.arriving:
+                    self._await(h)
                 if h.host is not None:
                     if h.host_ready is not None:
                         h.wait_host()  # a prefetch from a GPU still coming down
                     feeds[n] = h.host
                     continue
-                tensor = _on_device(h, _fetched_from(task, n, node))
+                tensor = _on_device(h, self._fetched_from(task, h, node))
                 feeds[n] = array = tensor.memory.download(tensor)
                 if n in keep:
                     kept.host.append((n, array))
             return feeds
         for n in names:
             h = handles[n]
+            if h.arriving:
+                self._await(h)
             here = h.on_device(node)
             if here is not None:
                 feeds[n] = here
@@ -570,7 +607,7 @@ class NativeEngine:
             if h.device is None and n not in keep:
                 feeds[n] = _host(h)  # a host array, read as it is
                 continue
-            src = _fetched_from(task, n, node)
+            src = self._fetched_from(task, h, node)
             if n not in keep:
                 feeds[n] = _host(h) if is_host(src) else _on_device(h, src)
                 continue
@@ -578,6 +615,15 @@ class NativeEngine:
             feeds[n] = here = memory.upload(_host(h)) if is_host(src) else memory.peer(_on_device(h, src))
             kept.device.append((n, here))
         return feeds
+
+    def _fetched_from(self, task: Task, h: DataHandle, node: str) -> str:
+        """The node the fetch of ``h`` to ``node`` that the core decided for ``task`` reads; where
+        it decided none (a prefetch there failed after the task was taken), the cheapest valid
+        copy."""
+        for c in task.copies:
+            if c[0] == h.name and c[2] == node:
+                return c[1]
+        return source(h.valid_on, node, h.nbytes, self.core.copy_cost)
 
     def _start(self, wid: int, worker: Worker, task: Task | Pinned, ahead: bool) -> _Started:
         """Hand ``task`` to its worker: launched (``ahead``: a worker that launches ahead;
@@ -665,12 +711,14 @@ class NativeEngine:
                 started.kept.join(req.handles, info.memory_node)
             done = self.core.finish(wid, task, end, measured, sizes, outputs, started.device)
             if self.core.prefetches:
-                self._start_prefetches()
+                self._queue_prefetches()
             if self._idle:
                 self._wake()
             if self._closed and not self.core.inflight:
                 self._drained.notify_all()
             nxt = self._take_each(take, end) if take else []
+        if self._to_issue:
+            self._issue_prefetches()
         if done is not None:
             value: TaskError | dict[str, np.ndarray]
             if error is not None:
@@ -706,9 +754,11 @@ class NativeEngine:
             self._pinned_count -= len(pinned)
             lost = self.core.worker_lost(wid, repr(exc), self.clock.now())
             if self.core.prefetches:
-                self._start_prefetches()
+                self._queue_prefetches()
             self._wake_all()  # re-placed tasks may be anyone's now
             self._drained.notify_all()
+        if self._to_issue:
+            self._issue_prefetches()
         for req in lost:
             settle(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
         for item in pinned:  # tasks pinned to it cannot run elsewhere
@@ -834,9 +884,6 @@ def _on_device(h: DataHandle, node: str) -> DeviceTensor:
     return tensor
 
 
-def _fetched_from(task: Task, name: str, node: str) -> str:
-    """The node the fetch of input ``name`` to ``node`` the core decided for ``task`` reads."""
-    return next(c.src for c in task.copies if c.name == name and c.dst == node)
 
 
 def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
