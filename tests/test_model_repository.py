@@ -74,6 +74,7 @@ SERVED = {
     "tuned": (TUNED_CONFIG, [3]),
     "warmed": (WARMED_CONFIG, [1]),
     "reshaped": (RESHAPED_CONFIG, [1]),
+    "multi": ("max_batch_size: 8 version_policy: { all { } }", [1, 2]),
     "split": ('parameters { key: "parts" value: { string_value: "2" } } '
               'parameters { key: "partition_method" value: { string_value: "linear" } }', [1]),
 }
@@ -127,6 +128,7 @@ def repo(tmp_path_factory) -> Path:
     model = simple_model()
     model.graph.node[0].op_type, model.graph.node[1].op_type = "Sub", "Add"
     onnx.save(model, str(root / "versioned" / "2" / "model.onnx"))
+    onnx.save(model, str(root / "multi" / "2" / "model.onnx"))
     return root
 
 
@@ -158,6 +160,7 @@ def test_index_lists_every_model_with_its_state_and_reason(served, protocol):
     assert set(by_name) == set(SERVED) | set(REFUSED)
     for name in SERVED:
         assert by_name[name]["state"] == "READY", by_name[name]
+    assert [(e["version"], e["state"]) for e in entries if e["name"] == "multi"] == [("2", "READY"), ("1", "READY")]
     for name, (_, _, words) in REFUSED.items():
         assert by_name[name]["state"] == "UNAVAILABLE" and words in by_name[name]["reason"], by_name[name]
     assert by_name["versioned"]["version"] == "2" and by_name["tuned"]["version"] == "3"
@@ -224,6 +227,7 @@ def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
     assert plans["simple"] == plans["unbatched"] == plans["tuned"] == plans["warmed"]
     # simple's file whole, and cut in two (other settings, another plan); simple_string's; versioned v2's
     assert plans["split"] != plans["simple"]
+    assert plans["multi"] == plans["versioned"]  # the same file, the same settings: one plan
     assert len(set(plans.values())) == len(made) == 4
     stamps = {p: os.stat(p).st_mtime_ns for p in plans.values()}
     again = start_server([], home.parent.parent, "--model-repository", str(repo), "--policy", "eager")
@@ -258,6 +262,25 @@ def test_reshape_serves_the_clients_dims(served, protocol):
     inputs[0].set_data_from_numpy(np.zeros((3, 5), dtype=np.int32))
     with pytest.raises(InferenceServerException, match="input 'INPUT0': shape \\[3, 5\\] cannot be reshaped"):
         client.infer("reshaped", inputs)
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_every_version_the_policy_selects_is_served(served, protocol):
+    """version_policy all: versions 2 (the latest, answering when no version is named) and 1."""
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(served.http if protocol == "http" else served.grpc)
+    inputs, a, b = _simple_inputs(module)
+    np.testing.assert_array_equal(client.infer("multi", inputs).as_numpy("OUTPUT0"), a - b)  # version 2
+    np.testing.assert_array_equal(client.infer("multi", inputs, model_version="2").as_numpy("OUTPUT0"), a - b)
+    np.testing.assert_array_equal(client.infer("multi", inputs, model_version="1").as_numpy("OUTPUT0"), a + b)
+    with pytest.raises(InferenceServerException, match="has no version '3'.*serves versions 2, 1"):
+        client.infer("multi", inputs, model_version="3")
+    meta = client.get_model_metadata("multi")
+    assert list(meta["versions"] if protocol == "http" else meta.versions) == ["2", "1"]
+    assert client.is_model_ready("multi", "1") and client.is_model_ready("multi", "2")
+    if protocol == "http":
+        stats = client.get_inference_statistics("multi")["model_stats"]
+        assert sorted(s["version"] for s in stats) == ["1", "2"]
 
 
 def test_parameters_cut_the_plan(served):
@@ -312,6 +335,11 @@ def test_explicit_mode_loads_what_it_is_told(explicit):
     assert _state(http, "tuned") == ("UNAVAILABLE", "unloaded")
     with pytest.raises(InferenceServerException, match="model 'tuned' is not available: unloaded"):
         http.infer("tuned", inputs)
+    http.load_model("multi")  # every version its policy selects
+    inputs, a, b = _simple_inputs(httpclient)
+    np.testing.assert_array_equal(http.infer("multi", inputs, model_version="1").as_numpy("OUTPUT0"), a + b)
+    np.testing.assert_array_equal(http.infer("multi", inputs).as_numpy("OUTPUT0"), a - b)
+    assert [e["version"] for e in http.get_model_repository_index() if e["name"] == "multi"] == ["2", "1"]
     grpc.load_model("tuned")
     np.testing.assert_array_equal(grpc.infer("tuned", _simple_inputs(grpcclient)[0]).as_numpy("OUTPUT1"),
                                   _simple_inputs(grpcclient)[1] - _simple_inputs(grpcclient)[2])

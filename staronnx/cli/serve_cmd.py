@@ -228,6 +228,7 @@ def serve_cmd(
     unavailable: dict[str, str] = {}
     stamps: dict[str, Any] = {}
     warmups: dict[str, Any] = {}  # repository models with model_warmup samples to run before serving
+    older_of: dict[str, str] = {}  # NAME@VERSION -> NAME: the older versions a version_policy serves beside the latest
     for model_name, folder in in_repository:
         if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
             continue  # loaded on request
@@ -238,15 +239,21 @@ def serve_cmd(
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
-        if wants is not None:
-            residency[model_name] = residency.get(model_name, wants)
-        names.append(model_name)
-        loaded.append(found.plan)
-        specs[model_name] = repository.serve_spec(found, specs.get(model_name, serving), delay)
-        if found.settings.target:
-            targets[model_name] = {**found.settings.target, **targets.get(model_name, {})}
-        declared[model_name] = Declared(found.version, found.config, found.labels, found.settings.reshapes)
-        warmups[model_name] = found
+        base = specs.get(model_name, serving)
+        target = {**found.settings.target, **targets.get(model_name, {})}
+        for version in (found, *found.older):  # the older versions run as models of their own, keyed NAME@VERSION
+            key = model_name if version is found else f"{model_name}@{version.version}"
+            if key != model_name:
+                older_of[key] = model_name
+            if wants is not None:
+                residency[key] = residency.get(model_name, wants)
+            names.append(key)
+            loaded.append(version.plan)
+            specs[key] = repository.serve_spec(version, base, delay)
+            if target:
+                targets[key] = target
+            declared[key] = Declared(version.version, version.config, version.labels, version.settings.reshapes)
+            warmups[key] = version
     # a model that cannot be served fails alone: said, listed UNAVAILABLE with its reason, the others serve
     unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
     for model_name, why in unavailable.items():
@@ -328,12 +335,20 @@ def serve_cmd(
                     if shared is None:
                         runtime.close()
                     continue
-            endpoint = endpoint_of(model_name, runtime, spec, declared.get(model_name), targets.get(model_name, {}))
-            models.append(endpoint)
+            endpoint = endpoint_of(older_of.get(model_name, model_name), runtime, spec, declared.get(model_name),
+                                   targets.get(model_name, {}))
+            if model_name in older_of:  # answers under its model's name, when a request names its version
+                primary = next((m for m in models if m.name == older_of[model_name]), None)
+                if primary is None:  # its latest version failed: this one is not served either
+                    endpoint.close(1.0)
+                else:
+                    primary.others[endpoint.version] = endpoint
+            else:
+                models.append(endpoint)
             graphs = runtime.preferred_batch_sizes if isinstance(runtime, Runtime) else ()
             origin = (f"version {declared[model_name].version} of the repository, " if model_name in declared else "")
             origin += f"warmed up ({warm_runs} runs), " if warm_runs else ""
-            say(f"model {model_name!r}: {origin}plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
+            say(f"model {older_of.get(model_name, model_name)!r}: {origin}plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
                 f"batches of up to {spec.batch_size}, max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
                 f"{endpoint.server.max_inflight} batches in flight"
                 + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
@@ -341,18 +356,33 @@ def serve_cmd(
                 + f"; {contract_text(plan)}")
 
         def open_later(model_name: str, folder: Path, config: str | None) -> ModelEndpoint:
-            """A repository model loaded while serving: on the shared runtime where it is already
-            there with the same plan, contract and target, else on a runtime of its own (the shared
-            runtime cannot take models while it runs)."""
+            """A repository model loaded while serving (every version its policy selects, the latest
+            answering under its name)."""
             found = repository.load(model_name, folder, batch_size, override=config)
+            opened: list[ModelEndpoint] = []
+            try:
+                for version in (found, *found.older):
+                    key = model_name if version is found else f"{model_name}@{version.version}"
+                    opened.append(open_version(model_name, key, version))
+            except BaseException:
+                for endpoint in opened:
+                    endpoint.close(1.0)
+                raise
+            opened[0].others = {e.version: e for e in opened[1:]}
+            return opened[0]
+
+        def open_version(model_name: str, key: str, found: Any) -> ModelEndpoint:
+            """One version of a model loaded while serving: on the shared runtime where it is
+            already there (as ``key``) with the same plan, contract and target, else on a runtime
+            of its own (the shared runtime cannot take models while it runs)."""
             target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
                 model_name, DEFAULT_QUEUE_CAPACITY)), delay)
             decl = Declared(found.version, found.config, found.labels, found.settings.reshapes)
-            if shared is not None and model_name in shared.model_names:
-                handle = shared.model(model_name)
+            if shared is not None and key in shared.model_names:
+                handle = shared.model(key)
                 if (handle.plan.hash == found.plan.hash and handle.plan.contract == found.plan.contract
-                        and targets.get(model_name, {}) == target):
+                        and targets.get(key, {}) == target):
                     repository.warm(found, handle)
                     return endpoint_of(model_name, handle, spec, decl, target)
             if repository.workers_for(found, cuda_streams, True if cuda_streams else separate_runtimes, cuda_graphs):

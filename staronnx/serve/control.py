@@ -89,11 +89,12 @@ class ModelControl:
                              "reason": self.unavailable.get(name, NOT_LOADED)}
         for name, why in self.unavailable.items():
             entries.setdefault(name, {"name": name, "version": "", "state": "UNAVAILABLE", "reason": why})
+        listed = [entries[n] for n in sorted(entries) if n not in self.models]
         for name, model in self.models.items():
             ok = ready(model)
-            entries[name] = {"name": name, "version": model.version, "state": "READY" if ok else "UNAVAILABLE",
-                             "reason": "" if ok else "the server is shutting down"}
-        return [entries[n] for n in sorted(entries)]
+            listed += [{"name": name, "version": v, "state": "READY" if ok else "UNAVAILABLE",
+                        "reason": "" if ok else "the server is shutting down"} for v in model.versions]
+        return sorted(listed, key=lambda e: (e["name"], -int(e["version"]) if e["version"].isdigit() else 0))
 
     # -- requests --------------------------------------------------------------------------
     def _check_allowed(self, name: str, action: str) -> None:

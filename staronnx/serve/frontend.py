@@ -55,8 +55,7 @@ class Frontend:
             if why is not None:
                 raise ProtocolError("unavailable", f"model {shown(name)} is not available: {why}")
             raise unknown_model(name, list(self.models))
-        model.check_version(version)
-        return model
+        return model.at_version(version)
 
     def model_ready(self, name: str, version: str | None) -> bool:
         if name in self.unavailable and name not in self.models:
@@ -65,7 +64,12 @@ class Frontend:
 
     def statistics(self, name: str | None, version: str | None = None) -> dict[str, Any]:
         """Triton's statistics extension: one model's (by name), or every model's (no name)."""
-        models = [self.model(name, version)] if name else [self.models[n] for n in sorted(self.models)]
+        if name:
+            model = self.models.get(name)
+            models = ([self.model(name, version)] if version or model is None
+                      else [model, *model.others.values()])
+        else:
+            models = [m for n in sorted(self.models) for m in (self.models[n], *self.models[n].others.values())]
         return {"model_stats": [m.statistics() for m in models]}
 
     def repository_entries(self, only_ready: bool) -> list[dict[str, str]]:

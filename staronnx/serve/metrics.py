@@ -211,12 +211,12 @@ class ServeCollector:
                                    labels=[*labels, "reason"])
         for m, s in snaps:
             for reason in REASONS:
-                fail.add_metric([m.name, VERSION, reason], s["failure"].get(reason, 0))
+                fail.add_metric([m.name, getattr(m, "version", VERSION), reason], s["failure"].get(reason, 0))
         yield fail
         for name, doc, key in _TRITON:
             fam = (GaugeMetricFamily if key == "pending" else UnknownMetricFamily)(name, doc, labels=labels)
             for m, s in snaps:
-                fam.add_metric([m.name, VERSION], s[key])
+                fam.add_metric([m.name, getattr(m, "version", VERSION)], s[key])
             yield fam
         yield from self._staronnx()
 

@@ -23,8 +23,8 @@ served as if a field meant something it does not here. What is honoured, and wha
   ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
   captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged) and
   ``default_queue_policy.max_queue_size`` (the queue's capacity; 0 = the server's default);
-* ``version_policy`` (latest, all, specific) as long as it selects one version: a model is
-  served at one version;
+* ``version_policy`` (latest N, all, specific): every version selected is served, the latest
+  when a request names none;
 * ``instance_group`` kinds without counts or GPU lists: ``KIND_AUTO`` (each task on whichever
   worker, CPU group or CUDA stream, the policy picks), ``KIND_CPU`` (the CPU groups only) and
   ``KIND_GPU`` (the CUDA streams only; a server without ``--cuda-streams`` cannot serve it);
@@ -404,15 +404,15 @@ def warmup_feeds(config: mc.ModelConfig, seed: int = 0) -> list[tuple[str, int, 
     return out
 
 
-def pick_version(config: mc.ModelConfig, versions: Sequence[int], name: str) -> int:
-    """The one version ``version_policy`` selects among the folder's ``versions`` (Triton's
-    default: the latest); a policy that selects none or several is refused."""
+def pick_versions(config: mc.ModelConfig, versions: Sequence[int], name: str) -> list[int]:
+    """The versions ``version_policy`` selects among the folder's ``versions``, latest first
+    (Triton's default: the latest only); a policy that selects none is refused."""
     if not versions:
         raise ConfigError(f"model {name!r} has no version folder (a number) holding its model file")
     policy = config.version_policy
     which = policy.WhichOneof("policy_choice")
     if which is None:
-        return max(versions)
+        return [max(versions)]
     if which == "latest":
         n = policy.latest.num_versions or 1
         chosen = sorted(versions)[-n:]
@@ -424,7 +424,6 @@ def pick_version(config: mc.ModelConfig, versions: Sequence[int], name: str) -> 
         if missing:
             raise ConfigError(f"version_policy names version(s) {missing} that model {name!r} does not have "
                               f"(it has {sorted(versions)})")
-    if len(chosen) != 1:
-        raise ConfigError(f"version_policy selects versions {chosen} of model {name!r}; staronnx serves one "
-                          "version per model: select one (latest: {num_versions: 1}, or specific)")
-    return chosen[0]
+    if not chosen:
+        raise ConfigError(f"version_policy selects none of the versions of model {name!r} ({sorted(versions)})")
+    return sorted(chosen, reverse=True)

@@ -200,6 +200,8 @@ class ModelEndpoint:
         #: each output's own labels (a repository config's label_filename), over the plan's labels.txt
         self.output_labels: dict[str, Sequence[str]] = dict(declared.labels) if declared is not None else {}
         self.reshapes = dict(declared.reshapes) if declared is not None else {}
+        #: the older versions served under the same name (a version_policy that selects several)
+        self.others: dict[str, ModelEndpoint] = {}
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
         #: (batch record, response parameters) of the last one-sample request answered
@@ -224,14 +226,30 @@ class ModelEndpoint:
 
     # -- protocol -------------------------------------------------------------------------------
     def check_version(self, version: str | None) -> None:
+        if version in self.others:
+            return
+        if version not in (None, "", self.version) and self.others:
+            raise ProtocolError("not_found", f"Request for unknown model: {shown(self.name)} has no version "
+                                             f"{shown(version)} (it serves versions {', '.join(self.versions)})")
         check_version(self.name, version, self.version)
+
+    @property
+    def versions(self) -> list[str]:
+        """Every version served under this name, latest first."""
+        return [self.version, *self.others]
+
+    def at_version(self, version: str | None) -> ModelEndpoint:
+        """The endpoint of ``version`` (this one, the latest, where none is named), or Triton's
+        not-found answer."""
+        self.check_version(version)
+        return self.others[version] if version in self.others else self  # type: ignore[index]
 
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
         def tensors(specs: Sequence[Any], types: Mapping[str, str]) -> list[dict[str, Any]]:
             return [{"name": t.name, "datatype": types[t.name], "shape": self._client_shape(t)} for t in specs]
 
-        return {"name": self.name, "versions": [self.version],
+        return {"name": self.name, "versions": self.versions,
                 "platform": "staronnx" if self.declared is None else "onnxruntime_onnx",
                 "inputs": tensors(self.plan.inputs, self.input_datatypes),
                 "outputs": tensors(self.plan.outputs, self.output_datatypes)}
@@ -372,7 +390,7 @@ class ModelEndpoint:
         staronnx's own account of how the model is served."""
         s = self.stats.snapshot()
         # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
-        return {**triton_statistics(self.name, s), "staronnx": self.service(s)}
+        return {**triton_statistics(self.name, s), "version": self.version, "staronnx": self.service(s)}
 
     def service(self, snapshot: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """How this model is served on its (maybe shared) runtime: its queue, latency target,
@@ -536,13 +554,16 @@ class ModelEndpoint:
         return np.concatenate(parts, axis=axis)
 
     def close(self, timeout: float) -> None:
-        """Drain the batcher (every accepted request is answered), then stop the runtime."""
+        """Drain the batcher (every accepted request is answered), then stop the runtime; the
+        older versions served under the same name too."""
         self.ready = False
         try:
             self.server.close(timeout)
         finally:
             self._metrics.remove(self)
             self.runtime.close(timeout)
+            for other in self.others.values():
+                other.close(timeout)
 
 
 def _contract_parameters(contract: BatchContract, leading: bool) -> dict[str, str]:

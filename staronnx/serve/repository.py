@@ -23,7 +23,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +50,8 @@ class RepositoryModel:
     labels: dict[str, list[str]]
     #: its model_warmup samples: (what, count, feeds)
     warmup: list[tuple[str, int, dict[str, Any]]]
+    #: the other versions its version_policy selects, latest first (this one is the latest)
+    older: list["RepositoryModel"] = field(default_factory=list)
 
 
 def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
@@ -87,14 +89,25 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
     mcfg.check_honoured(config)
     filename = config.default_model_filename or mcfg.DEFAULT_MODEL_FILENAME
     versions = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit() and (d / filename).is_file()]
-    version = mcfg.pick_version(config, versions, name)
+    chosen = [_load_version(name, folder, v, filename, config, batch_written, batch_size, home)
+              for v in mcfg.pick_versions(config, versions, name)]
+    chosen[0].older = chosen[1:]
+    return chosen[0]
+
+
+def _load_version(name: str, folder: Path, version: int, filename: str, config: Any, batch_written: bool,
+                  batch_size: int, home: Path | None) -> RepositoryModel:
+    """One version of a model: its plan (cut or cached), its config completed from its file."""
     model_file = folder / str(version) / filename
     settings = mcfg.settings(config)
     inputs, outputs = mcfg.onnx_signature(model_file)
     plan = cached_plan(model_file, settings.plan, inputs, home)
     contract = plan.contract
     on_axis0 = contract.batchable and all(a == 0 for a in (*contract.inputs.values(), *contract.outputs.values()))
-    effective = mcfg.complete(config, name, inputs, outputs, batch_size, on_axis0, batch_written)
+    try:
+        effective = mcfg.complete(config, name, inputs, outputs, batch_size, on_axis0, batch_written)
+    except mcfg.ConfigError as exc:
+        raise mcfg.ConfigError(f"version {version}: {exc}") from None
     settings = mcfg.settings(effective)
     if settings.max_batch_size == 0 and contract.batchable:
         plan.set_batching([], batching=False)  # Triton's non-batching model: each request alone
