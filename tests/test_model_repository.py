@@ -74,6 +74,7 @@ SERVED = {
     "tuned": (TUNED_CONFIG, [3]),
     "warmed": (WARMED_CONFIG, [1]),
     "reshaped": (RESHAPED_CONFIG, [1]),
+    "ordered": ("max_batch_size: 8 dynamic_batching { preserve_ordering: true }", [1]),
     "multi": ("max_batch_size: 8 version_policy: { all { } }", [1, 2]),
     "split": ('parameters { key: "parts" value: { string_value: "2" } } '
               'parameters { key: "partition_method" value: { string_value: "linear" } }', [1]),
@@ -83,8 +84,8 @@ SERVED = {
 REFUSED = {
     "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
     "cached": ("response_cache { enable: true }", [1], "config field response_cache is not honoured"),
-    "ordered": ("max_batch_size: 8 dynamic_batching { preserve_ordering: true }", [1],
-                "config field dynamic_batching.preserve_ordering is not honoured"),
+    "prioritised": ("max_batch_size: 8 dynamic_batching { priority_levels: 2 }", [1],
+                    "config field dynamic_batching.priority_levels is not honoured"),
     "on_gpu": ("instance_group [ { kind: KIND_GPU } ]", [1], "instance_group KIND_GPU: this server has no CUDA workers"),
     "counted": ("instance_group [ { kind: KIND_CPU count: 2 } ]", [1], "config field instance_group[0].count is not "
                 "honoured by staronnx serve (staronnx places every task on the CPU group or CUDA stream its policy "
@@ -281,6 +282,28 @@ def test_every_version_the_policy_selects_is_served(served, protocol):
     if protocol == "http":
         stats = client.get_inference_statistics("multi")["model_stats"]
         assert sorted(s["version"] for s in stats) == ["1", "2"]
+
+
+def test_preserve_ordering_answers_every_request(served):
+    """preserve_ordering: the config says it; concurrent requests are each answered with their own."""
+    import asyncio
+
+    import tritonclient.http.aio as aio
+
+    client = httpclient.InferenceServerClient(served.http)
+    assert client.get_model_config("ordered")["dynamic_batching"]["preserve_ordering"] is True
+
+    async def many() -> None:
+        c = aio.InferenceServerClient(served.http)
+        try:
+            sent = [_simple_inputs(aio, n) for n in range(1, 9)]
+            results = await asyncio.gather(*(c.infer("ordered", inputs) for inputs, _, _ in sent))
+            for (_, a, b), result in zip(sent, results):
+                np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), a + b)
+        finally:
+            await c.close()
+
+    asyncio.run(many())
 
 
 def test_parameters_cut_the_plan(served):

@@ -252,7 +252,7 @@ def serve_cmd(
             specs[key] = repository.serve_spec(version, base, delay)
             if target:
                 targets[key] = target
-            declared[key] = Declared(version.version, version.config, version.labels, version.settings.reshapes)
+            declared[key] = repository.declared(version)
             warmups[key] = version
     # a model that cannot be served fails alone: said, listed UNAVAILABLE with its reason, the others serve
     unavailable.update({n: why for n, why in ((n, unservable(p)) for n, p in zip(names, loaded)) if why is not None})
@@ -378,7 +378,7 @@ def serve_cmd(
             target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
                 model_name, DEFAULT_QUEUE_CAPACITY)), delay)
-            decl = Declared(found.version, found.config, found.labels, found.settings.reshapes)
+            decl = repository.declared(found)
             if shared is not None and key in shared.model_names:
                 handle = shared.model(key)
                 if (handle.plan.hash == found.plan.hash and handle.plan.contract == found.plan.contract

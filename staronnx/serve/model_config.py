@@ -22,7 +22,8 @@ served as if a field meant something it does not here. What is honoured, and wha
 * ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits),
   ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
   captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged) and
-  ``default_queue_policy.max_queue_size`` (the queue's capacity; 0 = the server's default);
+  ``default_queue_policy.max_queue_size`` (the queue's capacity; 0 = the server's default),
+  ``preserve_ordering`` (each answer leaves after the answer to the request before it);
 * ``version_policy`` (latest N, all, specific): every version selected is served, the latest
   when a request names none;
 * ``instance_group`` kinds without counts or GPU lists: ``KIND_AUTO`` (each task on whichever
@@ -36,7 +37,7 @@ served as if a field meant something it does not here. What is honoured, and wha
 
 Refused (for now, with the flag that does it where there is one): shape tensors,
 ragged batches, optional inputs, priorities and queue timeouts,
-``preserve_ordering``, instance counts and GPU lists (``--cuda-streams``, ``--groups``,
+instance counts and GPU lists (``--cuda-streams``, ``--groups``,
 ``--model-workers``), the other optimization settings, warm-up data from files, ``sequence_batching`` and
 ``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
 """
@@ -85,7 +86,8 @@ _HONOURED = {
     "ModelInput": {"name", "data_type", "dims", "format", "reshape"},
     "ModelOutput": {"name", "data_type", "dims", "label_filename", "reshape"},
     "ModelTensorReshape": {"shape"},
-    "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size"},
+    "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size",
+                             "preserve_ordering"},
     "ModelQueuePolicy": {"max_queue_size"},
     "ModelInstanceGroup": {"name", "kind"},
     "ModelVersionPolicy": {"latest", "all", "specific"},
@@ -136,6 +138,8 @@ class ModelSettings:
     pad_to: tuple[int, ...] | None = None
     #: the workers its instance_group asks for: "cpu", "cuda", or None (any)
     workers: str | None = None
+    #: dynamic_batching.preserve_ordering: answers leave in the order the requests came
+    preserve_ordering: bool = False
     #: optimization.cuda.graphs where the config says (None: it does not)
     cuda_graphs: bool | None = None
     #: tensor name -> (the client's dims, the model's), without the batch: the config's reshapes
@@ -328,6 +332,7 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
         out.max_delay = db.max_queue_delay_microseconds / 1e6
+        out.preserve_ordering = db.preserve_ordering
         if db.preferred_batch_size:
             sizes = sorted(set(db.preferred_batch_size))
             if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):

@@ -78,6 +78,8 @@ class Declared:
     labels: Mapping[str, Sequence[str]] = field(default_factory=dict)
     #: tensor name -> (the client's dims, the model's), without the batch: a config's ``reshape``
     reshapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: dynamic_batching.preserve_ordering: answers leave in the order the requests came
+    preserve_ordering: bool = False
 
 
 @dataclass
@@ -202,6 +204,10 @@ class ModelEndpoint:
         self.reshapes = dict(declared.reshapes) if declared is not None else {}
         #: the older versions served under the same name (a version_policy that selects several)
         self.others: dict[str, ModelEndpoint] = {}
+        #: the answer of the latest request (preserve_ordering: the next one leaves after it)
+        self._last_answer: asyncio.Future[None] | None = None
+        if declared is not None and declared.preserve_ordering:
+            self.infer = self._infer_in_order  # type: ignore[method-assign]
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
         #: (batch record, response parameters) of the last one-sample request answered
@@ -356,6 +362,8 @@ class ModelEndpoint:
         for key in ("version_policy", "default_model_filename"):
             if key in declared:
                 out[key] = declared[key]
+        if self.declared.preserve_ordering and "dynamic_batching" in out:
+            out["dynamic_batching"] = {**out["dynamic_batching"], "preserve_ordering": True}
         return out
 
     def instance_groups(self) -> list[dict[str, Any]]:
@@ -434,6 +442,23 @@ class ModelEndpoint:
             return self.contract.check_rows(inputs)
         except InputError as exc:
             raise invalid(f"model {self.name!r}: {exc}") from None
+
+    async def _infer_in_order(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+                              outputs: Sequence[str] | None, *, decode_s: float = 0.0,
+                              classes: Mapping[str, int] | None = None) -> Answer:
+        """:meth:`infer`, each answer (or refusal) held until the request before it is answered:
+        Triton's ``preserve_ordering`` (a later request may finish first on another worker)."""
+        previous, mine = self._last_answer, asyncio.get_running_loop().create_future()
+        self._last_answer = mine
+        try:
+            try:
+                return await ModelEndpoint.infer(self, inputs, datatypes, outputs, decode_s=decode_s, classes=classes)
+            finally:
+                if previous is not None and not previous.done():
+                    await asyncio.shield(previous)
+        finally:
+            if not mine.done():
+                mine.set_result(None)
 
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, *, decode_s: float = 0.0,

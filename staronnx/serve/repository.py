@@ -156,6 +156,15 @@ def workers_for(found: RepositoryModel, cuda_streams: int, separate_runtimes: bo
     return wants
 
 
+def declared(found: RepositoryModel) -> Any:
+    """What the repository says of a loaded version, as the served model takes it
+    (:class:`~staronnx.serve.models.Declared`)."""
+    from staronnx.serve.models import Declared
+
+    s = found.settings
+    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering)
+
+
 def warm(found: RepositoryModel, runtime: Any) -> int:
     """Run the model's ``model_warmup`` samples on ``runtime`` before it serves (a sample that
     fails fails the load, naming it); returns the runs made."""
