@@ -226,6 +226,14 @@ def window_bytes(src: Path, out: Path, batch: int, window: int) -> int:
     return int(window * batch * (row_in + row_out))
 
 
+def timing_rows(text: str, name: str) -> int:
+    """``--timing-rows``: one count for every model, or ``name=rows`` items (others: 2000)."""
+    if "=" not in text:
+        return int(text)
+    items = dict(item.split("=", 1) for item in text.split(","))
+    return int(items.get(name, 2000))
+
+
 def summarise(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -272,7 +280,7 @@ def bench_model(name: str, args: argparse.Namespace, data: Path, work: Path) -> 
               f"max rel diff {max(result['check']['max_rel_diff'].values()):.2e}); peak RSS growth "
               f"{growth / 2**20:.1f} MiB = {growth / win:.2f}x one window ({win / 2**20:.1f} MiB)", flush=True)
     if args.rounds:
-        rows = min(args.timing_rows, args.rows)
+        rows = min(timing_rows(args.timing_rows, name), args.rows)
         part = subset(src, rows, args.shard, work)
         rows = min(rows, args.shard * len(list(part.glob("shard-*.npz"))))
         first = sorted(part.glob("shard-*.npz"))[0]
@@ -309,7 +317,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="crnn_ocr,unet_seg,googlenet")
     ap.add_argument("--rows", type=int, default=20000, help="rows of each dataset (the check runs over all)")
-    ap.add_argument("--timing-rows", type=int, default=2000, help="rows each timed repeat runs")
+    ap.add_argument("--timing-rows", default="2000",
+                    help="rows each timed repeat runs: a count, or name=rows items (e.g. crnn_ocr=20000,googlenet=2000)")
     ap.add_argument("--shard", type=int, default=1000, help="rows per input shard")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--window", type=int, default=2, help="batches in flight (infer and run alike)")
