@@ -130,3 +130,19 @@ def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, t
     assert gpu.startswith("gpu: "), gpu  # nvidia-smi's line, or "none"
     assert [line.split(":")[0] for line in summary[:-1]] == steps, summary
     assert all("skipped" in line for line in summary[:-1]) and summary[-1].startswith("total: "), summary
+
+
+def test_the_infer_benchmark_checks_row_for_row_and_times_three_setups(tmp_path):
+    """``benchmarks/infer.py`` on crnn_ocr, 96 rows in shards of 32: infer's outputs equal the
+    plain-ORT loop's row for row, the peak RSS is read, and one round times infer, run and the
+    loop; the JSON keeps every repeat and where it came from."""
+    out_json = tmp_path / "infer.json"
+    out = _run("infer.py", "--models", "crnn_ocr", "--rows", "96", "--shard", "32", "--timing-rows", "64",
+               "--rounds", "1", "--data", str(tmp_path / "data"), "--out", str(out_json), tmp=tmp_path)
+    assert "outputs equal row for row (96 rows, in order once: True" in out, out
+    assert re.search(r"infer / run [\d.]+, infer / ORT loop [\d.]+", out), out
+    result = json.loads(out_json.read_text())
+    model = result["models"][0]
+    assert model["check"]["equal"] and model["memory"]["peak_rss"] > 0
+    assert {k: len(v) for k, v in model["timing"]["samples_per_s"].items()} == {"infer": 1, "run": 1, "ort": 1}
+    assert result["provenance"]["commit"] and "infer.py" in result["provenance"]["command"]
