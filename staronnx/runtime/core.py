@@ -215,8 +215,9 @@ class TaskGraph:
         #: (part, batch, shape hash) -> its final outputs' (name, bytes), from a task that ran
         self._out_sizes: dict[tuple[int, int, int], tuple[tuple[str, int], ...]] = {}
         #: the few copies serving makes over and over, made once: (name, src, dst, bytes) ->
-        #: fetch; ((name, bytes) pairs, node) -> write-backs
-        self._copy_cache: dict[Any, Any] = {}
+        #: fetch; and ((name, bytes) pairs, node) -> write-backs
+        self._copy_cache: dict[tuple[str, str, str, int], Copy] = {}
+        self._back_cache: dict[tuple[tuple[tuple[str, int], ...], str], list[Copy]] = {}
         #: per worker, whether its memory node is a GPU's (its final outputs are written back)
         self._on_device = [not is_host(w.memory_node) for w in workers]
         #: every copy decided so far
@@ -399,9 +400,12 @@ class TaskGraph:
         if on_device and view is not None and view.outputs:
             back = (view.outputs, node)
             try:
-                copies += cache[back]
+                copies += self._back_cache[back]
             except KeyError:
-                copies += cache.setdefault(back, [Copy(n, node, HOST_NODE, b) for n, b in view.outputs if b > 0])
+                if len(self._back_cache) > 4096:
+                    self._back_cache.clear()
+                copies += self._back_cache.setdefault(back, [Copy(n, node, HOST_NODE, b) for n, b in view.outputs
+                                                             if b > 0])
         if copies:
             task.copies = copies
         if keep:
@@ -489,6 +493,7 @@ class TaskGraph:
                 if len(self._out_sizes) > 4096:
                     self._out_sizes.clear()
                     self._copy_cache.clear()
+                    self._back_cache.clear()
                 self._out_sizes[key] = tuple((n, outputs[n]) for n in self._finals[task.part] if n in outputs)
         return [Copy(n, node, HOST_NODE, outputs[n]) for n in self._finals[task.part] if outputs.get(n, 0) > 0]
 

@@ -37,13 +37,14 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import numpy as np
 
     from staronnx.plan import Plan
     from staronnx.runtime.sched import WorkerInfo
+    from staronnx.workers.cudart import GpuEvent
     from staronnx.workers.replicas import DeviceMemory, DeviceTensor
 
 #: where model inputs are when a request is submitted, and where final outputs are written back
@@ -111,7 +112,7 @@ class DataHandle:
         #: the copy in host memory, and, while it is still coming down from a GPU (a prefetch),
         #: the event its reader waits on with the node that lends it
         self.host = host
-        self.host_ready: tuple[Any, DeviceMemory] | None = None
+        self.host_ready: tuple[GpuEvent, DeviceMemory] | None = None
         #: the copies in GPU memory, by node (None: none); replaced, not changed, when one is
         #: added (a reader may hold the old map)
         self.device: dict[str, DeviceTensor] | None = None
@@ -134,7 +135,7 @@ class DataHandle:
         """Its copy in the memory of GPU ``node``, or None."""
         return None if self.device is None else self.device.get(node)
 
-    def add_host(self, array: np.ndarray, ready: tuple[Any, DeviceMemory] | None = None) -> None:
+    def add_host(self, array: np.ndarray, ready: tuple[GpuEvent, DeviceMemory] | None = None) -> None:
         """``array`` becomes its host copy unless it has one (``ready``: the copy is still
         coming down, see :attr:`host_ready`)."""
         if self.host is None:

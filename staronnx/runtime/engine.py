@@ -54,7 +54,7 @@ import time
 from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -170,7 +170,7 @@ class NativeEngine:
         self._contracts = [m.plan.contract for m in self.models.models]
         #: per part (of every model), each input's batch axis (perf-model footprints)
         self._part_axes = [m.plan.part_batch_axes(p) for m, p in self.models.owner]
-        self._footprints: dict[tuple[Any, ...], Footprint] = {}
+        self._footprints: dict[tuple[object, ...], Footprint] = {}
         self._archs = [w.arch for w in workers]
         #: each worker's memory node, and whether it is host memory
         self._nodes = [w.memory_node for w in workers]
@@ -891,7 +891,7 @@ def driver_groups(workers: Sequence[Worker]) -> list[list[int]]:
     ``driver_key`` (a CUDA device's streams, unless ``thread_per_stream``) share one thread;
     every other worker is its own group."""
     groups: list[list[int]] = []
-    by_key: dict[Any, list[int]] = {}
+    by_key: dict[str, list[int]] = {}
     for wid, w in enumerate(workers):
         key = w.driver_key if w.launches_ahead else None
         if key is None:
@@ -994,7 +994,7 @@ def _warm_shape(engine: NativeEngine, wid: int, worker: CudaWorker, part: int, f
 register_engine("native", start_native)
 
 
-def _close_all(workers: Any) -> None:
+def _close_all(workers: Iterable[Worker]) -> None:
     for w in workers:
         with contextlib.suppress(Exception):  # close the others anyway
             w.close()

@@ -45,6 +45,21 @@ class EngineSettings:
     warmup: tuple[int, ...] = ()
 
 
+class Worker(Protocol):
+    """What a runtime's users see of a worker (:attr:`Engine.workers`, ``Runtime.workers``):
+    its name, its kind (``cpu``, ``cuda``, ``lane``) and its perf-model architecture. The
+    native engine's workers (:class:`staronnx.workers.base.Worker`) and the starpu engine's
+    have these and more; a caller that needs more of a CUDA worker asks
+    ``isinstance(w, CudaWorker)``."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def arch(self) -> str: ...
+
+
 class Engine(Protocol):
     """What ``Runtime`` drives: the contract both the native and the starpu engine keep."""
 
@@ -57,7 +72,7 @@ class Engine(Protocol):
         ...
 
     @property
-    def workers(self) -> list[Any]: ...  # what tasks run on, each with ``name``, ``kind`` and ``arch``
+    def workers(self) -> Sequence[Worker]: ...  # what tasks run on
 
     def submit(self, feeds: Mapping[str, np.ndarray], model: int = 0, arrival: float | None = None) -> RequestFuture:
         """Queue one batch of hosted model ``model`` (its index), whose oldest request arrived

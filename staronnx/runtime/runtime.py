@@ -59,7 +59,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.models import HostedModel, ModelSet, ServiceTarget, load_plans
-from staronnx.runtime.registry import EngineSettings, engine_factory
+from staronnx.runtime.registry import EngineSettings, Worker, engine_factory
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
@@ -310,8 +310,8 @@ class Runtime:
         return self._engine.predictor
 
     @property
-    def workers(self) -> list[Any]:
-        """The workers tasks run on (each with ``name`` and ``arch``): staronnx's own, or
+    def workers(self) -> Sequence[Worker]:
+        """The workers tasks run on (each with ``name``, ``kind`` and ``arch``): staronnx's own, or
         StarPU's as seen through the engine, so sweeps and warm-ups size themselves alike."""
         return self._engine.workers
 
@@ -371,7 +371,7 @@ class ModelHandle:
         return self.runtime.colocate()
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> Sequence[Worker]:
         return self.runtime.workers
 
     @property

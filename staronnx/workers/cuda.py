@@ -77,6 +77,7 @@ from staronnx.workers.cudart import (
     CAPTURE_THREAD_LOCAL,
     CudaError,
     CudaRuntime,
+    GpuEvent,
     GpuRuntime,
     capture_safe,
     is_sticky,
@@ -112,7 +113,7 @@ class _Launch:
 
     slot: Slot
     timed: bool
-    wait_event: Any = None  # None: wait for the whole stream
+    wait_event: GpuEvent | None = None  # None: wait for the whole stream
     outputs: Outputs | None = None  # set when it ran synchronously (the general path)
     #: the outputs written back (None: all of them) and those kept on the device
     written: list[SlotTensor] | None = None
@@ -666,7 +667,7 @@ class CudaWorker(ThreadWorker):
         part = self._parts[part_index]
         rt = self._runtime
         inputs: list[SlotTensor] = []
-        events: dict[str, Any] = {}
+        events: dict[str, GpuEvent] = {}
         try:
             binding = part.session.io_binding()
             for name, a in zip(part.inputs, arrays):

@@ -46,8 +46,8 @@ import numpy as np
 
 from staronnx.errors import DeviceError
 
-__all__ = ["AllocationStats", "Buffer", "CudaError", "CudaRuntime", "DeviceBuffer", "Event", "HostBuffer",
-           "HostRuntime", "INSTALL_HINT", "PinnedBuffer", "GpuRuntime", "Stream", "STICKY_ERRORS", "capture_safe",
+__all__ = ["AllocationStats", "Buffer", "CudaError", "CudaRuntime", "DeviceBuffer", "Event", "GpuEvent", "GpuStream",
+           "HostBuffer", "HostRuntime", "INSTALL_HINT", "PinnedBuffer", "GpuRuntime", "Stream", "STICKY_ERRORS", "capture_safe",
            "check", "is_sticky", "runtime_module"]
 
 INSTALL_HINT = "pip install 'staronnx[gpu]'"
@@ -174,6 +174,32 @@ def _done(rt: ModuleType, result: Any, call: str) -> bool:
     return True
 
 
+class GpuStream(Protocol):
+    """A stream as the worker and the copiers use it (:class:`Stream`, or HostRuntime's
+    stand-in): ``raw`` is the runtime's own object, ``handle`` its address for ORT."""
+
+    raw: object
+    handle: int
+
+    def wait(self, event: GpuEvent) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+    def destroy(self) -> None: ...
+
+
+class GpuEvent(Protocol):
+    """An event as the worker and the copiers use it (:class:`Event`, or HostRuntime's
+    stand-in)."""
+
+    raw: object
+
+    def record(self, stream: GpuStream) -> None: ...
+    def synchronize(self) -> None: ...
+    def query(self) -> bool: ...
+    def seconds_since(self, start: GpuEvent) -> float: ...
+    def destroy(self) -> None: ...
+
+
 class Stream:
     """A non-blocking CUDA stream: it never serialises with the legacy stream 0."""
 
@@ -184,7 +210,7 @@ class Stream:
         self.handle: int = int(self.raw)  # the cudaStream_t value, what ORT expects
         self._alive = True
 
-    def wait(self, event: Event) -> None:
+    def wait(self, event: GpuEvent) -> None:
         """Make work queued on this stream after now wait for ``event`` (no host blocking)."""
         check(self._rt.cudaStreamWaitEvent(self.raw, event.raw, 0), "cudaStreamWaitEvent")
 
@@ -213,7 +239,7 @@ class Event:
         self.raw: Any = check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
         self._alive = True
 
-    def record(self, stream: Stream) -> None:
+    def record(self, stream: GpuStream) -> None:
         check(self._rt.cudaEventRecord(self.raw, stream.raw), "cudaEventRecord")
 
     def synchronize(self) -> None:
@@ -224,7 +250,7 @@ class Event:
         """True when the recorded work is done, False while it is pending."""
         return _done(self._rt, self._rt.cudaEventQuery(self.raw), "cudaEventQuery")
 
-    def seconds_since(self, start: Event) -> float:
+    def seconds_since(self, start: GpuEvent) -> float:
         """GPU time between ``start`` and this event (both recorded, completed, timing)."""
         ms = check(self._rt.cudaEventElapsedTime(start.raw, self.raw), "cudaEventElapsedTime")
         return float(ms) / 1000.0
@@ -339,9 +365,8 @@ SessionRun = Callable[[Any, Any], None]
 
 class GpuRuntime(Protocol):
     """What the CUDA worker and the copiers need from a runtime (:class:`CudaRuntime`, or
-    :class:`HostRuntime` without a GPU).  Streams, events and buffers are duck-typed alike:
-    ``Stream.handle/wait/synchronize/destroy``, ``Event.record/synchronize/seconds_since/
-    destroy``, buffers ``ptr/nbytes/view/free``."""
+    :class:`HostRuntime` without a GPU): its streams (:class:`GpuStream`), events
+    (:class:`GpuEvent`) and buffers (``ptr/nbytes/view/free``)."""
 
     ort_device_type: str
     stats: AllocationStats
@@ -350,15 +375,15 @@ class GpuRuntime(Protocol):
     def properties(self, device_id: int) -> dict[str, Any]: ...
     def set_device(self, device_id: int) -> None: ...
     def get_device(self) -> int: ...
-    def stream(self) -> Any: ...
-    def event(self, timing: bool = True) -> Any: ...
+    def stream(self) -> GpuStream: ...
+    def event(self, timing: bool = True) -> GpuEvent: ...
     def pinned(self, nbytes: int) -> Buffer: ...
     def device_buffer(self, nbytes: int) -> Buffer: ...
-    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
-    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
-    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None: ...
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None: ...
+    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None: ...
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None: ...
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
-                  stream: Any) -> None: ...
+                  stream: GpuStream) -> None: ...
     def thread_capture_mode(self, mode: int) -> int: ...
     def graph_run(self, session: Any, run: SessionRun, graph_id: int) -> SessionRun: ...
     def loading(self, part: int) -> None: ...
@@ -428,23 +453,23 @@ class CudaRuntime:
         return DeviceBuffer(self.rt, nbytes, self.stats)
 
     # -- copies (asynchronous: order them with events, wait with Event/Stream.synchronize)
-    def _memcpy(self, dst: int, src: int, nbytes: int, kind: Any, stream: Stream, what: str) -> None:
+    def _memcpy(self, dst: int, src: int, nbytes: int, kind: object, stream: GpuStream, what: str) -> None:
         if nbytes:
             check(self.rt.cudaMemcpyAsync(dst, src, nbytes, kind, stream.raw),
                   f"cudaMemcpyAsync({what})")
 
-    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
         self._memcpy(dst, src, nbytes, self._kinds.cudaMemcpyHostToDevice, stream, "host->device")
 
-    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
         self._memcpy(dst, src, nbytes, self._kinds.cudaMemcpyDeviceToHost, stream, "device->host")
 
-    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Stream) -> None:
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
         """Within one GPU's memory (a handle's copy into a graph slot's fixed buffer)."""
         self._memcpy(dst, src, nbytes, self._kinds.cudaMemcpyDeviceToDevice, stream, "device->device")
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
-                  stream: Stream) -> None:
+                  stream: GpuStream) -> None:
         """Between two GPUs; the driver stages through the host when peer access is off."""
         if nbytes:
             check(self.rt.cudaMemcpyPeerAsync(dst, dst_device, src, src_device, nbytes, stream.raw),
@@ -520,13 +545,14 @@ class _HostStream:
     """Stands in for a stream: host copies complete in program order, so nothing to wait."""
 
     _next = 0x1000
+    raw: object = None
 
     def __init__(self, rt: HostRuntime) -> None:
         _HostStream._next += 0x10
         self.handle = _HostStream._next
         self._rt = rt
 
-    def wait(self, event: Any) -> None:
+    def wait(self, event: GpuEvent) -> None:
         self._rt._call("stream_wait")
 
     def synchronize(self) -> None:
@@ -543,11 +569,13 @@ class _HostStream:
 class _HostEvent:
     """Stands in for an event: records the host clock, so ``seconds_since`` is wall time."""
 
+    raw: object = None
+
     def __init__(self, rt: HostRuntime) -> None:
         self.stamp: float | None = None
         self._rt = rt
 
-    def record(self, stream: Any) -> None:
+    def record(self, stream: GpuStream) -> None:
         self._rt._call("event_record")
         self.stamp = time.perf_counter()
 
@@ -561,9 +589,9 @@ class _HostEvent:
             return False
         return True
 
-    def seconds_since(self, start: _HostEvent) -> float:
+    def seconds_since(self, start: GpuEvent) -> float:
         self._rt._call("event_elapsed")
-        if self.stamp is None or start.stamp is None:
+        if self.stamp is None or not isinstance(start, _HostEvent) or start.stamp is None:
             raise RuntimeError("seconds_since needs two recorded events")
         return self.stamp - start.stamp
 
@@ -736,18 +764,18 @@ class HostRuntime:
                     next(self._tallies.setdefault((kind, nbytes), itertools.count()))
             ctypes.memmove(dst, src, nbytes)
 
-    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
         self.copy_threads.add(threading.get_native_id())
         self._copy("h2d", dst, src, nbytes)
 
-    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    def copy_d2h(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
         self._copy("d2h", dst, src, nbytes)
 
-    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+    def copy_d2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
         self._copy("d2d", dst, src, nbytes)
 
     def copy_peer(self, dst: int, dst_device: int, src: int, src_device: int, nbytes: int,
-                  stream: Any) -> None:
+                  stream: GpuStream) -> None:
         self._copy("peer", dst, src, nbytes)
 
     def thread_capture_mode(self, mode: int) -> int:

@@ -24,7 +24,7 @@ import threading
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from staronnx.workers.cudart import capture_safe
 from staronnx.workers.pinned_pool import BufferArena, PinnedArray, PinnedPool
 
 if TYPE_CHECKING:
-    from staronnx.workers.cudart import Buffer, GpuRuntime
+    from staronnx.workers.cudart import Buffer, GpuEvent, GpuRuntime, GpuStream
 
 __all__ = ["DeviceMemory", "DeviceTensor", "OutputRoute"]
 
@@ -56,8 +56,8 @@ class DeviceTensor:
         self.nbytes = math.prod(shape) * dtype.itemsize
         self.node = memory.node
         self.device = memory.device_id
-        self.ready: Any = None
-        self.source: Any = None
+        self.ready: GpuEvent | None = None
+        self.source: object = None
 
     def __del__(self) -> None:  # any thread, any moment: only queues the buffer (and event) back
         self.memory.give_back(self.buffer)
@@ -97,10 +97,10 @@ class DeviceMemory(BufferArena):
         #: plain arrays
         self.pinned_pool = pinned_pool
         self._copying = threading.Lock()  # the copy stream: one runtime copy at a time
-        self._stream: Any = None
+        self._stream: GpuStream | None = None
         #: events of prefetches, reused (an event is never destroyed while serving: a finalizer
         #: may give one back on any thread, and cudaEventDestroy there could break a capture)
-        self._events: deque[Any] = deque()
+        self._events: deque[GpuEvent] = deque()
         #: idle buffers kept for reuse, at most (past it, a new allocation frees the oldest)
         self.max_idle = 64
 
@@ -138,22 +138,29 @@ class DeviceMemory(BufferArena):
 
     # -- copies the runtime issues
     @contextmanager
-    def _on_device(self, stream: bool = True) -> Iterator[Any]:
-        """This device current and thread-local capture mode in the calling thread, the copy
-        stream (``stream``) made on first use; the thread's device and mode are restored after."""
+    def _on_device(self) -> Iterator[None]:
+        """This device current and thread-local capture mode in the calling thread; the
+        thread's device and mode are restored after."""
         rt = self.runtime
         with capture_safe(rt):
             before = rt.get_device()
             rt.set_device(self.device_id)
             try:
-                if stream and self._stream is None:
-                    self._stream = rt.stream()
-                yield self._stream
+                yield
             finally:
                 if before != self.device_id:
                     rt.set_device(before)
 
-    def keep(self, src: int, dtype: np.dtype, shape: tuple[int, ...], stream: Any) -> DeviceTensor:
+    @contextmanager
+    def _copy_stream(self) -> Iterator[GpuStream]:
+        """The copy stream (made on first use), with the copy lock held and this device
+        current (:meth:`_on_device`): one runtime copy at a time."""
+        with self._copying, self._on_device():
+            if self._stream is None:
+                self._stream = self.runtime.stream()
+            yield self._stream
+
+    def keep(self, src: int, dtype: np.dtype, shape: tuple[int, ...], stream: GpuStream) -> DeviceTensor:
         """A handle's own copy of ``src`` (device memory of this GPU, e.g. a graph slot's
         output) made on ``stream`` after what is queued there (a worker keeping an output on
         its device; the caller's thread is that worker's)."""
@@ -167,7 +174,7 @@ class DeviceMemory(BufferArena):
         this node's copy stream and not waited for: its ``ready`` event is what a reader's
         stream waits on (StarPU's prefetch, at push time, while the worker runs its current
         task)."""
-        with self._copying, self._on_device() as stream:
+        with self._copy_stream() as stream:
             if not array.flags.c_contiguous:  # (reshaped: np.ascontiguousarray makes a 0-d array 1-d)
                 array = np.ascontiguousarray(array).reshape(array.shape)
             t = self.tensor(array.dtype, array.shape)
@@ -178,14 +185,14 @@ class DeviceMemory(BufferArena):
     def peer(self, tensor: DeviceTensor, wait: bool = True) -> DeviceTensor:
         """A copy on this GPU of ``tensor`` (on another GPU), enqueued behind ``tensor``'s own
         ready event: waited for, or not (``wait=False``), as :meth:`upload`."""
-        with self._copying, self._on_device() as stream:
+        with self._copy_stream() as stream:
             t = self.tensor(tensor.dtype, tensor.shape)
             if tensor.ready is not None:
                 stream.wait(tensor.ready)
             self.runtime.copy_peer(t.ptr, self.device_id, tensor.ptr, tensor.device, t.nbytes, stream)
             return self._copied(t, tensor, stream, wait)
 
-    def _copied(self, t: DeviceTensor, source: object, stream: Any, wait: bool) -> DeviceTensor:
+    def _copied(self, t: DeviceTensor, source: object, stream: GpuStream, wait: bool) -> DeviceTensor:
         """(copy lock held, on this device) ``t`` once its copy is enqueued: waited for, or
         given the event a reader waits on and ``source`` (what the copy reads: the pinned
         staging of a host array, or the peer tensor) to keep alive until then."""
@@ -193,8 +200,8 @@ class DeviceMemory(BufferArena):
             stream.synchronize()  # (the staging buffer may go once the copy is done)
             return t
         t.source = source
-        t.ready = self._event()
-        t.ready.record(stream)
+        t.ready = ready = self._event()
+        ready.record(stream)
         return t
 
     def settled(self, tensor: DeviceTensor) -> bool:
@@ -208,7 +215,7 @@ class DeviceMemory(BufferArena):
         tensor.ready = None
         return True
 
-    def event_done(self, event: Any) -> bool:
+    def event_done(self, event: GpuEvent) -> bool:
         """Whether the copy ``event`` marks is complete; once it is, the event goes back."""
         with capture_safe(self.runtime):
             done = bool(event.query())
@@ -216,14 +223,14 @@ class DeviceMemory(BufferArena):
             self.give_event(event)
         return done
 
-    def _event(self) -> Any:
+    def _event(self) -> GpuEvent:
         """(in :meth:`_on_device`) An event for a prefetch, reused where one came back."""
         try:
             return self._events.popleft()
         except IndexError:
             return self.runtime.event(timing=False)
 
-    def give_event(self, event: Any) -> None:
+    def give_event(self, event: GpuEvent) -> None:
         """(any thread) An event no reader waits on any more."""
         self._events.append(event)
 
@@ -233,17 +240,17 @@ class DeviceMemory(BufferArena):
         out, ready = self._download(tensor, wait=True)
         return out
 
-    def download_async(self, tensor: DeviceTensor) -> tuple[np.ndarray, Any]:
+    def download_async(self, tensor: DeviceTensor) -> tuple[np.ndarray, GpuEvent | None]:
         """``tensor``'s bytes in host memory, the copy only started (a prefetch for a CPU
         reader): the array, and the event its reader waits on (None: already complete, as a
         copy to pageable memory is without a pinned pool)."""
         return self._download(tensor, wait=False)
 
-    def _download(self, tensor: DeviceTensor, wait: bool) -> tuple[np.ndarray, Any]:
+    def _download(self, tensor: DeviceTensor, wait: bool) -> tuple[np.ndarray, GpuEvent | None]:
         pool = self.pinned_pool
         out = pool.array(tensor.shape, tensor.dtype) if pool is not None else np.empty(tensor.shape, tensor.dtype)
         dst = out.pinned_ptr if isinstance(out, PinnedArray) and out.pinned_ptr else out.ctypes.data
-        with self._copying, self._on_device() as stream:
+        with self._copy_stream() as stream:
             if tensor.ready is not None:
                 stream.wait(tensor.ready)
             self.runtime.copy_d2h(int(dst), tensor.ptr, tensor.nbytes, stream)
@@ -254,7 +261,7 @@ class DeviceMemory(BufferArena):
             ready.record(stream)
         return out, ready
 
-    def _pinned_source(self, array: np.ndarray) -> tuple[int, Any]:
+    def _pinned_source(self, array: np.ndarray) -> tuple[int, np.ndarray | None]:
         """Where an upload reads ``array``: itself when it is pinned pool memory, else a pinned
         staging copy (returned too, to live until the copy is done)."""
         ptr = array.pinned_ptr if isinstance(array, PinnedArray) else None
@@ -272,7 +279,7 @@ class DeviceMemory(BufferArena):
             stream, self._stream = self._stream, None
             events = list(self._events)
             self._events.clear()
-        with self._on_device(stream=False):
+        with self._on_device():
             if stream is not None:
                 stream.synchronize()
                 stream.destroy()

@@ -26,6 +26,7 @@ import onnxruntime as ort
 
 from staronnx.errors import InputError, ModelError
 from staronnx.workers.base import Feeds
+from staronnx.workers.cudart import GpuEvent
 from staronnx.workers.replicas import DeviceTensor, OutputRoute
 
 __all__ = ["GRAPH_CAPTURE", "GRAPH_REPLAY", "NO_GRAPH", "Part", "Slot", "SlotCache", "SlotTensor",
@@ -134,7 +135,7 @@ class Slot:
     part: int
     binding: Any  # ort.IOBinding
     inputs: list[SlotTensor]
-    events: dict[str, Any]
+    events: dict[str, GpuEvent]
     run_options: Any  # ort.RunOptions: the worker's (gpu_graph_id -1) or the slot's graph id
     #: ``(run, bound)``: ``run(bound, run_options)`` runs the part on this binding (:func:`native_run`;
     #: with a graph, through the runtime's :meth:`~staronnx.workers.cudart.GpuRuntime.graph_run`)
