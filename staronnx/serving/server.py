@@ -51,6 +51,7 @@ import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
 from staronnx.plan import Plan
+from staronnx.runtime.registry import Worker
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import SETTLED as _SETTLED, RequestFuture, run_callbacks, settle_locked
 from staronnx.runtime.trace import Tracer
@@ -88,7 +89,7 @@ class BatchRuntime(Protocol):
     @property
     def plan(self) -> Plan: ...  # checks every request at submit
     @property
-    def workers(self) -> Sequence[Any]: ...  # each with ``name`` and ``kind``; sizes the window
+    def workers(self) -> Sequence[Worker]: ...  # sizes the window
     @property
     def takes_arrival(self) -> bool: ...
     @property
@@ -106,7 +107,7 @@ class StandInRuntime:
     trace, numpy's memory, no core to join. A subclass sets ``plan`` and ``submit``."""
 
     plan: Plan
-    workers: Sequence[Any] = ()
+    workers: Sequence[Worker] = ()
     takes_arrival = False
     preferred_batch_sizes: tuple[int, ...] = ()
     tracer: Tracer | None = None
