@@ -188,7 +188,7 @@ class NativeEngine:
                                               {i for part in m.plan.parts for i in part.inputs})]]
 
         self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
-        self._loops: list[Future[Any]] = []
+        self._loops: list[Future[None]] = []
         self._stopping = False
         self._closed = False
         #: workers waiting with nothing to run (a test's quiescence probe)
@@ -837,7 +837,7 @@ class _Started:
 
     start: float
     timed: bool
-    handle: Any = None
+    handle: object = None
     outputs: dict[str, np.ndarray] | None = None  # set once it ran (None while launched)
     error: BaseException | None = None
     compute: float | None = None

@@ -22,6 +22,7 @@ from staronnx.runtime.models import ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
+from staronnx.workers import base
 from staronnx.workers.layout import MachineSpec
 
 #: engine name -> module that registers it when imported
@@ -38,7 +39,8 @@ class EngineSettings:
     trace: str | os.PathLike[str] | None = None
     store: PerfModelStore | None = None
     policy_options: Mapping[str, Any] = field(default_factory=dict)
-    workers: Sequence[Any] | None = None
+    #: workers already started (the engine then leaves them open when it closes)
+    workers: Sequence[base.Worker] | None = None
     calibrate: int | None = None
     cuda_options: Mapping[str, Any] = field(default_factory=dict)
     #: batch sizes every CUDA worker runs (and captures as CUDA graphs) before serving

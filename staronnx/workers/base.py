@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Self
+from typing import Any, ClassVar, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -36,6 +36,8 @@ from staronnx.errors import DeviceError, ModelError
 from staronnx.workers.replicas import DeviceTensor, OutputRoute
 
 __all__ = ["ThreadWorker", "Worker", "WorkerLost"]
+
+T = TypeVar("T")
 
 Feeds = Mapping[str, np.ndarray]
 Outputs = dict[str, np.ndarray]
@@ -78,7 +80,7 @@ class Worker(Protocol):
         that does."""
         return self.kind == "cuda"
 
-    def spawn(self, fn: Callable[[], Any]) -> Future[Any]: ...
+    def spawn(self, fn: Callable[[], T]) -> Future[T]: ...
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs: ...
     def close(self) -> None: ...
 
@@ -241,18 +243,18 @@ class ThreadWorker(Worker, ABC):
         """Synchronous :meth:`submit` (still executed by the worker thread)."""
         return self.submit(part, feeds).result()
 
-    def call(self, fn: Callable[[], Any]) -> Any:
+    def call(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` in the worker thread, between tasks, and return its result."""
         return self.spawn(fn).result()
 
-    def spawn(self, fn: Callable[[], Any]) -> Future[Any]:
+    def spawn(self, fn: Callable[[], T]) -> Future[T]:
         """Start ``fn()`` in the worker thread and return at once.
 
         An engine runs its serving loop this way, so tasks execute on the worker's own thread
         with no extra thread hop; the loop calls ``run_here`` for each task and must return
         before :meth:`close` can finish.
         """
-        fut: Future[Any] = Future()
+        fut: Future[T] = Future()
         self._put((fn, fut))
         return fut
 

@@ -36,7 +36,6 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-from typing import Any
 
 from staronnx.process_settings import SharedSetting
 from staronnx.workers.cpu import CpuWorker
@@ -51,7 +50,7 @@ log = logging.getLogger(__name__)
 _SUPPORTED = sys.platform == "linux"
 
 
-def host_core(workers: Sequence[Any]) -> int | None:
+def host_core(workers: Sequence[object]) -> int | None:
     """The PU of the first CUDA driver thread among ``workers`` (its ``cpu``), None when it is
     not pinned; without CUDA workers, the PU the first CPU worker's thread is pinned to (its
     group's first), None when there is none either. Workers of another engine (StarPU's, seen
@@ -71,7 +70,7 @@ class Colocation:
     gives it back the PUs it had, so a runtime nobody colocates with runs as it always did.
     Without CUDA workers the host core is the first CPU worker's, pinned already."""
 
-    def __init__(self, workers: Sequence[Any]) -> None:
+    def __init__(self, workers: Sequence[object]) -> None:
         self._workers = list(workers)
         self._cuda = [w for w in workers if isinstance(w, CudaWorker)]
         #: (host core or None, how to undo the driver's pin or None), held by the open blocks

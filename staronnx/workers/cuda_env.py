@@ -16,7 +16,8 @@ from typing import Any
 import onnxruntime as ort
 
 from staronnx.errors import DeviceError
-from staronnx.workers.cudart import INSTALL_HINT, CudaError, CudaRuntime, host_runtime_from_env, runtime_module
+from staronnx.workers.cudart import (INSTALL_HINT, CudaError, CudaRuntime, GpuRuntime, host_runtime_from_env,
+                                     runtime_module)
 
 __all__ = ["CUDA_EP", "PartDoesNotFit", "cuda_unavailable_reason", "describe_gpus", "missing_device",
            "visible_cuda_devices"]
@@ -42,7 +43,7 @@ def _preload_cuda_libraries() -> None:
 
 
 # ---------------------------------------------------------------------- availability
-def _gpu_runtime() -> Any:
+def _gpu_runtime() -> GpuRuntime | None:
     """What CUDA workers would drive here: ``$STARONNX_CUDA_RUNTIME``'s stand-in, else CUDA
     itself; None where CUDA is missing."""
     return host_runtime_from_env() or (None if cuda_unavailable_reason() is not None else CudaRuntime())

@@ -16,6 +16,7 @@ from staronnx.plan import Plan
 from staronnx.workers.base import ThreadWorker
 from staronnx.workers.groups import GroupError
 from staronnx.workers.layout import MachineSpec, layout
+from staronnx.workers.replicas import DeviceMemory
 from staronnx.workers.topology import Topology
 
 __all__ = ["ServedModels", "start_workers", "part_models"]
@@ -63,7 +64,7 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
     workers: list[ThreadWorker] = []
     try:
         pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
-        memories: dict[int, Any] = {}  # one memory node per GPU, shared by its streams
+        memories: dict[int, DeviceMemory] = {}  # one memory node per GPU, shared by its streams
         for place, parts in zip(laid.workers, paths):
             if place.device is not None:
                 from staronnx.workers.cuda import CudaWorker

@@ -7,7 +7,7 @@ Kept free of any policy logic so each policy module reads on its own.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import SupportsFloat
 
 from staronnx.errors import StaronnxError
 from staronnx.runtime.sched import TaskView, runs_before
@@ -17,7 +17,7 @@ class PolicyError(StaronnxError, ValueError):
     """An unknown policy name or a bad policy option (user input, hence a StaronnxError)."""
 
 
-def check_weight(name: str, value: Any) -> float:
+def check_weight(name: str, value: SupportsFloat | str) -> float:
     """A finite, non-negative float, or a PolicyError naming the option.
 
     StarPU asserts its alpha/beta/gamma knobs are normal floats; a negative weight would
