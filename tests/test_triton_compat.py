@@ -37,7 +37,7 @@ import tritonclient.grpc.model_config_pb2 as mc
 import tritonclient.http as httpclient
 import tritonclient.http.aio as httpclient_aio
 from onnx import TensorProto, helper
-from test_serve import start_server
+from test_serve import Served, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
@@ -85,6 +85,7 @@ def served(tmp_path_factory):
     s = start_server([simple.root, image.root], root, "--name", "simple", "--name", "image_classifier",
                      "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")
     s.image_root = Path(image.root)
+    s.simple_root = Path(simple.root)
     yield s
     assert s.stop() == 0, "\n".join(s.lines)
 
@@ -660,3 +661,139 @@ def test_unknown_grpc_calls_are_unimplemented_not_a_crash(served):
         stub.TraceSetting(service_pb2.TraceSettingRequest(), timeout=30)
     assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert stub.ServerLive(service_pb2.ServerLiveRequest(), timeout=30).live
+
+
+# -- TLS (issue 49, item 6): Triton's clients with ssl=True --------------------------------------
+def _certificates(folder: Path) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate it signed (PEM files)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def make(name: str, issuer=None, issuer_key=None, ca: bool = False, server: bool = False):
+        key = ec.generate_private_key(ec.SECP256R1())
+        subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+        builder = (x509.CertificateBuilder().subject_name(subject)
+                   .issuer_name(issuer.subject if issuer is not None else subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - datetime.timedelta(minutes=5))
+                   .not_valid_after(now + datetime.timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if server:
+            builder = builder.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]), critical=False)
+        cert = builder.sign(issuer_key if issuer_key is not None else key, hashes.SHA256())
+        return cert, key
+
+    ca, ca_key = make("staronnx test CA", ca=True)
+    files = {}
+    for name, (cert, key) in {"ca": (ca, ca_key), "server": make("127.0.0.1", ca, ca_key, server=True),
+                              "client": make("client", ca, ca_key)}.items():
+        files[name] = folder / f"{name}.pem"
+        files[name].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        files[name + "_key"] = folder / f"{name}.key"
+        files[name + "_key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+    return files
+
+
+def _start_tls_server(plan: Path, tmp: Path, *args: str) -> Served:
+    """``staronnx serve`` with TLS: as test_serve.start_server, the addresses read off https lines."""
+    import os
+    import re
+    import subprocess
+    import threading
+
+    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", *args]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "STARONNX_HOME": str(tmp / "home")})
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("ready"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(60) or proc.poll() is not None:
+        proc.kill()
+        raise AssertionError("server did not start:\n" + "\n".join(lines))
+    text = "\n".join(lines)
+    http = re.search(r"HTTP \(KServe v2\) on https://[\d.]+:(\d+)", text).group(1)
+    grpc_port = re.search(r"gRPC \(KServe v2\) on [\d.]+:(\d+) \(TLS\)", text).group(1)
+    return Served(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", "", lines)
+
+
+@pytest.fixture(scope="module")
+def tls_served(served, tmp_path_factory):
+    """``simple`` over mutual TLS on every listener, on an address other machines reach (0.0.0.0:
+    TLS stands for --insecure there)."""
+    root = tmp_path_factory.mktemp("tls")
+    files = _certificates(root)
+    s = _start_tls_server(served.simple_root, root, "--name", "simple", "--policy", "eager", "--host", "0.0.0.0",
+                          "--tls-cert", str(files["server"]), "--tls-key", str(files["server_key"]),
+                          "--tls-client-ca", str(files["ca"]), "--drain-timeout", "10s")
+    s.files = files
+    yield s
+    assert s.stop() == 0, "\n".join(s.lines)
+
+
+def _https_client(url: str, files: dict[str, Path], cert: bool = True) -> httpclient.InferenceServerClient:
+    """tritonclient.http over TLS, trusting the test CA, presenting the client certificate or not."""
+    import ssl
+
+    def context(*args, **kwargs) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(files["ca"]))
+        if cert:
+            ctx.load_cert_chain(str(files["client"]), str(files["client_key"]))
+        return ctx
+
+    return httpclient.InferenceServerClient(url, ssl=True, ssl_context_factory=context)
+
+
+def test_tls_serves_trusted_clients_on_both_protocols(tls_served):
+    files = tls_served.files
+    assert any("mutual TLS" in line for line in tls_served.lines)
+    input0_data, input1_data = _data()
+    inputs = [httpclient.InferInput("INPUT0", [1, 16], "INT32"), httpclient.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(input0_data)
+    inputs[1].set_data_from_numpy(input1_data)
+    _validate(_https_client(tls_served.http, files).infer("simple", inputs), input0_data, input1_data)
+    g = grpcclient.InferenceServerClient(tls_served.grpc, ssl=True, root_certificates=str(files["ca"]),
+                                         private_key=str(files["client_key"]), certificate_chain=str(files["client"]))
+    inputs, outputs, input0_data, input1_data = _grpc_inputs(grpcclient)
+    results = g.infer("simple", inputs, outputs=outputs)
+    np.testing.assert_array_equal(results.as_numpy("OUTPUT0"), input0_data + input1_data)
+
+
+def test_tls_refuses_clients_without_a_certificate(tls_served):
+    with pytest.raises(Exception):  # the handshake fails: no answer at all
+        _https_client(tls_served.http, tls_served.files, cert=False).is_server_live()
+    g = grpcclient.InferenceServerClient(tls_served.grpc, ssl=True, root_certificates=str(tls_served.files["ca"]))
+    with pytest.raises(InferenceServerException):
+        g.is_server_live(client_timeout=30)
+
+
+def test_tls_flags_are_checked(served, tmp_path):
+    """A key without its certificate, files that are not PEM: one line naming the flags."""
+    import subprocess
+
+    (tmp_path / "x.pem").write_text("not a certificate")
+    for args, words in ((["--tls-key", str(tmp_path / "x.pem")], "--tls-cert and --tls-key go together"),
+                        (["--tls-cert", str(tmp_path / "x.pem"), "--tls-key", str(tmp_path / "x.pem")],
+                         "cannot be loaded as PEM certificates and key")):
+        proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", str(served.simple_root), *args],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and words in proc.stdout + proc.stderr, proc.stdout + proc.stderr

@@ -33,6 +33,13 @@ def serve_cmd(
                              "all).")] = None,
     repository_poll_secs: Annotated[float, typer.Option(
         help="With --model-control-mode poll: seconds between two reads of the repository.")] = 15.0,
+    tls_cert: Annotated[Optional[Path], typer.Option(
+        help="TLS on every listener (HTTP, gRPC, metrics): the server's certificate chain (PEM); with --tls-key. "
+             "A --host other machines reach then needs no --insecure.")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option(help="The private key (PEM) of --tls-cert.")] = None,
+    tls_client_ca: Annotated[Optional[Path], typer.Option(
+        help="Mutual TLS: answer only clients presenting a certificate this CA (PEM) signed, on every "
+             "listener.")] = None,
     exit_on_error: Annotated[bool, typer.Option(
         "--exit-on-error/--no-exit-on-error",
         help="Refuse to start when a model asked for cannot be served (Triton's default); by default that model "
@@ -144,6 +151,7 @@ def serve_cmd(
     from staronnx.serve.control import ModelControl, folder_stamp
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, has_strings, unservable
+    from staronnx.serve.tls import Tls
     from staronnx.serving.spec import ServeSpec
 
     plans = list(plans or [])
@@ -165,7 +173,11 @@ def serve_cmd(
     names = model_names(plans, name)
     names = [*names, *(n for n, _ in in_repository)]
     check_names(names)
-    check_exposure(host, insecure)
+    tls = Tls.load(tls_cert, tls_key, tls_client_ca)
+    if tls is not None and ray:
+        raise StaronnxError("--tls-cert is served by staronnx serve itself, not on Ray: terminate TLS in front of "
+                            "Ray Serve's proxy")
+    check_exposure(host, insecure, tls is not None)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
     capacities = queue_capacities(names, queue_capacity or [])
@@ -279,7 +291,7 @@ def serve_cmd(
                     metrics_port=_port(metrics_port, "metrics-port"), max_body=body,
                     drain_timeout=parse_duration(drain_timeout, option="--drain-timeout"),
                     limits=serve_limits(header_timeout, body_timeout, body_min_rate, idle_timeout, request_timeout,
-                                        max_connections, receive_budget, grpc_max_streams, body))
+                                        max_connections, receive_budget, grpc_max_streams, body), tls=tls)
     metrics = ServeMetrics()
     if cuda_streams:  # Triton's nv_gpu_* metrics of the GPUs served from (NVML; one line where it is missing)
         from staronnx.serve.gpu_metrics import gpu_collector

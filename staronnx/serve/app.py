@@ -44,6 +44,7 @@ from staronnx.serve.metrics import ServeMetrics
 from staronnx.serve.control import ModelControl
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.shm import SharedMemoryRegions
+from staronnx.serve.tls import Tls
 from staronnx.serving.collector import full_collections_every
 from staronnx.serving.server import hold_frozen, release_frozen
 
@@ -87,6 +88,8 @@ class Listen:
     max_body: int = 64 * 2**20
     drain_timeout: float = 30.0
     limits: Limits = field(default_factory=Limits)
+    #: TLS on every listener (None: plain text, loopback only unless --insecure)
+    tls: Tls | None = None
 
 
 #: the listen backlog of the HTTP and metrics sockets (aiohttp's own default is 128)
@@ -106,12 +109,13 @@ QUIET_S = 0.25
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
-def check_exposure(host: str, insecure: bool) -> None:
-    """Refuse to listen on an address other machines reach unless ``--insecure`` says so: the
-    server has no TLS and no authentication, and anyone who reaches it can run the models (and
-    read their configuration). Triton and KServe leave both to a proxy or a service mesh in
-    front; so does staronnx."""
-    if insecure:
+def check_exposure(host: str, insecure: bool, tls: bool = False) -> None:
+    """Refuse to listen on an address other machines reach with neither TLS (``--tls-cert``) nor
+    ``--insecure``: in plain text, anyone on the way reads the tensors, and anyone who reaches the
+    server can run the models (and read their configuration). With TLS the traffic is encrypted
+    (and with ``--tls-client-ca`` only holders of its certificates are answered); without it,
+    put a TLS-terminating proxy in front, as Triton and KServe expect."""
+    if insecure or tls:
         return
     try:
         loopback = all(ipaddress.ip_address(info[4][0]).is_loopback
@@ -120,8 +124,9 @@ def check_exposure(host: str, insecure: bool) -> None:
         loopback = host in LOOPBACK
     if not loopback:
         raise StaronnxError(f"--host {host} would expose the server to other machines with no TLS and no "
-                            "authentication: put a TLS-terminating proxy (nginx, Envoy, a service mesh) in front, and "
-                            "pass --insecure to listen there anyway")
+                            "authentication: give --tls-cert and --tls-key (and --tls-client-ca for client "
+                            "certificates), or put a TLS-terminating proxy (nginx, Envoy, a service mesh) in front "
+                            "and pass --insecure to listen there anyway")
 
 
 #: the protocol extensions this server serves, by Triton's names (a client may test for them):
@@ -246,7 +251,9 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     target = f"[{listen.host}]" if ":" in listen.host else listen.host
     cause = ""
     try:
-        grpc_port = grpc_server.add_insecure_port(f"{target}:{listen.grpc_port}")
+        address = f"{target}:{listen.grpc_port}"
+        grpc_port = (grpc_server.add_secure_port(address, listen.tls.grpc_credentials()) if listen.tls is not None
+                     else grpc_server.add_insecure_port(address))
     except RuntimeError as exc:
         grpc_port, cause = 0, f": {exc}"
     if grpc_port == 0:
@@ -270,9 +277,10 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
 
     await http_runner.setup()
     await metrics_runner.setup()
-    http_site = web.SockSite(http_runner, http_sock, backlog=BACKLOG)
+    ssl_context = listen.tls.ssl_context() if listen.tls is not None else None
+    http_site = web.SockSite(http_runner, http_sock, backlog=BACKLOG, ssl_context=ssl_context)
     await http_site.start()
-    await web.SockSite(metrics_runner, metrics_sock, backlog=BACKLOG).start()
+    await web.SockSite(metrics_runner, metrics_sock, backlog=BACKLOG, ssl_context=ssl_context).start()
     await grpc_server.start()
     # what exists now (aiohttp's and gRPC's machinery, the imports since the batchers froze the
     # process) lives as long as the server: out of the cycle collector's full walks, which took
@@ -291,9 +299,12 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     log_flusher = loop.create_task(_flush_log_every(guard))
     poller = loop.create_task(control.poll_forever(poll_every)) if control is not None and poll_every else None
 
-    say(f"HTTP (KServe v2) on http://{target}:{http_sock.getsockname()[1]}")
-    say(f"gRPC (KServe v2) on {target}:{grpc_port}")
-    say(f"metrics on http://{target}:{metrics_sock.getsockname()[1]}/metrics")
+    scheme = "https" if listen.tls is not None else "http"
+    say(f"HTTP (KServe v2) on {scheme}://{target}:{http_sock.getsockname()[1]}")
+    say(f"gRPC (KServe v2) on {target}:{grpc_port}" + (" (TLS)" if listen.tls is not None else ""))
+    say(f"metrics on {scheme}://{target}:{metrics_sock.getsockname()[1]}/metrics")
+    if listen.tls is not None:
+        say(listen.tls.words())
     say(limits_text(limits, open_files))
     say(f"cycle collector: young objects only, a full collection every {gc_interval:g} s" if gc_interval > 0
         else "cycle collector: Python's own thresholds")

@@ -55,7 +55,9 @@ class Frontend:
             if why is not None:
                 raise ProtocolError("unavailable", f"model {shown(name)} is not available: {why}")
             raise unknown_model(name, list(self.models))
-        return model.at_version(version)
+        model.check_version(version)
+        others = getattr(model, "others", None)  # the older versions a version_policy serves beside it
+        return others[version] if others and version in others else model
 
     def model_ready(self, name: str, version: str | None) -> bool:
         if name in self.unavailable and name not in self.models:

@@ -244,12 +244,6 @@ class ModelEndpoint:
         """Every version served under this name, latest first."""
         return [self.version, *self.others]
 
-    def at_version(self, version: str | None) -> ModelEndpoint:
-        """The endpoint of ``version`` (this one, the latest, where none is named), or Triton's
-        not-found answer."""
-        self.check_version(version)
-        return self.others[version] if version in self.others else self  # type: ignore[index]
-
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
         def tensors(specs: Sequence[Any], types: Mapping[str, str]) -> list[dict[str, Any]]:
