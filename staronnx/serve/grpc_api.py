@@ -44,7 +44,6 @@ from google.protobuf.message_factory import GetMessageClass
 
 from staronnx.serve import protocol
 from staronnx.serve.frontend import Frontend, load_or_unload
-from staronnx.serve.metrics import VERSION
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
