@@ -162,18 +162,21 @@ class DataHandle:
         pending = self.host_ready
         if pending is None:
             return True
-        if pending[1].event_done(pending[0]):
+        if not pending[1].done(pending[0]):
+            return False
+        if self.host_ready is pending:  # cleared before the event goes back: another copy may take it
             self.host_ready = None
-            return True
-        return False
+            pending[1].give_event(pending[0])
+        return True
 
     def wait_host(self) -> None:
         """Wait until its host copy has come down (a prefetch from a GPU still in flight)."""
         pending = self.host_ready
         if pending is not None:
             pending[0].synchronize()
-            pending[1].event_done(pending[0])
-            self.host_ready = None
+            if self.host_ready is pending:  # (two readers: the first gives the event back)
+                self.host_ready = None
+                pending[1].give_event(pending[0])
 
 
 def source(valid_on: Collection[str], dst: str, nbytes: int, cost: CopyCost | None = None) -> str:

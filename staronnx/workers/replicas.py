@@ -210,18 +210,16 @@ class DeviceMemory(BufferArena):
         ready = tensor.ready
         if ready is None:
             return True
-        if not self.event_done(ready):
+        if not self.done(ready):
             return False
-        tensor.ready = None
+        tensor.ready = None  # (before the event goes back: another copy may take it at once)
+        self.give_event(ready)
         return True
 
-    def event_done(self, event: GpuEvent) -> bool:
-        """Whether the copy ``event`` marks is complete; once it is, the event goes back."""
+    def done(self, event: GpuEvent) -> bool:
+        """Whether the copy ``event`` marks is complete (asked in thread-local capture mode)."""
         with capture_safe(self.runtime):
-            done = bool(event.query())
-        if done:
-            self.give_event(event)
-        return done
+            return bool(event.query())
 
     def _event(self) -> GpuEvent:
         """(in :meth:`_on_device`) An event for a prefetch, reused where one came back."""
