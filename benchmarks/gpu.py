@@ -1,46 +1,46 @@
-"""staronnx against plain ONNX Runtime on a GPU server, side by side in one run (issue 11).
+"""staronnx against ONNX Runtime at its best, at equal concurrency, on a GPU server (issue 48).
 
-For each model and batch size, throughput in samples/s with numpy in and numpy out and
-``--in-flight`` requests in flight:
+One *row* per (model, precision, batch size, K), K the number of requests in flight. Every
+setup of a row keeps at most K requests in flight:
 
-- ``ort1``/``ort2``/``ort4``: N plain ``onnxruntime.InferenceSession``s with the CUDA provider,
-  one thread each calling ``run()`` (Triton's ``instance_group { count: N }``);
-- ``ort-tuned1/2/4``: N sessions as ORT's documentation tunes them for a GPU, one thread each:
-  ``enable_cuda_graph``, inputs and outputs bound once to device ``OrtValue``s (IOBinding), the
-  host input in pinned memory, each request an ``update_inplace`` copy in, a graph replay
-  (``run_with_iobinding``) and a copy of the output back: the best plain ORT can do;
-- ``gpu``: staronnx, the 1-part plan on ``--streams`` CUDA workers only (``--groups`` none);
-- ``gpu+tps``: ``gpu`` with a driver thread per stream (``thread_per_stream``) instead of one
-  per GPU: without graphs every kernel is launched by the thread that runs the task;
-- ``graphs``: the same, each (part, batch size) captured as a CUDA graph at warm-up (staronnx's
-  default; ``gpu`` is run with ``--no-cuda-graphs``); the row records how many graphs the
-  workers captured and replayed, and a "graphs" figure with none replayed fails its check;
-- ``gpu+colo``/``graphs+colo``: ``gpu`` and ``graphs`` with the submitting thread on the CUDA
-  driver's core (``Runtime.colocate``): whether colocation wins on a GPU, with and without
-  graphs (without them the driver launches kernels outside the GIL, which a caller on another
-  core overlaps), is what these rows say;
-- ``gpu+cpu``: the same plan on the CUDA workers plus the CPU groups, dmda;
-- ``split``: the papers' 85/15 METIS plan, heft, CUDA workers plus CPU groups;
-- ``auto``: ``--shares auto`` (the split this machine's speeds call for), heft;
-- ``cpu``: ORT alone on the CPU cores (what the CPU could add at most);
+- ``ortN`` (N in 1, 2, 4, 8, 16, N <= K): N plain ``InferenceSession``s with the CUDA provider,
+  one thread each calling ``run()`` with numpy in and out (Triton's ``instance_group`` count);
+- ``ort-tunedN`` (2N <= K: each thread keeps two requests in flight): N sessions as a careful
+  user tunes ORT for a GPU, one thread each, each session on its own stream
+  (``user_compute_stream``) with ``enable_cuda_graph``; two IO bindings per thread (two CUDA
+  graphs, ``gpu_graph_id`` 0 and 1) over fixed device buffers, the host inputs and outputs in
+  pinned memory, each request an async copy in, a graph replay with
+  ``disable_synchronize_execution_providers``, an async copy out and an event; the thread
+  launches one binding's request while the other's runs, and waits only for the older one
+  (what staronnx's CUDA worker itself does);
+- ``staronnx-sN`` (N streams, N <= K, 4 and 8): the 1-part plan on N CUDA workers, CUDA graphs
+  captured at warm-up, K requests in flight (completion-order closed loop);
+- on the K = 16 fp32 rows also ``gpu+cpu`` (the same plan on the CUDA workers and the CPU
+  groups, dmda) and ``auto`` (``--shares auto``, heft), each weighed against ``staronnx-s4``,
+  the GPU alone with the same streams.
 
-plus batch-1 latency (median of 30 single requests) for ort1 and each staronnx setup, and the
-max relative error of every staronnx setup's outputs against plain ORT's on the same inputs.
-Every staronnx plan is calibrated first (perf models under a fresh ``STARONNX_HOME``).  Each row
-is written to the JSON (with the checks so far) as soon as it is measured, then printed, so a
-run cut short keeps every row it measured; the end adds the acceptance checks (the ratios to
-the best ortN, ...).
+Each figure is the median of ``--repeats`` (>= 3 on a GPU) measurements of ``--seconds`` (>= 2)
+taken in turn (setup after setup, the order rotated each repeat, so drifting clocks and a
+noisy neighbour hit every setup alike), with min and max; every repeat is in the JSON. A row's
+headline is the better of staronnx's medians over the better of plain ORT's medians (the same
+selection on both sides), and a ratio is claimed only where the two min-max ranges do not
+overlap (``benchmarks/gpu_table.py`` prints the table from the JSON).
 
-Models: ``googlenet`` and ``resnet50`` exported from torchvision (random weights, fp32, dynamic
-batch) where torch is installed, else the repository's googlenet (``models/``).  ``--device cpu`` runs the
-same harness with the CPU provider on a small model (CI's smoke test of this script).
+Precisions: ``fp32`` (TF32 off on both sides), ``tf32`` (on for both), ``fp16`` (the model
+converted by onnxconverter-common, I/O kept fp32, both sides run that model). The matrix is
+ordered so that what matters most is measured first: googlenet and resnet50 fp32 at K = 16,
+then K = 4, then the encoder, then the TF32 and fp16 rows. ``--resume FILE`` keeps FILE's rows
+measured on the same GPU model and measures only the others; ``--budget SECONDS`` stops before
+a row that would not finish in time (a call's limit then never cuts a row in half). Each row is
+written to the JSON as soon as it is measured.
 
-Usage (GPU host): python benchmarks/gpu.py [--models googlenet,resnet50] [--batches 1,8,32]
-                  [--seconds 3] [--streams 4] [--in-flight 16] [--setups graphs,gpu+cpu] [--json gpu.json]
+Models (``benchmarks/gpu_models.py``, exported on the host, random weights): googlenet,
+resnet50 and a BERT-base-sized encoder at sequence 128. ``--device cpu`` runs the same harness
+with the CPU provider, staronnx's CUDA workers and ort-tuned's streams on the CUDA stand-in
+(``STARONNX_CUDA_RUNTIME=host``), on tiny models (CI's smoke test; its figures mean nothing).
 
-Streams: 4 by default.  On an H200 (2026-11-28) googlenet at batch 1 ran 1,115 samples/s with 2
-streams (graphs), 1,992 with 4 and 2,829 with 8, against 1,579-1,625 for 4 plain ORT sessions:
-with 2 streams staronnx cannot reach ort4's concurrency, whatever its host cost.
+Usage (GPU host): python benchmarks/gpu.py --models-dir DIR [--resume benchmarks/results/gpu-....json]
+                  [--budget 360] [--json gpu.json]
 """
 
 from __future__ import annotations
@@ -49,12 +49,17 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import queue
+import shlex
+import statistics
+import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,75 +68,373 @@ import onnx
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import GOOGLENET, scratch_dir  # noqa: E402
-
-from staronnx import Runtime, partition  # noqa: E402
-from staronnx.calibrate import calibrate  # noqa: E402
-from staronnx.partition.autoshares import median_seconds  # noqa: E402
-from staronnx.perfmodels import PerfModelStore  # noqa: E402
-from staronnx.workers.cudart import capture_safe  # noqa: E402
-from staronnx.calibrate import start_workers  # noqa: E402
-from staronnx.workers.topology import Topology  # noqa: E402
+from _common import REPO, scratch_dir  # noqa: E402
 
 CUDA = "CUDAExecutionProvider"
+#: the matrix's dimensions, in the order they are measured
+MODELS = ("googlenet", "resnet50", "encoder")
+PRECISIONS = ("fp32", "tf32", "fp16")
+KS = (16, 4)
+BATCHES = (1, 8, 32)
+SESSIONS = (1, 2, 4, 8, 16)
+STREAMS = (4, 8)
+#: the floor of a figure of record on a GPU (issue 48): >= 3 repeats of >= 2 s
+MIN_REPEATS, MIN_SECONDS = 3, 2.0
+#: what each row's staronnx setups are weighed against: the GPU alone, 4 streams
+GPU_ALONE = "staronnx-s4"
 
 
-# ---------------------------------------------------------------------- models
-def export_torchvision(name: str, out: Path) -> Path:
-    """torchvision's ``name`` with random weights as an fp32 ONNX model with a dynamic batch."""
-    import torch
-    import torchvision
+# ---------------------------------------------------------------------- the matrix
+@dataclass(frozen=True)
+class Key:
+    """One row of the table."""
 
-    path = out / f"{name}.onnx"
-    if path.exists():
-        return path
-    torch.manual_seed(0)
-    kwargs = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
-    net = getattr(torchvision.models, name)(weights=None, **kwargs).eval()
-    x = torch.randn(1, 3, 224, 224)
-    torch.onnx.export(net, x, str(path), input_names=["input"], output_names=["logits"], opset_version=17,
-                      dynamic_axes={"input": {0: "batch"}, "logits": {0: "batch"}}, dynamo=False)
+    model: str
+    precision: str
+    batch: int
+    k: int
+
+    @property
+    def id(self) -> str:
+        return f"{self.model}/{self.precision}/b{self.batch}/k{self.k}"
+
+
+def matrix(models: list[str], precisions: list[str], ks: list[int], batches: list[int]) -> list[Key]:
+    """The rows in the order they are measured: per precision (fp32 first), the CNNs before the
+    encoder, the larger K first, then each model and batch size."""
+    keys = []
+    for precision in precisions:
+        for group in ([m for m in models if m != "encoder"], [m for m in models if m == "encoder"]):
+            for k in sorted(ks, reverse=True):
+                keys += [Key(m, precision, b, k) for m in group for b in batches]
+    return keys
+
+
+# ---------------------------------------------------------------------- models and inputs
+def cpu_stand_in(name: str, out: Path, sequence: int) -> Path:
+    """The tiny model ``--device cpu`` runs for ``name``: a small inception net for the CNNs, one
+    transformer block (dynamic sequence) for the encoder."""
+    from staronnx.zoo import inception, transformer_block
+
+    path = out / f"tiny-{'encoder' if name == 'encoder' else 'cnn'}.onnx"
+    if not path.exists():
+        model = transformer_block(d_model=32, heads=2, ff=64) if name == "encoder" else inception(blocks=2, channels=8,
+                                                                                                   size=16)
+        onnx.save(model, str(path))
     return path
 
 
-def tiny_conv(out: Path) -> Path:
-    """A small conv net for ``--device cpu`` smoke runs."""
-    from staronnx.zoo import inception
-
-    path = out / "tiny.onnx"
-    onnx.save(inception(blocks=2, channels=8, size=16), str(path))
-    return path
-
-
-def model_path(name: str, out: Path, device: str) -> Path:
-    if device == "cpu":
-        return tiny_conv(out)
+def to_fp16(path: Path) -> Path:
+    """``path`` converted to fp16 with onnxconverter-common, inputs and outputs kept fp32."""
+    out = path.with_name(path.stem + "-fp16.onnx")
+    if out.exists():
+        return out
     try:
-        return export_torchvision(name, out)
+        from onnxconverter_common import float16
     except ImportError:
-        if name != "googlenet":
-            raise SystemExit(f"{name}: torch/torchvision are not installed here, so it cannot be exported")
-        return GOOGLENET
+        raise Skip("fp16 rows need onnxconverter-common (not installed here)") from None
+    model = float16.convert_float_to_float16(onnx.load(str(path)), keep_io_types=True)
+    onnx.save(model, str(out))
+    return out
 
 
-def inputs_for(path: Path, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
-    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+class Skip(Exception):
+    """A row that cannot run here (what it lacks is its message): reported, not recorded, so
+    a later run measures it."""
+
+
+def model_file(key: Key, args: argparse.Namespace) -> Path:
+    if args.device == "cpu":
+        path = cpu_stand_in(key.model, args.models_dir, args.sequence)
+    else:
+        from gpu_models import export
+
+        path = export(key.model, args.models_dir)
+    return to_fp16(path) if key.precision == "fp16" else path
+
+
+def input_shapes(path: Path, batch: int, sequence: int) -> dict[str, list[int]]:
+    """Each input's shape: the batch on axis 0, ``sequence`` for any other dynamic dim."""
+    model = onnx.load(str(path), load_external_data=False)
+    shapes = {}
+    for i in model.graph.input:
+        dims = i.type.tensor_type.shape.dim
+        shapes[i.name] = [batch if k == 0 else (d.dim_value if d.dim_value > 0 else sequence)
+                          for k, d in enumerate(dims)]
+    return shapes
+
+
+def inputs_for(path: Path, batch: int, sequence: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random inputs: standard normal floats, token ids in [0, 1000) for integer inputs."""
+    model = onnx.load(str(path), load_external_data=False)
     rng = np.random.default_rng(seed)
+    shapes = input_shapes(path, batch, sequence)
     feeds = {}
-    for i in sess.get_inputs():
-        shape = [batch if not isinstance(d, int) or k == 0 else d for k, d in enumerate(i.shape)]
-        feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    for i in model.graph.input:
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        shape = shapes[i.name]
+        feeds[i.name] = (rng.integers(0, 1000, shape).astype(dtype) if np.issubdtype(dtype, np.integer)
+                         else rng.standard_normal(shape).astype(dtype))
     return feeds
 
 
-# ---------------------------------------------------------------------- measuring
+# ---------------------------------------------------------------------- plain ORT
+def providers(device: str, tf32: bool, **extra: str) -> list[Any]:
+    if device != "cuda":
+        return ["CPUExecutionProvider"]
+    return [(CUDA, {"use_tf32": "1" if tf32 else "0", **extra}), "CPUExecutionProvider"]
+
+
+def check_on_cuda(session: ort.InferenceSession) -> None:
+    """Exit (one line) when ``session`` did not get ORT's CUDA provider (a CUDA or cuDNN library
+    it cannot load makes ORT fall back to the CPU with a log line only: the ORT columns would
+    then be CPU figures in a GPU table)."""
+    got = session.get_providers()
+    if not got or got[0] != CUDA:
+        raise SystemExit(f"benchmarks/gpu.py: a plain ONNX Runtime session asked for {CUDA} runs on {got}: "
+                         "ORT fell back to the CPU (a CUDA or cuDNN library it could not load; see its "
+                         "warning above), so the ORT baselines would not be GPU figures")
+
+
+def ort_sessions(path: Path, n: int, device: str, tf32: bool = False) -> list[ort.InferenceSession]:
+    """N plain sessions; on ``cuda``, refused unless ORT really runs them on its CUDA provider."""
+    from staronnx.workers.cudart import capture_safe
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    if device != "cuda":
+        so.intra_op_num_threads = 1  # N sessions in N threads on a small CPU
+    with capture_safe():  # never breaks (nor is broken by) a graph staronnx captures meanwhile
+        sessions = [ort.InferenceSession(str(path), so, providers=providers(device, tf32)) for _ in range(n)]
+    if device == "cuda":
+        check_on_cuda(sessions[0])
+    return sessions
+
+
+class Setup:
+    """One column of a row: kept open across the row's repeats."""
+
+    label: str
+    in_flight: int
+
+    def measure(self, seconds: float) -> float:
+        """Samples per second over ``seconds``."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class PlainOrt(Setup):
+    """``ortN``: N sessions, one thread each calling ``run()`` in a loop."""
+
+    def __init__(self, sessions: list[ort.InferenceSession], feeds: dict[str, np.ndarray], batch: int) -> None:
+        self.sessions, self.feeds, self.batch = sessions, feeds, batch
+        self.label, self.in_flight = f"ort{len(sessions)}", len(sessions)
+
+    def measure(self, seconds: float) -> float:
+        from staronnx.workers.cudart import capture_safe
+
+        counts = [0] * len(self.sessions)
+        stop = threading.Event()
+
+        def loop(i: int) -> None:
+            with capture_safe():
+                while not stop.is_set():
+                    self.sessions[i].run(None, self.feeds)
+                    counts[i] += 1
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(self.sessions))]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        time.sleep(seconds)
+        stop.set()
+        for t in threads:
+            t.join()
+        return self.batch * sum(counts) / (time.perf_counter() - start)
+
+
+class _Slot:
+    """One binding of a tuned lane: pinned host buffers, device buffers, the binding, its
+    graph id, its event."""
+
+    def __init__(self, lane: _TunedLane, graph_id: int, feeds: dict[str, np.ndarray],
+                 outputs: dict[str, np.ndarray]) -> None:
+        rt = lane.rt
+        self.buffers: list[Any] = []
+        self.inputs: list[tuple[int, int, int]] = []  # (device ptr, pinned ptr, bytes)
+        self.outputs: list[tuple[int, int, int]] = []
+        self.host_out: dict[str, np.ndarray] = {}
+        self.binding = lane.session.io_binding()
+        for name, a in feeds.items():
+            pinned, dev = rt.pinned(a.nbytes), rt.device_buffer(a.nbytes)
+            self.buffers += [pinned, dev]
+            pinned.view(a.dtype, a.shape)[...] = a
+            self.inputs.append((dev.ptr, pinned.ptr, a.nbytes))
+            self.binding.bind_input(name, rt.ort_device_type, 0, a.dtype.type, list(a.shape), dev.ptr)
+        for name, o in outputs.items():
+            pinned, dev = rt.pinned(o.nbytes), rt.device_buffer(o.nbytes)
+            self.buffers += [pinned, dev]
+            self.host_out[name] = pinned.view(o.dtype, o.shape)
+            self.outputs.append((pinned.ptr, dev.ptr, o.nbytes))
+            self.binding.bind_output(name, rt.ort_device_type, 0, o.dtype.type, list(o.shape), dev.ptr)
+        self.options = ort.RunOptions()
+        self.options.log_severity_level = 4
+        self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        self.options.add_run_config_entry("disable_synchronize_execution_providers", "1")
+        session = lane.session
+        self.run = rt.graph_run(session, lambda b, o: session.run_with_iobinding(b, o), graph_id)
+        self.event = rt.event(timing=False)
+
+
+class _TunedLane:
+    """One ort-tuned thread's session, stream and two slots (made on that thread: ORT keeps
+    CUDA graphs per thread)."""
+
+    def __init__(self, rt: Any, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                 device: str, tf32: bool) -> None:
+        self.rt = rt
+        rt.set_device(0)
+        self.stream = rt.stream()
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        if device != "cuda":
+            so.intra_op_num_threads = 1
+        extra = {"device_id": "0", "user_compute_stream": str(self.stream.handle), "enable_cuda_graph": "1",
+                 "do_copy_in_default_stream": "0"}
+        self.session = ort.InferenceSession(str(path), so, providers=providers(device, tf32, **extra))
+        if device == "cuda":
+            check_on_cuda(self.session)
+        self.slots = [_Slot(self, g, feeds, outputs) for g in (0, 1)]
+
+    def launch(self, slot: _Slot) -> None:
+        for dst, src, n in slot.inputs:
+            self.rt.copy_h2d(dst, src, n, self.stream)
+        slot.run(slot.binding, slot.options)
+        for dst, src, n in slot.outputs:
+            self.rt.copy_d2h(dst, src, n, self.stream)
+        slot.event.record(self.stream)
+
+    def warm(self) -> dict[str, np.ndarray]:
+        """Discovery, capture and a replay of each slot's graph; the first slot's outputs."""
+        for _ in range(3):
+            for slot in self.slots:
+                self.launch(slot)
+                slot.event.synchronize()
+        return {k: v.copy() for k, v in self.slots[0].host_out.items()}
+
+    def run_until(self, deadline: float) -> tuple[int, float]:
+        """Requests completed (two in flight, the older waited for first) until ``deadline``,
+        and when the last one completed."""
+        a, b = self.slots
+        self.launch(a)
+        self.launch(b)
+        done = 0
+        while time.perf_counter() < deadline:
+            a.event.synchronize()
+            done += 1
+            self.launch(a)
+            a, b = b, a
+        for slot in (a, b):
+            slot.event.synchronize()
+        return done + 2, time.perf_counter()
+
+    def latency_ms(self, n: int = 30) -> float:
+        slot = self.slots[0]
+        times = []
+        for _ in range(n + 3):
+            t0 = time.perf_counter()
+            self.launch(slot)
+            slot.event.synchronize()
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times[3:])
+
+    def close(self) -> None:
+        for slot in self.slots:
+            for buf in slot.buffers:
+                buf.free()
+            slot.event.destroy()
+        self.stream.destroy()
+
+
+class TunedOrt(Setup):
+    """``ort-tunedN``: N lanes, each on a thread of its own kept for the whole row (made one at
+    a time: a capture in CUDA's global mode breaks on another thread's allocation)."""
+
+    def __init__(self, n: int, rt: Any, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                 device: str, tf32: bool, batch: int) -> None:
+        self.label, self.in_flight, self.batch = f"ort-tuned{n}", 2 * n, batch
+        self._commands: list[queue.SimpleQueue[tuple[str, Any]]] = [queue.SimpleQueue() for _ in range(n)]
+        self._answers: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self.output: dict[str, np.ndarray] = {}
+        try:
+            for i in range(n):
+                t = threading.Thread(target=self._serve, args=(i, rt, path, feeds, outputs, device, tf32), daemon=True)
+                t.start()
+                self._threads.append(t)
+                _, warmed = self._answers.get()
+                if isinstance(warmed, BaseException):
+                    raise warmed
+                self.output = self.output or warmed
+        except BaseException:
+            self.close()
+            raise
+
+    def _serve(self, i: int, rt: Any, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+               device: str, tf32: bool) -> None:
+        from staronnx.workers.cudart import capture_safe
+
+        with capture_safe():
+            try:
+                lane = _TunedLane(rt, path, feeds, outputs, device, tf32)
+                self._answers.put((i, lane.warm()))
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                self._answers.put((i, exc))
+                return
+            while True:
+                command, arg = self._commands[i].get()
+                if command == "stop":
+                    lane.close()
+                    return
+                try:
+                    self._answers.put((i, getattr(lane, command)(arg)))
+                except BaseException as exc:  # noqa: BLE001
+                    self._answers.put((i, exc))
+
+    def _ask(self, command: str, arg: Any, lanes: int | None = None) -> list[Any]:
+        n = len(self._threads) if lanes is None else lanes
+        for i in range(n):
+            self._commands[i].put((command, arg))
+        answers = [self._answers.get()[1] for _ in range(n)]
+        for a in answers:
+            if isinstance(a, BaseException):
+                raise a
+        return answers
+
+    def measure(self, seconds: float) -> float:
+        start = time.perf_counter()
+        answers = self._ask("run_until", start + seconds)
+        return self.batch * sum(n for n, _ in answers) / (max(end for _, end in answers) - start)
+
+    def latency_ms(self) -> float:
+        return float(self._ask("latency_ms", 30, lanes=1)[0])
+
+    def close(self) -> None:
+        for i, t in enumerate(self._threads):
+            self._commands[i].put(("stop", None))
+            t.join(timeout=60)
+        self._threads = []
+
+
+# ---------------------------------------------------------------------- staronnx
 def closed_loop(submit: Callable[[], Future[Any]], wait: Callable[[Future[Any]], Any], in_flight: int,
                 seconds: float) -> float:
     """Requests per second with ``in_flight`` outstanding for ``seconds`` (after a warm-up),
     each replaced as soon as it completes, in completion order (perf_analyzer's concurrency
-    mode): waiting for them in submission order let one slow request (a batch a CPU group
-    took) hold back the window while the GPU idled, which charged a mixed setup for the loop's
-    order, not for its placement.  ``wait`` reads a completed future (raises its error)."""
+    mode): waiting in submission order lets one slow request (a batch a CPU group took) hold
+    back the window while the GPU idles. ``wait`` reads a completed future (raises its error)."""
     finished: queue.SimpleQueue[Future[Any]] = queue.SimpleQueue()
 
     def launch() -> None:
@@ -154,396 +457,403 @@ def closed_loop(submit: Callable[[], Future[Any]], wait: Callable[[Future[Any]],
     return done / (time.perf_counter() - start)
 
 
-def ort_sessions(path: Path, n: int, device: str, threads: int | None = None) -> list[ort.InferenceSession]:
-    """N plain sessions; on ``cuda``, refused unless ORT really runs them on its CUDA provider
-    (a CUDA or cuDNN library it cannot load makes it fall back to the CPU with a log line
-    only, and the ortN columns would then be CPU figures in a GPU table)."""
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    if threads:
-        so.intra_op_num_threads = threads
-    # TF32 off on both sides: outputs comparable to fp32 within 1e-3
-    providers: list[Any] = ([(CUDA, {"use_tf32": "0"}), "CPUExecutionProvider"] if device == "cuda"
-                            else ["CPUExecutionProvider"])
-    with capture_safe():  # never breaks (nor is broken by) a graph staronnx captures meanwhile
-        sessions = [ort.InferenceSession(str(path), so, providers=providers) for _ in range(n)]
-    if device == "cuda":
-        check_on_cuda(sessions[0])
-    return sessions
+class Staronnx(Setup):
+    """A staronnx runtime kept open for the row, K requests in flight."""
 
+    def __init__(self, label: str, plan: Any, feeds: dict[str, np.ndarray], key: Key, *, policy: str, groups: str,
+                 streams: int, store: Any, trace: Path | None) -> None:
+        from staronnx import Runtime
 
-def check_on_cuda(session: ort.InferenceSession) -> None:
-    """Exit (one line) when ``session`` did not get ORT's CUDA provider."""
-    got = session.get_providers()
-    if not got or got[0] != CUDA:
-        raise SystemExit(f"benchmarks/gpu.py: a plain ONNX Runtime session asked for {CUDA} runs on {got}: "
-                         "ORT fell back to the CPU (a CUDA or cuDNN library it could not load; see its "
-                         "warning above), so the ortN baselines would not be GPU figures")
+        self.label, self.in_flight, self.batch, self.feeds = label, key.k, key.batch, feeds
+        cuda_options = {"provider_options": {"use_tf32": "1" if key.precision == "tf32" else "0"}, "cuda_graphs": True}
+        self.rt = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=streams, store=store,
+                          cuda_options=cuda_options, warmup=(key.batch,), trace=trace)
+        self.output = self.rt.run(feeds)
 
+    def measure(self, seconds: float) -> float:
+        return self.batch * closed_loop(lambda: self.rt.submit(self.feeds), lambda f: f.result(), self.in_flight,
+                                        seconds)
 
-def ort_throughput(sessions: list[ort.InferenceSession], feeds: dict[str, np.ndarray], seconds: float) -> float:
-    """Batches/s of N sessions, one thread each calling run() in a loop."""
-    for s in sessions:
-        s.run(None, feeds)
-    counts = [0] * len(sessions)
-    stop = threading.Event()
+    def latency_ms(self) -> float:
+        from staronnx.partition.autoshares import median_seconds
 
-    def loop(i: int) -> None:
-        with capture_safe():
-            while not stop.is_set():
-                sessions[i].run(None, feeds)
-                counts[i] += 1
+        return 1e3 * median_seconds(lambda: self.rt.run(self.feeds), 30, warmup=3)
 
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(sessions))]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    return sum(counts) / (time.perf_counter() - start)
-
-
-class TunedSession:
-    """One ORT session with a CUDA graph over device-bound inputs and outputs (ORT's documented
-    call shape for ``enable_cuda_graph``: the addresses a graph reads and writes never move).
-
-    ORT keeps a session's graphs per thread, so the first :meth:`run`, which captures (ORT 1.31
-    runs, captures and replays in that call), must be on the thread that then calls it.
-    ``outputs`` are the model's outputs for ``feeds`` (plain ORT's): their shapes and dtypes
-    size the bound output buffers."""
-
-    def __init__(self, path: Path, feeds: dict[str, np.ndarray], outputs: list[np.ndarray]) -> None:
-        from staronnx.workers.cudart import PinnedBuffer, runtime_module
-
-        so = ort.SessionOptions()
-        so.log_severity_level = 3
-        providers = [(CUDA, {"use_tf32": "0", "enable_cuda_graph": "1"}), "CPUExecutionProvider"]
-        with capture_safe():
-            self.session = ort.InferenceSession(str(path), so, providers=providers)
-            check_on_cuda(self.session)
-            rt = runtime_module()
-            self._pinned = [PinnedBuffer(rt, a.nbytes) for a in feeds.values()]
-            self.host: dict[str, np.ndarray] = {}
-            for buf, (name, a) in zip(self._pinned, feeds.items(), strict=True):
-                view = buf.view(a.dtype, a.shape)
-                view[...] = a
-                self.host[name] = view
-            self.inputs = {name: ort.OrtValue.ortvalue_from_numpy(a, "cuda", 0) for name, a in feeds.items()}
-            self.outputs = [ort.OrtValue.ortvalue_from_shape_and_type(list(o.shape), o.dtype.type, "cuda", 0)
-                            for o in outputs]
-            self.binding = self.session.io_binding()
-            for name, v in self.inputs.items():
-                self.binding.bind_ortvalue_input(name, v)
-            for o, v in zip(self.session.get_outputs(), self.outputs, strict=True):
-                self.binding.bind_ortvalue_output(o.name, v)
-
-    def run(self) -> np.ndarray:
-        for name, v in self.inputs.items():
-            v.update_inplace(self.host[name])
-        self.session.run_with_iobinding(self.binding)
-        return np.asarray(self.outputs[0].numpy())
+    def graph_stats(self) -> dict[str, int]:
+        graphs = [w.get("graphs") for w in self.rt.stats()["workers"].values() if w.get("graphs")]
+        return {k: sum(g[k] for g in graphs) for k in graphs[0]} if graphs else {}
 
     def close(self) -> None:
-        for b in self._pinned:
-            b.free()
+        self.rt.close()
 
 
-def ort_tuned(path: Path, feeds: dict[str, np.ndarray], outputs: list[np.ndarray], n: int,
-              seconds: float) -> tuple[float, np.ndarray]:
-    """Batches/s of N :class:`TunedSession`s, one thread each; each thread captures its graph
-    (one at a time: a capture in CUDA's global mode breaks on another thread's allocation), then
-    all run together.  Also the first session's output, for the error column."""
-    sessions = [TunedSession(path, feeds, outputs) for _ in range(n)]
-    counts = [0] * n
-    lock, ready, go, stop = threading.Lock(), threading.Barrier(n + 1), threading.Event(), threading.Event()
-    first: list[np.ndarray] = []
-    errors: list[BaseException] = []
+@dataclass
+class Plans:
+    """Each model file's plans (1 part; ``--shares auto``), made and calibrated once."""
 
-    def loop(i: int) -> None:
-        try:
-            with lock, capture_safe():
-                out = sessions[i].run()
-                sessions[i].run()
-                if i == 0:
-                    first.append(out)
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            errors.append(exc)
-        ready.wait()
-        go.wait()
-        if errors:
+    tmp: Path
+    args: argparse.Namespace
+    store: Any
+    made: dict[tuple[str, str], Any] = field(default_factory=dict)
+    calibrated: set[tuple[str, str, int]] = field(default_factory=set)
+
+    def get(self, path: Path, kind: str, sequence: int) -> Any:
+        from staronnx import partition
+
+        key = (str(path), kind)
+        if key not in self.made:
+            shapes: dict[str, Sequence[int]] = dict(input_shapes(path, 1, sequence))
+            out = self.tmp / f"{path.stem}-{kind}"
+            device = "cuda" if self.args.device == "cuda" else "cpu"
+            if kind == "one":
+                self.made[key] = partition(path, parts=1, output_dir=out, costs="estimate", device=device,
+                                           input_shapes=shapes)
+            else:
+                self.made[key] = partition(path, "auto", output_dir=out, device=device, profile_runs=3,
+                                           groups=self.args.groups, input_shapes=shapes,
+                                           cuda_streams=4 if device == "cuda" else 0, profile_batch=8)
+        return self.made[key]
+
+    def calibrate(self, plan: Any, batch: int, groups: str, streams: int) -> None:
+        """Perf models for the dmda/heft setups (the eager ones need none)."""
+        from staronnx.calibrate import calibrate, start_workers
+
+        key = (plan.hash, groups, batch)
+        if key in self.calibrated:
             return
-        with capture_safe():
-            while not stop.is_set():
-                sessions[i].run()
-                counts[i] += 1
-
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(n)]
-    for t in threads:
-        t.start()
-    ready.wait()
-    start = time.perf_counter()
-    go.set()
-    time.sleep(seconds)
-    stop.set()
-    for t in threads:
-        t.join()
-    elapsed = time.perf_counter() - start
-    for s in sessions:
-        s.close()
-    if errors:
-        raise errors[0]
-    return sum(counts) / elapsed, first[0]
-
-
-def latency_ms(run: Callable[[], Any], n: int = 30) -> float:
-    """Median of ``n`` single requests, after 3 untimed ones."""
-    return 1e3 * median_seconds(run, n, warmup=3)
-
-
-def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.abs(got - ref).max() / max(float(np.abs(ref).max()), 1e-12))
-
-
-# ---------------------------------------------------------------------- staronnx setups
-def staronnx_setups(path: Path, tmp: Path, args: argparse.Namespace, say: Callable[[str], None]) -> dict[str, dict[str, Any]]:
-    """Plans (1 part, 85/15, auto) and the runtime settings of each setup."""
-    streams = args.streams if args.device == "cuda" else 0
-    cuda_dev = "cuda" if args.device == "cuda" else "cpu"
-    say(f"{path.stem}: partitioning (1 part, 85/15, auto)")
-    one = partition(path, parts=1, output_dir=tmp / f"{path.stem}-1", costs="estimate", device=cuda_dev)
-    split = partition(path, [0.85, 0.15], output_dir=tmp / f"{path.stem}-85", device=cuda_dev, profile_runs=3)
-    auto = partition(path, "auto", output_dir=tmp / f"{path.stem}-auto", device=cuda_dev, profile_runs=3,
-                     groups=args.groups, cuda_streams=streams, profile_batch=8)
-    say(f"{path.stem}: auto chose {auto.settings['auto_shares']['reason']}")
-    setups = {
-        "gpu": {"plan": one, "policy": "eager", "groups": "none", "cuda_streams": streams, "cuda_graphs": False},
-        "gpu+cpu": {"plan": one, "policy": "dmda", "groups": args.groups, "cuda_streams": streams},
-        "split": {"plan": split, "policy": "heft", "groups": args.groups, "cuda_streams": streams},
-        "auto": {"plan": auto, "policy": "heft", "groups": args.groups, "cuda_streams": streams},
-    }
-    if args.device == "cpu":  # no GPU: "gpu" is the CPU groups alone, like gpu+cpu with eager
-        setups["gpu"]["groups"] = args.groups
-    else:  # the GPU alone with each (part, batch size) captured as a CUDA graph
-        setups["graphs"] = {"plan": one, "policy": "eager", "groups": "none", "cuda_streams": streams,
-                            "cuda_graphs": True}
-        for label, base in (("gpu+colo", "gpu"), ("graphs+colo", "graphs")):
-            setups[label] = {**setups[base], "colocate": True}
-        # no graphs, a driver thread per stream (StarPU's STARPU_CUDA_THREAD_PER_WORKER): without
-        # graphs ORT's run launches every kernel from the calling thread, so one driver for all
-        # streams serialises them (the H200's "gpu" read 648 samples/s at batch 1 with 4 streams,
-        # ort4 1,625)
-        setups["gpu+tps"] = {**setups["gpu"], "thread_per_stream": True}
-    keep = [x for x in args.setups.split(",") if x] if args.setups else list(setups)
-    unknown = sorted(set(keep) - set(setups))
-    if unknown:
-        raise SystemExit(f"--setups: unknown {', '.join(unknown)} (have {', '.join(setups)})")
-    return {label: setups[label] for label in keep}
-
-
-def calibrate_setups(setups: dict[str, dict[str, Any]], batches: list[int], store: PerfModelStore,
-                     say: Callable[[str], None]) -> None:
-    done: set[tuple[str, str, int]] = set()
-    for name, s in setups.items():
-        key = (s["plan"].hash, s["groups"], s["cuda_streams"])
-        if key in done:
-            continue
-        done.add(key)
-        say(f"calibrating {name} ({s['plan'].k} part(s), groups {s['groups']}, {s['cuda_streams']} stream(s))")
-        workers = start_workers(s["plan"], groups=s["groups"], cuda_streams=s["cuda_streams"])
+        self.calibrated.add(key)
+        workers = start_workers(plan, groups=groups, cuda_streams=streams)
         try:
-            calibrate(s["plan"], batches, workers=workers, store=store, max_runs=30)
+            calibrate(plan, [batch], workers=workers, store=self.store, max_runs=30)
         finally:
             for w in workers:
                 w.close()
 
 
-def measure_model(name: str, args: argparse.Namespace, tmp: Path, say: Callable[[str], None],
-                  record: Callable[[dict[str, Any]], None]) -> None:
-    """Every batch size's row of ``name``, each handed to ``record`` as soon as it is
-    measured."""
-    path = model_path(name, tmp, args.device)
-    store = PerfModelStore(tmp / "home")
-    setups = staronnx_setups(path, tmp, args, say)
-    calibrate_setups(setups, args.batches, store, say)
-    ncores = len(Topology.from_system().allowed_cores())
-    for b in args.batches:
-        feeds = inputs_for(path, b)
-        row: dict[str, Any] = {"model": name, "batch": b}
-        outputs = ort_sessions(path, 1, args.device)[0].run(None, feeds)
-        ref = outputs[0]
-        for n in (1, 2, 4):
-            say(f"{name} b={b}: ort{n}")
-            row[f"ort{n}"] = b * ort_throughput(ort_sessions(path, n, args.device), feeds, args.seconds)
-        say(f"{name} b={b}: cpu alone")
-        row["cpu"] = b * ort_throughput(ort_sessions(path, 1, "cpu", threads=max(ncores - args.streams, 1)),
-                                        feeds, min(args.seconds, 2.0))
-        row["errors"] = {}
-        if args.device == "cuda":
-            for n in (1, 2, 4):
-                say(f"{name} b={b}: ort-tuned{n}")
-                try:
-                    rate, tuned_out = ort_tuned(path, feeds, outputs, n, args.seconds)
-                except Exception as exc:  # noqa: BLE001 - a baseline that cannot run is a row note
-                    row.setdefault("notes", []).append(f"ort-tuned{n}: {type(exc).__name__}: {exc}")
-                    continue
-                row[f"ort-tuned{n}"] = b * rate
-                row.setdefault("tuned_errors", {})[f"ort-tuned{n}"] = rel_error(tuned_out, ref)
-            if b == 1 and "ort-tuned1" in row:
-                tuned = TunedSession(path, feeds, outputs)
-                try:  # on this thread: its own graph, captured by the first (untimed) runs
-                    with capture_safe():
-                        row["ort-tuned1_lat_ms"] = latency_ms(tuned.run)
-                finally:
-                    tuned.close()
-        for label, s in setups.items():
-            say(f"{name} b={b}: staronnx {label}")
-            cuda_options = ({"provider_options": {"use_tf32": "0"}, "cuda_graphs": s.get("cuda_graphs", True),
-                             "thread_per_stream": s.get("thread_per_stream", False)}
-                            if s["cuda_streams"] else None)
-            trace = (args.trace / f"trace-{name}-{label.replace('+', '_')}-b{b}.json"
-                     if args.trace is not None and label in args.trace_setups else None)
-            if trace is not None:  # its figure paid for the trace's spans: the row says so
-                row.setdefault("traced", []).append(label)
-            with Runtime(s["plan"], policy=s["policy"], cpu_groups=s["groups"], cuda_streams=s["cuda_streams"],
-                         store=store, cuda_options=cuda_options, warmup=(b,) if s["cuda_streams"] else (),
-                         trace=trace) as rt:
-                out = rt.run(feeds)
-                row["errors"][label] = rel_error(next(iter(out.values())), ref)
-                with rt.colocate() if s.get("colocate") else contextlib.nullcontext():
-                    row[label] = b * closed_loop(lambda: rt.submit(feeds), lambda f: f.result(), args.in_flight,
-                                                 args.seconds)
-                    if b == 1:
-                        row[f"{label}_lat_ms"] = latency_ms(lambda: rt.run(feeds))
-                graphs = [w.get("graphs") for w in rt.stats()["workers"].values() if w.get("graphs")]
-                if graphs:  # what the figure really measured: graphs replayed or not
-                    row.setdefault("graph_stats", {})[label] = {k: sum(g[k] for g in graphs) for k in graphs[0]}
-        if b == 1:
-            sess = ort_sessions(path, 1, args.device)[0]
-            row["ort1_lat_ms"] = latency_ms(lambda: sess.run(None, feeds))
-        record(row)
+# ---------------------------------------------------------------------- one row
+def rel_error(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got.astype(np.float64) - ref).max() / max(float(np.abs(ref).max()), 1e-12))
 
 
-# ---------------------------------------------------------------------- report
-TUNED = ["ort-tuned1", "ort-tuned2", "ort-tuned4"]
-COLUMNS = ["ort1", "ort2", "ort4", *TUNED, "gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split",
-           "auto", "cpu"]
-STARONNX = ["gpu", "gpu+tps", "graphs", "gpu+colo", "graphs+colo", "gpu+cpu", "split", "auto"]
+def summary(values: list[float]) -> dict[str, Any]:
+    return {"repeats": values, "median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def gpu_alone(row: dict[str, Any]) -> str:
-    """The column gpu+cpu is weighed against: the GPU alone with gpu+cpu's graph setting
-    (graphs on), else ``gpu`` (a run without the graphs setup: ``--device cpu``, ``--setups``)."""
-    return "graphs" if "graphs" in row else "gpu"
+def build_setups(key: Key, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
+                 args: argparse.Namespace, plans: Plans, say: Callable[[str], None]) -> tuple[list[Setup], Any]:
+    """The row's setups (opened), and the cuda runtime ort-tuned's lanes use."""
+    from staronnx.workers.cudart import CudaRuntime, HostRuntime
+
+    tf32 = key.precision == "tf32"
+    setups: list[Setup] = []
+    try:
+        ns = [n for n in SESSIONS if n <= key.k]
+        say(f"{key.id}: {max(ns)} plain sessions")
+        sessions = ort_sessions(path, max(ns), args.device, tf32)
+        setups += [PlainOrt(sessions[:n], feeds, key.batch) for n in ns]
+        rt = CudaRuntime() if args.device == "cuda" else HostRuntime()
+        for n in (n for n in SESSIONS if 2 * n <= key.k):
+            say(f"{key.id}: ort-tuned{n}")
+            setups.append(TunedOrt(n, rt, path, feeds, outputs, args.device, tf32, key.batch))
+        one = plans.get(path, "one", args.sequence)
+        for streams in (n for n in STREAMS if n <= key.k):
+            label = f"staronnx-s{streams}"
+            say(f"{key.id}: {label}")
+            setups.append(Staronnx(label, one, feeds, key, policy="eager", groups="none", streams=streams,
+                                   store=plans.store,
+                                   trace=trace_path(args, key, label)))
+        if key.k == max(args.ks) and key.precision == "fp32" and not args.no_cpu_help:
+            say(f"{key.id}: gpu+cpu (calibrating)")
+            plans.calibrate(one, key.batch, args.groups, 4)
+            setups.append(Staronnx("gpu+cpu", one, feeds, key, policy="dmda", groups=args.groups, streams=4,
+                                   store=plans.store, trace=trace_path(args, key, "gpu+cpu")))
+            auto = plans.get(path, "auto", args.sequence)
+            say(f"{key.id}: auto ({auto.settings['auto_shares']['reason']})")
+            plans.calibrate(auto, key.batch, args.groups, 4)
+            setups.append(Staronnx("auto", auto, feeds, key, policy="heft", groups=args.groups, streams=4,
+                                   store=plans.store, trace=trace_path(args, key, "auto")))
+    except BaseException:
+        for s in setups:
+            s.close()
+        raise
+    return setups, rt
 
 
-def format_row(row: dict[str, Any]) -> str:
-    best_ort = max(row[c] for c in ("ort1", "ort2", "ort4"))
-    best = max(row.get(c, 0.0) for c in STARONNX)
-    cells = " | ".join(f"{row[c]:,.0f}" if c in row else "-" for c in COLUMNS)
-    tuned = max((row[c] for c in TUNED if c in row), default=0.0)
-    alone = gpu_alone(row)
-    mixed = f"{row['gpu+cpu'] / row[alone]:.2f}" if alone in row and "gpu+cpu" in row else "-"
-    return (f"| {row['model']} | {row['batch']} | {cells} | {best / best_ort:.2f}x | "
-            f"{f'{best / tuned:.2f}x' if tuned else '-'} | {mixed} | {max(row['errors'].values()):.1e} |")
+def trace_path(args: argparse.Namespace, key: Key, label: str) -> Path | None:
+    if args.trace is None or label not in args.trace_setups:
+        return None
+    folder: Path = args.trace
+    return folder / f"trace-{key.model}-{key.precision}-b{key.batch}-k{key.k}-{label.replace('+', '_')}.json"
 
 
-def header() -> str:
-    cols = " | ".join(COLUMNS)
-    return (f"| model | batch | {cols} | best staronnx / best ortN | / best ort-tuned | gpu+cpu / GPU alone "
-            "| max rel err |\n" + "|" + "---|" * (len(COLUMNS) + 6))
+def measure_row(key: Key, args: argparse.Namespace, plans: Plans, say: Callable[[str], None]) -> dict[str, Any]:
+    """Every setup of ``key``'s row, ``--repeats`` times in turn."""
+    t0 = time.perf_counter()
+    path = model_file(key, args)
+    feeds = inputs_for(path, key.batch, args.sequence)
+    ref_session = ort_sessions(path, 1, args.device, key.precision == "tf32")[0]
+    names = [o.name for o in ref_session.get_outputs()]
+    outputs = dict(zip(names, ref_session.run(None, feeds), strict=True))
+    ref = outputs[names[0]]
+    setups, _ = build_setups(key, path, feeds, outputs, args, plans, say)
+    row: dict[str, Any] = {"id": key.id, "model": key.model, "precision": key.precision, "batch": key.batch,
+                           "k": key.k, "sequence": args.sequence if key.model == "encoder" else None,
+                           "figures": {}, "errors": {}}
+    try:
+        samples: dict[str, list[float]] = {s.label: [] for s in setups}
+        for r in range(args.repeats):
+            order = setups[r % len(setups):] + setups[:r % len(setups)]
+            for s in order:
+                samples[s.label].append(s.measure(args.seconds))
+            say(f"{key.id}: repeat {r + 1}/{args.repeats} done")
+        for s in setups:
+            row["figures"][s.label] = {"in_flight": s.in_flight, **summary(samples[s.label])}
+            out = getattr(s, "output", None)
+            if out:
+                row["errors"][s.label] = rel_error(out[names[0]], ref)
+            if isinstance(s, Staronnx):
+                stats = s.graph_stats()
+                if stats:
+                    row.setdefault("graph_stats", {})[s.label] = stats
+        if key.batch == 1:  # latency of one request at a time (median of 30)
+            lat = {"ort1": 1e3 * _median_run(lambda: ref_session.run(None, feeds))}
+            for s in setups:
+                if s.label in ("ort-tuned1", GPU_ALONE) and hasattr(s, "latency_ms"):
+                    lat[s.label] = s.latency_ms()
+            row["latency_ms"] = lat
+    finally:
+        for s in setups:
+            s.close()
+    if args.trace is not None:
+        row["traced"] = sorted(set(args.trace_setups) & set(row["figures"]))
+    row["seconds"] = round(time.perf_counter() - t0, 1)
+    return row
+
+
+def _median_run(run: Callable[[], Any], n: int = 30) -> float:
+    from staronnx.partition.autoshares import median_seconds
+
+    return median_seconds(run, n, warmup=3)
+
+
+# ---------------------------------------------------------------------- verdicts
+STARONNX_GPU = tuple(f"staronnx-s{s}" for s in STREAMS)
+
+
+def best(row: dict[str, Any], prefix: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
+    """The setup whose label starts with one of ``prefix`` with the highest median."""
+    found = [(label, f) for label, f in row["figures"].items() if label.startswith(prefix)]
+    return max(found, key=lambda lf: lf[1]["median"]) if found else None
+
+
+def verdict(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[float, str]:
+    """The ratio of medians and what may be claimed of it: "faster"/"slower" only where the
+    min-max ranges do not overlap, else "overlap"."""
+    ratio = ours["median"] / theirs["median"]
+    if ours["min"] > theirs["max"]:
+        return ratio, "faster"
+    if ours["max"] < theirs["min"]:
+        return ratio, "slower"
+    return ratio, "overlap"
+
+
+def headline(row: dict[str, Any]) -> dict[str, Any] | None:
+    """staronnx at K over the best plain ORT at K (ortN and ort-tunedN)."""
+    ours, theirs = best(row, STARONNX_GPU), best(row, ("ort",))
+    if ours is None or theirs is None:
+        return None
+    ratio, claim = verdict(ours[1], theirs[1])
+    return {"staronnx": ours[0], "ort": theirs[0], "ratio": ratio, "claim": claim}
 
 
 def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
-    """Issue 11's acceptance, as (statement, held)."""
+    """Issue 48's goals, as (statement, held)."""
     out = []
     for r in rows:
-        best_ort = max(r[c] for c in ("ort1", "ort2", "ort4"))
-        best = max(r.get(c, 0.0) for c in STARONNX)
-        goal = 1.15 if r["batch"] <= 8 else 1.0
-        out.append((f"{r['model']} b={r['batch']}: best staronnx {best / best_ort:.2f}x best ortN (>= {goal})",
-                    best >= goal * best_ort))
-        tuned = max((r[c] for c in TUNED if c in r), default=0.0)
-        if tuned:
-            out.append((f"{r['model']} b={r['batch']}: best staronnx {best / tuned:.2f}x best ort-tuned (>= 0.95)",
-                        best >= 0.95 * tuned))
-        alone = gpu_alone(r)
-        if alone in r and "gpu+cpu" in r:
-            out.append((f"{r['model']} b={r['batch']}: gpu+cpu {r['gpu+cpu'] / r[alone]:.2f}x the GPU alone "
-                        f"({alone}, >= 0.98)", r["gpu+cpu"] >= 0.98 * r[alone]))
+        h = headline(r)
+        if h is not None and r["precision"] == "fp32":
+            goal = 1.15 if r["batch"] <= 8 and r["k"] == 16 else 1.0
+            out.append((f"{r['id']}: {h['staronnx']} {h['ratio']:.2f}x {h['ort']} ({h['claim']}; goal >= {goal})",
+                        h["ratio"] >= goal))
+        alone = r["figures"].get(GPU_ALONE)
+        for mixed in ("gpu+cpu", "auto"):
+            if alone and mixed in r["figures"]:
+                ratio, claim = verdict(r["figures"][mixed], alone)
+                out.append((f"{r['id']}: {mixed} {ratio:.2f}x the GPU alone ({claim}; goal >= 0.98)", ratio >= 0.98))
         for label, g in r.get("graph_stats", {}).items():
-            out.append((f"{r['model']} b={r['batch']}: {label} replayed {g['replays']} CUDA graphs "
-                        f"({g['captured']} captured, {g['failed']} failed)", g["replays"] > 0 and not g["failed"]))
-        err = max(r["errors"].values())
-        out.append((f"{r['model']} b={r['batch']}: max relative error {err:.1e} (< 1e-3)", err < 1e-3))
-        if "ort1_lat_ms" in r:
-            lat = min(r[f"{c}_lat_ms"] for c in STARONNX if f"{c}_lat_ms" in r)
-            out.append((f"{r['model']} b=1: best staronnx latency {lat:.2f} ms vs ort1 {r['ort1_lat_ms']:.2f} ms",
-                        lat <= r["ort1_lat_ms"]))
+            out.append((f"{r['id']}: {label} replayed {g.get('replays', 0)} CUDA graphs "
+                        f"({g.get('captured', 0)} captured, {g.get('failed', 0)} failed)",
+                        g.get("replays", 0) > 0 and not g.get("failed")))
+        if r["errors"]:
+            tol = 1e-2 if r["precision"] != "fp32" else 1e-3
+            err = max(r["errors"].values())
+            out.append((f"{r['id']}: max relative error {err:.1e} against plain ORT (< {tol:g})", err < tol))
+        lat = r.get("latency_ms", {})
+        if GPU_ALONE in lat and "ort-tuned1" in lat:
+            out.append((f"{r['id']}: batch-1 latency {lat[GPU_ALONE]:.2f} ms vs ort-tuned1 {lat['ort-tuned1']:.2f} ms",
+                        lat[GPU_ALONE] <= lat["ort-tuned1"]))
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def format_row(row: dict[str, Any]) -> str:
+    h = headline(row)
+    cells = ", ".join(f"{label} {f['median']:,.0f} [{f['min']:,.0f}-{f['max']:,.0f}]"
+                      for label, f in row["figures"].items())
+    verdict_text = f"{h['staronnx']} / {h['ort']} {h['ratio']:.2f}x ({h['claim']})" if h else "-"
+    return f"{row['id']}: {verdict_text} in {row['seconds']:.0f} s; {cells}"
+
+
+# ---------------------------------------------------------------------- provenance
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def describe_device(device: str) -> dict[str, Any]:
+    """What the figures are of: the GPU (name, memory, capability, UUID), the driver and CUDA
+    versions; on ``--device cpu`` the CPU."""
+    if device != "cuda":
+        return {"name": f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)", "kind": "cpu"}
+    from staronnx.workers.cuda_env import describe_gpus
+    from staronnx.workers.cudart import runtime_module
+
+    info: dict[str, Any] = {"kind": "cuda", **(describe_gpus([0]) or [{}])[0]}
+    with contextlib.suppress(Exception):
+        rt = runtime_module()
+        info["cuda_runtime"] = int(rt.cudaRuntimeGetVersion()[1])
+        info["cuda_driver_api"] = int(rt.cudaDriverGetVersion()[1])
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+        info["driver"] = smi or None
+    return info
+
+
+def provenance(args: argparse.Namespace, device: dict[str, Any]) -> dict[str, Any]:
+    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": ort.__version__,
+            "numpy": np.__version__, "commit": _git("rev-parse", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "--", "staronnx", "benchmarks/gpu.py")),
+            "command": shlex.join([sys.executable, *sys.argv]), "device": device,
+            "settings": {k: (sorted(v) if isinstance(v, set) else v if isinstance(v, (int, float, bool, list)) or v is None
+                             else str(v)) for k, v in vars(args).items()}}
+
+
+def resumed_rows(path: Path | None, device: dict[str, Any], say: Callable[[str], None]) -> list[dict[str, Any]]:
+    """The rows of an earlier run to keep: only those measured on the same GPU model (an H100's
+    rows and an H200's are not one table)."""
+    if path is None or not path.exists():
+        return []
+    doc = json.loads(path.read_text())
+    theirs = doc.get("runs", [{}])[-1].get("device", {}).get("name")
+    if theirs != device.get("name"):
+        say(f"--resume {path}: measured on {theirs!r}, this is {device.get('name')!r}: starting a new table")
+        return []
+    rows: list[dict[str, Any]] = doc.get("rows", [])
+    say(f"--resume {path}: {len(rows)} row(s) kept")
+    return rows
+
+
+def write_results(path: Path, runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
+    """The rows measured so far (earlier runs' first), with their checks: written after each row,
+    so a run cut short keeps every row it finished."""
+    from staronnx.fsutil import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"schema": "staronnx-gpu-table/1", "runs": runs, "rows": rows,
+                                        "checks": checks(rows)}, indent=1))
+
+
+# ---------------------------------------------------------------------- main
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="googlenet,resnet50")
-    ap.add_argument("--batches", default="1,8,32")
-    ap.add_argument("--seconds", type=float, default=3.0)
-    ap.add_argument("--streams", type=int, default=4, help="CUDA workers (streams) on the GPU (ort4 runs 4 sessions)")
-    ap.add_argument("--in-flight", type=int, default=16)
-    ap.add_argument("--setups", default="", help="the staronnx setups to run, comma-separated (default: all)")
-    ap.add_argument("--trace", type=Path, default=None,
-                    help="a folder: a Perfetto trace of each --trace-setups setup at each batch size (where the "
-                         "time goes: each worker's tasks, the gaps between them)")
-    ap.add_argument("--trace-setups", default="graphs,gpu+cpu", help="the setups --trace records")
-    ap.add_argument("--groups", default="numa", help="CPU groups beside the GPU (a core per stream is held back)")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--precisions", default=",".join(PRECISIONS))
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--in-flight", default=",".join(map(str, KS)), help="the values of K, comma-separated")
+    ap.add_argument("--seconds", type=float, default=MIN_SECONDS, help="one measurement's length")
+    ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="measurements per figure, taken in turn")
+    ap.add_argument("--sequence", type=int, default=128, help="the encoder's sequence length")
+    ap.add_argument("--models-dir", type=Path, default=None, help="where the exported models are (made if absent)")
+    ap.add_argument("--resume", type=Path, default=None, help="a results JSON whose rows (same GPU model) are kept")
+    ap.add_argument("--budget", type=float, default=0.0,
+                    help="seconds: no row is started that the slowest row so far says would not end in time")
+    ap.add_argument("--rows", type=int, default=0, help="at most this many new rows (0: all)")
+    ap.add_argument("--trace", type=Path, default=None, help="a folder for Perfetto traces of --trace-setups")
+    ap.add_argument("--trace-setups", default="gpu+cpu,auto")
+    ap.add_argument("--no-cpu-help", action="store_true", help="leave out gpu+cpu and auto")
+    ap.add_argument("--groups", default="numa", help="CPU groups beside the GPU for gpu+cpu and auto")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--json", type=Path, default=Path("gpu-benchmark.json"))
     args = ap.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
     args.batches = [int(b) for b in args.batches.split(",")]
+    args.ks = [int(k) for k in args.in_flight.split(",")]
     args.trace_setups = {x for x in args.trace_setups.split(",") if x}
-    if args.trace is not None:
-        args.trace.mkdir(parents=True, exist_ok=True)
+    unknown = sorted(set(args.models) - set(MODELS)) + sorted(set(args.precisions) - set(PRECISIONS))
+    if unknown:
+        ap.error(f"unknown model or precision: {', '.join(unknown)} (models {', '.join(MODELS)}; "
+                 f"precisions {', '.join(PRECISIONS)})")
+    if args.device == "cuda" and (args.repeats < MIN_REPEATS or args.seconds < MIN_SECONDS):
+        ap.error(f"a GPU figure is the median of >= {MIN_REPEATS} repeats of >= {MIN_SECONDS:g} s "
+                 f"(--repeats {args.repeats}, --seconds {args.seconds:g}); --device cpu takes less")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
     if args.device == "cuda" and CUDA not in ort.get_available_providers():
         print(f"benchmarks/gpu.py needs onnxruntime-gpu's {CUDA} (this onnxruntime has "
               f"{', '.join(ort.get_available_providers())}); use --device cpu for a smoke run", file=sys.stderr)
         return 2
     say = lambda msg: print(f"  .. {msg}", file=sys.stderr, flush=True)  # noqa: E731
     tmp = scratch_dir("staronnx-gpu-bench-")
+    if args.device == "cpu":  # staronnx's CUDA workers on the stand-in: the same code path as on a GPU
+        os.environ["STARONNX_CUDA_RUNTIME"] = "host"
     os.environ.setdefault("STARONNX_HOME", str(tmp / "home"))
-    gpus: list[dict[str, Any]] = []
-    if args.device == "cuda":  # which GPU these figures are of (model, memory, capability, UUID)
-        from staronnx.workers.cuda import describe_gpus
+    args.models_dir = args.models_dir or tmp / "models"
+    args.models_dir.mkdir(parents=True, exist_ok=True)
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+    device = describe_device(args.device)
+    rows = resumed_rows(args.resume, device, say)
+    runs = json.loads(args.resume.read_text()).get("runs", []) if rows and args.resume else []
+    runs = [*runs, provenance(args, device)]
+    done = {r["id"] for r in rows}
+    from staronnx.perfmodels import PerfModelStore
 
-        gpus = describe_gpus([0])
-    print(f"device {args.device}, {args.streams} CUDA stream(s), CPU groups {args.groups}, "
-          f"{args.in_flight} requests in flight, {args.seconds:g} s per figure; samples/s", flush=True)
-    for g in gpus:
-        print(f"GPU cuda{g['device']}: {g['name']}, capability {g['capability']}, {g['sms']} SMs", flush=True)
-    print(header(), flush=True)
-    rows: list[dict[str, Any]] = []
-
-    def record(row: dict[str, Any]) -> None:
+    plans = Plans(tmp, args, PerfModelStore(tmp / "home"))
+    print(f"{device.get('name')}: {args.repeats} repeats of {args.seconds:g} s per figure, K in {args.ks}, "
+          f"{'budget %.0f s' % args.budget if args.budget else 'no budget'}; samples/s, median [min-max]", flush=True)
+    start, slowest, new = time.perf_counter(), 0.0, 0
+    for key in matrix(args.models, args.precisions, args.ks, args.batches):
+        if key.id in done:
+            continue
+        left = args.budget - (time.perf_counter() - start)
+        if args.budget and left < slowest * 1.2:
+            print(f"stopped before {key.id}: {left:.0f} s of the budget left, the slowest row took {slowest:.0f} s",
+                  flush=True)
+            break
+        if args.rows and new >= args.rows:
+            break
+        try:
+            row = measure_row(key, args, plans, say)
+        except Skip as exc:
+            print(f"{key.id}: skipped: {exc}", flush=True)
+            continue
         rows.append(row)
-        write_results(args, gpus, rows)  # first: a run cut short keeps every row it measured
+        new += 1
+        slowest = max(slowest, row["seconds"])
+        write_results(args.json, runs, rows)  # first: a run cut short keeps every row it measured
         print(format_row(row), flush=True)
-
-    for name in args.models.split(","):
-        measure_model(name.strip(), args, tmp, say, record)
+    write_results(args.json, runs, rows)
     print()
     for text, held in checks(rows):
         print(f"{'PASS' if held else 'FAIL'}  {text}")
-    write_results(args, gpus, rows)
-    print(f"wrote {args.json}")
+    print(f"wrote {args.json} ({len(rows)} rows, {new} new)")
     return 0
-
-
-def write_results(args: argparse.Namespace, gpus: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
-    """The JSON of the rows measured so far, with their checks."""
-    from staronnx.fsutil import atomic_write_text
-
-    atomic_write_text(args.json, json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                             "gpus": gpus, "rows": rows, "checks": checks(rows)}, indent=1))
 
 
 if __name__ == "__main__":
