@@ -69,6 +69,7 @@ import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import REPO, scratch_dir  # noqa: E402
+from gpu_table import GPU_ALONE, SCHEMA, headline, verdict  # noqa: E402,F401
 
 CUDA = "CUDAExecutionProvider"
 #: the matrix's dimensions, in the order they are measured
@@ -80,8 +81,6 @@ SESSIONS = (1, 2, 4, 8, 16)
 STREAMS = (4, 8)
 #: the floor of a figure of record on a GPU (issue 48): >= 3 repeats of >= 2 s
 MIN_REPEATS, MIN_SECONDS = 3, 2.0
-#: what each row's staronnx setups are weighed against: the GPU alone, 4 streams
-GPU_ALONE = "staronnx-s4"
 
 
 # ---------------------------------------------------------------------- the matrix
@@ -637,35 +636,7 @@ def _median_run(run: Callable[[], Any], n: int = 30) -> float:
 
 
 # ---------------------------------------------------------------------- verdicts
-STARONNX_GPU = tuple(f"staronnx-s{s}" for s in STREAMS)
-
-
-def best(row: dict[str, Any], prefix: tuple[str, ...]) -> tuple[str, dict[str, Any]] | None:
-    """The setup whose label starts with one of ``prefix`` with the highest median."""
-    found = [(label, f) for label, f in row["figures"].items() if label.startswith(prefix)]
-    return max(found, key=lambda lf: lf[1]["median"]) if found else None
-
-
-def verdict(ours: dict[str, Any], theirs: dict[str, Any]) -> tuple[float, str]:
-    """The ratio of medians and what may be claimed of it: "faster"/"slower" only where the
-    min-max ranges do not overlap, else "overlap"."""
-    ratio = ours["median"] / theirs["median"]
-    if ours["min"] > theirs["max"]:
-        return ratio, "faster"
-    if ours["max"] < theirs["min"]:
-        return ratio, "slower"
-    return ratio, "overlap"
-
-
-def headline(row: dict[str, Any]) -> dict[str, Any] | None:
-    """staronnx at K over the best plain ORT at K (ortN and ort-tunedN)."""
-    ours, theirs = best(row, STARONNX_GPU), best(row, ("ort",))
-    if ours is None or theirs is None:
-        return None
-    ratio, claim = verdict(ours[1], theirs[1])
-    return {"staronnx": ours[0], "ort": theirs[0], "ratio": ratio, "claim": claim}
-
-
+# best, verdict and headline live in gpu_table.py (the table's script): one rule for both
 def checks(rows: list[dict[str, Any]]) -> list[tuple[str, bool]]:
     """Issue 48's goals, as (statement, held)."""
     out = []
@@ -761,7 +732,7 @@ def write_results(path: Path, runs: list[dict[str, Any]], rows: list[dict[str, A
     so a run cut short keeps every row it finished."""
     from staronnx.fsutil import atomic_write_text
 
-    atomic_write_text(path, json.dumps({"schema": "staronnx-gpu-table/1", "runs": runs, "rows": rows,
+    atomic_write_text(path, json.dumps({"schema": SCHEMA, "runs": runs, "rows": rows,
                                         "checks": checks(rows)}, indent=1))
 
 

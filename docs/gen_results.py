@@ -2,7 +2,8 @@
 
 Nothing on the page is typed by hand: each committed result file gets a section with its
 path, its own metadata (date, device, command, versions: whatever top-level scalars it records)
-and its rows as a table. Figures quoted elsewhere in these pages without such a file are marked
+and its rows as a table (a ``benchmarks/gpu.py`` result as ``benchmarks/gpu_table.py`` renders
+it: medians, ranges, the ratios claimed). Figures quoted elsewhere in these pages without such a file are marked
 "not reproducible: no artifact" where they appear. ``docs/hooks.py`` calls :func:`render` on
 every build; ``python docs/gen_results.py`` prints the page.
 """
@@ -12,11 +13,14 @@ from __future__ import annotations
 import csv
 import html
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_table  # noqa: E402  (the GPU table's one renderer, also the guide's)
 PAGE = "benchmarks.md"
 #: rows shown per table (the file holds them all)
 MAX_ROWS = 40
@@ -73,7 +77,11 @@ def section(path: Path) -> list[str]:
     lines = [f"## `{rel}`", ""]
     try:
         if path.suffix == ".json":
-            lines += _json_section(json.loads(path.read_text()))
+            doc = json.loads(path.read_text())
+            if isinstance(doc, dict) and doc.get("schema") == gpu_table.SCHEMA:  # benchmarks/gpu.py's table
+                lines += [gpu_table.render(doc, rel)]
+            else:
+                lines += _json_section(doc)
         elif path.suffix == ".csv":
             with path.open(newline="") as f:
                 lines += _table(list(csv.DictReader(f))) + [""]

@@ -27,6 +27,7 @@ import gen_cli  # noqa: E402
 import gen_figures  # noqa: E402
 import gen_model_config  # noqa: E402
 import gen_ort_options  # noqa: E402
+import gen_gpu_table  # noqa: E402
 import gen_results  # noqa: E402
 
 
@@ -53,7 +54,7 @@ def on_files(files: Files, config: Any) -> Files:
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files) -> str:
     """Put the tables read from the code (``InferenceSession``'s options, what each
     ``config.pbtxt`` field does) where their markers stand."""
-    for module in (gen_ort_options, gen_model_config):
+    for module in (gen_ort_options, gen_model_config, gen_gpu_table):
         if module.MARKER in markdown:
             markdown = markdown.replace(module.MARKER, module.render())
     return markdown

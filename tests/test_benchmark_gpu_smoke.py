@@ -330,3 +330,38 @@ def test_the_closed_loop_replaces_requests_in_completion_order():
     pending.put(None)
     assert not loop.is_alive(), "the closed loop waited for its slow request while nothing else was submitted"
     assert slow and slow[0].done() and result and result[0] > 0
+
+
+def test_the_gpu_table_is_generated_from_a_results_file(tmp_path):
+    """``benchmarks/gpu_table.py`` over a run's JSON prints the table (medians, ranges, the
+    ratio claimed or not); the GPU guide's generated section shows the newest committed
+    ``gpu-*.json`` that way, or says that none is committed; a file of another kind is refused."""
+    results = tmp_path / "results"
+    results.mkdir()
+    out = results / "gpu-cpu-2026-12-07.json"
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu.py"), "--device", "cpu", "--models",
+                           "googlenet", "--precisions", "fp32", "--batches", "1", "--in-flight", "4", "--seconds", "0.1",
+                           "--repeats", "2", "--no-cpu-help", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), str(out)], capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0, table.stderr
+    assert re.search(r"^\| googlenet \| fp32 \| 1 \| 4 \| [\d,]+ \[[\d,]+-[\d,]+\] \(staronnx-s\d\) \| [\d,]+ "
+                     r"\[[\d,]+-[\d,]+\] \(ort[-\w]+\) \| (\*\*[\d.]+x\*\*|~[\d.]+x \(overlap\)) \|", table.stdout,
+                     re.M), table.stdout
+    assert "median of 2 alternated repeats of 0.1 s" in table.stdout
+    sys.path.insert(0, str(REPO / "docs"))
+    try:
+        import gen_gpu_table
+        import gen_results
+    finally:
+        sys.path.remove(str(REPO / "docs"))
+    assert "No GPU run committed yet" in gen_gpu_table.render(tmp_path / "absent")
+    assert table.stdout.split("|", 1)[1] in gen_gpu_table.render(results)
+    assert table.stdout.split("|", 1)[1] in gen_results.render(results)
+    assert gen_gpu_table.MARKER in (REPO / "docs" / "guides" / "gpu.md").read_text()
+    (tmp_path / "other.json").write_text('{"rows": []}')
+    bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), str(tmp_path / "other.json")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "not a benchmarks/gpu.py result" in bad.stderr, bad.stderr
