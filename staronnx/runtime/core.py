@@ -73,8 +73,9 @@ class Task:
 class Request:
     """One submitted batch travelling through the plan.
 
-    ``handles`` has a handle per input, per output another part reads and per final output;
-    the core drops an intermediate's copies once its last reader is done.
+    ``handles`` has a handle per input, per output another part reads and per final output
+    whose copy the driver holds; the core drops an intermediate's copies once its last reader
+    is done.
     """
 
     id: int
@@ -449,10 +450,13 @@ class TaskGraph:
         handles = req.handles
         get = (host or {}).get
         for name, nbytes in outputs.items():
-            if name in final:
-                handles[name] = DataHandle(name, nbytes, produced_on(node, True), readers.get(name, 0), get(name))
-            elif name in readers:  # a handle only for what is read or answered
-                handles[name] = DataHandle(name, nbytes, frozenset((node,)), readers[name], get(name))
+            # a handle for what another part reads, and for a final output the driver holds
+            # (the engine answers from it; the simulator has nothing to hold)
+            if name in readers:
+                valid = produced_on(node, True) if name in final else frozenset((node,))
+                handles[name] = DataHandle(name, nbytes, valid, readers[name], get(name))
+            elif name in final and (copy := get(name)) is not None:
+                handles[name] = DataHandle(name, nbytes, produced_on(node, True), 0, copy)
         for name, tensor in device:
             handles[name].add_device(node, tensor)
         for name in task.keep:  # fetched copies that stay valid where they were fetched
