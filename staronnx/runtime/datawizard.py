@@ -91,8 +91,8 @@ class DataHandle:
 
     ``valid_on`` may name a node whose copy is still being made (a prefetch: ``arriving`` until
     the engine has issued it; then ``host_ready``, or the device tensor's own ``ready`` event,
-    is what its reader waits on). The simulator keeps
-    no copies. A plain class with slots, not a dataclass: one or more are made per task."""
+    is what its reader waits on). The simulator keeps no copies. A plain class with slots, not
+    a dataclass: one or more are made per task."""
 
     __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id", "host", "host_ready", "device",
                  "arriving")
