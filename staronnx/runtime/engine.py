@@ -203,7 +203,7 @@ class NativeEngine:
         self._starts = [[0, 0, 0] for _ in workers]
         #: prefetches decided under the lock and not yet issued, in decision order; the one
         #: thread issuing them at a time; where readers wait for their inputs to be issued
-        self._to_issue: deque[tuple[Task, Copy]] = deque()
+        self._to_issue: deque[tuple[Task, Copy, DataHandle]] = deque()
         self._issuing = threading.Lock()
         self._arrivals = threading.Condition()
         #: per worker, the tasks pinned to it (run before its next scheduled one), and how
@@ -293,7 +293,7 @@ class NativeEngine:
             if h is None or (is_host(copy[2]) and (is_host(copy[1]) or h.host is not None)):
                 continue
             h.arriving += 1
-            self._to_issue.append((task, copy))
+            self._to_issue.append((task, copy, h))
         self.core.prefetches.clear()
 
     def _issue_prefetches(self) -> None:
@@ -303,8 +303,7 @@ class NativeEngine:
         it when it starts). One thread at a time, in the order they were decided."""
         with self._issuing:
             while self._to_issue:
-                task, copy = self._to_issue.popleft()
-                h = task.request.handles[copy[0]]
+                task, copy, h = self._to_issue.popleft()
                 try:
                     self._prefetch(h, copy[1], copy[2])
                 except Exception as exc:  # noqa: BLE001 - the task's own fetch will say what fails
