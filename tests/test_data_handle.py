@@ -6,6 +6,7 @@ only once that lock is released."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -132,3 +133,32 @@ def test_a_prefetch_decided_under_the_engines_lock_is_issued_after_it(one_part, 
         stats = runtime.stats()
     assert rt.lock_free and all(rt.lock_free), rt.lock_free
     assert stats["requests_failed"] == 0 and stats["prefetch"]["moved"] == len(xs)
+
+
+class _SlowUpload(HostRuntime):
+    """Uploads issued by the submitting thread take a while: its worker takes the task first
+    and finds the input still being issued."""
+
+    def copy_h2d(self, dst: int, src: int, nbytes: int, stream: Any) -> None:
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.05)
+        super().copy_h2d(dst, src, nbytes, stream)
+
+
+def test_a_task_whose_input_is_still_being_issued_waits_for_it(one_part, tmp_path):
+    """The worker a task was placed on may take it while the thread that decided its prefetch
+    is still issuing the copy; it waits for the copy rather than fetching the input itself,
+    and reads the right values."""
+    import onnxruntime as ort
+
+    rt = _SlowUpload()
+    ref = ort.InferenceSession(str(one_part.root / "part0.onnx"), providers=["CPUExecutionProvider"])
+    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
+                 cuda_options={"runtime": rt}) as runtime:
+        xs = [np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32) for i in range(5)]
+        futures = [runtime.submit({"x": x}) for x in xs]
+        for x, fut in zip(xs, futures):
+            np.testing.assert_allclose(fut.result(timeout=60)["y"], ref.run(None, {"x": x})[0], rtol=1e-5, atol=1e-5)
+        stats = runtime.stats()
+    assert stats["prefetch"]["moved"] == len(xs) and stats["prefetch"]["hits"] == len(xs)
+    assert rt.copy_counts()["h2d"][0] == len(xs)  # each input uploaded once, by its prefetch
