@@ -712,19 +712,29 @@ def provenance(args: argparse.Namespace, device: dict[str, Any]) -> dict[str, An
                              else str(v)) for k, v in vars(args).items()}}
 
 
-def resumed_rows(path: Path | None, device: dict[str, Any], say: Callable[[str], None]) -> list[dict[str, Any]]:
-    """The rows of an earlier run to keep: only those measured on the same GPU model (an H100's
-    rows and an H200's are not one table)."""
+def resumed_rows(path: Path | None, device: dict[str, Any],
+                 say: Callable[[str], None]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The rows and runs of an earlier result to keep: ``path`` itself, or in a folder the newest
+    ``gpu-*.json`` of this GPU model; only rows measured on the same GPU model are kept (an
+    H100's rows and an H200's are not one table)."""
     if path is None or not path.exists():
-        return []
-    doc = json.loads(path.read_text())
-    theirs = doc.get("runs", [{}])[-1].get("device", {}).get("name")
-    if theirs != device.get("name"):
-        say(f"--resume {path}: measured on {theirs!r}, this is {device.get('name')!r}: starting a new table")
-        return []
-    rows: list[dict[str, Any]] = doc.get("rows", [])
-    say(f"--resume {path}: {len(rows)} row(s) kept")
-    return rows
+        return [], []
+    candidates = sorted(path.glob("gpu-*.json"), reverse=True) if path.is_dir() else [path]
+    for candidate in candidates:
+        try:
+            doc = json.loads(candidate.read_text())
+        except (OSError, ValueError):
+            continue
+        if doc.get("schema") != SCHEMA:
+            continue
+        theirs = (doc.get("runs") or [{}])[-1].get("device", {}).get("name")
+        if theirs == device.get("name"):
+            rows: list[dict[str, Any]] = doc.get("rows", [])
+            say(f"--resume {candidate}: {len(rows)} row(s) kept")
+            return rows, doc.get("runs", [])
+        say(f"--resume {candidate}: measured on {theirs!r}, this is {device.get('name')!r}: not continued")
+    say(f"--resume {path}: nothing of this device to continue: starting a new table")
+    return [], []
 
 
 def write_results(path: Path, runs: list[dict[str, Any]], rows: list[dict[str, Any]]) -> None:
@@ -747,7 +757,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=MIN_REPEATS, help="measurements per figure, taken in turn")
     ap.add_argument("--sequence", type=int, default=128, help="the encoder's sequence length")
     ap.add_argument("--models-dir", type=Path, default=None, help="where the exported models are (made if absent)")
-    ap.add_argument("--resume", type=Path, default=None, help="a results JSON whose rows (same GPU model) are kept")
+    ap.add_argument("--resume", type=Path, default=None, help="a results JSON, or a folder of them (its newest gpu-*.json of this GPU model), whose "
+                         "rows are kept: only the others are measured")
     ap.add_argument("--budget", type=float, default=0.0,
                     help="seconds: no row is started that the slowest row so far says would not end in time")
     ap.add_argument("--rows", type=int, default=0, help="at most this many new rows (0: all)")
@@ -789,8 +800,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
     device = describe_device(args.device)
-    rows = resumed_rows(args.resume, device, say)
-    runs = json.loads(args.resume.read_text()).get("runs", []) if rows and args.resume else []
+    rows, runs = resumed_rows(args.resume, device, say)
     runs = [*runs, provenance(args, device)]
     done = {r["id"] for r in rows}
     from staronnx.perfmodels import PerfModelStore

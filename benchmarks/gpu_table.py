@@ -120,10 +120,15 @@ def render(doc: dict[str, Any], source: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("results", type=Path)
+    ap.add_argument("-o", "--out", type=Path, default=None, help="write the Markdown there (default: print it)")
     args = ap.parse_args(argv)
     try:
         doc = json.loads(args.results.read_text())
-        print(render(doc, args.results.as_posix()), end="")
+        text = render(doc, args.results.as_posix())
+        if args.out is None:
+            print(text, end="")
+        else:
+            args.out.write_text(text)
     except (OSError, ValueError) as exc:
         print(f"gpu_table.py: {exc}", file=sys.stderr)
         return 2

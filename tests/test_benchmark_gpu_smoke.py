@@ -207,26 +207,50 @@ def test_every_results_file_the_readme_and_docs_name_exists():
     assert not missing, missing
 
 
-def test_the_gpu_session_runs_the_table_before_anything_optional_within_its_budget(tmp_path):
-    """Every step of ``gpu_session.sh`` (a stand-in python that returns at once): the GPU tests,
-    then the table, then the optional measurements, their limits within the session's budget
-    and within run.sh's session step (540 s); the tests run over the modules holding GPU tests."""
-    calls = tmp_path / "calls.txt"
-    stub = tmp_path / "python"
-    stub.write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
-    stub.chmod(0o755)
+def test_the_gpu_session_runs_the_table_in_one_call_that_fits(tmp_path):
+    """``gpu_session.sh`` end to end, its python a wrapper that runs the table's harness on the
+    CPU (tiny settings appended: argparse keeps the last): the steps in order, each printing its
+    budget and its time, their limits (with --kill-after) within 480 s, the harness's own budget
+    under its step's limit, continuing from the committed results; the call returns at most 6
+    files (summary, JSON, table, one tarball of logs and traces)."""
+    import tarfile
+
+    wrapper = tmp_path / "python"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {tmp_path / "calls.txt"}\n'
+        'case "$1" in\n'
+        "  benchmarks/gpu_models.py) exit 0 ;;\n"
+        f'  benchmarks/gpu.py) exec {sys.executable} "$@" --device cpu --models googlenet --precisions fp32 '
+        "--batches 1 --in-flight 4 --seconds 0.1 --repeats 2 --trace-setups staronnx-s4 ;;\n"
+        f'  *) exec {sys.executable} "$@" ;;\n'
+        "esac\n")
+    wrapper.chmod(0o755)
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh")], capture_output=True, text=True,
-                          timeout=60, cwd=REPO, env={**os.environ, "OUT": str(out), "PYTHON": str(stub)})
+                          timeout=600, cwd=REPO, env={**os.environ, "OUT": str(out), "PYTHON": str(wrapper),
+                                                      "STARONNX_HOME": str(tmp_path / "home"),
+                                                      "MODELS_DIR": str(tmp_path / "models")})
     assert done.returncode == 0, done.stdout + done.stderr
-    steps = [re.match(r"^(\S+): exit 0 in \d+ s \(limit (\d+) s\)$", line)
-             for line in (out / "summary.txt").read_text().splitlines()[1:-1]]  # after the GPU's line
-    assert all(steps), (out / "summary.txt").read_text()
-    assert [m.group(1) for m in steps] == ["pytest-gpu", "gpu-table", "gpu-table-8streams", "host-overhead"]
-    assert sum(int(m.group(2)) for m in steps) <= 540
-    pytest_call = calls.read_text().splitlines()[0]
-    assert pytest_call.startswith("-m pytest -m gpu ")
-    assert "tests/test_cuda_worker.py" in pytest_call and "tests/test_gpu_entry_points.py" in pytest_call
+    summary = (out / "summary.txt").read_text().splitlines()
+    steps = [re.match(r"^(\S+): exit (\d+) in \d+ s \(limit (\d+) s\)$", line) for line in summary[1:-1]]
+    assert all(steps), summary
+    assert [m.group(1) for m in steps] == ["models", "table", "table-md"], summary
+    assert all(m.group(2) == "0" for m in steps), summary
+    limits = [int(m.group(3)) for m in steps]
+    assert sum(limits) + 5 * len(limits) <= 480, limits  # each --kill-after adds up to 5 s
+    assert re.findall(r"^(\S+): budget (\d+) s$", done.stderr, re.M) == [(m.group(1), m.group(3)) for m in steps]
+    assert summary[-1].startswith("total: ")
+    table_call = next(c for c in (tmp_path / "calls.txt").read_text().splitlines() if c.startswith("benchmarks/gpu.py"))
+    harness_budget = float(re.search(r"--budget (\d+)", table_call).group(1))
+    assert harness_budget < limits[1] and "--resume benchmarks/results" in table_call
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-table.md", "gpu.json", "logs.tgz", "summary.txt"]
+    assert [r["id"] for r in json.loads((out / "gpu.json").read_text())["rows"]] == ["googlenet/fp32/b1/k4"]
+    assert "| googlenet | fp32 | 1 | 4 |" in (out / "gpu-table.md").read_text()
+    with tarfile.open(out / "logs.tgz") as tar:
+        names = tar.getnames()
+    assert {"logs/models.txt", "logs/table.txt", "logs/table-md.txt"} <= set(names), names
+    assert any(n.startswith("logs/traces/trace-googlenet-fp32-b1-k4-staronnx-s4") for n in names), names
 
 
 def test_the_gpu_tests_collect_with_only_the_gpu_hosts_packages(tmp_path):

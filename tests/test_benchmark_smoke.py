@@ -113,15 +113,17 @@ def test_host_cost_benchmarks_on_the_gpu_say_what_is_missing_where_there_is_none
 
 
 @pytest.mark.parametrize("which, steps", [
-    ("gpu", ["pytest-gpu", "gpu-table", "gpu-table-8streams", "host-overhead"]),
+    ("table", ["models", "table", "table-md"]),
+    ("tests", ["pytest-gpu", "host-overhead"]),
     ("host", ["host-overhead-host", "serving-path"]),
     ("serve", ["serve-tail", "serve-googlenet"]),
     ("predictions", ["steadiness", "simulator"]),
 ])
 def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, tmp_path):
-    """``benchmarks/gpu_session.sh [gpu|host]`` (the device calls of a session with a GPU): every
+    """``benchmarks/gpu_session.sh MODE`` (the device calls of a session with a GPU): every
     step named in the summary, each skipped here by a budget too small to start it, so the
-    script's flow is checked where one device call could not afford to find it broken."""
+    script's flow is checked where one device call could not afford to find it broken; the
+    step logs come back as one tarball beside the summary (a call returns at most 8 files)."""
     out = tmp_path / "out"
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), which], capture_output=True,
                           text=True, timeout=60, cwd=REPO, env={**os.environ, "OUT": str(out), "SESSION_SECONDS": "5"})
@@ -130,6 +132,7 @@ def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, t
     assert gpu.startswith("gpu: "), gpu  # nvidia-smi's line, or "none"
     assert [line.split(":")[0] for line in summary[:-1]] == steps, summary
     assert all("skipped" in line for line in summary[:-1]) and summary[-1].startswith("total: "), summary
+    assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "summary.txt"]
 
 
 def test_the_infer_benchmark_checks_row_for_row_and_times_three_setups(tmp_path):
