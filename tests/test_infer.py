@@ -384,3 +384,26 @@ def test_progress_bar_on_a_terminal_says_samples_per_second_and_eta(tmp_path):
     assert proc.returncode == 0, raw[-2000:]
     assert "/600" in raw and "samples/s" in raw and "ETA" in raw, raw[-2000:]
     assert "600 samples written" in raw
+
+
+def test_arrow_file_with_state_rows_and_a_per_row_scalar(tmp_path):
+    """gru_stream from an Arrow IPC (Feather) file: a row's state ``[2, 64]`` goes to the model's
+    axis 1, and its sample rate (a scalar the model takes once per batch) changes halfway, so the
+    rows of each rate run in batches of their own."""
+    import pyarrow.feather as feather
+
+    rng = np.random.default_rng(15)
+    frame = rng.standard_normal((12, 256)).astype(np.float32)
+    state = rng.standard_normal((12, 2, 64)).astype(np.float32)
+    rate = np.array([16000] * 5 + [8000] * 7, dtype=np.int64)
+    feather.write_feather(pa.table({"frame": pa.FixedShapeTensorArray.from_numpy_ndarray(frame),
+                                    "state": pa.FixedShapeTensorArray.from_numpy_ndarray(state),
+                                    "sample_rate": rate}), tmp_path / "in.arrow")
+    report = infer(realmodels.path("gru_stream"), tmp_path / "in.arrow", tmp_path / "out",
+                   InferSpec(batch_size=4), MachineSpec(ONE_CORE))
+    assert report.written == 12
+    want = []
+    for i in range(12):
+        one = _ort("gru_stream", {"frame": frame[i:i + 1], "state": state[i][:, None], "sample_rate": np.array(rate[i])})
+        want.append({"prob": one["prob"][0], "state_out": one["state_out"][:, 0]})
+    _assert_rows(read_outputs(tmp_path / "out"), want, np.arange(12))
