@@ -75,6 +75,8 @@ SERVED = {
     "warmed": (WARMED_CONFIG, [1]),
     "reshaped": (RESHAPED_CONFIG, [1]),
     "ordered": ("max_batch_size: 8 dynamic_batching { preserve_ordering: true }", [1]),
+    "impatient": ("max_batch_size: 8 dynamic_batching { max_queue_delay_microseconds: 5000000 "
+                  "default_queue_policy { default_timeout_microseconds: 500000 } }", [1]),
     "multi": ("max_batch_size: 8 version_policy: { all { } }", [1, 2]),
     "split": ('parameters { key: "parts" value: { string_value: "2" } } '
               'parameters { key: "partition_method" value: { string_value: "linear" } }', [1]),
@@ -84,6 +86,8 @@ SERVED = {
 REFUSED = {
     "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
     "cached": ("response_cache { enable: true }", [1], "config field response_cache is not honoured"),
+    "delayed": ("max_batch_size: 8 dynamic_batching { default_queue_policy { timeout_action: DELAY "
+                "default_timeout_microseconds: 10 } }", [1], "timeout_action DELAY is not honoured"),
     "prioritised": ("max_batch_size: 8 dynamic_batching { priority_levels: 2 }", [1],
                     "config field dynamic_batching.priority_levels is not honoured"),
     "on_gpu": ("instance_group [ { kind: KIND_GPU } ]", [1], "instance_group KIND_GPU: this server has no CUDA workers"),
@@ -304,6 +308,22 @@ def test_preserve_ordering_answers_every_request(served):
             await c.close()
 
     asyncio.run(many())
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_queue_timeout_rejects_a_request_still_waiting_for_its_batch(served, protocol):
+    """default_queue_policy's timeout (REJECT): a lone sample waits for a batch of 8 (up to 5 s of
+    queue delay) and is refused at 0.5 s; eight samples fill a batch at once and are answered."""
+    module = httpclient if protocol == "http" else grpcclient
+    client = module.InferenceServerClient(served.http if protocol == "http" else served.grpc)
+    with pytest.raises(InferenceServerException, match="waited for its batch longer than the queue timeout"):
+        client.infer("impatient", _simple_inputs(module, 1)[0])
+    inputs, a, b = _simple_inputs(module, 8)
+    np.testing.assert_array_equal(client.infer("impatient", inputs).as_numpy("OUTPUT0"), a + b)
+    assert client.is_model_ready("impatient")
+    if protocol == "http":
+        policy = client.get_model_config("impatient")["dynamic_batching"]["default_queue_policy"]
+        assert int(policy["default_timeout_microseconds"]) == 500000
 
 
 def test_parameters_cut_the_plan(served):

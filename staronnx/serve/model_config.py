@@ -22,7 +22,9 @@ served as if a field meant something it does not here. What is honoured, and wha
 * ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits),
   ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
   captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged) and
-  ``default_queue_policy.max_queue_size`` (the queue's capacity; 0 = the server's default),
+  ``default_queue_policy`` (``max_queue_size``: the queue's capacity, 0 = the server's default;
+  ``default_timeout_microseconds`` with ``timeout_action: REJECT``: a request still waiting for its
+  batch after that long is refused, 503 / UNAVAILABLE),
   ``preserve_ordering`` (each answer leaves after the answer to the request before it);
 * ``version_policy`` (latest N, all, specific): every version selected is served, the latest
   when a request names none;
@@ -36,7 +38,7 @@ served as if a field meant something it does not here. What is honoured, and wha
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
 
 Refused (for now, with the flag that does it where there is one): shape tensors,
-ragged batches, optional inputs, priorities and queue timeouts,
+ragged batches, optional inputs, priority levels, delayed (DELAY) and per-request queue timeouts,
 instance counts and GPU lists (``--cuda-streams``, ``--groups``,
 ``--model-workers``), the other optimization settings, warm-up data from files, ``sequence_batching`` and
 ``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
@@ -88,7 +90,8 @@ _HONOURED = {
     "ModelTensorReshape": {"shape"},
     "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size",
                              "preserve_ordering"},
-    "ModelQueuePolicy": {"max_queue_size"},
+    "ModelQueuePolicy": {"max_queue_size", "default_timeout_microseconds", "timeout_action",
+                         "allow_timeout_override"},
     "ModelInstanceGroup": {"name", "kind"},
     "ModelVersionPolicy": {"latest", "all", "specific"},
 }
@@ -140,6 +143,8 @@ class ModelSettings:
     workers: str | None = None
     #: dynamic_batching.preserve_ordering: answers leave in the order the requests came
     preserve_ordering: bool = False
+    #: seconds a request may wait in the queue before it is rejected (default_queue_policy)
+    queue_timeout: float | None = None
     #: optimization.cuda.graphs where the config says (None: it does not)
     cuda_graphs: bool | None = None
     #: tensor name -> (the client's dims, the model's), without the batch: the config's reshapes
@@ -333,6 +338,15 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
         db = config.dynamic_batching
         out.max_delay = db.max_queue_delay_microseconds / 1e6
         out.preserve_ordering = db.preserve_ordering
+        policy = db.default_queue_policy
+        if policy.timeout_action != mc.ModelQueuePolicy.REJECT:
+            raise ConfigError("dynamic_batching.default_queue_policy.timeout_action DELAY is not honoured by staronnx "
+                              "serve (a request past its timeout is rejected, REJECT)")
+        if policy.allow_timeout_override:
+            raise ConfigError("dynamic_batching.default_queue_policy.allow_timeout_override is not honoured by "
+                              "staronnx serve (requests cannot set their own queue timeout)")
+        if policy.default_timeout_microseconds > 0:
+            out.queue_timeout = policy.default_timeout_microseconds / 1e6
         if db.preferred_batch_size:
             sizes = sorted(set(db.preferred_batch_size))
             if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):

@@ -80,6 +80,8 @@ class Declared:
     reshapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: dynamic_batching.preserve_ordering: answers leave in the order the requests came
     preserve_ordering: bool = False
+    #: seconds a request may wait for its batch before it is rejected (None: as long as it takes)
+    queue_timeout: float | None = None
 
 
 @dataclass
@@ -206,6 +208,8 @@ class ModelEndpoint:
         self.others: dict[str, ModelEndpoint] = {}
         #: the answer of the latest request (preserve_ordering: the next one leaves after it)
         self._last_answer: asyncio.Future[None] | None = None
+        #: a config's default_queue_policy timeout (REJECT): seconds a request may wait for its batch
+        self.queue_timeout = declared.queue_timeout if declared is not None else None
         if declared is not None and declared.preserve_ordering:
             self.infer = self._infer_in_order  # type: ignore[method-assign]
         self.ready = True
@@ -356,8 +360,8 @@ class ModelEndpoint:
         for key in ("version_policy", "default_model_filename"):
             if key in declared:
                 out[key] = declared[key]
-        if self.declared.preserve_ordering and "dynamic_batching" in out:
-            out["dynamic_batching"] = {**out["dynamic_batching"], "preserve_ordering": True}
+        if "dynamic_batching" in out:  # the config's ordering and queue policy, with the batching as served
+            out["dynamic_batching"] = {**declared.get("dynamic_batching", {}), **out["dynamic_batching"]}
         return out
 
     def instance_groups(self) -> list[dict[str, Any]]:
@@ -488,6 +492,9 @@ class ModelEndpoint:
         handoff = self._handoff
         if handoff is None or handoff.loop is not asyncio.get_running_loop():
             handoff = self._handoff = Handoff(asyncio.get_running_loop())
+        expired: list[bool] = []  # set when the queue timeout withdrew a sample still waiting
+        timer = (None if self.queue_timeout is None else
+                 handoff.loop.call_later(self.queue_timeout, _withdraw, futures, expired))
         try:
             if len(futures) == 1:  # most requests: no gather (a task and a future fewer)
                 rows = [await handoff.watch(futures[0])]
@@ -502,6 +509,12 @@ class ModelEndpoint:
         except asyncio.CancelledError:  # the client went away: its samples need not run
             for f in futures:
                 f.cancel()
+            task = asyncio.current_task()
+            if expired and task is not None and not task.cancelling():  # the queue timeout, not the client
+                self.stats.finished(ok=False, reason="REJECTED", request_s=time.perf_counter() - started + decode_s)
+                raise ProtocolError("unavailable", f"model {self.name!r}: the request waited for its batch longer than "
+                                                   f"the queue timeout ({self.queue_timeout * 1e6:g} µs, "
+                                                   "default_queue_policy); it was rejected") from None
             self.stats.finished(ok=False, reason="CANCELED", request_s=time.perf_counter() - started + decode_s)
             raise
         except ServerClosed as exc:
@@ -513,6 +526,9 @@ class ModelEndpoint:
         except Exception as exc:  # noqa: BLE001 - a failing part fails this request only
             self.stats.finished(ok=False, reason="BACKEND", request_s=time.perf_counter() - started + decode_s)
             raise ProtocolError("internal", f"model {self.name!r}: inference failed: {exc}") from None
+        finally:
+            if timer is not None:
+                timer.cancel()
         done = time.perf_counter()
         queue_s, infer_s = _batch_times(futures, started)
         request_s = done - started + decode_s
@@ -583,6 +599,13 @@ class ModelEndpoint:
             self.runtime.close(timeout)
             for other in self.others.values():
                 other.close(timeout)
+
+
+def _withdraw(futures: Sequence[RequestFuture], expired: list[bool]) -> None:
+    """The queue timeout: withdraw the request's samples still waiting for a batch (a sample
+    whose batch formed runs on, its answer dropped); ``expired`` says that it happened."""
+    if any([f.cancel() for f in futures]):
+        expired.append(True)
 
 
 def _contract_parameters(contract: BatchContract, leading: bool) -> dict[str, str]:

@@ -162,7 +162,7 @@ def declared(found: RepositoryModel) -> Any:
     from staronnx.serve.models import Declared
 
     s = found.settings
-    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering)
+    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering, s.queue_timeout)
 
 
 def warm(found: RepositoryModel, runtime: Any) -> int:
