@@ -19,13 +19,13 @@ served as if a field meant something it does not here. What is honoured, and wha
   dimension when ``max_batch_size`` > 0), an input's ``format``, an output's ``label_filename``:
   each checked against the ONNX model, a mismatch refused; ``reshape`` (the model's shape where
   the client's ``dims`` differ: a request's tensor is reshaped to it, an answer's back to ``dims``);
-* ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits),
+* ``dynamic_batching``: ``max_queue_delay_microseconds`` (how long a partial batch waits);
   ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
-  captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged) and
-  ``default_queue_policy`` (``max_queue_size``: the queue's capacity, 0 = the server's default;
-  ``default_timeout_microseconds`` with ``timeout_action: REJECT``: a request still waiting for its
-  batch after that long is refused, 503 / UNAVAILABLE),
+  captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged);
   ``preserve_ordering`` (each answer leaves after the answer to the request before it);
+  ``default_queue_policy``'s ``max_queue_size`` (the queue's capacity; 0: the server's
+  ``--queue-capacity``) and ``default_timeout_microseconds`` with ``timeout_action: REJECT`` (a
+  request still waiting for its batch after that long is refused, 503 / UNAVAILABLE);
 * ``version_policy`` (latest N, all, specific): every version selected is served, the latest
   when a request names none;
 * ``instance_group`` kinds without counts or GPU lists: ``KIND_AUTO`` (each task on whichever
@@ -37,10 +37,10 @@ served as if a field meant something it does not here. What is honoured, and wha
   the model is ready; a warm-up that fails fails the load, with its reason;
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
 
-Refused (for now, with the flag that does it where there is one): shape tensors,
-ragged batches, optional inputs, priority levels, delayed (DELAY) and per-request queue timeouts,
-instance counts and GPU lists (``--cuda-streams``, ``--groups``,
-``--model-workers``), the other optimization settings, warm-up data from files, ``sequence_batching`` and
+Refused (for now, with the flag that does it where there is one): shape tensors, ragged
+batches, optional inputs, priority levels, the DELAY timeout action and per-request queue
+timeouts, instance counts and GPU lists (``--cuda-streams``, ``--groups``, ``--model-workers``),
+the other optimization settings, warm-up data from files, ``sequence_batching`` and
 ``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
 """
 
