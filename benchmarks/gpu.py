@@ -283,7 +283,8 @@ class _Slot:
         self.options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.options.add_run_config_entry("disable_synchronize_execution_providers", "1")
         session = lane.session
-        self.run = rt.graph_run(session, lambda b, o: session.run_with_iobinding(b, o), graph_id)
+        run = lambda b, o: session.run_with_iobinding(b, o)  # noqa: E731
+        self.run = rt.graph_run(session, run, graph_id) if graph_id >= 0 else run
         self.event = rt.event(timing=False)
 
 
@@ -292,7 +293,7 @@ class _TunedLane:
     CUDA graphs per thread)."""
 
     def __init__(self, rt: Any, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
-                 device: str, tf32: bool) -> None:
+                 device: str, tf32: bool, graphs: bool = True) -> None:
         self.rt = rt
         rt.set_device(0)
         self.stream = rt.stream()
@@ -300,12 +301,12 @@ class _TunedLane:
         so.log_severity_level = 3
         if device != "cuda":
             so.intra_op_num_threads = 1
-        extra = {"device_id": "0", "user_compute_stream": str(self.stream.handle), "enable_cuda_graph": "1",
-                 "do_copy_in_default_stream": "0"}
+        extra = {"device_id": "0", "user_compute_stream": str(self.stream.handle), "do_copy_in_default_stream": "0",
+                 **({"enable_cuda_graph": "1"} if graphs else {})}
         self.session = ort.InferenceSession(str(path), so, providers=providers(device, tf32, **extra))
         if device == "cuda":
             check_on_cuda(self.session)
-        self.slots = [_Slot(self, g, feeds, outputs) for g in (0, 1)]
+        self.slots = [_Slot(self, g if graphs else -1, feeds, outputs) for g in (0, 1)]
 
     def launch(self, slot: _Slot) -> None:
         for dst, src, n in slot.inputs:
@@ -362,15 +363,16 @@ class TunedOrt(Setup):
     a time: a capture in CUDA's global mode breaks on another thread's allocation)."""
 
     def __init__(self, n: int, rt: Any, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
-                 device: str, tf32: bool, batch: int) -> None:
-        self.label, self.in_flight, self.batch = f"ort-tuned{n}", 2 * n, batch
+                 device: str, tf32: bool, batch: int, graphs: bool = True) -> None:
+        self.label, self.in_flight, self.batch, self.graphs = f"ort-tuned{n}", 2 * n, batch, graphs
         self._commands: list[queue.SimpleQueue[tuple[str, Any]]] = [queue.SimpleQueue() for _ in range(n)]
         self._answers: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self.output: dict[str, np.ndarray] = {}
         try:
             for i in range(n):
-                t = threading.Thread(target=self._serve, args=(i, rt, path, feeds, outputs, device, tf32), daemon=True)
+                t = threading.Thread(target=self._serve, args=(i, rt, path, feeds, outputs, device, tf32, graphs),
+                                     daemon=True)
                 t.start()
                 self._threads.append(t)
                 _, warmed = self._answers.get()
@@ -382,12 +384,12 @@ class TunedOrt(Setup):
             raise
 
     def _serve(self, i: int, rt: Any, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
-               device: str, tf32: bool) -> None:
+               device: str, tf32: bool, graphs: bool) -> None:
         from staronnx.workers.cudart import capture_safe
 
         with capture_safe():
             try:
-                lane = _TunedLane(rt, path, feeds, outputs, device, tf32)
+                lane = _TunedLane(rt, path, feeds, outputs, device, tf32, graphs=graphs)
                 self._answers.put((i, lane.warm()))
             except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
                 self._answers.put((i, exc))
@@ -415,7 +417,7 @@ class TunedOrt(Setup):
     def measure(self, seconds: float) -> float:
         start = time.perf_counter()
         answers = self._ask("run_until", start + seconds)
-        return self.batch * sum(n for n, _ in answers) / (max(end for _, end in answers) - start)
+        return float(self.batch * sum(n for n, _ in answers) / (max(end for _, end in answers) - start))
 
     def latency_ms(self) -> float:
         return float(self._ask("latency_ms", 30, lanes=1)[0])
@@ -539,43 +541,70 @@ def summary(values: list[float]) -> dict[str, Any]:
 
 
 def build_setups(key: Key, path: Path, feeds: dict[str, np.ndarray], outputs: dict[str, np.ndarray],
-                 args: argparse.Namespace, plans: Plans, say: Callable[[str], None]) -> tuple[list[Setup], Any]:
-    """The row's setups (opened), and the cuda runtime ort-tuned's lanes use."""
+                 args: argparse.Namespace, plans: Plans, say: Callable[[str], None],
+                 notes: list[str]) -> list[Setup]:
+    """The row's setups, opened. Plain ORT must open; any other setup that cannot is a note of
+    the row (one line: what failed), and ort-tuned is tried again without CUDA graphs where ORT
+    refuses them (a model whose shape nodes stay on the CPU): ORT at its best where ORT allows."""
     from staronnx.workers.cudart import CudaRuntime, HostRuntime
 
     tf32 = key.precision == "tf32"
     setups: list[Setup] = []
+
+    def attempt(label: str, make: Callable[[], Setup]) -> Setup | None:
+        say(f"{key.id}: {label}")
+        try:
+            setup = make()
+        except Exception as exc:  # noqa: BLE001 - a setup that cannot run is a note, not the end of the run
+            notes.append(f"{label}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+            say(f"{key.id}: {notes[-1]}")
+            return None
+        setups.append(setup)
+        return setup
+
     try:
         ns = [n for n in SESSIONS if n <= key.k]
-        say(f"{key.id}: {max(ns)} plain sessions")
+        say(f"{key.id}: {max(ns)} plain sessions (each run once: cuDNN's search before any timing)")
         sessions = ort_sessions(path, max(ns), args.device, tf32)
+        for session in sessions:
+            session.run(None, feeds)
         setups += [PlainOrt(sessions[:n], feeds, key.batch) for n in ns]
         rt = CudaRuntime() if args.device == "cuda" else HostRuntime()
+        def tuned(n: int, graphs: bool) -> Callable[[], Setup]:
+            return lambda: TunedOrt(n, rt, path, feeds, outputs, args.device, tf32, key.batch, graphs=graphs)
+
         for n in (n for n in SESSIONS if 2 * n <= key.k):
-            say(f"{key.id}: ort-tuned{n}")
-            setups.append(TunedOrt(n, rt, path, feeds, outputs, args.device, tf32, key.batch))
+            if attempt(f"ort-tuned{n}", tuned(n, True)) is None:
+                if attempt(f"ort-tuned{n} without CUDA graphs", tuned(n, False)) is not None:
+                    notes.append(f"ort-tuned{n} ran without CUDA graphs")
         one = plans.get(path, "one", args.sequence)
+
+        def alone(label: str, streams: int) -> Callable[[], Setup]:
+            return lambda: Staronnx(label, one, feeds, key, policy="eager", groups="none", streams=streams,
+                                    store=plans.store, trace=trace_path(args, key, label))
+
         for streams in (n for n in STREAMS if n <= key.k):
-            label = f"staronnx-s{streams}"
-            say(f"{key.id}: {label}")
-            setups.append(Staronnx(label, one, feeds, key, policy="eager", groups="none", streams=streams,
-                                   store=plans.store,
-                                   trace=trace_path(args, key, label)))
+            attempt(f"staronnx-s{streams}", alone(f"staronnx-s{streams}", streams))
         if key.k == max(args.ks) and key.precision == "fp32" and not args.no_cpu_help:
-            say(f"{key.id}: gpu+cpu (calibrating)")
-            plans.calibrate(one, key.batch, args.groups, 4)
-            setups.append(Staronnx("gpu+cpu", one, feeds, key, policy="dmda", groups=args.groups, streams=4,
-                                   store=plans.store, trace=trace_path(args, key, "gpu+cpu")))
-            auto = plans.get(path, "auto", args.sequence)
-            say(f"{key.id}: auto ({auto.settings['auto_shares']['reason']})")
-            plans.calibrate(auto, key.batch, args.groups, 4)
-            setups.append(Staronnx("auto", auto, feeds, key, policy="heft", groups=args.groups, streams=4,
-                                   store=plans.store, trace=trace_path(args, key, "auto")))
+            def mixed() -> Setup:
+                plans.calibrate(one, key.batch, args.groups, 4)
+                return Staronnx("gpu+cpu", one, feeds, key, policy="dmda", groups=args.groups, streams=4,
+                                store=plans.store, trace=trace_path(args, key, "gpu+cpu"))
+
+            def auto() -> Setup:
+                plan = plans.get(path, "auto", args.sequence)
+                notes.append(f"auto: {plan.settings['auto_shares']['reason']}")
+                plans.calibrate(plan, key.batch, args.groups, 4)
+                return Staronnx("auto", plan, feeds, key, policy="heft", groups=args.groups, streams=4,
+                                store=plans.store, trace=trace_path(args, key, "auto"))
+
+            attempt("gpu+cpu", mixed)
+            attempt("auto", auto)
     except BaseException:
         for s in setups:
             s.close()
         raise
-    return setups, rt
+    return setups
 
 
 def trace_path(args: argparse.Namespace, key: Key, label: str) -> Path | None:
@@ -594,10 +623,11 @@ def measure_row(key: Key, args: argparse.Namespace, plans: Plans, say: Callable[
     names = [o.name for o in ref_session.get_outputs()]
     outputs = dict(zip(names, ref_session.run(None, feeds), strict=True))
     ref = outputs[names[0]]
-    setups, _ = build_setups(key, path, feeds, outputs, args, plans, say)
+    notes: list[str] = []
+    setups = build_setups(key, path, feeds, outputs, args, plans, say, notes)
     row: dict[str, Any] = {"id": key.id, "model": key.model, "precision": key.precision, "batch": key.batch,
                            "k": key.k, "sequence": args.sequence if key.model == "encoder" else None,
-                           "figures": {}, "errors": {}}
+                           "figures": {}, "errors": {}, "notes": notes}
     try:
         samples: dict[str, list[float]] = {s.label: [] for s in setups}
         for r in range(args.repeats):
@@ -808,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = Plans(tmp, args, PerfModelStore(tmp / "home"))
     print(f"{device.get('name')}: {args.repeats} repeats of {args.seconds:g} s per figure, K in {args.ks}, "
           f"{'budget %.0f s' % args.budget if args.budget else 'no budget'}; samples/s, median [min-max]", flush=True)
-    start, slowest, new = time.perf_counter(), 0.0, 0
+    start, slowest, new, failures = time.perf_counter(), 0.0, 0, 0
     for key in matrix(args.models, args.precisions, args.ks, args.batches):
         if key.id in done:
             continue
@@ -823,6 +853,16 @@ def main(argv: list[str] | None = None) -> int:
             row = measure_row(key, args, plans, say)
         except Skip as exc:
             print(f"{key.id}: skipped: {exc}", flush=True)
+            continue
+        except Exception as exc:  # noqa: BLE001 - one row's failure is reported; the next rows still run
+            import traceback
+
+            traceback.print_exc()
+            print(f"{key.id}: failed: {type(exc).__name__}: {exc}", flush=True)
+            failures += 1
+            if failures >= 3:
+                print("stopped: three rows failed (see the tracebacks above)", flush=True)
+                break
             continue
         rows.append(row)
         new += 1

@@ -389,3 +389,27 @@ def test_the_gpu_table_is_generated_from_a_results_file(tmp_path):
     bad = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_table.py"), str(tmp_path / "other.json")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "not a benchmarks/gpu.py result" in bad.stderr, bad.stderr
+
+
+def test_an_ort_tuned_that_cannot_use_graphs_runs_without_and_the_row_says_so(tmp_path, monkeypatch):
+    """ORT refuses CUDA graphs for a model whose shape nodes stay on the CPU (the encoder may be
+    one): ort-tuned then runs without graphs (ORT at its best where ORT allows), the row notes
+    it, and the run goes on."""
+    gpu = _gpu_bench_module()
+    real = gpu._TunedLane.__init__
+
+    def refuse_graphs(self, *args, graphs=True, **kwargs):
+        if graphs:
+            raise RuntimeError("This session cannot use the CUDA Graph feature as requested by the user")
+        real(self, *args, graphs=graphs, **kwargs)
+
+    monkeypatch.setattr(gpu._TunedLane, "__init__", refuse_graphs)
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    out = tmp_path / "gpu.json"
+    assert gpu.main(["--device", "cpu", "--models", "googlenet", "--precisions", "fp32", "--batches", "1",
+                     "--in-flight", "2", "--seconds", "0.05", "--repeats", "1", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "ort-tuned1" in row["figures"] and row["figures"]["ort-tuned1"]["median"] > 0
+    assert "ort-tuned1 ran without CUDA graphs" in row["notes"]
+    assert any(n.startswith("ort-tuned1: RuntimeError: This session cannot use the CUDA Graph") for n in row["notes"])
