@@ -202,3 +202,54 @@ def test_cuda_shared_memory_is_refused_by_name(client):
 
 def test_server_lists_the_extension(served):
     assert "system_shared_memory" in httpclient.InferenceServerClient(served.http).get_server_metadata()["extensions"]
+
+
+def _other_address() -> str | None:
+    """An address of this machine that is not a loopback one (None where there is none)."""
+    import ipaddress
+    import subprocess
+
+    try:
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=10).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return next((a for a in out if ipaddress.ip_address(a).version == 4 and not ipaddress.ip_address(a).is_loopback),
+                None)
+
+
+def test_shared_memory_is_for_clients_on_this_machine(tmp_path):
+    """A client reaching the server from another address may not register, list or use regions
+    (they would be memory of this machine's processes to read and write); it still infers."""
+    address = _other_address()
+    if address is None:
+        pytest.skip("this machine has no address other than loopback")
+    onnx.save(simple_model(), str(tmp_path / "simple.onnx"))
+    plan = partition(tmp_path / "simple.onnx", parts=1, costs="estimate", output_dir=tmp_path / "simple")
+    s = start_server([plan.root], tmp_path, "--host", "0.0.0.0", "--insecure", "--policy", "eager")
+    try:
+        http = httpclient.InferenceServerClient(f"{address}:{s.http.rsplit(':', 1)[1]}")
+        grpc = grpcclient.InferenceServerClient(f"{address}:{s.grpc.rsplit(':', 1)[1]}")
+        data = np.arange(16, dtype=np.int32).reshape(1, 16)
+        handles: list = []
+        try:
+            h = _region(handles, "mine", data.nbytes)
+            for client in (http, grpc):
+                with pytest.raises(InferenceServerException, match="only for clients on the server's machine"):
+                    client.register_system_shared_memory("mine", h.key, data.nbytes)
+                with pytest.raises(InferenceServerException, match="only for clients on the server's machine"):
+                    client.get_system_shared_memory_status()
+            # registered by a local client, the region is still not the remote client's to use
+            httpclient.InferenceServerClient(s.http).register_system_shared_memory("mine", h.key, data.nbytes)
+            for client, module in ((http, httpclient), (grpc, grpcclient)):
+                inputs = [module.InferInput("INPUT0", [1, 16], "INT32"), module.InferInput("INPUT1", [1, 16], "INT32")]
+                inputs[0].set_shared_memory("mine", data.nbytes)
+                inputs[1].set_data_from_numpy(data)
+                with pytest.raises(InferenceServerException, match="not served to this client"):
+                    client.infer("simple", inputs)
+                inputs[0].set_data_from_numpy(data)
+                np.testing.assert_array_equal(client.infer("simple", inputs).as_numpy("OUTPUT0"), data + data)
+        finally:
+            for handle in handles:
+                shm.destroy_shared_memory_region(handle)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

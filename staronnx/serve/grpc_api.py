@@ -47,7 +47,7 @@ from staronnx.serve.frontend import Frontend, load_or_unload
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
-from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions
+from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_local, local_peer
 
 SERVICE = "inference.GRPCInferenceService"
 
@@ -137,6 +137,7 @@ class GrpcFrontend(Frontend):
 
     async def SystemSharedMemoryStatus(self, request: pb.SystemSharedMemoryStatusRequest,
                                        context: Ctx) -> pb.SystemSharedMemoryStatusResponse:
+        check_local(context.peer())
         response = pb.SystemSharedMemoryStatusResponse()
         for region in self.regions.status(request.name):
             response.regions[region["name"]].CopyFrom(
@@ -145,11 +146,13 @@ class GrpcFrontend(Frontend):
 
     async def SystemSharedMemoryRegister(self, request: pb.SystemSharedMemoryRegisterRequest,
                                          context: Ctx) -> pb.SystemSharedMemoryRegisterResponse:
+        check_local(context.peer())
         self.regions.register(request.name, request.key, request.offset, request.byte_size)
         return pb.SystemSharedMemoryRegisterResponse()
 
     async def SystemSharedMemoryUnregister(self, request: pb.SystemSharedMemoryUnregisterRequest,
                                            context: Ctx) -> pb.SystemSharedMemoryUnregisterResponse:
+        check_local(context.peer())
         self.regions.unregister(request.name)
         return pb.SystemSharedMemoryUnregisterResponse()
 
@@ -206,8 +209,10 @@ class GrpcFrontend(Frontend):
         t0 = time.perf_counter()
         placed = {o.name: _parameters(o.parameters) for o in request.outputs if REGION in o.parameters}
         try:
-            inputs, datatypes = _decode_inputs(request, self.regions)
+            local = self.regions if local_peer(context.peer()) else None
+            inputs, datatypes = _decode_inputs(request, local)
             for name, params in placed.items():  # refused before the request runs, as its inputs are
+                check_local(context.peer())
                 self.regions.check_output(name, params)
         except ProtocolError:
             model.stats.refused("OTHER")
@@ -276,7 +281,8 @@ def _decode_inputs(request: pb.ModelInferRequest,
         shape = list(tensor.shape)
         if placed[i]:
             if regions is None:
-                raise invalid(f"input {shown(name)}: shared memory is not served on this endpoint")
+                raise invalid(f"input {shown(name)}: system shared memory is not served to this client (only to "
+                              "clients on the machine of staronnx serve); send the tensor in the request")
             if (raw and raw[i]) or tensor.HasField("contents"):
                 raise invalid(f"input {shown(name)}: placed in shared memory and given in the request; give one")
             inputs[name] = regions.read_input(name, tensor.datatype, shape, _parameters(tensor.parameters))

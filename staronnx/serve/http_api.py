@@ -51,7 +51,7 @@ from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.protocol import ProtocolError, cut, invalid
-from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, in_shared_memory
+from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_local, in_shared_memory, local_peer
 
 log = logging.getLogger("staronnx.serve")
 
@@ -134,8 +134,8 @@ class HttpFrontend(Frontend):
         r.add_post("/v2/repository/models/{model}/unload", self.load_model)
         # Triton's shared-memory extensions: system shared memory served, CUDA's refused by name
         shm = "/v2/systemsharedmemory"
-        r.add_get(shm + "/status", _json(lambda q: self.regions.status(None)))
-        r.add_get(shm + "/region/{region}/status", _json(lambda q: self.regions.status(q.match_info["region"])))
+        r.add_get(shm + "/status", _json(lambda q: self._local(q).status(None)))
+        r.add_get(shm + "/region/{region}/status", _json(lambda q: self._local(q).status(q.match_info["region"])))
         r.add_post(shm + "/region/{region}/register", self.register_region)
         r.add_post(shm + "/region/{region}/unregister", self.unregister_region)
         r.add_post(shm + "/unregister", self.unregister_region)
@@ -243,15 +243,22 @@ class HttpFrontend(Frontend):
 
     async def register_region(self, request: web.Request) -> web.Response:
         """Register a system shared-memory region: ``{"key": ..., "offset": ..., "byte_size": ...}``."""
+        regions = self._local(request)
         doc = await self._small_json(request)
-        self.regions.register(request.match_info["region"], doc.get("key"), doc.get("offset", 0), doc.get("byte_size"))
+        regions.register(request.match_info["region"], doc.get("key"), doc.get("offset", 0), doc.get("byte_size"))
         return web.json_response({})
 
     async def unregister_region(self, request: web.Request) -> web.Response:
         """Unregister one region, or every region (no region in the path)."""
+        regions = self._local(request)
         await self._small_json(request)
-        self.regions.unregister(request.match_info.get("region"))
+        regions.unregister(request.match_info.get("region"))
         return web.json_response({})
+
+    def _local(self, request: web.Request) -> SharedMemoryRegions:
+        """The shared-memory regions, for a client on this machine only."""
+        check_local(request.remote)
+        return self.regions
 
     async def refuse_cuda(self, request: web.Request) -> web.Response:
         raise ProtocolError("invalid", CUDA_REFUSED)
@@ -344,7 +351,7 @@ class HttpFrontend(Frontend):
             body = await _receive(request, self.max_body, self.guard.budget, watch)
             header, inputs, datatypes, wanted, binary_out = await decode_body(
                 body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None, self.max_body,
-                regions=self.regions)
+                regions=self.regions if local_peer(request.remote) else None)
         except ProtocolError as exc:
             model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")  # as Triton counts it
             if exc.kind == "unavailable":  # the receive budget: answered now, the rest of the body dropped
@@ -365,7 +372,7 @@ class HttpFrontend(Frontend):
             return _answer(self.stopping(model), close=True)
         for out in header.get("outputs", []):  # a region unknown or too small is refused before the request runs
             if in_shared_memory(out.get("parameters", {})):
-                self.regions.check_output(out["name"], out["parameters"])
+                self._local(request).check_output(out["name"], out["parameters"])
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None,
                                    decode_s=time.perf_counter() - t0, classes=requested_classes(header))
         t2 = time.perf_counter()
@@ -893,7 +900,8 @@ def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions |
             if size is not None or "data" in spec:
                 raise invalid(f"{what}: give shared_memory_region, binary_data_size or data, one of them")
             if regions is None:
-                raise invalid(f"{what}: shared memory is not served on this endpoint; send the tensor in the request")
+                raise invalid(f"{what}: system shared memory is not served to this client (only to clients on the "
+                              "machine of staronnx serve); send the tensor in the request")
             inputs[name] = regions.read_input(name, datatype, spec.get("shape"), params)
         elif size is not None:
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
@@ -921,7 +929,8 @@ def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions |
         what = f"output {protocol.shown(out['name'])}"
         params = _params(out, what)
         if in_shared_memory(params) and regions is None:
-            raise invalid(f"{what}: shared memory is not served on this endpoint; ask for the output in the answer")
+            raise invalid(f"{what}: system shared memory is not served to this client (only to clients on the "
+                          "machine of staronnx serve); ask for the output in the answer")
         wanted.append((out["name"], _flag(params, "binary_data", binary_out, what)))
     return header, inputs, datatypes, wanted, binary_out
 

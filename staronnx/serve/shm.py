@@ -9,6 +9,10 @@ an offset within the window in an input's or output's ``parameters`` (``shared_m
 the object once at registration and reads inputs from it and writes outputs into it for every
 request, so no tensor bytes cross the socket.
 
+Shared memory is for clients on the server's machine only: every shared-memory call and every
+request that places a tensor in a region is refused to a client connected from another address
+(its regions would otherwise be another client's, or another process's, memory to read and write).
+
 Every access is bounds-checked against the registered window and refused by the region's name
 when it falls outside (at registration: the window against the object's size; per request: the
 offset and byte count against the window). A key names an object in ``/dev/shm`` only (one path
@@ -25,10 +29,12 @@ all of them succeeds (there are none), as the example clients do at their start.
 
 from __future__ import annotations
 
+import ipaddress
 import mmap
 import os
 import stat
 import threading
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -190,6 +196,38 @@ class SharedMemoryRegions:
 
     def close(self) -> None:
         self.unregister(None)
+
+
+#: what a request from a client on another machine is told
+REMOTE = ("system shared memory is only for clients on the server's machine (this request came from {peer}); "
+          "send the tensors in the request")
+
+
+def local_peer(peer: str | None) -> bool:
+    """Whether a connection's peer is on this machine: a loopback address (aiohttp's
+    ``request.remote``: ``127.0.0.1``, ``::1``; gRPC's ``context.peer()``: ``ipv4:127.0.0.1:5000``,
+    ``ipv6:[::1]:5000``) or a Unix socket."""
+    if not peer:
+        return False
+    if peer.startswith("unix:"):
+        return True
+    peer = urllib.parse.unquote(peer)  # gRPC writes ipv6:%5B::1%5D:5000
+    host = peer
+    if peer.startswith(("ipv4:", "ipv6:")):
+        host = peer[5:].rsplit(":", 1)[0]
+    host = host.strip("[]")
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)  # ::ffff:127.0.0.1
+    return address.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def check_local(peer: str | None) -> None:
+    """Refuse a shared-memory call from a client on another machine."""
+    if not local_peer(peer):
+        raise ProtocolError("refused", REMOTE.format(peer=shown(peer or "an unknown address")))
 
 
 def placement_of(params: Mapping[str, Any], what: str) -> tuple[str, int, int]:
