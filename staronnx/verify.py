@@ -22,6 +22,10 @@ from staronnx.ortutil import make_session, ort_failure, ort_type_name
 from staronnx.plan import Plan
 
 RELATIVE_TOLERANCE = 1e-4
+#: a plan's fp16 parts (``partition --precision gpu=fp16``) against the fp32 model: fp16 keeps
+#: ~3 significant digits, and a deep network adds every layer's rounding (googlenet's fp16
+#: logits differ from fp32's by ~1e-3)
+FP16_TOLERANCE = 1e-2
 
 
 @dataclass
@@ -39,6 +43,11 @@ class OutputCheck:
 class VerifyReport:
     outputs: list[OutputCheck]
     batch: int
+    #: the architecture whose part files ran (None: the plan's own fp32 files), and the relative
+    #: tolerance each output was held to
+    arch: str | None = None
+    precision: str = "fp32"
+    tolerance: float = RELATIVE_TOLERANCE
 
     @property
     def ok(self) -> bool:
@@ -111,7 +120,7 @@ def random_plan_feeds(plan: Plan, batch: int, given: dict[str, list[int]] | None
     return feeds
 
 
-def compare(name: str, ref: np.ndarray, got: np.ndarray) -> OutputCheck:
+def compare(name: str, ref: np.ndarray, got: np.ndarray, tolerance: float = RELATIVE_TOLERANCE) -> OutputCheck:
     if ref.shape != got.shape:
         return OutputCheck(name, tuple(got.shape), float("inf"), float("inf"), False)
     if np.issubdtype(ref.dtype, np.floating):
@@ -119,7 +128,7 @@ def compare(name: str, ref: np.ndarray, got: np.ndarray) -> OutputCheck:
         max_abs = float(diff.max()) if diff.size else 0.0
         scale = float(np.abs(ref).max()) if ref.size else 0.0
         rel = max_abs / scale if scale > 0 else max_abs
-        ok = bool(np.isfinite(max_abs)) and rel <= RELATIVE_TOLERANCE
+        ok = bool(np.isfinite(max_abs)) and rel <= tolerance
         return OutputCheck(name, tuple(ref.shape), max_abs, rel, ok)
     equal = bool(np.array_equal(ref, got))
     return OutputCheck(name, tuple(ref.shape), 0.0 if equal else 1.0, 0.0 if equal else 1.0, equal)
@@ -140,9 +149,13 @@ def _check_same_inputs(plan: Plan, session: Any) -> None:
 
 def verify_plan(plan: Plan, model: onnx.ModelProto | str | os.PathLike[str], batch: int = 1,
                 input_shapes: dict[str, list[int]] | None = None, seed: int = 0,
-                feeds: Mapping[str, np.ndarray] | None = None) -> VerifyReport:
+                feeds: Mapping[str, np.ndarray] | None = None, arch: str | None = None) -> VerifyReport:
     """Run the whole model and the chained parts on the same feeds and compare: random ones
-    at ``batch``, or ``feeds`` (real inputs, which exercise the paths real data takes)."""
+    at ``batch``, or ``feeds`` (real inputs, which exercise the paths real data takes).
+
+    ``arch``: chain the part files that architecture's workers load (a plan partitioned with
+    ``--precision gpu=fp16`` has fp16 files for ``cuda``), on ONNX Runtime's CPU provider,
+    against the fp32 model, within that precision's wider tolerance."""
     loaded = load_model(model)
     source = loaded.path if loaded.path is not None else loaded.model
     if feeds is None:
@@ -156,15 +169,37 @@ def verify_plan(plan: Plan, model: onnx.ModelProto | str | os.PathLike[str], bat
     if missing:
         raise PlanError(f"the model has no output(s) {missing}: is this the plan's source model?")
     _check_same_inputs(plan, whole)
+    own = arch is not None and arch in _arch_files(plan)
+    precision = plan.settings["precision"][arch] if own and arch is not None else "fp32"
+    tolerance = FP16_TOLERANCE if precision == "fp16" else RELATIVE_TOLERANCE
     try:
         reference = dict(zip(names, whole.run(names, feeds)))
-        chained = plan.run_reference(feeds)
+        chained = _chain(plan, feeds, arch) if own and arch is not None else plan.run_reference(feeds)
     except StaronnxError:
         raise
     except Exception as exc:  # ORT's own classes (Fail, InvalidArgument, ...): a model's error
         raise model_failure(plan, feeds, exc) from None
-    checks = [compare(n, reference[n], chained[n]) for n in plan.output_names]
-    return VerifyReport(outputs=checks, batch=batch)
+    checks = [compare(n, reference[n], chained[n], tolerance) for n in plan.output_names]
+    return VerifyReport(outputs=checks, batch=batch, arch=arch if own else None, precision=precision,
+                        tolerance=tolerance)
+
+
+def _arch_files(plan: Plan) -> dict[str, list[str]]:
+    """Per architecture with part files of its own, their names (the settings that
+    :mod:`staronnx.partition.precision` writes)."""
+    files: dict[str, list[str]] = plan.settings.get("precision", {}).get("files", {})
+    return files
+
+
+def _chain(plan: Plan, feeds: Mapping[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
+    """The plan's outputs from ``arch``'s part files run one after another on CPU ORT."""
+    plan.check_feeds(feeds)
+    files = _arch_files(plan)[arch]
+    values: dict[str, np.ndarray] = dict(feeds)
+    for part in plan.parts:
+        sess = make_session(str(plan.root / files[part.index]))
+        values.update(zip(part.outputs, sess.run(part.outputs, {n: values[n] for n in part.inputs})))
+    return {name: values[name] for name in plan.output_names}
 
 
 #: ``Input initial_h must have shape ...``: ORT naming one of the failing node's inputs

@@ -65,6 +65,10 @@ def partition_cmd(
     no_batching: Annotated[bool, typer.Option(
         "--no-batching", help="Never batch requests together: one request per task (Triton's "
                               "max_batch_size 0), kept in the plan.")] = False,
+    precision: Annotated[Optional[list[str]], typer.Option(
+        help="DEVICE=PRECISION, e.g. gpu=fp16: the parts the CUDA workers run converted to fp16 "
+             "(onnxconverter-common; each part keeps its fp32 inputs and outputs, so the casts sit at the "
+             "cuts), the CPU parts fp32; `plan verify` checks them against the fp32 model.")] = None,
 ) -> None:
     """Cut MODEL into weighted, acyclic parts and write them as a plan folder."""
     from staronnx.contract import parse_batch_axes
@@ -72,6 +76,7 @@ def partition_cmd(
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
     from staronnx.partition.api import METHODS, partition
+    from staronnx.partition.precision import apply_precision, parse_precision
 
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -79,6 +84,11 @@ def partition_cmd(
     targets = shares if shares is None or is_auto(shares) else read_shares(shares, "--shares")
     shapes = read_input_shapes(input_shape or [], "--input-shape")
     axes = parse_batch_axes(batch_axis or [])
+    precisions = parse_precision(precision)  # a bad value is refused before the profiling
+    if precisions.get("cuda") == "fp16":
+        from staronnx.partition.precision import _converter
+
+        _converter()  # the converter's absence too
     quiet_ort_log()
     if (speeds_from is not None or cuda_streams or cuda_devices is not None) and not is_auto(shares):
         raise PartitionError("--cuda-streams, --cuda-devices and --speeds-from apply to --shares auto only")
@@ -101,6 +111,9 @@ def partition_cmd(
                          progress=lambda msg: progress.update(step, description=msg), groups=groups,
                          cuda_streams=cuda_streams, speeds=speeds, cuda_devices=devices, batch_axes=axes,
                          batching=not no_batching)
+        if precisions:
+            progress.update(step, description="converting the GPU parts")
+            plan = apply_precision(plan, precisions)
     console.print(f"wrote plan [bold]{plan.root}[/] ({plan.k} parts, {method}, {plan.cost_source})")
     print_plan(plan)
 
@@ -124,6 +137,11 @@ def print_plan(plan: Plan) -> None:
         predicted = ", ".join(f"{k} {v:,.0f}" for k, v in auto.get("predicted_samples_per_s", {}).items())
         console.print(f"shares auto (batch {auto['batch']}): {auto['reason']}"
                       + (f"; predicted samples/s: {predicted}" if predicted else ""), soft_wrap=True)
+    from staronnx.partition.precision import describe
+
+    precision = describe(plan)
+    if precision:
+        console.print(precision, soft_wrap=True, highlight=False)
     cross = Table(title=f"crossing tensors — {plan.cut_bytes_per_sample:,} bytes per sample cut")
     for col in ("tensor", "dtype", "shape", "bytes/sample", "from", "to"):
         cross.add_column(col, overflow="fold")
@@ -181,7 +199,7 @@ def verify_cmd(
     model that runs one request per task is verified at batch 1, and says why."""
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.notation import read_input_shapes
-    from staronnx.verify import RELATIVE_TOLERANCE, random_plan_feeds, runnable_batch, verify_plan
+    from staronnx.verify import random_plan_feeds, runnable_batch, verify_plan
 
     if batch < 1:
         raise PartitionError(f"--batch must be at least 1, got {batch}")
@@ -200,19 +218,29 @@ def verify_cmd(
         feeds = random_plan_feeds(plan, batch, given, seed)
     console.print("inputs: " + ", ".join(f"{n} {_shape(v.shape)}" for n, v in feeds.items()), highlight=False,
                   soft_wrap=True)
-    report = verify_plan(plan, model, batch=batch, feeds=feeds)
+    from staronnx.partition.precision import arch_files
+
     source = f"{inputs}" if inputs is not None else "random inputs"
-    table = Table(title=f"whole model vs {plan.k} chained parts, batch {batch} ({source})")
-    for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
-        table.add_column(col, overflow="fold")
-    for o in report.outputs:
-        table.add_row(o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",
-                      "[green]OK[/]" if o.ok else "[red]MISMATCH[/]")
-    console.print(table)
-    if report.ok:
-        console.print(f"OK (tolerance {RELATIVE_TOLERANCE:g} relative to each output's scale)")
-    else:
-        console.print("MISMATCH")
+    ok = True
+    for arch in [None, *arch_files(plan)]:  # the plan's own files, then each arch's own (fp16 for cuda)
+        report = verify_plan(plan, model, batch=batch, feeds=feeds, arch=arch)
+        which = (f"{plan.k} chained parts" if report.arch is None
+                 else f"the {report.arch} workers' {report.precision} parts, chained on the CPU")
+        table = Table(title=f"whole model (fp32) vs {which}, batch {batch} ({source})")
+        for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
+            table.add_column(col, overflow="fold")
+        for o in report.outputs:
+            table.add_row(o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",
+                          "[green]OK[/]" if o.ok else "[red]MISMATCH[/]")
+        console.print(table)
+        what = "" if report.arch is None else f" for the {report.arch} parts ({report.precision})"
+        if report.ok:
+            console.print(f"OK{what} (tolerance {report.tolerance:g} relative to each output's scale)")
+        else:
+            console.print(f"MISMATCH{what} (tolerance {report.tolerance:g} relative to each output's scale)"
+                          if report.arch else "MISMATCH")
+            ok = False
+    if not ok:
         raise typer.Exit(1)
 
 

@@ -51,6 +51,7 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
     given, override the spec's. A model that ``residency`` keeps off a worker has no session
     there; a lane holds its models only, and the CPU workers of its group run lowered
     (``lane_preempt``) so that a lane task preempts theirs."""
+    from staronnx.partition.precision import arch_part_path
     from staronnx.workers.cpu import CpuWorker
 
     options = dict(cuda_options or {})
@@ -73,6 +74,8 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
                     CudaWorker, place.device, place.stream, cpu=place.pu, pinned_pool=pool, name=place.name,
                     device_memory=memories.get(place.device), cuda_graphs=spec.cuda_graphs,
                     thread_per_stream=spec.thread_per_stream, **options)
+                # a plan with --precision gpu=fp16 has its own part files for the CUDA workers
+                parts = [None if p is None else arch_part_path(p, "cuda") for p in parts]
                 cuda = start_fitting(make, parts, plan)
                 pool = cuda.pinned_pool
                 memories.setdefault(place.device, cuda.device_memory)

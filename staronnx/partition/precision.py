@@ -1,0 +1,143 @@
+"""Per-device precision: a plan's parts in fp16 on the GPU, fp32 on the CPU (issue 48, item 3).
+
+A GPU runs fp16 at several times its fp32 rate while a CPU gains nothing from it, and a part
+may run on either (the policy places each task), so precision belongs to a part's
+implementation per architecture (StarPU's codelet), not to the part: ``--precision gpu=fp16``
+keeps every part's fp32 file for the CPU workers and writes beside it an fp16 file that the
+CUDA workers load instead. The conversion is onnxconverter-common's
+``convert_float_to_float16`` (a maintained converter; its default block list keeps the ops that
+have no fp16 kernel in fp32) with ``keep_io_types``: each fp16 part takes and gives the same
+fp32 tensors as its fp32 twin, so the casts sit at the cuts, the tensors that cross between
+parts and devices keep their types, and the user's inputs and outputs are the model's.
+
+The choice and the files are kept in the plan's settings (so its hash, and the perf models
+keyed by it, change with it): ``settings["precision"] = {"cuda": "fp16", "cpu": "fp32",
+"converter": ..., "files": {"cuda": [one name per part]}}``. ``staronnx plan verify`` runs
+each architecture's chain against the fp32 model, fp16 with the wider tolerance
+:data:`FP16_TOLERANCE` that it states.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from staronnx.errors import PartitionError
+from staronnx.plan import Plan
+from staronnx.verify import FP16_TOLERANCE
+
+#: the plan setting (``staronnx.verify`` reads its ``files`` too)
+SETTING = "precision"
+#: what the user may write for a device, and the architecture the runtime calls it
+DEVICES = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}
+PRECISIONS = ("fp32", "fp16")
+INSTALL_HINT = "pip install onnxconverter-common"
+
+
+def parse_precision(items: Sequence[str] | str | None) -> dict[str, str]:
+    """``gpu=fp16`` (or ``cuda=fp16``, ``cpu=fp32``; comma-separated or repeated) as
+    ``{arch: precision}``; an error naming the flag and what it accepts otherwise."""
+    if items is None:
+        return {}
+    texts = [items] if isinstance(items, str) else list(items)
+    out: dict[str, str] = {}
+    for item in (t.strip() for text in texts for t in text.split(",") if t.strip()):
+        device, sep, value = item.partition("=")
+        arch = DEVICES.get(device.strip().lower())
+        value = value.strip().lower()
+        if not sep or arch is None or value not in PRECISIONS:
+            raise PartitionError(f"--precision {item}: write DEVICE=PRECISION with DEVICE gpu or cpu and PRECISION "
+                                 f"{' or '.join(PRECISIONS)} (e.g. --precision gpu=fp16)")
+        if arch == "cpu" and value != "fp32":
+            raise PartitionError(f"--precision {item}: the CPU parts stay fp32 (a CPU gains nothing from fp16, and "
+                                 "ONNX Runtime's CPU provider has few fp16 kernels); fp16 is for gpu=fp16")
+        out[arch] = value
+    return out
+
+
+def _converter() -> Any:
+    try:
+        from onnxconverter_common import float16
+    except ImportError:
+        raise PartitionError(f"--precision gpu=fp16 needs onnxconverter-common's fp16 converter: {INSTALL_HINT}") \
+            from None
+    return float16
+
+
+def fp16_name(file: str) -> str:
+    """The fp16 twin of a part file: ``part1.onnx`` -> ``part1.cuda-fp16.onnx``."""
+    stem = file[:-5] if file.endswith(".onnx") else file
+    return f"{stem}.cuda-fp16.onnx"
+
+
+def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
+    """Write the fp16 part files ``precision`` asks for beside ``plan``'s and record them in its
+    settings; the plan, reloaded. fp32 everywhere (or nothing asked) leaves the plan as it is."""
+    import onnx
+
+    if precision.get("cuda", "fp32") == "fp32":
+        return plan
+    float16 = _converter()
+    files, digests = [], []
+    for part in plan.parts:
+        model = onnx.load(str(plan.part_path(part.index)))
+        half = float16.convert_float_to_float16(model, keep_io_types=True)
+        name = fp16_name(part.file)
+        data = half.SerializeToString()
+        (plan.root / name).write_bytes(data)
+        files.append(name)
+        digests.append(hashlib.sha256(data).hexdigest())
+    from onnxconverter_common import __version__ as version
+
+    plan.settings[SETTING] = {"cuda": "fp16", "cpu": "fp32", "files": {"cuda": files}, "sha256": {"cuda": digests},
+                              "converter": f"onnxconverter-common {version} convert_float_to_float16(keep_io_types=True)",
+                              "tolerance": FP16_TOLERANCE}
+    plan.hash = plan.compute_hash()
+    plan.write_json(plan.root)
+    return Plan.load(plan.root)
+
+
+def arch_files(plan: Plan) -> dict[str, list[str]]:
+    """Per architecture with its own part files, their names (empty: every arch runs the fp32 files)."""
+    files: dict[str, list[str]] = plan.settings.get(SETTING, {}).get("files", {})
+    return files
+
+
+def describe(plan: Plan) -> str | None:
+    """One line for ``plan show``: which parts run in which precision, or None for fp32 only."""
+    setting = plan.settings.get(SETTING)
+    if not setting:
+        return None
+    return (f"precision: cuda parts {setting['cuda']}, cpu parts {setting['cpu']} (the casts at the cuts: every "
+            f"part keeps its fp32 inputs and outputs); converted by {setting['converter']}")
+
+
+def part_path(plan: Plan, index: int, arch: str) -> Path:
+    """The file ``arch``'s workers load for part ``index``."""
+    files = arch_files(plan).get(arch)
+    return plan.root / files[index] if files else plan.part_path(index)
+
+
+@functools.lru_cache(maxsize=64)
+def _files_beside(plan_json: Path, mtime_ns: int) -> dict[str, dict[str, str]]:
+    """Per arch, the fp32 part file name -> that arch's file name, read from a plan.json."""
+    data = json.loads(plan_json.read_text())
+    files = data.get("settings", {}).get(SETTING, {}).get("files", {})
+    parts = [p["file"] for p in data.get("parts", [])]
+    return {arch: dict(zip(parts, names, strict=True)) for arch, names in files.items()}
+
+
+def arch_part_path(path: Path, arch: str) -> Path:
+    """The file ``arch``'s workers load in place of the part file ``path``, by the settings of
+    the plan folder it is in (the launcher sees part paths only, of one plan or of several)."""
+    plan_json = path.parent / "plan.json"
+    try:
+        mapping = _files_beside(plan_json, plan_json.stat().st_mtime_ns)
+    except (OSError, ValueError, KeyError):
+        return path
+    other = mapping.get(arch, {}).get(path.name)
+    return path.parent / other if other else path

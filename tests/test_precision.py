@@ -1,0 +1,110 @@
+"""Per-device precision (issue 48, item 3): ``partition --precision gpu=fp16`` writes an fp16
+twin of every part for the CUDA workers, with the fp32 inputs and outputs of the part it
+stands for (the casts at the cuts); the CPU workers keep the fp32 files; ``plan verify`` checks
+the fp16 chain against the fp32 model within the tolerance it states; the CUDA workers (on the
+stand-in here) load the fp16 files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from staronnx import zoo
+from staronnx.plan import Plan
+from _helpers import cli
+
+pytest.importorskip("onnxconverter_common", reason="the fp16 conversion needs onnxconverter-common")
+
+
+@pytest.fixture
+def model_file(tmp_path) -> Path:
+    path = tmp_path / "model.onnx"
+    onnx.save(zoo.inception(blocks=2, channels=8, size=16), str(path))
+    return path
+
+
+def _fp16_plan(capsys, model_file: Path, out: Path) -> Plan:
+    code, stdout, stderr = cli(capsys, "partition", model_file, "--shares", "0.6,0.4", "--costs", "estimate",
+                               "--precision", "gpu=fp16", "-o", out, "-q")
+    assert code == 0, stdout + stderr
+    assert "precision: cuda parts fp16, cpu parts fp32" in stdout, stdout
+    return Plan.load(out)
+
+
+def test_the_gpu_parts_are_fp16_with_the_fp32_parts_inputs_and_outputs(capsys, model_file, tmp_path):
+    plan = _fp16_plan(capsys, model_file, tmp_path / "plan")
+    setting = plan.settings["precision"]
+    assert setting["cuda"] == "fp16" and setting["cpu"] == "fp32" and "onnxconverter-common" in setting["converter"]
+    assert len(setting["files"]["cuda"]) == plan.k == 2
+    for part, name in zip(plan.parts, setting["files"]["cuda"], strict=True):
+        fp32 = onnx.load(str(plan.part_path(part.index)))
+        fp16 = onnx.load(str(plan.root / name))
+        io = lambda m: [(v.name, v.type.tensor_type.elem_type) for v in [*m.graph.input, *m.graph.output]]  # noqa: E731
+        assert io(fp16) == io(fp32)  # the cut's tensors keep their types: the casts are inside
+        assert {i.data_type for i in fp16.graph.initializer if i.data_type in (1, 10)} == {onnx.TensorProto.FLOAT16}
+        assert any(n.op_type == "Cast" for n in fp16.graph.node)
+    # the plan's identity changed with it (perf models of the fp32 plan do not apply)
+    code, stdout, _ = cli(capsys, "partition", model_file, "--shares", "0.6,0.4", "--costs", "estimate", "-o",
+                          tmp_path / "fp32", "-q")
+    assert code == 0 and Plan.load(tmp_path / "fp32").hash != plan.hash
+    code, stdout, _ = cli(capsys, "plan", "show", plan.root)
+    assert code == 0 and "precision: cuda parts fp16, cpu parts fp32" in stdout
+
+
+def test_the_fp16_plan_verifies_on_the_cpu_within_its_stated_tolerance(capsys, model_file, tmp_path):
+    plan = _fp16_plan(capsys, model_file, tmp_path / "plan")
+    code, stdout, stderr = cli(capsys, "plan", "verify", plan.root, "--model", model_file, "--batch", "4")
+    assert code == 0, stdout + stderr
+    assert "OK (tolerance 0.0001 relative to each output's scale)" in stdout  # the fp32 parts
+    assert "OK for the cuda parts (fp16) (tolerance 0.01 relative to each output's scale)" in stdout, stdout
+    assert "cuda workers' fp16 parts" in stdout
+
+
+def test_a_fp16_part_that_drifts_beyond_the_tolerance_fails_verify(capsys, model_file, tmp_path):
+    """verify really compares the fp16 files: one whose weights were changed is a mismatch."""
+    plan = _fp16_plan(capsys, model_file, tmp_path / "plan")
+    path = plan.root / plan.settings["precision"]["files"]["cuda"][0]
+    bad = onnx.load(str(path))
+    init = next(i for i in bad.graph.initializer if i.data_type == onnx.TensorProto.FLOAT16 and len(i.dims) == 4)
+    arr = onnx.numpy_helper.to_array(init)
+    init.CopyFrom(onnx.numpy_helper.from_array((arr * 3).astype(np.float16), init.name))
+    onnx.save(bad, str(path))
+    code, stdout, _ = cli(capsys, "plan", "verify", plan.root, "--model", model_file)
+    assert code == 1 and "MISMATCH for the cuda parts (fp16)" in stdout, stdout
+
+
+def test_the_cuda_workers_run_the_fp16_parts(capsys, model_file, tmp_path, monkeypatch):
+    """On the CUDA stand-in the CUDA workers load the fp16 twins (their outputs carry fp16's
+    rounding), the CPU workers the fp32 files (theirs equal the fp32 chain's)."""
+    from staronnx import Runtime
+    from staronnx.verify import random_plan_feeds
+
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    plan = _fp16_plan(capsys, model_file, tmp_path / "plan")
+    feeds = random_plan_feeds(plan, 2, seed=1)
+    ref = plan.run_reference(feeds)
+    name = plan.output_names[0]
+    with Runtime(plan.root, policy="eager", cpu_groups="none", cuda_streams=1, calibrate=0) as rt:
+        on_gpu = rt.run(feeds)[name]
+    with Runtime(plan.root, policy="eager", cpu_groups="numa", cuda_streams=0, calibrate=0) as rt:
+        on_cpu = rt.run(feeds)[name]
+    scale = float(np.abs(ref[name]).max())
+    assert np.array_equal(on_cpu, ref[name])
+    gpu_error = float(np.abs(on_gpu - ref[name]).max()) / scale
+    assert 0 < gpu_error < 1e-2, gpu_error
+
+
+@pytest.mark.parametrize("value, message", [
+    ("cpu=fp16", "the CPU parts stay fp32"),
+    ("gpu=int8", "write DEVICE=PRECISION with DEVICE gpu or cpu and PRECISION fp32 or fp16"),
+    ("fp16", "write DEVICE=PRECISION"),
+])
+def test_a_precision_staronnx_cannot_apply_is_refused_in_one_line(capsys, model_file, tmp_path, value, message):
+    code, stdout, stderr = cli(capsys, "partition", model_file, "--parts", "2", "--costs", "estimate",
+                               "--precision", value, "-o", tmp_path / "plan")
+    assert code != 0 and message in stdout + stderr, stdout + stderr
+    assert not (tmp_path / "plan").exists()
