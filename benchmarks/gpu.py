@@ -458,17 +458,22 @@ def closed_loop(submit: Callable[[], Future[Any]], wait: Callable[[Future[Any]],
     return done / (time.perf_counter() - start)
 
 
+def open_runtime(plan: Any, key: Key, batches: list[int], *, policy: str, groups: str, streams: int, store: Any,
+                 trace: Path | None) -> Any:
+    """A staronnx runtime with CUDA graphs, every batch size of the matrix captured at warm-up
+    (it serves the rows of one model, precision and K in turn)."""
+    from staronnx import Runtime
+
+    cuda_options = {"provider_options": {"use_tf32": "1" if key.precision == "tf32" else "0"}, "cuda_graphs": True}
+    return Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=streams, store=store,
+                   cuda_options=cuda_options, warmup=tuple(sorted(set(batches))), trace=trace)
+
+
 class Staronnx(Setup):
-    """A staronnx runtime kept open for the row, K requests in flight."""
+    """An open staronnx runtime (:class:`Plans` owns it) at K requests in flight."""
 
-    def __init__(self, label: str, plan: Any, feeds: dict[str, np.ndarray], key: Key, *, policy: str, groups: str,
-                 streams: int, store: Any, trace: Path | None) -> None:
-        from staronnx import Runtime
-
-        self.label, self.in_flight, self.batch, self.feeds = label, key.k, key.batch, feeds
-        cuda_options = {"provider_options": {"use_tf32": "1" if key.precision == "tf32" else "0"}, "cuda_graphs": True}
-        self.rt = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=streams, store=store,
-                          cuda_options=cuda_options, warmup=(key.batch,), trace=trace)
+    def __init__(self, label: str, rt: Any, feeds: dict[str, np.ndarray], key: Key) -> None:
+        self.label, self.in_flight, self.batch, self.feeds, self.rt = label, key.k, key.batch, feeds, rt
         self.output = self.rt.run(feeds)
 
     def measure(self, seconds: float) -> float:
@@ -478,25 +483,29 @@ class Staronnx(Setup):
     def latency_ms(self) -> float:
         from staronnx.partition.autoshares import median_seconds
 
-        return 1e3 * median_seconds(lambda: self.rt.run(self.feeds), 30, warmup=3)
+        return 1e3 * float(median_seconds(lambda: self.rt.run(self.feeds), 30, warmup=3))
 
     def graph_stats(self) -> dict[str, int]:
+        """CUDA graphs captured and replayed by the runtime so far (its rows together)."""
         graphs = [w.get("graphs") for w in self.rt.stats()["workers"].values() if w.get("graphs")]
         return {k: sum(g[k] for g in graphs) for k in graphs[0]} if graphs else {}
-
-    def close(self) -> None:
-        self.rt.close()
 
 
 @dataclass
 class Plans:
-    """Each model file's plans (1 part; ``--shares auto``), made and calibrated once."""
+    """Each model file's plans (1 part; ``--shares auto``), made and calibrated once; and what
+    the rows of one (model, precision, K) share, opened once for them: the plain sessions and
+    the staronnx runtimes (a session's creation costs about a second on a GPU, and a runtime
+    warms every batch size up at once). Tuned lanes are made per row: their bindings are."""
 
     tmp: Path
     args: argparse.Namespace
     store: Any
     made: dict[tuple[str, str], Any] = field(default_factory=dict)
-    calibrated: set[tuple[str, str, int]] = field(default_factory=set)
+    calibrated: set[tuple[str, str]] = field(default_factory=set)
+    group: tuple[str, str, int] | None = None
+    sessions: list[ort.InferenceSession] = field(default_factory=list)
+    runtimes: dict[str, Any] = field(default_factory=dict)
 
     def get(self, path: Path, kind: str, sequence: int) -> Any:
         from staronnx import partition
@@ -515,20 +524,43 @@ class Plans:
                                            cuda_streams=4 if device == "cuda" else 0, profile_batch=8)
         return self.made[key]
 
-    def calibrate(self, plan: Any, batch: int, groups: str, streams: int) -> None:
-        """Perf models for the dmda/heft setups (the eager ones need none)."""
+    def calibrate(self, plan: Any, groups: str, streams: int) -> None:
+        """Perf models at every batch size of the matrix, for the dmda/heft setups (the eager
+        ones need none)."""
         from staronnx.calibrate import calibrate, start_workers
 
-        key = (plan.hash, groups, batch)
+        key = (plan.hash, groups)
         if key in self.calibrated:
             return
         self.calibrated.add(key)
         workers = start_workers(plan, groups=groups, cuda_streams=streams)
         try:
-            calibrate(plan, [batch], workers=workers, store=self.store, max_runs=30)
+            calibrate(plan, sorted(set(self.args.batches)), workers=workers, store=self.store, max_runs=30)
         finally:
             for w in workers:
                 w.close()
+
+    def enter(self, key: Key) -> None:
+        """``key``'s row comes next: what another (model, precision, K) opened is closed."""
+        group = (key.model, key.precision, key.k)
+        if group != self.group:
+            self.close()
+            self.group = group
+
+    def plain(self, path: Path, n: int, tf32: bool) -> list[ort.InferenceSession]:
+        if len(self.sessions) < n:
+            self.sessions += ort_sessions(path, n - len(self.sessions), self.args.device, tf32)
+        return self.sessions[:n]
+
+    def runtime(self, label: str, make: Callable[[], Any]) -> Any:
+        if label not in self.runtimes:
+            self.runtimes[label] = make()
+        return self.runtimes[label]
+
+    def close(self) -> None:
+        for rt in self.runtimes.values():
+            rt.close()
+        self.runtimes, self.sessions, self.group = {}, [], None
 
 
 # ---------------------------------------------------------------------- one row
@@ -565,7 +597,7 @@ def build_setups(key: Key, path: Path, feeds: dict[str, np.ndarray], outputs: di
     try:
         ns = [n for n in SESSIONS if n <= key.k]
         say(f"{key.id}: {max(ns)} plain sessions (each run once: cuDNN's search before any timing)")
-        sessions = ort_sessions(path, max(ns), args.device, tf32)
+        sessions = plans.plain(path, max(ns), tf32)
         for session in sessions:
             session.run(None, feeds)
         setups += [PlainOrt(sessions[:n], feeds, key.batch) for n in ns]
@@ -580,23 +612,26 @@ def build_setups(key: Key, path: Path, feeds: dict[str, np.ndarray], outputs: di
         one = plans.get(path, "one", args.sequence)
 
         def alone(label: str, streams: int) -> Callable[[], Setup]:
-            return lambda: Staronnx(label, one, feeds, key, policy="eager", groups="none", streams=streams,
-                                    store=plans.store, trace=trace_path(args, key, label))
+            return lambda: Staronnx(label, plans.runtime(label, lambda: open_runtime(
+                one, key, args.batches, policy="eager", groups="none", streams=streams, store=plans.store,
+                trace=trace_path(args, key, label))), feeds, key)
 
         for streams in (n for n in STREAMS if n <= key.k):
             attempt(f"staronnx-s{streams}", alone(f"staronnx-s{streams}", streams))
         if key.k == max(args.ks) and key.precision == "fp32" and not args.no_cpu_help:
             def mixed() -> Setup:
-                plans.calibrate(one, key.batch, args.groups, 4)
-                return Staronnx("gpu+cpu", one, feeds, key, policy="dmda", groups=args.groups, streams=4,
-                                store=plans.store, trace=trace_path(args, key, "gpu+cpu"))
+                plans.calibrate(one, args.groups, 4)
+                return Staronnx("gpu+cpu", plans.runtime("gpu+cpu", lambda: open_runtime(
+                    one, key, args.batches, policy="dmda", groups=args.groups, streams=4, store=plans.store,
+                    trace=trace_path(args, key, "gpu+cpu"))), feeds, key)
 
             def auto() -> Setup:
                 plan = plans.get(path, "auto", args.sequence)
                 notes.append(f"auto: {plan.settings['auto_shares']['reason']}")
-                plans.calibrate(plan, key.batch, args.groups, 4)
-                return Staronnx("auto", plan, feeds, key, policy="heft", groups=args.groups, streams=4,
-                                store=plans.store, trace=trace_path(args, key, "auto"))
+                plans.calibrate(plan, args.groups, 4)
+                return Staronnx("auto", plans.runtime("auto", lambda: open_runtime(
+                    plan, key, args.batches, policy="heft", groups=args.groups, streams=4, store=plans.store,
+                    trace=trace_path(args, key, "auto"))), feeds, key)
 
             attempt("gpu+cpu", mixed)
             attempt("auto", auto)
@@ -611,12 +646,14 @@ def trace_path(args: argparse.Namespace, key: Key, label: str) -> Path | None:
     if args.trace is None or label not in args.trace_setups:
         return None
     folder: Path = args.trace
-    return folder / f"trace-{key.model}-{key.precision}-b{key.batch}-k{key.k}-{label.replace('+', '_')}.json"
+    # one runtime serves the rows of a (model, precision, K): its trace holds them all
+    return folder / f"trace-{key.model}-{key.precision}-k{key.k}-{label.replace('+', '_')}.json"
 
 
 def measure_row(key: Key, args: argparse.Namespace, plans: Plans, say: Callable[[str], None]) -> dict[str, Any]:
     """Every setup of ``key``'s row, ``--repeats`` times in turn."""
     t0 = time.perf_counter()
+    plans.enter(key)
     path = model_file(key, args)
     feeds = inputs_for(path, key.batch, args.sequence)
     ref_session = ort_sessions(path, 1, args.device, key.precision == "tf32")[0]
@@ -625,6 +662,9 @@ def measure_row(key: Key, args: argparse.Namespace, plans: Plans, say: Callable[
     ref = outputs[names[0]]
     notes: list[str] = []
     setups = build_setups(key, path, feeds, outputs, args, plans, say, notes)
+    if plans.runtimes:
+        notes.append("staronnx's runtimes are shared by the rows of this model, precision and K: their graph counts "
+                     "and traces are those rows' together")
     row: dict[str, Any] = {"id": key.id, "model": key.model, "precision": key.precision, "batch": key.batch,
                            "k": key.k, "sequence": args.sequence if key.model == "encoder" else None,
                            "figures": {}, "errors": {}, "notes": notes}
@@ -859,6 +899,8 @@ def main(argv: list[str] | None = None) -> int:
 
             traceback.print_exc()
             print(f"{key.id}: failed: {type(exc).__name__}: {exc}", flush=True)
+            with contextlib.suppress(Exception):
+                plans.close()  # the next row opens its own
             failures += 1
             if failures >= 3:
                 print("stopped: three rows failed (see the tracebacks above)", flush=True)
@@ -869,6 +911,7 @@ def main(argv: list[str] | None = None) -> int:
         slowest = max(slowest, row["seconds"])
         write_results(args.json, runs, rows)  # first: a run cut short keeps every row it measured
         print(format_row(row), flush=True)
+    plans.close()  # the runtimes write their traces as they close
     write_results(args.json, runs, rows)
     print()
     for text, held in checks(rows):

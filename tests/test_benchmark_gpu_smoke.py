@@ -113,7 +113,7 @@ def test_gpu_benchmark_smoke_on_the_cpu(tmp_path):
     fp32 = data["rows"][0]
     assert {"gpu+cpu", "auto"} <= set(fp32["figures"]) and fp32["traced"] == ["auto", "gpu+cpu"]
     assert sorted(p.name for p in traces.iterdir()) == [
-        f"trace-{m}-fp32-b1-k4-{s}.json" for m in ("encoder", "googlenet") for s in ("auto", "gpu_cpu")]
+        f"trace-{m}-fp32-k4-{s}.json" for m in ("encoder", "googlenet") for s in ("auto", "gpu_cpu")]
     assert any("max relative error" in c for c, _ in data["checks"])
     assert re.search(r"^googlenet/fp32/b1/k4: staronnx-s4 / ort[-\w]+ [\d.]+x \((faster|slower|overlap)\)", text, re.M)
 
@@ -250,7 +250,7 @@ def test_the_gpu_session_runs_the_table_in_one_call_that_fits(tmp_path):
     with tarfile.open(out / "logs.tgz") as tar:
         names = tar.getnames()
     assert {"logs/models.txt", "logs/table.txt", "logs/table-md.txt"} <= set(names), names
-    assert any(n.startswith("logs/traces/trace-googlenet-fp32-b1-k4-staronnx-s4") for n in names), names
+    assert any(n.startswith("logs/traces/trace-googlenet-fp32-k4-staronnx-s4") for n in names), names
 
 
 def test_the_gpu_tests_collect_with_only_the_gpu_hosts_packages(tmp_path):
