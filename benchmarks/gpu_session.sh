@@ -23,10 +23,12 @@
 #                        would overrun, so the limit never cuts a row in half
 #   3. table-md    10 s  benchmarks/gpu_table.py: $OUT/gpu-table.md from $OUT/gpu.json
 # 460 s, plus <= 5 s of --kill-after each: 475 s. Sized from the H200 run of 2026-11-28: its
-# googlenet table (3 batch sizes, 12 setups of 1.5 s, one sample each) took ~165 s, so a K = 16
-# row now (13 figures x 3 repeats x 2 s = 78 s, 16 sessions made, the CPU-help plans
-# calibrated) takes ~90-110 s, a K = 4 row (7 figures) ~50 s: one call measures googlenet at
-# K = 16 and part of resnet50, the next continues from the committed JSON.
+# googlenet table (3 batch sizes, ~20 figures of 1.5 s each, one sample, ~20 sessions opened per
+# batch size) took ~165 s, about 1 s per session opened. A K = 16 row now measures 13 figures
+# x 3 repeats x 2 s = 78 s; its 16 plain sessions and four runtimes are opened once for the
+# three batch sizes of its model (~45 s, the CPU-help plans calibrated), its 8 tuned lanes per
+# row (~10 s): ~90 s a row, ~50 s at K = 4 (7 figures). One call measures googlenet at K = 16
+# and part of resnet50; the next continues from the committed JSON (--resume).
 #
 # `gpu_session.sh tests`: what issue 19 measures on a GPU, in a call of its own:
 #   pytest -m gpu (90 s) over the modules that hold GPU tests (the host has only its own
