@@ -752,6 +752,17 @@ def _git(*args: str) -> str:
         return ""
 
 
+def commit() -> dict[str, Any]:
+    """The commit the figures are of: git's, or ``$STARONNX_COMMIT`` where the tree is a copy
+    without its history (a device call's copy of the working tree: the caller writes the hash
+    into the command), with whether the tree differed from it (None: unknown)."""
+    found = _git("rev-parse", "HEAD")
+    if found:
+        return {"commit": found, "dirty": bool(_git("status", "--porcelain", "--", "staronnx", "benchmarks")),
+                "commit_from": "git"}
+    return {"commit": os.environ.get("STARONNX_COMMIT", ""), "dirty": None, "commit_from": "STARONNX_COMMIT"}
+
+
 def describe_device(device: str) -> dict[str, Any]:
     """What the figures are of: the GPU (name, memory, capability, UUID), the driver and CUDA
     versions; on ``--device cpu`` the CPU."""
@@ -775,8 +786,7 @@ def describe_device(device: str) -> dict[str, Any]:
 def provenance(args: argparse.Namespace, device: dict[str, Any]) -> dict[str, Any]:
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": ort.__version__,
-            "numpy": np.__version__, "commit": _git("rev-parse", "HEAD"),
-            "dirty": bool(_git("status", "--porcelain", "--", "staronnx", "benchmarks/gpu.py")),
+            "numpy": np.__version__, **commit(),
             "command": shlex.join([sys.executable, *sys.argv]), "device": device,
             "settings": {k: (sorted(v) if isinstance(v, set) else v if isinstance(v, (int, float, bool, list)) or v is None
                              else str(v)) for k, v in vars(args).items()}}

@@ -3,8 +3,8 @@
 # files back; the host keeps /tmp only ~30 s between calls).
 #
 # On the GPU host, after ../shared/tools/gpu-host-prep.sh made .gpu1 here (carry [".gpu1"],
-# timeout_s 600):
-#   . .gpu1/host.sh && bash benchmarks/gpu_session.sh                 (writes under $OUT)
+# timeout_s 600), the commit written in (the device's copy of the tree has no .git):
+#   . .gpu1/host.sh && STARONNX_COMMIT=<git rev-parse HEAD> bash benchmarks/gpu_session.sh
 #
 # Each step runs under its own limit (printed before it starts, its time after), so one that
 # hangs cannot take the others' time; its output goes to $OUT/logs/<step>.txt and a line to
@@ -67,6 +67,8 @@ PY="${PYTHON:-python3}"
 # the GPU in the summary's first line
 gpu=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 1)
 echo "gpu: ${gpu:-none}" >> "$OUT/summary.txt"
+echo "commit: $(git rev-parse HEAD 2>/dev/null || echo "${STARONNX_COMMIT:-unknown (set STARONNX_COMMIT)}")" \
+  >> "$OUT/summary.txt"
 
 step() {  # step NAME SECONDS COMMAND...: at most SECONDS (and what is left), output in logs/NAME.txt
   local name="$1" limit="$2"; shift 2

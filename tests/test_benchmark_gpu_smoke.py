@@ -233,7 +233,8 @@ def test_the_gpu_session_runs_the_table_in_one_call_that_fits(tmp_path):
                                                       "MODELS_DIR": str(tmp_path / "models")})
     assert done.returncode == 0, done.stdout + done.stderr
     summary = (out / "summary.txt").read_text().splitlines()
-    steps = [re.match(r"^(\S+): exit (\d+) in \d+ s \(limit (\d+) s\)$", line) for line in summary[1:-1]]
+    assert summary[0].startswith("gpu: ") and re.match(r"^commit: [0-9a-f]{40}$", summary[1]), summary
+    steps = [re.match(r"^(\S+): exit (\d+) in \d+ s \(limit (\d+) s\)$", line) for line in summary[2:-1]]
     assert all(steps), summary
     assert [m.group(1) for m in steps] == ["models", "table", "table-md"], summary
     assert all(m.group(2) == "0" for m in steps), summary
@@ -413,3 +414,14 @@ def test_an_ort_tuned_that_cannot_use_graphs_runs_without_and_the_row_says_so(tm
     assert "ort-tuned1" in row["figures"] and row["figures"]["ort-tuned1"]["median"] > 0
     assert "ort-tuned1 ran without CUDA graphs" in row["notes"]
     assert any(n.startswith("ort-tuned1: RuntimeError: This session cannot use the CUDA Graph") for n in row["notes"])
+
+
+def test_a_copy_without_history_takes_its_commit_from_the_caller(tmp_path, monkeypatch):
+    """A device call runs on a copy of the working tree without .git: the figures' commit is
+    then the one the caller wrote into the command (``STARONNX_COMMIT``), said to be so, and
+    whether the tree differed from it is unknown rather than guessed."""
+    gpu = _gpu_bench_module()
+    assert gpu.commit()["commit_from"] == "git" and len(gpu.commit()["commit"]) == 40
+    monkeypatch.setattr(gpu, "REPO", tmp_path)
+    monkeypatch.setenv("STARONNX_COMMIT", "0123abc")
+    assert gpu.commit() == {"commit": "0123abc", "dirty": None, "commit_from": "STARONNX_COMMIT"}

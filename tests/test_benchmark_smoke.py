@@ -128,8 +128,9 @@ def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, t
     done = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_session.sh"), which], capture_output=True,
                           text=True, timeout=60, cwd=REPO, env={**os.environ, "OUT": str(out), "SESSION_SECONDS": "5"})
     assert done.returncode == 0, done.stdout + done.stderr
-    gpu, *summary = (out / "summary.txt").read_text().splitlines()
+    gpu, commit, *summary = (out / "summary.txt").read_text().splitlines()
     assert gpu.startswith("gpu: "), gpu  # nvidia-smi's line, or "none"
+    assert commit.startswith("commit: "), commit  # what the figures are of
     assert [line.split(":")[0] for line in summary[:-1]] == steps, summary
     assert all("skipped" in line for line in summary[:-1]) and summary[-1].startswith("total: "), summary
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "summary.txt"]
