@@ -6,8 +6,9 @@ Three threads share the work so that neither reading nor writing stalls the work
     caller:  queue -> Runtime.submit -> a window of futures, settled in order -> shards
     writer:  each batch's outputs -> the open shard's file, renamed into place when it ends
 
-Memory is bounded: the reader holds one bundle of batches ready and builds the next (about
-:data:`BUNDLE_BYTES` of inputs each, or one batch where a batch is larger), the runtime at most
+Memory is bounded: the reader reads one bundle of batches ahead of the one the caller submits
+from (about :data:`BUNDLE_BYTES` of inputs each, or one batch where a batch is larger), the
+runtime holds at most
 ``max_in_flight`` batches, the caller and the writer a row group of outputs each
 (:data:`~staronnx.infer.sinks.ROW_GROUP_BYTES`; an ``.npz`` shard holds its rows until it
 ends). Hand-overs between the threads go by bundle and by row group, not by batch: each costs
@@ -274,13 +275,19 @@ class _Pipeline:
             raise self.write_error
 
     def _put(self, item: list[Batch] | BaseException | None) -> bool:
+        """Hand ``item`` to the caller and wait until it took it, so the reader reads one bundle
+        ahead of the caller's, no more (False: the job stopped meanwhile)."""
         while not self.stop.is_set():
             try:
                 self.ready.put(item, timeout=0.1)
-                return True
+                break
             except queue.Full:
                 continue
-        return False
+        taken = self.ready.all_tasks_done
+        with taken:
+            while self.ready.unfinished_tasks and not self.stop.is_set():
+                taken.wait(0.1)
+        return not self.stop.is_set()
 
     def _read(self, start: int) -> None:
         try:
@@ -415,11 +422,16 @@ class _Pipeline:
         window: deque[tuple[Batch, Any]] = deque()
         while True:
             bundle = self.ready.get()
+            self.ready.task_done()  # the reader may read the next bundle now
             if isinstance(bundle, BaseException):
                 raise bundle
             if bundle is None:
                 break
             for item in bundle:
+                # a batch goes in only when one of the window's has come out: at most
+                # max_in_flight batches on the workers
+                while len(window) >= self.window or (window and (window[0][1] is None or window[0][1].done())):
+                    self._settle(*window.popleft())
                 future = None
                 if item.problem is None:
                     try:
@@ -427,8 +439,6 @@ class _Pipeline:
                     except InputError as exc:
                         item.problem = str(exc)
                 window.append((item, future))
-                while len(window) > self.window or (window and (window[0][1] is None or window[0][1].done())):
-                    self._settle(*window.popleft())
         while window:
             self._settle(*window.popleft())
         if self.shard is not None:
