@@ -226,7 +226,8 @@ def verify_cmd(
         report = verify_plan(plan, model, batch=batch, feeds=feeds, arch=arch)
         which = (f"{plan.k} chained parts" if report.arch is None
                  else f"the {report.arch} workers' {report.precision} parts, chained on the CPU")
-        table = Table(title=f"whole model (fp32) vs {which}, batch {batch} ({source})")
+        whole = "whole model" if report.arch is None else "whole fp32 model"
+        table = Table(title=f"{whole} vs {which}, batch {batch} ({source})")
         for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
             table.add_column(col, overflow="fold")
         for o in report.outputs:
