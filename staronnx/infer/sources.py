@@ -253,6 +253,10 @@ def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
         if isinstance(column.type, pa.FixedShapeTensorType):
             out.append(np.asarray(column.slice(i, 1).to_numpy_ndarray()[0]))
             continue
+        if _is_shaped(column.type):
+            value = item.as_py()
+            out.append(np.asarray(value["data"], dtype=_value_dtype(column.type.field("data").type)).reshape(value["shape"]))
+            continue
         out.append(np.asarray(item.as_py(), dtype=_value_dtype(column.type)))
     return out
 
@@ -281,6 +285,14 @@ def _value_dtype(dtype: Any) -> np.dtype:
     return dt
 
 
+def _is_shaped(dtype: Any) -> bool:
+    """A ``struct<data: list, shape: list>`` column: a variable-shape tensor's storage."""
+    import pyarrow as pa
+
+    return bool(pa.types.is_struct(dtype) and dtype.num_fields == 2
+                and [dtype.field(i).name for i in range(2)] == ["data", "shape"])
+
+
 def _uniform(column: Any) -> np.ndarray | None:
     """The column as one ``[rows, *sample shape]`` array when every row has one shape and none is
     null (the fast path: no Python per row), else None."""
@@ -291,6 +303,17 @@ def _uniform(column: Any) -> np.ndarray | None:
         return None
     if isinstance(column.type, pa.FixedShapeTensorType):
         return np.asarray(column.to_numpy_ndarray())
+    if _is_shaped(column.type):
+        shapes = _uniform(column.field("shape"))
+        if shapes is None or (len(shapes) and (shapes != shapes[0]).any()):
+            return None
+        data = column.field("data")
+        if data.null_count:
+            return None
+        inner = pc.list_flatten(data)
+        items: np.ndarray = (np.asarray(inner.to_pylist(), dtype=object) if _is_text(inner.type)
+                             else np.asarray(inner.to_numpy(zero_copy_only=False)))
+        return items.reshape((len(column), *(int(d) for d in (shapes[0] if len(shapes) else ()))))
     shape = [len(column)]
     values = column
     while pa.types.is_list(values.type) or pa.types.is_large_list(values.type) or pa.types.is_fixed_size_list(values.type):
