@@ -258,8 +258,12 @@ def test_a_congested_point_on_a_busy_machine_stops_the_sweep_only_when_the_next_
     hypervisor stole 30 %) lets the sweep go on to the next rate, which stops it when it
     congests too; on a quiet machine the first congested point stops it, as before (its
     tasks slowed by the overload are not a slowed machine: it is offered above its bound)."""
-    rates = [20000.0, 30000.0, 40000.0]  # far above what the plan serves: every point congests
     store = PerfModelStore(home)
+    # far above what the plan serves on this machine, whatever its speed: every point congests and
+    # is offered above its LP bound (at a fixed 20,000 req/s a fast host's bound was above it)
+    bound = machine_bound(build_machine(plan, groups=two_groups, store=store), 1).throughput
+    top = max(20000.0, 2.0 * bound)
+    rates = [top, 1.5 * top, 2.0 * top]
     kw = dict(duration=0.3, extend=False, queue_capacity=16, store=store, groups=two_groups)
     with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
         monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=70, steal=30).read)
