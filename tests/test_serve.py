@@ -66,10 +66,9 @@ class Served:
         return self.proc.wait(timeout)
 
 
-def start_server(plans: list[Path], tmp: Path, *args: str) -> Served:
-    """``python -m staronnx serve PLANS --*-port 0 ...``; wait for its 'ready' line, parse the ports."""
-    cmd = [sys.executable, "-m", "staronnx", "serve", *map(str, plans), "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", "--groups", _groups(), *args]
+def launch_server(cmd: list[str], tmp: Path) -> tuple[subprocess.Popen, list[str]]:
+    """Start ``cmd`` (a ``staronnx serve``) with a private STARONNX_HOME and wait for its 'ready'
+    line; the process and its output lines so far (read on, in the background)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "STARONNX_HOME": str(tmp / "home")})
     lines: list[str] = []
@@ -87,6 +86,14 @@ def start_server(plans: list[Path], tmp: Path, *args: str) -> Served:
     if not ready.wait(60) or proc.poll() is not None:
         proc.kill()
         raise AssertionError("server did not start:\n" + "\n".join(lines))
+    return proc, lines
+
+
+def start_server(plans: list[Path], tmp: Path, *args: str) -> Served:
+    """``python -m staronnx serve PLANS --*-port 0 ...``; wait for its 'ready' line, parse the ports."""
+    cmd = [sys.executable, "-m", "staronnx", "serve", *map(str, plans), "--http-port", "0", "--grpc-port", "0",
+           "--metrics-port", "0", "--groups", _groups(), *args]
+    proc, lines = launch_server(cmd, tmp)
     text = "\n".join(lines)
     http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text).group(1)
     grpc_addr = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text).group(1)

@@ -37,7 +37,7 @@ import tritonclient.grpc.model_config_pb2 as mc
 import tritonclient.http as httpclient
 import tritonclient.http.aio as httpclient_aio
 from onnx import TensorProto, helper
-from test_serve import Served, start_server
+from test_serve import Served, launch_server, start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
@@ -706,30 +706,11 @@ def _certificates(folder: Path) -> dict[str, Path]:
 
 def _start_tls_server(plan: Path, tmp: Path, *args: str) -> Served:
     """``staronnx serve`` with TLS: as test_serve.start_server, the addresses read off https lines."""
-    import os
     import re
-    import subprocess
-    import threading
 
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "STARONNX_HOME": str(tmp / "home")})
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("ready"):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(60) or proc.poll() is not None:
-        proc.kill()
-        raise AssertionError("server did not start:\n" + "\n".join(lines))
+    proc, lines = launch_server(cmd, tmp)
     text = "\n".join(lines)
     http = re.search(r"HTTP \(KServe v2\) on https://[\d.]+:(\d+)", text).group(1)
     grpc_port = re.search(r"gRPC \(KServe v2\) on [\d.]+:(\d+) \(TLS\)", text).group(1)

@@ -226,18 +226,7 @@ class HttpFrontend(Frontend):
         """Triton's repository index (read-only): every served model, its version and state;
         ``{"ready": true}`` lists only the ready ones. Its small body is received within the
         limits (:func:`_receive`), under a watch of its own: one too slow is answered 408."""
-        task = asyncio.current_task()
-        assert task is not None
-        watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
-        try:
-            body = await _receive(request, self.max_body, self.guard.budget, watch)
-        except asyncio.CancelledError:
-            if not watch.expired:
-                raise
-            task.uncancel()
-            raise self._too_slow(request, watch) from None
-        finally:
-            watch.stop()
+        body = await self._watched_body(request)
         only_ready = await index_ready(body, request.headers.get("Content-Encoding"), self.max_body)
         return web.json_response(self.repository_entries(only_ready))
 
@@ -263,13 +252,14 @@ class HttpFrontend(Frontend):
     async def refuse_cuda(self, request: web.Request) -> web.Response:
         raise ProtocolError("invalid", CUDA_REFUSED)
 
-    async def _small_json(self, request: web.Request) -> dict[str, Any]:
-        """A control request's JSON object (an empty body is ``{}``), received within the limits."""
+    async def _watched_body(self, request: web.Request) -> bytes | bytearray:
+        """A small control request's body, received within the limits under a watch of its own:
+        one too slow is answered 408."""
         task = asyncio.current_task()
         assert task is not None
         watch = _BodyWatch(asyncio.get_running_loop(), self.guard.limits, task.cancel)
         try:
-            body = await _receive(request, self.max_body, self.guard.budget, watch)
+            return await _receive(request, self.max_body, self.guard.budget, watch)
         except asyncio.CancelledError:
             if not watch.expired:
                 raise
@@ -277,6 +267,10 @@ class HttpFrontend(Frontend):
             raise self._too_slow(request, watch) from None
         finally:
             watch.stop()
+
+    async def _small_json(self, request: web.Request) -> dict[str, Any]:
+        """A control request's JSON object (an empty body is ``{}``), received within the limits."""
+        body = await self._watched_body(request)
         body = await inflate_body(body, request.headers.get("Content-Encoding"), self.max_body)
         doc = _parse_json(body, "the request", json.loads) if body.strip() else {}
         if not isinstance(doc, dict):
