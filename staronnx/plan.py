@@ -9,6 +9,7 @@ models can be matched to exactly this plan.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -393,3 +394,35 @@ def _numpy_dtype(name: str) -> np.dtype | None:
         return np.dtype(name)
     except TypeError:
         return None
+
+
+#: the plan setting that lists, per architecture, part files of its own (fp16 for the CUDA
+#: workers: :mod:`staronnx.partition.precision` writes it)
+PRECISION_SETTING = "precision"
+
+
+def arch_files(plan: Plan) -> dict[str, list[str]]:
+    """Per architecture with its own part files, their names (empty: every arch runs the fp32 files)."""
+    files: dict[str, list[str]] = plan.settings.get(PRECISION_SETTING, {}).get("files", {})
+    return files
+
+
+@functools.lru_cache(maxsize=64)
+def _files_beside(plan_json: Path, mtime_ns: int) -> dict[str, dict[str, str]]:
+    """Per arch, the fp32 part file name -> that arch's file name, read from a plan.json."""
+    data = json.loads(plan_json.read_text())
+    files = data.get("settings", {}).get(PRECISION_SETTING, {}).get("files", {})
+    parts = [p["file"] for p in data.get("parts", [])]
+    return {arch: dict(zip(parts, names, strict=True)) for arch, names in files.items()}
+
+
+def arch_part_path(path: Path, arch: str) -> Path:
+    """The file ``arch``'s workers load in place of the part file ``path``, by the settings of
+    the plan folder it is in (the launcher sees part paths only, of one plan or of several)."""
+    plan_json = path.parent / "plan.json"
+    try:
+        mapping = _files_beside(plan_json, plan_json.stat().st_mtime_ns)
+    except (OSError, ValueError, KeyError):
+        return path
+    other = mapping.get(arch, {}).get(path.name)
+    return path.parent / other if other else path

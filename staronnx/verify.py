@@ -19,7 +19,7 @@ from staronnx.errors import InputError, PlanError, StaronnxError
 from staronnx.feeds import random_array
 from staronnx.modelio import is_fixed, load_model
 from staronnx.ortutil import make_session, ort_failure, ort_type_name
-from staronnx.plan import Plan
+from staronnx.plan import Plan, arch_files
 
 RELATIVE_TOLERANCE = 1e-4
 #: a plan's fp16 parts (``partition --precision gpu=fp16``) against the fp32 model: fp16 keeps
@@ -169,7 +169,7 @@ def verify_plan(plan: Plan, model: onnx.ModelProto | str | os.PathLike[str], bat
     if missing:
         raise PlanError(f"the model has no output(s) {missing}: is this the plan's source model?")
     _check_same_inputs(plan, whole)
-    own = arch is not None and arch in _arch_files(plan)
+    own = arch is not None and arch in arch_files(plan)
     precision = plan.settings["precision"][arch] if own and arch is not None else "fp32"
     tolerance = FP16_TOLERANCE if precision == "fp16" else RELATIVE_TOLERANCE
     try:
@@ -184,17 +184,10 @@ def verify_plan(plan: Plan, model: onnx.ModelProto | str | os.PathLike[str], bat
                         tolerance=tolerance)
 
 
-def _arch_files(plan: Plan) -> dict[str, list[str]]:
-    """Per architecture with part files of its own, their names (the settings that
-    :mod:`staronnx.partition.precision` writes)."""
-    files: dict[str, list[str]] = plan.settings.get("precision", {}).get("files", {})
-    return files
-
-
 def _chain(plan: Plan, feeds: Mapping[str, np.ndarray], arch: str) -> dict[str, np.ndarray]:
     """The plan's outputs from ``arch``'s part files run one after another on CPU ORT."""
     plan.check_feeds(feeds)
-    files = _arch_files(plan)[arch]
+    files = arch_files(plan)[arch]
     values: dict[str, np.ndarray] = dict(feeds)
     for part in plan.parts:
         sess = make_session(str(plan.root / files[part.index]))

@@ -218,7 +218,7 @@ def verify_cmd(
         feeds = random_plan_feeds(plan, batch, given, seed)
     console.print("inputs: " + ", ".join(f"{n} {_shape(v.shape)}" for n, v in feeds.items()), highlight=False,
                   soft_wrap=True)
-    from staronnx.partition.precision import arch_files
+    from staronnx.plan import arch_files
 
     source = f"{inputs}" if inputs is not None else "random inputs"
     ok = True

@@ -19,19 +19,17 @@ each architecture's chain against the fp32 model, fp16 with the wider tolerance
 
 from __future__ import annotations
 
-import functools
 import hashlib
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from staronnx.errors import PartitionError
-from staronnx.plan import Plan
+from staronnx.plan import PRECISION_SETTING, Plan, arch_files
 from staronnx.verify import FP16_TOLERANCE
 
 #: the plan setting (``staronnx.verify`` reads its ``files`` too)
-SETTING = "precision"
+SETTING = PRECISION_SETTING
 #: what the user may write for a device, and the architecture the runtime calls it
 DEVICES = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}
 PRECISIONS = ("fp32", "fp16")
@@ -101,12 +99,6 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
     return Plan.load(plan.root)
 
 
-def arch_files(plan: Plan) -> dict[str, list[str]]:
-    """Per architecture with its own part files, their names (empty: every arch runs the fp32 files)."""
-    files: dict[str, list[str]] = plan.settings.get(SETTING, {}).get("files", {})
-    return files
-
-
 def describe(plan: Plan) -> str | None:
     """One line for ``plan show``: which parts run in which precision, or None for fp32 only."""
     setting = plan.settings.get(SETTING)
@@ -120,24 +112,3 @@ def part_path(plan: Plan, index: int, arch: str) -> Path:
     """The file ``arch``'s workers load for part ``index``."""
     files = arch_files(plan).get(arch)
     return plan.root / files[index] if files else plan.part_path(index)
-
-
-@functools.lru_cache(maxsize=64)
-def _files_beside(plan_json: Path, mtime_ns: int) -> dict[str, dict[str, str]]:
-    """Per arch, the fp32 part file name -> that arch's file name, read from a plan.json."""
-    data = json.loads(plan_json.read_text())
-    files = data.get("settings", {}).get(SETTING, {}).get("files", {})
-    parts = [p["file"] for p in data.get("parts", [])]
-    return {arch: dict(zip(parts, names, strict=True)) for arch, names in files.items()}
-
-
-def arch_part_path(path: Path, arch: str) -> Path:
-    """The file ``arch``'s workers load in place of the part file ``path``, by the settings of
-    the plan folder it is in (the launcher sees part paths only, of one plan or of several)."""
-    plan_json = path.parent / "plan.json"
-    try:
-        mapping = _files_beside(plan_json, plan_json.stat().st_mtime_ns)
-    except (OSError, ValueError, KeyError):
-        return path
-    other = mapping.get(arch, {}).get(path.name)
-    return path.parent / other if other else path

@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from staronnx.plan import Plan
+from staronnx.plan import Plan, arch_part_path
 from staronnx.workers.base import ThreadWorker
 from staronnx.workers.groups import GroupError
 from staronnx.workers.layout import MachineSpec, layout
@@ -51,7 +51,6 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
     given, override the spec's. A model that ``residency`` keeps off a worker has no session
     there; a lane holds its models only, and the CPU workers of its group run lowered
     (``lane_preempt``) so that a lane task preempts theirs."""
-    from staronnx.partition.precision import arch_part_path
     from staronnx.workers.cpu import CpuWorker
 
     options = dict(cuda_options or {})
