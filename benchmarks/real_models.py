@@ -8,7 +8,8 @@ runs it (the ``staronnx`` command in a subprocess, ``staronnx.InferenceSession``
 * ``partition`` in 2 parts and at ``--shares 0.85,0.15`` (sizes from the model's reference
   ``.npz``: one representative size, for profiling only), ``plan verify`` (on the reference
   inputs when there are some, else random ones at batch 2), ``calibrate`` (batch 1 and 2),
-  ``run``, a short ``sweep``, ``optimize-batch``;
+  ``run``, a short ``sweep``, ``optimize-batch``, ``infer`` over the reference inputs (every
+  row ORT's answer);
 * ``serve`` over HTTP and gRPC (tritonclient): ``--clients`` concurrent clients (16), each
   sending its own requests of one of two shapes (mixed in one queue), every answer compared
   with plain onnxruntime's answer to that client's own inputs (max abs diff, relative to the
@@ -287,6 +288,25 @@ def closed_loop_rate(ask, feeds_of, clients: int, seconds: float) -> float:
     return sum(counts) / (time.perf_counter() - start)
 
 
+def infer_door(case: ModelCase, ref: Reference, npz: Path, out: Path, groups: str, env: dict[str, str]) -> str:
+    """``staronnx infer MODEL --inputs REF.npz`` at batch 2: every row of its output is ORT's
+    answer to the reference inputs, that row (turned row-major as infer writes it)."""
+    from staronnx.infer import RowLayout, plan_for, read_outputs
+
+    said = staronnx("infer", case.path, "-i", npz, "-o", out, "--batch-size", 2, "--groups", groups, "-q",
+                    "--overwrite", env=env)
+    if said != "OK":
+        return said
+    layout = RowLayout.of(plan_for(case.path))
+    rows = layout.count(case.ref_in) or 1
+    want = layout.row_major(ref(case.ref_in), rows)
+    got = read_outputs(out)
+    if list(got["row_id"]) != list(range(rows)):
+        return f"WRONG (row ids {list(got['row_id'])[:5]}..., {rows} rows asked)"
+    worst = diff(want, {k: np.asarray(v) for k, v in got.items() if k != "row_id"})
+    return ("OK" if worst <= TOL else "WRONG") + f" ({rows} rows, diff {worst:.1e})"
+
+
 def check_model(case: ModelCase, args: argparse.Namespace, scratch: Path) -> dict:
     """Every door on one model; the row of the table."""
     from staronnx import InferenceSession
@@ -321,6 +341,8 @@ def check_model(case: ModelCase, args: argparse.Namespace, scratch: Path) -> dic
                                        env=env)
     ref = Reference(case.path)
     outputs = ref.names
+    if case.ref_in:
+        doors["infer"] = infer_door(case, ref, npz, scratch / f"{case.name}-infer", g, env)
     try:
         served = Served(plan, case.name, env, g)
     except Exception as exc:  # noqa: BLE001 - the door's line
