@@ -4,15 +4,15 @@ Three threads share the work so that neither reading nor writing stalls the work
 
     reader:  source chunks -> batches (cut at shard edges, checked against the model) -> queue
     caller:  queue -> Runtime.submit -> a window of futures, settled in order -> shards
-    writer:  each batch's outputs -> the open shard's file, renamed into place when it ends
+    writer:  row groups of outputs -> the open shard's file, renamed into place when it ends
 
 Memory is bounded: the reader reads one bundle of batches ahead of the one the caller submits
 from (about :data:`BUNDLE_BYTES` of inputs each, or one batch where a batch is larger), the
-runtime holds at most
-``max_in_flight`` batches, the caller and the writer a row group of outputs each
-(:data:`~staronnx.infer.sinks.ROW_GROUP_BYTES`; an ``.npz`` shard holds its rows until it
-ends). Hand-overs between the threads go by bundle and by row group, not by batch: each costs
-the GIL. The caller settles the oldest future first, so rows come out in the dataset's order.
+runtime holds at most ``max_in_flight`` batches, the caller gathers one row group of outputs
+(:data:`~staronnx.infer.sinks.ROW_GROUP_BYTES`) and the writer's queue holds at most
+``max_in_flight`` of them (an ``.npz`` shard holds its rows until it ends). Hand-overs between
+the threads go by bundle and by row group, not by batch: each costs the GIL. The caller settles
+the oldest future first, so rows come out in the dataset's order.
 
 A row that cannot run is never lost silently. A row the source cannot read (a null) or the
 model refuses before running (a dtype, a rank, a fixed size: :meth:`Plan.check_feeds`) is
@@ -321,8 +321,7 @@ class _Pipeline:
                 if writer is None:
                     writer = self.sink.open(index)
                 if kind == "rows":
-                    for ids, outputs in zip(*payload):
-                        writer.add(ids, outputs)
+                    writer.add(*payload)
                 elif kind == "errors":
                     writer.errors.extend(payload)
                 else:

@@ -4,7 +4,8 @@ Batch inference from a model file needs no cut: the whole model as one part runs
 worker the machine has, one batch per worker at a time, which is what keeps a server busy
 offline (a cut pays where a GPU and CPU groups share a batch; give a plan folder for that). The
 one-part plan is made once per model file and kept under ``STARONNX_HOME/plans``, keyed by the
-file's hash, as :class:`staronnx.InferenceSession` keeps its plans.
+file's hash, as :class:`staronnx.InferenceSession` keeps its plans (and checked as they are:
+:func:`staronnx.compat.plan_cache.kept_plan`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from staronnx.compat.plan_cache import kept_plan
 from staronnx.errors import InputError
 from staronnx.modelio import file_sha256, load_model
 from staronnx.partition.cut import CutRequest, plan_settings
@@ -35,13 +37,9 @@ def plan_for(model: str | os.PathLike[str] | Plan) -> Plan:
         raise InputError(f"{path}: no such model file or plan folder")
     sha = file_sha256(path)
     folder = default_root() / "plans" / f"{sha[:16]}-{PLAN_KEY}"
-    if folder.exists():
-        try:
-            plan = Plan.load(folder)
-            if plan.source.get("sha256") == sha:
-                return plan
-        except Exception:  # noqa: BLE001 - an unusable kept plan is made again
-            pass
+    kept = kept_plan(folder, sha, say=True)
+    if kept is not None:
+        return kept
     # no cut, so nothing is profiled and no size has to be given for a dynamic dimension
     request = CutRequest([1.0], costs="estimate")
     settings = plan_settings(WHOLE, [1.0], request, device="cpu", tolerance=None,

@@ -47,7 +47,7 @@ MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"
 FORMATS = ("parquet", "npz")
 ROW_ID = "row_id"
-#: outputs a Parquet shard holds in memory before it writes them as a row group: small, because
+#: outputs the job gathers before it hands them to the writer as a Parquet row group: small, because
 #: Arrow's writer holds several times a group's bytes while it encodes it (crnn_ocr over 3,000
 #: rows: peak RSS +46 MB with 1 MiB groups, +20 MB with 512 KiB, the same with 256 KiB)
 ROW_GROUP_BYTES = 512 << 10
@@ -252,16 +252,17 @@ def _table(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]], spe
 
 
 class ShardWriter:
-    """One shard being written: rows added batch by batch, the rows skipped, then :meth:`close`
-    (its errors, then its rows, each renamed into place) or :meth:`abort` (nothing left)."""
+    """One shard being written: groups of rows added as the caller gathers them (about
+    :data:`ROW_GROUP_BYTES` of outputs each), the rows skipped, then :meth:`close` (its errors,
+    then its rows, each renamed into place) or :meth:`abort` (nothing left)."""
 
     def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
         self.path = path
         self.specs = specs
-        self.rows = 0
         self.errors: list[dict[str, Any]] = []
 
-    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
+    def add(self, row_ids: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+        """One group: each batch's row ids and row-major outputs, in order."""
         raise NotImplementedError
 
     def _finish(self) -> None:
@@ -277,32 +278,31 @@ class ShardWriter:
         self._finish()
 
 
+def _by_output(outputs: Sequence[Mapping[str, np.ndarray]]) -> dict[str, list[np.ndarray]]:
+    """Batches' outputs as each output's list of arrays, in order."""
+    joined: dict[str, list[np.ndarray]] = {}
+    for batch in outputs:
+        for name, value in batch.items():
+            joined.setdefault(name, []).append(value)
+    return joined
+
+
 class ParquetShardWriter(ShardWriter):
-    """A Parquet shard written as its rows come: a row group per :data:`ROW_GROUP_BYTES` of
-    outputs, so a shard of any size holds at most that much in memory."""
+    """A Parquet shard written as its rows come, a row group per group added, so a shard of any
+    size holds no more than one group in memory."""
 
     def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
         super().__init__(path, specs)
-        self._ids: list[np.ndarray] = []
-        self._outputs: dict[str, list[np.ndarray]] = {}
-        self._held = 0
         self._writer: Any = None
         self._tmp: Path | None = None
 
-    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
-        self._ids.append(row_ids)
-        for name, value in outputs.items():
-            self._outputs.setdefault(name, []).append(value)
-            self._held += int(value.nbytes)
-        self.rows += len(row_ids)
-        if self._held >= ROW_GROUP_BYTES:
-            self._flush()
+    def add(self, row_ids: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+        ids = np.concatenate(row_ids) if row_ids else np.zeros(0, np.int64)
+        self._write(_table(ids, _by_output(outputs), self.specs))
 
-    def _flush(self) -> None:
+    def _write(self, table: Any) -> None:
         import pyarrow.parquet as pq
 
-        ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
-        table = _table(ids, self._outputs, self.specs)
         if self._writer is None:
             remove_stale_temporaries(self.path)
             fd, tmp = tempfile.mkstemp(prefix=temp_prefix(self.path), suffix=".tmp", dir=self.path.parent)
@@ -312,11 +312,10 @@ class ParquetShardWriter(ShardWriter):
             # statistics for the row ids only (what a reader filters on)
             self._writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
         self._writer.write_table(table)
-        self._ids, self._outputs, self._held = [], {}, 0
 
     def _finish(self) -> None:
-        if self._writer is None or self._ids:
-            self._flush()
+        if self._writer is None:  # every row of the shard skipped: an empty file of the job's schema
+            self.add([], [])
         self._writer.close()
         assert self._tmp is not None
         with open(self._tmp, "rb") as fh:
@@ -341,17 +340,15 @@ class NpzShardWriter(ShardWriter):
     def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
         super().__init__(path, specs)
         self._ids: list[np.ndarray] = []
-        self._outputs: dict[str, list[np.ndarray]] = {}
+        self._outputs: list[Mapping[str, np.ndarray]] = []
 
-    def add(self, row_ids: np.ndarray, outputs: Mapping[str, np.ndarray]) -> None:
-        self._ids.append(row_ids)
-        for name, value in outputs.items():
-            self._outputs.setdefault(name, []).append(value)
-        self.rows += len(row_ids)
+    def add(self, row_ids: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
+        self._ids.extend(row_ids)
+        self._outputs.extend(outputs)
 
     def _finish(self) -> None:
         ids = np.concatenate(self._ids) if self._ids else np.zeros(0, np.int64)
-        atomic_write_bytes(self.path, _npz_bytes(ids, self._outputs, self.specs))
+        atomic_write_bytes(self.path, _npz_bytes(ids, _by_output(self._outputs), self.specs))
 
 
 def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
