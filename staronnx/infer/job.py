@@ -51,6 +51,8 @@ ON_ERROR = ("fail", "skip")
 BUNDLE_BYTES = 1 << 20
 #: manifest version: a resumed job refuses an output another version of the layout wrote
 MANIFEST_VERSION = 1
+#: seconds between two progress calls
+PROGRESS_EVERY_S = 0.1
 
 
 class RowError(InputError):
@@ -180,6 +182,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
             report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
             batch = report.choice.batch_size if report.choice is not None else 1
         report.batch_size, report.max_in_flight = batch, window
+        _warm_up(runtime, source, layout, start, batch)
         t0 = time.perf_counter()
         _Pipeline(runtime, plan, layout, source, sink, spec, batch, window, report, progress).run(start)
         report.elapsed_s = time.perf_counter() - t0
@@ -187,6 +190,18 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     report.errors_file = sink.errors_file() if report.skipped else None
     sink.finish({**report.to_json(), "skipped_rows": [e["row_id"] for e in report.skipped[:1000]]})
     return report
+
+
+def _warm_up(runtime: Runtime, source: Source, layout: RowLayout, start: int, batch: int) -> None:
+    """One batch of the job's first rows run before the clock starts, as ``staronnx run`` does:
+    ONNX Runtime's first run of a size allocates its arenas and plans its memory, a one-off
+    cost a job pays once whatever its length and that would otherwise weigh on a short job's
+    samples/s. A first batch that fails is left to the job, which reports it by row id."""
+    sample = _sample_rows(source, layout, start, want=batch)
+    if sample is None:
+        return
+    with contextlib.suppress(Exception):
+        runtime.run(sample)
 
 
 def _fixed_sizes(plan: Plan, layout: RowLayout) -> bool:
@@ -220,7 +235,7 @@ def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64) 
     pieces: list[dict[str, np.ndarray]] = []
     rows = 0
     key: object = None
-    for chunk in source.chunks(start, rows=want):
+    for chunk in source.peek(start, rows=want):
         if chunk.problem is not None:
             continue
         sig = layout.signature(layout.take(chunk.arrays, 0, 1))
@@ -253,6 +268,7 @@ class _Pipeline:
         self.to_write: queue.Queue[tuple[str, int, Any] | None] = queue.Queue(maxsize=max(2, window))
         self.write_error: BaseException | None = None
         self.done_rows = report.resumed_rows
+        self.next_progress = 0.0
         self.shard: int | None = None  # the shard the caller is filling
 
     # -- threads ------------------------------------------------------------------------------
@@ -355,6 +371,19 @@ class _Pipeline:
                                 or self._key(pending[-1]) != self._key(piece)):
                     yield from self._emit(pending, held)
                     pending, held = [], 0
+                if not pending and self.layout.batched and piece.rows >= self.batch:
+                    # the common case, cut without the bookkeeping below: whole batches as views
+                    # of the piece (its rows share a shape), the Python per batch is what the
+                    # workers wait for, on the GIL, between their tasks
+                    whole = piece.rows - piece.rows % self.batch
+                    for lo in range(0, whole, self.batch):
+                        feeds = self.layout.take(piece.arrays, lo, lo + self.batch)
+                        yield self._checked(Batch(piece.start + lo, self.batch, shard,
+                                                  {n: np.require(v, requirements="C") for n, v in feeds.items()}))
+                    if whole == piece.rows:
+                        continue
+                    piece = Chunk(piece.start + whole, piece.rows - whole,
+                                  self.layout.take(piece.arrays, whole, piece.rows))
                 pending.append(piece)
                 held += piece.rows
                 while held >= self.batch:
@@ -420,6 +449,11 @@ class _Pipeline:
     def _call(self) -> None:
         window: deque[tuple[Batch, Any]] = deque()
         while True:
+            # room in the window before the next bundle is taken: taking it lets the reader read
+            # the one after, so the inputs held are the window, the bundle being submitted and
+            # the one being read, never a bundle more waiting in the queue
+            while len(window) >= self.window:
+                self._settle(*window.popleft())
             bundle = self.ready.get()
             self.ready.task_done()  # the reader may read the next bundle now
             if isinstance(bundle, BaseException):
@@ -442,6 +476,7 @@ class _Pipeline:
             self._settle(*window.popleft())
         if self.shard is not None:
             self._end(self.shard)
+        self.final_progress()
 
     def _settle(self, batch: Batch, future: Any) -> None:
         if self.shard != batch.shard:
@@ -505,6 +540,16 @@ class _Pipeline:
 
     def _advance(self, rows: int) -> None:
         self.done_rows += rows
+        if self.progress is not None:
+            now = time.monotonic()
+            # a progress bar redraws a few times a second: a call per batch is GIL time the
+            # workers wait for between tasks (the last call, at the end, is always made)
+            if now >= self.next_progress or self.done_rows == self.report.total_rows:
+                self.next_progress = now + PROGRESS_EVERY_S
+                self.progress(self.done_rows, self.report.total_rows)
+
+    def final_progress(self) -> None:
+        """The count as it ends (a throttled call may have left the bar behind)."""
         if self.progress is not None:
             self.progress(self.done_rows, self.report.total_rows)
 

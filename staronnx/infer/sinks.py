@@ -204,6 +204,18 @@ def _npz_bytes(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]],
     return buf.getvalue()
 
 
+def _flat_array(values: np.ndarray, value_type: Any) -> Any:
+    """A 1-D numpy array as an Arrow array over the same memory where the type allows (fixed
+    width numbers): ``pa.array`` asks pandas whether the value is one of its own, which imports
+    pandas on first use (half a second inside a job's clock) and costs a check per call."""
+    import pyarrow as pa
+
+    if values.dtype.kind in "iuf" and pa.from_numpy_dtype(values.dtype) == value_type:
+        values = np.ascontiguousarray(values)
+        return pa.Array.from_buffers(value_type, len(values), [None, pa.py_buffer(values)])
+    return pa.array(values.tolist() if values.dtype == object else values, type=value_type)
+
+
 def _shaped(parts: Sequence[np.ndarray], value_type: Any, rank: int) -> Any:
     """Rows whose shape the model leaves open (a detector's boxes, a CTC head's time steps) as
     one struct column: ``data``, each row's values flattened, and ``shape``, its sizes. This is
@@ -217,12 +229,12 @@ def _shaped(parts: Sequence[np.ndarray], value_type: Any, rank: int) -> Any:
     sizes = np.repeat([int(np.prod(p.shape[1:], dtype=np.int64)) for p in parts], counts) if parts else \
         np.zeros(0, np.int64)
     flat = np.concatenate([p.reshape(-1) for p in parts]) if parts else np.zeros(0)
-    values: Any = pa.array(flat.tolist() if flat.dtype == object else flat, type=value_type)
+    values = _flat_array(flat, value_type)
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).astype(np.int32)
-    data = pa.ListArray.from_arrays(pa.array(offsets, type=pa.int32()), values)
+    data = pa.ListArray.from_arrays(_flat_array(offsets, pa.int32()), values)
     dims = (np.repeat(np.array([p.shape[1:] for p in parts], dtype=np.int32).reshape(len(parts), rank), counts, axis=0)
             if parts else np.zeros((0, rank), np.int32))
-    shape = pa.FixedSizeListArray.from_arrays(pa.array(dims.reshape(-1), type=pa.int32()), rank)
+    shape = pa.FixedSizeListArray.from_arrays(_flat_array(dims.reshape(-1), pa.int32()), rank)
     return pa.StructArray.from_arrays([data, shape], names=["data", "shape"])
 
 
@@ -231,7 +243,7 @@ def _table(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]], spe
     shard of a job alike)."""
     import pyarrow as pa
 
-    columns: dict[str, Any] = {ROW_ID: pa.array(row_ids, type=pa.int64())}
+    columns: dict[str, Any] = {ROW_ID: _flat_array(row_ids.astype(np.int64, copy=False), pa.int64())}
     for name in [*specs, *(n for n in outputs if n not in specs)]:
         spec = specs.get(name, {})
         parts = outputs.get(name, [])
@@ -243,12 +255,14 @@ def _table(row_ids: np.ndarray, outputs: Mapping[str, Sequence[np.ndarray]], spe
             joined = np.concatenate(parts) if len(parts) > 1 else parts[0] if parts else np.zeros((0, *fixed))
             if joined.shape[1:] != tuple(fixed):
                 raise OutputError(f"output {name!r} gave rows of shape {list(joined.shape[1:])}, not the model's {fixed}")
-            storage = pa.FixedSizeListArray.from_arrays(pa.array(joined.reshape(-1), type=value_type), size)
+            storage = pa.FixedSizeListArray.from_arrays(_flat_array(joined.reshape(-1), value_type), size)
             columns[name] = pa.ExtensionArray.from_storage(pa.fixed_shape_tensor(value_type, fixed), storage)
         else:
             rank = spec.get("rank", parts[0].ndim - 1 if parts else 0)
             columns[name] = _shaped(parts, value_type, rank)
-    return pa.table(columns)
+    # Table.from_arrays, not pa.table(dict): the latter asks whether the dict is a pandas frame,
+    # which imports pandas (half a second, once per process, inside the timed job)
+    return pa.Table.from_arrays(list(columns.values()), names=list(columns))
 
 
 class ShardWriter:

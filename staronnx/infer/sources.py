@@ -21,7 +21,9 @@ from __future__ import annotations
 import os
 import re
 import struct
+import sys
 import zipfile
+from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,8 +69,46 @@ class Source(Protocol):
         """The rows from row id ``start`` on, in order, at least ``rows`` at a time where the data
         allows (a job asks for its batch size; a file source reads more small rows at once)."""
 
+    def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        """Chunks from row id ``start`` holding about ``rows`` rows, which :meth:`chunks` reads
+        again (a job's batch-size probe and warm-up look at its first rows before its pass)."""
+
 
 # -- .npy/.npz arrays read a slice at a time -------------------------------------------------------
+class BufferPool:
+    """The reader's input buffers, used again once no batch refers to them.
+
+    Why: a job reads the same sizes over and over, and a fresh array per read leaves the
+    allocator to place each one anew; freed from other threads (the caller, the workers), the
+    large ones land in other threads' arenas and the process keeps pages it no longer uses (a
+    googlenet job held about twice its window more than it read). A pool keeps the reads in a
+    few buffers whose count is the job's real window. A buffer is free when nothing but the pool
+    refers to it: every batch is a view of the buffer it was read into, and a view holds a
+    reference to its base until the batch is settled and dropped. Only the reader thread calls
+    :meth:`empty`, so the pool needs no lock."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self._buffers: list[np.ndarray] = []
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """An uninitialised C-ordered array of ``shape`` and ``dtype``: a view of a free pooled
+        buffer at least that large (the smallest such), or of a new one while the pool has room,
+        or a plain new array."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        best: np.ndarray | None = None
+        for buf in self._buffers:
+            # the list, this loop's name and getrefcount's argument: nobody else holds it
+            if buf.nbytes >= nbytes and sys.getrefcount(buf) <= 3 and (best is None or buf.nbytes < best.nbytes):
+                best = buf
+        if best is None:
+            if len(self._buffers) >= self.keep:
+                return np.empty(shape, dtype)
+            best = np.empty(max(nbytes, 1), np.uint8)
+            self._buffers.append(best)
+        return best[:nbytes].view(dtype).reshape(shape)
+
+
 @dataclass(frozen=True)
 class _StoredArray:
     """An array stored uncompressed in a file at ``offset`` (a ``.npy``, or an ``.npz`` member)."""
@@ -79,12 +119,14 @@ class _StoredArray:
     shape: tuple[int, ...]
     fortran: bool
 
-    def rows(self, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of axis 0, read from the file into a fresh array."""
+    def rows(self, start: int, stop: int, pool: BufferPool | None = None) -> np.ndarray:
+        """Rows ``start:stop`` of axis 0, read from the file into a fresh array (or one of
+        ``pool``'s)."""
         if self.fortran:
             return self.whole()[start:stop].copy()
         row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        out = np.empty((stop - start, *self.shape[1:]), self.dtype)
+        shape = (stop - start, *self.shape[1:])
+        out = np.empty(shape, self.dtype) if pool is None else pool.empty(shape, self.dtype)
         with open(self.path, "rb") as fh:
             fh.seek(self.offset + start * row)
             got = fh.readinto(memoryview(out.reshape(-1).view(np.uint8)))
@@ -169,6 +211,7 @@ class NumpySource:
         else:
             files = [path]
         self.files = files
+        self._pool = BufferPool()
         self._shards = [self._open(p) for p in files]
         self._counts = [self._count(p, s) for p, s in zip(files, self._shards)]
 
@@ -205,6 +248,9 @@ class NumpySource:
         return {"kind": "numpy", "path": str(self.path.resolve()),
                 "files": [[p.name, (st := p.stat()).st_size, st.st_mtime_ns] for p in self.files]}
 
+    def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        return self.chunks(start, rows)  # a file is read again
+
     def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
         first = 0
         for shard, count in zip(self._shards, self._counts):
@@ -233,7 +279,7 @@ class NumpySource:
     def _rows(self, name: str, stored: _StoredArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
         axis = self.layout.inputs[name] or 0
         if isinstance(stored, _StoredArray) and axis == 0:
-            return stored.rows(lo, hi)
+            return stored.rows(lo, hi, self._pool)
         whole = stored if isinstance(stored, np.ndarray) else stored.whole()
         return np.ascontiguousarray(whole[(slice(None),) * axis + (slice(lo, hi),)])
 
@@ -363,6 +409,9 @@ class ArrowSource:
         return {"kind": self.format, "path": str(self.path.resolve()),
                 "files": [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]}
 
+    def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        return self.chunks(start, rows)  # a file is read again
+
     def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
         first = 0
         columns = list(self.layout.inputs)
@@ -448,11 +497,16 @@ def to_model_axes(layout: RowLayout, name: str, rows_first: np.ndarray) -> np.nd
 # -- Python ------------------------------------------------------------------------------------------
 class FeedsSource:
     """Any iterable of feeds (mappings of input name -> array, rows along each input's batch axis,
-    as :meth:`staronnx.Runtime.submit` takes them), each item one or more rows."""
+    as :meth:`staronnx.Runtime.submit` takes them), each item one or more rows.
+
+    A one-shot iterable (a generator) is read once: the items a :meth:`peek` takes are kept and
+    handed again, first, to the job's pass."""
 
     def __init__(self, items: Iterable[Mapping[str, np.ndarray]], layout: RowLayout) -> None:
         self.items = items
         self.layout = layout
+        self._once: Iterator[Mapping[str, np.ndarray]] | None = items if isinstance(items, Iterator) else None
+        self._peeked: deque[Mapping[str, np.ndarray]] = deque()
 
     def total_rows(self) -> int | None:
         return None
@@ -461,8 +515,30 @@ class FeedsSource:
         return {"kind": "python", "type": type(self.items).__name__}
 
     def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        return self._chunks(self._items(), start)
+
+    def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
+        if self._once is None:
+            return self.chunks(start, rows)
+        seen = sum(self.layout.count(dict(item)) or 0 for item in self._peeked)
+        for item in self._once:
+            self._peeked.append(item)
+            seen += self.layout.count(dict(item)) or 0
+            if seen >= start + rows:
+                break
+        return self._chunks(iter(list(self._peeked)), start)
+
+    def _items(self) -> Iterator[Mapping[str, np.ndarray]]:
+        if self._once is None:
+            yield from self.items
+            return
+        while self._peeked:
+            yield self._peeked.popleft()
+        yield from self._once
+
+    def _chunks(self, items: Iterator[Mapping[str, np.ndarray]], start: int) -> Iterator[Chunk]:
         row = 0
-        for item in self.items:
+        for item in items:
             arrays = {n: np.asarray(v) for n, v in item.items()}
             count = self.layout.count(arrays)
             if count is None:
