@@ -71,6 +71,9 @@ sequence_batching {{
 instance_group [ {{ kind: KIND_CPU }} ]
 """
 
+SIMPLE_STRING_DYNA_SEQUENCE = SIMPLE_DYNA_SEQUENCE.replace("simple_dyna_sequence", "simple_string_dyna_sequence").replace(
+    "TYPE_UINT64", "TYPE_STRING")
+
 SHORT_LIVED = f"""
 max_batch_size: 8
 sequence_batching {{
@@ -121,10 +124,11 @@ def simple_sequence_model() -> onnx.ModelProto:
                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def simple_dyna_sequence_model() -> onnx.ModelProto:
-    """Triton's simple_dyna_sequence: OUTPUT = READY * (INPUT + START + END * int32(CORRID))."""
+def simple_dyna_sequence_model(corrid: int = TensorProto.UINT64) -> onnx.ModelProto:
+    """Triton's simple_dyna_sequence: OUTPUT = READY * (INPUT + START + END * int32(CORRID));
+    ``corrid`` STRING: its simple_string_dyna_sequence (the id's digits read as a number)."""
     ins = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("INPUT", "START", "END", "READY")]
-    ins.append(helper.make_tensor_value_info("CORRID", TensorProto.UINT64, ["batch", 1]))
+    ins.append(helper.make_tensor_value_info("CORRID", corrid, ["batch", 1]))
     out = helper.make_tensor_value_info("OUTPUT", TensorProto.INT32, ["batch", 1])
     nodes = [helper.make_node("Cast", ["CORRID"], ["corrid32"], name="cast", to=TensorProto.INT32),
              helper.make_node("Mul", ["END", "corrid32"], ["tail"], name="tail"),
@@ -150,6 +154,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("sequences") / "models"
     _write(root, "simple_sequence", SIMPLE_SEQUENCE, simple_sequence_model())
     _write(root, "simple_dyna_sequence", SIMPLE_DYNA_SEQUENCE, simple_dyna_sequence_model())
+    _write(root, "simple_string_dyna_sequence", SIMPLE_STRING_DYNA_SEQUENCE,
+           simple_dyna_sequence_model(TensorProto.STRING))
     _write(root, "short_lived", SHORT_LIVED, simple_sequence_model())
     _write(root, "gru_stream", GRU_CONFIG, GRU)
     _write(root, "simple", "max_batch_size: 8", simple_model())
@@ -173,7 +179,7 @@ def _int_input(module, name: str, value: int):
 
 
 def _ort_answer(session: ort.InferenceSession, value: int, start: bool, end: bool = False,
-                corrid: int | None = None) -> int:
+                corrid: int | str | None = None) -> int:
     """ONNX Runtime's answer with the control inputs Triton fills for one request."""
     feeds = {"INPUT": np.array([[value]], np.int32), "START": np.array([[int(start)]], np.int32),
              "READY": np.array([[1]], np.int32)}
@@ -181,7 +187,8 @@ def _ort_answer(session: ort.InferenceSession, value: int, start: bool, end: boo
     if "END" in names:
         feeds["END"] = np.array([[int(end)]], np.int32)
     if "CORRID" in names:
-        feeds["CORRID"] = np.array([[corrid]], np.uint64)
+        feeds["CORRID"] = (np.array([[corrid]], dtype=object) if isinstance(corrid, str) else
+                           np.array([[corrid]], np.uint64))
     return int(session.run(None, feeds)[0][0, 0])
 
 
@@ -200,12 +207,14 @@ def test_interleaved_sequences_answer_as_ort_with_the_controls_filled(served, pr
     module = httpclient if protocol == "http" else grpcclient
     client = _client(served, protocol)
     for model, build, ids in (("simple_sequence", simple_sequence_model, {11: 4, "seq-b": 2, 13: 5}),
-                              ("simple_dyna_sequence", simple_dyna_sequence_model, {1001: 3, 1002: 5, 1003: 1})):
+                              ("simple_dyna_sequence", simple_dyna_sequence_model, {1001: 3, 1002: 5, 1003: 1}),
+                              ("simple_string_dyna_sequence", lambda: simple_dyna_sequence_model(TensorProto.STRING),
+                               {"1004": 2, "1005": 4})):
         session = ort.InferenceSession(build().SerializeToString(), providers=["CPUExecutionProvider"])
         for sid, step, start, end, value in _plan(ids):
             result = client.infer(model, [_int_input(module, "INPUT", value)], sequence_id=sid,
                                   sequence_start=start, sequence_end=end)
-            want = _ort_answer(session, value, start, end, sid if isinstance(sid, int) else None)
+            want = _ort_answer(session, value, start, end, None if model == "simple_sequence" else sid)
             assert int(result.as_numpy("OUTPUT")[0, 0]) == want, (model, sid, step)
 
 
@@ -351,7 +360,8 @@ def test_requests_a_sequence_model_cannot_take_are_refused_by_name(served, proto
 
 def test_refused_configs_are_listed_with_their_reason(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
-    for name in ("simple_sequence", "simple_dyna_sequence", "short_lived", "gru_stream", "simple"):
+    for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "short_lived", "gru_stream",
+                 "simple"):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], entries[name]

@@ -47,8 +47,10 @@ import numpy as np
 
 from staronnx.serve import protocol
 from staronnx.serve.protocol import ProtocolError, invalid, shown
-from staronnx.serve.proto import model_config_pb2 as mc
 
+# model_config_pb2 is imported where a config is read, not here: the served models import this
+# module, and a process that also imports tritonclient.grpc (a test's) must not register the
+# ``inference.*`` messages twice (see staronnx.serve.grpc_api)
 if TYPE_CHECKING:
     from staronnx.serve.model_config import TensorSpec
     from staronnx.serve.models import Answer, ModelEndpoint
@@ -68,10 +70,8 @@ REMEMBERED = 4096
 #: the folder of a model's initial state files (Triton's)
 INITIAL_STATE_FOLDER = "initial_state"
 
-_KINDS = {mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START: "start",
-          mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_END: "end",
-          mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_READY: "ready",
-          mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_CORRID: "corrid"}
+#: ModelSequenceBatching.Control.Kind's values (model_config.proto) -> what the control says
+_KINDS = {0: "start", 1: "ready", 2: "end", 3: "corrid"}
 
 #: a flag control's value field -> the model input's type it needs
 _FLAG_FIELDS = {"int32_false_true": "TYPE_INT32", "fp32_false_true": "TYPE_FP32", "bool_false_true": "TYPE_BOOL"}
@@ -147,7 +147,7 @@ class SequencePolicy:
         return next((c for c in self.controls if c.kind == "corrid"), None)
 
 
-def hidden_tensors(config: mc.ModelConfig) -> tuple[set[str], set[str]]:
+def hidden_tensors(config: Any) -> tuple[set[str], set[str]]:
     """The inputs and outputs a config's ``sequence_batching`` keeps from clients (control and
     state inputs; state outputs its ``output`` does not list): config completion leaves them
     out of the served config."""
@@ -159,11 +159,13 @@ def hidden_tensors(config: mc.ModelConfig) -> tuple[set[str], set[str]]:
     return inputs, {s.output_name for s in sb.state if s.output_name not in listed}
 
 
-def policy_of(config: mc.ModelConfig, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
               folder: Path) -> SequencePolicy | None:
-    """The sequence policy of a (completed) config, None without ``sequence_batching``; each
-    field checked against the model's ``inputs`` and ``outputs`` (a mismatch raises
-    :class:`SequenceConfigError` naming the field)."""
+    """The sequence policy of a (completed) config (a ``ModelConfig`` message), None without
+    ``sequence_batching``; each field checked against the model's ``inputs`` and ``outputs`` (a
+    mismatch raises :class:`SequenceConfigError` naming the field)."""
+    from staronnx.serve.proto import model_config_pb2 as mc
+
     if not config.HasField("sequence_batching"):
         return None
     sb = config.sequence_batching
@@ -261,7 +263,7 @@ def policy_of(config: mc.ModelConfig, inputs: Sequence[TensorSpec], outputs: Seq
     return SequencePolicy(strategy, slots, idle_us / 1e6, tuple(controls), tuple(states), batched=mbs > 0)
 
 
-def complete(config: mc.ModelConfig) -> None:
+def complete(config: Any) -> None:
     """Fill, in place, what Triton's config normalisation fills in a ``sequence_batching``
     section: the idle time, and the ``direct`` strategy where none is named."""
     if not config.HasField("sequence_batching"):
@@ -286,6 +288,8 @@ def _fits(declared: list[int], model: list[int]) -> bool:
 def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
     """A state's value at a sequence's start: its ``initial_state`` (zeros or a file's bytes,
     row-major), else zeros of its dims with 1 for each variable size."""
+    from staronnx.serve.proto import model_config_pb2 as mc
+
     type_name = mc.DataType.Name(st.data_type)
     if type_name == "TYPE_STRING":
         raise SequenceConfigError(f"{where}: a TYPE_STRING state is not honoured by staronnx serve (numeric states only)")
