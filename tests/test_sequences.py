@@ -218,6 +218,39 @@ def test_interleaved_sequences_answer_as_ort_with_the_controls_filled(served, pr
             assert int(result.as_numpy("OUTPUT")[0, 0]) == want, (model, sid, step)
 
 
+def test_different_sequences_share_batches(served):
+    """8 sequences at once through simple_dyna_sequence (oldest, 10 ms queue delay): every answer
+    as ORT's, and their rows share batches (one row per sequence), seen in the answers' batch size
+    (a busy host may serve a round one by one: up to five rounds)."""
+    session = ort.InferenceSession(simple_dyna_sequence_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    sizes: list[int] = []
+    failures: list[str] = []
+
+    def run(sid: int) -> None:
+        client = httpclient.InferenceServerClient(served.http)
+        try:
+            for step in range(6):
+                value = sid % 100 + step
+                result = client.infer("simple_dyna_sequence", [_int_input(httpclient, "INPUT", value)],
+                                      sequence_id=sid, sequence_start=step == 0, sequence_end=step == 5)
+                if int(result.as_numpy("OUTPUT")[0, 0]) != _ort_answer(session, value, step == 0, step == 5, sid):
+                    failures.append(f"sequence {sid} step {step}")
+                sizes.append(int(result.get_response()["parameters"]["staronnx_batch_size"]))
+        except Exception as exc:  # noqa: BLE001 - said by the test, not lost in the thread
+            failures.append(f"sequence {sid}: {exc}")
+
+    for round_ in range(5):
+        threads = [threading.Thread(target=run, args=(3000 + 10 * round_ + i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not failures, failures[:5]
+        if max(sizes) > 1:
+            break
+    assert max(sizes) > 1, sizes
+
+
 def test_the_stream_answers_interleaved_sequences_and_ordinary_models(served):
     """tritonclient's stream: interleaved sequences of simple_dyna_sequence and simple_sequence,
     and requests to an ordinary model between them; a refused request answers its error on the
@@ -396,3 +429,9 @@ def test_metadata_and_config_answer_the_sequence_batching(served, protocol):
                                         preserving_proto_field_name=True))
     assert int(simple["sequence_batching"]["max_sequence_idle_microseconds"]) == 1_000_000  # Triton's default
     assert "direct" in simple["sequence_batching"]
+    gru = (client.get_model_config("gru_stream") if protocol == "http" else
+           json_format.MessageToDict(client.get_model_config("gru_stream").config, preserving_proto_field_name=True))
+    state = gru["sequence_batching"]["state"][0]
+    assert (state["input_name"], state["output_name"], [int(d) for d in state["dims"]]) == ("state", "state_out",
+                                                                                          [2, 1, 64])
+    assert [i["name"] for i in gru["input"]] == ["frame", "sample_rate"]
