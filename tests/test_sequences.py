@@ -391,6 +391,11 @@ def test_requests_a_sequence_model_cannot_take_are_refused_by_name(served, proto
         client.infer("simple_sequence", [two], sequence_id=5, sequence_start=True)
 
 
+def test_the_server_says_it_serves_sequences(served):
+    assert "sequence" in httpclient.InferenceServerClient(served.http).get_server_metadata()["extensions"]
+    assert "sequence" in grpcclient.InferenceServerClient(served.grpc).get_server_metadata().extensions
+
+
 def test_refused_configs_are_listed_with_their_reason(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
     for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "short_lived", "gru_stream",
