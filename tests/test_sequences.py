@@ -7,9 +7,10 @@ built with onnx.helper and their example configs (``simple_sequence``: START and
 ``direct`` strategy; ``simple_dyna_sequence``: START, END, READY and a UINT64 CORRID, the
 ``oldest`` strategy), ``gru_stream`` from ``models/real`` with its recurrent state kept by the
 server (implicit state), a short-lived copy of ``simple_sequence`` whose sequences are released
-after 0.2 s idle, an ordinary model, and configs that must be refused by name. Every answer is
-compared with ONNX Runtime run on the same graph with the control inputs Triton would fill (and,
-for ``gru_stream``, the state carried step by step).
+after 0.2 s idle, an accumulator whose running sum the server keeps (batched across sequences,
+its initial state read from a file), an ordinary model, and configs that must be refused by name.
+Every answer is compared with ONNX Runtime run on the same graph with the control inputs Triton
+would fill (and, for ``gru_stream``, the state carried step by step).
 """
 
 from __future__ import annotations
@@ -94,6 +95,18 @@ sequence_batching {
 }
 """
 
+#: an accumulator with its running sum kept by the server, batched across sequences (its state
+#: on axis 0, as every tensor of it), starting from 100 read from a file (Triton's data_file)
+ACCUMULATE_CONFIG = """
+max_batch_size: 8
+sequence_batching {
+  oldest { max_candidate_sequences: 32 max_queue_delay_microseconds: 5000 }
+  control_input [ { name: "START" control [ { kind: CONTROL_SEQUENCE_START int32_false_true: [ 0, 1 ] } ] } ]
+  state [ { input_name: "INPUT_STATE" output_name: "OUTPUT_STATE" data_type: TYPE_INT32 dims: [ 1 ]
+            initial_state { data_type: TYPE_INT32 dims: [ 1 ] data_file: "hundred" name: "a hundred" } } ]
+}
+"""
+
 #: model -> (config, words its reason in the repository index must hold)
 REFUSED = {
     "float_corrid": (f"max_batch_size: 8 sequence_batching {{ control_input [ {CORRID.format(type='TYPE_FP32')} ] }}",
@@ -139,6 +152,20 @@ def simple_dyna_sequence_model(corrid: int = TensorProto.UINT64) -> onnx.ModelPr
                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
+def accumulate_model() -> onnx.ModelProto:
+    """OUTPUT = OUTPUT_STATE = INPUT_STATE + INPUT * (1 + START): a running sum (START counts
+    the first value twice, so that a test sees the control and the state together)."""
+    ins = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("INPUT", "START", "INPUT_STATE")]
+    outs = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("OUTPUT", "OUTPUT_STATE")]
+    one = helper.make_tensor("one", TensorProto.INT32, [], [1])
+    nodes = [helper.make_node("Add", ["START", "one"], ["times"], name="times"),
+             helper.make_node("Mul", ["INPUT", "times"], ["step"], name="step"),
+             helper.make_node("Add", ["INPUT_STATE", "step"], ["OUTPUT_STATE"], name="sum"),
+             helper.make_node("Identity", ["OUTPUT_STATE"], ["OUTPUT"], name="out")]
+    return helper.make_model(helper.make_graph(nodes, "accumulate", ins, outs, initializer=[one]),
+                             opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
 def _write(root: Path, name: str, config: str, model: onnx.ModelProto | Path) -> None:
     (root / name / "1").mkdir(parents=True)
     (root / name / "config.pbtxt").write_text(config)
@@ -159,6 +186,9 @@ def served(tmp_path_factory):
     _write(root, "short_lived", SHORT_LIVED, simple_sequence_model())
     _write(root, "gru_stream", GRU_CONFIG, GRU)
     _write(root, "simple", "max_batch_size: 8", simple_model())
+    _write(root, "accumulate", ACCUMULATE_CONFIG, accumulate_model())
+    (root / "accumulate" / "initial_state").mkdir()
+    (root / "accumulate" / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
     for name, (config, _) in REFUSED.items():
         _write(root, name, config, simple_dyna_sequence_model())
     s = start_server([], tmp_path_factory.mktemp("home"), "--model-repository", str(root), "--policy", "eager",
@@ -349,6 +379,41 @@ def test_gru_stream_keeps_its_state_across_16_concurrent_sequences(served):
     assert int(stats["model_stats"][0]["inference_stats"]["success"]["count"]) >= sum(lengths)
 
 
+def test_implicit_state_batched_across_sequences_starts_from_its_file_and_resets_at_start(served):
+    """8 sequences at once through the accumulator (state on axis 0, batched together): each
+    answer is 100 (the initial state's file) plus its sequence's running sum; a START on a
+    sequence still open, and one after its END, start again from 100."""
+    failures: list[str] = []
+
+    def run(sid: int) -> None:
+        client = grpcclient.InferenceServerClient(served.grpc) if sid % 2 else httpclient.InferenceServerClient(served.http)
+        module = grpcclient if sid % 2 else httpclient
+        try:
+            for attempt, n in enumerate((5, 3, 4)):
+                total = 100
+                for step in range(n):
+                    value = sid % 7 + step + 1
+                    total += value * (2 if step == 0 else 1)
+                    end = attempt != 0 and step == n - 1  # the first run is cut short by the next START
+                    result = client.infer("accumulate", [_int_input(module, "INPUT", value)], sequence_id=sid,
+                                          sequence_start=step == 0, sequence_end=end)
+                    got = int(result.as_numpy("OUTPUT")[0, 0])
+                    if got != total:
+                        failures.append(f"sequence {sid} run {attempt} step {step}: {got} != {total}")
+                    if result.as_numpy("OUTPUT_STATE") is not None:
+                        failures.append(f"sequence {sid}: the state output reached the client")
+        except Exception as exc:  # noqa: BLE001 - said by the test, not lost in the thread
+            failures.append(f"sequence {sid}: {exc}")
+
+    threads = [threading.Thread(target=run, args=(6000 + i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a sequence did not finish"
+    assert not failures, failures[:5]
+
+
 def test_an_idle_sequence_is_released_and_its_next_request_refused(served):
     client = httpclient.InferenceServerClient(served.http)
     client.infer("short_lived", [_int_input(httpclient, "INPUT", 1)], sequence_id=77, sequence_start=True)
@@ -389,6 +454,9 @@ def test_requests_a_sequence_model_cannot_take_are_refused_by_name(served, proto
     two.set_data_from_numpy(np.array([[1], [2]], np.int32))
     with pytest.raises(InferenceServerException, match="has a batch of 2; a request of a sequence carries one row"):
         client.infer("simple_sequence", [two], sequence_id=5, sequence_start=True)
+    # the refusals count in the model's statistics, as Triton's failures
+    stats = httpclient.InferenceServerClient(served.http).get_inference_statistics("simple_sequence")
+    assert int(stats["model_stats"][0]["inference_stats"]["fail"]["count"]) >= 4
 
 
 def test_the_server_says_it_serves_sequences(served):
@@ -399,7 +467,7 @@ def test_the_server_says_it_serves_sequences(served):
 def test_refused_configs_are_listed_with_their_reason(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
     for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "short_lived", "gru_stream",
-                 "simple"):
+                 "simple", "accumulate"):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], entries[name]

@@ -164,8 +164,7 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
     """The sequence policy of a (completed) config (a ``ModelConfig`` message), None without
     ``sequence_batching``; each field checked against the model's ``inputs`` and ``outputs`` (a
     mismatch raises :class:`SequenceConfigError` naming the field)."""
-    from staronnx.serve.proto import model_config_pb2 as mc
-
+    mc = _config_messages()
     if not config.HasField("sequence_batching"):
         return None
     sb = config.sequence_batching
@@ -263,6 +262,13 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
     return SequencePolicy(strategy, slots, idle_us / 1e6, tuple(controls), tuple(states), batched=mbs > 0)
 
 
+def _config_messages() -> Any:
+    """The generated ``model_config_pb2`` module (imported on first use: see the imports above)."""
+    from staronnx.serve.proto import model_config_pb2
+
+    return model_config_pb2
+
+
 def complete(config: Any) -> None:
     """Fill, in place, what Triton's config normalisation fills in a ``sequence_batching``
     section: the idle time, and the ``direct`` strategy where none is named."""
@@ -288,8 +294,7 @@ def _fits(declared: list[int], model: list[int]) -> bool:
 def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
     """A state's value at a sequence's start: its ``initial_state`` (zeros or a file's bytes,
     row-major), else zeros of its dims with 1 for each variable size."""
-    from staronnx.serve.proto import model_config_pb2 as mc
-
+    mc = _config_messages()
     type_name = mc.DataType.Name(st.data_type)
     if type_name == "TYPE_STRING":
         raise SequenceConfigError(f"{where}: a TYPE_STRING state is not honoured by staronnx serve (numeric states only)")
