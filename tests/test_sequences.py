@@ -186,6 +186,9 @@ def served(tmp_path_factory):
     _write(root, "short_lived", SHORT_LIVED, simple_sequence_model())
     _write(root, "gru_stream", GRU_CONFIG, GRU)
     _write(root, "simple", "max_batch_size: 8", simple_model())
+    one_slot = (SIMPLE_SEQUENCE.replace('name: "simple_sequence"', "").replace("max_batch_size: 8", "max_batch_size: 1")
+                .replace("sequence_batching {", "sequence_batching { max_sequence_idle_microseconds: 60000000"))
+    _write(root, "one_slot", one_slot, simple_sequence_model())
     _write(root, "accumulate", ACCUMULATE_CONFIG, accumulate_model())
     (root / "accumulate" / "initial_state").mkdir()
     (root / "accumulate" / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
@@ -414,6 +417,30 @@ def test_implicit_state_batched_across_sequences_starts_from_its_file_and_resets
     assert not failures, failures[:5]
 
 
+def test_a_sequence_past_the_slots_waits_in_the_backlog_until_one_ends(served):
+    """``direct`` with max_batch_size 1: one sequence at a time. A second sequence's first
+    request waits (the statistics show it in the backlog) until the first sequence ends."""
+    client = httpclient.InferenceServerClient(served.http)
+    client.infer("one_slot", [_int_input(httpclient, "INPUT", 1)], sequence_id=1, sequence_start=True)
+    second: list = []
+    waiting = threading.Thread(target=lambda: second.append(client_b.infer(
+        "one_slot", [_int_input(httpclient, "INPUT", 40)], sequence_id=2, sequence_start=True)))
+    client_b = httpclient.InferenceServerClient(served.http)
+    waiting.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sequences = client.get_inference_statistics("one_slot")["model_stats"][0]["staronnx"]["sequences"]
+        if sequences["backlog"] == 1:
+            break
+        time.sleep(0.05)
+    assert sequences == {"strategy": "direct", "slots": 1, "active": 2, "backlog": 1}, sequences
+    assert not second  # still waiting for the slot
+    result = client.infer("one_slot", [_int_input(httpclient, "INPUT", 2)], sequence_id=1, sequence_end=True)
+    assert int(result.as_numpy("OUTPUT")[0, 0]) == 2
+    waiting.join(60)
+    assert int(second[0].as_numpy("OUTPUT")[0, 0]) == 41
+
+
 def test_an_idle_sequence_is_released_and_its_next_request_refused(served):
     client = httpclient.InferenceServerClient(served.http)
     client.infer("short_lived", [_int_input(httpclient, "INPUT", 1)], sequence_id=77, sequence_start=True)
@@ -467,7 +494,7 @@ def test_the_server_says_it_serves_sequences(served):
 def test_refused_configs_are_listed_with_their_reason(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
     for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "short_lived", "gru_stream",
-                 "simple", "accumulate"):
+                 "simple", "accumulate", "one_slot"):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], entries[name]

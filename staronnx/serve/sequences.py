@@ -438,8 +438,9 @@ class Sequences:
                                                                    if s.output_name not in outputs)]
                 answer = await endpoint.run(feeds, {**datatypes, **self._datatypes}, wanted, decode_s=decode_s,
                                             classes=classes)
-                if self.policy.states:
-                    seq.states = {s.input_name: answer.outputs[s.output_name] for s in self.policy.states}
+                if self.policy.states:  # copied: an answer may be a view of a batch buffer the runtime reuses
+                    seq.states = {s.input_name: np.array(answer.outputs[s.output_name], copy=True)
+                                  for s in self.policy.states}
                     for s in self.policy.states:
                         if s.output_name in self.policy.kept or (outputs is not None and s.output_name not in outputs):
                             del answer.outputs[s.output_name]
