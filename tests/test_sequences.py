@@ -481,6 +481,14 @@ def test_requests_a_sequence_model_cannot_take_are_refused_by_name(served, proto
     two.set_data_from_numpy(np.array([[1], [2]], np.int32))
     with pytest.raises(InferenceServerException, match="has a batch of 2; a request of a sequence carries one row"):
         client.infer("simple_sequence", [two], sequence_id=5, sequence_start=True)
+    # a refused request leaves its sequence as it was: an END with a wrong datatype does not end it
+    client.infer("simple_sequence", one, sequence_id=6, sequence_start=True)
+    wrong = module.InferInput("INPUT", [1, 1], "INT64")
+    wrong.set_data_from_numpy(np.array([[1]], np.int64))
+    with pytest.raises(InferenceServerException, match="datatype 'INT64', but model 'simple_sequence' expects INT32"):
+        client.infer("simple_sequence", [wrong], sequence_id=6, sequence_end=True)
+    result = client.infer("simple_sequence", [_int_input(module, "INPUT", 7)], sequence_id=6, sequence_end=True)
+    assert int(result.as_numpy("OUTPUT")[0, 0]) == 7
     # the refusals count in the model's statistics, as Triton's failures
     stats = httpclient.InferenceServerClient(served.http).get_inference_statistics("simple_sequence")
     assert int(stats["model_stats"][0]["inference_stats"]["fail"]["count"]) >= 4

@@ -436,6 +436,14 @@ class ModelEndpoint:
                 axis = self.contract.outputs.get(name) if self.contract.batchable else None
                 outputs[name] = protocol.classify(outputs[name], k, axis, self.output_labels.get(name, self.labels))
 
+    def check(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+              outputs: Sequence[str] | None) -> None:
+        """The checks :meth:`run` makes before it submits (the outputs asked for, the inputs'
+        names, datatypes and shapes), for a caller that must refuse a request before it changes
+        anything: the sequence batcher, where a refused request leaves its sequence as it was."""
+        protocol.select_outputs(self.plan.output_names, outputs, self.name)
+        self.check_request(self._reshaped(inputs, to_model=True) if self.reshapes else inputs, datatypes)
+
     def check_request(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> int:
         """Names, datatypes, shapes against the plan; returns the request's own batch size."""
         unknown = [n for n in inputs if n not in self.inputs]

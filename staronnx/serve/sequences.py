@@ -414,11 +414,17 @@ class Sequences:
         """One request of a sequence: admitted now (in arrival order), run when its sequence's
         previous request is answered, with the control inputs and states filled in."""
         try:
-            seq = self._admit(inputs, outputs, sequence)
+            self._check(inputs, outputs, sequence)
+            assert sequence is not None
+            wanted = None if outputs is None else [*outputs, *(s.output_name for s in self.policy.states
+                                                               if s.output_name not in outputs)]
+            datatypes = {**datatypes, **self._datatypes}
+            # the whole request checked before it joins its sequence: a refused one changes nothing
+            endpoint.check(self._feeds(inputs, sequence, None), datatypes, wanted)
+            seq = self._join(sequence)
         except ProtocolError:
             endpoint.stats.refused("OTHER")
             raise
-        assert sequence is not None
         seq.queued += 1
         if seq.timer is not None:
             seq.timer.cancel()
@@ -429,15 +435,8 @@ class Sequences:
                     seq.states = None
                 if not seq.slot:
                     await self._take_slot(seq)
-                feeds = dict(inputs)
-                for c in self.policy.controls:
-                    feeds[c.name] = c.value(sequence)
-                for s in self.policy.states:
-                    feeds[s.input_name] = s.initial if seq.states is None else seq.states[s.input_name]
-                wanted = None if outputs is None else [*outputs, *(s.output_name for s in self.policy.states
-                                                                   if s.output_name not in outputs)]
-                answer = await endpoint.run(feeds, {**datatypes, **self._datatypes}, wanted, decode_s=decode_s,
-                                            classes=classes)
+                answer = await endpoint.run(self._feeds(inputs, sequence, seq.states), datatypes, wanted,
+                                            decode_s=decode_s, classes=classes)
                 if self.policy.states:  # copied: an answer may be a view of a batch buffer the runtime reuses
                     seq.states = {s.input_name: np.array(answer.outputs[s.output_name], copy=True)
                                   for s in self.policy.states}
@@ -453,9 +452,20 @@ class Sequences:
             elif seq.queued == 0 and self._active.get(seq.id) is seq:
                 seq.timer = asyncio.get_running_loop().call_later(self.policy.idle_s, self._expire, seq)
 
-    def _admit(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
-               sequence: SequenceRequest | None) -> _Sequence:
-        """The sequence a request joins (a new one at START), or the request refused, naming why."""
+    def _feeds(self, inputs: Mapping[str, np.ndarray], sequence: SequenceRequest,
+               states: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """The model's inputs for one request: the client's, the control inputs, the states
+        (``states`` None: the initial ones)."""
+        feeds = dict(inputs)
+        for c in self.policy.controls:
+            feeds[c.name] = c.value(sequence)
+        for s in self.policy.states:
+            feeds[s.input_name] = s.initial if states is None else states[s.input_name]
+        return feeds
+
+    def _check(self, inputs: Mapping[str, np.ndarray], outputs: Sequence[str] | None,
+               sequence: SequenceRequest | None) -> None:
+        """Refuse, naming why, a request that a sequence model cannot take whatever its sequence."""
         name = shown(self.model)
         if sequence is None or sequence.id is None:
             raise invalid(f"inference request to model {name} must specify a non-zero or non-empty sequence_id: it "
@@ -480,6 +490,12 @@ class Sequences:
         corrid = self.policy.corrid
         if corrid is not None:
             _check_corrid(sid, corrid, self.model)
+
+    def _join(self, sequence: SequenceRequest) -> _Sequence:
+        """The sequence a request joins (a new one at START), or the request refused: its
+        sequence was never started, has ended or was released."""
+        sid = sequence.id
+        assert sid is not None
         seq = self._active.get(sid)
         if sequence.start:
             if seq is None:
@@ -490,8 +506,8 @@ class Sequences:
         if seq is None or seq.ending:
             why = ("ended (a request with sequence_end closed it)" if seq is not None
                    else self._gone.get(sid, "was never started"))
-            raise invalid(f"inference request for sequence {_named(sid)} to model {name} must specify the START flag "
-                          f"on the first request of the sequence: sequence {_named(sid)} {why}")
+            raise invalid(f"inference request for sequence {_named(sid)} to model {shown(self.model)} must specify "
+                          f"the START flag on the first request of the sequence: sequence {_named(sid)} {why}")
         seq.ending = sequence.end
         return seq
 
