@@ -26,7 +26,15 @@ last ``sequence_end``. A config's ``sequence_batching`` says what the server doe
 What differs from Triton, on purpose: a batch is made of the rows that are ready (no READY=0
 rows for empty slots; a partial batch padded up to a ``preferred_batch_size`` repeats its last
 row, whose answer is dropped), and ``direct`` batch slots are not pinned to a row position
-(a staronnx model has no per-slot state inside it: the state lives here).
+(a staronnx model has no per-slot state inside it: the state lives here). A request is checked
+whole before it joins its sequence, so a refused one (a wrong datatype on the END request)
+leaves the sequence as it was.
+
+Where the state lives: host memory, as numpy arrays, because the runtime takes a batch's feeds
+as host arrays (:meth:`~staronnx.runtime.runtime.Runtime.submit`; its data handles are its own).
+Keeping a sequence's state as a data handle on the memory node of the worker that runs its next
+step (a GPU's, without the copy back and forth each step) needs the runtime to take and give
+handles; until then a state crosses the bus with the step's other inputs and outputs.
 
 The config side (:func:`policy_of`) checks the section against the ONNX model and refuses what
 cannot be honoured by name; the serving side (:class:`Sequences`) runs on the event loop, in
