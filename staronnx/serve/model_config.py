@@ -37,9 +37,10 @@ served as if a field meant something it does not here. What is honoured, and wha
   the model is ready; a warm-up that fails fails the load, with its reason;
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`);
 * ``sequence_batching`` (a stateful model): control inputs, implicit state, the ``direct`` and
-  ``oldest`` strategies, the idle time, checked against the model and served by
-  :mod:`staronnx.serve.sequences` (which says what it honours); a strategy's queue delay,
-  preferred batch sizes and ordering set the batcher as ``dynamic_batching``'s do.
+  ``oldest`` strategies, the idle time, each checked against the model (the guide "Serve a
+  stateful model" and :mod:`staronnx.serve.sequences` say what is honoured and how); a
+  strategy's queue delay, preferred batch sizes and ordering set the batcher as
+  ``dynamic_batching``'s do.
 
 Refused (for now, with the flag that does it where there is one): shape tensors, ragged
 batches, optional inputs, priority levels, the DELAY timeout action and per-request queue
