@@ -135,8 +135,10 @@ def check_exposure(host: str, insecure: bool, tls: bool = False) -> None:
 #: --model-repository; refused otherwise); the Ray ingress serves these too
 EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
 
-#: what ``staronnx serve`` serves besides: system shared memory (co-located clients only)
-SERVE_EXTENSIONS = [*EXTENSIONS, "system_shared_memory"]
+#: what ``staronnx serve`` serves besides: system shared memory (co-located clients only), and
+#: sequences (stateful repository models: sequence_id, sequence_start and sequence_end, over
+#: HTTP, gRPC and gRPC's ModelStreamInfer; :mod:`staronnx.serve.sequences`)
+SERVE_EXTENSIONS = [*EXTENSIONS, "sequence", "system_shared_memory"]
 
 
 def server_metadata(extensions: Sequence[str]) -> dict[str, object]:

@@ -1,6 +1,6 @@
 """The KServe v2 gRPC API on ``grpc.aio``, with stubs generated from ``proto/grpc_predict_v2.proto``
-(Triton's GRPCInferenceService: KServe's calls plus ModelConfig, ModelStatistics,
-RepositoryIndex and the system shared-memory calls (:mod:`staronnx.serve.shm`), which Triton's
+(Triton's GRPCInferenceService: KServe's calls plus the bidirectional ModelStreamInfer,
+ModelConfig, ModelStatistics, RepositoryIndex and the system shared-memory calls (:mod:`staronnx.serve.shm`), which Triton's
 tools call; RepositoryModelLoad/Unload go to model control (:mod:`staronnx.serve.control`) and
 answer FAILED_PRECONDITION where it is off, registering CUDA shared memory INVALID_ARGUMENT, the
 other Triton calls UNIMPLEMENTED).
@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from collections.abc import AsyncIterator
 from typing import Any, NoReturn, TypeAlias
 
 import grpc
@@ -47,6 +48,7 @@ from staronnx.serve.frontend import Frontend, load_or_unload
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
+from staronnx.serve.sequences import request_of
 from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_local, local_peer
 
 SERVICE = "inference.GRPCInferenceService"
@@ -176,6 +178,14 @@ class GrpcFrontend(Frontend):
         loop that every RPC shares), so it answers an undecodable request itself. Every call's
         outcome is counted; one not answered within ``--request-timeout`` is withdrawn and
         answered DEADLINE_EXCEEDED."""
+        try:
+            return await self._counted(request, context)
+        except ProtocolError as exc:
+            await _abort(context, exc)
+
+    async def _counted(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+        """:meth:`_infer`, its outcome counted, withdrawn past ``--request-timeout``; a refusal
+        raises its :class:`ProtocolError` (counted) for the caller to answer."""
         refusals = self.guard.refusals
         self.unanswered += 1
         try:
@@ -187,7 +197,7 @@ class GrpcFrontend(Frontend):
                 raise self.timed_out() from None
         except ProtocolError as exc:
             self.refused(exc)
-            await _abort(context, exc)
+            raise
         except asyncio.CancelledError:
             self.cancelled()
             raise
@@ -198,6 +208,49 @@ class GrpcFrontend(Frontend):
             self.unanswered -= 1
         refusals.outcome("grpc", "answered")
         return response
+
+    async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Ctx) -> AsyncIterator[Any]:
+        """Triton's bidirectional stream (tritonclient's ``start_stream``/``async_stream_infer``,
+        what its sequence clients use): each request read is run as :meth:`ModelInfer` runs one,
+        started in the order it came (so a sequence's requests join it in order), and its answer
+        written back as it is ready; a refused request is answered with its ``error_message`` and
+        the stream stays open. The stream ends once the client has sent its last request and
+        every answer is written; a client that leaves cancels what it had in flight."""
+        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        running: set[asyncio.Task[None]] = set()
+
+        async def one(request: Any) -> None:
+            try:
+                response = pb.ModelStreamInferResponse(infer_response=await self._counted(request, context))
+            except ProtocolError as exc:
+                response = pb.ModelStreamInferResponse(error_message=str(exc))
+                if type(request) is not _Undecodable:  # the request it answers, for the client's bookkeeping
+                    response.infer_response.id = request.id
+                    response.infer_response.model_name = request.model_name
+                    response.infer_response.model_version = request.model_version
+            await answers.put(response)
+
+        async def read() -> None:
+            try:
+                async for request in requests:
+                    task = asyncio.ensure_future(one(request))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                while running:
+                    await asyncio.wait(set(running))
+            finally:
+                answers.put_nowait(None)  # the last answer is written: the stream ends
+
+        reader = asyncio.ensure_future(read())
+        try:
+            while (answer := await answers.get()) is not None:
+                yield answer
+            if not reader.cancelled() and reader.exception() is not None:
+                raise reader.exception()  # type: ignore[misc]
+        finally:
+            reader.cancel()
+            for task in list(running):
+                task.cancel()
 
     async def _infer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
         if type(request) is _Undecodable:
@@ -220,7 +273,13 @@ class GrpcFrontend(Frontend):
         wanted = [o.name for o in request.outputs] or None
         classes = {o.name: int(o.parameters["classification"].int64_param) for o in request.outputs
                    if "classification" in o.parameters}
-        answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes)
+        try:  # a stateful model's sequence_id, sequence_start, sequence_end
+            sequence = request_of(_parameters(request.parameters)) if request.parameters else None
+        except ProtocolError:
+            model.stats.refused("OTHER")
+            raise
+        answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes,
+                                   sequence=sequence)
         t2 = time.perf_counter()
         response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
         for key, value in answer.parameters.items():
@@ -341,6 +400,15 @@ def _checked(frontend: GrpcFrontend, method: Callable[[Any, Ctx], Any]) -> Calla
     return handler
 
 
+def _held(frontend: GrpcFrontend, method: Callable[[Any, Ctx], AsyncIterator[Any]]) -> Callable[..., Any]:
+    """A streaming ``method`` held with the inference calls at the end of a shutdown."""
+    async def handler(requests: Any, context: Ctx) -> AsyncIterator[Any]:
+        await frontend.unheld.wait()
+        async for answer in method(requests, context):
+            yield answer
+    return handler
+
+
 def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
     """A grpc.aio server with the servicer, and the frontend's ``--max-body`` and limits in gRPC's
     core: at most ``--grpc-max-streams`` concurrent calls per connection (HTTP/2 SETTINGS: a
@@ -389,5 +457,10 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
             method_handler if rpc == "ModelInfer" else _checked(frontend, method_handler),
             request_deserializer=_deserializer(rpc, GetMessageClass(method.input_type)),
             response_serializer=GetMessageClass(method.output_type).SerializeToString)
+    method = service.methods_by_name["ModelStreamInfer"]
+    handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
+        _held(frontend, frontend.ModelStreamInfer),
+        request_deserializer=_deserializer("ModelStreamInfer", GetMessageClass(method.input_type)),
+        response_serializer=GetMessageClass(method.output_type).SerializeToString)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     return server

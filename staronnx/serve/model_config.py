@@ -35,13 +35,18 @@ served as if a field meant something it does not here. What is honoured, and wha
   and ``--cuda-graphs``, which every model of its shared runtime has or not);
 * ``model_warmup`` (``zero_data`` or ``random_data`` inputs): run ``count`` times at load, before
   the model is ready; a warm-up that fails fails the load, with its reason;
-* ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
+* ``parameters``: staronnx's own settings (:data:`PARAMETERS`);
+* ``sequence_batching`` (a stateful model): control inputs, implicit state, the ``direct`` and
+  ``oldest`` strategies, the idle time, each checked against the model (the guide "Serve a
+  stateful model" and :mod:`staronnx.serve.sequences` say what is honoured and how); a
+  strategy's queue delay, preferred batch sizes and ordering set the batcher as
+  ``dynamic_batching``'s do.
 
 Refused (for now, with the flag that does it where there is one): shape tensors, ragged
 batches, optional inputs, priority levels, the DELAY timeout action and per-request queue
 timeouts, instance counts and GPU lists (``--cuda-streams``, ``--groups``, ``--model-workers``),
-the other optimization settings, warm-up data from files, ``sequence_batching`` and
-``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
+the other optimization settings, warm-up data from files, ``ensemble_scheduling`` (the
+sequences-and-ensembles issue), and every other field.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ import numpy as np
 from google.protobuf import json_format, text_format
 
 from staronnx.errors import StaronnxError
-from staronnx.serve import protocol
+from staronnx.serve import protocol, sequences
 from staronnx.serve.proto import model_config_pb2 as mc
 
 CONFIG_FILE = "config.pbtxt"
@@ -80,7 +85,7 @@ PARAMETERS = {
 _HONOURED = {
     "ModelConfig": {"name", "platform", "backend", "max_batch_size", "input", "output", "dynamic_batching",
                     "version_policy", "parameters", "default_model_filename", "instance_group", "optimization",
-                    "model_warmup"},
+                    "model_warmup", "sequence_batching"},
     "ModelOptimizationPolicy": {"cuda"},
     "Cuda": {"graphs"},
     "ModelWarmup": {"name", "batch_size", "inputs", "count"},
@@ -94,6 +99,17 @@ _HONOURED = {
                          "allow_timeout_override"},
     "ModelInstanceGroup": {"name", "kind"},
     "ModelVersionPolicy": {"latest", "all", "specific"},
+    # sequence_batching: checked against the model by staronnx.serve.sequences.policy_of
+    "ModelSequenceBatching": {"max_sequence_idle_microseconds", "control_input", "state", "direct", "oldest",
+                              "iterative_sequence"},
+    "ControlInput": {"name", "control"},
+    "Control": {"kind", "int32_false_true", "fp32_false_true", "bool_false_true", "data_type"},
+    "State": {"input_name", "output_name", "data_type", "dims", "initial_state", "use_same_buffer_for_input_output",
+              "use_growable_memory"},
+    "InitialState": {"data_type", "dims", "zero_data", "data_file", "name"},
+    "StrategyDirect": {"max_queue_delay_microseconds", "minimum_slot_utilization"},
+    "StrategyOldest": {"max_candidate_sequences", "preferred_batch_size", "max_queue_delay_microseconds",
+                       "preserve_ordering"},
 }
 
 #: what to do instead, for the refused fields a user is likeliest to write
@@ -101,7 +117,6 @@ _INSTEAD = {
     "count": "staronnx places every task on the CPU group or CUDA stream its policy picks: give the workers "
              "with --groups and --cuda-streams, a model's with --model-workers",
     "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
-    "sequence_batching": "sequences are the subject of the sequences-and-ensembles issue",
     "ensemble_scheduling": "ensembles are the subject of the sequences-and-ensembles issue",
     "graph": "ONNX Runtime's graph optimization level is its own",
     "input_data_file": "give zero_data or random_data",
@@ -149,6 +164,9 @@ class ModelSettings:
     cuda_graphs: bool | None = None
     #: tensor name -> (the client's dims, the model's), without the batch: the config's reshapes
     reshapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: sequence_batching checked against the model (a :class:`~staronnx.serve.sequences.SequencePolicy`),
+    #: set where the model is loaded; None: not a stateful model
+    sequence: Any = None
 
 
 def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
@@ -188,6 +206,18 @@ def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     """The config as Triton's JSON form (what ``get_model_config`` answers over HTTP), dims and
     versions as numbers (protobuf's JSON writes 64-bit integers as strings)."""
     doc = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    sb = doc.get("sequence_batching")
+    if sb is not None:  # 64-bit integers as numbers, as elsewhere
+        for key in ("max_sequence_idle_microseconds",):
+            if key in sb:
+                sb[key] = int(sb[key])
+        for strategy in ("direct", "oldest"):
+            if "max_queue_delay_microseconds" in sb.get(strategy, {}):
+                sb[strategy]["max_queue_delay_microseconds"] = int(sb[strategy]["max_queue_delay_microseconds"])
+        for state in sb.get("state", []):
+            state["dims"] = [int(d) for d in state.get("dims", [])]
+            for init in state.get("initial_state", []):
+                init["dims"] = [int(d) for d in init.get("dims", [])]
     for tensor in (*doc.get("input", []), *doc.get("output", [])):
         tensor["dims"] = [int(d) for d in tensor.get("dims", [])]
         if "reshape" in tensor:
@@ -292,7 +322,10 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
     def served_dims(t: TensorSpec) -> list[int]:
         return list(t.dims[1:]) if mbs > 0 else list(t.dims)
 
-    for kind, declared, actual in (("input", out.input, inputs), ("output", out.output, outputs)):
+    sequences.complete(out)
+    hidden = sequences.hidden_tensors(out)  # filled or kept by the server: not the clients' tensors
+    for kind, declared, actual, server_side in (("input", out.input, inputs, hidden[0]),
+                                                ("output", out.output, outputs, hidden[1])):
         by_name = {t.name: t for t in actual}
         given = {t.name for t in declared}
         for t in declared:
@@ -319,7 +352,7 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
             if not t.dims:
                 t.dims.extend(want)
         for t in actual:  # the ones the config leaves out
-            if t.name not in given:
+            if t.name not in given and t.name not in server_side:
                 entry = declared.add()
                 entry.name, entry.data_type = t.name, mc.DataType.Value(t.data_type)
                 entry.dims.extend(served_dims(t))
@@ -334,6 +367,18 @@ def _dims_fit(declared: list[int], model: list[int]) -> bool:
 def settings(config: mc.ModelConfig) -> ModelSettings:
     """What an (honoured, completed) config asks of the batcher, the plan and the target."""
     out = ModelSettings(max_batch_size=config.max_batch_size)
+    if config.HasField("sequence_batching"):  # its strategy's batching settings, as dynamic_batching's
+        sb = config.sequence_batching
+        strategy = sb.oldest if sb.HasField("oldest") else sb.direct
+        out.max_delay = strategy.max_queue_delay_microseconds / 1e6
+        if sb.HasField("oldest"):
+            out.preserve_ordering = sb.oldest.preserve_ordering
+            if sb.oldest.preferred_batch_size:
+                sizes = sorted(set(sb.oldest.preferred_batch_size))
+                if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):
+                    raise ConfigError(f"sequence_batching.oldest.preferred_batch_size {sizes} must lie between 1 and "
+                                      f"max_batch_size ({config.max_batch_size})")
+                out.pad_to = tuple(sizes)
     if config.HasField("dynamic_batching"):
         db = config.dynamic_batching
         out.max_delay = db.max_queue_delay_microseconds / 1e6

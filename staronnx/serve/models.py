@@ -45,6 +45,7 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_statistics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
+from staronnx.serve.sequences import SequencePolicy, SequenceRequest, Sequences
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 from staronnx.serving.spec import ServeSpec
 from staronnx.serving.window import inflight_from_models
@@ -82,6 +83,8 @@ class Declared:
     preserve_ordering: bool = False
     #: seconds a request may wait for its batch before it is rejected (None: as long as it takes)
     queue_timeout: float | None = None
+    #: a stateful model's sequence_batching (:class:`~staronnx.serve.sequences.SequencePolicy`), or None
+    sequence: SequencePolicy | None = None
 
 
 @dataclass
@@ -210,6 +213,9 @@ class ModelEndpoint:
         self._last_answer: asyncio.Future[None] | None = None
         #: a config's default_queue_policy timeout (REJECT): seconds a request may wait for its batch
         self.queue_timeout = declared.queue_timeout if declared is not None else None
+        #: a stateful model's sequence batcher (its requests go through it to :meth:`run`)
+        self.sequences = (Sequences(name, declared.sequence) if declared is not None and declared.sequence is not None
+                          else None)
         if declared is not None and declared.preserve_ordering:
             self.infer = self._infer_in_order  # type: ignore[method-assign]
         self.ready = True
@@ -250,8 +256,11 @@ class ModelEndpoint:
 
     def metadata(self) -> dict[str, Any]:
         """The v2 model metadata: datatypes and shapes, ``-1`` for a dynamic dimension."""
+        hidden = (self.sequences.policy.filled | self.sequences.policy.kept) if self.sequences is not None else ()
+
         def tensors(specs: Sequence[Any], types: Mapping[str, str]) -> list[dict[str, Any]]:
-            return [{"name": t.name, "datatype": types[t.name], "shape": self._client_shape(t)} for t in specs]
+            return [{"name": t.name, "datatype": types[t.name], "shape": self._client_shape(t)} for t in specs
+                    if t.name not in hidden]
 
         return {"name": self.name, "versions": self.versions,
                 "platform": "staronnx" if self.declared is None else "onnxruntime_onnx",
@@ -360,7 +369,10 @@ class ModelEndpoint:
         for key in ("version_policy", "default_model_filename"):
             if key in declared:
                 out[key] = declared[key]
-        if "dynamic_batching" in out:  # the config's ordering and queue policy, with the batching as served
+        if "sequence_batching" in declared:  # a stateful model: its sequence batcher, not the dynamic one
+            out.pop("dynamic_batching", None)
+            out["sequence_batching"] = declared["sequence_batching"]
+        elif "dynamic_batching" in out:  # the config's ordering and queue policy, with the batching as served
             out["dynamic_batching"] = {**declared.get("dynamic_batching", {}), **out["dynamic_batching"]}
         return out
 
@@ -413,7 +425,8 @@ class ModelEndpoint:
                 "latency_target_ms": None if self.latency_target is None else self.latency_target * 1e3,
                 "deadline_misses": s["deadline_misses"], "busy": workers,
                 # the workers holding a session of it (--model-workers), all of them by default
-                "held_by": held_by}
+                "held_by": held_by,
+                **({"sequences": self.sequences.describe()} if self.sequences is not None else {})}
 
     def classify(self, outputs: dict[str, np.ndarray], classes: Mapping[str, int]) -> None:
         """Triton's classification extension: each output asked for with ``classification: k``
@@ -422,6 +435,14 @@ class ModelEndpoint:
             if name in outputs and k:
                 axis = self.contract.outputs.get(name) if self.contract.batchable else None
                 outputs[name] = protocol.classify(outputs[name], k, axis, self.output_labels.get(name, self.labels))
+
+    def check(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+              outputs: Sequence[str] | None) -> None:
+        """The checks :meth:`run` makes before it submits (the outputs asked for, the inputs'
+        names, datatypes and shapes), for a caller that must refuse a request before it changes
+        anything: the sequence batcher, where a refused request leaves its sequence as it was."""
+        protocol.select_outputs(self.plan.output_names, outputs, self.name)
+        self.check_request(self._reshaped(inputs, to_model=True) if self.reshapes else inputs, datatypes)
 
     def check_request(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str]) -> int:
         """Names, datatypes, shapes against the plan; returns the request's own batch size."""
@@ -443,14 +464,16 @@ class ModelEndpoint:
 
     async def _infer_in_order(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                               outputs: Sequence[str] | None, *, decode_s: float = 0.0,
-                              classes: Mapping[str, int] | None = None) -> Answer:
+                              classes: Mapping[str, int] | None = None,
+                              sequence: SequenceRequest | None = None) -> Answer:
         """:meth:`infer`, each answer (or refusal) held until the request before it is answered:
         Triton's ``preserve_ordering`` (a later request may finish first on another worker)."""
         previous, mine = self._last_answer, asyncio.get_running_loop().create_future()
         self._last_answer = mine
         try:
             try:
-                return await ModelEndpoint.infer(self, inputs, datatypes, outputs, decode_s=decode_s, classes=classes)
+                return await ModelEndpoint.infer(self, inputs, datatypes, outputs, decode_s=decode_s, classes=classes,
+                                                 sequence=sequence)
             finally:
                 if previous is not None and not previous.done():
                     await asyncio.shield(previous)
@@ -460,7 +483,18 @@ class ModelEndpoint:
 
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, *, decode_s: float = 0.0,
-                    classes: Mapping[str, int] | None = None) -> Answer:
+                    classes: Mapping[str, int] | None = None, sequence: SequenceRequest | None = None) -> Answer:
+        """One protocol request (already decoded): :meth:`run`, through the sequence batcher for a
+        stateful model (``sequence``: the request's sequence parameters, which a model without
+        ``sequence_batching`` ignores, as Triton's dynamic batcher does)."""
+        if self.sequences is not None:
+            return await self.sequences.infer(self, inputs, datatypes, outputs, sequence, decode_s=decode_s,
+                                              classes=classes)
+        return await self.run(inputs, datatypes, outputs, decode_s=decode_s, classes=classes)
+
+    async def run(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+                  outputs: Sequence[str] | None, *, decode_s: float = 0.0,
+                  classes: Mapping[str, int] | None = None) -> Answer:
         """Run one protocol request (already decoded) through the batcher: its outputs by name
         and, for a one-sample request, its batch (see the module docstring).
 

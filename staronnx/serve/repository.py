@@ -29,6 +29,7 @@ from typing import Any
 
 from staronnx.errors import StaronnxError
 from staronnx.serve import model_config as mcfg
+from staronnx.serve import sequences
 
 #: where plans made from repository models are kept, under $STARONNX_HOME
 CACHE_DIR = "repository-plans"
@@ -109,6 +110,10 @@ def _load_version(name: str, folder: Path, version: int, filename: str, config: 
     except mcfg.ConfigError as exc:
         raise mcfg.ConfigError(f"version {version}: {exc}") from None
     settings = mcfg.settings(effective)
+    try:  # a stateful model: its sequence_batching checked against the graph
+        settings.sequence = sequences.policy_of(effective, inputs, outputs, folder)
+    except sequences.SequenceConfigError as exc:
+        raise mcfg.ConfigError(f"version {version}: {exc}") from None
     if settings.max_batch_size == 0 and contract.batchable:
         plan.set_batching([], batching=False)  # Triton's non-batching model: each request alone
     labels = {}
@@ -162,7 +167,8 @@ def declared(found: RepositoryModel) -> Any:
     from staronnx.serve.models import Declared
 
     s = found.settings
-    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering, s.queue_timeout)
+    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering, s.queue_timeout,
+                    s.sequence)
 
 
 def warm(found: RepositoryModel, runtime: Any) -> int:
