@@ -26,8 +26,8 @@ What CI changes, all of it listed here so that the pages read as users need them
 * :data:`SHORTER`: option values per ``staronnx`` subcommand (fewer rates and batch sizes,
   shorter durations), replaced where the page gives them (unless given per model, ``a=...``),
   added where it does not;
-* the ports 8000, 8001 and 8002 (after ``localhost:``, ``127.0.0.1:`` or ``-port``) become free
-  ports, per page.
+* the ports 8000, 8001 and 8002, and 8010-8012 for a page's second server (after
+  ``localhost:``, ``127.0.0.1:`` or ``-port``) become free ports, per page.
 
 A failing command fails the test with its page and line number, the command as run, its exit
 code and the tail of its output. No command may print a traceback, nor the warning that a
@@ -209,12 +209,12 @@ def free_port() -> int:
 
 
 def port_map() -> dict[str, str]:
-    """The pages' ports 8000 (HTTP), 8001 (gRPC) and 8002 (metrics) -> free ports, so that pages
-    run side by side and beside other tests."""
-    return {str(p): str(free_port()) for p in (8000, 8001, 8002)}
+    """The pages' ports 8000 (HTTP), 8001 (gRPC) and 8002 (metrics), and 8010-8012 (a second
+    server on the same page) -> free ports, so that pages run side by side and beside other tests."""
+    return {str(p): str(free_port()) for p in (8000, 8001, 8002, 8010, 8011, 8012)}
 
 
-_PORT = re.compile(r"(?:(?<=localhost:)|(?<=127\.0\.0\.1:)|(?<=-port )|(?<=-port=))(800[0-2])\b")
+_PORT = re.compile(r"(?:(?<=localhost:)|(?<=127\.0\.0\.1:)|(?<=-port )|(?<=-port=))(80[01][0-2])\b")
 
 
 def ci_ports(text: str, ports: dict[str, str] | None) -> str:
