@@ -246,7 +246,7 @@ def serve_cmd(
             continue  # loaded on request
         stamps[model_name] = folder_stamp(folder)
         try:
-            found = repository.load(model_name, folder, batch_size)
+            found = repository.load(model_name, folder, batch_size, folders=dict(in_repository))
             wants = repository.workers_for(found, cuda_streams, separate_runtimes, cuda_graphs)
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
@@ -370,7 +370,8 @@ def serve_cmd(
         def open_later(model_name: str, folder: Path, config: str | None) -> ModelEndpoint:
             """A repository model loaded while serving (every version its policy selects, the latest
             answering under its name)."""
-            found = repository.load(model_name, folder, batch_size, override=config)
+            found = repository.load(model_name, folder, batch_size, override=config,
+                                    folders=dict(repository.scan(model_repository or [])))
             opened: list[ModelEndpoint] = []
             try:
                 for version in (found, *found.older):

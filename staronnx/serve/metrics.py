@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter as _Tally
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -279,6 +279,10 @@ class ServeMetrics:
             ["model"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
             registry=self.registry)
 
+        #: member name -> ensemble name -> the member's counts from its runs inside that ensemble's
+        #: task graph (a one-task-graph ensemble registers them; the member's statistics add them)
+        self.composing: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
+
     def add(self, model: ServedModel) -> None:
         self.collector.models.append(model)
 
@@ -286,3 +290,12 @@ class ServeMetrics:
         """Stop reporting ``model`` (unloaded, or replaced by a reload)."""
         if model in self.collector.models:
             self.collector.models.remove(model)
+
+    def served(self, name: str) -> list[Any]:
+        """The served models named ``name`` (each version served is one), in the order they were
+        added: where a step-by-step ensemble finds its members."""
+        return [m for m in self.collector.models if m.name == name]
+
+    def composed_into(self, member: str) -> list[dict[str, Any]]:
+        """``member``'s counts from every ensemble whose task graph runs it (see :attr:`composing`)."""
+        return [snapshot() for snapshot in list(self.composing.get(member, {}).values())]
