@@ -70,6 +70,7 @@ ensemble_scheduling { step [
   { model_name: "unet_seg" input_map { key: "image" value: "IMAGE" } output_map { key: "logits" value: "LOGITS" } },
   { model_name: "text_mask" input_map { key: "logits" value: "LOGITS" } output_map { key: "prob" value: "PROB" } }
 ] }
+parameters { key: "input_shapes" value: { string_value: "RAW=1x32x32x3" } }
 """
 
 #: ensemble -> config

@@ -109,6 +109,7 @@ def compose(members: Sequence[Member], inputs: Sequence[str], outputs: Sequence[
                                  target_share=round(part.cost_us / total, 6), sha256=part_sha256(path)))
         crossing = [replace(spec, producer=p, consumers=sorted(set(consumers[n])))
                     for n, (p, spec) in producers.items() if n in consumers]
+        recorded = _input_shapes(members, inputs, shapes)
         plan = Plan(
             root=directory,
             parts=parts,
@@ -120,7 +121,8 @@ def compose(members: Sequence[Member], inputs: Sequence[str], outputs: Sequence[
             source={"members": [{"label": m.label, "plan": m.plan.hash, "sha256": m.plan.source.get("sha256")}
                                 for m in members],
                     "sha256": _digest([m.plan.hash for m in members])},
-            settings=dict(settings),
+            settings={**dict(settings), **({"input_shapes": {**recorded, **settings.get("input_shapes", {})}}
+                                           if recorded or settings.get("input_shapes") else {})},
             cost_source=",".join(sorted({m.plan.cost_source for m in members if m.plan.cost_source})),
         )
         plan.hash = plan.compute_hash()
@@ -180,6 +182,24 @@ def _shaped(spec: TensorSpec, shapes: Mapping[str, Sequence[int | str | None]] |
         return spec
     shape = [g if isinstance(g, int) and g > 0 and not isinstance(d, int) else d for d, g in zip(spec.shape, given)]
     return replace(spec, shape=shape)
+
+
+def _input_shapes(members: Sequence[Member], inputs: Sequence[str],
+                  shapes: Mapping[str, Sequence[int | str | None]] | None) -> dict[str, list[int]]:
+    """The sizes recorded for each composed input's dynamic dimensions (what ``calibrate`` and
+    ``simulate`` size a plan's inputs with): its first reader's, with the caller's fixed sizes
+    over them."""
+    out: dict[str, list[int]] = {}
+    for name in inputs:
+        for m in members:
+            member_input = next((k for k, v in m.names.items() if v == name and k in m.plan.input_names), None)
+            dims = m.plan.settings.get("input_shapes", {}).get(member_input) if member_input else None
+            if dims is not None:
+                given = list((shapes or {}).get(name) or [])
+                out[name] = [int(g) if i < len(given) and isinstance(g := given[i], int) and g > 0 else int(d)
+                             for i, d in enumerate(dims)]
+                break
+    return out
 
 
 def _digest(items: Sequence[str]) -> str:

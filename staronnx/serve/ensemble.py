@@ -62,6 +62,8 @@ HONOURED = {"name", "platform", "max_batch_size", "input", "output", "ensemble_s
 
 #: the staronnx parameters an ensemble takes
 PARAMETERS = {
+    "input_shapes": "NAME=D1xD2x...;... sizes of the ensemble inputs' dynamic dimensions that calibrate and simulate "
+                    "size its plan with (default: its members')",
     "ensemble_mode": "graph (one task graph per batch, the default) or steps (each step its own request, as Triton)",
     "slo_ms": mcfg.PARAMETERS["slo_ms"],
     "priority": mcfg.PARAMETERS["priority"],
@@ -259,13 +261,13 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
                 t = declared[tensor]
                 theirs = tensors[member_name]
                 if mc.DataType.Name(t.data_type) != theirs["data_type"]:
-                    raise mcfg.ConfigError(f"ensemble tensor {tensor!r} is {mc.DataType.Name(t.data_type)}, but step "
-                                           f"{step.model_name!r}'s {kind} {member_name!r} is {theirs['data_type']}")
+                    raise mcfg.ConfigError(f"ensemble tensor {tensor!r} is {mc.DataType.Name(t.data_type)}, but {kind} "
+                                           f"{member_name!r} of step {step.model_name!r} is {theirs['data_type']}")
                 ours = _full_dims(list(t.dims), mbs)
                 member = _full_dims(list(theirs.get("dims", [])), member_mbs)
                 if not _fits(ours, member):
                     raise mcfg.ConfigError(f"ensemble tensor {tensor!r} has dims {ours} (batch included), which do "
-                                           f"not fit step {step.model_name!r}'s {kind} {member_name!r} {member}")
+                                           f"not fit {kind} {member_name!r} of step {step.model_name!r}: {member}")
     produced: dict[str, tuple[str, str]] = {}
     for step, m in zip(spec.steps, members):
         outs = {t["name"]: t for t in m.config.get("output", [])}
@@ -313,11 +315,23 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
         version = importlib.metadata.version("staronnx")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    settings = {"ensemble": spec.name,
+    settings: dict[str, Any] = {"ensemble": spec.name,
                 "steps": [{"label": label, "model": s.model_name, "version": m.version, "parts": m.plan.k,
                            "input_map": dict(sorted(s.input_map.items())),
                            "output_map": dict(sorted(s.output_map.items()))}
                           for label, s, m in zip(labels, spec.steps, members)]}
+    if "input_shapes" in config.parameters:
+        try:
+            given = dict(_shape_item(item) for item in config.parameters["input_shapes"].string_value.split(";")
+                         if item.strip())
+        except ValueError:
+            raise mcfg.ConfigError("parameter input_shapes reads NAME=D1xD2x...;NAME=... (sizes as numbers), got "
+                                   f"{config.parameters['input_shapes'].string_value!r}") from None
+        unknown = sorted(set(given) - set(spec.inputs))
+        if unknown:
+            raise mcfg.ConfigError(f"parameter input_shapes names {unknown}, which are not inputs of the ensemble "
+                                   f"({', '.join(spec.inputs)})")
+        settings["input_shapes"] = {n: [int(d) for d in dims] for n, dims in sorted(given.items())}
     keyed = {"staronnx": version, "plans": [m.plan.hash for m in members], "inputs": list(spec.inputs),
              "outputs": list(spec.outputs), "shapes": shapes, **settings}
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:32]
@@ -353,6 +367,11 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
             "a classifier), serve the ensemble with max_batch_size: 0 (each request its own task graph, the counts "
             "flowing through as shapes); a host task that re-batches between members is not built")
     return plan
+
+
+def _shape_item(item: str) -> tuple[str, list[int]]:
+    name, _, dims = item.strip().partition("=")
+    return name.strip(), [int(d) for d in dims.lower().split("x")]
 
 
 def member_parts(plan: Any) -> dict[str, tuple[int, ...]]:
