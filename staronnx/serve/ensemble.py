@@ -42,7 +42,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -115,7 +115,7 @@ class EnsembleSpec:
 
 def is_ensemble(config: mc.ModelConfig) -> bool:
     """Whether a config describes an ensemble (its platform, or its ensemble_scheduling)."""
-    return config.platform == PLATFORM or config.HasField("ensemble_scheduling")
+    return bool(config.platform == PLATFORM or config.HasField("ensemble_scheduling"))
 
 
 def read(config: mc.ModelConfig, name: str) -> EnsembleSpec:
@@ -270,16 +270,16 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
                                            f"not fit {kind} {member_name!r} of step {step.model_name!r}: {member}")
     produced: dict[str, tuple[str, str]] = {}
     for step, m in zip(spec.steps, members):
-        outs = {t["name"]: t for t in m.config.get("output", [])}
+        out_specs = {t["name"]: t for t in m.config.get("output", [])}
         for member_name, tensor in step.output_map.items():
-            produced[tensor] = (step.model_name, outs[member_name]["data_type"])
+            produced[tensor] = (step.model_name, out_specs[member_name]["data_type"])
     for step, m in zip(spec.steps, members):
-        ins = {t["name"]: t for t in m.config.get("input", [])}
+        in_specs = {t["name"]: t for t in m.config.get("input", [])}
         for member_name, tensor in step.input_map.items():
-            if tensor in produced and produced[tensor][1] != ins[member_name]["data_type"]:
+            if tensor in produced and produced[tensor][1] != in_specs[member_name]["data_type"]:
                 raise mcfg.ConfigError(f"ensemble tensor {tensor!r} is {produced[tensor][1]} as step "
                                        f"{produced[tensor][0]!r} produces it, but step {step.model_name!r} reads it "
-                                       f"as {ins[member_name]['data_type']}")
+                                       f"as {in_specs[member_name]['data_type']}")
 
 
 def _full_dims(dims: list[int], mbs: int) -> list[int]:
@@ -408,5 +408,3 @@ def composing_snapshot(ensemble: Mapping[str, Any], tasks: Mapping[str, Mapping[
     out["infer_us"] = out["request_us"] = infer_us
     return out
 
-
-Lookup = Callable[[str, str | None], Any]

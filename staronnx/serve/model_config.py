@@ -35,13 +35,15 @@ served as if a field meant something it does not here. What is honoured, and wha
   and ``--cuda-graphs``, which every model of its shared runtime has or not);
 * ``model_warmup`` (``zero_data`` or ``random_data`` inputs): run ``count`` times at load, before
   the model is ready; a warm-up that fails fails the load, with its reason;
-* ``parameters``: staronnx's own settings (:data:`PARAMETERS`).
+* ``parameters``: staronnx's own settings (:data:`PARAMETERS`);
+* ``platform: "ensemble"`` with ``ensemble_scheduling``: the steps' members composed into one
+  task graph (:mod:`staronnx.serve.ensemble`, the guide *Serve a pipeline*).
 
 Refused (for now, with the flag that does it where there is one): shape tensors, ragged
 batches, optional inputs, priority levels, the DELAY timeout action and per-request queue
 timeouts, instance counts and GPU lists (``--cuda-streams``, ``--groups``, ``--model-workers``),
-the other optimization settings, warm-up data from files, ``sequence_batching`` and
-``ensemble_scheduling`` (the sequences-and-ensembles issue), and every other field.
+the other optimization settings, warm-up data from files, ``sequence_batching`` (the
+sequences-and-ensembles issue), and every other field.
 """
 
 from __future__ import annotations
@@ -102,7 +104,7 @@ _INSTEAD = {
              "with --groups and --cuda-streams, a model's with --model-workers",
     "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
     "sequence_batching": "sequences are the subject of the sequences-and-ensembles issue",
-    "ensemble_scheduling": "ensembles are the subject of the sequences-and-ensembles issue",
+    "ensemble_scheduling": 'an ensemble is served with platform: "ensemble"',
     "graph": "ONNX Runtime's graph optimization level is its own",
     "input_data_file": "give zero_data or random_data",
 }
