@@ -631,7 +631,8 @@ class ModelEndpoint:
         if not served:
             raise ProtocolError("unavailable", f"ensemble {self.name!r}: its step {step.model_name!r} is not served "
                                                "now (load it: a step-by-step ensemble sends its steps to its members)")
-        return max(served, key=lambda m: int(m.version) if m.version.isdigit() else 0)
+        latest: ModelEndpoint = max(served, key=lambda m: int(m.version) if m.version.isdigit() else 0)
+        return latest
 
     def _parameters(self, futures: Sequence[RequestFuture]) -> dict[str, int | str]:
         """:func:`_batch_parameters`, formatted once per batch: a batch's requests are answered one
