@@ -13,6 +13,10 @@ post-processing members written here with onnx.helper:
 * ``seg_pipeline``: ``preprocess`` (uint8 HWC images to normalised float CHW) -> ``unet_seg``
   -> ``text_mask``: every member batches, so the ensemble does (``max_batch_size: 4``), its
   requests batched together (per image size) and each batch run through all three members.
+* ``detect_segment``: ``detector_nms`` (its detections' count depends on the image, zero
+  included) -> ``crop`` (RoiAlign: one 32x32 crop per box) -> ``unet_seg`` (the crops as its
+  batch): a step whose output count varies per request. With ``max_batch_size: 0`` each request
+  is its own task graph and the count flows through as a shape.
 
 :func:`reference` answers a request by running the members in turn through ONNX Runtime:
 what every served answer must equal.
@@ -203,3 +207,69 @@ def text_image(rng: np.random.Generator, batch: int, width: int) -> np.ndarray:
 def raw_image(rng: np.random.Generator, batch: int, height: int, width: int) -> np.ndarray:
     """A request for ``seg_pipeline``: uint8 ``[batch, height, width, 3]`` (sizes multiples of 4)."""
     return rng.integers(0, 256, size=(batch, height, width, 3), dtype=np.uint8)
+
+
+def crop() -> onnx.ModelProto:
+    """An image ``[1, 3, H, W]`` and boxes ``[num_det, 4]`` (x1, y1, x2, y2 in pixels) -> each
+    box's crop resampled to ``[num_det, 3, 32, 32]`` (RoiAlign): a variable count per request."""
+    nodes = [
+        helper.make_node("Shape", ["boxes"], ["boxes_shape"]),
+        helper.make_node("Slice", ["boxes_shape", "zero", "one"], ["count"]),
+        helper.make_node("ConstantOfShape", ["count"], ["batch_indices"],
+                         value=helper.make_tensor("v", TensorProto.INT64, [1], [0])),
+        helper.make_node("RoiAlign", ["image", "boxes", "batch_indices"], ["crops"], output_height=32,
+                         output_width=32, sampling_ratio=2, spatial_scale=1.0),
+    ]
+    inits = [helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+             helper.make_tensor("one", TensorProto.INT64, [1], [1])]
+    graph = helper.make_graph(
+        nodes, "crop",
+        [helper.make_tensor_value_info("image", TensorProto.FLOAT, [1, 3, "height", "width"]),
+         helper.make_tensor_value_info("boxes", TensorProto.FLOAT, ["num_det", 4])],
+        [helper.make_tensor_value_info("crops", TensorProto.FLOAT, ["num_det", 3, 32, 32])], inits)
+    return helper.make_model(graph, opset_imports=OPSET, ir_version=8)
+
+
+BUILT["crop"] = crop
+MEMBERS.update({"detector_nms": "max_batch_size: 0", "crop": "max_batch_size: 0"})
+
+#: detector -> crops -> segmenter: a step whose output count varies per request (each request
+#: its own task graph: max_batch_size 0, the count flowing through as a shape)
+DETECT_SEGMENT = """
+name: "detect_segment"
+platform: "ensemble"
+max_batch_size: 0
+input [ { name: "IMAGE" data_type: TYPE_FP32 dims: [ 1, 3, -1, -1 ] } ]
+output [ { name: "BOXES" data_type: TYPE_FP32 dims: [ -1, 4 ] },
+         { name: "MASKS" data_type: TYPE_FP32 dims: [ -1, 2, 32, 32 ] } ]
+ensemble_scheduling { step [
+  { model_name: "detector_nms" input_map { key: "image" value: "IMAGE" } output_map { key: "boxes" value: "BOXES" } },
+  { model_name: "crop" input_map { key: "image" value: "IMAGE" } input_map { key: "boxes" value: "BOXES" }
+    output_map { key: "crops" value: "CROPS" } },
+  { model_name: "unet_seg" input_map { key: "image" value: "CROPS" } output_map { key: "logits" value: "MASKS" } }
+] }
+"""
+ENSEMBLES["detect_segment"] = DETECT_SEGMENT
+
+
+def detect_segment_reference(ref: "Reference", image: np.ndarray) -> dict[str, np.ndarray]:
+    """detect_segment's members in turn through ORT."""
+    boxes = ref.run("detector_nms", {"image": image})["boxes"]
+    crops = ref.run("crop", {"image": image, "boxes": boxes})["crops"]
+    return {"BOXES": boxes, "MASKS": ref.run("unet_seg", {"image": crops})["logits"]}
+
+
+def scene(height: int = 192, width: int = 256) -> np.ndarray:
+    """The detector's reference scene (``models/real/detector_nms.npz``) or, at another size,
+    coloured rectangles on a dark noisy background (about as many detections per area)."""
+    data = np.load(REAL / "detector_nms.npz")
+    image = data["in:image"].astype(np.float32)
+    if image.shape[2:] == (height, width):
+        return image
+    rng = np.random.default_rng(height * 1000 + width)
+    out = (rng.standard_normal((1, 3, height, width)) * 0.05).astype(np.float32)
+    for _ in range(max(1, height * width // 4000)):
+        h, w = int(rng.integers(40, 80)), int(rng.integers(40, 80))
+        y, x = int(rng.integers(0, max(1, height - h))), int(rng.integers(0, max(1, width - w)))
+        out[0, :, y:y + h, x:x + w] = rng.uniform(0.5, 1.0, size=(3, 1, 1))
+    return out

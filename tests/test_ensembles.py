@@ -82,6 +82,9 @@ REFUSED = {
                     "max_batch_size: 4").replace("dims: [ -1, 3, 32, -1 ]", "dims: [ 3, 32, -1 ]")
                     .replace("dims: [ -1, -1 ]", "dims: [ -1 ]").replace("dims: [ -1, 1, 32, -1 ]", "dims: [ 1, 32, -1 ]"),
                     "its step 'crnn_ocr' does not batch (max_batch_size 0)"),
+    "batched_detector": (er.DETECT_SEGMENT.replace('"detect_segment"', '"batched_detector"').replace(
+                         "max_batch_size: 0", "max_batch_size: 2").replace("dims: [ 1, 3, -1, -1 ]", "dims: [ 3, -1, -1 ]"),
+                         "its step 'detector_nms' does not batch (max_batch_size 0)"),
     "wrong_type": (_ensemble("wrong_type", [SEG, MASK], inputs='input [ { name: "IMAGE" data_type: TYPE_INT32 '
                                                                 'dims: [ -1, 3, 32, -1 ] } ]'),
                    "ensemble tensor 'IMAGE' is TYPE_INT32, but input 'image' of step 'unet_seg' is TYPE_FP32"),
@@ -93,6 +96,14 @@ REFUSED = {
     "with_instances": (_ensemble("with_instances", [SEG, MASK], extra="instance_group [ { kind: KIND_CPU } ]"),
                        "config field instance_group is not honoured for an ensemble"),
 }
+
+#: unet_seg cut in two by its own config: inside an ensemble it keeps its two parts
+SPLIT = """
+max_batch_size: 8
+parameters { key: "parts" value: { string_value: "2" } }
+parameters { key: "partition_method" value: { string_value: "linear" } }
+parameters { key: "input_shapes" value: { string_value: "image=1x3x32x32" } }
+"""
 
 STATEFUL = """
 max_batch_size: 8
@@ -110,6 +121,9 @@ def repo(tmp_path_factory) -> Path:
     for name, (config, _) in REFUSED.items():
         er.write_model_folder_only(root, name, config)
     er.write_model(root, "stateful", STATEFUL, er.REAL / "gru_stream.onnx")
+    er.write_model(root, "unet_split", SPLIT, er.REAL / "unet_seg.onnx")
+    er.write_model_folder_only(root, "split_pipeline", er.SEG_PIPELINE.replace('"seg_pipeline"', '"split_pipeline"')
+                               .replace('model_name: "unet_seg"', 'model_name: "unet_split"'))
     return root
 
 
@@ -181,7 +195,8 @@ def _many_clients(served, reference, model: str, clients: int = 16, requests: in
 
 def test_index_lists_the_ensembles_and_refuses_each_bad_one_by_name(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
-    for name in ("text_reader", "text_reader_steps", "seg_pipeline", *er.MEMBERS):
+    for name in ("text_reader", "text_reader_steps", "seg_pipeline", "detect_segment", "split_pipeline", "unet_split",
+                 *er.MEMBERS):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], (name, entries[name])
@@ -200,6 +215,40 @@ def test_a_batched_ensemble_answers_as_ort_in_turn_under_16_clients(served, refe
     samples = sum((1 + (i % 2)) * 3 for i in range(16))
     assert after["inference_count"] - before["inference_count"] == samples
     assert 0 < after["execution_count"] - before["execution_count"] <= samples
+
+
+def test_a_step_whose_output_count_varies_per_request_flows_through_as_a_shape(served, reference):
+    """detector_nms -> crop -> unet_seg: each request its own task graph, its detections (19 to
+    60-odd, or none) the crops' batch; answers equal to the members run in turn through ORT."""
+    sizes = [(192, 256), (160, 224), (320, 320), (96, 128)]
+    failures: list[str] = []
+
+    def client(i: int) -> None:
+        try:
+            image = er.scene(*sizes[i % len(sizes)]) if i % 5 else np.ones((1, 3, 32, 32), np.float32)
+            want = er.detect_segment_reference(reference, image)
+            result = _infer(served, "http" if i % 2 else "grpc", "detect_segment", "IMAGE", image, "FP32")
+            for name, value in want.items():
+                _close(result.as_numpy(name), value)
+        except Exception as exc:  # noqa: BLE001 - collected, so every client's failure is reported
+            failures.append(f"client {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert failures == []
+
+
+def test_a_member_cut_in_parts_keeps_its_parts_inside_the_ensemble(served, reference):
+    line = next(x for x in served.lines if x.startswith("model 'split_pipeline'"))
+    assert "(4 parts" in line, line  # preprocess, unet_split's two parts, text_mask
+    rng = np.random.default_rng(5)
+    for height, width in [(32, 32), (64, 32)]:
+        raw = er.raw_image(rng, 2, height, width)
+        result = _infer(served, "grpc", "split_pipeline", "RAW", raw, "UINT8")
+        _close(result.as_numpy("PROB"), reference.seg_pipeline(raw)["PROB"])
 
 
 def test_steps_served_as_triton_does_answer_the_same(served, reference):
