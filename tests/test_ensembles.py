@@ -12,6 +12,7 @@ index. Every answer is compared with the members run in turn through ONNX Runtim
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -326,3 +327,30 @@ def test_the_composed_plan_calibrates_and_simulates_as_a_model(served, tmp_path)
                           "--duration", "2s"], capture_output=True, text=True, env=env, timeout=240)
     assert sim.returncode == 0, sim.stdout + sim.stderr
     assert "LP bound" in sim.stdout, sim.stdout
+
+
+def test_the_benchmark_runs_its_three_columns_end_to_end(tmp_path):
+    """``benchmarks/ensemble.py`` (short: no timing asserted, speed is its to print): every
+    column's throughput and p99, the ratio line, the placement per worker, and its JSON with the
+    trace and the Gantt chart beside it."""
+    out = tmp_path / "ensemble.json"
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ensemble.py"), "--seconds", "0.5",
+                           "--rounds", "1", "--warmup", "0.2", "--trace-seconds", "0.3", "--groups", _two_groups(),
+                           "--out", str(out), "--note", "test"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"graph / steps throughput: [\d.]+x \(goal >= 1.2x\), graph / chain: [\d.]+x", done.stdout)
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"graph", "steps", "chain"}
+    assert all(len(result["throughput_per_s"][c]) == 1 and result["throughput_per_s"][c][0] > 0
+               for c in result["summary"])
+    placement = result["placement"]["tasks_per_worker"]
+    assert {m for counts in placement.values() for m in counts} == {"unet_seg", "text_mask", "crnn_ocr", "ctc_greedy"}
+    assert Path(result["placement"]["trace"]).is_file()
+    assert result["provenance"]["commit"] and result["note"] == "test"
+
+
+def _two_groups() -> str:
+    pus = sorted(os.sched_getaffinity(0))[:2]
+    return ";".join(str(p) for p in pus)
