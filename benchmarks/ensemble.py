@@ -279,7 +279,8 @@ def trace_placement(plan_dir: str, args: argparse.Namespace, pipeline: str, feed
 def provenance(args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime
 
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "staronnx", "benchmarks"],
                                 capture_output=True, text=True).stdout.strip())
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),

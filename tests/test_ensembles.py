@@ -81,10 +81,12 @@ REFUSED = {
                 "allows batches of 16, but its step 'unet_seg' allows at most 8"),
     "batched_ocr": (er.TEXT_READER.replace('"text_reader"', '"batched_ocr"').replace("max_batch_size: 0",
                     "max_batch_size: 4").replace("dims: [ -1, 3, 32, -1 ]", "dims: [ 3, 32, -1 ]")
-                    .replace("dims: [ -1, -1 ]", "dims: [ -1 ]").replace("dims: [ -1, 1, 32, -1 ]", "dims: [ 1, 32, -1 ]"),
+                    .replace("dims: [ -1, -1 ]", "dims: [ -1 ]")
+                    .replace("dims: [ -1, 1, 32, -1 ]", "dims: [ 1, 32, -1 ]"),
                     "its step 'crnn_ocr' does not batch (max_batch_size 0)"),
-    "batched_detector": (er.DETECT_SEGMENT.replace('"detect_segment"', '"batched_detector"').replace(
-                         "max_batch_size: 0", "max_batch_size: 2").replace("dims: [ 1, 3, -1, -1 ]", "dims: [ 3, -1, -1 ]"),
+    "batched_detector": (er.DETECT_SEGMENT.replace('"detect_segment"', '"batched_detector"')
+                         .replace("max_batch_size: 0", "max_batch_size: 2")
+                         .replace("dims: [ 1, 3, -1, -1 ]", "dims: [ 3, -1, -1 ]"),
                          "its step 'detector_nms' does not batch (max_batch_size 0)"),
     "wrong_type": (_ensemble("wrong_type", [SEG, MASK], inputs='input [ { name: "IMAGE" data_type: TYPE_INT32 '
                                                                 'dims: [ -1, 3, 32, -1 ] } ]'),

@@ -84,10 +84,6 @@ class Step:
     #: member output -> ensemble tensor
     output_map: Mapping[str, str]
 
-    @property
-    def label(self) -> str:
-        return self.model_name
-
 
 @dataclass(frozen=True)
 class EnsembleSpec:
@@ -315,23 +311,15 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
         version = importlib.metadata.version("staronnx")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    settings: dict[str, Any] = {"ensemble": spec.name,
-                "steps": [{"label": label, "model": s.model_name, "version": m.version, "parts": m.plan.k,
-                           "input_map": dict(sorted(s.input_map.items())),
-                           "output_map": dict(sorted(s.output_map.items()))}
-                          for label, s, m in zip(labels, spec.steps, members)]}
-    if "input_shapes" in config.parameters:
-        try:
-            given = dict(_shape_item(item) for item in config.parameters["input_shapes"].string_value.split(";")
-                         if item.strip())
-        except ValueError:
-            raise mcfg.ConfigError("parameter input_shapes reads NAME=D1xD2x...;NAME=... (sizes as numbers), got "
-                                   f"{config.parameters['input_shapes'].string_value!r}") from None
-        unknown = sorted(set(given) - set(spec.inputs))
-        if unknown:
-            raise mcfg.ConfigError(f"parameter input_shapes names {unknown}, which are not inputs of the ensemble "
-                                   f"({', '.join(spec.inputs)})")
-        settings["input_shapes"] = {n: [int(d) for d in dims] for n, dims in sorted(given.items())}
+    settings: dict[str, Any] = {
+        "ensemble": spec.name,
+        "steps": [{"label": label, "model": s.model_name, "version": m.version, "parts": m.plan.k,
+                   "input_map": dict(sorted(s.input_map.items())), "output_map": dict(sorted(s.output_map.items()))}
+                  for label, s, m in zip(labels, spec.steps, members)],
+    }
+    given = _given_shapes(config, spec)
+    if given:
+        settings["input_shapes"] = given
     keyed = {"staronnx": version, "plans": [m.plan.hash for m in members], "inputs": list(spec.inputs),
              "outputs": list(spec.outputs), "shapes": shapes, **settings}
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:32]
@@ -367,6 +355,23 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
             "a classifier), serve the ensemble with max_batch_size: 0 (each request its own task graph, the counts "
             "flowing through as shapes); a host task that re-batches between members is not built")
     return plan
+
+
+def _given_shapes(config: mc.ModelConfig, spec: EnsembleSpec) -> dict[str, list[int]]:
+    """The ensemble's ``input_shapes`` parameter (``NAME=1x3x32x128;...``), checked."""
+    if "input_shapes" not in config.parameters:
+        return {}
+    text = config.parameters["input_shapes"].string_value
+    try:
+        given = dict(_shape_item(item) for item in text.split(";") if item.strip())
+    except ValueError:
+        raise mcfg.ConfigError(f"parameter input_shapes reads NAME=D1xD2x...;NAME=... (sizes as numbers), got "
+                               f"{text!r}") from None
+    unknown = sorted(set(given) - set(spec.inputs))
+    if unknown:
+        raise mcfg.ConfigError(f"parameter input_shapes names {unknown}, which are not inputs of the ensemble "
+                               f"({', '.join(spec.inputs)})")
+    return dict(sorted(given.items()))
 
 
 def _shape_item(item: str) -> tuple[str, list[int]]:
