@@ -18,9 +18,11 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
@@ -356,3 +358,30 @@ def test_the_benchmark_runs_its_three_columns_end_to_end(tmp_path):
 def _two_groups() -> str:
     pus = sorted(os.sched_getaffinity(0))[:2]
     return ";".join(str(p) for p in pus)
+
+
+def test_poll_mode_recomposes_an_ensemble_whose_member_changed(tmp_path):
+    """--model-control-mode poll: a new version of a member reloads the member and the ensemble
+    that composes it (its plan is composed from the members' files)."""
+    root = tmp_path / "models"
+    er.write_model(root, "unet_seg", "max_batch_size: 8", er.REAL / "unet_seg.onnx")
+    er.write_model(root, "text_mask", "max_batch_size: 8", er.text_mask())
+    er.write_model_folder_only(root, "mini", _ensemble("mini", [SEG, MASK]))
+    s = start_server([], tmp_path / "home", "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.5", "--policy", "eager")
+    try:
+        image = er.text_image(np.random.default_rng(2), batch=1, width=32)
+        first = _infer(s, "http", "mini", "IMAGE", image, "FP32").as_numpy("PROB")
+        background = er.text_mask()  # version 2 keeps the background class instead of the text class
+        background.graph.initializer[0].CopyFrom(onnx.helper.make_tensor("one", onnx.TensorProto.INT64, [1], [0]))
+        background.graph.initializer[1].CopyFrom(onnx.helper.make_tensor("two", onnx.TensorProto.INT64, [1], [1]))
+        er.write_model(root, "text_mask", None, background, versions=(2,))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            now = _infer(s, "http", "mini", "IMAGE", image, "FP32").as_numpy("PROB")
+            if not np.allclose(now, first):
+                break
+            time.sleep(0.5)
+        np.testing.assert_allclose(now, 1 - first, atol=1e-5)  # two classes: the other one's probability
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

@@ -148,7 +148,7 @@ def serve_cmd(
     from staronnx.runtime.runtime import ModelHandle, Runtime, cuda_options, warmup_sizes
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching, check_names
-    from staronnx.serve.control import ModelControl, folder_stamp
+    from staronnx.serve.control import ModelControl, model_stamp
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, has_strings, unservable
     from staronnx.serve.tls import Tls
@@ -244,7 +244,7 @@ def serve_cmd(
     for model_name, folder in in_repository:
         if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
             continue  # loaded on request
-        stamps[model_name] = folder_stamp(folder)
+        stamps[model_name] = model_stamp(folder, dict(in_repository))
         try:
             found = repository.load(model_name, folder, batch_size, folders=dict(in_repository))
             wants = repository.workers_for(found, cuda_streams, separate_runtimes, cuda_graphs)
