@@ -385,3 +385,16 @@ def test_poll_mode_recomposes_an_ensemble_whose_member_changed(tmp_path):
         np.testing.assert_allclose(now, 1 - first, atol=1e-5)  # two classes: the other one's probability
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_prometheus_counts_of_a_member_include_its_runs_inside_ensembles(served):
+    import urllib.request
+
+    def scraped(model: str) -> float:
+        text = urllib.request.urlopen(served.metrics, timeout=30).read().decode()
+        return float(re.search(rf'^nv_inference_count{{model="{model}",version="1"}} (\S+)$', text, re.M).group(1))
+
+    before = scraped("crnn_ocr")
+    _infer(served, "grpc", "text_reader", "IMAGE", er.text_image(np.random.default_rng(9), 1, 32), "FP32")
+    assert scraped("crnn_ocr") == before + 1
+    assert scraped("crnn_ocr") == _stats(served, "crnn_ocr")["inference_count"]

@@ -201,12 +201,22 @@ _TRITON = (
 class ServeCollector:
     """Renders every model's counts and its runtime's state at scrape time."""
 
-    def __init__(self, models: Sequence[ServedModel]) -> None:
+    def __init__(self, models: Sequence[ServedModel],
+                 composing: Mapping[str, Mapping[str, Callable[[], dict[str, Any]]]] | None = None) -> None:
         self.models = list(models)
+        #: member name -> ensemble name -> the member's counts from that ensemble's task graph
+        self.composing = composing if composing is not None else {}
+
+    def snapshot(self, model: ServedModel) -> dict[str, Any]:
+        """A model's counts, with its runs inside ensembles' task graphs (Triton counts a
+        composing model's share of every ensemble request it serves)."""
+        own = model.stats.snapshot()
+        composed = [counts() for counts in list(self.composing.get(model.name, {}).values())]
+        return merge_snapshots([own, *composed]) if composed else own
 
     def collect(self) -> Iterator[Any]:
         labels = ["model", "version"]
-        snaps = [(m, m.stats.snapshot()) for m in self.models]
+        snaps = [(m, self.snapshot(m)) for m in self.models]
         fail = UnknownMetricFamily("nv_inference_request_failure", "Number of failed inference requests, by reason",
                                    labels=[*labels, "reason"])
         for m, s in snaps:
@@ -263,7 +273,10 @@ class ServeMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.collector = ServeCollector([])
+        #: member name -> ensemble name -> the member's counts from its runs inside that ensemble's
+        #: task graph (a one-task-graph ensemble registers them; the member's statistics add them)
+        self.composing: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
+        self.collector = ServeCollector([], self.composing)
         self.registry.register(self.collector)
         # what every Python exporter shows (prometheus_client's default registry has them):
         # the process's CPU, memory and file descriptors, and its cycle collections per
@@ -279,9 +292,6 @@ class ServeMetrics:
             ["model"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
             registry=self.registry)
 
-        #: member name -> ensemble name -> the member's counts from its runs inside that ensemble's
-        #: task graph (a one-task-graph ensemble registers them; the member's statistics add them)
-        self.composing: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
 
     def add(self, model: ServedModel) -> None:
         self.collector.models.append(model)
@@ -296,6 +306,6 @@ class ServeMetrics:
         added: where a step-by-step ensemble finds its members."""
         return [m for m in self.collector.models if m.name == name]
 
-    def composed_into(self, member: str) -> list[dict[str, Any]]:
-        """``member``'s counts from every ensemble whose task graph runs it (see :attr:`composing`)."""
-        return [snapshot() for snapshot in list(self.composing.get(member, {}).values())]
+    def snapshot(self, model: ServedModel) -> dict[str, Any]:
+        """``model``'s counts, its runs inside ensembles' task graphs included (see :attr:`composing`)."""
+        return self.collector.snapshot(model)

@@ -43,7 +43,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.runtime import ModelHandle, Runtime
 from staronnx.runtime.task import RequestFuture
 from staronnx.serve import protocol
-from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, merge_snapshots, triton_statistics
+from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_statistics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
 from staronnx.serving.server import OverloadError, Server, ServerClosed
 from staronnx.serving.spec import ServeSpec
@@ -413,10 +413,7 @@ class ModelEndpoint:
         ``ModelStatistics``), from the counts the metrics report
         (:func:`~staronnx.serve.metrics.triton_statistics` has Triton's definitions), with
         staronnx's own account of how the model is served."""
-        s = self.stats.snapshot()
-        composed = self._metrics.composed_into(self.name)  # its runs inside ensembles' task graphs
-        if composed:
-            s = merge_snapshots([s, *composed])
+        s = self._metrics.snapshot(self)  # its runs inside ensembles' task graphs included
         # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
         return {**triton_statistics(self.name, s), "version": self.version, "staronnx": self.service(s)}
 
