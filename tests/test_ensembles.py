@@ -116,6 +116,16 @@ sequence_batching { max_sequence_idle_microseconds: 1000000 }
 """
 
 
+def _pair_sum() -> onnx.ModelProto:
+    """x + y, both ``[batch, 2, H, W]``: a member whose two inputs an ensemble may feed one tensor."""
+    h = onnx.helper
+    dims = ["batch", 2, "height", "width"]
+    graph = h.make_graph([h.make_node("Add", ["x", "y"], ["sum"])], "pair_sum",
+                         [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, dims) for n in ("x", "y")],
+                         [h.make_tensor_value_info("sum", onnx.TensorProto.FLOAT, dims)])
+    return h.make_model(graph, opset_imports=er.OPSET, ir_version=8)
+
+
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory) -> Path:
     root = er.write_repository(tmp_path_factory.mktemp("repository") / "models")
@@ -127,6 +137,10 @@ def repo(tmp_path_factory) -> Path:
         er.write_model_folder_only(root, name, config)
     er.write_model(root, "stateful", STATEFUL, er.REAL / "gru_stream.onnx")
     er.write_model(root, "unet_split", SPLIT, er.REAL / "unet_seg.onnx")
+    er.write_model(root, "pair_sum", "max_batch_size: 8", _pair_sum())
+    er.write_model_folder_only(root, "doubled", _ensemble(
+        "doubled", [SEG, _step("pair_sum", {"x": "LOGITS", "y": "LOGITS"}, {"sum": "TWICE"})],
+        outputs='output [ { name: "TWICE" data_type: TYPE_FP32 dims: [ -1, 2, 32, -1 ] } ]'))
     er.write_model_folder_only(root, "split_pipeline", er.SEG_PIPELINE.replace('"seg_pipeline"', '"split_pipeline"')
                                .replace('model_name: "unet_seg"', 'model_name: "unet_split"'))
     return root
@@ -201,7 +215,7 @@ def _many_clients(served, reference, model: str, clients: int = 16, requests: in
 def test_index_lists_the_ensembles_and_refuses_each_bad_one_by_name(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
     for name in ("text_reader", "text_reader_steps", "seg_pipeline", "detect_segment", "split_pipeline", "unet_split",
-                 *er.MEMBERS):
+                 "doubled", "pair_sum", *er.MEMBERS):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], (name, entries[name])
@@ -254,6 +268,12 @@ def test_a_member_cut_in_parts_keeps_its_parts_inside_the_ensemble(served, refer
         raw = er.raw_image(rng, 2, height, width)
         result = _infer(served, "grpc", "split_pipeline", "RAW", raw, "UINT8")
         _close(result.as_numpy("PROB"), reference.seg_pipeline(raw)["PROB"])
+
+
+def test_one_tensor_fed_to_two_inputs_of_a_member(served, reference):
+    image = er.text_image(np.random.default_rng(4), batch=2, width=64)
+    result = _infer(served, "http", "doubled", "IMAGE", image, "FP32")
+    _close(result.as_numpy("TWICE"), 2 * reference.run("unet_seg", {"image": image})["logits"])
 
 
 def test_steps_served_as_triton_does_answer_the_same(served, reference):

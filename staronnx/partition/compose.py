@@ -104,7 +104,8 @@ def compose(members: Sequence[Member], inputs: Sequence[str], outputs: Sequence[
             _rename_model(model, renames, symbols, kept, f"{m.label}/")
             path = staging / f"part{index}.onnx"
             save_model(model, path)
-            parts.append(replace(part, index=index, file=path.name, inputs=[renames[i] for i in part.inputs],
+            fed = list(dict.fromkeys(renames[i] for i in part.inputs))  # two inputs fed one tensor: one input
+            parts.append(replace(part, index=index, file=path.name, inputs=fed,
                                  outputs=kept, share=round(part.cost_us / total, 6),
                                  target_share=round(part.cost_us / total, 6), sha256=part_sha256(path)))
         crossing = [replace(spec, producer=p, consumers=sorted(set(consumers[n])))
@@ -218,6 +219,9 @@ def _rename_model(model: onnx.ModelProto, renames: Mapping[str, str], symbols: M
     kept = [o for o in model.graph.output if o.name in keep]
     del model.graph.output[:]
     model.graph.output.extend(kept)
+    fed = list({i.name: i for i in model.graph.input}.values())  # two inputs mapped to one tensor: one input
+    del model.graph.input[:]
+    model.graph.input.extend(fed)
     for vi in (*model.graph.input, *model.graph.output, *model.graph.value_info):
         for dim in vi.type.tensor_type.shape.dim:
             if dim.HasField("dim_param") and dim.dim_param in symbols:

@@ -338,6 +338,9 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
                     raise
         except PlanError as exc:
             raise mcfg.ConfigError(f"its members cannot be composed into one task graph: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - onnx's or a bug's: this ensemble fails alone, saying so
+            raise mcfg.ConfigError(f"composing its members into one task graph failed ({type(exc).__name__}: "
+                                   f"{exc}); please report it") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     plan = Plan.load(final)
