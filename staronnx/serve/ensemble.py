@@ -16,6 +16,11 @@ every member. The members stay servable on their own, each from its own folder.
 The parameter ``ensemble_mode: "steps"`` serves an ensemble the way Triton does instead: each
 step a request of its own through the member's own batcher (the benchmark's baseline).
 
+Statistics are Triton's: the ensemble counts its requests; each member counts, beside its own
+requests, its runs inside the ensemble's task graph (one per ensemble request and batch), with
+the time of its own tasks as its compute time (:func:`composing_snapshot`, read from the
+runtime's per-part bookkeeping when the statistics or the metrics are read).
+
 What is checked at load, and refused naming the cause:
 
 * the steps: each names a model of the repository (not the ensemble itself; no cycle through
