@@ -16,8 +16,9 @@ own group while the heavy one runs on the other). Three columns, measured in alt
 Per column: throughput at ``--inflight`` requests in flight (closed loop, ``--seconds`` a round),
 and p50/p99 at one fixed rate (open loop: ``--rate``, default half the slowest column's median
 throughput), median and range over ``--rounds`` rounds; with ``--p99-target-ms T``, also the
-highest rate each column serves within a p99 of T (``--target-steps`` rates per column). The closing line compares graph with
-steps (the issue's goal: at least 1.2x the throughput at the same p99 target on the 2-core VM).
+highest rate each column serves within a p99 of T (``--target-steps`` rates per column). The
+closing line compares graph with steps (the issue's goal: at least 1.2x the throughput at the
+same p99 target on the 2-core VM).
 After the rounds the server stops, and the ensemble's plan runs alone on a runtime with the same
 groups and policy for ``--trace-seconds`` with a trace: where the policy put each member's parts
 (per worker), a Perfetto trace and a Gantt chart written beside the results.
@@ -91,7 +92,7 @@ class Server:
         cmd = [sys.executable, "-m", "staronnx", "serve", "--model-repository", str(repo), "--http-port", "0",
                "--grpc-port", "0", "--metrics-port", "0", "--groups", args.groups, "--policy", args.policy,
                "--batch-size", str(args.batch_size), "--max-delay", args.max_delay,
-               "--cuda-streams", str(args.cuda_streams), "--drain-timeout", "10s"]
+               "--cuda-streams", str(args.cuda_streams), "--drain-timeout", "10s", *shlex.split(args.server_args)]
         env = {**os.environ, "STARONNX_HOME": str(home), "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.lines: list[str] = []
@@ -331,6 +332,7 @@ def main() -> None:
     ap.add_argument("--policy", default="dmda")
     ap.add_argument("--cuda-streams", type=int, default=0, help="CUDA workers per GPU (the GPU variant)")
     ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--server-args", default="", help="more options for staronnx serve, e.g. '--no-cuda-graphs'")
     ap.add_argument("--max-delay", default="1ms")
     ap.add_argument("--width", type=int, default=128, help="image width of every request (a multiple of 4)")
     ap.add_argument("--trace-seconds", type=float, default=2.0)
