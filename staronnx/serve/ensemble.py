@@ -62,8 +62,7 @@ PLATFORM = "ensemble"
 MODES = ("graph", "steps")
 
 #: the fields an ensemble's config may set (its members' configs say the rest)
-HONOURED = {"name", "platform", "max_batch_size", "input", "output", "ensemble_scheduling", "parameters",
-            "version_policy"}
+HONOURED = {"name", "platform", "max_batch_size", "input", "output", "ensemble_scheduling", "parameters"}
 
 #: the staronnx parameters an ensemble takes
 PARAMETERS = {
@@ -73,10 +72,6 @@ PARAMETERS = {
     "slo_ms": mcfg.PARAMETERS["slo_ms"],
     "priority": mcfg.PARAMETERS["priority"],
 }
-
-#: where composed ensemble plans are kept, under $STARONNX_HOME (beside the members' plans)
-CACHE_DIR = "repository-plans"
-
 
 @dataclass(frozen=True)
 class Step:
