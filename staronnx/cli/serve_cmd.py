@@ -148,7 +148,7 @@ def serve_cmd(
     from staronnx.runtime.runtime import ModelHandle, Runtime, cuda_options, warmup_sizes
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching, check_names
-    from staronnx.serve.control import ModelControl, folder_stamp
+    from staronnx.serve.control import ModelControl, model_stamp
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, has_strings, unservable
     from staronnx.serve.tls import Tls
@@ -244,9 +244,9 @@ def serve_cmd(
     for model_name, folder in in_repository:
         if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
             continue  # loaded on request
-        stamps[model_name] = folder_stamp(folder)
+        stamps[model_name] = model_stamp(folder, dict(in_repository))
         try:
-            found = repository.load(model_name, folder, batch_size)
+            found = repository.load(model_name, folder, batch_size, folders=dict(in_repository))
             wants = repository.workers_for(found, cuda_streams, separate_runtimes, cuda_graphs)
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
@@ -370,7 +370,8 @@ def serve_cmd(
         def open_later(model_name: str, folder: Path, config: str | None) -> ModelEndpoint:
             """A repository model loaded while serving (every version its policy selects, the latest
             answering under its name)."""
-            found = repository.load(model_name, folder, batch_size, override=config)
+            found = repository.load(model_name, folder, batch_size, override=config,
+                                    folders=dict(repository.scan(model_repository or [])))
             opened: list[ModelEndpoint] = []
             try:
                 for version in (found, *found.older):

@@ -8,7 +8,7 @@ while the server runs, and the repository index that says so.
   models through the repository API, over HTTP and gRPC.
 * ``poll``: every model is loaded at start, and the repositories are read again every
   ``--repository-poll-secs``: a new model is loaded, one whose folder changed (its config, a
-  version) is reloaded, one whose folder is gone is unloaded; load and unload requests are
+  version; for an ensemble, a member's folder too) is reloaded, one whose folder is gone is unloaded; load and unload requests are
   refused, as Triton does in this mode.
 
 Loading never disturbs the other models' requests: the model is made (its plan cut or read from
@@ -126,7 +126,7 @@ class ModelControl:
                                            f"({', '.join(map(str, self.repositories))})")
         assert self.opener is not None
         loop = asyncio.get_running_loop()
-        stamp = folder_stamp(folder)
+        stamp = model_stamp(folder, self.folders())
         try:
             endpoint = await loop.run_in_executor(None, self.opener, name, folder, config)
         except StaronnxError as exc:
@@ -173,14 +173,15 @@ class ModelControl:
             for name, folder in folders.items():
                 if name in self.fixed:
                     continue
-                if name in self.models and self.stamps.get(name) == folder_stamp(folder):
+                stamp = model_stamp(folder, folders)
+                if name in self.models and self.stamps.get(name) == stamp:
                     continue
-                if name not in self.models and self.stamps.get(name) == folder_stamp(folder):
+                if name not in self.models and self.stamps.get(name) == stamp:
                     continue  # failed before, and nothing changed since
                 try:
                     await self._load(name, None)
                 except ProtocolError as exc:
-                    self.stamps[name] = folder_stamp(folder)  # not tried again until the folder changes
+                    self.stamps[name] = stamp  # not tried again until the folder changes
                     log.warning("%s", exc)
             for name in [n for n in self.models if n not in folders and n not in self.fixed]:
                 await self._unload(name)
@@ -201,4 +202,29 @@ def folder_stamp(folder: Path) -> tuple[Any, ...]:
         with contextlib.suppress(OSError):
             info = path.stat()
             stamp.append((str(path.relative_to(folder)), info.st_size, info.st_mtime_ns))
+    return tuple(stamp)
+
+
+def model_stamp(folder: Path, folders: Mapping[str, Path]) -> tuple[Any, ...]:
+    """:func:`folder_stamp`, and for an ensemble its members' folders' too (through nested
+    ensembles, each folder once): an ensemble's plan is composed from its members' files, so a
+    member's new version or config reloads the ensemble as well as the member."""
+    from staronnx.serve import ensemble
+    from staronnx.serve.model_config import ConfigError, read_config
+
+    stamp: list[Any] = []
+    seen: set[Path] = set()
+    todo = [folder]
+    while todo:
+        current = todo.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        stamp.append((current.name, folder_stamp(current)))
+        try:
+            config = read_config(current)[0]
+        except ConfigError:
+            continue
+        if ensemble.is_ensemble(config):
+            todo += [folders[s.model_name] for s in config.ensemble_scheduling.step if s.model_name in folders]
     return tuple(stamp)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter as _Tally
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -201,12 +201,22 @@ _TRITON = (
 class ServeCollector:
     """Renders every model's counts and its runtime's state at scrape time."""
 
-    def __init__(self, models: Sequence[ServedModel]) -> None:
+    def __init__(self, models: Sequence[ServedModel],
+                 composing: Mapping[str, Mapping[str, Callable[[], dict[str, Any]]]] | None = None) -> None:
         self.models = list(models)
+        #: member name -> ensemble name -> the member's counts from that ensemble's task graph
+        self.composing = composing if composing is not None else {}
+
+    def snapshot(self, model: ServedModel) -> dict[str, Any]:
+        """A model's counts, with its runs inside ensembles' task graphs (Triton counts a
+        composing model's share of every ensemble request it serves)."""
+        own = model.stats.snapshot()
+        composed = [counts() for counts in list(self.composing.get(model.name, {}).values())]
+        return merge_snapshots([own, *composed]) if composed else own
 
     def collect(self) -> Iterator[Any]:
         labels = ["model", "version"]
-        snaps = [(m, m.stats.snapshot()) for m in self.models]
+        snaps = [(m, self.snapshot(m)) for m in self.models]
         fail = UnknownMetricFamily("nv_inference_request_failure", "Number of failed inference requests, by reason",
                                    labels=[*labels, "reason"])
         for m, s in snaps:
@@ -263,7 +273,10 @@ class ServeMetrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.collector = ServeCollector([])
+        #: member name -> ensemble name -> the member's counts from its runs inside that ensemble's
+        #: task graph (a one-task-graph ensemble registers them; the member's statistics add them)
+        self.composing: dict[str, dict[str, Callable[[], dict[str, Any]]]] = {}
+        self.collector = ServeCollector([], self.composing)
         self.registry.register(self.collector)
         # what every Python exporter shows (prometheus_client's default registry has them):
         # the process's CPU, memory and file descriptors, and its cycle collections per
@@ -279,6 +292,7 @@ class ServeMetrics:
             ["model"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
             registry=self.registry)
 
+
     def add(self, model: ServedModel) -> None:
         self.collector.models.append(model)
 
@@ -286,3 +300,12 @@ class ServeMetrics:
         """Stop reporting ``model`` (unloaded, or replaced by a reload)."""
         if model in self.collector.models:
             self.collector.models.remove(model)
+
+    def served(self, name: str) -> list[Any]:
+        """The served models named ``name`` (each version served is one), in the order they were
+        added: where a step-by-step ensemble finds its members."""
+        return [m for m in self.collector.models if m.name == name]
+
+    def snapshot(self, model: ServedModel) -> dict[str, Any]:
+        """``model``'s counts, its runs inside ensembles' task graphs included (see :attr:`composing`)."""
+        return self.collector.snapshot(model)

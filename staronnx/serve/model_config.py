@@ -41,12 +41,13 @@ served as if a field meant something it does not here. What is honoured, and wha
   stateful model" and :mod:`staronnx.serve.sequences` say what is honoured and how); a
   strategy's queue delay, preferred batch sizes and ordering set the batcher as
   ``dynamic_batching``'s do.
+* ``platform: "ensemble"`` with ``ensemble_scheduling``: the steps' members composed into one
+  task graph (:mod:`staronnx.serve.ensemble`, the guide *Serve a pipeline*).
 
 Refused (for now, with the flag that does it where there is one): shape tensors, ragged
 batches, optional inputs, priority levels, the DELAY timeout action and per-request queue
 timeouts, instance counts and GPU lists (``--cuda-streams``, ``--groups``, ``--model-workers``),
-the other optimization settings, warm-up data from files, ``ensemble_scheduling`` (the
-sequences-and-ensembles issue), and every other field.
+the other optimization settings, warm-up data from files, and every other field.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ _INSTEAD = {
     "count": "staronnx places every task on the CPU group or CUDA stream its policy picks: give the workers "
              "with --groups and --cuda-streams, a model's with --model-workers",
     "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
-    "ensemble_scheduling": "ensembles are the subject of the sequences-and-ensembles issue",
+    "ensemble_scheduling": 'an ensemble is served with platform: "ensemble"',
     "graph": "ONNX Runtime's graph optimization level is its own",
     "input_data_file": "give zero_data or random_data",
 }

@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +50,9 @@ from staronnx.serving.server import OverloadError, Server, ServerClosed
 from staronnx.serving.spec import ServeSpec
 from staronnx.serving.window import inflight_from_models
 from staronnx.workers.cuda import CudaWorker
+
+if TYPE_CHECKING:  # the ensemble module reads Triton's config proto, which a door loads only with a repository
+    from staronnx.serve.ensemble import EnsembleSpec, Step
 
 #: requests (and batches, and queue samples) whose records a served model keeps: the latest
 #: few thousand, enough for any look at recent behaviour, while a server that runs for weeks
@@ -85,6 +88,8 @@ class Declared:
     queue_timeout: float | None = None
     #: a stateful model's sequence_batching (:class:`~staronnx.serve.sequences.SequencePolicy`), or None
     sequence: SequencePolicy | None = None
+    #: an ensemble's steps (:mod:`staronnx.serve.ensemble`; None: a model of its own)
+    ensemble: "EnsembleSpec | None" = None
 
 
 @dataclass
@@ -223,6 +228,16 @@ class ModelEndpoint:
         #: (batch record, response parameters) of the last one-sample request answered
         self._last_parameters: tuple[Any, dict[str, int | str]] | None = None
         metrics.add(self)
+        #: an ensemble's steps; its members' statistics count its runs (one task graph), or its
+        #: requests are sent step by step to its members (ensemble_mode steps, as Triton does)
+        self.ensemble = declared.ensemble if declared is not None else None
+        self._composing: dict[str, Any] = {}
+        if self.ensemble is not None and self.ensemble.mode == "steps":
+            self.infer = self._infer_steps  # type: ignore[method-assign]
+        elif self.ensemble is not None:
+            for member in self.ensemble.member_parts or {}:
+                self._composing[member] = functools.partial(self._member_counts, member)
+                metrics.composing.setdefault(member, {})[name] = self._composing[member]
 
     # -- what the metrics collector reads ------------------------------------------------------
     def _executed(self, size: int, seconds: float = 0.0) -> None:
@@ -263,7 +278,8 @@ class ModelEndpoint:
                     if t.name not in hidden]
 
         return {"name": self.name, "versions": self.versions,
-                "platform": "staronnx" if self.declared is None else "onnxruntime_onnx",
+                "platform": "staronnx" if self.declared is None else "ensemble" if self.ensemble is not None
+                else "onnxruntime_onnx",
                 "inputs": tensors(self.plan.inputs, self.input_datatypes),
                 "outputs": tensors(self.plan.outputs, self.output_datatypes)}
 
@@ -366,9 +382,12 @@ class ModelEndpoint:
                "input": declared.get("input", effective["input"]),
                "output": declared.get("output", effective["output"]),
                "parameters": {**effective["parameters"], **declared.get("parameters", {})}}
-        for key in ("version_policy", "default_model_filename"):
+        for key in ("version_policy", "default_model_filename", "ensemble_scheduling"):
             if key in declared:
                 out[key] = declared[key]
+        if self.ensemble is not None:  # Triton's ensemble: its platform, no backend, no instances of its own
+            out["platform"] = "ensemble"
+            out.pop("backend", None)
         if "sequence_batching" in declared:  # a stateful model: its sequence batcher, not the dynamic one
             out.pop("dynamic_batching", None)
             out["sequence_batching"] = declared["sequence_batching"]
@@ -406,7 +425,7 @@ class ModelEndpoint:
         ``ModelStatistics``), from the counts the metrics report
         (:func:`~staronnx.serve.metrics.triton_statistics` has Triton's definitions), with
         staronnx's own account of how the model is served."""
-        s = self.stats.snapshot()
+        s = self._metrics.snapshot(self)  # its runs inside ensembles' task graphs included
         # staronnx's own (HTTP only: Triton's gRPC message has no field for it)
         return {**triton_statistics(self.name, s), "version": self.version, "staronnx": self.service(s)}
 
@@ -571,6 +590,81 @@ class ModelEndpoint:
         self._latency_hist.observe(request_s)
         return Answer(result, self._parameters(futures))
 
+    # -- ensembles ------------------------------------------------------------------------------
+    def _member_counts(self, member: str) -> dict[str, Any]:
+        """A member's counts from its runs inside this ensemble's task graph (its statistics add
+        them, as Triton's composing models count the ensemble's requests)."""
+        from staronnx.serve.ensemble import composing_snapshot
+
+        assert self.ensemble is not None and self.ensemble.member_parts is not None
+        try:
+            tasks = self.runtime_stats().get("tasks", {})
+        except Exception:  # noqa: BLE001 - a closing runtime: the counts without the task times
+            tasks = {}
+        return composing_snapshot(self.stats.snapshot(), tasks, self.ensemble.member_parts[member])
+
+    async def _infer_steps(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+                           outputs: Sequence[str] | None, *, decode_s: float = 0.0,
+                           classes: Mapping[str, int] | None = None) -> Answer:
+        """An ensemble request run as Triton runs it: each step a request of its own through its
+        member's served model (its own batcher and queue), a step starting once the steps it
+        reads from have answered, the tensors between steps through host memory."""
+        assert self.ensemble is not None
+        started = time.perf_counter()
+        try:
+            names = protocol.select_outputs(self.plan.output_names, outputs, self.name)
+            n = self.check_request(inputs, datatypes)
+        except ProtocolError:
+            self.stats.refused("OTHER")
+            raise
+        self.stats.started()
+        values: dict[str, np.ndarray] = dict(inputs)
+        try:
+            pending = list(self.ensemble.steps)
+            while pending:
+                ready = [s for s in pending if all(t in values for t in s.input_map.values())]
+                answers = await asyncio.gather(*(self._run_step(s, values) for s in ready))
+                for step, answer in zip(ready, answers):
+                    values.update({tensor: answer[out] for out, tensor in step.output_map.items()})
+                pending = [s for s in pending if s not in ready]
+            result = {name: values[name] for name in names}
+            if classes:
+                self.classify(result, classes)
+        except asyncio.CancelledError:
+            self.stats.finished(ok=False, reason="CANCELED", request_s=time.perf_counter() - started + decode_s)
+            raise
+        except ProtocolError:
+            self.stats.finished(ok=False, reason="BACKEND", request_s=time.perf_counter() - started + decode_s)
+            raise
+        elapsed = time.perf_counter() - started
+        self.stats.executed(n)
+        self.stats.finished(ok=True, request_s=elapsed + decode_s, input_s=decode_s, infer_s=elapsed,
+                            late=self.latency_target is not None and elapsed + decode_s > self.latency_target)
+        self._latency_hist.observe(elapsed + decode_s)
+        return Answer(result, {})
+
+    async def _run_step(self, step: "Step", values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One step's request to its member's served model; its refusal names the step."""
+        member = self._member(step)
+        feeds = {name: values[tensor] for name, tensor in step.input_map.items()}
+        types = {name: protocol.datatype_of(v.dtype) for name, v in feeds.items()}
+        try:
+            answer = await member.infer(feeds, types, list(step.output_map))
+        except ProtocolError as exc:
+            raise ProtocolError(exc.kind, f"ensemble {self.name!r}, step {step.model_name!r}: {exc}") from None
+        return answer.outputs
+
+    def _member(self, step: "Step") -> "ModelEndpoint":
+        """The served model a step sends its request to (the version it names, else the latest)."""
+        served = [m for m in self._metrics.served(step.model_name) if m.ready]
+        if step.model_version > 0:
+            served = [m for m in served if m.version == str(step.model_version)]
+        if not served:
+            raise ProtocolError("unavailable", f"ensemble {self.name!r}: its step {step.model_name!r} is not served "
+                                               "now (load it: a step-by-step ensemble sends its steps to its members)")
+        latest: ModelEndpoint = max(served, key=lambda m: int(m.version) if m.version.isdigit() else 0)
+        return latest
+
     def _parameters(self, futures: Sequence[RequestFuture]) -> dict[str, int | str]:
         """:func:`_batch_parameters`, formatted once per batch: a batch's requests are answered one
         after the other, so the last batch's are kept and its other requests get the same dict
@@ -630,6 +724,9 @@ class ModelEndpoint:
             self.server.close(timeout)
         finally:
             self._metrics.remove(self)
+            for member, counts in self._composing.items():  # a reload's new endpoint may hold the name now
+                if self._metrics.composing.get(member, {}).get(self.name) is counts:
+                    del self._metrics.composing[member][self.name]
             self.runtime.close(timeout)
             for other in self.others.values():
                 other.close(timeout)

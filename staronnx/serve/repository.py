@@ -12,6 +12,11 @@ Loading a model makes its plan (:func:`cached_plan`): cut once, kept under
 the plan (parts, shares, method, the sizes given for its cost estimate), so the next start, or
 the same file in another repository, reuses it. A model is served whole (one part) unless its
 config's ``parameters`` ask for a split.
+
+An ensemble (``platform: "ensemble"``) is loaded from its members: each step's model is loaded
+as above (from its own folder, with its own config), checked against the ensemble, and the
+members' plans are composed into the ensemble's plan, cached beside theirs
+(:mod:`staronnx.serve.ensemble`).
 """
 
 from __future__ import annotations
@@ -23,13 +28,15 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from staronnx.errors import StaronnxError
+from staronnx.serve import ensemble as ens
 from staronnx.serve import model_config as mcfg
 from staronnx.serve import sequences
+from staronnx.serve.proto import model_config_pb2 as mc
 
 #: where plans made from repository models are kept, under $STARONNX_HOME
 CACHE_DIR = "repository-plans"
@@ -53,6 +60,8 @@ class RepositoryModel:
     warmup: list[tuple[str, int, dict[str, Any]]]
     #: the other versions its version_policy selects, latest first (this one is the latest)
     older: list["RepositoryModel"] = field(default_factory=list)
+    #: an ensemble's steps (None: a model of its own)
+    ensemble: ens.EnsembleSpec | None = None
 
 
 def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
@@ -73,16 +82,22 @@ def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
 
 
 def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
-         override: str | None = None) -> RepositoryModel:
+         override: str | None = None, folders: dict[str, Path] | None = None,
+         within: tuple[str, ...] = ()) -> RepositoryModel:
     """Model ``name`` of its ``folder``, ready to serve, or a :class:`StaronnxError` saying why
     not (its reason in the repository index). ``batch_size``: the server's ``--batch-size``, the
     ``max_batch_size`` a config that leaves it out gets where the model batches on axis 0.
     ``override``: a config in Triton's JSON form used instead of the folder's config.pbtxt (a
-    load request's), completed from the model the same way."""
+    load request's), completed from the model the same way. ``folders``: every model folder of
+    the repositories by name, where an ensemble finds its members (default: the models beside
+    ``folder``); ``within``: the ensembles being loaded that lead here (a cycle is refused)."""
     if override is None:
         config, batch_written = mcfg.read_config(folder)
     else:
         config, batch_written = mcfg.parse_override(override)
+    if ens.is_ensemble(config):
+        return _load_ensemble(name, folder, config, batch_size, home,
+                              folders if folders is not None else dict(scan([folder.parent])), within)
     if config.platform not in mcfg.ONNX_PLATFORMS or config.backend not in mcfg.ONNX_BACKENDS:
         what = " and ".join(f"{k} {v!r}" for k, v in (("platform", config.platform), ("backend", config.backend)) if v)
         raise mcfg.ConfigError(f"{what} is not served by staronnx serve: it serves ONNX models through ONNX Runtime "
@@ -94,6 +109,49 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
               for v in mcfg.pick_versions(config, versions, name)]
     chosen[0].older = chosen[1:]
     return chosen[0]
+
+
+def _load_ensemble(name: str, folder: Path, config: Any, batch_size: int, home: Path | None,
+                   folders: dict[str, Path], within: tuple[str, ...]) -> RepositoryModel:
+    """An ensemble: its steps read, each member loaded from its own folder and checked against
+    it, their plans composed into one (cached). Members load as they would on their own (a
+    member that cannot be served fails the ensemble, with its reason)."""
+    spec = ens.read(config, name)
+    loaded: dict[str, RepositoryModel] = {}
+    members = []
+    for step in spec.steps:
+        if step.model_name in (*within, name):
+            raise mcfg.ConfigError(f"step {step.model_name!r} leads back to ensemble {name!r}: ensembles cannot "
+                                   f"form a cycle ({' -> '.join((*within, name, step.model_name))})")
+        member_folder = folders.get(step.model_name)
+        if member_folder is None:
+            raise mcfg.ConfigError(f"step {step.model_name!r} is not a model of the repository "
+                                   f"({', '.join(sorted(n for n in folders if n != name)) or 'no other model'})")
+        if step.model_name not in loaded:
+            ens.refuse_sequence_member(step, mcfg.read_config(member_folder)[0])
+            try:
+                loaded[step.model_name] = load(step.model_name, member_folder, batch_size, home, folders=folders,
+                                               within=(*within, name))
+            except StaronnxError as exc:
+                raise mcfg.ConfigError(f"step {step.model_name!r} cannot be loaded: {exc}") from None
+        found = loaded[step.model_name]
+        versions = {int(v.version): v for v in (found, *found.older)}
+        version = found if step.model_version < 0 else versions.get(step.model_version)
+        if version is None:
+            raise mcfg.ConfigError(f"step {step.model_name!r} asks for version {step.model_version}, which its "
+                                   f"version_policy does not serve (it serves {sorted(versions)})")
+        members.append(ens.MemberView(step.model_name, version.version, version.config, version.plan))
+    ens.check_members(spec, config, members)
+    from staronnx.perfmodels.store import default_root
+
+    plan = ens.composed_plan(spec, config, members, (home or default_root()) / CACHE_DIR)
+    spec = replace(spec, member_parts=ens.member_parts(plan))
+    effective = mc.ModelConfig()
+    effective.CopyFrom(config)
+    effective.name = name
+    versions_here = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit()]
+    return RepositoryModel(name, str(max(versions_here, default=1)), folder, folder / "config.pbtxt", plan,
+                           mcfg.settings(effective), mcfg.as_dict(effective), {}, [], ensemble=spec)
 
 
 def _load_version(name: str, folder: Path, version: int, filename: str, config: Any, batch_written: bool,
@@ -168,7 +226,7 @@ def declared(found: RepositoryModel) -> Any:
 
     s = found.settings
     return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering, s.queue_timeout,
-                    s.sequence)
+                    sequence=s.sequence, ensemble=found.ensemble)
 
 
 def warm(found: RepositoryModel, runtime: Any) -> int:
