@@ -605,10 +605,12 @@ class ModelEndpoint:
 
     async def _infer_steps(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                            outputs: Sequence[str] | None, *, decode_s: float = 0.0,
-                           classes: Mapping[str, int] | None = None) -> Answer:
+                           classes: Mapping[str, int] | None = None,
+                           sequence: SequenceRequest | None = None) -> Answer:
         """An ensemble request run as Triton runs it: each step a request of its own through its
         member's served model (its own batcher and queue), a step starting once the steps it
-        reads from have answered, the tensors between steps through host memory."""
+        reads from have answered, the tensors between steps through host memory. ``sequence``:
+        :meth:`infer`'s, ignored (an ensemble has no sequence batcher, its members none either)."""
         assert self.ensemble is not None
         started = time.perf_counter()
         try:
