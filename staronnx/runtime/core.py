@@ -28,7 +28,6 @@ deadline misses and each worker's busy time spent on it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
