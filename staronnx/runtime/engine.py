@@ -454,14 +454,16 @@ class NativeEngine:
         launched = dict.fromkeys(wids, 0)
         live = list(wids)
         room = 2 * len(live)  # tasks launched and not waited for: two per live stream
+        n_ahead = 0  # len(ahead), kept as it changes (read per task)
         since = 0.0  # when the oldest deferred result was settled
 
         def lost(wid: int, exc: BaseException) -> None:
-            nonlocal room
+            nonlocal room, n_ahead
             live.remove(wid)
             room = 2 * len(live)
             for entry in [e for e in ahead if e[0] == wid]:
                 ahead.remove(entry)
+                n_ahead -= 1
                 if (pinned := entry[1].pinned) is not None:
                     pinned.future.set_exception(exc)
             launched[wid] = 0
@@ -481,18 +483,20 @@ class NativeEngine:
                 try:
                     ahead.append((wid, self._start(wid, workers[wid], task, pinned, True)))
                     launched[wid] += 1
+                    n_ahead += 1
                 except WorkerLost as exc:
                     lost(wid, exc)
             got = []
             if not ahead:
                 continue
-            if (self.core.queue or self._pinned_count) and len(ahead) < room:  # a stream has room: fill it
+            if (self.core.queue or self._pinned_count) and n_ahead < room:  # a stream has room: fill it
                 with self._lock:  # before waiting (``queue`` is a hint read without the lock)
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 if got:
                     continue
             wid, started = ahead.popleft()
             launched[wid] -= 1
+            n_ahead -= 1
             fresh = not deferred
             if not fresh and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
                               or not _finished(workers[wid], started)):
