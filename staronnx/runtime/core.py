@@ -246,10 +246,13 @@ class TaskGraph:
         self.inflight: dict[int, Request] = {}
         #: tasks pushed and not popped yet, by TaskView id (empty: no worker need ask for one)
         self.queue: dict[int, Task] = {}
-        #: what each push of the last submit/finish/worker_lost returned: the worker it placed
-        #: the task on, or None (a shared queue), or the workers holding its part (a shared
-        #: queue, when not every worker does): the engine wakes just those workers
-        self.pushed_to: list[int | frozenset[int] | None] = []
+        #: what the pushes of the last submit/finish/worker_lost returned: the worker each
+        #: placed its task on, or the workers holding its part (a shared queue, when not every
+        #: worker does) ...
+        self.pushed_to: list[int | frozenset[int]] = []
+        #: ... and how many went to a shared queue any worker may take from: the engine wakes
+        #: just those workers, or that many idle ones
+        self.pushed_shared = 0
         #: the driver's own reason to drop a request's remaining tasks, asked of its ``owner``
         #: (a cancelled future: ``RequestFuture.settled``); None: none (the simulator's)
         self.dropped: Callable[[Any], bool] | None = None
@@ -287,7 +290,7 @@ class TaskGraph:
         are pushed. ``inputs``: their bytes by name (the simulator's, which has no arrays), or
         None where ``feeds``, the inputs' host copies (the engine's), say it. ``arrival``
         (default ``now``) starts its latency target."""
-        self.pushed_to = []
+        self.pushed_to, self.pushed_shared = [], 0
         readers = self._input_readers[model]
         if feeds is not None:
             handles = {n: DataHandle(n, a.nbytes, _ON_HOST, readers[n], a) for n, a in feeds.items()}
@@ -337,10 +340,12 @@ class TaskGraph:
         target = self.policy.push(view)
         if self.prefetch and isinstance(target, int):
             self._prefetch(task, self.workers[target].info.memory_node)
-        if target is None and self.where is not None:  # a shared queue: wake one that holds it
+        if target is not None:
+            self.pushed_to.append(target)
+        elif self.where is not None:  # a shared queue: wake one that holds it
             self.pushed_to.append(self.where[task.part])
         else:
-            self.pushed_to.append(target)
+            self.pushed_shared += 1
 
     def _prefetch(self, task: Task, node: str) -> None:
         """The copies of ``task``'s inputs to ``node``, the node of the worker the policy placed
@@ -448,7 +453,7 @@ class TaskGraph:
         None when it failed. ``host`` and ``device``: the copies of its outputs the worker made
         (the engine's: in host memory, and on its GPU), which their handles keep. Returns the
         request if it is now complete (or has just failed)."""
-        self.pushed_to = []
+        self.pushed_to, self.pushed_shared = [], 0
         st = self.workers[wid]
         del st.running[task]
         st.busy_seconds += measured
@@ -546,7 +551,7 @@ class TaskGraph:
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the
         requests failed because no worker is left."""
-        self.pushed_to.clear()
+        self.pushed_to, self.pushed_shared = [], 0
         st = self.workers[wid]
         st.alive = False
         self.dead_workers.append((st.info.name, error))

@@ -229,8 +229,9 @@ class NativeEngine:
         """The perf-model key of a task, by its inputs' shapes (a few, seen over and over)."""
         handles, names = req.handles, self._part_inputs[part]
         key = (part, req.batch, *[h.shape if (h := handles[n]).host is None else h.host.shape for n in names])
-        fp = self._footprints.get(key)
-        if fp is None:
+        try:
+            return self._footprints[key]
+        except KeyError:
             if len(self._footprints) > 4096:
                 self._footprints.clear()
             fp = self._footprints[key] = Footprint.of_feeds({n: handles[n] for n in names}, req.batch,
@@ -368,11 +369,12 @@ class NativeEngine:
         """(lock held) Wake the workers the last core call gave work to: the one a task was
         placed on, or one idle worker for a task in a shared queue. Waking every worker on
         every event cost a thread switch and a GIL hand-over per idle worker per task."""
+        for _ in range(self.core.pushed_shared):
+            if not self._idle:
+                break
+            self._notify(next(iter(self._idle)))
         for target in self.core.pushed_to:
-            if target is None:
-                if self._idle:
-                    self._notify(next(iter(self._idle)))
-            elif isinstance(target, int):
+            if isinstance(target, int):
                 if target in self._idle:
                     self._notify(target)
             elif self._idle:  # a shared queue's task that only these workers hold
@@ -503,11 +505,18 @@ class NativeEngine:
                 announce(deferred)
                 deferred.clear()
                 fresh = True
-            try:
-                self._complete(workers[wid], started)
-            except WorkerLost as exc:
-                lost(wid, exc)
-                continue
+            if started.error is None:  # wait for it: its outputs (and those its route kept), or its error
+                worker = workers[wid]
+                try:
+                    started.outputs = worker.finish_here(started.handle)
+                    started.compute = worker.last_compute_seconds
+                    if started.routed:
+                        started.device = worker.device_outputs(started.handle)
+                except WorkerLost as exc:
+                    lost(wid, exc)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    started.error = exc
             if started.pinned is not None:
                 self._end_pinned(wid, started.pinned, started)
                 with self._lock:
@@ -641,7 +650,7 @@ class NativeEngine:
 
     def _start(self, wid: int, worker: Worker, task: Task | None, pinned: Pinned | None, ahead: bool) -> _Started:
         """Hand a scheduled ``task`` or a ``pinned`` one (the other is None) to its worker:
-        launched (``ahead``: a worker that launches ahead; :meth:`_complete` waits for it) or
+        launched (``ahead``: a worker that launches ahead; :meth:`_drive_loop` waits for it) or
         run to its end (CPU). A scheduled task's fetches from a GPU (a CPU worker's downloads)
         count in its wall time, not in its perf model's compute time; a pinned task reads its
         feeds as they are."""
@@ -694,20 +703,6 @@ class NativeEngine:
         else:
             item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
                                                 end - start))
-
-    def _complete(self, worker: Worker, started: _Started) -> None:
-        """Wait for a launched task: its outputs (those its route kept on the GPU too), or its
-        error, into ``started``."""
-        if started.error is None:
-            try:
-                started.outputs = worker.finish_here(started.handle)
-                started.compute = worker.last_compute_seconds
-                if started.routed:
-                    started.device = worker.device_outputs(started.handle)
-            except WorkerLost:
-                raise
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                started.error = exc
 
     def _end(self, wid: int, started: _Started, take: Sequence[int] = (),
              defer: list[RequestFuture] | None = None) -> list[Job]:

@@ -194,7 +194,11 @@ class SlotCache:
 
     def take(self, key: tuple[Any, ...]) -> Slot | None:
         """An idle slot for ``key``, marked busy; None when there is none (make one)."""
-        for slot in self._slots.get(key, ()):
+        try:
+            slots = self._slots[key]
+        except KeyError:  # (a subscript rather than get: this runs per task)
+            return None
+        for slot in slots:
             if not slot.busy:
                 self._clock += 1
                 slot.busy = True
