@@ -89,7 +89,7 @@ class Pinned:
     :class:`PinnedResult`, or to the task's error."""
 
     part: int
-    feeds: Mapping[str, np.ndarray]
+    feeds: dict[str, np.ndarray]
     future: Future[PinnedResult]
     timed: bool = True
 
@@ -656,7 +656,7 @@ class NativeEngine:
         feeds as they are."""
         start = self.clock.now()
         kept = route = None
-        given: Mapping[str, np.ndarray] | None = None  # a pinned task's feeds
+        given: dict[str, np.ndarray] | None = None  # a pinned task's feeds
         if task is not None:
             # timed while its perf model needs samples; a frozen answer is a set lookup
             fp = task.view.footprint if task.view is not None else None
@@ -671,7 +671,6 @@ class NativeEngine:
         else:
             assert pinned is not None
             timed, part, given = pinned.timed, pinned.part, pinned.feeds
-        feeds: Mapping[str, Any]
         try:
             if given is None:
                 assert task is not None
