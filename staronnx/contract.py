@@ -225,8 +225,7 @@ class BatchContract:
         input in them)."""
         if self.why_not is None:
             for name, axis in self._batched:
-                value = feeds.get(name)
-                if value is not None and value.ndim > axis:
+                if name in feeds and (value := feeds[name]).ndim > axis:  # (no call: read per request)
                     return int(value.shape[axis])
         return 1
 

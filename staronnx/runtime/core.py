@@ -28,7 +28,6 @@ deadline misses and each worker's busy time spent on it.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -102,8 +101,9 @@ class WorkerState:
 
     info: WorkerInfo
     alive: bool = True
-    #: tasks popped and not finished: one, or two when the next is launched ahead (pipelined)
-    running: list[Task] = field(default_factory=list)
+    #: tasks popped and not finished, in the order popped (a dict used as an ordered set): one,
+    #: or two when the next is launched ahead (pipelined)
+    running: dict[Task, None] = field(default_factory=dict)
     busy_seconds: float = 0.0
     tasks: int = 0
     #: busy seconds per model (index in the ModelSet): who used this worker
@@ -221,6 +221,9 @@ class TaskGraph:
         self._back_cache: dict[tuple[tuple[tuple[str, int], ...], str], list[Copy]] = {}
         #: per worker, whether its memory node is a GPU's (its final outputs are written back)
         self._on_device = [not is_host(w.memory_node) for w in workers]
+        #: per worker, where an output it produced is valid: an intermediate, a final output
+        #: (:func:`~staronnx.runtime.datawizard.produced_on`)
+        self._valid_here = [(produced_on(w.memory_node, False), produced_on(w.memory_node, True)) for w in workers]
         #: every copy decided so far
         self.copy_counts = CopyCounts()
         self.prefetch = prefetch and policy.places_at_push
@@ -231,20 +234,31 @@ class TaskGraph:
         # what submit reads per request, computed once: a request's cost is the host's cost
         # per task at small batches (issue 19)
         self._model_parts = [tuple(m.parts) for m in self.models.models]
+        self._n_parts = [len(p) for p in self._model_parts]
         self._waits = [len(p) for p in self.models.preds]
+        self._latency = [m.target.latency for m in self.models.models]
+        self._levels = [m.target.priority for m in self.models.models]
+        #: per model, the parts reading each of its inputs (0 for an input no part reads)
+        self._input_readers = [{n: self._readers[m.index].get(n, 0) for n in m.plan.input_names}
+                               for m in self.models.models]
         #: what the core counts per model (same order as ``models.models``)
         self.per_model = [ModelCounters() for _ in self.models.models]
         self.inflight: dict[int, Request] = {}
         #: tasks pushed and not popped yet, by TaskView id (empty: no worker need ask for one)
         self.queue: dict[int, Task] = {}
-        #: what each push of the last submit/finish/worker_lost returned: the worker it placed
-        #: the task on, or None (a shared queue), or the workers holding its part (a shared
-        #: queue, when not every worker does): the engine wakes just those workers
-        self.pushed_to: list[int | frozenset[int] | None] = []
-        #: the driver's own reason to drop a request's remaining tasks (a cancelled future)
-        self.dropped: Callable[[Request], bool] = lambda req: False
-        self._ids = itertools.count()
-        self._task_ids = itertools.count()
+        #: what the pushes of the last submit/finish/worker_lost returned: the worker each
+        #: placed its task on, or the workers holding its part (a shared queue, when not every
+        #: worker does) ...
+        self.pushed_to: list[int | frozenset[int]] = []
+        #: ... and how many went to a shared queue any worker may take from: the engine wakes
+        #: just those workers, or that many idle ones
+        self.pushed_shared = 0
+        #: the driver's own reason to drop a request's remaining tasks, asked of its ``owner``
+        #: (a cancelled future: ``RequestFuture.settled``); None: none (the simulator's)
+        self.dropped: Callable[[Any], bool] | None = None
+        #: the last request and task ids given (plain counters: the caller serialises the core)
+        self._last_id = -1
+        self._last_task_id = -1
         self.measured: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
         self.predicted: dict[tuple[int, str], RunningMean] = defaultdict(RunningMean)
         self.queue_waits = RunningMean()
@@ -262,24 +276,33 @@ class TaskGraph:
         #: models (indices) that a lost worker left with a part nobody holds (refused at submit)
         self.stranded: set[int] = set()
         policy.attach(workers, predictor, clock, self.succs, self.where)
+        #: whether the policy reads where a task's inputs are (:attr:`Policy.reads_data`)
+        self._sees_data = policy.reads_data
         #: whether the policy keeps accounting around runs (dmda's expected ends): a policy
         #: that does not (eager, ws, ...) is spared two calls per task
         self._hooks = type(policy).on_start is not Policy.on_start or type(policy).on_done is not Policy.on_done
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, batch: int, inputs: Mapping[str, int], now: float, feeds: Mapping[str, np.ndarray] | None = None,
-               owner: Any = None, model: int = 0, arrival: float | None = None) -> Request:
-        """A new request of ``model`` (its index) whose inputs (name -> bytes) are on the host;
-        its ready tasks are pushed. ``feeds``: the inputs' host copies (the engine's; the
-        simulator has none). ``arrival`` (default ``now``) starts its latency target."""
-        self.pushed_to.clear()
-        readers = self._readers[model]
-        get = (feeds or {}).get
-        handles = {n: DataHandle(n, nbytes, _ON_HOST, readers.get(n, 0), get(n)) for n, nbytes in inputs.items()}
-        deadline = self._targets[model].deadline(now if arrival is None else arrival)
+    def submit(self, batch: int, inputs: Mapping[str, int] | None, now: float,
+               feeds: Mapping[str, np.ndarray] | None = None, owner: Any = None, model: int = 0,
+               arrival: float | None = None) -> Request:
+        """A new request of ``model`` (its index) whose inputs are on the host; its ready tasks
+        are pushed. ``inputs``: their bytes by name (the simulator's, which has no arrays), or
+        None where ``feeds``, the inputs' host copies (the engine's), say it. ``arrival``
+        (default ``now``) starts its latency target."""
+        self.pushed_to, self.pushed_shared = [], 0
+        readers = self._input_readers[model]
+        if feeds is not None:
+            handles = {n: DataHandle(n, a.nbytes, _ON_HOST, readers[n], a) for n, a in feeds.items()}
+        else:
+            assert inputs is not None
+            handles = {n: DataHandle(n, nbytes, _ON_HOST, readers[n]) for n, nbytes in inputs.items()}
+        latency = self._latency[model]
+        deadline = math.inf if latency is None else (now if arrival is None else arrival) + latency
         parts, waits = self._model_parts[model], self._waits
-        req = Request(next(self._ids), batch, now, len(parts), handles, owner, model=model, first_part=parts[0],
-                      deadline=deadline)
+        self._last_id += 1
+        req = Request(self._last_id, batch, now, self._n_parts[model], handles, owner, model=model,
+                      first_part=parts[0], deadline=deadline)
         req.tasks = tasks = [Task(req, p, waits[p]) for p in parts]
         self.inflight[req.id] = req
         self.per_model[model].in_flight += 1
@@ -290,13 +313,15 @@ class TaskGraph:
 
     def _push(self, task: Task, now: float, releasing: int | None) -> None:
         req = task.request
-        handles = req.handles
+        self._last_task_id += 1
         view = TaskView(
-            id=next(self._task_ids), part=task.part, batch=req.batch, request=req.id,
-            inputs=[DataView(h.id, h.name, h.nbytes, h.valid_on)
-                    for h in [handles[n] for n in self._part_inputs[task.part]]],
+            self._last_task_id, task.part, req.batch, req.id,
+            # where its inputs are valid as it is pushed, for a policy that prices copies
+            [DataView(id(h), h.name, h.nbytes, h.valid_on)
+             for h in [req.handles[n] for n in self._part_inputs[task.part]]]
+            if self._sees_data else (),
             submitted_at=req.submitted_at, footprint=self.footprint(req, task.part),
-            releasing_worker=releasing, deadline=req.deadline, level=self._targets[req.model].priority,
+            releasing_worker=releasing, deadline=req.deadline, level=self._levels[req.model],
         )
         if self._finals[task.part]:
             fp = view.footprint
@@ -315,10 +340,12 @@ class TaskGraph:
         target = self.policy.push(view)
         if self.prefetch and isinstance(target, int):
             self._prefetch(task, self.workers[target].info.memory_node)
-        if target is None and self.where is not None:  # a shared queue: wake one that holds it
+        if target is not None:
+            self.pushed_to.append(target)
+        elif self.where is not None:  # a shared queue: wake one that holds it
             self.pushed_to.append(self.where[task.part])
         else:
-            self.pushed_to.append(target)
+            self.pushed_shared += 1
 
     def _prefetch(self, task: Task, node: str) -> None:
         """The copies of ``task``'s inputs to ``node``, the node of the worker the policy placed
@@ -356,15 +383,22 @@ class TaskGraph:
             if self._hooks:
                 policy.on_start(wid, view, now)
             req = task.request
-            if req.failed or self.dropped(req):
+            if req.failed or (self.dropped is not None and self.dropped(req.owner)):
                 # its request failed or was cancelled: keep the policy's accounting, drop it
                 policy.on_done(wid, view, 0.0, now)
                 continue
             task.worker = wid
-            self._decide_copies(task, self.workers[wid].info.memory_node, self._on_device[wid])
-            self.workers[wid].running.append(task)
-            self.queue_waits.append(now - task.ready_at)
-            self.per_model[req.model].queue_waits.append(now - task.ready_at)
+            st = self.workers[wid]
+            self._decide_copies(task, st.info.memory_node, self._on_device[wid])
+            st.running[task] = None
+            wait = now - task.ready_at
+            # (RunningMean.append, inlined: this runs per task)
+            waits = self.queue_waits
+            waits.n += 1
+            waits.total += wait
+            waits = self.per_model[req.model].queue_waits
+            waits.n += 1
+            waits.total += wait
             return task
 
     def _decide_copies(self, task: Task, node: str, on_device: bool) -> None:
@@ -419,9 +453,9 @@ class TaskGraph:
         None when it failed. ``host`` and ``device``: the copies of its outputs the worker made
         (the engine's: in host memory, and on its GPU), which their handles keep. Returns the
         request if it is now complete (or has just failed)."""
-        self.pushed_to.clear()
+        self.pushed_to, self.pushed_shared = [], 0
         st = self.workers[wid]
-        st.running.remove(task)
+        del st.running[task]
         st.busy_seconds += measured
         st.tasks += 1
         req = task.request
@@ -438,9 +472,12 @@ class TaskGraph:
             return req
         node, arch = st.info.memory_node, st.info.arch
         req.placement[self._part_keys[task.part]] = arch
-        self.measured[(task.part, arch)].append(measured)
-        if math.isfinite(view.predicted):
-            self.predicted[(task.part, arch)].append(view.predicted)
+        key = (task.part, arch)
+        mean = self.measured[key]  # (RunningMean.append, inlined: this runs per task)
+        mean.n += 1
+        mean.total += measured
+        if -math.inf < view.predicted < math.inf:  # (a NaN compares false: not predicted)
+            self.predicted[key].append(view.predicted)
         readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]
         copies = task.copies  # fetches and write-backs, booked as they happened
         if self._on_device[wid] and self._finals[task.part] and not view.outputs:
@@ -448,15 +485,15 @@ class TaskGraph:
         if copies:
             self.copy_counts.add(copies)
         handles = req.handles
-        get = (host or {}).get
+        here, with_host = self._valid_here[wid]
         for name, nbytes in outputs.items():
             # a handle for what another part reads, and for a final output the driver holds
             # (the engine answers from it; the simulator has nothing to hold)
+            copy = host[name] if host is not None and name in host else None
             if name in readers:
-                valid = produced_on(node, True) if name in final else frozenset((node,))
-                handles[name] = DataHandle(name, nbytes, valid, readers[name], get(name))
-            elif name in final and (copy := get(name)) is not None:
-                handles[name] = DataHandle(name, nbytes, produced_on(node, True), 0, copy)
+                handles[name] = DataHandle(name, nbytes, with_host if name in final else here, readers[name], copy)
+            elif name in final and copy is not None:
+                handles[name] = DataHandle(name, nbytes, with_host, 0, copy)
         for name, tensor in device:
             handles[name].add_device(node, tensor)
         for name in task.keep:  # fetched copies that stay valid where they were fetched
@@ -476,7 +513,7 @@ class TaskGraph:
                 self._push(t, now, wid)
         if req.parts_left:
             return None
-        self.inflight.pop(req.id, None)
+        del self.inflight[req.id]  # (a failed request left it, and returned above)
         req.tasks = []  # a request and its tasks point at each other: cut, reference counting frees them
         self.done_requests += 1
         counters = self.per_model[req.model]
@@ -514,7 +551,7 @@ class TaskGraph:
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the
         requests failed because no worker is left."""
-        self.pushed_to.clear()
+        self.pushed_to, self.pushed_shared = [], 0
         st = self.workers[wid]
         st.alive = False
         self.dead_workers.append((st.info.name, error))

@@ -33,7 +33,6 @@ the copy would), but nothing moves.
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -80,9 +79,6 @@ def copy_kind(src: str, dst: str) -> str:
     return "d2h" if is_host(dst) else "peer"
 
 
-_handle_ids = itertools.count()
-
-
 class DataHandle:
     """A tensor of one request (StarPU's data handle): the memory nodes holding a valid copy
     (``valid_on``, the core's decisions: what policies price) and the copies themselves (the
@@ -94,8 +90,7 @@ class DataHandle:
     is what its reader waits on). The simulator keeps no copies. A plain class with slots, not
     a dataclass: one or more are made per task."""
 
-    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "id", "host", "host_ready", "device",
-                 "arriving")
+    __slots__ = ("name", "nbytes", "valid_on", "readers_left", "unstarted", "host", "host_ready", "device", "arriving")
 
     def __init__(self, name: str, nbytes: int, valid_on: frozenset[str] = frozenset(), readers_left: int = 0,
                  host: np.ndarray | None = None) -> None:
@@ -108,7 +103,6 @@ class DataHandle:
         self.readers_left = readers_left
         #: ... and not started: a fetched copy is kept while some reader has yet to start
         self.unstarted = readers_left
-        self.id = next(_handle_ids)
         #: the copy in host memory, and, while it is still coming down from a GPU (a prefetch),
         #: the event its reader waits on with the node that lends it
         self.host = host

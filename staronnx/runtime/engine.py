@@ -89,7 +89,7 @@ class Pinned:
     :class:`PinnedResult`, or to the task's error."""
 
     part: int
-    feeds: Mapping[str, np.ndarray]
+    feeds: dict[str, np.ndarray]
     future: Future[PinnedResult]
     timed: bool = True
 
@@ -119,6 +119,10 @@ def parts_held(workers: Sequence[Worker], k: int) -> list[frozenset[int]] | None
 ANNOUNCE_EVERY = 16
 #: ... or after this long (seconds), whatever it is doing
 ANNOUNCE_AFTER_S = 200e-6
+
+
+#: what a worker is handed: its index, and a scheduled task or a pinned one (the other None)
+Job = tuple[int, Task | None, Pinned | None]
 
 
 class RealClock:
@@ -180,12 +184,14 @@ class NativeEngine:
         for w in workers:
             if isinstance(w, CudaWorker):
                 self._memories.setdefault(w.memory_node, w.device_memory)
-        #: per part: which outputs a GPU writes back (final) and which it keeps (read by a part)
-        self._routes = [OutputRoute(frozenset(n for n in m.plan.parts[local].outputs if n in finals),
-                                    frozenset(n for n in m.plan.parts[local].outputs if n in read))
-                        for m, local in self.models.owner
-                        for finals, read in [(set(m.plan.output_names),
-                                              {i for part in m.plan.parts for i in part.inputs})]]
+        #: per part: which outputs a GPU writes back (final) and which it keeps (read by a part);
+        #: None where every output comes back and none stays (the worker's plain path)
+        self._routes: list[OutputRoute | None] = [
+            None if route.host == set(outputs) and not route.device else route
+            for m, local in self.models.owner
+            for outputs in [m.plan.parts[local].outputs]
+            for route in [OutputRoute(frozenset(n for n in outputs if n in m.plan.output_names),
+                                      frozenset(n for n in outputs if any(n in p.inputs for p in m.plan.parts)))]]
 
         self._frozen: set[tuple[int, str, int, int]] = set()  # (part, arch, footprint) calibrated for good
         self._loops: list[Future[None]] = []
@@ -210,7 +216,7 @@ class NativeEngine:
         #: many are queued in all (a hint read without the lock, as ``core.queue``)
         self._pinned: list[deque[Pinned]] = [deque() for _ in workers]
         self._pinned_count = 0
-        self.core.dropped = lambda req: req.owner.settled()  # cancelled by its caller
+        self.core.dropped = RequestFuture.settled  # cancelled by its caller
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)
@@ -222,9 +228,10 @@ class NativeEngine:
     def _footprint(self, req: Request, part: int) -> Footprint:
         """The perf-model key of a task, by its inputs' shapes (a few, seen over and over)."""
         handles, names = req.handles, self._part_inputs[part]
-        key = (part, req.batch, *[handles[n].shape for n in names])
-        fp = self._footprints.get(key)
-        if fp is None:
+        key = (part, req.batch, *[h.shape if (h := handles[n]).host is None else h.host.shape for n in names])
+        try:
+            return self._footprints[key]
+        except KeyError:
             if len(self._footprints) > 4096:
                 self._footprints.clear()
             fp = self._footprints[key] = Footprint.of_feeds({n: handles[n] for n in names}, req.batch,
@@ -248,8 +255,7 @@ class NativeEngine:
             if self.core.stranded and model in self.core.stranded:
                 raise EngineClosed(f"model {self.models.models[model].name!r} can no longer run: every worker "
                                    "that held one of its parts was lost")
-            req = self.core.submit(batch, {n: int(a.nbytes) for n, a in feeds.items()}, self.clock.now(),
-                                   feeds, future, model=model, arrival=arrival)
+            req = self.core.submit(batch, None, self.clock.now(), feeds, future, model=model, arrival=arrival)
             if self.core.prefetches:
                 self._queue_prefetches()
             future.request_id = req.id
@@ -363,11 +369,12 @@ class NativeEngine:
         """(lock held) Wake the workers the last core call gave work to: the one a task was
         placed on, or one idle worker for a task in a shared queue. Waking every worker on
         every event cost a thread switch and a GIL hand-over per idle worker per task."""
+        for _ in range(self.core.pushed_shared):
+            if not self._idle:
+                break
+            self._notify(next(iter(self._idle)))
         for target in self.core.pushed_to:
-            if target is None:
-                if self._idle:
-                    self._notify(next(iter(self._idle)))
-            elif isinstance(target, int):
+            if isinstance(target, int):
                 if target in self._idle:
                     self._notify(target)
             elif self._idle:  # a shared queue's task that only these workers hold
@@ -394,12 +401,12 @@ class NativeEngine:
 
         def loop() -> None:
             try:
-                while (task := self._next_task(wid)) is not None:
-                    started = self._start(wid, worker, task, False)
-                    if isinstance(task, Pinned):
-                        self._end_pinned(wid, task, started)
+                while (job := self._next_task(wid)) is not None:
+                    started = self._start(wid, worker, job[0], job[1], False)
+                    if started.pinned is not None:
+                        self._end_pinned(wid, started.pinned, started)
                     else:
-                        self._end(wid, task, started)
+                        self._end(wid, started)
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
@@ -445,21 +452,26 @@ class NativeEngine:
         block (for work, or for a task the device has not finished: they then run while it
         waits), else as the module docstring says."""
         workers = self._workers
-        ahead: deque[tuple[int, Task | Pinned, _Started]] = deque()  # in launch order, all streams
+        ahead: deque[tuple[int, _Started]] = deque()  # in launch order, all streams
         launched = dict.fromkeys(wids, 0)
         live = list(wids)
+        room = 2 * len(live)  # tasks launched and not waited for: two per live stream
+        n_ahead = 0  # len(ahead), kept as it changes (read per task)
         since = 0.0  # when the oldest deferred result was settled
 
         def lost(wid: int, exc: BaseException) -> None:
+            nonlocal room, n_ahead
             live.remove(wid)
+            room = 2 * len(live)
             for entry in [e for e in ahead if e[0] == wid]:
                 ahead.remove(entry)
-                if isinstance(pinned := entry[1], Pinned):
+                n_ahead -= 1
+                if (pinned := entry[1].pinned) is not None:
                     pinned.future.set_exception(exc)
             launched[wid] = 0
             self._worker_died(wid, exc)
 
-        got: list[tuple[int, Task | Pinned]] = []
+        got: list[Job] = []
         while live:
             if not got and not ahead:
                 if deferred:  # about to wait for work
@@ -469,42 +481,52 @@ class NativeEngine:
                 if taken is None:
                     return
                 got = taken
-            for wid, task in got:
+            for wid, task, pinned in got:
                 try:
-                    ahead.append((wid, task, self._start(wid, workers[wid], task, True)))
+                    ahead.append((wid, self._start(wid, workers[wid], task, pinned, True)))
                     launched[wid] += 1
+                    n_ahead += 1
                 except WorkerLost as exc:
                     lost(wid, exc)
             got = []
             if not ahead:
                 continue
-            if (self.core.queue or self._pinned_count) and len(ahead) < 2 * len(live):  # a stream has room: fill it
+            if (self.core.queue or self._pinned_count) and n_ahead < room:  # a stream has room: fill it
                 with self._lock:  # before waiting (``queue`` is a hint read without the lock)
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 if got:
                     continue
-            wid, task, started = ahead.popleft()
+            wid, started = ahead.popleft()
             launched[wid] -= 1
-            if deferred and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
-                             or not _finished(workers[wid], started)):
+            n_ahead -= 1
+            fresh = not deferred
+            if not fresh and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
+                              or not _finished(workers[wid], started)):
                 announce(deferred)
                 deferred.clear()
-            try:
-                done = self._complete(workers[wid], started)
-            except WorkerLost as exc:
-                lost(wid, exc)
-                continue
-            waiting = len(deferred)
-            if isinstance(task, Pinned):
-                self._end_pinned(wid, task, done)
+                fresh = True
+            if started.error is None:  # wait for it: its outputs (and those its route kept), or its error
+                worker = workers[wid]
+                try:
+                    started.outputs = worker.finish_here(started.handle)
+                    started.compute = worker.last_compute_seconds
+                    if started.routed:
+                        started.device = worker.device_outputs(started.handle)
+                except WorkerLost as exc:
+                    lost(wid, exc)
+                    continue
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    started.error = exc
+            if started.pinned is not None:
+                self._end_pinned(wid, started.pinned, started)
                 with self._lock:
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 continue
-            got = self._end(wid, task, done, take=[w for w in live if launched[w] < 2], defer=deferred)
-            if not waiting and deferred:
+            got = self._end(wid, started, take=[w for w in live if launched[w] < 2], defer=deferred)
+            if fresh and deferred:
                 since = time.perf_counter()
 
-    def _take(self, wids: list[int], group: list[int]) -> list[tuple[int, Task | Pinned]] | None:
+    def _take(self, wids: list[int], group: list[int]) -> list[Job] | None:
         """A task for each of ``wids`` that has one, in one lock hold, waiting until one
         does. None: the engine is stopping (or the group has no live worker)."""
         with self._lock:
@@ -521,64 +543,64 @@ class NativeEngine:
                 self._idle.difference_update(group)
                 self.idle = len(self._idle)
 
-    def _take_each(self, wids: Sequence[int], now: float) -> list[tuple[int, Task | Pinned]]:
+    def _take_each(self, wids: Sequence[int], now: float) -> list[Job]:
         """(lock held) A task for each live worker of ``wids`` that the policy has one for;
         stops asking once nothing is queued (a driver's streams would each ask in vain)."""
         core, states = self.core, self.core.workers
-        got: list[tuple[int, Task | Pinned]] = []
+        got: list[Job] = []
         for wid in wids:
             if self._pinned_count and self._pinned[wid] and states[wid].alive:
                 self._pinned_count -= 1
-                got.append((wid, self._pinned[wid].popleft()))
+                got.append((wid, None, self._pinned[wid].popleft()))
                 continue
             if not core.queue:
                 if self._pinned_count:
                     continue
                 break
             if states[wid].alive and (task := core.next_task(wid, now)) is not None:
-                got.append((wid, task))
+                got.append((wid, task, None))
         return got
 
-    def _next_task(self, wid: int) -> Task | Pinned | None:
+    def _next_task(self, wid: int) -> tuple[Task | None, Pinned | None] | None:
+        """(CPU loop) The next task of worker ``wid`` (scheduled, or pinned to it), waiting
+        for one; None once the engine stops or the worker is lost."""
         with self._lock:
             while self.core.workers[wid].alive:
                 if self._pinned[wid]:
                     self._pinned_count -= 1
-                    return self._pinned[wid].popleft()
+                    return None, self._pinned[wid].popleft()
                 task = self.core.next_task(wid, self.clock.now())
-                if task is not None or self._stopping:
-                    return task
+                if task is not None:
+                    return task, None
+                if self._stopping:
+                    return None
                 self._idle.add(wid)
                 self.idle = len(self._idle)
                 self._conds[wid].wait()
             return None
 
-    def _timed(self, wid: int, task: Task) -> bool:
-        """Whether this task's time is wanted: only while its perf model needs samples (a
-        CUDA worker then records events; without them it saves their calls). A model that is
-        calibrated under ``calibrate=0`` stays frozen, so that answer is kept."""
-        fp = task.view.footprint if task.view is not None else None
-        if fp is None:
-            return False
-        key = (task.part, self._archs[wid], fp.batch, fp.shape_hash)  # ints: hashed in C
-        if key in self._frozen:
-            return False
+    def _needs_samples(self, wid: int, task: Task, fp: Footprint, key: tuple[int, str, int, int]) -> bool:
+        """Whether this task's time is wanted (``key`` not frozen: see :meth:`_start`): only
+        while its perf model needs samples (a CUDA worker then records events; without them
+        it saves their calls). A model that is calibrated under ``calibrate=0`` stays frozen,
+        so that answer is kept."""
         needed = self.predictor.needs_samples(task.part, self._archs[wid], fp)
         if not needed and self.predictor.calibrate == 0:
             self._frozen.add(key)
         return needed
 
-    def _feeds(self, task: Task, wid: int, kept: _Kept) -> dict[str, Any]:
+    def _feeds(self, task: Task, wid: int) -> tuple[dict[str, Any], _Kept | None]:
         """The task's inputs as its worker reads them: each one's copy on the worker's node,
         or, where the core decided a fetch, the copy that fetch reads (a CUDA worker copies it
         into its own buffers). A CPU worker's fetch from a GPU is downloaded here; a fetch the
-        core keeps (a later reader wants it) is made here as the handle's own copy, and added
-        to ``kept`` to join the handle when the task ends."""
+        core keeps (a later reader wants it) is made here as the handle's own copy, and
+        returned beside the feeds to join the handle when the task ends (None: none)."""
         handles = task.request.handles
         names = self._part_inputs[task.part]
         if not self._memories:  # no GPU memory anywhere: every input is a host array
-            return {n: handles[n].host for n in names}
+            return {n: handles[n].host for n in names}, None
         node, keep = self._nodes[wid], task.keep
+        kept: _Kept | None = None
         feeds: dict[str, Any] = {}  # host arrays, and tensors in a GPU's memory for a CUDA worker
         if self._on_host[wid]:
             for n in names:
@@ -593,18 +615,19 @@ class NativeEngine:
                 tensor = _on_device(h, self._fetched_from(task, h, node))
                 feeds[n] = array = tensor.memory.download(tensor)
                 if n in keep:
+                    kept = kept or _Kept()
                     kept.host.append((n, array))
-            return feeds
+            return feeds, kept
         for n in names:
             h = handles[n]
             if h.arriving:
                 self._await(h)
-            here = h.on_device(node)
-            if here is not None:
+            if h.device is None:  # the common case: a host array, and no copy on any GPU
+                if n not in keep:
+                    feeds[n] = _host(h) if h.host is None else h.host  # read as it is
+                    continue
+            elif (here := h.device.get(node)) is not None:
                 feeds[n] = here
-                continue
-            if h.device is None and n not in keep:
-                feeds[n] = _host(h)  # a host array, read as it is
                 continue
             src = self._fetched_from(task, h, node)
             if n not in keep:
@@ -612,8 +635,9 @@ class NativeEngine:
                 continue
             memory = self._memories[node]
             feeds[n] = here = memory.upload(_host(h)) if is_host(src) else memory.peer(_on_device(h, src))
+            kept = kept or _Kept()
             kept.device.append((n, here))
-        return feeds
+        return feeds, kept
 
     def _fetched_from(self, task: Task, h: DataHandle, node: str) -> str:
         """The node the fetch of ``h`` to ``node`` that the core decided for ``task`` reads; where
@@ -624,36 +648,49 @@ class NativeEngine:
                 return c[1]
         return source(h.valid_on, node, h.nbytes, self.core.copy_cost)
 
-    def _start(self, wid: int, worker: Worker, task: Task | Pinned, ahead: bool) -> _Started:
-        """Hand ``task`` to its worker: launched (``ahead``: a worker that launches ahead;
-        :meth:`_complete` waits for it) or run to its end (CPU). A scheduled task's fetches
-        from a GPU (a CPU worker's downloads) count in its wall time, not in its perf model's
-        compute time; a pinned task reads its feeds as they are."""
-        # one class test a task (this is the hot path): ``scheduled`` is the task, or None when pinned
-        if isinstance(task, Pinned):
-            scheduled, timed, given = None, task.timed, task.feeds
-        else:
-            scheduled, timed, given = task, self._timed(wid, task), None
+    def _start(self, wid: int, worker: Worker, task: Task | None, pinned: Pinned | None, ahead: bool) -> _Started:
+        """Hand a scheduled ``task`` or a ``pinned`` one (the other is None) to its worker:
+        launched (``ahead``: a worker that launches ahead; :meth:`_drive_loop` waits for it) or
+        run to its end (CPU). A scheduled task's fetches from a GPU (a CPU worker's downloads)
+        count in its wall time, not in its perf model's compute time; a pinned task reads its
+        feeds as they are."""
         start = self.clock.now()
-        kept = _Kept()
-        if self.core.prefetch and scheduled is not None:
-            self._count_start(scheduled, wid)
+        kept = route = None
+        given: dict[str, np.ndarray] | None = None  # a pinned task's feeds
+        if task is not None:
+            # timed while its perf model needs samples; a frozen answer is a set lookup
+            fp = task.view.footprint if task.view is not None else None
+            if fp is None:
+                timed = False
+            else:
+                key = (task.part, self._archs[wid], fp.batch, fp.shape_hash)  # ints: hashed in C
+                timed = key not in self._frozen and self._needs_samples(wid, task, fp, key)
+            if self.core.prefetch:
+                self._count_start(task, wid)
+            part = task.part
+        else:
+            assert pinned is not None
+            timed, part, given = pinned.timed, pinned.part, pinned.feeds
         try:
-            feeds = self._feeds(scheduled, wid, kept) if scheduled is not None else given
-            assert feeds is not None
+            if given is None:
+                assert task is not None
+                feeds, kept = self._feeds(task, wid)
+                if self._memories:
+                    route = self._routes[part]
+            else:
+                feeds = given
             if ahead:
-                route = self._routes[task.part] if self._memories and scheduled is not None else None
-                return _Started(start, timed, worker.launch_here(task.part, feeds, timed, route),
-                                kept=kept if kept else None)
+                return _Started(start, timed, worker.launch_here(part, feeds, timed, route), kept=kept,
+                                task=task, pinned=pinned, routed=route is not None)
             began = self.clock.now()
-            outputs = worker.run_here(task.part, feeds, timed)
-            copied = scheduled is not None and bool(scheduled.copies)
+            outputs = worker.run_here(part, feeds, timed)
+            copied = task is not None and bool(task.copies)
             compute = worker.last_compute_seconds or (self.clock.now() - began if copied else None)
-            return _Started(start, timed, None, outputs, None, compute, kept if kept else None)
+            return _Started(start, timed, None, outputs, None, compute, kept, task=task, pinned=pinned)
         except WorkerLost:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request (or pinned task) only
-            return _Started(start, timed, None, {}, exc)
+            return _Started(start, timed, None, {}, exc, task=task, pinned=pinned)
 
     def _end_pinned(self, wid: int, item: Pinned, started: _Started) -> None:
         """Settle a pinned task's future: its outputs and time, or its error."""
@@ -666,30 +703,20 @@ class NativeEngine:
             item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
                                                 end - start))
 
-    def _complete(self, worker: Worker, started: _Started) -> _Started:
-        if started.error is None:
-            try:
-                started.outputs = worker.finish_here(started.handle)
-                started.compute = worker.last_compute_seconds
-                if self._memories:
-                    started.device = worker.device_outputs(started.handle)
-            except WorkerLost:
-                raise
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                started.error = exc
-        return started
-
-    def _end(self, wid: int, task: Task, started: _Started, take: Sequence[int] = (),
-             defer: list[RequestFuture] | None = None) -> list[tuple[int, Task | Pinned]]:
+    def _end(self, wid: int, started: _Started, take: Sequence[int] = (),
+             defer: list[RequestFuture] | None = None) -> list[Job]:
         """Book a finished task: perf model, trace, the core (successors), the request; with
         ``take``, also take a task for each of those workers that has one ready, under the same
         lock (what a pipelined loop launches next). With ``defer``, a finished request's future
         is settled but its callers are left for the caller to :func:`announce` (appended)."""
+        task = started.task
+        assert task is not None
         req = task.request
         info = self.core.workers[wid].info
         end = self.clock.now()
         # a task launched behind another starts when that one ends
-        start = max(started.start, self._last_end[wid])
+        last = self._last_end[wid]
+        start = started.start if started.start > last else last
         self._last_end[wid] = end
         measured = end - start
         error, outputs = started.error, started.outputs
@@ -702,9 +729,10 @@ class NativeEngine:
             self._trace(wid, task, start, end, error is not None)
         sizes: dict[str, int] | None = None
         if error is None:
-            sizes = {n: a.nbytes for n, a in (outputs or {}).items()}
+            sizes = {n: a.nbytes for n, a in outputs.items()} if outputs else {}
             for n, t in started.device:
-                sizes.setdefault(n, t.nbytes)
+                if n not in sizes:
+                    sizes[n] = t.nbytes
         with self._lock:
             if started.kept is not None and error is None:
                 started.kept.join(req.handles, info.memory_node)
@@ -725,7 +753,10 @@ class NativeEngine:
                 value.__cause__ = error
             else:
                 handles = done.handles
-                value, ok = {n: _host(handles[n]) for n in self._output_names[done.model]}, True
+                value, ok = {}, True
+                for n in self._output_names[done.model]:
+                    h = handles[n]
+                    value[n] = _host(h) if h.host is None else h.host
             if defer is None:
                 settle(done.owner, value, ok)
             elif settle_quietly(done.owner, value, ok):
@@ -844,21 +875,23 @@ class _Started:
     kept: _Kept | None = None
     #: its outputs kept on its GPU (a CUDA worker's, for the parts that read them)
     device: Sequence[tuple[str, DeviceTensor]] = ()
+    #: the task: scheduled (``task``) or pinned (``pinned``), the other None
+    task: Task | None = None
+    pinned: Pinned | None = None
+    #: launched with an output route (some outputs may stay on the GPU)
+    routed: bool = False
 
 
 class _Kept:
     """A task's fetched inputs that become their handles' copies on its worker's node when it
     ends (the core then marks them valid there): host arrays on a CPU worker, tensors on a
-    CUDA worker's GPU."""
+    CUDA worker's GPU. Made only for a task that keeps one."""
 
     __slots__ = ("host", "device")
 
     def __init__(self) -> None:
         self.host: list[tuple[str, np.ndarray]] = []
         self.device: list[tuple[str, DeviceTensor]] = []
-
-    def __bool__(self) -> bool:
-        return bool(self.host or self.device)
 
     def join(self, handles: Mapping[str, DataHandle], node: str) -> None:
         """(engine lock held) Each copy joins its handle."""

@@ -151,6 +151,8 @@ class Runtime:
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, _ = load_plans(plan)
         self.models = ModelSet(plans, targets)
+        #: the one model a ``model=None`` request is for (None: several are served)
+        self._only = self.models.models[0] if self.models.single else None
         if residency and (engine != "native" or workers is not None):
             raise StaronnxError("residency chooses the workers that load each model when the native engine "
                                 "starts them; it does not go with engine='starpu' or workers=[...]")
@@ -232,7 +234,7 @@ class Runtime:
         counts from there."""
         if self._closed:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
-        hosted = self.models.model(model)
+        hosted = self._only if model is None and self._only is not None else self.models.model(model)
         hosted.plan.check_feeds(feeds)
         return self._engine.submit(feeds, hosted.index, arrival)
 

@@ -56,7 +56,7 @@ class DataView(NamedTuple):
     """One input of a task: a data handle, its size and where valid copies are (a named
     tuple: immutable like a frozen dataclass, built in a third of its time, per task)."""
 
-    handle: int
+    handle: int  # which handle (its ``id()``: unique while its request runs)
     name: str
     nbytes: int
     valid_on: frozenset[str]  # memory nodes holding a valid copy
@@ -70,7 +70,7 @@ class TaskView:
     part: int
     batch: int
     request: int
-    inputs: Sequence[DataView] = ()
+    inputs: Sequence[DataView] = ()  # empty for a policy that does not read them (``reads_data``)
     priority: float = 0.0  # higher runs first in priority-sorted queues (heft sets it)
     submitted_at: float = 0.0
     #: when its request must be answered (its model's latency target; inf: no target): ready
@@ -135,6 +135,9 @@ class Policy(ABC):
     name: str = "?"
     #: True when push() decides the worker (the engine then prefetches the inputs)
     places_at_push: bool = False
+    #: False for a policy that never reads ``TaskView.inputs`` (nor asks the predictor for
+    #: transfer times): the core then spares each task a view per input
+    reads_data: bool = True
     #: per part, the workers that hold it (see :meth:`attach`); None: every worker, every part
     where: list[frozenset[int]] | None = None
 

@@ -81,7 +81,8 @@ class RequestFuture(Future[Any]):
         return True
 
     def result(self, timeout: float | None = None) -> Any:
-        self._block(timeout)
+        if self._state not in SETTLED:  # (read without the lock: see _block)
+            self._block(timeout)
         if self._state == FINISHED:  # settled states never change: no lock needed to read it
             if self._exception is not None:
                 try:
@@ -146,7 +147,13 @@ def settle_quietly(future: RequestFuture, value: Any, ok: bool) -> bool:
     cond = future._condition
     cond.acquire()  # the Condition's lock methods (C) rather than its Python __enter__/__exit__
     try:
-        if not _finish_locked(future, value, ok):
+        if future._state == PENDING:  # (_finish_locked's common case, inlined: once per request)
+            future._state = FINISHED
+            if ok:
+                future._result = value
+            else:
+                future._exception = value
+        elif not _finish_locked(future, value, ok):
             return False
         return bool(future._waiter_list or future._callback_list)
     finally:

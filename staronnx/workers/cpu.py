@@ -163,18 +163,23 @@ class CpuWorker(ThreadWorker):
 
     def _load(self, index: int, path: Path) -> ort.InferenceSession:
         weights = (self._weights or default_shared_weights()) if self.share_weights else None
+        # pools of several parts' sessions take turns on the group's cores: none may spin on
+        # after its run; a worker of one session keeps ORT's own spinning, as a plain loop does
+        several = sum(p is not None for p in self.part_paths) > 1
         try:
-            session, self.weights_shared[index] = cpu_session(path, self.group, bool(self.spin), weights, self.name)
+            session, self.weights_shared[index] = cpu_session(path, self.group, bool(self.spin), weights, self.name,
+                                                              stop_spinning=several)
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             raise ModelError(f"ONNX Runtime cannot load part {index} ({path}): {exc}") from None
         return session
 
 
 def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True, weights: SharedWeights | None = None,
-                who: str = "") -> tuple[ort.InferenceSession, bool]:
+                who: str = "", stop_spinning: bool = True) -> tuple[ort.InferenceSession, bool]:
     """One part's ONNX Runtime session on ``group``'s cores, as a CPU worker runs it (ours, or
     a StarPU CPU worker's codelet), with its weights from ``weights``' mapped copy (None: a
-    private copy); and whether they are shared."""
+    private copy); and whether they are shared. ``stop_spinning``: its pool threads stop
+    spinning as its run ends (where other sessions' pools share the cores)."""
     so = ort.SessionOptions()
     so.log_severity_level = 4  # a failing run raises its error in Python: no raw red log line beside it
     so.intra_op_num_threads = group.n_cores
@@ -186,7 +191,8 @@ def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
     # Each part's session has its own pool on the same cores and only one runs at a time:
     # spin while a Run() is active, never after, or idle pools would steal the cores.
-    so.add_session_config_entry("session.force_spinning_stop", "1")
+    if stop_spinning:
+        so.add_session_config_entry("session.force_spinning_stop", "1")
     model, shared = path, False
     if weights is not None:
         try:

@@ -282,12 +282,12 @@ class CudaWorker(ThreadWorker):
             launches = []
             for _ in range(parallel):
                 try:
-                    launches.append(self._launch(part, feeds, True, None))
+                    launches.append(self.launch_here(part, feeds, True, None))
                 except Exception as exc:  # noqa: BLE001 - the others are waited for first
                     error = error or exc
             for launch in launches:
                 try:
-                    self._wait(launch)
+                    self.finish_here(launch)
                     seconds = self.last_compute_seconds or 0.0
                 except Exception as exc:  # noqa: BLE001
                     error = error or exc
@@ -306,7 +306,8 @@ class CudaWorker(ThreadWorker):
         self._check_own_thread()
         return self.finish_here(self.launch_here(part, feeds, timed))
 
-    def launch_here(self, part: int, feeds: Feeds, timed: bool = True, route: OutputRoute | None = None) -> _Launch:
+    def launch_here(self, part_index: int, feeds: Feeds, timed: bool = True,
+                    route: OutputRoute | None = None) -> _Launch:
         """Queue a part's copies and run on the stream and return without waiting (from the
         worker's thread): an engine launches the next task before it waits for this one, so
         the GPU does not idle while the host finishes a task. A task waits on the whole stream
@@ -321,17 +322,91 @@ class CudaWorker(ThreadWorker):
         if self.lost is not None:
             raise self._unusable()
         try:
-            return self._launch(part, feeds, timed, route)
+            behind = self._unmarked
+            if behind is not None:  # this task queues behind one not yet waited for: mark its end
+                self._unmarked = None
+                behind.wait_event = behind.slot.events["done"]
+                behind.wait_event.record(self._stream)
+            part = self._parts[part_index]
+            arrays: list[Any]
+            try:
+                arrays = [feeds[n] for n in part.inputs]
+                key = (part_index, *[(a.dtype, a.shape) for a in arrays])
+            except (KeyError, AttributeError, TypeError):
+                arrays = check_feeds(part, part_index, feeds)
+                key = (part_index, *[(a.dtype, a.shape) for a in arrays])
+            if len(feeds) != part.n_inputs:
+                check_feeds(part, part_index, feeds)  # unknown names: its message
+            slot = self._slots.take(key)
+            if slot is None:  # a new signature (checked once), or every slot of it is in use
+                arrays = check_feeds(part, part_index, feeds)
+                slot = self._make_slot(key, part_index, arrays)
         except BaseException as exc:
+            raise self._lost_or(exc) from None
+        try:
+            if not slot.fixed:
+                return self._launch_general(slot, arrays, timed, route)
+            rt, stream = self._runtime, self._stream
+            ev = slot.events
+            up = self._copy_inputs(slot, arrays, timed)
+            if timed:
+                ev["run_start"].record(stream)
+            graph = slot.graph
+            if graph == GRAPH_CAPTURE or (graph == GRAPH_REPLAY and _thread_id() not in slot.graph_threads):
+                self._capture(slot)  # a new graph id, or a thread ORT holds no graph of this slot on
+            else:
+                run, bound = slot.native
+                run(bound, slot.run_options)
+                self.graph_replays += graph == GRAPH_REPLAY
+            if timed:
+                ev["run_done"].record(stream)
+            if route is None:
+                out_copies, keeps, written = slot.out_copies, None, None
+            else:
+                out_copies, keeps, written = slot.routes.get(route) or slot.route_plan(route)
+            for dst, src, nbytes in out_copies:
+                rt.copy_d2h(dst, src, nbytes, stream)
+            kept = None
+            if keeps:
+                keep = self.device_memory.keep
+                kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps]
+            if timed:
+                ev["d2h_done"].record(stream)
+                return _Launch(slot, timed, ev["d2h_done"], None, written, kept, up)
+            launch = _Launch(slot, timed, None, None, written, kept)
+            self._unmarked = launch
+            return launch
+        except BaseException as exc:
+            self._settle(exc)
+            self._slots.release(slot)
             raise self._lost_or(exc) from None
 
     def finish_here(self, launch: _Launch) -> Outputs:
         """Wait for a launched task and return its outputs written back to the host (from the
         worker's thread)."""
+        slot = launch.slot
         try:
-            return self._wait(launch)
+            if launch.outputs is not None:  # ran synchronously (the general path)
+                outputs = launch.outputs
+            else:
+                if launch.wait_event is not None:
+                    launch.wait_event.synchronize()
+                else:
+                    self._unmarked = None
+                    self._stream.synchronize()
+                assert slot.outputs is not None
+                written = slot.outputs if launch.written is None else launch.written
+                outputs = {t.name: t.view.copy() for t in written}
+            if launch.timed:
+                self._read_timings(slot, launch)
+            else:
+                self.last_compute_seconds = None
         except BaseException as exc:
+            self._settle(exc)
             raise self._lost_or(exc) from None
+        finally:
+            slot.busy = False  # (SlotCache.release)
+        return outputs
 
     def device_outputs(self, launch: _Launch) -> Sequence[tuple[str, DeviceTensor]]:
         """The outputs of a finished task that its route kept on this GPU: (name, tensor)."""
@@ -491,63 +566,6 @@ class CudaWorker(ThreadWorker):
             )
         return session
 
-    # -- one task
-    def _launch(self, part_index: int, feeds: Feeds, timed: bool, route: OutputRoute | None) -> _Launch:
-        behind = self._unmarked
-        if behind is not None:  # this task queues behind one not yet waited for: mark its end
-            self._unmarked = None
-            behind.wait_event = behind.slot.events["done"]
-            behind.wait_event.record(self._stream)
-        part = self._parts[part_index]
-        arrays: list[Any]
-        try:
-            arrays = [feeds[n] for n in part.inputs]
-            key = (part_index, *[(a.dtype, a.shape) for a in arrays])
-        except (KeyError, AttributeError, TypeError):
-            arrays = check_feeds(part, part_index, feeds)
-            key = (part_index, *[(a.dtype, a.shape) for a in arrays])
-        if len(feeds) != len(arrays):
-            check_feeds(part, part_index, feeds)  # unknown names: its message
-        slot = self._slots.take(key)
-        if slot is None:  # a new signature (checked once), or every slot of it is in use
-            arrays = check_feeds(part, part_index, feeds)
-            slot = self._make_slot(key, part_index, arrays)
-        try:
-            if not slot.fixed:
-                return self._launch_general(slot, arrays, timed, route)
-            rt, stream = self._runtime, self._stream
-            ev = slot.events
-            up = self._copy_inputs(slot, arrays, timed)
-            if timed:
-                ev["run_start"].record(stream)
-            graph = slot.graph
-            if graph == GRAPH_CAPTURE or (graph == GRAPH_REPLAY and _thread_id() not in slot.graph_threads):
-                self._capture(slot)  # a new graph id, or a thread ORT holds no graph of this slot on
-            else:
-                run, bound = slot.native
-                run(bound, slot.run_options)
-                self.graph_replays += graph == GRAPH_REPLAY
-            if timed:
-                ev["run_done"].record(stream)
-            if route is None:
-                out_copies, keeps, written = slot.out_copies, None, None
-            else:
-                out_copies, keeps, written = slot.routes.get(route) or slot.route_plan(route)
-            for dst, src, nbytes in out_copies:
-                rt.copy_d2h(dst, src, nbytes, stream)
-            keep = self.device_memory.keep
-            kept = [(name, keep(src, dtype, shape, stream)) for name, src, dtype, shape in keeps] if keeps else None
-            if timed:
-                ev["d2h_done"].record(stream)
-                return _Launch(slot, timed, ev["d2h_done"], None, written, kept, up)
-            launch = _Launch(slot, timed, None, None, written, kept)
-            self._unmarked = launch
-            return launch
-        except BaseException as exc:
-            self._settle(exc)
-            self._slots.release(slot)
-            raise
-
     def _copy_in(self, dst: int, a: DeviceTensor, nbytes: int) -> None:
         """An input already in GPU memory into the slot's buffer (see :meth:`launch_here`), after
         the event of the copy that filled it, if that is still pending on another stream."""
@@ -558,41 +576,6 @@ class CudaWorker(ThreadWorker):
             self._runtime.copy_d2d(dst, a.ptr, nbytes, stream)
         else:
             self._runtime.copy_peer(dst, self.device_id, a.ptr, a.device, nbytes, stream)
-
-    def _host_source(self, t: SlotTensor, a: Any) -> int:
-        """Where an input's H2D copy reads: the array itself when it was assembled in pinned
-        memory (a pool batch: no staging pass), else the slot's pinned buffer, filled here."""
-        src = a.pinned_ptr if isinstance(a, PinnedArray) else None
-        if src is None:
-            np.copyto(t.view, a)
-            return int(t.pinned.ptr)
-        self.staging_skipped += 1
-        return int(src)
-
-    def _wait(self, launch: _Launch) -> Outputs:
-        slot = launch.slot
-        try:
-            if launch.outputs is not None:  # ran synchronously (the general path)
-                outputs = launch.outputs
-            else:
-                if launch.wait_event is not None:
-                    launch.wait_event.synchronize()
-                else:
-                    self._unmarked = None
-                    self._stream.synchronize()
-                assert slot.outputs is not None
-                written = slot.outputs if launch.written is None else launch.written
-                outputs = {t.name: t.view.copy() for t in written}
-            if launch.timed:
-                self._read_timings(slot, launch)
-            else:
-                self.last_compute_seconds = None
-        except BaseException as exc:
-            self._settle(exc)
-            raise
-        finally:
-            self._slots.release(slot)
-        return outputs
 
     def _read_timings(self, slot: Slot, launch: _Launch) -> None:
         """GPU times of the task just waited for (its events are complete), and its copies
@@ -703,11 +686,19 @@ class CudaWorker(ThreadWorker):
             slot.events["h2d_start"].record(stream)
         up = 0
         for (t, dst, nbytes), a in zip(slot.in_copies, arrays):
-            if isinstance(a, DeviceTensor):
+            # from the array itself where it was assembled in pinned memory (a pool batch: no
+            # staging pass), else through the slot's pinned buffer, filled here
+            if isinstance(a, PinnedArray) and a.pinned_ptr is not None:
+                src = a.pinned_ptr
+                self.staging_skipped += 1
+            elif isinstance(a, DeviceTensor):
                 self._copy_in(dst, a, nbytes)
+                continue
             else:
-                self._runtime.copy_h2d(dst, self._host_source(t, a), nbytes, stream)
-                up += nbytes
+                np.copyto(t.view, a)
+                src = t.pinned.ptr
+            self._runtime.copy_h2d(dst, src, nbytes, stream)
+            up += nbytes
         return up
 
     def _launch_general(self, slot: Slot, arrays: list[Any], timed: bool, route: OutputRoute | None) -> _Launch:

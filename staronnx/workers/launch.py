@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -62,6 +63,9 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
     laid = layout(spec, topology, list(dict.fromkeys(owner)))
     paths = [[plan.part_path(p) if held else None for p, held in enumerate(row)] for row in laid.holds(owner)]
     workers: list[ThreadWorker] = []
+    # weights are shared (one mapped copy) between the CPU workers of a NUMA node; a worker
+    # alone on its node loads its parts as a plain session does (nothing to share)
+    per_node = Counter(place.group.numa for place in laid.workers if place.group is not None)
     try:
         pool = None  # one pinned pool for every CUDA worker (pinned memory is portable)
         memories: dict[int, DeviceMemory] = {}  # one memory node per GPU, shared by its streams
@@ -82,7 +86,8 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
                 continue
             assert place.group is not None  # a CPU worker or a lane
             cpu = CpuWorker(place.group, parts, topology=topology, name=place.name,
-                            lowered=spec.lane_preempt if place.lowered else None)
+                            lowered=spec.lane_preempt if place.lowered else None,
+                            share_weights=per_node[place.group.numa] > 1)
             workers.append(cpu)
             cpu.start()
         check_every_model_held(owner, workers)

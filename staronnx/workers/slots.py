@@ -59,6 +59,8 @@ class Part:
     outputs: list[str]
     #: per output: its shape is determined by the input shapes (so it may be pre-allocated).
     static_outputs: list[bool]
+    #: ``len(inputs)``, read per task
+    n_inputs: int = 0
 
     @classmethod
     def of(cls, session: ort.InferenceSession) -> Part:
@@ -70,6 +72,7 @@ class Part:
             input_dtypes=[ORT_TO_NUMPY.get(i.type) for i in ins],
             input_shapes=[list(i.shape) for i in ins],
             outputs=[o.name for o in outs],
+            n_inputs=len(ins),
             static_outputs=[
                 all(isinstance(d, int) or (isinstance(d, str) and d in symbols) for d in o.shape)
                 for o in outs
@@ -191,7 +194,11 @@ class SlotCache:
 
     def take(self, key: tuple[Any, ...]) -> Slot | None:
         """An idle slot for ``key``, marked busy; None when there is none (make one)."""
-        for slot in self._slots.get(key, ()):
+        try:
+            slots = self._slots[key]
+        except KeyError:  # (a subscript rather than get: this runs per task)
+            return None
+        for slot in slots:
             if not slot.busy:
                 self._clock += 1
                 slot.busy = True

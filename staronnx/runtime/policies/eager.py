@@ -11,10 +11,11 @@ every part of a plan runs on every architecture).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from staronnx.runtime.policies._common import insert_sorted
-from staronnx.runtime.sched import Policy, TaskView, has_target
+from staronnx.runtime.sched import Policy, TaskView
 
 
 class EagerPolicy(Policy):
@@ -22,6 +23,7 @@ class EagerPolicy(Policy):
 
     name = "eager"
     places_at_push = False
+    reads_data = False
 
     def __init__(self) -> None:
         self._queue: deque[TaskView] = deque()
@@ -31,7 +33,7 @@ class EagerPolicy(Policy):
         self._alive = {w.id for w in self.workers}
 
     def push(self, task: TaskView) -> int | None:
-        if has_target(task):
+        if task.level or task.deadline != math.inf:  # sched.has_target, inlined: every task asks
             insert_sorted(self._queue, task)
         else:
             self._queue.append(task)

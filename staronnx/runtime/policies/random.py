@@ -21,6 +21,7 @@ class RandomPolicy(Policy):
 
     name = "random"
     places_at_push = True
+    reads_data = False
 
     def __init__(self, seed: int | None = None) -> None:
         if seed is not None and not isinstance(seed, int):

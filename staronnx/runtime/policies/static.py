@@ -24,6 +24,7 @@ class StaticPolicy(Policy):
 
     name = "static"
     places_at_push = True
+    reads_data = False
 
     def __init__(self, devices: Mapping[int, str] | None = None) -> None:
         self.devices = {int(p): str(d) for p, d in (devices or {}).items()}

@@ -81,6 +81,7 @@ class WorkStealingPolicy(Policy):
 
     name = "ws"
     places_at_push = False
+    reads_data = False
 
     def __init__(self) -> None:
         self._order: list[WorkerInfo] = []
