@@ -241,13 +241,15 @@ def serve_cmd(
     stamps: dict[str, Any] = {}
     warmups: dict[str, Any] = {}  # repository models with model_warmup samples to run before serving
     older_of: dict[str, str] = {}  # NAME@VERSION -> NAME: the older versions a version_policy serves beside the latest
+    # the CUDA streams and CPU groups the server starts: what a config's instance_group maps onto
+    slots = repository.machine_workers(groups, cuda_streams, devices, thread_per_stream) if in_repository else []
     for model_name, folder in in_repository:
         if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
             continue  # loaded on request
         stamps[model_name] = folder_stamp(folder)
         try:
             found = repository.load(model_name, folder, batch_size)
-            wants = repository.workers_for(found, cuda_streams, separate_runtimes, cuda_graphs)
+            wants = repository.workers_for(found, slots, separate_runtimes, cuda_graphs)
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
@@ -397,9 +399,11 @@ def serve_cmd(
                         and targets.get(key, {}) == target):
                     repository.warm(found, handle)
                     return endpoint_of(model_name, handle, spec, decl, target)
-            if repository.workers_for(found, cuda_streams, True if cuda_streams else separate_runtimes, cuda_graphs):
-                raise StaronnxError("instance_group keeps the model on some workers of the shared runtime, which "
-                                    "cannot take a model while it runs: list it in --load-model to load it at start")
+            wants = repository.workers_for(found, slots, False, cuda_graphs)
+            if wants is not None:
+                raise StaronnxError(f"instance_group keeps the model on some workers ({wants}) of the shared runtime, "
+                                    "which cannot take a model while it runs: list it in --load-model to load it at "
+                                    "start")
             unfit = unservable(found.plan)
             if unfit is not None:
                 raise StaronnxError(unfit)

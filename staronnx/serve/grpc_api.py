@@ -220,7 +220,8 @@ class GrpcFrontend(Frontend):
         wanted = [o.name for o in request.outputs] or None
         classes = {o.name: int(o.parameters["classification"].int64_param) for o in request.outputs
                    if "classification" in o.parameters}
-        answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes)
+        answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes,
+                                   parameters=_parameters(request.parameters) if request.parameters else None)
         t2 = time.perf_counter()
         response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
         for key, value in answer.parameters.items():

@@ -368,7 +368,8 @@ class HttpFrontend(Frontend):
             if in_shared_memory(out.get("parameters", {})):
                 self._local(request).check_output(out["name"], out["parameters"])
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None,
-                                   decode_s=time.perf_counter() - t0, classes=requested_classes(header))
+                                   decode_s=time.perf_counter() - t0, classes=requested_classes(header),
+                                   parameters=header.get("parameters"))
         t2 = time.perf_counter()
         placed = {}  # outputs asked for in shared memory: written there, named in the answer
         for out in header.get("outputs", []):
