@@ -489,7 +489,8 @@ class ModelEndpoint:
                 raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request "
                               f"queue holds at most {self.server.queue_capacity} samples (--queue-capacity); send at "
                               f"most {self.server.queue_capacity} per request")
-            level, timeout, delay = self.queueing(parameters, n) if parameters or self.server.queue_policy else \
+            asks = parameters is not None and ("priority" in parameters or "timeout" in parameters)
+            level, timeout, delay = self.queueing(parameters, n) if asks or self.server.queue_policy else \
                 (0, None, False)
         except ProtocolError:
             self.stats.refused("OTHER")
