@@ -320,6 +320,8 @@ def test_the_config_says_the_queue_policy_and_the_instances_as_served(served):
     batching = client.get_model_config("ranked")["dynamic_batching"]
     assert int(batching["priority_levels"]) == 2 and int(batching["default_priority_level"]) == 2
     assert batching["priority_queue_policy"]["2"]["max_queue_size"] == 3
+    over_grpc = grpcclient.InferenceServerClient(served.grpc).get_model_config("ranked").config.dynamic_batching
+    assert over_grpc.priority_levels == 2 and over_grpc.priority_queue_policy[2].max_queue_size == 3
     groups = client.get_model_config("one_group")["instance_group"]
     assert [(g["kind"], g["count"]) for g in groups] == [("KIND_CPU", 1)]
     assert len(client.get_inference_statistics("one_group")["model_stats"][0]["staronnx"]["held_by"]) == 1
@@ -375,5 +377,32 @@ def test_kind_gpu_count_and_gpus_keep_the_model_on_those_streams(tmp_path):
         index = {e["name"]: e for e in client.get_model_repository_index()}
         assert "3 instance(s) on GPU 0, but this server has 2 CUDA stream(s) per GPU (--cuda-streams 2)" in \
             index["three_streams"]["reason"], index["three_streams"]
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_reload_with_another_instance_count_takes_effect(tmp_path, two_groups):
+    """Explicit model control: loaded at start on one CPU group of two, reloaded with a config
+    that asks for two, the model is then held by both (its first runtime's workers could not
+    change while serving: the reload gets a runtime of its own)."""
+    repo = _repository(tmp_path / "models", {}, {"one_group": SIMPLE_MODELS["one_group"]})
+    s = start_server([], tmp_path / "home", "--model-repository", str(repo), "--model-control-mode", "explicit",
+                     "--load-model", "*", "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms",
+                     "--drain-timeout", "20s")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+
+        def held() -> list[str]:
+            return client.get_inference_statistics("one_group")["model_stats"][0]["staronnx"]["held_by"]
+
+        assert len(held()) == 1
+        client.load_model("one_group", config='{"max_batch_size": 8, "instance_group": [{"kind": "KIND_CPU", '
+                                              '"count": 2}]}')
+        assert len(held()) == 2
+        assert [g["count"] for g in client.get_model_config("one_group")["instance_group"]] == [2]
+        with pytest.raises(InferenceServerException, match="instance_group: 3 KIND_CPU instance"):
+            client.load_model("one_group", config='{"max_batch_size": 8, "instance_group": [{"kind": "KIND_CPU", '
+                                                  '"count": 3}]}')
+        assert client.is_model_ready("one_group") and len(held()) == 2  # a failed load changes nothing
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
