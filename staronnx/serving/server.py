@@ -16,6 +16,13 @@ Batching follows the StarONNX papers by default: a batch leaves when it holds ex
 dynamic batcher instead: a batch of at most ``batch_size`` leaves once its oldest request has
 waited ``max_delay`` seconds.
 
+With a ``queue_policy`` that has priority levels (or a DELAY timeout action,
+:mod:`staronnx.serving.priority`), the queue is kept in level order, level 1 first, arrival
+order within a level and the requests :meth:`Server.delay` moved at the end of theirs: every
+batch takes its requests from the front, so the highest level's leave first; a level whose own
+capacity is reached refuses its requests (:class:`LevelFullError`). Without one the queue is in
+arrival order and nothing is counted per request.
+
 Only ``max_inflight`` batches are handed to the runtime at a time, so that the backlog builds
 up here, where it is bounded, measured and rejected; :mod:`staronnx.serving.spec` says how many
 (one rule for the server, ``staronnx serve``, sweeps and the simulator).
@@ -635,9 +642,9 @@ class Server:
             self._cond.wait(None if due == math.inf else due - now)
 
     def _oldest_arrival(self, now: float) -> float:
-        """(lock held) The arrival its max delay counts from: the front request's, or with levels
-        the oldest of the requests the next batch takes (a late high-priority request goes first
-        but does not make the lower ones wait longer than their delay)."""
+        """(lock held) The arrival the max delay counts from: the front request's, or with levels
+        the oldest of those the next batch would take (a high-priority request that came later is
+        at the front, but the batch leaves once the oldest request in it has waited its delay)."""
         if not self._queue:
             return now
         if not self._ordered:
