@@ -15,6 +15,7 @@ requests are queued, which the test sees in the server's statistics, well within
 
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -53,7 +54,7 @@ def runtime(tmp_path_factory):
     root = tmp_path_factory.mktemp("queues")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
     plan = partition(root / "chain.onnx", parts=1, output_dir=root / "plan", costs="estimate")
-    with Runtime(plan, policy="eager", cpu_groups=str(min(__import__("os").sched_getaffinity(0)))) as rt:
+    with Runtime(plan, policy="eager", cpu_groups=str(min(os.sched_getaffinity(0)))) as rt:
         yield rt
 
 
@@ -124,6 +125,16 @@ def test_delay_moves_a_request_behind_the_others_of_its_level(runtime):
         gated.gate.set()
         server.close()
     assert b.batch.id < c.batch.id < d.batch.id < late.batch.id
+
+
+def test_a_level_out_of_range_is_refused_and_a_plain_queue_delays_nothing(runtime):
+    from staronnx import InputError
+
+    with Server(runtime, 2, max_delay=0.0, queue_policy=TWO_LEVELS) as server:
+        with pytest.raises(InputError, match="priority level 3 is out of range: this server's levels are 1 to 2"):
+            server.submit(_sample(1), level=3)
+    with Server(runtime, 2, max_delay=0.0) as server:
+        assert server.delay([server.submit(_sample(1))]) == 0
 
 
 # -- instance groups on the server's workers ---------------------------------------------------

@@ -43,8 +43,8 @@ served as if a field meant something it does not here. What is honoured, and wha
   when a request names none;
 * ``instance_group`` (:mod:`staronnx.serve.instances`): an instance is one of the server's
   workers holding the model, shared with the other models it holds. ``KIND_GPU``: ``count`` CUDA
-  streams on each GPU of ``gpus`` (every GPU the server drives when it lists none; every stream
-  without a count); ``KIND_CPU``: ``count`` CPU groups (every group without a count);
+  streams on each GPU of ``gpus`` (every GPU the server drives when it lists none; all their
+  streams when it gives no count); ``KIND_CPU``: ``count`` CPU groups (all of them without a count);
   ``KIND_AUTO``: every worker, or with a count as ``KIND_GPU`` on a server with CUDA streams and
   ``KIND_CPU`` on one without; several groups add up. More instances than the server has
   streams per GPU (``--cuda-streams``) or CPU groups (``--groups``), a GPU it does not drive
