@@ -86,14 +86,14 @@ SERVED = {
 REFUSED = {
     "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
     "cached": ("response_cache { enable: true }", [1], "config field response_cache is not honoured"),
-    "delayed": ("max_batch_size: 8 dynamic_batching { default_queue_policy { timeout_action: DELAY "
-                "default_timeout_microseconds: 10 } }", [1], "timeout_action DELAY is not honoured"),
-    "prioritised": ("max_batch_size: 8 dynamic_batching { priority_levels: 2 }", [1],
-                    "config field dynamic_batching.priority_levels is not honoured"),
-    "on_gpu": ("instance_group [ { kind: KIND_GPU } ]", [1], "instance_group KIND_GPU: this server has no CUDA workers"),
-    "counted": ("instance_group [ { kind: KIND_CPU count: 2 } ]", [1], "config field instance_group[0].count is not "
-                "honoured by staronnx serve (staronnx places every task on the CPU group or CUDA stream its policy "
-                "picks"),
+    "misranked": ("max_batch_size: 8 dynamic_batching { priority_levels: 2 default_priority_level: 3 }", [1],
+                  "dynamic_batching.default_priority_level 3 must lie between 1 and priority_levels (2)"),
+    "on_gpu": ("instance_group [ { kind: KIND_GPU } ]", [1],
+               "instance_group[0] KIND_GPU: this server has no CUDA workers"),
+    "counted": ("instance_group [ { kind: KIND_CPU count: 2 }, { kind: KIND_CPU count: 1 } ]", [1],
+                "instance_group: 3 KIND_CPU instance(s), but this server has"),
+    "profiled": ('instance_group [ { kind: KIND_CPU profile: "fast" } ]', [1],
+                 "config field instance_group[0].profile is not honoured"),
     "stranger": ('parameters { key: "colour" value: { string_value: "red" } }', [1],
                  "config parameters 'colour' are not staronnx settings"),
     "wrong_dims": ('max_batch_size: 8 input [ { name: "INPUT0" data_type: TYPE_INT32 dims: [ 15 ] } ]', [1],

@@ -190,6 +190,7 @@ def serve_cmd(
 
         raise StaronnxError(TARGETS_NEED_SHARING)
     residency = model_residency(model_workers or [], names)
+    residency_cli = dict(residency)  # what the flags say (over a config's instance_group, at every load)
     if residency and (separate_runtimes or len(names) < 2):
         raise StaronnxError("--model-workers places models on the workers of one shared runtime; it needs several "
                             "models and does not go with --separate-runtimes")
@@ -241,13 +242,15 @@ def serve_cmd(
     stamps: dict[str, Any] = {}
     warmups: dict[str, Any] = {}  # repository models with model_warmup samples to run before serving
     older_of: dict[str, str] = {}  # NAME@VERSION -> NAME: the older versions a version_policy serves beside the latest
+    # the CUDA streams and CPU groups the server starts: what a config's instance_group maps onto
+    slots = repository.machine_workers(groups, cuda_streams, devices, thread_per_stream) if in_repository else []
     for model_name, folder in in_repository:
         if control_mode == "explicit" and model_name not in to_load and "*" not in to_load:
             continue  # loaded on request
         stamps[model_name] = model_stamp(folder, dict(in_repository))
         try:
             found = repository.load(model_name, folder, batch_size, folders=dict(in_repository))
-            wants = repository.workers_for(found, cuda_streams, separate_runtimes, cuda_graphs)
+            wants = repository.workers_for(found, slots, separate_runtimes, cuda_graphs)
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
@@ -392,15 +395,20 @@ def serve_cmd(
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
                 model_name, DEFAULT_QUEUE_CAPACITY)), delay)
             decl = repository.declared(found)
+            wants = repository.workers_for(found, slots, False, cuda_graphs)
             if shared is not None and key in shared.model_names:
                 handle = shared.model(key)
+                # the workers it was given at start (the flag's, else its config's; strings: the CPU groups)
+                held = residency_cli.get(model_name, wants) if key == model_name or wants is not None else None
+                held = "cpu" if cuda_streams and has_strings(found.plan) else held
                 if (handle.plan.hash == found.plan.hash and handle.plan.contract == found.plan.contract
-                        and targets.get(key, {}) == target):
+                        and targets.get(key, {}) == target and residency.get(key) == held):
                     repository.warm(found, handle)
                     return endpoint_of(model_name, handle, spec, decl, target)
-            if repository.workers_for(found, cuda_streams, True if cuda_streams else separate_runtimes, cuda_graphs):
-                raise StaronnxError("instance_group keeps the model on some workers of the shared runtime, which "
-                                    "cannot take a model while it runs: list it in --load-model to load it at start")
+            if wants is not None:
+                raise StaronnxError(f"instance_group keeps the model on some workers ({wants}) of the shared runtime, "
+                                    "which cannot take a model while it runs: list it in --load-model to load it at "
+                                    "start")
             unfit = unservable(found.plan)
             if unfit is not None:
                 raise StaronnxError(unfit)

@@ -48,7 +48,6 @@ from staronnx.serve.frontend import Frontend, load_or_unload
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
-from staronnx.serve.sequences import request_of
 from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_local, local_peer
 
 SERVICE = "inference.GRPCInferenceService"
@@ -273,13 +272,8 @@ class GrpcFrontend(Frontend):
         wanted = [o.name for o in request.outputs] or None
         classes = {o.name: int(o.parameters["classification"].int64_param) for o in request.outputs
                    if "classification" in o.parameters}
-        try:  # a stateful model's sequence_id, sequence_start, sequence_end
-            sequence = request_of(_parameters(request.parameters)) if request.parameters else None
-        except ProtocolError:
-            model.stats.refused("OTHER")
-            raise
         answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes,
-                                   sequence=sequence)
+                                   parameters=_parameters(request.parameters) if request.parameters else None)
         t2 = time.perf_counter()
         response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
         for key, value in answer.parameters.items():

@@ -51,7 +51,6 @@ from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
 from staronnx.serve.models import ModelEndpoint
 from staronnx.serve.protocol import ProtocolError, cut, invalid
-from staronnx.serve.sequences import request_of
 from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_local, in_shared_memory, local_peer
 
 log = logging.getLogger("staronnx.serve")
@@ -368,14 +367,14 @@ class HttpFrontend(Frontend):
         for out in header.get("outputs", []):  # a region unknown or too small is refused before the request runs
             if in_shared_memory(out.get("parameters", {})):
                 self._local(request).check_output(out["name"], out["parameters"])
-        try:  # a stateful model's sequence_id, sequence_start, sequence_end
-            sequence = request_of(_params(header, "the inference request"))
+        try:  # a JSON object: a sequence's id and flags, a priority, a queue timeout
+            parameters = _params(header, "the inference request")
         except ProtocolError:
             model.stats.refused("OTHER")
             raise
         answer = await model.infer(inputs, datatypes, [n for n, _ in wanted] or None,
                                    decode_s=time.perf_counter() - t0, classes=requested_classes(header),
-                                   sequence=sequence)
+                                   parameters=parameters or None)
         t2 = time.perf_counter()
         placed = {}  # outputs asked for in shared memory: written there, named in the answer
         for out in header.get("outputs", []):

@@ -23,14 +23,34 @@ served as if a field meant something it does not here. What is honoured, and wha
   ``preferred_batch_size`` (the sizes a partial batch is padded up to, as staronnx pads to its
   captured CUDA graphs' sizes: the extra rows are dropped again, so answers are unchanged);
   ``preserve_ordering`` (each answer leaves after the answer to the request before it);
-  ``default_queue_policy``'s ``max_queue_size`` (the queue's capacity; 0: the server's
-  ``--queue-capacity``) and ``default_timeout_microseconds`` with ``timeout_action: REJECT`` (a
-  request still waiting for its batch after that long is refused, 503 / UNAVAILABLE);
+  ``priority_levels`` and ``default_priority_level`` (a batch takes the waiting requests of level
+  1, the highest, first, then level 2's, ...; arrival order within a level; a request's
+  ``priority`` parameter names its level, 0 or none the default one, one out of range is
+  refused by name, as is any priority sent to a model without levels);
+  ``default_queue_policy`` and ``priority_queue_policy`` (per level; a level without its own gets
+  the default one, :mod:`staronnx.serving.priority`): ``max_queue_size`` (requests of that level
+  waiting at once, a request beyond it refused, 503 / UNAVAILABLE, naming the level; without
+  levels, the queue's capacity; 0: the server's ``--queue-capacity``, which also bounds the
+  levels together unless each has a size), ``default_timeout_microseconds`` with
+  ``timeout_action`` REJECT (a request still waiting for its batch after that long is refused,
+  503 / UNAVAILABLE) or DELAY (it is moved behind the requests of its level still within their
+  timeouts, ahead of the lower levels: it runs, later), and ``allow_timeout_override`` (a
+  request's ``timeout`` parameter, in microseconds, as tritonclient's ``infer(timeout=...)``
+  sends it, shortens its timeout, never lengthens it; where the default is 0, no limit, any
+  timeout a request gives applies, where Triton's own scheduler ignores it). A request that
+  gives a timeout where its level does not allow it is refused by name;
 * ``version_policy`` (latest N, all, specific): every version selected is served, the latest
   when a request names none;
-* ``instance_group`` kinds without counts or GPU lists: ``KIND_AUTO`` (each task on whichever
-  worker, CPU group or CUDA stream, the policy picks), ``KIND_CPU`` (the CPU groups only) and
-  ``KIND_GPU`` (the CUDA streams only; a server without ``--cuda-streams`` cannot serve it);
+* ``instance_group`` (:mod:`staronnx.serve.instances`): an instance is one of the server's
+  workers holding the model, shared with the other models it holds. ``KIND_GPU``: ``count`` CUDA
+  streams on each GPU of ``gpus`` (every GPU the server drives when it lists none; all their
+  streams when it gives no count); ``KIND_CPU``: ``count`` CPU groups (all of them without a count);
+  ``KIND_AUTO``: every worker, or with a count as ``KIND_GPU`` on a server with CUDA streams and
+  ``KIND_CPU`` on one without; several groups add up. More instances than the server has
+  streams per GPU (``--cuda-streams``) or CPU groups (``--groups``), a GPU it does not drive
+  (``--cuda-devices``), ``gpus`` on a CPU group and ``KIND_MODEL`` are refused, naming the flag
+  that gives them. A model loaded after the start (explicit model control) on some workers only
+  is refused (list it in ``--load-model``), as is any such model with ``--separate-runtimes``;
 * ``optimization { cuda { graphs } }``: must agree with the server's CUDA graphs (``--cuda-streams``
   and ``--cuda-graphs``, which every model of its shared runtime has or not);
 * ``model_warmup`` (``zero_data`` or ``random_data`` inputs): run ``count`` times at load, before
@@ -45,9 +65,9 @@ served as if a field meant something it does not here. What is honoured, and wha
   task graph (:mod:`staronnx.serve.ensemble`, the guide *Serve a pipeline*).
 
 Refused (for now, with the flag that does it where there is one): shape tensors, ragged
-batches, optional inputs, priority levels, the DELAY timeout action and per-request queue
-timeouts, instance counts and GPU lists (``--cuda-streams``, ``--groups``, ``--model-workers``),
-the other optimization settings, warm-up data from files, and every other field.
+batches, optional inputs, an instance group's ``profile``, ``passive``, ``host_policy``,
+``secondary_devices`` and ``rate_limiter``, the other optimization settings, warm-up data from
+files, and every other field.
 """
 
 from __future__ import annotations
@@ -63,7 +83,9 @@ from google.protobuf import json_format, text_format
 
 from staronnx.errors import StaronnxError
 from staronnx.serve import protocol, sequences
+from staronnx.serve.instances import InstanceGroup
 from staronnx.serve.proto import model_config_pb2 as mc
+from staronnx.serving.priority import MAX_LEVELS, LevelPolicy, QueuePolicy
 
 CONFIG_FILE = "config.pbtxt"
 DEFAULT_MODEL_FILENAME = "model.onnx"
@@ -95,10 +117,11 @@ _HONOURED = {
     "ModelOutput": {"name", "data_type", "dims", "label_filename", "reshape"},
     "ModelTensorReshape": {"shape"},
     "ModelDynamicBatching": {"max_queue_delay_microseconds", "default_queue_policy", "preferred_batch_size",
-                             "preserve_ordering"},
+                             "preserve_ordering", "priority_levels", "default_priority_level",
+                             "priority_queue_policy"},
     "ModelQueuePolicy": {"max_queue_size", "default_timeout_microseconds", "timeout_action",
                          "allow_timeout_override"},
-    "ModelInstanceGroup": {"name", "kind"},
+    "ModelInstanceGroup": {"name", "kind", "count", "gpus"},
     "ModelVersionPolicy": {"latest", "all", "specific"},
     # sequence_batching: checked against the model by staronnx.serve.sequences.policy_of
     "ModelSequenceBatching": {"max_sequence_idle_microseconds", "control_input", "state", "direct", "oldest",
@@ -115,9 +138,6 @@ _HONOURED = {
 
 #: what to do instead, for the refused fields a user is likeliest to write
 _INSTEAD = {
-    "count": "staronnx places every task on the CPU group or CUDA stream its policy picks: give the workers "
-             "with --groups and --cuda-streams, a model's with --model-workers",
-    "gpus": "give the GPUs with --cuda-devices and a model's workers with --model-workers",
     "ensemble_scheduling": 'an ensemble is served with platform: "ensemble"',
     "graph": "ONNX Runtime's graph optimization level is its own",
     "input_data_file": "give zero_data or random_data",
@@ -155,12 +175,12 @@ class ModelSettings:
     labels: dict[str, str] = field(default_factory=dict)
     #: batch sizes a partial batch is padded up to (dynamic_batching.preferred_batch_size)
     pad_to: tuple[int, ...] | None = None
-    #: the workers its instance_group asks for: "cpu", "cuda", or None (any)
-    workers: str | None = None
     #: dynamic_batching.preserve_ordering: answers leave in the order the requests came
     preserve_ordering: bool = False
-    #: seconds a request may wait in the queue before it is rejected (default_queue_policy)
-    queue_timeout: float | None = None
+    #: priority levels and each level's queue policy (None: one queue, no timeout)
+    queue_policy: QueuePolicy | None = None
+    #: the instance groups, as the server's workers are to hold the model (:mod:`staronnx.serve.instances`)
+    instances: tuple[InstanceGroup, ...] = ()
     #: optimization.cuda.graphs where the config says (None: it does not)
     cuda_graphs: bool | None = None
     #: tensor name -> (the client's dims, the model's), without the batch: the config's reshapes
@@ -242,10 +262,6 @@ def check_honoured(config: mc.ModelConfig) -> None:
                 instead = _INSTEAD.get(f.name)
                 raise ConfigError(f"config field {where} is not honoured by staronnx serve"
                                   + (f" ({instead})" if instead else "") + "; remove it to serve this model")
-    kinds = {g.kind for g in config.instance_group}
-    if mc.ModelInstanceGroup.KIND_MODEL in kinds or len(kinds) > 1:
-        raise ConfigError("config field instance_group: staronnx serve honours one kind per model (KIND_AUTO, "
-                          f"KIND_CPU or KIND_GPU), without counts ({_INSTEAD['count']})")
     unknown = sorted(set(config.parameters) - set(PARAMETERS))
     if unknown:
         raise ConfigError(f"config parameters {', '.join(map(repr, unknown))} are not staronnx settings; "
@@ -384,22 +400,18 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
         db = config.dynamic_batching
         out.max_delay = db.max_queue_delay_microseconds / 1e6
         out.preserve_ordering = db.preserve_ordering
-        policy = db.default_queue_policy
-        if policy.timeout_action != mc.ModelQueuePolicy.REJECT:
-            raise ConfigError("dynamic_batching.default_queue_policy.timeout_action DELAY is not honoured by staronnx "
-                              "serve (a request past its timeout is rejected, REJECT)")
-        if policy.allow_timeout_override:
-            raise ConfigError("dynamic_batching.default_queue_policy.allow_timeout_override is not honoured by "
-                              "staronnx serve (requests cannot set their own queue timeout)")
-        if policy.default_timeout_microseconds > 0:
-            out.queue_timeout = policy.default_timeout_microseconds / 1e6
+        out.queue_policy = queue_policy(db)
         if db.preferred_batch_size:
             sizes = sorted(set(db.preferred_batch_size))
             if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):
                 raise ConfigError(f"dynamic_batching.preferred_batch_size {sizes} must lie between 1 and "
                                   f"max_batch_size ({config.max_batch_size})")
             out.pad_to = tuple(sizes)
-        if db.default_queue_policy.max_queue_size > 0:
+        if out.queue_policy is not None and out.queue_policy.priority_levels:
+            caps = [level.capacity for level in out.queue_policy.levels]
+            if all(caps):  # every level bounded: the queue holds them all (else --queue-capacity bounds it)
+                out.queue_capacity = sum(c for c in caps if c)
+        elif db.default_queue_policy.max_queue_size > 0:
             out.queue_capacity = int(db.default_queue_policy.max_queue_size)
     params = {k: v.string_value.strip() for k, v in config.parameters.items()}
     if "parts" in params and "shares" in params:
@@ -426,10 +438,60 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
                     for t in (*config.input, *config.output) if t.HasField("reshape")}
     if config.optimization.HasField("cuda"):
         out.cuda_graphs = config.optimization.cuda.graphs
-    kinds = {g.kind for g in config.instance_group}
-    out.workers = ("cpu" if kinds == {mc.ModelInstanceGroup.KIND_CPU} else
-                   "cuda" if kinds == {mc.ModelInstanceGroup.KIND_GPU} else None)
+    out.instances = instance_groups(config)
     return out
+
+
+def queue_policy(db: mc.ModelDynamicBatching) -> QueuePolicy | None:
+    """The priority levels and queue policies of ``dynamic_batching`` (Triton's: level 1 the
+    highest, ``priority_queue_policy`` per level over ``default_queue_policy``), or None where
+    it asks for nothing past one queue without timeouts."""
+    levels, default = int(db.priority_levels), int(db.default_priority_level)
+    if levels > MAX_LEVELS:
+        raise ConfigError(f"dynamic_batching.priority_levels {levels}: staronnx serve takes up to {MAX_LEVELS} levels")
+    if levels == 0:
+        if default or db.priority_queue_policy:
+            field_name = "default_priority_level" if default else "priority_queue_policy"
+            raise ConfigError(f"dynamic_batching.{field_name} is given without priority_levels; set priority_levels "
+                              "(the number of levels, 1 the highest) or remove it")
+    else:
+        if not 1 <= default <= levels:
+            raise ConfigError(f"dynamic_batching.default_priority_level {default} must lie between 1 and "
+                              f"priority_levels ({levels}): the level of a request that names none")
+        stray = sorted(k for k in db.priority_queue_policy if not 1 <= k <= levels)
+        if stray:
+            raise ConfigError(f"dynamic_batching.priority_queue_policy names level(s) {stray} outside 1 to "
+                              f"priority_levels ({levels})")
+    fallback = _level_policy(db.default_queue_policy)
+    per_level = tuple(_level_policy(db.priority_queue_policy[k]) if k in db.priority_queue_policy else fallback
+                      for k in range(1, max(levels, 1) + 1))
+    policy = QueuePolicy(per_level, default_level=default or 1, priority_levels=levels)
+    plain = levels == 0 and not (fallback.timeout or fallback.delay or fallback.allow_override)
+    return None if plain else policy
+
+
+def _level_policy(policy: mc.ModelQueuePolicy) -> LevelPolicy:
+    """One ``ModelQueuePolicy`` as the batcher reads it (0: no limit, no timeout)."""
+    return LevelPolicy(capacity=int(policy.max_queue_size) or None,
+                       timeout=policy.default_timeout_microseconds / 1e6 or None,
+                       delay=policy.timeout_action == mc.ModelQueuePolicy.DELAY,
+                       allow_override=policy.allow_timeout_override)
+
+
+def instance_groups(config: mc.ModelConfig) -> tuple[InstanceGroup, ...]:
+    """The config's ``instance_group`` entries as values (``KIND_MODEL`` refused: staronnx has
+    no backend that places its own instances)."""
+    out = []
+    for i, group in enumerate(config.instance_group):
+        where = f"instance_group[{i}]" + (f" {group.name!r}" if group.name else "")
+        if group.kind == mc.ModelInstanceGroup.KIND_MODEL:
+            raise ConfigError(f"{where}: KIND_MODEL is not honoured by staronnx serve (its workers are CPU groups and "
+                              "CUDA streams): give KIND_CPU, KIND_GPU or KIND_AUTO")
+        if group.count < 0:
+            raise ConfigError(f"{where}: count must be 1 or more, got {group.count}")
+        kind = {mc.ModelInstanceGroup.KIND_CPU: "cpu", mc.ModelInstanceGroup.KIND_GPU: "gpu"}.get(group.kind, "auto")
+        out.append(InstanceGroup(where, kind, int(group.count) or None, tuple(int(g) for g in group.gpus)))
+    return tuple(out)
 
 
 def warmup_feeds(config: mc.ModelConfig, seed: int = 0) -> list[tuple[str, int, dict[str, np.ndarray]]]:

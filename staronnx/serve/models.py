@@ -45,8 +45,9 @@ from staronnx.runtime.task import RequestFuture
 from staronnx.serve import protocol
 from staronnx.serve.metrics import VERSION, ModelStats, ServeMetrics, triton_statistics
 from staronnx.serve.protocol import ProtocolError, invalid, shown
-from staronnx.serve.sequences import SequencePolicy, SequenceRequest, Sequences
-from staronnx.serving.server import OverloadError, Server, ServerClosed
+from staronnx.serve.sequences import SequencePolicy, Sequences, request_of
+from staronnx.serving.priority import QueuePolicy, QueueRequestError
+from staronnx.serving.server import LevelFullError, OverloadError, Server, ServerClosed
 from staronnx.serving.spec import ServeSpec
 from staronnx.serving.window import inflight_from_models
 from staronnx.workers.cuda import CudaWorker
@@ -84,8 +85,6 @@ class Declared:
     reshapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: dynamic_batching.preserve_ordering: answers leave in the order the requests came
     preserve_ordering: bool = False
-    #: seconds a request may wait for its batch before it is rejected (None: as long as it takes)
-    queue_timeout: float | None = None
     #: a stateful model's sequence_batching (:class:`~staronnx.serve.sequences.SequencePolicy`), or None
     sequence: SequencePolicy | None = None
     #: an ensemble's steps (:mod:`staronnx.serve.ensemble`; None: a model of its own)
@@ -216,8 +215,9 @@ class ModelEndpoint:
         self.others: dict[str, ModelEndpoint] = {}
         #: the answer of the latest request (preserve_ordering: the next one leaves after it)
         self._last_answer: asyncio.Future[None] | None = None
-        #: a config's default_queue_policy timeout (REJECT): seconds a request may wait for its batch
-        self.queue_timeout = declared.queue_timeout if declared is not None else None
+        #: priority levels and queue timeouts (a repository config's dynamic_batching); a model
+        #: without takes neither a priority nor a timeout from its requests
+        self.queue_policy: QueuePolicy = self.server.queue_policy or NO_QUEUE_POLICY
         #: a stateful model's sequence batcher (its requests go through it to :meth:`run`)
         self.sequences = (Sequences(name, declared.sequence) if declared is not None and declared.sequence is not None
                           else None)
@@ -484,7 +484,7 @@ class ModelEndpoint:
     async def _infer_in_order(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                               outputs: Sequence[str] | None, *, decode_s: float = 0.0,
                               classes: Mapping[str, int] | None = None,
-                              sequence: SequenceRequest | None = None) -> Answer:
+                              parameters: Mapping[str, Any] | None = None) -> Answer:
         """:meth:`infer`, each answer (or refusal) held until the request before it is answered:
         Triton's ``preserve_ordering`` (a later request may finish first on another worker)."""
         previous, mine = self._last_answer, asyncio.get_running_loop().create_future()
@@ -492,7 +492,7 @@ class ModelEndpoint:
         try:
             try:
                 return await ModelEndpoint.infer(self, inputs, datatypes, outputs, decode_s=decode_s, classes=classes,
-                                                 sequence=sequence)
+                                                 parameters=parameters)
             finally:
                 if previous is not None and not previous.done():
                     await asyncio.shield(previous)
@@ -502,20 +502,30 @@ class ModelEndpoint:
 
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, *, decode_s: float = 0.0,
-                    classes: Mapping[str, int] | None = None, sequence: SequenceRequest | None = None) -> Answer:
+                    classes: Mapping[str, int] | None = None,
+                    parameters: Mapping[str, Any] | None = None) -> Answer:
         """One protocol request (already decoded): :meth:`run`, through the sequence batcher for a
-        stateful model (``sequence``: the request's sequence parameters, which a model without
-        ``sequence_batching`` ignores, as Triton's dynamic batcher does)."""
+        stateful model, which reads the request's ``sequence_id``, ``sequence_start`` and
+        ``sequence_end`` from ``parameters`` (a model without ``sequence_batching`` ignores them,
+        as Triton's dynamic batcher does)."""
         if self.sequences is not None:
+            try:
+                sequence = request_of(parameters)
+            except ProtocolError:
+                self.stats.refused("OTHER")
+                raise
             return await self.sequences.infer(self, inputs, datatypes, outputs, sequence, decode_s=decode_s,
                                               classes=classes)
-        return await self.run(inputs, datatypes, outputs, decode_s=decode_s, classes=classes)
+        return await self.run(inputs, datatypes, outputs, decode_s=decode_s, classes=classes, parameters=parameters)
 
     async def run(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                   outputs: Sequence[str] | None, *, decode_s: float = 0.0,
-                  classes: Mapping[str, int] | None = None) -> Answer:
+                  classes: Mapping[str, int] | None = None,
+                  parameters: Mapping[str, Any] | None = None) -> Answer:
         """Run one protocol request (already decoded) through the batcher: its outputs by name
-        and, for a one-sample request, its batch (see the module docstring).
+        and, for a one-sample request, its batch (see the module docstring). ``parameters``: the
+        request's own (``priority`` and ``timeout``, in microseconds, are read here:
+        :meth:`queueing`).
 
         Raises :class:`ProtocolError`: invalid input (INVALID_ARGUMENT), a full queue or a
         closing server (UNAVAILABLE), a part that failed (INTERNAL).
@@ -537,17 +547,21 @@ class ModelEndpoint:
                 raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request "
                               f"queue holds at most {self.server.queue_capacity} samples (--queue-capacity); send at "
                               f"most {self.server.queue_capacity} per request")
+            asks = parameters is not None and ("priority" in parameters or "timeout" in parameters)
+            level, timeout, delay = self.queueing(parameters, n) if asks or self.server.queue_policy else \
+                (0, None, False)
         except ProtocolError:
             self.stats.refused("OTHER")
             raise
-        futures = self._submit(inputs, n)
+        futures = self._submit(inputs, n, level)
         self.stats.started()
         handoff = self._handoff
         if handoff is None or handoff.loop is not asyncio.get_running_loop():
             handoff = self._handoff = Handoff(asyncio.get_running_loop())
         expired: list[bool] = []  # set when the queue timeout withdrew a sample still waiting
-        timer = (None if self.queue_timeout is None else
-                 handoff.loop.call_later(self.queue_timeout, _withdraw, futures, expired))
+        timer = (None if timeout is None else
+                 handoff.loop.call_later(timeout, self.server.delay, futures) if delay else
+                 handoff.loop.call_later(timeout, _withdraw, futures, expired))
         try:
             if len(futures) == 1:  # most requests: no gather (a task and a future fewer)
                 rows = [await handoff.watch(futures[0])]
@@ -566,8 +580,8 @@ class ModelEndpoint:
             if expired and task is not None and not task.cancelling():  # the queue timeout, not the client
                 self.stats.finished(ok=False, reason="REJECTED", request_s=time.perf_counter() - started + decode_s)
                 raise ProtocolError("unavailable", f"model {self.name!r}: the request waited for its batch longer than "
-                                                   f"the queue timeout ({self.queue_timeout * 1e6:g} µs, "
-                                                   "default_queue_policy); it was rejected") from None
+                                                   f"the queue timeout ({(timeout or 0.0) * 1e6:g} µs, "
+                                                   "its queue policy's or its own); it was rejected") from None
             self.stats.finished(ok=False, reason="CANCELED", request_s=time.perf_counter() - started + decode_s)
             raise
         except ServerClosed as exc:
@@ -606,11 +620,11 @@ class ModelEndpoint:
     async def _infer_steps(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                            outputs: Sequence[str] | None, *, decode_s: float = 0.0,
                            classes: Mapping[str, int] | None = None,
-                           sequence: SequenceRequest | None = None) -> Answer:
+                           parameters: Mapping[str, Any] | None = None) -> Answer:
         """An ensemble request run as Triton runs it: each step a request of its own through its
         member's served model (its own batcher and queue), a step starting once the steps it
-        reads from have answered, the tensors between steps through host memory. ``sequence``:
-        :meth:`infer`'s, ignored (an ensemble has no sequence batcher, its members none either)."""
+        reads from have answered, the tensors between steps through host memory. ``parameters``:
+        :meth:`infer`'s, not passed on (each step is the ensemble's own request to its member)."""
         assert self.ensemble is not None
         started = time.perf_counter()
         try:
@@ -680,25 +694,46 @@ class ModelEndpoint:
             self._last_parameters = (batch, params)
         return params
 
-    def _submit(self, inputs: Mapping[str, np.ndarray], n: int) -> list[RequestFuture]:
+    def queueing(self, parameters: Mapping[str, Any] | None, n: int = 1) -> tuple[int, float | None, bool]:
+        """A request's place in the queue from its ``priority`` and ``timeout`` parameters
+        (Triton's, as tritonclient sends them) and the model's queue policy: (its priority level,
+        1 the highest; seconds it may wait for its batch, None: no limit; whether it is then
+        moved behind the others, DELAY, rather than refused). A priority out of the model's
+        range, a timeout its policy does not let a request give, or ``n`` samples more than its
+        level's queue holds are refused, naming the setting."""
+        priority, timeout_us = protocol.queue_parameters(parameters or {})
+        policy = self.queue_policy
+        try:
+            level = policy.level_of(priority, self.name)
+            timeout = policy.timeout_of(level, timeout_us, self.name)
+        except QueueRequestError as exc:
+            raise invalid(str(exc)) from None
+        rules = policy.levels[level - 1]
+        if rules.capacity is not None and n > rules.capacity:
+            raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served at priority level "
+                          f"{level}, whose queue holds at most {rules.capacity} (its max_queue_size)")
+        return (level if policy.priority_levels else 0), timeout, rules.delay
+
+    def _submit(self, inputs: Mapping[str, np.ndarray], n: int, level: int = 0) -> list[RequestFuture]:
         """One sample per row into the batcher, cut along each input's own batch axis (per-request
-        values whole with every sample); a model that cannot batch takes the request whole. All
-        or none: a full queue refuses the whole request."""
+        values whole with every sample), at priority ``level`` (0: the default); a model that
+        cannot batch takes the request whole. All or none: a full queue refuses the whole request."""
         futures: list[RequestFuture] = []
         contract = self.contract
         try:
             if not contract.batchable or n == 1:
-                futures.append(self.server.submit(inputs))
+                futures.append(self.server.submit(inputs, level=level))
             else:
                 for i in range(n):
-                    futures.append(self.server.submit(contract.take(inputs, i, i + 1)))
+                    futures.append(self.server.submit(contract.take(inputs, i, i + 1), level=level))
         except Exception as exc:  # noqa: BLE001 - whatever the batcher refused, the request is refused whole
             for f in futures:
                 f.cancel()
             if isinstance(exc, (OverloadError, ServerClosed)):
                 self.stats.refused("REJECTED")
-                why = "the server is shutting down" if isinstance(exc, ServerClosed) else (
-                    f"the request queue is full ({self.server.queue_capacity} samples waiting); retry later")
+                why = "the server is shutting down" if isinstance(exc, ServerClosed) else str(exc) if isinstance(
+                    exc, LevelFullError) else f"the request queue is full ({self.server.queue_capacity} samples " \
+                    "waiting); retry later"
                 raise ProtocolError("unavailable", f"model {self.name!r}: {why}") from None
             if isinstance(exc, InputError):  # the batcher's own one-sample check (should not happen after ours)
                 self.stats.refused("OTHER")
@@ -732,6 +767,11 @@ class ModelEndpoint:
             self.runtime.close(timeout)
             for other in self.others.values():
                 other.close(timeout)
+
+
+#: the queue policy of a model without one: a single level, no timeouts, no priorities or timeouts
+#: taken from requests (each refused, by name)
+NO_QUEUE_POLICY = QueuePolicy()
 
 
 def _withdraw(futures: Sequence[RequestFuture], expired: list[bool]) -> None:

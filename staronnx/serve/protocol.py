@@ -412,3 +412,21 @@ def select_outputs(available: Sequence[str], requested: Sequence[str] | None, mo
         raise invalid(f"model {shown(model)} has no output(s) {', '.join(shown(n) for n in unknown[:8])}; "
                       f"its outputs are {list(available)}")
     return list(dict.fromkeys(requested))
+
+
+def queue_parameters(parameters: Any) -> tuple[int, int | None]:
+    """A request's ``priority`` (0: its model's default level) and ``timeout`` (microseconds it
+    may wait in the queue; None: not given) from its parameters, as Triton's clients send them
+    (``infer(..., priority=, timeout=)``: JSON numbers over HTTP, ``uint64_param`` and
+    ``int64_param`` over gRPC); a value that is not a non-negative integer is refused by name."""
+    values: list[int | None] = []
+    for key in ("priority", "timeout"):
+        value = parameters.get(key)
+        if value is None:
+            values.append(None)
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise invalid(f"request parameter {key!r} must be a non-negative integer"
+                          + (" (microseconds)" if key == "timeout" else "") + f", got {cut(value, 40)}")
+        values.append(value)
+    return values[0] or 0, values[1]

@@ -194,29 +194,42 @@ def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
 
     s = found.settings
     return replace(base, batch_size=max(1, s.max_batch_size), max_delay=delay if s.max_delay is None else s.max_delay,
-                   queue_capacity=s.queue_capacity or base.queue_capacity, pad_to=s.pad_to)
+                   queue_capacity=s.queue_capacity or base.queue_capacity, pad_to=s.pad_to,
+                   queue_policy=s.queue_policy)
 
 
-def workers_for(found: RepositoryModel, cuda_streams: int, separate_runtimes: bool,
+def workers_for(found: RepositoryModel, workers: Sequence[Any], separate_runtimes: bool,
                 cuda_graphs: bool = False) -> str | None:
-    """The workers a repository model's instance_group keeps it on in a shared runtime
-    (``--model-workers`` ``cpu`` or ``cuda``), None for all; or why that cannot be done on this
-    server (its instance kind, or CUDA graphs its config asks for, or refuses, against the
-    server's ``--cuda-streams`` and ``--cuda-graphs``)."""
-    graphs = bool(cuda_streams) and cuda_graphs
+    """The workers a repository model's instance_group keeps it on in a shared runtime (a
+    ``--model-workers`` selector, :func:`staronnx.serve.instances.holders`), None for all; or why
+    that cannot be done on this server (its instance groups against ``workers``, the server's CUDA
+    streams and CPU groups as :class:`~staronnx.workers.residency.WorkerSlot`, or CUDA graphs its
+    config asks for, or refuses, against the server's ``--cuda-graphs``)."""
+    from staronnx.serve.instances import holders
+
+    cuda_streams = any(w.kind == "cuda" for w in workers)
+    graphs = cuda_streams and cuda_graphs
     if found.settings.cuda_graphs is not None and found.settings.cuda_graphs != graphs:
         raise StaronnxError(f"optimization.cuda.graphs is {str(found.settings.cuda_graphs).lower()}, but this server "
                             + ("captures CUDA graphs for every model (--no-cuda-graphs turns that off)" if graphs else
                                "has no CUDA graphs (they need --cuda-streams N and --cuda-graphs)"))
-    wants = found.settings.workers
-    if wants == "cuda" and not cuda_streams:
-        raise StaronnxError("instance_group KIND_GPU: this server has no CUDA workers (start it with --cuda-streams N)")
-    if wants is None or not cuda_streams:
-        return None  # without CUDA workers every worker is a CPU group: KIND_CPU is what happens anyway
-    if separate_runtimes:
-        raise StaronnxError(f"instance_group {'KIND_GPU' if wants == 'cuda' else 'KIND_CPU'} keeps the model on some "
-                            "workers of one shared runtime: not with --separate-runtimes")
+    wants = holders(found.settings.instances, workers)
+    if wants is not None and separate_runtimes:
+        raise StaronnxError(f"instance_group keeps the model on some workers ({wants}) of one shared runtime: not "
+                            "with --separate-runtimes")
     return wants
+
+
+def machine_workers(groups: str, cuda_streams: int, cuda_devices: Sequence[int],
+                    thread_per_stream: bool = False) -> list[Any]:
+    """The CUDA streams and CPU groups a server of these settings starts on this machine, as
+    :class:`~staronnx.workers.residency.WorkerSlot` (their names and kinds, before any starts):
+    what a config's instance_group is mapped onto."""
+    from staronnx.workers.layout import MachineSpec, layout
+    from staronnx.workers.topology import Topology
+
+    spec = MachineSpec(groups, cuda_streams, tuple(cuda_devices), thread_per_stream=thread_per_stream)
+    return [w.slot for w in layout(spec, Topology.from_system()).workers if w.kind in ("cpu", "cuda")]
 
 
 def declared(found: RepositoryModel) -> Any:
@@ -225,7 +238,7 @@ def declared(found: RepositoryModel) -> Any:
     from staronnx.serve.models import Declared
 
     s = found.settings
-    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering, s.queue_timeout,
+    return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering,
                     sequence=s.sequence, ensemble=found.ensemble)
 
 

@@ -30,7 +30,8 @@ from staronnx.serving.metrics import (
     summarize,
 )
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
-from staronnx.serving.server import BatchRuntime, OverloadError, Server, ServerClosed, StandInRuntime
+from staronnx.serving.priority import LevelPolicy, QueuePolicy
+from staronnx.serving.server import BatchRuntime, LevelFullError, OverloadError, Server, ServerClosed, StandInRuntime
 from staronnx.serving.spec import ServeSpec
 
 __all__ = [
@@ -40,8 +41,11 @@ __all__ = [
     "BatchRecord",
     "BatchRuntime",
     "Constant",
+    "LevelFullError",
+    "LevelPolicy",
     "OverloadError",
     "Poisson",
+    "QueuePolicy",
     "Replay",
     "RequestRecord",
     "RunRecords",

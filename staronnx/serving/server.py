@@ -16,6 +16,13 @@ Batching follows the StarONNX papers by default: a batch leaves when it holds ex
 dynamic batcher instead: a batch of at most ``batch_size`` leaves once its oldest request has
 waited ``max_delay`` seconds.
 
+With a ``queue_policy`` that has priority levels (or a DELAY timeout action,
+:mod:`staronnx.serving.priority`), the queue is kept in level order, level 1 first, arrival
+order within a level and the requests :meth:`Server.delay` moved at the end of theirs: every
+batch takes its requests from the front, so the highest level's leave first; a level whose own
+capacity is reached refuses its requests (:class:`LevelFullError`). Without one the queue is in
+arrival order and nothing is counted per request.
+
 Only ``max_inflight`` batches are handed to the runtime at a time, so that the backlog builds
 up here, where it is bounded, measured and rejected; :mod:`staronnx.serving.spec` says how many
 (one rule for the server, ``staronnx serve``, sweeps and the simulator).
@@ -73,6 +80,17 @@ class OverloadError(StaronnxError, RuntimeError):
         self.capacity = capacity
 
 
+class LevelFullError(OverloadError):
+    """A priority level's own queue is full (its policy's capacity), whatever room the others have."""
+
+    def __init__(self, level: int, capacity: int) -> None:
+        StaronnxError.__init__(
+            self, f"the queue of priority level {level} is full ({capacity} requests waiting, its capacity): "
+                  "retry later, at another priority, or raise that level's max_queue_size")
+        self.capacity = capacity
+        self.level = level
+
+
 class ServerClosed(StaronnxError, RuntimeError):
     """Submitting to a server after close(), or a request still queued when close gave up."""
 
@@ -126,6 +144,11 @@ class _Request(RequestFuture):
     """A queued request is its own (light) future, sharing the server's Condition: a live
     request is two tracked objects, this and its record. ``cancel`` tells the server
     directly, where a done-callback would run on every completion."""
+
+    #: its priority level's index (0: level 1, the highest) and whether its timeout moved it
+    #: behind its level's others (DELAY): read only where the server keeps levels
+    _level = 0
+    _delayed = False
 
     def __init__(self, server: Server, record: RequestRecord, sample: Mapping[str, np.ndarray],
                  signature: Any = None) -> None:
@@ -298,6 +321,13 @@ class Server:
         self._cond = threading.Condition()
         self._future_cond = threading.Condition()  # shared by this server's request futures
         self._queue: deque[_Request] = deque()
+        #: priority levels (:mod:`staronnx.serving.priority`): the queue is kept in level order,
+        #: each level's delayed requests last; without them, in arrival order (nothing counted)
+        self.queue_policy = spec.queue_policy
+        self._ordered = spec.queue_policy is not None and spec.queue_policy.ordered
+        levels = len(spec.queue_policy.levels) if self._ordered and spec.queue_policy is not None else 0
+        self._at_level = [0] * levels  # queued per level (withdrawn ones included until dropped, like the queue)
+        self._delayed_at_level = [0] * levels  # of which moved behind their level's others
         self._inflight: dict[int, list[_Request]] = {}
         # batches the runtime finished, waiting for the batcher thread to hand out their results
         self._completions: list[_Completion] = []
@@ -336,7 +366,8 @@ class Server:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(
-        self, sample: Mapping[str, np.ndarray], arrival: float | None = None, *, timeout: float | None = None
+        self, sample: Mapping[str, np.ndarray], arrival: float | None = None, *, timeout: float | None = None,
+        level: int = 0,
     ) -> RequestFuture:
         """Queue one sample (batch dimension 1); the future resolves to this sample's outputs.
 
@@ -345,8 +376,13 @@ class Server:
         late does not hide queueing delay. Raises :class:`InputError` for a sample the plan
         cannot run, :class:`OverloadError` when the queue is full (with ``on_full="reject"``,
         or after ``timeout`` seconds of blocking), :class:`ServerClosed` after close().
+
+        ``level``: the request's priority level where the spec's ``queue_policy`` has levels (1
+        the highest; 0: the policy's default level); a full level raises
+        :class:`LevelFullError`, at once.
         """
         self._check_sample(sample)
+        index = self._level_index(level) if level or self._ordered else 0
         sig = self._contract.signature(sample) if self._signed else None
         with self._cond:
             if self._closing:
@@ -362,7 +398,10 @@ class Server:
                     raise ServerClosed("the server closed while this request waited for room in the queue")
                 raise OverloadError(self.queue_capacity)
             future = _Request(self, record, sample, sig)
-            self._queue.append(future)
+            if self._ordered:
+                self._enqueue_ordered(future, index, record)
+            else:
+                self._queue.append(future)
             self._groups[sig] = alike = self._groups.get(sig, 0) + 1
             self._sample_queue()
             queued = len(self._queue)
@@ -383,6 +422,65 @@ class Server:
             self._launch(formed, batch)
         return future
 
+    def _level_index(self, level: int) -> int:
+        """The index (0 for level 1) of a request's priority ``level`` (0: the default one)."""
+        policy = self.queue_policy
+        count = len(policy.levels) if policy is not None else 1
+        if level == 0:
+            return policy.default_level - 1 if policy is not None else 0
+        if not 1 <= level <= count:
+            raise InputError(f"priority level {level} is out of range: this server's levels are 1 to {count}")
+        return level - 1
+
+    def _enqueue_ordered(self, future: _Request, index: int, record: RequestRecord) -> None:
+        """(lock held) Queue ``future`` behind the requests of its level and the higher ones that
+        are not delayed, before the delayed ones of its level and every lower level's; refused
+        when its level's queue is full."""
+        assert self.queue_policy is not None
+        capacity = self.queue_policy.levels[index].capacity
+        if capacity is not None and self._at_level[index] >= capacity:
+            record.rejected = True
+            raise LevelFullError(index + 1, capacity)
+        future._level = index
+        place = sum(self._at_level[:index + 1]) - self._delayed_at_level[index]
+        if place >= len(self._queue):
+            self._queue.append(future)
+        else:
+            self._queue.insert(place, future)
+        self._at_level[index] += 1
+
+    def _left_levels(self, requests: Sequence[_Request]) -> None:
+        """(lock held) Count ``requests`` out of their levels (taken into a batch, or dropped)."""
+        for p in requests:
+            self._at_level[p._level] -= 1
+            if p._delayed:
+                self._delayed_at_level[p._level] -= 1
+
+    def delay(self, futures: Sequence[RequestFuture]) -> int:
+        """Triton's DELAY timeout action: move each of ``futures`` still waiting for its batch
+        behind the other requests of its level (after the ones delayed before it), ahead of
+        every lower level's; returns how many moved. It runs later, once the requests within
+        their timeouts have left. A server without levels or a DELAY policy moves none."""
+        if not self._ordered:
+            return 0
+        moved = 0
+        with self._cond:
+            for p in futures:
+                if not isinstance(p, _Request) or p._server is not self or p._delayed or p.cancelled():
+                    continue
+                try:
+                    self._queue.remove(p)
+                except ValueError:  # already in a batch
+                    continue
+                p._delayed = True
+                # its level ends at the sum of the counts up to it; one fewer now it is out
+                self._queue.insert(sum(self._at_level[:p._level + 1]) - 1, p)
+                self._delayed_at_level[p._level] += 1
+                moved += 1
+            if moved:
+                self._cond.notify_all()  # the next batch's oldest request may have changed
+        return moved
+
     def _on_cancel(self) -> None:
         """A caller that gives up on a queued request (a client that went away) frees its place
         in the queue and in the next batch: an abandoned request must cost the others nothing.
@@ -395,13 +493,17 @@ class Server:
         """Remove (lock held) the cancelled requests still queued; one pass for many cancels."""
         kept: deque[_Request] = deque()
         groups: dict[Any, int] = {}
+        dropped: list[_Request] = []
         for p in self._queue:
             if p.cancelled():
                 p._record.withdrawn = True
                 p.set_running_or_notify_cancel()  # wait() and as_completed() count it done now
+                dropped.append(p)
             else:
                 kept.append(p)
                 groups[p._sig] = groups.get(p._sig, 0) + 1
+        if self._ordered:
+            self._left_levels(dropped)
         self._flush_left = min(self._flush_left, len(kept))
         self._queue, self._withdrawn, self._groups = kept, 0, groups
         self._sample_queue()
@@ -529,7 +631,7 @@ class Server:
             size, due = next_batch_size(
                 queued=self._groups.get(sig, 0) if self._queue else 0, inflight=len(self._inflight),
                 batch_size=self._limit, max_inflight=self.max_inflight, flush_left=self._flush_left,
-                closing=self._closing, oldest_arrival=self._queue[0]._record.arrival if self._queue else now,
+                closing=self._closing, oldest_arrival=self._oldest_arrival(now),
                 max_delay=self.max_delay, now=now)
             if size or self._completions:
                 completions, self._completions = self._completions, []
@@ -538,6 +640,16 @@ class Server:
             if self._closing and not self._queue and not self._inflight:
                 return None
             self._cond.wait(None if due == math.inf else due - now)
+
+    def _oldest_arrival(self, now: float) -> float:
+        """(lock held) The arrival the max delay counts from: the front request's, or with levels
+        the oldest of those the next batch would take (a high-priority request that came later is
+        at the front, but the batch leaves once the oldest request in it has waited its delay)."""
+        if not self._queue:
+            return now
+        if not self._ordered:
+            return self._queue[0]._record.arrival
+        return min(p._record.arrival for p in itertools.islice(self._queue, self._limit))
 
     def _next_group(self) -> Any:
         """(lock held) The signature whose requests leave next: a full group if the window held
@@ -562,6 +674,8 @@ class Server:
                 (taken if p._sig == sig else kept).append(p)
             kept.extend(queue)
             self._queue = kept
+        if self._ordered:
+            self._left_levels(taken)
         left = self._groups.get(sig, 0) - len(taken)
         if left > 0:
             self._groups[sig] = left
@@ -777,6 +891,8 @@ class Server:
             leftovers = self._unanswered()
             self._queue.clear()
             self._groups.clear()
+            self._at_level = [0] * len(self._at_level)
+            self._delayed_at_level = [0] * len(self._delayed_at_level)
             self._inflight.clear()
             self._completions.clear()
             for p in leftovers:

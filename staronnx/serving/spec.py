@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import StaronnxError
+from staronnx.serving.priority import QueuePolicy
 
 ON_FULL = ("reject", "block")
 #: the window's floor (batches in the runtime), whatever the worker count. While the window is
@@ -77,6 +78,9 @@ class ServeSpec:
             and a hand-over between two cores costs more than one on the same core. A runtime
             without a worker of its own leaves it where it is. A thread that submits many
             requests gains more from the same block around its loop.
+        queue_policy: priority levels (a batch takes the highest level's requests first) and
+            each level's capacity and timeout (:mod:`staronnx.serving.priority`); None: one
+            queue in arrival order, bounded by ``queue_capacity`` alone.
     """
 
     batch_size: int
@@ -87,6 +91,7 @@ class ServeSpec:
     pad_to: tuple[int, ...] | None = None
     keep_records: int | None = None
     colocate: bool = False
+    queue_policy: QueuePolicy | None = None
 
     def __post_init__(self) -> None:
         b, capacity = self.batch_size, self.queue_capacity

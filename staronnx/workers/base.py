@@ -125,10 +125,11 @@ class ThreadWorker(Worker, ABC):
     last_compute_seconds: float | None = None  # CPU: wall time is compute time
 
     def __init__(self, part_paths: Sequence[str | os.PathLike[str] | None], name: str) -> None:
-        if not any(p is not None for p in part_paths):
+        if not part_paths:
             raise ModelError(f"a {self.kind.upper()} worker needs at least one part (.onnx file)")
         #: by part number; None for a part this worker does not hold (no session: a runtime
-        #: whose workers cannot all load every model gives each only some)
+        #: whose workers cannot all load every model gives each only some, and a worker no
+        #: model's residency selects holds none and stays idle)
         self.part_paths: list[Path | None] = [None if p is None else Path(p) for p in part_paths]
         self.holds = (
             None if all(p is not None for p in self.part_paths)
