@@ -15,6 +15,7 @@ from test_simulator import MS, NO_RESERVE, plan, topo, write_models  # noqa: F40
 from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.perfmodels import PerfModelStore
+from staronnx.perfmodels.helpcost import HelpCost
 
 #: a 2-part chain: 1 ms per part on the GPU, 20 ms on the 4-core CPU group
 H100_LIKE = {(0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS, (0, "cpu4"): 20 * MS, (1, "cpu4"): 20 * MS}
@@ -28,14 +29,19 @@ def _machines(plan, store) -> tuple[SimMachine, SimMachine]:
     return both, gpu
 
 
+@pytest.mark.parametrize("cost", ["free", "h200"])
 @pytest.mark.parametrize("policy", ["dmda", "heft"])
 @pytest.mark.parametrize("rate", [100, 400, 480, 600])  # GPU alone saturates at 500 req/s
-def test_gpu_plus_cpu_is_never_worse_than_gpu_alone(plan, tmp_path, policy, rate):
+def test_gpu_plus_cpu_is_never_worse_than_gpu_alone(plan, tmp_path, policy, rate, cost):
+    """``cost``: what a CPU task costs the GPU side (HelpCost): nothing (a host where CPU help
+    is free), or the H200's share, under which a CPU 20x slower than the GPU never pays
+    (test_cpu_help_costs.py)."""
     store = PerfModelStore(tmp_path)
     write_models(store, plan, H100_LIKE, rel_std=0.05)
     both, gpu = _machines(plan, store)
     alone = simulate(machine=gpu, rate=rate, batch_size=1, policy=policy, duration=4).metrics()
-    helped_res = simulate(machine=both, rate=rate, batch_size=1, policy=policy, duration=4)
+    options = {"help_cost": HelpCost.free() if cost == "free" else HelpCost()}
+    helped_res = simulate(machine=both, rate=rate, batch_size=1, policy=policy, duration=4, policy_options=options)
     helped = helped_res.metrics()
     assert helped["throughput"] >= 0.98 * alone["throughput"]
     on_cpu = sum(n for (part, arch), n in helped_res.placement.items() if arch.startswith("cpu"))
@@ -43,8 +49,10 @@ def test_gpu_plus_cpu_is_never_worse_than_gpu_alone(plan, tmp_path, policy, rate
         assert helped["latency_p99"] <= 1.05 * alone["latency_p99"] + 0.5 * MS
     if rate <= 400:  # the GPU keeps up with room to spare: the CPU gets nothing
         assert on_cpu == 0
-    if rate == 600:  # above the GPU's 500/s: the CPU takes the overflow (at most +5 %), and it pays
+    if rate == 600 and cost == "free":  # above the GPU's 500/s: the CPU takes the overflow (at most +5 %)
         assert on_cpu > 0 and helped["throughput"] > 1.03 * alone["throughput"]
+    if cost == "h200":  # 0.13 x 20 ms charged to the GPU side for 1 ms freed: never
+        assert on_cpu == 0
 
 
 def test_the_in_flight_window_lets_a_slow_worker_be_chosen():
