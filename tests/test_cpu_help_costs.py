@@ -190,3 +190,38 @@ def test_a_live_runtime_keeps_the_h200_batch1_row_on_the_gpu(plan, tmp_path, pol
 
     assert tasks_on_cpu(None) == 0
     assert tasks_on_cpu(HelpCost.free()) > 0
+
+
+# -- the measured cost: stored per host, read by the predictor, charged by the policies ----------
+def test_a_stored_help_cost_is_what_the_policies_charge(tmp_path):
+    from staronnx.runtime.predictor import PerfPredictor
+
+    store = PerfModelStore(tmp_path)
+    assert store.load_help_cost() is None and PerfPredictor("p", store).help_cost is None
+    measured = HelpCost(host_share=0.02, task_s=50e-6)
+    store.save_help_cost(measured)
+    assert PerfModelStore(tmp_path).load_help_cost() == measured
+    predictor = PerfPredictor("p", store)
+    assert predictor.help_cost == measured
+    policy = make_policy("heft")
+    policy.attach(_workers(4), predictor, FakeClock())
+    assert policy.help_cost == measured
+    given = make_policy("dmda", help_cost=HelpCost.free())
+    given.attach(_workers(4), predictor, FakeClock())
+    assert given.help_cost == HelpCost.free()  # the option wins over the stored figure
+
+
+def test_a_corrupt_help_cost_file_is_ignored_with_a_warning(tmp_path):
+    store = PerfModelStore(tmp_path)
+    store.help_cost_path().parent.mkdir(parents=True)
+    store.help_cost_path().write_text("{not json")
+    with pytest.warns(Warning, match="help cost"):
+        assert store.load_help_cost() is None
+
+
+def test_a_gpu_task_runs_longer_while_cpu_tasks_run():
+    from staronnx.perfmodels.helpcost import gpu_task_scale
+
+    assert gpu_task_scale(None, 3) == 1.0 and gpu_task_scale(H200, 0) == 1.0
+    assert gpu_task_scale(H200, 1) == pytest.approx(1 / 0.87)
+    assert gpu_task_scale(HelpCost(host_share=0.5), 4) == pytest.approx(10.0)  # capped

@@ -22,15 +22,19 @@ would have done the work sooner, whatever the CPU's queue says.
 is what the H200 row at batch 32 says: the CPU group ran about 400 samples/s (the 7 % tail
 ``--shares auto`` chose at batch 8 with a predicted +4.9 % solves to 50 batches/s of 8), so had
 it run all the time, ``7,334 = 400 + 7,998 x (1 - f)`` gives ``f = 0.13``. A machine measures its
-own (the GPU's throughput with the CPU groups idle and busy) and passes it as a policy option.
+own (the GPU's throughput with the CPU groups idle and busy), stores it
+(:meth:`~staronnx.perfmodels.store.PerfModelStore.save_help_cost`; the predictor reads it and the
+policies charge it), or passes it as the policy option ``help_cost``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["HelpCost", "H200_HOST_SHARE", "helped_end"]
+__all__ = ["HelpCost", "H200_HOST_SHARE", "gpu_task_scale", "helped_end"]
 
 #: the share of the GPU side's throughput a running CPU task took on the H200 (see the module)
 H200_HOST_SHARE = 0.13
@@ -40,8 +44,8 @@ TASK_SECONDS = 100e-6
 
 @dataclass(frozen=True)
 class HelpCost:
-    """The GPU-side cost of one CPU task (see the module docstring); a policy option
-    (``help_cost``) of the dmda family and heft; the default charges the H200's share."""
+    """The GPU-side cost of one CPU task (see the module docstring): the option ``help_cost`` of
+    the dmda family and heft, else the host's stored one, else this default (the H200's)."""
 
     #: fraction of the GPU side's throughput lost while a CPU task runs (GIL, host core, memory)
     host_share: float = H200_HOST_SHARE
@@ -53,6 +57,14 @@ class HelpCost:
             raise ValueError(f"help_cost host_share must be in [0, 1), got {self.host_share!r}")
         if not (math.isfinite(self.task_s) and self.task_s >= 0.0):
             raise ValueError(f"help_cost task_s must be finite and >= 0, got {self.task_s!r}")
+
+    def as_dict(self) -> dict[str, float]:
+        return {"host_share": self.host_share, "task_s": self.task_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> HelpCost:
+        """From :meth:`as_dict`'s fields (others, such as a store file's header, are ignored)."""
+        return cls(host_share=float(data["host_share"]), task_s=float(data.get("task_s", TASK_SECONDS)))
 
     @classmethod
     def free(cls) -> HelpCost:
@@ -75,3 +87,13 @@ def helped_end(cpu_end: float, gpu_end: float, gpu_device_s: float, cost: float)
     if not (cost < gpu_device_s):
         return math.inf
     return max(cpu_end, gpu_end - gpu_device_s + cost)
+
+
+def gpu_task_scale(cost: HelpCost | None, cpu_tasks_running: int) -> float:
+    """How much longer a GPU task takes while ``cpu_tasks_running`` CPU tasks run beside it:
+    ``1 / (1 - host_share x n)`` (the GPU side keeps ``1 - host_share`` of its throughput per
+    running CPU task; capped at 10x). What a simulator multiplies a GPU task's time by, so
+    that it predicts the loss the policies' estimate avoids (1.0 without a cost or a CPU task)."""
+    if cost is None or cpu_tasks_running <= 0:
+        return 1.0
+    return 1.0 / (1.0 - min(cost.host_share * cpu_tasks_running, 0.9))

@@ -39,6 +39,7 @@ from filelock import FileLock
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import atomic_write_text
 from staronnx.perfmodels.bus import BusModel
+from staronnx.perfmodels.helpcost import HelpCost
 from staronnx.perfmodels.host import HostModel, layout_key
 from staronnx.perfmodels.history import (
     CALIBRATE_MINIMUM,
@@ -413,6 +414,31 @@ class PerfModelStore:
             except (_Unusable, ValueError) as exc:
                 self._quarantine(path, str(exc))  # keep the evidence the new model replaces
             atomic_write_json(path, payload)
+
+    # -- what CPU help costs the GPU -----------------------------------------------------
+
+    def help_cost_path(self) -> Path:
+        """The JSON file of this host's :class:`~staronnx.perfmodels.helpcost.HelpCost`: a
+        property of the host (its cores, its GIL-bound driver threads), not of a plan."""
+        return self.root / "helpcost" / f"{self.host}.json"
+
+    def load_help_cost(self) -> HelpCost | None:
+        """This host's measured help cost, or None if none is stored or usable (the policies
+        then charge the default, :class:`HelpCost`'s)."""
+        path = self.help_cost_path()
+        try:
+            data = self._read(path, "helpcost")
+            return None if data is None else HelpCost.from_dict(data)
+        except (_Unusable, ValueError, TypeError) as exc:
+            _warn_once(_file_id(path), f"help cost {path} is {exc}; ignored (the default is charged)",
+                       PerfModelCorruptWarning)
+            return None
+
+    def save_help_cost(self, cost: HelpCost) -> None:
+        """Store this host's measured help cost (a measurement replaces the previous one)."""
+        path = self.help_cost_path()
+        with self._locked(path):
+            atomic_write_json(path, self._payload("helpcost", cost.as_dict()))
 
     # -- host costs ------------------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import BusModel, Footprint, HistoryModel, PerfModelStore
+from staronnx.perfmodels.helpcost import HelpCost
 from staronnx.perfmodels.store import PerfModelStoreReadOnly, PerfModelStoreReadOnlyWarning
 from staronnx.runtime.datawizard import price, task_copies
 from staronnx.runtime.sched import TaskView, WorkerInfo
@@ -61,6 +62,9 @@ class PerfPredictor:
         self.store = store
         self.calibrate = calibrate_mode(calibrate)
         self.bus = bus or (store.load_bus() if store is not None else BusModel())
+        #: what a CPU task costs the GPU on this host, as measured and stored (None: not
+        #: measured; the policies charge their default): the dmda family reads it at setup
+        self.help_cost: HelpCost | None = store.load_help_cost() if store is not None else None
         self._models: dict[tuple[int, str], HistoryModel] = {}
         self._lock = threading.Lock()
         self._read_only_warned = False

@@ -30,7 +30,8 @@ best_gpu − g + k)``, and infinite where ``k >= g``: the GPU alone would finish
 Without it dmda puts tasks on the CPU group whenever the GPU queue is longer than the CPU's
 time, and on an H200 ``gpu+cpu`` ran 0.92x the GPU alone (batch 32, 4 streams) and 0.66x
 (batch 1, 8 streams). The option ``help_cost`` (a :class:`~staronnx.perfmodels.helpcost.HelpCost`
-or a mapping of its fields) sets the machine's figures; by default the H200's share is charged,
+or a mapping of its fields) sets the machine's figures; without it, the predictor's
+(``PerfPredictor.help_cost``: measured on this host and stored) is charged, else the H200's share,
 and ``HelpCost.free()`` gives StarPU's decision back (a host where CPU help costs the GPU nothing).
 
 **No usable model.** If any candidate predicts NaN (not calibrated) or exactly 0 (no model),
@@ -143,7 +144,9 @@ class DmdaPolicy(Policy):
         idle_power: float = 0.0,
         help_cost: HelpCost | Mapping[str, float] | None = None,
     ) -> None:
-        #: what a CPU task costs the GPU beside it (see the module docstring)
+        #: what a CPU task costs the GPU beside it (see the module docstring): the option, else
+        #: (at setup) the predictor's, measured on this host, else HelpCost's default
+        self._help_option = help_cost
         self.help_cost = _help_cost(help_cost)
         self.alpha = check_weight("alpha", alpha)
         self.beta = check_weight("beta", beta)
@@ -162,6 +165,9 @@ class DmdaPolicy(Policy):
         self._nodes = {w.id: w.memory_node for w in self.workers}
         self._queues = {w.id: QueueState(exp_start=now) for w in self.workers}
         self._speedups = {w.id: w.speedup for w in self.workers}
+        measured = getattr(self.predictor, "help_cost", None)
+        if self._help_option is None and isinstance(measured, HelpCost):
+            self.help_cost = measured
         self._count_streams()
         self.last_decision = None
 
