@@ -98,6 +98,17 @@ def test_with_the_gpu_side_cost_charged_the_cpu_takes_nothing_on_the_h200_rows(p
     assert streams not in placed
 
 
+@pytest.mark.parametrize("policy_name", ["dm", "dmda"])
+def test_a_cpu_that_costs_more_than_it_frees_loses_whatever_the_weights(policy_name):
+    """alpha 0 (only transfers weigh) must not turn an infinite end into a NaN fitness."""
+    stream_s, _, cpu_s = _times(32, 4, 7998.0, 400.0)
+    policy = make_policy(policy_name, alpha=0.0, help_cost=H200)
+    policy.attach(_workers(4), FakePredictor({(0, "cuda0"): stream_s, (0, "cpu15"): cpu_s}), FakeClock())
+    for i in range(32):
+        assert policy.push(TaskView(id=i, part=0, batch=32, request=i,
+                                    inputs=[data(1 << 20, "numa0")])) != 4
+
+
 def test_a_cpu_whose_cost_is_below_the_gpu_time_it_frees_still_helps():
     """A P100-like machine: the GPU only 5x the CPU group, so a CPU task (10 ms, costing the
     GPU 1.4 ms) frees 2 ms of device time: a long burst still overflows to the CPU."""

@@ -296,6 +296,8 @@ class DmdaPolicy(Policy):
         return max(q.exp_len - passed, 0.0)
 
     def _fitness(self, end: float, transfer: float, best_end: float, max_end: float) -> float:
+        if end == math.inf:  # a CPU candidate that costs the GPU more than it frees (alpha 0 too)
+            return math.inf
         if not self.data_aware:
             return end - best_end
         fit = self.alpha * (end - best_end) + self.beta * transfer  # + gamma * E, E = 0
