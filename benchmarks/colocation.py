@@ -40,6 +40,7 @@ from staronnx import Runtime, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 FRACTIONS = (0.5, 0.75, 1.0)
 
@@ -76,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
     tmp = scratch_dir("staronnx-colocation-")
-    plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
+    plan = partition(tiny_model(tmp / "tiny.onnx"), spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp / "plan")
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp / "home"),
                  cuda_options=cuda_options) as rt:
         rt.run({"x": np.ones((args.batch, 16), np.float32)})

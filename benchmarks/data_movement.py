@@ -49,6 +49,7 @@ from staronnx.runtime.runtime import Runtime  # noqa: E402
 from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 from staronnx.calibrate import start_workers  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 
 try:  # the one rule (absent before issue 37: the benchmark then counts only)
@@ -238,9 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     two_part: list[tuple[str, Plan, dict[str, np.ndarray]]] = []
     for name, path, given, shares, shapes in models:
         cut = {"profile_runs": 1, "costs": "estimate", **({"input_shapes": shapes} if shapes else {})}
-        one = partition(str(path), parts=1, output_dir=tmp / name / "p1", **cut)
-        two = partition(str(path), shares, output_dir=tmp / name / "p2", **cut) if shares else \
-            partition(str(path), output_dir=tmp / name / "p2", **cut)
+        one = partition(str(path), spec=PartitionSpec(parts=1, **cut), output_dir=tmp / name / "p1")
+        two = partition(str(path), shares, PartitionSpec(**cut), output_dir=tmp / name / "p2")
         feeds = given if given is not None else random_plan_feeds(one, args.batch, seed=0)
         nbytes = tensor_bytes(one, feeds)
         model_in = sum(nbytes[n] for n in one.input_names)

@@ -53,6 +53,7 @@ from staronnx import Runtime, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure each open-loop rate --rounds times and print the medians")
     args = ap.parse_args(argv)
     tmp = scratch_dir("staronnx-serving-path-")
-    plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
+    plan = partition(tiny_model(tmp / "tiny.onnx"), spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp / "plan")
     pu = sorted(os.sched_getaffinity(0))[0]
     sample = {"x": np.ones((1, 16), np.float32)}
     batch = {"x": np.ones((args.batch, 16), np.float32)}

@@ -72,6 +72,7 @@ from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore  # noqa: E4
 from staronnx.plan import Plan  # noqa: E402
 
 import steadiness  # noqa: E402  (benchmarks/steadiness.py, beside this file)
+from staronnx.partition import PartitionSpec
 
 DEFAULT_MODELS = "googlenet,crnn_ocr,unet_seg"
 #: goals on a quiet machine (issue 40)
@@ -276,8 +277,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     if plan_dir is not None:
         plan, store = Plan.load(plan_dir), PerfModelStore()
     else:
-        plan = partition(model, [float(x) for x in args.shares.split(",")], output_dir=tmp / name / "plan",
-                         input_shapes=shapes or None, profile_runs=3)
+        plan = partition(model, [float(x) for x in args.shares.split(",")], PartitionSpec(input_shapes=shapes or None, profile_runs=3), output_dir=tmp / name / "plan")
         store = PerfModelStore(tmp / name / "home")
     print(f"\n=== {name}: plan {plan.root}: shares {[round(p.share, 3) for p in plan.parts]}, groups {args.groups}, "
           f"{args.policy}", flush=True)

@@ -15,6 +15,7 @@ from staronnx import partition
 from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def small_plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("calib")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+    return partition(model, [0.7, 0.3], PartitionSpec(profile_runs=2), output_dir=root / "plan")
 
 
 def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path, two_groups):

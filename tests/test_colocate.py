@@ -24,6 +24,7 @@ from staronnx.serving import Server
 from staronnx.workers.colocate import colocated
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.cudart import HostRuntime
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread affinity here")
 
@@ -42,7 +43,7 @@ def model(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def plan(model, tmp_path_factory: pytest.TempPathFactory):
-    return partition(model, parts=1, output_dir=tmp_path_factory.mktemp("colocate-plan") / "plan", profile_runs=1)
+    return partition(model, spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp_path_factory.mktemp("colocate-plan") / "plan")
 
 
 def _runtime(plan, tmp_path, groups: str = "none", streams: int = 1) -> Runtime:

@@ -26,6 +26,7 @@ from staronnx.workers.groups import GroupError, policy_reserve
 from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def plan2(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=1, channels=8, size=16), str(model))
-    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=1)
+    return partition(model, [0.7, 0.3], PartitionSpec(profile_runs=1), output_dir=root / "plan")
 
 
 def _allowed_pus() -> list[int]:

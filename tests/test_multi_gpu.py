@@ -24,6 +24,7 @@ from staronnx.workers.topology import Topology
 from staronnx.zoo import chain
 from test_cuda_cli import _cli
 from test_simulator import MS, write_models
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +36,7 @@ NO_RESERVE = "numa,reserve=0"
 def plan(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("multigpu")
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", parts=2, method="linear", output_dir=root / "plan", costs="estimate")
+    return partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=root / "plan")
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.workers.topology import Topology
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 MS = 1e-3
 ONE_CORE = "pack:1 numa:1 core:1 pu:1"  # groups="cores=1": one worker, arch cpu1
@@ -56,8 +57,8 @@ def plans(tmp_path_factory) -> tuple[Plan, Plan, Path]:
     root = tmp_path_factory.mktemp("mix")
     onnx.save(chain(depth=6, width=32), str(root / "a.onnx"))
     onnx.save(chain(depth=4, width=16), str(root / "b.onnx"))
-    heavy = partition(root / "a.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate")
-    light = partition(root / "b.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")
+    heavy = partition(root / "a.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "heavy")
+    light = partition(root / "b.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "light")
     home = root / "home"
     store = PerfModelStore(home)
     write_models(store, heavy, HEAVY_TIMES, (1, 4))

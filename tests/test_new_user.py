@@ -24,6 +24,7 @@ import pytest
 from _helpers import cli, read_pty
 from staronnx import partition
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 CLI = [sys.executable, "-m", "staronnx"]
 PU = str(min(os.sched_getaffinity(0)))
@@ -179,7 +180,7 @@ def slow_plan(tmp_path_factory) -> Path:
     """A plan whose calibration takes seconds at the batch sizes below (a signal lands mid-way)."""
     root = tmp_path_factory.mktemp("slow")
     onnx.save(inception(blocks=4, channels=16, size=32), str(root / "m.onnx"))
-    partition(root / "m.onnx", [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    partition(root / "m.onnx", [0.7, 0.3], PartitionSpec(costs="estimate"), output_dir=root / "plan")
     return root / "plan"
 
 

@@ -22,6 +22,7 @@ from staronnx.bench.optimize import (
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.partition import PartitionSpec
 
 SIZES = CALIBRATED_SIZES
 
@@ -163,7 +164,7 @@ def heavy(tmp_path_factory, two_groups):
 
     root = tmp_path_factory.mktemp("heavy")
     onnx.save(inception(blocks=3, channels=32, size=32), str(root / "heavy.onnx"))
-    plan = partition(root / "heavy.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=1)
+    plan = partition(root / "heavy.onnx", [0.7, 0.3], PartitionSpec(profile_runs=1), output_dir=root / "plan")
     home = root / "home"
     workers = start_workers(plan, groups=two_groups)
     try:

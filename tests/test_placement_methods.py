@@ -37,6 +37,7 @@ from staronnx.verify import verify_plan
 from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 
 from realmodels import GOOGLENET
+from staronnx.partition import PartitionSpec
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -439,13 +440,13 @@ def test_partition_api_records_devices_and_predictions(tmp_path: Path) -> None:
     assert {"metis", "linear", "comm-sd", "duet", "overseer", "optimal", "ort-static"} <= set(METHODS)
     model = zoo.multi_head_detector()
     # through the public door: it places on this host's groups
-    plan = staronnx.partition(model, method="duet", output_dir=tmp_path / "plan", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "plan")
     _check_plan(plan, model, "duet")
     data = json.loads((plan.root / "plan.json").read_text())
     assert all("device" in p for p in data["parts"])
     assert plan.settings["placement"]["devices"][0]["kind"] == "cpu"
     # shares-based methods are unchanged: no device, no placement record
-    metis = partition(model, [0.85, 0.15], output_dir=tmp_path / "metis", costs="estimate")
+    metis = partition(model, [0.85, 0.15], PartitionSpec(costs="estimate"), output_dir=tmp_path / "metis")
     assert metis.k == 2 and all(p.device is None for p in metis.parts)
     assert "placement" not in metis.settings
 
@@ -496,7 +497,7 @@ def test_the_host_door_reads_groups_and_the_stored_bus(tmp_path: Path, two_group
 
 def test_plans_without_device_field_still_load(tmp_path: Path) -> None:
     model = zoo.chain()
-    plan = partition(model, parts=2, output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "plan")
     meta = plan.root / "plan.json"
     data = json.loads(meta.read_text())
     for p in data["parts"]:

@@ -43,6 +43,7 @@ from staronnx.serving import Server
 from staronnx.serving.server import StandInRuntime
 from staronnx.workers.base import Worker
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 U = 2.0**-14  # the time quantum: every time below is a whole number of U
 BATCH = 2
@@ -56,7 +57,7 @@ UNITS = {"cpu1": (301, 187, 143), "cpu2": (163, 97, 71)}
 def plan(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("replay")
     onnx.save(chain(depth=6, width=16), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", [0.4, 0.3, 0.3], output_dir=root / "plan", profile_runs=2)
+    return partition(root / "chain.onnx", [0.4, 0.3, 0.3], PartitionSpec(profile_runs=2), output_dir=root / "plan")
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +31,7 @@ def plan3(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    p = partition(model, [0.5, 0.3, 0.2], output_dir=root / "plan", profile_runs=2)
+    p = partition(model, [0.5, 0.3, 0.2], PartitionSpec(profile_runs=2), output_dir=root / "plan")
     p.source_model = model  # type: ignore[attr-defined]
     return p
 

@@ -23,6 +23,7 @@ from staronnx.serve.models import inflight_from_models
 from staronnx.serving.spec import inflight_window
 from test_serve import _groups, _m, _metrics, _post, start_server
 from test_simulator import plan  # noqa: F401 - a fixture
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,8 +35,8 @@ def plans(tmp_path_factory):
     onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
     onnx.save(chain(depth=4, width=8), str(root / "light.onnx"))
     return {
-        "heavy": partition(root / "heavy.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate"),
-        "light": partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate"),
+        "heavy": partition(root / "heavy.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "heavy"),
+        "light": partition(root / "light.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "light"),
     }
 
 

@@ -22,6 +22,7 @@ from staronnx.plan import Plan
 from staronnx.runtime.policies import POLICIES
 from staronnx.workers.topology import Topology
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 MS = 1e-3
 CPU4 = "pack:1 numa:1 core:4 pu:1"  # groups="numa": one 4-core worker, arch cpu4
@@ -36,7 +37,7 @@ def plan(tmp_path_factory) -> Plan:
     """A 2-part chain (part 1 reads part 0's output)."""
     root = tmp_path_factory.mktemp("sim")
     onnx.save(chain(depth=6, width=32), str(root / "chain.onnx"))
-    p = partition(root / "chain.onnx", [0.6, 0.4], output_dir=root / "plan", profile_runs=2)
+    p = partition(root / "chain.onnx", [0.6, 0.4], PartitionSpec(profile_runs=2), output_dir=root / "plan")
     assert p.dependencies() == [set(), {0}]
     return p
 
