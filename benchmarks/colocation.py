@@ -41,6 +41,7 @@ from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
 from staronnx.partition import PartitionSpec
+from staronnx.bench.spec import RunSpec
 
 FRACTIONS = (0.5, 0.75, 1.0)
 
@@ -60,8 +61,7 @@ def capacity(rt: Runtime, batch: int, seconds: float) -> float:
 
 
 def point(rt: Runtime, batch: int, offered: float, seconds: float, colocate: bool) -> dict[str, Any]:
-    summary, records = measure_point(rt, batch, offered, [{"x": np.ones((1, 16), np.float32)}], duration=seconds,
-                                     warmup=min(1.0, seconds / 3), max_delay=0.002, colocate=colocate)
+    summary, records = measure_point(rt, batch, offered, [{"x": np.ones((1, 16), np.float32)}], RunSpec(duration=seconds, warmup=min(1.0, seconds / 3), max_delay=0.002, colocate=colocate))
     return {"throughput": summary["throughput"], "p50": summary["latency_p50"], "p99": summary["latency_p99"],
             "lag": records.settings["loadgen"]["lag_p99_s"], "congested": bool(summary["congested"])}
 

@@ -50,6 +50,7 @@ from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 from staronnx.calibrate import start_workers  # noqa: E402
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 try:  # the one rule (absent before issue 37: the benchmark then counts only)
@@ -148,7 +149,7 @@ def open_runtime(plan: Plan, config: str, args: argparse.Namespace, home: Path, 
     if plan.k == 1 or policy is not None:
         return Runtime(plan, policy=policy or "dmda", cpu_groups="1", cuda_streams=1, store=store,
                        cuda_options=options), rt, []
-    workers = start_workers(plan, groups="1", cuda_streams=1, cuda_options=options)
+    workers = start_workers(plan, MachineSpec(groups="1", cuda_streams=1), cuda_options=options)
     names = {w.kind: w.name for w in workers}
     devices = {0: names["cuda"], **{p: names["cpu"] for p in range(1, plan.k)}}
     return Runtime(plan, policy="static", policy_options={"devices": devices}, workers=workers, store=store), rt, workers

@@ -71,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import REPO, scratch_dir  # noqa: E402
 from gpu_table import GPU_ALONE, SCHEMA, headline, verdict  # noqa: E402,F401
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 CUDA = "CUDAExecutionProvider"
 #: the matrix's dimensions, in the order they are measured
@@ -531,7 +532,7 @@ class Plans:
         if key in self.calibrated:
             return
         self.calibrated.add(key)
-        workers = start_workers(plan, groups=groups, cuda_streams=streams)
+        workers = start_workers(plan, MachineSpec(groups=groups, cuda_streams=streams))
         try:
             calibrate(plan, sorted(set(self.args.batches)), workers=workers, store=self.store, max_runs=30)
         finally:

@@ -46,6 +46,7 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GOOGLENET, scratch_dir  # noqa: E402
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 CONFIGS = ("separate", "shared", "shared+slo", "shared+lane")
 
@@ -75,7 +76,7 @@ def calibrate_plans(plans: list[Any], groups: str, store: Any, sizes: list[int])
 
     longest = float("nan")
     for i, plan in enumerate(plans):
-        workers = start_workers(plan, groups=groups)
+        workers = start_workers(plan, MachineSpec(groups=groups))
         try:
             report = calibrate(plan, sizes, workers=workers, store=store, max_runs=40)
         finally:

@@ -54,6 +54,7 @@ from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
 from staronnx.partition import PartitionSpec
+from staronnx.bench.spec import RunSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,8 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(max(1, args.rounds if args.open_rounds else 1)):
                 for mode in points:  # in turn, so the VM's drift hits both alike
                     c0, steal0 = time.process_time(), steal_seconds()
-                    points[mode].append(measure_point(rt, args.batch, offered, samples, duration=args.seconds,
-                                                      warmup=min(1.0, args.seconds / 3), colocate=mode == "colocated"))
+                    points[mode].append(measure_point(rt, args.batch, offered, samples, RunSpec(duration=args.seconds, warmup=min(1.0, args.seconds / 3), colocate=mode == "colocated")))
                     cpu_s[mode] += time.process_time() - c0
                     steal1 = steal_seconds()
                     had = stolen[mode]

@@ -24,6 +24,7 @@ from staronnx.partition.spec import PartitionSpec
 from staronnx.plan import Plan
 from staronnx.verify import VerifyReport, random_plan_feeds, verify_plan
 from staronnx.zoo import inception_demo
+from staronnx.workers.layout import MachineSpec
 
 
 @dataclass
@@ -77,7 +78,7 @@ def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.1
     t2 = time.perf_counter()
 
     say(f"calibrating perf models at batch {batch} on CPU groups {groups!r}")
-    workers = start_workers(plan, groups=groups)
+    workers = start_workers(plan, MachineSpec(groups=groups))
     try:
         calibrate(plan, [batch], workers=workers)
     finally:

@@ -31,6 +31,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.zoo import fragile, inception
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(autouse=True)
@@ -182,7 +183,7 @@ def calibrated_inception(tmp_path_factory) -> tuple[Plan, Path]:
     home = root / "home"
     # one explicit one-PU group: one worker measures arch cpu1 on any host (cores=1 would
     # start one per core)
-    workers = start_workers(plan, groups=str(min(os.sched_getaffinity(0))))
+    workers = start_workers(plan, MachineSpec(groups=str(min(os.sched_getaffinity(0)))))
     try:
         # this plan's parts take tens of microseconds: on a loaded machine StarPU's outlier
         # rule can keep an entry from reaching 10 accepted samples within one calibration's

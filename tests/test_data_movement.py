@@ -25,6 +25,7 @@ from staronnx.runtime.sched import DataView, TaskView, WorkerInfo
 from staronnx.workers.cudart import HostRuntime
 from staronnx.zoo import chain
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -108,7 +109,7 @@ def test_a_two_part_chain_on_one_gpu_uploads_its_inputs_once_and_downloads_only_
 def _placed(plan: Plan, rt: HostRuntime, devices: list[str]):
     """Workers (one CUDA stream, one CPU group) and the names that pin part p to devices[p]
     ("cuda" or "cpu")."""
-    workers = start_workers(plan, groups="1", cuda_streams=1, cuda_options={"runtime": rt})
+    workers = start_workers(plan, MachineSpec(groups="1", cuda_streams=1), cuda_options={"runtime": rt})
     names = {w.kind: w.name for w in workers}
     return workers, {p: names[d] for p, d in enumerate(devices)}
 

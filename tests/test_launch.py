@@ -27,6 +27,7 @@ from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 from staronnx.zoo import inception
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +146,7 @@ def test_the_layout_names_every_worker_once_lanes_and_residency_included():
 def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tmp_path, bad):
     import re
 
-    from staronnx.bench.machine import SimulationError, build_machine
+    from staronnx.bench.machine import build_machine
     from staronnx.errors import StaronnxError
     from staronnx.perfmodels import PerfModelStore
     from staronnx.workers.layout import MachineError
@@ -155,10 +156,10 @@ def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tm
     words = re.escape(str(refused.value))
     with pytest.raises(StaronnxError, match=words):
         Runtime(plan2, cpu_groups="numa", store=PerfModelStore(tmp_path), **bad)
-    with pytest.raises(SimulationError, match=words):
-        build_machine(plan2, groups="numa", store=PerfModelStore(tmp_path), **bad)
+    with pytest.raises(MachineError, match=words):  # the simulator's door takes the same spec
+        build_machine(plan2, MachineSpec(groups="numa", **bad), store=PerfModelStore(tmp_path))
     with pytest.raises(MachineError, match=words):
-        start_workers(plan2, groups="numa", **bad)
+        start_workers(plan2, MachineSpec(groups="numa", **bad))
 
 
 # ------------------------------------------------------------------ started workers, real threads
@@ -166,7 +167,7 @@ def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tm
 def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):
     pus = _allowed_pus()
     groups = f"{pus[0]};{pus[1]}"  # explicit: nothing reserved automatically
-    workers = start_workers(plan2, groups=groups, cuda_streams=1, cuda_options={"runtime": HostRuntime()})
+    workers = start_workers(plan2, MachineSpec(groups=groups, cuda_streams=1), cuda_options={"runtime": HostRuntime()})
     try:
         assert [w.kind for w in workers] == ["cuda", "cpu", "cpu"]
         assert all(w.alive for w in workers)
@@ -174,7 +175,7 @@ def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):
     finally:
         for w in workers:
             w.close()
-    auto = start_workers(plan2, groups="numa", cuda_streams=1, cuda_options={"runtime": HostRuntime()})
+    auto = start_workers(plan2, MachineSpec(groups="numa", cuda_streams=1), cuda_options={"runtime": HostRuntime()})
     try:
         cuda, cpus = auto[0], auto[1:]
         assert cuda.kind == "cuda" and cuda.alive and cuda.cpu is not None
@@ -244,8 +245,7 @@ def test_the_server_assembles_batches_in_pinned_memory_its_cuda_workers_copy_wit
 def test_a_cuda_worker_that_cannot_start_closes_the_ones_already_started(plan2):
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(Exception, match="cudnn_conv_algo_search"):
-        start_workers(plan2, groups="numa", cuda_streams=1,
-                      cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
+        start_workers(plan2, MachineSpec(groups="numa", cuda_streams=1), cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
     assert {t.name for t in threading.enumerate()} <= before
 
 

@@ -25,6 +25,8 @@ from staronnx.zoo import chain
 from test_cuda_cli import _cli
 from test_simulator import MS, write_models
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import SimSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -65,7 +67,7 @@ def test_the_simulator_sees_the_workers_the_runtime_starts_on_two_gpus(plan, tmp
 @pytest.mark.parametrize("bad", [(), (0, 0), (-1,), ("gpu0",)])
 def test_cuda_devices_are_checked_as_the_runtime_checks_them(plan, tmp_path, bad):
     with pytest.raises(SimulationError, match="each GPU once, by its CUDA ordinal"):
-        build_machine(plan, groups="none", cuda_streams=1, cuda_devices=bad, store=PerfModelStore(tmp_path))
+        build_machine(plan, MachineSpec(groups="none", cuda_streams=1, cuda_devices=bad), store=PerfModelStore(tmp_path))
 
 
 def test_two_calibrated_gpus_double_the_bound_and_share_the_load(plan, tmp_path):
@@ -74,17 +76,17 @@ def test_two_calibrated_gpus_double_the_bound_and_share_the_load(plan, tmp_path)
     store = PerfModelStore(tmp_path)
     times = {(p, arch): 2 * MS for p in (0, 1) for arch in ("cuda0", "cuda1")}
     write_models(store, plan, times, batches=(1,))
-    one = build_machine(plan, groups="none", cuda_streams=1, store=store)
-    two = build_machine(plan, groups="none", cuda_streams=1, cuda_devices=(0, 1), store=store)
+    one = build_machine(plan, MachineSpec(groups="none", cuda_streams=1), store=store)
+    two = build_machine(plan, MachineSpec(groups="none", cuda_streams=1, cuda_devices=(0, 1)), store=store)
     assert [w.arch for w in two.workers] == ["cuda0", "cuda1"] and not two.table.sources
     assert two.settings["cuda_devices"] == [0, 1] and one.settings["cuda_devices"] == [0]
     assert machine_bound(one, 1).throughput == pytest.approx(250, rel=1e-6)  # 4 ms a sample
     assert machine_bound(two, 1).throughput == pytest.approx(500, rel=1e-6)
-    res = simulate(machine=two, rate=400, batch_size=1, duration=5)
+    res = simulate(two, 400, 1, SimSpec(duration=5))
     m = res.metrics()
     assert not m["congested"] and m["throughput"] == pytest.approx(400, rel=0.02)
     assert res.busy["cuda0.s0"] > 0.3 and res.busy["cuda1.s0"] > 0.3
-    assert simulate(machine=one, rate=400, batch_size=1, duration=5).metrics()["congested"]
+    assert simulate(one, 400, 1, SimSpec(duration=5)).metrics()["congested"]
 
 
 def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_links(plan, tmp_path):
@@ -96,8 +98,7 @@ def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_link
     bus = BusModel()
     bus.set("numa0", "cuda0", LinkCost(latency=50e-6, bandwidth=10e9))
     bus.set("cuda0", "numa0", LinkCost(latency=60e-6, bandwidth=12e9))
-    m = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2, 3),
-                      store=store, bus=bus)
+    m = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2, 3)), topology=topo(CPU4), store=store, bus=bus)
     assert [w.arch for w in m.workers] == ["cuda0", "cuda2", "cuda3", "cpu4"]
     assert m.settings["sources"] == {"cuda2": "cuda0", "cuda3": "cuda0"}
     assert any("cuda2: no models; using cuda0's" in n for n in m.notes), m.notes
@@ -110,8 +111,7 @@ def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_link
     compute = 3 / (4 * MS) + 1 / (12 * MS)  # three GPUs at 4 ms a sample, the CPU at 12 ms
     assert 0.97 * compute < bound.throughput < compute  # every GPU's copies cost a little
     # strict callers (the bound of --rates auto, perfmodel show) borrow nothing
-    strict = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2),
-                           store=store, bus=bus, cpu_fallback=False)
+    strict = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2)), topology=topo(CPU4), store=store, bus=bus, cpu_fallback=False)
     assert not strict.table.sources
     with pytest.raises(SimulationError, match="on cuda2"):
         machine_bound(strict, 1)

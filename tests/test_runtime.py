@@ -24,6 +24,7 @@ from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
 from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ class _Crash(BaseException):
 
 
 def test_dead_worker_tasks_are_replaced(plan3, store, two_groups):
-    workers = start_workers(plan3, groups=two_groups)
+    workers = start_workers(plan3, MachineSpec(groups=two_groups))
     original = workers[0].run_here
     calls = {"n": 0}
 
@@ -386,7 +387,7 @@ def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, st
     from staronnx.workers.cudart import HostRuntime
 
     rt = HostRuntime()
-    workers = start_workers(plan3, groups="1", cuda_streams=1, cuda_options={"runtime": rt})
+    workers = start_workers(plan3, MachineSpec(groups="1", cuda_streams=1), cuda_options={"runtime": rt})
     gpu, cpu = (next(i for i, w in enumerate(workers) if w.kind == k) for k in ("cuda", "cpu"))
     policy = make_policy("static", devices={p: workers[gpu].name for p in range(plan3.k)})
     engine = NativeEngine(plan3, workers, policy, PerfPredictor(plan3.hash, store), own_workers=True)

@@ -411,23 +411,19 @@ def held_by(machine: SimMachine, where: Where, model: int | str) -> list[str]:
 
 def build_machine(
     plan: Plan | ModelSet | Mapping[str, Plan],
-    spec: MachineSpec | None = None,
+    spec: MachineSpec = MachineSpec(),
     *,
-    groups: str = "numa",
     topology: Topology | None = None,
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
     store: PerfModelStore | None = None,
     cuda_scale: float | Sequence[float] | None = None,
     cpu_fallback: bool = True,
     arch_sources: Mapping[str, ArchSource] | None = None,
     bus: BusModel | None = None,
-    lanes: Mapping[str, str] | None = None,
     host: HostModel | bool = True,
 ) -> SimMachine:
-    """Workers from ``topology`` (default: this machine) and ``spec`` (else ``groups``, plus
-    ``cuda_streams`` hypothetical or real CUDA workers on each GPU of ``cuda_devices``, and
-    ``lanes``), with times from ``store`` (default: ``$STARONNX_HOME``).
+    """Workers from ``topology`` (default: this machine) and ``spec`` (its CPU groups, its
+    ``cuda_streams`` hypothetical or real CUDA workers on each GPU of its ``cuda_devices``, and
+    its lanes), with times from ``store`` (default: ``$STARONNX_HOME``).
 
     Each GPU is its own arch and memory node, as in the runtime. A GPU the store has no models
     or bus links for (a what-if: four GPUs where one was calibrated) takes those of the lowest
@@ -439,7 +435,7 @@ def build_machine(
     parts numbered one after the other, each read from its own plan's stored models (nothing
     recalibrated for sharing). A per-part ``cuda_scale`` then has one factor per global part.
 
-    ``lanes`` (model name -> CPU group selector, ``Runtime(lanes=...)``'s; see
+    The spec's ``lanes`` (model name -> CPU group selector, ``Runtime(lanes=...)``'s; see
     :mod:`staronnx.workers.lanes`) adds the runtime's latency lanes: one more worker per
     selected group, same arch, holding the lane models only (the
     simulations and bounds over this machine keep them there, :func:`residency_where`). They
@@ -455,7 +451,6 @@ def build_machine(
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
         ModelSet(dict(plan)) if isinstance(plan, Mapping) else ModelSet.of(plan))
-    spec = spec or machine_spec(groups, cuda_streams, cuda_devices, lanes)
     laid = layout(spec, topology if topology is not None else Topology.from_system(), [m.name for m in models.models])
     workers = worker_infos(laid)
     lane_of = {i: w.models for i, w in enumerate(laid.workers) if w.kind == "lane"}

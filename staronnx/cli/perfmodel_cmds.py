@@ -17,6 +17,7 @@ from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
+from staronnx.workers.layout import MachineSpec
 
 console = Console()
 perfmodel_app = typer.Typer(help="Inspect calibrated performance models.", no_args_is_help=True)
@@ -60,7 +61,7 @@ def calibrate_cmd(
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
-    workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+    workers = start_workers(plan, MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=devices))
     report = CalibrationReport()  # filled as it goes: what an interruption kept is read from it
     steps = calibration_steps(plan, workers, sizes, len(shape_sets))
     try:
@@ -113,12 +114,12 @@ def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_str
                   cuda_devices: tuple[int, ...], store, workers, seed: int) -> None:
     """The host-cost probe (:func:`staronnx.calibrate.calibrate_host`) on the calibration's
     workers, with what it found; a failure is one line (the perf models are kept anyway)."""
-    from staronnx.calibrate import calibrate_host, speed_moved
+    from staronnx.calibrate import HostProbe, calibrate_host, speed_moved
 
     try:
         with console.status("measuring the host's own work per batch") as status:
-            model = calibrate_host(plan, sizes, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                                   store=store, workers=workers, seed=seed, calibration_machine=report.machine,
+            model = calibrate_host(plan, sizes, MachineSpec(groups, cuda_streams, cuda_devices), HostProbe(seed=seed),
+                                   store=store, workers=workers, calibration_machine=report.machine,
                                    on_step=lambda msg: status.update(msg))
     except StaronnxError as exc:
         console.print(f"[yellow]host costs not measured:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
@@ -168,8 +169,7 @@ def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int, cuda
     from staronnx.bench.machine import build_machine
 
     try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
-                                cpu_fallback=False)
+        machine = build_machine(plan, MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices), store=store, cpu_fallback=False)
     except StaronnxError as exc:
         console.print(f"no prediction against one part: {exc}", soft_wrap=True)
         return
