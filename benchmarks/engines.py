@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pipelined us/req':>18}{'overhead':>10}")
     for layers, parts in ((1, 1), (2, 2)):
         model = tiny_chain(tmp / f"tiny{layers}.onnx", layers)
-        plan = partition(model, spec=PartitionSpec(parts=parts, method="linear", costs="estimate", input_shapes=["x=1x16"]), output_dir=tmp / f"tiny{layers}-plan")
+        plan = partition(model,
+                         spec=PartitionSpec(parts=parts, method="linear", costs="estimate", input_shapes=["x=1x16"]),
+                         output_dir=tmp / f"tiny{layers}-plan")
         ort_us = 1e6 / statistics.median(plain_rate(model, feeds, 1, args.seconds) for _ in range(args.rounds))
         for policy in policies:
             r = median_rounds(args.rounds, {

@@ -518,9 +518,14 @@ class Plans:
             out = self.tmp / f"{path.stem}-{kind}"
             device = "cuda" if self.args.device == "cuda" else "cpu"
             if kind == "one":
-                self.made[key] = partition(path, spec=PartitionSpec(parts=1, costs="estimate", device=device, input_shapes=shapes), output_dir=out)
+                self.made[key] = partition(path,
+                                           spec=PartitionSpec(parts=1, costs="estimate", device=device,
+                                                              input_shapes=shapes), output_dir=out)
             else:
-                self.made[key] = partition(path, "auto", PartitionSpec(device=device, profile_runs=3, groups=self.args.groups, input_shapes=shapes, cuda_streams=4 if device == "cuda" else 0, profile_batch=8), output_dir=out)
+                self.made[key] = partition(path, "auto",
+                                           PartitionSpec(device=device, profile_runs=3, groups=self.args.groups,
+                                                         input_shapes=shapes, cuda_streams=4 if device == "cuda" else 0,
+                                                         profile_batch=8), output_dir=out)
         return self.made[key]
 
     def calibrate(self, plan: Any, groups: str, streams: int) -> None:

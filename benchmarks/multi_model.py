@@ -56,7 +56,10 @@ def build_plans(root: Path, heavy_parts: int) -> tuple[Any, Any]:
     from staronnx import partition
     from staronnx.zoo import residual
 
-    heavy = partition(GOOGLENET, spec=PartitionSpec(parts=heavy_parts, costs="estimate", input_shapes=["data_0=1x3x224x224"] if _needs_shape() else None), output_dir=root / "googlenet")
+    heavy = partition(GOOGLENET,
+                      spec=PartitionSpec(parts=heavy_parts, costs="estimate",
+                                         input_shapes=["data_0=1x3x224x224"] if _needs_shape() else None),
+                      output_dir=root / "googlenet")
     onnx.save(residual(blocks=2, channels=8, size=28), str(root / "light.onnx"))
     light = partition(root / "light.onnx", spec=PartitionSpec(parts=2, costs="estimate"), output_dir=root / "light")
     return heavy, light

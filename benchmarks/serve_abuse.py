@@ -89,7 +89,8 @@ def build_plans(root: Path) -> dict[str, Path]:
     onnx.save(model, str(root / "slow.onnx"))
     out = {}
     for name in ("tiny", "slow"):
-        plan = partition(root / f"{name}.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"), output_dir=root / name)
+        plan = partition(root / f"{name}.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                         output_dir=root / name)
         out[name] = Path(plan.root)
     return out
 

@@ -136,8 +136,9 @@ def resimulate(machine: Any, rows: list[dict[str, Any]], *, policy: str, duratio
         if "sim_throughput" not in r or r.get("state") == "failed":
             out.append(dict(r))
             continue
-        sim = simulate_row(machine, r, SimSpec(policy=policy, distribution=r.get("distribution") or "constant",
-                                               seed=seed, host_costs=host_costs), warmup=duration_warmup)
+        sim = simulate_row(machine, r,
+                           SimSpec(policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
+                                   host_costs=host_costs), warmup=duration_warmup)
         # simulated again without the band: the sweep's band belongs to its own simulation
         out.append({**{k: v for k, v in r.items() if k not in BAND_COLUMNS}, **sim})
     return out
@@ -280,7 +281,8 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     if plan_dir is not None:
         plan, store = Plan.load(plan_dir), PerfModelStore()
     else:
-        plan = partition(model, [float(x) for x in args.shares.split(",")], PartitionSpec(input_shapes=shapes or None, profile_runs=3), output_dir=tmp / name / "plan")
+        plan = partition(model, [float(x) for x in args.shares.split(",")],
+                         PartitionSpec(input_shapes=shapes or None, profile_runs=3), output_dir=tmp / name / "plan")
         store = PerfModelStore(tmp / name / "home")
     print(f"\n=== {name}: plan {plan.root}: shares {[round(p.share, 3) for p in plan.parts]}, groups {args.groups}, "
           f"{args.policy}", flush=True)
@@ -309,7 +311,10 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     out = (args.output or tmp) / name / "sweep"
     first_core = min(os.sched_getaffinity(0))
     with competing_load(args.busy, first_core):
-        rows = sweep(plan, rates, sizes, SweepSpec(RunSpec(duration=args.duration, min_batches=args.min_batches), policy=args.policy, out_dir=out, simulate=True, stop_on_congestion=True, sim_band=args.sim_band / 100), machine=MachineSpec(groups=args.groups), store=store)
+        rows = sweep(plan, rates, sizes,
+                     SweepSpec(RunSpec(duration=args.duration, min_batches=args.min_batches), policy=args.policy,
+                               out_dir=out, simulate=True, stop_on_congestion=True, sim_band=args.sim_band / 100),
+                     machine=MachineSpec(groups=args.groups), store=store)
     doc = load_results(out)
     warmup = float(doc["settings"]["warmup_s"])
     before = resimulate_without_host(plan, rows, groups=args.groups, store=store, policy=args.policy,

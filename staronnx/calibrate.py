@@ -377,7 +377,8 @@ def calibrate_host(
                     seconds = min(max_seconds, max(shortest, batches * b / rate))
                     say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
                     own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
-                    _, records = measure_point(runtime, b, rate, samples, RunSpec(duration=seconds, warmup=0.0, seed=seed))
+                    _, records = measure_point(runtime, b, rate, samples,
+                                               RunSpec(duration=seconds, warmup=0.0, seed=seed))
                     host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
                     runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds, kind == "loaded",
                                           cold_only=kind == "cold", idles=rate <= cold_rate))

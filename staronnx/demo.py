@@ -59,7 +59,8 @@ def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.1
 
     say(f"partitioning with METIS into shares {shares} (costs profiled on the CPU)")
     plan = partition(model_path, list(shares), output_dir=root / "plan", force=True)
-    linear = partition(model_path, list(shares), PartitionSpec(method="linear"), output_dir=root / "plan-linear", force=True)
+    linear = partition(model_path, list(shares), PartitionSpec(method="linear"), output_dir=root / "plan-linear",
+                       force=True)
 
     say(f"verifying the {plan.k} chained parts against the whole model at batch {batch}")
     report = verify_plan(plan, model_path, batch=batch)

@@ -206,7 +206,8 @@ def fragile_plan(tmp_path) -> Plan:
     every signature check and fails in part 1, inside ONNX Runtime."""
     model = tmp_path / "fragile.onnx"
     onnx.save(fragile(), str(model))
-    return partition(model, spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"), output_dir=tmp_path / "fragile-plan")
+    return partition(model, spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                     output_dir=tmp_path / "fragile-plan")
 
 
 @pytest.fixture(scope="session")
@@ -246,7 +247,9 @@ def real_plan(tmp_path_factory):
         key = (name, shares)
         if key not in made:
             out = tmp_path_factory.mktemp(f"real-{name}")
-            made[key] = partition(str(realmodels.path(name)), shares, PartitionSpec(input_shapes=realmodels.input_shapes(name), profile_runs=1, profile_batch=2), output_dir=out / "plan", force=True)
+            made[key] = partition(str(realmodels.path(name)), shares,
+                                  PartitionSpec(input_shapes=realmodels.input_shapes(name), profile_runs=1,
+                                                profile_batch=2), output_dir=out / "plan", force=True)
         return made[key]
 
     return make

@@ -23,7 +23,8 @@ H100_LIKE = {(0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS, (0, "cpu4"): 20 * MS, (
 
 
 def _machines(plan, store) -> tuple[SimMachine, SimMachine]:
-    both = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo("pack:1 numa:1 core:4 pu:1"), store=store)
+    both = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1),
+                         topology=topo("pack:1 numa:1 core:4 pu:1"), store=store)
     gpu = SimMachine(plan, [w for w in both.workers if w.kind == "cuda"], both.table, list(both.notes),
                      dict(both.settings))
     return both, gpu

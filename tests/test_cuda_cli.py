@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("cudacli")
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
-    plan = partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=root / "plan")
+    plan = partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=root / "plan")
     return root / "chain.onnx", plan.root
 
 

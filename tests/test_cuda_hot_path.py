@@ -48,7 +48,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plan(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    return partition(model, spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp_path_factory.mktemp("hotplan") / "plan")
+    return partition(model, spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=tmp_path_factory.mktemp("hotplan") / "plan")
 
 
 @pytest.fixture(scope="module")

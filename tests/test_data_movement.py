@@ -49,7 +49,8 @@ def two_parts(model, tmp_path_factory) -> Plan:
 
 @pytest.fixture(scope="module")
 def one_part(model, tmp_path_factory) -> Plan:
-    return partition(model, spec=PartitionSpec(parts=1, costs="estimate"), output_dir=tmp_path_factory.mktemp("movement1") / "plan")
+    return partition(model, spec=PartitionSpec(parts=1, costs="estimate"),
+                     output_dir=tmp_path_factory.mktemp("movement1") / "plan")
 
 
 def feeds(seed: int) -> dict[str, np.ndarray]:
@@ -198,7 +199,8 @@ def test_a_model_input_read_by_two_parts_on_one_gpu_is_uploaded_once(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", WIDTH])], [w])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "skip.onnx")
     with pytest.warns(Warning):
-        plan = partition(tmp_path / "skip.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
+        plan = partition(tmp_path / "skip.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                         output_dir=tmp_path / "plan")
     assert all("x" in p.inputs for p in plan.parts), "both parts read the model input"
     rt = HostRuntime()
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path / "h"),

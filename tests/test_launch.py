@@ -245,7 +245,8 @@ def test_the_server_assembles_batches_in_pinned_memory_its_cuda_workers_copy_wit
 def test_a_cuda_worker_that_cannot_start_closes_the_ones_already_started(plan2):
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(Exception, match="cudnn_conv_algo_search"):
-        start_workers(plan2, MachineSpec(groups="numa", cuda_streams=1), cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
+        start_workers(plan2, MachineSpec(groups="numa", cuda_streams=1),
+                      cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
     assert {t.name for t in threading.enumerate()} <= before
 
 

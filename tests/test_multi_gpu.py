@@ -25,7 +25,7 @@ from staronnx.zoo import chain
 from test_cuda_cli import _cli
 from test_simulator import MS, write_models
 from staronnx.partition import PartitionSpec
-from staronnx.workers.layout import MachineSpec
+from staronnx.workers.layout import MachineError, MachineSpec
 from staronnx.bench.spec import SimSpec
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,7 +38,8 @@ NO_RESERVE = "numa,reserve=0"
 def plan(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("multigpu")
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=root / "plan")
+    return partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=root / "plan")
 
 
 @pytest.fixture
@@ -66,8 +67,10 @@ def test_the_simulator_sees_the_workers_the_runtime_starts_on_two_gpus(plan, tmp
 
 @pytest.mark.parametrize("bad", [(), (0, 0), (-1,), ("gpu0",)])
 def test_cuda_devices_are_checked_as_the_runtime_checks_them(plan, tmp_path, bad):
-    with pytest.raises(SimulationError, match="each GPU once, by its CUDA ordinal"):
-        build_machine(plan, MachineSpec(groups="none", cuda_streams=1, cuda_devices=bad), store=PerfModelStore(tmp_path))
+    # the simulator's machine is the runtime's spec: refused when made, in the runtime's words
+    with pytest.raises(MachineError, match="each GPU once, by its CUDA ordinal"):
+        build_machine(plan, MachineSpec(groups="none", cuda_streams=1, cuda_devices=bad),
+                      store=PerfModelStore(tmp_path))
 
 
 def test_two_calibrated_gpus_double_the_bound_and_share_the_load(plan, tmp_path):
@@ -98,7 +101,8 @@ def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_link
     bus = BusModel()
     bus.set("numa0", "cuda0", LinkCost(latency=50e-6, bandwidth=10e9))
     bus.set("cuda0", "numa0", LinkCost(latency=60e-6, bandwidth=12e9))
-    m = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2, 3)), topology=topo(CPU4), store=store, bus=bus)
+    m = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2, 3)), topology=topo(CPU4),
+                      store=store, bus=bus)
     assert [w.arch for w in m.workers] == ["cuda0", "cuda2", "cuda3", "cpu4"]
     assert m.settings["sources"] == {"cuda2": "cuda0", "cuda3": "cuda0"}
     assert any("cuda2: no models; using cuda0's" in n for n in m.notes), m.notes
@@ -111,7 +115,8 @@ def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_link
     compute = 3 / (4 * MS) + 1 / (12 * MS)  # three GPUs at 4 ms a sample, the CPU at 12 ms
     assert 0.97 * compute < bound.throughput < compute  # every GPU's copies cost a little
     # strict callers (the bound of --rates auto, perfmodel show) borrow nothing
-    strict = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2)), topology=topo(CPU4), store=store, bus=bus, cpu_fallback=False)
+    strict = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2)),
+                           topology=topo(CPU4), store=store, bus=bus, cpu_fallback=False)
     assert not strict.table.sources
     with pytest.raises(SimulationError, match="on cuda2"):
         machine_bound(strict, 1)

@@ -71,7 +71,8 @@ def plans(tmp_path_factory) -> tuple[Plan, Plan, Path]:
 
 def machine(plans, topology: str = ONE_CORE):
     heavy, light, home = plans
-    return build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(topology), store=PerfModelStore(home))
+    return build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1"),
+                         topology=Topology.from_synthetic(topology), store=PerfModelStore(home))
 
 
 # -- the LP bound over several models ---------------------------------------------------------
@@ -99,7 +100,8 @@ def test_mix_bound_shares_the_machine_between_the_models_offered_loads(plans):
 
 def test_mix_bound_of_one_model_is_its_plain_bound(plans):
     heavy, _, home = plans
-    m = build_machine(heavy, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home))
+    m = build_machine(heavy, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(TWO_CORES),
+                      store=PerfModelStore(home))
     bound = mix_bound(m, {"heavy": 50}, 4)
     assert bound.scale * 50 == pytest.approx(machine_bound(m, 4).throughput, rel=1e-9)
     with pytest.raises(BoundError, match="rate and a batch size for each model"):
@@ -113,7 +115,8 @@ def test_mix_bound_of_one_model_is_its_plain_bound(plans):
 # -- the simulator driving one shared core ----------------------------------------------------
 def test_a_mix_of_one_model_simulates_exactly_as_the_single_model_run(plans):
     heavy, _, home = plans
-    m = build_machine(heavy, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home))
+    m = build_machine(heavy, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(TWO_CORES),
+                      store=PerfModelStore(home))
     single = simulate(m, 500, 4, SimSpec(duration=2, distribution="poisson", seed=3)).metrics()
     mixed = simulate_mix(m, {"heavy": 500}, 4, SimSpec(duration=2, distribution="poisson", seed=3)).metrics("heavy")
     for key in ("throughput", "latency_p50", "latency_p99", "paper_latency_mean", "completed", "batches"):
@@ -334,7 +337,8 @@ def test_a_model_kept_off_the_gpu_needs_no_gpu_perf_models(plans, tmp_path):
     store = PerfModelStore(tmp_path / "home")
     write_models(store, heavy, {**HEAVY_TIMES, (0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS}, (1, 4))
     write_models(store, light, LIGHT_TIMES, (1,))
-    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", cuda_streams=1), topology=Topology.from_synthetic(TWO_CORES), store=store)
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", cuda_streams=1),
+                      topology=Topology.from_synthetic(TWO_CORES), store=store)
     assert [w.name for w in m.workers] == ["cuda0.s0", CORE0]  # a core held back for the GPU's driver
     rates, sizes = {"heavy": 400, "light": 100}, {"heavy": 4, "light": 1}
     with pytest.raises(SimulationError, match="no perf model for part 2 on cuda0"):
@@ -475,7 +479,8 @@ def test_a_lane_is_one_more_worker_on_its_group_holding_the_lane_models_only(pla
     rates, sizes = {"heavy": 340, "light": 50}, {"heavy": 4, "light": 1}
     common = SimSpec(duration=10, distribution="poisson", seed=1, targets={"light": {"latency_ms": 5}})
     shared = simulate_mix(machine(plans), rates, sizes, common)
-    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}), topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}),
+                      topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
     assert [(w.name, w.arch, w.kind, w.memory_node) for w in m.workers] == [
         ("cpu:numa0.core0", "cpu1", "cpu", "numa0"), (LANE0, "cpu1", "cpu", "numa0")]
     assert m.lanes == {1: ("light",)} and m.settings["lanes"] == {"light": "cpu"}
@@ -506,14 +511,16 @@ def test_a_lane_task_preempts_its_groups_worker_in_the_simulation(plans):
     heavy part stops, then resumes where it stopped: heavy's batch ends at 41 ms, not 40, and
     light's request is answered 1 ms after it arrived."""
     heavy, light, home = plans
-    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}), topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}),
+                      topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
     res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, SimSpec(duration=0.05, spread=0))
     first = res.records["heavy"].batches[0]
     assert first.formed == pytest.approx(0.030) and first.done == pytest.approx(0.041), first
     answered = [r for r in res.records["light"].requests if r.arrival > 0.03 and r.done is not None][0]
     assert answered.arrival == pytest.approx(1 / 30) and answered.done - answered.arrival == pytest.approx(0.001)
     # without the lane, light waits for heavy's 6 ms part to end (36 ms) before its own run
-    shared = simulate_mix(machine(plans), {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, SimSpec(duration=0.05, spread=0))
+    shared = simulate_mix(machine(plans), {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1},
+                          SimSpec(duration=0.05, spread=0))
     waited = [r for r in shared.records["light"].requests if r.arrival > 0.03 and r.done is not None][0]
     assert waited.done - waited.arrival > 0.0027
 
@@ -523,9 +530,11 @@ def test_the_simulated_schedule_as_a_perfetto_trace(plans, tmp_path):
     heavy part in two stretches around light's two parts on the lane), dependency arrows,
     every batch's fill and run per model, and each queue as a counter."""
     heavy, light, home = plans
-    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}), topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}),
+                      topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
     path = tmp_path / "sim.json"
-    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, SimSpec(duration=0.05, spread=0), trace=path)
+    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, SimSpec(duration=0.05, spread=0),
+                       trace=path)
     events = json.loads(path.read_text())["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert lanes == {0: "cpu:numa0.core0", 1: LANE0}
@@ -568,7 +577,8 @@ def test_lanes_in_the_simulator_follow_the_runtimes_residency_rule(plans):
     from staronnx.workers.residency import ResidencyError
 
     heavy, light, home = plans
-    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": CORE1}), topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home))
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": CORE1}),
+                      topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home))
     assert [w.name for w in m.workers] == [CORE0, CORE1, "lane:numa0.core1"]
     rates = {"heavy": 400, "light": 200}
     alone = simulate_mix(m, rates, {"heavy": 4, "light": 1}, SimSpec(duration=2))
@@ -581,7 +591,8 @@ def test_lanes_in_the_simulator_follow_the_runtimes_residency_rule(plans):
     for lanes, words in (({"nope": "cpu"}, "unknown model"), ({"heavy": "cpu", "light": "cpu"}, "names every model"),
                          ({"light": "cuda0"}, "'cuda0' names no CPU group")):
         with pytest.raises(ResidencyError, match=words):
-            build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes=lanes), topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home / "empty"))
+            build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes=lanes),
+                          topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home / "empty"))
 
 
 def test_cli_simulate_with_a_lane(plans):

@@ -154,9 +154,8 @@ def zoo_plan(tmp_path_factory, zoo_models):
             out = tmp_path_factory.mktemp(f"plan-{name}-{split}") / "plan"
             kwargs = dict(SPLITS[split])
             shares = kwargs.pop("shares", None)
-            cache[(name, split)] = staronnx.partition(
-                zoo_models[name], shares, PartitionSpec(input_shapes=MODELS[name], profile_runs=2, **kwargs),
-                output_dir=out)
+            spec = PartitionSpec(input_shapes=MODELS[name], profile_runs=2, **kwargs)
+            cache[(name, split)] = staronnx.partition(zoo_models[name], shares, spec, output_dir=out)
         return cache[(name, split)]
 
     return get
@@ -279,7 +278,9 @@ def test_plan_json_describes_the_plan(zoo_plan, name, split):
 def test_plan_json_records_source_and_settings(tmp_path):
     src = tmp_path / "residual.onnx"
     onnx.save(zoo.residual(), str(src))
-    plan = staronnx.partition(src, [0.6, 0.4], PartitionSpec(method="linear", seed=3, costs="estimate", profile_batch=4, profile_runs=2, tolerance=0.05), output_dir=tmp_path / "plan")
+    plan = staronnx.partition(src, [0.6, 0.4],
+                              PartitionSpec(method="linear", seed=3, costs="estimate", profile_batch=4, profile_runs=2,
+                                            tolerance=0.05), output_dir=tmp_path / "plan")
     data = json.loads((plan.root / "plan.json").read_text())
     assert data["source"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
     assert data["source"]["path"] == str(src)
@@ -295,13 +296,16 @@ def test_plan_json_records_source_and_settings(tmp_path):
     assert [p["file"] for p in data["parts"]] == ["part0.onnx", "part1.onnx"]
     assert sorted(os.listdir(plan.root)) == ["part0.onnx", "part1.onnx", "plan.json"]
     # the same request gives the same plan (costs="estimate" is deterministic)
-    again = staronnx.partition(src, [0.6, 0.4], PartitionSpec(method="linear", seed=3, costs="estimate", profile_batch=4, profile_runs=2, tolerance=0.05), output_dir=tmp_path / "again")
+    again = staronnx.partition(src, [0.6, 0.4],
+                               PartitionSpec(method="linear", seed=3, costs="estimate", profile_batch=4, profile_runs=2,
+                                             tolerance=0.05), output_dir=tmp_path / "again")
     assert again.hash == plan.hash
 
 
 def test_transformer_input_shape_is_recorded_and_other_seq_lengths_still_run(tmp_path):
     model = zoo.transformer_block()
-    plan = staronnx.partition(model, spec=PartitionSpec(parts=3, input_shapes=["x=1x5x64"], costs="estimate"), output_dir=tmp_path / "p")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=3, input_shapes=["x=1x5x64"], costs="estimate"),
+                              output_dir=tmp_path / "p")
     assert plan.settings["input_shapes"] == {"x": [1, 5, 64]}
     assert plan.inputs[0].shape == ["batch", "seq", 64]
     for seq in (5, 9):
@@ -355,7 +359,8 @@ def _shared_weights_model(depth: int = 6, width: int = 8) -> onnx.ModelProto:
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_constants_and_initializers_are_copied_into_every_part_that_reads_them(tmp_path, k):
     model = _shared_weights_model()
-    plan = staronnx.partition(model, spec=PartitionSpec(parts=k, method="linear", costs="estimate"), output_dir=tmp_path / "p")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=k, method="linear", costs="estimate"),
+                              output_dir=tmp_path / "p")
     assert plan.k == k
     parts = _part_models(plan)
     for p, pm in zip(plan.parts, parts):
@@ -383,10 +388,12 @@ def _if_plans(tmp_path: Path) -> list[Plan]:
     plans = []
     for i, first in enumerate(np.arange(0.1, 0.91, 0.1)):
         shares = [round(float(first), 2), round(1 - float(first), 2)]
-        plans.append(staronnx.partition(model, shares, PartitionSpec(method="linear", costs="estimate"), output_dir=tmp_path / f"p2-{i}"))
+        plans.append(staronnx.partition(model, shares, PartitionSpec(method="linear", costs="estimate"),
+                                        output_dir=tmp_path / f"p2-{i}"))
     for method in ("linear", "metis"):
         for k in (3, 4):
-            plans.append(staronnx.partition(model, spec=PartitionSpec(parts=k, method=method, costs="estimate"), output_dir=tmp_path / f"{method}{k}"))
+            plans.append(staronnx.partition(model, spec=PartitionSpec(parts=k, method=method, costs="estimate"),
+                                            output_dir=tmp_path / f"{method}{k}"))
     return plans
 
 
@@ -452,7 +459,8 @@ def test_inception_demo_achieves_its_target_shares(tmp_path, inception_demo_mode
 def test_metis_cuts_no_more_than_linear_on_inception_demo(tmp_path, inception_demo_model):
     cuts = {}
     for method in ("metis", "linear"):
-        plan = staronnx.partition(inception_demo_model, [0.85, 0.15], PartitionSpec(method=method, costs="estimate"), output_dir=tmp_path / method)
+        plan = staronnx.partition(inception_demo_model, [0.85, 0.15], PartitionSpec(method=method, costs="estimate"),
+                                  output_dir=tmp_path / method)
         assert all(abs(p.share - p.target_share) <= 0.05 for p in plan.parts), method
         cuts[method] = plan.cut_bytes_per_sample
     assert 0 < cuts["metis"] <= cuts["linear"], cuts
@@ -489,7 +497,8 @@ def test_metis_never_scores_worse_than_linear_on_the_same_profiled_costs(incepti
 def googlenet_plans(tmp_path_factory) -> dict[str, Plan]:
     root = tmp_path_factory.mktemp("googlenet")
     return {
-        method: staronnx.partition(GOOGLENET, [0.85, 0.15], PartitionSpec(method=method, profile_runs=3), output_dir=root / method)
+        method: staronnx.partition(GOOGLENET, [0.85, 0.15], PartitionSpec(method=method, profile_runs=3),
+                                   output_dir=root / method)
         for method in ("metis", "linear")
     }
 
@@ -599,7 +608,8 @@ def test_cut_model_from_a_real_diamond_graph():
 def test_diamond_model_partitions_into_up_to_one_node_per_part(tmp_path, k):
     model = _diamond_model()
     for method in ("metis", "linear"):
-        plan = staronnx.partition(model, spec=PartitionSpec(parts=k, method=method, costs="estimate"), output_dir=tmp_path / f"{method}", force=True)
+        plan = staronnx.partition(model, spec=PartitionSpec(parts=k, method=method, costs="estimate"),
+                                  output_dir=tmp_path / f"{method}", force=True)
         assert_acyclic(plan, model)
         assert verify_plan(plan, model, batch=2).ok
 
@@ -683,7 +693,8 @@ def test_empty_existing_output_folder_is_used(tmp_path):
 
 @pytest.fixture(scope="module")
 def wide_and_deep_plan(tmp_path_factory) -> Plan:
-    return staronnx.partition(zoo.wide_and_deep(), spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path_factory.mktemp("wd") / "plan")
+    return staronnx.partition(zoo.wide_and_deep(), spec=PartitionSpec(parts=2, costs="estimate"),
+                              output_dir=tmp_path_factory.mktemp("wd") / "plan")
 
 
 def _good_feeds(batch: int = 2) -> dict[str, np.ndarray]:
@@ -732,7 +743,8 @@ def test_estimated_costs_never_run_onnxruntime(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ort, "InferenceSession", no_ort)
     for name, shapes in MODELS.items():
-        plan = staronnx.partition(zoo.ZOO[name](), spec=PartitionSpec(parts=2, input_shapes=shapes, costs="estimate"), output_dir=tmp_path / name)
+        plan = staronnx.partition(zoo.ZOO[name](), spec=PartitionSpec(parts=2, input_shapes=shapes, costs="estimate"),
+                                  output_dir=tmp_path / name)
         assert plan.cost_source == "estimated from FLOPs and bytes"
         assert plan.settings["costs"] == "estimate"
         assert all(p.cost_us > 0 for p in plan.parts)
@@ -755,7 +767,8 @@ def test_cuda_without_its_provider_raises_device_error(tmp_path):
 
 def test_unknown_device_raises_device_error(tmp_path):
     with pytest.raises(DeviceError, match="tpu"):
-        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, device="tpu", costs="profile"), output_dir=tmp_path / "p")
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, device="tpu", costs="profile"),
+                           output_dir=tmp_path / "p")
 
 
 def test_more_parts_than_nodes_raises_partition_error(tmp_path):
@@ -792,7 +805,8 @@ def test_transformer_without_seq_size_raises_partition_error_naming_the_dim(tmp_
 )
 def test_bad_input_shapes_raise_partition_error(tmp_path, shapes, says):
     with pytest.raises(PartitionError, match=says):
-        staronnx.partition(zoo.transformer_block(), spec=PartitionSpec(parts=2, input_shapes=shapes, costs="estimate"), output_dir=tmp_path / "p")
+        staronnx.partition(zoo.transformer_block(), spec=PartitionSpec(parts=2, input_shapes=shapes, costs="estimate"),
+                           output_dir=tmp_path / "p")
 
 
 @pytest.mark.parametrize(
@@ -824,7 +838,8 @@ def test_non_numeric_shares_with_parts_raise_partition_error(tmp_path, shares):
 
 
 def test_string_shares_are_parsed(tmp_path):
-    plan = staronnx.partition(zoo.chain(), "0.7,0.3", PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "p")
+    plan = staronnx.partition(zoo.chain(), "0.7,0.3", PartitionSpec(parts=2, costs="estimate"),
+                              output_dir=tmp_path / "p")
     assert [p.target_share for p in plan.parts] == [0.7, 0.3]
 
 

@@ -149,7 +149,8 @@ def test_metis_four_parts_of_four_node_dags(tmp_path, dag_seed):
     `assert best_rank is not None` (acyclic.make_acyclic): every refined candidate had an
     empty part. The only valid 4-way cut is one node per part."""
     model = zoo.random_dag(4, dag_seed)
-    linear = staronnx.partition(model, spec=PartitionSpec(parts=4, method="linear", costs="estimate"), output_dir=tmp_path / "linear")
+    linear = staronnx.partition(model, spec=PartitionSpec(parts=4, method="linear", costs="estimate"),
+                                output_dir=tmp_path / "linear")
     assert [p.nodes for p in linear.parts] == [1, 1, 1, 1]
     plan = staronnx.partition(model, spec=PartitionSpec(parts=4, costs="estimate"), output_dir=tmp_path / "metis")
     assert [p.nodes for p in plan.parts] == [1, 1, 1, 1]

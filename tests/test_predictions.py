@@ -158,11 +158,13 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
     with Runtime(plan, cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
         stolen = Reading(busy=0, idle=70, steal=30)
         monkeypatch.setattr(cpuload, "_read_proc_stat", stolen.read)
-        (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False, out_dir=tmp_path / "a"), runtime=rt)
+        (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False,
+                                                   out_dir=tmp_path / "a"), runtime=rt)
         assert row["machine_busy"] is True and row["steal_share"] > 0.2 and "hypervisor stole" in row["busy_why"]
         quiet = Reading(busy=0, idle=100)  # nothing busy at all: our own CPU is all there was
         monkeypatch.setattr(cpuload, "_read_proc_stat", quiet.read)
-        (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False, out_dir=tmp_path / "b"), runtime=rt)
+        (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False,
+                                                   out_dir=tmp_path / "b"), runtime=rt)
         assert row["machine_busy"] is False and row["busy_why"] is None
         assert row["others_cpu_share"] == pytest.approx(0.0)
         # the engine's own check of its tasks against their perf models, per point
@@ -377,7 +379,8 @@ def test_host_cpu_is_taken_from_busy_workers_only_where_no_core_is_left(crnn_cal
                       cpu_per_batch_s=0.002, cpu_per_request_s=0.002)
     base = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False)
     model = HostModel([w.name for w in base.workers], 0, {1: costs})
-    shared = dataclasses.replace(build_machine(plan, MachineSpec(groups=two_groups), store=store, host=model), free_pus=0)
+    shared = dataclasses.replace(build_machine(plan, MachineSpec(groups=two_groups), store=store, host=model),
+                                 free_pus=0)
     spare = dataclasses.replace(shared, free_pus=1)
     assert shared.host_shares_cores and not spare.host_shares_cores
     assert machine_bound(shared, 1).throughput < machine_bound(spare, 1).throughput
@@ -470,7 +473,8 @@ def test_a_simulation_takes_the_host_costs_of_its_own_rate(crnn_calibrated, two_
     assert loaded_v == pytest.approx(loaded_s, rel=1e-3)
     bound = machine_bound(varying, 1).throughput
     assert bound > machine_bound(steady, 1).throughput * 1.02
-    fixed = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=HostModel(names, 0, {1: two.at_rate(bound)}))
+    fixed = build_machine(plan, MachineSpec(groups=two_groups), store=store,
+                          host=HostModel(names, 0, {1: two.at_rate(bound)}))
     assert machine_bound(fixed, 1).throughput == pytest.approx(bound, rel=2e-3)
 
 
@@ -546,7 +550,8 @@ def test_calibrate_host_probes_a_model_of_short_tasks_slowly_for_its_cold_scale(
     plan, home, _ = crnn_calibrated
     shutil.copytree(home, tmp_path / "home")
     store = PerfModelStore(tmp_path / "home")
-    bound = machine_bound(build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False), 1, host_costs=False)
+    bound = machine_bound(build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False), 1,
+                          host_costs=False)
     steps: list[str] = []
     calibrate_host(plan, [1], MachineSpec(groups=two_groups), store=store, on_step=steps.append)
     rates = [float(m.split(" at ")[1].split(" req/s")[0]) for m in steps if m.startswith("host costs: batch 1 at")]
@@ -599,7 +604,8 @@ def _part0_share(plan: Any, store: PerfModelStore, groups: str) -> float:
     """The first part's share of a request's modelled task time, read off a simulation that runs
     it twice as slow as its model (its calibrated means, whatever the shares asked for: on a
     loaded host crnn_ocr's second part once calibrated at 94 % of the time)."""
-    ratio = simulate(_part_scaled(plan, store, groups, (2.0, 1.0)), 20.0, 1, SimSpec(duration=1.0, spread=0.0, seed=3)).task_time_ratio
+    ratio = simulate(_part_scaled(plan, store, groups, (2.0, 1.0)), 20.0, 1,
+                     SimSpec(duration=1.0, spread=0.0, seed=3)).task_time_ratio
     assert ratio is not None
     return ratio - 1.0
 
@@ -847,12 +853,15 @@ def test_a_sweep_without_a_band_simulates_each_point_once(crnn_calibrated, two_g
 
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
-    rows = sweep(plan, [20.0], [1], SweepSpec(RunSpec(duration=0.3, min_batches=3), simulate=True, sim_band=0.0, out_dir=tmp_path / "nob"), machine=MachineSpec(groups=two_groups), store=store)
+    rows = sweep(plan, [20.0], [1],
+                 SweepSpec(RunSpec(duration=0.3, min_batches=3), simulate=True, sim_band=0.0, out_dir=tmp_path / "nob"),
+                 machine=MachineSpec(groups=two_groups), store=store)
     (row,) = rows
     assert "sim_throughput" in row and "sim_fragile" not in row and "in_band" not in row
     assert "band" not in load_results(tmp_path / "nob")["fidelity"]
     with pytest.raises(SweepError, match="sim_band"):
-        sweep(plan, [20.0], [1], SweepSpec(RunSpec(duration=0.3), simulate=True, sim_band=1.0), machine=MachineSpec(groups=two_groups), store=store)
+        sweep(plan, [20.0], [1], SweepSpec(RunSpec(duration=0.3), simulate=True, sim_band=1.0),
+              machine=MachineSpec(groups=two_groups), store=store)
 
 
 def test_cli_simulate_says_how_far_a_drift_moves_its_answer(crnn_calibrated, two_groups, capsys, monkeypatch):

@@ -287,7 +287,8 @@ def test_cli_refuses_replicas_its_own_cluster_cannot_hold(cluster, tmp_path):
     fit there are refused in one line (Serve would wait for them forever), and that cluster is
     shut down again."""
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "staronnx", "serve", str(plan.root), "--ray", "--replicas", "2",
                            "--replica-cpus", "100000", "--http-port", "0"],
@@ -324,7 +325,8 @@ def test_two_replicas_merge_their_perf_models_without_losing_samples(cluster, tm
     from staronnx.ray.spec import ModelSpec, Scaling
 
     onnx.save(chain(depth=4, width=8), str(tmp_path / "chain.onnx"))
-    plan = partition(tmp_path / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "chain")
+    plan = partition(tmp_path / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "chain")
     home = tmp_path / "shared-home"
     spec = ModelSpec(plan=str(plan.root), name="chain", groups="cores=1", policy="eager", batch_size=2,
                      calibrate=1, home=str(home), save_every=0)  # record every run, merge at shutdown
@@ -372,8 +374,10 @@ def two_plans(tmp_path_factory) -> dict[str, Plan]:
     root = tmp_path_factory.mktemp("ray-models")
     onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
     onnx.save(chain(depth=4, width=8), str(root / "light.onnx"))
-    return {"heavy": partition(root / "heavy.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "heavy"),
-            "light": partition(root / "light.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "light")}
+    return {"heavy": partition(root / "heavy.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"),
+                               output_dir=root / "heavy"),
+            "light": partition(root / "light.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"),
+                               output_dir=root / "light")}
 
 
 @pytest.fixture(scope="class")
@@ -620,7 +624,8 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
     from staronnx.serving.collector import OUT_OF_REACH
 
     onnx.save(chain(depth=4, width=8), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     os.environ["STARONNX_CUDA_RUNTIME"] = "host:2"
     try:
         proc, lines, addr = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "two", "--replicas", "1",
@@ -663,7 +668,8 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
 ])
 def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys):
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     with pytest.raises(SystemExit) as e:
         main(["serve", str(plan.root), *args])
     assert e.value.code == 2
@@ -712,7 +718,8 @@ def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
     from staronnx.serve.models import ModelEndpoint
 
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     endpoint = ModelEndpoint("m", Runtime(plan, policy="eager", cpu_groups=two_groups), batch_size=2,
                              max_delay=0.0, queue_capacity=8, metrics=ServeMetrics())
     try:
@@ -734,7 +741,8 @@ def test_serve_config_and_rayservice_build_the_app(tmp_path):
     from staronnx.ray.app import build
 
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     config = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text()))
     embedded = yaml.safe_load(docs[0]["spec"]["serveConfigV2"])
@@ -758,7 +766,8 @@ def test_serve_config_and_rayservice_build_the_app(tmp_path):
 
 def _tiny_plans(tmp_path: Path) -> dict[str, Plan]:
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    return {n: partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / n)
+    return {n: partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                         output_dir=tmp_path / n)
             for n in ("a", "b")}
 
 

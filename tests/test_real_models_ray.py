@@ -31,7 +31,9 @@ UNNAMED = "gru_unnamed"
 
 def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_path_factory, tmp_path):  # noqa: F811
     plans = {name: model_plan(name, real_plan, tmp_path_factory) for name in MODELS}
-    plans[UNNAMED] = partition(str(gru_state_unnamed(tmp_path)), None, PartitionSpec(costs="estimate", input_shapes=realmodels.input_shapes("gru_stream")), output_dir=tmp_path / "gru")
+    plans[UNNAMED] = partition(str(gru_state_unnamed(tmp_path)), None,
+                               PartitionSpec(costs="estimate", input_shapes=realmodels.input_shapes("gru_stream")),
+                               output_dir=tmp_path / "gru")
     args: list[str] = [str(p.root) for p in plans.values()]
     for name in plans:
         args += ["--name", name]

@@ -244,7 +244,8 @@ def run_sim(plan: Plan, store: PerfModelStore, arrivals: list[float], policy: st
     infos = [WorkerInfo(i, f"clocked{i}:{arch}", arch, "cpu", "numa0", n) for i, (arch, n) in enumerate(WORKERS)]
     machine = SimMachine(plan, infos, PerfTable(PerfPredictor(plan.hash, store)))
     pol = recording(policy)
-    res = simulate(machine, 1.0, BATCH, SimSpec(policy=pol, spread=0.0, queue_capacity=64), arrivals=arrivals, max_inflight=max_inflight)
+    res = simulate(machine, 1.0, BATCH, SimSpec(policy=pol, spread=0.0, queue_capacity=64), arrivals=arrivals,
+                   max_inflight=max_inflight)
     return pol.log, res.records
 
 

@@ -47,7 +47,8 @@ pytestmark = pytest.mark.timeout(120)
 def plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"), output_dir=root / "chain")
+    return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "chain")
 
 
 @pytest.fixture(scope="module")
@@ -430,14 +431,16 @@ def _slow_model(width: int = 256, depth: int = 160) -> onnx.ModelProto:
 def echo_plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("echo36")
     onnx.save(_echo_model(), str(root / "echo.onnx"))
-    return partition(root / "echo.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"), output_dir=root / "echo")
+    return partition(root / "echo.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "echo")
 
 
 @pytest.fixture(scope="module")
 def slow_plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("slow36")
     onnx.save(_slow_model(), str(root / "slow.onnx"))
-    return partition(root / "slow.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"), output_dir=root / "slow")
+    return partition(root / "slow.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "slow")
 
 
 @pytest.fixture(scope="module")

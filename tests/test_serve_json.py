@@ -63,7 +63,8 @@ def plan(tmp_path_factory):
                               opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     onnx.save(model, str(root / "echo.onnx"))
-    return partition(root / "echo.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"), output_dir=root / "echo")
+    return partition(root / "echo.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "echo")
 
 
 @pytest.fixture(scope="module")

@@ -44,8 +44,11 @@ def plans(tmp_path_factory) -> dict[str, Plan]:
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
     onnx.save(fragile(), str(root / "fragile.onnx"))
     return {
-        "tiny": partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=root / "tiny"),
-        "other": partition(root / "fragile.onnx", spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"), output_dir=root / "other"),
+        "tiny": partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                          output_dir=root / "tiny"),
+        "other": partition(root / "fragile.onnx",
+                           spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                           output_dir=root / "other"),
     }
 
 

@@ -140,8 +140,10 @@ def test_cuda_scale_is_a_what_if_gpu_built_from_the_cpu_models(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {k: v for k, v in GPU_TIMES.items() if k[1] == "cpu4"})
     with pytest.raises(SimulationError, match=r"cuda0.*calibrate"):
-        simulate(build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store), 100, 1)
-    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store, cuda_scale=(0.1, 1 / 3))
+        simulate(build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store),
+                 100, 1)
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store,
+                            cuda_scale=(0.1, 1 / 3))
     assert machine.table.source("cuda0") == ArchSource("cpu4", (0.1, 1 / 3))
     assert any("what-if" in n for n in machine.notes)
     res = simulate(machine, 625, 1, SimSpec(policy="heft"))
@@ -162,7 +164,8 @@ def test_missing_cpu_group_sizes_borrow_the_nearest_calibrated_one(plan, tmp_pat
 def test_every_policy_serves_every_request(plan, tmp_path, policy):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.2)
-    res = simulate(build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store), 500, 1, SimSpec(n_requests=400, policy=policy))
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store)
+    res = simulate(machine, 500, 1, SimSpec(n_requests=400, policy=policy))
     m = res.metrics()
     assert m["completed"] == 400 and m["pending"] == 0
     assert sum(res.placement.values()) == 800
@@ -202,7 +205,8 @@ def test_a_batch_size_never_calibrated_uses_the_regression(plan, tmp_path):
 def test_max_delay_lets_partial_batches_leave(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(1, 2, 8))
-    res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 8, SimSpec(max_delay=5 * MS, n_requests=50))
+    res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 8,
+                   SimSpec(max_delay=5 * MS, n_requests=50))
     assert {b.size for b in res.records.batches} == {1}
     arrival = {r.id: r.arrival for r in res.records.requests}
     *timed, flushed = res.records.batches  # the generator flushes after its last request
@@ -230,7 +234,8 @@ def test_a_partial_batch_with_no_model_is_left_waiting_with_a_note(plan, tmp_pat
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(4,))  # no fit either
     for max_delay in (None, 5 * MS):  # the end-of-run flush, and a batch max_delay lets leave early
-        res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 4, SimSpec(max_delay=max_delay, n_requests=10))
+        res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 4,
+                       SimSpec(max_delay=max_delay, n_requests=10))
         assert [b.size for b in res.records.batches] == [4, 4]
         waiting = [r for r in res.records.requests if r.done is None]
         assert len(waiting) == 2

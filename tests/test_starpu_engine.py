@@ -157,7 +157,8 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
     g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
                           [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["batch", 64])], consts)
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "w.onnx"))
-    wide = partition(tmp_path / "w.onnx", [0.5, 0.5], PartitionSpec(input_shapes=["x=1x64"], costs="estimate"), output_dir=tmp_path / "wplan")
+    wide = partition(tmp_path / "w.onnx", [0.5, 0.5], PartitionSpec(input_shapes=["x=1x64"], costs="estimate"),
+                     output_dir=tmp_path / "wplan")
     assert max(len(p.inputs) + len(p.outputs) for p in wide.parts) > lib.STARPU_NMAXBUFS
 
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
@@ -167,7 +168,9 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
     g = helper.make_graph(nodes, "nz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
                           [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "nz.onnx"))
-    nz = partition(tmp_path / "nz.onnx", spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"), output_dir=tmp_path / "nzplan")
+    nz = partition(tmp_path / "nz.onnx",
+                   spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                   output_dir=tmp_path / "nzplan")
     assert any(not all(isinstance(d, int) for d in t.shape[1:]) for t in nz.crossing)
 
     for plan in (wide, nz):

@@ -59,7 +59,8 @@ def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))
     second = two_groups.split(";")[1]  # explicit one-PU groups are named pus<PU>
-    plan = place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "plan", devices=host_devices(two_groups), device_costs={f"cpu:pus{second}": 0.5})
+    plan = place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "plan",
+                 devices=host_devices(two_groups), device_costs={f"cpu:pus{second}": 0.5})
     devices = {p.index: p.device for p in plan.parts}
     store = PerfModelStore(tmp_path / "home")
     feeds = [random_plan_feeds(plan, 2, seed=i) for i in range(10)]

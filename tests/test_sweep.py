@@ -93,7 +93,9 @@ def test_parse_rates_batch_sizes_and_durations():
 def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, tmp_path, two_groups):
     events = []
     out = tmp_path / "res"
-    rows = sweep(plan, [150, 100], [2, 1], SweepSpec(RunSpec(duration=0.5), out_dir=out, extend=False), machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home), progress=events.append)
+    rows = sweep(plan, [150, 100], [2, 1], SweepSpec(RunSpec(duration=0.5), out_dir=out, extend=False),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home),
+                 progress=events.append)
     assert [(r["batch_size"], r["offered_rate"]) for r in rows] == [(1, 100), (1, 150), (2, 100), (2, 150)]
     for r in rows:
         assert set(COLUMNS) <= set(r)
@@ -140,7 +142,9 @@ def test_congestion_stops_the_batch_size(plan, runtime, tmp_path, two_groups, mo
 
     monkeypatch.setattr(cpuload, "_read_proc_stat", _no_proc_stat)
     events = []
-    rows = sweep(plan, [100, 20_000, 40_000], [1], SweepSpec(RunSpec(duration=0.5, queue_capacity=32), out_dir=tmp_path, bound=False, extend=False), machine=MachineSpec(groups=two_groups), runtime=runtime, progress=events.append)
+    rows = sweep(plan, [100, 20_000, 40_000], [1],
+                 SweepSpec(RunSpec(duration=0.5, queue_capacity=32), out_dir=tmp_path, bound=False, extend=False),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, progress=events.append)
     assert [r["offered_rate"] for r in rows] == [100, 20_000]  # 40k never measured
     assert not rows[0]["congested"]
     assert rows[1]["congested"] and rows[1]["rejected"] > 0
@@ -238,7 +242,8 @@ def test_plot_results_and_compare_write_pngs(tmp_path):
 
 def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, home, runtime, tmp_path, two_groups):
     out = tmp_path / "sim"
-    rows = sweep(plan, [60, 120], [1, 2], SweepSpec(RunSpec(duration=0.6), out_dir=out, extend=False, simulate=True), machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home))
+    rows = sweep(plan, [60, 120], [1, 2], SweepSpec(RunSpec(duration=0.6), out_dir=out, extend=False, simulate=True),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home))
     assert len(rows) == 4
     for r in rows:
         assert set(SIM_COLUMNS) <= set(r)
@@ -266,7 +271,9 @@ def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, ho
 def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_path, two_groups):
     # 20 req/s in batches of up to 8 with a 10 ms delay: a batch would take 400 ms to fill, so
     # every batch leaves partial and the papers' latency stays near the delay plus one run
-    rows = sweep(plan, [20], [8], SweepSpec(RunSpec(duration=1.0, max_delay=0.010), out_dir=tmp_path / "md", extend=False, simulate=True), machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home))
+    spec = SweepSpec(RunSpec(duration=1.0, max_delay=0.010), out_dir=tmp_path / "md", extend=False, simulate=True)
+    rows = sweep(plan, [20], [8], spec, machine=MachineSpec(groups=two_groups), runtime=runtime,
+                 store=PerfModelStore(home))
     (r,) = rows
     assert r["max_delay_ms"] == pytest.approx(10.0)
     assert not r["congested"] and r["batches"] >= 10
@@ -279,7 +286,8 @@ def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_pat
 
 def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path, two_groups):
     trace = tmp_path / "sweep.json"
-    rows = sweep(plan, [80, 160], [2], SweepSpec(RunSpec(duration=0.5), extend=False, trace=trace, bound=False), machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
+    rows = sweep(plan, [80, 160], [2], SweepSpec(RunSpec(duration=0.5), extend=False, trace=trace, bound=False),
+                 machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
     events = json.loads(trace.read_text())["traceEvents"]
     tasks = [e for e in events if e.get("cat") == "task"]
     batches = [e for e in events if e.get("cat") == "batch" and e["ph"] == "b"]
@@ -305,7 +313,9 @@ def test_a_traced_simulated_sweep_draws_each_simulated_point_where_its_live_poin
     from staronnx.bench.sweep import simulated_trace_path
 
     trace = tmp_path / "sweep.json"
-    sweep(plan, [80, 160], [2], SweepSpec(RunSpec(duration=0.5), extend=False, trace=trace, bound=False, simulate=True, out_dir=tmp_path / "out"), machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
+    sweep(plan, [80, 160], [2],
+          SweepSpec(RunSpec(duration=0.5), extend=False, trace=trace, bound=False, simulate=True,
+                    out_dir=tmp_path / "out"), machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
     sim_path = simulated_trace_path(trace)
     assert sim_path == tmp_path / "sweep.sim.json"
     assert load_results(tmp_path / "out")["settings"]["simulated_trace"] == str(sim_path)
@@ -330,7 +340,9 @@ def test_a_traced_simulated_sweep_draws_each_simulated_point_where_its_live_poin
 
 def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path, two_groups):
     out = tmp_path / "nosim"
-    rows = sweep(plan, [80], [1], SweepSpec(RunSpec(duration=0.4), out_dir=out, extend=False, simulate=True, bound=False), machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(tmp_path / "empty"))
+    rows = sweep(plan, [80], [1],
+                 SweepSpec(RunSpec(duration=0.4), out_dir=out, extend=False, simulate=True, bound=False),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(tmp_path / "empty"))
     assert "sim_throughput" not in rows[0]
     assert any("no simulation" in n or "not simulated" in n for n in load_results(out)["notes"])
 

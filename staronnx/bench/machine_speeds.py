@@ -28,7 +28,8 @@ def speeds_from_plan(
         why = f"a 1-part plan of the model (partition it with {{}} and calibrate it); {plan.root} has {plan.k} parts"
         raise SimulationError("speeds_from_plan needs " + why.format("parts=1"),
                               cli="--speeds-from needs " + why.format("--parts 1"))
-    machine = build_machine(plan, MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices), store=store, cpu_fallback=False)
+    machine = build_machine(plan, MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices),
+                            store=store, cpu_fallback=False)
     times = machine.mean_times(batch)[0]
     by_arch: dict[str, WorkerSpeed] = {}
     for worker, seconds in zip(machine.workers, times):

@@ -321,8 +321,9 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
                 notes.append(f"warm-up failed at {failed}")
             length = point_duration(verify_duration, min(1.0, verify_duration / 5), b, rate, min_batches)
             say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
-            summary, records = measure_point(runtime, b, rate, samples, RunSpec(
-                distribution, length, min(1.0, length / 5), seed, colocate=colocate))
+            summary, records = measure_point(runtime, b, rate, samples,
+                                             RunSpec(distribution, length, min(1.0, length / 5), seed,
+                                                     colocate=colocate))
             result.candidate(b).measured = dict(summary)
             if summary["state"] == "failed":
                 notes.append(f"batch {b} measured live: {summary['notes']}")

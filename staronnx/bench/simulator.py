@@ -712,7 +712,8 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     policy, policy_options, targets, duration = spec.policy, spec.policy_options, spec.targets, spec.duration
     n_requests, distribution, seed, max_delay = spec.n_requests, spec.distribution, spec.seed, spec.max_delay
     queue_capacity, spread, drain, slowdown = spec.queue_capacity, spec.spread, spec.drain, spec.slowdown
-    charge_transfers, residency, pad_to, host_costs = spec.charge_transfers, spec.residency, spec.pad_to, spec.host_costs
+    charge_transfers, residency = spec.charge_transfers, spec.residency
+    pad_to, host_costs = spec.pad_to, spec.host_costs
     models = machine.models
     assert models is not None
     names = [m.name for m in models.models]

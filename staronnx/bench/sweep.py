@@ -396,11 +396,11 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                 target = simulated_point(sim_tracer, label_, began, length)
                 try:
                     def replay(slowdown: float = 1.0, into: TraceInto | None = None) -> Any:
+                        largest = max(point.batch_sizes.values())
                         return simulate_mix(twin, point.rates, point.batch_sizes, SimSpec(
                             policy=policy, targets=targets, duration=length, distribution=distribution, seed=seed,
-                            slowdown=slowdown, queue_capacity=max(queue_capacity, *point.batch_sizes.values()),
-                            max_delay=max_delay, residency=residency,
-                            pad_to=[m for m in padding if m <= max(point.batch_sizes.values())] if one else ()),
+                            slowdown=slowdown, queue_capacity=max(queue_capacity, largest), max_delay=max_delay,
+                            residency=residency, pad_to=[m for m in padding if m <= largest] if one else ()),
                             trace=into)
 
                     sim = replay(into=target)

@@ -104,9 +104,13 @@ def partition_cmd(
 
         speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups or "numa",
                                   cuda_streams=cuda_streams, cuda_devices=devices)
+    spec = PartitionSpec(parts=parts, method=method, device=device, input_shapes=shapes, seed=seed, costs=costs,
+                         profile_batch=profile_batch, profile_runs=profile_runs, tolerance=tolerance, groups=groups,
+                         cuda_streams=cuda_streams, cuda_devices=devices, batch_axes=axes, batching=not no_batching)
     with partition_warnings(), spinner(quiet) as progress:
         step = progress.add_task("partitioning")
-        plan = partition(model, targets, PartitionSpec(parts=parts, method=method, device=device, input_shapes=shapes, seed=seed, costs=costs, profile_batch=profile_batch, profile_runs=profile_runs, tolerance=tolerance, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices, batch_axes=axes, batching=not no_batching), output_dir=output, force=force, progress=lambda msg: progress.update(step, description=msg), speeds=speeds)
+        plan = partition(model, targets, spec, output_dir=output, force=force, speeds=speeds,
+                         progress=lambda msg: progress.update(step, description=msg))
         if precisions:
             progress.update(step, description="converting the GPU parts")
             plan = apply_precision(plan, precisions)

@@ -169,7 +169,8 @@ def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int, cuda
     from staronnx.bench.machine import build_machine
 
     try:
-        machine = build_machine(plan, MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices), store=store, cpu_fallback=False)
+        machine = build_machine(plan, MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices),
+                                store=store, cpu_fallback=False)
     except StaronnxError as exc:
         console.print(f"no prediction against one part: {exc}", soft_wrap=True)
         return

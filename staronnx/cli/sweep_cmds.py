@@ -562,9 +562,9 @@ def _auto_rates(plan: Any, sizes: list[int], machine: MachineSpec, *, url: str |
         # the server's workers and batch size, not this command line's defaults: a server with
         # CUDA streams bounded as CPU groups alone got rates far below what it serves
         served = served_runtime(url, plan, model)
-        chosen = auto_rates(plan, [served.batch_size], MachineSpec(
-            str(served.runtime.get("groups") or machine.groups), served.cuda_streams, served.cuda_devices),
-            probe_seconds=None)
+        chosen = auto_rates(plan, [served.batch_size],
+                            MachineSpec(str(served.runtime.get("groups") or machine.groups), served.cuda_streams,
+                                        served.cuda_devices), probe_seconds=None)
         if chosen is None:
             raise StaronnxError("--rates auto with --url needs the plan's calibrated perf models on this "
                                 "host (staronnx calibrate); or give --rates, e.g. 10:100:10")

@@ -219,7 +219,9 @@ def cached_plan(model_file: Path, shaping: dict[str, Any], inputs: Sequence[mcfg
     shapes = shaping.get("input_shapes") or (_estimate_shapes(inputs) if whole else None)
     tmp = Path(tempfile.mkdtemp(prefix=".cutting-", dir=root))
     try:
-        partition(model_file, shaping.get("shares"), PartitionSpec(parts=shaping.get("parts"), method=shaping.get("method", "metis"), input_shapes=shapes, costs="estimate" if whole else "profile"), output_dir=tmp / "plan")
+        partition(model_file, shaping.get("shares"),
+                  PartitionSpec(parts=shaping.get("parts"), method=shaping.get("method", "metis"), input_shapes=shapes,
+                                costs="estimate" if whole else "profile"), output_dir=tmp / "plan")
         try:
             os.rename(tmp / "plan", final)
         except OSError:  # another start cached it meanwhile
