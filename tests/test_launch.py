@@ -115,7 +115,7 @@ def test_the_simulator_sees_the_layout_the_runtime_starts():
     from staronnx.bench.machine import sim_workers
 
     topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")
-    infos = sim_workers(topo, "numa", cuda_streams=2)
+    infos = sim_workers(MachineSpec("numa", cuda_streams=2), topo)
     assert [w.kind for w in infos[:2]] == ["cuda", "cuda"]
     # 16 cores, 1 held back for the device's driver thread: the last NUMA node has 3 cores left
     assert sorted(w.ncores for w in infos[2:]) == [3, 4, 4, 4]
@@ -139,7 +139,7 @@ def test_the_layout_names_every_worker_once_lanes_and_residency_included():
         [False, False, False], [True, True, True], [True, True, True], [False, False, True]]
     from staronnx.bench.machine import sim_workers
 
-    assert [(w.name, w.arch) for w in sim_workers(topo, "numa", 1)] == [(w.name, w.arch) for w in laid.workers[:3]]
+    assert [(w.name, w.arch) for w in sim_workers(MachineSpec("numa", 1), topo)] == [(w.name, w.arch) for w in laid.workers[:3]]
 
 
 @pytest.mark.parametrize("bad", [{"cuda_streams": -1}, {"cuda_devices": (0, 0)}, {"cuda_devices": ("gpu0",)}])
@@ -279,7 +279,8 @@ def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
     from staronnx.bench.machine import sim_workers
     from staronnx.perfmodels import PerfModelStore
 
-    assert [w.kind for w in sim_workers(Topology.from_synthetic("core:4 pu:1"), "none", cuda_streams=2)] == ["cuda"] * 2
+    synthetic = Topology.from_synthetic("core:4 pu:1")
+    assert [w.kind for w in sim_workers(MachineSpec("none", cuda_streams=2), synthetic)] == ["cuda"] * 2
     feeds = random_plan_feeds(plan2, 2, seed=3)
     with Runtime(plan2, policy="dmda", cpu_groups="none", cuda_streams=1, cuda_options={"runtime": HostRuntime()},
                  store=PerfModelStore(tmp_path)) as rt:

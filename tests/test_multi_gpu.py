@@ -60,7 +60,7 @@ def test_the_simulator_sees_the_workers_the_runtime_starts_on_two_gpus(plan, tmp
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=2, cuda_devices=(0, 1),
                  store=PerfModelStore(tmp_path), cuda_options={"runtime": HostRuntime(devices=2)}) as rt:
         live = [(w.name, w.arch, w.kind, w.memory_node) for w in rt.workers]
-    simulated = [(w.name, w.arch, w.kind, w.memory_node) for w in sim_workers(None, "none", 2, (0, 1))]
+    simulated = [(w.name, w.arch, w.kind, w.memory_node) for w in sim_workers(MachineSpec("none", 2, (0, 1)))]
     assert simulated == live == [("cuda0.s0", "cuda0", "cuda", "cuda0"), ("cuda0.s1", "cuda0", "cuda", "cuda0"),
                                  ("cuda1.s0", "cuda1", "cuda", "cuda1"), ("cuda1.s1", "cuda1", "cuda", "cuda1")]
 

@@ -438,7 +438,7 @@ def test_cli_sweep_mix_with_model_workers_on_one_live_runtime(plans, tmp_path):
     if len(pus) < 2:
         pytest.skip("needs two PUs for two CPU groups")
     groups = f"{pus[0]};{pus[1]}"
-    first, second = (w.name for w in sim_workers(groups=groups))
+    first, second = (w.name for w in sim_workers(MachineSpec(groups=groups)))
     heavy, light, home = plans
     out = tmp_path / "kept"
     done = _cli("sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,light=20",
@@ -654,7 +654,7 @@ def test_cli_sweep_mix_with_a_lane_on_one_live_runtime(plans, tmp_path):
     from staronnx.bench.machine import sim_workers
 
     group = str(min(os.sched_getaffinity(0)))
-    (worker,) = (w.name for w in sim_workers(groups=group))
+    (worker,) = (w.name for w in sim_workers(MachineSpec(groups=group)))
     lane = "lane:" + worker.removeprefix("cpu:")
     heavy, light, home = plans
     out = tmp_path / "laned"

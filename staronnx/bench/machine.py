@@ -28,7 +28,7 @@ from staronnx.runtime.models import HostedModel, ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.serving.window import PlanProfile, plan_window, profile_plan
-from staronnx.workers.layout import Layout, MachineError, MachineSpec, layout
+from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 
 
@@ -202,27 +202,15 @@ def resolve_sources(
 
 
 # ---------------------------------------------------------------------------- the machine
-def machine_spec(groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
-                 lanes: Mapping[str, str] | None = None) -> MachineSpec:
-    """The :class:`~staronnx.workers.layout.MachineSpec` of these settings, refused as a
-    :class:`SimulationError` in the runtime's words (the GPUs are not checked against this
-    machine's: a simulated machine may have more)."""
-    try:
-        return MachineSpec(groups, cuda_streams, cuda_devices, lanes=dict(lanes or {}))
-    except MachineError as exc:
-        raise SimulationError(str(exc)) from None
-
-
 def worker_infos(laid: Layout) -> list[WorkerInfo]:
     """The workers of a layout as policies see them (a lane is a CPU worker to them)."""
     return [WorkerInfo(i, w.name, w.arch, w.policy_kind, w.memory_node, w.n_cores) for i, w in enumerate(laid.workers)]
 
 
-def sim_workers(topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0,
-                cuda_devices: Sequence[int] = (0,)) -> list[WorkerInfo]:
-    """The workers ``Runtime`` would start on ``topology`` (default: this machine), as policies
-    see them: :func:`~staronnx.workers.layout.layout`'s, the runtime's own."""
-    return worker_infos(layout(machine_spec(groups, cuda_streams, cuda_devices), topology or Topology.from_system()))
+def sim_workers(spec: MachineSpec = MachineSpec(), topology: Topology | None = None) -> list[WorkerInfo]:
+    """The workers ``Runtime`` would start for ``spec`` on ``topology`` (default: this machine),
+    as policies see them: :func:`~staronnx.workers.layout.layout`'s, the runtime's own."""
+    return worker_infos(layout(spec, topology or Topology.from_system()))
 
 
 #: how the simulator and the LP bound model a latency lane (said in every result's notes)
@@ -335,13 +323,6 @@ class SimMachine:
              for i, w in enumerate(self.workers)]
             for p in range(hosted.plan.k)
         ]
-
-
-def free_pus(topology: Topology | None, groups: str, cuda_streams: int = 0,
-             cuda_devices: Sequence[int] = (0,)) -> int:
-    """PUs no CPU group owns and no CUDA driver thread is pinned to (:class:`Layout`'s)."""
-    spec = machine_spec(groups, cuda_streams, cuda_devices)
-    return layout(spec, topology if topology is not None else Topology.from_system()).free_pus
 
 
 #: said where a machine has no host costs (not calibrated, or several models)

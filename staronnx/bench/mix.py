@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from staronnx.bench.spec import SweepSpec
-from staronnx.bench.sweep import MixPoint, Progress, sweep
+from staronnx.bench.sweep import Progress, sweep
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.models import name_gaps

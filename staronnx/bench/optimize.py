@@ -354,8 +354,7 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
         result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
     stale = stale_models_note(
         plan, [(b, (result.candidate(b).measured or {}).get("throughput"), result.candidate(b).bound)
-               for b in result.verified], groups=machine_spec.groups, cuda_streams=machine_spec.cuda_streams,
-        cuda_devices=machine_spec.cuda_devices)
+               for b in result.verified], machine_spec)
     if stale:
         result.notes.append(stale)
     return result

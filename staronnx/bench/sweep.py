@@ -38,7 +38,7 @@ import numpy as np
 
 from staronnx.bench.bound import MixBound, batch_bounds, mix_bound, stale_models_note
 from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
-from staronnx.bench.fidelity import BAND, band_columns, fidelity_summary, sim_columns
+from staronnx.bench.fidelity import band_columns, fidelity_summary, sim_columns
 from staronnx.bench.machine import SimMachine, build_machine, machine_inflight, residency_where
 from staronnx.bench.points import (TaskSampler, measure_point, point_duration, runnable_sizes, sample_pool,
                                    task_time_ratio, tasks_snapshot, warm_up, workers_delta, workers_snapshot)
@@ -437,8 +437,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             results.notes.append(busy)
         if one:
             stale = stale_models_note(
-                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
-                groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
+                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows], machine_spec)
             results.notes += [stale] if stale else []
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results.save()

@@ -101,9 +101,10 @@ def partition_cmd(
     speeds = None
     if speeds_from is not None:
         from staronnx.bench.machine_speeds import speeds_from_plan
+        from staronnx.workers.layout import MachineSpec
 
-        speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups or "numa",
-                                  cuda_streams=cuda_streams, cuda_devices=devices)
+        speeds = speeds_from_plan(Plan.load(speeds_from), MachineSpec(groups or "numa", cuda_streams, devices),
+                                  batch=profile_batch)
     spec = PartitionSpec(parts=parts, method=method, device=device, input_shapes=shapes, seed=seed, costs=costs,
                          profile_batch=profile_batch, profile_runs=profile_runs, tolerance=tolerance, groups=groups,
                          cuda_streams=cuda_streams, cuda_devices=devices, batch_axes=axes, batching=not no_batching)

@@ -232,14 +232,13 @@ def simulate_cmd(
         plans, offered = {labels[0]: plan}, {labels[0]: rate}
         targets, residency, lanes = {}, {}, {}
     sizes = _batches(batch, plans, several)
+    machine_spec = MachineSpec(groups, cuda_streams, devices, lanes=lanes)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         for d, plan in zip(plandirs, plans.values()):
-            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
-                              skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
+            warn_uncalibrated(d, plan, machine_spec, skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
-    machine = build_machine(plans if several else plans[labels[0]],
-                            MachineSpec(groups=groups, cuda_streams=cuda_streams, cuda_devices=devices, lanes=lanes),
-                            topology=topology, cuda_scale=_scale(cuda_scale))
+    machine = build_machine(plans if several else plans[labels[0]], machine_spec, topology=topology,
+                            cuda_scale=_scale(cuda_scale))
     spec = SimSpec(policy=policy, targets=targets, duration=seconds, n_requests=requests, distribution=distribution,
                    seed=seed, max_delay=delay, spread=spread, queue_capacity=queue_capacity, residency=residency)
 

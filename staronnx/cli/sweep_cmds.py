@@ -377,11 +377,10 @@ def sweep_cmd(
     point and model; ``--model-workers`` loads some models on some workers only, in the live
     runtime, its bound and its simulation; ``--lane`` gives models latency lanes, in all three
     alike (the bound and the simulation without the OS preemption: a note says so)."""
-    from staronnx.bench.fidelity import BAND
     from staronnx.bench.mix import is_per_model, sweep_mix
     from staronnx.bench.points import runnable_sizes
     from staronnx.bench.remote import remote_sweep
-    from staronnx.bench.spec import RunSpec, SweepSpec
+    from staronnx.bench.spec import BAND, RunSpec, SweepSpec
     from staronnx.bench.sweep import sweep
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
@@ -429,14 +428,14 @@ def sweep_cmd(
     check_writable(output, "--output", folder=True)  # now, not after the first point
     if trace is not None:
         check_writable(trace, "--trace")
-    plans = {n: Plan.load(d) for n, d in zip(labels_ if mixed else [""], plandirs)}
-    for d, plan in zip(plandirs, plans.values()):
-        if url is None:  # over the network the groups are the server's
-            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
     # the flags, parsed once into the sweep's specs (colocate: --url refused it above); a mix
     # is measured once per point (with every model's rate it is long enough)
     machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream,
                           residency=residency if mixed else {}, lanes=lanes if mixed else {})
+    plans = {n: Plan.load(d) for n, d in zip(labels_ if mixed else [""], plandirs)}
+    for d, plan in zip(plandirs, plans.values()):
+        if url is None:  # over the network the groups are the server's
+            warn_uncalibrated(d, plan, machine)
     spec = SweepSpec(RunSpec(distribution, seconds, warm, seed, queue_capacity, min_batches, delay, colocate),
                      policy=policy, engine=engine, points=points if mixed else (),
                      targets=targets if mixed else None, extend=extend and not mixed, simulate=simulate,
@@ -645,15 +644,15 @@ def optimize_batch_cmd(
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if json_out is not None:
         check_writable(json_out, "--json")
-    warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+    machine = MachineSpec(groups, cuda_streams, devices)
+    warn_uncalibrated(plandir, Plan.load(plandir), machine)
     with console.status("optimizing") as status:
         spec = OptimizeSpec(slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
                             distribution=distribution, verify=verify,
                             sim_duration=parse_duration(sim_duration, option="--sim-duration"),
                             verify_duration=parse_duration(verify_duration, option="--verify-duration"),
                             max_verify=max_verify, seed=seed, colocate=colocate)
-        result = optimize_batch(plandir, rate, spec, machine=MachineSpec(groups, cuda_streams, devices),
-                                progress=lambda msg: status.update(msg))
+        result = optimize_batch(plandir, rate, spec, machine=machine, progress=lambda msg: status.update(msg))
     table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")
     for c in ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
               "error", "LP bound", "note"):
