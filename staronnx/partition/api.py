@@ -76,7 +76,7 @@ def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> lis
 def partition(
     model_or_path: onnx.ModelProto | str | os.PathLike[str],
     shares: Sequence[float] | str | None = None,
-    spec: PartitionSpec | None = None,
+    spec: PartitionSpec = PartitionSpec(),
     *,
     output_dir: str | os.PathLike[str] | None = None,
     force: bool = False,
@@ -117,7 +117,6 @@ def partition(
     tensor of 0 bytes, an achieved share further than ``tolerance`` from its target) is said
     with a :class:`~staronnx.partition.checks.PartitionWarning` each, with a way out.
     """
-    spec = spec if spec is not None else PartitionSpec()
     parts, method, device, seed, costs = spec.parts, spec.method, spec.device, spec.seed, spec.costs
     profile_batch, profile_runs, tolerance = spec.profile_batch, spec.profile_runs, spec.tolerance
     groups, cuda_streams, cuda_devices = spec.groups, spec.cuda_streams, spec.cuda_devices
