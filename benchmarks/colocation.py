@@ -40,6 +40,8 @@ from staronnx import Runtime, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
+from staronnx.partition import PartitionSpec
+from staronnx.bench.spec import RunSpec
 
 FRACTIONS = (0.5, 0.75, 1.0)
 
@@ -59,8 +61,9 @@ def capacity(rt: Runtime, batch: int, seconds: float) -> float:
 
 
 def point(rt: Runtime, batch: int, offered: float, seconds: float, colocate: bool) -> dict[str, Any]:
-    summary, records = measure_point(rt, batch, offered, [{"x": np.ones((1, 16), np.float32)}], duration=seconds,
-                                     warmup=min(1.0, seconds / 3), max_delay=0.002, colocate=colocate)
+    summary, records = measure_point(rt, batch, offered, [{"x": np.ones((1, 16), np.float32)}],
+                                     RunSpec(duration=seconds, warmup=min(1.0, seconds / 3), max_delay=0.002,
+                                             colocate=colocate))
     return {"throughput": summary["throughput"], "p50": summary["latency_p50"], "p99": summary["latency_p99"],
             "lag": records.settings["loadgen"]["lag_p99_s"], "congested": bool(summary["congested"])}
 
@@ -76,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
     tmp = scratch_dir("staronnx-colocation-")
-    plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
+    plan = partition(tiny_model(tmp / "tiny.onnx"), spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=tmp / "plan")
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp / "home"),
                  cuda_options=cuda_options) as rt:
         rt.run({"x": np.ones((args.batch, 16), np.float32)})

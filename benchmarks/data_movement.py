@@ -49,6 +49,8 @@ from staronnx.runtime.runtime import Runtime  # noqa: E402
 from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 from staronnx.calibrate import start_workers  # noqa: E402
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 try:  # the one rule (absent before issue 37: the benchmark then counts only)
@@ -147,7 +149,7 @@ def open_runtime(plan: Plan, config: str, args: argparse.Namespace, home: Path, 
     if plan.k == 1 or policy is not None:
         return Runtime(plan, policy=policy or "dmda", cpu_groups="1", cuda_streams=1, store=store,
                        cuda_options=options), rt, []
-    workers = start_workers(plan, groups="1", cuda_streams=1, cuda_options=options)
+    workers = start_workers(plan, MachineSpec(groups="1", cuda_streams=1), cuda_options=options)
     names = {w.kind: w.name for w in workers}
     devices = {0: names["cuda"], **{p: names["cpu"] for p in range(1, plan.k)}}
     return Runtime(plan, policy="static", policy_options={"devices": devices}, workers=workers, store=store), rt, workers
@@ -238,9 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     two_part: list[tuple[str, Plan, dict[str, np.ndarray]]] = []
     for name, path, given, shares, shapes in models:
         cut = {"profile_runs": 1, "costs": "estimate", **({"input_shapes": shapes} if shapes else {})}
-        one = partition(str(path), parts=1, output_dir=tmp / name / "p1", **cut)
-        two = partition(str(path), shares, output_dir=tmp / name / "p2", **cut) if shares else \
-            partition(str(path), output_dir=tmp / name / "p2", **cut)
+        one = partition(str(path), spec=PartitionSpec(parts=1, **cut), output_dir=tmp / name / "p1")
+        two = partition(str(path), shares, PartitionSpec(**cut), output_dir=tmp / name / "p2")
         feeds = given if given is not None else random_plan_feeds(one, args.batch, seed=0)
         nbytes = tensor_bytes(one, feeds)
         model_in = sum(nbytes[n] for n in one.input_names)

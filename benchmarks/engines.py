@@ -39,6 +39,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
 from staronnx.verify import random_plan_feeds
+from staronnx.partition import PartitionSpec
 
 ENGINES = ("native", "starpu")
 
@@ -137,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'pipelined us/req':>18}{'overhead':>10}")
     for layers, parts in ((1, 1), (2, 2)):
         model = tiny_chain(tmp / f"tiny{layers}.onnx", layers)
-        plan = partition(model, parts=parts, method="linear", output_dir=tmp / f"tiny{layers}-plan",
-                         costs="estimate", input_shapes=["x=1x16"])
+        plan = partition(model,
+                         spec=PartitionSpec(parts=parts, method="linear", costs="estimate", input_shapes=["x=1x16"]),
+                         output_dir=tmp / f"tiny{layers}-plan")
         ort_us = 1e6 / statistics.median(plain_rate(model, feeds, 1, args.seconds) for _ in range(args.rounds))
         for policy in policies:
             r = median_rounds(args.rounds, {
@@ -151,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{(sync_us - ort_us) / plan.k:>10.1f}{pipe_us:>18.1f}{(pipe_us - ort_us) / plan.k:>10.1f}")
     # 2. throughput, googlenet 2 parts
     if not args.skip_googlenet and args.model.exists():
-        split = partition(args.model, [0.85, 0.15], output_dir=tmp / "g2", profile_runs=2)
+        split = partition(args.model, [0.85, 0.15], PartitionSpec(profile_runs=2), output_dir=tmp / "g2")
         gfeeds = random_plan_feeds(split, args.batch)
         print(f"\nthroughput, {args.model.name} 2-part 85/15 plan, batch {args.batch}, "
               f"{min(args.inflight, 16)} requests in flight (samples/s)")

@@ -70,6 +70,8 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import REPO, scratch_dir  # noqa: E402
 from gpu_table import GPU_ALONE, SCHEMA, headline, verdict  # noqa: E402,F401
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 CUDA = "CUDAExecutionProvider"
 #: the matrix's dimensions, in the order they are measured
@@ -516,12 +518,14 @@ class Plans:
             out = self.tmp / f"{path.stem}-{kind}"
             device = "cuda" if self.args.device == "cuda" else "cpu"
             if kind == "one":
-                self.made[key] = partition(path, parts=1, output_dir=out, costs="estimate", device=device,
-                                           input_shapes=shapes)
+                self.made[key] = partition(path,
+                                           spec=PartitionSpec(parts=1, costs="estimate", device=device,
+                                                              input_shapes=shapes), output_dir=out)
             else:
-                self.made[key] = partition(path, "auto", output_dir=out, device=device, profile_runs=3,
-                                           groups=self.args.groups, input_shapes=shapes,
-                                           cuda_streams=4 if device == "cuda" else 0, profile_batch=8)
+                self.made[key] = partition(path, "auto",
+                                           PartitionSpec(device=device, profile_runs=3, groups=self.args.groups,
+                                                         input_shapes=shapes, cuda_streams=4 if device == "cuda" else 0,
+                                                         profile_batch=8), output_dir=out)
         return self.made[key]
 
     def calibrate(self, plan: Any, groups: str, streams: int) -> None:
@@ -533,7 +537,7 @@ class Plans:
         if key in self.calibrated:
             return
         self.calibrated.add(key)
-        workers = start_workers(plan, groups=groups, cuda_streams=streams)
+        workers = start_workers(plan, MachineSpec(groups=groups, cuda_streams=streams))
         try:
             calibrate(plan, sorted(set(self.args.batches)), workers=workers, store=self.store, max_runs=30)
         finally:

@@ -57,6 +57,7 @@ from staronnx import Runtime, partition  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 BATCH = 8
 STREAMS = (1, 2, 4)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
     tmp = scratch_dir("staronnx-host-overhead-")
     model = tiny_model(tmp / "tiny.onnx")
-    plan = partition(model, parts=1, output_dir=tmp / "plan", profile_runs=1)
+    plan = partition(model, spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp / "plan")
     batch = {"x": np.ones((BATCH, 16), np.float32)}
     sample = {"x": np.ones((1, 16), np.float32)}
     store = PerfModelStore(tmp / "home")

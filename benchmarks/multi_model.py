@@ -45,6 +45,8 @@ import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GOOGLENET, scratch_dir  # noqa: E402
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 CONFIGS = ("separate", "shared", "shared+slo", "shared+lane")
 
@@ -54,10 +56,12 @@ def build_plans(root: Path, heavy_parts: int) -> tuple[Any, Any]:
     from staronnx import partition
     from staronnx.zoo import residual
 
-    heavy = partition(GOOGLENET, parts=heavy_parts, output_dir=root / "googlenet", costs="estimate",
-                      input_shapes=["data_0=1x3x224x224"] if _needs_shape() else None)
+    heavy = partition(GOOGLENET,
+                      spec=PartitionSpec(parts=heavy_parts, costs="estimate",
+                                         input_shapes=["data_0=1x3x224x224"] if _needs_shape() else None),
+                      output_dir=root / "googlenet")
     onnx.save(residual(blocks=2, channels=8, size=28), str(root / "light.onnx"))
-    light = partition(root / "light.onnx", parts=2, output_dir=root / "light", costs="estimate")
+    light = partition(root / "light.onnx", spec=PartitionSpec(parts=2, costs="estimate"), output_dir=root / "light")
     return heavy, light
 
 
@@ -75,7 +79,7 @@ def calibrate_plans(plans: list[Any], groups: str, store: Any, sizes: list[int])
 
     longest = float("nan")
     for i, plan in enumerate(plans):
-        workers = start_workers(plan, groups=groups)
+        workers = start_workers(plan, MachineSpec(groups=groups))
         try:
             report = calibrate(plan, sizes, workers=workers, store=store, max_runs=40)
         finally:

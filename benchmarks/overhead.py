@@ -28,6 +28,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.topology import Topology
+from staronnx.partition import PartitionSpec
 
 
 def tiny_model(path: Path) -> Path:
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 1. per-task overhead on a tiny model
     tiny = tiny_model(tmp / "tiny.onnx")
-    plan = partition(tiny, parts=1, output_dir=tmp / "tiny-plan", profile_runs=1)
+    plan = partition(tiny, spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp / "tiny-plan")
     feeds = {"x": np.ones((1, 16), np.float32)}
     sess = plain_session(tiny, ncores)
     with Runtime(plan, policy="eager", cpu_groups=one_group, store=store) as rt:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(overhead {1e6 / r['pipelined'] - ort_us:.1f} us per task)")
 
     # 2. googlenet batch N on one worker, whole model and 2-part plan
-    whole = partition(args.model, parts=1, output_dir=tmp / "g1", costs="estimate")
+    whole = partition(args.model, spec=PartitionSpec(parts=1, costs="estimate"), output_dir=tmp / "g1")
     split = partition(args.model, [0.85, 0.15], output_dir=tmp / "g2")
     gfeeds = random_plan_feeds(whole, args.batch)
     gsess = plain_session(args.model, ncores)

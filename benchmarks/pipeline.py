@@ -24,6 +24,7 @@ from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.runtime.runtime import Runtime  # noqa: E402
 from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.topology import Topology  # noqa: E402
+from staronnx.workers.layout import MachineSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     store = PerfModelStore(tmp / "home")
     plan = partition(args.model, args.shares, output_dir=tmp / "plan")
     print(f"plan: shares {[p.share for p in plan.parts]}, cut {plan.cut_bytes_per_sample:,} B/sample")
-    workers = start_workers(plan, groups=args.groups)
+    workers = start_workers(plan, MachineSpec(groups=args.groups))
     try:
         calibrate(plan, [args.batch], workers=workers, store=store)
     finally:

@@ -63,6 +63,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.verify import random_plan_feeds, verify_plan
 from staronnx.workers.topology import Topology
+from staronnx.workers.layout import MachineSpec
 
 SHARES_METHODS = ("metis", "linear")
 PLACE_METHODS = ("comm-sd", "duet", "overseer", "optimal")
@@ -161,7 +162,7 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
 def measure(rows: list[Row], model: Path, args: argparse.Namespace, store: PerfModelStore) -> None:
     live = [r for r in rows if r.plan is not None]
     for r in live:
-        workers = start_workers(r.plan, groups=args.groups)
+        workers = start_workers(r.plan, MachineSpec(groups=args.groups))
         try:
             calibrate(r.plan, [1, args.batch], workers=workers, store=store, max_runs=30)
         finally:

@@ -38,6 +38,7 @@ from staronnx import Runtime, partition  # noqa: E402
 from staronnx.partition.autoshares import median_seconds  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 POLICIES = ("eager", "dmda", "heft")
 STREAMS = (1, 4, 8)
@@ -67,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default="none", help="CPU groups beside the streams (none: the streams alone)")
     args = ap.parse_args(argv)
     tmp = scratch_dir("staronnx-policy-cost-")
-    plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
+    plan = partition(tiny_model(tmp / "tiny.onnx"), spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=tmp / "plan")
     store = PerfModelStore(tmp / "home")
     feeds = {"x": np.ones((8, 16), np.float32)}
     print(f"tiny model, batch 8, HostRuntime streams, CPU groups {args.groups}, {args.in_flight} in flight, "

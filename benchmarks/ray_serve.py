@@ -39,6 +39,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GOOGLENET, scratch_dir  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 ROWS = ("plain serve", "ray, 1 replica", "ray, 2 replicas")
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from staronnx import partition
 
     tmp = scratch_dir("staronnx-ray-bench-")
-    plan = partition(args.model, [0.85, 0.15], output_dir=tmp / "plan", costs="estimate")
+    plan = partition(args.model, [0.85, 0.15], PartitionSpec(costs="estimate"), output_dir=tmp / "plan")
     ctx = ray.init(num_cpus=args.cpus, include_dashboard=False, logging_level="ERROR", log_to_driver=False)
     env = {**os.environ, "RAY_ADDRESS": ctx.address_info["gcs_address"], "STARONNX_HOME": str(tmp / "home")}
     print(f"googlenet, {plan.k} parts, batch-1 requests over HTTP, batches of up to {args.batch} (max delay "

@@ -68,6 +68,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import GOOGLENET, alternate, scratch_dir  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 PATHS = ("in-process", "HTTP binary", "HTTP JSON", "gRPC")
 GOAL = 0.9
@@ -366,7 +367,7 @@ def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, 
     """In-process, HTTP binary, HTTP JSON and gRPC on googlenet, in turn, ``--rounds`` times."""
     from staronnx import partition
 
-    plan = partition(args.model, [0.85, 0.15], output_dir=tmp / "plan", costs="estimate")
+    plan = partition(args.model, [0.85, 0.15], PartitionSpec(costs="estimate"), output_dir=tmp / "plan")
     print(f"googlenet, {plan.k} parts, batch-1 requests from {args.clients} closed-loop clients (own process per "
           f"row), batches of up to {args.batch} (max delay {args.max_delay}), {args.seconds:g} s per row, "
           f"{args.rounds} rounds in turn, {os.cpu_count()} cores", flush=True)
@@ -446,7 +447,7 @@ def trivial_plan(tmp: Path) -> Path:
 
     model = tmp / "trivial.onnx"
     onnx.save(chain(depth=2, width=TRIVIAL_WIDTH), model)
-    return partition(model, [1.0], output_dir=tmp / "trivial-plan", costs="estimate").root
+    return partition(model, [1.0], PartitionSpec(costs="estimate"), output_dir=tmp / "trivial-plan").root
 
 
 def tail_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, float]]:

@@ -58,6 +58,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import scratch_dir  # noqa: E402
+from staronnx.partition import PartitionSpec
 
 HOST = "127.0.0.1"
 ANNOUNCE = b"POST /v2/repository/index HTTP/1.1\r\nHost: x\r\nContent-Length: 67108864\r\n\r\n"
@@ -88,7 +89,8 @@ def build_plans(root: Path) -> dict[str, Path]:
     onnx.save(model, str(root / "slow.onnx"))
     out = {}
     for name in ("tiny", "slow"):
-        plan = partition(root / f"{name}.onnx", parts=1, method="linear", output_dir=root / name, costs="estimate")
+        plan = partition(root / f"{name}.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                         output_dir=root / name)
         out[name] = Path(plan.root)
     return out
 

@@ -53,6 +53,8 @@ from staronnx import Runtime, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.serving import Server  # noqa: E402
+from staronnx.partition import PartitionSpec
+from staronnx.bench.spec import RunSpec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="measure each open-loop rate --rounds times and print the medians")
     args = ap.parse_args(argv)
     tmp = scratch_dir("staronnx-serving-path-")
-    plan = partition(tiny_model(tmp / "tiny.onnx"), parts=1, output_dir=tmp / "plan", profile_runs=1)
+    plan = partition(tiny_model(tmp / "tiny.onnx"), spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=tmp / "plan")
     pu = sorted(os.sched_getaffinity(0))[0]
     sample = {"x": np.ones((1, 16), np.float32)}
     batch = {"x": np.ones((args.batch, 16), np.float32)}
@@ -113,8 +116,9 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(max(1, args.rounds if args.open_rounds else 1)):
                 for mode in points:  # in turn, so the VM's drift hits both alike
                     c0, steal0 = time.process_time(), steal_seconds()
-                    points[mode].append(measure_point(rt, args.batch, offered, samples, duration=args.seconds,
-                                                      warmup=min(1.0, args.seconds / 3), colocate=mode == "colocated"))
+                    points[mode].append(measure_point(rt, args.batch, offered, samples,
+                                                      RunSpec(duration=args.seconds, warmup=min(1.0, args.seconds / 3),
+                                                              colocate=mode == "colocated")))
                     cpu_s[mode] += time.process_time() - c0
                     steal1 = steal_seconds()
                     had = stolen[mode]

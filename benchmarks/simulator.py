@@ -66,12 +66,16 @@ from staronnx.bench.fidelity import (BAND_COLUMNS, KNEE, TARGET, describe_band, 
 from staronnx.bench.machine import build_machine  # noqa: E402
 from staronnx.bench.results import load_results  # noqa: E402
 from staronnx.bench.sweep import auto_rates, sweep  # noqa: E402
-from staronnx.calibrate import calibrate, calibrate_host, speed_moved, start_workers  # noqa: E402
+from staronnx.calibrate import HostProbe, calibrate, calibrate_host, speed_moved, start_workers  # noqa: E402
 from staronnx.cli.sweep_cmds import parse_batch_sizes, parse_rates  # noqa: E402
 from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
 
 import steadiness  # noqa: E402  (benchmarks/steadiness.py, beside this file)
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import SimSpec
+from staronnx.bench.spec import RunSpec, SweepSpec
 
 DEFAULT_MODELS = "googlenet,crnn_ocr,unet_seg"
 #: goals on a quiet machine (issue 40)
@@ -132,8 +136,9 @@ def resimulate(machine: Any, rows: list[dict[str, Any]], *, policy: str, duratio
         if "sim_throughput" not in r or r.get("state") == "failed":
             out.append(dict(r))
             continue
-        sim = simulate_row(machine, r, policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
-                           queue_capacity=1024, warmup=duration_warmup, host_costs=host_costs)
+        sim = simulate_row(machine, r,
+                           SimSpec(policy=policy, distribution=r.get("distribution") or "constant", seed=seed,
+                                   host_costs=host_costs), warmup=duration_warmup)
         # simulated again without the band: the sweep's band belongs to its own simulation
         out.append({**{k: v for k, v in r.items() if k not in BAND_COLUMNS}, **sim})
     return out
@@ -143,7 +148,7 @@ def resimulate_without_host(plan: Plan, rows: list[dict[str, Any]], *, groups: s
                             policy: str, duration_warmup: float, seed: int = 0) -> list[dict[str, Any]]:
     """The rows again, from the simulator without the host's costs (the tasks alone: the
     simulator before issue 40)."""
-    return resimulate(build_machine(plan, groups=groups, store=store, host=False), rows, policy=policy,
+    return resimulate(build_machine(plan, MachineSpec(groups=groups), store=store, host=False), rows, policy=policy,
                       duration_warmup=duration_warmup, seed=seed, host_costs=False)
 
 
@@ -175,7 +180,7 @@ def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, 
     point known: what is left is the queueing and the host's costs)."""
     import statistics
 
-    base = build_machine(plan, groups=groups, store=store)
+    base = build_machine(plan, MachineSpec(groups=groups), store=store)
     out = []
     for i, r in enumerate(rows):
         if "sim_throughput" not in r or r.get("state") == "failed" or base.host is None:
@@ -194,7 +199,7 @@ def resimulate_tracking(plan: Plan, rows: list[dict[str, Any]], *, groups: str, 
 def pooled_machine(plan: Plan, *, groups: str, store: PerfModelStore) -> Any:
     """The simulated machine with the host costs' per-part task scales dropped (every part at
     the pooled warm / cold scale)."""
-    base = build_machine(plan, groups=groups, store=store)
+    base = build_machine(plan, MachineSpec(groups=groups), store=store)
     if base.host is None:
         return base
     return replace(base, host=each_load(base.host, lambda c: replace(c, part_scales=(), part_cold_scales=())))
@@ -276,18 +281,18 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     if plan_dir is not None:
         plan, store = Plan.load(plan_dir), PerfModelStore()
     else:
-        plan = partition(model, [float(x) for x in args.shares.split(",")], output_dir=tmp / name / "plan",
-                         input_shapes=shapes or None, profile_runs=3)
+        plan = partition(model, [float(x) for x in args.shares.split(",")],
+                         PartitionSpec(input_shapes=shapes or None, profile_runs=3), output_dir=tmp / name / "plan")
         store = PerfModelStore(tmp / name / "home")
     print(f"\n=== {name}: plan {plan.root}: shares {[round(p.share, 3) for p in plan.parts]}, groups {args.groups}, "
           f"{args.policy}", flush=True)
-    workers = start_workers(plan, groups=args.groups)
+    workers = start_workers(plan, MachineSpec(groups=args.groups))
     try:
         report = calibrate(plan, sizes, workers=workers, store=store)
         if report.busy:
             print(f"warning: {report.busy}")
-        host = calibrate_host(plan, sizes, groups=args.groups, store=store, workers=workers, policy=args.policy,
-                              calibration_machine=report.machine)
+        host = calibrate_host(plan, sizes, MachineSpec(groups=args.groups), HostProbe(policy=args.policy), store=store,
+                              workers=workers, calibration_machine=report.machine)
     finally:
         for w in workers:
             w.close()
@@ -298,7 +303,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     if (moved := speed_moved(host)) is not None:
         print(f"warning: {moved}")
     if args.rates == "auto":
-        auto = auto_rates(plan, sizes, policy=args.policy, groups=args.groups, store=store)
+        auto = auto_rates(plan, sizes, MachineSpec(groups=args.groups), policy=args.policy, store=store)
         rates = auto.rates
         print(auto.describe())
     else:
@@ -306,9 +311,10 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     out = (args.output or tmp) / name / "sweep"
     first_core = min(os.sched_getaffinity(0))
     with competing_load(args.busy, first_core):
-        rows = sweep(plan, rates, sizes, policy=args.policy, groups=args.groups, duration=args.duration,
-                     min_batches=args.min_batches, out_dir=out, store=store, simulate=True, stop_on_congestion=True,
-                     sim_band=args.sim_band / 100)
+        rows = sweep(plan, rates, sizes,
+                     SweepSpec(RunSpec(duration=args.duration, min_batches=args.min_batches), policy=args.policy,
+                               out_dir=out, simulate=True, stop_on_congestion=True, sim_band=args.sim_band / 100),
+                     machine=MachineSpec(groups=args.groups), store=store)
     doc = load_results(out)
     warmup = float(doc["settings"]["warmup_s"])
     before = resimulate_without_host(plan, rows, groups=args.groups, store=store, policy=args.policy,
@@ -347,7 +353,7 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
         if f is after_f and (band := describe_band(f)) is not None:
             print(f"  {band}")
     bound_nohost = {}
-    machine_old = build_machine(plan, groups=args.groups, store=store, host=False)
+    machine_old = build_machine(plan, MachineSpec(groups=args.groups), store=store, host=False)
     from staronnx.bench.bound import machine_bound
 
     machine_pooled = pooled_machine(plan, groups=args.groups, store=store)
@@ -365,9 +371,9 @@ def run_model(name: str, model: Path | None, plan_dir: Path | None, shapes: list
     # bound's rate, batch 1, simulated in under 5 s; a timed unit test would fail on a busy host)
     from staronnx.bench.simulator import simulate
 
-    machine_now = build_machine(plan, groups=args.groups, store=store)
+    machine_now = build_machine(plan, MachineSpec(groups=args.groups), store=store)
     rate = min(ratios[min(ratios)][0], 500.0) if ratios else 100.0
-    res = simulate(machine=machine_now, rate=rate, batch_size=1, duration=10.0)
+    res = simulate(machine_now, rate, 1, SimSpec(duration=10.0))
     print(f"simulator speed: 10 s of serving at {rate:.0f} req/s ({res.metrics()['completed']} requests) simulated in "
           f"{res.wall_seconds:.2f} s (target < 5 s)")
     for note in doc["notes"]:

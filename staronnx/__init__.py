@@ -19,6 +19,7 @@ from staronnx.errors import (
 )
 from staronnx.plan import Plan
 from staronnx.partition.api import partition  # shadows the subpackage name on purpose
+from staronnx.partition.spec import PartitionSpec
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
 from staronnx.compat import InferenceSession
@@ -34,6 +35,7 @@ def load_plan(directory: str) -> Plan:
 
 __all__ = [
     "partition",
+    "PartitionSpec",
     "load_plan",
     "Plan",
     "Runtime",

@@ -45,12 +45,11 @@ from staronnx.workers.layout import MachineSpec
 from staronnx.workers.topology import Topology
 
 
-def start_workers(plan: Plan, spec: MachineSpec | None = None, *, cuda_options: dict[str, Any] | None = None,
-                  topology: Topology | None = None, **machine: Any) -> list[ThreadWorker]:
-    """Started workers to calibrate ``plan`` on: ``spec``, or its fields as keywords
-    (``groups="numa", cuda_streams=2``: scripts' and tests' short form); see
+def start_workers(plan: Plan, spec: MachineSpec = MachineSpec(), *, cuda_options: dict[str, Any] | None = None,
+                  topology: Topology | None = None) -> list[ThreadWorker]:
+    """Started workers to calibrate ``plan`` on, as ``spec`` lays them out; see
     :func:`staronnx.workers.launch.start_workers`."""
-    return launch.start_workers(plan, spec or MachineSpec(**machine), topology=topology, cuda_options=cuda_options)
+    return launch.start_workers(plan, spec, topology=topology, cuda_options=cuda_options)
 
 
 @dataclass
@@ -296,19 +295,25 @@ def probe_sizes(sizes: Sequence[int]) -> list[int]:
     return [sizes[0], middle, sizes[-1]]
 
 
+@dataclass(frozen=True)
+class HostProbe:
+    """How :func:`calibrate_host` probes: the policy its runtime schedules with, the seed of its
+    inputs and arrivals, the batches each run aims for, and the longest a run may take (s)."""
+
+    policy: str = "heft"
+    seed: int = 0
+    batches: int = HOST_PROBE_BATCHES
+    max_seconds: float = 4.0
+
+
 def calibrate_host(
     plan: Plan,
     batch_sizes: Sequence[int],
+    machine_spec: MachineSpec = MachineSpec(),
+    probe: HostProbe = HostProbe(),
     *,
-    groups: str = "numa",
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
     store: PerfModelStore | None = None,
     workers: Sequence[Worker] | None = None,
-    policy: str = "heft",
-    seed: int = 0,
-    batches: int = HOST_PROBE_BATCHES,
-    max_seconds: float = 4.0,
     calibration_machine: Mapping[str, Any] | None = None,
     on_step: Callable[[str], None] | None = None,
 ) -> HostModel:
@@ -327,20 +332,23 @@ def calibrate_host(
     answered) and its tasks' time against their models; the generator reports its lag; the
     process's CPU time less the CPU workers' task time is the host's CPU. The machine's load
     meanwhile (:mod:`staronnx.bench.cpuload`) is kept with them, and ``calibration_machine`` (the
-    calibration's, :attr:`CalibrationReport.machine`).
+    calibration's, :attr:`CalibrationReport.machine`). ``machine_spec``: the workers measured (those
+    ``workers`` were started from, when given); ``probe``: how (:class:`HostProbe`).
     """
     import tempfile
 
     from staronnx.bench.bound import machine_bound
     from staronnx.bench.cpuload import LoadWatch, _own_cpu, compute_threads, thread_cpu
-    from staronnx.bench.machine import build_machine, free_pus
+    from staronnx.bench.machine import build_machine
     from staronnx.bench.points import measure_point, sample_pool, warm_up
+    from staronnx.bench.spec import RunSpec
     from staronnx.runtime.runtime import Runtime
 
     store = store if store is not None else PerfModelStore()
     say = on_step or (lambda msg: None)
-    machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
-                            cpu_fallback=False, host=False)
+    policy, seed, batches, max_seconds = probe.policy, probe.seed, probe.batches, probe.max_seconds
+    spec = machine_spec
+    machine = build_machine(plan, spec, store=store, cpu_fallback=False, host=False)
     sizes = probe_sizes(batch_sizes_for(plan, batch_sizes)[0])
     bounds = {b: machine_bound(machine, b, host_costs=False).throughput for b in sizes}
     runs: list[_ProbeRun] = []
@@ -348,7 +356,8 @@ def calibrate_host(
         trace = Path(tmp) / "probe.json"
         # the probe's runtime reads a copy of the models: what it learns (the flush's partial
         # batches, sizes nobody calibrated) must not land in the store as half-filled entries
-        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
+        runtime = Runtime(plan, policy=policy, cpu_groups=spec.groups, cuda_streams=spec.cuda_streams,
+                          cuda_devices=spec.cuda_devices,
                           store=_scratch_store(store, plan.hash, Path(tmp) / "home"), workers=workers, trace=trace)
         try:
             names = [w.name for w in runtime.workers]
@@ -368,7 +377,8 @@ def calibrate_host(
                     seconds = min(max_seconds, max(shortest, batches * b / rate))
                     say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
                     own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
-                    _, records = measure_point(runtime, b, rate, samples, duration=seconds, warmup=0.0, seed=seed)
+                    _, records = measure_point(runtime, b, rate, samples,
+                                               RunSpec(duration=seconds, warmup=0.0, seed=seed))
                     host_cpu = (_own_cpu() - own) - (sum(thread_cpu(compute).values()) - workers_cpu)
                     runs.append(_ProbeRun(b, records, host_cpu, inline, rate, seconds, kind == "loaded",
                                           cold_only=kind == "cold", idles=rate <= cold_rate))
@@ -393,7 +403,7 @@ def calibrate_host(
     _fit_cpu_per_request(loaded)
     scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b], tasks), plan.k) for b in light}
     costs = {b: _two_loads(light[b], loaded.get(b), scales[b]) for b in light}
-    model = HostModel(names, free_pus(None, groups, cuda_streams, cuda_devices), costs,
+    model = HostModel(names, machine.free_pus, costs,
                       probe_machine=None if probe_load is None else probe_load.as_dict(),
                       calibration_machine=dict(calibration_machine) if calibration_machine else None,
                       measured_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))

@@ -20,9 +20,11 @@ from staronnx.ortutil import make_session
 from staronnx.runtime.runtime import Runtime
 from staronnx.workers.topology import Topology
 from staronnx.partition.api import partition
+from staronnx.partition.spec import PartitionSpec
 from staronnx.plan import Plan
 from staronnx.verify import VerifyReport, random_plan_feeds, verify_plan
 from staronnx.zoo import inception_demo
+from staronnx.workers.layout import MachineSpec
 
 
 @dataclass
@@ -57,7 +59,8 @@ def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.1
 
     say(f"partitioning with METIS into shares {shares} (costs profiled on the CPU)")
     plan = partition(model_path, list(shares), output_dir=root / "plan", force=True)
-    linear = partition(model_path, list(shares), output_dir=root / "plan-linear", method="linear", force=True)
+    linear = partition(model_path, list(shares), PartitionSpec(method="linear"), output_dir=root / "plan-linear",
+                       force=True)
 
     say(f"verifying the {plan.k} chained parts against the whole model at batch {batch}")
     report = verify_plan(plan, model_path, batch=batch)
@@ -76,7 +79,7 @@ def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.1
     t2 = time.perf_counter()
 
     say(f"calibrating perf models at batch {batch} on CPU groups {groups!r}")
-    workers = start_workers(plan, groups=groups)
+    workers = start_workers(plan, MachineSpec(groups=groups))
     try:
         calibrate(plan, [batch], workers=workers)
     finally:

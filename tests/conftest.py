@@ -30,6 +30,8 @@ from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.zoo import fragile, inception
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(autouse=True)
@@ -177,11 +179,11 @@ def calibrated_inception(tmp_path_factory) -> tuple[Plan, Path]:
     the bound and the optimizer need)."""
     root = tmp_path_factory.mktemp("calibrated")
     onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
-    plan = partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+    plan = partition(root / "inception.onnx", [0.7, 0.3], PartitionSpec(profile_runs=2), output_dir=root / "plan")
     home = root / "home"
     # one explicit one-PU group: one worker measures arch cpu1 on any host (cores=1 would
     # start one per core)
-    workers = start_workers(plan, groups=str(min(os.sched_getaffinity(0))))
+    workers = start_workers(plan, MachineSpec(groups=str(min(os.sched_getaffinity(0)))))
     try:
         # this plan's parts take tens of microseconds: on a loaded machine StarPU's outlier
         # rule can keep an entry from reaching 10 accepted samples within one calibration's
@@ -204,8 +206,8 @@ def fragile_plan(tmp_path) -> Plan:
     every signature check and fails in part 1, inside ONNX Runtime."""
     model = tmp_path / "fragile.onnx"
     onnx.save(fragile(), str(model))
-    return partition(model, parts=2, method="linear", output_dir=tmp_path / "fragile-plan",
-                     input_shapes=["x=1x8"], costs="estimate")
+    return partition(model, spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                     output_dir=tmp_path / "fragile-plan")
 
 
 @pytest.fixture(scope="session")
@@ -227,7 +229,7 @@ def small(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("small")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    partition(model, [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    partition(model, [0.7, 0.3], PartitionSpec(costs="estimate"), output_dir=root / "plan")
     return model, root / "plan"
 
 
@@ -245,8 +247,9 @@ def real_plan(tmp_path_factory):
         key = (name, shares)
         if key not in made:
             out = tmp_path_factory.mktemp(f"real-{name}")
-            made[key] = partition(str(realmodels.path(name)), shares, output_dir=out / "plan", force=True,
-                                  input_shapes=realmodels.input_shapes(name), profile_runs=1, profile_batch=2)
+            made[key] = partition(str(realmodels.path(name)), shares,
+                                  PartitionSpec(input_shapes=realmodels.input_shapes(name), profile_runs=1,
+                                                profile_batch=2), output_dir=out / "plan", force=True)
         return made[key]
 
     return make

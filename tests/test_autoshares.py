@@ -21,6 +21,7 @@ from staronnx import partition
 from staronnx.errors import PartitionError
 from staronnx.partition.autoshares import WorkerSpeed, choose_shares, concurrent_seconds, is_auto
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 
 def test_is_auto():
@@ -98,12 +99,12 @@ def model(tmp_path_factory):
 
 def test_partition_api_with_given_speeds_cuts_the_chosen_split(model, tmp_path):
     speeds = [WorkerSpeed("cuda0", "cuda", 8 / 3647), WorkerSpeed("cpu14", "cpu", 8 / 389)]
-    plan = partition(model, "auto", speeds=speeds, output_dir=tmp_path / "p", profile_runs=1)
+    plan = partition(model, "auto", PartitionSpec(profile_runs=1), speeds=speeds, output_dir=tmp_path / "p")
     auto = plan.settings["auto_shares"]
     assert plan.k == 2 and auto["shares"] == plan.settings["shares"]
     assert abs(plan.parts[1].target_share - auto["shares"][1]) < 1e-9
     with pytest.raises(PartitionError, match="parts"):
-        partition(model, "auto", parts=2, output_dir=tmp_path / "q")
+        partition(model, "auto", PartitionSpec(parts=2), output_dir=tmp_path / "q")
 
 
 def _cli(*args: str, home) -> subprocess.CompletedProcess[str]:

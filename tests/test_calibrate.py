@@ -15,6 +15,8 @@ from staronnx import partition
 from staronnx.calibrate import calibrate, start_workers
 from staronnx.perfmodels import PerfModelStore
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(scope="module")
@@ -22,12 +24,12 @@ def small_plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("calib")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+    return partition(model, [0.7, 0.3], PartitionSpec(profile_runs=2), output_dir=root / "plan")
 
 
 def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path, two_groups):
     store = PerfModelStore(tmp_path)
-    workers = start_workers(small_plan, groups=two_groups)
+    workers = start_workers(small_plan, MachineSpec(groups=two_groups))
     try:
         report = calibrate(small_plan, [1, 3], workers=workers, store=store)
         archs = {w.arch for w in workers}
@@ -43,7 +45,7 @@ def test_calibrate_fills_every_part_arch_batch(small_plan, tmp_path, two_groups)
         assert r.mean > 0 and r.prediction == pytest.approx(r.mean)
 
     # a second calibration finds the models calibrated and runs nothing more
-    workers = start_workers(small_plan, groups=two_groups)
+    workers = start_workers(small_plan, MachineSpec(groups=two_groups))
     try:
         again = calibrate(small_plan, [1, 3], workers=workers, store=store)
     finally:
@@ -86,7 +88,7 @@ def test_an_interrupted_replacing_calibration_keeps_the_batch_sizes_it_did_not_r
 
     store = PerfModelStore(tmp_path)
     pu = str(sorted(os.sched_getaffinity(0))[0])
-    workers = start_workers(small_plan, groups=pu)
+    workers = start_workers(small_plan, MachineSpec(groups=pu))
     try:
         calibrate(small_plan, [1, 3], workers=workers, store=store)
         before = {(r.part, r.batch): r for r in store.rows(small_plan.hash)}
@@ -159,7 +161,7 @@ def test_calibration_runs_as_tasks_pinned_to_each_worker_through_the_engine(smal
 
     rt = HostRuntime()
     store = PerfModelStore(tmp_path)
-    workers = start_workers(small_plan, groups="none", cuda_streams=2, cuda_options={"runtime": rt})
+    workers = start_workers(small_plan, MachineSpec(groups="none", cuda_streams=2), cuda_options={"runtime": rt})
     try:
         report = calibrate(small_plan, [2], workers=workers, store=store, max_runs=30)
     finally:

@@ -23,6 +23,7 @@ from staronnx import partition
 from staronnx.bench.results import load_results
 from staronnx import fsutil
 from staronnx.zoo import chain, inception
+from staronnx.partition import PartitionSpec
 
 CLI = [sys.executable, "-m", "staronnx"]
 #: one explicit PU this process may run on, so the runtime's group exists on any host
@@ -133,7 +134,7 @@ def test_a_live_runs_staging_is_never_removed(tmp_path):
         unrelated = tmp_path / f".notes.tmp-{_dead_pid()}-xyz"  # not ours: no marker, not empty
         unrelated.mkdir()
         (unrelated / "keep.txt").write_text("mine")
-        partition(model, parts=2, method="linear", costs="estimate", output_dir=tmp_path / "plan")
+        partition(model, spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=tmp_path / "plan")
         assert live.is_dir() and (live / "part0.onnx").read_bytes() == b"half"
         assert not dead.exists() and not other.exists()
         assert (unrelated / "keep.txt").read_text() == "mine"
@@ -172,7 +173,7 @@ def test_a_backup_left_by_a_killed_publish_is_restored(tmp_path):
 def small_plan(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("small")
     onnx.save(inception(blocks=2, channels=8, size=16), str(root / "inception.onnx"))
-    partition(root / "inception.onnx", [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    partition(root / "inception.onnx", [0.7, 0.3], PartitionSpec(costs="estimate"), output_dir=root / "plan")
     return root / "plan"
 
 

@@ -15,6 +15,8 @@ import pytest
 
 import staronnx
 from staronnx.bench.sweep import sweep
+from staronnx.bench.spec import RunSpec, SweepSpec
+from staronnx.workers.layout import MachineSpec
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -36,8 +38,8 @@ def test_sweep_plot_compare_overlays_folders(calibrated_inception, tmp_path):
     from staronnx.perfmodels import PerfModelStore
 
     for name in ("a", "b"):
-        sweep(plan, [50.0], [1], groups=_one_pu(), duration=0.3, out_dir=tmp_path / name,
-              store=PerfModelStore(home), extend=False)
+        sweep(plan, [50.0], [1], SweepSpec(RunSpec(duration=0.3), out_dir=tmp_path / name, extend=False),
+              machine=MachineSpec(groups=_one_pu()), store=PerfModelStore(home))
     out = tmp_path / "both.png"
     done = _cli("sweep-plot", str(tmp_path / "a"), "--compare", str(tmp_path / "b"), "--labels", "first,second",
                 "-o", str(out), home=home)

@@ -24,6 +24,8 @@ from staronnx.serving import Server
 from staronnx.workers.colocate import colocated
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.cudart import HostRuntime
+from staronnx.partition import PartitionSpec
+from staronnx.bench.spec import RunSpec
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no thread affinity here")
 
@@ -42,7 +44,8 @@ def model(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def plan(model, tmp_path_factory: pytest.TempPathFactory):
-    return partition(model, parts=1, output_dir=tmp_path_factory.mktemp("colocate-plan") / "plan", profile_runs=1)
+    return partition(model, spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=tmp_path_factory.mktemp("colocate-plan") / "plan")
 
 
 def _runtime(plan, tmp_path, groups: str = "none", streams: int = 1) -> Runtime:
@@ -149,8 +152,8 @@ def test_an_open_loop_point_on_cpu_workers_colocated_records_the_workers_pu(plan
     pu = sorted(os.sched_getaffinity(0))[0]
     seen: set[frozenset[int]] = set()
     with _runtime(plan, tmp_path, groups=str(pu), streams=0) as rt:
-        summary, records = measure_point(rt, 4, 400.0, [{"x": _x(5)["x"][:1]}], duration=0.5, warmup=0.1,
-                                         max_delay=0.002, colocate=True,
+        summary, records = measure_point(rt, 4, 400.0, [{"x": _x(5)["x"][:1]}],
+                                         RunSpec(duration=0.5, warmup=0.1, max_delay=0.002, colocate=True),
                                          on_submit=lambda i, n: seen.add(frozenset(os.sched_getaffinity(0))))
     assert summary["throughput"] > 0
     assert seen == {frozenset({pu})} and records.settings["loadgen"]["core"] == pu
@@ -201,8 +204,9 @@ def test_an_open_loop_point_colocated_runs_its_generator_and_batcher_on_the_driv
                         if t.name == "staronnx-batcher" and t.native_id is not None)
 
     with _runtime(plan, tmp_path) as rt:
-        summary, _ = measure_point(rt, 4, 400.0, [{"x": _x(5)["x"][:1]}], duration=0.5, warmup=0.1,
-                                   max_delay=0.002, on_submit=on_submit, colocate=True)
+        summary, _ = measure_point(rt, 4, 400.0, [{"x": _x(5)["x"][:1]}],
+                                   RunSpec(duration=0.5, warmup=0.1, max_delay=0.002, colocate=True),
+                                   on_submit=on_submit)
         assert summary["throughput"] > 0
         assert len(seen) == 1 and batchers == seen
         (pus,) = seen

@@ -15,15 +15,17 @@ from test_simulator import MS, NO_RESERVE, plan, topo, write_models  # noqa: F40
 from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.perfmodels import PerfModelStore
+from staronnx.bench.spec import SimSpec
 from staronnx.perfmodels.helpcost import HelpCost
+from staronnx.workers.layout import MachineSpec
 
 #: a 2-part chain: 1 ms per part on the GPU, 20 ms on the 4-core CPU group
 H100_LIKE = {(0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS, (0, "cpu4"): 20 * MS, (1, "cpu4"): 20 * MS}
 
 
 def _machines(plan, store) -> tuple[SimMachine, SimMachine]:
-    both = build_machine(plan, topology=topo("pack:1 numa:1 core:4 pu:1"), groups=NO_RESERVE, cuda_streams=1,
-                         store=store)
+    both = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1),
+                         topology=topo("pack:1 numa:1 core:4 pu:1"), store=store)
     gpu = SimMachine(plan, [w for w in both.workers if w.kind == "cuda"], both.table, list(both.notes),
                      dict(both.settings))
     return both, gpu
@@ -39,9 +41,9 @@ def test_gpu_plus_cpu_is_never_worse_than_gpu_alone(plan, tmp_path, policy, rate
     store = PerfModelStore(tmp_path)
     write_models(store, plan, H100_LIKE, rel_std=0.05)
     both, gpu = _machines(plan, store)
-    alone = simulate(machine=gpu, rate=rate, batch_size=1, policy=policy, duration=4).metrics()
+    alone = simulate(gpu, rate, 1, SimSpec(policy=policy, duration=4)).metrics()
     options = {"help_cost": HelpCost.free() if cost == "free" else HelpCost()}
-    helped_res = simulate(machine=both, rate=rate, batch_size=1, policy=policy, duration=4, policy_options=options)
+    helped_res = simulate(both, rate, 1, SimSpec(policy=policy, duration=4, policy_options=options))
     helped = helped_res.metrics()
     assert helped["throughput"] >= 0.98 * alone["throughput"]
     on_cpu = sum(n for (part, arch), n in helped_res.placement.items() if arch.startswith("cpu"))

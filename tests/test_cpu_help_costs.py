@@ -24,6 +24,7 @@ simulator that runs the same policy objects, and on a live runtime (CUDA workers
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -32,10 +33,12 @@ from test_simulator import MS, NO_RESERVE, plan, topo, write_models  # noqa: F40
 
 from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
+from staronnx.bench.spec import SimSpec
 from staronnx.perfmodels import PerfModelStore
 from staronnx.perfmodels.helpcost import H200_HOST_SHARE, HelpCost, helped_end
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.sched import TaskView, WorkerInfo
+from staronnx.workers.layout import MachineSpec
 
 H200 = HelpCost()  # the H200's host share and a task's fixed 100 us
 #: (batch, streams, GPU alone samples/s, CPU group samples/s), the H200 rows where help lost
@@ -145,8 +148,8 @@ def test_helped_end_and_bad_costs():
 
 # -- the simulator: the same policy objects on simulated time ------------------------------------
 def _machines(plan, store, streams: int) -> tuple[SimMachine, SimMachine]:
-    both = build_machine(plan, topology=topo("pack:1 numa:1 core:4 pu:1"), groups=NO_RESERVE,
-                         cuda_streams=streams, store=store)
+    both = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=streams),
+                         topology=topo("pack:1 numa:1 core:4 pu:1"), store=store)
     gpu = SimMachine(plan, [w for w in both.workers if w.kind == "cuda"], both.table, list(both.notes),
                      dict(both.settings))
     return both, gpu
@@ -163,12 +166,14 @@ def test_simulate_puts_nothing_on_the_cpu_on_the_h200_batch32_row(plan, tmp_path
                                (0, "cpu4"): cpu_s / 2, (1, "cpu4"): cpu_s / 2}, batches=(32,))
     both, gpu = _machines(plan, store, 4)
     rate = 1.5 * 32 / device_s
-    kw = dict(rate=rate, batch_size=32, duration=2, max_inflight=64)
-    legacy = simulate(machine=both, policy=policy_name, policy_options={"help_cost": HelpCost.free()}, **kw)
+    kw: dict[str, Any] = dict(rate=rate, batch_size=32, max_inflight=64)
+    free = SimSpec(policy=policy_name, duration=2, policy_options={"help_cost": HelpCost.free()})
+    legacy = simulate(both, spec=free, **kw)
     assert any(arch.startswith("cpu") and n for (_, arch), n in legacy.placement.items())
-    helped = simulate(machine=both, policy=policy_name, **kw)  # the default: the H200's cost
+    charged = SimSpec(policy=policy_name, duration=2)  # the default: the H200's cost
+    helped = simulate(both, spec=charged, **kw)
     assert not any(arch.startswith("cpu") and n for (_, arch), n in helped.placement.items())
-    alone = simulate(machine=gpu, policy=policy_name, **kw).metrics()
+    alone = simulate(gpu, spec=charged, **kw).metrics()
     assert helped.metrics()["throughput"] >= 0.98 * alone["throughput"]
 
 

@@ -18,6 +18,7 @@ import pytest
 
 from staronnx import partition
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -26,7 +27,8 @@ pytestmark = pytest.mark.timeout(300)
 def tiny(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("cudacli")
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
-    plan = partition(root / "chain.onnx", parts=2, method="linear", output_dir=root / "plan", costs="estimate")
+    plan = partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=root / "plan")
     return root / "chain.onnx", plan.root
 
 
@@ -244,7 +246,7 @@ def test_a_mixed_sweep_and_optimize_batch_colocate_their_load_generators(tiny, t
     from test_simulator import write_models
 
     model, plan = tiny
-    other = partition(model, parts=1, output_dir=tmp_path / "other", costs="estimate").root
+    other = partition(model, spec=PartitionSpec(parts=1, costs="estimate"), output_dir=tmp_path / "other").root
     out = tmp_path / "mix"
     done = subprocess.run(
         [sys.executable, "-m", "staronnx", "sweep", str(plan), str(other), "--name", "a", "--name", "b",

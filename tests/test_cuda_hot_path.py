@@ -26,6 +26,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.workers.base import WorkerLost
 from staronnx.workers.cuda import CAPTURE_LOCK, CAPTURE_TRIES, CudaWorker
 from staronnx.workers.cudart import CudaError, HostRuntime, capture_safe, is_sticky
+from staronnx.partition import PartitionSpec
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -47,7 +48,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def plan(model: Path, tmp_path_factory: pytest.TempPathFactory):
-    return partition(model, parts=1, output_dir=tmp_path_factory.mktemp("hotplan") / "plan", profile_runs=1)
+    return partition(model, spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=tmp_path_factory.mktemp("hotplan") / "plan")
 
 
 @pytest.fixture(scope="module")

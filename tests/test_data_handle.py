@@ -20,6 +20,7 @@ from staronnx.runtime.datawizard import DataHandle
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.replicas import DeviceMemory
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,7 +117,7 @@ class _LockProbe(HostRuntime):
 def one_part(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("handle")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
-    return partition(str(root / "chain.onnx"), parts=1, output_dir=root / "plan", costs="estimate")
+    return partition(str(root / "chain.onnx"), spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "plan")
 
 
 def test_a_prefetch_decided_under_the_engines_lock_is_issued_after_it(one_part, tmp_path):

@@ -24,6 +24,8 @@ from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import DataView, TaskView, WorkerInfo
 from staronnx.workers.cudart import HostRuntime
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -42,12 +44,13 @@ def model(tmp_path_factory) -> str:
 def two_parts(model, tmp_path_factory) -> Plan:
     out = tmp_path_factory.mktemp("movement2") / "plan"
     with pytest.warns(Warning):  # the linear cut of a 4-layer chain misses 50/50 a little
-        return partition(model, parts=2, method="linear", output_dir=out, costs="estimate")
+        return partition(model, spec=PartitionSpec(parts=2, method="linear", costs="estimate"), output_dir=out)
 
 
 @pytest.fixture(scope="module")
 def one_part(model, tmp_path_factory) -> Plan:
-    return partition(model, parts=1, output_dir=tmp_path_factory.mktemp("movement1") / "plan", costs="estimate")
+    return partition(model, spec=PartitionSpec(parts=1, costs="estimate"),
+                     output_dir=tmp_path_factory.mktemp("movement1") / "plan")
 
 
 def feeds(seed: int) -> dict[str, np.ndarray]:
@@ -107,7 +110,7 @@ def test_a_two_part_chain_on_one_gpu_uploads_its_inputs_once_and_downloads_only_
 def _placed(plan: Plan, rt: HostRuntime, devices: list[str]):
     """Workers (one CUDA stream, one CPU group) and the names that pin part p to devices[p]
     ("cuda" or "cpu")."""
-    workers = start_workers(plan, groups="1", cuda_streams=1, cuda_options={"runtime": rt})
+    workers = start_workers(plan, MachineSpec(groups="1", cuda_streams=1), cuda_options={"runtime": rt})
     names = {w.kind: w.name for w in workers}
     return workers, {p: names[d] for p, d in enumerate(devices)}
 
@@ -196,7 +199,8 @@ def test_a_model_input_read_by_two_parts_on_one_gpu_is_uploaded_once(tmp_path):
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", WIDTH])], [w])
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9), tmp_path / "skip.onnx")
     with pytest.warns(Warning):
-        plan = partition(tmp_path / "skip.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+        plan = partition(tmp_path / "skip.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                         output_dir=tmp_path / "plan")
     assert all("x" in p.inputs for p in plan.parts), "both parts read the model input"
     rt = HostRuntime()
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path / "h"),

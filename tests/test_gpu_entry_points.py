@@ -27,6 +27,7 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.cuda import cuda_unavailable_reason
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 REASON = cuda_unavailable_reason(0)
 pytestmark = [
@@ -43,7 +44,7 @@ def gplan(tmp_path_factory):
     root = tmp_path_factory.mktemp("gpu-doors")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    plan = partition(model, [0.8, 0.2], output_dir=root / "plan", profile_runs=1)
+    plan = partition(model, [0.8, 0.2], PartitionSpec(profile_runs=1), output_dir=root / "plan")
     plan.source_model = model  # type: ignore[attr-defined]
     return plan
 

@@ -24,6 +24,7 @@ from staronnx.workers.layout import MachineSpec, layout
 from staronnx.workers.residency import ResidencyError, WorkerSlot
 from staronnx.workers.topology import Topology
 from staronnx.zoo import chain, inception
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -47,8 +48,8 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("lanes")
     onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
     onnx.save(chain(depth=4, width=16), str(root / "light.onnx"))
-    heavy = partition(root / "heavy.onnx", parts=1, output_dir=root / "heavy", costs="estimate")
-    light = partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")
+    heavy = partition(root / "heavy.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "heavy")
+    light = partition(root / "light.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "light")
     return heavy, light
 
 

@@ -28,6 +28,7 @@ import staronnx
 from staronnx.modelio import file_sha256, load_model
 from staronnx.plan import Plan
 from staronnx.verify import verify_plan
+from staronnx.partition import PartitionSpec
 
 pytestmark = [
     pytest.mark.slow,
@@ -90,7 +91,7 @@ def big(tmp_path_factory):
     path = _write_big_model(folder)
     timings["write model"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    plan = staronnx.partition(path, parts=2, output_dir=folder / "plan", costs="estimate")
+    plan = staronnx.partition(path, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=folder / "plan")
     timings["partition"] = time.perf_counter() - t0
     try:
         yield {"path": path, "plan": plan, "folder": folder, "timings": timings}

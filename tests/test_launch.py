@@ -26,6 +26,8 @@ from staronnx.workers.groups import GroupError, policy_reserve
 from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +35,7 @@ def plan2(tmp_path_factory):
     root = tmp_path_factory.mktemp("launch")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=1, channels=8, size=16), str(model))
-    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=1)
+    return partition(model, [0.7, 0.3], PartitionSpec(profile_runs=1), output_dir=root / "plan")
 
 
 def _allowed_pus() -> list[int]:
@@ -113,7 +115,7 @@ def test_the_simulator_sees_the_layout_the_runtime_starts():
     from staronnx.bench.machine import sim_workers
 
     topo = Topology.from_synthetic("pack:2 numa:2 core:4 pu:1")
-    infos = sim_workers(topo, "numa", cuda_streams=2)
+    infos = sim_workers(MachineSpec("numa", cuda_streams=2), topo)
     assert [w.kind for w in infos[:2]] == ["cuda", "cuda"]
     # 16 cores, 1 held back for the device's driver thread: the last NUMA node has 3 cores left
     assert sorted(w.ncores for w in infos[2:]) == [3, 4, 4, 4]
@@ -137,14 +139,14 @@ def test_the_layout_names_every_worker_once_lanes_and_residency_included():
         [False, False, False], [True, True, True], [True, True, True], [False, False, True]]
     from staronnx.bench.machine import sim_workers
 
-    assert [(w.name, w.arch) for w in sim_workers(topo, "numa", 1)] == [(w.name, w.arch) for w in laid.workers[:3]]
+    assert [(w.name, w.arch) for w in sim_workers(MachineSpec("numa", 1), topo)] == [(w.name, w.arch) for w in laid.workers[:3]]
 
 
 @pytest.mark.parametrize("bad", [{"cuda_streams": -1}, {"cuda_devices": (0, 0)}, {"cuda_devices": ("gpu0",)}])
 def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tmp_path, bad):
     import re
 
-    from staronnx.bench.machine import SimulationError, build_machine
+    from staronnx.bench.machine import build_machine
     from staronnx.errors import StaronnxError
     from staronnx.perfmodels import PerfModelStore
     from staronnx.workers.layout import MachineError
@@ -154,10 +156,10 @@ def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tm
     words = re.escape(str(refused.value))
     with pytest.raises(StaronnxError, match=words):
         Runtime(plan2, cpu_groups="numa", store=PerfModelStore(tmp_path), **bad)
-    with pytest.raises(SimulationError, match=words):
-        build_machine(plan2, groups="numa", store=PerfModelStore(tmp_path), **bad)
+    with pytest.raises(MachineError, match=words):  # the simulator's door takes the same spec
+        build_machine(plan2, MachineSpec(groups="numa", **bad), store=PerfModelStore(tmp_path))
     with pytest.raises(MachineError, match=words):
-        start_workers(plan2, groups="numa", **bad)
+        start_workers(plan2, MachineSpec(groups="numa", **bad))
 
 
 # ------------------------------------------------------------------ started workers, real threads
@@ -165,7 +167,7 @@ def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tm
 def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):
     pus = _allowed_pus()
     groups = f"{pus[0]};{pus[1]}"  # explicit: nothing reserved automatically
-    workers = start_workers(plan2, groups=groups, cuda_streams=1, cuda_options={"runtime": HostRuntime()})
+    workers = start_workers(plan2, MachineSpec(groups=groups, cuda_streams=1), cuda_options={"runtime": HostRuntime()})
     try:
         assert [w.kind for w in workers] == ["cuda", "cpu", "cpu"]
         assert all(w.alive for w in workers)
@@ -173,7 +175,7 @@ def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):
     finally:
         for w in workers:
             w.close()
-    auto = start_workers(plan2, groups="numa", cuda_streams=1, cuda_options={"runtime": HostRuntime()})
+    auto = start_workers(plan2, MachineSpec(groups="numa", cuda_streams=1), cuda_options={"runtime": HostRuntime()})
     try:
         cuda, cpus = auto[0], auto[1:]
         assert cuda.kind == "cuda" and cuda.alive and cuda.cpu is not None
@@ -243,7 +245,7 @@ def test_the_server_assembles_batches_in_pinned_memory_its_cuda_workers_copy_wit
 def test_a_cuda_worker_that_cannot_start_closes_the_ones_already_started(plan2):
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(Exception, match="cudnn_conv_algo_search"):
-        start_workers(plan2, groups="numa", cuda_streams=1,
+        start_workers(plan2, MachineSpec(groups="numa", cuda_streams=1),
                       cuda_options={"runtime": HostRuntime(), "cudnn_conv_algo_search": "nope"})
     assert {t.name for t in threading.enumerate()} <= before
 
@@ -277,7 +279,8 @@ def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
     from staronnx.bench.machine import sim_workers
     from staronnx.perfmodels import PerfModelStore
 
-    assert [w.kind for w in sim_workers(Topology.from_synthetic("core:4 pu:1"), "none", cuda_streams=2)] == ["cuda"] * 2
+    synthetic = Topology.from_synthetic("core:4 pu:1")
+    assert [w.kind for w in sim_workers(MachineSpec("none", cuda_streams=2), synthetic)] == ["cuda"] * 2
     feeds = random_plan_feeds(plan2, 2, seed=3)
     with Runtime(plan2, policy="dmda", cpu_groups="none", cuda_streams=1, cuda_options={"runtime": HostRuntime()},
                  store=PerfModelStore(tmp_path)) as rt:

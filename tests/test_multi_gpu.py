@@ -24,6 +24,9 @@ from staronnx.workers.topology import Topology
 from staronnx.zoo import chain
 from test_cuda_cli import _cli
 from test_simulator import MS, write_models
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineError, MachineSpec
+from staronnx.bench.spec import SimSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,7 +38,8 @@ NO_RESERVE = "numa,reserve=0"
 def plan(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("multigpu")
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", parts=2, method="linear", output_dir=root / "plan", costs="estimate")
+    return partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=root / "plan")
 
 
 @pytest.fixture
@@ -56,15 +60,17 @@ def test_the_simulator_sees_the_workers_the_runtime_starts_on_two_gpus(plan, tmp
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=2, cuda_devices=(0, 1),
                  store=PerfModelStore(tmp_path), cuda_options={"runtime": HostRuntime(devices=2)}) as rt:
         live = [(w.name, w.arch, w.kind, w.memory_node) for w in rt.workers]
-    simulated = [(w.name, w.arch, w.kind, w.memory_node) for w in sim_workers(None, "none", 2, (0, 1))]
+    simulated = [(w.name, w.arch, w.kind, w.memory_node) for w in sim_workers(MachineSpec("none", 2, (0, 1)))]
     assert simulated == live == [("cuda0.s0", "cuda0", "cuda", "cuda0"), ("cuda0.s1", "cuda0", "cuda", "cuda0"),
                                  ("cuda1.s0", "cuda1", "cuda", "cuda1"), ("cuda1.s1", "cuda1", "cuda", "cuda1")]
 
 
 @pytest.mark.parametrize("bad", [(), (0, 0), (-1,), ("gpu0",)])
 def test_cuda_devices_are_checked_as_the_runtime_checks_them(plan, tmp_path, bad):
-    with pytest.raises(SimulationError, match="each GPU once, by its CUDA ordinal"):
-        build_machine(plan, groups="none", cuda_streams=1, cuda_devices=bad, store=PerfModelStore(tmp_path))
+    # the simulator's machine is the runtime's spec: refused when made, in the runtime's words
+    with pytest.raises(MachineError, match="each GPU once, by its CUDA ordinal"):
+        build_machine(plan, MachineSpec(groups="none", cuda_streams=1, cuda_devices=bad),
+                      store=PerfModelStore(tmp_path))
 
 
 def test_two_calibrated_gpus_double_the_bound_and_share_the_load(plan, tmp_path):
@@ -73,17 +79,17 @@ def test_two_calibrated_gpus_double_the_bound_and_share_the_load(plan, tmp_path)
     store = PerfModelStore(tmp_path)
     times = {(p, arch): 2 * MS for p in (0, 1) for arch in ("cuda0", "cuda1")}
     write_models(store, plan, times, batches=(1,))
-    one = build_machine(plan, groups="none", cuda_streams=1, store=store)
-    two = build_machine(plan, groups="none", cuda_streams=1, cuda_devices=(0, 1), store=store)
+    one = build_machine(plan, MachineSpec(groups="none", cuda_streams=1), store=store)
+    two = build_machine(plan, MachineSpec(groups="none", cuda_streams=1, cuda_devices=(0, 1)), store=store)
     assert [w.arch for w in two.workers] == ["cuda0", "cuda1"] and not two.table.sources
     assert two.settings["cuda_devices"] == [0, 1] and one.settings["cuda_devices"] == [0]
     assert machine_bound(one, 1).throughput == pytest.approx(250, rel=1e-6)  # 4 ms a sample
     assert machine_bound(two, 1).throughput == pytest.approx(500, rel=1e-6)
-    res = simulate(machine=two, rate=400, batch_size=1, duration=5)
+    res = simulate(two, 400, 1, SimSpec(duration=5))
     m = res.metrics()
     assert not m["congested"] and m["throughput"] == pytest.approx(400, rel=0.02)
     assert res.busy["cuda0.s0"] > 0.3 and res.busy["cuda1.s0"] > 0.3
-    assert simulate(machine=one, rate=400, batch_size=1, duration=5).metrics()["congested"]
+    assert simulate(one, 400, 1, SimSpec(duration=5)).metrics()["congested"]
 
 
 def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_links(plan, tmp_path):
@@ -95,7 +101,7 @@ def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_link
     bus = BusModel()
     bus.set("numa0", "cuda0", LinkCost(latency=50e-6, bandwidth=10e9))
     bus.set("cuda0", "numa0", LinkCost(latency=60e-6, bandwidth=12e9))
-    m = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2, 3),
+    m = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2, 3)), topology=topo(CPU4),
                       store=store, bus=bus)
     assert [w.arch for w in m.workers] == ["cuda0", "cuda2", "cuda3", "cpu4"]
     assert m.settings["sources"] == {"cuda2": "cuda0", "cuda3": "cuda0"}
@@ -109,8 +115,8 @@ def test_a_gpu_never_calibrated_borrows_the_first_calibrated_gpus_times_and_link
     compute = 3 / (4 * MS) + 1 / (12 * MS)  # three GPUs at 4 ms a sample, the CPU at 12 ms
     assert 0.97 * compute < bound.throughput < compute  # every GPU's copies cost a little
     # strict callers (the bound of --rates auto, perfmodel show) borrow nothing
-    strict = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2),
-                           store=store, bus=bus, cpu_fallback=False)
+    strict = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1, cuda_devices=(0, 2)),
+                           topology=topo(CPU4), store=store, bus=bus, cpu_fallback=False)
     assert not strict.table.sources
     with pytest.raises(SimulationError, match="on cuda2"):
         machine_bound(strict, 1)

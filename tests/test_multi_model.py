@@ -21,6 +21,7 @@ from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
 from staronnx.serving.server import OverloadError, Server, StandInRuntime
 from staronnx.zoo import inception, residual
+from staronnx.partition import PartitionSpec
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +31,8 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("multi")
     onnx.save(inception(blocks=3, channels=16, size=32), str(root / "heavy.onnx"))
     onnx.save(residual(blocks=2, channels=4, size=8), str(root / "light.onnx"))
-    heavy = partition(root / "heavy.onnx", [0.5, 0.3, 0.2], output_dir=root / "heavy", costs="estimate")
-    light = partition(root / "light.onnx", [0.6, 0.4], output_dir=root / "light", costs="estimate")
+    heavy = partition(root / "heavy.onnx", [0.5, 0.3, 0.2], PartitionSpec(costs="estimate"), output_dir=root / "heavy")
+    light = partition(root / "light.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "light")
     return heavy, light
 
 

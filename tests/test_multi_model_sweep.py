@@ -12,6 +12,7 @@ import csv
 import json
 import os
 import subprocess
+from dataclasses import replace
 import sys
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from staronnx.perfmodels import HistoryModel, PerfModelStore
 from staronnx.plan import Plan
 from staronnx.workers.topology import Topology
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import SimSpec
 
 MS = 1e-3
 ONE_CORE = "pack:1 numa:1 core:1 pu:1"  # groups="cores=1": one worker, arch cpu1
@@ -56,8 +60,8 @@ def plans(tmp_path_factory) -> tuple[Plan, Plan, Path]:
     root = tmp_path_factory.mktemp("mix")
     onnx.save(chain(depth=6, width=32), str(root / "a.onnx"))
     onnx.save(chain(depth=4, width=16), str(root / "b.onnx"))
-    heavy = partition(root / "a.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate")
-    light = partition(root / "b.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")
+    heavy = partition(root / "a.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "heavy")
+    light = partition(root / "b.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "light")
     home = root / "home"
     store = PerfModelStore(home)
     write_models(store, heavy, HEAVY_TIMES, (1, 4))
@@ -67,8 +71,8 @@ def plans(tmp_path_factory) -> tuple[Plan, Plan, Path]:
 
 def machine(plans, topology: str = ONE_CORE):
     heavy, light, home = plans
-    return build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(topology),
-                         groups="cores=1", store=PerfModelStore(home))
+    return build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1"),
+                         topology=Topology.from_synthetic(topology), store=PerfModelStore(home))
 
 
 # -- the LP bound over several models ---------------------------------------------------------
@@ -96,7 +100,7 @@ def test_mix_bound_shares_the_machine_between_the_models_offered_loads(plans):
 
 def test_mix_bound_of_one_model_is_its_plain_bound(plans):
     heavy, _, home = plans
-    m = build_machine(heavy, topology=Topology.from_synthetic(TWO_CORES), groups="cores=1",
+    m = build_machine(heavy, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(TWO_CORES),
                       store=PerfModelStore(home))
     bound = mix_bound(m, {"heavy": 50}, 4)
     assert bound.scale * 50 == pytest.approx(machine_bound(m, 4).throughput, rel=1e-9)
@@ -111,10 +115,10 @@ def test_mix_bound_of_one_model_is_its_plain_bound(plans):
 # -- the simulator driving one shared core ----------------------------------------------------
 def test_a_mix_of_one_model_simulates_exactly_as_the_single_model_run(plans):
     heavy, _, home = plans
-    m = build_machine(heavy, topology=Topology.from_synthetic(TWO_CORES), groups="cores=1",
+    m = build_machine(heavy, MachineSpec(groups="cores=1"), topology=Topology.from_synthetic(TWO_CORES),
                       store=PerfModelStore(home))
-    single = simulate(machine=m, rate=500, batch_size=4, duration=2, distribution="poisson", seed=3).metrics()
-    mixed = simulate_mix(m, {"heavy": 500}, 4, duration=2, distribution="poisson", seed=3).metrics("heavy")
+    single = simulate(m, 500, 4, SimSpec(duration=2, distribution="poisson", seed=3)).metrics()
+    mixed = simulate_mix(m, {"heavy": 500}, 4, SimSpec(duration=2, distribution="poisson", seed=3)).metrics("heavy")
     for key in ("throughput", "latency_p50", "latency_p99", "paper_latency_mean", "completed", "batches"):
         assert mixed[key] == single[key], key
     assert mixed["deadline_misses"] is None  # no target, nothing counted
@@ -126,9 +130,9 @@ def test_a_latency_target_keeps_the_light_model_out_of_the_heavy_models_queue(pl
     task running (6 ms, its longest part), and the heavy model keeps its throughput."""
     m = machine(plans)
     rates, sizes = {"heavy": 340, "light": 50}, {"heavy": 4, "light": 1}
-    common = dict(duration=10, distribution="poisson", seed=1)
-    plain = simulate_mix(m, rates, sizes, **common)
-    target = simulate_mix(m, rates, sizes, targets={"light": {"latency_ms": 5}}, **common)
+    common = SimSpec(duration=10, distribution="poisson", seed=1)
+    plain = simulate_mix(m, rates, sizes, common)
+    target = simulate_mix(m, rates, sizes, replace(common, targets={"light": {"latency_ms": 5}}))
     light_plain, light_target = plain.metrics("light"), target.metrics("light")
     # light alone takes 1 ms; with the target it waits at most for one heavy part (6 ms)
     assert light_target["latency_p99"] <= (1 + 6) * MS + 1e-9
@@ -148,15 +152,15 @@ def test_a_latency_target_keeps_the_light_model_out_of_the_heavy_models_queue(pl
 def test_simulate_mix_refuses_what_it_cannot_run(plans):
     m = machine(plans)
     with pytest.raises(SimulationError, match="no rate for model"):
-        simulate_mix(m, {"heavy": 10}, 1, duration=1)
+        simulate_mix(m, {"heavy": 10}, 1, SimSpec(duration=1))
     with pytest.raises(SimulationError, match="unknown model"):
-        simulate_mix(m, {"heavy": 10, "light": 10, "other": 1}, 1, duration=1)
+        simulate_mix(m, {"heavy": 10, "light": 10, "other": 1}, 1, SimSpec(duration=1))
     with pytest.raises(StaronnxError, match="unknown model"):
-        simulate_mix(m, {"heavy": 10, "light": 10}, 1, duration=1, targets={"nope": {"latency_ms": 1}})
+        simulate_mix(m, {"heavy": 10, "light": 10}, 1, SimSpec(duration=1, targets={"nope": {"latency_ms": 1}}))
     with pytest.raises(SimulationError, match="several models"):
-        simulate(machine=m, rate=10, batch_size=1, duration=1)
+        simulate(m, 10, 1, SimSpec(duration=1))
     with pytest.raises(SimulationError, match="no perf model for part 2"):  # light has no b=4 models
-        simulate_mix(m, {"heavy": 10, "light": 10}, 4, duration=1)
+        simulate_mix(m, {"heavy": 10, "light": 10}, 4, SimSpec(duration=1))
 
 
 # -- parsing ----------------------------------------------------------------------------------
@@ -307,12 +311,12 @@ def test_simulate_mix_places_a_model_only_on_the_workers_its_residency_names(pla
     and the result say where each model lived."""
     m = machine(plans, TWO_CORES)
     rates, sizes = {"heavy": 600, "light": 400}, {"heavy": 4, "light": 1}
-    common = dict(duration=3, distribution="poisson", seed=2)
-    free = simulate_mix(m, rates, sizes, **common)
+    common = SimSpec(duration=3, distribution="poisson", seed=2)
+    free = simulate_mix(m, rates, sizes, common)
     for model in ("heavy", "light"):
         assert all(free.busy_by_model[model][w] > 0 for w in (CORE0, CORE1)), (model, free.busy_by_model)
     assert free.held_by == {"heavy": [CORE0, CORE1], "light": [CORE0, CORE1]}
-    kept = simulate_mix(m, rates, sizes, residency={"light": CORE1}, **common)
+    kept = simulate_mix(m, rates, sizes, replace(common, residency={"light": CORE1}))
     assert kept.busy_by_model["light"][CORE0] == 0
     assert kept.busy_by_model["light"][CORE1] > 0
     assert all(kept.busy_by_model["heavy"][w] > 0 for w in (CORE0, CORE1))
@@ -333,15 +337,15 @@ def test_a_model_kept_off_the_gpu_needs_no_gpu_perf_models(plans, tmp_path):
     store = PerfModelStore(tmp_path / "home")
     write_models(store, heavy, {**HEAVY_TIMES, (0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS}, (1, 4))
     write_models(store, light, LIGHT_TIMES, (1,))
-    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(TWO_CORES),
-                      groups="cores=1", cuda_streams=1, store=store)
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", cuda_streams=1),
+                      topology=Topology.from_synthetic(TWO_CORES), store=store)
     assert [w.name for w in m.workers] == ["cuda0.s0", CORE0]  # a core held back for the GPU's driver
     rates, sizes = {"heavy": 400, "light": 100}, {"heavy": 4, "light": 1}
     with pytest.raises(SimulationError, match="no perf model for part 2 on cuda0"):
-        simulate_mix(m, rates, sizes, duration=1)
+        simulate_mix(m, rates, sizes, SimSpec(duration=1))
     with pytest.raises(SimulationError, match="no perf model for part 2 on cuda0"):
         mix_bound(m, rates, sizes)
-    result = simulate_mix(m, rates, sizes, duration=2, residency={"light": "cpu"})
+    result = simulate_mix(m, rates, sizes, SimSpec(duration=2, residency={"light": "cpu"}))
     assert result.share("light", 0) == result.share("light", 1) == {"cpu1": 1.0}
     assert result.busy_by_model["light"]["cuda0.s0"] == 0
     assert result.held_by["light"] == [CORE0]
@@ -373,9 +377,9 @@ def test_residency_in_the_simulator_is_refused_as_the_runtime_refuses_it(plans):
     m = machine(plans, TWO_CORES)
     rates = {"heavy": 10, "light": 10}
     with pytest.raises(ResidencyError, match="unknown model.*'nope'"):
-        simulate_mix(m, rates, 1, duration=1, residency={"nope": "cpu"})
+        simulate_mix(m, rates, 1, SimSpec(duration=1, residency={"nope": "cpu"}))
     with pytest.raises(ResidencyError, match=f"'cuda' matches no worker \\(workers: {CORE0}, {CORE1}"):
-        simulate_mix(m, rates, 1, duration=1, residency={"light": "cuda"})
+        simulate_mix(m, rates, 1, SimSpec(duration=1, residency={"light": "cuda"}))
     with pytest.raises(ResidencyError, match="'cpu:numa1' matches no worker"):
         mix_bound(m, rates, 1, residency={"light": "cpu,cpu:numa1"})
 
@@ -434,7 +438,7 @@ def test_cli_sweep_mix_with_model_workers_on_one_live_runtime(plans, tmp_path):
     if len(pus) < 2:
         pytest.skip("needs two PUs for two CPU groups")
     groups = f"{pus[0]};{pus[1]}"
-    first, second = (w.name for w in sim_workers(groups=groups))
+    first, second = (w.name for w in sim_workers(MachineSpec(groups=groups)))
     heavy, light, home = plans
     out = tmp_path / "kept"
     done = _cli("sweep", str(heavy.root), str(light.root), "--rates", "heavy=40,light=20",
@@ -473,15 +477,15 @@ def test_a_lane_is_one_more_worker_on_its_group_holding_the_lane_models_only(pla
 
     heavy, light, home = plans
     rates, sizes = {"heavy": 340, "light": 50}, {"heavy": 4, "light": 1}
-    common = dict(duration=10, distribution="poisson", seed=1, targets={"light": {"latency_ms": 5}})
-    shared = simulate_mix(machine(plans), rates, sizes, **common)
-    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(ONE_CORE),
-                      groups="cores=1", store=PerfModelStore(home), lanes={"light": "cpu"})
+    common = SimSpec(duration=10, distribution="poisson", seed=1, targets={"light": {"latency_ms": 5}})
+    shared = simulate_mix(machine(plans), rates, sizes, common)
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}),
+                      topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
     assert [(w.name, w.arch, w.kind, w.memory_node) for w in m.workers] == [
         ("cpu:numa0.core0", "cpu1", "cpu", "numa0"), (LANE0, "cpu1", "cpu", "numa0")]
     assert m.lanes == {1: ("light",)} and m.settings["lanes"] == {"light": "cpu"}
     assert LANE_APPROXIMATION in m.notes
-    laned = simulate_mix(m, rates, sizes, **common)
+    laned = simulate_mix(m, rates, sizes, common)
     assert laned.held_by == {"heavy": ["cpu:numa0.core0"], "light": [LANE0]}
     assert laned.busy_by_model["light"]["cpu:numa0.core0"] == 0 and laned.busy_by_model["heavy"][LANE0] == 0
     assert laned.busy_by_model["light"][LANE0] == pytest.approx(0.05, abs=0.01)
@@ -507,16 +511,16 @@ def test_a_lane_task_preempts_its_groups_worker_in_the_simulation(plans):
     heavy part stops, then resumes where it stopped: heavy's batch ends at 41 ms, not 40, and
     light's request is answered 1 ms after it arrived."""
     heavy, light, home = plans
-    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(ONE_CORE),
-                      groups="cores=1", store=PerfModelStore(home), lanes={"light": "cpu"})
-    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, duration=0.05, spread=0)
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}),
+                      topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
+    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, SimSpec(duration=0.05, spread=0))
     first = res.records["heavy"].batches[0]
     assert first.formed == pytest.approx(0.030) and first.done == pytest.approx(0.041), first
     answered = [r for r in res.records["light"].requests if r.arrival > 0.03 and r.done is not None][0]
     assert answered.arrival == pytest.approx(1 / 30) and answered.done - answered.arrival == pytest.approx(0.001)
     # without the lane, light waits for heavy's 6 ms part to end (36 ms) before its own run
-    shared = simulate_mix(machine(plans), {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, duration=0.05,
-                          spread=0)
+    shared = simulate_mix(machine(plans), {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1},
+                          SimSpec(duration=0.05, spread=0))
     waited = [r for r in shared.records["light"].requests if r.arrival > 0.03 and r.done is not None][0]
     assert waited.done - waited.arrival > 0.0027
 
@@ -526,10 +530,10 @@ def test_the_simulated_schedule_as_a_perfetto_trace(plans, tmp_path):
     heavy part in two stretches around light's two parts on the lane), dependency arrows,
     every batch's fill and run per model, and each queue as a counter."""
     heavy, light, home = plans
-    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(ONE_CORE),
-                      groups="cores=1", store=PerfModelStore(home), lanes={"light": "cpu"})
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": "cpu"}),
+                      topology=Topology.from_synthetic(ONE_CORE), store=PerfModelStore(home))
     path = tmp_path / "sim.json"
-    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, duration=0.05, spread=0,
+    res = simulate_mix(m, {"heavy": 100, "light": 30}, {"heavy": 4, "light": 1}, SimSpec(duration=0.05, spread=0),
                        trace=path)
     events = json.loads(path.read_text())["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
@@ -573,13 +577,13 @@ def test_lanes_in_the_simulator_follow_the_runtimes_residency_rule(plans):
     from staronnx.workers.residency import ResidencyError
 
     heavy, light, home = plans
-    m = build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(TWO_CORES),
-                      groups="cores=1", store=PerfModelStore(home), lanes={"light": CORE1})
+    m = build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes={"light": CORE1}),
+                      topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home))
     assert [w.name for w in m.workers] == [CORE0, CORE1, "lane:numa0.core1"]
     rates = {"heavy": 400, "light": 200}
-    alone = simulate_mix(m, rates, {"heavy": 4, "light": 1}, duration=2)
+    alone = simulate_mix(m, rates, {"heavy": 4, "light": 1}, SimSpec(duration=2))
     assert alone.held_by == {"heavy": [CORE0, CORE1], "light": ["lane:numa0.core1"]}
-    both = simulate_mix(m, rates, {"heavy": 4, "light": 1}, duration=2, residency={"light": "lane,cpu"})
+    both = simulate_mix(m, rates, {"heavy": 4, "light": 1}, SimSpec(duration=2, residency={"light": "lane,cpu"}))
     assert both.held_by["light"] == [CORE0, CORE1, "lane:numa0.core1"]
     assert both.held_by["heavy"] == [CORE0, CORE1]  # "cpu" never selects a lane
     with pytest.raises(ResidencyError, match="lanes hold only the models given a lane"):
@@ -587,8 +591,8 @@ def test_lanes_in_the_simulator_follow_the_runtimes_residency_rule(plans):
     for lanes, words in (({"nope": "cpu"}, "unknown model"), ({"heavy": "cpu", "light": "cpu"}, "names every model"),
                          ({"light": "cuda0"}, "'cuda0' names no CPU group")):
         with pytest.raises(ResidencyError, match=words):
-            build_machine({"heavy": heavy, "light": light}, topology=Topology.from_synthetic(TWO_CORES),
-                          groups="cores=1", store=PerfModelStore(home / "empty"), lanes=lanes)
+            build_machine({"heavy": heavy, "light": light}, MachineSpec(groups="cores=1", lanes=lanes),
+                          topology=Topology.from_synthetic(TWO_CORES), store=PerfModelStore(home / "empty"))
 
 
 def test_cli_simulate_with_a_lane(plans):
@@ -650,7 +654,7 @@ def test_cli_sweep_mix_with_a_lane_on_one_live_runtime(plans, tmp_path):
     from staronnx.bench.machine import sim_workers
 
     group = str(min(os.sched_getaffinity(0)))
-    (worker,) = (w.name for w in sim_workers(groups=group))
+    (worker,) = (w.name for w in sim_workers(MachineSpec(groups=group)))
     lane = "lane:" + worker.removeprefix("cpu:")
     heavy, light, home = plans
     out = tmp_path / "laned"

@@ -24,6 +24,8 @@ import pytest
 from _helpers import cli, read_pty
 from staronnx import partition
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 CLI = [sys.executable, "-m", "staronnx"]
 PU = str(min(os.sched_getaffinity(0)))
@@ -179,7 +181,7 @@ def slow_plan(tmp_path_factory) -> Path:
     """A plan whose calibration takes seconds at the batch sizes below (a signal lands mid-way)."""
     root = tmp_path_factory.mktemp("slow")
     onnx.save(inception(blocks=4, channels=16, size=32), str(root / "m.onnx"))
-    partition(root / "m.onnx", [0.7, 0.3], output_dir=root / "plan", costs="estimate")
+    partition(root / "m.onnx", [0.7, 0.3], PartitionSpec(costs="estimate"), output_dir=root / "plan")
     return root / "plan"
 
 
@@ -474,7 +476,7 @@ def test_sweep_rates_default_to_auto_from_the_lp_bound(calibrated_inception, two
     res = _run(["sweep", plan.root, "--batch-sizes", "1,2", "--groups", two_groups, "--duration", "300ms",
                 "-o", out, "--no-plots"], STARONNX_HOME=str(home), COLUMNS="250")
     assert res.returncode == 0, res.stderr
-    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home), cpu_fallback=False)
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home), cpu_fallback=False)
     capacity = max(machine_bound(machine, b).throughput for b in (1, 2))
     expected = rates_for(capacity)
     assert "rates auto:" in res.stdout and "LP bound" in res.stdout, res.stdout

@@ -22,6 +22,9 @@ from staronnx.bench.optimize import (
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import OptimizeSpec
 
 SIZES = CALIBRATED_SIZES
 
@@ -98,8 +101,9 @@ def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, h
     store = PerfModelStore(home)
     steps = []
     with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
-        res = optimize_batch(plan, 150, batch_sizes=SIZES, groups=two_groups, store=store, runtime=rt,
-                             sim_duration=2.0, verify_duration=0.5, min_batches=5, progress=steps.append)
+        res = optimize_batch(plan, 150,
+                             OptimizeSpec(batch_sizes=SIZES, sim_duration=2.0, verify_duration=0.5, min_batches=5),
+                             machine=MachineSpec(groups=two_groups), store=store, runtime=rt, progress=steps.append)
     assert [c.batch_size for c in res.candidates] == SIZES
     assert res.predicted_best in SIZES and res.best in SIZES and res.best in res.verified
     for c in res.candidates:
@@ -121,19 +125,20 @@ def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, h
 
 
 def test_optimizer_without_verification_trusts_the_simulator(plan, home, two_groups):
-    res = optimize_batch(plan, 100, batch_sizes=SIZES, groups=two_groups, store=PerfModelStore(home),
-                         verify=False, sim_duration=2.0, slo=0.5)
+    res = optimize_batch(plan, 100, OptimizeSpec(batch_sizes=SIZES, verify=False, sim_duration=2.0, slo=0.5),
+                         machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
     assert res.verified == [] and res.best == res.predicted_best
     assert res.slo_met is True and all(c.measured is None for c in res.candidates)
 
 
 def test_optimizer_errors(plan, tmp_path, two_groups):
     with pytest.raises(StaronnxError, match="calibrate"):
-        optimize_batch(plan, 100, batch_sizes=[1], groups=two_groups, store=PerfModelStore(tmp_path), verify=False)
+        optimize_batch(plan, 100, OptimizeSpec(batch_sizes=[1], verify=False), machine=MachineSpec(groups=two_groups),
+                       store=PerfModelStore(tmp_path))
     with pytest.raises(OptimizeError, match="rate"):
         optimize_batch(plan, 0, store=PerfModelStore(tmp_path))
     with pytest.raises(OptimizeError, match="SLO"):
-        optimize_batch(plan, 10, slo=-1, store=PerfModelStore(tmp_path))
+        optimize_batch(plan, 10, OptimizeSpec(slo=-1), store=PerfModelStore(tmp_path))
 
 
 def test_cli_optimize_batch(plan, home, tmp_path, two_groups):
@@ -163,9 +168,9 @@ def heavy(tmp_path_factory, two_groups):
 
     root = tmp_path_factory.mktemp("heavy")
     onnx.save(inception(blocks=3, channels=32, size=32), str(root / "heavy.onnx"))
-    plan = partition(root / "heavy.onnx", [0.7, 0.3], output_dir=root / "plan", profile_runs=1)
+    plan = partition(root / "heavy.onnx", [0.7, 0.3], PartitionSpec(profile_runs=1), output_dir=root / "plan")
     home = root / "home"
-    workers = start_workers(plan, groups=two_groups)
+    workers = start_workers(plan, MachineSpec(groups=two_groups))
     try:
         report = calibrate(plan, [32], workers=workers, store=PerfModelStore(home), max_runs=30)
         # on a loaded host the outlier rule can keep an entry from 10 accepted samples within
@@ -194,7 +199,8 @@ def test_cli_optimize_batch_rejects_a_batch_size_too_slow_for_the_rate(heavy, tw
     plan, home = heavy
     monkeypatch.setenv("STARONNX_HOME", str(home))
     monkeypatch.setenv("COLUMNS", "200")
-    bound = machine_bound(build_machine(plan, groups=two_groups, store=PerfModelStore(home)), 32).throughput
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home))
+    bound = machine_bound(machine, 32).throughput
     rate = round(3 * bound)  # over what it serves even where calibration ran on a busier machine than this
     out = tmp_path / "opt.json"
     code, stdout, stderr = cli(capsys, "optimize-batch", plan.root, "--rate", rate, "--slo-ms", 60000,

@@ -21,6 +21,7 @@ import staronnx
 datasets = pytest.importorskip("onnxruntime.datasets", reason="onnxruntime.datasets (ORT's sample models) is not installed")
 
 from staronnx.partition.checks import PartitionWarning
+from staronnx.partition import PartitionSpec
 
 FAST = {"costs": "estimate"}
 
@@ -130,10 +131,10 @@ def test_partition_serves_a_one_node_model_whole_by_default_and_refuses_explicit
     for explicitly are refused, naming the node count."""
     model = one_node("Relu", TensorProto.FLOAT, ["n", 4])
     with pytest.warns(PartitionWarning, match="served as one part"):
-        plan = staronnx.partition(model, output_dir=tmp_path / "plan", costs="estimate")
+        plan = staronnx.partition(model, spec=PartitionSpec(costs="estimate"), output_dir=tmp_path / "plan")
     assert plan.k == 1 and plan.parts[0].inputs == ["in0"] and plan.contract.batchable
     with pytest.raises(staronnx.PartitionError, match="cannot cut 1 node"):
-        staronnx.partition(model, parts=2, output_dir=tmp_path / "plan2", costs="estimate")
+        staronnx.partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "plan2")
 
 
 # -- strings, sequences, optionals, pass-through outputs ------------------------------------

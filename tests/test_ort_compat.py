@@ -24,6 +24,7 @@ import staronnx
 from staronnx.errors import StaronnxError
 from staronnx.partition.checks import PartitionWarning
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 WIDTH = 16
 
@@ -416,7 +417,8 @@ def test_a_runtime_drives_the_streams_of_every_gpu_it_is_given(tmp_path):
     from staronnx.workers.cudart import HostRuntime
 
     onnx.save(chain(depth=4, width=WIDTH), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((2, WIDTH)).astype(np.float32) for _ in range(64)]
     # random (seeded) rather than eager: under eager the first driver to pop takes every task

@@ -33,6 +33,7 @@ from staronnx.partition.graph import build_graph, subgraph_captures
 from staronnx.partition.linear import linear_ranks
 from staronnx.plan import Plan
 from staronnx.verify import random_plan_feeds, verify_plan
+from staronnx.partition import PartitionSpec
 
 GOOGLENET = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
@@ -152,14 +153,9 @@ def zoo_plan(tmp_path_factory, zoo_models):
         if (name, split) not in cache:
             out = tmp_path_factory.mktemp(f"plan-{name}-{split}") / "plan"
             kwargs = dict(SPLITS[split])
-            cache[(name, split)] = staronnx.partition(
-                zoo_models[name],
-                kwargs.pop("shares", None),
-                **kwargs,
-                output_dir=out,
-                input_shapes=MODELS[name],
-                profile_runs=2,
-            )
+            shares = kwargs.pop("shares", None)
+            spec = PartitionSpec(input_shapes=MODELS[name], profile_runs=2, **kwargs)
+            cache[(name, split)] = staronnx.partition(zoo_models[name], shares, spec, output_dir=out)
         return cache[(name, split)]
 
     return get
@@ -282,10 +278,9 @@ def test_plan_json_describes_the_plan(zoo_plan, name, split):
 def test_plan_json_records_source_and_settings(tmp_path):
     src = tmp_path / "residual.onnx"
     onnx.save(zoo.residual(), str(src))
-    plan = staronnx.partition(
-        src, [0.6, 0.4], output_dir=tmp_path / "plan", method="linear", seed=3,
-        costs="estimate", profile_batch=4, profile_runs=2, tolerance=0.05,
-    )
+    plan = staronnx.partition(src, [0.6, 0.4],
+                              PartitionSpec(method="linear", seed=3, costs="estimate", profile_batch=4, profile_runs=2,
+                                            tolerance=0.05), output_dir=tmp_path / "plan")
     data = json.loads((plan.root / "plan.json").read_text())
     assert data["source"]["sha256"] == hashlib.sha256(src.read_bytes()).hexdigest()
     assert data["source"]["path"] == str(src)
@@ -301,17 +296,16 @@ def test_plan_json_records_source_and_settings(tmp_path):
     assert [p["file"] for p in data["parts"]] == ["part0.onnx", "part1.onnx"]
     assert sorted(os.listdir(plan.root)) == ["part0.onnx", "part1.onnx", "plan.json"]
     # the same request gives the same plan (costs="estimate" is deterministic)
-    again = staronnx.partition(
-        src, [0.6, 0.4], output_dir=tmp_path / "again", method="linear", seed=3,
-        costs="estimate", profile_batch=4, profile_runs=2, tolerance=0.05,
-    )
+    again = staronnx.partition(src, [0.6, 0.4],
+                               PartitionSpec(method="linear", seed=3, costs="estimate", profile_batch=4, profile_runs=2,
+                                             tolerance=0.05), output_dir=tmp_path / "again")
     assert again.hash == plan.hash
 
 
 def test_transformer_input_shape_is_recorded_and_other_seq_lengths_still_run(tmp_path):
     model = zoo.transformer_block()
-    plan = staronnx.partition(model, parts=3, output_dir=tmp_path / "p", input_shapes=["x=1x5x64"],
-                              costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=3, input_shapes=["x=1x5x64"], costs="estimate"),
+                              output_dir=tmp_path / "p")
     assert plan.settings["input_shapes"] == {"x": [1, 5, 64]}
     assert plan.inputs[0].shape == ["batch", "seq", 64]
     for seq in (5, 9):
@@ -365,7 +359,8 @@ def _shared_weights_model(depth: int = 6, width: int = 8) -> onnx.ModelProto:
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_constants_and_initializers_are_copied_into_every_part_that_reads_them(tmp_path, k):
     model = _shared_weights_model()
-    plan = staronnx.partition(model, parts=k, output_dir=tmp_path / "p", method="linear", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=k, method="linear", costs="estimate"),
+                              output_dir=tmp_path / "p")
     assert plan.k == k
     parts = _part_models(plan)
     for p, pm in zip(plan.parts, parts):
@@ -393,12 +388,12 @@ def _if_plans(tmp_path: Path) -> list[Plan]:
     plans = []
     for i, first in enumerate(np.arange(0.1, 0.91, 0.1)):
         shares = [round(float(first), 2), round(1 - float(first), 2)]
-        plans.append(staronnx.partition(model, shares, output_dir=tmp_path / f"p2-{i}",
-                                        method="linear", costs="estimate"))
+        plans.append(staronnx.partition(model, shares, PartitionSpec(method="linear", costs="estimate"),
+                                        output_dir=tmp_path / f"p2-{i}"))
     for method in ("linear", "metis"):
         for k in (3, 4):
-            plans.append(staronnx.partition(model, parts=k, output_dir=tmp_path / f"{method}{k}",
-                                            method=method, costs="estimate"))
+            plans.append(staronnx.partition(model, spec=PartitionSpec(parts=k, method=method, costs="estimate"),
+                                            output_dir=tmp_path / f"{method}{k}"))
     return plans
 
 
@@ -453,8 +448,9 @@ def inception_demo_model() -> onnx.ModelProto:
 @pytest.mark.parametrize("split", ["85-15", "k3"])
 def test_inception_demo_achieves_its_target_shares(tmp_path, inception_demo_model, split):
     kwargs = dict(SPLITS[split])
-    plan = staronnx.partition(inception_demo_model, kwargs.pop("shares", None), **kwargs,
-                              output_dir=tmp_path / "p", profile_runs=3)
+    shares = kwargs.pop("shares", None)
+    plan = staronnx.partition(inception_demo_model, shares, PartitionSpec(profile_runs=3, **kwargs),
+                              output_dir=tmp_path / "p")
     for p in plan.parts:
         assert abs(p.share - p.target_share) <= 0.05, [(q.share, q.target_share) for q in plan.parts]
     assert verify_plan(plan, inception_demo_model, batch=2).ok
@@ -463,8 +459,8 @@ def test_inception_demo_achieves_its_target_shares(tmp_path, inception_demo_mode
 def test_metis_cuts_no_more_than_linear_on_inception_demo(tmp_path, inception_demo_model):
     cuts = {}
     for method in ("metis", "linear"):
-        plan = staronnx.partition(inception_demo_model, [0.85, 0.15], output_dir=tmp_path / method,
-                                  method=method, costs="estimate")
+        plan = staronnx.partition(inception_demo_model, [0.85, 0.15], PartitionSpec(method=method, costs="estimate"),
+                                  output_dir=tmp_path / method)
         assert all(abs(p.share - p.target_share) <= 0.05 for p in plan.parts), method
         cuts[method] = plan.cut_bytes_per_sample
     assert 0 < cuts["metis"] <= cuts["linear"], cuts
@@ -501,8 +497,8 @@ def test_metis_never_scores_worse_than_linear_on_the_same_profiled_costs(incepti
 def googlenet_plans(tmp_path_factory) -> dict[str, Plan]:
     root = tmp_path_factory.mktemp("googlenet")
     return {
-        method: staronnx.partition(GOOGLENET, [0.85, 0.15], output_dir=root / method, method=method,
-                                   profile_runs=3)
+        method: staronnx.partition(GOOGLENET, [0.85, 0.15], PartitionSpec(method=method, profile_runs=3),
+                                   output_dir=root / method)
         for method in ("metis", "linear")
     }
 
@@ -612,8 +608,8 @@ def test_cut_model_from_a_real_diamond_graph():
 def test_diamond_model_partitions_into_up_to_one_node_per_part(tmp_path, k):
     model = _diamond_model()
     for method in ("metis", "linear"):
-        plan = staronnx.partition(model, parts=k, output_dir=tmp_path / f"{method}", method=method,
-                                  costs="estimate", force=True)
+        plan = staronnx.partition(model, spec=PartitionSpec(parts=k, method=method, costs="estimate"),
+                                  output_dir=tmp_path / f"{method}", force=True)
         assert_acyclic(plan, model)
         assert verify_plan(plan, model, batch=2).ok
 
@@ -654,7 +650,7 @@ def test_failed_export_leaves_no_plan_and_no_temp_folder(tmp_path, monkeypatch, 
     calls = _failing_second_save(monkeypatch, exc)
     out = tmp_path / "plan"
     with pytest.raises(type(exc)):
-        staronnx.partition(zoo.chain(), parts=3, output_dir=out, costs="estimate")
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=3, costs="estimate"), output_dir=out)
     assert calls["n"] == 2
     assert not out.exists()
     assert list(tmp_path.iterdir()) == [], "a staging folder was left behind"
@@ -662,11 +658,11 @@ def test_failed_export_leaves_no_plan_and_no_temp_folder(tmp_path, monkeypatch, 
 
 def test_failed_export_with_force_keeps_the_old_plan(tmp_path, monkeypatch):
     out = tmp_path / "plan"
-    old = staronnx.partition(zoo.chain(), parts=2, output_dir=out, costs="estimate")
+    old = staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, costs="estimate"), output_dir=out)
     before = _snapshot(out)
     _failing_second_save(monkeypatch, OSError("disk full (simulated)"))
     with pytest.raises(OSError):
-        staronnx.partition(zoo.chain(), parts=3, output_dir=out, costs="estimate", force=True)
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=3, costs="estimate"), output_dir=out, force=True)
     assert sorted(os.listdir(tmp_path)) == ["plan"], "a staging or backup folder was left behind"
     assert _snapshot(out) == before
     assert Plan.load(out).hash == old.hash
@@ -674,12 +670,12 @@ def test_failed_export_with_force_keeps_the_old_plan(tmp_path, monkeypatch):
 
 def test_force_replaces_an_existing_plan_without_leftovers(tmp_path):
     out = tmp_path / "plan"
-    staronnx.partition(zoo.chain(), parts=3, output_dir=out, costs="estimate")
+    staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=3, costs="estimate"), output_dir=out)
     (out / "stale.txt").write_text("from an older run")
     with pytest.raises(PlanError, match="force=True"):
-        staronnx.partition(zoo.chain(), parts=2, output_dir=out, costs="estimate")
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, costs="estimate"), output_dir=out)
     assert (out / "stale.txt").exists() and Plan.load(out).k == 3
-    plan = staronnx.partition(zoo.chain(), parts=2, output_dir=out, costs="estimate", force=True)
+    plan = staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, costs="estimate"), output_dir=out, force=True)
     assert plan.k == 2
     assert sorted(os.listdir(out)) == ["part0.onnx", "part1.onnx", "plan.json"]
     assert sorted(os.listdir(tmp_path)) == ["plan"]
@@ -688,7 +684,7 @@ def test_force_replaces_an_existing_plan_without_leftovers(tmp_path):
 def test_empty_existing_output_folder_is_used(tmp_path):
     out = tmp_path / "plan"
     out.mkdir()
-    plan = staronnx.partition(zoo.chain(), parts=2, output_dir=out, costs="estimate")
+    plan = staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, costs="estimate"), output_dir=out)
     assert plan.root == out and sorted(os.listdir(tmp_path)) == ["plan"]
 
 
@@ -697,7 +693,7 @@ def test_empty_existing_output_folder_is_used(tmp_path):
 
 @pytest.fixture(scope="module")
 def wide_and_deep_plan(tmp_path_factory) -> Plan:
-    return staronnx.partition(zoo.wide_and_deep(), parts=2, costs="estimate",
+    return staronnx.partition(zoo.wide_and_deep(), spec=PartitionSpec(parts=2, costs="estimate"),
                               output_dir=tmp_path_factory.mktemp("wd") / "plan")
 
 
@@ -747,8 +743,8 @@ def test_estimated_costs_never_run_onnxruntime(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ort, "InferenceSession", no_ort)
     for name, shapes in MODELS.items():
-        plan = staronnx.partition(zoo.ZOO[name](), parts=2, output_dir=tmp_path / name,
-                                  input_shapes=shapes, costs="estimate")
+        plan = staronnx.partition(zoo.ZOO[name](), spec=PartitionSpec(parts=2, input_shapes=shapes, costs="estimate"),
+                                  output_dir=tmp_path / name)
         assert plan.cost_source == "estimated from FLOPs and bytes"
         assert plan.settings["costs"] == "estimate"
         assert all(p.cost_us > 0 for p in plan.parts)
@@ -765,14 +761,14 @@ def test_profiled_costs_say_so(zoo_plan):
 def test_cuda_without_its_provider_raises_device_error(tmp_path):
     out = tmp_path / "plan"
     with pytest.raises(DeviceError, match="CUDAExecutionProvider"):
-        staronnx.partition(zoo.chain(), parts=2, output_dir=out, device="cuda")
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, device="cuda"), output_dir=out)
     assert not out.exists()
 
 
 def test_unknown_device_raises_device_error(tmp_path):
     with pytest.raises(DeviceError, match="tpu"):
-        staronnx.partition(zoo.chain(), parts=2, output_dir=tmp_path / "p", device="tpu",
-                           costs="profile")
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, device="tpu", costs="profile"),
+                           output_dir=tmp_path / "p")
 
 
 def test_more_parts_than_nodes_raises_partition_error(tmp_path):
@@ -780,16 +776,16 @@ def test_more_parts_than_nodes_raises_partition_error(tmp_path):
     assert len(model.graph.node) == 2
     out = tmp_path / "plan"
     with pytest.raises(PartitionError, match="2 node"):
-        staronnx.partition(model, parts=3, output_dir=out, costs="estimate")
+        staronnx.partition(model, spec=PartitionSpec(parts=3, costs="estimate"), output_dir=out)
     assert not out.exists()
-    plan = staronnx.partition(model, parts=2, output_dir=out, costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=out)
     assert [p.nodes for p in plan.parts] == [1, 1]
 
 
 def test_transformer_without_seq_size_raises_partition_error_naming_the_dim(tmp_path):
     out = tmp_path / "plan"
     with pytest.raises(PartitionError, match="seq") as info:
-        staronnx.partition(zoo.transformer_block(), parts=2, output_dir=out, costs="estimate")
+        staronnx.partition(zoo.transformer_block(), spec=PartitionSpec(parts=2, costs="estimate"), output_dir=out)
     # the Python API names its argument; the CLI's message names the option
     assert "input_shapes=" in str(info.value) and "'x'" in str(info.value)
     assert "--input-shape" in info.value.for_cli()
@@ -809,8 +805,8 @@ def test_transformer_without_seq_size_raises_partition_error_naming_the_dim(tmp_
 )
 def test_bad_input_shapes_raise_partition_error(tmp_path, shapes, says):
     with pytest.raises(PartitionError, match=says):
-        staronnx.partition(zoo.transformer_block(), parts=2, output_dir=tmp_path / "p",
-                           input_shapes=shapes, costs="estimate")
+        staronnx.partition(zoo.transformer_block(), spec=PartitionSpec(parts=2, input_shapes=shapes, costs="estimate"),
+                           output_dir=tmp_path / "p")
 
 
 @pytest.mark.parametrize(
@@ -830,7 +826,7 @@ def test_bad_input_shapes_raise_partition_error(tmp_path, shapes, says):
 )
 def test_bad_shares_raise_partition_error(tmp_path, shares, parts, says):
     with pytest.raises(PartitionError, match=says):
-        staronnx.partition(zoo.chain(), shares, parts=parts, output_dir=tmp_path / "p", costs="estimate")
+        staronnx.partition(zoo.chain(), shares, PartitionSpec(parts=parts, costs="estimate"), output_dir=tmp_path / "p")
     assert not (tmp_path / "p").exists()
 
 
@@ -838,11 +834,12 @@ def test_bad_shares_raise_partition_error(tmp_path, shares, parts, says):
 def test_non_numeric_shares_with_parts_raise_partition_error(tmp_path, shares):
     # regression: with parts= given, float() used to run outside the try (bare ValueError)
     with pytest.raises(PartitionError, match="comma-separated"):
-        staronnx.partition(zoo.chain(), shares, parts=2, output_dir=tmp_path / "p", costs="estimate")
+        staronnx.partition(zoo.chain(), shares, PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "p")
 
 
 def test_string_shares_are_parsed(tmp_path):
-    plan = staronnx.partition(zoo.chain(), "0.7,0.3", parts=2, output_dir=tmp_path / "p", costs="estimate")
+    plan = staronnx.partition(zoo.chain(), "0.7,0.3", PartitionSpec(parts=2, costs="estimate"),
+                              output_dir=tmp_path / "p")
     assert [p.target_share for p in plan.parts] == [0.7, 0.3]
 
 
@@ -852,11 +849,11 @@ def test_string_shares_are_parsed(tmp_path):
 )
 def test_bad_options_raise_partition_error(tmp_path, kwargs, says):
     with pytest.raises(PartitionError, match=says):
-        staronnx.partition(zoo.chain(), parts=2, output_dir=tmp_path / "p", **kwargs)
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, **kwargs), output_dir=tmp_path / "p")
 
 
 def test_default_output_dir_is_a_fresh_temporary_folder():
-    plan = staronnx.partition(zoo.chain(), parts=2, costs="estimate")
+    plan = staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=2, costs="estimate"))
     try:
         assert plan.root.name.startswith("staronnx-plan-")
         assert sorted(os.listdir(plan.root)) == ["part0.onnx", "part1.onnx", "plan.json"]
@@ -893,7 +890,7 @@ def test_sparse_initializers_are_supported(tmp_path):
     # regression: build_graph used to reject a node reading a sparse_initializer
     model = _sparse_initializer_model()
     _session(model)  # ORT runs it
-    plan = staronnx.partition(model, parts=2, output_dir=tmp_path / "p", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "p")
     holder = next(i for i, pm in enumerate(_part_models(plan)) if any(n.name == "add" for n in pm.graph.node))
     sparse = _part_models(plan)[holder].graph.sparse_initializer
     assert [t.values.name for t in sparse] == ["w"]
@@ -922,7 +919,7 @@ def _string_input_model() -> onnx.ModelProto:
 
 def test_string_inputs_run_through_the_parts(tmp_path):
     model = _string_input_model()
-    plan = staronnx.partition(model, parts=2, output_dir=tmp_path / "p", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "p")
     feeds = {"s": np.array(["A", "b", "c"], dtype=object), "x": np.ones((3, 4), np.float32)}
     got = plan.run_reference(feeds)
     want = _run_whole(model, feeds)
@@ -932,7 +929,7 @@ def test_string_inputs_run_through_the_parts(tmp_path):
 
 def test_verify_accepts_the_source_model_with_a_string_input(tmp_path):
     model = _string_input_model()
-    plan = staronnx.partition(model, parts=2, output_dir=tmp_path / "p", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "p")
     assert verify_plan(plan, model, batch=2).ok
 
 
@@ -941,5 +938,5 @@ def test_a_failed_partition_without_an_output_dir_leaves_nothing_behind(tmp_path
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     with pytest.raises(PartitionError, match="node count"):
-        staronnx.partition(zoo.chain(), parts=99, costs="estimate")
+        staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=99, costs="estimate"))
     assert list(tmp_path.iterdir()) == []

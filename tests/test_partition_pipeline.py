@@ -25,6 +25,7 @@ from staronnx.partition.methods import place
 from staronnx.plan import Plan
 from staronnx.partition.host import host_devices
 from _helpers import cli
+from staronnx.partition import PartitionSpec
 
 PACKAGE = Path(staronnx.__file__).parent / "partition"
 
@@ -109,8 +110,8 @@ def test_placed_plans_are_written_once_with_their_devices(tmp_path, two_groups, 
     writes: list[Path] = []
     real = Plan.write_json
     monkeypatch.setattr(Plan, "write_json", lambda self, d: (writes.append(Path(d)), real(self, d))[1])
-    plan = place(zoo.inception(blocks=2, channels=8, size=16), "duet", output_dir=tmp_path / "plan",
-                 devices=host_devices(two_groups), costs="estimate")
+    plan = place(zoo.inception(blocks=2, channels=8, size=16), PartitionSpec(method="duet", costs="estimate"),
+                 output_dir=tmp_path / "plan", devices=host_devices(two_groups))
     assert len(writes) == 1, writes  # staged once, renamed into place: never rewritten
     data = json.loads((tmp_path / "plan" / "plan.json").read_text())
     devices = [p["device"] for p in data["parts"]]
@@ -121,8 +122,10 @@ def test_placed_plans_are_written_once_with_their_devices(tmp_path, two_groups, 
 
 def test_partition_and_place_cut_and_export_alike(tmp_path, two_groups):
     model = zoo.inception(blocks=2, channels=8, size=16)
-    a = staronnx.partition(model, output_dir=tmp_path / "a", method="duet", groups=two_groups, costs="estimate")
-    b = place(model, "duet", output_dir=tmp_path / "b", devices=host_devices(two_groups), costs="estimate")
+    a = staronnx.partition(model, spec=PartitionSpec(method="duet", groups=two_groups, costs="estimate"),
+                           output_dir=tmp_path / "a")
+    b = place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "b",
+              devices=host_devices(two_groups))
     assert [p.sha256 for p in a.parts] == [p.sha256 for p in b.parts]
     assert [p.device for p in a.parts] == [p.device for p in b.parts]
     assert a.settings["placement"] == b.settings["placement"]
@@ -165,7 +168,7 @@ def test_the_cli_reads_its_strings_and_names_its_flags(tmp_path, capsys):
 
 def test_the_library_names_its_arguments_for_the_same_strings(tmp_path):
     with pytest.raises(PartitionError) as info:
-        staronnx.partition(zoo.chain(), "0.6,x", output_dir=tmp_path / "p", costs="estimate")
+        staronnx.partition(zoo.chain(), "0.6,x", PartitionSpec(costs="estimate"), output_dir=tmp_path / "p")
     assert str(info.value).startswith("shares must be comma-separated") and "--" not in str(info.value)
     with pytest.raises(PartitionError) as info:
         choose_shares([], batch=8)

@@ -21,6 +21,7 @@ import staronnx
 from staronnx import zoo
 from staronnx.partition.acyclic import CutModel, backward_repair, forward_repair
 from staronnx.verify import random_plan_feeds
+from staronnx.partition import PartitionSpec
 
 _counter = itertools.count()
 
@@ -55,7 +56,7 @@ def test_random_dags_partition_into_acyclic_plans_that_match_the_model(
     assert all(s >= 0.1 - 1e-9 for s in shares) and abs(sum(shares) - 1) <= 1e-9
     model = zoo.random_dag(n_nodes, dag_seed)
     out = tmp_path_factory.mktemp(f"dag{next(_counter)}") / "plan"
-    plan = staronnx.partition(model, shares, output_dir=out, method=method, costs="estimate")
+    plan = staronnx.partition(model, shares, PartitionSpec(method=method, costs="estimate"), output_dir=out)
 
     # k parts in execution order, none empty, targets as asked
     assert plan.k == len(shares)
@@ -148,17 +149,17 @@ def test_metis_four_parts_of_four_node_dags(tmp_path, dag_seed):
     `assert best_rank is not None` (acyclic.make_acyclic): every refined candidate had an
     empty part. The only valid 4-way cut is one node per part."""
     model = zoo.random_dag(4, dag_seed)
-    linear = staronnx.partition(model, parts=4, output_dir=tmp_path / "linear", method="linear",
-                                costs="estimate")
+    linear = staronnx.partition(model, spec=PartitionSpec(parts=4, method="linear", costs="estimate"),
+                                output_dir=tmp_path / "linear")
     assert [p.nodes for p in linear.parts] == [1, 1, 1, 1]
-    plan = staronnx.partition(model, parts=4, output_dir=tmp_path / "metis", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=4, costs="estimate"), output_dir=tmp_path / "metis")
     assert [p.nodes for p in plan.parts] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("n_nodes", [4, 5])
 def test_as_many_parts_as_nodes(tmp_path, n_nodes):
     model = zoo.random_dag(n_nodes, seed=1)
-    plan = staronnx.partition(model, parts=4, output_dir=tmp_path / "p", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(parts=4, costs="estimate"), output_dir=tmp_path / "p")
     assert plan.k == 4
     assert all(p.nodes >= 1 for p in plan.parts)
     feeds = random_plan_feeds(plan, 3)

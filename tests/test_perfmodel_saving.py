@@ -16,13 +16,14 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("saving")
     onnx.save(chain(depth=3, width=8), str(root / "m.onnx"))
-    return partition(root / "m.onnx", parts=1, output_dir=root / "plan", costs="estimate")
+    return partition(root / "m.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "plan")
 
 
 def stored_samples(store: PerfModelStore, plan) -> int:

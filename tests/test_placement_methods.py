@@ -37,6 +37,7 @@ from staronnx.verify import verify_plan
 from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 
 from realmodels import GOOGLENET
+from staronnx.partition import PartitionSpec
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -277,10 +278,10 @@ def test_switch_cost_stops_splits_that_cost_more_than_they_buy() -> None:
 
 def test_methods_decide_with_the_part_cost_unless_told_not_to(tmp_path: Path, two_groups) -> None:
     model = zoo.wide_and_deep()
-    charged = place(model, "optimal", output_dir=tmp_path / "a", costs="estimate", devices=host_devices(two_groups),
-                    options={"time_limit_s": 3.0})
-    published = place(model, "optimal", output_dir=tmp_path / "b", costs="estimate", devices=host_devices(two_groups),
-                      options={"time_limit_s": 3.0, "charge_parts": False})
+    charged = place(model, PartitionSpec(method="optimal", costs="estimate"), output_dir=tmp_path / "a",
+                    devices=host_devices(two_groups), options={"time_limit_s": 3.0})
+    published = place(model, PartitionSpec(method="optimal", costs="estimate"), output_dir=tmp_path / "b",
+                      devices=host_devices(two_groups), options={"time_limit_s": 3.0, "charge_parts": False})
     pa = charged.settings["placement"]["predicted_makespan_us"]["1"]
     pb = published.settings["placement"]["predicted_makespan_us"]["1"]
     assert charged.k <= published.k and pa <= pb * (1 + 1e-9)
@@ -407,45 +408,47 @@ def test_zoo_plans_verify(name: str, method: str, tmp_path: Path, two_groups) ->
     options = dict(FAST_OPTIONS.get(method, {}))
     if method == "optimal" and name == "wide_fanout":
         with pytest.raises(PartitionError, match="limited to 60 nodes"):
-            place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups),
-                  options={"coarsen": "off"})
+            place(model, PartitionSpec(method=method, costs="estimate"), output_dir=tmp_path / "plan",
+                  devices=host_devices(two_groups), options={"coarsen": "off"})
         options["time_limit_s"] = 2.0
-    plan = place(model, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups),
-                 options=options)
+    plan = place(model, PartitionSpec(method=method, costs="estimate"), output_dir=tmp_path / "plan",
+                 devices=host_devices(two_groups), options=options)
     _check_plan(plan, model, method)
 
 
 @pytest.mark.parametrize("method", ["comm-sd", "duet", "overseer"])
 def test_googlenet_plans_verify(method: str, tmp_path: Path, two_groups) -> None:
-    plan = place(GOOGLENET, method, output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups))
+    plan = place(GOOGLENET, PartitionSpec(method=method, costs="estimate"), output_dir=tmp_path / "plan",
+                 devices=host_devices(two_groups))
     _check_plan(plan, GOOGLENET, method)
 
 
 def test_googlenet_optimal_solves_over_chains_and_refuses_clearly_without(tmp_path: Path, two_groups) -> None:
-    plan = place(GOOGLENET, "optimal", output_dir=tmp_path / "plan", costs="estimate", devices=host_devices(two_groups))
+    plan = place(GOOGLENET, PartitionSpec(method="optimal", costs="estimate"), output_dir=tmp_path / "plan",
+                 devices=host_devices(two_groups))
     _check_plan(plan, GOOGLENET, "optimal")
     info = plan.settings["placement"]["info"]
     assert info["coarsened"] == "chains" and info["nodes"] == 139 and info["units"] <= 60
     assert "series chain" in info["optimal_among"]
     with pytest.raises(PartitionError, match="limited to 60 nodes and this graph has 139"):
-        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan2", costs="estimate", options={"coarsen": "off"},
-              devices=host_devices())
+        place(GOOGLENET, PartitionSpec(method="optimal", costs="estimate"), output_dir=tmp_path / "plan2",
+              options={"coarsen": "off"}, devices=host_devices())
     with pytest.raises(PartitionError, match="coarsen must be"):
-        place(GOOGLENET, "optimal", output_dir=tmp_path / "plan3", costs="estimate", options={"coarsen": "yes"},
-              devices=host_devices())
+        place(GOOGLENET, PartitionSpec(method="optimal", costs="estimate"), output_dir=tmp_path / "plan3",
+              options={"coarsen": "yes"}, devices=host_devices())
 
 
 def test_partition_api_records_devices_and_predictions(tmp_path: Path) -> None:
     assert {"metis", "linear", "comm-sd", "duet", "overseer", "optimal", "ort-static"} <= set(METHODS)
     model = zoo.multi_head_detector()
     # through the public door: it places on this host's groups
-    plan = staronnx.partition(model, method="duet", output_dir=tmp_path / "plan", costs="estimate")
+    plan = staronnx.partition(model, spec=PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "plan")
     _check_plan(plan, model, "duet")
     data = json.loads((plan.root / "plan.json").read_text())
     assert all("device" in p for p in data["parts"])
     assert plan.settings["placement"]["devices"][0]["kind"] == "cpu"
     # shares-based methods are unchanged: no device, no placement record
-    metis = partition(model, [0.85, 0.15], output_dir=tmp_path / "metis", costs="estimate")
+    metis = partition(model, [0.85, 0.15], PartitionSpec(costs="estimate"), output_dir=tmp_path / "metis")
     assert metis.k == 2 and all(p.device is None for p in metis.parts)
     assert "placement" not in metis.settings
 
@@ -464,16 +467,16 @@ def test_placement_takes_the_machine_typed_and_prices_transfers_with_a_bus_model
         return TransferModel(bus=model)
 
     # transfers cost next to nothing: both groups work; 1 kB/s between the nodes: never worth crossing
-    fast = place(model, "duet", output_dir=tmp_path / "fast", costs="estimate", devices=two_nodes,
+    fast = place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "fast", devices=two_nodes,
                  transfer=bus(1e12))
-    slow = place(model, "duet", output_dir=tmp_path / "slow", costs="estimate", devices=two_nodes,
+    slow = place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "slow", devices=two_nodes,
                  transfer=bus(1e3))
     assert {p.device for p in fast.parts} == {"cpu:a", "cpu:b"}
     assert [d["name"] for d in fast.settings["placement"]["devices"]] == ["cpu:a", "cpu:b"]
     assert len({p.device for p in slow.parts}) == 1
     # a group policy names this machine's groups, which only the doors read
     with pytest.raises(PartitionError, match="host_devices"):
-        place(model, "duet", output_dir=tmp_path / "policy", costs="estimate", devices="cores=1")
+        place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "policy", devices="cores=1")
 
 
 def test_the_host_door_reads_groups_and_the_stored_bus(tmp_path: Path, two_groups: str, monkeypatch) -> None:
@@ -496,7 +499,7 @@ def test_the_host_door_reads_groups_and_the_stored_bus(tmp_path: Path, two_group
 
 def test_plans_without_device_field_still_load(tmp_path: Path) -> None:
     model = zoo.chain()
-    plan = partition(model, parts=2, output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "plan")
     meta = plan.root / "plan.json"
     data = json.loads(meta.read_text())
     for p in data["parts"]:
@@ -508,45 +511,47 @@ def test_plans_without_device_field_still_load(tmp_path: Path) -> None:
 def test_what_if_gpu_costs_move_work_to_the_gpu(tmp_path: Path) -> None:
     model = zoo.multi_head_detector()
     devices = [Device("cpu:g0", "cpu", "numa0", 1), Device("cuda0", "cuda", "cuda0", 1)]
-    fast_gpu = place(model, "overseer", output_dir=tmp_path / "a", costs="estimate", devices=devices,
-                     device_costs={"cuda0": 0.05})
+    fast_gpu = place(model, PartitionSpec(method="overseer", costs="estimate"), output_dir=tmp_path / "a",
+                     devices=devices, device_costs={"cuda0": 0.05})
     assert [p.device for p in fast_gpu.parts] == ["cuda0"]
-    slow_gpu = place(model, "overseer", output_dir=tmp_path / "b", costs="estimate", devices=devices,
-                     device_costs={"cuda0": {"*": 20.0}})
+    slow_gpu = place(model, PartitionSpec(method="overseer", costs="estimate"), output_dir=tmp_path / "b",
+                     devices=devices, device_costs={"cuda0": {"*": 20.0}})
     assert [p.device for p in slow_gpu.parts] == ["cpu:g0"]
     # Comm+SD still overflows a few light nodes to a slow GPU when the CPU queue is long (SIR+'s
     # point), but keeps the bulk of the work on the CPU
-    sd = place(model, "comm-sd", output_dir=tmp_path / "sd", costs="estimate", devices=devices,
+    sd = place(model, PartitionSpec(method="comm-sd", costs="estimate"), output_dir=tmp_path / "sd", devices=devices,
                device_costs={"cuda0": {"*": 20.0}})
     per_device = sd.settings["placement"]["nodes_per_device"]
     assert per_device["cpu:g0"] > per_device["cuda0"]
     # per-op factors: only convolutions are fast on the "GPU"; the predictions use them
-    mixed = place(model, "optimal", output_dir=tmp_path / "c", costs="estimate", devices=devices,
+    mixed = place(model, PartitionSpec(method="optimal", costs="estimate"), output_dir=tmp_path / "c", devices=devices,
                   device_costs={"cuda0": {"Conv": 0.01, "*": 5.0}}, options={"time_limit_s": 5.0})
     assert "cuda0" in {p.device for p in mixed.parts}
     assert verify_plan(mixed, model).ok
     with pytest.raises(PartitionError, match="unknown device"):
-        place(model, "duet", costs="estimate", devices=devices, device_costs={"tpu0": 1.0})
+        place(model, PartitionSpec(method="duet", costs="estimate"), devices=devices, device_costs={"tpu0": 1.0})
 
 
 def test_placement_options_are_checked(tmp_path: Path) -> None:
     with pytest.raises(PartitionError, match="no option"):
-        place(zoo.chain(), "comm-sd", costs="estimate", options={"alpha": 5}, devices=host_devices())
-    plan = place(zoo.chain(), "comm-sd", output_dir=tmp_path / "p", costs="estimate", options={"alpha_us": 0.0},
-                 devices=host_devices())
+        place(zoo.chain(), PartitionSpec(method="comm-sd", costs="estimate"), options={"alpha": 5},
+              devices=host_devices())
+    plan = place(zoo.chain(), PartitionSpec(method="comm-sd", costs="estimate"), output_dir=tmp_path / "p",
+                 options={"alpha_us": 0.0}, devices=host_devices())
     assert plan.settings["placement"]["info"]["alpha_us"] == 0.0
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="this machine has CUDA: ort-static runs instead of failing")
 def test_ort_static_names_the_missing_cuda_provider(tmp_path: Path) -> None:
     with pytest.raises(DeviceError, match="CUDAExecutionProvider"):
-        place(zoo.chain(), "ort-static", output_dir=tmp_path / "p", costs="estimate", devices=host_devices())
+        place(zoo.chain(), PartitionSpec(method="ort-static", costs="estimate"), output_dir=tmp_path / "p",
+              devices=host_devices())
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs ONNX Runtime's CUDA provider")
 def test_ort_static_on_a_gpu(tmp_path: Path, two_groups) -> None:
     model = zoo.multi_head_detector()
-    plan = place(model, "ort-static", output_dir=tmp_path / "p", costs="profile",
+    plan = place(model, PartitionSpec(method="ort-static", costs="profile"), output_dir=tmp_path / "p",
                  devices=host_devices(two_groups, cuda=True))
     assert "cuda0" in {p.device for p in plan.parts}
     assert verify_plan(plan, model).ok

@@ -26,6 +26,9 @@ from staronnx.bench.sweep import sweep
 from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore
 from staronnx.perfmodels.host import COLD_IDLE_S
 from staronnx.runtime.runtime import Runtime
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import SimSpec
+from staronnx.bench.spec import RunSpec, SweepSpec
 
 
 # -- readings ------------------------------------------------------------------------------------
@@ -155,11 +158,13 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
     with Runtime(plan, cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
         stolen = Reading(busy=0, idle=70, steal=30)
         monkeypatch.setattr(cpuload, "_read_proc_stat", stolen.read)
-        (row,) = sweep(plan, [100], [1], duration=0.4, runtime=rt, bound=False, extend=False, out_dir=tmp_path / "a")
+        (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False,
+                                                   out_dir=tmp_path / "a"), runtime=rt)
         assert row["machine_busy"] is True and row["steal_share"] > 0.2 and "hypervisor stole" in row["busy_why"]
         quiet = Reading(busy=0, idle=100)  # nothing busy at all: our own CPU is all there was
         monkeypatch.setattr(cpuload, "_read_proc_stat", quiet.read)
-        (row,) = sweep(plan, [100], [1], duration=0.4, runtime=rt, bound=False, extend=False, out_dir=tmp_path / "b")
+        (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False,
+                                                   out_dir=tmp_path / "b"), runtime=rt)
         assert row["machine_busy"] is False and row["busy_why"] is None
         assert row["others_cpu_share"] == pytest.approx(0.0)
         # the engine's own check of its tasks against their perf models, per point
@@ -261,18 +266,19 @@ def test_a_congested_point_on_a_busy_machine_stops_the_sweep_only_when_the_next_
     store = PerfModelStore(home)
     # far above what the plan serves on this machine, whatever its speed: every point congests and
     # is offered above its LP bound (at a fixed 20,000 req/s a fast host's bound was above it)
-    bound = machine_bound(build_machine(plan, groups=two_groups, store=store), 1).throughput
+    bound = machine_bound(build_machine(plan, MachineSpec(groups=two_groups), store=store), 1).throughput
     top = max(20000.0, 2.0 * bound)
     rates = [top, 1.5 * top, 2.0 * top]
-    kw = dict(duration=0.3, extend=False, queue_capacity=16, store=store, groups=two_groups)
+    spec = SweepSpec(RunSpec(duration=0.3, queue_capacity=16), extend=False)
+    kw = dict(machine=MachineSpec(groups=two_groups), store=store)
     with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
         monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=70, steal=30).read)
-        rows = sweep(plan, rates, [1], runtime=rt, out_dir=tmp_path / "busy", **kw)
+        rows = sweep(plan, rates, [1], replace(spec, out_dir=tmp_path / "busy"), runtime=rt, **kw)
         assert [r["offered_rate"] for r in rows] == rates[:2]
         assert all(r["congested"] and r["machine_busy"] for r in rows)
         assert [s["offered_rate"] for s in load_results(tmp_path / "busy")["skipped"]] == rates[2:]
         monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=100).read)
-        rows = sweep(plan, rates, [1], runtime=rt, out_dir=tmp_path / "quiet", **kw)
+        rows = sweep(plan, rates, [1], replace(spec, out_dir=tmp_path / "quiet"), runtime=rt, **kw)
         assert [r["offered_rate"] for r in rows] == rates[:1] and rows[0]["congested"]
         assert rows[0]["offered_rate"] > rows[0]["bound_throughput"] and not rows[0]["machine_busy"]
 
@@ -331,7 +337,7 @@ def test_calibrate_measures_the_hosts_work_and_the_simulator_adds_it(crnn_calibr
     plan, home, stdout = crnn_calibrated
     assert "host costs b=1:" in stdout and "host costs b=2:" in stdout and "host costs stored in" in stdout
     store = PerfModelStore(home)
-    machine = build_machine(plan, groups=two_groups, store=store)
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=store)
     assert machine.host is not None and sorted(machine.host.costs) == [1, 2]
     assert machine.host.workers == [w.name for w in machine.workers]
     for costs in machine.host.costs.values():
@@ -342,15 +348,15 @@ def test_calibrate_measures_the_hosts_work_and_the_simulator_adds_it(crnn_calibr
     assert any(n.startswith("host costs (") for n in machine.notes)
     # every cost only adds time: with spread 0 (each task its mean) the same arrivals are
     # answered no sooner, and the bound can only fall
-    plain = build_machine(plan, groups=two_groups, store=store, host=False)
+    plain = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False)
     for b in (1, 2):
-        kw = dict(rate=50.0, batch_size=b, duration=1.0, spread=0.0, seed=1)
+        kw = dict(rate=50.0, batch_size=b, spec=SimSpec(duration=1.0, spread=0.0, seed=1))
         with_host = simulate(machine=machine, **kw).metrics()
         without = simulate(machine=plain, **kw).metrics()
         assert with_host["latency_p50"] >= without["latency_p50"]
         assert with_host["paper_latency_mean"] >= without["paper_latency_mean"]
         assert machine_bound(machine, b).throughput <= machine_bound(plain, b).throughput
-    assert simulate(machine=machine, rate=50.0, batch_size=1, duration=0.5).records.settings["host"]["batch"] == 1
+    assert simulate(machine, 50.0, 1, SimSpec(duration=0.5)).records.settings["host"]["batch"] == 1
 
 
 def test_host_costs_belong_to_the_workers_they_were_measured_on(crnn_calibrated, two_groups):
@@ -358,7 +364,7 @@ def test_host_costs_belong_to_the_workers_they_were_measured_on(crnn_calibrated,
     simulation then leaves out, rather than borrowing another layout's."""
     plan, home, _ = crnn_calibrated
     one = two_groups.split(";")[0]
-    machine = build_machine(plan, groups=one, store=PerfModelStore(home))
+    machine = build_machine(plan, MachineSpec(groups=one), store=PerfModelStore(home))
     assert machine.host is None and NO_HOST_COSTS in machine.notes
 
 
@@ -371,15 +377,16 @@ def test_host_cpu_is_taken_from_busy_workers_only_where_no_core_is_left(crnn_cal
     store = PerfModelStore(home)
     costs = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0,
                       cpu_per_batch_s=0.002, cpu_per_request_s=0.002)
-    base = build_machine(plan, groups=two_groups, store=store, host=False)
+    base = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False)
     model = HostModel([w.name for w in base.workers], 0, {1: costs})
-    shared = dataclasses.replace(build_machine(plan, groups=two_groups, store=store, host=model), free_pus=0)
+    shared = dataclasses.replace(build_machine(plan, MachineSpec(groups=two_groups), store=store, host=model),
+                                 free_pus=0)
     spare = dataclasses.replace(shared, free_pus=1)
     assert shared.host_shares_cores and not spare.host_shares_cores
     assert machine_bound(shared, 1).throughput < machine_bound(spare, 1).throughput
     assert any(b.kind == "host" for b in machine_bound(shared, 1).binding)
     rate = 0.9 * machine_bound(spare, 1).throughput  # the cores alone would keep up
-    kw = dict(rate=rate, batch_size=1, duration=1.0, spread=0.0, seed=2)
+    kw = dict(rate=rate, batch_size=1, spec=SimSpec(duration=1.0, spread=0.0, seed=2))
     assert simulate(machine=shared, **kw).metrics()["throughput"] < simulate(machine=spare, **kw).metrics()["throughput"]
 
 
@@ -388,7 +395,7 @@ def test_calibrate_measures_the_hosts_costs_at_a_light_and_a_loaded_rate(crnn_ca
     light ones beside them, at the rates they were offered (or calibrate says why the loaded
     probe was left out: on a busy machine it can fall behind)."""
     plan, home, stdout = crnn_calibrated
-    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home))
     assert machine.host is not None
     for b, costs in machine.host.costs.items():
         assert costs.rate > 0
@@ -451,13 +458,13 @@ def test_a_simulation_takes_the_host_costs_of_its_own_rate(crnn_calibrated, two_
     rate's bound, and the bound of those figures taken as fixed."""
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
-    base = build_machine(plan, groups=two_groups, store=store, host=False)
+    base = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False)
     names = [w.name for w in base.workers]
     two = _costs(1.0, 1e-4, rate=400.0, lighter=_costs(2.0, 1e-4, rate=40.0))
     one = _costs(1.0, 1e-4, rate=400.0)
-    varying = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: two}))
-    steady = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: one}))
-    kw = dict(batch_size=1, duration=1.0, spread=0.0, seed=3)
+    varying = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=HostModel(names, 0, {1: two}))
+    steady = build_machine(plan, MachineSpec(groups=two_groups), store=store, host=HostModel(names, 0, {1: one}))
+    kw = dict(batch_size=1, spec=SimSpec(duration=1.0, spread=0.0, seed=3))
     light_v = simulate(machine=varying, rate=20.0, **kw).metrics()["latency_p50"]
     light_s = simulate(machine=steady, rate=20.0, **kw).metrics()["latency_p50"]
     assert light_v > light_s * 1.3
@@ -466,7 +473,8 @@ def test_a_simulation_takes_the_host_costs_of_its_own_rate(crnn_calibrated, two_
     assert loaded_v == pytest.approx(loaded_s, rel=1e-3)
     bound = machine_bound(varying, 1).throughput
     assert bound > machine_bound(steady, 1).throughput * 1.02
-    fixed = build_machine(plan, groups=two_groups, store=store, host=HostModel(names, 0, {1: two.at_rate(bound)}))
+    fixed = build_machine(plan, MachineSpec(groups=two_groups), store=store,
+                          host=HostModel(names, 0, {1: two.at_rate(bound)}))
     assert machine_bound(fixed, 1).throughput == pytest.approx(bound, rel=2e-3)
 
 
@@ -474,7 +482,7 @@ def test_calibrate_times_tasks_after_an_idle_worker_apart(crnn_calibrated, two_g
     """The probe's tasks are split by their worker's idle time before them: the stored costs
     carry a warm and a cold scale, both loads alike, and calibrate prints both."""
     plan, home, stdout = crnn_calibrated
-    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home))
     assert machine.host is not None
     for costs in machine.host.costs.values():
         assert costs.cold_task_scale is not None and costs.cold_task_scale > 0 and costs.task_scale > 0
@@ -542,9 +550,10 @@ def test_calibrate_host_probes_a_model_of_short_tasks_slowly_for_its_cold_scale(
     plan, home, _ = crnn_calibrated
     shutil.copytree(home, tmp_path / "home")
     store = PerfModelStore(tmp_path / "home")
-    bound = machine_bound(build_machine(plan, groups=two_groups, store=store, host=False), 1, host_costs=False)
+    bound = machine_bound(build_machine(plan, MachineSpec(groups=two_groups), store=store, host=False), 1,
+                          host_costs=False)
     steps: list[str] = []
-    calibrate_host(plan, [1], groups=two_groups, store=store, on_step=steps.append)
+    calibrate_host(plan, [1], MachineSpec(groups=two_groups), store=store, on_step=steps.append)
     rates = [float(m.split(" at ")[1].split(" req/s")[0]) for m in steps if m.startswith("host costs: batch 1 at")]
     assert len(rates) == 3 and rates[0] < rates[1] < rates[2], steps
     assert rates[0] == pytest.approx(1 / cold_interval(1, bound.throughput), abs=1.0)
@@ -580,10 +589,10 @@ def test_calibrate_warns_when_the_probe_finds_the_machine_at_another_speed(crnn_
 def _scales_only(plan: Any, store: PerfModelStore, groups: str, **scales: Any) -> Any:
     """A simulated machine whose host costs at batch 1 are nothing but these task scales (so a
     latency is its tasks' time)."""
-    names = [w.name for w in build_machine(plan, groups=groups, store=store, host=False).workers]
+    names = [w.name for w in build_machine(plan, MachineSpec(groups=groups), store=store, host=False).workers]
     costs = HostCosts(batch=1, launch_s=0.0, wake_s=0.0, gap_s=0.0, finish_s=0.0, lag_s=0.0, cpu_per_batch_s=0.0,
                       rate=400.0, **scales)
-    return build_machine(plan, groups=groups, store=store, host=HostModel(names, 0, {1: costs}))
+    return build_machine(plan, MachineSpec(groups=groups), store=store, host=HostModel(names, 0, {1: costs}))
 
 
 def _part_scaled(plan: Any, store: PerfModelStore, groups: str, scales: tuple[float, float]) -> Any:
@@ -595,8 +604,8 @@ def _part0_share(plan: Any, store: PerfModelStore, groups: str) -> float:
     """The first part's share of a request's modelled task time, read off a simulation that runs
     it twice as slow as its model (its calibrated means, whatever the shares asked for: on a
     loaded host crnn_ocr's second part once calibrated at 94 % of the time)."""
-    ratio = simulate(machine=_part_scaled(plan, store, groups, (2.0, 1.0)), rate=20.0, batch_size=1, duration=1.0,
-                     spread=0.0, seed=3).task_time_ratio
+    ratio = simulate(_part_scaled(plan, store, groups, (2.0, 1.0)), 20.0, 1,
+                     SimSpec(duration=1.0, spread=0.0, seed=3)).task_time_ratio
     assert ratio is not None
     return ratio - 1.0
 
@@ -609,7 +618,7 @@ def test_a_simulation_and_the_bound_run_each_part_at_its_own_scale(crnn_calibrat
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
     first, second = (_part_scaled(plan, store, two_groups, s) for s in ((2.0, 1.0), (1.0, 2.0)))
-    kw = dict(rate=100.0, batch_size=1, duration=1.0, spread=0.0, seed=3)
+    kw = dict(rate=100.0, batch_size=1, spec=SimSpec(duration=1.0, spread=0.0, seed=3))
     ratio_first = simulate(machine=first, **kw).task_time_ratio
     ratio_second = simulate(machine=second, **kw).task_time_ratio
     third = simulate(machine=_part_scaled(plan, store, two_groups, (3.0, 1.0)), **kw).task_time_ratio
@@ -648,12 +657,13 @@ def test_a_simulation_runs_tasks_on_idle_workers_at_the_cold_scale(crnn_calibrat
     store = PerfModelStore(home)
     hot = _scales_only(plan, store, two_groups)
     cooling = _scales_only(plan, store, two_groups, cold_task_scale=2.0)
-    kw = dict(batch_size=1, spread=0.0, seed=3)
-    light = (simulate(machine=cooling, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"]
-             / simulate(machine=hot, rate=20.0, duration=1.0, **kw).metrics()["latency_p50"])
+    spec = SimSpec(spread=0.0, seed=3)
+    timed = replace(spec, duration=1.0)
+    light = (simulate(cooling, 20.0, 1, timed).metrics()["latency_p50"]
+             / simulate(hot, 20.0, 1, timed).metrics()["latency_p50"])
     burst = [0.0] * 200  # every request at once: each worker's tasks follow each other
-    backlog = (simulate(machine=cooling, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"]
-               / simulate(machine=hot, rate=20.0, arrivals=burst, **kw).metrics()["latency_p50"])
+    backlog = (simulate(cooling, 20.0, 1, spec, arrivals=burst).metrics()["latency_p50"]
+               / simulate(hot, 20.0, 1, spec, arrivals=burst).metrics()["latency_p50"])
     # light: the first part always cold, the second cold or warm after it on the same worker:
     # about 1 + the first part's share of the time at least (less what the copies add)
     share = _part0_share(plan, store, two_groups)
@@ -732,17 +742,17 @@ def test_a_slower_machine_in_simulation_runs_every_task_that_much_longer(crnn_ca
     from staronnx.bench.machine import SimulationError
 
     plan, home, _ = crnn_calibrated
-    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
-    kw = dict(rate=50.0, batch_size=1, duration=1.0, spread=0.0, seed=2)
-    nominal = simulate(machine=machine, **kw)
-    slower = simulate(machine=machine, slowdown=1.5, **kw)
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home))
+    spec = SimSpec(duration=1.0, spread=0.0, seed=2)
+    nominal = simulate(machine, 50.0, 1, spec)
+    slower = simulate(machine, 50.0, 1, replace(spec, slowdown=1.5))
     assert nominal.task_time_ratio is not None and slower.task_time_ratio is not None
     assert slower.task_time_ratio == pytest.approx(1.5 * nominal.task_time_ratio, rel=1e-6)
     assert slower.metrics()["paper_latency_mean"] > nominal.metrics()["paper_latency_mean"]
     assert slower.records.settings["slowdown"] == 1.5
     for bad in (0.0, -1.0, math.nan):
         with pytest.raises(SimulationError, match="slowdown"):
-            simulate(machine=machine, slowdown=bad, **kw)
+            simulate(machine, 50.0, 1, replace(spec, slowdown=bad))
 
 
 def _band_point(paper: float, *, congested: bool = False) -> dict[str, Any]:
@@ -808,7 +818,7 @@ def test_cli_sweep_simulates_each_point_in_a_band(crnn_calibrated, two_groups, c
     plan, home, _ = crnn_calibrated
     monkeypatch.setenv("STARONNX_HOME", str(home))
     monkeypatch.setenv("COLUMNS", "240")
-    machine = build_machine(plan, groups=two_groups, store=PerfModelStore(home))
+    machine = build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home))
     bound = machine_bound(machine, 1).throughput
     light, full = round(0.1 * bound), round(bound)
     out = tmp_path / "band"
@@ -843,13 +853,15 @@ def test_a_sweep_without_a_band_simulates_each_point_once(crnn_calibrated, two_g
 
     plan, home, _ = crnn_calibrated
     store = PerfModelStore(home)
-    rows = sweep(plan, [20.0], [1], groups=two_groups, duration=0.3, min_batches=3, simulate=True, sim_band=0.0,
-                 store=store, out_dir=tmp_path / "nob")
+    rows = sweep(plan, [20.0], [1],
+                 SweepSpec(RunSpec(duration=0.3, min_batches=3), simulate=True, sim_band=0.0, out_dir=tmp_path / "nob"),
+                 machine=MachineSpec(groups=two_groups), store=store)
     (row,) = rows
     assert "sim_throughput" in row and "sim_fragile" not in row and "in_band" not in row
     assert "band" not in load_results(tmp_path / "nob")["fidelity"]
     with pytest.raises(SweepError, match="sim_band"):
-        sweep(plan, [20.0], [1], groups=two_groups, duration=0.3, simulate=True, sim_band=1.0, store=store)
+        sweep(plan, [20.0], [1], SweepSpec(RunSpec(duration=0.3), simulate=True, sim_band=1.0),
+              machine=MachineSpec(groups=two_groups), store=store)
 
 
 def test_cli_simulate_says_how_far_a_drift_moves_its_answer(crnn_calibrated, two_groups, capsys, monkeypatch):
@@ -859,7 +871,7 @@ def test_cli_simulate_says_how_far_a_drift_moves_its_answer(crnn_calibrated, two
     plan, home, _ = crnn_calibrated
     monkeypatch.setenv("STARONNX_HOME", str(home))
     monkeypatch.setenv("COLUMNS", "240")
-    bound = machine_bound(build_machine(plan, groups=two_groups, store=PerfModelStore(home)), 1).throughput
+    bound = machine_bound(build_machine(plan, MachineSpec(groups=two_groups), store=PerfModelStore(home)), 1).throughput
     common = ("simulate", plan.root, "--batch", "1", "--groups", two_groups, "--duration", "2s")
     code, stdout, stderr = cli(capsys, *common, "--rate", f"{0.1 * bound:.1f}", "--band", "10")
     assert code == 0, stderr + stdout

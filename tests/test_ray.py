@@ -34,6 +34,7 @@ from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.zoo import chain, inception
 from test_serve_models import body, heavy_x, light_x, output
+from staronnx.partition import PartitionSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 GOOGLENET = ROOT / "models" / "googlenet.onnx"
@@ -116,7 +117,7 @@ def _replicas(deployment: str, app: str, want: int, timeout: float = 60.0,
 @pytest.fixture(scope="module")
 def googlenet_plan(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("ray-googlenet")
-    return partition(GOOGLENET, [0.85, 0.15], output_dir=root / "googlenet", costs="estimate")
+    return partition(GOOGLENET, [0.85, 0.15], PartitionSpec(costs="estimate"), output_dir=root / "googlenet")
 
 
 def _stop(proc: subprocess.Popen) -> int:
@@ -286,7 +287,8 @@ def test_cli_refuses_replicas_its_own_cluster_cannot_hold(cluster, tmp_path):
     fit there are refused in one line (Serve would wait for them forever), and that cluster is
     shut down again."""
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     done = subprocess.run([sys.executable, "-m", "staronnx", "serve", str(plan.root), "--ray", "--replicas", "2",
                            "--replica-cpus", "100000", "--http-port", "0"],
@@ -323,8 +325,8 @@ def test_two_replicas_merge_their_perf_models_without_losing_samples(cluster, tm
     from staronnx.ray.spec import ModelSpec, Scaling
 
     onnx.save(chain(depth=4, width=8), str(tmp_path / "chain.onnx"))
-    plan = partition(tmp_path / "chain.onnx", parts=2, method="linear", output_dir=tmp_path / "chain",
-                     costs="estimate")
+    plan = partition(tmp_path / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "chain")
     home = tmp_path / "shared-home"
     spec = ModelSpec(plan=str(plan.root), name="chain", groups="cores=1", policy="eager", batch_size=2,
                      calibrate=1, home=str(home), save_every=0)  # record every run, merge at shutdown
@@ -372,8 +374,10 @@ def two_plans(tmp_path_factory) -> dict[str, Plan]:
     root = tmp_path_factory.mktemp("ray-models")
     onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
     onnx.save(chain(depth=4, width=8), str(root / "light.onnx"))
-    return {"heavy": partition(root / "heavy.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate"),
-            "light": partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate")}
+    return {"heavy": partition(root / "heavy.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"),
+                               output_dir=root / "heavy"),
+            "light": partition(root / "light.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"),
+                               output_dir=root / "light")}
 
 
 @pytest.fixture(scope="class")
@@ -488,8 +492,8 @@ def triton_models(cluster, tmp_path_factory):
     root = tmp_path_factory.mktemp("ray-triton")
     onnx.save(tc.simple_model(), str(root / "simple.onnx"))
     onnx.save(tc.image_model(), str(root / "image.onnx"))
-    simple = partition(root / "simple.onnx", parts=1, costs="estimate", output_dir=root / "simple")
-    image = partition(root / "image.onnx", parts=1, costs="estimate", output_dir=root / "image")
+    simple = partition(root / "simple.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "simple")
+    image = partition(root / "image.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "image")
     (Path(image.root) / "labels.txt").write_text("\n".join(tc.LABELS) + "\n")
     proc, lines, addr = _start_serve(
         cluster, root / "home", str(simple.root), str(image.root), "--name", "simple", "--name", "image_classifier",
@@ -620,7 +624,8 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
     from staronnx.serving.collector import OUT_OF_REACH
 
     onnx.save(chain(depth=4, width=8), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     os.environ["STARONNX_CUDA_RUNTIME"] = "host:2"
     try:
         proc, lines, addr = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "two", "--replicas", "1",
@@ -663,7 +668,8 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
 ])
 def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys):
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     with pytest.raises(SystemExit) as e:
         main(["serve", str(plan.root), *args])
     assert e.value.code == 2
@@ -712,7 +718,8 @@ def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
     from staronnx.serve.models import ModelEndpoint
 
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     endpoint = ModelEndpoint("m", Runtime(plan, policy="eager", cpu_groups=two_groups), batch_size=2,
                              max_delay=0.0, queue_capacity=8, metrics=ServeMetrics())
     try:
@@ -734,7 +741,8 @@ def test_serve_config_and_rayservice_build_the_app(tmp_path):
     from staronnx.ray.app import build
 
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    plan = partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                     output_dir=tmp_path / "plan")
     config = yaml.safe_load((ROOT / "deploy" / "serve-config.yaml").read_text())
     docs = list(yaml.safe_load_all((ROOT / "deploy" / "rayservice.yaml").read_text()))
     embedded = yaml.safe_load(docs[0]["spec"]["serveConfigV2"])
@@ -758,7 +766,8 @@ def test_serve_config_and_rayservice_build_the_app(tmp_path):
 
 def _tiny_plans(tmp_path: Path) -> dict[str, Plan]:
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
-    return {n: partition(tmp_path / "m.onnx", parts=2, method="linear", output_dir=tmp_path / n, costs="estimate")
+    return {n: partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                         output_dir=tmp_path / n)
             for n in ("a", "b")}
 
 

@@ -18,6 +18,7 @@ import pytest
 import realmodels
 from staronnx import Runtime, Server, partition
 from staronnx.plan import Plan
+from staronnx.partition import PartitionSpec
 
 CLIENTS = 16
 
@@ -58,7 +59,8 @@ def test_fixed_batch_time_major_model_never_hands_out_another_answer(tmp_path):
     """The issue's defect: four concurrent requests, four images, four copies of the first
     image's answer. The model's input is fixed to batch 1: one request per task."""
     model = realmodels.fixed_batch_time_major(tmp_path)
-    plan = partition(str(model), output_dir=tmp_path / "plan", input_shapes=["image=1x1x32x148"], profile_runs=1)
+    plan = partition(str(model), spec=PartitionSpec(input_shapes=["image=1x1x32x148"], profile_runs=1),
+                     output_dir=tmp_path / "plan")
     assert not plan.contract.batchable
     reqs, answers, records = _serve_concurrently(plan, model, clients=8)
     for feeds, got in zip(reqs, answers):

@@ -22,6 +22,7 @@ import realmodels
 from _helpers import cli
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
+from staronnx.partition import PartitionSpec
 
 #: ORT's own log line (printed from C++ to the process's stderr, red on a terminal)
 ORT_LOG = "[E:onnxruntime"
@@ -123,7 +124,7 @@ def test_partition_warns_of_a_part_that_computes_nothing_and_of_missed_shares(ca
     from staronnx.partition.checks import PartitionWarning
 
     with pytest.warns(PartitionWarning, match=r"computes nothing .*parts=1"):
-        partition(str(model), output_dir=tmp_path / "api", costs="estimate")
+        partition(str(model), spec=PartitionSpec(costs="estimate"), output_dir=tmp_path / "api")
 
 
 def test_a_cut_of_unknown_or_no_bytes_is_named(capfd, tmp_path):

@@ -21,6 +21,7 @@ from staronnx import partition
 from test_ray import RAY_TEST_S, _start_serve, _stop, cluster  # noqa: F401 - cluster: the module's Ray cluster fixture
 from test_real_models_serve import (ALONE, BATCH, CLIENTS, LEADING, MODELS, OWN_AXIS, concurrent_clients,
                                     gru_state_unnamed, http_infer, model_plan, shared_state_request)
+from staronnx.partition import PartitionSpec
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(RAY_TEST_S)]
 
@@ -30,8 +31,9 @@ UNNAMED = "gru_unnamed"
 
 def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_path_factory, tmp_path):  # noqa: F811
     plans = {name: model_plan(name, real_plan, tmp_path_factory) for name in MODELS}
-    plans[UNNAMED] = partition(str(gru_state_unnamed(tmp_path)), None, output_dir=tmp_path / "gru", costs="estimate",
-                               input_shapes=realmodels.input_shapes("gru_stream"))
+    plans[UNNAMED] = partition(str(gru_state_unnamed(tmp_path)), None,
+                               PartitionSpec(costs="estimate", input_shapes=realmodels.input_shapes("gru_stream")),
+                               output_dir=tmp_path / "gru")
     args: list[str] = [str(p.root) for p in plans.values()]
     for name in plans:
         args += ["--name", name]

@@ -33,6 +33,7 @@ from _helpers import cli
 from staronnx import partition
 from staronnx.plan import Plan
 from test_serve import _m, _metrics, start_server
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -59,8 +60,9 @@ def model_plan(name: str, real_plan, tmp_path_factory) -> Plan:
     if name != FIXED_OCR:
         return real_plan(name)
     root = tmp_path_factory.mktemp(FIXED_OCR)
-    return partition(str(realmodels.fixed_batch_time_major(root)), None, output_dir=root / "plan", force=True,
-                     input_shapes=realmodels.input_shapes("crnn_ocr"), profile_runs=1)
+    return partition(str(realmodels.fixed_batch_time_major(root)), None,
+                     PartitionSpec(input_shapes=realmodels.input_shapes("crnn_ocr"), profile_runs=1),
+                     output_dir=root / "plan", force=True)
 
 
 def client_request(name: str, client: int) -> dict[str, np.ndarray]:
@@ -292,8 +294,9 @@ def test_batch_axis_names_one_model_of_several(real_plan, tmp_path):
     not name gets ``state=1`` from the user, and its requests (one state shared by all, client
     batches of 2 among them) batch along axis 1 and get their own answers; BERT beside it keeps
     its own contract."""
-    gru = partition(str(gru_state_unnamed(tmp_path)), None, output_dir=tmp_path / "gru", costs="estimate",
-                    input_shapes=realmodels.input_shapes("gru_stream"))
+    gru = partition(str(gru_state_unnamed(tmp_path)), None,
+                    PartitionSpec(costs="estimate", input_shapes=realmodels.input_shapes("gru_stream")),
+                    output_dir=tmp_path / "gru")
     assert gru.contract.inputs["state"] is None  # what the graph says, before the user does
     server = start_server([real_plan("bert_tiny").root, gru.root], tmp_path, "--name", "bert", "--name", "gru",
                           "--policy", "eager", "--batch-size", str(BATCH), "--max-delay", "50ms",

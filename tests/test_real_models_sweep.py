@@ -25,6 +25,7 @@ from onnx import numpy_helper
 import realmodels
 from _helpers import cli
 from staronnx.plan import Plan
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -188,8 +189,9 @@ def served(real_plan, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("served")
     _onnx.save(fragile(), str(root / "fragile.onnx"))
-    frag = partition(root / "fragile.onnx", parts=2, method="linear", output_dir=root / "frag",
-                     input_shapes=["x=1x8"], costs="estimate")
+    frag = partition(root / "fragile.onnx",
+                     spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                     output_dir=root / "frag")
     plans = {"mob": real_plan("mobilenet_b1"), "gru": real_plan("gru_stream"), "frag": frag}
     s = start_server([p.root for p in plans.values()], root, *(a for n in plans for a in ("--name", n)),
                      "--policy", "eager", "--batch-size", "4", "--max-delay", "20ms", "--queue-capacity", "256")

@@ -43,6 +43,8 @@ from staronnx.serving import Server
 from staronnx.serving.server import StandInRuntime
 from staronnx.workers.base import Worker
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
+from staronnx.bench.spec import SimSpec
 
 U = 2.0**-14  # the time quantum: every time below is a whole number of U
 BATCH = 2
@@ -56,7 +58,7 @@ UNITS = {"cpu1": (301, 187, 143), "cpu2": (163, 97, 71)}
 def plan(tmp_path_factory) -> Plan:
     root = tmp_path_factory.mktemp("replay")
     onnx.save(chain(depth=6, width=16), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", [0.4, 0.3, 0.3], output_dir=root / "plan", profile_runs=2)
+    return partition(root / "chain.onnx", [0.4, 0.3, 0.3], PartitionSpec(profile_runs=2), output_dir=root / "plan")
 
 
 @pytest.fixture(scope="module")
@@ -242,8 +244,8 @@ def run_sim(plan: Plan, store: PerfModelStore, arrivals: list[float], policy: st
     infos = [WorkerInfo(i, f"clocked{i}:{arch}", arch, "cpu", "numa0", n) for i, (arch, n) in enumerate(WORKERS)]
     machine = SimMachine(plan, infos, PerfTable(PerfPredictor(plan.hash, store)))
     pol = recording(policy)
-    res = simulate(machine=machine, rate=1.0, batch_size=BATCH, policy=pol, arrivals=arrivals, spread=0.0,
-                   queue_capacity=64, max_inflight=max_inflight)
+    res = simulate(machine, 1.0, BATCH, SimSpec(policy=pol, spread=0.0, queue_capacity=64), arrivals=arrivals,
+                   max_inflight=max_inflight)
     return pol.log, res.records
 
 

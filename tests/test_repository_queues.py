@@ -25,7 +25,7 @@ import onnx
 import pytest
 from _helpers import Gated
 
-from staronnx import partition
+from staronnx import PartitionSpec, partition
 from staronnx.runtime.runtime import Runtime
 from staronnx.serve.instances import InstanceError, InstanceGroup, holders
 from staronnx.serving import Server
@@ -53,7 +53,7 @@ DELAY_US = 5_000_000
 def runtime(tmp_path_factory):
     root = tmp_path_factory.mktemp("queues")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
-    plan = partition(root / "chain.onnx", parts=1, output_dir=root / "plan", costs="estimate")
+    plan = partition(root / "chain.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "plan")
     with Runtime(plan, policy="eager", cpu_groups=str(min(os.sched_getaffinity(0)))) as rt:
         yield rt
 

@@ -24,6 +24,7 @@ from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.residency import ResidencyError, WorkerSlot, model_holders, parse_model_workers
 from staronnx.zoo import chain, residual
+from staronnx.partition import PartitionSpec
 
 GPU = WorkerInfo(0, "cuda0.s0", "cuda0", "cuda", "cuda0")
 CPU = WorkerInfo(1, "cpu:pus0", "cpu1", "cpu", "numa0", ncores=1)
@@ -113,8 +114,8 @@ def plans(tmp_path_factory):
     root = tmp_path_factory.mktemp("residency")
     onnx.save(residual(blocks=2, channels=4, size=8), str(root / "big.onnx"))
     onnx.save(chain(depth=4, width=16), str(root / "small.onnx"))
-    big = partition(root / "big.onnx", [0.6, 0.4], output_dir=root / "big", costs="estimate")
-    small = partition(root / "small.onnx", [0.5, 0.5], output_dir=root / "small", costs="estimate")
+    big = partition(root / "big.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "big")
+    small = partition(root / "small.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "small")
     return big, small
 
 

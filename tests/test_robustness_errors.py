@@ -13,6 +13,7 @@ import pytest
 import staronnx
 from staronnx import PartitionError, PlanError, zoo
 from _helpers import cli
+from staronnx.partition import PartitionSpec
 
 
 CASES = [
@@ -33,7 +34,9 @@ def test_python_errors_name_arguments_and_the_cli_names_flags(tmp_path, capsys, 
     (out).mkdir()
     (out / "something").write_text("an earlier plan")
     with pytest.raises((PartitionError, PlanError)) as info:
-        staronnx.partition(model, output_dir=out, costs="estimate", **kwargs)
+        settings = dict(kwargs)
+        staronnx.partition(model, settings.pop("shares", None), PartitionSpec(costs="estimate", **settings),
+                           output_dir=out)
     message = str(info.value)
     assert py_says in message and " --" not in f" {message}", message
     code, _, err = cli(capsys, "partition", model, "-o", out, "--costs", "estimate", *args)

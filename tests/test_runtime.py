@@ -23,6 +23,8 @@ from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +32,7 @@ def plan3(tmp_path_factory):
     root = tmp_path_factory.mktemp("rt")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    p = partition(model, [0.5, 0.3, 0.2], output_dir=root / "plan", profile_runs=2)
+    p = partition(model, [0.5, 0.3, 0.2], PartitionSpec(profile_runs=2), output_dir=root / "plan")
     p.source_model = model  # type: ignore[attr-defined]
     return p
 
@@ -116,7 +118,7 @@ class _Crash(BaseException):
 
 
 def test_dead_worker_tasks_are_replaced(plan3, store, two_groups):
-    workers = start_workers(plan3, groups=two_groups)
+    workers = start_workers(plan3, MachineSpec(groups=two_groups))
     original = workers[0].run_here
     calls = {"n": 0}
 
@@ -385,7 +387,7 @@ def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, st
     from staronnx.workers.cudart import HostRuntime
 
     rt = HostRuntime()
-    workers = start_workers(plan3, groups="1", cuda_streams=1, cuda_options={"runtime": rt})
+    workers = start_workers(plan3, MachineSpec(groups="1", cuda_streams=1), cuda_options={"runtime": rt})
     gpu, cpu = (next(i for i, w in enumerate(workers) if w.kind == k) for k in ("cuda", "cpu"))
     policy = make_policy("static", devices={p: workers[gpu].name for p in range(plan3.k)})
     engine = NativeEngine(plan3, workers, policy, PerfPredictor(plan3.hash, store), own_workers=True)

@@ -40,6 +40,7 @@ from staronnx import partition
 from staronnx.cli import main
 from staronnx.plan import Plan
 from staronnx.zoo import chain, fragile
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -107,9 +108,11 @@ def plans(tmp_path_factory) -> dict[str, Plan]:
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
     onnx.save(fragile(), str(root / "fragile.onnx"))
     return {
-        "tiny": partition(root / "chain.onnx", parts=2, method="linear", output_dir=root / "chain", costs="estimate"),
-        "fragile": partition(root / "fragile.onnx", parts=2, method="linear", output_dir=root / "fragile",
-                             input_shapes=["x=1x8"], costs="estimate"),
+        "tiny": partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                          output_dir=root / "chain"),
+        "fragile": partition(root / "fragile.onnx",
+                             spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                             output_dir=root / "fragile"),
     }
 
 

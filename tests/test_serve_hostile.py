@@ -38,6 +38,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from staronnx import partition
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,7 +47,8 @@ pytestmark = pytest.mark.timeout(120)
 def plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("hostile")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", parts=1, method="linear", output_dir=root / "chain", costs="estimate")
+    return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "chain")
 
 
 @pytest.fixture(scope="module")
@@ -429,14 +431,16 @@ def _slow_model(width: int = 256, depth: int = 160) -> onnx.ModelProto:
 def echo_plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("echo36")
     onnx.save(_echo_model(), str(root / "echo.onnx"))
-    return partition(root / "echo.onnx", parts=1, method="linear", output_dir=root / "echo", costs="estimate")
+    return partition(root / "echo.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "echo")
 
 
 @pytest.fixture(scope="module")
 def slow_plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("slow36")
     onnx.save(_slow_model(), str(root / "slow.onnx"))
-    return partition(root / "slow.onnx", parts=1, method="linear", output_dir=root / "slow", costs="estimate")
+    return partition(root / "slow.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "slow")
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,7 @@ from onnx import TensorProto, helper
 from test_serve import _post, start_server
 
 from staronnx import partition
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -62,7 +63,8 @@ def plan(tmp_path_factory):
                               opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     onnx.save(model, str(root / "echo.onnx"))
-    return partition(root / "echo.onnx", parts=1, method="linear", output_dir=root / "echo", costs="estimate")
+    return partition(root / "echo.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "echo")
 
 
 @pytest.fixture(scope="module")

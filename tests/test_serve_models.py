@@ -23,6 +23,8 @@ from staronnx.serve.models import inflight_from_models
 from staronnx.serving.spec import inflight_window
 from test_serve import _groups, _m, _metrics, _post, start_server
 from test_simulator import plan  # noqa: F401 - a fixture
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -34,8 +36,8 @@ def plans(tmp_path_factory):
     onnx.save(inception(blocks=3, channels=32, size=64), str(root / "heavy.onnx"))
     onnx.save(chain(depth=4, width=8), str(root / "light.onnx"))
     return {
-        "heavy": partition(root / "heavy.onnx", [0.6, 0.4], output_dir=root / "heavy", costs="estimate"),
-        "light": partition(root / "light.onnx", [0.5, 0.5], output_dir=root / "light", costs="estimate"),
+        "heavy": partition(root / "heavy.onnx", [0.6, 0.4], PartitionSpec(costs="estimate"), output_dir=root / "heavy"),
+        "light": partition(root / "light.onnx", [0.5, 0.5], PartitionSpec(costs="estimate"), output_dir=root / "light"),
     }
 
 
@@ -219,7 +221,7 @@ def test_a_served_models_window_is_the_simulators_from_the_same_perf_models(plan
     write_models(PerfModelStore(), plan, {(0, "cuda0"): 1 * MS, (1, "cuda0"): 1 * MS,
                                           (0, "cpu1"): 20 * MS, (1, "cpu1"): 20 * MS})
     rule = inflight_window([2 * MS, 40 * MS, 40 * MS])  # a batch through both parts, per worker
-    machine = build_machine(plan, groups=two_groups, cuda_streams=1)
+    machine = build_machine(plan, MachineSpec(groups=two_groups, cuda_streams=1))
     assert machine_inflight(machine, 1) == inflight_from_models(plan, 1, groups=two_groups, cuda_streams=1) == rule
     assert rule == 20 + 1 + 1 + 3
     settings = {"groups": two_groups, "cuda_streams": 1}  # the GPU is the what-if's: the runtime has CPUs only

@@ -31,6 +31,7 @@ from staronnx.runtime.runtime import Runtime
 from staronnx.serving import Server
 from staronnx.zoo import chain, fragile
 from test_serve import _groups, start_server
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -43,9 +44,11 @@ def plans(tmp_path_factory) -> dict[str, Plan]:
     onnx.save(chain(depth=4, width=8), str(root / "chain.onnx"))
     onnx.save(fragile(), str(root / "fragile.onnx"))
     return {
-        "tiny": partition(root / "chain.onnx", parts=2, method="linear", output_dir=root / "tiny", costs="estimate"),
-        "other": partition(root / "fragile.onnx", parts=2, method="linear", output_dir=root / "other",
-                           input_shapes=["x=1x8"], costs="estimate"),
+        "tiny": partition(root / "chain.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
+                          output_dir=root / "tiny"),
+        "other": partition(root / "fragile.onnx",
+                           spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                           output_dir=root / "other"),
     }
 
 

@@ -36,6 +36,7 @@ from staronnx.serving import (
 )
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 
 # -- fixtures ----------------------------------------------------------------------------------
@@ -44,7 +45,7 @@ def plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("serving")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    return partition(model, [0.7, 0.3], output_dir=root / "plan", profile_runs=2)
+    return partition(model, [0.7, 0.3], PartitionSpec(profile_runs=2), output_dir=root / "plan")
 
 
 @pytest.fixture(scope="module")

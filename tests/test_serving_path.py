@@ -30,6 +30,7 @@ from staronnx.serving import collector, loadgen
 from staronnx.serving import server as server_module
 from staronnx.serving.server import StandInRuntime, padded_size
 from staronnx.serving.spec import ServeSpec, inflight_window
+from staronnx.partition import PartitionSpec
 
 W = np.random.default_rng(0).standard_normal((16, 16)).astype(np.float32)
 
@@ -48,7 +49,8 @@ def _matmul_model(path, width: int | str = 16):
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
     root = tmp_path_factory.mktemp("path")
-    return partition(_matmul_model(root / "mm.onnx"), parts=1, output_dir=root / "plan", profile_runs=1)
+    return partition(_matmul_model(root / "mm.onnx"), spec=PartitionSpec(parts=1, profile_runs=1),
+                     output_dir=root / "plan")
 
 
 @pytest.fixture(scope="module")
@@ -474,8 +476,8 @@ def test_a_bad_sample_is_named_whichever_check_sees_it(stand_in, sample, match):
 
 
 def test_a_free_non_batch_axis_takes_the_plans_checks(tmp_path):
-    plan = partition(_matmul_model(tmp_path / "free.onnx", width="n"), parts=1, output_dir=tmp_path / "plan",
-                     profile_runs=1, input_shapes=["x=1x16"])
+    plan = partition(_matmul_model(tmp_path / "free.onnx", width="n"),
+                     spec=PartitionSpec(parts=1, profile_runs=1, input_shapes=["x=1x16"]), output_dir=tmp_path / "plan")
     rt = _OwnThreadRuntime(plan)
     try:
         with Server(rt, 1) as server:

@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -22,6 +23,9 @@ from staronnx.plan import Plan
 from staronnx.runtime.policies import POLICIES
 from staronnx.workers.topology import Topology
 from staronnx.zoo import chain
+from staronnx.partition import PartitionSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import SimSpec
 
 MS = 1e-3
 CPU4 = "pack:1 numa:1 core:4 pu:1"  # groups="numa": one 4-core worker, arch cpu4
@@ -36,7 +40,7 @@ def plan(tmp_path_factory) -> Plan:
     """A 2-part chain (part 1 reads part 0's output)."""
     root = tmp_path_factory.mktemp("sim")
     onnx.save(chain(depth=6, width=32), str(root / "chain.onnx"))
-    p = partition(root / "chain.onnx", [0.6, 0.4], output_dir=root / "plan", profile_runs=2)
+    p = partition(root / "chain.onnx", [0.6, 0.4], PartitionSpec(profile_runs=2), output_dir=root / "plan")
     assert p.dependencies() == [set(), {0}]
     return p
 
@@ -66,7 +70,7 @@ def topo(description: str) -> Topology:
 def test_low_rate_latency_is_the_batch_fill_plus_the_part_times(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): 4 * MS, (1, "cpu4"): 2 * MS}, batches=(4,))
-    res = simulate(plan, rate=100, batch_size=4, topology=topo(CPU4), store=store, duration=10)
+    res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 4, SimSpec(duration=10))
     m = res.metrics()
     # the first request of a batch waits for 3 more (30 ms), then the chain runs (6 ms)
     assert m["paper_latency_mean"] == pytest.approx(36 * MS, abs=1e-9)
@@ -92,14 +96,14 @@ def test_low_rate_latency_is_the_batch_fill_plus_the_part_times(plan, tmp_path):
 def test_above_the_lp_bound_the_queue_grows_and_throughput_meets_the_bound(plan, tmp_path, policy):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu1"): 4 * MS, (1, "cpu1"): 2 * MS}, batches=(4,), rel_std=0.1)
-    machine = build_machine(plan, topology=topo(TWO_CORES), groups="cores=1", store=store)
+    machine = build_machine(plan, MachineSpec(groups="cores=1"), topology=topo(TWO_CORES), store=store)
     bound = machine_bound(machine, 4)
     assert bound.throughput == pytest.approx(2 * 4 / (6 * MS))  # two workers, 6 ms per batch
-    over = simulate(machine=machine, rate=1.5 * bound.throughput, batch_size=4, policy=policy)
+    over = simulate(machine, 1.5 * bound.throughput, 4, SimSpec(policy=policy))
     m = over.metrics()
     assert m["congested"]
     assert m["throughput"] == pytest.approx(bound.throughput, rel=0.03)
-    under = simulate(machine=machine, rate=0.5 * bound.throughput, batch_size=4, policy=policy).metrics()
+    under = simulate(machine, 0.5 * bound.throughput, 4, SimSpec(policy=policy)).metrics()
     assert not under["congested"]
     assert under["throughput"] == pytest.approx(0.5 * bound.throughput, rel=0.01)
 
@@ -111,12 +115,12 @@ GPU_TIMES = {(0, "cuda0"): 1 * MS, (0, "cpu4"): 10 * MS, (1, "cuda0"): 1 * MS, (
 def test_heft_runs_both_parts_on_the_gpu_at_low_load_and_overflows_part1_under_load(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES)
-    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store)
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store)
     assert [w.arch for w in machine.workers] == ["cuda0", "cpu4"]  # accelerators first
-    low = simulate(machine=machine, rate=100, batch_size=1, policy="heft")
+    low = simulate(machine, 100, 1, SimSpec(policy="heft"))
     assert set(low.placement) == {(0, "cuda0"), (1, "cuda0")}
     # 2 ms of GPU work per request every 1.6 ms: the GPU alone cannot keep up
-    busy = simulate(machine=machine, rate=625, batch_size=1, policy="heft")
+    busy = simulate(machine, 625, 1, SimSpec(policy="heft"))
     assert busy.placement.get((0, "cpu4"), 0) == 0
     assert busy.placement.get((1, "cpu4"), 0) >= 0.2 * 6250
     m = busy.metrics()
@@ -126,7 +130,7 @@ def test_heft_runs_both_parts_on_the_gpu_at_low_load_and_overflows_part1_under_l
     bound = machine_bound(machine, 1)
     assert bound.throughput == pytest.approx(2000 / 3)
     assert bound.arch_share()[(0, "cuda0")] == pytest.approx(1.0)
-    over = simulate(machine=machine, rate=900, batch_size=1, policy="heft").metrics()
+    over = simulate(machine, 900, 1, SimSpec(policy="heft")).metrics()
     assert over["congested"]
     assert over["throughput"] <= bound.throughput * 1.01
     assert over["throughput"] >= bound.throughput * 0.85
@@ -136,11 +140,13 @@ def test_cuda_scale_is_a_what_if_gpu_built_from_the_cpu_models(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {k: v for k, v in GPU_TIMES.items() if k[1] == "cpu4"})
     with pytest.raises(SimulationError, match=r"cuda0.*calibrate"):
-        simulate(plan, rate=100, batch_size=1, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store)
-    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store, cuda_scale=(0.1, 1 / 3))
+        simulate(build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store),
+                 100, 1)
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store,
+                            cuda_scale=(0.1, 1 / 3))
     assert machine.table.source("cuda0") == ArchSource("cpu4", (0.1, 1 / 3))
     assert any("what-if" in n for n in machine.notes)
-    res = simulate(machine=machine, rate=625, batch_size=1, policy="heft")
+    res = simulate(machine, 625, 1, SimSpec(policy="heft"))
     assert res.placement.get((0, "cpu4"), 0) == 0 and res.placement[(1, "cpu4")] > 0
     assert machine_bound(machine, 1).throughput == pytest.approx(2000 / 3)
 
@@ -158,8 +164,8 @@ def test_missing_cpu_group_sizes_borrow_the_nearest_calibrated_one(plan, tmp_pat
 def test_every_policy_serves_every_request(plan, tmp_path, policy):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.2)
-    res = simulate(plan, rate=500, batch_size=1, n_requests=400, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1,
-                   store=store, policy=policy)
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store)
+    res = simulate(machine, 500, 1, SimSpec(n_requests=400, policy=policy))
     m = res.metrics()
     assert m["completed"] == 400 and m["pending"] == 0
     assert sum(res.placement.values()) == 800
@@ -169,11 +175,10 @@ def test_every_policy_serves_every_request(plan, tmp_path, policy):
 def test_a_seed_determines_the_run(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.2)
-    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=1, store=store)
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=1), topology=topo(CPU4), store=store)
 
     def run(seed: int, policy: str = "heft"):
-        res = simulate(machine=machine, rate=600, batch_size=1, duration=2, distribution="poisson",
-                       seed=seed, policy=policy)
+        res = simulate(machine, 600, 1, SimSpec(duration=2, distribution="poisson", seed=seed, policy=policy))
         recs = res.records
         return ([(r.arrival, r.done, r.batch_id) for r in recs.requests],
                 [b.placement for b in recs.batches], res.placement)
@@ -188,20 +193,20 @@ def test_a_batch_size_never_calibrated_uses_the_regression(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     linear = {(p, "cpu4"): (lambda b: b * MS) for p in (0, 1)}
     write_models(store, plan, linear, batches=(1, 2, 4, 8), rel_std=0.1)
-    res = simulate(plan, rate=100, batch_size=3, topology=topo(CPU4), store=store, spread=0)
+    res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 3, SimSpec(spread=0))
     # 20 ms of batch fill, then 3 ms + 3 ms from the fit t(n) = 1 ms * n
     assert res.metrics()["paper_latency_mean"] == pytest.approx(26 * MS, rel=0.01)
     with pytest.raises(SimulationError, match="batch 32"):
         store2 = PerfModelStore(tmp_path / "two")
         write_models(store2, plan, linear, batches=(1, 2))  # too few sizes for a fit
-        simulate(plan, rate=100, batch_size=32, topology=topo(CPU4), store=store2)
+        simulate(build_machine(plan, topology=topo(CPU4), store=store2), 100, 32)
 
 
 def test_max_delay_lets_partial_batches_leave(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(1, 2, 8))
-    res = simulate(plan, rate=100, batch_size=8, max_delay=5 * MS, topology=topo(CPU4), store=store,
-                   n_requests=50)
+    res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 8,
+                   SimSpec(max_delay=5 * MS, n_requests=50))
     assert {b.size for b in res.records.batches} == {1}
     arrival = {r.id: r.arrival for r in res.records.requests}
     *timed, flushed = res.records.batches  # the generator flushes after its last request
@@ -213,9 +218,10 @@ def test_max_delay_lets_partial_batches_leave(plan, tmp_path):
 def test_a_padded_partial_batch_costs_its_padded_size(plan, tmp_path):
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): lambda b: b * MS, (1, "cpu4"): lambda b: b * MS}, batches=(1, 4, 8))
-    common = dict(rate=100, batch_size=8, max_delay=5 * MS, topology=topo(CPU4), store=store, n_requests=50)
-    plain = simulate(plan, **common)
-    padded = simulate(plan, **common, pad_to=(4, 8))
+    machine = build_machine(plan, topology=topo(CPU4), store=store)
+    common = SimSpec(max_delay=5 * MS, n_requests=50)
+    plain = simulate(machine, 100, 8, common)
+    padded = simulate(machine, 100, 8, replace(common, pad_to=(4, 8)))
     # one request per batch (10 ms apart, 5 ms max_delay): it runs as 1 row, or as 4 when padded
     assert {(b.size, b.padded_to) for b in plain.records.batches} == {(1, None)}
     assert {(b.size, b.padded_to) for b in padded.records.batches} == {(1, 4)}
@@ -228,8 +234,8 @@ def test_a_partial_batch_with_no_model_is_left_waiting_with_a_note(plan, tmp_pat
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): 1 * MS, (1, "cpu4"): 1 * MS}, batches=(4,))  # no fit either
     for max_delay in (None, 5 * MS):  # the end-of-run flush, and a batch max_delay lets leave early
-        res = simulate(plan, rate=100, batch_size=4, max_delay=max_delay, topology=topo(CPU4), store=store,
-                       n_requests=10)
+        res = simulate(build_machine(plan, topology=topo(CPU4), store=store), 100, 4,
+                       SimSpec(max_delay=max_delay, n_requests=10))
         assert [b.size for b in res.records.batches] == [4, 4]
         waiting = [r for r in res.records.requests if r.done is None]
         assert len(waiting) == 2
@@ -249,7 +255,7 @@ def test_transfers_between_memory_nodes_cost_time_and_lower_the_bound(plan, tmp_
     # numa1's worker pays a 2 ms copy of the input for each chain it runs: 8 + 2 ms
     assert bound.throughput == pytest.approx(1 / (8 * MS) + 1 / (10 * MS))
     for policy in ("dmda", "eager"):
-        m = simulate(machine=costly, rate=2 * bound.throughput, batch_size=1, policy=policy).metrics()
+        m = simulate(costly, 2 * bound.throughput, 1, SimSpec(policy=policy)).metrics()
         assert m["throughput"] <= bound.throughput * 1.01
 
 
@@ -259,18 +265,17 @@ def test_bad_settings_are_clear_errors(plan, tmp_path):
         build_machine(plan, topology=topo(CPU4), store=store)
     write_models(store, plan, {(0, "cpu4"): MS, (1, "cpu4"): MS})
     machine = build_machine(plan, topology=topo(CPU4), store=store)
-    for kwargs, match in [
-        ({"rate": 0}, "rate"),
-        ({"batch_size": 0}, "batch_size"),
-        ({"distribution": "bursty"}, "distribution"),
-        ({"spread": -1}, "spread"),
-        ({"max_delay": -1.0}, "max_delay"),
+    for rate, batch_size, spec, match in [
+        (0, 1, SimSpec(), "rate"),
+        (10.0, 0, SimSpec(), "batch_size"),
+        (10.0, 1, SimSpec(distribution="bursty"), "distribution"),
+        (10.0, 1, SimSpec(spread=-1), "spread"),
+        (10.0, 1, SimSpec(max_delay=-1.0), "max_delay"),
     ]:
-        args = {"rate": 10.0, "batch_size": 1, **kwargs}
         with pytest.raises(SimulationError, match=match):
-            simulate(machine=machine, **args)
+            simulate(machine, rate, batch_size, spec)
     with pytest.raises(SimulationError, match="batch 2"):  # no model at that size, no fit
-        simulate(machine=machine, rate=10, batch_size=2)
+        simulate(machine, 10, 2)
 
 
 def test_ten_seconds_at_500_requests_per_second_are_all_simulated(plan, tmp_path):
@@ -278,9 +283,9 @@ def test_ten_seconds_at_500_requests_per_second_are_all_simulated(plan, tmp_path
     (its speed is printed by benchmarks/simulator.py: a timed test fails on a busy host)."""
     store = PerfModelStore(tmp_path)
     write_models(store, plan, GPU_TIMES, rel_std=0.1)
-    machine = build_machine(plan, topology=topo(CPU4), groups=NO_RESERVE, cuda_streams=2, store=store)
-    simulate(machine=machine, rate=500, batch_size=1, duration=0.1)  # warm caches
-    res = simulate(machine=machine, rate=500, batch_size=1, duration=10.0)
+    machine = build_machine(plan, MachineSpec(groups=NO_RESERVE, cuda_streams=2), topology=topo(CPU4), store=store)
+    simulate(machine, 500, 1, SimSpec(duration=0.1))  # warm caches
+    res = simulate(machine, 500, 1, SimSpec(duration=10.0))
     assert res.metrics()["completed"] == 5000
     assert res.wall_seconds > 0
 
@@ -313,7 +318,7 @@ def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(p
     from staronnx.calibrate import calibrate, start_workers
 
     store = PerfModelStore(tmp_path)
-    workers = start_workers(plan, groups="cores=1")
+    workers = start_workers(plan, MachineSpec(groups="cores=1"))
     try:
         # a shared machine's noise can keep an entry's samples drifting past one run's budget;
         # as a user would, calibrate again (the store merges, so samples accumulate)
@@ -325,7 +330,7 @@ def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(p
         for w in workers:
             w.close()
     assert not report.uncalibrated
-    machine = build_machine(plan, groups="cores=1", store=store)
+    machine = build_machine(plan, MachineSpec(groups="cores=1"), store=store)
     assert len(machine.workers) == len(workers)
     prof = profile_plan(plan, 4)
     arch = machine.workers[0].arch
@@ -333,7 +338,7 @@ def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(p
     predicted = len(workers) * 4 / sum(means)
     bound = machine_bound(machine, 4)
     assert bound.throughput == pytest.approx(predicted, rel=1e-6)
-    m = simulate(machine=machine, rate=2 * predicted, batch_size=4, n_requests=8000, policy="dmda").metrics()
+    m = simulate(machine, 2 * predicted, 4, SimSpec(n_requests=8000, policy="dmda")).metrics()
     assert m["congested"]
     assert m["throughput"] == pytest.approx(predicted, rel=0.05)
     assert math.isfinite(m["paper_latency_mean"]) and np.isfinite(m["latency_p99"])
@@ -349,12 +354,12 @@ def test_a_sweeps_fidelity_replay_pads_as_the_live_server_did(plan, tmp_path):
 
     store = PerfModelStore(tmp_path)
     write_models(store, plan, {(0, "cpu4"): lambda b: b * MS, (1, "cpu4"): lambda b: b * MS}, batches=(1, 4, 8))
-    machine = build_machine(plan, groups="numa", topology=topo(CPU4), store=store)
+    machine = build_machine(plan, MachineSpec(groups="numa"), topology=topo(CPU4), store=store)
     row = {"offered_rate": 100.0, "batch_size": 8, "duration_s": 0.5, "latency_p50_ms": 13.0,
            "throughput": 100.0, "paper_latency_mean_ms": 13.0}
-    common = dict(policy="heft", distribution="constant", seed=0, queue_capacity=64, warmup=0.1, max_delay=5 * MS)
-    plain = simulate_row(machine, row, **common)
-    padded = simulate_row(machine, row, **common, pad_to=[4, 8])
+    common = SimSpec(policy="heft", distribution="constant", seed=0, queue_capacity=64, max_delay=5 * MS)
+    plain = simulate_row(machine, row, common, warmup=0.1)
+    padded = simulate_row(machine, row, replace(common, pad_to=[4, 8]), warmup=0.1)
     # one request per batch (10 ms apart, 5 ms max delay), run as 1 row or, padded, as 4
     assert plain["sim_latency_p50_ms"] == pytest.approx(5 + 2, rel=0.02)
     assert padded["sim_latency_p50_ms"] == pytest.approx(5 + 2 * 4, rel=0.02)

@@ -30,6 +30,7 @@ from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
+from staronnx.partition import PartitionSpec
 
 GOOGLENET = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
@@ -65,7 +66,7 @@ def plan3(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp")
     model = root / "inception.onnx"
     onnx.save(inception(blocks=2, channels=8, size=16), str(model))
-    return partition(model, [0.5, 0.3, 0.2], output_dir=root / "plan", profile_runs=2)
+    return partition(model, [0.5, 0.3, 0.2], PartitionSpec(profile_runs=2), output_dir=root / "plan")
 
 
 def _two_groups() -> str:
@@ -116,7 +117,7 @@ def test_zoo_plan_matches_reference(starpu, plan3, policy):
 
 
 def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_path):
-    plan = partition(GOOGLENET, [0.85, 0.15], output_dir=tmp_path / "plan", profile_runs=2)
+    plan = partition(GOOGLENET, [0.85, 0.15], PartitionSpec(profile_runs=2), output_dir=tmp_path / "plan")
     assert plan.k == 2 and plan.crossing
     feeds = [random_plan_feeds(plan, b, seed=i) for i, b in enumerate([1, 2, 1, 3])]
     refs = [plan.run_reference(f)["logits"] for f in feeds]
@@ -156,8 +157,8 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
     g = helper.make_graph(nodes, "wide", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
                           [helper.make_tensor_value_info("s", TensorProto.FLOAT, ["batch", 64])], consts)
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "w.onnx"))
-    wide = partition(tmp_path / "w.onnx", [0.5, 0.5], output_dir=tmp_path / "wplan",
-                     input_shapes=["x=1x64"], costs="estimate")
+    wide = partition(tmp_path / "w.onnx", [0.5, 0.5], PartitionSpec(input_shapes=["x=1x64"], costs="estimate"),
+                     output_dir=tmp_path / "wplan")
     assert max(len(p.inputs) + len(p.outputs) for p in wide.parts) > lib.STARPU_NMAXBUFS
 
     nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
@@ -167,8 +168,9 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
     g = helper.make_graph(nodes, "nz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
                           [helper.make_tensor_value_info("s", TensorProto.FLOAT, [])])
     onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), str(tmp_path / "nz.onnx"))
-    nz = partition(tmp_path / "nz.onnx", parts=2, method="linear", output_dir=tmp_path / "nzplan",
-                   input_shapes=["x=1x8"], costs="estimate")
+    nz = partition(tmp_path / "nz.onnx",
+                   spec=PartitionSpec(parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"),
+                   output_dir=tmp_path / "nzplan")
     assert any(not all(isinstance(d, int) for d in t.shape[1:]) for t in nz.crossing)
 
     for plan in (wide, nz):

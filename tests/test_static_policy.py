@@ -16,6 +16,7 @@ from staronnx.verify import random_plan_feeds
 from staronnx.partition.host import host_devices
 from staronnx.zoo import wide_fanout
 from staronnx import partition
+from staronnx.partition import PartitionSpec
 
 
 class _Clock:
@@ -58,8 +59,8 @@ def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))
     second = two_groups.split(";")[1]  # explicit one-PU groups are named pus<PU>
-    plan = place(model, "duet", output_dir=tmp_path / "plan", devices=host_devices(two_groups), costs="estimate",
-                 device_costs={f"cpu:pus{second}": 0.5})
+    plan = place(model, PartitionSpec(method="duet", costs="estimate"), output_dir=tmp_path / "plan",
+                 devices=host_devices(two_groups), device_costs={f"cpu:pus{second}": 0.5})
     devices = {p.index: p.device for p in plan.parts}
     store = PerfModelStore(tmp_path / "home")
     feeds = [random_plan_feeds(plan, 2, seed=i) for i in range(10)]
@@ -77,6 +78,6 @@ def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
 def test_static_policy_needs_a_placed_plan(tmp_path, two_groups):
     model = tmp_path / "fan.onnx"
     onnx.save(wide_fanout(branches=8), str(model))
-    plan = partition(model, parts=2, output_dir=tmp_path / "plan", costs="estimate")
+    plan = partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "plan")
     with pytest.raises(StaronnxError, match="--method"):
         Runtime(plan, policy="static", cpu_groups=two_groups, store=PerfModelStore(tmp_path / "h"))

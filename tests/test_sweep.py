@@ -40,6 +40,8 @@ from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.bench.spec import RunSpec, SweepSpec
+from staronnx.workers.layout import MachineSpec
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -91,8 +93,9 @@ def test_parse_rates_batch_sizes_and_durations():
 def test_sweep_writes_one_row_per_point_with_every_column(plan, home, runtime, tmp_path, two_groups):
     events = []
     out = tmp_path / "res"
-    rows = sweep(plan, [150, 100], [2, 1], groups=two_groups, duration=0.5, out_dir=out, runtime=runtime,
-                 store=PerfModelStore(home), progress=events.append, extend=False)
+    rows = sweep(plan, [150, 100], [2, 1], SweepSpec(RunSpec(duration=0.5), out_dir=out, extend=False),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home),
+                 progress=events.append)
     assert [(r["batch_size"], r["offered_rate"]) for r in rows] == [(1, 100), (1, 150), (2, 100), (2, 150)]
     for r in rows:
         assert set(COLUMNS) <= set(r)
@@ -139,8 +142,9 @@ def test_congestion_stops_the_batch_size(plan, runtime, tmp_path, two_groups, mo
 
     monkeypatch.setattr(cpuload, "_read_proc_stat", _no_proc_stat)
     events = []
-    rows = sweep(plan, [100, 20_000, 40_000], [1], groups=two_groups, duration=0.5, out_dir=tmp_path,
-                 runtime=runtime, progress=events.append, queue_capacity=32, bound=False, extend=False)
+    rows = sweep(plan, [100, 20_000, 40_000], [1],
+                 SweepSpec(RunSpec(duration=0.5, queue_capacity=32), out_dir=tmp_path, bound=False, extend=False),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, progress=events.append)
     assert [r["offered_rate"] for r in rows] == [100, 20_000]  # 40k never measured
     assert not rows[0]["congested"]
     assert rows[1]["congested"] and rows[1]["rejected"] > 0
@@ -158,9 +162,9 @@ def test_unstable_point_is_measured_again_longer(plan, runtime, tmp_path, monkey
     real = sw.measure_point
     calls = []
 
-    def flaky(*args, **kwargs):
-        summary, records = real(*args, **kwargs)
-        calls.append(kwargs["duration"])
+    def flaky(runtime, batch_size, rate, samples, run, **kwargs):
+        summary, records = real(runtime, batch_size, rate, samples, run, **kwargs)
+        calls.append(run.duration)
         if len(calls) == 1:
             summary["stable"] = False  # as if the three windows disagreed
             summary["state"] = "unstable"
@@ -169,20 +173,20 @@ def test_unstable_point_is_measured_again_longer(plan, runtime, tmp_path, monkey
         return summary, records
 
     monkeypatch.setattr(sw, "measure_point", flaky)
-    rows = sweep(plan, [200], [1], duration=0.4, runtime=runtime, bound=False, out_dir=tmp_path)
+    rows = sweep(plan, [200], [1], SweepSpec(RunSpec(duration=0.4), bound=False, out_dir=tmp_path), runtime=runtime)
     assert calls == [pytest.approx(0.4), pytest.approx(0.8)]
     assert rows[0]["extended"] and rows[0]["attempts"] == 2 and rows[0]["duration_s"] == pytest.approx(0.8)
 
 
 def test_sweep_checks_its_arguments(plan, runtime):
     with pytest.raises(SweepError, match="distribution"):
-        sweep(plan, [10], [1], distribution="uniform", runtime=runtime)
+        sweep(plan, [10], [1], SweepSpec(RunSpec(distribution="uniform")), runtime=runtime)
     with pytest.raises(SweepError, match="rates"):
         sweep(plan, [-1], [1], runtime=runtime)
     with pytest.raises(SweepError, match="warmup"):
-        sweep(plan, [10], [1], duration=1.0, warmup=2.0, runtime=runtime)
+        sweep(plan, [10], [1], SweepSpec(RunSpec(duration=1.0, warmup=2.0)), runtime=runtime)
     with pytest.raises(SweepError, match="duration must be > 0 seconds"):  # seconds, not text: parsed at the edge
-        sweep(plan, [10], [1], duration="10s", runtime=runtime)
+        sweep(plan, [10], [1], SweepSpec(RunSpec(duration="10s")), runtime=runtime)
 
 
 # -- plots -------------------------------------------------------------------------------------
@@ -238,8 +242,8 @@ def test_plot_results_and_compare_write_pngs(tmp_path):
 
 def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, home, runtime, tmp_path, two_groups):
     out = tmp_path / "sim"
-    rows = sweep(plan, [60, 120], [1, 2], groups=two_groups, duration=0.6, out_dir=out, runtime=runtime,
-                 store=PerfModelStore(home), extend=False, simulate=True)
+    rows = sweep(plan, [60, 120], [1, 2], SweepSpec(RunSpec(duration=0.6), out_dir=out, extend=False, simulate=True),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(home))
     assert len(rows) == 4
     for r in rows:
         assert set(SIM_COLUMNS) <= set(r)
@@ -267,8 +271,9 @@ def test_simulated_sweep_records_prediction_and_error_beside_each_point(plan, ho
 def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_path, two_groups):
     # 20 req/s in batches of up to 8 with a 10 ms delay: a batch would take 400 ms to fill, so
     # every batch leaves partial and the papers' latency stays near the delay plus one run
-    rows = sweep(plan, [20], [8], groups=two_groups, duration=1.0, out_dir=tmp_path / "md", runtime=runtime,
-                 store=PerfModelStore(home), extend=False, max_delay=0.010, simulate=True)
+    spec = SweepSpec(RunSpec(duration=1.0, max_delay=0.010), out_dir=tmp_path / "md", extend=False, simulate=True)
+    rows = sweep(plan, [20], [8], spec, machine=MachineSpec(groups=two_groups), runtime=runtime,
+                 store=PerfModelStore(home))
     (r,) = rows
     assert r["max_delay_ms"] == pytest.approx(10.0)
     assert not r["congested"] and r["batches"] >= 10
@@ -276,13 +281,13 @@ def test_sweep_with_max_delay_sends_partial_batches(plan, home, runtime, tmp_pat
     assert r["sim_paper_latency_mean_ms"] < 200
     assert load_results(tmp_path / "md")["settings"]["max_delay_s"] == pytest.approx(0.010)
     with pytest.raises(SweepError, match="max_delay"):
-        sweep(plan, [20], [8], duration=0.5, runtime=runtime, max_delay=-1.0)
+        sweep(plan, [20], [8], SweepSpec(RunSpec(duration=0.5, max_delay=-1.0)), runtime=runtime)
 
 
 def test_traced_sweep_shows_tasks_batches_queue_and_points(plan, home, tmp_path, two_groups):
     trace = tmp_path / "sweep.json"
-    rows = sweep(plan, [80, 160], [2], groups=two_groups, duration=0.5, store=PerfModelStore(home),
-                 extend=False, trace=trace, bound=False)
+    rows = sweep(plan, [80, 160], [2], SweepSpec(RunSpec(duration=0.5), extend=False, trace=trace, bound=False),
+                 machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
     events = json.loads(trace.read_text())["traceEvents"]
     tasks = [e for e in events if e.get("cat") == "task"]
     batches = [e for e in events if e.get("cat") == "batch" and e["ph"] == "b"]
@@ -308,8 +313,9 @@ def test_a_traced_simulated_sweep_draws_each_simulated_point_where_its_live_poin
     from staronnx.bench.sweep import simulated_trace_path
 
     trace = tmp_path / "sweep.json"
-    sweep(plan, [80, 160], [2], groups=two_groups, duration=0.5, store=PerfModelStore(home), extend=False,
-          trace=trace, bound=False, simulate=True, out_dir=tmp_path / "out")
+    sweep(plan, [80, 160], [2],
+          SweepSpec(RunSpec(duration=0.5), extend=False, trace=trace, bound=False, simulate=True,
+                    out_dir=tmp_path / "out"), machine=MachineSpec(groups=two_groups), store=PerfModelStore(home))
     sim_path = simulated_trace_path(trace)
     assert sim_path == tmp_path / "sweep.sim.json"
     assert load_results(tmp_path / "out")["settings"]["simulated_trace"] == str(sim_path)
@@ -334,8 +340,9 @@ def test_a_traced_simulated_sweep_draws_each_simulated_point_where_its_live_poin
 
 def test_sweep_without_perf_models_notes_that_it_cannot_simulate(plan, runtime, tmp_path, two_groups):
     out = tmp_path / "nosim"
-    rows = sweep(plan, [80], [1], groups=two_groups, duration=0.4, out_dir=out, runtime=runtime,
-                 store=PerfModelStore(tmp_path / "empty"), extend=False, simulate=True, bound=False)
+    rows = sweep(plan, [80], [1],
+                 SweepSpec(RunSpec(duration=0.4), out_dir=out, extend=False, simulate=True, bound=False),
+                 machine=MachineSpec(groups=two_groups), runtime=runtime, store=PerfModelStore(tmp_path / "empty"))
     assert "sim_throughput" not in rows[0]
     assert any("no simulation" in n or "not simulated" in n for n in load_results(out)["notes"])
 

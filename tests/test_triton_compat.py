@@ -42,6 +42,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
 from staronnx import partition
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -79,8 +80,8 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton")
     onnx.save(simple_model(), str(root / "simple.onnx"))
     onnx.save(image_model(), str(root / "image.onnx"))
-    simple = partition(root / "simple.onnx", parts=1, costs="estimate", output_dir=root / "simple")
-    image = partition(root / "image.onnx", parts=1, costs="estimate", output_dir=root / "image")
+    simple = partition(root / "simple.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "simple")
+    image = partition(root / "image.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "image")
     (Path(image.root) / "labels.txt").write_text("\n".join(LABELS) + "\n")
     s = start_server([simple.root, image.root], root, "--name", "simple", "--name", "image_classifier",
                      "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")

@@ -26,6 +26,7 @@ from tritonclient import utils
 from tritonclient.utils import InferenceServerException
 
 from staronnx import partition
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -37,8 +38,9 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("shm")
     onnx.save(simple_model(), str(root / "simple.onnx"))
     onnx.save(simple_string_model(), str(root / "simple_string.onnx"))
-    plans = [partition(root / "simple.onnx", parts=1, costs="estimate", output_dir=root / "simple"),
-             partition(root / "simple_string.onnx", parts=1, costs="estimate", output_dir=root / "simple_string")]
+    plans = [partition(root / "simple.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "simple"),
+             partition(root / "simple_string.onnx", spec=PartitionSpec(parts=1, costs="estimate"),
+                       output_dir=root / "simple_string")]
     s = start_server([p.root for p in plans], root, "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms",
                      "--drain-timeout", "10s")
     yield s
@@ -224,7 +226,8 @@ def test_shared_memory_is_for_clients_on_this_machine(tmp_path):
     if address is None:
         pytest.skip("this machine has no address other than loopback")
     onnx.save(simple_model(), str(tmp_path / "simple.onnx"))
-    plan = partition(tmp_path / "simple.onnx", parts=1, costs="estimate", output_dir=tmp_path / "simple")
+    plan = partition(tmp_path / "simple.onnx", spec=PartitionSpec(parts=1, costs="estimate"),
+                     output_dir=tmp_path / "simple")
     s = start_server([plan.root], tmp_path, "--host", "0.0.0.0", "--insecure", "--policy", "eager")
     try:
         http = httpclient.InferenceServerClient(f"{address}:{s.http.rsplit(':', 1)[1]}")

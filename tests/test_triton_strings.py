@@ -31,6 +31,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, serialize_byte_tensor
 
 from staronnx import partition
+from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -72,10 +73,12 @@ def served(tmp_path_factory):
     onnx.save(simple_string_model(), str(root / "simple_string.onnx"))
     onnx.save(identity_model(), str(root / "simple_identity.onnx"))
     onnx.save(bfloat16_model(), str(root / "bf16.onnx"))
-    plans = [partition(root / "simple_string.onnx", parts=1, costs="estimate", output_dir=root / "simple_string"),
-             partition(root / "simple_identity.onnx", parts=1, costs="estimate", output_dir=root / "simple_identity",
-                       input_shapes=["INPUT0=1x4"]),
-             partition(root / "bf16.onnx", parts=1, costs="estimate", output_dir=root / "bf16")]
+    plans = [partition(root / "simple_string.onnx", spec=PartitionSpec(parts=1, costs="estimate"),
+                       output_dir=root / "simple_string"),
+             partition(root / "simple_identity.onnx",
+                       spec=PartitionSpec(parts=1, costs="estimate", input_shapes=["INPUT0=1x4"]),
+                       output_dir=root / "simple_identity"),
+             partition(root / "bf16.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "bf16")]
     s = start_server([p.root for p in plans], root, "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms",
                      "--drain-timeout", "10s")
     yield s

@@ -8,6 +8,9 @@
 - :mod:`staronnx.bench.simulator`: discrete-event what-if serving from the perf models, on a
   machine of :mod:`~staronnx.bench.machine` (workers, arch sources, GPUs, lanes, residency)
 - :mod:`staronnx.bench.bound`: the LP upper bound on sustainable throughput
+- :mod:`staronnx.bench.spec`: what each of them is asked, as values (:class:`~staronnx.bench.spec.SweepSpec`,
+  :class:`~staronnx.bench.spec.SimSpec`, ...) beside the machine's
+  :class:`~staronnx.workers.layout.MachineSpec`
 
 Nothing is imported here, so a sweep does not pull in matplotlib.
 """

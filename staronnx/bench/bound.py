@@ -42,6 +42,7 @@ from staronnx.perfmodels.store import calibrate_command
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import with_writebacks
 from staronnx.runtime.sched import WorkerInfo
+from staronnx.workers.layout import MachineSpec
 
 #: relative slack under which a constraint counts as binding
 TIGHT = 1e-7
@@ -432,15 +433,14 @@ def mix_bound(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapp
 STALE_MARGIN = 1.1
 
 
-def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, groups: str,
-                      cuda_streams: int, cuda_devices: Sequence[int] = (0,)) -> str | None:
+def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], machine: MachineSpec) -> str | None:
     """The remark on measurements above the bound, or None.
 
     The bound is what the perf models allow at best, so a measured throughput above it (by
     more than noise) says the models predict the parts slower than they run now: calibrated
     on a loaded machine, or before a change. Every figure built on them (bound, simulation,
     the predicted best batch size) is then off, so say it, and how to recalibrate.
-    ``points`` are (batch size, measured samples/s, bound samples/s).
+    ``points`` are (batch size, measured samples/s, bound samples/s) on the workers of ``machine``.
     """
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
@@ -455,4 +455,5 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], *, gro
     where = ", ".join(f"b={b}: {m:.1f} vs {bnd:.1f} samples/s" for b, (m, bnd) in sorted(over.items()))
     return (f"measured throughput above the LP bound ({where}): the perf models are stale (they "
             f"predict the parts slower than they run now); recalibrate with "
-            f"`{calibrate_command(plan.root, groups, cuda_streams, cuda_devices, list(over), replace=True)}`")
+            f"`{calibrate_command(plan.root, machine.groups, machine.cuda_streams, machine.cuda_devices, list(over),
+                                  replace=True)}`")

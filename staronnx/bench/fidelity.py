@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
+from staronnx.bench.spec import BAND, SimSpec
 from staronnx.serving.metrics import summarize
 
 #: the simulator-vs-live target of issue 5 (relative error of throughput and p50 latency)
@@ -39,10 +41,6 @@ TARGET = 0.15
 #: at the knee: there a few per cent of capacity (the machine's drift, others' CPU) move the
 #: latency by tens of per cent, and the simulator's latency is an estimate, not a prediction
 KNEE = 0.85
-
-#: how much slower and faster than its perf models a sweep also simulates each point (the
-#: machine's speed noise, see the module doc): 5 %, about the spread of this project's VM
-BAND = 0.05
 
 #: (row key written by the simulator, measured row key it is compared with, error key)
 COMPARED = (
@@ -74,19 +72,18 @@ def relative_error(predicted: Any, measured: Any) -> float | None:
     return p / m - 1.0
 
 
-def simulate_row(machine: Any, row: Mapping[str, Any], *, queue_capacity: int, warmup: float,
-                 **options: Any) -> dict[str, Any]:
+def simulate_row(machine: Any, row: Mapping[str, Any], spec: SimSpec, *, warmup: float) -> dict[str, Any]:
     """The ``sim_*`` and ``err_*`` fields for one measured sweep row, simulated on ``machine``
-    (a :class:`~staronnx.bench.machine.SimMachine` of the sweep's plan and workers) for the
-    live point's ``row["duration_s"]``, the same ``warmup`` cut from the window; ``options``
-    (policy, arrivals, padding, trace, host costs) are
-    :func:`~staronnx.bench.simulator.simulate_mix`'s.
+    (a :class:`~staronnx.bench.machine.SimMachine` of the sweep's plan and workers) with
+    ``spec`` (policy, arrivals, padding, host costs) for the live point's ``row["duration_s"]``,
+    its queue at least a batch, the same ``warmup`` cut from the window.
     """
     from staronnx.bench.simulator import simulate
 
-    result = simulate(machine=machine, rate=float(row["offered_rate"]), batch_size=int(row["batch_size"]),
-                      duration=float(row["duration_s"]), queue_capacity=max(queue_capacity, int(row["batch_size"])),
-                      **options)
+    b = int(row["batch_size"])
+    spec = replace(spec, duration=float(row["duration_s"]),
+                   queue_capacity=None if spec.queue_capacity is None else max(spec.queue_capacity, b))
+    result = simulate(machine, float(row["offered_rate"]), b, spec)
     return sim_columns(summarize(result.records, warmup=warmup), row, task_time_ratio=result.task_time_ratio)
 
 

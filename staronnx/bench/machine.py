@@ -28,7 +28,7 @@ from staronnx.runtime.models import HostedModel, ModelSet
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.serving.window import PlanProfile, plan_window, profile_plan
-from staronnx.workers.layout import Layout, MachineError, MachineSpec, layout
+from staronnx.workers.layout import Layout, MachineSpec, layout
 from staronnx.workers.topology import Topology
 
 
@@ -202,27 +202,15 @@ def resolve_sources(
 
 
 # ---------------------------------------------------------------------------- the machine
-def machine_spec(groups: str = "numa", cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
-                 lanes: Mapping[str, str] | None = None) -> MachineSpec:
-    """The :class:`~staronnx.workers.layout.MachineSpec` of these settings, refused as a
-    :class:`SimulationError` in the runtime's words (the GPUs are not checked against this
-    machine's: a simulated machine may have more)."""
-    try:
-        return MachineSpec(groups, cuda_streams, cuda_devices, lanes=dict(lanes or {}))
-    except MachineError as exc:
-        raise SimulationError(str(exc)) from None
-
-
 def worker_infos(laid: Layout) -> list[WorkerInfo]:
     """The workers of a layout as policies see them (a lane is a CPU worker to them)."""
     return [WorkerInfo(i, w.name, w.arch, w.policy_kind, w.memory_node, w.n_cores) for i, w in enumerate(laid.workers)]
 
 
-def sim_workers(topology: Topology | None = None, groups: str = "numa", cuda_streams: int = 0,
-                cuda_devices: Sequence[int] = (0,)) -> list[WorkerInfo]:
-    """The workers ``Runtime`` would start on ``topology`` (default: this machine), as policies
-    see them: :func:`~staronnx.workers.layout.layout`'s, the runtime's own."""
-    return worker_infos(layout(machine_spec(groups, cuda_streams, cuda_devices), topology or Topology.from_system()))
+def sim_workers(spec: MachineSpec = MachineSpec(), topology: Topology | None = None) -> list[WorkerInfo]:
+    """The workers ``Runtime`` would start for ``spec`` on ``topology`` (default: this machine),
+    as policies see them: :func:`~staronnx.workers.layout.layout`'s, the runtime's own."""
+    return worker_infos(layout(spec, topology or Topology.from_system()))
 
 
 #: how the simulator and the LP bound model a latency lane (said in every result's notes)
@@ -337,13 +325,6 @@ class SimMachine:
         ]
 
 
-def free_pus(topology: Topology | None, groups: str, cuda_streams: int = 0,
-             cuda_devices: Sequence[int] = (0,)) -> int:
-    """PUs no CPU group owns and no CUDA driver thread is pinned to (:class:`Layout`'s)."""
-    spec = machine_spec(groups, cuda_streams, cuda_devices)
-    return layout(spec, topology if topology is not None else Topology.from_system()).free_pus
-
-
 #: said where a machine has no host costs (not calibrated, or several models)
 NO_HOST_COSTS = ("host costs not measured for these workers (staronnx calibrate measures them): the simulation "
                  "and the LP bound leave out what serving costs the host beyond the tasks (the generator's lag, "
@@ -411,23 +392,19 @@ def held_by(machine: SimMachine, where: Where, model: int | str) -> list[str]:
 
 def build_machine(
     plan: Plan | ModelSet | Mapping[str, Plan],
-    spec: MachineSpec | None = None,
+    spec: MachineSpec = MachineSpec(),
     *,
-    groups: str = "numa",
     topology: Topology | None = None,
-    cuda_streams: int = 0,
-    cuda_devices: Sequence[int] = (0,),
     store: PerfModelStore | None = None,
     cuda_scale: float | Sequence[float] | None = None,
     cpu_fallback: bool = True,
     arch_sources: Mapping[str, ArchSource] | None = None,
     bus: BusModel | None = None,
-    lanes: Mapping[str, str] | None = None,
     host: HostModel | bool = True,
 ) -> SimMachine:
-    """Workers from ``topology`` (default: this machine) and ``spec`` (else ``groups``, plus
-    ``cuda_streams`` hypothetical or real CUDA workers on each GPU of ``cuda_devices``, and
-    ``lanes``), with times from ``store`` (default: ``$STARONNX_HOME``).
+    """Workers from ``topology`` (default: this machine) and ``spec`` (its CPU groups, its
+    ``cuda_streams`` hypothetical or real CUDA workers on each GPU of its ``cuda_devices``, and
+    its lanes), with times from ``store`` (default: ``$STARONNX_HOME``).
 
     Each GPU is its own arch and memory node, as in the runtime. A GPU the store has no models
     or bus links for (a what-if: four GPUs where one was calibrated) takes those of the lowest
@@ -439,7 +416,7 @@ def build_machine(
     parts numbered one after the other, each read from its own plan's stored models (nothing
     recalibrated for sharing). A per-part ``cuda_scale`` then has one factor per global part.
 
-    ``lanes`` (model name -> CPU group selector, ``Runtime(lanes=...)``'s; see
+    The spec's ``lanes`` (model name -> CPU group selector, ``Runtime(lanes=...)``'s; see
     :mod:`staronnx.workers.lanes`) adds the runtime's latency lanes: one more worker per
     selected group, same arch, holding the lane models only (the
     simulations and bounds over this machine keep them there, :func:`residency_where`). They
@@ -455,7 +432,6 @@ def build_machine(
     store = store if store is not None else PerfModelStore()
     models = plan if isinstance(plan, ModelSet) else (
         ModelSet(dict(plan)) if isinstance(plan, Mapping) else ModelSet.of(plan))
-    spec = spec or machine_spec(groups, cuda_streams, cuda_devices, lanes)
     laid = layout(spec, topology if topology is not None else Topology.from_system(), [m.name for m in models.models])
     workers = worker_infos(laid)
     lane_of = {i: w.models for i, w in enumerate(laid.workers) if w.kind == "lane"}

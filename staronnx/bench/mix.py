@@ -26,10 +26,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from staronnx.bench.sweep import MixPoint, sweep
+from staronnx.bench.spec import SweepSpec
+from staronnx.bench.sweep import Progress, sweep
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.models import name_gaps
+from staronnx.workers.layout import MachineSpec
 
 
 def is_per_model(text: str | None) -> bool:
@@ -98,13 +100,16 @@ def per_model(text: str, names: Sequence[str], option: str) -> dict[str, str]:
 
 
 # ---------------------------------------------------------------------------- the live sweep
-def sweep_mix(plans: Mapping[str, Plan | str | os.PathLike[str]], points: Sequence[MixPoint],
-              **options: Any) -> list[dict[str, Any]]:
-    """Measure every mix of ``points`` on one runtime hosting every model; return the rows
-    (one per point and model): :func:`staronnx.bench.sweep.sweep` over several models, whose
-    other ``options`` these are. Model ``i`` is seeded ``seed + i``, as
-    :func:`~staronnx.bench.simulator.simulate_mix` draws it; with ``stop_on_congestion`` the
-    points that dominate a congested one (same batch sizes, every rate at least as high) are
-    skipped. An unstable point is not measured again (``extend`` False unless given).
+def sweep_mix(plans: Mapping[str, Plan | str | os.PathLike[str]], spec: SweepSpec, *,
+              machine: MachineSpec = MachineSpec(), store: Any = None,
+              progress: Progress | None = None) -> list[dict[str, Any]]:
+    """Measure every mix of ``spec.points`` (:func:`~staronnx.bench.sweep.mix_points`) on one
+    runtime hosting every model, each with its ``spec.targets`` entry; return the rows (one per
+    point and model): :func:`staronnx.bench.sweep.sweep` over several models, the machine's
+    ``residency`` and ``lanes`` keeping some models on some workers. Model ``i`` is seeded
+    ``seed + i``, as :func:`~staronnx.bench.simulator.simulate_mix` draws it; with
+    ``stop_on_congestion`` the points that dominate a congested one (same batch sizes, every
+    rate at least as high) are skipped. ``staronnx sweep`` measures an unstable mix once
+    (``extend=False``): with every model's rate it is long enough.
     """
-    return sweep(dict(plans), (), (), points=points, **{"extend": False, **options})
+    return sweep(dict(plans), (), (), spec, machine=machine, store=store, progress=progress)

@@ -1,6 +1,6 @@
 """Pick the batch size for a rate: predict every candidate in simulation, verify the best live.
 
-    result = optimize_batch(plan, rate=300, batch_sizes=[1, 2, 4, 8, 16], groups="numa")
+    result = optimize_batch(plan, 300, OptimizeSpec(batch_sizes=[1, 2, 4, 8, 16]), machine=MachineSpec(groups="numa"))
     print(result.best, result.predicted_best)
 
 **Objective** (:func:`choose`): without an SLO, the lowest papers' latency among the batch
@@ -29,11 +29,13 @@ from typing import Any
 from staronnx.bench.bound import machine_bound, stale_models_note
 from staronnx.bench.points import measure_point, point_duration, runnable_sizes, sample_pool, warm_up
 from staronnx.bench.results import clean
-from staronnx.bench.machine import build_machine
+from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
+from staronnx.workers.layout import MachineSpec
+from staronnx.bench.spec import OptimizeSpec, RunSpec, SimSpec
 
 LATENCY = "paper_latency_mean"
 
@@ -242,23 +244,24 @@ def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any
     return None
 
 
-def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: float | None = None,
-                   batch_sizes: Sequence[int] = (1, 2, 4, 8, 16), policy: str = "heft", groups: str = "numa",
-                   cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,), distribution: str = "constant",
-                   store: Any = None, sim_duration: float = 20.0, verify: bool = True, verify_duration: float = 3.0,
-                   neighbours: int = 1, max_verify: int = 4, min_batches: int = 10, seed: int = 0, runtime: Any = None,
-                   machine: Any = None, progress: Callable[[str], None] | None = None,
-                   colocate: bool = False) -> Optimization:
-    """Choose ``b`` for ``rate`` requests/s among ``batch_sizes`` (see the module docstring).
+def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: OptimizeSpec = OptimizeSpec(), *,
+                   machine: MachineSpec = MachineSpec(), store: Any = None, runtime: Any = None,
+                   sim_machine: SimMachine | None = None, progress: Callable[[str], None] | None = None
+                   ) -> Optimization:
+    """Choose ``b`` for ``rate`` requests/s among ``spec.batch_sizes`` (see the module docstring).
 
-    ``slo``: papers' latency objective in seconds (None: minimize the latency). The runtime's
-    settings are simulated and measured alike. Each candidate gets ``sim_duration`` seconds of
-    simulated arrivals, each live measurement ``verify_duration`` (both stretched to
-    ``min_batches`` batch fills); ``verify`` measures the predicted best and its
-    ``neighbours`` on each side live, at most ``max_verify`` in all (:func:`next_candidate`).
-    ``runtime`` (left open) and ``machine`` are reused where given; ``progress`` hears a line per
-    step; ``colocate``: as ``sweep --colocate`` (:meth:`~staronnx.runtime.runtime.Runtime.colocate`).
+    ``spec.slo``: papers' latency objective in seconds (None: minimize the latency). The
+    runtime's settings (``machine`` and ``spec.policy``) are simulated and measured alike. Each
+    candidate gets ``sim_duration`` seconds of simulated arrivals, each live measurement
+    ``verify_duration`` (both stretched to ``min_batches`` batch fills); ``verify`` measures the
+    predicted best and its ``neighbours`` on each side live, at most ``max_verify`` in all
+    (:func:`next_candidate`). ``runtime`` (left open) and ``sim_machine`` (the simulated twin of
+    ``machine``) are reused where given; ``progress`` hears a line per step.
     """
+    slo, batch_sizes, policy, distribution = spec.slo, spec.batch_sizes, spec.policy, spec.distribution
+    sim_duration, verify, verify_duration = spec.sim_duration, spec.verify, spec.verify_duration
+    neighbours, max_verify, min_batches, seed = spec.neighbours, spec.max_verify, spec.min_batches, spec.seed
+    colocate = spec.colocate
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if not (_finite(rate) and rate > 0):
         raise OptimizeError(f"rate must be a positive number of requests/s, got {rate!r}")
@@ -270,24 +273,22 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: flo
     sizes, left_out = runnable_sizes(plan, sizes)
     say = progress or (lambda msg: None)
     notes: list[str] = [left_out] if left_out else []
-    if machine is None:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                                store=store)
-    notes.extend(machine.notes)
+    machine_spec = machine
+    sim = sim_machine if sim_machine is not None else build_machine(plan, machine_spec, store=store)
+    notes.extend(sim.notes)
 
     candidates: list[Candidate] = []
     for b in sizes:
         length = point_duration(sim_duration, min(1.0, sim_duration / 5), b, rate, min_batches)
         say(f"simulating batch {b} at {rate:g} req/s ({length:.1f} s of arrivals)")
         try:
-            res = simulate(machine=machine, rate=rate, batch_size=b, policy=policy, duration=length,
-                           distribution=distribution, seed=seed)
+            res = simulate(sim, rate, b, SimSpec(policy=policy, duration=length, distribution=distribution, seed=seed))
         except StaronnxError as exc:
             notes.append(f"batch {b} left out: {exc}")
             continue
         predicted = res.metrics(warmup=min(1.0, length / 5))
         try:
-            bound = machine_bound(machine, b).throughput
+            bound = machine_bound(sim, b).throughput
         except StaronnxError:
             bound = None
         candidates.append(Candidate(b, dict(predicted), bound=bound))
@@ -309,8 +310,8 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: flo
     result.verified = order[max(0, at - neighbours): at + neighbours + 1]
     own = runtime is None
     if own:
-        runtime = Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
-                          cuda_devices=cuda_devices, store=store)
+        runtime = Runtime(plan, policy=policy, cpu_groups=machine_spec.groups, cuda_streams=machine_spec.cuda_streams,
+                          cuda_devices=machine_spec.cuda_devices, store=store)
     try:
         samples = sample_pool(plan, seed=seed)
 
@@ -320,9 +321,9 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: flo
                 notes.append(f"warm-up failed at {failed}")
             length = point_duration(verify_duration, min(1.0, verify_duration / 5), b, rate, min_batches)
             say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
-            summary, records = measure_point(runtime, b, rate, samples, duration=length,
-                                             warmup=min(1.0, length / 5), distribution=distribution, seed=seed,
-                                             colocate=colocate)
+            summary, records = measure_point(runtime, b, rate, samples,
+                                             RunSpec(distribution, length, min(1.0, length / 5), seed,
+                                                     colocate=colocate))
             result.candidate(b).measured = dict(summary)
             if summary["state"] == "failed":
                 notes.append(f"batch {b} measured live: {summary['notes']}")
@@ -353,7 +354,7 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, *, slo: flo
         result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
     stale = stale_models_note(
         plan, [(b, (result.candidate(b).measured or {}).get("throughput"), result.candidate(b).bound)
-               for b in result.verified], groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
+               for b in result.verified], machine_spec)
     if stale:
         result.notes.append(stale)
     return result

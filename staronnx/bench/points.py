@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from staronnx.bench.spec import RunSpec
 from staronnx.inputs import batch_of, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
@@ -138,13 +139,13 @@ class _Watched:
         return self.server.records(**kwargs)
 
 
-def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[Mapping[str, np.ndarray]], *,
-                  duration: float, warmup: float, distribution: str = "constant", seed: int = 0,
-                  queue_capacity: int = 1024, drain_timeout: float | None = None,
-                  on_submit: Callable[[int, int], None] | None = None, max_delay: float | None = None,
-                  max_inflight: int | None = None, server_factory: Callable[..., Any] | None = None,
-                  colocate: bool = False) -> tuple[dict[str, Any], Any]:
-    """Serve ``rate`` requests/s in batches of ``batch_size`` for ``duration`` s; (summary, records).
+def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[Mapping[str, np.ndarray]],
+                  run: RunSpec, *, drain_timeout: float | None = None,
+                  on_submit: Callable[[int, int], None] | None = None, max_inflight: int | None = None,
+                  server_factory: Callable[..., Any] | None = None) -> tuple[dict[str, Any], Any]:
+    """Serve ``rate`` requests/s in batches of ``batch_size`` for ``run.duration`` s, its traffic
+    and batching as ``run`` says (:class:`~staronnx.bench.spec.RunSpec`: its ``warmup`` left
+    out of the summary, default ``min(1, duration / 5)``); (summary, records).
 
     Batches leave only when full, or, with ``max_delay`` (Triton's dynamic batching), once
     their oldest request waited that long. After the schedule the generator waits at most
@@ -159,6 +160,9 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
     in turn hand it over cheapest; the records' ``loadgen`` settings name that core (``core``:
     None when the block had none to give).
     """
+    duration, distribution, seed, max_delay = run.duration, run.distribution, run.seed, run.max_delay
+    warmup = min(1.0, duration / 5) if run.warmup is None else run.warmup
+    colocate, queue_capacity = run.colocate, run.queue_capacity
     factory = server_factory or Server
     block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if colocate:

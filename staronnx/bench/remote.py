@@ -1,6 +1,6 @@
 """``staronnx sweep --url``: the sweep's open-loop points driven over the network, through tritonclient.
 
-    rows = remote_sweep("plan/", "http://127.0.0.1:8000", rates=[50, 100], out_dir="wire/")
+    rows = remote_sweep("plan/", "http://127.0.0.1:8000", [50, 100], spec=SweepSpec(out_dir="wire/"))
 
 The same :func:`~staronnx.bench.sweep.sweep`, with a ``staronnx serve`` between the generator
 and the runtime: :class:`RemoteRuntime` is the model as a client sees it (warm-up batches are
@@ -42,7 +42,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -50,6 +50,7 @@ from urllib.parse import urlsplit
 import numpy as np
 
 from staronnx.bench.simulator import mean_rate
+from staronnx.bench.spec import FrontEnd, SweepSpec
 from staronnx.bench.sweep import sweep
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import StaronnxError
@@ -57,6 +58,7 @@ from staronnx.plan import Plan
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 from staronnx.serving.server import ServerClosed
 from staronnx.verify import compare
+from staronnx.workers.layout import MachineSpec
 
 #: HTTP connections the client may open at once: requests beyond them wait in the client,
 #: which would hide server queueing behind client queueing (perf_analyzer opens one per request
@@ -604,24 +606,36 @@ def served_runtime(url: str, plan: Plan, model: str | None = None) -> ServedMode
         return remote.served
 
 
-def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batch_sizes: Sequence[int] | None = None, *,
-                 model: str | None = None, max_delay: float | None = None, policy: str | None = None,
-                 groups: str | None = None, cuda_streams: int | None = None, engine: str | None = None,
-                 queue_capacity: int | None = None, check: str | Path | None = None,
-                 **sweep_kwargs: Any) -> list[dict[str, Any]]:
-    """:func:`~staronnx.bench.sweep.sweep` (whose other keyword arguments these are) through
-    the ``staronnx serve`` at ``url``, serving ``model`` (default: the plan folder's name).
+#: the runtime settings a sweep over the network takes from the server (``expect`` may name them)
+SERVER_SETTINGS = ("policy", "groups", "cuda_streams", "engine", "queue_capacity", "max_delay")
 
-    The runtime settings are the server's: None takes them from its configuration, a value
-    that disagrees raises :class:`RemoteError` (restart the server to measure another). A
-    model served one request per task is measured at batch 1, as in process. ``check``: the
-    ONNX model the plan was cut from (:class:`AnswerCheck`). ``trace``, ``simulate`` and
-    ``colocate`` need the runtime in this process and are refused.
+
+def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
+                 spec: SweepSpec = SweepSpec(), *, model: str | None = None, expect: Mapping[str, Any] | None = None,
+                 check: str | Path | None = None, **sweep_kwargs: Any) -> list[dict[str, Any]]:
+    """:func:`~staronnx.bench.sweep.sweep` (whose ``store``, ``inputs`` and ``progress`` go in
+    ``sweep_kwargs``) through the ``staronnx serve`` at ``url``, serving ``model`` (default: the
+    plan folder's name), each point's traffic as ``spec.run`` says.
+
+    The runtime settings are the server's (:data:`SERVER_SETTINGS`: the spec's policy, engine,
+    queue capacity and max delay are not used): ``expect`` names those the caller counts on, and
+    one that disagrees raises :class:`RemoteError` (restart the server to measure another); so
+    do ``batch_sizes`` other than the server's. A model served one request per task is measured
+    at batch 1, as in process. ``check``: the ONNX model the plan was cut from
+    (:class:`AnswerCheck`). ``spec.trace``, ``spec.simulate`` and ``spec.run.colocate`` need the
+    runtime in this process and are refused.
     """
-    for option in ("trace", "simulate", "colocate", "runtime", "server_factory", "front_end"):
-        if sweep_kwargs.pop(option, None) and option in ("trace", "simulate", "colocate"):
+    for option, value in (("trace", spec.trace), ("simulate", spec.simulate), ("colocate", spec.run.colocate)):
+        if value:
             raise RemoteError(f"{option}= needs the runtime in this process; it cannot be used over the network",
                               cli=f"--{option} needs the runtime in this process; it cannot be used with --url")
+    for own in ("runtime", "front_end", "machine"):  # the server's
+        sweep_kwargs.pop(own, None)
+    unknown = sorted(set(expect or {}) - set(SERVER_SETTINGS))
+    if unknown:
+        raise RemoteError(f"expect names {', '.join(unknown)}, not a server setting ({', '.join(SERVER_SETTINGS)})")
+    given = {k: (expect or {}).get(k) for k in SERVER_SETTINGS}
+    max_delay = given.pop("max_delay")
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     answers = None if check is None else AnswerCheck(check, plan)
     with RemoteRuntime(url, plan, model, check=answers) as remote:
@@ -638,16 +652,15 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
                               "--batch-size to measure another)")
         if max_delay is not None and not math.isclose(max_delay, served.max_delay, abs_tol=1e-6):
             why = f"{url} batches with a max delay of {served.max_delay * 1e3:g} ms (staronnx serve --max-delay); "
-            raise RemoteError(why + "pass max_delay=None or that value",
+            raise RemoteError(why + "leave max_delay out of expect or give that value",
                               cli=why + "leave --max-delay out or give that value")
-        given = {"policy": policy, "groups": groups, "cuda_streams": cuda_streams, "engine": engine,
-                 "queue_capacity": queue_capacity}
         actual = {**served.runtime, "queue_capacity": served.queue_capacity}
         for key, value in given.items():
             if value is not None and key in actual and str(value) != str(actual[key]):
                 flag = "--" + key.replace("_", "-")
                 why = f"{url} runs with {flag} {actual[key]}, not {value}: over the network the runtime settings are "
-                raise RemoteError(why + f"the server's (pass {key}=None)", cli=why + f"the server's (leave {flag} out)")
+                raise RemoteError(why + f"the server's (leave {key} out of expect)",
+                                  cli=why + f"the server's (leave {flag} out)")
         wire = PROTOCOLS[remote.protocol]
         front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
                      "client": wire["client"]}
@@ -655,9 +668,9 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
             front_end.update(batching=served.batching, batching_reason=served.batching_reason)
         if answers is not None:
             front_end["check"] = str(answers.path)
-        return sweep(
-            remote.plan, rates, sizes, policy=str(actual.get("policy", "?")), groups=str(actual.get("groups", "?")),
-            cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices,
-            engine=str(actual.get("engine", "?")), max_delay=served.max_delay,
-            queue_capacity=served.queue_capacity or 1024, runtime=remote, server_factory=RemoteServer,
-            front_end=front_end, simulate=False, **sweep_kwargs)
+        served_spec = replace(spec, policy=str(actual.get("policy", "?")), engine=str(actual.get("engine", "?")),
+                              simulate=False, run=replace(spec.run, max_delay=served.max_delay,
+                                                          queue_capacity=served.queue_capacity or 1024))
+        return sweep(remote.plan, rates, sizes, served_spec,
+                     machine=MachineSpec(str(actual.get("groups", "?")), served.cuda_streams, served.cuda_devices),
+                     runtime=remote, front_end=FrontEnd(RemoteServer, front_end), **sweep_kwargs)

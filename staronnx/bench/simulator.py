@@ -30,11 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from staronnx.bench.machine import (SimMachine, SimulationError, Where, build_machine, held_by, machine_inflight,
-                                    residency_where)
+from staronnx.bench.machine import SimMachine, SimulationError, Where, held_by, machine_inflight, residency_where
 from staronnx.bench.simclock import EventQueue, SimClock
-from staronnx.perfmodels import Footprint, HostCosts, PerfModelStore
-from staronnx.plan import Plan
+from staronnx.bench.spec import SimSpec
+from staronnx.perfmodels import Footprint, HostCosts
 from staronnx.runtime.core import Task, TaskGraph
 from staronnx.runtime.datawizard import price
 from staronnx.runtime.models import ModelSet, ServiceTarget, name_gaps
@@ -46,7 +45,6 @@ from staronnx.serving.metrics import summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import next_batch_size, padded_size
 from staronnx.serving.window import PlanProfile
-from staronnx.workers.topology import Topology
 
 
 # ---------------------------------------------------------------------------- arrivals
@@ -552,30 +550,22 @@ class _Simulation:
             self._batcher(fe)
 
 
-def simulate(plan: Plan | None = None, *, rate: float, batch_size: int, groups: str = "numa",
-             topology: Topology | None = None, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
-             cuda_scale: float | Sequence[float] | None = None, store: PerfModelStore | None = None,
-             machine: SimMachine | None = None, arrivals: Sequence[float] | None = None,
-             max_inflight: int | None = None, **options: Any) -> SimResult:
+def simulate(machine: SimMachine, rate: float, batch_size: int, spec: SimSpec = SimSpec(), *,
+             arrivals: Sequence[float] | None = None, max_inflight: int | None = None,
+             trace: str | os.PathLike[str] | TraceInto | None = None) -> SimResult:
     """Serve ``rate`` single-sample requests/s in batches of ``batch_size``, in simulation:
-    :func:`simulate_mix` of a set of one model (whose other keyword ``options`` these are),
-    read as that model's result. ``machine`` (from :func:`build_machine`) replaces ``plan``, ``groups``,
-    ``topology``, ``cuda_streams``, ``cuda_devices``, ``cuda_scale`` and ``store``, so a sweep
-    builds it once; ``arrivals`` (offsets in seconds, sorted) replays a schedule.
+    :func:`simulate_mix` of the one model of ``machine`` (from :func:`build_machine`, built
+    once for a sweep's points), with ``spec``, read as that model's result; ``arrivals``
+    (offsets in seconds, sorted) replays a schedule.
     """
-    if machine is None:
-        if plan is None:
-            raise SimulationError("give a plan or a machine")
-        machine = build_machine(plan, groups=groups, topology=topology, cuda_streams=cuda_streams,
-                                cuda_devices=cuda_devices, cuda_scale=cuda_scale, store=store)
     assert machine.models is not None
     if not machine.models.single:
         raise SimulationError("this machine hosts several models: simulate their traffic together with "
                               "simulate_mix (a rate per model)")
     name = machine.models.models[0].name
-    mix = simulate_mix(machine, {name: rate}, {name: batch_size}, **options,
+    mix = simulate_mix(machine, {name: rate}, {name: batch_size}, spec,
                        arrivals=None if arrivals is None else {name: arrivals},
-                       max_inflight=None if max_inflight is None else {name: max_inflight})
+                       max_inflight=None if max_inflight is None else {name: max_inflight}, trace=trace)
     return SimResult(records=mix.records[name], placement=mix.placement, busy=mix.busy, workers=mix.workers,
                      notes=mix.notes, events=mix.events, wall_seconds=mix.wall_seconds,
                      mean_queue_wait=mix.mean_queue_wait, task_time_ratio=mix.task_time_ratio)
@@ -675,17 +665,13 @@ def _times(who: str, name: str, index: int, rate: float, *, arrivals: Mapping[st
     return times, process
 
 
-def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int, *,
-                 policy: str | Policy = "heft", policy_options: Mapping[str, Any] | None = None,
-                 targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None, duration: float | None = 10.0,
-                 n_requests: int | None = None, arrivals: Mapping[str, Sequence[float]] | None = None,
-                 distribution: str = "constant", seed: int = 0, max_delay: float | None = None,
-                 queue_capacity: int | None = 1024, max_inflight: Mapping[str, int] | None = None, spread: float = 1.0,
-                 drain: bool = True, charge_transfers: bool = True, residency: Mapping[str, str] | None = None,
-                 pad_to: Sequence[int] = (), trace: str | os.PathLike[str] | TraceInto | None = None,
-                 host_costs: bool = True, slowdown: float = 1.0) -> MixResult:
+def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int,
+                 spec: SimSpec = SimSpec(), *, arrivals: Mapping[str, Sequence[float]] | None = None,
+                 max_inflight: Mapping[str, int] | None = None,
+                 trace: str | os.PathLike[str] | TraceInto | None = None) -> MixResult:
     """Serve every model of ``machine`` (:func:`build_machine` over one plan or several) at
-    its own rate, as ``staronnx serve`` does on one shared runtime: a server per model (the
+    its own rate, as ``staronnx serve`` does on one shared runtime, with the settings of
+    ``spec`` (:class:`~staronnx.bench.spec.SimSpec`, whose fields are named here): a server per model (the
     live Server's queue of ``queue_capacity``, None unbounded; batches of its ``batch_sizes``
     entry that leave when full or, with ``max_delay``, when the oldest request has waited that
     long; its in-flight window, by default :func:`machine_inflight`'s, as live sweeps use)
@@ -723,6 +709,11 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     simulates each point at ``1 +/- band`` to say how far the machine's own drift moves it.
     """
     t0 = time.perf_counter()
+    policy, policy_options, targets, duration = spec.policy, spec.policy_options, spec.targets, spec.duration
+    n_requests, distribution, seed, max_delay = spec.n_requests, spec.distribution, spec.seed, spec.max_delay
+    queue_capacity, spread, drain, slowdown = spec.queue_capacity, spec.spread, spec.drain, spec.slowdown
+    charge_transfers, residency = spec.charge_transfers, spec.residency
+    pad_to, host_costs = spec.pad_to, spec.host_costs
     models = machine.models
     assert models is not None
     names = [m.name for m in models.models]

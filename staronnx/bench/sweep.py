@@ -1,7 +1,7 @@
 """Throughput/latency sweeps: the StarONNX papers' evaluation, point by point, on the live runtime.
 
-    rows = sweep(plan, rates=[50, 100, 200], batch_sizes=[1, 4, 8], groups="numa",
-                 duration=10.0, out_dir="results/")
+    rows = sweep(plan, [50, 100, 200], [1, 4, 8], SweepSpec(RunSpec(duration=10.0), out_dir="results/"),
+                 machine=MachineSpec(groups="numa"))
 
 For every batch size ``b`` and offered rate ``rho``, single-sample requests arrive open-loop
 at ``rho`` and a :class:`~staronnx.serving.Server` forms batches of exactly ``b`` (the papers'
@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -38,12 +38,13 @@ import numpy as np
 
 from staronnx.bench.bound import MixBound, batch_bounds, mix_bound, stale_models_note
 from staronnx.bench.cpuload import BUSY_SHARE, LoadWatch, MachineLoad
-from staronnx.bench.fidelity import BAND, band_columns, fidelity_summary, sim_columns
-from staronnx.bench.machine import build_machine, machine_inflight, residency_where
+from staronnx.bench.fidelity import band_columns, fidelity_summary, sim_columns
+from staronnx.bench.machine import SimMachine, build_machine, machine_inflight, residency_where
 from staronnx.bench.points import (TaskSampler, measure_point, point_duration, runnable_sizes, sample_pool,
                                    task_time_ratio, tasks_snapshot, warm_up, workers_delta, workers_snapshot)
 from staronnx.bench.results import SweepError, clean, make_row, write_results
 from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
+from staronnx.bench.spec import FrontEnd, MixPoint, RunSpec, SimSpec, SweepSpec, mix_label
 from staronnx.errors import StaronnxError
 from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
@@ -55,6 +56,7 @@ from staronnx.serving.records import RunRecords
 from staronnx.signals import signal_name
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.residency import ResidencyError
+from staronnx.workers.layout import MachineSpec
 
 #: trace lane (thread id) of the sweep's points, clear of the workers' lanes
 POINTS_LANE = 100_000
@@ -129,36 +131,9 @@ class _Results:
 
 
 # ---------------------------------------------------------------------------- points
-# A point is a rate and a batch size per model (one model: a (batch size, rate) pair of the
-# grid); several models' points are their mixes (:mod:`staronnx.bench.mix` reads them off
-# the command line).
-class MixPoint:
-    """One point of mixed traffic: a rate (single-sample requests/s) and a batch size per model."""
-
-    __slots__ = ("rates", "batch_sizes")
-
-    def __init__(self, rates: Mapping[str, float], batch_sizes: Mapping[str, int]) -> None:
-        self.rates = {n: float(r) for n, r in rates.items()}
-        self.batch_sizes = {n: int(b) for n, b in batch_sizes.items()}
-
-    @property
-    def label(self) -> str:
-        return mix_label(self.rates)
-
-    def dominates(self, other: MixPoint) -> bool:
-        """Same batch sizes and every rate at least ``other``'s: congested wherever it is."""
-        return (self.batch_sizes == other.batch_sizes
-                and all(self.rates[n] >= other.rates[n] for n in self.rates))
-
-    def __repr__(self) -> str:
-        return f"MixPoint({self.label}, b {self.batch_sizes})"
-
-
-def mix_label(rates: Mapping[str, float]) -> str:
-    """``"a=100,b=400"``: a mix as the command line writes it."""
-    return ",".join(f"{n}={r:g}" for n, r in rates.items())
-
-
+# A point (:class:`~staronnx.bench.spec.MixPoint`) is a rate and a batch size per model (one
+# model: a (batch size, rate) pair of the grid); several models' points are their mixes
+# (:mod:`staronnx.bench.mix` reads them off the command line).
 def batch_one_where_needed(plans: Mapping[str, Plan], points: Sequence[MixPoint]) -> tuple[list[MixPoint], list[str]]:
     """``points`` with batch 1 for every model that runs one request per task (its other sizes
     mean nothing: :func:`~staronnx.bench.points.runnable_sizes`), points that became equal
@@ -244,53 +219,55 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
             "(another footprint, other times): " + ", ".join(differ))
 
 
-def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]], rates: Sequence[float],
-          batch_sizes: Sequence[int], *, policy: str = "heft", groups: str = "numa", cuda_streams: int = 0,
-          cuda_devices: Sequence[int] = (0,), cuda_graphs: bool = True, thread_per_stream: bool = False,
-          distribution: str = "constant",
-          duration: float = 10.0, warmup: float | None = None, out_dir: str | os.PathLike[str] | None = None,
-          store: Any = None, progress: Progress | None = None, seed: int = 0, queue_capacity: int = 1024,
-          min_batches: int = 10, extend: bool = True, stop_on_congestion: bool = True, bound: bool = True,
-          engine: str = "native", runtime: SweptRuntime | None = None, label: str | None = None, simulate: bool = False,
-          max_delay: float | None = None, trace: str | os.PathLike[str] | None = None,
-          inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None,
-          inputs_path: str | os.PathLike[str] | None = None, server_factory: Callable[..., Any] | None = None,
-          front_end: Mapping[str, Any] | None = None, colocate: bool = False, points: Sequence[MixPoint] = (),
-          targets: Mapping[str, Any] | None = None, residency: Mapping[str, str] | None = None,
-          lanes: Mapping[str, str] | None = None, sim_band: float = BAND) -> list[dict[str, Any]]:
+def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
+          rates: Sequence[float] = (), batch_sizes: Sequence[int] = (), spec: SweepSpec = SweepSpec(), *,
+          machine: MachineSpec = MachineSpec(), store: Any = None, runtime: SweptRuntime | None = None,
+          inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None, front_end: FrontEnd | None = None,
+          progress: Progress | None = None) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
 
     One body for one model and several: a plan is a set of one model, whose points are its
-    (batch size, rate) pairs; several (``plan`` a mapping name -> plan, with ``points``,
-    ``targets``, ``residency`` and ``lanes``: :func:`~staronnx.bench.mix.sweep_mix`) share the
-    runtime, one generator and server per model.
+    (batch size, rate) pairs; several (``plan`` a mapping name -> plan, with ``spec.points`` and
+    ``spec.targets``, and the machine's ``residency`` and ``lanes``:
+    :func:`~staronnx.bench.mix.sweep_mix`) share the runtime, one generator and server per model.
 
-    ``cuda_devices`` are the runtime's, the simulated twin's and the bound's GPUs alike.
-    ``duration``: seconds of arrivals per point, stretched to ``min_batches`` batch fills, of
-    which ``warmup`` (default ``min(1, duration / 5)``) is left out. ``extend``: measure an
-    unstable, uncongested point once more, twice as long. ``bound`` and ``simulate`` need
-    calibrated perf models (``store``, default ``$STARONNX_HOME``); ``simulate`` replays every
-    measured point in the simulator, prediction and error beside the measurement
-    (:mod:`staronnx.bench.fidelity`), and again with its tasks ``sim_band`` faster and slower
-    (:func:`~staronnx.bench.fidelity.band_columns`: which points a drift of the machine's speed
-    that small tips; 0: no band). ``max_delay``: batches of *at most* ``b`` leave once their
-    oldest request waited this long. ``runtime``: an open one to use (it stays open; its own
-    ``trace=``). ``inputs``: real inputs, an ``.npz`` path or its arrays (``inputs_path`` names
-    the file). ``server_factory`` and ``front_end``: over the network, each point's batching
-    front end and what ``settings.front_end`` records of it (:func:`~staronnx.bench.remote.remote_sweep`).
-    ``colocate``: the load generator and the batcher run on the runtime's host core
-    (:meth:`~staronnx.runtime.runtime.Runtime.colocate`).
+    ``spec`` (:class:`~staronnx.bench.spec.SweepSpec`) says how: each point's traffic
+    (``spec.run``: ``duration`` seconds of arrivals, stretched to ``min_batches`` batch fills,
+    of which ``warmup``, default ``min(1, duration / 5)``, is left out; ``max_delay``: batches
+    of *at most* ``b`` leave once their oldest request waited this long; ``colocate``: the load
+    generator and the batcher run on the runtime's host core,
+    :meth:`~staronnx.runtime.runtime.Runtime.colocate`), whether an unstable, uncongested point
+    is measured once more, twice as long (``extend``), and what is computed beside it:
+    ``bound`` and ``simulate`` need calibrated perf models (``store``, default
+    ``$STARONNX_HOME``); ``simulate`` replays every measured point in the simulator,
+    prediction and error beside the measurement (:mod:`staronnx.bench.fidelity`), and again
+    with its tasks ``sim_band`` faster and slower (:func:`~staronnx.bench.fidelity.band_columns`:
+    which points a drift of the machine's speed that small tips; 0: no band).
+
+    ``machine``: the runtime's workers, and its simulated twin's and the bound's alike.
+    ``runtime``: an open one to use instead (it stays open; its own ``trace=``). ``inputs``:
+    real inputs, an ``.npz`` path (recorded) or its arrays. ``front_end``: over the network,
+    each point's batching front end and what ``settings.front_end`` records of it
+    (:func:`~staronnx.bench.remote.remote_sweep`).
     """
+    run_spec, machine_spec = spec.run, machine
+    policy, engine, points, targets = spec.policy, spec.engine, spec.points, spec.targets
+    extend, stop_on_congestion, bound, simulate = spec.extend, spec.stop_on_congestion, spec.bound, spec.simulate
+    sim_band, label, out_dir, trace = spec.sim_band, spec.label, spec.out_dir, spec.trace
+    distribution, duration, seed = run_spec.distribution, run_spec.duration, run_spec.seed
+    queue_capacity, min_batches, max_delay = run_spec.queue_capacity, run_spec.min_batches, run_spec.max_delay
+    groups, cuda_streams, cuda_devices = machine.groups, machine.cuda_streams, machine.cuda_devices
+    inputs_path = inputs if isinstance(inputs, (str, os.PathLike)) else None
     loaded, one = load_plans(plan)
     models = ModelSet(loaded, targets)  # checks the targets' names
     names, first = list(loaded), models.models[0].plan
-    residency, lanes = dict(residency or {}), dict(lanes or {})
+    residency, lanes = dict(machine.residency), dict(machine.lanes)
     if one:  # a set of one model: its points are its (batch size, rate) pairs
         points = mix_points({names[0]: sorted({float(r) for r in rates})}, sorted({int(b) for b in batch_sizes}),
                             names)
     _check_mixes(names, points)
     points, notes = batch_one_where_needed(loaded, points)
-    warmup = _check_run(distribution=distribution, duration=duration, warmup=warmup, min_batches=min_batches,
+    warmup = _check_run(distribution=distribution, duration=duration, warmup=run_spec.warmup, min_batches=min_batches,
                         max_delay=max_delay)
     if not 0.0 <= sim_band < 1.0:
         raise SweepError(f"sim_band is a share of the tasks' time in [0, 1) (0.05: 5 % faster and slower), "
@@ -312,8 +289,8 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         "label": label or (Path(out_dir).name if out_dir is not None else None),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
         "sim_band": sim_band if simulate else None,
-        "front_end": dict(front_end) if front_end is not None else {"kind": "in-process"},
-        "colocate": colocate,
+        "front_end": dict(front_end.settings) if front_end is not None else {"kind": "in-process"},
+        "colocate": run_spec.colocate,
     }
     if not one:
         settings.update(mixed=True, residency=residency, lanes=lanes, mixes=[
@@ -324,18 +301,17 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     if inputs is not None:
         settings["inputs"] = {"path": None if inputs_path is None else str(inputs_path),
                               "samples": input_samples(inputs, first)}
-    if cuda_streams and server_factory is None:  # which GPUs these figures come from (over the network: unknown)
+    if cuda_streams and front_end is None:  # which GPUs these figures come from (over the network: unknown)
         settings["gpus"] = gpus_of(cuda_devices)
     results = _Results(out_dir, settings, fidelity=simulate, notes=notes)
     # one simulated twin of the runtime serves the LP bound, the simulated points and the
     # in-flight window (a slow worker is only chosen behind a long enough queue: the same
     # window the simulator uses, so live and simulated points agree)
-    machine = None
+    twin: SimMachine | None = None
     if bound or simulate:
         try:
-            machine = build_machine(models, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                                    store=store, lanes=lanes or None)
-            results.notes.extend(machine.notes)
+            twin = build_machine(models, machine_spec, store=store)
+            results.notes.extend(twin.notes)
         except ResidencyError:
             raise  # a lane the runtime would refuse too: refused now, in its words, before it starts
         except StaronnxError as exc:
@@ -343,31 +319,31 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             results.notes.append(f"{missing}: {exc}")
     # a model's holders, as the runtime will choose them (a selector matching no worker is
     # refused here, before the runtime starts, with the runtime's own message)
-    where = None if machine is None else residency_where(machine, residency)
-    windows = {(m.name, b): None if machine is None else machine_inflight(machine, b, m.index, where)
+    where = None if twin is None else residency_where(twin, residency)
+    windows = {(m.name, b): None if twin is None else machine_inflight(twin, b, m.index, where)
                for m in models.models for b in sizes_of[m.name]}
-    if machine is not None and inputs is not None:
+    if twin is not None and inputs is not None:
         other = _unprofiled_shapes(first, inputs)
         results.notes += [other] if other else []
-    if machine is not None and bound and one:
-        results.bounds, bound_notes = batch_bounds(machine, sizes_of[names[0]])
+    if twin is not None and bound and one:
+        results.bounds, bound_notes = batch_bounds(twin, sizes_of[names[0]])
         results.notes.extend(bound_notes)
     own = runtime is None
     if runtime is None:
         runtime = Runtime(first if one else loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
                           cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, targets=targets,
                           residency=residency, lanes=lanes or None,
-                          cuda_options=cuda_options(cuda_streams, cuda_graphs=cuda_graphs,
-                                                    thread_per_stream=thread_per_stream),
+                          cuda_options=cuda_options(cuda_streams, cuda_graphs=machine_spec.cuda_graphs,
+                                                    thread_per_stream=machine_spec.thread_per_stream),
                           warmup=sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)})
                           if cuda_streams else ())
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
     # simulated twin of each point must pad the same way
     padding = tuple(sorted({int(m) for m in runtime.preferred_batch_sizes}))
     settings["pad_to"] = list(padding)
-    run = _Run(runtime, models, one, notify, total, results, windows, extend=extend, warmup=warmup,
-               point=dict(distribution=distribution, seed=seed, queue_capacity=queue_capacity, max_delay=max_delay,
-                          server_factory=server_factory, colocate=colocate))
+    run = _Run(runtime, models, one, notify, total, results, windows, extend=extend,
+               run=replace(run_spec, warmup=warmup),
+               server_factory=None if front_end is None else front_end.server_factory)
     try:
         settings["workers"] = [w.name for w in runtime.workers]
         # the thread that launches each CUDA worker's tasks: the GPU's one driver, or its own
@@ -388,7 +364,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         settings["calibration_check"] = check.pop("settings")
         results.notes.extend(check["notes"])
         run.pools = {m.name: sample_pool(m.plan, seed=seed, inputs=inputs) for m in models.models}
-        tracer, sim_tracer = point_tracers(runtime, simulated=simulate and machine is not None, settings=settings)
+        tracer, sim_tracer = point_tracers(runtime, simulated=simulate and twin is not None, settings=settings)
         skipped: set[int] = set()
         struck: set[tuple[tuple[str, int], ...]] = set()  # batch sizes whose last point congested on a busy machine
         for i, point in enumerate(points):
@@ -396,9 +372,9 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                 continue
             label_ = run.label(point)
             mix = None
-            if bound and machine is not None and not one:
+            if bound and twin is not None and not one:
                 try:
-                    mix = mix_bound(machine, point.rates, point.batch_sizes, residency)
+                    mix = mix_bound(twin, point.rates, point.batch_sizes, residency)
                     results.bounds[f"{point.label} b {mix_label(point.batch_sizes)}"] = mix.as_dict()
                 except StaronnxError as exc:
                     results.notes.append(f"no LP bound for {point.label}: {exc}")
@@ -413,19 +389,19 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             for m, row in zip(models.models, rows):
                 if not one:
                     row.update(_mix_columns(m, run.records[m.name], run.index, point, mix))
-            if simulate and machine is not None and all(r["state"] == "failed" for r in rows):
+            if simulate and twin is not None and all(r["state"] == "failed" for r in rows):
                 results.notes.append(f"{label_} not simulated: its requests failed")
-            elif simulate and machine is not None:
+            elif simulate and twin is not None:
                 length = float(rows[0]["duration_s"])
                 target = simulated_point(sim_tracer, label_, began, length)
                 try:
                     def replay(slowdown: float = 1.0, into: TraceInto | None = None) -> Any:
-                        return simulate_mix(
-                            machine, point.rates, point.batch_sizes, policy=policy, targets=targets, duration=length,
-                            distribution=distribution, seed=seed, slowdown=slowdown,
-                            queue_capacity=max(queue_capacity, *point.batch_sizes.values()), max_delay=max_delay,
-                            residency=residency, trace=into,
-                            pad_to=[m for m in padding if m <= max(point.batch_sizes.values())] if one else ())
+                        largest = max(point.batch_sizes.values())
+                        return simulate_mix(twin, point.rates, point.batch_sizes, SimSpec(
+                            policy=policy, targets=targets, duration=length, distribution=distribution, seed=seed,
+                            slowdown=slowdown, queue_capacity=max(queue_capacity, largest), max_delay=max_delay,
+                            residency=residency, pad_to=[m for m in padding if m <= largest] if one else ()),
+                            trace=into)
 
                     sim = replay(into=target)
                     # the same point on a machine sim_band faster and slower: what its drift would do
@@ -461,8 +437,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             results.notes.append(busy)
         if one:
             stale = stale_models_note(
-                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows],
-                groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices)
+                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows], machine_spec)
             results.notes += [stale] if stale else []
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results.save()
@@ -504,9 +479,10 @@ class _Run:
 
     def __init__(self, runtime: SweptRuntime, models: ModelSet, one: bool, notify: Progress, total: int,
                  results: _Results, windows: Mapping[tuple[str, int], int | None], *, extend: bool,
-                 warmup: float, point: Mapping[str, Any]) -> None:
+                 run: RunSpec, server_factory: Callable[..., Any] | None) -> None:
         self.runtime, self.models, self.one, self.notify, self.total = runtime, models, one, notify, total
-        self.results, self.windows, self.extend, self.warmup, self.point = results, windows, extend, warmup, point
+        self.results, self.windows, self.extend, self.run = results, windows, extend, run
+        self.server_factory = server_factory
         # one model: the runtime itself is its handle (a runtime passed in may serve no other)
         self.handles = {models.models[0].name: runtime} if one else {
             m.name: runtime.model(m.name) for m in models.models}
@@ -588,9 +564,10 @@ class _Run:
             try:
                 b = point.batch_sizes[n]
                 out[n] = measure_point(
-                    self.handles[n], b, point.rates[n], self.pools[n], duration=length, warmup=self.warmup,
+                    self.handles[n], b, point.rates[n], self.pools[n],
+                    replace(self.run, duration=length, seed=self.run.seed + i),
                     on_submit=on_submit if self.one else None, max_inflight=self.windows.get((n, b)),
-                    **{**self.point, "seed": self.point["seed"] + i})
+                    server_factory=self.server_factory)
             except BaseException as exc:  # noqa: BLE001 - raised again in the sweep's thread
                 errors.append(exc)
 
@@ -829,9 +806,9 @@ def rates_for(capacity: float, count: int = AUTO_RATES, top: float = AUTO_TOP) -
     return [round(step * i, 9) for i in range(1, n + 1)]
 
 
-def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: Any = None,
-               probe_seconds: float | None = 1.0, policy: str = "heft", groups: str = "numa", cuda_streams: int = 0,
-               cuda_devices: Sequence[int] = (0,), engine: str = "native") -> AutoRates | None:
+def auto_rates(plan: Plan, batch_sizes: Sequence[int], machine: MachineSpec = MachineSpec(), *, seed: int = 0,
+               store: Any = None, probe_seconds: float | None = 1.0, policy: str = "heft",
+               engine: str = "native") -> AutoRates | None:
     """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
     batch size's curve up to where it congests instead of one congested point per batch size.
 
@@ -841,9 +818,7 @@ def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: 
     """
     sizes, _ = runnable_sizes(plan, batch_sizes)  # a model of one request per task: batch 1
     try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                                store=store, cpu_fallback=False)
-        bounds, _ = batch_bounds(machine, sizes)
+        bounds, _ = batch_bounds(build_machine(plan, machine, store=store, cpu_fallback=False), sizes)
     except StaronnxError:
         bounds = {}
     bounds = {b: v["throughput"] for b, v in bounds.items() if math.isfinite(v["throughput"]) and v["throughput"] > 0}
@@ -855,20 +830,19 @@ def auto_rates(plan: Plan, batch_sizes: Sequence[int], *, seed: int = 0, store: 
     if probe_seconds is None:
         return None
     b = sizes[-1]
-    capacity = _probe(plan, b, policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                      engine=engine, seconds=probe_seconds, seed=seed)
+    capacity = _probe(plan, b, machine, policy=policy, engine=engine, seconds=probe_seconds, seed=seed)
     return AutoRates(rates_for(capacity), capacity, "probe",
                      f"a {probe_seconds:g} s closed-loop probe, {capacity:,.0f} samples/s at b={b}; "
                      f"no calibrated perf models for the LP bound")
 
 
-def _probe(plan: Plan, batch: int, *, policy: str, groups: str, cuda_streams: int, cuda_devices: Sequence[int],
-           engine: str, seconds: float, seed: int) -> float:
+def _probe(plan: Plan, batch: int, machine: MachineSpec, *, policy: str, engine: str, seconds: float,
+           seed: int) -> float:
     """Samples/s the runtime serves with batches of ``batch`` back to back, two per worker in
     flight (closed loop): the most it serves."""
     feeds = random_plan_feeds(plan, batch, seed=seed)
-    with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                 engine=engine) as rt:
+    with Runtime(plan, policy=policy, cpu_groups=machine.groups, cuda_streams=machine.cuda_streams,
+                 cuda_devices=machine.cuda_devices, engine=engine) as rt:
         rt.run(feeds)  # warm-up
         depth = max(2, 2 * len(rt.stats()["workers"]))
         inflight = [rt.submit(feeds) for _ in range(depth)]

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+from staronnx.workers.layout import MachineSpec
 
 #: policies that never ask for a prediction: their runs need no model, so no warning
 MODEL_FREE_POLICIES = frozenset({"eager", "ws", "lws", "static"})
@@ -32,11 +35,10 @@ def uncalibrated(plan: Any, archs: Iterable[str], store: Any) -> dict[str, list[
     return {arch: parts for arch, parts in missing.items() if parts}
 
 
-def warn_uncalibrated(plandir: str | Path, plan: Any, *, groups: str, cuda_streams: int = 0,
-                      cuda_devices: Sequence[int] = (0,), skip_archs: Sequence[str] = (),
+def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, skip_archs: Sequence[str] = (),
                       store: Any = None) -> str | None:
     """Print one ``staronnx: warning: no calibrated model for ...`` line on stderr when the
-    workers these settings start lack models for some parts; return it (None when all is
+    workers ``machine`` starts lack models for some parts; return it (None when all is
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
     from staronnx.bench.machine import sim_workers
@@ -44,15 +46,16 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, *, groups: str, cuda_strea
 
     store = store if store is not None else PerfModelStore()
     # the archs of the workers these settings start here (an arch per GPU), without starting any
-    archs = dict.fromkeys(w.arch for w in sim_workers(None, groups, cuda_streams, cuda_devices))
+    # (a lane is a worker on its CPU group's cores, of the group's arch: the groups say it all)
+    archs = dict.fromkeys(w.arch for w in sim_workers(replace(machine, lanes={})))
     missing = uncalibrated(plan, [a for a in archs if a not in set(skip_archs)], store)
     if not missing:
         return None
     where = ", ".join(f"{'part' if len(parts) == 1 else 'parts'} {', '.join(map(str, parts))} on {arch}"
                       for arch, parts in missing.items())  # part 1 on cpu1, parts 0, 1 on cuda0
     # the GPUs calibrate can measure: a skipped one (a what-if) would make the command fail
-    reachable = [d for d in cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
+    reachable = [d for d in machine.cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
     line = (f"staronnx: warning: no calibrated model for {where}: "
-            f"run {calibrate_command(plandir, groups, cuda_streams, reachable)}")
+            f"run {calibrate_command(plandir, machine.groups, machine.cuda_streams, reachable)}")
     print(line, file=sys.stderr, flush=True)
     return line

@@ -76,6 +76,7 @@ def partition_cmd(
     from staronnx.partition.autoshares import is_auto
     from staronnx.partition.notation import read_input_shapes, read_shares
     from staronnx.partition.api import METHODS, partition
+    from staronnx.partition.spec import PartitionSpec
     from staronnx.partition.precision import apply_precision, parse_precision
 
     if method not in METHODS:
@@ -100,17 +101,17 @@ def partition_cmd(
     speeds = None
     if speeds_from is not None:
         from staronnx.bench.machine_speeds import speeds_from_plan
+        from staronnx.workers.layout import MachineSpec
 
-        speeds = speeds_from_plan(Plan.load(speeds_from), batch=profile_batch, groups=groups or "numa",
-                                  cuda_streams=cuda_streams, cuda_devices=devices)
+        speeds = speeds_from_plan(Plan.load(speeds_from), MachineSpec(groups or "numa", cuda_streams, devices),
+                                  batch=profile_batch)
+    spec = PartitionSpec(parts=parts, method=method, device=device, input_shapes=shapes, seed=seed, costs=costs,
+                         profile_batch=profile_batch, profile_runs=profile_runs, tolerance=tolerance, groups=groups,
+                         cuda_streams=cuda_streams, cuda_devices=devices, batch_axes=axes, batching=not no_batching)
     with partition_warnings(), spinner(quiet) as progress:
         step = progress.add_task("partitioning")
-        plan = partition(model, targets, parts=parts, output_dir=output, method=method, device=device,
-                         input_shapes=shapes, seed=seed, costs=costs, profile_batch=profile_batch,
-                         profile_runs=profile_runs, tolerance=tolerance, force=force,
-                         progress=lambda msg: progress.update(step, description=msg), groups=groups,
-                         cuda_streams=cuda_streams, speeds=speeds, cuda_devices=devices, batch_axes=axes,
-                         batching=not no_batching)
+        plan = partition(model, targets, spec, output_dir=output, force=force, speeds=speeds,
+                         progress=lambda msg: progress.update(step, description=msg))
         if precisions:
             progress.update(step, description="converting the GPU parts")
             plan = apply_precision(plan, precisions)

@@ -17,6 +17,7 @@ from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
+from staronnx.workers.layout import MachineSpec
 
 console = Console()
 perfmodel_app = typer.Typer(help="Inspect calibrated performance models.", no_args_is_help=True)
@@ -58,9 +59,10 @@ def calibrate_cmd(
     for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
         random_plan_feeds(plan, 1, given)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    machine = MachineSpec(groups, cuda_streams, devices)
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
-    workers = start_workers(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+    workers = start_workers(plan, machine)
     report = CalibrationReport()  # filled as it goes: what an interruption kept is read from it
     steps = calibration_steps(plan, workers, sizes, len(shape_sets))
     try:
@@ -83,8 +85,7 @@ def calibrate_cmd(
         if report.busy:
             console.print(f"[yellow]warning:[/] {escape(report.busy)}", soft_wrap=True, highlight=False)
         if host and not report.uncalibrated:
-            _measure_host(plan, sizes, report, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
-                          store=store, workers=workers, seed=seed)
+            _measure_host(plan, sizes, report, machine, store=store, workers=workers, seed=seed)
     except BaseException:
         if report.interrupted:  # Ctrl-C, SIGTERM: the samples measured so far were stored
             console.print(f"calibration interrupted: kept {report.samples} sample(s) measured in "
@@ -109,16 +110,16 @@ def calibrate_cmd(
                       + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated))
 
 
-def _measure_host(plan: Plan, sizes: list[int], report, *, groups: str, cuda_streams: int,
-                  cuda_devices: tuple[int, ...], store, workers, seed: int) -> None:
+def _measure_host(plan: Plan, sizes: list[int], report, machine: MachineSpec, *, store, workers,
+                  seed: int) -> None:
     """The host-cost probe (:func:`staronnx.calibrate.calibrate_host`) on the calibration's
     workers, with what it found; a failure is one line (the perf models are kept anyway)."""
-    from staronnx.calibrate import calibrate_host, speed_moved
+    from staronnx.calibrate import HostProbe, calibrate_host, speed_moved
 
     try:
         with console.status("measuring the host's own work per batch") as status:
-            model = calibrate_host(plan, sizes, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices,
-                                   store=store, workers=workers, seed=seed, calibration_machine=report.machine,
+            model = calibrate_host(plan, sizes, machine, HostProbe(seed=seed),
+                                   store=store, workers=workers, calibration_machine=report.machine,
                                    on_step=lambda msg: status.update(msg))
     except StaronnxError as exc:
         console.print(f"[yellow]host costs not measured:[/] {escape(str(exc))}", soft_wrap=True, highlight=False)
@@ -161,15 +162,14 @@ def _print_rows(rows, plan: Plan) -> None:
     console.print(table)
 
 
-def _print_verdict(plan: Plan, store, rows, groups: str, cuda_streams: int, cuda_devices: tuple[int, ...]) -> None:
+def _print_verdict(plan: Plan, store, rows, spec: MachineSpec) -> None:
     """Which is predicted faster: this plan on the runtime's workers (the LP bound over the
     calibrated models) or the whole model on the fastest arch alone (the sum of its parts)."""
     from staronnx.bench.bound import machine_bound
     from staronnx.bench.machine import build_machine
 
     try:
-        machine = build_machine(plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=cuda_devices, store=store,
-                                cpu_fallback=False)
+        machine = build_machine(plan, spec, store=store, cpu_fallback=False)
     except StaronnxError as exc:
         console.print(f"no prediction against one part: {exc}", soft_wrap=True)
         return
@@ -206,7 +206,8 @@ def show_cmd(
 
     if plot is not None:
         check_writable(plot, "--plot")
-    devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)  # models may come from another host
+    # models may come from another host: GPUs not checked against this one's
+    machine = MachineSpec(groups, cuda_streams, parse_cuda_devices(cuda_devices, cuda_streams, simulated=True))
     plan = Plan.load(plandir)
     store = PerfModelStore()
     rows = store.rows(plan.hash)
@@ -214,7 +215,7 @@ def show_cmd(
         raise StaronnxError(f"no perf models for plan {plan.hash} under {store.plan_dir(plan.hash)}; "
                             f"run `staronnx calibrate {plandir}` first")
     _print_rows(rows, plan)
-    _print_verdict(plan, store, rows, groups, cuda_streams, devices)
+    _print_verdict(plan, store, rows, machine)
     if plot is not None:
         from staronnx.perfmodels.plot import plot_rows
 

@@ -18,6 +18,7 @@ from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
+from staronnx.workers.layout import MachineSpec
 
 console = output_console()
 trace_app = typer.Typer(help="Work with runtime traces.", no_args_is_help=True)
@@ -69,7 +70,7 @@ def run_cmd(
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
-        warn_uncalibrated(plandir, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+        warn_uncalibrated(plandir, plan, MachineSpec(groups, cuda_streams, devices))
     batch, note = runnable_batch(plan, batch)
     if note is not None:
         console.print(note, highlight=False, soft_wrap=True)

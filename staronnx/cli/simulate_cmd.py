@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +23,7 @@ from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
+from staronnx.workers.layout import MachineSpec
 
 console = output_console()
 
@@ -198,6 +200,7 @@ def simulate_cmd(
     the LP throughput bound."""
     from staronnx.bench.machine import build_machine
     from staronnx.bench.simulator import simulate_mix
+    from staronnx.bench.spec import SimSpec
     from staronnx.durations import parse_duration
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
@@ -229,18 +232,18 @@ def simulate_cmd(
         plans, offered = {labels[0]: plan}, {labels[0]: rate}
         targets, residency, lanes = {}, {}, {}
     sizes = _batches(batch, plans, several)
+    machine_spec = MachineSpec(groups, cuda_streams, devices, lanes=lanes)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         for d, plan in zip(plandirs, plans.values()):
-            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices,
-                              skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
+            warn_uncalibrated(d, plan, machine_spec, skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
     topology = Topology.from_synthetic(_with_pus(synthetic)) if synthetic else None
-    machine = build_machine(plans if several else plans[labels[0]], groups=groups, topology=topology,
-                            cuda_streams=cuda_streams, cuda_devices=devices, cuda_scale=_scale(cuda_scale),
-                            lanes=lanes)
+    machine = build_machine(plans if several else plans[labels[0]], machine_spec, topology=topology,
+                            cuda_scale=_scale(cuda_scale))
+    spec = SimSpec(policy=policy, targets=targets, duration=seconds, n_requests=requests, distribution=distribution,
+                   seed=seed, max_delay=delay, spread=spread, queue_capacity=queue_capacity, residency=residency)
+
     def run(slowdown: float = 1.0, into: Path | None = None) -> Any:
-        return simulate_mix(machine, offered, sizes, policy=policy, targets=targets, duration=seconds,
-                            n_requests=requests, distribution=distribution, seed=seed, max_delay=delay, spread=spread,
-                            queue_capacity=queue_capacity, residency=residency, trace=into, slowdown=slowdown)
+        return simulate_mix(machine, offered, sizes, replace(spec, slowdown=slowdown), trace=into)
 
     result = run(into=trace)
     if several:

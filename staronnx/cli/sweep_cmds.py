@@ -26,6 +26,7 @@ from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsO
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
+from staronnx.workers.layout import MachineSpec
 
 console = output_console()
 
@@ -296,27 +297,6 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
     return {name for name, source in sources.items() if source is not None and source.name != "DEFAULT"}
 
 
-#: the sweep's runtime options that over the network are the server's
-SERVER_OPTIONS = ("batch_sizes", "policy", "groups", "cuda_streams", "engine", "queue_capacity", "max_delay")
-
-
-def _sweep_at(url: str, model: str | None, given: set[str]) -> Callable[..., list[dict[str, Any]]]:
-    """A function with :func:`~staronnx.bench.sweep.sweep`'s signature that sweeps through the
-    ``staronnx serve`` at ``url`` instead: of :data:`SERVER_OPTIONS`, only those in ``given``
-    (named on the command line) are passed on, to be checked against the server's; the rest,
-    left at the CLI's defaults, are the server's."""
-    from staronnx.bench.remote import remote_sweep
-
-    def run(plan: Any, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
-            **kwargs: Any) -> list[dict[str, Any]]:
-        kwargs.pop("cuda_graphs", None)  # the server's own settings (staronnx serve --no-cuda-graphs)
-        kwargs.pop("thread_per_stream", None)
-        options = {k: kwargs.pop(k) for k in SERVER_OPTIONS if k in kwargs}
-        options["batch_sizes"] = batch_sizes
-        options = {k: (v if k in given else None) for k, v in options.items()}
-        return remote_sweep(plan, url, rates, model=model, **options, **kwargs)
-
-    return run
 
 
 def sweep_cmd(
@@ -399,6 +379,8 @@ def sweep_cmd(
     alike (the bound and the simulation without the OS preemption: a note says so)."""
     from staronnx.bench.mix import is_per_model, sweep_mix
     from staronnx.bench.points import runnable_sizes
+    from staronnx.bench.remote import remote_sweep
+    from staronnx.bench.spec import BAND, RunSpec, SweepSpec
     from staronnx.bench.sweep import sweep
     from staronnx.inputs import load_inputs
     from staronnx.plan import Plan
@@ -425,12 +407,9 @@ def sweep_cmd(
         auto = rates.strip().lower() == "auto"
         rate_list = [] if auto else parse_rates(rates)
         sizes = parse_batch_sizes(batch_sizes)
-        run = sweep
-        if url is not None:  # over the network: the server's settings, except those named on the command line
-            run = _sweep_at(url, model, given_on_command_line(ctx))
-        elif model is not None:
+        if url is None and model is not None:
             raise StaronnxError("--model names a model served at --url; give --url too")
-        elif check is not None:
+        elif url is None and check is not None:
             raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
         if check is not None and not check.is_file():  # now, not after the header
             raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
@@ -449,16 +428,19 @@ def sweep_cmd(
     check_writable(output, "--output", folder=True)  # now, not after the first point
     if trace is not None:
         check_writable(trace, "--trace")
+    # the flags, parsed once into the sweep's specs (colocate: --url refused it above); a mix
+    # is measured once per point (with every model's rate it is long enough)
+    machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream,
+                          residency=residency if mixed else {}, lanes=lanes if mixed else {})
     plans = {n: Plan.load(d) for n, d in zip(labels_ if mixed else [""], plandirs)}
     for d, plan in zip(plandirs, plans.values()):
         if url is None:  # over the network the groups are the server's
-            warn_uncalibrated(d, plan, groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
-    common = dict(policy=policy, groups=groups, cuda_streams=cuda_streams, cuda_graphs=cuda_graphs,
-                  thread_per_stream=thread_per_stream,
-                  distribution=distribution, duration=seconds, warmup=warm, out_dir=output, seed=seed,
-                  queue_capacity=queue_capacity, min_batches=min_batches, simulate=simulate, max_delay=delay,
-                  trace=trace, colocate=colocate,  # colocate: --url refused it above
-                  **({"sim_band": sim_band / 100} if sim_band is not None else {}))
+            warn_uncalibrated(d, plan, machine)
+    spec = SweepSpec(RunSpec(distribution, seconds, warm, seed, queue_capacity, min_batches, delay, colocate),
+                     policy=policy, engine=engine, points=points if mixed else (),
+                     targets=targets if mixed else None, extend=extend and not mixed, simulate=simulate,
+                     sim_band=BAND if sim_band is None else sim_band / 100,
+                     label=names[0] if names and not mixed else None, out_dir=output, trace=trace)
     if mixed:
         console.print(
             f"sweeping {len(plans)} model(s) on one runtime ({', '.join(f'{n}: {p.k} parts' for n, p in plans.items())}) "
@@ -469,14 +451,14 @@ def sweep_cmd(
             f"{len(points)} mix(es), {seconds:g} s per point, {distribution} arrivals -> {output}", highlight=False)
 
         def measure(bars: _Bars) -> list[dict[str, Any]]:
-            return sweep_mix(plans, points, targets=targets, cuda_devices=devices, progress=bars, residency=residency,
-                             lanes=lanes, **common)
+            return sweep_mix(plans, spec, machine=machine, progress=bars)
     else:
         plan = plans[""]
-        real = None if inputs is None else load_inputs(inputs, plan)
+        if inputs is not None:
+            load_inputs(inputs, plan)  # refused now, before the header and the rates' probe
         if auto:
-            rate_list = _auto_rates(plan, sizes, url=url, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                                    cuda_devices=devices, engine=engine, seed=seed, model=model)
+            rate_list = _auto_rates(plan, sizes, machine, url=url, policy=policy, engine=engine, seed=seed,
+                                    model=model)
         console.print(
             f"sweeping plan {plan.hash} ({plan.k} parts) "
             + (f"served at {url}: its batch size x " if url else f"with {policy}, groups {groups}"
@@ -487,11 +469,15 @@ def sweep_cmd(
             highlight=False)
 
         def measure(bars: _Bars) -> list[dict[str, Any]]:
-            return run(plan, rate_list, sizes, progress=bars, extend=extend, engine=engine,
-                       label=names[0] if names else None, inputs=real, inputs_path=inputs,
-                       **({"cuda_devices": devices} if url is None else {}),  # over the network: the server's
-                       **({"check": check} if check is not None else {}),  # only over the network
-                       **common)
+            if url is None:
+                return sweep(plan, rate_list, sizes, spec, machine=machine, inputs=inputs, progress=bars)
+            # over the network: the server's settings, except those named on the command line
+            given = given_on_command_line(ctx)
+            asked = dict(policy=policy, groups=groups, cuda_streams=cuda_streams, engine=engine,
+                         queue_capacity=queue_capacity, max_delay=delay)
+            return remote_sweep(plan, url, rate_list, sizes if "batch_sizes" in given else None, spec, model=model,
+                                expect={k: v for k, v in asked.items() if k in given}, check=check, inputs=inputs,
+                                progress=bars)
     rows = _with_bars(quiet, mixed, output, measure)
     _report(output, rows, (_mix_table if mixed else _summary_table)(rows), simulate=simulate, trace=trace,
             draw=(lambda: _draw(output, extra, names, output / "compare.png")) if plots and rows else None)
@@ -564,9 +550,8 @@ def _mix_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, groups: str,
-                cuda_streams: int, cuda_devices: tuple[int, ...], engine: str, seed: int,
-                model: str | None = None) -> list[float]:
+def _auto_rates(plan: Any, sizes: list[int], machine: MachineSpec, *, url: str | None, policy: str, engine: str,
+                seed: int, model: str | None = None) -> list[float]:
     """``--rates auto``: the range from the LP bound or a closed-loop probe, said on stdout."""
     from staronnx.bench.sweep import auto_rates
 
@@ -576,8 +561,9 @@ def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, gr
         # the server's workers and batch size, not this command line's defaults: a server with
         # CUDA streams bounded as CPU groups alone got rates far below what it serves
         served = served_runtime(url, plan, model)
-        chosen = auto_rates(plan, [served.batch_size], groups=str(served.runtime.get("groups") or groups),
-                            cuda_streams=served.cuda_streams, cuda_devices=served.cuda_devices, probe_seconds=None)
+        chosen = auto_rates(plan, [served.batch_size],
+                            MachineSpec(str(served.runtime.get("groups") or machine.groups), served.cuda_streams,
+                                        served.cuda_devices), probe_seconds=None)
         if chosen is None:
             raise StaronnxError("--rates auto with --url needs the plan's calibrated perf models on this "
                                 "host (staronnx calibrate); or give --rates, e.g. 10:100:10")
@@ -586,8 +572,7 @@ def _auto_rates(plan: Any, sizes: list[int], *, url: str | None, policy: str, gr
                       f"over the calibrated perf models: {chosen.capacity:,.0f} samples/s)", highlight=False)
         return rates
     with console.status("probing the runtime's throughput for --rates auto"):
-        chosen = auto_rates(plan, sizes, policy=policy, groups=groups, cuda_streams=cuda_streams,
-                            cuda_devices=cuda_devices, engine=engine, seed=seed)
+        chosen = auto_rates(plan, sizes, machine, policy=policy, engine=engine, seed=seed)
     assert chosen is not None  # probed where there is no bound
     console.print(chosen.describe(), highlight=False, soft_wrap=True)
     return chosen.rates
@@ -652,20 +637,22 @@ def optimize_batch_cmd(
     """Choose the batch size for a rate: simulate every candidate from the perf models, then
     verify the best ones live; print predicted vs measured."""
     from staronnx.bench.optimize import optimize_batch
+    from staronnx.bench.spec import OptimizeSpec
     from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if json_out is not None:
         check_writable(json_out, "--json")
-    warn_uncalibrated(plandir, Plan.load(plandir), groups=groups, cuda_streams=cuda_streams, cuda_devices=devices)
+    machine = MachineSpec(groups, cuda_streams, devices)
+    warn_uncalibrated(plandir, Plan.load(plandir), machine)
     with console.status("optimizing") as status:
-        result = optimize_batch(
-            plandir, rate, slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
-            groups=groups, cuda_streams=cuda_streams, cuda_devices=devices, distribution=distribution, verify=verify,
-            sim_duration=parse_duration(sim_duration, option="--sim-duration"),
-            verify_duration=parse_duration(verify_duration, option="--verify-duration"),
-            max_verify=max_verify, seed=seed, progress=lambda msg: status.update(msg), colocate=colocate)
+        spec = OptimizeSpec(slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
+                            distribution=distribution, verify=verify,
+                            sim_duration=parse_duration(sim_duration, option="--sim-duration"),
+                            verify_duration=parse_duration(verify_duration, option="--verify-duration"),
+                            max_verify=max_verify, seed=seed, colocate=colocate)
+        result = optimize_batch(plandir, rate, spec, machine=machine, progress=lambda msg: status.update(msg))
     table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")
     for c in ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
               "error", "LP bound", "note"):

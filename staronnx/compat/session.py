@@ -69,6 +69,7 @@ RunOptions log levels, arena shrinkage,         said (once per session)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -303,6 +304,9 @@ class InferenceSession:
         if shares is not None and not isinstance(shares, str):
             shares = [float(s) for s in shares]
         from staronnx.partition.api import partition
+        from staronnx.partition.spec import PartitionSpec
+
+        cut_fields = {f.name for f in dataclasses.fields(PartitionSpec)}
 
         unsized = [] if "input_shapes" in options else unsized_dims(model, parse_batch_axes(options.get("batch_axes")))
 
@@ -316,7 +320,10 @@ class InferenceSession:
                          self._meta.graph_name if self._meta else "the model", first_run_shapes(feeds),
                          ", ".join(unsized))
                 settings["input_shapes"], asked["input_shapes"] = first_run_shapes(feeds), AT_FIRST_RUN
-            make = functools.partial(partition, src, shares, groups=groups, cuda_streams=streams, **settings)
+            spec = PartitionSpec(groups=groups, cuda_streams=streams,
+                                 **{k: v for k, v in settings.items() if k in cut_fields})
+            make = functools.partial(partition, src, shares, spec,
+                                     **{k: v for k, v in settings.items() if k not in cut_fields})
             with targets_by_default() if by_default else contextlib.nullcontext():
                 return kept_or_made(sha, plan_dir(sha, shares, asked, groups, streams), make, self._held)
 

@@ -34,6 +34,7 @@ from staronnx.partition.export import write_plan
 from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
 from staronnx.partition.notation import parse_input_shapes, read_shares
+from staronnx.partition.spec import PartitionSpec
 from staronnx.partition.whole import WHOLE, UncuttableError, too_small, vertex_count, whole_reason, write_whole_plan
 from staronnx.plan import Plan, output_dir_for
 
@@ -75,32 +76,21 @@ def parse_shares(shares: Sequence[float] | str | None, parts: int | None) -> lis
 def partition(
     model_or_path: onnx.ModelProto | str | os.PathLike[str],
     shares: Sequence[float] | str | None = None,
+    spec: PartitionSpec = PartitionSpec(),
     *,
-    parts: int | None = None,
     output_dir: str | os.PathLike[str] | None = None,
-    method: str = "metis",
-    device: str = "cpu",
-    input_shapes: Sequence[str] | dict[str, Sequence[int]] | None = None,
-    seed: int = 0,
-    costs: str = "profile",
-    profile_batch: int = 8,
-    profile_runs: int = 5,
-    tolerance: float = 0.02,
     force: bool = False,
-    progress: Callable[[str], None] | None = None,
-    groups: str | None = None,
-    cuda_streams: int = 0,
     speeds: Sequence[WorkerSpeed] | None = None,
-    cuda_devices: Sequence[int] = (0,),
-    batch_axes: Sequence[str] | Mapping[str, int | None] | None = None,
-    batching: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Cut a model into weighted parts that run in sequence with the whole model's outputs.
 
     ``shares`` are the target cost shares per part in execution order (e.g. ``[0.85, 0.15]``);
-    alternatively ``parts=k`` asks for k equal shares. Costs are measured on ``device`` with
-    ORT's profiler (``costs="estimate"`` uses FLOP/byte estimates only). Without
-    ``output_dir`` the plan is written to a new temporary folder.
+    alternatively ``PartitionSpec(parts=k)`` asks for k equal shares. ``spec``
+    (:class:`~staronnx.partition.spec.PartitionSpec`) says how to cut: costs are measured on
+    its ``device`` with ORT's profiler (``costs="estimate"`` uses FLOP/byte estimates only).
+    Without ``output_dir`` the plan is written to a new temporary folder; ``force`` lets it
+    replace a plan already there.
 
     ``shares="auto"`` chooses the split from this machine's speeds
     (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on the
@@ -113,8 +103,8 @@ def partition(
     ``staronnx calibrate`` stored (:mod:`staronnx.partition.host`). Only what the request uses
     is read of this host.
 
-    ``batch_axes`` (input or output name -> axis, None for none) and ``batching=False`` set the
-    model's batching contract where the graph cannot tell it (:mod:`staronnx.contract`); they are
+    The spec's ``batch_axes`` (input or output name -> axis, None for none) and ``batching=False``
+    set the model's batching contract where the graph cannot tell it (:mod:`staronnx.contract`); they are
     kept in the plan's settings, so every command that loads the plan batches the same way.
 
     A model that cannot be cut (inputs or outputs that are not tensors, an output no node
@@ -127,6 +117,9 @@ def partition(
     tensor of 0 bytes, an achieved share further than ``tolerance`` from its target) is said
     with a :class:`~staronnx.partition.checks.PartitionWarning` each, with a way out.
     """
+    parts, method, device, seed, costs = spec.parts, spec.method, spec.device, spec.seed, spec.costs
+    profile_batch, profile_runs, tolerance = spec.profile_batch, spec.profile_runs, spec.tolerance
+    groups, cuda_streams, cuda_devices = spec.groups, spec.cuda_streams, spec.cuda_devices
     placed = method in PLACEMENT_METHODS
     devices = host_devices(groups, cuda=device == "cuda") if placed else None
     group_sizes = (cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices)
@@ -147,8 +140,8 @@ def partition(
                              cli=f"--profile-batch and --profile-runs {got}")
     if not 0 < tolerance < 1:
         raise PartitionError(f"tolerance must be in (0, 1), got {tolerance}")
-    shapes = parse_input_shapes(input_shapes)
-    axes = parse_batch_axes(batch_axes)
+    shapes = parse_input_shapes(spec.input_shapes)
+    axes = parse_batch_axes(spec.batch_axes)
     out = output_dir_for(output_dir, force)
     if device == "cuda":
         from staronnx.ortutil import providers_for
@@ -161,7 +154,7 @@ def partition(
     request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
                          profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
                          devices=devices, transfer=transfer, progress=say)
-    contract = dict(batch_axes=axes or None, batching=None if batching else False)
+    contract = dict(batch_axes=axes or None, batching=None if spec.batching else False)
     reason = whole_reason(loaded.model)
     small = too_small(loaded.model, 2 if auto else len(targets))
     if small is not None and reason is None and not auto and (shares is not None or parts is not None):
@@ -225,4 +218,4 @@ def _auto_shares(
     return choice
 
 
-__all__ = ["partition", "METHODS", "parse_shares", "parse_input_shapes"]
+__all__ = ["partition", "PartitionSpec", "METHODS", "parse_shares", "parse_input_shapes"]

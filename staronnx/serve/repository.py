@@ -276,7 +276,7 @@ def cached_plan(model_file: Path, shaping: dict[str, Any], inputs: Sequence[mcfg
     """The plan of ``model_file`` cut with ``shaping`` (parts, shares, method, input_shapes),
     from the cache or cut now and cached (written to a temporary folder, then renamed into
     place: a concurrent start or a crash never leaves half a plan)."""
-    from staronnx import partition
+    from staronnx.partition import PartitionSpec, partition
     from staronnx.perfmodels.store import default_root
     from staronnx.plan import Plan
 
@@ -290,9 +290,9 @@ def cached_plan(model_file: Path, shaping: dict[str, Any], inputs: Sequence[mcfg
     shapes = shaping.get("input_shapes") or (_estimate_shapes(inputs) if whole else None)
     tmp = Path(tempfile.mkdtemp(prefix=".cutting-", dir=root))
     try:
-        partition(model_file, shaping.get("shares"), parts=shaping.get("parts"), output_dir=tmp / "plan",
-                  method=shaping.get("method", "metis"), input_shapes=shapes,
-                  costs="estimate" if whole else "profile")
+        partition(model_file, shaping.get("shares"),
+                  PartitionSpec(parts=shaping.get("parts"), method=shaping.get("method", "metis"), input_shapes=shapes,
+                                costs="estimate" if whole else "profile"), output_dir=tmp / "plan")
         try:
             os.rename(tmp / "plan", final)
         except OSError:  # another start cached it meanwhile

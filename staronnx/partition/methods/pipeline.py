@@ -2,8 +2,9 @@
 
     from staronnx.partition.methods import place
     from staronnx.partition.host import host_devices
-    plan = place("model.onnx", "comm-sd", output_dir="plan/", devices=host_devices("cores=1"),
-                 device_costs={"cpu:numa0.core1": 0.5}, options={"alpha_us": 100})
+    plan = place("model.onnx", PartitionSpec(method="comm-sd"), output_dir="plan/",
+                 devices=host_devices("cores=1"), device_costs={"cpu:numa0.core1": 0.5},
+                 options={"alpha_us": 100})
 
 Steps: (1) the devices (typed: this machine's CPU groups and GPU are read by the doors, above
 this layer) and every node's cost on each at batch 1 and 8 (profiled with the device's
@@ -28,6 +29,7 @@ import numpy as np
 import onnx
 
 from staronnx.errors import DeviceError, PartitionError
+from staronnx.partition.spec import PartitionSpec
 from staronnx.modelio import load_model
 from staronnx.partition.costs import NodeCosts
 from staronnx.partition.cut import CutRequest, Parts, plan_settings
@@ -383,24 +385,26 @@ def place_graph(graph: ModelGraph, method: PlacementMethod | str, request: CutRe
 
 def place(
     model_or_path: onnx.ModelProto | str | os.PathLike[str],
-    method: str,
+    spec: PartitionSpec,
     *,
     output_dir: str | os.PathLike[str] | None = None,
     devices: Sequence[Device | str | Mapping[str, Any]] | None = None,
     device_costs: Mapping[str, CostOverride] | None = None,
     options: Mapping[str, Any] | None = None,
-    costs: str = "profile",
-    profile_batch: int = 8,
-    profile_runs: int = 5,
     batch: int | None = None,
     transfer: TransferModel | None = None,
-    input_shapes: Sequence[str] | dict[str, Sequence[int]] | None = None,
-    seed: int = 0,
     force: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
-    """Place a model's nodes on devices with ``method`` and export the plan (parts with their
-    device, the method's predictions under ``settings["placement"]``)."""
+    """Place a model's nodes on devices with ``spec.method`` (a placement method) and export the
+    plan (parts with their device, the method's predictions under ``settings["placement"]``).
+
+    Of the spec, the method and how costs are measured apply (``costs``, ``profile_batch``,
+    ``profile_runs``, ``input_shapes``, ``seed``); the devices are this call's own, and a
+    placement method chooses its parts itself (no shares). ``batch``: the batch size the method
+    decides at (default the profile batch); ``options``: the method's own."""
+    method, costs, seed = spec.method, spec.costs, spec.seed
+    profile_batch, profile_runs, input_shapes = spec.profile_batch, spec.profile_runs, spec.input_shapes
     if method not in PLACEMENT_METHODS:
         raise PartitionError(f"unknown placement method {method!r}; choose one of {', '.join(PLACEMENT_METHODS)}")
     request = CutRequest(
