@@ -88,6 +88,9 @@ class PerfTable:
     def __init__(self, predictor: PerfPredictor, sources: Mapping[str, ArchSource] | None = None):
         self.base = predictor
         self.sources = dict(sources or {})
+        #: the host's measured cost of CPU help to the GPU side, as the live predictor gives it
+        #: to the dmda family (None: the policies' default), so a simulation charges the same
+        self.help_cost = predictor.help_cost
         self._pred: dict[tuple[int, str, Footprint], float] = {}
         self._dist: dict[tuple[int, str, Footprint], tuple[float, float]] = {}
 
