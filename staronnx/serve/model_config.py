@@ -82,12 +82,14 @@ import numpy as np
 from google.protobuf import json_format, text_format
 
 from staronnx.errors import StaronnxError
-from staronnx.serve import protocol, sequences
+from staronnx.serve import protocol
 from staronnx.serve.instances import InstanceGroup
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serving.priority import MAX_LEVELS, LevelPolicy, QueuePolicy
 
 CONFIG_FILE = "config.pbtxt"
+#: Triton's idle time where the config gives none (its SEQUENCE_IDLE_DEFAULT_MICROSECONDS)
+DEFAULT_IDLE_US = 1_000_000
 DEFAULT_MODEL_FILENAME = "model.onnx"
 
 #: the platform and backend names that mean ONNX Runtime (empty: the model file tells)
@@ -316,6 +318,30 @@ def onnx_signature(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]
     return specs(model.graph.input), specs(model.graph.output)
 
 
+def hidden_tensors(config: Any) -> tuple[set[str], set[str]]:
+    """The inputs and outputs a config's ``sequence_batching`` keeps from clients (control and
+    state inputs; state outputs its ``output`` does not list): config completion leaves them
+    out of the served config."""
+    if not config.HasField("sequence_batching"):
+        return set(), set()
+    sb = config.sequence_batching
+    listed = {t.name for t in config.output}
+    inputs = {c.name for c in sb.control_input} | {s.input_name for s in sb.state}
+    return inputs, {s.output_name for s in sb.state if s.output_name not in listed}
+
+
+def complete_sequence_batching(config: Any) -> None:
+    """Fill, in place, what Triton's config normalisation fills in a ``sequence_batching``
+    section: the idle time, and the ``direct`` strategy where none is named."""
+    if not config.HasField("sequence_batching"):
+        return
+    sb = config.sequence_batching
+    if not sb.max_sequence_idle_microseconds:
+        sb.max_sequence_idle_microseconds = DEFAULT_IDLE_US
+    if sb.WhichOneof("strategy_choice") is None:
+        sb.direct.SetInParent()
+
+
 def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
              batch_size: int, batches_on_axis0: bool, batch_written: bool = True) -> mc.ModelConfig:
     """``config`` with what it leaves out filled from the model, and what it says checked against
@@ -339,8 +365,8 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
     def served_dims(t: TensorSpec) -> list[int]:
         return list(t.dims[1:]) if mbs > 0 else list(t.dims)
 
-    sequences.complete(out)
-    hidden = sequences.hidden_tensors(out)  # filled or kept by the server: not the clients' tensors
+    complete_sequence_batching(out)
+    hidden = hidden_tensors(out)  # filled or kept by the server: not the clients' tensors
     for kind, declared, actual, server_side in (("input", out.input, inputs, hidden[0]),
                                                 ("output", out.output, outputs, hidden[1])):
         by_name = {t.name: t for t in actual}

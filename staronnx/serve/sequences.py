@@ -49,7 +49,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -61,10 +61,31 @@ from staronnx.serve.protocol import ProtocolError, invalid, shown
 # ``inference.*`` messages twice (see staronnx.serve.grpc_api)
 if TYPE_CHECKING:
     from staronnx.serve.model_config import TensorSpec
-    from staronnx.serve.models import Answer, ModelEndpoint
 
-#: Triton's idle time where the config gives none (its SEQUENCE_IDLE_DEFAULT_MICROSECONDS)
-DEFAULT_IDLE_US = 1_000_000
+
+class _Answer(Protocol):
+    """An answer's outputs by name (:class:`staronnx.serve.models.Answer` is one)."""
+
+    outputs: dict[str, np.ndarray]
+
+
+_A = TypeVar("_A", bound=_Answer, covariant=True)
+
+
+class Endpoint(Protocol[_A]):
+    """What the sequence batcher needs of the model it fronts (a
+    :class:`staronnx.serve.models.ModelEndpoint`, which holds the batcher: a protocol, so that
+    this module and the served models do not import each other)."""
+
+    @property
+    def stats(self) -> Any: ...
+
+    def check(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+              outputs: Sequence[str] | None) -> None: ...
+
+    async def run(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+                  outputs: Sequence[str] | None, *, decode_s: float = 0.0,
+                  classes: Mapping[str, int] | None = None) -> _A: ...
 
 #: the CORRID data types Triton allows
 CORRID_TYPES = ("TYPE_UINT64", "TYPE_INT64", "TYPE_UINT32", "TYPE_INT32", "TYPE_STRING")
@@ -153,18 +174,6 @@ class SequencePolicy:
     @property
     def corrid(self) -> ControlInput | None:
         return next((c for c in self.controls if c.kind == "corrid"), None)
-
-
-def hidden_tensors(config: Any) -> tuple[set[str], set[str]]:
-    """The inputs and outputs a config's ``sequence_batching`` keeps from clients (control and
-    state inputs; state outputs its ``output`` does not list): config completion leaves them
-    out of the served config."""
-    if not config.HasField("sequence_batching"):
-        return set(), set()
-    sb = config.sequence_batching
-    listed = {t.name for t in config.output}
-    inputs = {c.name for c in sb.control_input} | {s.input_name for s in sb.state}
-    return inputs, {s.output_name for s in sb.state if s.output_name not in listed}
 
 
 def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
@@ -266,7 +275,7 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
         slots = sb.oldest.max_candidate_sequences if sb.oldest.max_candidate_sequences > 0 else max(1, mbs)
     else:
         strategy, slots = "direct", max(1, mbs)
-    idle_us = sb.max_sequence_idle_microseconds or DEFAULT_IDLE_US
+    idle_us = sb.max_sequence_idle_microseconds  # never 0: model_config.complete_sequence_batching fills it
     return SequencePolicy(strategy, slots, idle_us / 1e6, tuple(controls), tuple(states), batched=mbs > 0)
 
 
@@ -275,18 +284,6 @@ def _config_messages() -> Any:
     from staronnx.serve.proto import model_config_pb2
 
     return model_config_pb2
-
-
-def complete(config: Any) -> None:
-    """Fill, in place, what Triton's config normalisation fills in a ``sequence_batching``
-    section: the idle time, and the ``direct`` strategy where none is named."""
-    if not config.HasField("sequence_batching"):
-        return
-    sb = config.sequence_batching
-    if not sb.max_sequence_idle_microseconds:
-        sb.max_sequence_idle_microseconds = DEFAULT_IDLE_US
-    if sb.WhichOneof("strategy_choice") is None:
-        sb.direct.SetInParent()
 
 
 def _datatype(type_name: str) -> str:
@@ -416,9 +413,9 @@ class Sequences:
         """Sequences holding a slot or waiting for one."""
         return len(self._active)
 
-    async def infer(self, endpoint: ModelEndpoint, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
+    async def infer(self, endpoint: Endpoint[_A], inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, sequence: SequenceRequest | None, *, decode_s: float = 0.0,
-                    classes: Mapping[str, int] | None = None) -> Answer:
+                    classes: Mapping[str, int] | None = None) -> _A:
         """One request of a sequence: admitted now (in arrival order), run when its sequence's
         previous request is answered, with the control inputs and states filled in."""
         try:
