@@ -19,6 +19,7 @@ from staronnx.contract import parse_batch_axes
 from staronnx.errors import PartitionError
 from staronnx.feeds import random_feeds_for_shapes
 from staronnx.modelio import LoadedModel, load_model
+from staronnx.perfmodels.helpcost import HelpCost
 from staronnx.partition.autoshares import (
     SharesChoice,
     WorkerSpeed,
@@ -213,7 +214,11 @@ def _auto_shares(
         speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=device == "cuda",
                                 cuda_devices=cuda_devices, cuda_streams=cuda_streams, runs=max(runs, 3),
                                 progress=say)
-    choice = choose_shares(speeds, batch)
+    from staronnx.perfmodels.store import PerfModelStore
+
+    # what a CPU task costs the GPU on this host, as the policies charge it: measured and
+    # stored, else the default
+    choice = choose_shares(speeds, batch, help=PerfModelStore().load_help_cost() or HelpCost())
     say(f"shares auto: {choice.reason}")
     return choice
 

@@ -9,8 +9,17 @@ The rule, from the whole model's time per batch on each worker (measured by
 ``latency_ratio`` of the fastest) get one part, as whole batches spread over them do as well as
 a split without its extra tasks and transfers. Beside a fast device, slow workers would idle (a
 whole batch there takes ``latency_ratio`` times longer), so a split hands them the tail of every
-batch, sized to balance the two stages, each paying the fixed per-task cost; it is kept when its
-predicted throughput beats the fast device alone by ``min_gain``.
+batch, sized to balance the two stages, each paying the fixed per-task cost.
+
+Beside a GPU, the CPU stage is also charged what it costs the GPU stage: while a CPU task runs,
+the GPU side loses ``help.host_share`` of its throughput (the host core and the GIL its driver
+thread needs: 13 % on the H200, where a 7 % CPU tail predicted +4.9 % at batch 8 and lost 26 %),
+the same estimate the dmda family uses to place tasks
+(:class:`~staronnx.perfmodels.helpcost.HelpCost`), so a split is cut only where the policy would
+run it. It is kept when its predicted throughput beats the fast device alone by more than
+``min_gain`` and more than the fast device's own run-to-run spread (:attr:`WorkerSpeed.spread`,
+measured by timing it three times): a gain the GPU's own noise can hide is not one to pay a
+second task per batch for.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from typing import Any, Callable
 import onnxruntime as ort
 
 from staronnx.errors import PartitionError
+from staronnx.perfmodels.helpcost import HelpCost
 
 __all__ = ["WorkerSpeed", "SharesChoice", "choose_shares", "concurrent_seconds", "measure_speeds", "median_seconds",
            "is_auto"]
@@ -49,6 +59,8 @@ class WorkerSpeed:
     #: batches a GPU had in flight while timed (its streams): ``seconds`` is then the time per
     #: batch at that concurrency, not one batch's latency
     streams: int = 1
+    #: run-to-run spread of the timing ((max - min) / median of repeated timings; 0: timed once)
+    spread: float = 0.0
 
     @property
     def label(self) -> str:
@@ -97,10 +109,12 @@ def choose_shares(
     min_gain: float = 0.03,
     latency_ratio: float = 2.0,
     transfer_seconds: float = 0.0,
+    help: HelpCost = HelpCost(),
 ) -> SharesChoice:
     """Shares for a fast device beside slow workers (see the module's rule); pure arithmetic.
 
-    ``transfer_seconds`` is the crossing tensors' copy per batch, charged to the slow stage.
+    ``transfer_seconds`` is the crossing tensors' copy per batch, charged to the slow stage;
+    ``help``: what a CPU task costs a GPU stage (the host's measured one where it has one).
     """
     speeds = [s for s in speeds if s.count > 0]
     if not speeds:
@@ -122,9 +136,14 @@ def choose_shares(
         return SharesChoice([1.0], batch, f"one part: {where}, so whole batches spread over the workers "
                             "do as well as a split, without its extra tasks", list(speeds), alone)
     slow_rate = sum(s.rate for s in slow)  # batches/s of the slow workers together
+    # CPU seconds a batch's tail keeps a slow worker busy, per unit of tail (their mean time)
+    slow_seconds = sum(s.count for s in slow) / slow_rate
+    # the GPU side's loss while they run (a CPU stage beside CPU workers costs them nothing)
+    share_lost = help.host_share if any(s.kind == "cuda" for s in fast_class) else 0.0
 
     def period(tail: float) -> float:  # seconds per batch of the two-stage pipeline
-        return max((1 - tail) / fast_rate + fixed_cost, tail / slow_rate + fixed_cost + transfer_seconds)
+        fast_stage = (1 - tail) / fast_rate + fixed_cost + share_lost * tail * slow_seconds
+        return max(fast_stage, tail / slow_rate + fixed_cost + transfer_seconds)
 
     share = min((i / 100 for i in range(1, 51)), key=period)
     split = batch / period(share)
@@ -132,15 +151,20 @@ def choose_shares(
     gain = split / alone["one part"] - 1
     slow_names = ", ".join(s.label for s in slow)
     fast_names = " + ".join(s.label for s in fast_class)
-    if gain < min_gain:
+    spread = max(s.spread for s in fast_class)
+    charged = f", charged {share_lost:.0%} of the GPU while they run" if share_lost else ""
+    if gain < max(min_gain, spread):
+        bar = (f"{fast_names} alone's own run-to-run spread ({spread:.1%})" if spread > min_gain else
+               f"the {min_gain:.0%} a second task per batch must pay for")
         return SharesChoice(
             [1.0], batch,
-            f"one part: {slow_names} would add {gain:+.1%} to {fast_names} alone, less than the "
-            f"{min_gain:.0%} a second task per batch must pay for", list(speeds), predicted)
+            f"one part: {slow_names} would add {gain:+.1%} to {fast_names} alone{charged}, less than {bar}",
+            list(speeds), predicted)
     return SharesChoice(
         [round(1 - share, 2), share], batch,
         f"{1 - share:.2f}/{share:.2f}: {slow_names} take the last {share:.0%} of each batch, "
-        f"predicted {gain:+.1%} over {fast_names} alone", list(speeds), predicted)
+        f"predicted {gain:+.1%} over {fast_names} alone{charged}"
+        + (f" (beyond its run-to-run spread, {spread:.1%})" if spread else ""), list(speeds), predicted)
 
 
 # ---------------------------------------------------------------------- measuring
@@ -232,9 +256,12 @@ def measure_speeds(
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
                 gpus = [make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
                                                        "CPUExecutionProvider"]) for _ in range(streams)]
-            seconds = concurrent_seconds([partial(g.run, None, feeds) for g in gpus], max(runs, 10),
-                                         enter=cuda_capture_safe)
-            speeds.append(WorkerSpeed(f"cuda{device}", "cuda", seconds, streams=streams))
+            # timed three times: the spread is the bar a split's predicted gain must clear
+            times = [concurrent_seconds([partial(g.run, None, feeds) for g in gpus], max(runs, 10),
+                                        enter=cuda_capture_safe) for _ in range(3)]
+            seconds = statistics.median(times)
+            speeds.append(WorkerSpeed(f"cuda{device}", "cuda", seconds, streams=streams,
+                                      spread=(max(times) - min(times)) / seconds))
             del gpus  # their device memory goes back before the next GPU's sessions
     for cores, count in sorted(Counter(group_sizes).items(), reverse=True):
         say(f"timing the whole model on a {cores}-core CPU group")
