@@ -558,6 +558,7 @@ class ModelEndpoint:
         handoff = self._handoff
         if handoff is None or handoff.loop is not asyncio.get_running_loop():
             handoff = self._handoff = Handoff(asyncio.get_running_loop())
+            self.server.time_delays_on(handoff.loop)  # this loop times its requests' max delay
         expired: list[bool] = []  # set when the queue timeout withdrew a sample still waiting
         timer = (None if timeout is None else
                  handoff.loop.call_later(timeout, self.server.delay, futures) if delay else
@@ -715,17 +716,21 @@ class ModelEndpoint:
         return (level if policy.priority_levels else 0), timeout, rules.delay
 
     def _submit(self, inputs: Mapping[str, np.ndarray], n: int, level: int = 0) -> list[RequestFuture]:
-        """One sample per row into the batcher, cut along each input's own batch axis (per-request
-        values whole with every sample), at priority ``level`` (0: the default); a model that
-        cannot batch takes the request whole. All or none: a full queue refuses the whole request."""
+        """The request into the batcher as it is, its ``n`` rows taking ``n`` places in one batch
+        (answered with views of the batch's outputs); one of more rows than a batch holds is cut
+        into pieces of a batch each along every input's own batch axis (per-request values whole
+        with every piece). At priority ``level`` (0: the default); a model that cannot batch takes
+        the request whole. All or none: a full queue refuses the whole request."""
         futures: list[RequestFuture] = []
         contract = self.contract
         try:
             if not contract.batchable or n == 1:
-                futures.append(self.server.submit(inputs, level=level))
-            else:
-                for i in range(n):
-                    futures.append(self.server.submit(contract.take(inputs, i, i + 1), level=level))
+                futures.append(self.server.submit(inputs, level=level, checked=True))
+            else:  # as it is, n places in a batch; cut only where it holds more rows than a batch
+                step = self.server.batch_size
+                for i in range(0, n, step):
+                    part = inputs if n <= step else contract.take(inputs, i, min(n, i + step))
+                    futures.append(self.server.submit(part, level=level, checked=True, rows=min(n, i + step) - i))
         except Exception as exc:  # noqa: BLE001 - whatever the batcher refused, the request is refused whole
             for f in futures:
                 f.cancel()
