@@ -945,7 +945,7 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
                      parameters: Mapping[str, Any] | None = None,
                      placed: Mapping[str, Mapping[str, Any]] | None = None) -> web.Response:
     entries: list[dict[str, Any]] = []
-    blobs: list[bytes] = []
+    blobs: list[bytes | memoryview] = []  # views of the outputs: the body's join copies them once
     for name, arr in outputs.items():
         datatype = protocol.output_datatype(arr, model.output_datatypes[name])
         entry: dict[str, Any] = {"name": name, "datatype": datatype, "shape": list(arr.shape)}
@@ -953,8 +953,8 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
             entry["parameters"] = dict(placed[name])
         # JSON has no NaN or infinity: such an output goes with the binary extension, exact
         elif wanted.get(name, binary_out) or not jsontensors.finite(arr):
-            raw = protocol.to_raw(arr)
-            entry["parameters"] = {"binary_data_size": len(raw)}
+            raw = protocol.raw_view(arr)
+            entry["parameters"] = {"binary_data_size": raw.nbytes if isinstance(raw, memoryview) else len(raw)}
             blobs.append(raw)
         else:
             entry["data"] = jsontensors.json_array(arr)
