@@ -4,18 +4,21 @@ Both front ends call :meth:`ModelEndpoint.infer` from the event loop with decode
 tensors. Everything about the batch follows the plan's batching contract (``plan.contract``,
 :mod:`staronnx.contract`), never "axis 0": a ``state [2, batch, 64]`` carries it on axis 1, a
 CTC head's ``[time, batch, classes]`` output too, a scalar ``sample_rate`` has none. A request
-may carry a batch of its own (along each input's batch axis): it is *split* into one-sample
-requests (its per-request values, the inputs without a batch axis, go whole with each) that
-join the batcher's queue like everyone else's, so requests from many clients are coalesced into
-batches of at most ``batch_size`` whatever their own sizes, and the answers are concatenated
-back in order along each output's own batch axis. Passing a client's batch through whole would
-bypass the batcher (a batch of 64 from one client would run as 64, starving the others and the
-perf models' calibrated sizes). A model that cannot batch (a fixed batch of 1, an output whose
-batch axis cannot be told) takes each request whole, as one task: Triton's
-``max_batch_size: 0``.
+may carry a batch of its own (along each input's batch axis): its n rows join the batcher's
+queue as one request taking n places in a batch (Triton's dynamic batcher does the same), so
+requests from many clients are coalesced into batches of at most ``batch_size`` whatever their
+own sizes, and the answer is the request's own rows of its batch's outputs (views: no cut into
+one-row requests, no concatenation of their answers). One of more rows than a batch holds is cut
+into pieces of ``batch_size`` rows (its per-request values, the inputs without a batch axis, go
+whole with each) whose answers are concatenated back in order along each output's own batch
+axis: passing it through whole would bypass the batcher (a batch of 64 from one client would run
+as 64, starving the others and the perf models' calibrated sizes). The door checks a request
+once (:meth:`ModelEndpoint.check_request`); the batcher and the runtime trust it. A model that
+cannot batch (a fixed batch of 1, an output whose batch axis cannot be told) takes each request
+whole, as one task: Triton's ``max_batch_size: 0``.
 
-Each answer to a one-sample request carries, in its response ``parameters``, the batch its
-sample ran in (``staronnx_batch_id``, ``staronnx_batch_size``) and where each part ran
+Each answer to a request that ran in one batch carries, in its response ``parameters``, the
+batch it ran in (``staronnx_batch_id``, ``staronnx_batch_size``) and where each part ran
 (``staronnx_placement``): what a client needs to compute the papers' latency (that of the
 first request of each batch) and the CPU share from the outside (``staronnx sweep --url``).
 ``GET /v2/models/<name>/config`` says how the model is batched (Triton's ``max_batch_size`` and

@@ -27,8 +27,13 @@ Only ``max_inflight`` batches are handed to the runtime at a time, so that the b
 up here, where it is bounded, measured and rejected; :mod:`staronnx.serving.spec` says how many
 (one rule for the server, ``staronnx serve``, sweeps and the simulator).
 
+A checked request may hold several rows (``submit(..., checked=True, rows=n)``): it takes n
+places in one batch and is answered with its own rows of the batch's outputs.
+
 A batch leaves on the thread of the request that fills it (the batcher thread only when the
-window was full or ``max_delay`` ran out); its results are handed out on the runtime's worker
+window was full or ``max_delay`` ran out; an event loop registered with
+:meth:`Server.time_delays_on` times the delay of its own requests and sends their partial
+batch itself, so a served request wakes no batcher thread); its results are handed out on the runtime's worker
 thread that finished it when every worker is a CPU worker, and on the batcher thread where a
 CUDA worker's driver thread must get back to its device at once.
 
