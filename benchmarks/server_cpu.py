@@ -121,6 +121,18 @@ def server_switches(pid: int) -> int:
     return total
 
 
+def served_counts(metrics_url: str) -> tuple[float, float]:
+    """(samples, batches) the server has run so far, from its Triton counters: their ratio over
+    a window is the mean batch it formed, which sets how far a batch's fixed costs are shared
+    (a loaded machine slows the clients, so batches fill less and each request costs more)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+    counts = {m.group(1): float(m.group(2)) for m in re.finditer(
+        r'^nv_inference_(count|exec_count)\{model="' + MODEL + r'"[^}]*\} (\S+)$', text, re.M)}
+    return counts.get("count", 0.0), counts.get("exec_count", 0.0)
+
+
 def tree_env(tree: Path, home: Path) -> dict[str, str]:
     """The environment a tree's commands run in: its own package first on the path, a scratch
     ``STARONNX_HOME`` (perf models and caches stay out of the user's)."""
@@ -144,9 +156,9 @@ def cut_plan(tree: Path, model: Path, out: Path, home: Path) -> Path:
 
 
 def start_server(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
-                 profile: Path | None = None) -> tuple[subprocess.Popen[str], str, str]:
+                 profile: Path | None = None) -> tuple[subprocess.Popen[str], str, str, str]:
     """``tree``'s ``staronnx serve`` of ``plan`` on free loopback ports; (process, HTTP address,
-    gRPC address) once it says it is ready."""
+    gRPC address, metrics URL) once it says it is ready."""
     head = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "staronnx"]
     cmd = [*head, "serve", str(plan), "--name", MODEL, "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay]
@@ -164,9 +176,10 @@ def start_server(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
     text = "".join(lines)
     http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text)
     grpc = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text)
-    if not (http and grpc):
-        raise SystemExit(f"{tree}: no HTTP/gRPC address in the server's start-up lines:\n{text}")
-    return proc, http.group(1), grpc.group(1)
+    metrics = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", text)
+    if not (http and grpc and metrics):
+        raise SystemExit(f"{tree}: no HTTP/gRPC/metrics address in the server's start-up lines:\n{text}")
+    return proc, http.group(1), grpc.group(1), metrics.group(1)
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
@@ -178,7 +191,8 @@ def stop_server(proc: subprocess.Popen[str]) -> None:
         proc.wait()
 
 
-def measure(proc: subprocess.Popen[str], protocol: str, address: str, args: argparse.Namespace) -> dict[str, float]:
+def measure(proc: subprocess.Popen[str], protocol: str, address: str, metrics: str,
+            args: argparse.Namespace) -> dict[str, float]:
     """One window of ``protocol`` load: server CPU µs per answered request, and requests/s."""
     start_at = time.time() + args.warmup + 1.0  # the client processes' start-up comes first
     stop_at = start_at + args.seconds
@@ -188,9 +202,9 @@ def measure(proc: subprocess.Popen[str], protocol: str, address: str, args: argp
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ""})
                for n in per_proc if n]
     time.sleep(max(0.0, start_at - time.time()))
-    cpu0, sw0 = server_cpu_seconds(proc.pid), server_switches(proc.pid)
+    cpu0, sw0, n0 = server_cpu_seconds(proc.pid), server_switches(proc.pid), served_counts(metrics)
     time.sleep(max(0.0, stop_at - time.time()))
-    cpu1, sw1 = server_cpu_seconds(proc.pid), server_switches(proc.pid)
+    cpu1, sw1, n1 = server_cpu_seconds(proc.pid), server_switches(proc.pid), served_counts(metrics)
     answered = 0
     for c in clients:
         out, _ = c.communicate(timeout=120)
@@ -198,15 +212,16 @@ def measure(proc: subprocess.Popen[str], protocol: str, address: str, args: argp
             raise SystemExit(f"a {protocol} client process failed (exit {c.returncode})")
         answered += json.loads(out.strip().splitlines()[-1])["answered"]
     return {"server_cpu_us_per_request": (cpu1 - cpu0) * 1e6 / max(answered, 1),
-            "switches_per_request": (sw1 - sw0) / max(answered, 1), "requests_per_s": answered / args.seconds, "answered": answered, "server_cpu_s": cpu1 - cpu0}
+            "switches_per_request": (sw1 - sw0) / max(answered, 1),
+            "mean_batch": (n1[0] - n0[0]) / max(n1[1] - n0[1], 1.0), "requests_per_s": answered / args.seconds, "answered": answered, "server_cpu_s": cpu1 - cpu0}
 
 
 def round_of(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
              profile: Path | None = None) -> dict[str, dict[str, float]]:
     """One server of ``tree``: an HTTP window, then a gRPC window."""
-    proc, http, grpc = start_server(tree, plan, args, home, profile)
+    proc, http, grpc, metrics = start_server(tree, plan, args, home, profile)
     try:
-        return {p: measure(proc, p, {"HTTP": http, "gRPC": grpc}[p], args) for p in PROTOCOLS}
+        return {p: measure(proc, p, {"HTTP": http, "gRPC": grpc}[p], metrics, args) for p in PROTOCOLS}
     finally:
         stop_server(proc)
 
@@ -266,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             repeats[k].append(res)
             print(f"  round {r + 1} {k:>3}: " + ", ".join(
                 f"{p} {res[p]['server_cpu_us_per_request']:.0f} µs/request ({res[p]['requests_per_s']:.0f} req/s, "
-                f"{res[p]['switches_per_request']:.2f} switches/request)"
+                f"{res[p]['switches_per_request']:.2f} switches/request, mean batch {res[p]['mean_batch']:.1f})"
                 for p in PROTOCOLS), flush=True)
     load.append(os.getloadavg())
     summary: dict[str, dict[str, object]] = {}
