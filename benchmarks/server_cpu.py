@@ -310,16 +310,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nprofile of the new tree's server ({stats}), by own time:")
         print_profile(stats, args.top)
     if args.out:
-        import numpy
-        import tritonclient
+        from importlib.metadata import PackageNotFoundError, version
+
+        def installed(name: str) -> str:
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "absent"
 
         args.out.write_text(json.dumps({
             "command": [sys.executable, *sys.argv], "summary": summary, "repeats": repeats,
             "trees": {k: {"path": str(t), "commit": git_head(t)} for k, t in trees.items()},
             "settings": {k: getattr(args, k) for k in ("seconds", "warmup", "rounds", "clients", "procs", "batch",
                                                        "max_delay")},
-            "versions": {"python": platform.python_version(), "numpy": numpy.__version__,
-                         "tritonclient": getattr(tritonclient, "__version__", "?")},
+            "versions": {"python": platform.python_version(),
+                         **{n: installed(n) for n in ("numpy", "onnxruntime", "aiohttp", "grpcio", "tritonclient")}},
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load[0], "loadavg_end": load[-1],
                         "platform": platform.platform()},
         }, indent=2))
