@@ -7,7 +7,10 @@ tritonclient clients spread over ``--procs`` client processes (one request of on
 answer awaited before the next), first over HTTP (binary tensors) then over gRPC, and reads the
 **server process's CPU time** (utime + stime from ``/proc/<pid>/stat``) at the start and the end
 of the measured window. The figure is that CPU time divided by the requests answered inside the
-window: microseconds of server CPU per request.
+window: microseconds of server CPU per request. Each window also gives the server threads'
+voluntary context switches per request (the thread hand-offs a request costs) and the mean
+batch the server formed (its Triton counters): clients slowed by other load fill batches less,
+and a request's share of a batch's fixed costs grows, so read the CPU figure with the batch.
 
 * The old tree is a ``git worktree`` of ``--old`` (default 364fdda) under ``/tmp``, made if
   missing; each tree runs with its own ``PYTHONPATH``, the same interpreter and venv.
@@ -18,7 +21,8 @@ window: microseconds of server CPU per request.
   cache and scheduling behaviour: the JSON records the load average at the start and the end.
 * ``--profile DIR`` runs the new tree's server under cProfile (Python 3.12's profiler sees every
   thread) for one extra HTTP + gRPC window and writes its stats there, with the top entries
-  printed: where a request's CPU goes.
+  printed. cProfile's times are wall time (a thread waiting on a lock is charged): for where the
+  CPU goes, sample the server with ``py-spy record -f raw -p PID`` while a window runs.
 
     .venv/bin/python benchmarks/server_cpu.py [--seconds 5] [--rounds 3] [--old 364fdda]
         [--clients 16] [--procs 4] [--batch 8] [--max-delay 2ms] [--out result.json] [--profile DIR]
@@ -213,7 +217,8 @@ def measure(proc: subprocess.Popen[str], protocol: str, address: str, metrics: s
         answered += json.loads(out.strip().splitlines()[-1])["answered"]
     return {"server_cpu_us_per_request": (cpu1 - cpu0) * 1e6 / max(answered, 1),
             "switches_per_request": (sw1 - sw0) / max(answered, 1),
-            "mean_batch": (n1[0] - n0[0]) / max(n1[1] - n0[1], 1.0), "requests_per_s": answered / args.seconds, "answered": answered, "server_cpu_s": cpu1 - cpu0}
+            "mean_batch": (n1[0] - n0[0]) / max(n1[1] - n0[1], 1.0),
+            "requests_per_s": answered / args.seconds, "answered": answered, "server_cpu_s": cpu1 - cpu0}
 
 
 def round_of(tree: Path, plan: Path, args: argparse.Namespace, home: Path,

@@ -909,7 +909,8 @@ class Server:
         self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", span, oldest, record.formed, args)
         self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", span, record.formed, now, args)
 
-    def _split(self, outputs: Mapping[str, np.ndarray], batch: list[_Request], rows: int) -> list[dict[str, np.ndarray]]:
+    def _split(self, outputs: Mapping[str, np.ndarray], batch: list[_Request],
+               rows: int) -> list[dict[str, np.ndarray]]:
         """Each request's own rows of every output (views), along each output's batch axis; rows
         past theirs are the padding's and are dropped (a batch of one gets the outputs whole)."""
         return self._contract.split(outputs, [p._rows for p in batch], rows)
