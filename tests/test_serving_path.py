@@ -379,6 +379,21 @@ def test_a_multi_row_request_that_does_not_fit_waits_for_the_next_batch(runtime)
                                np.concatenate([_sample(i)["x"] for i in range(5)]) @ W, rtol=1e-5, atol=1e-5)
 
 
+def test_the_queue_capacity_counts_a_multi_row_requests_rows(stand_in):
+    # --queue-capacity is in samples: a request of 3 rows takes 3 of them, as its 3 one-row
+    # pieces did when a request was cut into rows
+    with Server(stand_in, 4, queue_capacity=4) as server:
+        stand_in.gate.clear()
+        x = np.concatenate([_sample(i)["x"] for i in range(3)])
+        first = server.submit({"x": x}, checked=True, rows=3)
+        with pytest.raises(server_module.OverloadError):
+            server.submit({"x": x[:2]}, checked=True, rows=2)
+        second = server.submit(_sample(3))  # the 4th sample: fills the batch, which leaves
+        stand_in.gate.set()
+        np.testing.assert_allclose(first.result(timeout=10)["y"], x @ W, rtol=1e-5, atol=1e-5)
+        second.result(timeout=10)
+
+
 def test_wait_idle_counts_the_requests_still_without_a_result(stand_in):
     stand_in.gate.clear()  # the runtime holds every batch
     with Server(stand_in, 2) as server:

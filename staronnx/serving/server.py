@@ -327,6 +327,8 @@ class Server:
                                             or any(a is None for a in self._contract.inputs.values()))
         #: queued requests per signature (withdrawn ones included until dropped, like the queue)
         self._groups: dict[Any, int] = {}
+        #: whether every request so far held one row (the queue's length is then its samples)
+        self._all_single = True
         self._cond = threading.Condition()
         self._future_cond = threading.Condition()  # shared by this server's request futures
         self._queue: deque[_Request] = deque()
@@ -419,8 +421,10 @@ class Server:
             self._requests.append(record)
             if self._withdrawn:
                 self._drop_withdrawn()
-            full = len(self._queue) >= self.queue_capacity
-            if full and (self.on_full == "reject" or not self._wait_for_room(timeout)):
+            # the capacity counts samples (rows): every queued request's, withdrawn ones included
+            full = (len(self._queue) if self._all_single and rows == 1
+                    else sum(self._groups.values()) + rows - 1) >= self.queue_capacity
+            if full and (self.on_full == "reject" or not self._wait_for_room(timeout, rows)):
                 record.rejected = True
                 if self._closing:
                     raise ServerClosed("the server closed while this request waited for room in the queue")
@@ -428,6 +432,7 @@ class Server:
             future = _Request(self, record, sample, sig)
             if rows != 1:
                 future._rows = rows
+                self._all_single = False
             if self._ordered:
                 self._enqueue_ordered(future, index, record)
             else:
@@ -601,13 +606,14 @@ class Server:
         self._queue, self._withdrawn, self._groups = kept, 0, groups
         self._sample_queue()
 
-    def _wait_for_room(self, timeout: float | None) -> bool:
-        """Block (lock held) until the queue has room; False on timeout or close."""
+    def _wait_for_room(self, timeout: float | None, rows: int = 1) -> bool:
+        """Block (lock held) until the queue has room for ``rows`` more samples; False on timeout
+        or close."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._closing:
             if self._withdrawn:
                 self._drop_withdrawn()
-            if len(self._queue) < self.queue_capacity:
+            if sum(self._groups.values()) + rows <= self.queue_capacity:
                 break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
