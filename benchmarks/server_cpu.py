@@ -60,7 +60,7 @@ def client_main(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    x = np.random.default_rng(0).standard_normal((1, WIDTH), dtype=np.float32)
+    x = np.random.default_rng(0).standard_normal((args.rows, WIDTH), dtype=np.float32)
 
     async def drive() -> int:
         answered = 0
@@ -68,7 +68,7 @@ def client_main(args: argparse.Namespace) -> int:
             import tritonclient.http as thttp
             import tritonclient.http.aio as haio
 
-            inp = thttp.InferInput("x", [1, WIDTH], "FP32")
+            inp = thttp.InferInput("x", [args.rows, WIDTH], "FP32")
             inp.set_data_from_numpy(x, binary_data=True)
             out = [thttp.InferRequestedOutput("y", binary_data=True)]
             client = haio.InferenceServerClient(args.address, conn_limit=args.clients)
@@ -79,7 +79,7 @@ def client_main(args: argparse.Namespace) -> int:
             import tritonclient.grpc as tgrpc
             import tritonclient.grpc.aio as gaio
 
-            inp = tgrpc.InferInput("x", [1, WIDTH], "FP32")
+            inp = tgrpc.InferInput("x", [args.rows, WIDTH], "FP32")
             inp.set_data_from_numpy(x)
             client = gaio.InferenceServerClient(args.address)
 
@@ -202,7 +202,8 @@ def measure(proc: subprocess.Popen[str], protocol: str, address: str, metrics: s
     stop_at = start_at + args.seconds
     per_proc = [args.clients // args.procs + (i < args.clients % args.procs) for i in range(args.procs)]
     clients = [subprocess.Popen([sys.executable, __file__, "--client", protocol, "--address", address,
-                                 "--clients", str(n), "--start-at", repr(start_at), "--stop-at", repr(stop_at)],
+                                 "--clients", str(n), "--rows", str(args.rows), "--start-at", repr(start_at),
+                                 "--stop-at", repr(stop_at)],
                                 stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ""})
                for n in per_proc if n]
     time.sleep(max(0.0, start_at - time.time()))
@@ -251,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=16, help="closed-loop clients in all")
     ap.add_argument("--procs", type=int, default=4, help="client processes the clients are spread over")
     ap.add_argument("--batch", type=int, default=8, help="the server's --batch-size")
+    ap.add_argument("--rows", type=int, default=1, help="rows per request (a client's own batch)")
     ap.add_argument("--max-delay", default="2ms", help="the server's --max-delay")
     ap.add_argument("--out", type=Path, help="write every repeat and the medians here as JSON")
     ap.add_argument("--profile", type=Path, help="also profile the new tree's server (cProfile) into this folder")
@@ -277,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = {k: cut_plan(t, model, tmp / f"plan-{k}" / MODEL, tmp / f"home-{k}") for k, t in trees.items()}
     load = [os.getloadavg()]
     print(f"server CPU per request: trivial model (chain 2 x {WIDTH}), {args.clients} closed-loop clients in "
-          f"{args.procs} processes, batches of up to {args.batch} (max delay {args.max_delay}), {args.seconds:g} s "
+          f"{args.procs} processes, {args.rows} row(s) a request, batches of up to {args.batch} (max delay {args.max_delay}), {args.seconds:g} s "
           f"per protocol, {args.rounds} rounds alternated; load average {load[0][0]:.2f} on {os.cpu_count()} CPUs")
     repeats: dict[str, list[dict[str, dict[str, float]]]] = {k: [] for k in trees}
     for r in range(args.rounds):
@@ -327,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
             "command": [sys.executable, *sys.argv], "summary": summary, "repeats": repeats,
             "trees": {k: {"path": str(t), "commit": git_head(t)} for k, t in trees.items()},
             "settings": {k: getattr(args, k) for k in ("seconds", "warmup", "rounds", "clients", "procs", "batch",
-                                                       "max_delay")},
+                                                       "rows", "max_delay")},
             "versions": {"python": platform.python_version(),
                          **{n: installed(n) for n in ("numpy", "onnxruntime", "aiohttp", "grpcio", "tritonclient")}},
             "machine": {"cpus": os.cpu_count(), "loadavg_start": load[0], "loadavg_end": load[-1],
