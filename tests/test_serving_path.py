@@ -302,6 +302,100 @@ def test_a_completion_that_frees_a_full_window_starts_a_waiting_partial_batchs_d
     assert sorted(b.size for b in rec.batches) == [1, 4]
 
 
+def test_an_event_loop_times_the_max_delay_of_its_requests_and_the_batcher_sleeps(runtime):
+    # a served model's requests come from one event loop: a call_later there times a partial
+    # batch's delay, where waking the batcher thread for each batch's first request cost a
+    # thread switch and a GIL hand-over, for nothing when the batch fills first (closed loop)
+    with Server(runtime, 4, max_delay=0.02) as server:
+        async def main() -> tuple[list[dict[str, np.ndarray]], int]:
+            server.time_delays_on(asyncio.get_running_loop())
+            wakes = _count_wakes(server)
+            answers = []
+            for first in (0, 3):  # a partial batch of 3, then another: each leaves on its delay
+                futures = [asyncio.wrap_future(server.submit(_sample(i))) for i in range(first, first + 3)]
+                answers += await asyncio.gather(*futures)
+            return answers, wakes[0]
+
+        answers, wakes = asyncio.run(main())
+        rec = server.records()
+    assert wakes == 0
+    assert [b.size for b in rec.batches] == [3, 3]
+    for i, r in enumerate(answers):
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_requests_from_another_thread_are_still_timed_by_the_batcher(runtime):
+    # only the loop's own thread uses its timer; a request submitted elsewhere wakes the batcher
+    with Server(runtime, 4, max_delay=0.02) as server:
+        async def main() -> list[dict[str, np.ndarray]]:
+            server.time_delays_on(asyncio.get_running_loop())
+            futures = await asyncio.to_thread(lambda: [server.submit(_sample(i)) for i in range(2)])
+            return [f.result(timeout=10) for f in futures]
+
+        answers = asyncio.run(main())
+    for i, r in enumerate(answers):
+        np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_a_closed_loop_leaves_the_delay_to_the_batcher(runtime):
+    # the loop that timed delays is gone: the next first request falls back to the batcher
+    with Server(runtime, 4, max_delay=0.02) as server:
+        async def register() -> None:
+            server.time_delays_on(asyncio.get_running_loop())
+
+        asyncio.run(register())
+        loop = asyncio.new_event_loop()
+        try:
+            answer = loop.run_until_complete(asyncio.wrap_future(server.submit(_sample(0)), loop=loop))
+        finally:
+            loop.close()
+    np.testing.assert_allclose(answer["y"], _sample(0)["x"] @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_a_checked_multi_row_request_takes_its_rows_places_in_one_batch_and_gets_views(runtime):
+    # Triton's dynamic batcher takes a request of n rows as it is: n places in a batch, and
+    # its own rows of the batch's outputs back (no cut into n requests, no join of n answers)
+    x = np.concatenate([_sample(i)["x"] for i in range(3)])
+    with Server(runtime, 4, max_delay=5.0) as server:
+        many = server.submit({"x": x}, checked=True, rows=3)
+        one = server.submit(_sample(3))  # fills the batch of 4: it leaves at once
+        a, b = many.result(timeout=30), one.result(timeout=30)
+        with pytest.raises(InputError, match="5 rows does not fit a batch of at most 4"):
+            server.submit({"x": np.concatenate([x, x[:2]])}, checked=True, rows=5)
+        rec = server.records()
+    assert [bt.size for bt in rec.batches] == [4] and len(rec.requests) == 2
+    np.testing.assert_allclose(a["y"], x @ W, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(b["y"], _sample(3)["x"] @ W, rtol=1e-5, atol=1e-5)
+    assert a["y"].shape == (3, 16)
+    assert a["y"].base is not None and a["y"].base is b["y"].base  # views of one batch output
+
+
+def test_a_multi_row_request_that_does_not_fit_waits_for_the_next_batch(runtime):
+    with Server(runtime, 4, max_delay=0.01) as server:
+        first = server.submit({"x": np.concatenate([_sample(i)["x"] for i in range(3)])}, checked=True, rows=3)
+        second = server.submit({"x": np.concatenate([_sample(i)["x"] for i in range(3, 5)])}, checked=True, rows=2)
+        a, b = first.result(timeout=30), second.result(timeout=30)
+        rec = server.records()
+    assert sorted(bt.size for bt in rec.batches) == [2, 3]
+    np.testing.assert_allclose(np.concatenate([a["y"], b["y"]]),
+                               np.concatenate([_sample(i)["x"] for i in range(5)]) @ W, rtol=1e-5, atol=1e-5)
+
+
+def test_the_queue_capacity_counts_a_multi_row_requests_rows(stand_in):
+    # --queue-capacity is in samples: a request of 3 rows takes 3 of them, as its 3 one-row
+    # pieces did when a request was cut into rows
+    with Server(stand_in, 4, queue_capacity=4) as server:
+        stand_in.gate.clear()
+        x = np.concatenate([_sample(i)["x"] for i in range(3)])
+        first = server.submit({"x": x}, checked=True, rows=3)
+        with pytest.raises(server_module.OverloadError):
+            server.submit({"x": x[:2]}, checked=True, rows=2)
+        second = server.submit(_sample(3))  # the 4th sample: fills the batch, which leaves
+        stand_in.gate.set()
+        np.testing.assert_allclose(first.result(timeout=10)["y"], x @ W, rtol=1e-5, atol=1e-5)
+        second.result(timeout=10)
+
+
 def test_wait_idle_counts_the_requests_still_without_a_result(stand_in):
     stand_in.gate.clear()  # the runtime holds every batch
     with Server(stand_in, 2) as server:

@@ -227,15 +227,17 @@ class Runtime:
 
     # -- requests -----------------------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray], model: str | None = None, *,
-               arrival: float | None = None) -> RequestFuture:
+               arrival: float | None = None, checked: bool = False) -> RequestFuture:
         """Queue one batch of ``model`` (None: the only one); the future resolves to
         {output name: array} (or the task's error). ``arrival`` (``time.perf_counter()``;
         default now) is when the batch's oldest request arrived: its model's latency target
-        counts from there."""
+        counts from there. ``checked``: the caller formed ``feeds`` from requests it already
+        checked against this plan (the serving batcher): the plan's checks are not run again."""
         if self._closed:
             raise EngineClosed("the runtime is closed; no new requests are accepted")
         hosted = self._only if model is None and self._only is not None else self.models.model(model)
-        hosted.plan.check_feeds(feeds)
+        if not checked:
+            hosted.plan.check_feeds(feeds)
         return self._engine.submit(feeds, hosted.index, arrival)
 
     def batch_array(self, shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
@@ -351,8 +353,9 @@ class ModelHandle:
         self.plan = hosted.plan
         self.target = hosted.target
 
-    def submit(self, feeds: Mapping[str, np.ndarray], arrival: float | None = None) -> RequestFuture:
-        return self.runtime.submit(feeds, self.name, arrival=arrival)
+    def submit(self, feeds: Mapping[str, np.ndarray], arrival: float | None = None, *,
+               checked: bool = False) -> RequestFuture:
+        return self.runtime.submit(feeds, self.name, arrival=arrival, checked=checked)
 
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         outputs: dict[str, np.ndarray] = self.submit(feeds).result()

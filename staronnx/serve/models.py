@@ -4,18 +4,21 @@ Both front ends call :meth:`ModelEndpoint.infer` from the event loop with decode
 tensors. Everything about the batch follows the plan's batching contract (``plan.contract``,
 :mod:`staronnx.contract`), never "axis 0": a ``state [2, batch, 64]`` carries it on axis 1, a
 CTC head's ``[time, batch, classes]`` output too, a scalar ``sample_rate`` has none. A request
-may carry a batch of its own (along each input's batch axis): it is *split* into one-sample
-requests (its per-request values, the inputs without a batch axis, go whole with each) that
-join the batcher's queue like everyone else's, so requests from many clients are coalesced into
-batches of at most ``batch_size`` whatever their own sizes, and the answers are concatenated
-back in order along each output's own batch axis. Passing a client's batch through whole would
-bypass the batcher (a batch of 64 from one client would run as 64, starving the others and the
-perf models' calibrated sizes). A model that cannot batch (a fixed batch of 1, an output whose
-batch axis cannot be told) takes each request whole, as one task: Triton's
-``max_batch_size: 0``.
+may carry a batch of its own (along each input's batch axis): its n rows join the batcher's
+queue as one request taking n places in a batch (Triton's dynamic batcher does the same), so
+requests from many clients are coalesced into batches of at most ``batch_size`` whatever their
+own sizes, and the answer is the request's own rows of its batch's outputs (views: no cut into
+one-row requests, no concatenation of their answers). One of more rows than a batch holds is cut
+into pieces of ``batch_size`` rows (its per-request values, the inputs without a batch axis, go
+whole with each) whose answers are concatenated back in order along each output's own batch
+axis: passing it through whole would bypass the batcher (a batch of 64 from one client would run
+as 64, starving the others and the perf models' calibrated sizes). The door checks a request
+once (:meth:`ModelEndpoint.check_request`); the batcher and the runtime trust it. A model that
+cannot batch (a fixed batch of 1, an output whose batch axis cannot be told) takes each request
+whole, as one task: Triton's ``max_batch_size: 0``.
 
-Each answer to a one-sample request carries, in its response ``parameters``, the batch its
-sample ran in (``staronnx_batch_id``, ``staronnx_batch_size``) and where each part ran
+Each answer to a request that ran in one batch carries, in its response ``parameters``, the
+batch it ran in (``staronnx_batch_id``, ``staronnx_batch_size``) and where each part ran
 (``staronnx_placement``): what a client needs to compute the papers' latency (that of the
 first request of each batch) and the CPU share from the outside (``staronnx sweep --url``).
 ``GET /v2/models/<name>/config`` says how the model is batched (Triton's ``max_batch_size`` and
@@ -558,6 +561,7 @@ class ModelEndpoint:
         handoff = self._handoff
         if handoff is None or handoff.loop is not asyncio.get_running_loop():
             handoff = self._handoff = Handoff(asyncio.get_running_loop())
+            self.server.time_delays_on(handoff.loop)  # this loop times its requests' max delay
         expired: list[bool] = []  # set when the queue timeout withdrew a sample still waiting
         timer = (None if timeout is None else
                  handoff.loop.call_later(timeout, self.server.delay, futures) if delay else
@@ -715,17 +719,21 @@ class ModelEndpoint:
         return (level if policy.priority_levels else 0), timeout, rules.delay
 
     def _submit(self, inputs: Mapping[str, np.ndarray], n: int, level: int = 0) -> list[RequestFuture]:
-        """One sample per row into the batcher, cut along each input's own batch axis (per-request
-        values whole with every sample), at priority ``level`` (0: the default); a model that
-        cannot batch takes the request whole. All or none: a full queue refuses the whole request."""
+        """The request into the batcher as it is, its ``n`` rows taking ``n`` places in one batch
+        (answered with views of the batch's outputs); one of more rows than a batch holds is cut
+        into pieces of a batch each along every input's own batch axis (per-request values whole
+        with every piece). At priority ``level`` (0: the default); a model that cannot batch takes
+        the request whole. All or none: a full queue refuses the whole request."""
         futures: list[RequestFuture] = []
         contract = self.contract
         try:
             if not contract.batchable or n == 1:
-                futures.append(self.server.submit(inputs, level=level))
-            else:
-                for i in range(n):
-                    futures.append(self.server.submit(contract.take(inputs, i, i + 1), level=level))
+                futures.append(self.server.submit(inputs, level=level, checked=True))
+            else:  # as it is, n places in a batch; cut only where it holds more rows than a batch
+                step = self.server.batch_size
+                for i in range(0, n, step):
+                    part = inputs if n <= step else contract.take(inputs, i, min(n, i + step))
+                    futures.append(self.server.submit(part, level=level, checked=True, rows=min(n, i + step) - i))
         except Exception as exc:  # noqa: BLE001 - whatever the batcher refused, the request is refused whole
             for f in futures:
                 f.cancel()

@@ -27,8 +27,13 @@ Only ``max_inflight`` batches are handed to the runtime at a time, so that the b
 up here, where it is bounded, measured and rejected; :mod:`staronnx.serving.spec` says how many
 (one rule for the server, ``staronnx serve``, sweeps and the simulator).
 
+A checked request may hold several rows (``submit(..., checked=True, rows=n)``): it takes n
+places in one batch and is answered with its own rows of the batch's outputs.
+
 A batch leaves on the thread of the request that fills it (the batcher thread only when the
-window was full or ``max_delay`` ran out); its results are handed out on the runtime's worker
+window was full or ``max_delay`` ran out; an event loop registered with
+:meth:`Server.time_delays_on` times the delay of its own requests and sends their partial
+batch itself, so a served request wakes no batcher thread); its results are handed out on the runtime's worker
 thread that finished it when every worker is a CPU worker, and on the batcher thread where a
 CUDA worker's driver thread must get back to its device at once.
 
@@ -38,6 +43,7 @@ simulator fills too, so :func:`staronnx.serving.metrics.summarize` reads both.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import contextlib
 import functools
@@ -149,6 +155,9 @@ class _Request(RequestFuture):
     #: behind its level's others (DELAY): read only where the server keeps levels
     _level = 0
     _delayed = False
+    #: the rows it holds along the batch axis: the places it takes in a batch (1 but for a
+    #: checked multi-row request, :meth:`Server.submit`'s ``rows``)
+    _rows = 1
 
     def __init__(self, server: Server, record: RequestRecord, sample: Mapping[str, np.ndarray],
                  signature: Any = None) -> None:
@@ -318,6 +327,8 @@ class Server:
                                             or any(a is None for a in self._contract.inputs.values()))
         #: queued requests per signature (withdrawn ones included until dropped, like the queue)
         self._groups: dict[Any, int] = {}
+        #: whether every request so far held one row (the queue's length is then its samples)
+        self._all_single = True
         self._cond = threading.Condition()
         self._future_cond = threading.Condition()  # shared by this server's request futures
         self._queue: deque[_Request] = deque()
@@ -336,6 +347,8 @@ class Server:
         #: every worker is a CPU worker of a staronnx runtime (a remote server's stand-in is not)
         self._resolve_inline = isinstance(runtime, (Runtime, ModelHandle)) and all(
             w.kind == "cpu" for w in runtime.workers)
+        #: a staronnx runtime, which takes the batches formed here without checking them again
+        self._trusted = runtime if isinstance(runtime, (Runtime, ModelHandle)) else None
         # deques with maxlen=None are unbounded: one code path for both modes
         self._requests: deque[RequestRecord] = deque(maxlen=self.keep_records)
         self._idle_waiters = 0  # callers in wait_idle(): every result wakes them
@@ -347,6 +360,11 @@ class Server:
         self._abort = False
         self._withdrawn = 0  # futures cancelled since the queue was last cleared of them
         self._flush_left = 0  # the queue's first requests that leave without waiting to fill
+        #: an event loop that times the max delay for requests submitted on its thread
+        #: (:meth:`time_delays_on`), and when the timer it holds for this server fires (None: none)
+        self._delay_loop: asyncio.AbstractEventLoop | None = None
+        self._delay_thread = 0
+        self._timer_at: float | None = None
         self.created = clock()
         # a traced runtime gets the server's view too, if both read the same clock
         self._tracer = runtime.tracer if clock is time.perf_counter else None
@@ -367,7 +385,7 @@ class Server:
     # -- requests -----------------------------------------------------------------------------
     def submit(
         self, sample: Mapping[str, np.ndarray], arrival: float | None = None, *, timeout: float | None = None,
-        level: int = 0,
+        level: int = 0, checked: bool = False, rows: int = 1,
     ) -> RequestFuture:
         """Queue one sample (batch dimension 1); the future resolves to this sample's outputs.
 
@@ -380,8 +398,20 @@ class Server:
         ``level``: the request's priority level where the spec's ``queue_policy`` has levels (1
         the highest; 0: the policy's default level); a full level raises
         :class:`LevelFullError`, at once.
+
+        ``checked``: the caller already checked ``sample`` against the plan as one sample (a
+        served model checks each request once, at the door), so it is not checked again here;
+        the batches formed from such samples are not checked again by the runtime either.
+        ``rows``: with ``checked``, the rows ``sample`` holds along its batch axis (at most
+        ``batch_size``): the request takes that many places in one batch, as it is (Triton's
+        dynamic batcher does the same), and its future resolves to its own rows of the batch's
+        outputs (views), not cut into one-row requests to be joined again.
         """
-        self._check_sample(sample)
+        if not checked:
+            self._check_sample(sample)
+            rows = 1
+        elif not 1 <= rows <= self._limit:
+            raise InputError(f"a request of {rows} rows does not fit a batch of at most {self._limit}")
         index = self._level_index(level) if level or self._ordered else 0
         sig = self._contract.signature(sample) if self._signed else None
         with self._cond:
@@ -391,18 +421,23 @@ class Server:
             self._requests.append(record)
             if self._withdrawn:
                 self._drop_withdrawn()
-            full = len(self._queue) >= self.queue_capacity
-            if full and (self.on_full == "reject" or not self._wait_for_room(timeout)):
+            # the capacity counts samples (rows): every queued request's, withdrawn ones included
+            full = (len(self._queue) if self._all_single and rows == 1
+                    else sum(self._groups.values()) + rows - 1) >= self.queue_capacity
+            if full and (self.on_full == "reject" or not self._wait_for_room(timeout, rows)):
                 record.rejected = True
                 if self._closing:
                     raise ServerClosed("the server closed while this request waited for room in the queue")
                 raise OverloadError(self.queue_capacity)
             future = _Request(self, record, sample, sig)
+            if rows != 1:
+                future._rows = rows
+                self._all_single = False
             if self._ordered:
                 self._enqueue_ordered(future, index, record)
             else:
                 self._queue.append(future)
-            self._groups[sig] = alike = self._groups.get(sig, 0) + 1
+            self._groups[sig] = alike = self._groups.get(sig, 0) + rows  # rows, not requests
             self._sample_queue()
             queued = len(self._queue)
             room = len(self._inflight) < self.max_inflight
@@ -412,15 +447,78 @@ class Server:
                 # the request that fills a batch launches it on this thread (see _form)
                 batch = self._take(self._limit, sig)
                 formed = self._form(batch)
-            elif (self._flush_left and room) or (queued == 1 and self.max_delay is not None):
+            elif self._flush_left and room:
+                self._cond.notify_all()
+            elif queued == 1 and self.max_delay is not None and not self._timed_here(record.arrival):
                 # the batcher only when it can act: a flush it must send, or a first request
-                # whose max-delay deadline it must start timing. Not for a full batch that
-                # max_inflight holds back: the completion that frees a place wakes it anyway
-                # (a wake per such request was a thread switch and a GIL hand-over each)
+                # whose max-delay deadline it must start timing (unless the caller's event loop
+                # times it: _timed_here). Not for a full batch that max_inflight holds back: the
+                # completion that frees a place wakes it anyway (a wake per such request was a
+                # thread switch and a GIL hand-over each)
                 self._cond.notify_all()
         if formed is not None:
             self._launch(formed, batch)
         return future
+
+    def time_delays_on(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Let ``loop`` time the max delay of the requests submitted on its thread.
+
+        The batcher thread otherwise wakes for the first request of every batch only to start
+        timing its delay: in closed loop the batch fills before the delay runs out and the
+        submitter launches it, so that wake (a thread switch and a GIL hand-over) bought nothing,
+        and it was ~15 % of a served request's CPU on a trivial model. A ``call_later`` on the
+        loop the request came from costs a heap push; when it fires, :meth:`_leave_due` sends a
+        partial batch whose delay ran out from the loop's thread. Requests submitted on other
+        threads, a window without room and close() still go through the batcher thread.
+        """
+        self._delay_loop = loop
+        self._delay_thread = threading.get_ident()
+
+    def _timed_here(self, arrival: float) -> bool:
+        """(lock held) Whether the delay of a first request arriving at ``arrival`` is timed by
+        the submitting thread's event loop (:meth:`time_delays_on`), a timer now set if needed."""
+        loop = self._delay_loop
+        if loop is None or threading.get_ident() != self._delay_thread or self.clock is not time.perf_counter:
+            return False
+        assert self.max_delay is not None
+        due = arrival + self.max_delay
+        if self._timer_at is None or due < self._timer_at:
+            try:
+                loop.call_later(max(0.0, due - self.clock()), self._leave_due)
+            except RuntimeError:  # that loop is closed: the batcher times delays again
+                self._delay_loop, self._timer_at = None, None
+                return False
+            self._timer_at = due
+        return True
+
+    def _leave_due(self) -> None:
+        """(The event loop's timer.) Send the partial batch whose max delay ran out, as the
+        batcher would; set the timer again for the next request's deadline if one waits."""
+        formed: BatchRecord | None = None
+        batch: list[_Request] = []
+        with self._cond:
+            self._timer_at = None
+            if self._closing or self._abort or not self._queue:
+                return  # close() drains through the batcher
+            if self._withdrawn:
+                self._drop_withdrawn()
+            now = self.clock()
+            sig = self._next_group()
+            size, due = next_batch_size(
+                queued=self._groups.get(sig, 0) if self._queue else 0, inflight=len(self._inflight),
+                batch_size=self._limit, max_inflight=self.max_inflight, flush_left=self._flush_left,
+                closing=False, oldest_arrival=self._oldest_arrival(now), max_delay=self.max_delay, now=now)
+            if size:
+                batch = self._take(size, sig)
+                formed = self._form(batch)
+            elif due != math.inf and not self._timed_here(due - (self.max_delay or 0.0)):
+                self._cond.notify_all()  # no loop to time it any more: the batcher does
+            # due == inf: the window is full; the completion that frees a place wakes the batcher
+        if formed is not None:
+            self._launch(formed, batch)
+            with self._cond:
+                if self._queue and self._timer_at is None and self._delay_loop is not None:
+                    self._timed_here(self._oldest_arrival(self.clock()))
 
     def _level_index(self, level: int) -> int:
         """The index (0 for level 1) of a request's priority ``level`` (0: the default one)."""
@@ -501,20 +599,21 @@ class Server:
                 dropped.append(p)
             else:
                 kept.append(p)
-                groups[p._sig] = groups.get(p._sig, 0) + 1
+                groups[p._sig] = groups.get(p._sig, 0) + p._rows
         if self._ordered:
             self._left_levels(dropped)
         self._flush_left = min(self._flush_left, len(kept))
         self._queue, self._withdrawn, self._groups = kept, 0, groups
         self._sample_queue()
 
-    def _wait_for_room(self, timeout: float | None) -> bool:
-        """Block (lock held) until the queue has room; False on timeout or close."""
+    def _wait_for_room(self, timeout: float | None, rows: int = 1) -> bool:
+        """Block (lock held) until the queue has room for ``rows`` more samples; False on timeout
+        or close."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self._closing:
             if self._withdrawn:
                 self._drop_withdrawn()
-            if len(self._queue) < self.queue_capacity:
+            if sum(self._groups.values()) + rows <= self.queue_capacity:
                 break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
@@ -600,12 +699,13 @@ class Server:
         us of CPU a wake-up, against ~180 us of work in a whole batch of 8). Where results are
         handed out is :meth:`_completed`'s business.
         """
+        rows = sum(p._rows for p in batch)
         record = BatchRecord(
-            id=next(self._batch_ids), size=len(batch), formed=self.clock(),
+            id=next(self._batch_ids), size=rows, formed=self.clock(),
             request_ids=[p._record.id for p in batch],
         )
-        padded = padded_size(len(batch), self.pad_to)
-        if padded != len(batch):
+        padded = padded_size(rows, self.pad_to)
+        if padded != rows:
             record.padded_to = padded
         oldest = min(batch, key=lambda p: p._record.arrival)
         oldest._record.first_in_batch = True
@@ -662,21 +762,31 @@ class Server:
         return next(iter(self._groups), None)
 
     def _take(self, count: int, sig: Any = None) -> list[_Request]:
-        """(lock held) The ``count`` oldest queued requests of signature ``sig``, in order."""
+        """(lock held) The oldest queued requests of signature ``sig``, in order, holding at most
+        ``count`` rows in all (a multi-row request that does not fit waits for the next batch)."""
         queue = self._queue
+        taken: list[_Request] = []
+        rows = 0
         if len(self._groups) <= 1:  # every queued request alike (most models): from the front
-            taken = [queue.popleft() for _ in range(min(count, len(queue)))]
+            while queue and rows + queue[0]._rows <= count:
+                rows += queue[0]._rows
+                taken.append(queue.popleft())
         else:
-            taken = []
             kept: deque[_Request] = deque()
-            while queue and len(taken) < count:
-                p = queue.popleft()
-                (taken if p._sig == sig else kept).append(p)
+            while queue:
+                p = queue[0]
+                if p._sig == sig:
+                    if rows + p._rows > count:
+                        break
+                    rows += p._rows
+                    taken.append(queue.popleft())
+                else:
+                    kept.append(queue.popleft())
             kept.extend(queue)
             self._queue = kept
         if self._ordered:
             self._left_levels(taken)
-        left = self._groups.get(sig, 0) - len(taken)
+        left = self._groups.get(sig, 0) - rows
         if left > 0:
             self._groups[sig] = left
         else:
@@ -687,9 +797,13 @@ class Server:
     def _launch(self, record: BatchRecord, batch: list[_Request]) -> None:
         """Concatenate the samples, submit the batch; the runtime's callback queues it back."""
         try:
-            feeds = self._concat(batch, record.padded_to or len(batch))
+            feeds = self._concat(batch, record.padded_to or record.size)
             started = time.perf_counter()
-            if self._pass_arrival:
+            future: Future[Outputs]
+            if self._trusted is not None:  # samples checked here or by the caller, concatenated here
+                future = self._trusted.submit(feeds, arrival=min(p._record.arrival for p in batch)
+                                              if self._pass_arrival else None, checked=True)
+            elif self._pass_arrival:
                 future = self.runtime.submit(feeds, arrival=min(p._record.arrival for p in batch))
             else:
                 future = self.runtime.submit(feeds)
@@ -701,8 +815,12 @@ class Server:
 
     def _concat(self, batch: list[_Request], rows: int) -> dict[str, np.ndarray]:
         """One array per input holding the batch's samples along its batch axis, the last
-        repeated up to ``rows`` (the batch's requests share a signature: their shapes agree)."""
-        return self._contract.concat([p._sample for p in batch], rows, self._batch_memory)
+        row repeated up to ``rows`` (the batch's requests share a signature: their shapes agree)."""
+        samples = [p._sample for p in batch]
+        held = sum(p._rows for p in batch)
+        if held != len(batch) and rows > held:  # multi-row requests: pad with the last row
+            samples += [self._contract.take(batch[-1]._sample, batch[-1]._rows - 1, batch[-1]._rows)] * (rows - held)
+        return self._contract.concat(samples, len(samples) if held != len(batch) else rows, self._batch_memory)
 
     def _completed(self, record: BatchRecord, future: Future[Outputs] | BaseException) -> None:
         """Runtime callback, on the runtime's thread: hand out the batch's results (also the
@@ -743,7 +861,7 @@ class Server:
             results: list[dict[str, np.ndarray]] | None = None
             if outputs is not None:
                 try:
-                    results = self._split(outputs, len(batch), record.padded_to or len(batch))
+                    results = self._split(outputs, batch, record.padded_to or record.size)
                 except Exception as exc:  # noqa: BLE001 - a malformed result fails its batch only
                     error = exc
             finished.append((record, batch, results, error))
@@ -797,10 +915,11 @@ class Server:
         self._tracer.async_span(f"fill {record.id} ({len(batch)})", "batch fill", span, oldest, record.formed, args)
         self._tracer.async_span(f"batch {record.id} ({len(batch)})", "batch", span, record.formed, now, args)
 
-    def _split(self, outputs: Mapping[str, np.ndarray], n: int, rows: int) -> list[dict[str, np.ndarray]]:
-        """Request ``i``'s own row of every output, along each output's batch axis; rows past
-        ``n`` are the padding's and are dropped (a batch of one gets the outputs whole)."""
-        return self._contract.split(outputs, [1] * n, rows)
+    def _split(self, outputs: Mapping[str, np.ndarray], batch: list[_Request],
+               rows: int) -> list[dict[str, np.ndarray]]:
+        """Each request's own rows of every output (views), along each output's batch axis; rows
+        past theirs are the padding's and are dropped (a batch of one gets the outputs whole)."""
+        return self._contract.split(outputs, [p._rows for p in batch], rows)
 
     # -- records ------------------------------------------------------------------------------
     def _sample_queue(self) -> None:
