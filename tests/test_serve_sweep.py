@@ -210,8 +210,14 @@ def test_answers_name_their_batch_and_config_the_batching(server, plans):
     gparams = g.infer("tiny", [ginp]).get_response(as_json=True)["parameters"]
     assert int(gparams["staronnx_batch_id"]["int64_param"]) > params["staronnx_batch_id"]
     # a client batch may run in several batches: no batch is named for it
-    big = thttp.InferInput("x", [3, 8], "FP32")
-    big.set_data_from_numpy(np.ones((3, 8), np.float32), binary_data=True)
+    # a request of 3 rows takes 3 places in one batch (as in Triton) and names it; one larger
+    # than a batch is cut into batches and names none
+    rows3 = thttp.InferInput("x", [3, 8], "FP32")
+    rows3.set_data_from_numpy(np.ones((3, 8), np.float32), binary_data=True)
+    named = http.infer("tiny", [rows3]).get_response()["parameters"]
+    assert isinstance(named["staronnx_batch_id"], int) and 3 <= named["staronnx_batch_size"] <= BATCH
+    big = thttp.InferInput("x", [BATCH + 1, 8], "FP32")
+    big.set_data_from_numpy(np.ones((BATCH + 1, 8), np.float32), binary_data=True)
     assert "parameters" not in http.infer("tiny", [big]).get_response()
 
 
