@@ -500,14 +500,7 @@ class Server:
             self._timer_at = None
             if self._closing or self._abort or not self._queue:
                 return  # close() drains through the batcher
-            if self._withdrawn:
-                self._drop_withdrawn()
-            now = self.clock()
-            sig = self._next_group()
-            size, due = next_batch_size(
-                queued=self._groups.get(sig, 0) if self._queue else 0, inflight=len(self._inflight),
-                batch_size=self._limit, max_inflight=self.max_inflight, flush_left=self._flush_left,
-                closing=False, oldest_arrival=self._oldest_arrival(now), max_delay=self.max_delay, now=now)
+            sig, size, due, _ = self._next_batch(closing=False)
             if size:
                 batch = self._take(size, sig)
                 formed = self._form(batch)
@@ -724,15 +717,7 @@ class Server:
         while True:
             if self._abort:
                 return None
-            if self._withdrawn:
-                self._drop_withdrawn()
-            now = self.clock()
-            sig = self._next_group()
-            size, due = next_batch_size(
-                queued=self._groups.get(sig, 0) if self._queue else 0, inflight=len(self._inflight),
-                batch_size=self._limit, max_inflight=self.max_inflight, flush_left=self._flush_left,
-                closing=self._closing, oldest_arrival=self._oldest_arrival(now),
-                max_delay=self.max_delay, now=now)
+            sig, size, due, now = self._next_batch(closing=self._closing)
             if size or self._completions:
                 completions, self._completions = self._completions, []
                 self._resolving += len(completions)
@@ -740,6 +725,20 @@ class Server:
             if self._closing and not self._queue and not self._inflight:
                 return None
             self._cond.wait(None if due == math.inf else due - now)
+
+    def _next_batch(self, closing: bool) -> tuple[Any, int, float, float]:
+        """(lock held) The next batch's group, its size (0: none may leave yet), when one is
+        due, and the clock read: one decision for the batcher thread and the event loop's timer
+        (:func:`next_batch_size`), withdrawn requests dropped first."""
+        if self._withdrawn:
+            self._drop_withdrawn()
+        now = self.clock()
+        sig = self._next_group()
+        size, due = next_batch_size(
+            queued=self._groups.get(sig, 0) if self._queue else 0, inflight=len(self._inflight),
+            batch_size=self._limit, max_inflight=self.max_inflight, flush_left=self._flush_left,
+            closing=closing, oldest_arrival=self._oldest_arrival(now), max_delay=self.max_delay, now=now)
+        return sig, size, due, now
 
     def _oldest_arrival(self, now: float) -> float:
         """(lock held) The arrival the max delay counts from: the front request's, or with levels
