@@ -22,7 +22,6 @@ import asyncio
 import contextlib
 import ctypes
 import gc
-import importlib.metadata
 import ipaddress
 import logging
 import re
@@ -38,6 +37,7 @@ from typing import Any
 from aiohttp import web
 
 from staronnx.errors import StaronnxError
+from staronnx.serve import protocol
 from staronnx.serve.batching import check_names
 from staronnx.serve.limits import Guard, Limits, RefusalCollector, raise_open_files
 from staronnx.serve.metrics import ServeMetrics
@@ -143,11 +143,7 @@ SERVE_EXTENSIONS = [*EXTENSIONS, "sequence", "system_shared_memory"]
 
 def server_metadata(extensions: Sequence[str]) -> dict[str, object]:
     """The server metadata: the installed distribution's version, the ``extensions`` served."""
-    try:
-        version = importlib.metadata.version("staronnx")
-    except importlib.metadata.PackageNotFoundError:  # run from a source tree on PYTHONPATH
-        version = "unknown"
-    return {"name": "staronnx", "version": version, "extensions": list(extensions)}
+    return {"name": "staronnx", "version": protocol.staronnx_version(), "extensions": list(extensions)}
 
 
 #: glibc's mallopt parameters (malloc.h)

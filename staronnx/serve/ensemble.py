@@ -42,7 +42,6 @@ What is checked at load, and refused naming the cause:
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -54,6 +53,7 @@ from typing import Any
 
 from staronnx.errors import StaronnxError
 from staronnx.serve import model_config as mcfg
+from staronnx.serve import protocol
 from staronnx.serve.proto import model_config_pb2 as mc
 
 PLATFORM = "ensemble"
@@ -307,10 +307,6 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
 
     labels = spec.labels()
     shapes = declared_shapes(config)
-    try:
-        version = importlib.metadata.version("staronnx")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
     settings: dict[str, Any] = {
         "ensemble": spec.name,
         "steps": [{"label": label, "model": s.model_name, "version": m.version, "parts": m.plan.k,
@@ -320,7 +316,7 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
     given = _given_shapes(config, spec)
     if given:
         settings["input_shapes"] = given
-    keyed = {"staronnx": version, "plans": [m.plan.hash for m in members], "inputs": list(spec.inputs),
+    keyed = {"staronnx": protocol.staronnx_version(), "plans": [m.plan.hash for m in members], "inputs": list(spec.inputs),
              "outputs": list(spec.outputs), "shapes": shapes, **settings}
     key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:32]
     final = root / f"ensemble-{key}"

@@ -10,6 +10,7 @@ cannot see the server's logs.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 from typing import Any, Sequence
@@ -441,3 +442,13 @@ def queue_parameters(parameters: Any) -> tuple[int, int | None]:
                           + (" (microseconds)" if key == "timeout" else "") + f", got {cut(value, 40)}")
         values.append(value)
     return values[0] or 0, values[1]
+
+
+def staronnx_version() -> str:
+    """The installed staronnx distribution's version ("unknown" run from a source tree on
+    PYTHONPATH): what the server metadata names, and what the repository's cached plans are
+    keyed by (a new version cuts its plans again)."""
+    try:
+        return importlib.metadata.version("staronnx")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

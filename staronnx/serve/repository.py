@@ -22,7 +22,6 @@ members' plans are composed into the ensemble's plan, cached beside theirs
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -33,8 +32,10 @@ from pathlib import Path
 from typing import Any
 
 from staronnx.errors import StaronnxError
+from staronnx.modelio import file_sha256
 from staronnx.serve import ensemble as ens
 from staronnx.serve import model_config as mcfg
+from staronnx.serve import protocol
 from staronnx.serve import sequences
 from staronnx.serve.proto import model_config_pb2 as mc
 
@@ -259,16 +260,8 @@ def warm(found: RepositoryModel, runtime: Any) -> int:
 def plan_key(model_file: Path, shaping: dict[str, Any]) -> str:
     """The cache key of a plan: the model file's SHA-256, the settings that shape the plan, and
     the staronnx version that cut it."""
-    digest = hashlib.sha256()
-    with open(model_file, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    try:
-        version = importlib.metadata.version("staronnx")
-    except importlib.metadata.PackageNotFoundError:
-        version = "unknown"
-    settings = json.dumps({"staronnx": version, **shaping}, sort_keys=True)
-    return f"{digest.hexdigest()[:32]}-{hashlib.sha256(settings.encode()).hexdigest()[:16]}"
+    settings = json.dumps({"staronnx": protocol.staronnx_version(), **shaping}, sort_keys=True)
+    return f"{file_sha256(model_file)[:32]}-{hashlib.sha256(settings.encode()).hexdigest()[:16]}"
 
 
 def cached_plan(model_file: Path, shaping: dict[str, Any], inputs: Sequence[mcfg.TensorSpec],
