@@ -182,7 +182,8 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
             report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
             batch = report.choice.batch_size if report.choice is not None else 1
         report.batch_size, report.max_in_flight = batch, window
-        _warm_up(runtime, source, layout, start, batch)
+        if report.choice is None:  # the probe already ran the model on the job's first rows
+            _warm_up(runtime, source, layout, start, batch)
         t0 = time.perf_counter()
         _Pipeline(runtime, plan, layout, source, sink, spec, batch, window, report, progress).run(start)
         report.elapsed_s = time.perf_counter() - t0
@@ -377,9 +378,8 @@ class _Pipeline:
                     # workers wait for, on the GIL, between their tasks
                     whole = piece.rows - piece.rows % self.batch
                     for lo in range(0, whole, self.batch):
-                        feeds = self.layout.take(piece.arrays, lo, lo + self.batch)
-                        yield self._checked(Batch(piece.start + lo, self.batch, shard,
-                                                  {n: np.require(v, requirements="C") for n, v in feeds.items()}))
+                        yield self._batch(piece.start + lo, self.batch, shard,
+                                          self.layout.take(piece.arrays, lo, lo + self.batch))
                     if whole == piece.rows:
                         continue
                     piece = Chunk(piece.start + whole, piece.rows - whole,
@@ -434,8 +434,12 @@ class _Pipeline:
                 for i in range(piece.rows):
                     yield self._checked(Batch(piece.start + i, 1, shard, self.layout.take(piece.arrays, i, i + 1)))
             return
-        feeds = self.layout.join([p.arrays for p in pieces])
-        yield self._checked(Batch(start, rows, shard, {n: np.require(v, requirements="C") for n, v in feeds.items()}))
+        yield self._batch(start, rows, shard, self.layout.join([p.arrays for p in pieces]))
+
+    def _batch(self, start: int, rows: int, shard: int, feeds: Mapping[str, np.ndarray]) -> Batch:
+        """A batch of ``rows`` rows from ``start``, its feeds C-contiguous (views where they
+        already are), checked against the model."""
+        return self._checked(Batch(start, rows, shard, {n: np.require(v, requirements="C") for n, v in feeds.items()}))
 
     def _checked(self, batch: Batch) -> Batch:
         try:
