@@ -32,7 +32,6 @@ separate processes.
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 from collections.abc import Callable
 from collections.abc import AsyncIterator
@@ -54,11 +53,6 @@ from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_
 SERVICE = "inference.GRPCInferenceService"
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
-
-
-#: whether a peer address is on this machine, remembered per address: a connection's peer comes
-#: with every request, and parsing it (``ipaddress``) was ~1 % of a served request's CPU
-_is_local = functools.lru_cache(maxsize=4096)(local_peer)
 
 
 class GrpcFrontend(Frontend):
@@ -267,7 +261,7 @@ class GrpcFrontend(Frontend):
         t0 = time.perf_counter()
         placed = {o.name: _parameters(o.parameters) for o in request.outputs if REGION in o.parameters}
         try:
-            local = self.regions if _is_local(context.peer()) else None
+            local = self.regions if local_peer(context.peer()) else None
             inputs, datatypes = _decode_inputs(request, local)
             for name, params in placed.items():  # refused before the request runs, as its inputs are
                 check_local(context.peer())

@@ -86,11 +86,6 @@ Request = tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tupl
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 
 
-#: whether a peer address is on this machine, remembered per address: a connection's peer comes
-#: with every request, and parsing it (``ipaddress``) was ~1 % of a served request's CPU
-_is_local = functools.lru_cache(maxsize=4096)(local_peer)
-
-
 class HttpFrontend(Frontend):
     """The REST routes over a set of models; ``app()`` builds the aiohttp application."""
 
@@ -350,7 +345,7 @@ class HttpFrontend(Frontend):
             body = await _receive(request, self.max_body, self.guard.budget, watch)
             header, inputs, datatypes, wanted, binary_out = await decode_body(
                 body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None, self.max_body,
-                regions=self.regions if _is_local(request.remote) else None)
+                regions=self.regions if local_peer(request.remote) else None)
         except ProtocolError as exc:
             model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")  # as Triton counts it
             if exc.kind == "unavailable":  # the receive budget: answered now, the rest of the body dropped
