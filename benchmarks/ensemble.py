@@ -162,25 +162,34 @@ def closed_loop(server: Server, pipeline: str, column: str, feed: np.ndarray, in
     done = [0] * inflight
     stop = time.perf_counter() + seconds
 
-    errors: list[BaseException] = []
-
     def loop(i: int) -> None:
-        try:
-            while time.perf_counter() < stop:
-                calls[i]()
-                done[i] += 1
-        except BaseException as exc:  # noqa: BLE001 - reported once the round ends
-            errors.append(exc)
+        while time.perf_counter() < stop:
+            calls[i]()
+            done[i] += 1
 
     start = time.perf_counter()
-    threads = [threading.Thread(target=loop, args=(i,)) for i in range(inflight)]
+    on_threads(loop, inflight, column)
+    return sum(done) / (time.perf_counter() - start)
+
+
+def on_threads(work: Callable[[int], None], count: int, column: str) -> None:
+    """``work(i)`` on ``count`` threads at once, until each returns; a request that failed on
+    any of them ends the benchmark, naming the column."""
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:  # noqa: BLE001 - reported once every thread has ended
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if errors:
         raise SystemExit(f"{column}: a request failed: {errors[0]}")
-    return sum(done) / (time.perf_counter() - start)
 
 
 def open_loop(server: Server, pipeline: str, column: str, feed: np.ndarray, rate: float, seconds: float,
@@ -192,14 +201,6 @@ def open_loop(server: Server, pipeline: str, column: str, feed: np.ndarray, rate
     latencies: list[float] = []
     lock = threading.Lock()
     next_index = [0]
-
-    errors: list[BaseException] = []
-
-    def send(i: int) -> None:
-        try:
-            sending(i)
-        except BaseException as exc:  # noqa: BLE001 - reported once the round ends
-            errors.append(exc)
 
     def sending(i: int) -> None:
         while True:
@@ -214,13 +215,7 @@ def open_loop(server: Server, pipeline: str, column: str, feed: np.ndarray, rate
             with lock:
                 latencies.append((time.perf_counter() - due) * 1e3)
 
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(senders)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise SystemExit(f"{column}: a request failed: {errors[0]}")
+    on_threads(sending, senders, column)
     arr = np.array(latencies)
     return {"p50_ms": float(np.percentile(arr, 50)), "p99_ms": float(np.percentile(arr, 99)),
             "achieved_per_s": len(arr) / max(time.perf_counter() - start, 1e-9)}
