@@ -261,7 +261,7 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
                                            f"{member_name!r} of step {step.model_name!r} is {theirs['data_type']}")
                 ours = _full_dims(list(t.dims), mbs)
                 member = _full_dims(list(theirs.get("dims", [])), member_mbs)
-                if not _fits(ours, member):
+                if not protocol.dims_fit(ours, member):
                     raise mcfg.ConfigError(f"ensemble tensor {tensor!r} has dims {ours} (batch included), which do "
                                            f"not fit {kind} {member_name!r} of step {step.model_name!r}: {member}")
     produced: dict[str, tuple[str, str]] = {}
@@ -280,10 +280,6 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
 
 def _full_dims(dims: list[int], mbs: int) -> list[int]:
     return [-1, *dims] if mbs > 0 else dims
-
-
-def _fits(a: Sequence[int], b: Sequence[int]) -> bool:
-    return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
 
 
 def declared_shapes(config: mc.ModelConfig) -> dict[str, list[int | str | None]]:

@@ -381,7 +381,7 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
             t.data_type = mc.DataType.Value(model_t.data_type)
             want = served_dims(model_t)
             if t.HasField("reshape"):  # the model's shape is the reshape; the client's, dims
-                if not _dims_fit(list(t.reshape.shape), want):
+                if not protocol.dims_fit(list(t.reshape.shape), want):
                     raise ConfigError(f"{kind} {t.name!r}: the config's reshape {list(t.reshape.shape)} does not fit "
                                       f"the model's {want}")
                 sizes = [int(np.prod(d)) for d in (t.dims, t.reshape.shape) if all(x > 0 for x in d)]
@@ -389,7 +389,7 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
                     raise ConfigError(f"{kind} {t.name!r}: dims {list(t.dims)} and reshape {list(t.reshape.shape)} "
                                       "must hold as many values")
                 continue
-            if t.dims and not _dims_fit(list(t.dims), want):
+            if t.dims and not protocol.dims_fit(list(t.dims), want):
                 raise ConfigError(f"{kind} {t.name!r}: the config's dims {list(t.dims)} do not fit the model's "
                                   f"{want}" + (" (without the batch dimension, as max_batch_size > 0)" if mbs else ""))
             if not t.dims:
@@ -400,11 +400,6 @@ def complete(config: mc.ModelConfig, name: str, inputs: Sequence[TensorSpec], ou
                 entry.name, entry.data_type = t.name, mc.DataType.Value(t.data_type)
                 entry.dims.extend(served_dims(t))
     return out
-
-
-def _dims_fit(declared: list[int], model: list[int]) -> bool:
-    """Whether the config's dims agree with the model's (-1 on either side matches any size)."""
-    return len(declared) == len(model) and all(a == b or a == -1 or b == -1 for a, b in zip(declared, model))
 
 
 def settings(config: mc.ModelConfig) -> ModelSettings:

@@ -136,6 +136,17 @@ def config_type(datatype: str) -> str:
     return "TYPE_STRING" if datatype == BYTES else "TYPE_" + datatype
 
 
+def dims_fit(declared: Sequence[int], model: Sequence[int]) -> bool:
+    """Whether a config's dims agree with the model's (-1 on either side matches any size)."""
+    return len(declared) == len(model) and all(a == b or a == -1 or b == -1 for a, b in zip(declared, model))
+
+
+def config_datatype(type_name: str) -> str:
+    """The v2 datatype of a model-config ``data_type`` name (:func:`config_type`'s inverse:
+    ``TYPE_FP32`` -> ``FP32``, ``TYPE_STRING`` -> BYTES)."""
+    return BYTES if type_name == "TYPE_STRING" else type_name[len("TYPE_"):]
+
+
 def metadata_shape(shape: Sequence[int | str | None]) -> list[int]:
     """A plan's shape for model metadata: symbolic or unknown dims are ``-1``."""
     return [d if isinstance(d, int) else -1 for d in shape]

@@ -227,7 +227,8 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
             if type_name != model_type:
                 raise SequenceConfigError(f"{where}: CONTROL_SEQUENCE_CORRID data_type {type_name}, but the model's "
                                           f"input is {model_type}")
-            controls.append(ControlInput(ci.name, kind, _datatype(type_name), None, one_request(model_t.dims)))
+            controls.append(ControlInput(ci.name, kind, protocol.config_datatype(type_name), None,
+                                         one_request(model_t.dims)))
             continue
         given = [f for f in _FLAG_FIELDS if getattr(c, f)]
         if c.data_type != mc.TYPE_INVALID or len(given) != 1:
@@ -240,7 +241,7 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
         if _FLAG_FIELDS[given[0]] != model_type:
             raise SequenceConfigError(f"{where}: {given[0]} needs a {_FLAG_FIELDS[given[0]]} input, but the model's is "
                                       f"{model_type}")
-        controls.append(ControlInput(ci.name, kind, _datatype(model_type), (values[0], values[1]),
+        controls.append(ControlInput(ci.name, kind, protocol.config_datatype(model_type), (values[0], values[1]),
                                      one_request(model_t.dims)))
     listed_out = {t.name for t in config.output}
     states: list[ImplicitState] = []
@@ -263,12 +264,12 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
                                           f"{t.data_type}")
         dims = [1, *st.dims] if mbs > 0 else list(st.dims)
         for t in (model_t, out_t):
-            if not _fits(dims, list(t.dims)):
+            if not protocol.dims_fit(dims, list(t.dims)):
                 raise SequenceConfigError(f"{where}: dims {list(st.dims)} do not fit the model's {t.name!r} "
                                           f"{list(t.dims[1:] if mbs > 0 else t.dims)}"
                                           + (" (without the batch dimension, as max_batch_size > 0)" if mbs else ""))
         initial = _initial_state(st, where, mbs, folder)
-        states.append(ImplicitState(st.input_name, st.output_name, _datatype(type_name), initial,
+        states.append(ImplicitState(st.input_name, st.output_name, protocol.config_datatype(type_name), initial,
                                     visible=st.output_name in listed_out))
     if sb.HasField("oldest"):
         strategy = "oldest"
@@ -286,16 +287,6 @@ def _config_messages() -> Any:
     return model_config_pb2
 
 
-def _datatype(type_name: str) -> str:
-    """The v2 datatype of a config type (``TYPE_STRING`` travels as BYTES)."""
-    name = type_name[len("TYPE_"):]
-    return protocol.BYTES if name == "STRING" else name
-
-
-def _fits(declared: list[int], model: list[int]) -> bool:
-    return len(declared) == len(model) and all(a == b or a == -1 or b == -1 for a, b in zip(declared, model))
-
-
 def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
     """A state's value at a sequence's start: its ``initial_state`` (zeros or a file's bytes,
     row-major), else zeros of its dims with 1 for each variable size."""
@@ -303,7 +294,7 @@ def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
     type_name = mc.DataType.Name(st.data_type)
     if type_name == "TYPE_STRING":
         raise SequenceConfigError(f"{where}: a TYPE_STRING state is not honoured by staronnx serve (numeric states only)")
-    dtype = protocol.DATATYPES[_datatype(type_name)]
+    dtype = protocol.DATATYPES[protocol.config_datatype(type_name)]
     if len(st.initial_state) > 1:
         raise SequenceConfigError(f"{where}: initial_state holds {len(st.initial_state)} entries; give one or none")
     if not st.initial_state:
