@@ -476,6 +476,9 @@ class _Pipeline:
                     except InputError as exc:
                         item.problem = str(exc)
                 window.append((item, future))
+            # the window holds the batches now: a bundle kept until the next one arrives would
+            # keep their input buffers from the reader's pool after they are settled
+            bundle.clear()
         while window:
             self._settle(*window.popleft())
         if self.shard is not None:
