@@ -500,8 +500,11 @@ class NativeEngine:
             launched[wid] -= 1
             n_ahead -= 1
             fresh = not deferred
+            # (or before a wait that would block: failed at launch, ran to its end, or the device
+            # says it is done, asked inline: this runs per task)
             if not fresh and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
-                              or not _finished(workers[wid], started)):
+                              or not (started.error is not None or started.handle is None
+                                      or workers[wid].ready(started.handle))):
                 announce(deferred)
                 deferred.clear()
                 fresh = True
@@ -752,11 +755,9 @@ class NativeEngine:
                 value, ok = TaskError(task.part, info.name, error), False
                 value.__cause__ = error
             else:
-                handles = done.handles
-                value, ok = {}, True
-                for n in self._output_names[done.model]:
-                    h = handles[n]
-                    value[n] = _host(h) if h.host is None else h.host
+                results, value, ok = done.results, {}, True
+                for n in self._output_names[done.model]:  # (a model input given back: its handle's)
+                    value[n] = results[n] if n in results else _host(done.handles[n])
             if defer is None:
                 settle(done.owner, value, ok)
             elif settle_quietly(done.owner, value, ok):
@@ -852,12 +853,6 @@ class NativeEngine:
         """One hosted model's share of the machine (see :meth:`TaskGraph.model_stats`)."""
         with self._lock:
             return self.core.model_stats(model, self.clock.now() - self.started_at)
-
-
-def _finished(worker: Worker, started: _Started) -> bool:
-    """Whether waiting for ``started`` would return at once (failed at launch, ran to its end,
-    or the device says so)."""
-    return started.error is not None or started.handle is None or worker.ready(started.handle)
 
 
 @dataclass(eq=False, slots=True)

@@ -28,6 +28,7 @@ rules (and sticky errors, and call counts) so the worker's handling of them is t
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import itertools
 import os
@@ -541,6 +542,10 @@ class _Capture:
                             "operation not permitted when stream is capturing")
 
 
+#: the name each copy kind is counted under in :attr:`HostRuntime.calls`
+_COPY_CALLS = {kind: "copy_" + kind for kind in ("h2d", "d2h", "d2d", "peer")}
+
+
 class _HostStream:
     """Stands in for a stream: host copies complete in program order, so nothing to wait."""
 
@@ -556,10 +561,16 @@ class _HostStream:
         self._rt._call("stream_wait")
 
     def synchronize(self) -> None:
-        self._rt._call("stream_sync")
+        rt = self._rt
+        rt.calls["stream_sync"] += 1
+        if rt._faults:
+            rt._check("stream_sync")
 
     def query(self) -> bool:
-        self._rt._call("stream_query")
+        rt = self._rt
+        rt.calls["stream_query"] += 1
+        if rt._faults:
+            rt._check("stream_query")
         return True  # host copies and runs are synchronous: queued work is already done
 
     def destroy(self) -> None:
@@ -576,16 +587,25 @@ class _HostEvent:
         self._rt = rt
 
     def record(self, stream: GpuStream) -> None:
-        self._rt._call("event_record")
+        rt = self._rt
+        rt.calls["event_record"] += 1
+        if rt._faults:
+            rt._check("event_record")
         self.stamp = time.perf_counter()
 
     def synchronize(self) -> None:
-        self._rt._call("event_sync")
+        rt = self._rt
+        rt.calls["event_sync"] += 1
+        if rt._faults:
+            rt._check("event_sync")
 
     def query(self) -> bool:
-        self._rt._call("event_query")
-        if self._rt._held_queries > 0:  # (see HostRuntime.hold_events)
-            self._rt._held_queries -= 1
+        rt = self._rt
+        rt.calls["event_query"] += 1
+        if rt._faults:
+            rt._check("event_query")
+        if rt._held_queries > 0:  # (see HostRuntime.hold_events)
+            rt._held_queries -= 1
             return False
         return True
 
@@ -672,6 +692,10 @@ class HostRuntime:
         #: per-thread context (``PerThreadContext``: "a separate cuda graph per thread")
         self._graphs: weakref.WeakKeyDictionary[Any, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
         self._graphs_lock = threading.Lock()
+        # one call per copy: a copy method a subclass leaves alone is _copy with its kind given
+        for kind in ("h2d", "d2h", "d2d"):
+            if getattr(type(self), f"copy_{kind}") is getattr(HostRuntime, f"copy_{kind}"):
+                setattr(self, f"copy_{kind}", functools.partial(self._copy, kind))
 
     # -- emulation
     def inject(self, call: str, code: int, times: int = 1) -> None:
@@ -685,11 +709,17 @@ class HostRuntime:
         self._held_queries = queries
 
     def _call(self, name: str, unsafe: bool = False) -> None:
+        """Count a call named ``name``; then :meth:`_check` it where a fault was ever injected
+        (the calls made per task count inline and check only then: the stand-in's own cost
+        is part of what the host-overhead benchmark measures)."""
         self.calls[name] += 1
+        if self._faults or unsafe:
+            self._check(name, unsafe)
+
+    def _check(self, name: str, unsafe: bool = False) -> None:
+        """Fail the call as a lost context, an injected fault or CUDA's capture rules say."""
         if self._lost is not None:
             raise self._lost
-        if not self._faults and not unsafe:
-            return
         for fault in self._faults:
             if fault[0] == name and fault[2] > 0:
                 fault[2] -= 1
@@ -752,10 +782,16 @@ class HostRuntime:
     def device_buffer(self, nbytes: int) -> HostBuffer:
         return HostBuffer(self, "device", nbytes)
 
-    def _copy(self, kind: str, dst: int, src: int, nbytes: int) -> None:
+    def _copy(self, kind: str, dst: int, src: int, nbytes: int, stream: GpuStream | None = None) -> None:
         """A copy (host memory stands for every node), counted per (kind, size): lock-free
-        after the first of its size, ``next`` on a count being atomic under the GIL."""
-        self._call("copy_" + kind)
+        after the first of its size, ``next`` on a count being atomic under the GIL. An
+        upload notes its thread (the thread that launched the task)."""
+        name = _COPY_CALLS[kind]
+        self.calls[name] += 1
+        if self._faults:
+            self._check(name)
+        if kind == "h2d":
+            self.copy_threads.add(threading.get_native_id())
         if nbytes:
             try:
                 next(self._tallies[kind, nbytes])
@@ -765,7 +801,6 @@ class HostRuntime:
             ctypes.memmove(dst, src, nbytes)
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
-        self.copy_threads.add(threading.get_native_id())
         self._copy("h2d", dst, src, nbytes)
 
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
