@@ -256,7 +256,7 @@ class TaskGraph:
         #: just those workers, or that many idle ones
         self.pushed_shared = 0
         #: the driver's own reason to drop a request's remaining tasks, asked of its ``owner``
-        #: (a cancelled future: ``RequestFuture.settled``); None: none (the simulator's)
+        #: (a future its caller cancelled); None: none (the simulator's)
         self.dropped: Callable[[Any], bool] | None = None
         #: the last request and task ids given (plain counters: the caller serialises the core)
         self._last_id = -1

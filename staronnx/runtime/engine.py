@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -216,7 +217,7 @@ class NativeEngine:
         #: many are queued in all (a hint read without the lock, as ``core.queue``)
         self._pinned: list[deque[Pinned]] = [deque() for _ in workers]
         self._pinned_count = 0
-        self.core.dropped = RequestFuture.settled  # cancelled by its caller
+        self.core.dropped = operator.attrgetter("cancelled_by_caller")  # (read in C, per task)
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)
@@ -457,7 +458,9 @@ class NativeEngine:
         live = list(wids)
         room = 2 * len(live)  # tasks launched and not waited for: two per live stream
         n_ahead = 0  # len(ahead), kept as it changes (read per task)
-        since = 0.0  # when the oldest deferred result was settled
+        # when the oldest deferred result was settled, and the latest task's end (the engine's
+        # clock, read by _end: the time the results have waited needs no clock read of its own)
+        since = latest = 0.0
 
         def lost(wid: int, exc: BaseException) -> None:
             nonlocal room, n_ahead
@@ -502,7 +505,7 @@ class NativeEngine:
             fresh = not deferred
             # (or before a wait that would block: failed at launch, ran to its end, or the device
             # says it is done, asked inline: this runs per task)
-            if not fresh and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
+            if not fresh and (len(deferred) >= ANNOUNCE_EVERY or latest - since > ANNOUNCE_AFTER_S
                               or not (started.error is not None or started.handle is None
                                       or workers[wid].ready(started.handle))):
                 announce(deferred)
@@ -526,8 +529,9 @@ class NativeEngine:
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 continue
             got = self._end(wid, started, take=[w for w in live if launched[w] < 2], defer=deferred)
+            latest = self._last_end[wid]
             if fresh and deferred:
-                since = time.perf_counter()
+                since = latest
 
     def _take(self, wids: list[int], group: list[int]) -> list[Job] | None:
         """A task for each of ``wids`` that has one, in one lock hold, waiting until one

@@ -515,6 +515,8 @@ class _PerThread(threading.local):
 
     device = 0
     mode = CAPTURE_GLOBAL
+    #: the thread's native id, once HostRuntime needed it (read per upload: no call then)
+    native_id: int | None = None
 
 
 class _Capture:
@@ -791,7 +793,11 @@ class HostRuntime:
         if self._faults:
             self._check(name)
         if kind == "h2d":
-            self.copy_threads.add(threading.get_native_id())
+            here = self._current
+            if here.native_id is None:
+                here.native_id = threading.get_native_id()
+            if here.native_id not in self.copy_threads:
+                self.copy_threads.add(here.native_id)
         if nbytes:
             try:
                 next(self._tallies[kind, nbytes])
