@@ -544,10 +544,6 @@ class _Capture:
                             "operation not permitted when stream is capturing")
 
 
-#: the name each copy kind is counted under in :attr:`HostRuntime.calls`
-_COPY_CALLS = {kind: "copy_" + kind for kind in ("h2d", "d2h", "d2d", "peer")}
-
-
 class _HostStream:
     """Stands in for a stream: host copies complete in program order, so nothing to wait."""
 
@@ -563,16 +559,10 @@ class _HostStream:
         self._rt._call("stream_wait")
 
     def synchronize(self) -> None:
-        rt = self._rt
-        rt.calls["stream_sync"] += 1
-        if rt._faults:
-            rt._check("stream_sync")
+        self._rt._call("stream_sync")
 
     def query(self) -> bool:
-        rt = self._rt
-        rt.calls["stream_query"] += 1
-        if rt._faults:
-            rt._check("stream_query")
+        self._rt._call("stream_query")
         return True  # host copies and runs are synchronous: queued work is already done
 
     def destroy(self) -> None:
@@ -788,7 +778,7 @@ class HostRuntime:
         """A copy (host memory stands for every node), counted per (kind, size): lock-free
         after the first of its size, ``next`` on a count being atomic under the GIL. An
         upload notes its thread (the thread that launched the task)."""
-        name = _COPY_CALLS[kind]
+        name = "copy_" + kind
         self.calls[name] += 1
         if self._faults:
             self._check(name)
