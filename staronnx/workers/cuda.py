@@ -214,9 +214,7 @@ class CudaWorker(ThreadWorker):
         self.n_cores = 1
         self.stream_index = place.stream
         self.node = MemoryNode("cuda", device_id)
-        self.host_node = MemoryNode.parse(options.host_node)
         self.cpu = place.pu
-        self.copy_log = options.copy_log
         #: the stream's cudaStream_t value (set by start()).
         self.stream_handle: int | None = None
         self._device_type = runtime.ort_device_type
@@ -606,14 +604,15 @@ class CudaWorker(ThreadWorker):
         self.last_compute_seconds = ev["run_done"].seconds_since(ev["run_start"])
         h2d = ev["run_start"].seconds_since(ev["h2d_start"])
         d2h = ev["d2h_done"].seconds_since(ev["run_done"])
-        if self.copy_log is not None:
-            host, dev = self.host_node.name, self.node.name
+        log_to = self.options.copy_log
+        if log_to is not None:
+            host, dev = MemoryNode.parse(self.options.host_node).name, self.node.name
             up = slot.in_bytes if launch.outputs is not None else launch.h2d_bytes
             down = slot.out_bytes if launch.written is None else sum(t.nbytes for t in launch.written)
             if up:
-                self.copy_log.add(CopyRecord(host, dev, up, h2d))
+                log_to.add(CopyRecord(host, dev, up, h2d))
             if down:
-                self.copy_log.add(CopyRecord(dev, host, down, d2h))
+                log_to.add(CopyRecord(dev, host, down, d2h))
 
     #: the last untimed launch not yet waited for and with nothing queued behind it
     _unmarked: _Launch | None = None
