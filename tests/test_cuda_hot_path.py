@@ -24,7 +24,8 @@ from onnx import TensorProto, helper, numpy_helper
 from staronnx import Runtime, partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.workers.base import WorkerLost
-from staronnx.workers.cuda import CAPTURE_LOCK, CAPTURE_TRIES, CudaWorker
+from staronnx.workers.cuda import CAPTURE_LOCK, CAPTURE_TRIES, CudaOptions, CudaWorker
+from staronnx.workers.layout import cuda_place
 from staronnx.workers.cudart import CudaError, HostRuntime, capture_safe, is_sticky
 from staronnx.partition import PartitionSpec
 
@@ -73,7 +74,7 @@ def in_thread(worker: CudaWorker, fn):
 # ------------------------------------------------------------------ 1. no hang
 def test_an_error_after_the_run_fails_its_task_and_the_worker_keeps_serving(model, reference):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt, cuda_graphs=False)) as worker:
         worker.run(0, feeds())
         rt.inject("event_elapsed", 900)  # while reading the task's GPU times, after its run
         fut = worker.submit(0, feeds(seed=1))
@@ -87,7 +88,7 @@ def test_an_error_after_the_run_fails_its_task_and_the_worker_keeps_serving(mode
 
 def test_run_here_releases_its_slot_when_the_wait_fails(model, reference):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt, cuda_graphs=False)) as worker:
         in_thread(worker, lambda: [worker.run_here(0, feeds()) for _ in range(2)])
         rt.inject("stream_sync", 2)  # out of memory at the wait: not sticky
         with pytest.raises(CudaError, match="cudaError\\(2\\)"):
@@ -100,8 +101,8 @@ def test_run_here_releases_its_slot_when_the_wait_fails(model, reference):
 # ------------------------------------------------------------------ 2. a lost worker leaves the pool
 def _host_workers(plan, n: int, per_stream: bool = False) -> tuple[list[CudaWorker], list[HostRuntime]]:
     runtimes = [HostRuntime() for _ in range(n)]
-    workers = [CudaWorker(0, i, [plan.part_path(0)], runtime=r, cuda_graphs=False,
-                          thread_per_stream=per_stream).start()
+    workers = [CudaWorker(cuda_place(0, i), [plan.part_path(0)],
+                          CudaOptions(runtime=r, cuda_graphs=False, thread_per_stream=per_stream)).start()
                for i, r in enumerate(runtimes)]
     return workers, runtimes
 
@@ -160,7 +161,7 @@ def test_an_error_that_is_not_sticky_fails_one_request_only(plan, reference, tmp
 
 def test_a_lost_worker_says_so_on_every_later_task(model):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt, cuda_graphs=False)) as worker:
         worker.run(0, feeds())
         rt.inject("copy_d2h", 719)
         with pytest.raises(WorkerLost):
@@ -177,7 +178,7 @@ def test_ort_text_of_a_sticky_error_is_recognised():
 
 # ------------------------------------------------------------------ 3. captures vs other threads
 def _capture_in_background(model: Path, seconds: float) -> tuple[CudaWorker, threading.Thread, threading.Event]:
-    worker = CudaWorker(0, 0, [model], runtime=HostRuntime(capture_seconds=seconds)).start()
+    worker = CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=HostRuntime(capture_seconds=seconds))).start()
     worker.run(0, feeds())  # discovery: the slot gets its graph id
     started = threading.Event()
 
@@ -199,7 +200,7 @@ def test_a_worker_starting_during_another_workers_capture_breaks_nothing(model, 
     capturing, thread, _ = _capture_in_background(model, 0.6)
     try:
         # session creation, stream and buffer allocation while the capture is open
-        with CudaWorker(0, 1, [model], runtime=HostRuntime(), cuda_graphs=False) as other:
+        with CudaWorker(cuda_place(0, 1), [model], CudaOptions(runtime=HostRuntime(), cuda_graphs=False)) as other:
             x = feeds(seed=5)
             check(reference, x, other.run(0, x))
         thread.join(10)
@@ -232,7 +233,7 @@ def test_code_that_is_not_ours_is_safe_during_a_capture_inside_capture_safe(mode
 def test_a_failed_capture_is_retried_then_dropped_with_a_warning(model, reference, caplog):
     rt = HostRuntime()
     with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
-            CudaWorker(0, 0, [model], runtime=rt) as worker:
+            CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         rt.inject("capture", 901, times=2)
         results = []
         for i in range(8):
@@ -255,7 +256,7 @@ def test_the_first_run_of_a_graph_id_is_the_capture_and_waits_for_the_capture_lo
     must agree with what ORT did (a worker that took it for a plain run captured without the
     lock, and counted one capture late and one replay short)."""
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         worker.run(0, feeds())  # discovery: the slot gets its graph id
         x = feeds(seed=1)
         with CAPTURE_LOCK:  # another capture is under way somewhere
@@ -277,7 +278,7 @@ def test_a_capture_that_fails_at_warm_up_costs_the_graph_not_the_warm_up(model, 
     pipelined worker warms up): warm-up still succeeds, the shape runs without a graph."""
     rt = HostRuntime()
     with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
-            CudaWorker(0, 0, [model], runtime=rt) as worker:
+            CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         rt.inject("capture", 901, times=2 * CAPTURE_TRIES)
         worker.warmup([4], lambda p, b: feeds(b))
         assert worker.graph_stats() == {"captured": 0, "failed": 2 * CAPTURE_TRIES, "replays": 0}
@@ -290,7 +291,7 @@ def test_a_capture_that_fails_at_warm_up_costs_the_graph_not_the_warm_up(model, 
 
 def test_a_capture_that_fails_once_at_warm_up_is_captured_by_its_second_try(model, reference):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         rt.inject("capture", 901, times=1)
         worker.warmup([4], lambda p, b: feeds(b))
         # the round whose capture failed ran again (the other buffer set replaying), then one more
@@ -303,7 +304,7 @@ def test_a_capture_that_fails_once_at_warm_up_is_captured_by_its_second_try(mode
 
 def test_a_second_try_captures(model, reference):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         rt.inject("capture", 901, times=1)
         for i in range(8):
             try:
@@ -338,7 +339,7 @@ def _runtime_errors_raised_in(fn) -> int:
 
 @pytest.mark.parametrize("graphs", [False, True])
 def test_no_exception_is_raised_inside_ort_per_run(model, graphs):
-    with CudaWorker(0, 0, [model], runtime=HostRuntime(), cuda_graphs=graphs) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=HostRuntime(), cuda_graphs=graphs)) as worker:
         worker.warmup([4], lambda p, b: feeds(b))
         x = feeds()
         raised = _runtime_errors_raised_in(
@@ -358,7 +359,7 @@ def _calls_per_task(worker: CudaWorker, rt: HostRuntime, timed: bool, n: int = 2
 @pytest.mark.parametrize("graphs", [False, True])
 def test_a_steady_task_is_one_copy_in_one_copy_out_and_one_wait(model, graphs):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=graphs) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt, cuda_graphs=graphs)) as worker:
         worker.warmup([4], lambda p, b: feeds(b))
         assert _calls_per_task(worker, rt, timed=False) == {"copy_h2d": 1, "copy_d2h": 1, "stream_sync": 1}
         timed = _calls_per_task(worker, rt, timed=True)
@@ -368,7 +369,7 @@ def test_a_steady_task_is_one_copy_in_one_copy_out_and_one_wait(model, graphs):
 
 
 def test_ort_is_told_not_to_synchronise_the_stream(model):
-    with CudaWorker(0, 0, [model], runtime=HostRuntime()) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=HostRuntime())) as worker:
         worker.run(0, feeds())
         options = [worker._run_options] + [s.run_options for s in in_thread(worker, worker._slots.all)]
         for o in options:
@@ -397,7 +398,7 @@ def test_through_a_runtime_events_stop_once_the_perf_model_is_calibrated(plan, r
 # ------------------------------------------------------------------ 7/8. nothing allocated or freed per task
 def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt, cuda_graphs=False, max_slots=2) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt, cuda_graphs=False, max_slots=2)) as worker:
         for b in (1, 2, 3):  # the third signature retires the least recently used slot
             worker.run(0, feeds(b))
         frees = rt.stats.device_frees + rt.stats.pinned_frees
@@ -411,7 +412,7 @@ def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
 
 def test_a_graph_costs_one_capture_at_warm_up(model):
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt) as worker:
+    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         worker.warmup([1, 4], lambda p, b: feeds(b), parallel=1)
         assert rt.calls["capture"] == 2  # one per (part, batch size), nothing more exclusive
         assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
@@ -455,7 +456,9 @@ def test_warm_up_captures_on_the_driver_thread_and_serving_there_only_replays(mo
     driven by another (a device's driver thread) would capture every graph again while
     serving. ``warmup(driver=...)`` captures on the driver's thread, where tasks then replay."""
     rt = HostRuntime()
-    with CudaWorker(0, 0, [model], runtime=rt) as driver, CudaWorker(0, 1, [model], runtime=rt) as stream:
+    options = CudaOptions(runtime=rt)
+    with CudaWorker(cuda_place(0, 0), [model], options) as driver, \
+            CudaWorker(cuda_place(0, 1), [model], options) as stream:
         stream.warmup([4], lambda p, b: feeds(b), driver=driver)
         assert stream.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
 
@@ -473,7 +476,7 @@ def test_warm_up_captures_on_the_driver_thread_and_serving_there_only_replays(mo
 def test_a_graph_replayed_from_another_thread_is_captured_again_and_counted(model, reference, caplog):
     rt = HostRuntime()
     with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
-            CudaWorker(0, 0, [model], runtime=rt) as worker:
+            CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
         worker.warmup([4], lambda p, b: feeds(b), parallel=1)  # on the worker's own thread
         assert rt.graph_events == {"captured": 1, "replayed": 1}
         out: list[dict] = []

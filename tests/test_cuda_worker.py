@@ -26,7 +26,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from staronnx.errors import DeviceError, InputError
-from staronnx.workers.cuda import CudaWorker, cuda_unavailable_reason
+from staronnx.workers.cuda import CudaOptions, CudaWorker, cuda_unavailable_reason
+from staronnx.workers.layout import cuda_place
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.pinned_pool import PinnedPool
 from staronnx.workers.memory import CopyLog
@@ -137,7 +138,7 @@ def test_without_a_cuda_provider_construction_raises_device_error(
 ) -> None:
     monkeypatch.setattr(ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
     with pytest.raises(DeviceError) as err:
-        CudaWorker(0, 0, parts)
+        CudaWorker(cuda_place(0, 0), parts)
     message = str(err.value)
     assert "CUDAExecutionProvider" in message
     assert "pip install 'staronnx[gpu]'" in message
@@ -145,15 +146,15 @@ def test_without_a_cuda_provider_construction_raises_device_error(
 
 def test_bad_arguments_are_rejected_before_any_device_check(parts: list[Path]) -> None:
     with pytest.raises(ValueError, match="cudnn_conv_algo_search"):
-        CudaWorker(0, 0, parts, cudnn_conv_algo_search="FAST")
+        CudaWorker(cuda_place(0, 0), parts, CudaOptions(cudnn_conv_algo_search="FAST"))
     with pytest.raises(ValueError, match="user_compute_stream"):
-        CudaWorker(0, 0, parts, provider_options={"user_compute_stream": "1"})
+        CudaWorker(cuda_place(0, 0), parts, CudaOptions(provider_options={"user_compute_stream": "1"}))
 
 
 # ---------------------------------------------------------------- host-runtime pipeline
 @pytest.fixture
 def host_worker(parts: list[Path]) -> Iterator[CudaWorker]:
-    worker = CudaWorker(0, 0, parts, runtime=HostRuntime()).start()
+    worker = CudaWorker(cuda_place(0, 0), parts, CudaOptions(runtime=HostRuntime())).start()
     yield worker
     worker.close()
 
@@ -180,7 +181,7 @@ def test_host_pipeline_reuses_buffers_per_batch_size(host_worker: CudaWorker) ->
 def test_host_pipeline_a_task_launched_ahead_uses_a_second_buffer_set(parts, reference) -> None:
     """What an engine's driver does: launch the next task before waiting for this one; the two
     in flight take two buffer sets of the shape, reused after; one at a time takes one."""
-    with CudaWorker(0, 0, parts, runtime=HostRuntime()) as worker:
+    with CudaWorker(cuda_place(0, 0), parts, CudaOptions(runtime=HostRuntime())) as worker:
         feeds = [make_feeds(0, 2, s) for s in range(30)]
 
         def pipelined() -> list[dict[str, np.ndarray]]:
@@ -194,7 +195,7 @@ def test_host_pipeline_a_task_launched_ahead_uses_a_second_buffer_set(parts, ref
         for got, f in zip(worker.call(pipelined), feeds):
             assert_close(got, expected(reference, 0, f))
         assert worker.buffer_stats()["slots_created"] == 2
-    with CudaWorker(0, 0, parts, runtime=HostRuntime()) as worker:
+    with CudaWorker(cuda_place(0, 0), parts, CudaOptions(runtime=HostRuntime())) as worker:
         for s in range(10):
             worker.run(0, make_feeds(0, 2, s))
         assert worker.buffer_stats()["slots_created"] == 1
@@ -204,7 +205,7 @@ def test_host_pipeline_data_dependent_outputs(tmp_path: Path) -> None:
     path = _nonzero_model(tmp_path / "nz.onnx")
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(3)
-    with CudaWorker(0, 0, [path], runtime=HostRuntime()) as worker:
+    with CudaWorker(cuda_place(0, 0), [path], CudaOptions(runtime=HostRuntime())) as worker:
         shapes = set()
         for _ in range(6):
             x = rng.standard_normal((5, 8)).astype(np.float32)
@@ -238,7 +239,8 @@ def timed_run(worker: CudaWorker, part: int, feeds: dict[str, np.ndarray]):
 
 def test_host_pipeline_timing_and_copy_log(parts: list[Path]) -> None:
     log = CopyLog()
-    with CudaWorker(0, 0, parts, runtime=HostRuntime(), copy_log=log, host_node="numa1", cuda_graphs=False) as worker:
+    options = CudaOptions(runtime=HostRuntime(), copy_log=log, host_node="numa1", cuda_graphs=False)
+    with CudaWorker(cuda_place(0, 0), parts, options) as worker:
         worker.warmup([2], make_feeds)
         # warm-up's copies are logged (2 parts x 2 repeats x 2 buffer sets, as a pipelined
         # worker uses, x 2 directions)
@@ -252,7 +254,7 @@ def test_host_pipeline_timing_and_copy_log(parts: list[Path]) -> None:
 
 def test_host_pipeline_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> None:
     rt = HostRuntime()
-    worker = CudaWorker(0, 0, parts, runtime=rt).start()
+    worker = CudaWorker(cuda_place(0, 0), parts, CudaOptions(runtime=rt)).start()
     worker.warmup([1, 4], make_feeds)
     pending = [worker.submit(1, make_feeds(1, 4, s)) for s in range(20)]
     assert rt.stats.live > 0
@@ -318,7 +320,7 @@ def test_host_pipeline_copies_a_pool_batch_to_the_device_without_staging(host_wo
 
 
 def test_cuda_worker_names_and_what_a_policy_sees(parts: list[Path]) -> None:
-    workers = [CudaWorker(d, s, parts, runtime=HostRuntime()) for d in (0, 1) for s in (0, 1)]
+    workers = [CudaWorker(cuda_place(d, s), parts, CudaOptions(runtime=HostRuntime())) for d in (0, 1) for s in (0, 1)]
     assert [w.name for w in workers] == ["cuda0.s0", "cuda0.s1", "cuda1.s0", "cuda1.s1"]
     assert [(w.device_id, w.stream_index) for w in workers] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert all(w.node.name == w.memory_node == w.arch == f"cuda{w.device_id}" for w in workers)
@@ -328,8 +330,8 @@ def test_cuda_worker_names_and_what_a_policy_sees(parts: list[Path]) -> None:
 # ---------------------------------------------------------------- on a GPU
 @pytest.fixture
 def gpu_worker(parts: list[Path]) -> Iterator[CudaWorker]:
-    worker = CudaWorker(0, 0, parts, cudnn_conv_algo_search="HEURISTIC",
-                        provider_options=STRICT_FP32).start()
+    options = CudaOptions(cudnn_conv_algo_search="HEURISTIC", provider_options=STRICT_FP32)
+    worker = CudaWorker(cuda_place(0, 0), parts, options).start()
     yield worker
     worker.close()
 
@@ -358,7 +360,7 @@ def test_gpu_results_equal_cpu_ort(gpu_worker: CudaWorker, reference, batch: int
 
 @needs_gpu
 def test_gpu_warmup_then_timing(parts: list[Path]) -> None:
-    with CudaWorker(0, 0, parts) as worker:
+    with CudaWorker(cuda_place(0, 0), parts) as worker:
         timings = worker.warmup([1, 4], make_feeds)
         assert [(p, b) for p, b, _ in timings] == [(0, 1), (0, 4), (1, 1), (1, 4)]
         assert all(s > 0 for _, _, s in timings)
@@ -367,7 +369,7 @@ def test_gpu_warmup_then_timing(parts: list[Path]) -> None:
 
 @needs_gpu
 def test_two_workers_on_two_streams_run_concurrently_without_mixing(parts, reference) -> None:
-    a, b = (CudaWorker(0, s, parts, provider_options=STRICT_FP32) for s in (0, 1))
+    a, b = (CudaWorker(cuda_place(0, s), parts, CudaOptions(provider_options=STRICT_FP32)) for s in (0, 1))
     with a, b:
         assert a.stream_handle != b.stream_handle
         a.warmup([8], make_feeds)
@@ -404,7 +406,7 @@ def test_gpu_pinned_and_device_buffers_are_reused(gpu_worker: CudaWorker) -> Non
 
 @needs_gpu
 def test_gpu_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> None:
-    worker = CudaWorker(0, 0, parts).start()
+    worker = CudaWorker(cuda_place(0, 0), parts).start()
     worker.warmup([1, 4], make_feeds)
     futs = [worker.submit(1, make_feeds(1, 4, s)) for s in range(8)]
     worker.close()
@@ -421,7 +423,7 @@ def test_gpu_close_frees_everything_and_leaves_no_thread(parts: list[Path]) -> N
 
 # ---------------------------------------------------------------- CUDA graphs (on by default)
 def test_cuda_graphs_give_every_fixed_slot_its_own_graph_and_keep_the_results(parts, reference):
-    with CudaWorker(0, 0, parts, runtime=HostRuntime(), cuda_graphs=True) as worker:
+    with CudaWorker(cuda_place(0, 0), parts, CudaOptions(runtime=HostRuntime(), cuda_graphs=True)) as worker:
         assert worker.graph_parts == {0, 1}
         for i in range(5):
             for part in (0, 1):
@@ -436,7 +438,7 @@ def test_cuda_graphs_give_every_fixed_slot_its_own_graph_and_keep_the_results(pa
 
 def test_cuda_graphs_skip_slots_whose_outputs_are_not_fixed(tmp_path):
     path = _nonzero_model(tmp_path / "nz.onnx")
-    with CudaWorker(0, 0, [path], runtime=HostRuntime(), cuda_graphs=True) as worker:
+    with CudaWorker(cuda_place(0, 0), [path], CudaOptions(runtime=HostRuntime(), cuda_graphs=True)) as worker:
         for i in range(4):
             worker.submit(0, {"x": np.random.default_rng(i).standard_normal((2, 8)).astype(np.float32)}).result()
         slots = worker.call(lambda: worker._slots.all())
@@ -445,7 +447,7 @@ def test_cuda_graphs_skip_slots_whose_outputs_are_not_fixed(tmp_path):
 
 @needs_gpu
 def test_cuda_graphs_on_the_gpu_match_the_cpu(parts, reference):
-    with CudaWorker(0, 0, parts, provider_options=STRICT_FP32, cuda_graphs=True) as worker:
+    with CudaWorker(cuda_place(0, 0), parts, CudaOptions(provider_options=STRICT_FP32, cuda_graphs=True)) as worker:
         for i in range(6):
             for part in (0, 1):
                 feeds = make_feeds(part, 4, seed=i)

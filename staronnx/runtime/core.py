@@ -72,9 +72,10 @@ class Task:
 class Request:
     """One submitted batch travelling through the plan.
 
-    ``handles`` has a handle per input, per output another part reads and per final output
-    whose copy the driver holds; the core drops an intermediate's copies once its last reader
-    is done.
+    ``handles`` has a handle per input and per output another part reads; the core drops an
+    intermediate's copies once its last reader is done. ``results`` holds the host copies of
+    its final outputs the driver made (the engine's answer; a handle only for one another
+    part also reads).
     """
 
     id: int
@@ -89,6 +90,7 @@ class Request:
     model: int = 0  # its model's index in the core's ModelSet
     first_part: int = 0  # the global number of its model's part 0
     deadline: float = math.inf  # arrival + its model's latency target
+    results: dict[str, np.ndarray] = field(default_factory=dict)
 
     def task(self, part: int) -> Task:
         """Its task of global part ``part``."""
@@ -254,7 +256,7 @@ class TaskGraph:
         #: just those workers, or that many idle ones
         self.pushed_shared = 0
         #: the driver's own reason to drop a request's remaining tasks, asked of its ``owner``
-        #: (a cancelled future: ``RequestFuture.settled``); None: none (the simulator's)
+        #: (a future its caller cancelled); None: none (the simulator's)
         self.dropped: Callable[[Any], bool] | None = None
         #: the last request and task ids given (plain counters: the caller serialises the core)
         self._last_id = -1
@@ -373,7 +375,12 @@ class TaskGraph:
 
     # -- workers -------------------------------------------------------------------------------
     def next_task(self, wid: int, now: float) -> Task | None:
-        """The task worker ``wid`` must start now, or None; tasks of failed requests are dropped."""
+        """The task worker ``wid`` must start now, or None; tasks of failed requests are dropped.
+
+        Its copies on the worker's node are decided here (:mod:`~staronnx.runtime.datawizard`'s
+        rules, inlined: this runs per task): a fetch per input not valid there, from its cheapest
+        copy, kept while another reader has not started; a write-back per final output where the
+        node is a GPU (where the push knew its size; else booked when it finished)."""
         policy = self.policy
         while True:
             view = policy.pop(wid)
@@ -389,7 +396,45 @@ class TaskGraph:
                 continue
             task.worker = wid
             st = self.workers[wid]
-            self._decide_copies(task, st.info.memory_node, self._on_device[wid])
+            node, cache = st.info.memory_node, self._copy_cache
+            handles = req.handles
+            copies: list[Copy] = []
+            keep: list[str] = []
+            for name in self._part_inputs[task.part]:
+                h = handles[name]
+                h.unstarted -= 1
+                valid = h.valid_on
+                if node in valid or h.nbytes <= 0 or not valid:
+                    continue
+                if valid is _ON_HOST:  # a model input (no call)
+                    src = HOST_NODE
+                elif len(valid) == 1:
+                    for src in valid:
+                        break
+                else:
+                    src = source(valid, node, h.nbytes, self.copy_cost)
+                key = (name, src, node, h.nbytes)
+                try:
+                    copies.append(cache[key])
+                except KeyError:
+                    if len(cache) > 4096:
+                        cache.clear()
+                    copies.append(cache.setdefault(key, Copy(*key)))
+                if h.unstarted > 0:
+                    keep.append(name)
+            if self._on_device[wid] and view.outputs:
+                back = (view.outputs, node)
+                try:
+                    copies += self._back_cache[back]
+                except KeyError:
+                    if len(self._back_cache) > 4096:
+                        self._back_cache.clear()
+                    copies += self._back_cache.setdefault(back, [Copy(n, node, HOST_NODE, b)
+                                                                 for n, b in view.outputs if b > 0])
+            if copies:
+                task.copies = copies
+            if keep:
+                task.keep = tuple(keep)
             st.running[task] = None
             wait = now - task.ready_at
             # (RunningMean.append, inlined: this runs per task)
@@ -400,51 +445,6 @@ class TaskGraph:
             waits.n += 1
             waits.total += wait
             return task
-
-    def _decide_copies(self, task: Task, node: str, on_device: bool) -> None:
-        """The copies ``task`` makes on ``node`` (:mod:`~staronnx.runtime.datawizard`'s rules,
-        inlined: this runs per task): a fetch per input not valid there, from its cheapest
-        copy, kept while another reader has not started; a write-back per final output where
-        ``node`` is a GPU (where the push knew its size; else booked when it finished)."""
-        handles, cache = task.request.handles, self._copy_cache
-        copies: list[Copy] = []
-        keep: list[str] = []
-        for name in self._part_inputs[task.part]:
-            h = handles[name]
-            h.unstarted -= 1
-            valid = h.valid_on
-            if node in valid or h.nbytes <= 0 or not valid:
-                continue
-            if valid is _ON_HOST:  # a model input (no call: this runs per task)
-                src = HOST_NODE
-            elif len(valid) == 1:
-                for src in valid:
-                    break
-            else:
-                src = source(valid, node, h.nbytes, self.copy_cost)
-            key = (name, src, node, h.nbytes)
-            try:
-                copies.append(cache[key])
-            except KeyError:
-                if len(cache) > 4096:
-                    cache.clear()
-                copies.append(cache.setdefault(key, Copy(*key)))
-            if h.unstarted > 0:
-                keep.append(name)
-        view = task.view
-        if on_device and view is not None and view.outputs:
-            back = (view.outputs, node)
-            try:
-                copies += self._back_cache[back]
-            except KeyError:
-                if len(self._back_cache) > 4096:
-                    self._back_cache.clear()
-                copies += self._back_cache.setdefault(back, [Copy(n, node, HOST_NODE, b) for n, b in view.outputs
-                                                             if b > 0])
-        if copies:
-            task.copies = copies
-        if keep:
-            task.keep = tuple(keep)
 
     def finish(self, wid: int, task: Task, now: float, measured: float, outputs: Mapping[str, int] | None,
                host: Mapping[str, np.ndarray] | None = None,
@@ -487,13 +487,13 @@ class TaskGraph:
         handles = req.handles
         here, with_host = self._valid_here[wid]
         for name, nbytes in outputs.items():
-            # a handle for what another part reads, and for a final output the driver holds
-            # (the engine answers from it; the simulator has nothing to hold)
+            # a handle for what another part reads; a final output's host copy is the answer
+            # (the engine's; the simulator has nothing to hold)
             copy = host[name] if host is not None and name in host else None
+            if copy is not None and name in final:
+                req.results[name] = copy
             if name in readers:
                 handles[name] = DataHandle(name, nbytes, with_host if name in final else here, readers[name], copy)
-            elif name in final and copy is not None:
-                handles[name] = DataHandle(name, nbytes, with_host, 0, copy)
         for name, tensor in device:
             handles[name].add_device(node, tensor)
         for name in task.keep:  # fetched copies that stay valid where they were fetched

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import operator
 import threading
 import time
 from collections import deque
@@ -216,7 +217,7 @@ class NativeEngine:
         #: many are queued in all (a hint read without the lock, as ``core.queue``)
         self._pinned: list[deque[Pinned]] = [deque() for _ in workers]
         self._pinned_count = 0
-        self.core.dropped = RequestFuture.settled  # cancelled by its caller
+        self.core.dropped = operator.attrgetter("cancelled_by_caller")  # (read in C, per task)
         if tracer is not None:
             for info in infos:
                 tracer.lane(info.id, info.name)
@@ -457,7 +458,9 @@ class NativeEngine:
         live = list(wids)
         room = 2 * len(live)  # tasks launched and not waited for: two per live stream
         n_ahead = 0  # len(ahead), kept as it changes (read per task)
-        since = 0.0  # when the oldest deferred result was settled
+        # when the oldest deferred result was settled, and the latest task's end (the engine's
+        # clock, read by _end: the time the results have waited needs no clock read of its own)
+        since = latest = 0.0
 
         def lost(wid: int, exc: BaseException) -> None:
             nonlocal room, n_ahead
@@ -500,8 +503,11 @@ class NativeEngine:
             launched[wid] -= 1
             n_ahead -= 1
             fresh = not deferred
-            if not fresh and (len(deferred) >= ANNOUNCE_EVERY or time.perf_counter() - since > ANNOUNCE_AFTER_S
-                              or not _finished(workers[wid], started)):
+            # (or before a wait that would block: failed at launch, ran to its end, or the device
+            # says it is done, asked inline: this runs per task)
+            if not fresh and (len(deferred) >= ANNOUNCE_EVERY or latest - since > ANNOUNCE_AFTER_S
+                              or not (started.error is not None or started.handle is None
+                                      or workers[wid].ready(started.handle))):
                 announce(deferred)
                 deferred.clear()
                 fresh = True
@@ -523,8 +529,9 @@ class NativeEngine:
                     got = self._take_each([w for w in live if launched[w] < 2], self.clock.now())
                 continue
             got = self._end(wid, started, take=[w for w in live if launched[w] < 2], defer=deferred)
+            latest = self._last_end[wid]
             if fresh and deferred:
-                since = time.perf_counter()
+                since = latest
 
     def _take(self, wids: list[int], group: list[int]) -> list[Job] | None:
         """A task for each of ``wids`` that has one, in one lock hold, waiting until one
@@ -752,11 +759,9 @@ class NativeEngine:
                 value, ok = TaskError(task.part, info.name, error), False
                 value.__cause__ = error
             else:
-                handles = done.handles
-                value, ok = {}, True
-                for n in self._output_names[done.model]:
-                    h = handles[n]
-                    value[n] = _host(h) if h.host is None else h.host
+                results, value, ok = done.results, {}, True
+                for n in self._output_names[done.model]:  # (a model input given back: its handle's)
+                    value[n] = results[n] if n in results else _host(done.handles[n])
             if defer is None:
                 settle(done.owner, value, ok)
             elif settle_quietly(done.owner, value, ok):
@@ -852,12 +857,6 @@ class NativeEngine:
         """One hosted model's share of the machine (see :meth:`TaskGraph.model_stats`)."""
         with self._lock:
             return self.core.model_stats(model, self.clock.now() - self.started_at)
-
-
-def _finished(worker: Worker, started: _Started) -> bool:
-    """Whether waiting for ``started`` would return at once (failed at launch, ran to its end,
-    or the device says so)."""
-    return started.error is not None or started.handle is None or worker.ready(started.handle)
 
 
 @dataclass(eq=False, slots=True)

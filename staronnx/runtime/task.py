@@ -43,6 +43,8 @@ class RequestFuture(Future[Any]):
         self._waiter_list: list[Any] | None = None
         self._callback_list: list[Any] | None = None
         self.request_id = request_id
+        #: set by :meth:`cancel` (a plain attribute: the engine reads it for every task it pops)
+        self.cancelled_by_caller = False
         #: "part<k>" -> arch of the worker that ran it (serving reports CPU share from this)
         self.placement: dict[str, str] = {}
         #: the serving batch that carried this request (a BatchRecord: formed/done times, size),
@@ -64,16 +66,13 @@ class RequestFuture(Future[Any]):
             self._callback_list = []
         return self._callback_list
 
-    def settled(self) -> bool:
-        """``done()`` without its lock: a settled state never changes back, so a stale read
-        only says "not yet" (what the engine asks of every task it pops)."""
-        return self._state in SETTLED
-
     def cancel(self) -> bool:
         """Future.cancel, which only notifies the Condition: callers blocked on a lock of their
-        own are woken here."""
+        own are woken here; :attr:`cancelled_by_caller` then tells the engine to drop the
+        request's tasks not yet started."""
         if not super().cancel():
             return False
+        self.cancelled_by_caller = True
         with self._condition:
             blocked = [w for w in self._waiter_list or () if isinstance(w, _Wakeup)]
         for w in blocked:

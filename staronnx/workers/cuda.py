@@ -55,7 +55,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -83,13 +83,14 @@ from staronnx.workers.cudart import (
     is_sticky,
     host_runtime_from_env,
 )
+from staronnx.workers.layout import WorkerPlace
 from staronnx.workers.memory import CopyLog, CopyRecord, MemoryNode
 from staronnx.workers.pinned_pool import PinnedArray, PinnedPool
 from staronnx.workers.replicas import DeviceMemory, DeviceTensor, OutputRoute
 from staronnx.workers.slots import (GRAPH_CAPTURE, GRAPH_REPLAY, NO_GRAPH, Part, Slot, SlotCache, SlotTensor,
                                     check_feeds, native_run, numpy_type)
 
-__all__ = ["CAPTURE_LOCK", "CONV_ALGO_SEARCHES", "CudaWorker", "PartDoesNotFit", "cuda_unavailable_reason"]
+__all__ = ["CAPTURE_LOCK", "CONV_ALGO_SEARCHES", "CudaOptions", "CudaWorker", "PartDoesNotFit", "cuda_unavailable_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -121,92 +122,111 @@ class _Launch:
     h2d_bytes: int = 0
 
 
+@dataclass(frozen=True)
+class CudaOptions:
+    """How CUDA workers run their parts: one value, the same for every stream of a runtime,
+    checked when made (a bad value fails before any worker starts).
+
+    ``cudnn_conv_algo_search``: EXHAUSTIVE (ORT's default: best kernels, slow first run per
+    shape), HEURISTIC or DEFAULT. ``provider_options`` adds CUDA provider options (e.g.
+    ``gpu_mem_limit``); device and stream are the worker's own. ``copy_log`` receives a
+    :class:`~staronnx.workers.memory.CopyRecord` per timed task and direction, with ``host_node``
+    as the host end. ``max_slots`` bounds how many (part, batch size) buffer sets stay cached.
+    ``cuda_graphs`` captures each (part, batch size) buffer set whose outputs are fixed as a
+    CUDA graph and replays it; ``capture_on_demand=False`` keeps slots made after warm-up
+    graph-less (a Runtime that warmed up its batch sizes never stalls its workers on a capture
+    while serving). ``thread_per_stream`` gives each worker a thread of its own under an
+    engine; by default one engine thread drives every stream of a device, as StarPU does.
+    ``runtime`` replaces the CUDA runtime: a :class:`~staronnx.workers.cudart.HostRuntime` runs
+    the same pipeline on the CPU provider with host memory (``STARONNX_CUDA_RUNTIME=host`` makes
+    it the default, for the CLI)."""
+
+    runtime: GpuRuntime | None = None
+    cuda_graphs: bool = True
+    capture_on_demand: bool = True
+    thread_per_stream: bool = False
+    cudnn_conv_algo_search: str = "EXHAUSTIVE"
+    provider_options: Mapping[str, str] = field(default_factory=dict)
+    max_slots: int = 64
+    copy_log: CopyLog | None = None
+    host_node: MemoryNode | str = "numa0"
+
+    def __post_init__(self) -> None:
+        if self.cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
+            raise ValueError(f"cudnn_conv_algo_search must be one of {CONV_ALGO_SEARCHES}, "
+                             f"got {self.cudnn_conv_algo_search!r}")
+        extra = {str(k): str(v) for k, v in self.provider_options.items()}
+        if _RESERVED_OPTIONS & extra.keys():
+            raise ValueError(f"provider option(s) {sorted(_RESERVED_OPTIONS & extra.keys())} are "
+                             "set by the worker itself (its device and its own stream)")
+        if self.max_slots < 2:
+            raise ValueError("max_slots must be >= 2 (a task launched ahead needs a second buffer set)")
+        object.__setattr__(self, "provider_options", extra)
+        object.__setattr__(self, "host_node", MemoryNode.parse(self.host_node))
+
+    @classmethod
+    def of(cls, given: CudaOptions | Mapping[str, Any] | None, **defaults: Any) -> CudaOptions:
+        """Options from a Runtime's ``cuda_options`` mapping (or options already made), over
+        ``defaults`` (the machine's ``cuda_graphs`` and ``thread_per_stream``); an unknown key
+        is refused by name."""
+        if isinstance(given, CudaOptions):
+            return given
+        values = {**defaults, **dict(given or {})}
+        unknown = sorted(values.keys() - {f.name for f in fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown CUDA worker option(s) {unknown}; known: {sorted(f.name for f in fields(cls))}")
+        return cls(**values)
+
+
 # ---------------------------------------------------------------------- the worker
 class CudaWorker(ThreadWorker):
     """Runs the parts of a plan on one CUDA stream of one GPU.
 
-    ``cudnn_conv_algo_search``: EXHAUSTIVE (ORT's default: best kernels, slow first run per
-    shape), HEURISTIC or DEFAULT.  ``provider_options`` adds CUDA provider options (e.g.
-    ``gpu_mem_limit``); device and stream are the worker's own.  ``cpu`` pins the worker thread
-    to one PU (a core held back by ``reserve=N`` in the CPU groups).  ``copy_log`` receives a
-    :class:`~staronnx.workers.memory.CopyRecord` per timed task and direction, with ``host_node``
-    as the host end.  ``max_slots`` bounds how many (part, batch size) buffer sets stay cached.
-    ``cuda_graphs`` (default on) captures each (part, batch size) buffer set whose outputs are
-    fixed as a CUDA graph and replays it; ``capture_on_demand=False`` keeps slots made after
-    warm-up graph-less (a Runtime that warmed up its batch sizes never stalls its workers on a
-    capture while serving). ``thread_per_stream`` gives the worker a thread of its own under an
-    engine; by default one engine thread drives every stream of a device (:attr:`driver_key`), as
-    StarPU does.  ``runtime`` replaces the CUDA runtime: a
-    :class:`~staronnx.workers.cudart.HostRuntime` runs the same pipeline on the CPU provider with
-    host memory (``STARONNX_CUDA_RUNTIME=host`` makes it the default, for the CLI); without one,
-    a missing CUDA provider, cuda-bindings or device raises :class:`DeviceError` here.
-    ``device_memory`` is the GPU as a memory node (a device's streams share one; by default the
-    worker makes its own).
+    ``place`` is its slot in the machine's layout (:func:`~staronnx.workers.layout.cuda_place`:
+    device, stream, name, and the PU its thread is pinned to, a core held back by ``reserve=N``
+    in the CPU groups); ``options`` say how it runs (:class:`CudaOptions`). Without a
+    ``runtime`` in them, a missing CUDA provider, cuda-bindings or device raises
+    :class:`DeviceError` here. ``pinned_pool`` and ``device_memory`` are what a device's streams
+    share (where batches are assembled, and the GPU as a memory node); by default the worker
+    makes its own.
     """
 
     kind = "cuda"
     _log = log
 
-    def __init__(
-        self,
-        device_id: int,
-        stream_index: int,
-        part_paths: Sequence[str | os.PathLike[str] | None],
-        cudnn_conv_algo_search: str = "EXHAUSTIVE",
-        name: str | None = None,
-        *,
-        cpu: int | None = None,
-        provider_options: Mapping[str, str] | None = None,
-        copy_log: CopyLog | None = None,
-        host_node: MemoryNode | str = "numa0",
-        max_slots: int = 64,
-        runtime: GpuRuntime | None = None,
-        cuda_graphs: bool = True,
-        capture_on_demand: bool = True,
-        pinned_pool: PinnedPool | None = None,
-        thread_per_stream: bool = False,
-        device_memory: DeviceMemory | None = None,
-    ) -> None:
-        if cudnn_conv_algo_search not in CONV_ALGO_SEARCHES:
-            raise ValueError(f"cudnn_conv_algo_search must be one of {CONV_ALGO_SEARCHES}, "
-                             f"got {cudnn_conv_algo_search!r}")
-        extra = {str(k): str(v) for k, v in (provider_options or {}).items()}
-        if _RESERVED_OPTIONS & extra.keys():
-            raise ValueError(f"provider option(s) {sorted(_RESERVED_OPTIONS & extra.keys())} are "
-                             "set by the worker itself (its device and its own stream)")
-        if max_slots < 2:
-            raise ValueError("max_slots must be >= 2 (a task launched ahead needs a second buffer set)")
-        if runtime is None:
-            runtime = host_runtime_from_env()
+    def __init__(self, place: WorkerPlace, part_paths: Sequence[str | os.PathLike[str] | None],
+                 options: CudaOptions = CudaOptions(), *, pinned_pool: PinnedPool | None = None,
+                 device_memory: DeviceMemory | None = None) -> None:
+        device_id = place.device
+        if device_id is None:
+            raise ValueError(f"{place.name} is not a CUDA worker's place (it names no device)")
+        runtime = options.runtime or host_runtime_from_env()
         if runtime is None:
             reason = cuda_unavailable_reason(device_id)
             if reason is not None:
                 raise DeviceError(reason)
             runtime = CudaRuntime()
-        super().__init__(part_paths, name or f"cuda{device_id}.s{stream_index}")
+        super().__init__(part_paths, place.name)
+        self.options = options
         self._runtime: GpuRuntime = runtime
         self.device_id = device_id
         self.arch = self.memory_node = f"cuda{device_id}"
         self.n_cores = 1
-        self.stream_index = stream_index
-        self.cudnn_conv_algo_search = cudnn_conv_algo_search
+        self.stream_index = place.stream
         self.node = MemoryNode("cuda", device_id)
-        self.host_node = MemoryNode.parse(host_node)
-        self.cpu = cpu
-        self.copy_log = copy_log
+        self.cpu = place.pu
         #: the stream's cudaStream_t value (set by start()).
         self.stream_handle: int | None = None
-        self._extra_options = extra
         self._device_type = runtime.ort_device_type
         self._bind_device = device_id if self._device_type == "cuda" else 0
-        self._slots = SlotCache(max_slots)
+        self._slots = SlotCache(options.max_slots)
         self._parts: list[Part] = []
         self._stream: Any = None
         self._run_options: ort.RunOptions | None = None
         #: the sticky CUDA error that made this worker unusable (it then leaves the pool)
         self.lost: BaseException | None = None
-        self.cuda_graphs = bool(cuda_graphs)
-        self.capture_on_demand = capture_on_demand
+        self.cuda_graphs = options.cuda_graphs
+        self.capture_on_demand = options.capture_on_demand
         #: parts whose sessions were built with enable_cuda_graph
         self.graph_parts: set[int] = set()
         self._next_graph_id = 1
@@ -227,7 +247,7 @@ class CudaWorker(ThreadWorker):
         #: workers with the same key are driven by one engine thread (StarPU's driver thread
         #: per device); None (``thread_per_stream``, StarPU's STARPU_CUDA_THREAD_PER_WORKER):
         #: this worker's own thread drives it
-        self.driver_key: str | None = None if thread_per_stream else f"cuda{device_id}"
+        self.driver_key: str | None = None if options.thread_per_stream else f"cuda{device_id}"
 
     # ------------------------------------------------------------------ lifecycle hooks
     def _start_failure(self, err: BaseException) -> Exception:
@@ -525,10 +545,10 @@ class CudaWorker(ThreadWorker):
         options = {
             "device_id": str(self.device_id),
             "user_compute_stream": str(self.stream_handle),
-            "cudnn_conv_algo_search": self.cudnn_conv_algo_search,
+            "cudnn_conv_algo_search": self.options.cudnn_conv_algo_search,
             "do_copy_in_default_stream": "0",
             **({"enable_cuda_graph": "1"} if graphs else {}),
-            **self._extra_options,
+            **self.options.provider_options,
         }
         return [(CUDA_EP, options), "CPUExecutionProvider"]
 
@@ -584,14 +604,15 @@ class CudaWorker(ThreadWorker):
         self.last_compute_seconds = ev["run_done"].seconds_since(ev["run_start"])
         h2d = ev["run_start"].seconds_since(ev["h2d_start"])
         d2h = ev["d2h_done"].seconds_since(ev["run_done"])
-        if self.copy_log is not None:
-            host, dev = self.host_node.name, self.node.name
+        log_to = self.options.copy_log
+        if log_to is not None:
+            host, dev = MemoryNode.parse(self.options.host_node).name, self.node.name
             up = slot.in_bytes if launch.outputs is not None else launch.h2d_bytes
             down = slot.out_bytes if launch.written is None else sum(t.nbytes for t in launch.written)
             if up:
-                self.copy_log.add(CopyRecord(host, dev, up, h2d))
+                log_to.add(CopyRecord(host, dev, up, h2d))
             if down:
-                self.copy_log.add(CopyRecord(dev, host, down, d2h))
+                log_to.add(CopyRecord(dev, host, down, d2h))
 
     #: the last untimed launch not yet waited for and with nothing queued behind it
     _unmarked: _Launch | None = None

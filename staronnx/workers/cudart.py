@@ -28,6 +28,7 @@ rules (and sticky errors, and call counts) so the worker's handling of them is t
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import itertools
 import os
@@ -514,6 +515,8 @@ class _PerThread(threading.local):
 
     device = 0
     mode = CAPTURE_GLOBAL
+    #: the thread's native id, once HostRuntime needed it (read per upload: no call then)
+    native_id: int | None = None
 
 
 class _Capture:
@@ -576,16 +579,25 @@ class _HostEvent:
         self._rt = rt
 
     def record(self, stream: GpuStream) -> None:
-        self._rt._call("event_record")
+        rt = self._rt
+        rt.calls["event_record"] += 1
+        if rt._faults:
+            rt._check("event_record")
         self.stamp = time.perf_counter()
 
     def synchronize(self) -> None:
-        self._rt._call("event_sync")
+        rt = self._rt
+        rt.calls["event_sync"] += 1
+        if rt._faults:
+            rt._check("event_sync")
 
     def query(self) -> bool:
-        self._rt._call("event_query")
-        if self._rt._held_queries > 0:  # (see HostRuntime.hold_events)
-            self._rt._held_queries -= 1
+        rt = self._rt
+        rt.calls["event_query"] += 1
+        if rt._faults:
+            rt._check("event_query")
+        if rt._held_queries > 0:  # (see HostRuntime.hold_events)
+            rt._held_queries -= 1
             return False
         return True
 
@@ -672,6 +684,10 @@ class HostRuntime:
         #: per-thread context (``PerThreadContext``: "a separate cuda graph per thread")
         self._graphs: weakref.WeakKeyDictionary[Any, set[tuple[int, int]]] = weakref.WeakKeyDictionary()
         self._graphs_lock = threading.Lock()
+        # one call per copy: a copy method a subclass leaves alone is _copy with its kind given
+        for kind in ("h2d", "d2h", "d2d"):
+            if getattr(type(self), f"copy_{kind}") is getattr(HostRuntime, f"copy_{kind}"):
+                setattr(self, f"copy_{kind}", functools.partial(self._copy, kind))
 
     # -- emulation
     def inject(self, call: str, code: int, times: int = 1) -> None:
@@ -685,11 +701,17 @@ class HostRuntime:
         self._held_queries = queries
 
     def _call(self, name: str, unsafe: bool = False) -> None:
+        """Count a call named ``name``; then :meth:`_check` it where a fault was ever injected
+        (the calls made per task count inline and check only then: the stand-in's own cost
+        is part of what the host-overhead benchmark measures)."""
         self.calls[name] += 1
+        if self._faults or unsafe:
+            self._check(name, unsafe)
+
+    def _check(self, name: str, unsafe: bool = False) -> None:
+        """Fail the call as a lost context, an injected fault or CUDA's capture rules say."""
         if self._lost is not None:
             raise self._lost
-        if not self._faults and not unsafe:
-            return
         for fault in self._faults:
             if fault[0] == name and fault[2] > 0:
                 fault[2] -= 1
@@ -752,10 +774,20 @@ class HostRuntime:
     def device_buffer(self, nbytes: int) -> HostBuffer:
         return HostBuffer(self, "device", nbytes)
 
-    def _copy(self, kind: str, dst: int, src: int, nbytes: int) -> None:
+    def _copy(self, kind: str, dst: int, src: int, nbytes: int, stream: GpuStream | None = None) -> None:
         """A copy (host memory stands for every node), counted per (kind, size): lock-free
-        after the first of its size, ``next`` on a count being atomic under the GIL."""
-        self._call("copy_" + kind)
+        after the first of its size, ``next`` on a count being atomic under the GIL. An
+        upload notes its thread (the thread that launched the task)."""
+        name = "copy_" + kind
+        self.calls[name] += 1
+        if self._faults:
+            self._check(name)
+        if kind == "h2d":
+            here = self._current
+            if here.native_id is None:
+                here.native_id = threading.get_native_id()
+            if here.native_id not in self.copy_threads:
+                self.copy_threads.add(here.native_id)
         if nbytes:
             try:
                 next(self._tallies[kind, nbytes])
@@ -765,7 +797,6 @@ class HostRuntime:
             ctypes.memmove(dst, src, nbytes)
 
     def copy_h2d(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:
-        self.copy_threads.add(threading.get_native_id())
         self._copy("h2d", dst, src, nbytes)
 
     def copy_d2h(self, dst: int, src: int, nbytes: int, stream: GpuStream) -> None:

@@ -8,10 +8,10 @@ from __future__ import annotations
 import functools
 import logging
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from staronnx.plan import Plan, arch_part_path
 from staronnx.workers.base import ThreadWorker
@@ -19,6 +19,9 @@ from staronnx.workers.groups import GroupError
 from staronnx.workers.layout import MachineSpec, layout
 from staronnx.workers.replicas import DeviceMemory
 from staronnx.workers.topology import Topology
+
+if TYPE_CHECKING:
+    from staronnx.workers.cuda import CudaOptions
 
 __all__ = ["ServedModels", "start_workers", "part_models"]
 
@@ -44,7 +47,7 @@ class ServedModels(Protocol):
 
 
 def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Topology | None = None,
-                  cuda_options: dict[str, Any] | None = None) -> list[ThreadWorker]:
+                  cuda_options: CudaOptions | Mapping[str, Any] | None = None) -> list[ThreadWorker]:
     """Started workers for ``plan`` laid out as ``spec`` asks. On any failure the ones already
     started are closed, so a bad request leaves no thread behind. ``cuda_options`` go to every
     :class:`~staronnx.workers.cuda.CudaWorker` (e.g. ``runtime=HostRuntime()`` to run the CUDA
@@ -53,11 +56,11 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
     there; a lane holds its models only, and the CPU workers of its group run lowered
     (``lane_preempt``) so that a lane task preempts theirs."""
     from staronnx.workers.cpu import CpuWorker
+    from staronnx.workers.cuda import CudaOptions, CudaWorker
 
-    options = dict(cuda_options or {})
-    # the CUDA worker options that are the machine's (cuda_options={"cuda_graphs": False}, as before)
-    spec = replace(spec, cuda_graphs=options.pop("cuda_graphs", spec.cuda_graphs),
-                   thread_per_stream=options.pop("thread_per_stream", spec.thread_per_stream))
+    # a mapping's cuda_graphs and thread_per_stream, where given, override the machine's
+    options = CudaOptions.of(cuda_options, cuda_graphs=spec.cuda_graphs, thread_per_stream=spec.thread_per_stream)
+    spec = replace(spec, cuda_graphs=options.cuda_graphs, thread_per_stream=options.thread_per_stream)
     topology = topology or Topology.from_system()
     owner = part_models(plan)
     laid = layout(spec, topology, list(dict.fromkeys(owner)))
@@ -71,12 +74,8 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
         memories: dict[int, DeviceMemory] = {}  # one memory node per GPU, shared by its streams
         for place, parts in zip(laid.workers, paths):
             if place.device is not None:
-                from staronnx.workers.cuda import CudaWorker
-
-                make = functools.partial(
-                    CudaWorker, place.device, place.stream, cpu=place.pu, pinned_pool=pool, name=place.name,
-                    device_memory=memories.get(place.device), cuda_graphs=spec.cuda_graphs,
-                    thread_per_stream=spec.thread_per_stream, **options)
+                make = functools.partial(CudaWorker, place, options=options, pinned_pool=pool,
+                                         device_memory=memories.get(place.device))
                 # a plan with --precision gpu=fp16 has its own part files for the CUDA workers
                 parts = [None if p is None else arch_part_path(p, "cuda") for p in parts]
                 cuda = start_fitting(make, parts, plan)

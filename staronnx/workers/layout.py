@@ -176,6 +176,12 @@ class Layout:
         return [[held(i, m) for m in owner] for i in range(len(self.workers))]
 
 
+def cuda_place(device: int = 0, stream: int = 0, pu: int | None = None) -> WorkerPlace:
+    """The place of stream ``stream`` of GPU ``device`` (its driver thread pinned to ``pu``)."""
+    return WorkerPlace(f"cuda{device}.s{stream}", "cuda", f"cuda{device}", f"cuda{device}", 1, device=device,
+                       stream=stream, pu=pu)
+
+
 def _cpu_place(group: CpuGroup, kind: str = "cpu", beside: int | None = None, models: tuple[str, ...] = (),
                lowered: bool = False) -> WorkerPlace:
     numa = group.numa if group.numa is not None else 0
@@ -205,8 +211,7 @@ def layout(spec: MachineSpec, topology: Topology, models: Sequence[str] = ()) ->
         reserved = [pus[0] for pus in groups.reserved if pus]
         by_thread = {t: reserved[i % len(reserved)] if reserved else None for i, t in enumerate(threads)}
         pin = {stream: by_thread[driver] for stream, driver in zip(streams, drivers)}
-    places = [WorkerPlace(f"cuda{d}.s{s}", "cuda", f"cuda{d}", f"cuda{d}", 1, device=d, stream=s, pu=pin.get((d, s)))
-              for d, s in streams]
+    places = [cuda_place(d, s, pin.get((d, s))) for d, s in streams]
     first_cpu = len(places)
     lane_plan = plan_lanes(spec.lanes, list(models), [_cpu_place(g).slot for g in groups])
     laned = lane_plan.groups
