@@ -262,8 +262,8 @@ def real_plan(tmp_path_factory):
 SHARED_GROUPS = {"test_ray.py": "ray", "test_real_models_ray.py": "ray", "test_infer_ray.py": "ray"}
 #: modules whose tests take longest, started first so that no worker ends on one of them alone
 #: (ordering only: a module missing here is just scheduled later)
-LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_infer_ray.py", "test_docs.py", "test_docs_serve.py", "test_readme.py",
-              "test_infer.py", "test_cli_rough_edges.py",
+LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_infer_ray.py", "test_docs.py", "test_docs_serve.py",
+              "test_readme.py", "test_infer.py", "test_cli_rough_edges.py",
               "test_multi_model_sweep.py", "test_cli_usability.py", "test_new_user.py", "test_calibrate.py",
               "test_sweep.py", "test_cuda_cli.py", "test_serve_hostile.py", "test_real_models_serve.py",
               "test_cli_signals.py", "test_serve.py")
