@@ -3,8 +3,8 @@
 What it runs, in a scratch folder with a private ``$STARONNX_HOME`` (nothing of the user's is
 read or written), through the same ``staronnx`` commands the guides show:
 
-1. ``staronnx partition`` googlenet 85/15 (``models/`` of the repository when it holds
-   googlenet, else ``../shared/models/``, else the demo's Inception-style model built in code);
+1. ``staronnx partition`` googlenet 85/15 (``models/googlenet.onnx`` of the repository, else the
+   demo's Inception-style model built in code);
 2. ``staronnx calibrate`` at batch 1, 2, 4 and 8 on two one-core CPU groups;
 3. ``staronnx perfmodel show --plot`` -> ``perfmodel.png``;
 4. ``staronnx run --trace`` then ``staronnx trace plot`` -> ``gantt.png``;
@@ -42,13 +42,10 @@ FIGURES = ("plan.png", "perfmodel.png", "gantt.png", "sweep.png")
 
 
 def find_model() -> Path | None:
-    """googlenet from the repository's ``models/``, else from ``../shared/models``; None when
-    neither has it (the caller then builds the demo's model)."""
-    for base in (ROOT / "models", ROOT.parent / "shared" / "models"):
-        hits = sorted(base.rglob("googlenet.onnx")) if base.is_dir() else []
-        if hits:
-            return hits[0]
-    return None
+    """googlenet from the repository's ``models/``; None where a checkout lacks it (the caller
+    then builds the demo's model). Nothing outside the repository is read."""
+    model = ROOT / "models" / "googlenet.onnx"
+    return model if model.is_file() else None
 
 
 def staronnx(*args: str, cwd: Path, env: dict[str, str]) -> None:

@@ -256,14 +256,14 @@ def real_plan(tmp_path_factory):
 
 
 # -- running under pytest-xdist (`make test`: -n N --dist loadgroup --no-loadscope-reorder) ---------
-#: test modules that share one xdist work unit across files: the Ray tests start a local Ray
-#: cluster per module (test_real_models_ray imports test_ray's fixture), and two clusters at
-#: once on this host would contend for its CPUs and Serve's HTTP proxy
+#: test modules that share one xdist work unit across files: the Ray tests share one local Ray
+#: cluster (:class:`RayCluster`), and two clusters at once on this host would contend for its
+#: CPUs and Serve's HTTP proxy
 SHARED_GROUPS = {"test_ray.py": "ray", "test_real_models_ray.py": "ray", "test_infer_ray.py": "ray"}
 #: modules whose tests take longest, started first so that no worker ends on one of them alone
 #: (ordering only: a module missing here is just scheduled later)
-LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_docs.py", "test_docs_serve.py", "test_readme.py",
-              "test_infer.py", "test_cli_rough_edges.py",
+LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_infer_ray.py", "test_docs.py", "test_docs_serve.py",
+              "test_readme.py", "test_infer.py", "test_cli_rough_edges.py",
               "test_multi_model_sweep.py", "test_cli_usability.py", "test_new_user.py", "test_calibrate.py",
               "test_sweep.py", "test_cuda_cli.py", "test_serve_hostile.py", "test_real_models_serve.py",
               "test_cli_signals.py", "test_serve.py")
@@ -272,14 +272,22 @@ LONG_FIRST = ("test_ray.py", "test_real_models_ray.py", "test_docs.py", "test_do
 SPREAD = {"test_cli_rough_edges.py", "test_multi_model_sweep.py", "test_cli_usability.py", "test_new_user.py",
           "test_calibrate.py", "test_sweep.py", "test_cuda_cli.py", "test_cli_signals.py", "test_infer.py"}
 
+#: tests (``module::function``, every case of a parametrized one) spread one by one as the modules
+#: of :data:`SPREAD` are, while the other tests of their module stay together: each runs one
+#: documentation page in a folder of its own (free ports, no module fixture), and kept together
+#: the pages made their module the last one to finish on its worker
+SPREAD_TESTS = {"test_docs.py::test_page_commands_run_as_written",
+                "test_docs_serve.py::test_server_page_commands_run_as_written"}
+
 
 def xdist_scope(nodeid: str) -> str:
     """The xdist work unit a test belongs to: its module (so a module's fixtures are made once and
     its tests never run beside each other), the shared group of :data:`SHARED_GROUPS`, or the
-    test alone for the modules of :data:`SPREAD`."""
+    test alone for the modules of :data:`SPREAD` and the tests of :data:`SPREAD_TESTS`."""
     path = nodeid.split("::", 1)[0]
     name = path.rsplit("/", 1)[-1]
-    return nodeid if name in SPREAD else SHARED_GROUPS.get(name, path)
+    function = nodeid.split("[", 1)[0].rsplit("/", 1)[-1]
+    return nodeid if name in SPREAD or function in SPREAD_TESTS else SHARED_GROUPS.get(name, path)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -299,6 +307,88 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
             return xdist_scope(nodeid)
 
     return ModuleGroups(config, log)
+
+
+# -- one local Ray cluster for the Ray group ------------------------------------------------------
+#: Serve kills an HTTP proxy actor not ready within 5 s (and one whose health check takes over
+#: 10 s): on a busy 2-core host the proxy's process takes longer to start, and every `serve --ray`
+#: failed. Set while the cluster runs; the cluster's processes and the CLI's inherit them.
+RAY_PATIENCE = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
+
+
+class RayCluster:
+    """The local Ray cluster (2 CPUs, 2 declared GPUs, no dashboard) of the modules of the "ray"
+    group (:data:`SHARED_GROUPS`): started by the first of their tests that asks for it, and shut
+    down (Serve, then Ray) after the group's last test, by :func:`pytest_runtest_teardown`.
+    Starting and stopping a cluster spawns a dozen processes; one per module cost the loaded
+    worker that runs the group two more of each, and the group's modules run one after the other
+    on that worker anyway (xdist keeps the group on one worker; :data:`LONG_FIRST` orders them)."""
+
+    def __init__(self) -> None:
+        self.address: str | None = None
+        self.saved: dict[str, str | None] = {}
+
+    def start(self) -> str:
+        """The cluster's GCS address (what RAY_ADDRESS takes), started if it is not running."""
+        if self.address is None:
+            import ray
+
+            self.saved = {k: os.environ.get(k) for k in RAY_PATIENCE}
+            os.environ.update(RAY_PATIENCE)
+            try:
+                # two GPUs declared (none needed: a replica given them drives HostRuntime stand-ins)
+                ctx = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING",
+                               log_to_driver=False)
+            except BaseException:
+                self._restore()
+                raise
+            self.address = ctx.address_info["gcs_address"]
+        return self.address
+
+    def stop(self) -> None:
+        """Serve, then Ray, shut down; the environment as it was."""
+        if self.address is None:
+            return
+        import ray
+        from ray import serve
+
+        self.address = None
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            self._restore()
+
+    def _restore(self) -> None:
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+RAY_CLUSTER = RayCluster()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> str:
+    """The Ray group's local cluster (:class:`RayCluster`); its GCS address. Skips with the
+    reason where Ray or Serve is not installed, or cannot start here."""
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'staronnx[ray]')")
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    try:
+        return RAY_CLUSTER.start()
+    except Exception as exc:  # noqa: BLE001 - no Ray here: say why and skip
+        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After a test's own teardown (its fixtures, the servers they started, gone): the Ray
+    cluster shut down when the next test is not of the Ray group, or there is none."""
+    yield
+    if RAY_CLUSTER.address is not None and (nextitem is None or xdist_scope(nextitem.nodeid) != "ray"):
+        RAY_CLUSTER.stop()
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -12,19 +12,12 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'staronnx[ray]')")
+def ray_cluster(cluster):
+    """The Ray tests' local cluster (conftest's ``cluster``), with Ray Data and no progress bars."""
+    ray = pytest.importorskip("ray")
     pytest.importorskip("ray.data", reason="ray[data] is not installed (pip install 'staronnx[ray]')")
-    try:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    except Exception as exc:  # noqa: BLE001 - no Ray here: say why and skip
-        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
-    try:
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        yield ray
-    finally:
-        ray.shutdown()
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    return ray
 
 
 def test_map_batches_gives_ort_outputs(ray_cluster):

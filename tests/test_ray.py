@@ -1,9 +1,9 @@
 """staronnx on Ray Serve (``staronnx serve --ray``, :mod:`staronnx.ray`).
 
-The tests marked ``ray`` start one local Ray cluster for the module (2 CPUs, no dashboard,
-shut down at the end) and serve through it as users do: the CLI in a subprocess joined to that
-cluster through ``$RAY_ADDRESS``, driven over HTTP by tritonclient; a replica's process is
-killed mid-load with SIGKILL. Where Ray cannot start they skip with its reason. The other tests
+The tests marked ``ray`` share one local Ray cluster (conftest's ``cluster``: 2 CPUs, no
+dashboard, shut down after the last Ray test) and serve through it as users do: the CLI in a
+subprocess joined to that cluster through ``$RAY_ADDRESS``, driven over HTTP by tritonclient; a
+replica's process is killed mid-load with SIGKILL. Where Ray cannot start they skip with its reason. The other tests
 (options, health, the CPU share, the config files) need no cluster.
 """
 
@@ -55,40 +55,6 @@ START_S, ANSWER_S = 300, 60
 def _close(got: np.ndarray, want: np.ndarray) -> bool:
     """DESIGN's fp32 bar: max abs diff <= 1e-4 relative to the output's scale."""
     return got.shape == want.shape and float(np.abs(got - want).max()) <= 1e-4 * max(1.0, float(np.abs(want).max()))
-
-
-# -- the cluster -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def cluster():
-    """A local Ray cluster of 2 CPUs and 2 (declared) GPUs for this module; its GCS address
-    (what RAY_ADDRESS takes)."""
-    ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'staronnx[ray]')")
-    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
-    from ray import serve
-
-    # Serve kills an HTTP proxy actor not ready within 5 s (and one whose health check takes
-    # over 10 s): on a busy 2-core host the proxy's process takes longer to start, and every
-    # `serve --ray` failed. The cluster's processes and the CLI's inherit these.
-    patience = {"RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S": "120", "RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S": "60"}
-    saved = {k: os.environ.get(k) for k in patience}
-    os.environ.update(patience)
-    try:
-        # two GPUs declared (none needed: a replica given them drives HostRuntime stand-ins)
-        ctx = ray.init(num_cpus=2, num_gpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    except Exception as exc:  # noqa: BLE001 - no Ray here: say why and skip
-        pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
-    try:
-        yield ctx.address_info["gcs_address"]
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 def _replicas(deployment: str, app: str, want: int, timeout: float = 60.0,

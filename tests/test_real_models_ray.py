@@ -1,7 +1,7 @@
 """``staronnx serve --ray`` on the real exported models (issue 34): every client gets its own answer.
 
-One local Ray cluster for the module (``tests/test_ray.py``'s: 2 CPUs, skipped with its reason
-where Ray cannot start) and one ``staronnx serve --ray`` in a subprocess joined to it, hosting
+The Ray tests' local cluster (conftest's ``cluster``: 2 CPUs, skipped with its reason where
+Ray cannot start) and one ``staronnx serve --ray`` in a subprocess joined to it, hosting
 every real model, the issue's fixed-batch-1 time-major OCR model and a GRU whose state's batch
 the graph does not name (``--batch-axis gru_unnamed:state=1``, which each replica must apply to
 the plan it loads) on one shared runtime. 16 concurrent clients per model, over HTTP with
@@ -18,7 +18,7 @@ import tritonclient.http as thttp
 
 import realmodels
 from staronnx import partition
-from test_ray import RAY_TEST_S, _start_serve, _stop, cluster  # noqa: F401 - cluster: the module's Ray cluster fixture
+from test_ray import RAY_TEST_S, _start_serve, _stop
 from test_real_models_serve import (ALONE, BATCH, CLIENTS, LEADING, MODELS, OWN_AXIS, concurrent_clients,
                                     gru_state_unnamed, http_infer, model_plan, shared_state_request)
 from staronnx.partition import PartitionSpec
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(RAY_TEST_S)]
 UNNAMED = "gru_unnamed"
 
 
-def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_path_factory, tmp_path):  # noqa: F811
+def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_path_factory, tmp_path):
     plans = {name: model_plan(name, real_plan, tmp_path_factory) for name in MODELS}
     plans[UNNAMED] = partition(str(gru_state_unnamed(tmp_path)), None,
                                PartitionSpec(costs="estimate", input_shapes=realmodels.input_shapes("gru_stream")),
