@@ -45,6 +45,7 @@ from google.protobuf.message_factory import GetMessageClass
 
 from staronnx.serve import protocol
 from staronnx.serve.frontend import Frontend, load_or_unload
+from staronnx.serve.grpc_deadlines import Deadlines
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
@@ -67,6 +68,8 @@ class GrpcFrontend(Frontend):
         #: cleared for the last moments of a shutdown (:meth:`hold`): calls wait for it before they are refused
         self.unheld = asyncio.Event()
         self.unheld.set()
+        #: ``--request-timeout`` of the inference calls in flight
+        self.deadlines = Deadlines(self.guard.limits.request_timeout)
 
     def served(self) -> dict[str, Callable[[Any, Ctx], Any]]:
         """The RPCs served, by name (gRPC's core answers the others UNIMPLEMENTED)."""
@@ -187,13 +190,14 @@ class GrpcFrontend(Frontend):
         raises its :class:`ProtocolError` (counted) for the caller to answer."""
         refusals = self.guard.refusals
         self.unanswered += 1
+        call = self.deadlines.enter()
         try:
-            deadline = self.guard.limits.request_timeout
             try:
-                async with asyncio.timeout(deadline if deadline > 0 else None):
-                    response = await self._infer(request, context)
-            except TimeoutError:
-                raise self.timed_out() from None
+                response = await self._infer(request, context)
+            except asyncio.CancelledError:
+                if self.deadlines.withdrawn(call):
+                    raise self.timed_out() from None
+                raise
         except ProtocolError as exc:
             self.refused(exc)
             raise
@@ -205,6 +209,7 @@ class GrpcFrontend(Frontend):
             raise
         finally:
             self.unanswered -= 1
+            self.deadlines.leave(call)
         refusals.outcome("grpc", "answered")
         return response
 
@@ -261,8 +266,8 @@ class GrpcFrontend(Frontend):
         t0 = time.perf_counter()
         placed = {o.name: _parameters(o.parameters) for o in request.outputs if REGION in o.parameters}
         try:
-            local = self.regions if local_peer(context.peer()) else None
-            inputs, datatypes = _decode_inputs(request, local)
+            # the peer is read only for a tensor in shared memory (most requests have none)
+            inputs, datatypes = _decode_inputs(request, lambda: self.regions if local_peer(context.peer()) else None)
             for name, params in placed.items():  # refused before the request runs, as its inputs are
                 check_local(context.peer())
                 self.regions.check_output(name, params)
@@ -310,10 +315,12 @@ def _parameters(params: Any) -> dict[str, Any]:
     return out
 
 
-def _decode_inputs(request: pb.ModelInferRequest,
-                   regions: SharedMemoryRegions | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _decode_inputs(request: pb.ModelInferRequest, local_regions: Callable[[], SharedMemoryRegions | None]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays from raw_input_contents (one per input, in order; an input placed in shared memory
-    has none, or an empty one), from typed contents, or from a registered shared-memory region."""
+    has none, or an empty one), from typed contents, or from a registered shared-memory region.
+    ``local_regions``: the regions this client may read (None for a client on another machine),
+    asked only for an input placed in shared memory."""
     raw = request.raw_input_contents
     placed = [REGION in t.parameters for t in request.inputs]
     if raw and len(raw) != len(request.inputs) and len(raw) != placed.count(False):
@@ -333,6 +340,7 @@ def _decode_inputs(request: pb.ModelInferRequest,
             raise invalid(f"input {shown(name)} is given twice")
         shape = list(tensor.shape)
         if placed[i]:
+            regions = local_regions()
             if regions is None:
                 raise invalid(f"input {shown(name)}: system shared memory is not served to this client (only to "
                               "clients on the machine of staronnx serve); send the tensor in the request")
