@@ -11,7 +11,8 @@ same asyncio loop as the HTTP front end, so both await the same batcher.
 
 Inputs come as ``raw_input_contents`` (what tritonclient sends: one bytes entry per input), as
 typed ``contents`` or from a registered shared-memory region; outputs go back as
-``raw_output_contents``, as Triton does (an empty entry for one written to shared memory). A
+``raw_output_contents``, as Triton does (an empty entry for one written to shared memory), each
+written onto the wire straight from the output's memory (:mod:`staronnx.serve.grpc_wire`). A
 message larger than ``--max-body`` is refused by gRPC's core with RESOURCE_EXHAUSTED before any
 handler sees it (gRPC's standard answer to an oversized message, and it costs no memory). A
 message that does not decode is INVALID_ARGUMENT (the handlers are registered with deserializers
@@ -46,6 +47,7 @@ from google.protobuf.message_factory import GetMessageClass
 from staronnx.serve import protocol
 from staronnx.serve.frontend import Frontend, load_or_unload
 from staronnx.serve.grpc_deadlines import Deadlines
+from staronnx.serve.grpc_wire import InferAnswer, serialize_infer, serialize_stream
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
@@ -175,7 +177,7 @@ class GrpcFrontend(Frontend):
             raise invalid(CUDA_REFUSED)
         return pb.CudaSharedMemoryUnregisterResponse()  # every region: there are none
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         """Registered as it is, not behind :func:`_checked` (a coroutine more per request on the
         loop that every RPC shares), so it answers an undecodable request itself. Every call's
         outcome is counted; one not answered within ``--request-timeout`` is withdrawn and
@@ -185,7 +187,7 @@ class GrpcFrontend(Frontend):
         except ProtocolError as exc:
             await _abort(context, exc)
 
-    async def _counted(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+    async def _counted(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         """:meth:`_infer`, its outcome counted, withdrawn past ``--request-timeout``; a refusal
         raises its :class:`ProtocolError` (counted) for the caller to answer."""
         refusals = self.guard.refusals
@@ -220,12 +222,13 @@ class GrpcFrontend(Frontend):
         written back as it is ready; a refused request is answered with its ``error_message`` and
         the stream stays open. The stream ends once the client has sent its last request and
         every answer is written; a client that leaves cancels what it had in flight."""
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        answers: asyncio.Queue[InferAnswer | pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
         async def one(request: Any) -> None:
+            response: InferAnswer | pb.ModelStreamInferResponse
             try:
-                response = pb.ModelStreamInferResponse(infer_response=await self._counted(request, context))
+                response = await self._counted(request, context)  # written as the stream's infer_response
             except ProtocolError as exc:
                 response = pb.ModelStreamInferResponse(error_message=str(exc))
                 if type(request) is not _Undecodable:  # the request it answers, for the client's bookkeeping
@@ -256,7 +259,7 @@ class GrpcFrontend(Frontend):
             for task in list(running):
                 task.cancel()
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         if type(request) is _Undecodable:
             raise request.error
         model = self.model(request.model_name, request.model_version)
@@ -281,6 +284,7 @@ class GrpcFrontend(Frontend):
                                    parameters=_parameters(request.parameters) if request.parameters else None)
         t2 = time.perf_counter()
         response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+        raws: list[bytes | memoryview] = []
         for key, value in answer.parameters.items():
             if isinstance(value, int):
                 response.parameters[key].int64_param = value
@@ -293,11 +297,11 @@ class GrpcFrontend(Frontend):
                 size = self.regions.write_output(name, arr, placed[name])
                 entry.parameters[REGION].string_param = str(placed[name][REGION])
                 entry.parameters["shared_memory_byte_size"].int64_param = size
-                response.raw_output_contents.append(b"")
+                raws.append(b"")
             else:
-                response.raw_output_contents.append(protocol.to_raw(arr))
+                raws.append(protocol.raw_view(arr))
         model.stats.encoded(time.perf_counter() - t2)
-        return response
+        return InferAnswer(response, raws)
 
 
 async def _abort(context: Ctx, exc: ProtocolError) -> NoReturn:
@@ -458,11 +462,12 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
             # ModelInfer answers an undecodable request itself (see its docstring)
             method_handler if rpc == "ModelInfer" else _checked(frontend, method_handler),
             request_deserializer=_deserializer(rpc, GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString)
+            response_serializer=serialize_infer if rpc == "ModelInfer" else
+            GetMessageClass(method.output_type).SerializeToString)
     method = service.methods_by_name["ModelStreamInfer"]
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         _held(frontend, frontend.ModelStreamInfer),
         request_deserializer=_deserializer("ModelStreamInfer", GetMessageClass(method.input_type)),
-        response_serializer=GetMessageClass(method.output_type).SerializeToString)
+        response_serializer=serialize_stream)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     return server
