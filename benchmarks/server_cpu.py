@@ -25,7 +25,10 @@ and a request's share of a batch's fixed costs grows, so read the CPU figure wit
   CPU goes, sample the server with ``py-spy record -f raw -p PID`` while a window runs.
 
     .venv/bin/python benchmarks/server_cpu.py [--seconds 5] [--rounds 3] [--old 364fdda]
-        [--clients 16] [--procs 4] [--batch 8] [--max-delay 2ms] [--out result.json] [--profile DIR]
+        [--clients 16] [--procs 4] [--batch 8] [--max-delay 2ms] [--protocols gRPC] [--out result.json]
+        [--profile DIR]
+
+``--protocols gRPC`` (or ``HTTP``) measures one door alone: a shorter run to iterate on one of them.
 """
 
 from __future__ import annotations
@@ -227,7 +230,7 @@ def round_of(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
     """One server of ``tree``: an HTTP window, then a gRPC window."""
     proc, http, grpc, metrics = start_server(tree, plan, args, home, profile)
     try:
-        return {p: measure(proc, p, {"HTTP": http, "gRPC": grpc}[p], metrics, args) for p in PROTOCOLS}
+        return {p: measure(proc, p, {"HTTP": http, "gRPC": grpc}[p], metrics, args) for p in args.protocols}
     finally:
         stop_server(proc)
 
@@ -258,12 +261,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", type=Path, help="also profile the new tree's server (cProfile) into this folder")
     ap.add_argument("--top", type=int, default=25, help="profile entries printed")
     ap.add_argument("--new-only", action="store_true", help="measure only this tree (no old worktree)")
+    ap.add_argument("--protocols", type=lambda s: [p.strip() for p in s.split(",")], default=list(PROTOCOLS),
+                    help="the doors measured, comma-separated, in order (default HTTP,gRPC)")
     # the client process's own arguments
     ap.add_argument("--client", choices=PROTOCOLS, help=argparse.SUPPRESS)
     ap.add_argument("--address", help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--stop-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if set(args.protocols) - set(PROTOCOLS) or not args.protocols:
+        ap.error(f"--protocols: choose among {','.join(PROTOCOLS)}, got {','.join(args.protocols)}")
     if args.client:
         return client_main(args)
 
@@ -289,10 +296,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {r + 1} {k:>3}: " + ", ".join(
                 f"{p} {res[p]['server_cpu_us_per_request']:.0f} µs/request ({res[p]['requests_per_s']:.0f} req/s, "
                 f"{res[p]['switches_per_request']:.2f} switches/request, mean batch {res[p]['mean_batch']:.1f})"
-                for p in PROTOCOLS), flush=True)
+                for p in args.protocols), flush=True)
     load.append(os.getloadavg())
     summary: dict[str, dict[str, object]] = {}
-    for p in PROTOCOLS:
+    for p in args.protocols:
         row: dict[str, object] = {}
         for k in trees:
             v = [rep[p]["server_cpu_us_per_request"] for rep in repeats[k]]

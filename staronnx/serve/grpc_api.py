@@ -9,9 +9,20 @@ Why grpcio: it is gRPC's reference implementation (HTTP/2, flow control, deadlin
 cancellation, message size limits all in its C core), and ``grpc.aio`` runs its handlers on the
 same asyncio loop as the HTTP front end, so both await the same batcher.
 
+What it costs: grpcio's core runs a unary call as four completion-queue events (the call, its
+message, the answer sent, the call closed), and ``grpc.aio`` hands each one from its poller
+thread to the loop through a socket pair (a ``write`` there, a ``recv(1)`` and a loop turn here),
+the core waking the poller back when the loop completes an operation. Measured on the 2-core
+host with a trivial model (issue 51): 29-38 system calls and 5-9 thread switches per call, 20 or
+so of the calls in that hand-off; an echo handler answering at once costs 190-260 µs of server
+CPU per call there, most of the 230-340 µs a served call costs (HTTP: 180-260 µs, under one
+switch per request). grpcio's own threaded server measured no cheaper once its handler waits
+for the batcher (13-15 switches per call).
+
 Inputs come as ``raw_input_contents`` (what tritonclient sends: one bytes entry per input), as
 typed ``contents`` or from a registered shared-memory region; outputs go back as
-``raw_output_contents``, as Triton does (an empty entry for one written to shared memory). A
+``raw_output_contents``, as Triton does (an empty entry for one written to shared memory), each
+written onto the wire straight from the output's memory (:mod:`staronnx.serve.grpc_wire`). A
 message larger than ``--max-body`` is refused by gRPC's core with RESOURCE_EXHAUSTED before any
 handler sees it (gRPC's standard answer to an oversized message, and it costs no memory). A
 message that does not decode is INVALID_ARGUMENT (the handlers are registered with deserializers
@@ -19,7 +30,8 @@ that catch protobuf's DecodeError; grpc's own answer would be UNKNOWN).
 
 Against hostile and careless clients, gRPC's core holds the limits (:func:`make_server` says
 how, :mod:`staronnx.serve.limits` why); an inference call not answered within
-``--request-timeout`` is withdrawn and answered DEADLINE_EXCEEDED. A stopping server answers
+``--request-timeout`` is withdrawn and answered DEADLINE_EXCEEDED (one timer for all calls:
+:mod:`staronnx.serve.grpc_deadlines`). A stopping server answers
 UNAVAILABLE, never CANCELLED: its calls are all answered before the listener closes
 (:mod:`staronnx.serve.app`). Every call a handler refuses is counted, in the model's
 ``nv_inference_request_failure`` and in ``staronnx_requests_total{protocol="grpc"}``.
@@ -45,6 +57,8 @@ from google.protobuf.message_factory import GetMessageClass
 
 from staronnx.serve import protocol
 from staronnx.serve.frontend import Frontend, load_or_unload
+from staronnx.serve.grpc_deadlines import Deadlines
+from staronnx.serve.grpc_wire import InferAnswer, serialize_infer, serialize_stream
 from staronnx.serve.proto import grpc_predict_v2_pb2 as pb
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serve.protocol import ProtocolError, invalid, shown
@@ -67,6 +81,8 @@ class GrpcFrontend(Frontend):
         #: cleared for the last moments of a shutdown (:meth:`hold`): calls wait for it before they are refused
         self.unheld = asyncio.Event()
         self.unheld.set()
+        #: ``--request-timeout`` of the inference calls in flight
+        self.deadlines = Deadlines(self.guard.limits.request_timeout)
 
     def served(self) -> dict[str, Callable[[Any, Ctx], Any]]:
         """The RPCs served, by name (gRPC's core answers the others UNIMPLEMENTED)."""
@@ -172,7 +188,7 @@ class GrpcFrontend(Frontend):
             raise invalid(CUDA_REFUSED)
         return pb.CudaSharedMemoryUnregisterResponse()  # every region: there are none
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         """Registered as it is, not behind :func:`_checked` (a coroutine more per request on the
         loop that every RPC shares), so it answers an undecodable request itself. Every call's
         outcome is counted; one not answered within ``--request-timeout`` is withdrawn and
@@ -182,18 +198,19 @@ class GrpcFrontend(Frontend):
         except ProtocolError as exc:
             await _abort(context, exc)
 
-    async def _counted(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+    async def _counted(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         """:meth:`_infer`, its outcome counted, withdrawn past ``--request-timeout``; a refusal
         raises its :class:`ProtocolError` (counted) for the caller to answer."""
         refusals = self.guard.refusals
         self.unanswered += 1
+        call = self.deadlines.enter()
         try:
-            deadline = self.guard.limits.request_timeout
             try:
-                async with asyncio.timeout(deadline if deadline > 0 else None):
-                    response = await self._infer(request, context)
-            except TimeoutError:
-                raise self.timed_out() from None
+                response = await self._infer(request, context)
+            except asyncio.CancelledError:
+                if self.deadlines.withdrawn(call):
+                    raise self.timed_out() from None
+                raise
         except ProtocolError as exc:
             self.refused(exc)
             raise
@@ -205,6 +222,7 @@ class GrpcFrontend(Frontend):
             raise
         finally:
             self.unanswered -= 1
+            self.deadlines.leave(call)
         refusals.outcome("grpc", "answered")
         return response
 
@@ -215,12 +233,13 @@ class GrpcFrontend(Frontend):
         written back as it is ready; a refused request is answered with its ``error_message`` and
         the stream stays open. The stream ends once the client has sent its last request and
         every answer is written; a client that leaves cancels what it had in flight."""
-        answers: asyncio.Queue[pb.ModelStreamInferResponse | None] = asyncio.Queue()
+        answers: asyncio.Queue[InferAnswer | pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
 
         async def one(request: Any) -> None:
+            response: InferAnswer | pb.ModelStreamInferResponse
             try:
-                response = pb.ModelStreamInferResponse(infer_response=await self._counted(request, context))
+                response = await self._counted(request, context)  # written as the stream's infer_response
             except ProtocolError as exc:
                 response = pb.ModelStreamInferResponse(error_message=str(exc))
                 if type(request) is not _Undecodable:  # the request it answers, for the client's bookkeeping
@@ -251,7 +270,7 @@ class GrpcFrontend(Frontend):
             for task in list(running):
                 task.cancel()
 
-    async def _infer(self, request: pb.ModelInferRequest, context: Ctx) -> pb.ModelInferResponse:
+    async def _infer(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         if type(request) is _Undecodable:
             raise request.error
         model = self.model(request.model_name, request.model_version)
@@ -261,8 +280,8 @@ class GrpcFrontend(Frontend):
         t0 = time.perf_counter()
         placed = {o.name: _parameters(o.parameters) for o in request.outputs if REGION in o.parameters}
         try:
-            local = self.regions if local_peer(context.peer()) else None
-            inputs, datatypes = _decode_inputs(request, local)
+            # the peer is read only for a tensor in shared memory (most requests have none)
+            inputs, datatypes = _decode_inputs(request, lambda: self.regions if local_peer(context.peer()) else None)
             for name, params in placed.items():  # refused before the request runs, as its inputs are
                 check_local(context.peer())
                 self.regions.check_output(name, params)
@@ -276,6 +295,7 @@ class GrpcFrontend(Frontend):
                                    parameters=_parameters(request.parameters) if request.parameters else None)
         t2 = time.perf_counter()
         response = pb.ModelInferResponse(model_name=model.name, model_version=model.version, id=request.id)
+        raws: list[bytes | memoryview] = []
         for key, value in answer.parameters.items():
             if isinstance(value, int):
                 response.parameters[key].int64_param = value
@@ -288,11 +308,11 @@ class GrpcFrontend(Frontend):
                 size = self.regions.write_output(name, arr, placed[name])
                 entry.parameters[REGION].string_param = str(placed[name][REGION])
                 entry.parameters["shared_memory_byte_size"].int64_param = size
-                response.raw_output_contents.append(b"")
+                raws.append(b"")
             else:
-                response.raw_output_contents.append(protocol.to_raw(arr))
+                raws.append(protocol.raw_view(arr))
         model.stats.encoded(time.perf_counter() - t2)
-        return response
+        return InferAnswer(response, raws)
 
 
 async def _abort(context: Ctx, exc: ProtocolError) -> NoReturn:
@@ -310,10 +330,12 @@ def _parameters(params: Any) -> dict[str, Any]:
     return out
 
 
-def _decode_inputs(request: pb.ModelInferRequest,
-                   regions: SharedMemoryRegions | None = None) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+def _decode_inputs(request: pb.ModelInferRequest, local_regions: Callable[[], SharedMemoryRegions | None]
+                   ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """Arrays from raw_input_contents (one per input, in order; an input placed in shared memory
-    has none, or an empty one), from typed contents, or from a registered shared-memory region."""
+    has none, or an empty one), from typed contents, or from a registered shared-memory region.
+    ``local_regions``: the regions this client may read (None for a client on another machine),
+    asked only for an input placed in shared memory."""
     raw = request.raw_input_contents
     placed = [REGION in t.parameters for t in request.inputs]
     if raw and len(raw) != len(request.inputs) and len(raw) != placed.count(False):
@@ -333,6 +355,7 @@ def _decode_inputs(request: pb.ModelInferRequest,
             raise invalid(f"input {shown(name)} is given twice")
         shape = list(tensor.shape)
         if placed[i]:
+            regions = local_regions()
             if regions is None:
                 raise invalid(f"input {shown(name)}: system shared memory is not served to this client (only to "
                               "clients on the machine of staronnx serve); send the tensor in the request")
@@ -450,11 +473,12 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
             # ModelInfer answers an undecodable request itself (see its docstring)
             method_handler if rpc == "ModelInfer" else _checked(frontend, method_handler),
             request_deserializer=_deserializer(rpc, GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString)
+            response_serializer=serialize_infer if rpc == "ModelInfer" else
+            GetMessageClass(method.output_type).SerializeToString)
     method = service.methods_by_name["ModelStreamInfer"]
     handlers["ModelStreamInfer"] = grpc.stream_stream_rpc_method_handler(
         _held(frontend, frontend.ModelStreamInfer),
         request_deserializer=_deserializer("ModelStreamInfer", GetMessageClass(method.input_type)),
-        response_serializer=GetMessageClass(method.output_type).SerializeToString)
+        response_serializer=serialize_stream)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     return server
