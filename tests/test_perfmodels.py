@@ -284,6 +284,22 @@ def test_regression_needs_three_calibrated_sizes_and_refits_when_history_changes
     assert model.predict(probe) == pytest.approx(truth(64), rel=1e-3)
 
 
+def test_regression_is_fitted_again_only_when_a_calibrated_mean_moves() -> None:
+    """A serving model records a sample per task: each one must not cost a fresh non-linear
+    fit (a solve on the server's event loop), only a sample that moves its entry's mean by more
+    than REFIT_DRIFT, or a newly calibrated batch size, does."""
+    model = family_model([1, 2, 4])
+    four = Footprint(4, FP.shape_hash)
+    first = model.regression(FP.shape_hash)
+    model.record(four, float(truth(4)))  # the mean stays where it was
+    assert model.regression(FP.shape_hash) is first
+    for _ in range(10):  # about 10 % slower now: the curve must follow
+        model.record(four, float(truth(4)) * 1.25)
+    moved = model.regression(FP.shape_hash)
+    assert moved is not first and moved is not None
+    assert moved.predict(4) > first.predict(4)
+
+
 def test_rows_carry_statistics_and_regression_parameters() -> None:
     model = family_model([1, 2, 4])
     model.record(Footprint(8, FP.shape_hash), 0.5)  # created, not calibrated

@@ -33,6 +33,9 @@ CALIBRATE_MINIMUM = 10
 #: Relative band around the mean outside which a sample is an outlier (STARPU_HISTORY_MAX_ERROR
 #: = 50 %, i.e. ``[mean/1.5, 1.5*mean]``).
 HISTORY_MAX_ERROR = 0.5
+#: How far (relative) a calibrated entry's mean may move before its family's batch-size
+#: regression is fitted again: a run's times drift by more than this from one window to the next
+REFIT_DRIFT = 0.01
 
 ShapesLike = Sequence[Sequence[int]] | Mapping[str, Sequence[int]]
 
@@ -237,6 +240,8 @@ class HistoryModel:
         self._baseline: dict[Footprint, HistoryEntry] = {}
         self._unsaved: list[PendingSample] = []
         self._fits: dict[int, NLRegression | None] = {}
+        #: each fit's calibrated means (batch size -> seconds) as they were when it was made
+        self._fitted_on: dict[int, dict[int, float]] = {}
         self._lock = threading.RLock()
 
     # -- recording -------------------------------------------------------------------------
@@ -251,7 +256,7 @@ class HistoryModel:
                 self._unsaved.append(PendingSample(footprint, None, SampleOutcome.DROPPED_FIRST))
                 return SampleOutcome.DROPPED_FIRST
             outcome = entry.add(value, self.max_error)
-            if outcome is SampleOutcome.RESET or entry.n >= self.calibrate_minimum:
+            if outcome is SampleOutcome.RESET or (entry.n >= self.calibrate_minimum and self._moved(footprint, entry)):
                 self._fits.pop(footprint.shape_hash, None)
             self._unsaved.append(PendingSample(footprint, value, outcome))
             return outcome
@@ -348,6 +353,14 @@ class HistoryModel:
             entry = self._entries.get(footprint)
             return entry is None or entry.n < self.calibrate_minimum
 
+    def _moved(self, footprint: Footprint, entry: HistoryEntry) -> bool:
+        """Whether the family's fit no longer reflects this calibrated entry: a batch size it was
+        made without, or a mean :data:`REFIT_DRIFT` away from the one it used. A fit is a
+        non-linear least-squares solve (tens of microseconds): refitted on every sample of a
+        serving model, it cost the server's event loop about 10 µs per request."""
+        used = self._fitted_on.get(footprint.shape_hash, {}).get(footprint.batch)
+        return used is None or abs(entry.mean - used) > REFIT_DRIFT * used
+
     def regression(self, shape_hash: int) -> NLRegression | None:
         """The ``a*n**b + c`` fit over this family's calibrated batch sizes, refitted lazily.
 
@@ -362,6 +375,7 @@ class HistoryModel:
                               if fp.shape_hash == shape_hash and e.n >= self.calibrate_minimum}
                 self._fits[shape_hash] = fit_nl_regression(list(calibrated), list(calibrated.values()),
                                                            min_sizes=self.min_regression_sizes)
+                self._fitted_on[shape_hash] = calibrated
             return self._fits[shape_hash]
 
     # -- inspection ------------------------------------------------------------------------
