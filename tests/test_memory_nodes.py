@@ -17,7 +17,6 @@ from staronnx.workers.cudart import CudaError, HostRuntime
 from staronnx.workers.memory import (
     CopyLog,
     CopyRecord,
-    CudaCopier,
     HostAllocator,
     MemoryNode,
     calibrate_bus,
@@ -189,30 +188,3 @@ def test_calibrating_the_bus_breaks_no_graph_capture_under_way() -> None:
     assert outcome == ["captured"]
     assert sorted(str(link) for link in model.links) == ["cuda0->numa0", "numa0->cuda0"]
     assert rt.stats.live == 0
-
-
-# ---------------------------------------------------------------- host <-> GPU copier
-def test_cuda_copier_round_trip_logs_both_directions() -> None:
-    rt = HostRuntime()
-    log = CopyLog()
-    data = np.random.default_rng(0).standard_normal((4, 33)).astype(np.float32)
-    with CudaCopier(0, runtime=rt, host_node="numa1", log_to=log) as copier:
-        dev = rt.device_buffer(data.nbytes)
-        up = copier.to_device(data, dev)
-        back = np.empty_like(data)
-        down = copier.to_host(dev, back)
-        np.testing.assert_array_equal(back, data)
-        assert (up.src, up.dst, up.nbytes) == ("numa1", "cuda0", data.nbytes)
-        assert (down.src, down.dst, down.nbytes) == ("cuda0", "numa1", data.nbytes)
-        assert up.seconds >= 0 and down.seconds >= 0
-        allocs = rt.stats.pinned_allocs
-        copier.to_device(data[:2], dev)  # smaller: the staging buffer is reused
-        assert rt.stats.pinned_allocs == allocs
-        with pytest.raises(ValueError, match="do not fit"):
-            copier.to_device(np.zeros(1000, np.float32), dev)
-        dev.free()
-    assert [(r.src, r.dst) for r in log.records()] == [
-        ("numa1", "cuda0"), ("cuda0", "numa1"), ("numa1", "cuda0")]
-    assert rt.stats.live == 0
-    with pytest.raises(RuntimeError, match="closed"):
-        copier.to_device(data, rt.device_buffer(data.nbytes))

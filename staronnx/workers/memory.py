@@ -39,7 +39,7 @@ from staronnx.perfmodels.bus import (BANDWIDTH_BYTES, LATENCY_BYTES, REPEATS, Bu
 from staronnx.workers.cudart import Buffer, CudaRuntime, GpuRuntime, capture_safe, host_runtime_from_env
 from staronnx.workers.topology import Topology, bind_memory, system_topology
 
-__all__ = ["CopyLog", "CopyRecord", "CudaCopier", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
+__all__ = ["CopyLog", "CopyRecord", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
            "memory_nodes", "pinned_near"]
 
 log = logging.getLogger(__name__)
@@ -232,129 +232,6 @@ def pinned_near(runtime: GpuRuntime, cpus: Sequence[int], nbytes: int) -> Buffer
     return run_on_cpus(cpus, allocate)
 
 
-class CudaCopier:
-    """Copies between host arrays and one GPU's buffers, through pinned staging, timed.
-
-    Owns one stream per direction (so an upload and a download can overlap) and one growable
-    pinned staging buffer per direction.  Each copy is issued asynchronously on its stream and
-    followed by an event the calling thread waits on; the returned :class:`CopyRecord` holds
-    the wall-clock time from the start of staging to the event, which is what a task waiting
-    for its input experiences.  Calls are serialised by a lock; any thread may call.
-    """
-
-    def __init__(
-        self,
-        device_id: int,
-        *,
-        runtime: GpuRuntime | None = None,
-        host_node: MemoryNode | str = "numa0",
-        log_to: CopyLog | None = None,
-        allocator: HostAllocator | None = None,
-    ) -> None:
-        self.device_id = device_id
-        self.node = MemoryNode("cuda", device_id)
-        self.host_node = MemoryNode.parse(host_node)
-        self.log = log_to
-        self.runtime: GpuRuntime = runtime or CudaRuntime()
-        self._allocator = allocator or HostAllocator()
-        self._lock = threading.Lock()
-        self.runtime.set_device(device_id)
-        self._up = self.runtime.stream()
-        self._down = self.runtime.stream()
-        self._up_done = self.runtime.event(timing=False)
-        self._down_done = self.runtime.event(timing=False)
-        self._staging: dict[str, Buffer] = {}
-        self._closed = False
-
-    def _stage(self, direction: str, nbytes: int) -> Buffer:
-        buf = self._staging.get(direction)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.free()
-            size = max(nbytes, int(buf.nbytes * 1.5) if buf is not None else 0, 4096)
-            buf = pinned_near(self.runtime, self._allocator.cpus_of(self.host_node), size)
-            self._staging[direction] = buf
-        return buf
-
-    def to_device(self, src: np.ndarray, dst: Buffer) -> CopyRecord:
-        """Copy a host array into a device buffer and wait for it."""
-        src = np.ascontiguousarray(src)
-        if src.nbytes > dst.nbytes:
-            raise ValueError(f"{src.nbytes} B do not fit in a {dst.nbytes} B device buffer")
-        with self._lock:
-            start = self._begin()
-            staging = self._stage("up", src.nbytes)
-            np.copyto(staging.view(src.dtype, src.shape), src)
-            self._copy(True, dst.ptr, staging.ptr, src.nbytes)
-            seconds = time.perf_counter() - start
-        return self._record(self.host_node.name, self.node.name, src.nbytes, seconds, start)
-
-    def to_host(self, src: Buffer, dst: np.ndarray) -> CopyRecord:
-        """Copy the first ``dst.nbytes`` of a device buffer into a host array and wait."""
-        if not dst.flags.c_contiguous or not dst.flags.writeable:
-            raise ValueError("the destination must be a writable C-contiguous array")
-        if dst.nbytes > src.nbytes:
-            raise ValueError(f"a {src.nbytes} B device buffer cannot fill {dst.nbytes} B")
-        with self._lock:
-            start = self._begin()
-            staging = self._stage("down", dst.nbytes)
-            self._copy(False, staging.ptr, src.ptr, dst.nbytes)
-            np.copyto(dst, staging.view(dst.dtype, dst.shape))
-            seconds = time.perf_counter() - start
-        return self._record(self.node.name, self.host_node.name, dst.nbytes, seconds, start)
-
-    def copy_pinned(self, up: bool, src: Buffer, dst: Buffer, nbytes: int) -> float:
-        """Copy already-pinned bytes to the device (``up``) or back and wait; returns seconds
-        (what bus calibration times)."""
-        with self._lock:
-            start = self._begin()
-            self._copy(up, dst.ptr, src.ptr, nbytes)
-            return time.perf_counter() - start
-
-    def _begin(self) -> float:
-        """A timed copy's start, under the lock: refused once closed, on this memory's GPU."""
-        if self._closed:
-            raise RuntimeError(f"the copier of {self.node} is closed")
-        self.runtime.set_device(self.device_id)
-        return time.perf_counter()
-
-    def _copy(self, up: bool, dst: int, src: int, nbytes: int) -> None:
-        """One copy on its direction's stream, waited for."""
-        stream, done = (self._up, self._up_done) if up else (self._down, self._down_done)
-        (self.runtime.copy_h2d if up else self.runtime.copy_d2h)(dst, src, nbytes, stream)
-        done.record(stream)
-        done.synchronize()
-
-    def _record(self, src: str, dst: str, nbytes: int, seconds: float, start: float) -> CopyRecord:
-        rec = CopyRecord(src, dst, int(nbytes), seconds, start)
-        if self.log is not None:
-            self.log.add(rec)
-        return rec
-
-    def close(self) -> None:
-        """Wait for pending copies and free the staging buffers, events and streams."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self.runtime.set_device(self.device_id)
-            for stream in (self._up, self._down):
-                stream.synchronize()
-            for buf in self._staging.values():
-                buf.free()
-            self._staging.clear()
-            for ev in (self._up_done, self._down_done):
-                ev.destroy()
-            for stream in (self._up, self._down):
-                stream.destroy()
-
-    def __enter__(self) -> CudaCopier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 # ---------------------------------------------------------------------------- calibration
 def calibrate_bus(
     nodes: Sequence[MemoryNode | str],
@@ -423,19 +300,33 @@ _Measure = Callable[[Callable[[int], object]], LinkCost]
 
 def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
                         rt: GpuRuntime, nbytes: int, measure: _Measure) -> tuple[LinkCost, LinkCost]:
-    """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory."""
-    with CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator) as copier:
-        device = rt.device_buffer(nbytes)
-        pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
-        try:
-            pinned.view(np.uint8, (nbytes,)).fill(1)
-            up = measure(lambda n: copier.copy_pinned(True, pinned, device, n))
-            down = measure(lambda n: copier.copy_pinned(False, device, pinned, n))
-            return up, down
-        finally:
-            pinned.free()
+    """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory, each
+    copy issued on a stream and waited for with an event."""
+    rt.set_device(gpu.index)
+    device = rt.device_buffer(nbytes)
+    pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
+    stream = rt.stream()
+    done = rt.event(timing=False)
+    try:
+        pinned.view(np.uint8, (nbytes,)).fill(1)
+
+        def copy(up: bool, n: int) -> None:
             rt.set_device(gpu.index)
-            device.free()
+            if up:
+                rt.copy_h2d(device.ptr, pinned.ptr, n, stream)
+            else:
+                rt.copy_d2h(pinned.ptr, device.ptr, n, stream)
+            done.record(stream)
+            done.synchronize()
+
+        return measure(lambda n: copy(True, n)), measure(lambda n: copy(False, n))
+    finally:
+        rt.set_device(gpu.index)
+        stream.synchronize()
+        done.destroy()
+        stream.destroy()
+        pinned.free()
+        device.free()
 
 
 def _calibrate_peer(src: MemoryNode, dst: MemoryNode, rt: GpuRuntime, nbytes: int,
