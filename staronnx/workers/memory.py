@@ -147,17 +147,6 @@ class CopyLog:
     def __len__(self) -> int:
         return len(self._records)
 
-    def total_bytes(self, src: str | None = None, dst: str | None = None) -> int:
-        return sum(r.nbytes for r in self.records()
-                   if (src is None or r.src == src) and (dst is None or r.dst == dst))
-
-    def by_link(self) -> dict[tuple[str, str], tuple[int, int, float]]:
-        """``(src, dst) -> (copies, bytes, seconds)``: what a trace summary shows per link."""
-        out: dict[tuple[str, str], tuple[int, int, float]] = {}
-        for r in self.records():
-            n, b, s = out.get((r.src, r.dst), (0, 0, 0.0))
-            out[(r.src, r.dst)] = (n + 1, b + r.nbytes, s + r.seconds)
-        return out
 
 
 # ---------------------------------------------------------------------------- host memory
