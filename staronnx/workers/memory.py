@@ -3,9 +3,9 @@
 StarPU keeps a replica of each piece of data per *memory node* (host RAM per NUMA node, each
 GPU's memory) and predicts transfers with a bus model (STARPU_MODEL.md §2 "Bus", §3).  This
 module names the nodes the way :mod:`staronnx.perfmodels.bus` does (``numa0``, ``cuda1``),
-moves bytes between them, logs every copy as a :class:`CopyRecord` (size and measured
-duration: what the runtime's traces and perf models consume) and calibrates the bus with
-StarPU's recipe (32 tiny copies for latency, 32 copies of 32 MiB for bandwidth).
+records copies as :class:`CopyRecord` (size and measured duration: what a CUDA worker's copy
+log holds) and calibrates the bus with StarPU's recipe (32 tiny copies for latency, 32 copies
+of 32 MiB for bandwidth).
 
 Placement is best effort, because it depends on the machine:
 
@@ -13,9 +13,9 @@ Placement is best effort, because it depends on the machine:
   pages are first touched; on a one-node machine, a topology that is not this system's, or a
   node that does not exist, the buffer is ordinary memory and :attr:`HostAllocator.outcomes`
   says why;
-- host<->GPU copies go through page-locked (pinned) staging buffers, because a copy from
-  pageable memory is synchronous and slower; the pinned buffer is allocated by a thread bound
-  to the host node's cores, so its pages land on that node.
+- host<->GPU copies are timed from page-locked (pinned) buffers, because a copy from pageable
+  memory is synchronous and slower; a pinned buffer is allocated by a thread bound to the host
+  node's cores (:func:`pinned_near`), so its pages land on that node.
 
 Nothing here needs a GPU until a ``cuda`` node is used; cuda-bindings is imported then.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,8 +38,8 @@ from staronnx.perfmodels.bus import (BANDWIDTH_BYTES, LATENCY_BYTES, REPEATS, Bu
 from staronnx.workers.cudart import Buffer, CudaRuntime, GpuRuntime, capture_safe, host_runtime_from_env
 from staronnx.workers.topology import Topology, bind_memory, system_topology
 
-__all__ = ["CopyLog", "CopyRecord", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
-           "memory_nodes", "pinned_near"]
+__all__ = ["CopyLog", "CopyRecord", "HostAllocator", "MemoryNode", "calibrate_bus", "memory_nodes",
+           "pinned_near"]
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +117,6 @@ class CopyRecord:
     seconds: float
     start: float | None = None
 
-    @property
-    def bandwidth(self) -> float:
-        """Achieved bytes per second (inf for an instantaneous copy)."""
-        return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
-
 
 class CopyLog:
     """A thread-safe, bounded log of :class:`CopyRecord` (the oldest records drop first)."""
@@ -186,25 +180,6 @@ class HostAllocator:
         if topo is None or not topo.is_this_system:
             return []
         return [p for numa in topo.numa_nodes if numa.os_index == node.index for p in numa.pus if p in topo.allowed_pus]
-
-
-def copy_host(
-    src: np.ndarray,
-    dst: np.ndarray,
-    src_node: MemoryNode | str,
-    dst_node: MemoryNode | str,
-    log_to: CopyLog | None = None,
-) -> CopyRecord:
-    """Copy ``src`` into ``dst`` (same shape and dtype) and return the timed record."""
-    if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(f"cannot copy {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
-    start = time.perf_counter()
-    np.copyto(dst, src)
-    seconds = time.perf_counter() - start
-    rec = CopyRecord(str(src_node), str(dst_node), int(src.nbytes), seconds, start)
-    if log_to is not None:
-        log_to.add(rec)
-    return rec
 
 
 # ---------------------------------------------------------------------------- host <-> GPU
