@@ -53,7 +53,6 @@ class CpuWorker(ThreadWorker):
     """
 
     kind = "cpu"
-    _log = log
 
     def __init__(
         self,

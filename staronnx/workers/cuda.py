@@ -192,7 +192,6 @@ class CudaWorker(ThreadWorker):
     """
 
     kind = "cuda"
-    _log = log
 
     def __init__(self, place: WorkerPlace, part_paths: Sequence[str | os.PathLike[str] | None],
                  options: CudaOptions = CudaOptions(), *, pinned_pool: PinnedPool | None = None,
