@@ -78,3 +78,28 @@ def read_pty(master: int, proc, seconds: float = 300.0, on_output=None) -> bytes
         if on_output is not None:
             on_output(raw)
     return raw
+
+
+def warm_worker(worker, batch_sizes, make_feeds, parallel: int = 2) -> list[tuple[int, int, float]]:
+    """Warm a CUDA worker used without an engine, as :func:`staronnx.runtime.engine.warm_up`
+    warms an engine's (tests/test_cuda_hot_path.py holds that one): on the worker's own thread,
+    every part at every batch size in rounds of ``parallel`` tasks launched together (both
+    buffer sets a pipelined worker uses), twice, or three times with graphs (discovery, the
+    capture, a replay). ``make_feeds(part, batch)``; returns ``(part, batch, compute seconds)``
+    of each shape's last task."""
+    rounds = 3 if worker.cuda_graphs else 2
+
+    def here():
+        timings = []
+        for part, path in enumerate(worker.part_paths):
+            if path is None:
+                continue
+            for b in batch_sizes:
+                feeds = make_feeds(part, b)
+                for _ in range(rounds):
+                    for launch in [worker.launch_here(part, feeds, True, None) for _ in range(parallel)]:
+                        worker.finish_here(launch)
+                timings.append((part, b, worker.last_compute_seconds or 0.0))
+        return timings
+
+    return worker.call(here)

@@ -107,7 +107,7 @@ def test_worker_thread_is_pinned_to_first_pu_of_its_group(
     workers = [CpuWorker(g, parts, weights=weights).start() for g in single_core_groups]
     try:
         for g, w in zip(single_core_groups, workers):
-            assert w.affinity() == {g.first_pu}
+            assert w.call(lambda: os.sched_getaffinity(0)) == {g.first_pu}  # inside its thread
             assert thread_affinity(w.native_id) == {g.first_pu}  # type: ignore[arg-type]
         # The caller's own affinity is untouched.
         assert os.sched_getaffinity(0) == set(Topology.from_system().allowed_pus)

@@ -29,6 +29,8 @@ from staronnx.workers.layout import cuda_place
 from staronnx.workers.cudart import CudaError, HostRuntime, capture_safe, is_sticky
 from staronnx.partition import PartitionSpec
 
+from _helpers import warm_worker
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -273,31 +275,36 @@ def test_the_first_run_of_a_graph_id_is_the_capture_and_waits_for_the_capture_lo
         assert worker.graph_stats() == {"captured": 1, "failed": 0, "replays": 3}
 
 
-def test_a_capture_that_fails_at_warm_up_costs_the_graph_not_the_warm_up(model, reference, caplog):
+def _warmed_runtime(plan, rt: HostRuntime, store: Path) -> Runtime:
+    """A runtime on one stream of ``rt`` that warms batch size 4 up (runtime.engine.warm_up)."""
+    return Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(store),
+                   cuda_options={"runtime": rt}, warmup=(4,))
+
+
+def test_a_capture_that_fails_at_warm_up_costs_the_graph_not_the_warm_up(plan, reference, caplog, tmp_path):
     """The first run of a graph id fails its capture (each of its tries, on both buffer sets a
     pipelined worker warms up): warm-up still succeeds, the shape runs without a graph."""
     rt = HostRuntime()
-    with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
-            CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
-        rt.inject("capture", 901, times=2 * CAPTURE_TRIES)
-        worker.warmup([4], lambda p, b: feeds(b))
+    rt.inject("capture", 901, times=2 * CAPTURE_TRIES)
+    with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), _warmed_runtime(plan, rt, tmp_path) as runtime:
+        worker = runtime.workers[0]
         assert worker.graph_stats() == {"captured": 0, "failed": 2 * CAPTURE_TRIES, "replays": 0}
         for i in range(3):
             x = feeds(seed=i)
-            check(reference, x, worker.run(0, x))
+            check(reference, x, runtime.run(x))
         assert rt.calls["capture"] == 2 * CAPTURE_TRIES and not rt.graph_events
     assert "runs without a graph" in caplog.text
 
 
-def test_a_capture_that_fails_once_at_warm_up_is_captured_by_its_second_try(model, reference):
+def test_a_capture_that_fails_once_at_warm_up_is_captured_by_its_second_try(plan, reference, tmp_path):
     rt = HostRuntime()
-    with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
-        rt.inject("capture", 901, times=1)
-        worker.warmup([4], lambda p, b: feeds(b))
+    rt.inject("capture", 901, times=1)
+    with _warmed_runtime(plan, rt, tmp_path) as runtime:
+        worker = runtime.workers[0]
         # the round whose capture failed ran again (the other buffer set replaying), then one more
         assert worker.graph_stats() == {"captured": 2, "failed": 1, "replays": 3}
         x = feeds(seed=7)
-        check(reference, x, worker.run(0, x))
+        check(reference, x, runtime.run(x))
         assert worker.graph_stats()["replays"] == 4
         assert rt.graph_events == {"captured": 2, "replayed": 4}
 
@@ -340,7 +347,7 @@ def _runtime_errors_raised_in(fn) -> int:
 @pytest.mark.parametrize("graphs", [False, True])
 def test_no_exception_is_raised_inside_ort_per_run(model, graphs):
     with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=HostRuntime(), cuda_graphs=graphs)) as worker:
-        worker.warmup([4], lambda p, b: feeds(b))
+        warm_worker(worker, [4], lambda p, b: feeds(b))
         x = feeds()
         raised = _runtime_errors_raised_in(
             lambda: in_thread(worker, lambda: [worker.run_here(0, x, timed=False) for _ in range(50)]))
@@ -360,7 +367,7 @@ def _calls_per_task(worker: CudaWorker, rt: HostRuntime, timed: bool, n: int = 2
 def test_a_steady_task_is_one_copy_in_one_copy_out_and_one_wait(model, graphs):
     rt = HostRuntime()
     with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt, cuda_graphs=graphs)) as worker:
-        worker.warmup([4], lambda p, b: feeds(b))
+        warm_worker(worker, [4], lambda p, b: feeds(b))
         assert _calls_per_task(worker, rt, timed=False) == {"copy_h2d": 1, "copy_d2h": 1, "stream_sync": 1}
         timed = _calls_per_task(worker, rt, timed=True)
         assert timed == {"copy_h2d": 1, "copy_d2h": 1, "event_record": 4, "event_sync": 1, "event_elapsed": 3}
@@ -413,7 +420,7 @@ def test_eviction_frees_only_when_a_new_buffer_set_is_made(model):
 def test_a_graph_costs_one_capture_at_warm_up(model):
     rt = HostRuntime()
     with CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
-        worker.warmup([1, 4], lambda p, b: feeds(b), parallel=1)
+        warm_worker(worker, [1, 4], lambda p, b: feeds(b), parallel=1)
         assert rt.calls["capture"] == 2  # one per (part, batch size), nothing more exclusive
         assert worker.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
         assert rt.graph_events == {"captured": 2, "replayed": 2}
@@ -431,6 +438,8 @@ def test_the_gpu_extra_pins_one_cuda_major():
 
 # ------------------------------------------------------------------ graphs captured at warm-up, not while serving
 def test_a_runtime_captures_its_warm_up_sizes_one_worker_at_a_time_and_never_while_serving(plan, reference, tmp_path):
+    """ORT keeps CUDA graphs per thread: a device's second stream, driven by the device's
+    driver thread, is warmed up there (not on a thread of its own), so serving only replays."""
     rt = HostRuntime()
     with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=2, store=PerfModelStore(tmp_path),
                  cuda_options={"runtime": rt}, warmup=(4, 1, 2)) as runtime:
@@ -451,33 +460,11 @@ def test_a_runtime_captures_its_warm_up_sizes_one_worker_at_a_time_and_never_whi
         assert rt.graph_events == {"captured": 12, "replayed": warm + 30}
 
 
-def test_warm_up_captures_on_the_driver_thread_and_serving_there_only_replays(model, reference):
-    """ORT keeps CUDA graphs per thread: a stream worker warmed up on its own thread but
-    driven by another (a device's driver thread) would capture every graph again while
-    serving. ``warmup(driver=...)`` captures on the driver's thread, where tasks then replay."""
-    rt = HostRuntime()
-    options = CudaOptions(runtime=rt)
-    with CudaWorker(cuda_place(0, 0), [model], options) as driver, \
-            CudaWorker(cuda_place(0, 1), [model], options) as stream:
-        stream.warmup([4], lambda p, b: feeds(b), driver=driver)
-        assert stream.graph_stats() == {"captured": 2, "failed": 0, "replays": 2}
-
-        def serve() -> None:  # what the engine's driver loop does on the driver's thread
-            stream.adopt_thread()
-            for i in range(5):
-                x = feeds(seed=i)
-                check(reference, x, stream.finish_here(stream.launch_here(0, x, timed=False)))
-
-        in_thread(driver, serve)
-        assert stream.graph_stats() == {"captured": 2, "failed": 0, "replays": 7}
-        assert rt.graph_events == {"captured": 2, "replayed": 7}
-
-
 def test_a_graph_replayed_from_another_thread_is_captured_again_and_counted(model, reference, caplog):
     rt = HostRuntime()
     with caplog.at_level(logging.WARNING, logger="staronnx.workers.cuda"), \
             CudaWorker(cuda_place(0, 0), [model], CudaOptions(runtime=rt)) as worker:
-        worker.warmup([4], lambda p, b: feeds(b), parallel=1)  # on the worker's own thread
+        warm_worker(worker, [4], lambda p, b: feeds(b), parallel=1)  # on the worker's own thread
         assert rt.graph_events == {"captured": 1, "replayed": 1}
         out: list[dict] = []
         x = feeds(seed=3)

@@ -95,6 +95,29 @@ def test_a_download_still_in_flight_is_waited_for_by_its_reader(memory):
         pool.close()
 
 
+def test_a_round_trip_through_a_gpu_stages_in_reused_pinned_memory():
+    """DeviceMemory's upload and download (the runtime's copies outside a task's launch): the
+    bytes come back equal, a smaller upload reuses the pool's staging buffer, and closing the
+    node and the pool frees every buffer."""
+    from staronnx.workers.pinned_pool import PinnedPool
+
+    rt = HostRuntime()
+    pool = PinnedPool(rt.pinned)
+    node = DeviceMemory(rt, 0, pool)
+    data = np.random.default_rng(0).standard_normal((4, 33)).astype(np.float32)
+    try:
+        back = node.download(node.upload(data))
+        np.testing.assert_array_equal(back, data)
+        del back
+        allocs = rt.stats.pinned_allocs
+        np.testing.assert_array_equal(node.download(node.upload(data[:2])), data[:2])  # smaller: reused
+        assert rt.stats.pinned_allocs == allocs
+    finally:
+        node.close()
+        pool.close()
+    assert rt.stats.live == 0
+
+
 class _LockProbe(HostRuntime):
     """Asks, at each upload the submitting thread issues, whether another thread can read the
     runtime's statistics meanwhile (they take the engine's lock)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import typer
@@ -61,13 +62,13 @@ def test_topology_without_packages() -> None:
     assert [g.n_cores for g in make_groups(bare, "numa")] == [2, 2]
 
 
-def test_system_topology_matches_affinity() -> None:
+def test_system_topology_matches_affinity(tmp_path: Path) -> None:
     t = Topology.from_system()
     assert t.is_this_system
     assert t.allowed_pus == frozenset(os.sched_getaffinity(os.getpid()))
     assert t.n_cores >= 1 and len(t.numa_nodes) >= 1
     assert all(c.numa is not None for c in t.cores)
-    assert Topology.from_xml_string(t.to_xml()) == t
+    assert Topology.from_xml(t.export_xml(tmp_path / "system.xml")) == t
 
 
 def test_render_shows_the_tree_and_disallowed_pus(big: Topology) -> None:

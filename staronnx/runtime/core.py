@@ -232,7 +232,6 @@ class TaskGraph:
         #: (task, copy) prefetches the last submit/finish/worker_lost decided: the driver starts
         #: them, and clears the list
         self.prefetches: list[tuple[Task, Copy]] = []
-        self._targets = [m.target for m in self.models.models]
         # what submit reads per request, computed once: a request's cost is the host's cost
         # per task at small batches (issue 19)
         self._model_parts = [tuple(m.parts) for m in self.models.models]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import logging
 import os
 import queue
 import threading
@@ -28,7 +27,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 import numpy as np
 
@@ -118,10 +117,9 @@ class ThreadWorker(Worker, ABC):
     """The thread, queue and lifecycle of a worker; subclasses run the tasks.
 
     Each worker has one thread named after it (``name``) that runs everything touching its
-    sessions.  ``_log`` is the subclass's module logger, so its messages keep their origin.
+    sessions.
     """
 
-    _log: ClassVar[logging.Logger]
     last_compute_seconds: float | None = None  # CPU: wall time is compute time
 
     def __init__(self, part_paths: Sequence[str | os.PathLike[str] | None], name: str) -> None:

@@ -53,7 +53,6 @@ class CpuWorker(ThreadWorker):
     """
 
     kind = "cpu"
-    _log = log
 
     def __init__(
         self,
@@ -116,11 +115,6 @@ class CpuWorker(ThreadWorker):
         return self.group.describe()
 
     # ------------------------------------------------------------------ tasks
-    def affinity(self) -> set[int]:
-        """What ``os.sched_getaffinity(0)`` reports inside the worker thread."""
-        pus: set[int] = self.call(lambda: os.sched_getaffinity(0))
-        return pus
-
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
         """Run a part in the calling thread, which must be this worker's own (see :meth:`spawn`).
 

@@ -29,7 +29,7 @@ call; every later run from the same thread is a replay. ORT keeps graphs per thr
 provider's ``PerThreadContext``), so a slot knows the threads it was captured on: the first run
 from another thread is a capture again (counted, and said: warm up on the thread that will
 replay: :func:`staronnx.runtime.engine.warm_up` runs its shapes as tasks pinned to the worker,
-on its driver's thread; :meth:`CudaWorker.warmup` does it for a worker used alone). A capture
+on its driver's thread). A capture
 runs one at a time (:data:`CAPTURE_LOCK`), and every thread of staronnx that calls CUDA runs in
 thread-local capture mode, so nothing else in the process breaks a capture (see
 :mod:`staronnx.workers.cudart`). A failed capture (900/901: another thread's CUDA call; an op
@@ -192,7 +192,6 @@ class CudaWorker(ThreadWorker):
     """
 
     kind = "cuda"
-    _log = log
 
     def __init__(self, place: WorkerPlace, part_paths: Sequence[str | os.PathLike[str] | None],
                  options: CudaOptions = CudaOptions(), *, pinned_pool: PinnedPool | None = None,
@@ -257,66 +256,6 @@ class CudaWorker(ThreadWorker):
         return f"device {self.device_id}"
 
     # ------------------------------------------------------------------ tasks
-    def warmup(
-        self,
-        batch_sizes: Sequence[int],
-        make_feeds: Callable[[int, int], Feeds],
-        repeats: int = 2,
-        driver: ThreadWorker | None = None,
-        parallel: int = 2,
-    ) -> list[tuple[int, int, float]]:
-        """Run every part at every batch size before anything is timed, on the thread of
-        ``driver`` (the worker whose thread will launch this one's tasks: an engine drives a
-        device's streams from its first worker's thread), else on this worker's own: ORT keeps
-        CUDA graphs per thread, and a graph captured on another thread than the one that
-        replays it is captured again while serving.
-
-        The first run of a shape pays cuDNN's algorithm search and the buffer set-up (it runs
-        with ORT-allocated outputs to learn their shapes); the second runs the steady-state
-        path with the worker's own buffers, hence ``repeats=2``; with graphs that second run
-        is the capture (ORT 1.31 captures inside the first run of a graph id) and a third one
-        replays. Tasks run ``parallel`` at a time (default in pairs, so both buffer sets, and
-        graphs, a pipelined worker uses per shape are made now). A round in which a capture
-        failed runs again (its slot has a new graph id, or none any more: :data:`CAPTURE_TRIES`);
-        any other error is raised. Returns ``(part, batch, compute seconds)`` of the last repeat
-        of each."""
-        if self.cuda_graphs:  # discovery, the capture, one replay
-            repeats = max(repeats, 3)
-
-        def here() -> list[tuple[int, int, float]]:  # on the thread that will launch the tasks
-            self.adopt_thread()
-            return [(part, b, self._warm_shape(part, make_feeds(part, b), repeats, parallel))
-                    for part, path in enumerate(self.part_paths) if path is not None for b in batch_sizes]
-
-        timings: list[tuple[int, int, float]] = (driver or self).call(here)
-        return timings
-
-    def _warm_shape(self, part: int, feeds: Feeds, repeats: int, parallel: int) -> float:
-        """``repeats`` rounds of ``parallel`` tasks launched together on ``feeds`` (see
-        :meth:`warmup`); the compute seconds of the last task."""
-        seconds, done = 0.0, 0
-        while done < repeats:
-            if self.lost is not None:
-                raise self._unusable()
-            failures, error = self.graph_failures, None
-            launches = []
-            for _ in range(parallel):
-                try:
-                    launches.append(self.launch_here(part, feeds, True, None))
-                except Exception as exc:  # noqa: BLE001 - the others are waited for first
-                    error = error or exc
-            for launch in launches:
-                try:
-                    self.finish_here(launch)
-                    seconds = self.last_compute_seconds or 0.0
-                except Exception as exc:  # noqa: BLE001
-                    error = error or exc
-            if error is None:
-                done += 1
-            elif self.graph_failures == failures or self.lost is not None:
-                raise self._lost_or(error)
-        return seconds
-
     def run_here(self, part: int, feeds: Feeds, timed: bool = True) -> Outputs:
         """Run a part from inside this worker's thread (see :meth:`spawn`): copies in, run,
         copies out, one wait; errors propagate (:class:`WorkerLost` once the context is lost).

@@ -29,11 +29,10 @@ work without root or ``CAP_SYS_NICE``. The GIL is the other wait: a lane thread 
 it, and a thread running Python holds it up to the interpreter's switch interval (5 ms), so
 whoever serves a runtime with lanes shortens that interval to :data:`LANE_SWITCH_INTERVAL`
 while it serves (``with short_switch_interval():``; ``staronnx serve --lane`` does): a
-process-wide setting is the caller's choice, not a ``Runtime``'s side effect. Measured on the
-2-core VM: a waking lane waited up to 4-8 ms on the run queue at ``nice`` +10 and up to 5 ms
-for the GIL; with both remedies ``benchmarks/multi_model.py`` gives the light model a p99 of
-3.2-4.2 ms against 7.5-8.0 ms with separate runtimes, the heavy model keeping 0.96x their
-throughput.
+process-wide setting is the caller's choice, not a ``Runtime``'s side effect. On that VM a
+waking lane also waited up to 5 ms for the GIL; with both remedies ``benchmarks/multi_model.py``
+gives the light model a p99 of 3.2-4.2 ms against 7.5-8.0 ms with separate runtimes, the heavy
+model keeping 0.96x their throughput.
 
 The lane is a worker like any other for the scheduler: same arch (it shares the group's perf
 models) and its own queue. A model with lanes runs on its lanes only: on a group's shared
@@ -56,7 +55,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from staronnx.process_settings import SharedSetting
-from staronnx.workers.residency import ResidencyError, WorkerSlot, parse_named, selects
+from staronnx.workers.residency import ResidencyError, WorkerSlot, check_models, parse_named, selected
 
 __all__ = ["LANE_NICE", "LANE_PREEMPT", "LANE_SWITCH_INTERVAL", "LanePlan", "check_preempt", "lower_priority",
            "parse_lanes", "plan_lanes", "short_switch_interval"]
@@ -98,10 +97,7 @@ def plan_lanes(lanes: Mapping[str, str], model_names: Sequence[str], cpu_slots: 
     (CUDA workers have no lane) and a runtime without CPU groups, naming what exists."""
     if not lanes:
         return LanePlan(())
-    unknown = [n for n in lanes if n not in model_names]
-    if unknown:
-        raise ResidencyError(f"--lane names unknown model(s) {', '.join(map(repr, unknown))}; "
-                             f"this runtime serves {', '.join(model_names)}")
+    check_models("--lane", lanes, model_names)
     if len(model_names) < 2:
         raise ResidencyError("--lane gives a model a worker that preempts the other models' tasks: it needs a runtime "
                              "shared by several models")
@@ -113,12 +109,8 @@ def plan_lanes(lanes: Mapping[str, str], model_names: Sequence[str], cpu_slots: 
     names = ", ".join(s.name for s in cpu_slots)
     per_group: dict[int, list[str]] = {}
     for model, selector in lanes.items():
-        picked = [i for i, s in enumerate(cpu_slots) if selects(selector, s)]
-        for token in (t.strip() for t in selector.split(",")):
-            if not token or not any(selects(token, s) for s in cpu_slots):
-                raise ResidencyError(f"--lane {model}={selector}: {token!r} names no CPU group "
-                                     f"(CPU groups: {names}; or cpu; CUDA workers get no lane)")
-        for i in picked:
+        for i in selected(f"--lane {model}={selector}", selector, cpu_slots,
+                          f"names no CPU group (CPU groups: {names}; or cpu; CUDA workers get no lane)"):
             per_group.setdefault(i, []).append(model)
     return LanePlan(tuple((i, tuple(per_group[i])) for i in sorted(per_group)))
 

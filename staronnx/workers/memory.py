@@ -3,9 +3,9 @@
 StarPU keeps a replica of each piece of data per *memory node* (host RAM per NUMA node, each
 GPU's memory) and predicts transfers with a bus model (STARPU_MODEL.md §2 "Bus", §3).  This
 module names the nodes the way :mod:`staronnx.perfmodels.bus` does (``numa0``, ``cuda1``),
-moves bytes between them, logs every copy as a :class:`CopyRecord` (size and measured
-duration: what the runtime's traces and perf models consume) and calibrates the bus with
-StarPU's recipe (32 tiny copies for latency, 32 copies of 32 MiB for bandwidth).
+records copies as :class:`CopyRecord` (size and measured duration: what a CUDA worker's copy
+log holds) and calibrates the bus with StarPU's recipe (32 tiny copies for latency, 32 copies
+of 32 MiB for bandwidth).
 
 Placement is best effort, because it depends on the machine:
 
@@ -13,9 +13,9 @@ Placement is best effort, because it depends on the machine:
   pages are first touched; on a one-node machine, a topology that is not this system's, or a
   node that does not exist, the buffer is ordinary memory and :attr:`HostAllocator.outcomes`
   says why;
-- host<->GPU copies go through page-locked (pinned) staging buffers, because a copy from
-  pageable memory is synchronous and slower; the pinned buffer is allocated by a thread bound
-  to the host node's cores, so its pages land on that node.
+- host<->GPU copies are timed from page-locked (pinned) buffers, because a copy from pageable
+  memory is synchronous and slower; a pinned buffer is allocated by a thread bound to the host
+  node's cores (:func:`pinned_near`), so its pages land on that node.
 
 Nothing here needs a GPU until a ``cuda`` node is used; cuda-bindings is imported then.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import re
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -39,8 +38,8 @@ from staronnx.perfmodels.bus import (BANDWIDTH_BYTES, LATENCY_BYTES, REPEATS, Bu
 from staronnx.workers.cudart import Buffer, CudaRuntime, GpuRuntime, capture_safe, host_runtime_from_env
 from staronnx.workers.topology import Topology, bind_memory, system_topology
 
-__all__ = ["CopyLog", "CopyRecord", "CudaCopier", "HostAllocator", "MemoryNode", "calibrate_bus", "copy_host",
-           "memory_nodes", "pinned_near"]
+__all__ = ["CopyLog", "CopyRecord", "HostAllocator", "MemoryNode", "calibrate_bus", "memory_nodes",
+           "pinned_near"]
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +117,6 @@ class CopyRecord:
     seconds: float
     start: float | None = None
 
-    @property
-    def bandwidth(self) -> float:
-        """Achieved bytes per second (inf for an instantaneous copy)."""
-        return self.nbytes / self.seconds if self.seconds > 0 else float("inf")
-
 
 class CopyLog:
     """A thread-safe, bounded log of :class:`CopyRecord` (the oldest records drop first)."""
@@ -147,17 +141,6 @@ class CopyLog:
     def __len__(self) -> int:
         return len(self._records)
 
-    def total_bytes(self, src: str | None = None, dst: str | None = None) -> int:
-        return sum(r.nbytes for r in self.records()
-                   if (src is None or r.src == src) and (dst is None or r.dst == dst))
-
-    def by_link(self) -> dict[tuple[str, str], tuple[int, int, float]]:
-        """``(src, dst) -> (copies, bytes, seconds)``: what a trace summary shows per link."""
-        out: dict[tuple[str, str], tuple[int, int, float]] = {}
-        for r in self.records():
-            n, b, s = out.get((r.src, r.dst), (0, 0, 0.0))
-            out[(r.src, r.dst)] = (n + 1, b + r.nbytes, s + r.seconds)
-        return out
 
 
 # ---------------------------------------------------------------------------- host memory
@@ -199,25 +182,6 @@ class HostAllocator:
         return [p for numa in topo.numa_nodes if numa.os_index == node.index for p in numa.pus if p in topo.allowed_pus]
 
 
-def copy_host(
-    src: np.ndarray,
-    dst: np.ndarray,
-    src_node: MemoryNode | str,
-    dst_node: MemoryNode | str,
-    log_to: CopyLog | None = None,
-) -> CopyRecord:
-    """Copy ``src`` into ``dst`` (same shape and dtype) and return the timed record."""
-    if src.shape != dst.shape or src.dtype != dst.dtype:
-        raise ValueError(f"cannot copy {src.shape} {src.dtype} into {dst.shape} {dst.dtype}")
-    start = time.perf_counter()
-    np.copyto(dst, src)
-    seconds = time.perf_counter() - start
-    rec = CopyRecord(str(src_node), str(dst_node), int(src.nbytes), seconds, start)
-    if log_to is not None:
-        log_to.add(rec)
-    return rec
-
-
 # ---------------------------------------------------------------------------- host <-> GPU
 def pinned_near(runtime: GpuRuntime, cpus: Sequence[int], nbytes: int) -> Buffer:
     """Pinned memory first touched by a thread bound to ``cpus`` (so its pages land on their
@@ -230,129 +194,6 @@ def pinned_near(runtime: GpuRuntime, cpus: Sequence[int], nbytes: int) -> Buffer
             return runtime.pinned(nbytes)
 
     return run_on_cpus(cpus, allocate)
-
-
-class CudaCopier:
-    """Copies between host arrays and one GPU's buffers, through pinned staging, timed.
-
-    Owns one stream per direction (so an upload and a download can overlap) and one growable
-    pinned staging buffer per direction.  Each copy is issued asynchronously on its stream and
-    followed by an event the calling thread waits on; the returned :class:`CopyRecord` holds
-    the wall-clock time from the start of staging to the event, which is what a task waiting
-    for its input experiences.  Calls are serialised by a lock; any thread may call.
-    """
-
-    def __init__(
-        self,
-        device_id: int,
-        *,
-        runtime: GpuRuntime | None = None,
-        host_node: MemoryNode | str = "numa0",
-        log_to: CopyLog | None = None,
-        allocator: HostAllocator | None = None,
-    ) -> None:
-        self.device_id = device_id
-        self.node = MemoryNode("cuda", device_id)
-        self.host_node = MemoryNode.parse(host_node)
-        self.log = log_to
-        self.runtime: GpuRuntime = runtime or CudaRuntime()
-        self._allocator = allocator or HostAllocator()
-        self._lock = threading.Lock()
-        self.runtime.set_device(device_id)
-        self._up = self.runtime.stream()
-        self._down = self.runtime.stream()
-        self._up_done = self.runtime.event(timing=False)
-        self._down_done = self.runtime.event(timing=False)
-        self._staging: dict[str, Buffer] = {}
-        self._closed = False
-
-    def _stage(self, direction: str, nbytes: int) -> Buffer:
-        buf = self._staging.get(direction)
-        if buf is None or buf.nbytes < nbytes:
-            if buf is not None:
-                buf.free()
-            size = max(nbytes, int(buf.nbytes * 1.5) if buf is not None else 0, 4096)
-            buf = pinned_near(self.runtime, self._allocator.cpus_of(self.host_node), size)
-            self._staging[direction] = buf
-        return buf
-
-    def to_device(self, src: np.ndarray, dst: Buffer) -> CopyRecord:
-        """Copy a host array into a device buffer and wait for it."""
-        src = np.ascontiguousarray(src)
-        if src.nbytes > dst.nbytes:
-            raise ValueError(f"{src.nbytes} B do not fit in a {dst.nbytes} B device buffer")
-        with self._lock:
-            start = self._begin()
-            staging = self._stage("up", src.nbytes)
-            np.copyto(staging.view(src.dtype, src.shape), src)
-            self._copy(True, dst.ptr, staging.ptr, src.nbytes)
-            seconds = time.perf_counter() - start
-        return self._record(self.host_node.name, self.node.name, src.nbytes, seconds, start)
-
-    def to_host(self, src: Buffer, dst: np.ndarray) -> CopyRecord:
-        """Copy the first ``dst.nbytes`` of a device buffer into a host array and wait."""
-        if not dst.flags.c_contiguous or not dst.flags.writeable:
-            raise ValueError("the destination must be a writable C-contiguous array")
-        if dst.nbytes > src.nbytes:
-            raise ValueError(f"a {src.nbytes} B device buffer cannot fill {dst.nbytes} B")
-        with self._lock:
-            start = self._begin()
-            staging = self._stage("down", dst.nbytes)
-            self._copy(False, staging.ptr, src.ptr, dst.nbytes)
-            np.copyto(dst, staging.view(dst.dtype, dst.shape))
-            seconds = time.perf_counter() - start
-        return self._record(self.node.name, self.host_node.name, dst.nbytes, seconds, start)
-
-    def copy_pinned(self, up: bool, src: Buffer, dst: Buffer, nbytes: int) -> float:
-        """Copy already-pinned bytes to the device (``up``) or back and wait; returns seconds
-        (what bus calibration times)."""
-        with self._lock:
-            start = self._begin()
-            self._copy(up, dst.ptr, src.ptr, nbytes)
-            return time.perf_counter() - start
-
-    def _begin(self) -> float:
-        """A timed copy's start, under the lock: refused once closed, on this memory's GPU."""
-        if self._closed:
-            raise RuntimeError(f"the copier of {self.node} is closed")
-        self.runtime.set_device(self.device_id)
-        return time.perf_counter()
-
-    def _copy(self, up: bool, dst: int, src: int, nbytes: int) -> None:
-        """One copy on its direction's stream, waited for."""
-        stream, done = (self._up, self._up_done) if up else (self._down, self._down_done)
-        (self.runtime.copy_h2d if up else self.runtime.copy_d2h)(dst, src, nbytes, stream)
-        done.record(stream)
-        done.synchronize()
-
-    def _record(self, src: str, dst: str, nbytes: int, seconds: float, start: float) -> CopyRecord:
-        rec = CopyRecord(src, dst, int(nbytes), seconds, start)
-        if self.log is not None:
-            self.log.add(rec)
-        return rec
-
-    def close(self) -> None:
-        """Wait for pending copies and free the staging buffers, events and streams."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self.runtime.set_device(self.device_id)
-            for stream in (self._up, self._down):
-                stream.synchronize()
-            for buf in self._staging.values():
-                buf.free()
-            self._staging.clear()
-            for ev in (self._up_done, self._down_done):
-                ev.destroy()
-            for stream in (self._up, self._down):
-                stream.destroy()
-
-    def __enter__(self) -> CudaCopier:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # ---------------------------------------------------------------------------- calibration
@@ -423,19 +264,33 @@ _Measure = Callable[[Callable[[int], object]], LinkCost]
 
 def _calibrate_host_gpu(host: MemoryNode, gpu: MemoryNode, allocator: HostAllocator,
                         rt: GpuRuntime, nbytes: int, measure: _Measure) -> tuple[LinkCost, LinkCost]:
-    """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory."""
-    with CudaCopier(gpu.index, runtime=rt, host_node=host, allocator=allocator) as copier:
-        device = rt.device_buffer(nbytes)
-        pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
-        try:
-            pinned.view(np.uint8, (nbytes,)).fill(1)
-            up = measure(lambda n: copier.copy_pinned(True, pinned, device, n))
-            down = measure(lambda n: copier.copy_pinned(False, device, pinned, n))
-            return up, down
-        finally:
-            pinned.free()
+    """(host -> gpu, gpu -> host) between a pinned buffer on ``host`` and device memory, each
+    copy issued on a stream and waited for with an event."""
+    rt.set_device(gpu.index)
+    device = rt.device_buffer(nbytes)
+    pinned = pinned_near(rt, allocator.cpus_of(host), nbytes)
+    stream = rt.stream()
+    done = rt.event(timing=False)
+    try:
+        pinned.view(np.uint8, (nbytes,)).fill(1)
+
+        def copy(up: bool, n: int) -> None:
             rt.set_device(gpu.index)
-            device.free()
+            if up:
+                rt.copy_h2d(device.ptr, pinned.ptr, n, stream)
+            else:
+                rt.copy_d2h(pinned.ptr, device.ptr, n, stream)
+            done.record(stream)
+            done.synchronize()
+
+        return measure(lambda n: copy(True, n)), measure(lambda n: copy(False, n))
+    finally:
+        rt.set_device(gpu.index)
+        stream.synchronize()
+        done.destroy()
+        stream.destroy()
+        pinned.free()
+        device.free()
 
 
 def _calibrate_peer(src: MemoryNode, dst: MemoryNode, rt: GpuRuntime, nbytes: int,

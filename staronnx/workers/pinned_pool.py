@@ -118,17 +118,6 @@ class PinnedPool(BufferArena):
         array.pinned_ptr = buffer.ptr
         return array
 
-    def owns(self, array: np.ndarray) -> bool:
-        """Whether ``array`` lies, contiguous, inside one buffer leased from this pool (so an
-        asynchronous copy can read it directly)."""
-        if not array.flags.c_contiguous or array.nbytes == 0:
-            return False
-        start = array.ctypes.data
-        end = start + array.nbytes
-        with self._lock:
-            self._take_back()
-            return any(b.ptr <= start and end <= b.ptr + b.nbytes for b in self._leased.values())
-
     @property
     def leased(self) -> int:
         with self._lock:

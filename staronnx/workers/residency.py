@@ -77,18 +77,28 @@ def selects(selector: str, slot: WorkerSlot) -> bool:
 def model_holders(residency: Mapping[str, str], model_names: Sequence[str],
                   slots: Sequence[WorkerSlot]) -> dict[str, list[int]]:
     """Per model named in ``residency``, the indices of the ``slots`` that hold it. Refuses an
-    unknown model, a selector token that matches no worker (a typo would otherwise load the
-    model nowhere it was meant to be) and a model left on no worker, naming what exists."""
-    unknown = [n for n in residency if n not in model_names]
-    if unknown:
-        raise ResidencyError(f"--model-workers names unknown model(s) {', '.join(map(repr, unknown))}; "
-                             f"this runtime serves {', '.join(model_names)}")
+    unknown model, a selector token that matches no worker and a model left on no worker,
+    naming what exists."""
+    check_models("--model-workers", residency, model_names)
     names = ", ".join(s.name for s in slots)
-    out: dict[str, list[int]] = {}
-    for model, selector in residency.items():
-        for token in (t.strip() for t in selector.split(",")):
-            if not token or not any(selects(token, s) for s in slots):
-                raise ResidencyError(f"--model-workers {model}={selector}: {token!r} matches no worker "
-                                     f"(workers: {names}; or cpu, cuda, cuda<N>)")
-        out[model] = [i for i, s in enumerate(slots) if selects(selector, s)]
-    return out
+    return {model: selected(f"--model-workers {model}={selector}", selector, slots,
+                            f"matches no worker (workers: {names}; or cpu, cuda, cuda<N>)")
+            for model, selector in residency.items()}
+
+
+def check_models(option: str, named: Iterable[str], model_names: Sequence[str]) -> None:
+    """Refuse a model name in ``named`` (what ``option`` was given) that the runtime does not serve."""
+    unknown = [n for n in named if n not in model_names]
+    if unknown:
+        raise ResidencyError(f"{option} names unknown model(s) {', '.join(map(repr, unknown))}; "
+                             f"this runtime serves {', '.join(model_names)}")
+
+
+def selected(given: str, selector: str, slots: Sequence[WorkerSlot], none: str) -> list[int]:
+    """The indices of the ``slots`` that ``selector`` takes in. Refuses a token of it that takes
+    in none (a typo would otherwise load the model nowhere it was meant to be), saying
+    ``given`` (the option as written) and ``none`` (what exists)."""
+    for token in (t.strip() for t in selector.split(",")):
+        if not token or not any(selects(token, s) for s in slots):
+            raise ResidencyError(f"{given}: {token!r} {none}")
+    return [i for i, s in enumerate(slots) if selects(selector, s)]

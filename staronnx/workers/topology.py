@@ -142,12 +142,6 @@ class Topology:
         return _build(_load(lambda: pyhwloc.Topology.from_xml_file(p), f"the topology XML {str(p)!r}"),
                       source=f"xml:{p}")
 
-    @classmethod
-    def from_xml_string(cls, xml: str) -> Topology:
-        """Like :meth:`from_xml`, from the XML text itself."""
-        return _build(_load(lambda: pyhwloc.Topology.from_xml_buffer(xml), "this topology XML text"),
-                      source="xml:<string>")
-
     # ---------------------------------------------------------------- export
     def to_xml(self) -> str:
         """hwloc's XML for this topology, allowed PUs included."""

@@ -74,7 +74,6 @@ _externs_installed = False
 # ----------------------------------------------------------------------------- bookkeeping
 @dataclass
 class _Part:
-    index: int
     codelet: Any  # struct starpu_codelet *
     symbol: str
     inputs: list[str]
@@ -265,7 +264,7 @@ class StarpuEngine:
             buffers = ins + outs
             modes = ffi.new("int[]", [lib.STARPU_R] * len(ins) + [lib.STARPU_W] * len(outs) or [0])
             self._parts.append(_Part(
-                index=spec.index, codelet=cl, symbol=symbol, inputs=list(spec.inputs),
+                codelet=cl, symbol=symbol, inputs=list(spec.inputs),
                 outputs=list(spec.outputs), buffers=buffers, modes=modes,
                 out_slots={n: len(ins) + i for i, n in enumerate(outs)},
                 preds=sorted(deps[spec.index]), sink=not succs[spec.index],
