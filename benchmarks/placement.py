@@ -61,6 +61,7 @@ from staronnx.partition.methods.pipeline import (
 )
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.verify import random_plan_feeds, verify_plan
 from staronnx.workers.topology import Topology
 from staronnx.workers.layout import MachineSpec
@@ -171,10 +172,12 @@ def measure(rows: list[Row], model: Path, args: argparse.Namespace, store: PerfM
     def policy_for(plan) -> str:
         return "static" if all(getattr(p, "device", None) for p in plan.parts) else "heft"
 
-    runtimes = {r.method: Runtime(r.plan, policy=policy_for(r.plan), cpu_groups=args.groups, store=store)
+    runtimes = {r.method: Runtime(r.plan,
+                                  MachineSpec(groups=args.groups),
+                                  RuntimeSpec(policy=policy_for(r.plan), store=store))
                 for r in live}
     # the same placed plans with heft deciding each part's worker: the cut without the placement
-    dynamic = {r.method: Runtime(r.plan, policy="heft", cpu_groups=args.groups, store=store)
+    dynamic = {r.method: Runtime(r.plan, MachineSpec(groups=args.groups), RuntimeSpec(policy="heft", store=store))
                for r in live if policy_for(r.plan) == "static"}
     try:
         plan0 = live[0].plan

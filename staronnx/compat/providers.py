@@ -11,6 +11,7 @@ from typing import Any
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
 
+from staronnx.runtime.spec import CudaOptions
 from staronnx.workers.cuda_env import cuda_unavailable_reason, missing_device
 from staronnx.workers.cudart import host_runtime_from_env
 from staronnx.workers.topology import Topology
@@ -52,10 +53,10 @@ def cuda_workers(asked: dict[str, dict[str, str]] | None, cuda_streams: int | No
     return DEFAULT_CUDA_STREAMS if cuda_streams is None else int(cuda_streams)
 
 
-def cuda_stand_in(runtime_options: Mapping[str, Any]) -> Any:
-    """The runtime the CUDA workers will drive instead of CUDA, if any: the one ``cuda_options``
-    gives them, else ``$STARONNX_CUDA_RUNTIME``'s (as CudaWorker picks it)."""
-    return (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
+def cuda_stand_in(cuda: CudaOptions) -> Any:
+    """The runtime the CUDA workers will drive instead of CUDA, if any: the one ``cuda`` gives
+    them, else ``$STARONNX_CUDA_RUNTIME``'s (as CudaWorker picks it)."""
+    return cuda.runtime or host_runtime_from_env()
 
 
 def cuda_device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:
