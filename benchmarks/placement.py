@@ -48,7 +48,7 @@ from staronnx.errors import StaronnxError
 from staronnx.modelio import load_model
 from staronnx.partition.api import METHODS
 from staronnx.partition.costs import NodeCosts
-from staronnx.partition.cut import Parts
+from staronnx.partition.cut import CutRequest, Parts
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import build_graph
 from staronnx.partition.host import host_devices, host_transfer
@@ -104,8 +104,9 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
     name = model.stem
     print(f"\n== {name}: {len(graph)} nodes; profiling on {args.groups} ...", flush=True)
     t0 = time.perf_counter()
-    ctx = make_context(graph, PLACEMENT_METHODS["comm-sd"], devices=host_devices(args.groups), costs=args.costs,
-                       profile_runs=args.profile_runs, transfer=host_transfer())
+    ctx = make_context(graph, PLACEMENT_METHODS["comm-sd"], CutRequest([], devices=host_devices(args.groups),
+                                                                         costs=args.costs, profile_runs=args.profile_runs,
+                                                                         transfer=host_transfer()))
     print(f"   costs per device in {time.perf_counter() - t0:.1f} s; devices {[d.name for d in ctx.devices]}")
     rows = []
     base_costs = ctx.problem.cost[:, 0]

@@ -7,7 +7,7 @@ Existing code switches with one line::
 
 The constructor is ORT's, so that scripts written for ORT run unchanged; staronnx's own settings
 (``shares``, CPU groups, CUDA streams, the runtime's policy and options) are one keyword-only value,
-``spec=``:class:`~staronnx.compat.spec.SessionSpec`, so that none of them can be mistaken for an
+``spec=``:class:`SessionSpec`, so that none of them can be mistaken for an
 ORT argument. Providers choose the
 workers, as they choose ORT's devices; where CUDA cannot run, the session warns and serves on the
 CPU, as ORT falls back. Misuse raises what ORT raises, each also a
@@ -97,17 +97,16 @@ from staronnx.compat.lora import Overrides, Variants, overridable_initializers
 from staronnx.compat.model import ModelMetadata, NodeArg, declared_io, load_source, node_arg
 from staronnx.compat.options import (RECORD_ASSIGNMENT, OptionNotApplied, config_entry, model_config, not_applied,
                                      reads_config, refuse_options, with_config)
-from staronnx.compat.plan_cache import (AT_FIRST_RUN, first_run_shapes, kept_or_made, kept_plan, partition_settings,
-                                        plan_dir, unsized_dims)
-from staronnx.compat.providers import (CPU_EP, CUDA_EP, asked_providers, cores_for_threads, cuda_device_id,
-                                       cuda_stand_in, cuda_workers)
+from staronnx.compat.plan_cache import (AT_FIRST_RUN, first_run_shapes, partition_settings, plan_dir, session_plan,
+                                        unsized_dims)
+from staronnx.compat.providers import CPU_EP, CUDA_EP, asked_providers, cores_for_threads, cuda_device_id, cuda_workers
 from staronnx.compat.runners import Held, OrtPart, Runner, why_not_on_workers
-from staronnx.compat.spec import DEFAULT_SHARES, SessionSpec
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError
 from staronnx.modelio import load_model
 from staronnx.ortutil import QUIET, write_optimized
 from staronnx.partition.checks import targets_by_default
+from staronnx.partition.plan_cache import kept_plan
 from staronnx.partition.whole import too_small, value_spec
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
@@ -116,11 +115,40 @@ from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.spec import RuntimeSpec
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.cudart import host_runtime_from_env
 from staronnx.workers.layout import MachineSpec
 
 log = logging.getLogger(__name__)
 #: the package whose frames are the session's own, not a caller's
 _PACKAGE = __name__.rpartition(".")[0] + "."
+
+#: the split a session asks for when given none: the StarONNX papers' 85/15. A model with fewer
+#: nodes than that is served whole instead (partition's default split), with a warning
+DEFAULT_SHARES = (0.85, 0.15)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSpec:
+    """How a session cuts its model and which workers run it. What is None here ORT's arguments
+    decide, as they choose ORT's devices: the CUDA streams from ``providers`` (two per GPU where
+    CUDA is asked for), the GPU from the CUDA provider's ``device_id``, the CPU groups from
+    ``intra_op_num_threads`` (one group of that many cores; else one per NUMA node)."""
+
+    #: each part's share of the work (``"auto"``: from measured speeds); None: partition's default
+    shares: Sequence[float] | str | None = DEFAULT_SHARES
+    cpu_groups: str | None = None
+    cuda_streams: int | None = None
+    cuda_devices: Sequence[int] | None = None
+    #: capture each (part, batch size) as a CUDA graph on the CUDA workers
+    cuda_graphs: bool = True
+    #: the size a model with dynamic sizes is cut at (``["image=1x3x256x256"]``) when the session
+    #: opens, instead of at its first run's shapes
+    input_shapes: Sequence[str] | Mapping[str, Sequence[int]] | None = None
+    #: what goes to :func:`staronnx.partition` (``{"costs": "estimate"}``, ...)
+    partition_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: how the runtime serves (policy, perf models, trace, CUDA options: :class:`RuntimeSpec`)
+    runtime: RuntimeSpec = dataclasses.field(default_factory=RuntimeSpec)
+
 
 #: ORT keyword arguments accepted for compatibility; staronnx has no use for them
 _ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_from_model"})
@@ -244,24 +272,22 @@ class InferenceSession:
         """The Runtime's machine and spec for ORT's provider arguments, with what the session was
         given (``self._spec``); ``self._provider_options`` records the providers in use."""
         spec, runtime = self._spec, self._spec.runtime
-        stand_in = cuda_stand_in(runtime.cuda)
+        # what the CUDA workers will drive instead of CUDA, if anything (as CudaWorker picks it)
+        stand_in = runtime.cuda.runtime or host_runtime_from_env()
         asked = None if providers is None else asked_providers(providers, provider_options, stand_in is not None)
         self._streams = streams = cuda_workers(asked, cuda_streams, stand_in)
         self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
         self._provider_options.setdefault(CPU_EP, {})
         devices = spec.cuda_devices or ((cuda_device_id(asked),) if streams and asked is not None else (0,))
-        cpu_groups = spec.cpu_groups
-        if cpu_groups is None:
-            drivers = len(devices) if streams else 0  # one per GPU
-            cpu_groups = cores_for_threads(self._threads, drivers) if self._threads > 0 else "numa"
-        cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
+        drivers = len(devices) if streams else 0  # one per GPU
+        cpu_groups = spec.cpu_groups or (cores_for_threads(self._threads, drivers) if self._threads > 0 else "numa")
+        cuda_given = {k: str(v) for k, v in self._provider_options.get(CUDA_EP, {}).items()
                       if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}
         if streams and cuda_given:
             # ORT's CUDA options (gpu_mem_limit, arena settings, ...) go to every CUDA worker;
             # the device and the stream are each worker's own, so those are not passed
-            given = {k: str(v) for k, v in cuda_given.items()}
             runtime = dataclasses.replace(runtime, cuda=dataclasses.replace(
-                runtime.cuda, provider_options={**given, **runtime.cuda.provider_options}))
+                runtime.cuda, provider_options={**cuda_given, **runtime.cuda.provider_options}))
         return MachineSpec(cpu_groups, streams, devices, spec.cuda_graphs), runtime
 
     def _start(self, plan: Plan) -> Runtime | OrtPart:
@@ -311,7 +337,7 @@ class InferenceSession:
             make = functools.partial(partition, src, shares, spec,
                                      **{k: v for k, v in settings.items() if k not in cut_fields})
             with targets_by_default() if by_default else contextlib.nullcontext():
-                return kept_or_made(sha, plan_dir(sha, shares, asked, groups, streams), make, self._held)
+                return session_plan(sha, plan_dir(sha, shares, asked, groups, streams), make, self._held)
 
         self._cut_model = cut_model
         if not unsized:
@@ -412,7 +438,7 @@ class InferenceSession:
         """ORT's: the workers start again for these providers (all available ones for None),
         on the same plan; a provider ORT does not know is refused with ORT's RuntimeError.
         Requests in flight finish on the workers they started on."""
-        stand_in = cuda_stand_in(self._spec.runtime.cuda)
+        stand_in = self._spec.runtime.cuda.runtime or host_runtime_from_env()
         known = set(ort.get_all_providers()) | ({CUDA_EP} if stand_in is not None else set())
         if providers is None:
             providers = ort.get_available_providers()

@@ -31,8 +31,6 @@ from staronnx.workers.lanes import short_switch_interval
 
 if TYPE_CHECKING:
     from staronnx.runtime.runtime import ModelHandle, Runtime
-    from staronnx.runtime.spec import RuntimeSpec
-    from staronnx.workers.layout import MachineSpec
     from staronnx.serve.models import ModelEndpoint
 
 log = logging.getLogger("staronnx.ray")

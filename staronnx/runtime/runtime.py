@@ -29,11 +29,9 @@ set of workers under one scheduler, each part with its own perf model)::
         print(rt.model("tiny").stats()["deadline_misses"])
 
 Each worker holds a session of every model's parts, unless the machine's ``residency`` keeps a
-model on some workers only (``residency={"tiny": "cpu"}``: GPU memory, or a GPU left to the heavy
-model; see :mod:`staronnx.workers.residency`), in which case its tasks go only there and
-``stats()["models"][name]["held_by"]`` says where; its ``lanes`` give models a worker of their
-own that the OS lets preempt the others' tasks (:mod:`staronnx.workers.lanes`). One policy places
-every task; a model's
+model on some workers only (``{"tiny": "cpu"}``: GPU memory, or a GPU left to the heavy model),
+where its tasks then go (``stats()["models"][name]["held_by"]``), or its ``lanes`` give a model
+workers of its own that preempt the others' tasks. One policy places every task; a model's
 :class:`~staronnx.runtime.models.ServiceTarget` turns its requests into deadlines that ordered
 queues serve first (EDF), and its ``capacity`` refuses that model's requests only
 (:class:`~staronnx.runtime.models.ModelOverloaded`). :meth:`Runtime.model` gives a handle with a
@@ -60,9 +58,9 @@ from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.models import HostedModel, ModelSet, ServiceTarget, load_plans
-from staronnx.runtime.registry import EngineSettings, Worker, engine_factory
+from staronnx.runtime.registry import Worker, engine_factory
 from staronnx.runtime.predictor import PerfPredictor
-from staronnx.runtime.spec import RuntimeSpec
+from staronnx.runtime.spec import EngineSettings, RuntimeSpec
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.colocate import Colocation
@@ -98,37 +96,23 @@ class Runtime:
 
     def __init__(self, plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
                  machine: MachineSpec | None = None, spec: RuntimeSpec | None = None) -> None:
-        """``machine``: the workers to start (CPU groups, CUDA streams per GPU, residency, lanes:
-        see :class:`MachineSpec`; default one CPU group per NUMA node); a lane's caller holds
-        :func:`~staronnx.workers.lanes.short_switch_interval` while it serves, so that a waking
-        lane waits at most 0.5 ms for the GIL (a process-wide setting: the runtime leaves it
-        alone). ``spec``: how to serve (policy, engine, trace, perf models, warm-up, service
-        targets: see :class:`RuntimeSpec`)."""
-        spec = spec or RuntimeSpec()
-        if spec.save_every < 0:
-            raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {spec.save_every}")
-        #: the workers this runtime asked for, as one value (its engine starts them)
-        self.machine = machine = machine or MachineSpec()
-        #: how it serves, as asked
-        self.spec = spec
+        """``machine``: the workers to start (default: one CPU group per NUMA node); with lanes, the
+        caller holds :func:`~staronnx.workers.lanes.short_switch_interval` while it serves, so that
+        a waking lane waits at most 0.5 ms for the GIL (a process-wide setting the runtime leaves
+        alone). ``spec``: how to serve (policy, engine, trace, perf models, warm-up, targets)."""
+        #: the workers this runtime asked for and how it serves, as given (its engine starts them)
+        self.machine, self.spec = machine, spec = machine or MachineSpec(), spec or RuntimeSpec()
         engine = spec.engine
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, _ = load_plans(plan)
         self.models = ModelSet(plans, spec.targets)
         #: the one model a ``model=None`` request is for (None: several are served)
         self._only = self.models.models[0] if self.models.single else None
-        workers = spec.workers
-        if machine.residency and (engine != "native" or workers is not None):
-            raise StaronnxError("residency chooses the workers that load each model when the native engine "
-                                "starts them; it does not go with engine='starpu' or workers=[...]")
-        if machine.lanes and (engine != "native" or workers is not None):
-            raise StaronnxError("lanes are workers the native engine starts; they do not go with engine='starpu' "
-                                "or workers=[...]")
+        if (machine.residency or machine.lanes) and (engine != "native" or spec.workers is not None):
+            raise StaronnxError("lanes are workers the native engine starts, and residency chooses which of them "
+                                "load each model; neither goes with engine='starpu' or workers=[...]")
         self.policy_name = spec.policy
-        settings = EngineSettings(
-            spec.policy, machine, spec.trace, spec.store, dict(spec.policy_options),
-            None if workers is None else list(workers), spec.calibrate, spec.cuda.worker_options(),
-            tuple(int(b) for b in spec.warmup))
+        settings = EngineSettings(**vars(spec), machine=machine)
         self._engine = factory(self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch

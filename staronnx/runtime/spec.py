@@ -1,7 +1,8 @@
 """What a :class:`~staronnx.runtime.runtime.Runtime` is asked to do besides which workers to start
 (those are its :class:`~staronnx.workers.layout.MachineSpec`): :class:`RuntimeSpec`, and what its
 CUDA workers get beyond their place on the machine, :class:`CudaOptions`. Values, so every door
-(the CLI, a Serve config, a sweep, an ``InferenceSession``) hands the runtime one thing it checked.
+(the CLI, a Serve config, a sweep, an ``InferenceSession``) hands the runtime one thing it checked;
+the runtime hands its engine both as one :class:`EngineSettings`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.models import ServiceTarget
 from staronnx.workers.cudart import GpuRuntime
+from staronnx.workers.layout import MachineSpec
 
 
 @dataclass(frozen=True)
@@ -32,8 +35,7 @@ class CudaOptions:
 
     def worker_options(self) -> dict[str, Any]:
         """The keywords each :class:`~staronnx.workers.cuda.CudaWorker` is made with."""
-        return {"cudnn_conv_algo_search": self.cudnn_conv_algo_search,
-                "provider_options": dict(self.provider_options), "runtime": self.runtime}
+        return dict(vars(self))
 
 
 @dataclass(frozen=True)
@@ -63,3 +65,20 @@ class RuntimeSpec:
     #: seconds between merges of the perf models learnt while serving into the store (0: at
     #: close only), so a server that is killed loses at most that much of what it learnt
     save_every: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.save_every < 0:
+            raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {self.save_every}")
+
+
+@dataclass(frozen=True)
+class EngineSettings(RuntimeSpec):
+    """What ``Runtime`` was asked for, handed whole to the engine's factory: its spec, and the
+    workers to start unless ``workers`` are given."""
+
+    machine: MachineSpec = field(default_factory=MachineSpec)
+
+    @property
+    def cuda_options(self) -> dict[str, Any]:
+        """Every CUDA worker's keywords (:meth:`CudaOptions.worker_options`)."""
+        return self.cuda.worker_options()
