@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from staronnx.runtime.spec import CudaOptions
+
 REPO = Path(__file__).resolve().parents[1]
 #: the test and benchmark models, tracked in the repository so that a clone needs nothing beside it
 MODELS = REPO / "models"
@@ -58,18 +60,18 @@ def scratch_dir(prefix: str) -> Path:
     return path
 
 
-def cuda_worker_options(device: str, cuda_graphs: bool) -> tuple[dict, str]:
-    """``cuda_options`` for the CUDA workers of a host-cost benchmark, and the words its header
-    says: ``device="host"`` stands HostRuntime in for CUDA (runs anywhere), ``"cuda"`` drives
-    the GPU (ONNX Runtime's CUDA provider), or exits with the one line that says what is
-    missing, so a GPU run measures the real thing or nothing."""
+def cuda_worker_options(device: str) -> tuple[CudaOptions, str]:
+    """The CUDA workers' options of a host-cost benchmark, and the words its header says:
+    ``device="host"`` stands HostRuntime in for CUDA (runs anywhere), ``"cuda"`` drives the GPU
+    (ONNX Runtime's CUDA provider), or exits with the one line that says what is missing, so a
+    GPU run measures the real thing or nothing."""
     if device == "host":
         from staronnx.workers.cudart import HostRuntime
 
-        return {"runtime": HostRuntime(), "cuda_graphs": cuda_graphs}, "CUDA workers on HostRuntime"
+        return CudaOptions(runtime=HostRuntime()), "CUDA workers on HostRuntime"
     from staronnx.workers.cuda import cuda_unavailable_reason
 
     reason = cuda_unavailable_reason(0)
     if reason is not None:
         raise SystemExit(f"--device cuda: {reason}")
-    return {"cuda_graphs": cuda_graphs}, "CUDA workers on GPU 0"
+    return CudaOptions(), "CUDA workers on GPU 0"

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import cuda_worker_options, rate, scratch_dir  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
-from staronnx import Runtime, partition  # noqa: E402
+from staronnx import MachineSpec, Runtime, RuntimeSpec, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
-from staronnx.serving import Server  # noqa: E402
+from staronnx.serving import ServeSpec, Server  # noqa: E402
 from staronnx.partition import PartitionSpec
 from staronnx.bench.spec import RunSpec
 
@@ -51,7 +51,7 @@ def capacity(rt: Runtime, batch: int, seconds: float) -> float:
     sample = {"x": np.ones((1, 16), np.float32)}
 
     def burst() -> int:
-        with Server(rt, batch, queue_capacity=1 << 20) as server:
+        with Server(rt, ServeSpec(batch, queue_capacity=1 << 20)) as server:
             futs = [server.submit(sample) for _ in range(200 * batch)]
             for f in futs:
                 f.result()
@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="host: HostRuntime stands in for CUDA (default, runs anywhere); cuda: the GPU")
     ap.add_argument("--cuda-graphs", action="store_true", help="CUDA workers with graphs on")
     args = ap.parse_args(argv)
-    cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
+    cuda_options, where = cuda_worker_options(args.device)
     tmp = scratch_dir("staronnx-colocation-")
     plan = partition(tiny_model(tmp / "tiny.onnx"), spec=PartitionSpec(parts=1, profile_runs=1),
                      output_dir=tmp / "plan")
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp / "home"),
-                 cuda_options=cuda_options) as rt:
+    with Runtime(plan, MachineSpec("none", 1, cuda_graphs=args.cuda_graphs),
+                 RuntimeSpec("eager", store=PerfModelStore(tmp / "home"), cuda=cuda_options)) as rt:
         rt.run({"x": np.ones((args.batch, 16), np.float32)})
         cap = capacity(rt, args.batch, args.seconds)
         print(f"one stream, {where} (groups none), tiny model, batches of up to {args.batch} "

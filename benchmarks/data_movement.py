@@ -35,6 +35,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,7 @@ from staronnx import partition  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.plan import Plan  # noqa: E402
 from staronnx.runtime.runtime import Runtime  # noqa: E402
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 from staronnx.calibrate import start_workers  # noqa: E402
@@ -138,21 +140,23 @@ def delta(after: Mapping[str, tuple[int, int]], before: Mapping[str, tuple[int, 
 
 def open_runtime(plan: Plan, config: str, args: argparse.Namespace, home: Path, policy: str | None = None):
     """(Runtime, the stand-in or None, workers to close) for ``config``."""
-    options, _ = cuda_worker_options(args.device, False)
+    options, _ = cuda_worker_options(args.device)
     rt = CountingRuntime() if args.device == "host" else None
     if rt is not None:
-        options = dict(options, runtime=rt)
+        options = replace(options, runtime=rt)
     store = PerfModelStore(home)
     if config == "gpu":
-        return Runtime(plan, policy=policy or "eager", cpu_groups="none", cuda_streams=1, store=store,
-                       cuda_options=options), rt, []
+        return Runtime(plan, MachineSpec("none", 1, cuda_graphs=False),
+                       RuntimeSpec(policy or "eager", store=store, cuda=options)), rt, []
     if plan.k == 1 or policy is not None:
-        return Runtime(plan, policy=policy or "dmda", cpu_groups="1", cuda_streams=1, store=store,
-                       cuda_options=options), rt, []
-    workers = start_workers(plan, MachineSpec(groups="1", cuda_streams=1), cuda_options=options)
+        return Runtime(plan, MachineSpec("1", 1, cuda_graphs=False),
+                       RuntimeSpec(policy or "dmda", store=store, cuda=options)), rt, []
+    workers = start_workers(plan, MachineSpec("1", 1, cuda_graphs=False), cuda_options=options.worker_options())
     names = {w.kind: w.name for w in workers}
     devices = {0: names["cuda"], **{p: names["cpu"] for p in range(1, plan.k)}}
-    return Runtime(plan, policy="static", policy_options={"devices": devices}, workers=workers, store=store), rt, workers
+    return Runtime(plan,
+                   spec=RuntimeSpec(policy="static", policy_options={"devices": devices}, workers=workers,
+                                    store=store)), rt, workers
 
 
 def count_row(label: str, plan: Plan, config: str, feeds: dict[str, np.ndarray], args: argparse.Namespace,

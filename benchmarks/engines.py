@@ -38,6 +38,8 @@ from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.verify import random_plan_feeds
 from staronnx.partition import PartitionSpec
 
@@ -74,7 +76,7 @@ def engine_rates(plan: Plan, engine: str, policy: str, groups: str, feeds: dict[
                  sync: bool = True) -> dict[str, float]:
     """Requests/s one at a time and pipelined, for one engine started (and closed) here."""
     out: dict[str, float] = {}
-    with Runtime(plan, policy=policy, cpu_groups=groups, engine=engine, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=groups), RuntimeSpec(policy=policy, engine=engine, store=store)) as rt:
         for f in [rt.submit(feeds) for _ in range(warmup)]:
             f.result()
         if sync:

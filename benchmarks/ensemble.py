@@ -259,6 +259,8 @@ def trace_placement(plan_dir: str, args: argparse.Namespace, pipeline: str, feed
     from staronnx.plan import Plan
     from staronnx.runtime.gantt import plot_trace
     from staronnx.runtime.runtime import Runtime
+    from staronnx.runtime.spec import RuntimeSpec
+    from staronnx.workers.layout import MachineSpec
 
     plan = Plan.load(plan_dir)
     name = PIPELINES[pipeline][0]
@@ -269,8 +271,9 @@ def trace_placement(plan_dir: str, args: argparse.Namespace, pipeline: str, feed
             owner[p] = s["label"]
         first += int(s["parts"])
     trace = out.with_suffix(".trace.json")
-    runtime = Runtime(plan, policy=args.policy, cpu_groups=args.groups, cuda_streams=args.cuda_streams,
-                      trace=trace)
+    runtime = Runtime(plan,
+                      MachineSpec(groups=args.groups, cuda_streams=args.cuda_streams),
+                      RuntimeSpec(policy=args.policy, trace=trace))
     try:
         stop = time.perf_counter() + args.trace_seconds
         pending: list[Any] = []

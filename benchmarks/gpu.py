@@ -464,11 +464,11 @@ def open_runtime(plan: Any, key: Key, batches: list[int], *, policy: str, groups
                  trace: Path | None) -> Any:
     """A staronnx runtime with CUDA graphs, every batch size of the matrix captured at warm-up
     (it serves the rows of one model, precision and K in turn)."""
-    from staronnx import Runtime
+    from staronnx import CudaOptions, Runtime, RuntimeSpec
 
-    cuda_options = {"provider_options": {"use_tf32": "1" if key.precision == "tf32" else "0"}, "cuda_graphs": True}
-    return Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=streams, store=store,
-                   cuda_options=cuda_options, warmup=tuple(sorted(set(batches))), trace=trace)
+    cuda = CudaOptions(provider_options={"use_tf32": "1" if key.precision == "tf32" else "0"})
+    return Runtime(plan, MachineSpec(groups, streams),
+                   RuntimeSpec(policy, store=store, cuda=cuda, warmup=tuple(sorted(set(batches))), trace=trace))
 
 
 class Staronnx(Setup):

@@ -53,9 +53,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import alternate, cuda_worker_options, rate, scratch_dir  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
-from staronnx import Runtime, partition  # noqa: E402
+from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec, partition  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
-from staronnx.serving import Server  # noqa: E402
+from staronnx.serving import ServeSpec, Server  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
 from staronnx.partition import PartitionSpec
 
@@ -155,7 +155,7 @@ def served(rt: Runtime, sample: dict[str, np.ndarray], args: argparse.Namespace,
     """Single-sample requests through a Server, as fast as they are accepted; ``colocate``: the
     caller and the server's batcher on the driver's core."""
     with rt.colocate() if colocate else contextlib.nullcontext(), \
-            Server(rt, BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight, colocate=colocate) as server:
+            Server(rt, ServeSpec(BATCH, queue_capacity=1 << 20, max_inflight=args.in_flight, colocate=colocate)) as server:
         futs = [server.submit(sample) for _ in range(200 * BATCH)]
         for f in futs:
             f.result()
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", choices=("host", "cuda"), default="host",
                     help="host: HostRuntime stands in for CUDA (default, runs anywhere); cuda: the GPU")
     args = ap.parse_args(argv)
-    cuda_options, where = cuda_worker_options(args.device, args.cuda_graphs)
+    cuda_options, where = cuda_worker_options(args.device)
     tmp = scratch_dir("staronnx-host-overhead-")
     model = tiny_model(tmp / "tiny.onnx")
     plan = partition(model, spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp / "plan")
@@ -192,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     pools: dict[int, np.ndarray] = {}
     with contextlib.ExitStack() as stack:
         for n in STREAMS:
-            rt = stack.enter_context(Runtime(
-                plan, policy="eager", cpu_groups="none", cuda_streams=n, store=store,
-                cuda_options=dict(cuda_options, runtime=HostRuntime()) if args.device == "host" else cuda_options))
+            # a stand-in per runtime where CUDA is stood in for
+            cuda = CudaOptions(runtime=HostRuntime()) if args.device == "host" else cuda_options
+            rt = stack.enter_context(Runtime(plan, MachineSpec("none", n, cuda_graphs=args.cuda_graphs),
+                                             RuntimeSpec("eager", store=store, cuda=cuda)))
             for _ in range(4 * n):
                 rt.run(batch)
             pool = rt.batch_array((BATCH, 16), np.float32)  # a batch in pinned memory, as served

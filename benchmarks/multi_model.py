@@ -37,6 +37,7 @@ import os
 import statistics
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,23 +105,27 @@ class Setup:
     def __init__(self, name: str, heavy: Any, light: Any, groups: str, slo: float, store: Any,
                  heavy_batch: int, light_batch: int, max_delay: float) -> None:
         from staronnx.runtime.runtime import Runtime
+        from staronnx.runtime.spec import RuntimeSpec
+        from staronnx.workers.layout import MachineSpec
         from staronnx.serving.server import Server
+        from staronnx.serving.spec import ServeSpec
 
         self.name = name
         self.runtimes: list[Any] = []
-        common = dict(policy="heft", cpu_groups=groups, store=store)
+        machine, common = MachineSpec(groups), RuntimeSpec("heft", store=store)
         if name == "separate":
-            rh, rl = Runtime(heavy, **common), Runtime(light, **common)
+            rh, rl = Runtime(heavy, machine, common), Runtime(light, machine, common)
             self.runtimes = [rh, rl]
             heavy_rt, light_rt = rh, rl
         else:
-            targets = {"light": {"latency": slo}} if name != "shared" else None
-            lanes = ["light"] if name == "shared+lane" else None
-            rt = Runtime({"googlenet": heavy, "light": light}, targets=targets, lanes=lanes, **common)
+            targets = {"light": {"latency": slo}} if name != "shared" else {}
+            lanes = {"light": "cpu"} if name == "shared+lane" else {}
+            rt = Runtime({"googlenet": heavy, "light": light}, replace(machine, lanes=lanes),
+                         replace(common, targets=targets))
             self.runtimes = [rt]
             heavy_rt, light_rt = rt.model("googlenet"), rt.model("light")
-        self.heavy = Server(heavy_rt, heavy_batch, max_delay=max_delay, queue_capacity=256)
-        self.light = Server(light_rt, light_batch, max_delay=max_delay, queue_capacity=256)
+        self.heavy = Server(heavy_rt, ServeSpec(heavy_batch, max_delay=max_delay, queue_capacity=256))
+        self.light = Server(light_rt, ServeSpec(light_batch, max_delay=max_delay, queue_capacity=256))
 
     def close(self) -> None:
         self.heavy.close()

@@ -26,6 +26,8 @@ from _common import GOOGLENET, alternate, rate, scratch_dir  # noqa: E402
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.topology import Topology
 from staronnx.partition import PartitionSpec
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     plan = partition(tiny, spec=PartitionSpec(parts=1, profile_runs=1), output_dir=tmp / "tiny-plan")
     feeds = {"x": np.ones((1, 16), np.float32)}
     sess = plain_session(tiny, ncores)
-    with Runtime(plan, policy="eager", cpu_groups=one_group, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=one_group), RuntimeSpec(policy="eager", store=store)) as rt:
         rt.run(feeds)
 
         def pipelined() -> int:
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     gsess.run(None, gfeeds)
     results = {}
     for label, p in (("1 part", whole), ("2 parts 85/15", split)):
-        with Runtime(p, policy="heft", cpu_groups=one_group, store=store) as rt:
+        with Runtime(p, MachineSpec(groups=one_group), RuntimeSpec(policy="heft", store=store)) as rt:
             rt.run(gfeeds)
 
             def engine() -> int:

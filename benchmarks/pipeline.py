@@ -22,6 +22,7 @@ from staronnx import partition  # noqa: E402
 from staronnx.calibrate import calibrate, start_workers  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.runtime.runtime import Runtime  # noqa: E402
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.verify import random_plan_feeds  # noqa: E402
 from staronnx.workers.topology import Topology  # noqa: E402
 from staronnx.workers.layout import MachineSpec
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     so.intra_op_num_threads = ncores
     sess = ort.InferenceSession(str(args.model), so, providers=["CPUExecutionProvider"])
     sess.run(None, feeds)
-    with Runtime(plan, policy=args.policy, cpu_groups=args.groups, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=args.groups), RuntimeSpec(policy=args.policy, store=store)) as rt:
         rt.run(feeds)
 
         def engine() -> int:

@@ -48,7 +48,7 @@ from staronnx.errors import StaronnxError
 from staronnx.modelio import load_model
 from staronnx.partition.api import METHODS
 from staronnx.partition.costs import NodeCosts
-from staronnx.partition.cut import Parts
+from staronnx.partition.cut import CutRequest, Parts
 from staronnx.partition.export import write_plan
 from staronnx.partition.graph import build_graph
 from staronnx.partition.host import host_devices, host_transfer
@@ -61,6 +61,7 @@ from staronnx.partition.methods.pipeline import (
 )
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.verify import random_plan_feeds, verify_plan
 from staronnx.workers.topology import Topology
 from staronnx.workers.layout import MachineSpec
@@ -103,8 +104,9 @@ def make_plans(model: Path, args: argparse.Namespace, out: Path) -> list[Row]:
     name = model.stem
     print(f"\n== {name}: {len(graph)} nodes; profiling on {args.groups} ...", flush=True)
     t0 = time.perf_counter()
-    ctx = make_context(graph, PLACEMENT_METHODS["comm-sd"], devices=host_devices(args.groups), costs=args.costs,
-                       profile_runs=args.profile_runs, transfer=host_transfer())
+    ctx = make_context(graph, PLACEMENT_METHODS["comm-sd"], CutRequest([], devices=host_devices(args.groups),
+                                                                         costs=args.costs, profile_runs=args.profile_runs,
+                                                                         transfer=host_transfer()))
     print(f"   costs per device in {time.perf_counter() - t0:.1f} s; devices {[d.name for d in ctx.devices]}")
     rows = []
     base_costs = ctx.problem.cost[:, 0]
@@ -171,10 +173,12 @@ def measure(rows: list[Row], model: Path, args: argparse.Namespace, store: PerfM
     def policy_for(plan) -> str:
         return "static" if all(getattr(p, "device", None) for p in plan.parts) else "heft"
 
-    runtimes = {r.method: Runtime(r.plan, policy=policy_for(r.plan), cpu_groups=args.groups, store=store)
+    runtimes = {r.method: Runtime(r.plan,
+                                  MachineSpec(groups=args.groups),
+                                  RuntimeSpec(policy=policy_for(r.plan), store=store))
                 for r in live}
     # the same placed plans with heft deciding each part's worker: the cut without the placement
-    dynamic = {r.method: Runtime(r.plan, policy="heft", cpu_groups=args.groups, store=store)
+    dynamic = {r.method: Runtime(r.plan, MachineSpec(groups=args.groups), RuntimeSpec(policy="heft", store=store))
                for r in live if policy_for(r.plan) == "static"}
     try:
         plan0 = live[0].plan

@@ -34,7 +34,7 @@ from _common import scratch_dir  # noqa: E402
 from host_overhead import calls_per_task  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
-from staronnx import Runtime, partition  # noqa: E402
+from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec, partition  # noqa: E402
 from staronnx.partition.autoshares import median_seconds  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
 from staronnx.workers.cudart import HostRuntime  # noqa: E402
@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         runtimes = {}
         for policy in POLICIES:
             for n in STREAMS:
-                rt = stack.enter_context(Runtime(plan, policy=policy, cpu_groups=args.groups, cuda_streams=n,
-                                                 store=store, cuda_options={"runtime": HostRuntime()}))
+                rt = stack.enter_context(Runtime(plan,
+                                                 MachineSpec(groups=args.groups, cuda_streams=n),
+                                                 RuntimeSpec(policy=policy, store=store,
+                                                             cuda=CudaOptions(runtime=HostRuntime()))))
                 for _ in range(100 * n):  # perf models calibrated on every stream
                     rt.run(feeds)
                 runtimes[policy, n] = rt

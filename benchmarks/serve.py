@@ -243,10 +243,12 @@ def client_main(args: argparse.Namespace) -> int:
     async def in_process() -> dict[str, object]:
         from staronnx.durations import parse_duration
         from staronnx.runtime.runtime import Runtime
-        from staronnx.serving import Server
+        from staronnx.runtime.spec import RuntimeSpec
+        from staronnx.workers.layout import MachineSpec
+        from staronnx.serving import ServeSpec, Server
 
-        with Runtime(args.plan, policy=args.policy, cpu_groups=args.groups) as rt, \
-                Server(rt, args.batch, max_delay=parse_duration(args.max_delay, allow_zero=True)) as server:
+        with Runtime(args.plan, MachineSpec(groups=args.groups), RuntimeSpec(policy=args.policy)) as rt, \
+                Server(rt, ServeSpec(args.batch, max_delay=parse_duration(args.max_delay, allow_zero=True))) as server:
             async def call() -> None:
                 await asyncio.wrap_future(server.submit({"input": x}))
 

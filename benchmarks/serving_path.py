@@ -49,10 +49,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import alternate, rate, scratch_dir, steal_seconds  # noqa: E402
 from overhead import tiny_model  # noqa: E402
 
-from staronnx import Runtime, partition  # noqa: E402
+from staronnx import MachineSpec, Runtime, RuntimeSpec, partition  # noqa: E402
 from staronnx.bench.points import measure_point  # noqa: E402
 from staronnx.perfmodels import PerfModelStore  # noqa: E402
-from staronnx.serving import Server  # noqa: E402
+from staronnx.serving import ServeSpec, Server  # noqa: E402
 from staronnx.partition import PartitionSpec
 from staronnx.bench.spec import RunSpec
 
@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     pu = sorted(os.sched_getaffinity(0))[0]
     sample = {"x": np.ones((1, 16), np.float32)}
     batch = {"x": np.ones((args.batch, 16), np.float32)}
-    with Runtime(plan, policy=args.policy, cpu_groups=str(pu), store=PerfModelStore(tmp / "home")) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups=str(pu)),
+                 RuntimeSpec(policy=args.policy, store=PerfModelStore(tmp / "home"))) as rt:
         rt.run(batch)
 
         def batches() -> int:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def served() -> int:
             c0 = time.process_time()
-            server = Server(rt, args.batch, queue_capacity=1 << 20)
+            server = Server(rt, ServeSpec(args.batch, queue_capacity=1 << 20))
             n = 2000 * args.batch
             futs = [server.submit(sample) for _ in range(n)]
             for f in futs:

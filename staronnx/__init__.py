@@ -2,7 +2,8 @@
 
 Public API: :func:`partition` cuts a model into a :class:`Plan`; :func:`load_plan` reads one
 back; a :class:`Runtime` runs batches of a plan (or of several, each with its
-:class:`ServiceTarget`) over CPU and CUDA workers; a :class:`Server`
+:class:`ServiceTarget`) over the CPU and CUDA workers of a :class:`MachineSpec`, as its
+:class:`RuntimeSpec` says; a :class:`Server`
 batches single-sample requests for a runtime (fixed-size batches as in the StarONNX papers, or
 Triton-style with ``max_delay``); :class:`InferenceSession` gives a model or plan
 ONNX Runtime's call shape. The rest of :mod:`staronnx.serving` (arrival processes, load generator, metrics) and
@@ -22,8 +23,11 @@ from staronnx.partition.api import partition  # shadows the subpackage name on p
 from staronnx.partition.spec import PartitionSpec
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
-from staronnx.compat import InferenceSession
+from staronnx.runtime.spec import CudaOptions, RuntimeSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.compat import InferenceSession, SessionSpec
 from staronnx.serving.server import OverloadError, Server, ServerClosed
+from staronnx.serving.spec import ServeSpec
 
 __version__ = "0.1.0"
 
@@ -39,10 +43,15 @@ __all__ = [
     "load_plan",
     "Plan",
     "Runtime",
+    "RuntimeSpec",
+    "MachineSpec",
+    "CudaOptions",
     "ServiceTarget",
     "ModelOverloaded",
     "InferenceSession",
+    "SessionSpec",
     "Server",
+    "ServeSpec",
     "OverloadError",
     "ServerClosed",
     "StaronnxError",

@@ -343,6 +343,7 @@ def calibrate_host(
     from staronnx.bench.points import measure_point, sample_pool, warm_up
     from staronnx.bench.spec import RunSpec
     from staronnx.runtime.runtime import Runtime
+    from staronnx.runtime.spec import RuntimeSpec
 
     store = store if store is not None else PerfModelStore()
     say = on_step or (lambda msg: None)
@@ -356,9 +357,8 @@ def calibrate_host(
         trace = Path(tmp) / "probe.json"
         # the probe's runtime reads a copy of the models: what it learns (the flush's partial
         # batches, sizes nobody calibrated) must not land in the store as half-filled entries
-        runtime = Runtime(plan, policy=policy, cpu_groups=spec.groups, cuda_streams=spec.cuda_streams,
-                          cuda_devices=spec.cuda_devices,
-                          store=_scratch_store(store, plan.hash, Path(tmp) / "home"), workers=workers, trace=trace)
+        runtime = Runtime(plan, spec, RuntimeSpec(policy, store=_scratch_store(store, plan.hash, Path(tmp) / "home"),
+                                                  workers=workers, trace=trace))
         try:
             names = [w.name for w in runtime.workers]
             inline = all(w.kind == "cpu" for w in machine.workers)  # the Server resolves on the worker's thread

@@ -86,7 +86,7 @@ def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.1
         for w in workers:
             w.close()
     say(f"serving {batches} batches through the runtime (heft, groups {groups!r})")
-    with Runtime(plan, policy="heft", cpu_groups=groups) as rt:
+    with Runtime(plan, MachineSpec(groups)) as rt:
         rt.run(feeds)
         t3 = time.perf_counter()
         for fut in [rt.submit(feeds) for _ in range(batches)]:

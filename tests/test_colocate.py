@@ -18,9 +18,9 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from staronnx import Runtime, partition
+from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec, partition
 from staronnx.perfmodels import PerfModelStore
-from staronnx.serving import Server
+from staronnx.serving import ServeSpec, Server
 from staronnx.workers.colocate import colocated
 from staronnx.workers.cuda import CudaWorker
 from staronnx.workers.cudart import HostRuntime
@@ -49,8 +49,8 @@ def plan(model, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _runtime(plan, tmp_path, groups: str = "none", streams: int = 1) -> Runtime:
-    return Runtime(plan, policy="eager", cpu_groups=groups, cuda_streams=streams, store=PerfModelStore(tmp_path),
-                   cuda_options={"runtime": HostRuntime(), "cuda_graphs": False} if streams else None)
+    return Runtime(plan, MachineSpec(groups, streams, cuda_graphs=False),
+                   RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=HostRuntime())))
 
 
 def _x(seed: int) -> dict[str, np.ndarray]:
@@ -138,7 +138,7 @@ def test_without_cuda_workers_the_block_runs_on_the_first_cpu_workers_pu(plan, m
             np.testing.assert_allclose(rt.run(_x(1))["y"], ref.run(None, _x(1))[0], rtol=1e-5, atol=1e-5)
         assert os.sched_getaffinity(0) == before
         assert os.sched_getaffinity(first.native_id) == {pus[-1]}  # the worker keeps its pin
-        with Server(rt, 4, max_delay=0.001, colocate=True) as server:
+        with Server(rt, ServeSpec(4, max_delay=0.001, colocate=True)) as server:
             sample = {"x": _x(2)["x"][:1]}
             np.testing.assert_allclose(server.submit(sample).result(timeout=10)["y"], ref.run(None, sample)[0],
                                        rtol=1e-5, atol=1e-5)
@@ -178,7 +178,7 @@ def test_a_colocated_servers_batcher_runs_on_the_drivers_core(plan, model, tmp_p
     ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     before = os.sched_getaffinity(0)
     with _runtime(plan, tmp_path) as rt:
-        with Server(rt, 4, max_delay=0.001, colocate=True) as server:
+        with Server(rt, ServeSpec(4, max_delay=0.001, colocate=True)) as server:
             sample = {"x": _x(3)["x"][:1]}
             np.testing.assert_allclose(server.submit(sample).result(timeout=10)["y"], ref.run(None, sample)[0],
                                        rtol=1e-5, atol=1e-5)
@@ -186,7 +186,7 @@ def test_a_colocated_servers_batcher_runs_on_the_drivers_core(plan, model, tmp_p
             assert pu is not None
             assert os.sched_getaffinity(server._thread.native_id) == {pu}
             assert os.sched_getaffinity(0) == before  # the caller's thread is its own business
-        with Server(rt, 4, max_delay=0.001) as plain:  # off by default
+        with Server(rt, ServeSpec(4, max_delay=0.001)) as plain:  # off by default
             assert plain.submit(sample).result(timeout=10)["y"].shape == (1, 16)
             assert os.sched_getaffinity(plain._thread.native_id) == before
 
@@ -239,7 +239,7 @@ def test_a_colocated_server_on_a_closed_runtime_still_answers_every_request(plan
 
     rt = _runtime(plan, tmp_path)
     rt.close()
-    with caplog.at_level(logging.WARNING), Server(rt, 2, max_delay=0.001, colocate=True) as server:
+    with caplog.at_level(logging.WARNING), Server(rt, ServeSpec(2, max_delay=0.001, colocate=True)) as server:
         fut = server.submit({"x": _x(6)["x"][:1]})
         with pytest.raises(EngineClosed):
             fut.result(timeout=10)  # its error, not a hang

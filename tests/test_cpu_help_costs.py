@@ -184,7 +184,7 @@ def test_a_live_runtime_keeps_the_h200_batch1_row_on_the_gpu(plan, tmp_path, pol
     standing in for the device's) beside a CPU group, perf models at the batch-1 row's times
     (each part half): a burst of 48 requests runs entirely on the streams with the H200's cost
     (the default); with StarPU's decision (``HelpCost.free()``) the CPU group takes part of it."""
-    from staronnx import Runtime
+    from staronnx import CudaOptions, Runtime, RuntimeSpec
     from staronnx.workers.cudart import HostRuntime
 
     stream_s, _, cpu_s = _times(1, 8, 2829.0, 400.0)
@@ -195,9 +195,10 @@ def test_a_live_runtime_keeps_the_h200_batch1_row_on_the_gpu(plan, tmp_path, pol
     feeds = {"x": np.random.default_rng(0).standard_normal((1, 32)).astype(np.float32)}
 
     def tasks_on_cpu(help_cost: HelpCost | None) -> int:
-        with Runtime(plan, policy=policy_name, cpu_groups="numa", cuda_streams=8, store=store,
-                     policy_options={"help_cost": help_cost},
-                     cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}) as rt:
+        with Runtime(plan,
+                     MachineSpec(groups="numa", cuda_streams=8, cuda_graphs=False),
+                     RuntimeSpec(policy=policy_name, store=store, policy_options={"help_cost": help_cost},
+                                 cuda=CudaOptions(runtime=HostRuntime()))) as rt:
             assert any(w["arch"].startswith("cpu") for w in rt.stats()["workers"].values())
             for f in [rt.submit(feeds) for _ in range(48)]:
                 f.result(timeout=120)

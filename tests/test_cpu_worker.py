@@ -418,7 +418,7 @@ def test_a_runtime_shares_weights_between_the_groups_of_a_numa_node_only(small, 
     """One group alone on its NUMA node has no second session to share a part's weights with:
     it loads its parts as a plain ORT session does (the CPU engine next to a plain loop, issue
     51); two groups on one node share one mapped copy, and both answer as the model does."""
-    from staronnx import Runtime, load_plan
+    from staronnx import MachineSpec, Runtime, RuntimeSpec, load_plan
     from staronnx.verify import random_plan_feeds
 
     model, folder = small
@@ -428,7 +428,7 @@ def test_a_runtime_shares_weights_between_the_groups_of_a_numa_node_only(small, 
     pus = sorted(os.sched_getaffinity(0))
     alone = f"{pus[0]}-{pus[-1]}" if len(pus) > 1 else str(pus[0])
     for groups, shared in ((alone, False), (two_groups, True)):
-        with Runtime(plan, policy="eager", cpu_groups=groups) as rt:
+        with Runtime(plan, MachineSpec(groups=groups), RuntimeSpec(policy="eager")) as rt:
             assert [w.weights_shared for w in rt.workers] == [[shared] * plan.k] * len(rt.workers)  # type: ignore[attr-defined]  # (CPU workers)
             out = rt.run(feeds)
         for name, want in zip(plan.output_names, expected):

@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from staronnx import Runtime, partition
+from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec, partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.workers.base import WorkerLost
 from staronnx.workers.cuda import CAPTURE_LOCK, CAPTURE_TRIES, CudaOptions, CudaWorker
@@ -114,7 +114,7 @@ def _host_workers(plan, n: int, per_stream: bool = False) -> tuple[list[CudaWork
 def test_a_sticky_cuda_error_moves_the_workers_tasks_to_the_others(plan, reference, tmp_path, policy, per_stream):
     workers, runtimes = _host_workers(plan, 2, per_stream)
     try:
-        with Runtime(plan, policy=policy, workers=workers, store=PerfModelStore(tmp_path)) as rt:
+        with Runtime(plan, spec=RuntimeSpec(policy=policy, workers=workers, store=PerfModelStore(tmp_path))) as rt:
             for _ in range(4):
                 rt.run(feeds())
             # an illegal address in the doomed worker's own copy of an input: the context is lost
@@ -144,7 +144,7 @@ def test_a_sticky_cuda_error_moves_the_workers_tasks_to_the_others(plan, referen
 def test_an_error_that_is_not_sticky_fails_one_request_only(plan, reference, tmp_path):
     workers, runtimes = _host_workers(plan, 2)
     try:
-        with Runtime(plan, policy="eager", workers=workers, store=PerfModelStore(tmp_path)) as rt:
+        with Runtime(plan, spec=RuntimeSpec(policy="eager", workers=workers, store=PerfModelStore(tmp_path))) as rt:
             for _ in range(4):
                 rt.run(feeds())
             runtimes[1].inject("copy_h2d", 2)  # out of memory: this task only
@@ -386,8 +386,9 @@ def test_ort_is_told_not_to_synchronise_the_stream(model):
 
 def test_through_a_runtime_events_stop_once_the_perf_model_is_calibrated(plan, reference, tmp_path):
     rt = HostRuntime()
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         for i in range(40):  # StarPU's calibration: 10 accepted samples per footprint
             runtime.run(feeds(seed=i))
         before = dict(rt.calls)
@@ -441,8 +442,10 @@ def test_a_runtime_captures_its_warm_up_sizes_one_worker_at_a_time_and_never_whi
     """ORT keeps CUDA graphs per thread: a device's second stream, driven by the device's
     driver thread, is warmed up there (not on a thread of its own), so serving only replays."""
     rt = HostRuntime()
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=2, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}, warmup=(4, 1, 2)) as runtime:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=2),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), warmup=(4, 1, 2),
+                             cuda=CudaOptions(runtime=rt))) as runtime:
         assert runtime.preferred_batch_sizes == (1, 2, 4)
         workers = runtime.workers
         # 3 sizes x 2 buffer sets (a pipelined worker launches a task behind another)
@@ -482,8 +485,10 @@ def test_a_graph_replayed_from_another_thread_is_captured_again_and_counted(mode
 
 
 def test_without_graphs_there_is_nothing_to_pad_to(plan, tmp_path):
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}, warmup=(1, 2)) as runtime:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=1, cuda_graphs=False),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), warmup=(1, 2),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as runtime:
         assert runtime.preferred_batch_sizes == ()
         assert "graphs" not in runtime.stats()["workers"]["cuda0.s0"]
 
@@ -494,8 +499,9 @@ def test_one_thread_drives_every_stream_of_a_device_unless_asked_otherwise(plan,
     """StarPU's STARPU_CUDA_THREAD_PER_DEV: N streams cost the host one thread (one GIL
     contender, one set of context switches), so more streams are never slower than one."""
     host = HostRuntime()
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=3, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": host, "cuda_graphs": False, "thread_per_stream": per_stream}) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=3, cuda_graphs=False, thread_per_stream=per_stream),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=host))) as rt:
         host.copy_threads.clear()
         xs = [feeds(seed=i) for i in range(120)]
         futs = [rt.submit(x) for x in xs]
@@ -515,8 +521,9 @@ def test_a_driven_stream_placed_on_by_dmda_runs_its_own_tasks(plan, reference, t
     """dmda places each task on one stream at push: the device's thread serves every stream's
     own queue (a task is never lost in a stream nobody pops)."""
     host = HostRuntime()
-    with Runtime(plan, policy="dmda", cpu_groups="none", cuda_streams=2, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": host, "cuda_graphs": False}) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=2, cuda_graphs=False),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=host))) as rt:
         for wave in range(5):
             xs = [feeds(seed=wave * 40 + i) for i in range(40)]
             futs = [rt.submit(x) for x in xs]
@@ -571,8 +578,10 @@ def test_a_driver_wakes_the_callers_of_finished_requests_in_groups_not_per_task(
     groups: list[int] = []
     real = engine.announce
     monkeypatch.setattr(engine, "announce", lambda futures: (groups.append(len(futures)), real(futures)))
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=1, cuda_graphs=False),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as rt:
         rt.run(feeds())
         groups.clear()
         x = feeds(seed=1)

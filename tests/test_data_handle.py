@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 
-from staronnx import Runtime, partition
+from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec, partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import DataHandle
@@ -147,8 +147,9 @@ def test_a_prefetch_decided_under_the_engines_lock_is_issued_after_it(one_part, 
     """dmda places a task when it is pushed and its input's upload is decided then; the copy
     itself runs once the engine's lock is free, so the other workers are not held up by it."""
     rt = _LockProbe()
-    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(one_part,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         rt.runtime = runtime
         xs = [np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32) for i in range(6)]
         for fut in [runtime.submit({"x": x}) for x in xs]:
@@ -177,8 +178,9 @@ def test_a_task_whose_input_is_still_being_issued_waits_for_it(one_part, tmp_pat
 
     rt = _SlowUpload()
     ref = ort.InferenceSession(str(one_part.root / "part0.onnx"), providers=["CPUExecutionProvider"])
-    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(one_part,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         xs = [np.random.default_rng(i).standard_normal((4, 8)).astype(np.float32) for i in range(5)]
         futures = [runtime.submit({"x": x}) for x in xs]
         for x, fut in zip(xs, futures):

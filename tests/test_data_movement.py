@@ -15,7 +15,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from staronnx import Runtime, partition
+from staronnx import CudaOptions, Runtime, RuntimeSpec, partition
 from staronnx.calibrate import start_workers
 from staronnx.perfmodels import BusModel, LinkCost, PerfModelStore
 from staronnx.plan import Plan
@@ -93,8 +93,10 @@ def test_a_two_part_chain_on_one_gpu_uploads_its_inputs_once_and_downloads_only_
     moved = {}
     for name, plan in (("1 part", one_part), ("2 parts", two_parts)):
         rt = HostRuntime()
-        with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=streams, warmup=(BATCH,),
-                     store=PerfModelStore(tmp_path / name), cuda_options={"runtime": rt}) as runtime:
+        with Runtime(plan,
+                     MachineSpec(groups="none", cuda_streams=streams),
+                     RuntimeSpec(policy="eager", warmup=(BATCH,), store=PerfModelStore(tmp_path / name),
+                                 cuda=CudaOptions(runtime=rt))) as runtime:
             counted = serve(runtime, rt, model, n)
             decided = runtime.stats()["copies"]
         moved[name] = bus_copies(counted)
@@ -124,8 +126,9 @@ def test_an_edge_between_a_gpu_and_a_cpu_moves_its_tensor_once_and_as_decided(tw
     workers, pinned = _placed(two_parts, rt, devices)
     n = 6
     try:
-        with Runtime(two_parts, policy="static", policy_options={"devices": pinned}, workers=workers,
-                     store=PerfModelStore(tmp_path)) as runtime:
+        with Runtime(two_parts,
+                     spec=RuntimeSpec(policy="static", policy_options={"devices": pinned}, workers=workers,
+                                      store=PerfModelStore(tmp_path))) as runtime:
             counted = bus_copies(serve(runtime, rt, model, n))
     finally:
         for w in workers:
@@ -203,8 +206,10 @@ def test_a_model_input_read_by_two_parts_on_one_gpu_is_uploaded_once(tmp_path):
                          output_dir=tmp_path / "plan")
     assert all("x" in p.inputs for p in plan.parts), "both parts read the model input"
     rt = HostRuntime()
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path / "h"),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path / "h"),
+                             cuda=CudaOptions(runtime=rt))) as runtime:
         counted = bus_copies(serve(runtime, rt, str(tmp_path / "skip.onnx"), 4))
     assert counted == {"h2d": (4, 4 * BATCH * WIDTH * 4), "d2h": (4, 4 * BATCH * WIDTH * 4)}
 
@@ -217,8 +222,9 @@ def test_a_real_model_split_on_one_gpu_moves_only_its_inputs_up_and_its_outputs_
     rt = HostRuntime()
     x = realmodels.request("bert_tiny", client=0, rows=2)
     want = realmodels.ort_outputs("bert_tiny", x)
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         before = rt.copy_counts()
         got = runtime.run(x)
         counted = bus_copies(delta(rt.copy_counts(), before))
@@ -253,8 +259,9 @@ def test_a_policy_that_places_at_push_starts_the_inputs_copy_then(one_part, mode
 
     rt = HostRuntime()
     n = 10
-    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(one_part,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         counted = serve(runtime, rt, model, n)
         stats = runtime.stats()
     assert threading.get_native_id() in rt.copy_threads  # uploads issued by the pushing thread
@@ -267,8 +274,9 @@ def test_eager_places_nothing_at_push_so_the_worker_uploads(one_part, model, tmp
     import threading
 
     rt = HostRuntime()
-    with Runtime(one_part, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(one_part,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         counted = serve(runtime, rt, model, 4)
         assert "prefetch" not in runtime.stats()
     assert threading.get_native_id() not in rt.copy_threads
@@ -281,8 +289,9 @@ def test_a_task_whose_prefetch_is_still_in_flight_waits_on_its_event_not_on_the_
     reading the tensor (one stream wait per task, no host wait on the copy)."""
     rt = HostRuntime()
     n = 6
-    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(one_part,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         runtime.run(feeds(99))
         rt.hold_events(10 ** 6)
         waits, syncs = rt.calls["stream_wait"], rt.calls["event_sync"] + rt.calls["stream_sync"]
@@ -302,8 +311,9 @@ def test_a_cpu_task_placed_at_push_gets_its_gpu_input_prefetched_down_once(two_p
     workers, pinned = _placed(two_parts, rt, ["cuda", "cpu"])
     n = 5
     try:
-        with Runtime(two_parts, policy="static", policy_options={"devices": pinned}, workers=workers,
-                     store=PerfModelStore(tmp_path)) as runtime:
+        with Runtime(two_parts,
+                     spec=RuntimeSpec(policy="static", policy_options={"devices": pinned}, workers=workers,
+                                      store=PerfModelStore(tmp_path))) as runtime:
             counted = bus_copies(serve(runtime, rt, model, n))
             stats = runtime.stats()
     finally:
@@ -316,8 +326,9 @@ def test_a_cpu_task_placed_at_push_gets_its_gpu_input_prefetched_down_once(two_p
 def test_a_prefetch_that_fails_leaves_the_task_to_fetch_its_input_and_loses_no_request(one_part, model, tmp_path):
     rt = HostRuntime()
     n = 4
-    with Runtime(one_part, policy="dmda", cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                 cuda_options={"runtime": rt}) as runtime:
+    with Runtime(one_part,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=rt))) as runtime:
         rt.inject("copy_h2d", 2)  # out of memory on the copy stream: the first prefetch fails
         counted = serve(runtime, rt, model, n)  # every answer checked
         stats = runtime.stats()

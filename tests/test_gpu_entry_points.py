@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 import pytest
 
-from staronnx import InferenceSession, Runtime, partition
+from staronnx import CudaOptions, InferenceSession, MachineSpec, Runtime, RuntimeSpec, SessionSpec, partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.cuda import cuda_unavailable_reason
@@ -36,7 +36,7 @@ pytestmark = [
 ]
 
 #: TF32 off in tests: exact fp32 kernels, comparable to the CPU reference
-STRICT = {"provider_options": {"use_tf32": "0"}}
+STRICT = CudaOptions(provider_options={"use_tf32": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +64,9 @@ def _close(a: np.ndarray, b: np.ndarray) -> None:
 @pytest.mark.parametrize("policy", ["eager", "dmda", "heft"])
 def test_runtime_with_cuda_streams_serves_on_the_gpu(gplan, tmp_path, policy):
     feeds = [random_plan_feeds(gplan, b, seed=i) for i, b in enumerate([1, 4, 8, 2] * 4)]
-    with Runtime(gplan, policy=policy, cuda_streams=2, cuda_options=STRICT,
-                 store=PerfModelStore(tmp_path)) as rt:
+    with Runtime(gplan,
+                 MachineSpec(cuda_streams=2),
+                 RuntimeSpec(policy=policy, cuda=STRICT, store=PerfModelStore(tmp_path))) as rt:
         assert [w.kind for w in rt.workers][:2] == ["cuda", "cuda"]
         results = [f.result(timeout=120) for f in [rt.submit(f) for f in feeds]]
         stats = rt.stats()
@@ -76,7 +77,7 @@ def test_runtime_with_cuda_streams_serves_on_the_gpu(gplan, tmp_path, policy):
 
 def test_inference_session_facade_with_cuda_streams(gplan):
     x = random_plan_feeds(gplan, 3, seed=7)
-    sess = InferenceSession(gplan, cuda_streams=1, cuda_options=STRICT)
+    sess = InferenceSession(gplan, spec=SessionSpec(cuda_streams=1, runtime=RuntimeSpec(cuda=STRICT)))
     try:
         (out,) = sess.run(None, x)
     finally:

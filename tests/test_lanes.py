@@ -19,6 +19,7 @@ import pytest
 from staronnx import partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.workers.lanes import LANE_NICE, LANE_SWITCH_INTERVAL, parse_lanes, plan_lanes, short_switch_interval
 from staronnx.workers.layout import MachineSpec, layout
 from staronnx.workers.residency import ResidencyError, WorkerSlot
@@ -91,8 +92,9 @@ def test_a_lane_holds_its_model_only_at_full_priority_and_the_group_worker_runs_
     heavy, light = plans
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     interval = sys.getswitchinterval()
-    with Runtime({"heavy": heavy, "light": light}, policy="heft", cpu_groups=one_pu(),
-                 store=PerfModelStore(tmp_path), lanes=["light"], lane_preempt=preempt) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=one_pu(), lanes={"light": "cpu"}, lane_preempt=preempt),
+                 RuntimeSpec(policy="heft", store=PerfModelStore(tmp_path))) as rt:
         assert sys.getswitchinterval() == interval  # a runtime leaves process-wide settings alone:
         with short_switch_interval():  # the caller holds it while serving (serve --lane does)
             assert sys.getswitchinterval() == pytest.approx(min(interval, LANE_SWITCH_INTERVAL))
@@ -144,8 +146,9 @@ def test_the_lowered_groups_onnx_runtime_pool_threads_run_lowered_too(plans, tmp
     # Threads by id, not a count: a lowered thread of an earlier test that ends meanwhile would
     # lower the difference of two counts (CI saw +1 for +2).
     before = set(thread_policies())
-    with Runtime({"heavy": heavy, "light": light}, policy="eager", cpu_groups=f"{pus[0]},{pus[1]}",
-                 store=PerfModelStore(tmp_path), lanes=["light"]) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=f"{pus[0]},{pus[1]}", lanes={"light": "cpu"}),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path))) as rt:
         group, lane = rt.workers
         assert group.group.n_cores == 2
         rt.submit(heavy_feeds(1), "heavy").result(timeout=60)
@@ -157,8 +160,9 @@ def test_the_lowered_groups_onnx_runtime_pool_threads_run_lowered_too(plans, tmp
 @pytest.mark.parametrize("policy", ["eager", "heft", "ws"])
 def test_a_laned_model_runs_on_its_lanes_only_unless_residency_adds_the_shared_workers(plans, tmp_path, policy):
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, policy=policy, cpu_groups=one_pu(),
-                 store=PerfModelStore(tmp_path), lanes={"light": "cpu"}) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=one_pu(), lanes={"light": "cpu"}),
+                 RuntimeSpec(policy=policy, store=PerfModelStore(tmp_path))) as rt:
         group, lane = rt.workers
         assert policy_of(group) == os.SCHED_IDLE
         jobs = [rt.submit(heavy_feeds(1, i), "heavy") for i in range(3)]
@@ -167,16 +171,18 @@ def test_a_laned_model_runs_on_its_lanes_only_unless_residency_adds_the_shared_w
             job.result(timeout=60)
         busy = {name: row["busy"] for name, row in rt.stats()["models"]["light"]["workers"].items()}
         assert busy[lane.name] > 0 and busy[group.name] == 0, busy
-    with Runtime({"heavy": heavy, "light": light}, policy=policy, cpu_groups=one_pu(),
-                 store=PerfModelStore(tmp_path), lanes={"light": "cpu"}, residency={"light": "lane,cpu"}) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=one_pu(), lanes={"light": "cpu"}, residency={"light": "lane,cpu"}),
+                 RuntimeSpec(policy=policy, store=PerfModelStore(tmp_path))) as rt:
         assert rt.stats()["models"]["light"]["held_by"] == [w.name for w in rt.workers]
 
 
 def test_lanes_hold_only_the_models_given_lanes(plans, tmp_path):
     heavy, light = plans
     with pytest.raises(ResidencyError, match="would be held by no worker"):
-        Runtime({"heavy": heavy, "light": light}, cpu_groups=one_pu(), store=PerfModelStore(tmp_path),
-                lanes=["light"], residency={"heavy": "lane"})
+        Runtime({"heavy": heavy, "light": light},
+                MachineSpec(groups=one_pu(), lanes={"light": "cpu"}, residency={"heavy": "lane"}),
+                RuntimeSpec(store=PerfModelStore(tmp_path)))
 
 
 @pytest.mark.parametrize("lane", [True, False])
@@ -190,9 +196,10 @@ def test_a_light_request_is_answered_while_the_heavy_task_in_front_of_it_still_r
     ``idle`` (SCHED_IDLE) any busy process of the host comes first, and beside a 2-core CPU load
     the heavy task got almost no CPU and did not end within the test's timeout."""
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, policy="heft", cpu_groups=one_pu(),
-                 store=PerfModelStore(tmp_path), lanes=["light"] if lane else None, lane_preempt="nice",
-                 targets={"light": {"latency": 0.05}}) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=one_pu(), lanes={"light": "cpu"} if lane else {}, lane_preempt="nice"),
+                 RuntimeSpec(policy="heft", store=PerfModelStore(tmp_path),
+                             targets={"light": {"latency": 0.05}})) as rt:
         rt.submit(light_feeds(0), "light").result(timeout=60)  # sessions warm
         rt.submit(heavy_feeds(1), "heavy").result(timeout=60)
         started = time.perf_counter()
@@ -213,7 +220,7 @@ def test_a_light_request_is_answered_while_the_heavy_task_in_front_of_it_still_r
 def test_lanes_refused_with_workers_given_or_the_starpu_engine(plans, tmp_path):
     heavy, light = plans
     with pytest.raises(Exception, match="lanes are workers the native engine starts"):
-        Runtime({"heavy": heavy, "light": light}, workers=[], lanes=["light"])
+        Runtime({"heavy": heavy, "light": light}, MachineSpec(lanes={"light": "cpu"}), RuntimeSpec(workers=[]))
 
 
 # -- the command line -----------------------------------------------------------------------

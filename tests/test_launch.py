@@ -18,7 +18,7 @@ import onnx
 import pytest
 
 from staronnx import partition
-from staronnx import Runtime
+from staronnx import CudaOptions, Runtime, RuntimeSpec
 from staronnx.calibrate import start_workers
 from staronnx.verify import random_plan_feeds
 from staronnx.workers.cudart import HostRuntime
@@ -155,7 +155,7 @@ def test_every_door_refuses_a_machine_that_cannot_be_in_the_same_words(plan2, tm
         MachineSpec("numa", **bad)
     words = re.escape(str(refused.value))
     with pytest.raises(StaronnxError, match=words):
-        Runtime(plan2, cpu_groups="numa", store=PerfModelStore(tmp_path), **bad)
+        Runtime(plan2, MachineSpec("numa", **bad), RuntimeSpec(store=PerfModelStore(tmp_path)))
     with pytest.raises(MachineError, match=words):  # the simulator's door takes the same spec
         build_machine(plan2, MachineSpec(groups="numa", **bad), store=PerfModelStore(tmp_path))
     with pytest.raises(MachineError, match=words):
@@ -188,15 +188,17 @@ def test_start_workers_starts_cuda_workers_on_their_reserved_core(plan2):
 
 
 def test_runtime_with_cuda_streams_starts_and_serves_through_its_cuda_workers(plan2, tmp_path):
-    """Issue 11's defect: ``Runtime(plan, cuda_streams=N)`` failed at once ("cuda0.s0 is not
+    """Issue 11's defect: ``Runtime(plan, MachineSpec(cuda_streams=N))`` failed at once ("cuda0.s0 is not
     started") because its own workers' CUDA ones were never started."""
     from staronnx.perfmodels import PerfModelStore
 
     before = {t.name for t in threading.enumerate()}
     feeds = [random_plan_feeds(plan2, 2, seed=i) for i in range(12)]
     results = []
-    with Runtime(plan2, policy="eager", cpu_groups="numa", cuda_streams=2,
-                 cuda_options={"runtime": HostRuntime()}, store=PerfModelStore(tmp_path)) as rt:
+    with Runtime(plan2,
+                 MachineSpec(groups="numa", cuda_streams=2),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as rt:
         archs = [w.kind for w in rt.workers]
         # eager hands a task to whichever worker asks first: on a busy host the CPU worker can
         # drain a round before a CUDA worker's thread is scheduled, so rounds go on (a bounded
@@ -220,14 +222,16 @@ def test_the_server_assembles_batches_in_pinned_memory_its_cuda_workers_copy_wit
     import gc
 
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.serving import Server
+    from staronnx.serving import ServeSpec, Server
 
     samples = [random_plan_feeds(plan2, 1, seed=i) for i in range(16)]
-    with Runtime(plan2, policy="eager", cpu_groups="none", cuda_streams=2,
-                 cuda_options={"runtime": HostRuntime()}, store=PerfModelStore(tmp_path)) as rt:
+    with Runtime(plan2,
+                 MachineSpec(groups="none", cuda_streams=2),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as rt:
         first, second = rt.workers
         assert first.pinned_pool is second.pinned_pool
-        with Server(rt, 4) as server:
+        with Server(rt, ServeSpec(4)) as server:
             answers = [f.result(timeout=60) for f in [server.submit(s) for s in samples]]
             batches = len(server.records().batches)
         skipped = sum(w.buffer_stats()["staging_skipped"] for w in rt.workers)  # readable while serving
@@ -257,7 +261,7 @@ def test_the_starpu_engine_refuses_cuda_streams_in_one_line_whether_starpu_is_he
     from staronnx.errors import StaronnxError
 
     with pytest.raises(StaronnxError, match="CPU codelets only"):
-        Runtime(plan2, engine="starpu", cuda_streams=1)
+        Runtime(plan2, MachineSpec(cuda_streams=1), RuntimeSpec(engine="starpu"))
     out = subprocess.run(
         [sys.executable, "-m", "staronnx", "sweep", str(plan2.root), "--engine", "starpu", "--cuda-streams", "1",
          "--rates", "5", "--batch-sizes", "1", "--duration", "1s", "--no-plots", "-o", str(tmp_path / "r")],
@@ -282,8 +286,10 @@ def test_runtime_and_simulator_with_no_cpu_group(plan2, tmp_path):
     synthetic = Topology.from_synthetic("core:4 pu:1")
     assert [w.kind for w in sim_workers(MachineSpec("none", cuda_streams=2), synthetic)] == ["cuda"] * 2
     feeds = random_plan_feeds(plan2, 2, seed=3)
-    with Runtime(plan2, policy="dmda", cpu_groups="none", cuda_streams=1, cuda_options={"runtime": HostRuntime()},
-                 store=PerfModelStore(tmp_path)) as rt:
+    with Runtime(plan2,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="dmda", store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as rt:
         assert [w.kind for w in rt.workers] == ["cuda"]
         out = rt.run(feeds)
     np.testing.assert_allclose(out["logits"], plan2.run_reference(feeds)["logits"], rtol=1e-5, atol=1e-6)
@@ -317,8 +323,10 @@ def test_runtime_passes_cuda_graphs_to_its_cuda_workers(plan2, tmp_path):
     from staronnx.perfmodels import PerfModelStore
 
     feeds = random_plan_feeds(plan2, 2, seed=5)
-    with Runtime(plan2, policy="eager", cpu_groups="none", cuda_streams=1,
-                 cuda_options={"runtime": HostRuntime(), "cuda_graphs": True}, store=PerfModelStore(tmp_path)) as rt:
+    with Runtime(plan2,
+                 MachineSpec(groups="none", cuda_streams=1, cuda_graphs=True),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as rt:
         for _ in range(5):
             out = rt.run(feeds)
         (worker,) = rt.workers

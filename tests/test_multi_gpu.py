@@ -12,7 +12,7 @@ import urllib.request
 import onnx
 import pytest
 
-from staronnx import Runtime, partition
+from staronnx import CudaOptions, Runtime, RuntimeSpec, partition
 from staronnx.bench.bound import machine_bound
 from staronnx.bench.machine import SimulationError, build_machine, sim_workers
 from staronnx.bench.simulator import simulate
@@ -57,8 +57,10 @@ def topo(text: str) -> Topology:
 def test_the_simulator_sees_the_workers_the_runtime_starts_on_two_gpus(plan, tmp_path):
     """Same names, archs and memory nodes, in the same order (CUDA streams first, GPU by GPU):
     dmda breaks its ties by worker order, and each GPU has perf models of its own."""
-    with Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=2, cuda_devices=(0, 1),
-                 store=PerfModelStore(tmp_path), cuda_options={"runtime": HostRuntime(devices=2)}) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=2, cuda_devices=(0, 1)),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime(devices=2)))) as rt:
         live = [(w.name, w.arch, w.kind, w.memory_node) for w in rt.workers]
     simulated = [(w.name, w.arch, w.kind, w.memory_node) for w in sim_workers(MachineSpec("none", 2, (0, 1)))]
     assert simulated == live == [("cuda0.s0", "cuda0", "cuda", "cuda0"), ("cuda0.s1", "cuda0", "cuda", "cuda0"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 from concurrent.futures import Future
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -19,7 +20,10 @@ from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.models import ModelOverloaded, ServiceTarget
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.serving.server import OverloadError, Server, StandInRuntime
+from staronnx.serving.spec import ServeSpec
 from staronnx.zoo import inception, residual
 from staronnx.partition import PartitionSpec
 
@@ -59,8 +63,9 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
 @pytest.mark.parametrize("policy", ["heft", "eager", "ws"])
 def test_two_models_share_one_set_of_workers_and_match_their_references(plans, two_groups, tmp_path, policy):
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, policy=policy, cpu_groups=two_groups,
-                 store=PerfModelStore(tmp_path)) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(policy=policy, store=PerfModelStore(tmp_path))) as rt:
         # one set of workers, each with a session of every model's parts
         assert len(rt.workers) == 2
         assert all(w.n_parts == heavy.k + light.k for w in rt.workers)
@@ -80,7 +85,9 @@ def test_two_models_share_one_set_of_workers_and_match_their_references(plans, t
 
 def test_a_request_names_its_model(plans, two_groups, tmp_path):
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, store=PerfModelStore(tmp_path)) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(store=PerfModelStore(tmp_path))) as rt:
         with pytest.raises(StaronnxError, match="several models"):
             rt.submit(light_feeds(1, 0))
         with pytest.raises(StaronnxError, match="no model 'nope'"):
@@ -98,7 +105,9 @@ def test_a_request_names_its_model(plans, two_groups, tmp_path):
 def test_targets_must_name_hosted_models(plans, two_groups):
     heavy, light = plans
     with pytest.raises(StaronnxError, match="unknown model"):
-        Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, targets={"ligth": {"latency_ms": 5}})
+        Runtime({"heavy": heavy, "light": light},
+                MachineSpec(groups=two_groups),
+                RuntimeSpec(targets={"ligth": {"latency_ms": 5}}))
     with pytest.raises(StaronnxError, match="positive"):
         ServiceTarget(latency=0)
 
@@ -122,10 +131,11 @@ def heavy_tasks_while_light_waits(rt: Runtime) -> int:
 @pytest.mark.parametrize("policy", ["heft", "dmda", "eager", "ws"])
 def test_a_latency_target_lets_a_light_model_pass_a_heavy_backlog(plans, tmp_path, policy):
     heavy, light = plans
-    common = dict(policy=policy, cpu_groups=one_group(), store=PerfModelStore(tmp_path))
-    with Runtime({"heavy": heavy, "light": light}, **common) as rt:
+    machine, common = MachineSpec(one_group()), RuntimeSpec(policy=policy, store=PerfModelStore(tmp_path))
+    with Runtime({"heavy": heavy, "light": light}, machine, common) as rt:
         blind = heavy_tasks_while_light_waits(rt)
-    with Runtime({"heavy": heavy, "light": light}, targets={"light": ServiceTarget(latency=0.05)}, **common) as rt:
+    with Runtime({"heavy": heavy, "light": light}, machine,
+                 replace(common, targets={"light": ServiceTarget(latency=0.05)})) as rt:
         served = heavy_tasks_while_light_waits(rt)
     # without a target the light request waits behind the backlog queued before it (heft's
     # ranks put every heavy part 0 first; FIFO queues all of it)...
@@ -137,8 +147,9 @@ def test_a_latency_target_lets_a_light_model_pass_a_heavy_backlog(plans, tmp_pat
 def test_deadline_misses_are_counted_per_model(plans, two_groups, tmp_path):
     heavy, light = plans
     targets = {"heavy": ServiceTarget(latency=1e-6), "light": ServiceTarget(latency=600.0)}
-    with Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, targets=targets,
-                 store=PerfModelStore(tmp_path)) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(targets=targets, store=PerfModelStore(tmp_path))) as rt:
         for f in [rt.submit(heavy_feeds(1, i), "heavy") for i in range(3)] + \
                  [rt.submit(light_feeds(1, i), "light") for i in range(4)]:
             f.result(timeout=60)
@@ -153,8 +164,9 @@ def test_deadline_misses_are_counted_per_model(plans, two_groups, tmp_path):
 
 def test_one_models_capacity_refuses_it_only(plans, two_groups, tmp_path):
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, store=PerfModelStore(tmp_path),
-                 targets={"heavy": ServiceTarget(capacity=2)}) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(store=PerfModelStore(tmp_path), targets={"heavy": ServiceTarget(capacity=2)})) as rt:
         big = heavy_feeds(64, 0)  # tens of ms per request on one core: none ends within the submits
         held = [rt.submit(big, "heavy"), rt.submit(big, "heavy")]
         with pytest.raises(ModelOverloaded, match="'heavy'"):
@@ -173,7 +185,9 @@ def test_servers_over_one_runtime_overload_one_model_only(plans, two_groups, tmp
     queue refuses its requests (the 503 of ``staronnx serve``); the light model's requests
     are served, with their outputs, meanwhile."""
     heavy, light = plans
-    with Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, store=PerfModelStore(tmp_path)) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(store=PerfModelStore(tmp_path))) as rt:
         gate = threading.Event()
 
         class Held(StandInRuntime):  # the heavy model's batches wait at the gate: its queue fills for sure
@@ -196,8 +210,8 @@ def test_servers_over_one_runtime_overload_one_model_only(plans, two_groups, tmp
                 threading.Thread(target=run, name="held-heavy", daemon=True).start()
                 return held
 
-        with Server(Held(), 2, max_inflight=1, queue_capacity=4) as hs, \
-                Server(rt.model("light"), 2, max_delay=0.001) as ls:
+        with Server(Held(), ServeSpec(2, max_inflight=1, queue_capacity=4)) as hs, \
+                Server(rt.model("light"), ServeSpec(2, max_delay=0.001)) as ls:
             accepted, refused = [], 0
             try:
                 for i in range(20):
@@ -222,7 +236,9 @@ def test_perf_models_stay_per_plan_and_part(plans, two_groups, tmp_path):
     so a model keeps its calibration when it joins or leaves a shared runtime."""
     heavy, light = plans
     store = PerfModelStore(tmp_path)
-    with Runtime({"heavy": heavy, "light": light}, cpu_groups=two_groups, store=store, calibrate=1) as rt:
+    with Runtime({"heavy": heavy, "light": light},
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(store=store, calibrate=1)) as rt:
         for i in range(8):
             rt.submit(heavy_feeds(1, i), "heavy").result(timeout=60)
             rt.submit(light_feeds(1, i), "light").result(timeout=60)
@@ -237,8 +253,9 @@ def test_perf_models_stay_per_plan_and_part(plans, two_groups, tmp_path):
 
 def test_a_single_plan_keeps_its_face(plans, two_groups, tmp_path):
     heavy, _ = plans
-    with Runtime(heavy, cpu_groups=two_groups, store=PerfModelStore(tmp_path),
-                 targets={"heavy": ServiceTarget(latency=600.0)}) as rt:
+    with Runtime(heavy,
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(store=PerfModelStore(tmp_path), targets={"heavy": ServiceTarget(latency=600.0)})) as rt:
         assert rt.plan is heavy and rt.model_names == ["heavy"]
         feeds = heavy_feeds(2, 0)
         assert_close(rt.run(feeds), heavy.run_reference(feeds))

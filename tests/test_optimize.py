@@ -22,6 +22,7 @@ from staronnx.bench.optimize import (
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.partition import PartitionSpec
 from staronnx.workers.layout import MachineSpec
 from staronnx.bench.spec import OptimizeSpec
@@ -100,7 +101,7 @@ def test_next_candidate_climbs_towards_the_best():
 def test_optimizer_predicts_every_candidate_and_verifies_around_the_best(plan, home, two_groups):
     store = PerfModelStore(home)
     steps = []
-    with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(store=store)) as rt:
         res = optimize_batch(plan, 150,
                              OptimizeSpec(batch_sizes=SIZES, sim_duration=2.0, verify_duration=0.5, min_batches=5),
                              machine=MachineSpec(groups=two_groups), store=store, runtime=rt, progress=steps.append)

@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper
 
 import staronnx
+from staronnx import SessionSpec
 
 # ORT's sample models; a trimmed onnxruntime-gpu (the GPU host's) leaves them out
 datasets = pytest.importorskip("onnxruntime.datasets", reason="onnxruntime.datasets (ORT's sample models) is not installed")
@@ -36,8 +37,8 @@ def home(tmp_path, monkeypatch) -> Path:
 
 def session(model: Any, sess_options: ort.SessionOptions | None = None, **kwargs: Any) -> staronnx.InferenceSession:
     """A staronnx session as an ORT script opens one (CPU), its cut's costs estimated (quick)."""
-    kwargs.setdefault("partition_options", FAST)
-    return staronnx.InferenceSession(model, sess_options, providers=["CPUExecutionProvider"], **kwargs)
+    return staronnx.InferenceSession(model, sess_options, providers=["CPUExecutionProvider"],
+                                     spec=SessionSpec(**{"partition_options": FAST, **kwargs}))
 
 
 def save(model: onnx.ModelProto, path: Path) -> str:
@@ -494,7 +495,7 @@ def test_a_session_never_closed_stops_its_workers_before_the_process_waits_on_th
 
         def open_one():
             sess = staronnx.InferenceSession({add_mul_add(tmp_path)!r}, providers=["CPUExecutionProvider"],
-                                             partition_options={{"costs": "estimate"}})
+                                             spec=staronnx.SessionSpec(partition_options={{"costs": "estimate"}}))
             sess.run(None, {{"a": np.ones((2, 2), np.float32), "b": np.ones((2, 2), np.float32)}})
             return sess, {{w.name for w in sess.runtime.workers}}
 
@@ -523,7 +524,7 @@ def test_a_program_that_makes_staronnx_its_ort_session_class_still_runs(tmp_path
 
         onnxruntime.InferenceSession = staronnx.InferenceSession
         sess = onnxruntime.InferenceSession({add_mul_add(tmp_path)!r}, providers=["CPUExecutionProvider"],
-                                            partition_options={{"costs": "estimate"}})
+                                            spec=staronnx.SessionSpec(partition_options={{"costs": "estimate"}}))
         out = sess.run(None, {{"a": np.ones((2, 2), np.float32), "b": np.ones((2, 2), np.float32)}})[0]
         print(type(sess).__module__, sess.plan.k, out.tolist())
     """)

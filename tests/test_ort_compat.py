@@ -21,6 +21,7 @@ import pytest
 
 import realmodels
 import staronnx
+from staronnx import CudaOptions, MachineSpec, RuntimeSpec, SessionSpec
 from staronnx.errors import StaronnxError
 from staronnx.partition.checks import PartitionWarning
 from staronnx.zoo import chain
@@ -54,8 +55,11 @@ def model_path(tmp_path) -> Path:
 
 def _staronnx(two_groups: str) -> Callable[..., Any]:
     def make(path_or_bytes: Any, sess_options: Any = None, providers: Any = None) -> staronnx.InferenceSession:
-        return staronnx.InferenceSession(path_or_bytes, sess_options, providers=providers, cpu_groups=two_groups,
-                                         partition_options={"costs": "estimate"})
+        return staronnx.InferenceSession(path_or_bytes,
+                                         sess_options,
+                                         providers=providers,
+                                         spec=SessionSpec(cpu_groups=two_groups,
+                                                          partition_options={"costs": "estimate"}))
     return make
 
 
@@ -194,10 +198,14 @@ def test_ort_constructor_shapes_are_accepted(home, model_path, two_groups):
     want = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     so = ort.SessionOptions()
     for sess in (
-        staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"], cpu_groups=two_groups),
-        staronnx.InferenceSession(model_path, so, cpu_groups=two_groups),
-        staronnx.InferenceSession(model_path, sess_options=so, providers=[("CPUExecutionProvider", {})],
-                                  cpu_groups=two_groups),
+        staronnx.InferenceSession(model_path,
+                                  providers=["CPUExecutionProvider"],
+                                  spec=SessionSpec(cpu_groups=two_groups)),
+        staronnx.InferenceSession(model_path, so, spec=SessionSpec(cpu_groups=two_groups)),
+        staronnx.InferenceSession(model_path,
+                                  sess_options=so,
+                                  providers=[("CPUExecutionProvider", {})],
+                                  spec=SessionSpec(cpu_groups=two_groups)),
     ):
         with sess:
             np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
@@ -222,24 +230,26 @@ def test_cuda_provider_without_cuda_falls_back_to_cpu_with_a_warning(home, model
         ref = ort.InferenceSession(str(model_path), providers=providers)
     assert any(issubclass(w.category, UserWarning) for w in seen)
     with pytest.warns(UserWarning, match="CUDAExecutionProvider"):
-        sess = staronnx.InferenceSession(model_path, providers=providers, cpu_groups=two_groups)
+        sess = staronnx.InferenceSession(model_path, providers=providers, spec=SessionSpec(cpu_groups=two_groups))
     with sess:
         assert sess.get_providers() == ref.get_providers() == ["CPUExecutionProvider"]
         assert all(w.arch.startswith("cpu") for w in sess.runtime.workers)
 
 
 def test_staronnx_options_are_keyword_only_and_misuse_is_named(home, model_path, two_groups):
-    with pytest.raises(TypeError, match="keyword-only"):
+    with pytest.raises(TypeError, match=r"spec=SessionSpec\(shares="):
         staronnx.InferenceSession(model_path, [0.85, 0.15])
     with pytest.raises(TypeError, match="unexpected keyword argument 'nope'"):
         staronnx.InferenceSession(model_path, nope=1)
+    with pytest.raises(TypeError, match=r"'cpu_groups'; staronnx's settings are one value, spec=staronnx.SessionSpec"):
+        staronnx.InferenceSession(model_path, cpu_groups=two_groups)
     with pytest.raises(ValueError, match="cuda_streams"):
-        staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"], cuda_streams=2)
+        staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"], spec=SessionSpec(cuda_streams=2))
 
 
 def test_submit_is_the_future_form_and_run_async_points_to_it(home, model_path, two_groups):
     x = np.ones((2, WIDTH), np.float32)
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         assert set(sess.submit({"x": x}).result(timeout=60)) == {"y"}
         with pytest.raises(TypeError, match="submit"):
             sess.run_async({"x": x})
@@ -249,7 +259,7 @@ def test_profiling_writes_a_trace_where_ort_would(home, model_path, two_groups, 
     so = ort.SessionOptions()
     so.enable_profiling = True
     so.profile_file_prefix = str(tmp_path / "prof")
-    with staronnx.InferenceSession(model_path, so, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, so, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         sess.run(None, {"x": np.ones((2, WIDTH), np.float32)})
         assert sess.get_profiling_start_time_ns() > 0
         path = sess.end_profiling()
@@ -258,7 +268,7 @@ def test_profiling_writes_a_trace_where_ort_would(home, model_path, two_groups, 
 
 
 def test_device_memory_is_refused_in_one_line(home, model_path, two_groups):
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         binding = sess.io_binding()
         with pytest.raises(NotImplementedError, match="bind_cpu_input"):
             binding.bind_input("x", "cuda", 0, np.float32, [2, WIDTH], 0)
@@ -276,8 +286,9 @@ def test_a_kernel_failure_raises_ort_s_class(home, tmp_path, two_groups):
     x = np.ones((2, 9), np.float32)  # the last MatMul needs 8 columns
     with pytest.raises(Exception) as want:
         ort.InferenceSession(str(path)).run(None, {"x": x})
-    with staronnx.InferenceSession(path, cpu_groups=two_groups, shares=None, partition_options=dict(
-            parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate")) as sess:
+    with staronnx.InferenceSession(path,
+                                   spec=SessionSpec(cpu_groups=two_groups, shares=None, partition_options=dict(
+            parts=2, method="linear", input_shapes=["x=1x8"], costs="estimate"))) as sess:
         assert sess.plan.k == 2
         with pytest.raises(type(want.value)) as got:
             sess.run(None, {"x": x})
@@ -290,13 +301,13 @@ def test_a_kernel_failure_raises_ort_s_class(home, tmp_path, two_groups):
 
 
 def test_ort_methods_without_meaning_here_are_refused_in_one_line(home, model_path, two_groups):
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         with pytest.raises(NotImplementedError, match="run_with_ort_values"):
             sess.run_with_ortvaluevector(["y"], [])
         with pytest.raises(AttributeError):
             sess.no_such_method  # noqa: B018
     with pytest.raises(TypeError, match="output_dir"):
-        staronnx.InferenceSession(model_path, partition_options={"output_dir": "elsewhere"})
+        staronnx.InferenceSession(model_path, spec=SessionSpec(partition_options={"output_dir": "elsewhere"}))
 
 
 def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, model_path, monkeypatch):
@@ -306,11 +317,11 @@ def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, mod
     import staronnx.compat.providers as providers
     import staronnx.compat.session as session
 
-    started: list[dict[str, Any]] = []
+    started: list[tuple[MachineSpec, RuntimeSpec]] = []
 
     class FakeRuntime:
-        def __init__(self, plan: Any, **kwargs: Any) -> None:
-            started.append(kwargs)
+        def __init__(self, plan: Any, machine: MachineSpec, spec: RuntimeSpec) -> None:
+            started.append((machine, spec))
 
         def close(self) -> None:
             pass
@@ -319,16 +330,19 @@ def test_cuda_in_providers_starts_cuda_workers_with_ort_s_cuda_options(home, mod
     monkeypatch.setattr(providers, "cuda_unavailable_reason", lambda device_id=None: None)
     monkeypatch.setattr(session, "Runtime", FakeRuntime)
     options = {"device_id": 0, "gpu_mem_limit": 1 << 30}
-    staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"],
-                              partition_options={"costs": "estimate"}).close()
-    staronnx.InferenceSession(model_path, providers=["CUDAExecutionProvider"], cuda_streams=3,
-                              partition_options={"costs": "estimate"}).close()
-    staronnx.InferenceSession(model_path, providers=["CPUExecutionProvider"],
-                              partition_options={"costs": "estimate"}).close()
-    assert started[0]["cuda_streams"] == 2
-    assert started[0]["cuda_options"] == {"provider_options": {"gpu_mem_limit": str(1 << 30)}}
-    assert started[1]["cuda_streams"] == 3 and "cuda_options" not in started[1]
-    assert started[2]["cuda_streams"] == 0
+    staronnx.InferenceSession(model_path,
+                              providers=[("CUDAExecutionProvider", options), "CPUExecutionProvider"],
+                              spec=SessionSpec(partition_options={"costs": "estimate"})).close()
+    staronnx.InferenceSession(model_path,
+                              providers=["CUDAExecutionProvider"],
+                              spec=SessionSpec(cuda_streams=3, partition_options={"costs": "estimate"})).close()
+    staronnx.InferenceSession(model_path,
+                              providers=["CPUExecutionProvider"],
+                              spec=SessionSpec(partition_options={"costs": "estimate"})).close()
+    assert started[0][0].cuda_streams == 2
+    assert started[0][1].cuda == CudaOptions(provider_options={"gpu_mem_limit": str(1 << 30)})
+    assert started[1][0].cuda_streams == 3 and started[1][1].cuda == CudaOptions()
+    assert started[2][0].cuda_streams == 0
 
 
 # -- ORT's settings that choose hardware -------------------------------------------------------
@@ -340,11 +354,12 @@ def test_device_id_picks_the_gpu_the_cuda_workers_drive(home, model_path):
 
     x = np.random.default_rng(0).standard_normal((3, WIDTH)).astype(np.float32)
     want = ort.InferenceSession(str(model_path)).run(None, {"x": x})[0]
+    two_gpus = RuntimeSpec(cuda=CudaOptions(runtime=HostRuntime(devices=2)))
     for device in (1, 0):
         with staronnx.InferenceSession(
                 model_path, providers=[("CUDAExecutionProvider", {"device_id": device}), "CPUExecutionProvider"],
-                cuda_options={"runtime": HostRuntime(devices=2), "cuda_graphs": False}, cpu_groups="none",
-                partition_options={"costs": "estimate"}) as sess:
+                spec=SessionSpec(cpu_groups="none", cuda_graphs=False, partition_options={"costs": "estimate"},
+                                 runtime=two_gpus)) as sess:
             cuda = [w for w in sess.runtime.workers if getattr(w, "device_id", None) is not None]
             assert [w.name for w in cuda] == [f"cuda{device}.s0", f"cuda{device}.s1"]
             assert {w.device_id for w in cuda} == {device} and {w.arch for w in cuda} == {f"cuda{device}"}
@@ -358,13 +373,14 @@ def test_a_device_id_that_does_not_exist_falls_back_to_cpu_saying_so(home, model
     with pytest.warns(UserWarning, match="CUDA device 3 does not exist: 2 device"):
         sess = staronnx.InferenceSession(
             model_path, providers=[("CUDAExecutionProvider", {"device_id": "3"}), "CPUExecutionProvider"],
-            cuda_options={"runtime": HostRuntime(devices=2)}, cpu_groups=two_groups,
-            partition_options={"costs": "estimate"})
+            spec=SessionSpec(cpu_groups=two_groups, partition_options={"costs": "estimate"},
+                             runtime=RuntimeSpec(cuda=CudaOptions(runtime=HostRuntime(devices=2)))))
     with sess:
         assert all(w.arch.startswith("cpu") for w in sess.runtime.workers)
     with pytest.raises(ValueError, match="device_id must be a CUDA device ordinal"):
-        staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", {"device_id": "gpu1"})],
-                                  cuda_options={"runtime": HostRuntime()})
+        staronnx.InferenceSession(model_path,
+                                  providers=[("CUDAExecutionProvider", {"device_id": "gpu1"})],
+                                  spec=SessionSpec(runtime=RuntimeSpec(cuda=CudaOptions(runtime=HostRuntime()))))
 
 
 def test_intra_op_num_threads_bounds_the_cores_the_session_computes_on(home, model_path, two_groups):
@@ -375,12 +391,15 @@ def test_intra_op_num_threads_bounds_the_cores_the_session_computes_on(home, mod
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     want = ort.InferenceSession(str(model_path), so).run(None, {"x": x})[0]
-    with staronnx.InferenceSession(model_path, so, partition_options={"costs": "estimate"}) as sess:
+    with staronnx.InferenceSession(model_path, so, spec=SessionSpec(partition_options={"costs": "estimate"})) as sess:
         (worker,) = sess.runtime.workers
         assert worker.group.n_cores == 1 and len(worker.group.pus) == 1
         assert worker.group.first_pu in os.sched_getaffinity(0)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
-    with staronnx.InferenceSession(model_path, so, cpu_groups=two_groups, partition_options={"costs": "estimate"}) as sess:
+    with staronnx.InferenceSession(model_path,
+                                   so,
+                                   spec=SessionSpec(cpu_groups=two_groups,
+                                                    partition_options={"costs": "estimate"})) as sess:
         assert len(sess.runtime.workers) == 2
 
 
@@ -396,8 +415,8 @@ def test_intra_op_num_threads_with_cuda_holds_a_core_back_for_the_driver(home, m
     so = ort.SessionOptions()
     so.intra_op_num_threads = 1
     with staronnx.InferenceSession(model_path, so, providers=["CUDAExecutionProvider", "CPUExecutionProvider"],
-                                   cuda_options={"runtime": HostRuntime()},
-                                   partition_options={"costs": "estimate"}) as sess:
+                                   spec=SessionSpec(partition_options={"costs": "estimate"},
+                                                    runtime=RuntimeSpec(cuda=CudaOptions(runtime=HostRuntime())))) as sess:
         *streams, cpu = sess.runtime.workers
         assert streams and all(w.kind == "cuda" for w in streams) and cpu.kind == "cpu" and cpu.group.n_cores == 1
         pins = {w.cpu for w in streams}  # the GPU's one driver thread drives every stream
@@ -424,9 +443,10 @@ def test_a_runtime_drives_the_streams_of_every_gpu_it_is_given(tmp_path):
     # random (seeded) rather than eager: under eager the first driver to pop takes every task
     # whenever the other's thread is not scheduled in time (a loaded host), which says nothing of
     # whether both GPUs are driven
-    with Runtime(plan, policy="random", policy_options={"seed": 0}, cpu_groups="none", cuda_streams=1,
-                 cuda_devices=[0, 1], store=PerfModelStore(tmp_path / "home"),
-                 cuda_options={"runtime": HostRuntime(devices=2), "cuda_graphs": False}) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups="none", cuda_streams=1, cuda_devices=[0, 1], cuda_graphs=False),
+                 RuntimeSpec(policy="random", policy_options={"seed": 0}, store=PerfModelStore(tmp_path / "home"),
+                             cuda=CudaOptions(runtime=HostRuntime(devices=2)))) as rt:
         assert [w.name for w in rt.workers] == ["cuda0.s0", "cuda1.s0"]
         futures = [rt.submit({"x": x}) for x in xs]
         for x, f in zip(xs, futures):
@@ -434,20 +454,23 @@ def test_a_runtime_drives_the_streams_of_every_gpu_it_is_given(tmp_path):
         tasks = {name: w["tasks"] for name, w in rt.stats()["workers"].items()}
         assert tasks["cuda0.s0"] > 0 and tasks["cuda1.s0"] > 0, tasks
     with pytest.raises(StaronnxError, match="invalid device ordinal 2"):
-        Runtime(plan, cpu_groups="none", cuda_streams=1, cuda_devices=[2], store=PerfModelStore(tmp_path / "home"),
-                cuda_options={"runtime": HostRuntime(devices=2)})
+        Runtime(plan,
+                MachineSpec(groups="none", cuda_streams=1, cuda_devices=[2]),
+                RuntimeSpec(store=PerfModelStore(tmp_path / "home"), cuda=CudaOptions(runtime=HostRuntime(devices=2))))
     with pytest.raises(StaronnxError, match="must name each GPU once"):
-        Runtime(plan, cpu_groups="none", cuda_streams=1, cuda_devices=[0, 0],
-                cuda_options={"runtime": HostRuntime(devices=2)})
+        Runtime(plan,
+                MachineSpec(groups="none", cuda_streams=1, cuda_devices=[0, 0]),
+                RuntimeSpec(cuda=CudaOptions(runtime=HostRuntime(devices=2))))
 
 
 def test_the_cuda_stand_in_of_the_environment_serves_sessions_too(home, model_path, monkeypatch):
     """$STARONNX_CUDA_RUNTIME=host:2 (the stand-in every CLI door's CUDA workers pick) counts
     for a session's providers as a ``cuda_options`` runtime does: no fallback, GPU 1 driven."""
     monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host:2")
-    with staronnx.InferenceSession(model_path, providers=[("CUDAExecutionProvider", {"device_id": 1})],
-                                   cpu_groups="none", cuda_options={"cuda_graphs": False},
-                                   partition_options={"costs": "estimate"}) as sess:
+    with staronnx.InferenceSession(model_path,
+                                   providers=[("CUDAExecutionProvider", {"device_id": 1})],
+                                   spec=SessionSpec(cpu_groups="none", cuda_graphs=False,
+                                                    partition_options={"costs": "estimate"})) as sess:
         assert [w.name for w in sess.runtime.workers] == ["cuda1.s0", "cuda1.s1"]
         x = np.ones((2, WIDTH), np.float32)
         want = ort.InferenceSession(str(model_path)).run(None, {"x": x})[0]
@@ -465,7 +488,8 @@ def test_a_split_the_user_did_not_choose_is_not_warned_of_and_one_named_is(home,
     options = {"costs": "estimate"}
     with warnings.catch_warnings(record=True) as said, caplog.at_level(logging.INFO, "staronnx.partition.checks"):
         warnings.simplefilter("always")
-        with staronnx.InferenceSession(model, cpu_groups=two_groups, partition_options=options) as sess:
+        with staronnx.InferenceSession(model,
+                                       spec=SessionSpec(cpu_groups=two_groups, partition_options=options)) as sess:
             got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
             missed = abs(sess.plan.parts[0].share - 0.85)
     assert missed > 0.02, "the estimate now meets 85/15: the test needs a model whose default cut misses it"
@@ -475,5 +499,7 @@ def test_a_split_the_user_did_not_choose_is_not_warned_of_and_one_named_is(home,
     # the same shares, named: a fresh home (a kept plan is reused as it is, and not warned of again)
     monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "named-home"))
     with pytest.warns(PartitionWarning, match=r"achieved shares 0\.\d\d,0\.\d\d miss the targets 0\.85,0\.15"):
-        sess = staronnx.InferenceSession(model, shares=[0.85, 0.15], cpu_groups=two_groups, partition_options=options)
+        sess = staronnx.InferenceSession(model,
+                                         spec=SessionSpec(shares=[0.85, 0.15], cpu_groups=two_groups,
+                                                          partition_options=options))
     sess.close()

@@ -15,6 +15,8 @@ from staronnx import partition
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.zoo import chain
 from staronnx.partition import PartitionSpec
 
@@ -32,7 +34,9 @@ def stored_samples(store: PerfModelStore, plan) -> int:
 
 def test_perf_models_are_merged_every_period_while_serving(plan, tmp_path):
     store = PerfModelStore(tmp_path / "home")
-    rt = Runtime(plan, policy="eager", cpu_groups=str(min(os.sched_getaffinity(0))), store=store, save_every=0.2)
+    rt = Runtime(plan,
+                 MachineSpec(groups=str(min(os.sched_getaffinity(0)))),
+                 RuntimeSpec(policy="eager", store=store, save_every=0.2))
     try:
         for i in range(12):
             rt.run({"x": np.full((2, 8), float(i), np.float32)})
@@ -47,7 +51,9 @@ def test_perf_models_are_merged_every_period_while_serving(plan, tmp_path):
 
 def test_without_a_period_nothing_is_merged_before_close(plan, tmp_path):
     store = PerfModelStore(tmp_path / "home")
-    with Runtime(plan, policy="eager", cpu_groups=str(min(os.sched_getaffinity(0))), store=store) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups=str(min(os.sched_getaffinity(0)))),
+                 RuntimeSpec(policy="eager", store=store)) as rt:
         for i in range(12):
             rt.run({"x": np.full((2, 8), float(i), np.float32)})
         time.sleep(0.3)
@@ -57,7 +63,9 @@ def test_without_a_period_nothing_is_merged_before_close(plan, tmp_path):
 
 def test_a_negative_period_is_refused(plan, tmp_path):
     with pytest.raises(StaronnxError, match="save_every"):
-        Runtime(plan, cpu_groups=str(min(os.sched_getaffinity(0))), store=PerfModelStore(tmp_path), save_every=-1)
+        Runtime(plan,
+                MachineSpec(groups=str(min(os.sched_getaffinity(0)))),
+                RuntimeSpec(store=PerfModelStore(tmp_path), save_every=-1))
 
 
 def test_serve_refuses_a_bad_save_every(plan, tmp_path):

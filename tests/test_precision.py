@@ -79,7 +79,7 @@ def test_a_fp16_part_that_drifts_beyond_the_tolerance_fails_verify(capsys, model
 def test_the_cuda_workers_run_the_fp16_parts(capsys, model_file, tmp_path, monkeypatch):
     """On the CUDA stand-in the CUDA workers load the fp16 twins (their outputs carry fp16's
     rounding), the CPU workers the fp32 files (theirs equal the fp32 chain's)."""
-    from staronnx import Runtime
+    from staronnx import MachineSpec, Runtime, RuntimeSpec
     from staronnx.verify import random_plan_feeds
 
     monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
@@ -88,9 +88,13 @@ def test_the_cuda_workers_run_the_fp16_parts(capsys, model_file, tmp_path, monke
     feeds = random_plan_feeds(plan, 2, seed=1)
     ref = plan.run_reference(feeds)
     name = plan.output_names[0]
-    with Runtime(plan.root, policy="eager", cpu_groups="none", cuda_streams=1, calibrate=0) as rt:
+    with Runtime(plan.root,
+                 MachineSpec(groups="none", cuda_streams=1),
+                 RuntimeSpec(policy="eager", calibrate=0)) as rt:
         on_gpu = rt.run(feeds)[name]
-    with Runtime(plan.root, policy="eager", cpu_groups="numa", cuda_streams=0, calibrate=0) as rt:
+    with Runtime(plan.root,
+                 MachineSpec(groups="numa", cuda_streams=0),
+                 RuntimeSpec(policy="eager", calibrate=0)) as rt:
         on_cpu = rt.run(feeds)[name]
     scale = float(np.abs(ref[name]).max())
     assert np.array_equal(on_cpu, ref[name])

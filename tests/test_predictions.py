@@ -26,6 +26,7 @@ from staronnx.bench.sweep import sweep
 from staronnx.perfmodels import HostCosts, HostModel, PerfModelStore
 from staronnx.perfmodels.host import COLD_IDLE_S
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.workers.layout import MachineSpec
 from staronnx.bench.spec import SimSpec
 from staronnx.bench.spec import RunSpec, SweepSpec
@@ -155,7 +156,7 @@ def test_sweep_flags_what_an_injected_reading_says(plan, home, two_groups, tmp_p
 
     monkeypatch.setattr(sweep_module, "task_time_ratio", steady_ratio)
     monkeypatch.setattr(sweep_module.TaskSampler, "ratio", lambda self, start, end: None)  # per window too
-    with Runtime(plan, cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(store=PerfModelStore(home))) as rt:
         stolen = Reading(busy=0, idle=70, steal=30)
         monkeypatch.setattr(cpuload, "_read_proc_stat", stolen.read)
         (row,) = sweep(plan, [100], [1], SweepSpec(RunSpec(duration=0.4), bound=False, extend=False,
@@ -271,7 +272,7 @@ def test_a_congested_point_on_a_busy_machine_stops_the_sweep_only_when_the_next_
     rates = [top, 1.5 * top, 2.0 * top]
     spec = SweepSpec(RunSpec(duration=0.3, queue_capacity=16), extend=False)
     kw = dict(machine=MachineSpec(groups=two_groups), store=store)
-    with Runtime(plan, cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(store=store)) as rt:
         monkeypatch.setattr(cpuload, "_read_proc_stat", Reading(busy=0, idle=70, steal=30).read)
         rows = sweep(plan, rates, [1], replace(spec, out_dir=tmp_path / "busy"), runtime=rt, **kw)
         assert [r["offered_rate"] for r in rows] == rates[:2]

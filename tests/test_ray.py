@@ -680,13 +680,17 @@ def test_cpu_share_gives_each_replica_on_a_machine_its_own_cores():
 def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
     from staronnx.ray.replica import health_problem, runtime_problem
     from staronnx.runtime.runtime import Runtime
+    from staronnx.runtime.spec import RuntimeSpec
+    from staronnx.workers.layout import MachineSpec
     from staronnx.serve.metrics import ServeMetrics
     from staronnx.serve.models import ModelEndpoint
 
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
     plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
                      output_dir=tmp_path / "plan")
-    endpoint = ModelEndpoint("m", Runtime(plan, policy="eager", cpu_groups=two_groups), batch_size=2,
+    endpoint = ModelEndpoint("m", Runtime(plan,
+                                          MachineSpec(groups=two_groups),
+                                          RuntimeSpec(policy="eager")), batch_size=2,
                              max_delay=0.0, queue_capacity=8, metrics=ServeMetrics())
     try:
         assert health_problem(endpoint) is None

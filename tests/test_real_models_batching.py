@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import realmodels
-from staronnx import Runtime, Server, partition
+from staronnx import MachineSpec, Runtime, RuntimeSpec, ServeSpec, Server, partition
 from staronnx.plan import Plan
 from staronnx.partition import PartitionSpec
 
@@ -27,8 +27,8 @@ def _serve_concurrently(plan: Plan, name, clients: int = CLIENTS, batch_size: in
     """Each client submits its own request at once; returns (requests, answers, batch records)."""
     reqs = [realmodels.request(name, c) if not str(name).endswith(".onnx") else realmodels.fixed_request(c)
             for c in range(clients)]
-    with Runtime(plan, cpu_groups="1", policy="eager") as rt, \
-            Server(rt, batch_size, max_delay=0.03, queue_capacity=64) as server:
+    with Runtime(plan, MachineSpec(groups="1"), RuntimeSpec(policy="eager")) as rt, \
+            Server(rt, ServeSpec(batch_size, max_delay=0.03, queue_capacity=64)) as server:
         with ThreadPoolExecutor(8) as pool:
             futures = list(pool.map(server.submit, reqs))
         answers = [f.result(timeout=60) for f in futures]

@@ -6,7 +6,7 @@ each answer ORT's answer to that caller's own inputs, whatever axis carries the 
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import re
 import threading
 from collections.abc import Callable, Mapping
@@ -20,6 +20,7 @@ import pytest
 
 import realmodels as rm
 import staronnx
+from staronnx import SessionSpec
 from staronnx.errors import PartitionError
 
 #: models with a dynamic size other than the batch (the session cut none of them before); the
@@ -40,8 +41,8 @@ def home(tmp_path, monkeypatch) -> Path:
 def session(model: str | Path, groups: str, **options: Any) -> staronnx.InferenceSession:
     """A session as a user opens one: only the model, plus fast profiling and two CPU workers
     (so two parts run on two workers concurrently)."""
-    options.setdefault("partition_options", FAST)
-    return staronnx.InferenceSession(str(model), cpu_groups=groups, **options)
+    return staronnx.InferenceSession(str(model), spec=SessionSpec(cpu_groups=groups, **{"partition_options": FAST,
+                                                                                        **options}))
 
 
 def named(sess: Any, values: list[np.ndarray]) -> dict[str, np.ndarray]:
@@ -192,12 +193,13 @@ def test_input_shapes_is_a_keyword_and_cuts_at_construction(home, two_groups):
             feeds = rm.request("unet_seg", client)
             rm.assert_own_answer("unet_seg", feeds, named(sess, sess.run(None, feeds)))
     with pytest.raises(TypeError, match="input_shapes"):
-        staronnx.InferenceSession(str(path), input_shapes=["image=1x3x48x64"],
-                                  partition_options={"input_shapes": ["image=1x3x32x32"]})
+        staronnx.InferenceSession(str(path),
+                                  spec=SessionSpec(input_shapes=["image=1x3x48x64"],
+                                                   partition_options={"input_shapes": ["image=1x3x32x32"]}))
 
 
 def test_every_hint_in_a_shape_error_names_a_keyword_the_session_accepts(home, two_groups):
-    accepted = set(inspect.signature(staronnx.InferenceSession).parameters)
+    accepted = {f.name for f in dataclasses.fields(staronnx.SessionSpec)}
     # sizes given for one input of three: the others still need theirs
     with pytest.raises(PartitionError) as err:
         session(rm.path("bert_tiny"), two_groups, input_shapes=["input_ids=1x8"])
@@ -215,7 +217,8 @@ def test_a_read_only_home_cuts_a_private_plan_at_the_first_run_removed_at_close(
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
     monkeypatch.setenv("STARONNX_HOME", str(not_a_folder / "home"))
-    with session(rm.path("crnn_ocr"), two_groups, store=staronnx.perfmodels.PerfModelStore(tmp_path / "store")) as sess:
+    store = staronnx.perfmodels.PerfModelStore(tmp_path / "store")
+    with session(rm.path("crnn_ocr"), two_groups, runtime=staronnx.RuntimeSpec(store=store)) as sess:
         feeds = rm.request("crnn_ocr", 0)
         with pytest.warns(UserWarning, match="STARONNX_HOME"):
             got = sess.run(None, feeds)

@@ -39,7 +39,7 @@ from staronnx.runtime.engine import NativeEngine
 from staronnx.runtime.policies import make_policy
 from staronnx.runtime.predictor import PerfPredictor
 from staronnx.runtime.sched import Policy, TaskView, WorkerInfo
-from staronnx.serving import Server
+from staronnx.serving import ServeSpec, Server
 from staronnx.serving.server import StandInRuntime
 from staronnx.workers.base import Worker
 from staronnx.zoo import chain
@@ -211,7 +211,7 @@ def run_live(plan: Plan, store: PerfModelStore, arrivals: list[float], policy: s
     pol = recording(policy)
     engine = NativeEngine(plan, workers, pol, PerfPredictor(plan.hash, store), clock=clock, own_workers=True)
     rt = CountingRuntime(engine)
-    server = Server(rt, BATCH, queue_capacity=64, max_inflight=max_inflight, clock=clock.now)
+    server = Server(rt, ServeSpec(BATCH, queue_capacity=64, max_inflight=max_inflight), clock=clock.now)
     rng = np.random.default_rng(0)
     samples = [{"x": rng.standard_normal((1, 16)).astype(np.float32)} for _ in arrivals]
     futures = []

@@ -27,8 +27,10 @@ from _helpers import Gated
 
 from staronnx import PartitionSpec, partition
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.serve.instances import InstanceError, InstanceGroup, holders
-from staronnx.serving import Server
+from staronnx.serving import ServeSpec, Server
 from staronnx.serving.priority import LevelPolicy, QueuePolicy
 from staronnx.serving.server import LevelFullError
 from staronnx.workers.residency import WorkerSlot
@@ -54,7 +56,7 @@ def runtime(tmp_path_factory):
     root = tmp_path_factory.mktemp("queues")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
     plan = partition(root / "chain.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "plan")
-    with Runtime(plan, policy="eager", cpu_groups=str(min(os.sched_getaffinity(0)))) as rt:
+    with Runtime(plan, MachineSpec(groups=str(min(os.sched_getaffinity(0)))), RuntimeSpec(policy="eager")) as rt:
         yield rt
 
 
@@ -77,7 +79,7 @@ TWO_LEVELS = QueuePolicy((LevelPolicy(), LevelPolicy(capacity=3)), default_level
 
 def test_each_batch_takes_the_highest_level_first(runtime):
     gated = Gated(runtime)
-    server = Server(gated, 2, max_inflight=1, max_delay=0.0, queue_policy=TWO_LEVELS)
+    server = Server(gated, ServeSpec(2, max_inflight=1, max_delay=0.0, queue_policy=TWO_LEVELS))
     try:
         first = _held(server)
         low = [server.submit(_sample(i)) for i in (1, 2, 3)]  # the default level, 2
@@ -95,7 +97,7 @@ def test_each_batch_takes_the_highest_level_first(runtime):
 
 def test_a_full_level_is_refused_while_the_others_have_room(runtime):
     gated = Gated(runtime)
-    server = Server(gated, 2, max_inflight=1, max_delay=0.0, queue_policy=TWO_LEVELS)
+    server = Server(gated, ServeSpec(2, max_inflight=1, max_delay=0.0, queue_policy=TWO_LEVELS))
     try:
         _held(server)
         for i in range(3):
@@ -112,7 +114,7 @@ def test_a_full_level_is_refused_while_the_others_have_room(runtime):
 def test_delay_moves_a_request_behind_the_others_of_its_level(runtime):
     gated = Gated(runtime)
     policy = QueuePolicy((LevelPolicy(timeout=60.0, delay=True),))
-    server = Server(gated, 1, max_inflight=1, max_delay=0.0, queue_policy=policy)
+    server = Server(gated, ServeSpec(1, max_inflight=1, max_delay=0.0, queue_policy=policy))
     try:
         first = _held(server)
         late, b, c = (server.submit(_sample(i)) for i in (1, 2, 3))
@@ -130,10 +132,10 @@ def test_delay_moves_a_request_behind_the_others_of_its_level(runtime):
 def test_a_level_out_of_range_is_refused_and_a_plain_queue_delays_nothing(runtime):
     from staronnx import InputError
 
-    with Server(runtime, 2, max_delay=0.0, queue_policy=TWO_LEVELS) as server:
+    with Server(runtime, ServeSpec(2, max_delay=0.0, queue_policy=TWO_LEVELS)) as server:
         with pytest.raises(InputError, match="priority level 3 is out of range: this server's levels are 1 to 2"):
             server.submit(_sample(1), level=3)
-    with Server(runtime, 2, max_delay=0.0) as server:
+    with Server(runtime, ServeSpec(2, max_delay=0.0)) as server:
         assert server.delay([server.submit(_sample(1))]) == 0
 
 

@@ -20,6 +20,8 @@ from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.policies import POLICIES, make_policy
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import CudaOptions, RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.workers.cudart import HostRuntime
 from staronnx.workers.residency import ResidencyError, WorkerSlot, model_holders, parse_model_workers
@@ -140,9 +142,10 @@ def assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]) -> Non
 @pytest.mark.parametrize("policy", ["heft", "eager", "ws"])
 def test_a_model_kept_off_the_gpu_runs_only_on_the_cpu_and_both_match_their_references(plans, tmp_path, policy):
     big, small = plans
-    with Runtime({"big": big, "small": small}, policy=policy, cpu_groups=one_pu(), cuda_streams=1,
-                 store=PerfModelStore(tmp_path), cuda_options={"runtime": HostRuntime(), "cuda_graphs": False},
-                 residency={"big": "cpu"}) as rt:
+    with Runtime({"big": big, "small": small},
+                 MachineSpec(groups=one_pu(), cuda_streams=1, cuda_graphs=False, residency={"big": "cpu"}),
+                 RuntimeSpec(policy=policy, store=PerfModelStore(tmp_path),
+                             cuda=CudaOptions(runtime=HostRuntime()))) as rt:
         cuda = next(w for w in rt.workers if w.kind == "cuda")
         cpu = next(w for w in rt.workers if w.kind == "cpu")
         assert cuda.holds == frozenset(range(big.k, big.k + small.k))  # no session of big's parts
@@ -165,9 +168,9 @@ def test_a_model_kept_off_the_gpu_runs_only_on_the_cpu_and_both_match_their_refe
 def test_losing_a_models_only_holder_fails_that_model_and_keeps_the_other_running(plans, tmp_path):
     big, small = plans
     host = HostRuntime()
-    with Runtime({"big": big, "small": small}, policy="eager", cpu_groups=one_pu(), cuda_streams=1,
-                 store=PerfModelStore(tmp_path), cuda_options={"runtime": host, "cuda_graphs": False},
-                 residency={"small": "cuda"}) as rt:
+    with Runtime({"big": big, "small": small},
+                 MachineSpec(groups=one_pu(), cuda_streams=1, cuda_graphs=False, residency={"small": "cuda"}),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=host))) as rt:
         rt.submit(small_feeds(0), "small").result(timeout=60)
         host.inject("copy_h2d", 700)  # an illegal address: the CUDA context, small's only home, is lost
         with pytest.raises(Exception):
@@ -182,8 +185,9 @@ def test_losing_a_models_only_holder_fails_that_model_and_keeps_the_other_runnin
 def test_residency_refuses_a_selector_that_matches_no_worker_before_any_worker_starts(plans, tmp_path):
     big, small = plans
     with pytest.raises(ResidencyError, match="'cuda' matches no worker"):
-        Runtime({"big": big, "small": small}, cpu_groups=one_pu(), store=PerfModelStore(tmp_path),
-                residency={"small": "cuda"})
+        Runtime({"big": big, "small": small},
+                MachineSpec(groups=one_pu(), residency={"small": "cuda"}),
+                RuntimeSpec(store=PerfModelStore(tmp_path)))
 
 
 # -- a model that does not fit in a GPU's memory --------------------------------------------
@@ -195,8 +199,9 @@ def test_a_model_that_does_not_fit_on_the_gpu_is_left_off_it_and_runs_on_the_cpu
     host = HostRuntime()
     host.inject("session_load", 2)  # cudaErrorMemoryAllocation
     with caplog.at_level("WARNING", logger="staronnx.workers.launch"):
-        rt = Runtime({"big": big, "small": small}, policy="heft", cpu_groups=one_pu(), cuda_streams=1,
-                     store=PerfModelStore(tmp_path), cuda_options={"runtime": host, "cuda_graphs": False})
+        rt = Runtime({"big": big, "small": small},
+                     MachineSpec(groups=one_pu(), cuda_streams=1, cuda_graphs=False),
+                     RuntimeSpec(policy="heft", store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=host)))
     with rt:
         cuda = next(w for w in rt.workers if w.kind == "cuda")
         assert cuda.holds == frozenset(range(big.k, big.k + small.k))
@@ -216,13 +221,15 @@ def test_a_model_that_fits_nowhere_or_a_single_model_that_does_not_fit_is_an_err
     host = HostRuntime()
     host.inject("session_load", 2)
     with pytest.raises(GroupError, match="no worker holds model 'big'"):  # no CPU group to take it
-        Runtime({"big": big, "small": small}, cpu_groups="none", cuda_streams=1, store=PerfModelStore(tmp_path),
-                cuda_options={"runtime": host, "cuda_graphs": False})
+        Runtime({"big": big, "small": small},
+                MachineSpec(groups="none", cuda_streams=1, cuda_graphs=False),
+                RuntimeSpec(store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=host)))
     host = HostRuntime()
     host.inject("session_load", 2)
     with pytest.raises(PartDoesNotFit, match="part 0 .* does not fit in the GPU's memory"):
-        Runtime(big, cpu_groups=one_pu(), cuda_streams=1, store=PerfModelStore(tmp_path),
-                cuda_options={"runtime": host, "cuda_graphs": False})
+        Runtime(big,
+                MachineSpec(groups=one_pu(), cuda_streams=1, cuda_graphs=False),
+                RuntimeSpec(store=PerfModelStore(tmp_path), cuda=CudaOptions(runtime=host)))
 
 
 def test_ort_texts_of_a_lack_of_gpu_memory_are_recognised():

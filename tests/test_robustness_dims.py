@@ -16,6 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from staronnx.partition.graph import model_inputs
+from staronnx import SessionSpec
 from staronnx.plan import Plan
 from staronnx.verify import random_plan_feeds
 from _helpers import cli
@@ -103,7 +104,7 @@ def test_plan_feeds_and_runtime_checks_of_a_legacy_plan_with_negative_dims(tmp_p
     assert out["y"].shape == (2, 4)
     from staronnx import InferenceSession
 
-    with InferenceSession(plan, cpu_groups=two_groups) as sess:
+    with InferenceSession(plan, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         assert [d for d in sess.get_inputs()[0].shape][1] == 3
         assert not any(isinstance(d, int) and d < 0 for d in sess.get_inputs()[0].shape)
         got = sess.run(None, feeds)[0]

@@ -14,12 +14,14 @@ import onnxruntime as ort
 import pytest
 
 from staronnx import InferenceSession, InputError, partition
+from staronnx import SessionSpec
 from staronnx.calibrate import start_workers
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.policies import POLICIES
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
@@ -50,7 +52,7 @@ def _threads() -> set[str]:
 def test_every_policy_matches_reference(plan3, store, policy, two_groups):
     before = _threads()
     feeds = [random_plan_feeds(plan3, b, seed=i) for i, b in enumerate([1, 3, 2, 4] * 5)]
-    with Runtime(plan3, policy=policy, cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy=policy, store=store)) as rt:
         futures = [rt.submit(f) for f in feeds]
         results = [f.result(timeout=60) for f in futures]
         stats = rt.stats()
@@ -65,7 +67,7 @@ def test_every_policy_matches_reference(plan3, store, policy, two_groups):
 def test_thousand_requests_from_eight_threads(plan3, store, two_groups):
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(16)]
     refs = [plan3.run_reference(f)["logits"] for f in feeds]
-    with Runtime(plan3, policy="heft", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="heft", store=store)) as rt:
 
         def client(c: int) -> int:
             ok = 0
@@ -84,7 +86,7 @@ def test_failing_task_fails_only_its_request(fragile_plan, store, two_groups):
     plan = fragile_plan
     good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
     bad = {"x": np.ones((2, 5), np.float32)}
-    with Runtime(plan, policy="dmda", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(policy="dmda", store=store)) as rt:
         futures = [rt.submit(bad if i % 3 == 0 else good) for i in range(30)]
         for i, f in enumerate(futures):
             if i % 3 == 0:
@@ -99,7 +101,7 @@ def test_failing_task_fails_only_its_request(fragile_plan, store, two_groups):
 
 
 def test_bad_input_is_rejected_before_any_task(plan3, store, two_groups):
-    with Runtime(plan3, policy="eager", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="eager", store=store)) as rt:
         good = random_plan_feeds(plan3, 2)
         with pytest.raises(ValueError, match="'x'.*float32.*float64"):
             rt.submit({"x": good["x"].astype(np.float64)})
@@ -131,7 +133,7 @@ def test_dead_worker_tasks_are_replaced(plan3, store, two_groups):
     workers[0].run_here = flaky
     feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(40)]
     try:
-        with Runtime(plan3, policy="eager", workers=workers, store=store) as rt:
+        with Runtime(plan3, spec=RuntimeSpec(policy="eager", workers=workers, store=store)) as rt:
             results = [f.result(timeout=60) for f in [rt.submit(x) for x in feeds]]
             stats = rt.stats()
     finally:
@@ -151,7 +153,7 @@ def test_map_keeps_order_and_bounds_in_flight(plan3, store, two_groups):
             submitted.append(i)
             yield f
 
-    with Runtime(plan3, policy="dmdas", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="dmdas", store=store)) as rt:
         out = []
         for r in rt.map(stream(), max_in_flight=4):
             assert len(submitted) - len(out) <= 4 + 1
@@ -162,7 +164,7 @@ def test_map_keeps_order_and_bounds_in_flight(plan3, store, two_groups):
 
 def test_futures_are_awaitable(plan3, store, two_groups):
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(5)]
-    with Runtime(plan3, policy="ws", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="ws", store=store)) as rt:
 
         async def main():
             return await asyncio.gather(*(rt.submit(f) for f in feeds))
@@ -178,7 +180,7 @@ def test_runtime_futures_behave_like_futures(plan3, store, two_groups):
     from concurrent.futures import TimeoutError as FutureTimeout
 
     feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
-    with Runtime(plan3, policy="eager", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="eager", store=store)) as rt:
         futs = [rt.submit(f) for f in feeds]
         called: list[object] = []
         futs[0].add_done_callback(called.append)
@@ -223,7 +225,7 @@ def test_finished_requests_leave_nothing_for_the_cycle_collector(plan3, store, t
     import gc
 
     feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(40)]
-    with Runtime(plan3, policy="heft", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="heft", store=store)) as rt:
         for f in feeds[:4]:
             rt.run(f)
         gc.collect()
@@ -241,7 +243,7 @@ def test_finished_requests_leave_nothing_for_the_cycle_collector(plan3, store, t
 
 def test_trace_has_worker_lanes_tasks_and_flows(plan3, store, tmp_path, two_groups):
     path = tmp_path / "trace.json"
-    with Runtime(plan3, policy="heft", cpu_groups=two_groups, trace=path, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="heft", trace=path, store=store)) as rt:
         for f in [rt.submit(random_plan_feeds(plan3, 2, seed=i)) for i in range(6)]:
             f.result()
     events = json.loads(path.read_text())["traceEvents"]
@@ -261,7 +263,8 @@ def test_inference_session_facade_matches_onnxruntime(plan3, store, two_groups):
     model = plan3.source_model
     ref = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
     x = np.random.default_rng(3).standard_normal((2, 3, 16, 16)).astype(np.float32)
-    with InferenceSession(plan3.root, cpu_groups=two_groups, store=store) as sess:
+    with InferenceSession(plan3.root,
+                          spec=SessionSpec(cpu_groups=two_groups, runtime=RuntimeSpec(store=store))) as sess:
         assert [i.name for i in sess.get_inputs()] == [i.name for i in ref.get_inputs()]
         assert sess.get_inputs()[0].type == ref.get_inputs()[0].type
         assert [o.name for o in sess.get_outputs()] == [o.name for o in ref.get_outputs()]
@@ -273,7 +276,7 @@ def test_inference_session_facade_matches_onnxruntime(plan3, store, two_groups):
 def test_serving_calibrates_models(plan3, tmp_path, two_groups):
     store = PerfModelStore(tmp_path / "h")
     feeds = random_plan_feeds(plan3, 2)
-    with Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="dmda", store=store)) as rt:
         for f in [rt.submit(feeds) for _ in range(60)]:
             f.result()
     rows = store.rows(plan3.hash)
@@ -299,7 +302,7 @@ def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monk
     def serve(n: int, **kw) -> int:
         """Serve ``n`` requests; the executions the models were offered (their journal: every
         verdict, accepted, outlier or reset, before the runtime saves it at close)."""
-        with Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store, **kw) as rt:
+        with Runtime(plan3, MachineSpec(two_groups), RuntimeSpec(policy="dmda", store=store, **kw)) as rt:
             for f in [rt.submit(feeds) for _ in range(n)]:
                 f.result()
             assert rt.predictor is not None
@@ -324,14 +327,14 @@ def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monk
     assert sum(replaced.values()) <= 12 * plan3.k and sum(replaced.values()) < sum(kept.values())
     monkeypatch.setenv("STARONNX_CALIBRATE", "yes")
     with pytest.raises(StaronnxError, match="STARONNX_CALIBRATE"):
-        Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store)
+        Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="dmda", store=store))
     with pytest.raises(StaronnxError, match="calibrate"):
-        Runtime(plan3, policy="dmda", cpu_groups=two_groups, store=store, calibrate=3)
+        Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="dmda", store=store, calibrate=3))
 
 
 def test_close_with_zero_timeout_cancels_what_is_left(plan3, store, two_groups):
     before = _threads()
-    rt = Runtime(plan3, policy="dmdas", cpu_groups=two_groups, store=store)
+    rt = Runtime(plan3, MachineSpec(groups=two_groups), RuntimeSpec(policy="dmdas", store=store))
     feeds = random_plan_feeds(plan3, 8)
     futures = [rt.submit(feeds) for _ in range(200)]
     rt.close(timeout=0)
@@ -366,7 +369,9 @@ def test_run_cli_prints_throughput_latency_and_placement(plan3, tmp_path, two_gr
 
 def test_a_trace_that_cannot_be_written_still_closes_the_workers(plan3, store, two_groups, tmp_path):
     (tmp_path / "gone").write_text("the trace's folder was replaced by a file")
-    rt = Runtime(plan3, policy="eager", cpu_groups=two_groups, store=store, trace=tmp_path / "gone" / "t.json")
+    rt = Runtime(plan3,
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(policy="eager", store=store, trace=tmp_path / "gone" / "t.json"))
     workers = rt.workers
     rt.run(random_plan_feeds(plan3, 2))
     with pytest.raises(OSError):

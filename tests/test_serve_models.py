@@ -225,7 +225,7 @@ def test_a_served_models_window_is_the_simulators_from_the_same_perf_models(plan
     assert machine_inflight(machine, 1) == inflight_from_models(plan, 1, groups=two_groups, cuda_streams=1) == rule
     assert rule == 20 + 1 + 1 + 3
     settings = {"groups": two_groups, "cuda_streams": 1}  # the GPU is the what-if's: the runtime has CPUs only
-    with Runtime(plan, cpu_groups=two_groups) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups)) as rt:
         for spec, window in ((ServeSpec(1, max_delay=0.0, queue_capacity=16), rule),
                              (ServeSpec(1, max_delay=0.0, queue_capacity=16, max_inflight=3), 3)):  # given: kept
             endpoint = ModelEndpoint("chain", rt, spec, metrics=ServeMetrics(), settings=settings)

@@ -28,7 +28,9 @@ from staronnx.cli import main
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
-from staronnx.serving import Server
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
+from staronnx.serving import ServeSpec, Server
 from staronnx.zoo import chain, fragile
 from test_serve import _groups, start_server
 from staronnx.partition import PartitionSpec
@@ -138,7 +140,7 @@ def test_sweep_over_grpc(server, plans, tmp_path):
         assert remote.protocol == "grpc" and remote.served.batch_size == BATCH
         x = np.ones((2, 8), np.float32)
         assert remote.submit({"x": x}).result(30)["y"].shape[0] == 2  # a whole batch, as the warm-up sends
-        front = RemoteServer(remote, BATCH, max_delay=0.002)
+        front = RemoteServer(remote, ServeSpec(BATCH, max_delay=0.002))
         futures = [front.submit({"x": x[:1]}) for _ in range(BATCH)]
         for f in futures:
             f.result(30)
@@ -226,8 +228,8 @@ def test_server_keeps_only_the_latest_records_when_told(plans, tmp_path):
     plan = plans["tiny"]
     x = np.random.default_rng(0).standard_normal((1, 8)).astype(np.float32)
     expect = plan.run_reference({"x": x})["y"]
-    with Runtime(plan, policy="eager", cpu_groups=_groups()) as rt:
-        with Server(rt, BATCH, max_delay=0.001, keep_records=32) as bounded, Server(rt, BATCH, max_delay=0.001) as full:
+    with Runtime(plan, MachineSpec(groups=_groups()), RuntimeSpec(policy="eager")) as rt:
+        with Server(rt, ServeSpec(BATCH, max_delay=0.001, keep_records=32)) as bounded, Server(rt, ServeSpec(BATCH, max_delay=0.001)) as full:
             for server in (bounded, full):
                 for _ in range(5):  # waves, so both full and partial batches form
                     futures = [server.submit({"x": x}) for _ in range(100)]
@@ -241,7 +243,7 @@ def test_server_keeps_only_the_latest_records_when_told(plans, tmp_path):
             # without keep_records (what sweeps use) every request stays on record
             assert len(full.records().requests) == 500
         with pytest.raises(StaronnxError, match="keep_records"):
-            Server(rt, BATCH, keep_records=0)
+            Server(rt, ServeSpec(BATCH, keep_records=0))
 
 
 def test_served_model_records_stay_bounded(plans):
@@ -252,7 +254,7 @@ def test_served_model_records_stay_bounded(plans):
     plan = plans["tiny"]
     x = np.random.default_rng(1).standard_normal((1, 8)).astype(np.float32)
     expect = plan.run_reference({"x": x})["y"]
-    rt = Runtime(plan, policy="eager", cpu_groups=_groups())
+    rt = Runtime(plan, MachineSpec(groups=_groups()), RuntimeSpec(policy="eager"))
     default = ModelEndpoint("a", rt, batch_size=BATCH, max_delay=0.001, queue_capacity=64, metrics=ServeMetrics())
     assert default.server.keep_records == RECORDS_KEPT  # what staronnx serve builds
     default.server.close()

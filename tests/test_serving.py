@@ -17,6 +17,8 @@ from staronnx import InputError, partition
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.runtime.task import TaskError
 from staronnx.serving import (
     ArrivalError,
@@ -28,6 +30,7 @@ from staronnx.serving import (
     RequestRecord,
     RunRecords,
     Server,
+    ServeSpec,
     ServerClosed,
     backlog,
     make_arrivals,
@@ -51,7 +54,7 @@ def plan(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runtime(plan, tmp_path_factory, two_groups):
     store = PerfModelStore(tmp_path_factory.mktemp("home"))
-    with Runtime(plan, policy="heft", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(policy="heft", store=store)) as rt:
         yield rt
 
 
@@ -162,7 +165,7 @@ def test_replay_missing_file(tmp_path):
 # -- the server on a real runtime --------------------------------------------------------------
 def test_exact_batches_split_outputs_and_mark_the_oldest(plan, runtime, samples):
     before = _threads()
-    with Server(runtime, 4) as server:
+    with Server(runtime, ServeSpec(4)) as server:
         t = server.clock()
         # arrivals out of order inside each batch of 4: the oldest is the second one submitted
         arrivals = [t + off for k in range(3) for off in (k + 0.3, k + 0.1, k + 0.2, k + 0.4)]
@@ -183,7 +186,7 @@ def test_exact_batches_split_outputs_and_mark_the_oldest(plan, runtime, samples)
 
 
 def test_partial_batches_wait_without_max_delay_and_flush_at_close(plan, runtime, samples):
-    server = Server(runtime, 8)
+    server = Server(runtime, ServeSpec(8))
     futures = [server.submit(s) for s in samples[:3]]
     time.sleep(0.2)
     assert not any(f.done() for f in futures)  # the papers' model: a batch leaves when full
@@ -196,7 +199,7 @@ def test_partial_batches_wait_without_max_delay_and_flush_at_close(plan, runtime
 
 
 def test_max_delay_sends_partial_batches(plan, runtime, samples):
-    with Server(runtime, 8, max_delay=0.02) as server:
+    with Server(runtime, ServeSpec(8, max_delay=0.02)) as server:
         futures = [server.submit(s) for s in samples[:3]]
         results = [f.result(timeout=10) for f in futures]
         time.sleep(0.05)
@@ -211,7 +214,7 @@ def test_max_delay_sends_partial_batches(plan, runtime, samples):
 
 
 def test_flush_sends_what_is_queued(runtime, samples):
-    with Server(runtime, 4) as server:
+    with Server(runtime, ServeSpec(4)) as server:
         futures = [server.submit(s) for s in samples[:6]]
         futures[0].result(timeout=10)
         assert server.queue_length == 2
@@ -222,7 +225,7 @@ def test_flush_sends_what_is_queued(runtime, samples):
 
 
 def test_bad_sample_is_rejected_at_submit(runtime, samples):
-    with Server(runtime, 2) as server:
+    with Server(runtime, ServeSpec(2)) as server:
         with pytest.raises(InputError, match="a request is one sample, so axis 0 \\(its batch axis\\) must be 1"):
             server.submit({"x": np.zeros((2, 3, 16, 16), np.float32)})
         with pytest.raises(InputError, match="missing"):
@@ -232,7 +235,7 @@ def test_bad_sample_is_rejected_at_submit(runtime, samples):
 
 def test_full_queue_rejects_naming_its_capacity(runtime, samples):
     gated = Gated(runtime)
-    server = Server(gated, 2, queue_capacity=2, max_inflight=1)
+    server = Server(gated, ServeSpec(2, queue_capacity=2, max_inflight=1))
     try:
         first, queued = _hold_a_batch_then_fill(server, samples)
         with pytest.raises(OverloadError, match=r"queue full \(2 requests") as info:
@@ -253,7 +256,7 @@ def test_requests_cancelled_while_queued_leave_the_queue_without_running(plan, r
     # a client that goes away (its future cancelled) must not keep a place in a full queue,
     # nor a seat in a batch: the next request is accepted and the withdrawn ones never run
     gated = Gated(runtime)
-    server = Server(gated, 2, queue_capacity=2, max_inflight=1)
+    server = Server(gated, ServeSpec(2, queue_capacity=2, max_inflight=1))
     try:
         first, abandoned = _hold_a_batch_then_fill(server, samples)
         with pytest.raises(OverloadError):
@@ -275,7 +278,7 @@ def test_requests_cancelled_while_queued_leave_the_queue_without_running(plan, r
 
 def test_full_queue_blocks_then_succeeds(plan, runtime, samples):
     gated = Gated(runtime)
-    server = Server(gated, 2, queue_capacity=2, max_inflight=1, on_full="block")
+    server = Server(gated, ServeSpec(2, queue_capacity=2, max_inflight=1, on_full="block"))
     try:
         first, queued = _hold_a_batch_then_fill(server, samples)
         futures = first + queued
@@ -304,7 +307,9 @@ def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan, two_group
     order = [good[0], good[1], bad, bad, good[2], bad, good[3], good[0]]
     before = _threads()
     store = PerfModelStore(tmp_path / "home")
-    with Runtime(plan, policy="dmda", cpu_groups=two_groups, store=store) as rt, Server(rt, 2) as server:
+    with Runtime(plan,
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(policy="dmda", store=store)) as rt, Server(rt, ServeSpec(2)) as server:
         futures = [server.submit(s) for s in order]
         with pytest.raises(TaskError):  # batch 1: both samples ORT cannot run
             futures[2].result(timeout=30)
@@ -338,8 +343,10 @@ def test_failing_batch_fails_only_its_requests(tmp_path, fragile_plan, two_group
 
 def test_close_leaves_no_thread_and_drains(plan, samples, tmp_path, two_groups):
     before = _threads()
-    rt = Runtime(plan, policy="eager", cpu_groups=two_groups, store=PerfModelStore(tmp_path / "home"))
-    server = Server(rt, 4, queue_capacity=64)
+    rt = Runtime(plan,
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path / "home")))
+    server = Server(rt, ServeSpec(4, queue_capacity=64))
     futures = [server.submit(samples[i % len(samples)]) for i in range(30)]  # 7 full batches + 2
     server.close(timeout=30)
     assert all(f.done() and f.exception() is None for f in futures)
@@ -351,18 +358,18 @@ def test_close_leaves_no_thread_and_drains(plan, samples, tmp_path, two_groups):
 
 def test_server_settings_are_checked(runtime):
     with pytest.raises(StaronnxError, match="batch_size"):
-        Server(runtime, 0)
+        Server(runtime, ServeSpec(0))
     with pytest.raises(StaronnxError, match="queue_capacity .*at least batch_size"):
-        Server(runtime, 8, queue_capacity=4)
+        Server(runtime, ServeSpec(8, queue_capacity=4))
     with pytest.raises(StaronnxError, match="on_full"):
-        Server(runtime, 2, on_full="drop")
+        Server(runtime, ServeSpec(2, on_full="drop"))
 
 
 # -- the open-loop generator -------------------------------------------------------------------
 def test_open_loop_generator_keeps_its_schedule(plan, runtime, samples):
     # an accuracy-of-schedule check: a 200 req/s load is light for this plan, and the measure
     # is the generator's own submission times against the clock, not the server's speed
-    with Server(runtime, 4) as server:
+    with Server(runtime, ServeSpec(4)) as server:
         rec = run_open_loop(server, Constant(200), lambda i: samples[i % len(samples)], duration=2.0)
     gen = rec.settings["loadgen"]
     assert gen["submitted"] == 400 and gen["drained"] and gen["rejected"] == 0
@@ -379,7 +386,7 @@ def test_open_loop_generator_keeps_its_schedule(plan, runtime, samples):
 
 
 def test_open_loop_flushes_the_last_partial_batch(runtime, samples):
-    with Server(runtime, 4) as server:
+    with Server(runtime, ServeSpec(4)) as server:
         rec = run_open_loop(server, Poisson(500, seed=2), lambda i: samples[i % len(samples)], n=10)
     assert [b.size for b in rec.batches] == [4, 4, 2] and rec.settings["loadgen"]["drained"]
     s = summarize(rec)
@@ -537,7 +544,7 @@ def test_open_loop_keeps_its_schedule_while_the_runtime_is_saturated(plan, runti
         runtime.run(samples[i % len(samples)])
     capacity = 20 / (time.perf_counter() - t)
     rate = min(max(10 * capacity, 2000.0), 8000.0)
-    with Server(runtime, 1, queue_capacity=16, max_inflight=1) as server:
+    with Server(runtime, ServeSpec(1, queue_capacity=16, max_inflight=1)) as server:
         rec = run_open_loop(server, Constant(rate), lambda i: samples[i % len(samples)], duration=1.5)
     gen = rec.settings["loadgen"]
     # every scheduled arrival went in, none waited for a result: the saturated runtime's queue

@@ -24,6 +24,8 @@ from staronnx import InputError, partition
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import CudaOptions, RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.runtime.task import RequestFuture
 from staronnx.serving import Constant, Server, ServerClosed, run_open_loop
 from staronnx.serving import collector, loadgen
@@ -55,8 +57,9 @@ def plan(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runtime(plan, tmp_path_factory, two_groups):
-    with Runtime(plan, policy="eager", cpu_groups=two_groups,
-                 store=PerfModelStore(tmp_path_factory.mktemp("home"))) as rt:
+    with Runtime(plan,
+                 MachineSpec(groups=two_groups),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path_factory.mktemp("home")))) as rt:
         yield rt
 
 
@@ -120,7 +123,7 @@ def stand_in(plan):
 def test_request_futures_resolve_off_the_runtime_thread(stand_in):
     resolved_on: list[int] = []
     stand_in.gate.clear()  # no batch completes before every callback is in place
-    with Server(stand_in, 4) as server:
+    with Server(stand_in, ServeSpec(4)) as server:
         futures = [server.submit(_sample(i)) for i in range(8)]
         for f in futures:
             f.add_done_callback(lambda _f: resolved_on.append(threading.get_ident()))
@@ -136,7 +139,7 @@ def test_request_futures_resolve_off_the_runtime_thread(stand_in):
 def test_a_real_runtime_worker_does_not_run_request_callbacks(runtime):
     names: list[str] = []
     gated = Gated(runtime)  # no batch completes before every callback is in place
-    with Server(gated, 4, batch_memory=np.empty) as server:
+    with Server(gated, ServeSpec(4), batch_memory=np.empty) as server:
         futures = [server.submit(_sample(i)) for i in range(12)]
         for f in futures:
             f.add_done_callback(lambda _f: names.append(threading.current_thread().name))
@@ -160,12 +163,12 @@ def test_a_cpu_only_runtime_hands_out_results_on_its_worker_and_a_cuda_one_on_th
     from staronnx.workers.cudart import HostRuntime
 
     pu = str(min(__import__("os").sched_getaffinity(0)))
-    for options, expect in ((dict(cpu_groups=pu), "cpu:"),
-                            (dict(cpu_groups="none", cuda_streams=1,
-                                  cuda_options={"runtime": HostRuntime(), "cuda_graphs": False}), "staronnx-batcher")):
-        with Runtime(plan, policy="eager", store=PerfModelStore(tmp_path), **options) as rt:
+    host = CudaOptions(runtime=HostRuntime())
+    for machine, expect in ((MachineSpec(pu), "cpu:"),
+                            (MachineSpec("none", cuda_streams=1, cuda_graphs=False), "staronnx-batcher")):
+        with Runtime(plan, machine, RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), cuda=host)) as rt:
             names: list[str] = []
-            with Server(rt, 4) as server:
+            with Server(rt, ServeSpec(4)) as server:
                 futures = []
                 for i in range(16):  # a batch leaves with its 4th request: the first 3 have their callbacks
                     futures.append(server.submit(_sample(i)))
@@ -183,7 +186,7 @@ def test_a_cpu_only_runtime_hands_out_results_on_its_worker_and_a_cuda_one_on_th
 
 def test_close_fails_batches_the_runtime_never_finished(stand_in):
     stand_in.gate.clear()  # the stand-in's worker holds the batch
-    server = Server(stand_in, 2)
+    server = Server(stand_in, ServeSpec(2))
     futures = [server.submit(_sample(i)) for i in range(2)]
     server.close(timeout=0.3)
     for f in futures:
@@ -197,7 +200,7 @@ def test_close_fails_batches_the_runtime_never_finished(stand_in):
 
 
 def test_close_from_a_result_callback_does_not_hang(stand_in):
-    server = Server(stand_in, 1)
+    server = Server(stand_in, ServeSpec(1))
     closed = threading.Event()
 
     def close_now(_f):
@@ -216,7 +219,7 @@ def test_a_closed_server_is_not_kept_alive_by_the_runtime(runtime):
     # the runtime keeps its last request's future (the worker's last task) until its next
     # task; a server held there was freed, run and all, on that worker's thread at the start
     # of the next run (10-30 ms with the GIL held, the first arrivals that late)
-    server = Server(runtime, 4, batch_memory=np.empty)
+    server = Server(runtime, ServeSpec(4), batch_memory=np.empty)
     futures = [server.submit(_sample(i)) for i in range(8)]
     assert all(f.result(timeout=30)["y"].shape == (1, 16) for f in futures)
     server.close()
@@ -235,7 +238,7 @@ def test_the_request_that_fills_a_batch_launches_it_on_its_own_thread(stand_in):
         return submit(feeds)
 
     stand_in.submit = spy
-    with Server(stand_in, 4, max_inflight=1) as server:
+    with Server(stand_in, ServeSpec(4, max_inflight=1)) as server:
         stand_in.gate.clear()  # the first batch stays in flight: the window is full
         first = [server.submit(_sample(i)) for i in range(4)]
         second = [server.submit(_sample(i)) for i in range(4, 8)]  # held back by max_inflight
@@ -264,7 +267,7 @@ def _count_wakes(server):
 def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
     # requests queued behind max_inflight are sent by the completion that frees a place; a
     # wake-up per such request was a thread switch and a GIL hand-over each, for nothing
-    with Server(stand_in, 2, max_inflight=1, queue_capacity=64) as server:
+    with Server(stand_in, ServeSpec(2, max_inflight=1, queue_capacity=64)) as server:
         stand_in.gate.clear()
         held = [server.submit(_sample(i)) for i in range(2)]
         wakes = _count_wakes(server)
@@ -278,7 +281,7 @@ def test_a_full_window_does_not_wake_the_batcher_per_request(stand_in):
 def test_a_completion_with_room_in_the_window_leaves_the_batcher_asleep(runtime):
     # at 75 % load most completions find a partial batch being filled: waking the batcher for
     # it was a thread switch and a GIL hand-over per batch, and it could send nothing
-    with Server(runtime, 4, max_inflight=4) as server:
+    with Server(runtime, ServeSpec(4, max_inflight=4)) as server:
         first = [server.submit(_sample(i)) for i in range(4)]  # leaves with its 4th request
         wakes = _count_wakes(server)
         partial = [server.submit(_sample(i)) for i in range(4, 6)]
@@ -294,7 +297,7 @@ def test_a_completion_with_room_in_the_window_leaves_the_batcher_asleep(runtime)
 def test_a_completion_that_frees_a_full_window_starts_a_waiting_partial_batchs_delay(runtime):
     # with max_inflight=1 the partial batch's max-delay timer cannot run while the window is
     # full (the batcher waits for room): the completion that frees it must wake the batcher
-    with Server(runtime, 4, max_inflight=1, max_delay=0.01) as server:
+    with Server(runtime, ServeSpec(4, max_inflight=1, max_delay=0.01)) as server:
         futures = [server.submit(_sample(i)) for i in range(5)]
         for i, f in enumerate(futures):
             np.testing.assert_allclose(f.result(timeout=10)["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
@@ -306,7 +309,7 @@ def test_an_event_loop_times_the_max_delay_of_its_requests_and_the_batcher_sleep
     # a served model's requests come from one event loop: a call_later there times a partial
     # batch's delay, where waking the batcher thread for each batch's first request cost a
     # thread switch and a GIL hand-over, for nothing when the batch fills first (closed loop)
-    with Server(runtime, 4, max_delay=0.02) as server:
+    with Server(runtime, ServeSpec(4, max_delay=0.02)) as server:
         async def main() -> tuple[list[dict[str, np.ndarray]], int]:
             server.time_delays_on(asyncio.get_running_loop())
             wakes = _count_wakes(server)
@@ -326,7 +329,7 @@ def test_an_event_loop_times_the_max_delay_of_its_requests_and_the_batcher_sleep
 
 def test_requests_from_another_thread_are_still_timed_by_the_batcher(runtime):
     # only the loop's own thread uses its timer; a request submitted elsewhere wakes the batcher
-    with Server(runtime, 4, max_delay=0.02) as server:
+    with Server(runtime, ServeSpec(4, max_delay=0.02)) as server:
         async def main() -> list[dict[str, np.ndarray]]:
             server.time_delays_on(asyncio.get_running_loop())
             futures = await asyncio.to_thread(lambda: [server.submit(_sample(i)) for i in range(2)])
@@ -339,7 +342,7 @@ def test_requests_from_another_thread_are_still_timed_by_the_batcher(runtime):
 
 def test_a_closed_loop_leaves_the_delay_to_the_batcher(runtime):
     # the loop that timed delays is gone: the next first request falls back to the batcher
-    with Server(runtime, 4, max_delay=0.02) as server:
+    with Server(runtime, ServeSpec(4, max_delay=0.02)) as server:
         async def register() -> None:
             server.time_delays_on(asyncio.get_running_loop())
 
@@ -356,7 +359,7 @@ def test_a_checked_multi_row_request_takes_its_rows_places_in_one_batch_and_gets
     # Triton's dynamic batcher takes a request of n rows as it is: n places in a batch, and
     # its own rows of the batch's outputs back (no cut into n requests, no join of n answers)
     x = np.concatenate([_sample(i)["x"] for i in range(3)])
-    with Server(runtime, 4, max_delay=5.0) as server:
+    with Server(runtime, ServeSpec(4, max_delay=5.0)) as server:
         many = server.submit({"x": x}, checked=True, rows=3)
         one = server.submit(_sample(3))  # fills the batch of 4: it leaves at once
         a, b = many.result(timeout=30), one.result(timeout=30)
@@ -371,7 +374,7 @@ def test_a_checked_multi_row_request_takes_its_rows_places_in_one_batch_and_gets
 
 
 def test_a_multi_row_request_that_does_not_fit_waits_for_the_next_batch(runtime):
-    with Server(runtime, 4, max_delay=0.01) as server:
+    with Server(runtime, ServeSpec(4, max_delay=0.01)) as server:
         first = server.submit({"x": np.concatenate([_sample(i)["x"] for i in range(3)])}, checked=True, rows=3)
         second = server.submit({"x": np.concatenate([_sample(i)["x"] for i in range(3, 5)])}, checked=True, rows=2)
         a, b = first.result(timeout=30), second.result(timeout=30)
@@ -384,7 +387,7 @@ def test_a_multi_row_request_that_does_not_fit_waits_for_the_next_batch(runtime)
 def test_the_queue_capacity_counts_a_multi_row_requests_rows(stand_in):
     # --queue-capacity is in samples: a request of 3 rows takes 3 of them, as its 3 one-row
     # pieces did when a request was cut into rows
-    with Server(stand_in, 4, queue_capacity=4) as server:
+    with Server(stand_in, ServeSpec(4, queue_capacity=4)) as server:
         stand_in.gate.clear()
         x = np.concatenate([_sample(i)["x"] for i in range(3)])
         first = server.submit({"x": x}, checked=True, rows=3)
@@ -398,7 +401,7 @@ def test_the_queue_capacity_counts_a_multi_row_requests_rows(stand_in):
 
 def test_wait_idle_counts_the_requests_still_without_a_result(stand_in):
     stand_in.gate.clear()  # the runtime holds every batch
-    with Server(stand_in, 2) as server:
+    with Server(stand_in, ServeSpec(2)) as server:
         futures = [server.submit(_sample(i)) for i in range(3)]  # a batch of 2 leaves, 1 waits
         assert server.wait_idle(0.05) == 3
         stand_in.gate.set()
@@ -429,7 +432,7 @@ def test_the_generator_keeps_no_future_of_a_request_that_has_its_result(stand_in
                 time.sleep(0.01)
             counted.append(kept)
 
-    with Watched(stand_in, 2) as server:
+    with Watched(stand_in, ServeSpec(2)) as server:
         rec = run_open_loop(server, Constant(4000), _sample, n=200, on_submit=on_submit)
     assert all(r.done is not None for r in rec.requests) and rec.settings["loadgen"]["pending"] == 0
     # at most the last batch or two, still in the hands of the thread that resolved them
@@ -439,9 +442,9 @@ def test_the_generator_keeps_no_future_of_a_request_that_has_its_result(stand_in
 def test_a_one_worker_runtime_gets_a_window_of_four_by_default(plan, tmp_path):
     # two batches for one worker left it idle whenever the batcher's hand-over outlasted its
     # task: open loop congested at 75 % of the closed-loop rate on the serving benchmark
-    with Runtime(plan, policy="eager", cpu_groups="0", store=PerfModelStore(tmp_path)) as rt:
+    with Runtime(plan, MachineSpec(groups="0"), RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path))) as rt:
         assert len(rt.workers) == 1
-        with Server(rt, 4) as server:
+        with Server(rt, ServeSpec(4)) as server:
             assert server.max_inflight == server_module.MIN_INFLIGHT == 4
     # the one rule says so too, however the worker's time is known (as sweeps and the simulator
     # size it), and two per worker beyond two workers
@@ -453,15 +456,15 @@ def test_a_server_takes_its_settings_as_one_spec_and_its_window_from_the_one_rul
     spec = ServeSpec(4, max_delay=0.01, queue_capacity=64, pad_to=(4, np.int64(2), 2, 8))
     assert spec.pad_to == (2, 4, 8)  # checked and sorted once
     with Server(stand_in, spec) as server, \
-            Server(stand_in, 4, max_delay=0.01, queue_capacity=64, pad_to=[8, 4, 2]) as keywords:
-        # the keywords build the same spec; the server's holds it resolved for its runtime
-        assert server.spec == keywords.spec == replace(spec, max_inflight=inflight_window([]), pad_to=(2, 4))
+            Server(stand_in, ServeSpec(4, max_delay=0.01, queue_capacity=64, pad_to=[8, 4, 2])) as same:
+        # the same settings make an equal spec; the server's holds it resolved for its runtime
+        assert server.spec == same.spec == replace(spec, max_inflight=inflight_window([]), pad_to=(2, 4))
         assert (server.batch_size, server.max_delay, server.queue_capacity, server.max_inflight) == (4, 0.01, 64, 4)
         assert server.settings()["pad_to"] == [2, 4] and server.settings()["max_inflight"] == 4
-    with Server(stand_in, spec, max_inflight=2, on_full="block") as changed:  # keywords change a spec
+    with Server(stand_in, replace(spec, max_inflight=2, on_full="block")) as changed:
         assert (changed.spec.max_inflight, changed.on_full, changed.queue_capacity) == (2, "block", 64)
         assert spec.max_inflight is None  # frozen: the caller's spec is left as it was
-    with Server(runtime, 2) as served:  # a real runtime's workers, no times known
+    with Server(runtime, ServeSpec(2)) as served:  # a real runtime's workers, no times known
         assert served.max_inflight == inflight_window([None] * len(runtime.workers)) == 2 * len(runtime.workers)
     # the spec refuses what the server would: one set of checks, at construction
     for bad, words in (({"batch_size": 0}, "batch_size"),
@@ -473,13 +476,13 @@ def test_a_server_takes_its_settings_as_one_spec_and_its_window_from_the_one_rul
                        ({"batch_size": 2, "keep_records": 0}, "keep_records")):
         with pytest.raises(StaronnxError, match=words):
             ServeSpec(**bad)
-        with pytest.raises(StaronnxError, match=words):
-            Server(stand_in, **bad)
+    with pytest.raises(TypeError, match=r"one ServeSpec: Server\(runtime, ServeSpec\(4, \.\.\.\)\)"):
+        Server(stand_in, 4)  # type: ignore[arg-type]
 
 
 # -- the light request futures ----------------------------------------------------------------
 def test_request_future_keeps_the_attributes_of_a_request_future(stand_in):
-    with Server(stand_in, 1) as server:
+    with Server(stand_in, ServeSpec(1)) as server:
         f = server.submit(_sample(0))
         f.result(timeout=10)
     plain = set(vars(Future())) | {"request_id", "placement", "batch"}
@@ -496,7 +499,7 @@ def test_request_future_keeps_the_attributes_of_a_request_future(stand_in):
 
 def test_request_futures_wait_time_out_cancel_and_await_like_futures(stand_in):
     stand_in.gate.clear()
-    with Server(stand_in, 2, max_delay=None) as server:
+    with Server(stand_in, ServeSpec(2, max_delay=None)) as server:
         a, b = server.submit(_sample(0)), server.submit(_sample(1))  # one batch, held at the gate
         c = server.submit(_sample(2))  # queued: its batch waits for a second request
         with pytest.raises(FutureTimeout):
@@ -537,7 +540,7 @@ def test_request_futures_wait_time_out_cancel_and_await_like_futures(stand_in):
 
 
 def test_many_callers_blocked_on_their_own_requests_each_get_their_own(stand_in):
-    with Server(stand_in, 4) as server:
+    with Server(stand_in, ServeSpec(4)) as server:
         futures = [server.submit(_sample(i)) for i in range(16)]
         out: dict[int, np.ndarray] = {}
         threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, futures[i].result(10)["y"]))
@@ -562,7 +565,7 @@ def test_many_callers_blocked_on_their_own_requests_each_get_their_own(stand_in)
     ({"x": np.zeros((1, 16), np.float32), "z": np.zeros(1)}, "unknown input"),
 ])
 def test_a_bad_sample_is_named_whichever_check_sees_it(stand_in, sample, match):
-    with Server(stand_in, 2) as server:
+    with Server(stand_in, ServeSpec(2)) as server:
         assert server._exact_inputs == [("x", np.dtype(np.float32), (1, 16))]
         with pytest.raises(InputError, match=match):
             server.submit(sample)
@@ -574,7 +577,7 @@ def test_a_free_non_batch_axis_takes_the_plans_checks(tmp_path):
                      spec=PartitionSpec(parts=1, profile_runs=1, input_shapes=["x=1x16"]), output_dir=tmp_path / "plan")
     rt = _OwnThreadRuntime(plan)
     try:
-        with Server(rt, 1) as server:
+        with Server(rt, ServeSpec(1)) as server:
             assert server._exact_inputs is None
             assert server.submit(_sample(0)).result(timeout=10)["y"].shape == (1, 16)
             with pytest.raises(InputError, match="a request is one sample"):
@@ -593,7 +596,7 @@ def test_a_partial_batch_is_padded_and_its_callers_get_their_own_rows(stand_in):
     """Also the Server's on_executed hook (what ``staronnx serve`` counts): the rows the
     runtime ran, padding included, and a time, once per batch that succeeded."""
     executed: list[tuple[int, float]] = []
-    with Server(stand_in, 8, max_delay=0.05, pad_to=(8, 1, 4, 2),
+    with Server(stand_in, ServeSpec(8, max_delay=0.05, pad_to=(8, 1, 4, 2)),
                 on_executed=lambda rows, seconds: executed.append((rows, seconds))) as server:
         futures = [server.submit(_sample(i)) for i in range(3)]
         results = [f.result(timeout=10) for f in futures]
@@ -611,7 +614,7 @@ def test_a_partial_batch_is_padded_and_its_callers_get_their_own_rows(stand_in):
 def test_full_batches_and_batches_above_the_largest_size_run_as_they_are(plan):
     rt = _OwnThreadRuntime(plan, preferred_batch_sizes=(1, 2, 4))  # the default pad_to
     try:
-        with Server(rt, 8) as server:
+        with Server(rt, ServeSpec(8)) as server:
             assert server.pad_to == (1, 2, 4)
             full = [server.submit(_sample(i)) for i in range(8)]
             [f.result(timeout=10) for f in full]
@@ -623,14 +626,14 @@ def test_full_batches_and_batches_above_the_largest_size_run_as_they_are(plan):
         assert [(b.size, b.padded_to) for b in rec.batches] == [(8, None), (6, None)]
         for i, r in enumerate(results):
             np.testing.assert_allclose(r["y"], _sample(i)["x"] @ W, rtol=1e-6)
-        with Server(rt, 8, pad_to=()) as server:  # padding off, whatever the runtime says
+        with Server(rt, ServeSpec(8, pad_to=())) as server:  # padding off, whatever the runtime says
             assert server.pad_to == ()
     finally:
         rt.close()
 
 
 def test_padding_through_a_real_runtime_gives_each_request_its_own_result(runtime):
-    with Server(runtime, 8, pad_to=(2, 8)) as server:
+    with Server(runtime, ServeSpec(8, pad_to=(2, 8))) as server:
         futures = [server.submit(_sample(i)) for i in range(11)]
         server.flush()
         results = [f.result(timeout=30) for f in futures]
@@ -643,7 +646,7 @@ def test_padding_through_a_real_runtime_gives_each_request_its_own_result(runtim
 def test_pad_to_is_checked(stand_in):
     for bad in ([0, 4], [2.5], [True]):
         with pytest.raises(StaronnxError, match="pad_to"):
-            Server(stand_in, 4, pad_to=bad)
+            Server(stand_in, ServeSpec(4, pad_to=bad))
 
 
 # -- the generator's collector ----------------------------------------------------------------
@@ -655,7 +658,7 @@ def test_the_generator_injects_with_the_full_collection_held_off(stand_in):
         seen.append((gc.get_threshold(), gc.get_freeze_count()))
         return _sample(i)
 
-    with Server(stand_in, 2) as server:
+    with Server(stand_in, ServeSpec(2)) as server:
         rec = run_open_loop(server, Constant(2000), make_sample, n=20)
     assert len(rec.requests) == 20 and all(r.done is not None for r in rec.requests)
     # young collections go on; the older generations' wait for the end of the run
@@ -683,7 +686,7 @@ def test_the_full_collection_stays_held_off_until_the_last_result(stand_in):
         if i == total - 1:
             threading.Timer(0.05, stand_in.gate.set).start()
 
-    with Server(stand_in, 2) as server:
+    with Server(stand_in, ServeSpec(2)) as server:
         rec = run_open_loop(server, Constant(2000), _sample, n=10, on_submit=on_submit)
     assert all(r.done is not None for r in rec.requests)
     assert thresholds == [(collector.OUT_OF_REACH, collector.OUT_OF_REACH)] * 5
@@ -698,7 +701,7 @@ def test_the_generator_wakes_at_most_once_per_min_wake_and_reports_the_lag(stand
         return sleep_until(due, clock, spin)
 
     monkeypatch.setattr(loadgen, "sleep_until", counting)
-    with Server(stand_in, 4) as server:
+    with Server(stand_in, ServeSpec(4)) as server:
         rec = run_open_loop(server, Constant(20_000), _sample, n=200, min_wake=0.002)  # 10 ms
     assert len(wakes) <= 10 / 2 + 2  # not one per arrival (50 us apart)
     assert all(b - a >= 0.002 - 1e-9 for a, b in zip(wakes, wakes[1:]))
@@ -724,7 +727,7 @@ def test_a_server_leaves_the_collector_to_its_caller_who_holds_the_heap_frozen(s
     serve`` and the load generator hold the heap frozen (``hold_frozen``, nested: the last
     holder unfreezes)."""
     holders, frozen = server_module._frozen_users, gc.get_freeze_count()
-    with Server(stand_in, 1) as server:
+    with Server(stand_in, ServeSpec(1)) as server:
         assert server.submit(_sample(0)).result(timeout=10)["y"].shape == (1, 16)
         assert server_module._frozen_users == holders and gc.get_freeze_count() == frozen
     loaded = [object() for _ in range(10)]  # "the model": tracked objects there before serving
@@ -740,7 +743,7 @@ def test_a_server_leaves_the_collector_to_its_caller_who_holds_the_heap_frozen(s
 
 def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
     stand_in.gate.clear()
-    with Server(stand_in, 3) as server:
+    with Server(stand_in, ServeSpec(3)) as server:
         futures = [server.submit(_sample(i)) for i in range(3)]  # one batch, held in the runtime
         calls: list[int] = []
         called = threading.Event()
@@ -767,7 +770,7 @@ def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
 
     rt = Failing(stand_in.plan)
     try:
-        with Server(rt, 2) as server:
+        with Server(rt, ServeSpec(2)) as server:
             futures = [server.submit(_sample(i)) for i in range(2)]
             for f in futures:
                 with pytest.raises(RuntimeError, match="the part failed"):
@@ -778,7 +781,7 @@ def test_a_batch_settles_its_cancelled_failed_and_waiting_requests(stand_in):
 
 
 def test_records_are_snapshots(stand_in):
-    with Server(stand_in, 2) as server:
+    with Server(stand_in, ServeSpec(2)) as server:
         futures = [server.submit(_sample(i)) for i in range(3)]
         futures[0].result(timeout=10)
         before = server.records()
@@ -797,5 +800,5 @@ def test_records_are_snapshots(stand_in):
 
 def test_padding_never_goes_past_the_batch_size(stand_in):
     """Sizes captured for another server's larger batches are not padding targets here."""
-    with Server(stand_in, 4, max_delay=0.01, pad_to=(1, 2, 8, 32)) as server:
+    with Server(stand_in, ServeSpec(4, max_delay=0.01, pad_to=(1, 2, 8, 32))) as server:
         assert server.pad_to == (1, 2)

@@ -15,6 +15,7 @@ import onnx
 import pytest
 
 import staronnx
+from staronnx import RuntimeSpec, SessionSpec
 from staronnx.errors import ModelError, PartitionError
 from staronnx.zoo import chain
 
@@ -64,7 +65,7 @@ def _leftovers(home: Path) -> list[str]:
 def test_a_session_of_a_model_file_leaves_nothing_in_tmp_and_keeps_its_plan_in_the_home(
         home, model_path, two_groups, partitions):
     x = np.ones((2, 8), np.float32)
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         sess.run(None, {"x": x})
         root = sess.plan.root
     assert root.parent == home / "plans" and (root / "plan.json").is_file()
@@ -74,12 +75,12 @@ def test_a_session_of_a_model_file_leaves_nothing_in_tmp_and_keeps_its_plan_in_t
 
 def test_the_next_session_of_the_same_model_and_settings_reuses_the_plan(home, model_path, two_groups,
                                                                           partitions):
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as first:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as first:
         plan_hash, root = first.plan.hash, first.plan.root
-    with staronnx.InferenceSession(model_path.read_bytes(), cpu_groups=two_groups) as again:
+    with staronnx.InferenceSession(model_path.read_bytes(), spec=SessionSpec(cpu_groups=two_groups)) as again:
         assert (again.plan.root, again.plan.hash) == (root, plan_hash)
     assert len(partitions) == 1
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups, shares=[0.6, 0.4]) as other:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups, shares=[0.6, 0.4])) as other:
         assert other.plan.root != root and other.plan.root.parent == root.parent
     assert len(partitions) == 2
 
@@ -92,7 +93,7 @@ def test_concurrent_sessions_of_one_model_partition_it_once(home, model_path, tw
     def start() -> None:
         try:
             barrier.wait()
-            sessions.append(staronnx.InferenceSession(model_path, cpu_groups=two_groups))
+            sessions.append(staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)))
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -114,10 +115,10 @@ def test_concurrent_sessions_of_one_model_partition_it_once(home, model_path, tw
 
 
 def test_a_damaged_cached_plan_is_made_again(home, model_path, two_groups, partitions):
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         root = sess.plan.root
     (root / "part1.onnx").write_bytes(b"truncated")
-    with staronnx.InferenceSession(model_path, cpu_groups=two_groups) as sess:
+    with staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
         assert sess.plan.root == root
         sess.run(None, {"x": np.ones((1, 8), np.float32)})
     assert len(partitions) == 2
@@ -127,15 +128,16 @@ def test_failed_constructions_leave_nothing_behind(home, model_path, tmp_path, t
     garbage = tmp_path / "garbage.onnx"
     garbage.write_bytes(b"not onnx at all")
     with pytest.raises(ModelError):
-        staronnx.InferenceSession(garbage, cpu_groups=two_groups)
+        staronnx.InferenceSession(garbage, spec=SessionSpec(cpu_groups=two_groups))
     with pytest.raises(ModelError):
-        staronnx.InferenceSession(tmp_path / "missing.onnx", cpu_groups=two_groups)
+        staronnx.InferenceSession(tmp_path / "missing.onnx", spec=SessionSpec(cpu_groups=two_groups))
     assert not home.exists()  # refused before anything was written
     with pytest.raises(PartitionError):
-        staronnx.InferenceSession(model_path, cpu_groups=two_groups, shares=[0.05] * 20)
+        staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups, shares=[0.05] * 20))
     assert _leftovers(home) == []
     with pytest.raises(ValueError):
-        staronnx.InferenceSession(model_path, cpu_groups=two_groups, policy="no-such-policy")
+        staronnx.InferenceSession(model_path,
+                                  spec=SessionSpec(cpu_groups=two_groups, runtime=RuntimeSpec(policy="no-such-policy")))
 
 
 def test_a_read_only_home_gets_a_private_plan_removed_at_close(tmp_path, monkeypatch, model_path, two_groups):
@@ -143,8 +145,9 @@ def test_a_read_only_home_gets_a_private_plan_removed_at_close(tmp_path, monkeyp
     not_a_folder.write_text("")
     monkeypatch.setenv("STARONNX_HOME", str(not_a_folder / "home"))
     with pytest.warns(UserWarning, match="STARONNX_HOME"):
-        sess = staronnx.InferenceSession(model_path, cpu_groups=two_groups,
-                                         store=staronnx.perfmodels.PerfModelStore(tmp_path / "store"))
+        store = staronnx.perfmodels.PerfModelStore(tmp_path / "store")
+        sess = staronnx.InferenceSession(model_path, spec=SessionSpec(cpu_groups=two_groups,
+                                                                      runtime=RuntimeSpec(store=store)))
     try:
         root = sess.plan.root
         assert root.is_dir()

@@ -27,6 +27,8 @@ from staronnx import InputError, partition
 from staronnx.errors import StaronnxError
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.runtime.task import TaskError
 from staronnx.verify import random_plan_feeds
 from staronnx.zoo import inception
@@ -101,7 +103,7 @@ def test_zoo_plan_matches_reference(starpu, plan3, policy):
     feeds = [random_plan_feeds(plan3, b, seed=i) for i, b in enumerate([1, 3, 2, 4] * 5)]
     refs = [plan3.run_reference(f)["logits"] for f in feeds]
     before, before_os = _threads(), _os_threads()
-    with Runtime(plan3, policy=policy, cpu_groups=GROUPS, engine="starpu") as rt:
+    with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy=policy, engine="starpu")) as rt:
         results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
         stats = rt.stats()
         names = [w.name for w in rt.workers]
@@ -122,7 +124,7 @@ def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_p
     feeds = [random_plan_feeds(plan, b, seed=i) for i, b in enumerate([1, 2, 1, 3])]
     refs = [plan.run_reference(f)["logits"] for f in feeds]
     for policy in ("dmda", "eager"):
-        with Runtime(plan, policy=policy, cpu_groups=GROUPS, engine="starpu") as rt:
+        with Runtime(plan, MachineSpec(groups=GROUPS), RuntimeSpec(policy=policy, engine="starpu")) as rt:
             results = [f.result(timeout=120) for f in [rt.submit(f) for f in feeds]]
             assert rt.stats()["starpu_policy"] == policy
         for r, ref in zip(results, refs):
@@ -132,7 +134,7 @@ def test_googlenet_two_parts_dmda_and_eager_identical_to_reference(starpu, tmp_p
 def test_500_concurrent_requests_all_correct(starpu, plan3):
     feeds = [random_plan_feeds(plan3, 1 + i % 3, seed=i) for i in range(16)]
     refs = [plan3.run_reference(f)["logits"] for f in feeds]
-    with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
+    with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="dmda", engine="starpu")) as rt:
 
         def client(c: int) -> list[tuple[int, object]]:
             return [((c * 125 + i) % 16, rt.submit(feeds[(c * 125 + i) % 16])) for i in range(125)]
@@ -176,7 +178,7 @@ def test_parts_with_more_buffers_than_nmaxbufs_and_unknown_shapes(starpu, tmp_pa
     for plan in (wide, nz):
         feeds = [{"x": np.random.default_rng(i).standard_normal((1 + i % 3, plan.inputs[0].shape[1]))
                   .astype(np.float32)} for i in range(24)]
-        with Runtime(plan, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
+        with Runtime(plan, MachineSpec(groups=GROUPS), RuntimeSpec(policy="dmda", engine="starpu")) as rt:
             results = [f.result(timeout=60) for f in [rt.submit(f) for f in feeds]]
         for f, r in zip(feeds, results):
             np.testing.assert_array_equal(r["s"], plan.run_reference(f)["s"])
@@ -188,7 +190,7 @@ def test_failing_request_fails_only_itself(starpu, fragile_plan):
     good = {"x": np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)}
     bad = {"x": np.ones((2, 5), np.float32)}
     want = plan.run_reference(good)["y"]
-    with Runtime(plan, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
+    with Runtime(plan, MachineSpec(groups=GROUPS), RuntimeSpec(policy="dmda", engine="starpu")) as rt:
         futures = [rt.submit(bad if i % 3 == 0 else good) for i in range(30)]
         for i, f in enumerate(futures):
             if i % 3 == 0:
@@ -204,7 +206,7 @@ def test_failing_request_fails_only_itself(starpu, fragile_plan):
 
 
 def test_bad_input_is_rejected_before_any_task(starpu, plan3):
-    with Runtime(plan3, policy="eager", cpu_groups=GROUPS, engine="starpu") as rt:
+    with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="eager", engine="starpu")) as rt:
         good = random_plan_feeds(plan3, 2)
         with pytest.raises(ValueError, match="'x'.*float32.*float64"):
             rt.submit({"x": good["x"].astype(np.float64)})
@@ -218,7 +220,7 @@ def test_bad_input_is_rejected_before_any_task(starpu, plan3):
 
 def test_close_with_zero_timeout_cancels_what_is_left(starpu, plan3):
     before, before_os = _threads(), _os_threads()
-    rt = Runtime(plan3, policy="dmdas", cpu_groups=GROUPS, engine="starpu")
+    rt = Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="dmdas", engine="starpu"))
     feeds = random_plan_feeds(plan3, 8)
     futures = [rt.submit(feeds) for _ in range(200)]
     rt.close(timeout=0)
@@ -233,24 +235,27 @@ def test_close_with_zero_timeout_cancels_what_is_left(starpu, plan3):
 
 def test_one_starpu_runtime_at_a_time(starpu, plan3):
     feeds = random_plan_feeds(plan3, 1)
-    with Runtime(plan3, policy="eager", cpu_groups=GROUPS, engine="starpu") as rt:
+    with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="eager", engine="starpu")) as rt:
         with pytest.raises(StaronnxError, match="already running"):
-            Runtime(plan3, policy="eager", cpu_groups=GROUPS, engine="starpu")
+            Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="eager", engine="starpu"))
         rt.run(feeds)
     one = GROUPS.split(";")[0]
-    with Runtime(plan3, policy="lws", cpu_groups=one, engine="starpu") as rt2:  # fine once closed
+    with Runtime(plan3,
+                 MachineSpec(groups=one),
+                 RuntimeSpec(policy="lws", engine="starpu")) as rt2:  # fine once closed
         np.testing.assert_array_equal(rt2.run(feeds)["logits"], plan3.run_reference(feeds)["logits"])
 
 
 def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
     with pytest.raises(StaronnxError, match="unknown StarPU scheduling policy 'dmdaa'.*dmdas"):
-        Runtime(plan3, policy="dmdaa", engine="starpu")
+        Runtime(plan3, spec=RuntimeSpec(policy="dmdaa", engine="starpu"))
     with pytest.raises(StaronnxError, match="policy option.*alpha"):
-        Runtime(plan3, policy="dmda", engine="starpu", policy_options={"alhpa": 1})
+        Runtime(plan3, spec=RuntimeSpec(policy="dmda", engine="starpu", policy_options={"alhpa": 1}))
     with pytest.raises(StaronnxError, match="CPU codelets only"):
-        Runtime(plan3, engine="starpu", cuda_streams=1)
-    with Runtime(plan3, policy="dmda", engine="starpu", cpu_groups=GROUPS,  # valid ones pass
-                 policy_options={"alpha": 1.0, "beta": 2.0}) as rt:
+        Runtime(plan3, MachineSpec(cuda_streams=1), RuntimeSpec(engine="starpu"))
+    with Runtime(plan3,
+                 MachineSpec(groups=GROUPS),
+                 RuntimeSpec(policy="dmda", engine="starpu", policy_options={"alpha": 1.0, "beta": 2.0})) as rt:
         rt.run(random_plan_feeds(plan3, 1))
 
 
@@ -260,7 +265,7 @@ def test_map_futures_trace_and_model_stats(starpu, plan3, tmp_path):
     one plan is the whole machine's work, with no target and so no deadline misses."""
     feeds = [random_plan_feeds(plan3, 1, seed=i) for i in range(12)]
     trace = tmp_path / "trace.json"
-    with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu", trace=trace) as rt:
+    with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="dmda", engine="starpu", trace=trace)) as rt:
         out = list(rt.map(iter(feeds), max_in_flight=4))
 
         async def main():
@@ -290,7 +295,7 @@ def test_perfmodel_files_exist_and_starpu_lists_them(starpu, plan3, tmp_path, mo
     home = tmp_path / "sp_home"
     monkeypatch.setenv("STARPU_HOME", str(home))
     feeds = {b: random_plan_feeds(plan3, b) for b in (1, 2)}
-    with Runtime(plan3, policy="dmda", cpu_groups=GROUPS, engine="starpu") as rt:
+    with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="dmda", engine="starpu")) as rt:
         for f in [rt.submit(feeds[1 + i % 2]) for i in range(60)]:
             f.result(timeout=60)
         symbols = rt._engine.perfmodel_symbols
@@ -327,7 +332,7 @@ def test_without_starpu_a_clear_error_and_import_staronnx_never_needs_it(plan3, 
         "from staronnx.runtime.runtime import Runtime\n"
         "from staronnx.errors import StaronnxError\n"
         "try:\n"
-        f"    Runtime({str(plan3.root)!r}, engine='starpu')\n"
+        f"    Runtime({str(plan3.root)!r}, spec=staronnx.RuntimeSpec(engine='starpu'))\n"
         "except StaronnxError as exc:\n"
         "    print('ERROR', exc)\n"
     )

@@ -11,6 +11,8 @@ from staronnx.partition.methods import place
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.policies import PolicyError, make_policy
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 from staronnx.runtime.sched import TaskView, WorkerInfo
 from staronnx.verify import random_plan_feeds
 from staronnx.partition.host import host_devices
@@ -64,7 +66,7 @@ def test_a_duet_plan_runs_where_duet_placed_it(tmp_path, two_groups):
     devices = {p.index: p.device for p in plan.parts}
     store = PerfModelStore(tmp_path / "home")
     feeds = [random_plan_feeds(plan, 2, seed=i) for i in range(10)]
-    with Runtime(plan, policy="static", cpu_groups=two_groups, store=store) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(policy="static", store=store)) as rt:
         names = {i: w.name for i, w in enumerate(rt.workers)}
         results = [f.result(timeout=60) for f in [rt.submit(x) for x in feeds]]
         stats = rt.stats()
@@ -80,4 +82,6 @@ def test_static_policy_needs_a_placed_plan(tmp_path, two_groups):
     onnx.save(wide_fanout(branches=8), str(model))
     plan = partition(model, spec=PartitionSpec(parts=2, costs="estimate"), output_dir=tmp_path / "plan")
     with pytest.raises(StaronnxError, match="--method"):
-        Runtime(plan, policy="static", cpu_groups=two_groups, store=PerfModelStore(tmp_path / "h"))
+        Runtime(plan,
+                MachineSpec(groups=two_groups),
+                RuntimeSpec(policy="static", store=PerfModelStore(tmp_path / "h")))

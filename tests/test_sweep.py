@@ -40,6 +40,7 @@ from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.bench.spec import RunSpec, SweepSpec
 from staronnx.workers.layout import MachineSpec
 
@@ -59,7 +60,7 @@ def home(calibrated_inception):
 
 @pytest.fixture(scope="module")
 def runtime(plan, home, two_groups):
-    with Runtime(plan, policy="heft", cpu_groups=two_groups, store=PerfModelStore(home)) as rt:
+    with Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(policy="heft", store=PerfModelStore(home))) as rt:
         yield rt
 
 

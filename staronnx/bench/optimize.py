@@ -34,6 +34,7 @@ from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.workers.layout import MachineSpec
 from staronnx.bench.spec import OptimizeSpec, RunSpec, SimSpec
 
@@ -310,8 +311,7 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
     result.verified = order[max(0, at - neighbours): at + neighbours + 1]
     own = runtime is None
     if own:
-        runtime = Runtime(plan, policy=policy, cpu_groups=machine_spec.groups, cuda_streams=machine_spec.cuda_streams,
-                          cuda_devices=machine_spec.cuda_devices, store=store)
+        runtime = Runtime(plan, machine_spec, RuntimeSpec(policy, store=store))
     try:
         samples = sample_pool(plan, seed=seed)
 

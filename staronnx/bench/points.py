@@ -15,7 +15,6 @@ requests failed is reported ``failed`` with the first reason, never as a load to
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import threading
 import time
@@ -27,7 +26,7 @@ import numpy as np
 from staronnx.bench.spec import RunSpec
 from staronnx.inputs import batch_of, samples as input_samples
 from staronnx.plan import Plan
-from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
+from staronnx.serving import ServeSpec, Server, make_arrivals, run_open_loop, summarize
 from staronnx.serving.records import error_line
 from staronnx.verify import random_plan_feeds
 
@@ -152,7 +151,7 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
     ``drain_timeout`` s (default ``max(5, duration/2)``) for outstanding results, then closes
     the server with a short timeout, so a congested point does not spend minutes draining a
     full queue (what is cut counts as pending). ``server_factory`` builds the batching front
-    end instead of :class:`Server`, with the same arguments
+    end instead of :class:`Server`, with the same arguments (the runtime and a ServeSpec)
     (:class:`staronnx.bench.remote.RemoteServer` sends the requests over the network).
     ``colocate``: the generator (this thread) and the server's batcher run on the runtime's host
     core (its CUDA driver's, or without CUDA workers its first CPU worker's) for the point
@@ -164,15 +163,13 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
     warmup = min(1.0, duration / 5) if run.warmup is None else run.warmup
     colocate, queue_capacity = run.colocate, run.queue_capacity
     factory = server_factory or Server
-    block: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-    if colocate:
-        block, factory = runtime.colocate(), functools.partial(factory, colocate=True)
+    block = runtime.colocate() if colocate else contextlib.nullcontext()
     arrivals = make_arrivals(distribution, rate, seed=seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
     with block as core:
-        server = factory(runtime, batch_size=batch_size, max_delay=max_delay, max_inflight=max_inflight,
-                         queue_capacity=max(queue_capacity, batch_size))
+        server = factory(runtime, ServeSpec(batch_size, max_delay, max(queue_capacity, batch_size),
+                                            max_inflight=max_inflight, colocate=colocate))
         watched = _Watched(server)
         try:
             records = run_open_loop(watched, arrivals, lambda i: samples[i % n],  # type: ignore[arg-type]

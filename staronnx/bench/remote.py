@@ -57,6 +57,7 @@ from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords, error_line
 from staronnx.serving.server import ServerClosed
+from staronnx.serving.spec import ServeSpec
 from staronnx.verify import compare
 from staronnx.workers.layout import MachineSpec
 
@@ -436,13 +437,12 @@ class RemoteServer:
     """The sweep's per-point front end over the network (the part of :class:`Server` that
     :func:`~staronnx.serving.run_open_loop` uses): see the module docstring.
 
-    The arguments are :class:`Server`'s; ``batch_size`` and ``max_delay`` must be the server's
-    (a point is then labelled with what was measured), the others are the server's own business.
+    The arguments are :class:`Server`'s; the spec's ``batch_size`` and ``max_delay`` must be the
+    server's (a point is then labelled with what was measured), the rest is the server's business.
     """
 
-    def __init__(self, runtime: RemoteRuntime, batch_size: int, *, max_delay: float | None = None,
-                 max_inflight: int | None = None, queue_capacity: int | None = None, **_: Any) -> None:
-        served = runtime.served
+    def __init__(self, runtime: RemoteRuntime, spec: ServeSpec) -> None:
+        served, batch_size, max_delay = runtime.served, spec.batch_size, spec.max_delay
         if batch_size != served.batch_size:
             raise RemoteError(f"{runtime.url} forms batches of up to {served.batch_size} (staronnx serve "
                               f"--batch-size), not {batch_size}")

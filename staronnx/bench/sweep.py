@@ -49,7 +49,8 @@ from staronnx.errors import StaronnxError
 from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet, load_plans
-from staronnx.runtime.runtime import Runtime, cuda_options, driver_threads, warmup_sizes
+from staronnx.runtime.runtime import Runtime, driver_threads, warmup_sizes
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.serving.records import RunRecords
@@ -330,13 +331,10 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         results.notes.extend(bound_notes)
     own = runtime is None
     if runtime is None:
-        runtime = Runtime(first if one else loaded, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams,
-                          cuda_devices=cuda_devices, store=store, engine=engine, trace=trace, targets=targets,
-                          residency=residency, lanes=lanes or None,
-                          cuda_options=cuda_options(cuda_streams, cuda_graphs=machine_spec.cuda_graphs,
-                                                    thread_per_stream=machine_spec.thread_per_stream),
-                          warmup=sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)})
-                          if cuda_streams else ())
+        warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)}) \
+            if cuda_streams else ()
+        runtime = Runtime(first if one else loaded, machine,
+                          RuntimeSpec(policy, store=store, engine=engine, trace=trace, targets=targets, warmup=warm))
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
     # simulated twin of each point must pad the same way
     padding = tuple(sorted({int(m) for m in runtime.preferred_batch_sizes}))
@@ -841,8 +839,7 @@ def _probe(plan: Plan, batch: int, machine: MachineSpec, *, policy: str, engine:
     """Samples/s the runtime serves with batches of ``batch`` back to back, two per worker in
     flight (closed loop): the most it serves."""
     feeds = random_plan_feeds(plan, batch, seed=seed)
-    with Runtime(plan, policy=policy, cpu_groups=machine.groups, cuda_streams=machine.cuda_streams,
-                 cuda_devices=machine.cuda_devices, engine=engine) as rt:
+    with Runtime(plan, machine, RuntimeSpec(policy, engine=engine)) as rt:
         rt.run(feeds)  # warm-up
         depth = max(2, 2 * len(rt.stats()["workers"]))
         inflight = [rt.submit(feeds) for _ in range(depth)]

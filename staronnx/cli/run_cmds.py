@@ -58,7 +58,8 @@ def run_cmd(
     from staronnx.inputs import batches, load_inputs, samples
     from staronnx.ortutil import quiet_ort_log
     from staronnx.plan import Plan
-    from staronnx.runtime.runtime import Runtime, cuda_options
+    from staronnx.runtime.runtime import Runtime
+    from staronnx.runtime.spec import RuntimeSpec
     from staronnx.verify import random_plan_feeds, runnable_batch
 
     if batch < 1 or requests < 1:
@@ -84,12 +85,11 @@ def run_cmd(
     latencies: list[float] = []
     failures: list[tuple[int, BaseException]] = []
     computed = 0
-    workers_options = cuda_options(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     stats: dict[str, Any] | None = None
     trace_error: OSError | None = None
     try:
-        with Runtime(plan, policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, trace=trace,
-                     cuda_options=workers_options, warmup=(batch,) if cuda_streams else (), cuda_devices=devices) as rt:
+        with Runtime(plan, MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream),
+                     RuntimeSpec(policy, trace=trace, warmup=(batch,) if cuda_streams else ())) as rt:
             try:
                 rt.run(pool[0])  # warm-up: first-run allocations stay out of the figures
             except Exception:  # noqa: BLE001 - the requests below fail the same way and are counted

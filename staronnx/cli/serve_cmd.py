@@ -134,6 +134,7 @@ def serve_cmd(
 
     from staronnx.durations import parse_duration
     from staronnx.workers.lanes import check_preempt, short_switch_interval
+    from staronnx.workers.layout import MachineSpec
 
     try:
         import aiohttp  # noqa: F401
@@ -145,7 +146,8 @@ def serve_cmd(
 
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
-    from staronnx.runtime.runtime import ModelHandle, Runtime, cuda_options, warmup_sizes
+    from staronnx.runtime.runtime import ModelHandle, Runtime, warmup_sizes
+    from staronnx.runtime.spec import RuntimeSpec
     from staronnx.serve.app import Listen, check_exposure, model_names, parse_size, serve
     from staronnx.serve.batching import apply_batching, check_names
     from staronnx.serve.control import ModelControl, model_stamp
@@ -305,14 +307,14 @@ def serve_cmd(
     models: list[ModelEndpoint] = []
     shared: Runtime | None = None
     control: ModelControl | None = None
-    options = dict(policy=policy, cpu_groups=groups, cuda_streams=cuda_streams, engine=engine, save_every=save_s,
-                   cuda_options=cuda_options(cuda_streams, cuda_graphs=cuda_graphs,
-                                             thread_per_stream=thread_per_stream),
-                   warmup=warmup_sizes(batch_size, delay) if cuda_streams else (), cuda_devices=devices)
+    machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)
+    options = RuntimeSpec(policy, engine=engine, save_every=save_s,
+                          warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
     try:
         if (len(loaded) > 1 or residency) and not separate_runtimes:
-            shared = Runtime(dict(zip(names, loaded)), targets=targets, residency=residency, lanes=lanes,
-                             lane_preempt=lane_preempt, **options)
+            shared = Runtime(dict(zip(names, loaded)),
+                             replace(machine, residency=residency, lanes=lanes, lane_preempt=lane_preempt),
+                             replace(options, targets=targets))
             held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}
             say(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
                 + "".join(f"; {n}: {', '.join(target_words(t)) or 'no target'}" for n, t in targets.items())
@@ -337,8 +339,8 @@ def serve_cmd(
             if shared is not None:
                 runtime = shared.model(model_name)
             else:
-                runtime = Runtime(plan, targets={plan_name(plan): targets[model_name]} if model_name in targets
-                                  else None, **options)
+                runtime = Runtime(plan, machine, replace(options, targets={plan_name(plan): targets[model_name]}
+                                                         if model_name in targets else {}))
             spec = specs[model_name]
             warm_runs = 0
             if model_name in warmups:
@@ -415,7 +417,8 @@ def serve_cmd(
             if cuda_streams and has_strings(found.plan):
                 raise StaronnxError("its string tensors run on CPU workers only, and a runtime of its own would have "
                                     "CUDA workers: list it in --load-model to load it at start")
-            runtime = Runtime(found.plan, targets={plan_name(found.plan): target} if target else None, **options)
+            runtime = Runtime(found.plan, machine,
+                              replace(options, targets={plan_name(found.plan): target} if target else {}))
             try:
                 repository.warm(found, runtime)
             except BaseException:

@@ -8,7 +8,7 @@ from staronnx.compat.errors import InvalidArgument, InvalidProtobuf, NoSuchFile,
 from staronnx.compat.io import IOBinding
 from staronnx.compat.model import ModelMetadata, NodeArg
 from staronnx.compat.options import OptionNotApplied
-from staronnx.compat.session import InferenceSession
+from staronnx.compat.session import InferenceSession, SessionSpec
 
-__all__ = ["InferenceSession", "IOBinding", "ModelMetadata", "NodeArg", "OptionNotApplied", "InvalidArgument",
-           "InvalidProtobuf", "NoSuchFile", "NotRecorded"]
+__all__ = ["InferenceSession", "SessionSpec", "IOBinding", "ModelMetadata", "NodeArg", "OptionNotApplied",
+           "InvalidArgument", "InvalidProtobuf", "NoSuchFile", "NotRecorded"]

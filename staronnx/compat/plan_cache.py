@@ -1,14 +1,11 @@
-"""A session's plans, kept under ``$STARONNX_HOME/plans/``: one folder per model and cut
-settings, so the next session of the same model reuses the plan (and its calibrated perf
-models) instead of partitioning again, and sessions opening at once cut it once.
+"""A session's plans, kept under ``$STARONNX_HOME/plans/`` (:mod:`staronnx.partition.plan_cache`)
+so the next session of the same model and settings reuses the plan and its perf models; where
+the home cannot be written, a session's own plan in a temporary folder.
 """
 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
-import logging
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -16,20 +13,13 @@ from typing import Any
 
 import numpy as np
 import onnx
-from filelock import FileLock
-
 from staronnx.compat.runners import Held
-from staronnx.errors import PlanError
 from staronnx.modelio import is_fixed
+from staronnx.partition import plan_cache
 from staronnx.partition.graph import model_inputs
 from staronnx.partition.whole import whole_reason
 from staronnx.perfmodels.store import default_root
-from staronnx.plan import PLAN_VERSION, Plan
-
-log = logging.getLogger(__name__)
-
-#: how long a session waits for another process partitioning the same model (seconds)
-PLAN_LOCK_TIMEOUT = 3600.0
+from staronnx.plan import Plan
 #: what a session's settings record as its ``input_shapes`` when the model is cut at its first
 #: run: one plan serves every size, so whichever first run made it, the next session reuses it
 AT_FIRST_RUN = "at the first run's shapes"
@@ -41,29 +31,10 @@ def plan_dir(sha256: str, shares: Any, options: Mapping[str, Any], groups: str, 
     """Where a session's plan of this model and these settings lives: keyed by what besides the
     model decides the cut (the workers only where the cut is timed on them: ``shares="auto"``, a
     placement method)."""
-    settings: dict[str, Any] = {"plan_version": PLAN_VERSION, "shares": shares, "options": dict(options)}
+    settings: dict[str, Any] = {"shares": shares, "options": dict(options)}
     if shares == "auto" or "method" in options:
         settings.update(groups=groups, cuda_streams=cuda_streams)
-    key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
-    return default_root() / "plans" / f"{sha256[:16]}-{key}"
-
-
-def kept_plan(folder: Path, sha256: str, say: bool = False) -> Plan | None:
-    """The plan in ``folder`` when it is this model's and intact, else None (``say``: log why
-    an existing one is not used, before it is made again)."""
-    if not folder.exists():
-        return None
-    try:
-        plan = Plan.load(folder)
-    except PlanError as exc:
-        why = f"is unusable ({exc})"
-    else:
-        if plan.source.get("sha256") == sha256:
-            return plan
-        why = "is of another model"
-    if say:
-        log.warning("plan %s %s; partitioning again", folder, why)
-    return None
+    return plan_cache.plan_folder(default_root() / "plans", sha256, settings)
 
 
 def partition_settings(partition_options: Mapping[str, Any] | None,
@@ -99,17 +70,12 @@ def first_run_shapes(feeds: Mapping[str, np.ndarray]) -> dict[str, list[int]]:
     return {name: [int(d) for d in value.shape] for name, value in feeds.items() if value.ndim}
 
 
-def kept_or_made(sha256: str, folder: Path, make: Callable[..., Plan], held: Held) -> Plan:
-    """The plan kept in ``folder`` when it is this model's and intact, else made there; where the
-    home cannot be written, this session's own in a temporary folder of ``held``. The lock makes
-    concurrent sessions of one model partition it once: the others wait and load it (partition
-    publishes the folder atomically, so a killed run leaves only a staging folder the next writer
-    sweeps)."""
+def session_plan(sha256: str, folder: Path, make: Callable[..., Plan], held: Held) -> Plan:
+    """The plan kept in ``folder`` when it is this model's and intact, else made there
+    (:func:`~staronnx.partition.plan_cache.kept_or_made`); where the home cannot be written,
+    this session's own in a temporary folder of ``held``."""
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        with FileLock(str(folder) + ".lock", timeout=PLAN_LOCK_TIMEOUT):
-            plan = kept_plan(folder, sha256, say=True)
-            return plan if plan is not None else make(output_dir=folder, force=True)
+        return plan_cache.kept_or_made(folder, lambda out: make(output_dir=out, force=True), sha256)
     except OSError as exc:
         if exc.errno not in _READ_ONLY:
             raise

@@ -12,7 +12,6 @@ import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_inference_collection import check_and_normalize_provider_args
 
 from staronnx.workers.cuda_env import cuda_unavailable_reason, missing_device
-from staronnx.workers.cudart import host_runtime_from_env
 from staronnx.workers.topology import Topology
 
 CUDA_EP = "CUDAExecutionProvider"
@@ -50,12 +49,6 @@ def cuda_workers(asked: dict[str, dict[str, str]] | None, cuda_streams: int | No
         warnings.warn(f"{CUDA_EP} cannot run here, falling back to {CPU_EP}: {reason}", UserWarning, stacklevel=3)
         return 0
     return DEFAULT_CUDA_STREAMS if cuda_streams is None else int(cuda_streams)
-
-
-def cuda_stand_in(runtime_options: Mapping[str, Any]) -> Any:
-    """The runtime the CUDA workers will drive instead of CUDA, if any: the one ``cuda_options``
-    gives them, else ``$STARONNX_CUDA_RUNTIME``'s (as CudaWorker picks it)."""
-    return (runtime_options.get("cuda_options") or {}).get("runtime") or host_runtime_from_env()
 
 
 def cuda_device_id(asked: Mapping[str, Mapping[str, Any]]) -> int:

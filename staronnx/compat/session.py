@@ -6,8 +6,9 @@ Existing code switches with one line::
     logits, = sess.run(None, {"input": x})
 
 The constructor is ORT's, so that scripts written for ORT run unchanged; staronnx's own settings
-(``shares``, ``policy``, ``cpu_groups``, ``cuda_streams``, any ``Runtime`` option) are
-keyword-only so that none of them can be mistaken for an ORT argument. Providers choose the
+(``shares``, CPU groups, CUDA streams, the runtime's policy and options) are one keyword-only value,
+``spec=``:class:`SessionSpec`, so that none of them can be mistaken for an
+ORT argument. Providers choose the
 workers, as they choose ORT's devices; where CUDA cannot run, the session warns and serves on the
 CPU, as ORT falls back. Misuse raises what ORT raises, each also a
 :class:`~staronnx.errors.StaronnxError`.
@@ -96,40 +97,68 @@ from staronnx.compat.lora import Overrides, Variants, overridable_initializers
 from staronnx.compat.model import ModelMetadata, NodeArg, declared_io, load_source, node_arg
 from staronnx.compat.options import (RECORD_ASSIGNMENT, OptionNotApplied, config_entry, model_config, not_applied,
                                      reads_config, refuse_options, with_config)
-from staronnx.compat.plan_cache import (AT_FIRST_RUN, first_run_shapes, kept_or_made, kept_plan, partition_settings,
-                                        plan_dir, unsized_dims)
-from staronnx.compat.providers import (CPU_EP, CUDA_EP, asked_providers, cores_for_threads, cuda_device_id,
-                                       cuda_stand_in, cuda_workers)
+from staronnx.compat.plan_cache import (AT_FIRST_RUN, first_run_shapes, partition_settings, plan_dir, session_plan,
+                                        unsized_dims)
+from staronnx.compat.providers import CPU_EP, CUDA_EP, asked_providers, cores_for_threads, cuda_device_id, cuda_workers
 from staronnx.compat.runners import Held, OrtPart, Runner, why_not_on_workers
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError
 from staronnx.modelio import load_model
 from staronnx.ortutil import QUIET, write_optimized
 from staronnx.partition.checks import targets_by_default
+from staronnx.partition.plan_cache import kept_plan
 from staronnx.partition.whole import too_small, value_spec
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.policies import policy_options
 from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.runtime.task import RequestFuture, TaskError
 from staronnx.workers.cuda import CudaWorker
+from staronnx.workers.cudart import host_runtime_from_env
+from staronnx.workers.layout import MachineSpec
 
 log = logging.getLogger(__name__)
 #: the package whose frames are the session's own, not a caller's
 _PACKAGE = __name__.rpartition(".")[0] + "."
 
-#: ORT keyword arguments accepted for compatibility; staronnx has no use for them
-_ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_from_model"})
 #: the split a session asks for when given none: the StarONNX papers' 85/15. A model with fewer
 #: nodes than that is served whole instead (partition's default split), with a warning
 DEFAULT_SHARES = (0.85, 0.15)
+
+
+@dataclasses.dataclass(frozen=True)
+class SessionSpec:
+    """How a session cuts its model and which workers run it. What is None here ORT's arguments
+    decide, as they choose ORT's devices: the CUDA streams from ``providers`` (two per GPU where
+    CUDA is asked for), the GPU from the CUDA provider's ``device_id``, the CPU groups from
+    ``intra_op_num_threads`` (one group of that many cores; else one per NUMA node)."""
+
+    #: each part's share of the work (``"auto"``: from measured speeds); None: partition's default
+    shares: Sequence[float] | str | None = DEFAULT_SHARES
+    cpu_groups: str | None = None
+    cuda_streams: int | None = None
+    cuda_devices: Sequence[int] | None = None
+    #: capture each (part, batch size) as a CUDA graph on the CUDA workers
+    cuda_graphs: bool = True
+    #: the size a model with dynamic sizes is cut at (``["image=1x3x256x256"]``) when the session
+    #: opens, instead of at its first run's shapes
+    input_shapes: Sequence[str] | Mapping[str, Sequence[int]] | None = None
+    #: what goes to :func:`staronnx.partition` (``{"costs": "estimate"}``, ...)
+    partition_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: how the runtime serves (policy, perf models, trace, CUDA options: :class:`RuntimeSpec`)
+    runtime: RuntimeSpec = dataclasses.field(default_factory=RuntimeSpec)
+
+
+#: ORT keyword arguments accepted for compatibility; staronnx has no use for them
+_ORT_KWARGS = frozenset({"enable_fallback", "disabled_optimizers", "read_config_from_model"})
 
 #: ORT methods refused, with what to do instead
 _REFUSED: dict[str, str] = {
     "run_with_ortvaluevector": "use run_with_ort_values(output_names, {name: OrtValue})",
     "get_tuning_results": "kernel tuning is per worker session; staronnx tunes nothing across them",
     "set_tuning_results": "kernel tuning is per worker session; staronnx tunes nothing across them",
-    "release_captured_graph": "CUDA graphs belong to the CUDA workers (cuda_options={'cuda_graphs': False})",
+    "release_captured_graph": "CUDA graphs belong to the CUDA workers (off: spec=SessionSpec(cuda_graphs=False))",
     "create_ortvalue_from_shape_and_type": "use onnxruntime.OrtValue.ortvalue_from_shape_and_type (host memory)",
     "set_ep_dynamic_options": "providers are fixed when the workers start; create a new session",
 }
@@ -168,21 +197,20 @@ class InferenceSession:
         providers: Sequence[str | tuple[str, Mapping[str, Any]]] | None = None,
         provider_options: Sequence[Mapping[str, Any]] | None = None,
         *,
-        shares: Sequence[float] | str | None = DEFAULT_SHARES,
-        policy: str = "heft",
-        cpu_groups: str | None = None,
-        cuda_streams: int | None = None,
-        input_shapes: Sequence[str] | Mapping[str, Sequence[int]] | None = None,
-        partition_options: Mapping[str, Any] | None = None,
+        spec: SessionSpec | None = None,
         **kwargs: Any,
     ) -> None:
-        """``input_shapes`` (``["image=1x3x256x256"]``): the size a model with dynamic sizes is
-        cut at when the session opens, instead of at its first run's shapes. ``partition_options``
-        go to :func:`staronnx.partition` (e.g. ``{"costs": "estimate"}``); other keywords go to
-        :class:`Runtime` (``store``, ``trace``, ``engine``, ``cuda_options``, ...). ORT's
-        settings that choose hardware keep their meaning: the CUDA provider's ``device_id`` is the
-        GPU the CUDA workers drive; ``sess_options.intra_op_num_threads = N`` gives the session one
-        CPU group of N cores (``cpu_groups`` decides instead when given; default: one per NUMA node)."""
+        """``spec``: staronnx's settings (:class:`SessionSpec`); ``kwargs``: ORT's own keywords
+        (``enable_fallback``, ``disabled_optimizers``, ``read_config_from_model``), any other
+        refused. ORT's settings that choose hardware keep their meaning where ``spec`` leaves them
+        open: the CUDA provider's ``device_id`` is the GPU the CUDA workers drive;
+        ``sess_options.intra_op_num_threads = N`` gives the session one CPU group of N cores."""
+        self._spec = spec = spec or SessionSpec()
+        unknown = sorted(set(kwargs) - _ORT_KWARGS)
+        if unknown:
+            raise TypeError(f"InferenceSession() got an unexpected keyword argument {unknown[0]!r}; staronnx's "
+                            "settings are one value, spec=staronnx.SessionSpec(...) (shares, cpu_groups, cuda_streams, "
+                            "input_shapes, partition_options, runtime=RuntimeSpec(policy=..., store=...), ...)")
         #: what runs the plan: a Runtime over the workers, or for a plan they cannot run, an OrtPart
         self._runtime: Runtime | OrtPart | None = None
         self._plan: Plan | None = None
@@ -191,12 +219,10 @@ class InferenceSession:
         self._held = Held()
         self._finalizer = weakref.finalize(self, self._held.release)  # when collected, without close()
         if sess_options is not None and not isinstance(sess_options, ort.SessionOptions):
-            hint = (" (staronnx's shares are keyword-only: shares=[...])"
+            hint = (" (staronnx's shares go in spec=SessionSpec(shares=[...]))"
                     if isinstance(sess_options, (list, tuple)) else "")
             raise TypeError(f"sess_options must be an onnxruntime.SessionOptions, got "
                             f"{type(sess_options).__name__}{hint}")
-        runtime_options = {k: v for k, v in kwargs.items() if k not in _ORT_KWARGS}
-        self._check_runtime_options(runtime_options)
         refuse_options(sess_options, path_or_bytes)
         self._sess_options = sess_options
         self._assignments: tuple[list[OrtSession], list[Any]] | None = None
@@ -221,9 +247,7 @@ class InferenceSession:
             warnings.warn(OptionNotApplied("staronnx.InferenceSession does not apply sess_options."
                                            + "; ".join(unapplied)), stacklevel=2)
         self._threads = int(effective.intra_op_num_threads) if effective is not None else 0
-        #: what the workers were asked (set_providers starts them again from here, with other providers)
-        self._asked = (cuda_streams, dict(runtime_options), cpu_groups, policy)
-        self._streams, self._runtime_args = self._workers(providers, provider_options, cuda_streams)
+        self._machine, self._runtime_spec = self._workers(providers, provider_options, spec.cuda_streams)
 
         if model is not None and effective is not None and effective.optimized_model_filepath:
             # the whole model, optimised as ORT writes it for these options (staronnx's parts are not it)
@@ -231,64 +255,52 @@ class InferenceSession:
                 else str(path_or_bytes)
             write_optimized(model_arg, sess_options or effective, list(self._provider_options),
                             config.get("graph_optimization_level"))
-        options = partition_settings(partition_options, input_shapes)
+        options = partition_settings(spec.partition_options, spec.input_shapes)
         try:
-            self._plan = self._plan_for(path_or_bytes, shares, options, self._runtime_args["cpu_groups"], self._streams)
-            self._profile_path, self._profile_start = self._profiling(effective, self._runtime_args)
+            self._plan = self._plan_for(path_or_bytes, spec.shares, options, self._machine.groups, self._streams)
+            self._profile_path, self._profile_start = self._profiling(effective)
             if self._plan is not None:
                 self._runtime = self._start(self._plan)
             else:
-                policy_options(policy)  # an unknown policy fails here, not at the first run
+                policy_options(spec.runtime.policy)  # an unknown policy fails here, not at the first run
         except BaseException:
             self._finalizer()  # what was started before the failure, and a private plan
             raise
 
-    def _workers(self, providers: Any, provider_options: Any, cuda_streams: int | None) -> tuple[int, dict[str, Any]]:
-        """The CUDA streams and the Runtime's arguments for ORT's provider arguments, with what the
-        session was given (``self._asked``); ``self._provider_options`` records the providers in use."""
-        _, given, cpu_groups, policy = self._asked
-        runtime_options = dict(given)
-        stand_in = cuda_stand_in(runtime_options)
+    def _workers(self, providers: Any, provider_options: Any,
+                 cuda_streams: int | None) -> tuple[MachineSpec, RuntimeSpec]:
+        """The Runtime's machine and spec for ORT's provider arguments, with what the session was
+        given (``self._spec``); ``self._provider_options`` records the providers in use."""
+        spec, runtime = self._spec, self._spec.runtime
+        # what the CUDA workers will drive instead of CUDA, if anything (as CudaWorker picks it)
+        stand_in = runtime.cuda.runtime or host_runtime_from_env()
         asked = None if providers is None else asked_providers(providers, provider_options, stand_in is not None)
-        streams = cuda_workers(asked, cuda_streams, stand_in)
+        self._streams = streams = cuda_workers(asked, cuda_streams, stand_in)
         self._provider_options = {CPU_EP: {}} if asked is None else dict(asked)
         self._provider_options.setdefault(CPU_EP, {})
-        if streams and asked is not None and "cuda_devices" not in runtime_options:
-            runtime_options["cuda_devices"] = (cuda_device_id(asked),)
-        if cpu_groups is None:
-            drivers = len(runtime_options.get("cuda_devices", (0,))) if streams else 0  # one per GPU
-            cpu_groups = cores_for_threads(self._threads, drivers) if self._threads > 0 else "numa"
-        cuda_given = {k: v for k, v in self._provider_options.get(CUDA_EP, {}).items()
+        devices = spec.cuda_devices or ((cuda_device_id(asked),) if streams and asked is not None else (0,))
+        drivers = len(devices) if streams else 0  # one per GPU
+        cpu_groups = spec.cpu_groups or (cores_for_threads(self._threads, drivers) if self._threads > 0 else "numa")
+        cuda_given = {k: str(v) for k, v in self._provider_options.get(CUDA_EP, {}).items()
                       if k not in ("device_id", "user_compute_stream", "has_user_compute_stream")}
         if streams and cuda_given:
             # ORT's CUDA options (gpu_mem_limit, arena settings, ...) go to every CUDA worker;
             # the device and the stream are each worker's own, so those are not passed
-            cuda_options = dict(runtime_options.get("cuda_options") or {})
-            cuda_options["provider_options"] = {**cuda_given, **dict(cuda_options.get("provider_options") or {})}
-            runtime_options["cuda_options"] = cuda_options
-        return streams, dict(policy=policy, cpu_groups=cpu_groups, cuda_streams=streams, **runtime_options)
+            runtime = dataclasses.replace(runtime, cuda=dataclasses.replace(
+                runtime.cuda, provider_options={**cuda_given, **runtime.cuda.provider_options}))
+        return MachineSpec(cpu_groups, streams, devices, spec.cuda_graphs), runtime
 
     def _start(self, plan: Plan) -> Runtime | OrtPart:
         """What runs the plan: a :class:`Runtime` over staronnx's workers, or for a plan they
         cannot run, one ORT session on the CPU (said, and warned of where CUDA was asked for)."""
         why = why_not_on_workers(plan)
         if why is None:
-            return self._held.add(Runtime(plan, **self._runtime_args))
+            return self._held.add(Runtime(plan, self._machine, self._runtime_spec))
         if self._streams:
             warnings.warn(f"{CUDA_EP} is not used for this model: it runs as one ONNX Runtime session on the "
                           f"CPU ({why})", UserWarning, stacklevel=4)
         log.info("running the model as one ONNX Runtime session in this process: %s", why)
         return self._held.add(OrtPart(plan, self._threads))
-
-    @staticmethod
-    def _check_runtime_options(options: Mapping[str, Any]) -> None:
-        own = {"self", "plan", "policy", "cpu_groups", "cuda_streams"}  # set by the session
-        accepted = set(inspect.signature(Runtime.__init__).parameters) - own
-        unknown = sorted(set(options) - accepted)
-        if unknown:
-            raise TypeError(f"InferenceSession() got an unexpected keyword argument {unknown[0]!r} "
-                            f"(staronnx options: shares, policy, cpu_groups, cuda_streams, input_shapes, "
-                            f"partition_options, {', '.join(sorted(accepted))})")
 
     def _plan_for(self, path_or_bytes: Any, shares: Any, options: dict[str, Any], groups: str,
                   streams: int) -> Plan | None:
@@ -325,7 +337,7 @@ class InferenceSession:
             make = functools.partial(partition, src, shares, spec,
                                      **{k: v for k, v in settings.items() if k not in cut_fields})
             with targets_by_default() if by_default else contextlib.nullcontext():
-                return kept_or_made(sha, plan_dir(sha, shares, asked, groups, streams), make, self._held)
+                return session_plan(sha, plan_dir(sha, shares, asked, groups, streams), make, self._held)
 
         self._cut_model = cut_model
         if not unsized:
@@ -339,17 +351,18 @@ class InferenceSession:
     def plan(self) -> Plan:
         """The plan this session runs. A model cut at its first run has none before that run."""
         if self._plan is None:
-            raise RuntimeError("this session's model is cut at its first run's shapes and has not run yet; "
-                               "pass input_shapes=[...] to InferenceSession to cut it when the session opens")
+            raise RuntimeError("this session's model is cut at its first run's shapes and has not run yet; pass "
+                               "spec=SessionSpec(input_shapes=[...]) to InferenceSession to cut it when the session opens")
         return self._plan
 
-    def _profiling(self, so: ort.SessionOptions | None, runtime_options: dict[str, Any]) -> tuple[Path | None, int]:
+    def _profiling(self, so: ort.SessionOptions | None) -> tuple[Path | None, int]:
         """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
         format) at ORT's file name, so a profiling script finds its file where it expects."""
-        if runtime_options.get("trace") is None and so is not None and so.enable_profiling:
+        if self._runtime_spec.trace is None and so is not None and so.enable_profiling:
             stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
-            runtime_options["trace"] = Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json")
-        trace = runtime_options.get("trace")
+            self._runtime_spec = dataclasses.replace(
+                self._runtime_spec, trace=Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json"))
+        trace = self._runtime_spec.trace
         return (Path(trace), time.time_ns()) if trace is not None else (None, 0)
 
     # -- getters ----------------------------------------------------------------------------
@@ -425,19 +438,20 @@ class InferenceSession:
         """ORT's: the workers start again for these providers (all available ones for None),
         on the same plan; a provider ORT does not know is refused with ORT's RuntimeError.
         Requests in flight finish on the workers they started on."""
-        known = set(ort.get_all_providers()) | ({CUDA_EP} if cuda_stand_in(self._asked[1]) is not None else set())
+        stand_in = self._spec.runtime.cuda.runtime or host_runtime_from_env()
+        known = set(ort.get_all_providers()) | ({CUDA_EP} if stand_in is not None else set())
         if providers is None:
             providers = ort.get_available_providers()
         names = [item[0] if isinstance(item, tuple) else item for item in providers]
         unknown = [n for n in names if n not in known]
         if unknown:
             raise RuntimeError(f"Unknown Provider Type: {unknown[0]}")  # ORT's words and type
-        started = self._workers(providers, provider_options, self._asked[0] if CUDA_EP in names else None)
+        started = self._workers(providers, provider_options, self._spec.cuda_streams if CUDA_EP in names else None)
         with self._start_lock:
             if self._closed:
                 raise EngineClosed("the session is closed")
             old = [*self._variants.clear(), *([self._runtime] if self._runtime is not None else [])]
-            self._streams, self._runtime_args = started
+            self._machine, self._runtime_spec = started
             self._runtime = self._start(self._plan) if self._plan is not None else None
         for runner in old:
             self._held.stop(runner)
@@ -643,8 +657,9 @@ class InferenceSession:
     def runtime(self) -> Runtime | OrtPart:
         if self._runtime is None:
             if self._plan is None and not self._closed:
-                raise RuntimeError("this session's workers start at its first run, which cuts the model at its "
-                                   "shapes; pass input_shapes=[...] to InferenceSession to start them when it opens")
+                raise RuntimeError("this session's workers start at its first run, which cuts the model at its shapes; "
+                                   "pass spec=SessionSpec(input_shapes=[...]) to InferenceSession to start them when it "
+                                   "opens")
             raise RuntimeError("this InferenceSession failed to start")
         return self._runtime
 

@@ -42,7 +42,8 @@ from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import Chunk, Source, open_source
 from staronnx.plan import Plan
-from staronnx.runtime.runtime import Runtime, cuda_options
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
 from staronnx.workers.layout import MachineSpec
 
 ON_ERROR = ("fail", "skip")
@@ -165,13 +166,10 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     report = InferReport(out, total)
     start = _first_unfinished(sink.finished, spec.shard_rows, total)
     report.resumed_rows = _finished_rows(sink.finished, spec.shard_rows, total)
-    workers = cuda_options(machine.cuda_streams, cuda_graphs=machine.cuda_graphs,
-                           thread_per_stream=machine.thread_per_stream)
     # CUDA graphs of the batch size are captured before the first read, where the model's sizes
     # allow random warm-up feeds (no dynamic size but the batch); otherwise at the size's first run
     warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size and _fixed_sizes(plan, layout) else ()
-    with Runtime(plan, policy=spec.policy, cpu_groups=machine.groups, cuda_streams=machine.cuda_streams,
-                 cuda_options=workers, warmup=warm, cuda_devices=machine.cuda_devices) as runtime:
+    with Runtime(plan, machine, RuntimeSpec(spec.policy, warmup=warm)) as runtime:
         window = spec.max_in_flight or max(2, 2 * len(runtime.workers))
         if spec.batch_size is not None:
             batch = spec.batch_size if layout.batched else 1

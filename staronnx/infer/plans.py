@@ -4,8 +4,8 @@ Batch inference from a model file needs no cut: the whole model as one part runs
 worker the machine has, one batch per worker at a time, which is what keeps a server busy
 offline (a cut pays where a GPU and CPU groups share a batch; give a plan folder for that). The
 one-part plan is made once per model file and kept under ``STARONNX_HOME/plans``, keyed by the
-file's hash, as :class:`staronnx.InferenceSession` keeps its plans (and checked as they are:
-:func:`staronnx.compat.plan_cache.kept_plan`).
+file's hash, in the cache :class:`staronnx.InferenceSession` keeps its plans in
+(:mod:`staronnx.partition.plan_cache`).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from staronnx.compat.plan_cache import kept_plan
 from staronnx.errors import InputError
 from staronnx.modelio import file_sha256, load_model
 from staronnx.partition.cut import CutRequest, plan_settings
+from staronnx.partition.plan_cache import kept_or_made, plan_folder
 from staronnx.partition.whole import WHOLE, write_whole_plan
 from staronnx.perfmodels.store import default_root
 from staronnx.plan import Plan
@@ -36,12 +36,8 @@ def plan_for(model: str | os.PathLike[str] | Plan) -> Plan:
     if not path.exists():
         raise InputError(f"{path}: no such model file or plan folder")
     sha = file_sha256(path)
-    folder = default_root() / "plans" / f"{sha[:16]}-{PLAN_KEY}"
-    kept = kept_plan(folder, sha, say=True)
-    if kept is not None:
-        return kept
     # no cut, so nothing is profiled and no size has to be given for a dynamic dimension
-    request = CutRequest([1.0], costs="estimate")
-    settings = plan_settings(WHOLE, [1.0], request, device="cpu", tolerance=None,
+    settings = plan_settings(WHOLE, [1.0], CutRequest([1.0], costs="estimate"), device="cpu", tolerance=None,
                              whole="the whole model on every worker (staronnx infer)")
-    return write_whole_plan(load_model(path), settings, folder)
+    return kept_or_made(plan_folder(default_root() / "plans", sha, {"infer": PLAN_KEY}),
+                        lambda folder: write_whole_plan(load_model(path), settings, folder), sha)

@@ -37,7 +37,9 @@ from staronnx.errors import InputError
 from staronnx.infer.plans import plan_for
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sources import chunks_from_columns
-from staronnx.runtime.runtime import Runtime, cuda_options
+from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.spec import RuntimeSpec
+from staronnx.workers.layout import MachineSpec
 
 #: CUDA streams per GPU an actor starts when it has GPUs and none were asked for
 DEFAULT_STREAMS = 2
@@ -73,9 +75,8 @@ class StaronnxPredictor:
         self.plan = plan_for(model)
         self.layout = RowLayout.of(self.plan)
         self.batch_size = batch_size
-        self.runtime = Runtime(self.plan, policy=policy, cpu_groups=groups, cuda_streams=streams,
-                               cuda_options=cuda_options(streams, cuda_graphs=cuda_graphs, thread_per_stream=False),
-                               cuda_devices=tuple(range(max(gpus, 1))))
+        self.runtime = Runtime(self.plan, MachineSpec(groups, streams, tuple(range(max(gpus, 1))), cuda_graphs),
+                               RuntimeSpec(policy))
 
     def __call__(self, batch: Mapping[str, Any]) -> dict[str, Any]:
         """One Ray batch (``batch_format="numpy"``): its rows' outputs, row-major, with the

@@ -289,7 +289,9 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     service target (a one-model spec is a runtime of one); ``cuda_streams`` CUDA workers on each
     of ``cuda_devices`` (the replica's GPUs)."""
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.runtime.runtime import Runtime, cuda_options, warmup_sizes
+    from staronnx.runtime.runtime import Runtime, warmup_sizes
+    from staronnx.runtime.spec import RuntimeSpec
+    from staronnx.workers.layout import MachineSpec
 
     settings = spec.runtime_settings()
     streams = settings["cuda_streams"]
@@ -300,14 +302,11 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
     targets = {m.name: m.target() for m in spec.models if m.target()}
     residency = {m.name: m.workers for m in spec.models if m.workers} if spec.shared else {}
     lanes = {m.name: m.lane for m in spec.models if m.lane} if spec.shared else {}
-    return Runtime(plans, policy=settings["policy"], cpu_groups=settings["groups"],
-                   cuda_streams=streams, engine=settings["engine"], store=store,
-                   save_every=float(settings["save_every"]),
-                   calibrate=settings["calibrate"], targets=targets or None, residency=residency or None,
-                   lanes=lanes or None, lane_preempt=settings["lane_preempt"], cuda_devices=cuda_devices,
-                   cuda_options=cuda_options(streams, cuda_graphs=settings["cuda_graphs"],
-                                             thread_per_stream=settings["thread_per_stream"]),
-                   warmup=tuple(warm))
+    machine = MachineSpec(settings["groups"], streams, cuda_devices, settings["cuda_graphs"],
+                          settings["thread_per_stream"], residency, lanes, settings["lane_preempt"])
+    return Runtime(plans, machine, RuntimeSpec(settings["policy"], engine=settings["engine"], store=store,
+                                               save_every=float(settings["save_every"]), calibrate=settings["calibrate"],
+                                               targets=targets, warmup=tuple(warm)))
 
 
 def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:

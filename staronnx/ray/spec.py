@@ -131,9 +131,9 @@ class ModelSpec:
             out["priority"] = self.priority
         return out
 
-    def serve_spec(self, **settings: Any) -> ServeSpec:
-        """How a replica batches this model's requests, with ``settings`` (its ``keep_records``)."""
-        return ServeSpec(self.batch_size, max_delay=self.max_delay, queue_capacity=self.queue_capacity, **settings)
+    def serve_spec(self) -> ServeSpec:
+        """How a replica batches this model's requests."""
+        return ServeSpec(self.batch_size, max_delay=self.max_delay, queue_capacity=self.queue_capacity)
 
     def load_plan(self) -> Any:
         """The plan, with the batching overrides of this spec applied (what a replica serves)."""

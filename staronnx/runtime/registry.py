@@ -8,43 +8,21 @@ never loads StarPU's binding.
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from staronnx.errors import StaronnxError
-from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.models import ModelSet
 from staronnx.runtime.predictor import PerfPredictor
+from staronnx.runtime.spec import EngineSettings as EngineSettings  # what every engine factory takes
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
-from staronnx.workers import base
-from staronnx.workers.layout import MachineSpec
 
 #: engine name -> module that registers it when imported
 ENGINE_MODULES = {"native": "staronnx.runtime.engine", "starpu": "staronnx.engines.starpu"}
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What ``Runtime`` was asked for, handed whole to the engine's factory."""
-
-    policy: str = "heft"
-    #: the workers to start (unless ``workers`` are given): CPU groups, CUDA streams, lanes, ...
-    machine: MachineSpec = field(default_factory=MachineSpec)
-    trace: str | os.PathLike[str] | None = None
-    store: PerfModelStore | None = None
-    policy_options: Mapping[str, Any] = field(default_factory=dict)
-    #: workers already started (the engine then leaves them open when it closes)
-    workers: Sequence[base.Worker] | None = None
-    calibrate: int | None = None
-    cuda_options: Mapping[str, Any] = field(default_factory=dict)
-    #: batch sizes every CUDA worker runs (and captures as CUDA graphs) before serving
-    warmup: tuple[int, ...] = ()
 
 
 class Worker(Protocol):

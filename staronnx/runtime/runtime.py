@@ -1,6 +1,6 @@
 """``Runtime``: a plan, workers and a policy, served through futures.
 
-    with Runtime("plan/", policy="heft", cpu_groups="numa") as rt:
+    with Runtime("plan/", MachineSpec(groups="numa"), RuntimeSpec(policy="heft")) as rt:
         outputs = rt.run({"input": x})
         futures = [rt.submit(f) for f in feeds]        # concurrent.futures-compatible
         for out in rt.map(stream, max_in_flight=8):    # backpressure
@@ -10,11 +10,11 @@
 Inputs are checked against the plan's signature before any task exists, so a bad request
 raises ValueError (InputError) at once and never reaches a worker.
 
-``cuda_streams=N`` starts N CUDA workers (streams) per GPU, driven by one engine thread per
-GPU on a core held back from the CPU groups (see :mod:`staronnx.workers.layout`);
-``cuda_options`` go to every :class:`~staronnx.workers.cuda.CudaWorker`
-(``cudnn_conv_algo_search``, ``provider_options`` such as ``gpu_mem_limit``, ``prefetch``,
-``cuda_graphs=False``, ``thread_per_stream=True``: a thread and a core per stream). ``warmup=(1, 2, 4, 8)`` runs
+``MachineSpec(cuda_streams=N)`` starts N CUDA workers (streams) per GPU, driven by one engine
+thread per GPU on a core held back from the CPU groups (see :mod:`staronnx.workers.layout`;
+``thread_per_stream=True``: a thread and a core per stream); ``RuntimeSpec(cuda=CudaOptions(...))``
+goes to every :class:`~staronnx.workers.cuda.CudaWorker` (``provider_options`` such as
+``gpu_mem_limit``, a ``runtime`` standing in for CUDA). ``RuntimeSpec(warmup=(1, 2, 4, 8))`` runs
 those batch sizes on every CUDA worker before serving, capturing their CUDA graphs one at a
 time; :attr:`Runtime.preferred_batch_sizes` then lists them and a
 :class:`~staronnx.serving.Server` pads partial batches up to them, so no capture ever stalls
@@ -23,15 +23,15 @@ the workers while serving.
 Several models share one runtime when given by name (StarPU's way: every task graph on one
 set of workers under one scheduler, each part with its own perf model)::
 
-    with Runtime({"googlenet": "googlenet-plan/", "tiny": "tiny-plan/"}, cpu_groups="numa",
-                 targets={"tiny": ServiceTarget(latency=0.020)}) as rt:
+    with Runtime({"googlenet": "googlenet-plan/", "tiny": "tiny-plan/"},
+                 spec=RuntimeSpec(targets={"tiny": ServiceTarget(latency=0.020)})) as rt:
         fut = rt.submit(feeds, model="tiny")          # or rt.model("tiny").submit(feeds)
         print(rt.model("tiny").stats()["deadline_misses"])
 
-Each worker holds a session of every model's parts, unless ``residency`` keeps a model on some
-workers only (``residency={"tiny": "cpu"}``: GPU memory, or a GPU left to the heavy model), in
-which case its tasks go only there and ``stats()["models"][name]["held_by"]`` says where; one
-policy places every task; a model's
+Each worker holds a session of every model's parts, unless the machine's ``residency`` keeps a
+model on some workers only (``{"tiny": "cpu"}``: GPU memory, or a GPU left to the heavy model),
+where its tasks then go (``stats()["models"][name]["held_by"]``), or its ``lanes`` give a model
+workers of its own that preempt the others' tasks. One policy places every task; a model's
 :class:`~staronnx.runtime.models.ServiceTarget` turns its requests into deadlines that ordered
 queues serve first (EDF), and its ``capacity`` refuses that model's requests only
 (:class:`~staronnx.runtime.models.ModelOverloaded`). :meth:`Runtime.model` gives a handle with a
@@ -55,12 +55,12 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import numpy as np
 
 from staronnx.errors import StaronnxError
-from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.models import HostedModel, ModelSet, ServiceTarget, load_plans
-from staronnx.runtime.registry import EngineSettings, Worker, engine_factory
+from staronnx.runtime.registry import Worker, engine_factory
 from staronnx.runtime.predictor import PerfPredictor
+from staronnx.runtime.spec import EngineSettings, RuntimeSpec
 from staronnx.runtime.task import RequestFuture
 from staronnx.runtime.trace import Tracer
 from staronnx.workers.colocate import Colocation
@@ -76,12 +76,6 @@ def driver_threads(stats: Mapping[str, Any]) -> dict[str, str]:
     ``<worker> (own)`` with ``thread_per_stream``), read off :meth:`Runtime.stats`; empty where
     the stats name no workers (a remote server's)."""
     return {n: w["driver"]["thread"] for n, w in stats.get("workers", {}).items() if "driver" in w}
-
-
-def cuda_options(cuda_streams: int, *, cuda_graphs: bool, thread_per_stream: bool) -> dict[str, bool] | None:
-    """The CUDA workers' options as the command lines and a Serve config set them (``--cuda-graphs``,
-    ``--cuda-thread-per-stream``), for :class:`Runtime`'s ``cuda_options``; None without streams."""
-    return {"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream} if cuda_streams else None
 
 
 def warmup_sizes(max_batch: int, max_delay: float | None = 0.0) -> tuple[int, ...]:
@@ -100,69 +94,25 @@ class Runtime:
     #: a Server passes each batch's oldest arrival, from which a latency target counts
     takes_arrival = True
 
-    def __init__(
-        self,
-        plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
-        policy: str = "heft",
-        cpu_groups: str = "numa",
-        cuda_streams: int = 0,
-        trace: str | os.PathLike[str] | None = None,
-        *,
-        engine: str = "native",
-        store: PerfModelStore | None = None,
-        policy_options: Mapping[str, Any] | None = None,
-        workers: Sequence[Any] | None = None,
-        calibrate: int | None = None,
-        cuda_options: Mapping[str, Any] | None = None,
-        warmup: Sequence[int] = (),
-        targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None,
-        residency: Mapping[str, str] | None = None,
-        lanes: Mapping[str, str] | Sequence[str] | None = None,
-        lane_preempt: str = "idle",
-        save_every: float = 0.0,
-        cuda_devices: Sequence[int] = (0,),
-    ) -> None:
-        """``targets``: a :class:`ServiceTarget` (or a mapping of its fields) per model name;
-        a single plan is named after its folder (see :attr:`model_names`). ``residency``:
-        per model name, the workers that load it (``"cpu"``, ``"cuda0"``, ``"cpu:numa0,cuda"``;
-        see :mod:`staronnx.workers.residency`) when not every worker can hold every model;
-        models not named load everywhere. ``lanes``: models (or model -> CPU groups, ``"cpu"``
-        by default) that get a worker of their own on those groups, which the OS lets preempt
-        the other models' tasks (see :mod:`staronnx.workers.lanes`); ``lane_preempt``: how
-        those groups' shared workers yield to them, ``"idle"`` (``SCHED_IDLE``: preempted at
-        once) or ``"nice"`` (nice +10: for machines shared with other work); the caller holds
-        :func:`~staronnx.workers.lanes.short_switch_interval` while it serves, so that a waking
-        lane waits at most 0.5 ms for the GIL (a process-wide setting: the runtime leaves it
-        alone). ``save_every``: seconds between merges of the perf models learnt while serving
-        into the store (0: at close only), so a server that is killed loses at most that much
-        of what it learnt.
-        ``cuda_devices``: the GPUs (CUDA ordinals) that get ``cuda_streams`` workers each; ORT's
-        ``device_id`` provider option picks one (:class:`~staronnx.compat.session.InferenceSession`)."""
-        if save_every < 0:
-            raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {save_every}")
-        options = dict(cuda_options or {})
-        if isinstance(lanes, str):
-            lanes = [lanes]
-        #: the workers this runtime asked for, as one value (its engine starts them)
-        self.machine = MachineSpec(
-            cpu_groups, cuda_streams, cuda_devices, bool(options.pop("cuda_graphs", True)),
-            bool(options.pop("thread_per_stream", False)), dict(residency or {}),
-            dict(lanes) if isinstance(lanes, Mapping) else {name: "cpu" for name in lanes or ()}, lane_preempt)
+    def __init__(self, plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
+                 machine: MachineSpec | None = None, spec: RuntimeSpec | None = None) -> None:
+        """``machine``: the workers to start (default: one CPU group per NUMA node); with lanes, the
+        caller holds :func:`~staronnx.workers.lanes.short_switch_interval` while it serves, so that
+        a waking lane waits at most 0.5 ms for the GIL (a process-wide setting the runtime leaves
+        alone). ``spec``: how to serve (policy, engine, trace, perf models, warm-up, targets)."""
+        #: the workers this runtime asked for and how it serves, as given (its engine starts them)
+        self.machine, self.spec = machine, spec = machine or MachineSpec(), spec or RuntimeSpec()
+        engine = spec.engine
         factory = engine_factory(engine)  # an unknown engine fails before the plan loads
         plans, _ = load_plans(plan)
-        self.models = ModelSet(plans, targets)
+        self.models = ModelSet(plans, spec.targets)
         #: the one model a ``model=None`` request is for (None: several are served)
         self._only = self.models.models[0] if self.models.single else None
-        if residency and (engine != "native" or workers is not None):
-            raise StaronnxError("residency chooses the workers that load each model when the native engine "
-                                "starts them; it does not go with engine='starpu' or workers=[...]")
-        if self.machine.lanes and (engine != "native" or workers is not None):
-            raise StaronnxError("lanes are workers the native engine starts; they do not go with engine='starpu' "
-                                "or workers=[...]")
-        self.policy_name = policy
-        settings = EngineSettings(
-            policy, self.machine, trace, store, dict(policy_options or {}),
-            None if workers is None else list(workers), calibrate, options, tuple(int(b) for b in warmup))
+        if (machine.residency or machine.lanes) and (engine != "native" or spec.workers is not None):
+            raise StaronnxError("lanes are workers the native engine starts, and residency chooses which of them "
+                                "load each model; neither goes with engine='starpu' or workers=[...]")
+        self.policy_name = spec.policy
+        settings = EngineSettings(**vars(spec), machine=machine)
         self._engine = factory(self.models, settings)
         graphs = any(isinstance(w, CudaWorker) and w.graph_parts for w in self._engine.workers)
         #: the batch sizes whose CUDA graphs were captured at warm-up (Triton's preferred batch
@@ -175,8 +125,8 @@ class Runtime:
         self._close_lock = threading.Lock()
         self._stop_saving = threading.Event()
         self._saver: threading.Thread | None = None
-        if save_every > 0 and self._engine.predictor is not None:
-            self._saver = threading.Thread(target=self._save_loop, args=(float(save_every),),
+        if spec.save_every > 0 and self._engine.predictor is not None:
+            self._saver = threading.Thread(target=self._save_loop, args=(float(spec.save_every),),
                                            name="staronnx-perfmodel-saver", daemon=True)
             self._saver.start()
 

@@ -41,17 +41,11 @@ What is checked at load, and refused naming the cause:
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from staronnx.errors import StaronnxError
 from staronnx.serve import model_config as mcfg
 from staronnx.serve import protocol
 from staronnx.serve.proto import model_config_pb2 as mc
@@ -292,14 +286,13 @@ def declared_shapes(config: mc.ModelConfig) -> dict[str, list[int | str | None]]
 def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[MemberView],
                   root: Path) -> Any:
     """The ensemble's plan: its members' plans composed (:func:`staronnx.partition.compose.compose`),
-    from the cache under ``root`` or composed now and cached (written to a temporary folder, then
-    renamed into place). Its key: the members' plan hashes (their files' hashes and the settings
-    that cut them), the steps, the ensemble's tensors and the staronnx version. The plan batches
-    as the ensemble's max_batch_size says; a batched ensemble whose tensors do not all carry
-    one batch is refused."""
+    kept under ``root`` (:mod:`staronnx.partition.plan_cache`) by the members' plan hashes (their
+    files' hashes and the settings that cut them), the steps and the ensemble's tensors. The plan
+    batches as the ensemble's max_batch_size says; a batched ensemble whose tensors do not all
+    carry one batch is refused."""
     from staronnx.errors import PlanError
     from staronnx.partition.compose import Member, compose
-    from staronnx.plan import Plan
+    from staronnx.partition.plan_cache import kept_or_made, plan_folder
 
     labels = spec.labels()
     shapes = declared_shapes(config)
@@ -312,30 +305,18 @@ def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
     given = _given_shapes(config, spec)
     if given:
         settings["input_shapes"] = given
-    keyed = {"staronnx": protocol.staronnx_version(), "plans": [m.plan.hash for m in members], "inputs": list(spec.inputs),
-             "outputs": list(spec.outputs), "shapes": shapes, **settings}
-    key = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:32]
-    final = root / f"ensemble-{key}"
-    if not (final / "plan.json").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=".composing-", dir=root))
-        try:
-            compose([Member(label, m.plan, {**s.input_map, **s.output_map})
-                     for label, s, m in zip(labels, spec.steps, members)],
-                    spec.inputs, spec.outputs, tmp / "plan", settings, shapes)
-            try:
-                os.rename(tmp / "plan", final)
-            except OSError:  # another start cached it meanwhile
-                if not (final / "plan.json").is_file():
-                    raise
-        except PlanError as exc:
-            raise mcfg.ConfigError(f"its members cannot be composed into one task graph: {exc}") from None
-        except Exception as exc:  # noqa: BLE001 - onnx's or a bug's: this ensemble fails alone, saying so
-            raise mcfg.ConfigError(f"composing its members into one task graph failed ({type(exc).__name__}: "
-                                   f"{exc}); please report it") from None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    plan = Plan.load(final)
+    keyed = {"plans": [m.plan.hash for m in members], "inputs": list(spec.inputs), "outputs": list(spec.outputs),
+             "shapes": shapes, **settings}
+    steps = [Member(label, m.plan, {**s.input_map, **s.output_map})
+             for label, s, m in zip(labels, spec.steps, members)]
+    try:
+        plan = kept_or_made(plan_folder(root, "ensemble", keyed),
+                            lambda folder: compose(steps, spec.inputs, spec.outputs, folder, settings, shapes))
+    except PlanError as exc:
+        raise mcfg.ConfigError(f"its members cannot be composed into one task graph: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - onnx's or a bug's: this ensemble fails alone, saying so
+        raise mcfg.ConfigError(f"composing its members into one task graph failed ({type(exc).__name__}: "
+                               f"{exc}); please report it") from None
     contract = plan.contract
     if config.max_batch_size == 0:
         if contract.batchable:

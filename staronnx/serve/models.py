@@ -198,7 +198,7 @@ class ModelEndpoint:
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
-        spec = ServeSpec.of(spec, **serving) if spec is not None else ServeSpec(**{**ENDPOINT_SERVING, **serving})
+        spec = replace(spec, **serving) if spec is not None else ServeSpec(**{**ENDPOINT_SERVING, **serving})
         if spec.max_inflight is None:
             gpus = sorted({w.device_id for w in runtime.workers if isinstance(w, CudaWorker)})
             spec = replace(spec, max_inflight=inflight_from_models(

@@ -10,7 +10,6 @@ cannot see the server's logs.
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import math
 from typing import Any, Sequence
@@ -18,6 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from staronnx.errors import StaronnxError
+from staronnx.partition.plan_cache import staronnx_version  # noqa: F401 - the server metadata's
 
 #: v2 datatype -> numpy dtype (little endian, as the protocol's raw bytes are)
 DATATYPES: dict[str, np.dtype] = {
@@ -455,11 +455,3 @@ def queue_parameters(parameters: Any) -> tuple[int, int | None]:
     return values[0] or 0, values[1]
 
 
-def staronnx_version() -> str:
-    """The installed staronnx distribution's version ("unknown" run from a source tree on
-    PYTHONPATH): what the server metadata names, and what the repository's cached plans are
-    keyed by (a new version cuts its plans again)."""
-    try:
-        return importlib.metadata.version("staronnx")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"

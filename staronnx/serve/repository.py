@@ -21,11 +21,6 @@ members' plans are composed into the ensemble's plan, cached beside theirs
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,7 +30,6 @@ from staronnx.errors import StaronnxError
 from staronnx.modelio import file_sha256
 from staronnx.serve import ensemble as ens
 from staronnx.serve import model_config as mcfg
-from staronnx.serve import protocol
 from staronnx.serve import sequences
 from staronnx.serve.proto import model_config_pb2 as mc
 
@@ -191,8 +185,6 @@ def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
     """The batcher's :class:`~staronnx.serving.spec.ServeSpec` of a repository model: ``base``
     (the flags' spec with the model's queue capacity) changed where its config says otherwise;
     ``delay``: the server's --max-delay, for a config without a queue delay."""
-    from dataclasses import replace
-
     s = found.settings
     return replace(base, batch_size=max(1, s.max_batch_size), max_delay=delay if s.max_delay is None else s.max_delay,
                    queue_capacity=s.queue_capacity or base.queue_capacity, pad_to=s.pad_to,
@@ -257,45 +249,26 @@ def warm(found: RepositoryModel, runtime: Any) -> int:
     return runs
 
 
-def plan_key(model_file: Path, shaping: dict[str, Any]) -> str:
-    """The cache key of a plan: the model file's SHA-256, the settings that shape the plan, and
-    the staronnx version that cut it."""
-    settings = json.dumps({"staronnx": protocol.staronnx_version(), **shaping}, sort_keys=True)
-    return f"{file_sha256(model_file)[:32]}-{hashlib.sha256(settings.encode()).hexdigest()[:16]}"
-
-
 def cached_plan(model_file: Path, shaping: dict[str, Any], inputs: Sequence[mcfg.TensorSpec],
                 home: Path | None = None) -> Any:
     """The plan of ``model_file`` cut with ``shaping`` (parts, shares, method, input_shapes),
-    from the cache or cut now and cached (written to a temporary folder, then renamed into
-    place: a concurrent start or a crash never leaves half a plan)."""
+    kept by the model file's hash and ``shaping`` (:mod:`staronnx.partition.plan_cache`)."""
     from staronnx.partition import PartitionSpec, partition
+    from staronnx.partition.plan_cache import kept_or_made, plan_folder
     from staronnx.perfmodels.store import default_root
-    from staronnx.plan import Plan
 
     shaping = {"parts": 1, **shaping} if "shares" not in shaping else dict(shaping)
-    root = (home or default_root()) / CACHE_DIR
-    final = root / plan_key(model_file, shaping)
-    if (final / "plan.json").is_file():
-        return Plan.load(final)
-    root.mkdir(parents=True, exist_ok=True)
     whole = shaping.get("parts") == 1
     shapes = shaping.get("input_shapes") or (_estimate_shapes(inputs) if whole else None)
-    tmp = Path(tempfile.mkdtemp(prefix=".cutting-", dir=root))
+    spec = PartitionSpec(parts=shaping.get("parts"), method=shaping.get("method", "metis"), input_shapes=shapes,
+                         costs="estimate" if whole else "profile")
+    sha = file_sha256(model_file)
     try:
-        partition(model_file, shaping.get("shares"),
-                  PartitionSpec(parts=shaping.get("parts"), method=shaping.get("method", "metis"), input_shapes=shapes,
-                                costs="estimate" if whole else "profile"), output_dir=tmp / "plan")
-        try:
-            os.rename(tmp / "plan", final)
-        except OSError:  # another start cached it meanwhile
-            if not (final / "plan.json").is_file():
-                raise
+        return kept_or_made(plan_folder((home or default_root()) / CACHE_DIR, sha, shaping),
+                            lambda folder: partition(model_file, shaping.get("shares"), spec, output_dir=folder,
+                                                     force=True), sha)
     except StaronnxError as exc:
         raise StaronnxError(f"cannot make its plan: {exc}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return Plan.load(final)
 
 
 def _estimate_shapes(inputs: Sequence[mcfg.TensorSpec]) -> list[str] | None:

@@ -1,8 +1,8 @@
 """Serving: single-sample requests batched for a Runtime, under an open-loop load.
 
-    from staronnx.serving import Server, make_arrivals, run_open_loop, summarize
+    from staronnx.serving import Server, ServeSpec, make_arrivals, run_open_loop, summarize
 
-    with Runtime(plan, cpu_groups="numa") as rt, Server(rt, batch_size=8) as server:
+    with Runtime(plan) as rt, Server(rt, ServeSpec(batch_size=8)) as server:
         records = run_open_loop(server, make_arrivals("poisson", 200.0, seed=1),
                                 lambda i: samples[i % len(samples)], duration=10.0)
     print(summarize(records, warmup=1.0))   # throughput, the papers' latency, p99, congested, ...

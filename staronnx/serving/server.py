@@ -1,6 +1,6 @@
 """The serving front end: single-sample requests, a bounded queue, a batcher, per-request futures.
 
-    with Runtime(plan, cpu_groups="numa") as rt, Server(rt, batch_size=8) as server:
+    with Runtime(plan) as rt, Server(rt, ServeSpec(batch_size=8)) as server:
         fut = server.submit({"x": sample})        # sample: batch dimension 1
         logits = fut.result()["logits"]           # shape [1, ...], this request's row only
 
@@ -270,9 +270,9 @@ class Server:
 
     Args:
         runtime: where batches run; its ``plan`` checks every request at submit.
-        spec: the batching settings (:class:`~staronnx.serving.spec.ServeSpec`), or its batch
-            size, the other settings then given as keywords (``Server(rt, 8, max_delay=0.01)``;
-            with a spec, keywords change it). ``spec`` holds them resolved for this runtime.
+        spec: the batching settings (:class:`~staronnx.serving.spec.ServeSpec`, checked when
+            made: ``Server(rt, ServeSpec(8, max_delay=0.01))``); ``self.spec`` holds them
+            resolved for this runtime.
         clock: the time base of every record (``time.perf_counter`` unless a test says so).
         batch_memory: ``(shape, dtype) -> array`` where each batch is assembled; default: the
             runtime's :meth:`~staronnx.runtime.runtime.Runtime.batch_array` (pinned memory
@@ -290,14 +290,15 @@ class Server:
     def __init__(
         self,
         runtime: BatchRuntime,
-        spec: ServeSpec | int | None = None,
+        spec: ServeSpec,
         *,
         clock: Callable[[], float] = time.perf_counter,
         batch_memory: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray] | None = None,
         on_executed: Callable[[int, float], None] | None = None,
-        **settings: Any,
     ) -> None:
-        spec = ServeSpec.of(spec, **settings)
+        if not isinstance(spec, ServeSpec):
+            raise TypeError(f"a Server takes its settings as one ServeSpec: "
+                            f"Server(runtime, ServeSpec({spec!r}, ...))")
         self.runtime = runtime
         self.plan: Plan = runtime.plan
         self._contract = self.plan.contract

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -115,11 +114,3 @@ class ServeSpec:
             if any(isinstance(m, bool) or not isinstance(m, (int, np.integer)) or m < 1 for m in self.pad_to):
                 raise StaronnxError(f"pad_to must be batch sizes (integers >= 1), got {list(self.pad_to)!r}")
             object.__setattr__(self, "pad_to", tuple(sorted({int(m) for m in self.pad_to})))
-
-    @classmethod
-    def of(cls, spec: ServeSpec | int | None = None, **settings: Any) -> ServeSpec:
-        """``spec`` with ``settings`` changed, or a spec of ``settings`` (a batch size given
-        first): the keyword form ``Server(rt, 8, max_delay=0.01)`` callers use."""
-        if isinstance(spec, ServeSpec):
-            return replace(spec, **settings) if settings else spec
-        return cls(**settings) if spec is None else cls(spec, **settings)

@@ -272,12 +272,10 @@ def graph_problem(
     return Problem(cost, tensors, lat, per_byte, [d.name for d in devices])
 
 
-def make_context(graph: ModelGraph, method: PlacementMethod, request: CutRequest | None = None,
-                 **fields: Any) -> PlacementContext:
+def make_context(graph: ModelGraph, method: PlacementMethod, r: CutRequest) -> PlacementContext:
     """Devices, costs per device at the decision and report batches, and the problems built
-    from them, for ``request`` (or a :class:`~staronnx.partition.cut.CutRequest` of ``fields``:
-    ``devices=``, ``device_costs=``, ``costs=``, ``batch=``, ``options=``, ...)."""
-    r = request or CutRequest([], **fields)
+    from them, for the :class:`~staronnx.partition.cut.CutRequest` ``r`` (its ``devices``,
+    ``device_costs``, ``costs``, ``batch``, ``options``, ...)."""
     devs = parse_devices(r.devices)
     options = dict(r.options or {})
     method.check(devs, graph, options)
@@ -376,11 +374,10 @@ def place_context(method: PlacementMethod, ctx: PlacementContext) -> Placement:
     )
 
 
-def place_graph(graph: ModelGraph, method: PlacementMethod | str, request: CutRequest | None = None,
-                **fields: Any) -> Placement:
-    """Place a built graph (``request`` or its ``fields``, as for :func:`make_context`)."""
+def place_graph(graph: ModelGraph, method: PlacementMethod | str, request: CutRequest) -> Placement:
+    """Place a built graph as ``request`` asks (see :func:`make_context`)."""
     m = PLACEMENT_METHODS[method] if isinstance(method, str) else method
-    return place_context(m, make_context(graph, m, request, **fields))
+    return place_context(m, make_context(graph, m, request))
 
 
 def place(
