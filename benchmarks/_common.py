@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-from staronnx.runtime.spec import CudaOptions
+from staronnx.workers.cuda import CudaOptions
 
 REPO = Path(__file__).resolve().parents[1]
 #: the test and benchmark models, tracked in the repository so that a clone needs nothing beside it

@@ -31,6 +31,7 @@ Usage: python benchmarks/data_movement.py [--batches 6] [--batch 2] [--model goo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import threading
 import time
@@ -151,7 +152,8 @@ def open_runtime(plan: Plan, config: str, args: argparse.Namespace, home: Path, 
     if plan.k == 1 or policy is not None:
         return Runtime(plan, MachineSpec("1", 1, cuda_graphs=False),
                        RuntimeSpec(policy or "dmda", store=store, cuda=options)), rt, []
-    workers = start_workers(plan, MachineSpec("1", 1, cuda_graphs=False), cuda_options=options.worker_options())
+    # the options' own cuda_graphs would override the machine's (start_workers)
+    workers = start_workers(plan, MachineSpec("1", 1, cuda_graphs=False), cuda_options=dataclasses.replace(options, cuda_graphs=False))
     names = {w.kind: w.name for w in workers}
     devices = {0: names["cuda"], **{p: names["cpu"] for p in range(1, plan.k)}}
     return Runtime(plan,

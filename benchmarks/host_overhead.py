@@ -8,7 +8,7 @@ memory, ORT's CPU provider standing in for CUDA's) on a model whose compute is n
 16x16 MatMul), side by side with plain ONNX Runtime ``run_with_iobinding`` loops in as many
 threads on the same model, in one process:
 
-1. ``runtime``: ``Runtime(cpu_groups="none", cuda_streams=N)``, ``--in-flight`` batches of 8
+1. ``runtime``: ``Runtime(plan, MachineSpec("none", N))``, ``--in-flight`` batches of 8
    submitted at a time, N = 1, 2, 4 streams: tasks/s and host µs per task;
 2. ``server``: the same runtime behind :class:`~staronnx.serving.Server` (batch 8), single
    requests as fast as they are accepted: requests/s and host µs per request;

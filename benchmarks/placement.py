@@ -8,7 +8,7 @@ costs (profiled once per model on this machine's CPU groups, the two "devices" h
   linear: on the device HEFT picks), with transfers and a per-part overhead (the cost model of
   ``staronnx.partition.methods.model``);
 * measured latency at batch 1: one request at a time through
-  ``Runtime(plan, policy=..., cpu_groups=GROUPS)`` (median): heft for metis and linear (placed
+  ``Runtime(plan, MachineSpec(GROUPS), RuntimeSpec(policy=...))`` (median): heft for metis and linear (placed
   dynamically), ``static`` for the placement methods (each part on the device its method chose);
 * maximum sustainable throughput at batch 8: ``--in-flight`` requests kept in flight through
   the same runtime (samples/s), and for the placement methods also with heft scheduling their

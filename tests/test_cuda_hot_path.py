@@ -21,7 +21,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec, partition
+from staronnx import MachineSpec, Runtime, RuntimeSpec, partition
 from staronnx.perfmodels import PerfModelStore
 from staronnx.workers.base import WorkerLost
 from staronnx.workers.cuda import CAPTURE_LOCK, CAPTURE_TRIES, CudaOptions, CudaWorker
@@ -277,8 +277,8 @@ def test_the_first_run_of_a_graph_id_is_the_capture_and_waits_for_the_capture_lo
 
 def _warmed_runtime(plan, rt: HostRuntime, store: Path) -> Runtime:
     """A runtime on one stream of ``rt`` that warms batch size 4 up (runtime.engine.warm_up)."""
-    return Runtime(plan, policy="eager", cpu_groups="none", cuda_streams=1, store=PerfModelStore(store),
-                   cuda_options={"runtime": rt}, warmup=(4,))
+    return Runtime(plan, MachineSpec("none", 1),
+                   RuntimeSpec(policy="eager", store=PerfModelStore(store), cuda=CudaOptions(runtime=rt), warmup=(4,)))
 
 
 def test_a_capture_that_fails_at_warm_up_costs_the_graph_not_the_warm_up(plan, reference, caplog, tmp_path):

@@ -95,7 +95,7 @@ def partition(
 
     ``shares="auto"`` chooses the split from this machine's speeds
     (:mod:`staronnx.partition.autoshares`): the whole model timed at ``profile_batch`` on the
-    CPU workers ``Runtime(cpu_groups=groups, cuda_streams=cuda_streams)`` would start here
+    CPU workers ``Runtime(plan, MachineSpec(groups, cuda_streams))`` would start here
     (default ``numa``), and on each GPU of ``cuda_devices`` for ``device="cuda"`` (their rates
     add up), or ``speeds`` given (e.g. from calibrated perf models); one part where a split
     cannot pay. The choice and its reason are kept in the plan's settings. A placement method

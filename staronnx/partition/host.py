@@ -18,7 +18,7 @@ from staronnx.workers.topology import Topology
 
 
 def host_devices(groups: str | None = None, *, cuda: bool = False) -> list[Device]:
-    """The CPU groups of a group policy, named like the workers ``Runtime(cpu_groups=groups)``
+    """The CPU groups of a group policy, named like the workers ``Runtime(plan, MachineSpec(groups))``
     starts (``policy="static"`` finds a part's device by that name), plus ``cuda0`` when asked.
 
     Without a policy: one group per NUMA node where there are several, else the cores split in

@@ -953,7 +953,7 @@ def start_native(plan: Plan | ModelSet, settings: EngineSettings) -> NativeEngin
     mode = calibrate_mode(settings.calibrate)
     own = settings.workers is None
     workers = list(settings.workers) if settings.workers is not None else start_workers(
-        models, settings.machine, cuda_options=dict(settings.cuda_options))
+        models, settings.machine, cuda_options=settings.cuda_options)
     try:
         store = settings.store if settings.store is not None else PerfModelStore()
         predictor = PerfPredictor.for_models(models, store, calibrate=mode)

@@ -1,6 +1,8 @@
 """What a :class:`~staronnx.runtime.runtime.Runtime` is asked to do besides which workers to start
-(those are its :class:`~staronnx.workers.layout.MachineSpec`): :class:`RuntimeSpec`, and what its
-CUDA workers get beyond their place on the machine, :class:`CudaOptions`. Values, so every door
+(those are its :class:`~staronnx.workers.layout.MachineSpec`): :class:`RuntimeSpec`, with what its
+CUDA workers get beyond their place on the machine, the workers' own
+:class:`~staronnx.workers.cuda.CudaOptions` (whether they capture CUDA graphs and drive
+themselves is the machine's to say, and set from it). Values, so every door
 (the CLI, a Serve config, a sweep, an ``InferenceSession``) hands the runtime one thing it checked;
 the runtime hands its engine both as one :class:`EngineSettings`.
 """
@@ -9,33 +11,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.models import ServiceTarget
-from staronnx.workers.cudart import GpuRuntime
+from staronnx.workers.cuda import CudaOptions
 from staronnx.workers.layout import MachineSpec
-
-
-@dataclass(frozen=True)
-class CudaOptions:
-    """Every CUDA worker's session settings: its device, stream and core come from the machine's
-    layout, and whether it captures CUDA graphs or drives itself is the machine's too
-    (:class:`~staronnx.workers.layout.MachineSpec`), so neither is here to be given twice."""
-
-    #: cuDNN's convolution algorithm search (``EXHAUSTIVE``, ``HEURISTIC``, ``DEFAULT``)
-    cudnn_conv_algo_search: str = "EXHAUSTIVE"
-    #: ORT's CUDA provider options (``gpu_mem_limit``, ``use_tf32``, ...) but device and stream
-    provider_options: Mapping[str, str] = field(default_factory=dict)
-    #: what stands in for CUDA (``HostRuntime()``: the same pipeline on the CPU provider); None:
-    #: CUDA itself, or ``STARONNX_CUDA_RUNTIME=host``'s stand-in
-    runtime: GpuRuntime | None = None
-
-    def worker_options(self) -> dict[str, Any]:
-        """The keywords each :class:`~staronnx.workers.cuda.CudaWorker` is made with."""
-        return dict(vars(self))
 
 
 @dataclass(frozen=True)
@@ -67,6 +50,9 @@ class RuntimeSpec:
     save_every: float = 0.0
 
     def __post_init__(self) -> None:
+        if not self.cuda.cuda_graphs or self.cuda.thread_per_stream:
+            raise StaronnxError("cuda_graphs and thread_per_stream are the machine's: set them in MachineSpec, "
+                                "not in the runtime's CudaOptions")
         if self.save_every < 0:
             raise StaronnxError(f"save_every must be >= 0 seconds (0 = at close only), got {self.save_every}")
 
@@ -79,6 +65,6 @@ class EngineSettings(RuntimeSpec):
     machine: MachineSpec = field(default_factory=MachineSpec)
 
     @property
-    def cuda_options(self) -> dict[str, Any]:
-        """Every CUDA worker's keywords (:meth:`CudaOptions.worker_options`)."""
-        return self.cuda.worker_options()
+    def cuda_options(self) -> CudaOptions:
+        """Every CUDA worker's options: the spec's, with the machine's graphs and threads."""
+        return replace(self.cuda, cuda_graphs=self.machine.cuda_graphs, thread_per_stream=self.machine.thread_per_stream)
