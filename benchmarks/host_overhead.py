@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         colocated[n] = 1e6 / r[f"colocated runtime {n}"]
         cpu_us = 1e6 * cpu[n]["seconds"] / max(cpu[n]["tasks"], 1)
         print(f"{n:>7}  {r[f'ort {n}']:>11,.0f}  {r[f'runtime {n}']:>15,.0f}  {per_task[n]:>7.1f}  "
-              f"{cpu_us:>11.1f}  {r[f'runtime {n}'] / r[f'ort {n}']:>6.2f}  {colocated[n]:>17.1f}  "
+              f"{cpu_us:>11.1f}  {r[f'runtime {n}'] / r[f'ort {n}']:>6.3g}  {colocated[n]:>17.1f}  "
               f"{r[f'server {n}']:>12,.0f}  {1e6 / r[f'server {n}']:>6.1f}  {1e6 / r[f'colocated server {n}']:>16.1f}")
     print(f"one stream: {per_task[1]:.1f} us of host time per task, {colocated[1]:.1f} colocated (target <= 40); "
           f"4 streams / 1 stream tasks/s: {per_task[1] / per_task[4]:.2f}, {colocated[1] / colocated[4]:.2f} "
