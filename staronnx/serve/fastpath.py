@@ -45,12 +45,14 @@ MAX_HELD = MAX_HEAD + MAX_BODY
 #: to aiohttp, whose body timeouts apply (a client split a small request in two segments)
 WAIT_S = 0.25
 
-_LINE = re.compile(rb"POST (/v2/models/([A-Za-z0-9_.\-]+)(?:/versions/([A-Za-z0-9_.\-]+))?/infer) HTTP/1\.1")
-_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
-_VALUE_BAD = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+#: a head the lane reads: the request line of an inference route, then header lines of a token,
+#: a colon and visible characters, spaces or tabs (no bare CR or LF, no control characters);
+#: matched whole in one call, so a head that is not plain in every byte is aiohttp's
+_HEAD = re.compile(rb"POST /v2/models/([A-Za-z0-9_.\-]+)(?:/versions/([A-Za-z0-9_.\-]+))?/infer HTTP/1\.1"
+                   rb"((?:\r\n[!#$%&'*+\-.^_`|~0-9A-Za-z]+:[\t\x20-\x7e\x80-\xff]*)*)")
+_FIELD = re.compile(rb"\r\n([^:]+):[ \t]*([^\r]*?)[ \t]*(?=\r\n|$)")
 
-#: headers the lane reads; one it does not know is fine, one of these with a value it does not
-#: take hands the request over (``None``: the header must be absent)
+#: headers that hand a request to aiohttp whatever their value
 _ABSENT = (b"transfer-encoding", b"expect", b"upgrade")
 
 
@@ -69,21 +71,13 @@ class InferHead:
 def read_head(head: bytes) -> InferHead | None:
     """The inference request ``head`` (its bytes before the blank line), or None where the lane
     does not take it (aiohttp will)."""
-    if b"\n" in head.replace(b"\r\n", b""):  # a bare LF: aiohttp decides what to make of it
+    match = _HEAD.fullmatch(head)
+    if match is None:
         return None
-    lines = head.split(b"\r\n")
-    line = _LINE.fullmatch(lines[0])
-    if line is None:
+    pairs = _FIELD.findall(match.group(3))
+    fields = {name.lower(): value for name, value in pairs}
+    if len(fields) != len(pairs):  # a header given twice: aiohttp's rules and answers
         return None
-    fields: dict[bytes, bytes] = {}
-    for raw in lines[1:]:
-        name, colon, value = raw.partition(b":")
-        if not colon or not _TOKEN.fullmatch(name) or _VALUE_BAD.search(value):
-            return None
-        key = name.lower()
-        if key in fields:  # a header given twice: aiohttp's rules and answers
-            return None
-        fields[key] = value.strip(b" \t")
     length = fields.get(b"content-length")
     if length is None or not length.isdigit() or any(k in fields for k in _ABSENT):
         return None
@@ -92,8 +86,8 @@ def read_head(head: bytes) -> InferHead | None:
     if fields.get(b"connection", b"keep-alive").lower() != b"keep-alive":
         return None
     hl = fields.get(b"inference-header-content-length")
-    version = line.group(3)
-    return InferHead(line.group(2).decode(), version.decode() if version is not None else None,
+    version = match.group(2)
+    return InferHead(match.group(1).decode(), version.decode() if version is not None else None,
                      hl.decode("latin-1") if hl is not None else None, int(length))
 
 
