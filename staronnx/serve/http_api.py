@@ -37,7 +37,7 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from aiohttp import web
@@ -303,7 +303,9 @@ class HttpFrontend(Frontend):
         loop = asyncio.get_running_loop()
         deadline = self.guard.limits.request_timeout
         timer = loop.call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
-        watch = _BodyWatch(loop, self.guard.limits, functools.partial(self._cut, task, "slow"))
+        # a body that came whole with its head (nearly every small request) has nothing to time
+        watch = _BodyWatch(loop, self.guard.limits, functools.partial(self._cut, task, "slow"),
+                           armed=not request.content.is_eof())
         self.unanswered.add(task)
         self.running.add(task)
         try:
@@ -505,11 +507,13 @@ class _BodyWatch:
     than ``body_timeout``, and, once ``body_timeout`` has passed, at least ``body_min_rate``
     bytes/s on average since the head arrived. One timer per request, moved
     forward lazily: a chunk only notes its size and time, the timer re-arms itself when it
-    fires early, and ``expire`` is called once the body is late."""
+    fires early, and ``expire`` is called once the body is late. Not ``armed``: no timer at all,
+    for a body already whole when its handler starts (it cannot be late)."""
 
     __slots__ = ("_loop", "_timeout", "_rate", "start", "last", "got", "_handle", "_expire", "expired")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any],
+                 armed: bool = True) -> None:
         self._loop = loop
         self._timeout = limits.body_timeout
         self._rate = limits.body_min_rate
@@ -517,7 +521,7 @@ class _BodyWatch:
         self.got = 0
         self._expire = expire
         self.expired = False
-        self._handle: asyncio.TimerHandle | None = loop.call_at(self.deadline(), self._check)
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self.deadline(), self._check) if armed else None
 
     def deadline(self) -> float:
         """When the body is late, in the loop's time, given what has arrived so far."""
@@ -622,7 +626,7 @@ async def _discard(content: Any, watch: _BodyWatch) -> None:
             watch.arrived(len(chunk))
 
 
-def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
+def _inflate(data: bytes | bytearray, wbits: int, max_body: int) -> bytes:
     """``data`` decompressed; stops (400) as soon as the output passes ``max_body`` bytes.
 
     A gzip body is every member of it, concatenated (RFC 1952: a gzip file is a series of
@@ -890,7 +894,7 @@ def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions |
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise invalid(f"inputs[{i}] must be an object with a 'name'")
-        name, datatype = spec["name"], spec.get("datatype")
+        name, datatype = spec["name"], cast(str, spec.get("datatype"))  # checked where it is read
         what = f"input {protocol.shown(name)}"
         if name in inputs:
             raise invalid(f"{what} is given twice")
