@@ -1,9 +1,9 @@
-"""The HTTP door's connections as clients use them: one keep-alive connection carrying every
-kind of request, a body that arrives after its head, requests pipelined behind one another,
-chunked bodies answered as plain ones, and requests that close their connection.
+"""The HTTP door's inference lane (:mod:`staronnx.serve.fastpath`): plain inference requests are
+answered beside aiohttp, everything else by aiohttp, and a client cannot tell which.
 
 Each test talks to the real ``staronnx serve`` in a subprocess: Triton's HTTP client, and raw
-sockets where the test needs to choose how the bytes arrive. Nothing is timed.
+sockets where the test needs to choose how the bytes arrive (one segment, a head and a late
+body, requests pipelined behind one another). Nothing is timed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from test_serve import _check, _http_infer, _m, _metrics, _x, start_server
 
 from staronnx import partition
 from staronnx.partition import PartitionSpec
+from staronnx.serve.fastpath import WAIT_S, read_head
 from staronnx.zoo import chain
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,7 +30,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("connections")
+    root = tmp_path_factory.mktemp("lane")
     onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
     return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
                      output_dir=root / "chain")
@@ -87,8 +88,8 @@ def _connect(addr: str) -> socket.socket:
 
 
 def test_tritonclient_requests_of_every_form_on_one_connection_are_answered_and_counted(server, plan):
-    """Binary and JSON inputs and outputs, then metadata and health on the same client, then
-    inference again."""
+    """Binary and JSON inputs and outputs, then metadata and health on the same client (the
+    connection leaves the lane for aiohttp at its first GET), then inference again."""
     before = _m(_metrics(server.metrics), "staronnx_requests_total", protocol="http", outcome="answered")
     client = thttp.InferenceServerClient(server.http, concurrency=1)
     for i, (binary_in, binary_out) in enumerate([(True, True), (False, False), (True, False), (False, True)]):
@@ -102,11 +103,11 @@ def test_tritonclient_requests_of_every_form_on_one_connection_are_answered_and_
 
 
 def test_a_request_whose_body_comes_late_is_answered_whoever_receives_it(server, plan):
-    """A head, then its body: at once, soon after, and a moment later; the connection then
-    serves a next request."""
+    """A head, then its body: soon after (the lane waits for it), and past the lane's wait
+    (aiohttp receives it); the connection then serves a next request."""
     with _connect(server.http) as sock:
         buf = bytearray()
-        for i, pause in enumerate((0.01, 0.5, 0.0)):
+        for i, pause in enumerate((0.01, 2 * WAIT_S, 0.0)):
             x = _x(2, seed=20 + i)
             data = _infer_request(x)
             cut = data.index(b"\r\n\r\n") + 4
@@ -119,8 +120,9 @@ def test_a_request_whose_body_comes_late_is_answered_whoever_receives_it(server,
 
 
 def test_pipelined_requests_are_answered_in_order(server, plan):
-    """Requests sent behind one another without waiting: each in its own segment, then several
-    in one segment with a health check among them; the answers come in the order asked."""
+    """Requests sent behind one another without waiting: each in its own segment (held by the
+    lane while it answers the first), then several in one segment (aiohttp's), with a health
+    check among them; the answers come in the order asked."""
     with _connect(server.http) as sock:
         buf = bytearray()
         xs = [_x(1, seed=30 + i) for i in range(3)]
@@ -140,9 +142,9 @@ def test_pipelined_requests_are_answered_in_order(server, plan):
         _check(plan, ys[1], _output(headers, body))
 
 
-def test_a_chunked_body_gets_the_same_errors_as_a_plain_one(server):
-    """The same bad request, once with a Content-Length and once chunked, gets the same status
-    and JSON error; the connection stays usable."""
+def test_the_lane_and_aiohttp_give_the_same_errors(server):
+    """The same bad request, once plain (the lane) and once with a header the lane leaves to
+    aiohttp (chunked), gets the same status and JSON error; the connection stays usable."""
     x = _x(1)
     bad = [_infer_request(x, model="nosuch"),
            _infer_request(x).replace(b"Inference-Header-Content-Length: ", b"Inference-Header-Content-Length: 9")]
@@ -172,3 +174,22 @@ def test_a_request_that_closes_its_connection_is_answered_then_closed(server, pl
         assert status == 200
         _check(plan, x, _output(headers, body))
         assert not buf and sock.recv(1) == b""
+
+
+@pytest.mark.parametrize("head, taken", [
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: 3", True),
+    (b"POST /v2/models/m/versions/2/infer HTTP/1.1\r\ncontent-length: 3\r\nConnection: Keep-Alive", True),
+    (b"POST /v2/models/m/infer HTTP/1.0\r\nContent-Length: 3", False),
+    (b"POST /v2/models/m/infer?x=1 HTTP/1.1\r\nContent-Length: 3", False),
+    (b"POST /v2/models/m%20x/infer HTTP/1.1\r\nContent-Length: 3", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 3", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: +3", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nTransfer-Encoding: chunked", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: 3\r\nContent-Encoding: gzip", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: 3\r\nExpect: 100-continue", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent-Length: 3\nX: y", False),
+    (b"POST /v2/models/m/infer HTTP/1.1\r\nContent Length: 3", False),
+    (b"GET /v2/models/m/infer HTTP/1.1\r\nContent-Length: 3", False),
+])
+def test_the_lane_takes_only_heads_it_reads_in_full(head, taken):
+    assert (read_head(head) is not None) == taken
