@@ -56,7 +56,7 @@ _HEAD = re.compile(rb"POST /v2/models/([A-Za-z0-9_.\-]+)(?:/versions/([A-Za-z0-9
 _FIELD = re.compile(rb"\r\n([^:]+):[ \t]*([^\r]*?)[ \t]*(?=\r\n|$)")
 
 #: headers that hand a request to aiohttp whatever their value
-_ABSENT = (b"transfer-encoding", b"expect", b"upgrade")
+_ABSENT = frozenset((b"transfer-encoding", b"expect", b"upgrade"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ def read_head(head: bytes) -> InferHead | None:
     if len(fields) != len(pairs):  # a header given twice: aiohttp's rules and answers
         return None
     length = fields.get(b"content-length")
-    if length is None or not length.isdigit() or any(k in fields for k in _ABSENT):
+    if length is None or not length.isdigit() or not _ABSENT.isdisjoint(fields):
         return None
     if fields.get(b"content-encoding", b"identity").lower() != b"identity":
         return None

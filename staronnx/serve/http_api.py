@@ -825,15 +825,22 @@ class _Handler(RequestHandler):
 
     def data_received(self, data: bytes) -> None:
         self._last_data = self._loop.time()
+        arm = False
         if data and self._waiting():
             self._partial = True
-            if self._head_timer is None:  # the first bytes after a keep-alive pause: a head is on its way
-                self._keepalive_handle = _cancel(self._keepalive_handle)
-                self._arm_head()
-        if self._lane is not None:
-            if self._in_lane(self._lane, data):
+            arm = self._head_timer is None  # the first bytes after a keep-alive pause: a head is on its way
+        lane = self._lane
+        if lane is not None:
+            if self._in_lane(lane, data):
+                # a request still arriving in the lane is timed as aiohttp's would be; one that came
+                # whole needs no timer, and the keep-alive timer stays (it checks when it fires)
+                if arm and self._lane is lane and not lane.busy:
+                    self._arm_head()
                 return
             data = self._leave_lane()
+        if arm:
+            self._keepalive_handle = _cancel(self._keepalive_handle)
+            self._arm_head()
         count = self._request_count
         super().data_received(data)
         if self._request_count != count:  # a whole head arrived
@@ -908,6 +915,7 @@ class _Handler(RequestHandler):
         data = self._lane.handover()
         self._lane = None
         self._lane_timer = _cancel(self._lane_timer)
+        self._keepalive_handle = _cancel(self._keepalive_handle)  # aiohttp's own, from its next answer
         return data
 
     def _head_late(self) -> None:
