@@ -18,6 +18,11 @@ Triton's extensions (:data:`staronnx.serve.app.SERVE_EXTENSIONS`) are served at 
 ``/v2/systemsharedmemory`` (inputs and outputs placed in registered regions by their
 ``shared_memory_*`` parameters: :mod:`staronnx.serve.shm`).
 
+A plain inference request (a Content-Length, a small body in one or two segments, a
+keep-alive connection) is answered in the lane (:mod:`staronnx.serve.fastpath`) by
+:meth:`HttpFrontend.answer_lane`, without aiohttp's per-request objects; every other request,
+and every later one on its connection, is aiohttp's, and both answer and count alike.
+
 A hostile or careless client meets the bounds of :mod:`staronnx.serve.limits`: bodies held by
 :func:`_receive` within ``--max-body`` and the receive budget (400, 503), timed by
 :class:`_BodyWatch` (408) and ``--request-timeout`` (504); heads, idle and surplus connections
