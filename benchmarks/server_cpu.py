@@ -142,7 +142,9 @@ def served_counts(metrics_url: str) -> tuple[float, float]:
 
 def tree_env(tree: Path, home: Path) -> dict[str, str]:
     """The environment a tree's commands run in: its own package first on the path, a scratch
-    ``STARONNX_HOME`` (perf models and caches stay out of the user's)."""
+    ``STARONNX_HOME`` (perf models and caches stay out of the user's). The commands run with
+    ``python -P``: ``-m`` otherwise puts the working directory first on the path, ahead of
+    ``PYTHONPATH``, and run from a checkout both "trees" would import that checkout's package."""
     return {**os.environ, "PYTHONPATH": str(tree), "STARONNX_HOME": str(home)}
 
 
@@ -157,7 +159,7 @@ def old_tree(commit: str) -> Path:
 
 def cut_plan(tree: Path, model: Path, out: Path, home: Path) -> Path:
     """The trivial model cut into a one-part plan by ``tree``'s own ``staronnx partition``."""
-    subprocess.run([sys.executable, "-m", "staronnx", "partition", str(model), "-o", str(out), "--shares", "1",
+    subprocess.run([sys.executable, "-P", "-m", "staronnx", "partition", str(model), "-o", str(out), "--shares", "1",
                     "-q", "--force"], check=True, env=tree_env(tree, home), stdout=subprocess.DEVNULL)
     return out
 
@@ -166,7 +168,7 @@ def start_server(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
                  profile: Path | None = None) -> tuple[subprocess.Popen[str], str, str, str]:
     """``tree``'s ``staronnx serve`` of ``plan`` on free loopback ports; (process, HTTP address,
     gRPC address, metrics URL) once it says it is ready."""
-    head = [sys.executable, *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "staronnx"]
+    head = [sys.executable, "-P", *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "staronnx"]
     cmd = [*head, "serve", str(plan), "--name", MODEL, "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -8,6 +8,7 @@ staronnx's own. Needs the ``serve`` extra (``pip install 'staronnx[serve]'``).
     protocol.py    v2 datatypes, shapes, byte counts; errors and their HTTP/gRPC statuses
     frontend.py    what both front ends share: lookups, statistics, index, refusals, counts
     http_api.py    the REST API on aiohttp
+    fastpath.py    the inference lane: plain inference requests answered beside aiohttp
     grpc_api.py    the gRPC API on grpc.aio (stubs generated from proto/grpc_predict_v2.proto)
     metrics.py     Prometheus registry and collector
     app.py         listeners, one event loop, graceful shutdown

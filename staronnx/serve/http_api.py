@@ -18,6 +18,11 @@ Triton's extensions (:data:`staronnx.serve.app.SERVE_EXTENSIONS`) are served at 
 ``/v2/systemsharedmemory`` (inputs and outputs placed in registered regions by their
 ``shared_memory_*`` parameters: :mod:`staronnx.serve.shm`).
 
+A plain inference request (a Content-Length, a small body in one or two segments, a
+keep-alive connection) is answered in the lane (:mod:`staronnx.serve.fastpath`) by
+:meth:`HttpFrontend.answer_lane`, without aiohttp's per-request objects; every other request,
+and every later one on its connection, is aiohttp's, and both answer and count alike.
+
 A hostile or careless client meets the bounds of :mod:`staronnx.serve.limits`: bodies held by
 :func:`_receive` within ``--max-body`` and the receive budget (400, 503), timed by
 :class:`_BodyWatch` (408) and ``--request-timeout`` (504); heads, idle and surplus connections
@@ -37,7 +42,8 @@ import time
 import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 from aiohttp import web
@@ -46,6 +52,7 @@ from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_server import Server
 
 from staronnx.serve import jsontensors, protocol
+from staronnx.serve.fastpath import MAX_HELD, WAIT_S, InferHead, Lane, response_bytes
 from staronnx.serve.frontend import Frontend, load_or_unload, shutting_down
 from staronnx.serve.limits import Guard, Limits, ReceiveBudget
 from staronnx.serve.metrics import VERSION
@@ -134,8 +141,9 @@ class HttpFrontend(Frontend):
         r.add_post("/v2/repository/models/{model}/unload", self.load_model)
         # Triton's shared-memory extensions: system shared memory served, CUDA's refused by name
         shm = "/v2/systemsharedmemory"
-        r.add_get(shm + "/status", _json(lambda q: self._local(q).status(None)))
-        r.add_get(shm + "/region/{region}/status", _json(lambda q: self._local(q).status(q.match_info["region"])))
+        r.add_get(shm + "/status", _json(lambda q: self._local(q.remote).status(None)))
+        r.add_get(shm + "/region/{region}/status",
+                  _json(lambda q: self._local(q.remote).status(q.match_info["region"])))
         r.add_post(shm + "/region/{region}/register", self.register_region)
         r.add_post(shm + "/region/{region}/unregister", self.unregister_region)
         r.add_post(shm + "/unregister", self.unregister_region)
@@ -156,7 +164,7 @@ class HttpFrontend(Frontend):
         """The app's runner: handlers cancelled when their client goes away (its request is
         withdrawn), bodies left compressed for :func:`decode_body`, malformed HTTP answered in JSON,
         each connection held to the guard's time limits and connection cap (:class:`_Handler`)."""
-        return _Runner(self.app(), guard=self.guard, access_log=None, handle_signals=False,
+        return _Runner(self.app(), guard=self.guard, front=self, access_log=None, handle_signals=False,
                        shutdown_timeout=drain_timeout, handler_cancellation=True, auto_decompress=False,
                        lingering_time=LINGER_S, keepalive_timeout=self.guard.limits.idle_timeout)
 
@@ -232,21 +240,21 @@ class HttpFrontend(Frontend):
 
     async def register_region(self, request: web.Request) -> web.Response:
         """Register a system shared-memory region: ``{"key": ..., "offset": ..., "byte_size": ...}``."""
-        regions = self._local(request)
+        regions = self._local(request.remote)
         doc = await self._small_json(request)
         regions.register(request.match_info["region"], doc.get("key"), doc.get("offset", 0), doc.get("byte_size"))
         return web.json_response({})
 
     async def unregister_region(self, request: web.Request) -> web.Response:
         """Unregister one region, or every region (no region in the path)."""
-        regions = self._local(request)
+        regions = self._local(request.remote)
         await self._small_json(request)
         regions.unregister(request.match_info.get("region"))
         return web.json_response({})
 
-    def _local(self, request: web.Request) -> SharedMemoryRegions:
-        """The shared-memory regions, for a client on this machine only."""
-        check_local(request.remote)
+    def _local(self, peer: str | None) -> SharedMemoryRegions:
+        """The shared-memory regions, for a client (at address ``peer``) on this machine only."""
+        check_local(peer)
         return self.regions
 
     async def refuse_cuda(self, request: web.Request) -> web.Response:
@@ -303,7 +311,9 @@ class HttpFrontend(Frontend):
         loop = asyncio.get_running_loop()
         deadline = self.guard.limits.request_timeout
         timer = loop.call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
-        watch = _BodyWatch(loop, self.guard.limits, functools.partial(self._cut, task, "slow"))
+        # a body that came whole with its head (nearly every small request) has nothing to time
+        watch = _BodyWatch(loop, self.guard.limits, functools.partial(self._cut, task, "slow"),
+                           armed=not request.content.is_eof())
         self.unanswered.add(task)
         self.running.add(task)
         try:
@@ -364,9 +374,16 @@ class HttpFrontend(Frontend):
             watch.stop()
         if not self.is_ready():  # SIGTERM came while its body was decoded: the connection closes after it
             return _answer(self.stopping(model), close=True)
+        encoded = await self._run(model, (header, inputs, datatypes, wanted, binary_out), request.remote, t0)
+        return encoded.response()
+
+    async def _run(self, model: ModelEndpoint, request: Request, peer: str | None, t0: float) -> Encoded:
+        """A decoded request run and its answer encoded (received at ``t0``, from ``peer``): what
+        aiohttp's handler and the lane (:meth:`answer_lane`) share once a body is whole."""
+        header, inputs, datatypes, wanted, binary_out = request
         for out in header.get("outputs", []):  # a region unknown or too small is refused before the request runs
             if in_shared_memory(out.get("parameters", {})):
-                self._local(request).check_output(out["name"], out["parameters"])
+                self._local(peer).check_output(out["name"], out["parameters"])
         try:  # a JSON object: a sequence's id and flags, a priority, a queue timeout
             parameters = _params(header, "the inference request")
         except ProtocolError:
@@ -382,10 +399,59 @@ class HttpFrontend(Frontend):
             if in_shared_memory(params) and out["name"] in answer.outputs:
                 size = self.regions.write_output(out["name"], answer.outputs[out["name"]], params)
                 placed[out["name"]] = {REGION: params[REGION], "shared_memory_byte_size": size}
-        response = await encode_answer(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
-                                       answer.parameters, placed)
+        encoded = await encode_answer(model, header.get("id"), answer.outputs, dict(wanted), binary_out,
+                                      answer.parameters, placed)
         model.stats.encoded(time.perf_counter() - t2)
-        return response
+        return encoded
+
+    async def answer_lane(self, head: InferHead, body: bytes, peer: str | None) -> tuple[bytes, bool]:
+        """An inference request of the lane (:mod:`staronnx.serve.fastpath`: its body whole, its
+        head plain), answered as :meth:`infer` answers one that aiohttp received: counted the same,
+        cut at ``--request-timeout`` (504), errors in the protocol's JSON. Returns the response's
+        bytes, and whether the connection closes after it (the server is stopping)."""
+        task = asyncio.current_task()
+        assert task is not None
+        deadline = self.guard.limits.request_timeout
+        timer = asyncio.get_running_loop().call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
+        self.unanswered.add(task)
+        self.running.add(task)
+        try:
+            model = self.model(head.model, head.version)
+            t0 = time.perf_counter()
+            try:
+                decoded = await decode_body(body, None, head.header_length, self.max_body,
+                                            regions=self.regions if local_peer(peer) else None)
+            except ProtocolError:
+                model.stats.refused("OTHER")  # as Triton counts it
+                raise
+            if not self.is_ready():
+                raise self.stopping(model)
+            encoded = await self._run(model, decoded, peer, t0)
+        except ProtocolError as exc:
+            self.refused(exc)
+            encoded = Encoded.error(exc)
+        except asyncio.CancelledError:
+            if self._cuts.pop(task, None) is None:  # the client went away, or the server is closing
+                self.cancelled()
+                raise
+            task.uncancel()
+            error = self.timed_out()
+            self.refused(error)
+            self.guard.log.warning("requests cut short", "cut short a request from %s: %s", peer, error)
+            encoded = Encoded.error(error)
+        except Exception:  # noqa: BLE001 - a server bug answers 500 and keeps serving
+            self.guard.refusals.outcome("http", "failed")
+            log.exception("internal error on POST /v2/models/%s/infer", cut(head.model, 100))
+            encoded = Encoded.json({"error": INTERNAL_ERROR}, 500)
+        else:
+            self.guard.refusals.outcome("http", "answered")
+        finally:
+            self.unanswered.discard(task)
+            self.running.discard(task)
+            self._cuts.pop(task, None)
+            _cancel(timer)
+        close = not self.is_ready()
+        return response_bytes(encoded.status, encoded.body, encoded.content_type, encoded.headers, close), close
 
     async def _cut_short(self, request: web.Request, why: str, watch: _BodyWatch) -> web.StreamResponse:
         """The answer to a request the server cut short: 503 at a shutdown (the rest of the body
@@ -489,7 +555,7 @@ async def decode_body(body: bytes | bytearray, encoding: str | None, header_leng
 
 async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
                         binary_out: bool, parameters: Mapping[str, Any] | None = None,
-                        placed: Mapping[str, Mapping[str, Any]] | None = None) -> web.Response:
+                        placed: Mapping[str, Mapping[str, Any]] | None = None) -> Encoded:
     """The response to a request (:func:`_encode_response`), written on a worker thread when it
     has many values to write as text, as large requests are decoded. ``placed``: the outputs
     already written to shared memory, and the parameters their entries carry instead of data."""
@@ -505,11 +571,13 @@ class _BodyWatch:
     than ``body_timeout``, and, once ``body_timeout`` has passed, at least ``body_min_rate``
     bytes/s on average since the head arrived. One timer per request, moved
     forward lazily: a chunk only notes its size and time, the timer re-arms itself when it
-    fires early, and ``expire`` is called once the body is late."""
+    fires early, and ``expire`` is called once the body is late. Not ``armed``: no timer at all,
+    for a body already whole when its handler starts (it cannot be late)."""
 
     __slots__ = ("_loop", "_timeout", "_rate", "start", "last", "got", "_handle", "_expire", "expired")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any]) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limits: Limits, expire: Callable[[], Any],
+                 armed: bool = True) -> None:
         self._loop = loop
         self._timeout = limits.body_timeout
         self._rate = limits.body_min_rate
@@ -517,7 +585,7 @@ class _BodyWatch:
         self.got = 0
         self._expire = expire
         self.expired = False
-        self._handle: asyncio.TimerHandle | None = loop.call_at(self.deadline(), self._check)
+        self._handle: asyncio.TimerHandle | None = loop.call_at(self.deadline(), self._check) if armed else None
 
     def deadline(self) -> float:
         """When the body is late, in the loop's time, given what has arrived so far."""
@@ -622,7 +690,7 @@ async def _discard(content: Any, watch: _BodyWatch) -> None:
             watch.arrived(len(chunk))
 
 
-def _inflate(data: bytes, wbits: int, max_body: int) -> bytes:
+def _inflate(data: bytes | bytearray, wbits: int, max_body: int) -> bytes:
     """``data`` decompressed; stops (400) as soon as the output passes ``max_body`` bytes.
 
     A gzip body is every member of it, concatenated (RFC 1952: a gzip file is a series of
@@ -694,14 +762,22 @@ class _Handler(RequestHandler):
       sent nothing is closed); between requests it may idle ``idle_timeout`` (aiohttp's
       keep-alive timer, which aiohttp also starts at the accept: replaced there by this one);
     * past ``max_connections`` open connections, a new connection's request is answered 503
-      with ``Connection: close`` (read whole first, so the client reads the answer, not a reset).
+      with ``Connection: close`` (read whole first, so the client reads the answer, not a reset);
+    * a plain inference request is answered in the lane (:mod:`staronnx.serve.fastpath`) by
+      ``front`` directly, until something the lane does not take hands the connection to aiohttp.
     """
 
-    __slots__ = ("_guard", "_head_timer", "_over", "_partial", "_counted", "_last_data")
+    __slots__ = ("_guard", "_head_timer", "_over", "_partial", "_counted", "_last_data", "_front", "_lane",
+                 "_lane_task", "_lane_timer")
 
-    def __init__(self, manager: Server, *, guard: Guard, **kwargs: Any) -> None:
+    def __init__(self, manager: Server, *, guard: Guard, front: HttpFrontend | None = None, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._guard = guard
+        self._front = front
+        #: the connection's state in the lane; None once aiohttp serves it
+        self._lane: Lane | None = Lane() if front is not None else None
+        self._lane_task: asyncio.Task[Any] | None = None
+        self._lane_timer: asyncio.TimerHandle | None = None
         self._head_timer: asyncio.TimerHandle | None = None
         self._over = False
         self._partial = False
@@ -715,7 +791,7 @@ class _Handler(RequestHandler):
         if self.transport is None:
             return False
         return (self._request_in_progress or bool(self._messages) or self._partial
-                or self._loop.time() - self._last_data < quiet)
+                or (self._lane is not None and self._lane.pending) or self._loop.time() - self._last_data < quiet)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._last_data = self._loop.time()
@@ -731,6 +807,7 @@ class _Handler(RequestHandler):
             self._guard.log.warning("connections refused", "refused a connection from %s: %d connections are open "
                                     "(--max-connections %d)", self.peername, refusals.connections["http"],
                                     self._guard.limits.max_connections)
+            self._lane = None
         self._arm_head()
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -738,27 +815,113 @@ class _Handler(RequestHandler):
             self._counted = False
             self._guard.refusals.connections["http"] -= 1
         self._head_timer = _cancel(self._head_timer)
+        self._lane_timer = _cancel(self._lane_timer)
+        if self._lane_task is not None:  # its client went away: the request is withdrawn
+            self._lane_task.cancel()
         super().connection_lost(exc)
 
     def _waiting(self) -> bool:
         """Whether the connection waits for a request head (none parsed, none being handled)."""
-        return self._waiter is not None and not self._waiter.done() and not self._messages
+        return (self._waiter is not None and not self._waiter.done() and not self._messages
+                and not (self._lane is not None and self._lane.busy))
 
     def _arm_head(self) -> None:
         self._head_timer = self._loop.call_later(self._guard.limits.header_timeout, self._head_late)
 
     def data_received(self, data: bytes) -> None:
         self._last_data = self._loop.time()
+        arm = False
         if data and self._waiting():
             self._partial = True
-            if self._head_timer is None:  # the first bytes after a keep-alive pause: a head is on its way
-                self._keepalive_handle = _cancel(self._keepalive_handle)
-                self._arm_head()
+            arm = self._head_timer is None  # the first bytes after a keep-alive pause: a head is on its way
+        lane = self._lane
+        if lane is not None:
+            if self._in_lane(lane, data):
+                # a request still arriving in the lane is timed as aiohttp's would be; one that came
+                # whole needs no timer, and the keep-alive timer stays (it checks when it fires)
+                if arm and self._lane is lane and not lane.busy:
+                    self._arm_head()
+                return
+            data = self._leave_lane()
+        if arm:
+            self._keepalive_handle = _cancel(self._keepalive_handle)
+            self._arm_head()
         count = self._request_count
         super().data_received(data)
         if self._request_count != count:  # a whole head arrived
             self._partial = False
             self._head_timer = _cancel(self._head_timer)
+
+    def _in_lane(self, lane: Lane, data: bytes) -> bool:
+        """Whether the lane took ``data`` (False: the connection goes to aiohttp)."""
+        front = self._front
+        assert front is not None
+        if not lane.busy and (self._force_close or not front.is_ready()):
+            lane.keep(data)
+            return False  # a stopping server's answers (and their Connection: close) are aiohttp's
+        got = lane.feed(data, front.max_body)
+        if got is True:
+            if lane.waiting_for_body() and self._lane_timer is None:
+                self._lane_timer = self._loop.call_later(WAIT_S, self._lane_late)
+            elif len(lane.held) > MAX_HELD:  # a client pipelining far ahead waits for the answer
+                if self.transport is not None:
+                    self.transport.pause_reading()
+            return True
+        if got is False:
+            return False
+        head, body = got
+        self._partial = False  # a whole request arrived: as aiohttp's head would, it stops the head timer
+        self._head_timer = _cancel(self._head_timer)
+        self._lane_timer = _cancel(self._lane_timer)
+        peer = self.peername
+        # not started eagerly inside this callback: that added ~1 ms to a lone request's answer
+        self._lane_task = asyncio.Task(
+            self._answer_lane(lane, front, head, body, peer[0] if isinstance(peer, tuple) else peer), loop=self._loop)
+        return True
+
+    async def _answer_lane(self, lane: Lane, front: HttpFrontend, head: InferHead, body: bytes,
+                           peer: str | None) -> None:
+        data, close = await front.answer_lane(head, body, peer)
+        self._lane_task = None
+        transport = self.transport
+        if transport is None:
+            return
+        transport.write(data)
+        lane.busy = False
+        if close:
+            self.force_close()
+            return
+        # idle now: aiohttp's keep-alive timer, as after one of its own answers
+        close_time = self._loop.time() + self._keepalive_timeout
+        self._next_keepalive_close_time = close_time
+        if self._keepalive_handle is None and self._keepalive_timeout > 0:
+            self._keepalive_handle = self._loop.call_at(close_time, self._process_keepalive)
+        if lane.held:  # the next requests came meanwhile
+            held = bytes(lane.held)
+            lane.held.clear()
+            transport.resume_reading()
+            self.data_received(held)
+
+    def _lane_late(self) -> None:
+        """A body the lane waited for :data:`~staronnx.serve.fastpath.WAIT_S` is still arriving:
+        aiohttp receives it, under the body limits."""
+        self._lane_timer = None
+        if self._lane is not None and self._lane.waiting_for_body() and self.transport is not None:
+            data = self._leave_lane()
+            count = self._request_count
+            super().data_received(data)
+            if self._request_count != count:
+                self._partial = False
+                self._head_timer = _cancel(self._head_timer)
+
+    def _leave_lane(self) -> bytes:
+        """The connection goes to aiohttp for good; the bytes the lane kept, to feed it."""
+        assert self._lane is not None
+        data = self._lane.handover()
+        self._lane = None
+        self._lane_timer = _cancel(self._lane_timer)
+        self._keepalive_handle = _cancel(self._keepalive_handle)  # aiohttp's own, from its next answer
+        return data
 
     def _head_late(self) -> None:
         """``header_timeout`` passed: close a connection still waiting for (the rest of) a head;
@@ -775,6 +938,9 @@ class _Handler(RequestHandler):
         self.force_close()
 
     def _process_keepalive(self) -> None:
+        if self._lane is not None and self._lane.pending:  # a request of the lane is on its way
+            self._keepalive_handle = None
+            return
         transport = self.transport
         super()._process_keepalive()
         if transport is not None and self.transport is None:
@@ -890,7 +1056,7 @@ def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions |
     for i, spec in enumerate(specs):
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise invalid(f"inputs[{i}] must be an object with a 'name'")
-        name, datatype = spec["name"], spec.get("datatype")
+        name, datatype = spec["name"], cast(str, spec.get("datatype"))  # checked where it is read
         what = f"input {protocol.shown(name)}"
         if name in inputs:
             raise invalid(f"{what} is given twice")
@@ -935,10 +1101,42 @@ def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions |
     return header, inputs, datatypes, wanted, binary_out
 
 
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """An answer's bytes, before any transport: aiohttp's response (:meth:`response`), the lane's
+    bytes (:func:`~staronnx.serve.fastpath.response_bytes`) and the Ray ingress's starlette
+    response are made from it. ``header_length``: the binary extension's JSON part, when the
+    body carries binary outputs."""
+
+    body: bytes
+    content_type: str = "application/json"
+    status: int = 200
+    header_length: int | None = None
+
+    @classmethod
+    def json(cls, doc: Any, status: int = 200) -> Encoded:
+        return cls(json.dumps(doc).encode(), "application/json; charset=utf-8", status)
+
+    @classmethod
+    def error(cls, exc: ProtocolError) -> Encoded:
+        """The protocol's JSON error with its HTTP status."""
+        return cls.json({"error": str(exc)}, exc.http_status)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The headers besides Content-Type and Content-Length."""
+        return {HEADER_LENGTH: str(self.header_length)} if self.header_length is not None else {}
+
+    def response(self) -> web.Response:
+        response = web.Response(body=self.body, status=self.status, headers=self.headers)
+        response.content_type = self.content_type.split(";")[0]
+        return response
+
+
 def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str, np.ndarray],
                      wanted: Mapping[str, bool], binary_out: bool,
                      parameters: Mapping[str, Any] | None = None,
-                     placed: Mapping[str, Mapping[str, Any]] | None = None) -> web.Response:
+                     placed: Mapping[str, Mapping[str, Any]] | None = None) -> Encoded:
     entries: list[dict[str, Any]] = []
     blobs: list[bytes | memoryview] = []  # views of the outputs: the body's join copies them once
     for name, arr in outputs.items():
@@ -962,6 +1160,5 @@ def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str
         doc["parameters"] = dict(parameters)
     head = jsontensors.dumps(doc)
     if not blobs:
-        return web.Response(body=head, content_type="application/json")
-    return web.Response(body=b"".join([head, *blobs]), content_type="application/octet-stream",
-                        headers={HEADER_LENGTH: str(len(head))})
+        return Encoded(head)
+    return Encoded(b"".join([head, *blobs]), "application/octet-stream", header_length=len(head))
