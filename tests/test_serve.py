@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +89,23 @@ def launch_server(cmd: list[str], tmp: Path) -> tuple[subprocess.Popen, list[str
         proc.kill()
         raise AssertionError("server did not start:\n" + "\n".join(lines))
     return proc, lines
+
+
+def serving(plans: list[Path], tmp: Path, *args: str) -> Iterator[Served]:
+    """A module fixture's body: the server of :func:`start_server`, stopped cleanly at the end
+    (exit status 0, no traceback in its output)."""
+    s = start_server(plans, tmp, *args)
+    yield s
+    assert s.stop() == 0, "\n".join(s.lines)
+    assert "Traceback" not in "\n".join(s.lines), "\n".join(s.lines)
+
+
+def tiny_chain(root: Path) -> Plan:
+    """A 2-layer, 8-wide MatMul chain cut into one part under ``root`` (the hostile-request and
+    lane tests' model: what is tested is the front end, not the model)."""
+    onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
+    return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
+                     output_dir=root / "chain")
 
 
 def start_server(plans: list[Path], tmp: Path, *args: str) -> Served:

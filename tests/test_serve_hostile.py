@@ -33,11 +33,10 @@ pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient
 import tritonclient.grpc as tgrpc
 import tritonclient.http as thttp
 from onnx import TensorProto, helper
-from test_serve import _check, _m, _metrics, _post, _x, start_server
+from test_serve import _check, _m, _metrics, _post, _x, serving, start_server, tiny_chain
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from staronnx import partition
-from staronnx.zoo import chain
 from staronnx.partition import PartitionSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -45,20 +44,14 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hostile")
-    onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
-                     output_dir=root / "chain")
+    return tiny_chain(tmp_path_factory.mktemp("hostile"))
 
 
 @pytest.fixture(scope="module")
 def server(plan, tmp_path_factory):
-    s = start_server([plan.root], tmp_path_factory.mktemp("server"), "--name", "tiny", "--policy", "eager",
-                     "--batch-size", "4", "--max-delay", "2ms", "--queue-capacity", "64", "--max-body", "1MiB",
-                     "--drain-timeout", "10s")
-    yield s
-    assert s.stop() == 0, "\n".join(s.lines)
-    assert "Traceback" not in "\n".join(s.lines), "\n".join(s.lines)
+    yield from serving([plan.root], tmp_path_factory.mktemp("server"), "--name", "tiny", "--policy", "eager",
+                       "--batch-size", "4", "--max-delay", "2ms", "--queue-capacity", "64", "--max-body", "1MiB",
+                       "--drain-timeout", "10s")
 
 
 def _raw(addr: str, data: bytes) -> tuple[int, dict[str, str], bytes]:

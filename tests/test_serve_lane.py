@@ -13,36 +13,26 @@ import socket
 import time
 
 import numpy as np
-import onnx
 import pytest
 
 pytest.importorskip("tritonclient", reason="needs Triton's clients (tritonclient: pip install -e '.[dev]')")
 import tritonclient.http as thttp
-from test_serve import _check, _http_infer, _m, _metrics, _x, start_server
+from test_serve import _check, _http_infer, _m, _metrics, _x, serving, tiny_chain
 
-from staronnx import partition
-from staronnx.partition import PartitionSpec
 from staronnx.serve.fastpath import WAIT_S, read_head
-from staronnx.zoo import chain
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture(scope="module")
 def plan(tmp_path_factory):
-    root = tmp_path_factory.mktemp("lane")
-    onnx.save(chain(depth=2, width=8), str(root / "chain.onnx"))
-    return partition(root / "chain.onnx", spec=PartitionSpec(parts=1, method="linear", costs="estimate"),
-                     output_dir=root / "chain")
+    return tiny_chain(tmp_path_factory.mktemp("lane"))
 
 
 @pytest.fixture(scope="module")
 def server(plan, tmp_path_factory):
-    s = start_server([plan.root], tmp_path_factory.mktemp("server"), "--name", "tiny", "--policy", "eager",
-                     "--batch-size", "4", "--max-delay", "2ms", "--queue-capacity", "64", "--drain-timeout", "10s")
-    yield s
-    assert s.stop() == 0, "\n".join(s.lines)
-    assert "Traceback" not in "\n".join(s.lines), "\n".join(s.lines)
+    yield from serving([plan.root], tmp_path_factory.mktemp("server"), "--name", "tiny", "--policy", "eager",
+                       "--batch-size", "4", "--max-delay", "2ms", "--queue-capacity", "64", "--drain-timeout", "10s")
 
 
 def _infer_request(x: np.ndarray, *, model: str = "tiny", extra: str = "", version: str = "1.1") -> bytes:
