@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import atexit
 import os
+import re
 import shutil
 import statistics
+import subprocess
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -75,3 +79,54 @@ def cuda_worker_options(device: str) -> tuple[CudaOptions, str]:
     if reason is not None:
         raise SystemExit(f"--device cuda: {reason}")
     return CudaOptions(), "CUDA workers on GPU 0"
+
+
+#: what ``staronnx serve`` prints of each door once it listens (the HTTP host may be a name or an
+#: IPv6 address in brackets)
+SERVE_ADDRESSES = {"http": r"HTTP \(KServe v2\) on http://([\w.\[\]:]+)", "grpc": r"gRPC \(KServe v2\) on ([\w.\[\]:]+)",
+                   "metrics": r"metrics on (http://[\w.\[\]:]+/metrics)"}
+
+
+class ServeNotReady(RuntimeError):
+    """``staronnx serve`` exited, or did not say ``ready`` in time; the message's first line
+    names its last output line, the lines after it the output's tail."""
+
+
+@dataclass
+class ServeProcess:
+    """A ``staronnx serve`` subprocess that said it is ready, with every line it printed (a
+    thread keeps reading, so its pipe never fills; a benchmark reads summaries from them)."""
+
+    proc: subprocess.Popen[str]
+    lines: list[str]
+
+    def address(self, door: str) -> str:
+        """The address the server printed for ``door`` (``http``, ``grpc`` or ``metrics``)."""
+        found = re.search(SERVE_ADDRESSES[door], "\n".join(self.lines))
+        if found is None:
+            raise ServeNotReady(f"the server printed no {door} address:\n" + "\n".join(self.lines[-20:]))
+        return found.group(1)
+
+
+def start_serve(cmd: list[str], env: dict[str, str], timeout: float = 120.0) -> ServeProcess:
+    """Start ``cmd`` (a ``staronnx serve`` command line) and wait for its ``ready`` line; on
+    failure the process is killed and :class:`ServeNotReady` raised."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if line.startswith("ready"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    if not ready.wait(timeout) or proc.poll() is not None:
+        proc.kill()
+        proc.wait()
+        last = lines[-1] if lines else "no output"
+        raise ServeNotReady(f"the server did not start: {last}\n" + "\n".join(lines[-20:]))
+    return ServeProcess(proc, lines)

@@ -55,7 +55,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ensemble_repo as er  # noqa: E402
-from _common import REPO, scratch_dir  # noqa: E402
+from _common import REPO, scratch_dir, start_serve  # noqa: E402
 
 COLUMNS = ("graph", "steps", "chain")
 
@@ -94,25 +94,9 @@ class Server:
                "--batch-size", str(args.batch_size), "--max-delay", args.max_delay,
                "--cuda-streams", str(args.cuda_streams), "--drain-timeout", "10s", *shlex.split(args.server_args)]
         env = {**os.environ, "STARONNX_HOME": str(home), "PYTHONPATH": str(REPO)}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip("\n"))
-                if line.startswith("ready"):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(300) or self.proc.poll() is not None:
-            self.proc.kill()
-            raise SystemExit("the server did not start:\n" + "\n".join(self.lines))
-        text = "\n".join(self.lines)
-        self.grpc = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text).group(1)  # type: ignore[union-attr]
-        self.http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text).group(1)  # type: ignore[union-attr]
+        served = start_serve(cmd, env, timeout=300)
+        self.proc, self.lines = served.proc, served.lines
+        self.grpc, self.http = served.address("grpc"), served.address("http")
 
     def plan_of(self, model: str) -> str:
         line = next(x for x in self.lines if x.startswith(f"model {model!r}"))

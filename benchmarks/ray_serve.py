@@ -27,18 +27,16 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, scratch_dir  # noqa: E402
+from _common import GOOGLENET, scratch_dir, start_serve  # noqa: E402
 from staronnx.partition import PartitionSpec
 
 ROWS = ("plain serve", "ray, 1 replica", "ray, 2 replicas")
@@ -87,20 +85,8 @@ def start_server(row: str, plan: Path, args: argparse.Namespace, env: dict[str, 
     else:
         replicas = "2" if "2" in row else "1"
         cmd += ["--ray", "--replicas", replicas, "--replica-cpus", "1", "--groups", "cores=1"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("ready"):
-            break
-    else:
-        raise SystemExit(f"{row}: server did not start:\n" + "".join(lines))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-    found = re.search(r"HTTP \(KServe v2\) on http://([\w.\[\]:]+)", "".join(lines))
-    if found is None:
-        raise SystemExit(f"{row}: no HTTP address in:\n" + "".join(lines))
-    return proc, found.group(1).replace("0.0.0.0", "127.0.0.1")
+    served = start_serve(cmd, env, timeout=600)  # a Ray cluster starts first
+    return served.proc, served.address("http").replace("0.0.0.0", "127.0.0.1")
 
 
 def stop_server(proc: subprocess.Popen, row: str) -> None:

@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REAL, scratch_dir  # noqa: E402
+from _common import REAL, scratch_dir, start_serve  # noqa: E402
 
 TOL = 1e-4
 
@@ -190,25 +190,9 @@ class Served:
         cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--http-port", "0",
                "--grpc-port", "0", "--metrics-port", "0", "--groups", groups, "--batch-size", "4",
                "--max-delay", "5ms", "--policy", "eager"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        self.lines: list[str] = []
-        ready = threading.Event()
-
-        def read() -> None:
-            assert self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.lines.append(line.rstrip("\n"))
-                if line.startswith("ready"):
-                    ready.set()
-            ready.set()
-
-        threading.Thread(target=read, daemon=True).start()
-        if not ready.wait(120) or self.proc.poll() is not None:
-            self.close()
-            raise RuntimeError("serve did not start: " + (self.lines[-1] if self.lines else "no output"))
-        text = "\n".join(self.lines)
-        self.http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text).group(1)  # type: ignore[union-attr]
-        self.grpc = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text).group(1)  # type: ignore[union-attr]
+        served = start_serve(cmd, env)
+        self.proc, self.lines = served.proc, served.lines
+        self.http, self.grpc = served.address("http"), served.address("grpc")
 
     def close(self) -> None:
         self.proc.terminate()
@@ -346,7 +330,7 @@ def check_model(case: ModelCase, args: argparse.Namespace, scratch: Path) -> dic
     try:
         served = Served(plan, case.name, env, g)
     except Exception as exc:  # noqa: BLE001 - the door's line
-        doors["serve http"] = doors["serve grpc"] = f"{exc}"[:160]
+        doors["serve http"] = doors["serve grpc"] = str(exc).splitlines()[0][:160]
         served = None
     if served is not None:
         try:

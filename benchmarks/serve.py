@@ -59,7 +59,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -67,7 +66,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, alternate, scratch_dir  # noqa: E402
+from _common import GOOGLENET, alternate, scratch_dir, start_serve  # noqa: E402
 from staronnx.partition import PartitionSpec
 
 PATHS = ("in-process", "HTTP binary", "HTTP JSON", "gRPC")
@@ -324,20 +323,9 @@ def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") 
     # the served plan is a scratch one: its perf models go to a scratch home beside it, not
     # into the user's ~/.cache/staronnx (a benchmark must leave the machine as it found it)
     env = {**os.environ, "STARONNX_HOME": str(plan.parent / "staronnx-home")}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines: list[str] = []
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("ready"):
-            break
-    else:
-        raise SystemExit("server did not start:\n" + "".join(lines))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-    text = "".join(lines)
-    http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text).group(1)
-    grpc_addr = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text).group(1)
-    metrics = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", text).group(1)
+    served = start_serve(cmd, env)
+    proc = served.proc
+    http, grpc_addr, metrics = served.address("http"), served.address("grpc"), served.address("metrics")
     return proc, http, grpc_addr, metrics
 
 

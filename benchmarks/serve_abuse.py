@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import scratch_dir  # noqa: E402
+from _common import scratch_dir, start_serve  # noqa: E402
 from staronnx.partition import PartitionSpec
 
 HOST = "127.0.0.1"
@@ -129,28 +129,10 @@ class Served:
 def start(plan: Path, name: str, home: Path, *args: str) -> Served:
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--host", HOST, "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--policy", "eager", "--groups", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "STARONNX_HOME": str(home)})
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("ready"):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(120) or proc.poll() is not None:
-        proc.kill()
-        raise SystemExit("the server did not start:\n" + "\n".join(lines[-20:]))
-    text = "\n".join(lines)
-    port = {k: int(re.search(pattern, text).group(1)) for k, pattern in (  # type: ignore[union-attr]
-        ("http", r"HTTP \(KServe v2\) on http://[\d.]+:(\d+)"), ("grpc", r"gRPC \(KServe v2\) on [\d.]+:(\d+)"),
-        ("metrics", r"metrics on http://[\d.]+:(\d+)/metrics"))}
-    return Served(proc, port["http"], port["grpc"], port["metrics"], lines)
+    served = start_serve(cmd, {**os.environ, "STARONNX_HOME": str(home)})
+    port = {door: int(re.search(r":(\d+)(?:/metrics)?$", served.address(door)).group(1))  # type: ignore[union-attr]
+            for door in ("http", "grpc", "metrics")}
+    return Served(served.proc, port["http"], port["grpc"], port["metrics"], served.lines)
 
 
 # -- well-behaved clients (a process of their own) ---------------------------------------------

@@ -42,12 +42,11 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, scratch_dir  # noqa: E402
+from _common import REPO, scratch_dir, start_serve  # noqa: E402
 
 PROTOCOLS = ("HTTP", "gRPC")
 #: the trivial model's width (input x and output y are [batch, WIDTH])
@@ -171,24 +170,8 @@ def start_server(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
     head = [sys.executable, "-P", *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "staronnx"]
     cmd = [*head, "serve", str(plan), "--name", MODEL, "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=tree_env(tree, home))
-    assert proc.stdout is not None
-    lines: list[str] = []
-    for line in proc.stdout:
-        lines.append(line)
-        if line.startswith("ready"):
-            break
-    else:
-        raise SystemExit(f"{tree}: server did not start:\n" + "".join(lines))
-    threading.Thread(target=proc.stdout.read, daemon=True).start()  # keep the pipe drained
-    text = "".join(lines)
-    http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text)
-    grpc = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text)
-    metrics = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", text)
-    if not (http and grpc and metrics):
-        raise SystemExit(f"{tree}: no HTTP/gRPC/metrics address in the server's start-up lines:\n{text}")
-    return proc, http.group(1), grpc.group(1), metrics.group(1)
+    served = start_serve(cmd, tree_env(tree, home), timeout=300)
+    return served.proc, served.address("http"), served.address("grpc"), served.address("metrics")
 
 
 def stop_server(proc: subprocess.Popen[str]) -> None:
