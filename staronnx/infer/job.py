@@ -40,7 +40,7 @@ from staronnx.errors import InputError, StaronnxError
 from staronnx.infer.batchsize import BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
-from staronnx.infer.sources import Chunk, Source, open_source
+from staronnx.infer.sources import CHUNK_BYTES, Chunk, Source, open_source
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.spec import RuntimeSpec
@@ -48,8 +48,9 @@ from staronnx.workers.layout import MachineSpec
 
 ON_ERROR = ("fail", "skip")
 #: inputs the reader hands to the caller at once (at least one batch): a hand-over between
-#: threads costs the GIL twice, which small batches of a small model felt per batch
-BUNDLE_BYTES = 1 << 20
+#: threads costs the GIL twice, which small batches of a small model felt per batch. A file
+#: source's chunk, so that a bundle keeps no more of the reader's buffers alive than it uses
+BUNDLE_BYTES = CHUNK_BYTES
 #: manifest version: a resumed job refuses an output another version of the layout wrote
 MANIFEST_VERSION = 1
 #: seconds between two progress calls

@@ -37,9 +37,9 @@ from staronnx.infer.rows import RowLayout
 #: rows a chunk holds by default
 CHUNK_ROWS = 1024
 #: bytes of inputs a ``.npy``/``.npz`` chunk reads at once (one read per input, whatever the
-#: batch), unless the rows asked for hold more. The size of the job's bundles
-#: (:data:`staronnx.infer.job.BUNDLE_BYTES`): a chunk's buffer lives while any batch cut from it
-#: does, so a chunk twice a bundle kept a bundle's worth more alive (crnn_ocr: -2.5 MiB of peak RSS)
+#: batch), unless the rows asked for hold more. The job hands batches over in bundles of this
+#: size (:data:`staronnx.infer.job.BUNDLE_BYTES`): a chunk's buffer lives while any batch cut from
+#: it does, so a chunk twice a bundle kept a bundle's worth more alive (crnn_ocr: -2.5 MiB of peak RSS)
 CHUNK_BYTES = 1 << 20
 
 ARROW_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
