@@ -9,6 +9,7 @@ replica's process is killed mid-load with SIGKILL. Where Ray cannot start they s
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import os
 import re
@@ -683,15 +684,14 @@ def test_health_follows_the_endpoint_and_its_runtime(tmp_path, two_groups):
     from staronnx.runtime.spec import RuntimeSpec
     from staronnx.workers.layout import MachineSpec
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import ModelEndpoint
+    from staronnx.serve.models import ENDPOINT_SPEC, ModelEndpoint
 
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))
     plan = partition(tmp_path / "m.onnx", spec=PartitionSpec(parts=2, method="linear", costs="estimate"),
                      output_dir=tmp_path / "plan")
-    endpoint = ModelEndpoint("m", Runtime(plan,
-                                          MachineSpec(groups=two_groups),
-                                          RuntimeSpec(policy="eager")), batch_size=2,
-                             max_delay=0.0, queue_capacity=8, metrics=ServeMetrics())
+    endpoint = ModelEndpoint("m", Runtime(plan, MachineSpec(groups=two_groups), RuntimeSpec(policy="eager")),
+                             replace(ENDPOINT_SPEC, batch_size=2, max_delay=0.0, queue_capacity=8),
+                             metrics=ServeMetrics())
     try:
         assert health_problem(endpoint) is None
     finally:

@@ -8,6 +8,7 @@ process's protobuf pool); the sweep runs through the CLI as a user runs it.
 
 from __future__ import annotations
 
+from dataclasses import replace
 import asyncio
 import json
 import os
@@ -249,17 +250,17 @@ def test_server_keeps_only_the_latest_records_when_told(plans, tmp_path):
 def test_served_model_records_stay_bounded(plans):
     """staronnx serve's model endpoint: many requests through its infer path, records bounded."""
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import RECORDS_KEPT, ModelEndpoint
+    from staronnx.serve.models import ENDPOINT_SPEC, RECORDS_KEPT, ModelEndpoint
 
     plan = plans["tiny"]
     x = np.random.default_rng(1).standard_normal((1, 8)).astype(np.float32)
     expect = plan.run_reference({"x": x})["y"]
     rt = Runtime(plan, MachineSpec(groups=_groups()), RuntimeSpec(policy="eager"))
-    default = ModelEndpoint("a", rt, batch_size=BATCH, max_delay=0.001, queue_capacity=64, metrics=ServeMetrics())
+    serving = replace(ENDPOINT_SPEC, batch_size=BATCH, max_delay=0.001, queue_capacity=64)
+    default = ModelEndpoint("a", rt, serving, metrics=ServeMetrics())
     assert default.server.keep_records == RECORDS_KEPT  # what staronnx serve builds
     default.server.close()
-    model = ModelEndpoint("tiny", rt, batch_size=BATCH, max_delay=0.001, queue_capacity=64, metrics=ServeMetrics(),
-                          keep_records=50)
+    model = ModelEndpoint("tiny", rt, replace(serving, keep_records=50), metrics=ServeMetrics())
 
     async def drive() -> None:
         for _ in range(10):

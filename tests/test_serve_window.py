@@ -9,18 +9,20 @@ on two one-PU CPU groups.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from test_simulator import MS, plan, write_models  # noqa: F401 - plan is a fixture
 
 from staronnx.perfmodels import PerfModelStore
 from staronnx.runtime.runtime import Runtime
 from staronnx.workers.layout import MachineSpec
 from staronnx.serve.metrics import ServeMetrics
-from staronnx.serve.models import ModelEndpoint, inflight_from_models
+from staronnx.serve.models import ENDPOINT_SPEC, ModelEndpoint, inflight_from_models
 
 
 def _endpoint(plan, groups: str, cuda_streams: int) -> tuple[ModelEndpoint, Runtime]:
     runtime = Runtime(plan, MachineSpec(groups=groups))
-    endpoint = ModelEndpoint("chain", runtime, batch_size=1, max_delay=0.0, queue_capacity=16,
+    endpoint = ModelEndpoint("chain", runtime, replace(ENDPOINT_SPEC, max_delay=0.0, queue_capacity=16),
                              metrics=ServeMetrics(), settings={"groups": groups, "cuda_streams": cuda_streams})
     return endpoint, runtime
 

@@ -115,8 +115,8 @@ class _Watched:
         self.error: str | None = None
         self._n = 0
 
-    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None, **kwargs: Any) -> Any:
-        future = self.server.submit(sample, arrival=arrival, **kwargs)
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Any:
+        future = self.server.submit(sample, arrival=arrival)
         self._n += 1
         if self.error is None and (self._n <= self.FIRST or self._n % self.EVERY == 0):
             future.add_done_callback(self._seen)
@@ -134,8 +134,9 @@ class _Watched:
     def wait_idle(self, timeout: float | None = None) -> int:
         return self.server.wait_idle(timeout)
 
-    def records(self, **kwargs: Any) -> Any:
-        return self.server.records(**kwargs)
+    def records(self, *, since: float | None = None, offered_rate: float | None = None,
+                start: float | None = None) -> Any:
+        return self.server.records(since=since, offered_rate=offered_rate, start=start)
 
 
 def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[Mapping[str, np.ndarray]],

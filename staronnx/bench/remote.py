@@ -51,7 +51,7 @@ import numpy as np
 
 from staronnx.bench.simulator import mean_rate
 from staronnx.bench.spec import FrontEnd, SweepSpec
-from staronnx.bench.sweep import sweep
+from staronnx.bench.sweep import Progress, sweep
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
@@ -463,7 +463,7 @@ class RemoteServer:
         self._encoded: dict[int, tuple[Mapping[str, np.ndarray], list[Any], list[Any]]] = {}
         self._closed = False
 
-    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None, **_: Any) -> Future:  # type: ignore[type-arg]
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future:  # type: ignore[type-arg]
         """Send one sample now, counted as arrived at ``arrival``; never waits for the answer."""
         if self._closed:
             raise ServerClosed("the remote front end is closed")
@@ -612,10 +612,12 @@ SERVER_SETTINGS = ("policy", "groups", "cuda_streams", "engine", "queue_capacity
 
 def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batch_sizes: Sequence[int] | None = None,
                  spec: SweepSpec = SweepSpec(), *, model: str | None = None, expect: Mapping[str, Any] | None = None,
-                 check: str | Path | None = None, **sweep_kwargs: Any) -> list[dict[str, Any]]:
-    """:func:`~staronnx.bench.sweep.sweep` (whose ``store``, ``inputs`` and ``progress`` go in
-    ``sweep_kwargs``) through the ``staronnx serve`` at ``url``, serving ``model`` (default: the
-    plan folder's name), each point's traffic as ``spec.run`` says.
+                 check: str | Path | None = None, inputs: Mapping[str, np.ndarray] | str | Path | None = None,
+                 progress: Progress | None = None) -> list[dict[str, Any]]:
+    """:func:`~staronnx.bench.sweep.sweep` (``inputs`` and ``progress`` as there; the LP bound
+    from this machine's perf model store)
+    through the ``staronnx serve`` at ``url``, serving ``model`` (default: the plan folder's
+    name), each point's traffic as ``spec.run`` says.
 
     The runtime settings are the server's (:data:`SERVER_SETTINGS`: the spec's policy, engine,
     queue capacity and max delay are not used): ``expect`` names those the caller counts on, and
@@ -629,8 +631,6 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
         if value:
             raise RemoteError(f"{option}= needs the runtime in this process; it cannot be used over the network",
                               cli=f"--{option} needs the runtime in this process; it cannot be used with --url")
-    for own in ("runtime", "front_end", "machine"):  # the server's
-        sweep_kwargs.pop(own, None)
     unknown = sorted(set(expect or {}) - set(SERVER_SETTINGS))
     if unknown:
         raise RemoteError(f"expect names {', '.join(unknown)}, not a server setting ({', '.join(SERVER_SETTINGS)})")
@@ -673,4 +673,5 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
                                                           queue_capacity=served.queue_capacity or 1024))
         return sweep(remote.plan, rates, sizes, served_spec,
                      machine=MachineSpec(str(actual.get("groups", "?")), served.cuda_streams, served.cuda_devices),
-                     runtime=remote, front_end=FrontEnd(RemoteServer, front_end), **sweep_kwargs)
+                     runtime=remote, front_end=FrontEnd(RemoteServer, front_end), inputs=inputs,
+                     progress=progress)

@@ -152,9 +152,8 @@ def serve_cmd(
     from staronnx.serve.batching import apply_batching, check_names
     from staronnx.serve.control import ModelControl, model_stamp
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import ENDPOINT_SERVING, Declared, ModelEndpoint, has_strings, unservable
+    from staronnx.serve.models import ENDPOINT_SPEC, Declared, ModelEndpoint, has_strings, unservable
     from staronnx.serve.tls import Tls
-    from staronnx.serving.spec import ServeSpec
 
     plans = list(plans or [])
     if not plans and not model_repository:
@@ -211,7 +210,7 @@ def serve_cmd(
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     delay = parse_duration(max_delay, allow_zero=True)
     # every model's batching but its queue's capacity (and its window: from its perf models)
-    serving = ServeSpec(batch_size, max_delay=delay, colocate=colocate, **ENDPOINT_SERVING)
+    serving = replace(ENDPOINT_SPEC, batch_size=batch_size, max_delay=delay, colocate=colocate)
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
     body = parse_size(max_body)
     http_port = _port(http_port, "http-port")

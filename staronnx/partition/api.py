@@ -162,7 +162,7 @@ def partition(
         raise PartitionError(f"cannot cut {vertex_count(loaded.model)} node(s) into {len(targets)} parts: k must "
                              "not exceed the node count (without shares or parts, the model is served whole)")
     if reason is not None or small is not None:
-        return _whole(loaded, reason or small, out, request, **contract)
+        return _whole(loaded, reason or small, out, request, contract)
     graph = build_graph(loaded, shapes, axes)
     cut = METHODS[method]
     auto_choice = None
@@ -177,16 +177,18 @@ def partition(
         result = cut(graph, request)
         settings = plan_settings(method, result.targets, request, device=device, tolerance=tolerance,
                                  placement=result.report,
-                                 auto_shares=auto_choice.to_json() if auto_choice is not None else None, **contract)
+                                 auto_shares=auto_choice.to_json() if auto_choice is not None else None,
+                                 contract=contract)
         say(f"exporting {result.k} parts to {out}")
         plan = write_plan(graph, result, settings, out)
     except UncuttableError as exc:
-        return _whole(loaded, f"its cut failed ({exc})", out, request, **contract)
+        return _whole(loaded, f"its cut failed ({exc})", out, request, contract)
     warn_cut(plan, tolerance, shares_cut=not placed)
     return plan
 
 
-def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: CutRequest, **extra: Any) -> Plan:
+def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: CutRequest,
+           contract: Mapping[str, Any] | None = None) -> Plan:
     """The model served as one part (:mod:`staronnx.partition.whole`), said in one warning:
     a model that runs is never refused for being uncuttable. Its settings are those every plan
     has, with ``whole``: why."""
@@ -195,7 +197,7 @@ def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: Cut
     request.progress(message)
     warn(message, message.replace("one part", "one part (--parts 1)", 1))
     settings = plan_settings(WHOLE, [1.0], request, device=request.device, tolerance=request.tolerance,
-                             whole=reason, **extra)
+                             whole=reason, contract=contract)
     return write_whole_plan(loaded, settings, Path(out))
 
 

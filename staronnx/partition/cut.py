@@ -127,9 +127,15 @@ SHARES_CUTS: dict[str, SharesCut] = {
 
 
 def plan_settings(method: str, shares: Sequence[float], request: CutRequest, *, device: str,
-                  tolerance: float | None, **extra: Any) -> dict[str, Any]:
-    """``plan.settings``: how the plan was cut (part of its hash), then ``extra`` entries that
-    are not None (``options``, ``placement``, ``auto_shares``, ``whole``), in the order given."""
+                  tolerance: float | None, options: Mapping[str, Any] | None = None,
+                  placement: Mapping[str, Any] | None = None, auto_shares: Mapping[str, Any] | None = None,
+                  whole: str | None = None, contract: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``plan.settings``: how the plan was cut (part of its hash), then those of ``options``
+    (a placement method's), ``placement`` (the cut's report), ``auto_shares`` (why ``--shares
+    auto`` chose its split), ``whole`` (why the model is one part) and ``contract``'s entries
+    (``batch_axes``, ``batching``) that are not None, in that order."""
+    extra = {"options": options, "placement": placement, "auto_shares": auto_shares, "whole": whole,
+             **(contract or {})}
     return {
         "method": method,
         "shares": [float(t) for t in shares],

@@ -20,7 +20,7 @@ import contextlib
 import gc
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import numpy as np
@@ -314,7 +314,7 @@ def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, A
     on the shared ``runtime``; what each model's config reports names the replica, whether the
     runtime is shared and the model's target (as ``staronnx serve``'s do)."""
     from staronnx.serve.metrics import ServeMetrics
-    from staronnx.serve.models import RECORDS_KEPT, ModelEndpoint
+    from staronnx.serve.models import ENDPOINT_SPEC, ModelEndpoint
 
     metrics = ServeMetrics()
     endpoints: dict[str, Any] = {}
@@ -322,9 +322,10 @@ def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, A
         for m in spec.models:
             settings = {"policy": m.policy, "groups": m.groups, "cuda_streams": m.cuda_streams, "engine": m.engine,
                         "replica": replica, "shared_runtime": spec.shared, **m.target()}
-            endpoints[m.name] = ModelEndpoint(
-                m.name, runtime.model(m.name), batch_size=m.batch_size, max_delay=m.max_delay,
-                queue_capacity=m.queue_capacity, metrics=metrics, keep_records=RECORDS_KEPT, settings=settings)
+            serving = replace(ENDPOINT_SPEC, batch_size=m.batch_size, max_delay=m.max_delay,
+                              queue_capacity=m.queue_capacity)
+            endpoints[m.name] = ModelEndpoint(m.name, runtime.model(m.name), serving, metrics=metrics,
+                                              settings=settings)
     except BaseException:
         for endpoint in endpoints.values():
             endpoint.close(1.0)

@@ -62,9 +62,10 @@ if TYPE_CHECKING:  # the ensemble module reads Triton's config proto, which a do
 #: few thousand, enough for any look at recent behaviour, while a server that runs for weeks
 #: keeps a constant footprint (the Prometheus counters hold the totals)
 RECORDS_KEPT = 4096
-#: a served model's batching where its caller gives keywords: the event loop must never block
-#: on a full queue, and a server that runs for weeks keeps only recent records
-ENDPOINT_SERVING: dict[str, Any] = {"on_full": "reject", "keep_records": RECORDS_KEPT}
+#: a served model's batching, which its caller sets the batch size and delays of with
+#: ``dataclasses.replace``: the event loop must never block on a full queue, and a server that
+#: runs for weeks keeps only recent records
+ENDPOINT_SPEC = ServeSpec(1, on_full="reject", keep_records=RECORDS_KEPT)
 
 
 def check_version(name: str, version: str | None, served: str = VERSION) -> None:
@@ -179,11 +180,11 @@ def has_strings(plan: Plan) -> bool:
 class ModelEndpoint:
     """A plan served under ``name``; see the module docstring."""
 
-    def __init__(self, name: str, runtime: Runtime | ModelHandle, spec: ServeSpec | None = None, *,
-                 metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, declared: Declared | None = None,
-                 **serving: Any) -> None:
-        """``spec`` (or its fields as keywords, over :data:`ENDPOINT_SERVING`): how its requests are
-        batched; without ``max_inflight``, in the window of
+    def __init__(self, name: str, runtime: Runtime | ModelHandle, spec: ServeSpec, *,
+                 metrics: ServeMetrics, settings: Mapping[str, Any] | None = None, declared: Declared | None = None
+                 ) -> None:
+        """``spec``: how its requests are batched (:data:`ENDPOINT_SPEC` with the model's sizes
+        is what ``staronnx serve`` gives); without ``max_inflight``, in the window of
         :func:`~staronnx.serving.window.inflight_from_models`. ``declared``: what the model
         repository says of it (None: a plan folder, served as version 1)."""
         self.name = name
@@ -198,7 +199,6 @@ class ModelEndpoint:
         self._metrics = metrics
         self._batch_hist = metrics.batch_size.labels(model=name)
         self._latency_hist = metrics.request_seconds.labels(model=name)
-        spec = replace(spec, **serving) if spec is not None else ServeSpec(**{**ENDPOINT_SERVING, **serving})
         if spec.max_inflight is None:
             gpus = sorted({w.device_id for w in runtime.workers if isinstance(w, CudaWorker)})
             spec = replace(spec, max_inflight=inflight_from_models(

@@ -165,13 +165,13 @@ class CudaOptions:
         object.__setattr__(self, "host_node", MemoryNode.parse(self.host_node))
 
     @classmethod
-    def of(cls, given: CudaOptions | Mapping[str, Any] | None, **defaults: Any) -> CudaOptions:
-        """Options from a Runtime's ``cuda_options`` mapping (or options already made), over
-        ``defaults`` (the machine's ``cuda_graphs`` and ``thread_per_stream``); an unknown key
-        is refused by name."""
+    def of(cls, given: CudaOptions | Mapping[str, Any] | None, *, cuda_graphs: bool = True,
+           thread_per_stream: bool = False) -> CudaOptions:
+        """Options from a Runtime's ``cuda_options`` mapping (or options already made), over the
+        machine's ``cuda_graphs`` and ``thread_per_stream``; an unknown key is refused by name."""
         if isinstance(given, CudaOptions):
             return given
-        values = {**defaults, **dict(given or {})}
+        values = {"cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream, **dict(given or {})}
         unknown = sorted(values.keys() - {f.name for f in fields(cls)})
         if unknown:
             raise ValueError(f"unknown CUDA worker option(s) {unknown}; known: {sorted(f.name for f in fields(cls))}")
