@@ -621,6 +621,21 @@ def test_i36_request_deadline_is_504_and_deadline_exceeded(plan, tmp_path):
         assert _m(m, "staronnx_queue_length", model="tiny") == 0  # withdrawn, not left to run
         assert _m(m, "staronnx_refused_total", protocol="http", reason="request_timeout") == 1
         assert _m(m, "staronnx_refused_total", protocol="grpc", reason="request_timeout") == 1
+        # urllib's request says Connection: close (aiohttp's); the same one kept alive is the
+        # lane's, cut short, answered and counted alike
+        lane = _raw(s.http, b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n"
+                    % len(body) + body.encode())
+        assert (lane[0], json.loads(lane[2])) == (status, doc) and "connection" not in lane[1], lane
+        after = _metrics(s.metrics)
+        for name, labels, more in (("staronnx_refused_total", {"protocol": "http", "reason": "request_timeout"}, 1),
+                                   ("staronnx_requests_total", {"protocol": "http", "outcome": "failed"}, 1),
+                                   ("nv_inference_request_failure", {"model": "tiny", "version": "1",
+                                                                     "reason": "CANCELED"}, 1)):
+            assert _m(after, name, **labels) == _m(m, name, **labels) + more, (name, labels)
+        logged = time.monotonic() + 30  # each cut is logged before it is answered; the reader thread may lag
+        while sum("cut short a request" in line for line in s.lines) < 2 and time.monotonic() < logged:
+            time.sleep(0.05)
+        assert sum("cut short a request" in line for line in s.lines) == 2, "\n".join(s.lines)
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
 

@@ -6,6 +6,7 @@ the two protocols answer alike and count alike.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -100,13 +101,21 @@ class Frontend:
         return ProtocolError("timeout", f"the request was not answered within --request-timeout "
                                         f"({self.guard.limits.request_timeout:g} s); it was withdrawn")
 
-    def refused(self, exc: ProtocolError) -> None:
-        """Count a request answered with ``exc``: refused (503 / UNAVAILABLE) or failed."""
-        self.guard.refusals.outcome(self.protocol, "refused" if exc.kind == "unavailable" else "failed")
-
-    def cancelled(self) -> None:
-        """Count a request whose handler was cancelled: by its client, or by a closing server."""
-        self.guard.refusals.outcome(self.protocol, "dropped" if self.closing else "cancelled")
+    def ended(self, exc: BaseException | None = None, status: int = 200) -> None:
+        """Count how an inference request ended, the one map of outcomes to counts of every
+        handler of both doors: answered with the HTTP ``status`` (a 503 is a refusal, another
+        error a failure), or ending in ``exc``: a :class:`ProtocolError` refused (503 /
+        UNAVAILABLE) or failed, a cancellation by its client (or dropped by a closing server),
+        any other exception failed."""
+        if exc is None:
+            outcome = "answered" if status < 400 else "refused" if status == 503 else "failed"
+        elif isinstance(exc, ProtocolError):
+            outcome = "refused" if exc.kind == "unavailable" else "failed"
+        elif isinstance(exc, asyncio.CancelledError):
+            outcome = "dropped" if self.closing else "cancelled"
+        else:
+            outcome = "failed"
+        self.guard.refusals.outcome(self.protocol, outcome)
 
 
 def shutting_down(model: str | None = None) -> ProtocolError:

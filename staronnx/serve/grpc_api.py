@@ -201,7 +201,6 @@ class GrpcFrontend(Frontend):
     async def _counted(self, request: pb.ModelInferRequest, context: Ctx) -> InferAnswer:
         """:meth:`_infer`, its outcome counted, withdrawn past ``--request-timeout``; a refusal
         raises its :class:`ProtocolError` (counted) for the caller to answer."""
-        refusals = self.guard.refusals
         self.unanswered += 1
         call = self.deadlines.enter()
         try:
@@ -211,19 +210,13 @@ class GrpcFrontend(Frontend):
                 if self.deadlines.withdrawn(call):
                     raise self.timed_out() from None
                 raise
-        except ProtocolError as exc:
-            self.refused(exc)
-            raise
-        except asyncio.CancelledError:
-            self.cancelled()
-            raise
-        except BaseException:
-            refusals.outcome("grpc", "failed")
+        except BaseException as exc:
+            self.ended(exc)
             raise
         finally:
             self.unanswered -= 1
             self.deadlines.leave(call)
-        refusals.outcome("grpc", "answered")
+        self.ended()
         return response
 
     async def ModelStreamInfer(self, requests: AsyncIterator[Any], context: Ctx) -> AsyncIterator[Any]:

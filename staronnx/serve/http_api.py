@@ -210,7 +210,7 @@ class HttpFrontend(Frontend):
         except ProtocolError as exc:
             if model is not None:
                 model.stats.refused("REJECTED" if exc.kind == "unavailable" else "OTHER")
-            self.refused(exc)
+            self.ended(exc)
             return _answer(exc, close=True)
         request["continued"] = True
         await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -306,40 +306,22 @@ class HttpFrontend(Frontend):
         (answered, refused, failed, cancelled by its client, dropped by a closing server), and
         a request cut short by the server (a shutdown while its body arrives, a body too slow,
         ``--request-timeout``) answers 503, 408 or 504 rather than a reset."""
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        deadline = self.guard.limits.request_timeout
-        timer = loop.call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
-        # a body that came whole with its head (nearly every small request) has nothing to time
-        watch = _BodyWatch(loop, self.guard.limits, functools.partial(self._cut, task, "slow"),
-                           armed=not request.content.is_eof())
-        self.unanswered.add(task)
-        self.running.add(task)
-        try:
-            response = await self._infer(request, task, watch)
-        except ProtocolError as exc:
-            self.refused(exc)
-            raise
-        except asyncio.CancelledError:
-            why = self._cuts.pop(task, None)
-            if why is None:  # the client went away, or the server is closing the connection
-                self.cancelled()
-                raise
-            task.uncancel()
-            response = await self._cut_short(request, why, watch)
-        except BaseException:
-            self.guard.refusals.outcome("http", "failed")
-            raise
-        else:
-            self.guard.refusals.outcome("http", "answered" if response.status < 400 else
-                                        "refused" if response.status == 503 else "failed")
-        finally:
-            self.unanswered.discard(task)
-            self.running.discard(task)
-            self._cuts.pop(task, None)
-            watch.stop()
-            _cancel(timer)
+        with _InFlight(self) as flight:
+            task = flight.task
+            # a body that came whole with its head (nearly every small request) has nothing to time
+            watch = _BodyWatch(task.get_loop(), self.guard.limits, functools.partial(self._cut, task, "slow"),
+                               armed=not request.content.is_eof())
+            try:
+                response = await self._infer(request, task, watch)
+            except BaseException as exc:
+                why = flight.ended(exc)
+                if why is None:  # counted; a refusal is answered by the middleware, a client gone by nobody
+                    raise
+                response = await self._cut_short(request, why, watch)
+            else:
+                self.ended(status=response.status)
+            finally:
+                watch.stop()
         return response
 
     async def _infer(self, request: web.Request, task: asyncio.Task[Any], watch: _BodyWatch) -> web.StreamResponse:
@@ -409,47 +391,32 @@ class HttpFrontend(Frontend):
         head plain), answered as :meth:`infer` answers one that aiohttp received: counted the same,
         cut at ``--request-timeout`` (504), errors in the protocol's JSON. Returns the response's
         bytes, and whether the connection closes after it (the server is stopping)."""
-        task = asyncio.current_task()
-        assert task is not None
-        deadline = self.guard.limits.request_timeout
-        timer = asyncio.get_running_loop().call_later(deadline, self._cut, task, "deadline") if deadline > 0 else None
-        self.unanswered.add(task)
-        self.running.add(task)
-        try:
-            model = self.model(head.model, head.version)
-            t0 = time.perf_counter()
+        with _InFlight(self) as flight:
             try:
-                decoded = await decode_body(body, None, head.header_length, self.max_body,
-                                            regions=self.regions if local_peer(peer) else None)
-            except ProtocolError:
-                model.stats.refused("OTHER")  # as Triton counts it
-                raise
-            if not self.is_ready():
-                raise self.stopping(model)
-            encoded = await self._run(model, decoded, peer, t0)
-        except ProtocolError as exc:
-            self.refused(exc)
-            encoded = Encoded.error(exc)
-        except asyncio.CancelledError:
-            if self._cuts.pop(task, None) is None:  # the client went away, or the server is closing
-                self.cancelled()
-                raise
-            task.uncancel()
-            error = self.timed_out()
-            self.refused(error)
-            self.guard.log.warning("requests cut short", "cut short a request from %s: %s", peer, error)
-            encoded = Encoded.error(error)
-        except Exception:  # noqa: BLE001 - a server bug answers 500 and keeps serving
-            self.guard.refusals.outcome("http", "failed")
-            log.exception("internal error on POST /v2/models/%s/infer", cut(head.model, 100))
-            encoded = Encoded.json({"error": INTERNAL_ERROR}, 500)
-        else:
-            self.guard.refusals.outcome("http", "answered")
-        finally:
-            self.unanswered.discard(task)
-            self.running.discard(task)
-            self._cuts.pop(task, None)
-            _cancel(timer)
+                model = self.model(head.model, head.version)
+                t0 = time.perf_counter()
+                try:
+                    decoded = await decode_body(body, None, head.header_length, self.max_body,
+                                                regions=self.regions if local_peer(peer) else None)
+                except ProtocolError:
+                    model.stats.refused("OTHER")  # as Triton counts it
+                    raise
+                if not self.is_ready():
+                    raise self.stopping(model)
+                encoded = await self._run(model, decoded, peer, t0)
+            except ProtocolError as exc:
+                self.ended(exc)
+                encoded = Encoded.error(exc)
+            except asyncio.CancelledError as exc:
+                if flight.ended(exc) is None:  # counted: the client went away, or the server is closing
+                    raise
+                encoded = Encoded.error(self._cut_error(self.timed_out(), peer))  # the lane's one cut
+            except Exception as exc:  # noqa: BLE001 - a server bug answers 500 and keeps serving
+                self.ended(exc)
+                log.exception("internal error on POST /v2/models/%s/infer", cut(head.model, 100))
+                encoded = Encoded.json({"error": INTERNAL_ERROR}, 500)
+            else:
+                self.ended()
         close = not self.is_ready()
         return response_bytes(encoded.status, encoded.body, encoded.content_type, encoded.headers, close), close
 
@@ -459,13 +426,17 @@ class HttpFrontend(Frontend):
         if why == "stopping":
             self.guard.refusals.refuse("http", "shutting_down")
             error = shutting_down()
-        else:
-            error = self._too_slow(request, watch) if why == "slow" else self.timed_out()
-        self.refused(error)
-        if why == "stopping":
+            self.ended(error)
             return await self._refuse_body(request, _answer(error), watch)
-        self.guard.log.warning("requests cut short", "cut short a request from %s: %s", request.remote, error)
-        return _answer(error, close=not request.content.is_eof())
+        error = self._too_slow(request, watch) if why == "slow" else self.timed_out()
+        return _answer(self._cut_error(error, request.remote), close=not request.content.is_eof())
+
+    def _cut_error(self, error: ProtocolError, peer: str | None) -> ProtocolError:
+        """``error``, the answer to a request from ``peer`` that a time limit cut short (a body
+        too slow, ``--request-timeout``), counted and logged alike by both handlers."""
+        self.ended(error)
+        self.guard.log.warning("requests cut short", "cut short a request from %s: %s", peer, error)
+        return error
 
     def _too_slow(self, request: web.Request, watch: _BodyWatch) -> ProtocolError:
         """The answer to a body that arrived too slowly (``watch`` expired), counted."""
@@ -981,6 +952,55 @@ def _closing(status: int, error: str) -> web.Response:
     response = web.json_response({"error": error}, status=status, headers={"Server": SERVER_HEADER})
     response.force_close()
     return response
+
+
+class _InFlight:
+    """An inference request in its handler (aiohttp's :meth:`HttpFrontend.infer` or the lane's
+    :meth:`HttpFrontend.answer_lane`), for the length of a ``with``: on entry registered where a
+    shutdown waits for it (``unanswered``, ``running``) and timed by ``--request-timeout`` (cut
+    short, ``"deadline"``, once it passes); on exit unregistered, its timer cancelled, whatever
+    happened. What both handlers did by hand, in one small object per request: the lane exists
+    to save CPU per request, and this costs it well under a microsecond more (0.3-0.5 µs measured
+    on the 2-core host) than the same steps written inline."""
+
+    __slots__ = ("front", "task", "_timer")
+
+    def __init__(self, front: HttpFrontend) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.front = front
+        #: the handler's task: what a cut cancels
+        self.task = task
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __enter__(self) -> _InFlight:
+        front, task = self.front, self.task
+        deadline = front.guard.limits.request_timeout
+        if deadline > 0:
+            self._timer = task.get_loop().call_later(deadline, front._cut, task, "deadline")
+        front.unanswered.add(task)
+        front.running.add(task)
+        return self
+
+    def __exit__(self, kind: object, exc: object, traceback: object) -> None:
+        front, task = self.front, self.task
+        front.unanswered.discard(task)
+        front.running.discard(task)
+        front._cuts.pop(task, None)
+        _cancel(self._timer)
+
+    def ended(self, exc: BaseException) -> str | None:
+        """The handler raised ``exc``: why the server cut the request short, where it did (the
+        cancellation taken back, so that the handler answers for it and counts that answer);
+        otherwise None, ``exc`` counted (:meth:`Frontend.ended`) for the handler to answer or
+        re-raise (a cancellation: the client went away, or the server is closing)."""
+        if isinstance(exc, asyncio.CancelledError):
+            why = self.front._cuts.pop(self.task, None)
+            if why is not None:
+                self.task.uncancel()
+                return why
+        self.front.ended(exc)
+        return None
 
 
 def _cancel(timer: asyncio.Handle | None) -> asyncio.TimerHandle | None:
