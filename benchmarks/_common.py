@@ -6,6 +6,7 @@ import atexit
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import tempfile
@@ -81,10 +82,11 @@ def cuda_worker_options(device: str) -> tuple[CudaOptions, str]:
     return CudaOptions(), "CUDA workers on GPU 0"
 
 
-#: what ``staronnx serve`` prints of each door once it listens (the HTTP host may be a name or an
-#: IPv6 address in brackets)
-SERVE_ADDRESSES = {"http": r"HTTP \(KServe v2\) on http://([\w.\[\]:]+)", "grpc": r"gRPC \(KServe v2\) on ([\w.\[\]:]+)",
-                   "metrics": r"metrics on (http://[\w.\[\]:]+/metrics)"}
+#: what ``staronnx serve`` prints of each door once it listens (the host may be a name or an IPv6
+#: address in brackets; HTTP and metrics are https where it serves TLS)
+SERVE_ADDRESSES = {"http": r"HTTP \(KServe v2\) on https?://([\w.\[\]:]+)",
+                   "grpc": r"gRPC \(KServe v2\) on ([\w.\[\]:]+)",
+                   "metrics": r"metrics on (https?://[\w.\[\]:]+/metrics)"}
 
 
 class ServeNotReady(RuntimeError):
@@ -95,22 +97,65 @@ class ServeNotReady(RuntimeError):
 @dataclass
 class ServeProcess:
     """A ``staronnx serve`` subprocess that said it is ready, with every line it printed (a
-    thread keeps reading, so its pipe never fills; a benchmark reads summaries from them)."""
+    thread keeps reading, so its pipe never fills; benchmarks read summaries and tests read
+    errors from them). The one way the tests and the benchmarks start and stop a server."""
 
     proc: subprocess.Popen[str]
     lines: list[str]
+    reader: threading.Thread
+    signalled: bool = False
 
     def address(self, door: str) -> str:
-        """The address the server printed for ``door`` (``http``, ``grpc`` or ``metrics``)."""
-        found = re.search(SERVE_ADDRESSES[door], "\n".join(self.lines))
-        if found is None:
-            raise ServeNotReady(f"the server printed no {door} address:\n" + "\n".join(self.lines[-20:]))
-        return found.group(1)
+        """Where a client on this machine reaches ``door`` (``http``, ``grpc`` or ``metrics``):
+        the address the server printed, a host that listens everywhere as loopback (a TLS
+        certificate names 127.0.0.1, not 0.0.0.0)."""
+        for line in self.lines:  # printed before 'ready': found near the top
+            found = re.search(SERVE_ADDRESSES[door], line)
+            if found is not None:
+                return found.group(1).replace("0.0.0.0", "127.0.0.1").replace("[::]", "[::1]")
+        raise ServeNotReady(f"the server printed no {door} address:\n" + "\n".join(self.lines[-50:]))
+
+    def port(self, door: str) -> int:
+        """The port of ``door``, for a client that builds its own address."""
+        return int(self.address(door).removesuffix("/metrics").rsplit(":", 1)[1])
+
+    http = property(lambda self: self.address("http"), doc="host:port of KServe v2 over HTTP")
+    grpc = property(lambda self: self.address("grpc"), doc="host:port of KServe v2 over gRPC")
+    metrics = property(lambda self: self.address("metrics"), doc="the Prometheus metrics URL")
+
+    def rss_mb(self) -> float:
+        """Its resident memory, MB (NaN for a zombie: the kernel says none), what the probes of
+        memory per connection compare."""
+        with open(f"/proc/{self.proc.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def sigterm(self) -> None:
+        """SIGTERM, as a user stops the server: it drains, then exits. Once only: a second one
+        ends a draining server at once, so :meth:`stop` sends none after this."""
+        self.signalled = True
+        self.proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 120.0) -> int:
+        """:meth:`sigterm` (unless sent), then the exit code once every line is read; killed
+        after ``timeout`` s (-9, so a check for 0 fails and shows the lines, and nothing is left
+        running): a server drains for up to 30 s, longer on a loaded host."""
+        if self.proc.poll() is None and not self.signalled:
+            self.sigterm()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reader.join(10)  # the last lines (bounded: a child of the server may hold the pipe)
+        return self.proc.returncode
 
 
 def start_serve(cmd: list[str], env: dict[str, str], timeout: float = 120.0) -> ServeProcess:
     """Start ``cmd`` (a ``staronnx serve`` command line) and wait for its ``ready`` line; on
-    failure the process is killed and :class:`ServeNotReady` raised."""
+    failure the process is killed and :class:`ServeNotReady` raised with its last lines."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     ready = threading.Event()
@@ -121,12 +166,14 @@ def start_serve(cmd: list[str], env: dict[str, str], timeout: float = 120.0) -> 
             lines.append(line.rstrip("\n"))
             if line.startswith("ready"):
                 ready.set()
-        ready.set()
+        ready.set()  # its output ended: it exited before 'ready'
 
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(timeout) or proc.poll() is not None:
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    if not ready.wait(timeout) or not any(line.startswith("ready") for line in lines) or proc.poll() is not None:
         proc.kill()
         proc.wait()
+        reader.join(10)
         last = lines[-1] if lines else "no output"
-        raise ServeNotReady(f"the server did not start: {last}\n" + "\n".join(lines[-20:]))
-    return ServeProcess(proc, lines)
+        raise ServeNotReady(f"the server did not start: {last}\n" + "\n".join(lines[-50:]))
+    return ServeProcess(proc, lines, reader)

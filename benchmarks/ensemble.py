@@ -41,7 +41,6 @@ import os
 import platform
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -94,17 +93,15 @@ class Server:
                "--batch-size", str(args.batch_size), "--max-delay", args.max_delay,
                "--cuda-streams", str(args.cuda_streams), "--drain-timeout", "10s", *shlex.split(args.server_args)]
         env = {**os.environ, "STARONNX_HOME": str(home), "PYTHONPATH": str(REPO)}
-        served = start_serve(cmd, env, timeout=300)
-        self.proc, self.lines = served.proc, served.lines
-        self.grpc, self.http = served.address("grpc"), served.address("http")
+        self.served = start_serve(cmd, env, timeout=300)
+        self.lines, self.grpc, self.http = self.served.lines, self.served.grpc, self.served.http
 
     def plan_of(self, model: str) -> str:
         line = next(x for x in self.lines if x.startswith(f"model {model!r}"))
         return re.search(r"plan (\S+) \(", line).group(1)  # type: ignore[union-attr]
 
     def stop(self) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(60)
+        return self.served.stop(60)
 
 
 def caller(server: Server, pipeline: str, column: str, feed: np.ndarray) -> Callable[[], None]:

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, scratch_dir, start_serve  # noqa: E402
+from _common import GOOGLENET, ServeProcess, scratch_dir, start_serve  # noqa: E402
 from staronnx.partition import PartitionSpec
 
 ROWS = ("plain serve", "ray, 1 replica", "ray, 2 replicas")
@@ -75,8 +74,8 @@ def run_client(address: str, clients: int, args: argparse.Namespace) -> dict[str
 
 
 # -- the servers --------------------------------------------------------------------------------
-def start_server(row: str, plan: Path, args: argparse.Namespace, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
-    """The row's server through the CLI; (process, host:port) once it says ready."""
+def start_server(row: str, plan: Path, args: argparse.Namespace, env: dict[str, str]) -> ServeProcess:
+    """The row's server through the CLI, once it says ready."""
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", "googlenet", "--http-port", "0",
            "--batch-size", str(args.batch), "--max-delay", args.max_delay, "--policy", "eager"]
     if row == "plain serve":
@@ -85,15 +84,7 @@ def start_server(row: str, plan: Path, args: argparse.Namespace, env: dict[str, 
     else:
         replicas = "2" if "2" in row else "1"
         cmd += ["--ray", "--replicas", replicas, "--replica-cpus", "1", "--groups", "cores=1"]
-    served = start_serve(cmd, env, timeout=600)  # a Ray cluster starts first
-    return served.proc, served.address("http").replace("0.0.0.0", "127.0.0.1")
-
-
-def stop_server(proc: subprocess.Popen, row: str) -> None:
-    proc.send_signal(signal.SIGTERM)
-    rc = proc.wait(120)
-    if rc != 0:
-        raise SystemExit(f"{row}: server exited {rc} after SIGTERM")
+    return start_serve(cmd, env, timeout=600)  # a Ray cluster starts first
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -136,18 +127,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for rnd in range(1, args.rounds + 1):
             for row in ROWS:
-                proc, address = start_server(row, plan.root, args, env)
+                served = start_server(row, plan.root, args, env)
                 try:
                     for load, clients in loads.items():
                         if load == "1 client" and row == "ray, 2 replicas":
                             continue  # one client keeps one replica busy: the 1-replica row says it
-                        r = run_client(address, clients, args)
+                        r = run_client(served.http, clients, args)
                         runs[(row, load)].append(r)
                         lat = np.asarray(r["latencies"]) * 1e3
                         print(f"  round {rnd}: {row:<16} {load:<9} {r['throughput']:8.1f} samples/s, "
                               f"p50 {np.percentile(lat, 50):6.1f} ms", flush=True)
                 finally:
-                    stop_server(proc, row)
+                    if (rc := served.stop()) != 0:
+                        raise SystemExit(f"{row}: server exited {rc} after SIGTERM")
     finally:
         serve.shutdown()
         ray.shutdown()

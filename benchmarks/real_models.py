@@ -190,16 +190,11 @@ class Served:
         cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--http-port", "0",
                "--grpc-port", "0", "--metrics-port", "0", "--groups", groups, "--batch-size", "4",
                "--max-delay", "5ms", "--policy", "eager"]
-        served = start_serve(cmd, env)
-        self.proc, self.lines = served.proc, served.lines
-        self.http, self.grpc = served.address("http"), served.address("grpc")
+        self.served = start_serve(cmd, env)
+        self.lines, self.http, self.grpc = self.served.lines, self.served.http, self.served.grpc
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+        self.served.stop(30)
 
 
 def _client(protocol: str, url: str):  # a tritonclient client

@@ -55,7 +55,6 @@ import json
 import math
 import os
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -66,7 +65,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, alternate, scratch_dir, start_serve  # noqa: E402
+from _common import GOOGLENET, ServeProcess, alternate, scratch_dir, start_serve  # noqa: E402
 from staronnx.partition import PartitionSpec
 
 PATHS = ("in-process", "HTTP binary", "HTTP JSON", "gRPC")
@@ -314,7 +313,7 @@ def client_main(args: argparse.Namespace) -> int:
 
 
 # -- the driver ------------------------------------------------------------------------------
-def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") -> tuple[subprocess.Popen, str, str, str]:
+def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") -> ServeProcess:
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay,
            "--groups", args.groups, "--policy", args.policy, "--gc-interval", args.gc_interval,
@@ -323,10 +322,7 @@ def start_server(plan: Path, args: argparse.Namespace, name: str = "googlenet") 
     # the served plan is a scratch one: its perf models go to a scratch home beside it, not
     # into the user's ~/.cache/staronnx (a benchmark must leave the machine as it found it)
     env = {**os.environ, "STARONNX_HOME": str(plan.parent / "staronnx-home")}
-    served = start_serve(cmd, env)
-    proc = served.proc
-    http, grpc_addr, metrics = served.address("http"), served.address("grpc"), served.address("metrics")
-    return proc, http, grpc_addr, metrics
+    return start_serve(cmd, env)
 
 
 def run_client(path: str, plan: Path, address: str, args: argparse.Namespace,
@@ -362,14 +358,14 @@ def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, 
           f"row), batches of up to {args.batch} (max delay {args.max_delay}), {args.seconds:g} s per row, "
           f"{args.rounds} rounds in turn, {os.cpu_count()} cores", flush=True)
 
-    proc, http, grpc_addr, metrics_url = start_server(plan.root, args)
-    addresses = {"in-process": "", "HTTP binary": http, "HTTP JSON": http, "gRPC": grpc_addr}
+    served = start_server(plan.root, args)
+    addresses = {"in-process": "", "HTTP binary": served.http, "HTTP JSON": served.http, "gRPC": served.grpc}
     runs: dict[str, list[dict[str, object]]] = {p: [] for p in PATHS}
 
     def measure(path: str) -> Callable[[], float]:
         def once() -> float:
-            r = run_client(path, plan.root, addresses[path], args, None if path == "in-process" else proc.pid,
-                           metrics_url)
+            r = run_client(path, plan.root, addresses[path], args, None if path == "in-process" else served.proc.pid,
+                           served.metrics)
             runs[path].append(r)
             print(f"  round {len(runs[path])}: {path:<12} {r['throughput']:8.1f} samples/s, "
                   f"{r['cpu_ms_per_sample']:6.1f} CPU ms/sample (client {r['client_cpu_ms_per_sample']:.1f}, "
@@ -380,8 +376,7 @@ def googlenet_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, 
     try:
         medians = alternate({p: measure(p) for p in PATHS}, args.rounds)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(60)
+        rc = served.stop(60)
 
     base = medians["in-process"]
     b50, b99 = percentiles(runs["in-process"])
@@ -449,15 +444,15 @@ def tail_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, float
           f"{args.max_delay}), closed loop at {args.clients} and {args.tail_clients} clients, open loop at "
           f"{', '.join(f'{f:.0%}' for f in OPEN_FRACTIONS)} of capacity, {args.tail_seconds:g} s per row, "
           f"{args.rounds} rounds in turn", flush=True)
-    proc, http, grpc_addr, metrics_url = start_server(plan, args, name="trivial")
-    addresses = {"HTTP binary": http, "gRPC": grpc_addr}
+    served = start_server(plan, args, name="trivial")
+    addresses = {"HTTP binary": served.http, "gRPC": served.grpc}
     rows = [f"closed {args.clients}", f"closed {args.tail_clients}", *(f"open {f:.0%}" for f in OPEN_FRACTIONS)]
     runs: dict[tuple[str, str], list[dict[str, object]]] = {(p, r): [] for p in TAIL_PATHS for r in rows}
 
     def measure(path: str) -> Callable[[], float]:
         def once() -> float:
             def row(name: str, **kw: object) -> dict[str, object]:
-                r = run_client(path, plan, addresses[path], args, proc.pid, metrics_url, model="trivial",
+                r = run_client(path, plan, addresses[path], args, served.proc.pid, served.metrics, model="trivial",
                                seconds=args.tail_seconds, **kw)
                 runs[(path, name)].append(r)
                 p50, p99 = percentiles([r])
@@ -475,8 +470,7 @@ def tail_suite(args: argparse.Namespace, tmp: Path) -> dict[str, dict[str, float
     try:
         alternate({p: measure(p) for p in TAIL_PATHS}, args.rounds)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(60)
+        rc = served.stop(60)
     report: dict[str, dict[str, float]] = {}
     print(f"\n{'path':<12} {'row':<11} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'p99/p50':>8} {'refused':>8} "
           f"{'client us/req':>14} {'server us/req':>14}")

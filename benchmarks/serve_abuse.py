@@ -40,9 +40,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import selectors
-import signal
 import socket
 import statistics
 import struct
@@ -50,14 +48,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import scratch_dir, start_serve  # noqa: E402
+from _common import ServeProcess, scratch_dir, start_serve  # noqa: E402
 from staronnx.partition import PartitionSpec
 
 HOST = "127.0.0.1"
@@ -95,44 +93,10 @@ def build_plans(root: Path) -> dict[str, Path]:
     return out
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen
-    http: int
-    grpc: int
-    metrics: int
-    lines: list[str] = field(default_factory=list)
-    signalled: bool = False
-
-    def rss_mb(self) -> float:
-        with open(f"/proc/{self.proc.pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-        return float("nan")
-
-    def sigterm(self) -> None:
-        self.signalled = True
-        self.proc.send_signal(signal.SIGTERM)
-
-    def stop(self) -> int:
-        """SIGTERM (once: a second one ends a draining server at once), then its exit code."""
-        if self.proc.poll() is None and not self.signalled:
-            self.sigterm()
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
-
-
-def start(plan: Path, name: str, home: Path, *args: str) -> Served:
+def start(plan: Path, name: str, home: Path, *args: str) -> ServeProcess:
     cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--name", name, "--host", HOST, "--http-port", "0",
            "--grpc-port", "0", "--metrics-port", "0", "--policy", "eager", "--groups", "0", *args]
-    served = start_serve(cmd, {**os.environ, "STARONNX_HOME": str(home)})
-    port = {door: int(re.search(r":(\d+)(?:/metrics)?$", served.address(door)).group(1))  # type: ignore[union-attr]
-            for door in ("http", "grpc", "metrics")}
-    return Served(served.proc, port["http"], port["grpc"], port["metrics"], served.lines)
+    return start_serve(cmd, {**os.environ, "STARONNX_HOME": str(home)})
 
 
 # -- well-behaved clients (a process of their own) ---------------------------------------------
@@ -272,16 +236,16 @@ def probe_memory(plans: dict[str, Path], home: Path, args: argparse.Namespace) -
     s = start(plans["tiny"], "tiny", home)
     rounds = []
     try:
-        finish(good_clients(s.http, args.good_clients, 1.0))  # warm-up
+        finish(good_clients(s.port("http"), args.good_clients, 1.0))  # warm-up
         idle = s.rss_mb()
         peak, still_open, n = idle, 0, 0
         for _ in range(args.rounds):
-            unloaded = finish(good_clients(s.http, args.good_clients, args.seconds))
-            conns = open_conns(s.http, {"announce": args.connections // 2,
-                                        "slow_body": args.connections - args.connections // 2})
+            unloaded = finish(good_clients(s.port("http"), args.good_clients, args.seconds))
+            conns = open_conns(s.port("http"), {"announce": args.connections // 2,
+                                                "slow_body": args.connections - args.connections // 2})
             watch = Watcher(conns)
             time.sleep(1.0)
-            clients = good_clients(s.http, args.good_clients, args.seconds)
+            clients = good_clients(s.port("http"), args.good_clients, args.seconds)
             while clients.poll() is None:
                 peak = max(peak, s.rss_mb())
                 time.sleep(0.1)
@@ -306,11 +270,11 @@ def probe_closing(plans: dict[str, Path], home: Path, args: argparse.Namespace) 
     conns: list[Conn] = []
     rounds = []
     try:
-        finish(good_clients(s.http, args.good_clients, 1.0))
+        finish(good_clients(s.port("http"), args.good_clients, 1.0))
         for _ in range(args.rounds):
-            unloaded = finish(good_clients(s.http, args.good_clients, args.seconds))
-            clients = good_clients(s.http, args.good_clients, args.seconds)
-            mine = open_conns(s.http, {k: share for k in kinds})
+            unloaded = finish(good_clients(s.port("http"), args.good_clients, args.seconds))
+            clients = good_clients(s.port("http"), args.good_clients, args.seconds)
+            mine = open_conns(s.port("http"), {k: share for k in kinds})
             watch = Watcher(mine)
             loaded = finish(clients)
             deadline = time.monotonic() + args.timeout * 4 + 10
@@ -419,11 +383,11 @@ def probe_drain(plans: dict[str, Path], home: Path, args: argparse.Namespace) ->
         for run in range(1, args.drain_runs + 1):
             s = start(plans["slow"], "slow", home, "--batch-size", "8", "--queue-capacity", "65536",
                       "--drain-timeout", f"{args.drain_timeout:g}s")
-            port = s.http if protocol == "http" else s.grpc
+            port = s.port(protocol)
             fn = _drain_http if protocol == "http" else _drain_grpc
             sent = {}
 
-            def sigterm(s: Served = s) -> None:
+            def sigterm(s: ServeProcess = s) -> None:
                 sent["at"] = time.monotonic()
                 s.sigterm()
 
@@ -530,14 +494,14 @@ async def _burst(port: int, n: int) -> dict[str, int]:
 def probe_reset(plans: dict[str, Path], home: Path, args: argparse.Namespace) -> dict[str, Any]:
     s = start(plans["tiny"], "tiny", home, "--queue-capacity", "8192")
     try:
-        quiet = asyncio.run(_grpc_closed_loop(s.grpc, 8, min(args.seconds, args.flood_seconds)))
+        quiet = asyncio.run(_grpc_closed_loop(s.port("grpc"), 8, min(args.seconds, args.flood_seconds)))
         stats = {"connections": 0, "pairs": 0, "connection errors": 0}
-        flood = threading.Thread(target=_flood, args=(s.grpc, args.flood_seconds, stats))
+        flood = threading.Thread(target=_flood, args=(s.port("grpc"), args.flood_seconds, stats))
         flood.start()
         time.sleep(0.3)
-        others = asyncio.run(_grpc_closed_loop(s.grpc, 8, args.flood_seconds - 0.6))
+        others = asyncio.run(_grpc_closed_loop(s.port("grpc"), 8, args.flood_seconds - 0.6))
         flood.join()
-        burst = asyncio.run(_burst(s.grpc, args.burst))
+        burst = asyncio.run(_burst(s.port("grpc"), args.burst))
         rss = s.rss_mb()
     finally:
         s.stop()

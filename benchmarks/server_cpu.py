@@ -38,7 +38,6 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, scratch_dir, start_serve  # noqa: E402
+from _common import REPO, ServeProcess, scratch_dir, start_serve  # noqa: E402
 
 PROTOCOLS = ("HTTP", "gRPC")
 #: the trivial model's width (input x and output y are [batch, WIDTH])
@@ -164,23 +163,12 @@ def cut_plan(tree: Path, model: Path, out: Path, home: Path) -> Path:
 
 
 def start_server(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
-                 profile: Path | None = None) -> tuple[subprocess.Popen[str], str, str, str]:
-    """``tree``'s ``staronnx serve`` of ``plan`` on free loopback ports; (process, HTTP address,
-    gRPC address, metrics URL) once it says it is ready."""
+                 profile: Path | None = None) -> ServeProcess:
+    """``tree``'s ``staronnx serve`` of ``plan`` on free loopback ports, once it says it is ready."""
     head = [sys.executable, "-P", *(["-m", "cProfile", "-o", str(profile)] if profile else []), "-m", "staronnx"]
     cmd = [*head, "serve", str(plan), "--name", MODEL, "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--batch-size", str(args.batch), "--max-delay", args.max_delay]
-    served = start_serve(cmd, tree_env(tree, home), timeout=300)
-    return served.proc, served.address("http"), served.address("grpc"), served.address("metrics")
-
-
-def stop_server(proc: subprocess.Popen[str]) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_serve(cmd, tree_env(tree, home), timeout=300)
 
 
 def measure(proc: subprocess.Popen[str], protocol: str, address: str, metrics: str,
@@ -213,11 +201,11 @@ def measure(proc: subprocess.Popen[str], protocol: str, address: str, metrics: s
 def round_of(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
              profile: Path | None = None) -> dict[str, dict[str, float]]:
     """One server of ``tree``: an HTTP window, then a gRPC window."""
-    proc, http, grpc, metrics = start_server(tree, plan, args, home, profile)
+    s = start_server(tree, plan, args, home, profile)
     try:
-        return {p: measure(proc, p, {"HTTP": http, "gRPC": grpc}[p], metrics, args) for p in args.protocols}
+        return {p: measure(s.proc, p, {"HTTP": s.http, "gRPC": s.grpc}[p], s.metrics, args) for p in args.protocols}
     finally:
-        stop_server(proc)
+        s.stop(60)
 
 
 def git_head(tree: Path) -> str:

@@ -34,6 +34,7 @@ from staronnx.cli import main
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.zoo import chain, inception
+from test_serve import ServeProcess, start_serve
 from test_serve_models import body, heavy_x, light_x, output
 from staronnx.partition import PartitionSpec
 
@@ -87,45 +88,11 @@ def googlenet_plan(tmp_path_factory) -> Plan:
     return partition(GOOGLENET, [0.85, 0.15], PartitionSpec(costs="estimate"), output_dir=root / "googlenet")
 
 
-def _stop(proc: subprocess.Popen) -> int:
-    """SIGTERM, as a user stops the server; its exit code (killed, and the test fails, after
-    120 s: Serve drains each replica for up to 30 s, slower on a loaded host)."""
-    proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(120)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-
-
-def _start_cli(plan: Plan, gcs: str, home: Path, *args: str) -> tuple[subprocess.Popen, list[str], str]:
-    return _start_serve(gcs, home, str(plan.root), "--name", "googlenet", *args)
-
-
-def _start_serve(gcs: str, home: Path, *args: str) -> tuple[subprocess.Popen, list[str], str]:
-    """``python -m staronnx serve --ray ARGS`` joined to the test cluster; its output so far
-    and the host:port it announced, once it printed 'ready'."""
+def _start_serve(gcs: str, home: Path, *args: str) -> ServeProcess:
+    """``python -m staronnx serve --ray ARGS`` joined to the test cluster, once it said 'ready'
+    (stopped with SIGTERM, as a user stops it: Serve drains each replica for up to 30 s)."""
     cmd = [sys.executable, "-m", "staronnx", "serve", *args, "--ray", "--http-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "RAY_ADDRESS": gcs, "STARONNX_HOME": str(home)})
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("ready"):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(START_S) or proc.poll() is not None:
-        proc.kill()
-        raise AssertionError("staronnx serve --ray did not start:\n" + "\n".join(lines))
-    url = re.search(r"HTTP \(KServe v2\) on http://([\w.\[\]:]+)", "\n".join(lines))
-    assert url, "\n".join(lines)
-    return proc, lines, url.group(1)
+    return start_serve(cmd, {**os.environ, "RAY_ADDRESS": gcs, "STARONNX_HOME": str(home)}, timeout=START_S)
 
 
 @pytest.mark.ray
@@ -136,9 +103,9 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
 
     plan = googlenet_plan
     # two replicas of one CPU each, pinned to a core of their own; one 1-core group inside
-    proc, lines, addr = _start_cli(plan, cluster, tmp_path / "home", "--replicas", "2", "--replica-cpus", "1",
-                                   "--groups", "cores=1", "--policy", "eager", "--batch-size", "4",
-                                   "--max-delay", "2ms")
+    s = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "googlenet", "--replicas", "2",
+                     "--replica-cpus", "1", "--groups", "cores=1", "--policy", "eager", "--batch-size", "4",
+                     "--max-delay", "2ms")
     try:
         replicas = _replicas("staronnx-googlenet", "staronnx", 2)
         pus = [tuple(d["pus"]) for d in replicas.values()]
@@ -153,7 +120,7 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
 
         def one(i: int) -> tuple[int, str, object]:
             if not hasattr(local, "client"):
-                local.client = thttp.InferenceServerClient(addr, network_timeout=120.0)
+                local.client = thttp.InferenceServerClient(s.http, network_timeout=120.0)
             x = inputs[i % len(inputs)]
             inp = thttp.InferInput("input", list(x.shape), "FP32")
             inp.set_data_from_numpy(x, binary_data=True)
@@ -206,7 +173,7 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
         # Ray (Serve's controller) starts a replacement, on the freed core
         back = _replicas("staronnx-googlenet", "staronnx", 2, timeout=START_S, exclude=frozenset({victim}))
         assert victim not in back and len({tuple(d["pus"]) for d in back.values()}) == 2, back
-        client = thttp.InferenceServerClient(addr)
+        client = thttp.InferenceServerClient(s.http)
         assert client.is_server_ready() and client.is_model_ready("googlenet")
         x = inputs[0]
         inp = thttp.InferInput("input", list(x.shape), "FP32")
@@ -214,8 +181,8 @@ def test_two_replicas_answer_500_requests_and_survive_a_killed_replica(cluster, 
         assert _close(client.infer("googlenet", [inp]).as_numpy("logits"), wanted[0])
         print(f"killed pid {victim} after {killed_at} answers; {retried} retried; answers by replica: {dict(by_replica)}")
     finally:
-        rc = _stop(proc)
-    out = "\n".join(lines)
+        rc = s.stop()
+    out = "\n".join(s.lines)
     assert rc == 0 and "stopped" in out and "Traceback" not in out, out
 
 
@@ -228,10 +195,10 @@ def test_cli_autoscale_deploys_an_autoscaled_deployment(cluster, googlenet_plan,
     from ray.serve.context import _get_global_client
 
     plan = googlenet_plan
-    proc, lines, addr = _start_cli(plan, cluster, tmp_path / "home", "--autoscale", "1:2", "--replica-cpus", "1",
-                                   "--replica-gpus", "0", "--groups", "cores=1", "--policy", "eager")
+    s = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "googlenet", "--autoscale", "1:2",
+                     "--replica-cpus", "1", "--replica-gpus", "0", "--groups", "cores=1", "--policy", "eager")
     try:
-        assert any("autoscaling 1..2 replicas of 1 CPU(s) and 0 GPU(s) each" in ln for ln in lines), lines
+        assert any("autoscaling 1..2 replicas of 1 CPU(s) and 0 GPU(s) each" in ln for ln in s.lines), s.lines
         details = _get_global_client().get_serve_details()
         config = details["applications"]["staronnx"]["deployments"]["staronnx-googlenet"]["deployment_config"]
         scaling = config["autoscaling_config"]
@@ -240,11 +207,11 @@ def test_cli_autoscale_deploys_an_autoscaled_deployment(cluster, googlenet_plan,
         x = np.random.default_rng(2).standard_normal((2, 3, 224, 224)).astype(np.float32)  # a client batch of 2
         inp = thttp.InferInput("input", list(x.shape), "FP32")
         inp.set_data_from_numpy(x)
-        got = thttp.InferenceServerClient(addr).infer("googlenet", [inp]).as_numpy("logits")
+        got = thttp.InferenceServerClient(s.http).infer("googlenet", [inp]).as_numpy("logits")
         assert _close(got, plan.run_reference({"input": x})["logits"])
     finally:
-        rc = _stop(proc)
-    assert rc == 0, "\n".join(lines)
+        rc = s.stop()
+    assert rc == 0, "\n".join(s.lines)
 
 
 @pytest.mark.ray
@@ -352,16 +319,16 @@ def shared_server(cluster, two_plans, tmp_path_factory):
     """``staronnx serve --ray heavy/ light/`` with a latency target on the light model and a
     heavy queue of 2 samples: one replica of one core hosting both (stopped after the class that
     uses it, so the cluster's cores are free again for the tests after)."""
-    proc, lines, addr = _start_serve(
+    s = _start_serve(
         cluster, tmp_path_factory.mktemp("ray-models-home"), str(two_plans["heavy"].root),
         str(two_plans["light"].root), "--replicas", "1", "--replica-cpus", "1", "--groups", "cores=1",
         "--policy", "heft", "--batch-size", "1", "--max-delay", "0ms", "--slo-ms", "light=60000",
         "--priority", "light=1", "--queue-capacity", "64", "--queue-capacity", "heavy=2")
     try:
-        yield addr, lines
+        yield s.http, s.lines
     finally:
-        rc = _stop(proc)
-        out = "\n".join(lines)
+        rc = s.stop()
+        out = "\n".join(s.lines)
         assert rc == 0 and "stopped" in out and "Traceback" not in out, out
 
 
@@ -462,15 +429,15 @@ def triton_models(cluster, tmp_path_factory):
     simple = partition(root / "simple.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "simple")
     image = partition(root / "image.onnx", spec=PartitionSpec(parts=1, costs="estimate"), output_dir=root / "image")
     (Path(image.root) / "labels.txt").write_text("\n".join(tc.LABELS) + "\n")
-    proc, lines, addr = _start_serve(
+    s = _start_serve(
         cluster, root / "home", str(simple.root), str(image.root), "--name", "simple", "--name", "image_classifier",
         "--replicas", "1", "--replica-cpus", "1", "--groups", "cores=1", "--policy", "eager",
         "--batch-size", "8", "--max-delay", "1ms")
     try:
-        yield _Served(addr, Path(image.root))
+        yield _Served(s.http, Path(image.root))
     finally:
-        rc = _stop(proc)
-        out = "\n".join(lines)
+        rc = s.stop()
+        out = "\n".join(s.lines)
         assert rc == 0 and "Traceback" not in out, out
 
 
@@ -595,11 +562,11 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
                      output_dir=tmp_path / "plan")
     os.environ["STARONNX_CUDA_RUNTIME"] = "host:2"
     try:
-        proc, lines, addr = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "two", "--replicas", "1",
-                                         "--replica-cpus", "1", "--replica-gpus", "2", "--cuda-streams", "1",
-                                         "--groups", "none", "--policy", "eager", "--batch-size", "2",
-                                         "--max-delay", "0ms", "--gc-interval", "5s", "--save-every", "7s",
-                                         "--cuda-thread-per-stream")
+        s = _start_serve(cluster, tmp_path / "home", str(plan.root), "--name", "two", "--replicas", "1",
+                         "--replica-cpus", "1", "--replica-gpus", "2", "--cuda-streams", "1",
+                         "--groups", "none", "--policy", "eager", "--batch-size", "2",
+                         "--max-delay", "0ms", "--gc-interval", "5s", "--save-every", "7s",
+                         "--cuda-thread-per-stream")
     finally:
         del os.environ["STARONNX_CUDA_RUNTIME"]
     try:
@@ -612,12 +579,12 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
         assert replica["pad_to"] == [1, 2], replica
         for i in range(4):
             x = light_x(i)
-            st, reply = _post_json(addr, "/v2/models/two/infer", body(x))
+            st, reply = _post_json(s.http, "/v2/models/two/infer", body(x))
             assert st == 200, reply
             assert _close(output(reply, "y"), plan.run_reference({"x": x})["y"])
     finally:
-        rc = _stop(proc)
-    assert rc == 0, "\n".join(lines)
+        rc = s.stop()
+    assert rc == 0, "\n".join(s.lines)
 
 
 # -- without a cluster -------------------------------------------------------------------------

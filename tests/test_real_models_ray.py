@@ -18,7 +18,7 @@ import tritonclient.http as thttp
 
 import realmodels
 from staronnx import partition
-from test_ray import RAY_TEST_S, _start_serve, _stop
+from test_ray import RAY_TEST_S, _start_serve
 from test_real_models_serve import (ALONE, BATCH, CLIENTS, LEADING, MODELS, OWN_AXIS, concurrent_clients,
                                     gru_state_unnamed, http_infer, model_plan, shared_state_request)
 from staronnx.partition import PartitionSpec
@@ -37,9 +37,9 @@ def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_pat
     args: list[str] = [str(p.root) for p in plans.values()]
     for name in plans:
         args += ["--name", name]
-    proc, lines, addr = _start_serve(cluster, tmp_path / "home", *args, "--groups", "cores=1", "--policy", "eager",
-                                     "--batch-size", str(BATCH), "--max-delay", "50ms",
-                                     "--batch-axis", f"{UNNAMED}:state=1")
+    s = _start_serve(cluster, tmp_path / "home", *args, "--groups", "cores=1", "--policy", "eager",
+                     "--batch-size", str(BATCH), "--max-delay", "50ms", "--batch-axis", f"{UNNAMED}:state=1")
+    addr = s.http
     try:
         client = thttp.InferenceServerClient(addr, network_timeout=120.0)
         sizes = {name: concurrent_clients(http_infer, addr, name, name, first=0) for name in MODELS}
@@ -61,6 +61,6 @@ def test_each_client_gets_its_own_answer_through_ray(cluster, real_plan, tmp_pat
         batched = [n for n in (*LEADING, *OWN_AXIS, UNNAMED) if max(sizes[n]) > 1]
         assert batched, f"no request shared a batch on any model ({sizes}): the split went untested"
     finally:
-        rc = _stop(proc)
-    out = "\n".join(lines)
+        rc = s.stop()
+    out = "\n".join(s.lines)
     assert rc == 0 and "Traceback" not in out, out

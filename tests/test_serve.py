@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -21,7 +20,6 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -43,6 +41,10 @@ from staronnx.plan import Plan
 from staronnx.zoo import chain, fragile
 from staronnx.partition import PartitionSpec
 
+# benchmarks/_common.py starts and stops a staronnx serve for the benchmarks and the tests alike
+sys.path.append(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from _common import ServeProcess, start_serve  # noqa: E402
+
 pytestmark = pytest.mark.timeout(120)
 
 ROWS = 3  # a client batch: split into samples by the server, coalesced with everyone else's
@@ -55,43 +57,7 @@ def _groups() -> str:
     return ";".join(str(p) for p in pus)
 
 
-@dataclass
-class Served:
-    proc: subprocess.Popen
-    http: str  # host:port
-    grpc: str
-    metrics: str  # http://host:port/metrics
-    lines: list[str]
-
-    def stop(self, timeout: float = 30.0) -> int:
-        self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout)
-
-
-def launch_server(cmd: list[str], tmp: Path) -> tuple[subprocess.Popen, list[str]]:
-    """Start ``cmd`` (a ``staronnx serve``) with a private STARONNX_HOME and wait for its 'ready'
-    line; the process and its output lines so far (read on, in the background)."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "STARONNX_HOME": str(tmp / "home")})
-    lines: list[str] = []
-    ready = threading.Event()
-
-    def read() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line.rstrip("\n"))
-            if line.startswith("ready"):
-                ready.set()
-        ready.set()
-
-    threading.Thread(target=read, daemon=True).start()
-    if not ready.wait(60) or proc.poll() is not None:
-        proc.kill()
-        raise AssertionError("server did not start:\n" + "\n".join(lines))
-    return proc, lines
-
-
-def serving(plans: list[Path], tmp: Path, *args: str) -> Iterator[Served]:
+def serving(plans: list[Path], tmp: Path, *args: str) -> Iterator[ServeProcess]:
     """A module fixture's body: the server of :func:`start_server`, stopped cleanly at the end
     (exit status 0, no traceback in its output)."""
     s = start_server(plans, tmp, *args)
@@ -108,16 +74,12 @@ def tiny_chain(root: Path) -> Plan:
                      output_dir=root / "chain")
 
 
-def start_server(plans: list[Path], tmp: Path, *args: str) -> Served:
-    """``python -m staronnx serve PLANS --*-port 0 ...``; wait for its 'ready' line, parse the ports."""
+def start_server(plans: list[Path], tmp: Path, *args: str) -> ServeProcess:
+    """``python -m staronnx serve PLANS --*-port 0 ...`` with a private STARONNX_HOME, once it
+    said 'ready' (its addresses: ``.http``, ``.grpc``, ``.metrics``)."""
     cmd = [sys.executable, "-m", "staronnx", "serve", *map(str, plans), "--http-port", "0", "--grpc-port", "0",
            "--metrics-port", "0", "--groups", _groups(), *args]
-    proc, lines = launch_server(cmd, tmp)
-    text = "\n".join(lines)
-    http = re.search(r"HTTP \(KServe v2\) on http://([\d.]+:\d+)", text).group(1)
-    grpc_addr = re.search(r"gRPC \(KServe v2\) on ([\d.]+:\d+)", text).group(1)
-    metrics = re.search(r"metrics on (http://[\d.]+:\d+/metrics)", text).group(1)
-    return Served(proc, http, grpc_addr, metrics, lines)
+    return start_serve(cmd, {**os.environ, "STARONNX_HOME": str(tmp / "home")}, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -476,14 +438,13 @@ def test_requests_from_several_clients_share_a_batch_and_sigterm_drains(plans, t
             time.sleep(0.02)
         else:
             raise AssertionError(f"the three requests never sat in the queue together: {errors}")
-        s.proc.send_signal(signal.SIGTERM)
+        s.sigterm()
         check(threads, results, errors, 3)
-        assert s.proc.wait(30) == 0
+        assert s.stop(30) == 0
         out = "\n".join(s.lines)
         assert "stopping" in out and "stopped" in out and "Traceback" not in out
     finally:
-        if s.proc.poll() is None:
-            s.proc.kill()
+        s.stop()
 
 
 # -- the cycle collector -------------------------------------------------------------------------

@@ -12,10 +12,8 @@ import asyncio
 import gzip
 import http.client
 import json
-import os
 import re
 import resource
-import signal
 import socket
 import struct
 import threading
@@ -309,9 +307,6 @@ def test_d5_sigterm_answers_requests_in_transit_with_503_and_drains_the_accepted
     """A connection mid-body at SIGTERM gets 503 (not a reset, not held for --drain-timeout);
     the accepted requests (waiting up to 3 s for a batch) are answered; a request sent during
     the drain gets UNAVAILABLE; the process exits 0."""
-    import signal
-    import threading
-
     s = start_server([plan.root], tmp_path, "--name", "tiny", "--policy", "eager", "--batch-size", "4",
                      "--max-delay", "3s", "--drain-timeout", "60s")
     try:
@@ -343,7 +338,7 @@ def test_d5_sigterm_answers_requests_in_transit_with_503_and_drains_the_accepted
             assert time.monotonic() < deadline, "the two requests never waited together"
             time.sleep(0.01)
         g = tgrpc.InferenceServerClient(s.grpc)
-        s.proc.send_signal(signal.SIGTERM)
+        s.sigterm()
         status, headers, body = _raw_reply(in_transit)
         assert status == 503 and "shutting down" in json.loads(body)["error"], (status, body)
         late = None
@@ -362,11 +357,10 @@ def test_d5_sigterm_answers_requests_in_transit_with_503_and_drains_the_accepted
         for kind in ("http", "grpc"):
             assert isinstance(results.get(kind), np.ndarray), results
             _check(plan, _x(1, seed=3), results[kind])
-        assert s.proc.wait(30) == 0
+        assert s.stop(30) == 0
         assert "Traceback" not in "\n".join(s.lines)
     finally:
-        if s.proc.poll() is None:
-            s.proc.kill()
+        s.stop()
 
 
 def _raw_reply(sock: socket.socket) -> tuple[int, dict[str, str], bytes]:
@@ -448,14 +442,6 @@ def guarded(plan, echo_plan, tmp_path_factory):
     _no_traceback(s)
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
-
-
 def _connect(addr: str, timeout: float = 30.0) -> socket.socket:
     host, port = addr.rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=timeout)
@@ -517,15 +503,14 @@ def _wait_metric(url: str, name: str, want: float, **labels: str) -> None:
 def test_i36_announced_64mib_bodies_hold_no_memory_before_they_arrive(guarded):
     """The issue's request on 10 connections (it used 30: 2 GB held). Each body announced, none
     sent: the server holds what arrived (nothing), not 64 MiB per connection."""
-    pid = guarded.proc.pid
-    before = _rss_mb(pid)
+    before = guarded.rss_mb()
     conns = [_connect(guarded.http) for _ in range(10)]
     try:
         for c in conns:
             c.sendall(ANNOUNCE_64MIB)
         grown = 0.0
         for _ in range(40):  # 2 s: a reservation at the head shows within milliseconds
-            grown = _rss_mb(pid) - before
+            grown = guarded.rss_mb() - before
             if grown >= 64:
                 break
             time.sleep(0.05)
@@ -736,13 +721,12 @@ def test_i36_sigterm_answers_queued_requests_503_and_unavailable_past_the_drain(
             _wait_accepted(s.metrics, "slow", 64)
             futures += [pool.submit(grpc_one, stub) for _ in range(32)]
             _wait_accepted(s.metrics, "slow", 96)
-            s.proc.send_signal(signal.SIGTERM)
+            s.sigterm()
             for f in futures:
                 f.result(120)
-        assert s.proc.wait(60) == 0
+        assert s.stop(60) == 0
     finally:
-        if s.proc.poll() is None:
-            s.proc.kill()
+        s.stop()
     tally = {o: outcomes.count(o) for o in set(outcomes)}
     assert set(tally) <= {"http 200", "http 503", "grpc OK", "grpc UNAVAILABLE"}, tally
     assert tally.get("http 503", 0) and tally.get("grpc UNAVAILABLE", 0), tally  # the drain did not fit
@@ -768,7 +752,7 @@ def test_i36_after_sigterm_requests_get_503_and_uploads_are_not_reset(slow_plan,
         pool = ThreadPoolExecutor(64)
         queued = [pool.submit(stub.ModelInfer, _slow_grpc_request(), timeout=120) for _ in range(64)]
         _wait_accepted(s.metrics, "slow", 64)
-        s.proc.send_signal(signal.SIGTERM)
+        s.sigterm()
         deadline = time.monotonic() + 30
         while "stopping" not in "\n".join(s.lines):
             assert time.monotonic() < deadline
@@ -791,11 +775,10 @@ def test_i36_after_sigterm_requests_get_503_and_uploads_are_not_reset(slow_plan,
         for f in queued:
             f.result(120)  # the accepted ones are all answered within the drain
         pool.shutdown()
-        assert s.proc.wait(60) == 0
+        assert s.stop(60) == 0
         assert "0 dropped unanswered" in "\n".join(s.lines)
     finally:
-        if s.proc.poll() is None:
-            s.proc.kill()
+        s.stop()
 
 
 def test_i36_clients_in_a_tight_loop_through_sigterm_are_answered_never_reset_or_cancelled(slow_plan, tmp_path):
@@ -844,15 +827,14 @@ def test_i36_clients_in_a_tight_loop_through_sigterm_are_answered_never_reset_or
         tasks = [asyncio.ensure_future(http_client(http_gone)) for _ in range(16)]
         tasks += [asyncio.ensure_future(grpc_client(grpc_gone)) for _ in range(16)]
         await asyncio.sleep(1.5)
-        s.proc.send_signal(signal.SIGTERM)
+        s.sigterm()
         await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
     try:
         asyncio.run(run())
-        assert s.proc.wait(60) == 0
+        assert s.stop(60) == 0
     finally:
-        if s.proc.poll() is None:
-            s.proc.kill()
+        s.stop()
     tally = {o: outcomes.count(o) for o in set(outcomes)}
     assert set(tally) <= {"http 200", "http 503", "http not accepted", "grpc OK", "grpc UNAVAILABLE",
                           "grpc not accepted"}, tally
@@ -1119,27 +1101,15 @@ def test_i36_a_host_other_machines_reach_needs_insecure(plan, capsys):
 def test_i36_host_ipv6_any_is_dual_stack_and_backlog_is_honoured(plan, tmp_path):
     if not socket.has_dualstack_ipv6():
         pytest.skip("no dual-stack IPv6 here")
-    import subprocess
-    import sys
-
-    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan.root), "--name", "tiny", "--policy", "eager",
-           "--groups", "0", "--host", "::", "--insecure", "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env={**os.environ, "STARONNX_HOME": str(tmp_path / "home")})
+    s = start_server([plan.root], tmp_path, "--name", "tiny", "--policy", "eager", "--host", "::", "--insecure")
     try:
-        lines = []
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("ready") or len(lines) > 100:
-                break
-        port = int(re.search(r"HTTP \(KServe v2\) on http://\[::\]:(\d+)", "".join(lines)).group(1))
+        port = int(re.search(r"HTTP \(KServe v2\) on http://\[::\]:(\d+)", "\n".join(s.lines)).group(1))
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/live", timeout=30) as resp:
             assert resp.status == 200  # IPv4 reaches "::" as it reaches gRPC's listener
         listing = subprocess_out(["ss", "-ltnH", f"sport = :{port}"])
         assert listing.split()[2] == "1024", listing  # Send-Q of a listener is its backlog (aiohttp's: 128)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert s.stop(60) == 0, "\n".join(s.lines)
 
 
 def subprocess_out(cmd: list[str]) -> str:

@@ -37,7 +37,7 @@ import tritonclient.grpc.model_config_pb2 as mc
 import tritonclient.http as httpclient
 import tritonclient.http.aio as httpclient_aio
 from onnx import TensorProto, helper
-from test_serve import Served, launch_server, start_server
+from test_serve import start_server
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException, triton_to_np_dtype
 
@@ -705,28 +705,15 @@ def _certificates(folder: Path) -> dict[str, Path]:
     return files
 
 
-def _start_tls_server(plan: Path, tmp: Path, *args: str) -> Served:
-    """``staronnx serve`` with TLS: as test_serve.start_server, the addresses read off https lines."""
-    import re
-
-    cmd = [sys.executable, "-m", "staronnx", "serve", str(plan), "--http-port", "0", "--grpc-port", "0",
-           "--metrics-port", "0", *args]
-    proc, lines = launch_server(cmd, tmp)
-    text = "\n".join(lines)
-    http = re.search(r"HTTP \(KServe v2\) on https://[\d.]+:(\d+)", text).group(1)
-    grpc_port = re.search(r"gRPC \(KServe v2\) on [\d.]+:(\d+) \(TLS\)", text).group(1)
-    return Served(proc, f"127.0.0.1:{http}", f"127.0.0.1:{grpc_port}", "", lines)
-
-
 @pytest.fixture(scope="module")
 def tls_served(served, tmp_path_factory):
     """``simple`` over mutual TLS on every listener, on an address other machines reach (0.0.0.0:
-    TLS stands for --insecure there)."""
+    TLS stands for --insecure there); its addresses are read off the https lines as loopback."""
     root = tmp_path_factory.mktemp("tls")
     files = _certificates(root)
-    s = _start_tls_server(served.simple_root, root, "--name", "simple", "--policy", "eager", "--host", "0.0.0.0",
-                          "--tls-cert", str(files["server"]), "--tls-key", str(files["server_key"]),
-                          "--tls-client-ca", str(files["ca"]), "--drain-timeout", "10s")
+    s = start_server([served.simple_root], root, "--name", "simple", "--policy", "eager", "--host", "0.0.0.0",
+                     "--tls-cert", str(files["server"]), "--tls-key", str(files["server_key"]),
+                     "--tls-client-ca", str(files["ca"]), "--drain-timeout", "10s")
     s.files = files
     yield s
     assert s.stop() == 0, "\n".join(s.lines)
