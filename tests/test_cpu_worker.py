@@ -315,6 +315,23 @@ def test_spinning_is_turned_off_when_workers_share_cores(
         assert again.spin is True
 
 
+def test_pools_spin_within_a_run_and_stop_after_it(
+    single_core_groups: list[CpuGroup], parts: list[Path], weights: SharedWeights
+) -> None:
+    """A pool left spinning after its run takes the cores from the process's other threads
+    (the caller submitting the next batch, a server's loop, a job's reader and writer) when
+    they have work: every session stops spinning as its run ends, one part or several."""
+    g = single_core_groups[0]
+    for held in (parts[:1], parts):
+        with CpuWorker(g, held, weights=weights) as w:
+            for session in w._sessions:
+                options = session.get_session_options()
+                assert options.get_session_config_entry("session.force_spinning_stop") == "1"
+                assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
+            x = x_of(2)
+            np.testing.assert_allclose(w.run(0, {"x": x})["y"], reference(parts[0], {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
 def test_membind_is_best_effort(single_core_groups: list[CpuGroup], parts: list[Path], weights: SharedWeights) -> None:
     with CpuWorker(single_core_groups[0], parts, weights=weights) as w:
         if len(Topology.from_system().numa_nodes) == 1:

@@ -44,8 +44,9 @@ _claims_lock = threading.Lock()
 class CpuWorker(ThreadWorker):
     """Runs the parts of a plan on one CPU group.
 
-    ``spin=None`` lets ORT's pool threads spin (lowest latency) unless another live worker
-    already uses one of the group's PUs; ``True``/``False`` force it.  ``share_weights``
+    ``spin=None`` lets ORT's pool threads spin within a run (never after it: see
+    :func:`cpu_session`) unless another live worker already uses one of the group's PUs;
+    ``True``/``False`` force it.  ``share_weights``
     uses :class:`~staronnx.workers.cpu_weights.SharedWeights` (``weights`` or the process-wide
     one); ``topology`` is only used for memory binding (default: this system's, loaded once).
     Its sessions are dropped in the worker thread at close, which joins ORT's pool threads, so
@@ -157,23 +158,18 @@ class CpuWorker(ThreadWorker):
 
     def _load(self, index: int, path: Path) -> ort.InferenceSession:
         weights = (self._weights or default_shared_weights()) if self.share_weights else None
-        # pools of several parts' sessions take turns on the group's cores: none may spin on
-        # after its run; a worker of one session keeps ORT's own spinning, as a plain loop does
-        several = sum(p is not None for p in self.part_paths) > 1
         try:
-            session, self.weights_shared[index] = cpu_session(path, self.group, bool(self.spin), weights, self.name,
-                                                              stop_spinning=several)
+            session, self.weights_shared[index] = cpu_session(path, self.group, bool(self.spin), weights, self.name)
         except Exception as exc:  # noqa: BLE001 - ORT's own error types; reported as ours
             raise ModelError(f"ONNX Runtime cannot load part {index} ({path}): {exc}") from None
         return session
 
 
 def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True, weights: SharedWeights | None = None,
-                who: str = "", stop_spinning: bool = True) -> tuple[ort.InferenceSession, bool]:
+                who: str = "") -> tuple[ort.InferenceSession, bool]:
     """One part's ONNX Runtime session on ``group``'s cores, as a CPU worker runs it (ours, or
     a StarPU CPU worker's codelet), with its weights from ``weights``' mapped copy (None: a
-    private copy); and whether they are shared. ``stop_spinning``: its pool threads stop
-    spinning as its run ends (where other sessions' pools share the cores)."""
+    private copy); and whether they are shared."""
     so = ort.SessionOptions()
     so.log_severity_level = 4  # a failing run raises its error in Python: no raw red log line beside it
     so.intra_op_num_threads = group.n_cores
@@ -183,10 +179,14 @@ def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True
     if affinities:
         so.add_session_config_entry("session.intra_op_thread_affinities", affinities)
     so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
-    # Each part's session has its own pool on the same cores and only one runs at a time:
-    # spin while a Run() is active, never after, or idle pools would steal the cores.
-    if stop_spinning:
-        so.add_session_config_entry("session.force_spinning_stop", "1")
+    # Spin while a Run() is active, never after: between two runs the cores belong to the
+    # process's other threads (the engine's bookkeeping, the caller that submits the next
+    # batch, a server's event loop, a batch job's reader and writer) and to the sessions of the
+    # other parts, which have pools of their own on the same cores. A pool spinning on after
+    # its run took a core from them exactly when they had work: on crnn_ocr at batch 8 (~1 ms
+    # a task, both cores to the worker) a worker that kept spinning ran 0.95x one that stops,
+    # and 0.5x while another process used a core (benchmarks/cpu_spin.py).
+    so.add_session_config_entry("session.force_spinning_stop", "1")
     model, shared = path, False
     if weights is not None:
         try:
