@@ -184,8 +184,10 @@ def cpu_session(path: str | os.PathLike[str], group: CpuGroup, spin: bool = True
     # batch, a server's event loop, a batch job's reader and writer) and to the sessions of the
     # other parts, which have pools of their own on the same cores. A pool spinning on after
     # its run took a core from them exactly when they had work: on crnn_ocr at batch 8 (~1 ms
-    # a task, both cores to the worker) a worker that kept spinning ran 0.95x one that stops,
-    # and 0.5x while another process used a core (benchmarks/cpu_spin.py).
+    # a task, both cores of a 2-core VM to the worker) one that spun on ran 0.74x one that stops
+    # (medians; ranges overlap on that drifting VM), 0.64x while another process kept a core
+    # busy (ranges apart); googlenet's 50 ms tasks read the same either way
+    # (benchmarks/results/cpu-spin-2026-12-07.json).
     so.add_session_config_entry("session.force_spinning_stop", "1")
     model, shared = path, False
     if weights is not None:
