@@ -470,8 +470,8 @@ class _Pipeline:
                     self._settle(*window.popleft())
                 future = None
                 if item.problem is None:
-                    try:
-                        future = self.runtime.submit(item.feeds)
+                    try:  # the reader checked the batch against the plan (:meth:`_checked`)
+                        future = self.runtime.submit(item.feeds, checked=True)
                     except InputError as exc:
                         item.problem = str(exc)
                 window.append((item, future))
