@@ -538,7 +538,10 @@ def test_a_driven_stream_placed_on_by_dmda_runs_its_own_tasks(plan, reference, t
         stats = rt.stats()
     assert stats["requests_done"] == 200 and stats["requests_failed"] == 0
     assert all(w["tasks"] > 0 for w in stats["workers"].values()), stats["workers"]
-    assert len(host.copy_threads) == 1
+    # dmda's prefetches are uploaded by the submitting thread as it places each task; a task
+    # whose prefetch could not start (a busy host's timing decides) is uploaded by the thread
+    # that runs it: one thread for both streams
+    assert len(host.copy_threads - {threading.get_native_id()}) <= 1
 
 
 # ------------------------------------------------------------------ results handed out in groups
