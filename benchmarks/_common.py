@@ -57,6 +57,30 @@ def alternate(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str
     return {k: statistics.median(v) for k, v in samples.items()}
 
 
+def summary(values: list[float]) -> dict[str, float]:
+    """The median of a setup's repeats and their range, as every result file gives them."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def ratio(a: list[float], b: list[float]) -> dict[str, float | bool]:
+    """Median of ``a``'s repeats over median of ``b``'s, the ratio's low and high ends from the
+    ranges, and whether the ranges are apart: a ratio is claimed only then."""
+    return {"median": statistics.median(a) / statistics.median(b), "low": min(a) / max(b), "high": max(a) / min(b),
+            "ranges_apart": min(a) > max(b) or max(a) < min(b)}
+
+
+def git_head(tree: Path = REPO) -> str:
+    """The commit a tree is at (a result file's provenance)."""
+    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
+def git_dirty(tree: Path = REPO) -> bool:
+    """Whether the library or the benchmarks differ from that commit (the figures then come
+    from uncommitted code, which a result file says)."""
+    return bool(subprocess.run(["git", "-C", str(tree), "status", "--porcelain", "--", "staronnx", "benchmarks"],
+                               capture_output=True, text=True).stdout.strip())
+
+
 def scratch_dir(prefix: str) -> Path:
     """A temporary folder for a benchmark's plans and models, removed when the process exits
     (a benchmark run, or the test that runs one, leaves nothing in /tmp)."""

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, REAL, REPO  # noqa: E402
+from _common import GOOGLENET, REAL, REPO, git_dirty, git_head, ratio, summary  # noqa: E402
 
 SHAPES = {"googlenet": (3, 224, 224), "crnn_ocr": (1, 32, 128), "unet_seg": (3, 64, 64)}
 
@@ -107,21 +107,6 @@ def _busy() -> None:
         pass
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def ratio(a: list[float], b: list[float]) -> dict[str, Any]:
-    """Median of ``a`` over median of ``b``, the ratio's low and high ends from the ranges,
-    and whether the ranges are apart (a ratio is claimed only then)."""
-    return {"median": statistics.median(a) / statistics.median(b), "low": min(a) / max(b), "high": max(a) / min(b),
-            "ranges_apart": min(a) > max(b) or max(a) < min(b)}
-
-
-def git_head(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-
-
 def run_set(models: list[str], args: argparse.Namespace, label: str) -> list[dict[str, Any]]:
     rows = []
     for model in models:
@@ -163,9 +148,7 @@ def main() -> None:
     result: dict[str, Any] = {"provenance": {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "onnxruntime": onnxruntime.__version__, "numpy": numpy.__version__,
-        "commit": git_head(REPO), "dirty": bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain",
-                                                                  "staronnx", "benchmarks"], capture_output=True,
-                                                                 text=True).stdout.strip()),
+        "commit": git_head(), "dirty": git_dirty(),
         "before": {"path": str(args.before), "commit": git_head(args.before)},
         "command": shlex.join([sys.executable, *sys.argv]), "settings": {k: str(v) for k, v in vars(args).items()}},
         "rows": []}

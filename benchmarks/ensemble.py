@@ -42,7 +42,6 @@ import platform
 import re
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -54,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _ensemble_repo as er  # noqa: E402
-from _common import REPO, scratch_dir, start_serve  # noqa: E402
+from _common import REPO, git_dirty, git_head, scratch_dir, start_serve, summary  # noqa: E402
 
 COLUMNS = ("graph", "steps", "chain")
 
@@ -229,10 +228,6 @@ def at_p99_target(server: Server, args: argparse.Namespace, feed: np.ndarray,
     return out
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def trace_placement(plan_dir: str, args: argparse.Namespace, pipeline: str, feed: np.ndarray,
                     out: Path) -> dict[str, Any]:
     """Run the ensemble's plan alone on a runtime like the server's, with a trace: per worker,
@@ -287,10 +282,7 @@ def trace_placement(plan_dir: str, args: argparse.Namespace, pipeline: str, feed
 def provenance(args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime
 
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "staronnx", "benchmarks"],
-                                capture_output=True, text=True).stdout.strip())
+    commit, dirty = git_head(), git_dirty()
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
             "affinity": sorted(os.sched_getaffinity(0)), "cpu": platform.processor() or platform.machine(),
             "python": platform.python_version(), "onnxruntime": onnxruntime.__version__, "numpy": np.__version__,

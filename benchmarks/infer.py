@@ -34,7 +34,6 @@ import json
 import os
 import platform
 import shlex
-import statistics
 import subprocess
 import sys
 import time
@@ -44,7 +43,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, REAL, REPO, scratch_dir  # noqa: E402
+from _common import GOOGLENET, REAL, git_dirty, git_head, ratio, scratch_dir, summary  # noqa: E402
 
 #: one sample's shape per model (the dataset's rows; axis 0 carries them for every model here)
 SHAPES = {"googlenet": (3, 224, 224), "crnn_ocr": (1, 32, 128), "unet_seg": (3, 64, 64),
@@ -253,16 +252,10 @@ def timing_rows(text: str, name: str) -> int:
     return int(items.get(name, 2000))
 
 
-def summarise(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def provenance(args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime
 
-    commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "staronnx", "benchmarks"],
-                                capture_output=True, text=True).stdout.strip())
+    commit, dirty = git_head(), git_dirty()
     return {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(), "cpus": os.cpu_count(),
             "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
             "onnxruntime": onnxruntime.__version__, "numpy": np.__version__, "commit": commit, "dirty": dirty,
@@ -324,15 +317,11 @@ def bench_model(name: str, args: argparse.Namespace, data: Path, work: Path) -> 
                 if key == "infer":
                     peaks.append(measured["peak_rss"])
                 print(f"[{name}] round {r + 1} {key}: {rate:.1f} samples/s", flush=True)
-        stats = {k: summarise(v) for k, v in samples.items()}
+        stats = {k: summary(v) for k, v in samples.items()}
         # the same job over fewer rows: its peak RSS does not depend on the dataset's size
         result["timing"] = {"rows": rows, "samples_per_s": samples, "summary": stats, "infer_peak_rss": peaks}
         for peer in ("run", "ort"):
-            ratio = stats["infer"]["median"] / stats[peer]["median"]
-            apart = stats["infer"]["min"] > stats[peer]["max"] or stats["infer"]["max"] < stats[peer]["min"]
-            result["timing"][f"infer_over_{peer}"] = {"median": ratio, "ranges_apart": apart,
-                                                      "low": stats["infer"]["min"] / stats[peer]["max"],
-                                                      "high": stats["infer"]["max"] / stats[peer]["min"]}
+            result["timing"][f"infer_over_{peer}"] = ratio(samples["infer"], samples[peer])
         print(f"[{name}] infer / run {result['timing']['infer_over_run']['median']:.3f}, "
               f"infer / ORT loop {result['timing']['infer_over_ort']['median']:.3f} (medians of {args.rounds})",
               flush=True)

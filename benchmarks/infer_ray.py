@@ -21,8 +21,6 @@ import argparse
 import json
 import platform
 import shlex
-import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,7 +29,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import GOOGLENET, REAL, REPO  # noqa: E402
+from _common import GOOGLENET, REAL, git_head, ratio, summary  # noqa: E402
 
 
 class OrtPredictor:
@@ -103,19 +101,18 @@ def main() -> None:
             samples[key].append(rate)
             print(f"round {r + 1} {key}: {rate:.1f} samples/s (actor start included)", flush=True)
     diff = max(float(np.abs(outputs["staronnx"][i] - outputs["ort"][i]).max()) for i in range(args.rows))
-    stats = {k: {"median": statistics.median(v), "min": min(v), "max": max(v)} for k, v in samples.items()}
-    ratio = stats["staronnx"]["median"] / stats["ort"]["median"]
-    apart = stats["staronnx"]["min"] > stats["ort"]["max"] or stats["staronnx"]["max"] < stats["ort"]["min"]
-    print(f"staronnx / plain-ORT predictor: {ratio:.3f} (medians of {args.rounds}; ranges "
+    stats = {k: summary(v) for k, v in samples.items()}
+    over = ratio(samples["staronnx"], samples["ort"])
+    apart = over["ranges_apart"]
+    print(f"staronnx / plain-ORT predictor: {over['median']:.3f} (medians of {args.rounds}; ranges "
           f"{'apart' if apart else 'overlap'}); outputs' max abs difference {diff:.2e}")
     ray.shutdown()
     if args.out is not None:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True).stdout
         args.out.write_text(json.dumps({
             "provenance": {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "host": platform.node(),
-                           "onnxruntime": onnxruntime.__version__, "ray": ray.__version__, "commit": commit.strip(),
+                           "onnxruntime": onnxruntime.__version__, "ray": ray.__version__, "commit": git_head(),
                            "command": shlex.join([sys.executable, *sys.argv]), "settings": vars(args)},
-            "samples_per_s": samples, "summary": stats, "staronnx_over_ort": ratio, "ranges_apart": apart,
+            "samples_per_s": samples, "summary": stats, "staronnx_over_ort": over["median"], "ranges_apart": apart,
             "max_abs_diff": diff}, indent=1, default=str))
 
 

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO, ServeProcess, scratch_dir, start_serve  # noqa: E402
+from _common import REPO, ServeProcess, git_head, scratch_dir, start_serve  # noqa: E402
 
 PROTOCOLS = ("HTTP", "gRPC")
 #: the trivial model's width (input x and output y are [batch, WIDTH])
@@ -206,10 +206,6 @@ def round_of(tree: Path, plan: Path, args: argparse.Namespace, home: Path,
         return {p: measure(s.proc, p, {"HTTP": s.http, "gRPC": s.grpc}[p], s.metrics, args) for p in args.protocols}
     finally:
         s.stop(60)
-
-
-def git_head(tree: Path) -> str:
-    return subprocess.run(["git", "-C", str(tree), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
 
 
 def print_profile(path: Path, top: int) -> None:

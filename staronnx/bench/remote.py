@@ -615,9 +615,8 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
                  check: str | Path | None = None, inputs: Mapping[str, np.ndarray] | str | Path | None = None,
                  progress: Progress | None = None) -> list[dict[str, Any]]:
     """:func:`~staronnx.bench.sweep.sweep` (``inputs`` and ``progress`` as there; the LP bound
-    from this machine's perf model store)
-    through the ``staronnx serve`` at ``url``, serving ``model`` (default: the plan folder's
-    name), each point's traffic as ``spec.run`` says.
+    from this machine's perf model store) through the ``staronnx serve`` at ``url``, serving
+    ``model`` (default: the plan folder's name), each point's traffic as ``spec.run`` says.
 
     The runtime settings are the server's (:data:`SERVER_SETTINGS`: the spec's policy, engine,
     queue capacity and max delay are not used): ``expect`` names those the caller counts on, and

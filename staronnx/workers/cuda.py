@@ -165,8 +165,8 @@ class CudaOptions:
         object.__setattr__(self, "host_node", MemoryNode.parse(self.host_node))
 
     @classmethod
-    def of(cls, given: CudaOptions | Mapping[str, Any] | None, *, cuda_graphs: bool = True,
-           thread_per_stream: bool = False) -> CudaOptions:
+    def of(cls, given: CudaOptions | Mapping[str, Any] | None, *, cuda_graphs: bool,
+           thread_per_stream: bool) -> CudaOptions:
         """Options from a Runtime's ``cuda_options`` mapping (or options already made), over the
         machine's ``cuda_graphs`` and ``thread_per_stream``; an unknown key is refused by name."""
         if isinstance(given, CudaOptions):
