@@ -33,21 +33,23 @@ from _common import GOOGLENET, REAL, git_head, ratio, summary  # noqa: E402
 
 
 class OrtPredictor:
-    """The plain-ORT predictor: one session per actor, the Ray batch run as it comes."""
+    """The plain-ORT predictor: one session per actor, the Ray batch run as it comes, each output
+    turned so its rows come first (``batch_axes``: a time-major CTC head has them on axis 1)."""
 
-    def __init__(self, model: str, input_name: str) -> None:
+    def __init__(self, model: str, input_name: str, batch_axes: dict[str, int]) -> None:
         import onnxruntime as ort
 
         self.session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
         self.input_name = input_name
         self.outputs = [o.name for o in self.session.get_outputs()]
+        self.axes = batch_axes
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         x = np.ascontiguousarray(np.stack(list(batch[self.input_name])) if batch[self.input_name].dtype == object
                                  else batch[self.input_name])
         out = self.session.run(self.outputs, {self.input_name: x})
         result = {"id": batch["id"]}
-        result.update(zip(self.outputs, out))
+        result.update((n, np.moveaxis(o, self.axes.get(n, 0), 0)) for n, o in zip(self.outputs, out))
         return result
 
 
@@ -66,7 +68,7 @@ def main() -> None:
     import onnxruntime
     import ray
 
-    from staronnx.infer import plan_for
+    from staronnx.infer import RowLayout, plan_for
     from staronnx.ray.data import StaronnxPredictor
 
     model = GOOGLENET if args.model == "googlenet" else REAL / f"{args.model}.onnx"
@@ -81,7 +83,8 @@ def main() -> None:
     cpus = max(1, args.cpus // args.actors)
     setups = {
         "staronnx": (StaronnxPredictor, {"model": str(plan.root), "batch_size": args.task_batch}),
-        "ort": (OrtPredictor, {"model": str(model), "input_name": name}),
+        "ort": (OrtPredictor, {"model": str(model), "input_name": name,
+                               "batch_axes": {n: a or 0 for n, a in RowLayout.of(plan).outputs.items()}}),
     }
 
     def once(key: str) -> tuple[float, dict[int, np.ndarray]]:
