@@ -321,6 +321,7 @@ def test_the_stream_answers_interleaved_sequences_and_ordinary_models(served):
                 got[result.get_response().id] = result
     finally:
         client.stop_stream()
+        client.close()  # not left to the channel's finalizer, which can hang at interpreter exit
     for rid, value in want.items():
         assert int(got[rid].as_numpy("OUTPUT")[0, 0]) == value, rid
     np.testing.assert_array_equal(got["plain"].as_numpy("OUTPUT0"), 2 * a)
