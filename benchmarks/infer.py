@@ -262,11 +262,27 @@ def provenance(args: argparse.Namespace) -> dict[str, Any]:
             "command": shlex.join([sys.executable, *sys.argv]), "settings": vars(args)}
 
 
+def job_workers(plan: Any, groups: str, window: int | None) -> tuple[str, int]:
+    """The CPU groups and the window a job with these settings runs on (``auto`` resolved as
+    ``staronnx infer`` resolves it; the window two per worker unless given), so that every setup
+    of a row runs on the same workers."""
+    from staronnx.infer.workers import job_machine
+    from staronnx.workers.groups import make_groups
+    from staronnx.workers.layout import MachineSpec
+    from staronnx.workers.topology import Topology
+
+    resolved = job_machine(MachineSpec(groups), plan).groups
+    return resolved, window or max(2, 2 * len(make_groups(Topology.from_system(), resolved)))
+
+
 def bench_model(name: str, args: argparse.Namespace, data: Path, work: Path) -> dict[str, Any]:
     from staronnx.infer import plan_for
 
     model = model_path(name)
-    plan = plan_for(model).root
+    loaded = plan_for(model)
+    plan = loaded.root
+    groups, window = job_workers(loaded, args.groups, args.window)
+    args = argparse.Namespace(**{**vars(args), "groups": groups, "window": window})
     src = make_dataset(name, args.rows, args.shard, data)
     result: dict[str, Any] = {"model": name, "rows": args.rows, "batch": args.batch, "max_in_flight": args.window,
                               "groups": args.groups}
@@ -306,11 +322,17 @@ def bench_model(name: str, args: argparse.Namespace, data: Path, work: Path) -> 
             "run": lambda: run_once(plan, first, rows, args.batch, args.window, args.groups),
             "ort": lambda: ort_once(model, part, work / f"{name}-t-ort", args.batch),
         }
+        if args.before:  # the job on other workers (the default before --groups auto: numa:2)
+            before_groups, _, before_window = args.before.partition(":")
+            b_groups, b_window = job_workers(loaded, before_groups, int(before_window) if before_window else None)
+            result["before"] = {"groups": b_groups, "max_in_flight": b_window}
+            setups["infer_before"] = lambda: infer_once(model, part, work / f"{name}-t-before", args.batch, b_window,
+                                                        b_groups)
         order = list(setups)
         samples: dict[str, list[float]] = {k: [] for k in setups}
         peaks: list[int] = []
         for r in range(args.rounds):
-            for key in order[r % 3:] + order[: r % 3]:
+            for key in order[r % len(order):] + order[: r % len(order)]:
                 measured = setups[key]()
                 rate = measured["samples_per_s"]
                 samples[key].append(rate)
@@ -320,11 +342,13 @@ def bench_model(name: str, args: argparse.Namespace, data: Path, work: Path) -> 
         stats = {k: summary(v) for k, v in samples.items()}
         # the same job over fewer rows: its peak RSS does not depend on the dataset's size
         result["timing"] = {"rows": rows, "samples_per_s": samples, "summary": stats, "infer_peak_rss": peaks}
-        for peer in ("run", "ort"):
+        for peer in ("run", "ort", "infer_before")[: 3 if args.before else 2]:
             result["timing"][f"infer_over_{peer}"] = ratio(samples["infer"], samples[peer])
-        print(f"[{name}] infer / run {result['timing']['infer_over_run']['median']:.3f}, "
-              f"infer / ORT loop {result['timing']['infer_over_ort']['median']:.3f} (medians of {args.rounds})",
-              flush=True)
+        before = (f", infer / infer on {result['before']['groups']} with {result['before']['max_in_flight']} in flight "
+                  f"{result['timing']['infer_over_infer_before']['median']:.3f}") if args.before else ""
+        print(f"[{name}] on {args.groups} with {args.window} in flight: infer / run "
+              f"{result['timing']['infer_over_run']['median']:.3f}, infer / ORT loop "
+              f"{result['timing']['infer_over_ort']['median']:.3f}{before} (medians of {args.rounds})", flush=True)
     return result
 
 
@@ -339,8 +363,11 @@ def main() -> None:
                     help="rows each timed repeat runs: a count, or name=rows items (e.g. crnn_ocr=20000,googlenet=2000)")
     ap.add_argument("--shard", type=int, default=1000, help="rows per input shard")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--window", type=int, default=2, help="batches in flight (infer and run alike)")
-    ap.add_argument("--groups", default="numa")
+    ap.add_argument("--window", type=int, default=None,
+                    help="batches in flight (infer and run alike; default two per worker, as infer's)")
+    ap.add_argument("--groups", default="auto", help="CPU groups (default infer's own: auto, resolved here)")
+    ap.add_argument("--before", default=None,
+                    help="GROUPS[:WINDOW]: also time infer on these workers (numa:2, the default before auto)")
     ap.add_argument("--rounds", type=int, default=3, help="alternated rounds of the speed part (0: none)")
     ap.add_argument("--skip-check", action="store_true", help="the speed part only")
     ap.add_argument("--data", type=Path, default=None, help="where the datasets are kept between runs")

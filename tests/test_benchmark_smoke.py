@@ -136,17 +136,21 @@ def test_the_gpu_session_script_runs_its_steps_within_its_budget(which, steps, t
     assert sorted(p.name for p in out.iterdir()) == ["logs.tgz", "summary.txt"]
 
 
-def test_the_infer_benchmark_checks_row_for_row_and_times_three_setups(tmp_path):
+def test_the_infer_benchmark_checks_row_for_row_and_times_four_setups(tmp_path):
     """``benchmarks/infer.py`` on crnn_ocr, 96 rows in shards of 32: infer's outputs equal the
-    plain-ORT loop's row for row, the peak RSS is read, and one round times infer, run and the
-    loop; the JSON keeps every repeat and where it came from."""
+    plain-ORT loop's row for row, the peak RSS is read, and one round times infer, run, the loop
+    and infer on the --before workers; the JSON keeps every repeat and where it came from."""
     out_json = tmp_path / "infer.json"
     out = _run("infer.py", "--models", "crnn_ocr", "--rows", "96", "--shard", "32", "--timing-rows", "64",
-               "--rounds", "1", "--data", str(tmp_path / "data"), "--out", str(out_json), tmp=tmp_path)
+               "--rounds", "1", "--groups", "0", "--before", "0:1", "--data", str(tmp_path / "data"),
+               "--out", str(out_json), tmp=tmp_path)
     assert "outputs equal row for row (96 rows, in order once: True" in out, out
-    assert re.search(r"infer / run [\d.]+, infer / ORT loop [\d.]+", out), out
+    assert re.search(r"on 0 with 2 in flight: infer / run [\d.]+, infer / ORT loop [\d.]+, "
+                     r"infer / infer on 0 with 1 in flight [\d.]+", out), out
     result = json.loads(out_json.read_text())
     model = result["models"][0]
     assert model["check"]["equal"] and model["memory"]["peak_rss"] > 0
-    assert {k: len(v) for k, v in model["timing"]["samples_per_s"].items()} == {"infer": 1, "run": 1, "ort": 1}
+    assert (model["groups"], model["max_in_flight"], model["before"]) == ("0", 2, {"groups": "0", "max_in_flight": 1})
+    assert {k: len(v) for k, v in model["timing"]["samples_per_s"].items()} == {
+        "infer": 1, "run": 1, "ort": 1, "infer_before": 1}
     assert result["provenance"]["commit"] and "infer.py" in result["provenance"]["command"]

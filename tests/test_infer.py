@@ -92,6 +92,25 @@ def test_cli_npz_shards_to_parquet_row_for_row(tmp_path, capsys):
     assert summary["written"] == 200 and summary["skipped"] == 0
 
 
+def test_cli_without_groups_runs_a_worker_per_core_and_says_so(tmp_path, capsys):
+    """No --groups: a throughput job gets a worker per core (crnn_ocr's sessions fit in memory on
+    any host), two batches in flight each; the summary line and _SUCCESS.json say which, and the
+    rows are ORT's."""
+    from staronnx.workers.groups import make_groups
+    from staronnx.workers.topology import Topology
+
+    x = crnn_rows(120, seed=3)
+    src = npz_shards(tmp_path / "in", {"image": x}, 50)
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--batch-size", 4, "-q")
+    assert code == 0, err
+    cores = len(make_groups(Topology.from_system(), "cores=1"))
+    summary = json.loads((tmp_path / "out" / "_SUCCESS.json").read_text())
+    assert (summary["groups"], summary["workers"], summary["max_in_flight"]) == ("cores=1", cores, max(2, 2 * cores))
+    assert f"on {cores} worker{'s' if cores != 1 else ''}, groups cores=1)" in out
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(120))
+
+
 def test_cli_chooses_the_batch_size_and_writes_one_npz(tmp_path, capsys):
     """Without --batch-size the batch is measured on the dataset's rows and said; an output
     named .npz is one file (row_id and each output, samples along axis 0)."""

@@ -59,7 +59,10 @@ def infer_cmd(
         help="A row that cannot run (wrong shape or dtype, a null, a model error): fail stops the job naming "
              "its row id; skip writes the others and lists it beside its shard.")] = "fail",
     policy: Annotated[str, typer.Option(help="Scheduling policy (heft, dmda, eager, ...).")] = "heft",
-    groups: Annotated[str, typer.Option(help="CPU groups: numa, package, cores=N, a PU list such as 0-3;4-7, or none (CUDA workers only).")] = "numa",
+    groups: Annotated[str, typer.Option(
+        help="CPU groups: auto (a worker per core where their sessions fit in half the available memory, "
+             "wider groups where not; one per NUMA node beside CUDA workers), numa, package, cores=N, a PU "
+             "list such as 0-3;4-7, or none (CUDA workers only).")] = "auto",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers per GPU.")] = 0,
     cuda_devices: Annotated[Optional[str], typer.Option(help=CUDA_DEVICES_HELP)] = None,
     cuda_graphs: Annotated[bool, typer.Option(
@@ -107,7 +110,8 @@ def infer_cmd(
     else:
         console.print(
             f"{report.written} samples written to {report.output} in {report.elapsed_s:.2f} s "
-            f"({report.samples_per_s:,.1f} samples/s, batch {report.batch_size}, {report.max_in_flight} in flight)"
+            f"({report.samples_per_s:,.1f} samples/s, batch {report.batch_size}, {report.max_in_flight} in flight "
+            f"on {report.workers} worker{'s' if report.workers != 1 else ''}, groups {report.groups})"
             f"{resumed}", highlight=False, soft_wrap=True)
     if skipped:
         ids = ", ".join(str(e["row_id"]) for e in skipped[:10]) + (", ..." if len(skipped) > 10 else "")

@@ -41,6 +41,7 @@ from staronnx.infer.batchsize import BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import CHUNK_BYTES, Chunk, Source, open_source
+from staronnx.infer.workers import AUTO, job_machine
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.spec import RuntimeSpec
@@ -107,6 +108,9 @@ class InferReport:
     resumed_rows: int = 0
     batch_size: int = 0
     max_in_flight: int = 0
+    #: the CPU groups the job ran on (``auto`` resolved: :mod:`staronnx.infer.workers`) and its workers
+    groups: str = ""
+    workers: int = 0
     choice: BatchChoice | None = None
     elapsed_s: float = 0.0
     #: where the skipped rows are listed (written only when a row was skipped)
@@ -120,7 +124,8 @@ class InferReport:
     def to_json(self) -> dict[str, Any]:
         return {"output": str(self.output), "total_rows": self.total_rows, "written": self.written,
                 "skipped": len(self.skipped), "resumed_rows": self.resumed_rows, "batch_size": self.batch_size,
-                "max_in_flight": self.max_in_flight, "elapsed_s": round(self.elapsed_s, 3),
+                "max_in_flight": self.max_in_flight, "groups": self.groups, "workers": self.workers,
+                "elapsed_s": round(self.elapsed_s, 3),
                 "samples_per_s": round(self.samples_per_s, 2),
                 "batch_choice": None if self.choice is None else self.choice.to_json()}
 
@@ -144,17 +149,20 @@ Progress = Callable[[int, "int | None"], None]
 
 
 def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, np.ndarray]] | Any,
-          output: str | Path, spec: InferSpec = InferSpec(), machine: MachineSpec = MachineSpec(), *,
+          output: str | Path, spec: InferSpec = InferSpec(), machine: MachineSpec = MachineSpec(AUTO), *,
           progress: Progress | None = None) -> InferReport:
     """Run every row of ``inputs`` through ``model`` (an ONNX file, a plan folder or a
     :class:`Plan`) on this machine's workers and write the outputs to ``output`` (a folder of
     shards, or a ``.parquet``/``.npz`` file), in order, resumable (see the module docstring).
     ``inputs``: an ``.npz``, a folder of ``.npz``/``.npy`` shards, a Parquet/Arrow file or
-    folder, or any iterable of feeds (:mod:`staronnx.infer.sources`). ``progress(done, total)``
-    is called as rows finish (``total`` None when the source cannot tell)."""
+    folder, or any iterable of feeds (:mod:`staronnx.infer.sources`). ``machine``'s ``auto``
+    groups (the default) are a worker per core where memory allows
+    (:mod:`staronnx.infer.workers`). ``progress(done, total)`` is called as rows finish
+    (``total`` None when the source cannot tell)."""
     from staronnx.infer.plans import plan_for
 
     plan = plan_for(model)
+    machine = job_machine(machine, plan)
     layout = RowLayout.of(plan)
     source = open_source(inputs, layout)
     out = Path(output)
@@ -172,6 +180,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size and _fixed_sizes(plan, layout) else ()
     with Runtime(plan, machine, RuntimeSpec(spec.policy, warmup=warm)) as runtime:
         window = spec.max_in_flight or max(2, 2 * len(runtime.workers))
+        report.groups, report.workers = machine.groups, len(runtime.workers)
         if spec.batch_size is not None:
             batch = spec.batch_size if layout.batched else 1
         elif not layout.batched:
