@@ -6,8 +6,9 @@ per second, and there a worker per core does more work with the same cores: each
 own batch, with no intra-op split to wait on and no pool thread spinning while another is
 behind, and a core the job's reader or writer takes for a moment slows one batch, not all of
 them (the advice ONNX Runtime gives for throughput: several sessions of one thread each). On
-the 2-core development machine, per-core workers with two batches each ran crnn_ocr 11 % and
-unet_seg 7 % faster than one two-core worker, googlenet the same
+the 2-core development machine, per-core workers with two batches each ran jobs at 1.04x
+(crnn_ocr, the ranges of 5 rounds apart), 1.06x (unet_seg) and 1.02x (googlenet) the samples/s
+of one two-core worker with two batches in flight, the default before
 (``benchmarks/results/infer-groups-2026-12-07.json``).
 
 Each worker holds a session of every part, so the number of workers is bounded by memory: the
