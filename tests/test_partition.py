@@ -447,9 +447,12 @@ def inception_demo_model() -> onnx.ModelProto:
 
 @pytest.mark.parametrize("split", ["85-15", "k3"])
 def test_inception_demo_achieves_its_target_shares(tmp_path, inception_demo_model, split):
+    """The cut meets its shares within 0.05 of the node costs. Estimated costs (FLOPs and
+    bytes), not profiled ones: three profiled runs on a busy host once made one node look like
+    most of the model (shares 0.93/0.07 for 85/15), a timing this test must not depend on."""
     kwargs = dict(SPLITS[split])
     shares = kwargs.pop("shares", None)
-    plan = staronnx.partition(inception_demo_model, shares, PartitionSpec(profile_runs=3, **kwargs),
+    plan = staronnx.partition(inception_demo_model, shares, PartitionSpec(costs="estimate", **kwargs),
                               output_dir=tmp_path / "p")
     for p in plan.parts:
         assert abs(p.share - p.target_share) <= 0.05, [(q.share, q.target_share) for q in plan.parts]
