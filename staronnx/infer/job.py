@@ -202,15 +202,18 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
 
 
 def _warm_up(runtime: Runtime, source: Source, layout: RowLayout, start: int, batch: int) -> None:
-    """One batch of the job's first rows run before the clock starts, as ``staronnx run`` does:
-    ONNX Runtime's first run of a size allocates its arenas and plans its memory, a one-off
-    cost a job pays once whatever its length and that would otherwise weigh on a short job's
-    samples/s. A first batch that fails is left to the job, which reports it by row id."""
+    """A batch of the job's first rows run on every worker before the clock starts, as ``staronnx
+    run`` does: ONNX Runtime's first run of a size allocates its arenas and plans its memory, a
+    one-off cost a job pays once whatever its length and that would otherwise weigh on a short
+    job's samples/s. Two per worker at once, so the policy spreads them (a task cannot be sent to
+    a given worker): with one, the other workers of a worker-per-core job allocated theirs
+    inside the job's clock. A first batch that fails is left to the job, which reports it by row id."""
     sample = _sample_rows(source, layout, start, want=batch)
     if sample is None:
         return
     with contextlib.suppress(Exception):
-        runtime.run(sample)
+        for future in [runtime.submit(sample) for _ in range(2 * max(1, len(runtime.workers)))]:
+            future.result()
 
 
 def _fixed_sizes(plan: Plan, layout: RowLayout) -> bool:
