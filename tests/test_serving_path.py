@@ -439,6 +439,26 @@ def test_the_generator_keeps_no_future_of_a_request_that_has_its_result(stand_in
     assert len(counted) == 1 and counted[0] <= 4, f"{counted} futures of answered requests were kept"
 
 
+def test_an_idle_batcher_holds_no_answered_request(stand_in):
+    """Once every request is answered and the server idles, no answered request's future is
+    alive: the batcher thread kept the last round's batch and completions in its locals while it
+    waited for work (several batches' requests on a busy host, where the test above counted 6)."""
+    alive: list[weakref.ref] = []
+    done = threading.Semaphore(0)
+    with Server(stand_in, ServeSpec(2)) as server:
+        for i in range(40):
+            future = server.submit(_sample(i))
+            future.add_done_callback(lambda _f: done.release())
+            alive.append(weakref.ref(future))
+            del future
+        for _ in range(40):
+            assert done.acquire(timeout=30)
+        deadline = time.monotonic() + 10
+        while (kept := sum(r() is not None for r in alive)) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert kept == 0, f"{kept} futures of answered requests are still held by an idle server"
+
+
 def test_a_one_worker_runtime_gets_a_window_of_four_by_default(plan, tmp_path):
     # two batches for one worker left it idle whenever the batcher's hand-over outlasted its
     # task: open loop congested at 75 % of the closed-loop rate on the serving benchmark

@@ -682,6 +682,9 @@ class Server:
                 self._launch(record, batch)
             if completions:
                 self._resolve(completions)
+            # not held while the next round waits: the requests of the batches just resolved
+            # (several, on a busy host) would stay alive, futures and results, until work came
+            del work, batch, completions, record
 
     def _form(self, batch: list[_Request]) -> BatchRecord:
         """(lock held) Record ``batch`` (just taken from the queue) as formed and in flight.
