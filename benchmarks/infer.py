@@ -266,13 +266,13 @@ def job_workers(plan: Any, groups: str, window: int | None) -> tuple[str, int]:
     """The CPU groups and the window a job with these settings runs on (``auto`` resolved as
     ``staronnx infer`` resolves it; the window two per worker unless given), so that every setup
     of a row runs on the same workers."""
-    from staronnx.infer.workers import job_machine
+    from staronnx.infer.workers import default_window, job_machine
     from staronnx.workers.groups import make_groups
     from staronnx.workers.layout import MachineSpec
     from staronnx.workers.topology import Topology
 
     resolved = job_machine(MachineSpec(groups), plan).groups
-    return resolved, window or max(2, 2 * len(make_groups(Topology.from_system(), resolved)))
+    return resolved, window or default_window(len(make_groups(Topology.from_system(), resolved)))
 
 
 def bench_model(name: str, args: argparse.Namespace, data: Path, work: Path) -> dict[str, Any]:

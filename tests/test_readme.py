@@ -256,8 +256,7 @@ def ci_line(line: str) -> str:
     if m is not None:
         for flag, opposite in FLAGS.get(m.group("sub"), {}).items():
             if not re.search(rf"(?<=\s)(?:{re.escape(flag)}|{re.escape(opposite)})(?=\s|$)", line):
-                line = f"{line[:m.end()]} {flag}{line[m.end():]}"
-    m = _STARONNX.search(line)
+                line = f"{line[:m.end()]} {flag}{line[m.end():]}"  # after the match: m still holds
     if m is None or m.group("sub") not in SHORTER:
         return line
     for option, value in SHORTER[m.group("sub")].items():
@@ -556,7 +555,8 @@ def test_blocks_skip_marker_and_substitutions():
     assert two_groups().count(";") == (len(os.sched_getaffinity(0)) > 1)  # two explicit one-PU groups
     assert ci_line("make demo   # builds .venv") == COMMANDS[r"make demo\b.*"]
     assert ci_line("staronnx plan show plan/") == "staronnx plan show plan/"
-    assert ci_line("staronnx calibrate plan/ --batch-sizes 1,8") == "staronnx calibrate --no-host plan/ --batch-sizes 1,8"
+    assert ci_line("staronnx calibrate plan/ --batch-sizes 1,8") == \
+        "staronnx calibrate --no-host plan/ --batch-sizes 1,8"
     assert ci_line("staronnx calibrate plan/ --host") == "staronnx calibrate plan/ --host"
 
 

@@ -41,7 +41,7 @@ from staronnx.infer.batchsize import BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import CHUNK_BYTES, Chunk, Source, open_source
-from staronnx.infer.workers import AUTO, job_machine
+from staronnx.infer.workers import AUTO, default_window, job_machine
 from staronnx.plan import Plan
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.spec import RuntimeSpec
@@ -179,7 +179,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     # allow random warm-up feeds (no dynamic size but the batch); otherwise at the size's first run
     warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size and _fixed_sizes(plan, layout) else ()
     with Runtime(plan, machine, RuntimeSpec(spec.policy, warmup=warm)) as runtime:
-        window = spec.max_in_flight or max(2, 2 * len(runtime.workers))
+        window = spec.max_in_flight or default_window(len(runtime.workers))
         report.groups, report.workers = machine.groups, len(runtime.workers)
         if spec.batch_size is not None:
             batch = spec.batch_size if layout.batched else 1

@@ -58,13 +58,19 @@ def throughput_groups(session_files_bytes: int, topology: Topology | None = None
     topology = topology or Topology.from_system()
     budget = MEMORY_SHARE * (available_bytes if available_bytes is not None else available_memory())
     per_session = SESSION_OVER_FILES * session_files_bytes + SESSION_BASE_BYTES
-    widest = max(_cores_per_node(topology).values(), default=1)
+    widest = max((group.n_cores for group in make_groups(topology, "numa")), default=1)
     size = 1
     while size < widest:
         if len(make_groups(topology, f"cores={size}")) * per_session <= budget:
             return f"cores={size}"
         size *= 2
     return "numa"
+
+
+def default_window(workers: int) -> int:
+    """Batches a job keeps in flight when the user gives no ``max_in_flight``: two per worker, so
+    each worker has its next batch queued as it ends one."""
+    return max(2, 2 * workers)
 
 
 def plan_bytes(plan: Plan) -> int:
@@ -84,11 +90,3 @@ def available_memory() -> int:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
-
-def _cores_per_node(topology: Topology) -> dict[int | None, int]:
-    """Allowed cores per NUMA node (the widest node bounds the group sizes worth trying)."""
-    counts: dict[int | None, int] = {}
-    for core in topology.cores:
-        if core.allowed_pus(topology.allowed_pus):
-            counts[core.numa] = counts.get(core.numa, 0) + 1
-    return counts

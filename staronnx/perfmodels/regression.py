@@ -137,7 +137,7 @@ def fit_nl_regression(batches: Sequence[float], seconds: Sequence[float], *, min
     a, b, c, best = float(a_s[k]), float(grid[k]), float(c_s[k]), float(errs[k])
     # Refined between the grid neighbours of the best point by nested grids, each a single
     # vectorised solve: a fit runs on the serving path whenever a batch size's mean moves, and
-    # golden-section search took 30 sequential solves of one point each (2.4 ms a fit here)
+    # golden-section search took 30 sequential solves of one point each (about 2 ms a fit here)
     left, right = grid[max(k - 1, 0)], grid[min(k + 1, len(grid) - 1)]
     for _ in range(_REFINE_ROUNDS):
         fine = np.linspace(left, right, _REFINE_POINTS)
