@@ -145,13 +145,12 @@ class ModelControl:
 
     async def _unload(self, name: str) -> None:
         model = self.models.pop(name, None)
-        if model is None:
-            if name in self.folders() or name in self.unavailable:
-                self.unavailable[name] = UNLOADED
-                return  # already not served: Triton answers an unload of an unloaded model with success
+        if model is None and name not in self.folders() and name not in self.unavailable:
             raise ProtocolError("invalid", f"failed to unload {shown(name)}: no model of that name is served or "
                                            "in the repository")
         self.unavailable[name] = UNLOADED
+        if model is None:
+            return  # already not served: Triton answers an unload of an unloaded model with success
         self.stamps.pop(name, None)
         await asyncio.get_running_loop().run_in_executor(None, model.close, self.drain_timeout)
 
