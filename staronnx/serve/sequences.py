@@ -399,11 +399,6 @@ class Sequences:
         self._datatypes = {**{c.name: c.datatype for c in policy.controls},
                            **{s.input_name: s.datatype for s in policy.states}}
 
-    @property
-    def active(self) -> int:
-        """Sequences holding a slot or waiting for one."""
-        return len(self._active)
-
     async def infer(self, endpoint: Endpoint[_A], inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, sequence: SequenceRequest | None, *, decode_s: float = 0.0,
                     classes: Mapping[str, int] | None = None) -> _A:
