@@ -176,7 +176,7 @@ def _ordered(steps: Sequence[Step], inputs: Sequence[str], outputs: Sequence[str
                                        f"({steps[producer[tensor]].model_name!r} and {s.model_name!r})")
             producer[tensor] = i
     read_by = {t for s in steps for t in s.input_map.values()}
-    for i, s in enumerate(steps):
+    for s in steps:
         for member_input, tensor in s.input_map.items():
             if tensor not in producer and tensor not in inputs:
                 raise mcfg.ConfigError(f"step {s.model_name!r} reads ensemble tensor {tensor!r} (its input "
@@ -196,10 +196,9 @@ def _ordered(steps: Sequence[Step], inputs: Sequence[str], outputs: Sequence[str
         if not runnable:
             names = sorted({steps[i].model_name for i in left})
             raise mcfg.ConfigError(f"the steps {names} form a cycle: each waits for a tensor another of them produces")
-        for i in runnable:
-            order.append(i)
-            ready.update(steps[i].output_map.values())
-            left.remove(i)
+        order += runnable
+        ready.update(t for i in runnable for t in steps[i].output_map.values())
+        left = [i for i in left if i not in runnable]
     return tuple(steps[i] for i in order)
 
 
