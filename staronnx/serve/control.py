@@ -65,7 +65,8 @@ class ModelControl:
         #: models served from plan folders: listed, never loaded or unloaded by a request
         self.fixed = set(fixed)
         self.drain_timeout = drain_timeout
-        self._lock: asyncio.Lock | None = None
+        #: one load or unload at a time (a reload must not race another of the same model)
+        self._lock = asyncio.Lock()
         #: each repository model's folder state when it was loaded (what poll mode compares)
         self.stamps: dict[str, tuple[Any, ...]] = {}
 
@@ -83,13 +84,8 @@ class ModelControl:
     def index(self, ready: Callable[[ModelEndpoint], bool]) -> list[dict[str, str]]:
         """Triton's repository index: every model served or in a repository, its version, state
         and reason (READY, or UNAVAILABLE and why)."""
-        entries: dict[str, dict[str, str]] = {}
-        for name in self.folders():
-            entries[name] = {"name": name, "version": "", "state": "UNAVAILABLE",
-                             "reason": self.unavailable.get(name, NOT_LOADED)}
-        for name, why in self.unavailable.items():
-            entries.setdefault(name, {"name": name, "version": "", "state": "UNAVAILABLE", "reason": why})
-        listed = [entries[n] for n in sorted(entries) if n not in self.models]
+        listed = [{"name": n, "version": "", "state": "UNAVAILABLE", "reason": self.unavailable.get(n, NOT_LOADED)}
+                  for n in sorted({*self.folders(), *self.unavailable}) if n not in self.models]
         for name, model in self.models.items():
             ok = ready(model)
             listed += [{"name": name, "version": v, "state": "READY" if ok else "UNAVAILABLE",
@@ -116,17 +112,18 @@ class ModelControl:
             raise ProtocolError("internal", f"failed to load {shown(name)}: failed to poll from model repository: "
                                             "model files sent with a load request are not supported by staronnx "
                                             "serve; put the model in the repository and load it by name")
-        async with self._locked():
+        async with self._lock:
             await self._load(name, config)
 
     async def _load(self, name: str, config: str | None) -> None:
-        folder = self.folders().get(name)
+        folders = self.folders()
+        folder = folders.get(name)
         if folder is None:
             raise ProtocolError("invalid", f"failed to load {shown(name)}: no model of that name in the repository "
                                            f"({', '.join(map(str, self.repositories))})")
         assert self.opener is not None
         loop = asyncio.get_running_loop()
-        stamp = model_stamp(folder, self.folders())
+        stamp = model_stamp(folder, folders)
         try:
             endpoint = await loop.run_in_executor(None, self.opener, name, folder, config)
         except StaronnxError as exc:
@@ -143,18 +140,17 @@ class ModelControl:
     async def unload(self, name: str) -> None:
         """Take model ``name`` out of service and drain its accepted requests."""
         self._check_allowed(name, "unload")
-        async with self._locked():
+        async with self._lock:
             await self._unload(name)
 
     async def _unload(self, name: str) -> None:
         model = self.models.pop(name, None)
-        if model is None:
-            if name in self.folders() or name in self.unavailable:
-                self.unavailable[name] = UNLOADED
-                return  # already not served: Triton answers an unload of an unloaded model with success
+        if model is None and name not in self.folders() and name not in self.unavailable:
             raise ProtocolError("invalid", f"failed to unload {shown(name)}: no model of that name is served or "
                                            "in the repository")
         self.unavailable[name] = UNLOADED
+        if model is None:
+            return  # already not served: Triton answers an unload of an unloaded model with success
         self.stamps.pop(name, None)
         await asyncio.get_running_loop().run_in_executor(None, model.close, self.drain_timeout)
 
@@ -168,16 +164,14 @@ class ModelControl:
 
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload the ones whose folder is gone."""
-        async with self._locked():
+        async with self._lock:
             folders = self.folders()
             for name, folder in folders.items():
                 if name in self.fixed:
                     continue
                 stamp = model_stamp(folder, folders)
-                if name in self.models and self.stamps.get(name) == stamp:
-                    continue
-                if name not in self.models and self.stamps.get(name) == stamp:
-                    continue  # failed before, and nothing changed since
+                if self.stamps.get(name) == stamp:
+                    continue  # loaded, or failed before, and nothing changed since
                 try:
                     await self._load(name, None)
                 except ProtocolError as exc:
@@ -186,12 +180,6 @@ class ModelControl:
             for name in [n for n in self.models if n not in folders and n not in self.fixed]:
                 await self._unload(name)
                 self.unavailable.pop(name, None)
-
-    def _locked(self) -> asyncio.Lock:
-        """One load or unload at a time (a reload must not race another of the same model)."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
-        return self._lock
 
 
 def folder_stamp(folder: Path) -> tuple[Any, ...]:

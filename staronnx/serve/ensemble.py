@@ -176,7 +176,7 @@ def _ordered(steps: Sequence[Step], inputs: Sequence[str], outputs: Sequence[str
                                        f"({steps[producer[tensor]].model_name!r} and {s.model_name!r})")
             producer[tensor] = i
     read_by = {t for s in steps for t in s.input_map.values()}
-    for i, s in enumerate(steps):
+    for s in steps:
         for member_input, tensor in s.input_map.items():
             if tensor not in producer and tensor not in inputs:
                 raise mcfg.ConfigError(f"step {s.model_name!r} reads ensemble tensor {tensor!r} (its input "
@@ -196,10 +196,9 @@ def _ordered(steps: Sequence[Step], inputs: Sequence[str], outputs: Sequence[str
         if not runnable:
             names = sorted({steps[i].model_name for i in left})
             raise mcfg.ConfigError(f"the steps {names} form a cycle: each waits for a tensor another of them produces")
-        for i in runnable:
-            order.append(i)
-            ready.update(steps[i].output_map.values())
-            left.remove(i)
+        order += runnable
+        ready.update(t for i in runnable for t in steps[i].output_map.values())
+        left = [i for i in left if i not in runnable]
     return tuple(steps[i] for i in order)
 
 
@@ -227,17 +226,16 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
     """Each step's member against the ensemble: batching, the tensors' types and dims."""
     mbs = config.max_batch_size
     declared = {t.name: t for t in (*config.input, *config.output)}
-    for step, m in zip(spec.steps, members):
+    sides = [({t["name"]: t for t in m.config.get("input", [])}, {t["name"]: t for t in m.config.get("output", [])})
+             for m in members]  # each member's inputs and outputs by name
+    for step, m, (ins, outs) in zip(spec.steps, members, sides):
         member_mbs = int(m.config.get("max_batch_size", 0))
         if mbs > 0 and member_mbs < mbs:
             raise mcfg.ConfigError(f"ensemble {spec.name!r} allows batches of {mbs}, but its step {step.model_name!r} "
                                    + ("does not batch (max_batch_size 0)" if member_mbs == 0 else
                                       f"allows at most {member_mbs}") + ": lower the ensemble's max_batch_size"
                                    + (" to 0" if member_mbs == 0 else f" to {member_mbs} or less"))
-        tensors = {t["name"]: t for t in (*m.config.get("input", []), *m.config.get("output", []))}
-        ins = {t["name"] for t in m.config.get("input", [])}
-        outs = {t["name"] for t in m.config.get("output", [])}
-        unmapped = sorted(ins - set(step.input_map))
+        unmapped = sorted(set(ins) - set(step.input_map))
         if unmapped:
             raise mcfg.ConfigError(f"step {step.model_name!r}: input(s) {unmapped} of the member are not in its "
                                    "input_map (every input of a member must be fed)")
@@ -249,7 +247,7 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
                 if tensor not in declared:
                     continue  # an intermediate: its producer's and consumers' types are compared below
                 t = declared[tensor]
-                theirs = tensors[member_name]
+                theirs = own[member_name]
                 if mc.DataType.Name(t.data_type) != theirs["data_type"]:
                     raise mcfg.ConfigError(f"ensemble tensor {tensor!r} is {mc.DataType.Name(t.data_type)}, but {kind} "
                                            f"{member_name!r} of step {step.model_name!r} is {theirs['data_type']}")
@@ -258,18 +256,14 @@ def check_members(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[
                 if not protocol.dims_fit(ours, member):
                     raise mcfg.ConfigError(f"ensemble tensor {tensor!r} has dims {ours} (batch included), which do "
                                            f"not fit {kind} {member_name!r} of step {step.model_name!r}: {member}")
-    produced: dict[str, tuple[str, str]] = {}
-    for step, m in zip(spec.steps, members):
-        out_specs = {t["name"]: t for t in m.config.get("output", [])}
-        for member_name, tensor in step.output_map.items():
-            produced[tensor] = (step.model_name, out_specs[member_name]["data_type"])
-    for step, m in zip(spec.steps, members):
-        in_specs = {t["name"]: t for t in m.config.get("input", [])}
+    produced = {tensor: (step.model_name, outs[member_name]["data_type"])
+                for step, (_, outs) in zip(spec.steps, sides) for member_name, tensor in step.output_map.items()}
+    for step, (ins, _) in zip(spec.steps, sides):
         for member_name, tensor in step.input_map.items():
-            if tensor in produced and produced[tensor][1] != in_specs[member_name]["data_type"]:
+            if tensor in produced and produced[tensor][1] != ins[member_name]["data_type"]:
                 raise mcfg.ConfigError(f"ensemble tensor {tensor!r} is {produced[tensor][1]} as step "
                                        f"{produced[tensor][0]!r} produces it, but step {step.model_name!r} reads it "
-                                       f"as {in_specs[member_name]['data_type']}")
+                                       f"as {ins[member_name]['data_type']}")
 
 
 def _full_dims(dims: list[int], mbs: int) -> list[int]:
@@ -382,10 +376,7 @@ def composing_snapshot(ensemble: Mapping[str, Any], tasks: Mapping[str, Mapping[
         out[key] = ensemble.get(key, 0)
     out["batches"] = dict(ensemble.get("batches", {}))
     wanted = {f"part{p}" for p in parts}
-    infer_us = 0.0
-    for key, row in tasks.items():
-        if key.split("/", 1)[0] in wanted:
-            infer_us += float(row.get("tasks", 0)) * float(row.get("measured_ms") or 0.0) * 1e3
-    out["infer_us"] = out["request_us"] = infer_us
+    out["infer_us"] = out["request_us"] = sum((float(row.get("tasks", 0)) * float(row.get("measured_ms") or 0.0) * 1e3
+                                               for key, row in tasks.items() if key.split("/", 1)[0] in wanted), 0.0)
     return out
 

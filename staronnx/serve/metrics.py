@@ -166,6 +166,7 @@ class ServedModel(Protocol):
     """What the collector reads from a served model (:class:`staronnx.serve.models.ModelEndpoint`)."""
 
     name: str
+    version: str
     stats: ModelStats
     #: the model's latency target in seconds (None: none)
     latency_target: float | None
@@ -221,12 +222,12 @@ class ServeCollector:
                                    labels=[*labels, "reason"])
         for m, s in snaps:
             for reason in REASONS:
-                fail.add_metric([m.name, getattr(m, "version", VERSION), reason], s["failure"].get(reason, 0))
+                fail.add_metric([m.name, m.version, reason], s["failure"].get(reason, 0))
         yield fail
         for name, doc, key in _TRITON:
             fam = (GaugeMetricFamily if key == "pending" else UnknownMetricFamily)(name, doc, labels=labels)
             for m, s in snaps:
-                fam.add_metric([m.name, getattr(m, "version", VERSION)], s[key])
+                fam.add_metric([m.name, m.version], s[key])
             yield fam
         yield from self._staronnx()
 
@@ -291,7 +292,6 @@ class ServeMetrics:
             "staronnx_request_duration_seconds", "Latency of successful inference requests, server side",
             ["model"], buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10),
             registry=self.registry)
-
 
     def add(self, model: ServedModel) -> None:
         self.collector.models.append(model)

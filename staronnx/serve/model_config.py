@@ -231,9 +231,8 @@ def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     doc = json_format.MessageToDict(config, preserving_proto_field_name=True)
     sb = doc.get("sequence_batching")
     if sb is not None:  # 64-bit integers as numbers, as elsewhere
-        for key in ("max_sequence_idle_microseconds",):
-            if key in sb:
-                sb[key] = int(sb[key])
+        if "max_sequence_idle_microseconds" in sb:
+            sb["max_sequence_idle_microseconds"] = int(sb["max_sequence_idle_microseconds"])
         for strategy in ("direct", "oldest"):
             if "max_queue_delay_microseconds" in sb.get(strategy, {}):
                 sb[strategy]["max_queue_delay_microseconds"] = int(sb[strategy]["max_queue_delay_microseconds"])
@@ -411,23 +410,13 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
         out.max_delay = strategy.max_queue_delay_microseconds / 1e6
         if sb.HasField("oldest"):
             out.preserve_ordering = sb.oldest.preserve_ordering
-            if sb.oldest.preferred_batch_size:
-                sizes = sorted(set(sb.oldest.preferred_batch_size))
-                if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):
-                    raise ConfigError(f"sequence_batching.oldest.preferred_batch_size {sizes} must lie between 1 and "
-                                      f"max_batch_size ({config.max_batch_size})")
-                out.pad_to = tuple(sizes)
-    if config.HasField("dynamic_batching"):
+            out.pad_to = _pad_to(sb.oldest.preferred_batch_size, "sequence_batching.oldest", config.max_batch_size)
+    elif config.HasField("dynamic_batching"):  # one or the other (a oneof)
         db = config.dynamic_batching
         out.max_delay = db.max_queue_delay_microseconds / 1e6
         out.preserve_ordering = db.preserve_ordering
         out.queue_policy = queue_policy(db)
-        if db.preferred_batch_size:
-            sizes = sorted(set(db.preferred_batch_size))
-            if sizes[0] < 1 or sizes[-1] > max(config.max_batch_size, 1):
-                raise ConfigError(f"dynamic_batching.preferred_batch_size {sizes} must lie between 1 and "
-                                  f"max_batch_size ({config.max_batch_size})")
-            out.pad_to = tuple(sizes)
+        out.pad_to = _pad_to(db.preferred_batch_size, "dynamic_batching", config.max_batch_size)
         if out.queue_policy is not None and out.queue_policy.priority_levels:
             caps = [level.capacity for level in out.queue_policy.levels]
             if all(caps):  # every level bounded: the queue holds them all (else --queue-capacity bounds it)
@@ -461,6 +450,16 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
         out.cuda_graphs = config.optimization.cuda.graphs
     out.instances = instance_groups(config)
     return out
+
+
+def _pad_to(sizes: Sequence[int], where: str, mbs: int) -> tuple[int, ...] | None:
+    """``where``'s preferred_batch_size: the sizes a partial batch is padded up to (None: none given)."""
+    if not sizes:
+        return None
+    out = sorted(set(sizes))
+    if out[0] < 1 or out[-1] > max(mbs, 1):
+        raise ConfigError(f"{where}.preferred_batch_size {out} must lie between 1 and max_batch_size ({mbs})")
+    return tuple(out)
 
 
 def queue_policy(db: mc.ModelDynamicBatching) -> QueuePolicy | None:

@@ -86,10 +86,7 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
     load request's), completed from the model the same way. ``folders``: every model folder of
     the repositories by name, where an ensemble finds its members (default: the models beside
     ``folder``); ``within``: the ensembles being loaded that lead here (a cycle is refused)."""
-    if override is None:
-        config, batch_written = mcfg.read_config(folder)
-    else:
-        config, batch_written = mcfg.parse_override(override)
+    config, batch_written = mcfg.read_config(folder) if override is None else mcfg.parse_override(override)
     if ens.is_ensemble(config):
         return _load_ensemble(name, folder, config, batch_size, home,
                               folders if folders is not None else dict(scan([folder.parent])), within)

@@ -125,9 +125,7 @@ class ControlInput:
         """This control's tensor for one request of ``request``'s sequence."""
         if self.kind == "corrid":
             if self.datatype == protocol.BYTES:
-                out = np.empty(self.shape, dtype=object)
-                out.fill(str(request.id))
-                return out
+                return np.full(self.shape, str(request.id), dtype=object)
             return np.full(self.shape, request.id, dtype=protocol.DATATYPES[self.datatype])
         assert self.false_true is not None
         flag = {"start": request.start, "end": request.end, "ready": True}[self.kind]
@@ -399,11 +397,6 @@ class Sequences:
         self._datatypes = {**{c.name: c.datatype for c in policy.controls},
                            **{s.input_name: s.datatype for s in policy.states}}
 
-    @property
-    def active(self) -> int:
-        """Sequences holding a slot or waiting for one."""
-        return len(self._active)
-
     async def infer(self, endpoint: Endpoint[_A], inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, sequence: SequenceRequest | None, *, decode_s: float = 0.0,
                     classes: Mapping[str, int] | None = None) -> _A:
@@ -477,10 +470,9 @@ class Sequences:
             raise invalid(f"model {name}: output(s) {', '.join(map(repr, kept))} are the state the server keeps; "
                           "list them in the config's output to let clients ask for them")
         if self.policy.batched:
-            rows = {n: a.shape[0] for n, a in inputs.items() if a.ndim}
-            many = {n: r for n, r in rows.items() if r != 1}
+            many = [(n, a.shape[0]) for n, a in inputs.items() if a.ndim and a.shape[0] != 1]
             if many:
-                n, r = next(iter(many.items()))
+                n, r = many[0]
                 raise invalid(f"model {name}: input {shown(n)} has a batch of {r}; a request of a sequence carries one "
                               "row (batch 1), the server batches the sequences together")
         corrid = self.policy.corrid

@@ -29,6 +29,7 @@ all of them succeeds (there are none), as the example clients do at their start.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import mmap
@@ -79,10 +80,8 @@ class Region:
         return memoryview(self._map)[start:start + size]
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(BufferError):  # a view still held (a request being decoded): released with it
             self._map.close()
-        except BufferError:  # a view still held (a request being decoded): released with it
-            pass
 
 
 def _object_path(key: str) -> str:
@@ -106,10 +105,8 @@ class SharedMemoryRegions:
             raise invalid("registering system shared memory needs a region name")
         if not isinstance(key, str):
             raise invalid(f"shared memory region {shown(name)}: 'key' must be a string")
-        for field, value in (("offset", offset), ("byte_size", byte_size)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise invalid(f"shared memory region {shown(name)}: '{field}' must be a non-negative integer, "
-                              f"got {protocol.cut(value, 40)}")
+        offset = _count(offset, f"shared memory region {shown(name)}: 'offset'")
+        byte_size = _count(byte_size, f"shared memory region {shown(name)}: 'byte_size'")
         path = _object_path(key)
         with self._lock:
             if name in self._regions:
@@ -149,12 +146,9 @@ class SharedMemoryRegions:
 
     def status(self, name: str | None) -> list[dict[str, Any]]:
         """Each region's name, key, offset and byte size (only ``name``'s, if given: unknown is refused)."""
+        if name:
+            return [self.region(name).status()]
         with self._lock:
-            if name:
-                region = self._regions.get(name)
-                if region is None:
-                    raise self._unknown(name)
-                return [region.status()]
             return [r.status() for r in self._regions.values()]
 
     def region(self, name: str) -> Region:
@@ -215,10 +209,7 @@ def local_peer(peer: str | None) -> bool:
     if peer.startswith("unix:"):
         return True
     peer = urllib.parse.unquote(peer)  # gRPC writes ipv6:%5B::1%5D:5000
-    host = peer
-    if peer.startswith(("ipv4:", "ipv6:")):
-        host = peer[5:].rsplit(":", 1)[0]
-    host = host.strip("[]")
+    host = (peer[5:].rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer).strip("[]")
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
@@ -238,12 +229,15 @@ def placement_of(params: Mapping[str, Any], what: str) -> tuple[str, int, int]:
     region = params.get(REGION)
     if not isinstance(region, str) or not region:
         raise invalid(f"{what}: '{REGION}' must name a registered region")
-    size, offset = params.get(BYTE_SIZE), params.get(OFFSET, 0)
-    for field, value in ((BYTE_SIZE, size), (OFFSET, offset)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise invalid(f"{what}: '{field}' must be a non-negative integer, got {protocol.cut(value, 40)}")
-    assert isinstance(size, int) and isinstance(offset, int)
-    return region, size, offset
+    size = _count(params.get(BYTE_SIZE), f"{what}: '{BYTE_SIZE}'")
+    return region, size, _count(params.get(OFFSET, 0), f"{what}: '{OFFSET}'")
+
+
+def _count(value: object, what: str) -> int:
+    """``value`` where it is a non-negative integer (not a bool), else the refusal naming ``what``."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise invalid(f"{what} must be a non-negative integer, got {protocol.cut(value, 40)}")
+    return value
 
 
 def in_shared_memory(params: Mapping[str, Any]) -> bool:
