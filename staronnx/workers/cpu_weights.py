@@ -48,14 +48,12 @@ def process_memory() -> dict[str, int]:
     out = {"rss": 0, "rss_anon": 0, "rss_file": 0, "pss": 0}
     files = {"/proc/self/status": {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file"},
              "/proc/self/smaps_rollup": {"Pss:": "pss"}}
-    try:
+    with contextlib.suppress(OSError):
         for path, keys in files.items():
             with open(path, encoding="ascii") as f:
                 for parts in map(str.split, f):
                     if parts and parts[0] in keys:
                         out[keys[parts[0]]] = int(parts[1]) * 1024
-    except OSError:
-        pass
     return out
 
 

@@ -7,6 +7,7 @@ asked before any worker starts, by commands that may never start one.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -26,16 +27,13 @@ log = logging.getLogger("staronnx.workers.cuda")
 
 CUDA_EP = "CUDAExecutionProvider"
 
-_preloaded = False
 
-
+@functools.cache
 def _preload_cuda_libraries() -> None:
     """Load the CUDA and cuDNN libraries that pip's nvidia-* wheels bring (ORT >= 1.21 offers
-    ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH."""
-    global _preloaded
-    if _preloaded or not hasattr(ort, "preload_dlls"):  # an ORT older than 1.21 has none
+    ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH (once)."""
+    if not hasattr(ort, "preload_dlls"):  # an ORT older than 1.21 has none
         return
-    _preloaded = True
     try:
         ort.preload_dlls()
     except Exception as exc:  # noqa: BLE001 - libraries from the system may still be found
