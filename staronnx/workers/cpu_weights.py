@@ -159,14 +159,11 @@ class SharedWeights:
 def _remove_dead(base: Path) -> None:
     """Remove cache folders of processes that no longer exist (crashed, killed)."""
     for d in base.glob("pid*-*"):
-        try:
-            pid = int(d.name[3:].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid == os.getpid():
+        pid = d.name[3:].split("-", 1)[0]
+        if not pid.isdecimal() or int(pid) == os.getpid():
             continue
         try:
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(d, ignore_errors=True)
         except OSError:

@@ -7,6 +7,7 @@ asked before any worker starts, by commands that may never start one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -62,10 +63,8 @@ def describe_gpus(devices: Sequence[int] | None = None) -> list[dict[str, Any]]:
         return []
     out = []
     for d in range(int(runtime.device_count())) if devices is None else devices:
-        try:
+        with contextlib.suppress(DeviceError):
             out.append(runtime.properties(int(d)))
-        except DeviceError:
-            continue
     return out
 
 
