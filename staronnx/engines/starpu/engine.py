@@ -159,7 +159,7 @@ class StarpuEngine:
                 f"larger groups")
         logical = {p.os_index: p.logical_index for p in topology.pus}
         bindids = [logical[g.first_pu] for g in groups]
-        by_bindid = {logical[g.first_pu]: g for g in groups}
+        by_bindid = dict(zip(bindids, groups))
 
         with _active_lock:
             if _active is not None:
