@@ -121,10 +121,8 @@ class Colocation:
             return
         worker, tid, before = undo
         worker.cpu = None
-        try:
+        with contextlib.suppress(OSError):  # the thread has ended
             os.sched_setaffinity(tid, before)
-        except OSError:  # the thread has ended
-            pass
 
 
 @contextlib.contextmanager

@@ -48,14 +48,12 @@ def process_memory() -> dict[str, int]:
     out = {"rss": 0, "rss_anon": 0, "rss_file": 0, "pss": 0}
     files = {"/proc/self/status": {"VmRSS:": "rss", "RssAnon:": "rss_anon", "RssFile:": "rss_file"},
              "/proc/self/smaps_rollup": {"Pss:": "pss"}}
-    try:
+    with contextlib.suppress(OSError):
         for path, keys in files.items():
             with open(path, encoding="ascii") as f:
                 for parts in map(str.split, f):
                     if parts and parts[0] in keys:
                         out[keys[parts[0]]] = int(parts[1]) * 1024
-    except OSError:
-        pass
     return out
 
 
@@ -161,14 +159,11 @@ class SharedWeights:
 def _remove_dead(base: Path) -> None:
     """Remove cache folders of processes that no longer exist (crashed, killed)."""
     for d in base.glob("pid*-*"):
-        try:
-            pid = int(d.name[3:].split("-", 1)[0])
-        except ValueError:
-            continue
-        if pid == os.getpid():
+        pid = d.name[3:].split("-", 1)[0]
+        if not pid.isdecimal() or int(pid) == os.getpid():
             continue
         try:
-            os.kill(pid, 0)
+            os.kill(int(pid), 0)
         except ProcessLookupError:
             shutil.rmtree(d, ignore_errors=True)
         except OSError:

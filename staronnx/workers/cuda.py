@@ -337,7 +337,7 @@ class CudaWorker(ThreadWorker):
             return launch
         except BaseException as exc:
             self._settle(exc)
-            self._slots.release(slot)
+            slot.busy = False  # idle again: SlotCache.take may hand it out
             raise self._lost_or(exc) from None
 
     def finish_here(self, launch: _Launch) -> Outputs:
@@ -364,7 +364,7 @@ class CudaWorker(ThreadWorker):
             self._settle(exc)
             raise self._lost_or(exc) from None
         finally:
-            slot.busy = False  # (SlotCache.release)
+            slot.busy = False  # idle again: SlotCache.take may hand it out
         return outputs
 
     def device_outputs(self, launch: _Launch) -> Sequence[tuple[str, DeviceTensor]]:

@@ -7,6 +7,8 @@ asked before any worker starts, by commands that may never start one.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import os
 from collections.abc import Sequence
@@ -26,16 +28,13 @@ log = logging.getLogger("staronnx.workers.cuda")
 
 CUDA_EP = "CUDAExecutionProvider"
 
-_preloaded = False
 
-
+@functools.cache
 def _preload_cuda_libraries() -> None:
     """Load the CUDA and cuDNN libraries that pip's nvidia-* wheels bring (ORT >= 1.21 offers
-    ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH."""
-    global _preloaded
-    if _preloaded or not hasattr(ort, "preload_dlls"):  # an ORT older than 1.21 has none
+    ``preload_dlls``), so the CUDA provider finds them without LD_LIBRARY_PATH (once)."""
+    if not hasattr(ort, "preload_dlls"):  # an ORT older than 1.21 has none
         return
-    _preloaded = True
     try:
         ort.preload_dlls()
     except Exception as exc:  # noqa: BLE001 - libraries from the system may still be found
@@ -64,10 +63,8 @@ def describe_gpus(devices: Sequence[int] | None = None) -> list[dict[str, Any]]:
         return []
     out = []
     for d in range(int(runtime.device_count())) if devices is None else devices:
-        try:
+        with contextlib.suppress(DeviceError):
             out.append(runtime.properties(int(d)))
-        except DeviceError:
-            continue
     return out
 
 

@@ -31,6 +31,7 @@ import ctypes
 import functools
 import importlib
 import itertools
+import math
 import os
 import re
 import threading
@@ -278,7 +279,15 @@ class _Buffer:
 
         The view must not outlive the buffer: copy what you hand out.
         """
-        return host_view(self.ptr, self.nbytes, dtype, shape)
+        dt = np.dtype(dtype)
+        count = math.prod(shape)
+        nbytes = count * dt.itemsize
+        if nbytes > self.nbytes:
+            raise ValueError(f"a {shape} {dt} view needs {nbytes} B, the buffer holds {self.nbytes} B")
+        if nbytes == 0:
+            return np.empty(shape, dtype=dt)
+        raw = (ctypes.c_ubyte * nbytes).from_address(self.ptr)
+        return np.frombuffer(raw, dtype=dt, count=count).reshape(shape)
 
     def _release(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -333,21 +342,6 @@ class DeviceBuffer(_Buffer):
 
     def _release(self) -> None:
         check(self._rt.cudaFree(self.ptr), "cudaFree")
-
-
-def host_view(
-    ptr: int, capacity: int, dtype: np.dtype | type, shape: tuple[int, ...]
-) -> np.ndarray:
-    """A writable numpy array over host memory at ``ptr`` (used for pinned buffers)."""
-    dt = np.dtype(dtype)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    nbytes = count * dt.itemsize
-    if nbytes > capacity:
-        raise ValueError(f"a {shape} {dt} view needs {nbytes} B, the buffer holds {capacity} B")
-    if nbytes == 0:
-        return np.empty(shape, dtype=dt)
-    raw = (ctypes.c_ubyte * nbytes).from_address(ptr)
-    return np.frombuffer(raw, dtype=dt, count=count).reshape(shape)
 
 
 class Buffer(Protocol):

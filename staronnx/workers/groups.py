@@ -203,7 +203,7 @@ def _parse(policy: str) -> _Policy:
     if _EXPLICIT.match(base):
         return _Policy("explicit", explicit=_parse_explicit(base, policy), reserve=reserve)
     words = [w.strip() for w in base.split(",") if w.strip()]
-    if len(words) > 1 and not _EXPLICIT.match(base):
+    if len(words) > 1:
         raise GroupError(f"policy {policy!r} has several base terms ({', '.join(words)}); pick one: {_HELP}")
     raise GroupError(f"unknown CPU group policy {base!r}: {_HELP}")
 

@@ -5,6 +5,7 @@ layout gives it. The layout module says why CUDA driver threads get cores of the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections import Counter
@@ -92,10 +93,8 @@ def start_workers(plan: Plan | ServedModels, spec: MachineSpec, *, topology: Top
         check_every_model_held(owner, workers)
     except BaseException:
         for w in workers:
-            try:
+            with contextlib.suppress(Exception):  # close the others anyway; the first error wins
                 w.close()
-            except Exception:  # noqa: BLE001 - close the others anyway; the first error wins
-                pass
         raise
     return workers
 

@@ -235,8 +235,7 @@ class DeviceMemory(BufferArena):
     def download(self, tensor: DeviceTensor) -> np.ndarray:
         """``tensor``'s bytes in host memory (pinned, from the pool where there is one), waited
         for: the fetch of a CPU reader."""
-        out, ready = self._download(tensor, wait=True)
-        return out
+        return self._download(tensor, wait=True)[0]
 
     def download_async(self, tensor: DeviceTensor) -> tuple[np.ndarray, GpuEvent | None]:
         """``tensor``'s bytes in host memory, the copy only started (a prefetch for a CPU

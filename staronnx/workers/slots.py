@@ -229,10 +229,6 @@ class SlotCache:
         while self.retired:
             self.retired.pop().free()
 
-    @staticmethod
-    def release(slot: Slot) -> None:
-        slot.busy = False
-
     def __len__(self) -> int:
         return self._count
 

@@ -28,7 +28,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -79,14 +79,14 @@ def _pkg_config(name: str, env: dict[str, str] | None = None) -> StarpuInstall |
 
 
 def _from_prefix(prefix: Path) -> StarpuInstall | None:
-    pcdirs = [d for d in glob.glob(str(prefix / "lib*" / "pkgconfig")) + glob.glob(str(prefix / "lib" / "*" / "pkgconfig"))]
+    pcdirs = glob.glob(str(prefix / "lib*" / "pkgconfig")) + glob.glob(str(prefix / "lib" / "*" / "pkgconfig"))
     if pcdirs:
         env = dict(os.environ, PKG_CONFIG_PATH=os.pathsep.join(pcdirs))
         for v in _VERSIONS:
             if any(Path(d, f"starpu-{v}.pc").exists() for d in pcdirs):
                 found = _pkg_config(f"starpu-{v}", env)
                 if found is not None:
-                    return StarpuInstall(found.version, found.cflags, found.libs, f"STARPU_PREFIX={prefix} ({found.source})")
+                    return replace(found, source=f"STARPU_PREFIX={prefix} ({found.source})")
     return _from_headers(prefix / "include", [prefix / "lib", prefix / "lib64", *prefix.glob("lib/*-linux-gnu")],
                          f"STARPU_PREFIX={prefix}")
 

@@ -22,6 +22,8 @@ StarPU allows one ``starpu_init`` per process at a time: a second open engine is
 from __future__ import annotations
 
 import atexit
+import errno
+import functools
 import itertools
 import logging
 import math
@@ -68,7 +70,6 @@ POLICY_ENV = {
 
 _active_lock = threading.Lock()
 _active: StarpuEngine | None = None
-_externs_installed = False
 
 
 # ----------------------------------------------------------------------------- bookkeeping
@@ -158,7 +159,7 @@ class StarpuEngine:
                 f"larger groups")
         logical = {p.os_index: p.logical_index for p in topology.pus}
         bindids = [logical[g.first_pu] for g in groups]
-        by_bindid = {logical[g.first_pu]: g for g in groups}
+        by_bindid = dict(zip(bindids, groups))
 
         with _active_lock:
             if _active is not None:
@@ -429,9 +430,8 @@ class StarpuEngine:
         if fail is not None and req.future.set_running_or_notify_cancel():
             req.future.set_exception(fail)
 
-    @staticmethod
-    def _view(ptr: int, size: int, lay: _Layout) -> np.ndarray:
-        buf = _ffi_buffer(ptr, size)
+    def _view(self, ptr: int, size: int, lay: _Layout) -> np.ndarray:
+        buf = self._ffi.buffer(self._ffi.cast("char *", ptr), size)
         return np.frombuffer(buf, dtype=lay.dtype, count=lay.nbytes // max(lay.dtype.itemsize, 1)).reshape(lay.shape)
 
     def _task_done(self, key: int) -> None:
@@ -583,19 +583,10 @@ def _layout(dtype: str, shape: list[Any], batched: bool, symbols: Mapping[str, i
     return _Layout(tuple(dims), dt, nbytes)
 
 
-_ffi_buffer: Any = None
-
-
+@functools.cache
 def _install_externs(ffi: Any) -> None:
-    """Bind the C side's ``extern "Python"`` entry points once per process."""
-    global _externs_installed, _ffi_buffer
-    if _externs_installed:
-        return
-
-    def _cast_buffer(ptr: int, size: int) -> Any:
-        return ffi.buffer(ffi.cast("char *", ptr), size)
-
-    _ffi_buffer = _cast_buffer
+    """Bind the C side's ``extern "Python"`` entry points once per process (``ffi`` is the one
+    binding :func:`load_binding` loads)."""
 
     def onerror(exc_type: Any, exc: Any, tb: Any) -> None:
         log.error("exception in a StarPU callback", exc_info=(exc_type, exc, tb))
@@ -617,8 +608,6 @@ def _install_externs(ffi: Any) -> None:
         engine = _active
         if engine is not None:
             engine._worker_init(wid)
-
-    _externs_installed = True
 
 
 @contextmanager
@@ -643,8 +632,6 @@ def _one_model(model: int) -> None:
 
 
 def _errno_name(ret: int) -> str:
-    import errno
-
     return errno.errorcode.get(-ret, str(ret))
 
 
