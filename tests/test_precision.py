@@ -112,3 +112,27 @@ def test_a_precision_staronnx_cannot_apply_is_refused_in_one_line(capsys, model_
                                "--precision", value, "-o", tmp_path / "plan")
     assert code != 0 and message in stdout + stderr, stdout + stderr
     assert not (tmp_path / "plan").exists()
+
+
+def test_a_gpu_that_fits_no_model_names_the_fp16_file_its_worker_loaded(capsys, model_file, tmp_path):
+    """The error of a CUDA worker that fits none of a runtime's models names the file it tried
+    to load: with ``--precision gpu=fp16`` the part's fp16 twin, not the fp32 file of the CPU
+    workers."""
+    from staronnx import CudaOptions, MachineSpec, Runtime, RuntimeSpec
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.plan import arch_part_path
+    from staronnx.workers.cuda import PartDoesNotFit
+    from staronnx.workers.cudart import HostRuntime
+
+    plans = {name: _fp16_plan(capsys, model_file, tmp_path / name) for name in ("a", "b")}
+    host = HostRuntime()
+    host.inject("session_load", 2, times=100)  # every session load runs out of GPU memory
+    with pytest.raises(PartDoesNotFit, match="no model fits in its memory") as caught:
+        Runtime(plans, MachineSpec(groups="none", cuda_streams=1, cuda_graphs=False),
+                RuntimeSpec(store=PerfModelStore(tmp_path / "home"), cuda=CudaOptions(runtime=host)))
+    fp32 = [plan.part_path(p) for plan in plans.values() for p in range(plan.k)]
+    fp16 = [arch_part_path(path, "cuda") for path in fp32]
+    assert set(fp16).isdisjoint(fp32)
+    message = str(caught.value)
+    assert any(f"({path})" in message for path in fp16), message
+    assert not any(f"({path})" in message for path in fp32), message

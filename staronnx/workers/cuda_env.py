@@ -119,6 +119,7 @@ class PartDoesNotFit(DeviceError):
     def __init__(self, worker: str, part: int, path: Path, cause: str) -> None:
         self.worker = worker
         self.part = part
+        self.path = path  # the file the worker loaded: with --precision gpu=fp16, the part's fp16 copy
         super().__init__(f"{worker}: part {part} ({path}) does not fit in the GPU's memory: {cause}")
 
 

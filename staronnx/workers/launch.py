@@ -123,8 +123,7 @@ def start_fitting(make: Callable[[list[Path | None]], Any], paths: list[Path | N
                 if name == model:
                     paths[p] = None
             if all(p is None for p in paths):
-                raise PartDoesNotFit(exc.worker, exc.part, Path(str(plan.part_path(exc.part))),
-                                     "no model fits in its memory") from exc
+                raise PartDoesNotFit(exc.worker, exc.part, exc.path, "no model fits in its memory") from exc
 
 
 def check_every_model_held(owner: Sequence[str], workers: Sequence[ThreadWorker]) -> None:
