@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
@@ -162,7 +163,7 @@ def print_contract(plan: Plan) -> None:
     dynamic = {t.name for t in plan.inputs if not all(is_fixed(d) for d in t.shape)}
     given = {n: d for n, d in (plan.settings.get("input_shapes") or {}).items() if n in dynamic}
     if given:
-        sizes = ", ".join(f"{n}={'x'.join(map(str, d)) or 'scalar'}" for n, d in given.items())
+        sizes = ", ".join(f"{n}={_shape(d)}" for n, d in given.items())
         console.print(f"input shapes {sizes} were for profiling only: the plan serves every size the model "
                       "accepts (random inputs of plan verify, calibrate and run default to them)",
                       highlight=False, soft_wrap=True)
@@ -242,7 +243,7 @@ def verify_cmd(
         raise typer.Exit(1)
 
 
-def _shape(shape: tuple[int, ...]) -> str:
+def _shape(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape)) if shape else "scalar"
 
 

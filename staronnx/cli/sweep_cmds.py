@@ -295,8 +295,6 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
     return {name for name, source in sources.items() if source is not None and source.name != "DEFAULT"}
 
 
-
-
 def sweep_cmd(
     ctx: typer.Context,
     plandirs: Annotated[list[Path], typer.Argument(
@@ -680,7 +678,7 @@ def optimize_batch_cmd(
                "no candidate did")
     console.print(f"batch size {result.best}: {how} papers' latency {_fmt(lat)} ms{slo}")
     if result.rejected:
-        console.print("rejected (do not keep up with the rate, " + ("measured" if verify else "predicted") + "): "
+        console.print(f"rejected (do not keep up with the rate, {how}): "
                       + "; ".join(f"b={b}: {why}" for b, why in result.rejected.items()), highlight=False,
                       soft_wrap=True, markup=False)
     if result.generator_core is not None:
