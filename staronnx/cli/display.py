@@ -16,11 +16,12 @@ import contextlib
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Container, Iterable, Iterator
 
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn,
                            TimeElapsedColumn, TimeRemainingColumn)
+from rich.table import Table
 
 #: the width of output to a file or a pipe (where no terminal gives one)
 PIPE_WIDTH = 200
@@ -33,6 +34,16 @@ def output_console() -> Console:
     """The console results are printed on (stdout)."""
     piped = not sys.stdout.isatty() and not os.environ.get("COLUMNS", "").isdigit()
     return Console(width=PIPE_WIDTH if piped else None)
+
+
+def table_of(title: str, columns: Iterable[str], *, left: Container[str] | None = None, fold: bool = False) -> Table:
+    """A table of ``columns`` under ``title``, left-justified, or with ``left`` only those in it
+    (the others, figures, right-justified); ``fold``: a cell too wide wraps inside its column."""
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="left" if left is None or col in left else "right",
+                         overflow="fold" if fold else "ellipsis")
+    return table
 
 
 def shown(quiet: bool) -> bool:

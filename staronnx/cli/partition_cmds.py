@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
 import typer
-from rich.table import Table
 
-from staronnx.cli.display import QUIET_HELP, output_console, partition_warnings, spinner
+from staronnx.cli.display import QUIET_HELP, output_console, partition_warnings, spinner, table_of
 from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.errors import PartitionError
 from staronnx.fsutil import check_writable
@@ -122,10 +122,9 @@ def partition_cmd(
 def print_plan(plan: Plan) -> None:
     """Parts, op counts, cost shares, crossing tensors and bytes, as tables; then the model's
     batching contract and what the input shapes given at partition time were for."""
-    table = Table(title=f"{plan.root.name}: {plan.k} part(s), hash {plan.hash}")
-    for col in ("part", "nodes", "ops", "cost µs", "share", "target", "inputs", "outputs"):
-        table.add_column(col, justify="right" if col not in ("ops", "inputs", "outputs") else "left",
-                         overflow="fold")
+    table = table_of(f"{plan.root.name}: {plan.k} part(s), hash {plan.hash}",
+                     ("part", "nodes", "ops", "cost µs", "share", "target", "inputs", "outputs"),
+                     left=("ops", "inputs", "outputs"), fold=True)
     for p in plan.parts:
         ops = ", ".join(f"{op}×{n}" for op, n in list(p.op_counts.items())[:5])
         if len(p.op_counts) > 5:
@@ -143,9 +142,8 @@ def print_plan(plan: Plan) -> None:
     precision = describe(plan)
     if precision:
         console.print(precision, soft_wrap=True, highlight=False)
-    cross = Table(title=f"crossing tensors — {plan.cut_bytes_per_sample:,} bytes per sample cut")
-    for col in ("tensor", "dtype", "shape", "bytes/sample", "from", "to"):
-        cross.add_column(col, overflow="fold")
+    cross = table_of(f"crossing tensors — {plan.cut_bytes_per_sample:,} bytes per sample cut",
+                     ("tensor", "dtype", "shape", "bytes/sample", "from", "to"), fold=True)
     for t in plan.crossing:
         cross.add_row(t.name, t.dtype, "x".join(str(d) for d in t.shape), f"{t.bytes_per_sample:,}", str(t.producer),
                       ",".join(map(str, t.consumers)))
@@ -165,7 +163,7 @@ def print_contract(plan: Plan) -> None:
     dynamic = {t.name for t in plan.inputs if not all(is_fixed(d) for d in t.shape)}
     given = {n: d for n, d in (plan.settings.get("input_shapes") or {}).items() if n in dynamic}
     if given:
-        sizes = ", ".join(f"{n}={'x'.join(map(str, d)) or 'scalar'}" for n, d in given.items())
+        sizes = ", ".join(f"{n}={_shape(d)}" for n, d in given.items())
         console.print(f"input shapes {sizes} were for profiling only: the plan serves every size the model "
                       "accepts (random inputs of plan verify, calibrate and run default to them)",
                       highlight=False, soft_wrap=True)
@@ -228,9 +226,8 @@ def verify_cmd(
         which = (f"{plan.k} chained parts" if report.arch is None
                  else f"the {report.arch} workers' {report.precision} parts, chained on the CPU")
         whole = "whole model" if report.arch is None else "whole fp32 model"
-        table = Table(title=f"{whole} vs {which}, batch {batch} ({source})")
-        for col in ("output", "shape", "max abs diff", "max rel diff", "result"):
-            table.add_column(col, overflow="fold")
+        table = table_of(f"{whole} vs {which}, batch {batch} ({source})",
+                         ("output", "shape", "max abs diff", "max rel diff", "result"), fold=True)
         for o in report.outputs:
             table.add_row(o.name, "x".join(map(str, o.shape)), f"{o.max_abs:.3g}", f"{o.max_rel:.3g}",
                           "[green]OK[/]" if o.ok else "[red]MISMATCH[/]")
@@ -246,7 +243,7 @@ def verify_cmd(
         raise typer.Exit(1)
 
 
-def _shape(shape: tuple[int, ...]) -> str:
+def _shape(shape: Sequence[int]) -> str:
     return "x".join(map(str, shape)) if shape else "scalar"
 
 

@@ -10,10 +10,9 @@ from typing import Annotated, Any, Optional
 
 import numpy as np
 import typer
-from rich.table import Table
 
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
-from staronnx.cli.display import QUIET_HELP, above, output_console
+from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
@@ -144,19 +143,16 @@ def run_cmd(
         f"p90 {np.percentile(lat, 90):.2f} p99 {np.percentile(lat, 99):.2f} max {lat.max():.2f}",
         highlight=False,
     )
-    table = Table(title="placement (after 1 warm-up request)")
-    for col in ("part/arch", "tasks", "measured ms", "predicted ms"):
-        table.add_column(col, overflow="fold")
+    table = table_of("placement (after 1 warm-up request)", ("part/arch", "tasks", "measured ms", "predicted ms"),
+                     fold=True)
     for key, row in stats["tasks"].items():
         pred = row["predicted_ms"]
         table.add_row(key, str(row["tasks"]), f"{row['measured_ms']:.3f}", "-" if pred is None else f"{pred:.3f}")
     console.print(table)
-    workers = Table(title="workers")
     graphs = any("graphs" in row for row in stats["workers"].values())
     drivers = any("driver" in row for row in stats["workers"].values())
-    for col in ("worker", "arch", "tasks", "busy", *(("CUDA graphs",) if graphs else ()),
-                *(("driver thread",) if drivers else ())):
-        workers.add_column(col, overflow="fold")
+    workers = table_of("workers", ("worker", "arch", "tasks", "busy", *(("CUDA graphs",) if graphs else ()),
+                                   *(("driver thread",) if drivers else ())), fold=True)
     for name, row in stats["workers"].items():
         cells = [name, row["arch"], str(row["tasks"]), f"{row['busy']:.0%}"]
         if graphs:

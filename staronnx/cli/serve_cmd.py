@@ -604,8 +604,6 @@ def model_residency(items: list[str], names: list[str]) -> dict[str, str]:
     return served_only(parse_model_workers(items), names, "--model-workers")
 
 
-
-
 LANE_HELP = ("Give a model a lane, NAME or NAME=CPU_GROUPS (repeatable; default every CPU group): a worker of "
              "its own on each of those groups, pinned to the same cores, that the OS lets preempt the other "
              "models' tasks (the groups' shared workers run at a lower priority), so a light, latency-bound "

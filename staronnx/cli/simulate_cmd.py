@@ -15,10 +15,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
-from staronnx.cli.display import output_console
+from staronnx.cli.display import output_console, table_of
 from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
@@ -312,17 +311,13 @@ def _print_one(result: Any, machine: Any, label: str, batch_size: int, policy: s
         f"LP bound {bound.throughput:.1f} samples/s at batch {batch_size} "
         f"(achieved / bound {achieved:.1%}); binding: {binding}",
         highlight=False)
-    table = Table(title="placement (simulated vs LP optimum)")
-    for col in ("part", "arch", "tasks", "share", "LP share"):
-        table.add_column(col, overflow="fold")
+    table = table_of("placement (simulated vs LP optimum)", ("part", "arch", "tasks", "share", "LP share"), fold=True)
     lp_share = bound.arch_share()
     for part, arch in sorted(set(result.placement) | set(lp_share)):
         table.add_row(str(part), arch, str(result.placement.get((part, arch), 0)),
                       f"{result.share(label, part).get(arch, 0.0):.0%}", f"{lp_share.get((part, arch), 0.0):.0%}")
     console.print(table)
-    workers = Table(title="workers")
-    for col in ("worker", "arch", "memory node", "busy", "LP busy"):
-        workers.add_column(col, overflow="fold")
+    workers = table_of("workers", ("worker", "arch", "memory node", "busy", "LP busy"), fold=True)
     for w in result.workers:
         workers.add_row(w.name, w.arch, w.memory_node, f"{result.busy[w.name]:.0%}",
                         f"{bound.utilization.get(w.name, 0.0):.0%}")
@@ -344,10 +339,9 @@ def _print_mix(result: Any, machine: Any, labels: list[str], offered: dict[str, 
                             + (f" and {', '.join(others)}" if (others := [w for w in result.held_by[n]
                                                                           if not w.startswith('lane:')]) else "")
                             for n in lanes), highlight=False)
-    table = Table(title="per model (latencies in ms; misses: answers later than the target)")
-    for col in ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
-                "rejected", "load"):
-        table.add_column(col, justify="left" if col in ("model", "load") else "right")
+    table = table_of("per model (latencies in ms; misses: answers later than the target)",
+                     ("model", "b", "offered", "throughput", "p50", "p99", "papers' latency", "target", "misses",
+                      "rejected", "load"), left=("model", "load"))
     for n in labels:
         m = result.metrics(n)
         target = result.targets[n]
@@ -365,9 +359,8 @@ def _print_mix(result: Any, machine: Any, labels: list[str], offered: dict[str, 
     console.print("LP per model: " + "; ".join(
         f"{n} {bound.throughput[n]:.1f} samples/s at that scale, {bound.solo[n]:.1f} alone" for n in labels),
         highlight=False)
-    busy = Table(title="workers (busy share per model: simulated / LP at the bound)")
-    for col in ("worker", "arch", "busy", *labels):
-        busy.add_column(col, overflow="fold")
+    busy = table_of("workers (busy share per model: simulated / LP at the bound)", ("worker", "arch", "busy", *labels),
+                    fold=True)
     for w in result.workers:
         busy.add_row(w.name, w.arch, f"{result.busy[w.name]:.0%}",
                      *(f"{result.busy_by_model[n][w.name]:.0%} / {bound.busy[n][w.name]:.0%}" for n in labels))

@@ -18,7 +18,7 @@ from rich.progress import Progress, TaskID
 from rich.table import Table
 
 from staronnx.cli.calibration_check import warn_uncalibrated
-from staronnx.cli.display import QUIET_HELP, above, output_console
+from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, cuda_summary, host_core_name, parse_cuda_devices
 from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, \
@@ -199,13 +199,12 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
     if not simulated:
         console.print("[yellow]no point could be simulated (calibrate the plan: staronnx calibrate)[/]")
         return
-    table = Table(title="simulator vs measurement (error = simulated / measured - 1)")
     mixed = any("model" in r for r in simulated)  # a mixed sweep: a row per mix and model
     banded = any("sim_fragile" in r for r in simulated)
-    for c in (*(("mix", "model") if mixed else ()), "b", "offered", "thr. live", "thr. sim", "error", "p50 live",
-              "p50 sim", "error", "latency live", "latency sim", "error", *(("sim band",) if banded else ()),
-              "congested live/sim", "machine"):
-        table.add_column(c, justify="left" if c in ("mix", "model") else "right")
+    table = table_of("simulator vs measurement (error = simulated / measured - 1)",
+                     (*(("mix", "model") if mixed else ()), "b", "offered", "thr. live", "thr. sim", "error",
+                      "p50 live", "p50 sim", "error", "latency live", "latency sim", "error",
+                      *(("sim band",) if banded else ()), "congested live/sim", "machine"), left=("mix", "model"))
 
     def pct(v: Any) -> str:
         return "-" if v is None else f"{v:+.1%}"
@@ -274,11 +273,10 @@ def _print_notes(output: Path) -> None:
 def _summary_table(rows: list[dict[str, Any]]) -> Table:
     from staronnx.bench.results import row_state
 
-    table = Table(title="sweep (papers' latency: first request of each batch)")
-    cols = ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state")
     busy = any(r.get("machine_busy") for r in rows)
-    for c in cols + (("machine",) if busy else ()):
-        table.add_column(c, justify="left" if c in ("state", "machine") else "right")
+    table = table_of("sweep (papers' latency: first request of each batch)",
+                     ("b", "offered", "throughput", "latency ms", "std", "p50", "p99", "CPU share", "/bound", "state",
+                      *(("machine",) if busy else ())), left=("state", "machine"))
     for r in rows:
         state = row_state(r)
         table.add_row(
@@ -295,8 +293,6 @@ def given_on_command_line(ctx: typer.Context) -> set[str]:
     """The parameters of the running command that the user gave (not left at their defaults)."""
     sources = {p.name: ctx.get_parameter_source(p.name) for p in ctx.command.params if p.name}
     return {name for name, source in sources.items() if source is not None and source.name != "DEFAULT"}
-
-
 
 
 def sweep_cmd(
@@ -536,9 +532,9 @@ def _report(output: Path, rows: Any, table: Any, *, simulate: bool, trace: Path 
 
 def _mix_table(rows: list[dict[str, Any]]) -> Table:
     """One line per mix and model: what each model got of the shared runtime."""
-    table = Table(title="mixed sweep (several models on one runtime; latencies in ms)")
-    for c in ("mix", "model", "b", "offered", "throughput", "p50", "p99", "target", "late", "LP scale", "state"):
-        table.add_column(c, justify="left" if c in ("mix", "model", "state") else "right")
+    table = table_of("mixed sweep (several models on one runtime; latencies in ms)",
+                     ("mix", "model", "b", "offered", "throughput", "p50", "p99", "target", "late", "LP scale",
+                      "state"), left=("mix", "model", "state"))
     from staronnx.bench.results import row_state
 
     for r in rows:
@@ -653,10 +649,9 @@ def optimize_batch_cmd(
                             verify_duration=parse_duration(verify_duration, option="--verify-duration"),
                             max_verify=max_verify, seed=seed, colocate=colocate)
         result = optimize_batch(plandir, rate, spec, machine=machine, progress=lambda msg: status.update(msg))
-    table = Table(title=f"batch size at {rate:g} req/s ({result.objective}); latencies in ms")
-    for c in ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
-              "error", "LP bound", "note"):
-        table.add_column(c, justify="left" if c == "note" else "right")
+    table = table_of(f"batch size at {rate:g} req/s ({result.objective}); latencies in ms",
+                     ("b", "pred. latency", "pred. p99", "pred. thr.", "meas. latency", "meas. p99", "meas. thr.",
+                      "error", "LP bound", "note"), left=("note",))
     for cand in result.candidates:
         r = cand.row()
         note = [text for text, on in (
@@ -683,7 +678,7 @@ def optimize_batch_cmd(
                "no candidate did")
     console.print(f"batch size {result.best}: {how} papers' latency {_fmt(lat)} ms{slo}")
     if result.rejected:
-        console.print("rejected (do not keep up with the rate, " + ("measured" if verify else "predicted") + "): "
+        console.print(f"rejected (do not keep up with the rate, {how}): "
                       + "; ".join(f"b={b}: {why}" for b, why in result.rejected.items()), highlight=False,
                       soft_wrap=True, markup=False)
     if result.generator_core is not None:

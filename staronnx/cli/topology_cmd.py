@@ -17,6 +17,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from staronnx.cli.display import table_of
 from staronnx.errors import StaronnxError
 from staronnx.workers.groups import DEFAULT_POLICY, CpuGroup, CpuGroups, make_groups
 from staronnx.workers.layout import Layout, MachineSpec, layout
@@ -25,9 +26,8 @@ from staronnx.workers.topology import Topology, format_pus
 
 def groups_table(groups: CpuGroups) -> Table:
     """A rich table of the groups (and reserved cores) of a policy."""
-    table = Table(title=f"CPU groups for policy {groups.policy!r}")
-    for col in ("group", "name", "cores", "PUs", "first PU", "NUMA", "package", "ORT thread PUs"):
-        table.add_column(col)
+    table = table_of(f"CPU groups for policy {groups.policy!r}",
+                     ("group", "name", "cores", "PUs", "first PU", "NUMA", "package", "ORT thread PUs"))
     for g in groups:
         table.add_row(
             str(g.id),
@@ -51,10 +51,9 @@ def workers_table(laid: Layout) -> Table:
     """Every worker a runtime of ``laid``'s spec starts, in its order (CUDA streams first, GPU
     by GPU), with its arch, memory node and PUs: a CUDA worker's are its driver thread's."""
     spec = laid.spec
-    table = Table(title=f"workers for --groups {spec.groups!r}, --cuda-streams {spec.cuda_streams}"
-                        + (f", --cuda-devices {','.join(map(str, spec.cuda_devices))}" if spec.cuda_streams else ""))
-    for col in ("worker", "kind", "arch (perf models)", "memory node", "PUs"):
-        table.add_column(col)
+    table = table_of(f"workers for --groups {spec.groups!r}, --cuda-streams {spec.cuda_streams}"
+                     + (f", --cuda-devices {','.join(map(str, spec.cuda_devices))}" if spec.cuda_streams else ""),
+                     ("worker", "kind", "arch (perf models)", "memory node", "PUs"))
     for w in laid.workers:
         if w.group is not None:
             where = format_pus(w.group.pus)
@@ -126,9 +125,8 @@ def register(app: typer.Typer) -> None:
                 console.print(f"no GPU for CUDA workers here: {cuda_unavailable_reason()}", highlight=False,
                               soft_wrap=True, markup=False)  # the reason names staronnx[gpu], not markup
                 return
-            table = Table(title=f"GPUs CUDA workers can use here: {len(gpus)}")
-            for col in ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"):
-                table.add_column(col)
+            table = table_of(f"GPUs CUDA workers can use here: {len(gpus)}",
+                             ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"))
             for g in gpus:
                 memory = "-" if g["memory_bytes"] is None else f"{g['memory_bytes'] / 2**30:.1f} GiB"
                 table.add_row(f"cuda{g['device']}", g["name"], memory,

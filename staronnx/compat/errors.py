@@ -32,7 +32,6 @@ class NotRecorded(StaronnxError, _ort_state.Fail):  # type: ignore[misc]
     """get_provider_graph_assignment_info() without the config entry that records it (ORT's Fail)."""
 
 
-
 #: TaskError classes that are also ORT's, by ORT's class (None: an ORT class that cannot be a base)
 _task_error_types: dict[type, type[TaskError] | None] = {}
 

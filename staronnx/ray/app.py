@@ -21,15 +21,14 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from staronnx.errors import StaronnxError
-from staronnx.ray.spec import (APP_NAME, INGRESS_NAME, ModelSpec, ReplicaSpec, Scaling, group_models,
-                               parse_autoscale)
+from staronnx.ray.spec import (APP_NAME, INGRESS_NAME, RUNTIME_FIELDS, ModelSpec, ReplicaSpec, Scaling,
+                               group_models, parse_autoscale)
 
 #: the Serve config ``args`` :func:`build` takes besides the model settings
 _SCALING_ARGS = {"replicas", "autoscale", "replica_cpus", "replica_gpus", "max_ongoing", "target_ongoing",
                  "ingress_replicas"}
-#: settings given once for every model
-_MODEL_ARGS = {"policy", "groups", "cuda_streams", "cuda_graphs", "thread_per_stream", "engine", "batch_size",
-               "max_delay", "calibrate", "home", "save_every", "pin_cpus", "lane_preempt", "gc_interval"}
+#: settings given once for every model: its runtime's, and its batcher's size and delay
+_MODEL_ARGS = {*RUNTIME_FIELDS, "batch_size", "max_delay"}
 #: settings given once for every model or per model ({name: value}, or "name=value" items)
 _PER_MODEL_ARGS = {"queue_capacity", "slo_ms", "priority"}
 _OTHER_ARGS = {"plans", "names", "max_body", "separate_runtimes", "batch_axes", "batching"}
@@ -41,10 +40,14 @@ def build_app(specs: Sequence[ModelSpec], scaling: Scaling | None = None, *, max
     """The ingress bound to the deployment(s) serving ``specs`` (a ``ray.serve`` Application):
     one hosting every model on a shared runtime per replica, or one per model
     (``separate_runtimes``); ``scaling`` applies to each."""
+    from ray import serve
+
+    from staronnx.ray.ingress import KServeIngress
+
     groups = group_models(specs, separate_runtimes)
     scaling = scaling or Scaling()
     handles = _deployments(groups, scaling, env)
-    ingress = _ingress().options(
+    ingress = serve.deployment(KServeIngress).options(
         name=INGRESS_NAME, num_replicas=scaling.ingress_replicas, ray_actor_options={"num_cpus": 0},
         # the ingress only awaits the replicas: it can hold every request the models may queue
         max_ongoing_requests=max(1000, sum(s.queue_capacity for s in specs)))
@@ -64,14 +67,6 @@ def _deployments(groups: Sequence[ReplicaSpec], scaling: Scaling, env: Mapping[s
         bound = serve.deployment(StaronnxReplica).options(**options).bind(group.to_dict())
         handles.update({m.name: bound for m in group.models})
     return handles
-
-
-def _ingress() -> Any:
-    from ray import serve
-
-    from staronnx.ray.ingress import KServeIngress
-
-    return serve.deployment(KServeIngress)
 
 
 def build(args: Mapping[str, Any]) -> Any:

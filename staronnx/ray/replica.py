@@ -164,18 +164,13 @@ class StaronnxReplica:
                  ", ".join(f"{m.name!r} (plan {m.plan})" for m in self.spec.models), self.cpus,
                  len(self.runtime.workers))
 
-    @property
-    def endpoint(self) -> Any:
-        """The endpoint of a one-model replica (the first model's otherwise)."""
-        return next(iter(self.endpoints.values()))
-
     def _endpoint(self, model: str | None) -> Any:
         """The endpoint serving ``model`` (None: the only one); an unknown name is a protocol
         error (not found), though the ingress routes only the names this replica hosts."""
         from staronnx.serve.protocol import unknown_model
 
         if model is None and len(self.endpoints) == 1:
-            return self.endpoint
+            return next(iter(self.endpoints.values()))
         try:
             return self.endpoints[model]  # type: ignore[index]
         except KeyError:
