@@ -140,7 +140,8 @@ def repo(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def served(repo, tmp_path_factory):
     s = start_server([], tmp_path_factory.mktemp("home"), "--model-repository", str(repo), "--policy", "eager",
-                     "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")
+                     "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s",
+                     "--queue-capacity", "simple=32")
     yield s
     assert s.stop() == 0, "\n".join(s.lines)
 
@@ -201,6 +202,7 @@ def test_config_is_the_effective_one(served):
     http = httpclient.InferenceServerClient(served.http)
     simple = http.get_model_config("simple")
     assert simple["platform"] == "onnxruntime_onnx" and simple["max_batch_size"] == 8
+    assert simple["parameters"]["queue_capacity"]["string_value"] == "32"  # --queue-capacity simple=32
     assert [(t["name"], t["data_type"], t["dims"]) for t in simple["input"]] == [
         ("INPUT0", "TYPE_INT32", [16]), ("INPUT1", "TYPE_INT32", [16])]
     completed = http.get_model_config("simple_string")  # no config.pbtxt: all from the model
@@ -353,7 +355,8 @@ def explicit(repo, tmp_path_factory):
     """Explicit model control: simple and simple_string loaded at start, the rest on request."""
     s = start_server([], tmp_path_factory.mktemp("explicit"), "--model-repository", str(repo),
                      "--model-control-mode", "explicit", "--load-model", "simple", "--load-model", "simple_string",
-                     "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")
+                     "--policy", "eager", "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s",
+                     "--queue-capacity", "simple=32")
     yield s
     assert s.stop() == 0, "\n".join(s.lines)
 

@@ -255,7 +255,7 @@ def serve_cmd(
         except StaronnxError as exc:  # this model fails alone
             unavailable[model_name] = str(exc)
             continue
-        base = specs.get(model_name, serving)
+        base = replace(serving, queue_capacity=capacities[model_name])  # --queue-capacity N or NAME=N
         target = {**found.settings.target, **targets.get(model_name, {})}
         for version in (found, *found.older):  # the older versions run as models of their own, keyed NAME@VERSION
             key = model_name if version is found else f"{model_name}@{version.version}"
