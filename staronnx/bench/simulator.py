@@ -268,11 +268,7 @@ class _Simulation:
             tracer, shift = Tracer(target, origin=0.0), -float(self.arrivals[0])
             for info in self.m.workers:
                 tracer.lane(info.id, info.name)
-        self._draw_trace(tracer, shift)
-        return None if isinstance(target, TraceInto) else tracer.save()
-
-    def _draw_trace(self, tracer: Any, shift: float) -> None:
-        for wid, task, stretches, wall, deps in self.ran or ():
+        for wid, task, stretches, wall, deps in self.ran:
             req = task.request
             view = task.view
             args = {"request": req.id, "batch": req.batch, "simulated": True, "measured_ms": wall * 1e3,
@@ -300,6 +296,7 @@ class _Simulation:
                                       record.formed + shift, record.done + shift, args)
             for t, q in fe.samples:
                 tracer.counter(f"{prefix}server queue (requests)", t + shift, q)
+        return None if isinstance(target, TraceInto) else tracer.save()
 
     # -- the server: queue and batcher -------------------------------------------------------
     def _on_arrival(self, fe: _FrontEnd, i: int, t: float) -> None:
