@@ -74,9 +74,7 @@ def _ms(metrics: Mapping[str, Any], key: str) -> float | None:
 def relative_error(predicted: Any, measured: Any) -> float | None:
     """``predicted / measured - 1``, or None where either is missing or the measurement is 0."""
     p, m = _finite(predicted), _finite(measured)
-    if p is None or m is None or m == 0:
-        return None
-    return p / m - 1.0
+    return None if p is None or m is None or m == 0 else p / m - 1.0
 
 
 def simulate_row(machine: Any, row: Mapping[str, Any], spec: SimSpec, *, warmup: float) -> dict[str, Any]:
