@@ -269,8 +269,7 @@ def machine_bound(machine: SimMachine, batch_size: int, host_costs: bool = True)
         raise BoundError("this machine hosts several models: bound their traffic together with mix_bound "
                          "(a rate per model)")
     name = machine.models.models[0].name
-    return _lp(machine, {name: batch_size}, {name: 1.0}, batch_size=batch_size,
-               host_costs=host_costs)
+    return _lp(machine, {name: batch_size}, {name: 1.0}, batch_size=batch_size, host_costs=host_costs)
 
 
 def batch_bounds(machine: SimMachine, batch_sizes: Sequence[int]) -> tuple[dict[int, dict[str, Any]], list[str]]:

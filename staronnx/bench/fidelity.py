@@ -28,6 +28,7 @@ guessing its side of it, and says which points it is.
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -64,12 +65,16 @@ def _finite(v: Any) -> float | None:
     return float(v) if math.isfinite(v) else None
 
 
+def _ms(metrics: Mapping[str, Any], key: str) -> float | None:
+    """``metrics[key]`` (seconds) in milliseconds, None where it is missing or not finite."""
+    v = _finite(metrics.get(key))
+    return None if v is None else v * 1e3
+
+
 def relative_error(predicted: Any, measured: Any) -> float | None:
     """``predicted / measured - 1``, or None where either is missing or the measurement is 0."""
     p, m = _finite(predicted), _finite(measured)
-    if p is None or m is None or m == 0:
-        return None
-    return p / m - 1.0
+    return None if p is None or m is None or m == 0 else p / m - 1.0
 
 
 def simulate_row(machine: Any, row: Mapping[str, Any], spec: SimSpec, *, warmup: float) -> dict[str, Any]:
@@ -94,14 +99,10 @@ def sim_columns(simulated: Mapping[str, Any], row: Mapping[str, Any], *, deadlin
     :func:`~staronnx.bench.simulator.model_metrics`' with ``deadlines``: then also
     ``sim_deadline_misses``, as a mixed sweep's rows have it), and the simulation's
     ``task_time_ratio`` (its result's, for the whole machine) as ``sim_task_time_ratio``."""
-
-    def ms(key: str) -> float | None:
-        v = _finite(simulated.get(key))
-        return None if v is None else v * 1e3
-
     out: dict[str, Any] = {
-        "sim_throughput": _finite(simulated.get("throughput")), "sim_latency_p50_ms": ms("latency_p50"),
-        "sim_latency_p99_ms": ms("latency_p99"), "sim_paper_latency_mean_ms": ms("paper_latency_mean"),
+        "sim_throughput": _finite(simulated.get("throughput")), "sim_latency_p50_ms": _ms(simulated, "latency_p50"),
+        "sim_latency_p99_ms": _ms(simulated, "latency_p99"),
+        "sim_paper_latency_mean_ms": _ms(simulated, "paper_latency_mean"),
         "sim_congested": bool(simulated.get("congested")), "sim_task_time_ratio": _finite(task_time_ratio)}
     if deadlines:
         out["sim_deadline_misses"] = simulated.get("deadline_misses")
@@ -123,16 +124,11 @@ def band_columns(fast: Mapping[str, Any], slow: Mapping[str, Any], nominal: Mapp
     called so at some speed of it, and, live steady, its papers' latency lies between the band's
     steady ends (a band whose slow end congests has no upper end), each widened by
     :data:`TARGET`; None where the live point measured no latency."""
-
-    def ms(metrics: Mapping[str, Any], key: str) -> float | None:
-        v = _finite(metrics.get(key))
-        return None if v is None else v * 1e3
-
     out: dict[str, Any] = {
         "sim_band": band,
-        "sim_latency_p50_fast_ms": ms(fast, "latency_p50"), "sim_latency_p50_slow_ms": ms(slow, "latency_p50"),
-        "sim_paper_latency_fast_ms": ms(fast, "paper_latency_mean"),
-        "sim_paper_latency_slow_ms": ms(slow, "paper_latency_mean"),
+        "sim_latency_p50_fast_ms": _ms(fast, "latency_p50"), "sim_latency_p50_slow_ms": _ms(slow, "latency_p50"),
+        "sim_paper_latency_fast_ms": _ms(fast, "paper_latency_mean"),
+        "sim_paper_latency_slow_ms": _ms(slow, "paper_latency_mean"),
         "sim_congested_fast": bool(fast.get("congested")), "sim_congested_slow": bool(slow.get("congested"))}
     calls = [out["sim_congested_fast"], bool(nominal.get("sim_congested")), out["sim_congested_slow"]]
     fragile = len(set(calls)) > 1
@@ -162,11 +158,9 @@ def _stats(errors: Sequence[float], target: float) -> dict[str, Any]:
     if not errors:
         return {"points": 0, "median_abs": None, "max_abs": None, "mean": None, "within_target": None}
     absolute = sorted(abs(e) for e in errors)
-    mid = len(absolute) // 2
-    median = absolute[mid] if len(absolute) % 2 else (absolute[mid - 1] + absolute[mid]) / 2
     return {
         "points": len(errors),
-        "median_abs": median,
+        "median_abs": statistics.median(absolute),
         "max_abs": absolute[-1],
         "mean": sum(errors) / len(errors),
         "within_target": sum(a <= target for a in absolute) / len(absolute),

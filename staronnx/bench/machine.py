@@ -59,9 +59,7 @@ class ArchSource:
     scale: float | tuple[float, ...] = 1.0
 
     def factor(self, part: int) -> float:
-        if isinstance(self.scale, tuple):
-            return self.scale[part]
-        return self.scale
+        return self.scale[part] if isinstance(self.scale, tuple) else self.scale
 
     def times(self, other: float | Sequence[float], k: int) -> ArchSource:
         """This source with its times further multiplied by ``other`` (one factor, or per part)."""
@@ -147,10 +145,7 @@ class PerfTable:
 
     # -- Predictor protocol (what policies call) ---------------------------------------------
     def exec_time(self, task: TaskView, worker: WorkerInfo) -> float:
-        fp = task.footprint
-        if fp is None:
-            return 0.0
-        return self.predict(task.part, worker.arch, fp)
+        return 0.0 if task.footprint is None else self.predict(task.part, worker.arch, task.footprint)
 
     def transfer_time(self, task: TaskView, worker: WorkerInfo) -> float:
         return self.base.transfer_time(task, worker)
@@ -276,9 +271,7 @@ class SimMachine:
         where none were measured or the machine hosts several models (their costs are each
         plan's alone, measured apart)."""
         assert self.models is not None
-        if self.host is None or not self.models.single:
-            return None
-        return self.host.at(batch)
+        return None if self.host is None or not self.models.single else self.host.at(batch)
 
     @property
     def host_shares_cores(self) -> bool:

@@ -7,8 +7,6 @@ workers (CUDA streams, pinned CPU groups), many samples each, which is what the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from staronnx.bench.machine import SimulationError, build_machine
 from staronnx.partition.autoshares import WorkerSpeed
 from staronnx.perfmodels import PerfModelStore

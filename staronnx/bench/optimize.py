@@ -259,31 +259,28 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
     (:func:`next_candidate`). ``runtime`` (left open) and ``sim_machine`` (the simulated twin of
     ``machine``) are reused where given; ``progress`` hears a line per step.
     """
-    slo, batch_sizes, policy, distribution = spec.slo, spec.batch_sizes, spec.policy, spec.distribution
-    sim_duration, verify, verify_duration = spec.sim_duration, spec.verify, spec.verify_duration
-    neighbours, max_verify, min_batches, seed = spec.neighbours, spec.max_verify, spec.min_batches, spec.seed
-    colocate = spec.colocate
+    slo, seed = spec.slo, spec.seed
     plan = plan if isinstance(plan, Plan) else Plan.load(plan)
     if not (_finite(rate) and rate > 0):
         raise OptimizeError(f"rate must be a positive number of requests/s, got {rate!r}")
     if slo is not None and not (_finite(slo) and slo > 0):
         raise OptimizeError(f"the latency SLO must be > 0 seconds, got {slo!r}")
-    sizes = sorted({int(b) for b in batch_sizes})
+    sizes = sorted({int(b) for b in spec.batch_sizes})
     if not sizes or sizes[0] < 1:
-        raise OptimizeError(f"batch sizes must be integers >= 1, got {list(batch_sizes)}")
+        raise OptimizeError(f"batch sizes must be integers >= 1, got {list(spec.batch_sizes)}")
     sizes, left_out = runnable_sizes(plan, sizes)
     say = progress or (lambda msg: None)
     notes: list[str] = [left_out] if left_out else []
-    machine_spec = machine
-    sim = sim_machine if sim_machine is not None else build_machine(plan, machine_spec, store=store)
+    sim = sim_machine if sim_machine is not None else build_machine(plan, machine, store=store)
     notes.extend(sim.notes)
 
     candidates: list[Candidate] = []
     for b in sizes:
-        length = point_duration(sim_duration, min(1.0, sim_duration / 5), b, rate, min_batches)
+        length = point_duration(spec.sim_duration, min(1.0, spec.sim_duration / 5), b, rate, spec.min_batches)
         say(f"simulating batch {b} at {rate:g} req/s ({length:.1f} s of arrivals)")
         try:
-            res = simulate(sim, rate, b, SimSpec(policy=policy, duration=length, distribution=distribution, seed=seed))
+            res = simulate(sim, rate, b, SimSpec(policy=spec.policy, duration=length, distribution=spec.distribution,
+                                                 seed=seed))
         except StaronnxError as exc:
             notes.append(f"batch {b} left out: {exc}")
             continue
@@ -300,7 +297,7 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
     predicted_best, slo_met = choose(predicted, slo, bounds, rate)
     result = Optimization(rate=float(rate), slo=slo, candidates=candidates, predicted_best=predicted_best,
                           best=predicted_best, slo_met=slo_met, notes=notes, rejected=rejections(predicted, rate))
-    if not verify:
+    if not spec.verify:
         if not result.keeps_up:
             most = f"; batch {predicted_best} serves the most" if len(predicted) > 1 else ""
             notes.append(f"no candidate is predicted to keep up with {rate:g} req/s{most}")
@@ -308,10 +305,10 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
 
     order = [c.batch_size for c in candidates]
     at = order.index(predicted_best)
-    result.verified = order[max(0, at - neighbours): at + neighbours + 1]
+    result.verified = order[max(0, at - spec.neighbours): at + spec.neighbours + 1]
     own = runtime is None
     if own:
-        runtime = Runtime(plan, machine_spec, RuntimeSpec(policy, store=store))
+        runtime = Runtime(plan, machine, RuntimeSpec(spec.policy, store=store))
     try:
         samples = sample_pool(plan, seed=seed)
 
@@ -319,21 +316,21 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
             failed = warm_up(runtime, plan, [b], seed=seed)
             if failed:  # the measurement fails the same way and says so
                 notes.append(f"warm-up failed at {failed}")
-            length = point_duration(verify_duration, min(1.0, verify_duration / 5), b, rate, min_batches)
+            length = point_duration(spec.verify_duration, min(1.0, spec.verify_duration / 5), b, rate, spec.min_batches)
             say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
             summary, records = measure_point(runtime, b, rate, samples,
-                                             RunSpec(distribution, length, min(1.0, length / 5), seed,
-                                                     colocate=colocate))
+                                             RunSpec(spec.distribution, length, min(1.0, length / 5), seed,
+                                                     colocate=spec.colocate))
             result.candidate(b).measured = dict(summary)
             if summary["state"] == "failed":
                 notes.append(f"batch {b} measured live: {summary['notes']}")
-            if colocate:
+            if spec.colocate:
                 result.generator_core = records.settings.get("loadgen", {}).get("core")
 
         for b in result.verified:
             measure(b)
         # hill-climb (up to max_verify live points): see next_candidate()
-        while len(result.verified) < max_verify:
+        while len(result.verified) < spec.max_verify:
             measured = {b: result.candidate(b).measured for b in result.verified}
             nxt = next_candidate(order, measured, slo, bounds, rate)  # type: ignore[arg-type]
             if nxt is None:
@@ -354,7 +351,7 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
         result.notes.append(f"measurement overruled the prediction: batch {result.best} beat batch {predicted_best}")
     stale = stale_models_note(
         plan, [(b, (result.candidate(b).measured or {}).get("throughput"), result.candidate(b).bound)
-               for b in result.verified], machine_spec)
+               for b in result.verified], machine)
     if stale:
         result.notes.append(stale)
     return result

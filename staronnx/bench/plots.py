@@ -30,6 +30,7 @@ from staronnx.errors import StaronnxError
 Rows = Sequence[Mapping[str, Any]]
 LATENCY = "paper_latency_mean_ms"
 SPREAD = "paper_latency_std_ms"
+RATE = "offered rate (requests/s)"  # the x axis of most figures
 
 
 class PlotError(StaronnxError, ValueError):
@@ -129,13 +130,11 @@ def figure_latency_throughput(rows: Rows, *, latency: str = LATENCY, spread: str
         busy = _mark_busy(ax, xs, ys, pts) or busy
         series.append(label)
     _some(fig, series, f"no row has a {latency!r} value to plot")
-    ax.set_xlabel("achieved throughput (samples/s)")
-    ax.set_ylabel("latency of the first request of a batch (ms)" if latency == LATENCY else latency)
-    if log_y:
-        ax.set_yscale("log")
+    ax.set(xlabel="achieved throughput (samples/s)", yscale="log" if log_y else "linear",
+           ylabel="latency of the first request of a batch (ms)" if latency == LATENCY else latency,
+           title=_title(rows, "latency vs throughput per batch size"))
     ax.grid(True, which="both", alpha=0.3)
     _legend(ax, busy, title="batch size (hollow: congested)", fontsize=8)
-    ax.set_title(_title(rows, "latency vs throughput per batch size"))
     fig.tight_layout()
     return fig, series
 
@@ -152,9 +151,8 @@ def figure_best_batch(rows: Rows, *, latency: str = LATENCY) -> tuple[Figure, li
     for r in rates:
         ax.annotate(f"b={best[r]['batch_size']}", (r, best[r][latency]), textcoords="offset points",
                     xytext=(0, 6), ha="center", fontsize=7)
-    ax.set_xlabel("offered rate (requests/s)")
+    ax.set(xlabel=RATE, yscale="log", title=_title(rows, "best batch size per rate"))
     ax.set_ylabel("latency of the first request of a batch (ms)", color="C0")
-    ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
     ax2 = ax.twinx()
     ax2.step(rates, [best[r]["batch_size"] for r in rates], where="mid", color="C1", label="best batch size")
@@ -165,7 +163,6 @@ def figure_best_batch(rows: Rows, *, latency: str = LATENCY) -> tuple[Figure, li
     ax2.set_ylim(min(sizes) / 1.5, max(sizes) * 1.5)
     lines = ax.get_lines()[:1] + ax2.get_lines()[:1]
     ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
-    ax.set_title(_title(rows, "best batch size per rate"))
     fig.tight_layout()
     return fig, ["latency of the best b", "best batch size"]
 
@@ -185,19 +182,16 @@ def figure_cpu_share(rows: Rows) -> tuple[Figure, list[str]]:
         ax.plot(xs, [100 * y for y in ys], "o-", ms=4, label=label, color=colors[b])
         series.append(label)
     _some(fig, series, "no row records a CPU share (placement)")
-    ax.set_xlabel("offered rate (requests/s)")
-    ax.set_ylabel("part-tasks run on a CPU (%)")
-    ax.set_ylim(-3, 103)
     # rates from 0: one measured rate (the others congested) is a dot at its rate, not the
     # middle of a 48-52 axis
-    ax.set_xlim(0, 1.05 * max(float(r["offered_rate"]) for r in rows))
+    ax.set(xlabel=RATE, ylabel="part-tasks run on a CPU (%)", ylim=(-3, 103), title=_title(rows, "CPU share vs rate"),
+           xlim=(0, 1.05 * max(float(r["offered_rate"]) for r in rows)))
     shares = [_num(r.get("cpu_share")) for r in rows if math.isfinite(_num(r.get("cpu_share")))]
     if all(v >= 1.0 - 1e-9 for v in shares) and not any(r.get("cuda_streams") for r in rows):
         ax.text(0.5, 0.5, "no CUDA worker: every part-task runs on a CPU", transform=ax.transAxes,
                 ha="center", va="center", fontsize=9, color="grey")
     ax.grid(True, alpha=0.3)
     ax.legend(title="batch size", fontsize=8)
-    ax.set_title(_title(rows, "CPU share vs rate"))
     fig.tight_layout()
     return fig, series
 
@@ -228,11 +222,8 @@ def figure_simulator(rows: Rows) -> tuple[Figure, list[str]]:
                                [_num(r.get("sim_latency_p50_slow_ms")) for r in pts], color=color, alpha=0.15, lw=0)
         busy = _mark_busy(left, xs, measured, pts) | _mark_busy(right, xs, p50, pts) or busy
         series.append(f"b = {b}")
-    left.set_xlabel("offered rate (requests/s)")
-    left.set_ylabel("throughput (samples/s)")
-    right.set_xlabel("offered rate (requests/s)")
-    right.set_ylabel("per-request p50 latency (ms)")
-    right.set_yscale("log")
+    left.set(xlabel=RATE, ylabel="throughput (samples/s)")
+    right.set(xlabel=RATE, ylabel="per-request p50 latency (ms)", yscale="log")
     for ax in (left, right):
         ax.grid(True, which="both", alpha=0.3)
     banded = [_num(r.get("sim_band")) for r in simulated if "sim_fragile" in r]
@@ -273,17 +264,13 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
                    if math.isfinite(_num(r.get("throughput")))), default=1.0)
     lim = min(max((float(r["offered_rate"]) for rows in results for r in rows), default=1.0), 1.5 * top_thr)
     ax2.plot([0, lim], [0, lim], ":", color="grey", lw=1, label="offered")
-    ax.set_xlabel("offered rate (requests/s)")
-    ax.set_ylabel("best latency of the first request of a batch (ms)")
-    ax.set_yscale("log")
+    ax.set(xlabel=RATE, ylabel="best latency of the first request of a batch (ms)", yscale="log",
+           title="best batch size's latency per rate")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title("best batch size's latency per rate")
-    ax2.set_xlabel("offered rate (requests/s)")
-    ax2.set_ylabel("highest throughput over batch sizes (samples/s)")
+    ax2.set(xlabel=RATE, ylabel="highest throughput over batch sizes (samples/s)", title="throughput reached per rate")
     ax2.grid(True, alpha=0.3)
     ax2.legend(fontsize=8)
-    ax2.set_title("throughput reached per rate")
     fig.tight_layout()
     return fig, series
 
@@ -352,14 +339,12 @@ def figure_models(rows: Rows) -> tuple[Figure, list[str]]:
         thr.plot(xs, [_num(r.get("throughput")) / _num(r.get("offered_rate")) if _num(r.get("offered_rate")) else math.nan
                       for r in mine], "o-", color=color, label=name)
         series.append(name)
-    lat.set_yscale("log")
-    lat.set_ylabel("latency per request (ms)")
+    lat.set(yscale="log", ylabel="latency per request (ms)",
+            title=_title(rows, "several models on one runtime: latency per mix"))
     lat.legend(fontsize="small")
-    lat.set_title(_title(rows, "several models on one runtime: latency per mix"))
     thr.axhline(1.0, color="grey", linewidth=0.8)
-    thr.set_ylabel("throughput / offered rate")
+    thr.set(ylabel="throughput / offered rate", xlabel="mix (requests/s per model)")
     thr.set_xticks(range(len(points)), [labels[p] for p in points], rotation=30, ha="right", fontsize="small")
-    thr.set_xlabel("mix (requests/s per model)")
     thr.legend(fontsize="small")
     fig.tight_layout()
     return fig, series

@@ -160,17 +160,16 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
     in turn hand it over cheapest; the records' ``loadgen`` settings name that core (``core``:
     None when the block had none to give).
     """
-    duration, distribution, seed, max_delay = run.duration, run.distribution, run.seed, run.max_delay
+    duration = run.duration
     warmup = min(1.0, duration / 5) if run.warmup is None else run.warmup
-    colocate, queue_capacity = run.colocate, run.queue_capacity
     factory = server_factory or Server
-    block = runtime.colocate() if colocate else contextlib.nullcontext()
-    arrivals = make_arrivals(distribution, rate, seed=seed)
+    block = runtime.colocate() if run.colocate else contextlib.nullcontext()
+    arrivals = make_arrivals(run.distribution, rate, seed=run.seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
     n = len(samples)
     with block as core:
-        server = factory(runtime, ServeSpec(batch_size, max_delay, max(queue_capacity, batch_size),
-                                            max_inflight=max_inflight, colocate=colocate))
+        server = factory(runtime, ServeSpec(batch_size, run.max_delay, max(run.queue_capacity, batch_size),
+                                            max_inflight=max_inflight, colocate=run.colocate))
         watched = _Watched(server)
         try:
             records = run_open_loop(watched, arrivals, lambda i: samples[i % n],  # type: ignore[arg-type]
@@ -180,8 +179,8 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
             wait_idle(runtime)
     if records.first_error is None:
         records.first_error = watched.error
-    records.settings["distribution"] = distribution
-    if colocate:
+    records.settings["distribution"] = run.distribution
+    if run.colocate:
         records.settings.setdefault("loadgen", {})["core"] = core
     return summarize(records, warmup=warmup), records
 

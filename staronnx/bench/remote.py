@@ -593,9 +593,7 @@ def _server_error(exc: Any) -> str:
 
 def _placement(text: Any) -> dict[str, str]:
     """``"part0=cpu,part1=cuda"`` -> {"part0": "cpu", "part1": "cuda"}."""
-    if not isinstance(text, str) or not text:
-        return {}
-    return dict(item.split("=", 1) for item in text.split(",") if "=" in item)
+    return dict(item.split("=", 1) for item in text.split(",") if "=" in item) if isinstance(text, str) else {}
 
 
 def served_runtime(url: str, plan: Plan, model: str | None = None) -> ServedModel:

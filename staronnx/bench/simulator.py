@@ -41,29 +41,10 @@ from staronnx.runtime.policies import make_policy, policy_options
 from staronnx.runtime.sched import Policy, WorkerInfo
 from staronnx.runtime.trace import Tracer
 from staronnx.serving.arrivals import DISTRIBUTIONS, make_arrivals
-from staronnx.serving.metrics import summarize
+from staronnx.serving.metrics import rate_of, summarize
 from staronnx.serving.records import BatchRecord, RequestRecord, RunRecords
 from staronnx.serving.server import next_batch_size, padded_size
 from staronnx.serving.window import PlanProfile
-
-
-# ---------------------------------------------------------------------------- arrivals
-def arrival_schedule(rate: float, *, duration: float | None = 10.0, n_requests: int | None = None,
-                     distribution: str = "constant", seed: int = 0) -> tuple[np.ndarray, str]:
-    """Arrival offsets (s, the first at 0) and a description of the process, drawn by the live
-    load generator's own processes (:mod:`staronnx.serving.arrivals`), so a simulated sweep
-    point replays exactly the arrivals of the live one. ``n_requests`` wins over ``duration``."""
-    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
-        raise SimulationError(f"rate must be > 0 requests/s, got {rate!r}")
-    if n_requests is None and (duration is None or not duration > 0):
-        raise SimulationError("give a duration > 0 or a number of requests")
-    if n_requests is not None and n_requests < 1:
-        raise SimulationError(f"n_requests must be >= 1, got {n_requests}")
-    if distribution not in DISTRIBUTIONS:
-        raise SimulationError(f"unknown distribution {distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
-    bounds = {"n": n_requests} if n_requests is not None else {"duration": duration}
-    process = make_arrivals(distribution, rate, seed)
-    return np.asarray(process.schedule(**bounds), dtype=np.float64), repr(process)
 
 
 # ---------------------------------------------------------------------------- the run
@@ -166,33 +147,25 @@ class _Simulation:
         machine: SimMachine,
         policy: Policy,
         fronts: Sequence[_FrontEnd],
+        spec: SimSpec,
+        models: ModelSet,
         *,
-        seed: int,
-        spread: float,
-        drain: bool,
-        charge_transfers: bool,
-        models: ModelSet | None = None,
         where: Where = None,
         traced: bool = False,
-        slowdown: float = 1.0,
     ) -> None:
-        """``where``: per global part, the workers holding it (:func:`residency_where`), handed
-        to the core as the live engine hands it the workers' sessions. ``traced``: keep what
-        :meth:`write_trace` draws (each task's running stretches and its dependencies).
-        ``slowdown``: every task's time multiplier (:func:`simulate_mix`'s)."""
+        """``spec``: the run's seed, spread, drain, transfer charging and slowdown
+        (:func:`simulate_mix`'s). ``where``: per global part, the workers holding it
+        (:func:`residency_where`), handed to the core as the live engine hands it the workers'
+        sessions. ``traced``: keep what :meth:`write_trace` draws (each task's running
+        stretches and its dependencies)."""
         self.m = machine
-        self.slowdown = slowdown
+        self.spec = spec
         self.where = where
-        self.models = models if models is not None else machine.models
-        assert self.models is not None
+        self.models = models
         self.fronts = list(fronts)
         for fe in self.fronts:  # the host's costs at the rate this server is offered
-            if fe.host is not None and len(fe.arrivals) > 1 and fe.arrivals[-1] > fe.arrivals[0]:
-                fe.host = fe.host.at_rate((len(fe.arrivals) - 1) / float(fe.arrivals[-1] - fe.arrivals[0]))
-        self.policy = policy
-        self.spread = spread
-        self.drain = drain
-        self.charge_transfers = charge_transfers
+            if fe.host is not None and math.isfinite(rate := rate_of(fe.arrivals)):
+                fe.host = fe.host.at_rate(rate)
         # every model's arrivals merged in time order (ties: model order), so one model is the
         # single-plan run it always was
         times = np.concatenate([fe.arrivals for fe in self.fronts])
@@ -202,18 +175,16 @@ class _Simulation:
         self.arrivals, self.which, self.index = times[order], which[order], index[order]
         self.clock = SimClock(float(self.arrivals[0]))
         self.events = EventQueue()
-        self.rng = random.Random(f"staronnx-sim-{seed}")
+        self.rng = random.Random(f"staronnx-sim-{spec.seed}")
         for fe in self.fronts:
             fe.last_done = self.clock.t
         # the engine's own core: the same tasks, handles, policy calls and statistics
         self.core = TaskGraph(self.models, machine.workers, policy, machine.table, self.clock, self._footprint,
                               where=where, copy_cost=machine.table.bus.predict,
                               output_bytes=lambda req, part, fp: self.fronts[req.model].profiles[req.batch].nbytes)
-        self.part_inputs = self.models.part_inputs
         self.part_outputs = [list(m.plan.parts[local].outputs) for m, local in self.models.owner]
         self.notes: list[str] = []
         self.n_events = 0
-        self.last_done = self.clock.t
         self._dirty = False
         self._first: int | None = None
         # the host's threads take their CPU from the CPU workers' cores (none left outside the
@@ -246,7 +217,7 @@ class _Simulation:
     def run(self) -> None:
         arrivals, n, i = self.arrivals, len(self.arrivals), 0
         left = [len(fe.arrivals) for fe in self.fronts]
-        deadline = math.inf if self.drain else float(arrivals[-1])
+        deadline = math.inf if self.spec.drain else float(arrivals[-1])
         while True:
             ta = float(arrivals[i]) if i < n else math.inf
             te = self.events.peek_time()
@@ -297,11 +268,7 @@ class _Simulation:
             tracer, shift = Tracer(target, origin=0.0), -float(self.arrivals[0])
             for info in self.m.workers:
                 tracer.lane(info.id, info.name)
-        self._draw_trace(tracer, shift)
-        return None if isinstance(target, TraceInto) else tracer.save()
-
-    def _draw_trace(self, tracer: Any, shift: float) -> None:
-        for wid, task, stretches, wall, deps in self.ran or ():
+        for wid, task, stretches, wall, deps in self.ran:
             req = task.request
             view = task.view
             args = {"request": req.id, "batch": req.batch, "simulated": True, "measured_ms": wall * 1e3,
@@ -329,6 +296,7 @@ class _Simulation:
                                       record.formed + shift, record.done + shift, args)
             for t, q in fe.samples:
                 tracer.counter(f"{prefix}server queue (requests)", t + shift, q)
+        return None if isinstance(target, TraceInto) else tracer.save()
 
     # -- the server: queue and batcher -------------------------------------------------------
     def _on_arrival(self, fe: _FrontEnd, i: int, t: float) -> None:
@@ -438,10 +406,10 @@ class _Simulation:
         mean, std = self.m.table.distribution(task.part, info.arch, task.view.footprint)
         host = self.fronts[task.request.model].host
         # each part at its own scale, slower on a worker idle for a while (cold core and caches)
-        scale = self.slowdown * (1.0 if host is None else host.scale_after(
+        scale = self.spec.slowdown * (1.0 if host is None else host.scale_after(
             self.clock.t - self._last_end.get(info.id, -math.inf), self.models.owner[task.part][1]))
-        seconds = self._draw(mean * scale, std * scale * self.spread)
-        if self.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
+        seconds = self._draw(mean * scale, std * scale * self.spec.spread)
+        if self.spec.charge_transfers:  # the copies the core decided when the worker took it, as the engine issues them
             seconds += price(task.copies, self.m.table.bus.predict)
         delay = 0.0 if host is None else (host.gap_s if awake else host.wake_s)
         begins = self.clock.t + delay
@@ -546,7 +514,7 @@ class _Simulation:
             record.done = answered
             for rid in record.request_ids:
                 fe.requests[rid].done = answered
-            self.last_done = fe.last_done = max(fe.last_done, answered)
+            fe.last_done = max(fe.last_done, answered)
             self._batcher(fe)
 
 
@@ -585,16 +553,16 @@ def mean_rate(times: Sequence[float]) -> float:
     return (len(times) - 1) / span if span > 0 else 0.0
 
 
-def _make_policy(policy: str | Policy, options: Mapping[str, Any] | None, seed: int) -> Policy:
+def _make_policy(spec: SimSpec) -> Policy:
     """A fresh policy object; the random policy gets the run's seed unless told otherwise."""
-    if isinstance(policy, Policy):
-        if options:
+    if isinstance(spec.policy, Policy):
+        if spec.policy_options:
             raise SimulationError("policy_options only apply to a policy given by name")
-        return policy
-    opts = dict(options or {})
-    if "seed" in policy_options(policy) and "seed" not in opts:
-        opts["seed"] = seed
-    return make_policy(policy, **opts)
+        return spec.policy
+    opts = dict(spec.policy_options or {})
+    if "seed" in policy_options(spec.policy) and "seed" not in opts:
+        opts["seed"] = spec.seed
+    return make_policy(spec.policy, **opts)
 
 
 # ---------------------------------------------------------------------------- mixed traffic
@@ -648,21 +616,34 @@ def _share(placement: Mapping[tuple[int, str], int], part: int) -> dict[str, flo
     return {a: n / total for a, n in sorted(counts.items())} if total else {}
 
 
-def _times(who: str, name: str, index: int, rate: float, *, arrivals: Mapping[str, Sequence[float]] | None,
-           duration: float | None, n_requests: int | None, distribution: str, seed: int) -> tuple[np.ndarray, str]:
-    """One model's scheduled arrivals (replayed, or drawn with seed ``seed + index``) and
-    their process's description; ``who`` names the model in errors where there are several."""
+def _times(who: str, name: str, index: int, rate: float, spec: SimSpec,
+           arrivals: Mapping[str, Sequence[float]] | None) -> tuple[np.ndarray, str]:
+    """One model's scheduled arrivals (offsets in s) and their process's description: replayed
+    from ``arrivals``, or drawn by the live load generator's own processes
+    (:mod:`staronnx.serving.arrivals`) with seed ``spec.seed + index``, so a simulated sweep
+    point replays exactly the arrivals of the live one (``spec.n_requests`` wins over
+    ``spec.duration``); ``who`` names the model in errors where there are several."""
     if arrivals is not None and name in arrivals:
         times = np.asarray(arrivals[name], dtype=np.float64)
         if times.size == 0 or not np.all(np.isfinite(times)) or np.any(np.diff(times) < 0):
             raise SimulationError(f"{who}arrivals must be a non-empty, sorted list of finite times")
         return times, f"replay({times.size} arrivals)"
-    times, process = arrival_schedule(rate, duration=duration, n_requests=n_requests, distribution=distribution,
-                                      seed=seed + index)
+    n_requests, duration = spec.n_requests, spec.duration
+    if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+        raise SimulationError(f"rate must be > 0 requests/s, got {rate!r}")
+    if n_requests is None and (duration is None or not duration > 0):
+        raise SimulationError("give a duration > 0 or a number of requests")
+    if n_requests is not None and n_requests < 1:
+        raise SimulationError(f"n_requests must be >= 1, got {n_requests}")
+    if spec.distribution not in DISTRIBUTIONS:
+        raise SimulationError(f"unknown distribution {spec.distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
+    process = make_arrivals(spec.distribution, rate, spec.seed + index)
+    times = np.asarray(process.schedule(**({"n": n_requests} if n_requests is not None else {"duration": duration})),
+                       dtype=np.float64)
     if times.size == 0:
         raise SimulationError(f"{who}no arrival falls in the duration; lengthen it or raise "
                               f"{'its' if who else 'the'} rate")
-    return times, process
+    return times, repr(process)
 
 
 def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: Mapping[str, int] | int,
@@ -709,11 +690,7 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
     simulates each point at ``1 +/- band`` to say how far the machine's own drift moves it.
     """
     t0 = time.perf_counter()
-    policy, policy_options, targets, duration = spec.policy, spec.policy_options, spec.targets, spec.duration
-    n_requests, distribution, seed, max_delay = spec.n_requests, spec.distribution, spec.seed, spec.max_delay
-    queue_capacity, spread, drain, slowdown = spec.queue_capacity, spec.spread, spec.drain, spec.slowdown
-    charge_transfers, residency = spec.charge_transfers, spec.residency
-    pad_to, host_costs = spec.pad_to, spec.host_costs
+    queue_capacity, max_delay, seed = spec.queue_capacity, spec.max_delay, spec.seed
     models = machine.models
     assert models is not None
     names = [m.name for m in models.models]
@@ -735,14 +712,14 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
                                   f" without max_delay, got {queue_capacity}")
     if max_delay is not None and not max_delay >= 0:
         raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
-    if not (math.isfinite(spread) and spread >= 0):
-        raise SimulationError(f"spread must be >= 0, got {spread!r}")
-    if not (math.isfinite(slowdown) and slowdown > 0):
-        raise SimulationError(f"slowdown must be > 0, got {slowdown!r}")
+    if not (math.isfinite(spec.spread) and spec.spread >= 0):
+        raise SimulationError(f"spread must be >= 0, got {spec.spread!r}")
+    if not (math.isfinite(spec.slowdown) and spec.slowdown > 0):
+        raise SimulationError(f"slowdown must be > 0, got {spec.slowdown!r}")
     # the core's view: the same plans in the same order (same global parts), with the targets
-    shared = ModelSet({m.name: m.plan for m in models.models}, targets)
-    where = residency_where(machine, residency)
-    padding = tuple(sorted(set(pad_to)))
+    shared = ModelSet({m.name: m.plan for m in models.models}, spec.targets)
+    where = residency_where(machine, spec.residency)
+    padding = tuple(sorted(set(spec.pad_to)))
     fronts: list[_FrontEnd] = []
     scheduled: list[np.ndarray] = []  # each model's arrivals as scheduled (before the host's lag)
     processes: dict[str, str] = {}
@@ -753,17 +730,13 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
                   else int(max_inflight[m.name]))
         if window < 1:
             raise SimulationError(f"{who[m.name]}max_inflight must be >= 1, got {window}")
-        times, processes[m.name] = _times(who[m.name], m.name, m.index, rates[m.name], arrivals=arrivals,
-                                          duration=duration, n_requests=n_requests, distribution=distribution,
-                                          seed=seed)
-        host = machine.host_costs(b) if host_costs else None
+        times, processes[m.name] = _times(who[m.name], m.name, m.index, rates[m.name], spec, arrivals)
+        host = machine.host_costs(b) if spec.host_costs else None
         scheduled.append(times)
         fronts.append(_FrontEnd(m.index, b, times + host.lag_s if host is not None else times, queue_capacity,
                                 window, max_delay, padding, host=host))
-    policy_obj = _make_policy(policy, policy_options, seed)
-    sim = _Simulation(machine, policy_obj, fronts, seed=seed, spread=spread, drain=drain,
-                      charge_transfers=charge_transfers, models=shared, where=where, traced=trace is not None,
-                      slowdown=slowdown)
+    policy_obj = _make_policy(spec)
+    sim = _Simulation(machine, policy_obj, fronts, spec, shared, where=where, traced=trace is not None)
     sim.run()
     if trace is not None:
         sim.write_trace(trace)
@@ -776,12 +749,12 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
         replayed = arrivals is not None and m.name in arrivals
         settings = {
             "engine": "simulator", "policy": policy_obj.name, "model": m.name, "batch_size": fe.batch_size,
-            "arrivals": processes[m.name], "distribution": "replay" if replayed else distribution,
+            "arrivals": processes[m.name], "distribution": "replay" if replayed else spec.distribution,
             "seed": seed + m.index, "max_delay": max_delay, "queue_capacity": queue_capacity,
-            "max_inflight": fe.max_inflight, "pad_to": list(padding), "spread": spread, "slowdown": slowdown,
+            "max_inflight": fe.max_inflight, "pad_to": list(padding), "spread": spec.spread, "slowdown": spec.slowdown,
             "host": None if fe.host is None else fe.host.as_dict(), "plan_hash": m.plan.hash,
             "target": {"latency": m.target.latency, "priority": m.target.priority},
-            "workers": [w.name for w in machine.workers], "residency": dict(residency or {}),
+            "workers": [w.name for w in machine.workers], "residency": dict(spec.residency or {}),
             "held_by": holders[m.name], **machine.settings,
         }
         records[m.name] = RunRecords(

@@ -188,19 +188,19 @@ def _check_mixes(names: Sequence[str], points: Sequence[MixPoint]) -> None:
             raise SweepError(f"{p!r}: rates must be > 0 requests/s and batch sizes >= 1")
 
 
-def _check_run(*, distribution: str, duration: float, warmup: float | None, min_batches: int,
-               max_delay: float | None) -> float:
+def _check_run(run: RunSpec) -> float:
     """The warm-up seconds of each point; SweepError naming the argument that cannot be run."""
-    if distribution not in DISTRIBUTIONS:
-        raise SweepError(f"unknown distribution {distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
+    duration, max_delay = run.duration, run.max_delay
+    if run.distribution not in DISTRIBUTIONS:
+        raise SweepError(f"unknown distribution {run.distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
     if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not (
             math.isfinite(duration) and duration > 0):
         raise SweepError(f"duration must be > 0 seconds, got {duration!r}")
-    warmup = min(1.0, duration / 5) if warmup is None else float(warmup)
+    warmup = min(1.0, duration / 5) if run.warmup is None else float(run.warmup)
     if not (0 <= warmup < duration):
         raise SweepError(f"warmup must be >= 0 and shorter than the duration ({duration} s), got {warmup}")
-    if min_batches < 1:
-        raise SweepError(f"min_batches must be >= 1, got {min_batches}")
+    if run.min_batches < 1:
+        raise SweepError(f"min_batches must be >= 1, got {run.min_batches}")
     if max_delay is not None and not (math.isfinite(max_delay) and max_delay >= 0):
         raise SweepError(f"max_delay must be >= 0 seconds, got {max_delay}")
     return warmup
@@ -251,16 +251,10 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     each point's batching front end and what ``settings.front_end`` records of it
     (:func:`~staronnx.bench.remote.remote_sweep`).
     """
-    run_spec, machine_spec = spec.run, machine
-    policy, engine, points, targets = spec.policy, spec.engine, spec.points, spec.targets
-    extend, stop_on_congestion, bound, simulate = spec.extend, spec.stop_on_congestion, spec.bound, spec.simulate
-    sim_band, label, out_dir, trace = spec.sim_band, spec.label, spec.out_dir, spec.trace
-    distribution, duration, seed = run_spec.distribution, run_spec.duration, run_spec.seed
-    queue_capacity, min_batches, max_delay = run_spec.queue_capacity, run_spec.min_batches, run_spec.max_delay
-    groups, cuda_streams, cuda_devices = machine.groups, machine.cuda_streams, machine.cuda_devices
+    run_spec, points, bound, simulate, sim_band = spec.run, spec.points, spec.bound, spec.simulate, spec.sim_band
     inputs_path = inputs if isinstance(inputs, (str, os.PathLike)) else None
     loaded, one = load_plans(plan)
-    models = ModelSet(loaded, targets)  # checks the targets' names
+    models = ModelSet(loaded, spec.targets)  # checks the targets' names
     names, first = list(loaded), models.models[0].plan
     residency, lanes = dict(machine.residency), dict(machine.lanes)
     if one:  # a set of one model: its points are its (batch size, rate) pairs
@@ -268,8 +262,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                             names)
     _check_mixes(names, points)
     points, notes = batch_one_where_needed(loaded, points)
-    warmup = _check_run(distribution=distribution, duration=duration, warmup=run_spec.warmup, min_batches=min_batches,
-                        max_delay=max_delay)
+    warmup = _check_run(run_spec)
     if not 0.0 <= sim_band < 1.0:
         raise SweepError(f"sim_band is a share of the tasks' time in [0, 1) (0.05: 5 % faster and slower), "
                          f"got {sim_band!r}")
@@ -282,13 +275,13 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     rates_of = {n: sorted({p.rates[n] for p in points}) for n in names}
     sizes_of = {n: sorted({p.batch_sizes[n] for p in points}) for n in names}
     settings: dict[str, Any] = {
-        "plan": str(first.root) if one else None, "plan_hash": first.hash if one else None, "policy": policy,
-        "groups": groups, "cuda_streams": cuda_streams, "cuda_devices": list(cuda_devices),
-        "distribution": distribution, "duration_s": float(duration), "warmup_s": warmup,
+        "plan": str(first.root) if one else None, "plan_hash": first.hash if one else None, "policy": spec.policy,
+        "groups": machine.groups, "cuda_streams": machine.cuda_streams, "cuda_devices": list(machine.cuda_devices),
+        "distribution": run_spec.distribution, "duration_s": float(run_spec.duration), "warmup_s": warmup,
         "rates": rates_of[names[0]] if one else rates_of, "batch_sizes": sizes_of[names[0]] if one else sizes_of,
-        "seed": seed, "queue_capacity": queue_capacity, "min_batches": min_batches, "engine": engine,
-        "label": label or (Path(out_dir).name if out_dir is not None else None),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": max_delay,
+        "seed": run_spec.seed, "queue_capacity": run_spec.queue_capacity, "min_batches": run_spec.min_batches,
+        "engine": spec.engine, "label": spec.label or (Path(spec.out_dir).name if spec.out_dir is not None else None),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "simulate": simulate, "max_delay_s": run_spec.max_delay,
         "sim_band": sim_band if simulate else None,
         "front_end": dict(front_end.settings) if front_end is not None else {"kind": "in-process"},
         "colocate": run_spec.colocate,
@@ -302,16 +295,16 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
     if inputs is not None:
         settings["inputs"] = {"path": None if inputs_path is None else str(inputs_path),
                               "samples": input_samples(inputs, first)}
-    if cuda_streams and front_end is None:  # which GPUs these figures come from (over the network: unknown)
-        settings["gpus"] = gpus_of(cuda_devices)
-    results = _Results(out_dir, settings, fidelity=simulate, notes=notes)
+    if machine.cuda_streams and front_end is None:  # which GPUs these figures come from (over the network: unknown)
+        settings["gpus"] = gpus_of(machine.cuda_devices)
+    results = _Results(spec.out_dir, settings, fidelity=simulate, notes=notes)
     # one simulated twin of the runtime serves the LP bound, the simulated points and the
     # in-flight window (a slow worker is only chosen behind a long enough queue: the same
     # window the simulator uses, so live and simulated points agree)
     twin: SimMachine | None = None
     if bound or simulate:
         try:
-            twin = build_machine(models, machine_spec, store=store)
+            twin = build_machine(models, machine, store=store)
             results.notes.extend(twin.notes)
         except ResidencyError:
             raise  # a lane the runtime would refuse too: refused now, in its words, before it starts
@@ -331,15 +324,16 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         results.notes.extend(bound_notes)
     own = runtime is None
     if runtime is None:
-        warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, max_delay)}) \
-            if cuda_streams else ()
+        warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, run_spec.max_delay)}) \
+            if machine.cuda_streams else ()
         runtime = Runtime(first if one else loaded, machine,
-                          RuntimeSpec(policy, store=store, engine=engine, trace=trace, targets=targets, warmup=warm))
+                          RuntimeSpec(spec.policy, store=store, engine=spec.engine, trace=spec.trace, targets=spec.targets,
+                                      warmup=warm))
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
     # simulated twin of each point must pad the same way
     padding = tuple(sorted({int(m) for m in runtime.preferred_batch_sizes}))
     settings["pad_to"] = list(padding)
-    run = _Run(runtime, models, one, notify, total, results, windows, extend=extend,
+    run = _Run(runtime, models, one, notify, total, results, windows, extend=spec.extend,
                run=replace(run_spec, warmup=warmup),
                server_factory=None if front_end is None else front_end.server_factory)
     try:
@@ -354,15 +348,16 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         tasks_before, watch = tasks_snapshot(runtime), LoadWatch()
         for m in models.models:
             for b in sizes_of[m.name]:
-                failed = warm_up(run.handles[m.name], m.plan, [b], seed=seed, inputs=inputs)
+                failed = warm_up(run.handles[m.name], m.plan, [b], seed=run_spec.seed, inputs=inputs)
                 if failed:  # its points fail the same way and say so: measured, not a traceback
                     results.notes.append(f"{'' if one else m.name + ': '}warm-up failed at {failed}")
                 notify(SweepEvent("warmup", 0, total, batch_size=b))
         check = calibration_check(task_time_ratio(tasks_before, tasks_snapshot(runtime)), watch.stop())
         settings["calibration_check"] = check.pop("settings")
         results.notes.extend(check["notes"])
-        run.pools = {m.name: sample_pool(m.plan, seed=seed, inputs=inputs) for m in models.models}
-        tracer, sim_tracer = point_tracers(runtime, simulated=simulate and twin is not None, settings=settings)
+        run.pools = {m.name: sample_pool(m.plan, seed=run_spec.seed, inputs=inputs) for m in models.models}
+        replays = simulate and twin is not None
+        tracer, sim_tracer = point_tracers(runtime, simulated=replays, settings=settings)
         skipped: set[int] = set()
         struck: set[tuple[tuple[str, int], ...]] = set()  # batch sizes whose last point congested on a busy machine
         for i, point in enumerate(points):
@@ -378,26 +373,26 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                     results.notes.append(f"no LP bound for {point.label}: {exc}")
             bounds = ({n: results.bounds.get(point.batch_sizes[n], {}).get("throughput") for n in names} if one
                       else {n: None if mix is None else mix.throughput[n] for n in names})
-            rows, began = run.measure(point, tracer, length=max(
-                point_duration(duration, warmup, point.batch_sizes[n], point.rates[n], min_batches) for n in names),
-                bounds=bounds)
-            for n, row in zip(names, rows):
-                flag_slowed(row, reference_ratio(results.rows, n if not one else None, point.batch_sizes[n],
-                                                 settings["calibration_check"].get("task_time_ratio")))
+            rows, began = run.measure(point, tracer, bounds=bounds, length=max(
+                point_duration(run_spec.duration, warmup, point.batch_sizes[n], point.rates[n], run_spec.min_batches)
+                for n in names))
             for m, row in zip(models.models, rows):
+                flag_slowed(row, reference_ratio(results.rows, None if one else m.name, point.batch_sizes[m.name],
+                                                 settings["calibration_check"].get("task_time_ratio")))
                 if not one:
                     row.update(_mix_columns(m, run.records[m.name], run.index, point, mix))
-            if simulate and twin is not None and all(r["state"] == "failed" for r in rows):
+            if replays and all(r["state"] == "failed" for r in rows):
                 results.notes.append(f"{label_} not simulated: its requests failed")
-            elif simulate and twin is not None:
+            elif replays:
                 length = float(rows[0]["duration_s"])
                 target = simulated_point(sim_tracer, label_, began, length)
                 try:
                     def replay(slowdown: float = 1.0, into: TraceInto | None = None) -> Any:
                         largest = max(point.batch_sizes.values())
                         return simulate_mix(twin, point.rates, point.batch_sizes, SimSpec(
-                            policy=policy, targets=targets, duration=length, distribution=distribution, seed=seed,
-                            slowdown=slowdown, queue_capacity=max(queue_capacity, largest), max_delay=max_delay,
+                            policy=spec.policy, targets=spec.targets, duration=length, seed=run_spec.seed,
+                            distribution=run_spec.distribution, slowdown=slowdown,
+                            queue_capacity=max(run_spec.queue_capacity, largest), max_delay=run_spec.max_delay,
                             residency=residency, pad_to=[m for m in padding if m <= largest] if one else ()),
                             trace=into)
 
@@ -425,7 +420,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             struck.discard(key)
             if congested and not stops:
                 struck.add(key)
-            if served_none or (stop_on_congestion and stops):
+            if served_none or (spec.stop_on_congestion and stops):
                 # every request failed: higher rates would fail alike (and take as long)
                 rest = [j for j in range(i + 1, total) if j not in skipped and points[j].dominates(point)]
                 skipped.update(rest)
@@ -435,7 +430,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             results.notes.append(busy)
         if one:
             stale = stale_models_note(
-                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows], machine_spec)
+                first, [(r["batch_size"], r["throughput"], r["bound_throughput"]) for r in results.rows], machine)
             results.notes += [stale] if stale else []
         settings["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         results.save()
