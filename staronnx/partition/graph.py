@@ -110,13 +110,14 @@ class ModelGraph:
                 for t, users in self.consumers.items() if t in self.producer]
 
 
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """A node's subgraphs (If, Loop, Scan bodies): each GRAPH attribute's body and GRAPHS one's."""
+    return [g for attr in node.attribute for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)]
+
+
 def subgraph_captures(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensor names read by a node's subgraphs (recursively)."""
-    found: list[str] = []
-    for attr in node.attribute:  # a GRAPH attribute's body, or a GRAPHS one's (empty for other types)
-        for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-            found.extend(_graph_free_names(g))
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys(name for g in subgraphs(node) for name in _graph_free_names(g)))
 
 
 def _graph_free_names(graph: onnx.GraphProto) -> list[str]:
@@ -153,16 +154,25 @@ def priority_topological(preds: list[list[int]], succs: list[list[int]], key: Se
     return order
 
 
-def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
-    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    preds = [[producer[t] for t in set(ins) if t in producer and producer[t] != v] for v, ins in enumerate(inputs_of)]
-    succs: list[list[int]] = [[] for _ in nodes]
+def _producers(nodes: list[onnx.NodeProto]) -> dict[str, int]:
+    """Tensor name -> index of the node producing it."""
+    return {o: i for i, n in enumerate(nodes) for o in n.output if o}
+
+
+def _adjacency(producer: dict[str, int], inputs_of: list[list[str]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per vertex, the distinct other vertices it reads from and those that read it, sorted."""
+    preds = [sorted({producer[t] for t in ins if t in producer} - {v}) for v, ins in enumerate(inputs_of)]
+    succs: list[list[int]] = [[] for _ in inputs_of]
     for v, ps in enumerate(preds):
         for u in ps:
             succs[u].append(v)
+    return preds, succs
+
+
+def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
+    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
     try:
-        return priority_topological(preds, succs, range(len(nodes)))
+        return priority_topological(*_adjacency(_producers(nodes), inputs_of), range(len(nodes)))
     except ValueError:
         raise ModelError("the model's graph has a cycle; ONNX graphs must be acyclic") from None
 
@@ -323,11 +333,7 @@ def build_graph(
     vertices = [vertices[i] for i in order]
     node_inputs = [node_inputs[i] for i in order]
 
-    producer: dict[str, int] = {}
-    for v, node in enumerate(vertices):
-        for o in node.output:
-            if o:
-                producer[o] = v
+    producer = _producers(vertices)
     consumers: dict[str, list[int]] = {}
     for v, names in enumerate(node_inputs):
         for t in names:
@@ -349,16 +355,7 @@ def build_graph(
                         "batch")
 
     tensors = _tensor_infos(loaded.model, inputs, input_shapes, producer, batch_symbol)
-    preds: list[set[int]] = [set() for _ in vertices]
-    succs: list[set[int]] = [set() for _ in vertices]
-    for t, users in consumers.items():
-        u = producer.get(t)
-        if u is None:
-            continue
-        for v in users:
-            if v != u:
-                preds[v].add(u)
-                succs[u].add(v)
+    preds, succs = _adjacency(producer, node_inputs)
     return ModelGraph(
         loaded=loaded,
         nodes=vertices,
@@ -371,8 +368,8 @@ def build_graph(
         consumers=consumers,
         tensors=tensors,
         batch_symbol=batch_symbol,
-        preds=[sorted(p) for p in preds],
-        succs=[sorted(s) for s in succs],
+        preds=preds,
+        succs=succs,
     )
 
 
