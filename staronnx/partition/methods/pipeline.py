@@ -400,13 +400,12 @@ def place(
     ``profile_runs``, ``input_shapes``, ``seed``); the devices are this call's own, and a
     placement method chooses its parts itself (no shares). ``batch``: the batch size the method
     decides at (default the profile batch); ``options``: the method's own."""
-    method, costs, seed = spec.method, spec.costs, spec.seed
-    profile_batch, profile_runs, input_shapes = spec.profile_batch, spec.profile_runs, spec.input_shapes
+    method = spec.method
     if method not in PLACEMENT_METHODS:
         raise PartitionError(f"unknown placement method {method!r}; choose one of {', '.join(PLACEMENT_METHODS)}")
     request = CutRequest(
-        [], costs=costs, profile_batch=profile_batch, profile_runs=profile_runs, seed=seed,
-        input_shapes=parse_input_shapes(input_shapes), devices=devices, device_costs=device_costs,
+        [], costs=spec.costs, profile_batch=spec.profile_batch, profile_runs=spec.profile_runs, seed=spec.seed,
+        input_shapes=parse_input_shapes(spec.input_shapes), devices=devices, device_costs=device_costs,
         options=options, batch=batch, transfer=transfer, progress=progress or (lambda _m: None),
     )
     out = output_dir_for(output_dir, force)
