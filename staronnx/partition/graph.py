@@ -110,6 +110,11 @@ class ModelGraph:
                 for t, users in self.consumers.items() if t in self.producer]
 
 
+def is_copied_constant(node: onnx.NodeProto) -> bool:
+    """A Constant node: no vertex of its own, copied into every part that reads it."""
+    return node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1
+
+
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
     """A node's subgraphs (If, Loop, Scan bodies): each GRAPH attribute's body and GRAPHS one's."""
     return [g for attr in node.attribute for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)]
@@ -286,9 +291,7 @@ def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> di
     except Exception:
         inferred = m
     out: dict[str, tuple] = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(
-        inferred.graph.input
-    ):
+    for vi in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
         if not vi.type.HasField("tensor_type"):
             continue
         tt = vi.type.tensor_type
@@ -313,7 +316,7 @@ def build_graph(
     const_nodes: dict[str, onnx.NodeProto] = {}
     vertices: list[onnx.NodeProto] = []
     for node in g.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+        if is_copied_constant(node):
             const_nodes[node.output[0]] = node
         else:
             vertices.append(node)
@@ -388,13 +391,9 @@ def _tensor_infos(
     at2 = _infer(stripped, shapes2)
     names = list(producer) + [i.name for i in inputs]
     missing = [n for n in names if _concrete(at1.get(n, (0, None))[1]) is None or not at1[n][0]]
-    if missing:
-        probed1, probed2 = _probe(model, missing, shapes1), _probe(model, missing, shapes2)
-        for n in missing:
-            if n in probed1:
-                at1[n] = probed1[n]
-            if n in probed2:
-                at2[n] = probed2[n]
+    if missing:  # what a real run tells of them (of those names only)
+        at1.update(_probe(model, missing, shapes1))
+        at2.update(_probe(model, missing, shapes2))
     infos: dict[str, TensorInfo] = {}
     for name in names:
         elem, dims1 = at1.get(name, (0, None))
@@ -414,10 +413,8 @@ def _tensor_infos(
                     # a dim that is exactly the batch shares its symbol; a merged one does not
                     size = s1[axis] if s1 is not None else 1
                     sym.append(batch_symbol if size == 1 else f"{batch_symbol}*{size}")
-                elif isinstance(known, int):
-                    sym.append(known)
                 else:
-                    sym.append(known if isinstance(known, str) else None)
+                    sym.append(known if isinstance(known, (int, str)) else None)
         infos[name] = TensorInfo(
             name=name, elem_type=elem or sym_elem, shape1=s1, batch_axes=batch_axes, sym_shape=sym
         )
