@@ -40,7 +40,7 @@ from staronnx.plan import Plan
 from staronnx.errors import StaronnxError
 from staronnx.verify import model_failure, random_plan_feeds
 from staronnx.workers.base import Worker
-from staronnx.workers.launch import start_workers as start_workers  # the workers to calibrate on
+from staronnx.workers.launch import start_workers as start_workers  # noqa: F401 - the workers to calibrate on
 from staronnx.workers.layout import MachineSpec
 from staronnx.workers.topology import Topology
 

@@ -217,7 +217,7 @@ def overseer_tree(problem: Problem) -> list[int]:
     """The canonical spanning tree: each node hangs under the predecessor on its costliest
     path from a source (costs on the fastest device plus mean transfer times), so the
     model's critical path is a root-to-leaf path of the tree. -1 for roots."""
-    n, d = problem.n, problem.d
+    n = problem.n
     w = problem.cost.min(axis=1)
     mean_lat, mean_pb = problem.mean_link()
     dist = np.zeros(n)

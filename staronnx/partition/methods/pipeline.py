@@ -281,10 +281,7 @@ def make_context(graph: ModelGraph, method: PlacementMethod, r: CutRequest) -> P
     method.check(devs, graph, options)
     batch = int(r.batch or r.profile_batch)
     batches = sorted(set(REPORT_BATCHES) | {batch})
-    tables = cost_tables(
-        graph, devs, batches, source=r.costs, runs=r.profile_runs, profile_batch=r.profile_batch,
-        input_shapes=r.input_shapes, seed=r.seed, overrides=r.device_costs, progress=r.progress,
-    )
+    tables = cost_tables(graph, devs, batches, r)
     transfer = r.transfer or TransferModel()
     problems = {b: graph_problem(graph, devs, tables[b], transfer, b) for b in batches}
     return PlacementContext(graph, devs, problems, batch, transfer, r.seed, options, dict(r.input_shapes))
