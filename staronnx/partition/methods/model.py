@@ -498,12 +498,8 @@ def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: f
 
 
 def _bits(x: int) -> list[int]:
-    out = []
-    while x:
-        low = x & -x
-        out.append(low.bit_length() - 1)
-        x ^= low
-    return out
+    """The indices of ``x``'s set bits, lowest first."""
+    return [i for i in range(x.bit_length()) if (x >> i) & 1]
 
 
 def part_devices(ranks: np.ndarray, assign: np.ndarray) -> list[int]:
