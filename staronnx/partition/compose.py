@@ -122,7 +122,7 @@ def compose(members: Sequence[Member], inputs: Sequence[str], outputs: Sequence[
             cut_bytes_per_sample=sum(t.bytes_per_sample * len(t.consumers) for t in crossing),
             source={"members": [{"label": m.label, "plan": m.plan.hash, "sha256": m.plan.source.get("sha256")}
                                 for m in members],
-                    "sha256": _digest([m.plan.hash for m in members])},
+                    "sha256": hashlib.sha256(json.dumps([m.plan.hash for m in members]).encode()).hexdigest()},
             settings={**dict(settings), **({"input_shapes": {**recorded, **settings.get("input_shapes", {})}}
                                            if recorded or settings.get("input_shapes") else {})},
             cost_source=",".join(sorted({m.plan.cost_source for m in members if m.plan.cost_source})),
@@ -202,10 +202,6 @@ def _input_shapes(members: Sequence[Member], inputs: Sequence[str],
                              for i, d in enumerate(dims)]
                 break
     return out
-
-
-def _digest(items: Sequence[str]) -> str:
-    return hashlib.sha256(json.dumps(list(items)).encode()).hexdigest()
 
 
 def _rename_model(model: onnx.ModelProto, renames: Mapping[str, str], symbols: Mapping[str, str],
