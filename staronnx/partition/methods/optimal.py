@@ -28,7 +28,8 @@ import numpy as np
 
 from staronnx.errors import PartitionError
 from staronnx.partition.methods.heuristics import Assignment
-from staronnx.partition.methods.model import Problem, priority_topological, reachable, schedule
+from staronnx.partition.graph import priority_topological
+from staronnx.partition.methods.model import Problem, reachable, schedule
 
 #: Largest graph the MILP accepts by default (nodes), and its default time limit (s).
 MAX_NODES = 60
