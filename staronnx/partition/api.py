@@ -205,9 +205,7 @@ def _auto_shares(graph: ModelGraph, shapes: dict[str, list[int]], spec: Partitio
     choose the shares."""
     batch = spec.profile_batch
     if speeds is None:
-        if group_sizes is None:
-            raise PartitionError("shares='auto' times the model on the CPU workers that will serve the plan: "
-                                 "give cpu_group_sizes (or speeds)")
+        assert group_sizes is not None  # partition() reads them for every auto cut without speeds
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
                                         model=graph.model, seed=spec.seed)
         speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=spec.device == "cuda",

@@ -409,9 +409,7 @@ class PerfModelStore:
         payload = self._payload("bus", bus.to_dict())
         with self._locked(path):
             try:
-                data = self._read(path, "bus")
-                if data is not None:
-                    BusModel.from_dict(data)
+                _parsed(self._read(path, "bus"), BusModel.from_dict)
             except (_Unusable, ValueError) as exc:
                 self._quarantine(path, str(exc))  # keep the evidence the new model replaces
             atomic_write_json(path, payload)
