@@ -585,7 +585,7 @@ def _task_scales(tasks: Sequence[_TraceTask], parts: int) -> _Scales:
         ts = [t for t in ts if t.predicted]
         if len(ts) < _SCALE_SAMPLES:
             return None
-        ts = sorted(ts, key=lambda t: (t.end - t.start) / t.predicted)  # type: ignore[operator]
+        ts = sorted(ts, key=lambda t: (t.end - t.start) / (t.predicted or 1.0))  # (all predicted, filtered above)
         cut = int(len(ts) * _SCALE_TRIM)
         kept = ts[cut:len(ts) - cut]
         predicted = sum(t.predicted or 0.0 for t in kept)
