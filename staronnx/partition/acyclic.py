@@ -287,10 +287,7 @@ def make_acyclic(
     k = len(targets)
     candidates: list[tuple[float, np.ndarray]] = []
     for order in rankings(parts, k, seed=seed):
-        to_rank = np.empty(k, dtype=np.int64)
-        for r, p in enumerate(order):
-            to_rank[p] = r
-        start = to_rank[parts]
+        start = np.argsort(order)[parts]  # each part's rank: the inverse of the order
         for repaired in (forward_repair(cm, start), backward_repair(cm, start)):
             candidates.append((score_loose(cm, repaired, targets), repaired))
     candidates.sort(key=lambda c: c[0])

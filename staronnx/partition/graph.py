@@ -24,9 +24,6 @@ from staronnx import contract
 from staronnx.errors import ModelError, PartitionError
 from staronnx.modelio import LoadedModel, dim_of, dtype_itemsize, is_fixed, strip_weights
 
-CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
-
-
 @dataclass
 class TensorInfo:
     """What the partitioner knows of one tensor."""
@@ -324,14 +321,8 @@ def build_graph(
         raise ModelError("the model has only Constant nodes: nothing to partition")
     inputs = model_inputs(loaded.model, batch_axes)
     input_names = {i.name for i in inputs}
-    node_inputs = []
-    for node in vertices:
-        names = [t for t in node.input if t]
-        if node.op_type in CONTROL_FLOW_OPS or any(
-            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
-        ):
-            names += subgraph_captures(node)
-        node_inputs.append(list(dict.fromkeys(names)))
+    # a node with subgraphs (If, Loop, Scan) also reads what its bodies capture from outside
+    node_inputs = [list(dict.fromkeys([t for t in node.input if t] + subgraph_captures(node))) for node in vertices]
     order = _topological(vertices, node_inputs)
     vertices = [vertices[i] for i in order]
     node_inputs = [node_inputs[i] for i in order]
