@@ -132,9 +132,7 @@ class Refiner:
         self.total = float(cm.weights.sum()) or 1.0
         self.targets = np.asarray(targets, dtype=float) * self.total
         self.tol = tol
-        self.loads = np.zeros(self.k)
-        for v, r in enumerate(self.rank):
-            self.loads[r] += cm.weights[v]
+        self.loads = np.bincount(self.rank, weights=cm.weights, minlength=self.k)
         #: each vertex's legal ranks, computed when asked and forgotten when a neighbour moves:
         #: the greedy phases ask for every vertex's after every move (millions of times on a
         #: 500-node decoder), and a move changes only its neighbours'
