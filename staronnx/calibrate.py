@@ -39,17 +39,10 @@ from staronnx.perfmodels import Footprint, HistoryModel, HostCosts, HostModel, P
 from staronnx.plan import Plan
 from staronnx.errors import StaronnxError
 from staronnx.verify import model_failure, random_plan_feeds
-from staronnx.workers import launch
-from staronnx.workers.base import ThreadWorker, Worker
+from staronnx.workers.base import Worker
+from staronnx.workers.launch import start_workers as start_workers  # noqa: F401 - the workers to calibrate on
 from staronnx.workers.layout import MachineSpec
 from staronnx.workers.topology import Topology
-
-
-def start_workers(plan: Plan, spec: MachineSpec = MachineSpec(), *, cuda_options: dict[str, Any] | None = None,
-                  topology: Topology | None = None) -> list[ThreadWorker]:
-    """Started workers to calibrate ``plan`` on, as ``spec`` lays them out; see
-    :func:`staronnx.workers.launch.start_workers`."""
-    return launch.start_workers(plan, spec, topology=topology, cuda_options=cuda_options)
 
 
 @dataclass
@@ -347,8 +340,7 @@ def calibrate_host(
 
     store = store if store is not None else PerfModelStore()
     say = on_step or (lambda msg: None)
-    policy, seed, batches, max_seconds = probe.policy, probe.seed, probe.batches, probe.max_seconds
-    spec = machine_spec
+    seed, spec = probe.seed, machine_spec
     machine = build_machine(plan, spec, store=store, cpu_fallback=False, host=False)
     sizes = probe_sizes(batch_sizes_for(plan, batch_sizes)[0])
     bounds = {b: machine_bound(machine, b, host_costs=False).throughput for b in sizes}
@@ -357,8 +349,8 @@ def calibrate_host(
         trace = Path(tmp) / "probe.json"
         # the probe's runtime reads a copy of the models: what it learns (the flush's partial
         # batches, sizes nobody calibrated) must not land in the store as half-filled entries
-        runtime = Runtime(plan, spec, RuntimeSpec(policy, store=_scratch_store(store, plan.hash, Path(tmp) / "home"),
-                                                  workers=workers, trace=trace))
+        scratch = _scratch_store(store, plan.hash, Path(tmp) / "home")
+        runtime = Runtime(plan, spec, RuntimeSpec(probe.policy, store=scratch, workers=workers, trace=trace))
         try:
             names = [w.name for w in runtime.workers]
             inline = all(w.kind == "cpu" for w in machine.workers)  # the Server resolves on the worker's thread
@@ -374,7 +366,7 @@ def calibrate_host(
                 if cold_rate < loads[0][0]:
                     loads.insert(0, (cold_rate, 0.3, "cold"))
                 for rate, shortest, kind in loads:
-                    seconds = min(max_seconds, max(shortest, batches * b / rate))
+                    seconds = min(probe.max_seconds, max(shortest, probe.batches * b / rate))
                     say(f"host costs: batch {b} at {rate:.0f} req/s for {seconds:.1f} s")
                     own, workers_cpu = _own_cpu(), sum(thread_cpu(compute).values())
                     _, records = measure_point(runtime, b, rate, samples,
@@ -593,7 +585,7 @@ def _task_scales(tasks: Sequence[_TraceTask], parts: int) -> _Scales:
         ts = [t for t in ts if t.predicted]
         if len(ts) < _SCALE_SAMPLES:
             return None
-        ts = sorted(ts, key=lambda t: (t.end - t.start) / t.predicted)  # type: ignore[operator]
+        ts = sorted(ts, key=lambda t: (t.end - t.start) / (t.predicted or 1.0))  # (all predicted, filtered above)
         cut = int(len(ts) * _SCALE_TRIM)
         kept = ts[cut:len(ts) - cut]
         predicted = sum(t.predicted or 0.0 for t in kept)

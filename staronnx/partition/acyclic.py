@@ -132,9 +132,7 @@ class Refiner:
         self.total = float(cm.weights.sum()) or 1.0
         self.targets = np.asarray(targets, dtype=float) * self.total
         self.tol = tol
-        self.loads = np.zeros(self.k)
-        for v, r in enumerate(self.rank):
-            self.loads[r] += cm.weights[v]
+        self.loads = np.bincount(self.rank, weights=cm.weights, minlength=self.k)
         #: each vertex's legal ranks, computed when asked and forgotten when a neighbour moves:
         #: the greedy phases ask for every vertex's after every move (millions of times on a
         #: 500-node decoder), and a move changes only its neighbours'
@@ -287,10 +285,7 @@ def make_acyclic(
     k = len(targets)
     candidates: list[tuple[float, np.ndarray]] = []
     for order in rankings(parts, k, seed=seed):
-        to_rank = np.empty(k, dtype=np.int64)
-        for r, p in enumerate(order):
-            to_rank[p] = r
-        start = to_rank[parts]
+        start = np.argsort(order)[parts]  # each part's rank: the inverse of the order
         for repaired in (forward_repair(cm, start), backward_repair(cm, start)):
             candidates.append((score_loose(cm, repaired, targets), repaired))
     candidates.sort(key=lambda c: c[0])

@@ -118,23 +118,22 @@ def partition(
     tensor of 0 bytes, an achieved share further than ``tolerance`` from its target) is said
     with a :class:`~staronnx.partition.checks.PartitionWarning` each, with a way out.
     """
-    parts, method, device, seed, costs = spec.parts, spec.method, spec.device, spec.seed, spec.costs
-    profile_batch, profile_runs, tolerance = spec.profile_batch, spec.profile_runs, spec.tolerance
-    groups, cuda_streams, cuda_devices = spec.groups, spec.cuda_streams, spec.cuda_devices
+    method, device, profile_batch, profile_runs, tolerance = (spec.method, spec.device, spec.profile_batch,
+                                                               spec.profile_runs, spec.tolerance)
     placed = method in PLACEMENT_METHODS
-    devices = host_devices(groups, cuda=device == "cuda") if placed else None
-    group_sizes = (cpu_group_sizes(groups or "numa", cuda_streams, cuda_devices)
-                   if is_auto(shares) and speeds is None and not placed else None)
+    auto = is_auto(shares)
+    devices = host_devices(spec.groups, cuda=device == "cuda") if placed else None
+    group_sizes = (cpu_group_sizes(spec.groups or "numa", spec.cuda_streams, spec.cuda_devices)
+                   if auto and speeds is None and not placed else None)
     transfer = host_transfer() if placed else None
     say = progress or (lambda _msg: None)
-    auto = is_auto(shares)
-    if auto and parts is not None:
+    if auto and spec.parts is not None:
         raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset")
-    targets = [1.0] if auto else parse_shares(shares, parts)
+    targets = [1.0] if auto else parse_shares(shares, spec.parts)
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
-    if costs not in ("profile", "estimate"):
-        raise PartitionError(f"unknown cost source {costs!r}; use 'profile' or 'estimate'")
+    if spec.costs not in ("profile", "estimate"):
+        raise PartitionError(f"unknown cost source {spec.costs!r}; use 'profile' or 'estimate'")
     if profile_batch < 1 or profile_runs < 1:
         got = f"must be at least 1 (got {profile_batch}, {profile_runs})"
         raise PartitionError(f"profile_batch and profile_runs {got}",
@@ -152,13 +151,13 @@ def partition(
     say("loading model")
     loaded = load_model(model_or_path)
     # a placement method profiles per device itself and makes its own parts (shares do not apply)
-    request = CutRequest(list(targets), device=device, costs=costs, profile_batch=profile_batch,
-                         profile_runs=profile_runs, seed=seed, tolerance=tolerance, input_shapes=shapes,
+    request = CutRequest(list(targets), device=device, costs=spec.costs, profile_batch=profile_batch,
+                         profile_runs=profile_runs, seed=spec.seed, tolerance=tolerance, input_shapes=shapes,
                          devices=devices, transfer=transfer, progress=say)
     contract = dict(batch_axes=axes or None, batching=None if spec.batching else False)
     reason = whole_reason(loaded.model)
     small = too_small(loaded.model, 2 if auto else len(targets))
-    if small is not None and reason is None and not auto and (shares is not None or parts is not None):
+    if small is not None and reason is None and not auto and (shares is not None or spec.parts is not None):
         raise PartitionError(f"cannot cut {vertex_count(loaded.model)} node(s) into {len(targets)} parts: k must "
                              "not exceed the node count (without shares or parts, the model is served whole)")
     if reason is not None or small is not None:
@@ -169,9 +168,7 @@ def partition(
     if auto:
         if placed:
             raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
-        auto_choice = _auto_shares(graph, shapes, device=device, group_sizes=group_sizes, speeds=speeds,
-                                   batch=profile_batch, runs=profile_runs, seed=seed, say=say,
-                                   cuda_devices=cuda_devices, cuda_streams=cuda_streams)
+        auto_choice = _auto_shares(graph, shapes, spec, group_sizes=group_sizes, speeds=speeds, say=say)
         request.targets = list(auto_choice.shares)
     try:
         result = cut(graph, request)
@@ -201,21 +198,19 @@ def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: Cut
     return write_whole_plan(loaded, settings, Path(out))
 
 
-def _auto_shares(
-    graph: ModelGraph, shapes: dict[str, list[int]], *, device: str, group_sizes: Sequence[int] | None,
-    speeds: Sequence[WorkerSpeed] | None, batch: int, runs: int, seed: int, say: Callable[[str], None],
-    cuda_devices: Sequence[int] = (0,), cuda_streams: int = 1,
-) -> SharesChoice:
-    """Measure (unless given) the whole model's speed per worker and choose the shares."""
+def _auto_shares(graph: ModelGraph, shapes: dict[str, list[int]], spec: PartitionSpec, *,
+                 group_sizes: Sequence[int] | None, speeds: Sequence[WorkerSpeed] | None,
+                 say: Callable[[str], None]) -> SharesChoice:
+    """Measure (unless given) the whole model's speed per worker at ``spec``'s profile batch and
+    choose the shares."""
+    batch = spec.profile_batch
     if speeds is None:
-        if group_sizes is None:
-            raise PartitionError("shares='auto' times the model on the CPU workers that will serve the plan: "
-                                 "give cpu_group_sizes (or speeds)")
+        assert group_sizes is not None  # partition() reads them for every auto cut without speeds
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
-                                        model=graph.model, seed=seed)
-        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=device == "cuda",
-                                cuda_devices=cuda_devices, cuda_streams=cuda_streams, runs=max(runs, 3),
-                                progress=say)
+                                        model=graph.model, seed=spec.seed)
+        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=spec.device == "cuda",
+                                cuda_devices=spec.cuda_devices, cuda_streams=spec.cuda_streams,
+                                runs=max(spec.profile_runs, 3), progress=say)
     from staronnx.perfmodels.store import PerfModelStore
 
     # what a CPU task costs the GPU on this host, as the policies charge it: measured and

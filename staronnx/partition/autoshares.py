@@ -195,20 +195,18 @@ def concurrent_seconds(calls: Sequence[Callable[[], object]], rounds: int, warmu
     errors: list[BaseException] = []
 
     def loop(call: Callable[[], object]) -> None:
+        def repeat(times: int) -> None:
+            try:
+                for _ in range(times):
+                    call()
+            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
+                errors.append(exc)
+
         with enter():
-            try:
-                for _ in range(warmup):
-                    call()
-            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
-                errors.append(exc)
+            repeat(warmup)
             start.wait()
-            if errors:
-                return
-            try:
-                for _ in range(rounds):
-                    call()
-            except BaseException as exc:  # noqa: BLE001 - raised on the caller's thread
-                errors.append(exc)
+            if not errors:
+                repeat(rounds)
 
     threads = [threading.Thread(target=loop, args=(c,), name=f"speed-{i}") for i, c in enumerate(calls)]
     for t in threads:

@@ -34,6 +34,7 @@ import onnx
 from staronnx.errors import PlanError
 from staronnx.fsutil import atomic_dir
 from staronnx.modelio import save_model
+from staronnx.partition.graph import subgraphs
 from staronnx.partition.whole import part_sha256
 from staronnx.plan import PRECISION_SETTING, PartSpec, Plan, TensorSpec
 
@@ -121,7 +122,7 @@ def compose(members: Sequence[Member], inputs: Sequence[str], outputs: Sequence[
             cut_bytes_per_sample=sum(t.bytes_per_sample * len(t.consumers) for t in crossing),
             source={"members": [{"label": m.label, "plan": m.plan.hash, "sha256": m.plan.source.get("sha256")}
                                 for m in members],
-                    "sha256": _digest([m.plan.hash for m in members])},
+                    "sha256": hashlib.sha256(json.dumps([m.plan.hash for m in members]).encode()).hexdigest()},
             settings={**dict(settings), **({"input_shapes": {**recorded, **settings.get("input_shapes", {})}}
                                            if recorded or settings.get("input_shapes") else {})},
             cost_source=",".join(sorted({m.plan.cost_source for m in members if m.plan.cost_source})),
@@ -203,10 +204,6 @@ def _input_shapes(members: Sequence[Member], inputs: Sequence[str],
     return out
 
 
-def _digest(items: Sequence[str]) -> str:
-    return hashlib.sha256(json.dumps(list(items)).encode()).hexdigest()
-
-
 def _rename_model(model: onnx.ModelProto, renames: Mapping[str, str], symbols: Mapping[str, str],
                   outputs: Sequence[str], prefix: str) -> None:
     """Rename, in place, a part file's boundary tensors as ``renames`` says and every other
@@ -228,16 +225,6 @@ def _rename_model(model: onnx.ModelProto, renames: Mapping[str, str], symbols: M
                 dim.dim_param = symbols[dim.dim_param]
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    out = []
-    for attr in node.attribute:
-        if attr.type == onnx.AttributeProto.GRAPH:
-            out.append(attr.g)
-        elif attr.type == onnx.AttributeProto.GRAPHS:
-            out.extend(attr.graphs)
-    return out
-
-
 def _all_names(graph: onnx.GraphProto) -> set[str]:
     """Every tensor name a graph and its subgraphs (If, Loop, Scan bodies) define or read."""
     names = {i.name for i in graph.input} | {o.name for o in graph.output} | {t.name for t in graph.initializer}
@@ -245,7 +232,7 @@ def _all_names(graph: onnx.GraphProto) -> set[str]:
     for node in graph.node:
         names.update(node.input)
         names.update(node.output)
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             names |= _all_names(sub)
     return names
 
@@ -264,5 +251,5 @@ def _rename_graph(graph: onnx.GraphProto, mapping: Mapping[str, str]) -> None:
     for node in graph.node:
         node.input[:] = [mapping.get(n, n) if n else n for n in node.input]
         node.output[:] = [mapping.get(n, n) if n else n for n in node.output]
-        for sub in _subgraphs(node):
+        for sub in subgraphs(node):
             _rename_graph(sub, mapping)

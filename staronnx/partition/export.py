@@ -69,25 +69,14 @@ def build_plan_layout(
     inputs: list[list[str]] = []
     outputs: list[list[str]] = []
     for r in range(k):
-        reads: list[str] = []
-        for v in members[r]:
-            for t in graph.node_inputs[v]:
-                if t in graph.producer and ranks[graph.producer[t]] == r:
-                    continue
-                if t in graph.initializers or t in graph.const_nodes:
-                    continue
-                reads.append(t)
-        reads = list(dict.fromkeys(reads))
+        # what its nodes read that no node of its own makes and no initializer or Constant holds
+        reads = list(dict.fromkeys(t for v in members[r] for t in graph.node_inputs[v]
+                                   if not (t in graph.producer and ranks[graph.producer[t]] == r)
+                                   and t not in graph.initializers and t not in graph.const_nodes))
         inputs.append([t for t in model_inputs if t in reads] + [t for t in reads if t not in model_inputs])
-        outs: list[str] = []
-        for v in members[r]:
-            for t in graph.nodes[v].output:
-                if not t:
-                    continue
-                read_elsewhere = any(ranks[c] != r for c in graph.consumers.get(t, []))
-                if t in model_outputs or read_elsewhere:
-                    outs.append(t)
-        outputs.append(outs)
+        # what its nodes make that the caller or another part reads
+        outputs.append([t for v in members[r] for t in graph.nodes[v].output if t and (
+            t in model_outputs or any(ranks[c] != r for c in graph.consumers.get(t, [])))])
     return members, inputs, outputs
 
 
@@ -143,20 +132,14 @@ def _input_specs(graph: ModelGraph, part_inputs: list[list[str]]) -> list[Tensor
     specs = []
     for spec in graph.inputs:
         info = graph.tensors.get(spec.name)
-        specs.append(
-            TensorSpec(
-                name=spec.name,
-                dtype=spec.dtype,
-                # a batch axis the model left unnamed (-1) takes the plan's batch symbol
-                shape=[graph.batch_symbol if axis == spec.batch_axis and d is None else d
-                       for axis, d in enumerate(spec.shape)],
-                bytes_per_sample=info.bytes_per_sample if info else 0,
-                batched=bool(info and info.batched),
-                producer=None,
-                consumers=[r for r, ins in enumerate(part_inputs) if spec.name in ins],
-                value_range=list(ranges[spec.name]) if spec.name in ranges else None,
-            )
-        )
+        specs.append(TensorSpec(
+            name=spec.name, dtype=spec.dtype,
+            # a batch axis the model left unnamed (-1) takes the plan's batch symbol
+            shape=[graph.batch_symbol if axis == spec.batch_axis and d is None else d
+                   for axis, d in enumerate(spec.shape)],
+            bytes_per_sample=info.bytes_per_sample if info else 0, batched=bool(info and info.batched),
+            producer=None, consumers=[r for r, ins in enumerate(part_inputs) if spec.name in ins],
+            value_range=list(ranges[spec.name]) if spec.name in ranges else None))
     return specs
 
 

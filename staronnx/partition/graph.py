@@ -24,9 +24,6 @@ from staronnx import contract
 from staronnx.errors import ModelError, PartitionError
 from staronnx.modelio import LoadedModel, dim_of, dtype_itemsize, is_fixed, strip_weights
 
-CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan", "SequenceMap"})
-
-
 @dataclass
 class TensorInfo:
     """What the partitioner knows of one tensor."""
@@ -110,13 +107,19 @@ class ModelGraph:
                 for t, users in self.consumers.items() if t in self.producer]
 
 
+def is_copied_constant(node: onnx.NodeProto) -> bool:
+    """A Constant node: no vertex of its own, copied into every part that reads it."""
+    return node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1
+
+
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """A node's subgraphs (If, Loop, Scan bodies): each GRAPH attribute's body and GRAPHS one's."""
+    return [g for attr in node.attribute for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs)]
+
+
 def subgraph_captures(node: onnx.NodeProto) -> list[str]:
     """Outer-scope tensor names read by a node's subgraphs (recursively)."""
-    found: list[str] = []
-    for attr in node.attribute:  # a GRAPH attribute's body, or a GRAPHS one's (empty for other types)
-        for g in [attr.g] if attr.type == onnx.AttributeProto.GRAPH else attr.graphs:
-            found.extend(_graph_free_names(g))
-    return list(dict.fromkeys(found))
+    return list(dict.fromkeys(name for g in subgraphs(node) for name in _graph_free_names(g)))
 
 
 def _graph_free_names(graph: onnx.GraphProto) -> list[str]:
@@ -153,16 +156,25 @@ def priority_topological(preds: list[list[int]], succs: list[list[int]], key: Se
     return order
 
 
-def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
-    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
-    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    preds = [[producer[t] for t in set(ins) if t in producer and producer[t] != v] for v, ins in enumerate(inputs_of)]
-    succs: list[list[int]] = [[] for _ in nodes]
+def _producers(nodes: list[onnx.NodeProto]) -> dict[str, int]:
+    """Tensor name -> index of the node producing it."""
+    return {o: i for i, n in enumerate(nodes) for o in n.output if o}
+
+
+def _adjacency(producer: dict[str, int], inputs_of: list[list[str]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Per vertex, the distinct other vertices it reads from and those that read it, sorted."""
+    preds = [sorted({producer[t] for t in ins if t in producer} - {v}) for v, ins in enumerate(inputs_of)]
+    succs: list[list[int]] = [[] for _ in inputs_of]
     for v, ps in enumerate(preds):
         for u in ps:
             succs[u].append(v)
+    return preds, succs
+
+
+def _topological(nodes: list[onnx.NodeProto], inputs_of: list[list[str]]) -> list[int]:
+    """Kahn's order, ties broken by the file's order, so valid files keep their order."""
     try:
-        return priority_topological(preds, succs, range(len(nodes)))
+        return priority_topological(*_adjacency(_producers(nodes), inputs_of), range(len(nodes)))
     except ValueError:
         raise ModelError("the model's graph has a cycle; ONNX graphs must be acyclic") from None
 
@@ -276,9 +288,7 @@ def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> di
     except Exception:
         inferred = m
     out: dict[str, tuple] = {}
-    for vi in list(inferred.graph.value_info) + list(inferred.graph.output) + list(
-        inferred.graph.input
-    ):
+    for vi in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
         if not vi.type.HasField("tensor_type"):
             continue
         tt = vi.type.tensor_type
@@ -303,7 +313,7 @@ def build_graph(
     const_nodes: dict[str, onnx.NodeProto] = {}
     vertices: list[onnx.NodeProto] = []
     for node in g.node:
-        if node.op_type == "Constant" and node.domain in ("", "ai.onnx") and len(node.output) == 1:
+        if is_copied_constant(node):
             const_nodes[node.output[0]] = node
         else:
             vertices.append(node)
@@ -311,23 +321,13 @@ def build_graph(
         raise ModelError("the model has only Constant nodes: nothing to partition")
     inputs = model_inputs(loaded.model, batch_axes)
     input_names = {i.name for i in inputs}
-    node_inputs = []
-    for node in vertices:
-        names = [t for t in node.input if t]
-        if node.op_type in CONTROL_FLOW_OPS or any(
-            a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute
-        ):
-            names += subgraph_captures(node)
-        node_inputs.append(list(dict.fromkeys(names)))
+    # a node with subgraphs (If, Loop, Scan) also reads what its bodies capture from outside
+    node_inputs = [list(dict.fromkeys([t for t in node.input if t] + subgraph_captures(node))) for node in vertices]
     order = _topological(vertices, node_inputs)
     vertices = [vertices[i] for i in order]
     node_inputs = [node_inputs[i] for i in order]
 
-    producer: dict[str, int] = {}
-    for v, node in enumerate(vertices):
-        for o in node.output:
-            if o:
-                producer[o] = v
+    producer = _producers(vertices)
     consumers: dict[str, list[int]] = {}
     for v, names in enumerate(node_inputs):
         for t in names:
@@ -349,16 +349,7 @@ def build_graph(
                         "batch")
 
     tensors = _tensor_infos(loaded.model, inputs, input_shapes, producer, batch_symbol)
-    preds: list[set[int]] = [set() for _ in vertices]
-    succs: list[set[int]] = [set() for _ in vertices]
-    for t, users in consumers.items():
-        u = producer.get(t)
-        if u is None:
-            continue
-        for v in users:
-            if v != u:
-                preds[v].add(u)
-                succs[u].add(v)
+    preds, succs = _adjacency(producer, node_inputs)
     return ModelGraph(
         loaded=loaded,
         nodes=vertices,
@@ -371,8 +362,8 @@ def build_graph(
         consumers=consumers,
         tensors=tensors,
         batch_symbol=batch_symbol,
-        preds=[sorted(p) for p in preds],
-        succs=[sorted(s) for s in succs],
+        preds=preds,
+        succs=succs,
     )
 
 
@@ -391,13 +382,9 @@ def _tensor_infos(
     at2 = _infer(stripped, shapes2)
     names = list(producer) + [i.name for i in inputs]
     missing = [n for n in names if _concrete(at1.get(n, (0, None))[1]) is None or not at1[n][0]]
-    if missing:
-        probed1, probed2 = _probe(model, missing, shapes1), _probe(model, missing, shapes2)
-        for n in missing:
-            if n in probed1:
-                at1[n] = probed1[n]
-            if n in probed2:
-                at2[n] = probed2[n]
+    if missing:  # what a real run tells of them (of those names only)
+        at1.update(_probe(model, missing, shapes1))
+        at2.update(_probe(model, missing, shapes2))
     infos: dict[str, TensorInfo] = {}
     for name in names:
         elem, dims1 = at1.get(name, (0, None))
@@ -417,10 +404,8 @@ def _tensor_infos(
                     # a dim that is exactly the batch shares its symbol; a merged one does not
                     size = s1[axis] if s1 is not None else 1
                     sym.append(batch_symbol if size == 1 else f"{batch_symbol}*{size}")
-                elif isinstance(known, int):
-                    sym.append(known)
                 else:
-                    sym.append(known if isinstance(known, str) else None)
+                    sym.append(known if isinstance(known, (int, str)) else None)
         infos[name] = TensorInfo(
             name=name, elem_type=elem or sym_elem, shape1=s1, batch_axes=batch_axes, sym_shape=sym
         )

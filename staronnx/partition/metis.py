@@ -24,10 +24,8 @@ def metis_parts(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed:
     if k == 1:
         return np.zeros(n, dtype=np.int64)
     neighbours: list[dict[int, int]] = [dict() for _ in range(n)]
-    for u, v, nbytes in graph.edges():
-        w = max(int(nbytes), 1)
-        neighbours[u][v] = neighbours[u].get(v, 0) + w
-        neighbours[v][u] = neighbours[v].get(u, 0) + w
+    for u, v, nbytes in graph.edges():  # one per pair, u < v: the vertices are in topological order
+        neighbours[u][v] = neighbours[v][u] = max(int(nbytes), 1)
     starts, adjacent, raw = [0], [], []
     for v in range(n):
         for u, w in sorted(neighbours[v].items()):
@@ -35,13 +33,7 @@ def metis_parts(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed:
             raw.append(w)
         starts.append(len(adjacent))
     eweights = integer_weights(np.array(raw, dtype=float)) if raw else None
-    options = pymetis.Options(seed=int(seed), ncuts=4, niter=20)
-    result = pymetis.part_graph(
-        k,
-        adjacency=pymetis.CSRAdjacency(starts, adjacent),
-        vweights=integer_weights(costs),
-        eweights=eweights,
-        tpwgts=[float(t) for t in targets],
-        options=options,
-    )
+    result = pymetis.part_graph(k, adjacency=pymetis.CSRAdjacency(starts, adjacent), vweights=integer_weights(costs),
+                                eweights=eweights, tpwgts=[float(t) for t in targets],
+                                options=pymetis.Options(seed=int(seed), ncuts=4, niter=20))
     return np.asarray(result.vertex_part, dtype=np.int64)

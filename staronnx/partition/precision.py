@@ -28,8 +28,6 @@ from staronnx.errors import PartitionError
 from staronnx.plan import PRECISION_SETTING, Plan, arch_files
 from staronnx.verify import FP16_TOLERANCE
 
-#: the plan setting (``staronnx.verify`` reads its ``files`` too)
-SETTING = PRECISION_SETTING
 #: what the user may write for a device, and the architecture the runtime calls it
 DEVICES = {"gpu": "cuda", "cuda": "cuda", "cpu": "cpu"}
 PRECISIONS = ("fp32", "fp16")
@@ -91,9 +89,10 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
         digests.append(hashlib.sha256(data).hexdigest())
     from onnxconverter_common import __version__ as version
 
-    plan.settings[SETTING] = {"cuda": "fp16", "cpu": "fp32", "files": {"cuda": files}, "sha256": {"cuda": digests},
-                              "converter": f"onnxconverter-common {version} convert_float_to_float16(keep_io_types=True)",
-                              "tolerance": FP16_TOLERANCE}
+    plan.settings[PRECISION_SETTING] = {
+        "cuda": "fp16", "cpu": "fp32", "files": {"cuda": files}, "sha256": {"cuda": digests},
+        "converter": f"onnxconverter-common {version} convert_float_to_float16(keep_io_types=True)",
+        "tolerance": FP16_TOLERANCE}
     plan.hash = plan.compute_hash()
     plan.write_json(plan.root)
     return Plan.load(plan.root)
@@ -101,7 +100,7 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
 
 def describe(plan: Plan) -> str | None:
     """One line for ``plan show``: which parts run in which precision, or None for fp32 only."""
-    setting = plan.settings.get(SETTING)
+    setting = plan.settings.get(PRECISION_SETTING)
     if not setting:
         return None
     return (f"precision: cuda parts {setting['cuda']}, cpu parts {setting['cpu']} (the casts at the cuts: every "

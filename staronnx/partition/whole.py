@@ -34,6 +34,7 @@ from staronnx.feeds import integer_ranges
 from staronnx.fsutil import atomic_dir
 from staronnx.modelio import LoadedModel, dim_of, dtype_itemsize, file_sha256, is_fixed, save_model
 from staronnx.ortutil import value_type_name
+from staronnx.partition.graph import is_copied_constant
 from staronnx.plan import PartSpec, Plan, TensorSpec
 
 #: what the plan's settings record as the method of a model served whole
@@ -47,8 +48,7 @@ class UncuttableError(PartitionError):
 
 def vertex_count(model: onnx.ModelProto) -> int:
     """The nodes a cut places (Constant nodes are copied into every part that reads them)."""
-    return sum(1 for n in model.graph.node
-               if not (n.op_type == "Constant" and n.domain in ("", "ai.onnx") and len(n.output) == 1))
+    return sum(1 for n in model.graph.node if not is_copied_constant(n))
 
 
 def is_tensor(tp: onnx.TypeProto) -> bool:

@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from filelock import FileLock
 
@@ -73,18 +73,30 @@ class PerfModelStoreReadOnlyWarning(UserWarning):
 #: errnos that mean "this folder cannot be written", as opposed to a failing disk
 _READ_ONLY_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR})
 
+_T = TypeVar("_T")
 _warned: set[str] = set()
 _warned_lock = threading.Lock()
 
 
-def _warn_once(key: str, message: str, category: type[Warning]) -> None:
-    """Warn about ``key`` once per process: a serving process reads the same file again and
-    again, and one line says it."""
-    with _warned_lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    warnings.warn(message, category, stacklevel=4)
+def _read_or_warn(path: Path, read: Callable[[], _T | None], errors: tuple[type[Exception], ...],
+                  message: Callable[[Exception], str]) -> _T | None:
+    """``read()``'s model of ``path``, or None where it fails with ``errors``: then a warning
+    ``message(error)``, once per process and damaged file (a serving process reads the same file
+    again and again, and one line says it)."""
+    try:
+        return read()
+    except errors as exc:
+        key = _file_id(path)
+        with _warned_lock:
+            if key in _warned:
+                return None
+            _warned.add(key)
+        warnings.warn(message(exc), PerfModelCorruptWarning, stacklevel=4)
+        return None
+
+
+def _parsed(data: dict[str, Any] | None, parse: Callable[[dict[str, Any]], _T]) -> _T | None:
+    return None if data is None else parse(data)
 
 
 def _file_id(path: Path) -> str:
@@ -290,17 +302,10 @@ class PerfModelStore:
         writer may be about to fix. The next writer sets an unusable file aside.
         """
         key = ModelKey(plan_hash, part, arch)
-        try:
-            model = self._read_history(key)
-        except (_Unusable, PerfModelFormatError) as exc:
-            path = self.path(key)
-            _warn_once(
-                _file_id(path),
-                f"performance model {path} is {exc}; ignored (it will be recalibrated, and "
-                "set aside by the next calibration)",
-                PerfModelCorruptWarning,
-            )
-            model = None
+        path = self.path(key)
+        model = _read_or_warn(path, lambda: self._read_history(key), (_Unusable, PerfModelFormatError),
+                              lambda exc: f"performance model {path} is {exc}; ignored (it will be recalibrated, "
+                              "and set aside by the next calibration)")
         return model if model is not None else HistoryModel(part, arch, **self._model_options)
 
     def save(self, plan_hash: str, model: HistoryModel) -> None:
@@ -394,13 +399,9 @@ class PerfModelStore:
         """This host's bus model, or an empty one (predicts 0) if none is usable (a reader:
         an unusable file gets a warning and is left for the next :meth:`save_bus`)."""
         path = self.bus_path()
-        try:
-            data = self._read(path, "bus")
-            return BusModel() if data is None else BusModel.from_dict(data)
-        except (_Unusable, ValueError) as exc:
-            _warn_once(_file_id(path), f"bus model {path} is {exc}; ignored (it will be recalibrated)",
-                       PerfModelCorruptWarning)
-            return BusModel()
+        bus = _read_or_warn(path, lambda: _parsed(self._read(path, "bus"), BusModel.from_dict), (_Unusable, ValueError),
+                            lambda exc: f"bus model {path} is {exc}; ignored (it will be recalibrated)")
+        return bus if bus is not None else BusModel()
 
     def save_bus(self, bus: BusModel) -> None:
         """Store this host's bus model (a calibration replaces the previous one)."""
@@ -408,9 +409,7 @@ class PerfModelStore:
         payload = self._payload("bus", bus.to_dict())
         with self._locked(path):
             try:
-                data = self._read(path, "bus")
-                if data is not None:
-                    BusModel.from_dict(data)
+                _parsed(self._read(path, "bus"), BusModel.from_dict)
             except (_Unusable, ValueError) as exc:
                 self._quarantine(path, str(exc))  # keep the evidence the new model replaces
             atomic_write_json(path, payload)
@@ -426,13 +425,9 @@ class PerfModelStore:
         """This host's measured help cost, or None if none is stored or usable (the policies
         then charge the default, :class:`HelpCost`'s)."""
         path = self.help_cost_path()
-        try:
-            data = self._read(path, "helpcost")
-            return None if data is None else HelpCost.from_dict(data)
-        except (_Unusable, ValueError, TypeError) as exc:
-            _warn_once(_file_id(path), f"help cost {path} is {exc}; ignored (the default is charged)",
-                       PerfModelCorruptWarning)
-            return None
+        return _read_or_warn(path, lambda: _parsed(self._read(path, "helpcost"), HelpCost.from_dict),
+                             (_Unusable, ValueError, TypeError),
+                             lambda exc: f"help cost {path} is {exc}; ignored (the default is charged)")
 
     def save_help_cost(self, cost: HelpCost) -> None:
         """Store this host's measured help cost (a measurement replaces the previous one)."""
@@ -460,12 +455,9 @@ class PerfModelStore:
         """Every host model stored for a plan, by worker layout ({} when none or unusable:
         a warning says so once)."""
         path = self.host_path(plan_hash)
-        try:
-            return self._read_hosts(path)
-        except _Unusable as exc:
-            _warn_once(_file_id(path), f"host costs {path} are {exc}; ignored (calibrate again to measure them)",
-                       PerfModelCorruptWarning)
-            return {}
+        hosts = _read_or_warn(path, lambda: self._read_hosts(path), (_Unusable,),
+                              lambda exc: f"host costs {path} are {exc}; ignored (calibrate again to measure them)")
+        return hosts if hosts is not None else {}
 
     def load_host(self, plan_hash: str, workers: Sequence[str]) -> HostModel | None:
         """The host costs measured on exactly these workers (names, the runtime's order), or

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from staronnx.partition.methods.model import Problem
+from staronnx.partition.methods.model import Problem, chains
 
 
 @dataclass
@@ -56,20 +56,9 @@ def _number(groups: list[list[int]], n: int) -> np.ndarray:
 
 
 def chain_units(problem: Problem) -> np.ndarray:
-    """Contract series chains: v joins u's unit when u -> v is u's only out-edge and v's only in-edge."""
-    n = problem.n
-    groups: list[list[int]] = []
-    unit_of = [-1] * n
-    for v in range(n):
-        preds = problem.preds[v]
-        if len(preds) == 1 and len(problem.succs[preds[0]]) == 1:
-            g = unit_of[preds[0]]
-            groups[g].append(v)
-            unit_of[v] = g
-        else:
-            unit_of[v] = len(groups)
-            groups.append([v])
-    return _number(groups, n)
+    """Contract series chains: v joins u's unit when u -> v is u's only out-edge and v's only
+    in-edge (:func:`~staronnx.partition.methods.model.chains`, numbered by their first node)."""
+    return np.unique(chains(problem), return_inverse=True)[1].astype(np.int64)
 
 
 def phase_units(problem: Problem) -> np.ndarray:

@@ -25,6 +25,7 @@ import numpy as np
 
 from staronnx.errors import PartitionError
 from staronnx.partition.costs import estimated_costs, profile_costs
+from staronnx.partition.cut import CutRequest
 from staronnx.partition.graph import ModelGraph
 from staronnx.partition.methods.model import Device
 
@@ -80,22 +81,12 @@ def apply_override(
     return np.maximum(out, 1e-3)
 
 
-def cost_tables(
-    graph: ModelGraph,
-    devices: Sequence[Device],
-    batches: Sequence[int],
-    *,
-    source: str = "profile",
-    runs: int = 5,
-    profile_batch: int = 8,
-    input_shapes: dict[str, list[int]] | None = None,
-    seed: int = 0,
-    overrides: Mapping[str, CostOverride] | None = None,
-    progress: Callable[[str], None] | None = None,
-) -> dict[int, np.ndarray]:
-    """Per batch, an (n, devices) array of µs per node."""
-    say = progress or (lambda _m: None)
-    overrides = dict(overrides or {})
+def cost_tables(graph: ModelGraph, devices: Sequence[Device], batches: Sequence[int],
+                request: CutRequest) -> dict[int, np.ndarray]:
+    """Per batch, an (n, devices) array of µs per node, as ``request`` asks (its ``costs``
+    source, ``profile_runs``, ``profile_batch``, ``input_shapes``, ``seed`` and ``device_costs``)."""
+    source, runs, profile_batch = request.costs, request.profile_runs, request.profile_batch
+    say, overrides = request.progress, dict(request.device_costs or {})
     unknown = set(overrides) - {d.name for d in devices}
     if unknown:
         raise PartitionError(
@@ -120,8 +111,9 @@ def cost_tables(
                 else:
                     say(f"profiling {len(graph)} nodes on {dev.name} ({dev.cores} thread(s), batch {b})")
                     # the partitioner's own profiling, with the device's threads
-                    cache[key] = profile_costs(graph, device=dev.kind, batch=b, runs=runs, input_shapes=input_shapes,
-                                               seed=seed, threads=int(dev.cores) if dev.kind == "cpu" else None).micros
+                    cache[key] = profile_costs(graph, device=dev.kind, batch=b, runs=runs,
+                                               input_shapes=request.input_shapes, seed=request.seed,
+                                               threads=int(dev.cores) if dev.kind == "cpu" else None).micros
             return cache[key]
 
         def column(dev: Device, reference: np.ndarray, b: int) -> np.ndarray:

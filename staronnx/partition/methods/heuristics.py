@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from staronnx.partition.methods.model import Problem, makespan, priority_topological
+from staronnx.partition.methods.model import Problem, label_dag, makespan
 
 
 @dataclass
@@ -143,16 +143,8 @@ def duet(problem: Problem, max_rounds: int = 100) -> Assignment:
     for i, grp in enumerate(groups):
         owner[grp] = i
     # subgraph DAG and its critical path (faster-device costs)
-    gsucc: list[set[int]] = [set() for _ in range(g)]
-    for u, v, _ in problem.edges:
-        if owner[u] != owner[v]:
-            gsucc[owner[u]].add(int(owner[v]))
+    order, gsucc = label_dag(problem, owner)
     best_cost = sub_cost.min(axis=1)
-    gpreds: list[list[int]] = [[] for _ in range(g)]
-    for i in range(g):
-        for j in gsucc[i]:
-            gpreds[j].append(i)
-    order = priority_topological(gpreds, [sorted(s) for s in gsucc], list(range(g)))
     down = np.zeros(g)
     nxt = [-1] * g
     for i in reversed(order):
@@ -162,7 +154,7 @@ def duet(problem: Problem, max_rounds: int = 100) -> Assignment:
                 best, arg = down[j], j
         down[i] = best_cost[i] + best
         nxt[i] = arg
-    heads = [i for i in range(g) if not gpreds[i]]
+    heads = sorted(set(range(g)) - {j for i in range(g) for j in gsucc[i]})
     critical: list[int] = []
     cur = max(heads, key=lambda i: down[i]) if heads else -1
     while cur != -1:
@@ -225,7 +217,7 @@ def overseer_tree(problem: Problem) -> list[int]:
     """The canonical spanning tree: each node hangs under the predecessor on its costliest
     path from a source (costs on the fastest device plus mean transfer times), so the
     model's critical path is a root-to-leaf path of the tree. -1 for roots."""
-    n, d = problem.n, problem.d
+    n = problem.n
     w = problem.cost.min(axis=1)
     mean_lat, mean_pb = problem.mean_link()
     dist = np.zeros(n)

@@ -15,7 +15,7 @@ node into the parts the runtime executes and the plan's predicted makespan.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 import dataclasses
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
@@ -355,7 +355,7 @@ def group_parts(
     if problem.n == 0:
         return np.zeros(0, dtype=np.int64)
     best: tuple[float, int, np.ndarray] | None = None
-    for start in (_sweep_parts(problem, a), _chain_parts(problem, a)):
+    for start in (_sweep_parts(problem, a), chains(problem, a)):
         ranks = _renumber(problem, start)
         if merge:
             ranks = _renumber(problem, _merge_parts(problem, ranks, a, overhead))
@@ -398,34 +398,55 @@ def _sweep_parts(problem: Problem, a: np.ndarray) -> np.ndarray:
     return np.array(cluster, dtype=np.int64)
 
 
-def _chain_parts(problem: Problem, a: np.ndarray) -> np.ndarray:
+def chains(problem: Problem, assign: np.ndarray | None = None) -> np.ndarray:
+    """Series chains: v joins u's chain when u -> v is u's only out-edge and v's only in-edge
+    (and, given ``assign``, both are on one device); each node labelled by its chain's first node."""
     cluster = list(range(problem.n))
-    for v in range(problem.n):
-        if len(problem.preds[v]) == 1:
-            u = problem.preds[v][0]
-            if len(problem.succs[u]) == 1 and a[u] == a[v]:
-                cluster[v] = cluster[u]
+    for v, preds in enumerate(problem.preds):
+        u = preds[0] if len(preds) == 1 else -1
+        if u >= 0 and len(problem.succs[u]) == 1 and (assign is None or assign[u] == assign[v]):
+            cluster[v] = cluster[u]
     return np.array(cluster, dtype=np.int64)
+
+
+def label_dag(problem: Problem, labels: np.ndarray,
+              key: dict[int, int] | None = None) -> tuple[list[int], dict[int, set[int]]]:
+    """The quotient of the problem's edges by a label per node (acyclic): its labels in a
+    topological order (the ready label of smallest ``key``, default the label itself, first) and
+    each label's successors."""
+    alive = sorted({int(x) for x in labels})
+    succ: dict[int, set[int]] = {p: set() for p in alive}
+    for u, v, _ in problem.edges:
+        if labels[u] != labels[v]:
+            succ[int(labels[u])].add(int(labels[v]))
+    pos = {p: i for i, p in enumerate(alive)}
+    preds: list[list[int]] = [[] for _ in alive]
+    for p in alive:
+        for q in succ[p]:
+            preds[pos[q]].append(pos[p])
+    order = priority_topological(preds, [sorted(pos[q] for q in succ[p]) for p in alive],
+                                 [key[p] if key is not None else p for p in alive])
+    return [alive[i] for i in order], succ
+
+
+def reachable(succ: Sequence[Iterable[int]] | dict[int, set[int]], order: Iterable[int]) -> dict[int, int]:
+    """Bitset of the vertices reachable from each vertex (itself excluded), ``order`` topological."""
+    bits: dict[int, int] = {}
+    for u in reversed(list(order)):
+        bits[u] = 0
+        for v in succ[u]:
+            bits[u] |= (1 << v) | bits[v]
+    return bits
 
 
 def _renumber(problem: Problem, ranks: np.ndarray) -> np.ndarray:
     """Contiguous ranks in a topological order of the quotient (ties: first node's index)."""
-    labels = sorted({int(r) for r in ranks})
-    index = {lab: i for i, lab in enumerate(labels)}
-    q = np.array([index[int(r)] for r in ranks], dtype=np.int64)
-    k = len(labels)
-    qp: list[set[int]] = [set() for _ in range(k)]
-    qs: list[set[int]] = [set() for _ in range(k)]
-    for u, v, _ in problem.edges:
-        if q[u] != q[v]:
-            qp[q[v]].add(int(q[u]))
-            qs[q[u]].add(int(q[v]))
-    first = [problem.n] * k
+    first: dict[int, int] = {}
     for v in range(problem.n - 1, -1, -1):
-        first[int(q[v])] = v
-    order = priority_topological([sorted(p) for p in qp], [sorted(s) for s in qs], first)
+        first[int(ranks[v])] = v
+    order, _ = label_dag(problem, ranks, first)
     new = {p: i for i, p in enumerate(order)}
-    return np.array([new[int(r)] for r in q], dtype=np.int64)
+    return np.array([new[int(r)] for r in ranks], dtype=np.int64)
 
 
 def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: float) -> np.ndarray:
@@ -434,30 +455,10 @@ def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: f
     if int(ranks.max()) < 1:
         return ranks
 
-    def quotient_succ(r: np.ndarray) -> tuple[list[int], dict[int, set[int]]]:
-        alive = sorted({int(x) for x in r})
-        succ: dict[int, set[int]] = {p: set() for p in alive}
-        for u, v, _ in problem.edges:
-            if r[u] != r[v]:
-                succ[int(r[u])].add(int(r[v]))
-        return alive, succ
-
-    def reach_sets(alive: list[int], succ: dict[int, set[int]]) -> dict[int, int]:
-        """Bitset of the parts reachable from each part (itself excluded)."""
-        pos = {p: i for i, p in enumerate(alive)}
-        preds: list[list[int]] = [[] for _ in alive]
-        for p in alive:
-            for s_ in succ[p]:
-                preds[pos[s_]].append(pos[p])
-        order = priority_topological(preds, [sorted(pos[s_] for s_ in succ[p]) for p in alive], list(range(len(alive))))
-        bits: dict[int, int] = {}
-        for i in reversed(order):
-            p = alive[i]
-            b = 0
-            for s_ in succ[p]:
-                b |= (1 << s_) | bits[s_]
-            bits[p] = b
-        return bits
+    def quotient(r: np.ndarray) -> tuple[list[int], dict[int, set[int]], dict[int, int]]:
+        """The parts alive, their successors, and the parts reachable from each (bitsets)."""
+        order, succ = label_dag(problem, r)
+        return sorted(succ), succ, reachable(succ, order)
 
     device_of = {int(ranks[v]): int(a[v]) for v in range(problem.n)}
 
@@ -468,8 +469,7 @@ def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: f
     current = predicted(ranks)
     for _sweep in range(6):
         merged_any = False
-        alive, succ = quotient_succ(ranks)
-        reach = reach_sets(alive, succ)
+        alive, succ, reach = quotient(ranks)
         for p in alive:
             if p not in reach:
                 continue  # merged away in this sweep
@@ -489,8 +489,7 @@ def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: f
                 value = predicted(trial)
                 if value <= current + 1e-9:
                     ranks, current, merged_any = trial, value, True
-                    alive, succ = quotient_succ(ranks)
-                    reach = reach_sets(alive, succ)
+                    alive, succ, reach = quotient(ranks)
                     if p not in reach:
                         break
         if not merged_any:
@@ -499,12 +498,8 @@ def _merge_parts(problem: Problem, ranks: np.ndarray, a: np.ndarray, overhead: f
 
 
 def _bits(x: int) -> list[int]:
-    out = []
-    while x:
-        low = x & -x
-        out.append(low.bit_length() - 1)
-        x ^= low
-    return out
+    """The indices of ``x``'s set bits, lowest first."""
+    return [i for i in range(x.bit_length()) if (x >> i) & 1]
 
 
 def part_devices(ranks: np.ndarray, assign: np.ndarray) -> list[int]:

@@ -28,22 +28,12 @@ import numpy as np
 
 from staronnx.errors import PartitionError
 from staronnx.partition.methods.heuristics import Assignment
-from staronnx.partition.methods.model import Problem, schedule
+from staronnx.partition.graph import priority_topological
+from staronnx.partition.methods.model import Problem, reachable, schedule
 
 #: Largest graph the MILP accepts by default (nodes), and its default time limit (s).
 MAX_NODES = 60
 TIME_LIMIT = 30.0
-
-
-def _reachability(problem: Problem) -> list[int]:
-    """Bitset of the nodes reachable from each node."""
-    reach = [0] * problem.n
-    for u in range(problem.n - 1, -1, -1):
-        bits = 0
-        for v in problem.succs[u]:
-            bits |= (1 << v) | reach[v]
-        reach[u] = bits
-    return reach
 
 
 def optimal(
@@ -65,7 +55,7 @@ def optimal(
             "its ordering variables grow as n^2; use comm-sd, duet or overseer, or raise max_nodes"
         )
     cost = problem.cost
-    reach = _reachability(problem)
+    reach = reachable(problem.succs, range(n))
     independent = [
         (u, v) for u in range(n) for v in range(u + 1, n) if not (reach[u] >> v) & 1 and not (reach[v] >> u) & 1
     ]
@@ -205,8 +195,6 @@ def optimal(
     order = sorted(range(n), key=lambda v: (starts_v[v], v))
     # the start order is topological up to float ties: repair with a stable topological sort
     pos = {v: i for i, v in enumerate(order)}
-    from staronnx.partition.methods.model import priority_topological
-
     order = priority_topological(problem.preds, problem.succs, [pos[v] for v in range(n)])
     return Assignment(
         np.asarray(assign, dtype=np.int64),

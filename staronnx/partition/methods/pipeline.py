@@ -281,10 +281,7 @@ def make_context(graph: ModelGraph, method: PlacementMethod, r: CutRequest) -> P
     method.check(devs, graph, options)
     batch = int(r.batch or r.profile_batch)
     batches = sorted(set(REPORT_BATCHES) | {batch})
-    tables = cost_tables(
-        graph, devs, batches, source=r.costs, runs=r.profile_runs, profile_batch=r.profile_batch,
-        input_shapes=r.input_shapes, seed=r.seed, overrides=r.device_costs, progress=r.progress,
-    )
+    tables = cost_tables(graph, devs, batches, r)
     transfer = r.transfer or TransferModel()
     problems = {b: graph_problem(graph, devs, tables[b], transfer, b) for b in batches}
     return PlacementContext(graph, devs, problems, batch, transfer, r.seed, options, dict(r.input_shapes))
@@ -400,13 +397,12 @@ def place(
     ``profile_runs``, ``input_shapes``, ``seed``); the devices are this call's own, and a
     placement method chooses its parts itself (no shares). ``batch``: the batch size the method
     decides at (default the profile batch); ``options``: the method's own."""
-    method, costs, seed = spec.method, spec.costs, spec.seed
-    profile_batch, profile_runs, input_shapes = spec.profile_batch, spec.profile_runs, spec.input_shapes
+    method = spec.method
     if method not in PLACEMENT_METHODS:
         raise PartitionError(f"unknown placement method {method!r}; choose one of {', '.join(PLACEMENT_METHODS)}")
     request = CutRequest(
-        [], costs=costs, profile_batch=profile_batch, profile_runs=profile_runs, seed=seed,
-        input_shapes=parse_input_shapes(input_shapes), devices=devices, device_costs=device_costs,
+        [], costs=spec.costs, profile_batch=spec.profile_batch, profile_runs=spec.profile_runs, seed=spec.seed,
+        input_shapes=parse_input_shapes(spec.input_shapes), devices=devices, device_costs=device_costs,
         options=options, batch=batch, transfer=transfer, progress=progress or (lambda _m: None),
     )
     out = output_dir_for(output_dir, force)
