@@ -182,6 +182,18 @@ def test_health_and_metadata_http_and_grpc(server):
     assert e.value.status() == "StatusCode.NOT_FOUND"
 
 
+def test_is_model_ready_of_an_unknown_model_or_version_is_false_over_both_protocols(server):
+    """Triton's ModelReady answers ready=false (status OK) for a model or version it does not
+    serve, so tritonclient.grpc's is_model_ready returns False there, as tritonclient.http's does
+    (a client polling for a model to appear must not get an exception instead)."""
+    h = thttp.InferenceServerClient(server.http)
+    g = tgrpc.InferenceServerClient(server.grpc)
+    for c in (h, g):
+        assert c.is_model_ready("nope") is False
+        assert c.is_model_ready("tiny", "7") is False
+        assert c.is_model_ready("tiny", "1") is True
+
+
 # -- inference ---------------------------------------------------------------------------------
 def test_http_inference_binary_and_json_equal_the_reference(server, plans):
     h = thttp.InferenceServerClient(server.http)

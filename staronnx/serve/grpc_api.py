@@ -117,7 +117,15 @@ class GrpcFrontend(Frontend):
         return pb.ServerMetadataResponse(**self.server_meta)
 
     async def ModelReady(self, request: pb.ModelReadyRequest, context: Ctx) -> pb.ModelReadyResponse:
-        return pb.ModelReadyResponse(ready=self.model_ready(request.name, request.version))
+        try:
+            ready = self.model_ready(request.name, request.version)
+        except ProtocolError as exc:
+            if exc.kind != "not_found":
+                raise
+            # Triton answers ready=false (status OK) for a model or version it does not serve:
+            # tritonclient's is_model_ready then returns False rather than raising
+            ready = False
+        return pb.ModelReadyResponse(ready=ready)
 
     async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Ctx) -> pb.ModelMetadataResponse:
         meta = self.model(request.name, request.version).metadata()
