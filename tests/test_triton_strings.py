@@ -201,6 +201,26 @@ def test_malformed_bytes_are_refused_by_name(served):
     _check_sum_difference(client.infer("simple_string", inputs), in0, in1)
 
 
+def test_a_json_string_that_is_not_text_is_refused_by_name(served):
+    """A JSON BYTES element with an unpaired surrogate (the escape ``"\\ud800"``, or its UTF-8-style
+    bytes ED A0 80 in the body) is no text ONNX Runtime can take: 400 naming the input and the
+    element, as a binary element that is not UTF-8 is, never a 500 from the model's worker (which
+    would fail every request batched with it); the server keeps answering."""
+    for element in (b'"\\ud800"', b'"\xed\xa0\x80"'):
+        body = (b'{"inputs": [{"name": "INPUT0", "shape": [1, 2], "datatype": "BYTES", "data": ["ok", '
+                + element + b']}]}')
+        req = urllib.request.Request(f"http://{served.http}/v2/models/simple_identity/infer", data=body)
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        message = json.loads(info.value.read())["error"]
+        assert info.value.code == 400, message
+        assert "'INPUT0'" in message and "element 1" in message, message
+    client = httpclient.InferenceServerClient(served.http)
+    tensor = httpclient.InferInput("INPUT0", [1, 2], "BYTES")
+    tensor.set_data_from_numpy(np.array([["a", "\u00e9"]], dtype=object), binary_data=False)
+    assert client.infer("simple_identity", [tensor]).as_numpy("OUTPUT0").tolist() == [[b"a", "\u00e9".encode()]]
+
+
 def test_metadata_and_config_say_bytes(served):
     """Metadata speaks the protocol's BYTES, the model config Triton's TYPE_STRING."""
     client = httpclient.InferenceServerClient(served.http)

@@ -218,6 +218,14 @@ def _strings_from_values(name: str, values: Any) -> np.ndarray:
     out = np.empty(len(flat), dtype=STRING_DTYPE)
     for i, v in enumerate(flat):
         if type(v) is str:
+            if not v.isascii():
+                # JSON's "\ud800" escape (or those bytes, read with surrogatepass) is a lone
+                # surrogate: no UTF-8 text, so ONNX Runtime's worker would fail the whole batch
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise invalid(f"input {shown(name)}: element {i} is not UTF-8 text (an unpaired surrogate "
+                                  f"at character {exc.start}); ONNX Runtime's string tensors take text only") from None
             out[i] = v
         elif isinstance(v, (bytes, bytearray)):
             out[i] = _text(name, i, v)
