@@ -19,6 +19,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -278,6 +280,28 @@ def test_one_tensor_fed_to_two_inputs_of_a_member(served, reference):
 
 def test_steps_served_as_triton_does_answer_the_same(served, reference):
     assert _many_clients(served, reference, "text_reader_steps", clients=4, requests=2) == []
+
+
+def test_a_bad_classification_of_a_steps_ensemble_is_refused_as_a_models_is(served):
+    """An ensemble served step by step checks an output's ``classification: k`` as a model does:
+    k that is not a non-negative integer (a string over HTTP, a negative int64 over gRPC) is 400 /
+    INVALID_ARGUMENT naming the output, not a server error after its steps ran."""
+    image = er.text_image(np.random.default_rng(5), batch=1, width=32)
+    body = {"inputs": [{"name": "IMAGE", "datatype": "FP32", "shape": list(image.shape),
+                        "data": image.ravel().tolist()}],
+            "outputs": [{"name": "TEXT_PROB", "parameters": {"classification": "2"}}]}
+    req = urllib.request.Request(f"http://{served.http}/v2/models/text_reader_steps/infer",
+                                 data=json.dumps(body).encode())
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    message = json.loads(info.value.read())["error"]
+    assert info.value.code == 400 and "'TEXT_PROB'" in message and "classification" in message, message
+    module, client = _client(served, "grpc")
+    tensor = module.InferInput("IMAGE", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image)
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("text_reader_steps", [tensor], outputs=[module.InferRequestedOutput("TEXT_PROB", class_count=-1)])
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "classification" in err.value.message(), err.value
 
 
 def _stats(served, model: str, protocol: str = "http") -> dict:

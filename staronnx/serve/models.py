@@ -458,6 +458,16 @@ class ModelEndpoint:
                 axis = self.contract.outputs.get(name) if self.contract.batchable else None
                 outputs[name] = protocol.classify(outputs[name], k, axis, self.output_labels.get(name, self.labels))
 
+    def check_classes(self, classes: Mapping[str, Any]) -> None:
+        """Each ``classification: k`` asked for: a non-negative integer, of an output with values to rank."""
+        for name, k in classes.items():
+            if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+                raise invalid(f"output {shown(name)}: classification must be a non-negative integer, "
+                              f"got {protocol.cut(k, 40)}")
+            if k and self.output_datatypes.get(name) == protocol.BYTES:
+                raise invalid(f"output {shown(name)}: a BYTES output has no values to rank; ask for it "
+                              "without classification")
+
     def check(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
               outputs: Sequence[str] | None) -> None:
         """The checks :meth:`run` makes before it submits (the outputs asked for, the inputs'
@@ -539,13 +549,8 @@ class ModelEndpoint:
             if self.reshapes:  # a config's reshape: the client's dims to the model's shape
                 inputs = self._reshaped(inputs, to_model=True)
             n = self.check_request(inputs, datatypes)
-            for name, k in (classes or {}).items():
-                if not isinstance(k, int) or isinstance(k, bool) or k < 0:
-                    raise invalid(f"output {shown(name)}: classification must be a non-negative integer, "
-                                  f"got {protocol.cut(k, 40)}")
-                if k and self.output_datatypes.get(name) == protocol.BYTES:
-                    raise invalid(f"output {shown(name)}: a BYTES output has no values to rank; ask for it "
-                                  "without classification")
+            if classes:
+                self.check_classes(classes)
             if n > self.server.queue_capacity:
                 raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request "
                               f"queue holds at most {self.server.queue_capacity} samples (--queue-capacity); send at "
@@ -634,6 +639,8 @@ class ModelEndpoint:
         try:
             names = protocol.select_outputs(self.plan.output_names, outputs, self.name)
             n = self.check_request(inputs, datatypes)
+            if classes:  # as run() checks them: a bad k must not fail the request after its steps ran
+                self.check_classes(classes)
         except ProtocolError:
             self.stats.refused("OTHER")
             raise
