@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import urllib.request
 
+import grpc
 import numpy as np
 import onnx
 import pytest
@@ -219,6 +220,34 @@ def test_a_json_string_that_is_not_text_is_refused_by_name(served):
     tensor = httpclient.InferInput("INPUT0", [1, 2], "BYTES")
     tensor.set_data_from_numpy(np.array([["a", "\u00e9"]], dtype=object), binary_data=False)
     assert client.infer("simple_identity", [tensor]).as_numpy("OUTPUT0").tolist() == [[b"a", "\u00e9".encode()]]
+
+
+def test_a_bytes_shape_its_data_cannot_hold_is_refused_before_anything_is_allocated(served):
+    """A binary BYTES input whose shape claims more elements than its bytes can hold (each takes
+    at least its 4-byte length) is 400 / INVALID_ARGUMENT naming the input, as a short buffer of
+    a numeric input is: never a 500 from an array of the claimed size (2**40 elements asked
+    room for 8 TiB, and a few GiB would have been taken, from a 5-byte tensor)."""
+    raw = (1).to_bytes(4, "little") + b"a"
+    for shape in ([1, 10**30], [1, 2**40]):
+        header = json.dumps({"inputs": [{"name": "INPUT0", "shape": shape, "datatype": "BYTES",
+                                         "parameters": {"binary_data_size": len(raw)}}]}).encode()
+        req = urllib.request.Request(f"http://{served.http}/v2/models/simple_identity/infer", data=header + raw,
+                                     headers={"Inference-Header-Content-Length": str(len(header))})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(req, timeout=30)
+        message = json.loads(info.value.read())["error"]
+        assert info.value.code == 400 and "'INPUT0'" in message and "BYTES elements" in message, message
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(served.grpc))
+    request = service_pb2.ModelInferRequest(model_name="simple_identity")
+    request.inputs.add(name="INPUT0", datatype="BYTES", shape=[1, 2**40])
+    request.raw_input_contents.append(raw)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ModelInfer(request, timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "BYTES elements" in err.value.details()
+    client = httpclient.InferenceServerClient(served.http)
+    tensor = httpclient.InferInput("INPUT0", [1, 1], "BYTES")
+    tensor.set_data_from_numpy(np.array([[b"a"]], dtype=object))
+    assert client.infer("simple_identity", [tensor]).as_numpy("OUTPUT0").tolist() == [[b"a"]]
 
 
 def test_metadata_and_config_say_bytes(served):

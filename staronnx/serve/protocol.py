@@ -194,8 +194,11 @@ def strings_from_raw(name: str, raw: bytes | bytearray | memoryview, count: int)
     array of ``str``. Every byte must belong to an element: a length running past the end, or
     bytes left over, mean the client and server disagree about the tensor."""
     view = memoryview(raw).cast("B")
-    out = np.empty(count, dtype=STRING_DTYPE)
     offset, end = 0, len(view)
+    if count > end // 4:  # before the array of ``count`` is made: a shape's claim is not memory to take
+        raise invalid(f"input {shown(name)}: {end} bytes of data cannot hold the {count} BYTES elements its shape "
+                      "holds (each is a 4-byte length, then its bytes)")
+    out = np.empty(count, dtype=STRING_DTYPE)
     for i in range(count):
         if offset + 4 > end:
             raise invalid(f"input {shown(name)}: {end} bytes of data hold {i} BYTES elements, but its shape "
