@@ -323,6 +323,28 @@ def test_grpc_errors_name_the_input(server):
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_an_empty_tensor_of_a_shape_numpy_cannot_make_is_refused_by_name(server):
+    """Zero elements with another dimension past numpy's limits (``[0, 2**62, 8]``, ``[0, 10**30]``)
+    hold no data to check, and numpy refuses the shape itself: 400 / INVALID_ARGUMENT naming the
+    input, over JSON, the binary extension and gRPC, never a 500."""
+    for shape in ([0, 2**62, 8], [0, 10**30]):
+        status, doc = _post(server.http, "/v2/models/tiny/infer", json.dumps(
+            {"inputs": [{"name": "x", "shape": shape, "datatype": "FP32", "data": []}]}).encode())
+        assert status == 400 and "'x'" in doc["error"], (shape, doc)
+        head = json.dumps({"inputs": [{"name": "x", "shape": shape, "datatype": "FP32",
+                                       "parameters": {"binary_data_size": 0}}]}).encode()
+        status, doc = _post(server.http, "/v2/models/tiny/infer", head,
+                            {"Inference-Header-Content-Length": str(len(head))})
+        assert status == 400 and "'x'" in doc["error"], (shape, doc)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(server.grpc))
+    req = service_pb2.ModelInferRequest(model_name="tiny")
+    req.inputs.add(name="x", datatype="FP32", shape=[0, 2**62, 8])
+    req.raw_input_contents.append(b"")
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "'x'" in e.value.details(), e.value
+
+
 def test_a_failing_part_fails_its_own_request_only(server, plans):
     """fragile's last MatMul needs d = 8: d = 5 passes every check and fails inside ORT."""
     h = thttp.InferenceServerClient(server.http)

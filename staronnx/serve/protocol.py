@@ -247,15 +247,18 @@ def from_raw(name: str, datatype: Any, shape: Any, raw: bytes | bytearray | memo
     """
     dims = check_shape(name, shape)
     dtype = _dtype_for(name, datatype)
-    if dtype is STRING_DTYPE:
-        return strings_from_raw(name, raw, math.prod(dims)).reshape(dims)
-    expected = math.prod(dims) * dtype.itemsize
-    if len(raw) != expected:
-        raise invalid(
-            f"input {shown(name)}: {len(raw)} bytes of data, but shape {dims} of {datatype} needs {expected}"
-        )
-    # frombuffer keeps a view on the request's bytes (no copy); the runtime only reads feeds
-    return np.frombuffer(raw, dtype=dtype).reshape(dims)
+    try:
+        if dtype is STRING_DTYPE:
+            return strings_from_raw(name, raw, math.prod(dims)).reshape(dims)
+        expected = math.prod(dims) * dtype.itemsize
+        if len(raw) != expected:
+            raise invalid(
+                f"input {shown(name)}: {len(raw)} bytes of data, but shape {dims} of {datatype} needs {expected}"
+            )
+        # frombuffer keeps a view on the request's bytes (no copy); the runtime only reads feeds
+        return np.frombuffer(raw, dtype=dtype).reshape(dims)
+    except ValueError as exc:  # a shape of no elements numpy cannot make ([0, 2**62, 8]): the client's
+        raise _unmakeable(name, dims, exc) from None
 
 
 def from_values(name: str, datatype: Any, shape: Any, values: Any) -> np.ndarray:
@@ -282,7 +285,14 @@ def from_values(name: str, datatype: Any, shape: Any, values: Any) -> np.ndarray
         raise invalid(
             f"input {shown(name)}: {arr.size} values of data, but shape {dims} holds {math.prod(dims)}"
         )
-    return arr.reshape(dims)
+    try:
+        return arr.reshape(dims)
+    except ValueError as exc:  # a shape of no elements numpy cannot make ([0, 10**30]): the client's
+        raise _unmakeable(name, dims, exc) from None
+
+
+def _unmakeable(name: str, dims: list[int], exc: ValueError) -> ProtocolError:
+    return invalid(f"input {shown(name)}: shape {cut(dims)} cannot be made ({cut(exc)})")
 
 
 class NumberOutOfRange(str):
