@@ -400,6 +400,20 @@ def test_clients_that_go_away_cost_the_others_nothing(server, plans):
     _check(plans["tiny"], x, _grpc_infer(g, x).as_numpy("y"))
 
 
+def test_a_max_body_past_grpcs_2_gib_message_limit_still_serves_both_protocols(plans, tmp_path):
+    """--max-body 3GiB: HTTP takes bodies that large; gRPC's message limit is a C int (protobuf's
+    own limit is 2 GiB), so gRPC is held to 2 GiB - 1 rather than the server failing to start with
+    an OverflowError traceback."""
+    s = start_server([plans["tiny"].root], tmp_path, "--name", "tiny", "--max-body", "3GiB")
+    try:
+        x = _x(2)
+        _check(plans["tiny"], x, _http_infer(thttp.InferenceServerClient(s.http), x).as_numpy("y"))
+        _check(plans["tiny"], x, _grpc_infer(tgrpc.InferenceServerClient(s.grpc), x).as_numpy("y"))
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+    assert "Traceback" not in "\n".join(s.lines)
+
+
 # -- metrics -----------------------------------------------------------------------------------
 def test_metrics_show_the_counts_sent(server):
     h = thttp.InferenceServerClient(server.http)

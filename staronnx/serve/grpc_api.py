@@ -381,6 +381,9 @@ def _decode_inputs(request: pb.ModelInferRequest, local_regions: Callable[[], Sh
     return inputs, datatypes
 
 
+#: the largest message gRPC's core takes (its limit is an ``int``): 2 GiB - 1
+GRPC_MAX_MESSAGE = 2**31 - 1
+
 #: calls gRPC's core may queue for the application, per stream one connection may hold: the
 #: queue of a few connections' full streams before calls are rejected at random (its soft
 #: limit; twice that, its hard limit)
@@ -454,7 +457,9 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
     limits = frontend.guard.limits
     streams = limits.grpc_max_streams
     options: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", frontend.max_body),
+        # a C int in gRPC's core (a larger value fails the server's creation with OverflowError),
+        # and protobuf's own limit: a --max-body past it still holds HTTP bodies to the flag
+        ("grpc.max_receive_message_length", min(frontend.max_body, GRPC_MAX_MESSAGE)),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port taken by another process must fail, not be shared
         ("grpc.max_concurrent_streams", streams),
