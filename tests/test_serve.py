@@ -414,6 +414,21 @@ def test_a_max_body_past_grpcs_2_gib_message_limit_still_serves_both_protocols(p
     assert "Traceback" not in "\n".join(s.lines)
 
 
+def test_limits_past_grpcs_int_arguments_still_serve_both_protocols(plans, tmp_path):
+    """--idle-timeout and --header-timeout of 35 days (gRPC takes them in milliseconds) and
+    --grpc-max-streams of a billion (its pending-call limits are four and eight times that): each
+    is a C int in gRPC's core, held to 2**31 - 1 there, not an OverflowError at start."""
+    s = start_server([plans["tiny"].root], tmp_path, "--name", "tiny", "--idle-timeout", "3000000",
+                     "--header-timeout", "3000000", "--grpc-max-streams", "1000000000")
+    try:
+        x = _x(2)
+        _check(plans["tiny"], x, _http_infer(thttp.InferenceServerClient(s.http), x).as_numpy("y"))
+        _check(plans["tiny"], x, _grpc_infer(tgrpc.InferenceServerClient(s.grpc), x).as_numpy("y"))
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+    assert "Traceback" not in "\n".join(s.lines)
+
+
 # -- metrics -----------------------------------------------------------------------------------
 def test_metrics_show_the_counts_sent(server):
     h = thttp.InferenceServerClient(server.http)

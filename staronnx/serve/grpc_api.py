@@ -381,7 +381,8 @@ def _decode_inputs(request: pb.ModelInferRequest, local_regions: Callable[[], Sh
     return inputs, datatypes
 
 
-#: the largest message gRPC's core takes (its limit is an ``int``): 2 GiB - 1
+#: the largest message gRPC's core takes (its limit is an ``int``): 2 GiB - 1, the largest value
+#: of any of its integer channel arguments
 GRPC_MAX_MESSAGE = 2**31 - 1
 
 #: calls gRPC's core may queue for the application, per stream one connection may hold: the
@@ -470,6 +471,10 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
         ("grpc.server_handshake_timeout_ms", max(1, int(limits.header_timeout * 1000))),
         ("grpc.max_connection_idle_ms", max(1, int(limits.idle_timeout * 1000))),
     ]
+    # every integer channel argument is a C int in gRPC's core: a flag past it (--idle-timeout 30d
+    # in milliseconds, 4 x --grpc-max-streams pending calls) would fail the server's creation with
+    # OverflowError, where 2**31 - 1 (24.8 days, 2 billion) already means "no limit" in practice
+    options = [(key, min(value, GRPC_MAX_MESSAGE) if isinstance(value, int) else value) for key, value in options]
     server = grpc.aio.server(options=options)
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
