@@ -530,6 +530,24 @@ def test_grpc_image_client(served, images):
                 assert 0 <= float(cls[0]) <= 1 and LABELS[int(cls[1])] == cls[2]
 
 
+def test_grpc_classification_of_a_type_other_than_an_integer_is_refused_not_ignored(served):
+    """Triton takes ``classification`` as an int64_param and refuses another type; a value this
+    server reads as no integer (a string, a boolean) is INVALID_ARGUMENT naming the output, as
+    HTTP's ``"classification": "2"`` is, never the whole output silently sent unclassified."""
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(served.grpc))
+    for field, value in (("string_param", "2"), ("bool_param", True)):
+        request = service_pb2.ModelInferRequest(model_name="simple")
+        for name in ("INPUT0", "INPUT1"):
+            request.inputs.add(name=name, datatype="INT32", shape=[1, 16])
+            request.raw_input_contents.append(np.arange(16, dtype=np.int32).tobytes())
+        output = request.outputs.add(name="OUTPUT0")
+        setattr(output.parameters["classification"], field, value)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.ModelInfer(request, timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (field, err.value)
+        assert "'OUTPUT0'" in err.value.details() and "classification" in err.value.details(), err.value.details()
+
+
 # -- what the examples do not check ------------------------------------------------------------
 def test_config_follows_tritons_conventions(served):
     """Item 3: dims without the batch axis when max_batch_size > 0, image formats, labels, the

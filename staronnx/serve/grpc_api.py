@@ -290,7 +290,9 @@ class GrpcFrontend(Frontend):
             model.stats.refused("OTHER")
             raise
         wanted = [o.name for o in request.outputs] or None
-        classes = {o.name: int(o.parameters["classification"].int64_param) for o in request.outputs
+        # the value as sent (run() refuses one that is no non-negative integer, as over HTTP): reading
+        # int64_param alone made a string or bool classification 0, the output sent unclassified
+        classes = {o.name: _parameters(o.parameters)["classification"] for o in request.outputs
                    if "classification" in o.parameters}
         answer = await model.infer(inputs, datatypes, wanted, decode_s=time.perf_counter() - t0, classes=classes,
                                    parameters=_parameters(request.parameters) if request.parameters else None)

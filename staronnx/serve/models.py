@@ -463,7 +463,7 @@ class ModelEndpoint:
         for name, k in classes.items():
             if not isinstance(k, int) or isinstance(k, bool) or k < 0:
                 raise invalid(f"output {shown(name)}: classification must be a non-negative integer, "
-                              f"got {protocol.cut(k, 40)}")
+                              f"got {protocol.cut(repr(k), 40)}")
             if k and self.output_datatypes.get(name) == protocol.BYTES:
                 raise invalid(f"output {shown(name)}: a BYTES output has no values to rank; ask for it "
                               "without classification")
