@@ -495,6 +495,21 @@ def test_requests_a_sequence_model_cannot_take_are_refused_by_name(served, proto
     assert int(stats["model_stats"][0]["inference_stats"]["fail"]["count"]) >= 4
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_bad_classification_leaves_its_sequence_as_it_was(served, protocol):
+    """A request refused for its ``classification`` (k < 0) is refused before it joins its
+    sequence, as one with a wrong datatype is: an END asking it does not end the sequence."""
+    module = httpclient if protocol == "http" else grpcclient
+    client = _client(served, protocol)
+    sid = 8 if protocol == "http" else 9
+    client.infer("simple_sequence", [_int_input(module, "INPUT", 1)], sequence_id=sid, sequence_start=True)
+    with pytest.raises(InferenceServerException, match="classification must be a non-negative integer"):
+        client.infer("simple_sequence", [_int_input(module, "INPUT", 1)], sequence_id=sid, sequence_end=True,
+                     outputs=[module.InferRequestedOutput("OUTPUT", class_count=-1)])
+    result = client.infer("simple_sequence", [_int_input(module, "INPUT", 7)], sequence_id=sid, sequence_end=True)
+    assert int(result.as_numpy("OUTPUT")[0, 0]) == 7
+
+
 def test_the_server_says_it_serves_sequences(served):
     assert "sequence" in httpclient.InferenceServerClient(served.http).get_server_metadata()["extensions"]
     assert "sequence" in grpcclient.InferenceServerClient(served.grpc).get_server_metadata().extensions

@@ -524,6 +524,8 @@ class ModelEndpoint:
         if self.sequences is not None:
             try:
                 sequence = request_of(parameters)
+                if classes:  # refused before it joins its sequence: a refused request changes nothing
+                    self.check_classes(classes)
             except ProtocolError:
                 self.stats.refused("OTHER")
                 raise
