@@ -256,3 +256,41 @@ def test_shared_memory_is_for_clients_on_this_machine(tmp_path):
                 shm.destroy_shared_memory_region(handle)
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_region_whose_object_shrank_is_refused_and_the_server_keeps_serving(client, served):
+    """A client that truncates its shared-memory object after registering it (by mistake, or to
+    harm the server) gets its request refused by name: the server maps the object, and touching a
+    mapped page past the object's end kills a process with SIGBUS, every other client's requests
+    with it. The server reads and writes a region through the object's file instead."""
+    import os
+
+    c, m = client, client.module
+    in0 = np.arange(16, dtype=np.int32).reshape(1, 16)
+    size = in0.nbytes
+    ins = c.region("input_data", 2 * size)
+    outs = c.region("output_data", 2 * size)
+    shm.set_shared_memory_region(ins, [in0])
+    shm.set_shared_memory_region(ins, [in0], offset=size)
+    c.register_system_shared_memory("input_data", ins.key, 2 * size)
+    c.register_system_shared_memory("output_data", outs.key, 2 * size)
+    os.truncate(f"/dev/shm/{ins.key.lstrip('/')}", 0)
+    os.truncate(f"/dev/shm/{outs.key.lstrip('/')}", 0)
+    inputs = [m.InferInput("INPUT0", [1, 16], "INT32"), m.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_shared_memory("input_data", size)
+    inputs[1].set_shared_memory("input_data", size, offset=size)
+    with pytest.raises(InferenceServerException, match="shrank"):
+        c.infer("simple", inputs)
+    # the outputs' object shrank too: the inputs sent in the request, the answer refused by name
+    inputs = [m.InferInput("INPUT0", [1, 16], "INT32"), m.InferInput("INPUT1", [1, 16], "INT32")]
+    inputs[0].set_data_from_numpy(in0)
+    inputs[1].set_data_from_numpy(in0)
+    outputs = [m.InferRequestedOutput("OUTPUT0"), m.InferRequestedOutput("OUTPUT1")]
+    outputs[0].set_shared_memory("output_data", size)
+    outputs[1].set_shared_memory("output_data", size, offset=size)
+    with pytest.raises(InferenceServerException, match="shrank"):
+        c.infer("simple", inputs, outputs=outputs)
+    # and the server still serves
+    assert served.proc.poll() is None
+    result = c.infer("simple", inputs)
+    np.testing.assert_array_equal(result.as_numpy("OUTPUT0"), in0 + in0)

@@ -5,9 +5,14 @@ A client creates a POSIX shared-memory object (``shm_open``: tritonclient's
 ``tritonclient.utils.shared_memory``, Python's ``multiprocessing.shared_memory``), registers a
 window of it (name, key, offset, byte size) with the server, then names a region, a byte count and
 an offset within the window in an input's or output's ``parameters`` (``shared_memory_region``,
-``shared_memory_byte_size``, ``shared_memory_offset``) instead of sending its bytes. The server maps
+``shared_memory_byte_size``, ``shared_memory_offset``) instead of sending its bytes. The server opens
 the object once at registration and reads inputs from it and writes outputs into it for every
 request, so no tensor bytes cross the socket.
+
+The object is read and written through its file (``pread``/``pwrite``), not mapped: a client may
+shrink its object after registering it, and a mapped page past the object's end kills the process
+that touches it (SIGBUS), every other client's requests with it. Through the file, a shrunk object
+is a short read, refused by the region's name. The bytes are copied once either way.
 
 Shared memory is for clients on the server's machine only: every shared-memory call and every
 request that places a tensor in a region is refused to a client connected from another address
@@ -29,16 +34,14 @@ all of them succeeds (there are none), as the example clients do at their start.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import ipaddress
-import mmap
 import os
 import stat
 import threading
 import urllib.parse
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -59,29 +62,64 @@ CUDA_REFUSED = ("CUDA shared memory is not implemented by staronnx serve (it wou
 
 @dataclass
 class Region:
-    """One registered window of a shared-memory object, mapped."""
+    """One registered window of a shared-memory object, its file kept open."""
 
     name: str
     key: str
     offset: int
     byte_size: int
-    _map: mmap.mmap
+    _fd: int
+    #: held while the file is read or written, so that an unregister on another thread (a request
+    #: may be decoded on a worker thread) never closes it under a read, nor hands its number to
+    #: another file opened meanwhile
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def status(self) -> dict[str, Any]:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
-    def window(self, offset: int, size: int, what: str) -> memoryview:
-        """``size`` bytes at ``offset`` within the registered window, or the refusal naming the
-        region and ``what`` (the input or output) when they fall outside it."""
+    def check(self, offset: int, size: int, what: str) -> int:
+        """The object's offset of ``size`` bytes at ``offset`` within the registered window, or the
+        refusal naming the region and ``what`` (the input or output) when they fall outside it."""
         if offset < 0 or size < 0 or offset + size > self.byte_size:
             raise invalid(f"{what}: {size} bytes at offset {offset} of shared memory region {shown(self.name)} "
                           f"fall outside it (it holds {self.byte_size} bytes)")
-        start = self.offset + offset
-        return memoryview(self._map)[start:start + size]
+        return self.offset + offset
+
+    def read(self, offset: int, size: int, what: str) -> bytes:
+        """``size`` bytes at ``offset`` within the window (a copy)."""
+        start = self.check(offset, size, what)
+        with self._lock:
+            data = os.pread(self._open(), size, start)
+            if len(data) < size:
+                raise self._shrank(what, os.fstat(self._fd).st_size)
+        return data
+
+    def write(self, offset: int, data: bytes | memoryview, what: str) -> None:
+        """``data`` written at ``offset`` within the window; refused (nothing written) where the
+        object no longer holds the window (written, it would grow again behind the client's back)."""
+        start = self.check(offset, len(data), what)
+        with self._lock:
+            now = os.fstat(self._open()).st_size
+            if now < start + len(data):
+                raise self._shrank(what, now)
+            os.pwrite(self._fd, data, start)
+
+    def _open(self) -> int:
+        """(Lock held.) The file, or the refusal of a region unregistered meanwhile."""
+        if self._fd < 0:
+            raise invalid(f"shared memory region {shown(self.name)} was unregistered while the request used it")
+        return self._fd
+
+    def _shrank(self, what: str, size: int) -> ProtocolError:
+        return invalid(f"{what}: shared memory region {shown(self.name)}: its object {shown(self.key)} shrank to "
+                       f"{size} bytes since it was registered (offset {self.offset} + byte_size {self.byte_size}); "
+                       "register the region again")
 
     def close(self) -> None:
-        with contextlib.suppress(BufferError):  # a view still held (a request being decoded): released with it
-            self._map.close()
+        with self._lock:
+            fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)
 
 
 def _object_path(key: str) -> str:
@@ -116,7 +154,7 @@ class SharedMemoryRegions:
             except OSError as exc:
                 raise invalid(f"shared memory region {shown(name)}: cannot open key {shown(key)}: "
                               f"{exc.strerror or exc}") from None
-            try:
+            try:  # the file stays open while the region is registered (closed by unregister)
                 info = os.fstat(fd)
                 if not stat.S_ISREG(info.st_mode):
                     raise invalid(f"shared memory region {shown(name)}: key {shown(key)} is not a shared-memory "
@@ -126,10 +164,10 @@ class SharedMemoryRegions:
                                   f"runs past the end of key {shown(key)} ({info.st_size} bytes)")
                 if byte_size == 0:
                     raise invalid(f"shared memory region {shown(name)}: byte_size must be at least 1")
-                mapped = mmap.mmap(fd, info.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
+            except BaseException:
                 os.close(fd)
-            self._regions[name] = Region(name, key, offset, byte_size, mapped)
+                raise
+            self._regions[name] = Region(name, key, offset, byte_size, fd)
 
     def unregister(self, name: str | None) -> None:
         """Forget region ``name`` (every region where ``name`` is empty or None); unknown: refused."""
@@ -168,14 +206,13 @@ class SharedMemoryRegions:
         """Input ``name`` read (copied) from the region its parameters place it in."""
         what = f"input {shown(name)}"
         region, size, offset = placement_of(placement, what)
-        data = bytes(self.region(region).window(offset, size, what))
-        return protocol.from_raw(name, datatype, shape, data)
+        return protocol.from_raw(name, datatype, shape, self.region(region).read(offset, size, what))
 
     def check_output(self, name: str, placement: Mapping[str, Any]) -> None:
         """Refuse, before the request runs, an output placed in an unknown region or outside one."""
         what = f"output {shown(name)}"
         region, size, offset = placement_of(placement, what)
-        self.region(region).window(offset, size, what).release()
+        self.region(region).check(offset, size, what)
 
     def write_output(self, name: str, array: np.ndarray, placement: Mapping[str, Any]) -> int:
         """Output ``name`` written into the region its parameters name; returns its byte count.
@@ -186,7 +223,7 @@ class SharedMemoryRegions:
         if len(raw) > size:
             raise invalid(f"{what} is {len(raw)} bytes, but {BYTE_SIZE} {size} given for shared memory region "
                           f"{shown(region)} holds fewer; give at least {len(raw)}")
-        self.region(region).window(offset, len(raw), what)[:] = raw
+        self.region(region).write(offset, raw, what)
         return len(raw)
 
     def close(self) -> None:
