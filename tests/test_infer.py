@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -426,3 +427,31 @@ def test_arrow_file_with_state_rows_and_a_per_row_scalar(tmp_path):
         one = _ort("gru_stream", {"frame": frame[i:i + 1], "state": state[i][:, None], "sample_rate": np.array(rate[i])})
         want.append({"prob": one["prob"][0], "state_out": one["state_out"][:, 0]})
     _assert_rows(read_outputs(tmp_path / "out"), want, np.arange(12))
+
+
+def test_bad_first_rows_without_a_batch_size_are_reported_by_row_id(tmp_path, capsys):
+    """Without --batch-size the batch is measured on the dataset's first rows: rows the model
+    refuses (a first shard of the wrong dtype) or fails on (a token id past bert_tiny's
+    vocabulary) are not measured but reported by row id like any other, and the others written."""
+    x = crnn_rows(12, seed=16)
+    src = npz_shards(tmp_path / "in", {"image": x}, 4)
+    np.savez(src / "shard-0.npz", image=x[:4].astype(np.float64))
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "4 row(s) skipped (row ids 0, 1, 2, 3)" in out and "chosen for throughput" in out
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(4, 12))
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out2",
+                       "--groups", ONE_CORE, "-q")
+    assert code == 2 and re.search(r"rows? 0(\.\.[1-3])? of the dataset cannot run", err), err  # the batch chosen
+
+    rng = np.random.default_rng(17)
+    ids = rng.integers(0, 1000, (8, 9)).astype(np.int64)
+    ids[1, 2] = 5000
+    mask = np.ones_like(ids)
+    np.savez(tmp_path / "bert.npz", input_ids=ids, attention_mask=mask, token_type_ids=np.zeros_like(ids))
+    code, out, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "bert.npz",
+                         "-o", tmp_path / "bert", "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "1 row(s) skipped (row ids 1)" in out
+    assert list(read_outputs(tmp_path / "bert")["row_id"]) == [0, 2, 3, 4, 5, 6, 7]

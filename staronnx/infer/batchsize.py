@@ -83,7 +83,14 @@ def choose_batch_size(runtime: Any, layout: RowLayout, sample: dict[str, np.ndar
     flat = 0
     size = 1
     while size <= max_batch and size * per_row <= MAX_BATCH_BYTES:
-        rate = _throughput(runtime, _rows_of(layout, sample, size), size, max_in_flight)
+        try:
+            rate = _throughput(runtime, _rows_of(layout, sample, size), size, max_in_flight)
+        except Exception:
+            # a row of the sample that the model fails on (the job reports it by row id): the
+            # sizes measured before it decide
+            if not measured:
+                raise
+            break
         measured[size] = rate
         if rate > best * (1 + GAIN):
             flat = 0

@@ -186,8 +186,11 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
         elif not layout.batched:
             batch = 1
         else:
-            sample = _sample_rows(source, layout, start)
-            report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
+            sample = _sample_rows(source, layout, start, plan=plan)
+            try:
+                report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
+            except Exception:  # noqa: BLE001 - the sample's first row fails in the model: the job reports it by row id
+                report.choice = None
             batch = report.choice.batch_size if report.choice is not None else 1
         report.batch_size, report.max_in_flight = batch, window
         if report.choice is None:  # the probe already ran the model on the job's first rows
@@ -208,7 +211,7 @@ def _warm_up(runtime: Runtime, source: Source, layout: RowLayout, start: int, ba
     job's samples/s. Two per worker at once, so the policy spreads them (a task cannot be sent to
     a given worker): with one, the other workers of a worker-per-core job allocated theirs
     inside the job's clock. A first batch that fails is left to the job, which reports it by row id."""
-    sample = _sample_rows(source, layout, start, want=batch)
+    sample = _sample_rows(source, layout, start, want=batch, plan=runtime.plan)
     if sample is None:
         return
     with contextlib.suppress(Exception):
@@ -241,15 +244,23 @@ def _finished_rows(finished: set[int], shard_rows: int, total: int | None) -> in
     return rows
 
 
-def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64) -> dict[str, np.ndarray] | None:
+def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64,
+                 plan: Plan | None = None) -> dict[str, np.ndarray] | None:
     """Up to ``want`` consecutive readable rows of one shape from ``start`` (the batch-size
-    probe's inputs: the job's own data, not random values)."""
+    probe's inputs: the job's own data, not random values), leaving out rows ``plan`` refuses
+    (a dtype, a rank, a fixed size): the probe would fail on them, where the job reports them by
+    row id."""
     pieces: list[dict[str, np.ndarray]] = []
     rows = 0
     key: object = None
     for chunk in source.peek(start, rows=want):
         if chunk.problem is not None:
             continue
+        if plan is not None:
+            try:  # a chunk's rows share a dtype and shape
+                plan.check_feeds(layout.take(chunk.arrays, 0, 1))
+            except InputError:
+                continue
         sig = layout.signature(layout.take(chunk.arrays, 0, 1))
         if pieces and sig != key:
             break
