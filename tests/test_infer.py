@@ -455,3 +455,25 @@ def test_bad_first_rows_without_a_batch_size_are_reported_by_row_id(tmp_path, ca
     assert code == 0, err
     assert "1 row(s) skipped (row ids 1)" in out
     assert list(read_outputs(tmp_path / "bert")["row_id"]) == [0, 2, 3, 4, 5, 6, 7]
+
+
+def test_rows_larger_than_the_probe_limit_run_alone(tmp_path):
+    """A row whose inputs alone pass the batch-size probe's limit on a batch's bytes (a 68 MiB
+    volume): without a batch size the job measures batch 1 and runs it, rather than measuring none."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from staronnx.infer.batchsize import MAX_BATCH_BYTES
+
+    width = MAX_BATCH_BYTES // 4 + 1024  # float32 values: one row holds more than the limit
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    x = np.random.default_rng(18).standard_normal((2, width)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    report = infer(tmp_path / "neg.onnx", tmp_path / "in.npz", tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
+    assert report.written == 2 and report.batch_size == 1
+    assert report.choice is not None and list(report.choice.measured) == [1]
+    got = read_outputs(tmp_path / "out")
+    assert list(got["row_id"]) == [0, 1] and np.array_equal(got["y"], -x)

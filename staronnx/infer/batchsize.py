@@ -82,7 +82,8 @@ def choose_batch_size(runtime: Any, layout: RowLayout, sample: dict[str, np.ndar
     best = 0.0
     flat = 0
     size = 1
-    while size <= max_batch and size * per_row <= MAX_BATCH_BYTES:
+    # size 1 whatever its bytes: a row larger than the limit runs alone (none measured: no choice)
+    while size <= max_batch and (size == 1 or size * per_row <= MAX_BATCH_BYTES):
         try:
             rate = _throughput(runtime, _rows_of(layout, sample, size), size, max_in_flight)
         except Exception:
