@@ -477,3 +477,16 @@ def test_rows_larger_than_the_probe_limit_run_alone(tmp_path):
     assert report.choice is not None and list(report.choice.measured) == [1]
     got = read_outputs(tmp_path / "out")
     assert list(got["row_id"]) == [0, 1] and np.array_equal(got["y"], -x)
+
+
+def test_an_empty_dataset_gives_an_empty_parquet_file(tmp_path, capsys):
+    """A dataset of no rows into one .parquet file: a Parquet file of no rows and the job's
+    columns, which Parquet readers open (not a file of no bytes)."""
+    np.savez(tmp_path / "in.npz", image=np.zeros((0, 1, 32, 64), np.float32))
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz",
+                         "-o", tmp_path / "out.parquet", "--batch-size", 4, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "0 samples written" in out
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.num_rows == 0 and table.column_names == ["row_id", "log_probs"]
+    assert len(read_outputs(tmp_path / "out.parquet")["row_id"]) == 0

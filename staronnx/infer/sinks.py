@@ -174,12 +174,13 @@ class ShardSink:
         if self.format == "parquet":
             import pyarrow.parquet as pq
 
-            tables = [pq.read_table(p) for p in shards]
-            buf = io.BytesIO()
-            if tables:
-                import pyarrow as pa
+            import pyarrow as pa
 
-                pq.write_table(pa.concat_tables(tables), buf)
+            # no shard (a dataset of no rows): a file of no rows with the job's columns, not of no bytes
+            tables = [pq.read_table(p) for p in shards] or [
+                _table(np.zeros(0, np.int64), {}, self.manifest.get("outputs", {}))]
+            buf = io.BytesIO()
+            pq.write_table(pa.concat_tables(tables), buf)
             atomic_write_bytes(self.output, buf.getvalue())
         else:
             arrays = read_outputs(self.folder)
