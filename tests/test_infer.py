@@ -490,3 +490,20 @@ def test_an_empty_dataset_gives_an_empty_parquet_file(tmp_path, capsys):
     table = pq.read_table(tmp_path / "out.parquet")
     assert table.num_rows == 0 and table.column_names == ["row_id", "log_probs"]
     assert len(read_outputs(tmp_path / "out.parquet")["row_id"]) == 0
+
+
+def test_overwrite_leaves_no_skipped_rows_of_the_job_before(tmp_path, capsys):
+    """A single-file output whose job skipped rows, written again with --overwrite by a job that
+    skips none: no errors file is left beside it listing rows the new output holds."""
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    out = tmp_path / "out.parquet"
+    base = ["infer", realmodels.path("crnn_ocr"), "-o", out, "--batch-size", 4, "--groups", ONE_CORE, "-q"]
+    code, stdout, err = cli(capsys, *base, "-i", src, "--on-error", "skip")
+    assert code == 0 and "row ids 4, 7" in stdout, err
+    assert (tmp_path / "out.parquet.errors.json").exists()
+    x = crnn_rows(12, seed=19)
+    np.savez(tmp_path / "good.npz", image=x)
+    code, stdout, err = cli(capsys, *base, "-i", tmp_path / "good.npz", "--overwrite")
+    assert code == 0 and "skipped" not in stdout, err
+    assert not (tmp_path / "out.parquet.errors.json").exists()
+    _assert_rows(read_outputs(out), crnn_reference(x), np.arange(12))

@@ -167,6 +167,9 @@ class ShardSink:
         errors = self.errors()
         if errors:
             atomic_write_text(self.errors_file(), json.dumps(errors, indent=1))
+        else:  # the list of an earlier job (out.parquet.errors.json outlives --overwrite) would name rows this one wrote
+            with contextlib.suppress(FileNotFoundError):
+                self.errors_file().unlink()
         if not self.single:
             atomic_write_text(self.folder / SUCCESS, json.dumps(dict(summary), indent=1))
             return self.output
