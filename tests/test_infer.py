@@ -507,3 +507,19 @@ def test_overwrite_leaves_no_skipped_rows_of_the_job_before(tmp_path, capsys):
     assert code == 0 and "skipped" not in stdout, err
     assert not (tmp_path / "out.parquet.errors.json").exists()
     _assert_rows(read_outputs(out), crnn_reference(x), np.arange(12))
+
+
+def test_a_format_other_than_the_output_files_suffix_is_refused(tmp_path, capsys):
+    """--format npz with --output out.parquet (or parquet with out.npz) would write one format
+    under the other's name, a file neither read_outputs nor the other format's readers open: it
+    is refused, naming both; the matching --format runs."""
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=20))
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "--batch-size", 2, "--groups", ONE_CORE,
+            "-q"]
+    for name, fmt in (("out.parquet", "npz"), ("out.npz", "parquet")):
+        code, _, err = cli(capsys, *base, "-o", tmp_path / name, "--format", fmt)
+        assert code == 2 and f"--format {fmt}" in err and name in err, err
+        assert not (tmp_path / name).exists()
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "out.npz", "--format", "npz")
+    assert code == 0, err
+    assert list(read_outputs(tmp_path / "out.npz")["row_id"]) == [0, 1, 2]

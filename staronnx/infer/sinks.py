@@ -46,6 +46,8 @@ from staronnx.fsutil import atomic_write_bytes, atomic_write_text, remove_stale_
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"
 FORMATS = ("parquet", "npz")
+#: the suffixes of a single-file output, and the format each names
+SINGLE_FILES = {".parquet": "parquet", ".pq": "parquet", ".npz": "npz"}
 ROW_ID = "row_id"
 #: outputs the job gathers before it hands them to the writer as a Parquet row group: small, because
 #: Arrow's writer holds several times a group's bytes while it encodes it (crnn_ocr over 3,000
@@ -63,9 +65,13 @@ def output_format(output: Path, asked: str | None) -> str:
     if asked is not None:
         if asked not in FORMATS:
             raise OutputError(f"--format {asked!r}: choose one of {', '.join(FORMATS)}")
+        # a single file is written in its suffix's format: the other under its name opens nowhere
+        named = SINGLE_FILES.get(output.suffix.lower())
+        if named is not None and named != asked:
+            raise OutputError(f"--format {asked} but --output {output} names a {named} file; name the file "
+                              f"{output.stem}.{asked}, or leave --format out")
         return asked
-    suffix = output.suffix.lower()
-    return "npz" if suffix == ".npz" else "parquet"
+    return SINGLE_FILES.get(output.suffix.lower(), "parquet")
 
 
 class ShardSink:
