@@ -523,3 +523,19 @@ def test_a_format_other_than_the_output_files_suffix_is_refused(tmp_path, capsys
     code, _, err = cli(capsys, *base, "-o", tmp_path / "out.npz", "--format", "npz")
     assert code == 0, err
     assert list(read_outputs(tmp_path / "out.npz")["row_id"]) == [0, 1, 2]
+
+
+def test_a_shard_whose_rows_were_all_skipped_reads_back_as_arrays(tmp_path, capsys):
+    """--on-error skip where every row of an output shard is bad (a .npz shard of the wrong
+    dtype, output shards of its size): read_outputs still gives each output as one [N, ...]
+    array of the rows written, as it does without that shard (an empty Parquet shard's column
+    says nothing of the rows' shape)."""
+    x = crnn_rows(12, seed=21)
+    src = npz_shards(tmp_path / "in", {"image": x}, 4)
+    np.savez(src / "shard-1.npz", image=x[4:8].astype(np.float64))
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--batch-size", 4, "--shard-rows", 4, "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0 and "row ids 4, 5, 6, 7" in out, err
+    got = read_outputs(tmp_path / "out")
+    assert isinstance(got["log_probs"], np.ndarray) and got["log_probs"].shape[0] == 8
+    _assert_rows(got, crnn_reference(x), np.array([0, 1, 2, 3, 8, 9, 10, 11]))

@@ -413,6 +413,9 @@ def read_outputs(path: str | os.PathLike[str]) -> dict[str, Any]:
             pieces.setdefault(name, []).append(value)
     out: dict[str, Any] = {}
     for name, parts in pieces.items():
+        # a shard of no rows (every one skipped) says nothing of a row's shape: an empty Parquet
+        # column of a variable-shape output reads back as shape (0,)
+        parts = [p for p in parts if len(p)] or parts
         if all(isinstance(p, np.ndarray) for p in parts) and len({p.shape[1:] for p in parts}) <= 1:
             out[name] = np.concatenate(parts) if parts else np.zeros(0)
         else:
