@@ -539,3 +539,17 @@ def test_a_shard_whose_rows_were_all_skipped_reads_back_as_arrays(tmp_path, caps
     got = read_outputs(tmp_path / "out")
     assert isinstance(got["log_probs"], np.ndarray) and got["log_probs"].shape[0] == 8
     _assert_rows(got, crnn_reference(x), np.array([0, 1, 2, 3, 8, 9, 10, 11]))
+
+
+def test_function_over_a_pyarrow_table_or_dataset(tmp_path):
+    """A pyarrow Table, RecordBatch or Dataset in memory is a dataset for the function as its
+    file is (open_source's promise): a column per input, one row per sample."""
+    import pyarrow.dataset as ds
+
+    x = crnn_rows(10, seed=22)
+    table = pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(x)})
+    for i, src in enumerate((table, table.to_batches()[0], ds.dataset(table))):
+        report = infer(realmodels.path("crnn_ocr"), src, tmp_path / f"out{i}", InferSpec(batch_size=4),
+                       MachineSpec(ONE_CORE))
+        assert report.written == 10 and report.total_rows == 10
+        _assert_rows(read_outputs(tmp_path / f"out{i}"), crnn_reference(x), np.arange(10))

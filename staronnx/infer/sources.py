@@ -385,20 +385,24 @@ class ArrowSource:
     """A Parquet or Arrow IPC/Feather file, or a folder of them (pyarrow.dataset), one row per
     sample and a column per input."""
 
-    def __init__(self, path: Path, layout: RowLayout, fmt: str) -> None:
+    def __init__(self, path: Path | None, layout: RowLayout, fmt: str, dataset: Any = None) -> None:
         import pyarrow.dataset as ds
 
         self.path = path
         self.layout = layout
         self.format = fmt
-        try:
-            self.dataset = ds.dataset(str(path), format=fmt)
-        except Exception as exc:  # noqa: BLE001 - pyarrow's many error types; one message names the file
-            raise InputError(f"--inputs {path}: not a readable {fmt} dataset ({exc})") from None
+        if dataset is not None:  # a pyarrow Dataset, Table or RecordBatch of the caller's (path None)
+            self.dataset = dataset if isinstance(dataset, ds.Dataset) else ds.dataset(dataset)
+        else:
+            try:
+                self.dataset = ds.dataset(str(path), format=fmt)
+            except Exception as exc:  # noqa: BLE001 - pyarrow's many error types; one message names the file
+                raise InputError(f"--inputs {path}: not a readable {fmt} dataset ({exc})") from None
         names = set(self.dataset.schema.names)
         missing = [n for n in layout.inputs if n not in names]
         if missing:
-            raise InputError(f"--inputs {path}: no column for input(s) {missing}; the dataset's columns are "
+            where = f"--inputs {path}" if path is not None else f"the {type(dataset).__name__}"
+            raise InputError(f"{where}: no column for input(s) {missing}; the dataset's columns are "
                              f"{self.dataset.schema.names} and the model's inputs {list(layout.inputs)}")
         self._fragments = list(self.dataset.get_fragments())
         self._counts: list[int] = [int(f.count_rows()) for f in self._fragments]
@@ -407,6 +411,9 @@ class ArrowSource:
         return sum(self._counts)
 
     def describe(self) -> dict[str, Any]:
+        if self.path is None or not all(hasattr(f, "path") for f in self._fragments):
+            # in memory: no file to date; its rows are what a resumed job can compare
+            return {"kind": self.format, "type": type(self.dataset).__name__, "rows": self._counts}
         files = [Path(f.path) for f in self._fragments]
         return {"kind": self.format, "path": str(self.path.resolve()),
                 "files": [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]}
@@ -566,6 +573,12 @@ def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]]
             return NumpySource(path, layout)
         raise InputError(f"--inputs {path}: not a dataset staronnx reads (.npz, a folder of .npz/.npy shards, "
                          f"or Parquet/Arrow: {', '.join(sorted(ARROW_SUFFIXES))})")
+    if "pyarrow" in sys.modules:  # a pyarrow object can only come from a process that loaded it
+        import pyarrow as pa
+        import pyarrow.dataset as ds
+
+        if isinstance(src, (pa.Table, pa.RecordBatch, ds.Dataset)):
+            return ArrowSource(None, layout, "arrow", dataset=src)
     return FeedsSource(src, layout)
 
 
