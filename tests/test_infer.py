@@ -553,3 +553,16 @@ def test_function_over_a_pyarrow_table_or_dataset(tmp_path):
                        MachineSpec(ONE_CORE))
         assert report.written == 10 and report.total_rows == 10
         _assert_rows(read_outputs(tmp_path / f"out{i}"), crnn_reference(x), np.arange(10))
+
+
+def test_a_compressed_npz_of_python_objects_is_refused_by_name(tmp_path, capsys):
+    """An .npz member of Python objects (a pickle) is refused with the member's name and what to
+    do, whether numpy.savez stored it or numpy.savez_compressed compressed it (that one ended
+    in a traceback of numpy's ValueError)."""
+    strings = np.array([["a"], ["b"]], dtype=object)
+    for save in (np.savez, np.savez_compressed):
+        path = tmp_path / f"{save.__name__}.npz"
+        save(path, image=strings)
+        code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", path, "-o", tmp_path / save.__name__,
+                           "--batch-size", 2, "--groups", ONE_CORE, "-q")
+        assert code == 2 and f"{path.name}[image]: holds Python objects" in err, err

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -145,7 +145,7 @@ class _StoredArray:
         return flat.reshape(self.shape, order="F" if self.fortran else "C")
 
 
-def _npy_header(fh: BinaryIO, where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+def _npy_header(fh: IO[bytes], where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """dtype, shape, Fortran order and the data's offset of the ``.npy`` stream at ``fh``'s position."""
     try:
         version = np.lib.format.read_magic(fh)
@@ -178,6 +178,10 @@ def _npz_members(path: Path) -> dict[str, _StoredArray | np.ndarray]:
             name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
             if info.compress_type != zipfile.ZIP_STORED:
                 with zf.open(info) as member:
+                    # its header checked as a stored member's is: a pickle refused by name, not
+                    # by numpy's ValueError from read_array
+                    _npy_header(member, f"{where}[{name}]")
+                    member.seek(0)
                     out[name] = np.lib.format.read_array(member, allow_pickle=False)
                 continue
             fh.seek(info.header_offset)
