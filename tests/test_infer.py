@@ -566,3 +566,13 @@ def test_a_compressed_npz_of_python_objects_is_refused_by_name(tmp_path, capsys)
         code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", path, "-o", tmp_path / save.__name__,
                            "--batch-size", 2, "--groups", ONE_CORE, "-q")
         assert code == 2 and f"{path.name}[image]: holds Python objects" in err, err
+
+
+def test_a_single_npy_file_for_a_model_of_several_inputs_is_named(tmp_path, capsys):
+    """One .npy file given to a model of three inputs: the refusal names that file, as
+    --inputs gave it, not the folder it lies in."""
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "ids.npy", np.zeros((4, 9), np.int64))
+    code, _, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "data" / "ids.npy",
+                       "-o", tmp_path / "out", "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 2 and f"--inputs {tmp_path / 'data' / 'ids.npy'}: .npy shards hold one array" in err, err

@@ -225,7 +225,7 @@ class NumpySource:
         if path.suffix == ".npy":
             names = self.layout.row_inputs
             if len(self.layout.inputs) != 1 or len(names) != 1:
-                raise InputError(f"--inputs {path.parent}: .npy shards hold one array each, but the model takes "
+                raise InputError(f"--inputs {self.path}: .npy shards hold one array each, but the model takes "
                                  f"{list(self.layout.inputs)}; write .npz shards keyed by input name")
             return {names[0]: _npy_file(path)}
         members = _npz_members(path)
