@@ -576,3 +576,21 @@ def test_a_single_npy_file_for_a_model_of_several_inputs_is_named(tmp_path, caps
     code, _, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "data" / "ids.npy",
                        "-o", tmp_path / "out", "--batch-size", 2, "--groups", ONE_CORE, "-q")
     assert code == 2 and f"--inputs {tmp_path / 'data' / 'ids.npy'}: .npy shards hold one array" in err, err
+
+
+def test_resume_names_the_parquet_dataset_by_another_path(tmp_path, capsys, monkeypatch):
+    """A job stopped at a bad row, read from a Parquet file named relative to the working folder,
+    resumes with the same file named by its absolute path (or from another folder): the dataset
+    is the same one, so --resume carries on rather than refusing it as another job's."""
+    src, rows = _ocr_table_with_bad_rows(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    base = ["infer", realmodels.path("crnn_ocr"), "-o", tmp_path / "out", "--batch-size", 2, "--shard-rows", 4,
+            "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base, "-i", src.name)
+    assert code == 2 and "row 4 of the dataset cannot run" in err, err
+    assert [p.name for p in (tmp_path / "out").glob("part-*")] == ["part-00000.parquet"]
+    monkeypatch.chdir(tmp_path.parent)
+    code, out, err = cli(capsys, *base, "-i", src, "--resume", "--on-error", "skip")
+    assert code == 0, err
+    assert "(4 written before, kept)" in out and "row ids 4, 7" in out
+    assert list(read_outputs(tmp_path / "out")["row_id"]) == [i for i in range(12) if i not in (4, 7)]

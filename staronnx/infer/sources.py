@@ -418,7 +418,8 @@ class ArrowSource:
         if self.path is None or not all(hasattr(f, "path") for f in self._fragments):
             # in memory: no file to date; its rows are what a resumed job can compare
             return {"kind": self.format, "type": type(self.dataset).__name__, "rows": self._counts}
-        files = [Path(f.path) for f in self._fragments]
+        # resolved as the path is: pyarrow names a fragment as the path was given, relative or not
+        files = [Path(f.path).resolve() for f in self._fragments]
         return {"kind": self.format, "path": str(self.path.resolve()),
                 "files": [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]}
 
