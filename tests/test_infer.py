@@ -594,3 +594,16 @@ def test_resume_names_the_parquet_dataset_by_another_path(tmp_path, capsys, monk
     assert code == 0, err
     assert "(4 written before, kept)" in out and "row ids 4, 7" in out
     assert list(read_outputs(tmp_path / "out")["row_id"]) == [i for i in range(12) if i not in (4, 7)]
+
+
+def test_function_over_one_mapping_of_arrays(tmp_path):
+    """One mapping of input name -> array (a dict, or what numpy.load gives for an .npz) is a
+    dataset of its rows, as the .npz file is: not an iterable of its keys."""
+    x = crnn_rows(6, seed=23)
+    np.savez(tmp_path / "in.npz", image=x)
+    with np.load(tmp_path / "in.npz") as npz:
+        for i, src in enumerate(({"image": x}, npz)):
+            report = infer(realmodels.path("crnn_ocr"), src, tmp_path / f"out{i}", InferSpec(batch_size=4),
+                           MachineSpec(ONE_CORE))
+            assert report.written == 6
+            _assert_rows(read_outputs(tmp_path / f"out{i}"), crnn_reference(x), np.arange(6))

@@ -566,7 +566,7 @@ class FeedsSource:
 
 def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]] | Any, layout: RowLayout) -> Source:
     """The source for ``src``: a path (an ``.npz``; a folder of ``.npz``/``.npy`` shards; a Parquet or
-    Arrow file or folder), a pyarrow Dataset or Table, or an iterable of feeds."""
+    Arrow file or folder), a pyarrow Dataset or Table, one feeds mapping, or an iterable of feeds."""
     if isinstance(src, (str, os.PathLike)):
         path = Path(src)
         if not path.exists():
@@ -584,6 +584,8 @@ def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]]
 
         if isinstance(src, (pa.Table, pa.RecordBatch, ds.Dataset)):
             return ArrowSource(None, layout, "arrow", dataset=src)
+    if isinstance(src, Mapping):  # one feeds (a dict, a loaded .npz), not an iterable of its names
+        return FeedsSource([src], layout)
     return FeedsSource(src, layout)
 
 
