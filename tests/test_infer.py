@@ -607,3 +607,14 @@ def test_function_over_one_mapping_of_arrays(tmp_path):
                            MachineSpec(ONE_CORE))
             assert report.written == 6
             _assert_rows(read_outputs(tmp_path / f"out{i}"), crnn_reference(x), np.arange(6))
+
+
+def test_one_npz_file_refuses_rows_of_different_shapes_across_shards(tmp_path, capsys):
+    """detector_nms's boxes per image differ from row to row: into one .npz file, shards of one
+    row each are fine alone but cannot be joined into one array per output; the job says so as
+    it does for one shard (write Parquet), not with numpy's ValueError at the end."""
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "in.npz", image=(rng.random((4, 3, 64, 64)) * 2).astype(np.float32))
+    code, _, err = cli(capsys, "infer", realmodels.path("detector_nms"), "-i", tmp_path / "in.npz",
+                       "-o", tmp_path / "out.npz", "--shard-rows", 1, "--groups", ONE_CORE, "-q")
+    assert code == 2 and "rows of different shapes" in err and "write Parquet" in err, err

@@ -193,6 +193,12 @@ class ShardSink:
             atomic_write_bytes(self.output, buf.getvalue())
         else:
             arrays = read_outputs(self.folder)
+            # a list: rows of different shapes in different shards (each one's rows agree)
+            uneven = next((name for name, value in arrays.items() if isinstance(value, list)), None)
+            if uneven is not None:
+                raise OutputError(f"output {uneven!r} has rows of different shapes in different shards; an .npz holds "
+                                  f"one array per output: write Parquet (an --output named .parquet), which holds "
+                                  f"any (the shards are kept in {self.folder})")
             buf = io.BytesIO()
             np.savez(buf, **arrays)
             atomic_write_bytes(self.output, buf.getvalue())
