@@ -618,3 +618,18 @@ def test_one_npz_file_refuses_rows_of_different_shapes_across_shards(tmp_path, c
     code, _, err = cli(capsys, "infer", realmodels.path("detector_nms"), "-i", tmp_path / "in.npz",
                        "-o", tmp_path / "out.npz", "--shard-rows", 1, "--groups", ONE_CORE, "-q")
     assert code == 2 and "rows of different shapes" in err and "write Parquet" in err, err
+
+
+def test_resumed_iterable_counts_the_rows_written_before(tmp_path):
+    """A dataset of unknown length (a list of feeds), finished and resumed: the report and the
+    progress count the 10 rows written before, not whole shards (12 for 3 shards of 4)."""
+    x = crnn_rows(10, seed=24)
+    feeds = [{"image": x[i:i + 2]} for i in range(0, 10, 2)]
+    spec = InferSpec(batch_size=2, shard_rows=4)
+    assert infer(realmodels.path("crnn_ocr"), feeds, tmp_path / "out", spec, MachineSpec(ONE_CORE)).written == 10
+    seen: list[int] = []
+    report = infer(realmodels.path("crnn_ocr"), feeds, tmp_path / "out", InferSpec(batch_size=2, shard_rows=4,
+                   resume=True), MachineSpec(ONE_CORE), progress=lambda done, total: seen.append(done))
+    assert (report.written, report.resumed_rows) == (0, 10)
+    assert seen[-1] == 10
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(10))

@@ -174,7 +174,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     total = source.total_rows()
     report = InferReport(out, total)
     start = _first_unfinished(sink.finished, spec.shard_rows, total)
-    report.resumed_rows = _finished_rows(sink.finished, spec.shard_rows, total)
+    report.resumed_rows = _finished_rows(sink, spec.shard_rows, total)
     # CUDA graphs of the batch size are captured before the first read, where the model's sizes
     # allow random warm-up feeds (no dynamic size but the batch); otherwise at the size's first run
     warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size and _fixed_sizes(plan, layout) else ()
@@ -236,9 +236,14 @@ def _first_unfinished(finished: set[int], shard_rows: int, total: int | None) ->
     return k * shard_rows if total is None else min(k * shard_rows, total)
 
 
-def _finished_rows(finished: set[int], shard_rows: int, total: int | None) -> int:
+def _finished_rows(sink: ShardSink, shard_rows: int, total: int | None) -> int:
     rows = 0
-    for k in finished:
+    last = max(sink.finished, default=None)
+    for k in sink.finished:
+        if total is None and k == last:
+            # a dataset of unknown length may end inside its last shard: the file says how many
+            rows += sink.rows_in(k)
+            continue
         hi = (k + 1) * shard_rows if total is None else min((k + 1) * shard_rows, total)
         rows += max(hi - k * shard_rows, 0)
     return rows

@@ -150,6 +150,19 @@ class ShardSink:
     def shard_path(self, index: int) -> Path:
         return self.folder / f"part-{index:05d}.{self.format}"
 
+    def rows_in(self, index: int) -> int:
+        """The rows of finished shard ``index``: those it holds and those skipped."""
+        path = self.shard_path(index)
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            rows = int(pq.read_metadata(path).num_rows)
+        else:
+            with np.load(path, allow_pickle=False) as npz:
+                rows = len(npz[ROW_ID])
+        errors = path.with_name(path.name[:-len(path.suffix)] + ".errors.json")
+        return rows + (len(json.loads(errors.read_text())) if errors.exists() else 0)
+
     # -- writing ------------------------------------------------------------------------------
     def open(self, index: int) -> ShardWriter:
         """A writer of shard ``index``, streaming into a temporary file renamed when it closes."""
