@@ -633,3 +633,27 @@ def test_resumed_iterable_counts_the_rows_written_before(tmp_path):
     assert (report.written, report.resumed_rows) == (0, 10)
     assert seen[-1] == 10
     _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(10))
+
+
+def test_a_null_inside_a_rows_list_is_reported_by_row_id(tmp_path, capsys):
+    """A null value inside a row's list (a token id missing from bert_tiny's input_ids, a pixel
+    of crnn_ocr's image) is a null like a null row: reported by row id with --on-error skip,
+    not a TypeError that ends the job (int64) nor a NaN run silently (float32)."""
+    ids = [[1, 2, 3, 4], [5, None, 7, 8], [9, 10, 11, 12]]
+    ones = pa.array([[1] * 4] * 3, pa.list_(pa.int64()))
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int64())), "attention_mask": ones,
+                             "token_type_ids": pa.array([[0] * 4] * 3, pa.list_(pa.int64()))}), tmp_path / "ids.parquet")
+    code, out, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "ids.parquet", "-o",
+                         tmp_path / "out", "--batch-size", 2, "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "1 row(s) skipped (row ids 1)" in out and "null" in out
+    assert list(read_outputs(tmp_path / "out")["row_id"]) == [0, 2]
+
+    rows = crnn_rows(3, seed=25)
+    values = [r.tolist() for r in rows]
+    values[2][0][5][7] = None
+    col = pa.array(values, type=pa.list_(pa.list_(pa.list_(pa.float32()))))
+    pq.write_table(pa.table({"image": col}), tmp_path / "image.parquet")
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "image.parquet", "-o",
+                         tmp_path / "out2", "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 2 and "row 2 of the dataset cannot run" in err and "null" in err, err

@@ -297,9 +297,11 @@ def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
     import pyarrow as pa
 
     out: list[np.ndarray | None] = []
+    nested = _holds_null(column)  # once per column: the rows are looked at one by one only if so
     for i in range(len(column)):
         item = column[i]
-        if not item.is_valid:
+        if not item.is_valid or (nested and _holds_null(column.slice(i, 1))):
+            # a null inside the row's values too: numpy would make it a NaN, or fail on an integer
             out.append(None)
             continue
         if isinstance(column.type, pa.FixedShapeTensorType):
@@ -311,6 +313,22 @@ def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
             continue
         out.append(np.asarray(item.as_py(), dtype=_value_dtype(column.type)))
     return out
+
+
+def _holds_null(array: Any) -> bool:
+    """Whether a row's (nested) values hold a null at any level."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    if _is_shaped(array.type):
+        array = array.field("data")
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        if array.null_count:
+            return True
+        array = pc.list_flatten(array)
+    return bool(array.null_count)
 
 
 def _innermost(dtype: Any) -> Any:
@@ -475,7 +493,7 @@ def chunks_from_columns(layout: RowLayout, columns: Mapping[str, np.ndarray | li
         if null is not None:
             yield from _flush(layout, run, per_row, start)
             run, key = [], None
-            yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row")
+            yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row (or holds a null)")
             continue
         arrays = {n: np.asarray(v) for n, v in values.items()}
         this = tuple((n, v.dtype.str, v.shape, v.tobytes() if layout.inputs[n] is None else b"")
