@@ -657,3 +657,32 @@ def test_a_null_inside_a_rows_list_is_reported_by_row_id(tmp_path, capsys):
     code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "image.parquet", "-o",
                          tmp_path / "out2", "--batch-size", 2, "--groups", ONE_CORE, "-q")
     assert code == 2 and "row 2 of the dataset cannot run" in err and "null" in err, err
+
+
+def test_one_parquet_file_is_joined_without_holding_the_output(tmp_path):
+    """An output named .parquet is joined from its shards at the end: the job's peak memory stays
+    that of the same job into a folder, not the whole output's (192 MiB here) more. Peak RSS of
+    each command, measured by a parent process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 18  # 1 MiB of float32 per row
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    x = np.random.default_rng(26).standard_normal((192, width)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for out in ("out", "out.parquet"):
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(tmp_path / "in.npz"), "-o", str(tmp_path / out),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[out] = int(kib) * 1024
+    assert peaks["out.parquet"] - peaks["out"] < 96 << 20, peaks
+    got = read_outputs(tmp_path / "out.parquet")
+    assert list(got["row_id"]) == list(range(192)) and np.array_equal(got["y"], -x)

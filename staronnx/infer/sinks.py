@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
-from staronnx.fsutil import atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
+from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"
@@ -194,16 +194,7 @@ class ShardSink:
             return self.output
         shards = sorted(self.folder.glob(f"part-*.{self.format}"))
         if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            import pyarrow as pa
-
-            # no shard (a dataset of no rows): a file of no rows with the job's columns, not of no bytes
-            tables = [pq.read_table(p) for p in shards] or [
-                _table(np.zeros(0, np.int64), {}, self.manifest.get("outputs", {}))]
-            buf = io.BytesIO()
-            pq.write_table(pa.concat_tables(tables), buf)
-            atomic_write_bytes(self.output, buf.getvalue())
+            self._join_parquet(shards)
         else:
             arrays = read_outputs(self.folder)
             # a list: rows of different shapes in different shards (each one's rows agree)
@@ -217,6 +208,39 @@ class ShardSink:
             atomic_write_bytes(self.output, buf.getvalue())
         shutil.rmtree(self.folder)
         return self.output
+
+
+    def _join_parquet(self, shards: Sequence[Path]) -> None:
+        """The shards into one Parquet file, a row group at a time: joined in memory, the whole
+        output was held (twice) at the end of a job whose memory is otherwise bounded."""
+        import pyarrow.parquet as pq
+
+        remove_stale_temporaries(self.output)
+        fd, name = tempfile.mkstemp(prefix=temp_prefix(self.output), suffix=".tmp", dir=self.output.parent)
+        os.close(fd)
+        tmp = Path(name)
+        writer: Any = None
+        try:
+            for path in shards:
+                shard = pq.ParquetFile(path)
+                for group in range(shard.num_row_groups):
+                    table = shard.read_row_group(group)
+                    if writer is None:
+                        writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
+                    writer.write_table(table)
+            if writer is None:  # no row (a dataset of no rows): a file of the job's columns, not of no bytes
+                table = _table(np.zeros(0, np.int64), {}, self.manifest.get("outputs", {}))
+                writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
+                writer.write_table(table)
+            writer.close()
+            os.chmod(tmp, _mode_for(self.output))  # as atomic_write_bytes leaves it: mkstemp's is 0600
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.output)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
 
 # -- encodings --------------------------------------------------------------------------------------
