@@ -686,3 +686,17 @@ def test_one_parquet_file_is_joined_without_holding_the_output(tmp_path):
     assert peaks["out.parquet"] - peaks["out"] < 96 << 20, peaks
     got = read_outputs(tmp_path / "out.parquet")
     assert list(got["row_id"]) == list(range(192)) and np.array_equal(got["y"], -x)
+
+
+def test_parquet_shards_are_as_readable_as_the_other_files(tmp_path, capsys):
+    """A Parquet shard gets the mode of every other file the job writes (the umask's, as
+    _manifest.json and .npz shards get), not the 0600 of the temporary file it was written as:
+    a team's other accounts, or a Spark job under its own user, read the output."""
+    import stat
+
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=27))
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o", tmp_path / "out",
+                       "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    want = stat.S_IMODE((tmp_path / "out" / "_manifest.json").stat().st_mode)
+    assert stat.S_IMODE((tmp_path / "out" / "part-00000.parquet").stat().st_mode) == want

@@ -385,6 +385,7 @@ class ParquetShardWriter(ShardWriter):
             self.add([], [])
         self._writer.close()
         assert self._tmp is not None
+        os.chmod(self._tmp, _mode_for(self.path))  # as atomic_write_bytes leaves a file: mkstemp's is 0600
         with open(self._tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(self._tmp, self.path)
