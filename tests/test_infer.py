@@ -700,3 +700,21 @@ def test_parquet_shards_are_as_readable_as_the_other_files(tmp_path, capsys):
     assert code == 0, err
     want = stat.S_IMODE((tmp_path / "out" / "_manifest.json").stat().st_mode)
     assert stat.S_IMODE((tmp_path / "out" / "part-00000.parquet").stat().st_mode) == want
+
+
+def test_overwrite_removes_only_what_the_job_wrote(tmp_path, capsys):
+    """--overwrite replaces an earlier job's output: its manifest, shards, error lists and
+    summary go, a file of the user's that lies beside them (notes on the run) stays."""
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    base = ["infer", realmodels.path("crnn_ocr"), "-o", tmp_path / "out", "--batch-size", 4, "--shard-rows", 4,
+            "--on-error", "skip", "--groups", ONE_CORE, "-q"]
+    assert cli(capsys, *base, "-i", src)[0] == 0
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    x = crnn_rows(5, seed=28)
+    np.savez(tmp_path / "good.npz", image=x)
+    code, _, err = cli(capsys, *base, "-i", tmp_path / "good.npz", "--overwrite")
+    assert code == 0, err
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "_SUCCESS.json", "_manifest.json", "notes.txt", "part-00000.parquet", "part-00001.parquet"]
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(5))

@@ -74,6 +74,13 @@ def output_format(output: Path, asked: str | None) -> str:
     return SINGLE_FILES.get(output.suffix.lower(), "parquet")
 
 
+def _written_by_a_job(name: str) -> bool:
+    """Whether a file of an output folder is one a job writes (or its temporary, ``.NAME.tmp-...``)."""
+    if name.startswith(".") and ".tmp-" in name:
+        name = name[1:name.index(".tmp-")]
+    return name in (MANIFEST, SUCCESS, "_errors.json") or name.startswith("part-")
+
+
 class ShardSink:
     """A job's output folder: the manifest, the shards already finished, and atomic writes."""
 
@@ -119,7 +126,9 @@ class ShardSink:
         if not (folder / MANIFEST).exists():
             raise OutputError(f"--output {folder} holds files that no staronnx infer wrote; --overwrite replaces "
                               "only an earlier job's output (choose an empty or new folder)")
-        shutil.rmtree(folder)
+        for path in folder.iterdir():  # not the folder whole: a file of the user's beside the job's stays
+            if _written_by_a_job(path.name) and not path.is_dir():
+                path.unlink()
         if self.single and self.output.exists():
             self.output.unlink()
 
