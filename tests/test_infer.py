@@ -718,3 +718,38 @@ def test_overwrite_removes_only_what_the_job_wrote(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
         "_SUCCESS.json", "_manifest.json", "notes.txt", "part-00000.parquet", "part-00001.parquet"]
     _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(5))
+
+
+def test_the_batch_size_probe_holds_no_more_rows_than_its_largest_batch(tmp_path):
+    """Rows of 8 MiB from a generator, no batch size: the probe's largest batch is 64 MiB
+    (MAX_BATCH_BYTES, 8 rows), so it reads that many rows, not 64 of them (512 MiB held before
+    the first batch ran). Counted as the generator's arrays alive at once (weakref.finalize)."""
+    import weakref
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from staronnx.infer.batchsize import MAX_BATCH_BYTES
+
+    width = 1 << 21  # 8 MiB of float32 per row
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    alive = [0, 0]  # now, most
+
+    def gone() -> None:
+        alive[0] -= 1
+
+    def rows():
+        for i in range(70):
+            x = np.full((1, width), i, np.float32)
+            alive[0] += 1
+            alive[1] = max(alive)
+            weakref.finalize(x, gone)
+            yield {"x": x}
+
+    report = infer(tmp_path / "neg.onnx", rows(), tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
+    assert report.written == 70 and report.batch_size <= MAX_BATCH_BYTES // (4 * width)
+    # the sample (8 rows) and the job's own window, bundles and read-ahead of batches of 8 at most
+    assert alive[1] < 64, alive

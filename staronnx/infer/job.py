@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
-from staronnx.infer.batchsize import BatchChoice, choose_batch_size
+from staronnx.infer.batchsize import MAX_BATCH_BYTES, BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import CHUNK_BYTES, Chunk, Source, open_source
@@ -186,7 +186,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
         elif not layout.batched:
             batch = 1
         else:
-            sample = _sample_rows(source, layout, start, plan=plan)
+            sample = _sample_rows(source, layout, start, plan=plan, max_bytes=MAX_BATCH_BYTES)
             try:
                 report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
             except Exception:  # noqa: BLE001 - the sample's first row fails in the model: the job reports it by row id
@@ -250,11 +250,20 @@ def _finished_rows(sink: ShardSink, shard_rows: int, total: int | None) -> int:
 
 
 def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64,
-                 plan: Plan | None = None) -> dict[str, np.ndarray] | None:
+                 plan: Plan | None = None, max_bytes: int | None = None) -> dict[str, np.ndarray] | None:
     """Up to ``want`` consecutive readable rows of one shape from ``start`` (the batch-size
     probe's inputs: the job's own data, not random values), leaving out rows ``plan`` refuses
     (a dtype, a rank, a fixed size): the probe would fail on them, where the job reports them by
-    row id."""
+    row id. No more rows than ``max_bytes`` hold (at least one): the probe's largest batch,
+    where 64 large rows held the job's memory many times over before its first batch ran."""
+    if max_bytes is not None:
+        first = next((c for c in source.peek(start, rows=1) if c.problem is None and c.rows), None)
+        if first is None:
+            return None
+        row_bytes = sum(int(v.nbytes) // first.rows for n, v in first.arrays.items()
+                        if layout.inputs.get(n) is not None)
+        want = max(1, min(want, max_bytes // max(row_bytes, 1)))
+        del first  # its buffers, before the rows are read again
     pieces: list[dict[str, np.ndarray]] = []
     rows = 0
     key: object = None
