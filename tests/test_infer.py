@@ -785,3 +785,37 @@ def test_rows_on_axis_1_of_an_npy_are_read_a_chunk_at_a_time(tmp_path):
         assert list(got["row_id"]) == list(range(n)) and np.array_equal(got["y"], -np.moveaxis(x, 1, 0))
         del x, got
     assert peaks[160] - peaks[32] < 48 << 20, peaks
+
+
+def test_compressed_npz_shards_are_loaded_one_shard_at_a_time(tmp_path):
+    """A folder of numpy.savez_compressed shards: each shard's members are loaded whole when the
+    job reaches it, one shard at a time (the sources module's promise), not every shard's when
+    the dataset is opened: the peak memory of 10 shards is that of 2 (it held 128 MiB more).
+    Peak RSS of each command, measured by a parent process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 18  # 1 MiB of float32 per row, 16 rows per shard
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for shards in (2, 10):
+        folder = tmp_path / f"in{shards}"
+        folder.mkdir()
+        for i in range(shards):
+            np.savez_compressed(folder / f"shard-{i}.npz", x=np.full((16, width), i, np.float32))
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(folder), "-o", str(tmp_path / f"out{shards}"),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[shards] = int(kib) * 1024
+        got = read_outputs(tmp_path / f"out{shards}")
+        assert list(got["row_id"]) == list(range(16 * shards))
+        assert np.array_equal(got["y"][:, 0], -np.repeat(np.arange(shards, dtype=np.float32), 16))
+        del got
+    assert peaks[10] - peaks[2] < 48 << 20, peaks

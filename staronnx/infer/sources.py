@@ -163,6 +163,21 @@ class _StoredArray:
         return flat.reshape(self.shape, order="F" if self.fortran else "C")
 
 
+@dataclass(frozen=True)
+class _CompressedArray:
+    """An ``.npz`` member that ``numpy.savez_compressed`` compressed: loaded whole, when the job
+    reaches its shard (not when the dataset is opened: every shard at once)."""
+
+    path: Path
+    member: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def whole(self) -> np.ndarray:
+        with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as fh:
+            return np.lib.format.read_array(fh, allow_pickle=False)
+
+
 def _npy_header(fh: IO[bytes], where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """dtype, shape, Fortran order and the data's offset of the ``.npy`` stream at ``fh``'s position."""
     try:
@@ -185,12 +200,12 @@ def _npy_file(path: Path) -> _StoredArray:
     return _StoredArray(path, offset, dtype, shape, fortran)
 
 
-def _npz_members(path: Path) -> dict[str, _StoredArray | np.ndarray]:
+def _npz_members(path: Path) -> dict[str, _StoredArray | _CompressedArray | np.ndarray]:
     """Each member of an ``.npz``: stored ones as slices to read later, compressed ones loaded."""
     where = str(path)
     if not zipfile.is_zipfile(path):
         raise InputError(f"{where}: not an .npz file (write one with numpy.savez(path, NAME=array, ...))")
-    out: dict[str, _StoredArray | np.ndarray] = {}
+    out: dict[str, _StoredArray | _CompressedArray | np.ndarray] = {}
     with zipfile.ZipFile(path) as zf, open(path, "rb") as fh:
         for info in zf.infolist():
             name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
@@ -198,9 +213,8 @@ def _npz_members(path: Path) -> dict[str, _StoredArray | np.ndarray]:
                 with zf.open(info) as member:
                     # its header checked as a stored member's is: a pickle refused by name, not
                     # by numpy's ValueError from read_array
-                    _npy_header(member, f"{where}[{name}]")
-                    member.seek(0)
-                    out[name] = np.lib.format.read_array(member, allow_pickle=False)
+                    dtype, shape, _, _ = _npy_header(member, f"{where}[{name}]")
+                out[name] = _CompressedArray(path, info.filename, dtype, shape)
                 continue
             fh.seek(info.header_offset)
             local = fh.read(30)
@@ -239,7 +253,7 @@ class NumpySource:
         self._shards = [self._open(p) for p in files]
         self._counts = [self._count(p, s) for p, s in zip(files, self._shards)]
 
-    def _open(self, path: Path) -> dict[str, _StoredArray | np.ndarray]:
+    def _open(self, path: Path) -> dict[str, _StoredArray | _CompressedArray | np.ndarray]:
         if path.suffix == ".npy":
             names = self.layout.row_inputs
             if len(self.layout.inputs) != 1 or len(names) != 1:
@@ -254,7 +268,7 @@ class NumpySource:
             raise InputError(f"--inputs {path}: {'; '.join(bits)}; the model's inputs are {list(self.layout.inputs)}")
         return members
 
-    def _count(self, path: Path, shard: Mapping[str, _StoredArray | np.ndarray]) -> int:
+    def _count(self, path: Path, shard: Mapping[str, _StoredArray | _CompressedArray | np.ndarray]) -> int:
         counts = {n: a.shape[ax] for n, a in shard.items()
                   if (ax := self.layout.inputs.get(n)) is not None and len(a.shape) > ax}
         if not counts:
@@ -281,6 +295,8 @@ class NumpySource:
             if first + count <= start:
                 first += count
                 continue
+            # a compressed member is loaded once its shard is reached, and kept for its chunks
+            shard = {n: (a.whole() if isinstance(a, _CompressedArray) else a) for n, a in shard.items()}
             per_row = sum(self._row_bytes(n, a) for n, a in shard.items())
             step = max(1, rows, CHUNK_BYTES // max(per_row, 1))
             shared = {n: (a if isinstance(a, np.ndarray) else a.whole())
@@ -294,13 +310,13 @@ class NumpySource:
                 yield Chunk(first + lo, hi - lo, arrays)
             first += count
 
-    def _row_bytes(self, name: str, stored: _StoredArray | np.ndarray) -> int:
+    def _row_bytes(self, name: str, stored: _StoredArray | _CompressedArray | np.ndarray) -> int:
         axis = self.layout.inputs.get(name)
         if axis is None or not stored.shape:
             return 0
         return int(np.prod(stored.shape, dtype=np.int64)) // max(stored.shape[axis], 1) * stored.dtype.itemsize
 
-    def _rows(self, name: str, stored: _StoredArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def _rows(self, name: str, stored: _StoredArray | _CompressedArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
         axis = self.layout.inputs[name] or 0
         if isinstance(stored, _StoredArray) and axis == 0:
             return stored.rows(lo, hi, self._pool)
