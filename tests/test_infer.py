@@ -819,3 +819,17 @@ def test_compressed_npz_shards_are_loaded_one_shard_at_a_time(tmp_path):
         assert np.array_equal(got["y"][:, 0], -np.repeat(np.arange(shards, dtype=np.float32), 16))
         del got
     assert peaks[10] - peaks[2] < 48 << 20, peaks
+
+
+def test_a_job_that_stopped_before_its_first_shard_leaves_nothing_to_resume(tmp_path, capsys):
+    """A job refused as it starts (an unknown --policy, checked once the output is prepared)
+    wrote no shard: the corrected command runs as given, not refused as 'not empty' until
+    --resume or --overwrite is added."""
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=29))
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o", tmp_path / "out", "--batch-size", 2,
+            "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base, "--policy", "fastest")
+    assert code == 2 and "unknown scheduling policy 'fastest'" in err, err
+    code, out, err = cli(capsys, *base)
+    assert code == 0 and "3 samples written" in out, err
+    assert list(read_outputs(tmp_path / "out")["row_id"]) == [0, 1, 2]

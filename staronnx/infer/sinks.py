@@ -106,7 +106,9 @@ class ShardSink:
         folder = self.folder
         if folder.exists() and not folder.is_dir():
             raise OutputError(f"--output {folder} is a file; name a folder (or a .parquet/.npz file)")
-        existing = folder.exists() and any(folder.iterdir())
+        # a manifest alone: a job that stopped before its first shard (refused as it started),
+        # which left nothing to keep or resume
+        existing = folder.exists() and any(p.name != MANIFEST for p in folder.iterdir())
         if existing and overwrite:
             self._clear()
         elif existing and not resume:
