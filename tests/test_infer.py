@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -426,3 +427,409 @@ def test_arrow_file_with_state_rows_and_a_per_row_scalar(tmp_path):
         one = _ort("gru_stream", {"frame": frame[i:i + 1], "state": state[i][:, None], "sample_rate": np.array(rate[i])})
         want.append({"prob": one["prob"][0], "state_out": one["state_out"][:, 0]})
     _assert_rows(read_outputs(tmp_path / "out"), want, np.arange(12))
+
+
+def test_bad_first_rows_without_a_batch_size_are_reported_by_row_id(tmp_path, capsys):
+    """Without --batch-size the batch is measured on the dataset's first rows: rows the model
+    refuses (a first shard of the wrong dtype) or fails on (a token id past bert_tiny's
+    vocabulary) are not measured but reported by row id like any other, and the others written."""
+    x = crnn_rows(12, seed=16)
+    src = npz_shards(tmp_path / "in", {"image": x}, 4)
+    np.savez(src / "shard-0.npz", image=x[:4].astype(np.float64))
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "4 row(s) skipped (row ids 0, 1, 2, 3)" in out and "chosen for throughput" in out
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(4, 12))
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out2",
+                       "--groups", ONE_CORE, "-q")
+    assert code == 2 and re.search(r"rows? 0(\.\.[1-3])? of the dataset cannot run", err), err  # the batch chosen
+
+    rng = np.random.default_rng(17)
+    ids = rng.integers(0, 1000, (8, 9)).astype(np.int64)
+    ids[1, 2] = 5000
+    mask = np.ones_like(ids)
+    np.savez(tmp_path / "bert.npz", input_ids=ids, attention_mask=mask, token_type_ids=np.zeros_like(ids))
+    code, out, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "bert.npz",
+                         "-o", tmp_path / "bert", "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "1 row(s) skipped (row ids 1)" in out
+    assert list(read_outputs(tmp_path / "bert")["row_id"]) == [0, 2, 3, 4, 5, 6, 7]
+
+
+def test_rows_larger_than_the_probe_limit_run_alone(tmp_path):
+    """A row whose inputs alone pass the batch-size probe's limit on a batch's bytes (a 68 MiB
+    volume): without a batch size the job measures batch 1 and runs it, rather than measuring none."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    from staronnx.infer.batchsize import MAX_BATCH_BYTES
+
+    width = MAX_BATCH_BYTES // 4 + 1024  # float32 values: one row holds more than the limit
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    x = np.random.default_rng(18).standard_normal((2, width)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    report = infer(tmp_path / "neg.onnx", tmp_path / "in.npz", tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
+    assert report.written == 2 and report.batch_size == 1
+    assert report.choice is not None and list(report.choice.measured) == [1]
+    got = read_outputs(tmp_path / "out")
+    assert list(got["row_id"]) == [0, 1] and np.array_equal(got["y"], -x)
+
+
+def test_an_empty_dataset_gives_an_empty_parquet_file(tmp_path, capsys):
+    """A dataset of no rows into one .parquet file: a Parquet file of no rows and the job's
+    columns, which Parquet readers open (not a file of no bytes)."""
+    np.savez(tmp_path / "in.npz", image=np.zeros((0, 1, 32, 64), np.float32))
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz",
+                         "-o", tmp_path / "out.parquet", "--batch-size", 4, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "0 samples written" in out
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.num_rows == 0 and table.column_names == ["row_id", "log_probs"]
+    assert len(read_outputs(tmp_path / "out.parquet")["row_id"]) == 0
+
+
+def test_overwrite_leaves_no_skipped_rows_of_the_job_before(tmp_path, capsys):
+    """A single-file output whose job skipped rows, written again with --overwrite by a job that
+    skips none: no errors file is left beside it listing rows the new output holds."""
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    out = tmp_path / "out.parquet"
+    base = ["infer", realmodels.path("crnn_ocr"), "-o", out, "--batch-size", 4, "--groups", ONE_CORE, "-q"]
+    code, stdout, err = cli(capsys, *base, "-i", src, "--on-error", "skip")
+    assert code == 0 and "row ids 4, 7" in stdout, err
+    assert (tmp_path / "out.parquet.errors.json").exists()
+    x = crnn_rows(12, seed=19)
+    np.savez(tmp_path / "good.npz", image=x)
+    code, stdout, err = cli(capsys, *base, "-i", tmp_path / "good.npz", "--overwrite")
+    assert code == 0 and "skipped" not in stdout, err
+    assert not (tmp_path / "out.parquet.errors.json").exists()
+    _assert_rows(read_outputs(out), crnn_reference(x), np.arange(12))
+
+
+def test_a_format_other_than_the_output_files_suffix_is_refused(tmp_path, capsys):
+    """--format npz with --output out.parquet (or parquet with out.npz) would write one format
+    under the other's name, a file neither read_outputs nor the other format's readers open: it
+    is refused, naming both; the matching --format runs."""
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=20))
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "--batch-size", 2, "--groups", ONE_CORE,
+            "-q"]
+    for name, fmt in (("out.parquet", "npz"), ("out.npz", "parquet")):
+        code, _, err = cli(capsys, *base, "-o", tmp_path / name, "--format", fmt)
+        assert code == 2 and f"--format {fmt}" in err and name in err, err
+        assert not (tmp_path / name).exists()
+    code, _, err = cli(capsys, *base, "-o", tmp_path / "out.npz", "--format", "npz")
+    assert code == 0, err
+    assert list(read_outputs(tmp_path / "out.npz")["row_id"]) == [0, 1, 2]
+
+
+def test_a_shard_whose_rows_were_all_skipped_reads_back_as_arrays(tmp_path, capsys):
+    """--on-error skip where every row of an output shard is bad (a .npz shard of the wrong
+    dtype, output shards of its size): read_outputs still gives each output as one [N, ...]
+    array of the rows written, as it does without that shard (an empty Parquet shard's column
+    says nothing of the rows' shape)."""
+    x = crnn_rows(12, seed=21)
+    src = npz_shards(tmp_path / "in", {"image": x}, 4)
+    np.savez(src / "shard-1.npz", image=x[4:8].astype(np.float64))
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out",
+                         "--batch-size", 4, "--shard-rows", 4, "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0 and "row ids 4, 5, 6, 7" in out, err
+    got = read_outputs(tmp_path / "out")
+    assert isinstance(got["log_probs"], np.ndarray) and got["log_probs"].shape[0] == 8
+    _assert_rows(got, crnn_reference(x), np.array([0, 1, 2, 3, 8, 9, 10, 11]))
+
+
+def test_function_over_a_pyarrow_table_or_dataset(tmp_path):
+    """A pyarrow Table, RecordBatch or Dataset in memory is a dataset for the function as its
+    file is (open_source's promise): a column per input, one row per sample."""
+    import pyarrow.dataset as ds
+
+    x = crnn_rows(10, seed=22)
+    table = pa.table({"image": pa.FixedShapeTensorArray.from_numpy_ndarray(x)})
+    for i, src in enumerate((table, table.to_batches()[0], ds.dataset(table))):
+        report = infer(realmodels.path("crnn_ocr"), src, tmp_path / f"out{i}", InferSpec(batch_size=4),
+                       MachineSpec(ONE_CORE))
+        assert report.written == 10 and report.total_rows == 10
+        _assert_rows(read_outputs(tmp_path / f"out{i}"), crnn_reference(x), np.arange(10))
+
+
+def test_a_compressed_npz_of_python_objects_is_refused_by_name(tmp_path, capsys):
+    """An .npz member of Python objects (a pickle) is refused with the member's name and what to
+    do, whether numpy.savez stored it or numpy.savez_compressed compressed it (that one ended
+    in a traceback of numpy's ValueError)."""
+    strings = np.array([["a"], ["b"]], dtype=object)
+    for save in (np.savez, np.savez_compressed):
+        path = tmp_path / f"{save.__name__}.npz"
+        save(path, image=strings)
+        code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", path, "-o", tmp_path / save.__name__,
+                           "--batch-size", 2, "--groups", ONE_CORE, "-q")
+        assert code == 2 and f"{path.name}[image]: holds Python objects" in err, err
+
+
+def test_a_single_npy_file_for_a_model_of_several_inputs_is_named(tmp_path, capsys):
+    """One .npy file given to a model of three inputs: the refusal names that file, as
+    --inputs gave it, not the folder it lies in."""
+    (tmp_path / "data").mkdir()
+    np.save(tmp_path / "data" / "ids.npy", np.zeros((4, 9), np.int64))
+    code, _, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "data" / "ids.npy",
+                       "-o", tmp_path / "out", "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 2 and f"--inputs {tmp_path / 'data' / 'ids.npy'}: .npy shards hold one array" in err, err
+
+
+def test_resume_names_the_parquet_dataset_by_another_path(tmp_path, capsys, monkeypatch):
+    """A job stopped at a bad row, read from a Parquet file named relative to the working folder,
+    resumes with the same file named by its absolute path (or from another folder): the dataset
+    is the same one, so --resume carries on rather than refusing it as another job's."""
+    src, rows = _ocr_table_with_bad_rows(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    base = ["infer", realmodels.path("crnn_ocr"), "-o", tmp_path / "out", "--batch-size", 2, "--shard-rows", 4,
+            "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base, "-i", src.name)
+    assert code == 2 and "row 4 of the dataset cannot run" in err, err
+    assert [p.name for p in (tmp_path / "out").glob("part-*")] == ["part-00000.parquet"]
+    monkeypatch.chdir(tmp_path.parent)
+    code, out, err = cli(capsys, *base, "-i", src, "--resume", "--on-error", "skip")
+    assert code == 0, err
+    assert "(4 written before, kept)" in out and "row ids 4, 7" in out
+    assert list(read_outputs(tmp_path / "out")["row_id"]) == [i for i in range(12) if i not in (4, 7)]
+
+
+def test_function_over_one_mapping_of_arrays(tmp_path):
+    """One mapping of input name -> array (a dict, or what numpy.load gives for an .npz) is a
+    dataset of its rows, as the .npz file is: not an iterable of its keys."""
+    x = crnn_rows(6, seed=23)
+    np.savez(tmp_path / "in.npz", image=x)
+    with np.load(tmp_path / "in.npz") as npz:
+        for i, src in enumerate(({"image": x}, npz)):
+            report = infer(realmodels.path("crnn_ocr"), src, tmp_path / f"out{i}", InferSpec(batch_size=4),
+                           MachineSpec(ONE_CORE))
+            assert report.written == 6
+            _assert_rows(read_outputs(tmp_path / f"out{i}"), crnn_reference(x), np.arange(6))
+
+
+def test_one_npz_file_refuses_rows_of_different_shapes_across_shards(tmp_path, capsys):
+    """detector_nms's boxes per image differ from row to row: into one .npz file, shards of one
+    row each are fine alone but cannot be joined into one array per output; the job says so as
+    it does for one shard (write Parquet), not with numpy's ValueError at the end."""
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "in.npz", image=(rng.random((4, 3, 64, 64)) * 2).astype(np.float32))
+    code, _, err = cli(capsys, "infer", realmodels.path("detector_nms"), "-i", tmp_path / "in.npz",
+                       "-o", tmp_path / "out.npz", "--shard-rows", 1, "--groups", ONE_CORE, "-q")
+    assert code == 2 and "rows of different shapes" in err and "write Parquet" in err, err
+
+
+def test_resumed_iterable_counts_the_rows_written_before(tmp_path):
+    """A dataset of unknown length (a list of feeds), finished and resumed: the report and the
+    progress count the 10 rows written before, not whole shards (12 for 3 shards of 4)."""
+    x = crnn_rows(10, seed=24)
+    feeds = [{"image": x[i:i + 2]} for i in range(0, 10, 2)]
+    spec = InferSpec(batch_size=2, shard_rows=4)
+    assert infer(realmodels.path("crnn_ocr"), feeds, tmp_path / "out", spec, MachineSpec(ONE_CORE)).written == 10
+    seen: list[int] = []
+    report = infer(realmodels.path("crnn_ocr"), feeds, tmp_path / "out", InferSpec(batch_size=2, shard_rows=4,
+                   resume=True), MachineSpec(ONE_CORE), progress=lambda done, total: seen.append(done))
+    assert (report.written, report.resumed_rows) == (0, 10)
+    assert seen[-1] == 10
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(10))
+
+
+def test_a_null_inside_a_rows_list_is_reported_by_row_id(tmp_path, capsys):
+    """A null value inside a row's list (a token id missing from bert_tiny's input_ids, a pixel
+    of crnn_ocr's image) is a null like a null row: reported by row id with --on-error skip,
+    not a TypeError that ends the job (int64) nor a NaN run silently (float32)."""
+    ids = [[1, 2, 3, 4], [5, None, 7, 8], [9, 10, 11, 12]]
+    ones = pa.array([[1] * 4] * 3, pa.list_(pa.int64()))
+    pq.write_table(pa.table({"input_ids": pa.array(ids, pa.list_(pa.int64())), "attention_mask": ones,
+                             "token_type_ids": pa.array([[0] * 4] * 3, pa.list_(pa.int64()))}), tmp_path / "ids.parquet")
+    code, out, err = cli(capsys, "infer", realmodels.path("bert_tiny"), "-i", tmp_path / "ids.parquet", "-o",
+                         tmp_path / "out", "--batch-size", 2, "--on-error", "skip", "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    assert "1 row(s) skipped (row ids 1)" in out and "null" in out
+    assert list(read_outputs(tmp_path / "out")["row_id"]) == [0, 2]
+
+    rows = crnn_rows(3, seed=25)
+    values = [r.tolist() for r in rows]
+    values[2][0][5][7] = None
+    col = pa.array(values, type=pa.list_(pa.list_(pa.list_(pa.float32()))))
+    pq.write_table(pa.table({"image": col}), tmp_path / "image.parquet")
+    code, out, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "image.parquet", "-o",
+                         tmp_path / "out2", "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 2 and "row 2 of the dataset cannot run" in err and "null" in err, err
+
+
+def test_one_parquet_file_is_joined_without_holding_the_output(tmp_path):
+    """An output named .parquet is joined from its shards at the end: the job's peak memory stays
+    that of the same job into a folder, not the whole output's (192 MiB here) more. Peak RSS of
+    each command, measured by a parent process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 18  # 1 MiB of float32 per row
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    x = np.random.default_rng(26).standard_normal((192, width)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for out in ("out", "out.parquet"):
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(tmp_path / "in.npz"), "-o", str(tmp_path / out),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[out] = int(kib) * 1024
+    assert peaks["out.parquet"] - peaks["out"] < 96 << 20, peaks
+    got = read_outputs(tmp_path / "out.parquet")
+    assert list(got["row_id"]) == list(range(192)) and np.array_equal(got["y"], -x)
+
+
+def test_parquet_shards_are_as_readable_as_the_other_files(tmp_path, capsys):
+    """A Parquet shard gets the mode of every other file the job writes (the umask's, as
+    _manifest.json and .npz shards get), not the 0600 of the temporary file it was written as:
+    a team's other accounts, or a Spark job under its own user, read the output."""
+    import stat
+
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=27))
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o", tmp_path / "out",
+                       "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    want = stat.S_IMODE((tmp_path / "out" / "_manifest.json").stat().st_mode)
+    assert stat.S_IMODE((tmp_path / "out" / "part-00000.parquet").stat().st_mode) == want
+
+
+def test_overwrite_removes_only_what_the_job_wrote(tmp_path, capsys):
+    """--overwrite replaces an earlier job's output: its manifest, shards, error lists and
+    summary go, a file of the user's that lies beside them (notes on the run) stays."""
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    base = ["infer", realmodels.path("crnn_ocr"), "-o", tmp_path / "out", "--batch-size", 4, "--shard-rows", 4,
+            "--on-error", "skip", "--groups", ONE_CORE, "-q"]
+    assert cli(capsys, *base, "-i", src)[0] == 0
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    x = crnn_rows(5, seed=28)
+    np.savez(tmp_path / "good.npz", image=x)
+    code, _, err = cli(capsys, *base, "-i", tmp_path / "good.npz", "--overwrite")
+    assert code == 0, err
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "_SUCCESS.json", "_manifest.json", "notes.txt", "part-00000.parquet", "part-00001.parquet"]
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(5))
+
+
+def test_the_batch_size_probe_holds_no_more_rows_than_its_largest_batch(tmp_path):
+    """Rows of 8 MiB from a generator, no batch size: the probe's largest batch is 64 MiB
+    (MAX_BATCH_BYTES, 8 rows), so it reads that many rows, not 64 of them (512 MiB held before
+    the first batch ran). Counted as the generator's arrays alive at once (weakref.finalize)."""
+    import weakref
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    from staronnx.infer.batchsize import MAX_BATCH_BYTES
+
+    width = 1 << 21  # 8 MiB of float32 per row
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    alive = [0, 0]  # now, most
+
+    def gone() -> None:
+        alive[0] -= 1
+
+    def rows():
+        for i in range(70):
+            x = np.full((1, width), i, np.float32)
+            alive[0] += 1
+            alive[1] = max(alive)
+            weakref.finalize(x, gone)
+            yield {"x": x}
+
+    report = infer(tmp_path / "neg.onnx", rows(), tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
+    assert report.written == 70 and report.batch_size <= MAX_BATCH_BYTES // (4 * width)
+    # the sample (8 rows) and the job's own window, bundles and read-ahead of batches of 8 at most
+    assert alive[1] < 64, alive
+
+
+def test_rows_on_axis_1_of_an_npy_are_read_a_chunk_at_a_time(tmp_path):
+    """An input whose rows lie on axis 1 (a state's [layers, batch, hidden]) read from a .npy:
+    a chunk at a time from the file, as rows on axis 0 are, so the job's peak memory does not
+    grow with the dataset (it loaded the whole array for every chunk: 128 MiB more at 160 rows
+    than at 32). Peak RSS of each command, measured by a parent process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 17  # 1 MiB of float32 per row on the two layers
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, "batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, "batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for n in (32, 160):
+        x = np.random.default_rng(n).standard_normal((2, n, width)).astype(np.float32)
+        (tmp_path / f"in{n}").mkdir()
+        np.save(tmp_path / f"in{n}" / "x.npy", x)
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(tmp_path / f"in{n}"), "-o", str(tmp_path / f"out{n}"),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[n] = int(kib) * 1024
+        got = read_outputs(tmp_path / f"out{n}")
+        assert list(got["row_id"]) == list(range(n)) and np.array_equal(got["y"], -np.moveaxis(x, 1, 0))
+        del x, got
+    assert peaks[160] - peaks[32] < 48 << 20, peaks
+
+
+def test_compressed_npz_shards_are_loaded_one_shard_at_a_time(tmp_path):
+    """A folder of numpy.savez_compressed shards: each shard's members are loaded whole when the
+    job reaches it, one shard at a time (the sources module's promise), not every shard's when
+    the dataset is opened: the peak memory of 10 shards is that of 2 (it held 128 MiB more).
+    Peak RSS of each command, measured by a parent process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 18  # 1 MiB of float32 per row, 16 rows per shard
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for shards in (2, 10):
+        folder = tmp_path / f"in{shards}"
+        folder.mkdir()
+        for i in range(shards):
+            np.savez_compressed(folder / f"shard-{i}.npz", x=np.full((16, width), i, np.float32))
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(folder), "-o", str(tmp_path / f"out{shards}"),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[shards] = int(kib) * 1024
+        got = read_outputs(tmp_path / f"out{shards}")
+        assert list(got["row_id"]) == list(range(16 * shards))
+        assert np.array_equal(got["y"][:, 0], -np.repeat(np.arange(shards, dtype=np.float32), 16))
+        del got
+    assert peaks[10] - peaks[2] < 48 << 20, peaks
+
+
+def test_a_job_that_stopped_before_its_first_shard_leaves_nothing_to_resume(tmp_path, capsys):
+    """A job refused as it starts (an unknown --policy, checked once the output is prepared)
+    wrote no shard: the corrected command runs as given, not refused as 'not empty' until
+    --resume or --overwrite is added."""
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=29))
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o", tmp_path / "out", "--batch-size", 2,
+            "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base, "--policy", "fastest")
+    assert code == 2 and "unknown scheduling policy 'fastest'" in err, err
+    code, out, err = cli(capsys, *base)
+    assert code == 0 and "3 samples written" in out, err
+    assert list(read_outputs(tmp_path / "out")["row_id"]) == [0, 1, 2]

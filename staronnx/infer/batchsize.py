@@ -82,8 +82,16 @@ def choose_batch_size(runtime: Any, layout: RowLayout, sample: dict[str, np.ndar
     best = 0.0
     flat = 0
     size = 1
-    while size <= max_batch and size * per_row <= MAX_BATCH_BYTES:
-        rate = _throughput(runtime, _rows_of(layout, sample, size), size, max_in_flight)
+    # size 1 whatever its bytes: a row larger than the limit runs alone (none measured: no choice)
+    while size <= max_batch and (size == 1 or size * per_row <= MAX_BATCH_BYTES):
+        try:
+            rate = _throughput(runtime, _rows_of(layout, sample, size), size, max_in_flight)
+        except Exception:
+            # a row of the sample that the model fails on (the job reports it by row id): the
+            # sizes measured before it decide
+            if not measured:
+                raise
+            break
         measured[size] = rate
         if rate > best * (1 + GAIN):
             flat = 0

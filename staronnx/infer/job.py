@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
-from staronnx.infer.batchsize import BatchChoice, choose_batch_size
+from staronnx.infer.batchsize import MAX_BATCH_BYTES, BatchChoice, choose_batch_size
 from staronnx.infer.rows import RowLayout
 from staronnx.infer.sinks import ROW_GROUP_BYTES, ShardSink, ShardWriter, output_format, output_specs
 from staronnx.infer.sources import CHUNK_BYTES, Chunk, Source, open_source
@@ -174,7 +174,7 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     total = source.total_rows()
     report = InferReport(out, total)
     start = _first_unfinished(sink.finished, spec.shard_rows, total)
-    report.resumed_rows = _finished_rows(sink.finished, spec.shard_rows, total)
+    report.resumed_rows = _finished_rows(sink, spec.shard_rows, total)
     # CUDA graphs of the batch size are captured before the first read, where the model's sizes
     # allow random warm-up feeds (no dynamic size but the batch); otherwise at the size's first run
     warm = (spec.batch_size,) if machine.cuda_streams and spec.batch_size and _fixed_sizes(plan, layout) else ()
@@ -186,8 +186,11 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
         elif not layout.batched:
             batch = 1
         else:
-            sample = _sample_rows(source, layout, start)
-            report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
+            sample = _sample_rows(source, layout, start, plan=plan, max_bytes=MAX_BATCH_BYTES)
+            try:
+                report.choice = choose_batch_size(runtime, layout, sample, max_in_flight=window) if sample else None
+            except Exception:  # noqa: BLE001 - the sample's first row fails in the model: the job reports it by row id
+                report.choice = None
             batch = report.choice.batch_size if report.choice is not None else 1
         report.batch_size, report.max_in_flight = batch, window
         if report.choice is None:  # the probe already ran the model on the job's first rows
@@ -208,7 +211,7 @@ def _warm_up(runtime: Runtime, source: Source, layout: RowLayout, start: int, ba
     job's samples/s. Two per worker at once, so the policy spreads them (a task cannot be sent to
     a given worker): with one, the other workers of a worker-per-core job allocated theirs
     inside the job's clock. A first batch that fails is left to the job, which reports it by row id."""
-    sample = _sample_rows(source, layout, start, want=batch)
+    sample = _sample_rows(source, layout, start, want=batch, plan=runtime.plan)
     if sample is None:
         return
     with contextlib.suppress(Exception):
@@ -233,23 +236,45 @@ def _first_unfinished(finished: set[int], shard_rows: int, total: int | None) ->
     return k * shard_rows if total is None else min(k * shard_rows, total)
 
 
-def _finished_rows(finished: set[int], shard_rows: int, total: int | None) -> int:
+def _finished_rows(sink: ShardSink, shard_rows: int, total: int | None) -> int:
     rows = 0
-    for k in finished:
+    last = max(sink.finished, default=None)
+    for k in sink.finished:
+        if total is None and k == last:
+            # a dataset of unknown length may end inside its last shard: the file says how many
+            rows += sink.rows_in(k)
+            continue
         hi = (k + 1) * shard_rows if total is None else min((k + 1) * shard_rows, total)
         rows += max(hi - k * shard_rows, 0)
     return rows
 
 
-def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64) -> dict[str, np.ndarray] | None:
+def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64,
+                 plan: Plan | None = None, max_bytes: int | None = None) -> dict[str, np.ndarray] | None:
     """Up to ``want`` consecutive readable rows of one shape from ``start`` (the batch-size
-    probe's inputs: the job's own data, not random values)."""
+    probe's inputs: the job's own data, not random values), leaving out rows ``plan`` refuses
+    (a dtype, a rank, a fixed size): the probe would fail on them, where the job reports them by
+    row id. No more rows than ``max_bytes`` hold (at least one): the probe's largest batch,
+    where 64 large rows held the job's memory many times over before its first batch ran."""
+    if max_bytes is not None:
+        first = next((c for c in source.peek(start, rows=1) if c.problem is None and c.rows), None)
+        if first is None:
+            return None
+        row_bytes = sum(int(v.nbytes) // first.rows for n, v in first.arrays.items()
+                        if layout.inputs.get(n) is not None)
+        want = max(1, min(want, max_bytes // max(row_bytes, 1)))
+        del first  # its buffers, before the rows are read again
     pieces: list[dict[str, np.ndarray]] = []
     rows = 0
     key: object = None
     for chunk in source.peek(start, rows=want):
         if chunk.problem is not None:
             continue
+        if plan is not None:
+            try:  # a chunk's rows share a dtype and shape
+                plan.check_feeds(layout.take(chunk.arrays, 0, 1))
+            except InputError:
+                continue
         sig = layout.signature(layout.take(chunk.arrays, 0, 1))
         if pieces and sig != key:
             break

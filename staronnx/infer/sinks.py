@@ -41,11 +41,13 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
-from staronnx.fsutil import atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
+from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
 
 MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"
 FORMATS = ("parquet", "npz")
+#: the suffixes of a single-file output, and the format each names
+SINGLE_FILES = {".parquet": "parquet", ".pq": "parquet", ".npz": "npz"}
 ROW_ID = "row_id"
 #: outputs the job gathers before it hands them to the writer as a Parquet row group: small, because
 #: Arrow's writer holds several times a group's bytes while it encodes it (crnn_ocr over 3,000
@@ -63,9 +65,20 @@ def output_format(output: Path, asked: str | None) -> str:
     if asked is not None:
         if asked not in FORMATS:
             raise OutputError(f"--format {asked!r}: choose one of {', '.join(FORMATS)}")
+        # a single file is written in its suffix's format: the other under its name opens nowhere
+        named = SINGLE_FILES.get(output.suffix.lower())
+        if named is not None and named != asked:
+            raise OutputError(f"--format {asked} but --output {output} names a {named} file; name the file "
+                              f"{output.stem}.{asked}, or leave --format out")
         return asked
-    suffix = output.suffix.lower()
-    return "npz" if suffix == ".npz" else "parquet"
+    return SINGLE_FILES.get(output.suffix.lower(), "parquet")
+
+
+def _written_by_a_job(name: str) -> bool:
+    """Whether a file of an output folder is one a job writes (or its temporary, ``.NAME.tmp-...``)."""
+    if name.startswith(".") and ".tmp-" in name:
+        name = name[1:name.index(".tmp-")]
+    return name in (MANIFEST, SUCCESS, "_errors.json") or name.startswith("part-")
 
 
 class ShardSink:
@@ -93,7 +106,9 @@ class ShardSink:
         folder = self.folder
         if folder.exists() and not folder.is_dir():
             raise OutputError(f"--output {folder} is a file; name a folder (or a .parquet/.npz file)")
-        existing = folder.exists() and any(folder.iterdir())
+        # a manifest alone: a job that stopped before its first shard (refused as it started),
+        # which left nothing to keep or resume
+        existing = folder.exists() and any(p.name != MANIFEST for p in folder.iterdir())
         if existing and overwrite:
             self._clear()
         elif existing and not resume:
@@ -113,7 +128,9 @@ class ShardSink:
         if not (folder / MANIFEST).exists():
             raise OutputError(f"--output {folder} holds files that no staronnx infer wrote; --overwrite replaces "
                               "only an earlier job's output (choose an empty or new folder)")
-        shutil.rmtree(folder)
+        for path in folder.iterdir():  # not the folder whole: a file of the user's beside the job's stays
+            if _written_by_a_job(path.name) and not path.is_dir():
+                path.unlink()
         if self.single and self.output.exists():
             self.output.unlink()
 
@@ -144,6 +161,19 @@ class ShardSink:
     def shard_path(self, index: int) -> Path:
         return self.folder / f"part-{index:05d}.{self.format}"
 
+    def rows_in(self, index: int) -> int:
+        """The rows of finished shard ``index``: those it holds and those skipped."""
+        path = self.shard_path(index)
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            rows = int(pq.read_metadata(path).num_rows)
+        else:
+            with np.load(path, allow_pickle=False) as npz:
+                rows = len(npz[ROW_ID])
+        errors = path.with_name(path.name[:-len(path.suffix)] + ".errors.json")
+        return rows + (len(json.loads(errors.read_text())) if errors.exists() else 0)
+
     # -- writing ------------------------------------------------------------------------------
     def open(self, index: int) -> ShardWriter:
         """A writer of shard ``index``, streaming into a temporary file renamed when it closes."""
@@ -167,27 +197,61 @@ class ShardSink:
         errors = self.errors()
         if errors:
             atomic_write_text(self.errors_file(), json.dumps(errors, indent=1))
+        else:  # the list of an earlier job (out.parquet.errors.json outlives --overwrite) would name rows this one wrote
+            with contextlib.suppress(FileNotFoundError):
+                self.errors_file().unlink()
         if not self.single:
             atomic_write_text(self.folder / SUCCESS, json.dumps(dict(summary), indent=1))
             return self.output
         shards = sorted(self.folder.glob(f"part-*.{self.format}"))
         if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            tables = [pq.read_table(p) for p in shards]
-            buf = io.BytesIO()
-            if tables:
-                import pyarrow as pa
-
-                pq.write_table(pa.concat_tables(tables), buf)
-            atomic_write_bytes(self.output, buf.getvalue())
+            self._join_parquet(shards)
         else:
             arrays = read_outputs(self.folder)
+            # a list: rows of different shapes in different shards (each one's rows agree)
+            uneven = next((name for name, value in arrays.items() if isinstance(value, list)), None)
+            if uneven is not None:
+                raise OutputError(f"output {uneven!r} has rows of different shapes in different shards; an .npz holds "
+                                  f"one array per output: write Parquet (an --output named .parquet), which holds "
+                                  f"any (the shards are kept in {self.folder})")
             buf = io.BytesIO()
             np.savez(buf, **arrays)
             atomic_write_bytes(self.output, buf.getvalue())
         shutil.rmtree(self.folder)
         return self.output
+
+
+    def _join_parquet(self, shards: Sequence[Path]) -> None:
+        """The shards into one Parquet file, a row group at a time: joined in memory, the whole
+        output was held (twice) at the end of a job whose memory is otherwise bounded."""
+        import pyarrow.parquet as pq
+
+        remove_stale_temporaries(self.output)
+        fd, name = tempfile.mkstemp(prefix=temp_prefix(self.output), suffix=".tmp", dir=self.output.parent)
+        os.close(fd)
+        tmp = Path(name)
+        writer: Any = None
+        try:
+            for path in shards:
+                shard = pq.ParquetFile(path)
+                for group in range(shard.num_row_groups):
+                    table = shard.read_row_group(group)
+                    if writer is None:
+                        writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
+                    writer.write_table(table)
+            if writer is None:  # no row (a dataset of no rows): a file of the job's columns, not of no bytes
+                table = _table(np.zeros(0, np.int64), {}, self.manifest.get("outputs", {}))
+                writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
+                writer.write_table(table)
+            writer.close()
+            os.chmod(tmp, _mode_for(self.output))  # as atomic_write_bytes leaves it: mkstemp's is 0600
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.output)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
 
 
 # -- encodings --------------------------------------------------------------------------------------
@@ -332,6 +396,7 @@ class ParquetShardWriter(ShardWriter):
             self.add([], [])
         self._writer.close()
         assert self._tmp is not None
+        os.chmod(self._tmp, _mode_for(self.path))  # as atomic_write_bytes leaves a file: mkstemp's is 0600
         with open(self._tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(self._tmp, self.path)
@@ -403,6 +468,9 @@ def read_outputs(path: str | os.PathLike[str]) -> dict[str, Any]:
             pieces.setdefault(name, []).append(value)
     out: dict[str, Any] = {}
     for name, parts in pieces.items():
+        # a shard of no rows (every one skipped) says nothing of a row's shape: an empty Parquet
+        # column of a variable-shape output reads back as shape (0,)
+        parts = [p for p in parts if len(p)] or parts
         if all(isinstance(p, np.ndarray) for p in parts) and len({p.shape[1:] for p in parts}) <= 1:
             out[name] = np.concatenate(parts) if parts else np.zeros(0)
         else:

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import IO, Any, Protocol
 
 import numpy as np
 
@@ -136,6 +136,24 @@ class _StoredArray:
             raise InputError(f"{self.path}: the file ends before row {stop} (truncated?)")
         return out
 
+    def rows_along(self, axis: int, start: int, stop: int) -> np.ndarray:
+        """Rows ``start:stop`` of ``axis`` (a state's batch on axis 1): one read per index of the
+        axes before it, each a run of whole rows, into a fresh C-ordered array."""
+        if self.fortran:
+            return np.ascontiguousarray(self.whole()[(slice(None),) * axis + (slice(start, stop),)])
+        outer = int(np.prod(self.shape[:axis], dtype=np.int64))
+        count = self.shape[axis]
+        row = int(np.prod(self.shape[axis + 1:], dtype=np.int64)) * self.dtype.itemsize
+        out = np.empty((*self.shape[:axis], stop - start, *self.shape[axis + 1:]), self.dtype)
+        run = (stop - start) * row
+        flat = memoryview(out.reshape(-1).view(np.uint8))
+        with open(self.path, "rb") as fh:
+            for i in range(outer):
+                fh.seek(self.offset + (i * count + start) * row)
+                if fh.readinto(flat[i * run:(i + 1) * run]) != run:
+                    raise InputError(f"{self.path}: the file ends before row {stop} (truncated?)")
+        return out
+
     def whole(self) -> np.ndarray:
         """The whole array (a shared value, a compressed or Fortran-ordered one)."""
         count = int(np.prod(self.shape, dtype=np.int64))
@@ -145,7 +163,22 @@ class _StoredArray:
         return flat.reshape(self.shape, order="F" if self.fortran else "C")
 
 
-def _npy_header(fh: BinaryIO, where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
+@dataclass(frozen=True)
+class _CompressedArray:
+    """An ``.npz`` member that ``numpy.savez_compressed`` compressed: loaded whole, when the job
+    reaches its shard (not when the dataset is opened: every shard at once)."""
+
+    path: Path
+    member: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    def whole(self) -> np.ndarray:
+        with zipfile.ZipFile(self.path) as zf, zf.open(self.member) as fh:
+            return np.lib.format.read_array(fh, allow_pickle=False)
+
+
+def _npy_header(fh: IO[bytes], where: str) -> tuple[np.dtype, tuple[int, ...], bool, int]:
     """dtype, shape, Fortran order and the data's offset of the ``.npy`` stream at ``fh``'s position."""
     try:
         version = np.lib.format.read_magic(fh)
@@ -167,18 +200,21 @@ def _npy_file(path: Path) -> _StoredArray:
     return _StoredArray(path, offset, dtype, shape, fortran)
 
 
-def _npz_members(path: Path) -> dict[str, _StoredArray | np.ndarray]:
+def _npz_members(path: Path) -> dict[str, _StoredArray | _CompressedArray | np.ndarray]:
     """Each member of an ``.npz``: stored ones as slices to read later, compressed ones loaded."""
     where = str(path)
     if not zipfile.is_zipfile(path):
         raise InputError(f"{where}: not an .npz file (write one with numpy.savez(path, NAME=array, ...))")
-    out: dict[str, _StoredArray | np.ndarray] = {}
+    out: dict[str, _StoredArray | _CompressedArray | np.ndarray] = {}
     with zipfile.ZipFile(path) as zf, open(path, "rb") as fh:
         for info in zf.infolist():
             name = info.filename[:-4] if info.filename.endswith(".npy") else info.filename
             if info.compress_type != zipfile.ZIP_STORED:
                 with zf.open(info) as member:
-                    out[name] = np.lib.format.read_array(member, allow_pickle=False)
+                    # its header checked as a stored member's is: a pickle refused by name, not
+                    # by numpy's ValueError from read_array
+                    dtype, shape, _, _ = _npy_header(member, f"{where}[{name}]")
+                out[name] = _CompressedArray(path, info.filename, dtype, shape)
                 continue
             fh.seek(info.header_offset)
             local = fh.read(30)
@@ -217,11 +253,11 @@ class NumpySource:
         self._shards = [self._open(p) for p in files]
         self._counts = [self._count(p, s) for p, s in zip(files, self._shards)]
 
-    def _open(self, path: Path) -> dict[str, _StoredArray | np.ndarray]:
+    def _open(self, path: Path) -> dict[str, _StoredArray | _CompressedArray | np.ndarray]:
         if path.suffix == ".npy":
             names = self.layout.row_inputs
             if len(self.layout.inputs) != 1 or len(names) != 1:
-                raise InputError(f"--inputs {path.parent}: .npy shards hold one array each, but the model takes "
+                raise InputError(f"--inputs {self.path}: .npy shards hold one array each, but the model takes "
                                  f"{list(self.layout.inputs)}; write .npz shards keyed by input name")
             return {names[0]: _npy_file(path)}
         members = _npz_members(path)
@@ -232,7 +268,7 @@ class NumpySource:
             raise InputError(f"--inputs {path}: {'; '.join(bits)}; the model's inputs are {list(self.layout.inputs)}")
         return members
 
-    def _count(self, path: Path, shard: Mapping[str, _StoredArray | np.ndarray]) -> int:
+    def _count(self, path: Path, shard: Mapping[str, _StoredArray | _CompressedArray | np.ndarray]) -> int:
         counts = {n: a.shape[ax] for n, a in shard.items()
                   if (ax := self.layout.inputs.get(n)) is not None and len(a.shape) > ax}
         if not counts:
@@ -259,6 +295,8 @@ class NumpySource:
             if first + count <= start:
                 first += count
                 continue
+            # a compressed member is loaded once its shard is reached, and kept for its chunks
+            shard = {n: (a.whole() if isinstance(a, _CompressedArray) else a) for n, a in shard.items()}
             per_row = sum(self._row_bytes(n, a) for n, a in shard.items())
             step = max(1, rows, CHUNK_BYTES // max(per_row, 1))
             shared = {n: (a if isinstance(a, np.ndarray) else a.whole())
@@ -272,16 +310,18 @@ class NumpySource:
                 yield Chunk(first + lo, hi - lo, arrays)
             first += count
 
-    def _row_bytes(self, name: str, stored: _StoredArray | np.ndarray) -> int:
+    def _row_bytes(self, name: str, stored: _StoredArray | _CompressedArray | np.ndarray) -> int:
         axis = self.layout.inputs.get(name)
         if axis is None or not stored.shape:
             return 0
         return int(np.prod(stored.shape, dtype=np.int64)) // max(stored.shape[axis], 1) * stored.dtype.itemsize
 
-    def _rows(self, name: str, stored: _StoredArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
+    def _rows(self, name: str, stored: _StoredArray | _CompressedArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
         axis = self.layout.inputs[name] or 0
         if isinstance(stored, _StoredArray) and axis == 0:
             return stored.rows(lo, hi, self._pool)
+        if isinstance(stored, _StoredArray):  # not the whole file per chunk: the module's promise
+            return stored.rows_along(axis, lo, hi)
         whole = stored if isinstance(stored, np.ndarray) else stored.whole()
         return np.ascontiguousarray(whole[(slice(None),) * axis + (slice(lo, hi),)])
 
@@ -293,9 +333,11 @@ def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
     import pyarrow as pa
 
     out: list[np.ndarray | None] = []
+    nested = _holds_null(column)  # once per column: the rows are looked at one by one only if so
     for i in range(len(column)):
         item = column[i]
-        if not item.is_valid:
+        if not item.is_valid or (nested and _holds_null(column.slice(i, 1))):
+            # a null inside the row's values too: numpy would make it a NaN, or fail on an integer
             out.append(None)
             continue
         if isinstance(column.type, pa.FixedShapeTensorType):
@@ -307,6 +349,22 @@ def _column_rows(column: Any, name: str) -> list[np.ndarray | None]:
             continue
         out.append(np.asarray(item.as_py(), dtype=_value_dtype(column.type)))
     return out
+
+
+def _holds_null(array: Any) -> bool:
+    """Whether a row's (nested) values hold a null at any level."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if isinstance(array, pa.ExtensionArray):
+        array = array.storage
+    if _is_shaped(array.type):
+        array = array.field("data")
+    while pa.types.is_list(array.type) or pa.types.is_large_list(array.type) or pa.types.is_fixed_size_list(array.type):
+        if array.null_count:
+            return True
+        array = pc.list_flatten(array)
+    return bool(array.null_count)
 
 
 def _innermost(dtype: Any) -> Any:
@@ -385,20 +443,24 @@ class ArrowSource:
     """A Parquet or Arrow IPC/Feather file, or a folder of them (pyarrow.dataset), one row per
     sample and a column per input."""
 
-    def __init__(self, path: Path, layout: RowLayout, fmt: str) -> None:
+    def __init__(self, path: Path | None, layout: RowLayout, fmt: str, dataset: Any = None) -> None:
         import pyarrow.dataset as ds
 
         self.path = path
         self.layout = layout
         self.format = fmt
-        try:
-            self.dataset = ds.dataset(str(path), format=fmt)
-        except Exception as exc:  # noqa: BLE001 - pyarrow's many error types; one message names the file
-            raise InputError(f"--inputs {path}: not a readable {fmt} dataset ({exc})") from None
+        if dataset is not None:  # a pyarrow Dataset, Table or RecordBatch of the caller's (path None)
+            self.dataset = dataset if isinstance(dataset, ds.Dataset) else ds.dataset(dataset)
+        else:
+            try:
+                self.dataset = ds.dataset(str(path), format=fmt)
+            except Exception as exc:  # noqa: BLE001 - pyarrow's many error types; one message names the file
+                raise InputError(f"--inputs {path}: not a readable {fmt} dataset ({exc})") from None
         names = set(self.dataset.schema.names)
         missing = [n for n in layout.inputs if n not in names]
         if missing:
-            raise InputError(f"--inputs {path}: no column for input(s) {missing}; the dataset's columns are "
+            where = f"--inputs {path}" if path is not None else f"the {type(dataset).__name__}"
+            raise InputError(f"{where}: no column for input(s) {missing}; the dataset's columns are "
                              f"{self.dataset.schema.names} and the model's inputs {list(layout.inputs)}")
         self._fragments = list(self.dataset.get_fragments())
         self._counts: list[int] = [int(f.count_rows()) for f in self._fragments]
@@ -407,7 +469,11 @@ class ArrowSource:
         return sum(self._counts)
 
     def describe(self) -> dict[str, Any]:
-        files = [Path(f.path) for f in self._fragments]
+        if self.path is None or not all(hasattr(f, "path") for f in self._fragments):
+            # in memory: no file to date; its rows are what a resumed job can compare
+            return {"kind": self.format, "type": type(self.dataset).__name__, "rows": self._counts}
+        # resolved as the path is: pyarrow names a fragment as the path was given, relative or not
+        files = [Path(f.path).resolve() for f in self._fragments]
         return {"kind": self.format, "path": str(self.path.resolve()),
                 "files": [[str(p), (st := p.stat()).st_size, st.st_mtime_ns] for p in files]}
 
@@ -463,7 +529,7 @@ def chunks_from_columns(layout: RowLayout, columns: Mapping[str, np.ndarray | li
         if null is not None:
             yield from _flush(layout, run, per_row, start)
             run, key = [], None
-            yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row")
+            yield Chunk(start + i, 1, problem=f"input {null!r} is null in this row (or holds a null)")
             continue
         arrays = {n: np.asarray(v) for n, v in values.items()}
         this = tuple((n, v.dtype.str, v.shape, v.tobytes() if layout.inputs[n] is None else b"")
@@ -554,7 +620,7 @@ class FeedsSource:
 
 def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]] | Any, layout: RowLayout) -> Source:
     """The source for ``src``: a path (an ``.npz``; a folder of ``.npz``/``.npy`` shards; a Parquet or
-    Arrow file or folder), a pyarrow Dataset or Table, or an iterable of feeds."""
+    Arrow file or folder), a pyarrow Dataset or Table, one feeds mapping, or an iterable of feeds."""
     if isinstance(src, (str, os.PathLike)):
         path = Path(src)
         if not path.exists():
@@ -566,6 +632,14 @@ def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]]
             return NumpySource(path, layout)
         raise InputError(f"--inputs {path}: not a dataset staronnx reads (.npz, a folder of .npz/.npy shards, "
                          f"or Parquet/Arrow: {', '.join(sorted(ARROW_SUFFIXES))})")
+    if "pyarrow" in sys.modules:  # a pyarrow object can only come from a process that loaded it
+        import pyarrow as pa
+        import pyarrow.dataset as ds
+
+        if isinstance(src, (pa.Table, pa.RecordBatch, ds.Dataset)):
+            return ArrowSource(None, layout, "arrow", dataset=src)
+    if isinstance(src, Mapping):  # one feeds (a dict, a loaded .npz), not an iterable of its names
+        return FeedsSource([src], layout)
     return FeedsSource(src, layout)
 
 
