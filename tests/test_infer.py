@@ -833,3 +833,21 @@ def test_a_job_that_stopped_before_its_first_shard_leaves_nothing_to_resume(tmp_
     code, out, err = cli(capsys, *base)
     assert code == 0 and "3 samples written" in out, err
     assert list(read_outputs(tmp_path / "out")["row_id"]) == [0, 1, 2]
+
+
+def test_a_model_output_named_row_id_is_refused_by_name(tmp_path, capsys):
+    """An output named ``row_id`` would take the place of the row ids' column in every shard (the
+    ids lost, the output read back as them): the job is refused before anything is written,
+    naming the output and what to do."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["row_id"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+                              [helper.make_tensor_value_info("row_id", TensorProto.FLOAT, ["batch", 4])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    np.savez(tmp_path / "in.npz", x=np.ones((3, 4), np.float32))
+    code, _, err = cli(capsys, "infer", tmp_path / "neg.onnx", "-i", tmp_path / "in.npz", "-o", tmp_path / "out",
+                       "--batch-size", 2, "--groups", ONE_CORE, "-q")
+    assert code == 2 and "output named 'row_id'" in err and "rename that output" in err, err
+    assert not (tmp_path / "out").exists()

@@ -435,6 +435,10 @@ def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
     them, so every shard of a job has one schema)."""
     out: dict[str, dict[str, Any]] = {}
     for spec in plan.outputs:
+        if spec.name == ROW_ID:  # its column would take the row ids' place in every shard
+            raise OutputError(f"the model has an output named {ROW_ID!r}, the name of the column that holds each "
+                              "row's id in staronnx infer's output; rename that output (onnx.compose.add_prefix, "
+                              "or an Identity node to a new name)")
         axis = layout.outputs.get(spec.name)
         shape = list(spec.shape)
         if layout.batched and axis is not None:
