@@ -851,3 +851,26 @@ def test_a_model_output_named_row_id_is_refused_by_name(tmp_path, capsys):
                        "--batch-size", 2, "--groups", ONE_CORE, "-q")
     assert code == 2 and "output named 'row_id'" in err and "rename that output" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_parquet_folder_is_read_in_name_order_with_only_its_dataset_files(tmp_path, capsys):
+    """A folder of Parquet shards is read as a folder of .npz shards is: in name order (shard-2
+    before shard-10), its partition subfolders too; a README, a job's skipped-rows list, _SUCCESS
+    and hidden files beside the shards are not the dataset's; and a job's output kept inside its
+    input folder is not read back as input by the next job."""
+    x = crnn_rows(12, seed=30)
+    data = tmp_path / "data"
+    (data / "late").mkdir(parents=True)
+    for i, name in enumerate(["shard-2", "shard-10", "late/shard-1"]):  # rows 0-3, 4-7, 8-11 in name order
+        col = pa.FixedShapeTensorArray.from_numpy_ndarray(x[4 * i:4 * i + 4])
+        pq.write_table(pa.table({"image": col}), data / f"{name}.parquet")
+    (data / "README.md").write_text("images of text lines, one per row\n")
+    (data / "_SUCCESS").write_text("")
+    (data / "shard-2.errors.json").write_text("[]")
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", data, "--batch-size", 4, "--groups", ONE_CORE, "-q"]
+    order = np.concatenate([x[8:12], x[0:4], x[4:8]])  # late/ first, then shard-2, then shard-10
+    for _ in range(2):  # the second job finds the first one's output inside its input folder
+        code, _, err = cli(capsys, *base, "-o", data / "out", "--overwrite")
+        assert code == 0, err
+        got = read_outputs(data / "out")
+        _assert_rows(got, crnn_reference(order), np.arange(12))

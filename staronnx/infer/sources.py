@@ -33,6 +33,7 @@ import numpy as np
 
 from staronnx.errors import InputError
 from staronnx.infer.rows import RowLayout
+from staronnx.infer.sinks import MANIFEST
 
 #: rows a chunk holds by default
 CHUNK_ROWS = 1024
@@ -452,8 +453,10 @@ class ArrowSource:
         if dataset is not None:  # a pyarrow Dataset, Table or RecordBatch of the caller's (path None)
             self.dataset = dataset if isinstance(dataset, ds.Dataset) else ds.dataset(dataset)
         else:
-            try:
-                self.dataset = ds.dataset(str(path), format=fmt)
+            assert path is not None
+            try:  # a folder's files listed here: their order and which of them are the dataset's
+                self.dataset = ds.dataset([str(p) for p in _arrow_files(path)] if path.is_dir() else str(path),
+                                          format=fmt)
             except Exception as exc:  # noqa: BLE001 - pyarrow's many error types; one message names the file
                 raise InputError(f"--inputs {path}: not a readable {fmt} dataset ({exc})") from None
         names = set(self.dataset.schema.names)
@@ -643,11 +646,30 @@ def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]]
     return FeedsSource(src, layout)
 
 
+def _arrow_files(folder: Path) -> list[Path]:
+    """A folder's Parquet/Arrow files in name order (``shard-2`` before ``shard-10``, as a folder of
+    ``.npz`` shards is read), its subfolders' too (a partitioned dataset). Left out, as pyarrow
+    leaves them out of a folder it reads: names that start with ``.`` or ``_`` (``_SUCCESS``,
+    ``.crc`` files); and every folder staronnx infer wrote (it holds a manifest): an output kept
+    inside its input folder is not read back as input by the next job or a ``--resume``. Other
+    files (a README, a job's ``.errors.json``) are not the dataset's."""
+    files: list[Path] = []
+    for path in sorted(folder.iterdir(), key=_natural):
+        if path.name.startswith((".", "_")):
+            continue
+        if path.is_dir():
+            if not (path / MANIFEST).exists():
+                files += _arrow_files(path)
+        elif path.suffix.lower() in ARROW_SUFFIXES:
+            files.append(path)
+    return files
+
+
 def _arrow_format(path: Path) -> str | None:
     """``parquet`` or ``ipc`` for a Parquet/Arrow file or a folder of them, else None."""
     if path.is_file():
         return ARROW_SUFFIXES.get(path.suffix.lower())
-    kinds = {ARROW_SUFFIXES[p.suffix.lower()] for p in path.rglob("*") if p.suffix.lower() in ARROW_SUFFIXES}
+    kinds = {ARROW_SUFFIXES[p.suffix.lower()] for p in _arrow_files(path)}
     if len(kinds) > 1:
         raise InputError(f"--inputs {path}: mixes Parquet and Arrow files; use one kind")
     return next(iter(kinds), None)
