@@ -874,3 +874,19 @@ def test_a_parquet_folder_is_read_in_name_order_with_only_its_dataset_files(tmp_
         assert code == 0, err
         got = read_outputs(data / "out")
         _assert_rows(got, crnn_reference(order), np.arange(12))
+
+
+def test_a_folder_of_npz_shards_takes_upper_case_suffixes_and_leaves_hidden_files_out(tmp_path, capsys):
+    """shard-1.NPZ is a shard as shard-0.npz is (it was skipped without a word, its rows missing),
+    and the files a copy from macOS leaves (._shard-0.npz, not an archive) are not shards (they
+    failed the job)."""
+    x = crnn_rows(6, seed=31)
+    data = tmp_path / "data"
+    data.mkdir()
+    np.savez(data / "shard-0.npz", image=x[:3])
+    np.savez(data / "shard-1.NPZ", image=x[3:])
+    (data / "._shard-0.npz").write_bytes(b"\x00\x05\x16\x07 AppleDouble")
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", data, "-o", tmp_path / "out",
+                       "--batch-size", 3, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(6))

@@ -241,10 +241,12 @@ class NumpySource:
         self.path = path
         self.layout = layout
         if path.is_dir():
-            files = sorted((p for p in path.iterdir() if p.suffix in (".npz", ".npy") and p.is_file()), key=_natural)
+            # hidden and underscore names left out, as in a Parquet folder (macOS's ._shard.npz, _SUCCESS)
+            files = sorted((p for p in path.iterdir() if p.suffix.lower() in (".npz", ".npy") and p.is_file()
+                            and not p.name.startswith((".", "_"))), key=_natural)
             if not files:
                 raise InputError(f"--inputs {path}: the folder holds no .npz or .npy shard")
-            kinds = {p.suffix for p in files}
+            kinds = {p.suffix.lower() for p in files}
             if len(kinds) > 1:
                 raise InputError(f"--inputs {path}: mixes .npz and .npy shards; use one kind")
         else:
@@ -255,7 +257,7 @@ class NumpySource:
         self._counts = [self._count(p, s) for p, s in zip(files, self._shards)]
 
     def _open(self, path: Path) -> dict[str, _StoredArray | _CompressedArray | np.ndarray]:
-        if path.suffix == ".npy":
+        if path.suffix.lower() == ".npy":
             names = self.layout.row_inputs
             if len(self.layout.inputs) != 1 or len(names) != 1:
                 raise InputError(f"--inputs {self.path}: .npy shards hold one array each, but the model takes "
@@ -631,7 +633,7 @@ def open_source(src: str | os.PathLike[str] | Iterable[Mapping[str, np.ndarray]]
         fmt = _arrow_format(path)
         if fmt is not None:
             return ArrowSource(path, layout, fmt)
-        if path.is_dir() or path.suffix in (".npz", ".npy"):
+        if path.is_dir() or path.suffix.lower() in (".npz", ".npy"):
             return NumpySource(path, layout)
         raise InputError(f"--inputs {path}: not a dataset staronnx reads (.npz, a folder of .npz/.npy shards, "
                          f"or Parquet/Arrow: {', '.join(sorted(ARROW_SUFFIXES))})")
