@@ -288,6 +288,16 @@ def test_cli_topology_xml_and_export(big: Topology, tmp_path) -> None:
     assert Topology.from_xml(out) == big
 
 
+def test_cli_topology_exports_this_system(tmp_path) -> None:
+    """--export-xml writes this machine's topology whether or not it has GPUs (a machine without
+    one returned after saying so, and the file was never written)."""
+    out = tmp_path / "here.xml"
+    result = CliRunner().invoke(_cli(), ["topology", "--export-xml", str(out)], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    assert f"topology written to {out}" in result.output.replace("\n", "")
+    assert Topology.from_xml(out) == Topology.from_system()
+
+
 def test_cli_topology_this_system() -> None:
     result = CliRunner().invoke(_cli(), ["topology"], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output

@@ -121,16 +121,16 @@ def register(app: typer.Typer) -> None:
             from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
 
             gpus = describe_gpus()
-            if not gpus:
+            if not gpus:  # said, and --export-xml still written below
                 console.print(f"no GPU for CUDA workers here: {cuda_unavailable_reason()}", highlight=False,
                               soft_wrap=True, markup=False)  # the reason names staronnx[gpu], not markup
-                return
-            table = table_of(f"GPUs CUDA workers can use here: {len(gpus)}",
-                             ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"))
-            for g in gpus:
-                memory = "-" if g["memory_bytes"] is None else f"{g['memory_bytes'] / 2**30:.1f} GiB"
-                table.add_row(f"cuda{g['device']}", g["name"], memory,
-                              *("-" if g[k] is None else str(g[k]) for k in ("capability", "sms", "pci_bus")))
-            console.print(table)
+            else:
+                table = table_of(f"GPUs CUDA workers can use here: {len(gpus)}",
+                                 ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"))
+                for g in gpus:
+                    memory = "-" if g["memory_bytes"] is None else f"{g['memory_bytes'] / 2**30:.1f} GiB"
+                    table.add_row(f"cuda{g['device']}", g["name"], memory,
+                                  *("-" if g[k] is None else str(g[k]) for k in ("capability", "sms", "pci_bus")))
+                console.print(table)
         if export_xml is not None:
             console.print(f"topology written to {topo.export_xml(export_xml)}")
