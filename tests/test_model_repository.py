@@ -475,7 +475,7 @@ def test_poll_mode_follows_the_repository(tmp_path):
     root = tmp_path / "models"
     _write(root, "first", None, [1], simple_model())
     s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
-                     "--repository-poll-secs", "0.2", "--policy", "eager")
+                     "--repository-poll-secs", "0.2", "--policy", "eager", "--queue-capacity", "16")
     try:
         client = httpclient.InferenceServerClient(s.http)
         assert client.is_model_ready("first")
@@ -489,6 +489,9 @@ def test_poll_mode_follows_the_repository(tmp_path):
             return False
 
         assert wait_for(lambda: client.is_model_ready("second"))
+        # --queue-capacity N is every model's, those added to the repository while serving too
+        for model in ("first", "second"):
+            assert client.get_model_config(model)["parameters"]["queue_capacity"]["string_value"] == "16", model
         shutil.rmtree(root / "first")
         assert wait_for(lambda: not client.is_model_ready("first"))
         np.testing.assert_array_equal(client.infer("second", _simple_inputs(httpclient)[0]).as_numpy("OUTPUT0"),

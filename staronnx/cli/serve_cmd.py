@@ -393,8 +393,9 @@ def serve_cmd(
             already there (as ``key``) with the same plan, contract and target, else on a runtime
             of its own (the shared runtime cannot take models while it runs)."""
             target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
+            # a model not in the repository at start has no entry: --queue-capacity N still holds for it
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
-                model_name, DEFAULT_QUEUE_CAPACITY)), delay)
+                model_name, every_model_capacity(queue_capacity or []))), delay)
             decl = repository.declared(found)
             wants = repository.workers_for(found, slots, False, cuda_graphs)
             if shared is not None and key in shared.model_names:
@@ -492,9 +493,9 @@ def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idl
 DEFAULT_QUEUE_CAPACITY = 1024
 
 
-def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
-    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
-    given: dict[str, int] = {}  # NAME -> N, and "" -> every model's N
+def _given_capacities(specs: list[str]) -> dict[str, int]:
+    """``--queue-capacity`` items as NAME -> N, and "" -> every model's N."""
+    given: dict[str, int] = {}
     for item in (s.strip() for spec in specs for s in spec.split(",") if s.strip()):
         name, _, value = item.rpartition("=")
         n = int(value) if value.strip().lstrip("+-").isdigit() else None
@@ -502,6 +503,18 @@ def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
             raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}" if n is None
                                 else f"--queue-capacity must be at least 1, got {item!r}")
         given[name] = n
+    return given
+
+
+def every_model_capacity(specs: list[str]) -> int:
+    """The capacity of a model no ``NAME=N`` names: ``--queue-capacity N``, else the default
+    (a model added to the repository while serving gets it, as those there at start do)."""
+    return _given_capacities(specs).get("", DEFAULT_QUEUE_CAPACITY)
+
+
+def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
+    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
+    given = _given_capacities(specs)  # NAME -> N, and "" -> every model's N
     default = given.pop("", DEFAULT_QUEUE_CAPACITY)
     served_only(given, names, "--queue-capacity")
     return {n: given.get(n, default) for n in names}
