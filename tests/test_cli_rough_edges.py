@@ -122,6 +122,15 @@ def test_conflicting_parts_and_shares_is_an_error_naming_both(small, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_run_refuses_a_max_in_flight_below_one(small, tmp_path, value):
+    """--max-in-flight 0 is one line naming the flag, not a traceback (IndexError) once the runtime ran."""
+    _, plan = small
+    res = _run(["run", str(plan), "--requests", "3", "--groups", PU, "--max-in-flight", value], tmp_path / "home")
+    assert res.returncode == 2, res.stderr
+    assert _one_error_line(res) == f"staronnx: error: --max-in-flight must be at least 1, got {value}"
+
+
 def test_partition_help_says_the_default_is_two_equal_parts():
     res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0

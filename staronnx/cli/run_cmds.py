@@ -63,6 +63,8 @@ def run_cmd(
 
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
+    if max_in_flight < 1:  # else the submit loop pops a request from an empty window
+        raise StaronnxError(f"--max-in-flight must be at least 1, got {max_in_flight}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
