@@ -597,7 +597,7 @@ def test_colocate_runs_the_event_loop_on_the_cuda_drivers_or_first_cpu_workers_c
     (["--max-body", "lots"], "sizes look like"),
     (["--name", "a", "--name", "b"], "--name given 2 time(s) for 1 plan(s)"),
     (["--http-port", "70000"], "--http-port must be between"),
-    (["--max-delay", "soon"], "durations look like"),
+    (["--max-delay", "soon"], "--max-delay: durations look like"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--gc-interval", "often"], "--gc-interval: durations look like"),
 ])

@@ -208,7 +208,7 @@ def serve_cmd(
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
-    delay = parse_duration(max_delay, allow_zero=True)
+    delay = parse_duration(max_delay, allow_zero=True, option="--max-delay")
     # every model's batching but its queue's capacity (and its window: from its perf models)
     serving = replace(ENDPOINT_SPEC, batch_size=batch_size, max_delay=delay, colocate=colocate)
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
