@@ -594,7 +594,9 @@ def test_colocate_runs_the_event_loop_on_the_cuda_drivers_or_first_cpu_workers_c
 @pytest.mark.parametrize("args, message", [
     (["--colocate", "--engine", "starpu"], "--colocate runs the serving threads on a worker thread's core: it needs "
                                            "the native engine"),
-    (["--max-body", "lots"], "sizes look like"),
+    (["--max-body", "lots"], "--max-body: sizes look like"),
+    (["--body-min-rate", "fast"], "--body-min-rate: sizes look like"),
+    (["--receive-budget", "0.1"], "--receive-budget: a size must be at least 1 byte"),
     (["--name", "a", "--name", "b"], "--name given 2 time(s) for 1 plan(s)"),
     (["--http-port", "70000"], "--http-port must be between"),
     (["--max-delay", "soon"], "--max-delay: durations look like"),

@@ -212,7 +212,7 @@ def serve_cmd(
     # every model's batching but its queue's capacity (and its window: from its perf models)
     serving = replace(ENDPOINT_SPEC, batch_size=batch_size, max_delay=delay, colocate=colocate)
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
-    body = parse_size(max_body)
+    body = parse_size(max_body, "--max-body")
     http_port = _port(http_port, "http-port")
     # every plan and its batching checked before any runtime or cluster starts (a replica applies them again)
     loaded = [Plan.load(p) for p in plans]
@@ -476,8 +476,8 @@ def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idl
         raise StaronnxError(f"--max-connections must be at least 1, got {max_connections}")
     if grpc_max_streams < 1:
         raise StaronnxError(f"--grpc-max-streams must be at least 1, got {grpc_max_streams}")
-    rate = 0 if body_min_rate.strip() in ("0", "0B") else parse_size(body_min_rate)
-    budget = parse_size(receive_budget) if receive_budget is not None else 0
+    rate = 0 if body_min_rate.strip() in ("0", "0B") else parse_size(body_min_rate, "--body-min-rate")
+    budget = parse_size(receive_budget, "--receive-budget") if receive_budget is not None else 0
     if budget and budget < max_body:
         raise StaronnxError(f"--receive-budget ({budget} bytes) must hold at least one body of --max-body "
                             f"({max_body} bytes)")
