@@ -131,6 +131,20 @@ def test_run_refuses_a_max_in_flight_below_one(small, tmp_path, value):
     assert _one_error_line(res) == f"staronnx: error: --max-in-flight must be at least 1, got {value}"
 
 
+@pytest.mark.parametrize("extra, expected", [
+    (["--parts", "3"], "--shares auto chooses the number of parts itself: drop --parts"),
+    (["--method", "duet"], "--shares auto is for --method metis and linear; 'duet' picks its own parts"),
+])
+def test_shares_auto_conflicts_name_the_flags(small, tmp_path, extra, expected):
+    """--shares auto beside --parts or a placement method is refused in the command line's words, not
+    the Python API's (shares='auto', parts)."""
+    model, _ = small
+    res = _run(["partition", str(model), "-o", str(tmp_path / "p"), "--shares", "auto", "--costs", "estimate",
+                *extra], tmp_path / "home")
+    assert res.returncode == 2, res.stderr
+    assert _one_error_line(res) == f"staronnx: error: {expected}"
+
+
 def test_partition_help_says_the_default_is_two_equal_parts():
     res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0

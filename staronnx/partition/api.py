@@ -128,7 +128,8 @@ def partition(
     transfer = host_transfer() if placed else None
     say = progress or (lambda _msg: None)
     if auto and spec.parts is not None:
-        raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset")
+        raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset",
+                             cli="--shares auto chooses the number of parts itself: drop --parts")
     targets = [1.0] if auto else parse_shares(shares, spec.parts)
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
@@ -167,7 +168,8 @@ def partition(
     auto_choice = None
     if auto:
         if placed:
-            raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
+            raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts",
+                                 cli=f"--shares auto is for --method metis and linear; {method!r} picks its own parts")
         auto_choice = _auto_shares(graph, shapes, spec, group_sizes=group_sizes, speeds=speeds, say=say)
         request.targets = list(auto_choice.shares)
     try:
