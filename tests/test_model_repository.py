@@ -502,6 +502,26 @@ def test_poll_mode_follows_the_repository(tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+def test_a_target_for_a_model_loaded_later_does_not_stop_the_start(tmp_path):
+    """--slo-ms NAME=MS for a repository model that explicit mode loads later: the models loaded at
+    start share a runtime, which refused to start for a target of a model it does not hold; the
+    model gets its target when it is loaded."""
+    root = tmp_path / "models"
+    for name in ("first", "second", "later"):
+        _write(root, name, None, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "explicit",
+                     "--load-model", "first", "--load-model", "second", "--slo-ms", "later=250",
+                     "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first") and not client.is_model_ready("later")
+        client.load_model("later")
+        assert client.get_model_config("later")["parameters"]["latency_ms"]["string_value"] == "250.0"
+        assert "latency_ms" not in client.get_model_config("first")["parameters"]
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--exit-on-error"], "--exit-on-error: "),
     (["--load-model", "simple"], "--load-model goes with --model-control-mode explicit"),

@@ -284,6 +284,9 @@ def serve_cmd(
         names = [n for n in names if n not in unavailable]
         targets, residency, lanes = ({n: v for n, v in d.items() if n not in unavailable}  # type: ignore[attr-defined]
                                      for d in (targets, residency, lanes))
+    # the targets of the models loaded now: the runtime refuses one for a model it does not hold (a
+    # repository model loaded later gets its --slo-ms/--priority from service_targets_cli)
+    targets = {n: t for n, t in targets.items() if n in names}
     if cuda_streams:  # string tensors live in host memory: such a model runs on the CPU groups only
         for model_name, plan in [(n, p) for n, p in zip(names, loaded) if has_strings(p)]:
             if separate_runtimes:
