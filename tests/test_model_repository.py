@@ -522,6 +522,29 @@ def test_a_target_for_a_model_loaded_later_does_not_stop_the_start(tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+def test_exit_on_error_refuses_a_model_whose_warmup_fails(tmp_path):
+    """--exit-on-error: a model whose model_warmup fails cannot be served, so the server does not
+    start (it started and served the others, as without the flag)."""
+    from onnx import TensorProto, helper
+
+    root = tmp_path / "models"
+    _write(root, "good", None, [1], simple_model())
+    # a Gather from an empty tensor: loads, and fails every run, the warm-up's first
+    graph = helper.make_graph([helper.make_node("Gather", ["data", "INDEX"], ["OUT"], axis=0)], "cold",
+                              [helper.make_tensor_value_info("INDEX", TensorProto.INT64, ["batch", 1])],
+                              [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, ["batch", 1])],
+                              initializer=[helper.make_tensor("data", TensorProto.FLOAT, [0], [])])
+    _write(root, "cold", 'max_batch_size: 8 model_warmup [ { name: "zeros" batch_size: 1 inputs { key: "INDEX" '
+                         'value: { data_type: TYPE_INT64 dims: [ 1 ] zero_data: true } } } ]', [1],
+           helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(root), "--exit-on-error",
+                           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--policy", "eager"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "ready" not in proc.stdout
+    assert proc.stderr.startswith("staronnx: error: --exit-on-error: ") and "cold" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--exit-on-error"], "--exit-on-error: "),
     (["--load-model", "simple"], "--load-model goes with --model-control-mode explicit"),

@@ -353,6 +353,9 @@ def serve_cmd(
                     unavailable[model_name] = str(exc)
                     if shared is None:
                         runtime.close()
+                    if exit_on_error:  # a model asked for cannot be served, as one refused at load
+                        raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
+                                            + "; ".join(f"{n}: {w}" for n, w in unavailable.items())) from None
                     continue
             endpoint = endpoint_of(older_of.get(model_name, model_name), runtime, spec, declared.get(model_name),
                                    targets.get(model_name, {}))
