@@ -502,6 +502,29 @@ def test_poll_mode_follows_the_repository(tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+def test_poll_mode_starts_on_an_empty_repository(tmp_path):
+    """Poll mode on a repository with no model yet starts (as explicit mode does) and loads the
+    first model folder written there; it refused with 'no model can be served: ' and no reason."""
+    import time
+
+    root = tmp_path / "models"
+    root.mkdir()
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.get_model_repository_index() == []
+        _write(root, "first", None, [1], simple_model())
+        for _ in range(600):  # a generous bound on a busy host; no timing is asserted
+            if client.is_model_ready("first"):
+                break
+            time.sleep(0.1)
+        inputs, a, b = _simple_inputs(httpclient)
+        np.testing.assert_array_equal(client.infer("first", inputs).as_numpy("OUTPUT0"), a + b)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
 def test_a_target_for_a_model_loaded_later_does_not_stop_the_start(tmp_path):
     """--slo-ms NAME=MS for a repository model that explicit mode loads later: the models loaded at
     start share a runtime, which refused to start for a target of a model it does not hold; the

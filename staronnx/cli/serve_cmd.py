@@ -277,7 +277,8 @@ def serve_cmd(
     if unavailable and exit_on_error:
         raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
                             + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
-    if all(n in unavailable for n in names) and control_mode != "explicit":
+    # explicit and poll modes may start with nothing served: their models come with a load request or the next poll
+    if all(n in unavailable for n in names) and control_mode == "none":
         raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if unavailable:
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
