@@ -349,6 +349,17 @@ def test_serve_needs_something_to_serve(tmp_path):
     assert "give plan folders to serve, --model-repository DIR, or both" in proc.stdout + proc.stderr
 
 
+def test_an_empty_repository_is_said_so(tmp_path):
+    """A repository with no model folder: the line says so, not 'no model can be served: ' and nothing."""
+    (tmp_path / "models").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(tmp_path / "models"),
+                           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"staronnx: error: no model to serve: --model-repository {tmp_path / 'models'} holds no "
+                           "model folder (<model>/<version>/model.onnx)\n"), proc.stderr
+
+
 # -- model control (issue 49, item 3) ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def explicit(repo, tmp_path_factory):

@@ -278,6 +278,9 @@ def serve_cmd(
         raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
                             + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     # explicit and poll modes may start with nothing served: their models come with a load request or the next poll
+    if not names and control_mode == "none":  # an empty repository: nothing failed, so no reason to join
+        raise StaronnxError(f"no model to serve: --model-repository {' '.join(map(str, model_repository or []))} "
+                            "holds no model folder (<model>/<version>/model.onnx)")
     if all(n in unavailable for n in names) and control_mode == "none":
         raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if unavailable:
