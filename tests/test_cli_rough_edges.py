@@ -145,6 +145,19 @@ def test_shares_auto_conflicts_name_the_flags(small, tmp_path, extra, expected):
     assert _one_error_line(res) == f"staronnx: error: {expected}"
 
 
+@pytest.mark.parametrize("extra", [["--shares", "0.7,0.3"], ["--parts", "4"]])
+def test_a_placement_method_refuses_shares_it_would_drop(small, tmp_path, extra):
+    """A placement method picks its own parts: --shares or --parts beside it were dropped without a
+    word (a plan of 1 part, not the 2 or 4 asked), where --shares auto is refused."""
+    model, _ = small
+    res = _run(["partition", str(model), "-o", str(tmp_path / "p"), "--method", "duet", "--groups", PU,
+                "--costs", "estimate", *extra], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --method duet picks its own parts (and a device for each): "
+                                    "drop --shares and --parts")
+    assert not (tmp_path / "p").exists()
+
+
 def test_partition_help_says_the_default_is_two_equal_parts():
     res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0

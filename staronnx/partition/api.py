@@ -133,6 +133,10 @@ def partition(
     targets = [1.0] if auto else parse_shares(shares, spec.parts)
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if placed and not auto and (shares is not None or spec.parts is not None):  # else dropped: it makes its own parts
+        raise PartitionError(f"method {method!r} picks its own parts (and a device for each): leave shares and "
+                             "parts unset", cli=f"--method {method} picks its own parts (and a device for each): "
+                                                "drop --shares and --parts")
     if spec.costs not in ("profile", "estimate"):
         raise PartitionError(f"unknown cost source {spec.costs!r}; use 'profile' or 'estimate'")
     if profile_batch < 1 or profile_runs < 1:
