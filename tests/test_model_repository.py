@@ -536,6 +536,21 @@ def test_poll_mode_starts_on_an_empty_repository(tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+@pytest.mark.parametrize("flag", ["--model-workers", "--lane"])
+def test_workers_for_a_model_loaded_later_name_the_way_out(repo, tmp_path, flag):
+    """--model-workers or --lane for a repository model that explicit mode does not load at start:
+    refused (the shared runtime cannot take it later) in words that say so, where the line called
+    a model of the repository unknown ('names unknown model(s) 'versioned'; this runtime serves ...')."""
+    value = "versioned=cpu" if flag == "--model-workers" else "versioned"
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(repo),
+                           "--model-control-mode", "explicit", "--load-model", "simple", "--load-model", "unbatched",
+                           flag, value, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"staronnx: error: {flag} versioned: the model is not loaded at start, and the shared "
+                           "runtime cannot take a model while it runs: list it in --load-model\n"), proc.stderr
+
+
 def test_a_target_for_a_model_loaded_later_does_not_stop_the_start(tmp_path):
     """--slo-ms NAME=MS for a repository model that explicit mode loads later: the models loaded at
     start share a runtime, which refused to start for a target of a model it does not hold; the

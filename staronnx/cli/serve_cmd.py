@@ -291,6 +291,11 @@ def serve_cmd(
     # the targets of the models loaded now: the runtime refuses one for a model it does not hold (a
     # repository model loaded later gets its --slo-ms/--priority from service_targets_cli)
     targets = {n: t for n, t in targets.items() if n in names}
+    for flag, given in (("--model-workers", residency), ("--lane", lanes)):
+        later = [n for n in given if n not in names]  # a repository model explicit mode loads on request
+        if later:
+            raise StaronnxError(f"{flag} {', '.join(later)}: the model is not loaded at start, and the shared runtime "
+                                "cannot take a model while it runs: list it in --load-model")
     if cuda_streams:  # string tensors live in host memory: such a model runs on the CPU groups only
         for model_name, plan in [(n, p) for n, p in zip(names, loaded) if has_strings(p)]:
             if separate_runtimes:
