@@ -158,6 +158,16 @@ def test_a_placement_method_refuses_shares_it_would_drop(small, tmp_path, extra)
     assert not (tmp_path / "p").exists()
 
 
+def test_trace_plot_refuses_alone_with_compare(tmp_path):
+    """--alone ('this trace only') and --compare (another trace beside it) contradict each other: the
+    comparison was drawn and --alone dropped without a word."""
+    res = _run(["trace", "plot", str(tmp_path / "T.json"), "--compare", str(tmp_path / "U.json"), "--alone",
+                "-o", str(tmp_path / "g.png")], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --alone draws this trace only and --compare draws another "
+                                    "beside it: give one of them")
+
+
 def test_partition_help_says_the_default_is_two_equal_parts():
     res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0

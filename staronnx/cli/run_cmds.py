@@ -239,6 +239,8 @@ def plot_cmd(
     point in numeric order; live and simulated rows side by side when both traces exist)."""
     from staronnx.runtime.gantt import plot_trace
 
+    if alone and compare is not None:  # else the comparison was drawn and --alone dropped
+        raise StaronnxError("--alone draws this trace only and --compare draws another beside it: give one of them")
     check_writable(output, "--output")
     console.print(f"wrote {plot_trace(trace, output, compare=compare, twin=not alone)}")
 
