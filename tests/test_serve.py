@@ -602,6 +602,9 @@ def test_colocate_runs_the_event_loop_on_the_cuda_drivers_or_first_cpu_workers_c
     (["--max-delay", "soon"], "--max-delay: durations look like"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--gc-interval", "often"], "--gc-interval: durations look like"),
+    (["--slo-ms", "chain=-5"], "--slo-ms chain=-5: a latency target must be a positive number of ms"),
+    (["--slo-ms", "chain"], "--slo-ms: expected name=value, got 'chain'"),
+    (["--priority", "chain=x"], "--priority: 'chain=x': 'x' is not a number"),
 ])
 def test_cli_refuses_bad_options_in_one_line(plans, args, message, capsys):
     with pytest.raises(SystemExit) as e:

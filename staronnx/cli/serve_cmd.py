@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -539,8 +540,18 @@ def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) ->
     """``--slo-ms``/``--priority`` as {model: ServiceTarget fields}; unknown names refused."""
     from staronnx.runtime.models import parse_targets
 
-    targets = parse_targets(slo_ms, "latency_ms")
-    for name, fields in parse_targets(priority, "priority").items():
+    parsed = {}
+    for flag, items, field in (("--slo-ms", slo_ms, "latency_ms"), ("--priority", priority, "priority")):
+        try:  # the flag named: both read NAME=N, and a bad item alone does not say which flag it came from
+            parsed[field] = parse_targets(items, field)
+        except StaronnxError as exc:
+            raise StaronnxError(f"{flag}: {exc}") from None
+    targets = parsed["latency_ms"]
+    for name, fields in targets.items():  # said in the ms given, not as the seconds ServiceTarget checks
+        ms = fields["latency_ms"]
+        if not (math.isfinite(ms) and ms > 0):
+            raise StaronnxError(f"--slo-ms {name}={ms:g}: a latency target must be a positive number of ms")
+    for name, fields in parsed["priority"].items():
         targets.setdefault(name, {}).update(fields)
     return served_only(targets, names, "--slo-ms/--priority")
 
