@@ -168,6 +168,17 @@ def test_trace_plot_refuses_alone_with_compare(tmp_path):
                                     "beside it: give one of them")
 
 
+def test_sweep_refuses_a_queue_capacity_below_one(small, tmp_path):
+    """--queue-capacity 0: one line before any point (as serve and simulate refuse it), where the
+    sweep ran with a queue of the batch size and recorded queue_capacity 0 in its results."""
+    _, plan = small
+    res = _run(["sweep", str(plan), "--rates", "10", "--batch-sizes", "1", "--duration", "300ms", "--groups", PU,
+                "--no-plots", "--queue-capacity", "0", "-o", str(tmp_path / "res")], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == "staronnx: error: --queue-capacity must be at least 1, got 0"
+    assert not (tmp_path / "res" / "results.json").exists()
+
+
 def test_partition_help_says_the_default_is_two_equal_parts():
     res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0

@@ -409,6 +409,8 @@ def sweep_cmd(
             raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
         if check is not None and not check.is_file():  # now, not after the header
             raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
+    if queue_capacity < 1:  # else each point silently queued its batch size and recorded 0
+        raise StaronnxError(f"--queue-capacity must be at least 1, got {queue_capacity}")
     if sim_band is not None and not simulate:
         raise StaronnxError("--sim-band sets the band of the simulated points: give --simulate too")
     if sim_band is not None and not 0 <= sim_band < 100:
