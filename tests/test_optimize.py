@@ -175,6 +175,7 @@ def test_cli_optimize_batch_measures_at_most_max_verify(plan, home, tmp_path, tw
 @pytest.mark.parametrize("flag, value, expected", [
     ("--distribution", "gauss", "unknown distribution 'gauss'; choose constant or poisson"),
     ("--policy", "nope", "unknown scheduling policy 'nope'; choose one of "),
+    ("--slo-ms", "-5", "--slo-ms must be a positive number of ms, got -5"),  # not '> 0 seconds, got -0.005'
 ])
 def test_cli_optimize_batch_names_a_bad_setting_first(plan, home, two_groups, flag, value, expected):
     """A distribution or policy that cannot run is the error, not the tail of 'no batch size could be

@@ -639,6 +639,8 @@ def optimize_batch_cmd(
     from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)
+    if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):  # in the ms given, not the seconds
+        raise StaronnxError(f"--slo-ms must be a positive number of ms, got {slo_ms:g}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if json_out is not None:
         check_writable(json_out, "--json")
