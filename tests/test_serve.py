@@ -605,6 +605,8 @@ def test_colocate_runs_the_event_loop_on_the_cuda_drivers_or_first_cpu_workers_c
     (["--slo-ms", "chain=-5"], "--slo-ms chain=-5: a latency target must be a positive number of ms"),
     (["--slo-ms", "chain"], "--slo-ms: expected name=value, got 'chain'"),
     (["--priority", "chain=x"], "--priority: 'chain=x': 'x' is not a number"),
+    (["--http-port", "18123", "--grpc-port", "18123"], "--http-port and --grpc-port are both 18123: each listener "
+                                                       "needs a port of its own"),
 ])
 def test_cli_refuses_bad_options_in_one_line(plans, args, message, capsys):
     with pytest.raises(SystemExit) as e:

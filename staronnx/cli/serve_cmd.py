@@ -215,6 +215,13 @@ def serve_cmd(
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
     body = parse_size(max_body, "--max-body")
     http_port = _port(http_port, "http-port")
+    if not ray:  # on Ray only --http-port listens; here a port given twice failed at its second bind, models loaded
+        taken: dict[int, str] = {}
+        for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)):
+            if port and port in taken:
+                raise StaronnxError(f"{taken[port]} and {flag} are both {port}: each listener needs a port of its own "
+                                    "(0 takes a free one)")
+            taken[port] = flag
     # every plan and its batching checked before any runtime or cluster starts (a replica applies them again)
     loaded = [Plan.load(p) for p in plans]
     overrides = apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
