@@ -275,6 +275,18 @@ def test_plan_verify_with_real_inputs(small, tmp_path):
     assert "3x" in res.output and "OK" in res.output  # the outputs have the file's 3 samples
 
 
+def test_plan_verify_refuses_input_shapes_beside_real_inputs(small, tmp_path):
+    """--input-shape sizes random inputs; beside --inputs (whose arrays have their own sizes) it was
+    dropped without a word."""
+    model, plan = small
+    inputs = _npz(tmp_path / "in.npz", x=_real(3))
+    res = _run(["plan", "verify", str(plan), "--model", str(model), "--inputs", str(inputs), "--input-shape",
+                "x=1x3x16x16"], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --input-shape sizes the random inputs; --inputs brings its "
+                                    "own arrays: give one of them")
+
+
 def test_sweep_feeds_real_inputs(small, tmp_path):
     _, plan = small
     inputs = _npz(tmp_path / "in.npz", x=_real(4))
