@@ -122,6 +122,63 @@ def test_conflicting_parts_and_shares_is_an_error_naming_both(small, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_run_refuses_a_max_in_flight_below_one(small, tmp_path, value):
+    """--max-in-flight 0 is one line naming the flag, not a traceback (IndexError) once the runtime ran."""
+    _, plan = small
+    res = _run(["run", str(plan), "--requests", "3", "--groups", PU, "--max-in-flight", value], tmp_path / "home")
+    assert res.returncode == 2, res.stderr
+    assert _one_error_line(res) == f"staronnx: error: --max-in-flight must be at least 1, got {value}"
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--parts", "3"], "--shares auto chooses the number of parts itself: drop --parts"),
+    (["--method", "duet"], "--shares auto is for --method metis and linear; 'duet' picks its own parts"),
+])
+def test_shares_auto_conflicts_name_the_flags(small, tmp_path, extra, expected):
+    """--shares auto beside --parts or a placement method is refused in the command line's words, not
+    the Python API's (shares='auto', parts)."""
+    model, _ = small
+    res = _run(["partition", str(model), "-o", str(tmp_path / "p"), "--shares", "auto", "--costs", "estimate",
+                *extra], tmp_path / "home")
+    assert res.returncode == 2, res.stderr
+    assert _one_error_line(res) == f"staronnx: error: {expected}"
+
+
+@pytest.mark.parametrize("extra", [["--shares", "0.7,0.3"], ["--parts", "4"]])
+def test_a_placement_method_refuses_shares_it_would_drop(small, tmp_path, extra):
+    """A placement method picks its own parts: --shares or --parts beside it were dropped without a
+    word (a plan of 1 part, not the 2 or 4 asked), where --shares auto is refused."""
+    model, _ = small
+    res = _run(["partition", str(model), "-o", str(tmp_path / "p"), "--method", "duet", "--groups", PU,
+                "--costs", "estimate", *extra], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --method duet picks its own parts (and a device for each): "
+                                    "drop --shares and --parts")
+    assert not (tmp_path / "p").exists()
+
+
+def test_trace_plot_refuses_alone_with_compare(tmp_path):
+    """--alone ('this trace only') and --compare (another trace beside it) contradict each other: the
+    comparison was drawn and --alone dropped without a word."""
+    res = _run(["trace", "plot", str(tmp_path / "T.json"), "--compare", str(tmp_path / "U.json"), "--alone",
+                "-o", str(tmp_path / "g.png")], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --alone draws this trace only and --compare draws another "
+                                    "beside it: give one of them")
+
+
+def test_sweep_refuses_a_queue_capacity_below_one(small, tmp_path):
+    """--queue-capacity 0: one line before any point (as serve and simulate refuse it), where the
+    sweep ran with a queue of the batch size and recorded queue_capacity 0 in its results."""
+    _, plan = small
+    res = _run(["sweep", str(plan), "--rates", "10", "--batch-sizes", "1", "--duration", "300ms", "--groups", PU,
+                "--no-plots", "--queue-capacity", "0", "-o", str(tmp_path / "res")], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == "staronnx: error: --queue-capacity must be at least 1, got 0"
+    assert not (tmp_path / "res" / "results.json").exists()
+
+
 def test_partition_help_says_the_default_is_two_equal_parts():
     res = runner.invoke(app, ["partition", "--help"], env={"COLUMNS": "200"})
     assert res.exit_code == 0
@@ -216,6 +273,18 @@ def test_plan_verify_with_real_inputs(small, tmp_path):
     res = runner.invoke(app, ["plan", "verify", str(plan), "--model", str(model), "--inputs", str(inputs)])
     assert res.exit_code == 0, res.output
     assert "3x" in res.output and "OK" in res.output  # the outputs have the file's 3 samples
+
+
+def test_plan_verify_refuses_input_shapes_beside_real_inputs(small, tmp_path):
+    """--input-shape sizes random inputs; beside --inputs (whose arrays have their own sizes) it was
+    dropped without a word."""
+    model, plan = small
+    inputs = _npz(tmp_path / "in.npz", x=_real(3))
+    res = _run(["plan", "verify", str(plan), "--model", str(model), "--inputs", str(inputs), "--input-shape",
+                "x=1x3x16x16"], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --input-shape sizes the random inputs; --inputs brings its "
+                                    "own arrays: give one of them")
 
 
 def test_sweep_feeds_real_inputs(small, tmp_path):

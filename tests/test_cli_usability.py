@@ -143,6 +143,17 @@ def test_simulate_and_optimize_warn_about_cuda_workers_without_models(calibrated
     assert not _warnings(done.stderr)
 
 
+def test_simulate_refuses_cuda_scale_without_cuda_workers(calibrated_inception):
+    """--cuda-scale times the simulated CUDA workers: without --cuda-streams there are none, and the
+    simulation ran on the CPU groups alone as if the what-if GPU had been asked for and found wanting."""
+    plan, home = calibrated_inception
+    done = _cli("simulate", str(plan.root), "--rate", "50", "--batch", "2", "--groups", _one_pu(),
+                "--cuda-scale", "0.5", "--duration", "1", home=home)
+    assert done.returncode == 2, done.stdout
+    assert done.stderr.strip().splitlines()[-1] == ("staronnx: error: --cuda-scale sets the time of the simulated "
+                                                    "CUDA workers: it needs --cuda-streams N"), done.stderr
+
+
 # -- help ----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("command", [[], ["sweep"], ["run"], ["plan", "show"], ["perfmodel", "show"], ["demo"]])
 def test_help_shows_no_bool_metavar(command, tmp_path):

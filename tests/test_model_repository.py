@@ -349,6 +349,17 @@ def test_serve_needs_something_to_serve(tmp_path):
     assert "give plan folders to serve, --model-repository DIR, or both" in proc.stdout + proc.stderr
 
 
+def test_an_empty_repository_is_said_so(tmp_path):
+    """A repository with no model folder: the line says so, not 'no model can be served: ' and nothing."""
+    (tmp_path / "models").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(tmp_path / "models"),
+                           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"staronnx: error: no model to serve: --model-repository {tmp_path / 'models'} holds no "
+                           "model folder (<model>/<version>/model.onnx)\n"), proc.stderr
+
+
 # -- model control (issue 49, item 3) ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def explicit(repo, tmp_path_factory):
@@ -475,7 +486,7 @@ def test_poll_mode_follows_the_repository(tmp_path):
     root = tmp_path / "models"
     _write(root, "first", None, [1], simple_model())
     s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
-                     "--repository-poll-secs", "0.2", "--policy", "eager")
+                     "--repository-poll-secs", "0.2", "--policy", "eager", "--queue-capacity", "16")
     try:
         client = httpclient.InferenceServerClient(s.http)
         assert client.is_model_ready("first")
@@ -489,6 +500,9 @@ def test_poll_mode_follows_the_repository(tmp_path):
             return False
 
         assert wait_for(lambda: client.is_model_ready("second"))
+        # --queue-capacity N is every model's, those added to the repository while serving too
+        for model in ("first", "second"):
+            assert client.get_model_config(model)["parameters"]["queue_capacity"]["string_value"] == "16", model
         shutil.rmtree(root / "first")
         assert wait_for(lambda: not client.is_model_ready("first"))
         np.testing.assert_array_equal(client.infer("second", _simple_inputs(httpclient)[0]).as_numpy("OUTPUT0"),
@@ -497,6 +511,87 @@ def test_poll_mode_follows_the_repository(tmp_path):
             client.load_model("second")
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_poll_mode_starts_on_an_empty_repository(tmp_path):
+    """Poll mode on a repository with no model yet starts (as explicit mode does) and loads the
+    first model folder written there; it refused with 'no model can be served: ' and no reason."""
+    import time
+
+    root = tmp_path / "models"
+    root.mkdir()
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.get_model_repository_index() == []
+        _write(root, "first", None, [1], simple_model())
+        for _ in range(600):  # a generous bound on a busy host; no timing is asserted
+            if client.is_model_ready("first"):
+                break
+            time.sleep(0.1)
+        inputs, a, b = _simple_inputs(httpclient)
+        np.testing.assert_array_equal(client.infer("first", inputs).as_numpy("OUTPUT0"), a + b)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+@pytest.mark.parametrize("flag", ["--model-workers", "--lane"])
+def test_workers_for_a_model_loaded_later_name_the_way_out(repo, tmp_path, flag):
+    """--model-workers or --lane for a repository model that explicit mode does not load at start:
+    refused (the shared runtime cannot take it later) in words that say so, where the line called
+    a model of the repository unknown ('names unknown model(s) 'versioned'; this runtime serves ...')."""
+    value = "versioned=cpu" if flag == "--model-workers" else "versioned"
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(repo),
+                           "--model-control-mode", "explicit", "--load-model", "simple", "--load-model", "unbatched",
+                           flag, value, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr == (f"staronnx: error: {flag} versioned: the model is not loaded at start, and the shared "
+                           "runtime cannot take a model while it runs: list it in --load-model\n"), proc.stderr
+
+
+def test_a_target_for_a_model_loaded_later_does_not_stop_the_start(tmp_path):
+    """--slo-ms NAME=MS for a repository model that explicit mode loads later: the models loaded at
+    start share a runtime, which refused to start for a target of a model it does not hold; the
+    model gets its target when it is loaded."""
+    root = tmp_path / "models"
+    for name in ("first", "second", "later"):
+        _write(root, name, None, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "explicit",
+                     "--load-model", "first", "--load-model", "second", "--slo-ms", "later=250",
+                     "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first") and not client.is_model_ready("later")
+        client.load_model("later")
+        assert client.get_model_config("later")["parameters"]["latency_ms"]["string_value"] == "250.0"
+        assert "latency_ms" not in client.get_model_config("first")["parameters"]
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_exit_on_error_refuses_a_model_whose_warmup_fails(tmp_path):
+    """--exit-on-error: a model whose model_warmup fails cannot be served, so the server does not
+    start (it started and served the others, as without the flag)."""
+    from onnx import TensorProto, helper
+
+    root = tmp_path / "models"
+    _write(root, "good", None, [1], simple_model())
+    # a Gather from an empty tensor: loads, and fails every run, the warm-up's first
+    graph = helper.make_graph([helper.make_node("Gather", ["data", "INDEX"], ["OUT"], axis=0)], "cold",
+                              [helper.make_tensor_value_info("INDEX", TensorProto.INT64, ["batch", 1])],
+                              [helper.make_tensor_value_info("OUT", TensorProto.FLOAT, ["batch", 1])],
+                              initializer=[helper.make_tensor("data", TensorProto.FLOAT, [0], [])])
+    _write(root, "cold", 'max_batch_size: 8 model_warmup [ { name: "zeros" batch_size: 1 inputs { key: "INDEX" '
+                         'value: { data_type: TYPE_INT64 dims: [ 1 ] zero_data: true } } } ]', [1],
+           helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(root), "--exit-on-error",
+                           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--policy", "eager"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "ready" not in proc.stdout
+    assert proc.stderr.startswith("staronnx: error: --exit-on-error: ") and "cold" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("args, message", [

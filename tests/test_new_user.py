@@ -168,6 +168,16 @@ def test_demo_without_workdir_removes_its_temporary_folder_and_says_so(tmp_path)
     assert "removed the demo's temporary folder" in res.stdout and "--workdir" in res.stdout
 
 
+@pytest.mark.parametrize("flag", ["--batch", "--batches"])
+def test_demo_refuses_a_count_below_one_before_its_work(tmp_path, flag):
+    """--batch 0 or --batches 0: one line naming the flag, before the model is built, where the demo
+    partitioned, verified and calibrated, then ended in a ZeroDivisionError traceback."""
+    res = _run(["demo", flag, "0", "--groups", PU, "--workdir", tmp_path / "d"])
+    assert res.returncode == 2, res.stdout
+    assert _error_line(res) == f"staronnx: error: {flag} must be at least 1, got 0"
+    assert not (tmp_path / "d" / "plan").exists()
+
+
 def test_demo_with_workdir_keeps_it(tmp_path):
     res = _run(["demo", "--batches", "2", "--batch", "2", "--groups", PU, "--workdir", tmp_path / "d"])
     assert res.returncode == 0, res.stderr

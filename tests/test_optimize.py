@@ -156,6 +156,39 @@ def test_cli_optimize_batch(plan, home, tmp_path, two_groups):
     assert doc["best"] in (1, 2, 4) and doc["verified"] == []
 
 
+def test_cli_optimize_batch_measures_at_most_max_verify(plan, home, tmp_path, two_groups):
+    """--max-verify N: at most N live measurements, the predicted best's neighbours included (with
+    1, the predicted best alone); 0 with --verify is refused (--no-verify measures none)."""
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    out = tmp_path / "opt.json"
+    args = [sys.executable, "-m", "staronnx", "optimize-batch", str(plan.root), "--rate", "120", "--batch-sizes",
+            "1,2,4", "--groups", two_groups, "--sim-duration", "2s", "--verify-duration", "0.5s", "--json", str(out)]
+    done = subprocess.run([*args, "--max-verify", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr + done.stdout
+    doc = json.loads(out.read_text())
+    assert doc["verified"] == [doc["predicted_best"]], doc["verified"]
+    refused = subprocess.run([*args, "--max-verify", "0"], capture_output=True, text=True, env=env, timeout=300)
+    assert refused.returncode == 2, refused.stderr + refused.stdout
+    assert "--max-verify must be at least 1" in refused.stderr and "Traceback" not in refused.stderr
+
+
+@pytest.mark.parametrize("flag, value, expected", [
+    ("--distribution", "gauss", "unknown distribution 'gauss'; choose constant or poisson"),
+    ("--policy", "nope", "unknown scheduling policy 'nope'; choose one of "),
+    ("--slo-ms", "-5", "--slo-ms must be a positive number of ms, got -5"),  # not '> 0 seconds, got -0.005'
+])
+def test_cli_optimize_batch_names_a_bad_setting_first(plan, home, two_groups, flag, value, expected):
+    """A distribution or policy that cannot run is the error, not the tail of 'no batch size could be
+    simulated: host costs not measured ...; batch 1 left out: ...', repeated per candidate."""
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    done = subprocess.run(
+        [sys.executable, "-m", "staronnx", "optimize-batch", str(plan.root), "--rate", "120", "--batch-sizes", "1,2",
+         "--groups", two_groups, "--sim-duration", "1s", "--no-verify", flag, value],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, done.stderr + done.stdout
+    assert done.stderr.strip().splitlines()[-1].startswith(f"staronnx: error: {expected}"), done.stderr
+
+
 @pytest.fixture(scope="module")
 def heavy(tmp_path_factory, two_groups):
     """A googlenet-like zoo model (a few ms a sample) cut 70/30 and calibrated at batch 32 on

@@ -594,12 +594,19 @@ def test_colocate_runs_the_event_loop_on_the_cuda_drivers_or_first_cpu_workers_c
 @pytest.mark.parametrize("args, message", [
     (["--colocate", "--engine", "starpu"], "--colocate runs the serving threads on a worker thread's core: it needs "
                                            "the native engine"),
-    (["--max-body", "lots"], "sizes look like"),
+    (["--max-body", "lots"], "--max-body: sizes look like"),
+    (["--body-min-rate", "fast"], "--body-min-rate: sizes look like"),
+    (["--receive-budget", "0.1"], "--receive-budget: a size must be at least 1 byte"),
     (["--name", "a", "--name", "b"], "--name given 2 time(s) for 1 plan(s)"),
     (["--http-port", "70000"], "--http-port must be between"),
-    (["--max-delay", "soon"], "durations look like"),
+    (["--max-delay", "soon"], "--max-delay: durations look like"),
     (["--batch-size", "0"], "--batch-size must be at least 1"),
     (["--gc-interval", "often"], "--gc-interval: durations look like"),
+    (["--slo-ms", "chain=-5"], "--slo-ms chain=-5: a latency target must be a positive number of ms"),
+    (["--slo-ms", "chain"], "--slo-ms: expected name=value, got 'chain'"),
+    (["--priority", "chain=x"], "--priority: 'chain=x': 'x' is not a number"),
+    (["--http-port", "18123", "--grpc-port", "18123"], "--http-port and --grpc-port are both 18123: each listener "
+                                                       "needs a port of its own"),
 ])
 def test_cli_refuses_bad_options_in_one_line(plans, args, message, capsys):
     with pytest.raises(SystemExit) as e:

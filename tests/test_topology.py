@@ -288,6 +288,35 @@ def test_cli_topology_xml_and_export(big: Topology, tmp_path) -> None:
     assert Topology.from_xml(out) == big
 
 
+@pytest.mark.parametrize("columns", [None, "80"])
+def test_cli_topology_never_cuts_a_worker_name(columns) -> None:
+    """The group and worker names are what --lane and --model-workers take: piped to a file (no
+    terminal width) or on a narrow terminal they were cut to 'numa0.cor…'; they are laid out as
+    every other command's tables are (200 wide on a pipe, folded rather than cut)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"} | ({"COLUMNS": columns} if columns else {})
+    done = subprocess.run([sys.executable, "-m", "staronnx", "topology", "--synthetic", "pack:2 numa:2 core:16 pu:2",
+                           "--groups", "cores=7", "--cuda-streams", "2", "--cuda-devices", "0,1"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    tables = done.stdout[done.stdout.index("CPU groups"):]
+    assert "…" not in tables, tables
+    if columns is None:
+        assert "numa0.cores7-13" in tables and "cpu:numa1.cores30-31" in tables, tables
+
+
+def test_cli_topology_exports_this_system(tmp_path) -> None:
+    """--export-xml writes this machine's topology whether or not it has GPUs (a machine without
+    one returned after saying so, and the file was never written)."""
+    out = tmp_path / "here.xml"
+    result = CliRunner().invoke(_cli(), ["topology", "--export-xml", str(out)], env={"COLUMNS": "160"})
+    assert result.exit_code == 0, result.output
+    assert f"topology written to {out}" in result.output.replace("\n", "")
+    assert Topology.from_xml(out) == Topology.from_system()
+
+
 def test_cli_topology_this_system() -> None:
     result = CliRunner().invoke(_cli(), ["topology"], env={"COLUMNS": "160"})
     assert result.exit_code == 0, result.output

@@ -33,6 +33,8 @@ from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
+from staronnx.serving.arrivals import DISTRIBUTIONS
+from staronnx.runtime.policies import policy_options
 from staronnx.runtime.runtime import Runtime
 from staronnx.runtime.spec import RuntimeSpec
 from staronnx.workers.layout import MachineSpec
@@ -265,6 +267,14 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
         raise OptimizeError(f"rate must be a positive number of requests/s, got {rate!r}")
     if slo is not None and not (_finite(slo) and slo > 0):
         raise OptimizeError(f"the latency SLO must be > 0 seconds, got {slo!r}")
+    # settings that fail every candidate alike: said as themselves, not once per candidate after the notes
+    if spec.distribution not in DISTRIBUTIONS:
+        raise OptimizeError(f"unknown distribution {spec.distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
+    policy_options(spec.policy)  # PolicyError for an unknown policy
+    if spec.verify and spec.max_verify < 1:
+        raise OptimizeError(f"max_verify must be at least 1 with verify (verify=False measures nothing), got "
+                            f"{spec.max_verify}", cli=f"--max-verify must be at least 1 (--no-verify measures "
+                                                      f"nothing), got {spec.max_verify}")
     sizes = sorted({int(b) for b in spec.batch_sizes})
     if not sizes or sizes[0] < 1:
         raise OptimizeError(f"batch sizes must be integers >= 1, got {list(spec.batch_sizes)}")
@@ -305,7 +315,9 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
 
     order = [c.batch_size for c in candidates]
     at = order.index(predicted_best)
-    result.verified = order[max(0, at - spec.neighbours): at + spec.neighbours + 1]
+    around = order[max(0, at - spec.neighbours): at + spec.neighbours + 1]
+    # max_verify bounds these too: the predicted best first, then its nearest neighbours
+    result.verified = sorted(sorted(around, key=lambda b: abs(order.index(b) - at))[:spec.max_verify])
     own = runtime is None
     if own:
         runtime = Runtime(plan, machine, RuntimeSpec(spec.policy, store=store))

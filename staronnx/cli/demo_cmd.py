@@ -26,7 +26,11 @@ def demo_cmd(
 ) -> None:
     """Build an Inception-style model, partition it 85/15, verify the parts and run them."""
     from staronnx.demo import run_demo, summary_lines
+    from staronnx.errors import StaronnxError
 
+    for flag, value in (("--batch", batch), ("--batches", batches)):
+        if value < 1:  # else a division by zero once the model is cut, verified and calibrated
+            raise StaronnxError(f"{flag} must be at least 1, got {value}")
     if workdir is not None:
         check_writable(workdir, "--workdir", folder=True)  # now, not after the model is built
         root = workdir

@@ -202,6 +202,8 @@ def verify_cmd(
 
     if batch < 1:
         raise PartitionError(f"--batch must be at least 1, got {batch}")
+    if inputs is not None and input_shape:  # else dropped: the file's arrays have their own sizes
+        raise PartitionError("--input-shape sizes the random inputs; --inputs brings its own arrays: give one of them")
     quiet_ort_log()
     plan = Plan.load(plandir)
     given = read_input_shapes(input_shape or [], "--input-shape")

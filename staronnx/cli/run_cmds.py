@@ -63,6 +63,8 @@ def run_cmd(
 
     if batch < 1 or requests < 1:
         raise StaronnxError("--batch and --requests must be at least 1")
+    if max_in_flight < 1:  # else the submit loop pops a request from an empty window
+        raise StaronnxError(f"--max-in-flight must be at least 1, got {max_in_flight}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
@@ -237,6 +239,8 @@ def plot_cmd(
     point in numeric order; live and simulated rows side by side when both traces exist)."""
     from staronnx.runtime.gantt import plot_trace
 
+    if alone and compare is not None:  # else the comparison was drawn and --alone dropped
+        raise StaronnxError("--alone draws this trace only and --compare draws another beside it: give one of them")
     check_writable(output, "--output")
     console.print(f"wrote {plot_trace(trace, output, compare=compare, twin=not alone)}")
 

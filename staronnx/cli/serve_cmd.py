@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -208,12 +209,19 @@ def serve_cmd(
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
-    delay = parse_duration(max_delay, allow_zero=True)
+    delay = parse_duration(max_delay, allow_zero=True, option="--max-delay")
     # every model's batching but its queue's capacity (and its window: from its perf models)
     serving = replace(ENDPOINT_SPEC, batch_size=batch_size, max_delay=delay, colocate=colocate)
     save_s = parse_duration(save_every, allow_zero=True, option="--save-every")
-    body = parse_size(max_body)
+    body = parse_size(max_body, "--max-body")
     http_port = _port(http_port, "http-port")
+    if not ray:  # on Ray only --http-port listens; here a port given twice failed at its second bind, models loaded
+        taken: dict[int, str] = {}
+        for flag, port in (("--http-port", http_port), ("--grpc-port", grpc_port), ("--metrics-port", metrics_port)):
+            if port and port in taken:
+                raise StaronnxError(f"{taken[port]} and {flag} are both {port}: each listener needs a port of its own "
+                                    "(0 takes a free one)")
+            taken[port] = flag
     # every plan and its batching checked before any runtime or cluster starts (a replica applies them again)
     loaded = [Plan.load(p) for p in plans]
     overrides = apply_batching(dict(zip(names, loaded)), batch_axis or [], no_batching)
@@ -277,13 +285,25 @@ def serve_cmd(
     if unavailable and exit_on_error:
         raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
                             + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
-    if all(n in unavailable for n in names) and control_mode != "explicit":
+    # explicit and poll modes may start with nothing served: their models come with a load request or the next poll
+    if not names and control_mode == "none":  # an empty repository: nothing failed, so no reason to join
+        raise StaronnxError(f"no model to serve: --model-repository {' '.join(map(str, model_repository or []))} "
+                            "holds no model folder (<model>/<version>/model.onnx)")
+    if all(n in unavailable for n in names) and control_mode == "none":
         raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
     if unavailable:
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
         names = [n for n in names if n not in unavailable]
         targets, residency, lanes = ({n: v for n, v in d.items() if n not in unavailable}  # type: ignore[attr-defined]
                                      for d in (targets, residency, lanes))
+    # the targets of the models loaded now: the runtime refuses one for a model it does not hold (a
+    # repository model loaded later gets its --slo-ms/--priority from service_targets_cli)
+    targets = {n: t for n, t in targets.items() if n in names}
+    for flag, given in (("--model-workers", residency), ("--lane", lanes)):
+        later = [n for n in given if n not in names]  # a repository model explicit mode loads on request
+        if later:
+            raise StaronnxError(f"{flag} {', '.join(later)}: the model is not loaded at start, and the shared runtime "
+                                "cannot take a model while it runs: list it in --load-model")
     if cuda_streams:  # string tensors live in host memory: such a model runs on the CPU groups only
         for model_name, plan in [(n, p) for n, p in zip(names, loaded) if has_strings(p)]:
             if separate_runtimes:
@@ -350,6 +370,9 @@ def serve_cmd(
                     unavailable[model_name] = str(exc)
                     if shared is None:
                         runtime.close()
+                    if exit_on_error:  # a model asked for cannot be served, as one refused at load
+                        raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
+                                            + "; ".join(f"{n}: {w}" for n, w in unavailable.items())) from None
                     continue
             endpoint = endpoint_of(older_of.get(model_name, model_name), runtime, spec, declared.get(model_name),
                                    targets.get(model_name, {}))
@@ -393,8 +416,9 @@ def serve_cmd(
             already there (as ``key``) with the same plan, contract and target, else on a runtime
             of its own (the shared runtime cannot take models while it runs)."""
             target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
+            # a model not in the repository at start has no entry: --queue-capacity N still holds for it
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
-                model_name, DEFAULT_QUEUE_CAPACITY)), delay)
+                model_name, every_model_capacity(queue_capacity or []))), delay)
             decl = repository.declared(found)
             wants = repository.workers_for(found, slots, False, cuda_graphs)
             if shared is not None and key in shared.model_names:
@@ -475,8 +499,8 @@ def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idl
         raise StaronnxError(f"--max-connections must be at least 1, got {max_connections}")
     if grpc_max_streams < 1:
         raise StaronnxError(f"--grpc-max-streams must be at least 1, got {grpc_max_streams}")
-    rate = 0 if body_min_rate.strip() in ("0", "0B") else parse_size(body_min_rate)
-    budget = parse_size(receive_budget) if receive_budget is not None else 0
+    rate = 0 if body_min_rate.strip() in ("0", "0B") else parse_size(body_min_rate, "--body-min-rate")
+    budget = parse_size(receive_budget, "--receive-budget") if receive_budget is not None else 0
     if budget and budget < max_body:
         raise StaronnxError(f"--receive-budget ({budget} bytes) must hold at least one body of --max-body "
                             f"({max_body} bytes)")
@@ -492,9 +516,9 @@ def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idl
 DEFAULT_QUEUE_CAPACITY = 1024
 
 
-def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
-    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
-    given: dict[str, int] = {}  # NAME -> N, and "" -> every model's N
+def _given_capacities(specs: list[str]) -> dict[str, int]:
+    """``--queue-capacity`` items as NAME -> N, and "" -> every model's N."""
+    given: dict[str, int] = {}
     for item in (s.strip() for spec in specs for s in spec.split(",") if s.strip()):
         name, _, value = item.rpartition("=")
         n = int(value) if value.strip().lstrip("+-").isdigit() else None
@@ -502,6 +526,18 @@ def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
             raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}" if n is None
                                 else f"--queue-capacity must be at least 1, got {item!r}")
         given[name] = n
+    return given
+
+
+def every_model_capacity(specs: list[str]) -> int:
+    """The capacity of a model no ``NAME=N`` names: ``--queue-capacity N``, else the default
+    (a model added to the repository while serving gets it, as those there at start do)."""
+    return _given_capacities(specs).get("", DEFAULT_QUEUE_CAPACITY)
+
+
+def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
+    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
+    given = _given_capacities(specs)  # NAME -> N, and "" -> every model's N
     default = given.pop("", DEFAULT_QUEUE_CAPACITY)
     served_only(given, names, "--queue-capacity")
     return {n: given.get(n, default) for n in names}
@@ -511,8 +547,18 @@ def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) ->
     """``--slo-ms``/``--priority`` as {model: ServiceTarget fields}; unknown names refused."""
     from staronnx.runtime.models import parse_targets
 
-    targets = parse_targets(slo_ms, "latency_ms")
-    for name, fields in parse_targets(priority, "priority").items():
+    parsed = {}
+    for flag, items, field in (("--slo-ms", slo_ms, "latency_ms"), ("--priority", priority, "priority")):
+        try:  # the flag named: both read NAME=N, and a bad item alone does not say which flag it came from
+            parsed[field] = parse_targets(items, field)
+        except StaronnxError as exc:
+            raise StaronnxError(f"{flag}: {exc}") from None
+    targets = parsed["latency_ms"]
+    for name, fields in targets.items():  # said in the ms given, not as the seconds ServiceTarget checks
+        ms = fields["latency_ms"]
+        if not (math.isfinite(ms) and ms > 0):
+            raise StaronnxError(f"--slo-ms {name}={ms:g}: a latency target must be a positive number of ms")
+    for name, fields in parsed["priority"].items():
         targets.setdefault(name, {}).update(fields)
     return served_only(targets, names, "--slo-ms/--priority")
 

@@ -208,6 +208,8 @@ def simulate_cmd(
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
+    if cuda_scale is not None and not cuda_streams:  # else dropped: a machine without CUDA workers was simulated
+        raise StaronnxError("--cuda-scale sets the time of the simulated CUDA workers: it needs --cuda-streams N")
     if not 0 <= band < 100:
         raise StaronnxError(f"--band is a percentage in [0, 100) (5: tasks 5 % faster and slower), got {band:g}")
     if trace is not None:

@@ -409,6 +409,8 @@ def sweep_cmd(
             raise StaronnxError("--check holds a served model's answers against onnxruntime's; give --url too")
         if check is not None and not check.is_file():  # now, not after the header
             raise StaronnxError(f"--check {check}: no such model file (give the .onnx the plan was cut from)")
+    if queue_capacity < 1:  # else each point silently queued its batch size and recorded 0
+        raise StaronnxError(f"--queue-capacity must be at least 1, got {queue_capacity}")
     if sim_band is not None and not simulate:
         raise StaronnxError("--sim-band sets the band of the simulated points: give --simulate too")
     if sim_band is not None and not 0 <= sim_band < 100:
@@ -637,6 +639,8 @@ def optimize_batch_cmd(
     from staronnx.plan import Plan, atomic_write_text
 
     sizes = parse_batch_sizes(batch_sizes)
+    if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):  # in the ms given, not the seconds
+        raise StaronnxError(f"--slo-ms must be a positive number of ms, got {slo_ms:g}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if json_out is not None:
         check_writable(json_out, "--json")

@@ -14,10 +14,9 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from staronnx.cli.display import table_of
+from staronnx.cli.display import output_console, table_of
 from staronnx.errors import StaronnxError
 from staronnx.workers.groups import DEFAULT_POLICY, CpuGroup, CpuGroups, make_groups
 from staronnx.workers.layout import Layout, MachineSpec, layout
@@ -27,7 +26,7 @@ from staronnx.workers.topology import Topology, format_pus
 def groups_table(groups: CpuGroups) -> Table:
     """A rich table of the groups (and reserved cores) of a policy."""
     table = table_of(f"CPU groups for policy {groups.policy!r}",
-                     ("group", "name", "cores", "PUs", "first PU", "NUMA", "package", "ORT thread PUs"))
+                     ("group", "name", "cores", "PUs", "first PU", "NUMA", "package", "ORT thread PUs"), fold=True)
     for g in groups:
         table.add_row(
             str(g.id),
@@ -53,7 +52,7 @@ def workers_table(laid: Layout) -> Table:
     spec = laid.spec
     table = table_of(f"workers for --groups {spec.groups!r}, --cuda-streams {spec.cuda_streams}"
                      + (f", --cuda-devices {','.join(map(str, spec.cuda_devices))}" if spec.cuda_streams else ""),
-                     ("worker", "kind", "arch (perf models)", "memory node", "PUs"))
+                     ("worker", "kind", "arch (perf models)", "memory node", "PUs"), fold=True)
     for w in laid.workers:
         if w.group is not None:
             where = format_pus(w.group.pus)
@@ -112,7 +111,7 @@ def register(app: typer.Typer) -> None:
         # with CUDA streams, the groups as the runtime makes them: a core held back per GPU driver thread
         laid = (layout(MachineSpec(groups, cuda_streams, devices, thread_per_stream=thread_per_stream), topo)
                 if cuda_streams else None)
-        console = Console()
+        console = output_console()  # 200 wide on a pipe, as every command's results: no name cut
         console.print(topo.rich_tree())
         console.print(groups_table(laid.groups if laid is not None else make_groups(topo, groups)))
         if laid is not None:
@@ -121,16 +120,16 @@ def register(app: typer.Typer) -> None:
             from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
 
             gpus = describe_gpus()
-            if not gpus:
+            if not gpus:  # said, and --export-xml still written below
                 console.print(f"no GPU for CUDA workers here: {cuda_unavailable_reason()}", highlight=False,
                               soft_wrap=True, markup=False)  # the reason names staronnx[gpu], not markup
-                return
-            table = table_of(f"GPUs CUDA workers can use here: {len(gpus)}",
-                             ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"))
-            for g in gpus:
-                memory = "-" if g["memory_bytes"] is None else f"{g['memory_bytes'] / 2**30:.1f} GiB"
-                table.add_row(f"cuda{g['device']}", g["name"], memory,
-                              *("-" if g[k] is None else str(g[k]) for k in ("capability", "sms", "pci_bus")))
-            console.print(table)
+            else:
+                table = table_of(f"GPUs CUDA workers can use here: {len(gpus)}",
+                                 ("GPU", "model", "memory", "compute capability", "SMs", "PCI bus"), fold=True)
+                for g in gpus:
+                    memory = "-" if g["memory_bytes"] is None else f"{g['memory_bytes'] / 2**30:.1f} GiB"
+                    table.add_row(f"cuda{g['device']}", g["name"], memory,
+                                  *("-" if g[k] is None else str(g[k]) for k in ("capability", "sms", "pci_bus")))
+                console.print(table)
         if export_xml is not None:
             console.print(f"topology written to {topo.export_xml(export_xml)}")

@@ -128,10 +128,15 @@ def partition(
     transfer = host_transfer() if placed else None
     say = progress or (lambda _msg: None)
     if auto and spec.parts is not None:
-        raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset")
+        raise PartitionError("shares='auto' chooses the number of parts itself; leave parts unset",
+                             cli="--shares auto chooses the number of parts itself: drop --parts")
     targets = [1.0] if auto else parse_shares(shares, spec.parts)
     if method not in METHODS:
         raise PartitionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if placed and not auto and (shares is not None or spec.parts is not None):  # else dropped: it makes its own parts
+        raise PartitionError(f"method {method!r} picks its own parts (and a device for each): leave shares and "
+                             "parts unset", cli=f"--method {method} picks its own parts (and a device for each): "
+                                                "drop --shares and --parts")
     if spec.costs not in ("profile", "estimate"):
         raise PartitionError(f"unknown cost source {spec.costs!r}; use 'profile' or 'estimate'")
     if profile_batch < 1 or profile_runs < 1:
@@ -167,7 +172,8 @@ def partition(
     auto_choice = None
     if auto:
         if placed:
-            raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts")
+            raise PartitionError(f"shares='auto' is for metis and linear; {method!r} picks its own parts",
+                                 cli=f"--shares auto is for --method metis and linear; {method!r} picks its own parts")
         auto_choice = _auto_shares(graph, shapes, spec, group_sizes=group_sizes, speeds=speeds, say=say)
         request.targets = list(auto_choice.shares)
     try:

@@ -57,14 +57,16 @@ _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 
           "ki": 2**10, "kib": 2**10, "mi": 2**20, "mib": 2**20, "gi": 2**30, "gib": 2**30}
 
 
-def parse_size(text: str) -> int:
-    """Bytes from ``64MiB``, ``10MB``, ``512k`` or a bare number of bytes."""
+def parse_size(text: str, option: str | None = None) -> int:
+    """Bytes from ``64MiB``, ``10MB``, ``512k`` or a bare number of bytes; ``option``
+    (``"--max-body"``) starts the error message, so the user knows which value to fix."""
+    where = f"{option}: " if option else ""
     m = _SIZE.match(text)
     if not m:
-        raise StaronnxError(f"sizes look like 64MiB, 10MB, 512KiB or 1048576; got {text!r}")
+        raise StaronnxError(f"{where}sizes look like 64MiB, 10MB, 512KiB or 1048576; got {text!r}")
     value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     if value < 1:
-        raise StaronnxError(f"a size must be at least 1 byte, got {text!r}")
+        raise StaronnxError(f"{where}a size must be at least 1 byte, got {text!r}")
     return value
 
 
