@@ -295,3 +295,18 @@ def ort_session():
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_cli_shares_auto_with_cuda_streams_times_the_gpu(model, tmp_path, two_groups, monkeypatch):
+    """``partition --shares auto --cuda-streams N`` (docs/guides/gpu.md's command) times the whole
+    model on the GPU with N sessions at once, beside the CPU groups: without ``--device cuda`` it
+    timed the CPU groups alone, and a GPU user got a split chosen as on a CPU-only machine. Here on
+    the CUDA stand-in (STARONNX_CUDA_RUNTIME=host: the CPU provider in the GPU's place)."""
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    out = tmp_path / "plan"
+    done = _cli("partition", str(model), "--shares", "auto", "--cuda-streams", "2", "--groups", two_groups,
+                "-o", str(out), "--profile-runs", "2", home=tmp_path / "home")
+    assert done.returncode == 0, done.stderr
+    speeds = json.loads((out / "plan.json").read_text())["settings"]["auto_shares"]["speeds"]
+    gpu = [s for s in speeds if s["name"] == "cuda0"]
+    assert len(gpu) == 1 and gpu[0]["streams"] == 2 and gpu[0]["seconds"] > 0, speeds

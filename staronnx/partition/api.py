@@ -214,7 +214,10 @@ def _auto_shares(graph: ModelGraph, shapes: dict[str, list[int]], spec: Partitio
         assert group_sizes is not None  # partition() reads them for every auto cut without speeds
         feeds = random_feeds_for_shapes(graph.inputs, resolve_input_shapes(graph.inputs, batch, shapes),
                                         model=graph.model, seed=spec.seed)
-        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=spec.device == "cuda",
+        # the GPUs are timed where the plan will be served with CUDA workers (--cuda-streams N), or
+        # where its costs are the GPU's: a split chosen from the CPU groups' times alone is one part
+        on_gpu = spec.device == "cuda" or spec.cuda_streams > 0
+        speeds = measure_speeds(graph.model, feeds, group_sizes=group_sizes, cuda=on_gpu,
                                 cuda_devices=spec.cuda_devices, cuda_streams=spec.cuda_streams,
                                 runs=max(spec.profile_runs, 3), progress=say)
     from staronnx.perfmodels.store import PerfModelStore

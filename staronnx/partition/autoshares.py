@@ -247,13 +247,20 @@ def measure_speeds(
     say = progress or (lambda _m: None)
     speeds: list[WorkerSpeed] = []
     if cuda:
-        providers_for("cuda")  # fails in one line where CUDA is absent
+        from staronnx.workers.cudart import host_runtime_from_env
+
+        # STARONNX_CUDA_RUNTIME=host: the CPU provider stands in for CUDA, as it does for the CUDA
+        # workers, so that the command a GPU user runs can be tried (and tested) without one
+        stand_in = host_runtime_from_env() is not None
+        if not stand_in:
+            providers_for("cuda")  # fails in one line where CUDA is absent
         streams = max(int(cuda_streams), 1)
         for device in cuda_devices:
             say(f"timing the whole model on cuda{device}")
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
-                gpus = [make_session(model, providers=[("CUDAExecutionProvider", {"device_id": str(device)}),
-                                                       "CPUExecutionProvider"]) for _ in range(streams)]
+                on = ["CPUExecutionProvider"] if stand_in else [
+                    ("CUDAExecutionProvider", {"device_id": str(device)}), "CPUExecutionProvider"]
+                gpus = [make_session(model, providers=on) for _ in range(streams)]
             # timed three times: the spread is the bar a split's predicted gain must clear
             times = [concurrent_seconds([partial(g.run, None, feeds) for g in gpus], max(runs, 10),
                                         enter=cuda_capture_safe) for _ in range(3)]

@@ -31,7 +31,8 @@ class PartitionSpec:
             model on those workers; a placement method places on those groups); None: one per
             NUMA node, or two halves of the cores.
         cuda_streams: CUDA workers per GPU the plan will be served with (``shares="auto"``).
-        cuda_devices: the GPUs, by CUDA ordinal (``shares="auto"`` with ``device="cuda"``).
+        cuda_devices: the GPUs, by CUDA ordinal (``shares="auto"`` with ``cuda_streams`` or ``device="cuda"``:
+            each is timed).
         batch_axes: input or output name -> batch axis (None: not batched), where the graph
             cannot tell (:mod:`staronnx.contract`); kept in the plan's settings.
         batching: False serves one request per task, whatever the graph says.
