@@ -599,6 +599,9 @@ def test_a_replica_drives_every_gpu_ray_gives_it_and_takes_the_servers_process_s
     # no shared scheduler to order the tasks: refused before any cluster starts
     (["--ray", "--separate-runtimes", "--slo-ms", "plan=5"], "they do not go with --separate-runtimes"),
     (["--ray", "--separate-runtimes", "--priority", "plan=1"], "they do not go with --separate-runtimes"),
+    # staronnx serve's own listeners' settings: --ray starts none of them, so none is silently dropped
+    (["--ray", "--grpc-port", "9001"], "--grpc-port: settings of staronnx serve's own listeners"),
+    (["--ray", "--drain-timeout", "5s", "--max-connections", "10"], "--drain-timeout, --max-connections: settings"),
 ])
 def test_cli_refuses_bad_ray_options_in_one_line(tmp_path, args, message, capsys):
     onnx.save(chain(depth=2, width=4), str(tmp_path / "m.onnx"))

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Optional
 
 import typer
 
+from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import served_only, target_words
@@ -19,7 +20,14 @@ def _port(value: int, flag: str) -> int:
     return value
 
 
+#: the flags of staronnx serve's own listeners, which --ray does not start (Ray Serve's proxy takes
+#: HTTP with its own limits): given with --ray, they are refused rather than ignored
+NOT_ON_RAY = ("grpc_port", "metrics_port", "drain_timeout", "header_timeout", "body_timeout", "body_min_rate",
+              "idle_timeout", "request_timeout", "max_connections", "receive_budget", "grpc_max_streams")
+
+
 def serve_cmd(
+    ctx: typer.Context,
     plans: Annotated[Optional[list[Path]], typer.Argument(
         help="Plan folder(s); each is served as a model named after its folder.")] = None,
     name: Annotated[list[str] | None, typer.Option(help="Model name, one per plan in order (repeatable).")] = None,
@@ -179,6 +187,11 @@ def serve_cmd(
     if tls is not None and ray:
         raise StaronnxError("--tls-cert is served by staronnx serve itself, not on Ray: terminate TLS in front of "
                             "Ray Serve's proxy")
+    ignored = [n for n in NOT_ON_RAY if n in given_on_command_line(ctx)] if ray else []
+    if ignored:
+        raise StaronnxError(f"{', '.join('--' + n.replace('_', '-') for n in ignored)}: settings of staronnx serve's "
+                            "own listeners, which --ray does not start (Ray Serve's proxy serves HTTP, with its own "
+                            "limits and port); leave them out with --ray")
     check_exposure(host, insecure, tls is not None)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")

@@ -20,6 +20,7 @@ from rich.table import Table
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
+from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, cuda_summary, host_core_name, parse_cuda_devices
 from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, \
     PriorityOption, SloOption, check_models_options, models_options
@@ -287,12 +288,6 @@ def _summary_table(rows: list[dict[str, Any]]) -> Table:
             "-" if r.get("achieved_over_bound") is None else f"{r['achieved_over_bound']:.0%}",
             state, *((_busy_cell(r),) if busy else ()))
     return table
-
-
-def given_on_command_line(ctx: typer.Context) -> set[str]:
-    """The parameters of the running command that the user gave (not left at their defaults)."""
-    sources = {p.name: ctx.get_parameter_source(p.name) for p in ctx.command.params if p.name}
-    return {name for name, source in sources.items() if source is not None and source.name != "DEFAULT"}
 
 
 def sweep_cmd(
