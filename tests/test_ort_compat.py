@@ -503,3 +503,22 @@ def test_a_split_the_user_did_not_choose_is_not_warned_of_and_one_named_is(home,
                                          spec=SessionSpec(shares=[0.85, 0.15], cpu_groups=two_groups,
                                                           partition_options=options))
     sess.close()
+
+
+def test_run_with_iobinding_honours_the_run_options_terminate_flag(home, model_path, two_groups):
+    """ORT's run_with_iobinding takes run_options as run does: a terminate flag stops the run
+    (RuntimeError), as sess.run(..., run_options) does."""
+    x = np.ones((2, WIDTH), np.float32)
+    stop = ort.RunOptions()
+    stop.terminate = True
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        binding = sess.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_output("y")
+        with pytest.raises(RuntimeError, match="terminate flag"):
+            sess.run_with_iobinding(binding, stop)
+        sess.run_with_iobinding(binding)  # without the flag the same binding runs
+        assert [v.numpy().shape for v in binding.get_outputs()] == [(2, WIDTH)]
+        if hasattr(sess, "close"):
+            sess.close()

@@ -88,10 +88,10 @@ class IOBinding:
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
         return [v.numpy() for v in self._results]
 
-    def _run(self) -> None:
+    def _run(self, run_options: RunOptionsArg = None) -> None:
         names = list(self._outputs) or [o.name for o in self._session.get_outputs()]
         try:
-            arrays = self._session.run(names, self._inputs)
+            arrays = self._session.run(names, self._inputs, run_options)
         except ValueError as exc:
             raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
         results = []

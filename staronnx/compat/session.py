@@ -639,7 +639,7 @@ class InferenceSession:
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptionsArg = None) -> None:
         if not isinstance(iobinding, IOBinding):
             raise TypeError("run_with_iobinding takes the IOBinding this session's io_binding() made")
-        iobinding._run()
+        iobinding._run(run_options)  # its terminate flag and LoRA adapters count here as in run()
 
     def __getattr__(self, name: str) -> Any:
         """ORT methods that have no meaning over staronnx's workers: one line saying so and
