@@ -522,3 +522,17 @@ def test_run_with_iobinding_honours_the_run_options_terminate_flag(home, model_p
         assert [v.numpy().shape for v in binding.get_outputs()] == [(2, WIDTH)]
         if hasattr(sess, "close"):
             sess.close()
+
+
+def test_an_empty_model_raises_ort_s_invalid_argument(home, tmp_path, two_groups):
+    """Empty bytes, or an empty .onnx file (a download that failed), are refused by ORT with
+    INVALID_ARGUMENT ('No graph was found in the protobuf'): a script's except clause for
+    ORT's class catches staronnx's refusal too."""
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    for source in (b"", str(empty)):
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="No graph"):
+            ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="No graph") as raised:
+            _staronnx(two_groups)(source)
+        assert isinstance(raised.value, StaronnxError)

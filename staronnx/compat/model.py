@@ -19,7 +19,7 @@ import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
-from staronnx.compat.errors import InvalidProtobuf, NoSuchFile
+from staronnx.compat.errors import InvalidProtobuf, NoGraph, NoSuchFile
 from staronnx.errors import ModelError
 from staronnx.modelio import load_model
 from staronnx.ortutil import option_effects, ort_type_name
@@ -81,6 +81,8 @@ def load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any,
             proto.ParseFromString(bytes(path_or_bytes))
         except DecodeError:
             raise InvalidProtobuf("Failed to load model because protobuf parsing failed.") from None
+        if not proto.HasField("graph"):  # empty bytes parse; ORT refuses them with INVALID_ARGUMENT
+            raise NoGraph("No graph was found in the protobuf.")
         source: Any = proto
     else:
         source = Path(path_or_bytes)
@@ -88,6 +90,8 @@ def load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any,
             return None
         if not source.exists():
             raise NoSuchFile(f"Load model from {source} failed: File doesn't exist")
+        if source.stat().st_size == 0:  # ORT's class for it, as for empty bytes
+            raise NoGraph(f"Load model from {source} failed: No graph was found in the protobuf.")
     effects = option_effects(so, source) if so is not None else None
     try:
         loaded = load_model(source, supplied=effects.initializers if effects else None)
