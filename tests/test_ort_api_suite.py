@@ -397,6 +397,26 @@ def test_a_lora_adapter_in_run_options_is_applied(tmp_path):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], x)
 
 
+def test_an_overridable_initializer_fed_with_the_wrong_type_or_shape_is_refused_as_ort_refuses_it(tmp_path, home):
+    """A fed initializer is checked as an input is, before anything is cut: the wrong dtype or a
+    size its declared shape fixes is ORT's InvalidArgument naming it, and no variant of the
+    model is cut for it (it was: a plan made in the home, then ONNX Runtime's load failure)."""
+    path = save(lora_model(), tmp_path / "lora.onnx")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    reference = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    bad = {"wrong dtype": {"a": np.ones((4, 1), np.float64)}, "wrong size": {"b": np.ones((1, 5), np.float32)},
+           "wrong rank": {"a": np.ones(4, np.float32)}}
+    with session(path) as sess:
+        plans = sorted((home / "plans").iterdir())
+        for why, fed in bad.items():
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                reference.run(None, {"x": x, **fed})
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=next(iter(fed))):
+                sess.run(None, {"x": x, **fed})
+        assert sorted((home / "plans").iterdir()) == plans, "a variant was cut for a feed ORT refuses"
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], x)
+
+
 def test_run_options_terminate_stops_the_run():
     """RunOptions.terminate: the run does not start, with ORT's words."""
     options = ort.RunOptions()

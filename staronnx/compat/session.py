@@ -541,7 +541,21 @@ class InferenceSession:
         if not self._overrides.names:
             return self._feeds(input_feed), {}  # as given: a feed that is no mapping fails where ORT's does
         inputs, overrides = self._overrides.split(input_feed, run_options)
-        return self._feeds(inputs), overrides
+        feeds = self._feeds(inputs)
+        fed = {name: overrides[name] for name in self._overrides.names & input_feed.keys()}
+        if fed:
+            # checked as ORT checks them, as inputs: else a wrong value is cut into a variant of the
+            # model (kept in the home) and fails there, at ORT's load of a part, as a ModelError
+            declared = {vi.name: value_spec(vi) for vi in self._loaded[1].graph.input if vi.name in fed} \
+                if self._loaded is not None else {}
+            try:
+                # initializers share no batch: each is checked against its own declared shape only
+                specs = [declared[n] for n in fed if n in declared]
+                checks = Plan(Path(), [], specs, [], [], 0, {}, {"batching": False})
+                checks.check_feeds({t.name: fed[t.name] for t in specs})
+            except InputError as exc:
+                raise InvalidArgument(str(exc)) from None
+        return feeds, overrides
 
     def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Runtime | OrtPart:
         """What runs this request: the session's runtime (for a model cut at its first run, started
