@@ -85,6 +85,36 @@ def test_the_next_session_of_the_same_model_and_settings_reuses_the_plan(home, m
     assert len(partitions) == 2
 
 
+@pytest.mark.parametrize("option", ["free dimension", "initializer"])
+def test_the_next_session_with_options_that_change_the_model_reuses_the_plan(home, model_path, two_groups,
+                                                                             partitions, option):
+    """Session options that change the model (a free dimension fixed, an initializer given) key
+    its plan as their own model: the next session with the same options reuses it. It was cut
+    again by every session ('plan ... is of another model; making it again'): the plan records
+    the changed model's hash, the session looked for a hash of the file and the options."""
+    import onnxruntime as ort
+
+    weights = onnx.load(str(model_path)).graph.initializer[0]
+    value = ort.OrtValue.ortvalue_from_numpy(
+        np.full(tuple(weights.dims), 0.5, dtype=onnx.helper.tensor_dtype_to_np_dtype(weights.data_type)))
+
+    def options() -> ort.SessionOptions:
+        so = ort.SessionOptions()
+        if option == "free dimension":
+            so.add_free_dimension_override_by_name("batch", 2)
+        else:
+            so.add_initializer(weights.name, value)
+        return so
+
+    x = np.ones((2, 8), np.float32)
+    with staronnx.InferenceSession(model_path, options(), spec=SessionSpec(cpu_groups=two_groups)) as first:
+        want, root = first.run(None, {"x": x})[0], first.plan.root
+    with staronnx.InferenceSession(model_path, options(), spec=SessionSpec(cpu_groups=two_groups)) as again:
+        assert again.plan.root == root
+        np.testing.assert_array_equal(again.run(None, {"x": x})[0], want)
+    assert len(partitions) == 1
+
+
 def test_concurrent_sessions_of_one_model_partition_it_once(home, model_path, two_groups, partitions):
     barrier = threading.Barrier(3)
     sessions: list[staronnx.InferenceSession] = []
