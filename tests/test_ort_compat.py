@@ -536,3 +536,21 @@ def test_an_empty_model_raises_ort_s_invalid_argument(home, tmp_path, two_groups
         with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="No graph") as raised:
             _staronnx(two_groups)(source)
         assert isinstance(raised.value, StaronnxError)
+
+
+def test_an_output_bound_into_an_ort_value_of_another_dtype_is_refused_not_filled_with_garbage(home, model_path,
+                                                                                             two_groups):
+    """A float64 OrtValue bound for the float32 output: ORT refuses the run (RuntimeError,
+    'Unexpected output data type'). It was filled with the float32 output's bytes, read as
+    doubles: values that mean nothing, and no error."""
+    x = np.ones((2, WIDTH), np.float32)
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        y = ort.OrtValue.ortvalue_from_shape_and_type([2, WIDTH], np.float64)
+        binding = sess.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_ortvalue_output("y", y)
+        with pytest.raises(RuntimeError, match="Unexpected output data type"):
+            sess.run_with_iobinding(binding)
+        if hasattr(sess, "close"):
+            sess.close()

@@ -95,11 +95,17 @@ class IOBinding:
         except ValueError as exc:
             raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
         results = []
+        declared = {o.name: o.type for o in self._session.get_outputs()}
         for name, array in zip(names, arrays):
             value = self._outputs.get(name)
             if value is None:
                 value = ort.OrtValue.ortvalue_from_numpy(array)
             else:
+                # update_inplace copies bytes whatever the OrtValue's type: a float64 value given
+                # float32 output would hold meaningless numbers; ORT refuses the run (its words)
+                if value.data_type() != declared.get(name, value.data_type()):
+                    raise RuntimeError(f"Error in execution: Unexpected output data type. Actual: "
+                                       f"({value.data_type()}) , expected: ({declared[name]})")
                 value.update_inplace(np.ascontiguousarray(array))
             results.append(value)
         self._results = results
