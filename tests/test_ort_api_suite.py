@@ -426,6 +426,22 @@ def test_run_options_terminate_stops_the_run():
         sess.run(None, {"X": x}, options)
 
 
+
+def test_run_options_terminate_raises_ort_s_fail_in_every_run_form():
+    """ORT raises its Fail for a terminated run (run, run_with_ort_values): a script's
+    'except Fail' catches staronnx's too."""
+    options = ort.RunOptions()
+    options.terminate = True
+    x = np.ones((3, 2), dtype=np.float32)
+    path = datasets.get_example("mul_1.onnx")
+    for sess in (ort.InferenceSession(path, providers=["CPUExecutionProvider"]), session(path)):
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="terminate flag"):
+            sess.run(None, {"X": x}, options)
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="terminate flag"):
+            sess.run_with_ort_values(None, {"X": ort.OrtValue.ortvalue_from_numpy(x)}, options)
+        if hasattr(sess, "close"):
+            sess.close()
+
 # -- ORT's methods ---------------------------------------------------------------------------
 def add_mul_add(tmp_path: Path) -> str:
     nodes = [helper.make_node("Add", ["a", "b"], ["s"], name="add_0"),

@@ -90,7 +90,7 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
-from staronnx.compat.errors import InvalidArgument, NotRecorded, ort_task_error
+from staronnx.compat.errors import InvalidArgument, NotRecorded, Terminated, ort_task_error
 from staronnx.compat.io import (CSession, Feeds, IOBinding, Names, RunOptionsArg, feed_array, host_array, host_memory,
                                 owned_value)
 from staronnx.compat.lora import Overrides, Variants, overridable_initializers
@@ -532,7 +532,7 @@ class InferenceSession:
         read back from ORT)."""
         if run_options is not None:
             if run_options.terminate:
-                raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
+                raise Terminated("Exiting due to terminate flag being set to true.")  # ORT's words and class
             said = [s for s in not_applied(run_options, run_options) if s not in self._said]
             if said:
                 self._said.update(said)  # once per session each
