@@ -554,3 +554,26 @@ def test_an_output_bound_into_an_ort_value_of_another_dtype_is_refused_not_fille
             sess.run_with_iobinding(binding)
         if hasattr(sess, "close"):
             sess.close()
+
+
+def test_run_async_reports_a_terminated_run_through_its_callback(home, model_path, two_groups):
+    """ORT's run_async reports a run its RunOptions terminate through the callback (no results,
+    the message in err), as it reports a bad feed; it raised in the caller instead, so the
+    callback a script waits on was never called."""
+    x = np.ones((2, WIDTH), np.float32)
+    stop = ort.RunOptions()
+    stop.terminate = True
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        done = threading.Event()
+        got: list[Any] = []
+
+        def callback(results: Any, user_data: Any, err: str) -> None:
+            got.extend([results, user_data, err])
+            done.set()
+
+        sess.run_async(None, {"x": x}, callback, "mine", stop)
+        assert done.wait(60), "run_async never called back"
+        assert got[0] == [] and got[1] == "mine" and "terminate flag" in got[2]
+        if hasattr(sess, "close"):
+            sess.close()

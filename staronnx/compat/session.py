@@ -616,7 +616,7 @@ class InferenceSession:
         try:
             names = self._outputs(output_names)
             feeds, overrides = self._split(input_feed, run_options)
-        except InvalidArgument as exc:  # ORT reports these through the callback
+        except (InvalidArgument, Terminated) as exc:  # ORT reports these through the callback
             _call_back(callback, [], user_data, str(exc))
             return
         try:
