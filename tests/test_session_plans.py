@@ -115,6 +115,33 @@ def test_the_next_session_with_options_that_change_the_model_reuses_the_plan(hom
     assert len(partitions) == 1
 
 
+def _sequence_chain(seed: int) -> onnx.ModelProto:
+    """chain() over [batch, seq, 8]: a dynamic size besides the batch, so a session cuts it at its
+    first run's shapes."""
+    model = chain(depth=4, width=8, seed=seed)
+    for vi in (model.graph.input[0], model.graph.output[0]):
+        dims = vi.type.tensor_type.shape.dim
+        dims.insert(1, onnx.TensorShapeProto.Dimension(dim_param="seq"))
+    return model
+
+
+def test_a_model_file_rewritten_before_the_first_run_still_runs_the_model_the_session_opened(home, tmp_path,
+                                                                                            two_groups):
+    """ORT runs the model it loaded when the session opened. A session that cuts at its first
+    run read the file again then: a file rewritten meanwhile (an export loop writing the next
+    model to the same path) ran the new model's weights under the session opened on the old."""
+    import onnxruntime as ort
+
+    path = tmp_path / "seq.onnx"
+    onnx.save(_sequence_chain(seed=0), str(path))
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    reference = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with staronnx.InferenceSession(path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
+        onnx.save(_sequence_chain(seed=1), str(path))  # the next export, same inputs and outputs
+        got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, reference.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
 def test_concurrent_sessions_of_one_model_partition_it_once(home, model_path, two_groups, partitions):
     barrier = threading.Barrier(3)
     sessions: list[staronnx.InferenceSession] = []

@@ -103,7 +103,7 @@ from staronnx.compat.providers import CPU_EP, CUDA_EP, asked_providers, cores_fo
 from staronnx.compat.runners import Held, OrtPart, Runner, why_not_on_workers
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError
-from staronnx.modelio import load_model
+from staronnx.modelio import load_model, model_sha256
 from staronnx.ortutil import QUIET, write_optimized
 from staronnx.partition.checks import targets_by_default
 from staronnx.partition.plan_cache import kept_plan
@@ -321,10 +321,16 @@ class InferenceSession:
         cut_fields = {f.name for f in dataclasses.fields(PartitionSpec)}
 
         unsized = [] if "input_shapes" in options else unsized_dims(model, parse_batch_axes(options.get("batch_axes")))
+        stamp = _file_stamp(source)
 
         def cut_model(src: Any, sha: str, feeds: Mapping[str, Any] | None = None) -> Plan:
             """``src`` (this model, or a variant of it with other initializers) cut with this
             session's settings: at ``feeds``' shapes for a model with dynamic sizes."""
+            if src is source and stamp is not None and _file_stamp(source) != stamp:
+                # the file was rewritten or removed since the session loaded it (a first run cuts
+                # later): ORT runs the model it loaded, so the session cuts the one it holds
+                log.warning("%s changed since the session opened it; cutting the model the session loaded", source)
+                src, sha = model, model_sha256(model)
             settings, asked = dict(options), dict(options)
             if unsized:
                 assert feeds is not None
@@ -695,6 +701,18 @@ class InferenceSession:
 # the constructor's signature is __init__'s, ORT's (__new__ only hands staronnx's own calls to ORT)
 InferenceSession.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     list(inspect.signature(InferenceSession.__init__).parameters.values())[1:])
+
+
+def _file_stamp(source: Any) -> tuple[int, int] | None:
+    """A model file's size and modification time (None for a model in memory; (-1, -1) for a
+    file that is gone): what tells a file rewritten since the session loaded it."""
+    if not isinstance(source, Path):
+        return None
+    try:
+        st = source.stat()
+    except OSError:
+        return (-1, -1)
+    return st.st_size, st.st_mtime_ns
 
 
 def _call_back(callback: Callable[..., None], results: list[np.ndarray], user_data: Any, err: str) -> None:
