@@ -368,6 +368,19 @@ def test_options_the_workers_do_not_apply_are_said():
             sess.run(None, {"X": x}, run)
 
 
+@pytest.mark.parametrize("entry", ["optimization.enable_gelu_approximation", "session.disable_quant_qdq",
+                                   "optimization.disable_specified_optimizers", "session.strict_shape_type_inference"])
+def test_config_entries_that_change_what_ort_computes_are_said(entry):
+    """Config entries that change ORT's answers or what it accepts (Gelu approximated, QDQ
+    kept, optimizers off, strict inference) are not applied by the workers' sessions: each is
+    said, as the module's table promises of every option, not silently dropped (bert_tiny
+    with the Gelu approximation differs from ORT's by 1.4e-5, with no word)."""
+    so = ort.SessionOptions()
+    so.add_session_config_entry(entry, "1")
+    with pytest.warns(staronnx.compat.OptionNotApplied, match=f"config entry {entry}=1"):
+        session(datasets.get_example("mul_1.onnx"), so).close()
+
+
 def test_a_lora_adapter_in_run_options_is_applied(tmp_path):
     """RunOptions.add_active_adapter: the adapter's parameters replace the overridable
     initializers for that run (a variant of the model, cut once); without it the base model
