@@ -197,6 +197,40 @@ def test_failed_constructions_leave_nothing_behind(home, model_path, tmp_path, t
                                   spec=SessionSpec(cpu_groups=two_groups, runtime=RuntimeSpec(policy="no-such-policy")))
 
 
+def test_a_read_only_home_keeps_no_private_plan_of_a_variant_it_no_longer_runs(tmp_path, monkeypatch, two_groups):
+    """Where plans cannot be kept, each variant of the model (an overridable initializer fed
+    by name, a LoRA adapter) is cut into a temporary folder. The session runs the last
+    MAX_VARIANTS of them; the folders of those it stopped were kept until close(), so a
+    service switching among many adapters filled the temporary folder, one plan per value."""
+    from onnx import TensorProto, helper
+
+    from staronnx.compat.lora import MAX_VARIANTS
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel())
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                              "variants", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], [w])
+    path = tmp_path / "variants.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("STARONNX_HOME", str(not_a_folder / "home"))
+    before = set(glob.glob(PATTERN))
+    x = np.ones((2, 4), np.float32)
+    with pytest.warns(UserWarning, match="STARONNX_HOME"):
+        sess = staronnx.InferenceSession(path, spec=SessionSpec(cpu_groups=two_groups))
+    try:
+        for k in range(MAX_VARIANTS + 3):
+            got = sess.run(None, {"x": x, "w": np.full((4, 4), float(k), np.float32)})[0]
+            np.testing.assert_array_equal(got, np.full((2, 4), 4.0 * k, np.float32))
+        kept = set(glob.glob(PATTERN)) - before
+        assert len(kept) <= MAX_VARIANTS + 1, f"{len(kept)} private plans kept for {MAX_VARIANTS} variants and the model"
+    finally:
+        sess.close()
+    assert set(glob.glob(PATTERN)) <= before
+
+
 def test_a_read_only_home_gets_a_private_plan_removed_at_close(tmp_path, monkeypatch, model_path, two_groups):
     not_a_folder = tmp_path / "file"
     not_a_folder.write_text("")
