@@ -577,3 +577,20 @@ def test_run_async_reports_a_terminated_run_through_its_callback(home, model_pat
         assert got[0] == [] and got[1] == "mine" and "terminate flag" in got[2]
         if hasattr(sess, "close"):
             sess.close()
+
+
+def test_sessions_profiling_one_after_another_write_their_own_files(home, model_path, two_groups, tmp_path):
+    """ORT names a profile by the time to the millisecond; staronnx named it to the second, so two
+    sessions opened within one second (a script profiling two models, a loop) traced into one
+    file: end_profiling gave both the same name and the second's trace replaced the first's."""
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof")
+    paths = []
+    for _ in range(2):
+        with staronnx.InferenceSession(model_path, so, spec=SessionSpec(cpu_groups=two_groups)) as sess:
+            sess.run(None, {"x": np.ones((2, WIDTH), np.float32)})
+            paths.append(sess.end_profiling())
+    assert paths[0] != paths[1] and all(Path(p).is_file() for p in paths)
+    want = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]).end_profiling()
+    assert Path(want).name.count("_") == Path(paths[0]).name.count("_"), (want, paths[0])  # ORT's name's fields

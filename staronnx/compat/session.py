@@ -365,7 +365,10 @@ class InferenceSession:
         """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
         format) at ORT's file name, so a profiling script finds its file where it expects."""
         if self._runtime_spec.trace is None and so is not None and so.enable_profiling:
-            stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+            # ORT's name: the time to the millisecond (to the second, sessions opened within one
+            # second traced into one file, the second's replacing the first's)
+            now = time.time()
+            stamp = f"{time.strftime('%Y-%m-%d_%H-%M-%S', time.localtime(now))}_{int(now * 1000) % 1000:03d}"
             self._runtime_spec = dataclasses.replace(
                 self._runtime_spec, trace=Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json"))
         trace = self._runtime_spec.trace
