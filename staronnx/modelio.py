@@ -148,6 +148,11 @@ def values_digest(values: Mapping[str, np.ndarray]) -> str:
     return digest.hexdigest()
 
 
+def model_sha256(model: onnx.ModelProto) -> str:
+    """The hash :func:`load_model` gives a model in memory (what a plan cut from it records)."""
+    return hashlib.sha256(_stripped_bytes(model)).hexdigest()
+
+
 def _stripped_bytes(model: onnx.ModelProto) -> bytes:
     """Serialisable bytes of a model, large weights replaced by their digests (for hashing)."""
     if model_nbytes(model) < PROTOBUF_LIMIT:

@@ -368,6 +368,19 @@ def test_options_the_workers_do_not_apply_are_said():
             sess.run(None, {"X": x}, run)
 
 
+@pytest.mark.parametrize("entry", ["optimization.enable_gelu_approximation", "session.disable_quant_qdq",
+                                   "optimization.disable_specified_optimizers", "session.strict_shape_type_inference"])
+def test_config_entries_that_change_what_ort_computes_are_said(entry):
+    """Config entries that change ORT's answers or what it accepts (Gelu approximated, QDQ
+    kept, optimizers off, strict inference) are not applied by the workers' sessions: each is
+    said, as the module's table promises of every option, not silently dropped (bert_tiny
+    with the Gelu approximation differs from ORT's by 1.4e-5, with no word)."""
+    so = ort.SessionOptions()
+    so.add_session_config_entry(entry, "1")
+    with pytest.warns(staronnx.compat.OptionNotApplied, match=f"config entry {entry}=1"):
+        session(datasets.get_example("mul_1.onnx"), so).close()
+
+
 def test_a_lora_adapter_in_run_options_is_applied(tmp_path):
     """RunOptions.add_active_adapter: the adapter's parameters replace the overridable
     initializers for that run (a variant of the model, cut once); without it the base model
@@ -397,6 +410,26 @@ def test_a_lora_adapter_in_run_options_is_applied(tmp_path):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], x)
 
 
+def test_an_overridable_initializer_fed_with_the_wrong_type_or_shape_is_refused_as_ort_refuses_it(tmp_path, home):
+    """A fed initializer is checked as an input is, before anything is cut: the wrong dtype or a
+    size its declared shape fixes is ORT's InvalidArgument naming it, and no variant of the
+    model is cut for it (it was: a plan made in the home, then ONNX Runtime's load failure)."""
+    path = save(lora_model(), tmp_path / "lora.onnx")
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    reference = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    bad = {"wrong dtype": {"a": np.ones((4, 1), np.float64)}, "wrong size": {"b": np.ones((1, 5), np.float32)},
+           "wrong rank": {"a": np.ones(4, np.float32)}}
+    with session(path) as sess:
+        plans = sorted((home / "plans").iterdir())
+        for why, fed in bad.items():
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                reference.run(None, {"x": x, **fed})
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match=next(iter(fed))):
+                sess.run(None, {"x": x, **fed})
+        assert sorted((home / "plans").iterdir()) == plans, "a variant was cut for a feed ORT refuses"
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], x)
+
+
 def test_run_options_terminate_stops_the_run():
     """RunOptions.terminate: the run does not start, with ORT's words."""
     options = ort.RunOptions()
@@ -405,6 +438,22 @@ def test_run_options_terminate_stops_the_run():
     with session(datasets.get_example("mul_1.onnx")) as sess, pytest.raises(RuntimeError, match="terminate flag"):
         sess.run(None, {"X": x}, options)
 
+
+
+def test_run_options_terminate_raises_ort_s_fail_in_every_run_form():
+    """ORT raises its Fail for a terminated run (run, run_with_ort_values): a script's
+    'except Fail' catches staronnx's too."""
+    options = ort.RunOptions()
+    options.terminate = True
+    x = np.ones((3, 2), dtype=np.float32)
+    path = datasets.get_example("mul_1.onnx")
+    for sess in (ort.InferenceSession(path, providers=["CPUExecutionProvider"]), session(path)):
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="terminate flag"):
+            sess.run(None, {"X": x}, options)
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.Fail, match="terminate flag"):
+            sess.run_with_ort_values(None, {"X": ort.OrtValue.ortvalue_from_numpy(x)}, options)
+        if hasattr(sess, "close"):
+            sess.close()
 
 # -- ORT's methods ---------------------------------------------------------------------------
 def add_mul_add(tmp_path: Path) -> str:

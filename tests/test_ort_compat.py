@@ -503,3 +503,94 @@ def test_a_split_the_user_did_not_choose_is_not_warned_of_and_one_named_is(home,
                                          spec=SessionSpec(shares=[0.85, 0.15], cpu_groups=two_groups,
                                                           partition_options=options))
     sess.close()
+
+
+def test_run_with_iobinding_honours_the_run_options_terminate_flag(home, model_path, two_groups):
+    """ORT's run_with_iobinding takes run_options as run does: a terminate flag stops the run
+    (RuntimeError), as sess.run(..., run_options) does."""
+    x = np.ones((2, WIDTH), np.float32)
+    stop = ort.RunOptions()
+    stop.terminate = True
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        binding = sess.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_output("y")
+        with pytest.raises(RuntimeError, match="terminate flag"):
+            sess.run_with_iobinding(binding, stop)
+        sess.run_with_iobinding(binding)  # without the flag the same binding runs
+        assert [v.numpy().shape for v in binding.get_outputs()] == [(2, WIDTH)]
+        if hasattr(sess, "close"):
+            sess.close()
+
+
+def test_an_empty_model_raises_ort_s_invalid_argument(home, tmp_path, two_groups):
+    """Empty bytes, or an empty .onnx file (a download that failed), are refused by ORT with
+    INVALID_ARGUMENT ('No graph was found in the protobuf'): a script's except clause for
+    ORT's class catches staronnx's refusal too."""
+    empty = tmp_path / "empty.onnx"
+    empty.write_bytes(b"")
+    for source in (b"", str(empty)):
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="No graph"):
+            ort.InferenceSession(source, providers=["CPUExecutionProvider"])
+        with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="No graph") as raised:
+            _staronnx(two_groups)(source)
+        assert isinstance(raised.value, StaronnxError)
+
+
+def test_an_output_bound_into_an_ort_value_of_another_dtype_is_refused_not_filled_with_garbage(home, model_path,
+                                                                                             two_groups):
+    """A float64 OrtValue bound for the float32 output: ORT refuses the run (RuntimeError,
+    'Unexpected output data type'). It was filled with the float32 output's bytes, read as
+    doubles: values that mean nothing, and no error."""
+    x = np.ones((2, WIDTH), np.float32)
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        y = ort.OrtValue.ortvalue_from_shape_and_type([2, WIDTH], np.float64)
+        binding = sess.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_ortvalue_output("y", y)
+        with pytest.raises(RuntimeError, match="Unexpected output data type"):
+            sess.run_with_iobinding(binding)
+        if hasattr(sess, "close"):
+            sess.close()
+
+
+def test_run_async_reports_a_terminated_run_through_its_callback(home, model_path, two_groups):
+    """ORT's run_async reports a run its RunOptions terminate through the callback (no results,
+    the message in err), as it reports a bad feed; it raised in the caller instead, so the
+    callback a script waits on was never called."""
+    x = np.ones((2, WIDTH), np.float32)
+    stop = ort.RunOptions()
+    stop.terminate = True
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        done = threading.Event()
+        got: list[Any] = []
+
+        def callback(results: Any, user_data: Any, err: str) -> None:
+            got.extend([results, user_data, err])
+            done.set()
+
+        sess.run_async(None, {"x": x}, callback, "mine", stop)
+        assert done.wait(60), "run_async never called back"
+        assert got[0] == [] and got[1] == "mine" and "terminate flag" in got[2]
+        if hasattr(sess, "close"):
+            sess.close()
+
+
+def test_sessions_profiling_one_after_another_write_their_own_files(home, model_path, two_groups, tmp_path):
+    """ORT names a profile by the time to the millisecond; staronnx named it to the second, so two
+    sessions opened within one second (a script profiling two models, a loop) traced into one
+    file: end_profiling gave both the same name and the second's trace replaced the first's."""
+    so = ort.SessionOptions()
+    so.enable_profiling = True
+    so.profile_file_prefix = str(tmp_path / "prof")
+    paths = []
+    for _ in range(2):
+        with staronnx.InferenceSession(model_path, so, spec=SessionSpec(cpu_groups=two_groups)) as sess:
+            sess.run(None, {"x": np.ones((2, WIDTH), np.float32)})
+            paths.append(sess.end_profiling())
+    assert paths[0] != paths[1] and all(Path(p).is_file() for p in paths)
+    want = ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"]).end_profiling()
+    assert Path(want).name.count("_") == Path(paths[0]).name.count("_"), (want, paths[0])  # ORT's name's fields

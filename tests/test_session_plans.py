@@ -85,6 +85,63 @@ def test_the_next_session_of_the_same_model_and_settings_reuses_the_plan(home, m
     assert len(partitions) == 2
 
 
+@pytest.mark.parametrize("option", ["free dimension", "initializer"])
+def test_the_next_session_with_options_that_change_the_model_reuses_the_plan(home, model_path, two_groups,
+                                                                             partitions, option):
+    """Session options that change the model (a free dimension fixed, an initializer given) key
+    its plan as their own model: the next session with the same options reuses it. It was cut
+    again by every session ('plan ... is of another model; making it again'): the plan records
+    the changed model's hash, the session looked for a hash of the file and the options."""
+    import onnxruntime as ort
+
+    weights = onnx.load(str(model_path)).graph.initializer[0]
+    value = ort.OrtValue.ortvalue_from_numpy(
+        np.full(tuple(weights.dims), 0.5, dtype=onnx.helper.tensor_dtype_to_np_dtype(weights.data_type)))
+
+    def options() -> ort.SessionOptions:
+        so = ort.SessionOptions()
+        if option == "free dimension":
+            so.add_free_dimension_override_by_name("batch", 2)
+        else:
+            so.add_initializer(weights.name, value)
+        return so
+
+    x = np.ones((2, 8), np.float32)
+    with staronnx.InferenceSession(model_path, options(), spec=SessionSpec(cpu_groups=two_groups)) as first:
+        want, root = first.run(None, {"x": x})[0], first.plan.root
+    with staronnx.InferenceSession(model_path, options(), spec=SessionSpec(cpu_groups=two_groups)) as again:
+        assert again.plan.root == root
+        np.testing.assert_array_equal(again.run(None, {"x": x})[0], want)
+    assert len(partitions) == 1
+
+
+def _sequence_chain(seed: int) -> onnx.ModelProto:
+    """chain() over [batch, seq, 8]: a dynamic size besides the batch, so a session cuts it at its
+    first run's shapes."""
+    model = chain(depth=4, width=8, seed=seed)
+    for vi in (model.graph.input[0], model.graph.output[0]):
+        dims = vi.type.tensor_type.shape.dim
+        dims.insert(1, onnx.TensorShapeProto.Dimension(dim_param="seq"))
+    return model
+
+
+def test_a_model_file_rewritten_before_the_first_run_still_runs_the_model_the_session_opened(home, tmp_path,
+                                                                                            two_groups):
+    """ORT runs the model it loaded when the session opened. A session that cuts at its first
+    run read the file again then: a file rewritten meanwhile (an export loop writing the next
+    model to the same path) ran the new model's weights under the session opened on the old."""
+    import onnxruntime as ort
+
+    path = tmp_path / "seq.onnx"
+    onnx.save(_sequence_chain(seed=0), str(path))
+    x = np.random.default_rng(0).standard_normal((2, 3, 8)).astype(np.float32)
+    reference = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    with staronnx.InferenceSession(path, spec=SessionSpec(cpu_groups=two_groups)) as sess:
+        onnx.save(_sequence_chain(seed=1), str(path))  # the next export, same inputs and outputs
+        got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, reference.run(None, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
 def test_concurrent_sessions_of_one_model_partition_it_once(home, model_path, two_groups, partitions):
     barrier = threading.Barrier(3)
     sessions: list[staronnx.InferenceSession] = []
@@ -138,6 +195,40 @@ def test_failed_constructions_leave_nothing_behind(home, model_path, tmp_path, t
     with pytest.raises(ValueError):
         staronnx.InferenceSession(model_path,
                                   spec=SessionSpec(cpu_groups=two_groups, runtime=RuntimeSpec(policy="no-such-policy")))
+
+
+def test_a_read_only_home_keeps_no_private_plan_of_a_variant_it_no_longer_runs(tmp_path, monkeypatch, two_groups):
+    """Where plans cannot be kept, each variant of the model (an overridable initializer fed
+    by name, a LoRA adapter) is cut into a temporary folder. The session runs the last
+    MAX_VARIANTS of them; the folders of those it stopped were kept until close(), so a
+    service switching among many adapters filled the temporary folder, one plan per value."""
+    from onnx import TensorProto, helper
+
+    from staronnx.compat.lora import MAX_VARIANTS
+
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 4], np.eye(4, dtype=np.float32).ravel())
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                              "variants", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+                                           helper.make_tensor_value_info("w", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 4])], [w])
+    path = tmp_path / "variants.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    monkeypatch.setenv("STARONNX_HOME", str(not_a_folder / "home"))
+    before = set(glob.glob(PATTERN))
+    x = np.ones((2, 4), np.float32)
+    with pytest.warns(UserWarning, match="STARONNX_HOME"):
+        sess = staronnx.InferenceSession(path, spec=SessionSpec(cpu_groups=two_groups))
+    try:
+        for k in range(MAX_VARIANTS + 3):
+            got = sess.run(None, {"x": x, "w": np.full((4, 4), float(k), np.float32)})[0]
+            np.testing.assert_array_equal(got, np.full((2, 4), 4.0 * k, np.float32))
+        kept = set(glob.glob(PATTERN)) - before
+        assert len(kept) <= MAX_VARIANTS + 1, f"{len(kept)} private plans kept for {MAX_VARIANTS} variants and the model"
+    finally:
+        sess.close()
+    assert set(glob.glob(PATTERN)) <= before
 
 
 def test_a_read_only_home_gets_a_private_plan_removed_at_close(tmp_path, monkeypatch, model_path, two_groups):

@@ -28,6 +28,14 @@ class InvalidProtobuf(ModelError, _ort_state.InvalidProtobuf):  # type: ignore[m
     """The model is not a parsable ONNX protobuf (ORT's INVALID_PROTOBUF)."""
 
 
+class NoGraph(ModelError, _ort_state.InvalidArgument):  # type: ignore[misc]
+    """The model has no graph: empty bytes or an empty file (ORT's INVALID_ARGUMENT)."""
+
+
+class Terminated(StaronnxError, RuntimeError, _ort_state.Fail):  # type: ignore[misc]
+    """A run whose RunOptions has ``terminate`` set (ORT's FAIL; a RuntimeError as before)."""
+
+
 class NotRecorded(StaronnxError, _ort_state.Fail):  # type: ignore[misc]
     """get_provider_graph_assignment_info() without the config entry that records it (ORT's Fail)."""
 

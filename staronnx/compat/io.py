@@ -88,18 +88,24 @@ class IOBinding:
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
         return [v.numpy() for v in self._results]
 
-    def _run(self) -> None:
+    def _run(self, run_options: RunOptionsArg = None) -> None:
         names = list(self._outputs) or [o.name for o in self._session.get_outputs()]
         try:
-            arrays = self._session.run(names, self._inputs)
+            arrays = self._session.run(names, self._inputs, run_options)
         except ValueError as exc:
             raise RuntimeError(f"Error in execution: {exc}") from exc  # ORT's type here
         results = []
+        declared = {o.name: o.type for o in self._session.get_outputs()}
         for name, array in zip(names, arrays):
             value = self._outputs.get(name)
             if value is None:
                 value = ort.OrtValue.ortvalue_from_numpy(array)
             else:
+                # update_inplace copies bytes whatever the OrtValue's type: a float64 value given
+                # float32 output would hold meaningless numbers; ORT refuses the run (its words)
+                if value.data_type() != declared.get(name, value.data_type()):
+                    raise RuntimeError(f"Error in execution: Unexpected output data type. Actual: "
+                                       f"({value.data_type()}) , expected: ({declared[name]})")
                 value.update_inplace(np.ascontiguousarray(array))
             results.append(value)
         self._results = results

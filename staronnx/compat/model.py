@@ -7,8 +7,6 @@ their inputs are cut tensors), so every getter answers from the source model.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -19,9 +17,9 @@ import onnx
 import onnxruntime as ort
 from google.protobuf.message import DecodeError
 
-from staronnx.compat.errors import InvalidProtobuf, NoSuchFile
+from staronnx.compat.errors import InvalidProtobuf, NoGraph, NoSuchFile
 from staronnx.errors import ModelError
-from staronnx.modelio import load_model
+from staronnx.modelio import load_model, model_sha256
 from staronnx.ortutil import option_effects, ort_type_name
 from staronnx.partition.whole import io_specs
 from staronnx.plan import Plan, TensorSpec
@@ -81,6 +79,8 @@ def load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any,
             proto.ParseFromString(bytes(path_or_bytes))
         except DecodeError:
             raise InvalidProtobuf("Failed to load model because protobuf parsing failed.") from None
+        if not proto.HasField("graph"):  # empty bytes parse; ORT refuses them with INVALID_ARGUMENT
+            raise NoGraph("No graph was found in the protobuf.")
         source: Any = proto
     else:
         source = Path(path_or_bytes)
@@ -88,6 +88,8 @@ def load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any,
             return None
         if not source.exists():
             raise NoSuchFile(f"Load model from {source} failed: File doesn't exist")
+        if source.stat().st_size == 0:  # ORT's class for it, as for empty bytes
+            raise NoGraph(f"Load model from {source} failed: No graph was found in the protobuf.")
     effects = option_effects(so, source) if so is not None else None
     try:
         loaded = load_model(source, supplied=effects.initializers if effects else None)
@@ -102,7 +104,8 @@ def load_source(path_or_bytes: Any, so: ort.SessionOptions | None) -> tuple[Any,
         for dim, size in zip(vi.type.tensor_type.shape.dim, effects.shapes.get(vi.name, [])):
             if size is not None:
                 dim.dim_value = int(size)  # a dim_param or an unknown size that ORT fixed
-    sha256 = hashlib.sha256((loaded.sha256 + json.dumps(effects.shapes, sort_keys=True)).encode()).hexdigest()
+    # the hash partition() records for the model it is given (this one): a kept plan is found by it
+    sha256 = model_sha256(model)
     log.info("the session options change the model: initializers %s given, inputs %s fixed",
              sorted(effects.initializers), sorted(effects.shapes))
     return model, model, sha256

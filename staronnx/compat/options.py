@@ -133,6 +133,7 @@ _UNAPPLIED = {
 #: SessionOptions attributes that a copy carries (ORT's object cannot be copied)
 _COPIED = (*_UNAPPLIED, "intra_op_num_threads", "enable_profiling", "profile_file_prefix", "optimized_model_filepath",
            "log_severity_level", "log_verbosity_level", "logid", "use_per_session_threads")
+_DEFAULT_GRAPH = "each part's session optimises its graph with ORT's default transformers and kernels"
 #: SessionOptions config entries that staronnx's workers do not apply, each with why (those it
 #: applies: the optimized model's external initializer settings, the graph assignment record)
 _CONFIG_ENTRIES = {
@@ -143,6 +144,22 @@ _CONFIG_ENTRIES = {
     "session.intra_op_thread_affinities": "each worker pins its pool to its CPU group",
     "session.set_denormal_as_zero": "each part's session keeps ORT's default",
     "session.disable_cpu_ep_fallback": "parts run on CPU workers whatever the providers",
+    # what ORT computes or accepts: the workers' sessions are made with ORT's defaults, so their
+    # answers can differ from a session given these (said, never silently dropped)
+    "optimization.enable_gelu_approximation": _DEFAULT_GRAPH,
+    "optimization.disable_specified_optimizers": _DEFAULT_GRAPH,
+    "optimization.enable_cast_chain_elimination": _DEFAULT_GRAPH,
+    "optimization.constant_folding_max_output_size_in_bytes": _DEFAULT_GRAPH,
+    "session.graph_optimizations_loop_level": _DEFAULT_GRAPH,
+    "session.disable_quant_qdq": _DEFAULT_GRAPH,
+    "session.enable_quant_qdq_cleanup": _DEFAULT_GRAPH,
+    "session.disable_double_qdq_remover": _DEFAULT_GRAPH,
+    "session.disable_qdq_constant_folding": _DEFAULT_GRAPH,
+    "session.disable_aot_function_inlining": _DEFAULT_GRAPH,
+    "session.qdqisint8allowed": _DEFAULT_GRAPH,
+    "session.x64quantprecision": _DEFAULT_GRAPH,
+    "session.strict_shape_type_inference": "each part's session loads with ORT's default checks",
+    "session.allow_released_opsets_only": "each part's session loads with ORT's default checks",
 }
 #: RunOptions config entries that staronnx's workers do not apply, each with why
 _RUN_ENTRIES = {

@@ -57,6 +57,7 @@ class OrtPart:
         so.log_severity_level = QUIET  # its errors reach the caller as exceptions
         so.intra_op_num_threads = max(threads, 0)  # 0: ORT's default
         self._session: OrtSession | None = OrtSession(str(plan.part_path(0)), so, providers=[CPU_EP])
+        self.plan = plan
         self._outputs = plan.output_names
         self.workers: list[Any] = []
         self.tracer = None
@@ -101,6 +102,17 @@ class Held:
             if runner in self._runners:
                 self._runners.remove(runner)
         runner.close()
+        # a private plan (read-only home) of a runner stopped before close (a variant of the model
+        # no longer kept) goes with it, unless a runner still running uses it (set_providers)
+        root = runner.plan.root
+        with self._lock:
+            if any(r.plan.root == root for r in self._runners):
+                return
+            gone = [folder for folder in self.scratch if folder in root.parents]
+            for folder in gone:
+                self.scratch.remove(folder)
+        for folder in gone:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def temporary(self, prefix: str) -> Path:
         """A new temporary folder, removed with the rest."""

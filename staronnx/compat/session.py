@@ -90,7 +90,7 @@ import onnx
 import onnxruntime as ort
 from onnxruntime.capi.onnxruntime_inference_collection import InferenceSession as OrtSession
 
-from staronnx.compat.errors import InvalidArgument, NotRecorded, ort_task_error
+from staronnx.compat.errors import InvalidArgument, NotRecorded, Terminated, ort_task_error
 from staronnx.compat.io import (CSession, Feeds, IOBinding, Names, RunOptionsArg, feed_array, host_array, host_memory,
                                 owned_value)
 from staronnx.compat.lora import Overrides, Variants, overridable_initializers
@@ -103,7 +103,7 @@ from staronnx.compat.providers import CPU_EP, CUDA_EP, asked_providers, cores_fo
 from staronnx.compat.runners import Held, OrtPart, Runner, why_not_on_workers
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import InputError
-from staronnx.modelio import load_model
+from staronnx.modelio import load_model, model_sha256
 from staronnx.ortutil import QUIET, write_optimized
 from staronnx.partition.checks import targets_by_default
 from staronnx.partition.plan_cache import kept_plan
@@ -321,10 +321,16 @@ class InferenceSession:
         cut_fields = {f.name for f in dataclasses.fields(PartitionSpec)}
 
         unsized = [] if "input_shapes" in options else unsized_dims(model, parse_batch_axes(options.get("batch_axes")))
+        stamp = _file_stamp(source)
 
         def cut_model(src: Any, sha: str, feeds: Mapping[str, Any] | None = None) -> Plan:
             """``src`` (this model, or a variant of it with other initializers) cut with this
             session's settings: at ``feeds``' shapes for a model with dynamic sizes."""
+            if src is source and stamp is not None and _file_stamp(source) != stamp:
+                # the file was rewritten or removed since the session loaded it (a first run cuts
+                # later): ORT runs the model it loaded, so the session cuts the one it holds
+                log.warning("%s changed since the session opened it; cutting the model the session loaded", source)
+                src, sha = model, model_sha256(model)
             settings, asked = dict(options), dict(options)
             if unsized:
                 assert feeds is not None
@@ -359,7 +365,10 @@ class InferenceSession:
         """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
         format) at ORT's file name, so a profiling script finds its file where it expects."""
         if self._runtime_spec.trace is None and so is not None and so.enable_profiling:
-            stamp = time.strftime("%Y-%m-%d_%H-%M-%S")
+            # ORT's name: the time to the millisecond (to the second, sessions opened within one
+            # second traced into one file, the second's replacing the first's)
+            now = time.time()
+            stamp = f"{time.strftime('%Y-%m-%d_%H-%M-%S', time.localtime(now))}_{int(now * 1000) % 1000:03d}"
             self._runtime_spec = dataclasses.replace(
                 self._runtime_spec, trace=Path(f"{so.profile_file_prefix or 'onnxruntime_profile_'}_{stamp}.json"))
         trace = self._runtime_spec.trace
@@ -532,7 +541,7 @@ class InferenceSession:
         read back from ORT)."""
         if run_options is not None:
             if run_options.terminate:
-                raise RuntimeError("Exiting due to terminate flag being set to true.")  # ORT's words
+                raise Terminated("Exiting due to terminate flag being set to true.")  # ORT's words and class
             said = [s for s in not_applied(run_options, run_options) if s not in self._said]
             if said:
                 self._said.update(said)  # once per session each
@@ -541,7 +550,21 @@ class InferenceSession:
         if not self._overrides.names:
             return self._feeds(input_feed), {}  # as given: a feed that is no mapping fails where ORT's does
         inputs, overrides = self._overrides.split(input_feed, run_options)
-        return self._feeds(inputs), overrides
+        feeds = self._feeds(inputs)
+        fed = {name: overrides[name] for name in self._overrides.names & input_feed.keys()}
+        if fed:
+            # checked as ORT checks them, as inputs: else a wrong value is cut into a variant of the
+            # model (kept in the home) and fails there, at ORT's load of a part, as a ModelError
+            declared = {vi.name: value_spec(vi) for vi in self._loaded[1].graph.input if vi.name in fed} \
+                if self._loaded is not None else {}
+            try:
+                # initializers share no batch: each is checked against its own declared shape only
+                specs = [declared[n] for n in fed if n in declared]
+                checks = Plan(Path(), [], specs, [], [], 0, {}, {"batching": False})
+                checks.check_feeds({t.name: fed[t.name] for t in specs})
+            except InputError as exc:
+                raise InvalidArgument(str(exc)) from None
+        return feeds, overrides
 
     def _runner(self, feeds: Mapping[str, Any], overrides: Mapping[str, np.ndarray]) -> Runtime | OrtPart:
         """What runs this request: the session's runtime (for a model cut at its first run, started
@@ -602,7 +625,7 @@ class InferenceSession:
         try:
             names = self._outputs(output_names)
             feeds, overrides = self._split(input_feed, run_options)
-        except InvalidArgument as exc:  # ORT reports these through the callback
+        except (InvalidArgument, Terminated) as exc:  # ORT reports these through the callback
             _call_back(callback, [], user_data, str(exc))
             return
         try:
@@ -639,7 +662,7 @@ class InferenceSession:
     def run_with_iobinding(self, iobinding: IOBinding, run_options: RunOptionsArg = None) -> None:
         if not isinstance(iobinding, IOBinding):
             raise TypeError("run_with_iobinding takes the IOBinding this session's io_binding() made")
-        iobinding._run()
+        iobinding._run(run_options)  # its terminate flag and LoRA adapters count here as in run()
 
     def __getattr__(self, name: str) -> Any:
         """ORT methods that have no meaning over staronnx's workers: one line saying so and
@@ -681,6 +704,18 @@ class InferenceSession:
 # the constructor's signature is __init__'s, ORT's (__new__ only hands staronnx's own calls to ORT)
 InferenceSession.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
     list(inspect.signature(InferenceSession.__init__).parameters.values())[1:])
+
+
+def _file_stamp(source: Any) -> tuple[int, int] | None:
+    """A model file's size and modification time (None for a model in memory; (-1, -1) for a
+    file that is gone): what tells a file rewritten since the session loaded it."""
+    if not isinstance(source, Path):
+        return None
+    try:
+        st = source.stat()
+    except OSError:
+        return (-1, -1)
+    return st.st_size, st.st_mtime_ns
 
 
 def _call_back(callback: Callable[..., None], results: list[np.ndarray], user_data: Any, err: str) -> None:
