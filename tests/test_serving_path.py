@@ -822,3 +822,18 @@ def test_padding_never_goes_past_the_batch_size(stand_in):
     """Sizes captured for another server's larger batches are not padding targets here."""
     with Server(stand_in, ServeSpec(4, max_delay=0.01, pad_to=(1, 2, 8, 32))) as server:
         assert server.pad_to == (1, 2)
+
+
+def test_an_on_executed_that_raises_still_resolves_the_batchs_requests(runtime):
+    # on_executed ran before the batch was handed out, in the runtime future's done-callback:
+    # its exception (logged and swallowed by Future) skipped the hand-out, so the requests
+    # never resolved and their batch held its place in the window for good
+    def broken(rows, seconds):
+        raise RuntimeError("counter broke")
+
+    with Server(runtime, ServeSpec(2), on_executed=broken) as server:
+        futures = [server.submit(_sample(i)) for i in range(4)]
+        for i, f in enumerate(futures):
+            np.testing.assert_allclose(f.result(timeout=30)["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+        assert server.in_flight == 0
+

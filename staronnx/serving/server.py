@@ -1087,8 +1087,11 @@ def _batch_done(server: weakref.ref[Server], record: BatchRecord, started: float
     target = server()
     if target is None:
         return
-    if target._on_executed is not None and not future.cancelled() and future.exception() is None:
-        target._on_executed(record.padded_to or record.size, time.perf_counter() - started)
+    try:
+        if target._on_executed is not None and not future.cancelled() and future.exception() is None:
+            target._on_executed(record.padded_to or record.size, time.perf_counter() - started)
+    except Exception:  # noqa: BLE001 - a failing counter must not keep the batch's requests unanswered
+        log.exception("the server's on_executed callback failed; the batch's results are handed out anyway")
     target._completed(record, future)
 
 
