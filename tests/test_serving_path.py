@@ -837,3 +837,28 @@ def test_an_on_executed_that_raises_still_resolves_the_batchs_requests(runtime):
             np.testing.assert_allclose(f.result(timeout=30)["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
         assert server.in_flight == 0
 
+
+def test_close_from_a_result_callback_on_a_cpu_worker_does_not_wait_for_that_worker(plan, tmp_path):
+    # a CPU-only runtime hands results out on the worker that finished the batch: a close()
+    # from a result's callback there waited for the batches queued behind on that very worker
+    pu = str(min(__import__("os").sched_getaffinity(0)))
+    with Runtime(plan, MachineSpec(pu), RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path))) as rt:
+        server = Server(rt, ServeSpec(2))
+        queued, closed = threading.Event(), threading.Event()
+
+        def close_now(_f):
+            queued.wait(10)  # the second batch is in the runtime, behind this one
+            server.close(timeout=60)
+            closed.set()
+
+        first = [server.submit(_sample(0))]
+        first[0].add_done_callback(close_now)
+        first.append(server.submit(_sample(1)))
+        second = [server.submit(_sample(i)) for i in (2, 3)]
+        queued.set()
+        assert closed.wait(20), "close() from the worker's callback waits for that worker"
+        for f in first:
+            assert f.result(timeout=10)["y"].shape == (1, 16)
+        for f in second:  # run, or failed by the close: answered either way
+            assert f.exception(timeout=30) is None or isinstance(f.exception(), ServerClosed)
+        assert not server.batching
