@@ -422,3 +422,20 @@ def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, st
             engine.pin(cpu, 0, plan3.part_feeds(0, want))
     finally:
         engine.close()
+
+
+def test_a_cancelled_request_leaves_the_runtime(plan3, store):
+    """A request its caller cancelled before its tasks ran had them dropped, but stayed among
+    the runtime's in-flight requests for good: counted in stats and against its model's
+    capacity, its feeds held, and close() waited its whole timeout for it."""
+    pu = str(min(os.sched_getaffinity(0)))
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
+    with Runtime(plan3, MachineSpec(pu), RuntimeSpec(policy="eager", store=store)) as rt:
+        futs = [rt.submit(f) for f in feeds]
+        withdrawn = [f for f in futs[4:-1] if f.cancel()]
+        assert withdrawn
+        futs[-1].result(timeout=60)  # one worker, FIFO: every earlier task was taken before it
+        for f in futs[:4]:
+            f.result(timeout=60)
+        stats, model = rt.stats(), rt.model_stats()
+        assert stats["in_flight"] == 0 and model["in_flight"] == 0, (stats["in_flight"], model["in_flight"])
