@@ -862,3 +862,25 @@ def test_close_from_a_result_callback_on_a_cpu_worker_does_not_wait_for_that_wor
         for f in second:  # run, or failed by the close: answered either way
             assert f.exception(timeout=30) is None or isinstance(f.exception(), ServerClosed)
         assert not server.batching
+
+
+def test_a_request_of_more_rows_than_the_queue_holds_is_refused_at_once(stand_in):
+    # with max_delay the queue may hold fewer samples than a batch: a request of more rows
+    # than the capacity could never be queued, and with on_full="block" its submit waited forever
+    x = np.concatenate([_sample(i)["x"] for i in range(4)])
+    with Server(stand_in, ServeSpec(8, max_delay=0.01, queue_capacity=2, on_full="block")) as server:
+        got: list[BaseException] = []
+
+        def submit() -> None:
+            try:
+                server.submit({"x": x}, checked=True, rows=4)
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                got.append(exc)
+
+        t = threading.Thread(target=submit, daemon=True)
+        t.start()
+        t.join(20)
+        alive = t.is_alive()
+    t.join(20)
+    assert not alive and len(got) == 1 and isinstance(got[0], InputError), got
+    assert "queue" in str(got[0])

@@ -316,6 +316,8 @@ class Server:
         self.batch_size, self.max_delay, self.on_full = spec.batch_size, spec.max_delay, spec.on_full
         self.queue_capacity, self.keep_records, self.colocate = spec.queue_capacity, spec.keep_records, spec.colocate
         self.clock = clock
+        #: the most rows a checked request may hold: a batch's, and no more than the queue holds
+        self._max_rows = min(self._limit, self.queue_capacity)
         self._batch_memory = batch_memory or runtime.batch_array
         self._on_executed = on_executed
         #: a model of a shared runtime counts its latency target from each batch's oldest
@@ -411,7 +413,10 @@ class Server:
         if not checked:
             self._check_sample(sample)
             rows = 1
-        elif not 1 <= rows <= self._limit:
+        elif not 1 <= rows <= self._max_rows:
+            if rows > self.queue_capacity:  # it could never be queued: on_full="block" waited forever
+                raise InputError(f"a request of {rows} rows does not fit a queue of {self.queue_capacity} samples "
+                                 "(queue_capacity)")
             raise InputError(f"a request of {rows} rows does not fit a batch of at most {self._limit}")
         index = self._level_index(level) if level or self._ordered else 0
         sig = self._contract.signature(sample) if self._signed else None
