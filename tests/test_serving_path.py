@@ -884,3 +884,23 @@ def test_a_request_of_more_rows_than_the_queue_holds_is_refused_at_once(stand_in
     t.join(20)
     assert not alive and len(got) == 1 and isinstance(got[0], InputError), got
     assert "queue" in str(got[0])
+
+
+def test_requests_their_callers_withdrew_are_neither_pending_nor_backlog(stand_in):
+    # a withdrawn request never gets a result: it was counted pending and in the backlog for
+    # good, so a run whose clients went away read as one with requests still waiting, and
+    # enough of them as congested
+    from staronnx.serving.metrics import backlog, summarize
+
+    with Server(stand_in, ServeSpec(4)) as server:
+        kept = [server.submit(_sample(i)) for i in range(4)]
+        gone = [server.submit(_sample(i)) for i in range(4, 7)]
+        assert all(f.cancel() for f in gone)
+        assert server.queue_length == 0
+        for f in kept:
+            f.result(timeout=10)
+        rec = server.records()
+    assert sum(r.withdrawn for r in rec.requests) == 3
+    summary = summarize(rec)
+    assert summary["completed"] == 4 and summary["pending"] == 0, summary["pending"]
+    assert backlog(rec, np.array([rec.end + 1.0]))[0] == 0
