@@ -1008,12 +1008,13 @@ class Server:
         """
         # called from a result's callback, i.e. on the batcher thread: nothing more can drain
         on_batcher = threading.current_thread() is self._thread
+        stuck = on_batcher
         if not on_batcher and self._resolve_inline:
             # or on the runtime's CPU worker that hands results out (_completed): the batches
             # queued behind on that worker cannot run while it waits here (it waited the timeout)
             me = threading.get_native_id()
-            on_batcher = any(getattr(w, "native_id", None) == me for w in self.runtime.workers)
-        deadline = time.monotonic() if on_batcher else None if timeout is None else time.monotonic() + timeout
+            stuck = any(getattr(w, "native_id", None) == me for w in self.runtime.workers)
+        deadline = time.monotonic() if stuck else None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._closing = True
             self._cond.notify_all()
