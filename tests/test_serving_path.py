@@ -904,3 +904,22 @@ def test_requests_their_callers_withdrew_are_neither_pending_nor_backlog(stand_i
     summary = summarize(rec)
     assert summary["completed"] == 4 and summary["pending"] == 0, summary["pending"]
     assert backlog(rec, np.array([rec.end + 1.0]))[0] == 0
+
+
+def test_the_capacity_of_a_queue_policy_without_levels_bounds_the_queue(stand_in):
+    # "a model without priority levels is one level; its policy still applies": its capacity
+    # was read only where the queue kept levels, so here it was silently ignored
+    from staronnx.serving.priority import LevelPolicy, QueuePolicy
+
+    policy = QueuePolicy(levels=(LevelPolicy(capacity=2),))
+    spec = ServeSpec(4, max_delay=30.0, queue_policy=policy)
+    assert spec.queue_capacity == 2
+    with Server(stand_in, spec) as server:
+        kept = [server.submit(_sample(i)) for i in range(2)]
+        with pytest.raises(server_module.OverloadError):
+            server.submit(_sample(2))
+        server.flush()
+        for f in kept:
+            f.result(timeout=10)
+    with pytest.raises(StaronnxError, match="queue_capacity"):  # a full batch could never form
+        ServeSpec(4, queue_policy=policy)
