@@ -960,7 +960,8 @@ class Server:
             "on_full": self.on_full,
             "max_inflight": self.max_inflight,
             "pad_to": list(self.pad_to),
-            "policy": self.runtime.policy_name if isinstance(self.runtime, Runtime) else None,
+            "policy": (self.runtime.policy_name if isinstance(self.runtime, Runtime)
+                       else self.runtime.runtime.policy_name if isinstance(self.runtime, ModelHandle) else None),
             "plan_hash": self.plan.hash,
         }
 
