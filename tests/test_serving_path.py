@@ -923,3 +923,16 @@ def test_the_capacity_of_a_queue_policy_without_levels_bounds_the_queue(stand_in
             f.result(timeout=10)
     with pytest.raises(StaronnxError, match="queue_capacity"):  # a full batch could never form
         ServeSpec(4, queue_policy=policy)
+
+
+def test_flush_sends_multi_row_requests(stand_in):
+    # flush() counted the requests to let go, the batcher's rule their rows: two requests of
+    # 3 rows made a flush batch of "2" rows, which neither fits: nothing left, and the batcher
+    # spun on that decision (a core at 100 %) until close
+    x = np.concatenate([_sample(i)["x"] for i in range(3)])
+    with Server(stand_in, ServeSpec(8)) as server:
+        futures = [server.submit({"x": x}, checked=True, rows=3) for _ in range(2)]
+        server.flush()
+        for f in futures:
+            np.testing.assert_allclose(f.result(timeout=10)["y"], x @ W, rtol=1e-5, atol=1e-5)
+        assert [b.size for b in server.records().batches] == [6]

@@ -362,7 +362,7 @@ class Server:
         self._closing = False
         self._abort = False
         self._withdrawn = 0  # futures cancelled since the queue was last cleared of them
-        self._flush_left = 0  # the queue's first requests that leave without waiting to fill
+        self._flush_left = 0  # rows of the queue's first requests that leave without waiting to fill
         #: an event loop that times the max delay for requests submitted on its thread
         #: (:meth:`time_delays_on`), and when the timer it holds for this server fires (None: none)
         self._delay_loop: asyncio.AbstractEventLoop | None = None
@@ -601,7 +601,7 @@ class Server:
                 groups[p._sig] = groups.get(p._sig, 0) + p._rows
         if self._ordered:
             self._left_levels(dropped)
-        self._flush_left = min(self._flush_left, len(kept))
+        self._flush_left = min(self._flush_left, sum(groups.values()))  # rows
         self._queue, self._withdrawn, self._groups = kept, 0, groups
         self._sample_queue()
 
@@ -655,7 +655,9 @@ class Server:
         forever for a batch to fill. Requests submitted later batch normally.
         """
         with self._cond:
-            self._flush_left = len(self._queue)
+            # in rows, as the batcher's rule counts them (a count of requests let a flush of
+            # multi-row requests ask for fewer rows than the first one holds: nothing left)
+            self._flush_left = sum(self._groups.values())
             self._cond.notify_all()
 
     # -- the batcher --------------------------------------------------------------------------
@@ -799,7 +801,7 @@ class Server:
             self._groups[sig] = left
         else:
             self._groups.pop(sig, None)
-        self._flush_left = max(0, self._flush_left - len(taken))
+        self._flush_left = max(0, self._flush_left - rows)
         return taken
 
     def _launch(self, record: BatchRecord, batch: list[_Request]) -> None:
