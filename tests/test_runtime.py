@@ -439,3 +439,27 @@ def test_a_cancelled_request_leaves_the_runtime(plan3, store):
             f.result(timeout=60)
         stats, model = rt.stats(), rt.model_stats()
         assert stats["in_flight"] == 0 and model["in_flight"] == 0, (stats["in_flight"], model["in_flight"])
+
+
+def test_cancelled_requests_count_as_done_for_wait_and_as_completed(plan3, store):
+    """A cancelled future counts for concurrent.futures.wait() once its executor says so
+    (set_running_or_notify_cancel): the runtime never did for a request whose tasks it
+    dropped, nor for those close() cancelled, so wait() and as_completed() over them hung."""
+    from concurrent.futures import as_completed, wait
+
+    pu = str(min(os.sched_getaffinity(0)))
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
+    rt = Runtime(plan3, MachineSpec(pu), RuntimeSpec(policy="eager", store=store))
+    futs = [rt.submit(f) for f in feeds]
+    gone = futs[6]
+    assert gone.cancel()
+    futs[-1].result(timeout=60)  # one worker, FIFO: the cancelled request's task was dropped before
+    done, _ = wait([gone], timeout=30)
+    assert done == {gone}
+    assert list(as_completed([gone], timeout=30)) == [gone]
+    more = [rt.submit(f) for f in feeds * 4]
+    rt.close(timeout=0)
+    cancelled = [f for f in more if f.cancelled()]
+    assert cancelled, "48 queued requests cannot all finish in zero seconds"
+    done, not_done = wait(more, timeout=30)
+    assert not not_done

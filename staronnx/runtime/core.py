@@ -32,6 +32,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from concurrent.futures._base import CANCELLED
 from typing import TYPE_CHECKING, Any
 
 from staronnx.perfmodels import Footprint
@@ -556,6 +557,10 @@ class TaskGraph:
         req.failed = True
         if self.inflight.pop(req.id, None) is not None:
             self.per_model[req.model].in_flight -= 1
+        # what an executor does with a cancelled item it reaches: concurrent.futures.wait() and
+        # as_completed() count a cancelled future done only once it is notified (they hung)
+        if getattr(req.owner, "_state", None) == CANCELLED:  # (a driver's future, not yet notified)
+            req.owner.set_running_or_notify_cancel()
 
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the
