@@ -936,3 +936,21 @@ def test_flush_sends_multi_row_requests(stand_in):
         for f in futures:
             np.testing.assert_allclose(f.result(timeout=10)["y"], x @ W, rtol=1e-5, atol=1e-5)
         assert [b.size for b in server.records().batches] == [6]
+
+
+def test_wait_idle_returns_once_the_last_queued_request_is_withdrawn(stand_in):
+    # the cancel woke both the batcher and wait_idle(); when wait_idle looked first it found
+    # the request still queued (the batcher drops withdrawn ones) and slept again, and the
+    # batcher dropped it without a word: wait_idle() waited out its timeout (forever with None)
+    with Server(stand_in, ServeSpec(4)) as server:
+        for i in range(20):
+            future = server.submit(_sample(i))
+            left: list[int] = []
+            waiter = threading.Thread(target=lambda: left.append(server.wait_idle()), daemon=True)
+            waiter.start()
+            while not server._idle_waiters:  # it waits for the request
+                time.sleep(0.001)
+            assert future.cancel()
+            waiter.join(20)
+            assert not waiter.is_alive(), f"wait_idle() still waits after cancel {i}"
+            assert left == [0]

@@ -1067,7 +1067,11 @@ class Server:
     def _wait_drained(self, deadline: float | None) -> None:
         """(lock held) Until nothing is queued, in flight or being handed out, or ``deadline``
         (``time.monotonic()``; None: no limit)."""
-        while self._queue or self._inflight or self._completions or self._resolving:
+        while True:
+            if self._withdrawn:  # cancelled requests left queued would keep it waiting: the
+                self._drop_withdrawn()  # batcher that drops them has no reason to wake it
+            if not (self._queue or self._inflight or self._completions or self._resolving):
+                break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
