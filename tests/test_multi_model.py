@@ -262,3 +262,15 @@ def test_a_single_plan_keeps_its_face(plans, two_groups, tmp_path):
         stats = rt.stats()
     assert set(stats["tasks"]) <= {f"part{p}/cpu1" for p in range(heavy.k)}
     assert stats["models"]["heavy"]["deadline_misses"] == 0
+
+
+def test_a_servers_records_name_the_policy_of_its_shared_runtime(plans, two_groups, tmp_path):
+    # a server over one model of a shared runtime recorded policy None in its settings (it
+    # looked for a Runtime only), so its sweep points could not say how they were scheduled
+    heavy, light = plans
+    with Runtime({"heavy": heavy, "light": light}, MachineSpec(groups=two_groups),
+                 RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path))) as rt:
+        with Server(rt.model("light"), ServeSpec(1)) as server:
+            server.submit(light_feeds(1, 0)).result(timeout=60)
+            assert server.settings()["policy"] == "eager"
+            assert server.records().settings["policy"] == "eager"

@@ -422,3 +422,44 @@ def test_a_task_pinned_to_a_worker_runs_there_whatever_the_policy_says(plan3, st
             engine.pin(cpu, 0, plan3.part_feeds(0, want))
     finally:
         engine.close()
+
+
+def test_a_cancelled_request_leaves_the_runtime(plan3, store):
+    """A request its caller cancelled before its tasks ran had them dropped, but stayed among
+    the runtime's in-flight requests for good: counted in stats and against its model's
+    capacity, its feeds held, and close() waited its whole timeout for it."""
+    pu = str(min(os.sched_getaffinity(0)))
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
+    with Runtime(plan3, MachineSpec(pu), RuntimeSpec(policy="eager", store=store)) as rt:
+        futs = [rt.submit(f) for f in feeds]
+        withdrawn = [f for f in futs[4:-1] if f.cancel()]
+        assert withdrawn
+        futs[-1].result(timeout=60)  # one worker, FIFO: every earlier task was taken before it
+        for f in futs[:4]:
+            f.result(timeout=60)
+        stats, model = rt.stats(), rt.model_stats()
+        assert stats["in_flight"] == 0 and model["in_flight"] == 0, (stats["in_flight"], model["in_flight"])
+
+
+def test_cancelled_requests_count_as_done_for_wait_and_as_completed(plan3, store):
+    """A cancelled future counts for concurrent.futures.wait() once its executor says so
+    (set_running_or_notify_cancel): the runtime never did for a request whose tasks it
+    dropped, nor for those close() cancelled, so wait() and as_completed() over them hung."""
+    from concurrent.futures import as_completed, wait
+
+    pu = str(min(os.sched_getaffinity(0)))
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
+    rt = Runtime(plan3, MachineSpec(pu), RuntimeSpec(policy="eager", store=store))
+    futs = [rt.submit(f) for f in feeds]
+    gone = futs[6]
+    assert gone.cancel()
+    futs[-1].result(timeout=60)  # one worker, FIFO: the cancelled request's task was dropped before
+    done, _ = wait([gone], timeout=30)
+    assert done == {gone}
+    assert list(as_completed([gone], timeout=30)) == [gone]
+    more = [rt.submit(f) for f in feeds * 4]
+    rt.close(timeout=0)
+    cancelled = [f for f in more if f.cancelled()]
+    assert cancelled, "48 queued requests cannot all finish in zero seconds"
+    done, not_done = wait(more, timeout=30)
+    assert not not_done

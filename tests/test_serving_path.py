@@ -822,3 +822,135 @@ def test_padding_never_goes_past_the_batch_size(stand_in):
     """Sizes captured for another server's larger batches are not padding targets here."""
     with Server(stand_in, ServeSpec(4, max_delay=0.01, pad_to=(1, 2, 8, 32))) as server:
         assert server.pad_to == (1, 2)
+
+
+def test_an_on_executed_that_raises_still_resolves_the_batchs_requests(runtime):
+    # on_executed ran before the batch was handed out, in the runtime future's done-callback:
+    # its exception (logged and swallowed by Future) skipped the hand-out, so the requests
+    # never resolved and their batch held its place in the window for good
+    def broken(rows, seconds):
+        raise RuntimeError("counter broke")
+
+    with Server(runtime, ServeSpec(2), on_executed=broken) as server:
+        futures = [server.submit(_sample(i)) for i in range(4)]
+        for i, f in enumerate(futures):
+            np.testing.assert_allclose(f.result(timeout=30)["y"], _sample(i)["x"] @ W, rtol=1e-5, atol=1e-5)
+        assert server.in_flight == 0
+
+
+def test_close_from_a_result_callback_on_a_cpu_worker_does_not_wait_for_that_worker(plan, tmp_path):
+    # a CPU-only runtime hands results out on the worker that finished the batch: a close()
+    # from a result's callback there waited for the batches queued behind on that very worker
+    pu = str(min(__import__("os").sched_getaffinity(0)))
+    with Runtime(plan, MachineSpec(pu), RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path))) as rt:
+        server = Server(rt, ServeSpec(2))
+        queued, closed = threading.Event(), threading.Event()
+
+        def close_now(_f):
+            queued.wait(10)  # the second batch is in the runtime, behind this one
+            server.close(timeout=60)
+            closed.set()
+
+        first = [server.submit(_sample(0))]
+        first[0].add_done_callback(close_now)
+        first.append(server.submit(_sample(1)))
+        second = [server.submit(_sample(i)) for i in (2, 3)]
+        queued.set()
+        assert closed.wait(20), "close() from the worker's callback waits for that worker"
+        for f in first:
+            assert f.result(timeout=10)["y"].shape == (1, 16)
+        for f in second:  # run, or failed by the close: answered either way
+            assert f.exception(timeout=30) is None or isinstance(f.exception(), ServerClosed)
+        assert not server.batching
+
+
+def test_a_request_of_more_rows_than_the_queue_holds_is_refused_at_once(stand_in):
+    # with max_delay the queue may hold fewer samples than a batch: a request of more rows
+    # than the capacity could never be queued, and with on_full="block" its submit waited forever
+    x = np.concatenate([_sample(i)["x"] for i in range(4)])
+    with Server(stand_in, ServeSpec(8, max_delay=0.01, queue_capacity=2, on_full="block")) as server:
+        got: list[BaseException] = []
+
+        def submit() -> None:
+            try:
+                server.submit({"x": x}, checked=True, rows=4)
+            except Exception as exc:  # noqa: BLE001 - what the test looks at
+                got.append(exc)
+
+        t = threading.Thread(target=submit, daemon=True)
+        t.start()
+        t.join(20)
+        alive = t.is_alive()
+    t.join(20)
+    assert not alive and len(got) == 1 and isinstance(got[0], InputError), got
+    assert "queue" in str(got[0])
+
+
+def test_requests_their_callers_withdrew_are_neither_pending_nor_backlog(stand_in):
+    # a withdrawn request never gets a result: it was counted pending and in the backlog for
+    # good, so a run whose clients went away read as one with requests still waiting, and
+    # enough of them as congested
+    from staronnx.serving.metrics import backlog, summarize
+
+    with Server(stand_in, ServeSpec(4)) as server:
+        kept = [server.submit(_sample(i)) for i in range(4)]
+        gone = [server.submit(_sample(i)) for i in range(4, 7)]
+        assert all(f.cancel() for f in gone)
+        assert server.queue_length == 0
+        for f in kept:
+            f.result(timeout=10)
+        rec = server.records()
+    assert sum(r.withdrawn for r in rec.requests) == 3
+    summary = summarize(rec)
+    assert summary["completed"] == 4 and summary["pending"] == 0, summary["pending"]
+    assert backlog(rec, np.array([rec.end + 1.0]))[0] == 0
+
+
+def test_the_capacity_of_a_queue_policy_without_levels_bounds_the_queue(stand_in):
+    # "a model without priority levels is one level; its policy still applies": its capacity
+    # was read only where the queue kept levels, so here it was silently ignored
+    from staronnx.serving.priority import LevelPolicy, QueuePolicy
+
+    policy = QueuePolicy(levels=(LevelPolicy(capacity=2),))
+    spec = ServeSpec(4, max_delay=30.0, queue_policy=policy)
+    assert spec.queue_capacity == 2
+    with Server(stand_in, spec) as server:
+        kept = [server.submit(_sample(i)) for i in range(2)]
+        with pytest.raises(server_module.OverloadError):
+            server.submit(_sample(2))
+        server.flush()
+        for f in kept:
+            f.result(timeout=10)
+    with pytest.raises(StaronnxError, match="queue_capacity"):  # a full batch could never form
+        ServeSpec(4, queue_policy=policy)
+
+
+def test_flush_sends_multi_row_requests(stand_in):
+    # flush() counted the requests to let go, the batcher's rule their rows: two requests of
+    # 3 rows made a flush batch of "2" rows, which neither fits: nothing left, and the batcher
+    # spun on that decision (a core at 100 %) until close
+    x = np.concatenate([_sample(i)["x"] for i in range(3)])
+    with Server(stand_in, ServeSpec(8)) as server:
+        futures = [server.submit({"x": x}, checked=True, rows=3) for _ in range(2)]
+        server.flush()
+        for f in futures:
+            np.testing.assert_allclose(f.result(timeout=10)["y"], x @ W, rtol=1e-5, atol=1e-5)
+        assert [b.size for b in server.records().batches] == [6]
+
+
+def test_wait_idle_returns_once_the_last_queued_request_is_withdrawn(stand_in):
+    # the cancel woke both the batcher and wait_idle(); when wait_idle looked first it found
+    # the request still queued (the batcher drops withdrawn ones) and slept again, and the
+    # batcher dropped it without a word: wait_idle() waited out its timeout (forever with None)
+    with Server(stand_in, ServeSpec(4)) as server:
+        for i in range(20):
+            future = server.submit(_sample(i))
+            left: list[int] = []
+            waiter = threading.Thread(target=lambda: left.append(server.wait_idle()), daemon=True)
+            waiter.start()
+            while not server._idle_waiters:  # it waits for the request
+                time.sleep(0.001)
+            assert future.cancel()
+            waiter.join(20)
+            assert not waiter.is_alive(), f"wait_idle() still waits after cancel {i}"
+            assert left == [0]

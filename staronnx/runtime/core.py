@@ -32,6 +32,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from concurrent.futures._base import CANCELLED
 from typing import TYPE_CHECKING, Any
 
 from staronnx.perfmodels import Footprint
@@ -392,6 +393,8 @@ class TaskGraph:
             if req.failed or (self.dropped is not None and self.dropped(req.owner)):
                 # its request failed or was cancelled: keep the policy's accounting, drop it
                 policy.on_done(wid, view, 0.0, now)
+                if not req.failed:  # cancelled: it will never complete, so it leaves the in-flight
+                    self.withdraw(req)  # requests now (else counted, held and waited for by close)
                 continue
             task.worker = wid
             st = self.workers[wid]
@@ -546,6 +549,18 @@ class TaskGraph:
             counters = self.per_model[req.model]
             counters.in_flight -= 1
             counters.failed += 1
+
+    def withdraw(self, req: Request) -> None:
+        """A request its caller cancelled, one of whose tasks was dropped: it leaves the in-flight
+        requests (its model's capacity, close()'s drain) as a failed one does, its other tasks
+        dropped too, without being counted as failed."""
+        req.failed = True
+        if self.inflight.pop(req.id, None) is not None:
+            self.per_model[req.model].in_flight -= 1
+        # what an executor does with a cancelled item it reaches: concurrent.futures.wait() and
+        # as_completed() count a cancelled future done only once it is notified (they hung)
+        if getattr(req.owner, "_state", None) == CANCELLED:  # (a driver's future, not yet notified)
+            req.owner.set_running_or_notify_cancel()
 
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the

@@ -813,7 +813,9 @@ class NativeEngine:
             self._stopping = True
             self._wake_all()
         for req in cancelled:
-            if not req.owner.cancel() and not req.owner.done():
+            if req.owner.cancel():  # and announced, or wait()/as_completed() never count it done
+                req.owner.set_running_or_notify_cancel()
+            elif not req.owner.done():
                 req.owner.set_exception(CancelledError())
         for loop in self._loops:
             try:

@@ -83,7 +83,7 @@ def summarize(records: RunRecords, warmup: float = 0.0) -> dict[str, Any]:
         "completed": sum(r.done is not None for r in accepted),
         "rejected": sum(r.rejected for r in in_window),
         "failed": sum(r.failed for r in accepted),
-        "pending": sum(r.done is None and not r.failed for r in accepted),
+        "pending": sum(r.done is None and not (r.failed or r.withdrawn) for r in accepted),
         "batches": len(firsts),
     }
     generator = records.settings.get("loadgen") or {}
@@ -264,12 +264,13 @@ def backlog(records: RunRecords, at: np.ndarray) -> np.ndarray:
     """Requests arrived and not yet finished at each time of ``at``, wherever they wait.
 
     Rejected requests never entered; a failed request leaves when its batch ended (or is left
-    out if that is unknown).
+    out if that is unknown); a withdrawn one (its caller cancelled it) is left out: when it
+    left is not recorded, and counted forever it read as a backlog that never drains.
     """
     batch_done = {bt.id: bt.done for bt in records.batches}
     arrivals, exits = [], []
     for r in records.requests:
-        if r.rejected:
+        if r.rejected or r.withdrawn:
             continue
         leave = r.done if r.done is not None else (batch_done.get(r.batch_id) if r.failed else math.inf)
         if leave is None:

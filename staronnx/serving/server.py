@@ -316,6 +316,8 @@ class Server:
         self.batch_size, self.max_delay, self.on_full = spec.batch_size, spec.max_delay, spec.on_full
         self.queue_capacity, self.keep_records, self.colocate = spec.queue_capacity, spec.keep_records, spec.colocate
         self.clock = clock
+        #: the most rows a checked request may hold: a batch's, and no more than the queue holds
+        self._max_rows = min(self._limit, self.queue_capacity)
         self._batch_memory = batch_memory or runtime.batch_array
         self._on_executed = on_executed
         #: a model of a shared runtime counts its latency target from each batch's oldest
@@ -360,7 +362,7 @@ class Server:
         self._closing = False
         self._abort = False
         self._withdrawn = 0  # futures cancelled since the queue was last cleared of them
-        self._flush_left = 0  # the queue's first requests that leave without waiting to fill
+        self._flush_left = 0  # rows of the queue's first requests that leave without waiting to fill
         #: an event loop that times the max delay for requests submitted on its thread
         #: (:meth:`time_delays_on`), and when the timer it holds for this server fires (None: none)
         self._delay_loop: asyncio.AbstractEventLoop | None = None
@@ -411,7 +413,10 @@ class Server:
         if not checked:
             self._check_sample(sample)
             rows = 1
-        elif not 1 <= rows <= self._limit:
+        elif not 1 <= rows <= self._max_rows:
+            if rows > self.queue_capacity:  # it could never be queued: on_full="block" waited forever
+                raise InputError(f"a request of {rows} rows does not fit a queue of {self.queue_capacity} samples "
+                                 "(queue_capacity)")
             raise InputError(f"a request of {rows} rows does not fit a batch of at most {self._limit}")
         index = self._level_index(level) if level or self._ordered else 0
         sig = self._contract.signature(sample) if self._signed else None
@@ -596,7 +601,7 @@ class Server:
                 groups[p._sig] = groups.get(p._sig, 0) + p._rows
         if self._ordered:
             self._left_levels(dropped)
-        self._flush_left = min(self._flush_left, len(kept))
+        self._flush_left = min(self._flush_left, sum(groups.values()))  # rows
         self._queue, self._withdrawn, self._groups = kept, 0, groups
         self._sample_queue()
 
@@ -650,7 +655,9 @@ class Server:
         forever for a batch to fill. Requests submitted later batch normally.
         """
         with self._cond:
-            self._flush_left = len(self._queue)
+            # in rows, as the batcher's rule counts them (a count of requests let a flush of
+            # multi-row requests ask for fewer rows than the first one holds: nothing left)
+            self._flush_left = sum(self._groups.values())
             self._cond.notify_all()
 
     # -- the batcher --------------------------------------------------------------------------
@@ -794,7 +801,7 @@ class Server:
             self._groups[sig] = left
         else:
             self._groups.pop(sig, None)
-        self._flush_left = max(0, self._flush_left - len(taken))
+        self._flush_left = max(0, self._flush_left - rows)
         return taken
 
     def _launch(self, record: BatchRecord, batch: list[_Request]) -> None:
@@ -955,7 +962,8 @@ class Server:
             "on_full": self.on_full,
             "max_inflight": self.max_inflight,
             "pad_to": list(self.pad_to),
-            "policy": self.runtime.policy_name if isinstance(self.runtime, Runtime) else None,
+            "policy": (self.runtime.policy_name if isinstance(self.runtime, Runtime)
+                       else self.runtime.runtime.policy_name if isinstance(self.runtime, ModelHandle) else None),
             "plan_hash": self.plan.hash,
         }
 
@@ -1003,7 +1011,13 @@ class Server:
         """
         # called from a result's callback, i.e. on the batcher thread: nothing more can drain
         on_batcher = threading.current_thread() is self._thread
-        deadline = time.monotonic() if on_batcher else None if timeout is None else time.monotonic() + timeout
+        stuck = on_batcher
+        if not on_batcher and self._resolve_inline:
+            # or on the runtime's CPU worker that hands results out (_completed): the batches
+            # queued behind on that worker cannot run while it waits here (it waited the timeout)
+            me = threading.get_native_id()
+            stuck = any(getattr(w, "native_id", None) == me for w in self.runtime.workers)
+        deadline = time.monotonic() if stuck else None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._closing = True
             self._cond.notify_all()
@@ -1053,7 +1067,11 @@ class Server:
     def _wait_drained(self, deadline: float | None) -> None:
         """(lock held) Until nothing is queued, in flight or being handed out, or ``deadline``
         (``time.monotonic()``; None: no limit)."""
-        while self._queue or self._inflight or self._completions or self._resolving:
+        while True:
+            if self._withdrawn:  # cancelled requests left queued would keep it waiting: the
+                self._drop_withdrawn()  # batcher that drops them has no reason to wake it
+            if not (self._queue or self._inflight or self._completions or self._resolving):
+                break
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 break
@@ -1087,8 +1105,11 @@ def _batch_done(server: weakref.ref[Server], record: BatchRecord, started: float
     target = server()
     if target is None:
         return
-    if target._on_executed is not None and not future.cancelled() and future.exception() is None:
-        target._on_executed(record.padded_to or record.size, time.perf_counter() - started)
+    try:
+        if target._on_executed is not None and not future.cancelled() and future.exception() is None:
+            target._on_executed(record.padded_to or record.size, time.perf_counter() - started)
+    except Exception:  # noqa: BLE001 - a failing counter must not keep the batch's requests unanswered
+        log.exception("the server's on_executed callback failed; the batch's results are handed out anyway")
     target._completed(record, future)
 
 

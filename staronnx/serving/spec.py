@@ -93,6 +93,12 @@ class ServeSpec:
     queue_policy: QueuePolicy | None = None
 
     def __post_init__(self) -> None:
+        policy = self.queue_policy
+        if policy is not None and not policy.priority_levels and policy.levels[0].capacity is not None:
+            # without levels the queue is the policy's one level, so its capacity bounds the
+            # queue (the batcher only counts per level where there are levels): as
+            # dynamic_batching.default_queue_policy.max_queue_size does for a served model
+            object.__setattr__(self, "queue_capacity", min(self.queue_capacity, policy.levels[0].capacity))
         b, capacity = self.batch_size, self.queue_capacity
         if not isinstance(b, int) or b < 1:
             raise StaronnxError(f"batch_size must be an integer >= 1, got {b!r}")
