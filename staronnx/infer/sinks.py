@@ -42,8 +42,8 @@ import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
 from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
+from staronnx.infer.sources import MANIFEST
 
-MANIFEST = "_manifest.json"
 SUCCESS = "_SUCCESS.json"
 FORMATS = ("parquet", "npz")
 #: the suffixes of a single-file output, and the format each names

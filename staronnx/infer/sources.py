@@ -33,7 +33,6 @@ import numpy as np
 
 from staronnx.errors import InputError
 from staronnx.infer.rows import RowLayout
-from staronnx.infer.sinks import MANIFEST
 
 #: rows a chunk holds by default
 CHUNK_ROWS = 1024
@@ -42,6 +41,10 @@ CHUNK_ROWS = 1024
 #: size (:data:`staronnx.infer.job.BUNDLE_BYTES`): a chunk's buffer lives while any batch cut from
 #: it does, so a chunk twice a bundle kept a bundle's worth more alive (crnn_ocr: -2.5 MiB of peak RSS)
 CHUNK_BYTES = 1 << 20
+
+#: the file every output folder of staronnx infer holds (:data:`staronnx.infer.sinks.MANIFEST`):
+#: such a folder inside an input folder is an output, not input
+MANIFEST = "_manifest.json"
 
 ARROW_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
 
