@@ -605,3 +605,41 @@ def test_model_control_flags_are_checked(repo, args, message, tmp_path):
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "STARONNX_HOME": str(tmp_path)})
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_poll_mode_keeps_serving_while_the_repository_cannot_be_read(tmp_path):
+    """A poll that cannot read the repositories (here a model copied into the second one: a name
+    in two repositories) changes nothing: the served models stay served until it reads again."""
+    import shutil
+    import time
+
+    first, other = tmp_path / "models", tmp_path / "more"
+    _write(first, "first", None, [1], simple_model())
+    other.mkdir()
+    s = start_server([], tmp_path, "--model-repository", str(first), "--model-repository", str(other),
+                     "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        shutil.copytree(first / "first", other / "first")
+        for _ in range(600):  # until a poll met the duplicate (no timing is asserted)
+            if any("cannot read the model repository" in line for line in s.lines):
+                break
+            time.sleep(0.1)
+        seen = sum("cannot read the model repository" in line for line in s.lines)
+        for _ in range(600):  # two more polls: one that unloaded would have done so by now
+            if sum("cannot read the model repository" in line for line in s.lines) >= seen + 2:
+                break
+            time.sleep(0.1)
+        assert client.is_model_ready("first"), "\n".join(s.lines[-20:])
+        np.testing.assert_array_equal(client.infer("first", _simple_inputs(httpclient)[0]).as_numpy("OUTPUT0"),
+                                      _simple_inputs(httpclient)[1] + _simple_inputs(httpclient)[2])
+        shutil.rmtree(other / "first")
+        _write(other, "second", None, [1], simple_model())
+        for _ in range(600):  # the repository reads again: polling goes on
+            if client.is_model_ready("second"):
+                break
+            time.sleep(0.1)
+        assert client.is_model_ready("second") and client.is_model_ready("first")
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

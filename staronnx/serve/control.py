@@ -164,8 +164,14 @@ class ModelControl:
 
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload the ones whose folder is gone."""
+        from staronnx.serve.repository import scan
+
         async with self._lock:
-            folders = self.folders()
+            try:
+                folders = dict(scan(self.repositories))
+            except StaronnxError as exc:  # not "no models": that would unload every model it serves
+                log.warning("cannot read the model repository: %s", exc)
+                return
             for name, folder in folders.items():
                 if name in self.fixed:
                     continue
