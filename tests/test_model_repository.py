@@ -643,3 +643,30 @@ def test_poll_mode_keeps_serving_while_the_repository_cannot_be_read(tmp_path):
         assert client.is_model_ready("second") and client.is_model_ready("first")
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_poll_mode_forgets_a_failed_model_whose_folder_is_gone(tmp_path):
+    """A model that failed to load is listed UNAVAILABLE with its reason while its folder is
+    there; once the folder is removed it leaves the index, as a served model's does."""
+    import shutil
+    import time
+
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    _write(root, "broken", 'platform: "tensorflow_savedmodel"', [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert {e["name"]: e["state"] for e in client.get_model_repository_index()}["broken"] == "UNAVAILABLE"
+        shutil.rmtree(root / "broken")
+        _write(root, "second", None, [1], simple_model())
+        for _ in range(600):  # the poll that loads "second" sees "broken" gone (no timing is asserted)
+            if client.is_model_ready("second"):
+                break
+            time.sleep(0.1)
+        assert client.is_model_ready("second")
+        names = {e["name"] for e in client.get_model_repository_index()}
+        assert names == {"first", "second"}, client.get_model_repository_index()
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

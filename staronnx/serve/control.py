@@ -186,6 +186,9 @@ class ModelControl:
             for name in [n for n in self.models if n not in folders and n not in self.fixed]:
                 await self._unload(name)
                 self.unavailable.pop(name, None)
+            for name in [n for n in self.unavailable if n not in folders and n not in self.fixed]:
+                del self.unavailable[name]  # one that failed to load: its folder is gone, so is its entry
+                self.stamps.pop(name, None)
 
 
 def folder_stamp(folder: Path) -> tuple[Any, ...]:
