@@ -670,3 +670,27 @@ def test_poll_mode_forgets_a_failed_model_whose_folder_is_gone(tmp_path):
         assert names == {"first", "second"}, client.get_model_repository_index()
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_warmup_samples_of_a_reshaped_input_are_given_in_its_dims(tmp_path):
+    """A model_warmup sample's dims are the input's as the config declares them (Triton's warm-up
+    request goes through the same reshape as a client's): a model with a reshape warms up and
+    serves."""
+    config = RESHAPED_CONFIG + """
+model_warmup [ { name: "square" batch_size: 2
+                 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 4, 4 ] zero_data: true } }
+                 inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 4, 4 ] random_data: true } } } ]
+"""
+    root = tmp_path / "models"
+    _write(root, "reshaped", config, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager", "--batch-size", "8")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("reshaped"), "\n".join(s.lines)
+        a = np.arange(16, dtype=np.int32).reshape(1, 4, 4)
+        inputs = [httpclient.InferInput(n, [1, 4, 4], "INT32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(a)
+        assert client.infer("reshaped", inputs).as_numpy("OUTPUT0").shape == (1, 2, 8)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

@@ -547,6 +547,14 @@ def warmup_feeds(config: mc.ModelConfig, seed: int = 0) -> list[tuple[str, int, 
                 dtype = protocol.DATATYPES[type_name]
                 feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype) if given.random_data and dtype.kind == "f" \
                     else (rng.integers(0, 2, size=dims).astype(dtype) if given.random_data else np.zeros(dims, dtype))
+            if declared[name].HasField("reshape"):  # the sample is in the config's dims, as a client's request:
+                shape = list(declared[name].reshape.shape)  # the runtime takes the model's (its reshape)
+                try:
+                    feeds[name] = feeds[name].reshape([sample.batch_size, *shape] if config.max_batch_size > 0
+                                                      else shape)
+                except ValueError:
+                    raise ConfigError(f"{what}: input {name!r} of dims {list(given.dims)} cannot be reshaped to the "
+                                      f"config's reshape {shape}") from None
         out.append((what, max(1, sample.count), feeds))
     return out
 
