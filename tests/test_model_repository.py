@@ -694,3 +694,21 @@ model_warmup [ { name: "square" batch_size: 2
         assert client.infer("reshaped", inputs).as_numpy("OUTPUT0").shape == (1, 2, 8)
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_version_folder_of_non_ascii_digits_is_not_a_version(tmp_path):
+    """Version folders are numbers (ASCII digits, as Triton parses them); another folder, even one
+    whose name Python calls digits ('²', '١'), is ignored as Triton ignores it: the model serves its
+    versions, the server starts."""
+    import shutil
+
+    root = tmp_path / "models"
+    _write(root, "odd", None, [1], simple_model())
+    for name in ("²", "١"):
+        shutil.copytree(root / "odd" / "1", root / "odd" / name)
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("odd") and client.get_model_metadata("odd")["versions"] == ["1"]
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

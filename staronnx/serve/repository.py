@@ -96,7 +96,9 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
                                "(platform 'onnxruntime_onnx' or backend 'onnxruntime')")
     mcfg.check_honoured(config)
     filename = config.default_model_filename or mcfg.DEFAULT_MODEL_FILENAME
-    versions = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit() and (d / filename).is_file()]
+    # ASCII digits: str.isdigit() also takes '²' or '١', which int() refuses or reads as another folder's number
+    versions = [int(d.name) for d in folder.iterdir()
+                if d.is_dir() and d.name.isascii() and d.name.isdigit() and (d / filename).is_file()]
     chosen = [_load_version(name, folder, v, filename, config, batch_written, batch_size, home)
               for v in mcfg.pick_versions(config, versions, name)]
     chosen[0].older = chosen[1:]
@@ -141,7 +143,7 @@ def _load_ensemble(name: str, folder: Path, config: Any, batch_size: int, home: 
     effective = mc.ModelConfig()
     effective.CopyFrom(config)
     effective.name = name
-    versions_here = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit()]
+    versions_here = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isascii() and d.name.isdigit()]
     return RepositoryModel(name, str(max(versions_here, default=1)), folder, folder / "config.pbtxt", plan,
                            mcfg.settings(effective), mcfg.as_dict(effective), {}, [], ensemble=spec)
 
