@@ -712,3 +712,20 @@ def test_a_version_folder_of_non_ascii_digits_is_not_a_version(tmp_path):
         assert client.is_model_ready("odd") and client.get_model_metadata("odd")["versions"] == ["1"]
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_model_file_that_is_not_onnx_fails_that_model_alone(tmp_path):
+    """A version's model.onnx that does not parse (a truncated copy, another format) leaves that
+    model out, UNAVAILABLE with its reason naming the file; the other models serve."""
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    (root / "corrupt" / "1").mkdir(parents=True)
+    (root / "corrupt" / "1" / "model.onnx").write_bytes(bytes(range(256)) * 3)
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        entry = next(e for e in client.get_model_repository_index() if e["name"] == "corrupt")
+        assert entry["state"] == "UNAVAILABLE" and "model.onnx" in entry["reason"], entry
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

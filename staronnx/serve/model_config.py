@@ -295,8 +295,13 @@ def _walk(message: Any, path: str) -> Iterable[tuple[str, Any, list[tuple[Any, A
 def onnx_signature(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The ONNX model's graph inputs (not initializers) and outputs as config tensors."""
     import onnx
+    from google.protobuf.message import DecodeError
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:  # a file that does not parse fails its model alone (the others serve), naming the file
+        model = onnx.load(str(model_path), load_external_data=False)
+    except (DecodeError, OSError) as exc:
+        raise ConfigError(f"{model_path.parent.name}/{model_path.name} is not an ONNX model that can be read: "
+                          f"{exc}") from None
     initializers = {t.name for t in model.graph.initializer}
 
     def specs(values: Sequence[Any]) -> list[TensorSpec]:
