@@ -729,3 +729,19 @@ def test_a_model_file_that_is_not_onnx_fails_that_model_alone(tmp_path):
         assert entry["state"] == "UNAVAILABLE" and "model.onnx" in entry["reason"], entry
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_latency_target_below_zero_fails_its_model_alone(tmp_path):
+    """A config's slo_ms parameter that is not a positive number of milliseconds leaves that model
+    out, its reason naming the parameter as written; the server starts and the others serve."""
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    _write(root, "hasty", 'parameters { key: "slo_ms" value: { string_value: "-5" } }', [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        entry = next(e for e in client.get_model_repository_index() if e["name"] == "hasty")
+        assert entry["state"] == "UNAVAILABLE" and "slo_ms" in entry["reason"] and "-5" in entry["reason"], entry
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

@@ -440,6 +440,10 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
             out.plan["shares"] = [float(s) for s in params["shares"].split(",")]
         if "slo_ms" in params:
             out.target["latency_ms"] = float(params["slo_ms"])
+            if not (out.target["latency_ms"] > 0 and np.isfinite(out.target["latency_ms"])):
+                # refused here, by name: the runtime's own check stopped the whole server, in seconds
+                raise ConfigError(f"parameter slo_ms must be a positive number of milliseconds, got "
+                                  f"{params['slo_ms']!r}")
         if "priority" in params:
             out.target["priority"] = int(params["priority"])
     except ValueError as exc:
