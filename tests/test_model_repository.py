@@ -225,6 +225,14 @@ def test_config_is_the_effective_one(served):
     assert grpcclient.InferenceServerClient(served.grpc).get_model_metadata("versioned").versions == ["2"]
 
 
+def test_config_json_writes_64_bit_integers_as_numbers(served):
+    """The HTTP config is Triton's JSON: its 64-bit integers (a queue policy's timeout, priority
+    levels, ...) are numbers, as Triton writes them, not the strings of protobuf's JSON form."""
+    config = httpclient.InferenceServerClient(served.http).get_model_config("impatient")
+    policy = config["dynamic_batching"]["default_queue_policy"]
+    assert policy["default_timeout_microseconds"] == 500000, config["dynamic_batching"]
+
+
 def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
     """The plans made at the first start are reused by the next (same file, same settings), one
     per distinct (file, settings): simple, unbatched and versioned v1 share one file."""

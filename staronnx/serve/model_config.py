@@ -247,7 +247,29 @@ def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     specific = doc.get("version_policy", {}).get("specific")
     if specific is not None:
         specific["versions"] = [int(v) for v in specific.get("versions", [])]
+    _numbers(config, doc)
     return doc
+
+
+def _numbers(message: Any, doc: dict[str, Any]) -> None:
+    """Every 64-bit integer of ``doc`` (``message`` in JSON) as a number, in place, as Triton's
+    JSON writes them (dynamic_batching's priority levels and queue timeouts, a step's
+    model_version...): protobuf's JSON writes them as strings."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    for f in message.DESCRIPTOR.fields:
+        if f.name not in doc:
+            continue
+        value = getattr(message, f.name)
+        if f.cpp_type in (F.CPPTYPE_INT64, F.CPPTYPE_UINT64):
+            doc[f.name] = [int(v) for v in doc[f.name]] if f.is_repeated else int(doc[f.name])
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            if f.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    _numbers(item, doc[f.name][str(key)])
+        elif f.message_type is not None:
+            for item, item_doc in (zip(value, doc[f.name]) if f.is_repeated else [(value, doc[f.name])]):
+                _numbers(item, item_doc)
 
 
 def check_honoured(config: mc.ModelConfig) -> None:
