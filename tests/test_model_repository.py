@@ -233,6 +233,17 @@ def test_config_json_writes_64_bit_integers_as_numbers(served):
     assert policy["default_timeout_microseconds"] == 500000, config["dynamic_batching"]
 
 
+def test_a_request_larger_than_the_configs_queue_names_max_queue_size(served):
+    """A request of more samples than a repository model's queue holds is refused naming what
+    sized that queue: its config's max_queue_size, not the --queue-capacity flag it was not given."""
+    client = httpclient.InferenceServerClient(served.http)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tuned", _simple_inputs(httpclient, 65)[0])
+    assert "max_queue_size" in str(info.value) and "--queue-capacity" not in str(info.value), str(info.value)
+    with pytest.raises(InferenceServerException, match="--queue-capacity") as info:  # the flag's, named as ever
+        client.infer("simple", _simple_inputs(httpclient, 33)[0])
+
+
 def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
     """The plans made at the first start are reused by the next (same file, same settings), one
     per distinct (file, settings): simple, unbatched and versioned v1 share one file."""

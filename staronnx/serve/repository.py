@@ -231,7 +231,7 @@ def declared(found: RepositoryModel) -> Any:
 
     s = found.settings
     return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering,
-                    sequence=s.sequence, ensemble=found.ensemble)
+                    sequence=s.sequence, ensemble=found.ensemble, queue_sized=s.queue_capacity is not None)
 
 
 def warm(found: RepositoryModel, runtime: Any) -> int:
