@@ -764,3 +764,18 @@ def test_a_latency_target_below_zero_fails_its_model_alone(tmp_path):
         assert entry["state"] == "UNAVAILABLE" and "slo_ms" in entry["reason"] and "-5" in entry["reason"], entry
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_max_batch_size_0_is_read_wherever_the_config_writes_it(tmp_path):
+    """'max_batch_size: 0' (a model that does not batch) counts wherever the config writes it, on
+    one line after another field as much as on a line of its own; a commented-out one does not."""
+    root = tmp_path / "models"
+    _write(root, "one_line", 'platform: "onnxruntime_onnx" max_batch_size: 0', [1], simple_model())
+    _write(root, "commented", '# max_batch_size: 0\nplatform: "onnxruntime_onnx"', [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager", "--batch-size", "8")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.get_model_config("one_line").get("max_batch_size", 0) == 0
+        assert client.get_model_config("commented")["max_batch_size"] == 8
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

@@ -72,7 +72,6 @@ files, and every other field.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +204,13 @@ def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
         text_format.Parse(text, config)
     except (text_format.ParseError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    written = any(re.match(r"\s*max_batch_size\s*:", line.split("#", 1)[0]) for line in text.splitlines())
+    # the field's name as a token of the text (not in a comment or a string), wherever it stands:
+    # a config may write it after another field on one line
+    tokens = text_format.Tokenizer(text.splitlines())
+    written = False
+    while not (written or tokens.AtEnd()):
+        written = tokens.token == "max_batch_size"
+        tokens.NextToken()
     return config, written
 
 
