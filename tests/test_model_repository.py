@@ -440,6 +440,17 @@ def test_a_config_override_takes_effect_and_a_bad_one_changes_nothing(explicit, 
     assert (config["max_batch_size"] if protocol == "http" else config.config.max_batch_size) == 8
 
 
+def test_an_override_in_camel_case_sets_max_batch_size_0(explicit):
+    """A load's JSON config may name fields as protobuf's JSON does, in camelCase (which protobuf's
+    parser, Triton's too, takes): its maxBatchSize 0 makes a model that does not batch."""
+    client = httpclient.InferenceServerClient(explicit.http)
+    client.load_model("ordered", config='{"maxBatchSize": 0}')
+    try:
+        assert client.get_model_config("ordered").get("max_batch_size", 0) == 0
+    finally:
+        client.unload_model("ordered")
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_loads_that_cannot_be_done_are_refused_by_name(explicit, protocol):
     module = httpclient if protocol == "http" else grpcclient

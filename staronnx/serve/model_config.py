@@ -227,7 +227,7 @@ def parse_override(text: str) -> tuple[mc.ModelConfig, bool]:
         json_format.ParseDict(doc, config)
     except (ValueError, json_format.ParseError) as exc:
         raise ConfigError(f"the config of the load request is not a model config in JSON: {exc}") from None
-    return config, "max_batch_size" in doc
+    return config, "max_batch_size" in doc or "maxBatchSize" in doc  # both names parse (protobuf's JSON)
 
 
 def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
