@@ -790,3 +790,17 @@ def test_max_batch_size_0_is_read_wherever_the_config_writes_it(tmp_path):
         assert client.get_model_config("commented")["max_batch_size"] == 8
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_repository_given_twice_is_read_once(tmp_path):
+    """--model-repository DIR given twice (a script that adds the default repository again, or the
+    same folder by another path) serves each model once, as Triton reads a set of repositories;
+    it is not a model found in two repositories."""
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-repository", str(tmp_path / "." / "models"),
+                     "--policy", "eager")
+    try:
+        assert httpclient.InferenceServerClient(s.http).is_model_ready("first")
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

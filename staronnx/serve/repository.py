@@ -63,9 +63,13 @@ def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
     """(model name, folder) of every model in the repositories, in name order; a name found in
     two repositories is refused (a URL serves one model), as is a repository that is not a folder."""
     found: dict[str, Path] = {}
+    read: set[Path] = set()
     for repo in repositories:
         if not repo.is_dir():
             raise StaronnxError(f"--model-repository {repo}: not a folder")
+        if repo.resolve() in read:
+            continue  # the same folder given twice (as Triton's set of repositories): its models once
+        read.add(repo.resolve())
         for folder in sorted(repo.iterdir()):
             if not folder.is_dir() or folder.name.startswith("."):
                 continue
