@@ -804,3 +804,24 @@ def test_a_repository_given_twice_is_read_once(tmp_path):
         assert httpclient.InferenceServerClient(s.http).is_model_ready("first")
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_load_says_why_the_repository_cannot_be_read(tmp_path):
+    """Explicit mode: a load while the repositories cannot be read (a model name in two of them)
+    is refused with that reason, not as a model missing from the repository."""
+    import shutil
+
+    first, other = tmp_path / "models", tmp_path / "more"
+    _write(first, "first", None, [1], simple_model())
+    other.mkdir()
+    s = start_server([], tmp_path, "--model-repository", str(first), "--model-repository", str(other),
+                     "--model-control-mode", "explicit", "--load-model", "first", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        shutil.copytree(first / "first", other / "first")
+        with pytest.raises(InferenceServerException, match="failed to load 'first': model 'first' is in two "
+                                                           "repositories"):
+            client.load_model("first")
+        assert client.is_model_ready("first")  # the served version stays served
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

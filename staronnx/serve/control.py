@@ -116,7 +116,12 @@ class ModelControl:
             await self._load(name, config)
 
     async def _load(self, name: str, config: str | None) -> None:
-        folders = self.folders()
+        from staronnx.serve.repository import scan
+
+        try:
+            folders = dict(scan(self.repositories))
+        except StaronnxError as exc:  # why, rather than "no model of that name" (folders() reads none)
+            raise ProtocolError("invalid", f"failed to load {shown(name)}: {exc}") from None
         folder = folders.get(name)
         if folder is None:
             raise ProtocolError("invalid", f"failed to load {shown(name)}: no model of that name in the repository "
