@@ -225,6 +225,25 @@ def test_config_is_the_effective_one(served):
     assert grpcclient.InferenceServerClient(served.grpc).get_model_metadata("versioned").versions == ["2"]
 
 
+def test_config_json_writes_64_bit_integers_as_numbers(served):
+    """The HTTP config is Triton's JSON: its 64-bit integers (a queue policy's timeout, priority
+    levels, ...) are numbers, as Triton writes them, not the strings of protobuf's JSON form."""
+    config = httpclient.InferenceServerClient(served.http).get_model_config("impatient")
+    policy = config["dynamic_batching"]["default_queue_policy"]
+    assert policy["default_timeout_microseconds"] == 500000, config["dynamic_batching"]
+
+
+def test_a_request_larger_than_the_configs_queue_names_max_queue_size(served):
+    """A request of more samples than a repository model's queue holds is refused naming what
+    sized that queue: its config's max_queue_size, not the --queue-capacity flag it was not given."""
+    client = httpclient.InferenceServerClient(served.http)
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("tuned", _simple_inputs(httpclient, 65)[0])
+    assert "max_queue_size" in str(info.value) and "--queue-capacity" not in str(info.value), str(info.value)
+    with pytest.raises(InferenceServerException, match="--queue-capacity") as info:  # the flag's, named as ever
+        client.infer("simple", _simple_inputs(httpclient, 33)[0])
+
+
 def test_plans_are_cached_by_model_hash_and_settings(served, repo, tmp_path):
     """The plans made at the first start are reused by the next (same file, same settings), one
     per distinct (file, settings): simple, unbatched and versioned v1 share one file."""
@@ -421,6 +440,17 @@ def test_a_config_override_takes_effect_and_a_bad_one_changes_nothing(explicit, 
     assert (config["max_batch_size"] if protocol == "http" else config.config.max_batch_size) == 8
 
 
+def test_an_override_in_camel_case_sets_max_batch_size_0(explicit):
+    """A load's JSON config may name fields as protobuf's JSON does, in camelCase (which protobuf's
+    parser, Triton's too, takes): its maxBatchSize 0 makes a model that does not batch."""
+    client = httpclient.InferenceServerClient(explicit.http)
+    client.load_model("ordered", config='{"maxBatchSize": 0}')
+    try:
+        assert client.get_model_config("ordered").get("max_batch_size", 0) == 0
+    finally:
+        client.unload_model("ordered")
+
+
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_loads_that_cannot_be_done_are_refused_by_name(explicit, protocol):
     module = httpclient if protocol == "http" else grpcclient
@@ -605,3 +635,193 @@ def test_model_control_flags_are_checked(repo, args, message, tmp_path):
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "STARONNX_HOME": str(tmp_path)})
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_poll_mode_keeps_serving_while_the_repository_cannot_be_read(tmp_path):
+    """A poll that cannot read the repositories (here a model copied into the second one: a name
+    in two repositories) changes nothing: the served models stay served until it reads again."""
+    import shutil
+    import time
+
+    first, other = tmp_path / "models", tmp_path / "more"
+    _write(first, "first", None, [1], simple_model())
+    other.mkdir()
+    s = start_server([], tmp_path, "--model-repository", str(first), "--model-repository", str(other),
+                     "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        shutil.copytree(first / "first", other / "first")
+        for _ in range(600):  # until a poll met the duplicate (no timing is asserted)
+            if any("cannot read the model repository" in line for line in s.lines):
+                break
+            time.sleep(0.1)
+        seen = sum("cannot read the model repository" in line for line in s.lines)
+        for _ in range(600):  # two more polls: one that unloaded would have done so by now
+            if sum("cannot read the model repository" in line for line in s.lines) >= seen + 2:
+                break
+            time.sleep(0.1)
+        assert client.is_model_ready("first"), "\n".join(s.lines[-20:])
+        np.testing.assert_array_equal(client.infer("first", _simple_inputs(httpclient)[0]).as_numpy("OUTPUT0"),
+                                      _simple_inputs(httpclient)[1] + _simple_inputs(httpclient)[2])
+        shutil.rmtree(other / "first")
+        _write(other, "second", None, [1], simple_model())
+        for _ in range(600):  # the repository reads again: polling goes on
+            if client.is_model_ready("second"):
+                break
+            time.sleep(0.1)
+        assert client.is_model_ready("second") and client.is_model_ready("first")
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_poll_mode_forgets_a_failed_model_whose_folder_is_gone(tmp_path):
+    """A model that failed to load is listed UNAVAILABLE with its reason while its folder is
+    there; once the folder is removed it leaves the index, as a served model's does."""
+    import shutil
+    import time
+
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    _write(root, "broken", 'platform: "tensorflow_savedmodel"', [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert {e["name"]: e["state"] for e in client.get_model_repository_index()}["broken"] == "UNAVAILABLE"
+        shutil.rmtree(root / "broken")
+        _write(root, "second", None, [1], simple_model())
+        for _ in range(600):  # the poll that loads "second" sees "broken" gone (no timing is asserted)
+            if client.is_model_ready("second"):
+                break
+            time.sleep(0.1)
+        assert client.is_model_ready("second")
+        names = {e["name"] for e in client.get_model_repository_index()}
+        assert names == {"first", "second"}, client.get_model_repository_index()
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_warmup_samples_of_a_reshaped_input_are_given_in_its_dims(tmp_path):
+    """A model_warmup sample's dims are the input's as the config declares them (Triton's warm-up
+    request goes through the same reshape as a client's): a model with a reshape warms up and
+    serves."""
+    config = RESHAPED_CONFIG + """
+model_warmup [ { name: "square" batch_size: 2
+                 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 4, 4 ] zero_data: true } }
+                 inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 4, 4 ] random_data: true } } } ]
+"""
+    root = tmp_path / "models"
+    _write(root, "reshaped", config, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager", "--batch-size", "8")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("reshaped"), "\n".join(s.lines)
+        a = np.arange(16, dtype=np.int32).reshape(1, 4, 4)
+        inputs = [httpclient.InferInput(n, [1, 4, 4], "INT32") for n in ("INPUT0", "INPUT1")]
+        inputs[0].set_data_from_numpy(a)
+        inputs[1].set_data_from_numpy(a)
+        assert client.infer("reshaped", inputs).as_numpy("OUTPUT0").shape == (1, 2, 8)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_version_folder_of_non_ascii_digits_is_not_a_version(tmp_path):
+    """Version folders are numbers (ASCII digits, as Triton parses them); another folder, even one
+    whose name Python calls digits ('²', '١'), is ignored as Triton ignores it: the model serves its
+    versions, the server starts."""
+    import shutil
+
+    root = tmp_path / "models"
+    _write(root, "odd", None, [1], simple_model())
+    for name in ("²", "١"):
+        shutil.copytree(root / "odd" / "1", root / "odd" / name)
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("odd") and client.get_model_metadata("odd")["versions"] == ["1"]
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_model_file_that_is_not_onnx_fails_that_model_alone(tmp_path):
+    """A version's model.onnx that does not parse (a truncated copy, another format) leaves that
+    model out, UNAVAILABLE with its reason naming the file; the other models serve."""
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    (root / "corrupt" / "1").mkdir(parents=True)
+    (root / "corrupt" / "1" / "model.onnx").write_bytes(bytes(range(256)) * 3)
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        entry = next(e for e in client.get_model_repository_index() if e["name"] == "corrupt")
+        assert entry["state"] == "UNAVAILABLE" and "model.onnx" in entry["reason"], entry
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_latency_target_below_zero_fails_its_model_alone(tmp_path):
+    """A config's slo_ms parameter that is not a positive number of milliseconds leaves that model
+    out, its reason naming the parameter as written; the server starts and the others serve."""
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    _write(root, "hasty", 'parameters { key: "slo_ms" value: { string_value: "-5" } }', [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        entry = next(e for e in client.get_model_repository_index() if e["name"] == "hasty")
+        assert entry["state"] == "UNAVAILABLE" and "slo_ms" in entry["reason"] and "-5" in entry["reason"], entry
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_max_batch_size_0_is_read_wherever_the_config_writes_it(tmp_path):
+    """'max_batch_size: 0' (a model that does not batch) counts wherever the config writes it, on
+    one line after another field as much as on a line of its own; a commented-out one does not."""
+    root = tmp_path / "models"
+    _write(root, "one_line", 'platform: "onnxruntime_onnx" max_batch_size: 0', [1], simple_model())
+    _write(root, "commented", '# max_batch_size: 0\nplatform: "onnxruntime_onnx"', [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager", "--batch-size", "8")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.get_model_config("one_line").get("max_batch_size", 0) == 0
+        assert client.get_model_config("commented")["max_batch_size"] == 8
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_repository_given_twice_is_read_once(tmp_path):
+    """--model-repository DIR given twice (a script that adds the default repository again, or the
+    same folder by another path) serves each model once, as Triton reads a set of repositories;
+    it is not a model found in two repositories."""
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-repository", str(tmp_path / "." / "models"),
+                     "--policy", "eager")
+    try:
+        assert httpclient.InferenceServerClient(s.http).is_model_ready("first")
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_load_says_why_the_repository_cannot_be_read(tmp_path):
+    """Explicit mode: a load while the repositories cannot be read (a model name in two of them)
+    is refused with that reason, not as a model missing from the repository."""
+    import shutil
+
+    first, other = tmp_path / "models", tmp_path / "more"
+    _write(first, "first", None, [1], simple_model())
+    other.mkdir()
+    s = start_server([], tmp_path, "--model-repository", str(first), "--model-repository", str(other),
+                     "--model-control-mode", "explicit", "--load-model", "first", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        shutil.copytree(first / "first", other / "first")
+        with pytest.raises(InferenceServerException, match="failed to load 'first': model 'first' is in two "
+                                                           "repositories"):
+            client.load_model("first")
+        assert client.is_model_ready("first")  # the served version stays served
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

@@ -116,7 +116,12 @@ class ModelControl:
             await self._load(name, config)
 
     async def _load(self, name: str, config: str | None) -> None:
-        folders = self.folders()
+        from staronnx.serve.repository import scan
+
+        try:
+            folders = dict(scan(self.repositories))
+        except StaronnxError as exc:  # why, rather than "no model of that name" (folders() reads none)
+            raise ProtocolError("invalid", f"failed to load {shown(name)}: {exc}") from None
         folder = folders.get(name)
         if folder is None:
             raise ProtocolError("invalid", f"failed to load {shown(name)}: no model of that name in the repository "
@@ -164,8 +169,14 @@ class ModelControl:
 
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload the ones whose folder is gone."""
+        from staronnx.serve.repository import scan
+
         async with self._lock:
-            folders = self.folders()
+            try:
+                folders = dict(scan(self.repositories))
+            except StaronnxError as exc:  # not "no models": that would unload every model it serves
+                log.warning("cannot read the model repository: %s", exc)
+                return
             for name, folder in folders.items():
                 if name in self.fixed:
                     continue
@@ -180,6 +191,9 @@ class ModelControl:
             for name in [n for n in self.models if n not in folders and n not in self.fixed]:
                 await self._unload(name)
                 self.unavailable.pop(name, None)
+            for name in [n for n in self.unavailable if n not in folders and n not in self.fixed]:
+                del self.unavailable[name]  # one that failed to load: its folder is gone, so is its entry
+                self.stamps.pop(name, None)
 
 
 def folder_stamp(folder: Path) -> tuple[Any, ...]:

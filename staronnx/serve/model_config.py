@@ -72,7 +72,6 @@ files, and every other field.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,7 +204,13 @@ def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
         text_format.Parse(text, config)
     except (text_format.ParseError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    written = any(re.match(r"\s*max_batch_size\s*:", line.split("#", 1)[0]) for line in text.splitlines())
+    # the field's name as a token of the text (not in a comment or a string), wherever it stands:
+    # a config may write it after another field on one line
+    tokens = text_format.Tokenizer(text.splitlines())
+    written = False
+    while not (written or tokens.AtEnd()):
+        written = tokens.token == "max_batch_size"
+        tokens.NextToken()
     return config, written
 
 
@@ -222,7 +227,7 @@ def parse_override(text: str) -> tuple[mc.ModelConfig, bool]:
         json_format.ParseDict(doc, config)
     except (ValueError, json_format.ParseError) as exc:
         raise ConfigError(f"the config of the load request is not a model config in JSON: {exc}") from None
-    return config, "max_batch_size" in doc
+    return config, "max_batch_size" in doc or "maxBatchSize" in doc  # both names parse (protobuf's JSON)
 
 
 def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
@@ -247,7 +252,29 @@ def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     specific = doc.get("version_policy", {}).get("specific")
     if specific is not None:
         specific["versions"] = [int(v) for v in specific.get("versions", [])]
+    _numbers(config, doc)
     return doc
+
+
+def _numbers(message: Any, doc: dict[str, Any]) -> None:
+    """Every 64-bit integer of ``doc`` (``message`` in JSON) as a number, in place, as Triton's
+    JSON writes them (dynamic_batching's priority levels and queue timeouts, a step's
+    model_version...): protobuf's JSON writes them as strings."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    for f in message.DESCRIPTOR.fields:
+        if f.name not in doc:
+            continue
+        value = getattr(message, f.name)
+        if f.cpp_type in (F.CPPTYPE_INT64, F.CPPTYPE_UINT64):
+            doc[f.name] = [int(v) for v in doc[f.name]] if f.is_repeated else int(doc[f.name])
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            if f.message_type.fields_by_name["value"].message_type is not None:
+                for key, item in value.items():
+                    _numbers(item, doc[f.name][str(key)])
+        elif f.message_type is not None:
+            for item, item_doc in (zip(value, doc[f.name]) if f.is_repeated else [(value, doc[f.name])]):
+                _numbers(item, item_doc)
 
 
 def check_honoured(config: mc.ModelConfig) -> None:
@@ -295,8 +322,13 @@ def _walk(message: Any, path: str) -> Iterable[tuple[str, Any, list[tuple[Any, A
 def onnx_signature(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """The ONNX model's graph inputs (not initializers) and outputs as config tensors."""
     import onnx
+    from google.protobuf.message import DecodeError
 
-    model = onnx.load(str(model_path), load_external_data=False)
+    try:  # a file that does not parse fails its model alone (the others serve), naming the file
+        model = onnx.load(str(model_path), load_external_data=False)
+    except (DecodeError, OSError) as exc:
+        raise ConfigError(f"{model_path.parent.name}/{model_path.name} is not an ONNX model that can be read: "
+                          f"{exc}") from None
     initializers = {t.name for t in model.graph.initializer}
 
     def specs(values: Sequence[Any]) -> list[TensorSpec]:
@@ -435,6 +467,10 @@ def settings(config: mc.ModelConfig) -> ModelSettings:
             out.plan["shares"] = [float(s) for s in params["shares"].split(",")]
         if "slo_ms" in params:
             out.target["latency_ms"] = float(params["slo_ms"])
+            if not (out.target["latency_ms"] > 0 and np.isfinite(out.target["latency_ms"])):
+                # refused here, by name: the runtime's own check stopped the whole server, in seconds
+                raise ConfigError(f"parameter slo_ms must be a positive number of milliseconds, got "
+                                  f"{params['slo_ms']!r}")
         if "priority" in params:
             out.target["priority"] = int(params["priority"])
     except ValueError as exc:
@@ -547,6 +583,14 @@ def warmup_feeds(config: mc.ModelConfig, seed: int = 0) -> list[tuple[str, int, 
                 dtype = protocol.DATATYPES[type_name]
                 feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype) if given.random_data and dtype.kind == "f" \
                     else (rng.integers(0, 2, size=dims).astype(dtype) if given.random_data else np.zeros(dims, dtype))
+            if declared[name].HasField("reshape"):  # the sample is in the config's dims, as a client's request:
+                shape = list(declared[name].reshape.shape)  # the runtime takes the model's (its reshape)
+                try:
+                    feeds[name] = feeds[name].reshape([sample.batch_size, *shape] if config.max_batch_size > 0
+                                                      else shape)
+                except ValueError:
+                    raise ConfigError(f"{what}: input {name!r} of dims {list(given.dims)} cannot be reshaped to the "
+                                      f"config's reshape {shape}") from None
         out.append((what, max(1, sample.count), feeds))
     return out
 

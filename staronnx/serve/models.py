@@ -93,6 +93,8 @@ class Declared:
     sequence: SequencePolicy | None = None
     #: an ensemble's steps (:mod:`staronnx.serve.ensemble`; None: a model of its own)
     ensemble: "EnsembleSpec | None" = None
+    #: whether the config's max_queue_size sized its queue (else the server's --queue-capacity)
+    queue_sized: bool = False
 
 
 @dataclass
@@ -554,8 +556,10 @@ class ModelEndpoint:
             if classes:
                 self.check_classes(classes)
             if n > self.server.queue_capacity:
+                sized = "its config's max_queue_size" if self.declared is not None and self.declared.queue_sized \
+                    else "--queue-capacity"
                 raise invalid(f"model {shown(self.name)}: a request of {n} samples cannot be served: the request "
-                              f"queue holds at most {self.server.queue_capacity} samples (--queue-capacity); send at "
+                              f"queue holds at most {self.server.queue_capacity} samples ({sized}); send at "
                               f"most {self.server.queue_capacity} per request")
             asks = parameters is not None and ("priority" in parameters or "timeout" in parameters)
             level, timeout, delay = self.queueing(parameters, n) if asks or self.server.queue_policy else \

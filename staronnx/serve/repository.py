@@ -63,9 +63,13 @@ def scan(repositories: Sequence[Path]) -> list[tuple[str, Path]]:
     """(model name, folder) of every model in the repositories, in name order; a name found in
     two repositories is refused (a URL serves one model), as is a repository that is not a folder."""
     found: dict[str, Path] = {}
+    read: set[Path] = set()
     for repo in repositories:
         if not repo.is_dir():
             raise StaronnxError(f"--model-repository {repo}: not a folder")
+        if repo.resolve() in read:
+            continue  # the same folder given twice (as Triton's set of repositories): its models once
+        read.add(repo.resolve())
         for folder in sorted(repo.iterdir()):
             if not folder.is_dir() or folder.name.startswith("."):
                 continue
@@ -96,7 +100,9 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
                                "(platform 'onnxruntime_onnx' or backend 'onnxruntime')")
     mcfg.check_honoured(config)
     filename = config.default_model_filename or mcfg.DEFAULT_MODEL_FILENAME
-    versions = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit() and (d / filename).is_file()]
+    # ASCII digits: str.isdigit() also takes '²' or '١', which int() refuses or reads as another folder's number
+    versions = [int(d.name) for d in folder.iterdir()
+                if d.is_dir() and d.name.isascii() and d.name.isdigit() and (d / filename).is_file()]
     chosen = [_load_version(name, folder, v, filename, config, batch_written, batch_size, home)
               for v in mcfg.pick_versions(config, versions, name)]
     chosen[0].older = chosen[1:]
@@ -141,7 +147,7 @@ def _load_ensemble(name: str, folder: Path, config: Any, batch_size: int, home: 
     effective = mc.ModelConfig()
     effective.CopyFrom(config)
     effective.name = name
-    versions_here = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isdigit()]
+    versions_here = [int(d.name) for d in folder.iterdir() if d.is_dir() and d.name.isascii() and d.name.isdigit()]
     return RepositoryModel(name, str(max(versions_here, default=1)), folder, folder / "config.pbtxt", plan,
                            mcfg.settings(effective), mcfg.as_dict(effective), {}, [], ensemble=spec)
 
@@ -229,7 +235,7 @@ def declared(found: RepositoryModel) -> Any:
 
     s = found.settings
     return Declared(found.version, found.config, found.labels, s.reshapes, s.preserve_ordering,
-                    sequence=s.sequence, ensemble=found.ensemble)
+                    sequence=s.sequence, ensemble=found.ensemble, queue_sized=s.queue_capacity is not None)
 
 
 def warm(found: RepositoryModel, runtime: Any) -> int:
