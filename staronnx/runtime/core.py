@@ -32,7 +32,6 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from concurrent.futures._base import CANCELLED
 from typing import TYPE_CHECKING, Any
 
 from staronnx.perfmodels import Footprint
@@ -41,6 +40,7 @@ from staronnx.runtime.datawizard import (HOST_NODE, Copy, CopyCost, DataHandle, 
                                          source)
 from staronnx.runtime.models import ModelSet
 from staronnx.runtime.sched import Clock, DataView, Policy, Predictor, TaskView, WorkerInfo
+from staronnx.runtime.task import announce_cancelled
 
 if TYPE_CHECKING:
     import numpy as np
@@ -559,8 +559,7 @@ class TaskGraph:
             self.per_model[req.model].in_flight -= 1
         # what an executor does with a cancelled item it reaches: concurrent.futures.wait() and
         # as_completed() count a cancelled future done only once it is notified (they hung)
-        if getattr(req.owner, "_state", None) == CANCELLED:  # (a driver's future, not yet notified)
-            req.owner.set_running_or_notify_cancel()
+        announce_cancelled(req.owner)
 
     def worker_lost(self, wid: int, error: str, now: float) -> list[Request]:
         """A worker died: its queued tasks (and the one it ran) go to the others. Returns the

@@ -192,6 +192,17 @@ def settle_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
     return bool(future._callback_list)
 
 
+def announce_cancelled(owner: object) -> None:
+    """What an executor does with a cancelled item it reaches: a :class:`RequestFuture` its caller
+    cancelled is announced to its waiters, so that ``concurrent.futures.wait()`` and
+    ``as_completed()`` count it done (they wait for the announcement); once only. Anything else
+    (a pending future, a driver's batch record) is left alone."""
+    if isinstance(owner, RequestFuture):
+        with owner._condition:
+            if owner._state == CANCELLED:
+                _finish_locked(owner, None, False)
+
+
 def _finish_locked(future: RequestFuture, value: Any, ok: bool) -> bool:
     """(Condition held) A pending future takes its result or error: True. A future its caller
     cancelled is only announced to its waiters (``set_running_or_notify_cancel``), and a
