@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -637,17 +638,23 @@ def test_model_control_flags_are_checked(repo, args, message, tmp_path):
     assert proc.returncode != 0 and message in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
+def _two_repositories(tmp_path: Path, *args: str) -> tuple[Path, Path, Any]:
+    """A server of two repositories, ``models`` holding model ``first`` and ``more`` empty (a test
+    copies ``first`` there to make the repositories unreadable: a name in two of them)."""
+    first, other = tmp_path / "models", tmp_path / "more"
+    _write(first, "first", None, [1], simple_model())
+    other.mkdir()
+    return first, other, start_server([], tmp_path, "--model-repository", str(first), "--model-repository",
+                                      str(other), *args, "--policy", "eager")
+
+
 def test_poll_mode_keeps_serving_while_the_repository_cannot_be_read(tmp_path):
     """A poll that cannot read the repositories (here a model copied into the second one: a name
     in two repositories) changes nothing: the served models stay served until it reads again."""
     import shutil
     import time
 
-    first, other = tmp_path / "models", tmp_path / "more"
-    _write(first, "first", None, [1], simple_model())
-    other.mkdir()
-    s = start_server([], tmp_path, "--model-repository", str(first), "--model-repository", str(other),
-                     "--model-control-mode", "poll", "--repository-poll-secs", "0.2", "--policy", "eager")
+    first, other, s = _two_repositories(tmp_path, "--model-control-mode", "poll", "--repository-poll-secs", "0.2")
     try:
         client = httpclient.InferenceServerClient(s.http)
         assert client.is_model_ready("first")
@@ -811,11 +818,7 @@ def test_a_load_says_why_the_repository_cannot_be_read(tmp_path):
     is refused with that reason, not as a model missing from the repository."""
     import shutil
 
-    first, other = tmp_path / "models", tmp_path / "more"
-    _write(first, "first", None, [1], simple_model())
-    other.mkdir()
-    s = start_server([], tmp_path, "--model-repository", str(first), "--model-repository", str(other),
-                     "--model-control-mode", "explicit", "--load-model", "first", "--policy", "eager")
+    first, other, s = _two_repositories(tmp_path, "--model-control-mode", "explicit", "--load-model", "first")
     try:
         client = httpclient.InferenceServerClient(s.http)
         shutil.copytree(first / "first", other / "first")
