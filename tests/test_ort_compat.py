@@ -123,6 +123,13 @@ def script(make: Callable[..., Any], path: Path) -> dict[str, tuple[str, Any]]:
 
         out["io binding unknown output"] = _outcome(bound_wrong)
 
+        def bound_nothing() -> None:  # no output bound: ORT refuses the run
+            binding = sess.io_binding()
+            binding.bind_cpu_input("x", x)
+            sess.run_with_iobinding(binding)
+
+        out["io binding no output"] = _outcome(bound_nothing)
+
         def async_run(names: list[str] | None) -> tuple[list[np.ndarray], Any, bool]:
             done = threading.Event()
             got: list[Any] = []

@@ -89,7 +89,9 @@ class IOBinding:
         return [v.numpy() for v in self._results]
 
     def _run(self, run_options: RunOptionsArg = None) -> None:
-        names = list(self._outputs) or [o.name for o in self._session.get_outputs()]
+        if not self._outputs:  # ORT refuses it: a script that ran here would fail on ORT
+            raise RuntimeError("Error in execution: At least one output should be requested.")
+        names = list(self._outputs)
         try:
             arrays = self._session.run(names, self._inputs, run_options)
         except ValueError as exc:
