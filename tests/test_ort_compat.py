@@ -5,6 +5,8 @@ so types are compared with isinstance against ORT's class."""
 
 from __future__ import annotations
 
+import json
+
 import glob
 import logging
 import os
@@ -272,6 +274,13 @@ def test_profiling_writes_a_trace_where_ort_would(home, model_path, two_groups, 
         path = sess.end_profiling()
         assert path.startswith(str(tmp_path / "prof")) and Path(path).is_file()
         assert sess.end_profiling() == ""
+    # written as ORT writes its profile, a JSON array of events (a script iterating ORT's profile
+    # iterated this one's keys), each event as Perfetto reads it
+    want = json.loads(Path(ort.InferenceSession(str(model_path), so, providers=["CPUExecutionProvider"])
+                           .end_profiling()).read_text())
+    got = json.loads(Path(path).read_text())
+    assert isinstance(want, list) and isinstance(got, list) and got
+    assert all(isinstance(e, dict) and "ph" in e and "name" in e for e in got)
 
 
 def test_device_memory_is_refused_in_one_line(home, model_path, two_groups):

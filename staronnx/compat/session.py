@@ -295,7 +295,10 @@ class InferenceSession:
         cannot run, one ORT session on the CPU (said, and warned of where CUDA was asked for)."""
         why = why_not_on_workers(plan)
         if why is None:
-            return self._held.add(Runtime(plan, self._machine, self._runtime_spec))
+            runtime = self._held.add(Runtime(plan, self._machine, self._runtime_spec))
+            if self._ort_profile and runtime.tracer is not None:
+                runtime.tracer.event_list = True
+            return runtime
         if self._streams:
             warnings.warn(f"{CUDA_EP} is not used for this model: it runs as one ONNX Runtime session on the "
                           f"CPU ({why})", UserWarning, stacklevel=4)
@@ -364,7 +367,10 @@ class InferenceSession:
     def _profiling(self, so: ort.SessionOptions | None) -> tuple[Path | None, int]:
         """``enable_profiling`` records staronnx's trace (Chrome/Perfetto JSON, ORT's profile
         format) at ORT's file name, so a profiling script finds its file where it expects."""
-        if self._runtime_spec.trace is None and so is not None and so.enable_profiling:
+        #: the trace is ORT's profile: written as ORT writes one, a JSON array of events
+        self._ort_profile = self._runtime_spec.trace is None and so is not None and so.enable_profiling
+        if self._ort_profile:
+            assert so is not None
             # ORT's name: the time to the millisecond (to the second, sessions opened within one
             # second traced into one file, the second's replacing the first's)
             now = time.time()

@@ -29,6 +29,10 @@ class Tracer:
         self._lock = threading.Lock()
         self._flow_ids = 0
         self._pid = os.getpid()
+        #: written as a bare JSON array of events (the Trace Event Format's array form, which ONNX
+        #: Runtime's profiler writes and scripts that read its profiles iterate); Perfetto and
+        #: chrome://tracing read both forms. False: the object form, with its display unit
+        self.event_list = False
 
     def _us(self, t: float) -> float:
         return round((t - self.origin) * 1e6, 3)
@@ -76,6 +80,7 @@ class Tracer:
 
     def save(self) -> Path:
         with self._lock:
-            data = {"traceEvents": list(self._events), "displayTimeUnit": "ms"}
+            events = list(self._events)
+            data: Any = events if self.event_list else {"traceEvents": events, "displayTimeUnit": "ms"}
         atomic_write_text(self.path, json.dumps(data))
         return self.path
