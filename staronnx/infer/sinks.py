@@ -197,7 +197,7 @@ class ShardSink:
         errors = self.errors()
         if errors:
             atomic_write_text(self.errors_file(), json.dumps(errors, indent=1))
-        else:  # the list of an earlier job (out.parquet.errors.json outlives --overwrite) would name rows this one wrote
+        else:  # an earlier job's list (out.parquet.errors.json outlives --overwrite) would name rows this one wrote
             with contextlib.suppress(FileNotFoundError):
                 self.errors_file().unlink()
         if not self.single:
@@ -220,37 +220,22 @@ class ShardSink:
         shutil.rmtree(self.folder)
         return self.output
 
-
     def _join_parquet(self, shards: Sequence[Path]) -> None:
-        """The shards into one Parquet file, a row group at a time: joined in memory, the whole
-        output was held (twice) at the end of a job whose memory is otherwise bounded."""
+        """The shards into one Parquet file, a row group at a time, by a shard's own writer on the
+        output's path (its temporary file, mode, fsync and rename; a file of the job's columns
+        where no row was written): joined in memory, the whole output was held (twice) at the end
+        of a job whose memory is otherwise bounded."""
         import pyarrow.parquet as pq
 
-        remove_stale_temporaries(self.output)
-        fd, name = tempfile.mkstemp(prefix=temp_prefix(self.output), suffix=".tmp", dir=self.output.parent)
-        os.close(fd)
-        tmp = Path(name)
-        writer: Any = None
+        joined = ParquetShardWriter(self.output, self.manifest.get("outputs", {}))
         try:
             for path in shards:
                 shard = pq.ParquetFile(path)
                 for group in range(shard.num_row_groups):
-                    table = shard.read_row_group(group)
-                    if writer is None:
-                        writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
-                    writer.write_table(table)
-            if writer is None:  # no row (a dataset of no rows): a file of the job's columns, not of no bytes
-                table = _table(np.zeros(0, np.int64), {}, self.manifest.get("outputs", {}))
-                writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
-                writer.write_table(table)
-            writer.close()
-            os.chmod(tmp, _mode_for(self.output))  # as atomic_write_bytes leaves it: mkstemp's is 0600
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, self.output)
+                    joined.add_table(shard.read_row_group(group))
+            joined.close()
         except BaseException:
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            joined.abort()
             raise
 
 
@@ -376,9 +361,10 @@ class ParquetShardWriter(ShardWriter):
 
     def add(self, row_ids: Sequence[np.ndarray], outputs: Sequence[Mapping[str, np.ndarray]]) -> None:
         ids = np.concatenate(row_ids) if row_ids else np.zeros(0, np.int64)
-        self._write(_table(ids, _by_output(outputs), self.specs))
+        self.add_table(_table(ids, _by_output(outputs), self.specs))
 
-    def _write(self, table: Any) -> None:
+    def add_table(self, table: Any) -> None:
+        """One row group, as an Arrow table of the job's columns."""
         import pyarrow.parquet as pq
 
         if self._writer is None:

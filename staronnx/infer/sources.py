@@ -125,30 +125,17 @@ class _StoredArray:
     shape: tuple[int, ...]
     fortran: bool
 
-    def rows(self, start: int, stop: int, pool: BufferPool | None = None) -> np.ndarray:
-        """Rows ``start:stop`` of axis 0, read from the file into a fresh array (or one of
-        ``pool``'s)."""
-        if self.fortran:
-            return self.whole()[start:stop].copy()
-        row = int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
-        shape = (stop - start, *self.shape[1:])
-        out = np.empty(shape, self.dtype) if pool is None else pool.empty(shape, self.dtype)
-        with open(self.path, "rb") as fh:
-            fh.seek(self.offset + start * row)
-            got = fh.readinto(memoryview(out.reshape(-1).view(np.uint8)))
-        if got != (stop - start) * row:
-            raise InputError(f"{self.path}: the file ends before row {stop} (truncated?)")
-        return out
-
-    def rows_along(self, axis: int, start: int, stop: int) -> np.ndarray:
-        """Rows ``start:stop`` of ``axis`` (a state's batch on axis 1): one read per index of the
-        axes before it, each a run of whole rows, into a fresh C-ordered array."""
+    def rows(self, start: int, stop: int, axis: int = 0, pool: BufferPool | None = None) -> np.ndarray:
+        """Rows ``start:stop`` of ``axis`` (0; 1 for a state's batch), read from the file into a
+        fresh C-ordered array (or one of ``pool``'s): one read per index of the axes before it,
+        each a run of whole rows (a single read for axis 0)."""
         if self.fortran:
             return np.ascontiguousarray(self.whole()[(slice(None),) * axis + (slice(start, stop),)])
         outer = int(np.prod(self.shape[:axis], dtype=np.int64))
         count = self.shape[axis]
         row = int(np.prod(self.shape[axis + 1:], dtype=np.int64)) * self.dtype.itemsize
-        out = np.empty((*self.shape[:axis], stop - start, *self.shape[axis + 1:]), self.dtype)
+        shape = (*self.shape[:axis], stop - start, *self.shape[axis + 1:])
+        out = np.empty(shape, self.dtype) if pool is None else pool.empty(shape, self.dtype)
         run = (stop - start) * row
         flat = memoryview(out.reshape(-1).view(np.uint8))
         with open(self.path, "rb") as fh:
@@ -324,10 +311,8 @@ class NumpySource:
 
     def _rows(self, name: str, stored: _StoredArray | _CompressedArray | np.ndarray, lo: int, hi: int) -> np.ndarray:
         axis = self.layout.inputs[name] or 0
-        if isinstance(stored, _StoredArray) and axis == 0:
-            return stored.rows(lo, hi, self._pool)
-        if isinstance(stored, _StoredArray):  # not the whole file per chunk: the module's promise
-            return stored.rows_along(axis, lo, hi)
+        if isinstance(stored, _StoredArray):  # a chunk read, never the whole file: the module's promise
+            return stored.rows(lo, hi, axis, self._pool if axis == 0 else None)
         whole = stored if isinstance(stored, np.ndarray) else stored.whole()
         return np.ascontiguousarray(whole[(slice(None),) * axis + (slice(lo, hi),)])
 
