@@ -195,7 +195,7 @@ def serve_cmd(
     check_exposure(host, insecure, tls is not None)
     if batch_size < 1:
         raise StaronnxError(f"--batch-size must be at least 1, got {batch_size}")
-    capacities = queue_capacities(names, queue_capacity or [])
+    capacities, any_capacity = queue_capacities(names, queue_capacity or [])
     if not ray and (replicas, autoscale, replica_cpus, replica_gpus) != (None, None, None, None):
         raise StaronnxError("--replicas, --autoscale, --replica-cpus and --replica-gpus go with --ray")
     targets = service_targets(names, slo_ms or [], priority or [])
@@ -296,8 +296,7 @@ def serve_cmd(
     for model_name, why in unavailable.items():
         say(f"model {model_name!r} is not served: {why}")
     if unavailable and exit_on_error:
-        raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
-                            + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
+        raise refuse_unservable(unavailable)
     # explicit and poll modes may start with nothing served: their models come with a load request or the next poll
     if not names and control_mode == "none":  # an empty repository: nothing failed, so no reason to join
         raise StaronnxError(f"no model to serve: --model-repository {' '.join(map(str, model_repository or []))} "
@@ -384,8 +383,7 @@ def serve_cmd(
                     if shared is None:
                         runtime.close()
                     if exit_on_error:  # a model asked for cannot be served, as one refused at load
-                        raise StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
-                                            + "; ".join(f"{n}: {w}" for n, w in unavailable.items())) from None
+                        raise refuse_unservable(unavailable) from None
                     continue
             endpoint = endpoint_of(older_of.get(model_name, model_name), runtime, spec, declared.get(model_name),
                                    targets.get(model_name, {}))
@@ -431,7 +429,7 @@ def serve_cmd(
             target = {**found.settings.target, **service_targets_cli.get(model_name, {})}
             # a model not in the repository at start has no entry: --queue-capacity N still holds for it
             spec = repository.serve_spec(found, replace(serving, queue_capacity=capacities.get(
-                model_name, every_model_capacity(queue_capacity or []))), delay)
+                model_name, any_capacity)), delay)
             decl = repository.declared(found)
             wants = repository.workers_for(found, slots, False, cuda_graphs)
             if shared is not None and key in shared.model_names:
@@ -529,9 +527,11 @@ def serve_limits(header_timeout: str, body_timeout: str, body_min_rate: str, idl
 DEFAULT_QUEUE_CAPACITY = 1024
 
 
-def _given_capacities(specs: list[str]) -> dict[str, int]:
-    """``--queue-capacity`` items as NAME -> N, and "" -> every model's N."""
-    given: dict[str, int] = {}
+def queue_capacities(names: list[str], specs: list[str]) -> tuple[dict[str, int], int]:
+    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model, and the
+    capacity of a model no ``NAME=N`` names (one added to the repository while serving gets it, as
+    those there at start do)."""
+    given: dict[str, int] = {}  # NAME -> N, and "" -> every model's N
     for item in (s.strip() for spec in specs for s in spec.split(",") if s.strip()):
         name, _, value = item.rpartition("=")
         n = int(value) if value.strip().lstrip("+-").isdigit() else None
@@ -539,21 +539,15 @@ def _given_capacities(specs: list[str]) -> dict[str, int]:
             raise StaronnxError(f"--queue-capacity takes N or NAME=N, got {item!r}" if n is None
                                 else f"--queue-capacity must be at least 1, got {item!r}")
         given[name] = n
-    return given
-
-
-def every_model_capacity(specs: list[str]) -> int:
-    """The capacity of a model no ``NAME=N`` names: ``--queue-capacity N``, else the default
-    (a model added to the repository while serving gets it, as those there at start do)."""
-    return _given_capacities(specs).get("", DEFAULT_QUEUE_CAPACITY)
-
-
-def queue_capacities(names: list[str], specs: list[str]) -> dict[str, int]:
-    """``--queue-capacity`` values (``N`` for every model, ``NAME=N`` for one) per model."""
-    given = _given_capacities(specs)  # NAME -> N, and "" -> every model's N
     default = given.pop("", DEFAULT_QUEUE_CAPACITY)
     served_only(given, names, "--queue-capacity")
-    return {n: given.get(n, default) for n in names}
+    return {n: given.get(n, default) for n in names}, default
+
+
+def refuse_unservable(unavailable: dict[str, str]) -> StaronnxError:
+    """--exit-on-error's refusal: the models asked for that cannot be served, each with its reason."""
+    return StaronnxError(f"--exit-on-error: {len(unavailable)} model(s) cannot be served: "
+                         + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
 
 
 def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) -> dict[str, dict[str, Any]]:
