@@ -383,9 +383,9 @@ def _decode_inputs(request: pb.ModelInferRequest, local_regions: Callable[[], Sh
     return inputs, datatypes
 
 
-#: the largest message gRPC's core takes (its limit is an ``int``): 2 GiB - 1, the largest value
-#: of any of its integer channel arguments
-GRPC_MAX_MESSAGE = 2**31 - 1
+#: the largest value of any of gRPC core's integer channel arguments (a C ``int``): 2**31 - 1, its
+#: largest message (2 GiB - 1) among them
+GRPC_MAX_INT = 2**31 - 1
 
 #: calls gRPC's core may queue for the application, per stream one connection may hold: the
 #: queue of a few connections' full streams before calls are rejected at random (its soft
@@ -460,9 +460,9 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
     limits = frontend.guard.limits
     streams = limits.grpc_max_streams
     options: list[tuple[str, Any]] = [
-        # a C int in gRPC's core (a larger value fails the server's creation with OverflowError),
-        # and protobuf's own limit: a --max-body past it still holds HTTP bodies to the flag
-        ("grpc.max_receive_message_length", min(frontend.max_body, GRPC_MAX_MESSAGE)),
+        # held to GRPC_MAX_INT below (protobuf's own limit too): a --max-body past it still holds
+        # HTTP bodies to the flag
+        ("grpc.max_receive_message_length", frontend.max_body),
         ("grpc.max_send_message_length", -1),
         ("grpc.so_reuseport", 0),  # a port taken by another process must fail, not be shared
         ("grpc.max_concurrent_streams", streams),
@@ -476,7 +476,7 @@ def make_server(frontend: GrpcFrontend) -> grpc.aio.Server:
     # every integer channel argument is a C int in gRPC's core: a flag past it (--idle-timeout 30d
     # in milliseconds, 4 x --grpc-max-streams pending calls) would fail the server's creation with
     # OverflowError, where 2**31 - 1 (24.8 days, 2 billion) already means "no limit" in practice
-    options = [(key, min(value, GRPC_MAX_MESSAGE) if isinstance(value, int) else value) for key, value in options]
+    options = [(key, min(value, GRPC_MAX_INT) if isinstance(value, int) else value) for key, value in options]
     server = grpc.aio.server(options=options)
     service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
     handlers = {}
