@@ -71,12 +71,17 @@ class ModelControl:
         self.stamps: dict[str, tuple[Any, ...]] = {}
 
     # -- the repository ----------------------------------------------------------------------
-    def folders(self) -> dict[str, Path]:
-        """Every model folder of the repositories now (a repository that cannot be read: none)."""
+    def read_folders(self) -> dict[str, Path]:
+        """Every model folder of the repositories now; StaronnxError where they cannot be read (a
+        model name in two of them, a repository gone): each caller says what that means to it."""
         from staronnx.serve.repository import scan
 
+        return dict(scan(self.repositories))
+
+    def folders(self) -> dict[str, Path]:
+        """Every model folder of the repositories now (a repository that cannot be read: none)."""
         try:
-            return dict(scan(self.repositories))
+            return self.read_folders()
         except StaronnxError as exc:
             log.warning("cannot read the model repository: %s", exc)
             return {}
@@ -116,10 +121,8 @@ class ModelControl:
             await self._load(name, config)
 
     async def _load(self, name: str, config: str | None) -> None:
-        from staronnx.serve.repository import scan
-
         try:
-            folders = dict(scan(self.repositories))
+            folders = self.read_folders()
         except StaronnxError as exc:  # why, rather than "no model of that name" (folders() reads none)
             raise ProtocolError("invalid", f"failed to load {shown(name)}: {exc}") from None
         folder = folders.get(name)
@@ -169,11 +172,9 @@ class ModelControl:
 
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload the ones whose folder is gone."""
-        from staronnx.serve.repository import scan
-
         async with self._lock:
             try:
-                folders = dict(scan(self.repositories))
+                folders = self.read_folders()
             except StaronnxError as exc:  # not "no models": that would unload every model it serves
                 log.warning("cannot read the model repository: %s", exc)
                 return
