@@ -259,23 +259,7 @@ class Plan:
             unknown = [n for n in feeds if n not in self.input_names]
             raise InputError(f"unknown input(s) {unknown}; the plan's inputs are {self.input_names}")
         for (name, dtype, _), spec in zip(checks, self.inputs):
-            value = feeds[name]
-            if "(" in spec.dtype:  # a sequence, optional or map (ORT's type string): ORT checks its own
-                continue
-            if not isinstance(value, np.ndarray):
-                raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(value).__name__}")
-            # comparing dtype objects is a C call; dtype.name runs Python code in numpy
-            mismatch = (value.dtype != dtype) if dtype is not None else (value.dtype.name != spec.dtype)
-            # a string tensor: ORT takes numpy's str_, bytes_ and void arrays as it takes objects
-            if mismatch and not (dtype == _STRINGS and value.dtype.kind in _STRING_KINDS):
-                raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype.name}")
-            if len(spec.shape) != value.ndim:
-                raise InputError(f"input {spec.name!r}: expected rank {len(spec.shape)} {spec.shape}, "
-                                 f"got shape {list(value.shape)}")
-            for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
-                if is_fixed(want) and want != got:
-                    raise InputError(f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
-                                     f"got shape {list(value.shape)}")
+            _check_tensor(spec, feeds[name], dtype)
         self.contract.check_rows(feeds, "the feeds", empty=True)  # one batch size on every batch axis
 
     # -- execution --------------------------------------------------------------------------
@@ -386,6 +370,33 @@ def output_dir_for(output_dir: str | os.PathLike[str] | None, force: bool) -> Pa
 #: a string tensor's dtype in a plan (numpy's for ONNX strings), and the numpy kinds ORT takes for one
 _STRINGS = np.dtype(object)
 _STRING_KINDS = frozenset("OUSV")
+
+
+def check_tensor(spec: TensorSpec, value: Any) -> None:
+    """Reject a value that cannot stand for ``spec`` (its dtype, rank or a fixed size), naming it:
+    one tensor's part of :meth:`Plan.check_feeds`, for a value checked alone (an initializer
+    fed in place of its own value shares no batch with the inputs)."""
+    _check_tensor(spec, value, _numpy_dtype(spec.dtype))
+
+
+def _check_tensor(spec: TensorSpec, value: Any, dtype: np.dtype | None) -> None:
+    """:func:`check_tensor` with ``spec``'s numpy dtype already made (``check_feeds`` keeps them)."""
+    if "(" in spec.dtype:  # a sequence, optional or map (ORT's type string): ORT checks its own
+        return
+    if not isinstance(value, np.ndarray):
+        raise InputError(f"input {spec.name!r}: expected a numpy array, got {type(value).__name__}")
+    # comparing dtype objects is a C call; dtype.name runs Python code in numpy
+    mismatch = (value.dtype != dtype) if dtype is not None else (value.dtype.name != spec.dtype)
+    # a string tensor: ORT takes numpy's str_, bytes_ and void arrays as it takes objects
+    if mismatch and not (dtype == _STRINGS and value.dtype.kind in _STRING_KINDS):
+        raise InputError(f"input {spec.name!r}: expected dtype {spec.dtype}, got {value.dtype.name}")
+    if len(spec.shape) != value.ndim:
+        raise InputError(f"input {spec.name!r}: expected rank {len(spec.shape)} {spec.shape}, "
+                         f"got shape {list(value.shape)}")
+    for axis, (want, got) in enumerate(zip(spec.shape, value.shape)):
+        if is_fixed(want) and want != got:
+            raise InputError(f"input {spec.name!r}: axis {axis} must be {want} (shape {spec.shape}), "
+                             f"got shape {list(value.shape)}")
 
 
 def _numpy_dtype(name: str) -> np.dtype | None:

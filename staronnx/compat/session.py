@@ -108,7 +108,7 @@ from staronnx.ortutil import QUIET, write_optimized
 from staronnx.partition.checks import targets_by_default
 from staronnx.partition.plan_cache import kept_plan
 from staronnx.partition.whole import too_small, value_spec
-from staronnx.plan import Plan
+from staronnx.plan import Plan, check_tensor
 from staronnx.runtime.engine import EngineClosed
 from staronnx.runtime.policies import policy_options
 from staronnx.runtime.runtime import Runtime
@@ -563,11 +563,10 @@ class InferenceSession:
             # model (kept in the home) and fails there, at ORT's load of a part, as a ModelError
             declared = {vi.name: value_spec(vi) for vi in self._loaded[1].graph.input if vi.name in fed} \
                 if self._loaded is not None else {}
-            try:
-                # initializers share no batch: each is checked against its own declared shape only
-                specs = [declared[n] for n in fed if n in declared]
-                checks = Plan(Path(), [], specs, [], [], 0, {}, {"batching": False})
-                checks.check_feeds({t.name: fed[t.name] for t in specs})
+            try:  # initializers share no batch: each is checked against its own declared shape only
+                for name in fed:
+                    if name in declared:
+                        check_tensor(declared[name], fed[name])
             except InputError as exc:
                 raise InvalidArgument(str(exc)) from None
         return feeds, overrides
