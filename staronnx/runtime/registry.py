@@ -27,9 +27,10 @@ ENGINE_MODULES = {"native": "staronnx.runtime.engine", "starpu": "staronnx.engin
 
 class Worker(Protocol):
     """What a runtime's users see of a worker (:attr:`Engine.workers`, ``Runtime.workers``):
-    its name, its kind (``cpu``, ``cuda``, ``lane``) and its perf-model architecture. The
-    native engine's workers (:class:`staronnx.workers.base.Worker`) and the starpu engine's
-    have these and more; a caller that needs more of a CUDA worker asks
+    its name, its kind (``cpu``, ``cuda``, ``lane``), its perf-model architecture and its
+    thread's native id (None before it started: a caller on that thread must not wait for the
+    worker's own work). The native engine's workers (:class:`staronnx.workers.base.Worker`) and
+    the starpu engine's have these and more; a caller that needs more of a CUDA worker asks
     ``isinstance(w, CudaWorker)``."""
 
     @property
@@ -38,6 +39,8 @@ class Worker(Protocol):
     def kind(self) -> str: ...
     @property
     def arch(self) -> str: ...
+    @property
+    def native_id(self) -> int | None: ...
 
 
 class Engine(Protocol):

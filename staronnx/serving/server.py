@@ -1016,7 +1016,7 @@ class Server:
             # or on the runtime's CPU worker that hands results out (_completed): the batches
             # queued behind on that worker cannot run while it waits here (it waited the timeout)
             me = threading.get_native_id()
-            stuck = any(getattr(w, "native_id", None) == me for w in self.runtime.workers)
+            stuck = any(w.native_id == me for w in self.runtime.workers)
         deadline = time.monotonic() if stuck else None if timeout is None else time.monotonic() + timeout
         with self._cond:
             self._closing = True

@@ -71,6 +71,8 @@ class Worker(Protocol):
     holds: frozenset[int] | None = None
     #: workers that launch ahead with the same key share one engine thread (None: its own)
     driver_key: str | None = None
+    #: the native id of the thread it runs in (None until it started)
+    native_id: int | None = None
 
     @property
     def launches_ahead(self) -> bool:
