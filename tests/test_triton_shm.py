@@ -72,6 +72,19 @@ def _region(handles: list, name: str, size: int):
     return handle
 
 
+def _registered(c, in0: np.ndarray, in1: np.ndarray):
+    """Regions input_data (``in0`` then ``in1``, one tensor's bytes apart) and output_data, as
+    large, registered with the server; their handles."""
+    size = in0.nbytes
+    ins = c.region("input_data", 2 * size)
+    outs = c.region("output_data", 2 * size)
+    shm.set_shared_memory_region(ins, [in0])
+    shm.set_shared_memory_region(ins, [in1], offset=size)
+    c.register_system_shared_memory("input_data", ins.key, 2 * size)
+    c.register_system_shared_memory("output_data", outs.key, 2 * size)
+    return ins, outs
+
+
 def _status_names(c) -> set[str]:
     status = c.get_system_shared_memory_status()
     if c.protocol == "http":
@@ -86,12 +99,7 @@ def test_numeric_tensors_through_shared_memory(client):
     in0 = np.arange(16, dtype=np.int32).reshape(1, 16)
     in1 = np.ones((1, 16), dtype=np.int32)
     size = in0.nbytes
-    ins = c.region("input_data", 2 * size)
-    outs = c.region("output_data", 2 * size)
-    shm.set_shared_memory_region(ins, [in0])
-    shm.set_shared_memory_region(ins, [in1], offset=size)
-    c.register_system_shared_memory("input_data", ins.key, 2 * size)
-    c.register_system_shared_memory("output_data", outs.key, 2 * size)
+    ins, outs = _registered(c, in0, in1)
     assert _status_names(c) == {"input_data", "output_data"}
     inputs = [m.InferInput("INPUT0", [1, 16], "INT32"), m.InferInput("INPUT1", [1, 16], "INT32")]
     inputs[0].set_shared_memory("input_data", size)
@@ -268,12 +276,7 @@ def test_a_region_whose_object_shrank_is_refused_and_the_server_keeps_serving(cl
     c, m = client, client.module
     in0 = np.arange(16, dtype=np.int32).reshape(1, 16)
     size = in0.nbytes
-    ins = c.region("input_data", 2 * size)
-    outs = c.region("output_data", 2 * size)
-    shm.set_shared_memory_region(ins, [in0])
-    shm.set_shared_memory_region(ins, [in0], offset=size)
-    c.register_system_shared_memory("input_data", ins.key, 2 * size)
-    c.register_system_shared_memory("output_data", outs.key, 2 * size)
+    ins, outs = _registered(c, in0, in0)
     os.truncate(f"/dev/shm/{ins.key.lstrip('/')}", 0)
     os.truncate(f"/dev/shm/{outs.key.lstrip('/')}", 0)
     inputs = [m.InferInput("INPUT0", [1, 16], "INT32"), m.InferInput("INPUT1", [1, 16], "INT32")]

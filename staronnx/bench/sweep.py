@@ -327,8 +327,8 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         warm = sorted({s for n in names for b in sizes_of[n] for s in warmup_sizes(b, run_spec.max_delay)}) \
             if machine.cuda_streams else ()
         runtime = Runtime(first if one else loaded, machine,
-                          RuntimeSpec(spec.policy, store=store, engine=spec.engine, trace=spec.trace, targets=spec.targets,
-                                      warmup=warm))
+                          RuntimeSpec(spec.policy, store=store, engine=spec.engine, trace=spec.trace,
+                                      targets=spec.targets, warmup=warm))
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
     # simulated twin of each point must pad the same way
     padding = tuple(sorted({int(m) for m in runtime.preferred_batch_sizes}))
