@@ -223,7 +223,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     from staronnx.serve.grpc_api import GrpcFrontend, make_server
-    from staronnx.serve.http_api import HttpFrontend, _server_header
+    from staronnx.serve.http_api import HttpFrontend, _server_header, any_busy
 
     keep_freed_memory()
     if control is not None:  # the front ends read the models control changes
@@ -343,7 +343,7 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     await _close_listener(http_site, http_sock, http_runner, http_front)
     server = http_runner.server  # closing a connection whose request is on its way resets it unanswered
     if server is not None:
-        await _until(lambda: not any(h.busy(QUIET_S) for h in server.connections), loop.time() + LINGER_S)
+        await _until(lambda: not any_busy(server, QUIET_S), loop.time() + LINGER_S)
     await asyncio.sleep(max(0.0, held_until - loop.time()))
     http_front.closing = grpc_front.closing = True
     http_runner._shutdown_timeout = 1.0  # handlers were waited for above

@@ -79,7 +79,7 @@ def gpu_collector(devices: Sequence[int]) -> GpuCollector | None:
         log.warning("GPU metrics (nv_gpu_*) off: NVML is not usable here (%s); install nvidia-ml-py "
                     "(pip install 'staronnx[gpu]')", exc)
         return None
-    from staronnx.workers.cuda import describe_gpus
+    from staronnx.workers.cuda_env import describe_gpus
 
     gpus = describe_gpus(devices)
     unread = sorted(set(devices) - {g["device"] for g in gpus})

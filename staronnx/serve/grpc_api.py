@@ -141,11 +141,14 @@ class GrpcFrontend(Frontend):
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest, context: Ctx) -> pb.ModelStatisticsResponse:
         # ignore_unknown_fields: the "staronnx" section (targets, busy shares) has no field in
         # Triton's message; HTTP clients get it
-        return json_format.ParseDict(self.statistics(request.name, request.version), pb.ModelStatisticsResponse(),
-                                     ignore_unknown_fields=True)
+        response = pb.ModelStatisticsResponse()
+        json_format.ParseDict(self.statistics(request.name, request.version), response, ignore_unknown_fields=True)
+        return response
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Ctx) -> pb.RepositoryIndexResponse:
-        return json_format.ParseDict({"models": self.repository_entries(request.ready)}, pb.RepositoryIndexResponse())
+        response = pb.RepositoryIndexResponse()
+        json_format.ParseDict({"models": self.repository_entries(request.ready)}, response)
+        return response
 
     async def RepositoryModelLoad(self, request: pb.RepositoryModelLoadRequest,
                                   context: Ctx) -> pb.RepositoryModelLoadResponse:
@@ -371,12 +374,13 @@ def _decode_inputs(request: pb.ModelInferRequest, local_regions: Callable[[], Sh
             inputs[name] = protocol.from_raw(name, tensor.datatype, shape, raw[i])
         else:
             field = protocol.GRPC_CONTENTS.get(tensor.datatype)
-            if field is None:
-                if tensor.datatype in protocol.DATATYPES:
-                    raise invalid(f"input {shown(name)}: {tensor.datatype} travels only in raw_input_contents")
-                protocol.from_values(name, tensor.datatype, shape, [])  # raises: unknown datatype
-            # the contents field is named by the datatype (protobuf has no other way to read one by name)
-            inputs[name] = protocol.from_values(name, tensor.datatype, shape, list(getattr(tensor.contents, field)))
+            values: list[Any] = []  # an unknown datatype: from_values refuses it by name
+            if field is not None:
+                # the contents field is named by the datatype (protobuf has no other way to read one by name)
+                values = list(getattr(tensor.contents, field))
+            elif tensor.datatype in protocol.DATATYPES:
+                raise invalid(f"input {shown(name)}: {tensor.datatype} travels only in raw_input_contents")
+            inputs[name] = protocol.from_values(name, tensor.datatype, shape, values)
         datatypes[name] = tensor.datatype
     if not inputs:
         raise invalid("the inference request has no inputs")

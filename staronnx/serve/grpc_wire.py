@@ -62,7 +62,8 @@ class InferAnswer:
 
     def message(self) -> pb.ModelInferResponse:
         """The whole message as a protobuf object (copies the outputs; for tests and tools)."""
-        return pb.ModelInferResponse.FromString(serialize_infer(self))
+        message: pb.ModelInferResponse = pb.ModelInferResponse.FromString(serialize_infer(self))
+        return message
 
 
 def serialize_infer(answer: InferAnswer) -> bytes:

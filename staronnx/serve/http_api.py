@@ -723,6 +723,13 @@ async def _server_header(request: web.Request, response: web.StreamResponse) -> 
     response.headers["Server"] = SERVER_HEADER
 
 
+def any_busy(server: Server, quiet: float) -> bool:
+    """Whether closing ``server``'s connections now could cut a request on one of them
+    (:meth:`_Handler.busy`); a shutdown waits until none is. aiohttp types its connections as its
+    own ``RequestHandler``; every one this front end opens is a :class:`_Handler`."""
+    return any(isinstance(h, _Handler) and h.busy(quiet) for h in server.connections)
+
+
 class _Handler(RequestHandler):
     """aiohttp's connection handler, held to the guard's limits.
 

@@ -233,7 +233,7 @@ def parse_override(text: str) -> tuple[mc.ModelConfig, bool]:
 def as_dict(config: mc.ModelConfig) -> dict[str, Any]:
     """The config as Triton's JSON form (what ``get_model_config`` answers over HTTP), dims and
     versions as numbers (protobuf's JSON writes 64-bit integers as strings)."""
-    doc = json_format.MessageToDict(config, preserving_proto_field_name=True)
+    doc: dict[str, Any] = json_format.MessageToDict(config, preserving_proto_field_name=True)
     sb = doc.get("sequence_batching")
     if sb is not None:  # 64-bit integers as numbers, as elsewhere
         if "max_sequence_idle_microseconds" in sb:

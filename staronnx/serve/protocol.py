@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from staronnx.errors import StaronnxError
-from staronnx.partition.plan_cache import staronnx_version  # noqa: F401 - the server metadata's
+from staronnx.partition.plan_cache import staronnx_version as staronnx_version  # noqa: F401 - the server metadata's
 
 #: v2 datatype -> numpy dtype (little endian, as the protocol's raw bytes are)
 DATATYPES: dict[str, np.dtype] = {
@@ -363,7 +363,7 @@ def _fits(value: Any, dtype: np.dtype) -> bool:
     if t is float and not (math.isfinite(value) and value.is_integer()):
         return False
     info = np.iinfo(dtype)
-    return info.min <= value <= info.max
+    return bool(info.min <= value <= info.max)
 
 
 #: the largest finite double: an integer past it has no float value at all
@@ -390,10 +390,10 @@ def _from_list(name: str, datatype: str, dtype: np.dtype, values: Any) -> np.nda
         raise invalid(f"input {shown(name)}: data is not a (nested) list of {datatype} values: {cut(exc)}") from None
     if dtype.kind == "f" and dtype.itemsize < 8:
         # a finite double past the type's range would become an infinity the client never sent
-        for i in np.flatnonzero(np.isinf(arr.reshape(-1))):
-            v = flat[int(i)]
+        for at in np.flatnonzero(np.isinf(arr.reshape(-1))).tolist():
+            v = flat[at]
             if not (type(v) is float and math.isinf(v)):
-                raise _bad_value(name, datatype, dtype, int(i), v)
+                raise _bad_value(name, datatype, dtype, at, v)
     return arr
 
 
