@@ -107,6 +107,13 @@ sequence_batching {
 }
 """
 
+#: model_warmup of a stateful model: the sample gives the client's inputs only (the server fills
+#: the control inputs and the state, as it does for a client's request)
+WARMUP = """
+model_warmup [ { name: "ones" batch_size: 2 count: 2
+                 inputs { key: "INPUT" value: { data_type: TYPE_INT32 dims: [ 1 ] random_data: true } } } ]
+"""
+
 #: model -> (config, words its reason in the repository index must hold)
 REFUSED = {
     "float_corrid": (f"max_batch_size: 8 sequence_batching {{ control_input [ {CORRID.format(type='TYPE_FP32')} ] }}",
@@ -122,6 +129,11 @@ REFUSED = {
     "listed_control": ('max_batch_size: 8 sequence_batching { control_input [ ' + CONTROL.format(name="START", kind="START")
                        + ' ] } input [ { name: "START" data_type: TYPE_INT32 dims: [ 1 ] } ]',
                        "'START' is filled by the server: remove it from the config's input"),
+    "warmup_gives_start": ('max_batch_size: 8 sequence_batching { control_input [ ' + CONTROL.format(name="START",
+                           kind="START") + ' ] } model_warmup [ { batch_size: 1 inputs { key: "INPUT" value: { '
+                           'data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } inputs { key: "START" value: { '
+                           'data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } } ]',
+                           "model_warmup[0]: input(s) 'START' are filled by the server from the sequence"),
     "no_such_input": ('max_batch_size: 8 sequence_batching { control_input [ ' + CONTROL.format(name="GO", kind="START")
                       + ' ] }', "control_input[0] 'GO' is not one of the model's inputs"),
 }
@@ -192,6 +204,11 @@ def served(tmp_path_factory):
     _write(root, "accumulate", ACCUMULATE_CONFIG, accumulate_model())
     (root / "accumulate" / "initial_state").mkdir()
     (root / "accumulate" / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
+    _write(root, "warmed_accumulate", ACCUMULATE_CONFIG + WARMUP, accumulate_model())
+    (root / "warmed_accumulate" / "initial_state").mkdir()
+    (root / "warmed_accumulate" / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
+    _write(root, "warmed_dyna_sequence", SIMPLE_DYNA_SEQUENCE.replace('name: "simple_dyna_sequence"', "") + WARMUP,
+           simple_dyna_sequence_model())
     for name, (config, _) in REFUSED.items():
         _write(root, name, config, simple_dyna_sequence_model())
     s = start_server([], tmp_path_factory.mktemp("home"), "--model-repository", str(root), "--policy", "eager",
@@ -510,6 +527,27 @@ def test_a_bad_classification_leaves_its_sequence_as_it_was(served, protocol):
     assert int(result.as_numpy("OUTPUT")[0, 0]) == 7
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_stateful_model_warms_up_from_its_config_and_starts_its_sequences_afresh(served, protocol):
+    """model_warmup on a stateful model: each sample runs with the control inputs and the initial
+    state filled by the server (a sequence of one request per row), as a client's request would
+    be, so the model loads warmed up instead of failing its load on inputs the sample cannot give
+    (a sample may not name them: they are the server's). The warm-up leaves no state behind."""
+    for model in ("warmed_accumulate", "warmed_dyna_sequence"):
+        line = next((x for x in served.lines if x.startswith(f"model {model!r}:")), "")
+        assert "warmed up (2 runs)" in line, "\n".join(served.lines)
+    client = _client(served, protocol)
+    module = httpclient if protocol == "http" else grpcclient
+    sid = 9100 if protocol == "http" else 9200
+    first = client.infer("warmed_accumulate", [_int_input(module, "INPUT", 5)], sequence_id=sid, sequence_start=True)
+    assert int(first.as_numpy("OUTPUT")[0, 0]) == 110  # 100 (its file) + 2 * 5: START counts it twice
+    last = client.infer("warmed_accumulate", [_int_input(module, "INPUT", 3)], sequence_id=sid, sequence_end=True)
+    assert int(last.as_numpy("OUTPUT")[0, 0]) == 113
+    answer = client.infer("warmed_dyna_sequence", [_int_input(module, "INPUT", 4)], sequence_id=sid,
+                          sequence_start=True, sequence_end=True)
+    assert int(answer.as_numpy("OUTPUT")[0, 0]) == 4 + 1 + sid
+
+
 def test_the_server_says_it_serves_sequences(served):
     assert "sequence" in httpclient.InferenceServerClient(served.http).get_server_metadata()["extensions"]
     assert "sequence" in grpcclient.InferenceServerClient(served.grpc).get_server_metadata().extensions
@@ -518,7 +556,7 @@ def test_the_server_says_it_serves_sequences(served):
 def test_refused_configs_are_listed_with_their_reason(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
     for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "short_lived", "gru_stream",
-                 "simple", "accumulate", "one_slot"):
+                 "simple", "accumulate", "one_slot", "warmed_accumulate", "warmed_dyna_sequence"):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], entries[name]

@@ -550,15 +550,22 @@ def instance_groups(config: mc.ModelConfig) -> tuple[InstanceGroup, ...]:
     return tuple(out)
 
 
-def warmup_feeds(config: mc.ModelConfig, seed: int = 0) -> list[tuple[str, int, dict[str, np.ndarray]]]:
+def warmup_feeds(config: mc.ModelConfig, seed: int = 0,
+                 filled: frozenset[str] = frozenset()) -> list[tuple[str, int, dict[str, np.ndarray]]]:
     """Each ``model_warmup`` sample of a completed config as (name, count, feeds): every input of
     the model, of its declared type, ``dims`` (after the sample's ``batch_size`` where the model
-    batches), zeros or random values; a sample that does not fit the model is refused."""
+    batches), zeros or random values; a sample that does not fit the model is refused, as is one
+    that gives an input of ``filled`` (a stateful model's control inputs and states, which the
+    server fills: :meth:`~staronnx.serve.sequences.SequencePolicy.warmup_feeds`)."""
     rng = np.random.default_rng(seed)
     declared = {t.name: t for t in config.input}
     out = []
     for i, sample in enumerate(config.model_warmup):
         what = f"model_warmup[{i}]" + (f" {sample.name!r}" if sample.name else "")
+        given_filled = sorted(filled & set(sample.inputs))
+        if given_filled:
+            raise ConfigError(f"{what}: input(s) {', '.join(map(repr, given_filled))} are filled by the server from "
+                              "the sequence (control inputs and implicit state); give the model's other inputs only")
         missing = sorted(set(declared) - set(sample.inputs))
         unknown = sorted(set(sample.inputs) - set(declared))
         if missing or unknown:

@@ -179,7 +179,9 @@ def _load_version(name: str, folder: Path, version: int, filename: str, config: 
             labels[output] = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as exc:
             raise mcfg.ConfigError(f"output {output!r}: label_filename {file!r} cannot be read: {exc}") from None
-    warmup = mcfg.warmup_feeds(effective)
+    warmup = mcfg.warmup_feeds(effective, filled=settings.sequence.filled if settings.sequence else frozenset())
+    if settings.sequence is not None:  # each sample a sequence of one request per row
+        warmup = [(what, count, settings.sequence.warmup_feeds(feeds)) for what, count, feeds in warmup]
     return RepositoryModel(name, str(version), folder, model_file, plan, settings, mcfg.as_dict(effective), labels,
                            warmup)
 

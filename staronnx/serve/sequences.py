@@ -173,6 +173,21 @@ class SequencePolicy:
     def corrid(self) -> ControlInput | None:
         return next((c for c in self.controls if c.kind == "corrid"), None)
 
+    def warmup_feeds(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A ``model_warmup`` sample's feeds (the client's inputs) with the inputs the server
+        fills: each row a sequence of one request (START and END, READY, a CORRID of the row's
+        number from 1) on the initial states. The sample runs on the runtime directly, not
+        through :class:`Sequences`, so without these it would fail the model's load on inputs
+        it may not give; a sequence of one request keeps nothing, so the warm-up leaves no state."""
+        rows = next(iter(feeds.values())).shape[0] if self.batched and feeds else 1
+        out = dict(feeds)
+        for c in self.controls:
+            values = [c.value(SequenceRequest(i + 1, start=True, end=True)) for i in range(rows)]
+            out[c.name] = np.concatenate(values) if self.batched else values[0]
+        for s in self.states:
+            out[s.input_name] = np.concatenate([s.initial] * rows) if self.batched else s.initial
+        return out
+
 
 def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
               folder: Path) -> SequencePolicy | None:
