@@ -828,3 +828,43 @@ def test_a_load_says_why_the_repository_cannot_be_read(tmp_path):
         assert client.is_model_ready("first")  # the served version stays served
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+#: a model_warmup sample too large to make (numpy raises ValueError, not a config error of its own)
+HUGE_WARMUP = ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 '
+               'dims: [ 4611686018427387904 ] zero_data: true } } inputs { key: "INPUT1" value: { data_type: TYPE_INT32 '
+               'dims: [ 16 ] zero_data: true } } } ]')
+
+
+def test_poll_mode_goes_on_past_a_model_whose_load_raises_an_unforeseen_error(tmp_path):
+    """A model whose load fails with an error the loader did not turn into a reason (here numpy's
+    ValueError making a warm-up sample) is listed UNAVAILABLE with that error, and the poll goes
+    on: a model added after it (in name order) is loaded, one removed is unloaded. The error used
+    to end every poll at that model, unlogged: nothing after it was ever loaded or unloaded."""
+    import shutil
+    import time
+
+    root = tmp_path / "models"
+    _write(root, "first", None, [1], simple_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "poll",
+                     "--repository-poll-secs", "0.2", "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("first")
+        _write(root, "aaa_huge_warmup", HUGE_WARMUP, [1], simple_model())
+        _write(root, "zzz_second", None, [1], simple_model())
+        shutil.rmtree(root / "first")
+
+        def wait_for(check) -> bool:
+            for _ in range(600):  # a generous bound on a busy host; no timing is asserted
+                if check():
+                    return True
+                time.sleep(0.1)
+            return False
+
+        assert wait_for(lambda: client.is_model_ready("zzz_second")), "\n".join(s.lines)
+        assert wait_for(lambda: not client.is_model_ready("first")), "\n".join(s.lines)
+        entry = {e["name"]: e for e in client.get_model_repository_index()}["aaa_huge_warmup"]
+        assert entry["state"] == "UNAVAILABLE" and "not loaded" not in entry["reason"], entry
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

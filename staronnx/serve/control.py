@@ -138,6 +138,14 @@ class ModelControl:
             if name not in self.models:
                 self.unavailable[name] = str(exc)
             raise ProtocolError("invalid", f"failed to load {shown(name)}: {exc}") from None
+        except Exception as exc:  # noqa: BLE001 - a bug or an unforeseen error fails this load only
+            # not a reason the loader gave: logged with its traceback, and the load fails with it
+            # (in poll mode an error escaping here ended the whole poll, every time, silently)
+            log.exception("loading model %s failed unexpectedly", shown(name))
+            why = f"{type(exc).__name__}: {exc}"
+            if name not in self.models:
+                self.unavailable[name] = why
+            raise ProtocolError("internal", f"failed to load {shown(name)}: {why}") from None
         old = self.models.get(name)
         self.models[name] = endpoint  # from now on its requests go to the new one
         self.unavailable.pop(name, None)
@@ -167,8 +175,10 @@ class ModelControl:
         """Poll mode: read the repositories again every ``every`` seconds (:meth:`poll`)."""
         while True:
             await asyncio.sleep(every)
-            with contextlib.suppress(Exception):  # a bad poll must not end polling; each load logs its own
+            try:
                 await self.poll()
+            except Exception:  # noqa: BLE001 - a bad poll must not end polling, nor pass unseen
+                log.exception("reading the model repository failed; the next poll tries again")
 
     async def poll(self) -> None:
         """Load new models, reload changed ones, unload the ones whose folder is gone."""
@@ -181,7 +191,11 @@ class ModelControl:
             for name, folder in folders.items():
                 if name in self.fixed:
                     continue
-                stamp = model_stamp(folder, folders)
+                try:
+                    stamp = model_stamp(folder, folders)
+                except Exception:  # noqa: BLE001 - one folder that cannot be read leaves the others polled
+                    log.exception("cannot read the folder of model %s", shown(name))
+                    continue
                 if self.stamps.get(name) == stamp:
                     continue  # loaded, or failed before, and nothing changed since
                 try:
