@@ -83,6 +83,11 @@ SERVED = {
               'parameters { key: "partition_method" value: { string_value: "linear" } }', [1]),
 }
 
+#: a model_warmup sample too large to make (numpy refuses to make it)
+HUGE_WARMUP = ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 '
+               'dims: [ 4611686018427387904 ] zero_data: true } } inputs { key: "INPUT1" value: { data_type: TYPE_INT32 '
+               'dims: [ 16 ] zero_data: true } } } ]')
+
 #: model -> (config text, versions, words its reason must hold): the ones that fail alone
 REFUSED = {
     "tf_model": ('platform: "tensorflow_savedmodel"', [1], "platform 'tensorflow_savedmodel' is not served"),
@@ -110,6 +115,8 @@ REFUSED = {
     "from_file": ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: '
                   '{ data_type: TYPE_INT32 dims: [ 16 ] input_data_file: "x" } } } ]', [1],
                   "config field model_warmup[0].inputs['INPUT0'].input_data_file is not honoured"),
+    # it crashed the server's start with numpy's traceback instead of leaving this model out
+    "huge_warmup": (HUGE_WARMUP, [1], "model_warmup[0]: input 'INPUT0' of dims [4611686018427387904] cannot be made"),
 }
 
 
@@ -829,11 +836,6 @@ def test_a_load_says_why_the_repository_cannot_be_read(tmp_path):
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
 
-
-#: a model_warmup sample too large to make (numpy raises ValueError, not a config error of its own)
-HUGE_WARMUP = ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 '
-               'dims: [ 4611686018427387904 ] zero_data: true } } inputs { key: "INPUT1" value: { data_type: TYPE_INT32 '
-               'dims: [ 16 ] zero_data: true } } } ]')
 
 
 def test_poll_mode_goes_on_past_a_model_whose_load_raises_an_unforeseen_error(tmp_path):

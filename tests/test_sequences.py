@@ -134,6 +134,10 @@ REFUSED = {
                            'data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } inputs { key: "START" value: { '
                            'data_type: TYPE_INT32 dims: [ 1 ] zero_data: true } } } ]',
                            "model_warmup[0]: input(s) 'START' are filled by the server from the sequence"),
+    # a state too large to make crashed the server's start with numpy's traceback
+    "huge_state": ('max_batch_size: 8 sequence_batching { state [ { input_name: "INPUT_STATE" output_name: '
+                   '"OUTPUT_STATE" data_type: TYPE_INT32 dims: [ 4611686018427387904 ] } ] }',
+                   "sequence_batching.state[0]: dims [1, 4611686018427387904] cannot be made"),
     "no_such_input": ('max_batch_size: 8 sequence_batching { control_input [ ' + CONTROL.format(name="GO", kind="START")
                       + ' ] }', "control_input[0] 'GO' is not one of the model's inputs"),
 }
@@ -164,11 +168,14 @@ def simple_dyna_sequence_model(corrid: int = TensorProto.UINT64) -> onnx.ModelPr
                              opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
-def accumulate_model() -> onnx.ModelProto:
+def accumulate_model(state_width: int | str = 1) -> onnx.ModelProto:
     """OUTPUT = OUTPUT_STATE = INPUT_STATE + INPUT * (1 + START): a running sum (START counts
-    the first value twice, so that a test sees the control and the state together)."""
-    ins = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("INPUT", "START", "INPUT_STATE")]
-    outs = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("OUTPUT", "OUTPUT_STATE")]
+    the first value twice, so that a test sees the control and the state together);
+    ``state_width``: the state's size past the batch (a name: any size)."""
+    ins = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", 1]) for n in ("INPUT", "START")]
+    ins.append(helper.make_tensor_value_info("INPUT_STATE", TensorProto.INT32, ["batch", state_width]))
+    outs = [helper.make_tensor_value_info(n, TensorProto.INT32, ["batch", state_width])
+            for n in ("OUTPUT", "OUTPUT_STATE")]
     one = helper.make_tensor("one", TensorProto.INT32, [], [1])
     nodes = [helper.make_node("Add", ["START", "one"], ["times"], name="times"),
              helper.make_node("Mul", ["INPUT", "times"], ["step"], name="step"),
@@ -210,7 +217,7 @@ def served(tmp_path_factory):
     _write(root, "warmed_dyna_sequence", SIMPLE_DYNA_SEQUENCE.replace('name: "simple_dyna_sequence"', "") + WARMUP,
            simple_dyna_sequence_model())
     for name, (config, _) in REFUSED.items():
-        _write(root, name, config, simple_dyna_sequence_model())
+        _write(root, name, config, accumulate_model("width") if name == "huge_state" else simple_dyna_sequence_model())
     s = start_server([], tmp_path_factory.mktemp("home"), "--model-repository", str(root), "--policy", "eager",
                      "--batch-size", "8", "--max-delay", "1ms", "--drain-timeout", "10s")
     yield s

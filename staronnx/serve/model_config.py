@@ -583,13 +583,16 @@ def warmup_feeds(config: mc.ModelConfig, seed: int = 0,
             if any(d < 0 for d in dims):
                 raise ConfigError(f"{what}: input {name!r} needs sizes for every dimension, got {list(given.dims)}")
             type_name = mc.DataType.Name(given.data_type)[len("TYPE_"):]
-            if type_name == "STRING":
-                values = rng.integers(0, 10, size=dims) if given.random_data else np.zeros(dims, dtype=np.int64)
-                feeds[name] = values.astype(str).astype(object)
-            else:
-                dtype = protocol.DATATYPES[type_name]
-                feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype) if given.random_data and dtype.kind == "f" \
-                    else (rng.integers(0, 2, size=dims).astype(dtype) if given.random_data else np.zeros(dims, dtype))
+            try:  # sizes past what numpy can make (ValueError) or this host can hold (MemoryError)
+                if type_name == "STRING":
+                    values = rng.integers(0, 10, size=dims) if given.random_data else np.zeros(dims, dtype=np.int64)
+                    feeds[name] = values.astype(str).astype(object)
+                else:
+                    dtype = protocol.DATATYPES[type_name]
+                    feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype) if given.random_data and dtype.kind == "f" \
+                        else (rng.integers(0, 2, size=dims).astype(dtype) if given.random_data else np.zeros(dims, dtype))
+            except (ValueError, MemoryError) as exc:
+                raise ConfigError(f"{what}: input {name!r} of dims {list(given.dims)} cannot be made: {exc}") from None
             if declared[name].HasField("reshape"):  # the sample is in the config's dims, as a client's request:
                 shape = list(declared[name].reshape.shape)  # the runtime takes the model's (its reshape)
                 try:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -312,7 +313,7 @@ def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
         raise SequenceConfigError(f"{where}: initial_state holds {len(st.initial_state)} entries; give one or none")
     if not st.initial_state:
         dims = [1, *st.dims] if mbs > 0 else list(st.dims)
-        return np.zeros([d if d > 0 else 1 for d in dims], dtype=dtype)
+        return _zeros([d if d > 0 else 1 for d in dims], dtype, where)
     init = st.initial_state[0]
     what = f"{where}.initial_state"
     if init.data_type != st.data_type:
@@ -332,14 +333,23 @@ def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
             raw = path.read_bytes()
         except OSError as exc:
             raise SequenceConfigError(f"{what}: data_file {init.data_file!r} cannot be read: {exc}") from None
-        need = int(np.prod(shape)) * dtype.itemsize
+        need = math.prod(shape) * dtype.itemsize  # Python's integers: numpy's product wraps past 2**63
         if len(raw) < need:
             raise SequenceConfigError(f"{what}: data_file {init.data_file!r} holds {len(raw)} bytes, the state "
                                       f"{shape} needs {need}")
         return np.frombuffer(raw[:need], dtype=dtype).reshape(shape).copy()
     if which != "zero_data" or not init.zero_data:
         raise SequenceConfigError(f"{what}: give zero_data: true or a data_file")
-    return np.zeros(shape, dtype=dtype)
+    return _zeros(shape, dtype, what)
+
+
+def _zeros(shape: list[int], dtype: np.dtype, where: str) -> np.ndarray:
+    """A state's zeros, or the config refused where its sizes cannot be made (numpy's ValueError
+    past its limits, MemoryError past the host's), rather than the load failing with numpy's error."""
+    try:
+        return np.zeros(shape, dtype=dtype)
+    except (ValueError, MemoryError) as exc:
+        raise SequenceConfigError(f"{where}: dims {shape} cannot be made: {exc}") from None
 
 
 # -- requests -----------------------------------------------------------------------------------
