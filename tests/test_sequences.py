@@ -604,3 +604,45 @@ def test_metadata_and_config_answer_the_sequence_batching(served, protocol):
     assert (state["input_name"], state["output_name"], [int(d) for d in state["dims"]]) == ("state", "state_out",
                                                                                           [2, 1, 64])
     assert [i["name"] for i in gru["input"]] == ["frame", "sample_rate"]
+
+
+def test_unloading_a_stateful_model_refuses_its_backlog_at_once(tmp_path):
+    """A sequence waiting in the backlog for a slot (one slot, held by another sequence that
+    stays idle for a minute) is refused UNAVAILABLE, naming the unload, as soon as the model is
+    unloaded: no slot will ever be freed for it. It used to wait until the active sequence's idle
+    timeout, and failed then."""
+    root = tmp_path / "models"
+    one_slot = (SIMPLE_SEQUENCE.replace('name: "simple_sequence"', "").replace("max_batch_size: 8", "max_batch_size: 1")
+                .replace("sequence_batching {", "sequence_batching { max_sequence_idle_microseconds: 600000000"))
+    _write(root, "one_slot", one_slot, simple_sequence_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--model-control-mode", "explicit",
+                     "--load-model", "one_slot", "--policy", "eager", "--drain-timeout", "10s")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        client.infer("one_slot", [_int_input(httpclient, "INPUT", 1)], sequence_id=1, sequence_start=True)
+        outcome: queue.Queue = queue.Queue()
+
+        def second() -> None:
+            waiting = httpclient.InferenceServerClient(s.http, network_timeout=600.0)
+            try:
+                outcome.put(waiting.infer("one_slot", [_int_input(httpclient, "INPUT", 40)], sequence_id=2,
+                                          sequence_start=True))
+            except InferenceServerException as exc:
+                outcome.put(exc)
+
+        thread = threading.Thread(target=second, daemon=True)
+        thread.start()
+        for _ in range(600):  # a generous bound on a busy host; no timing is asserted
+            stats = client.get_inference_statistics("one_slot")["model_stats"][0]["staronnx"]["sequences"]
+            if stats["backlog"] == 1:
+                break
+            time.sleep(0.1)
+        assert stats["backlog"] == 1, stats
+        client.unload_model("one_slot")
+        thread.join(120)  # far less than the 600 s idle timeout that used to free its slot
+        assert not thread.is_alive(), "the backlog request still waits after the unload"
+        refused = outcome.get_nowait()
+        assert isinstance(refused, InferenceServerException), refused
+        assert "unloaded" in str(refused) and refused.status() == "503", refused
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

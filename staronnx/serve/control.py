@@ -151,6 +151,7 @@ class ModelControl:
         self.unavailable.pop(name, None)
         self.stamps[name] = stamp
         if old is not None:  # the old one answers what it accepted, then frees its runtime
+            old.retire("reloaded (its sequences do not carry over to the new one)")
             await loop.run_in_executor(None, old.close, self.drain_timeout)
 
     async def unload(self, name: str) -> None:
@@ -168,6 +169,7 @@ class ModelControl:
         if model is None:
             return  # already not served: Triton answers an unload of an unloaded model with success
         self.stamps.pop(name, None)
+        model.retire(UNLOADED)
         await asyncio.get_running_loop().run_in_executor(None, model.close, self.drain_timeout)
 
     # -- poll mode ---------------------------------------------------------------------------

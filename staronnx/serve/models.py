@@ -774,6 +774,16 @@ class ModelEndpoint:
                                             f"{len(parts)} samples' answers along")
         return np.concatenate(parts, axis=axis)
 
+    def retire(self, why: str) -> None:
+        """On the event loop, as the model leaves service (``why``: unloaded, replaced, the server
+        shutting down), before :meth:`close` drains it on another thread: a stateful model's
+        requests waiting for a sequence slot are refused at once (no slot will be freed for
+        them); the older versions served under the same name too."""
+        if self.sequences is not None:
+            self.sequences.close(why)
+        for other in self.others.values():
+            other.retire(why)
+
     def close(self, timeout: float) -> None:
         """Drain the batcher (every accepted request is answered), then stop the runtime; the
         older versions served under the same name too."""

@@ -421,6 +421,30 @@ class Sequences:
         self._gone: collections.OrderedDict[int | str, str] = collections.OrderedDict()
         self._datatypes = {**{c.name: c.datatype for c in policy.controls},
                            **{s.input_name: s.datatype for s in policy.states}}
+        #: why the model no longer serves (unloaded, replaced, shutting down); None while it does
+        self._closed: str | None = None
+
+    def close(self, why: str) -> None:
+        """The model is taken out of service (``why``: unloaded, replaced by a reload, the server
+        shutting down): the requests waiting in the backlog for a slot are refused now, as is
+        every request that reaches its sequence's turn from now on; the sequences' idle timers
+        and states are dropped. Without it a backlog request waited for a slot the model would
+        never free until an active sequence's idle timeout (a minute or more), then failed."""
+        if self._closed is not None:
+            return
+        self._closed = why
+        while self._backlog:
+            waiter = self._backlog.popleft()
+            if not waiter.done():
+                waiter.set_exception(self._refusal())
+        for seq in list(self._active.values()):
+            if seq.timer is not None:
+                seq.timer.cancel()
+                seq.timer = None
+            seq.states = None
+
+    def _refusal(self) -> ProtocolError:
+        return ProtocolError("unavailable", f"model {shown(self.model)}: {self._closed}; its sequences are over")
 
     async def infer(self, endpoint: Endpoint[_A], inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
                     outputs: Sequence[str] | None, sequence: SequenceRequest | None, *, decode_s: float = 0.0,
@@ -428,6 +452,8 @@ class Sequences:
         """One request of a sequence: admitted now (in arrival order), run when its sequence's
         previous request is answered, with the control inputs and states filled in."""
         try:
+            if self._closed is not None:
+                raise self._refusal()
             self._check(inputs, outputs, sequence)
             assert sequence is not None
             wanted = None if outputs is None else [*outputs, *(s.output_name for s in self.policy.states
@@ -445,6 +471,8 @@ class Sequences:
             seq.timer = None
         try:
             async with seq.turn:
+                if self._closed is not None:  # closed while it waited for its sequence's turn
+                    raise self._refusal()
                 if sequence.start:
                     seq.states = None
                 if not seq.slot:
@@ -463,7 +491,7 @@ class Sequences:
             seq.idle_since = time.monotonic()
             if sequence.end and seq.queued == 0:
                 self._forget(seq, "ended (a request with sequence_end closed it)")
-            elif seq.queued == 0 and self._active.get(seq.id) is seq:
+            elif seq.queued == 0 and self._active.get(seq.id) is seq and self._closed is None:
                 seq.timer = asyncio.get_running_loop().call_later(self.policy.idle_s, self._expire, seq)
 
     def _feeds(self, inputs: Mapping[str, np.ndarray], sequence: SequenceRequest,
