@@ -646,3 +646,44 @@ def test_unloading_a_stateful_model_refuses_its_backlog_at_once(tmp_path):
         assert "unloaded" in str(refused) and refused.status() == "503", refused
     finally:
         assert s.stop() == 0, "\n".join(s.lines)
+
+
+def test_a_shutdown_answers_the_backlog_of_a_stateful_model(tmp_path):
+    """SIGTERM while a sequence waits in the backlog for a slot: the drain frees no slot (no new
+    request can end the sequence that holds it), so the waiting request is answered 503 at once,
+    saying the server is shutting down, and the server exits 0. It used to be left waiting until
+    the drain's end and then cut: its client saw the connection reset, no answer."""
+    root = tmp_path / "models"
+    one_slot = (SIMPLE_SEQUENCE.replace('name: "simple_sequence"', "").replace("max_batch_size: 8", "max_batch_size: 1")
+                .replace("sequence_batching {", "sequence_batching { max_sequence_idle_microseconds: 600000000"))
+    _write(root, "one_slot", one_slot, simple_sequence_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager", "--drain-timeout", "10s")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        client.infer("one_slot", [_int_input(httpclient, "INPUT", 1)], sequence_id=1, sequence_start=True)
+        outcome: queue.Queue = queue.Queue()
+
+        def second() -> None:
+            waiting = httpclient.InferenceServerClient(s.http, network_timeout=600.0)
+            try:
+                outcome.put(waiting.infer("one_slot", [_int_input(httpclient, "INPUT", 40)], sequence_id=2,
+                                          sequence_start=True))
+            except Exception as exc:  # noqa: BLE001 - an answer, or the connection's fate
+                outcome.put(exc)
+
+        thread = threading.Thread(target=second, daemon=True)
+        thread.start()
+        for _ in range(600):  # a generous bound on a busy host; no timing is asserted
+            stats = client.get_inference_statistics("one_slot")["model_stats"][0]["staronnx"]["sequences"]
+            if stats["backlog"] == 1:
+                break
+            time.sleep(0.1)
+        assert stats["backlog"] == 1, stats
+        s.sigterm()
+        thread.join(120)
+        assert not thread.is_alive()
+        refused = outcome.get_nowait()
+        assert isinstance(refused, InferenceServerException), repr(refused)
+        assert refused.status() == "503" and "shutting down" in str(refused), refused
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)

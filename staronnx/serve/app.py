@@ -329,6 +329,8 @@ async def serve(models: Sequence[ModelEndpoint], metrics: ServeMetrics, listen: 
     # 1. requests still arriving are answered 503 now; each batcher runs what it holds until
     #    the drain ends, and what is still queued then is answered 503 / UNAVAILABLE
     http_front.shutting_down()
+    for m in models:  # a stateful model's backlog: no request can end a sequence and free its slot now
+        m.retire("the server is shutting down")
     await loop.run_in_executor(None, _close_batchers, models, listen.drain_timeout)
     # 2. every handler has its outcome now: let each send it, and refused uploads finish sending
     await _until(lambda: not http_front.unanswered and not grpc_front.unanswered, loop.time() + LINGER_S)
