@@ -43,6 +43,11 @@ MODES = ("none", "poll", "explicit")
 NOT_LOADED = "not loaded (explicit model control: load it through the repository API)"
 UNLOADED = "unloaded"
 
+#: one file of a model folder as poll mode compares it: (path in the folder, size, mtime in ns)
+FileStamp = tuple[str, int, int]
+#: a model's folders (its own, and an ensemble's members'): (folder name, its files' stamps) each
+ModelStamp = tuple[tuple[str, tuple[FileStamp, ...]], ...]
+
 #: builds a served model from its repository folder (blocking: cuts or reads its plan, creates
 #: its sessions) with an optional config override; raises StaronnxError with the reason
 Opener = Callable[[str, Path, "str | None"], ModelEndpoint]
@@ -68,7 +73,7 @@ class ModelControl:
         #: one load or unload at a time (a reload must not race another of the same model)
         self._lock = asyncio.Lock()
         #: each repository model's folder state when it was loaded (what poll mode compares)
-        self.stamps: dict[str, tuple[Any, ...]] = {}
+        self.stamps: dict[str, ModelStamp] = {}
 
     # -- the repository ----------------------------------------------------------------------
     def read_folders(self) -> dict[str, Path]:
@@ -213,7 +218,7 @@ class ModelControl:
                 self.stamps.pop(name, None)
 
 
-def folder_stamp(folder: Path) -> tuple[Any, ...]:
+def folder_stamp(folder: Path) -> tuple[FileStamp, ...]:
     """What poll mode compares to tell a model's folder changed: each file's path, size and
     modification time, down to the version folders' contents."""
     stamp = []
@@ -224,14 +229,14 @@ def folder_stamp(folder: Path) -> tuple[Any, ...]:
     return tuple(stamp)
 
 
-def model_stamp(folder: Path, folders: Mapping[str, Path]) -> tuple[Any, ...]:
+def model_stamp(folder: Path, folders: Mapping[str, Path]) -> ModelStamp:
     """:func:`folder_stamp`, and for an ensemble its members' folders' too (through nested
     ensembles, each folder once): an ensemble's plan is composed from its members' files, so a
     member's new version or config reloads the ensemble as well as the member."""
     from staronnx.serve import ensemble
     from staronnx.serve.model_config import ConfigError, read_config
 
-    stamp: list[Any] = []
+    stamp: list[tuple[str, tuple[FileStamp, ...]]] = []
     seen: set[Path] = set()
     todo = [folder]
     while todo:

@@ -44,11 +44,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from staronnx.serve import model_config as mcfg
 from staronnx.serve import protocol
 from staronnx.serve.proto import model_config_pb2 as mc
+
+if TYPE_CHECKING:  # imported where a plan is composed: the CLI's start stays light
+    from staronnx.plan import Plan
 
 PLATFORM = "ensemble"
 
@@ -211,7 +214,7 @@ class MemberView:
     name: str
     version: str
     config: Mapping[str, Any]
-    plan: Any  # staronnx.plan.Plan
+    plan: Plan
 
 
 def refuse_sequence_member(step: Step, config: mc.ModelConfig) -> None:
@@ -278,7 +281,7 @@ def declared_shapes(config: mc.ModelConfig) -> dict[str, list[int | str | None]]
 
 # -- the composed plan ----------------------------------------------------------------------------
 def composed_plan(spec: EnsembleSpec, config: mc.ModelConfig, members: Sequence[MemberView],
-                  root: Path) -> Any:
+                  root: Path) -> Plan:
     """The ensemble's plan: its members' plans composed (:func:`staronnx.partition.compose.compose`),
     kept under ``root`` (:mod:`staronnx.partition.plan_cache`) by the members' plan hashes (their
     files' hashes and the settings that cut them), the steps and the ensemble's tensors. The plan
@@ -349,7 +352,7 @@ def _shape_item(item: str) -> tuple[str, list[int]]:
     return name.strip(), [int(d) for d in dims.lower().split("x")]
 
 
-def member_parts(plan: Any) -> dict[str, tuple[int, ...]]:
+def member_parts(plan: Plan) -> dict[str, tuple[int, ...]]:
     """Each member's parts in a composed plan (laid out step after step, as its settings list
     them), for its statistics."""
     out: dict[str, list[int]] = {}

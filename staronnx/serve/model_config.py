@@ -75,7 +75,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 from google.protobuf import json_format, text_format
@@ -85,6 +85,9 @@ from staronnx.serve import protocol
 from staronnx.serve.instances import InstanceGroup
 from staronnx.serve.proto import model_config_pb2 as mc
 from staronnx.serving.priority import MAX_LEVELS, LevelPolicy, QueuePolicy
+
+if TYPE_CHECKING:  # sequences reads configs; the policy it makes is set on the settings here
+    from staronnx.serve.sequences import SequencePolicy
 
 CONFIG_FILE = "config.pbtxt"
 #: Triton's idle time where the config gives none (its SEQUENCE_IDLE_DEFAULT_MICROSECONDS)
@@ -186,9 +189,9 @@ class ModelSettings:
     cuda_graphs: bool | None = None
     #: tensor name -> (the client's dims, the model's), without the batch: the config's reshapes
     reshapes: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
-    #: sequence_batching checked against the model (a :class:`~staronnx.serve.sequences.SequencePolicy`),
-    #: set where the model is loaded; None: not a stateful model
-    sequence: Any = None
+    #: sequence_batching checked against the model, set where the model is loaded; None: not a
+    #: stateful model
+    sequence: SequencePolicy | None = None
 
 
 def read_config(folder: Path) -> tuple[mc.ModelConfig, bool]:
@@ -349,7 +352,7 @@ def onnx_signature(model_path: Path) -> tuple[list[TensorSpec], list[TensorSpec]
     return specs(model.graph.input), specs(model.graph.output)
 
 
-def hidden_tensors(config: Any) -> tuple[set[str], set[str]]:
+def hidden_tensors(config: mc.ModelConfig) -> tuple[set[str], set[str]]:
     """The inputs and outputs a config's ``sequence_batching`` keeps from clients (control and
     state inputs; state outputs its ``output`` does not list): config completion leaves them
     out of the served config."""
@@ -361,7 +364,7 @@ def hidden_tensors(config: Any) -> tuple[set[str], set[str]]:
     return inputs, {s.output_name for s in sb.state if s.output_name not in listed}
 
 
-def complete_sequence_batching(config: Any) -> None:
+def complete_sequence_batching(config: mc.ModelConfig) -> None:
     """Fill, in place, what Triton's config normalisation fills in a ``sequence_batching``
     section: the idle time, and the ``direct`` strategy where none is named."""
     if not config.HasField("sequence_batching"):
@@ -550,8 +553,16 @@ def instance_groups(config: mc.ModelConfig) -> tuple[InstanceGroup, ...]:
     return tuple(out)
 
 
+class WarmupSample(NamedTuple):
+    """One ``model_warmup`` sample ready to run: its name in messages, its runs, its feeds."""
+
+    what: str
+    runs: int
+    feeds: dict[str, np.ndarray]
+
+
 def warmup_feeds(config: mc.ModelConfig, seed: int = 0,
-                 filled: frozenset[str] = frozenset()) -> list[tuple[str, int, dict[str, np.ndarray]]]:
+                 filled: frozenset[str] = frozenset()) -> list[WarmupSample]:
     """Each ``model_warmup`` sample of a completed config as (name, count, feeds): every input of
     the model, of its declared type, ``dims`` (after the sample's ``batch_size`` where the model
     batches), zeros or random values; a sample that does not fit the model is refused, as is one
@@ -601,7 +612,7 @@ def warmup_feeds(config: mc.ModelConfig, seed: int = 0,
                 except ValueError:
                     raise ConfigError(f"{what}: input {name!r} of dims {list(given.dims)} cannot be reshaped to the "
                                       f"config's reshape {shape}") from None
-        out.append((what, max(1, sample.count), feeds))
+        out.append(WarmupSample(what, max(1, sample.count), feeds))
     return out
 
 

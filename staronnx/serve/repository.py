@@ -21,10 +21,12 @@ members' plans are composed into the ensemble's plan, cached beside theirs
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
 
 from staronnx.errors import StaronnxError
 from staronnx.modelio import file_sha256
@@ -33,8 +35,21 @@ from staronnx.serve import model_config as mcfg
 from staronnx.serve import sequences
 from staronnx.serve.proto import model_config_pb2 as mc
 
+if TYPE_CHECKING:  # imported where used: the CLI's start stays light
+    from staronnx.plan import Plan
+    from staronnx.serve.models import Declared
+    from staronnx.serving.spec import ServeSpec
+    from staronnx.workers.residency import WorkerSlot
+
 #: where plans made from repository models are kept, under $STARONNX_HOME
 CACHE_DIR = "repository-plans"
+
+
+class Runs(Protocol):
+    """What a warm-up runs its samples on: a model's :class:`~staronnx.runtime.runtime.Runtime`,
+    or its :class:`~staronnx.runtime.runtime.ModelHandle` in a runtime shared by several models."""
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
 @dataclass
@@ -45,14 +60,14 @@ class RepositoryModel:
     version: str
     folder: Path
     model_file: Path
-    plan: Any  # staronnx.plan.Plan (imported lazily: the CLI's start stays light)
+    plan: Plan
     settings: mcfg.ModelSettings
     #: the config as served (completed from the model, checked), Triton's JSON form
     config: dict[str, Any]
     #: each output's labels, from its label_filename
     labels: dict[str, list[str]]
-    #: its model_warmup samples: (what, count, feeds)
-    warmup: list[tuple[str, int, dict[str, Any]]]
+    #: its model_warmup samples
+    warmup: list[mcfg.WarmupSample]
     #: the other versions its version_policy selects, latest first (this one is the latest)
     older: list["RepositoryModel"] = field(default_factory=list)
     #: an ensemble's steps (None: a model of its own)
@@ -109,7 +124,7 @@ def load(name: str, folder: Path, batch_size: int, home: Path | None = None,
     return chosen[0]
 
 
-def _load_ensemble(name: str, folder: Path, config: Any, batch_size: int, home: Path | None,
+def _load_ensemble(name: str, folder: Path, config: mc.ModelConfig, batch_size: int, home: Path | None,
                    folders: dict[str, Path], within: tuple[str, ...]) -> RepositoryModel:
     """An ensemble: its steps read, each member loaded from its own folder and checked against
     it, their plans composed into one (cached). Members load as they would on their own (a
@@ -152,7 +167,7 @@ def _load_ensemble(name: str, folder: Path, config: Any, batch_size: int, home: 
                            mcfg.settings(effective), mcfg.as_dict(effective), {}, [], ensemble=spec)
 
 
-def _load_version(name: str, folder: Path, version: int, filename: str, config: Any, batch_written: bool,
+def _load_version(name: str, folder: Path, version: int, filename: str, config: mc.ModelConfig, batch_written: bool,
                   batch_size: int, home: Path | None) -> RepositoryModel:
     """One version of a model: its plan (cut or cached), its config completed from its file."""
     model_file = folder / str(version) / filename
@@ -181,12 +196,12 @@ def _load_version(name: str, folder: Path, version: int, filename: str, config: 
             raise mcfg.ConfigError(f"output {output!r}: label_filename {file!r} cannot be read: {exc}") from None
     warmup = mcfg.warmup_feeds(effective, filled=settings.sequence.filled if settings.sequence else frozenset())
     if settings.sequence is not None:  # each sample a sequence of one request per row
-        warmup = [(what, count, settings.sequence.warmup_feeds(feeds)) for what, count, feeds in warmup]
+        warmup = [w._replace(feeds=settings.sequence.warmup_feeds(w.feeds)) for w in warmup]
     return RepositoryModel(name, str(version), folder, model_file, plan, settings, mcfg.as_dict(effective), labels,
                            warmup)
 
 
-def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
+def serve_spec(found: RepositoryModel, base: ServeSpec, delay: float) -> ServeSpec:
     """The batcher's :class:`~staronnx.serving.spec.ServeSpec` of a repository model: ``base``
     (the flags' spec with the model's queue capacity) changed where its config says otherwise;
     ``delay``: the server's --max-delay, for a config without a queue delay."""
@@ -196,7 +211,7 @@ def serve_spec(found: RepositoryModel, base: Any, delay: float) -> Any:
                    queue_policy=s.queue_policy)
 
 
-def workers_for(found: RepositoryModel, workers: Sequence[Any], separate_runtimes: bool,
+def workers_for(found: RepositoryModel, workers: Sequence[WorkerSlot], separate_runtimes: bool,
                 cuda_graphs: bool = False) -> str | None:
     """The workers a repository model's instance_group keeps it on in a shared runtime (a
     ``--model-workers`` selector, :func:`staronnx.serve.instances.holders`), None for all; or why
@@ -219,7 +234,7 @@ def workers_for(found: RepositoryModel, workers: Sequence[Any], separate_runtime
 
 
 def machine_workers(groups: str, cuda_streams: int, cuda_devices: Sequence[int],
-                    thread_per_stream: bool = False) -> list[Any]:
+                    thread_per_stream: bool = False) -> list[WorkerSlot]:
     """The CUDA streams and CPU groups a server of these settings starts on this machine, as
     :class:`~staronnx.workers.residency.WorkerSlot` (their names and kinds, before any starts):
     what a config's instance_group is mapped onto."""
@@ -230,7 +245,7 @@ def machine_workers(groups: str, cuda_streams: int, cuda_devices: Sequence[int],
     return [w.slot for w in layout(spec, Topology.from_system()).workers if w.kind in ("cpu", "cuda")]
 
 
-def declared(found: RepositoryModel) -> Any:
+def declared(found: RepositoryModel) -> Declared:
     """What the repository says of a loaded version, as the served model takes it
     (:class:`~staronnx.serve.models.Declared`)."""
     from staronnx.serve.models import Declared
@@ -240,22 +255,22 @@ def declared(found: RepositoryModel) -> Any:
                     sequence=s.sequence, ensemble=found.ensemble, queue_sized=s.queue_capacity is not None)
 
 
-def warm(found: RepositoryModel, runtime: Any) -> int:
+def warm(found: RepositoryModel, runtime: Runs) -> int:
     """Run the model's ``model_warmup`` samples on ``runtime`` before it serves (a sample that
     fails fails the load, naming it); returns the runs made."""
     runs = 0
-    for what, count, feeds in found.warmup:
-        runs += count
-        for _ in range(count):
+    for sample in found.warmup:
+        runs += sample.runs
+        for _ in range(sample.runs):
             try:
-                runtime.run(feeds)
+                runtime.run(sample.feeds)
             except Exception as exc:  # noqa: BLE001 - whatever ORT raised, the load fails with it
-                raise StaronnxError(f"{what} failed: {exc}") from None
+                raise StaronnxError(f"{sample.what} failed: {exc}") from None
     return runs
 
 
 def cached_plan(model_file: Path, shaping: dict[str, Any], inputs: Sequence[mcfg.TensorSpec],
-                home: Path | None = None) -> Any:
+                home: Path | None = None) -> Plan:
     """The plan of ``model_file`` cut with ``shaping`` (parts, shares, method, input_shapes),
     kept by the model file's hash and ``shaping`` (:mod:`staronnx.partition.plan_cache`)."""
     from staronnx.partition import PartitionSpec, partition

@@ -62,6 +62,14 @@ from staronnx.serve.protocol import ProtocolError, invalid, shown
 # ``inference.*`` messages twice (see staronnx.serve.grpc_api)
 if TYPE_CHECKING:
     from staronnx.serve.model_config import TensorSpec
+    from staronnx.serve.proto.model_config_pb2 import ModelConfig, ModelSequenceBatching
+
+
+class _Refusals(Protocol):
+    """A model's statistics as the sequence batcher counts in them
+    (:class:`staronnx.serve.metrics.ModelStats` is one)."""
+
+    def refused(self, reason: str) -> None: ...
 
 
 class _Answer(Protocol):
@@ -79,7 +87,7 @@ class Endpoint(Protocol[_A]):
     this module and the served models do not import each other)."""
 
     @property
-    def stats(self) -> Any: ...
+    def stats(self) -> _Refusals: ...
 
     def check(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
               outputs: Sequence[str] | None) -> None: ...
@@ -119,7 +127,7 @@ class ControlInput:
     name: str
     kind: str  # "start", "end", "ready" or "corrid"
     datatype: str  # v2 datatype (INT32, FP32, BOOL, UINT64, ..., BYTES)
-    false_true: tuple[Any, Any] | None
+    false_true: tuple[int | float | bool, int | float | bool] | None
     shape: tuple[int, ...]
 
     def value(self, request: SequenceRequest) -> np.ndarray:
@@ -190,12 +198,13 @@ class SequencePolicy:
         return out
 
 
-def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
+def policy_of(config: ModelConfig, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec],
               folder: Path) -> SequencePolicy | None:
     """The sequence policy of a (completed) config (a ``ModelConfig`` message), None without
     ``sequence_batching``; each field checked against the model's ``inputs`` and ``outputs`` (a
     mismatch raises :class:`SequenceConfigError` naming the field)."""
-    mc = _config_messages()
+    from staronnx.serve.proto import model_config_pb2 as mc  # see the imports above
+
     if not config.HasField("sequence_batching"):
         return None
     sb = config.sequence_batching
@@ -294,17 +303,11 @@ def policy_of(config: Any, inputs: Sequence[TensorSpec], outputs: Sequence[Tenso
     return SequencePolicy(strategy, slots, idle_us / 1e6, tuple(controls), tuple(states), batched=mbs > 0)
 
 
-def _config_messages() -> Any:
-    """The generated ``model_config_pb2`` module (imported on first use: see the imports above)."""
-    from staronnx.serve.proto import model_config_pb2
-
-    return model_config_pb2
-
-
-def _initial_state(st: Any, where: str, mbs: int, folder: Path) -> np.ndarray:
+def _initial_state(st: ModelSequenceBatching.State, where: str, mbs: int, folder: Path) -> np.ndarray:
     """A state's value at a sequence's start: its ``initial_state`` (zeros or a file's bytes,
     row-major), else zeros of its dims with 1 for each variable size."""
-    mc = _config_messages()
+    from staronnx.serve.proto import model_config_pb2 as mc  # see the imports above
+
     type_name = mc.DataType.Name(st.data_type)
     if type_name == "TYPE_STRING":
         raise SequenceConfigError(f"{where}: a TYPE_STRING state is not honoured by staronnx serve (numeric states only)")
