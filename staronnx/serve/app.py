@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -47,6 +47,9 @@ from staronnx.serve.shm import SharedMemoryRegions
 from staronnx.serve.tls import Tls
 from staronnx.serving.collector import full_collections_every
 from staronnx.serving.server import hold_frozen, release_frozen
+
+if TYPE_CHECKING:  # imported where the front ends start (aiohttp's app is not needed before)
+    from staronnx.serve.http_api import HttpFrontend
 
 #: ``staronnx serve --gc-interval``'s default: seconds between full cycle collections
 GC_INTERVAL_S = 30.0
@@ -398,7 +401,8 @@ async def _until(done: Callable[[], bool], deadline: float) -> None:
         await asyncio.sleep(0.01)
 
 
-async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.AppRunner, front: Any) -> None:
+async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.AppRunner,
+                          front: HttpFrontend) -> None:
     """Stop listening for HTTP without resetting anyone: the connections the kernel already
     accepted into the listen queue are taken and handled (each request answered 503 with
     ``Connection: close``) before the listener closes in the same step (closing a listener
@@ -411,17 +415,19 @@ async def _close_listener(site: web.SockSite, sock: socket.socket, runner: web.A
             queued.append(sock.accept()[0])
     await site.stop()  # no await between the last accept and the close
     sock.close()
-    if not queued:
+    server = runner.server  # set by the runner's setup, before the listener opened
+    if not queued or server is None:
+        for conn in queued:
+            conn.close()
         return
-    before = runner.server.requests_count if runner.server is not None else 0
+    before = server.requests_count
     for conn in queued:
         conn.setblocking(False)
         try:
-            await loop.connect_accepted_socket(runner.server, conn)  # type: ignore[arg-type]
+            await loop.connect_accepted_socket(server, conn)
         except OSError:
             conn.close()
-    await _until(lambda: runner.server is None or (runner.server.requests_count - before >= len(queued)
-                                                   and not front.running),
+    await _until(lambda: server.requests_count - before >= len(queued) and not front.running,
                  loop.time() + LINGER_S)
 
 

@@ -267,8 +267,9 @@ class GrpcFrontend(Frontend):
         try:
             while (answer := await answers.get()) is not None:
                 yield answer
-            if not reader.cancelled() and reader.exception() is not None:
-                raise reader.exception()  # type: ignore[misc]
+            failed = None if reader.cancelled() else reader.exception()
+            if failed is not None:  # reading the client's requests failed: the stream fails with it
+                raise failed
         finally:
             reader.cancel()
             for task in list(running):

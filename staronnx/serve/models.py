@@ -227,6 +227,7 @@ class ModelEndpoint:
         self.sequences = (Sequences(name, declared.sequence) if declared is not None and declared.sequence is not None
                           else None)
         if declared is not None and declared.preserve_ordering:
+            # chosen once per model, not tested per request: mypy refuses assigning a method
             self.infer = self._infer_in_order  # type: ignore[method-assign]
         self.ready = True
         self._handoff: Handoff | None = None  # made on the event loop, at the first request
@@ -238,7 +239,7 @@ class ModelEndpoint:
         self.ensemble = declared.ensemble if declared is not None else None
         self._composing: dict[str, Any] = {}
         if self.ensemble is not None and self.ensemble.mode == "steps":
-            self.infer = self._infer_steps  # type: ignore[method-assign]
+            self.infer = self._infer_steps  # type: ignore[method-assign]  # as _infer_in_order above
         elif self.ensemble is not None:
             for member in self.ensemble.member_parts or {}:
                 self._composing[member] = functools.partial(self._member_counts, member)

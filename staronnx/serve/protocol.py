@@ -433,9 +433,9 @@ def classify(array: np.ndarray, k: int, axis: int | None, labels: Sequence[str] 
     """Triton's classification extension: the ``k`` largest values of each sample along the
     output's batch ``axis`` (of the whole tensor when it has none, None) as
     ``b"value:index[:label]"``, largest first; shape ``[batch, k]``, or ``[k]``."""
-    batched = axis is not None and array.ndim > 1 and axis < array.ndim
-    if batched:
-        array = np.moveaxis(array, axis, 0)  # type: ignore[arg-type]
+    batched = False
+    if axis is not None and array.ndim > 1 and axis < array.ndim:
+        array, batched = np.moveaxis(array, axis, 0), True
     rows = array.reshape(array.shape[0], -1) if batched else array.reshape(1, -1)
     k = min(k, rows.shape[1])
     out = np.empty((rows.shape[0], k), dtype=object)
