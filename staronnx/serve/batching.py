@@ -11,9 +11,12 @@ the served models' tensors, before anything starts, so a misfit is one line nami
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from staronnx.errors import StaronnxError
+
+if TYPE_CHECKING:  # the plans are loaded by the callers; this module stays light
+    from staronnx.plan import Plan
 
 _PerModel = TypeVar("_PerModel", bound=Mapping[str, Any])
 
@@ -67,7 +70,7 @@ def batching_overrides(items: Sequence[str], tensors: Mapping[str, set[str]]) ->
     return per_model
 
 
-def apply_batching(plans: Mapping[str, Any], items: Sequence[str], no_batching: bool) -> dict[str, dict[str, Any]]:
+def apply_batching(plans: Mapping[str, Plan], items: Sequence[str], no_batching: bool) -> dict[str, dict[str, Any]]:
     """``--batch-axis`` items and ``--no-batching`` applied to each loaded plan (model name ->
     :class:`~staronnx.plan.Plan`, through ``plan.set_batching``; a misfit raises one line naming
     the model). Returns what each model was given, ``{"batch_axes": [...], "batching": bool}``
