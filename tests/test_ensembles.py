@@ -304,6 +304,25 @@ def test_a_bad_classification_of_a_steps_ensemble_is_refused_as_a_models_is(serv
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and "classification" in err.value.message(), err.value
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_a_steps_ensemble_passes_its_requests_priority_on_to_its_steps(served, protocol):
+    """Triton's ensemble scheduler gives every step's request the ensemble request's priority and
+    timeout; served step by step, a priority reaches the members, none of which has priority
+    levels here, so it is refused by name (INVALID_ARGUMENT), as the same ensemble served as one
+    task graph refuses it. The priority used to be dropped: the request was answered as if the
+    client had not asked for one."""
+    image = er.text_image(np.random.default_rng(6), batch=1, width=32)
+    module, client = _client(served, protocol)
+    tensor = module.InferInput("IMAGE", list(image.shape), "FP32")
+    tensor.set_data_from_numpy(image)
+    for model in ("text_reader", "text_reader_steps"):
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, [tensor], priority=1)
+        assert "no priority levels" in err.value.message(), (model, err.value)
+        assert err.value.status() in ("400", "StatusCode.INVALID_ARGUMENT"), (model, err.value)
+    assert client.infer("text_reader_steps", [tensor]).as_numpy("TEXT_PROB") is not None  # no priority: answered
+
+
 def _stats(served, model: str, protocol: str = "http") -> dict:
     if protocol == "http":
         return httpclient.InferenceServerClient(served.http).get_inference_statistics(model)["model_stats"][0]

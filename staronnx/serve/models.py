@@ -640,7 +640,8 @@ class ModelEndpoint:
         """An ensemble request run as Triton runs it: each step a request of its own through its
         member's served model (its own batcher and queue), a step starting once the steps it
         reads from have answered, the tensors between steps through host memory. ``parameters``:
-        :meth:`infer`'s, not passed on (each step is the ensemble's own request to its member)."""
+        :meth:`infer`'s, passed on to every step's request as Triton's ensemble scheduler passes
+        them (a ``priority`` or ``timeout`` is then its member's to honour or refuse by name)."""
         assert self.ensemble is not None
         started = time.perf_counter()
         try:
@@ -657,7 +658,7 @@ class ModelEndpoint:
             pending = list(self.ensemble.steps)
             while pending:
                 ready = [s for s in pending if all(t in values for t in s.input_map.values())]
-                answers = await asyncio.gather(*(self._run_step(s, values) for s in ready))
+                answers = await asyncio.gather(*(self._run_step(s, values, parameters) for s in ready))
                 for step, answer in zip(ready, answers):
                     values.update({tensor: answer[out] for out, tensor in step.output_map.items()})
                 pending = [s for s in pending if s not in ready]
@@ -677,13 +678,15 @@ class ModelEndpoint:
         self._latency_hist.observe(elapsed + decode_s)
         return Answer(result, {})
 
-    async def _run_step(self, step: "Step", values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """One step's request to its member's served model; its refusal names the step."""
+    async def _run_step(self, step: "Step", values: Mapping[str, np.ndarray],
+                        parameters: Mapping[str, Any] | None = None) -> dict[str, np.ndarray]:
+        """One step's request to its member's served model, with the ensemble request's
+        ``parameters``; its refusal names the step."""
         member = self._member(step)
         feeds = {name: values[tensor] for name, tensor in step.input_map.items()}
         types = {name: protocol.datatype_of(v.dtype) for name, v in feeds.items()}
         try:
-            answer = await member.infer(feeds, types, list(step.output_map))
+            answer = await member.infer(feeds, types, list(step.output_map), parameters=parameters)
         except ProtocolError as exc:
             raise ProtocolError(exc.kind, f"ensemble {self.name!r}, step {step.model_name!r}: {exc}") from None
         return answer.outputs
