@@ -43,7 +43,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 import numpy as np
 from aiohttp import web
@@ -85,9 +85,29 @@ OFFLOAD_BYTES = 64 * 1024
 #: a response with at least this many values to write as JSON text is encoded on a worker thread
 OFFLOAD_VALUES = 16384
 
-#: a decoded inference request: (JSON header, inputs, their datatypes, outputs asked for as
-#: (name, binary?), binary default)
-Request = tuple[dict[str, Any], dict[str, np.ndarray], dict[str, str], list[tuple[str, bool]], bool]
+class DecodedRequest(NamedTuple):
+    """A decoded inference request, as the front end, the lane and the Ray ingress run it."""
+
+    #: the JSON header as sent (its parameters, outputs and id are read where they are used)
+    header: dict[str, Any]
+    inputs: dict[str, np.ndarray]
+    #: each input's datatype as the request names it
+    datatypes: dict[str, str]
+    #: the outputs asked for, in order: (name, whether it goes as binary data)
+    wanted: list[tuple[str, bool]]
+    #: the request's binary_data_output: the default of an output it asks for without saying
+    binary_out: bool
+
+
+class AnswerSource(Protocol):
+    """What encoding an answer reads of its model: a served
+    :class:`~staronnx.serve.models.ModelEndpoint`, or the Ray ingress's model information."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def output_datatypes(self) -> Mapping[str, str]: ...
 
 #: the request body encodings this server decompresses itself (zlib ``wbits`` of each)
 _ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
@@ -335,7 +355,7 @@ class HttpFrontend(Frontend):
             if len(lengths) > 1:
                 raise invalid(f"{HEADER_LENGTH} is given {len(lengths)} times; give it once")
             body = await _receive(request, self.max_body, self.guard.budget, watch)
-            header, inputs, datatypes, wanted, binary_out = await decode_body(
+            decoded = await decode_body(
                 body, request.headers.get("Content-Encoding"), lengths[0] if lengths else None, self.max_body,
                 regions=self.regions if local_peer(request.remote) else None)
         except ProtocolError as exc:
@@ -356,10 +376,10 @@ class HttpFrontend(Frontend):
             watch.stop()
         if not self.is_ready():  # SIGTERM came while its body was decoded: the connection closes after it
             return _answer(self.stopping(model), close=True)
-        encoded = await self._run(model, (header, inputs, datatypes, wanted, binary_out), request.remote, t0)
+        encoded = await self._run(model, decoded, request.remote, t0)
         return encoded.response()
 
-    async def _run(self, model: ModelEndpoint, request: Request, peer: str | None, t0: float) -> Encoded:
+    async def _run(self, model: ModelEndpoint, request: DecodedRequest, peer: str | None, t0: float) -> Encoded:
         """A decoded request run and its answer encoded (received at ``t0``, from ``peer``): what
         aiohttp's handler and the lane (:meth:`answer_lane`) share once a body is whole."""
         header, inputs, datatypes, wanted, binary_out = request
@@ -505,7 +525,7 @@ async def inflate_body(body: bytes | bytearray, encoding: str | None, max_body: 
 
 
 async def decode_body(body: bytes | bytearray, encoding: str | None, header_length: str | None,
-                      max_body: int, regions: SharedMemoryRegions | None = None) -> Request:
+                      max_body: int, regions: SharedMemoryRegions | None = None) -> DecodedRequest:
     """A received request body as a :data:`Request`: inflated (:func:`inflate_body`), and a
     large JSON document parsed on a worker thread, so the loop goes on serving the others. Both
     HTTP front ends (``staronnx serve`` and the Ray ingress) read requests through here, so they
@@ -524,7 +544,7 @@ async def decode_body(body: bytes | bytearray, encoding: str | None, header_leng
     return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, length, regions)
 
 
-async def encode_answer(model: Any, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
+async def encode_answer(model: AnswerSource, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
                         binary_out: bool, parameters: Mapping[str, Any] | None = None,
                         placed: Mapping[str, Mapping[str, Any]] | None = None) -> Encoded:
     """The response to a request (:func:`_encode_response`), written on a worker thread when it
@@ -1065,7 +1085,7 @@ def _flag(params: Mapping[str, Any], key: str, default: bool, what: str) -> bool
     return value
 
 
-def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions | None = None) -> Request:
+def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions | None = None) -> DecodedRequest:
     """A request body whose first ``length`` bytes are its JSON header, the rest binary tensors
     (and inputs placed in ``regions``' shared memory)."""
     view = memoryview(body)
@@ -1125,7 +1145,7 @@ def _decode(body: bytes | bytearray, length: int, regions: SharedMemoryRegions |
             raise invalid(f"{what}: system shared memory is not served to this client (only to clients on the "
                           "machine of staronnx serve); ask for the output in the answer")
         wanted.append((out["name"], _flag(params, "binary_data", binary_out, what)))
-    return header, inputs, datatypes, wanted, binary_out
+    return DecodedRequest(header, inputs, datatypes, wanted, binary_out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1160,7 +1180,7 @@ class Encoded:
         return response
 
 
-def _encode_response(model: ModelEndpoint, request_id: Any, outputs: Mapping[str, np.ndarray],
+def _encode_response(model: AnswerSource, request_id: Any, outputs: Mapping[str, np.ndarray],
                      wanted: Mapping[str, bool], binary_out: bool,
                      parameters: Mapping[str, Any] | None = None,
                      placed: Mapping[str, Mapping[str, Any]] | None = None) -> Encoded:
