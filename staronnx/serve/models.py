@@ -32,7 +32,7 @@ import asyncio
 import functools
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -237,7 +237,7 @@ class ModelEndpoint:
         #: an ensemble's steps; its members' statistics count its runs (one task graph), or its
         #: requests are sent step by step to its members (ensemble_mode steps, as Triton does)
         self.ensemble = declared.ensemble if declared is not None else None
-        self._composing: dict[str, Any] = {}
+        self._composing: dict[str, Callable[[], dict[str, Any]]] = {}
         if self.ensemble is not None and self.ensemble.mode == "steps":
             self.infer = self._infer_steps  # type: ignore[method-assign]  # as _infer_in_order above
         elif self.ensemble is not None:

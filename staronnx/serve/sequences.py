@@ -61,8 +61,22 @@ from staronnx.serve.protocol import ProtocolError, invalid, shown
 # module, and a process that also imports tritonclient.grpc (a test's) must not register the
 # ``inference.*`` messages twice (see staronnx.serve.grpc_api)
 if TYPE_CHECKING:
-    from staronnx.serve.model_config import TensorSpec
     from staronnx.serve.proto.model_config_pb2 import ModelConfig, ModelSequenceBatching
+
+
+class TensorSpec(Protocol):
+    """A model input or output as :func:`policy_of` checks a config against it
+    (:class:`staronnx.serve.model_config.TensorSpec` is one: a protocol, as model_config keeps
+    the :class:`SequencePolicy` this module makes, and the two do not import each other)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def data_type(self) -> str: ...
+
+    @property
+    def dims(self) -> tuple[int, ...]: ...
 
 
 class _Refusals(Protocol):
