@@ -54,7 +54,9 @@ served as if a field meant something it does not here. What is honoured, and wha
 * ``optimization { cuda { graphs } }``: must agree with the server's CUDA graphs (``--cuda-streams``
   and ``--cuda-graphs``, which every model of its shared runtime has or not);
 * ``model_warmup`` (``zero_data`` or ``random_data`` inputs): run ``count`` times at load, before
-  the model is ready; a warm-up that fails fails the load, with its reason;
+  the model is ready; a warm-up that fails fails the load, with its reason. A stateful model's
+  sample gives its client inputs only: the server fills the control inputs and the initial
+  states, each row a sequence of one request (a sample that names one of them is refused);
 * ``parameters``: staronnx's own settings (:data:`PARAMETERS`);
 * ``sequence_batching`` (a stateful model): control inputs, implicit state, the ``direct`` and
   ``oldest`` strategies, the idle time, each checked against the model (the guide "Serve a
