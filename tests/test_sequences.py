@@ -208,6 +208,7 @@ def served(tmp_path_factory):
     one_slot = (SIMPLE_SEQUENCE.replace('name: "simple_sequence"', "").replace("max_batch_size: 8", "max_batch_size: 1")
                 .replace("sequence_batching {", "sequence_batching { max_sequence_idle_microseconds: 60000000"))
     _write(root, "one_slot", one_slot, simple_sequence_model())
+    _write(root, "one_slot_timeouts", one_slot, simple_sequence_model())  # its slot held by no other test
     _write(root, "accumulate", ACCUMULATE_CONFIG, accumulate_model())
     (root / "accumulate" / "initial_state").mkdir()
     (root / "accumulate" / "initial_state" / "hundred").write_bytes(np.array([100], np.int32).tobytes())
@@ -466,6 +467,44 @@ def test_a_sequence_past_the_slots_waits_in_the_backlog_until_one_ends(served):
     assert int(second[0].as_numpy("OUTPUT")[0, 0]) == 41
 
 
+def test_a_sequence_past_its_requests_timeout_in_the_backlog_is_refused_as_triton_does(served):
+    """A request's ``timeout`` bounds how long its sequence waits in the backlog for a slot, as
+    Triton's sequence batcher reads it: past it the request is refused UNAVAILABLE with Triton's
+    words, and the sequence is over (its next request without START is refused, saying why). The
+    timeout used to be ignored: the request waited until a slot was freed."""
+    client = httpclient.InferenceServerClient(served.http)
+    client.infer("one_slot_timeouts", [_int_input(httpclient, "INPUT", 1)], sequence_id=31, sequence_start=True)
+    outcome: queue.Queue = queue.Queue()
+
+    def second() -> None:
+        waiting = httpclient.InferenceServerClient(served.http, network_timeout=600.0)
+        try:
+            outcome.put(waiting.infer("one_slot_timeouts", [_int_input(httpclient, "INPUT", 40)], sequence_id=32,
+                                      sequence_start=True, timeout=100_000))
+        except InferenceServerException as exc:
+            outcome.put(exc)
+
+    thread = threading.Thread(target=second, daemon=True)
+    thread.start()
+    thread.join(120)  # the 0.1 s timeout ends it; the slot stays held for a minute
+    try:
+        assert not thread.is_alive(), "the request still waits for a slot past its timeout"
+        refused = outcome.get_nowait()
+        assert isinstance(refused, InferenceServerException), refused
+        assert refused.status() == "503" and "timeout of the corresponding sequence has been expired" in str(refused)
+        with pytest.raises(InferenceServerException, match="timed out waiting for a sequence slot"):
+            client.infer("one_slot_timeouts", [_int_input(httpclient, "INPUT", 2)], sequence_id=32)
+    finally:
+        result = client.infer("one_slot_timeouts", [_int_input(httpclient, "INPUT", 2)], sequence_id=31,
+                              sequence_end=True)
+        thread.join(120)
+    assert int(result.as_numpy("OUTPUT")[0, 0]) == 2
+    # the slot is free again: a new sequence gets it at once
+    again = client.infer("one_slot_timeouts", [_int_input(httpclient, "INPUT", 5)], sequence_id=32, sequence_start=True,
+                         sequence_end=True, timeout=100_000)
+    assert int(again.as_numpy("OUTPUT")[0, 0]) == 6
+
+
 def test_an_idle_sequence_is_released_and_its_next_request_refused(served):
     client = httpclient.InferenceServerClient(served.http)
     client.infer("short_lived", [_int_input(httpclient, "INPUT", 1)], sequence_id=77, sequence_start=True)
@@ -563,7 +602,7 @@ def test_the_server_says_it_serves_sequences(served):
 def test_refused_configs_are_listed_with_their_reason(served):
     entries = {e["name"]: e for e in httpclient.InferenceServerClient(served.http).get_model_repository_index()}
     for name in ("simple_sequence", "simple_dyna_sequence", "simple_string_dyna_sequence", "short_lived", "gru_stream",
-                 "simple", "accumulate", "one_slot", "warmed_accumulate", "warmed_dyna_sequence"):
+                 "simple", "accumulate", "one_slot", "one_slot_timeouts", "warmed_accumulate", "warmed_dyna_sequence"):
         assert entries[name]["state"] == "READY", entries[name]
     for name, (_, words) in REFUSED.items():
         assert entries[name]["state"] == "UNAVAILABLE" and words in entries[name]["reason"], entries[name]

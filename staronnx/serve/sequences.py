@@ -378,6 +378,9 @@ class SequenceRequest:
     id: int | str | None
     start: bool = False
     end: bool = False
+    #: the request's ``timeout`` (microseconds; None or 0: none): how long its sequence may wait
+    #: in the backlog for a slot, as Triton's sequence batcher reads it
+    timeout_us: int | None = None
 
 
 def request_of(params: Mapping[str, Any] | None) -> SequenceRequest | None:
@@ -401,7 +404,8 @@ def request_of(params: Mapping[str, Any] | None) -> SequenceRequest | None:
     if isinstance(sid, str) and len(sid.encode()) > MAX_STRING_ID_BYTES:
         raise invalid(f"parameter 'sequence_id' is a string of {len(sid.encode())} bytes; at most "
                       f"{MAX_STRING_ID_BYTES}")
-    return SequenceRequest(sid if sid not in (0, "") else None, flags[0], flags[1])
+    _, timeout_us = protocol.queue_parameters(params)  # checked as for any model: a non-negative integer
+    return SequenceRequest(sid if sid not in (0, "") else None, flags[0], flags[1], timeout_us)
 
 
 # -- serving ------------------------------------------------------------------------------------
@@ -422,6 +426,9 @@ class _Sequence:
     #: when its last request was answered (monotonic seconds)
     idle_since: float = 0.0
     timer: asyncio.TimerHandle | None = None
+    #: why its requests are refused: it waited in the backlog past its request's timeout (Triton
+    #: rejects the whole backlog of such a sequence)
+    refused: str | None = None
 
 
 class Sequences:
@@ -490,10 +497,17 @@ class Sequences:
             async with seq.turn:
                 if self._closed is not None:  # closed while it waited for its sequence's turn
                     raise self._refusal()
+                if seq.refused is not None:  # its sequence timed out in the backlog meanwhile
+                    endpoint.stats.refused("REJECTED")
+                    raise ProtocolError("unavailable", seq.refused)
                 if sequence.start:
                     seq.states = None
                 if not seq.slot:
-                    await self._take_slot(seq)
+                    try:
+                        await self._take_slot(seq, sequence.timeout_us)
+                    except ProtocolError:
+                        endpoint.stats.refused("REJECTED")
+                        raise
                 answer = await endpoint.run(self._feeds(inputs, sequence, seq.states), datatypes, wanted,
                                             decode_s=decode_s, classes=classes)
                 if self.policy.states:  # copied: an answer may be a view of a batch buffer the runtime reuses
@@ -506,7 +520,7 @@ class Sequences:
         finally:
             seq.queued -= 1
             seq.idle_since = time.monotonic()
-            if sequence.end and seq.queued == 0:
+            if sequence.end and seq.queued == 0 and seq.refused is None:
                 self._forget(seq, "ended (a request with sequence_end closed it)")
             elif seq.queued == 0 and self._active.get(seq.id) is seq and self._closed is None:
                 seq.timer = asyncio.get_running_loop().call_later(self.policy.idle_s, self._expire, seq)
@@ -569,23 +583,43 @@ class Sequences:
         seq.ending = sequence.end
         return seq
 
-    async def _take_slot(self, seq: _Sequence) -> None:
-        """A slot for ``seq``: a free one, or its turn in the backlog (FIFO) once one is freed."""
+    async def _take_slot(self, seq: _Sequence, timeout_us: int | None = None) -> None:
+        """A slot for ``seq``: a free one, or its turn in the backlog (FIFO) once one is freed.
+        ``timeout_us`` (the waiting request's ``timeout``; None or 0: none): past it the sequence
+        leaves the backlog, refused UNAVAILABLE as Triton's sequence batcher refuses it, and so
+        is every request of it that waits behind (:attr:`_Sequence.refused`)."""
         if self._free > 0:
             self._free -= 1
             seq.slot = True
             return
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         self._backlog.append(waiter)
+        timer = loop.call_later(timeout_us / 1e6, self._out_of_time, seq, waiter, timeout_us) if timeout_us else None
         try:
             await waiter
         except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():  # handed a slot as its client left: pass it on
-                self._give_slot()
-            else:
+            if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                self._give_slot()  # handed a slot as its client left: pass it on
+            elif waiter in self._backlog:
                 self._backlog.remove(waiter)
             raise
+        finally:
+            if timer is not None:
+                timer.cancel()
         seq.slot = True
+
+    def _out_of_time(self, seq: _Sequence, waiter: asyncio.Future[None], timeout_us: int) -> None:
+        """(A backlog request's timer.) Its sequence waited for a slot past the request's
+        timeout: it leaves the backlog and is over, refused with Triton's words."""
+        if waiter.done():
+            return
+        self._backlog.remove(waiter)
+        seq.refused = (f"model {shown(self.model)}: sequence {_named(seq.id)} waited for a sequence slot longer "
+                       f"than its request's timeout ({timeout_us} µs): timeout of the corresponding sequence has "
+                       "been expired")
+        self._forget(seq, f"timed out waiting for a sequence slot (its request's timeout, {timeout_us} µs)")
+        waiter.set_exception(ProtocolError("unavailable", seq.refused))
 
     def _give_slot(self) -> None:
         """A slot freed: to the oldest sequence of the backlog, else to the free ones."""
