@@ -84,9 +84,10 @@ SERVED = {
 }
 
 #: a model_warmup sample too large to make (numpy refuses to make it)
-HUGE_WARMUP = ('max_batch_size: 8 model_warmup [ { batch_size: 1 inputs { key: "INPUT0" value: { data_type: TYPE_INT32 '
-               'dims: [ 4611686018427387904 ] zero_data: true } } inputs { key: "INPUT1" value: { data_type: TYPE_INT32 '
-               'dims: [ 16 ] zero_data: true } } } ]')
+HUGE_WARMUP = ('max_batch_size: 8 model_warmup [ { batch_size: 1 '
+               'inputs { key: "INPUT0" value: { data_type: TYPE_INT32 dims: [ 4611686018427387904 ] '
+               'zero_data: true } } '
+               'inputs { key: "INPUT1" value: { data_type: TYPE_INT32 dims: [ 16 ] zero_data: true } } } ]')
 
 #: model -> (config text, versions, words its reason must hold): the ones that fail alone
 REFUSED = {

@@ -544,8 +544,8 @@ async def decode_body(body: bytes | bytearray, encoding: str | None, header_leng
     return await asyncio.get_running_loop().run_in_executor(_json_pool(), _decode, body, length, regions)
 
 
-async def encode_answer(model: AnswerSource, request_id: Any, outputs: Mapping[str, np.ndarray], wanted: Mapping[str, bool],
-                        binary_out: bool, parameters: Mapping[str, Any] | None = None,
+async def encode_answer(model: AnswerSource, request_id: Any, outputs: Mapping[str, np.ndarray],
+                        wanted: Mapping[str, bool], binary_out: bool, parameters: Mapping[str, Any] | None = None,
                         placed: Mapping[str, Mapping[str, Any]] | None = None) -> Encoded:
     """The response to a request (:func:`_encode_response`), written on a worker thread when it
     has many values to write as text, as large requests are decoded. ``placed``: the outputs

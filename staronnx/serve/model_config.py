@@ -602,8 +602,12 @@ def warmup_feeds(config: mc.ModelConfig, seed: int = 0,
                     feeds[name] = values.astype(str).astype(object)
                 else:
                     dtype = protocol.DATATYPES[type_name]
-                    feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype) if given.random_data and dtype.kind == "f" \
-                        else (rng.integers(0, 2, size=dims).astype(dtype) if given.random_data else np.zeros(dims, dtype))
+                    if given.random_data and dtype.kind == "f":
+                        feeds[name] = (rng.random(dims) * 2 - 1).astype(dtype)
+                    elif given.random_data:
+                        feeds[name] = rng.integers(0, 2, size=dims).astype(dtype)
+                    else:
+                        feeds[name] = np.zeros(dims, dtype)
             except (ValueError, MemoryError) as exc:
                 raise ConfigError(f"{what}: input {name!r} of dims {list(given.dims)} cannot be made: {exc}") from None
             if declared[name].HasField("reshape"):  # the sample is in the config's dims, as a client's request:
