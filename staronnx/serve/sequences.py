@@ -18,7 +18,9 @@ last ``sequence_end``. A config's ``sequence_batching`` says what the server doe
   through the model's batcher (:mod:`staronnx.serving.server`), one row per sequence, since a
   sequence never has two requests in flight. At most ``slots`` sequences are active at once
   (``direct``: ``max_batch_size``, at least 1; ``oldest``: ``max_candidate_sequences``); the
-  first request of a sequence beyond them waits, in a backlog, for a sequence to end;
+  first request of a sequence beyond them waits, in a backlog, for a sequence to end, or until
+  the request's ``timeout`` (Triton's: the sequence is then refused UNAVAILABLE, and over); a
+  request's ``priority`` is read by no sequence batcher (Triton's neither);
 * **idle release** (``max_sequence_idle_microseconds``, 1 s where the config says 0, as Triton):
   a sequence with no request for that long is released (its slot freed, its state dropped); its
   next request without START is refused, saying so.
