@@ -890,3 +890,40 @@ def test_a_folder_of_npz_shards_takes_upper_case_suffixes_and_leaves_hidden_file
                        "--batch-size", 3, "--groups", ONE_CORE, "-q")
     assert code == 0, err
     _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(6))
+
+
+@pytest.mark.parametrize("name", ["out.parquet", "out.npz"])
+def test_resume_of_a_finished_single_file_job_says_it_is_done(tmp_path, capsys, name):
+    """A job whose output is one file finished (its shards joined, the parts folder gone); the
+    same command with --resume (a retry loop, a rerun of a pipeline step) is a no-op that says
+    every row was written before, its skipped rows still reported, the file left as it was. It
+    was refused ("exists; --overwrite replaces it"), as if the job had never run. The same file
+    for another dataset, or a file no job wrote, is still refused by name."""
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    out = tmp_path / name
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", src, "-o", out, "--batch-size", 4, "--shard-rows", 5,
+            "--on-error", "skip", "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base)
+    assert code == 0, err
+    assert not out.with_name(name + ".parts").exists()
+    before = out.read_bytes()
+    code, stdout, err = cli(capsys, *base, "--resume")
+    assert code == 0, err
+    assert "all 12 rows" in stdout and "nothing left to run" in stdout, stdout
+    assert "2 row(s) skipped (row ids 4, 7)" in stdout, stdout
+    assert out.read_bytes() == before
+    assert list(read_outputs(out)["row_id"]) == [0, 1, 2, 3, 5, 6, 8, 9, 10, 11]
+    if name.endswith(".npz"):
+        with np.load(out) as z:  # the manifest rides in the zip comment, not as an entry
+            assert sorted(z.files) == ["log_probs", "row_id"]
+
+    np.savez(tmp_path / "other.npz", image=crnn_rows(9, seed=11))
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "other.npz", "-o", out,
+                       "--batch-size", 4, "--shard-rows", 5, "--on-error", "skip", "--groups", ONE_CORE, "-q",
+                       "--resume")
+    assert code == 2 and "written by another job" in err and "source" in err, err
+    theirs = tmp_path / ("theirs" + out.suffix)
+    theirs.write_bytes(b"not a job's output")
+    code, _, err = cli(capsys, *[theirs if a == out else a for a in base], "--resume")
+    assert code == 2 and "keeps no manifest" in err, err
+    assert theirs.read_bytes() == b"not a job's output"

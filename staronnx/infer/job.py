@@ -173,6 +173,12 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
     sink = ShardSink(out, fmt, manifest, resume=spec.resume, overwrite=spec.overwrite)
     total = source.total_rows()
     report = InferReport(out, total)
+    if sink.done:  # a resumed single-file output this job finished: every row was written before
+        report.groups = machine.groups
+        report.skipped = sink.errors()
+        report.errors_file = sink.errors_file() if report.skipped else None
+        report.resumed_rows = sink.rows_done()
+        return report
     start = _first_unfinished(sink.finished, spec.shard_rows, total)
     report.resumed_rows = _finished_rows(sink, spec.shard_rows, total)
     # CUDA graphs of the batch size are captured before the first read, where the model's sizes

@@ -13,7 +13,9 @@ Shard ``k`` holds the rows whose ids lie in ``[k * shard_rows, (k + 1) * shard_r
 batch size or the dataset's own shards, so a resumed job cuts the same shards as the first. A
 shard's error list is written before the shard, and both through a temporary file and a rename:
 a shard that exists is complete, with its errors. A single-file output (``out.parquet``,
-``out.npz``) is built in ``out.parquet.parts/`` and joined into the file when every shard is done.
+``out.npz``) is built in ``out.parquet.parts/`` and joined into the file when every shard is done;
+the file keeps the job's manifest (Parquet: the schema's metadata; ``.npz``: the zip comment), so a
+``--resume`` of the finished job can tell it is done, its parts folder being gone.
 
 Each shard has one row per sample (row-major: an output with the batch on axis 1 is turned so
 each row holds its own sample) and a ``row_id`` column, the row's position in the dataset:
@@ -29,11 +31,13 @@ each row holds its own sample) and a ``row_id`` column, the row's position in th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -53,6 +57,10 @@ ROW_ID = "row_id"
 #: Arrow's writer holds several times a group's bytes while it encodes it (crnn_ocr over 3,000
 #: rows: peak RSS +46 MB with 1 MiB groups, +20 MB with 512 KiB, the same with 256 KiB)
 ROW_GROUP_BYTES = 512 << 10
+#: the key of a single-file Parquet output's schema metadata that holds the job's manifest
+MANIFEST_KEY = b"staronnx.infer.manifest"
+#: the most a zip comment holds (an ``.npz`` output's manifest; a longer one is kept as its digest)
+ZIP_COMMENT_BYTES = 0xFFFF
 
 
 class OutputError(StaronnxError):
@@ -91,6 +99,8 @@ class ShardSink:
         self.folder = output.with_name(output.name + ".parts") if self.single else output
         self.manifest = dict(manifest)
         self.finished: set[int] = set()
+        #: a single-file output this same job already finished (``resume``): nothing is left to run
+        self.done = False
         self._prepare(resume, overwrite)
         if fmt == "parquet":
             # loaded now, not by the first row group: it takes ~0.15 s, which a small model's
@@ -99,6 +109,14 @@ class ShardSink:
 
     # -- the folder ---------------------------------------------------------------------------
     def _prepare(self, resume: bool, overwrite: bool) -> None:
+        if self.single and self.output.is_file() and resume and not overwrite:
+            # the job finished and joined its shards (the parts folder is gone): a resume of it
+            # has nothing left to run, as a finished folder's has not, where the file is this job's
+            self._check_finished_file()
+            self.done = True
+            if self.folder.is_dir():  # stopped between the join's rename and the folder's removal
+                shutil.rmtree(self.folder)
+            return
         if self.single and self.output.exists() and not overwrite:
             raise OutputError(f"--output {self.output} exists; --overwrite replaces it")
         if self.single and self.output.is_dir():
@@ -142,11 +160,26 @@ class ShardSink:
             raise OutputError(f"--resume: {self.folder} has no {MANIFEST}; it is not an output of staronnx infer") from None
         except (OSError, ValueError) as exc:
             raise OutputError(f"--resume: {path} is unreadable ({exc})") from None
-        changed = [k for k in sorted(set(old) | set(self.manifest)) if old.get(k) != self.manifest.get(k)]
+        self._refuse_another_job(self.folder, old)
+
+    def _refuse_another_job(self, where: Path, old: Mapping[str, Any]) -> None:
+        """Raise unless ``old``, the manifest ``where`` keeps, is this job's."""
+        new = json.loads(json.dumps(self.manifest))
+        if "manifest_sha256" in old:  # a manifest too long for an .npz's comment
+            new = {"manifest_sha256": _manifest_digest(self.manifest)}
+        changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
         if changed:
-            raise OutputError(f"--resume: {self.folder} was written by another job (its {', '.join(changed)} differ: "
-                              f"e.g. {changed[0]} was {old.get(changed[0])!r}, now {self.manifest.get(changed[0])!r}); "
+            raise OutputError(f"--resume: {where} was written by another job (its {', '.join(changed)} differ: "
+                              f"e.g. {changed[0]} was {old.get(changed[0])!r}, now {new.get(changed[0])!r}); "
                               "--overwrite starts again")
+
+    def _check_finished_file(self) -> None:
+        """Refuse to call the single-file output done unless this job wrote it."""
+        old = _embedded_manifest(self.output, self.format)
+        if old is None:
+            raise OutputError(f"--resume: {self.output} exists but keeps no manifest of the staronnx infer job that "
+                              "wrote it, so it cannot be told finished by this job; --overwrite starts again")
+        self._refuse_another_job(self.output, old)
 
     def _done(self) -> list[int]:
         """The shards already written (a file exists only once it is whole)."""
@@ -182,10 +215,24 @@ class ShardSink:
 
     def errors(self) -> list[dict[str, Any]]:
         """Every skipped row of every finished shard, in row order."""
+        if self.done:  # the shards are joined: their errors are listed beside the file
+            path = self.errors_file()
+            return list(json.loads(path.read_text())) if path.exists() else []
         out: list[dict[str, Any]] = []
         for path in sorted(self.folder.glob("part-*.errors.json")):
             out.extend(json.loads(path.read_text()))
         return sorted(out, key=lambda e: int(e["row_id"]))
+
+    def rows_done(self) -> int:
+        """The rows of a :attr:`done` output: those its file holds and those skipped."""
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            rows = int(pq.read_metadata(self.output).num_rows)
+        else:
+            with np.load(self.output, allow_pickle=False) as npz:
+                rows = len(npz[ROW_ID])
+        return rows + len(self.errors())
 
     def errors_file(self) -> Path:
         """Where :meth:`finish` lists every skipped row: ``DST/_errors.json``, or ``out.parquet.errors.json``."""
@@ -216,6 +263,8 @@ class ShardSink:
                                   f"any (the shards are kept in {self.folder})")
             buf = io.BytesIO()
             np.savez(buf, **arrays)
+            with zipfile.ZipFile(buf, "a") as npz:  # numpy ignores the comment; resume reads it
+                npz.comment = _npz_comment(self.manifest)
             atomic_write_bytes(self.output, buf.getvalue())
         shutil.rmtree(self.folder)
         return self.output
@@ -227,7 +276,8 @@ class ShardSink:
         of a job whose memory is otherwise bounded."""
         import pyarrow.parquet as pq
 
-        joined = ParquetShardWriter(self.output, self.manifest.get("outputs", {}))
+        joined = ParquetShardWriter(self.output, self.manifest.get("outputs", {}),
+                                    {MANIFEST_KEY: json.dumps(self.manifest, sort_keys=True).encode()})
         try:
             for path in shards:
                 shard = pq.ParquetFile(path)
@@ -237,6 +287,34 @@ class ShardSink:
         except BaseException:
             joined.abort()
             raise
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _npz_comment(manifest: Mapping[str, Any]) -> bytes:
+    """The manifest as an ``.npz`` output's zip comment (its digest where it is too long)."""
+    text = json.dumps(manifest, sort_keys=True).encode()
+    if len(text) > ZIP_COMMENT_BYTES:
+        text = json.dumps({"manifest_sha256": _manifest_digest(manifest)}).encode()
+    return text
+
+
+def _embedded_manifest(path: Path, fmt: str) -> dict[str, Any] | None:
+    """The manifest a single-file output keeps (None: a file that keeps none)."""
+    try:
+        if fmt == "parquet":
+            import pyarrow.parquet as pq
+
+            raw = (pq.read_schema(path).metadata or {}).get(MANIFEST_KEY)
+        else:
+            with zipfile.ZipFile(path) as npz:
+                raw = npz.comment
+        value = json.loads(raw) if raw else None
+    except (OSError, ValueError, zipfile.BadZipFile):  # pyarrow's ArrowInvalid is a ValueError
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # -- encodings --------------------------------------------------------------------------------------
@@ -354,8 +432,10 @@ class ParquetShardWriter(ShardWriter):
     """A Parquet shard written as its rows come, a row group per group added, so a shard of any
     size holds no more than one group in memory."""
 
-    def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
+    def __init__(self, path: Path, specs: Mapping[str, Any], metadata: Mapping[bytes, bytes] | None = None) -> None:
         super().__init__(path, specs)
+        #: the file's schema metadata (a single-file output's manifest)
+        self.metadata = dict(metadata or {})
         self._writer: Any = None
         self._tmp: Path | None = None
 
@@ -374,7 +454,9 @@ class ParquetShardWriter(ShardWriter):
             self._tmp = Path(tmp)
             # no dictionary pages (a tensor's values rarely repeat: trying cost 3x the write) and
             # statistics for the row ids only (what a reader filters on)
-            self._writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
+            schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self.metadata}) \
+                if self.metadata else table.schema
+            self._writer = pq.ParquetWriter(tmp, schema, use_dictionary=False, write_statistics=[ROW_ID])
         self._writer.write_table(table)
 
     def _finish(self) -> None:
