@@ -5,6 +5,7 @@ what comes back, or checks that an option staronnx cannot honour is refused, nam
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,48 @@ def test_optional_input_and_output_run_as_one_part(tmp_path):
     with session(path) as sess:
         assert sess.get_inputs()[0].type == "optional(seq(tensor(float)))"
         np.testing.assert_array_equal(sess.run(None, {"opt_in": x})[0], x)
+
+
+def unranked_model() -> onnx.ModelProto:
+    """``x`` declared with no shape at all (a tensor of any rank), added to a ranked ``b``."""
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["r"]),
+             helper.make_node("Add", ["r", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "unranked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+                                                  helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_input_the_model_gives_no_shape_takes_any_rank_as_in_ort(tmp_path):
+    """An input declared with no shape (exporters write one for a dynamic-rank tensor) takes a
+    value of any rank in ORT; the session took scalars only, refusing an array with
+    InvalidArgument 'expected rank 0'. Each run form answers as ORT, and a wrong dtype or a wrong
+    size of the ranked input is still ORT's InvalidArgument."""
+    path = save(unranked_model(), tmp_path / "unranked.onnx")
+    b = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+    with session(path) as sess:
+        assert [(i.name, i.shape) for i in sess.get_inputs()] == [("x", []), ("b", [3])]
+        for x in (np.float32(-2.0), np.arange(6, dtype=np.float32).reshape(2, 3) - 3,
+                  np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 4, 3)):
+            feeds = {"x": np.asarray(x), "b": b}
+            want = ort_run(path, feeds)[0]
+            got = sess.run(None, feeds)[0]
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(sess.submit(feeds).result()["y"], want)
+            results: list[Any] = []
+            sess.run_async(["y"], feeds, lambda res, data, err: results.append((res, err)), None)
+            for _ in range(500):  # the callback runs on a worker's thread
+                if results:
+                    break
+                time.sleep(0.01)
+            assert results and results[0][1] == "", results
+            np.testing.assert_array_equal(results[0][0][0], want)
+        for bad in ({"x": np.ones((2, 3), np.float64), "b": b}, {"x": np.ones((2, 3), np.float32), "b": b[:2]}):
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                ort_run(path, bad)
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                sess.run(None, bad)
 
 
 def test_a_map_output_of_a_shipped_classifier_runs(tmp_path):
