@@ -927,3 +927,43 @@ def test_resume_of_a_finished_single_file_job_says_it_is_done(tmp_path, capsys, 
     code, _, err = cli(capsys, *[theirs if a == out else a for a in base], "--resume")
     assert code == 2 and "keeps no manifest" in err, err
     assert theirs.read_bytes() == b"not a job's output"
+
+
+def test_a_resumed_generator_does_not_hold_the_rows_written_before(tmp_path):
+    """A generator's job stopped midway (its source failed at row 200) and resumed with a fresh
+    generator: the rows before the resume point are read again (a generator cannot seek) but
+    dropped as read. The job's first look at its rows (the warm-up) kept every item up to the
+    resume point, so a resumed job held everything written before in memory at once (every
+    row of the finished shards here; a day's images in a real job). The output holds every row
+    once, in order."""
+    import weakref
+
+    x = crnn_rows(240, seed=32)
+
+    def failing():
+        for i in range(200):
+            yield {"image": x[i:i + 1].copy()}
+        raise OSError("the source went away")
+
+    with pytest.raises(OSError, match="went away"):
+        infer(realmodels.path("crnn_ocr"), failing(), tmp_path / "out", InferSpec(batch_size=4, shard_rows=20),
+              MachineSpec(ONE_CORE))
+    done = 20 * len(list((tmp_path / "out").glob("part-*.parquet")))
+    assert done >= 40, done
+    alive_before: list[int] = []
+    refs: list[weakref.ref] = []
+
+    def again():
+        for i in range(240):
+            if i <= done:  # the rows written before, as the first row to run is read
+                alive_before.append(sum(r() is not None for r in refs))
+            row = x[i:i + 1].copy()
+            refs.append(weakref.ref(row))
+            yield {"image": row}
+            del row
+
+    report = infer(realmodels.path("crnn_ocr"), again(), tmp_path / "out", InferSpec(batch_size=4, shard_rows=20,
+                   resume=True), MachineSpec(ONE_CORE))
+    assert (report.written, report.resumed_rows) == (240 - done, done)
+    assert max(alive_before) <= 4, f"{max(alive_before)} of the {done} rows written before held at once"
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(240))

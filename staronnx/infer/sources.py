@@ -561,13 +561,17 @@ class FeedsSource:
     as :meth:`staronnx.Runtime.submit` takes them), each item one or more rows.
 
     A one-shot iterable (a generator) is read once: the items a :meth:`peek` takes are kept and
-    handed again, first, to the job's pass."""
+    handed again, first, to the job's pass; those wholly before the row it starts from (a resumed
+    job's rows written before) are dropped as they are read, not kept: a resumed job would hold
+    every row written before in memory until its pass read past them."""
 
     def __init__(self, items: Iterable[Mapping[str, np.ndarray]], layout: RowLayout) -> None:
         self.items = items
         self.layout = layout
         self._once: Iterator[Mapping[str, np.ndarray]] | None = items if isinstance(items, Iterator) else None
         self._peeked: deque[Mapping[str, np.ndarray]] = deque()
+        #: rows of a one-shot iterable that :meth:`peek` read and dropped (before the row asked)
+        self._dropped = 0
 
     def total_rows(self) -> int | None:
         return None
@@ -576,18 +580,30 @@ class FeedsSource:
         return {"kind": "python", "type": type(self.items).__name__}
 
     def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
-        return self._chunks(self._items(), start)
+        self._check_start(start)
+        return self._chunks(self._items(), start, self._dropped)
 
     def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
         if self._once is None:
             return self.chunks(start, rows)
-        seen = sum(self.layout.count(dict(item)) or 0 for item in self._peeked)
+        self._check_start(start)
+        seen = self._dropped + sum(self.layout.count(dict(item)) or 0 for item in self._peeked)
         for item in self._once:
+            count = self.layout.count(dict(item))
+            if not self._peeked and count is not None and seen + count <= start:
+                self._dropped += count  # every row of it before the start: never run, not kept
+                seen += count
+                continue
             self._peeked.append(item)
-            seen += self.layout.count(dict(item)) or 0
+            seen += count or 0
             if seen >= start + rows:
                 break
-        return self._chunks(iter(list(self._peeked)), start)
+        return self._chunks(iter(list(self._peeked)), start, self._dropped)
+
+    def _check_start(self, start: int) -> None:
+        if start < self._dropped:
+            raise InputError(f"a one-shot iterable of feeds cannot be read again from row {start}: its rows before "
+                             f"{self._dropped} were read and dropped")
 
     def _items(self) -> Iterator[Mapping[str, np.ndarray]]:
         if self._once is None:
@@ -597,8 +613,9 @@ class FeedsSource:
             yield self._peeked.popleft()
         yield from self._once
 
-    def _chunks(self, items: Iterator[Mapping[str, np.ndarray]], start: int) -> Iterator[Chunk]:
-        row = 0
+    def _chunks(self, items: Iterator[Mapping[str, np.ndarray]], start: int, first: int = 0) -> Iterator[Chunk]:
+        """The rows from ``start`` of ``items``, whose first row is row ``first`` of the dataset."""
+        row = first
         for item in items:
             arrays = {n: np.asarray(v) for n, v in item.items()}
             count = self.layout.count(arrays)
