@@ -967,3 +967,30 @@ def test_a_resumed_generator_does_not_hold_the_rows_written_before(tmp_path):
     assert (report.written, report.resumed_rows) == (240 - done, done)
     assert max(alive_before) <= 4, f"{max(alive_before)} of the {done} rows written before held at once"
     _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(240))
+
+
+def test_an_overwrite_of_a_single_file_that_stopped_resumes(tmp_path, capsys):
+    """out.parquet holds an earlier job's rows; a job for another dataset with --overwrite stops
+    at a bad row, saying its shards are kept for --resume (the old file stays until it is
+    done). The same command with --resume --on-error skip carries on from those shards; it was
+    refused ("exists; --overwrite replaces it"), and --overwrite would start again."""
+    np.savez(tmp_path / "first.npz", image=crnn_rows(6, seed=33))
+    out = tmp_path / "out.parquet"
+    model = realmodels.path("crnn_ocr")
+    opts = ["--batch-size", 2, "--shard-rows", 2, "--groups", ONE_CORE, "-q"]
+    assert cli(capsys, "infer", model, "-i", tmp_path / "first.npz", "-o", out, *opts)[0] == 0
+    src, rows = _ocr_table_with_bad_rows(tmp_path)
+    code, _, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--overwrite")
+    assert code == 2 and "row 4 of the dataset cannot run" in err and "--resume" in err, err
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("out.parquet.parts/part-*.parquet")}
+    assert sorted(kept) == ["part-00000.parquet", "part-00001.parquet"]
+    code, stdout, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--resume", "--on-error", "skip")
+    assert code == 0, err
+    assert "4 written before, kept" in stdout and "2 row(s) skipped (row ids 4, 7)" in stdout, stdout
+    good = [i for i in range(12) if i not in (4, 7)]
+    want = [{"log_probs": _ort("crnn_ocr", {"image": r[None]})["log_probs"][:, 0]} if i in good else {}
+            for i, r in enumerate(rows)]
+    _assert_rows(read_outputs(out), want, np.array(good))
+    assert not (tmp_path / "out.parquet.parts").exists()
+    code, stdout, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--resume", "--on-error", "skip")
+    assert code == 0 and "all 12 rows" in stdout, err

@@ -109,15 +109,16 @@ class ShardSink:
 
     # -- the folder ---------------------------------------------------------------------------
     def _prepare(self, resume: bool, overwrite: bool) -> None:
-        if self.single and self.output.is_file() and resume and not overwrite:
+        # an unfinished job's parts beside the file (an --overwrite of an earlier job's file that
+        # stopped, which keeps that file until it is done): the resume carries on with them
+        parts = resume and self.single and (self.folder / MANIFEST).is_file()
+        if self.single and self.output.is_file() and resume and not overwrite and not parts:
             # the job finished and joined its shards (the parts folder is gone): a resume of it
             # has nothing left to run, as a finished folder's has not, where the file is this job's
             self._check_finished_file()
             self.done = True
-            if self.folder.is_dir():  # stopped between the join's rename and the folder's removal
-                shutil.rmtree(self.folder)
             return
-        if self.single and self.output.exists() and not overwrite:
+        if self.single and self.output.exists() and not overwrite and not parts:
             raise OutputError(f"--output {self.output} exists; --overwrite replaces it")
         if self.single and self.output.is_dir():
             raise OutputError(f"--output {self.output} is a folder; name a file, or a folder without a suffix")
