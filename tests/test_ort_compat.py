@@ -572,6 +572,24 @@ def test_an_output_bound_into_an_ort_value_of_another_dtype_is_refused_not_fille
             sess.close()
 
 
+
+@pytest.mark.parametrize("bound", [[WIDTH, 2], [2 * WIDTH], [3, WIDTH]], ids=["same-size", "rank", "size"])
+def test_an_output_bound_into_an_ort_value_of_another_shape_is_refused(home, model_path, two_groups, bound):
+    """An OrtValue of the output's dtype but another shape bound for it: ORT refuses the run
+    (RuntimeError, naming the output). One of the same size was filled with the output's bytes
+    under the bound shape ([16, 2] for a [2, 16] output), rows scrambled without an error."""
+    x = np.ones((2, WIDTH), np.float32)
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        y = ort.OrtValue.ortvalue_from_shape_and_type(bound, np.float32)
+        binding = sess.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_ortvalue_output("y", y)
+        with pytest.raises(RuntimeError, match="Error in execution"):
+            sess.run_with_iobinding(binding)
+        if hasattr(sess, "close"):
+            sess.close()
+
 def test_run_async_reports_a_terminated_run_through_its_callback(home, model_path, two_groups):
     """ORT's run_async reports a run its RunOptions terminate through the callback (no results,
     the message in err), as it reports a bad feed; it raised in the caller instead, so the

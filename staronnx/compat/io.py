@@ -108,9 +108,23 @@ class IOBinding:
                 if value.data_type() != declared.get(name, value.data_type()):
                     raise RuntimeError(f"Error in execution: Unexpected output data type. Actual: "
                                        f"({value.data_type()}) , expected: ({declared[name]})")
+                # nor does it look at the shape: a [3, 2] value given a [2, 3] output held its
+                # bytes under the wrong shape, and ORT refuses the run (its words)
+                _check_bound_shape(name, list(value.shape()), list(np.shape(array)))
                 value.update_inplace(np.ascontiguousarray(array))
             results.append(value)
         self._results = results
+
+
+def _check_bound_shape(name: str, bound: list[int], computed: list[int]) -> None:
+    """Refuse an output bound at a shape other than the one the run computed, as ORT does."""
+    if len(bound) != len(computed):
+        raise RuntimeError(f"Error in execution: Invalid rank for output: {name} Got: {len(bound)} Expected: "
+                           f"{len(computed)} Please fix either the inputs/outputs or the model.")
+    wrong = [f" index: {i} Got: {b} Expected: {c}\n" for i, (b, c) in enumerate(zip(bound, computed)) if b != c]
+    if wrong:
+        raise RuntimeError(f"Error in execution: Got invalid dimensions for output: {name} for the following indices\n"
+                           f"{''.join(wrong)} Please fix either the inputs/outputs or the model.")
 
 
 def host_memory() -> ort.OrtMemoryInfo:
