@@ -994,3 +994,28 @@ def test_an_overwrite_of_a_single_file_that_stopped_resumes(tmp_path, capsys):
     assert not (tmp_path / "out.parquet.parts").exists()
     code, stdout, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--resume", "--on-error", "skip")
     assert code == 0 and "all 12 rows" in stdout, err
+
+
+def test_a_batch_1_export_with_one_channel_takes_parquet_rows_with_or_without_the_batch_axis(tmp_path):
+    """A model exported at batch 1 whose next size is 1 too (a grayscale image, [1, 1, 4, 5]):
+    Parquet rows of the sample ([1, 4, 5]) had their channel taken for the batch-1 axis and
+    dropped, so every row was refused ('expected rank 4, got shape [1, 4, 5]'). Rows written
+    with the batch axis ([1, 1, 4, 5]) run as before; both give ORT's answer per row."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["t"]), helper.make_node("Relu", ["t"], ["y"])], "gray",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, 5])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "gray.onnx")
+    x = np.random.default_rng(34).standard_normal((6, 1, 4, 5)).astype(np.float32)
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(tmp_path / "gray.onnx"), providers=["CPUExecutionProvider"])
+    want = [{"y": ref.run(None, {"x": x[i:i + 1]})[0][0]} for i in range(6)]
+    for name, rows in (("sample", x), ("with-batch-axis", x.reshape(6, 1, 1, 4, 5).copy())):
+        pq.write_table(pa.table({"x": pa.FixedShapeTensorArray.from_numpy_ndarray(rows)}), tmp_path / f"{name}.parquet")
+        report = infer(tmp_path / "gray.onnx", tmp_path / f"{name}.parquet", tmp_path / f"out-{name}",
+                       InferSpec(on_error="skip"), MachineSpec(ONE_CORE))
+        assert report.skipped == [] and report.written == 6, (name, report.skipped[:1])
+        _assert_rows(read_outputs(tmp_path / f"out-{name}"), want, np.arange(6))

@@ -16,7 +16,7 @@ one sample whatever axis the model put the batch on.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -37,6 +37,9 @@ class RowLayout:
     batched: bool
     #: inputs whose row axis is kept at size 1 in a row's feeds (a model exported at batch 1)
     kept: frozenset[str] = frozenset()
+    #: the rank the model gives each kept input (its batch-1 axis counted): what tells a row
+    #: written with that axis from one without it, whatever its next size
+    ranks: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, plan: Plan) -> RowLayout:
@@ -50,7 +53,7 @@ class RowLayout:
             inputs[spec.name] = 0 if spec.shape and spec.shape[0] == 1 else None
         outputs = {spec.name: (0 if spec.shape and spec.shape[0] == 1 else None) for spec in plan.outputs}
         kept = frozenset(n for n, a in inputs.items() if a is not None)
-        return cls(inputs, outputs, False, kept)
+        return cls(inputs, outputs, False, kept, {s.name: len(s.shape) for s in plan.inputs if s.name in kept})
 
     @property
     def row_inputs(self) -> list[str]:

@@ -548,9 +548,13 @@ def _flush(layout: RowLayout, run: list[int], per_row: Mapping[str, list[Any]], 
 def to_model_axes(layout: RowLayout, name: str, rows_first: np.ndarray) -> np.ndarray:
     """``[rows, *sample]`` as the model takes it: rows along the input's row axis; for a batch-1
     export the sample keeps its leading 1 (``[rows, 3, 224, 224]``: rows of ``[1, 3, 224, 224]``
-    stacked on axis 0; a sample written with its batch-1 axis, ``[rows, 1, 3, 224, 224]``, too)."""
+    stacked on axis 0; a sample written with its batch-1 axis, ``[rows, 1, 3, 224, 224]``, too).
+    Which of the two a sample is, its rank says, not its first size: a grayscale export's
+    ``[1, 28, 28]`` sample (``[1, 1, 28, 28]`` in the model) has no batch axis to drop."""
     axis = layout.inputs[name] or 0
-    if name in layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1:
+    rank = layout.ranks.get(name)
+    if name in layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1 and \
+            (rank is None or rows_first.ndim == rank + 1):
         rows_first = rows_first[:, 0]
     return np.ascontiguousarray(np.moveaxis(rows_first, 0, axis)) if axis else rows_first
 
