@@ -1019,3 +1019,20 @@ def test_a_batch_1_export_with_one_channel_takes_parquet_rows_with_or_without_th
                        InferSpec(on_error="skip"), MachineSpec(ONE_CORE))
         assert report.skipped == [] and report.written == 6, (name, report.skipped[:1])
         _assert_rows(read_outputs(tmp_path / f"out-{name}"), want, np.arange(6))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "npz"])
+def test_shards_from_100000_on_are_read_back_in_order(tmp_path, capsys, fmt):
+    """Shard k is part-{k:05d}: from shard 100000 on the name has six digits, and sorted by name
+    part-100000 came before part-10001, so read_outputs (and the join of a single-file output)
+    put a long job's last rows in its middle (--shard-rows 100 reaches it at 10 million rows).
+    Three shards a job wrote, renamed as shards 9999, 10001 and 100000 of such a job, read back
+    in shard order."""
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=35))
+    out = tmp_path / "out"
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o", out,
+                       "--batch-size", 1, "--shard-rows", 1, "--format", fmt, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    for k, index in enumerate([9999, 10001, 100000]):
+        (out / f"part-{k:05d}.{fmt}").rename(out / f"part-{index:05d}.{fmt}")
+    assert list(read_outputs(out)["row_id"]) == [0, 1, 2]

@@ -251,7 +251,7 @@ class ShardSink:
         if not self.single:
             atomic_write_text(self.folder / SUCCESS, json.dumps(dict(summary), indent=1))
             return self.output
-        shards = sorted(self.folder.glob(f"part-*.{self.format}"))
+        shards = sorted(self.folder.glob(f"part-*.{self.format}"), key=shard_order)
         if self.format == "parquet":
             self._join_parquet(shards)
         else:
@@ -524,13 +524,21 @@ def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
 
 
 # -- reading back --------------------------------------------------------------------------------
+def shard_order(path: Path) -> tuple[int, str]:
+    """A shard file's place among its job's: by its index, not its name (``part-{k:05d}`` has
+    six digits from shard 100000 on, whose name sorts before ``part-10001``'s)."""
+    index = path.name[len("part-"):].split(".", 1)[0]
+    return (int(index), path.name) if index.isdigit() else (-1, path.name)
+
+
 def read_outputs(path: str | os.PathLike[str]) -> dict[str, Any]:
     """An output written by :func:`staronnx.infer.infer` (a folder of shards or one file) as
     ``{"row_id": [N], output: [N, *sample shape]}``, rows in order; an output whose rows differ
     in shape comes back as a list of arrays, one per row."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.startswith("part-") and p.suffix in (".parquet", ".npz"))
+        files = sorted((p for p in path.iterdir() if p.name.startswith("part-") and p.suffix in (".parquet", ".npz")),
+                       key=shard_order)
     elif path.exists():
         files = [path]
     else:
