@@ -1036,3 +1036,21 @@ def test_shards_from_100000_on_are_read_back_in_order(tmp_path, capsys, fmt):
     for k, index in enumerate([9999, 10001, 100000]):
         (out / f"part-{k:05d}.{fmt}").rename(out / f"part-{index:05d}.{fmt}")
     assert list(read_outputs(out)["row_id"]) == [0, 1, 2]
+
+
+def test_a_dataset_of_the_wrong_dtype_fails_at_row_0_without_reading_to_its_end(tmp_path):
+    """float64 rows for crnn_ocr's float32 input (a common slip: numpy's default dtype) with
+    --on-error fail: the job fails naming row 0. Every batch was refused before it ran, held no
+    inputs, and so never filled the reader's bundle: the job read the whole dataset (6,000
+    rows here; a day's images in a real job) before it reported row 0."""
+    read = 0
+
+    def rows():
+        nonlocal read
+        for _ in range(6000):
+            read += 1
+            yield {"image": np.zeros((1, 1, 32, 64), np.float64)}
+
+    with pytest.raises(RowError, match="row 0 of the dataset cannot run.*float32"):
+        infer(realmodels.path("crnn_ocr"), rows(), tmp_path / "out", InferSpec(batch_size=1), MachineSpec(ONE_CORE))
+    assert read < 3000, f"{read} rows read to fail at row 0"

@@ -52,6 +52,11 @@ ON_ERROR = ("fail", "skip")
 #: threads costs the GIL twice, which small batches of a small model felt per batch. A file
 #: source's chunk, so that a bundle keeps no more of the reader's buffers alive than it uses
 BUNDLE_BYTES = CHUNK_BYTES
+#: what a batch weighs in a bundle at least: a batch refused before it runs (a null, a wrong
+#: dtype) holds no inputs, and a bundle of them reached the caller only when the dataset ended (a
+#: dataset of the wrong dtype was read to its end before the job failed at row 0); a bundle now
+#: holds at most 1024 batches
+MIN_BATCH_BYTES = BUNDLE_BYTES // 1024
 #: manifest version: a resumed job refuses an output another version of the layout wrote
 MANIFEST_VERSION = 1
 #: seconds between two progress calls
@@ -354,7 +359,7 @@ class _Pipeline:
             held = 0
             for batch in self._batches(start):
                 bundle.append(batch)
-                held += sum(int(v.nbytes) for v in batch.feeds.values())
+                held += max(sum(int(v.nbytes) for v in batch.feeds.values()), MIN_BATCH_BYTES)
                 if held >= BUNDLE_BYTES:
                     if not self._put(bundle):
                         return
