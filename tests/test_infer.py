@@ -1054,3 +1054,22 @@ def test_a_dataset_of_the_wrong_dtype_fails_at_row_0_without_reading_to_its_end(
     with pytest.raises(RowError, match="row 0 of the dataset cannot run.*float32"):
         infer(realmodels.path("crnn_ocr"), rows(), tmp_path / "out", InferSpec(batch_size=1), MachineSpec(ONE_CORE))
     assert read < 3000, f"{read} rows read to fail at row 0"
+
+
+def test_without_a_batch_size_a_dataset_of_the_wrong_dtype_is_not_read_to_its_end_first(tmp_path):
+    """The same slip without --batch-size (the default): the batch-size probe and then the
+    warm-up each looked through the whole dataset for rows the model takes before the job
+    began, so a dataset of float64 rows was read twice to its end before row 0 was reported.
+    They now look through a bounded number of rows."""
+    read = 0
+
+    class Rows:  # an iterable read again from its start each time (a list, a dataset object)
+        def __iter__(self):
+            nonlocal read
+            for _ in range(8000):
+                read += 1
+                yield {"image": np.zeros((1, 1, 32, 64), np.float64)}
+
+    with pytest.raises(RowError, match="row 0 of the dataset cannot run.*float32"):
+        infer(realmodels.path("crnn_ocr"), Rows(), tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
+    assert read < 8000, f"{read} rows read to fail at row 0"
