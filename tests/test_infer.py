@@ -1073,3 +1073,28 @@ def test_without_a_batch_size_a_dataset_of_the_wrong_dtype_is_not_read_to_its_en
     with pytest.raises(RowError, match="row 0 of the dataset cannot run.*float32"):
         infer(realmodels.path("crnn_ocr"), Rows(), tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
     assert read < 8000, f"{read} rows read to fail at row 0"
+
+
+@pytest.mark.parametrize("fmt", ["npz", "parquet"])
+def test_a_single_file_output_kept_in_its_input_folder_is_not_read_as_input(tmp_path, capsys, fmt):
+    """-o data/preds.npz beside the dataset's shards: the next job over data/ (a rerun with
+    --overwrite, a --resume) read preds.npz as a shard of the dataset and was refused ('unknown
+    input(s) ['log_probs', 'row_id']'), as an output folder kept there is not. The file keeps
+    its job's manifest, which tells it apart."""
+    x = crnn_rows(10, seed=36)
+    data = tmp_path / "data"
+    if fmt == "npz":
+        npz_shards(data, {"image": x}, 4)
+    else:
+        data.mkdir()
+        for i, lo in enumerate(range(0, 10, 4)):
+            col = pa.FixedShapeTensorArray.from_numpy_ndarray(x[lo:lo + 4])
+            pq.write_table(pa.table({"image": col}), data / f"shard-{i}.parquet")
+    out = data / f"preds.{fmt}"
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", data, "-o", out, "--batch-size", 4, "--groups", ONE_CORE, "-q"]
+    assert cli(capsys, *base)[0] == 0
+    code, stdout, err = cli(capsys, *base, "--overwrite")
+    assert code == 0 and "10 samples written" in stdout, err
+    _assert_rows(read_outputs(out), crnn_reference(x), np.arange(10))
+    code, stdout, err = cli(capsys, *base, "--resume")
+    assert code == 0 and "all 10 rows" in stdout, err

@@ -46,7 +46,7 @@ import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
 from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
-from staronnx.infer.sources import MANIFEST
+from staronnx.infer.sources import MANIFEST, MANIFEST_KEY, embedded_manifest
 
 SUCCESS = "_SUCCESS.json"
 FORMATS = ("parquet", "npz")
@@ -57,8 +57,6 @@ ROW_ID = "row_id"
 #: Arrow's writer holds several times a group's bytes while it encodes it (crnn_ocr over 3,000
 #: rows: peak RSS +46 MB with 1 MiB groups, +20 MB with 512 KiB, the same with 256 KiB)
 ROW_GROUP_BYTES = 512 << 10
-#: the key of a single-file Parquet output's schema metadata that holds the job's manifest
-MANIFEST_KEY = b"staronnx.infer.manifest"
 #: the most a zip comment holds (an ``.npz`` output's manifest; a longer one is kept as its digest)
 ZIP_COMMENT_BYTES = 0xFFFF
 
@@ -176,7 +174,7 @@ class ShardSink:
 
     def _check_finished_file(self) -> None:
         """Refuse to call the single-file output done unless this job wrote it."""
-        old = _embedded_manifest(self.output, self.format)
+        old = embedded_manifest(self.output)
         if old is None:
             raise OutputError(f"--resume: {self.output} exists but keeps no manifest of the staronnx infer job that "
                               "wrote it, so it cannot be told finished by this job; --overwrite starts again")
@@ -300,22 +298,6 @@ def _npz_comment(manifest: Mapping[str, Any]) -> bytes:
     if len(text) > ZIP_COMMENT_BYTES:
         text = json.dumps({"manifest_sha256": _manifest_digest(manifest)}).encode()
     return text
-
-
-def _embedded_manifest(path: Path, fmt: str) -> dict[str, Any] | None:
-    """The manifest a single-file output keeps (None: a file that keeps none)."""
-    try:
-        if fmt == "parquet":
-            import pyarrow.parquet as pq
-
-            raw = (pq.read_schema(path).metadata or {}).get(MANIFEST_KEY)
-        else:
-            with zipfile.ZipFile(path) as npz:
-                raw = npz.comment
-        value = json.loads(raw) if raw else None
-    except (OSError, ValueError, zipfile.BadZipFile):  # pyarrow's ArrowInvalid is a ValueError
-        return None
-    return value if isinstance(value, dict) else None
 
 
 # -- encodings --------------------------------------------------------------------------------------

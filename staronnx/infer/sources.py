@@ -18,6 +18,7 @@ different shapes (images of several sizes) are fine, and run in batches of equal
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -45,6 +46,10 @@ CHUNK_BYTES = 1 << 20
 #: the file every output folder of staronnx infer holds (:data:`staronnx.infer.sinks.MANIFEST`):
 #: such a folder inside an input folder is an output, not input
 MANIFEST = "_manifest.json"
+#: where a single-file output (``out.parquet``, ``out.npz``) keeps its job's manifest: the key of
+#: a Parquet file's schema metadata (an ``.npz``'s is its zip comment). Such a file inside an
+#: input folder is an output, not input
+MANIFEST_KEY = b"staronnx.infer.manifest"
 
 ARROW_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
 
@@ -78,6 +83,26 @@ class Source(Protocol):
     def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
         """Chunks from row id ``start`` holding about ``rows`` rows, which :meth:`chunks` reads
         again (a job's batch-size probe and warm-up look at its first rows before its pass)."""
+
+
+def embedded_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of the staronnx infer job that wrote ``path``, a single-file output (a
+    Parquet file's schema metadata, an ``.npz``'s zip comment); None for any other file."""
+    suffix = path.suffix.lower()
+    try:
+        if ARROW_SUFFIXES.get(suffix) == "parquet":
+            import pyarrow.parquet as pq
+
+            raw = (pq.read_schema(path).metadata or {}).get(MANIFEST_KEY)
+        elif suffix == ".npz":
+            with zipfile.ZipFile(path) as npz:
+                raw = npz.comment
+        else:
+            return None
+        value = json.loads(raw) if raw else None
+    except (OSError, ValueError, zipfile.BadZipFile):  # pyarrow's ArrowInvalid is a ValueError
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # -- .npy/.npz arrays read a slice at a time -------------------------------------------------------
@@ -232,8 +257,9 @@ class NumpySource:
         self.layout = layout
         if path.is_dir():
             # hidden and underscore names left out, as in a Parquet folder (macOS's ._shard.npz, _SUCCESS)
+            # a job's single-file output kept in its input folder (-o data/out.npz) is not input
             files = sorted((p for p in path.iterdir() if p.suffix.lower() in (".npz", ".npy") and p.is_file()
-                            and not p.name.startswith((".", "_"))), key=_natural)
+                            and not p.name.startswith((".", "_")) and embedded_manifest(p) is None), key=_natural)
             if not files:
                 raise InputError(f"--inputs {path}: the folder holds no .npz or .npy shard")
             kinds = {p.suffix.lower() for p in files}
@@ -661,8 +687,9 @@ def _arrow_files(folder: Path) -> list[Path]:
     """A folder's Parquet/Arrow files in name order (``shard-2`` before ``shard-10``, as a folder of
     ``.npz`` shards is read), its subfolders' too (a partitioned dataset). Left out, as pyarrow
     leaves them out of a folder it reads: names that start with ``.`` or ``_`` (``_SUCCESS``,
-    ``.crc`` files); and every folder staronnx infer wrote (it holds a manifest): an output kept
-    inside its input folder is not read back as input by the next job or a ``--resume``. Other
+    ``.crc`` files); and every folder or single file staronnx infer wrote (it holds a manifest):
+    an output kept inside its input folder is not read back as input by the next job or a
+    ``--resume``. Other
     files (a README, a job's ``.errors.json``) are not the dataset's."""
     files: list[Path] = []
     for path in sorted(folder.iterdir(), key=_natural):
@@ -671,7 +698,7 @@ def _arrow_files(folder: Path) -> list[Path]:
         if path.is_dir():
             if not (path / MANIFEST).exists():
                 files += _arrow_files(path)
-        elif path.suffix.lower() in ARROW_SUFFIXES:
+        elif path.suffix.lower() in ARROW_SUFFIXES and embedded_manifest(path) is None:
             files.append(path)
     return files
 
