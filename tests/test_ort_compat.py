@@ -623,6 +623,29 @@ def test_io_binding_takes_host_pointers_as_ort_does(home, model_path, two_groups
     np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-6)
     assert not np.isnan(got[1]).any()
 
+
+def test_copy_outputs_to_cpu_gives_copies_a_later_run_does_not_change(home, model_path, two_groups):
+    """A script binds an output into an OrtValue once and runs a batch at a time, keeping
+    copy_outputs_to_cpu()'s arrays: ORT's are copies. The session's were views of the bound
+    OrtValue, which the next run writes in place, so every array kept held the last batch's
+    outputs."""
+    batches = [np.full((2, WIDTH), v, np.float32) for v in (0.5, -1.0, 2.0)]
+    kept: dict[str, list[np.ndarray]] = {}
+    for name, sess in (("ort", ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])),
+                       ("staronnx", _staronnx(two_groups)(str(model_path)))):
+        y = ort.OrtValue.ortvalue_from_shape_and_type([2, WIDTH], np.float32)
+        binding = sess.io_binding()
+        binding.bind_ortvalue_output("y", y)
+        for x in batches:
+            binding.bind_cpu_input("x", x)
+            sess.run_with_iobinding(binding)
+            kept.setdefault(name, []).append(binding.copy_outputs_to_cpu()[0])
+        if hasattr(sess, "close"):
+            sess.close()
+    for want, got in zip(kept["ort"], kept["staronnx"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(kept["staronnx"][0], kept["staronnx"][2])
+
 def test_run_async_reports_a_terminated_run_through_its_callback(home, model_path, two_groups):
     """ORT's run_async reports a run its RunOptions terminate through the callback (no results,
     the message in err), as it reports a bad feed; it raised in the caller instead, so the

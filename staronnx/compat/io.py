@@ -109,7 +109,9 @@ class IOBinding:
         return vector
 
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
-        return [v.numpy() for v in self._results]
+        """Copies, as ORT's are: an output bound into an OrtValue (or host memory) is written
+        again in place by the next run, and a view of it changed under a script that kept it."""
+        return [np.array(v.numpy(), copy=True) for v in self._results]
 
     def _run(self, run_options: RunOptionsArg = None) -> None:
         if not self._outputs:  # ORT refuses it: a script that ran here would fail on ORT
