@@ -1098,3 +1098,36 @@ def test_a_single_file_output_kept_in_its_input_folder_is_not_read_as_input(tmp_
     _assert_rows(read_outputs(out), crnn_reference(x), np.arange(10))
     code, stdout, err = cli(capsys, *base, "--resume")
     assert code == 0 and "all 10 rows" in stdout, err
+
+
+def test_a_fortran_ordered_npy_is_read_a_chunk_at_a_time(tmp_path):
+    """A dataset saved from a Fortran-ordered array (a transposed feature matrix: numpy.save
+    keeps its order) was loaded whole for every chunk: the job's peak memory grew with the
+    dataset (and the file was read once per chunk). It is read a chunk at a time, as a
+    C-ordered one is, and every row is ORT's. Peak RSS of each command, measured by a parent
+    process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 18  # 1 MiB of float32 per row
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for n in (32, 160):
+        x = np.asfortranarray(np.random.default_rng(n).standard_normal((n, width)).astype(np.float32))
+        (tmp_path / f"in{n}").mkdir()
+        np.save(tmp_path / f"in{n}" / "x.npy", x)
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(tmp_path / f"in{n}"), "-o", str(tmp_path / f"out{n}"),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[n] = int(kib) * 1024
+        got = read_outputs(tmp_path / f"out{n}")
+        assert list(got["row_id"]) == list(range(n)) and np.array_equal(got["y"], -x)
+        del x, got
+    assert peaks[160] - peaks[32] < 48 << 20, peaks

@@ -43,6 +43,11 @@ CHUNK_ROWS = 1024
 #: it does, so a chunk twice a bundle kept a bundle's worth more alive (crnn_ocr: -2.5 MiB of peak RSS)
 CHUNK_BYTES = 1 << 20
 
+#: a block of an array's rows (all of them, at one index of the axes before the rows' axis) this
+#: small is read whole with its neighbours rather than a read per run of the rows asked: a read
+#: call costs about what copying a few kilobytes does
+SMALL_BLOCK_BYTES = 8 << 10
+
 #: the file every output folder of staronnx infer holds (:data:`staronnx.infer.sinks.MANIFEST`):
 #: such a folder inside an input folder is an output, not input
 MANIFEST = "_manifest.json"
@@ -153,9 +158,12 @@ class _StoredArray:
     def rows(self, start: int, stop: int, axis: int = 0, pool: BufferPool | None = None) -> np.ndarray:
         """Rows ``start:stop`` of ``axis`` (0; 1 for a state's batch), read from the file into a
         fresh C-ordered array (or one of ``pool``'s): one read per index of the axes before it,
-        each a run of whole rows (a single read for axis 0)."""
+        each a run of whole rows (a single read for axis 0). A Fortran-ordered array is the
+        C-ordered array of the reversed shape, read the same way and turned back (it was loaded
+        whole for every chunk: the whole dataset in memory, and read once per chunk)."""
         if self.fortran:
-            return np.ascontiguousarray(self.whole()[(slice(None),) * axis + (slice(start, stop),)])
+            reversed_c = _StoredArray(self.path, self.offset, self.dtype, self.shape[::-1], False)
+            return np.ascontiguousarray(reversed_c.rows(start, stop, len(self.shape) - 1 - axis).T)
         outer = int(np.prod(self.shape[:axis], dtype=np.int64))
         count = self.shape[axis]
         row = int(np.prod(self.shape[axis + 1:], dtype=np.int64)) * self.dtype.itemsize
@@ -163,7 +171,22 @@ class _StoredArray:
         out = np.empty(shape, self.dtype) if pool is None else pool.empty(shape, self.dtype)
         run = (stop - start) * row
         flat = memoryview(out.reshape(-1).view(np.uint8))
+        block = count * row  # the bytes of one index of the axes before: every row of it
         with open(self.path, "rb") as fh:
+            if outer > 1 and block <= SMALL_BLOCK_BYTES:
+                # many small runs (a Fortran-ordered feature matrix: one per column): whole
+                # blocks read a group at a time, each group's runs picked out, where a read
+                # per run cost a call per few bytes
+                group = max(1, CHUNK_BYTES // block)
+                runs = np.frombuffer(flat, np.uint8).reshape(outer, run)
+                for lo in range(0, outer, group):
+                    hi = min(lo + group, outer)
+                    fh.seek(self.offset + lo * block)
+                    data = fh.read((hi - lo) * block)
+                    if len(data) != (hi - lo) * block:
+                        raise InputError(f"{self.path}: the file ends before row {stop} (truncated?)")
+                    runs[lo:hi] = np.frombuffer(data, np.uint8).reshape(hi - lo, block)[:, start * row:stop * row]
+                return out
             for i in range(outer):
                 fh.seek(self.offset + (i * count + start) * row)
                 if fh.readinto(flat[i * run:(i + 1) * run]) != run:
