@@ -1131,3 +1131,48 @@ def test_a_fortran_ordered_npy_is_read_a_chunk_at_a_time(tmp_path):
         assert list(got["row_id"]) == list(range(n)) and np.array_equal(got["y"], -x)
         del x, got
     assert peaks[160] - peaks[32] < 48 << 20, peaks
+
+
+def test_a_model_with_external_weights_keeps_its_plan_and_sees_new_weights(tmp_path, caplog):
+    """A model saved with external data (model.onnx + model.onnx.data): the one-part plan a job
+    makes is kept for the next job, as a model of one file's is. It was made again by every job
+    (its weights copied again), each saying the kept plan 'is of another model': the kept plan
+    records the model's hash with its weights, looked up by the file's alone. New weights in
+    model.onnx.data (the .onnx unchanged) still give a new plan and the new outputs."""
+    import logging
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
+                              [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "mm.onnx",
+              save_as_external_data=True, location="mm.onnx.data", size_threshold=0)
+
+    x = np.random.default_rng(37).standard_normal((6, 64)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    from staronnx.infer import plan_for
+
+    def run(out: str) -> dict:
+        infer(tmp_path / "mm.onnx", tmp_path / "in.npz", tmp_path / out, InferSpec(batch_size=2), MachineSpec(ONE_CORE))
+        want = ort.InferenceSession(str(tmp_path / "mm.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        got = read_outputs(tmp_path / out)
+        np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5)
+        return got
+
+    run("out1")
+    plan_json = plan_for(tmp_path / "mm.onnx").root / "plan.json"
+    made = plan_json.stat().st_ino
+    with caplog.at_level(logging.WARNING):
+        run("out2")
+    assert "is of another model" not in caplog.text
+    assert plan_json.stat().st_ino == made, "the kept plan was made again"
+    # retrained weights, the graph file as it was (the tensor's raw bytes are the whole data file)
+    assert (tmp_path / "mm.onnx.data").stat().st_size == w.nbytes
+    (tmp_path / "mm.onnx.data").write_bytes((w[::-1] * 2).tobytes())
+    first = read_outputs(tmp_path / "out1")["y"]
+    assert not np.allclose(run("out3")["y"], first)
