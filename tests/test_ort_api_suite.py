@@ -240,6 +240,29 @@ def test_an_input_the_model_gives_no_shape_takes_any_rank_as_in_ort(tmp_path):
                 sess.run(None, bad)
 
 
+
+def test_an_input_of_no_shape_beside_a_dynamic_size_takes_any_rank_after_the_first_run(tmp_path):
+    """An input of no shape beside one with a dynamic size (``t``: [N, T]), so the session is
+    cut at its first run's shapes: the first run's rank of ``x`` was given to the cut, which
+    fixed it in the parts, and the next run of another rank failed inside a part (ORT's
+    'Invalid rank for input: x'), where ORT runs it. The cut leaves ``x`` open."""
+    nodes, prev = [], "x"
+    for i in range(30):  # enough nodes to be cut
+        nodes.append(helper.make_node("Neg" if i % 2 else "Relu", [prev], [f"a{i}"]))
+        prev = f"a{i}"
+    nodes += [helper.make_node("ReduceSum", [prev], ["s"], keepdims=0), helper.make_node("Add", ["t", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "unranked_beside_dynamic",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("t", TensorProto.FLOAT, ["N", "T"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "T"])])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "unranked2.onnx")
+    t = np.arange(10, dtype=np.float32).reshape(2, 5)
+    with session(path) as sess:
+        for x in (np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), np.full(4, -0.5, np.float32),
+                  np.float32(-2.0), np.ones((2, 2, 2), np.float32)):
+            feeds = {"x": np.asarray(x), "t": t}
+            np.testing.assert_allclose(sess.run(None, feeds)[0], ort_run(path, feeds)[0], rtol=1e-6)
+
 def test_a_map_output_of_a_shipped_classifier_runs(tmp_path):
     """onnxruntime.datasets' logreg_iris.onnx: a ZipMap output (a sequence of maps)."""
     path = datasets.get_example("logreg_iris.onnx")

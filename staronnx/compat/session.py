@@ -340,10 +340,12 @@ class InferenceSession:
             settings, asked = dict(options), dict(options)
             if unsized:
                 assert feeds is not None
+                # not an input the model gives no shape: a size given for it fixes its rank in
+                # the parts, which then refuse the other ranks ORT takes (partition leaves it open)
+                shapes = {k: v for k, v in first_run_shapes(feeds).items() if k not in self._unranked}
                 log.info("cutting %s at a run's shapes %s (its dynamic sizes: %s); the plan serves every size",
-                         self._meta.graph_name if self._meta else "the model", first_run_shapes(feeds),
-                         ", ".join(unsized))
-                settings["input_shapes"], asked["input_shapes"] = first_run_shapes(feeds), AT_FIRST_RUN
+                         self._meta.graph_name if self._meta else "the model", shapes, ", ".join(unsized))
+                settings["input_shapes"], asked["input_shapes"] = shapes, AT_FIRST_RUN
             spec = PartitionSpec(groups=groups, cuda_streams=streams,
                                  **{k: v for k, v in settings.items() if k in cut_fields})
             make = functools.partial(partition, src, shares, spec,
