@@ -1176,3 +1176,44 @@ def test_a_model_with_external_weights_keeps_its_plan_and_sees_new_weights(tmp_p
     (tmp_path / "mm.onnx.data").write_bytes((w[::-1] * 2).tobytes())
     first = read_outputs(tmp_path / "out1")["y"]
     assert not np.allclose(run("out3")["y"], first)
+
+
+def test_a_model_whose_outputs_mix_the_batch_runs_a_row_per_task(tmp_path, capsys):
+    """A dynamic batch in, outputs that do not keep it apart (a detector's boxes of every image
+    in one list, a batch-index column beside them; here NonZero's indices): requests cannot
+    share a task, but each row can run alone. The dataset was refused ('no input holds rows
+    (the model's rows lie along {})'). So was any dataset of a plan cut with batching off
+    (crnn_ocr here), whose inputs the contract still reads. Each row is ORT's answer."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from staronnx import partition
+    from staronnx.partition import PartitionSpec
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonZero", ["r"], ["nz"]),
+                               helper.make_node("Transpose", ["nz"], ["y"], perm=[1, 0])], "flat",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, ["K", 2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "flat.onnx")
+    x = np.random.default_rng(38).standard_normal((7, 4)).astype(np.float32)
+    np.savez(tmp_path / "flat.npz", x=x)
+    code, _, err = cli(capsys, "infer", tmp_path / "flat.onnx", "-i", tmp_path / "flat.npz", "-o", tmp_path / "out1",
+                       "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    ref = ort.InferenceSession(str(tmp_path / "flat.onnx"), providers=["CPUExecutionProvider"])
+    got = read_outputs(tmp_path / "out1")
+    assert list(got["row_id"]) == list(range(7))
+    for i in range(7):
+        np.testing.assert_array_equal(np.asarray(got["y"][i]).reshape(-1, 2), ref.run(None, {"x": x[i:i + 1]})[0])
+
+    plan = partition(realmodels.path("crnn_ocr"), None, PartitionSpec(parts=1, batching=False, costs="estimate",
+                                                                      input_shapes=["image=1x1x32x64"]),
+                     output_dir=tmp_path / "plan")
+    assert not plan.contract.batchable
+    images = crnn_rows(5, seed=39)
+    np.savez(tmp_path / "ocr.npz", image=images)
+    code, _, err = cli(capsys, "infer", tmp_path / "plan", "-i", tmp_path / "ocr.npz", "-o", tmp_path / "out2",
+                       "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    _assert_rows(read_outputs(tmp_path / "out2"), crnn_reference(images), np.arange(5))

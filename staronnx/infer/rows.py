@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from staronnx.contract import take_rows
-from staronnx.plan import Plan
+from staronnx.contract import _BATCH_NAME, take_rows
+from staronnx.plan import Plan, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,27 @@ class RowLayout:
 
     @classmethod
     def of(cls, plan: Plan) -> RowLayout:
-        """The layout the plan's contract gives; a model that cannot batch takes its rows along
-        axis 0 of every input the model fixes to 1 there (a batch-1 export)."""
+        """The layout the plan's contract gives; a model that cannot batch runs a row per task,
+        its rows along the batch axis the contract still finds in its inputs, where it is named
+        as a batch or set by the user (a dynamic batch whose outputs do not keep it apart: a
+        detector's boxes of every image in one list; a plan cut with batching off), else axis 0
+        of every input the model fixes to 1 there (a batch-1 export). Such a model's dataset was
+        refused ('no input holds rows') unless its inputs were fixed to 1."""
         contract = plan.contract
         if contract.batchable:
             return cls(dict(contract.inputs), dict(contract.outputs), True)
-        inputs: dict[str, int | None] = {}
-        for spec in plan.inputs:
-            inputs[spec.name] = 0 if spec.shape and spec.shape[0] == 1 else None
-        outputs = {spec.name: (0 if spec.shape and spec.shape[0] == 1 else None) for spec in plan.outputs}
+
+        # the contract's axes where they surely are the batch: named so, or set by the user (a
+        # dynamic first size named otherwise, a 1-D input's 'sequence', is no row axis to trust)
+        trusted = bool(contract.overridden) or bool(contract.symbol and _BATCH_NAME.match(contract.symbol))
+
+        def axis(spec: TensorSpec, found: int | None) -> int | None:
+            if found is not None and trusted:
+                return found
+            return 0 if spec.shape and spec.shape[0] == 1 else None
+
+        inputs = {spec.name: axis(spec, contract.inputs.get(spec.name)) for spec in plan.inputs}
+        outputs = {spec.name: axis(spec, contract.outputs.get(spec.name)) for spec in plan.outputs}
         kept = frozenset(n for n, a in inputs.items() if a is not None)
         return cls(inputs, outputs, False, kept, {s.name: len(s.shape) for s in plan.inputs if s.name in kept})
 

@@ -494,7 +494,8 @@ def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
         shape = list(spec.shape)
         if layout.batched and axis is not None:
             sample = shape[:axis] + shape[axis + 1:]
-        elif not layout.batched and axis is not None and shape and shape[axis] == 1:
+        elif not layout.batched and axis is not None and len(shape) > axis:
+            # a row per task: its batch axis holds the one row (:meth:`RowLayout.row_major` drops it)
             sample = shape[:axis] + shape[axis + 1:]
         else:
             sample = shape
