@@ -531,18 +531,39 @@ class ArrowSource:
                 continue
             row = first
             skip = max(start - first, 0)
-            for batch in fragment.to_batches(columns=columns, batch_size=max(1, rows)):
-                if skip >= batch.num_rows:
-                    skip -= batch.num_rows
-                    row += batch.num_rows
-                    continue
+            for piece in self._pieces(fragment, skip):
                 if skip:
-                    batch = batch.slice(skip)
-                    row += skip
-                    skip = 0
-                yield from self._convert(batch, row)
-                row += batch.num_rows
+                    # a Parquet row group wholly before ``start`` is passed by its metadata, not
+                    # read: a resumed job decoded every row it had written before (a crash at 90%
+                    # of one large file read 90% of it again, and a damaged part there failed it)
+                    # (a row group's fragment counts its file's rows: its metadata says its own)
+                    held = sum(g.num_rows for g in piece.row_groups) if piece is not fragment else count
+                    if skip >= held:
+                        skip -= held
+                        row += held
+                        continue
+                for batch in piece.to_batches(columns=columns, batch_size=max(1, rows)):
+                    if skip >= batch.num_rows:
+                        skip -= batch.num_rows
+                        row += batch.num_rows
+                        continue
+                    if skip:
+                        batch = batch.slice(skip)
+                        row += skip
+                        skip = 0
+                    yield from self._convert(batch, row)
+                    row += batch.num_rows
             first += count
+
+    @staticmethod
+    def _pieces(fragment: Any, skip: int) -> list[Any]:
+        """The fragment's row groups, in order, where rows are to be skipped and it has them
+        (a Parquet file); else the fragment whole."""
+        if skip and hasattr(fragment, "split_by_row_group"):
+            groups = list(fragment.split_by_row_group())
+            if groups:
+                return groups
+        return [fragment]
 
     def _convert(self, batch: Any, start: int) -> Iterator[Chunk]:
         cols = {name: batch.column(name) for name in self.layout.inputs}
