@@ -1253,3 +1253,49 @@ def test_a_resume_passes_the_parquet_row_groups_written_before_unread(tmp_path, 
     assert list(got["row_id"]) == good
     want = crnn_reference(x)
     _assert_rows({"row_id": got["row_id"][20:], "log_probs": got["log_probs"][20:]}, want, np.array(good[20:]))
+
+
+def test_a_second_job_on_an_output_being_written_is_refused(tmp_path):
+    """A job writes out/ (held here, in a thread, by its generator waiting halfway); a second
+    job on the same output, with --overwrite (another dataset) or --resume, went ahead: the
+    first removed or written under the second, a folder of one job's manifest and the other's
+    rows. The second is refused, naming why; the first ends whole, and leaves no lock behind."""
+    import threading
+
+    x = crnn_rows(12, seed=41)
+    halfway, go_on = threading.Event(), threading.Event()
+
+    def rows():
+        for i in range(12):
+            if i == 8:
+                halfway.set()
+                go_on.wait(120)
+            yield {"image": x[i:i + 1]}
+
+    out = tmp_path / "out"
+    result: dict = {}
+
+    def first() -> None:
+        try:
+            result["report"] = infer(realmodels.path("crnn_ocr"), rows(), out, InferSpec(batch_size=2, shard_rows=4),
+                                     MachineSpec(ONE_CORE))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            result["error"] = exc
+
+    job = threading.Thread(target=first)
+    job.start()
+    try:
+        assert halfway.wait(120)
+        np.savez(tmp_path / "other.npz", image=crnn_rows(3, seed=42))
+        for spec in (InferSpec(batch_size=2, shard_rows=4, overwrite=True), InferSpec(batch_size=2, shard_rows=4,
+                                                                                       resume=True)):
+            with pytest.raises(OutputError, match="another staronnx infer job is writing"):
+                infer(realmodels.path("crnn_ocr"), tmp_path / "other.npz", out, spec, MachineSpec(ONE_CORE))
+    finally:
+        go_on.set()
+        job.join(120)
+    assert "error" not in result, result
+    assert result["report"].written == 12
+    _assert_rows(read_outputs(out), crnn_reference(x), np.arange(12))
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS.json", "_manifest.json", "part-00000.parquet",
+                                                     "part-00001.parquet", "part-00002.parquet"]

@@ -179,6 +179,15 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
                 "source": source.describe(), "shard_rows": spec.shard_rows, "format": fmt,
                 "outputs": output_specs(plan, layout)}
     sink = ShardSink(out, fmt, manifest, resume=spec.resume, overwrite=spec.overwrite)
+    try:
+        return _run_job(plan, machine, layout, source, sink, spec, out, progress)
+    finally:
+        sink.release()  # the output, for the next job (an error's traceback would hold the sink)
+
+
+def _run_job(plan: Plan, machine: MachineSpec, layout: RowLayout, source: Source, sink: ShardSink, spec: InferSpec,
+             out: Path, progress: Progress | None) -> InferReport:
+    """The job on its prepared output (:func:`infer`)."""
     total = source.total_rows()
     report = InferReport(out, total)
     if sink.done:  # a resumed single-file output this job finished: every row was written before

@@ -48,7 +48,15 @@ from staronnx.errors import InputError, StaronnxError
 from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
 from staronnx.infer.sources import MANIFEST, MANIFEST_KEY, embedded_manifest
 
+try:
+    import fcntl
+except ImportError:  # not POSIX: jobs on one output are not kept apart
+    fcntl = None  # type: ignore[assignment]
+
 SUCCESS = "_SUCCESS.json"
+#: the file a job holds locked (flock) in its output folder while it writes, so that a second
+#: job on the same output is refused instead of writing beside it (removed when the job ends)
+LOCK = ".staronnx-infer.lock"
 FORMATS = ("parquet", "npz")
 #: the suffixes of a single-file output, and the format each names
 SINGLE_FILES = {".parquet": "parquet", ".pq": "parquet", ".npz": "npz"}
@@ -99,7 +107,12 @@ class ShardSink:
         self.finished: set[int] = set()
         #: a single-file output this same job already finished (``resume``): nothing is left to run
         self.done = False
-        self._prepare(resume, overwrite)
+        self._lock_fd: int | None = None
+        try:
+            self._prepare(resume, overwrite)
+        except BaseException:
+            self.release()
+            raise
         if fmt == "parquet":
             # loaded now, not by the first row group: it takes ~0.15 s, which a small model's
             # job would otherwise spend with its workers idle behind the writer
@@ -123,9 +136,11 @@ class ShardSink:
         folder = self.folder
         if folder.exists() and not folder.is_dir():
             raise OutputError(f"--output {folder} is a file; name a folder (or a .parquet/.npz file)")
+        folder.mkdir(parents=True, exist_ok=True)
+        self._lock()
         # a manifest alone: a job that stopped before its first shard (refused as it started),
         # which left nothing to keep or resume
-        existing = folder.exists() and any(p.name != MANIFEST for p in folder.iterdir())
+        existing = any(p.name not in (MANIFEST, LOCK) for p in folder.iterdir())
         if existing and overwrite:
             self._clear()
         elif existing and not resume:
@@ -138,6 +153,35 @@ class ShardSink:
         atomic_write_text(folder / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True))
         with contextlib.suppress(FileNotFoundError):
             (folder / SUCCESS).unlink()
+
+    def _lock(self) -> None:
+        """Hold the output for this job: a second job on it (another --resume or --overwrite
+        while this one runs) wrote its shards beside this one's, or removed them under it, with
+        no word; it is refused now, naming why. The lock goes with the process (flock)."""
+        if fcntl is None:  # no flock on this platform: nothing to hold
+            return
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"--output {self.output}: another staronnx infer job is writing it now; let it end "
+                              "(or stop it), then --resume carries on from its shards") from None
+        except OSError:  # a filesystem without locks (some network mounts): the job goes on unguarded
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                (self.folder / LOCK).unlink()
+            return
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let the next job write the output (called as the job ends, finished or not)."""
+        if self._lock_fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            (self.folder / LOCK).unlink()
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def _clear(self) -> None:
         """Remove what an earlier job wrote (only its own files: a folder of other things is refused)."""
