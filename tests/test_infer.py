@@ -1299,3 +1299,36 @@ def test_a_second_job_on_an_output_being_written_is_refused(tmp_path):
     _assert_rows(read_outputs(out), crnn_reference(x), np.arange(12))
     assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS.json", "_manifest.json", "part-00000.parquet",
                                                      "part-00001.parquet", "part-00002.parquet"]
+
+
+def test_a_resumed_shard_without_skipped_rows_drops_the_list_its_stopped_run_wrote(tmp_path, capsys):
+    """A shard's skipped rows are listed before the shard is written; a job stopped between the
+    two (here: the shard file removed, the state a crash there leaves) and resumed where those
+    rows now run (a batch size the model takes: this one cannot run a row alone, as a row that
+    failed for want of memory runs later) kept the old list: the rows written were reported
+    skipped too ('8 row(s) skipped'), in _errors.json and the report."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "pairs"], ["p"]), helper.make_node("Reshape", ["p", "rows"], ["y"])],
+        "pairs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(np.array([2, -1], np.int64), "pairs"),
+         numpy_helper.from_array(np.array([-1, 3], np.int64), "rows")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "pairs.onnx")
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    np.savez(tmp_path / "in.npz", x=x)
+    out = tmp_path / "out"
+    base = ["infer", tmp_path / "pairs.onnx", "-i", tmp_path / "in.npz", "-o", out, "--shard-rows", 4,
+            "--on-error", "skip", "--groups", ONE_CORE, "-q"]
+    code, stdout, err = cli(capsys, *base, "--batch-size", 1)
+    assert code == 0 and "8 row(s) skipped" in stdout, (stdout, err)
+    (out / "part-00001.parquet").unlink()  # stopped after shard 1's list, before shard 1
+    (out / "_SUCCESS.json").unlink()
+    code, stdout, err = cli(capsys, *base, "--batch-size", 2, "--resume")
+    assert code == 0, err
+    assert "4 row(s) skipped (row ids 0, 1, 2, 3)" in stdout, stdout
+    assert [e["row_id"] for e in json.loads((out / "_errors.json").read_text())] == [0, 1, 2, 3]
+    got = read_outputs(out)
+    assert list(got["row_id"]) == [4, 5, 6, 7] and np.array_equal(got["y"], x[4:])

@@ -440,9 +440,14 @@ class ShardWriter:
         """Drop what was written of the shard (a job stopped before its last row)."""
 
     def close(self) -> None:
+        errors = self.path.with_name(self.path.name[:-len(self.path.suffix)] + ".errors.json")
         if self.errors:
-            atomic_write_text(self.path.with_name(self.path.name[:-len(self.path.suffix)] + ".errors.json"),
-                              json.dumps(self.errors, indent=1))
+            atomic_write_text(errors, json.dumps(self.errors, indent=1))
+        else:
+            # a list an earlier run of the shard wrote before it stopped short of the shard (the
+            # list goes first): trusted, it named rows this run wrote as skipped
+            with contextlib.suppress(FileNotFoundError):
+                errors.unlink()
         self._finish()
 
 
