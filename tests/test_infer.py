@@ -890,3 +890,445 @@ def test_a_folder_of_npz_shards_takes_upper_case_suffixes_and_leaves_hidden_file
                        "--batch-size", 3, "--groups", ONE_CORE, "-q")
     assert code == 0, err
     _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(6))
+
+
+@pytest.mark.parametrize("name", ["out.parquet", "out.npz"])
+def test_resume_of_a_finished_single_file_job_says_it_is_done(tmp_path, capsys, name):
+    """A job whose output is one file finished (its shards joined, the parts folder gone); the
+    same command with --resume (a retry loop, a rerun of a pipeline step) is a no-op that says
+    every row was written before, its skipped rows still reported, the file left as it was. It
+    was refused ("exists; --overwrite replaces it"), as if the job had never run. The same file
+    for another dataset, or a file no job wrote, is still refused by name."""
+    src, _ = _ocr_table_with_bad_rows(tmp_path)
+    out = tmp_path / name
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", src, "-o", out, "--batch-size", 4, "--shard-rows", 5,
+            "--on-error", "skip", "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base)
+    assert code == 0, err
+    assert not out.with_name(name + ".parts").exists()
+    before = out.read_bytes()
+    code, stdout, err = cli(capsys, *base, "--resume")
+    assert code == 0, err
+    assert "all 12 rows" in stdout and "nothing left to run" in stdout, stdout
+    assert "2 row(s) skipped (row ids 4, 7)" in stdout, stdout
+    assert out.read_bytes() == before
+    assert list(read_outputs(out)["row_id"]) == [0, 1, 2, 3, 5, 6, 8, 9, 10, 11]
+    if name.endswith(".npz"):
+        with np.load(out) as z:  # the manifest rides in the zip comment, not as an entry
+            assert sorted(z.files) == ["log_probs", "row_id"]
+
+    np.savez(tmp_path / "other.npz", image=crnn_rows(9, seed=11))
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "other.npz", "-o", out,
+                       "--batch-size", 4, "--shard-rows", 5, "--on-error", "skip", "--groups", ONE_CORE, "-q",
+                       "--resume")
+    assert code == 2 and "written by another job" in err and "source" in err, err
+    theirs = tmp_path / ("theirs" + out.suffix)
+    theirs.write_bytes(b"not a job's output")
+    code, _, err = cli(capsys, *[theirs if a == out else a for a in base], "--resume")
+    assert code == 2 and "keeps no manifest" in err, err
+    assert theirs.read_bytes() == b"not a job's output"
+
+
+def test_a_resumed_generator_does_not_hold_the_rows_written_before(tmp_path):
+    """A generator's job stopped midway (its source failed at row 200) and resumed with a fresh
+    generator: the rows before the resume point are read again (a generator cannot seek) but
+    dropped as read. The job's first look at its rows (the warm-up) kept every item up to the
+    resume point, so a resumed job held everything written before in memory at once (every
+    row of the finished shards here; a day's images in a real job). The output holds every row
+    once, in order."""
+    import weakref
+
+    x = crnn_rows(240, seed=32)
+
+    def failing():
+        for i in range(200):
+            yield {"image": x[i:i + 1].copy()}
+        raise OSError("the source went away")
+
+    with pytest.raises(OSError, match="went away"):
+        infer(realmodels.path("crnn_ocr"), failing(), tmp_path / "out", InferSpec(batch_size=4, shard_rows=20),
+              MachineSpec(ONE_CORE))
+    done = 20 * len(list((tmp_path / "out").glob("part-*.parquet")))
+    assert done >= 40, done
+    alive_before: list[int] = []
+    refs: list[weakref.ref] = []
+
+    def again():
+        for i in range(240):
+            if i <= done:  # the rows written before, as the first row to run is read
+                alive_before.append(sum(r() is not None for r in refs))
+            row = x[i:i + 1].copy()
+            refs.append(weakref.ref(row))
+            yield {"image": row}
+            del row
+
+    report = infer(realmodels.path("crnn_ocr"), again(), tmp_path / "out", InferSpec(batch_size=4, shard_rows=20,
+                   resume=True), MachineSpec(ONE_CORE))
+    assert (report.written, report.resumed_rows) == (240 - done, done)
+    assert max(alive_before) <= 4, f"{max(alive_before)} of the {done} rows written before held at once"
+    _assert_rows(read_outputs(tmp_path / "out"), crnn_reference(x), np.arange(240))
+
+
+def test_an_overwrite_of_a_single_file_that_stopped_resumes(tmp_path, capsys):
+    """out.parquet holds an earlier job's rows; a job for another dataset with --overwrite stops
+    at a bad row, saying its shards are kept for --resume (the old file stays until it is
+    done). The same command with --resume --on-error skip carries on from those shards; it was
+    refused ("exists; --overwrite replaces it"), and --overwrite would start again."""
+    np.savez(tmp_path / "first.npz", image=crnn_rows(6, seed=33))
+    out = tmp_path / "out.parquet"
+    model = realmodels.path("crnn_ocr")
+    opts = ["--batch-size", 2, "--shard-rows", 2, "--groups", ONE_CORE, "-q"]
+    assert cli(capsys, "infer", model, "-i", tmp_path / "first.npz", "-o", out, *opts)[0] == 0
+    src, rows = _ocr_table_with_bad_rows(tmp_path)
+    code, _, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--overwrite")
+    assert code == 2 and "row 4 of the dataset cannot run" in err and "--resume" in err, err
+    kept = {p.name: p.stat().st_mtime_ns for p in tmp_path.glob("out.parquet.parts/part-*.parquet")}
+    assert sorted(kept) == ["part-00000.parquet", "part-00001.parquet"]
+    code, stdout, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--resume", "--on-error", "skip")
+    assert code == 0, err
+    assert "4 written before, kept" in stdout and "2 row(s) skipped (row ids 4, 7)" in stdout, stdout
+    good = [i for i in range(12) if i not in (4, 7)]
+    want = [{"log_probs": _ort("crnn_ocr", {"image": r[None]})["log_probs"][:, 0]} if i in good else {}
+            for i, r in enumerate(rows)]
+    _assert_rows(read_outputs(out), want, np.array(good))
+    assert not (tmp_path / "out.parquet.parts").exists()
+    code, stdout, err = cli(capsys, "infer", model, "-i", src, "-o", out, *opts, "--resume", "--on-error", "skip")
+    assert code == 0 and "all 12 rows" in stdout, err
+
+
+def test_a_batch_1_export_with_one_channel_takes_parquet_rows_with_or_without_the_batch_axis(tmp_path):
+    """A model exported at batch 1 whose next size is 1 too (a grayscale image, [1, 1, 4, 5]):
+    Parquet rows of the sample ([1, 4, 5]) had their channel taken for the batch-1 axis and
+    dropped, so every row was refused ('expected rank 4, got shape [1, 4, 5]'). Rows written
+    with the batch axis ([1, 1, 4, 5]) run as before; both give ORT's answer per row."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["t"]), helper.make_node("Relu", ["t"], ["y"])], "gray",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 1, 4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 1, 4, 5])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "gray.onnx")
+    x = np.random.default_rng(34).standard_normal((6, 1, 4, 5)).astype(np.float32)
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(str(tmp_path / "gray.onnx"), providers=["CPUExecutionProvider"])
+    want = [{"y": ref.run(None, {"x": x[i:i + 1]})[0][0]} for i in range(6)]
+    for name, rows in (("sample", x), ("with-batch-axis", x.reshape(6, 1, 1, 4, 5).copy())):
+        pq.write_table(pa.table({"x": pa.FixedShapeTensorArray.from_numpy_ndarray(rows)}), tmp_path / f"{name}.parquet")
+        report = infer(tmp_path / "gray.onnx", tmp_path / f"{name}.parquet", tmp_path / f"out-{name}",
+                       InferSpec(on_error="skip"), MachineSpec(ONE_CORE))
+        assert report.skipped == [] and report.written == 6, (name, report.skipped[:1])
+        _assert_rows(read_outputs(tmp_path / f"out-{name}"), want, np.arange(6))
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "npz"])
+def test_shards_from_100000_on_are_read_back_in_order(tmp_path, capsys, fmt):
+    """Shard k is part-{k:05d}: from shard 100000 on the name has six digits, and sorted by name
+    part-100000 came before part-10001, so read_outputs (and the join of a single-file output)
+    put a long job's last rows in its middle (--shard-rows 100 reaches it at 10 million rows).
+    Three shards a job wrote, renamed as shards 9999, 10001 and 100000 of such a job, read back
+    in shard order."""
+    np.savez(tmp_path / "in.npz", image=crnn_rows(3, seed=35))
+    out = tmp_path / "out"
+    code, _, err = cli(capsys, "infer", realmodels.path("crnn_ocr"), "-i", tmp_path / "in.npz", "-o", out,
+                       "--batch-size", 1, "--shard-rows", 1, "--format", fmt, "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    for k, index in enumerate([9999, 10001, 100000]):
+        (out / f"part-{k:05d}.{fmt}").rename(out / f"part-{index:05d}.{fmt}")
+    assert list(read_outputs(out)["row_id"]) == [0, 1, 2]
+
+
+def test_a_dataset_of_the_wrong_dtype_fails_at_row_0_without_reading_to_its_end(tmp_path):
+    """float64 rows for crnn_ocr's float32 input (a common slip: numpy's default dtype) with
+    --on-error fail: the job fails naming row 0. Every batch was refused before it ran, held no
+    inputs, and so never filled the reader's bundle: the job read the whole dataset (6,000
+    rows here; a day's images in a real job) before it reported row 0."""
+    read = 0
+
+    def rows():
+        nonlocal read
+        for _ in range(6000):
+            read += 1
+            yield {"image": np.zeros((1, 1, 32, 64), np.float64)}
+
+    with pytest.raises(RowError, match="row 0 of the dataset cannot run.*float32"):
+        infer(realmodels.path("crnn_ocr"), rows(), tmp_path / "out", InferSpec(batch_size=1), MachineSpec(ONE_CORE))
+    assert read < 3000, f"{read} rows read to fail at row 0"
+
+
+def test_without_a_batch_size_a_dataset_of_the_wrong_dtype_is_not_read_to_its_end_first(tmp_path):
+    """The same slip without --batch-size (the default): the batch-size probe and then the
+    warm-up each looked through the whole dataset for rows the model takes before the job
+    began, so a dataset of float64 rows was read twice to its end before row 0 was reported.
+    They now look through a bounded number of rows."""
+    read = 0
+
+    class Rows:  # an iterable read again from its start each time (a list, a dataset object)
+        def __iter__(self):
+            nonlocal read
+            for _ in range(8000):
+                read += 1
+                yield {"image": np.zeros((1, 1, 32, 64), np.float64)}
+
+    with pytest.raises(RowError, match="row 0 of the dataset cannot run.*float32"):
+        infer(realmodels.path("crnn_ocr"), Rows(), tmp_path / "out", InferSpec(), MachineSpec(ONE_CORE))
+    assert read < 8000, f"{read} rows read to fail at row 0"
+
+
+@pytest.mark.parametrize("fmt", ["npz", "parquet"])
+def test_a_single_file_output_kept_in_its_input_folder_is_not_read_as_input(tmp_path, capsys, fmt):
+    """-o data/preds.npz beside the dataset's shards: the next job over data/ (a rerun with
+    --overwrite, a --resume) read preds.npz as a shard of the dataset and was refused ('unknown
+    input(s) ['log_probs', 'row_id']'), as an output folder kept there is not. The file keeps
+    its job's manifest, which tells it apart."""
+    x = crnn_rows(10, seed=36)
+    data = tmp_path / "data"
+    if fmt == "npz":
+        npz_shards(data, {"image": x}, 4)
+    else:
+        data.mkdir()
+        for i, lo in enumerate(range(0, 10, 4)):
+            col = pa.FixedShapeTensorArray.from_numpy_ndarray(x[lo:lo + 4])
+            pq.write_table(pa.table({"image": col}), data / f"shard-{i}.parquet")
+    out = data / f"preds.{fmt}"
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", data, "-o", out, "--batch-size", 4, "--groups", ONE_CORE, "-q"]
+    assert cli(capsys, *base)[0] == 0
+    code, stdout, err = cli(capsys, *base, "--overwrite")
+    assert code == 0 and "10 samples written" in stdout, err
+    _assert_rows(read_outputs(out), crnn_reference(x), np.arange(10))
+    code, stdout, err = cli(capsys, *base, "--resume")
+    assert code == 0 and "all 10 rows" in stdout, err
+
+
+def test_a_fortran_ordered_npy_is_read_a_chunk_at_a_time(tmp_path):
+    """A dataset saved from a Fortran-ordered array (a transposed feature matrix: numpy.save
+    keeps its order) was loaded whole for every chunk: the job's peak memory grew with the
+    dataset (and the file was read once per chunk). It is read a chunk at a time, as a
+    C-ordered one is, and every row is ORT's. Peak RSS of each command, measured by a parent
+    process that runs it alone."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    width = 1 << 18  # 1 MiB of float32 per row
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "neg",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "neg.onnx")
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    peaks = {}
+    for n in (32, 160):
+        x = np.asfortranarray(np.random.default_rng(n).standard_normal((n, width)).astype(np.float32))
+        (tmp_path / f"in{n}").mkdir()
+        np.save(tmp_path / f"in{n}" / "x.npy", x)
+        res = subprocess.run([sys.executable, "-c", measure, sys.executable, "-m", "staronnx", "infer",
+                              str(tmp_path / "neg.onnx"), "-i", str(tmp_path / f"in{n}"), "-o", str(tmp_path / f"out{n}"),
+                              "--batch-size", "4", "--groups", ONE_CORE, "-q"], capture_output=True, text=True)
+        code, kib = res.stdout.split()[-2:]
+        assert code == "0", res.stderr
+        peaks[n] = int(kib) * 1024
+        got = read_outputs(tmp_path / f"out{n}")
+        assert list(got["row_id"]) == list(range(n)) and np.array_equal(got["y"], -x)
+        del x, got
+    assert peaks[160] - peaks[32] < 48 << 20, peaks
+
+
+def test_a_model_with_external_weights_keeps_its_plan_and_sees_new_weights(tmp_path, caplog):
+    """A model saved with external data (model.onnx + model.onnx.data): the one-part plan a job
+    makes is kept for the next job, as a model of one file's is. It was made again by every job
+    (its weights copied again), each saying the kept plan 'is of another model': the kept plan
+    records the model's hash with its weights, looked up by the file's alone. New weights in
+    model.onnx.data (the .onnx unchanged) still give a new plan and the new outputs."""
+    import logging
+
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "mm",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 32])],
+                              [numpy_helper.from_array(w, "w")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "mm.onnx",
+              save_as_external_data=True, location="mm.onnx.data", size_threshold=0)
+
+    x = np.random.default_rng(37).standard_normal((6, 64)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    from staronnx.infer import plan_for
+
+    def run(out: str) -> dict:
+        infer(tmp_path / "mm.onnx", tmp_path / "in.npz", tmp_path / out, InferSpec(batch_size=2), MachineSpec(ONE_CORE))
+        want = ort.InferenceSession(str(tmp_path / "mm.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+        got = read_outputs(tmp_path / out)
+        np.testing.assert_allclose(got["y"], want, rtol=1e-5, atol=1e-5)
+        return got
+
+    run("out1")
+    plan_json = plan_for(tmp_path / "mm.onnx").root / "plan.json"
+    made = plan_json.stat().st_ino
+    with caplog.at_level(logging.WARNING):
+        run("out2")
+    assert "is of another model" not in caplog.text
+    assert plan_json.stat().st_ino == made, "the kept plan was made again"
+    # retrained weights, the graph file as it was (the tensor's raw bytes are the whole data file)
+    assert (tmp_path / "mm.onnx.data").stat().st_size == w.nbytes
+    (tmp_path / "mm.onnx.data").write_bytes((w[::-1] * 2).tobytes())
+    first = read_outputs(tmp_path / "out1")["y"]
+    assert not np.allclose(run("out3")["y"], first)
+
+
+def test_a_model_whose_outputs_mix_the_batch_runs_a_row_per_task(tmp_path, capsys):
+    """A dynamic batch in, outputs that do not keep it apart (a detector's boxes of every image
+    in one list, a batch-index column beside them; here NonZero's indices): requests cannot
+    share a task, but each row can run alone. The dataset was refused ('no input holds rows
+    (the model's rows lie along {})'). So was any dataset of a plan cut with batching off
+    (crnn_ocr here), whose inputs the contract still reads. Each row is ORT's answer."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from staronnx import partition
+    from staronnx.partition import PartitionSpec
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonZero", ["r"], ["nz"]),
+                               helper.make_node("Transpose", ["nz"], ["y"], perm=[1, 0])], "flat",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, ["K", 2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "flat.onnx")
+    x = np.random.default_rng(38).standard_normal((7, 4)).astype(np.float32)
+    np.savez(tmp_path / "flat.npz", x=x)
+    code, _, err = cli(capsys, "infer", tmp_path / "flat.onnx", "-i", tmp_path / "flat.npz", "-o", tmp_path / "out1",
+                       "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    ref = ort.InferenceSession(str(tmp_path / "flat.onnx"), providers=["CPUExecutionProvider"])
+    got = read_outputs(tmp_path / "out1")
+    assert list(got["row_id"]) == list(range(7))
+    for i in range(7):
+        np.testing.assert_array_equal(np.asarray(got["y"][i]).reshape(-1, 2), ref.run(None, {"x": x[i:i + 1]})[0])
+
+    plan = partition(realmodels.path("crnn_ocr"), None, PartitionSpec(parts=1, batching=False, costs="estimate",
+                                                                      input_shapes=["image=1x1x32x64"]),
+                     output_dir=tmp_path / "plan")
+    assert not plan.contract.batchable
+    images = crnn_rows(5, seed=39)
+    np.savez(tmp_path / "ocr.npz", image=images)
+    code, _, err = cli(capsys, "infer", tmp_path / "plan", "-i", tmp_path / "ocr.npz", "-o", tmp_path / "out2",
+                       "--groups", ONE_CORE, "-q")
+    assert code == 0, err
+    _assert_rows(read_outputs(tmp_path / "out2"), crnn_reference(images), np.arange(5))
+
+
+def test_a_resume_passes_the_parquet_row_groups_written_before_unread(tmp_path, capsys):
+    """One Parquet file of 40 rows in row groups of 10; the job stops at a null in row 25 (after
+    shards 0 and 1, rows 0-19). The resume read and decoded every row before row 20 again only
+    to drop it (a crash at 90% of one large file read 90% of it again). Row groups wholly before
+    the resume point are now passed by their metadata: shown here by damaging the first row
+    group's data after the first run (its size and time kept, so the dataset is the job's): the
+    resume does not touch it, where it failed on it."""
+    import os
+
+    x = crnn_rows(40, seed=40)
+    rows = [None if i == 25 else x[i].tolist() for i in range(40)]
+    src = tmp_path / "data.parquet"
+    pq.write_table(pa.table({"image": pa.array(rows, type=pa.list_(pa.list_(pa.list_(pa.float32()))))}), src,
+                   row_group_size=10)
+    base = ["infer", realmodels.path("crnn_ocr"), "-i", src, "-o", tmp_path / "out", "--batch-size", 5,
+            "--shard-rows", 10, "--groups", ONE_CORE, "-q"]
+    code, _, err = cli(capsys, *base)
+    assert code == 2 and "row 25" in err, err
+    assert sorted(p.name for p in (tmp_path / "out").glob("part-*.parquet")) == ["part-00000.parquet",
+                                                                                "part-00001.parquet"]
+    column = pq.ParquetFile(src).metadata.row_group(0).column(0)
+    st = src.stat()
+    with open(src, "r+b") as fh:  # the first row group's pages overwritten
+        fh.seek(column.data_page_offset)
+        fh.write(b"\xff" * column.total_compressed_size)
+    os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns))
+    code, out, err = cli(capsys, *base, "--resume", "--on-error", "skip")
+    assert code == 0, err
+    assert "20 written before, kept" in out and "1 row(s) skipped (row ids 25)" in out, out
+    got = read_outputs(tmp_path / "out")
+    good = [i for i in range(40) if i != 25]
+    assert list(got["row_id"]) == good
+    want = crnn_reference(x)
+    _assert_rows({"row_id": got["row_id"][20:], "log_probs": got["log_probs"][20:]}, want, np.array(good[20:]))
+
+
+def test_a_second_job_on_an_output_being_written_is_refused(tmp_path):
+    """A job writes out/ (held here, in a thread, by its generator waiting halfway); a second
+    job on the same output, with --overwrite (another dataset) or --resume, went ahead: the
+    first removed or written under the second, a folder of one job's manifest and the other's
+    rows. The second is refused, naming why; the first ends whole, and leaves no lock behind."""
+    import threading
+
+    x = crnn_rows(12, seed=41)
+    halfway, go_on = threading.Event(), threading.Event()
+
+    def rows():
+        for i in range(12):
+            if i == 8:
+                halfway.set()
+                go_on.wait(120)
+            yield {"image": x[i:i + 1]}
+
+    out = tmp_path / "out"
+    result: dict = {}
+
+    def first() -> None:
+        try:
+            result["report"] = infer(realmodels.path("crnn_ocr"), rows(), out, InferSpec(batch_size=2, shard_rows=4),
+                                     MachineSpec(ONE_CORE))
+        except BaseException as exc:  # noqa: BLE001 - checked below
+            result["error"] = exc
+
+    job = threading.Thread(target=first)
+    job.start()
+    try:
+        assert halfway.wait(120)
+        np.savez(tmp_path / "other.npz", image=crnn_rows(3, seed=42))
+        for spec in (InferSpec(batch_size=2, shard_rows=4, overwrite=True), InferSpec(batch_size=2, shard_rows=4,
+                                                                                       resume=True)):
+            with pytest.raises(OutputError, match="another staronnx infer job is writing"):
+                infer(realmodels.path("crnn_ocr"), tmp_path / "other.npz", out, spec, MachineSpec(ONE_CORE))
+    finally:
+        go_on.set()
+        job.join(120)
+    assert "error" not in result, result
+    assert result["report"].written == 12
+    _assert_rows(read_outputs(out), crnn_reference(x), np.arange(12))
+    assert sorted(p.name for p in out.iterdir()) == ["_SUCCESS.json", "_manifest.json", "part-00000.parquet",
+                                                     "part-00001.parquet", "part-00002.parquet"]
+
+
+def test_a_resumed_shard_without_skipped_rows_drops_the_list_its_stopped_run_wrote(tmp_path, capsys):
+    """A shard's skipped rows are listed before the shard is written; a job stopped between the
+    two (here: the shard file removed, the state a crash there leaves) and resumed where those
+    rows now run (a batch size the model takes: this one cannot run a row alone, as a row that
+    failed for want of memory runs later) kept the old list: the rows written were reported
+    skipped too ('8 row(s) skipped'), in _errors.json and the report."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "pairs"], ["p"]), helper.make_node("Reshape", ["p", "rows"], ["y"])],
+        "pairs", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [numpy_helper.from_array(np.array([2, -1], np.int64), "pairs"),
+         numpy_helper.from_array(np.array([-1, 3], np.int64), "rows")])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "pairs.onnx")
+    x = np.arange(24, dtype=np.float32).reshape(8, 3)
+    np.savez(tmp_path / "in.npz", x=x)
+    out = tmp_path / "out"
+    base = ["infer", tmp_path / "pairs.onnx", "-i", tmp_path / "in.npz", "-o", out, "--shard-rows", 4,
+            "--on-error", "skip", "--groups", ONE_CORE, "-q"]
+    code, stdout, err = cli(capsys, *base, "--batch-size", 1)
+    assert code == 0 and "8 row(s) skipped" in stdout, (stdout, err)
+    (out / "part-00001.parquet").unlink()  # stopped after shard 1's list, before shard 1
+    (out / "_SUCCESS.json").unlink()
+    code, stdout, err = cli(capsys, *base, "--batch-size", 2, "--resume")
+    assert code == 0, err
+    assert "4 row(s) skipped (row ids 0, 1, 2, 3)" in stdout, stdout
+    assert [e["row_id"] for e in json.loads((out / "_errors.json").read_text())] == [0, 1, 2, 3]
+    got = read_outputs(out)
+    assert list(got["row_id"]) == [4, 5, 6, 7] and np.array_equal(got["y"], x[4:])

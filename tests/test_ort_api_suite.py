@@ -5,6 +5,7 @@ what comes back, or checks that an option staronnx cannot honour is refused, nam
 
 from __future__ import annotations
 
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -196,6 +197,71 @@ def test_optional_input_and_output_run_as_one_part(tmp_path):
         assert sess.get_inputs()[0].type == "optional(seq(tensor(float)))"
         np.testing.assert_array_equal(sess.run(None, {"opt_in": x})[0], x)
 
+
+def unranked_model() -> onnx.ModelProto:
+    """``x`` declared with no shape at all (a tensor of any rank), added to a ranked ``b``."""
+    nodes = [helper.make_node("Neg", ["x"], ["n"]), helper.make_node("Relu", ["n"], ["r"]),
+             helper.make_node("Add", ["r", "b"], ["y"])]
+    graph = helper.make_graph(nodes, "unranked", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+                                                  helper.make_tensor_value_info("b", TensorProto.FLOAT, [3])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_input_the_model_gives_no_shape_takes_any_rank_as_in_ort(tmp_path):
+    """An input declared with no shape (exporters write one for a dynamic-rank tensor) takes a
+    value of any rank in ORT; the session took scalars only, refusing an array with
+    InvalidArgument 'expected rank 0'. Each run form answers as ORT, and a wrong dtype or a wrong
+    size of the ranked input is still ORT's InvalidArgument."""
+    path = save(unranked_model(), tmp_path / "unranked.onnx")
+    b = np.array([0.5, -1.0, 2.0], dtype=np.float32)
+    with session(path) as sess:
+        assert [(i.name, i.shape) for i in sess.get_inputs()] == [("x", []), ("b", [3])]
+        for x in (np.float32(-2.0), np.arange(6, dtype=np.float32).reshape(2, 3) - 3,
+                  np.linspace(-1, 1, 24, dtype=np.float32).reshape(2, 4, 3)):
+            feeds = {"x": np.asarray(x), "b": b}
+            want = ort_run(path, feeds)[0]
+            got = sess.run(None, feeds)[0]
+            assert got.shape == want.shape
+            np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(sess.submit(feeds).result()["y"], want)
+            results: list[Any] = []
+            sess.run_async(["y"], feeds, lambda res, data, err: results.append((res, err)), None)
+            for _ in range(500):  # the callback runs on a worker's thread
+                if results:
+                    break
+                time.sleep(0.01)
+            assert results and results[0][1] == "", results
+            np.testing.assert_array_equal(results[0][0][0], want)
+        for bad in ({"x": np.ones((2, 3), np.float64), "b": b}, {"x": np.ones((2, 3), np.float32), "b": b[:2]}):
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                ort_run(path, bad)
+            with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument):
+                sess.run(None, bad)
+
+
+
+def test_an_input_of_no_shape_beside_a_dynamic_size_takes_any_rank_after_the_first_run(tmp_path):
+    """An input of no shape beside one with a dynamic size (``t``: [N, T]), so the session is
+    cut at its first run's shapes: the first run's rank of ``x`` was given to the cut, which
+    fixed it in the parts, and the next run of another rank failed inside a part (ORT's
+    'Invalid rank for input: x'), where ORT runs it. The cut leaves ``x`` open."""
+    nodes, prev = [], "x"
+    for i in range(30):  # enough nodes to be cut
+        nodes.append(helper.make_node("Neg" if i % 2 else "Relu", [prev], [f"a{i}"]))
+        prev = f"a{i}"
+    nodes += [helper.make_node("ReduceSum", [prev], ["s"], keepdims=0), helper.make_node("Add", ["t", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "unranked_beside_dynamic",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, None),
+                               helper.make_tensor_value_info("t", TensorProto.FLOAT, ["N", "T"])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", "T"])])
+    path = save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "unranked2.onnx")
+    t = np.arange(10, dtype=np.float32).reshape(2, 5)
+    with session(path) as sess:
+        for x in (np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), np.full(4, -0.5, np.float32),
+                  np.float32(-2.0), np.ones((2, 2, 2), np.float32)):
+            feeds = {"x": np.asarray(x), "t": t}
+            np.testing.assert_allclose(sess.run(None, feeds)[0], ort_run(path, feeds)[0], rtol=1e-6)
 
 def test_a_map_output_of_a_shipped_classifier_runs(tmp_path):
     """onnxruntime.datasets' logreg_iris.onnx: a ZipMap output (a sequence of maps)."""

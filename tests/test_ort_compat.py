@@ -572,6 +572,80 @@ def test_an_output_bound_into_an_ort_value_of_another_dtype_is_refused_not_fille
             sess.close()
 
 
+
+@pytest.mark.parametrize("bound", [[WIDTH, 2], [2 * WIDTH], [3, WIDTH]], ids=["same-size", "rank", "size"])
+def test_an_output_bound_into_an_ort_value_of_another_shape_is_refused(home, model_path, two_groups, bound):
+    """An OrtValue of the output's dtype but another shape bound for it: ORT refuses the run
+    (RuntimeError, naming the output). One of the same size was filled with the output's bytes
+    under the bound shape ([16, 2] for a [2, 16] output), rows scrambled without an error."""
+    x = np.ones((2, WIDTH), np.float32)
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        y = ort.OrtValue.ortvalue_from_shape_and_type(bound, np.float32)
+        binding = sess.io_binding()
+        binding.bind_cpu_input("x", x)
+        binding.bind_ortvalue_output("y", y)
+        with pytest.raises(RuntimeError, match="Error in execution"):
+            sess.run_with_iobinding(binding)
+        if hasattr(sess, "close"):
+            sess.close()
+
+
+def test_io_binding_takes_host_pointers_as_ort_does(home, model_path, two_groups):
+    """ORT's documented IOBinding form for memory a script owns: bind_input / bind_output with
+    device 'cpu' and a host pointer (``array.ctypes.data``). ORT reads the input when it runs and
+    writes the output into the memory given; the session refused both ('staronnx binds host
+    memory only', of host memory), and lacked get_outputs_as_ortvaluevector."""
+    got = []
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        x = np.zeros((2, WIDTH), np.float32)
+        y = np.full((2, WIDTH), np.nan, np.float32)
+        binding = sess.io_binding()
+        binding.bind_input("x", "cpu", 0, np.float32, list(x.shape), x.ctypes.data)
+        binding.bind_output("y", "cpu", 0, np.float32, list(y.shape), y.ctypes.data)
+        x[:] = np.random.default_rng(5).standard_normal(x.shape)  # after binding: read at the run
+        sess.run_with_iobinding(binding)
+        (out,) = binding.get_outputs()
+        assert out.data_ptr() == y.ctypes.data and out.shape() == [2, WIDTH]
+        vector = binding.get_outputs_as_ortvaluevector()
+        assert len(vector) == 1
+        np.testing.assert_array_equal(binding.copy_outputs_to_cpu()[0], y)
+        got.append(y.copy())
+        with pytest.raises(ValueError, match="element_type"):
+            binding.bind_output("y", "cpu", 0, None, None, y.ctypes.data)
+        wrong = np.zeros((2, WIDTH), np.float64)
+        binding.bind_output("y", "cpu", 0, np.float64, list(wrong.shape), wrong.ctypes.data)
+        with pytest.raises(RuntimeError, match="Unexpected output data type"):
+            sess.run_with_iobinding(binding)
+        if hasattr(sess, "close"):
+            sess.close()
+    np.testing.assert_allclose(got[1], got[0], rtol=1e-5, atol=1e-6)
+    assert not np.isnan(got[1]).any()
+
+
+def test_copy_outputs_to_cpu_gives_copies_a_later_run_does_not_change(home, model_path, two_groups):
+    """A script binds an output into an OrtValue once and runs a batch at a time, keeping
+    copy_outputs_to_cpu()'s arrays: ORT's are copies. The session's were views of the bound
+    OrtValue, which the next run writes in place, so every array kept held the last batch's
+    outputs."""
+    batches = [np.full((2, WIDTH), v, np.float32) for v in (0.5, -1.0, 2.0)]
+    kept: dict[str, list[np.ndarray]] = {}
+    for name, sess in (("ort", ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])),
+                       ("staronnx", _staronnx(two_groups)(str(model_path)))):
+        y = ort.OrtValue.ortvalue_from_shape_and_type([2, WIDTH], np.float32)
+        binding = sess.io_binding()
+        binding.bind_ortvalue_output("y", y)
+        for x in batches:
+            binding.bind_cpu_input("x", x)
+            sess.run_with_iobinding(binding)
+            kept.setdefault(name, []).append(binding.copy_outputs_to_cpu()[0])
+        if hasattr(sess, "close"):
+            sess.close()
+    for want, got in zip(kept["ort"], kept["staronnx"]):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(kept["staronnx"][0], kept["staronnx"][2])
+
 def test_run_async_reports_a_terminated_run_through_its_callback(home, model_path, two_groups):
     """ORT's run_async reports a run its RunOptions terminate through the callback (no results,
     the message in err), as it reports a bad feed; it raised in the caller instead, so the

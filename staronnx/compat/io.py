@@ -2,12 +2,13 @@
 IOBinding, and the C session's ``run_with_ort_values``.
 
 Staronnx's workers move data between devices themselves (pinned buffers, prefetch), so only
-host memory is taken and given back; a device pointer or OrtValue is refused, naming what to
-pass instead.
+host memory is taken and given back (arrays, CPU OrtValues, or IOBinding's host pointers); a
+device pointer or OrtValue is refused, naming what to pass instead.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -37,9 +38,11 @@ class Session(Protocol):
 
 
 class IOBinding:
-    """ORT's IOBinding for host memory: inputs bound as arrays or CPU OrtValues, outputs
-    returned as OrtValues or written into bound ones. Staronnx moves data between devices
-    itself (pinned buffers, prefetch), so device pointers are refused: bind host arrays."""
+    """ORT's IOBinding for host memory: inputs bound as arrays, CPU OrtValues or host pointers
+    (``bind_input(name, "cpu", 0, np.float32, shape, array.ctypes.data)``), outputs returned as
+    OrtValues or written into bound ones (an OrtValue, or a host pointer). Staronnx moves data
+    between devices itself (pinned buffers, prefetch), so device pointers are refused: bind host
+    memory."""
 
     def __init__(self, session: Session) -> None:
         self._session = session
@@ -52,8 +55,13 @@ class IOBinding:
 
     def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any,
                    shape: Sequence[int], buffer_ptr: int) -> None:
-        raise NotImplementedError("staronnx binds host memory only: use bind_cpu_input(name, array) "
-                                  "or bind_ortvalue_input(name, cpu_ortvalue)")
+        """ORT's form for memory at a pointer; host memory (``"cpu"``) is taken, read when the
+        binding runs (as ORT reads it), so what is written there until then is what runs."""
+        if device_type != "cpu":
+            raise NotImplementedError(f"staronnx binds host memory only (not {device_type!r}): use bind_input(name, "
+                                      "'cpu', 0, dtype, shape, host_pointer), bind_cpu_input(name, array) or "
+                                      "bind_ortvalue_input(name, cpu_ortvalue)")
+        self._inputs[name] = host_buffer(element_type, shape, buffer_ptr)
 
     def bind_ortvalue_input(self, name: str, ortvalue: ort.OrtValue) -> None:
         self._inputs[name] = host_array(ortvalue, name)
@@ -61,10 +69,18 @@ class IOBinding:
     def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0,
                     element_type: Any = None, shape: Sequence[int] | None = None,
                     buffer_ptr: int | None = None) -> None:
-        if device_type != "cpu" or buffer_ptr is not None:
-            raise NotImplementedError("staronnx returns outputs in host memory only: use "
-                                      "bind_output(name) or bind_ortvalue_output(name, cpu_ortvalue)")
-        self._outputs[name] = None
+        """ORT's form: the output returned in memory the run allocates, or written into host
+        memory at ``buffer_ptr`` (``element_type`` and ``shape`` given, as ORT requires)."""
+        if device_type != "cpu":
+            raise NotImplementedError(f"staronnx returns outputs in host memory only (not {device_type!r}): use "
+                                      "bind_output(name), a host pointer, or bind_ortvalue_output(name, cpu_ortvalue)")
+        if buffer_ptr is None:
+            self._outputs[name] = None
+            return
+        if element_type is None or shape is None:  # ORT's words and type
+            raise ValueError("`element_type` and `shape` are to be provided if pre-allocated memory is provided")
+        # an OrtValue over the caller's memory: the run writes the output there, as ORT's does
+        self._outputs[name] = ort.OrtValue.ortvalue_from_numpy(host_buffer(element_type, shape, buffer_ptr))
 
     def bind_ortvalue_output(self, name: str, ortvalue: ort.OrtValue) -> None:
         host_array(ortvalue, name)  # refuses device memory now, not at run
@@ -85,8 +101,17 @@ class IOBinding:
     def get_outputs(self) -> list[ort.OrtValue]:
         return list(self._results)
 
+    def get_outputs_as_ortvaluevector(self) -> Any:
+        """The outputs of the last run as ORT's OrtValueVector (what ORT's own method returns)."""
+        vector = _ort_state.OrtValueVector()
+        for value in self._results:
+            vector.push_back(value._ortvalue)
+        return vector
+
     def copy_outputs_to_cpu(self) -> list[np.ndarray]:
-        return [v.numpy() for v in self._results]
+        """Copies, as ORT's are: an output bound into an OrtValue (or host memory) is written
+        again in place by the next run, and a view of it changed under a script that kept it."""
+        return [np.array(v.numpy(), copy=True) for v in self._results]
 
     def _run(self, run_options: RunOptionsArg = None) -> None:
         if not self._outputs:  # ORT refuses it: a script that ran here would fail on ORT
@@ -108,9 +133,36 @@ class IOBinding:
                 if value.data_type() != declared.get(name, value.data_type()):
                     raise RuntimeError(f"Error in execution: Unexpected output data type. Actual: "
                                        f"({value.data_type()}) , expected: ({declared[name]})")
+                # nor does it look at the shape: a [3, 2] value given a [2, 3] output held its
+                # bytes under the wrong shape, and ORT refuses the run (its words)
+                _check_bound_shape(name, list(value.shape()), list(np.shape(array)))
                 value.update_inplace(np.ascontiguousarray(array))
             results.append(value)
         self._results = results
+
+
+def _check_bound_shape(name: str, bound: list[int], computed: list[int]) -> None:
+    """Refuse an output bound at a shape other than the one the run computed, as ORT does."""
+    if len(bound) != len(computed):
+        raise RuntimeError(f"Error in execution: Invalid rank for output: {name} Got: {len(bound)} Expected: "
+                           f"{len(computed)} Please fix either the inputs/outputs or the model.")
+    wrong = [f" index: {i} Got: {b} Expected: {c}\n" for i, (b, c) in enumerate(zip(bound, computed)) if b != c]
+    if wrong:
+        raise RuntimeError(f"Error in execution: Got invalid dimensions for output: {name} for the following indices\n"
+                           f"{''.join(wrong)} Please fix either the inputs/outputs or the model.")
+
+
+def host_buffer(element_type: Any, shape: Sequence[int], buffer_ptr: int) -> np.ndarray:
+    """The host memory at ``buffer_ptr`` as an array of ``shape`` and ``element_type`` (numpy's
+    type, as ORT takes it): a view, not a copy, so the memory is read and written when a run
+    reads or writes it, as ORT does."""
+    dtype = np.dtype(element_type)
+    dims = tuple(int(d) for d in shape)
+    count = int(np.prod(dims, dtype=np.int64))
+    if count == 0:
+        return np.empty(dims, dtype)
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(int(buffer_ptr))
+    return np.frombuffer(raw, dtype=dtype, count=count).reshape(dims)
 
 
 def host_memory() -> ort.OrtMemoryInfo:

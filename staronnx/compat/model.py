@@ -21,7 +21,7 @@ from staronnx.compat.errors import InvalidProtobuf, NoGraph, NoSuchFile
 from staronnx.errors import ModelError
 from staronnx.modelio import load_model, model_sha256
 from staronnx.ortutil import option_effects, ort_type_name
-from staronnx.partition.whole import io_specs
+from staronnx.partition.whole import fed_inputs, io_specs, is_tensor
 from staronnx.plan import Plan, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -117,3 +117,10 @@ def declared_io(model: onnx.ModelProto) -> Plan:
     and checks feeds before the model is cut."""
     inputs, outputs = io_specs(model)
     return Plan(Path(), [], inputs, outputs, [], 0, {}, {})  # no parts, crossings, source or settings
+
+
+def unranked_inputs(model: onnx.ModelProto) -> frozenset[str]:
+    """The tensor inputs the model declares with no shape at all (not even a rank): ORT takes a
+    value of any rank for them, where a declared ``[]`` is a scalar (both read as ``[]``)."""
+    return frozenset(vi.name for vi in fed_inputs(model)
+                     if is_tensor(vi.type) and not vi.type.tensor_type.HasField("shape"))

@@ -67,8 +67,9 @@ class OrtPart:
             raise EngineClosed("the session is closed; no new requests are accepted")
         return dict(zip(self._outputs, self._session.run(self._outputs, dict(feeds))))
 
-    def submit(self, feeds: Mapping[str, Any]) -> RequestFuture:
-        """The outputs, computed in this call, as a settled future."""
+    def submit(self, feeds: Mapping[str, Any], *, checked: bool = False) -> RequestFuture:
+        """The outputs, computed in this call, as a settled future (``checked``, as a Runtime's:
+        ORT checks the feeds here whatever it says)."""
         future = RequestFuture(-1)
         try:
             future.set_result(self.run(feeds))

@@ -94,7 +94,7 @@ from staronnx.compat.errors import InvalidArgument, NotRecorded, Terminated, ort
 from staronnx.compat.io import (CSession, Feeds, IOBinding, Names, RunOptionsArg, feed_array, host_array, host_memory,
                                 owned_value)
 from staronnx.compat.lora import Overrides, Variants, overridable_initializers
-from staronnx.compat.model import ModelMetadata, NodeArg, declared_io, load_source, node_arg
+from staronnx.compat.model import ModelMetadata, NodeArg, declared_io, load_source, node_arg, unranked_inputs
 from staronnx.compat.options import (RECORD_ASSIGNMENT, OptionNotApplied, config_entry, model_config, not_applied,
                                      reads_config, refuse_options, with_config)
 from staronnx.compat.plan_cache import (AT_FIRST_RUN, first_run_shapes, partition_settings, plan_dir, session_plan,
@@ -238,6 +238,9 @@ class InferenceSession:
         model = self._loaded[1] if self._loaded is not None else None
         self._meta = ModelMetadata.of(model) if model is not None else None
         self._model = declared_io(model) if model is not None else None
+        #: inputs the model gives no shape (any rank, as ORT takes them); the plan reads them as
+        #: scalars, so the session checks such feeds itself, against the model as declared
+        self._unranked = unranked_inputs(model) if model is not None else frozenset()
         self._overrides = Overrides(overridable_initializers(model) if model is not None else [])
         config = model_config(model) if model is not None and reads_config(kwargs) else {}
         #: the options this session runs with (the caller's, with the model's embedded config over them)
@@ -337,10 +340,12 @@ class InferenceSession:
             settings, asked = dict(options), dict(options)
             if unsized:
                 assert feeds is not None
+                # not an input the model gives no shape: a size given for it fixes its rank in
+                # the parts, which then refuse the other ranks ORT takes (partition leaves it open)
+                shapes = {k: v for k, v in first_run_shapes(feeds).items() if k not in self._unranked}
                 log.info("cutting %s at a run's shapes %s (its dynamic sizes: %s); the plan serves every size",
-                         self._meta.graph_name if self._meta else "the model", first_run_shapes(feeds),
-                         ", ".join(unsized))
-                settings["input_shapes"], asked["input_shapes"] = first_run_shapes(feeds), AT_FIRST_RUN
+                         self._meta.graph_name if self._meta else "the model", shapes, ", ".join(unsized))
+                settings["input_shapes"], asked["input_shapes"] = shapes, AT_FIRST_RUN
             spec = PartitionSpec(groups=groups, cuda_streams=streams,
                                  **{k: v for k, v in settings.items() if k in cut_fields})
             make = functools.partial(partition, src, shares, spec,
@@ -527,10 +532,27 @@ class InferenceSession:
         specs = {t.name: t for t in io.inputs}
         feeds = {name: feed_array(value, name, specs.get(name)) for name, value in input_feed.items()}
         try:
+            if self._unranked:
+                io = self._ranked(io, feeds)
             io.check_feeds(feeds)
         except InputError as exc:
             raise InvalidArgument(str(exc)) from None
         return feeds
+
+    def _ranked(self, io: Plan, feeds: Mapping[str, Any]) -> Plan:
+        """``io`` with each input the model gives no shape at the rank it is fed (every size
+        open): a value of any rank, as ORT takes it, where its ``[]`` alone took scalars."""
+        shaped = {t.name: dataclasses.replace(t, shape=[None] * feeds[t.name].ndim) for t in io.inputs
+                  if t.name in self._unranked and isinstance(feeds.get(t.name), np.ndarray)}
+        if not shaped:
+            return io
+        return Plan(Path(), [], [shaped.get(t.name, t) for t in io.inputs], io.outputs, [], 0, {}, {})
+
+    def _submit(self, runner: Runtime | OrtPart, feeds: Mapping[str, Any]) -> RequestFuture:
+        """``feeds`` (checked: :meth:`_feeds`) queued on ``runner``. A model with an input of no
+        shape was checked against the model here: the plan, which reads that input as a
+        scalar, would refuse any other rank."""
+        return runner.submit(feeds, checked=bool(self._unranked))
 
     def _outputs(self, output_names: Names) -> list[str]:
         if isinstance(output_names, str):
@@ -612,7 +634,8 @@ class InferenceSession:
         names = self._outputs(output_names)
         feeds, overrides = self._split(input_feed, run_options)
         try:
-            values = self._runner(feeds, overrides).run(feeds)
+            runner = self._runner(feeds, overrides)
+            values = self._submit(runner, feeds).result() if self._unranked else runner.run(feeds)
         except TaskError as exc:
             raise ort_task_error(exc) from exc.__cause__
         return [values[n] for n in names]
@@ -640,7 +663,7 @@ class InferenceSession:
         except Exception as exc:  # noqa: BLE001 - a first run's cut failed: reported as its run's error
             _call_back(callback, [], user_data, str(exc))
             return
-        future = runtime.submit(feeds)
+        future = self._submit(runtime, feeds)
 
         def done(f: Future[Any]) -> None:
             exc = f.exception()
@@ -653,7 +676,7 @@ class InferenceSession:
         """A future (concurrent.futures, awaitable) of the outputs dict: staronnx's own
         asynchronous form, for pipelining many requests without callbacks."""
         feeds, overrides = self._split(input_feed, None)
-        return self._runner(feeds, overrides).submit(feeds)
+        return self._submit(self._runner(feeds, overrides), feeds)
 
     def run_with_ort_values(self, output_names: Names, input_dict_ort_values: Mapping[str, ort.OrtValue],
                             run_options: RunOptionsArg = None) -> list[ort.OrtValue]:

@@ -52,6 +52,14 @@ ON_ERROR = ("fail", "skip")
 #: threads costs the GIL twice, which small batches of a small model felt per batch. A file
 #: source's chunk, so that a bundle keeps no more of the reader's buffers alive than it uses
 BUNDLE_BYTES = CHUNK_BYTES
+#: what a batch weighs in a bundle at least: a batch refused before it runs (a null, a wrong
+#: dtype) holds no inputs, and a bundle of them reached the caller only when the dataset ended (a
+#: dataset of the wrong dtype was read to its end before the job failed at row 0); a bundle now
+#: holds at most 1024 batches
+MIN_BATCH_BYTES = BUNDLE_BYTES // 1024
+#: rows the batch-size probe and the warm-up look through for rows the model takes (the first
+#: rows may be refused: a null, a wrong dtype) before they give up and leave them to the job
+SAMPLE_LOOK_ROWS = 1024
 #: manifest version: a resumed job refuses an output another version of the layout wrote
 MANIFEST_VERSION = 1
 #: seconds between two progress calls
@@ -171,8 +179,23 @@ def infer(model: str | Path | Plan, inputs: str | Path | Iterable[Mapping[str, n
                 "source": source.describe(), "shard_rows": spec.shard_rows, "format": fmt,
                 "outputs": output_specs(plan, layout)}
     sink = ShardSink(out, fmt, manifest, resume=spec.resume, overwrite=spec.overwrite)
+    try:
+        return _run_job(plan, machine, layout, source, sink, spec, out, progress)
+    finally:
+        sink.release()  # the output, for the next job (an error's traceback would hold the sink)
+
+
+def _run_job(plan: Plan, machine: MachineSpec, layout: RowLayout, source: Source, sink: ShardSink, spec: InferSpec,
+             out: Path, progress: Progress | None) -> InferReport:
+    """The job on its prepared output (:func:`infer`)."""
     total = source.total_rows()
     report = InferReport(out, total)
+    if sink.done:  # a resumed single-file output this job finished: every row was written before
+        report.groups = machine.groups
+        report.skipped = sink.errors()
+        report.errors_file = sink.errors_file() if report.skipped else None
+        report.resumed_rows = sink.rows_done()
+        return report
     start = _first_unfinished(sink.finished, spec.shard_rows, total)
     report.resumed_rows = _finished_rows(sink, spec.shard_rows, total)
     # CUDA graphs of the batch size are captured before the first read, where the model's sizes
@@ -255,9 +278,12 @@ def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64,
     probe's inputs: the job's own data, not random values), leaving out rows ``plan`` refuses
     (a dtype, a rank, a fixed size): the probe would fail on them, where the job reports them by
     row id. No more rows than ``max_bytes`` hold (at least one): the probe's largest batch,
-    where 64 large rows held the job's memory many times over before its first batch ran."""
+    where 64 large rows held the job's memory many times over before its first batch ran. No
+    more than :data:`SAMPLE_LOOK_ROWS` rows (or twice ``want``) are looked at: where every row
+    is refused (a dataset of the wrong dtype), the probe and the warm-up each read the whole
+    dataset before the job reported its row 0."""
     if max_bytes is not None:
-        first = next((c for c in source.peek(start, rows=1) if c.problem is None and c.rows), None)
+        first = _first_readable(source, start)
         if first is None:
             return None
         row_bytes = sum(int(v.nbytes) // first.rows for n, v in first.arrays.items()
@@ -267,7 +293,11 @@ def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64,
     pieces: list[dict[str, np.ndarray]] = []
     rows = 0
     key: object = None
+    looked = 0
     for chunk in source.peek(start, rows=want):
+        if looked >= max(SAMPLE_LOOK_ROWS, 2 * want):  # a warm-up's batch larger than the bound: whole
+            break
+        looked += chunk.rows
         if chunk.problem is not None:
             continue
         if plan is not None:
@@ -285,6 +315,19 @@ def _sample_rows(source: Source, layout: RowLayout, start: int, want: int = 64,
         if rows >= want:
             break
     return layout.join(pieces) if pieces else None
+
+
+def _first_readable(source: Source, start: int) -> Chunk | None:
+    """The first chunk from ``start`` the source could read (not a null), within
+    :data:`SAMPLE_LOOK_ROWS` rows."""
+    looked = 0
+    for chunk in source.peek(start, rows=1):
+        if chunk.problem is None and chunk.rows:
+            return chunk
+        looked += chunk.rows
+        if looked >= SAMPLE_LOOK_ROWS:
+            break
+    return None
 
 
 class _Pipeline:
@@ -348,7 +391,7 @@ class _Pipeline:
             held = 0
             for batch in self._batches(start):
                 bundle.append(batch)
-                held += sum(int(v.nbytes) for v in batch.feeds.values())
+                held += max(sum(int(v.nbytes) for v in batch.feeds.values()), MIN_BATCH_BYTES)
                 if held >= BUNDLE_BYTES:
                     if not self._put(bundle):
                         return

@@ -16,12 +16,12 @@ one sample whatever axis the model put the batch on.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from staronnx.contract import take_rows
-from staronnx.plan import Plan
+from staronnx.contract import _BATCH_NAME, take_rows
+from staronnx.plan import Plan, TensorSpec
 
 
 @dataclass(frozen=True)
@@ -37,20 +37,35 @@ class RowLayout:
     batched: bool
     #: inputs whose row axis is kept at size 1 in a row's feeds (a model exported at batch 1)
     kept: frozenset[str] = frozenset()
+    #: the rank the model gives each kept input (its batch-1 axis counted): what tells a row
+    #: written with that axis from one without it, whatever its next size
+    ranks: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, plan: Plan) -> RowLayout:
-        """The layout the plan's contract gives; a model that cannot batch takes its rows along
-        axis 0 of every input the model fixes to 1 there (a batch-1 export)."""
+        """The layout the plan's contract gives; a model that cannot batch runs a row per task,
+        its rows along the batch axis the contract still finds in its inputs, where it is named
+        as a batch or set by the user (a dynamic batch whose outputs do not keep it apart: a
+        detector's boxes of every image in one list; a plan cut with batching off), else axis 0
+        of every input the model fixes to 1 there (a batch-1 export). Such a model's dataset was
+        refused ('no input holds rows') unless its inputs were fixed to 1."""
         contract = plan.contract
         if contract.batchable:
             return cls(dict(contract.inputs), dict(contract.outputs), True)
-        inputs: dict[str, int | None] = {}
-        for spec in plan.inputs:
-            inputs[spec.name] = 0 if spec.shape and spec.shape[0] == 1 else None
-        outputs = {spec.name: (0 if spec.shape and spec.shape[0] == 1 else None) for spec in plan.outputs}
+
+        # the contract's axes where they surely are the batch: named so, or set by the user (a
+        # dynamic first size named otherwise, a 1-D input's 'sequence', is no row axis to trust)
+        trusted = bool(contract.overridden) or bool(contract.symbol and _BATCH_NAME.match(contract.symbol))
+
+        def axis(spec: TensorSpec, found: int | None) -> int | None:
+            if found is not None and trusted:
+                return found
+            return 0 if spec.shape and spec.shape[0] == 1 else None
+
+        inputs = {spec.name: axis(spec, contract.inputs.get(spec.name)) for spec in plan.inputs}
+        outputs = {spec.name: axis(spec, contract.outputs.get(spec.name)) for spec in plan.outputs}
         kept = frozenset(n for n, a in inputs.items() if a is not None)
-        return cls(inputs, outputs, False, kept)
+        return cls(inputs, outputs, False, kept, {s.name: len(s.shape) for s in plan.inputs if s.name in kept})
 
     @property
     def row_inputs(self) -> list[str]:

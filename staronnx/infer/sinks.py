@@ -13,7 +13,9 @@ Shard ``k`` holds the rows whose ids lie in ``[k * shard_rows, (k + 1) * shard_r
 batch size or the dataset's own shards, so a resumed job cuts the same shards as the first. A
 shard's error list is written before the shard, and both through a temporary file and a rename:
 a shard that exists is complete, with its errors. A single-file output (``out.parquet``,
-``out.npz``) is built in ``out.parquet.parts/`` and joined into the file when every shard is done.
+``out.npz``) is built in ``out.parquet.parts/`` and joined into the file when every shard is done;
+the file keeps the job's manifest (Parquet: the schema's metadata; ``.npz``: the zip comment), so a
+``--resume`` of the finished job can tell it is done, its parts folder being gone.
 
 Each shard has one row per sample (row-major: an output with the batch on axis 1 is turned so
 each row holds its own sample) and a ``row_id`` column, the row's position in the dataset:
@@ -29,11 +31,13 @@ each row holds its own sample) and a ``row_id`` column, the row's position in th
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,9 +46,17 @@ import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
 from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
-from staronnx.infer.sources import MANIFEST
+from staronnx.infer.sources import MANIFEST, MANIFEST_KEY, embedded_manifest
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: jobs on one output are not kept apart
+    fcntl = None  # type: ignore[assignment]
 
 SUCCESS = "_SUCCESS.json"
+#: the file a job holds locked (flock) in its output folder while it writes, so that a second
+#: job on the same output is refused instead of writing beside it (removed when the job ends)
+LOCK = ".staronnx-infer.lock"
 FORMATS = ("parquet", "npz")
 #: the suffixes of a single-file output, and the format each names
 SINGLE_FILES = {".parquet": "parquet", ".pq": "parquet", ".npz": "npz"}
@@ -53,6 +65,8 @@ ROW_ID = "row_id"
 #: Arrow's writer holds several times a group's bytes while it encodes it (crnn_ocr over 3,000
 #: rows: peak RSS +46 MB with 1 MiB groups, +20 MB with 512 KiB, the same with 256 KiB)
 ROW_GROUP_BYTES = 512 << 10
+#: the most a zip comment holds (an ``.npz`` output's manifest; a longer one is kept as its digest)
+ZIP_COMMENT_BYTES = 0xFFFF
 
 
 class OutputError(StaronnxError):
@@ -91,7 +105,14 @@ class ShardSink:
         self.folder = output.with_name(output.name + ".parts") if self.single else output
         self.manifest = dict(manifest)
         self.finished: set[int] = set()
-        self._prepare(resume, overwrite)
+        #: a single-file output this same job already finished (``resume``): nothing is left to run
+        self.done = False
+        self._lock_fd: int | None = None
+        try:
+            self._prepare(resume, overwrite)
+        except BaseException:
+            self.release()
+            raise
         if fmt == "parquet":
             # loaded now, not by the first row group: it takes ~0.15 s, which a small model's
             # job would otherwise spend with its workers idle behind the writer
@@ -99,16 +120,27 @@ class ShardSink:
 
     # -- the folder ---------------------------------------------------------------------------
     def _prepare(self, resume: bool, overwrite: bool) -> None:
-        if self.single and self.output.exists() and not overwrite:
+        # an unfinished job's parts beside the file (an --overwrite of an earlier job's file that
+        # stopped, which keeps that file until it is done): the resume carries on with them
+        parts = resume and self.single and (self.folder / MANIFEST).is_file()
+        if self.single and self.output.is_file() and resume and not overwrite and not parts:
+            # the job finished and joined its shards (the parts folder is gone): a resume of it
+            # has nothing left to run, as a finished folder's has not, where the file is this job's
+            self._check_finished_file()
+            self.done = True
+            return
+        if self.single and self.output.exists() and not overwrite and not parts:
             raise OutputError(f"--output {self.output} exists; --overwrite replaces it")
         if self.single and self.output.is_dir():
             raise OutputError(f"--output {self.output} is a folder; name a file, or a folder without a suffix")
         folder = self.folder
         if folder.exists() and not folder.is_dir():
             raise OutputError(f"--output {folder} is a file; name a folder (or a .parquet/.npz file)")
+        folder.mkdir(parents=True, exist_ok=True)
+        self._lock()
         # a manifest alone: a job that stopped before its first shard (refused as it started),
         # which left nothing to keep or resume
-        existing = folder.exists() and any(p.name != MANIFEST for p in folder.iterdir())
+        existing = any(p.name not in (MANIFEST, LOCK) for p in folder.iterdir())
         if existing and overwrite:
             self._clear()
         elif existing and not resume:
@@ -121,6 +153,35 @@ class ShardSink:
         atomic_write_text(folder / MANIFEST, json.dumps(self.manifest, indent=1, sort_keys=True))
         with contextlib.suppress(FileNotFoundError):
             (folder / SUCCESS).unlink()
+
+    def _lock(self) -> None:
+        """Hold the output for this job: a second job on it (another --resume or --overwrite
+        while this one runs) wrote its shards beside this one's, or removed them under it, with
+        no word; it is refused now, naming why. The lock goes with the process (flock)."""
+        if fcntl is None:  # no flock on this platform: nothing to hold
+            return
+        fd = os.open(self.folder / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"--output {self.output}: another staronnx infer job is writing it now; let it end "
+                              "(or stop it), then --resume carries on from its shards") from None
+        except OSError:  # a filesystem without locks (some network mounts): the job goes on unguarded
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                (self.folder / LOCK).unlink()
+            return
+        self._lock_fd = fd
+
+    def release(self) -> None:
+        """Let the next job write the output (called as the job ends, finished or not)."""
+        if self._lock_fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            (self.folder / LOCK).unlink()
+        os.close(self._lock_fd)
+        self._lock_fd = None
 
     def _clear(self) -> None:
         """Remove what an earlier job wrote (only its own files: a folder of other things is refused)."""
@@ -142,11 +203,26 @@ class ShardSink:
             raise OutputError(f"--resume: {self.folder} has no {MANIFEST}; it is not an output of staronnx infer") from None
         except (OSError, ValueError) as exc:
             raise OutputError(f"--resume: {path} is unreadable ({exc})") from None
-        changed = [k for k in sorted(set(old) | set(self.manifest)) if old.get(k) != self.manifest.get(k)]
+        self._refuse_another_job(self.folder, old)
+
+    def _refuse_another_job(self, where: Path, old: Mapping[str, Any]) -> None:
+        """Raise unless ``old``, the manifest ``where`` keeps, is this job's."""
+        new = json.loads(json.dumps(self.manifest))
+        if "manifest_sha256" in old:  # a manifest too long for an .npz's comment
+            new = {"manifest_sha256": _manifest_digest(self.manifest)}
+        changed = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
         if changed:
-            raise OutputError(f"--resume: {self.folder} was written by another job (its {', '.join(changed)} differ: "
-                              f"e.g. {changed[0]} was {old.get(changed[0])!r}, now {self.manifest.get(changed[0])!r}); "
+            raise OutputError(f"--resume: {where} was written by another job (its {', '.join(changed)} differ: "
+                              f"e.g. {changed[0]} was {old.get(changed[0])!r}, now {new.get(changed[0])!r}); "
                               "--overwrite starts again")
+
+    def _check_finished_file(self) -> None:
+        """Refuse to call the single-file output done unless this job wrote it."""
+        old = embedded_manifest(self.output)
+        if old is None:
+            raise OutputError(f"--resume: {self.output} exists but keeps no manifest of the staronnx infer job that "
+                              "wrote it, so it cannot be told finished by this job; --overwrite starts again")
+        self._refuse_another_job(self.output, old)
 
     def _done(self) -> list[int]:
         """The shards already written (a file exists only once it is whole)."""
@@ -182,10 +258,24 @@ class ShardSink:
 
     def errors(self) -> list[dict[str, Any]]:
         """Every skipped row of every finished shard, in row order."""
+        if self.done:  # the shards are joined: their errors are listed beside the file
+            path = self.errors_file()
+            return list(json.loads(path.read_text())) if path.exists() else []
         out: list[dict[str, Any]] = []
         for path in sorted(self.folder.glob("part-*.errors.json")):
             out.extend(json.loads(path.read_text()))
         return sorted(out, key=lambda e: int(e["row_id"]))
+
+    def rows_done(self) -> int:
+        """The rows of a :attr:`done` output: those its file holds and those skipped."""
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            rows = int(pq.read_metadata(self.output).num_rows)
+        else:
+            with np.load(self.output, allow_pickle=False) as npz:
+                rows = len(npz[ROW_ID])
+        return rows + len(self.errors())
 
     def errors_file(self) -> Path:
         """Where :meth:`finish` lists every skipped row: ``DST/_errors.json``, or ``out.parquet.errors.json``."""
@@ -203,7 +293,7 @@ class ShardSink:
         if not self.single:
             atomic_write_text(self.folder / SUCCESS, json.dumps(dict(summary), indent=1))
             return self.output
-        shards = sorted(self.folder.glob(f"part-*.{self.format}"))
+        shards = sorted(self.folder.glob(f"part-*.{self.format}"), key=shard_order)
         if self.format == "parquet":
             self._join_parquet(shards)
         else:
@@ -216,6 +306,8 @@ class ShardSink:
                                   f"any (the shards are kept in {self.folder})")
             buf = io.BytesIO()
             np.savez(buf, **arrays)
+            with zipfile.ZipFile(buf, "a") as npz:  # numpy ignores the comment; resume reads it
+                npz.comment = _npz_comment(self.manifest)
             atomic_write_bytes(self.output, buf.getvalue())
         shutil.rmtree(self.folder)
         return self.output
@@ -227,7 +319,8 @@ class ShardSink:
         of a job whose memory is otherwise bounded."""
         import pyarrow.parquet as pq
 
-        joined = ParquetShardWriter(self.output, self.manifest.get("outputs", {}))
+        joined = ParquetShardWriter(self.output, self.manifest.get("outputs", {}),
+                                    {MANIFEST_KEY: json.dumps(self.manifest, sort_keys=True).encode()})
         try:
             for path in shards:
                 shard = pq.ParquetFile(path)
@@ -237,6 +330,18 @@ class ShardSink:
         except BaseException:
             joined.abort()
             raise
+
+
+def _manifest_digest(manifest: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
+
+
+def _npz_comment(manifest: Mapping[str, Any]) -> bytes:
+    """The manifest as an ``.npz`` output's zip comment (its digest where it is too long)."""
+    text = json.dumps(manifest, sort_keys=True).encode()
+    if len(text) > ZIP_COMMENT_BYTES:
+        text = json.dumps({"manifest_sha256": _manifest_digest(manifest)}).encode()
+    return text
 
 
 # -- encodings --------------------------------------------------------------------------------------
@@ -335,9 +440,14 @@ class ShardWriter:
         """Drop what was written of the shard (a job stopped before its last row)."""
 
     def close(self) -> None:
+        errors = self.path.with_name(self.path.name[:-len(self.path.suffix)] + ".errors.json")
         if self.errors:
-            atomic_write_text(self.path.with_name(self.path.name[:-len(self.path.suffix)] + ".errors.json"),
-                              json.dumps(self.errors, indent=1))
+            atomic_write_text(errors, json.dumps(self.errors, indent=1))
+        else:
+            # a list an earlier run of the shard wrote before it stopped short of the shard (the
+            # list goes first): trusted, it named rows this run wrote as skipped
+            with contextlib.suppress(FileNotFoundError):
+                errors.unlink()
         self._finish()
 
 
@@ -354,8 +464,10 @@ class ParquetShardWriter(ShardWriter):
     """A Parquet shard written as its rows come, a row group per group added, so a shard of any
     size holds no more than one group in memory."""
 
-    def __init__(self, path: Path, specs: Mapping[str, Any]) -> None:
+    def __init__(self, path: Path, specs: Mapping[str, Any], metadata: Mapping[bytes, bytes] | None = None) -> None:
         super().__init__(path, specs)
+        #: the file's schema metadata (a single-file output's manifest)
+        self.metadata = dict(metadata or {})
         self._writer: Any = None
         self._tmp: Path | None = None
 
@@ -374,7 +486,9 @@ class ParquetShardWriter(ShardWriter):
             self._tmp = Path(tmp)
             # no dictionary pages (a tensor's values rarely repeat: trying cost 3x the write) and
             # statistics for the row ids only (what a reader filters on)
-            self._writer = pq.ParquetWriter(tmp, table.schema, use_dictionary=False, write_statistics=[ROW_ID])
+            schema = table.schema.with_metadata({**(table.schema.metadata or {}), **self.metadata}) \
+                if self.metadata else table.schema
+            self._writer = pq.ParquetWriter(tmp, schema, use_dictionary=False, write_statistics=[ROW_ID])
         self._writer.write_table(table)
 
     def _finish(self) -> None:
@@ -429,7 +543,8 @@ def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
         shape = list(spec.shape)
         if layout.batched and axis is not None:
             sample = shape[:axis] + shape[axis + 1:]
-        elif not layout.batched and axis is not None and shape and shape[axis] == 1:
+        elif not layout.batched and axis is not None and len(shape) > axis:
+            # a row per task: its batch axis holds the one row (:meth:`RowLayout.row_major` drops it)
             sample = shape[:axis] + shape[axis + 1:]
         else:
             sample = shape
@@ -441,13 +556,21 @@ def output_specs(plan: Any, layout: Any) -> dict[str, dict[str, Any]]:
 
 
 # -- reading back --------------------------------------------------------------------------------
+def shard_order(path: Path) -> tuple[int, str]:
+    """A shard file's place among its job's: by its index, not its name (``part-{k:05d}`` has
+    six digits from shard 100000 on, whose name sorts before ``part-10001``'s)."""
+    index = path.name[len("part-"):].split(".", 1)[0]
+    return (int(index), path.name) if index.isdigit() else (-1, path.name)
+
+
 def read_outputs(path: str | os.PathLike[str]) -> dict[str, Any]:
     """An output written by :func:`staronnx.infer.infer` (a folder of shards or one file) as
     ``{"row_id": [N], output: [N, *sample shape]}``, rows in order; an output whose rows differ
     in shape comes back as a list of arrays, one per row."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.name.startswith("part-") and p.suffix in (".parquet", ".npz"))
+        files = sorted((p for p in path.iterdir() if p.name.startswith("part-") and p.suffix in (".parquet", ".npz")),
+                       key=shard_order)
     elif path.exists():
         files = [path]
     else:

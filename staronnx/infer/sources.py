@@ -18,6 +18,7 @@ different shapes (images of several sizes) are fine, and run in batches of equal
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import struct
@@ -42,9 +43,18 @@ CHUNK_ROWS = 1024
 #: it does, so a chunk twice a bundle kept a bundle's worth more alive (crnn_ocr: -2.5 MiB of peak RSS)
 CHUNK_BYTES = 1 << 20
 
+#: a block of an array's rows (all of them, at one index of the axes before the rows' axis) this
+#: small is read whole with its neighbours rather than a read per run of the rows asked: a read
+#: call costs about what copying a few kilobytes does
+SMALL_BLOCK_BYTES = 8 << 10
+
 #: the file every output folder of staronnx infer holds (:data:`staronnx.infer.sinks.MANIFEST`):
 #: such a folder inside an input folder is an output, not input
 MANIFEST = "_manifest.json"
+#: where a single-file output (``out.parquet``, ``out.npz``) keeps its job's manifest: the key of
+#: a Parquet file's schema metadata (an ``.npz``'s is its zip comment). Such a file inside an
+#: input folder is an output, not input
+MANIFEST_KEY = b"staronnx.infer.manifest"
 
 ARROW_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".arrow": "ipc", ".feather": "ipc", ".ipc": "ipc"}
 
@@ -78,6 +88,26 @@ class Source(Protocol):
     def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
         """Chunks from row id ``start`` holding about ``rows`` rows, which :meth:`chunks` reads
         again (a job's batch-size probe and warm-up look at its first rows before its pass)."""
+
+
+def embedded_manifest(path: Path) -> dict[str, Any] | None:
+    """The manifest of the staronnx infer job that wrote ``path``, a single-file output (a
+    Parquet file's schema metadata, an ``.npz``'s zip comment); None for any other file."""
+    suffix = path.suffix.lower()
+    try:
+        if ARROW_SUFFIXES.get(suffix) == "parquet":
+            import pyarrow.parquet as pq
+
+            raw = (pq.read_schema(path).metadata or {}).get(MANIFEST_KEY)
+        elif suffix == ".npz":
+            with zipfile.ZipFile(path) as npz:
+                raw = npz.comment
+        else:
+            return None
+        value = json.loads(raw) if raw else None
+    except (OSError, ValueError, zipfile.BadZipFile):  # pyarrow's ArrowInvalid is a ValueError
+        return None
+    return value if isinstance(value, dict) else None
 
 
 # -- .npy/.npz arrays read a slice at a time -------------------------------------------------------
@@ -128,9 +158,12 @@ class _StoredArray:
     def rows(self, start: int, stop: int, axis: int = 0, pool: BufferPool | None = None) -> np.ndarray:
         """Rows ``start:stop`` of ``axis`` (0; 1 for a state's batch), read from the file into a
         fresh C-ordered array (or one of ``pool``'s): one read per index of the axes before it,
-        each a run of whole rows (a single read for axis 0)."""
+        each a run of whole rows (a single read for axis 0). A Fortran-ordered array is the
+        C-ordered array of the reversed shape, read the same way and turned back (it was loaded
+        whole for every chunk: the whole dataset in memory, and read once per chunk)."""
         if self.fortran:
-            return np.ascontiguousarray(self.whole()[(slice(None),) * axis + (slice(start, stop),)])
+            reversed_c = _StoredArray(self.path, self.offset, self.dtype, self.shape[::-1], False)
+            return np.ascontiguousarray(reversed_c.rows(start, stop, len(self.shape) - 1 - axis).T)
         outer = int(np.prod(self.shape[:axis], dtype=np.int64))
         count = self.shape[axis]
         row = int(np.prod(self.shape[axis + 1:], dtype=np.int64)) * self.dtype.itemsize
@@ -138,7 +171,22 @@ class _StoredArray:
         out = np.empty(shape, self.dtype) if pool is None else pool.empty(shape, self.dtype)
         run = (stop - start) * row
         flat = memoryview(out.reshape(-1).view(np.uint8))
+        block = count * row  # the bytes of one index of the axes before: every row of it
         with open(self.path, "rb") as fh:
+            if outer > 1 and block <= SMALL_BLOCK_BYTES:
+                # many small runs (a Fortran-ordered feature matrix: one per column): whole
+                # blocks read a group at a time, each group's runs picked out, where a read
+                # per run cost a call per few bytes
+                group = max(1, CHUNK_BYTES // block)
+                runs = np.frombuffer(flat, np.uint8).reshape(outer, run)
+                for lo in range(0, outer, group):
+                    hi = min(lo + group, outer)
+                    fh.seek(self.offset + lo * block)
+                    data = fh.read((hi - lo) * block)
+                    if len(data) != (hi - lo) * block:
+                        raise InputError(f"{self.path}: the file ends before row {stop} (truncated?)")
+                    runs[lo:hi] = np.frombuffer(data, np.uint8).reshape(hi - lo, block)[:, start * row:stop * row]
+                return out
             for i in range(outer):
                 fh.seek(self.offset + (i * count + start) * row)
                 if fh.readinto(flat[i * run:(i + 1) * run]) != run:
@@ -232,8 +280,9 @@ class NumpySource:
         self.layout = layout
         if path.is_dir():
             # hidden and underscore names left out, as in a Parquet folder (macOS's ._shard.npz, _SUCCESS)
+            # a job's single-file output kept in its input folder (-o data/out.npz) is not input
             files = sorted((p for p in path.iterdir() if p.suffix.lower() in (".npz", ".npy") and p.is_file()
-                            and not p.name.startswith((".", "_"))), key=_natural)
+                            and not p.name.startswith((".", "_")) and embedded_manifest(p) is None), key=_natural)
             if not files:
                 raise InputError(f"--inputs {path}: the folder holds no .npz or .npy shard")
             kinds = {p.suffix.lower() for p in files}
@@ -482,18 +531,39 @@ class ArrowSource:
                 continue
             row = first
             skip = max(start - first, 0)
-            for batch in fragment.to_batches(columns=columns, batch_size=max(1, rows)):
-                if skip >= batch.num_rows:
-                    skip -= batch.num_rows
-                    row += batch.num_rows
-                    continue
+            for piece in self._pieces(fragment, skip):
                 if skip:
-                    batch = batch.slice(skip)
-                    row += skip
-                    skip = 0
-                yield from self._convert(batch, row)
-                row += batch.num_rows
+                    # a Parquet row group wholly before ``start`` is passed by its metadata, not
+                    # read: a resumed job decoded every row it had written before (a crash at 90%
+                    # of one large file read 90% of it again, and a damaged part there failed it)
+                    # (a row group's fragment counts its file's rows: its metadata says its own)
+                    held = sum(g.num_rows for g in piece.row_groups) if piece is not fragment else count
+                    if skip >= held:
+                        skip -= held
+                        row += held
+                        continue
+                for batch in piece.to_batches(columns=columns, batch_size=max(1, rows)):
+                    if skip >= batch.num_rows:
+                        skip -= batch.num_rows
+                        row += batch.num_rows
+                        continue
+                    if skip:
+                        batch = batch.slice(skip)
+                        row += skip
+                        skip = 0
+                    yield from self._convert(batch, row)
+                    row += batch.num_rows
             first += count
+
+    @staticmethod
+    def _pieces(fragment: Any, skip: int) -> list[Any]:
+        """The fragment's row groups, in order, where rows are to be skipped and it has them
+        (a Parquet file); else the fragment whole."""
+        if skip and hasattr(fragment, "split_by_row_group"):
+            groups = list(fragment.split_by_row_group())
+            if groups:
+                return groups
+        return [fragment]
 
     def _convert(self, batch: Any, start: int) -> Iterator[Chunk]:
         cols = {name: batch.column(name) for name in self.layout.inputs}
@@ -548,9 +618,13 @@ def _flush(layout: RowLayout, run: list[int], per_row: Mapping[str, list[Any]], 
 def to_model_axes(layout: RowLayout, name: str, rows_first: np.ndarray) -> np.ndarray:
     """``[rows, *sample]`` as the model takes it: rows along the input's row axis; for a batch-1
     export the sample keeps its leading 1 (``[rows, 3, 224, 224]``: rows of ``[1, 3, 224, 224]``
-    stacked on axis 0; a sample written with its batch-1 axis, ``[rows, 1, 3, 224, 224]``, too)."""
+    stacked on axis 0; a sample written with its batch-1 axis, ``[rows, 1, 3, 224, 224]``, too).
+    Which of the two a sample is, its rank says, not its first size: a grayscale export's
+    ``[1, 28, 28]`` sample (``[1, 1, 28, 28]`` in the model) has no batch axis to drop."""
     axis = layout.inputs[name] or 0
-    if name in layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1:
+    rank = layout.ranks.get(name)
+    if name in layout.kept and rows_first.ndim >= 2 and rows_first.shape[1] == 1 and \
+            (rank is None or rows_first.ndim == rank + 1):
         rows_first = rows_first[:, 0]
     return np.ascontiguousarray(np.moveaxis(rows_first, 0, axis)) if axis else rows_first
 
@@ -561,13 +635,17 @@ class FeedsSource:
     as :meth:`staronnx.Runtime.submit` takes them), each item one or more rows.
 
     A one-shot iterable (a generator) is read once: the items a :meth:`peek` takes are kept and
-    handed again, first, to the job's pass."""
+    handed again, first, to the job's pass; those wholly before the row it starts from (a resumed
+    job's rows written before) are dropped as they are read, not kept: a resumed job would hold
+    every row written before in memory until its pass read past them."""
 
     def __init__(self, items: Iterable[Mapping[str, np.ndarray]], layout: RowLayout) -> None:
         self.items = items
         self.layout = layout
         self._once: Iterator[Mapping[str, np.ndarray]] | None = items if isinstance(items, Iterator) else None
         self._peeked: deque[Mapping[str, np.ndarray]] = deque()
+        #: rows of a one-shot iterable that :meth:`peek` read and dropped (before the row asked)
+        self._dropped = 0
 
     def total_rows(self) -> int | None:
         return None
@@ -576,18 +654,30 @@ class FeedsSource:
         return {"kind": "python", "type": type(self.items).__name__}
 
     def chunks(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
-        return self._chunks(self._items(), start)
+        self._check_start(start)
+        return self._chunks(self._items(), start, self._dropped)
 
     def peek(self, start: int = 0, rows: int = CHUNK_ROWS) -> Iterator[Chunk]:
         if self._once is None:
             return self.chunks(start, rows)
-        seen = sum(self.layout.count(dict(item)) or 0 for item in self._peeked)
+        self._check_start(start)
+        seen = self._dropped + sum(self.layout.count(dict(item)) or 0 for item in self._peeked)
         for item in self._once:
+            count = self.layout.count(dict(item))
+            if not self._peeked and count is not None and seen + count <= start:
+                self._dropped += count  # every row of it before the start: never run, not kept
+                seen += count
+                continue
             self._peeked.append(item)
-            seen += self.layout.count(dict(item)) or 0
+            seen += count or 0
             if seen >= start + rows:
                 break
-        return self._chunks(iter(list(self._peeked)), start)
+        return self._chunks(iter(list(self._peeked)), start, self._dropped)
+
+    def _check_start(self, start: int) -> None:
+        if start < self._dropped:
+            raise InputError(f"a one-shot iterable of feeds cannot be read again from row {start}: its rows before "
+                             f"{self._dropped} were read and dropped")
 
     def _items(self) -> Iterator[Mapping[str, np.ndarray]]:
         if self._once is None:
@@ -597,8 +687,9 @@ class FeedsSource:
             yield self._peeked.popleft()
         yield from self._once
 
-    def _chunks(self, items: Iterator[Mapping[str, np.ndarray]], start: int) -> Iterator[Chunk]:
-        row = 0
+    def _chunks(self, items: Iterator[Mapping[str, np.ndarray]], start: int, first: int = 0) -> Iterator[Chunk]:
+        """The rows from ``start`` of ``items``, whose first row is row ``first`` of the dataset."""
+        row = first
         for item in items:
             arrays = {n: np.asarray(v) for n, v in item.items()}
             count = self.layout.count(arrays)
@@ -640,8 +731,9 @@ def _arrow_files(folder: Path) -> list[Path]:
     """A folder's Parquet/Arrow files in name order (``shard-2`` before ``shard-10``, as a folder of
     ``.npz`` shards is read), its subfolders' too (a partitioned dataset). Left out, as pyarrow
     leaves them out of a folder it reads: names that start with ``.`` or ``_`` (``_SUCCESS``,
-    ``.crc`` files); and every folder staronnx infer wrote (it holds a manifest): an output kept
-    inside its input folder is not read back as input by the next job or a ``--resume``. Other
+    ``.crc`` files); and every folder or single file staronnx infer wrote (it holds a manifest):
+    an output kept inside its input folder is not read back as input by the next job or a
+    ``--resume``. Other
     files (a README, a job's ``.errors.json``) are not the dataset's."""
     files: list[Path] = []
     for path in sorted(folder.iterdir(), key=_natural):
@@ -650,7 +742,7 @@ def _arrow_files(folder: Path) -> list[Path]:
         if path.is_dir():
             if not (path / MANIFEST).exists():
                 files += _arrow_files(path)
-        elif path.suffix.lower() in ARROW_SUFFIXES:
+        elif path.suffix.lower() in ARROW_SUFFIXES and embedded_manifest(path) is None:
             files.append(path)
     return files
 
