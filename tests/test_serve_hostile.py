@@ -1132,3 +1132,51 @@ def test_i36_malformed_requests_are_logged_a_few_lines_with_a_count(plan, tmp_pa
     out = "\n".join(s.lines)
     assert out.count("malformed HTTP request") <= 11, out
     assert re.search(r"\.\.\. and 20 more malformed HTTP requests", out), out
+
+
+def test_a_stream_whose_answers_are_not_read_stops_being_read(echo_plan, tmp_path):
+    """A ``ModelStreamInfer`` client that sends and never reads its answers: the server stops
+    reading the stream once :data:`~staronnx.serve.grpc_api.STREAM_IN_FLIGHT` requests wait for
+    their answers to be taken (plus what HTTP/2's windows hold), so its memory stays bounded; it
+    used to read and run every request, each answer kept until the client read it."""
+    # staronnx.serve.grpc_api.STREAM_IN_FLIGHT (its protobufs cannot be imported beside tritonclient's)
+    stream_in_flight = 256
+    rows, sent = 1024, 4 * stream_in_flight + 1000  # ~36 KiB an answer: ~80 MiB if all were run
+    s = start_server([echo_plan.root], tmp_path, "--name", "echo", "--policy", "eager", "--batch-size", str(rows),
+                     "--max-delay", "1ms", "--queue-capacity", str(2 * sent * rows))
+    try:
+        request = service_pb2.ModelInferRequest(model_name="echo")
+        for name, dtype, value in (("f32", "FP32", np.ones((rows, 4), np.float32)),
+                                   ("i32", "INT32", np.ones((rows, 4), np.int32)),
+                                   ("b", "BOOL", np.ones((rows, 4), bool))):
+            request.inputs.add(name=name, datatype=dtype, shape=[rows, 4])
+            request.raw_input_contents.append(value.tobytes())
+        channel = grpc.insecure_channel(s.grpc)
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+        call = stub.ModelStreamInfer(iter([request] * sent))  # its answers are never read
+        labels = {"model": "echo", "version": "1"}
+        answered, still = -1, 0
+        while still < 15:  # until the count stops moving for ~3 s (the old server ran all of them)
+            now = _m(_metrics(s.metrics), "nv_inference_request_success", **labels)
+            still = still + 1 if now == answered else 0
+            answered = now
+            if answered >= sent:
+                break
+            time.sleep(0.2)
+        assert answered < sent - 500, f"the server ran {answered:.0f} of {sent} requests nobody read the answers of"
+        call.cancel()
+        channel.close()
+        _still_serves_echo(s)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+    _no_traceback(s)
+
+
+def _still_serves_echo(s) -> None:
+    g = tgrpc.InferenceServerClient(s.grpc)
+    inp = tgrpc.InferInput("f32", [1, 4], "FP32")
+    inp.set_data_from_numpy(np.full((1, 4), 2, np.float32))
+    others = [tgrpc.InferInput(n, [1, 4], d) for n, d in (("i32", "INT32"), ("b", "BOOL"))]
+    others[0].set_data_from_numpy(np.ones((1, 4), np.int32))
+    others[1].set_data_from_numpy(np.ones((1, 4), bool))
+    assert (g.infer("echo", [inp, *others]).as_numpy("o_f32") == 2).all()

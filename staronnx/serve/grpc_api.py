@@ -66,6 +66,13 @@ from staronnx.serve.shm import CUDA_REFUSED, REGION, SharedMemoryRegions, check_
 
 SERVICE = "inference.GRPCInferenceService"
 
+#: requests of one ``ModelStreamInfer`` stream read and not yet answered (their answers handed to
+#: gRPC): past it the stream reads no more until an answer is written, so a client that sends
+#: without reading its answers meets HTTP/2's flow control instead of growing the server's memory
+#: by an answer a request; a sequence client (a request at a time) or a pipelining one (the
+#: model's queue is the limit that decides) never reaches it
+STREAM_IN_FLIGHT = 256
+
 Ctx: TypeAlias = grpc.aio.ServicerContext
 
 
@@ -239,6 +246,7 @@ class GrpcFrontend(Frontend):
         every answer is written; a client that leaves cancels what it had in flight."""
         answers: asyncio.Queue[InferAnswer | pb.ModelStreamInferResponse | None] = asyncio.Queue()
         running: set[asyncio.Task[None]] = set()
+        room = asyncio.Semaphore(STREAM_IN_FLIGHT)  # read and not yet answered (see STREAM_IN_FLIGHT)
 
         async def one(request: Any) -> None:
             response: InferAnswer | pb.ModelStreamInferResponse
@@ -254,7 +262,13 @@ class GrpcFrontend(Frontend):
 
         async def read() -> None:
             try:
-                async for request in requests:
+                incoming = aiter(requests)
+                while True:
+                    await room.acquire()  # a place for the next request before it is read
+                    try:
+                        request = await anext(incoming)
+                    except StopAsyncIteration:
+                        break
                     task = asyncio.ensure_future(one(request))
                     running.add(task)
                     task.add_done_callback(running.discard)
@@ -267,6 +281,7 @@ class GrpcFrontend(Frontend):
         try:
             while (answer := await answers.get()) is not None:
                 yield answer
+                room.release()  # gRPC took the answer: the reader may read one more request
             failed = None if reader.cancelled() else reader.exception()
             if failed is not None:  # reading the client's requests failed: the stream fails with it
                 raise failed
