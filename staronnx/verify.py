@@ -66,14 +66,14 @@ def feed_shapes(plan: Plan, batch: int, given: dict[str, list[int]] | None = Non
         raise PlanError(f"batch {batch} is impossible for this model: {contract.why_not}; it runs one request "
                         "per task (use batch 1)")
     specs = {t.name: t for t in plan.inputs}
-    for name, dims in (given or {}).items():  # the user's sizes: an input the plan has, at its rank
+    for name, sizes in (given or {}).items():  # the user's sizes: an input the plan has, at its rank
         spec = specs.get(name)
         if spec is None:
             why = f"names unknown input {name!r}; the plan's inputs are {plan.input_names}"
             raise PlanError(f"input_shapes {why}", cli=f"--input-shape {why}")
-        if len(dims) != len(spec.shape):
-            shown = f"{name}={'x'.join(map(str, dims))}"
-            why = f"rank {len(dims)} given, the model's input has rank {len(spec.shape)} {spec.shape}"
+        if len(sizes) != len(spec.shape):
+            shown = f"{name}={'x'.join(map(str, sizes))}"
+            why = f"rank {len(sizes)} given, the model's input has rank {len(spec.shape)} {spec.shape}"
             raise PlanError(f"input_shapes {shown}: {why}", cli=f"--input-shape {shown}: {why}")
     recorded = {k: list(v) for k, v in plan.settings.get("input_shapes", {}).items()}
     recorded.update(given or {})

@@ -48,7 +48,9 @@ class CutModel:
 
     @classmethod
     def from_graph(cls, graph: ModelGraph, weights: np.ndarray) -> "CutModel":
-        producers, consumers, nbytes = [], [], []
+        producers: list[int] = []
+        consumers: list[list[int]] = []
+        nbytes: list[int] = []
         touching: list[list[int]] = [[] for _ in range(len(graph))]
         for t, u, distinct in graph.links():
             tid = len(producers)

@@ -165,8 +165,9 @@ def partition(
     if small is not None and reason is None and not auto and (shares is not None or spec.parts is not None):
         raise PartitionError(f"cannot cut {vertex_count(loaded.model)} node(s) into {len(targets)} parts: k must "
                              "not exceed the node count (without shares or parts, the model is served whole)")
-    if reason is not None or small is not None:
-        return _whole(loaded, reason or small, out, request, contract)
+    why_whole = reason if reason is not None else small
+    if why_whole is not None:
+        return _whole(loaded, why_whole, out, request, contract)
     graph = build_graph(loaded, shapes, axes)
     cut = METHODS[method]
     auto_choice = None

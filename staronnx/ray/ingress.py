@@ -178,7 +178,7 @@ class KServeIngress:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise invalid(f"request body of {length} bytes is larger than --max-body ({self.max_body} bytes)")
-        body = await request.body()
+        body: bytes = await request.body()  # (a starlette Request, untyped here)
         if len(body) > self.max_body:
             raise invalid(f"request body is larger than --max-body ({self.max_body} bytes)")
         return body
