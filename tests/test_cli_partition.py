@@ -20,6 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 from staronnx import zoo
 from staronnx.plan import Plan
 from _helpers import cli
+import realmodels
 
 STARONNX = Path(sys.executable).parent / "staronnx"
 
@@ -262,6 +263,41 @@ def test_impossible_requests(tmp_path, capsys, chain_file, args, says):
     for word in says:
         assert word in lines[0]
     assert _tree(tmp_path) == before, "nothing may be written"
+
+
+@pytest.mark.parametrize(
+    "axis, says",
+    [
+        ("state=0", ["axis 0 of 'state' is fixed to 2", "cannot carry the batch"]),
+        ("state=5", ["axis 5 of 'state' is out of range", "rank 3"]),
+        ("frame=1", ["axis 1 of 'frame' is fixed to 256"]),
+        ("nosuch=0", ["unknown tensor(s) ['nosuch']"]),
+    ],
+)
+def test_batch_axis_that_does_not_fit_the_model_is_refused_before_any_work(tmp_path, capsys, axis, says):
+    """gru_stream's state is [2, batch, 64]: --batch-axis state=0 (or an axis past its rank, a
+    fixed size, an unknown name) was profiled, cut and written, and the finished plan then
+    failed on every load (show, verify, serve) with the contract's error. Refused up front now."""
+    before = _tree(tmp_path)
+    code, out, err = cli(capsys, "partition", realmodels.path("gru_stream"), "-o", tmp_path / "plan",
+                         "--costs", "estimate", *[f"--input-shape={s}" for s in realmodels.input_shapes("gru_stream")],
+                         "--batch-axis", axis)
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: "), err
+    for word in says:
+        assert word in lines[0]
+    assert _tree(tmp_path) == before, "nothing may be written"
+
+
+def test_batch_axis_that_fits_the_model_is_kept(tmp_path, capsys):
+    """The right axis for the state (1, as the graph tells anyway) still cuts, and the plan loads."""
+    code, out, err = cli(capsys, "partition", realmodels.path("gru_stream"), "-o", tmp_path / "plan",
+                         "--costs", "estimate", *[f"--input-shape={s}" for s in realmodels.input_shapes("gru_stream")],
+                         "--batch-axis", "state=1")
+    assert code == 0, out + err
+    contract = Plan.load(tmp_path / "plan").contract
+    assert contract.inputs["state"] == 1 and contract.batchable
 
 
 def test_non_numeric_shares_with_parts(tmp_path, capsys, chain_file):
