@@ -15,6 +15,7 @@ import pytest
 from staronnx import zoo
 from staronnx.plan import Plan
 from _helpers import cli
+import realmodels
 
 pytest.importorskip("onnxconverter_common", reason="the fp16 conversion needs onnxconverter-common")
 
@@ -100,6 +101,43 @@ def test_the_cuda_workers_run_the_fp16_parts(capsys, model_file, tmp_path, monke
     assert np.array_equal(on_cpu, ref[name])
     gpu_error = float(np.abs(on_gpu - ref[name]).max()) / scale
     assert 0 < gpu_error < 1e-2, gpu_error
+
+
+def _real_fp16_verify(capsys, tmp_path: Path, name: str) -> tuple[int, str]:
+    """``partition --precision gpu=fp16`` of a real model, then ``plan verify --inputs`` on its
+    reference inputs: (exit code, output)."""
+    ins, _ = realmodels.reference(name)
+    inputs = tmp_path / "inputs.npz"
+    np.savez(inputs, **ins)
+    code, stdout, stderr = cli(capsys, "partition", realmodels.path(name), "--costs", "estimate", "--precision",
+                               "gpu=fp16", "-o", tmp_path / "plan", "-q",
+                               *[f"--input-shape={s}" for s in realmodels.input_shapes(name)])
+    assert code == 0, stdout + stderr
+    code, stdout, stderr = cli(capsys, "plan", "verify", tmp_path / "plan", "--model", realmodels.path(name),
+                               "--inputs", inputs)
+    return code, stdout + stderr
+
+
+@pytest.mark.parametrize("name", ["bert_tiny", "gpt2_tiny_kv", "unet_seg", "mobilenet_b1"])
+def test_the_fp16_twins_of_real_models_load_and_verify(capsys, tmp_path, name):
+    """A part output that the part reads too (bert_tiny's last_hidden_state, read by its pooler;
+    unet_seg's and mobilenet_b1's crossing tensors) and a Cast to float (gpt2_tiny_kv's mask)
+    made fp16 twins ONNX Runtime refused to load ("Type (tensor(float16)) ... does not match
+    expected type (tensor(float))"): a GPU user's CUDA workers could not start, and verify
+    blamed the inputs. Every twin loads now, and agrees with the fp32 model within fp16's
+    tolerance."""
+    code, out = _real_fp16_verify(capsys, tmp_path, name)
+    assert "does not match expected type" not in out and "fails" not in out, out
+    assert code == 0, out
+    assert "OK for the cuda parts (fp16) (tolerance 0.01 relative to each output's scale)" in out, out
+
+
+def test_the_fp16_twins_of_a_model_with_an_if_load(capsys, tmp_path):
+    """detector_nms (If, NonMaxSuppression, Casts to float): its twins load and run. Its outputs
+    are data-dependent (two near-equal scores may swap in fp16), so only the run is asserted."""
+    code, out = _real_fp16_verify(capsys, tmp_path, "detector_nms")
+    assert "does not match expected type" not in out and "fails" not in out, out
+    assert "for the cuda parts (fp16)" in out, out
 
 
 @pytest.mark.parametrize("value, message", [
