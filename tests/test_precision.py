@@ -132,6 +132,21 @@ def test_the_fp16_twins_of_real_models_load_and_verify(capsys, tmp_path, name):
     assert "OK for the cuda parts (fp16) (tolerance 0.01 relative to each output's scale)" in out, out
 
 
+def test_the_fp16_twins_keep_constants_fp16_can_hold(capsys, tmp_path):
+    """gru_stream scales its frame by 16000 / sample_rate. The converter's default clamp of
+    every constant to 1e4 made that 10000 / sample_rate in the fp16 twin: its state drifted
+    ~6 % from the fp32 model's and verify said MISMATCH. fp16 holds 16000 exactly, and the
+    twin now agrees within fp16's tolerance."""
+    code, out = _real_fp16_verify(capsys, tmp_path, "gru_stream")
+    assert code == 0, out
+    assert "OK for the cuda parts (fp16) (tolerance 0.01 relative to each output's scale)" in out, out
+    half = onnx.load(str(tmp_path / "plan" / Plan.load(tmp_path / "plan").settings["precision"]["files"]["cuda"][0]))
+    values = [onnx.numpy_helper.to_array(t) for t in half.graph.initializer]
+    values += [onnx.numpy_helper.to_array(a.t) for n in half.graph.node if n.op_type == "Constant"
+               for a in n.attribute if a.name == "value"]
+    assert any(v.size == 1 and float(v.reshape(-1)[0]) == 16000.0 for v in values)
+
+
 def test_the_fp16_twins_of_a_model_with_an_if_load(capsys, tmp_path):
     """detector_nms (If, NonMaxSuppression, Casts to float): its twins load and run. Its outputs
     are data-dependent (two near-equal scores may swap in fp16), so only the run is asserted."""

@@ -72,6 +72,12 @@ def fp16_name(file: str) -> str:
     return f"{stem}.cuda-fp16.onnx"
 
 
+#: fp16's largest finite value and smallest subnormal: what the converter clamps the weights and
+#: constants to. Its own defaults (1e4 and 1e-7) changed values fp16 holds exactly: gru_stream's
+#: ``16000 / sample_rate`` became ``10000 / sample_rate``, and its state drifted 6 % from fp32's
+FP16_MAX = 65504.0
+FP16_TINY = 5.96e-08
+
 #: the suffix of a part output's name inside its fp16 twin (see :func:`outputs_apart`)
 INNER = "__staronnx_fp16_inner"
 
@@ -155,7 +161,8 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
     files, digests = [], []
     for part in plan.parts:
         model = onnx.load(str(plan.part_path(part.index)))
-        half = float16.convert_float_to_float16(outputs_apart(model), keep_io_types=True)
+        half = float16.convert_float_to_float16(outputs_apart(model), keep_io_types=True,
+                                                min_positive_val=FP16_TINY, max_finite_val=FP16_MAX)
         cast_as_typed(half.graph)
         name = fp16_name(part.file)
         data = half.SerializeToString()
@@ -166,7 +173,8 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
 
     plan.settings[PRECISION_SETTING] = {
         "cuda": "fp16", "cpu": "fp32", "files": {"cuda": files}, "sha256": {"cuda": digests},
-        "converter": f"onnxconverter-common {version} convert_float_to_float16(keep_io_types=True)",
+        "converter": f"onnxconverter-common {version} convert_float_to_float16(keep_io_types=True, "
+                     f"min_positive_val={FP16_TINY:g}, max_finite_val={FP16_MAX:g})",
         "tolerance": FP16_TOLERANCE}
     plan.hash = plan.compute_hash()
     plan.write_json(plan.root)
