@@ -34,6 +34,7 @@ from staronnx.partition.linear import linear_ranks
 from staronnx.plan import Plan
 from staronnx.verify import random_plan_feeds, verify_plan
 from staronnx.partition import PartitionSpec
+import realmodels
 
 GOOGLENET = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
@@ -943,3 +944,19 @@ def test_a_failed_partition_without_an_output_dir_leaves_nothing_behind(tmp_path
     with pytest.raises(PartitionError, match="node count"):
         staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=99, costs="estimate"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [5, 12])
+def test_metis_into_5_to_23_parts_finishes(tmp_path, k):
+    """METIS's parts are ranked in up to 24 orders: the base order and random adjacent swaps of
+    it, drawn until 24 distinct ones. Below 24 parts there are only k of them, so the draw never
+    ended: ``--parts 5`` of crnn_ocr (32 nodes) hung forever. Every k up to 23 finishes now, and
+    the plan computes what the model computes."""
+    ins, outs = realmodels.reference("crnn_ocr")
+    plan = staronnx.partition(realmodels.path("crnn_ocr"), spec=PartitionSpec(
+        parts=k, costs="estimate", input_shapes=realmodels.input_shapes("crnn_ocr")), output_dir=tmp_path / "plan")
+    assert plan.k == k
+    got = plan.run_reference(ins)
+    for name, want in outs.items():
+        assert np.allclose(got[name], want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max()))), name
