@@ -300,6 +300,22 @@ def test_batch_axis_that_fits_the_model_is_kept(tmp_path, capsys):
     assert contract.inputs["state"] == 1 and contract.batchable
 
 
+def test_a_batch_axis_fixed_to_1_runs_one_request_per_task(tmp_path, capsys):
+    """mobilenet_b1 fixes its input to [1, 3, 224, 224]. --batch-axis input=0 --batch-axis
+    logits=0 is accepted (a fixed 1 may be a batch exported at 1), and the plan said "requests
+    are batched together": a server formed batches ONNX Runtime refuses ("axis 0 must be 1"),
+    and plan verify --batch 2 failed. The contract now says why it runs one request per task."""
+    model = realmodels.path("mobilenet_b1")
+    code, out, err = cli(capsys, "partition", model, "-o", tmp_path / "plan", "--costs", "estimate",
+                         "--batch-axis", "input=0", "--batch-axis", "logits=0")
+    assert code == 0, out + err
+    contract = Plan.load(tmp_path / "plan").contract
+    assert not contract.batchable and "fixes its batch axis 0 to 1" in (contract.why_not or "")
+    assert "one request per task" in out and "requests are batched together" not in out, out
+    code, out, err = cli(capsys, "plan", "verify", tmp_path / "plan", "--model", model, "--batch", "2")
+    assert code == 0 and "batch 2 is impossible for this model" in out and "OK" in out, out + err
+
+
 def test_verify_of_real_inputs_whose_outputs_hold_nan(tmp_path, capsys):
     """A streaming client's state gone NaN (gru_stream's first row) gives NaN rows in the whole
     model's outputs and in the chained parts' alike. verify compared them as NaN - NaN and said
