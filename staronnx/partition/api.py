@@ -18,7 +18,7 @@ import onnx
 from staronnx.contract import parse_batch_axes
 from staronnx.errors import PartitionError
 from staronnx.feeds import random_feeds_for_shapes
-from staronnx.modelio import LoadedModel, dim_of, load_model
+from staronnx.modelio import LoadedModel, load_model
 from staronnx.perfmodels.helpcost import HelpCost
 from staronnx.partition.autoshares import (
     SharesChoice,
@@ -32,7 +32,7 @@ from staronnx.partition.checks import warn_cut
 from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
 from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 from staronnx.partition.export import write_plan
-from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
+from staronnx.partition.graph import ModelGraph, build_graph, check_batch_axes, resolve_input_shapes
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
 from staronnx.partition.notation import parse_input_shapes, read_shares
 from staronnx.partition.spec import PartitionSpec
@@ -190,27 +190,6 @@ def partition(
         return _whole(loaded, f"its cut failed ({exc})", out, request, contract)
     warn_cut(plan, tolerance, shares_cut=not placed)
     return plan
-
-
-def check_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> None:
-    """Refuse ``batch_axes`` overrides that do not fit the model (an unknown tensor, an axis past
-    its rank, a fixed size other than 1), with the words the plan's contract would use.
-
-    The plan's contract applies them whenever it is loaded: unchecked here, the cut was profiled
-    and written, and then the plan failed on every load (``show``, ``verify``, ``serve``) with
-    the error partition should have given before any work."""
-    if not axes:
-        return
-    from staronnx.contract import BatchContract
-    from staronnx.partition.graph import declared_outputs
-    from staronnx.partition.whole import fed_inputs
-
-    inputs: dict[str, list[int | str | None] | None] = {}
-    for vi in fed_inputs(model):
-        tt = vi.type.tensor_type
-        known = vi.type.HasField("tensor_type") and tt.HasField("shape")
-        inputs[vi.name] = [dim_of(d) for d in tt.shape.dim] if known else None
-    BatchContract.read(inputs, declared_outputs(model), batch_axes=axes)
 
 
 def _whole(loaded: LoadedModel, reason: str, out: os.PathLike[str], request: CutRequest,

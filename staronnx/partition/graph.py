@@ -13,7 +13,7 @@ dimensions of a crossing tensor must stay symbolic in the exported parts.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -197,6 +197,26 @@ def model_inputs(model: onnx.ModelProto, batch_axes: dict[str, int | None] | Non
         spec.batch_axis = (batch_axes[spec.name] if batch_axes and spec.name in batch_axes
                            else contract.input_axis(spec.shape, symbol))
     return specs
+
+
+def check_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> None:
+    """Refuse ``batch_axes`` overrides that do not fit the model (an unknown tensor, an axis past
+    its rank, a fixed size other than 1), with the words the plan's contract would use.
+
+    The plan's contract applies them whenever it is loaded: unchecked before the cut, the model
+    was profiled and its plan written, and then the plan failed on every load (``show``,
+    ``verify``, ``serve``) with the error the cut should have given before any work."""
+    if not axes:
+        return
+    constants = {t.name for t in model.graph.initializer} | {t.values.name for t in model.graph.sparse_initializer}
+    inputs: dict[str, list[int | str | None] | None] = {}
+    for vi in model.graph.input:
+        if vi.name in constants:
+            continue
+        tt = vi.type.tensor_type
+        known = vi.type.HasField("tensor_type") and tt.HasField("shape")
+        inputs[vi.name] = [dim_of(d) for d in tt.shape.dim] if known else None
+    contract.BatchContract.read(inputs, declared_outputs(model), batch_axes=axes)
 
 
 def declared_outputs(model: onnx.ModelProto) -> dict[str, list[int | str | None] | None]:
