@@ -7,6 +7,7 @@ Most run the CLI in-process through :func:`staronnx.cli.main` (fast); one runs t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -150,6 +151,34 @@ def test_show_and_verify_of_a_non_plan_folder(tmp_path, capsys, chain_file, what
         assert code == 2, err
         assert err.startswith("staronnx: error: ") and len(err.strip().splitlines()) == 1
         assert "plan" in err and str(folder) in err
+
+
+@pytest.mark.parametrize("damage", ["a list", "a shape of null", "part inputs of null", "settings of null"])
+def test_a_plan_json_of_the_wrong_structure_is_one_line(tmp_path, capsys, damage):
+    """plan.json that parses but lacks the structure staronnx writes (another tool's file named
+    plan.json, a hand edit) made show, verify and serve end in a traceback (AttributeError:
+    'list' object has no attribute 'get'; TypeError: 'NoneType' object is not iterable)."""
+    model = realmodels.path("crnn_ocr")
+    plan_dir = tmp_path / "plan"
+    code, out, err = cli(capsys, "partition", model, "-o", plan_dir, "--costs", "estimate",
+                         *[f"--input-shape={s}" for s in realmodels.input_shapes("crnn_ocr")])
+    assert code == 0, out + err
+    meta = plan_dir / "plan.json"
+    data = json.loads(meta.read_text())
+    if damage == "a list":
+        data = [data]
+    elif damage == "a shape of null":
+        data["inputs"][0]["shape"] = None
+    elif damage == "part inputs of null":
+        data["parts"][1]["inputs"] = None
+    else:
+        data["settings"] = None
+    meta.write_text(json.dumps(data))
+    for args in (("plan", "show", plan_dir), ("plan", "verify", plan_dir, "--model", model)):
+        code, out, err = cli(capsys, *args)
+        assert code == 2, out + err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("staronnx: error: ") and "plan.json" in lines[0], err
 
 
 def test_verify_with_bad_batch_is_a_user_error(tmp_path, capsys, chain_file):
