@@ -115,8 +115,9 @@ def random_plan_feeds(plan: Plan, batch: int, given: dict[str, list[int]] | None
     feeds = {}
     for spec in plan.inputs:
         elem = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(spec.dtype))
-        rng_range = tuple(spec.value_range) if spec.value_range else None
-        feeds[spec.name] = random_array(elem, shapes[spec.name], rng, rng_range)  # type: ignore[arg-type]
+        low_high = spec.value_range  # [low, high) of an integer input, as partition recorded it
+        rng_range = (int(low_high[0]), int(low_high[1])) if low_high else None
+        feeds[spec.name] = random_array(elem, shapes[spec.name], rng, rng_range)
     return feeds
 
 
