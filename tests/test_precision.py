@@ -155,6 +155,35 @@ def test_the_fp16_twins_of_a_model_with_an_if_load(capsys, tmp_path):
     assert "for the cuda parts (fp16)" in out, out
 
 
+def _fp16_unet(tmp_path: Path) -> Path:
+    """unet_seg as a user's fp16 export: onnxconverter-common's conversion with fp32 inputs and
+    outputs (keep_io_types), the usual way an fp16 model for a GPU is made."""
+    from onnxconverter_common import float16
+
+    path = tmp_path / "unet_fp16.onnx"
+    onnx.save(float16.convert_float_to_float16(onnx.load(str(realmodels.path("unet_seg"))), keep_io_types=True),
+              str(path))
+    return path
+
+
+def test_an_fp16_model_asked_for_fp16_gpu_parts(capsys, tmp_path):
+    """partition --precision gpu=fp16 of a model that is fp16 already ended in the converter's
+    ValueError ("The model is already converted to float16") and a traceback, after the plan
+    was written. Its parts are what a GPU runs: each twin is the part as it is."""
+    model = _fp16_unet(tmp_path)
+    code, stdout, stderr = cli(capsys, "partition", model, "--costs", "estimate", "--precision", "gpu=fp16",
+                               "-o", tmp_path / "plan", "-q", "--input-shape", "image=1x3x64x96")
+    assert code == 0 and "Traceback" not in stdout + stderr, stdout + stderr
+    plan = Plan.load(tmp_path / "plan")
+    for part, name in zip(plan.parts, plan.settings["precision"]["files"]["cuda"], strict=True):
+        assert (plan.root / name).read_bytes() == plan.part_path(part.index).read_bytes()
+    ins, _ = realmodels.reference("unet_seg")
+    np.savez(tmp_path / "inputs.npz", **ins)
+    code, stdout, stderr = cli(capsys, "plan", "verify", tmp_path / "plan", "--model", model, "--inputs",
+                               tmp_path / "inputs.npz")
+    assert "OK for the cuda parts (fp16)" in stdout, stdout + stderr
+
+
 @pytest.mark.parametrize("value, message", [
     ("cpu=fp16", "the CPU parts stay fp32"),
     ("gpu=int8", "write DEVICE=PRECISION with DEVICE gpu or cpu and PRECISION fp32 or fp16"),

@@ -161,9 +161,15 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
     files, digests = [], []
     for part in plan.parts:
         model = onnx.load(str(plan.part_path(part.index)))
-        half = float16.convert_float_to_float16(outputs_apart(model), keep_io_types=True,
-                                                min_positive_val=FP16_TINY, max_finite_val=FP16_MAX)
-        cast_as_typed(half.graph)
+        if float16.check_if_fp16_ready(model.graph):
+            # a part of a model exported in fp16 (or mixed precision) already is what the GPU
+            # runs: the converter refuses it ("already converted to float16"), which ended the
+            # command in a traceback after the plan was written; its twin is the part as it is
+            half = model
+        else:
+            half = float16.convert_float_to_float16(outputs_apart(model), keep_io_types=True,
+                                                    min_positive_val=FP16_TINY, max_finite_val=FP16_MAX)
+            cast_as_typed(half.graph)
         name = fp16_name(part.file)
         data = half.SerializeToString()
         (plan.root / name).write_bytes(data)
