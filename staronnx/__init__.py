@@ -33,9 +33,10 @@ if TYPE_CHECKING:
     from staronnx.plan import Plan
     from staronnx.runtime.models import ModelOverloaded, ServiceTarget
     from staronnx.runtime.runtime import Runtime
-    from staronnx.runtime.spec import CudaOptions, RuntimeSpec
+    from staronnx.runtime.spec import RuntimeSpec
     from staronnx.serving.server import OverloadError, Server, ServerClosed
     from staronnx.serving.spec import ServeSpec
+    from staronnx.workers.cuda import CudaOptions
     from staronnx.workers.layout import MachineSpec
 
 __version__ = "0.1.0"

@@ -91,6 +91,14 @@ def batch_symbol(inputs: Mapping[str, Shape | None], outputs: Mapping[str, Shape
     return best[1] if best else None
 
 
+def _fixed_at(shape: Shape | None, axis: int) -> bool:
+    """Whether ``shape`` fixes ``axis`` to a size (an int >= 0, not a symbol or unknown)."""
+    if shape is None or axis >= len(shape):
+        return False
+    d = shape[axis]
+    return isinstance(d, int) and not isinstance(d, bool) and d >= 0
+
+
 def axis_of(shape: Shape | None, symbol: str | None) -> int | None:
     """The axis of ``shape`` that is exactly ``symbol`` (None when it has none)."""
     if symbol is None:
@@ -188,6 +196,12 @@ class BatchContract:
             fixed = [n for n, s in inputs.items() if s and isinstance(s[0], int)]
             why = ("no input has a dynamic batch dimension" +
                    (f" (the model fixes {fixed[0]!r} to {list(inputs[fixed[0]] or [])})" if fixed else ""))
+        elif fixed := [n for n, a in ins.items() if a is not None and _fixed_at(inputs.get(n), a)]:
+            # the override may name a fixed 1 (a batch exported at 1), but ONNX Runtime checks a
+            # fed input against its declared sizes: every batch of 2 or more would be refused
+            shape = list(inputs[fixed[0]] or [])
+            why = (f"input {fixed[0]!r} fixes its batch axis {ins[fixed[0]]} to {shape[ins[fixed[0]] or 0]} "
+                   f"({shape}), and ONNX Runtime runs it at that size only")
         else:
             lost = [n for n, a in outs.items() if a is None]
             if lost:

@@ -11,7 +11,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import onnx
 
@@ -43,7 +43,7 @@ class DemoResult:
     chained_seconds: float  # per batch, the parts in sequence
     runtime_seconds: float  # per batch, through the runtime with batches in flight
     groups: str
-    stats: dict
+    stats: dict[str, Any]  # Runtime.stats(): per task and per worker counts
 
 
 def run_demo(workdir: Path | None = None, shares: tuple[float, ...] = (0.85, 0.15), batch: int = 8, batches: int = 10,

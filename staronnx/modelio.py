@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TypeGuard
 from pathlib import Path
 
 import numpy as np
@@ -156,7 +157,8 @@ def model_sha256(model: onnx.ModelProto) -> str:
 def _stripped_bytes(model: onnx.ModelProto) -> bytes:
     """Serialisable bytes of a model, large weights replaced by their digests (for hashing)."""
     if model_nbytes(model) < PROTOBUF_LIMIT:
-        return model.SerializeToString(deterministic=True)
+        whole: bytes = model.SerializeToString(deterministic=True)
+        return whole
     stripped = strip_weights(model)
     digest = hashlib.sha256(stripped.SerializeToString(deterministic=True))
     for t in model.graph.initializer:
@@ -224,7 +226,7 @@ def dim_of(dim: onnx.TensorShapeProto.Dimension) -> int | str | None:
     return dim.dim_param or None
 
 
-def is_fixed(dim: object) -> bool:
+def is_fixed(dim: object) -> TypeGuard[int]:
     """Whether a recorded dimension is a size (not a symbol, None, or a negative marker)."""
     return isinstance(dim, int) and not isinstance(dim, bool) and dim >= 0
 

@@ -65,7 +65,8 @@ def _element_name(elem_type: int) -> str:
     """ORT's name of an element type: float, double, int64, string, bool, float16, ..."""
     if elem_type == onnx.TensorProto.UNDEFINED:
         return "undefined"
-    return onnx.TensorProto.DataType.Name(elem_type).lower()
+    name: str = onnx.TensorProto.DataType.Name(elem_type)
+    return name.lower()
 
 
 def providers_for(device: str) -> list[str]:

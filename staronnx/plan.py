@@ -131,6 +131,8 @@ class Plan:
             data = json.loads(meta.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise PlanError(f"{meta} is unreadable or not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise PlanError(f"{meta} is not a staronnx plan (a JSON {type(data).__name__}, not an object)")
         if data.get("format") != PLAN_FORMAT:
             raise PlanError(f"{meta} is not a staronnx plan (format {data.get('format')!r})")
         if data.get("version") != PLAN_VERSION:
@@ -149,8 +151,11 @@ class Plan:
                 cost_source=data.get("cost_source", ""),
                 hash=data.get("hash", ""),
             )
-        except (KeyError, TypeError) as exc:
+            malformed = _malformed(plan)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise PlanError(f"{meta} is incomplete or malformed: {exc}") from None
+        if malformed is not None:
+            raise PlanError(f"{meta} is incomplete or malformed: {malformed}")
         for spec in (*plan.inputs, *plan.outputs, *plan.crossing):
             # plans written before negative dims were read as dynamic recorded them as -1
             spec.shape = [None if isinstance(d, int) and d < 0 else d for d in spec.shape]
@@ -302,6 +307,22 @@ class Plan:
 
     def part_feeds(self, index: int, values: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {n: values[n] for n in self.parts[index].inputs}
+
+
+def _malformed(plan: Plan) -> str | None:
+    """What in a loaded plan.json does not have the structure staronnx writes (lists of names,
+    shapes as lists, a settings object), or None: what every later step iterates over, checked
+    once, so a damaged file is one :class:`PlanError` rather than a traceback wherever it is used."""
+    if not isinstance(plan.settings, dict) or not isinstance(plan.source, dict):
+        return "settings and source must be objects"
+    for spec in (*plan.inputs, *plan.outputs, *plan.crossing):
+        if not isinstance(spec.name, str) or not isinstance(spec.dtype, str) or not isinstance(spec.shape, list):
+            return f"tensor {spec.name!r} needs a name, a dtype and a shape list"
+    for part in plan.parts:
+        names = (*part.inputs, *part.outputs) if isinstance(part.inputs, list) and isinstance(part.outputs, list) else None
+        if names is None or not all(isinstance(n, str) for n in names) or not isinstance(part.file, str):
+            return f"part {part.index!r} needs a file and lists of input and output names"
+    return None
 
 
 def part_file_error(root: Path, part: PartSpec, why: str) -> PartFileError:

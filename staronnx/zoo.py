@@ -20,6 +20,7 @@ import itertools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -95,7 +96,7 @@ class _GraphBuilder:
 
     # -- initializers -----------------------------------------------------------------------
 
-    def const(self, value: np.ndarray | float | int | Sequence[int], hint: str = "const") -> str:
+    def const(self, value: np.ndarray | np.generic | float | int | Sequence[int], hint: str = "const") -> str:
         """Add ``value`` as an initializer (int lists become int64, floats float32)."""
         arr = np.asarray(value)
         if arr.dtype.kind == "f":
@@ -117,7 +118,8 @@ class _GraphBuilder:
 
     # -- nodes ------------------------------------------------------------------------------
 
-    def op(self, op_type: str, *inputs: str, out: str | None = None, hint: str | None = None, **attrs) -> str:
+    def op(self, op_type: str, *inputs: str, out: str | None = None, hint: str | None = None,
+           **attrs: Any) -> str:
         """Add one single-output node and return its output name."""
         node_name = self.fresh(hint or op_type.lower())
         output = out if out is not None else node_name
@@ -397,7 +399,8 @@ def multi_head_detector(seed: int = 0) -> onnx.ModelProto:
         s = _same_pad_out(s, 2)
         features.append((h, c_out, s))
         c_in = c_out
-    score_parts, box_parts = [], []
+    score_parts: list[str] = []
+    box_parts: list[str] = []
     n_anchors = 0
     for i, (f, c, s) in enumerate(features):
         for kind, k, parts in (("cls", classes, score_parts), ("box", 4, box_parts)):

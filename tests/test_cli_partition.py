@@ -7,6 +7,7 @@ Most run the CLI in-process through :func:`staronnx.cli.main` (fast); one runs t
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from onnx import TensorProto, helper, numpy_helper
 from staronnx import zoo
 from staronnx.plan import Plan
 from _helpers import cli
+import realmodels
 
 STARONNX = Path(sys.executable).parent / "staronnx"
 
@@ -151,6 +153,34 @@ def test_show_and_verify_of_a_non_plan_folder(tmp_path, capsys, chain_file, what
         assert "plan" in err and str(folder) in err
 
 
+@pytest.mark.parametrize("damage", ["a list", "a shape of null", "part inputs of null", "settings of null"])
+def test_a_plan_json_of_the_wrong_structure_is_one_line(tmp_path, capsys, damage):
+    """plan.json that parses but lacks the structure staronnx writes (another tool's file named
+    plan.json, a hand edit) made show, verify and serve end in a traceback (AttributeError:
+    'list' object has no attribute 'get'; TypeError: 'NoneType' object is not iterable)."""
+    model = realmodels.path("crnn_ocr")
+    plan_dir = tmp_path / "plan"
+    code, out, err = cli(capsys, "partition", model, "-o", plan_dir, "--costs", "estimate",
+                         *[f"--input-shape={s}" for s in realmodels.input_shapes("crnn_ocr")])
+    assert code == 0, out + err
+    meta = plan_dir / "plan.json"
+    data = json.loads(meta.read_text())
+    if damage == "a list":
+        data = [data]
+    elif damage == "a shape of null":
+        data["inputs"][0]["shape"] = None
+    elif damage == "part inputs of null":
+        data["parts"][1]["inputs"] = None
+    else:
+        data["settings"] = None
+    meta.write_text(json.dumps(data))
+    for args in (("plan", "show", plan_dir), ("plan", "verify", plan_dir, "--model", model)):
+        code, out, err = cli(capsys, *args)
+        assert code == 2, out + err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("staronnx: error: ") and "plan.json" in lines[0], err
+
+
 def test_verify_with_bad_batch_is_a_user_error(tmp_path, capsys, chain_file):
     plan_dir = tmp_path / "plan"
     assert cli(capsys, "partition", chain_file, "-o", plan_dir, "--parts", "2", "--costs", "estimate")[0] == 0
@@ -262,6 +292,82 @@ def test_impossible_requests(tmp_path, capsys, chain_file, args, says):
     for word in says:
         assert word in lines[0]
     assert _tree(tmp_path) == before, "nothing may be written"
+
+
+@pytest.mark.parametrize(
+    "axis, says",
+    [
+        ("state=0", ["axis 0 of 'state' is fixed to 2", "cannot carry the batch"]),
+        ("state=5", ["axis 5 of 'state' is out of range", "rank 3"]),
+        ("frame=1", ["axis 1 of 'frame' is fixed to 256"]),
+        ("nosuch=0", ["unknown tensor(s) ['nosuch']"]),
+    ],
+)
+def test_batch_axis_that_does_not_fit_the_model_is_refused_before_any_work(tmp_path, capsys, axis, says):
+    """gru_stream's state is [2, batch, 64]: --batch-axis state=0 (or an axis past its rank, a
+    fixed size, an unknown name) was profiled, cut and written, and the finished plan then
+    failed on every load (show, verify, serve) with the contract's error. Refused up front now."""
+    before = _tree(tmp_path)
+    code, out, err = cli(capsys, "partition", realmodels.path("gru_stream"), "-o", tmp_path / "plan",
+                         "--costs", "estimate", *[f"--input-shape={s}" for s in realmodels.input_shapes("gru_stream")],
+                         "--batch-axis", axis)
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: "), err
+    for word in says:
+        assert word in lines[0]
+    assert _tree(tmp_path) == before, "nothing may be written"
+
+
+def test_batch_axis_that_fits_the_model_is_kept(tmp_path, capsys):
+    """The right axis for the state (1, as the graph tells anyway) still cuts, and the plan loads."""
+    code, out, err = cli(capsys, "partition", realmodels.path("gru_stream"), "-o", tmp_path / "plan",
+                         "--costs", "estimate", *[f"--input-shape={s}" for s in realmodels.input_shapes("gru_stream")],
+                         "--batch-axis", "state=1")
+    assert code == 0, out + err
+    contract = Plan.load(tmp_path / "plan").contract
+    assert contract.inputs["state"] == 1 and contract.batchable
+
+
+def test_a_batch_axis_fixed_to_1_runs_one_request_per_task(tmp_path, capsys):
+    """mobilenet_b1 fixes its input to [1, 3, 224, 224]. --batch-axis input=0 --batch-axis
+    logits=0 is accepted (a fixed 1 may be a batch exported at 1), and the plan said "requests
+    are batched together": a server formed batches ONNX Runtime refuses ("axis 0 must be 1"),
+    and plan verify --batch 2 failed. The contract now says why it runs one request per task."""
+    model = realmodels.path("mobilenet_b1")
+    code, out, err = cli(capsys, "partition", model, "-o", tmp_path / "plan", "--costs", "estimate",
+                         "--batch-axis", "input=0", "--batch-axis", "logits=0")
+    assert code == 0, out + err
+    contract = Plan.load(tmp_path / "plan").contract
+    assert not contract.batchable and "fixes its batch axis 0 to 1" in (contract.why_not or "")
+    assert "one request per task" in out and "requests are batched together" not in out, out
+    code, out, err = cli(capsys, "plan", "verify", tmp_path / "plan", "--model", model, "--batch", "2")
+    assert code == 0 and "batch 2 is impossible for this model" in out and "OK" in out, out + err
+
+
+def test_verify_of_real_inputs_whose_outputs_hold_nan(tmp_path, capsys):
+    """A streaming client's state gone NaN (gru_stream's first row) gives NaN rows in the whole
+    model's outputs and in the chained parts' alike. verify compared them as NaN - NaN and said
+    MISMATCH (max abs diff nan) for a plan that computes exactly what the model computes, and
+    the finite rows went unchecked. Equal NaNs agree now; the other rows are compared."""
+    code, out, err = cli(capsys, "partition", realmodels.path("gru_stream"), "-o", tmp_path / "plan",
+                         "--costs", "estimate", *[f"--input-shape={s}" for s in realmodels.input_shapes("gru_stream")])
+    assert code == 0, out + err
+    ins, _ = realmodels.reference("gru_stream")
+    state = ins["state"].copy()
+    state[:, 0, :] = np.nan
+    np.savez(tmp_path / "nan.npz", **{**ins, "state": state})
+    code, out, err = cli(capsys, "plan", "verify", tmp_path / "plan", "--model", realmodels.path("gru_stream"),
+                         "--inputs", tmp_path / "nan.npz")
+    assert code == 0 and "MISMATCH" not in out, out + err
+    # NaN on one side only, or a finite row that differs, is still a mismatch
+    from staronnx.verify import compare
+
+    want = np.array([[np.nan, 1.0], [2.0, 3.0]], np.float32)
+    assert compare("y", want, want.copy()).ok
+    assert not compare("y", want, np.array([[0.0, 1.0], [2.0, 3.0]], np.float32)).ok
+    assert not compare("y", want, np.array([[np.nan, 1.0], [2.0, 3.5]], np.float32)).ok
+    assert not compare("y", np.array([np.inf, 1.0]), np.array([-np.inf, 1.0])).ok
 
 
 def test_non_numeric_shares_with_parts(tmp_path, capsys, chain_file):

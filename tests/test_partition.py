@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import os
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from staronnx.partition.linear import linear_ranks
 from staronnx.plan import Plan
 from staronnx.verify import random_plan_feeds, verify_plan
 from staronnx.partition import PartitionSpec
+import realmodels
 
 GOOGLENET = Path(__file__).resolve().parents[1] / "models" / "googlenet.onnx"
 
@@ -943,3 +945,44 @@ def test_a_failed_partition_without_an_output_dir_leaves_nothing_behind(tmp_path
     with pytest.raises(PartitionError, match="node count"):
         staronnx.partition(zoo.chain(), spec=PartitionSpec(parts=99, costs="estimate"))
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("k", [5, 12])
+def test_metis_into_5_to_23_parts_finishes(tmp_path, k):
+    """METIS's parts are ranked in up to 24 orders: the base order and random adjacent swaps of
+    it, drawn until 24 distinct ones. Below 24 parts there are only k of them, so the draw never
+    ended: ``--parts 5`` of crnn_ocr (32 nodes) hung forever. Every k up to 23 finishes now, and
+    the plan computes what the model computes."""
+    ins, outs = realmodels.reference("crnn_ocr")
+    plan = staronnx.partition(realmodels.path("crnn_ocr"), spec=PartitionSpec(
+        parts=k, costs="estimate", input_shapes=realmodels.input_shapes("crnn_ocr")), output_dir=tmp_path / "plan")
+    assert plan.k == k
+    got = plan.run_reference(ins)
+    for name, want in outs.items():
+        assert np.allclose(got[name], want, rtol=0, atol=1e-4 * max(1.0, float(np.abs(want).max()))), name
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("parts", 2.5, "parts must be a whole number, got 2.5"),
+    ("parts", "3", "parts must be a whole number, got '3'"),
+    ("profile_runs", "2", "profile_runs must be a whole number"),
+    ("profile_batch", 1.5, "profile_batch must be a whole number"),
+    ("tolerance", "0.1", "tolerance must be a number"),
+    ("input_shapes", {"image": [1, 1, 32, "wide"]}, "input_shapes['image'] must list sizes"),
+])
+def test_a_spec_value_of_the_wrong_kind_is_one_partition_error(tmp_path, field, value, says):
+    """A Python caller's parts=2.5 or profile_runs="2" ended in a TypeError deep in the cut
+    ("can't multiply sequence by non-int of type 'float'"), and profile_batch=1.5 was taken as
+    given; each is refused in one line naming the field now, and nothing is written."""
+    settings = {"costs": "estimate", "input_shapes": realmodels.input_shapes("crnn_ocr"), field: value}
+    with pytest.raises(PartitionError, match=re.escape(says)):
+        staronnx.partition(realmodels.path("crnn_ocr"), spec=PartitionSpec(**settings), output_dir=tmp_path / "plan")
+    assert not (tmp_path / "plan").exists()
+    # numpy's integers and a zero size (an empty KV cache at a first run) are fine
+    plan = staronnx.partition(realmodels.path("gpt2_tiny_kv"), spec=PartitionSpec(
+        parts=np.int64(2), costs="estimate", input_shapes={
+            "input_ids": [1, 4], "attention_mask": [1, 4],
+            **{f"past_{kv}_{i}": [1, 2, 0, 32] for kv in ("key", "value") for i in (0, 1)}}),
+        output_dir=tmp_path / "gpt2")
+    assert plan.k == 2

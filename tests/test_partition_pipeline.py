@@ -190,3 +190,28 @@ def test_one_profile_reader_gives_each_node_its_time_and_provider(tmp_path):
     events = kernel_events(Path(sess.end_profiling()))
     assert {name for name, _, _ in events} == {node.name for node in graph.nodes}
     assert all(us >= 0 and provider == "CPUExecutionProvider" for _, us, provider in events)
+
+
+def test_place_keeps_the_specs_batching_contract(tmp_path, two_groups):
+    """place() read the method and the cost settings of its PartitionSpec and dropped
+    ``batch_axes`` and ``batching`` without a word: gru_stream placed with batching=False came
+    back batching its requests, and a batch axis that does not fit the model was accepted. The
+    plan keeps them as partition()'s plans do, and a misfit is refused before any work."""
+    import realmodels
+    from staronnx.contract import ContractError
+    from staronnx.partition import PartitionSpec
+
+    shapes = realmodels.input_shapes("gru_stream")
+    off = place(realmodels.path("gru_stream"), PartitionSpec(method="comm-sd", costs="estimate", input_shapes=shapes,
+                                                            batching=False), output_dir=tmp_path / "off",
+                devices=host_devices(two_groups))
+    assert not off.contract.batchable and "batching is off" in (off.contract.why_not or "")
+    own = place(realmodels.path("gru_stream"), PartitionSpec(method="comm-sd", costs="estimate", input_shapes=shapes,
+                                                            batch_axes={"sample_rate": None, "state": 1}),
+                output_dir=tmp_path / "own", devices=host_devices(two_groups))
+    assert own.contract.batchable and set(own.contract.overridden) == {"sample_rate", "state"}
+    with pytest.raises(ContractError, match="fixed to 2"):
+        place(realmodels.path("gru_stream"), PartitionSpec(method="comm-sd", costs="estimate", input_shapes=shapes,
+                                                          batch_axes={"state": 0}), output_dir=tmp_path / "bad",
+              devices=host_devices(two_groups))
+    assert not (tmp_path / "bad").exists()

@@ -286,3 +286,34 @@ def test_atomic_writes_get_the_mode_open_would_give_or_keep_the_targets(tmp_path
         assert not list(tmp_path.rglob(".*.tmp"))
     finally:
         os.umask(old)
+
+
+def test_a_help_cost_file_without_its_figure_warns_and_charges_the_default(tmp_path: Path,
+                                                                          monkeypatch: MonkeyPatch) -> None:
+    """A help-cost file with the store's header but no host_share (cut short by hand, written by
+    another version) raised KeyError out of the store's reader, which promises a warning and the
+    default for an unusable file: partition --shares auto ended in a traceback."""
+    import warnings
+
+    import realmodels
+    import staronnx
+    from staronnx.partition import PartitionSpec
+    from staronnx.partition.autoshares import WorkerSpeed
+    from staronnx.perfmodels.helpcost import HelpCost
+    from staronnx.perfmodels.store import PerfModelCorruptWarning
+
+    monkeypatch.setenv("STARONNX_HOME", str(tmp_path / "home"))
+    store = PerfModelStore()
+    store.save_help_cost(HelpCost(host_share=0.2))
+    path = store.help_cost_path()
+    data = json.loads(path.read_text())
+    del data["host_share"]
+    path.write_text(json.dumps(data))
+    speeds = [WorkerSpeed("cuda0", "cuda", 0.001), WorkerSpeed("cpu1", "cpu", 0.01)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = staronnx.partition(realmodels.path("crnn_ocr"), "auto", PartitionSpec(
+            costs="estimate", input_shapes=realmodels.input_shapes("crnn_ocr")), output_dir=tmp_path / "plan",
+            speeds=speeds)
+    assert plan.settings["auto_shares"]["reason"]
+    assert any(issubclass(w.category, PerfModelCorruptWarning) and "host_share" in str(w.message) for w in caught)

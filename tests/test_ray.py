@@ -36,6 +36,7 @@ from staronnx.plan import Plan
 from staronnx.zoo import chain, inception
 from test_serve import ServeProcess, start_serve
 from test_serve_models import body, heavy_x, light_x, output
+import realmodels
 from staronnx.partition import PartitionSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -772,6 +773,31 @@ def test_a_replica_spec_checks_what_its_models_share():
     # a replica bound to one ModelSpec's dict (as before models could share) still starts
     assert ReplicaSpec.of(a.to_dict()).models == (a,)
     assert ReplicaSpec.of(ReplicaSpec((a,)).to_dict()).models == (a,)
+
+
+def test_workers_or_a_lane_for_a_model_hosted_alone_are_refused_not_dropped(tmp_path):
+    """A model's ``workers`` (--model-workers) and ``lane`` (--lane) choose its workers on a
+    runtime shared with other models; the replica applies them to a shared runtime only. Given to
+    a model deployed alone (one plan, or --separate-runtimes) they were dropped without a word
+    and the model ran on every worker. Refused in one line now, as ``staronnx serve`` does."""
+    from staronnx.ray.spec import ModelSpec, ReplicaSpec, group_models
+
+    plan = str(realmodels.path("crnn_ocr"))
+    alone = ModelSpec(plan=plan, name="ocr", workers="cpu:numa0")
+    with pytest.raises(StaronnxError, match=r"model 'ocr': workers='cpu:numa0' place a model"):
+        ReplicaSpec((alone,))
+    with pytest.raises(StaronnxError, match=r"lane='cpu:numa0'"):
+        group_models([ModelSpec(plan=plan, name="ocr", lane="cpu:numa0"), ModelSpec(plan=plan, name="b")],
+                     separate_runtimes=True)
+    with pytest.raises(StaronnxError, match="place a model"):
+        ReplicaSpec.of(alone.to_dict())  # as a replica would receive it
+    shared = ReplicaSpec((alone, ModelSpec(plan=plan, name="b")))  # beside another model: kept
+    assert shared.models[0].workers == "cpu:numa0"
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from staronnx.ray.app import build_app
+
+    with pytest.raises(StaronnxError, match="place a model"):
+        build_app([alone])
 
 
 def test_serve_config_takes_targets_and_capacities_per_model(tmp_path):

@@ -32,7 +32,7 @@ from staronnx.partition.checks import warn_cut
 from staronnx.partition.cut import SHARES_CUTS, Cut, CutRequest, plan_settings
 from staronnx.partition.host import cpu_group_sizes, host_devices, host_transfer
 from staronnx.partition.export import write_plan
-from staronnx.partition.graph import ModelGraph, build_graph, resolve_input_shapes
+from staronnx.partition.graph import ModelGraph, build_graph, check_batch_axes, resolve_input_shapes
 from staronnx.partition.methods.pipeline import PLACEMENT_METHODS
 from staronnx.partition.notation import parse_input_shapes, read_shares
 from staronnx.partition.spec import PartitionSpec
@@ -155,6 +155,7 @@ def partition(
 
     say("loading model")
     loaded = load_model(model_or_path)
+    check_batch_axes(loaded.model, axes)  # before any profiling: a plan that cannot load is never written
     # a placement method profiles per device itself and makes its own parts (shares do not apply)
     request = CutRequest(list(targets), device=device, costs=spec.costs, profile_batch=profile_batch,
                          profile_runs=profile_runs, seed=spec.seed, tolerance=tolerance, input_shapes=shapes,
@@ -165,8 +166,9 @@ def partition(
     if small is not None and reason is None and not auto and (shares is not None or spec.parts is not None):
         raise PartitionError(f"cannot cut {vertex_count(loaded.model)} node(s) into {len(targets)} parts: k must "
                              "not exceed the node count (without shares or parts, the model is served whole)")
-    if reason is not None or small is not None:
-        return _whole(loaded, reason or small, out, request, contract)
+    why_whole = reason if reason is not None else small
+    if why_whole is not None:
+        return _whole(loaded, why_whole, out, request, contract)
     graph = build_graph(loaded, shapes, axes)
     cut = METHODS[method]
     auto_choice = None

@@ -258,7 +258,7 @@ def measure_speeds(
         for device in cuda_devices:
             say(f"timing the whole model on cuda{device}")
             with cuda_capture_safe():  # a runtime in this process may be capturing a CUDA graph
-                on = ["CPUExecutionProvider"] if stand_in else [
+                on: list[str | tuple[str, dict[str, str]]] = ["CPUExecutionProvider"] if stand_in else [
                     ("CUDAExecutionProvider", {"device_id": str(device)}), "CPUExecutionProvider"]
                 gpus = [make_session(model, providers=on) for _ in range(streams)]
             # timed three times: the spread is the bar a split's predicted gain must clear

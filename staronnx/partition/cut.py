@@ -73,7 +73,10 @@ class Parts:
 class Cut(Protocol):
     """A partition method: what ``METHODS[name]`` holds."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The method's name, as ``method=`` and ``--method`` take it (read-only: a frozen
+        dataclass such as :class:`SharesCut` satisfies it)."""
 
     def __call__(self, graph: ModelGraph, request: CutRequest) -> Parts: ...
 

@@ -13,7 +13,7 @@ dimensions of a crossing tensor must stay symbolic in the exported parts.
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -199,6 +199,26 @@ def model_inputs(model: onnx.ModelProto, batch_axes: dict[str, int | None] | Non
     return specs
 
 
+def check_batch_axes(model: onnx.ModelProto, axes: Mapping[str, int | None]) -> None:
+    """Refuse ``batch_axes`` overrides that do not fit the model (an unknown tensor, an axis past
+    its rank, a fixed size other than 1), with the words the plan's contract would use.
+
+    The plan's contract applies them whenever it is loaded: unchecked before the cut, the model
+    was profiled and its plan written, and then the plan failed on every load (``show``,
+    ``verify``, ``serve``) with the error the cut should have given before any work."""
+    if not axes:
+        return
+    constants = {t.name for t in model.graph.initializer} | {t.values.name for t in model.graph.sparse_initializer}
+    inputs: dict[str, list[int | str | None] | None] = {}
+    for vi in model.graph.input:
+        if vi.name in constants:
+            continue
+        tt = vi.type.tensor_type
+        known = vi.type.HasField("tensor_type") and tt.HasField("shape")
+        inputs[vi.name] = [dim_of(d) for d in tt.shape.dim] if known else None
+    contract.BatchContract.read(inputs, declared_outputs(model), batch_axes=axes)
+
+
 def declared_outputs(model: onnx.ModelProto) -> dict[str, list[int | str | None] | None]:
     """The graph outputs' shapes as the model declares them (None where it declares none)."""
     out: dict[str, list[int | str | None] | None] = {}
@@ -229,8 +249,9 @@ def resolve_input_shapes(
     for spec in inputs:
         user = given.get(spec.name)
         if user is not None and spec.shape and len(user) != len(spec.shape):
+            rank = len(user)
             raise _shape_error(
-                lambda arg: f"{arg} {spec.name}: rank {len(user)} given, the model's input has "
+                lambda arg: f"{arg} {spec.name}: rank {rank} given, the model's input has "
                 f"rank {len(spec.shape)} {spec.shape}"
             )
         if not spec.shape:  # rank unknown to the model: take what was given as it is
@@ -265,12 +286,18 @@ def resolve_input_shapes(
     return shapes
 
 
-def _shape_error(message, python: str = "input_shapes", cli: str = "--input-shape") -> PartitionError:  # type: ignore[no-untyped-def]
+def _shape_error(message: Callable[[str], str], python: str = "input_shapes",
+                 cli: str = "--input-shape") -> PartitionError:
     """A shape error naming ``partition()``'s argument, and the CLI's option for the CLI."""
     return PartitionError(message(python), cli=message(cli))
 
 
-def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> dict[str, tuple]:
+#: what shape inference (or a probe) tells of a tensor: its element type (0: unknown) and its dims
+#: (each a size, a symbol or None), None where the rank is unknown
+Inferred = tuple[int, list[int | str | None] | None]
+
+
+def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> dict[str, Inferred]:
     """Run ONNX shape inference on a weight-stripped model (see ``strip_weights``); return
     name -> (elem_type, dims) with None for unknown dims."""
     m = onnx.ModelProto()
@@ -287,7 +314,7 @@ def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> di
         inferred = shape_inference.infer_shapes(m, strict_mode=False, data_prop=True)
     except Exception:
         inferred = m
-    out: dict[str, tuple] = {}
+    out: dict[str, Inferred] = {}
     for vi in (*inferred.graph.value_info, *inferred.graph.output, *inferred.graph.input):
         if not vi.type.HasField("tensor_type"):
             continue
@@ -296,10 +323,11 @@ def _infer(stripped: onnx.ModelProto, shapes: dict[str, list[int]] | None) -> di
     return out
 
 
-def _concrete(dims: list | None) -> tuple[int, ...] | None:
-    if dims is None or any(not isinstance(d, int) for d in dims):
+def _concrete(dims: list[int | str | None] | None) -> tuple[int, ...] | None:
+    if dims is None:
         return None
-    return tuple(dims)
+    sizes = [d for d in dims if isinstance(d, int)]
+    return tuple(sizes) if len(sizes) == len(dims) else None
 
 
 def build_graph(
@@ -308,7 +336,7 @@ def build_graph(
 ) -> ModelGraph:
     """Turn a loaded model into the partitioner's DAG with byte-weighted edges."""
     g = loaded.graph
-    initializers: dict = {t.name: t for t in g.initializer}
+    initializers: dict[str, onnx.TensorProto] = {t.name: t for t in g.initializer}
     initializers.update({t.values.name: t for t in g.sparse_initializer})
     const_nodes: dict[str, onnx.NodeProto] = {}
     vertices: list[onnx.NodeProto] = []
@@ -344,9 +372,7 @@ def build_graph(
             )
 
     # the symbol the exported parts' batch axes take: the model's own, "batch" where it has none
-    batch_symbol = next((spec.shape[spec.batch_axis] for spec in inputs if spec.batch_axis is not None
-                         and spec.batch_axis < len(spec.shape) and isinstance(spec.shape[spec.batch_axis], str)),
-                        "batch")
+    batch_symbol = _batch_symbol(inputs)
 
     tensors = _tensor_infos(loaded.model, inputs, input_shapes, producer, batch_symbol)
     preds, succs = _adjacency(producer, node_inputs)
@@ -365,6 +391,16 @@ def build_graph(
         preds=preds,
         succs=succs,
     )
+
+
+def _batch_symbol(inputs: list[InputSpec]) -> str:
+    """The symbol of the first input's batch axis that has one, "batch" where none has."""
+    for spec in inputs:
+        if spec.batch_axis is not None and spec.batch_axis < len(spec.shape):
+            dim = spec.shape[spec.batch_axis]
+            if isinstance(dim, str):
+                return dim
+    return "batch"
 
 
 def _tensor_infos(
@@ -414,7 +450,7 @@ def _tensor_infos(
 
 def _probe(
     model: onnx.ModelProto, names: list[str], shapes: dict[str, list[int]]
-) -> dict[str, tuple]:
+) -> dict[str, Inferred]:
     """Shapes shape inference could not tell, read off a real ORT run with them as outputs."""
     from staronnx.feeds import random_feeds_for_shapes
     from staronnx.ortutil import make_session
@@ -431,8 +467,8 @@ def _probe(
         values = sess.run(names, feeds)
     except Exception:
         return {}
-    out = {}
+    out: dict[str, Inferred] = {}
     for n, val in zip(names, values):
         if isinstance(val, np.ndarray):
-            out[n] = (onnx.helper.np_dtype_to_tensor_dtype(val.dtype), list(val.shape))
+            out[n] = (int(onnx.helper.np_dtype_to_tensor_dtype(val.dtype)), list(val.shape))
     return out

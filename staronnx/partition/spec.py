@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Integral, Real
+
+from staronnx.errors import PartitionError
 
 __all__ = ["PartitionSpec"]
 
@@ -52,3 +55,27 @@ class PartitionSpec:
     cuda_devices: Sequence[int] = (0,)
     batch_axes: Sequence[str] | Mapping[str, int | None] | None = None
     batching: bool = True
+
+    def __post_init__(self) -> None:
+        """Refuses values of the wrong kind, naming the field: a Python caller's ``parts=2.5`` or
+        ``profile_runs="2"`` ended in a TypeError deep in the cut, and ``profile_batch=1.5`` was taken
+        as given. Ranges are ``partition()``'s to check."""
+        whole = {"profile_batch": self.profile_batch, "profile_runs": self.profile_runs, "seed": self.seed,
+                 "cuda_streams": self.cuda_streams}
+        if self.parts is not None:
+            whole["parts"] = self.parts
+        for name, value in whole.items():
+            if isinstance(value, bool) or not isinstance(value, Integral):
+                raise PartitionError(f"{name} must be a whole number, got {value!r}")
+        if isinstance(self.tolerance, bool) or not isinstance(self.tolerance, Real):
+            raise PartitionError(f"tolerance must be a number, got {self.tolerance!r}")
+        if not isinstance(self.batching, bool):
+            raise PartitionError(f"batching is True or False, got {self.batching!r}")
+        if isinstance(self.input_shapes, Mapping):
+            for name, dims in self.input_shapes.items():
+                sizes = list(dims) if isinstance(dims, Sequence) and not isinstance(dims, str) else None
+                if sizes is None or any(
+                        isinstance(d, bool) or not isinstance(d, Integral) or d < -1 for d in sizes):
+                    # (0 stays: an empty past is a real first run's size, which sessions cut at)
+                    raise PartitionError(f"input_shapes[{name!r}] must list sizes >= 0 (or -1 for the model's), "
+                                         f"got {dims!r}")

@@ -52,7 +52,8 @@ def vertex_count(model: onnx.ModelProto) -> int:
 
 
 def is_tensor(tp: onnx.TypeProto) -> bool:
-    return tp.WhichOneof("value") == "tensor_type"
+    kind: str | None = tp.WhichOneof("value")
+    return kind == "tensor_type"
 
 
 def whole_reason(model: onnx.ModelProto) -> str | None:
@@ -81,7 +82,8 @@ def _element_dtype(elem_type: int) -> str:
     try:
         return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
     except (KeyError, TypeError, ValueError):
-        return onnx.TensorProto.DataType.Name(elem_type).lower()
+        name: str = onnx.TensorProto.DataType.Name(elem_type)
+        return name.lower()
 
 
 def value_spec(vi: onnx.ValueInfoProto) -> TensorSpec:
@@ -91,7 +93,7 @@ def value_spec(vi: onnx.ValueInfoProto) -> TensorSpec:
         return TensorSpec(vi.name, value_type_name(vi.type), [], batched=False)
     tt = vi.type.tensor_type
     shape = [dim_of(d) for d in tt.shape.dim] if tt.HasField("shape") else []
-    fixed = int(np.prod([d for d in shape if is_fixed(d)], dtype=np.int64))
+    fixed = int(np.prod([d for d in shape if is_fixed(d)], dtype=np.int64))  # (is_fixed: sizes only)
     return TensorSpec(vi.name, _element_dtype(tt.elem_type), shape,
                       bytes_per_sample=fixed * dtype_itemsize(tt.elem_type))
 

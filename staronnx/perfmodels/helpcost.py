@@ -63,7 +63,11 @@ class HelpCost:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> HelpCost:
-        """From :meth:`as_dict`'s fields (others, such as a store file's header, are ignored)."""
+        """From :meth:`as_dict`'s fields (others, such as a store file's header, are ignored); a
+        ValueError names what is missing (the store then warns once and charges the default,
+        where a KeyError ended ``partition --shares auto`` in a traceback)."""
+        if "host_share" not in data:
+            raise ValueError("a help cost needs host_share")
         return cls(host_share=float(data["host_share"]), task_s=float(data.get("task_s", TASK_SECONDS)))
 
     @classmethod

@@ -74,8 +74,8 @@ class Footprint:
         omitted, the leading dimension of the first input. The batch dimension is left out of
         the hash, so every batch size of one set of other sizes is one family (the regression
         across batch sizes fits it): the axis ``axes`` names for an input (the plan's batching
-        contract: a state ``[2, batch, 64]`` has it on axis 1), else axis 0 where it equals the
-        batch.
+        contract: a state ``[2, batch, 64]`` has it on axis 1; an input it leaves out has none),
+        else, without ``axes``, axis 0 where it equals the batch.
         """
         by_name = isinstance(shapes, Mapping)
         items = shapes.items() if isinstance(shapes, Mapping) else (("", s) for s in shapes)
@@ -89,7 +89,9 @@ class Footprint:
         batch = operator.index(batch)
         parts = []
         for name, dims in ordered:
-            star = axes.get(name, 0) if axes else 0
+            # an input the contract leaves out has no batch axis: a [1] or [4] shape tensor read
+            # at batch 1 or 4 starred there alone put that batch size in a family of its own
+            star = axes.get(name) if axes else 0
             text = ",".join("*" if i == star and d == batch else str(d) for i, d in enumerate(dims))
             parts.append(f"{name}[{text}]")
         return cls(batch=batch, shape_hash=zlib.crc32(";".join(parts).encode("utf-8")))

@@ -141,14 +141,21 @@ class HostCosts:
             return self
         if rate <= light.rate:
             return replace(light, lag_s=self.lag_s, lighter=None)
-        low, high = vars(light), vars(self)
         inv_low, inv_high, inv = 1.0 / light.rate, 1.0 / self.rate, 1.0 / rate
 
-        def at(name: str) -> float:
-            c = (low[name] - high[name]) / (inv_low - inv_high)
-            return max(high[name] + c * (inv - inv_high), 0.0)
+        def at(low: float, high: float) -> float:
+            c = (low - high) / (inv_low - inv_high)
+            return max(high + c * (inv - inv_high), 0.0)
 
-        return replace(self, rate=rate, lighter=None, **{name: at(name) for name in _BLENDED})
+        # the figures blended between the two loads (named one by one: each is a float)
+        return replace(
+            self, rate=rate, lighter=None,
+            launch_s=at(light.launch_s, self.launch_s), wake_s=at(light.wake_s, self.wake_s),
+            gap_s=at(light.gap_s, self.gap_s), finish_s=at(light.finish_s, self.finish_s),
+            cpu_per_batch_s=at(light.cpu_per_batch_s, self.cpu_per_batch_s),
+            cpu_per_request_s=at(light.cpu_per_request_s, self.cpu_per_request_s),
+            task_scale=at(light.task_scale, self.task_scale),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)  # (``lighter`` too, nested)
@@ -197,10 +204,6 @@ class HostCosts:
 
 #: the per-part figures (tuples, one per part of the plan)
 _PER_PART = ("part_scales", "part_cold_scales")
-
-#: the figures :meth:`HostCosts.at_rate` interpolates between two loads
-_BLENDED = ("launch_s", "wake_s", "gap_s", "finish_s", "cpu_per_batch_s", "cpu_per_request_s", "task_scale")
-
 
 @dataclass
 class HostModel:

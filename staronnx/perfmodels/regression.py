@@ -53,7 +53,8 @@ class NLRegression:
         """Predicted seconds for a batch of ``batch`` items (also for sizes never measured)."""
         if batch <= 0:
             return self.c
-        return self.a * float(batch) ** self.b + self.c
+        scaled: float = float(batch) ** self.b  # a positive base: a float, never complex
+        return self.a * scaled + self.c
 
     def to_dict(self) -> dict[str, float | int]:
         """JSON-able form (for files and display; loading refits rather than trusting it)."""
@@ -82,7 +83,8 @@ def _solve_ac(u: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, 
 
     def err(a: np.ndarray, c: np.ndarray) -> np.ndarray:
         r = a[:, None] * u + c[:, None] - y[None, :]
-        return (w[None, :] * r * r).sum(axis=1)
+        sq: np.ndarray = (w[None, :] * r * r).sum(axis=1)
+        return sq
 
     feasible = safe & (a_free >= 0) & (c_free >= 0)
     a_only = np.maximum(a_only, 0.0)
@@ -175,7 +177,8 @@ class PowerLaw:
         """Predicted seconds, or NaN outside the trusted range (StarPU's rule)."""
         if not 0.9 * self.min_batch <= batch <= 1.1 * self.max_batch:
             return math.nan
-        return self.alpha * float(batch) ** self.beta
+        scaled: float = float(batch) ** self.beta  # batch > 0 in range: a float, never complex
+        return self.alpha * scaled
 
 
 def fit_power_law(batches: Sequence[float], seconds: Sequence[float], *, min_samples: int = 10) -> PowerLaw | None:

@@ -40,31 +40,36 @@ def build_app(specs: Sequence[ModelSpec], scaling: Scaling | None = None, *, max
     """The ingress bound to the deployment(s) serving ``specs`` (a ``ray.serve`` Application):
     one hosting every model on a shared runtime per replica, or one per model
     (``separate_runtimes``); ``scaling`` applies to each."""
-    from ray import serve
-
     from staronnx.ray.ingress import KServeIngress
 
     groups = group_models(specs, separate_runtimes)
     scaling = scaling or Scaling()
     handles = _deployments(groups, scaling, env)
-    ingress = serve.deployment(KServeIngress).options(
+    ingress = _deployment(KServeIngress).options(
         name=INGRESS_NAME, num_replicas=scaling.ingress_replicas, ray_actor_options={"num_cpus": 0},
         # the ingress only awaits the replicas: it can hold every request the models may queue
         max_ongoing_requests=max(1000, sum(s.queue_capacity for s in specs)))
     return ingress.bind(handles, max_body)
 
 
+def _deployment(cls: type) -> Any:
+    """``serve.deployment(cls)``: a Serve Deployment of the class. Ray's stubs type
+    ``serve.deployment`` as its decorator-factory overload, which has no ``options``."""
+    from ray import serve
+
+    make: Any = serve.deployment
+    return make(cls)
+
+
 def _deployments(groups: Sequence[ReplicaSpec], scaling: Scaling, env: Mapping[str, str] | None) -> dict[str, Any]:
     """Model name -> the bound deployment hosting it; the models of a shared deployment all
     map to the same one (Serve builds it once and hands the ingress one handle for them)."""
-    from ray import serve
-
     from staronnx.ray.replica import StaronnxReplica
 
     handles: dict[str, Any] = {}
     for group in groups:
         options = scaling.deployment_options(group, env)
-        bound = serve.deployment(StaronnxReplica).options(**options).bind(group.to_dict())
+        bound = _deployment(StaronnxReplica).options(**options).bind(group.to_dict())
         handles.update({m.name: bound for m in group.models})
     return handles
 
@@ -198,7 +203,10 @@ def listening_on(host: str, port: int) -> tuple[str, int]:
     try:
         from ray.serve.context import _get_global_client
 
-        options = _get_global_client().http_config
+        client = _get_global_client()
+        if client is None:  # no controller to ask: what we asked for is what it took
+            return host, port
+        options = client.http_config
         return str(options.host or host), int(options.port or port)
     except Exception:  # noqa: BLE001 - a Ray version without it: what we asked for is what it took
         return host, port

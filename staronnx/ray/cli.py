@@ -15,12 +15,17 @@ import os
 import signal
 import threading
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from types import FrameType
+from typing import Any, Callable, Mapping, Union
 
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import target_words
 from staronnx.ray.spec import (APP_NAME, ModelSpec, ReplicaSpec, Scaling, forwarded_env, group_models,
                                parse_autoscale)
+
+
+#: what ``signal.signal`` takes and returns: a handler, SIG_DFL/SIG_IGN, or None (one not set from Python)
+_Handler = Union[Callable[[int, FrameType | None], Any], int, signal.Handlers, None]
 
 
 def scaling_from_options(replicas: int | None, autoscale: str | None, replica_cpus: float | None,
@@ -105,19 +110,20 @@ def serve_on_ray(specs: list[ModelSpec], scaling: Scaling, *, separate_runtimes:
     groups = group_models(specs, separate_runtimes)  # refused here, before any cluster starts
     own_cluster = not os.environ.get("RAY_ADDRESS")
     stop = threading.Event()
-    previous: dict = {}
+    previous: dict[signal.Signals, _Handler] = {}
     try:
         try:
             # the replicas' and Serve's own logs stay in Ray's log folder on each node
             # (/tmp/ray/session_latest/logs/serve/): streamed here they would bury this
             # command's lines under every retry's traceback
-            ray.init(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+            ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
         except Exception as exc:  # noqa: BLE001 - no cluster to join or none can start here
             where = f"join the Ray cluster at {os.environ['RAY_ADDRESS']}" if not own_cluster else "start a local Ray cluster"
             first = (str(exc).strip().splitlines() or [""])[0]
             raise StaronnxError(f"could not {where}: {type(exc).__name__}: {first}") from None
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # not Serve's INFO lines among ours
-        problem = capacity_problem(scaling, len(groups), ray.cluster_resources())
+        resources = ray.cluster_resources()  # type: ignore[no-untyped-call]  # (unannotated in Ray)
+        problem = capacity_problem(scaling, len(groups), resources)
         if problem and own_cluster:  # nothing will join this machine's own cluster: it would wait forever
             raise StaronnxError(problem)
         if problem:  # a cluster's autoscaler (KubeRay) may add the nodes; Serve waits for them
@@ -136,7 +142,7 @@ def serve_on_ray(specs: list[ModelSpec], scaling: Scaling, *, separate_runtimes:
         say("stopping: deleting the application; replicas finish the requests they accepted")
         serve.delete(APP_NAME)
         if own_cluster:
-            serve.shutdown()
+            serve.shutdown()  # type: ignore[no-untyped-call]  # (unannotated in Ray)
         say("stopped")
     finally:
         for sig, handler in previous.items():

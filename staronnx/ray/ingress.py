@@ -178,7 +178,7 @@ class KServeIngress:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             raise invalid(f"request body of {length} bytes is larger than --max-body ({self.max_body} bytes)")
-        body = await request.body()
+        body: bytes = await request.body()  # (a starlette Request, untyped here)
         if len(body) > self.max_body:
             raise invalid(f"request body is larger than --max-body ({self.max_body} bytes)")
         return body
@@ -231,9 +231,10 @@ class KServeIngress:
                 return await handle.remote(*args, model=name, **kwargs)
             except _retryable() as exc:
                 if attempt == 2:
+                    died = _first_line(first) if first is not None else "no detail"  # (set by attempt 1)
                     raise ProtocolError(
                         "unavailable",
-                        f"model {shown(name)}: the replica running this request died ({_first_line(first)}), "  # type: ignore[arg-type]
+                        f"model {shown(name)}: the replica running this request died ({died}), "
                         f"and so did the one it was retried on ({_first_line(exc)}); retry later") from None
                 first = exc
                 self._retries += 1

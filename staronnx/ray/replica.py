@@ -138,7 +138,9 @@ class StaronnxReplica:
         self.replica = ctx.replica_id.unique_id
         # a replica's rank on its node came with Ray 2.5x's ReplicaRank: 0 on a Ray without it
         self.local_rank = int(getattr(getattr(ctx, "rank", None), "local_rank", 0) or 0)
-        cpus = float(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0))
+        # (Ray leaves get_assigned_resources unannotated)
+        assigned = ray.get_runtime_context().get_assigned_resources()  # type: ignore[no-untyped-call]
+        cpus = float(assigned.get("CPU", 0.0))
         share = cpu_share(self.local_rank, cpus) if self.spec.runtime_settings()["pin_cpus"] else None
         if share is not None:
             pin_process(share)
@@ -164,17 +166,19 @@ class StaronnxReplica:
                  ", ".join(f"{m.name!r} (plan {m.plan})" for m in self.spec.models), self.cpus,
                  len(self.runtime.workers))
 
-    def _endpoint(self, model: str | None) -> Any:
+    def _endpoint(self, model: str | None) -> ModelEndpoint:
         """The endpoint serving ``model`` (None: the only one); an unknown name is a protocol
         error (not found), though the ingress routes only the names this replica hosts."""
         from staronnx.serve.protocol import unknown_model
 
-        if model is None and len(self.endpoints) == 1:
-            return next(iter(self.endpoints.values()))
-        try:
-            return self.endpoints[model]  # type: ignore[index]
-        except KeyError:
-            raise unknown_model(str(model), list(self.endpoints)) from None
+        if model is None:
+            if len(self.endpoints) == 1:
+                return next(iter(self.endpoints.values()))
+        else:
+            endpoint = self.endpoints.get(model)
+            if endpoint is not None:
+                return endpoint
+        raise unknown_model(str(model), list(self.endpoints))
 
     # -- requests ---------------------------------------------------------------------------------
     async def infer(self, inputs: Mapping[str, np.ndarray], datatypes: Mapping[str, str],
@@ -279,7 +283,7 @@ class StaronnxReplica:
         self._open.close()
 
 
-def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
+def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Runtime:
     """The runtime of a replica: every model of ``spec`` on one set of workers, each with its
     service target (a one-model spec is a runtime of one); ``cuda_streams`` CUDA workers on each
     of ``cuda_devices`` (the replica's GPUs)."""
@@ -304,7 +308,7 @@ def open_runtime(spec: ReplicaSpec, cuda_devices: Sequence[int] = (0,)) -> Any:
                                                targets=targets, warmup=tuple(warm)))
 
 
-def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, Any]:
+def open_endpoints(spec: ReplicaSpec, runtime: Runtime, replica: str) -> dict[str, ModelEndpoint]:
     """One :class:`~staronnx.serve.models.ModelEndpoint` per model of ``spec``, over its handle
     on the shared ``runtime``; what each model's config reports names the replica, whether the
     runtime is shared and the model's target (as ``staronnx serve``'s do)."""
@@ -312,7 +316,7 @@ def open_endpoints(spec: ReplicaSpec, runtime: Any, replica: str) -> dict[str, A
     from staronnx.serve.models import ENDPOINT_SPEC, ModelEndpoint
 
     metrics = ServeMetrics()
-    endpoints: dict[str, Any] = {}
+    endpoints: dict[str, ModelEndpoint] = {}
     try:
         for m in spec.models:
             settings = {"policy": m.policy, "groups": m.groups, "cuda_streams": m.cuda_streams, "engine": m.engine,

@@ -183,6 +183,14 @@ class ReplicaSpec:
                 raise StaronnxError(
                     f"models sharing a runtime share its {field_name!r}, but they give {', '.join(sorted(values))}; "
                     "give one value for all, or serve them with separate runtimes")
+        placed = [f"{field_name}={getattr(first, field_name)!r}" for field_name in ("workers", "lane")
+                  if getattr(first, field_name)]
+        if len(self.models) == 1 and placed:
+            # open_runtime applies them to a shared runtime only: alone, they were dropped unsaid
+            raise StaronnxError(
+                f"model {first.name!r}: {' and '.join(placed)} place a model on the workers of a runtime it shares "
+                "with other models (--model-workers, --lane); a replica hosting it alone has none: leave them out, "
+                "or serve it beside other models without separate runtimes")
         if len(self.models) > 1 and first.engine != "native":
             raise StaronnxError(f"the {first.engine} engine serves one plan; several models share a runtime on the "
                                 "native engine (or serve them with separate runtimes)")

@@ -37,7 +37,8 @@ class Coarsening:
 
     def expand(self, unit_devices: np.ndarray) -> np.ndarray:
         """A device per node from a device per unit."""
-        return np.asarray(unit_devices, dtype=np.int64)[self.units]
+        devices: np.ndarray = np.asarray(unit_devices, dtype=np.int64)[self.units]
+        return devices
 
     def expand_order(self, unit_order: list[int]) -> list[int]:
         """A node order from a topological unit order: each unit's nodes in index order."""

@@ -78,7 +78,8 @@ def apply_override(
         out = np.asarray(override, dtype=float) * (batch / profile_batch)
     if out.shape != (n,) or not np.all(np.isfinite(out)) or np.any(out < 0):
         raise PartitionError(f"a device cost override must give {n} finite, non-negative µs values")
-    return np.maximum(out, 1e-3)
+    floored: np.ndarray = np.maximum(out, 1e-3)
+    return floored
 
 
 def cost_tables(graph: ModelGraph, devices: Sequence[Device], batches: Sequence[int],
@@ -98,7 +99,7 @@ def cost_tables(graph: ModelGraph, devices: Sequence[Device], batches: Sequence[
     for b in batches:
         cache: dict[tuple[str, int], np.ndarray] = {}
 
-        def measured(dev: Device, b: int = b, cache: dict = cache) -> np.ndarray:
+        def measured(dev: Device, b: int = b, cache: dict[tuple[str, int], np.ndarray] = cache) -> np.ndarray:
             key = (dev.kind, dev.cores)
             if key not in cache:
                 if source == "estimate":
@@ -114,7 +115,8 @@ def cost_tables(graph: ModelGraph, devices: Sequence[Device], batches: Sequence[
                     cache[key] = profile_costs(graph, device=dev.kind, batch=b, runs=runs,
                                                input_shapes=request.input_shapes, seed=request.seed,
                                                threads=int(dev.cores) if dev.kind == "cpu" else None).micros
-            return cache[key]
+            costs: np.ndarray = cache[key]
+            return costs
 
         def column(dev: Device, reference: np.ndarray, b: int) -> np.ndarray:
             if dev.name in overrides:

@@ -28,13 +28,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx
 
+from staronnx.contract import parse_batch_axes
 from staronnx.errors import DeviceError, PartitionError
 from staronnx.partition.spec import PartitionSpec
 from staronnx.modelio import load_model
 from staronnx.partition.costs import NodeCosts
 from staronnx.partition.cut import CutRequest, Parts, plan_settings
 from staronnx.partition.export import write_plan
-from staronnx.partition.graph import ModelGraph, build_graph
+from staronnx.partition.graph import ModelGraph, build_graph, check_batch_axes
 from staronnx.partition.methods.devices import CostOverride, cost_tables, parse_devices
 from staronnx.partition.methods.heuristics import Assignment, comm_sd, duet, overseer
 from staronnx.partition.methods.model import (
@@ -393,8 +394,9 @@ def place(
     """Place a model's nodes on devices with ``spec.method`` (a placement method) and export the
     plan (parts with their device, the method's predictions under ``settings["placement"]``).
 
-    Of the spec, the method and how costs are measured apply (``costs``, ``profile_batch``,
-    ``profile_runs``, ``input_shapes``, ``seed``); the devices are this call's own, and a
+    Of the spec, the method, how costs are measured (``costs``, ``profile_batch``,
+    ``profile_runs``, ``input_shapes``, ``seed``) and the batching contract (``batch_axes``,
+    ``batching``, kept in the plan as partition keeps them) apply; the devices are this call's own, and a
     placement method chooses its parts itself (no shares). ``batch``: the batch size the method
     decides at (default the profile batch); ``options``: the method's own."""
     method = spec.method
@@ -405,11 +407,16 @@ def place(
         input_shapes=parse_input_shapes(spec.input_shapes), devices=devices, device_costs=device_costs,
         options=options, batch=batch, transfer=transfer, progress=progress or (lambda _m: None),
     )
+    axes = parse_batch_axes(spec.batch_axes)
     out = output_dir_for(output_dir, force)
     request.progress("loading model")
-    graph = build_graph(load_model(model_or_path), request.input_shapes)
+    loaded = load_model(model_or_path)
+    check_batch_axes(loaded.model, axes)
+    graph = build_graph(loaded, request.input_shapes, axes)
     parts = PLACEMENT_METHODS[method](graph, request)
+    # the spec's batching contract, as partition() keeps it (each plan load applies it)
     settings = plan_settings(method, parts.targets, request, device="placed", tolerance=None,
-                             options=_jsonable(dict(options or {})), placement=parts.report)
+                             options=_jsonable(dict(options or {})), placement=parts.report,
+                             contract=dict(batch_axes=axes or None, batching=None if spec.batching else False))
     request.progress(f"exporting {parts.k} parts to {out}")
     return write_plan(graph, parts, settings, out)
