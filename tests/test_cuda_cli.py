@@ -326,3 +326,27 @@ def test_serve_says_how_many_threads_drive_its_streams(tiny, tmp_path, host_cuda
         rc = served.stop()
     assert rc == 0, "\n".join(served.lines)
     assert ("2 driver threads for 2 streams" if own else "1 driver thread for 2 streams") in start, start
+
+
+def test_calibrate_takes_the_cuda_worker_flags_run_takes(real_plan, host_cuda):
+    """``calibrate`` starts the workers ``run`` starts with the same flags: it took
+    ``--cuda-streams`` and ``--cuda-devices`` but not ``--cuda-thread-per-stream`` nor
+    ``--cuda-graphs/--no-cuda-graphs``, so a user who runs with a driver thread per stream (a
+    core held back per stream, narrower CPU groups) could not calibrate those workers at all
+    ("No such option"). Now it does, says how many threads drive its streams, and the run with
+    the same flags finds every model calibrated (no warning), after warning, uncalibrated, with
+    the calibrate command for these very workers."""
+    plan = real_plan("gru_stream").root
+    flags = ("--cuda-streams", "2", "--groups", "none", "--cuda-thread-per-stream", "--no-cuda-graphs")
+    before = _cli("run", str(plan), "--requests", "2", "--batch", "1", "--policy", "dmda", *flags)
+    assert before.returncode == 0, before.stdout + before.stderr
+    # the command the warning says to run calibrates these very workers
+    assert re.search(r"run staronnx calibrate .* --cuda-streams 2 --no-cuda-graphs --cuda-thread-per-stream$",
+                     before.stderr.strip()), before.stderr
+    done = _cli("calibrate", str(plan), "--batch-sizes", "1", "--max-runs", "20", "--no-bus", "--no-host", *flags)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 driver threads for 2 streams" in done.stdout, done.stdout
+    ran = _cli("run", str(plan), "--requests", "4", "--batch", "1", "--policy", "dmda", *flags)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "no calibrated model" not in ran.stderr, ran.stderr
+    assert re.search(r"cuda0\.s1 .*│ cuda0\.s1 \(own\)", ran.stdout), ran.stdout

@@ -55,7 +55,10 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, s
                       for arch, parts in missing.items())  # part 1 on cpu1, parts 0, 1 on cuda0
     # the GPUs calibrate can measure: a skipped one (a what-if) would make the command fail
     reachable = [d for d in machine.cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
+    # the CUDA workers' flags that calibrate takes too, so it measures the workers this command starts
+    cuda = ((" --no-cuda-graphs" if not machine.cuda_graphs else "")
+            + (" --cuda-thread-per-stream" if machine.thread_per_stream else "")) if machine.cuda_streams else ""
     line = (f"staronnx: warning: no calibrated model for {where}: "
-            f"run {calibrate_command(plandir, machine.groups, machine.cuda_streams, reachable)}")
+            f"run {calibrate_command(plandir, machine.groups, machine.cuda_streams, reachable)}{cuda}")
     print(line, file=sys.stderr, flush=True)
     return line

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -12,12 +13,15 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, parse_cuda_devices
 from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
 from staronnx.workers.layout import MachineSpec
+
+if TYPE_CHECKING:
+    from staronnx.workers.base import Worker
 
 console = Console()
 perfmodel_app = typer.Typer(help="Inspect calibrated performance models.", no_args_is_help=True)
@@ -29,6 +33,12 @@ def calibrate_cmd(
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[Optional[str], typer.Option(help=CUDA_DEVICES_HELP)] = None,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Capture each (part, batch size) as a CUDA graph and replay it, as run, sweep and serve do by "
+             "default: calibrate with the setting you will run with, so the models hold the times it gives.")] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     max_runs: Annotated[int, typer.Option(help="Cap on runs per (worker, part, batch).")] = 60,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
@@ -59,7 +69,9 @@ def calibrate_cmd(
     for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
         random_plan_feeds(plan, 1, given)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
-    machine = MachineSpec(groups, cuda_streams, devices)
+    # the workers run, sweep and serve start with the same flags: a driver thread per stream
+    # holds a core back per stream, which changes the CPU groups' widths (their archs)
+    machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
     workers = start_workers(plan, machine)
@@ -71,8 +83,8 @@ def calibrate_cmd(
         shapes = "; input shapes " + " and ".join(
             ", ".join(f"{n}={'x'.join(map(str, d))}" for n, d in given.items()) for given in shape_sets
         ) if any(shape_sets) else ""
-        console.print(f"calibrating plan {plan.hash} ({plan.k} parts) on {', '.join(w.name for w in workers)}; "
-                      f"batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True)
+        console.print(f"calibrating plan {plan.hash} ({plan.k} parts) on {', '.join(w.name for w in workers)}"
+                      f"{_drivers_text(workers)}; batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:  # the steps on stdout, where the results are
             task = progress.add_task("calibrating", total=steps)
@@ -108,6 +120,18 @@ def calibrate_cmd(
     if report.uncalibrated:
         console.print(f"[yellow]not calibrated (too many outliers within {max_runs} runs):[/] "
                       + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated))
+
+
+def _drivers_text(workers: Sequence[Worker]) -> str:
+    """Who launches the CUDA workers' tasks, read off the started workers (as serve says it):
+    ``, 1 driver thread for 2 streams`` (one per GPU) or ``, 2 driver threads for 2 streams``
+    (--cuda-thread-per-stream); empty without CUDA workers."""
+    streams = [w for w in workers if w.kind == "cuda"]
+    if not streams:
+        return ""
+    threads = len({w.driver_key or w.name for w in streams})
+    return (f", {threads} driver thread{'s' if threads != 1 else ''} for {len(streams)} "
+            f"stream{'s' if len(streams) != 1 else ''}")
 
 
 def _measure_host(plan: Plan, sizes: list[int], report, machine: MachineSpec, *, store, workers,

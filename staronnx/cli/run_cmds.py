@@ -72,7 +72,7 @@ def run_cmd(
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
-        warn_uncalibrated(plandir, plan, MachineSpec(groups, cuda_streams, devices))
+        warn_uncalibrated(plandir, plan, MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream))
     batch, note = runnable_batch(plan, batch)
     if note is not None:
         console.print(note, highlight=False, soft_wrap=True)
