@@ -312,7 +312,8 @@ def sweep_cmd(
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
-        help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
+        help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up. Not "
+             "with --url (the server's workers are started with its own flags).")] = True,
     thread_per_stream: Annotated[bool, typer.Option(
         "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option(
@@ -379,6 +380,14 @@ def sweep_cmd(
     if url is not None and cuda_devices is not None:
         raise StaronnxError("--cuda-devices picks this process's GPUs; with --url the GPUs are the server's "
                             "(staronnx serve --cuda-devices)")
+    if url is not None:  # the server's CUDA workers: it does not report these, so they cannot be checked
+        dropped = [flag for name_, flag in (("cuda_graphs", "--cuda-graphs" if cuda_graphs else "--no-cuda-graphs"),
+                                            ("thread_per_stream", "--cuda-thread-per-stream"))
+                   if name_ in given_on_command_line(ctx)]
+        if dropped:
+            raise StaronnxError(f"{', '.join(dropped)}: with --url the CUDA workers are the server's, started with "
+                                "its own flags (staronnx serve " + " ".join(dropped) + "), which a sweep over the "
+                                "network can neither set nor check; leave them out with --url")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     check_models_options(plandirs, model_workers, lane)
     mixed = bool(len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority)
