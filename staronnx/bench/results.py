@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -61,6 +61,12 @@ class SweepError(StaronnxError, ValueError):
     cannot be read."""
 
 
+@overload
+def clean(value: dict[Any, Any]) -> dict[str, Any]: ...
+@overload
+def clean(value: Any) -> Any: ...
+
+
 def clean(value: Any) -> Any:
     """JSON-safe: NaN/inf -> None, numpy scalars -> Python, tuples -> lists, recursively."""
     if isinstance(value, dict):
@@ -91,7 +97,7 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     row["cpu_share"] = summary.get("cpu_share")
     row["state"], row["notes"] = summary.get("state"), summary.get("notes") or ""
     if row["state"] is None:  # figures summarized before points had a state
-        row["state"], row["notes"] = point_state(summary)
+        row["state"], row["notes"] = point_state(dict(summary))  # it reads the figures only
     row.update(congested=bool(summary.get("congested")), stable=bool(summary.get("stable")), extended=bool(extended))
     for key in ("requests", "completed", "rejected", "failed", "pending", "batches", "queue_mean", "queue_max",
                 "backlog_growth"):

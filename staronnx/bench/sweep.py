@@ -721,7 +721,7 @@ def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:
     stand-in says it is one), read in CUDA's thread-local capture mode so that a runtime
     already capturing graphs in this process is not disturbed."""
     from staronnx.ortutil import cuda_capture_safe
-    from staronnx.workers.cuda import describe_gpus
+    from staronnx.workers.cuda_env import describe_gpus
 
     with cuda_capture_safe():
         return describe_gpus(devices)

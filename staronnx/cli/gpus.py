@@ -24,7 +24,7 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
         return (0,)
     if not cuda_streams:
         raise StaronnxError("--cuda-devices picks the GPUs of the CUDA workers: it needs --cuda-streams N")
-    from staronnx.workers.cuda import visible_cuda_devices
+    from staronnx.workers.cuda_env import visible_cuda_devices
     from staronnx.workers.layout import cuda_ordinals
 
     visible = visible_cuda_devices()

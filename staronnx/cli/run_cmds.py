@@ -179,7 +179,8 @@ def driver_summary(driver: dict[str, Any] | None) -> str:
     GPU's one driver) or ``cuda0.s1 (own) on PU 2`` (``--cuda-thread-per-stream``)."""
     if driver is None:
         return "-"
-    return driver["thread"] + ("" if driver["pu"] is None else f" on PU {driver['pu']}")
+    thread: str = driver["thread"]
+    return thread + ("" if driver["pu"] is None else f" on PU {driver['pu']}")
 
 
 def failure_error(plan: Any, pool: list[dict[str, np.ndarray]], failures: list[tuple[int, BaseException]],
@@ -214,7 +215,8 @@ def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         def mean(field: str, row: dict[str, Any] = row, old: dict[str, Any] = old, n: int = n) -> float | None:
             if row[field] is None:
                 return None
-            return (row[field] * row["tasks"] - (old[field] or 0.0) * old["tasks"]) / n
+            total: float = row[field] * row["tasks"] - (old[field] or 0.0) * old["tasks"]
+            return total / n
 
         tasks[key] = {"tasks": n, "measured_ms": mean("measured_ms"), "predicted_ms": mean("predicted_ms")}
     span = max(after["elapsed_s"] - before["elapsed_s"], 1e-9)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
@@ -12,6 +13,9 @@ from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import served_only, target_words
+
+if TYPE_CHECKING:
+    from staronnx.runtime.registry import Worker
 
 
 def _port(value: int, flag: str) -> int:
@@ -248,13 +252,13 @@ def serve_cmd(
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
-        specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+        ray_specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
                                            "max_delay": delay, "save_every": save_s, "gc_interval": collect_every},
                             capacities=capacities, targets=targets, residency=residency, lanes=lanes,
                             batching=overrides)
-        serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
+        serve_on_ray(ray_specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
                      max_body=body, say=say)
         return
     # every model's batcher: the flags', a repository model's as its config says
@@ -306,8 +310,9 @@ def serve_cmd(
     if unavailable:
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
         names = [n for n in names if n not in unavailable]
-        targets, residency, lanes = ({n: v for n, v in d.items() if n not in unavailable}  # type: ignore[attr-defined]
-                                     for d in (targets, residency, lanes))
+        targets = {n: v for n, v in targets.items() if n not in unavailable}
+        residency = {n: v for n, v in residency.items() if n not in unavailable}
+        lanes = {n: v for n, v in lanes.items() if n not in unavailable}
     # the targets of the models loaded now: the runtime refuses one for a model it does not hold (a
     # repository model loaded later gets its --slo-ms/--priority from service_targets_cli)
     targets = {n: t for n, t in targets.items() if n in names}
@@ -367,6 +372,7 @@ def serve_cmd(
                 raise
 
         for model_name, plan in zip(names, loaded):
+            runtime: Runtime | ModelHandle
             if shared is not None:
                 runtime = shared.model(model_name)
             else:
@@ -570,7 +576,7 @@ def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) ->
     return served_only(targets, names, "--slo-ms/--priority")
 
 
-def _lowered_text(workers: list[Any]) -> str:
+def _lowered_text(workers: Sequence[Worker]) -> str:
     """What the start line says of the shared workers that yield to lanes, so an operator sees
     the priorities ``ps``/``top`` will show (or that the OS refused them)."""
     from staronnx.workers.cpu import CpuWorker
@@ -688,4 +694,6 @@ def event_loop_runner() -> tuple[Any, str]:
         import uvloop
     except ImportError:
         return asyncio.run, "asyncio"
-    return uvloop.run, f"uvloop {uvloop.__version__}"
+    from uvloop._version import __version__  # what ``uvloop.__version__`` is, without the re-export
+
+    return uvloop.run, f"uvloop {__version__}"

@@ -99,7 +99,7 @@ def what_if_gpus(plans: Any, devices: tuple[int, ...], cuda_scale: str | None) -
     calibrated (the others borrow its times), those this machine lacks (``calibrate`` could not
     reach them); none where no GPU is calibrated (the simulation needs some GPU's models)."""
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.workers.cuda import visible_cuda_devices
+    from staronnx.workers.cuda_env import visible_cuda_devices
 
     if cuda_scale is not None:
         return [f"cuda{d}" for d in devices]

@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -22,12 +22,16 @@ from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, cuda_summary, host_core_name, parse_cuda_devices
-from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, \
-    PriorityOption, SloOption, check_models_options, models_options
+from staronnx.cli.serve_cmd import MODEL_WORKERS_HELP
+from staronnx.cli.simulate_cmd import SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, PriorityOption, \
+    SloOption, check_models_options, models_options
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.workers.layout import MachineSpec
+
+if TYPE_CHECKING:  # the bench is imported when a command runs, not when the CLI starts
+    from staronnx.bench.sweep import SweepEvent
 
 console = output_console()
 
@@ -106,35 +110,42 @@ class _Bars:
         self.measured = 0
         self.total = 0
 
-    def __call__(self, event: Any) -> None:
+    @staticmethod
+    def _bar(task: TaskID | None) -> TaskID:
+        """A bar the ``start`` event made (every other event comes after it)."""
+        if task is None:
+            raise RuntimeError("a sweep event before the sweep's start event, or a per-point bar in a mixed sweep")
+        return task
+
+    def __call__(self, event: SweepEvent) -> None:
         p = self.progress
         if event.kind == "start":
             self.total = event.total
             self.points = p.add_task("mixes" if self.mixed else "sweep points", total=event.total)
             self.requests = None if self.mixed else p.add_task("warming up", total=None)
         elif event.kind == "point" and self.mixed:
-            p.update(self.points, description=f"mix {event.message}")
+            p.update(self._bar(self.points), description=f"mix {event.message}")
         elif event.kind == "warmup" and not self.mixed:
-            p.update(self.requests, description=f"warmed up batch {event.batch_size}")
+            p.update(self._bar(self.requests), description=f"warmed up batch {event.batch_size}")
         elif event.kind == "point":
             again = " (again, longer: unstable)" if event.attempt > 1 else ""
-            p.reset(self.requests, total=event.requests,
+            p.reset(self._bar(self.requests), total=event.requests,
                     description=f"b={event.batch_size} @ {event.rate:g} req/s{again}")
         elif event.kind == "requests" and not self.mixed:
-            p.update(self.requests, completed=event.submitted, total=event.requests)
+            p.update(self._bar(self.requests), completed=event.submitted, total=event.requests)
         elif event.kind == "done":
             self.measured += 1
-            p.update(self.points, completed=event.index)
+            p.update(self._bar(self.points), completed=event.index)
             above(p, console).print(_done_line(event.row or {}, self.mixed), highlight=False)
         elif event.kind == "skipped":
-            p.update(self.points, completed=event.index)
+            p.update(self._bar(self.points), completed=event.index)
             why = event.message or f"congested at {event.rate:g} req/s"
             above(p, console).print(f"[dim]{event.message}: skipped (a lower mix was congested)[/]" if self.mixed else
                                     f"[dim]b={event.batch_size}: {escape(why)}; skipping "
                                     f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
         elif event.kind in ("end", "interrupted"):
             if event.kind == "end":
-                p.update(self.points, completed=event.total)
+                p.update(self._bar(self.points), completed=event.total)
             if self.requests is not None:  # the per-point bar means nothing once the sweep stops
                 p.remove_task(self.requests)
                 self.requests = None
@@ -640,7 +651,8 @@ def optimize_batch_cmd(
     verify the best ones live; print predicted vs measured."""
     from staronnx.bench.optimize import optimize_batch
     from staronnx.bench.spec import OptimizeSpec
-    from staronnx.plan import Plan, atomic_write_text
+    from staronnx.fsutil import atomic_write_text
+    from staronnx.plan import Plan
 
     sizes = parse_batch_sizes(batch_sizes)
     if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):  # in the ms given, not the seconds
@@ -692,8 +704,8 @@ def optimize_batch_cmd(
     if result.generator_core is not None:
         console.print(f"measured with the load generator on the {host_core_name(cuda_streams)} (PU {result.generator_core})",
                       highlight=False)
-    for note in result.notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
+    for line in result.notes:
+        console.print(f"note: {line}", highlight=False, soft_wrap=True, markup=False)
     if json_out is not None:
         atomic_write_text(json_out, json.dumps(result.as_dict(), indent=1, default=str) + "\n")
         console.print(f"written to {json_out}")

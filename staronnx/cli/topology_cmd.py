@@ -117,7 +117,8 @@ def register(app: typer.Typer) -> None:
         if laid is not None:
             console.print(workers_table(laid))
         if not elsewhere:
-            from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
+            from staronnx.workers.cuda import cuda_unavailable_reason
+            from staronnx.workers.cuda_env import describe_gpus
 
             gpus = describe_gpus()
             if not gpus:  # said, and --export-xml still written below
