@@ -388,9 +388,9 @@ def calibrate_host(
     loaded: dict[int, HostCosts] = {}
     for run in runs:
         if run.loaded and _kept_up(run):
-            costs = _host_costs(run, tasks[id(run)], origin, deps)
-            if _generator_kept_up(run, costs):
-                loaded[run.batch] = costs
+            heavier = _host_costs(run, tasks[id(run)], origin, deps)
+            if _generator_kept_up(run, heavier):
+                loaded[run.batch] = heavier
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
     scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b], tasks), plan.k) for b in light}
@@ -615,7 +615,10 @@ def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: floa
 
     records = run.records
     batches = sorted((b for b in records.batches if b.done is not None), key=lambda b: b.formed)
-    launch, wake, gap, finish = [], [], [], []
+    launch: list[float] = []
+    wake: list[float] = []
+    gap: list[float] = []
+    finish: list[float] = []
     alone = 0
     for i, record in enumerate(batches):
         formed, done = record.formed - origin, record.done - origin

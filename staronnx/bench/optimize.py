@@ -24,11 +24,11 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from staronnx.bench.bound import machine_bound, stale_models_note
 from staronnx.bench.points import measure_point, point_duration, runnable_sizes, sample_pool, warm_up
-from staronnx.bench.results import clean
+from staronnx.bench.results import clean_dict
 from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
@@ -127,9 +127,14 @@ class Optimization:
     def candidate(self, batch_size: int) -> Candidate:
         return next(c for c in self.candidates if c.batch_size == batch_size)
 
+    def measured(self) -> dict[int, dict[str, Any]]:
+        """Batch size -> the live figures of each verified candidate (every one of them was
+        measured: a measurement that raises ends the optimization)."""
+        return {b: m for b in self.verified if (m := self.candidate(b).measured) is not None}
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (NaN -> None), latencies in ms."""
-        return clean({
+        return clean_dict({
             "rate": self.rate, "slo_ms": None if self.slo is None else self.slo * 1e3,
             "objective": self.objective, "predicted_best": self.predicted_best, "best": self.best,
             "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
@@ -139,7 +144,8 @@ class Optimization:
         })
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: object) -> TypeGuard[int | float]:
+    """A number that is neither NaN nor infinite (a figure a run may leave None or NaN)."""
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
@@ -294,12 +300,12 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
         except StaronnxError as exc:
             notes.append(f"batch {b} left out: {exc}")
             continue
-        predicted = res.metrics(warmup=min(1.0, length / 5))
+        figures = res.metrics(warmup=min(1.0, length / 5))
         try:
             bound = machine_bound(sim, b).throughput
         except StaronnxError:
             bound = None
-        candidates.append(Candidate(b, dict(predicted), bound=bound))
+        candidates.append(Candidate(b, dict(figures), bound=bound))
     if not candidates:
         raise OptimizeError("no batch size could be simulated: " + "; ".join(notes))
     bounds = {c.batch_size: c.bound for c in candidates}
@@ -343,8 +349,7 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
             measure(b)
         # hill-climb (up to max_verify live points): see next_candidate()
         while len(result.verified) < spec.max_verify:
-            measured = {b: result.candidate(b).measured for b in result.verified}
-            nxt = next_candidate(order, measured, slo, bounds, rate)  # type: ignore[arg-type]
+            nxt = next_candidate(order, result.measured(), slo, bounds, rate)
             if nxt is None:
                 break
             measure(nxt)
@@ -352,8 +357,8 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
     finally:
         if own:
             runtime.close()
-    measured = {b: result.candidate(b).measured for b in result.verified}
-    result.best, result.slo_met = choose(measured, slo, bounds, rate)  # type: ignore[arg-type]
+    measured = result.measured()
+    result.best, result.slo_met = choose(measured, slo, bounds, rate)
     result.rejected = rejections(measured, rate)
     if not result.keeps_up:
         most = f"; batch {result.best} served the most" if len(measured) > 1 else ""

@@ -356,9 +356,13 @@ class RemoteRuntime:
 
     async def _config(self) -> dict[str, Any]:
         """The served model's configuration, as Triton's JSON (gRPC's message converted)."""
+        # tritonclient is untyped: its answer is Triton's JSON, an object
+        config: dict[str, Any]
         if self.protocol == "grpc":
-            return (await self.client.get_model_config(self.model, as_json=True))["config"]
-        return await self.client.get_model_config(self.model)
+            config = (await self.client.get_model_config(self.model, as_json=True))["config"]
+        else:
+            config = await self.client.get_model_config(self.model)
+        return config
 
     # -- what the sweep calls ---------------------------------------------------------------
     def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
@@ -659,7 +663,7 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
                 raise RemoteError(why + f"the server's (leave {key} out of expect)",
                                   cli=why + f"the server's (leave {flag} out)")
         wire = PROTOCOLS[remote.protocol]
-        front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
+        front_end: dict[str, Any] = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
                      "client": wire["client"]}
         if not served.batching or served.batching_reason:  # what Triton's max_batch_size cannot say
             front_end.update(batching=served.batching, batching_reason=served.batching_reason)

@@ -17,7 +17,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 
@@ -61,12 +61,6 @@ class SweepError(StaronnxError, ValueError):
     cannot be read."""
 
 
-@overload
-def clean(value: dict[Any, Any]) -> dict[str, Any]: ...
-@overload
-def clean(value: Any) -> Any: ...
-
-
 def clean(value: Any) -> Any:
     """JSON-safe: NaN/inf -> None, numpy scalars -> Python, tuples -> lists, recursively."""
     if isinstance(value, dict):
@@ -80,6 +74,11 @@ def clean(value: Any) -> Any:
     if isinstance(value, (float, np.floating)):
         return float(value) if math.isfinite(value) else None
     return value
+
+
+def clean_dict(value: dict[Any, Any]) -> dict[str, Any]:
+    """:func:`clean` of a dict (a row, a result), typed as the dict it returns."""
+    return {str(k): clean(v) for k, v in value.items()}
 
 
 def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duration: float,
@@ -115,7 +114,7 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     for part, archs in sorted((summary.get("placement") or {}).items()):
         for arch, frac in sorted(archs.items()):
             row[f"share_{part}_{arch}"] = frac
-    return clean(row)
+    return clean_dict(row)
 
 
 def share_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:

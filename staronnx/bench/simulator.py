@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from staronnx.bench.machine import SimMachine, SimulationError, Where, held_by, machine_inflight, residency_where
 from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.bench.spec import SimSpec
 from staronnx.perfmodels import Footprint, HostCosts
-from staronnx.runtime.core import Task, TaskGraph
+from staronnx.runtime.core import Request, Task, TaskGraph
 from staronnx.runtime.datawizard import price
 from staronnx.runtime.models import ModelSet, ServiceTarget, name_gaps
 from staronnx.runtime.policies import make_policy, policy_options
@@ -210,8 +211,9 @@ class _Simulation:
         self.ran: list[tuple[int, Task, list[tuple[float, float]], float, list[tuple[int, float]]]] | None = (
             [] if traced else None)
 
-    def _footprint(self, req: Any, part: int) -> Footprint:
-        return self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
+    def _footprint(self, req: Request, part: int) -> Footprint:
+        footprint: Footprint = self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
+        return footprint
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -547,7 +549,7 @@ def _end_of(sim: _Simulation, front: _FrontEnd) -> float:
     return max(front.last_done, last_arrival) if not outstanding else max(sim.clock.t, last_arrival)
 
 
-def mean_rate(times: Sequence[float]) -> float:
+def mean_rate(times: Sequence[float] | npt.NDArray[np.float64]) -> float:
     """Arrivals per second over sorted arrival ``times`` (0 with fewer than two)."""
     span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
     return (len(times) - 1) / span if span > 0 else 0.0

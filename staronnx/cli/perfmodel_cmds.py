@@ -21,6 +21,9 @@ from staronnx.plan import Plan
 from staronnx.workers.layout import MachineSpec
 
 if TYPE_CHECKING:
+    from staronnx.calibrate import CalibrationReport
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.perfmodels.history import PerfRow
     from staronnx.workers.base import Worker
 
 console = Console()
@@ -134,8 +137,8 @@ def _drivers_text(workers: Sequence[Worker]) -> str:
             f"stream{'s' if len(streams) != 1 else ''}")
 
 
-def _measure_host(plan: Plan, sizes: list[int], report, machine: MachineSpec, *, store, workers,
-                  seed: int) -> None:
+def _measure_host(plan: Plan, sizes: list[int], report: CalibrationReport, machine: MachineSpec, *,
+                  store: PerfModelStore, workers: Sequence[Worker], seed: int) -> None:
     """The host-cost probe (:func:`staronnx.calibrate.calibrate_host`) on the calibration's
     workers, with what it found; a failure is one line (the perf models are kept anyway)."""
     from staronnx.calibrate import HostProbe, calibrate_host, speed_moved
@@ -167,7 +170,7 @@ def _fmt_ms(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.3f}"
 
 
-def _print_rows(rows, plan: Plan) -> None:
+def _print_rows(rows: Sequence[PerfRow], plan: Plan) -> None:
     """One row per (part, arch, footprint); a ``sizes`` column (the hash of the input sizes
     besides the batch, StarPU's footprint) where a part has models of several sizes."""
     table = Table(title=f"perf models of plan {plan.hash} (times in ms)")
@@ -186,7 +189,7 @@ def _print_rows(rows, plan: Plan) -> None:
     console.print(table)
 
 
-def _print_verdict(plan: Plan, store, rows, spec: MachineSpec) -> None:
+def _print_verdict(plan: Plan, store: PerfModelStore, rows: Sequence[PerfRow], spec: MachineSpec) -> None:
     """Which is predicted faster: this plan on the runtime's workers (the LP bound over the
     calibrated models) or the whole model on the fastest arch alone (the sum of its parts)."""
     from staronnx.bench.bound import machine_bound

@@ -198,7 +198,7 @@ def simulate_cmd(
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
     from staronnx.bench.machine import build_machine
-    from staronnx.bench.simulator import simulate_mix
+    from staronnx.bench.simulator import MixResult, simulate_mix
     from staronnx.bench.spec import SimSpec
     from staronnx.durations import parse_duration
     from staronnx.plan import Plan
@@ -243,7 +243,7 @@ def simulate_cmd(
     spec = SimSpec(policy=policy, targets=targets, duration=seconds, n_requests=requests, distribution=distribution,
                    seed=seed, max_delay=delay, spread=spread, queue_capacity=queue_capacity, residency=residency)
 
-    def run(slowdown: float = 1.0, into: Path | None = None) -> Any:
+    def run(slowdown: float = 1.0, into: Path | None = None) -> MixResult:
         return simulate_mix(machine, offered, sizes, replace(spec, slowdown=slowdown), trace=into)
 
     result = run(into=trace)
@@ -253,10 +253,10 @@ def simulate_cmd(
         _print_one(result, machine, labels[0], sizes[labels[0]], policy)
     runs = [result]
     if band > 0:  # the same traffic on a machine that much faster and slower
-        ends = (run(1 - band / 100), run(1 + band / 100))
-        runs += ends
+        fast, slow = run(1 - band / 100), run(1 + band / 100)
+        runs += [fast, slow]
         for n in labels:
-            _print_band(n if several else None, result.metrics(n), *(e.metrics(n) for e in ends), band / 100)
+            _print_band(n if several else None, result.metrics(n), fast.metrics(n), slow.metrics(n), band / 100)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"({sum(r.events for r in runs)} events in {sum(r.wall_seconds for r in runs):.2f} s"
