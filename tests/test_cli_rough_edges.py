@@ -336,3 +336,18 @@ def test_an_unreadable_inputs_file_is_one_line(small, tmp_path):
     res = _run(["run", str(plan), "--inputs", str(tmp_path / "none.npz"), "--groups", PU], tmp_path / "home")
     assert res.returncode == 2
     assert "no such file" in _one_error_line(res)
+
+
+def test_sweep_refuses_compare_with_no_plots(real_plan, tmp_path):
+    """--compare's one use is the overlay plot: with --no-plots the sweep measured every point,
+    drew nothing and never said that --compare (and every label after the first) went unused.
+    Now one line before any point is measured."""
+    plan = real_plan("gru_stream")
+    res = _run(["sweep", str(plan.root), "--rates", "10", "--batch-sizes", "1", "--duration", "300ms", "--groups", PU,
+                "--no-plots", "--compare", str(tmp_path / "old"), "--labels", "new,old", "-o", str(tmp_path / "res")],
+               tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --compare overlays this sweep's plot with other sweeps': it does "
+                                    "not go with --no-plots (draw it later with staronnx sweep-plot OUTPUT --compare "
+                                    "FOLDER)")
+    assert not (tmp_path / "res" / "results.json").exists()

@@ -434,6 +434,9 @@ def sweep_cmd(
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     extra = list(compare or [])
+    if extra and not plots:  # the overlay is a plot: it was skipped with the others, without a word
+        raise StaronnxError("--compare overlays this sweep's plot with other sweeps': it does not go with --no-plots "
+                            "(draw it later with staronnx sweep-plot OUTPUT --compare FOLDER)")
     names = _labels(labels, 1 + len(extra))
     for d in extra:
         if not (d / "results.json").is_file():
