@@ -617,6 +617,9 @@ def sweep_plot_cmd(
     from staronnx.bench import plots
 
     folders = [*results, *(compare or [])]
+    if labels is not None and len(folders) == 1:  # one folder's figures are redrawn as they were: no label
+        raise StaronnxError("--labels names the sweeps overlaid in one plot: give two folders or more (a sweep's "
+                            "own label is set when it runs: staronnx sweep --labels NAME)")
     if output is not None:
         check_writable(output, "--output", folder=len(folders) == 1)
     for d in compare or []:
