@@ -311,6 +311,30 @@ def test_cli_simulate_prints_metrics_placement_and_bound(plan, tmp_path):
     assert bad.returncode == 2 and "cuda0" in bad.stderr
 
 
+def test_cli_simulate_refuses_requests_with_a_duration(real_plan, tmp_path):
+    """``--requests N`` wins over ``--duration`` in the simulator: given both, the duration was
+    dropped without a word (the run lasted N requests, exit 0). Refused in one line before
+    anything is simulated; ``--requests`` alone runs as before."""
+    plan = real_plan("gru_stream")
+    pu = str(min(os.sched_getaffinity(0)))
+    env = {**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "staronnx", *args], check=False, capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    done = cli("calibrate", str(plan.root), "--batch-sizes", "1", "--groups", pu, "--max-runs", "20", "--no-bus",
+               "--no-host")
+    assert done.returncode == 0, done.stdout + done.stderr
+    simulate = ("simulate", str(plan.root), "--rate", "50", "--batch", "1", "--groups", pu, "--band", "0")
+    both = cli(*simulate, "--requests", "20", "--duration", "30s")
+    assert both.returncode == 2 and "Traceback" not in both.stderr, both.stdout + both.stderr
+    assert both.stderr.strip() == ("staronnx: error: --requests and --duration both say how long the simulated "
+                                   "traffic lasts: give one of them")
+    alone = cli(*simulate, "--requests", "20")
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+
+
 # -- against a real calibration ----------------------------------------------------------------
 def test_saturated_simulation_of_a_calibrated_plan_meets_its_models_prediction(plan, tmp_path):
     """Calibrate on this machine's cores, then the simulated saturated throughput must be what

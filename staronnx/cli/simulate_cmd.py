@@ -18,6 +18,7 @@ import typer
 
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import output_console, table_of
+from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
@@ -153,6 +154,7 @@ GroupsOption = Annotated[str, typer.Option(help="CPU grouping policy: numa, pack
 
 
 def simulate_cmd(
+    ctx: typer.Context,
     plandirs: Annotated[list[Path], typer.Argument(
         metavar="PLANDIR...",
         help="Plan folder(s) (calibrated: staronnx calibrate); several share one simulated runtime, "
@@ -205,6 +207,9 @@ def simulate_cmd(
     from staronnx.runtime.models import plan_name
     from staronnx.workers.topology import Topology
 
+    if requests is not None and "duration" in given_on_command_line(ctx):  # else --duration was dropped unsaid
+        raise StaronnxError("--requests and --duration both say how long the simulated traffic lasts: give one of "
+                            "them")
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
