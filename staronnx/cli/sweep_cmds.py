@@ -634,6 +634,7 @@ def sweep_plot_cmd(
 
 
 def optimize_batch_cmd(
+    ctx: typer.Context,
     plandir: Annotated[Path, typer.Argument(help="Plan folder, calibrated (staronnx calibrate).")],
     rate: Annotated[float, typer.Option(help="Offered load, single-sample requests per second.")],
     slo_ms: Annotated[float | None, typer.Option(help="Papers'-latency objective in ms: maximize headroom under it.")] = None,
@@ -660,6 +661,12 @@ def optimize_batch_cmd(
     from staronnx.fsutil import atomic_write_text
     from staronnx.plan import Plan
 
+    # how the live measurements run, given with --no-verify, which measures none: said, not dropped
+    live_only = [flag for name_, flag in (("verify_duration", "--verify-duration"), ("max_verify", "--max-verify"),
+                                          ("colocate", "--colocate")) if name_ in given_on_command_line(ctx)]
+    if not verify and live_only:
+        raise StaronnxError(f"{', '.join(live_only)}: how the live measurements run, and --no-verify measures "
+                            "none (the prediction alone): leave them out or drop --no-verify")
     sizes = parse_batch_sizes(batch_sizes)
     if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):  # in the ms given, not the seconds
         raise StaronnxError(f"--slo-ms must be a positive number of ms, got {slo_ms:g}")
