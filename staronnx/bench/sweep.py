@@ -728,8 +728,8 @@ def load_columns(load: MachineLoad | None, ratio: float | None) -> dict[str, Any
     measured time over their perf models'; None where ``/proc/stat`` could not be read."""
     figures = (None,) * 4 if load is None else (load.busy, load.others_share, load.steal_share, load.own_cores)
     return clean_dict({**dict(zip(("machine_busy", "others_cpu_share", "steal_share", "own_cpu_cores"), figures)),
-                  "task_time_ratio": ratio, "busy_why": None if load is None else load.why,
-                  "machine": None if load is None else load.as_dict()})
+                       "task_time_ratio": ratio, "busy_why": None if load is None else load.why,
+                       "machine": None if load is None else load.as_dict()})
 
 
 def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:
