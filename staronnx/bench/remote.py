@@ -44,7 +44,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -67,6 +67,8 @@ from staronnx.workers.layout import MachineSpec
 CONNECTIONS = 512
 #: seconds a request may take before the client gives up on it (it then counts as failed)
 REQUEST_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
 
 
 class RemoteError(StaronnxError):
@@ -319,7 +321,7 @@ class RemoteRuntime:
             future.cancel()
             raise RemoteError(f"{self.url}: no answer within {timeout:g} s") from None
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> Future:  # type: ignore[type-arg]
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on the client's loop; its concurrent future (counted until done)."""
         with self._lock:
             self._in_flight += 1
@@ -327,7 +329,7 @@ class RemoteRuntime:
         future.add_done_callback(self._one_done)
         return future
 
-    def _one_done(self, _: Future) -> None:  # type: ignore[type-arg]
+    def _one_done(self, _: Future[Any]) -> None:
         with self._lock:
             self._in_flight -= 1
 
@@ -365,7 +367,7 @@ class RemoteRuntime:
         return config
 
     # -- what the sweep calls ---------------------------------------------------------------
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
+    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future[dict[str, np.ndarray]]:
         """Send ``feeds`` (any batch, along each input's own batch axis) as one request; the
         future resolves to its outputs (with ``check``, fails when they are not ORT's answer)."""
         inputs, outputs = encode(self.plan, feeds, self.protocol)
@@ -462,12 +464,12 @@ class RemoteServer:
         self._lock = threading.Lock()
         self._requests: list[RequestRecord] = []
         self._batches: dict[int, BatchRecord] = {}
-        self._futures: set[Future] = set()  # type: ignore[type-arg]
+        self._futures: set[Future[None]] = set()
         self._ids = itertools.count()
         self._encoded: dict[int, tuple[Mapping[str, np.ndarray], list[Any], list[Any]]] = {}
         self._closed = False
 
-    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future:  # type: ignore[type-arg]
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future[None]:
         """Send one sample now, counted as arrived at ``arrival``; never waits for the answer."""
         if self._closed:
             raise ServerClosed("the remote front end is closed")
@@ -486,7 +488,7 @@ class RemoteServer:
         future.add_done_callback(self._forget)
         return future
 
-    def _forget(self, future: Future) -> None:  # type: ignore[type-arg]
+    def _forget(self, future: Future[None]) -> None:
         with self._lock:
             self._futures.discard(future)
 
