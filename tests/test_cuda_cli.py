@@ -350,3 +350,24 @@ def test_calibrate_takes_the_cuda_worker_flags_run_takes(real_plan, host_cuda):
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "no calibrated model" not in ran.stderr, ran.stderr
     assert re.search(r"cuda0\.s1 .*│ cuda0\.s1 \(own\)", ran.stdout), ran.stdout
+
+
+def test_optimize_batch_measures_its_candidates_with_their_cuda_graphs(real_plan, host_cuda):
+    """``optimize-batch --cuda-streams N`` verified its candidates live on a runtime that captured
+    no CUDA graph (it never named the sizes to warm up), while ``sweep`` and ``serve`` with the
+    same flags capture every batch size they run: the measured column was of another runtime
+    than the one the answer is for. Each candidate's graph is now captured at warm-up and the
+    result says which sizes were measured with graphs."""
+    import json as _json
+
+    plan = real_plan("gru_stream").root
+    flags = ("--cuda-streams", "1", "--groups", "none")
+    done = _cli("calibrate", str(plan), "--batch-sizes", "1,2", "--max-runs", "20", "--no-bus", "--no-host", *flags)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = Path(os.environ["STARONNX_HOME"]).parent / "opt.json"
+    opt = _cli("optimize-batch", str(plan), "--rate", "50", "--batch-sizes", "1,2", "--sim-duration", "1s",
+               "--verify-duration", "0.5s", "--max-verify", "2", "--policy", "eager", "--json", str(out), *flags)
+    assert opt.returncode == 0, opt.stdout + opt.stderr
+    doc = _json.loads(out.read_text())
+    assert doc["cuda_graphs"] == [1, 2], doc
+    assert "measured with CUDA graphs of batch sizes 1, 2" in opt.stdout, opt.stdout

@@ -717,6 +717,9 @@ def optimize_batch_cmd(
     if result.generator_core is not None:
         console.print(f"measured with the load generator on the {host_core_name(cuda_streams)} (PU {result.generator_core})",
                       highlight=False)
+    if result.cuda_graphs:
+        console.print(f"measured with CUDA graphs of batch sizes {', '.join(map(str, result.cuda_graphs))} (captured "
+                      "at warm-up, as sweep and serve capture theirs)", highlight=False)
     for line in result.notes:
         console.print(f"note: {line}", highlight=False, soft_wrap=True, markup=False)
     if json_out is not None:
