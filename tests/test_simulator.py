@@ -323,9 +323,12 @@ def test_cli_simulate_refuses_requests_with_a_duration(real_plan, tmp_path):
         return subprocess.run([sys.executable, "-m", "staronnx", *args], check=False, capture_output=True, text=True,
                               env=env, timeout=300)
 
-    done = cli("calibrate", str(plan.root), "--batch-sizes", "1", "--groups", pu, "--max-runs", "20", "--no-bus",
-               "--no-host")
-    assert done.returncode == 0, done.stdout + done.stderr
+    for _ in range(3):  # on a loaded host an entry can end short of its samples: a second run finishes it
+        done = cli("calibrate", str(plan.root), "--batch-sizes", "1", "--groups", pu, "--max-runs", "30", "--no-bus",
+                   "--no-host")
+        assert done.returncode == 0, done.stdout + done.stderr
+        if "not calibrated (" not in done.stdout:
+            break
     simulate = ("simulate", str(plan.root), "--rate", "50", "--batch", "1", "--groups", pu, "--band", "0")
     both = cli(*simulate, "--requests", "20", "--duration", "30s")
     assert both.returncode == 2 and "Traceback" not in both.stderr, both.stdout + both.stderr

@@ -643,6 +643,12 @@ def optimize_batch_cmd(
     groups: GroupsOption = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="With --cuda-streams: capture every candidate batch size as CUDA graphs at warm-up for the live "
+             "measurements, as sweep and serve do.")] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option(
         "--colocate", help="Each live measurement's load generator and batcher run on the CUDA driver thread's core, "
                            "or without --cuda-streams on the first CPU worker's (as sweep --colocate).")] = False,
@@ -673,7 +679,7 @@ def optimize_batch_cmd(
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     if json_out is not None:
         check_writable(json_out, "--json")
-    machine = MachineSpec(groups, cuda_streams, devices)
+    machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)
     warn_uncalibrated(plandir, Plan.load(plandir), machine)
     with console.status("optimizing") as status:
         spec = OptimizeSpec(slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
