@@ -110,6 +110,7 @@ def calibrate(
     """
     from staronnx.bench.cpuload import LoadWatch
 
+    check_max_runs(max_runs)
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
     report = report if report is not None else CalibrationReport()
@@ -189,6 +190,14 @@ def calibrate(
     if interrupted is not None:
         raise interrupted
     return report
+
+
+def check_max_runs(max_runs: int) -> None:
+    """Refuse a cap that allows no run: every entry then stays uncalibrated, which the report
+    would blame on outliers that were never measured."""
+    if max_runs < 1:
+        raise StaronnxError(f"max_runs must be at least 1 (runs per worker, part and batch size), got {max_runs}",
+                            cli=f"--max-runs must be at least 1 (runs per worker, part and batch size), got {max_runs}")
 
 
 def _pinning_engine(plan: Plan, workers: Sequence[Worker]) -> Any:

@@ -59,12 +59,13 @@ def calibrate_cmd(
     each --input-shape until its perf model is calibrated. A model that runs one request per
     task is calibrated at batch 1 only."""
     from staronnx.calibrate import (CalibrationReport, batch_sizes_for, calibrate, calibrate_bus_if_needed,
-                                    calibration_steps, start_workers)
+                                    calibration_steps, check_max_runs, start_workers)
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.notation import read_input_shape_sets
     from staronnx.perfmodels import PerfModelStore
     from staronnx.verify import random_plan_feeds
 
+    check_max_runs(max_runs)  # now, not once the workers have loaded the plan
     quiet_ort_log()
     plan = Plan.load(plandir)
     sizes, note = batch_sizes_for(plan, parse_batch_sizes(batch_sizes))
