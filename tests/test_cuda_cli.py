@@ -402,3 +402,30 @@ def test_optimize_batch_takes_the_cuda_worker_flags_sweep_takes(real_plan, host_
     doc = _json.loads(out.read_text())
     assert doc["cuda_graphs"] == [] and doc["verified"] == [1], doc
     assert "CUDA graphs" not in opt.stdout, opt.stdout
+
+
+_COMMANDS = {
+    "run": ("run", "PLAN", "--requests", "2"),
+    "calibrate": ("calibrate", "PLAN", "--batch-sizes", "1", "--no-bus", "--no-host"),
+    "sweep": ("sweep", "PLAN", "--rates", "20", "--batch-sizes", "1", "--duration", "0.3s", "--no-plots", "-q"),
+    "optimize-batch": ("optimize-batch", "PLAN", "--rate", "20", "--batch-sizes", "1", "--no-verify"),
+    "topology": ("topology",)}
+_OWN = (("--cuda-thread-per-stream",), "--cuda-thread-per-stream sets how the CUDA workers run: it needs --cuda-streams N")
+_BOTH = (("--no-cuda-graphs", "--cuda-thread-per-stream"),
+         "--no-cuda-graphs and --cuda-thread-per-stream set how the CUDA workers run: they need --cuda-streams N")
+
+
+@pytest.mark.parametrize("command, flags, says", [
+    *(pytest.param(c, *_OWN, id=f"{c}-own") for c in _COMMANDS),
+    *(pytest.param(c, *_BOTH, id=f"{c}-both") for c in _COMMANDS if c != "topology")])  # topology: no graphs
+def test_cuda_worker_flags_without_cuda_streams_are_refused(real_plan, tmp_path, host_cuda, command, flags, says):
+    """``--cuda-thread-per-stream`` and ``--no-cuda-graphs`` say how the CUDA workers run; without
+    ``--cuda-streams`` there are none and the flag was dropped without a word (the command ran on
+    the CPU groups, exit 0), where ``--cuda-devices`` alone is refused. Now one line, as it is."""
+    plan = str(real_plan("gru_stream").root)
+    args = [plan if a == "PLAN" else a for a in _COMMANDS[command]]
+    if command == "sweep":
+        args += ["-o", str(tmp_path / "res")]
+    done = _cli(*args, *flags)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stderr.strip() == f"staronnx: error: {says}", done.stderr

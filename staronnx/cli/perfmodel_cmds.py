@@ -13,7 +13,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, parse_cuda_devices
 from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -73,6 +73,7 @@ def calibrate_cmd(
     for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
         random_plan_feeds(plan, 1, given)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     # the workers run, sweep and serve start with the same flags: a driver thread per stream
     # holds a core back per stream, which changes the CPU groups' widths (their archs)
     machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)

@@ -14,7 +14,8 @@ import typer
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, host_core_name,
+                               parse_cuda_devices)
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
 from staronnx.workers.layout import MachineSpec
@@ -66,6 +67,7 @@ def run_cmd(
     if max_in_flight < 1:  # else the submit loop pops a request from an empty window
         raise StaronnxError(f"--max-in-flight must be at least 1, got {max_in_flight}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
     quiet_ort_log()

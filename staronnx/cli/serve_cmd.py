@@ -10,7 +10,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from staronnx.cli.given import given_on_command_line
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, host_core_name,
+                               parse_cuda_devices)
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import served_only, target_words
 
@@ -226,6 +227,7 @@ def serve_cmd(
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     delay = parse_duration(max_delay, allow_zero=True, option="--max-delay")
     # every model's batching but its queue's capacity (and its window: from its perf models)
     serving = replace(ENDPOINT_SPEC, batch_size=batch_size, max_delay=delay, colocate=colocate)

@@ -21,7 +21,8 @@ from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.given import given_on_command_line
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, cuda_summary, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, cuda_summary,
+                               host_core_name, parse_cuda_devices)
 from staronnx.cli.serve_cmd import MODEL_WORKERS_HELP
 from staronnx.cli.simulate_cmd import SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, PriorityOption, \
     SloOption, check_models_options, models_options
@@ -400,6 +401,7 @@ def sweep_cmd(
                                 "its own flags (staronnx serve " + " ".join(dropped) + "), which a sweep over the "
                                 "network can neither set nor check; leave them out with --url")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     check_models_options(plandirs, model_workers, lane)
     mixed = bool(len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority)
     if mixed:
@@ -677,6 +679,7 @@ def optimize_batch_cmd(
     if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):  # in the ms given, not the seconds
         raise StaronnxError(f"--slo-ms must be a positive number of ms, got {slo_ms:g}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     if json_out is not None:
         check_writable(json_out, "--json")
     machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)

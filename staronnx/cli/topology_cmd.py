@@ -103,8 +103,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups; with
         --cuda-streams, every worker a run would start, CUDA driver threads' cores included."""
-        from staronnx.cli.gpus import parse_cuda_devices
+        from staronnx.cli.gpus import check_cuda_worker_flags, parse_cuda_devices
 
+        check_cuda_worker_flags(cuda_streams, thread_per_stream=thread_per_stream)
         topo = load_topology(synthetic, xml)
         elsewhere = synthetic is not None or xml is not None
         devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=elsewhere)
