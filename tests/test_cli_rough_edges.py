@@ -351,3 +351,15 @@ def test_sweep_refuses_compare_with_no_plots(real_plan, tmp_path):
                                     "not go with --no-plots (draw it later with staronnx sweep-plot OUTPUT --compare "
                                     "FOLDER)")
     assert not (tmp_path / "res" / "results.json").exists()
+
+
+def test_serve_refuses_lane_preempt_without_a_lane(real_plan, tmp_path):
+    """``--lane-preempt`` says how the shared workers of a lane's group yield to the lane: with
+    no ``--lane`` the server started and served, the flag dropped without a word. Now one line
+    before any model loads or port opens."""
+    plans = [str(real_plan(n).root) for n in ("gru_stream", "crnn_ocr")]
+    res = _run(["serve", *plans, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--groups", PU,
+                "--name", "gru", "--name", "crnn", "--lane-preempt", "nice"], tmp_path / "home", stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --lane-preempt nice says how a lane's group yields to the lane: "
+                                    "it needs --lane NAME=GROUPS")

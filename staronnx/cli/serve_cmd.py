@@ -216,6 +216,9 @@ def serve_cmd(
                             "models and does not go with --separate-runtimes")
     lanes = model_lanes(lane or [], names)
     check_preempt(lane_preempt)
+    if not lanes and "lane_preempt" in given_on_command_line(ctx):  # else dropped without a word
+        raise StaronnxError(f"--lane-preempt {lane_preempt} says how a lane's group yields to the lane: it needs "
+                            "--lane NAME=GROUPS")
     if lanes and (separate_runtimes or len(names) < 2):
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
