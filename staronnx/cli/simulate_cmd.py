@@ -19,7 +19,7 @@ import typer
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import output_console, table_of
 from staronnx.cli.given import given_on_command_line
-from staronnx.cli.gpus import parse_cuda_devices
+from staronnx.cli.gpus import check_cuda_worker_flags, parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -178,6 +178,10 @@ def simulate_cmd(
         "the lowest calibrated GPU (a note says so). Default: 0."))] = None,
     cuda_scale: Annotated[str | None, typer.Option(
         help="What-if GPU: its time = this factor x the widest CPU group's (one, or one per part).")] = None,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help="With --cuda-streams: the simulated machine's CUDA workers each have a driver "
+                                         "thread and a core held back, as run, sweep and serve lay them out with this "
+                                         "flag (narrower CPU groups).")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Simulated arrivals: 10s, 500ms, 2m, or plain seconds.")] = "10s",
     requests: Annotated[int | None, typer.Option(help="Number of requests (instead of --duration; one plan).")] = None,
@@ -213,6 +217,7 @@ def simulate_cmd(
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
+    check_cuda_worker_flags(cuda_streams, thread_per_stream=thread_per_stream)
     if cuda_scale is not None and not cuda_streams:  # else dropped: a machine without CUDA workers was simulated
         raise StaronnxError("--cuda-scale sets the time of the simulated CUDA workers: it needs --cuda-streams N")
     if not 0 <= band < 100:
@@ -238,7 +243,7 @@ def simulate_cmd(
         plans, offered = {labels[0]: plan}, {labels[0]: rate}
         targets, residency, lanes = {}, {}, {}
     sizes = _batches(batch, plans, several)
-    machine_spec = MachineSpec(groups, cuda_streams, devices, lanes=lanes)
+    machine_spec = MachineSpec(groups, cuda_streams, devices, thread_per_stream=thread_per_stream, lanes=lanes)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         for d, plan in zip(plandirs, plans.values()):
             warn_uncalibrated(d, plan, machine_spec, skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
