@@ -42,7 +42,8 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, s
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
     from staronnx.bench.machine import sim_workers
-    from staronnx.perfmodels.store import PerfModelStore, calibrate_command
+    from staronnx.calibrate import calibrate_line
+    from staronnx.perfmodels.store import PerfModelStore
 
     store = store if store is not None else PerfModelStore()
     # the archs of the workers these settings start here (an arch per GPU), without starting any
@@ -55,10 +56,7 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, s
                       for arch, parts in missing.items())  # part 1 on cpu1, parts 0, 1 on cuda0
     # the GPUs calibrate can measure: a skipped one (a what-if) would make the command fail
     reachable = [d for d in machine.cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
-    # the CUDA workers' flags that calibrate takes too, so it measures the workers this command starts
-    cuda = ((" --no-cuda-graphs" if not machine.cuda_graphs else "")
-            + (" --cuda-thread-per-stream" if machine.thread_per_stream else "")) if machine.cuda_streams else ""
     line = (f"staronnx: warning: no calibrated model for {where}: "
-            f"run {calibrate_command(plandir, machine.groups, machine.cuda_streams, reachable)}{cuda}")
+            f"run {calibrate_line(plandir, machine, devices=reachable)}")
     print(line, file=sys.stderr, flush=True)
     return line
