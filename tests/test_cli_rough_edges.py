@@ -363,3 +363,23 @@ def test_serve_refuses_lane_preempt_without_a_lane(real_plan, tmp_path):
     assert res.returncode == 2, res.stdout
     assert _one_error_line(res) == ("staronnx: error: --lane-preempt nice says how a lane's group yields to the lane: "
                                     "it needs --lane NAME=GROUPS")
+
+
+@pytest.mark.parametrize("mode", [None, "explicit"])
+def test_serve_refuses_repository_poll_secs_outside_poll_mode(tmp_path, mode):
+    """``--repository-poll-secs`` sets how often poll mode reads the repository again; in the
+    other modes nothing polls, and the server started and served the repository once, the flag
+    dropped without a word. Now one line before any model loads or port opens."""
+    import realmodels
+
+    repo = tmp_path / "repo"
+    (repo / "gru" / "1").mkdir(parents=True)
+    (repo / "gru" / "1" / "model.onnx").write_bytes(realmodels.path("gru_stream").read_bytes())
+    res = _run(["serve", "--model-repository", str(repo), *(["--model-control-mode", mode] if mode else []),
+                *(["--load-model", "gru"] if mode == "explicit" else []), "--repository-poll-secs", "5",
+                "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--groups", PU], tmp_path / "home",
+               stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --repository-poll-secs sets how often --model-control-mode poll "
+                                    f"reads the repository again; the mode is {mode or 'none'}: give "
+                                    "--model-control-mode poll or leave it out")

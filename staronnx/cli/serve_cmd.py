@@ -174,8 +174,9 @@ def serve_cmd(
         raise StaronnxError("give plan folders to serve, --model-repository DIR, or both")
     if ray and model_repository:
         raise StaronnxError("--model-repository is served by staronnx serve itself, not on Ray (yet): drop --ray")
-    control_mode, to_load, poll_every = model_control(model_control_mode, load_model or [], repository_poll_secs,
-                                                      bool(model_repository))
+    control_mode, to_load, poll_every = model_control(
+        model_control_mode, load_model or [], repository_poll_secs, bool(model_repository),
+        poll_given="repository_poll_secs" in given_on_command_line(ctx))
     in_repository: list[tuple[str, Path]] = []
     if model_repository:  # imported only here: it loads the model-config proto, which tritonclient also registers
         from staronnx.serve import repository
@@ -490,10 +491,11 @@ def serve_cmd(
             shared.close(1.0)
 
 
-def model_control(mode: str, load_model: list[str], poll_secs: float, repository: bool) -> tuple[str, set[str],
-                                                                                                 float | None]:
+def model_control(mode: str, load_model: list[str], poll_secs: float, repository: bool, *,
+                  poll_given: bool = False) -> tuple[str, set[str], float | None]:
     """``--model-control-mode``, ``--load-model`` and ``--repository-poll-secs`` checked together:
-    (mode, the models to load at start, seconds between polls or None)."""
+    (mode, the models to load at start, seconds between polls or None). ``poll_given``: the
+    user gave ``--repository-poll-secs`` (its default is only poll mode's)."""
     from staronnx.serve.control import MODES
 
     mode = mode.strip().lower()
@@ -503,6 +505,9 @@ def model_control(mode: str, load_model: list[str], poll_secs: float, repository
         raise StaronnxError(f"--model-control-mode {mode} controls the models of a --model-repository")
     if load_model and mode != "explicit":
         raise StaronnxError("--load-model goes with --model-control-mode explicit (the other modes load every model)")
+    if poll_given and mode != "poll":  # else dropped without a word: only poll mode reads the repository again
+        raise StaronnxError(f"--repository-poll-secs sets how often --model-control-mode poll reads the repository "
+                            f"again; the mode is {mode}: give --model-control-mode poll or leave it out")
     if mode == "poll" and not poll_secs > 0:
         raise StaronnxError(f"--repository-poll-secs must be above 0, got {poll_secs:g}")
     return mode, set(load_model), poll_secs if mode == "poll" else None
