@@ -359,7 +359,8 @@ def test_serve_refuses_lane_preempt_without_a_lane(real_plan, tmp_path):
     before any model loads or port opens."""
     plans = [str(real_plan(n).root) for n in ("gru_stream", "crnn_ocr")]
     res = _run(["serve", *plans, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--groups", PU,
-                "--name", "gru", "--name", "crnn", "--lane-preempt", "nice"], tmp_path / "home", stdin=subprocess.DEVNULL)
+                "--name", "gru", "--name", "crnn", "--lane-preempt", "nice"], tmp_path / "home",
+               stdin=subprocess.DEVNULL)
     assert res.returncode == 2, res.stdout
     assert _one_error_line(res) == ("staronnx: error: --lane-preempt nice says how a lane's group yields to the lane: "
                                     "it needs --lane NAME=GROUPS")

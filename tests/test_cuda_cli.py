@@ -410,7 +410,8 @@ _COMMANDS = {
     "sweep": ("sweep", "PLAN", "--rates", "20", "--batch-sizes", "1", "--duration", "0.3s", "--no-plots", "-q"),
     "optimize-batch": ("optimize-batch", "PLAN", "--rate", "20", "--batch-sizes", "1", "--no-verify"),
     "topology": ("topology",)}
-_OWN = (("--cuda-thread-per-stream",), "--cuda-thread-per-stream sets how the CUDA workers run: it needs --cuda-streams N")
+_OWN = (("--cuda-thread-per-stream",),
+        "--cuda-thread-per-stream sets how the CUDA workers run: it needs --cuda-streams N")
 _BOTH = (("--no-cuda-graphs", "--cuda-thread-per-stream"),
          "--no-cuda-graphs and --cuda-thread-per-stream set how the CUDA workers run: they need --cuda-streams N")
 

@@ -32,6 +32,7 @@ from staronnx.bench.results import clean_dict
 from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.runtime.policies import policy_options
@@ -260,7 +261,8 @@ def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any
 
 
 def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: OptimizeSpec = OptimizeSpec(), *,
-                   machine: MachineSpec = MachineSpec(), store: Any = None, runtime: SweptRuntime | None = None,
+                   machine: MachineSpec = MachineSpec(), store: PerfModelStore | None = None,
+                   runtime: SweptRuntime | None = None,
                    sim_machine: SimMachine | None = None, progress: Callable[[str], None] | None = None
                    ) -> Optimization:
     """Choose ``b`` for ``rate`` requests/s among ``spec.batch_sizes`` (see the module docstring).

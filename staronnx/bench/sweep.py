@@ -46,6 +46,7 @@ from staronnx.bench.results import SweepError, clean, clean_dict, make_row, writ
 from staronnx.bench.simulator import MixResult, TraceInto, deadline_misses, simulate_mix
 from staronnx.bench.spec import FrontEnd, MixPoint, RunSpec, SimSpec, SweepSpec, mix_label
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
 from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet, load_plans
@@ -237,7 +238,8 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
 
 def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
           rates: Sequence[float] = (), batch_sizes: Sequence[int] = (), spec: SweepSpec = SweepSpec(), *,
-          machine: MachineSpec = MachineSpec(), store: Any = None, runtime: SweptRuntime | None = None,
+          machine: MachineSpec = MachineSpec(), store: PerfModelStore | None = None,
+          runtime: SweptRuntime | None = None,
           inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None, front_end: FrontEnd | None = None,
           progress: Progress | None = None) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
@@ -816,7 +818,7 @@ def rates_for(capacity: float, count: int = AUTO_RATES, top: float = AUTO_TOP) -
 
 
 def auto_rates(plan: Plan, batch_sizes: Sequence[int], machine: MachineSpec = MachineSpec(), *, seed: int = 0,
-               store: Any = None, probe_seconds: float | None = 1.0, policy: str = "heft",
+               store: PerfModelStore | None = None, probe_seconds: float | None = 1.0, policy: str = "heft",
                engine: str = "native") -> AutoRates | None:
     """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
     batch size's curve up to where it congests instead of one congested point per batch size.

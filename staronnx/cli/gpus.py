@@ -53,8 +53,8 @@ def check_cuda_worker_flags(cuda_streams: int, *, cuda_graphs: bool = True, thre
     """Refuse ``--no-cuda-graphs`` and ``--cuda-thread-per-stream`` without ``--cuda-streams``:
     they say how the CUDA workers run, there are none, and the flag was dropped without a word
     (as ``--cuda-devices`` is refused, by :func:`parse_cuda_devices`)."""
-    given = [flag for flag, on in (("--no-cuda-graphs", not cuda_graphs), ("--cuda-thread-per-stream", thread_per_stream))
-             if on]
+    given = [flag for flag, on in (("--no-cuda-graphs", not cuda_graphs),
+                                   ("--cuda-thread-per-stream", thread_per_stream)) if on]
     if given and not cuda_streams:
         raise StaronnxError(f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} how the CUDA workers run: "
                             f"{'it needs' if len(given) == 1 else 'they need'} --cuda-streams N")
