@@ -343,7 +343,7 @@ def sweep_cmd(
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw the PNG figures.")] = True,
     queue_capacity: Annotated[int, typer.Option(help="Server queue capacity (an overflow marks congestion).")] = 1024,
     min_batches: Annotated[int, typer.Option(help="Stretch a point to at least this many batch fills.")] = 10,
-    extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long.")] = True,
+    extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long (one model: a mix of several is measured once).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and of Poisson arrivals.")] = 0,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
     max_delay: Annotated[str | None, typer.Option(
@@ -408,6 +408,8 @@ def sweep_cmd(
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
                                                 ("--inputs", inputs), ("--labels", labels), ("--check", check))
                        if value] + (["--engine"] if engine != "native" else [])
+        # a mix is measured once (with every model's rate it is long enough): --extend was dropped unsaid
+        unsupported += ["--extend"] if extend and "extend" in given_on_command_line(ctx) else []
         if unsupported:
             raise StaronnxError(f"{', '.join(unsupported)} do(es) not go with several models (a mixed sweep)")
         labels_, targets, residency, lanes = models_options(plandirs, names=name, slo_ms=slo_ms, priority=priority,
