@@ -384,3 +384,22 @@ def test_serve_refuses_repository_poll_secs_outside_poll_mode(tmp_path, mode):
     assert _one_error_line(res) == ("staronnx: error: --repository-poll-secs sets how often --model-control-mode poll "
                                     f"reads the repository again; the mode is {mode or 'none'}: give "
                                     "--model-control-mode poll or leave it out")
+
+
+def test_run_refuses_a_seed_beside_real_inputs(real_plan, tmp_path):
+    """``run``'s ``--seed`` seeds its random inputs; with ``--inputs`` the requests are the
+    file's samples, and the seed was dropped without a word (a user varying it got the same run
+    each time). Refused in one line, as ``plan verify`` refuses --input-shape beside --inputs;
+    --inputs alone runs as before."""
+    import realmodels
+
+    plan = real_plan("crnn_ocr")
+    ins, _ = realmodels.reference("crnn_ocr")
+    inputs = _npz(tmp_path / "in.npz", **ins)
+    base = ["run", str(plan.root), "--requests", "2", "--groups", PU, "--inputs", str(inputs)]
+    res = _run([*base, "--seed", "3"], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --seed seeds the random inputs; --inputs brings its own arrays: "
+                                    "give one of them")
+    alone = _run(base, tmp_path / "home")
+    assert alone.returncode == 0, alone.stdout + alone.stderr

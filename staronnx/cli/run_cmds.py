@@ -14,6 +14,7 @@ import typer
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
+from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, host_core_name,
                                parse_cuda_devices)
 from staronnx.errors import StaronnxError
@@ -25,6 +26,7 @@ trace_app = typer.Typer(help="Work with runtime traces.", no_args_is_help=True)
 
 
 def run_cmd(
+    ctx: typer.Context,
     plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
     batch: Annotated[int, typer.Option(help="Batch size of each request.")] = 1,
     requests: Annotated[int, typer.Option(help="Number of requests.")] = 100,
@@ -66,6 +68,8 @@ def run_cmd(
         raise StaronnxError("--batch and --requests must be at least 1")
     if max_in_flight < 1:  # else the submit loop pops a request from an empty window
         raise StaronnxError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+    if inputs is not None and "seed" in given_on_command_line(ctx):  # else dropped without a word
+        raise StaronnxError("--seed seeds the random inputs; --inputs brings its own arrays: give one of them")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
     check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     if trace is not None:
