@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -234,7 +234,7 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
     console.print(table)
     f = fidelity_summary(rows)
     if f.get("busy_points") and not f["simulated_points"]:  # nothing quiet to judge by: say so, show them all
-        console.print(f"[yellow]every point was measured beside other work: the errors below are the other work's "
+        console.print("[yellow]every point was measured beside other work: the errors below are the other work's "
                       "as much as the simulator's[/]")
         f = fidelity_summary([{**r, "machine_busy": False} for r in rows])
     elif f.get("busy_points"):
