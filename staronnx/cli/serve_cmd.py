@@ -411,7 +411,8 @@ def serve_cmd(
             origin = (f"version {declared[model_name].version} of the repository, " if model_name in declared else "")
             origin += f"warmed up ({warm_runs} runs), " if warm_runs else ""
             say(f"model {older_of.get(model_name, model_name)!r}: {origin}plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
-                f"batches of up to {spec.batch_size}, max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
+                f"batches of up to {spec.batch_size if plan.contract.batchable else 1}, "
+                f"max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
                 f"{endpoint.server.max_inflight} batches in flight"
                 + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
                 + (f", {driver_text(runtime)}" if cuda_streams and isinstance(runtime, Runtime) else "")
