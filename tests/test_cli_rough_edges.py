@@ -420,3 +420,30 @@ def test_serve_start_line_says_batches_of_one_for_a_model_run_one_request_per_ta
         rc = served.stop()
     assert rc == 0, "\n".join(served.lines)
     assert "batches of up to 1," in start and "one request per task (max_batch_size 0)" in start, start
+
+
+@pytest.mark.parametrize("args, said", [
+    (["sweep", "PLAN", "--rates", "10", "--batch-sizes", "1", "--duration", "1s", "--warmup", "2s", "--no-plots"],
+     "--warmup must be shorter than --duration (1 s), got 2 s"),
+    (["sweep", "PLAN", "--rates", "10", "--batch-sizes", "1", "--min-batches", "0", "--no-plots"],
+     "--min-batches must be at least 1, got 0"),
+    (["simulate", "PLAN", "--rate", "10", "--batch", "1", "--requests", "0"], "--requests must be at least 1, got 0"),
+    (["simulate", "PLAN", "--rate", "10", "--batch", "1", "--spread", "-1"], "--spread must be >= 0, got -1"),
+    (["simulate", "PLAN", "--rate", "10", "--batch", "2", "--queue-capacity", "1"],
+     "--queue-capacity must be at least 1, and at least --batch without --max-delay, got 1"),
+])
+def test_sweep_and_simulate_refusals_name_the_flag(real_plan, tmp_path, args, said):
+    """A refused setting is said in the command line's words: ``--min-batches 0`` read
+    "min_batches must be >= 1", ``--requests 0`` "n_requests must be >= 1" (the Python
+    parameters, which the user never typed)."""
+    plan = real_plan("gru_stream")
+    for _ in range(3):  # simulate needs the plan calibrated; a loaded host may leave an entry short
+        done = _run(["calibrate", str(plan.root), "--batch-sizes", "1,2", "--groups", PU, "--no-bus", "--no-host"],
+                    tmp_path / "home")
+        assert done.returncode == 0, done.stdout + done.stderr
+        if "not calibrated (" not in done.stdout:
+            break
+    res = _run([str(plan.root) if a == "PLAN" else a for a in args] + ["--groups", PU]
+               + (["-o", str(tmp_path / "res")] if args[0] == "sweep" else []), tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == f"staronnx: error: {said}"

@@ -636,7 +636,8 @@ def _times(who: str, name: str, index: int, rate: float, spec: SimSpec,
     if n_requests is None and (duration is None or not duration > 0):
         raise SimulationError("give a duration > 0 or a number of requests")
     if n_requests is not None and n_requests < 1:
-        raise SimulationError(f"n_requests must be >= 1, got {n_requests}")
+        raise SimulationError(f"n_requests must be >= 1, got {n_requests}",
+                              cli=f"--requests must be at least 1, got {n_requests}")
     if spec.distribution not in DISTRIBUTIONS:
         raise SimulationError(f"unknown distribution {spec.distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
     process = make_arrivals(spec.distribution, rate, spec.seed + index)
@@ -710,12 +711,15 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise SimulationError(f"{who[n]}batch_size must be an int >= 1, got {b!r}")
         if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else b):
+            batch_flag = "--batch" if models.single else "each model's --batch"
             raise SimulationError(f"queue_capacity must be >= 1 and >= {'batch_size' if models.single else 'every batch size'}"
-                                  f" without max_delay, got {queue_capacity}")
+                                  f" without max_delay, got {queue_capacity}",
+                                  cli=f"--queue-capacity must be at least 1, and at least {batch_flag} without "
+                                      f"--max-delay, got {queue_capacity}")
     if max_delay is not None and not max_delay >= 0:
         raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
     if not (math.isfinite(spec.spread) and spec.spread >= 0):
-        raise SimulationError(f"spread must be >= 0, got {spec.spread!r}")
+        raise SimulationError(f"spread must be >= 0, got {spec.spread!r}", cli=f"--spread must be >= 0, got {spec.spread:g}")
     if not (math.isfinite(spec.slowdown) and spec.slowdown > 0):
         raise SimulationError(f"slowdown must be > 0, got {spec.slowdown!r}")
     # the core's view: the same plans in the same order (same global parts), with the targets

@@ -214,9 +214,11 @@ def _check_run(run: RunSpec) -> float:
         raise SweepError(f"duration must be > 0 seconds, got {duration!r}")
     warmup = min(1.0, duration / 5) if run.warmup is None else float(run.warmup)
     if not (0 <= warmup < duration):
-        raise SweepError(f"warmup must be >= 0 and shorter than the duration ({duration} s), got {warmup}")
+        raise SweepError(f"warmup must be >= 0 and shorter than the duration ({duration} s), got {warmup}",
+                         cli=f"--warmup must be shorter than --duration ({duration:g} s), got {warmup:g} s")
     if run.min_batches < 1:
-        raise SweepError(f"min_batches must be >= 1, got {run.min_batches}")
+        raise SweepError(f"min_batches must be >= 1, got {run.min_batches}",
+                         cli=f"--min-batches must be at least 1, got {run.min_batches}")
     if max_delay is not None and not (math.isfinite(max_delay) and max_delay >= 0):
         raise SweepError(f"max_delay must be >= 0 seconds, got {max_delay}")
     return warmup
