@@ -110,6 +110,7 @@ def calibrate(
     """
     from staronnx.bench.cpuload import LoadWatch
 
+    check_max_runs(max_runs)
     store = store or PerfModelStore()
     store.check_writable()  # before measuring: samples that cannot be kept are wasted minutes
     report = report if report is not None else CalibrationReport()
@@ -189,6 +190,31 @@ def calibrate(
     if interrupted is not None:
         raise interrupted
     return report
+
+
+def calibrate_line(plandir: str | Path, machine: MachineSpec, *, devices: Sequence[int] | None = None,
+                   batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
+    """The ``staronnx calibrate`` line that measures the workers ``machine`` starts (what a
+    warning or a stale-model note tells the user to run): its groups, CUDA streams and GPUs
+    (``devices``: those of them calibrate can reach, default all), and the CUDA worker flags
+    that change them: a driver thread per stream holds a core back per stream (the CPU groups'
+    arch), and graphs change the times measured."""
+    from staronnx.perfmodels.store import calibrate_command
+
+    line = calibrate_command(plandir, machine.groups, machine.cuda_streams,
+                             machine.cuda_devices if devices is None else devices, batch_sizes)
+    if machine.cuda_streams:
+        line += (" --no-cuda-graphs" if not machine.cuda_graphs else "") + (
+            " --cuda-thread-per-stream" if machine.thread_per_stream else "")
+    return line + (" --replace" if replace else "")
+
+
+def check_max_runs(max_runs: int) -> None:
+    """Refuse a cap that allows no run: every entry then stays uncalibrated, which the report
+    would blame on outliers that were never measured."""
+    if max_runs < 1:
+        raise StaronnxError(f"max_runs must be at least 1 (runs per worker, part and batch size), got {max_runs}",
+                            cli=f"--max-runs must be at least 1 (runs per worker, part and batch size), got {max_runs}")
 
 
 def _pinning_engine(plan: Plan, workers: Sequence[Worker]) -> Any:
@@ -388,9 +414,9 @@ def calibrate_host(
     loaded: dict[int, HostCosts] = {}
     for run in runs:
         if run.loaded and _kept_up(run):
-            costs = _host_costs(run, tasks[id(run)], origin, deps)
-            if _generator_kept_up(run, costs):
-                loaded[run.batch] = costs
+            heavier = _host_costs(run, tasks[id(run)], origin, deps)
+            if _generator_kept_up(run, heavier):
+                loaded[run.batch] = heavier
     _fit_cpu_per_request(light)
     _fit_cpu_per_request(loaded)
     scales = {b: _task_scales(_scale_tasks([run for run in runs if run.batch == b], tasks), plan.k) for b in light}
@@ -615,7 +641,10 @@ def _host_costs(run: _ProbeRun, groups: Sequence[list[_TraceTask]], origin: floa
 
     records = run.records
     batches = sorted((b for b in records.batches if b.done is not None), key=lambda b: b.formed)
-    launch, wake, gap, finish = [], [], [], []
+    launch: list[float] = []
+    wake: list[float] = []
+    gap: list[float] = []
+    finish: list[float] = []
     alone = 0
     for i, record in enumerate(batches):
         formed, done = record.formed - origin, record.done - origin

@@ -171,3 +171,18 @@ def test_calibration_runs_as_tasks_pinned_to_each_worker_through_the_engine(smal
     assert len(rt.copy_threads) == 1
     assert report.samples >= small_plan.k * 10 and not report.uncalibrated  # one model per arch
     assert {(r.part, r.arch) for r in store.rows(small_plan.hash)} == {(p, "cuda0") for p in range(small_plan.k)}
+
+
+@pytest.mark.parametrize("runs", ["0", "-3"])
+def test_max_runs_below_one_is_refused_not_blamed_on_outliers(real_plan, tmp_path, runs):
+    """``--max-runs 0`` allowed no run: every entry stayed uncalibrated and the command exited 0
+    saying "not calibrated (too many outliers within 0 runs)", outliers nobody measured. Now one
+    line before any worker starts, and nothing is stored."""
+    plan = real_plan("gru_stream")
+    out = _cli("calibrate", str(plan.root), "--batch-sizes", "1", "--max-runs", runs, "--no-bus", "--no-host",
+               home=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stdout + out.stderr
+    assert out.stderr.strip() == (f"staronnx: error: --max-runs must be at least 1 (runs per worker, part and batch "
+                                  f"size), got {runs}")
+    assert "outliers" not in out.stdout
+    assert PerfModelStore(tmp_path).rows(plan.hash) == []

@@ -336,3 +336,114 @@ def test_an_unreadable_inputs_file_is_one_line(small, tmp_path):
     res = _run(["run", str(plan), "--inputs", str(tmp_path / "none.npz"), "--groups", PU], tmp_path / "home")
     assert res.returncode == 2
     assert "no such file" in _one_error_line(res)
+
+
+def test_sweep_refuses_compare_with_no_plots(real_plan, tmp_path):
+    """--compare's one use is the overlay plot: with --no-plots the sweep measured every point,
+    drew nothing and never said that --compare (and every label after the first) went unused.
+    Now one line before any point is measured."""
+    plan = real_plan("gru_stream")
+    res = _run(["sweep", str(plan.root), "--rates", "10", "--batch-sizes", "1", "--duration", "300ms", "--groups", PU,
+                "--no-plots", "--compare", str(tmp_path / "old"), "--labels", "new,old", "-o", str(tmp_path / "res")],
+               tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --compare overlays this sweep's plot with other sweeps': it does "
+                                    "not go with --no-plots (draw it later with staronnx sweep-plot OUTPUT --compare "
+                                    "FOLDER)")
+    assert not (tmp_path / "res" / "results.json").exists()
+
+
+def test_serve_refuses_lane_preempt_without_a_lane(real_plan, tmp_path):
+    """``--lane-preempt`` says how the shared workers of a lane's group yield to the lane: with
+    no ``--lane`` the server started and served, the flag dropped without a word. Now one line
+    before any model loads or port opens."""
+    plans = [str(real_plan(n).root) for n in ("gru_stream", "crnn_ocr")]
+    res = _run(["serve", *plans, "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--groups", PU,
+                "--name", "gru", "--name", "crnn", "--lane-preempt", "nice"], tmp_path / "home",
+               stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --lane-preempt nice says how a lane's group yields to the lane: "
+                                    "it needs --lane NAME=GROUPS")
+
+
+@pytest.mark.parametrize("mode", [None, "explicit"])
+def test_serve_refuses_repository_poll_secs_outside_poll_mode(tmp_path, mode):
+    """``--repository-poll-secs`` sets how often poll mode reads the repository again; in the
+    other modes nothing polls, and the server started and served the repository once, the flag
+    dropped without a word. Now one line before any model loads or port opens."""
+    import realmodels
+
+    repo = tmp_path / "repo"
+    (repo / "gru" / "1").mkdir(parents=True)
+    (repo / "gru" / "1" / "model.onnx").write_bytes(realmodels.path("gru_stream").read_bytes())
+    res = _run(["serve", "--model-repository", str(repo), *(["--model-control-mode", mode] if mode else []),
+                *(["--load-model", "gru"] if mode == "explicit" else []), "--repository-poll-secs", "5",
+                "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--groups", PU], tmp_path / "home",
+               stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --repository-poll-secs sets how often --model-control-mode poll "
+                                    f"reads the repository again; the mode is {mode or 'none'}: give "
+                                    "--model-control-mode poll or leave it out")
+
+
+def test_run_refuses_a_seed_beside_real_inputs(real_plan, tmp_path):
+    """``run``'s ``--seed`` seeds its random inputs; with ``--inputs`` the requests are the
+    file's samples, and the seed was dropped without a word (a user varying it got the same run
+    each time). Refused in one line, as ``plan verify`` refuses --input-shape beside --inputs;
+    --inputs alone runs as before."""
+    import realmodels
+
+    plan = real_plan("crnn_ocr")
+    ins, _ = realmodels.reference("crnn_ocr")
+    inputs = _npz(tmp_path / "in.npz", **ins)
+    base = ["run", str(plan.root), "--requests", "2", "--groups", PU, "--inputs", str(inputs)]
+    res = _run([*base, "--seed", "3"], tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --seed seeds the random inputs; --inputs brings its own arrays: "
+                                    "give one of them")
+    alone = _run(base, tmp_path / "home")
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+
+
+@pytest.mark.parametrize("model, extra", [("mobilenet_b1", ()), ("bert_tiny", ("--no-batching",))])
+def test_serve_start_line_says_batches_of_one_for_a_model_run_one_request_per_task(real_plan, tmp_path, model,
+                                                                                   extra):
+    """A model that runs one request per task (a fixed batch of 1, or --no-batching) forms no
+    batch above 1, as its config says (max_batch_size 0, batch_size 1); the start line said
+    "batches of up to 8" (or --batch-size's) beside "one request per task", contradicting itself."""
+    from test_serve import start_server
+
+    served = start_server([real_plan(model).root], tmp_path, "--name", "m", "--batch-size", "8", *extra)
+    try:
+        start = next(line for line in served.lines if line.startswith("model 'm'"))
+    finally:
+        rc = served.stop()
+    assert rc == 0, "\n".join(served.lines)
+    assert "batches of up to 1," in start and "one request per task (max_batch_size 0)" in start, start
+
+
+@pytest.mark.parametrize("args, said", [
+    (["sweep", "PLAN", "--rates", "10", "--batch-sizes", "1", "--duration", "1s", "--warmup", "2s", "--no-plots"],
+     "--warmup must be shorter than --duration (1 s), got 2 s"),
+    (["sweep", "PLAN", "--rates", "10", "--batch-sizes", "1", "--min-batches", "0", "--no-plots"],
+     "--min-batches must be at least 1, got 0"),
+    (["simulate", "PLAN", "--rate", "10", "--batch", "1", "--requests", "0"], "--requests must be at least 1, got 0"),
+    (["simulate", "PLAN", "--rate", "10", "--batch", "1", "--spread", "-1"], "--spread must be >= 0, got -1"),
+    (["simulate", "PLAN", "--rate", "10", "--batch", "2", "--queue-capacity", "1"],
+     "--queue-capacity must be at least 1, and at least --batch without --max-delay, got 1"),
+])
+def test_sweep_and_simulate_refusals_name_the_flag(real_plan, tmp_path, args, said):
+    """A refused setting is said in the command line's words: ``--min-batches 0`` read
+    "min_batches must be >= 1", ``--requests 0`` "n_requests must be >= 1" (the Python
+    parameters, which the user never typed)."""
+    plan = real_plan("gru_stream")
+    for _ in range(3):  # simulate needs the plan calibrated; a loaded host may leave an entry short
+        done = _run(["calibrate", str(plan.root), "--batch-sizes", "1,2", "--groups", PU, "--no-bus", "--no-host"],
+                    tmp_path / "home")
+        assert done.returncode == 0, done.stdout + done.stderr
+        if "not calibrated (" not in done.stdout:
+            break
+    res = _run([str(plan.root) if a == "PLAN" else a for a in args] + ["--groups", PU]
+               + (["-o", str(tmp_path / "res")] if args[0] == "sweep" else []), tmp_path / "home")
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == f"staronnx: error: {said}"

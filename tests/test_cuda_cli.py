@@ -326,3 +326,107 @@ def test_serve_says_how_many_threads_drive_its_streams(tiny, tmp_path, host_cuda
         rc = served.stop()
     assert rc == 0, "\n".join(served.lines)
     assert ("2 driver threads for 2 streams" if own else "1 driver thread for 2 streams") in start, start
+
+
+def _calibrate(plan: Path, *args: str) -> subprocess.CompletedProcess:
+    """``staronnx calibrate PLAN ARGS`` until every entry is calibrated: on a loaded host the
+    outlier rule can leave one short of its samples within the cap (the store keeps what each
+    run learnt, so a second run finishes it)."""
+    for _ in range(3):
+        done = _cli("calibrate", str(plan), "--max-runs", "30", "--no-bus", "--no-host", *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        if "not calibrated (" not in done.stdout:
+            break
+    assert "not calibrated (" not in done.stdout, done.stdout
+    return done
+
+
+def test_calibrate_takes_the_cuda_worker_flags_run_takes(real_plan, host_cuda):
+    """``calibrate`` starts the workers ``run`` starts with the same flags: it took
+    ``--cuda-streams`` and ``--cuda-devices`` but not ``--cuda-thread-per-stream`` nor
+    ``--cuda-graphs/--no-cuda-graphs``, so a user who runs with a driver thread per stream (a
+    core held back per stream, narrower CPU groups) could not calibrate those workers at all
+    ("No such option"). Now it does, says how many threads drive its streams, and the run with
+    the same flags finds every model calibrated (no warning), after warning, uncalibrated, with
+    the calibrate command for these very workers."""
+    plan = real_plan("gru_stream").root
+    flags = ("--cuda-streams", "2", "--groups", "none", "--cuda-thread-per-stream", "--no-cuda-graphs")
+    before = _cli("run", str(plan), "--requests", "2", "--batch", "1", "--policy", "dmda", *flags)
+    assert before.returncode == 0, before.stdout + before.stderr
+    # the command the warning says to run calibrates these very workers
+    assert re.search(r"run staronnx calibrate .* --cuda-streams 2 --no-cuda-graphs --cuda-thread-per-stream$",
+                     before.stderr.strip()), before.stderr
+    done = _calibrate(plan, "--batch-sizes", "1", *flags)
+    assert "2 driver threads for 2 streams" in done.stdout, done.stdout
+    ran = _cli("run", str(plan), "--requests", "4", "--batch", "1", "--policy", "dmda", *flags)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "no calibrated model" not in ran.stderr, ran.stderr
+    assert re.search(r"cuda0\.s1 .*│ cuda0\.s1 \(own\)", ran.stdout), ran.stdout
+
+
+def test_optimize_batch_measures_its_candidates_with_their_cuda_graphs(real_plan, host_cuda):
+    """``optimize-batch --cuda-streams N`` verified its candidates live on a runtime that captured
+    no CUDA graph (it never named the sizes to warm up), while ``sweep`` and ``serve`` with the
+    same flags capture every batch size they run: the measured column was of another runtime
+    than the one the answer is for. Each candidate's graph is now captured at warm-up and the
+    result says which sizes were measured with graphs."""
+    import json as _json
+
+    plan = real_plan("gru_stream").root
+    flags = ("--cuda-streams", "1", "--groups", "none")
+    _calibrate(plan, "--batch-sizes", "1,2", *flags)
+    out = Path(os.environ["STARONNX_HOME"]).parent / "opt.json"
+    opt = _cli("optimize-batch", str(plan), "--rate", "50", "--batch-sizes", "1,2", "--sim-duration", "1s",
+               "--verify-duration", "0.5s", "--max-verify", "2", "--policy", "eager", "--json", str(out), *flags)
+    assert opt.returncode == 0, opt.stdout + opt.stderr
+    doc = _json.loads(out.read_text())
+    assert doc["cuda_graphs"] == [1, 2], doc
+    assert "measured with CUDA graphs of batch sizes 1, 2" in opt.stdout, opt.stdout
+
+
+def test_optimize_batch_takes_the_cuda_worker_flags_sweep_takes(real_plan, host_cuda):
+    """``optimize-batch`` measures live on the workers sweep would start with the same flags, but
+    took neither ``--no-cuda-graphs`` nor ``--cuda-thread-per-stream`` ("No such option"): a user
+    could not ask it about the runtime they serve with. Both are parsed into the same MachineSpec:
+    without graphs nothing is captured, and a driver per stream is calibrated and measured."""
+    import json as _json
+
+    plan = real_plan("gru_stream").root
+    flags = ("--cuda-streams", "2", "--groups", "none", "--cuda-thread-per-stream")
+    _calibrate(plan, "--batch-sizes", "1", *flags)
+    out = Path(os.environ["STARONNX_HOME"]).parent / "opt.json"
+    opt = _cli("optimize-batch", str(plan), "--rate", "50", "--batch-sizes", "1", "--sim-duration", "1s",
+               "--verify-duration", "0.5s", "--policy", "eager", "--no-cuda-graphs", "--json", str(out), *flags)
+    assert opt.returncode == 0, opt.stdout + opt.stderr
+    assert "no calibrated model" not in opt.stderr, opt.stderr
+    doc = _json.loads(out.read_text())
+    assert doc["cuda_graphs"] == [] and doc["verified"] == [1], doc
+    assert "CUDA graphs" not in opt.stdout, opt.stdout
+
+
+_COMMANDS = {
+    "run": ("run", "PLAN", "--requests", "2"),
+    "calibrate": ("calibrate", "PLAN", "--batch-sizes", "1", "--no-bus", "--no-host"),
+    "sweep": ("sweep", "PLAN", "--rates", "20", "--batch-sizes", "1", "--duration", "0.3s", "--no-plots", "-q"),
+    "optimize-batch": ("optimize-batch", "PLAN", "--rate", "20", "--batch-sizes", "1", "--no-verify"),
+    "topology": ("topology",)}
+_OWN = (("--cuda-thread-per-stream",),
+        "--cuda-thread-per-stream sets how the CUDA workers run: it needs --cuda-streams N")
+_BOTH = (("--no-cuda-graphs", "--cuda-thread-per-stream"),
+         "--no-cuda-graphs and --cuda-thread-per-stream set how the CUDA workers run: they need --cuda-streams N")
+
+
+@pytest.mark.parametrize("command, flags, says", [
+    *(pytest.param(c, *_OWN, id=f"{c}-own") for c in _COMMANDS),
+    *(pytest.param(c, *_BOTH, id=f"{c}-both") for c in _COMMANDS if c != "topology")])  # topology: no graphs
+def test_cuda_worker_flags_without_cuda_streams_are_refused(real_plan, tmp_path, host_cuda, command, flags, says):
+    """``--cuda-thread-per-stream`` and ``--no-cuda-graphs`` say how the CUDA workers run; without
+    ``--cuda-streams`` there are none and the flag was dropped without a word (the command ran on
+    the CPU groups, exit 0), where ``--cuda-devices`` alone is refused. Now one line, as it is."""
+    plan = str(real_plan("gru_stream").root)
+    args = [plan if a == "PLAN" else a for a in _COMMANDS[command]]
+    if command == "sweep":
+        args += ["-o", str(tmp_path / "res")]
+    done = _cli(*args, *flags)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert done.stderr.strip() == f"staronnx: error: {says}", done.stderr

@@ -296,6 +296,8 @@ def test_cli_sweep_mixed_traffic_mistakes(plans, tmp_path, capsys, monkeypatch):
         (("--rates", "heavy=10,light=5", "--url", "http://127.0.0.1:1"), "--url"),
         (("--rates", "heavy=10,light=5", "--name", "a"), "--name given 1 time(s) for 2 plan(s)"),
         (("--rates", "heavy=10,light=5", "--slo-ms", "nope=3"), "not served"),
+        # a mix is measured once: --extend was accepted and dropped without a word
+        (("--rates", "heavy=10,light=5", "--extend"), "--extend do(es) not go with several models (a mixed sweep)"),
     ):
         code, _, err = cli(capsys, *base, *args)
         assert code == 2 and words in " ".join(err.split()), (args, err)

@@ -172,6 +172,25 @@ def test_cli_optimize_batch_measures_at_most_max_verify(plan, home, tmp_path, tw
     assert "--max-verify must be at least 1" in refused.stderr and "Traceback" not in refused.stderr
 
 
+@pytest.mark.parametrize("flags, named", [
+    (("--verify-duration", "0.5s"), "--verify-duration"), (("--max-verify", "2"), "--max-verify"),
+    (("--colocate",), "--colocate"), (("--colocate", "--max-verify", "1"), "--max-verify, --colocate")])
+def test_cli_optimize_batch_refuses_live_settings_with_no_verify(plan, home, tmp_path, two_groups, flags, named):
+    """--no-verify measures nothing live, so the settings of the live measurements were dropped
+    without a word (the answer read as if they had been applied): refused by name, before any
+    candidate is simulated and before the --json file is written."""
+    env = {**os.environ, "STARONNX_HOME": str(home), "COLUMNS": "200"}
+    out = tmp_path / "opt.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "staronnx", "optimize-batch", str(plan.root), "--rate", "120", "--batch-sizes", "1,2",
+         "--groups", two_groups, "--sim-duration", "1s", "--no-verify", *flags, "--json", str(out)],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr + done.stdout
+    assert done.stderr.strip() == (f"staronnx: error: {named}: how the live measurements run, and --no-verify "
+                                   "measures none (the prediction alone): leave them out or drop --no-verify")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("flag, value, expected", [
     ("--distribution", "gauss", "unknown distribution 'gauss'; choose constant or poisson"),
     ("--policy", "nope", "unknown scheduling policy 'nope'; choose one of "),

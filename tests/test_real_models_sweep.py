@@ -270,3 +270,21 @@ def test_sweep_check_needs_a_served_model(fragile_plan, tmp_path, capsys):
     code, _, err = cli(capsys, "sweep", fragile_plan.root, "--rates", "40", "--check", tmp_path / "m.onnx",
                        "-o", tmp_path / "out")
     assert code == 2 and err.startswith("staronnx: error: ") and "give --url too" in err, err
+
+
+@pytest.mark.parametrize("flags, named", [
+    (("--no-cuda-graphs",), "--no-cuda-graphs"), (("--cuda-graphs",), "--cuda-graphs"),
+    (("--cuda-thread-per-stream",), "--cuda-thread-per-stream"),
+    (("--cuda-thread-per-stream", "--no-cuda-graphs"), "--no-cuda-graphs, --cuda-thread-per-stream")])
+def test_sweep_url_refuses_the_cuda_worker_flags_by_name(real_plan, tmp_path, capsys, flags, named):
+    """Over the network the CUDA workers are the server's, and its configuration says nothing of
+    their graphs or driver threads: ``sweep --url ... --no-cuda-graphs`` used to measure the
+    server as it was started and record nothing of the flag, as if it had been honoured. It is
+    refused by name, before any request is sent (the address here has no server at all)."""
+    plan = real_plan("gru_stream")
+    code, out, err = cli(capsys, "sweep", plan.root, "--url", "http://127.0.0.1:9", "--rates", "40",
+                         "--batch-sizes", "1", *flags, "-o", tmp_path / "out", *SHORT)
+    assert code == 2 and "Traceback" not in out + err, out + err
+    (line,) = err.strip().splitlines()
+    assert line.startswith(f"staronnx: error: {named}: with --url the CUDA workers are the server's"), err
+    assert not (tmp_path / "out" / "results.json").exists()

@@ -81,3 +81,24 @@ def test_sweep_says_the_models_are_stale_and_recalibrating_fixes_them(stale_home
 def store_mean(home: Path, plan, key) -> float:  # type: ignore[no-untyped-def]
     row = next(r for r in PerfModelStore(home).load(plan.hash, key.part, key.arch).rows() if r.batch == 1)
     return row.mean
+
+
+def test_the_stale_note_recalibrates_the_cuda_workers_measured(real_plan, tmp_path, monkeypatch):
+    """Measured above the bound on CUDA workers with a driver thread per stream and no graphs,
+    the note's ``staronnx calibrate ... --replace`` line left both flags out: run as told, it
+    calibrated other workers (one driver per GPU: a wider CPU group, graphs captured), and the
+    stale models of the ones measured stayed stale. The line now carries them, and calibrates
+    those very workers (HostRuntime stands in for the GPU)."""
+    from staronnx.bench.bound import stale_models_note
+    from staronnx.workers.layout import MachineSpec
+
+    monkeypatch.setenv("STARONNX_CUDA_RUNTIME", "host")
+    plan = real_plan("gru_stream")
+    machine = MachineSpec("none", 2, (0,), cuda_graphs=False, thread_per_stream=True)
+    note = stale_models_note(plan, [(1, 500.0, 10.0)], machine)
+    assert note is not None
+    command = note.split("`")[1]
+    assert command.endswith("--batch-sizes 1 --cuda-streams 2 --no-cuda-graphs --cuda-thread-per-stream --replace")
+    res = staronnx(*shlex.split(command)[1:], "--no-bus", "--no-host", "--max-runs", "30", home=tmp_path / "home")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "2 driver threads for 2 streams" in res.stdout, res.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -309,6 +310,64 @@ def test_cli_simulate_prints_metrics_placement_and_bound(plan, tmp_path):
                           "--batch", "1", "--synthetic", "pack:1 numa:1 core:4", "--groups", NO_RESERVE, "--cuda-streams", "1"],
                          check=False, capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "cuda0" in bad.stderr
+
+
+def test_cli_simulate_refuses_requests_with_a_duration(real_plan, tmp_path):
+    """``--requests N`` wins over ``--duration`` in the simulator: given both, the duration was
+    dropped without a word (the run lasted N requests, exit 0). Refused in one line before
+    anything is simulated; ``--requests`` alone runs as before."""
+    plan = real_plan("gru_stream")
+    pu = str(min(os.sched_getaffinity(0)))
+    env = {**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "staronnx", *args], check=False, capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    for _ in range(3):  # on a loaded host an entry can end short of its samples: a second run finishes it
+        done = cli("calibrate", str(plan.root), "--batch-sizes", "1", "--groups", pu, "--max-runs", "30", "--no-bus",
+                   "--no-host")
+        assert done.returncode == 0, done.stdout + done.stderr
+        if "not calibrated (" not in done.stdout:
+            break
+    simulate = ("simulate", str(plan.root), "--rate", "50", "--batch", "1", "--groups", pu, "--band", "0")
+    both = cli(*simulate, "--requests", "20", "--duration", "30s")
+    assert both.returncode == 2 and "Traceback" not in both.stderr, both.stdout + both.stderr
+    assert both.stderr.strip() == ("staronnx: error: --requests and --duration both say how long the simulated "
+                                   "traffic lasts: give one of them")
+    alone = cli(*simulate, "--requests", "20")
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+
+
+def test_cli_simulate_lays_out_a_driver_thread_per_stream(real_plan, tmp_path):
+    """``run``, ``sweep`` and ``serve --cuda-thread-per-stream`` hold a core back per stream (the
+    CPU group one core narrower per extra stream), but ``simulate`` had no such flag ("No such
+    option"): it could only simulate the machine with one driver per GPU. On a made-up 8-core
+    machine with 2 streams the CPU worker is cpu7 with one driver, cpu6 with one per stream."""
+    plan = real_plan("gru_stream")
+    pu = str(min(os.sched_getaffinity(0)))
+    env = {**os.environ, "STARONNX_HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "staronnx", *args], check=False, capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    for _ in range(3):  # on a loaded host an entry can end short of its samples: a second run finishes it
+        done = cli("calibrate", str(plan.root), "--batch-sizes", "1", "--groups", pu, "--max-runs", "30", "--no-bus",
+                   "--no-host")
+        assert done.returncode == 0, done.stdout + done.stderr
+        if "not calibrated (" not in done.stdout:
+            break
+    simulate = ("simulate", str(plan.root), "--rate", "50", "--batch", "1", "--synthetic", "pack:1 numa:1 core:8",
+                "--cuda-streams", "2", "--cuda-scale", "0.5", "--band", "0")
+    widths = {}
+    for own in (False, True):
+        out = cli(*simulate, *(["--cuda-thread-per-stream"] if own else []))
+        assert out.returncode == 0, out.stdout + out.stderr
+        first = out.stdout.splitlines()[0]
+        assert "cuda0.s0 (cuda0), cuda0.s1 (cuda0)" in first, first
+        widths[own] = re.search(r"cpu:numa0 \((cpu\d+)\)", first).group(1)
+    assert widths == {False: "cpu7", True: "cpu6"}, widths
 
 
 # -- against a real calibration ----------------------------------------------------------------

@@ -422,6 +422,23 @@ def test_cli_sweep_end_to_end(plan, home, tmp_path, two_groups):
     assert (tmp_path / "both.png").read_bytes()[:8] == PNG
 
 
+def test_cli_sweep_plot_refuses_labels_for_one_folder(tmp_path):
+    """``sweep-plot FOLDER --labels NAME``: one folder's figures are redrawn as they were, so the
+    label went nowhere, without a word (exit 0). Refused in one line; with two folders the
+    labels name the overlaid sweeps, as before."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    write_results(a, _rows(), settings={"label": "a"})
+    write_results(b, _rows()[:4], settings={"label": "b"})
+    one = _cli("sweep-plot", str(a), "--labels", "renamed", home=tmp_path)
+    assert one.returncode == 2 and "Traceback" not in one.stderr, one.stdout + one.stderr
+    assert one.stderr.strip() == ("staronnx: error: --labels names the sweeps overlaid in one plot: give two folders "
+                                  "or more (a sweep's own label is set when it runs: staronnx sweep --labels NAME)")
+    assert not (a / "latency_throughput.png").exists()
+    two = _cli("sweep-plot", str(a), str(b), "--labels", "x,y", "-o", str(tmp_path / "both.png"), home=tmp_path)
+    assert two.returncode == 0, two.stdout + two.stderr
+    assert (tmp_path / "both.png").read_bytes()[:8] == PNG
+
+
 def test_cli_sweep_simulate_prints_the_simulator_error(plan, home, tmp_path, two_groups):
     out = tmp_path / "simres"
     done = _cli("sweep", str(plan.root), "--rates", "80", "--batch-sizes", "1", "--groups", two_groups,

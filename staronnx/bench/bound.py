@@ -38,7 +38,6 @@ from scipy.optimize import linprog
 from staronnx.bench.machine import SimMachine, Where, residency_where
 from staronnx.errors import StaronnxError
 from staronnx.perfmodels.host import HostCosts
-from staronnx.perfmodels.store import calibrate_command
 from staronnx.plan import Plan
 from staronnx.runtime.datawizard import with_writebacks
 from staronnx.runtime.sched import WorkerInfo
@@ -441,6 +440,8 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], machin
     the predicted best batch size) is then off, so say it, and how to recalibrate.
     ``points`` are (batch size, measured samples/s, bound samples/s) on the workers of ``machine``.
     """
+    from staronnx.calibrate import calibrate_line
+
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)
 
@@ -454,5 +455,4 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], machin
     where = ", ".join(f"b={b}: {m:.1f} vs {bnd:.1f} samples/s" for b, (m, bnd) in sorted(over.items()))
     return (f"measured throughput above the LP bound ({where}): the perf models are stale (they "
             f"predict the parts slower than they run now); recalibrate with "
-            f"`{calibrate_command(plan.root, machine.groups, machine.cuda_streams, machine.cuda_devices, list(over),
-                                  replace=True)}`")
+            f"`{calibrate_line(plan.root, machine, batch_sizes=list(over), replace=True)}`")

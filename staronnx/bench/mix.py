@@ -29,6 +29,7 @@ from typing import Any
 from staronnx.bench.spec import SweepSpec
 from staronnx.bench.sweep import Progress, sweep
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.runtime.models import name_gaps
 from staronnx.workers.layout import MachineSpec
@@ -101,7 +102,7 @@ def per_model(text: str, names: Sequence[str], option: str) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------- the live sweep
 def sweep_mix(plans: Mapping[str, Plan | str | os.PathLike[str]], spec: SweepSpec, *,
-              machine: MachineSpec = MachineSpec(), store: Any = None,
+              machine: MachineSpec = MachineSpec(), store: PerfModelStore | None = None,
               progress: Progress | None = None) -> list[dict[str, Any]]:
     """Measure every mix of ``spec.points`` (:func:`~staronnx.bench.sweep.mix_points`) on one
     runtime hosting every model, each with its ``spec.targets`` entry; return the rows (one per

@@ -24,21 +24,25 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from staronnx.bench.bound import machine_bound, stale_models_note
 from staronnx.bench.points import measure_point, point_duration, runnable_sizes, sample_pool, warm_up
-from staronnx.bench.results import clean
+from staronnx.bench.results import clean_dict
 from staronnx.bench.machine import SimMachine, build_machine
 from staronnx.bench.simulator import simulate
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
 from staronnx.plan import Plan
 from staronnx.serving.arrivals import DISTRIBUTIONS
 from staronnx.runtime.policies import policy_options
-from staronnx.runtime.runtime import Runtime
+from staronnx.runtime.runtime import Runtime, warmup_sizes
 from staronnx.runtime.spec import RuntimeSpec
 from staronnx.workers.layout import MachineSpec
 from staronnx.bench.spec import OptimizeSpec, RunSpec, SimSpec
+
+if TYPE_CHECKING:
+    from staronnx.bench.sweep import SweptRuntime
 
 LATENCY = "paper_latency_mean"
 
@@ -112,6 +116,9 @@ class Optimization:
     rejected: dict[int, str] = field(default_factory=dict)
     #: the PU the live measurements ran their load generator on (``colocate``), else None
     generator_core: int | None = None
+    #: the batch sizes whose CUDA graphs the live measurements replayed (the runtime's
+    #: preferred batch sizes, what a partial batch is padded to); empty without graphs
+    cuda_graphs: list[int] = field(default_factory=list)
 
     @property
     def keeps_up(self) -> bool:
@@ -127,19 +134,25 @@ class Optimization:
     def candidate(self, batch_size: int) -> Candidate:
         return next(c for c in self.candidates if c.batch_size == batch_size)
 
+    def measured(self) -> dict[int, dict[str, Any]]:
+        """Batch size -> the live figures of each verified candidate (every one of them was
+        measured: a measurement that raises ends the optimization)."""
+        return {b: m for b in self.verified if (m := self.candidate(b).measured) is not None}
+
     def as_dict(self) -> dict[str, Any]:
         """JSON-safe (NaN -> None), latencies in ms."""
-        return clean({
+        return clean_dict({
             "rate": self.rate, "slo_ms": None if self.slo is None else self.slo * 1e3,
             "objective": self.objective, "predicted_best": self.predicted_best, "best": self.best,
             "verified": self.verified, "slo_met": self.slo_met, "notes": self.notes,
             "keeps_up": self.keeps_up, "rejected": {str(b): why for b, why in self.rejected.items()},
-            "generator_core": self.generator_core,
+            "generator_core": self.generator_core, "cuda_graphs": self.cuda_graphs,
             "candidates": [c.row() for c in self.candidates],
         })
 
 
-def _finite(v: Any) -> bool:
+def _finite(v: object) -> TypeGuard[int | float]:
+    """A number that is neither NaN nor infinite (a figure a run may leave None or NaN)."""
     return isinstance(v, (int, float)) and math.isfinite(v)
 
 
@@ -248,7 +261,8 @@ def next_candidate(order: Sequence[int], measured: Mapping[int, Mapping[str, Any
 
 
 def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: OptimizeSpec = OptimizeSpec(), *,
-                   machine: MachineSpec = MachineSpec(), store: Any = None, runtime: Any = None,
+                   machine: MachineSpec = MachineSpec(), store: PerfModelStore | None = None,
+                   runtime: SweptRuntime | None = None,
                    sim_machine: SimMachine | None = None, progress: Callable[[str], None] | None = None
                    ) -> Optimization:
     """Choose ``b`` for ``rate`` requests/s among ``spec.batch_sizes`` (see the module docstring).
@@ -294,12 +308,12 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
         except StaronnxError as exc:
             notes.append(f"batch {b} left out: {exc}")
             continue
-        predicted = res.metrics(warmup=min(1.0, length / 5))
+        figures = res.metrics(warmup=min(1.0, length / 5))
         try:
             bound = machine_bound(sim, b).throughput
         except StaronnxError:
             bound = None
-        candidates.append(Candidate(b, dict(predicted), bound=bound))
+        candidates.append(Candidate(b, dict(figures), bound=bound))
     if not candidates:
         raise OptimizeError("no batch size could be simulated: " + "; ".join(notes))
     bounds = {c.batch_size: c.bound for c in candidates}
@@ -319,18 +333,25 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
     # max_verify bounds these too: the predicted best first, then its nearest neighbours
     result.verified = sorted(sorted(around, key=lambda b: abs(order.index(b) - at))[:spec.max_verify])
     own = runtime is None
-    if own:
-        runtime = Runtime(plan, machine, RuntimeSpec(spec.policy, store=store))
+    live: SweptRuntime
+    if runtime is None:
+        # each candidate's CUDA graphs captured at warm-up, as sweep and serve capture theirs:
+        # without them every live candidate ran ungraphed, unlike what it was chosen for
+        warm = tuple(sorted({s for b in order for s in warmup_sizes(b, None)})) if machine.cuda_streams else ()
+        live = Runtime(plan, machine, RuntimeSpec(spec.policy, store=store, warmup=warm))
+    else:
+        live = runtime
+    result.cuda_graphs = sorted(int(b) for b in live.preferred_batch_sizes)
     try:
         samples = sample_pool(plan, seed=seed)
 
         def measure(b: int) -> None:
-            failed = warm_up(runtime, plan, [b], seed=seed)
+            failed = warm_up(live, plan, [b], seed=seed)
             if failed:  # the measurement fails the same way and says so
                 notes.append(f"warm-up failed at {failed}")
             length = point_duration(spec.verify_duration, min(1.0, spec.verify_duration / 5), b, rate, spec.min_batches)
             say(f"measuring batch {b} at {rate:g} req/s for {length:.1f} s")
-            summary, records = measure_point(runtime, b, rate, samples,
+            summary, records = measure_point(live, b, rate, samples,
                                              RunSpec(spec.distribution, length, min(1.0, length / 5), seed,
                                                      colocate=spec.colocate))
             result.candidate(b).measured = dict(summary)
@@ -343,17 +364,16 @@ def optimize_batch(plan: Plan | str | os.PathLike[str], rate: float, spec: Optim
             measure(b)
         # hill-climb (up to max_verify live points): see next_candidate()
         while len(result.verified) < spec.max_verify:
-            measured = {b: result.candidate(b).measured for b in result.verified}
-            nxt = next_candidate(order, measured, slo, bounds, rate)  # type: ignore[arg-type]
+            nxt = next_candidate(order, result.measured(), slo, bounds, rate)
             if nxt is None:
                 break
             measure(nxt)
             result.verified = sorted([*result.verified, nxt])
     finally:
         if own:
-            runtime.close()
-    measured = {b: result.candidate(b).measured for b in result.verified}
-    result.best, result.slo_met = choose(measured, slo, bounds, rate)  # type: ignore[arg-type]
+            live.close()
+    measured = result.measured()
+    result.best, result.slo_met = choose(measured, slo, bounds, rate)
     result.rejected = rejections(measured, rate)
     if not result.keeps_up:
         most = f"; batch {result.best} served the most" if len(measured) > 1 else ""

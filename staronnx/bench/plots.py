@@ -67,7 +67,7 @@ def _title(rows: Rows, what: str) -> str:
 
 
 #: how a point measured beside other work is marked (``machine_busy``: :mod:`staronnx.bench.cpuload`)
-BUSY_MARK = {"marker": "o", "ms": 12, "mfc": "none", "mec": "black", "mew": 1.2, "ls": "none"}
+BUSY_MARK: dict[str, Any] = {"marker": "o", "ms": 12, "mfc": "none", "mec": "black", "mew": 1.2, "ls": "none"}
 BUSY_LABEL = "measured beside other work"
 
 
@@ -162,7 +162,7 @@ def figure_best_batch(rows: Rows, *, latency: str = LATENCY) -> tuple[Figure, li
     ax2.set_yticks(sizes, [str(s) for s in sizes])
     ax2.set_ylim(min(sizes) / 1.5, max(sizes) * 1.5)
     lines = ax.get_lines()[:1] + ax2.get_lines()[:1]
-    ax.legend(lines, [ln.get_label() for ln in lines], fontsize=8, loc="upper left")
+    ax.legend(lines, [str(ln.get_label()) for ln in lines], fontsize=8, loc="upper left")
     fig.tight_layout()
     return fig, ["latency of the best b", "best batch size"]
 
@@ -277,7 +277,9 @@ def figure_compare(results: Sequence[Rows], labels: Sequence[str], *,
 
 # ---------------------------------------------------------------------------- files
 def _rows_of(source: str | os.PathLike[str] | Rows) -> list[Mapping[str, Any]]:
-    return load_rows(source) if isinstance(source, (str, os.PathLike)) else list(source)
+    if isinstance(source, (str, os.PathLike)):
+        return [*load_rows(source)]
+    return list(source)
 
 
 def plot_results(source: str | os.PathLike[str] | Rows, out_dir: str | os.PathLike[str] | None = None) -> list[Path]:

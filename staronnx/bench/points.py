@@ -19,7 +19,8 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -27,7 +28,7 @@ from staronnx.bench.spec import RunSpec
 from staronnx.inputs import batch_of, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.serving import ServeSpec, Server, make_arrivals, run_open_loop, summarize
-from staronnx.serving.records import error_line
+from staronnx.serving.records import RunRecords, error_line
 from staronnx.verify import random_plan_feeds
 
 
@@ -97,6 +98,30 @@ def warm_up(runtime: Any, plan: Plan, batch_sizes: Sequence[int], *, rounds: int
     return None
 
 
+class PointServer(Protocol):
+    """What a point serves through: the part of :class:`Server` that :func:`measure_point` and
+    :func:`~staronnx.serving.run_open_loop` use, which a front end over the network
+    (:class:`~staronnx.bench.remote.RemoteServer`) has too."""
+
+    @property
+    def clock(self) -> Callable[[], float]: ...
+
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future[Any]: ...
+
+    def flush(self) -> None: ...
+
+    def wait_idle(self, timeout: float | None = None) -> int: ...
+
+    def records(self, *, since: float | None = None, offered_rate: float | None = None,
+                start: float | None = None) -> RunRecords: ...
+
+    def close(self, timeout: float | None = 30.0) -> None: ...
+
+
+#: builds a point's front end from the runtime and the point's ServeSpec (:class:`Server`'s arguments)
+ServerFactory = Callable[[Any, ServeSpec], PointServer]
+
+
 class _Watched:
     """A point's front end (a :class:`Server` or what stands in for it), with a few of its
     requests' futures watched for the first failure's reason, for front ends whose records do
@@ -109,20 +134,20 @@ class _Watched:
     FIRST = 16
     EVERY = 64
 
-    def __init__(self, server: Any) -> None:
+    def __init__(self, server: PointServer) -> None:
         self.server = server
         self.clock = server.clock
         self.error: str | None = None
         self._n = 0
 
-    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Any:
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future[Any]:
         future = self.server.submit(sample, arrival=arrival)
         self._n += 1
         if self.error is None and (self._n <= self.FIRST or self._n % self.EVERY == 0):
             future.add_done_callback(self._seen)
         return future
 
-    def _seen(self, future: Any) -> None:
+    def _seen(self, future: Future[Any]) -> None:
         if self.error is None and not future.cancelled():
             exc = future.exception()
             if exc is not None:
@@ -135,14 +160,14 @@ class _Watched:
         return self.server.wait_idle(timeout)
 
     def records(self, *, since: float | None = None, offered_rate: float | None = None,
-                start: float | None = None) -> Any:
+                start: float | None = None) -> RunRecords:
         return self.server.records(since=since, offered_rate=offered_rate, start=start)
 
 
 def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[Mapping[str, np.ndarray]],
                   run: RunSpec, *, drain_timeout: float | None = None,
                   on_submit: Callable[[int, int], None] | None = None, max_inflight: int | None = None,
-                  server_factory: Callable[..., Any] | None = None) -> tuple[dict[str, Any], Any]:
+                  server_factory: ServerFactory | None = None) -> tuple[dict[str, Any], RunRecords]:
     """Serve ``rate`` requests/s in batches of ``batch_size`` for ``run.duration`` s, its traffic
     and batching as ``run`` says (:class:`~staronnx.bench.spec.RunSpec`: its ``warmup`` left
     out of the summary, default ``min(1, duration / 5)``); (summary, records).
@@ -162,7 +187,7 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
     """
     duration = run.duration
     warmup = min(1.0, duration / 5) if run.warmup is None else run.warmup
-    factory = server_factory or Server
+    factory: ServerFactory = server_factory or Server
     block = runtime.colocate() if run.colocate else contextlib.nullcontext()
     arrivals = make_arrivals(run.distribution, rate, seed=run.seed)
     drain = max(5.0, duration / 2) if drain_timeout is None else drain_timeout
@@ -172,6 +197,7 @@ def measure_point(runtime: Any, batch_size: int, rate: float, samples: Sequence[
                                             max_inflight=max_inflight, colocate=run.colocate))
         watched = _Watched(server)
         try:
+            # run_open_loop declares a Server; it uses the PointServer part of one, which _Watched has
             records = run_open_loop(watched, arrivals, lambda i: samples[i % n],  # type: ignore[arg-type]
                                     duration=duration, drain_timeout=drain, on_submit=on_submit)
         finally:

@@ -44,7 +44,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -67,6 +67,8 @@ from staronnx.workers.layout import MachineSpec
 CONNECTIONS = 512
 #: seconds a request may take before the client gives up on it (it then counts as failed)
 REQUEST_TIMEOUT_S = 120.0
+
+T = TypeVar("T")
 
 
 class RemoteError(StaronnxError):
@@ -319,7 +321,7 @@ class RemoteRuntime:
             future.cancel()
             raise RemoteError(f"{self.url}: no answer within {timeout:g} s") from None
 
-    def spawn(self, coro: Coroutine[Any, Any, Any]) -> Future:  # type: ignore[type-arg]
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         """Start ``coro`` on the client's loop; its concurrent future (counted until done)."""
         with self._lock:
             self._in_flight += 1
@@ -327,7 +329,7 @@ class RemoteRuntime:
         future.add_done_callback(self._one_done)
         return future
 
-    def _one_done(self, _: Future) -> None:  # type: ignore[type-arg]
+    def _one_done(self, _: Future[Any]) -> None:
         with self._lock:
             self._in_flight -= 1
 
@@ -356,12 +358,16 @@ class RemoteRuntime:
 
     async def _config(self) -> dict[str, Any]:
         """The served model's configuration, as Triton's JSON (gRPC's message converted)."""
+        # tritonclient is untyped: its answer is Triton's JSON, an object
+        config: dict[str, Any]
         if self.protocol == "grpc":
-            return (await self.client.get_model_config(self.model, as_json=True))["config"]
-        return await self.client.get_model_config(self.model)
+            config = (await self.client.get_model_config(self.model, as_json=True))["config"]
+        else:
+            config = await self.client.get_model_config(self.model)
+        return config
 
     # -- what the sweep calls ---------------------------------------------------------------
-    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future:  # type: ignore[type-arg]
+    def submit(self, feeds: Mapping[str, np.ndarray]) -> Future[dict[str, np.ndarray]]:
         """Send ``feeds`` (any batch, along each input's own batch axis) as one request; the
         future resolves to its outputs (with ``check``, fails when they are not ORT's answer)."""
         inputs, outputs = encode(self.plan, feeds, self.protocol)
@@ -458,12 +464,12 @@ class RemoteServer:
         self._lock = threading.Lock()
         self._requests: list[RequestRecord] = []
         self._batches: dict[int, BatchRecord] = {}
-        self._futures: set[Future] = set()  # type: ignore[type-arg]
+        self._futures: set[Future[None]] = set()
         self._ids = itertools.count()
         self._encoded: dict[int, tuple[Mapping[str, np.ndarray], list[Any], list[Any]]] = {}
         self._closed = False
 
-    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future:  # type: ignore[type-arg]
+    def submit(self, sample: Mapping[str, np.ndarray], arrival: float | None = None) -> Future[None]:
         """Send one sample now, counted as arrived at ``arrival``; never waits for the answer."""
         if self._closed:
             raise ServerClosed("the remote front end is closed")
@@ -482,7 +488,7 @@ class RemoteServer:
         future.add_done_callback(self._forget)
         return future
 
-    def _forget(self, future: Future) -> None:  # type: ignore[type-arg]
+    def _forget(self, future: Future[None]) -> None:
         with self._lock:
             self._futures.discard(future)
 
@@ -659,7 +665,7 @@ def remote_sweep(plan: Plan | str | Path, url: str, rates: Sequence[float], batc
                 raise RemoteError(why + f"the server's (leave {key} out of expect)",
                                   cli=why + f"the server's (leave {flag} out)")
         wire = PROTOCOLS[remote.protocol]
-        front_end = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
+        front_end: dict[str, Any] = {"kind": "network", "url": url, "model": remote.model, "protocol": wire["protocol"],
                      "client": wire["client"]}
         if not served.batching or served.batching_reason:  # what Triton's max_batch_size cannot say
             front_end.update(batching=served.batching, batching_reason=served.batching_reason)

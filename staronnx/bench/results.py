@@ -76,6 +76,11 @@ def clean(value: Any) -> Any:
     return value
 
 
+def clean_dict(value: dict[Any, Any]) -> dict[str, Any]:
+    """:func:`clean` of a dict (a row, a result), typed as the dict it returns."""
+    return {str(k): clean(v) for k, v in value.items()}
+
+
 def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duration: float,
              extended: bool = False, bound: float | None = None) -> dict[str, Any]:
     """One sweep row from a :func:`~staronnx.serving.summarize` result (latencies in ms)."""
@@ -91,7 +96,7 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     row["cpu_share"] = summary.get("cpu_share")
     row["state"], row["notes"] = summary.get("state"), summary.get("notes") or ""
     if row["state"] is None:  # figures summarized before points had a state
-        row["state"], row["notes"] = point_state(summary)
+        row["state"], row["notes"] = point_state(dict(summary))  # it reads the figures only
     row.update(congested=bool(summary.get("congested")), stable=bool(summary.get("stable")), extended=bool(extended))
     for key in ("requests", "completed", "rejected", "failed", "pending", "batches", "queue_mean", "queue_max",
                 "backlog_growth"):
@@ -109,7 +114,7 @@ def make_row(summary: Mapping[str, Any], settings: Mapping[str, Any], *, duratio
     for part, archs in sorted((summary.get("placement") or {}).items()):
         for arch, frac in sorted(archs.items()):
             row[f"share_{part}_{arch}"] = frac
-    return clean(row)
+    return clean_dict(row)
 
 
 def share_columns(rows: Sequence[Mapping[str, Any]]) -> list[str]:

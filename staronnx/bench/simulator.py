@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from staronnx.bench.machine import SimMachine, SimulationError, Where, held_by, machine_inflight, residency_where
 from staronnx.bench.simclock import EventQueue, SimClock
 from staronnx.bench.spec import SimSpec
 from staronnx.perfmodels import Footprint, HostCosts
-from staronnx.runtime.core import Task, TaskGraph
+from staronnx.runtime.core import Request, Task, TaskGraph
 from staronnx.runtime.datawizard import price
 from staronnx.runtime.models import ModelSet, ServiceTarget, name_gaps
 from staronnx.runtime.policies import make_policy, policy_options
@@ -210,8 +211,9 @@ class _Simulation:
         self.ran: list[tuple[int, Task, list[tuple[float, float]], float, list[tuple[int, float]]]] | None = (
             [] if traced else None)
 
-    def _footprint(self, req: Any, part: int) -> Footprint:
-        return self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
+    def _footprint(self, req: Request, part: int) -> Footprint:
+        footprint: Footprint = self.fronts[req.model].profiles[req.batch].footprints[part - req.first_part]
+        return footprint
 
     # -- main loop ---------------------------------------------------------------------------
     def run(self) -> None:
@@ -547,7 +549,7 @@ def _end_of(sim: _Simulation, front: _FrontEnd) -> float:
     return max(front.last_done, last_arrival) if not outstanding else max(sim.clock.t, last_arrival)
 
 
-def mean_rate(times: Sequence[float]) -> float:
+def mean_rate(times: Sequence[float] | npt.NDArray[np.float64]) -> float:
     """Arrivals per second over sorted arrival ``times`` (0 with fewer than two)."""
     span = float(times[-1] - times[0]) if len(times) > 1 else 0.0
     return (len(times) - 1) / span if span > 0 else 0.0
@@ -634,7 +636,8 @@ def _times(who: str, name: str, index: int, rate: float, spec: SimSpec,
     if n_requests is None and (duration is None or not duration > 0):
         raise SimulationError("give a duration > 0 or a number of requests")
     if n_requests is not None and n_requests < 1:
-        raise SimulationError(f"n_requests must be >= 1, got {n_requests}")
+        raise SimulationError(f"n_requests must be >= 1, got {n_requests}",
+                              cli=f"--requests must be at least 1, got {n_requests}")
     if spec.distribution not in DISTRIBUTIONS:
         raise SimulationError(f"unknown distribution {spec.distribution!r}; choose {' or '.join(DISTRIBUTIONS)}")
     process = make_arrivals(spec.distribution, rate, spec.seed + index)
@@ -708,12 +711,15 @@ def simulate_mix(machine: SimMachine, rates: Mapping[str, float], batch_sizes: M
         if isinstance(b, bool) or not isinstance(b, int) or b < 1:
             raise SimulationError(f"{who[n]}batch_size must be an int >= 1, got {b!r}")
         if queue_capacity is not None and queue_capacity < (1 if max_delay is not None else b):
+            batch_flag = "--batch" if models.single else "each model's --batch"
             raise SimulationError(f"queue_capacity must be >= 1 and >= {'batch_size' if models.single else 'every batch size'}"
-                                  f" without max_delay, got {queue_capacity}")
+                                  f" without max_delay, got {queue_capacity}",
+                                  cli=f"--queue-capacity must be at least 1, and at least {batch_flag} without "
+                                      f"--max-delay, got {queue_capacity}")
     if max_delay is not None and not max_delay >= 0:
         raise SimulationError(f"max_delay must be >= 0 seconds, got {max_delay!r}")
     if not (math.isfinite(spec.spread) and spec.spread >= 0):
-        raise SimulationError(f"spread must be >= 0, got {spec.spread!r}")
+        raise SimulationError(f"spread must be >= 0, got {spec.spread!r}", cli=f"--spread must be >= 0, got {spec.spread:g}")
     if not (math.isfinite(spec.slowdown) and spec.slowdown > 0):
         raise SimulationError(f"slowdown must be > 0, got {spec.slowdown!r}")
     # the core's view: the same plans in the same order (same global parts), with the targets

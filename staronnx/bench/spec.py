@@ -110,7 +110,7 @@ class SweepSpec:
     policy: str = "heft"
     engine: str = "native"
     points: Sequence[MixPoint] = ()
-    targets: Mapping[str, Any] | None = None
+    targets: Mapping[str, ServiceTarget | Mapping[str, Any]] | None = None
     extend: bool = True
     stop_on_congestion: bool = True
     bound: bool = True

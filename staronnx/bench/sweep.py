@@ -42,10 +42,11 @@ from staronnx.bench.fidelity import band_columns, fidelity_summary, sim_columns
 from staronnx.bench.machine import SimMachine, build_machine, machine_inflight, residency_where
 from staronnx.bench.points import (TaskSampler, measure_point, point_duration, runnable_sizes, sample_pool,
                                    task_time_ratio, tasks_snapshot, warm_up, workers_delta, workers_snapshot)
-from staronnx.bench.results import SweepError, clean, make_row, write_results
-from staronnx.bench.simulator import TraceInto, deadline_misses, simulate_mix
+from staronnx.bench.results import SweepError, clean, clean_dict, make_row, write_results
+from staronnx.bench.simulator import MixResult, TraceInto, deadline_misses, simulate_mix
 from staronnx.bench.spec import FrontEnd, MixPoint, RunSpec, SimSpec, SweepSpec, mix_label
 from staronnx.errors import StaronnxError
+from staronnx.perfmodels import PerfModelStore
 from staronnx.inputs import batch_of, load_inputs, samples as input_samples
 from staronnx.plan import Plan
 from staronnx.runtime.models import HostedModel, ModelSet, load_plans
@@ -91,25 +92,40 @@ class SweepEvent:
 Progress = Callable[[SweepEvent], None]
 
 
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+
 class SweptRuntime(Protocol):
     """What a sweep measures through: a :class:`~staronnx.runtime.runtime.Runtime` (its
     :class:`~staronnx.runtime.runtime.ModelHandle` for one model of several) or a served one
-    (:class:`~staronnx.bench.remote.RemoteRuntime`)."""
+    (:class:`~staronnx.bench.remote.RemoteRuntime`). A sweep of several models reads each one's
+    handle off the :class:`~staronnx.runtime.runtime.Runtime` hosting them (:func:`_hosted`)."""
 
     @property
-    def workers(self) -> list[Any]: ...  # each with a ``name``
+    def workers(self) -> Sequence[_Named]: ...
 
     @property
-    def tracer(self) -> Any: ...  # the trace being recorded, or None
+    def tracer(self) -> Tracer | None: ...  # the trace being recorded
 
     @property
     def preferred_batch_sizes(self) -> tuple[int, ...]: ...  # what a partial batch is padded to
 
     def submit(self, feeds: Mapping[str, np.ndarray]) -> Any: ...
 
-    def model(self, name: str | None = None) -> Any: ...
+    def stats(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+def _hosted(runtime: SweptRuntime, name: str) -> SweptRuntime:
+    """Model ``name``'s handle of the runtime a sweep of several models measures through: a
+    :class:`~staronnx.runtime.runtime.Runtime` hosting them all (a served one hosts one)."""
+    if not isinstance(runtime, Runtime):
+        raise SweepError(f"a sweep of several models measures through a Runtime hosting them all, "
+                         f"not a {type(runtime).__name__}")
+    return runtime.model(name)
 
 
 @dataclass
@@ -198,9 +214,11 @@ def _check_run(run: RunSpec) -> float:
         raise SweepError(f"duration must be > 0 seconds, got {duration!r}")
     warmup = min(1.0, duration / 5) if run.warmup is None else float(run.warmup)
     if not (0 <= warmup < duration):
-        raise SweepError(f"warmup must be >= 0 and shorter than the duration ({duration} s), got {warmup}")
+        raise SweepError(f"warmup must be >= 0 and shorter than the duration ({duration} s), got {warmup}",
+                         cli=f"--warmup must be shorter than --duration ({duration:g} s), got {warmup:g} s")
     if run.min_batches < 1:
-        raise SweepError(f"min_batches must be >= 1, got {run.min_batches}")
+        raise SweepError(f"min_batches must be >= 1, got {run.min_batches}",
+                         cli=f"--min-batches must be at least 1, got {run.min_batches}")
     if max_delay is not None and not (math.isfinite(max_delay) and max_delay >= 0):
         raise SweepError(f"max_delay must be >= 0 seconds, got {max_delay}")
     return warmup
@@ -222,7 +240,8 @@ def _unprofiled_shapes(plan: Plan, inputs: Mapping[str, np.ndarray]) -> str | No
 
 def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.PathLike[str]],
           rates: Sequence[float] = (), batch_sizes: Sequence[int] = (), spec: SweepSpec = SweepSpec(), *,
-          machine: MachineSpec = MachineSpec(), store: Any = None, runtime: SweptRuntime | None = None,
+          machine: MachineSpec = MachineSpec(), store: PerfModelStore | None = None,
+          runtime: SweptRuntime | None = None,
           inputs: Mapping[str, np.ndarray] | str | os.PathLike[str] | None = None, front_end: FrontEnd | None = None,
           progress: Progress | None = None) -> list[dict[str, Any]]:
     """Measure every (batch size, rate) point on one runtime; return the rows (see the module doc).
@@ -328,7 +347,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
             if machine.cuda_streams else ()
         runtime = Runtime(first if one else loaded, machine,
                           RuntimeSpec(spec.policy, store=store, engine=spec.engine, trace=spec.trace,
-                                      targets=spec.targets, warmup=warm))
+                                      targets=spec.targets or {}, warmup=warm))
     # what the live Server pads a partial batch up to (the runtime's captured sizes): the
     # simulated twin of each point must pad the same way
     padding = tuple(sorted({int(m) for m in runtime.preferred_batch_sizes}))
@@ -342,7 +361,7 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         # (--cuda-thread-per-stream), read off the runtime that measured
         settings["drivers"] = driver_threads(runtime.stats())
         for n in ([] if one else names):  # where each model lives (every worker unless residency or lanes say otherwise)
-            settings["models"][n]["held_by"] = list(runtime.model(n).stats().get("held_by", settings["workers"]))
+            settings["models"][n]["held_by"] = list(_hosted(runtime, n).stats().get("held_by", settings["workers"]))
         notify(SweepEvent("start", 0, total))
         results.save()
         tasks_before, watch = tasks_snapshot(runtime), LoadWatch()
@@ -356,8 +375,8 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
         settings["calibration_check"] = check.pop("settings")
         results.notes.extend(check["notes"])
         run.pools = {m.name: sample_pool(m.plan, seed=run_spec.seed, inputs=inputs) for m in models.models}
-        replays = simulate and twin is not None
-        tracer, sim_tracer = point_tracers(runtime, simulated=replays, settings=settings)
+        sim_twin = twin if simulate else None  # what replays each measured point
+        tracer, sim_tracer = point_tracers(runtime, simulated=sim_twin is not None, settings=settings)
         skipped: set[int] = set()
         struck: set[tuple[tuple[str, int], ...]] = set()  # batch sizes whose last point congested on a busy machine
         for i, point in enumerate(points):
@@ -381,15 +400,15 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                                                  settings["calibration_check"].get("task_time_ratio")))
                 if not one:
                     row.update(_mix_columns(m, run.records[m.name], run.index, point, mix))
-            if replays and all(r["state"] == "failed" for r in rows):
+            if sim_twin is not None and all(r["state"] == "failed" for r in rows):
                 results.notes.append(f"{label_} not simulated: its requests failed")
-            elif replays:
+            elif sim_twin is not None:
                 length = float(rows[0]["duration_s"])
                 target = simulated_point(sim_tracer, label_, began, length)
                 try:
-                    def replay(slowdown: float = 1.0, into: TraceInto | None = None) -> Any:
+                    def replay(slowdown: float = 1.0, into: TraceInto | None = None) -> MixResult:
                         largest = max(point.batch_sizes.values())
-                        return simulate_mix(twin, point.rates, point.batch_sizes, SimSpec(
+                        return simulate_mix(sim_twin, point.rates, point.batch_sizes, SimSpec(
                             policy=spec.policy, targets=spec.targets, duration=length, seed=run_spec.seed,
                             distribution=run_spec.distribution, slowdown=slowdown,
                             queue_capacity=max(run_spec.queue_capacity, largest), max_delay=run_spec.max_delay,
@@ -403,8 +422,9 @@ def sweep(plan: Plan | str | os.PathLike[str] | Mapping[str, Plan | str | os.Pat
                         nominal = sim_columns(sim.metrics(m.name, warmup=warmup), row, deadlines=not one,
                                               task_time_ratio=sim.task_time_ratio)
                         if band is not None:
-                            nominal.update(band_columns(*(b.metrics(m.name, warmup=warmup) for b in band), nominal,
-                                                        row, sim_band))
+                            fast, slow = band
+                            nominal.update(band_columns(fast.metrics(m.name, warmup=warmup),
+                                                        slow.metrics(m.name, warmup=warmup), nominal, row, sim_band))
                         row.update(clean(nominal))
                 except StaronnxError as exc:
                     results.notes.append(f"{label_} not simulated: {exc}")
@@ -457,7 +477,7 @@ def _mix_columns(m: HostedModel, records: RunRecords, index: int, point: MixPoin
     misses, and the mix's LP bound."""
     latency = m.target.latency
     misses, rate = deadline_misses(records, latency)
-    return clean({
+    return clean_dict({
         "model": m.name, "mix": point.label, "point": index,
         "latency_target_ms": None if latency is None else latency * 1e3,
         "deadline_misses": misses, "deadline_miss_rate": rate,
@@ -478,7 +498,7 @@ class _Run:
         self.server_factory = server_factory
         # one model: the runtime itself is its handle (a runtime passed in may serve no other)
         self.handles = {models.models[0].name: runtime} if one else {
-            m.name: runtime.model(m.name) for m in models.models}
+            m.name: _hosted(runtime, m.name) for m in models.models}
         self.pools: dict[str, list[dict[str, np.ndarray]]] = {}
         self.records: dict[str, RunRecords] = {}  # each model's at the last point
         self.index = 0
@@ -711,9 +731,9 @@ def load_columns(load: MachineLoad | None, ratio: float | None) -> dict[str, Any
     :data:`~staronnx.bench.cpuload.BUSY_SHARE` of the CPUs) and ``task_time_ratio``, tasks'
     measured time over their perf models'; None where ``/proc/stat`` could not be read."""
     figures = (None,) * 4 if load is None else (load.busy, load.others_share, load.steal_share, load.own_cores)
-    return clean({**dict(zip(("machine_busy", "others_cpu_share", "steal_share", "own_cpu_cores"), figures)),
-                  "task_time_ratio": ratio, "busy_why": None if load is None else load.why,
-                  "machine": None if load is None else load.as_dict()})
+    return clean_dict({**dict(zip(("machine_busy", "others_cpu_share", "steal_share", "own_cpu_cores"), figures)),
+                       "task_time_ratio": ratio, "busy_why": None if load is None else load.why,
+                       "machine": None if load is None else load.as_dict()})
 
 
 def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:
@@ -721,7 +741,7 @@ def gpus_of(devices: Sequence[int]) -> list[dict[str, Any]]:
     stand-in says it is one), read in CUDA's thread-local capture mode so that a runtime
     already capturing graphs in this process is not disturbed."""
     from staronnx.ortutil import cuda_capture_safe
-    from staronnx.workers.cuda import describe_gpus
+    from staronnx.workers.cuda_env import describe_gpus
 
     with cuda_capture_safe():
         return describe_gpus(devices)
@@ -786,7 +806,7 @@ def _nice(x: float) -> float:
     """``x`` rounded to the nearest (on a log scale) of 1, 2, 2.5 or 5 times a power of ten."""
     if not (math.isfinite(x) and x > 0):
         return 1.0
-    power = 10 ** math.floor(math.log10(x))
+    power: float = 10 ** math.floor(math.log10(x))  # an int from 1 up, as the rates have always been
     return min((m * power for m in (1, 2, 2.5, 5, 10)), key=lambda v: abs(math.log(v / x)))
 
 
@@ -800,7 +820,7 @@ def rates_for(capacity: float, count: int = AUTO_RATES, top: float = AUTO_TOP) -
 
 
 def auto_rates(plan: Plan, batch_sizes: Sequence[int], machine: MachineSpec = MachineSpec(), *, seed: int = 0,
-               store: Any = None, probe_seconds: float | None = 1.0, policy: str = "heft",
+               store: PerfModelStore | None = None, probe_seconds: float | None = 1.0, policy: str = "heft",
                engine: str = "native") -> AutoRates | None:
     """The rates a sweep of ``plan`` should offer on this machine, so that its plots show each
     batch size's curve up to where it congests instead of one congested point per batch size.
@@ -814,10 +834,11 @@ def auto_rates(plan: Plan, batch_sizes: Sequence[int], machine: MachineSpec = Ma
         bounds, _ = batch_bounds(build_machine(plan, machine, store=store, cpu_fallback=False), sizes)
     except StaronnxError:
         bounds = {}
-    bounds = {b: v["throughput"] for b, v in bounds.items() if math.isfinite(v["throughput"]) and v["throughput"] > 0}
-    if bounds:
-        b = max(bounds, key=bounds.get)
-        capacity = bounds[b]
+    throughputs: dict[int, float] = {b: v["throughput"] for b, v in bounds.items()
+                                     if math.isfinite(v["throughput"]) and v["throughput"] > 0}
+    if throughputs:
+        b = max(throughputs, key=lambda size: throughputs[size])
+        capacity = throughputs[b]
         return AutoRates(rates_for(capacity), capacity, "bound",
                          f"the LP bound over the calibrated perf models, {capacity:,.0f} samples/s at b={b}")
     if probe_seconds is None:

@@ -13,7 +13,7 @@ import errno
 import importlib
 import sys
 import warnings
-from typing import Any
+from typing import TextIO
 
 import typer
 
@@ -71,13 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     SIGINT/SIGTERM to exit code 128 + signum once everything has been cleaned up."""
     shown = warnings.showwarning
 
-    def one_line(message: Warning | str, category: type[Warning], *where: Any) -> None:
+    def one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
         """staronnx's own warnings read like its errors, one line to act on; other libraries'
         keep Python's form, which says where they come from."""
         if category.__module__.split(".")[0] == "staronnx":
             warn(str(message))
         else:
-            shown(message, category, *where)
+            shown(message, category, filename, lineno, file, line)
 
     warnings.showwarning = one_line
     try:

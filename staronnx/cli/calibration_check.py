@@ -42,7 +42,8 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, s
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
     from staronnx.bench.machine import sim_workers
-    from staronnx.perfmodels.store import PerfModelStore, calibrate_command
+    from staronnx.calibrate import calibrate_line
+    from staronnx.perfmodels.store import PerfModelStore
 
     store = store if store is not None else PerfModelStore()
     # the archs of the workers these settings start here (an arch per GPU), without starting any
@@ -56,6 +57,6 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, s
     # the GPUs calibrate can measure: a skipped one (a what-if) would make the command fail
     reachable = [d for d in machine.cuda_devices if f"cuda{d}" not in set(skip_archs)] or [0]
     line = (f"staronnx: warning: no calibrated model for {where}: "
-            f"run {calibrate_command(plandir, machine.groups, machine.cuda_streams, reachable)}")
+            f"run {calibrate_line(plandir, machine, devices=reachable)}")
     print(line, file=sys.stderr, flush=True)
     return line

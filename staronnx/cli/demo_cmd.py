@@ -38,8 +38,11 @@ def demo_cmd(
         root = Path(tempfile.mkdtemp(prefix="staronnx-demo-"))
     try:
         with console.status("demo") as status:
-            result = run_demo(root, batch=batch, batches=batches, groups=groups,
-                              say=lambda m: (status.update(m), console.log(m, _stack_offset=2)))
+            def say(m: str) -> None:
+                status.update(m)
+                console.log(m, _stack_offset=2)
+
+            result = run_demo(root, batch=batch, batches=batches, groups=groups, say=say)
         console.rule("staronnx demo")
         for line in summary_lines(result):
             console.print(line, highlight=False)

@@ -93,7 +93,7 @@ def partition_warnings() -> Iterator[None]:
 
     caught: list[warnings.WarningMessage] = []
     try:
-        with warnings.catch_warnings(record=True) as caught:  # type: ignore[assignment]
+        with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", PartitionWarning)
             yield
     finally:

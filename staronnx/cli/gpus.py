@@ -24,7 +24,7 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
         return (0,)
     if not cuda_streams:
         raise StaronnxError("--cuda-devices picks the GPUs of the CUDA workers: it needs --cuda-streams N")
-    from staronnx.workers.cuda import visible_cuda_devices
+    from staronnx.workers.cuda_env import visible_cuda_devices
     from staronnx.workers.layout import cuda_ordinals
 
     visible = visible_cuda_devices()
@@ -47,6 +47,17 @@ def parse_cuda_devices(text: str | None, cuda_streams: int, *, simulated: bool =
         raise StaronnxError(f"--cuda-devices {text}: no GPU {', '.join(map(str, missing))} here ({visible} visible"
                             + (f": 0..{visible - 1})" if visible else ")"))
     return ordinals
+
+
+def check_cuda_worker_flags(cuda_streams: int, *, cuda_graphs: bool = True, thread_per_stream: bool = False) -> None:
+    """Refuse ``--no-cuda-graphs`` and ``--cuda-thread-per-stream`` without ``--cuda-streams``:
+    they say how the CUDA workers run, there are none, and the flag was dropped without a word
+    (as ``--cuda-devices`` is refused, by :func:`parse_cuda_devices`)."""
+    given = [flag for flag, on in (("--no-cuda-graphs", not cuda_graphs),
+                                   ("--cuda-thread-per-stream", thread_per_stream)) if on]
+    if given and not cuda_streams:
+        raise StaronnxError(f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} how the CUDA workers run: "
+                            f"{'it needs' if len(given) == 1 else 'they need'} --cuda-streams N")
 
 
 def host_core_name(cuda_streams: int) -> str:

@@ -12,10 +12,12 @@ not remember ``metavar=""`` on each flag.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import typer
-from typer.core import TyperCommand, TyperGroup, TyperOption
+from typer.core import TyperGroup, TyperOption
+
+if TYPE_CHECKING:  # the types Typer's classes declare: its vendored Click's, not the ``click`` package's
+    from typer._click.core import Command, Context, Parameter
 
 
 def _untyped(params: Iterable[Any]) -> None:
@@ -25,7 +27,7 @@ def _untyped(params: Iterable[Any]) -> None:
             param.metavar = ""
 
 
-def plain_flags(command: TyperCommand | TyperGroup, ctx: typer.Context) -> None:
+def plain_flags(command: Command, ctx: Context) -> None:
     """Give every flag of ``command`` (its ``--help`` too, and its sub-commands' when it is a
     group) an empty metavar, unless one was chosen on purpose."""
     help_option = command.get_help_option(ctx)
@@ -38,12 +40,12 @@ class PlainFlagsGroup(TyperGroup):
     """The ``staronnx`` group: its own flags and every command it resolves print no type
     (Typer's vendored Click: its classes are Typer's, not the ``click`` package's)."""
 
-    def get_params(self, ctx: typer.Context) -> list[Any]:
+    def get_params(self, ctx: Context) -> list[Parameter]:
         params = super().get_params(ctx)
         _untyped(params)
         return params
 
-    def get_command(self, ctx: typer.Context, cmd_name: str) -> Any:
+    def get_command(self, ctx: Context, cmd_name: str) -> Command | None:
         command = super().get_command(ctx, cmd_name)
         if command is not None:
             plain_flags(command, ctx)

@@ -12,7 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 from rich.text import Text
 
 from staronnx.cli.display import QUIET_HELP, _progress, output_console
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, parse_cuda_devices
 from staronnx.signals import Interrupted
 
 console = output_console()
@@ -87,6 +87,7 @@ def infer_cmd(
                      resume=resume, overwrite=overwrite, output_format=output_format, policy=policy)
     machine = MachineSpec(groups, cuda_streams, parse_cuda_devices(cuda_devices, cuda_streams), cuda_graphs,
                           thread_per_stream)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     quiet_ort_log()
     with _bar(quiet) as bar:
         task = bar.add_task("samples", total=None)

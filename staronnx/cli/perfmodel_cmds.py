@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -12,12 +13,18 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, parse_cuda_devices
+from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, parse_cuda_devices
 from staronnx.cli.sweep_cmds import parse_batch_sizes
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.plan import Plan
 from staronnx.workers.layout import MachineSpec
+
+if TYPE_CHECKING:
+    from staronnx.calibrate import CalibrationReport
+    from staronnx.perfmodels import PerfModelStore
+    from staronnx.perfmodels.history import PerfRow
+    from staronnx.workers.base import Worker
 
 console = Console()
 perfmodel_app = typer.Typer(help="Inspect calibrated performance models.", no_args_is_help=True)
@@ -29,6 +36,12 @@ def calibrate_cmd(
     groups: Annotated[str, typer.Option(help="CPU grouping policy: numa, package, cores=N, ...")] = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[Optional[str], typer.Option(help=CUDA_DEVICES_HELP)] = None,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="Capture each (part, batch size) as a CUDA graph and replay it, as run, sweep and serve do by "
+             "default: calibrate with the setting you will run with, so the models hold the times it gives.")] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     max_runs: Annotated[int, typer.Option(help="Cap on runs per (worker, part, batch).")] = 60,
     seed: Annotated[int, typer.Option(help="Seed of the random inputs.")] = 0,
     bus: Annotated[bool, typer.Option("--bus/--no-bus", help="Also measure the bus (NUMA, host<->GPU) if not stored yet.")] = True,
@@ -46,12 +59,13 @@ def calibrate_cmd(
     each --input-shape until its perf model is calibrated. A model that runs one request per
     task is calibrated at batch 1 only."""
     from staronnx.calibrate import (CalibrationReport, batch_sizes_for, calibrate, calibrate_bus_if_needed,
-                                    calibration_steps, start_workers)
+                                    calibration_steps, check_max_runs, start_workers)
     from staronnx.ortutil import quiet_ort_log
     from staronnx.partition.notation import read_input_shape_sets
     from staronnx.perfmodels import PerfModelStore
     from staronnx.verify import random_plan_feeds
 
+    check_max_runs(max_runs)  # now, not once the workers have loaded the plan
     quiet_ort_log()
     plan = Plan.load(plandir)
     sizes, note = batch_sizes_for(plan, parse_batch_sizes(batch_sizes))
@@ -59,7 +73,10 @@ def calibrate_cmd(
     for given in shape_sets:  # one line for a size the plan cannot take, before any worker starts
         random_plan_feeds(plan, 1, given)
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
-    machine = MachineSpec(groups, cuda_streams, devices)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
+    # the workers run, sweep and serve start with the same flags: a driver thread per stream
+    # holds a core back per stream, which changes the CPU groups' widths (their archs)
+    machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)
     store = PerfModelStore()
     store.check_writable()  # one line now, not after starting workers and measuring
     workers = start_workers(plan, machine)
@@ -71,8 +88,8 @@ def calibrate_cmd(
         shapes = "; input shapes " + " and ".join(
             ", ".join(f"{n}={'x'.join(map(str, d))}" for n, d in given.items()) for given in shape_sets
         ) if any(shape_sets) else ""
-        console.print(f"calibrating plan {plan.hash} ({plan.k} parts) on {', '.join(w.name for w in workers)}; "
-                      f"batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True)
+        console.print(f"calibrating plan {plan.hash} ({plan.k} parts) on {', '.join(w.name for w in workers)}"
+                      f"{_drivers_text(workers)}; batch sizes {sizes}{shapes}", highlight=False, soft_wrap=True)
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                       console=console) as progress:  # the steps on stdout, where the results are
             task = progress.add_task("calibrating", total=steps)
@@ -110,8 +127,20 @@ def calibrate_cmd(
                       + ", ".join(f"part {p} {a} batch {b}" for p, a, b in report.uncalibrated))
 
 
-def _measure_host(plan: Plan, sizes: list[int], report, machine: MachineSpec, *, store, workers,
-                  seed: int) -> None:
+def _drivers_text(workers: Sequence[Worker]) -> str:
+    """Who launches the CUDA workers' tasks, read off the started workers (as serve says it):
+    ``, 1 driver thread for 2 streams`` (one per GPU) or ``, 2 driver threads for 2 streams``
+    (--cuda-thread-per-stream); empty without CUDA workers."""
+    streams = [w for w in workers if w.kind == "cuda"]
+    if not streams:
+        return ""
+    threads = len({w.driver_key or w.name for w in streams})
+    return (f", {threads} driver thread{'s' if threads != 1 else ''} for {len(streams)} "
+            f"stream{'s' if len(streams) != 1 else ''}")
+
+
+def _measure_host(plan: Plan, sizes: list[int], report: CalibrationReport, machine: MachineSpec, *,
+                  store: PerfModelStore, workers: Sequence[Worker], seed: int) -> None:
     """The host-cost probe (:func:`staronnx.calibrate.calibrate_host`) on the calibration's
     workers, with what it found; a failure is one line (the perf models are kept anyway)."""
     from staronnx.calibrate import HostProbe, calibrate_host, speed_moved
@@ -143,7 +172,7 @@ def _fmt_ms(seconds: float) -> str:
     return "-" if not math.isfinite(seconds) else f"{seconds * 1e3:.3f}"
 
 
-def _print_rows(rows, plan: Plan) -> None:
+def _print_rows(rows: Sequence[PerfRow], plan: Plan) -> None:
     """One row per (part, arch, footprint); a ``sizes`` column (the hash of the input sizes
     besides the batch, StarPU's footprint) where a part has models of several sizes."""
     table = Table(title=f"perf models of plan {plan.hash} (times in ms)")
@@ -162,7 +191,7 @@ def _print_rows(rows, plan: Plan) -> None:
     console.print(table)
 
 
-def _print_verdict(plan: Plan, store, rows, spec: MachineSpec) -> None:
+def _print_verdict(plan: Plan, store: PerfModelStore, rows: Sequence[PerfRow], spec: MachineSpec) -> None:
     """Which is predicted faster: this plan on the runtime's workers (the LP bound over the
     calibrated models) or the whole model on the fastest arch alone (the sum of its parts)."""
     from staronnx.bench.bound import machine_bound

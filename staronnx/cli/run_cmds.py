@@ -14,7 +14,9 @@ import typer
 from staronnx.cli.calibration_check import MODEL_FREE_POLICIES, warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
+from staronnx.cli.given import given_on_command_line
+from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, host_core_name,
+                               parse_cuda_devices)
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable, written_path
 from staronnx.workers.layout import MachineSpec
@@ -24,6 +26,7 @@ trace_app = typer.Typer(help="Work with runtime traces.", no_args_is_help=True)
 
 
 def run_cmd(
+    ctx: typer.Context,
     plandir: Annotated[Path, typer.Argument(help="Plan folder.")],
     batch: Annotated[int, typer.Option(help="Batch size of each request.")] = 1,
     requests: Annotated[int, typer.Option(help="Number of requests.")] = 100,
@@ -65,14 +68,17 @@ def run_cmd(
         raise StaronnxError("--batch and --requests must be at least 1")
     if max_in_flight < 1:  # else the submit loop pops a request from an empty window
         raise StaronnxError(f"--max-in-flight must be at least 1, got {max_in_flight}")
+    if inputs is not None and "seed" in given_on_command_line(ctx):  # else dropped without a word
+        raise StaronnxError("--seed seeds the random inputs; --inputs brings its own arrays: give one of them")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     if trace is not None:
         check_writable(trace, "--trace")  # now, not once every request has run
     quiet_ort_log()
     plan = Plan.load(plandir)
     real = None if inputs is None else load_inputs(inputs, plan)
     if policy.lower() not in MODEL_FREE_POLICIES:
-        warn_uncalibrated(plandir, plan, MachineSpec(groups, cuda_streams, devices))
+        warn_uncalibrated(plandir, plan, MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream))
     batch, note = runnable_batch(plan, batch)
     if note is not None:
         console.print(note, highlight=False, soft_wrap=True)
@@ -179,7 +185,8 @@ def driver_summary(driver: dict[str, Any] | None) -> str:
     GPU's one driver) or ``cuda0.s1 (own) on PU 2`` (``--cuda-thread-per-stream``)."""
     if driver is None:
         return "-"
-    return driver["thread"] + ("" if driver["pu"] is None else f" on PU {driver['pu']}")
+    thread: str = driver["thread"]
+    return thread + ("" if driver["pu"] is None else f" on PU {driver['pu']}")
 
 
 def failure_error(plan: Any, pool: list[dict[str, np.ndarray]], failures: list[tuple[int, BaseException]],
@@ -214,7 +221,8 @@ def since(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         def mean(field: str, row: dict[str, Any] = row, old: dict[str, Any] = old, n: int = n) -> float | None:
             if row[field] is None:
                 return None
-            return (row[field] * row["tasks"] - (old[field] or 0.0) * old["tasks"]) / n
+            total: float = row[field] * row["tasks"] - (old[field] or 0.0) * old["tasks"]
+            return total / n
 
         tasks[key] = {"tasks": n, "measured_ms": mean("measured_ms"), "predicted_ms": mean("predicted_ms")}
     span = max(after["elapsed_s"] - before["elapsed_s"], 1e-9)

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 from staronnx.cli.given import given_on_command_line
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, host_core_name, parse_cuda_devices
+from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, host_core_name,
+                               parse_cuda_devices)
 from staronnx.errors import StaronnxError
 from staronnx.serve.batching import served_only, target_words
+
+if TYPE_CHECKING:
+    from staronnx.runtime.registry import Worker
 
 
 def _port(value: int, flag: str) -> int:
@@ -169,8 +174,9 @@ def serve_cmd(
         raise StaronnxError("give plan folders to serve, --model-repository DIR, or both")
     if ray and model_repository:
         raise StaronnxError("--model-repository is served by staronnx serve itself, not on Ray (yet): drop --ray")
-    control_mode, to_load, poll_every = model_control(model_control_mode, load_model or [], repository_poll_secs,
-                                                      bool(model_repository))
+    control_mode, to_load, poll_every = model_control(
+        model_control_mode, load_model or [], repository_poll_secs, bool(model_repository),
+        poll_given="repository_poll_secs" in given_on_command_line(ctx))
     in_repository: list[tuple[str, Path]] = []
     if model_repository:  # imported only here: it loads the model-config proto, which tritonclient also registers
         from staronnx.serve import repository
@@ -211,6 +217,9 @@ def serve_cmd(
                             "models and does not go with --separate-runtimes")
     lanes = model_lanes(lane or [], names)
     check_preempt(lane_preempt)
+    if not lanes and "lane_preempt" in given_on_command_line(ctx):  # else dropped without a word
+        raise StaronnxError(f"--lane-preempt {lane_preempt} says how a lane's group yields to the lane: it needs "
+                            "--lane NAME=GROUPS")
     if lanes and (separate_runtimes or len(names) < 2):
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
@@ -222,6 +231,7 @@ def serve_cmd(
         raise StaronnxError("--cuda-devices picks this machine's GPUs; with --ray each replica drives the GPUs Ray "
                             "gives it (--replica-gpus)")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     delay = parse_duration(max_delay, allow_zero=True, option="--max-delay")
     # every model's batching but its queue's capacity (and its window: from its perf models)
     serving = replace(ENDPOINT_SPEC, batch_size=batch_size, max_delay=delay, colocate=colocate)
@@ -248,13 +258,13 @@ def serve_cmd(
         from staronnx.ray.cli import model_specs, scaling_from_options, serve_on_ray
 
         scaling = scaling_from_options(replicas, autoscale, replica_cpus, replica_gpus, cuda_streams)
-        specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
+        ray_specs = model_specs(plans, names, {"policy": policy, "groups": groups, "cuda_streams": cuda_streams,
                                            "cuda_graphs": cuda_graphs, "thread_per_stream": thread_per_stream,
                                            "engine": engine, "batch_size": batch_size, "lane_preempt": lane_preempt,
                                            "max_delay": delay, "save_every": save_s, "gc_interval": collect_every},
                             capacities=capacities, targets=targets, residency=residency, lanes=lanes,
                             batching=overrides)
-        serve_on_ray(specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
+        serve_on_ray(ray_specs, scaling, separate_runtimes=separate_runtimes, host=host, http_port=http_port,
                      max_body=body, say=say)
         return
     # every model's batcher: the flags', a repository model's as its config says
@@ -306,8 +316,9 @@ def serve_cmd(
     if unavailable:
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
         names = [n for n in names if n not in unavailable]
-        targets, residency, lanes = ({n: v for n, v in d.items() if n not in unavailable}  # type: ignore[attr-defined]
-                                     for d in (targets, residency, lanes))
+        targets = {n: v for n, v in targets.items() if n not in unavailable}
+        residency = {n: v for n, v in residency.items() if n not in unavailable}
+        lanes = {n: v for n, v in lanes.items() if n not in unavailable}
     # the targets of the models loaded now: the runtime refuses one for a model it does not hold (a
     # repository model loaded later gets its --slo-ms/--priority from service_targets_cli)
     targets = {n: t for n, t in targets.items() if n in names}
@@ -367,6 +378,7 @@ def serve_cmd(
                 raise
 
         for model_name, plan in zip(names, loaded):
+            runtime: Runtime | ModelHandle
             if shared is not None:
                 runtime = shared.model(model_name)
             else:
@@ -399,7 +411,8 @@ def serve_cmd(
             origin = (f"version {declared[model_name].version} of the repository, " if model_name in declared else "")
             origin += f"warmed up ({warm_runs} runs), " if warm_runs else ""
             say(f"model {older_of.get(model_name, model_name)!r}: {origin}plan {plan.root} ({plan.k} parts, {policy}, groups {groups}), "
-                f"batches of up to {spec.batch_size}, max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
+                f"batches of up to {spec.batch_size if plan.contract.batchable else 1}, "
+                f"max delay {(spec.max_delay or 0.0) * 1e3:g} ms, "
                 f"{endpoint.server.max_inflight} batches in flight"
                 + (f", CUDA graphs of batch sizes {', '.join(map(str, graphs))}" if graphs else "")
                 + (f", {driver_text(runtime)}" if cuda_streams and isinstance(runtime, Runtime) else "")
@@ -479,10 +492,11 @@ def serve_cmd(
             shared.close(1.0)
 
 
-def model_control(mode: str, load_model: list[str], poll_secs: float, repository: bool) -> tuple[str, set[str],
-                                                                                                 float | None]:
+def model_control(mode: str, load_model: list[str], poll_secs: float, repository: bool, *,
+                  poll_given: bool = False) -> tuple[str, set[str], float | None]:
     """``--model-control-mode``, ``--load-model`` and ``--repository-poll-secs`` checked together:
-    (mode, the models to load at start, seconds between polls or None)."""
+    (mode, the models to load at start, seconds between polls or None). ``poll_given``: the
+    user gave ``--repository-poll-secs`` (its default is only poll mode's)."""
     from staronnx.serve.control import MODES
 
     mode = mode.strip().lower()
@@ -492,6 +506,9 @@ def model_control(mode: str, load_model: list[str], poll_secs: float, repository
         raise StaronnxError(f"--model-control-mode {mode} controls the models of a --model-repository")
     if load_model and mode != "explicit":
         raise StaronnxError("--load-model goes with --model-control-mode explicit (the other modes load every model)")
+    if poll_given and mode != "poll":  # else dropped without a word: only poll mode reads the repository again
+        raise StaronnxError(f"--repository-poll-secs sets how often --model-control-mode poll reads the repository "
+                            f"again; the mode is {mode}: give --model-control-mode poll or leave it out")
     if mode == "poll" and not poll_secs > 0:
         raise StaronnxError(f"--repository-poll-secs must be above 0, got {poll_secs:g}")
     return mode, set(load_model), poll_secs if mode == "poll" else None
@@ -570,7 +587,7 @@ def service_targets(names: list[str], slo_ms: list[str], priority: list[str]) ->
     return served_only(targets, names, "--slo-ms/--priority")
 
 
-def _lowered_text(workers: list[Any]) -> str:
+def _lowered_text(workers: Sequence[Worker]) -> str:
     """What the start line says of the shared workers that yield to lanes, so an operator sees
     the priorities ``ps``/``top`` will show (or that the OS refused them)."""
     from staronnx.workers.cpu import CpuWorker
@@ -688,4 +705,6 @@ def event_loop_runner() -> tuple[Any, str]:
         import uvloop
     except ImportError:
         return asyncio.run, "asyncio"
-    return uvloop.run, f"uvloop {uvloop.__version__}"
+    from uvloop._version import __version__  # what ``uvloop.__version__`` is, without the re-export
+
+    return uvloop.run, f"uvloop {__version__}"

@@ -18,7 +18,8 @@ import typer
 
 from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import output_console, table_of
-from staronnx.cli.gpus import parse_cuda_devices
+from staronnx.cli.given import given_on_command_line
+from staronnx.cli.gpus import check_cuda_worker_flags, parse_cuda_devices
 from staronnx.cli.serve_cmd import LANE_HELP, MODEL_WORKERS_HELP, model_lanes, model_residency
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
@@ -99,7 +100,7 @@ def what_if_gpus(plans: Any, devices: tuple[int, ...], cuda_scale: str | None) -
     calibrated (the others borrow its times), those this machine lacks (``calibrate`` could not
     reach them); none where no GPU is calibrated (the simulation needs some GPU's models)."""
     from staronnx.perfmodels import PerfModelStore
-    from staronnx.workers.cuda import visible_cuda_devices
+    from staronnx.workers.cuda_env import visible_cuda_devices
 
     if cuda_scale is not None:
         return [f"cuda{d}" for d in devices]
@@ -153,6 +154,7 @@ GroupsOption = Annotated[str, typer.Option(help="CPU grouping policy: numa, pack
 
 
 def simulate_cmd(
+    ctx: typer.Context,
     plandirs: Annotated[list[Path], typer.Argument(
         metavar="PLANDIR...",
         help="Plan folder(s) (calibrated: staronnx calibrate); several share one simulated runtime, "
@@ -176,6 +178,10 @@ def simulate_cmd(
         "the lowest calibrated GPU (a note says so). Default: 0."))] = None,
     cuda_scale: Annotated[str | None, typer.Option(
         help="What-if GPU: its time = this factor x the widest CPU group's (one, or one per part).")] = None,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help="With --cuda-streams: the simulated machine's CUDA workers each have a driver "
+                                         "thread and a core held back, as run, sweep and serve lay them out with this "
+                                         "flag (narrower CPU groups).")] = False,
     distribution: Annotated[str, typer.Option(help="Arrivals: constant or poisson.")] = "constant",
     duration: Annotated[str, typer.Option(help="Simulated arrivals: 10s, 500ms, 2m, or plain seconds.")] = "10s",
     requests: Annotated[int | None, typer.Option(help="Number of requests (instead of --duration; one plan).")] = None,
@@ -198,16 +204,20 @@ def simulate_cmd(
     """Simulate serving a plan from its perf models; print throughput, latency, placement and
     the LP throughput bound."""
     from staronnx.bench.machine import build_machine
-    from staronnx.bench.simulator import simulate_mix
+    from staronnx.bench.simulator import MixResult, simulate_mix
     from staronnx.bench.spec import SimSpec
     from staronnx.durations import parse_duration
     from staronnx.plan import Plan
     from staronnx.runtime.models import plan_name
     from staronnx.workers.topology import Topology
 
+    if requests is not None and "duration" in given_on_command_line(ctx):  # else --duration was dropped unsaid
+        raise StaronnxError("--requests and --duration both say how long the simulated traffic lasts: give one of "
+                            "them")
     seconds = parse_duration(duration, option="--duration")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=True)
+    check_cuda_worker_flags(cuda_streams, thread_per_stream=thread_per_stream)
     if cuda_scale is not None and not cuda_streams:  # else dropped: a machine without CUDA workers was simulated
         raise StaronnxError("--cuda-scale sets the time of the simulated CUDA workers: it needs --cuda-streams N")
     if not 0 <= band < 100:
@@ -233,7 +243,7 @@ def simulate_cmd(
         plans, offered = {labels[0]: plan}, {labels[0]: rate}
         targets, residency, lanes = {}, {}, {}
     sizes = _batches(batch, plans, several)
-    machine_spec = MachineSpec(groups, cuda_streams, devices, lanes=lanes)
+    machine_spec = MachineSpec(groups, cuda_streams, devices, thread_per_stream=thread_per_stream, lanes=lanes)
     if synthetic is None:  # a made-up machine borrows this one's models by design (see the notes)
         for d, plan in zip(plandirs, plans.values()):
             warn_uncalibrated(d, plan, machine_spec, skip_archs=what_if_gpus(plans.values(), devices, cuda_scale))
@@ -243,7 +253,7 @@ def simulate_cmd(
     spec = SimSpec(policy=policy, targets=targets, duration=seconds, n_requests=requests, distribution=distribution,
                    seed=seed, max_delay=delay, spread=spread, queue_capacity=queue_capacity, residency=residency)
 
-    def run(slowdown: float = 1.0, into: Path | None = None) -> Any:
+    def run(slowdown: float = 1.0, into: Path | None = None) -> MixResult:
         return simulate_mix(machine, offered, sizes, replace(spec, slowdown=slowdown), trace=into)
 
     result = run(into=trace)
@@ -253,10 +263,10 @@ def simulate_cmd(
         _print_one(result, machine, labels[0], sizes[labels[0]], policy)
     runs = [result]
     if band > 0:  # the same traffic on a machine that much faster and slower
-        ends = (run(1 - band / 100), run(1 + band / 100))
-        runs += ends
+        fast, slow = run(1 - band / 100), run(1 + band / 100)
+        runs += [fast, slow]
         for n in labels:
-            _print_band(n if several else None, result.metrics(n), *(e.metrics(n) for e in ends), band / 100)
+            _print_band(n if several else None, result.metrics(n), fast.metrics(n), slow.metrics(n), band / 100)
     for note in result.notes:
         console.print(f"note: {note}", highlight=False)
     console.print(f"({sum(r.events for r in runs)} events in {sum(r.wall_seconds for r in runs):.2f} s"

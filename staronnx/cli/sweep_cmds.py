@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -21,13 +21,18 @@ from staronnx.cli.calibration_check import warn_uncalibrated
 from staronnx.cli.display import QUIET_HELP, above, output_console, table_of
 from staronnx.cli.display import bar as progress_bar
 from staronnx.cli.given import given_on_command_line
-from staronnx.cli.gpus import CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, cuda_summary, host_core_name, parse_cuda_devices
-from staronnx.cli.simulate_cmd import MODEL_WORKERS_HELP, SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, \
-    PriorityOption, SloOption, check_models_options, models_options
+from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, cuda_summary,
+                               host_core_name, parse_cuda_devices)
+from staronnx.cli.serve_cmd import MODEL_WORKERS_HELP
+from staronnx.cli.simulate_cmd import SIM_LANE_HELP, GroupsOption, NameOption, PolicyOption, PriorityOption, \
+    SloOption, check_models_options, models_options
 from staronnx.durations import parse_duration
 from staronnx.errors import StaronnxError
 from staronnx.fsutil import check_writable
 from staronnx.workers.layout import MachineSpec
+
+if TYPE_CHECKING:  # the bench is imported when a command runs, not when the CLI starts
+    from staronnx.bench.sweep import SweepEvent
 
 console = output_console()
 
@@ -106,35 +111,42 @@ class _Bars:
         self.measured = 0
         self.total = 0
 
-    def __call__(self, event: Any) -> None:
+    @staticmethod
+    def _bar(task: TaskID | None) -> TaskID:
+        """A bar the ``start`` event made (every other event comes after it)."""
+        if task is None:
+            raise RuntimeError("a sweep event before the sweep's start event, or a per-point bar in a mixed sweep")
+        return task
+
+    def __call__(self, event: SweepEvent) -> None:
         p = self.progress
         if event.kind == "start":
             self.total = event.total
             self.points = p.add_task("mixes" if self.mixed else "sweep points", total=event.total)
             self.requests = None if self.mixed else p.add_task("warming up", total=None)
         elif event.kind == "point" and self.mixed:
-            p.update(self.points, description=f"mix {event.message}")
+            p.update(self._bar(self.points), description=f"mix {event.message}")
         elif event.kind == "warmup" and not self.mixed:
-            p.update(self.requests, description=f"warmed up batch {event.batch_size}")
+            p.update(self._bar(self.requests), description=f"warmed up batch {event.batch_size}")
         elif event.kind == "point":
             again = " (again, longer: unstable)" if event.attempt > 1 else ""
-            p.reset(self.requests, total=event.requests,
+            p.reset(self._bar(self.requests), total=event.requests,
                     description=f"b={event.batch_size} @ {event.rate:g} req/s{again}")
         elif event.kind == "requests" and not self.mixed:
-            p.update(self.requests, completed=event.submitted, total=event.requests)
+            p.update(self._bar(self.requests), completed=event.submitted, total=event.requests)
         elif event.kind == "done":
             self.measured += 1
-            p.update(self.points, completed=event.index)
+            p.update(self._bar(self.points), completed=event.index)
             above(p, console).print(_done_line(event.row or {}, self.mixed), highlight=False)
         elif event.kind == "skipped":
-            p.update(self.points, completed=event.index)
+            p.update(self._bar(self.points), completed=event.index)
             why = event.message or f"congested at {event.rate:g} req/s"
             above(p, console).print(f"[dim]{event.message}: skipped (a lower mix was congested)[/]" if self.mixed else
                                     f"[dim]b={event.batch_size}: {escape(why)}; skipping "
                                     f"{', '.join(f'{r:g}' for r in event.skipped)}[/]")
         elif event.kind in ("end", "interrupted"):
             if event.kind == "end":
-                p.update(self.points, completed=event.total)
+                p.update(self._bar(self.points), completed=event.total)
             if self.requests is not None:  # the per-point bar means nothing once the sweep stops
                 p.remove_task(self.requests)
                 self.requests = None
@@ -222,7 +234,7 @@ def _print_fidelity(rows: list[dict[str, Any]]) -> None:
     console.print(table)
     f = fidelity_summary(rows)
     if f.get("busy_points") and not f["simulated_points"]:  # nothing quiet to judge by: say so, show them all
-        console.print(f"[yellow]every point was measured beside other work: the errors below are the other work's "
+        console.print("[yellow]every point was measured beside other work: the errors below are the other work's "
                       "as much as the simulator's[/]")
         f = fidelity_summary([{**r, "machine_busy": False} for r in rows])
     elif f.get("busy_points"):
@@ -312,7 +324,8 @@ def sweep_cmd(
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
     cuda_graphs: Annotated[bool, typer.Option(
         "--cuda-graphs/--no-cuda-graphs",
-        help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up.")] = True,
+        help="With --cuda-streams: capture every batch size of the sweep as CUDA graphs at warm-up. Not "
+             "with --url (the server's workers are started with its own flags).")] = True,
     thread_per_stream: Annotated[bool, typer.Option(
         "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option(
@@ -330,7 +343,7 @@ def sweep_cmd(
     plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Draw the PNG figures.")] = True,
     queue_capacity: Annotated[int, typer.Option(help="Server queue capacity (an overflow marks congestion).")] = 1024,
     min_batches: Annotated[int, typer.Option(help="Stretch a point to at least this many batch fills.")] = 10,
-    extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long.")] = True,
+    extend: Annotated[bool, typer.Option("--extend/--no-extend", help="Measure an unstable point once more, twice as long (one model: a mix of several is measured once).")] = True,
     seed: Annotated[int, typer.Option(help="Seed of the inputs and of Poisson arrivals.")] = 0,
     engine: Annotated[str, typer.Option(help="native or starpu.")] = "native",
     max_delay: Annotated[str | None, typer.Option(
@@ -379,13 +392,24 @@ def sweep_cmd(
     if url is not None and cuda_devices is not None:
         raise StaronnxError("--cuda-devices picks this process's GPUs; with --url the GPUs are the server's "
                             "(staronnx serve --cuda-devices)")
+    if url is not None:  # the server's CUDA workers: it does not report these, so they cannot be checked
+        dropped = [flag for name_, flag in (("cuda_graphs", "--cuda-graphs" if cuda_graphs else "--no-cuda-graphs"),
+                                            ("thread_per_stream", "--cuda-thread-per-stream"))
+                   if name_ in given_on_command_line(ctx)]
+        if dropped:
+            raise StaronnxError(f"{', '.join(dropped)}: with --url the CUDA workers are the server's, started with "
+                                "its own flags (staronnx serve " + " ".join(dropped) + "), which a sweep over the "
+                                "network can neither set nor check; leave them out with --url")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     check_models_options(plandirs, model_workers, lane)
     mixed = bool(len(plandirs) > 1 or is_per_model(rates) or is_per_model(batch_sizes) or name or slo_ms or priority)
     if mixed:
         unsupported = [flag for flag, value in (("--url", url), ("--model", model), ("--compare", compare),
                                                 ("--inputs", inputs), ("--labels", labels), ("--check", check))
                        if value] + (["--engine"] if engine != "native" else [])
+        # a mix is measured once (with every model's rate it is long enough): --extend was dropped unsaid
+        unsupported += ["--extend"] if extend and "extend" in given_on_command_line(ctx) else []
         if unsupported:
             raise StaronnxError(f"{', '.join(unsupported)} do(es) not go with several models (a mixed sweep)")
         labels_, targets, residency, lanes = models_options(plandirs, names=name, slo_ms=slo_ms, priority=priority,
@@ -414,6 +438,9 @@ def sweep_cmd(
     warm = None if warmup is None else parse_duration(warmup, allow_zero=True, option="--warmup")
     delay = None if max_delay is None else parse_duration(max_delay, allow_zero=True, option="--max-delay")
     extra = list(compare or [])
+    if extra and not plots:  # the overlay is a plot: it was skipped with the others, without a word
+        raise StaronnxError("--compare overlays this sweep's plot with other sweeps': it does not go with --no-plots "
+                            "(draw it later with staronnx sweep-plot OUTPUT --compare FOLDER)")
     names = _labels(labels, 1 + len(extra))
     for d in extra:
         if not (d / "results.json").is_file():
@@ -594,6 +621,9 @@ def sweep_plot_cmd(
     from staronnx.bench import plots
 
     folders = [*results, *(compare or [])]
+    if labels is not None and len(folders) == 1:  # one folder's figures are redrawn as they were: no label
+        raise StaronnxError("--labels names the sweeps overlaid in one plot: give two folders or more (a sweep's "
+                            "own label is set when it runs: staronnx sweep --labels NAME)")
     if output is not None:
         check_writable(output, "--output", folder=len(folders) == 1)
     for d in compare or []:
@@ -608,6 +638,7 @@ def sweep_plot_cmd(
 
 
 def optimize_batch_cmd(
+    ctx: typer.Context,
     plandir: Annotated[Path, typer.Argument(help="Plan folder, calibrated (staronnx calibrate).")],
     rate: Annotated[float, typer.Option(help="Offered load, single-sample requests per second.")],
     slo_ms: Annotated[float | None, typer.Option(help="Papers'-latency objective in ms: maximize headroom under it.")] = None,
@@ -616,6 +647,12 @@ def optimize_batch_cmd(
     groups: GroupsOption = "numa",
     cuda_streams: Annotated[int, typer.Option(help="CUDA workers (streams) per GPU; 0 = none.")] = 0,
     cuda_devices: Annotated[str | None, typer.Option(help=CUDA_DEVICES_HELP)] = None,
+    cuda_graphs: Annotated[bool, typer.Option(
+        "--cuda-graphs/--no-cuda-graphs",
+        help="With --cuda-streams: capture every candidate batch size as CUDA graphs at warm-up for the live "
+             "measurements, as sweep and serve do.")] = True,
+    thread_per_stream: Annotated[bool, typer.Option(
+        "--cuda-thread-per-stream", help=THREAD_PER_STREAM_HELP)] = False,
     colocate: Annotated[bool, typer.Option(
         "--colocate", help="Each live measurement's load generator and batcher run on the CUDA driver thread's core, "
                            "or without --cuda-streams on the first CPU worker's (as sweep --colocate).")] = False,
@@ -631,15 +668,23 @@ def optimize_batch_cmd(
     verify the best ones live; print predicted vs measured."""
     from staronnx.bench.optimize import optimize_batch
     from staronnx.bench.spec import OptimizeSpec
-    from staronnx.plan import Plan, atomic_write_text
+    from staronnx.fsutil import atomic_write_text
+    from staronnx.plan import Plan
 
+    # how the live measurements run, given with --no-verify, which measures none: said, not dropped
+    live_only = [flag for name_, flag in (("verify_duration", "--verify-duration"), ("max_verify", "--max-verify"),
+                                          ("colocate", "--colocate")) if name_ in given_on_command_line(ctx)]
+    if not verify and live_only:
+        raise StaronnxError(f"{', '.join(live_only)}: how the live measurements run, and --no-verify measures "
+                            "none (the prediction alone): leave them out or drop --no-verify")
     sizes = parse_batch_sizes(batch_sizes)
     if slo_ms is not None and not (math.isfinite(slo_ms) and slo_ms > 0):  # in the ms given, not the seconds
         raise StaronnxError(f"--slo-ms must be a positive number of ms, got {slo_ms:g}")
     devices = parse_cuda_devices(cuda_devices, cuda_streams)
+    check_cuda_worker_flags(cuda_streams, cuda_graphs=cuda_graphs, thread_per_stream=thread_per_stream)
     if json_out is not None:
         check_writable(json_out, "--json")
-    machine = MachineSpec(groups, cuda_streams, devices)
+    machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)
     warn_uncalibrated(plandir, Plan.load(plandir), machine)
     with console.status("optimizing") as status:
         spec = OptimizeSpec(slo=None if slo_ms is None else slo_ms / 1e3, batch_sizes=sizes, policy=policy,
@@ -683,8 +728,11 @@ def optimize_batch_cmd(
     if result.generator_core is not None:
         console.print(f"measured with the load generator on the {host_core_name(cuda_streams)} (PU {result.generator_core})",
                       highlight=False)
-    for note in result.notes:
-        console.print(f"note: {note}", highlight=False, soft_wrap=True, markup=False)
+    if result.cuda_graphs:
+        console.print(f"measured with CUDA graphs of batch sizes {', '.join(map(str, result.cuda_graphs))} (captured "
+                      "at warm-up, as sweep and serve capture theirs)", highlight=False)
+    for line in result.notes:
+        console.print(f"note: {line}", highlight=False, soft_wrap=True, markup=False)
     if json_out is not None:
         atomic_write_text(json_out, json.dumps(result.as_dict(), indent=1, default=str) + "\n")
         console.print(f"written to {json_out}")

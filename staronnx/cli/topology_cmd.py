@@ -103,8 +103,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Show the machine's topology (packages, NUMA nodes, cores, PUs) and its CPU groups; with
         --cuda-streams, every worker a run would start, CUDA driver threads' cores included."""
-        from staronnx.cli.gpus import parse_cuda_devices
+        from staronnx.cli.gpus import check_cuda_worker_flags, parse_cuda_devices
 
+        check_cuda_worker_flags(cuda_streams, thread_per_stream=thread_per_stream)
         topo = load_topology(synthetic, xml)
         elsewhere = synthetic is not None or xml is not None
         devices = parse_cuda_devices(cuda_devices, cuda_streams, simulated=elsewhere)
@@ -117,7 +118,8 @@ def register(app: typer.Typer) -> None:
         if laid is not None:
             console.print(workers_table(laid))
         if not elsewhere:
-            from staronnx.workers.cuda import cuda_unavailable_reason, describe_gpus
+            from staronnx.workers.cuda import cuda_unavailable_reason
+            from staronnx.workers.cuda_env import describe_gpus
 
             gpus = describe_gpus()
             if not gpus:  # said, and --export-xml still written below
