@@ -610,6 +610,42 @@ def test_a_target_for_a_model_loaded_later_does_not_stop_the_start(tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+def _unknown_op_model() -> onnx.ModelProto:
+    """A model ONNX Runtime cannot load: its one node is an op of a domain no library registers."""
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("INPUT0", TensorProto.FLOAT, ["batch", 4])
+    y = helper.make_tensor_value_info("OUTPUT0", TensorProto.FLOAT, ["batch", 4])
+    graph = helper.make_graph([helper.make_node("Foo", ["INPUT0"], ["OUTPUT0"], domain="com.example")], "alien", [x], [y])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+
+
+@pytest.mark.parametrize("layout", [[], ["--separate-runtimes"]], ids=["shared", "separate"])
+def test_a_model_onnx_runtime_cannot_load_fails_alone(tmp_path, layout):
+    """A repository model whose part ONNX Runtime refuses (an op of an unknown domain) is left out,
+    UNAVAILABLE with ONNX Runtime's reason, and the others serve; it used to stop the start
+    ('staronnx: error: ONNX Runtime cannot load part 0 ...') on the shared runtime and on
+    separate ones alike. With --exit-on-error the server refuses to start, naming it."""
+    root = tmp_path / "models"
+    _write(root, "good", None, [1], simple_model())
+    _write(root, "alien", None, [1], _unknown_op_model())
+    s = start_server([], tmp_path, "--model-repository", str(root), "--policy", "eager", *layout)
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        assert client.is_model_ready("good") and not client.is_model_ready("alien")
+        alien = next(m for m in client.get_model_repository_index() if m["name"] == "alien")
+        assert alien["state"] == "UNAVAILABLE" and "com.example:Foo" in alien["reason"], alien
+        inputs, a, b = _simple_inputs(httpclient)
+        assert (client.infer("good", inputs).as_numpy("OUTPUT0") == a + b).all()
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+    proc = subprocess.run([sys.executable, "-m", "staronnx", "serve", "--model-repository", str(root), "--exit-on-error",
+                           "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0", "--policy", "eager", *layout],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "STARONNX_HOME": str(tmp_path)})
+    assert proc.returncode == 2 and "ready" not in proc.stdout, proc.stdout + proc.stderr
+    assert proc.stderr.startswith("staronnx: error: --exit-on-error: ") and "alien" in proc.stderr, proc.stderr
+
+
 def test_exit_on_error_refuses_a_model_whose_warmup_fails(tmp_path):
     """--exit-on-error: a model whose model_warmup fails cannot be served, so the server does not
     start (it started and served the others, as without the flag)."""

@@ -12,7 +12,7 @@ import typer
 from staronnx.cli.given import given_on_command_line
 from staronnx.cli.gpus import (CUDA_DEVICES_HELP, THREAD_PER_STREAM_HELP, check_cuda_worker_flags, host_core_name,
                                parse_cuda_devices)
-from staronnx.errors import StaronnxError
+from staronnx.errors import ModelError, StaronnxError
 from staronnx.serve.batching import served_only, target_words
 
 if TYPE_CHECKING:
@@ -352,11 +352,39 @@ def serve_cmd(
     machine = MachineSpec(groups, cuda_streams, devices, cuda_graphs, thread_per_stream)
     options = RuntimeSpec(policy, engine=engine, save_every=save_s,
                           warmup=warmup_sizes(batch_size, delay) if cuda_streams else ())
+    def leave_out(exc: ModelError) -> bool:
+        """A model whose parts ONNX Runtime cannot load (an op of an unknown domain, a type its
+        kernels lack) fails alone, as one refused at load: said, UNAVAILABLE with ONNX Runtime's
+        reason, the others served (True: the model named by the error was left out)."""
+        nonlocal names, loaded, targets, residency, lanes
+        culprits = [n for n, p in zip(names, loaded) if str(p.root) in str(exc)]
+        if not culprits:
+            return False
+        for model_name in culprits:
+            say(f"model {model_name!r} is not served: {exc}")
+            unavailable[model_name] = str(exc)
+        if exit_on_error:
+            raise refuse_unservable(unavailable) from None
+        loaded = [p for n, p in zip(names, loaded) if n not in culprits]
+        names = [n for n in names if n not in culprits]
+        targets = {n: v for n, v in targets.items() if n not in culprits}
+        residency = {n: v for n, v in residency.items() if n not in culprits}
+        lanes = {n: v for n, v in lanes.items() if n not in culprits}
+        if not names and control_mode == "none":
+            raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
+        return True
+
     try:
-        if (len(loaded) > 1 or residency) and not separate_runtimes:
-            shared = Runtime(dict(zip(names, loaded)),
-                             replace(machine, residency=residency, lanes=lanes, lane_preempt=lane_preempt),
-                             replace(options, targets=targets))
+        while (len(loaded) > 1 or residency) and not separate_runtimes:
+            try:
+                shared = Runtime(dict(zip(names, loaded)),
+                                 replace(machine, residency=residency, lanes=lanes, lane_preempt=lane_preempt),
+                                 replace(options, targets=targets))
+                break
+            except ModelError as exc:
+                if not leave_out(exc):
+                    raise
+        if shared is not None:
             held = {n: shared.model(n).stats().get("held_by", []) for n in (*residency, *lanes)}
             say(f"one runtime for {len(loaded)} models: {len(shared.workers)} workers, policy {policy}"
                 + "".join(f"; {n}: {', '.join(target_words(t)) or 'no target'}" for n, t in targets.items())
@@ -382,8 +410,13 @@ def serve_cmd(
             if shared is not None:
                 runtime = shared.model(model_name)
             else:
-                runtime = Runtime(plan, machine, replace(options, targets={plan_name(plan): targets[model_name]}
-                                                         if model_name in targets else {}))
+                try:
+                    runtime = Runtime(plan, machine, replace(options, targets={plan_name(plan): targets[model_name]}
+                                                             if model_name in targets else {}))
+                except ModelError as exc:
+                    if not leave_out(exc):
+                        raise
+                    continue
             spec = specs[model_name]
             warm_runs = 0
             if model_name in warmups:
