@@ -450,6 +450,39 @@ def test_poll_mode_recomposes_an_ensemble_whose_member_changed(tmp_path):
         assert s.stop() == 0, "\n".join(s.lines)
 
 
+def test_explicit_mode_loads_an_ensembles_members_and_recomposes_it_when_one_is_reloaded(tmp_path):
+    """--model-control-mode explicit, as Triton's: loading an ensemble loads its members not
+    served yet (a step-by-step ensemble failed every request, 'its step is not served now'), and
+    reloading a member reloads the ensembles built on it (one composed as a task graph kept
+    answering with the member's old version until it was reloaded itself)."""
+    root = tmp_path / "models"
+    er.write_model(root, "unet_seg", "max_batch_size: 8", er.REAL / "unet_seg.onnx")
+    er.write_model(root, "text_mask", "max_batch_size: 8", er.text_mask())
+    er.write_model_folder_only(root, "mini", _ensemble("mini", [SEG, MASK]))
+    er.write_model_folder_only(root, "mini_steps", _ensemble(
+        "mini_steps", [SEG, MASK], extra='parameters { key: "ensemble_mode" value: { string_value: "steps" } }'))
+    s = start_server([], tmp_path / "home", "--model-repository", str(root), "--model-control-mode", "explicit",
+                     "--policy", "eager")
+    try:
+        client = httpclient.InferenceServerClient(s.http)
+        client.load_model("mini_steps")
+        assert client.is_model_ready("unet_seg") and client.is_model_ready("text_mask")
+        image = er.text_image(np.random.default_rng(2), batch=1, width=32)
+        first = _infer(s, "http", "mini_steps", "IMAGE", image, "FP32").as_numpy("PROB")
+        client.load_model("mini")
+        np.testing.assert_allclose(_infer(s, "http", "mini", "IMAGE", image, "FP32").as_numpy("PROB"), first, atol=1e-5)
+        background = er.text_mask()  # version 2 keeps the background class instead of the text class
+        background.graph.initializer[0].CopyFrom(onnx.helper.make_tensor("one", onnx.TensorProto.INT64, [1], [0]))
+        background.graph.initializer[1].CopyFrom(onnx.helper.make_tensor("two", onnx.TensorProto.INT64, [1], [1]))
+        er.write_model(root, "text_mask", None, background, versions=(2,))
+        client.load_model("text_mask")  # answers once the member and its ensembles are reloaded
+        for name in ("mini", "mini_steps"):
+            got = _infer(s, "http", name, "IMAGE", image, "FP32").as_numpy("PROB")
+            np.testing.assert_allclose(got, 1 - first, atol=1e-5, err_msg=name)
+    finally:
+        assert s.stop() == 0, "\n".join(s.lines)
+
+
 def test_prometheus_counts_of_a_member_include_its_runs_inside_ensembles(served):
     import urllib.request
 

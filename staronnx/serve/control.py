@@ -5,7 +5,8 @@ while the server runs, and the repository index that says so.
   requests are refused.
 * ``explicit``: the models named by ``--load-model`` (``*``: all) are loaded at start; clients
   load (with an optional config override, Triton's JSON form of the config), reload and unload
-  models through the repository API, over HTTP and gRPC.
+  models through the repository API, over HTTP and gRPC. As in Triton, loading an ensemble loads
+  its members not served yet, and (re)loading a member reloads the served ensembles built on it.
 * ``poll``: every model is loaded at start, and the repositories are read again every
   ``--repository-poll-secs``: a new model is loaded, one whose folder changed (its config, a
   version; for an ensemble, a member's folder too) is reloaded, one whose folder is gone is unloaded; load and unload requests are
@@ -74,6 +75,8 @@ class ModelControl:
         self._lock = asyncio.Lock()
         #: each repository model's folder state when it was loaded (what poll mode compares)
         self.stamps: dict[str, ModelStamp] = {}
+        #: the config override a model was loaded with (what reloading it for a member keeps)
+        self.overrides: dict[str, str | None] = {}
 
     # -- the repository ----------------------------------------------------------------------
     def read_folders(self) -> dict[str, Path]:
@@ -125,7 +128,12 @@ class ModelControl:
         async with self._lock:
             await self._load(name, config)
 
-    async def _load(self, name: str, config: str | None) -> None:
+    async def _load(self, name: str, config: str | None, dependents: bool = True) -> None:
+        """Open ``name`` and swap it in. In explicit mode, as Triton's does: an ensemble's members
+        not served yet are loaded first (a step-by-step ensemble sends its steps to them, and
+        Triton serves an ensemble's composing models with it), and the served ensembles built on
+        ``name`` are reloaded after it (one composed as a task graph holds its members' plans as
+        they were when it was loaded) unless ``dependents`` is False (they are being reloaded)."""
         try:
             folders = self.read_folders()
         except StaronnxError as exc:  # why, rather than "no model of that name" (folders() reads none)
@@ -136,6 +144,14 @@ class ModelControl:
                                            f"({', '.join(map(str, self.repositories))})")
         assert self.opener is not None
         loop = asyncio.get_running_loop()
+        if self.mode == "explicit":
+            for member in members_of(folder, folders):
+                if member not in self.models and member != name:
+                    try:
+                        await self._load(member, None, dependents=False)
+                    except ProtocolError as exc:
+                        raise ProtocolError(exc.kind, f"failed to load {shown(name)}: its step {shown(member)} cannot "
+                                                      f"be served: {exc}") from None
         stamp = model_stamp(folder, folders)
         try:
             endpoint = await loop.run_in_executor(None, self.opener, name, folder, config)
@@ -155,9 +171,18 @@ class ModelControl:
         self.models[name] = endpoint  # from now on its requests go to the new one
         self.unavailable.pop(name, None)
         self.stamps[name] = stamp
+        self.overrides[name] = config
         if old is not None:  # the old one answers what it accepted, then frees its runtime
             old.retire("reloaded (its sequences do not carry over to the new one)")
             await loop.run_in_executor(None, old.close, self.drain_timeout)
+        if dependents and self.mode == "explicit":
+            # every served ensemble whose folders (its own, its members', nested) include this one
+            for ensemble_name in [n for n, st in self.stamps.items()
+                                  if n != name and n in self.models and any(f == folder.name for f, _ in st)]:
+                try:
+                    await self._load(ensemble_name, self.overrides.get(ensemble_name), dependents=False)
+                except ProtocolError as exc:  # it keeps serving as it was loaded; said, as a failed load is
+                    log.warning("reloading ensemble %s for its member %s: %s", shown(ensemble_name), shown(name), exc)
 
     async def unload(self, name: str) -> None:
         """Take model ``name`` out of service and drain its accepted requests."""
@@ -174,6 +199,7 @@ class ModelControl:
         if model is None:
             return  # already not served: Triton answers an unload of an unloaded model with success
         self.stamps.pop(name, None)
+        self.overrides.pop(name, None)
         model.retire(UNLOADED)
         await asyncio.get_running_loop().run_in_executor(None, model.close, self.drain_timeout)
 
@@ -229,13 +255,25 @@ def folder_stamp(folder: Path) -> tuple[FileStamp, ...]:
     return tuple(stamp)
 
 
+def members_of(folder: Path, folders: Mapping[str, Path]) -> list[str]:
+    """The models an ensemble's steps name that the repository holds, in step order, each once
+    (none for a model that is no ensemble, or whose config cannot be read: its load says why)."""
+    from staronnx.serve import ensemble
+    from staronnx.serve.model_config import ConfigError, read_config
+
+    try:
+        config = read_config(folder)[0]
+    except ConfigError:
+        return []
+    if not ensemble.is_ensemble(config):
+        return []
+    return list(dict.fromkeys(s.model_name for s in config.ensemble_scheduling.step if s.model_name in folders))
+
+
 def model_stamp(folder: Path, folders: Mapping[str, Path]) -> ModelStamp:
     """:func:`folder_stamp`, and for an ensemble its members' folders' too (through nested
     ensembles, each folder once): an ensemble's plan is composed from its members' files, so a
     member's new version or config reloads the ensemble as well as the member."""
-    from staronnx.serve import ensemble
-    from staronnx.serve.model_config import ConfigError, read_config
-
     stamp: list[tuple[str, tuple[FileStamp, ...]]] = []
     seen: set[Path] = set()
     todo = [folder]
@@ -245,10 +283,5 @@ def model_stamp(folder: Path, folders: Mapping[str, Path]) -> ModelStamp:
             continue
         seen.add(current)
         stamp.append((current.name, folder_stamp(current)))
-        try:
-            config = read_config(current)[0]
-        except ConfigError:
-            continue
-        if ensemble.is_ensemble(config):
-            todo += [folders[s.model_name] for s in config.ensemble_scheduling.step if s.model_name in folders]
+        todo += [folders[m] for m in members_of(current, folders)]
     return tuple(stamp)
