@@ -366,6 +366,17 @@ def test_serve_refuses_lane_preempt_without_a_lane(real_plan, tmp_path):
                                     "it needs --lane NAME=GROUPS")
 
 
+def test_serve_refuses_batch_size_beside_no_batching(real_plan, tmp_path):
+    """``--no-batching`` runs every request alone: a ``--batch-size`` beside it (plans given on
+    the command line, no repository whose configs may batch) was dropped without a word, the
+    start line saying batches of up to 1. Now one line before any model loads."""
+    res = _run(["serve", str(real_plan("crnn_ocr").root), "--http-port", "0", "--grpc-port", "0", "--metrics-port", "0",
+                "--groups", PU, "--no-batching", "--batch-size", "8"], tmp_path / "home", stdin=subprocess.DEVNULL)
+    assert res.returncode == 2, res.stdout
+    assert _one_error_line(res) == ("staronnx: error: --batch-size 8: --no-batching runs every request alone, one per "
+                                    "task (a repository model's config.pbtxt may still batch): give one of them")
+
+
 @pytest.mark.parametrize("mode", [None, "explicit"])
 def test_serve_refuses_repository_poll_secs_outside_poll_mode(tmp_path, mode):
     """``--repository-poll-secs`` sets how often poll mode reads the repository again; in the

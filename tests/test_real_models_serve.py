@@ -240,8 +240,8 @@ def test_no_batching_serves_each_request_alone_and_says_so(real_plan, tmp_path):
     """``--no-batching`` on a model that could batch: max_batch_size 0, full dims, each request
     its own task, and still every client's own answer."""
     plan = real_plan("bert_tiny")
-    server = start_server([plan.root], tmp_path, "--name", "bert", "--policy", "eager", "--batch-size", str(BATCH),
-                          "--max-delay", "50ms", "--no-batching")
+    server = start_server([plan.root], tmp_path, "--name", "bert", "--policy", "eager", "--max-delay", "50ms",
+                          "--no-batching")
     try:
         config = thttp.InferenceServerClient(server.http).get_model_config("bert")
         params = {k: v["string_value"] for k, v in config["parameters"].items()}

@@ -220,6 +220,9 @@ def serve_cmd(
     if not lanes and "lane_preempt" in given_on_command_line(ctx):  # else dropped without a word
         raise StaronnxError(f"--lane-preempt {lane_preempt} says how a lane's group yields to the lane: it needs "
                             "--lane NAME=GROUPS")
+    if no_batching and not model_repository and "batch_size" in given_on_command_line(ctx):  # else dropped
+        raise StaronnxError(f"--batch-size {batch_size}: --no-batching runs every request alone, one per task (a "
+                            "repository model's config.pbtxt may still batch): give one of them")
     if lanes and (separate_runtimes or len(names) < 2):
         raise StaronnxError("--lane gives a model workers that preempt the other models' tasks on one shared runtime; "
                             "it needs several models and does not go with --separate-runtimes")
