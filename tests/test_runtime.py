@@ -463,3 +463,45 @@ def test_cancelled_requests_count_as_done_for_wait_and_as_completed(plan3, store
     assert cancelled, "48 queued requests cannot all finish in zero seconds"
     done, not_done = wait(more, timeout=30)
     assert not not_done
+
+
+def test_failed_and_withdrawn_requests_leave_nothing_for_the_cycle_collector(fragile_plan, store):
+    """A failed request kept its feeds until the cycle collector ran: the request and its tasks
+    point at each other (cut only when a request completed), and its error's traceback held
+    the frame that ran its task, so the task, so the request, whose future holds the error. A
+    request its caller cancelled (its tasks dropped) kept them the same way. A long-running
+    server's memory must be bounded by reference counting alone."""
+    import gc
+    import weakref
+
+    pu = str(min(os.sched_getaffinity(0)))
+    good = {"x": np.ones((2, 8), np.float32)}
+    with Runtime(fragile_plan, MachineSpec(pu), RuntimeSpec(policy="eager", store=store)) as rt:
+        rt.run(good)
+        gc.collect()
+        gc.disable()
+        try:
+            bad = np.ones((2, 5), np.float32)  # passes the checks, fails inside ORT (part 1)
+            failed_feeds = weakref.ref(bad)
+            fut = rt.submit({"x": bad})
+            del bad
+            with pytest.raises(TaskError):
+                fut.result(timeout=60)
+            del fut
+            # one worker, FIFO: the cancelled request's task is popped (and dropped) before the last
+            first = rt.submit(good)
+            gone = np.ones((2, 8), np.float32)
+            withdrawn_feeds = weakref.ref(gone)
+            cancelled = rt.submit({"x": gone})
+            del gone
+            cancelled.cancel()
+            last = rt.submit(good)
+            first.result(timeout=60)
+            last.result(timeout=60)
+            assert rt.stats()["in_flight"] == 0
+            del cancelled
+            rt.run(good)  # the worker's hands move on to another request
+            assert failed_feeds() is None, "a failed request waits for the cycle collector"
+            assert withdrawn_feeds() is None, "a cancelled request waits for the cycle collector"
+        finally:
+            gc.enable()

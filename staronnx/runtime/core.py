@@ -541,7 +541,12 @@ class TaskGraph:
         return [Copy(n, node, HOST_NODE, outputs[n]) for n in self._finals[task.part] if outputs.get(n, 0) > 0]
 
     def fail(self, req: Request) -> None:
-        """Fail a request: its queued tasks are dropped when popped."""
+        """Fail a request: its queued tasks are dropped when popped. Its task list is cut as a
+        finished request's is: a request and its tasks point at each other, so a failed one
+        (its feeds, its intermediates) waited for the cycle collector, which a long-running
+        server must not count on; its queued and running tasks still reach it (``task.request``)
+        and let go of it as they are dropped or end."""
+        req.tasks = []
         if not req.failed:
             req.failed = True
             self.inflight.pop(req.id, None)
@@ -553,8 +558,9 @@ class TaskGraph:
     def withdraw(self, req: Request) -> None:
         """A request its caller cancelled, one of whose tasks was dropped: it leaves the in-flight
         requests (its model's capacity, close()'s drain) as a failed one does, its other tasks
-        dropped too, without being counted as failed."""
+        dropped too, without being counted as failed. Its task list is cut (see :meth:`fail`)."""
         req.failed = True
+        req.tasks = []
         if self.inflight.pop(req.id, None) is not None:
             self.per_model[req.model].in_flight -= 1
         # what an executor does with a cancelled item it reaches: concurrent.futures.wait() and

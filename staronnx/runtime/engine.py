@@ -52,6 +52,7 @@ import math
 import operator
 import threading
 import time
+import traceback
 from collections import deque
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass
@@ -705,6 +706,7 @@ class NativeEngine:
         start = max(started.start, self._last_end[wid])  # launched behind another: from its end
         self._last_end[wid] = end
         if started.error is not None:
+            _let_go(started.error)
             item.future.set_exception(started.error)
         else:
             item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
@@ -727,6 +729,8 @@ class NativeEngine:
         self._last_end[wid] = end
         measured = end - start
         error, outputs = started.error, started.outputs
+        if error is not None:
+            _let_go(error)
         if error is None and started.timed:
             # CUDA workers report kernel time without their copies, which the bus model
             # prices; CPU workers' wall time is their compute time
@@ -774,8 +778,11 @@ class NativeEngine:
         self.tracer.task(wid, self.models.label(task.part), start, end, {
             "request": req.id, "batch": req.batch, "predicted_ms": _ms(task.view.predicted),
             "measured_ms": (end - start) * 1e3, "failed": failed})
+        tasks, first = req.tasks, req.first_part  # (read once: a failed request's list is cut meanwhile)
+        if not tasks:  # its request failed (or was withdrawn): no flows from the tasks it let go
+            return
         for dep in self.core.preds[task.part]:
-            src = req.task(dep)
+            src = tasks[dep - first]
             if src.worker is not None:
                 self.tracer.flow(src.worker, src.ended_at, wid, start, f"r{req.id}")
 
@@ -900,6 +907,15 @@ class _Kept:
             handles[name].add_host(array)
         for name, tensor in self.device:
             handles[name].add_device(node, tensor)
+
+
+def _let_go(error: BaseException) -> None:
+    """Clear the locals of the finished frames ``error``'s traceback holds, its line numbers
+    kept. Those frames (:meth:`NativeEngine._start`, the worker's run) held the task, so its
+    request, whose future holds the error: a cycle that kept a failed request's feeds and
+    intermediates until the cycle collector ran, and its feeds for as long as the caller kept
+    the future. (A frame still running, the driver loop that caught it, is left as it is.)"""
+    traceback.clear_frames(error.__traceback__)
 
 
 def _host(h: DataHandle) -> np.ndarray:
