@@ -505,3 +505,46 @@ def test_failed_and_withdrawn_requests_leave_nothing_for_the_cycle_collector(fra
             assert withdrawn_feeds() is None, "a cancelled request waits for the cycle collector"
         finally:
             gc.enable()
+
+
+def test_close_hears_of_a_cancelled_last_request(plan3, store, tmp_path):
+    """close() waits for the requests in flight; one its caller cancelled leaves them when its
+    dropped task is popped, not when a task ends, and nobody told close(): with the cancelled
+    request the last one in flight, close(timeout=None) hung for good (and a timed close
+    waited its whole timeout)."""
+    whole = partition(plan3.source_model, spec=PartitionSpec(parts=1, costs="estimate"), output_dir=tmp_path / "one")
+    workers = start_workers(whole, MachineSpec(str(min(os.sched_getaffinity(0)))))
+    gate, first = threading.Event(), threading.Event()
+    original = workers[0].run_here
+
+    def held(part, feeds, *rest):  # the first task waits for the gate: the cancel and close come first
+        if not first.is_set():
+            first.set()
+            gate.wait(60)
+        return original(part, feeds, *rest)
+
+    workers[0].run_here = held
+    x = random_plan_feeds(whole, 2)
+    try:
+        rt = Runtime(whole, spec=RuntimeSpec(policy="eager", workers=workers, store=store))
+        running, cancelled = rt.submit(x), rt.submit(x)
+        assert first.wait(60)
+        assert cancelled.cancel()
+        closer = threading.Thread(target=rt.close, kwargs={"timeout": None}, daemon=True)
+        closer.start()
+        while not rt._engine._closed:  # close() holds the engine's lock until it waits
+            threading.Event().wait(0.001)
+        gate.set()
+        np.testing.assert_array_equal(running.result(timeout=60)["logits"], whole.run_reference(x)["logits"])
+        closer.join(60)
+        hung = closer.is_alive()
+        if hung:  # let it go (it would wait for good), so the workers can be closed
+            with rt._engine._lock:
+                rt._engine._drained.notify_all()
+            closer.join(60)
+        assert not hung, "close() never heard that the cancelled request left"
+        assert cancelled.cancelled()
+    finally:
+        gate.set()
+        for w in workers:
+            w.close()

@@ -545,6 +545,8 @@ class NativeEngine:
                     return got
                 if self._stopping or not any(workers[w].alive for w in group):
                     return None
+                if self._closed and not self.core.inflight:
+                    self._drained.notify_all()  # the take may have withdrawn close()'s last request
                 self._idle.update(w for w in group if workers[w].alive)
                 self.idle = len(self._idle)
                 self._conds[group[0]].wait()
@@ -582,6 +584,10 @@ class NativeEngine:
                     return task, None
                 if self._stopping:
                     return None
+                if self._closed and not self.core.inflight:
+                    # the requests next_task withdrew (their callers cancelled them) end without
+                    # a task ending: close() waiting for the last of them must hear it here
+                    self._drained.notify_all()
                 self._idle.add(wid)
                 self.idle = len(self._idle)
                 self._conds[wid].wait()
@@ -752,9 +758,9 @@ class NativeEngine:
                 self._queue_prefetches()
             if self._idle:
                 self._wake()
-            if self._closed and not self.core.inflight:
-                self._drained.notify_all()
             nxt = self._take_each(take, end) if take else []
+            if self._closed and not self.core.inflight:  # (after the take: it may withdraw the last)
+                self._drained.notify_all()
         if self._to_issue:
             self._issue_prefetches()
         if done is not None:
