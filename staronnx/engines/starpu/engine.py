@@ -33,11 +33,11 @@ import time
 import traceback
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -583,6 +583,16 @@ def _layout(dtype: str, shape: list[Any], batched: bool, symbols: Mapping[str, i
     return _Layout(tuple(dims), dt, nbytes)
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., None])
+
+
+def _extern(ffi: Any, onerror: Callable[[Any, Any, Any], None]) -> Callable[[_Fn], _Fn]:
+    """``ffi.def_extern(onerror=...)`` with its type said: it binds the function of the same
+    name as the C side's ``extern "Python"`` and gives the function back as it is."""
+    decorator: Callable[[_Fn], _Fn] = ffi.def_extern(onerror=onerror)
+    return decorator
+
+
 @functools.cache
 def _install_externs(ffi: Any) -> None:
     """Bind the C side's ``extern "Python"`` entry points once per process (``ffi`` is the one
@@ -591,19 +601,19 @@ def _install_externs(ffi: Any) -> None:
     def onerror(exc_type: Any, exc: Any, tb: Any) -> None:
         log.error("exception in a StarPU callback", exc_info=(exc_type, exc, tb))
 
-    @ffi.def_extern(onerror=onerror)
+    @_extern(ffi, onerror)
     def sx_py_run(key: int, wid: int, ptrs: Any, sizes: Any, n: int, predicted: float) -> None:
         engine = _active
         if engine is not None:
             engine._run(key, wid, ptrs, sizes, n, predicted)
 
-    @ffi.def_extern(onerror=onerror)
+    @_extern(ffi, onerror)
     def sx_py_done(key: int) -> None:
         engine = _active
         if engine is not None:
             engine._task_done(key)
 
-    @ffi.def_extern(onerror=onerror)
+    @_extern(ffi, onerror)
     def sx_py_worker_init(wid: int) -> None:
         engine = _active
         if engine is not None:
