@@ -34,7 +34,6 @@ import traceback
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import CancelledError
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -44,7 +43,7 @@ import numpy as np
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
-from staronnx.runtime.task import RequestFuture, TaskError
+from staronnx.runtime.task import RequestFuture, TaskError, announce_cancelled
 from staronnx.runtime.core import RunningMean, per_part_arch
 from staronnx.runtime.policies import upward_ranks
 from staronnx.runtime.predictor import PerfPredictor
@@ -460,6 +459,8 @@ class StarpuEngine:
                 req.future.set_exception(error)
             else:
                 req.future.set_result(result)
+        else:  # one its caller (or close) cancelled: wait() and as_completed() count it done once told
+            announce_cancelled(req.future)
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -475,8 +476,10 @@ class StarpuEngine:
             self._cond.wait_for(lambda: not self._inflight, timeout)  # (notified as requests leave)
             for req in list(self._inflight.values()):
                 req.failed = True  # its remaining tasks skip their work
-                if not req.future.cancel() and not req.future.done():
-                    req.future.set_exception(CancelledError())
+                # cancelled and announced, as an executor does (or wait() never counts it done);
+                # one that cannot be is settled (or being settled, RUNNING) by a failed task
+                if req.future.cancel():
+                    announce_cancelled(req.future)
         self._teardown()
 
     def _teardown(self) -> None:
