@@ -465,7 +465,20 @@ def test_cancelled_requests_count_as_done_for_wait_and_as_completed(plan3, store
     assert not not_done
 
 
-def test_failed_and_withdrawn_requests_leave_nothing_for_the_cycle_collector(fragile_plan, store):
+def _one_worker(kind: str, store: PerfModelStore) -> tuple[MachineSpec, RuntimeSpec]:
+    """One CPU worker on one PU, or one CUDA stream on the host stand-in (its driver thread's
+    loop, not a CPU worker's), eager."""
+    from staronnx.workers.cuda import CudaOptions
+    from staronnx.workers.cudart import HostRuntime
+
+    if kind == "cpu":
+        return MachineSpec(str(min(os.sched_getaffinity(0)))), RuntimeSpec(policy="eager", store=store)
+    return (MachineSpec(groups="none", cuda_streams=1),
+            RuntimeSpec(policy="eager", store=store, cuda=CudaOptions(runtime=HostRuntime())))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_failed_and_withdrawn_requests_leave_nothing_for_the_cycle_collector(fragile_plan, store, kind):
     """A failed request kept its feeds until the cycle collector ran: the request and its tasks
     point at each other (cut only when a request completed), and its error's traceback held
     the frame that ran its task, so the task, so the request, whose future holds the error. A
@@ -474,9 +487,8 @@ def test_failed_and_withdrawn_requests_leave_nothing_for_the_cycle_collector(fra
     import gc
     import weakref
 
-    pu = str(min(os.sched_getaffinity(0)))
     good = {"x": np.ones((2, 8), np.float32)}
-    with Runtime(fragile_plan, MachineSpec(pu), RuntimeSpec(policy="eager", store=store)) as rt:
+    with Runtime(fragile_plan, *_one_worker(kind, store)) as rt:
         rt.run(good)
         gc.collect()
         gc.disable()
@@ -548,3 +560,29 @@ def test_close_hears_of_a_cancelled_last_request(plan3, store, tmp_path):
         gate.set()
         for w in workers:
             w.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_an_idle_worker_holds_nothing_of_the_last_request(fragile_plan, store, kind):
+    """A worker waiting for work kept its last task in its loop's locals, so that request's
+    feeds, intermediates and outputs lived on after its caller let go of them, for as long as
+    the worker stayed idle (a big batch's arrays per worker, in a server between bursts). A
+    CPU worker's loop and a CUDA device's driver thread (on the host stand-in) alike."""
+    import gc
+    import weakref
+
+    with Runtime(fragile_plan, *_one_worker(kind, store)) as rt:
+        assert {w.kind for w in rt.workers} == {kind}
+        rt.run({"x": np.ones((2, 8), np.float32)})
+        gc.collect()
+        gc.disable()
+        try:
+            x = np.ones((2, 8), np.float32)
+            feeds = weakref.ref(x)
+            out = rt.run({"x": x})
+            np.testing.assert_allclose(out["y"], fragile_plan.run_reference({"x": x})["y"], rtol=1e-5)
+            result = weakref.ref(out["y"])
+            del x, out
+            assert feeds() is None and result() is None, "the idle worker still holds the last request"
+        finally:
+            gc.enable()

@@ -409,6 +409,11 @@ class NativeEngine:
                         self._end_pinned(wid, started.pinned, started)
                     else:
                         self._end(wid, started)
+                    # let go of the task before waiting for the next: held here, its request's
+                    # feeds, intermediates and outputs lived for as long as the worker stayed
+                    # idle. (Inline, not in a helper: a failed task's traceback keeps the frame
+                    # that called _start alive, and a helper's would hold the task with it.)
+                    del job, started
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
                 self._worker_died(wid, exc)
 
@@ -476,15 +481,22 @@ class NativeEngine:
             self._worker_died(wid, exc)
 
         got: list[Job] = []
+        taken: list[Job] | None
+        started: _Started | None = None
+        task: Task | None = None
+        pinned: Pinned | None = None
         while live:
             if not got and not ahead:
                 if deferred:  # about to wait for work
                     announce(deferred)
                     deferred.clear()
+                # nothing of the last task held here while waiting: its request's arrays and
+                # outputs lived for as long as the device stayed idle
+                started = task = pinned = taken = None
                 taken = self._take(live, group=wids)
                 if taken is None:
                     return
-                got = taken
+                got, taken = taken, None
             for wid, task, pinned in got:
                 try:
                     ahead.append((wid, self._start(wid, workers[wid], task, pinned, True)))
