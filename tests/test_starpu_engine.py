@@ -286,6 +286,21 @@ def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
         rt.run(random_plan_feeds(plan3, 1))
 
 
+def test_service_targets_are_refused_not_ignored(starpu, plan3):
+    """StarPU orders tasks by its own priorities: a model's latency target, priority and
+    capacity mean nothing to it. A Runtime on engine='starpu' given one served as if it had
+    none (a capacity of 2 let every request in, with no ModelOverloaded): a setting staronnx
+    does not honour is refused by name, never ignored."""
+    name = plan3.root.name
+    for target in ({"capacity": 2}, {"latency": 0.5}, {"priority": 1}):
+        with pytest.raises(StaronnxError, match=f"starpu.*{next(iter(target))}"):
+            Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="eager", engine="starpu",
+                                                                     targets={name: target}))
+    with Runtime(plan3, MachineSpec(groups=GROUPS),
+                 RuntimeSpec(policy="eager", engine="starpu", targets={name: {}})) as rt:  # no target: fine
+        rt.run(random_plan_feeds(plan3, 1))
+
+
 # ----------------------------------------------------------------------------- API parity
 def test_map_futures_trace_and_model_stats(starpu, plan3, tmp_path):
     """Also the Engine contract's model view (Runtime.model_stats, a model's handle): StarPU's
