@@ -586,3 +586,18 @@ def test_an_idle_worker_holds_nothing_of_the_last_request(fragile_plan, store, k
             assert feeds() is None and result() is None, "the idle worker still holds the last request"
         finally:
             gc.enable()
+
+
+def test_stats_predicted_times_are_the_models_not_placeholders(fragile_plan, store):
+    """dmda charges a task 0 s where no model answers (its greedy decisions while the models
+    calibrate): stats()' predicted_ms, documented as None when never predicted, read 0.0 for
+    an uncalibrated runtime (and a mean diluted by those zeros once models answered), so
+    predicted against measured (the CLI's table, the server's prediction-error gauge)
+    compared the machine with placeholders."""
+    pu = str(min(os.sched_getaffinity(0)))
+    with Runtime(fragile_plan, MachineSpec(pu), RuntimeSpec(policy="dmda", store=store)) as rt:
+        for _ in range(5):  # fewer than a model needs (10 samples): every decision is greedy
+            rt.run({"x": np.ones((2, 8), np.float32)})
+        rows = rt.stats()["tasks"]
+    assert rows and all(row["tasks"] == 5 for row in rows.values())
+    assert all(row["predicted_ms"] is None for row in rows.values()), rows

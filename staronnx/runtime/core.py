@@ -478,7 +478,11 @@ class TaskGraph:
         mean = self.measured[key]  # (RunningMean.append, inlined: this runs per task)
         mean.n += 1
         mean.total += measured
-        if -math.inf < view.predicted < math.inf:  # (a NaN compares false: not predicted)
+        # a model's prediction only: NaN (none asked) compares false, and 0 is what a policy
+        # charges where no model answered (dmda's greedy decisions while calibrating), which
+        # made stats' "predicted_ms" read 0.0 or a mean diluted by placeholders (as the starpu
+        # engine reports it: predictions > 0 only)
+        if 0.0 < view.predicted < math.inf:
             self.predicted[key].append(view.predicted)
         readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]
         copies = task.copies  # fetches and write-backs, booked as they happened

@@ -1068,6 +1068,8 @@ def _close_all(workers: Iterable[Worker]) -> None:
 
 
 def _ms(x: float) -> float | None:
-    return x * 1e3 if math.isfinite(x) else None
+    """A predicted time in ms for the trace; None where no model predicted it (NaN, or the 0 a
+    policy charges while its models calibrate), as in the statistics."""
+    return x * 1e3 if 0.0 < x < math.inf else None
 
 
