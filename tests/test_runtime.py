@@ -601,3 +601,39 @@ def test_stats_predicted_times_are_the_models_not_placeholders(fragile_plan, sto
         rows = rt.stats()["tasks"]
     assert rows and all(row["tasks"] == 5 for row in rows.values())
     assert all(row["predicted_ms"] is None for row in rows.values()), rows
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_close_from_a_done_callback_does_not_wedge_the_runtime(plan3, store, kind):
+    """A done-callback runs on the worker thread that finished the request. One that closed
+    the runtime made that worker wait for the requests in flight, which needed that very
+    worker, then join its own loop: close(timeout=None) deadlocked for good (30 s + 90 s
+    with the default timeout), and every other caller with it. Closed from a worker's thread,
+    the runtime cancels what is left at once (as a Server closed from its batcher does)."""
+    from concurrent.futures import wait
+
+    feeds = random_plan_feeds(plan3, 2)
+    rt = Runtime(plan3, *_one_worker(kind, store))
+    returned, errors, threads = threading.Event(), [], []
+    ahead = [rt.submit(feeds) for _ in range(4)]  # the worker is busy with these meanwhile
+
+    def close_here(_):
+        threads.append(threading.current_thread())
+        try:
+            rt.close(timeout=None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        returned.set()
+
+    first = rt.submit(feeds)
+    first.add_done_callback(close_here)
+    rest = [rt.submit(feeds) for _ in range(8)]
+    assert returned.wait(120), "close() from a done-callback never returned"
+    assert not errors, errors
+    assert threads[0] is not threading.main_thread()  # the worker's
+    assert first.exception(timeout=0) is None and all(f.exception(timeout=0) is None for f in ahead)
+    done, not_done = wait(rest, timeout=60)
+    assert not not_done and all(f.cancelled() or f.exception() is None for f in rest)
+    with pytest.raises(EngineClosed):
+        rt.submit(feeds)
+    rt.close()  # idempotent, from the caller's thread

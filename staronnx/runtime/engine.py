@@ -826,7 +826,16 @@ class NativeEngine:
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
-        """Drain in-flight requests up to ``timeout`` seconds, cancel the rest, stop the loops."""
+        """Drain in-flight requests up to ``timeout`` seconds, cancel the rest, stop the loops.
+
+        Called on a worker's own thread (a request's done-callback runs there), nothing can
+        drain while that worker waits here and its loop cannot be joined from itself (that
+        deadlocked for good with ``timeout=None``): what is in flight is cancelled at once,
+        as a Server closed from its batcher does, and the other loops are joined."""
+        me = threading.get_native_id()
+        own = [i for i, group in enumerate(self.drivers) if self._workers[group[0]].native_id == me]
+        if own:
+            timeout = 0.0
         with self._lock:
             if self._closed and self._stopping:
                 return
@@ -842,7 +851,9 @@ class NativeEngine:
                 req.owner.set_running_or_notify_cancel()
             elif not req.owner.done():
                 req.owner.set_exception(CancelledError())
-        for loop in self._loops:
+        for i, loop in enumerate(self._loops):
+            if i in own:  # this thread's: it ends once the callback that called close() returns
+                continue
             try:
                 loop.result(timeout=None if timeout is None else max(timeout, 1.0) + 60)
             except Exception:  # noqa: BLE001 - reported by _worker_died already
