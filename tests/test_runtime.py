@@ -637,3 +637,35 @@ def test_close_from_a_done_callback_does_not_wedge_the_runtime(plan3, store, kin
     with pytest.raises(EngineClosed):
         rt.submit(feeds)
     rt.close()  # idempotent, from the caller's thread
+
+
+def test_calibration_on_a_worker_that_dies_fails_instead_of_hanging(plan3, store):
+    """Calibration runs tasks pinned to each worker and waits for them. A CPU worker whose
+    loop died on one (anything but an ORT error: the thread is lost) re-placed its scheduled
+    tasks, but the pinned task in its hands was nobody's: calibrate() waited for it for good."""
+    from staronnx.calibrate import calibrate
+    from staronnx.workers.base import WorkerLost
+
+    workers = start_workers(plan3, MachineSpec(str(min(os.sched_getaffinity(0)))))
+
+    def crash(part, feeds, *rest):
+        raise _Crash("simulated worker crash")
+
+    workers[0].run_here = crash
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(calibrate(plan3, [1], workers=workers, store=store))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    try:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "calibrate() waits for good for the dead worker's task"
+        assert len(outcome) == 1 and isinstance(outcome[0], WorkerLost), outcome
+    finally:
+        for w in workers:
+            w.close()

@@ -54,7 +54,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -402,6 +402,7 @@ class NativeEngine:
         worker = self._workers[wid]
 
         def loop() -> None:
+            job: tuple[Task | None, Pinned | None] | None = None
             try:
                 while (job := self._next_task(wid)) is not None:
                     started = self._start(wid, worker, job[0], job[1], False)
@@ -413,8 +414,12 @@ class NativeEngine:
                     # feeds, intermediates and outputs lived for as long as the worker stayed
                     # idle. (Inline, not in a helper: a failed task's traceback keeps the frame
                     # that called _start alive, and a helper's would hold the task with it.)
-                    del job, started
+                    job = None
+                    del started
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
+                # a scheduled task in hand goes to the others (the core's); a pinned one cannot
+                if job is not None and job[1] is not None:
+                    _settle_pinned(job[1], WorkerLost(f"{worker.name} was lost: {exc!r}"))
                 self._worker_died(wid, exc)
 
         return loop
@@ -476,7 +481,7 @@ class NativeEngine:
                 ahead.remove(entry)
                 n_ahead -= 1
                 if (pinned := entry[1].pinned) is not None:
-                    pinned.future.set_exception(exc)
+                    _settle_pinned(pinned, exc)
             launched[wid] = 0
             self._worker_died(wid, exc)
 
@@ -503,6 +508,8 @@ class NativeEngine:
                     launched[wid] += 1
                     n_ahead += 1
                 except WorkerLost as exc:
+                    if pinned is not None:  # (a scheduled task is placed again by the core)
+                        _settle_pinned(pinned, exc)
                     lost(wid, exc)
             got = []
             if not ahead:
@@ -532,6 +539,8 @@ class NativeEngine:
                     if started.routed:
                         started.device = worker.device_outputs(started.handle)
                 except WorkerLost as exc:
+                    if started.pinned is not None:  # taken out of ``ahead``: lost() no longer sees it
+                        _settle_pinned(started.pinned, exc)
                     lost(wid, exc)
                     continue
                 except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -725,10 +734,10 @@ class NativeEngine:
         self._last_end[wid] = end
         if started.error is not None:
             _let_go(started.error)
-            item.future.set_exception(started.error)
+            _settle_pinned(item, started.error)
         else:
-            item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
-                                                end - start))
+            _settle_pinned(item, PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
+                                              end - start))
 
     def _end(self, wid: int, started: _Started, take: Sequence[int] = (),
              defer: list[RequestFuture] | None = None) -> list[Job]:
@@ -822,7 +831,7 @@ class NativeEngine:
         for req in lost:
             settle(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
         for item in pinned:  # tasks pinned to it cannot run elsewhere
-            item.future.set_exception(WorkerLost(f"{name} was lost: {exc}"))
+            _settle_pinned(item, WorkerLost(f"{name} was lost: {exc}"))
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -936,6 +945,21 @@ class _Kept:
             handles[name].add_host(array)
         for name, tensor in self.device:
             handles[name].add_device(node, tensor)
+
+
+def _settle_pinned(item: Pinned, outcome: PinnedResult | BaseException) -> None:
+    """Give a pinned task's future its result or error, once: one its caller cancelled (or
+    close() did) is left as it is, where ``set_result`` raised InvalidStateError on the
+    worker's thread and killed its loop. A pinned task lost with its worker gets the error:
+    taken off the queue, nothing else would settle it (warm-up and calibration waited for
+    good on a CUDA stream lost at its first task)."""
+    try:
+        if isinstance(outcome, BaseException):
+            item.future.set_exception(outcome)
+        else:
+            item.future.set_result(outcome)
+    except InvalidStateError:
+        pass
 
 
 def _let_go(error: BaseException) -> None:
