@@ -584,6 +584,10 @@ class TaskGraph:
             for name in self._part_inputs[task.part]:
                 task.request.handles[name].unstarted += 1
         orphans += [self.queue.pop(view.id) for view in self.policy.remove_worker(wid)]
+        for task in orphans:  # what was decided for the lost worker's node is not the next one's
+            # (next_task sets copies and keeps only where the new worker needs some: kept, the
+            # lost worker's upload and write-back were booked for a CPU worker that made none)
+            task.copies = task.keep = task.prefetched = ()
         if not any(w.alive for w in self.workers):
             lost = list(self.inflight.values())
             for req in lost:
