@@ -669,3 +669,32 @@ def test_calibration_on_a_worker_that_dies_fails_instead_of_hanging(plan3, store
     finally:
         for w in workers:
             w.close()
+
+
+@pytest.mark.parametrize("policy", ["eager", "dmda"])
+def test_a_request_after_every_worker_died_is_refused(plan3, store, policy):
+    """Once every worker was lost, the requests in flight failed, but a new one was still
+    taken: eager queued it for no one (its future never resolved), dmda's push raised after
+    it was counted in flight (stats said 1 in flight for good and close() waited its whole
+    timeout for it). It is refused at submit now, with EngineClosed."""
+    workers = start_workers(plan3, MachineSpec(str(min(os.sched_getaffinity(0)))))
+
+    def crash(part, feeds, *rest):
+        raise _Crash("simulated worker crash")
+
+    workers[0].run_here = crash
+    feeds = random_plan_feeds(plan3, 2)
+    try:
+        rt = Runtime(plan3, spec=RuntimeSpec(policy=policy, workers=workers, store=store))
+        with pytest.raises(RuntimeError, match="every worker died"):
+            rt.submit(feeds).result(timeout=60)
+        with pytest.raises(EngineClosed, match="can no longer run"):
+            rt.submit(feeds).result(timeout=60)
+        assert rt.stats()["in_flight"] == 0
+        closer = threading.Thread(target=rt.close, kwargs={"timeout": None}, daemon=True)
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive(), "close() waits for a request nobody can run"
+    finally:
+        for w in workers:
+            w.close()

@@ -589,6 +589,10 @@ class TaskGraph:
             # lost worker's upload and write-back were booked for a CPU worker that made none)
             task.copies = task.keep = task.prefetched = ()
         if not any(w.alive for w in self.workers):
+            # every model is stranded: a later request is refused at submit, where it was
+            # queued for no one (eager: a future that never resolved) or refused by the
+            # policy after it was counted in flight (dmda: close() waited for it in vain)
+            self.stranded = self.stranded_models()
             lost = list(self.inflight.values())
             for req in lost:
                 self.fail(req)
@@ -605,9 +609,11 @@ class TaskGraph:
 
     def stranded_models(self) -> set[int]:
         """The models (indices) with a part that no live worker holds: nothing can run them."""
+        alive = {i for i, w in enumerate(self.workers) if w.alive}
+        if not alive:
+            return {m.index for m in self.models.models}
         if self.where is None:
             return set()
-        alive = {i for i, w in enumerate(self.workers) if w.alive}
         return {self.models.owner[p][0].index for p, holders in enumerate(self.where) if not holders & alive}
 
     # -- observability -------------------------------------------------------------------------
