@@ -615,7 +615,7 @@ def test_close_from_a_done_callback_does_not_wedge_the_runtime(plan3, store, kin
     feeds = random_plan_feeds(plan3, 2)
     rt = Runtime(plan3, *_one_worker(kind, store))
     returned, errors, threads = threading.Event(), [], []
-    ahead = [rt.submit(feeds) for _ in range(4)]  # the worker is busy with these meanwhile
+    ahead = [rt.submit(feeds) for _ in range(16)]  # the worker is busy with these meanwhile
 
     def close_here(_):
         threads.append(threading.current_thread())
