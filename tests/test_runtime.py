@@ -698,3 +698,33 @@ def test_a_request_after_every_worker_died_is_refused(plan3, store, policy):
     finally:
         for w in workers:
             w.close()
+
+
+def test_a_static_placement_whose_worker_died_fails_its_requests_instead_of_hanging(fragile_plan, store, two_groups):
+    """Under the static policy a part runs on its one worker. When that worker died, its
+    tasks were handed back to be placed again, the policy refused them, and the refusal
+    escaped from the bookkeeping: the requests in flight never resolved, and each later
+    one killed the loop of the worker that finished its first part. They fail now, saying
+    why, and the other worker keeps serving."""
+    workers = start_workers(fragile_plan, MachineSpec(groups=two_groups))
+
+    def crash(part, feeds, *rest):
+        raise _Crash("simulated worker crash")
+
+    workers[1].run_here = crash
+    devices = {0: workers[0].name, 1: workers[1].name}
+    good = {"x": np.ones((2, 8), np.float32)}
+    try:
+        with Runtime(fragile_plan, spec=RuntimeSpec(policy="static", policy_options={"devices": devices},
+                                                    workers=workers, store=store)) as rt:
+            for wave in range(2):  # the worker dies in the first; the second finds it gone
+                futs = [rt.submit(good) for _ in range(4)]
+                for f in futs:
+                    with pytest.raises(RuntimeError, match="no live worker for part 1"):
+                        f.result(timeout=60)
+            stats = rt.stats()
+            assert stats["in_flight"] == 0 and stats["requests_failed"] == 8
+            assert [name for name, _ in stats["dead_workers"]] == [workers[1].name]  # only it
+    finally:
+        for w in workers:
+            w.close()

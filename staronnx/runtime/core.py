@@ -92,6 +92,8 @@ class Request:
     first_part: int = 0  # the global number of its model's part 0
     deadline: float = math.inf  # arrival + its model's latency target
     results: dict[str, np.ndarray] = field(default_factory=dict)
+    #: why it failed where no task of it did: the policy could not place one of its tasks
+    error: BaseException | None = None
 
     def task(self, part: int) -> Task:
         """Its task of global part ``part``."""
@@ -308,9 +310,16 @@ class TaskGraph:
         req.tasks = tasks = [Task(req, p, waits[p]) for p in parts]
         self.inflight[req.id] = req
         self.per_model[model].in_flight += 1
-        for task in tasks:
-            if not task.waiting:
-                self._push(task, now, None)
+        try:
+            for task in tasks:
+                if not task.waiting:
+                    self._push(task, now, None)
+        except BaseException:  # refused to its caller, so not left in flight (its pushed tasks dropped)
+            req.failed = True
+            req.tasks = []
+            del self.inflight[req.id]
+            self.per_model[model].in_flight -= 1
+            raise
         return req
 
     def _push(self, task: Task, now: float, releasing: int | None) -> None:
@@ -339,7 +348,11 @@ class TaskGraph:
         task.view = view
         task.ready_at = now
         self.queue[view.id] = task
-        target = self.policy.push(view)
+        try:
+            target = self.policy.push(view)
+        except BaseException:  # (a static placement whose worker was lost): not queued after all
+            del self.queue[view.id]
+            raise
         if self.prefetch and isinstance(target, int):
             self._prefetch(task, self.workers[target].info.memory_node)
         if target is not None:
@@ -516,7 +529,11 @@ class TaskGraph:
             t = req.tasks[succ - req.first_part]
             t.waiting -= 1
             if not t.waiting:
-                self._push(t, now, wid)
+                try:
+                    self._push(t, now, wid)
+                except Exception as exc:  # noqa: BLE001 - the policy cannot place it: this request fails
+                    self._unplaceable(req, exc)
+                    return req
         if req.parts_left:
             return None
         del self.inflight[req.id]  # (a failed request left it, and returned above)
@@ -543,6 +560,13 @@ class TaskGraph:
                     self._back_cache.clear()
                 self._out_sizes[key] = tuple((n, outputs[n]) for n in self._finals[task.part] if n in outputs)
         return [Copy(n, node, HOST_NODE, outputs[n]) for n in self._finals[task.part] if outputs.get(n, 0) > 0]
+
+    def _unplaceable(self, req: Request, exc: BaseException) -> None:
+        """Fail ``req``, one of whose tasks the policy could not place (``exc``: why), rather
+        than let the error out of a worker's bookkeeping, which killed that worker's loop and
+        left the request (and every later one) unanswered."""
+        req.error = exc
+        self.fail(req)
 
     def fail(self, req: Request) -> None:
         """Fail a request: its queued tasks are dropped when popped. Its task list is cut as a
@@ -604,7 +628,11 @@ class TaskGraph:
             self.fail(req)
         for task in orphans:
             if not task.request.failed:
-                self._push(task, now, None)
+                try:
+                    self._push(task, now, None)
+                except Exception as exc:  # noqa: BLE001 - nowhere to go (a static placement): it fails
+                    self._unplaceable(task.request, exc)
+                    lost.append(task.request)
         return lost
 
     def stranded_models(self) -> set[int]:

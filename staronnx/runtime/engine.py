@@ -785,10 +785,12 @@ class NativeEngine:
         if self._to_issue:
             self._issue_prefetches()
         if done is not None:
-            value: TaskError | dict[str, np.ndarray]
+            value: BaseException | dict[str, np.ndarray]
             if error is not None:
                 value, ok = TaskError(task.part, info.name, error), False
                 value.__cause__ = error
+            elif done.error is not None:  # its next task could not be placed
+                value, ok = _unplaced(done), False
             else:
                 results, value, ok = done.results, {}, True
                 for n in self._output_names[done.model]:  # (a model input given back: its handle's)
@@ -829,7 +831,8 @@ class NativeEngine:
         if self._to_issue:
             self._issue_prefetches()
         for req in lost:
-            settle(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
+            settle(req.owner, _unplaced(req) if req.error is not None
+                   else RuntimeError(f"every worker died (last: {exc})"), False)
         for item in pinned:  # tasks pinned to it cannot run elsewhere
             _settle_pinned(item, WorkerLost(f"{name} was lost: {exc}"))
 
@@ -960,6 +963,13 @@ def _settle_pinned(item: Pinned, outcome: PinnedResult | BaseException) -> None:
             item.future.set_result(outcome)
     except InvalidStateError:
         pass
+
+
+def _unplaced(req: Request) -> BaseException:
+    """The error of a request one of whose tasks the policy could not place."""
+    error = RuntimeError(f"request {req.id} cannot run: {req.error}")
+    error.__cause__ = req.error
+    return error
 
 
 def _let_go(error: BaseException) -> None:
