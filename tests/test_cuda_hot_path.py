@@ -172,6 +172,33 @@ def test_a_lost_worker_says_so_on_every_later_task(model):
             worker.run(0, feeds())
 
 
+@pytest.mark.parametrize("call", ["copy_h2d", "stream_sync"], ids=["at-launch", "at-the-wait"])
+def test_a_stream_lost_during_warm_up_fails_the_runtime_instead_of_hanging(plan, tmp_path, call):
+    """Warm-up runs tasks pinned to each CUDA worker and waits for them. A stream that lost
+    its context on the first one (a sticky error as it launched or as it was waited for)
+    left the world without that task: it was neither in the pinned queue nor among the
+    launched ones that a lost worker's tasks are failed from, so its future never settled
+    and Runtime() hung for good instead of saying the GPU is unusable."""
+    rt = HostRuntime()
+    rt.inject(call, 700)
+    outcome: list[BaseException | str] = []
+
+    def build() -> None:
+        try:
+            Runtime(plan, MachineSpec(groups="none", cuda_streams=1, cuda_graphs=False),
+                    RuntimeSpec(policy="eager", store=PerfModelStore(tmp_path), warmup=(2,),
+                                cuda=CudaOptions(runtime=rt))).close()
+            outcome.append("started")
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    t = threading.Thread(target=build, daemon=True)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "Runtime() waits for good for its lost stream's warm-up task"
+    assert len(outcome) == 1 and isinstance(outcome[0], WorkerLost), outcome
+
+
 def test_ort_text_of_a_sticky_error_is_recognised():
     assert is_sticky(RuntimeError("CUDA failure 700: an illegal memory access was encountered"))
     assert not is_sticky(RuntimeError("CUDA failure 2: out of memory"))

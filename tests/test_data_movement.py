@@ -370,3 +370,33 @@ def test_a_gpu_memory_node_reuses_its_buffers_and_does_not_keep_every_size_forev
     finally:
         memory.close()
     assert rt.stats.device_allocs == rt.stats.device_frees
+
+
+def test_a_task_moved_off_a_lost_gpu_books_the_copies_it_made_not_the_lost_ones(one_part, model, tmp_path):
+    """A task a CUDA worker had taken kept the copies the core decided for that worker (its
+    upload, its write-back) when the worker was lost and the task went to a CPU worker, which
+    needs none: the core only replaced a task's copies, keeps and prefetches when the new
+    worker needed some, so stats()["copies"] booked transfers that never happened (and the
+    prefetch figures read the old node's)."""
+    rt = HostRuntime()
+    workers = start_workers(one_part, MachineSpec(groups="1", cuda_streams=1), cuda_options={"runtime": rt})
+    gpu = next(w for w in workers if w.kind == "cuda")
+    try:
+        with Runtime(one_part, spec=RuntimeSpec(policy="eager", workers=workers,
+                                                store=PerfModelStore(tmp_path))) as runtime:
+            before = rt.copy_counts()
+            serve(runtime, rt, model, 4)
+            rt.inject("copy_h2d", 700)  # the GPU's context is lost at its next upload
+            for _ in range(40):  # until eager has handed the GPU a task
+                serve(runtime, rt, model, 12)  # every answer checked: not one request lost
+                if runtime.stats()["dead_workers"]:
+                    break
+            stats = runtime.stats()
+            counted = bus_copies(delta(rt.copy_counts(), before))
+    finally:
+        for w in workers:
+            w.close()
+    assert [name for name, _ in stats["dead_workers"]] == [gpu.name]
+    assert stats["requests_failed"] == 0
+    decided = {k: (v["copies"], v["bytes"]) for k, v in stats["copies"].items()}
+    assert decided == counted, "the core booked copies its re-placed tasks never made"

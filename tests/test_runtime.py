@@ -463,3 +463,268 @@ def test_cancelled_requests_count_as_done_for_wait_and_as_completed(plan3, store
     assert cancelled, "48 queued requests cannot all finish in zero seconds"
     done, not_done = wait(more, timeout=30)
     assert not not_done
+
+
+def _one_worker(kind: str, store: PerfModelStore) -> tuple[MachineSpec, RuntimeSpec]:
+    """One CPU worker on one PU, or one CUDA stream on the host stand-in (its driver thread's
+    loop, not a CPU worker's), eager."""
+    from staronnx.workers.cuda import CudaOptions
+    from staronnx.workers.cudart import HostRuntime
+
+    if kind == "cpu":
+        return MachineSpec(str(min(os.sched_getaffinity(0)))), RuntimeSpec(policy="eager", store=store)
+    return (MachineSpec(groups="none", cuda_streams=1),
+            RuntimeSpec(policy="eager", store=store, cuda=CudaOptions(runtime=HostRuntime())))
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_failed_and_withdrawn_requests_leave_nothing_for_the_cycle_collector(fragile_plan, store, kind):
+    """A failed request kept its feeds until the cycle collector ran: the request and its tasks
+    point at each other (cut only when a request completed), and its error's traceback held
+    the frame that ran its task, so the task, so the request, whose future holds the error. A
+    request its caller cancelled (its tasks dropped) kept them the same way. A long-running
+    server's memory must be bounded by reference counting alone."""
+    import gc
+    import weakref
+
+    good = {"x": np.ones((2, 8), np.float32)}
+    with Runtime(fragile_plan, *_one_worker(kind, store)) as rt:
+        rt.run(good)
+        gc.collect()
+        gc.disable()
+        try:
+            bad = np.ones((2, 5), np.float32)  # passes the checks, fails inside ORT (part 1)
+            failed_feeds = weakref.ref(bad)
+            fut = rt.submit({"x": bad})
+            del bad
+            with pytest.raises(TaskError):
+                fut.result(timeout=60)
+            del fut
+            # one worker, FIFO: the cancelled request's task is popped (and dropped) before the last
+            first = rt.submit(good)
+            gone = np.ones((2, 8), np.float32)
+            withdrawn_feeds = weakref.ref(gone)
+            cancelled = rt.submit({"x": gone})
+            del gone
+            cancelled.cancel()
+            last = rt.submit(good)
+            first.result(timeout=60)
+            last.result(timeout=60)
+            assert rt.stats()["in_flight"] == 0
+            del cancelled
+            rt.run(good)  # the worker's hands move on to another request
+            assert failed_feeds() is None, "a failed request waits for the cycle collector"
+            assert withdrawn_feeds() is None, "a cancelled request waits for the cycle collector"
+        finally:
+            gc.enable()
+
+
+def test_close_hears_of_a_cancelled_last_request(plan3, store, tmp_path):
+    """close() waits for the requests in flight; one its caller cancelled leaves them when its
+    dropped task is popped, not when a task ends, and nobody told close(): with the cancelled
+    request the last one in flight, close(timeout=None) hung for good (and a timed close
+    waited its whole timeout)."""
+    whole = partition(plan3.source_model, spec=PartitionSpec(parts=1, costs="estimate"), output_dir=tmp_path / "one")
+    workers = start_workers(whole, MachineSpec(str(min(os.sched_getaffinity(0)))))
+    gate, first = threading.Event(), threading.Event()
+    original = workers[0].run_here
+
+    def held(part, feeds, *rest):  # the first task waits for the gate: the cancel and close come first
+        if not first.is_set():
+            first.set()
+            gate.wait(60)
+        return original(part, feeds, *rest)
+
+    workers[0].run_here = held
+    x = random_plan_feeds(whole, 2)
+    try:
+        rt = Runtime(whole, spec=RuntimeSpec(policy="eager", workers=workers, store=store))
+        running, cancelled = rt.submit(x), rt.submit(x)
+        assert first.wait(60)
+        assert cancelled.cancel()
+        closer = threading.Thread(target=rt.close, kwargs={"timeout": None}, daemon=True)
+        closer.start()
+        while not rt._engine._closed:  # close() holds the engine's lock until it waits
+            threading.Event().wait(0.001)
+        gate.set()
+        np.testing.assert_array_equal(running.result(timeout=60)["logits"], whole.run_reference(x)["logits"])
+        closer.join(60)
+        hung = closer.is_alive()
+        if hung:  # let it go (it would wait for good), so the workers can be closed
+            with rt._engine._lock:
+                rt._engine._drained.notify_all()
+            closer.join(60)
+        assert not hung, "close() never heard that the cancelled request left"
+        assert cancelled.cancelled()
+    finally:
+        gate.set()
+        for w in workers:
+            w.close()
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_an_idle_worker_holds_nothing_of_the_last_request(fragile_plan, store, kind):
+    """A worker waiting for work kept its last task in its loop's locals, so that request's
+    feeds, intermediates and outputs lived on after its caller let go of them, for as long as
+    the worker stayed idle (a big batch's arrays per worker, in a server between bursts). A
+    CPU worker's loop and a CUDA device's driver thread (on the host stand-in) alike."""
+    import gc
+    import weakref
+
+    with Runtime(fragile_plan, *_one_worker(kind, store)) as rt:
+        assert {w.kind for w in rt.workers} == {kind}
+        rt.run({"x": np.ones((2, 8), np.float32)})
+        gc.collect()
+        gc.disable()
+        try:
+            x = np.ones((2, 8), np.float32)
+            feeds = weakref.ref(x)
+            out = rt.run({"x": x})
+            np.testing.assert_allclose(out["y"], fragile_plan.run_reference({"x": x})["y"], rtol=1e-5)
+            result = weakref.ref(out["y"])
+            del x, out
+            assert feeds() is None and result() is None, "the idle worker still holds the last request"
+        finally:
+            gc.enable()
+
+
+def test_stats_predicted_times_are_the_models_not_placeholders(fragile_plan, store):
+    """dmda charges a task 0 s where no model answers (its greedy decisions while the models
+    calibrate): stats()' predicted_ms, documented as None when never predicted, read 0.0 for
+    an uncalibrated runtime (and a mean diluted by those zeros once models answered), so
+    predicted against measured (the CLI's table, the server's prediction-error gauge)
+    compared the machine with placeholders."""
+    pu = str(min(os.sched_getaffinity(0)))
+    with Runtime(fragile_plan, MachineSpec(pu), RuntimeSpec(policy="dmda", store=store)) as rt:
+        for _ in range(5):  # fewer than a model needs (10 samples): every decision is greedy
+            rt.run({"x": np.ones((2, 8), np.float32)})
+        rows = rt.stats()["tasks"]
+    assert rows and all(row["tasks"] == 5 for row in rows.values())
+    assert all(row["predicted_ms"] is None for row in rows.values()), rows
+
+
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_close_from_a_done_callback_does_not_wedge_the_runtime(plan3, store, kind):
+    """A done-callback runs on the worker thread that finished the request. One that closed
+    the runtime made that worker wait for the requests in flight, which needed that very
+    worker, then join its own loop: close(timeout=None) deadlocked for good (30 s + 90 s
+    with the default timeout), and every other caller with it. Closed from a worker's thread,
+    the runtime cancels what is left at once (as a Server closed from its batcher does)."""
+    from concurrent.futures import wait
+
+    feeds = random_plan_feeds(plan3, 2)
+    rt = Runtime(plan3, *_one_worker(kind, store))
+    returned, errors, threads = threading.Event(), [], []
+    ahead = [rt.submit(feeds) for _ in range(16)]  # the worker is busy with these meanwhile
+
+    def close_here(_):
+        threads.append(threading.current_thread())
+        try:
+            rt.close(timeout=None)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+        returned.set()
+
+    first = rt.submit(feeds)
+    first.add_done_callback(close_here)
+    rest = [rt.submit(feeds) for _ in range(8)]
+    assert returned.wait(120), "close() from a done-callback never returned"
+    assert not errors, errors
+    assert threads[0] is not threading.main_thread()  # the worker's
+    assert first.exception(timeout=0) is None and all(f.exception(timeout=0) is None for f in ahead)
+    done, not_done = wait(rest, timeout=60)
+    assert not not_done and all(f.cancelled() or f.exception() is None for f in rest)
+    with pytest.raises(EngineClosed):
+        rt.submit(feeds)
+    rt.close()  # idempotent, from the caller's thread
+
+
+def test_calibration_on_a_worker_that_dies_fails_instead_of_hanging(plan3, store):
+    """Calibration runs tasks pinned to each worker and waits for them. A CPU worker whose
+    loop died on one (anything but an ORT error: the thread is lost) re-placed its scheduled
+    tasks, but the pinned task in its hands was nobody's: calibrate() waited for it for good."""
+    from staronnx.calibrate import calibrate
+    from staronnx.workers.base import WorkerLost
+
+    workers = start_workers(plan3, MachineSpec(str(min(os.sched_getaffinity(0)))))
+
+    def crash(part, feeds, *rest):
+        raise _Crash("simulated worker crash")
+
+    workers[0].run_here = crash
+    outcome: list[object] = []
+
+    def run() -> None:
+        try:
+            outcome.append(calibrate(plan3, [1], workers=workers, store=store))
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    try:
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "calibrate() waits for good for the dead worker's task"
+        assert len(outcome) == 1 and isinstance(outcome[0], WorkerLost), outcome
+    finally:
+        for w in workers:
+            w.close()
+
+
+@pytest.mark.parametrize("policy", ["eager", "dmda"])
+def test_a_request_after_every_worker_died_is_refused(plan3, store, policy):
+    """Once every worker was lost, the requests in flight failed, but a new one was still
+    taken: eager queued it for no one (its future never resolved), dmda's push raised after
+    it was counted in flight (stats said 1 in flight for good and close() waited its whole
+    timeout for it). It is refused at submit now, with EngineClosed."""
+    workers = start_workers(plan3, MachineSpec(str(min(os.sched_getaffinity(0)))))
+
+    def crash(part, feeds, *rest):
+        raise _Crash("simulated worker crash")
+
+    workers[0].run_here = crash
+    feeds = random_plan_feeds(plan3, 2)
+    try:
+        rt = Runtime(plan3, spec=RuntimeSpec(policy=policy, workers=workers, store=store))
+        with pytest.raises(RuntimeError, match="every worker died"):
+            rt.submit(feeds).result(timeout=60)
+        with pytest.raises(EngineClosed, match="can no longer run"):
+            rt.submit(feeds).result(timeout=60)
+        assert rt.stats()["in_flight"] == 0
+        closer = threading.Thread(target=rt.close, kwargs={"timeout": None}, daemon=True)
+        closer.start()
+        closer.join(60)
+        assert not closer.is_alive(), "close() waits for a request nobody can run"
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_a_static_placement_whose_worker_died_fails_its_requests_instead_of_hanging(fragile_plan, store, two_groups):
+    """Under the static policy a part runs on its one worker. When that worker died, its
+    tasks were handed back to be placed again, the policy refused them, and the refusal
+    escaped from the bookkeeping: the requests in flight never resolved, and each later
+    one killed the loop of the worker that finished its first part. They fail now, saying
+    why, and the other worker keeps serving."""
+    workers = start_workers(fragile_plan, MachineSpec(groups=two_groups))
+
+    def crash(part, feeds, *rest):
+        raise _Crash("simulated worker crash")
+
+    workers[1].run_here = crash
+    devices = {0: workers[0].name, 1: workers[1].name}
+    good = {"x": np.ones((2, 8), np.float32)}
+    try:
+        with Runtime(fragile_plan, spec=RuntimeSpec(policy="static", policy_options={"devices": devices},
+                                                    workers=workers, store=store)) as rt:
+            for wave in range(2):  # the worker dies in the first; the second finds it gone
+                futs = [rt.submit(good) for _ in range(4)]
+                for f in futs:
+                    with pytest.raises(RuntimeError, match="no live worker for part 1"):
+                        f.result(timeout=60)
+            stats = rt.stats()
+            assert stats["in_flight"] == 0 and stats["requests_failed"] == 8
+            assert [name for name, _ in stats["dead_workers"]] == [workers[1].name]  # only it
+    finally:
+        for w in workers:
+            w.close()

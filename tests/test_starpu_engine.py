@@ -233,6 +233,33 @@ def test_close_with_zero_timeout_cancels_what_is_left(starpu, plan3):
     rt.close()  # idempotent
 
 
+def test_cancelled_requests_count_as_done_for_wait_and_as_completed(starpu, plan3):
+    """A cancelled future counts for concurrent.futures.wait() once its executor says so
+    (set_running_or_notify_cancel). The starpu engine never did, neither for a request its
+    caller cancelled (its tasks skipped) nor for those close() cancelled: wait() and
+    as_completed() over them waited their whole timeout (for good without one), as the
+    native engine's once did."""
+    from concurrent.futures import as_completed, wait
+
+    one = GROUPS.split(";")[0]
+    feeds = [random_plan_feeds(plan3, 2, seed=i) for i in range(12)]
+    rt = Runtime(plan3, MachineSpec(groups=one), RuntimeSpec(policy="eager", engine="starpu"))
+    try:
+        futs = [rt.submit(f) for f in feeds]
+        gone = futs[6]
+        if gone.cancel():
+            futs[-1].result(timeout=60)
+            done, _ = wait([gone], timeout=30)
+            assert done == {gone}, "a request its caller cancelled never counts as done for wait()"
+            assert list(as_completed([gone], timeout=30)) == [gone]
+        more = [rt.submit(f) for f in feeds * 4]
+    finally:
+        rt.close(timeout=0)
+    assert any(f.cancelled() for f in more), "48 queued requests cannot all finish in zero seconds"
+    done, not_done = wait(more, timeout=30)
+    assert not not_done, f"{len(not_done)} requests close() cancelled never count as done for wait()"
+
+
 def test_one_starpu_runtime_at_a_time(starpu, plan3):
     feeds = random_plan_feeds(plan3, 1)
     with Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="eager", engine="starpu")) as rt:
@@ -256,6 +283,21 @@ def test_unknown_policy_and_options_are_clear_errors(starpu, plan3):
     with Runtime(plan3,
                  MachineSpec(groups=GROUPS),
                  RuntimeSpec(policy="dmda", engine="starpu", policy_options={"alpha": 1.0, "beta": 2.0})) as rt:
+        rt.run(random_plan_feeds(plan3, 1))
+
+
+def test_service_targets_are_refused_not_ignored(starpu, plan3):
+    """StarPU orders tasks by its own priorities: a model's latency target, priority and
+    capacity mean nothing to it. A Runtime on engine='starpu' given one served as if it had
+    none (a capacity of 2 let every request in, with no ModelOverloaded): a setting staronnx
+    does not honour is refused by name, never ignored."""
+    name = plan3.root.name
+    for target in ({"capacity": 2}, {"latency": 0.5}, {"priority": 1}):
+        with pytest.raises(StaronnxError, match=f"starpu.*{next(iter(target))}"):
+            Runtime(plan3, MachineSpec(groups=GROUPS), RuntimeSpec(policy="eager", engine="starpu",
+                                                                     targets={name: target}))
+    with Runtime(plan3, MachineSpec(groups=GROUPS),
+                 RuntimeSpec(policy="eager", engine="starpu", targets={name: {}})) as rt:  # no target: fine
         rt.run(random_plan_feeds(plan3, 1))
 
 

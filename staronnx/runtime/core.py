@@ -92,6 +92,8 @@ class Request:
     first_part: int = 0  # the global number of its model's part 0
     deadline: float = math.inf  # arrival + its model's latency target
     results: dict[str, np.ndarray] = field(default_factory=dict)
+    #: why it failed where no task of it did: the policy could not place one of its tasks
+    error: BaseException | None = None
 
     def task(self, part: int) -> Task:
         """Its task of global part ``part``."""
@@ -308,9 +310,16 @@ class TaskGraph:
         req.tasks = tasks = [Task(req, p, waits[p]) for p in parts]
         self.inflight[req.id] = req
         self.per_model[model].in_flight += 1
-        for task in tasks:
-            if not task.waiting:
-                self._push(task, now, None)
+        try:
+            for task in tasks:
+                if not task.waiting:
+                    self._push(task, now, None)
+        except BaseException:  # refused to its caller, so not left in flight (its pushed tasks dropped)
+            req.failed = True
+            req.tasks = []
+            del self.inflight[req.id]
+            self.per_model[model].in_flight -= 1
+            raise
         return req
 
     def _push(self, task: Task, now: float, releasing: int | None) -> None:
@@ -339,7 +348,11 @@ class TaskGraph:
         task.view = view
         task.ready_at = now
         self.queue[view.id] = task
-        target = self.policy.push(view)
+        try:
+            target = self.policy.push(view)
+        except BaseException:  # (a static placement whose worker was lost): not queued after all
+            del self.queue[view.id]
+            raise
         if self.prefetch and isinstance(target, int):
             self._prefetch(task, self.workers[target].info.memory_node)
         if target is not None:
@@ -478,7 +491,11 @@ class TaskGraph:
         mean = self.measured[key]  # (RunningMean.append, inlined: this runs per task)
         mean.n += 1
         mean.total += measured
-        if -math.inf < view.predicted < math.inf:  # (a NaN compares false: not predicted)
+        # a model's prediction only: NaN (none asked) compares false, and 0 is what a policy
+        # charges where no model answered (dmda's greedy decisions while calibrating), which
+        # made stats' "predicted_ms" read 0.0 or a mean diluted by placeholders (as the starpu
+        # engine reports it: predictions > 0 only)
+        if 0.0 < view.predicted < math.inf:
             self.predicted[key].append(view.predicted)
         readers, produced, final = self._readers[req.model], self._producer[req.model], self._outputs[req.model]
         copies = task.copies  # fetches and write-backs, booked as they happened
@@ -512,7 +529,11 @@ class TaskGraph:
             t = req.tasks[succ - req.first_part]
             t.waiting -= 1
             if not t.waiting:
-                self._push(t, now, wid)
+                try:
+                    self._push(t, now, wid)
+                except Exception as exc:  # noqa: BLE001 - the policy cannot place it: this request fails
+                    self._unplaceable(req, exc)
+                    return req
         if req.parts_left:
             return None
         del self.inflight[req.id]  # (a failed request left it, and returned above)
@@ -540,8 +561,20 @@ class TaskGraph:
                 self._out_sizes[key] = tuple((n, outputs[n]) for n in self._finals[task.part] if n in outputs)
         return [Copy(n, node, HOST_NODE, outputs[n]) for n in self._finals[task.part] if outputs.get(n, 0) > 0]
 
+    def _unplaceable(self, req: Request, exc: BaseException) -> None:
+        """Fail ``req``, one of whose tasks the policy could not place (``exc``: why), rather
+        than let the error out of a worker's bookkeeping, which killed that worker's loop and
+        left the request (and every later one) unanswered."""
+        req.error = exc
+        self.fail(req)
+
     def fail(self, req: Request) -> None:
-        """Fail a request: its queued tasks are dropped when popped."""
+        """Fail a request: its queued tasks are dropped when popped. Its task list is cut as a
+        finished request's is: a request and its tasks point at each other, so a failed one
+        (its feeds, its intermediates) waited for the cycle collector, which a long-running
+        server must not count on; its queued and running tasks still reach it (``task.request``)
+        and let go of it as they are dropped or end."""
+        req.tasks = []
         if not req.failed:
             req.failed = True
             self.inflight.pop(req.id, None)
@@ -553,8 +586,9 @@ class TaskGraph:
     def withdraw(self, req: Request) -> None:
         """A request its caller cancelled, one of whose tasks was dropped: it leaves the in-flight
         requests (its model's capacity, close()'s drain) as a failed one does, its other tasks
-        dropped too, without being counted as failed."""
+        dropped too, without being counted as failed. Its task list is cut (see :meth:`fail`)."""
         req.failed = True
+        req.tasks = []
         if self.inflight.pop(req.id, None) is not None:
             self.per_model[req.model].in_flight -= 1
         # what an executor does with a cancelled item it reaches: concurrent.futures.wait() and
@@ -574,7 +608,15 @@ class TaskGraph:
             for name in self._part_inputs[task.part]:
                 task.request.handles[name].unstarted += 1
         orphans += [self.queue.pop(view.id) for view in self.policy.remove_worker(wid)]
+        for task in orphans:  # what was decided for the lost worker's node is not the next one's
+            # (next_task sets copies and keeps only where the new worker needs some: kept, the
+            # lost worker's upload and write-back were booked for a CPU worker that made none)
+            task.copies = task.keep = task.prefetched = ()
         if not any(w.alive for w in self.workers):
+            # every model is stranded: a later request is refused at submit, where it was
+            # queued for no one (eager: a future that never resolved) or refused by the
+            # policy after it was counted in flight (dmda: close() waited for it in vain)
+            self.stranded = self.stranded_models()
             lost = list(self.inflight.values())
             for req in lost:
                 self.fail(req)
@@ -586,14 +628,20 @@ class TaskGraph:
             self.fail(req)
         for task in orphans:
             if not task.request.failed:
-                self._push(task, now, None)
+                try:
+                    self._push(task, now, None)
+                except Exception as exc:  # noqa: BLE001 - nowhere to go (a static placement): it fails
+                    self._unplaceable(task.request, exc)
+                    lost.append(task.request)
         return lost
 
     def stranded_models(self) -> set[int]:
         """The models (indices) with a part that no live worker holds: nothing can run them."""
+        alive = {i for i, w in enumerate(self.workers) if w.alive}
+        if not alive:
+            return {m.index for m in self.models.models}
         if self.where is None:
             return set()
-        alive = {i for i, w in enumerate(self.workers) if w.alive}
         return {self.models.owner[p][0].index for p, holders in enumerate(self.where) if not holders & alive}
 
     # -- observability -------------------------------------------------------------------------

@@ -52,8 +52,9 @@ import math
 import operator
 import threading
 import time
+import traceback
 from collections import deque
-from concurrent.futures import CancelledError, Future
+from concurrent.futures import CancelledError, Future, InvalidStateError
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
@@ -401,6 +402,7 @@ class NativeEngine:
         worker = self._workers[wid]
 
         def loop() -> None:
+            job: tuple[Task | None, Pinned | None] | None = None
             try:
                 while (job := self._next_task(wid)) is not None:
                     started = self._start(wid, worker, job[0], job[1], False)
@@ -408,7 +410,16 @@ class NativeEngine:
                         self._end_pinned(wid, started.pinned, started)
                     else:
                         self._end(wid, started)
+                    # let go of the task before waiting for the next: held here, its request's
+                    # feeds, intermediates and outputs lived for as long as the worker stayed
+                    # idle. (Inline, not in a helper: a failed task's traceback keeps the frame
+                    # that called _start alive, and a helper's would hold the task with it.)
+                    job = None
+                    del started
             except BaseException as exc:  # noqa: BLE001 - the worker is lost, its work is not
+                # a scheduled task in hand goes to the others (the core's); a pinned one cannot
+                if job is not None and job[1] is not None:
+                    _settle_pinned(job[1], WorkerLost(f"{worker.name} was lost: {exc!r}"))
                 self._worker_died(wid, exc)
 
         return loop
@@ -470,26 +481,35 @@ class NativeEngine:
                 ahead.remove(entry)
                 n_ahead -= 1
                 if (pinned := entry[1].pinned) is not None:
-                    pinned.future.set_exception(exc)
+                    _settle_pinned(pinned, exc)
             launched[wid] = 0
             self._worker_died(wid, exc)
 
         got: list[Job] = []
+        taken: list[Job] | None
+        started: _Started | None = None
+        task: Task | None = None
+        pinned: Pinned | None = None
         while live:
             if not got and not ahead:
                 if deferred:  # about to wait for work
                     announce(deferred)
                     deferred.clear()
+                # nothing of the last task held here while waiting: its request's arrays and
+                # outputs lived for as long as the device stayed idle
+                started = task = pinned = taken = None
                 taken = self._take(live, group=wids)
                 if taken is None:
                     return
-                got = taken
+                got, taken = taken, None
             for wid, task, pinned in got:
                 try:
                     ahead.append((wid, self._start(wid, workers[wid], task, pinned, True)))
                     launched[wid] += 1
                     n_ahead += 1
                 except WorkerLost as exc:
+                    if pinned is not None:  # (a scheduled task is placed again by the core)
+                        _settle_pinned(pinned, exc)
                     lost(wid, exc)
             got = []
             if not ahead:
@@ -519,6 +539,8 @@ class NativeEngine:
                     if started.routed:
                         started.device = worker.device_outputs(started.handle)
                 except WorkerLost as exc:
+                    if started.pinned is not None:  # taken out of ``ahead``: lost() no longer sees it
+                        _settle_pinned(started.pinned, exc)
                     lost(wid, exc)
                     continue
                 except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -544,6 +566,8 @@ class NativeEngine:
                     return got
                 if self._stopping or not any(workers[w].alive for w in group):
                     return None
+                if self._closed and not self.core.inflight:
+                    self._drained.notify_all()  # the take may have withdrawn close()'s last request
                 self._idle.update(w for w in group if workers[w].alive)
                 self.idle = len(self._idle)
                 self._conds[group[0]].wait()
@@ -581,6 +605,10 @@ class NativeEngine:
                     return task, None
                 if self._stopping:
                     return None
+                if self._closed and not self.core.inflight:
+                    # the requests next_task withdrew (their callers cancelled them) end without
+                    # a task ending: close() waiting for the last of them must hear it here
+                    self._drained.notify_all()
                 self._idle.add(wid)
                 self.idle = len(self._idle)
                 self._conds[wid].wait()
@@ -705,10 +733,11 @@ class NativeEngine:
         start = max(started.start, self._last_end[wid])  # launched behind another: from its end
         self._last_end[wid] = end
         if started.error is not None:
-            item.future.set_exception(started.error)
+            _let_go(started.error)
+            _settle_pinned(item, started.error)
         else:
-            item.future.set_result(PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
-                                                end - start))
+            _settle_pinned(item, PinnedResult(dict(started.outputs or {}), started.compute or (end - start),
+                                              end - start))
 
     def _end(self, wid: int, started: _Started, take: Sequence[int] = (),
              defer: list[RequestFuture] | None = None) -> list[Job]:
@@ -727,6 +756,8 @@ class NativeEngine:
         self._last_end[wid] = end
         measured = end - start
         error, outputs = started.error, started.outputs
+        if error is not None:
+            _let_go(error)
         if error is None and started.timed:
             # CUDA workers report kernel time without their copies, which the bus model
             # prices; CPU workers' wall time is their compute time
@@ -748,16 +779,18 @@ class NativeEngine:
                 self._queue_prefetches()
             if self._idle:
                 self._wake()
-            if self._closed and not self.core.inflight:
-                self._drained.notify_all()
             nxt = self._take_each(take, end) if take else []
+            if self._closed and not self.core.inflight:  # (after the take: it may withdraw the last)
+                self._drained.notify_all()
         if self._to_issue:
             self._issue_prefetches()
         if done is not None:
-            value: TaskError | dict[str, np.ndarray]
+            value: BaseException | dict[str, np.ndarray]
             if error is not None:
                 value, ok = TaskError(task.part, info.name, error), False
                 value.__cause__ = error
+            elif done.error is not None:  # its next task could not be placed
+                value, ok = _unplaced(done), False
             else:
                 results, value, ok = done.results, {}, True
                 for n in self._output_names[done.model]:  # (a model input given back: its handle's)
@@ -774,8 +807,11 @@ class NativeEngine:
         self.tracer.task(wid, self.models.label(task.part), start, end, {
             "request": req.id, "batch": req.batch, "predicted_ms": _ms(task.view.predicted),
             "measured_ms": (end - start) * 1e3, "failed": failed})
+        tasks, first = req.tasks, req.first_part  # (read once: a failed request's list is cut meanwhile)
+        if not tasks:  # its request failed (or was withdrawn): no flows from the tasks it let go
+            return
         for dep in self.core.preds[task.part]:
-            src = req.task(dep)
+            src = tasks[dep - first]
             if src.worker is not None:
                 self.tracer.flow(src.worker, src.ended_at, wid, start, f"r{req.id}")
 
@@ -795,13 +831,23 @@ class NativeEngine:
         if self._to_issue:
             self._issue_prefetches()
         for req in lost:
-            settle(req.owner, RuntimeError(f"every worker died (last: {exc})"), False)
+            settle(req.owner, _unplaced(req) if req.error is not None
+                   else RuntimeError(f"every worker died (last: {exc})"), False)
         for item in pinned:  # tasks pinned to it cannot run elsewhere
-            item.future.set_exception(WorkerLost(f"{name} was lost: {exc}"))
+            _settle_pinned(item, WorkerLost(f"{name} was lost: {exc}"))
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
-        """Drain in-flight requests up to ``timeout`` seconds, cancel the rest, stop the loops."""
+        """Drain in-flight requests up to ``timeout`` seconds, cancel the rest, stop the loops.
+
+        Called on a worker's own thread (a request's done-callback runs there), nothing can
+        drain while that worker waits here and its loop cannot be joined from itself (that
+        deadlocked for good with ``timeout=None``): what is in flight is cancelled at once,
+        as a Server closed from its batcher does, and the other loops are joined."""
+        me = threading.get_native_id()
+        own = [i for i, group in enumerate(self.drivers) if self._workers[group[0]].native_id == me]
+        if own:
+            timeout = 0.0
         with self._lock:
             if self._closed and self._stopping:
                 return
@@ -817,7 +863,9 @@ class NativeEngine:
                 req.owner.set_running_or_notify_cancel()
             elif not req.owner.done():
                 req.owner.set_exception(CancelledError())
-        for loop in self._loops:
+        for i, loop in enumerate(self._loops):
+            if i in own:  # this thread's: it ends once the callback that called close() returns
+                continue
             try:
                 loop.result(timeout=None if timeout is None else max(timeout, 1.0) + 60)
             except Exception:  # noqa: BLE001 - reported by _worker_died already
@@ -900,6 +948,37 @@ class _Kept:
             handles[name].add_host(array)
         for name, tensor in self.device:
             handles[name].add_device(node, tensor)
+
+
+def _settle_pinned(item: Pinned, outcome: PinnedResult | BaseException) -> None:
+    """Give a pinned task's future its result or error, once: one its caller cancelled (or
+    close() did) is left as it is, where ``set_result`` raised InvalidStateError on the
+    worker's thread and killed its loop. A pinned task lost with its worker gets the error:
+    taken off the queue, nothing else would settle it (warm-up and calibration waited for
+    good on a CUDA stream lost at its first task)."""
+    try:
+        if isinstance(outcome, BaseException):
+            item.future.set_exception(outcome)
+        else:
+            item.future.set_result(outcome)
+    except InvalidStateError:
+        pass
+
+
+def _unplaced(req: Request) -> BaseException:
+    """The error of a request one of whose tasks the policy could not place."""
+    error = RuntimeError(f"request {req.id} cannot run: {req.error}")
+    error.__cause__ = req.error
+    return error
+
+
+def _let_go(error: BaseException) -> None:
+    """Clear the locals of the finished frames ``error``'s traceback holds, its line numbers
+    kept. Those frames (:meth:`NativeEngine._start`, the worker's run) held the task, so its
+    request, whose future holds the error: a cycle that kept a failed request's feeds and
+    intermediates until the cycle collector ran, and its feeds for as long as the caller kept
+    the future. (A frame still running, the driver loop that caught it, is left as it is.)"""
+    traceback.clear_frames(error.__traceback__)
 
 
 def _host(h: DataHandle) -> np.ndarray:
@@ -1034,6 +1113,8 @@ def _close_all(workers: Iterable[Worker]) -> None:
 
 
 def _ms(x: float) -> float | None:
-    return x * 1e3 if math.isfinite(x) else None
+    """A predicted time in ms for the trace; None where no model predicted it (NaN, or the 0 a
+    policy charges while its models calibrate), as in the statistics."""
+    return x * 1e3 if 0.0 < x < math.inf else None
 
 

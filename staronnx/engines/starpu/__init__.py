@@ -13,11 +13,14 @@ import os
 
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
-from staronnx.runtime.models import ModelSet
+from staronnx.runtime.models import ModelSet, ServiceTarget
 from staronnx.runtime.predictor import calibrate_mode
 from staronnx.runtime.registry import EngineSettings, register_engine
 
 from .engine import POLICY_ALIASES, StarpuEngine
+
+#: a model's target when it was given none
+NO_TARGET = ServiceTarget()
 
 
 def start_starpu(plan: Plan | ModelSet, settings: EngineSettings) -> StarpuEngine:
@@ -27,6 +30,13 @@ def start_starpu(plan: Plan | ModelSet, settings: EngineSettings) -> StarpuEngin
         raise StaronnxError("the starpu engine serves one plan; several models share a runtime on the native engine")
     if settings.workers is not None:
         raise StaronnxError("engine='starpu' starts its own StarPU workers; workers= is for engine='native'")
+    # StarPU orders tasks by its own priorities and admits every request: a target would be
+    # ignored, and a setting staronnx does not honour is refused by name (DESIGN.md)
+    hosted = models.models[0]
+    asked = [f for f in ("latency", "priority", "capacity") if getattr(hosted.target, f) != getattr(NO_TARGET, f)]
+    if asked:
+        raise StaronnxError(f"engine='starpu' has no service targets: model {hosted.name!r} asks for "
+                            f"{', '.join(asked)}; serve it on engine='native', or drop its target")
     options = dict(settings.policy_options)
     if "calibrate" not in options and (settings.calibrate is not None or "STARONNX_CALIBRATE" in os.environ):
         options["calibrate"] = calibrate_mode(settings.calibrate)

@@ -399,7 +399,8 @@ void sx_on_each_cpu_worker(void)
 """
 
 _lock = threading.Lock()
-_loaded: Any = None
+#: ``(ffi, lib, install)`` once loaded: cffi's objects are untyped, the install is ours
+_loaded: tuple[Any, Any, StarpuInstall] | None = None
 
 
 def _compiler() -> list[str]:
@@ -460,8 +461,8 @@ def load_binding() -> tuple[Any, Any, StarpuInstall]:
                                     f"remove {folder} to rebuild it; {INSTALL_HINT}") from None
         finally:
             sys.setdlopenflags(old_flags)
-        _loaded = (module.ffi, module.lib, install)
-        return _loaded
+        loaded = _loaded = (module.ffi, module.lib, install)
+        return loaded
 
 
 def _compile(install: StarpuInstall, cc: list[str], pyinc: str, modname: str, folder: Path, so_name: str) -> None:

@@ -33,18 +33,17 @@ import time
 import traceback
 import zlib
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
-from concurrent.futures import CancelledError
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from staronnx.errors import StaronnxError
 from staronnx.plan import Plan
 from staronnx.runtime.engine import EngineClosed
-from staronnx.runtime.task import RequestFuture, TaskError
+from staronnx.runtime.task import RequestFuture, TaskError, announce_cancelled
 from staronnx.runtime.core import RunningMean, per_part_arch
 from staronnx.runtime.policies import upward_ranks
 from staronnx.runtime.predictor import PerfPredictor
@@ -460,6 +459,8 @@ class StarpuEngine:
                 req.future.set_exception(error)
             else:
                 req.future.set_result(result)
+        else:  # one its caller (or close) cancelled: wait() and as_completed() count it done once told
+            announce_cancelled(req.future)
 
     # -- shutdown -----------------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -475,8 +476,10 @@ class StarpuEngine:
             self._cond.wait_for(lambda: not self._inflight, timeout)  # (notified as requests leave)
             for req in list(self._inflight.values()):
                 req.failed = True  # its remaining tasks skip their work
-                if not req.future.cancel() and not req.future.done():
-                    req.future.set_exception(CancelledError())
+                # cancelled and announced, as an executor does (or wait() never counts it done);
+                # one that cannot be is settled (or being settled, RUNNING) by a failed task
+                if req.future.cancel():
+                    announce_cancelled(req.future)
         self._teardown()
 
     def _teardown(self) -> None:
@@ -583,6 +586,16 @@ def _layout(dtype: str, shape: list[Any], batched: bool, symbols: Mapping[str, i
     return _Layout(tuple(dims), dt, nbytes)
 
 
+_Fn = TypeVar("_Fn", bound=Callable[..., None])
+
+
+def _extern(ffi: Any, onerror: Callable[[Any, Any, Any], None]) -> Callable[[_Fn], _Fn]:
+    """``ffi.def_extern(onerror=...)`` with its type said: it binds the function of the same
+    name as the C side's ``extern "Python"`` and gives the function back as it is."""
+    decorator: Callable[[_Fn], _Fn] = ffi.def_extern(onerror=onerror)
+    return decorator
+
+
 @functools.cache
 def _install_externs(ffi: Any) -> None:
     """Bind the C side's ``extern "Python"`` entry points once per process (``ffi`` is the one
@@ -591,19 +604,19 @@ def _install_externs(ffi: Any) -> None:
     def onerror(exc_type: Any, exc: Any, tb: Any) -> None:
         log.error("exception in a StarPU callback", exc_info=(exc_type, exc, tb))
 
-    @ffi.def_extern(onerror=onerror)
+    @_extern(ffi, onerror)
     def sx_py_run(key: int, wid: int, ptrs: Any, sizes: Any, n: int, predicted: float) -> None:
         engine = _active
         if engine is not None:
             engine._run(key, wid, ptrs, sizes, n, predicted)
 
-    @ffi.def_extern(onerror=onerror)
+    @_extern(ffi, onerror)
     def sx_py_done(key: int) -> None:
         engine = _active
         if engine is not None:
             engine._task_done(key)
 
-    @ffi.def_extern(onerror=onerror)
+    @_extern(ffi, onerror)
     def sx_py_worker_init(wid: int) -> None:
         engine = _active
         if engine is not None:
