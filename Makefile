@@ -14,7 +14,7 @@ demo: $(STAMP)
 # made once; see tests/conftest.py); `make test TEST_WORKERS=0` runs it in this one process.
 TEST_WORKERS ?= 4
 
-# mypy first (mypy.ini: strict where the engine, its workers and the batcher meet), then the suite.
+# mypy first (mypy.ini: the whole package, strict), then the suite.
 # The package's bytecode is compiled first: the suite starts ~450 Python processes, and where the
 # environment sets PYTHONDONTWRITEBYTECODE (this project's machines do) each of them otherwise
 # compiled staronnx's sources again, ~0.2 s of CPU apiece (an editable install leaves no .pyc)
