@@ -311,6 +311,11 @@ def test_calibrate_modes_freeze_keep_or_replace_the_models(plan3, tmp_path, monk
 
     serve(60)
     frozen = _samples(store, plan3)
+    for _ in range(20):  # a loaded host rejects samples as outliers: serve on until every entry is calibrated
+        if frozen and all(n >= 10 for n in frozen.values() if n):
+            break
+        serve(30)
+        frozen = _samples(store, plan3)
     assert frozen and all(n >= 10 for n in frozen.values() if n)
     assert serve(30) == 0  # calibrate=0: calibrated entries take no more samples
     assert _samples(store, plan3) == frozen
