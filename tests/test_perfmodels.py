@@ -430,3 +430,39 @@ def test_every_batch_size_of_a_part_is_one_shape_family(tmp_path, name, k) -> No
         families = {b: Footprint.of_feeds(plan.part_feeds(part.index, v), b, axes).shape_hash
                     for b, v in values.items()}
         assert len(set(families.values())) == 1, (part.index, families)
+
+
+def test_plot_draws_one_line_and_one_fit_per_shape_family(tmp_path, monkeypatch) -> None:
+    """Two shape families of one part and arch are two lines, each with its own family's fit
+    (they were one line zig-zagging between families, drawn with the first family's fit)."""
+    import staronnx.perfmodels.plot as plot_mod
+    from staronnx.perfmodels.history import PerfRow
+    from staronnx.perfmodels.regression import NLRegression
+
+    small = NLRegression(a=1e-3, b=1.0, c=0.0, r2=1.0, rel_rmse=0.0, npoints=3, min_batch=1, max_batch=4)
+    large = NLRegression(a=1e-1, b=1.0, c=0.0, r2=1.0, rel_rmse=0.0, npoints=3, min_batch=1, max_batch=4)
+    rows = [PerfRow(part=0, arch="cpu", batch=b, shape_hash=family, n=10, mean=reg.predict(b), stddev=0.0,
+                    nerror=0, calibrated=True, prediction=reg.predict(b), regression=reg)
+            for family, reg in (("0000000a", small), ("0000000b", large)) for b in (1, 2, 4)]
+    figures = []
+    real_save = plot_mod.save_figure
+
+    def keep(fig, path, dpi=120):
+        figures.append(fig)
+        return real_save(fig, path, dpi=dpi)
+
+    monkeypatch.setattr(plot_mod, "save_figure", keep)
+    out = plot_mod.plot_rows(rows, tmp_path / "perf.png")
+    assert out.exists() and out.stat().st_size > 0
+    ax = figures[0].axes[0]
+    assert len(ax.containers) == 2, "one errorbar line per shape family"
+    labels = [c.get_label() for c in ax.containers]
+    assert any("0000000a" in label for label in labels) and any("0000000b" in label for label in labels)
+    fits = [line for line in ax.get_lines() if line.get_linestyle() == "--"]
+    assert len(fits) == 2
+    ends = sorted(float(line.get_ydata()[-1]) for line in fits)
+    # each fit at batch 4 is its own family's time (ms): 4 ms and 400 ms
+    assert ends == pytest.approx([4.0, 400.0])
+    for container in ax.containers:
+        xs = list(container.lines[0].get_xdata())
+        assert xs == sorted(xs) == [1, 2, 4]

@@ -13,23 +13,28 @@ from staronnx.perfmodels.history import PerfRow
 
 
 def plot_rows(rows: Sequence[PerfRow], out: Path, title: str = "") -> Path:
-    """Measured means (with stddev bars) and the a*n^b+c fit, one line per (part, arch)."""
+    """Measured means (with stddev bars) and the a*n^b+c fit, one line per (part, arch, shape family):
+    a family's fit only describes its own footprints, so families are never joined into one line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    series: dict[tuple[int, str], list[PerfRow]] = defaultdict(list)
+    series: dict[tuple[int, str, str], list[PerfRow]] = defaultdict(list)
     for r in rows:
         if r.n > 0:
-            series[(r.part, r.arch)].append(r)
+            series[(r.part, r.arch, r.shape_hash)].append(r)
+    families: dict[tuple[int, str], int] = defaultdict(int)
+    for part, arch, _ in series:
+        families[(part, arch)] += 1
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (part, arch), pts in sorted(series.items()):
+    for (part, arch, family), pts in sorted(series.items()):
         pts.sort(key=lambda r: r.batch)
         xs = np.array([r.batch for r in pts])
         ys = np.array([r.mean for r in pts]) * 1e3
         err = np.array([r.stddev for r in pts]) * 1e3
-        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"part {part} / {arch}")
+        line = ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3,
+                           label=f"part {part} / {arch}" + (f" / shapes {family}" if families[(part, arch)] > 1 else ""))
         reg = pts[0].regression
         if reg is not None and len(xs) > 1:
             grid = np.linspace(xs.min(), xs.max(), 100)
