@@ -322,6 +322,21 @@ def _malformed(plan: Plan) -> str | None:
         names = (*part.inputs, *part.outputs) if isinstance(part.inputs, list) and isinstance(part.outputs, list) else None
         if names is None or not all(isinstance(n, str) for n in names) or not isinstance(part.file, str):
             return f"part {part.index!r} needs a file and lists of input and output names"
+    for position, part in enumerate(plan.parts):
+        if part.index != position:
+            return f"part at position {position} has index {part.index!r}; parts must be listed in order 0..{len(plan.parts) - 1}"
+    producer: dict[str, int] = {}
+    for part in plan.parts:
+        for name in part.outputs:
+            if name in producer:
+                return f"tensor {name!r} is produced by both part {producer[name]} and part {part.index}"
+            producer[name] = part.index
+    for part in plan.parts:
+        for name in part.inputs:
+            source = producer.get(name)
+            if source is not None and source >= part.index:
+                return (f"part {part.index} reads tensor {name!r} produced by part {source}, which does not run "
+                        "before it (parts must run in order, each reading only earlier parts' outputs)")
     return None
 
 

@@ -76,3 +76,61 @@ def test_a_part_cut_at_a_field_boundary_is_caught_too(calibrated_inception, tmp_
     onnx.save(part, str(copy / "part0.onnx"))
     with pytest.raises(PartFileError, match="part0.onnx"):
         load_plan(str(copy))
+
+
+@pytest.fixture(scope="module")
+def googlenet_three(tmp_path_factory) -> Path:
+    """A 3-part linear plan of the real GoogLeNet (a chain: part 1 reads part 0, part 2 reads part 1)."""
+    import staronnx
+    from staronnx.partition import PartitionSpec
+    from realmodels import GOOGLENET
+
+    root = tmp_path_factory.mktemp("order")
+    plan = staronnx.partition(GOOGLENET, [0.4, 0.3, 0.3], PartitionSpec(method="linear", profile_runs=1),
+                              output_dir=root / "plan")
+    return plan.root
+
+
+def _edited(source: Path, tmp_path: Path, edit) -> Path:
+    import json
+
+    copy = tmp_path / "plan"
+    shutil.copytree(source, copy)
+    data = json.loads((copy / "plan.json").read_text())
+    edit(data["parts"])
+    (copy / "plan.json").write_text(json.dumps(data))
+    return copy
+
+
+def _reorder(parts: list) -> None:
+    """Parts listed out of order, renumbered: new part 0 reads a tensor of a later part."""
+    parts.reverse()
+    for i, p in enumerate(parts):
+        p["index"] = i
+
+
+def _cycle(parts: list) -> None:
+    """Part 0 also reads a tensor part 1 produces (a cycle 0 -> 1 -> 0)."""
+    produced = [t for t in parts[1]["outputs"] if t not in parts[0]["inputs"]]
+    parts[0]["inputs"].append(produced[0])
+
+
+@pytest.mark.parametrize("edit", [_reorder, _cycle], ids=["out-of-order", "cyclic"])
+def test_a_plan_whose_parts_read_later_parts_is_refused_naming_part_and_tensor(googlenet_three, tmp_path,
+                                                                                capsys, edit):
+    plan_dir = _edited(googlenet_three, tmp_path, edit)
+    with pytest.raises(PlanError, match=r"part \d+ reads tensor '[^']+' produced by part \d+"):
+        load_plan(str(plan_dir))
+    code, out, err = cli(capsys, "plan", "show", plan_dir)
+    lines = err.strip().splitlines()
+    assert code == 2, (out, err)
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: ") and "reads tensor" in lines[0], err
+
+
+def test_a_plan_with_parts_listed_out_of_order_is_refused(googlenet_three, tmp_path):
+    def swap(parts: list) -> None:
+        parts[0], parts[1] = parts[1], parts[0]
+
+    plan_dir = _edited(googlenet_three, tmp_path, swap)
+    with pytest.raises(PlanError, match="position 0 has index 1"):
+        load_plan(str(plan_dir))
