@@ -234,3 +234,53 @@ def test_a_gpu_that_fits_no_model_names_the_fp16_file_its_worker_loaded(capsys, 
     message = str(caught.value)
     assert any(f"({path})" in message for path in fp16), message
     assert not any(f"({path})" in message for path in fp32), message
+
+
+def test_fp16_parts_are_written_by_rename_and_plan_json_last(capsys, tmp_path, monkeypatch):
+    """``partition --precision gpu=fp16`` on a real model: every fp16 part arrives by a rename of a
+    complete temporary (a reader or a crash never sees half a part) and plan.json, which names
+    them, is replaced after them; a conversion that fails on a later part writes no fp16 file."""
+    import importlib
+    import os
+
+    import staronnx.fsutil as fsutil
+
+    from staronnx.errors import PartitionError
+
+    precision = importlib.import_module("staronnx.partition.precision")
+
+    renamed: list[str] = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        renamed.append(Path(dst).name)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(fsutil.os, "replace", replace)
+    model = realmodels.path("mobilenet_b1")
+    code, stdout, stderr = cli(capsys, "partition", model, "--shares", "0.5,0.5", "--costs", "estimate",
+                               "--precision", "gpu=fp16", "-o", tmp_path / "plan", "-q")
+    assert code == 0, stdout + stderr
+    plan = Plan.load(tmp_path / "plan")
+    halves = plan.settings["precision"]["files"]["cuda"]
+    after = renamed[max(i for i, n in enumerate(renamed) if n in halves) + 1:]
+    assert set(halves) <= set(renamed), renamed
+    assert after and after[-1] == "plan.json", renamed  # published after the parts it names
+    assert not [p.name for p in (tmp_path / "plan").iterdir() if p.suffix == ".tmp"]
+
+    calls = {"n": 0}
+    real_cast = precision.cast_as_typed
+
+    def fail_second(graph):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise PartitionError("converter failed on part 1")
+        real_cast(graph)
+
+    monkeypatch.setattr(precision, "cast_as_typed", fail_second)
+    code, stdout, stderr = cli(capsys, "partition", model, "--shares", "0.5,0.5", "--costs", "estimate",
+                               "--precision", "gpu=fp16", "-o", tmp_path / "again", "-q")
+    assert code != 0
+    left = sorted(p.name for p in (tmp_path / "again").iterdir())
+    assert not [n for n in left if "fp16" in n], left  # no half-converted plan beside a fp32 plan.json
+    assert "precision" not in Plan.load(tmp_path / "again").settings

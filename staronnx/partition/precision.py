@@ -27,6 +27,7 @@ from typing import Any
 import onnx
 
 from staronnx.errors import PartitionError
+from staronnx.fsutil import atomic_write_bytes
 from staronnx.plan import PRECISION_SETTING, Plan, arch_files
 from staronnx.verify import FP16_TOLERANCE
 
@@ -158,7 +159,9 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
     if precision.get("cuda", "fp32") == "fp32":
         return plan
     float16 = _converter()
-    files, digests = [], []
+    # every part is converted in memory first: a part the converter fails on leaves the plan
+    # folder as it was, not with some parts' fp16 files written
+    files, digests, blobs = [], [], []
     for part in plan.parts:
         model = onnx.load(str(plan.part_path(part.index)))
         if float16.check_if_fp16_ready(model.graph):
@@ -172,8 +175,8 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
             cast_as_typed(half.graph)
         name = fp16_name(part.file)
         data = half.SerializeToString()
-        (plan.root / name).write_bytes(data)
         files.append(name)
+        blobs.append(data)
         digests.append(hashlib.sha256(data).hexdigest())
     from onnxconverter_common import __version__ as version
 
@@ -183,6 +186,10 @@ def apply_precision(plan: Plan, precision: dict[str, str]) -> Plan:
                      f"min_positive_val={FP16_TINY:g}, max_finite_val={FP16_MAX:g})",
         "tolerance": FP16_TOLERANCE}
     plan.hash = plan.compute_hash()
+    # each file by a temporary and a rename (a reader, or a crash mid-way, never sees half a
+    # part), and plan.json, which names them and their digests, last
+    for name, data in zip(files, blobs, strict=True):
+        atomic_write_bytes(plan.root / name, data)
     plan.write_json(plan.root)
     return Plan.load(plan.root)
 
