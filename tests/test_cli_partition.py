@@ -449,3 +449,33 @@ def test_help_of_the_installed_script():
     res = subprocess.run([str(STARONNX), "--help"], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0
     assert "partition" in res.stdout and "plan" in res.stdout
+
+
+def _partition_stdout(*args: object) -> subprocess.CompletedProcess[str]:
+    """``staronnx partition ARGS`` in a subprocess, stdout a pipe (as ``| tee`` or ``> file``)."""
+    return subprocess.run([str(STARONNX), "partition", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "COLUMNS": "200"})
+
+
+def test_metis_complaints_stay_out_of_partition_output(tmp_path):
+    """GoogLeNet in 40 parts: METIS printf()s "***Cannot bisect a graph with 0 vertices!" (56
+    lines) to descriptor 1 where parts come out empty; the command's output is its own."""
+    from realmodels import GOOGLENET
+
+    res = _partition_stdout(GOOGLENET, "--parts", "40", "--costs", "estimate", "-o", tmp_path / "plan")
+    assert res.returncode == 0, res.stderr
+    assert "***" not in res.stdout and "bisect" not in res.stdout and "too many parts" not in res.stdout, \
+        res.stdout[:2000]
+    assert "***" not in res.stderr
+    assert res.stdout.startswith("wrote plan"), res.stdout[:500]
+
+
+def test_the_highs_banner_stays_out_of_partition_output(tmp_path, two_groups):
+    """``--method optimal`` printed "Running HiGHS ... Copyright ..." before the command's output."""
+    from realmodels import REAL
+
+    res = _partition_stdout(REAL / "mobilenet_b1.onnx", "--method", "optimal", "--groups", two_groups,
+                            "--costs", "estimate", "-o", tmp_path / "plan")
+    assert res.returncode == 0, res.stderr
+    assert "HiGHS" not in res.stdout and "Copyright" not in res.stdout, res.stdout[:1000]
+    assert res.stdout.startswith("wrote plan"), res.stdout[:500]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pymetis
 
+from staronnx.errors import PartitionError
+from staronnx.partition.cquiet import c_stdout_captured, library_lines
 from staronnx.partition.graph import ModelGraph
 
 #: METIS wants integer weights; totals are scaled to this so they stay far from int overflow.
@@ -33,7 +35,20 @@ def metis_parts(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed:
             raw.append(w)
         starts.append(len(adjacent))
     eweights = integer_weights(np.array(raw, dtype=float)) if raw else None
-    result = pymetis.part_graph(k, adjacency=pymetis.CSRAdjacency(starts, adjacent), vweights=integer_weights(costs),
-                                eweights=eweights, tpwgts=[float(t) for t in targets],
-                                options=pymetis.Options(seed=int(seed), ncuts=4, niter=20))
+    # METIS printf()s its complaints (an empty part: "***Cannot bisect a graph with 0 vertices!")
+    # to descriptor 1: kept out of the command's output, and in our error if METIS fails
+    with c_stdout_captured() as printed:
+        try:
+            result = pymetis.part_graph(k, adjacency=pymetis.CSRAdjacency(starts, adjacent),
+                                        vweights=integer_weights(costs), eweights=eweights,
+                                        tpwgts=[float(t) for t in targets],
+                                        options=pymetis.Options(seed=int(seed), ncuts=4, niter=20))
+        except Exception as exc:  # pymetis raises RuntimeError / its own errors on METIS failures
+            failure: Exception | None = exc
+        else:
+            failure = None
+    if failure is not None:
+        said = library_lines(printed.text)
+        raise PartitionError(f"METIS could not cut the graph into {k} parts: {failure}"
+                             + (f" (METIS said: {said})" if said else "")) from None
     return np.asarray(result.vertex_part, dtype=np.int64)

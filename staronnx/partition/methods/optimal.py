@@ -48,6 +48,8 @@ def optimal(
     """Solve the MILP; ``warm_starts`` are assignments whose list schedules seed the search."""
     import highspy
 
+    from staronnx.partition.cquiet import c_stdout_captured
+
     n, d = problem.n, problem.d
     if n > max_nodes:
         raise PartitionError(
@@ -151,8 +153,11 @@ def optimal(
     lp.a_matrix_.value_ = np.array(value)
     lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous for i in integer]
 
-    h = highspy.Highs()  # type: ignore[no-untyped-call]  # highspy's Highs() has no annotations
-    h.setOptionValue("output_flag", False)
+    # HiGHS prints its banner to descriptor 1 when a solver is made, before output_flag can be
+    # cleared: kept out of the command's output
+    with c_stdout_captured():
+        h = highspy.Highs()  # type: ignore[no-untyped-call]  # highspy's Highs() has no annotations
+        h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
     h.setOptionValue("mip_rel_gap", float(mip_gap))
     h.setOptionValue("random_seed", 0)
@@ -178,7 +183,8 @@ def optimal(
         h.setSolution(hsol)
 
     began = time.perf_counter()
-    h.run()
+    with c_stdout_captured():
+        h.run()
     elapsed = time.perf_counter() - began
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
