@@ -479,3 +479,30 @@ def test_the_highs_banner_stays_out_of_partition_output(tmp_path, two_groups):
     assert res.returncode == 0, res.stderr
     assert "HiGHS" not in res.stdout and "Copyright" not in res.stdout, res.stdout[:1000]
     assert res.stdout.startswith("wrote plan"), res.stdout[:500]
+
+
+GPT2_PAST = [f"--input-shape=past_{kind}_{i}=1x2x0x32" for kind in ("key", "value") for i in (0, 1)]
+
+
+def test_gpt2_prefill_with_an_empty_past_is_profiled_from_the_cli(capsys, tmp_path):
+    """An empty KV-cache past (past_sequence 0: the prefill step) is a size the sessions accept;
+    --input-shape refused it ("sizes >= 1"), so gpt2's prefill could not be profiled."""
+    model = realmodels.path("gpt2_tiny_kv")
+    code, out, err = cli(capsys, "partition", model, "--parts", "2", "--profile-runs", "2", "-o", tmp_path / "plan",
+                         "--input-shape=input_ids=1x5", "--input-shape=attention_mask=1x5", *GPT2_PAST)
+    assert code == 0, err
+    plan = Plan.load(tmp_path / "plan")
+    assert plan.cost_source.startswith("profiled"), plan.cost_source
+    assert "past_key_0=1x2x0x32" in " ".join(out.split())
+    code, out, err = cli(capsys, "plan", "verify", tmp_path / "plan", "--model", model)
+    assert code == 0, out + err
+
+
+def test_an_empty_batch_axis_is_refused_by_name(capsys, tmp_path):
+    model = realmodels.path("gpt2_tiny_kv")
+    code, out, err = cli(capsys, "partition", model, "--parts", "2", "-o", tmp_path / "plan",
+                         "--input-shape=input_ids=0x5", "--input-shape=attention_mask=1x5", *GPT2_PAST)
+    assert code == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--input-shape input_ids" in lines[0] and "batch axis" in lines[0], err
+    assert not (tmp_path / "plan").exists()

@@ -804,7 +804,8 @@ def test_transformer_without_seq_size_raises_partition_error_naming_the_dim(tmp_
         (["x=1x5x32"], "fixed"),
         (["y=1x5x64"], "unknown"),
         (["x=1xfivex64"], "NAME="),
-        (["x=1x0x64"], "NAME="),
+        (["x=1x-2x64"], "NAME="),
+        (["x=0x5x64"], "batch axis"),
         ({"x": [1, 5, 63]}, "fixed"),
     ],
 )

@@ -20,7 +20,7 @@ CASES = [
     # (python kwargs, python says, CLI args, CLI says)
     ({"parts": 2}, "force=True", ["--parts", "2"], "--force"),
     ({"shares": [0.5, 0.5], "parts": 3}, "parts=3", ["--shares", "0.5,0.5", "--parts", "3"], "--parts is 3"),
-    ({"parts": 2, "input_shapes": ["x=1x0"]}, "input_shapes expects", ["--parts", "2", "--input-shape", "x=1x0"],
+    ({"parts": 2, "input_shapes": ["x=1x-2"]}, "input_shapes expects", ["--parts", "2", "--input-shape", "x=1x-2"],
      "--input-shape expects"),
     ({"parts": 2, "profile_batch": 0}, "profile_batch", ["--parts", "2", "--profile-batch", "0"], "--profile-batch"),
 ]

@@ -269,6 +269,15 @@ def resolve_input_shapes(
                     )
                 dims.append(int(d))
             elif axis == spec.batch_axis:
+                if u == 0:
+                    # the batch axis is profiled at the profile batch, whatever is given: an empty
+                    # batch would be silently replaced, and cannot be profiled anyway
+                    name = spec.name
+                    raise _shape_error(
+                        lambda arg: f"{arg} {name}=...: axis {axis} is its batch axis, which is profiled at the "
+                        "profile batch size, never 0 (a dimension other than the batch, such as an empty "
+                        "KV-cache past, may be 0)"
+                    )
                 dims.append(batch)
             elif is_fixed(u):
                 dims.append(int(u))

@@ -23,7 +23,8 @@ def read_shares(text: str, name: str) -> list[float]:
 
 def read_input_shapes(items: Sequence[str], name: str) -> dict[str, list[int]]:
     """``NAME=D1xD2x...`` items into name -> dims; -1 means "as the model says" (a dynamic
-    batch axis, as exporters write it)."""
+    batch axis, as exporters write it), and 0 is an empty dimension (an empty KV-cache past at a
+    decoder's first step), as the sessions accept."""
     shapes: dict[str, list[int]] = {}
     for item in items:
         tensor, sep, dims = item.rpartition("=")
@@ -31,8 +32,8 @@ def read_input_shapes(items: Sequence[str], name: str) -> dict[str, list[int]]:
             values = [int(d) for d in dims.lower().split("x")]
         except ValueError:
             values = []
-        if not sep or not tensor or not values or any(d <= 0 and d != -1 for d in values):
-            raise PartitionError(f"{name} expects NAME=D1xD2x... (sizes >= 1, or -1 for the model's), "
+        if not sep or not tensor or not values or any(d < -1 for d in values):
+            raise PartitionError(f"{name} expects NAME=D1xD2x... (sizes >= 0, or -1 for the model's), "
                                  f"got {item!r}")
         shapes[tensor] = values
     return shapes
@@ -50,7 +51,7 @@ def read_input_shape_sets(items: Sequence[str], name: str) -> list[dict[str, lis
         try:
             shapes = [read_input_shapes([f"{tensor}={one.strip()}"], name)[tensor] for one in text.split(",")]
         except PartitionError:
-            raise PartitionError(f"{name} expects NAME=D1xD2x... or NAME=D1xD2x...,D1xD2x... (sizes >= 1, or -1 "
+            raise PartitionError(f"{name} expects NAME=D1xD2x... or NAME=D1xD2x...,D1xD2x... (sizes >= 0, or -1 "
                                  f"for the model's), got {item!r}") from None
         sizes.setdefault(tensor, []).extend(shapes)
     counts = {n: len(v) for n, v in sizes.items()}
