@@ -885,3 +885,26 @@ def test_a_replica_takes_the_servers_cuda_settings_and_warms_up_its_batch_sizes(
                                "thread_per_stream": own})).values()
     model = hosted[1]["models"][0]
     assert (model["cuda_graphs"], model["thread_per_stream"]) == (graphs, own)
+
+
+def test_a_serve_configs_relative_plan_path_is_resolved_where_the_app_is_built(tmp_path, monkeypatch):
+    """``plans: [googlenet-plan]`` in a Serve config: build() resolves it against the folder the
+    application is built in (runtime_env working_dir, or where serve run started), as the CLI
+    resolves against the caller's: the replicas get an absolute path (they resolved the relative
+    one against their own working folder, where it is not)."""
+    pytest.importorskip("ray.serve", reason="ray[serve] is not installed (pip install 'staronnx[ray]')")
+    from staronnx.ray.app import build
+
+    GOOGLENET = realmodels.GOOGLENET
+
+    config_dir = tmp_path / "config"
+    partition(GOOGLENET, [0.55, 0.45], PartitionSpec(method="linear", costs="estimate", tolerance=0.1),
+              output_dir=config_dir / "googlenet-plan")
+    monkeypatch.chdir(config_dir)
+    (spec,) = _hosted(build({"plans": ["googlenet-plan"]})).values()
+    plan = spec[1]["models"][0]["plan"]
+    assert Path(plan).is_absolute() and Path(plan) == (config_dir / "googlenet-plan").resolve(), plan
+    monkeypatch.chdir(tmp_path)  # a replica elsewhere still finds it
+    assert Plan.load(plan).k == 2
+    with pytest.raises(StaronnxError, match=r"'googlenet-plan' is not found in .*give an absolute path"):
+        build({"plans": ["googlenet-plan"]})

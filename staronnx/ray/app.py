@@ -15,6 +15,7 @@ is what ``staronnx serve --ray`` does.
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 from pathlib import Path
@@ -94,7 +95,7 @@ def build(args: Mapping[str, Any]) -> Any:
         plans = [plans]
     if not plans:
         raise StaronnxError("staronnx.ray.app:build needs 'plans': a list of plan folders")
-    paths = [Path(p) for p in plans]
+    paths = [_plan_path(p) for p in plans]
     names = model_names(paths, args.get("names"))
     model = _model_settings(args)
     own = per_model_settings(names, args)
@@ -103,6 +104,26 @@ def build(args: Mapping[str, Any]) -> Any:
     specs = [ModelSpec(plan=str(p), name=n, **model, **own[n]) for p, n in zip(paths, names)]
     return build_app(specs, _scaling(args), max_body=_max_body(args),
                      separate_runtimes=_flag(args.get("separate_runtimes", False), "separate_runtimes"))
+
+
+def _plan_path(given: Any) -> Path:
+    """A config's plan folder, absolute: a relative one is resolved here, against the folder the
+    application is built in (Ray Serve builds it in its runtime_env's ``working_dir`` when the
+    config gives one, as it imports the code from there; else where ``serve run`` / ``serve
+    deploy`` left the process), as ``staronnx ray`` resolves it against the caller's folder.
+    Kept relative, each replica resolved it against its own working folder, on its own node."""
+    if not isinstance(given, (str, os.PathLike)):
+        raise StaronnxError(f"'plans' takes plan folder paths, got {given!r}")
+    path = Path(given).expanduser()
+    if path.is_absolute():
+        return path
+    here = Path.cwd()
+    resolved = (here / path).resolve()
+    if not resolved.is_dir():
+        raise StaronnxError(f"plan folder {str(given)!r} is not found in {here}: a relative plan path in a Serve "
+                            "config is read from the application's working folder (its runtime_env "
+                            "working_dir, or where serve run was started); give an absolute path")
+    return resolved
 
 
 def _batching(paths: Sequence[Path], names: Sequence[str], args: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
