@@ -15,7 +15,7 @@ import json
 import os
 import tempfile
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -161,6 +161,7 @@ class Plan:
             spec.shape = [None if isinstance(d, int) and d < 0 else d for d in spec.shape]
         for part in plan.parts:
             check_part_file(root, part)
+        _check_arch_files(root, plan)
         return plan
 
     # -- batching -------------------------------------------------------------------------
@@ -338,6 +339,23 @@ def _malformed(plan: Plan) -> str | None:
                 return (f"part {part.index} reads tensor {name!r} produced by part {source}, which does not run "
                         "before it (parts must run in order, each reading only earlier parts' outputs)")
     return None
+
+
+def _check_arch_files(root: Path, plan: Plan) -> None:
+    """The part files of an architecture of their own (the fp16 twins the CUDA workers load)
+    pass the fp32 parts' checks too: one missing or truncated failed in a GPU worker only, after
+    the plan had loaded and every command had said it was fine."""
+    try:
+        files = arch_files(plan)
+        listed = {arch: list(names) for arch, names in files.items()}
+    except (AttributeError, TypeError) as exc:
+        raise PlanError(f"{root / 'plan.json'} is incomplete or malformed: settings.{PRECISION_SETTING}: {exc}") from None
+    for arch, names in listed.items():
+        if len(names) != len(plan.parts) or not all(isinstance(n, str) for n in names):
+            raise PlanError(f"{root / 'plan.json'} is incomplete or malformed: settings.{PRECISION_SETTING} lists "
+                            f"{len(names)} {arch} part file(s) for {len(plan.parts)} parts")
+        for part, name in zip(plan.parts, names):
+            check_part_file(root, replace(part, file=name))
 
 
 def part_file_error(root: Path, part: PartSpec, why: str) -> PartFileError:

@@ -284,3 +284,22 @@ def test_fp16_parts_are_written_by_rename_and_plan_json_last(capsys, tmp_path, m
     left = sorted(p.name for p in (tmp_path / "again").iterdir())
     assert not [n for n in left if "fp16" in n], left  # no half-converted plan beside a fp32 plan.json
     assert "precision" not in Plan.load(tmp_path / "again").settings
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_fp16_part_is_one_clear_error_when_the_plan_loads(capsys, tmp_path, damage):
+    """The fp16 twin the CUDA workers load passes the fp32 part's checks: a truncated or
+    missing one was only found by a GPU worker, after `plan show` had loaded the plan fine."""
+    model = realmodels.path("mobilenet_b1")
+    code, stdout, stderr = cli(capsys, "partition", model, "--shares", "0.5,0.5", "--costs", "estimate",
+                               "--precision", "gpu=fp16", "-o", tmp_path / "plan", "-q")
+    assert code == 0, stdout + stderr
+    half = tmp_path / "plan" / Plan.load(tmp_path / "plan").settings["precision"]["files"]["cuda"][1]
+    if damage == "missing":
+        half.unlink()
+    else:
+        half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])
+    code, stdout, stderr = cli(capsys, "plan", "show", tmp_path / "plan")
+    lines = stderr.strip().splitlines()
+    assert code == 2, stdout + stderr
+    assert len(lines) == 1 and lines[0].startswith("staronnx: error: ") and half.name in lines[0], stderr
