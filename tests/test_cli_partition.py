@@ -481,6 +481,24 @@ def test_the_highs_banner_stays_out_of_partition_output(tmp_path, two_groups):
     assert res.stdout.startswith("wrote plan"), res.stdout[:500]
 
 
+def test_what_others_print_while_metis_is_captured_comes_out_after(capfd):
+    """Descriptor 1 is the whole process's: while METIS's printf()s are kept back, a line another
+    thread writes (a server's log while a repository model is cut) was lost with them; it is
+    written out after the capture, and only METIS's lines are kept back."""
+    import threading
+
+    from staronnx.partition.cquiet import c_stdout_captured, metis_line
+
+    with c_stdout_captured(metis_line) as printed:
+        os.write(1, b"***Cannot bisect a graph with 0 vertices!\n")
+        writer = threading.Thread(target=os.write, args=(1, b"model 'x': ready\n"))
+        writer.start()
+        writer.join()
+    out = capfd.readouterr().out
+    assert out == "model 'x': ready\n", out
+    assert printed.text == "***Cannot bisect a graph with 0 vertices!\n"
+
+
 GPT2_PAST = [f"--input-shape=past_{kind}_{i}=1x2x0x32" for kind in ("key", "value") for i in (0, 1)]
 
 

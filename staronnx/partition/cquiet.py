@@ -6,7 +6,9 @@ descriptor 1, below Python's ``sys.stdout``, which ended up in the middle of ``s
 partition``'s output (and would corrupt any machine-readable output). :func:`c_stdout_captured`
 points descriptor 1 at a temporary file around the library call only, flushing C's own stdio
 buffer before putting it back, and hands back what was written so a failure can be reported in
-our own words with the library's reason.
+our own words with the library's reason. Descriptor 1 is the whole process's: what other threads
+wrote meanwhile (a server's log lines while a repository model is cut) is written out again
+after the block, only the lines the caller names as the library's kept back.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import os
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _LOCK = threading.Lock()
 
@@ -34,8 +36,9 @@ def _flush_c_stdio() -> None:
 
 
 @contextlib.contextmanager
-def c_stdout_captured() -> Iterator[Captured]:
-    """Descriptor 1 goes to a temporary file for the block; the text it got is ``.text`` after.
+def c_stdout_captured(library: Callable[[str], bool]) -> Iterator[Captured]:
+    """Descriptor 1 goes to a temporary file for the block; the lines ``library`` says are the
+    library's are ``.text`` after, the others written to descriptor 1 again.
 
     One block at a time in the process (descriptor 1 is process-wide): concurrent callers wait."""
     captured = Captured()
@@ -58,7 +61,14 @@ def c_stdout_captured() -> Iterator[Captured]:
                 _flush_c_stdio()
                 os.dup2(saved, 1)
                 sink.seek(0)
-                captured.text = sink.read().decode("utf-8", "replace")
+                ours: list[bytes] = []
+                others: list[bytes] = []
+                for line in sink.read().splitlines(keepends=True):
+                    (ours if library(line.decode("utf-8", "replace")) else others).append(line)
+                captured.text = b"".join(ours).decode("utf-8", "replace")
+                if others:
+                    with contextlib.suppress(OSError):
+                        os.write(1, b"".join(others))
         finally:
             os.close(saved)
             sink.close()
@@ -68,3 +78,15 @@ def library_lines(text: str) -> str:
     """The library's printed lines, stripped of its ``***`` markers, joined into one line."""
     lines = [line.strip().lstrip("*").strip() for line in text.splitlines()]
     return "; ".join(line for line in lines if line)
+
+
+def metis_line(line: str) -> bool:
+    """A line METIS printed: its complaints start with ``***``."""
+    return line.lstrip().startswith("***")
+
+
+def highs_line(line: str) -> bool:
+    """A line of HiGHS's banner (``Running HiGHS 1.x ... Copyright ...``, ``Includes third-party
+    software components, see THIRD_PARTY_NOTICES.md ...``) or of its log, which ``output_flag``
+    turns off once the solver exists."""
+    return "HiGHS" in line or "THIRD_PARTY_NOTICES" in line or line.startswith(("Running ", "Copyright (c)"))

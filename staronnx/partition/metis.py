@@ -6,7 +6,7 @@ import numpy as np
 import pymetis
 
 from staronnx.errors import PartitionError
-from staronnx.partition.cquiet import c_stdout_captured, library_lines
+from staronnx.partition.cquiet import c_stdout_captured, library_lines, metis_line
 from staronnx.partition.graph import ModelGraph
 
 #: METIS wants integer weights; totals are scaled to this so they stay far from int overflow.
@@ -37,7 +37,7 @@ def metis_parts(graph: ModelGraph, costs: np.ndarray, targets: np.ndarray, seed:
     eweights = integer_weights(np.array(raw, dtype=float)) if raw else None
     # METIS printf()s its complaints (an empty part: "***Cannot bisect a graph with 0 vertices!")
     # to descriptor 1: kept out of the command's output, and in our error if METIS fails
-    with c_stdout_captured() as printed:
+    with c_stdout_captured(metis_line) as printed:
         try:
             result = pymetis.part_graph(k, adjacency=pymetis.CSRAdjacency(starts, adjacent),
                                         vweights=integer_weights(costs), eweights=eweights,

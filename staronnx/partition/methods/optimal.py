@@ -48,7 +48,7 @@ def optimal(
     """Solve the MILP; ``warm_starts`` are assignments whose list schedules seed the search."""
     import highspy
 
-    from staronnx.partition.cquiet import c_stdout_captured
+    from staronnx.partition.cquiet import c_stdout_captured, highs_line
 
     n, d = problem.n, problem.d
     if n > max_nodes:
@@ -155,7 +155,7 @@ def optimal(
 
     # HiGHS prints its banner to descriptor 1 when a solver is made, before output_flag can be
     # cleared: kept out of the command's output
-    with c_stdout_captured():
+    with c_stdout_captured(highs_line):
         h = highspy.Highs()  # type: ignore[no-untyped-call]  # highspy's Highs() has no annotations
         h.setOptionValue("output_flag", False)
     h.setOptionValue("time_limit", float(time_limit))
@@ -183,7 +183,7 @@ def optimal(
         h.setSolution(hsol)
 
     began = time.perf_counter()
-    with c_stdout_captured():
+    with c_stdout_captured(highs_line):
         h.run()
     elapsed = time.perf_counter() - began
     status = h.modelStatusToString(h.getModelStatus())
