@@ -326,9 +326,14 @@ def _malformed(plan: Plan) -> str | None:
     for position, part in enumerate(plan.parts):
         if part.index != position:
             return f"part at position {position} has index {part.index!r}; parts must be listed in order 0..{len(plan.parts) - 1}"
+    # a model input a part hands on as an output (an Identity, or the input itself among the
+    # graph's outputs) is produced by no part: every part may read it
+    given = {spec.name for spec in plan.inputs}
     producer: dict[str, int] = {}
     for part in plan.parts:
         for name in part.outputs:
+            if name in given:
+                continue
             if name in producer:
                 return f"tensor {name!r} is produced by both part {producer[name]} and part {part.index}"
             producer[name] = part.index
