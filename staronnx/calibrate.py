@@ -192,23 +192,6 @@ def calibrate(
     return report
 
 
-def calibrate_line(plandir: str | Path, machine: MachineSpec, *, devices: Sequence[int] | None = None,
-                   batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
-    """The ``staronnx calibrate`` line that measures the workers ``machine`` starts (what a
-    warning or a stale-model note tells the user to run): its groups, CUDA streams and GPUs
-    (``devices``: those of them calibrate can reach, default all), and the CUDA worker flags
-    that change them: a driver thread per stream holds a core back per stream (the CPU groups'
-    arch), and graphs change the times measured."""
-    from staronnx.perfmodels.store import calibrate_command
-
-    line = calibrate_command(plandir, machine.groups, machine.cuda_streams,
-                             machine.cuda_devices if devices is None else devices, batch_sizes)
-    if machine.cuda_streams:
-        line += (" --no-cuda-graphs" if not machine.cuda_graphs else "") + (
-            " --cuda-thread-per-stream" if machine.thread_per_stream else "")
-    return line + (" --replace" if replace else "")
-
-
 def check_max_runs(max_runs: int) -> None:
     """Refuse a cap that allows no run: every entry then stays uncalibrated, which the report
     would blame on outliers that were never measured."""

@@ -440,7 +440,7 @@ def stale_models_note(plan: Plan, points: Sequence[tuple[int, Any, Any]], machin
     the predicted best batch size) is then off, so say it, and how to recalibrate.
     ``points`` are (batch size, measured samples/s, bound samples/s) on the workers of ``machine``.
     """
-    from staronnx.calibrate import calibrate_line
+    from staronnx.perfmodels.store import calibrate_line
 
     def finite(v: Any) -> bool:
         return isinstance(v, (int, float)) and math.isfinite(v)

@@ -42,7 +42,7 @@ def warn_uncalibrated(plandir: str | Path, plan: Any, machine: MachineSpec, *, s
     calibrated). ``skip_archs``: archs whose times come from elsewhere on purpose (a what-if
     GPU scaled from the CPU's models)."""
     from staronnx.bench.machine import sim_workers
-    from staronnx.calibrate import calibrate_line
+    from staronnx.perfmodels.store import calibrate_line
     from staronnx.perfmodels.store import PerfModelStore
 
     store = store if store is not None else PerfModelStore()

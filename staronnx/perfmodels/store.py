@@ -32,7 +32,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from filelock import FileLock
 
@@ -495,6 +495,38 @@ def _check_host(host: str) -> str:
     if not isinstance(host, str) or not re.match(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$", host):
         raise ValueError(f"host must be a file-name-safe string, got {host!r}")
     return host
+
+
+class CalibratedWorkers(Protocol):
+    """What :func:`calibrate_line` reads of the workers a machine starts (a
+    :class:`~staronnx.workers.layout.MachineSpec`, which this layer does not import: the workers
+    import the perf models)."""
+
+    @property
+    def groups(self) -> str: ...
+    @property
+    def cuda_streams(self) -> int: ...
+    @property
+    def cuda_devices(self) -> Sequence[int]: ...
+    @property
+    def cuda_graphs(self) -> bool: ...
+    @property
+    def thread_per_stream(self) -> bool: ...
+
+
+def calibrate_line(plandir: str | Path, machine: CalibratedWorkers, *, devices: Sequence[int] | None = None,
+                   batch_sizes: Sequence[int] = (), replace: bool = False) -> str:
+    """The ``staronnx calibrate`` line that measures the workers ``machine`` starts (what a
+    warning or a stale-model note tells the user to run): its groups, CUDA streams and GPUs
+    (``devices``: those of them calibrate can reach, default all), and the CUDA worker flags
+    that change them: a driver thread per stream holds a core back per stream (the CPU groups'
+    arch), and graphs change the times measured."""
+    line = calibrate_command(plandir, machine.groups, machine.cuda_streams,
+                             machine.cuda_devices if devices is None else devices, batch_sizes)
+    if machine.cuda_streams:
+        line += (" --no-cuda-graphs" if not machine.cuda_graphs else "") + (
+            " --cuda-thread-per-stream" if machine.thread_per_stream else "")
+    return line + (" --replace" if replace else "")
 
 
 def calibrate_command(plandir: str | Path, groups: str, cuda_streams: int = 0, cuda_devices: Sequence[int] = (0,),
