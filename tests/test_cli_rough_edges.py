@@ -416,15 +416,16 @@ def test_run_refuses_a_seed_beside_real_inputs(real_plan, tmp_path):
     assert alone.returncode == 0, alone.stdout + alone.stderr
 
 
-@pytest.mark.parametrize("model, extra", [("mobilenet_b1", ()), ("bert_tiny", ("--no-batching",))])
+@pytest.mark.parametrize("model, extra", [("mobilenet_b1", ("--batch-size", "8")), ("bert_tiny", ("--no-batching",))])
 def test_serve_start_line_says_batches_of_one_for_a_model_run_one_request_per_task(real_plan, tmp_path, model,
                                                                                    extra):
     """A model that runs one request per task (a fixed batch of 1, or --no-batching) forms no
     batch above 1, as its config says (max_batch_size 0, batch_size 1); the start line said
-    "batches of up to 8" (or --batch-size's) beside "one request per task", contradicting itself."""
+    "batches of up to 8" (--batch-size's, or its default) beside "one request per task",
+    contradicting itself."""
     from test_serve import start_server
 
-    served = start_server([real_plan(model).root], tmp_path, "--name", "m", "--batch-size", "8", *extra)
+    served = start_server([real_plan(model).root], tmp_path, "--name", "m", *extra)
     try:
         start = next(line for line in served.lines if line.startswith("model 'm'"))
     finally:
