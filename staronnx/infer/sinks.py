@@ -297,20 +297,86 @@ class ShardSink:
         if self.format == "parquet":
             self._join_parquet(shards)
         else:
-            arrays = read_outputs(self.folder)
-            # a list: rows of different shapes in different shards (each one's rows agree)
-            uneven = next((name for name, value in arrays.items() if isinstance(value, list)), None)
-            if uneven is not None:
-                raise OutputError(f"output {uneven!r} has rows of different shapes in different shards; an .npz holds "
-                                  f"one array per output: write Parquet (an --output named .parquet), which holds "
-                                  f"any (the shards are kept in {self.folder})")
-            buf = io.BytesIO()
-            np.savez(buf, **arrays)
-            with zipfile.ZipFile(buf, "a") as npz:  # numpy ignores the comment; resume reads it
-                npz.comment = _npz_comment(self.manifest)
-            atomic_write_bytes(self.output, buf.getvalue())
+            self._join_npz(shards)
         shutil.rmtree(self.folder)
         return self.output
+
+    def _join_npz(self, shards: Sequence[Path]) -> None:
+        """The ``.npz`` shards into one ``.npz``, streamed: each output's ``.npy`` member is
+        written into the zip (stored, zip64) as its header (the joined shape) and then each
+        shard's rows in order, so about one shard's member is held at once (joined in memory, the
+        whole output was held about three times). Written through a temporary file and renamed;
+        the manifest is the zip comment."""
+        # pass 1: each member's dtype and shape per shard, from the .npy headers (nothing loaded)
+        headers: dict[str, list[tuple[np.dtype[Any], tuple[int, ...]]]] = {}
+        for path in shards:
+            with zipfile.ZipFile(path) as zf:
+                for info in zf.infolist():
+                    if not info.filename.endswith(".npy"):
+                        continue
+                    with zf.open(info) as fh:
+                        version = np.lib.format.read_magic(fh)
+                        read = np.lib.format.read_array_header_1_0 if version == (1, 0) else \
+                            np.lib.format.read_array_header_2_0
+                        shape, _, dtype = read(fh)
+                    headers.setdefault(info.filename[:-4], []).append((dtype, tuple(shape)))
+        plan: dict[str, tuple[np.dtype[Any], tuple[int, ...]]] = {}
+        for name, parts in headers.items():
+            filled = [p for p in parts if p[1] and p[1][0]] or parts
+            if len({shape[1:] for _, shape in filled}) > 1:
+                raise OutputError(f"output {name!r} has rows of different shapes in different shards; an .npz holds "
+                                  f"one array per output: write Parquet (an --output named .parquet), which holds "
+                                  f"any (the shards are kept in {self.folder})")
+            if not filled:
+                plan[name] = (np.dtype(np.float64), (0,))
+                continue
+            dtype = np.result_type(*(d for d, _ in filled))
+            rows = sum(shape[0] if shape else 1 for _, shape in filled)
+            plan[name] = (dtype, (rows, *filled[0][1][1:]))
+        path = self.output
+        path.parent.mkdir(parents=True, exist_ok=True)
+        mode = _mode_for(path)
+        remove_stale_temporaries(path)
+        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "w+b") as raw:
+                with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as out:
+                    for name, (dtype, shape) in plan.items():
+                        with out.open(name + ".npy", "w", force_zip64=True) as member:
+                            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                      "shape": shape}
+                            head = io.BytesIO()
+                            try:
+                                np.lib.format.write_array_header_1_0(head, header)
+                            except ValueError:  # a header over 64 KiB: format 2.0, as numpy.save picks
+                                head = io.BytesIO()
+                                np.lib.format.write_array_header_2_0(head, header)
+                            member.write(head.getvalue())
+                            for shard in shards:
+                                with np.load(shard, allow_pickle=False) as npz:
+                                    if name not in npz.files:
+                                        continue
+                                    value = npz[name]
+                                if (len(value) if value.ndim else 1) == 0:
+                                    continue
+                                value = np.ascontiguousarray(value, dtype=dtype)
+                                member.write(memoryview(value).cast("B"))
+                                del value
+                    out.comment = _npz_comment(self.manifest)  # numpy ignores the comment; resume reads it
+                raw.flush()
+                os.fchmod(raw.fileno(), mode)
+                os.fsync(raw.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        with contextlib.suppress(OSError):
+            dir_fd = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
 
     def _join_parquet(self, shards: Sequence[Path]) -> None:
         """The shards into one Parquet file, a row group at a time, by a shard's own writer on the
