@@ -591,6 +591,30 @@ def test_an_output_bound_into_an_ort_value_of_another_shape_is_refused(home, mod
             sess.close()
 
 
+def test_binding_an_input_the_model_does_not_have_is_refused_at_bind_as_ort_does(home, model_path, two_groups):
+    """ORT refuses an unknown input name when it is bound (a RuntimeError in its words, for each
+    of the three forms) and takes an unknown output name until the run; the session took every
+    input name and failed only at the run."""
+    x = np.zeros((2, WIDTH), np.float32)
+    said = []
+    for sess in (ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"]),
+                 _staronnx(two_groups)(str(model_path))):
+        binding = sess.io_binding()
+        words = []
+        for bind in (lambda: binding.bind_cpu_input("nope", x),
+                     lambda: binding.bind_input("nope", "cpu", 0, np.float32, list(x.shape), x.ctypes.data),
+                     lambda: binding.bind_ortvalue_input("nope", ort.OrtValue.ortvalue_from_numpy(x))):
+            with pytest.raises(RuntimeError) as refused:
+                bind()
+            assert type(refused.value) is RuntimeError
+            words.append(str(refused.value))
+        binding.bind_output("nope")  # outputs: as ORT, refused at the run, not here
+        said.append(words)
+        if hasattr(sess, "close"):
+            sess.close()
+    assert said[1] == said[0]
+
+
 def test_io_binding_takes_host_pointers_as_ort_does(home, model_path, two_groups):
     """ORT's documented IOBinding form for memory a script owns: bind_input / bind_output with
     device 'cpu' and a host pointer (``array.ctypes.data``). ORT reads the input when it runs and

@@ -34,6 +34,8 @@ class Session(Protocol):
     def run_with_ort_values(self, output_names: Names, input_dict_ort_values: Mapping[str, ort.OrtValue],
                             run_options: RunOptionsArg = None) -> list[ort.OrtValue]: ...
 
+    def get_inputs(self) -> list[NodeArg]: ...
+
     def get_outputs(self) -> list[NodeArg]: ...
 
 
@@ -50,7 +52,14 @@ class IOBinding:
         self._outputs: dict[str, ort.OrtValue | None] = {}
         self._results: list[ort.OrtValue] = []
 
+    def _known_input(self, name: str, words: str) -> None:
+        """An input name the model does not have is refused when it is bound, as ORT refuses it
+        (a plain RuntimeError, in ORT's words), not at the run that reads the binding."""
+        if name not in {i.name for i in self._session.get_inputs()}:
+            raise RuntimeError(words.format(name=name))
+
     def bind_cpu_input(self, name: str, arr_on_cpu: np.ndarray) -> None:
+        self._known_input(name, "Failed to find NodeArg with name: {name} in the def list")
         self._inputs[name] = arr_on_cpu
 
     def bind_input(self, name: str, device_type: str, device_id: int, element_type: Any,
@@ -61,9 +70,11 @@ class IOBinding:
             raise NotImplementedError(f"staronnx binds host memory only (not {device_type!r}): use bind_input(name, "
                                       "'cpu', 0, dtype, shape, host_pointer), bind_cpu_input(name, array) or "
                                       "bind_ortvalue_input(name, cpu_ortvalue)")
+        self._known_input(name, "Error when binding input: Failed to find input name in the mapping: {name}")
         self._inputs[name] = host_buffer(element_type, shape, buffer_ptr)
 
     def bind_ortvalue_input(self, name: str, ortvalue: ort.OrtValue) -> None:
+        self._known_input(name, "Error when binding input: Failed to find input name in the mapping: {name}")
         self._inputs[name] = host_array(ortvalue, name)
 
     def bind_output(self, name: str, device_type: str = "cpu", device_id: int = 0,
