@@ -25,7 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 #: a staging folder holds this file from its first moment, so a sweep of a folder only ever
 #: removes staging folders staronnx made (or empty ones)
@@ -61,14 +61,24 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder, then rename."""
+    with atomic_writer(path) as fh:
+        fh.write(data)
+
+
+@contextlib.contextmanager
+def atomic_writer(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
+    """A file to write ``path``'s new content into (readable too, as a zip writer needs): a
+    temporary file in the same folder, given ``path``'s mode, synced and renamed into place when
+    the block ends, removed if it raises; the rename itself persisted where the folder can be
+    opened. What a reader of ``path`` sees is the old file or the whole new one, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     mode = _mode_for(path)
     remove_stale_temporaries(path)
     fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+        with os.fdopen(fd, "w+b") as fh:
+            yield fh
             fh.flush()
             os.fchmod(fh.fileno(), mode)
             os.fsync(fh.fileno())

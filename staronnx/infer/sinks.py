@@ -45,7 +45,8 @@ from typing import Any
 import numpy as np
 
 from staronnx.errors import InputError, StaronnxError
-from staronnx.fsutil import _mode_for, atomic_write_bytes, atomic_write_text, remove_stale_temporaries, temp_prefix
+from staronnx.fsutil import (_mode_for, atomic_write_bytes, atomic_write_text, atomic_writer, remove_stale_temporaries,
+                             temp_prefix)
 from staronnx.infer.sources import MANIFEST, MANIFEST_KEY, embedded_manifest
 
 try:
@@ -333,50 +334,30 @@ class ShardSink:
             dtype = np.result_type(*(d for d, _ in filled))
             rows = sum(shape[0] if shape else 1 for _, shape in filled)
             plan[name] = (dtype, (rows, *filled[0][1][1:]))
-        path = self.output
-        path.parent.mkdir(parents=True, exist_ok=True)
-        mode = _mode_for(path)
-        remove_stale_temporaries(path)
-        fd, tmp = tempfile.mkstemp(prefix=temp_prefix(path), suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w+b") as raw:
-                with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as out:
-                    for name, (dtype, shape) in plan.items():
-                        with out.open(name + ".npy", "w", force_zip64=True) as member:
-                            header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
-                                      "shape": shape}
+        with atomic_writer(self.output) as raw:
+            with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as out:
+                for name, (dtype, shape) in plan.items():
+                    with out.open(name + ".npy", "w", force_zip64=True) as member:
+                        header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False,
+                                  "shape": shape}
+                        head = io.BytesIO()
+                        try:
+                            np.lib.format.write_array_header_1_0(head, header)
+                        except ValueError:  # a header over 64 KiB: format 2.0, as numpy.save picks
                             head = io.BytesIO()
-                            try:
-                                np.lib.format.write_array_header_1_0(head, header)
-                            except ValueError:  # a header over 64 KiB: format 2.0, as numpy.save picks
-                                head = io.BytesIO()
-                                np.lib.format.write_array_header_2_0(head, header)
-                            member.write(head.getvalue())
-                            for shard in shards:
-                                with np.load(shard, allow_pickle=False) as npz:
-                                    if name not in npz.files:
-                                        continue
-                                    value = npz[name]
-                                if (len(value) if value.ndim else 1) == 0:
+                            np.lib.format.write_array_header_2_0(head, header)
+                        member.write(head.getvalue())
+                        for shard in shards:
+                            with np.load(shard, allow_pickle=False) as npz:
+                                if name not in npz.files:
                                     continue
-                                value = np.ascontiguousarray(value, dtype=dtype)
-                                member.write(memoryview(value).cast("B"))
-                                del value
-                    out.comment = _npz_comment(self.manifest)  # numpy ignores the comment; resume reads it
-                raw.flush()
-                os.fchmod(raw.fileno(), mode)
-                os.fsync(raw.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        with contextlib.suppress(OSError):
-            dir_fd = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+                                value = npz[name]
+                            if (len(value) if value.ndim else 1) == 0:
+                                continue
+                            value = np.ascontiguousarray(value, dtype=dtype)
+                            member.write(memoryview(value).cast("B"))
+                            del value
+                out.comment = _npz_comment(self.manifest)  # numpy ignores the comment; resume reads it
 
     def _join_parquet(self, shards: Sequence[Path]) -> None:
         """The shards into one Parquet file, a row group at a time, by a shard's own writer on the
