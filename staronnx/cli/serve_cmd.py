@@ -314,14 +314,20 @@ def serve_cmd(
     if not names and control_mode == "none":  # an empty repository: nothing failed, so no reason to join
         raise StaronnxError(f"no model to serve: --model-repository {' '.join(map(str, model_repository or []))} "
                             "holds no model folder (<model>/<version>/model.onnx)")
-    if all(n in unavailable for n in names) and control_mode == "none":
-        raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
-    if unavailable:
+
+    def drop_unavailable() -> None:
+        """The models that cannot be served leave what the runtimes are built from; with none left
+        to serve (and none to load later), the start is refused with every reason."""
+        nonlocal names, loaded, targets, residency, lanes
+        if all(n in unavailable for n in names) and control_mode == "none":
+            raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
         loaded = [p for n, p in zip(names, loaded) if n not in unavailable]
         names = [n for n in names if n not in unavailable]
         targets = {n: v for n, v in targets.items() if n not in unavailable}
         residency = {n: v for n, v in residency.items() if n not in unavailable}
         lanes = {n: v for n, v in lanes.items() if n not in unavailable}
+
+    drop_unavailable()
     # the targets of the models loaded now: the runtime refuses one for a model it does not hold (a
     # repository model loaded later gets its --slo-ms/--priority from service_targets_cli)
     targets = {n: t for n, t in targets.items() if n in names}
@@ -359,7 +365,6 @@ def serve_cmd(
         """A model whose parts ONNX Runtime cannot load (an op of an unknown domain, a type its
         kernels lack) fails alone, as one refused at load: said, UNAVAILABLE with ONNX Runtime's
         reason, the others served (True: the model named by the error was left out)."""
-        nonlocal names, loaded, targets, residency, lanes
         culprits = [n for n, p in zip(names, loaded) if str(p.root) in str(exc)]
         if not culprits:
             return False
@@ -368,13 +373,7 @@ def serve_cmd(
             unavailable[model_name] = str(exc)
         if exit_on_error:
             raise refuse_unservable(unavailable) from None
-        loaded = [p for n, p in zip(names, loaded) if n not in culprits]
-        names = [n for n in names if n not in culprits]
-        targets = {n: v for n, v in targets.items() if n not in culprits}
-        residency = {n: v for n, v in residency.items() if n not in culprits}
-        lanes = {n: v for n, v in lanes.items() if n not in culprits}
-        if not names and control_mode == "none":
-            raise StaronnxError("no model can be served: " + "; ".join(f"{n}: {w}" for n, w in unavailable.items()))
+        drop_unavailable()
         return True
 
     try:
